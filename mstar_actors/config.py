@@ -1,0 +1,156 @@
+"""The serving config: YAML validated once into msgspec Structs.
+
+A bad key or value is one ``ConfigError`` line naming the key path and what
+would be accepted. The validated ``Config`` is passed down to every actor;
+nothing deeper reads the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import typing
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+import yaml
+
+Pos = Annotated[int, msgspec.Meta(ge=1)]
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Fraction = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+
+_STRICT = dict(forbid_unknown_fields=True, kw_only=True)
+
+
+class ConfigError(ValueError):
+    """A config that can't be served. The message is one line for the user."""
+
+
+class ModelConfig(msgspec.Struct, **_STRICT):
+    path: str = "smollm2"  # a Hugging Face folder, or an embedded name
+    name: str | None = None  # served name; default: the embedded name or the folder's name
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+
+
+class ParallelConfig(msgspec.Struct, **_STRICT):
+    tp: Pos = 1
+
+
+class SchedulerConfig(msgspec.Struct, **_STRICT):
+    max_num_seqs: Pos = 64
+    max_num_batched_tokens: Pos = 2048
+    max_model_len: Pos | None = None  # default: the model's own context length
+
+
+class KvConfig(msgspec.Struct, **_STRICT):
+    block_size: Pos = 16
+    memory_fraction: Fraction = 0.9  # of free device memory (CPU: of available RAM, capped below)
+    num_blocks: Pos | None = None  # overrides memory_fraction
+    enable_prefix_caching: bool = True
+
+
+class LoraConfig(msgspec.Struct, **_STRICT):
+    max_loras: Pos = 4
+    max_lora_rank: Pos = 16
+    max_cpu_loras: Pos = 8
+    adapters: dict[str, str] = {}
+    allow_runtime_updates: bool = False
+    adapter_dirs: list[str] = []
+
+
+class PrepareConfig(msgspec.Struct, **_STRICT):
+    preprocess_workers: Pos | None = None  # default: sized by CpuPlan
+    preprocess_torch_threads: Pos = 1
+
+
+class ServerConfig(msgspec.Struct, **_STRICT):
+    host: str = "127.0.0.1"
+    port: Port = 8000
+    api_key: str | None = None
+    max_body_bytes: Pos = 4 * 1024 * 1024
+    max_waiting_requests: Pos = 1024
+    allowed_media_dir: str | None = None
+
+
+class TransportConfig(msgspec.Struct, **_STRICT):
+    ring_bytes: Annotated[int, msgspec.Meta(ge=4096)] = 4 * 1024 * 1024
+    arena_bytes: Annotated[int, msgspec.Meta(ge=1 << 16)] = 64 * 1024 * 1024
+
+
+class Config(msgspec.Struct, **_STRICT):
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    kv: KvConfig = msgspec.field(default_factory=KvConfig)
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
+    prepare: PrepareConfig = msgspec.field(default_factory=PrepareConfig)
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
+
+
+def _type_at(path: str) -> object:
+    """The declared type at a `$.a.b` config path (None where unknown)."""
+    typ: object = Config
+    for part in [p for p in path.removeprefix("$").split(".") if p]:
+        if not (isinstance(typ, type) and issubclass(typ, msgspec.Struct)):
+            return None
+        info = {f.name: f for f in msgspec.structs.fields(typ)}
+        typ = info[part].type if part in info else None
+    return typ
+
+
+def _fields_at(path: str) -> list[str]:
+    """The accepted keys of the struct at a `$.a.b` path, for error messages."""
+    typ = _type_at(path)
+    if isinstance(typ, type) and issubclass(typ, msgspec.Struct):
+        return [f.name for f in msgspec.structs.fields(typ)]
+    return []
+
+
+def _explain(err: msgspec.ValidationError) -> str:
+    text = str(err)
+    if "unknown field" in text and " - at `" in text:
+        where = text.rsplit(" - at `", 1)[1].rstrip("`")
+        accepted = _fields_at(where)
+        if accepted:
+            text += f"; accepted keys there: {', '.join(accepted)}"
+    elif "unknown field" in text:
+        text += f"; accepted top-level keys: {', '.join(_fields_at('$'))}"
+    elif "Invalid enum value" in text and " - at `" in text:
+        choices = typing.get_args(_type_at(text.rsplit(" - at `", 1)[1].rstrip("`")))
+        if choices:
+            text += f"; accepted: {', '.join(map(str, choices))}"
+    return text
+
+
+def parse_config(data: object, source: str = "<config>") -> Config:
+    """Validate a decoded YAML/JSON object into a Config (raises ConfigError)."""
+    if data is None:
+        data = {}
+    try:
+        return msgspec.convert(data, Config)
+    except msgspec.ValidationError as err:
+        raise ConfigError(f"{source}: {_explain(err)}") from None
+
+
+def load_config(path: str | os.PathLike, **overrides: dict) -> Config:
+    """Read and validate a YAML config. ``overrides`` maps section -> {key: value}
+    (the CLI's --host/--port), applied before validation."""
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no such config file; see configs/ for examples") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{p}: not valid YAML: {err}".replace("\n", " ")) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping of sections (model, server, ...), got {type(data).__name__}")
+    for section, values in overrides.items():
+        if values:
+            merged = dict(data.get(section) or {})
+            merged.update(values)
+            data[section] = merged
+    return parse_config(data, str(p))

@@ -1,0 +1,315 @@
+"""Every message the actors exchange: the protocol in one file.
+
+One tagged union per channel, named ``<From>To<To>``. A channel carries only
+its union, decoded by one typed decoder made once (see ``transport.codec``);
+an unknown tag is an error naming the channel, never skipped.
+
+Value structs inside messages use ``array_like=True`` (positional msgpack
+arrays, no field names on the wire) and ``omit_defaults=True``; the tagged
+messages themselves are maps (msgspec needs one layout per union). Adding a
+field: append it at the end with a default.
+
+Channels::
+
+    frontend --FrontendToPrepare--> prepare --PrepareToConductor--> conductor
+    conductor --ConductorToFrontend--> frontend
+    conductor --ConductorToWorker--> worker (broadcast, one ring per rank)
+    worker --WorkerToConductor--> conductor (one ring per rank)
+    launcher --LauncherToActor--> every actor;  every actor --ActorToLauncher--> launcher
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Struct = msgspec.Struct
+_HOT = dict(array_like=True, omit_defaults=True)
+
+
+# --------------------------------------------------------------------------
+# Shared value types (untagged: they travel inside tagged messages)
+# --------------------------------------------------------------------------
+
+
+class TensorRef(Struct, frozen=True, **_HOT):
+    """A tensor stored in a shared-memory arena (see ``transport.arena``).
+
+    The reader maps it without a copy and must release it exactly once.
+    """
+
+    segment: str
+    offset: int
+    nbytes: int
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
+    shape: tuple[int, ...]
+
+
+class SamplingParams(Struct, frozen=True, **_HOT):
+    """Per-request sampling, already validated (see ``mstar_actors.sampling_params``).
+
+    ``top_k == 0`` and ``top_p == 1.0`` and ``min_p == 0.0`` mean "off".
+    ``temperature == 0.0`` means greedy. ``logprobs`` is None for none, else
+    the number of top alternatives returned with each sampled token (0 = only
+    the sampled token's own logprob).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+
+class ContentPart(Struct, frozen=True, omit_defaults=True):
+    """One part of a chat message's content (OpenAI content-part list)."""
+
+    type: str  # "text" | "image_url" | "video_url"
+    text: str | None = None
+    url: str | None = None
+
+
+class ChatMessage(Struct, frozen=True, omit_defaults=True):
+    role: str  # "system" | "user" | "assistant" | "tool"
+    content: str | list[ContentPart] = ""
+
+
+class TopLogprob(Struct, frozen=True, **_HOT):
+    token_id: int
+    logprob: float
+
+
+class SampledToken(Struct, frozen=True, **_HOT):
+    """One token sampled for one request in one step."""
+
+    request_id: str
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[TopLogprob, ...] = ()
+
+
+# --------------------------------------------------------------------------
+# frontend -> prepare
+# --------------------------------------------------------------------------
+
+
+class NewRequest(Struct, frozen=True, tag=True, omit_defaults=True):
+    """A validated client request. Exactly one of prompt / prompt_token_ids /
+    messages is set. ``model`` is the served name: the base model or an adapter."""
+
+    request_id: str
+    model: str
+    sampling: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    arrival_time: float = 0.0
+
+
+class Abort(Struct, frozen=True, tag=True, omit_defaults=True):
+    """Stop a request: a client disconnect or a stop-string match. Idempotent;
+    an abort of an unknown or finished request is a no-op."""
+
+    request_id: str
+
+
+class Shutdown(Struct, frozen=True, tag=True, omit_defaults=True):
+    reason: str = ""
+
+
+FrontendToPrepare = NewRequest | Abort | Shutdown
+
+
+# --------------------------------------------------------------------------
+# prepare -> conductor
+# --------------------------------------------------------------------------
+
+
+class Prepared(Struct, frozen=True, tag=True, omit_defaults=True):
+    """Model inputs for one request, in arrival order."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float = 0.0
+
+
+class Failed(Struct, frozen=True, tag=True, omit_defaults=True):
+    """A request that failed alone. ``status`` is the HTTP status the client
+    gets (4xx for its own input, 5xx for ours); ``code`` is OpenAI's code."""
+
+    request_id: str
+    status: int
+    message: str
+    error_type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+PrepareToConductor = Prepared | Abort | Failed | Shutdown
+
+
+# --------------------------------------------------------------------------
+# conductor -> frontend
+# --------------------------------------------------------------------------
+
+
+class TokenDelta(Struct, frozen=True, tag=True, omit_defaults=True):
+    """New tokens of one request, in order. The frontend detokenizes."""
+
+    request_id: str
+    tokens: list[SampledToken]
+
+
+class Finished(Struct, frozen=True, tag=True, omit_defaults=True):
+    """The request ended normally; no more deltas follow.
+
+    ``finish_reason`` is "stop" (EOS or a stop token) or "length"
+    (max_tokens or the model's context) or "abort".
+    """
+
+    request_id: str
+    finish_reason: Literal["stop", "length", "abort"]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+    stop_token_id: int | None = None
+
+
+class EngineStats(Struct, frozen=True, tag=True, omit_defaults=True):
+    """The conductor's gauges, sent after each step that changed them."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks_total: int
+    num_preemptions: int = 0
+
+
+ConductorToFrontend = TokenDelta | Finished | Failed | EngineStats | Shutdown
+
+
+# --------------------------------------------------------------------------
+# conductor -> worker (broadcast to every rank, identical bytes)
+# --------------------------------------------------------------------------
+
+
+class SeqStart(Struct, frozen=True, **_HOT):
+    """A sequence new to the workers, or restarted after a preemption (then
+    ``output_token_ids`` holds what it generated before). Workers keep it until
+    it appears in ``StepPlan.finished``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    output_token_ids: list[int] = []
+
+
+class ScheduledChunk(Struct, frozen=True, **_HOT):
+    """Work for one sequence in one step.
+
+    The worker feeds tokens ``all_tokens[num_computed : num_computed + num_tokens]``
+    (prompt followed by outputs) at positions starting at ``num_computed``,
+    writing their KV into ``block_ids`` (the full block table, in order).
+    ``sample`` is true when the chunk reaches the last known token, so one new
+    token is sampled and appended by every rank.
+    """
+
+    request_id: str
+    num_computed: int
+    num_tokens: int
+    block_ids: list[int]
+    sample: bool
+
+
+class StepPlan(Struct, frozen=True, tag=True, omit_defaults=True):
+    step_id: int
+    started: list[SeqStart]
+    scheduled: list[ScheduledChunk]
+    finished: list[str] = []  # request ids the workers forget before this step
+
+
+ConductorToWorker = StepPlan | Shutdown
+
+
+# --------------------------------------------------------------------------
+# worker -> conductor
+# --------------------------------------------------------------------------
+
+
+class WorkerReady(Struct, frozen=True, tag=True, omit_defaults=True):
+    """A rank's local facts; the conductor combines them (minimum)."""
+
+    rank: int
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    eos_token_ids: list[int] = []
+
+
+class StepDone(Struct, frozen=True, tag=True, omit_defaults=True):
+    """Result of one StepPlan. Every rank samples identically; the conductor
+    reads rank 0's tokens and uses the others' as acknowledgements."""
+
+    step_id: int
+    rank: int
+    sampled: list[SampledToken]
+    elapsed_s: float = 0.0
+
+
+class StepFailed(Struct, frozen=True, tag=True, omit_defaults=True):
+    """A step raised on a rank. ``request_ids`` names the rows to fail when the
+    error is theirs (empty: the whole step failed)."""
+
+    step_id: int
+    rank: int
+    message: str
+    request_ids: list[str] = []
+
+
+WorkerToConductor = WorkerReady | StepDone | StepFailed
+
+
+# --------------------------------------------------------------------------
+# launcher <-> actors (control)
+# --------------------------------------------------------------------------
+
+
+class Started(Struct, frozen=True, tag=True, omit_defaults=True):
+    """Every actor is ready: the frontend may report healthy."""
+
+
+class PeerFailed(Struct, frozen=True, tag=True, omit_defaults=True):
+    """An actor process died; the frontend fails what is in flight."""
+
+    actor: str
+    reason: str
+
+
+LauncherToActor = Started | PeerFailed | Shutdown
+
+
+class ActorReady(Struct, frozen=True, tag=True, omit_defaults=True):
+    actor: str
+    pid: int
+
+
+class ActorError(Struct, frozen=True, tag=True, omit_defaults=True):
+    """An unexpected exception in an actor, reported before it exits."""
+
+    actor: str
+    message: str
+    traceback: str = ""
+
+
+ActorToLauncher = ActorReady | ActorError

@@ -1,0 +1,17 @@
+"""Shared test fixtures. GPU tests skip cleanly without CUDA."""
+
+import pytest
+
+try:
+    import torch
+
+    HAS_CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    HAS_CUDA = False
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
