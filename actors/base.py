@@ -1,0 +1,404 @@
+"""The actor base: a mailbox, dispatch by message type, a lifecycle.
+
+An actor is one process (or, in tests, one object on a shared asyncio loop)
+with named channels::
+
+    actor = MyActor(name="prepare", config=config,
+                    inbox={"frontend": ch_in, "control": ctl_in},
+                    outbox={"conductor": ch_out, "control": ctl_out},
+                    **params)          # e.g. rank=0 for a worker
+    exit_code = await actor.run()
+
+Conventions every actor follows (the frontend included):
+
+- Channel names are the peer's name: ``"frontend"``, ``"prepare"``,
+  ``"conductor"``, ``"worker0"`` .. ``"worker{N-1}"`` (the conductor's
+  outbound broadcast to every rank is ``"workers"``), and ``"control"`` for the
+  launcher (inbound ``LauncherToActor``, outbound ``ActorToLauncher``). The
+  control channels are optional, so tests may leave them out.
+- Subclasses override ``start()`` (load things; run blocking work with
+  ``await self.run_blocking(fn, *args)``), ``handle(channel, msg)`` (a
+  ``match`` on the message class that ends in ``case _:
+  self.unknown(channel, msg)``), and optionally ``stop()`` (release things),
+  ``on_started()`` and ``on_peer_failed(msg)`` (launcher notices).
+- An actor whose loop is not "one message, one reaction" (the conductor's
+  busy loop) overrides ``serve()`` and pulls from ``self.mailbox`` itself,
+  passing every message through ``self.dispatch``.
+
+Lifecycle of ``run()``: ``start()``; ``ActorReady`` to the launcher; then
+``serve()`` until a ``Shutdown`` arrives on any channel or an inbound channel
+ends; then ``stop()`` and every outbound channel is closed (so the end
+propagates downstream). An unexpected exception anywhere is logged with the
+actor's name and reported to the launcher as ``ActorError`` with its
+traceback; ``run()`` then returns 1 and the process exits non-zero.
+
+Process entry: ``run_actor_process("actors.worker:WorkerActor", spec)``. The
+class travels as a string so that torch is imported only after SIGUSR1 is
+blocked (see ``run_actor_process``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from mstar_actors.config import Config
+from mstar_actors.messages import (
+    ActorError,
+    ActorReady,
+    PeerFailed,
+    Shutdown,
+    Started,
+)
+from transport.errors import ChannelBroken, ChannelClosed
+
+log = logging.getLogger("mstar_actors.actor")
+
+CONTROL = "control"
+
+
+class ShutdownRequested(Exception):
+    """Raised inside ``dispatch`` to end ``serve()``; ``run()`` stops cleanly."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class UnknownMessage(RuntimeError):
+    """A message this actor has no handler for: a protocol bug, never ignored."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _EndOfChannel:
+    """Put in the mailbox by a channel's reader task when the channel ends."""
+
+    error: BaseException
+
+
+class Mailbox:
+    """Merges named inbound channels into one ordered stream of ``(channel, msg)``.
+
+    One reader task per channel feeds one bounded queue, so each channel's
+    order is kept and a slow actor pushes back on its writers (a full queue
+    blocks the reader task, which leaves the bytes in the channel's buffer).
+    Interleaving across channels follows arrival order.
+    """
+
+    def __init__(self, channels: dict[str, Any], max_pending: int = 256):
+        self.channels = channels
+        self._queue: asyncio.Queue = asyncio.Queue(max_pending)
+        self._tasks: list[asyncio.Task] = []
+
+    def open(self) -> None:
+        for name, channel in self.channels.items():
+            task = asyncio.create_task(self._pump(name, channel), name=f"recv:{name}")
+            self._tasks.append(task)
+
+    async def _pump(self, name: str, channel: Any) -> None:
+        while True:
+            try:
+                msg = await channel.recv()
+            except ChannelClosed as err:  # ChannelBroken included
+                await self._queue.put((name, _EndOfChannel(err)))
+                return
+            await self._queue.put((name, msg))
+
+    async def get(self) -> tuple[str, Any]:
+        """The next ``(channel, message)``, waiting for one."""
+        return self._queue.get_nowait() if not self._queue.empty() else await self._queue.get()
+
+    def get_nowait(self) -> tuple[str, Any] | None:
+        """The next ``(channel, message)`` if one is waiting, else None."""
+        return None if self._queue.empty() else self._queue.get_nowait()
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+
+class Actor:
+    """Base class; see the module docstring for the conventions."""
+
+    def __init__(self, name: str, config: Config, inbox: dict[str, Any], outbox: dict[str, Any], **params: Any):
+        if params:
+            raise TypeError(f"actor {name!r}: unexpected parameters {sorted(params)}")
+        self.name = name
+        self.config = config
+        self.inbox = inbox
+        self.outbox = outbox
+        self.mailbox = Mailbox(inbox)
+        self.log = logging.getLogger(f"mstar_actors.{name}")
+        self.stop_reason = ""
+
+    # ---- hooks for subclasses ------------------------------------------
+
+    async def start(self) -> None:
+        """Load what the actor needs before it reports ready."""
+
+    async def handle(self, channel: str, msg: Any) -> None:
+        self.unknown(channel, msg)
+
+    async def stop(self) -> None:
+        """Release what ``start`` acquired. Runs on every exit path."""
+
+    def on_started(self) -> None:
+        """The launcher says every actor is ready."""
+
+    def on_peer_failed(self, msg: PeerFailed) -> None:
+        self.log.warning("peer %s failed: %s", msg.actor, msg.reason)
+
+    # ---- the machinery ----------------------------------------------------
+
+    def unknown(self, channel: str, msg: Any) -> None:
+        raise UnknownMessage(
+            f"actor {self.name!r}: no handler for {type(msg).__name__} on channel {channel!r}"
+        )
+
+    async def run_blocking(self, fn: Callable, *args: Any) -> Any:
+        """Run blocking work (model loading) in a thread, keeping the loop free."""
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    async def dispatch(self, channel: str, msg: Any) -> None:
+        """Route one mailbox item: control and end-of-channel here, the rest to ``handle``."""
+        match msg:
+            case _EndOfChannel(error=ChannelBroken() as err):
+                raise ChannelBroken(f"actor {self.name!r}: inbound channel {channel!r} broke: {err}")
+            case _EndOfChannel():
+                raise ShutdownRequested(f"channel {channel!r} ended")
+            case Shutdown(reason=reason):
+                raise ShutdownRequested(reason or f"Shutdown on {channel!r}")
+            case Started() if channel == CONTROL:
+                self.on_started()
+            case PeerFailed() if channel == CONTROL:
+                self.on_peer_failed(msg)
+            case _:
+                await self.handle(channel, msg)
+
+    async def serve(self) -> None:
+        """Default loop: one message, one reaction, in mailbox order."""
+        while True:
+            channel, msg = await self.mailbox.get()
+            await self.dispatch(channel, msg)
+
+    async def report(self, msg: Any) -> None:
+        """Send to the launcher, if there is a control channel."""
+        if CONTROL in self.outbox:
+            await self.outbox[CONTROL].send(msg)
+
+    async def run(self) -> int:
+        """The whole lifecycle; returns the process exit code (0 clean, 1 error)."""
+        self.mailbox.open()
+        code = 0
+        try:
+            await self.start()
+            await self.report(ActorReady(actor=self.name, pid=os.getpid()))
+            self.log.info("ready")
+            await self.serve()
+        except ShutdownRequested as stop:
+            self.stop_reason = stop.reason
+            self.log.info("shutting down: %s", stop.reason)
+        except Exception as err:  # reported, then the process exits non-zero
+            code = 1
+            await self._report_error(err)
+        finally:
+            self.mailbox.close()
+            code = await self._stop_quietly(code)
+            self._close_outbox()
+        return code
+
+    async def _report_error(self, err: Exception) -> None:
+        text = "".join(traceback.format_exception(err))
+        self.log.error("actor %s failed: %s\n%s", self.name, err, text)
+        try:
+            msg = ActorError(actor=self.name, message=f"{type(err).__name__}: {err}", traceback=text)
+            if CONTROL in self.outbox:
+                self.outbox[CONTROL].send_nowait(msg)
+        except Exception as send_err:  # the launcher still sees the exit code
+            self.log.error("could not report the error to the launcher: %s", send_err)
+
+    async def _stop_quietly(self, code: int) -> int:
+        try:
+            await self.stop()
+        except Exception as err:
+            self.log.error("stop() failed: %s\n%s", err, traceback.format_exc())
+            return 1
+        return code
+
+    def _close_outbox(self) -> None:
+        for channel in self.outbox.values():
+            try:
+                channel.close()
+            except Exception as err:  # closing is best effort at exit
+                self.log.debug("closing %s: %s", getattr(channel, "name", "?"), err)
+
+
+# --------------------------------------------------------------------------
+# Process entry
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ActorSpec:
+    """Everything a child process needs; pickled by the spawn context.
+
+    ``inbox`` / ``outbox`` map channel names to ``(ring_spec, union_name)``:
+    the union is named (``"FrontendToPrepare"``) and looked up in
+    ``mstar_actors.messages`` so nothing heavy is imported while unpickling.
+    """
+
+    name: str
+    config: Config
+    run_dir: str
+    inbox: dict[str, tuple[Any, str]]
+    outbox: dict[str, tuple[Any, str]]
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    log_level: int = logging.INFO
+
+
+def stacks_path(run_dir: str | os.PathLike, actor: str) -> Path:
+    return Path(run_dir) / "stacks" / f"{actor}.txt"
+
+
+def _coroutine_frames(coro: Any) -> list:
+    """Frames of a suspended coroutine chain, outermost first (follows ``cr_await``)."""
+    frames = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            frames.append(frame)
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return frames
+
+
+def _format_frames(frames: list) -> str:
+    summary = traceback.StackSummary.extract((f, f.f_lineno) for f in frames)
+    return "".join(summary.format())
+
+
+def _all_tasks(loop: asyncio.AbstractEventLoop) -> list[asyncio.Task]:
+    """``asyncio.all_tasks`` from another thread: the set may change under us, so retry."""
+    for _ in range(10):
+        try:
+            return list(asyncio.all_tasks(loop))
+        except RuntimeError:
+            continue
+    return []
+
+
+def format_stacks(actor: str, loop: asyncio.AbstractEventLoop | None) -> str:
+    """Every thread's stack and every asyncio task's stack, labelled.
+
+    Safe to call from a thread other than the loop's, including while the
+    loop is blocked: it only reads frames.
+    """
+    names = {t.ident: t.name for t in threading.enumerate()}
+    parts = [f"=== actor {actor} (pid {os.getpid()}) at {time.strftime('%H:%M:%S')} ===\n"]
+    for ident, frame in sys._current_frames().items():
+        label = names.get(ident, "?")
+        parts.append(f"--- actor {actor} thread {label} (id {ident}) ---\n")
+        parts.append("".join(traceback.format_stack(frame)))
+    if loop is not None:
+        for task in _all_tasks(loop):
+            parts.append(f"--- actor {actor} asyncio task {task.get_name()} ---\n")
+            parts.append(_format_frames(_coroutine_frames(task.get_coro())) or "  (no frames)\n")
+    return "".join(parts)
+
+
+def write_stacks(actor: str, run_dir: str | os.PathLike, loop: asyncio.AbstractEventLoop | None) -> Path:
+    """Write ``format_stacks`` atomically to ``RUN_DIR/stacks/<actor>.txt``
+    (a reader never sees half a file: it appears complete or not at all)."""
+    path = stacks_path(run_dir, actor)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(format_stacks(actor, loop))
+    os.replace(tmp, path)
+    return path
+
+
+class StackDumper:
+    """A daemon thread that waits for SIGUSR1 with ``sigwait`` and dumps stacks.
+
+    SIGUSR1 must already be blocked in every thread (``run_actor_process``
+    blocks it first thing), so the signal stays pending until this thread takes
+    it; no Python signal handler is involved, which is why it works while the
+    actor's event loop is blocked in a long call.
+    """
+
+    def __init__(self, actor: str, run_dir: str | os.PathLike):
+        self.actor = actor
+        self.run_dir = run_dir
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._wait, name="stack-dumper", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _wait(self) -> None:
+        while True:
+            signal.sigwait({signal.SIGUSR1})
+            try:
+                write_stacks(self.actor, self.run_dir, self.loop)
+            except Exception as err:  # a failed dump must not kill the actor
+                log.error("actor %s: stack dump failed: %s", self.actor, err)
+
+
+def _setup_logging(name: str, level: int) -> None:
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+def _import_class(target: str) -> type:
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def open_channels(spec: ActorSpec) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Open the rings named in ``spec``: reader ends for the inbox, writer ends for the outbox."""
+    from mstar_actors import messages
+    from transport import open_ring
+
+    inbox = {n: open_ring(s, role="reader", union=getattr(messages, u)) for n, (s, u) in spec.inbox.items()}
+    outbox = {n: open_ring(s, role="writer", union=getattr(messages, u)) for n, (s, u) in spec.outbox.items()}
+    return inbox, outbox
+
+
+async def _run_actor(actor_cls: type, spec: ActorSpec, dumper: StackDumper) -> int:
+    dumper.loop = asyncio.get_running_loop()
+    inbox, outbox = open_channels(spec)
+    actor = actor_cls(name=spec.name, config=spec.config, inbox=inbox, outbox=outbox, **spec.params)
+    return await actor.run()
+
+
+def run_actor_process(target: str, spec: ActorSpec) -> None:
+    """Process entry for one actor (``target`` is ``"module:Class"``).
+
+    Order matters: SIGUSR1 is blocked before anything imports torch, so the
+    native threads torch starts inherit the blocked mask and the signal can
+    only be taken by the stack-dumper thread's ``sigwait``.
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher coordinates shutdown
+    _setup_logging(spec.name, spec.log_level)
+    dumper = StackDumper(spec.name, spec.run_dir)
+    dumper.start()
+    actor_cls = _import_class(target)  # may import torch: after the mask
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        code = runner.run(_run_actor(actor_cls, spec, dumper))
+    sys.exit(code)
