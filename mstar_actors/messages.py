@@ -142,6 +142,9 @@ class Prepared(Struct, frozen=True, tag=True, omit_defaults=True):
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_time: float = 0.0
+    # The body field the prompt came from ("prompt" or "messages"): a later
+    # refusal (e.g. by the scheduler) names it as the OpenAI error's ``param``.
+    prompt_param: str = "prompt"
 
 
 class Failed(Struct, frozen=True, tag=True, omit_defaults=True):
