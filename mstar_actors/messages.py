@@ -172,6 +172,10 @@ class TokenDelta(Struct, frozen=True, tag=True, omit_defaults=True):
 
     request_id: str
     tokens: list[SampledToken]
+    # The prompt's length, at least on a request's first delta: the frontend
+    # reports usage for a choice it ended itself (stop string) without
+    # waiting for a Finished.
+    num_prompt_tokens: int = 0
 
 
 class Finished(Struct, frozen=True, tag=True, omit_defaults=True):
