@@ -1,0 +1,325 @@
+"""Token sampling for one model step: logits in, one ``SampledToken`` per row out.
+
+Pure torch, no I/O. The model runner calls ``sample_tokens`` once per step on
+every tensor-parallel rank with identical inputs; every rank must then draw
+identical tokens (see "Randomness" below).
+
+Order of operations (vLLM v1's sampler):
+
+1. raw logprobs, if any row asked for them (before anything below);
+2. penalties: repetition (over prompt + output tokens, HF/vLLM semantics),
+   then frequency and presence (over output tokens, OpenAI semantics);
+3. greedy rows (``temperature < 1e-5``) take the argmax here;
+4. temperature;
+5. filters: min_p, then top_k, then top_p (min_p and top_k both keep a
+   prefix of the tokens sorted by probability, so they commute; top_p runs
+   last on the renormalised survivors);
+6. softmax and an exponential race (below).
+
+Logprobs: we return the *raw* logprobs, ``log_softmax`` of the model's logits
+before penalties, temperature and filters: vLLM v1's default
+(``logprobs_mode="raw_logprobs"``), so a logprob describes the model, not the
+request's sampling knobs. ``logprobs_mode="processed"`` gives the log_softmax
+of the logits the token was actually drawn from instead (filtered tokens then
+read as the floor below). Values are clamped to ``MIN_LOGPROB`` (-9999.0, what
+OpenAI reports for impossible tokens) so that -inf and NaN never reach JSON.
+
+Randomness: the exponential race ``argmax(probs / q)`` with ``q ~ Exp(1)``
+per token draws exactly from ``Categorical(probs)``. We prefer it to
+``torch.multinomial`` because (a) it needs no host synchronisation on CUDA,
+(b) ``q`` for different rows can come from different generators and the
+argmax stays one batched op, and (c) a row's draw depends only on its own
+``q`` row, never on its batch position. A seeded row reseeds one generator
+from ``(seed, len(output_token_ids))`` and fills its own ``q`` row: the same
+request draws the same token at the same output length whatever else is in
+the batch, and a preempted request that restarts with its earlier outputs
+reproduces the rest. Unseeded rows share one generator (``generator``, or a
+per-device module generator seeded with ``DEFAULT_SHARED_SEED``); ranks stay
+in lockstep because each calls ``sample_tokens`` with the same rows in the
+same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from mstar_actors import messages
+
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as in vLLM)
+MIN_LOGPROB = -9999.0
+DEFAULT_SHARED_SEED = 0
+_MASK64 = (1 << 64) - 1
+
+_shared_generators: dict[torch.device, torch.Generator] = {}
+
+
+@dataclass
+class SampleRow:
+    request_id: str
+    params: messages.SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class _Plan:
+    """What the batch needs, decided once from the rows (host side)."""
+
+    is_greedy: list[bool]
+    needs_penalties: bool
+    needs_logprobs: bool
+
+    @classmethod
+    def from_rows(cls, rows: list[SampleRow]) -> _Plan:
+        return cls(
+            is_greedy=[r.params.temperature < SAMPLING_EPS for r in rows],
+            needs_penalties=any(_has_penalty(r.params) for r in rows),
+            needs_logprobs=any(r.params.logprobs is not None for r in rows),
+        )
+
+    @property
+    def is_all_greedy(self) -> bool:
+        return all(self.is_greedy)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    rows: list[SampleRow],
+    *,
+    generator: torch.Generator | None = None,
+    logprobs_mode: Literal["raw", "processed"] = "raw",
+) -> list[messages.SampledToken]:
+    """logits [len(rows), vocab] (any float dtype; compute in float32) -> one SampledToken per row, in order.
+
+    ``generator`` drives the unseeded rows (default: a per-device module
+    generator). The caller's ``logits`` tensor is never modified.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(
+            f"sample_tokens: logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}"
+        )
+    if not rows:
+        return []
+    plan = _Plan.from_rows(rows)
+    if plan.is_all_greedy and not plan.needs_penalties and not plan.needs_logprobs:
+        # The common case: one argmax, no float32 copy (the cast is exact).
+        return _to_sampled(rows, logits.argmax(dim=-1).tolist())
+    logits = logits.to(torch.float32, copy=True)
+    raw_logprobs = _log_softmax(logits) if plan.needs_logprobs and logprobs_mode == "raw" else None
+    if plan.needs_penalties:
+        apply_penalties(logits, rows)
+    token_ids, final_logits = _choose_tokens(logits, rows, plan, generator)
+    if not plan.needs_logprobs:
+        return _to_sampled(rows, token_ids.tolist())
+    logprobs = raw_logprobs if raw_logprobs is not None else _log_softmax(final_logits)
+    return _to_sampled_with_logprobs(rows, token_ids, logprobs)
+
+
+# --------------------------------------------------------------------------
+# Penalties
+# --------------------------------------------------------------------------
+
+
+def _has_penalty(p: messages.SamplingParams) -> bool:
+    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """In place on float32 ``logits``; returns it.
+
+    repetition (r): over tokens seen in prompt or output, ``l / r`` if ``l > 0``
+    else ``l * r``; then ``l -= frequency * count_in_output`` and
+    ``l -= presence * (count_in_output > 0)``. Only rows with a penalty are touched.
+    """
+    idx = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
+    if not idx:
+        return logits
+    device, vocab = logits.device, logits.shape[1]
+    sub_rows = [rows[i] for i in idx]
+    sub = logits[idx]
+    output_counts = _token_counts([r.output_token_ids for r in sub_rows], vocab, device)
+    rep = _row_tensor([r.params.repetition_penalty for r in sub_rows], device)
+    if (rep != 1.0).any():
+        prompt_counts = _token_counts([r.prompt_token_ids for r in sub_rows], vocab, device)
+        seen = (prompt_counts + output_counts) > 0
+        penalised = torch.where(sub > 0, sub / rep, sub * rep)
+        sub = torch.where(seen, penalised, sub)
+    freq = _row_tensor([r.params.frequency_penalty for r in sub_rows], device)
+    presence = _row_tensor([r.params.presence_penalty for r in sub_rows], device)
+    sub = sub - freq * output_counts - presence * (output_counts > 0).to(sub.dtype)
+    logits[idx] = sub
+    return logits
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(token_lists), vocab] float32 occurrence counts; ids outside the vocab are ignored."""
+    width = max((len(t) for t in token_lists), default=0)
+    padded = torch.full((len(token_lists), width + 1), vocab, dtype=torch.int64)
+    for i, tokens in enumerate(token_lists):
+        if tokens:
+            padded[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+    padded = padded.clamp_(0, vocab).to(device)
+    counts = torch.zeros((len(token_lists), vocab + 1), dtype=torch.float32, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def _row_tensor(values: list[float], device: torch.device) -> torch.Tensor:
+    """A [rows, 1] float32 column, broadcastable against [rows, vocab]."""
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+# --------------------------------------------------------------------------
+# Choosing tokens
+# --------------------------------------------------------------------------
+
+
+def _choose_tokens(
+    logits: torch.Tensor,
+    rows: list[SampleRow],
+    plan: _Plan,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [rows] and the logits they were drawn from (for processed logprobs)."""
+    # NaN from the model would poison argmax and softmax; treat it as impossible.
+    logits = torch.nan_to_num(logits, nan=float("-inf"))
+    greedy = logits.argmax(dim=-1)
+    if plan.is_all_greedy:
+        return greedy, logits
+    device = logits.device
+    # Greedy rows get temperature 1 so the batched math stays finite; their
+    # random draw is discarded below.
+    temps = [1.0 if g else r.params.temperature for g, r in zip(plan.is_greedy, rows)]
+    logits = logits / _row_tensor(temps, device)
+    apply_min_p(logits, [r.params.min_p for r in rows])
+    logits = apply_top_k_top_p(logits, [r.params.top_k for r in rows], [r.params.top_p for r in rows])
+    probs = _safe_softmax(logits)
+    q = _draw_exponentials(rows, plan, probs.shape, device, generator)
+    drawn = (probs / q).argmax(dim=-1)
+    # A row with no finite logit has all-zero probs: fall back to its argmax.
+    drawn = torch.where(probs.sum(dim=-1) > 0, drawn, greedy)
+    is_greedy = torch.tensor(plan.is_greedy, device=device)
+    return torch.where(is_greedy, greedy, drawn), logits
+
+
+def apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    """In place: drop tokens whose probability is below ``min_p * max_prob`` (0 = off)."""
+    if not any(m > 0.0 for m in min_ps):
+        return logits
+    probs = _safe_softmax(logits)
+    threshold = probs.amax(dim=-1, keepdim=True) * _row_tensor(min_ps, logits.device)
+    return logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """Keep the ``top_k`` most likely tokens (0 = off), then the smallest set
+    whose probability reaches ``top_p`` (1.0 = off). Ties at the top_k
+    boundary are kept, as in vLLM. Always keeps the most likely token."""
+    use_k = any(k > 0 for k in top_ks)
+    use_p = any(p < 1.0 for p in top_ps)
+    if not use_k and not use_p:
+        return logits
+    device, vocab = logits.device, logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if use_k:
+        ks = torch.tensor([k if 0 < k <= vocab else vocab for k in top_ks], device=device)
+        kth = sorted_logits.gather(1, (ks - 1).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    if use_p:
+        probs = _safe_softmax(sorted_logits)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # Rows with top_p off must not lose tail tokens to float rounding of the cumsum.
+        drop = mass_before >= _row_tensor([p if p < 1.0 else float("inf") for p in top_ps], device)
+        drop[:, 0] = False
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _safe_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """softmax that maps an all -inf (or +inf-poisoned) row to zeros, not NaN."""
+    return torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
+
+
+def _draw_exponentials(
+    rows: list[SampleRow],
+    plan: _Plan,
+    shape: torch.Size,
+    device: torch.device,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """q ~ Exp(1), [rows, vocab]; seeded rows from their own reseeded generator.
+
+    Greedy rows draw nothing, so they never advance the shared generator.
+    """
+    q = torch.ones(shape, dtype=torch.float32, device=device)
+    unseeded = [i for i, r in enumerate(rows) if not plan.is_greedy[i] and r.params.seed is None]
+    if unseeded:
+        shared = generator if generator is not None else shared_generator(device)
+        q[unseeded] = torch.empty((len(unseeded), shape[1]), device=device).exponential_(generator=shared)
+    seeded = [i for i, r in enumerate(rows) if not plan.is_greedy[i] and r.params.seed is not None]
+    if seeded:
+        # One generator, reseeded per row: on CUDA the seed is read when the
+        # kernel is launched, so reseeding for the next row is safe.
+        row_gen = torch.Generator(device=device)
+        for i in seeded:
+            row_gen.manual_seed(derive_seed(rows[i].params.seed, len(rows[i].output_token_ids)))
+            q[i].exponential_(generator=row_gen)
+    # exponential_ may return exactly 0 in float32; 0 would make probs/q inf or NaN.
+    return q.clamp_(min=torch.finfo(torch.float32).tiny)
+
+
+def derive_seed(seed: int, num_output_tokens: int) -> int:
+    """A 63-bit generator seed for one step of a seeded request (splitmix64 mix)."""
+    x = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + num_output_tokens) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+def shared_generator(device: torch.device, seed: int | None = None) -> torch.Generator:
+    """The module generator for unseeded rows on ``device``; ``seed`` reseeds it."""
+    device = torch.device(device)
+    gen = _shared_generators.get(device)
+    if gen is None:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(DEFAULT_SHARED_SEED)
+        _shared_generators[device] = gen
+    if seed is not None:
+        gen.manual_seed(seed)
+    return gen
+
+
+# --------------------------------------------------------------------------
+# Results
+# --------------------------------------------------------------------------
+
+
+def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    out = torch.log_softmax(torch.nan_to_num(logits, nan=float("-inf")), dim=-1)
+    return torch.nan_to_num(out, nan=MIN_LOGPROB).clamp_(min=MIN_LOGPROB)
+
+
+def _to_sampled(rows: list[SampleRow], token_ids: list[int]) -> list[messages.SampledToken]:
+    return [messages.SampledToken(r.request_id, t) for r, t in zip(rows, token_ids)]
+
+
+def _to_sampled_with_logprobs(
+    rows: list[SampleRow], token_ids: torch.Tensor, logprobs: torch.Tensor
+) -> list[messages.SampledToken]:
+    max_k = min(max(r.params.logprobs or 0 for r in rows), logprobs.shape[1])
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    top_values, top_ids = logprobs.topk(max_k, dim=-1)
+    # One host copy per tensor: a single synchronisation on CUDA.
+    ids, chosen, top_values, top_ids = (t.tolist() for t in (token_ids, chosen, top_values, top_ids))
+    out = []
+    for i, r in enumerate(rows):
+        if r.params.logprobs is None:
+            out.append(messages.SampledToken(r.request_id, ids[i]))
+            continue
+        k = r.params.logprobs
+        tops = tuple(messages.TopLogprob(t, v) for t, v in zip(top_ids[i][:k], top_values[i][:k]))
+        out.append(messages.SampledToken(r.request_id, ids[i], chosen[i], tops))
+    return out

@@ -1,0 +1,233 @@
+"""sample_tokens: greedy, filters, penalties, per-request seeds, logprobs, NaN safety."""
+
+import math
+
+import pytest
+import torch
+
+from mstar_actors import messages
+from mstar_actors.sampling import (
+    MIN_LOGPROB,
+    SampleRow,
+    apply_min_p,
+    apply_penalties,
+    sample_tokens,
+)
+
+VOCAB = 64
+
+
+def make_row(request_id="r", prompt=(), output=(), **params) -> SampleRow:
+    return SampleRow(request_id, messages.SamplingParams(**params), list(prompt), list(output))
+
+
+def make_logits(num_rows, vocab=VOCAB, seed=0) -> torch.Tensor:
+    return torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def token_ids(sampled):
+    return [s.token_id for s in sampled]
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_greedy_equals_argmax_any_dtype():
+    logits = make_logits(5)
+    rows = [make_row(str(i), temperature=0.0) for i in range(5)]
+    assert token_ids(sample_tokens(logits, rows)) == logits.argmax(-1).tolist()
+    half = logits.to(torch.bfloat16)
+    assert token_ids(sample_tokens(half, rows)) == half.float().argmax(-1).tolist()
+    assert [s.request_id for s in sample_tokens(logits, rows)] == [str(i) for i in range(5)]
+
+
+def test_empty_batch_and_shape_mismatch():
+    assert sample_tokens(torch.empty(0, VOCAB), []) == []
+    with pytest.raises(ValueError, match="num_rows=1"):
+        sample_tokens(make_logits(2), [make_row()])
+
+
+def test_input_logits_not_modified():
+    logits = make_logits(2)
+    before = logits.clone()
+    rows = [make_row("a", output=[1, 2], repetition_penalty=1.5, presence_penalty=1.0, top_k=3),
+            make_row("b", temperature=0.0, frequency_penalty=0.5, output=[3])]
+    sample_tokens(logits, rows, generator=gen())
+    assert torch.equal(logits, before)
+
+
+def test_top_k_1_and_tiny_top_p_equal_greedy():
+    logits = make_logits(8, seed=1)
+    greedy = logits.argmax(-1).tolist()
+    rows_k = [make_row(str(i), temperature=1.5, top_k=1) for i in range(8)]
+    rows_p = [make_row(str(i), temperature=1.5, top_p=1e-6) for i in range(8)]
+    for seed in range(5):
+        assert token_ids(sample_tokens(logits, rows_k, generator=gen(seed))) == greedy
+        assert token_ids(sample_tokens(logits, rows_p, generator=gen(seed))) == greedy
+
+
+def test_min_p_masks_tokens_below_fraction_of_max():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    apply_min_p(logits, [0.5])  # keep p >= 0.25
+    assert torch.isfinite(logits[0, :2]).all() and torch.isinf(logits[0, 2:]).all()
+    # Sampling with min_p never draws a masked token.
+    rows = [make_row(str(i), min_p=0.5) for i in range(500)]
+    drawn = set(token_ids(sample_tokens(probs.log().expand(500, 4), rows, generator=gen())))
+    assert drawn == {0, 1}
+
+
+def test_top_k_and_top_p_keep_the_expected_sets():
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    logits = probs.log().expand(2000, 4)
+    rows_k = [make_row(str(i), top_k=2) for i in range(2000)]
+    assert set(token_ids(sample_tokens(logits, rows_k, generator=gen()))) == {0, 1}
+    # top_p=0.75: 0.4 + 0.3 = 0.7 < 0.75, so the third token is needed too.
+    rows_p = [make_row(str(i), top_p=0.75) for i in range(2000)]
+    assert set(token_ids(sample_tokens(logits, rows_p, generator=gen()))) == {0, 1, 2}
+
+
+def test_penalties_match_hand_computation():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
+    row = make_row(prompt=[0], output=[1, 1, 2], repetition_penalty=2.0,
+                   frequency_penalty=0.5, presence_penalty=0.25)
+    apply_penalties(logits, [row])
+    expected = [
+        2.0 / 2,  # prompt token, positive: divided
+        -1.0 * 2 - 0.5 * 2 - 0.25,  # output twice, negative: multiplied
+        0.5 / 2 - 0.5 * 1 - 0.25,  # output once
+        3.0,  # never seen
+        1.0,
+    ]
+    assert logits[0].tolist() == pytest.approx(expected)
+
+
+def test_penalties_touch_only_rows_that_have_them():
+    logits = make_logits(3)
+    before = logits.clone()
+    rows = [make_row("a", output=[1, 2, 3]),
+            make_row("b", output=[1], presence_penalty=2.0),
+            make_row("c", prompt=[5], output=[7])]
+    apply_penalties(logits, rows)
+    assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
+    assert logits[1, 1] == pytest.approx(before[1, 1] - 2.0)
+    assert torch.equal(logits[1, 2:], before[1, 2:])
+
+
+def test_greedy_uses_penalised_logits():
+    logits = torch.tensor([[5.0, 4.0, 0.0]])
+    row = make_row(output=[0], temperature=0.0, frequency_penalty=2.0)
+    assert token_ids(sample_tokens(logits, [row])) == [1]
+
+
+def test_seeded_row_independent_of_batch_and_position():
+    vocab = 200
+    flat = torch.zeros(1, vocab)  # uniform: every draw depends only on the seed
+
+    def draw(seed, num_out, others, position):
+        rows = [make_row(f"o{i}", output=[0] * i, seed=(i if i % 2 else None)) for i in range(others)]
+        rows.insert(position, make_row("me", output=[3] * num_out, seed=seed))
+        logits = torch.cat([make_logits(others, vocab, seed=9), flat]) if others else flat
+        # Put the flat row where "me" sits.
+        order = list(range(others)) + [others]
+        order.insert(position, order.pop())
+        out = sample_tokens(logits[order], rows, generator=gen(others))
+        return out[position].token_id
+
+    for num_out in range(6):
+        alone = draw(1234, num_out, 0, 0)
+        assert draw(1234, num_out, 3, 0) == alone
+        assert draw(1234, num_out, 3, 3) == alone
+        assert draw(1234, num_out, 7, 4) == alone
+    # Different steps give different draws (the step is part of the seed).
+    assert len({draw(1234, n, 0, 0) for n in range(10)}) > 1
+
+
+def test_seeded_request_reproduces_after_restart():
+    """Decode 8 tokens, then restart from the first 4 outputs: the rest repeat."""
+    logits = make_logits(1, seed=3) / 3
+
+    def run(outputs, steps):
+        outputs = list(outputs)
+        for _ in range(steps):
+            row = make_row(prompt=[1, 2], output=outputs, seed=77, presence_penalty=0.3)
+            outputs.append(sample_tokens(logits, [row])[0].token_id)
+        return outputs
+
+    full = run([], 8)
+    assert run(full[:4], 4) == full
+
+
+def test_unseeded_distribution_matches_softmax():
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    num_draws = 20000
+    logits = probs.log().expand(num_draws, 4)
+    rows = [make_row(str(i)) for i in range(num_draws)]
+    counts = torch.bincount(torch.tensor(token_ids(sample_tokens(logits, rows, generator=gen(5)))), minlength=4)
+    assert (counts / num_draws - probs).abs().max() < 0.015
+
+
+def test_temperature_scales_distribution():
+    logits = torch.tensor([0.0, 2.0]).expand(20000, 2)
+    rows = [make_row(str(i), temperature=2.0) for i in range(20000)]
+    frac_one = sum(token_ids(sample_tokens(logits, rows, generator=gen(6)))) / 20000
+    assert frac_one == pytest.approx(torch.softmax(torch.tensor([0.0, 1.0]), 0)[1].item(), abs=0.015)
+
+
+def test_seeded_distribution_matches_softmax():
+    probs = torch.tensor([0.25, 0.75])
+    logits = probs.log().expand(4000, 2)
+    rows = [make_row(str(i), seed=i) for i in range(4000)]
+    frac_one = sum(token_ids(sample_tokens(logits, rows))) / 4000
+    assert frac_one == pytest.approx(0.75, abs=0.03)
+
+
+def test_logprobs_are_raw_log_softmax_with_sorted_alternatives():
+    logits = make_logits(3, seed=4)
+    rows = [make_row("a", temperature=0.0, logprobs=3, repetition_penalty=3.0, prompt=[0, 1]),
+            make_row("b", logprobs=0, top_k=5),
+            make_row("c")]
+    out = sample_tokens(logits, rows, generator=gen())
+    expected = torch.log_softmax(logits, -1)
+    for i in (0, 1):
+        assert out[i].logprob == pytest.approx(expected[i, out[i].token_id].item(), abs=1e-5)
+    tops = out[0].top_logprobs
+    assert [t.logprob for t in tops] == sorted((t.logprob for t in tops), reverse=True)
+    assert [t.token_id for t in tops] == expected[0].topk(3).indices.tolist()
+    assert [t.logprob for t in tops] == pytest.approx(expected[0].topk(3).values.tolist(), abs=1e-5)
+    assert out[1].top_logprobs == ()
+    assert out[2].logprob is None and out[2].top_logprobs == ()
+
+
+def test_processed_logprobs_follow_penalties_and_filters():
+    logits = make_logits(1, seed=4)
+    row = make_row(logprobs=2, top_k=2, temperature=0.5)
+    out = sample_tokens(logits, [row], generator=gen(), logprobs_mode="processed")[0]
+    expected = torch.log_softmax(logits[0].topk(2).values / 0.5, -1)
+    assert sorted(t.logprob for t in out.top_logprobs) == pytest.approx(sorted(expected.tolist()), abs=1e-5)
+    assert math.exp(out.top_logprobs[0].logprob) + math.exp(out.top_logprobs[1].logprob) == pytest.approx(1.0)
+
+
+def test_nan_and_inf_logits_give_valid_tokens_and_finite_logprobs():
+    logits = torch.zeros(5, VOCAB)
+    logits[0, :] = float("nan")
+    logits[1, :] = float("-inf")
+    logits[2, 7] = float("inf")
+    logits[3, 10] = float("nan")
+    logits[3, 11] = 50.0
+    rows = [make_row(str(i), logprobs=2, temperature=1e-3, top_p=0.5, min_p=0.1) for i in range(4)]
+    rows.append(make_row("4", temperature=1e-7))  # below the greedy threshold
+    out = sample_tokens(logits, rows, generator=gen())
+    assert all(0 <= s.token_id < VOCAB for s in out)
+    assert out[2].token_id == 7 and out[3].token_id == 11
+    for s in out[:4]:
+        assert math.isfinite(s.logprob) and s.logprob >= MIN_LOGPROB
+        assert all(math.isfinite(t.logprob) for t in s.top_logprobs)
+
+
+def test_all_tokens_penalised_to_minus_inf_is_safe():
+    logits = torch.full((1, 4), float("-inf"))
+    row = make_row(output=[0, 1], repetition_penalty=2.0, frequency_penalty=1.0, top_k=2, seed=1)
+    (s,) = sample_tokens(logits, [row])
+    assert 0 <= s.token_id < 4
