@@ -1,0 +1,125 @@
+"""Paged attention: the seam between the decoder and an attention kernel.
+
+The KV cache of one layer is one tensor ``[2, num_blocks, block_size,
+num_kv_heads, head_dim]`` (index 0 = K, 1 = V). A step's batch is a flat
+(varlen) run of tokens from many sequences; ``AttentionMetadata`` says where
+each sequence's queries sit in that run, how long its context is after this
+step, which blocks hold its context, and where each new token's K/V goes.
+
+A backend (``PagedAttention``) does two things per layer: write the new K/V
+into the cache (``write_kv``), then attend each query to its own sequence's
+cached context with a causal offset (``attend``). The torch backend here is
+the CPU reference; GPU kernels (Triton, FlashAttention) implement the same
+interface and are picked by ``make_attention_backend``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's tokens and context are, for one step.
+
+    Sequence ``i`` contributes queries ``query_start[i] : query_start[i+1]`` of
+    the flat batch; after this step it has ``context_lens[i]`` tokens of KV
+    (prefix already in the cache + this chunk), so its query ``j`` sits at
+    position ``context_lens[i] - query_lens[i] + j`` and may see keys
+    ``0 ..`` that position. The lists mirror the tensors so a CPU backend
+    never has to synchronise to read them.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset of each new token
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with 0
+    query_start: torch.Tensor  # [S + 1] int32, cumulative query lengths
+    context_lens: torch.Tensor  # [S] int32
+    query_lens_list: list[int]
+    context_lens_list: list[int]
+    num_blocks_list: list[int]  # blocks each sequence's context occupies
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_list)
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[torch.Tensor]:
+    """One zeroed ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer."""
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class PagedAttention(Protocol):
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Store ``k, v [T, KH, D]`` at ``meta.slot_mapping`` in ``kv_cache``."""
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """``q [T, H, D]`` -> ``[T, H, D]``, each query against its sequence's cached context."""
+
+
+class TorchPagedAttention:
+    """Reference backend: gather each sequence's pages, then SDPA.
+
+    One SDPA call per sequence; decode rows (one query) need no mask, prefill
+    chunks get a causal mask shifted by the cached prefix length.
+    """
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+        flat[0].index_copy_(0, meta.slot_mapping, k)
+        flat[1].index_copy_(0, meta.slot_mapping, v)
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        num_heads, num_kv_heads = q.shape[1], kv_cache.shape[-2]
+        group = num_heads // num_kv_heads
+        start = 0
+        for i in range(meta.num_seqs):
+            q_len, ctx_len = meta.query_lens_list[i], meta.context_lens_list[i]
+            k, v = self._gather(kv_cache, meta.block_tables[i, : meta.num_blocks_list[i]], ctx_len)
+            if group > 1:
+                k = k.repeat_interleave(group, dim=0)
+                v = v.repeat_interleave(group, dim=0)
+            qi = q[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
+            mask = None if q_len == 1 else _causal_offset_mask(q_len, ctx_len, q.device)
+            oi = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
+            out[start : start + q_len] = oi.transpose(0, 1)
+            start += q_len
+        return out
+
+    @staticmethod
+    def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor, ctx_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's K and V as ``[KH, ctx_len, D]`` each."""
+        pages = kv_cache[:, blocks.long()]  # [2, nb, bs, KH, D]
+        pages = pages.flatten(1, 2)[:, :ctx_len]  # [2, ctx, KH, D]
+        kv = pages.permute(0, 2, 1, 3)  # [2, KH, ctx, D]
+        return kv[0], kv[1]
+
+
+def _causal_offset_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor:
+    """``[q_len, ctx_len]`` bool: query j (position ctx_len - q_len + j) sees keys <= its position."""
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
+    k_pos = torch.arange(ctx_len, device=device)[None, :]
+    return k_pos <= q_pos
+
+
+def make_attention_backend(device: torch.device | str) -> PagedAttention:
+    """The attention backend for ``device``. Only the torch reference exists so
+    far; it is correct on CUDA too, just not fast."""
+    return TorchPagedAttention()

@@ -1,0 +1,134 @@
+"""The shared decoder-only transformer (Llama, Qwen2, Qwen3) on a paged KV cache.
+
+One implementation, parameterised by ``ModelSpec`` (q/k/v bias, per-head q/k
+norm, tied embeddings). The module tree mirrors Hugging Face's names except
+for the fused ``qkv_proj`` and ``gate_up_proj`` (see ``checkpoint``).
+
+The forward takes a flat batch of tokens from many sequences plus
+``AttentionMetadata``; it returns hidden states for every token, and
+``compute_logits`` turns only the rows that get sampled into logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionMetadata, PagedAttention, TorchPagedAttention
+from .rope import RotaryEmbedding
+from .spec import ModelSpec
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and scale after casting back, like the reference.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class StackedLinear(nn.Linear):
+    """A linear layer fusing several projections along the output dimension."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool):
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = list(output_sizes)
+
+    def shard_slice(self, shard: int) -> slice:
+        start = sum(self.output_sizes[:shard])
+        return slice(start, start + self.output_sizes[shard])
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: PagedAttention):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.qkv_proj = StackedLinear(spec.hidden_size, [spec.q_size, spec.kv_size, spec.kv_size], spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        self.rotary = RotaryEmbedding(spec.rope, spec.head_dim)
+        self.backend = backend
+        self.scale = spec.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        self.backend.write_kv(kv_cache, k, v, meta)
+        out = self.backend.attend(q, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        size = spec.intermediate_size
+        self.gate_up_proj = StackedLinear(spec.hidden_size, [size, size], bias=False)
+        self.down_proj = nn.Linear(size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: PagedAttention):
+        super().__init__()
+        self.self_attn = Attention(spec, backend)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: PagedAttention):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, backend) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """``forward`` -> final hidden states ``[T, hidden]``; ``compute_logits``
+    on the rows that are sampled -> ``[R, vocab]`` float32."""
+
+    def __init__(self, spec: ModelSpec, backend: PagedAttention | None = None):
+        super().__init__()
+        self.spec = spec
+        self.model = DecoderModel(spec, backend or TorchPagedAttention())
+        if not spec.tie_word_embeddings:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, positions, kv_cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()

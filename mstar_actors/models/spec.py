@@ -1,0 +1,157 @@
+"""A decoder's shape, read once from ``config.json`` and checked.
+
+``ModelSpec`` is everything the shared decoder needs; the per-architecture
+differences (q/k/v bias, per-head q/k norm) are fields here, filled from the
+architecture's defaults and the config. A config the code can't serve is one
+``ModelLoadError`` naming the field and what would be accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ModelLoadError(ValueError):
+    """A model folder the engine can't serve; the message names the file, field or tensor."""
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding parameters (``rope_type`` "default" or "llama3")."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeSpec
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    torch_dtype: str | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def read_config(model_dir: Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: missing; a model folder needs config.json in Hugging Face layout") from None
+    except json.JSONDecodeError as err:
+        raise ModelLoadError(f"{path}: not valid JSON: {err}") from None
+
+
+def _require(cfg: dict, key: str, where: str) -> object:
+    if cfg.get(key) is None:
+        raise ModelLoadError(f"{where}: field {key!r} is missing")
+    return cfg[key]
+
+
+def parse_rope(cfg: dict, where: str) -> RopeSpec:
+    """Accept both ``rope_theta`` + ``rope_scaling`` (transformers 4) and
+    ``rope_parameters`` (transformers 5)."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ModelLoadError(f"{where}: rope type {rope_type!r} is not supported; accepted: default, llama3")
+    if rope_type == "default":
+        return RopeSpec(theta=float(theta))
+    try:
+        return RopeSpec(
+            theta=float(theta),
+            rope_type="llama3",
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    except KeyError as err:
+        raise ModelLoadError(f"{where}: llama3 rope scaling needs field {err.args[0]!r}") from None
+
+
+def _check_servable(cfg: dict, where: str) -> None:
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"{where}: hidden_act {act!r} is not supported; accepted: silu")
+    if cfg.get("mlp_bias"):
+        raise ModelLoadError(f"{where}: mlp_bias=true is not supported; accepted: false")
+    if cfg.get("use_sliding_window"):
+        raise ModelLoadError(f"{where}: use_sliding_window=true is not supported; accepted: false")
+
+
+def _eos_ids(model_dir: Path, cfg: dict) -> list[int]:
+    """EOS ids from config.json and generation_config.json (union, in order)."""
+    found: list[int] = []
+    sources = [cfg]
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        sources.append(json.loads(gen.read_text()))
+    for src in sources:
+        value = src.get("eos_token_id")
+        for tok in value if isinstance(value, list) else [value]:
+            if isinstance(tok, int) and tok not in found:
+                found.append(tok)
+    return found
+
+
+def parse_spec(model_dir: Path, cfg: dict, *, qkv_bias: bool, qk_norm: bool) -> ModelSpec:
+    """Build a ModelSpec from a parsed config.json; architecture defaults for
+    the bias and the q/k norm come from the caller's table."""
+    where = f"{Path(model_dir) / 'config.json'}"
+    _check_servable(cfg, where)
+    hidden = int(_require(cfg, "hidden_size", where))
+    heads = int(_require(cfg, "num_attention_heads", where))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    if heads % kv_heads:
+        raise ModelLoadError(
+            f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+        )
+    attention_bias = bool(cfg.get("attention_bias", False))
+    return ModelSpec(
+        architecture=cfg["architectures"][0],
+        vocab_size=int(_require(cfg, "vocab_size", where)),
+        hidden_size=hidden,
+        intermediate_size=int(_require(cfg, "intermediate_size", where)),
+        num_layers=int(_require(cfg, "num_hidden_layers", where)),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        rope=parse_rope(cfg, where),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias or attention_bias,
+        o_bias=attention_bias,
+        qk_norm=qk_norm,
+        torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+        eos_token_ids=_eos_ids(model_dir, cfg),
+    )
