@@ -1,0 +1,345 @@
+"""Read and validate a PEFT LoRA adapter folder into CPU tensors.
+
+The folder holds ``adapter_config.json`` and ``adapter_model.safetensors``
+(PEFT's layout). Everything that could make a served adapter silently wrong
+is refused here, once, with an ``AdapterError`` naming the adapter, the
+tensor or module, and what would be accepted: DoRA, LoRA bias,
+``modules_to_save``, a rank over the pool's ``max_rank``, a module the base
+model has no rule for, a shape that does not fit it, a layer out of range, a
+missing or corrupt file. What passes is ready for slot installation: per
+module A [r, in], B [out, r] and the PEFT scale, plus a digest naming the
+weights.
+
+Pure apart from reading the two files; no device, no threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from mstar_actors.lora.base_shapes import EMBEDDING_MODULES, BaseShapes
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt")
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Module paths as PEFT saves them, after "base_model.model.": the decoder
+# root is "model." (VL models: "model.language_model.").
+_LAYER_RE = re.compile(r"^(?:model\.)?(?:language_model\.)?layers\.(\d+)\.(.+)$")
+_GLOBAL_RE = re.compile(r"^(?:model\.)?(?:language_model\.)?(embed_tokens|lm_head)$")
+_KINDS = {
+    "lora_A.weight": "A",
+    "lora_B.weight": "B",
+    "lora_embedding_A": "A",
+    "lora_embedding_B": "B",
+}
+
+
+class AdapterError(ValueError):
+    """An adapter that can't be served; the message names adapter, tensor and reason."""
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One targeted module's factors: delta(x) = scale * (x @ a.T) @ b.T."""
+
+    a: torch.Tensor  # [r, in]
+    b: torch.Tensor  # [out, r]
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """A validated adapter on the CPU, ready for slot installation.
+
+    ``layers[i]`` maps a layer module suffix (``self_attn.q_proj``) to its
+    factors; ``global_modules`` holds ``lm_head`` / ``embed_tokens``. Modules
+    the adapter does not target are absent (their delta is zero).
+    """
+
+    name: str
+    digest: str
+    max_rank: int  # the largest rank of any module, <= the pool's max_rank
+    layers: tuple[dict[str, LoraModule], ...]
+    global_modules: dict[str, LoraModule]
+
+    def iter_modules(self):
+        """Yield (hf_module_name, LoraModule), e.g. ("model.layers.3.self_attn.k_proj", m)."""
+        for index, modules in enumerate(self.layers):
+            for suffix, module in modules.items():
+                yield f"model.layers.{index}.{suffix}", module
+        for name, module in self.global_modules.items():
+            yield ("model.embed_tokens" if name == "embed_tokens" else name), module
+
+    @property
+    def num_modules(self) -> int:
+        return sum(len(m) for m in self.layers) + len(self.global_modules)
+
+
+def read_adapter(path: str | Path, *, base: BaseShapes, max_rank: int, name: str | None = None) -> AdapterWeights:
+    """Read and validate the PEFT adapter folder at ``path`` against ``base``.
+
+    Raises AdapterError for anything that can't be served exactly.
+    """
+    folder = Path(path)
+    name = name or folder.name
+    config = _read_config(folder, name)
+    _check_config(config, name)
+    tensors = _read_tensors(_weights_path(folder, name), name)
+    pairs = _pair_tensors(tensors, base, name)
+    layers = [dict() for _ in range(base.num_layers)]
+    global_modules: dict[str, LoraModule] = {}
+    for module_path, (a, b) in sorted(pairs.items()):
+        slot_key, layer = _place(module_path, base, name)
+        shape = base.shape_of(slot_key)
+        _check_factors(a, b, shape, module_path, max_rank, name)
+        module = LoraModule(a=a, b=b, scale=_scale(config, module_path, a.shape[0], name))
+        if layer is None:
+            global_modules[slot_key] = module
+        else:
+            layers[layer][slot_key] = module
+    if not pairs:
+        raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} holds no LoRA tensors (lora_A / lora_B)")
+    return AdapterWeights(
+        name=name,
+        digest=_digest(pairs, layers, global_modules),
+        max_rank=max(a.shape[0] for a, _ in pairs.values()),
+        layers=tuple(layers),
+        global_modules=global_modules,
+    )
+
+
+# ---------------------------------------------------------------- files
+
+
+def _read_config(folder: Path, name: str) -> dict:
+    path = folder / CONFIG_FILE
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise AdapterError(f"adapter {name!r}: {CONFIG_FILE} is missing from {folder}; a PEFT adapter folder needs it") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise AdapterError(f"adapter {name!r}: {CONFIG_FILE} is not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"adapter {name!r}: {CONFIG_FILE} must hold a JSON object, got {type(config).__name__}")
+    return config
+
+
+def _weights_path(folder: Path, name: str) -> Path:
+    path = folder / WEIGHTS_FILE
+    if path.is_file():
+        return path
+    for pickled in _PICKLE_FILES:
+        if (folder / pickled).is_file():
+            raise AdapterError(
+                f"adapter {name!r}: {pickled} is a pickle, which is not loaded (it can run code); "
+                f"save the adapter as {WEIGHTS_FILE} (PEFT: save_pretrained(..., safe_serialization=True))"
+            )
+    raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} is missing from {folder}")
+
+
+def _read_tensors(path: Path, name: str) -> dict[str, torch.Tensor | tuple[int, ...]]:
+    """Every tensor, except that the base-layer copies PEFT saves next to
+    embedding / lm_head adapters (``*.base_layer.weight``) are not read: they
+    are the base model's own weights; only their shape is kept, to check."""
+    _check_safetensors_size(path, name)
+    out: dict[str, torch.Tensor | tuple[int, ...]] = {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                is_copy = key.endswith(".base_layer.weight")
+                out[key] = tuple(f.get_slice(key).get_shape()) if is_copy else f.get_tensor(key)
+    except (SafetensorError, OSError, RuntimeError) as err:
+        raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} is corrupt or truncated ({err})") from None
+    return out
+
+
+def _check_safetensors_size(path: Path, name: str) -> None:
+    """The header's data offsets must fit the file: catches a truncated copy
+    before any tensor is read (safe_open maps the file lazily)."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > size:
+                raise ValueError(f"header length {header_len} exceeds the file's {size} bytes")
+            header = json.loads(f.read(header_len))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+        raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} has a corrupt header ({err})") from None
+    if 8 + header_len + end > size:
+        raise AdapterError(
+            f"adapter {name!r}: {WEIGHTS_FILE} is truncated: {size} bytes, its header needs {8 + header_len + end}"
+        )
+
+
+# ---------------------------------------------------------------- config
+
+
+def _check_config(config: dict, name: str) -> None:
+    peft_type = config.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise AdapterError(f"adapter {name!r}: peft_type {peft_type!r} is not served; accepted: LORA")
+    if config.get("use_dora"):
+        raise AdapterError(f"adapter {name!r}: DoRA (use_dora=true) is not served; accepted: plain LoRA (use_dora=false)")
+    if config.get("bias", "none") != "none":
+        raise AdapterError(f"adapter {name!r}: bias={config['bias']!r} is not served; accepted: bias='none'")
+    if config.get("lora_bias"):
+        raise AdapterError(f"adapter {name!r}: lora_bias=true is not served; accepted: lora_bias=false")
+    if config.get("modules_to_save"):
+        raise AdapterError(
+            f"adapter {name!r}: modules_to_save={config['modules_to_save']} replaces base weights, which is not "
+            "served; accepted: modules_to_save=null (adapt those modules with LoRA instead)"
+        )
+    for key in ("r", "lora_alpha"):
+        value = config.get(key, 8)
+        if not isinstance(value, (int, float)) or value <= 0:
+            raise AdapterError(f"adapter {name!r}: {CONFIG_FILE} field {key!r} must be a positive number, got {value!r}")
+
+
+def pattern_key(pattern_keys, module_path: str) -> str:
+    """PEFT's ``get_pattern_key``: the first pattern that matches a dotted
+    suffix of ``module_path`` (as a regex), else ``module_path`` itself."""
+    for key in pattern_keys:
+        if re.match(rf"(.*\.)?({key})$", module_path):
+            return key
+    return module_path
+
+
+def _scale(config: dict, module_path: str, rank: int, name: str) -> float:
+    rank_pattern = config.get("rank_pattern") or {}
+    alpha_pattern = config.get("alpha_pattern") or {}
+    r = rank_pattern.get(pattern_key(rank_pattern, module_path), config.get("r", 8))
+    alpha = alpha_pattern.get(pattern_key(alpha_pattern, module_path), config.get("lora_alpha", 8))
+    if r != rank:
+        # The scale is alpha / r with the config's r: a mismatch means the
+        # config does not describe these weights, so any scale would be a guess.
+        raise AdapterError(
+            f"adapter {name!r}: module {module_path!r} has rank {rank} in {WEIGHTS_FILE} but {CONFIG_FILE} says "
+            f"r={r} (r / rank_pattern); accepted: a config that matches the weights"
+        )
+    return float(alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r)
+
+
+# ---------------------------------------------------------------- tensors
+
+
+def _split_key(key: str, name: str) -> tuple[str, str]:
+    """'base_model.model.X.lora_A.weight' -> ('X', 'A'); refuses what is not plain LoRA."""
+    path = key.removeprefix("base_model.model.")
+    if "modules_to_save" in path:
+        raise AdapterError(f"adapter {name!r}: tensor {key!r} is a modules_to_save copy, which is not served")
+    if "lora_magnitude_vector" in path or path.endswith("dora_scale"):
+        raise AdapterError(f"adapter {name!r}: tensor {key!r} is a DoRA magnitude; DoRA is not served, only plain LoRA")
+    if re.search(r"\.lora_[AB]\.bias$", path) or path.endswith(".bias"):
+        raise AdapterError(f"adapter {name!r}: tensor {key!r} is a LoRA bias, which is not served; accepted: lora_bias=false")
+    for suffix, kind in _KINDS.items():
+        if path.endswith("." + suffix):
+            return path[: -len(suffix) - 1], kind
+    raise AdapterError(
+        f"adapter {name!r}: tensor {key!r} is not a LoRA factor; accepted keys end in "
+        "lora_A.weight / lora_B.weight / lora_embedding_A / lora_embedding_B"
+    )
+
+
+def _pair_tensors(tensors: dict, base: BaseShapes, name: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    found: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        if isinstance(tensor, tuple):
+            _check_base_copy(key, tensor, base, name)
+            continue
+        module_path, kind = _split_key(key, name)
+        if tensor.dtype not in _FLOAT_DTYPES:
+            raise AdapterError(f"adapter {name!r}: tensor {key!r} has dtype {tensor.dtype}; accepted: float32, float16, bfloat16")
+        found.setdefault(module_path, {})[kind] = tensor
+    for module_path, kinds in found.items():
+        missing = {"A", "B"} - kinds.keys()
+        if missing:
+            raise AdapterError(f"adapter {name!r}: module {module_path!r} has no lora_{missing.pop()} tensor; both factors are needed")
+    return {path: (kinds["A"], kinds["B"]) for path, kinds in found.items()}
+
+
+def _check_base_copy(key: str, shape: tuple[int, ...], base: BaseShapes, name: str) -> None:
+    """A saved base-layer copy must have the base model's shape: a resized
+    vocabulary means the adapter was trained on another embedding table."""
+    module_path = key.removeprefix("base_model.model.").removesuffix(".base_layer.weight")
+    module, _ = _place(module_path, base, name)
+    in_features, out_features = base.shape_of(module)
+    expected = (in_features, out_features) if module in EMBEDDING_MODULES else (out_features, in_features)
+    if shape != expected:
+        raise AdapterError(
+            f"adapter {name!r}: tensor {key!r} has shape {list(shape)} but the base model's {module} is "
+            f"{list(expected)}; the adapter was trained with a resized vocabulary, which is not served"
+        )
+
+
+def _place(module_path: str, base: BaseShapes, name: str) -> tuple[str, int | None]:
+    """(module key in BaseShapes, layer index or None for a global module)."""
+    if m := _GLOBAL_RE.match(module_path):
+        key, layer = m.group(1), None
+    elif m := _LAYER_RE.match(module_path):
+        key, layer = m.group(2), int(m.group(1))
+        if layer >= base.num_layers:
+            raise AdapterError(
+                f"adapter {name!r}: module {module_path!r} is in layer {layer}, but the base model has "
+                f"{base.num_layers} layers (0..{base.num_layers - 1})"
+            )
+    else:
+        key, layer = module_path, None
+    if base.shape_of(key) is None or (layer is None) != (key in base.global_modules):
+        raise AdapterError(
+            f"adapter {name!r}: module {module_path!r} is not a LoRA target of the base model; "
+            f"accepted: {base.targetable()}"
+        )
+    return key, layer
+
+
+def _check_factors(a, b, shape, module_path: str, max_rank: int, name: str) -> None:
+    in_features, out_features = shape
+    if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+        raise AdapterError(
+            f"adapter {name!r}: module {module_path!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
+            "accepted: A [r, in] and B [out, r] with the same r"
+        )
+    rank = a.shape[0]
+    if rank < 1 or rank > max_rank:
+        raise AdapterError(
+            f"adapter {name!r}: module {module_path!r} has rank {rank}, over max_lora_rank={max_rank}; "
+            "raise lora.max_lora_rank or use an adapter of lower rank"
+        )
+    if a.shape[1] != in_features or b.shape[0] != out_features:
+        raise AdapterError(
+            f"adapter {name!r}: module {module_path!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
+            f"which do not fit the base model's {in_features} in / {out_features} out; accepted: "
+            f"A [r, {in_features}], B [{out_features}, r] (an adapter trained for this base model)"
+        )
+
+
+def _digest(pairs, layers, global_modules) -> str:
+    """blake2b over every module's name, scale, and both factors' dtype, shape and bytes, in sorted order."""
+    scales = {f"layers.{i}.{k}": m.scale for i, mods in enumerate(layers) for k, m in mods.items()}
+    scales.update({k: m.scale for k, m in global_modules.items()})
+    h = hashlib.blake2b(digest_size=16)
+    for module_path in sorted(pairs):
+        h.update(module_path.encode())
+        for tensor in pairs[module_path]:
+            t = tensor.contiguous()
+            h.update(f"|{t.dtype}|{tuple(t.shape)}|".encode())
+            h.update(t.view(torch.uint8).numpy())
+    for key in sorted(scales):
+        h.update(f"{key}={scales[key]!r};".encode())
+    return h.hexdigest()
