@@ -1,0 +1,8 @@
+"""Scheduler core: block allocator, prefix index, continuous batching. Pure classes, no I/O."""
+
+from mstar_actors.sched.block_allocator import BlockAllocator
+from mstar_actors.sched.prefix_index import PrefixIndex, chain_hash, root_hash
+from mstar_actors.sched.scheduler import Scheduler
+from mstar_actors.sched.sequence import Sequence, SeqStatus
+
+__all__ = ["BlockAllocator", "PrefixIndex", "Scheduler", "SeqStatus", "Sequence", "chain_hash", "root_hash"]

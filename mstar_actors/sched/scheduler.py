@@ -1,0 +1,393 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption.
+
+The conductor drives it in a loop: ``add`` / ``abort`` as messages arrive,
+``schedule()`` -> one ``StepPlan`` to every rank, ``update(StepDone)`` ->
+tokens and endings for the frontend. No I/O, no asyncio, no torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from mstar_actors.messages import (
+    ConductorToFrontend,
+    EngineStats,
+    Failed,
+    Finished,
+    Prepared,
+    SampledToken,
+    ScheduledChunk,
+    SeqStart,
+    StepDone,
+    StepFailed,
+    StepPlan,
+    TokenDelta,
+)
+from mstar_actors.sched.block_allocator import BlockAllocator
+from mstar_actors.sched.prefix_index import PrefixIndex
+from mstar_actors.sched.sequence import Sequence, SeqStatus
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _StepBuilder:
+    """The plan being built by one ``schedule()`` call."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.chunks: dict[str, tuple[Sequence, ScheduledChunk]] = {}
+        self.started: list[SeqStart] = []
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        chunk = ScheduledChunk(
+            request_id=seq.request_id,
+            num_computed=seq.num_computed,
+            num_tokens=num_tokens,
+            block_ids=list(seq.block_ids),
+            sample=seq.num_computed + num_tokens == seq.num_tokens,
+        )
+        self.chunks[seq.request_id] = (seq, chunk)
+        self.budget -= num_tokens
+
+    def drop(self, seq: Sequence) -> None:
+        """Take back a chunk of a sequence preempted later in the same call."""
+        entry = self.chunks.pop(seq.request_id, None)
+        if entry is not None:
+            self.budget += entry[1].num_tokens
+
+
+class _InFlight:
+    def __init__(self, step_id: int, rows: list[tuple[Sequence, ScheduledChunk]]):
+        self.step_id = step_id
+        self.rows = rows
+
+
+class Scheduler:
+    """The conductor's decider: queues, KV block table and prefix index.
+
+    Invariants:
+
+    - at most one plan is in flight: ``schedule()`` refuses to run until
+      ``update()`` (or ``fail_step()``) has consumed the previous plan's result,
+      so blocks freed by an abort can only be handed out in a plan the workers
+      run after the in-flight one: they never see a block reused under them;
+    - ``num_computed`` advances only in ``update()``, and a full block enters
+      the prefix index only there, once its KV really exists;
+    - a sequence's id goes into ``StepPlan.finished`` exactly when the workers
+      hold state for it and it ends or is preempted, so a restarted sequence's
+      id appears in ``finished`` before (or in the same plan as) its new
+      ``SeqStart``, and workers apply ``finished`` first.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+        enable_prefix_caching: bool = True,
+    ):
+        for name, value in [
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+        ]:
+            if value < 1:
+                raise ValueError(f"scheduler: {name} must be >= 1, got {value}")
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        # One sequence can never hold more KV than the whole cache.
+        self.max_kv_tokens = num_blocks * block_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_index = PrefixIndex()
+        self.allocator = BlockAllocator(num_blocks, block_size, self.prefix_index)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        self.requests: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+        self._num_arrivals = 0
+        self._next_step_id = 0
+        self._in_flight: _InFlight | None = None
+        self._finished_ids: list[str] = []  # for the next plan's ``finished``
+
+    # ------------------------------------------------------------------ intake
+
+    def add(self, req: Prepared, root: str) -> Failed | None:
+        """Queue ``req`` (KV under weights named ``root``), or refuse it at once."""
+        refusal = self._check_prompt(req)
+        if refusal is not None:
+            return refusal
+        num_prompt = len(req.prompt_token_ids)
+        max_tokens = min(req.sampling.max_tokens, self.max_model_len - num_prompt, self.max_kv_tokens - num_prompt)
+        seq = Sequence(req, root, max_tokens, self._num_arrivals, self.block_size)
+        self._num_arrivals += 1
+        self.requests[seq.request_id] = seq
+        self.waiting.append(seq)
+        return None
+
+    def abort(self, request_id: str) -> Finished | None:
+        """Stop a request now, wherever it is. Idempotent: only the first call
+        returns its ``Finished``; an unknown or ended id is a no-op."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        return self._finish(seq, "abort")
+
+    def _check_prompt(self, req: Prepared) -> Failed | None:
+        num_prompt = len(req.prompt_token_ids)
+        if req.request_id in self.requests:
+            return self._refuse(req, "request_id", f"request id {req.request_id!r} is already in use; send a unique id")
+        if num_prompt == 0:
+            return self._refuse(req, req.prompt_param, f"request {req.request_id}: the prompt is empty; send at least one token")
+        if num_prompt >= self.max_model_len:
+            message = (
+                f"request {req.request_id}: the prompt has {num_prompt} tokens, but max_model_len is "
+                f"{self.max_model_len} tokens for prompt and output together; shorten the prompt "
+                f"to at most {self.max_model_len - 1} tokens"
+            )
+            return self._refuse(req, req.prompt_param, message, code="context_length_exceeded")
+        if num_prompt >= self.max_kv_tokens:
+            message = (
+                f"request {req.request_id}: the prompt has {num_prompt} tokens, but the whole KV cache holds "
+                f"{self.max_kv_tokens} tokens (max_model_len is {self.max_model_len}); shorten the prompt "
+                f"to at most {self.max_kv_tokens - 1} tokens or give the server more KV blocks"
+            )
+            return self._refuse(req, req.prompt_param, message, code="context_length_exceeded")
+        return None
+
+    @staticmethod
+    def _refuse(req: Prepared, param: str, message: str, code: str | None = None) -> Failed:
+        return Failed(request_id=req.request_id, status=400, message=message, param=param, code=code)
+
+    # ---------------------------------------------------------------- schedule
+
+    def schedule(self) -> StepPlan | None:
+        """The next step's plan, or None when there is nothing to compute.
+
+        Order: decodes of running sequences, then their unfinished prefills,
+        then waiting requests in FIFO order (skipped in a step that preempted,
+        so a victim is not re-admitted at once).
+        """
+        if self._in_flight is not None:
+            raise RuntimeError(
+                f"schedule() while step {self._in_flight.step_id} is in flight; "
+                "pass its StepDone to update() (or its StepFailed to fail_step()) first"
+            )
+        step = _StepBuilder(self.max_num_batched_tokens)
+        num_preemptions = self.num_preemptions
+        self._schedule_running(step, decodes=True)
+        self._schedule_running(step, decodes=False)
+        if self.num_preemptions == num_preemptions or not step.chunks:
+            self._admit_waiting(step)
+        if not step.chunks:
+            return None
+        plan = StepPlan(
+            step_id=self._next_step_id,
+            started=step.started,
+            scheduled=[chunk for _, chunk in step.chunks.values()],
+            finished=self._finished_ids,
+        )
+        self._in_flight = _InFlight(self._next_step_id, list(step.chunks.values()))
+        self._next_step_id += 1
+        self._finished_ids = []
+        return plan
+
+    def _schedule_running(self, step: _StepBuilder, decodes: bool) -> None:
+        for seq in list(self.running):
+            if step.budget == 0:
+                return
+            if seq.status is not SeqStatus.RUNNING or seq.request_id in step.chunks:
+                continue  # preempted, or already scheduled this step
+            num_left = seq.num_tokens - seq.num_computed
+            if (num_left == 1) != decodes:
+                continue
+            num_new = min(num_left, step.budget)
+            if self._reserve_blocks(seq, num_new, step):
+                step.add(seq, num_new)
+
+    def _reserve_blocks(self, seq: Sequence, num_new: int, step: _StepBuilder) -> bool:
+        """Blocks for ``num_new`` more tokens of a running ``seq``, preempting
+        the latest admitted sequences (maybe ``seq`` itself) until they fit."""
+        num_needed = _cdiv(seq.num_computed + num_new, self.block_size) - len(seq.block_ids)
+        while not self.allocator.can_allocate(num_needed):
+            victim = self.running[-1]
+            self._preempt(victim, step)
+            if victim is seq:
+                return False
+        seq.block_ids += self.allocator.allocate(num_needed)
+        return True
+
+    def _preempt(self, seq: Sequence, step: _StepBuilder) -> None:
+        """Preempt by recompute: free everything, requeue at the head."""
+        step.drop(seq)
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _admit_waiting(self, step: _StepBuilder) -> None:
+        while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
+            if not self._try_admit(self.waiting[0], step):
+                return  # FIFO: nobody overtakes the head
+
+    def _try_admit(self, seq: Sequence, step: _StepBuilder) -> bool:
+        hits = self._lookup_prefix(seq)
+        num_computed = len(hits) * self.block_size
+        num_new = min(seq.num_tokens - num_computed, step.budget)
+        num_needed = _cdiv(num_computed + num_new, self.block_size) - len(hits)
+        # Hits that are cached-free leave the free pool when shared.
+        num_revived = sum(1 for block_id in hits if self.allocator.ref_count(block_id) == 0)
+        if not self.allocator.can_allocate(num_needed + num_revived):
+            return False
+        self.allocator.share(hits)  # before allocate(), which could evict them
+        seq.block_ids = hits + self.allocator.allocate(num_needed)
+        seq.num_computed = num_computed
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = num_computed
+        self.waiting.popleft()
+        self.running.append(seq)
+        seq.status = SeqStatus.RUNNING
+        seq.is_started = True
+        step.started.append(
+            SeqStart(seq.request_id, seq.prompt_token_ids, seq.sampling, list(seq.output_token_ids))
+        )
+        step.add(seq, num_new)
+        return True
+
+    def _lookup_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks of the longest known prefix, leaving at least the last
+        token to compute so there is a position to sample from."""
+        if not self.enable_prefix_caching:
+            return []
+        max_hit_blocks = (seq.num_tokens - 1) // self.block_size
+        return self.prefix_index.lookup(seq.block_hash(i) for i in range(max_hit_blocks))
+
+    # ------------------------------------------------------------------ update
+
+    def update(self, done: StepDone) -> list[ConductorToFrontend]:
+        """Apply one step's result: a ``TokenDelta`` per sequence that sampled,
+        then a ``Finished`` for each that ended. Rows aborted while the step was
+        in flight are skipped (their sampled tokens ignored)."""
+        in_flight = self._take_in_flight(done.step_id)
+        sampled = {token.request_id: token for token in done.sampled}
+        live_rows = [(seq, chunk) for seq, chunk in in_flight.rows if seq.status is SeqStatus.RUNNING]
+        missing = [seq.request_id for seq, chunk in live_rows if chunk.sample and seq.request_id not in sampled]
+        if missing:
+            raise ValueError(f"StepDone of step {done.step_id} has no sampled token for request(s) {missing}")
+        outputs: list[ConductorToFrontend] = []
+        for seq, chunk in live_rows:
+            seq.num_computed += chunk.num_tokens
+            self._cache_full_blocks(seq, chunk.num_computed)
+            if chunk.sample:
+                outputs += self._append_token(seq, sampled[seq.request_id])
+        return outputs
+
+    def fail_step(self, failed: StepFailed) -> list[ConductorToFrontend]:
+        """A step raised on a rank: fail the rows it names (all rows when it
+        names none). Other rows did not advance; their chunk is scheduled again."""
+        in_flight = self._take_in_flight(failed.step_id)
+        names = set(failed.request_ids)
+        outputs: list[ConductorToFrontend] = []
+        for seq, _ in in_flight.rows:
+            if seq.status is SeqStatus.RUNNING and (not names or seq.request_id in names):
+                self._finish(seq, "abort")
+                message = f"request {seq.request_id}: the engine failed its step on rank {failed.rank}: {failed.message}"
+                outputs.append(Failed(seq.request_id, status=500, message=message, error_type="server_error"))
+        return outputs
+
+    def _take_in_flight(self, step_id: int) -> _InFlight:
+        in_flight = self._in_flight
+        if in_flight is None or in_flight.step_id != step_id:
+            expected = "no step" if in_flight is None else f"step {in_flight.step_id}"
+            raise ValueError(f"result for step {step_id}, but {expected} is in flight")
+        self._in_flight = None
+        return in_flight
+
+    def _cache_full_blocks(self, seq: Sequence, num_computed_before: int) -> None:
+        """Index the blocks this step filled: their KV exists now."""
+        if not self.enable_prefix_caching:
+            return
+        for index in range(num_computed_before // self.block_size, seq.num_computed // self.block_size):
+            self.allocator.cache(seq.block_ids[index], seq.block_hash(index))
+
+    def _append_token(self, seq: Sequence, token: SampledToken) -> list[ConductorToFrontend]:
+        seq.output_token_ids.append(token.token_id)
+        outputs: list[ConductorToFrontend] = [TokenDelta(seq.request_id, [token])]
+        ending = self._stop_reason(seq, token.token_id)
+        if ending is not None:
+            outputs.append(self._finish(seq, *ending))
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> tuple[str, int | None] | None:
+        if token_id in self.eos_token_ids and not seq.sampling.ignore_eos:
+            return "stop", token_id
+        if token_id in seq.sampling.stop_token_ids:
+            return "stop", token_id
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None
+
+    # ----------------------------------------------------------------- endings
+
+    def _finish(self, seq: Sequence, reason: str, stop_token_id: int | None = None) -> Finished:
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SeqStatus.FINISHED
+        del self.requests[seq.request_id]
+        return Finished(
+            request_id=seq.request_id,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            stop_token_id=stop_token_id,
+        )
+
+    def _release(self, seq: Sequence) -> None:
+        """Free the blocks and have the workers forget the sequence."""
+        self.allocator.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed = 0
+        if seq.is_started:
+            self._finished_ids.append(seq.request_id)
+            seq.is_started = False
+
+    # ------------------------------------------------------------------ gauges
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def is_in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_kv_blocks_used=self.allocator.num_used,
+            num_kv_blocks_total=self.allocator.num_blocks,
+            num_preemptions=self.num_preemptions,
+        )

@@ -1,0 +1,85 @@
+"""Per-request bookkeeping of the scheduler."""
+
+from __future__ import annotations
+
+import enum
+
+from mstar_actors.messages import Prepared, SamplingParams
+from mstar_actors.sched.prefix_index import chain_hash, root_hash
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request: its tokens, how many have KV computed, and its block table.
+
+    ``num_computed`` counts the leading tokens of ``prompt + output`` whose KV
+    is in ``block_ids``; the last sampled token never has KV yet, so a running
+    sequence has ``num_computed < num_tokens``. ``is_started`` is true while
+    the workers hold state for it (from its ``SeqStart`` until its id is sent
+    in ``StepPlan.finished``).
+    """
+
+    def __init__(self, req: Prepared, root: str, max_tokens: int, arrival: int, block_size: int):
+        self.request_id = req.request_id
+        self.root = root
+        self.prompt_token_ids = list(req.prompt_token_ids)
+        self.sampling: SamplingParams = req.sampling
+        self.max_tokens = max_tokens
+        self.arrival = arrival
+        self.block_size = block_size
+        self.output_token_ids: list[int] = []
+        self.num_computed = 0
+        self.block_ids: list[int] = []
+        self.status = SeqStatus.WAITING
+        self.is_started = False
+        self.num_cached_tokens: int | None = None  # prefix hit at first admission
+        self._block_hashes: list[bytes] = []  # chain hashes of full blocks, computed lazily
+        self._root_hash = root_hash(root)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_full_blocks(self) -> int:
+        return self.num_tokens // self.block_size
+
+    def block_token_ids(self, index: int) -> list[int]:
+        """Tokens of block ``index`` of ``prompt + output`` (may straddle the two)."""
+        start, end = index * self.block_size, (index + 1) * self.block_size
+        num_prompt = len(self.prompt_token_ids)
+        head = self.prompt_token_ids[start:end]
+        tail = self.output_token_ids[max(start - num_prompt, 0) : max(end - num_prompt, 0)]
+        return head + tail
+
+    def block_hash(self, index: int) -> bytes:
+        """Chain hash of full block ``index``. Tokens are append-only, so it never changes."""
+        if index >= self.num_full_blocks:
+            raise IndexError(f"request {self.request_id}: block {index} is not full")
+        while len(self._block_hashes) <= index:
+            i = len(self._block_hashes)
+            parent = self._block_hashes[-1] if self._block_hashes else self._root_hash
+            self._block_hashes.append(chain_hash(parent, self.block_token_ids(i)))
+        return self._block_hashes[index]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed}, blocks={self.block_ids})"
+        )

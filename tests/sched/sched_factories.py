@@ -1,0 +1,159 @@
+"""Factories and checkers for the scheduler tests: schedulers, requests,
+hand-built StepDones, a fake worker that checks every plan, invariants."""
+
+from __future__ import annotations
+
+from mstar_actors.messages import Finished, Prepared, SampledToken, SamplingParams, StepDone, StepPlan, TokenDelta
+from mstar_actors.sched import Scheduler, SeqStatus
+
+EOS = 2
+ROOT = "base-model"
+
+
+def make_scheduler(**overrides) -> Scheduler:
+    kwargs = dict(
+        num_blocks=64,
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        max_model_len=128,
+        eos_token_ids=(EOS,),
+        enable_prefix_caching=True,
+    )
+    kwargs.update(overrides)
+    return Scheduler(**kwargs)
+
+
+def make_request(
+    request_id: str = "r0",
+    prompt: list[int] | None = None,
+    num_prompt_tokens: int = 6,
+    max_tokens: int = 16,
+    prompt_param: str = "prompt",
+    **sampling,
+) -> Prepared:
+    if prompt is None:
+        prompt = list(range(10, 10 + num_prompt_tokens))
+    return Prepared(
+        request_id=request_id,
+        model="m",
+        prompt_token_ids=prompt,
+        sampling=SamplingParams(max_tokens=max_tokens, **sampling),
+        prompt_param=prompt_param,
+    )
+
+
+def make_done(plan: StepPlan, tokens: dict[str, int] | None = None, default: int = 7) -> StepDone:
+    """A StepDone sampling ``tokens[id]`` (else ``default``) for every chunk that samples."""
+    tokens = tokens or {}
+    sampled = [
+        SampledToken(chunk.request_id, tokens.get(chunk.request_id, default))
+        for chunk in plan.scheduled
+        if chunk.sample
+    ]
+    return StepDone(step_id=plan.step_id, rank=0, sampled=sampled)
+
+
+def run_step(sched: Scheduler, tokens: dict[str, int] | None = None, default: int = 7):
+    plan = sched.schedule()
+    assert plan is not None, "expected a plan"
+    return plan, sched.update(make_done(plan, tokens, default))
+
+
+def finished_of(outputs) -> dict[str, Finished]:
+    return {out.request_id: out for out in outputs if isinstance(out, Finished)}
+
+
+def tokens_of(outputs) -> dict[str, list[int]]:
+    result: dict[str, list[int]] = {}
+    for out in outputs:
+        if isinstance(out, TokenDelta):
+            result.setdefault(out.request_id, []).extend(t.token_id for t in out.tokens)
+    return result
+
+
+def chunks_of(plan: StepPlan) -> dict[str, tuple[int, int, bool]]:
+    return {c.request_id: (c.num_computed, c.num_tokens, c.sample) for c in plan.scheduled}
+
+
+def assert_no_blocks_used(sched: Scheduler) -> None:
+    alloc = sched.allocator
+    assert alloc.num_used == 0
+    assert alloc.num_free == alloc.num_blocks
+    assert all(alloc.ref_count(b) == 0 for b in range(alloc.num_blocks))
+
+
+def check_invariants(sched: Scheduler) -> None:
+    """Block ownership, ref counts, the index and the queues agree."""
+    alloc = sched.allocator
+    holders = [0] * alloc.num_blocks
+    for seq in sched.running:
+        assert seq.status is SeqStatus.RUNNING
+        assert len(set(seq.block_ids)) == len(seq.block_ids), f"{seq} holds a block twice"
+        for block_id in seq.block_ids:
+            holders[block_id] += 1
+    for seq in sched.waiting:
+        assert seq.status is SeqStatus.WAITING and not seq.block_ids and not seq.is_started
+    for block_id, num_holders in enumerate(holders):
+        assert alloc.ref_count(block_id) == num_holders, f"block {block_id}"
+    assert alloc.num_used == sum(1 for n in holders if n > 0)
+    for block_id in alloc.cached_free_ids():
+        assert alloc.ref_count(block_id) == 0
+        assert sched.prefix_index.get(alloc.hash_of(block_id)) == block_id
+    num_hashed = sum(1 for b in range(alloc.num_blocks) if alloc.hash_of(b) is not None)
+    assert num_hashed == len(sched.prefix_index)
+    assert len(sched.running) <= sched.max_num_seqs
+    ids = [s.request_id for s in sched.running] + [s.request_id for s in sched.waiting]
+    assert sorted(ids) == sorted(sched.requests)
+
+
+class FakeWorker:
+    """Executes plans the way a worker would, and checks them.
+
+    It keeps, per block slot, the (root, position, token) whose KV was written
+    there, so a chunk that reads a prefix (its own or a shared cached one)
+    must find exactly its own tokens under its own root.
+    """
+
+    def __init__(self, block_size: int, roots: dict[str, str]):
+        self.block_size = block_size
+        self.roots = roots  # request id -> root (workers never see roots; tests do)
+        self.seqs: dict[str, list[int]] = {}  # request id -> all known tokens
+        self.kv: dict[tuple[int, int], tuple[str, int, int]] = {}
+
+    def run(self, plan: StepPlan, sample) -> StepDone:
+        for request_id in plan.finished:
+            assert request_id in self.seqs, f"finished {request_id} unknown to the worker"
+            del self.seqs[request_id]
+        for start in plan.started:
+            assert start.request_id not in self.seqs, f"{start.request_id} started twice"
+            self.seqs[start.request_id] = start.prompt_token_ids + start.output_token_ids
+        sampled = []
+        for chunk in plan.scheduled:
+            tokens = self.seqs[chunk.request_id]
+            self._check_prefix(chunk, tokens)
+            self._write(chunk, tokens)
+            if chunk.sample:
+                assert chunk.num_computed + chunk.num_tokens == len(tokens)
+                token_id = sample(chunk.request_id)
+                tokens.append(token_id)
+                sampled.append(SampledToken(chunk.request_id, token_id))
+            else:
+                assert chunk.num_computed + chunk.num_tokens < len(tokens)
+        return StepDone(step_id=plan.step_id, rank=0, sampled=sampled)
+
+    def _slot(self, chunk, position: int) -> tuple[int, int]:
+        return chunk.block_ids[position // self.block_size], position % self.block_size
+
+    def _check_prefix(self, chunk, tokens: list[int]) -> None:
+        root = self.roots[chunk.request_id]
+        for position in range(chunk.num_computed):
+            assert self.kv.get(self._slot(chunk, position)) == (root, position, tokens[position]), (
+                f"{chunk.request_id}: stale KV at position {position}"
+            )
+
+    def _write(self, chunk, tokens: list[int]) -> None:
+        root = self.roots[chunk.request_id]
+        assert len(chunk.block_ids) * self.block_size >= chunk.num_computed + chunk.num_tokens
+        for position in range(chunk.num_computed, chunk.num_computed + chunk.num_tokens):
+            self.kv[self._slot(chunk, position)] = (root, position, tokens[position])
