@@ -1,0 +1,240 @@
+"""The model's tokenizer, the incremental detokenizer and stop strings.
+
+``Tokenization`` loads a Hugging Face tokenizer from a local model directory
+(never the network) and is built inside the process that uses it (prepare,
+frontend): it is never pickled or sent anywhere.
+
+``IncrementalDetokenizer`` and ``StopStrings`` are pure per-request state
+machines the frontend feeds as ``TokenDelta``s arrive.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from mstar_actors import messages
+
+REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens the detokenizer decodes before the first output token, so the
+# first output gets the right leading space (SentencePiece) and merges (vLLM: 5).
+NUM_PREFIX_TOKENS = 5
+
+
+class Tokenization:
+    """One model's tokenizer with the calls the engine needs."""
+
+    def __init__(self, model_dir: str | Path):
+        self.model_dir = Path(model_dir)
+        try:
+            self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+                str(self.model_dir), local_files_only=True
+            )
+        except (OSError, ValueError) as exc:
+            raise ValueError(
+                f"cannot load a tokenizer from model directory {self.model_dir.name!r}: {exc}; "
+                "it needs tokenizer.json or the tokenizer files of a Hugging Face model"
+            ) from exc
+        self.eos_token_ids: list[int] = _read_eos_token_ids(self.tokenizer, self.model_dir)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer knows, added tokens included. The model's
+        embedding may be larger (padded); ids beyond this decode to nothing."""
+        return len(self.tokenizer)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a completion prompt, with the model's BOS rules."""
+        return list(self.tokenizer(text).input_ids)
+
+    def apply_chat_template(
+        self, chat: list[messages.ChatMessage], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of a conversation rendered by the model's own chat template.
+
+        The rendered text is tokenized without adding special tokens again (the
+        template writes them), as ``tokenizer.apply_chat_template`` does.
+        """
+        if not self.has_chat_template:
+            raise ValueError(
+                f"model {self.model_dir.name!r} has no chat template, so it cannot take "
+                "'messages'; send a plain 'prompt' to /v1/completions instead"
+            )
+        conversation = [_to_template_message(i, m) for i, m in enumerate(chat)]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"the model's chat template refused 'messages': {exc}") from exc
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def make_detokenizer(
+        self, prompt_token_ids: list[int], skip_special_tokens: bool = True
+    ) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens)
+
+
+def _to_template_message(index: int, message: messages.ChatMessage) -> dict[str, str]:
+    """A ChatMessage as the dict chat templates expect; text parts joined by
+    newlines (as vLLM does for string-content templates)."""
+    content = message.content
+    if isinstance(content, str):
+        return {"role": message.role, "content": content}
+    texts = []
+    for part_index, part in enumerate(content):
+        if part.type != "text":
+            raise ValueError(
+                f"messages[{index}].content[{part_index}] has type {part.type!r}; "
+                "only 'text' content parts are supported for this model so far"
+            )
+        texts.append(part.text or "")
+    return {"role": message.role, "content": "\n".join(texts)}
+
+
+def _read_eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_dir: Path) -> list[int]:
+    """The tokenizer's EOS first, then any extra ones from generation_config.json
+    and config.json (models such as Llama 3 list several there)."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        value = json.loads(path.read_text()).get("eos_token_id")
+        for token_id in value if isinstance(value, list) else [value]:
+            if isinstance(token_id, int) and token_id not in ids:
+                ids.append(token_id)
+    return ids
+
+
+class IncrementalDetokenizer:
+    """Turns a request's output tokens into text deltas as they arrive.
+
+    vLLM's prefix-offset / read-offset technique: keep a short window of ids
+    that starts a few tokens before the unread ones; decode the window with
+    and without the unread ids and emit the difference. Decoding in context
+    keeps SentencePiece leading spaces and byte-level merges right, and costs
+    O(window) per token instead of O(output).
+
+    Invariants: ``_window[:_num_read]`` decodes to text that does not end in
+    U+FFFD (it stops at a character boundary); text is emitted only when the
+    whole window decodes to more text that does not end in U+FFFD, so half a
+    UTF-8 character is held back until its last byte arrives.
+
+    For byte-level BPE the concatenated deltas plus ``flush()`` equal
+    ``decode(all_output_ids)``. For SentencePiece models with a prompt, the
+    first delta keeps its leading space (the text continues the prompt),
+    where a standalone decode would drop it.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+    ):
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._window: list[int] = list(prompt_token_ids[-NUM_PREFIX_TOKENS:])
+        self._num_read = len(self._window)
+
+    def add(self, token_ids: list[int]) -> str:
+        """The new text that ``token_ids`` complete (possibly "")."""
+        return "".join(self._add_one(token_id) for token_id in token_ids)
+
+    def flush(self) -> str:
+        """What is still held back at the end of the request (an unfinished
+        character decodes as U+FFFD, as a full decode would)."""
+        if len(self._window) == self._num_read:
+            return ""
+        prefix_text = self._decode(self._window[: self._num_read])
+        text = self._decode(self._window)
+        self._advance()
+        return text[len(prefix_text) :]
+
+    def _add_one(self, token_id: int) -> str:
+        self._window.append(token_id)
+        prefix_text = self._decode(self._window[: self._num_read])
+        text = self._decode(self._window)
+        if len(text) <= len(prefix_text) or text.endswith(REPLACEMENT_CHAR):
+            return ""  # a special token skipped, or a character still incomplete
+        self._advance()
+        return text[len(prefix_text) :]
+
+    def _advance(self) -> None:
+        """The read ids become the next prefix; everything is now read."""
+        del self._window[: self._num_read]
+        self._num_read = len(self._window)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if not token_ids:
+            return ""
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+
+
+class StopStrings:
+    """Cuts a request's text stream at the first stop string (OpenAI ``stop``).
+
+    Holds back the longest suffix of the text seen so far that could still
+    grow into a stop string; everything before it is safe to emit. A match
+    anywhere in held + new text stops the stream: the text before the match
+    is returned and the stop string itself is never emitted. When several
+    stops match, the earliest in the text wins.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]  # "" would match everywhere
+        self.matched: str | None = None
+        self._held = ""
+
+    @property
+    def is_stopped(self) -> bool:
+        return self.matched is not None
+
+    def feed(self, new_text: str) -> tuple[str, bool]:
+        """(text safe to emit now, whether a stop string matched)."""
+        if self.is_stopped:
+            return "", True
+        text = self._held + new_text
+        match_at, match = self._find_first_match(text)
+        if match is not None:
+            self.matched, self._held = match, ""
+            return text[:match_at], True
+        num_held = self._num_partial_suffix(text)
+        self._held = text[len(text) - num_held :]
+        return text[: len(text) - num_held], False
+
+    def flush(self) -> str:
+        """The held-back text, when the request ends without a match."""
+        held, self._held = self._held, ""
+        return "" if self.is_stopped else held
+
+    def _find_first_match(self, text: str) -> tuple[int, str | None]:
+        best_at, best = len(text), None
+        for stop in self.stops:
+            at = text.find(stop)
+            if at != -1 and at < best_at:
+                best_at, best = at, stop
+        return best_at, best
+
+    def _num_partial_suffix(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop."""
+        longest = 0
+        for stop in self.stops:
+            for size in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest

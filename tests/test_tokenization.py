@@ -1,0 +1,228 @@
+"""Tokenization on a tiny trained tokenizer; incremental detokenizer; stop strings."""
+
+import json
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from mstar_actors.messages import ChatMessage, ContentPart
+from mstar_actors.tokenization import IncrementalDetokenizer, StopStrings, Tokenization
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "Hello world, the cat sat on the mat. It's a sunny day!",
+    "你好世界，今天天气很好。 こんにちは世界",
+    "emoji 🎉🚀 are fun 😀 and café naïve",
+]
+MIXED_TEXT = "Hello 🎉 world, 你好世界! café 😀🚀 the cat こんにちは"
+
+
+def train_tokenizer(model, pre_tokenizer, decoder, trainer) -> Tokenizer:
+    tok = Tokenizer(model)
+    tok.pre_tokenizer = pre_tokenizer
+    tok.decoder = decoder
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    return tok
+
+
+def save_model_dir(path, tok: Tokenizer, chat_template=CHATML, generation_eos=None):
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    if chat_template:
+        hf.chat_template = chat_template
+    hf.save_pretrained(path)
+    if generation_eos is not None:
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def byte_level_dir(tmp_path_factory):
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok = train_tokenizer(models.BPE(), pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel(), trainer)
+    return save_model_dir(tmp_path_factory.mktemp("bytelevel"), tok, generation_eos=[2, 0])
+
+
+@pytest.fixture(scope="module")
+def tokenization(byte_level_dir):
+    return Tokenization(byte_level_dir)
+
+
+@pytest.fixture(scope="module")
+def metaspace_tokenization(tmp_path_factory):
+    """SentencePiece-style: words carry a leading '▁' that decodes to a space."""
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS)
+    tok = train_tokenizer(models.BPE(unk_token="<|endoftext|>"), pre_tokenizers.Metaspace(), decoders.Metaspace(), trainer)
+    return Tokenization(save_model_dir(tmp_path_factory.mktemp("metaspace"), tok))
+
+
+def stream(detok: IncrementalDetokenizer, token_ids, chunk_size=1) -> list[str]:
+    deltas = [detok.add(token_ids[i : i + chunk_size]) for i in range(0, len(token_ids), chunk_size)]
+    return deltas + [detok.flush()]
+
+
+# --------------------------------------------------------------------------
+# Tokenization
+# --------------------------------------------------------------------------
+
+
+def test_encode_decode_vocab_and_eos(tokenization):
+    hf = tokenization.tokenizer
+    assert tokenization.encode_prompt(MIXED_TEXT) == hf(MIXED_TEXT).input_ids
+    assert tokenization.decode(tokenization.encode_prompt(MIXED_TEXT)) == MIXED_TEXT
+    assert tokenization.vocab_size == len(hf)
+    im_end = hf.convert_tokens_to_ids("<|im_end|>")
+    assert tokenization.eos_token_ids == [im_end, 0]  # tokenizer's first, then generation_config's extras
+
+
+def test_chat_template_multi_turn_matches_transformers(tokenization):
+    chat = [
+        ChatMessage("system", "You are terse."),
+        ChatMessage("user", "Hello 🎉"),
+        ChatMessage("assistant", "Hi."),
+        ChatMessage("user", [ContentPart("text", text="the cat"), ContentPart("text", text="sat")]),
+    ]
+    as_dicts = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hello 🎉"},
+        {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": "the cat\nsat"},
+    ]
+    hf = tokenization.tokenizer
+    for add_generation_prompt in (True, False):
+        expected = hf.apply_chat_template(
+            as_dicts, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
+        )
+        assert tokenization.apply_chat_template(chat, add_generation_prompt) == list(expected)
+    text = tokenization.decode(tokenization.apply_chat_template(chat), skip_special_tokens=False)
+    assert text.count("<|im_start|>") == 5 and text.endswith("<|im_start|>assistant\n")
+
+
+def test_non_text_content_part_is_refused_by_name(tokenization):
+    chat = [ChatMessage("user", "hi"), ChatMessage("user", [ContentPart("image_url", url="http://x/a.png")])]
+    with pytest.raises(ValueError, match=r"messages\[1\]\.content\[0\].*'image_url'"):
+        tokenization.apply_chat_template(chat)
+
+
+def test_model_without_chat_template_says_to_use_completions(tmp_path, byte_level_dir):
+    tok = Tokenizer.from_file(str(byte_level_dir / "tokenizer.json"))
+    plain = Tokenization(save_model_dir(tmp_path, tok, chat_template=None))
+    with pytest.raises(ValueError, match="/v1/completions"):
+        plain.apply_chat_template([ChatMessage("user", "hi")])
+
+
+def test_missing_tokenizer_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="cannot load a tokenizer"):
+        Tokenization(tmp_path)
+
+
+# --------------------------------------------------------------------------
+# Incremental detokenizer
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 3, 7])
+def test_detokenizer_matches_full_decode_and_never_splits_characters(tokenization, chunk_size):
+    output_ids = tokenization.encode_prompt(MIXED_TEXT)
+    # Multi-byte characters really are split across tokens here.
+    assert any("\ufffd" in tokenization.decode([t]) for t in output_ids)
+    prompt_ids = tokenization.encode_prompt("the cat 你")
+    deltas = stream(tokenization.make_detokenizer(prompt_ids), output_ids, chunk_size)
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == tokenization.decode(output_ids) == MIXED_TEXT
+    assert deltas[-1] == ""  # nothing left to flush
+
+
+def test_detokenizer_special_tokens_skipped_or_kept(tokenization):
+    hf = tokenization.tokenizer
+    im_end = hf.convert_tokens_to_ids("<|im_end|>")
+    output_ids = tokenization.encode_prompt("Hello 🎉") + [im_end] + tokenization.encode_prompt(" 你好")
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(hf, [1], skip_special_tokens=skip)
+        assert "".join(stream(detok, output_ids)) == hf.decode(output_ids, skip_special_tokens=skip)
+
+
+def test_detokenizer_holds_back_an_unfinished_character_until_flush(tokenization):
+    emoji_ids = tokenization.encode_prompt("🚀")
+    assert len(emoji_ids) > 1
+    detok = tokenization.make_detokenizer([])
+    assert detok.add(emoji_ids[:-1]) == ""
+    assert detok.flush() == tokenization.decode(emoji_ids[:-1])  # replacement chars, like a full decode
+    detok = tokenization.make_detokenizer([])
+    assert detok.add(emoji_ids[:-1]) == "" and detok.add(emoji_ids[-1:]) == "🚀"
+
+
+def test_detokenizer_sentencepiece_leading_spaces(metaspace_tokenization):
+    tok = metaspace_tokenization
+    text = "the cat sat on the mat"
+    output_ids = tok.encode_prompt(text)
+    assert "".join(stream(tok.make_detokenizer([]), output_ids)) == tok.decode(output_ids)
+    # Continuing a prompt, the first word keeps its space.
+    deltas = stream(tok.make_detokenizer(tok.encode_prompt("Hello world,")), output_ids)
+    assert "".join(deltas) == " " + text
+    assert deltas[1].startswith(" ")
+
+
+# --------------------------------------------------------------------------
+# Stop strings
+# --------------------------------------------------------------------------
+
+
+def feed_all(stops: StopStrings, chunks):
+    emitted, stopped = [], False
+    for chunk in chunks:
+        text, stopped = stops.feed(chunk)
+        emitted.append(text)
+        if stopped:
+            break
+    if not stopped:
+        emitted.append(stops.flush())
+    return "".join(emitted), stopped
+
+
+def test_stop_string_across_chunk_boundaries():
+    stops = StopStrings(["STOP"])
+    assert stops.feed("hello ST") == ("hello ", False)
+    assert stops.feed("O") == ("", False)
+    assert stops.feed("P and more") == ("", True)
+    assert stops.matched == "STOP"
+    assert stops.feed("anything") == ("", True) and stops.flush() == ""
+
+
+def test_false_start_is_released():
+    stops = StopStrings(["STOP"])
+    assert stops.feed("a ST") == ("a ", False)
+    assert stops.feed("Ox") == ("STOx", False)
+    assert stops.feed("S") == ("", False)
+    assert stops.flush() == "S"
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 3, 5, 100])
+def test_multiple_and_overlapping_stops(chunk_size):
+    text = "one two abab abc three"
+    chunks = [text[i : i + chunk_size] for i in range(0, len(text), chunk_size)]
+    # "abc" overlaps a false start "ab"+"ab"; earliest match in the text wins.
+    assert feed_all(StopStrings(["abc", "three"]), chunks) == ("one two abab ", True)
+    assert feed_all(StopStrings(["three", "abc"]), chunks) == ("one two abab ", True)
+    assert feed_all(StopStrings(["bab", "abc"]), chunks) == ("one two a", True)
+    assert feed_all(StopStrings(["nope", "zz"]), chunks) == (text, False)
+    assert feed_all(StopStrings([]), chunks) == (text, False)
+
+
+def test_stop_at_very_start_and_unicode():
+    assert StopStrings(["你好"]).feed("你好世界") == ("", True)
+    stops = StopStrings(["🎉!"])
+    assert stops.feed("party 🎉") == ("party ", False)
+    assert stops.feed("!") == ("", True)
+
+
+def test_holds_only_what_could_still_match():
+    stops = StopStrings(["abcd", "cx"])
+    assert stops.feed("zzabc") == ("zz", False)  # "abc" could become "abcd", "c" could become "cx"
+    assert stops.feed("x") == ("ab", True)  # "cx" matched inside the held text
