@@ -1,0 +1,458 @@
+"""The frontend actor: OpenAI-compatible HTTP in, engine requests out.
+
+Channels (see ``actors.base``): inbox ``"conductor"`` (``ConductorToFrontend``)
+and ``"control"``; outbox ``"prepare"`` (``FrontendToPrepare``) and
+``"control"``. ``start()`` loads the tokenizer and opens the aiohttp site
+(uvloop in the actor process); ``handle`` routes engine messages to the HTTP
+exchange that waits for them.
+
+Concurrency invariants (one asyncio loop, no threads touch this state):
+
+- The mailbox's single reader never blocks on a client. Each HTTP exchange has
+  its own queue, and ``handle`` only ever ``push``es into it without waiting.
+  The queue is bounded by what the exchange can legitimately receive: every
+  ``TokenDelta`` carries at least one token, so a choice gets at most
+  ``max_tokens`` deltas plus one ``Finished``/``Failed`` (plus one failure
+  from the frontend itself). A slow client therefore holds at most its own
+  tokens in memory and never makes the frontend drop or stall anyone's. A
+  message beyond the bound is an engine bug: the exchange fails, others go on.
+- Every engine request the frontend sent is aborted unless it finished, on
+  every exit path of its handler (client gone: aiohttp cancels the handler;
+  write failed; error; stop-string match), so the conductor frees its blocks.
+- Waiting requests are ``max(EngineStats.num_waiting, unacknowledged)``: a
+  request with no engine output yet is in prepare or in the engine's waiting
+  queue, so summing the two would count the latter twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import hmac
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from actors.base import CONTROL, Actor
+from mstar_actors import openai_api as api
+from mstar_actors.messages import Abort, EngineStats, Failed, Finished, NewRequest, PeerFailed, TokenDelta
+from mstar_actors.metrics import Metrics
+from mstar_actors.openai_api import ApiError, ChoiceOutput, ParsedRequest
+from transport.errors import ChannelFull
+
+_json = msgspec.json.Encoder()
+
+
+def served_name(config_name: str | None, path: str, folder: Path) -> str:
+    """``model.name``, else the embedded name, else the folder's name."""
+    from mstar_actors.fetch import EMBEDDED
+
+    return config_name or (path if path in EMBEDDED else folder.name)
+
+
+def read_max_model_len(configured: int | None, folder: Path) -> int | None:
+    if configured:
+        return configured
+    try:
+        model_config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text_config = model_config.get("text_config") or model_config
+    return text_config.get("max_position_embeddings")
+
+
+class Exchange:
+    """One HTTP request's engine requests and its bounded inbound queue."""
+
+    def __init__(self, parsed: ParsedRequest, model: str, prefix: str):
+        self.parsed = parsed
+        self.model = model
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.arrival = time.perf_counter()
+        self.requests = parsed.new_requests(self.id, model)
+        self.choices: dict[str, ChoiceOutput] = {}
+        self.max_pending = sum(r.sampling.max_tokens + 2 for r in self.requests)
+        self._pending: collections.deque = collections.deque()
+        self._changed = asyncio.Event()
+        self.is_overflowed = False
+
+    def push(self, msg: Any) -> None:
+        """Never blocks (the mailbox reader calls it); see the module docstring."""
+        if self.is_overflowed:
+            return
+        if len(self._pending) >= self.max_pending:
+            self.is_overflowed = True
+            msg = Failed(request_id=msg.request_id, status=500, error_type="server_error",
+                         message=f"request {self.id}: the engine sent more outputs than max_tokens allows")
+        self._pending.append(msg)
+        self._changed.set()
+
+    async def pop(self) -> Any:
+        while not self._pending:
+            self._changed.clear()
+            await self._changed.wait()
+        return self._pending.popleft()
+
+    def open_ids(self) -> list[str]:
+        return [rid for rid, c in self.choices.items() if not c.is_done]
+
+
+class FrontendActor(Actor):
+    """See the module docstring."""
+
+    def __init__(self, **kw: Any):
+        super().__init__(**kw)
+        self.metrics = Metrics()
+        self.port: int | None = None  # the bound port, once started
+        self._is_started = CONTROL not in self.inbox  # without a launcher: ready when started
+        self._failure: str | None = None  # a peer's failure: unhealthy from then on
+        self.health_changed = asyncio.Event()  # set when Started / PeerFailed was applied
+        self._exchanges: dict[str, Exchange] = {}  # request id -> its exchange
+        self._unacked: set[str] = set()
+        self._num_engine_waiting = 0
+        self._background: set[asyncio.Task] = set()
+        self._runner: web.AppRunner | None = None
+
+    # ---- lifecycle ------------------------------------------------------
+
+    async def start(self) -> None:
+        from mstar_actors.fetch import resolve_model
+
+        model = self.config.model
+        folder = await self.run_blocking(resolve_model, model.path)
+        self.model_name = served_name(model.name, model.path, folder)
+        self.adapter_names = sorted(self.config.lora.adapters)
+        self.max_model_len = read_max_model_len(self.config.scheduler.max_model_len, folder)
+        self.tokenizer = await self.run_blocking(_load_tokenizer, folder)
+        self.vocab_size = len(self.tokenizer)
+        self.token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
+        self.started_at = int(time.time())
+        await self._open_site()
+
+    def _decode_one(self, token_id: int) -> str:
+        """A token's own text for logprobs (special tokens included)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def _open_site(self) -> None:
+        server = self.config.server
+        self._runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, server.host, server.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        self.log.info("serving %s on http://%s:%d", self.model_name, server.host, self.port)
+
+    async def stop(self) -> None:
+        self._fail_all(503, f"the server is shutting down ({self.stop_reason or 'stopped'})")
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def on_started(self) -> None:
+        self._is_started = True
+        self.health_changed.set()
+
+    def on_peer_failed(self, msg: PeerFailed) -> None:
+        super().on_peer_failed(msg)
+        self._failure = f"the {msg.actor} actor failed: {msg.reason}"
+        self._fail_all(503, f"{self._failure}; the server must be restarted")
+        self.health_changed.set()
+
+    # ---- engine messages ----------------------------------------------
+
+    async def handle(self, channel: str, msg: Any) -> None:
+        match msg:
+            case TokenDelta() | Finished() | Failed():
+                self._unacked.discard(msg.request_id)
+                exchange = self._exchanges.get(msg.request_id)
+                if exchange is not None:  # else: aborted earlier; late outputs are expected
+                    exchange.push(msg)
+            case EngineStats():
+                self._num_engine_waiting = msg.num_waiting
+                self.metrics.observe_engine(msg)
+            case _:
+                self.unknown(channel, msg)
+
+    def _fail_all(self, status: int, message: str) -> None:
+        for rid, exchange in list(self._exchanges.items()):
+            exchange.push(Failed(request_id=rid, status=status, message=message, error_type="server_error"))
+
+    # ---- HTTP app -------------------------------------------------------
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.server.max_body_bytes,
+                              middlewares=[self._errors_middleware, self._auth_middleware])
+        app.router.add_post("/v1/chat/completions", functools.partial(self._generate, kind="chat"))
+        app.router.add_post("/v1/completions", functools.partial(self._generate, kind="completion"))
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    @web.middleware
+    async def _errors_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Every error leaves in OpenAI's envelope; every status is counted."""
+        try:
+            response = await handler(request)
+        except ApiError as err:
+            response = _error_response(err)
+        except web.HTTPException as err:  # 404 route, 405, 413 body too large
+            if err.status < 400:
+                raise
+            response = _error_response(ApiError(err.status, _http_message(err, request), code=_http_code(err)))
+        self.metrics.observe_request(_route(request), response.status)
+        return response
+
+    @web.middleware
+    async def _auth_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        key = self.config.server.api_key
+        if key and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+        return await handler(request)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self._failure or not self._is_started:
+            return web.json_response({"status": self._failure or "starting"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(api.models_list(self.model_name, self.started_at, self.max_model_len, self.adapter_names))
+
+    # ---- generation -----------------------------------------------------
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge -> 413
+        self._check_available()
+        if kind == "chat":
+            parsed = api.parse_chat(raw, self.max_model_len)
+        else:
+            parsed = api.parse_completion(raw, self.max_model_len, self.vocab_size)
+        exchange = Exchange(parsed, self._resolve_model(parsed.model), "chatcmpl" if kind == "chat" else "cmpl")
+        self._admit(exchange)
+        try:
+            await self._submit(exchange)
+            if parsed.stream:
+                return await self._stream(request, exchange)
+            return await self._collect(exchange)
+        finally:
+            self._close(exchange)
+
+    def _check_available(self) -> None:
+        if self._failure:
+            raise ApiError(503, f"{self._failure}; the server must be restarted")
+        if not self._is_started:
+            raise ApiError(503, "the server is starting; retry when GET /health answers 200")
+
+    def _resolve_model(self, model: str | None) -> str:
+        if model is None or model == self.model_name or model in self.config.lora.adapters:
+            return model or self.model_name
+        served = ", ".join([self.model_name, *self.adapter_names])
+        raise ApiError(404, f"the model {model!r} does not exist; served models: {served}", param="model",
+                       code="model_not_found")
+
+    def _admit(self, exchange: Exchange) -> None:
+        num_waiting = max(self._num_engine_waiting, len(self._unacked))
+        limit = self.config.server.max_waiting_requests
+        if num_waiting + len(exchange.requests) > limit:
+            raise ApiError(503, f"server overloaded: {num_waiting} requests waiting (limit {limit}); retry later",
+                           code="overloaded")
+
+    async def _submit(self, exchange: Exchange) -> None:
+        """Register every choice before sending, so no output can arrive unrouted."""
+        for index, req in enumerate(exchange.requests):
+            exchange.choices[req.request_id] = self._new_choice(index, exchange, req)
+            self._exchanges[req.request_id] = exchange
+        for req in exchange.requests:
+            self._unacked.add(req.request_id)
+            await self.outbox["prepare"].send(req)
+
+    def _new_choice(self, index: int, exchange: Exchange, req: NewRequest) -> ChoiceOutput:
+        from mstar_actors.tokenization import IncrementalDetokenizer, StopStrings
+
+        prompt_ids = req.prompt_token_ids or []
+        choice = ChoiceOutput(index, IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=True),
+                              StopStrings(exchange.parsed.stop), self.token_text, exchange.parsed.logprobs is not None)
+        choice.num_prompt_tokens = len(prompt_ids)
+        return choice
+
+    def _close(self, exchange: Exchange) -> None:
+        """Abort what has not finished and forget the exchange (every exit path)."""
+        for rid in exchange.open_ids():
+            self._abort(rid)
+        for rid in exchange.choices:
+            self._exchanges.pop(rid, None)
+            self._unacked.discard(rid)
+
+    def _abort(self, request_id: str) -> None:
+        """Without awaiting: this runs in ``finally`` of a cancelled handler."""
+        msg = Abort(request_id=request_id)
+        try:
+            self.outbox["prepare"].send_nowait(msg)
+        except ChannelFull:  # keep the order, wait for room in the background
+            task = asyncio.ensure_future(self.outbox["prepare"].send(msg))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        except Exception as err:  # the channel is gone: shutting down
+            self.log.debug("abort %s not sent: %s", request_id, err)
+
+    def _apply(self, exchange: Exchange, msg: Any) -> tuple[ChoiceOutput, str, list]:
+        """Feed one engine message to its choice; raise ApiError for Failed."""
+        choice = exchange.choices[msg.request_id]
+        if choice.is_done:
+            return choice, "", []
+        match msg:
+            case TokenDelta():
+                return choice, *self._apply_delta(exchange, choice, msg)
+            case Finished():
+                self.metrics.prompt_tokens.inc(msg.num_prompt_tokens)
+                return choice, choice.finish(msg.finish_reason, msg.num_prompt_tokens, msg.num_output_tokens), []
+            case Failed():
+                raise ApiError(msg.status, f"request {exchange.id}: {msg.message}", param=msg.param, code=msg.code,
+                               error_type=msg.error_type)
+        raise AssertionError(f"unroutable {type(msg).__name__}")
+
+    def _apply_delta(self, exchange: Exchange, choice: ChoiceOutput, delta: TokenDelta) -> tuple[str, list]:
+        now = time.perf_counter()
+        if choice.num_output_tokens == 0:
+            self.metrics.time_to_first_token.observe(now - exchange.arrival)
+        elif delta.tokens:
+            self.metrics.inter_token_latency.observe((now - getattr(choice, "last_at", now)) / len(delta.tokens))
+        choice.last_at = now
+        choice.num_prompt_tokens = delta.num_prompt_tokens or choice.num_prompt_tokens
+        self.metrics.generation_tokens.inc(len(delta.tokens))
+        text, entries = choice.add(delta.tokens)
+        if choice.is_done:  # a stop string matched: free the engine's blocks now
+            self._abort(delta.request_id)
+        return text, entries
+
+    def _usage(self, exchange: Exchange) -> dict:
+        choices = list(exchange.choices.values())
+        prompt = sum(c.num_prompt_tokens for c in choices if c.index % exchange.parsed.n == 0)
+        return api.usage_dict(prompt, sum(c.num_output_tokens for c in choices))
+
+    async def _collect(self, exchange: Exchange) -> web.Response:
+        while exchange.open_ids():
+            self._apply(exchange, await exchange.pop())
+        choices = sorted(exchange.choices.values(), key=lambda c: c.index)
+        args = (exchange.id, exchange.model, exchange.created)
+        if exchange.parsed.kind == "chat":
+            out = [api.chat_choice(c.index, c.text, c.finish_reason, c.chat_logprobs()) for c in choices]
+            body = api.chat_response(*args, out, self._usage(exchange))
+        else:
+            out = [api.completion_choice(c.index, c.text, c.finish_reason, c.legacy_logprobs()) for c in choices]
+            body = api.completion_response(*args, out, self._usage(exchange))
+        return web.Response(body=_json.encode(body), content_type="application/json")
+
+    # ---- streaming ------------------------------------------------------
+
+    async def _stream(self, request: web.Request, exchange: Exchange) -> web.StreamResponse:
+        """SSE. The response is prepared at the first engine output, so a request
+        refused before that (prepare's or the scheduler's 4xx) keeps its status."""
+        stream = _Stream(request, exchange)
+        try:
+            while exchange.open_ids():
+                msg = await exchange.pop()
+                choice, text, entries = self._apply(exchange, msg)
+                await stream.write_choice(choice, text, entries)
+            if exchange.parsed.include_usage:
+                await stream.write_usage(self._usage(exchange))
+            await stream.write_done()
+        except ApiError as err:
+            if not stream.is_prepared:
+                raise
+            await stream.write_error(err)  # and no [DONE]: the client sees the failure
+        return stream.response
+
+
+class _Stream:
+    """Writes one exchange's chunks in OpenAI's SSE format."""
+
+    def __init__(self, request: web.Request, exchange: Exchange):
+        self.request = request
+        self.exchange = exchange
+        self.is_chat = exchange.parsed.kind == "chat"
+        self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+
+    @property
+    def is_prepared(self) -> bool:
+        return self.response.prepared
+
+    async def _prepare(self) -> None:
+        await self.response.prepare(self.request)
+        if self.is_chat:  # the first chunk of each choice carries the role
+            for index in range(len(self.exchange.requests)):
+                await self._write_choices([api.chat_chunk_choice(index, {"role": "assistant", "content": ""}, None, None)])
+
+    async def write_choice(self, choice: ChoiceOutput, text: str, entries: list) -> None:
+        if not (text or entries or choice.is_done):
+            return  # e.g. held back by the detokenizer or a possible stop string
+        if not self.is_prepared:
+            await self._prepare()
+        reason = choice.finish_reason
+        if self.is_chat:
+            delta = {"content": text} if text else {}
+            logprobs = choice.chat_logprobs(entries)
+            await self._write_choices([api.chat_chunk_choice(choice.index, delta, reason, logprobs)])
+        else:
+            logprobs = choice.legacy_logprobs(entries)
+            await self._write_choices([api.completion_choice(choice.index, text, reason, logprobs)])
+
+    async def _write_choices(self, choices: list[dict]) -> None:
+        ex = self.exchange
+        usage = {"usage": None} if ex.parsed.include_usage else {}
+        build = api.chat_chunk if self.is_chat else api.completion_chunk
+        await _write_event(self.response, build(ex.id, ex.model, ex.created, choices) | usage)
+
+    async def write_usage(self, usage: dict) -> None:
+        ex = self.exchange
+        build = api.chat_chunk if self.is_chat else api.completion_chunk
+        await _write_event(self.response, build(ex.id, ex.model, ex.created, [], usage))
+
+    async def write_done(self) -> None:
+        await self.response.write(b"data: [DONE]\n\n")
+
+    async def write_error(self, err: ApiError) -> None:
+        await _write_event(self.response, err.envelope())
+
+
+async def _write_event(response: web.StreamResponse, payload: dict) -> None:
+    await response.write(b"data: " + _json.encode(payload) + b"\n\n")
+
+
+def _error_response(err: ApiError) -> web.Response:
+    return web.Response(status=err.status, body=_json.encode(err.envelope()), content_type="application/json")
+
+
+def _http_message(err: web.HTTPException, request: web.Request) -> str:
+    if err.status == 413:
+        return f"request body too large: {err.text}; the limit is server.max_body_bytes"
+    if err.status == 404:
+        return f"no route {request.method} {request.path}; see /v1/chat/completions, /v1/completions, /v1/models"
+    return f"{err.reason}: {request.method} {request.path}"
+
+
+def _http_code(err: web.HTTPException) -> str | None:
+    return {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(err.status)
+
+
+def _route(request: web.Request) -> str:
+    info = request.match_info.route.resource
+    return info.canonical if info is not None else "unmatched"
+
+
+def _load_tokenizer(folder: Path) -> Any:
+    from mstar_actors.tokenization import Tokenization
+
+    return Tokenization(folder).tokenizer

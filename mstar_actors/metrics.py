@@ -1,0 +1,52 @@
+"""The frontend's Prometheus metrics, on a registry of its own.
+
+An own ``CollectorRegistry`` (not the process-global one) keeps two frontends
+in one test process apart and keeps the default process collectors out.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from mstar_actors.messages import EngineStats
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Metrics:
+    """Counters, histograms and engine gauges; ``render`` gives the text format."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.requests = Counter("mstar_requests", "HTTP requests by route and status code", ["route", "status"], registry=reg)
+        self.prompt_tokens = Counter("mstar_prompt_tokens", "Prompt tokens of finished requests", registry=reg)
+        self.generation_tokens = Counter("mstar_generation_tokens", "Tokens generated", registry=reg)
+        self.time_to_first_token = Histogram(
+            "mstar_time_to_first_token_seconds", "From arrival to the first token", buckets=_TTFT_BUCKETS, registry=reg
+        )
+        self.inter_token_latency = Histogram(
+            "mstar_inter_token_latency_seconds", "Between consecutive token deltas", buckets=_ITL_BUCKETS, registry=reg
+        )
+        self.num_running = Gauge("mstar_num_requests_running", "Requests running in the engine", registry=reg)
+        self.num_waiting = Gauge("mstar_num_requests_waiting", "Requests waiting in the engine", registry=reg)
+        self.num_kv_blocks_used = Gauge("mstar_kv_blocks_used", "KV-cache blocks in use", registry=reg)
+        self.num_kv_blocks_total = Gauge("mstar_kv_blocks_total", "KV-cache blocks in all", registry=reg)
+        self.num_preemptions = Gauge("mstar_num_preemptions", "Preemptions since start", registry=reg)
+
+    def observe_request(self, route: str, status: int) -> None:
+        self.requests.labels(route=route, status=str(status)).inc()
+
+    def observe_engine(self, stats: EngineStats) -> None:
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.num_kv_blocks_used.set(stats.num_kv_blocks_used)
+        self.num_kv_blocks_total.set(stats.num_kv_blocks_total)
+        self.num_preemptions.set(stats.num_preemptions)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

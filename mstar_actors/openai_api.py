@@ -1,0 +1,556 @@
+"""OpenAI-compatible request validation and response building: pure, no I/O.
+
+``parse_chat`` / ``parse_completion`` turn raw body bytes into a validated
+``ParsedRequest`` (or raise ``ApiError`` naming the field and what would be
+accepted); ``ParsedRequest.new_requests`` makes one engine ``NewRequest`` per
+choice. The ``*_response`` / ``*_chunk`` builders make OpenAI's JSON shapes.
+
+Validation is by hand rather than through msgspec Structs: each field gets an
+error that names it and its accepted range, ``bool`` is never taken for an
+int, ``null`` means "not given", and unknown fields are ignored as OpenAI's
+server does.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from mstar_actors.messages import ChatMessage, ContentPart, NewRequest, SamplingParams
+
+MAX_N = 16
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 512
+MAX_TOP_LOGPROBS = 20  # chat
+MAX_LEGACY_LOGPROBS = 5  # completions
+MAX_PROMPTS = 64
+MAX_SEED = (1 << 63) - 1 - MAX_N  # seed + choice index stays an int64
+MIN_SEED = -(1 << 63)
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class ApiError(Exception):
+    """An error the client gets in OpenAI's envelope."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.error_type = error_type or _default_type(status)
+
+    def envelope(self) -> dict:
+        return error_envelope(self.message, self.error_type, self.param, self.code)
+
+
+def _default_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    if status < 500:
+        return "invalid_request_error"
+    return "server_error" if status != 503 else "service_unavailable_error"
+
+
+def error_envelope(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def _bad(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param)
+
+
+# --------------------------------------------------------------------------
+# Field readers: null means absent; bool is not an int
+# --------------------------------------------------------------------------
+
+
+def decode_body(raw: bytes) -> dict:
+    """The JSON object in ``raw`` (400 for anything else)."""
+    try:
+        body = msgspec.json.decode(raw)
+    except RecursionError:
+        raise ApiError(400, "body: JSON nested too deeply", param="body") from None
+    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        raise ApiError(400, f"body: not valid JSON ({err})", param="body") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"body: expected a JSON object, got {_kind(body)}", param="body")
+    return body
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number"
+    )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def get_int(body: dict, name: str, default: Any, lo: int, hi: int) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer() and lo <= value <= hi:
+        value = int(value)  # 16.0 is an integer in JSON's number model
+    if not _is_int(value) or not lo <= value <= hi:
+        raise _bad(name, f"expected an integer in [{lo}, {hi}], got {_show(value)}")
+    return value
+
+
+def get_float(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    ok = ok and (lo < value if lo_open else lo <= value) and value <= hi
+    if not ok:
+        bracket = "(" if lo_open else "["
+        raise _bad(name, f"expected a number in {bracket}{lo}, {hi}], got {_show(value)}")
+    return float(value)
+
+
+def get_bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _bad(name, f"expected true or false, got {_show(value)}")
+    return value
+
+
+def get_str(body: dict, name: str, default: str | None) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise _bad(name, f"expected a string, got {_show(value)}")
+    return value
+
+
+def _show(value: Any) -> str:
+    text = repr(value) if isinstance(value, (int, float, str)) else _kind(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# --------------------------------------------------------------------------
+# The validated request
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class ParsedRequest:
+    """A validated request: one prompt (chat) or several (completions), ``n``
+    choices each. Choice ``p * n + i`` is prompt ``p``, sample ``i``."""
+
+    kind: str  # "chat" | "completion"
+    model: str | None
+    sampling: SamplingParams
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # top alternatives per token, None = no logprobs
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    prompts: list[str | list[int]] = field(default_factory=list)
+
+    @property
+    def num_choices(self) -> int:
+        return self.n * max(1, len(self.prompts))
+
+    def prompt_of(self, choice: int) -> str | list[int] | None:
+        return self.prompts[choice // self.n] if self.prompts else None
+
+    def new_requests(self, base_id: str, model: str, now: float | None = None) -> list[NewRequest]:
+        """One engine request per choice; with a seed, choice i samples with
+        seed + i so choices differ and each reproduces."""
+        now = time.time() if now is None else now
+        out = []
+        for choice in range(self.num_choices):
+            sampling = self.sampling
+            if sampling.seed is not None:
+                sampling = msgspec.structs.replace(sampling, seed=sampling.seed + choice % self.n)
+            prompt = self.prompt_of(choice)
+            out.append(
+                NewRequest(
+                    request_id=f"{base_id}-{choice}",
+                    model=model,
+                    sampling=sampling,
+                    prompt=prompt if isinstance(prompt, str) else None,
+                    prompt_token_ids=prompt if isinstance(prompt, list) else None,
+                    messages=self.messages,
+                    add_generation_prompt=self.add_generation_prompt,
+                    arrival_time=now,
+                )
+            )
+        return out
+
+
+def _parse_sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    top_k = get_int(body, "top_k", 0, -1, 1 << 31)
+    stop_token_ids = body.get("stop_token_ids")
+    if stop_token_ids is not None and not (
+        isinstance(stop_token_ids, list)
+        and len(stop_token_ids) <= 64
+        and all(_is_int(t) and 0 <= t < 1 << 31 for t in stop_token_ids)
+    ):
+        raise _bad("stop_token_ids", "expected a list of at most 64 non-negative token ids")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=get_float(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=get_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=max(top_k, 0),  # -1 and 0 both mean off
+        min_p=get_float(body, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=get_float(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=get_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=get_float(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+        seed=get_int(body, "seed", None, MIN_SEED, MAX_SEED),
+        stop_token_ids=tuple(stop_token_ids or ()),
+        ignore_eos=get_bool(body, "ignore_eos", False),
+        logprobs=logprobs,
+    )
+
+
+def _parse_max_tokens(body: dict, default: int | None, max_model_len: int | None) -> int:
+    hi = max_model_len or (1 << 31)
+    value = get_int(body, "max_tokens", None, 1, hi)
+    value = get_int(body, "max_completion_tokens", value, 1, hi)
+    if value is None:
+        value = default if default is not None else hi
+    return min(value, hi)
+
+
+def _parse_stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS:
+        raise _bad("stop", f"expected a string or a list of at most {MAX_STOP_STRINGS} strings")
+    for s in stops:
+        if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
+            raise _bad("stop", f"each stop must be a non-empty string of at most {MAX_STOP_CHARS} characters")
+    return stops
+
+
+def _parse_stream(body: dict) -> tuple[bool, bool]:
+    stream = get_bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise _bad("stream_options", "only allowed when stream is true")
+    if not isinstance(options, dict):
+        raise _bad("stream_options", f"expected an object like {{\"include_usage\": true}}, got {_show(options)}")
+    try:
+        return stream, get_bool(options, "include_usage", False)
+    except ApiError:
+        raise _bad("stream_options.include_usage", "expected true or false") from None
+
+
+def _parse_common(body: dict, kind: str, max_tokens: int, logprobs: int | None) -> ParsedRequest:
+    stream, include_usage = _parse_stream(body)
+    get_str(body, "user", None)
+    return ParsedRequest(
+        kind=kind,
+        model=get_str(body, "model", None),
+        sampling=_parse_sampling(body, max_tokens, logprobs),
+        n=get_int(body, "n", 1, 1, MAX_N),
+        stream=stream,
+        include_usage=include_usage,
+        stop=_parse_stop(body),
+        logprobs=logprobs,
+    )
+
+
+# --------------------------------------------------------------------------
+# /v1/chat/completions
+# --------------------------------------------------------------------------
+
+
+def parse_chat(raw: bytes, max_model_len: int | None = None) -> ParsedRequest:
+    """Validate a chat-completions body (raises ApiError)."""
+    body = decode_body(raw)
+    max_tokens = _parse_max_tokens(body, None, max_model_len)
+    want_logprobs = get_bool(body, "logprobs", False)
+    top = get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not want_logprobs:
+        raise _bad("top_logprobs", "requires logprobs: true")
+    parsed = _parse_common(body, "chat", max_tokens, (top or 0) if want_logprobs else None)
+    parsed.messages = parse_messages(body.get("messages"))
+    parsed.add_generation_prompt = get_bool(body, "add_generation_prompt", True)
+    return parsed
+
+
+def parse_messages(messages: Any) -> list[ChatMessage]:
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", f"expected a non-empty array of messages, got {_show(messages)}")
+    return [_parse_message(i, m) for i, m in enumerate(messages)]
+
+
+def _parse_message(i: int, message: Any) -> ChatMessage:
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise _bad(where, f"expected an object with role and content, got {_show(message)}")
+    role = message.get("role")
+    if role not in ROLES:
+        raise _bad(f"{where}.role", f"expected one of {', '.join(ROLES)}, got {_show(role)}")
+    content = message.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    if isinstance(content, str):
+        return ChatMessage(role=ROLES[role], content=content)
+    if not isinstance(content, list):
+        raise _bad(f"{where}.content", f"expected a string or an array of text parts, got {_show(content)}")
+    return ChatMessage(role=ROLES[role], content=[_parse_part(f"{where}.content[{j}]", p) for j, p in enumerate(content)])
+
+
+def _parse_part(where: str, part: Any) -> ContentPart:
+    if not isinstance(part, dict):
+        raise _bad(where, f"expected an object like {{\"type\": \"text\", \"text\": ...}}, got {_show(part)}")
+    kind = part.get("type")
+    if kind != "text":
+        raise _bad(f"{where}.type", f"only \"text\" content parts are supported, got {_show(kind)}")
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise _bad(f"{where}.text", f"expected a string, got {_show(text)}")
+    return ContentPart(type="text", text=text)
+
+
+# --------------------------------------------------------------------------
+# /v1/completions
+# --------------------------------------------------------------------------
+
+
+def parse_completion(raw: bytes, max_model_len: int | None = None, vocab_size: int | None = None) -> ParsedRequest:
+    """Validate a (legacy) completions body (raises ApiError)."""
+    body = decode_body(raw)
+    if get_bool(body, "echo", False):
+        raise _bad("echo", "echo is not supported; send echo: false and prepend the prompt yourself")
+    if get_str(body, "suffix", None):
+        raise _bad("suffix", "suffix (fill-in-the-middle) is not supported")
+    max_tokens = _parse_max_tokens(body, 16, max_model_len)
+    logprobs = get_int(body, "logprobs", None, 0, MAX_LEGACY_LOGPROBS)
+    parsed = _parse_common(body, "completion", max_tokens, logprobs)
+    parsed.prompts = parse_prompts(body.get("prompt"), vocab_size)
+    if parsed.num_choices > MAX_N * 4:
+        raise _bad("n", f"{len(parsed.prompts)} prompts x n={parsed.n} is more than {MAX_N * 4} choices")
+    return parsed
+
+
+def parse_prompts(prompt: Any, vocab_size: int | None) -> list[str | list[int]]:
+    """A string, a list of strings, a list of token ids or a list of those."""
+    accepted = "a string, a list of strings, a list of token ids, or a list of token-id lists"
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _is_int(prompt[0])):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        prompts = prompt
+    else:
+        raise _bad("prompt", f"expected {accepted}, non-empty; got {_show(prompt)}")
+    if len(prompts) > MAX_PROMPTS:
+        raise _bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+    for i, p in enumerate(prompts):
+        _check_prompt(i, p, vocab_size, accepted)
+    return prompts
+
+
+def _check_prompt(i: int, prompt: Any, vocab_size: int | None, accepted: str) -> None:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _bad("prompt", f"prompt {i} is empty")
+        return
+    if not isinstance(prompt, list) or not prompt or not all(_is_int(t) for t in prompt):
+        raise _bad("prompt", f"prompt {i}: expected {accepted}, non-empty")
+    hi = vocab_size if vocab_size else 1 << 31
+    bad = next((t for t in prompt if not 0 <= t < hi), None)
+    if bad is not None:
+        raise _bad("prompt", f"prompt {i}: token id {bad} is out of range [0, {hi})")
+
+
+# --------------------------------------------------------------------------
+# Responses
+# --------------------------------------------------------------------------
+
+
+def usage_dict(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+    }
+
+
+def chat_response(rid: str, model: str, created: int, choices: list[dict], usage: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices, "usage": usage}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: list[dict] | None) -> dict:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": None if logprobs is None else {"content": logprobs},
+        "finish_reason": finish_reason,
+    }
+
+
+def chat_chunk(rid: str, model: str, created: int, choices: list[dict], usage: dict | None = None) -> dict:
+    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
+
+
+def chat_chunk_choice(index: int, delta: dict, finish_reason: str | None, logprobs: list[dict] | None) -> dict:
+    return {
+        "index": index,
+        "delta": delta,
+        "logprobs": None if logprobs is None else {"content": logprobs},
+        "finish_reason": finish_reason,
+    }
+
+
+def chat_logprob(token: str, logprob: float, top: list[tuple[str, float]]) -> dict:
+    """One entry of ``choices[].logprobs.content``."""
+    return {
+        "token": token,
+        "logprob": logprob,
+        "bytes": list(token.encode("utf-8", "surrogatepass")),
+        "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "surrogatepass"))} for t, lp in top],
+    }
+
+
+def completion_response(rid: str, model: str, created: int, choices: list[dict], usage: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices, "usage": usage}
+
+
+def completion_chunk(rid: str, model: str, created: int, choices: list[dict], usage: dict | None = None) -> dict:
+    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def legacy_logprobs(entries: list[tuple[str, float, list[tuple[str, float]], int]]) -> dict:
+    """OpenAI's legacy completions logprobs from (token, logprob, top, text_offset)."""
+    return {
+        "tokens": [e[0] for e in entries],
+        "token_logprobs": [e[1] for e in entries],
+        "top_logprobs": [dict(e[2]) for e in entries],
+        "text_offset": [e[3] for e in entries],
+    }
+
+
+def models_list(name: str, created: int, max_model_len: int | None, adapters: list[str] = ()) -> dict:
+    base = {"id": name, "object": "model", "created": created, "owned_by": "mstar-actors", "root": name,
+            "parent": None, "max_model_len": max_model_len}
+    data = [base] + [dict(base, id=a, root=a, parent=name) for a in adapters]
+    return {"object": "list", "data": data}
+
+
+# --------------------------------------------------------------------------
+# One choice's output, assembled from engine deltas
+# --------------------------------------------------------------------------
+
+
+class ChoiceOutput:
+    """Text, logprobs and finish state of one choice: pure, fed by the frontend.
+
+    ``detokenizer`` has ``add(ids) -> str`` (never half a UTF-8 character) and
+    ``stops`` has ``feed(text) -> (emit, matched)`` and ``flush() -> str``
+    (see ``mstar_actors.tokenization``). ``token_text(id)`` names a token for
+    logprobs. Once ``is_done``, later messages of this choice are ignored: after
+    a stop-string match the frontend aborts the engine request, and tokens
+    already in flight are not the client's.
+    """
+
+    def __init__(self, index: int, detokenizer: Any, stops: Any, token_text: Any, want_logprobs: bool):
+        self.index = index
+        self.detokenizer = detokenizer
+        self.stops = stops
+        self.token_text = token_text
+        self.want_logprobs = want_logprobs
+        self.text_parts: list[str] = []
+        self.num_chars = 0
+        self.logprobs: list[tuple[str, float, list[tuple[str, float]], int]] = []
+        self.finish_reason: str | None = None
+        self.num_prompt_tokens = 0
+        self.num_output_tokens = 0
+
+    @property
+    def is_done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def add(self, tokens: list) -> tuple[str, list]:
+        """Feed sampled tokens; return (new text, new logprob entries).
+        Sets ``finish_reason = "stop"`` when a stop string matched."""
+        if self.is_done:
+            return "", []
+        first_entry = len(self.logprobs)
+        groups = [[t] for t in tokens] if self.want_logprobs else [tokens]
+        emitted = []
+        for group in groups:
+            self.num_output_tokens += len(group)
+            if self.want_logprobs:
+                self._add_logprob(group[0])
+            emit, matched = self.stops.feed(self.detokenizer.add([t.token_id for t in group]))
+            self._append(emit, emitted)
+            if matched:
+                self.finish_reason = "stop"
+                break
+        return "".join(emitted), self.logprobs[first_entry:]
+
+    def finish(self, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int) -> str:
+        """The engine finished this choice; return the held-back tail text."""
+        if self.is_done:
+            return ""
+        emitted: list[str] = []
+        emit, matched = self.stops.feed(self.detokenizer.flush())
+        self._append(emit if matched else emit + self.stops.flush(), emitted)
+        self.finish_reason = "stop" if matched or finish_reason != "length" else "length"
+        self.num_prompt_tokens = num_prompt_tokens or self.num_prompt_tokens
+        self.num_output_tokens = max(self.num_output_tokens, num_output_tokens)
+        return "".join(emitted)
+
+    def _append(self, text: str, emitted: list[str]) -> None:
+        if text:
+            self.text_parts.append(text)
+            emitted.append(text)
+            self.num_chars += len(text)
+
+    def _add_logprob(self, token: Any) -> None:
+        top = [(self.token_text(t.token_id), t.logprob) for t in token.top_logprobs]
+        logprob = token.logprob if token.logprob is not None else 0.0
+        self.logprobs.append((self.token_text(token.token_id), logprob, top, self.num_chars))
+
+    def chat_logprobs(self, entries: list | None = None) -> list[dict] | None:
+        if not self.want_logprobs:
+            return None
+        return [chat_logprob(tok, lp, top) for tok, lp, top, _ in (self.logprobs if entries is None else entries)]
+
+    def legacy_logprobs(self, entries: list | None = None) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        return legacy_logprobs(self.logprobs if entries is None else entries)
