@@ -1,0 +1,272 @@
+"""The batched LoRA delta of one targeted linear, for a batch mixing adapters.
+
+For every row ``t`` on slot ``s``::
+
+    y[t, off_i : off_i + out_i] += scale[i, s] * (x[t] @ A[i, s].T) @ B[s, off_i : off_i + out_i].T
+
+over every shard ``i`` of a fused linear (``qkv_proj`` = q|k|v: three A's,
+one B whose out rows are the three B's concatenated at ``offsets``). A plain
+linear is the one-shard case. Weights of every slot are stacked on the device
+(``LoraStack``), zero-padded to ``max_rank``; slot 0 stays zero (base rows).
+
+Rows are grouped into segments (Punica's SGMV): ``build_segments`` sorts a
+step's per-row slots once on the host and drops slot-0 rows, so every launch
+covers a few segments whatever the adapter mix, and base rows cost nothing.
+A segment ``j`` covers rows ``row_index[seg_starts[j] : seg_starts[j] +
+seg_lens[j]]`` (``row_index`` None: rows are already grouped, positions are
+rows).
+
+Two implementations with one meaning: the torch reference (``*_ref``, any
+device, fp32 math) and the Triton kernels in ``triton_ops`` (CUDA).
+``LoraStack.add_delta`` picks one; it is the one call a model's linear makes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from mstar_actors.lora.adapter_file import LoraModule
+
+ZERO_SLOT = 0
+
+
+# ---------------------------------------------------------------- segments
+
+
+@dataclass(frozen=True)
+class LoraSegments:
+    """One step's rows grouped by slot. Host tuples for the reference; device
+    tensors (int32) made once per device by ``on``."""
+
+    num_rows: int
+    seg_starts: tuple[int, ...]
+    seg_lens: tuple[int, ...]
+    seg_slots: tuple[int, ...]
+    row_index: tuple[int, ...] | None  # None: segment positions are row numbers
+    _device: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.seg_slots)
+
+    @property
+    def max_seg_len(self) -> int:
+        return max(self.seg_lens, default=0)
+
+    def rows(self, j: int) -> list[int] | slice:
+        start, end = self.seg_starts[j], self.seg_starts[j] + self.seg_lens[j]
+        return slice(start, end) if self.row_index is None else list(self.row_index[start:end])
+
+    def on(self, device: torch.device | str) -> dict[str, torch.Tensor]:
+        """{starts, lens, slots, row_index} as int32 tensors on ``device``, cached.
+
+        One host-to-device copy per step and device, made by the caller
+        before the layer loop (not inside it)."""
+        key = str(device)
+        if key not in self._device:
+            host = torch.tensor(
+                [*self.seg_starts, *self.seg_lens, *self.seg_slots, *(self.row_index or ())], dtype=torch.int32
+            )
+            dev = host.to(device, non_blocking=True)
+            n = self.num_segments
+            self._device[key] = {
+                "starts": dev[:n],
+                "lens": dev[n : 2 * n],
+                "slots": dev[2 * n : 3 * n],
+                "row_index": dev[3 * n :] if self.row_index is not None else None,
+            }
+        return self._device[key]
+
+
+def build_segments(token_slots: Sequence[int] | torch.Tensor, *, sort: bool = True) -> LoraSegments:
+    """Group a step's rows by slot; rows on slot 0 (base) are left out.
+
+    ``sort=True``: one segment per distinct adapter slot, rows gathered
+    through ``row_index`` (stable, so each request's rows stay in order).
+    ``sort=False``: one segment per run of equal slots, no indirection
+    (best when the caller already ordered the batch by slot).
+    """
+    slots = token_slots.tolist() if isinstance(token_slots, torch.Tensor) else list(token_slots)
+    if any(s < 0 for s in slots):
+        raise ValueError(f"token slots must be >= 0 (0 = base); got {min(slots)}")
+    if not sort:
+        return _runs(slots, list(range(len(slots))), with_index=False)
+    order = sorted((i for i, s in enumerate(slots) if s != ZERO_SLOT), key=lambda i: slots[i])
+    is_identity = order == list(range(order[0], order[0] + len(order))) if order else True
+    return _runs(slots, order, with_index=not is_identity)
+
+
+def _runs(slots: list[int], order: list[int], *, with_index: bool) -> LoraSegments:
+    starts, lens, seg_slots = [], [], []
+    for pos, row in enumerate(order):
+        slot = slots[row]
+        if seg_slots and seg_slots[-1] == slot and starts[-1] + lens[-1] == pos:
+            lens[-1] += 1
+        else:
+            starts.append(pos)
+            lens.append(1)
+            seg_slots.append(slot)
+    # Without an index, segment positions are row numbers; drop the base runs.
+    keep = [j for j, s in enumerate(seg_slots) if s != ZERO_SLOT]
+    if not with_index and order:
+        starts = [order[starts[j]] for j in range(len(starts))]
+    return LoraSegments(
+        num_rows=len(slots),
+        seg_starts=tuple(starts[j] for j in keep),
+        seg_lens=tuple(lens[j] for j in keep),
+        seg_slots=tuple(seg_slots[j] for j in keep),
+        row_index=tuple(order) if with_index else None,
+    )
+
+
+# ---------------------------------------------------------------- reference
+
+
+def shrink_ref(x: torch.Tensor, a: torch.Tensor, segments: LoraSegments) -> torch.Tensor:
+    """x [T, in] @ A[shard, slot].T per segment -> fp32 [num_shards, T, max_rank] (zero on base rows)."""
+    num_shards, _, max_rank, _ = a.shape
+    out = torch.zeros(num_shards, x.shape[0], max_rank, dtype=torch.float32, device=x.device)
+    for j, slot in enumerate(segments.seg_slots):
+        rows = segments.rows(j)
+        xs = x[rows].float()
+        for i in range(num_shards):
+            out[i, rows] = xs @ a[i, slot].float().T
+    return out
+
+
+def embedding_shrink_ref(token_ids: torch.Tensor, a: torch.Tensor, segments: LoraSegments) -> torch.Tensor:
+    """The embedding's shrink is a gather: A[0, slot][:, id] per row -> fp32 [1, T, max_rank]."""
+    _, _, max_rank, _ = a.shape
+    out = torch.zeros(1, token_ids.shape[0], max_rank, dtype=torch.float32, device=a.device)
+    for j, slot in enumerate(segments.seg_slots):
+        rows = segments.rows(j)
+        out[0, rows] = a[0, slot][:, token_ids[rows]].float().T
+    return out
+
+
+def expand_ref(
+    y: torch.Tensor,
+    buf: torch.Tensor,
+    b: torch.Tensor,
+    scales: torch.Tensor,
+    segments: LoraSegments,
+    offsets: Sequence[int],
+) -> torch.Tensor:
+    """y[rows, off_i:off_{i+1}] += scale[i, slot] * buf[i, rows] @ B[slot, off_i:off_{i+1}].T, in place."""
+    for j, slot in enumerate(segments.seg_slots):
+        rows = segments.rows(j)
+        for i in range(len(offsets) - 1):
+            lo, hi = offsets[i], offsets[i + 1]
+            delta = float(scales[i, slot]) * (buf[i, rows] @ b[slot, lo:hi].float().T)
+            y[rows, lo:hi] = (y[rows, lo:hi].float() + delta).to(y.dtype)
+    return y
+
+
+def lora_delta_ref(y, x, a, b, scales, segments: LoraSegments, offsets: Sequence[int]) -> torch.Tensor:
+    """The whole delta of one linear, in place on ``y``, fp32 math (see the module doc)."""
+    return expand_ref(y, shrink_ref(x, a, segments), b, scales, segments, offsets)
+
+
+# ---------------------------------------------------------------- device stacks
+
+
+class LoraStack:
+    """Every slot's factors for one targeted linear (or embedding), on the device.
+
+    ``a`` [num_shards, num_slots, max_rank, in], ``b`` [num_slots, sum(output_sizes),
+    max_rank], ``scales`` fp32 [num_shards, num_slots]. Slot 0 is never written.
+    ``install`` / ``clear`` run on the worker between steps, never while a
+    step that reads the slot is in flight (the conductor's install protocol
+    guarantees no running row is on a slot being installed).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: Sequence[int],
+        *,
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        is_embedding: bool = False,
+    ):
+        if is_embedding and len(output_sizes) != 1:
+            raise ValueError("an embedding LoRA stack has one shard")
+        self.in_features = in_features
+        self.output_sizes = tuple(output_sizes)
+        self.offsets = tuple(sum(self.output_sizes[:i]) for i in range(len(self.output_sizes) + 1))
+        self.max_rank = max_rank
+        self.is_embedding = is_embedding
+        num_shards = len(self.output_sizes)
+        self.a = torch.zeros(num_shards, num_slots, max_rank, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, self.offsets[-1], max_rank, dtype=dtype, device=device)
+        self.scales = torch.zeros(num_shards, num_slots, dtype=torch.float32, device=device)
+        self._offsets_dev: torch.Tensor | None = None
+
+    @property
+    def num_slots(self) -> int:
+        return self.a.shape[1]
+
+    def offsets_on(self, device: torch.device | str) -> torch.Tensor:
+        """The shard offsets as an int32 tensor on ``device`` (made once)."""
+        if self._offsets_dev is None or self._offsets_dev.device != torch.device(device):
+            self._offsets_dev = torch.tensor(self.offsets, dtype=torch.int32, device=device)
+        return self._offsets_dev
+
+    def install(self, slot: int, shard: int | None, module: LoraModule) -> None:
+        """Copy one module's factors into ``slot`` at ``shard`` (None: the only
+        shard), zero-padding the rank. Shards the adapter does not target
+        must be cleared first (``clear``) so an earlier tenant leaves nothing."""
+        shard = shard or 0
+        if slot == ZERO_SLOT:
+            raise ValueError("slot 0 is the zero adapter and is never installed")
+        rank = module.rank
+        lo, hi = self.offsets[shard], self.offsets[shard + 1]
+        if module.a.shape != (rank, self.in_features) or module.b.shape != (hi - lo, rank) or rank > self.max_rank:
+            raise ValueError(
+                f"LoRA factors A {tuple(module.a.shape)} / B {tuple(module.b.shape)} do not fit shard {shard} of "
+                f"this stack: accepted A [r, {self.in_features}], B [{hi - lo}, r] with r <= {self.max_rank}"
+            )
+        self.a[shard, slot].zero_()
+        self.a[shard, slot, :rank].copy_(module.a)
+        self.b[slot, lo:hi].zero_()
+        self.b[slot, lo:hi, :rank].copy_(module.b)
+        self.scales[shard, slot] = module.scale
+
+    def clear(self, slot: int) -> None:
+        self.a[:, slot].zero_()
+        self.b[slot].zero_()
+        self.scales[:, slot] = 0.0
+
+    def add_delta(self, y: torch.Tensor, x: torch.Tensor, segments: LoraSegments) -> torch.Tensor:
+        """y += this linear's LoRA delta for the step's rows, in place; returns y.
+
+        ``x`` is the linear's input [T, in] (token ids [T] for an embedding),
+        ``y`` its output [T, sum(output_sizes)]. No-op when no row has an adapter.
+        """
+        if segments.num_segments == 0:
+            return y
+        if y.is_cuda and _triton_ops() is not None:
+            return _triton_ops().add_delta(self, y, x, segments)
+        shrink = embedding_shrink_ref(x, self.a, segments) if self.is_embedding else shrink_ref(x, self.a, segments)
+        return expand_ref(y, shrink, self.b, self.scales, segments, self.offsets)
+
+
+_TRITON = None
+
+
+def _triton_ops():
+    """The Triton module, or None where Triton is not installed (CPU)."""
+    global _TRITON
+    if _TRITON is None:
+        try:
+            from mstar_actors.lora import triton_ops
+        except ImportError:
+            _TRITON = False
+        else:
+            _TRITON = triton_ops
+    return _TRITON or None
