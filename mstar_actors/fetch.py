@@ -106,6 +106,7 @@ def fetch_embedded(name: str, progress: bool = True, force: bool = False) -> Pat
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
         _convert_gguf(gguf_path, tmp, name, progress)
+        _make_readable(tmp)
         _swap_in(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -172,13 +173,36 @@ def _convert_gguf(gguf_path: Path, out: Path, name: str, progress: bool) -> None
     _say(progress, f"[{name}] dequantizing weights to float32 (this takes a while) ...")
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
     _say(progress, f"[{name}] writing safetensors and tokenizer ...")
-    model.save_pretrained(out, safe_serialization=True, max_shard_size="4GB")
+    _save_plain(model, out)
     tokenizer.save_pretrained(out)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(out)
     if not _has_chat_template(out):
         raise FetchError(f"[{name}] the converted tokenizer lost its chat template; {gguf_path} has none")
     _say(progress, f"[{name}] converted in {time.monotonic() - t0:.1f}s")
+
+
+def _save_plain(model, out: Path) -> None:
+    """config.json + one model.safetensors of the dequantized weights.
+
+    Not ``save_pretrained``: transformers marks a GGUF-loaded model as
+    quantized and refuses to serialise it, although its tensors are plain
+    float32 by now.
+    """
+    from safetensors.torch import save_file
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    tensors = {
+        name: t.detach().contiguous()
+        for name, t in model.state_dict().items()
+        if not (tied and name == "lm_head.weight")  # shares the embedding's storage
+    }
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(out)
 
 
 def _gguf_chat_template(gguf_path: Path) -> str | None:
@@ -196,6 +220,13 @@ def _has_chat_template(folder: Path) -> bool:
         return True
     config = folder / "tokenizer_config.json"
     return config.is_file() and '"chat_template"' in config.read_text()
+
+
+def _make_readable(folder: Path) -> None:
+    """mkdtemp makes a private folder; the cache is as readable as any other."""
+    folder.chmod(0o755)
+    for f in folder.iterdir():
+        f.chmod(0o644)
 
 
 def _swap_in(tmp: Path, target: Path) -> None:

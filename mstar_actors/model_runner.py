@@ -1,0 +1,277 @@
+"""The model runner: one rank's model, KV cache and sequence state.
+
+``ModelRunner.execute(plan)`` runs one ``StepPlan``: forget finished
+sequences, remember started ones, flatten the scheduled chunks into one
+varlen batch, run the model, sample one token for every chunk that asks for
+it, and append that token to its sequence. The runner decides nothing: block
+ids, chunk sizes and which rows sample all come from the conductor, so every
+rank runs the same plan to the same tokens.
+
+Sequence state lives from ``plan.started`` until the id appears in
+``plan.finished``; a sequence restarted after a preemption arrives again in
+``started`` with the outputs it had, and replaces the old state.
+
+``build_batch`` is a pure function (no torch), so the plan-to-batch rules can
+be tested without a model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+
+from mstar_actors import messages
+from mstar_actors.models.attention import AttentionMetadata, allocate_kv_cache, kv_bytes_per_block
+from mstar_actors.models.loader import load_model, load_spec
+from mstar_actors.sampling import SampleRow, sample_tokens
+
+log = logging.getLogger(__name__)
+
+MAX_CPU_KV_BYTES = 2 << 30  # CPU cache cap: RAM is shared with every other actor
+
+Sampler = Callable[..., list[messages.SampledToken]]
+
+
+class PlanError(ValueError):
+    """A plan this rank can't execute. ``request_ids`` names the rows at fault
+    (empty: the whole step), so the worker can fail just those requests."""
+
+    def __init__(self, message: str, request_ids: Iterable[str] = ()):
+        super().__init__(message)
+        self.request_ids = list(request_ids)
+
+
+@dataclass
+class SeqState:
+    prompt_token_ids: list[int]
+    sampling: messages.SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """``(prompt + outputs)[start:stop]`` without concatenating the whole list."""
+        num_prompt = len(self.prompt_token_ids)
+        if stop <= num_prompt:
+            return self.prompt_token_ids[start:stop]
+        head = self.prompt_token_ids[start:] if start < num_prompt else []
+        return head + self.output_token_ids[max(start - num_prompt, 0) : stop - num_prompt]
+
+
+@dataclass
+class Batch:
+    """One step's flat batch, as host lists."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+    logits_indices: list[int] = field(default_factory=list)  # flat rows to sample (a chunk's last token)
+    sample_ids: list[str] = field(default_factory=list)  # their request ids, same order
+
+
+def build_batch(
+    chunks: list[messages.ScheduledChunk],
+    seqs: dict[str, SeqState],
+    block_size: int,
+    num_kv_blocks: int,
+    max_model_len: int,
+) -> Batch:
+    """Flatten the scheduled chunks (ScheduledChunk's semantics, messages.py)."""
+    batch = Batch()
+    for chunk in chunks:
+        seq = _check_chunk(chunk, seqs, block_size, num_kv_blocks, max_model_len)
+        start, stop = chunk.num_computed, chunk.num_computed + chunk.num_tokens
+        batch.input_ids += seq.tokens(start, stop)
+        batch.positions += range(start, stop)
+        table = chunk.block_ids
+        batch.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, stop)]
+        batch.block_tables.append(table[: -(-stop // block_size)])
+        batch.query_lens.append(chunk.num_tokens)
+        batch.context_lens.append(stop)
+        if chunk.sample:
+            batch.logits_indices.append(len(batch.input_ids) - 1)
+            batch.sample_ids.append(chunk.request_id)
+    return batch
+
+
+def _check_chunk(chunk, seqs, block_size, num_kv_blocks, max_model_len) -> SeqState:
+    rid = chunk.request_id
+    seq = seqs.get(rid)
+    if seq is None:
+        raise PlanError(f"request {rid!r}: scheduled but never started (missing from StepPlan.started)", [rid])
+    stop = chunk.num_computed + chunk.num_tokens
+    if chunk.num_tokens < 1 or chunk.num_computed < 0 or stop > seq.num_tokens:
+        raise PlanError(
+            f"request {rid!r}: chunk [{chunk.num_computed}, {stop}) is outside its "
+            f"{seq.num_tokens} known tokens; need num_tokens >= 1 and num_computed + num_tokens <= known",
+            [rid],
+        )
+    if chunk.sample and stop != seq.num_tokens:
+        raise PlanError(f"request {rid!r}: sample=true but the chunk ends at {stop}, not at the last token {seq.num_tokens}", [rid])
+    if stop > max_model_len:
+        raise PlanError(f"request {rid!r}: {stop} tokens exceed max_model_len={max_model_len}", [rid])
+    num_needed = -(-stop // block_size)
+    if len(chunk.block_ids) < num_needed:
+        raise PlanError(f"request {rid!r}: {stop} tokens need {num_needed} blocks, block_ids has {len(chunk.block_ids)}", [rid])
+    bad = [b for b in chunk.block_ids[:num_needed] if not 0 <= b < num_kv_blocks]
+    if bad:
+        raise PlanError(f"request {rid!r}: block ids {bad} are outside [0, {num_kv_blocks})", [rid])
+    return seq
+
+
+class ModelRunner:
+    """Owns one rank's model, KV cache, sequence state and sampling generator.
+
+    Not thread-safe: the worker calls ``execute`` for one plan at a time, in
+    plan order, which is what keeps every rank's state identical.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        dtype: str = "auto",
+        device: str = "auto",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        memory_fraction: float = 0.9,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        sampler: Sampler = sample_tokens,
+    ):
+        self.device = resolve_device(device)
+        _, spec = load_spec(Path(model_dir))  # read first: "auto" dtype depends on it
+        self.dtype = resolve_dtype(dtype, spec.torch_dtype, self.device)
+        self.model = load_model(model_dir, self.dtype, self.device)
+        self.spec = spec
+        self.block_size = block_size
+        self.max_model_len = min(max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+        self.num_kv_blocks = num_blocks or self._blocks_from_memory(memory_fraction)
+        self.kv_caches = allocate_kv_cache(
+            spec.num_layers, self.num_kv_blocks, block_size, spec.num_kv_heads, spec.head_dim, self.dtype, self.device
+        )
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self.sampler = sampler
+        self.seqs: dict[str, SeqState] = {}
+
+    # -- protocol ----------------------------------------------------------
+
+    def ready_info(self, rank: int) -> messages.WorkerReady:
+        return messages.WorkerReady(
+            rank=rank,
+            num_kv_blocks=self.num_kv_blocks,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=list(self.spec.eos_token_ids),
+        )
+
+    def execute(self, plan: messages.StepPlan) -> list[messages.SampledToken]:
+        """Run one plan; return the sampled tokens in the order of the sampled chunks."""
+        self.forget(plan.finished)
+        self.start(plan.started)
+        if not plan.scheduled:
+            return []
+        batch = build_batch(plan.scheduled, self.seqs, self.block_size, self.num_kv_blocks, self.max_model_len)
+        logits = self._run_model(batch)
+        if not batch.sample_ids:
+            return []
+        rows = [self._sample_row(rid) for rid in batch.sample_ids]
+        sampled = self.sampler(logits, rows, generator=self.generator)
+        for token in sampled:
+            self.seqs[token.request_id].output_token_ids.append(token.token_id)
+        return sampled
+
+    def start(self, started: list[messages.SeqStart]) -> None:
+        """Remember new sequences; a restarted one replaces its old state."""
+        for s in started:
+            self.seqs[s.request_id] = SeqState(list(s.prompt_token_ids), s.sampling, list(s.output_token_ids))
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop finished sequences; an unknown id is a no-op (aborts are idempotent)."""
+        for rid in request_ids:
+            self.seqs.pop(rid, None)
+
+    # -- internals ---------------------------------------------------------
+
+    def _sample_row(self, request_id: str) -> SampleRow:
+        seq = self.seqs[request_id]
+        return SampleRow(request_id, seq.sampling, seq.prompt_token_ids, seq.output_token_ids)
+
+    def _run_model(self, batch: Batch) -> torch.Tensor:
+        """The batch's sampled rows' logits, ``[len(batch.sample_ids), vocab]`` float32."""
+        input_ids, positions, meta, logits_indices = self._to_device(batch)
+        with torch.inference_mode():
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            return self.model.compute_logits(hidden[logits_indices])
+
+    def _to_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        def longs(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        max_blocks = max(len(t) for t in batch.block_tables)
+        tables = [t + [0] * (max_blocks - len(t)) for t in batch.block_tables]
+        query_start = [0]
+        for n in batch.query_lens:
+            query_start.append(query_start[-1] + n)
+        meta = AttentionMetadata(
+            slot_mapping=longs(batch.slot_mapping),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=self.device),
+            query_start=torch.tensor(query_start, dtype=torch.int32, device=self.device),
+            context_lens=torch.tensor(batch.context_lens, dtype=torch.int32, device=self.device),
+            query_lens_list=list(batch.query_lens),
+            context_lens_list=list(batch.context_lens),
+            num_blocks_list=[len(t) for t in batch.block_tables],
+        )
+        return longs(batch.input_ids), longs(batch.positions), meta, longs(batch.logits_indices)
+
+    def _blocks_from_memory(self, memory_fraction: float) -> int:
+        """KV blocks that fit in ``memory_fraction`` of free device memory (CPU: of
+        available RAM, capped at ``MAX_CPU_KV_BYTES``), measured after loading weights."""
+        spec = self.spec
+        per_block = kv_bytes_per_block(spec.num_layers, self.block_size, spec.num_kv_heads, spec.head_dim, self.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * memory_fraction)
+        else:
+            budget = min(int(psutil.virtual_memory().available * memory_fraction), MAX_CPU_KV_BYTES)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"kv: no room for one KV block of {per_block} bytes on {self.device} "
+                f"(budget {budget} bytes); raise kv.memory_fraction or set kv.num_blocks"
+            )
+        log.info("kv cache: %d blocks of %d tokens (%.1f MiB) on %s", num_blocks, self.block_size, num_blocks * per_block / 2**20, self.device)
+        return num_blocks
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"model.device={device!r} but no CUDA device is available; accepted here: cpu, auto")
+    return torch.device(device)
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on CPU (half precision is slow there); on a GPU the
+    checkpoint's half dtype, or bfloat16 for a float32 checkpoint."""
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"model.dtype={dtype!r}; accepted: auto, {', '.join(_DTYPES)}")
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES[checkpoint_dtype] if checkpoint_dtype in ("bfloat16", "float16") else torch.bfloat16
