@@ -362,18 +362,39 @@ def _setup_logging(name: str, level: int) -> None:
     )
 
 
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when the launcher dies (Linux), so a
+    ``kill -9`` of the launcher leaves no actor behind holding its segments."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return  # not Linux: the launcher's next start still cleans up
+    if os.getppid() == 1:  # the launcher died before the prctl took effect
+        os._exit(1)
+
+
 def _import_class(target: str) -> type:
     module, _, attr = target.partition(":")
     return getattr(importlib.import_module(module), attr)
 
 
 def open_channels(spec: ActorSpec) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Open the rings named in ``spec``: reader ends for the inbox, writer ends for the outbox."""
+    """Open the rings named in ``spec``: reader ends for the inbox, writer ends
+    for the outbox; a list of rings is one broadcast (the conductor's plans)."""
     from mstar_actors import messages
-    from transport import open_ring
+    from transport import BroadcastChannel, open_ring
+
+    def writer(key: str, ring_spec: Any, union: Any) -> Any:
+        if isinstance(ring_spec, list):
+            rings = [open_ring(s, role="writer", union=union) for s in ring_spec]
+            return BroadcastChannel(rings, union, name=f"{spec.name}.{key}")
+        return open_ring(ring_spec, role="writer", union=union)
 
     inbox = {n: open_ring(s, role="reader", union=getattr(messages, u)) for n, (s, u) in spec.inbox.items()}
-    outbox = {n: open_ring(s, role="writer", union=getattr(messages, u)) for n, (s, u) in spec.outbox.items()}
+    outbox = {n: writer(n, s, getattr(messages, u)) for n, (s, u) in spec.outbox.items()}
     return inbox, outbox
 
 
@@ -393,6 +414,7 @@ def run_actor_process(target: str, spec: ActorSpec) -> None:
     """
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher coordinates shutdown
+    _die_with_parent()
     _setup_logging(spec.name, spec.log_level)
     dumper = StackDumper(spec.name, spec.run_dir)
     dumper.start()

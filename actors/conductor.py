@@ -1,0 +1,194 @@
+"""The conductor actor: the only decider. A thin busy loop around the Scheduler.
+
+Start-up is an agreement: every rank reports ``WorkerReady`` (its local
+facts) and the conductor combines them (the minimum of ``num_kv_blocks`` and
+``max_model_len``; block size and EOS ids must match) into one ``Scheduler``.
+Only then does it report ready.
+
+The busy loop, each turn:
+
+1. apply what has arrived: aborts and new requests, in channel order
+   (an abort is idempotent; ``Failed`` from prepare is relayed);
+2. ``schedule()`` and broadcast the ``StepPlan`` to every rank; with no work,
+   park on the mailbox until a message arrives (no polling);
+3. await the step's answer from every rank, applying other arrivals
+   meanwhile (an abort then lands before the step's results are used);
+4. ``update()`` with rank 0's tokens (the others acknowledge, with matching
+   step ids) and send the outputs to the frontend, plus ``EngineStats`` when
+   they changed. A ``StepFailed`` fails its rows (or the whole step) with a
+   500 and the loop keeps serving the others.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from actors.base import Actor
+from mstar_actors.messages import (
+    Abort,
+    Failed,
+    Prepared,
+    StepDone,
+    StepFailed,
+    StepPlan,
+    WorkerReady,
+)
+
+
+class AgreementError(RuntimeError):
+    """Ranks reported facts that cannot be combined (a configuration bug)."""
+
+
+def combine_ready(ready: list[WorkerReady]) -> WorkerReady:
+    """One set of facts for every rank: the minimum of capacities; equal constants."""
+    first = ready[0]
+    for other in ready[1:]:
+        if other.block_size != first.block_size or list(other.eos_token_ids) != list(first.eos_token_ids):
+            raise AgreementError(
+                f"rank {other.rank} reports block_size={other.block_size}, eos={other.eos_token_ids}; "
+                f"rank {first.rank} reports block_size={first.block_size}, eos={first.eos_token_ids}: "
+                f"every rank must load the same model with the same kv.block_size"
+            )
+    return WorkerReady(
+        rank=0,
+        num_kv_blocks=min(r.num_kv_blocks for r in ready),
+        block_size=first.block_size,
+        max_model_len=min(r.max_model_len for r in ready),
+        eos_token_ids=list(first.eos_token_ids),
+    )
+
+
+def make_scheduler(config: Any, facts: WorkerReady) -> Any:
+    from mstar_actors.sched import Scheduler
+
+    sched = config.scheduler
+    return Scheduler(
+        num_blocks=facts.num_kv_blocks,
+        block_size=facts.block_size,
+        max_num_seqs=sched.max_num_seqs,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        max_model_len=facts.max_model_len,
+        eos_token_ids=list(facts.eos_token_ids),
+        enable_prefix_caching=config.kv.enable_prefix_caching,
+    )
+
+
+def combine_failures(step_id: int, failures: list[StepFailed]) -> StepFailed:
+    """One failure for the step: the rows every failing rank names, or the
+    whole step when any rank names none."""
+    whole_step = any(not f.request_ids for f in failures)
+    ids = [] if whole_step else sorted({rid for f in failures for rid in f.request_ids})
+    return StepFailed(step_id=step_id, rank=failures[0].rank, message="; ".join(f.message for f in failures),
+                      request_ids=ids)
+
+
+class ConductorActor(Actor):
+    """inbox: ``prepare``, ``worker0`` .. ``worker{N-1}``, ``control``;
+    outbox: ``frontend``, ``workers`` (broadcast to every rank), ``control``."""
+
+    def __init__(self, *, num_ranks: int | None = None, **kw: Any):
+        super().__init__(**kw)
+        self.num_ranks = num_ranks or self.config.parallel.tp
+        self.scheduler: Any = None
+        self.step_results: dict[int, StepDone | StepFailed] | None = None  # set while a step runs
+        self.last_stats: Any = None
+
+    # ---- start: agreement -------------------------------------------------
+
+    async def start(self) -> None:
+        ready: dict[int, WorkerReady] = {}
+        early: list[tuple[str, Any]] = []
+        while len(ready) < self.num_ranks:
+            channel, msg = await self.mailbox.get()
+            if isinstance(msg, WorkerReady):
+                ready[msg.rank] = msg
+            elif channel.startswith("worker"):
+                await self.dispatch(channel, msg)  # a rank's end of channel or an unknown message
+            else:
+                early.append((channel, msg))  # nothing should come before Started; keep order anyway
+        facts = combine_ready([ready[r] for r in sorted(ready)])
+        self.scheduler = make_scheduler(self.config, facts)
+        self.log.info("%d rank(s) agree: %d KV blocks of %d tokens, context %d",
+                      self.num_ranks, facts.num_kv_blocks, facts.block_size, facts.max_model_len)
+        for channel, msg in early:
+            await self.dispatch(channel, msg)
+
+    # ---- the busy loop ----------------------------------------------------
+
+    async def serve(self) -> None:
+        while True:
+            await self.apply_arrived()  # 1
+            plan = self.scheduler.schedule() if self.scheduler.has_work() else None
+            if plan is None:
+                await self.dispatch(*await self.mailbox.get())  # park until something arrives
+                await self.send_stats()  # an abort or arrival while idle changes the gauges
+                continue
+            await self.outbox["workers"].send(plan)  # 2
+            results = await self.await_step(plan)  # 3
+            await self.finish_step(plan, results)  # 4
+
+    async def apply_arrived(self) -> None:
+        while (item := self.mailbox.get_nowait()) is not None:
+            await self.dispatch(*item)
+
+    async def await_step(self, plan: StepPlan) -> dict[int, StepDone | StepFailed]:
+        self.step_results = {}
+        try:
+            while len(self.step_results) < self.num_ranks:
+                channel, msg = await self.mailbox.get()
+                await self.dispatch(channel, msg)
+            for rank, result in self.step_results.items():
+                if result.step_id != plan.step_id:
+                    raise RuntimeError(
+                        f"rank {rank} answered step {result.step_id} while step {plan.step_id} runs: "
+                        f"ranks must execute plans in order"
+                    )
+            return self.step_results
+        finally:
+            self.step_results = None
+
+    async def finish_step(self, plan: StepPlan, results: dict[int, StepDone | StepFailed]) -> None:
+        failures = [results[r] for r in sorted(results) if isinstance(results[r], StepFailed)]
+        if failures:
+            failed = combine_failures(plan.step_id, failures)
+            self.log.error("step %d failed (%s): %s", plan.step_id,
+                           ", ".join(failed.request_ids) or "every row", failed.message)
+            # Rows the failure does not name did not advance: the scheduler runs them again.
+            await self.send_outputs(self.scheduler.fail_step(failed))
+        else:
+            await self.send_outputs(self.scheduler.update(results[0]))
+        await self.send_stats()
+
+    # ---- reactions ----------------------------------------------------------
+
+    async def handle(self, channel: str, msg: Any) -> None:
+        match msg:
+            case Prepared():
+                # KV is keyed by the weights that computed it: the served model's name.
+                await self.send_outputs([self.scheduler.add(msg, msg.model)])
+            case Abort(request_id=request_id):
+                await self.send_outputs([self.scheduler.abort(request_id)])
+            case Failed() if channel == "prepare":
+                await self.outbox["frontend"].send(msg)
+            case StepDone() | StepFailed() if channel.startswith("worker"):
+                self.record_result(channel, msg)
+            case _:
+                self.unknown(channel, msg)
+
+    def record_result(self, channel: str, msg: StepDone | StepFailed) -> None:
+        if self.step_results is None:
+            raise RuntimeError(f"{channel} sent {type(msg).__name__} for step {msg.step_id} while no step runs")
+        if msg.rank in self.step_results:
+            raise RuntimeError(f"{channel} answered step {msg.step_id} twice")
+        self.step_results[msg.rank] = msg
+
+    async def send_outputs(self, outputs: list[Any]) -> None:
+        for out in outputs:
+            if out is not None:
+                await self.outbox["frontend"].send(out)
+
+    async def send_stats(self) -> None:
+        stats = self.scheduler.stats()
+        if stats != self.last_stats:
+            self.last_stats = stats
+            await self.outbox["frontend"].send(stats)

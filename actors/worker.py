@@ -1,0 +1,76 @@
+"""The worker actor: one process per tensor-parallel rank; executes plans in order.
+
+It owns the device state (through ``ModelRunner``) and decides nothing another
+rank would have to agree with: it reports local facts (``WorkerReady``) and
+the result of each step (``StepDone`` / ``StepFailed``).
+
+Tensor parallelism does not split work yet: every rank loads and runs the full
+model, so ``parallel.tp = N`` starts N identical workers. That still exercises
+the conductor's broadcast of each plan and its agreement on every rank's
+answer, which is what sharding will rely on.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from actors.base import Actor
+from mstar_actors.messages import StepDone, StepFailed, StepPlan
+
+
+def build_runner(config: Any) -> Any:
+    """The rank's ``ModelRunner`` from the validated config (blocking: loads weights)."""
+    from mstar_actors.fetch import resolve_model
+    from mstar_actors.model_runner import ModelRunner
+
+    kv = config.kv
+    return ModelRunner(
+        model_dir=resolve_model(config.model.path),
+        dtype=config.model.dtype,
+        device=config.model.device,
+        block_size=kv.block_size,
+        num_blocks=kv.num_blocks,
+        memory_fraction=kv.memory_fraction,
+        max_model_len=config.scheduler.max_model_len,
+        seed=config.model.seed,
+    )
+
+
+class WorkerActor(Actor):
+    """inbox: ``conductor`` (ConductorToWorker), ``control``; outbox: ``conductor``, ``control``.
+
+    Plans run inline on the loop, one at a time and in order: the rank has
+    nothing else to do meanwhile, and a control message waiting behind a step
+    is fine (a stack dump does not need the loop).
+    """
+
+    def __init__(self, *, rank: int = 0, runner: Any = None, **kw: Any):
+        super().__init__(**kw)
+        self.rank = rank
+        self.runner = runner  # tests may inject one; otherwise built in start()
+
+    async def start(self) -> None:
+        if self.runner is None:
+            self.runner = await self.run_blocking(build_runner, self.config)
+        await self.outbox["conductor"].send(self.runner.ready_info(self.rank))
+
+    async def handle(self, channel: str, msg: Any) -> None:
+        match msg:
+            case StepPlan():
+                await self.outbox["conductor"].send(self.execute(msg))
+            case _:
+                self.unknown(channel, msg)
+
+    def execute(self, plan: StepPlan) -> StepDone | StepFailed:
+        start = time.perf_counter()
+        try:
+            sampled = self.runner.execute(plan)
+        except Exception as err:  # the step fails; the rank keeps serving
+            self.log.exception("step %d failed on rank %d", plan.step_id, self.rank)
+            message = f"rank {self.rank}, step {plan.step_id}: {type(err).__name__}: {err}"
+            # A PlanError names the rows at fault; anything else fails the whole step.
+            rows = list(getattr(err, "request_ids", ()))
+            return StepFailed(step_id=plan.step_id, rank=self.rank, message=message, request_ids=rows)
+        elapsed = time.perf_counter() - start
+        return StepDone(step_id=plan.step_id, rank=self.rank, sampled=sampled, elapsed_s=elapsed)

@@ -1,0 +1,228 @@
+"""The whole request path over in-memory channels: prepare + conductor + two
+worker ranks with a tiny random Llama, and a fake frontend end."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import pytest
+import torch
+
+from actors.conductor import ConductorActor
+from actors.prepare import PrepareActor
+from actors.worker import WorkerActor
+from mstar_actors.config import Config, KvConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from mstar_actors.messages import (
+    Abort,
+    ChatMessage,
+    ConductorToFrontend,
+    ConductorToWorker,
+    EngineStats,
+    Failed,
+    Finished,
+    FrontendToPrepare,
+    NewRequest,
+    PrepareToConductor,
+    SamplingParams,
+    Shutdown,
+    TokenDelta,
+    WorkerToConductor,
+)
+from mstar_actors.tokenization import Tokenization
+from transport.memory import MemoryChannel
+
+NUM_RANKS = 2
+
+
+class FanOut:
+    """The broadcast's semantics over in-memory channels: every message to every rank."""
+
+    def __init__(self, channels):
+        self.channels = channels
+        self.name = "conductor.workers"
+
+    async def send(self, msg):
+        for ch in self.channels:
+            await ch.send(msg)
+
+    def send_nowait(self, msg):
+        for ch in self.channels:
+            ch.send_nowait(msg)
+
+    def close(self):
+        for ch in self.channels:
+            ch.close()
+
+
+class Engine:
+    """prepare, conductor and the ranks on one loop; ``to_prepare`` / ``from_conductor`` are the frontend's ends."""
+
+    def __init__(self, config: Config):
+        self.to_prepare = MemoryChannel(FrontendToPrepare, "frontend.prepare")
+        self.from_conductor = MemoryChannel(ConductorToFrontend, "conductor.frontend")
+        p2c = MemoryChannel(PrepareToConductor, "prepare.conductor")
+        c2w = [MemoryChannel(ConductorToWorker, f"conductor.worker{r}") for r in range(NUM_RANKS)]
+        w2c = [MemoryChannel(WorkerToConductor, f"worker{r}.conductor") for r in range(NUM_RANKS)]
+        common = dict(config=config)
+        self.actors = [
+            PrepareActor(name="prepare", inbox={"frontend": self.to_prepare}, outbox={"conductor": p2c}, **common),
+            ConductorActor(name="conductor", inbox={"prepare": p2c} | {f"worker{r}": w2c[r] for r in range(NUM_RANKS)},
+                           outbox={"frontend": self.from_conductor, "workers": FanOut(c2w)}, **common),
+        ] + [
+            WorkerActor(name=f"worker{r}", rank=r, inbox={"conductor": c2w[r]}, outbox={"conductor": w2c[r]}, **common)
+            for r in range(NUM_RANKS)
+        ]
+        self.tasks = []
+
+    def start(self):
+        self.tasks = [asyncio.create_task(a.run(), name=a.name) for a in self.actors]
+
+    async def stop(self) -> list[int]:
+        await self.to_prepare.send(Shutdown(reason="test over"))
+        return await asyncio.wait_for(asyncio.gather(*self.tasks), 10)
+
+    async def collect(self, num_ended: int, on_delta=None) -> dict:
+        """Read until ``num_ended`` requests ended; per request: tokens, end message."""
+        out: dict[str, dict] = {}
+        self.stats: list[EngineStats] = []
+        ended = 0
+        while ended < num_ended:
+            msg = await asyncio.wait_for(self.from_conductor.recv(), 10)
+            match msg:
+                case TokenDelta():
+                    entry = out.setdefault(msg.request_id, {"tokens": [], "end": None})
+                    entry["tokens"] += [t.token_id for t in msg.tokens]
+                    if on_delta:
+                        await on_delta(msg)
+                case Finished() | Failed():
+                    out.setdefault(msg.request_id, {"tokens": [], "end": None})["end"] = msg
+                    ended += 1
+                case EngineStats():
+                    self.stats.append(msg)
+        return out
+
+
+    async def await_idle(self) -> EngineStats:
+        """The conductor's gauges once nothing runs or waits (sent after the last step)."""
+        while True:
+            msg = await asyncio.wait_for(self.from_conductor.recv(), 10)
+            if isinstance(msg, EngineStats) and msg.num_running == 0 and msg.num_waiting == 0:
+                return msg
+
+
+def make_config(model_dir, **kv) -> Config:
+    return Config(
+        model=ModelConfig(path=str(model_dir), dtype="float32", device="cpu"),
+        parallel=ParallelConfig(tp=NUM_RANKS),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128),
+        kv=KvConfig(block_size=4, num_blocks=kv.get("num_blocks", 128)),
+    )
+
+
+def make_request(request_id, max_tokens=6, **prompt) -> NewRequest:
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return NewRequest(request_id=request_id, model="tiny", sampling=sampling, **prompt)
+
+
+def greedy_reference(model, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """transformers' own forward, greedy, EOS ignored (as the requests ask)."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=num_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def async_test(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kw):
+        asyncio.run(fn(*args, **kw))
+
+    return wrapper
+
+
+@async_test
+async def test_greedy_tokens_match_transformers_and_bad_prompt_fails_alone(tiny_model):
+    model_dir, hf_model = tiny_model
+    tok = Tokenization(model_dir)
+    engine = Engine(make_config(model_dir))
+    engine.start()
+    chat = [ChatMessage(role="user", content="hello w7 w8 world")]
+    requests = [
+        make_request("ids", prompt_token_ids=[5, 9, 33, 41, 17, 100, 250]),
+        make_request("text", prompt="hello world w1 w2 w3 w4 w5 w6 w9 w10 w11"),
+        make_request("bad", prompt_token_ids=[5, 10_000]),
+        make_request("chat", max_tokens=8, messages=chat),
+    ]
+    for req in requests:
+        await engine.to_prepare.send(req)
+    out = await engine.collect(num_ended=len(requests))
+    await engine.await_idle()
+    assert await engine.stop() == [0] * (2 + NUM_RANKS)
+
+    bad = out["bad"]["end"]
+    assert isinstance(bad, Failed) and bad.status == 400 and "10000" in bad.message and not out["bad"]["tokens"]
+    prompts = {
+        "ids": [5, 9, 33, 41, 17, 100, 250],
+        "text": tok.encode_prompt("hello world w1 w2 w3 w4 w5 w6 w9 w10 w11"),
+        "chat": tok.apply_chat_template(chat, True),
+    }
+    for rid, prompt in prompts.items():
+        end = out[rid]["end"]
+        assert isinstance(end, Finished) and end.finish_reason == "length", (rid, end)
+        assert end.num_prompt_tokens == len(prompt)
+        assert out[rid]["tokens"] == greedy_reference(hf_model, prompt, end.num_output_tokens), rid
+
+
+@async_test
+async def test_abort_frees_everything_and_others_continue(tiny_model):
+    model_dir, _ = tiny_model
+    engine = Engine(make_config(model_dir))
+    engine.start()
+
+    async def abort_after_first_token(delta):
+        if delta.request_id == "long" and not engine.aborted:
+            engine.aborted = True
+            await engine.to_prepare.send(Abort(request_id="long"))
+            await engine.to_prepare.send(Abort(request_id="long"))  # idempotent
+
+    engine.aborted = False
+    await engine.to_prepare.send(make_request("long", max_tokens=100, prompt_token_ids=list(range(5, 30))))
+    await engine.to_prepare.send(make_request("short", max_tokens=5, prompt_token_ids=[7, 8, 9]))
+    out = await engine.collect(num_ended=2, on_delta=abort_after_first_token)
+    assert out["long"]["end"].finish_reason == "abort"
+    assert len(out["long"]["tokens"]) < 100
+    assert out["short"]["end"].finish_reason == "length" and len(out["short"]["tokens"]) == 5
+    final = await engine.await_idle()
+    assert final.num_kv_blocks_used == 0
+    # the conductor's scheduler and every rank forgot the aborted request
+    conductor = engine.actors[1]
+    assert not conductor.scheduler.requests
+    assert all("long" not in w.runner.seqs for w in engine.actors[2:])
+    assert await engine.stop() == [0] * (2 + NUM_RANKS)
+
+
+@async_test
+async def test_failed_step_fails_its_rows_with_500_and_serving_continues(tiny_model):
+    model_dir, _ = tiny_model
+    engine = Engine(make_config(model_dir))
+    workers = engine.actors[2:]
+    engine.start()
+    await engine.to_prepare.send(make_request("ok1", max_tokens=3, prompt_token_ids=[5, 6]))
+    await engine.collect(num_ended=1)
+    for worker in workers:  # the next step raises on every rank, once
+        real = worker.runner.execute
+        worker.runner.execute = functools.partial(_fail_once, worker, real)
+    await engine.to_prepare.send(make_request("doomed", max_tokens=3, prompt_token_ids=[5, 6]))
+    out = await engine.collect(num_ended=1)
+    failed = out["doomed"]["end"]
+    assert isinstance(failed, Failed) and failed.status == 500 and "injected" in failed.message
+    await engine.to_prepare.send(make_request("ok2", max_tokens=3, prompt_token_ids=[5, 6]))
+    out = await engine.collect(num_ended=1)
+    assert out["ok2"]["end"].finish_reason == "length"
+    assert await engine.stop() == [0] * (2 + NUM_RANKS)
+
+
+def _fail_once(worker, real, plan):
+    worker.runner.execute = real
+    raise RuntimeError("injected failure")
