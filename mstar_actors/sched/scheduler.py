@@ -280,12 +280,13 @@ class Scheduler:
         """Apply one step's result: a ``TokenDelta`` per sequence that sampled,
         then a ``Finished`` for each that ended. Rows aborted while the step was
         in flight are skipped (their sampled tokens ignored)."""
-        in_flight = self._take_in_flight(done.step_id)
+        in_flight = self._check_in_flight(done.step_id)
         sampled = {token.request_id: token for token in done.sampled}
         live_rows = [(seq, chunk) for seq, chunk in in_flight.rows if seq.status is SeqStatus.RUNNING]
         missing = [seq.request_id for seq, chunk in live_rows if chunk.sample and seq.request_id not in sampled]
-        if missing:
+        if missing:  # refused before any change: the step stays in flight
             raise ValueError(f"StepDone of step {done.step_id} has no sampled token for request(s) {missing}")
+        self._in_flight = None
         outputs: list[ConductorToFrontend] = []
         for seq, chunk in live_rows:
             seq.num_computed += chunk.num_tokens
@@ -297,7 +298,8 @@ class Scheduler:
     def fail_step(self, failed: StepFailed) -> list[ConductorToFrontend]:
         """A step raised on a rank: fail the rows it names (all rows when it
         names none). Other rows did not advance; their chunk is scheduled again."""
-        in_flight = self._take_in_flight(failed.step_id)
+        in_flight = self._check_in_flight(failed.step_id)
+        self._in_flight = None
         names = set(failed.request_ids)
         outputs: list[ConductorToFrontend] = []
         for seq, _ in in_flight.rows:
@@ -307,12 +309,11 @@ class Scheduler:
                 outputs.append(Failed(seq.request_id, status=500, message=message, error_type="server_error"))
         return outputs
 
-    def _take_in_flight(self, step_id: int) -> _InFlight:
+    def _check_in_flight(self, step_id: int) -> _InFlight:
         in_flight = self._in_flight
         if in_flight is None or in_flight.step_id != step_id:
             expected = "no step" if in_flight is None else f"step {in_flight.step_id}"
             raise ValueError(f"result for step {step_id}, but {expected} is in flight")
-        self._in_flight = None
         return in_flight
 
     def _cache_full_blocks(self, seq: Sequence, num_computed_before: int) -> None:

@@ -3,6 +3,8 @@ hand-built StepDones, a fake worker that checks every plan, invariants."""
 
 from __future__ import annotations
 
+import random
+
 from mstar_actors.messages import Finished, Prepared, SampledToken, SamplingParams, StepDone, StepPlan, TokenDelta
 from mstar_actors.sched import Scheduler, SeqStatus
 
@@ -32,8 +34,9 @@ def make_request(
     prompt_param: str = "prompt",
     **sampling,
 ) -> Prepared:
-    if prompt is None:
-        prompt = list(range(10, 10 + num_prompt_tokens))
+    if prompt is None:  # distinct per request id, so requests share a prefix only when a test says so
+        rng = random.Random(request_id)
+        prompt = [rng.randrange(10, 1000) for _ in range(num_prompt_tokens)]
     return Prepared(
         request_id=request_id,
         model="m",
@@ -112,7 +115,8 @@ class FakeWorker:
 
     It keeps, per block slot, the (root, position, token) whose KV was written
     there, so a chunk that reads a prefix (its own or a shared cached one)
-    must find exactly its own tokens under its own root.
+    must find exactly its own tokens under its own root, written by an
+    earlier step (rows of one step run as one batch).
     """
 
     def __init__(self, block_size: int, roots: dict[str, str]):
@@ -128,10 +132,13 @@ class FakeWorker:
         for start in plan.started:
             assert start.request_id not in self.seqs, f"{start.request_id} started twice"
             self.seqs[start.request_id] = start.prompt_token_ids + start.output_token_ids
+        # One forward pass: every row reads the KV as it was before the step.
+        for chunk in plan.scheduled:
+            assert chunk.num_tokens >= 1, f"{chunk.request_id}: empty chunk"
+            self._check_prefix(chunk, self.seqs[chunk.request_id])
         sampled = []
         for chunk in plan.scheduled:
             tokens = self.seqs[chunk.request_id]
-            self._check_prefix(chunk, tokens)
             self._write(chunk, tokens)
             if chunk.sample:
                 assert chunk.num_computed + chunk.num_tokens == len(tokens)

@@ -1,0 +1,410 @@
+"""Scheduler behaviour, step by step, with hand-built worker results."""
+
+import msgspec
+import pytest
+from sched_factories import (
+    EOS,
+    ROOT,
+    assert_no_blocks_used,
+    check_invariants,
+    chunks_of,
+    finished_of,
+    make_done,
+    make_request,
+    make_scheduler,
+    run_step,
+    tokens_of,
+)
+
+from mstar_actors.messages import Failed, Finished, StepDone, StepFailed, TokenDelta
+from mstar_actors.sched import chain_hash, root_hash
+
+
+def test_prefill_then_decodes_until_max_tokens():
+    sched = make_scheduler()
+    assert sched.add(make_request("r0", num_prompt_tokens=6, max_tokens=3), ROOT) is None
+    assert sched.has_work() and sched.num_waiting == 1
+    plan, outputs = run_step(sched)
+    assert [s.request_id for s in plan.started] == ["r0"]
+    assert chunks_of(plan) == {"r0": (0, 6, True)}
+    assert len(plan.scheduled[0].block_ids) == 2
+    assert outputs == [TokenDelta("r0", list(make_done(plan).sampled))]
+    plan, _ = run_step(sched)
+    assert plan.started == [] and chunks_of(plan) == {"r0": (6, 1, True)}
+    plan, outputs = run_step(sched, {"r0": 9})
+    assert chunks_of(plan) == {"r0": (7, 1, True)}
+    assert tokens_of(outputs) == {"r0": [9]}
+    assert finished_of(outputs)["r0"] == Finished("r0", "length", num_prompt_tokens=6, num_output_tokens=3)
+    assert not sched.has_work() and sched.schedule() is None
+    assert_no_blocks_used(sched)
+    assert sched.allocator.num_cached_free == 2  # 8 tokens of KV computed: two full blocks
+    # The workers forget r0 with the next plan.
+    sched.add(make_request("r1"), ROOT)
+    assert sched.schedule().finished == ["r0"]
+
+
+def test_chunked_prefill_splits_under_budget_and_mixes_with_decodes():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    sched.add(make_request("r0", num_prompt_tokens=4, max_tokens=10), ROOT)
+    run_step(sched)
+    sched.add(make_request("r1", num_prompt_tokens=20, max_tokens=10), ROOT)
+    seen = []
+    for _ in range(3):
+        plan, outputs = run_step(sched)
+        assert sum(c.num_tokens for c in plan.scheduled) <= 8
+        assert plan.scheduled[0].request_id == "r0"  # decodes first
+        seen.append(chunks_of(plan)["r1"])
+    assert seen == [(0, 7, False), (7, 7, False), (14, 6, True)]
+    assert tokens_of(outputs) == {"r0": [7], "r1": [7]}
+    plan, _ = run_step(sched)
+    assert chunks_of(plan) == {"r0": (7, 1, True), "r1": (20, 1, True)}
+
+
+def test_long_prompt_alone_is_split_into_budget_sized_chunks():
+    sched = make_scheduler(max_num_batched_tokens=5)
+    sched.add(make_request("r0", num_prompt_tokens=12), ROOT)
+    chunks = [chunks_of(run_step(sched)[0])["r0"] for _ in range(3)]
+    assert chunks == [(0, 5, False), (5, 5, False), (10, 2, True)]
+
+
+def test_max_num_seqs_is_honoured():
+    sched = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        sched.add(make_request(f"r{i}", max_tokens=2), ROOT)
+    plan, _ = run_step(sched)
+    assert [s.request_id for s in plan.started] == ["r0", "r1"]
+    assert sched.num_running == 2 and sched.num_waiting == 1
+    plan, outputs = run_step(sched)
+    assert set(finished_of(outputs)) == {"r0", "r1"}
+    plan = sched.schedule()
+    assert [s.request_id for s in plan.started] == ["r2"] and plan.finished == ["r0", "r1"]
+
+
+def test_waiting_requests_are_admitted_in_fifo_order():
+    # r0 holds most of the cache: r1 (too big for what is left) blocks r2 behind it.
+    sched = make_scheduler(num_blocks=6, enable_prefix_caching=False)
+    sched.add(make_request("r0", num_prompt_tokens=16, max_tokens=2), ROOT)
+    run_step(sched)
+    sched.add(make_request("r1", num_prompt_tokens=12), ROOT)
+    sched.add(make_request("r2", num_prompt_tokens=2), ROOT)
+    plan, _ = run_step(sched)
+    assert plan.started == [] and sched.num_waiting == 2
+    plan = sched.schedule()
+    assert plan.finished == ["r0"] and [s.request_id for s in plan.started] == ["r1", "r2"]
+
+
+def test_preemption_frees_the_latest_admitted_and_restarts_it_with_its_outputs():
+    # 6 blocks of 4 tokens; three 4-token prompts fill 2 blocks each by position 8.
+    sched = make_scheduler(num_blocks=6, enable_prefix_caching=False)
+    for i in range(3):
+        sched.add(make_request(f"r{i}", prompt=[10 + i] * 4, max_tokens=50), ROOT)
+    outputs_of = {f"r{i}": [] for i in range(3)}
+    for step in range(5):  # prefill, then positions 4..7
+        _, outputs = run_step(sched, default=20 + step)
+        for rid, toks in tokens_of(outputs).items():
+            outputs_of[rid] += toks
+    assert sched.allocator.num_free == 0
+    plan, _ = run_step(sched, default=30)  # position 8: r0 needs a block, r2 is preempted
+    assert chunks_of(plan) == {"r0": (8, 1, True), "r1": (8, 1, True)}
+    assert plan.finished == ["r2"] and plan.started == []
+    assert sched.stats().num_preemptions == 1
+    assert [s.request_id for s in sched.waiting] == ["r2"]
+    check_invariants(sched)
+    # Room again: r2 comes back with what it generated, recomputed from scratch.
+    sched.abort("r0")
+    plan = sched.schedule()
+    assert plan.finished == ["r0"]
+    [start] = plan.started
+    assert start.request_id == "r2" and start.output_token_ids == outputs_of["r2"] == [20, 21, 22, 23, 24]
+    assert chunks_of(plan)["r2"] == (0, 9, True)
+
+
+def test_preemption_of_several_keeps_admission_order_at_the_head():
+    sched = make_scheduler(num_blocks=6, enable_prefix_caching=False)
+    for i in range(3):
+        sched.add(make_request(f"r{i}", prompt=[10 + i] * 4, max_tokens=50), ROOT)
+    run_step(sched)  # all three admitted
+    while "r2" not in [s.request_id for s in sched.waiting]:
+        run_step(sched)
+    while "r1" not in [s.request_id for s in sched.waiting]:
+        run_step(sched)
+    assert [s.request_id for s in sched.waiting] == ["r1", "r2"]
+    assert sched.num_running == 1 and sched.num_preemptions == 2
+    check_invariants(sched)
+
+
+def test_restarted_sequence_resumes_from_its_prefix_cache_hit():
+    sched = make_scheduler(num_blocks=7)
+    for i, num_prompt in enumerate([4, 4, 8]):
+        sched.add(make_request(f"r{i}", prompt=[10 + i] * num_prompt, max_tokens=50), ROOT)
+    run_step(sched)  # all three admitted
+    while not sched.waiting:
+        run_step(sched)
+    # r2's three full blocks went back cached, tail first: r0 and r1 evicted
+    # two of them for their own new blocks, r2's head block is still indexed.
+    assert [s.request_id for s in sched.waiting] == ["r2"] and sched.allocator.num_cached_free == 1
+    sched.abort("r0")
+    plan = sched.schedule()
+    [start] = plan.started
+    num_tokens = len(start.prompt_token_ids) + len(start.output_token_ids)
+    assert chunks_of(plan)["r2"] == (4, num_tokens - 4, True)
+
+
+def test_prefix_cache_hit_shares_blocks():
+    sched = make_scheduler()
+    prompt = list(range(100, 110))  # 10 tokens: 2 full blocks of 4
+    sched.add(make_request("r0", prompt=prompt, max_tokens=5), ROOT)
+    run_step(sched)
+    sched.add(make_request("r1", prompt=prompt, max_tokens=2), ROOT)
+    plan, _ = run_step(sched)
+    assert chunks_of(plan)["r1"] == (8, 2, True)
+    r0, r1 = sched.requests["r0"], sched.requests["r1"]
+    assert r1.block_ids[:2] == r0.block_ids[:2] and r1.block_ids[2] != r0.block_ids[2]
+    assert [sched.allocator.ref_count(b) for b in r1.block_ids] == [2, 2, 1]
+    check_invariants(sched)
+    _, outputs = run_step(sched)
+    assert finished_of(outputs)["r1"].num_cached_tokens == 8
+    assert [sched.allocator.ref_count(b) for b in r0.block_ids[:2]] == [1, 1]
+    sched.abort("r0")
+    assert_no_blocks_used(sched)
+
+
+def test_prefix_hit_always_leaves_the_last_token_to_compute():
+    sched = make_scheduler()
+    prompt = list(range(100, 108))  # exactly 2 full blocks
+    sched.add(make_request("r0", prompt=prompt, max_tokens=1), ROOT)
+    run_step(sched)
+    sched.add(make_request("r1", prompt=prompt, max_tokens=1), ROOT)
+    plan, _ = run_step(sched)
+    assert chunks_of(plan) == {"r1": (4, 4, True)}
+
+
+def test_blocks_filled_by_decoded_tokens_are_cached_too():
+    sched = make_scheduler()
+    sched.add(make_request("r0", prompt=[5, 6], max_tokens=7), ROOT)
+    for token in [40, 41, 42, 43, 44, 45, 46]:
+        run_step(sched, {"r0": token})
+    # prompt + outputs = 9 tokens, 8 of them computed: 2 full blocks.
+    sched.add(make_request("r1", prompt=[5, 6, 40, 41, 42, 43, 44, 45, 46, 47]), ROOT)
+    plan = sched.schedule()
+    assert chunks_of(plan)["r1"] == (8, 2, True)
+
+
+def test_different_roots_never_share_blocks():
+    sched = make_scheduler()
+    prompt = list(range(100, 110))
+    sched.add(make_request("a", prompt=prompt, max_tokens=1), "adapter-digest-a")
+    run_step(sched)
+    sched.add(make_request("b", prompt=prompt, max_tokens=1), "adapter-digest-b")
+    plan, _ = run_step(sched)
+    assert chunks_of(plan) == {"b": (0, 10, True)}
+    sched.add(make_request("a2", prompt=prompt, max_tokens=1), "adapter-digest-a")
+    plan, _ = run_step(sched)
+    assert chunks_of(plan) == {"a2": (8, 2, True)}
+
+
+def test_prefix_cache_disabled_never_hits():
+    sched = make_scheduler(enable_prefix_caching=False)
+    for rid in ["r0", "r1"]:
+        sched.add(make_request(rid, num_prompt_tokens=10, max_tokens=1), ROOT)
+        plan, _ = run_step(sched)
+        assert chunks_of(plan)[rid] == (0, 10, True)
+    assert len(sched.prefix_index) == 0 and sched.allocator.num_cached_free == 0
+
+
+def test_eviction_takes_least_recently_freed_cached_blocks():
+    sched = make_scheduler(num_blocks=8)
+    prompt_a, prompt_b, prompt_c = [[base + i for i in range(9)] for base in (100, 200, 300)]
+    for rid, prompt in [("a", prompt_a), ("b", prompt_b)]:
+        sched.add(make_request(rid, prompt=prompt, max_tokens=1), ROOT)
+        run_step(sched)
+    # Free: 2 plain (the partial blocks) + 4 cached, a's tail first.
+    assert sched.allocator.num_cached_free == 4
+    sched.add(make_request("c", prompt=prompt_c + [1] * 11, max_tokens=1), ROOT)  # 5 blocks
+    run_step(sched)
+
+    def hashes(prompt):
+        h0 = chain_hash(root_hash(ROOT), prompt[:4])
+        return [h0, chain_hash(h0, prompt[4:8])]
+
+    a0, a1 = hashes(prompt_a)
+    assert a0 in sched.prefix_index and a1 not in sched.prefix_index
+    assert all(h in sched.prefix_index for h in hashes(prompt_b))
+    sched.add(make_request("b2", prompt=prompt_b, max_tokens=1), ROOT)
+    plan, _ = run_step(sched)
+    assert chunks_of(plan) == {"b2": (8, 1, True)}
+    check_invariants(sched)
+
+
+@pytest.mark.parametrize(
+    "sampling, tokens, reason, stop_token_id, num_outputs",
+    [
+        ({}, [7, EOS], "stop", EOS, 2),
+        ({"ignore_eos": True}, [EOS, EOS, EOS], "length", None, 3),
+        ({"stop_token_ids": (99,)}, [7, 99], "stop", 99, 2),
+        ({"stop_token_ids": (99,), "ignore_eos": True}, [EOS, 99], "stop", 99, 2),
+        ({}, [7, 7, 7], "length", None, 3),
+    ],
+)
+def test_stop_conditions(sampling, tokens, reason, stop_token_id, num_outputs):
+    sched = make_scheduler()
+    sched.add(make_request("r0", max_tokens=3, **sampling), ROOT)
+    streamed = []
+    for token in tokens:
+        _, outputs = run_step(sched, {"r0": token})
+        streamed += tokens_of(outputs).get("r0", [])
+    [ending] = finished_of(outputs).values()
+    assert (ending.finish_reason, ending.stop_token_id, ending.num_output_tokens) == (reason, stop_token_id, num_outputs)
+    assert streamed == tokens  # the stop token itself is streamed too
+    assert isinstance(outputs[-1], Finished) and not sched.has_work()
+    assert_no_blocks_used(sched)
+
+
+def test_max_model_len_caps_max_tokens():
+    sched = make_scheduler(max_model_len=10)
+    sched.add(make_request("r0", num_prompt_tokens=8, max_tokens=100), ROOT)
+    run_step(sched)
+    _, outputs = run_step(sched)
+    assert finished_of(outputs)["r0"].finish_reason == "length"
+    assert finished_of(outputs)["r0"].num_output_tokens == 2
+
+
+def test_kv_capacity_caps_max_tokens():
+    sched = make_scheduler(num_blocks=2, max_model_len=100)
+    sched.add(make_request("r0", num_prompt_tokens=7, max_tokens=100), ROOT)
+    _, outputs = run_step(sched)
+    assert finished_of(outputs)["r0"].num_output_tokens == 1
+
+
+@pytest.mark.parametrize("param", ["prompt", "messages"])
+def test_too_long_prompt_is_refused(param):
+    sched = make_scheduler(max_model_len=16)
+    failed = sched.add(make_request("long-1", num_prompt_tokens=16, prompt_param=param), ROOT)
+    assert isinstance(failed, Failed) and failed.status == 400 and failed.param == param
+    assert "long-1" in failed.message and "16 tokens" in failed.message and "max_model_len" in failed.message
+    assert "at most 15" in failed.message
+    assert sched.add(make_request("ok", num_prompt_tokens=15), ROOT) is None
+    assert sched.num_waiting == 1
+
+
+def test_empty_prompt_is_refused():
+    sched = make_scheduler()
+    failed = sched.add(make_request("e", prompt=[], prompt_param="messages"), ROOT)
+    assert failed.status == 400 and failed.param == "messages" and "empty" in failed.message
+    assert not sched.has_work()
+
+
+def test_prompt_larger_than_the_whole_kv_cache_is_refused():
+    sched = make_scheduler(num_blocks=2, block_size=4, max_model_len=100)
+    failed = sched.add(make_request("big", num_prompt_tokens=8), ROOT)
+    assert failed.status == 400 and "KV cache holds 8 tokens" in failed.message and "big" in failed.message
+    assert not sched.has_work()
+
+
+def test_duplicate_live_request_id_is_refused():
+    sched = make_scheduler()
+    assert sched.add(make_request("r0"), ROOT) is None
+    failed = sched.add(make_request("r0"), ROOT)
+    assert failed.param == "request_id" and sched.num_waiting == 1
+
+
+def test_abort_while_waiting():
+    sched = make_scheduler()
+    sched.add(make_request("r0"), ROOT)
+    ending = sched.abort("r0")
+    assert ending == Finished("r0", "abort", num_prompt_tokens=6, num_output_tokens=0)
+    assert sched.abort("r0") is None and sched.abort("never-seen") is None
+    assert sched.schedule() is None and not sched.has_work()
+    sched.add(make_request("r1"), ROOT)
+    assert sched.schedule().finished == []  # the workers never knew r0
+
+
+def test_abort_while_prefilling_across_chunks():
+    sched = make_scheduler(max_num_batched_tokens=4)
+    sched.add(make_request("r0", num_prompt_tokens=12), ROOT)
+    run_step(sched)
+    assert sched.allocator.num_used == 1
+    assert sched.abort("r0").finish_reason == "abort"
+    assert_no_blocks_used(sched)
+    assert sched.abort("r0") is None
+    sched.add(make_request("r1", prompt=[1, 2, 3]), ROOT)
+    assert sched.schedule().finished == ["r0"]
+
+
+def test_abort_while_step_in_flight_drops_its_result():
+    sched = make_scheduler()
+    sched.add(make_request("r0", num_prompt_tokens=10), ROOT)
+    sched.add(make_request("r1", num_prompt_tokens=3), ROOT)
+    plan = sched.schedule()
+    assert sched.abort("r0").num_output_tokens == 0
+    assert sched.allocator.num_used == 1  # r1's block only, at once
+    outputs = sched.update(make_done(plan))
+    assert [o.request_id for o in outputs] == ["r1"]
+    assert len(sched.prefix_index) == 0  # r0's blocks were never indexed: they are free
+    assert sched.abort("r0") is None
+    assert sched.schedule().finished == ["r0"]
+
+
+def test_every_ending_returns_blocks():
+    sched = make_scheduler(max_num_batched_tokens=6)
+    sched.add(make_request("waits", num_prompt_tokens=40), ROOT)
+    sched.add(make_request("done", num_prompt_tokens=3, max_tokens=1), ROOT)
+    for i in range(3):
+        sched.add(make_request(f"p{i}", num_prompt_tokens=20 + i), ROOT)
+    run_step(sched)
+    run_step(sched)
+    plan = sched.schedule()
+    for rid in list(sched.requests):
+        sched.abort(rid)
+    sched.update(make_done(plan))
+    assert not sched.has_work()
+    assert_no_blocks_used(sched)
+
+
+def test_schedule_before_update_raises():
+    sched = make_scheduler()
+    sched.add(make_request("r0"), ROOT)
+    plan = sched.schedule()
+    with pytest.raises(RuntimeError, match=f"step {plan.step_id} is in flight"):
+        sched.schedule()
+    with pytest.raises(ValueError, match="result for step 5"):
+        sched.update(msgspec.structs.replace(make_done(plan), step_id=5))
+    sched.update(make_done(plan))
+    assert sched.schedule().step_id == plan.step_id + 1
+
+
+def test_missing_sampled_token_raises_before_changing_anything():
+    sched = make_scheduler()
+    sched.add(make_request("r0"), ROOT)
+    plan = sched.schedule()
+    with pytest.raises(ValueError, match="no sampled token for request.*r0"):
+        sched.update(StepDone(step_id=plan.step_id, rank=0, sampled=[]))
+    sched.update(make_done(plan))  # nothing was applied: the real result still fits
+
+
+def test_fail_step_fails_named_rows_and_retries_the_others():
+    sched = make_scheduler()
+    sched.add(make_request("bad", num_prompt_tokens=5), ROOT)
+    sched.add(make_request("good", num_prompt_tokens=5), ROOT)
+    plan = sched.schedule()
+    outputs = sched.fail_step(StepFailed(step_id=plan.step_id, rank=1, message="boom", request_ids=["bad"]))
+    [failed] = outputs
+    assert failed.request_id == "bad" and failed.status == 500 and "boom" in failed.message
+    plan2 = sched.schedule()
+    assert plan2.finished == ["bad"] and chunks_of(plan2) == {"good": (0, 5, True)}
+    sched.update(make_done(plan2))
+    check_invariants(sched)
+
+
+def test_stats():
+    sched = make_scheduler(num_blocks=10, max_num_seqs=1)
+    sched.add(make_request("r0", num_prompt_tokens=6), ROOT)
+    sched.add(make_request("r1"), ROOT)
+    run_step(sched)
+    stats = sched.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_kv_blocks_used, stats.num_kv_blocks_total) == (1, 1, 2, 10)
+
+
+def test_bad_construction_names_the_field():
+    with pytest.raises(ValueError, match="max_num_seqs must be >= 1"):
+        make_scheduler(max_num_seqs=0)
