@@ -250,6 +250,11 @@ def _split_key(key: str, name: str) -> tuple[str, str]:
     for suffix, kind in _KINDS.items():
         if path.endswith("." + suffix):
             return path[: -len(suffix) - 1], kind
+    if path.endswith(".weight"):
+        raise AdapterError(
+            f"adapter {name!r}: tensor {key!r} is a full module weight (PEFT saves modules_to_save that way), "
+            "which would replace a base weight and is not served; accepted: LoRA factors only"
+        )
     raise AdapterError(
         f"adapter {name!r}: tensor {key!r} is not a LoRA factor; accepted keys end in "
         "lora_A.weight / lora_B.weight / lora_embedding_A / lora_embedding_B"

@@ -1,0 +1,259 @@
+"""Reading PEFT adapters: exact factors and scales, every refusal, digests."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+from lora_factories import base_shapes, edit_adapter, lora_layer, make_adapter, make_base, write_adapter
+
+from mstar_actors.lora import AdapterError, BaseShapes, read_adapter
+from mstar_actors.lora.adapter_file import pattern_key
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _peft_delta(peft_model, hf_module: str) -> torch.Tensor:
+    """PEFT's own merged delta for a module, in our [out, in] orientation."""
+    layer = lora_layer(peft_model, hf_module)
+    delta = layer.get_delta_weight("default")
+    return delta.T if hf_module.endswith("embed_tokens") else delta
+
+
+def _assert_matches_peft(weights, peft_model) -> None:
+    for hf_module, module in weights.iter_modules():
+        ours = module.scale * module.b.float() @ module.a.float()
+        torch.testing.assert_close(ours, _peft_delta(peft_model, hf_module).float(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_every_target_matches_peft_merged_delta(tmp_path, arch):
+    model, cfg = make_base(arch)
+    folder, peft_model = make_adapter(tmp_path, model, r=8, lora_alpha=16, target_modules=ALL + ["lm_head", "embed_tokens"])
+    weights = read_adapter(folder, base=base_shapes(cfg), max_rank=8)
+    assert weights.num_modules == 2 * 7 + 2
+    assert weights.max_rank == 8
+    assert set(weights.global_modules) == {"lm_head", "embed_tokens"}
+    _assert_matches_peft(weights, peft_model)
+
+
+def test_rslora_scale_is_alpha_over_sqrt_r(tmp_path):
+    model, cfg = make_base()
+    folder, peft_model = make_adapter(tmp_path, model, r=4, lora_alpha=6, use_rslora=True)
+    weights = read_adapter(folder, base=base_shapes(cfg), max_rank=16)
+    assert {m.scale for _, m in weights.iter_modules()} == {6 / math.sqrt(4)}
+    _assert_matches_peft(weights, peft_model)
+
+
+def test_rank_and_alpha_patterns_follow_peft(tmp_path):
+    model, cfg = make_base()
+    folder, peft_model = make_adapter(
+        tmp_path,
+        model,
+        r=4,
+        lora_alpha=8,
+        target_modules=ALL,
+        rank_pattern={"layers.1.self_attn.q_proj": 2, "down_proj": 8},
+        alpha_pattern={r"layers\.0\.mlp\.(gate|up)_proj": 3},
+    )
+    weights = read_adapter(folder, base=base_shapes(cfg), max_rank=8)
+    assert weights.layers[1]["self_attn.q_proj"].rank == 2
+    assert weights.layers[0]["self_attn.q_proj"].rank == 4
+    assert weights.layers[0]["mlp.down_proj"].rank == 8
+    assert weights.layers[0]["mlp.gate_proj"].scale == 3 / 4
+    assert weights.layers[1]["mlp.gate_proj"].scale == 2.0
+    _assert_matches_peft(weights, peft_model)
+
+
+def test_pattern_key_is_a_dotted_suffix_regex():
+    assert pattern_key(["q_proj"], "model.layers.0.self_attn.q_proj") == "q_proj"
+    assert pattern_key(["proj"], "model.layers.0.self_attn.q_proj") == "model.layers.0.self_attn.q_proj"
+    assert pattern_key([r"layers\.1\..*"], "model.layers.1.mlp.up_proj") == r"layers\.1\..*"
+
+
+def test_tied_embeddings_base_accepts_lm_head_and_embedding(tmp_path):
+    model, cfg = make_base(tie_word_embeddings=True)
+    folder, peft_model = make_adapter(tmp_path, model, target_modules=["lm_head", "embed_tokens"])
+    weights = read_adapter(folder, base=base_shapes(cfg), max_rank=8)
+    assert weights.layers == ({}, {})
+    _assert_matches_peft(weights, peft_model)
+
+
+def test_base_shapes_from_hf_config():
+    _, cfg = make_base("qwen3")
+    shapes = BaseShapes.from_hf_config(cfg)
+    assert shapes.num_layers == 2
+    assert shapes.layer_modules["self_attn.q_proj"] == (64, 128)
+    assert shapes.layer_modules["self_attn.k_proj"] == (64, 64)
+    assert shapes.layer_modules["self_attn.o_proj"] == (128, 64)
+    assert shapes.layer_modules["mlp.down_proj"] == (96, 64)
+    assert shapes.global_modules == {"lm_head": (64, 320), "embed_tokens": (320, 64)}
+    with pytest.raises(ValueError, match="intermediate_size"):
+        BaseShapes.from_hf_config({k: v for k, v in cfg.items() if k != "intermediate_size"})
+
+
+# ---------------------------------------------------------------- digests
+
+
+def test_digest_names_the_weights_and_scaling(tmp_path):
+    model, cfg = make_base()
+    base = base_shapes(cfg)
+    folder, _ = make_adapter(tmp_path, model, seed=1, name="a")
+    first = read_adapter(folder, base=base, max_rank=8).digest
+    assert read_adapter(folder, base=base, max_rank=8).digest == first
+    copy = shutil.copytree(folder, tmp_path / "copy")
+    assert read_adapter(copy, base=base, max_rank=8, name="other").digest == first
+    edit_adapter(copy, config={"lora_alpha": 9})
+    assert read_adapter(copy, base=base, max_rank=8).digest != first
+    model2, _ = make_base()
+    other, _ = make_adapter(tmp_path, model2, seed=2, name="b")
+    assert read_adapter(other, base=base, max_rank=8).digest != first
+
+
+# ---------------------------------------------------------------- refusals
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """(folder, BaseShapes) of a plain q/k/v/o adapter."""
+    model, cfg = make_base()
+    folder, _ = make_adapter(tmp_path, model)
+    return folder, base_shapes(cfg)
+
+
+def _refused(folder, base, match, max_rank=8):
+    with pytest.raises(AdapterError, match=match) as info:
+        read_adapter(folder, base=base, max_rank=max_rank)
+    assert f"adapter {folder.name!r}" in str(info.value)
+    return str(info.value)
+
+
+def test_refuses_peft_dora(tmp_path):
+    model, cfg = make_base()
+    folder, _ = make_adapter(tmp_path, model, use_dora=True)
+    _refused(folder, base_shapes(cfg), r"DoRA \(use_dora=true\) is not served")
+    edit_adapter(folder, config={"use_dora": False})  # the magnitudes alone give it away
+    _refused(folder, base_shapes(cfg), r"lora_magnitude_vector.*DoRA magnitude")
+
+
+def test_refuses_kohya_dora_scale(saved):
+    folder, base = saved
+    edit_adapter(folder, tensors={"base_model.model.model.layers.0.self_attn.q_proj.dora_scale": torch.ones(1, 64)})
+    _refused(folder, base, r"q_proj\.dora_scale' is a DoRA magnitude")
+
+
+def test_refuses_rank_over_max(saved):
+    folder, base = saved
+    msg = _refused(folder, base, r"has rank 4, over max_lora_rank=2", max_rank=2)
+    assert "model.layers.0.self_attn" in msg and "raise lora.max_lora_rank" in msg
+
+
+def test_refuses_unknown_target(saved):
+    folder, base = saved
+    edit_adapter(
+        folder,
+        tensors={
+            "base_model.model.model.layers.0.self_attn.rotary.lora_A.weight": torch.zeros(4, 64),
+            "base_model.model.model.layers.0.self_attn.rotary.lora_B.weight": torch.zeros(64, 4),
+        },
+    )
+    _refused(folder, base, r"'model.layers.0.self_attn.rotary' is not a LoRA target.*accepted: \['self_attn.q_proj'")
+
+
+def test_refuses_global_module_the_base_lacks(saved):
+    folder, base = saved
+    edit_adapter(folder, tensors={"base_model.model.model.norm.lora_A.weight": torch.zeros(4, 64)})
+    _refused(folder, base, r"module 'model.norm' (has no lora_B|is not a LoRA target)")
+
+
+def test_refuses_shapes_of_another_base(saved):
+    folder, _ = saved
+    _, wider = make_base(hidden_size=96, intermediate_size=128)
+    _refused(folder, base_shapes(wider), r"k_proj' has lora_A \(4, 64\).*do not fit the base model's 96 in / 48 out; accepted: A \[r, 96\], B \[48, r\]")
+
+
+def test_refuses_layer_out_of_range(saved):
+    folder, _ = saved
+    _, shallow = make_base(num_hidden_layers=1)
+    _refused(folder, base_shapes(shallow), r"in layer 1, but the base model has 1 layers \(0..0\)")
+
+
+@pytest.mark.parametrize("config, match", [({"bias": "lora_only"}, "bias='lora_only' is not served"), ({"lora_bias": True}, "lora_bias=true is not served")])
+def test_refuses_bias_in_config(saved, config, match):
+    folder, base = saved
+    edit_adapter(folder, config=config)
+    _refused(folder, base, match)
+
+
+def test_refuses_bias_tensors(saved):
+    folder, base = saved
+    edit_adapter(folder, tensors={"base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias": torch.zeros(64)})
+    _refused(folder, base, r"lora_B.bias' is a LoRA bias")
+
+
+def test_refuses_peft_lora_bias(tmp_path):
+    model, cfg = make_base()
+    folder, _ = make_adapter(tmp_path, model, lora_bias=True)
+    _refused(folder, base_shapes(cfg), "lora_bias=true is not served")
+
+
+def test_refuses_modules_to_save(tmp_path):
+    model, cfg = make_base()
+    folder, _ = make_adapter(tmp_path, model, modules_to_save=["lm_head"])
+    _refused(folder, base_shapes(cfg), r"modules_to_save=\['lm_head'\] replaces base weights")
+    edit_adapter(folder, config={"modules_to_save": None})
+    _refused(folder, base_shapes(cfg), r"'base_model.model.lm_head.weight' is a full module weight \(PEFT saves modules_to_save")
+
+
+def test_refuses_missing_files(saved):
+    folder, base = saved
+    weights = folder / "adapter_model.safetensors"
+    weights.rename(folder / "adapter_model.bin")
+    _refused(folder, base, r"adapter_model.bin is a pickle.*save the adapter as adapter_model.safetensors")
+    (folder / "adapter_model.bin").unlink()
+    _refused(folder, base, "adapter_model.safetensors is missing")
+    (folder / "adapter_config.json").unlink()
+    _refused(folder, base, "adapter_config.json is missing")
+
+
+def test_refuses_corrupt_json(saved):
+    folder, base = saved
+    (folder / "adapter_config.json").write_text('{"r": 4, "lora_alpha": ')
+    _refused(folder, base, "adapter_config.json is not valid JSON")
+
+
+def test_refuses_truncated_safetensors(saved):
+    folder, base = saved
+    path = folder / "adapter_model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100])
+    _refused(folder, base, r"adapter_model.safetensors is truncated: \d+ bytes, its header needs \d+")
+    path.write_bytes(data[:20])
+    _refused(folder, base, "has a corrupt header")
+
+
+def test_refuses_rank_that_disagrees_with_config(saved):
+    folder, base = saved
+    edit_adapter(folder, config={"r": 8})
+    _refused(folder, base, r"has rank 4 in adapter_model.safetensors but adapter_config.json says r=8")
+
+
+def test_refuses_half_a_pair_and_non_float(tmp_path):
+    base = base_shapes(make_base()[1])
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    folder = write_adapter(tmp_path / "half", {f"{key}.lora_A.weight": torch.zeros(4, 64)})
+    _refused(folder, base, "has no lora_B tensor")
+    folder = write_adapter(
+        tmp_path / "ints",
+        {f"{key}.lora_A.weight": torch.zeros(4, 64, dtype=torch.int32), f"{key}.lora_B.weight": torch.zeros(64, 4)},
+    )
+    _refused(folder, base, "has dtype torch.int32; accepted: float32, float16, bfloat16")
+
+
+def test_refuses_resized_vocabulary_copy(tmp_path):
+    model, cfg = make_base()
+    folder, _ = make_adapter(tmp_path, model, target_modules=["embed_tokens"])
+    edit_adapter(folder, tensors={"base_model.model.model.embed_tokens.base_layer.weight": torch.zeros(330, 64)})
+    _refused(folder, base_shapes(cfg), "trained with a resized vocabulary")
