@@ -41,6 +41,7 @@ same order.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Literal
 
@@ -141,8 +142,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     sub_rows = [rows[i] for i in idx]
     sub = logits[idx]
     output_counts = _token_counts([r.output_token_ids for r in sub_rows], vocab, device)
-    rep = _row_tensor([r.params.repetition_penalty for r in sub_rows], device)
-    if (rep != 1.0).any():
+    if any(r.params.repetition_penalty != 1.0 for r in sub_rows):
+        rep = _row_tensor([r.params.repetition_penalty for r in sub_rows], device)
         prompt_counts = _token_counts([r.prompt_token_ids for r in sub_rows], vocab, device)
         seen = (prompt_counts + output_counts) > 0
         penalised = torch.where(sub > 0, sub / rep, sub * rep)
@@ -155,16 +156,25 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(token_lists), vocab] float32 occurrence counts; ids outside the vocab are ignored."""
-    width = max((len(t) for t in token_lists), default=0)
-    padded = torch.full((len(token_lists), width + 1), vocab, dtype=torch.int64)
-    for i, tokens in enumerate(token_lists):
-        if tokens:
-            padded[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
-    padded = padded.clamp_(0, vocab).to(device)
-    counts = torch.zeros((len(token_lists), vocab + 1), dtype=torch.float32, device=device)
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
-    return counts[:, :vocab]
+    """[len(token_lists), vocab] float32 occurrence counts; ids outside the vocab are ignored.
+
+    The lists go to the device as one flat buffer (``array`` is several times
+    faster than ``torch.tensor`` on long Python lists) and are counted with one
+    ``index_add_``; ``output_size`` keeps ``repeat_interleave`` free of a sync.
+    """
+    flat = array("q")
+    for tokens in token_lists:
+        flat.extend(tokens)
+    num_rows, width = len(token_lists), vocab + 1  # the last column takes out-of-range ids
+    counts = torch.zeros(num_rows * width, dtype=torch.float32, device=device)
+    if flat:
+        tokens = torch.frombuffer(flat, dtype=torch.int64).to(device)
+        tokens = torch.where((tokens >= 0) & (tokens < vocab), tokens, vocab)
+        lengths = torch.tensor([len(t) for t in token_lists], device=device)
+        row_starts = torch.arange(num_rows, device=device) * width
+        tokens += torch.repeat_interleave(row_starts, lengths, output_size=len(flat))
+        counts.index_add_(0, tokens, torch.ones(len(flat), dtype=torch.float32, device=device))
+    return counts.view(num_rows, width)[:, :vocab]
 
 
 def _row_tensor(values: list[float], device: torch.device) -> torch.Tensor:

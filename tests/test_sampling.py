@@ -15,6 +15,7 @@ from mstar_actors.sampling import (
 )
 
 VOCAB = 64
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def make_row(request_id="r", prompt=(), output=(), **params) -> SampleRow:
@@ -29,8 +30,8 @@ def token_ids(sampled):
     return [s.token_id for s in sampled]
 
 
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
+def gen(seed=0, device="cpu"):
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def test_greedy_equals_argmax_any_dtype():
@@ -121,7 +122,8 @@ def test_greedy_uses_penalised_logits():
     assert token_ids(sample_tokens(logits, [row])) == [1]
 
 
-def test_seeded_row_independent_of_batch_and_position():
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_row_independent_of_batch_and_position(device):
     vocab = 200
     flat = torch.zeros(1, vocab)  # uniform: every draw depends only on the seed
 
@@ -132,7 +134,7 @@ def test_seeded_row_independent_of_batch_and_position():
         # Put the flat row where "me" sits.
         order = list(range(others)) + [others]
         order.insert(position, order.pop())
-        out = sample_tokens(logits[order], rows, generator=gen(others))
+        out = sample_tokens(logits[order].to(device), rows, generator=gen(others, device))
         return out[position].token_id
 
     for num_out in range(6):
@@ -159,12 +161,14 @@ def test_seeded_request_reproduces_after_restart():
     assert run(full[:4], 4) == full
 
 
-def test_unseeded_distribution_matches_softmax():
+@pytest.mark.parametrize("device", DEVICES)
+def test_unseeded_distribution_matches_softmax(device):
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
     num_draws = 20000
-    logits = probs.log().expand(num_draws, 4)
+    logits = probs.log().expand(num_draws, 4).to(device)
     rows = [make_row(str(i)) for i in range(num_draws)]
-    counts = torch.bincount(torch.tensor(token_ids(sample_tokens(logits, rows, generator=gen(5)))), minlength=4)
+    drawn = token_ids(sample_tokens(logits, rows, generator=gen(5, device)))
+    counts = torch.bincount(torch.tensor(drawn), minlength=4)
     assert (counts / num_draws - probs).abs().max() < 0.015
 
 
@@ -209,7 +213,8 @@ def test_processed_logprobs_follow_penalties_and_filters():
     assert math.exp(out.top_logprobs[0].logprob) + math.exp(out.top_logprobs[1].logprob) == pytest.approx(1.0)
 
 
-def test_nan_and_inf_logits_give_valid_tokens_and_finite_logprobs():
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_and_inf_logits_give_valid_tokens_and_finite_logprobs(device):
     logits = torch.zeros(5, VOCAB)
     logits[0, :] = float("nan")
     logits[1, :] = float("-inf")
@@ -218,7 +223,7 @@ def test_nan_and_inf_logits_give_valid_tokens_and_finite_logprobs():
     logits[3, 11] = 50.0
     rows = [make_row(str(i), logprobs=2, temperature=1e-3, top_p=0.5, min_p=0.1) for i in range(4)]
     rows.append(make_row("4", temperature=1e-7))  # below the greedy threshold
-    out = sample_tokens(logits, rows, generator=gen())
+    out = sample_tokens(logits.to(device), rows, generator=gen(0, device))
     assert all(0 <= s.token_id < VOCAB for s in out)
     assert out[2].token_id == 7 and out[3].token_id == 11
     for s in out[:4]:
@@ -231,3 +236,13 @@ def test_all_tokens_penalised_to_minus_inf_is_safe():
     row = make_row(output=[0, 1], repetition_penalty=2.0, frequency_penalty=1.0, top_k=2, seed=1)
     (s,) = sample_tokens(logits, [row])
     assert 0 <= s.token_id < 4
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu_for_greedy_and_penalised_logprobs():
+    logits = make_logits(4, seed=8).to(torch.bfloat16)
+    rows = [make_row(str(i), temperature=0.0, logprobs=2, prompt=[1, 2], output=[3], repetition_penalty=1.3)
+            for i in range(4)]
+    on_cpu, on_cuda = sample_tokens(logits, rows), sample_tokens(logits.cuda(), rows)
+    assert token_ids(on_cuda) == token_ids(on_cpu)
+    assert [s.logprob for s in on_cuda] == pytest.approx([s.logprob for s in on_cpu], abs=1e-4)
