@@ -362,6 +362,8 @@ def parse_prompts(prompt: Any, vocab_size: int | None) -> list[str | list[int]]:
         prompts = prompt
     else:
         raise _bad("prompt", f"expected {accepted}, non-empty; got {_show(prompt)}")
+    if len({isinstance(p, str) for p in prompts}) > 1:
+        raise _bad("prompt", "a list of prompts must be all strings or all token-id lists, not a mix")
     if len(prompts) > MAX_PROMPTS:
         raise _bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
     for i, p in enumerate(prompts):

@@ -1,0 +1,314 @@
+"""The frontend actor over in-memory channels, a fake engine and real HTTP."""
+
+import asyncio
+import json
+
+import aiohttp
+
+from mstar_actors.messages import EngineStats, Failed, PeerFailed, SampledToken, TokenDelta
+from tests.frontend.conftest import REPLY
+from tests.frontend.test_openai_api import BAD
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+
+
+def run(fn):
+    asyncio.run(asyncio.wait_for(fn(), 15))
+
+
+def chat_body(**kw):
+    return {"model": "tiny", "messages": MSGS} | kw
+
+
+def hold(req):
+    return None  # the fake engine keeps the request; the test answers
+
+
+def test_chat_non_streaming_with_usage(harness):
+    async def body():
+        async with harness() as h:
+            status, r = await h.post(CHAT, chat_body())
+            assert status == 200, r
+            assert r["object"] == "chat.completion" and r["model"] == "tiny"
+            (choice,) = r["choices"]
+            assert choice["message"] == {"role": "assistant", "content": REPLY}
+            assert choice["finish_reason"] == "stop" and choice["logprobs"] is None
+            req = next(iter(h.engine.requests.values()))
+            n_prompt = h.engine.prompt_len(req)
+            n_out = len(h.engine.tokenizer(REPLY).input_ids) + 1  # + EOS, which makes no text
+            assert r["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+            assert [m.role for m in req.messages] == ["system", "user"]
+
+    run(body)
+
+
+def test_chat_streaming_with_usage(harness):
+    async def body():
+        async with harness() as h:
+            status, events = await h.stream(CHAT, chat_body(stream_options={"include_usage": True}))
+            assert status == 200
+            assert events[-1] == "[DONE]"
+            chunks = events[:-1]
+            assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+            assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+            text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+            assert text == REPLY
+            assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+            assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+            assert all(c["usage"] is None for c in chunks[:-1])
+
+    run(body)
+
+
+def test_completions_plain_streaming_and_length(harness):
+    async def body():
+        async with harness() as h:
+            status, r = await h.post(COMP, {"model": "tiny", "prompt": "Hello", "max_tokens": 3})
+            assert status == 200 and r["object"] == "text_completion"
+            assert r["choices"][0]["finish_reason"] == "length"
+            assert r["usage"]["completion_tokens"] == 3
+            status, events = await h.stream(COMP, {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 100})
+            assert events[-1] == "[DONE]"
+            assert "".join(e["choices"][0]["text"] for e in events[:-1]) == REPLY
+            assert all(e["object"] == "text_completion" for e in events[:-1])
+
+    run(body)
+
+
+def test_n_choices_and_multiple_prompts(harness):
+    async def body():
+        async with harness() as h:
+            status, r = await h.post(CHAT, chat_body(n=2, seed=7))
+            assert status == 200
+            assert [c["index"] for c in r["choices"]] == [0, 1]
+            assert all(c["message"]["content"] == REPLY for c in r["choices"])
+            seeds = sorted(req.sampling.seed for req in h.engine.requests.values())
+            assert seeds == [7, 8]
+            one = len(h.engine.tokenizer(REPLY).input_ids) + 1
+            assert r["usage"]["completion_tokens"] == 2 * one
+            status, r = await h.post(COMP, {"model": "tiny", "prompt": ["a b", "c"], "n": 2})
+            assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+            prompts = [len(h.engine.tokenizer(p).input_ids) for p in ("a b", "c")]
+            assert r["usage"]["prompt_tokens"] == sum(prompts)  # each prompt once, not once per choice
+
+    run(body)
+
+
+def test_streaming_n2_marks_every_choice(harness):
+    async def body():
+        async with harness() as h:
+            _, events = await h.stream(CHAT, chat_body(n=2))
+            chunks = events[:-1]
+            for index in (0, 1):
+                mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+                assert mine[0]["delta"]["role"] == "assistant"
+                assert "".join(c["delta"].get("content", "") for c in mine) == REPLY
+                assert mine[-1]["finish_reason"] == "stop"
+
+    run(body)
+
+
+def test_stop_string_cuts_text_and_aborts(harness):
+    async def body():
+        async with harness() as h:
+            status, r = await h.post(CHAT, chat_body(stop=[" is", "zzz"]))
+            assert status == 200
+            assert r["choices"][0]["message"]["content"] == "Hello world! This"
+            assert r["choices"][0]["finish_reason"] == "stop"
+            rid = next(iter(h.engine.requests))
+            await h.engine.wait_for(lambda: rid in h.engine.aborts)
+            assert r["usage"]["prompt_tokens"] == h.engine.prompt_len(h.engine.requests[rid])
+            _, events = await h.stream(COMP, {"model": "tiny", "prompt": "x", "stop": "!"})
+            assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "Hello world"
+
+    run(body)
+
+
+def test_logprobs_chat_and_legacy_formats(harness):
+    async def body():
+        async with harness() as h:
+            _, r = await h.post(CHAT, chat_body(logprobs=True, top_logprobs=2))
+            content = r["choices"][0]["logprobs"]["content"]
+            assert len(content) == r["usage"]["completion_tokens"]
+            first = content[0]
+            assert first["token"] == "Hello" and first["logprob"] == -0.5
+            assert first["bytes"] == list(b"Hello")
+            assert len(first["top_logprobs"]) == 2 and set(first["top_logprobs"][0]) == {"token", "logprob", "bytes"}
+            _, r = await h.post(COMP, {"model": "tiny", "prompt": "x", "logprobs": 1, "max_tokens": 4})
+            lp = r["choices"][0]["logprobs"]
+            assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+            assert "".join(lp["tokens"]) == r["choices"][0]["text"]
+            assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+            assert all(len(top) == 1 for top in lp["top_logprobs"])
+
+    run(body)
+
+
+def test_disconnect_mid_stream_aborts_every_choice(harness):
+    async def body():
+        async with harness() as h:
+            h.engine.plan = hold
+            async with aiohttp.ClientSession() as s:
+                # headers come with the first engine output (see FrontendActor._stream)
+                posting = asyncio.create_task(s.post(h.url + CHAT, json=chat_body(n=2, stream=True)))
+                await h.engine.wait_for(lambda: len(h.engine.requests) == 2)
+                for rid in h.engine.requests:
+                    tok = SampledToken(request_id=rid, token_id=h.engine.tokenizer("Hello").input_ids[0])
+                    await h.engine.send(TokenDelta(request_id=rid, tokens=[tok], num_prompt_tokens=3))
+                resp = await posting
+                line = await resp.content.readline()
+                assert line.startswith(b"data: ")
+                resp.close()  # the client goes away mid-stream
+            await h.engine.wait_for(lambda: set(h.engine.aborts) == set(h.engine.requests))
+            assert h.actor._exchanges == {}
+
+    run(body)
+
+
+def test_disconnect_while_waiting_aborts(harness):
+    async def body():
+        async with harness() as h:
+            h.engine.plan = hold
+            async with aiohttp.ClientSession() as s:
+                task = asyncio.create_task(s.post(h.url + CHAT, json=chat_body()))
+                await h.engine.wait_for(lambda: len(h.engine.requests) == 1)
+                task.cancel()
+            await h.engine.wait_for(lambda: h.engine.aborts == list(h.engine.requests))
+
+    run(body)
+
+
+def test_error_mid_stream_is_an_error_event_without_done(harness):
+    async def body():
+        async with harness() as h:
+            def fail_after_one(req):
+                first = h.engine.reply(req)[0]
+                return [first, Failed(request_id=req.request_id, status=500, message="device lost",
+                                      error_type="server_error")]
+            h.engine.plan = fail_after_one
+            status, events = await h.stream(CHAT, chat_body())
+            assert status == 200
+            assert "[DONE]" not in events
+            assert events[-1]["error"]["message"].endswith("device lost")
+            assert events[-1]["error"]["type"] == "server_error"
+
+    run(body)
+
+
+def test_engine_refusal_before_output_keeps_its_status(harness):
+    async def body():
+        async with harness() as h:
+            h.engine.plan = lambda req: [Failed(request_id=req.request_id, status=400, param="messages",
+                                                message="prompt of 999 tokens exceeds max_model_len 256")]
+            status, r = await h.post(CHAT, chat_body())
+            assert status == 400 and r["error"]["param"] == "messages"
+            status, (r,) = await h.stream(CHAT, chat_body())
+            assert status == 400 and "max_model_len" in r["error"]["message"]
+
+    run(body)
+
+
+def test_backpressure_is_503_over_max_waiting(harness):
+    async def body():
+        async with harness(max_waiting_requests=2) as h:
+            h.engine.plan = hold
+            held = [asyncio.create_task(h.post(CHAT, chat_body())) for _ in range(2)]
+            await h.engine.wait_for(lambda: len(h.engine.requests) == 2)
+            status, r = await h.post(CHAT, chat_body())
+            assert status == 503 and r["error"]["code"] == "overloaded"
+            for req in list(h.engine.requests.values()):
+                for msg in h.engine.reply(req):
+                    await h.engine.send(msg)
+            assert [s for s, _ in await asyncio.gather(*held)] == [200, 200]
+            await h.engine.send(EngineStats(num_running=0, num_waiting=5, num_kv_blocks_used=3, num_kv_blocks_total=10))
+            status, _ = await h.post(CHAT, chat_body())
+            assert status == 503
+            await h.engine.send(EngineStats(num_running=0, num_waiting=0, num_kv_blocks_used=0, num_kv_blocks_total=10))
+            h.engine.plan = h.engine.reply
+            status, _ = await h.post(CHAT, chat_body())
+            assert status == 200
+
+    run(body)
+
+
+def test_auth_model_size_and_route_errors(harness):
+    async def body():
+        async with harness(api_key="sekret", max_body_bytes=1 << 20) as h:
+            status, r = await h.post(CHAT, chat_body())
+            assert status == 401 and r["error"]["code"] == "invalid_api_key"
+            status, r = await h.post(CHAT, chat_body(), {"Authorization": "Bearer wrong"})
+            assert status == 401
+            ok = {"Authorization": "Bearer sekret"}
+            async with h.session.get(h.url + "/health") as resp:
+                assert resp.status == 200  # open without the key
+            status, r = await h.post(CHAT, chat_body(model="nope"), ok)
+            assert status == 404 and r["error"]["code"] == "model_not_found" and r["error"]["param"] == "model"
+            status, r = await h.post(CHAT, chat_body(model="tiny-lora"), ok)
+            assert status == 200 and r["model"] == "tiny-lora"
+            big = json.dumps(chat_body(user="x" * (10 << 20))).encode()
+            status, r = await h.post(CHAT, big, ok)
+            assert status == 413 and set(r["error"]) == {"message", "type", "param", "code"}
+            status, r = await h.post("/v1/nothing", {}, ok)
+            assert status == 404 and "error" in r
+            async with h.session.get(h.url + "/v1/models", headers=ok) as resp:
+                models = await resp.json()
+            assert [m["id"] for m in models["data"]] == ["tiny", "tiny-lora"]
+            assert models["data"][0]["max_model_len"] == 256
+
+    run(body)
+
+
+def test_starting_and_peer_failure(harness):
+    async def body():
+        async with harness(started=False) as h:
+            async with h.session.get(h.url + "/health") as resp:
+                assert resp.status == 503
+            status, r = await h.post(CHAT, chat_body())
+            assert status == 503 and "starting" in r["error"]["message"]
+            await h.start()
+            h.engine.plan = hold
+            pending = asyncio.create_task(h.post(CHAT, chat_body()))
+            await h.engine.wait_for(lambda: len(h.engine.requests) == 1)
+            await h.control(PeerFailed(actor="worker0", reason="killed by signal 9"))
+            status, r = await pending
+            assert status == 503 and "worker0" in r["error"]["message"]
+            async with h.session.get(h.url + "/health") as resp:
+                assert resp.status == 503
+            status, _ = await h.post(CHAT, chat_body())
+            assert status == 503
+
+    run(body)
+
+
+def test_bad_inputs_over_http_then_a_good_request(harness):
+    async def body():
+        async with harness() as h:
+            for kind, raw, param in BAD:
+                status, r = await h.post(CHAT if kind == "chat" else COMP, raw)
+                assert status == 400, (param, r)
+                assert r["error"]["param"] == param
+            status, r = await h.post(CHAT, chat_body())
+            assert status == 200 and r["choices"][0]["message"]["content"] == REPLY
+
+    run(body)
+
+
+def test_metrics(harness):
+    async def body():
+        async with harness() as h:
+            await h.post(CHAT, chat_body())
+            await h.post(CHAT, chat_body(n=0))
+            await h.engine.send(EngineStats(num_running=2, num_waiting=1, num_kv_blocks_used=7, num_kv_blocks_total=10))
+            await h.post(CHAT, chat_body())  # the stats are applied before this reply is
+            async with h.session.get(h.url + "/metrics") as resp:
+                text = await resp.text()
+            assert 'mstar_requests_total{route="/v1/chat/completions",status="200"} 2.0' in text
+            assert 'mstar_requests_total{route="/v1/chat/completions",status="400"} 1.0' in text
+            assert "mstar_generation_tokens_total 18.0" in text
+            assert "mstar_time_to_first_token_seconds_count 2.0" in text
+            assert "mstar_inter_token_latency_seconds_count" in text
+            assert "mstar_kv_blocks_used 7.0" in text and "mstar_num_requests_running 2.0" in text
+
+    run(body)

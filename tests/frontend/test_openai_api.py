@@ -1,0 +1,196 @@
+"""Pure validation: hostile bodies map to a 4xx naming the param; good ones to NewRequests."""
+
+import json
+
+import pytest
+
+from mstar_actors import openai_api as api
+from mstar_actors.messages import SamplingParams
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields) -> bytes:
+    return json.dumps({"model": "tiny", "messages": MSG} | fields).encode()
+
+
+def comp(**fields) -> bytes:
+    return json.dumps({"model": "tiny", "prompt": "hi"} | fields).encode()
+
+
+DEEP = b"[" * 10000 + b"]" * 10000
+DEEP_OBJ = b'{"model": "tiny", "messages": ' + b'{"a":' * 10000 + b"1" + b"}" * 10000 + b"}"
+
+# (parser, raw body, param named in the error)
+BAD = [
+    ("chat", b"", "body"),
+    ("chat", b"{", "body"),
+    ("chat", b"not json", "body"),
+    ("chat", b"\xff\xfe\xfd", "body"),
+    ("chat", b'{"messages": [{"role": "user", "content": "\xff"}]}', "body"),
+    ("chat", b"[]", "body"),
+    ("chat", b'"a string"', "body"),
+    ("chat", b"null", "body"),
+    ("chat", DEEP, "body"),
+    ("chat", DEEP_OBJ, "body"),
+    ("chat", b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', "body"),
+    ("chat", b'{"messages": [{"role": "user", "content": "x"}], "temperature": Infinity}', "body"),
+    ("chat", b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1e999}', "body"),
+    ("chat", chat(messages=[]), "messages"),
+    ("chat", chat(messages="hello"), "messages"),
+    ("chat", chat(messages=None), "messages"),
+    ("chat", json.dumps({"model": "tiny"}).encode(), "messages"),
+    ("chat", chat(messages=[1]), "messages[0]"),
+    ("chat", chat(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role"),
+    ("chat", chat(messages=[{"content": "x"}]), "messages[0].role"),
+    ("chat", chat(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
+    ("chat", chat(messages=[{"role": "user"}]), "messages[0].content"),
+    ("chat", chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     "messages[0].content[0].type"),
+    ("chat", chat(messages=[{"role": "user", "content": [{"type": "text", "text": 3}]}]), "messages[0].content[0].text"),
+    ("chat", chat(messages=[{"role": "user", "content": ["x"]}]), "messages[0].content[0]"),
+    ("chat", chat(max_tokens=-1), "max_tokens"),
+    ("chat", chat(max_tokens=0), "max_tokens"),
+    ("chat", chat(max_tokens="10"), "max_tokens"),
+    ("chat", chat(max_tokens=True), "max_tokens"),
+    ("chat", chat(max_tokens=10**30), "max_tokens"),
+    ("chat", chat(max_tokens=1.5), "max_tokens"),
+    ("chat", chat(max_completion_tokens=-5), "max_completion_tokens"),
+    ("chat", chat(temperature=-0.1), "temperature"),
+    ("chat", chat(temperature=2.5), "temperature"),
+    ("chat", chat(temperature="hot"), "temperature"),
+    ("chat", chat(top_p=0), "top_p"),
+    ("chat", chat(top_p=1.01), "top_p"),
+    ("chat", chat(top_k=-2), "top_k"),
+    ("chat", chat(top_k=0.5), "top_k"),
+    ("chat", chat(min_p=-1), "min_p"),
+    ("chat", chat(min_p=1.5), "min_p"),
+    ("chat", chat(presence_penalty=3), "presence_penalty"),
+    ("chat", chat(frequency_penalty=-2.01), "frequency_penalty"),
+    ("chat", chat(repetition_penalty=0), "repetition_penalty"),
+    ("chat", chat(repetition_penalty=9), "repetition_penalty"),
+    ("chat", chat(stop=5), "stop"),
+    ("chat", chat(stop=["a", "b", "c", "d", "e"]), "stop"),
+    ("chat", chat(stop=[""]), "stop"),
+    ("chat", chat(stop=[1]), "stop"),
+    ("chat", chat(stop="x" * 10000), "stop"),
+    ("chat", chat(n=0), "n"),
+    ("chat", chat(n=10**9), "n"),
+    ("chat", chat(n=-1), "n"),
+    ("chat", chat(seed="x"), "seed"),
+    ("chat", chat(seed=2**70), "seed"),
+    ("chat", chat(logprobs="yes"), "logprobs"),
+    ("chat", chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    ("chat", chat(logprobs=True, top_logprobs=-1), "top_logprobs"),
+    ("chat", chat(top_logprobs=2), "top_logprobs"),
+    ("chat", chat(stream="yes"), "stream"),
+    ("chat", chat(stream_options={"include_usage": True}), "stream_options"),
+    ("chat", chat(stream=True, stream_options=[1]), "stream_options"),
+    ("chat", chat(stream=True, stream_options={"include_usage": "y"}), "stream_options.include_usage"),
+    ("chat", chat(model=7), "model"),
+    ("chat", chat(user=["x"]), "user"),
+    ("chat", chat(ignore_eos="no"), "ignore_eos"),
+    ("chat", chat(stop_token_ids=[-1]), "stop_token_ids"),
+    ("completion", comp(prompt=None), "prompt"),
+    ("completion", comp(prompt=""), "prompt"),
+    ("completion", comp(prompt=[]), "prompt"),
+    ("completion", comp(prompt=5), "prompt"),
+    ("completion", comp(prompt={"text": "x"}), "prompt"),
+    ("completion", comp(prompt=[1, "a"]), "prompt"),
+    ("completion", comp(prompt=[[1, 2], "a"]), "prompt"),
+    ("completion", comp(prompt=[[]]), "prompt"),
+    ("completion", comp(prompt=[-1]), "prompt"),
+    ("completion", comp(prompt=[10**6]), "prompt"),
+    ("completion", comp(prompt=["x"] * 1000), "prompt"),
+    ("completion", comp(prompt=[True, False]), "prompt"),
+    ("completion", comp(logprobs=6), "logprobs"),
+    ("completion", comp(logprobs=True), "logprobs"),
+    ("completion", comp(echo=True), "echo"),
+    ("completion", comp(suffix="tail"), "suffix"),
+    ("completion", comp(max_tokens=-3), "max_tokens"),
+    ("completion", comp(max_tokens=257), "max_tokens"),
+    ("completion", comp(prompt=["a"] * 20, n=16), "n"),
+]
+
+
+def parse(kind: str, raw: bytes):
+    if kind == "chat":
+        return api.parse_chat(raw, max_model_len=256)
+    return api.parse_completion(raw, max_model_len=256, vocab_size=400)
+
+
+def test_there_are_enough_hostile_bodies():
+    assert len(BAD) >= 50
+
+
+@pytest.mark.parametrize("kind,raw,param", BAD, ids=[f"{i}-{p}" for i, (_, _, p) in enumerate(BAD)])
+def test_bad_body_is_a_400_naming_the_param(kind, raw, param):
+    with pytest.raises(api.ApiError) as info:
+        parse(kind, raw)
+    err = info.value
+    assert err.status == 400
+    assert err.param == param
+    envelope = err.envelope()["error"]
+    assert set(envelope) == {"message", "type", "param", "code"}
+    assert envelope["type"] == "invalid_request_error" and param in envelope["message"]
+
+
+def test_chat_defaults_and_fields():
+    parsed = api.parse_chat(chat(max_tokens=7, temperature=0, top_k=-1, stop="END", seed=3, n=2,
+                                 logprobs=True, top_logprobs=2, unknown_field={"x": 1}), max_model_len=256)
+    assert parsed.sampling == SamplingParams(max_tokens=7, temperature=0.0, top_k=0, seed=3, logprobs=2)
+    assert parsed.stop == ["END"] and parsed.n == 2 and parsed.logprobs == 2
+    reqs = parsed.new_requests("chatcmpl-x", "tiny", now=1.0)
+    assert [r.request_id for r in reqs] == ["chatcmpl-x-0", "chatcmpl-x-1"]
+    assert [r.sampling.seed for r in reqs] == [3, 4]  # choices differ, yet reproduce
+    assert reqs[0].messages[0].role == "user" and reqs[0].messages[0].content == "hi"
+
+
+def test_chat_max_tokens_defaults_to_the_context_and_prefers_max_completion_tokens():
+    assert api.parse_chat(chat(), max_model_len=256).sampling.max_tokens == 256
+    assert api.parse_chat(chat(max_tokens=9, max_completion_tokens=5), 256).sampling.max_tokens == 5
+
+
+def test_chat_roles_and_text_parts():
+    msgs = [{"role": "system", "content": "s"}, {"role": "developer", "content": "d"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": None}]
+    parsed = api.parse_chat(chat(messages=msgs))
+    assert [m.role for m in parsed.messages] == ["system", "system", "user", "assistant"]
+    assert [p.text for p in parsed.messages[2].content] == ["a", "b"]
+
+
+def test_completion_prompts_and_choice_order():
+    parsed = api.parse_completion(comp(prompt=["a", "b"], n=2, seed=10), vocab_size=400)
+    reqs = parsed.new_requests("cmpl-x", "tiny")
+    assert [r.prompt for r in reqs] == ["a", "a", "b", "b"]
+    assert [r.sampling.seed for r in reqs] == [10, 11, 10, 11]
+    ids = api.parse_completion(comp(prompt=[[1, 2], [3]]), vocab_size=400).new_requests("c", "tiny")
+    assert [r.prompt_token_ids for r in ids] == [[1, 2], [3]]
+    assert api.parse_completion(comp(prompt=[5, 6])).prompts == [[5, 6]]
+    assert api.parse_completion(comp()).sampling.max_tokens == 16
+
+
+def test_nulls_mean_absent_and_integral_floats_are_ints():
+    parsed = api.parse_chat(chat(temperature=None, stop=None, n=2.0, max_tokens=None), max_model_len=64)
+    assert parsed.sampling.temperature == 1.0 and parsed.n == 2 and parsed.sampling.max_tokens == 64
+
+
+def test_stream_options():
+    parsed = api.parse_chat(chat(stream=True, stream_options={"include_usage": True}))
+    assert parsed.stream and parsed.include_usage
+
+
+def test_error_types_by_status():
+    assert api.ApiError(401, "x").error_type == "authentication_error"
+    assert api.ApiError(404, "x", code="model_not_found").envelope()["error"]["code"] == "model_not_found"
+    assert api.ApiError(503, "x").error_type == "service_unavailable_error"
+
+
+def test_models_list_shape():
+    listed = api.models_list("tiny", 5, 256, ["lora-a"])
+    assert listed["object"] == "list"
+    base, lora = listed["data"]
+    assert base == {"id": "tiny", "object": "model", "created": 5, "owned_by": "mstar-actors", "root": "tiny",
+                    "parent": None, "max_model_len": 256}
+    assert lora["id"] == "lora-a" and lora["parent"] == "tiny"
