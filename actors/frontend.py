@@ -206,6 +206,11 @@ class FrontendActor(Actor):
             if err.status < 400:
                 raise
             response = _error_response(ApiError(err.status, _http_message(err, request), code=_http_code(err)))
+        except (asyncio.CancelledError, ConnectionError):
+            raise  # the client went away: nobody to answer
+        except Exception as err:  # a bug of ours: this request fails alone, in the envelope
+            self.log.exception("request %s %s failed", request.method, request.path)
+            response = _error_response(ApiError(500, f"internal error: {type(err).__name__}: {err}"))
         self.metrics.observe_request(_route(request), response.status)
         return response
 

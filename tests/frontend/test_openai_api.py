@@ -32,6 +32,7 @@ BAD = [
     ("chat", b'"a string"', "body"),
     ("chat", b"null", "body"),
     ("chat", DEEP, "body"),
+    ("chat", b'{"messages": [{"role": "user", "content": "\\ud800x"}]}', "body"),
     ("chat", DEEP_OBJ, "body"),
     ("chat", b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', "body"),
     ("chat", b'{"messages": [{"role": "user", "content": "x"}], "temperature": Infinity}', "body"),
