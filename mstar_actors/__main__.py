@@ -1,0 +1,58 @@
+"""The command line: ``python -m mstar_actors serve CONFIG`` and ``fetch NAME``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mstar_actors", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve the model and adapters a config names")
+    serve.add_argument("config", help="a serving YAML, e.g. configs/smollm2.yaml")
+    serve.add_argument("--host", help="overrides server.host")
+    serve.add_argument("--port", type=int, help="overrides server.port")
+    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    fetch = commands.add_parser("fetch", help="fetch and convert an embedded model once")
+    fetch.add_argument("name", help="an embedded model name, e.g. smollm2")
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from mstar_actors import launcher
+    from mstar_actors.config import ConfigError, load_config
+    from mstar_actors.fetch import FetchError, resolve_model
+
+    server = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    try:
+        config = load_config(args.config, server=server)
+        model_dir = resolve_model(config.model.path)
+    except (ConfigError, FetchError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    logging.getLogger("mstar_actors").info("model folder: %s", model_dir)
+    return launcher.serve(config, launcher.served_name(config))
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    from mstar_actors.fetch import FetchError, fetch_embedded
+
+    try:
+        print(fetch_embedded(args.name))
+    except FetchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    level = getattr(args, "log_level", "INFO")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s [launcher] %(name)s: %(message)s")
+    return _serve(args) if args.command == "serve" else _fetch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

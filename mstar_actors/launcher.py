@@ -1,0 +1,349 @@
+"""The launcher: creates the rings, spawns one process per actor, supervises.
+
+``serve(config)`` in order: clean up what dead runs left in /dev/shm, make a
+run directory, create every ring, spawn the actors (``multiprocessing`` spawn
+context), wait until each reports ``ActorReady`` (bounded; the message names
+who did not), send ``Started`` to the frontend, then wait for one of:
+
+- SIGINT / SIGTERM: a clean stop (exit code 0);
+- an actor process exiting: logged with its name and exit code or signal; the
+  frontend gets ``PeerFailed`` so in-flight requests fail clearly; then a
+  clean stop with exit code 1.
+
+Stopping: ``Shutdown`` to every live actor, join with a timeout, kill the
+stragglers, unlink every segment and remove the run directory. Child exits are
+watched through their process sentinels on the asyncio loop: nothing polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import multiprocessing
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from actors.base import ActorSpec, run_actor_process
+from mstar_actors import messages, rundir
+from mstar_actors.config import Config
+
+log = logging.getLogger("mstar_actors.launcher")
+
+CONTROL_RING_BYTES = 1 << 18  # tracebacks travel here
+READY_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 10.0
+
+
+class LaunchError(RuntimeError):
+    """The server could not start; the message names the actor and the cause."""
+
+
+@dataclasses.dataclass
+class ActorPlan:
+    """One actor to spawn: its class and its channels as (ring name(s), union name)."""
+
+    name: str
+    target: str  # "module:Class"
+    inbox: dict[str, tuple[Any, str]]
+    outbox: dict[str, tuple[Any, str]]
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def plan_actors(num_ranks: int) -> list[ActorPlan]:
+    """The topology: which actor reads and writes which ring (by ring name).
+
+    A ring name is ``<writer>.<reader>``; the conductor's broadcast is the list
+    of its per-rank rings.
+    """
+    workers = [f"worker{r}" for r in range(num_ranks)]
+    plans = [
+        ActorPlan("frontend", "actors.frontend:FrontendActor",
+                  inbox={"conductor": ("conductor.frontend", "ConductorToFrontend")},
+                  outbox={"prepare": ("frontend.prepare", "FrontendToPrepare")}),
+        ActorPlan("prepare", "actors.prepare:PrepareActor",
+                  inbox={"frontend": ("frontend.prepare", "FrontendToPrepare")},
+                  outbox={"conductor": ("prepare.conductor", "PrepareToConductor")}),
+        ActorPlan("conductor", "actors.conductor:ConductorActor",
+                  inbox={"prepare": ("prepare.conductor", "PrepareToConductor")}
+                  | {w: (f"{w}.conductor", "WorkerToConductor") for w in workers},
+                  outbox={"frontend": ("conductor.frontend", "ConductorToFrontend"),
+                          "workers": ([f"conductor.{w}" for w in workers], "ConductorToWorker")},
+                  params={"num_ranks": num_ranks}),
+    ]
+    for rank, w in enumerate(workers):
+        plans.append(ActorPlan(w, "actors.worker:WorkerActor",
+                               inbox={"conductor": (f"conductor.{w}", "ConductorToWorker")},
+                               outbox={"conductor": (f"{w}.conductor", "WorkerToConductor")},
+                               params={"rank": rank}))
+    for plan in plans:
+        plan.inbox["control"] = (f"launcher.{plan.name}", "LauncherToActor")
+        plan.outbox["control"] = (f"{plan.name}.launcher", "ActorToLauncher")
+    return plans
+
+
+class Rings:
+    """Every ring of one run, by name; creates them and unlinks them all."""
+
+    def __init__(self, run_id: str, run_dir: Path, config: Config):
+        self.run_id = run_id
+        self.run_dir = run_dir
+        self.config = config
+        self.specs: dict[str, Any] = {}
+
+    def create_all(self, plans: list[ActorPlan]) -> None:
+        from transport import create_ring
+
+        for plan in plans:
+            for names, _ in [*plan.inbox.values(), *plan.outbox.values()]:
+                for name in names if isinstance(names, list) else [names]:
+                    if name in self.specs:
+                        continue  # each ring appears at both of its ends
+                    size = CONTROL_RING_BYTES if "launcher" in name else self.config.transport.ring_bytes
+                    self.specs[name] = create_ring(self.run_dir, self.run_id, name, size)
+
+    def resolve(self, channels: dict[str, tuple[Any, str]]) -> dict[str, tuple[Any, str]]:
+        """Ring names -> ring specs, as the child process opens them."""
+        out = {}
+        for key, (names, union) in channels.items():
+            spec = [self.specs[n] for n in names] if isinstance(names, list) else self.specs[names]
+            out[key] = (spec, union)
+        return out
+
+    def cleanup(self) -> list[str]:
+        from transport import cleanup_run
+
+        return cleanup_run(self.run_id, self.run_dir)
+
+
+def exit_description(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "is still running"
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+class Launcher:
+    """Supervises one run. ``run()`` returns the process exit code."""
+
+    def __init__(self, config: Config, model_name: str, plans: list[ActorPlan] | None = None,
+                 ready_timeout_s: float = READY_TIMEOUT_S):
+        self.config = config
+        self.model_name = model_name
+        self.plans = plans or plan_actors(config.parallel.tp)
+        self.ready_timeout_s = ready_timeout_s
+        self.run_id = rundir.new_run_id()
+        self.run_dir: Path | None = None
+        self.rings: Rings | None = None
+        self.procs: dict[str, multiprocessing.Process] = {}
+        self.to_actor: dict[str, Any] = {}
+        self.from_actor: dict[str, Any] = {}
+        self.ready: set[str] = set()
+        self.exited: asyncio.Queue[str] = asyncio.Queue()
+        self.stopping = False
+
+    # ---- set-up -------------------------------------------------------------
+
+    def prepare_run(self) -> None:
+        from transport import cleanup_stale, register_run
+
+        root = rundir.runs_root()
+        root.mkdir(parents=True, exist_ok=True)
+        for run_id in cleanup_stale(root):
+            log.info("removed shared memory left by dead run %s", run_id)
+        rundir.remove_dead_run_dirs(root)
+        self.run_dir = rundir.create_run_dir(self.run_id, root)
+        register_run(self.run_dir, self.run_id)
+        self.rings = Rings(self.run_id, self.run_dir, self.config)
+        self.rings.create_all(self.plans)
+
+    def open_control(self) -> None:
+        from transport import open_ring
+
+        for plan in self.plans:
+            spec, union = self.rings.resolve({"c": plan.inbox["control"]})["c"]
+            self.to_actor[plan.name] = open_ring(spec, role="writer", union=getattr(messages, union))
+            spec, union = self.rings.resolve({"c": plan.outbox["control"]})["c"]
+            self.from_actor[plan.name] = open_ring(spec, role="reader", union=getattr(messages, union))
+
+    def spawn_all(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        level = logging.getLogger().getEffectiveLevel()
+        for plan in self.plans:
+            spec = ActorSpec(name=plan.name, config=self.config, run_dir=str(self.run_dir),
+                             inbox=self.rings.resolve(plan.inbox), outbox=self.rings.resolve(plan.outbox),
+                             params=plan.params, log_level=level)
+            proc = ctx.Process(target=run_actor_process, args=(plan.target, spec), name=plan.name)
+            proc.start()
+            self.procs[plan.name] = proc
+        rundir.write_actors(self.run_dir, self.run_id, {n: p.pid for n, p in self.procs.items()})
+
+    def watch_exits(self) -> None:
+        loop = asyncio.get_running_loop()
+        for name, proc in self.procs.items():
+            loop.add_reader(proc.sentinel, self._on_exit, name, proc.sentinel)
+
+    def _on_exit(self, name: str, fd: int) -> None:
+        asyncio.get_running_loop().remove_reader(fd)
+        self.exited.put_nowait(name)
+
+    # ---- supervision ----------------------------------------------------------
+
+    async def run(self) -> int:
+        self.prepare_run()
+        try:
+            self.open_control()
+            self.spawn_all()
+            self.watch_exits()
+            return await self.supervise()
+        finally:
+            await self.stop_all()
+            self.release()
+
+    async def supervise(self) -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        listeners = [asyncio.create_task(self.listen(n, ch)) for n, ch in self.from_actor.items()]
+        try:
+            if not await self.await_ready(stop):
+                return 0 if stop.is_set() and not self._dead() else 1
+            await self.to_actor["frontend"].send(messages.Started())
+            host, port = self.config.server.host, self.config.server.port
+            log.info("serving %s at http://%s:%d (run dir %s)", self.model_name, host, port, self.run_dir)
+            return await self.await_end(stop)
+        finally:
+            for task in listeners:
+                task.cancel()
+
+    async def listen(self, name: str, channel: Any) -> None:
+        """Reads one actor's control channel: readiness and error reports."""
+        from transport.errors import ChannelClosed
+
+        while True:
+            try:
+                msg = await channel.recv()
+            except ChannelClosed:
+                return
+            match msg:
+                case messages.ActorReady():
+                    self.ready.add(name)
+                    self._ready_changed.set()
+                case messages.ActorError(message=message, traceback=tb):
+                    log.error("actor %s reported: %s\n%s", name, message, tb)
+
+    def _dead(self) -> list[str]:
+        return [n for n, p in self.procs.items() if not p.is_alive()]
+
+    async def await_ready(self, stop: asyncio.Event) -> bool:
+        """True once every actor is ready; False on a stop, a death or the timeout."""
+        self._ready_changed = asyncio.Event()
+        deadline = asyncio.get_running_loop().time() + self.ready_timeout_s
+        while len(self.ready) < len(self.procs):
+            self._ready_changed.clear()
+            waits = [asyncio.ensure_future(w) for w in (self._ready_changed.wait(), stop.wait(), self.exited.get())]
+            remaining = deadline - asyncio.get_running_loop().time()
+            done, pending = await asyncio.wait(waits, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+            if waits[2] in done:
+                await self.report_death(waits[2].result(), starting=True)
+                return False
+            if stop.is_set():
+                log.info("stopped while starting")
+                return False
+            if not done:
+                missing = sorted(set(self.procs) - self.ready)
+                log.error("not ready after %.0f s: %s (see their log lines above)", self.ready_timeout_s,
+                          ", ".join(missing))
+                return False
+        return True
+
+    async def await_end(self, stop: asyncio.Event) -> int:
+        stop_task = asyncio.ensure_future(stop.wait())
+        exit_task = asyncio.ensure_future(self.exited.get())
+        done, _ = await asyncio.wait([stop_task, exit_task], return_when=asyncio.FIRST_COMPLETED)
+        if exit_task in done:
+            stop_task.cancel()
+            await self.report_death(exit_task.result(), starting=False)
+            return 1
+        exit_task.cancel()
+        log.info("stopping on signal")
+        return 0
+
+    async def report_death(self, name: str, starting: bool) -> None:
+        proc = self.procs[name]
+        proc.join(timeout=1.0)  # its sentinel fired: the exit status is there
+        how = exit_description(proc.exitcode)
+        phase = "while starting" if starting else "while serving"
+        log.error("actor %s (pid %d) %s %s; shutting down", name, proc.pid, how, phase)
+        if name != "frontend" and self.procs["frontend"].is_alive():
+            try:
+                self.to_actor["frontend"].send_nowait(messages.PeerFailed(actor=name, reason=how))
+            except Exception as err:  # the frontend may already be gone too
+                log.warning("could not tell the frontend: %s", err)
+
+    # ---- stopping ---------------------------------------------------------------
+
+    async def stop_all(self) -> None:
+        self.stopping = True
+        for name, channel in self.to_actor.items():
+            if name in self.procs and self.procs[name].is_alive():
+                try:
+                    channel.send_nowait(messages.Shutdown(reason="launcher stopping"))
+                except Exception as err:  # full or gone: the kill below still stops it
+                    log.debug("Shutdown to %s: %s", name, err)
+        await self.join_all(STOP_TIMEOUT_S)
+        for name, proc in self.procs.items():
+            if proc.is_alive():
+                log.warning("actor %s (pid %d) did not stop within %.0f s: killing it", name, proc.pid,
+                            STOP_TIMEOUT_S)
+                proc.kill()
+        await self.join_all(STOP_TIMEOUT_S)
+
+    async def join_all(self, timeout_s: float) -> None:
+        """Wait until every child has exited (their sentinels), at most ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+        waits = []
+        for proc in self.procs.values():
+            if proc.is_alive():
+                done = loop.create_future()
+                loop.add_reader(proc.sentinel, lambda f=done: f.done() or f.set_result(None))
+                waits.append((proc, done))
+        if waits:
+            await asyncio.wait([f for _, f in waits], timeout=timeout_s)
+        for proc, _ in waits:
+            loop.remove_reader(proc.sentinel)
+            if not proc.is_alive():
+                proc.join()
+
+    def release(self) -> None:
+        for channel in [*self.to_actor.values(), *self.from_actor.values()]:
+            try:
+                channel.close()
+            except Exception as err:  # best effort: the segments are unlinked below anyway
+                log.debug("closing %s: %s", getattr(channel, "name", "?"), err)
+        if self.rings is not None:
+            self.rings.cleanup()
+        if self.run_dir is not None:
+            rundir.remove_run_dir(self.run_dir)
+
+
+def serve(config: Config, model_name: str) -> int:
+    """Run the server until a signal or an actor's death; the exit code."""
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(Launcher(config, model_name).run())
+
+
+def served_name(config: Config) -> str:
+    """The name clients use: ``model.name``, else the embedded name or the folder's name."""
+    return config.model.name or Path(config.model.path.rstrip("/")).name

@@ -1,0 +1,127 @@
+"""Run directories: where a serve records who it is and what it owns.
+
+Layout of ``<runs_root>/<run_id>/``::
+
+    launcher.pid     the launcher's pid
+    actors.json      {"run_id", "launcher_pid", "actors": {name: pid}}
+    transport.json   the transport's ownership marker (see transport.shm)
+    fifo/            ring wakeup FIFOs
+    stacks/<actor>.txt   written by an actor on SIGUSR1 (tools/dump_stacks)
+
+``runs_root()`` is ``$XDG_RUNTIME_DIR/mstar-actors/runs`` (``/tmp`` when
+unset). The launcher is the only writer; tools only read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+ACTORS_FILE = "actors.json"
+PID_FILE = "launcher.pid"
+
+
+def runs_root() -> Path:
+    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return Path(base) / "mstar-actors" / "runs"
+
+
+def new_run_id() -> str:
+    """Unique per start, sortable by time, and without '-' (segment names use it as separator)."""
+    return f"{time.strftime('%Y%m%d%H%M%S')}p{os.getpid()}"
+
+
+def create_run_dir(run_id: str, root: Path | None = None) -> Path:
+    run_dir = (root or runs_root()) / run_id
+    run_dir.mkdir(parents=True, exist_ok=False)
+    (run_dir / PID_FILE).write_text(f"{os.getpid()}\n")
+    return run_dir
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_actors(run_dir: Path, run_id: str, pids: dict[str, int]) -> None:
+    record = {"run_id": run_id, "launcher_pid": os.getpid(), "actors": pids}
+    _write_atomically(run_dir / ACTORS_FILE, json.dumps(record, indent=1))
+
+
+def read_actors(run_dir: Path) -> dict:
+    path = Path(run_dir) / ACTORS_FILE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} is missing: is {run_dir} a run directory of a started server?") from None
+
+
+def remove_run_dir(run_dir: Path) -> None:
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def live_runs(root: Path | None = None) -> list[Path]:
+    """Run directories whose launcher is alive, oldest first."""
+    root = root or runs_root()
+    if not root.is_dir():
+        return []
+    runs = []
+    for run_dir in sorted(root.iterdir(), key=lambda p: p.stat().st_mtime):
+        try:
+            pid = int((run_dir / PID_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if is_alive(pid) and (run_dir / ACTORS_FILE).exists():
+            runs.append(run_dir)
+    return runs
+
+
+def find_run(arg: str | None, root: Path | None = None) -> Path:
+    """A run directory from a path, a launcher pid, or (None) the newest live run."""
+    if arg is None:
+        runs = live_runs(root)
+        if not runs:
+            raise FileNotFoundError(f"no live run under {root or runs_root()}: is a server running?")
+        return runs[-1]
+    if Path(arg).is_dir():
+        return Path(arg)
+    if arg.isdigit():
+        for run_dir in live_runs(root):
+            if read_actors(run_dir).get("launcher_pid") == int(arg):
+                return run_dir
+        raise FileNotFoundError(f"no live run has launcher pid {arg}; pass the run directory instead")
+    raise FileNotFoundError(f"{arg}: neither a run directory nor a launcher pid")
+
+
+def remove_dead_run_dirs(root: Path | None = None) -> list[Path]:
+    """Remove run directories whose launcher is gone (after their shared memory
+    was cleaned up by ``transport.cleanup_stale``)."""
+    root = root or runs_root()
+    removed = []
+    if not root.is_dir():
+        return removed
+    for run_dir in root.iterdir():
+        try:
+            pid = int((run_dir / PID_FILE).read_text())
+        except (OSError, ValueError):
+            pid = None  # half-created: another launcher may be writing it right now
+            if time.time() - run_dir.stat().st_mtime < 60:
+                continue
+        if pid is None or not is_alive(pid):
+            remove_run_dir(run_dir)
+            removed.append(run_dir)
+    return removed
