@@ -177,7 +177,9 @@ class Scheduler:
 
         Order: decodes of running sequences, then their unfinished prefills,
         then waiting requests in FIFO order (skipped in a step that preempted,
-        so a victim is not re-admitted at once).
+        so a victim is not re-admitted at once). Earlier admitted sequences
+        come first everywhere, so the oldest one always progresses; with
+        ``max_num_batched_tokens < max_num_seqs`` the newest decodes wait.
         """
         if self._in_flight is not None:
             raise RuntimeError(
@@ -220,6 +222,8 @@ class Scheduler:
         """Blocks for ``num_new`` more tokens of a running ``seq``, preempting
         the latest admitted sequences (maybe ``seq`` itself) until they fit."""
         num_needed = _cdiv(seq.num_computed + num_new, self.block_size) - len(seq.block_ids)
+        if num_needed <= 0:
+            return True  # most decodes: the last block still has room
         while not self.allocator.can_allocate(num_needed):
             victim = self.running[-1]
             self._preempt(victim, step)

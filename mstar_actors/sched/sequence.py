@@ -75,9 +75,6 @@ class Sequence:
             self._block_hashes.append(chain_hash(parent, self.block_token_ids(i)))
         return self._block_hashes[index]
 
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     def __repr__(self) -> str:
         return (
             f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
