@@ -103,6 +103,10 @@ class Exchange:
     def open_ids(self) -> list[str]:
         return [rid for rid, c in self.choices.items() if not c.is_done]
 
+    def is_waiting(self) -> bool:
+        """Some choice has output or usage still to come."""
+        return any(not c.is_done or c.is_waiting_for_usage for c in self.choices.values())
+
 
 class FrontendActor(Actor):
     """See the module docstring."""
@@ -296,6 +300,7 @@ class FrontendActor(Actor):
         """Abort what has not finished and forget the exchange (every exit path)."""
         for rid in exchange.open_ids():
             self._abort(rid)
+        self.metrics.prompt_tokens.inc(sum(c.num_prompt_tokens for c in exchange.choices.values()))
         for rid in exchange.choices:
             self._exchanges.pop(rid, None)
             self._unacked.discard(rid)
@@ -312,16 +317,23 @@ class FrontendActor(Actor):
         except Exception as err:  # the channel is gone: shutting down
             self.log.debug("abort %s not sent: %s", request_id, err)
 
-    def _apply(self, exchange: Exchange, msg: Any) -> tuple[ChoiceOutput, str, list]:
-        """Feed one engine message to its choice; raise ApiError for Failed."""
+    def _apply(self, exchange: Exchange, msg: Any) -> tuple[ChoiceOutput, str, list] | None:
+        """Feed one engine message to its choice; raise ApiError for Failed.
+        None when the choice was already done (nothing for the client)."""
         choice = exchange.choices[msg.request_id]
-        if choice.is_done:
-            return choice, "", []
+        if choice.is_done:  # stopped here; only the engine's count of prompt tokens still matters
+            match msg:
+                case TokenDelta():
+                    choice.num_prompt_tokens = choice.num_prompt_tokens or msg.num_prompt_tokens
+                case Finished():
+                    choice.settle(msg.num_prompt_tokens)
+                case Failed():
+                    choice.settle()
+            return None
         match msg:
             case TokenDelta():
                 return choice, *self._apply_delta(exchange, choice, msg)
             case Finished():
-                self.metrics.prompt_tokens.inc(msg.num_prompt_tokens)
                 return choice, choice.finish(msg.finish_reason, msg.num_prompt_tokens, msg.num_output_tokens), []
             case Failed():
                 raise ApiError(msg.status, f"request {exchange.id}: {msg.message}", param=msg.param, code=msg.code,
@@ -348,7 +360,7 @@ class FrontendActor(Actor):
         return api.usage_dict(prompt, sum(c.num_output_tokens for c in choices))
 
     async def _collect(self, exchange: Exchange) -> web.Response:
-        while exchange.open_ids():
+        while exchange.is_waiting():
             self._apply(exchange, await exchange.pop())
         choices = sorted(exchange.choices.values(), key=lambda c: c.index)
         args = (exchange.id, exchange.model, exchange.created)
@@ -367,10 +379,11 @@ class FrontendActor(Actor):
         refused before that (prepare's or the scheduler's 4xx) keeps its status."""
         stream = _Stream(request, exchange)
         try:
-            while exchange.open_ids():
+            while exchange.is_waiting():
                 msg = await exchange.pop()
-                choice, text, entries = self._apply(exchange, msg)
-                await stream.write_choice(choice, text, entries)
+                applied = self._apply(exchange, msg)
+                if applied is not None:
+                    await stream.write_choice(*applied)
             if exchange.parsed.include_usage:
                 await stream.write_usage(self._usage(exchange))
             await stream.write_done()

@@ -496,6 +496,7 @@ class ChoiceOutput:
         self.finish_reason: str | None = None
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
+        self.is_settled = False  # the engine has ended it (Finished or Failed)
 
     @property
     def is_done(self) -> bool:
@@ -524,10 +525,23 @@ class ChoiceOutput:
                 break
         return "".join(emitted), self.logprobs[first_entry:]
 
+    @property
+    def is_waiting_for_usage(self) -> bool:
+        """Stopped by a stop string before the engine said how long the prompt
+        was: the Finished that answers the abort will."""
+        return self.is_done and not self.is_settled and self.num_prompt_tokens == 0
+
+    def settle(self, num_prompt_tokens: int = 0) -> None:
+        """The engine's last word on a choice already done (its abort's Finished)."""
+        self.is_settled = True
+        self.num_prompt_tokens = self.num_prompt_tokens or num_prompt_tokens
+
     def finish(self, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int) -> str:
         """The engine finished this choice; return the held-back tail text."""
         if self.is_done:
+            self.settle(num_prompt_tokens)
             return ""
+        self.is_settled = True
         emitted: list[str] = []
         emit, matched = self.stops.feed(self.detokenizer.flush())
         self._append(emit if matched else emit + self.stops.flush(), emitted)

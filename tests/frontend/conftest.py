@@ -83,6 +83,7 @@ class FakeEngine:
         self.changed = asyncio.Event()
         self.plan: Callable[[Any], list | None] = self.reply
         self.reply_text = REPLY
+        self.finish_on_abort: Callable | None = None  # request -> its Finished("abort")
 
     async def run(self) -> None:
         from mstar_actors.messages import Abort, NewRequest
@@ -95,6 +96,8 @@ class FakeEngine:
                         await self.outbox.send(out)
                 case Abort():
                     self.aborts.append(msg.request_id)
+                    if self.finish_on_abort:  # as the conductor's scheduler does
+                        await self.outbox.send(self.finish_on_abort(self.requests[msg.request_id]))
             self.changed.set()
 
     async def wait_for(self, predicate: Callable[[], bool]) -> None:

@@ -4,8 +4,9 @@ import asyncio
 import json
 
 import aiohttp
+import msgspec
 
-from mstar_actors.messages import EngineStats, Failed, PeerFailed, SampledToken, TokenDelta
+from mstar_actors.messages import EngineStats, Failed, Finished, PeerFailed, SampledToken, TokenDelta
 from tests.frontend.conftest import REPLY
 from tests.frontend.test_openai_api import BAD
 
@@ -122,6 +123,27 @@ def test_stop_string_cuts_text_and_aborts(harness):
             assert r["usage"]["prompt_tokens"] == h.engine.prompt_len(h.engine.requests[rid])
             _, events = await h.stream(COMP, {"model": "tiny", "prompt": "x", "stop": "!"})
             assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "Hello world"
+
+    run(body)
+
+
+def test_stop_string_usage_waits_for_the_aborts_finished(harness):
+    """Without the prompt length on deltas, usage comes from the Finished that answers the Abort."""
+    async def body():
+        async with harness() as h:
+            def without_prompt_len(req):
+                deltas = [msgspec.structs.replace(m, num_prompt_tokens=0) for m in h.engine.reply(req)[:-1]]
+                return deltas  # then hold: no Finished until the abort
+            h.engine.plan = without_prompt_len
+            h.engine.finish_on_abort = lambda req: Finished(request_id=req.request_id, finish_reason="abort",
+                                                            num_prompt_tokens=11, num_output_tokens=5)
+            status, r = await h.post(CHAT, chat_body(stop="!", n=2))
+            assert status == 200 and [c["message"]["content"] for c in r["choices"]] == ["Hello world"] * 2
+            assert r["usage"]["prompt_tokens"] == 11  # the prompt once, for both choices
+            assert r["usage"]["completion_tokens"] == 2 * len(h.engine.tokenizer("Hello world!").input_ids)
+            _, events = await h.stream(CHAT, chat_body(stop="!", stream_options={"include_usage": True}))
+            assert [e["choices"][0]["finish_reason"] for e in events[:-2]].count("stop") == 1
+            assert events[-2]["usage"]["prompt_tokens"] == 11 and events[-1] == "[DONE]"
 
     run(body)
 
