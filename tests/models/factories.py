@@ -1,0 +1,57 @@
+"""Tiny random Hugging Face models saved to a folder, for the model tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+_TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=256,
+    eos_token_id=2,
+    bos_token_id=1,
+)
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**_TINY),
+    "llama3-tied": lambda: LlamaConfig(**_TINY, rope_scaling=LLAMA3_ROPE, tie_word_embeddings=True),
+    "qwen2": lambda: Qwen2Config(**_TINY, tie_word_embeddings=True),
+    "qwen3": lambda: Qwen3Config(**_TINY, head_dim=32),
+}
+
+
+def make_hf_model(kind: str, folder: Path, seed: int = 0):
+    """Save a random float32 model of ``kind`` to ``folder``; return it (eval mode)."""
+    torch.manual_seed(seed)
+    config = CONFIGS[kind]()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    _spread_weights(model)
+    model.save_pretrained(folder)
+    return model
+
+
+def _spread_weights(model) -> None:
+    """Wider random weights than the 0.02 init, so logits are far apart and a
+    greedy argmax is not decided by float32 rounding."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0.0, 0.15 if "embed" not in name else 1.0)

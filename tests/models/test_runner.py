@@ -1,0 +1,156 @@
+"""Greedy decoding through the runner, driven by hand-built StepPlans, equals
+``transformers.generate`` token for token: concurrent sequences, chunked
+prefill, a prefix-cache hit and a preemption with restart."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from mstar_actors import messages
+from mstar_actors.model_runner import ModelRunner, PlanError, SeqState, build_batch
+
+from .factories import CONFIGS
+
+BLOCK_SIZE = 4
+NUM_NEW = 32
+GREEDY = messages.SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+
+
+class Driver:
+    """A scripted stand-in for the conductor: allocates blocks, builds chunks,
+    sends plans and records the sampled tokens."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.free = list(range(runner.num_kv_blocks - 1, 0, -1))
+        self.seqs: dict[str, dict] = {}
+        self.step_id = 0
+
+    def start(self, rid, prompt, outputs=(), shared_blocks=(), num_computed=0) -> messages.SeqStart:
+        self.seqs[rid] = dict(prompt=list(prompt), outputs=list(outputs), blocks=list(shared_blocks), done=num_computed)
+        return messages.SeqStart(rid, list(prompt), GREEDY, list(outputs))
+
+    def chunk(self, rid, num_tokens: int | None = None) -> messages.ScheduledChunk:
+        seq = self.seqs[rid]
+        total = len(seq["prompt"]) + len(seq["outputs"])
+        num_tokens = num_tokens or total - seq["done"]
+        stop = seq["done"] + num_tokens
+        while len(seq["blocks"]) * BLOCK_SIZE < stop:
+            seq["blocks"].append(self.free.pop())
+        chunk = messages.ScheduledChunk(rid, seq["done"], num_tokens, list(seq["blocks"]), stop == total)
+        seq["done"] = stop
+        return chunk
+
+    def finish(self, rid) -> str:
+        self.free += self.seqs.pop(rid)["blocks"]
+        return rid
+
+    def step(self, started=(), chunks=(), finished=()) -> None:
+        plan = messages.StepPlan(self.step_id, list(started), list(chunks), list(finished))
+        self.step_id += 1
+        for token in self.runner.execute(plan):
+            self.seqs[token.request_id]["outputs"].append(token.token_id)
+
+    def decodes(self, *rids):
+        return [self.chunk(r) for r in rids if r in self.seqs and len(self.seqs[r]["outputs"]) < NUM_NEW]
+
+
+def reference(hf, prompt: list[int]) -> list[int]:
+    hf.generation_config.eos_token_id = None  # like ignore_eos: always NUM_NEW tokens
+    hf.generation_config.pad_token_id = 0
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def make_runner(folder, **overrides) -> ModelRunner:
+    kwargs = dict(dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_blocks=96, seed=0)
+    return ModelRunner(folder, **(kwargs | overrides))
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_scripted_plans_match_generate(kind, hf_models):
+    folder, hf = hf_models(kind)
+    gen = torch.Generator().manual_seed(7)
+    prompt_a = torch.randint(3, 500, (30,), generator=gen).tolist()
+    prompt_b = torch.randint(3, 500, (5,), generator=gen).tolist()
+    prompt_c = prompt_a[:24] + torch.randint(3, 500, (7,), generator=gen).tolist()  # shares 6 full blocks
+    prompt_d = torch.randint(3, 500, (9,), generator=gen).tolist()
+    d = Driver(make_runner(folder))
+
+    # Chunked prefill of A over three steps, mixed with B's and D's prefill and decodes.
+    d.step([d.start("a", prompt_a), d.start("b", prompt_b), d.start("d", prompt_d)], [d.chunk("a", 12), d.chunk("b"), d.chunk("d")])
+    d.step([], [d.chunk("a", 12), *d.decodes("b", "d")])
+    d.step([], [d.chunk("a", 6), *d.decodes("b", "d")])
+    # Prefix-cache hit: C reuses A's first six blocks and starts at num_computed=24.
+    c_start = d.start("c", prompt_c, shared_blocks=d.seqs["a"]["blocks"][:6], num_computed=24)
+    d.step([c_start], [d.chunk("c"), *d.decodes("a", "b", "d")])
+    while len(d.seqs["d"]["outputs"]) < 10:
+        d.step([], d.decodes("a", "b", "c", "d"))
+    # Preemption: D is dropped (blocks freed), others run, then D restarts with its outputs.
+    d_outputs = list(d.seqs["d"]["outputs"])
+    d.step([], d.decodes("a", "b", "c"), finished=[d.finish("d")])
+    d.step([], d.decodes("a", "b", "c"))
+    restart = d.start("d", prompt_d, outputs=d_outputs)
+    d.step([restart], [d.chunk("d", 11), *d.decodes("a", "b", "c")])  # recompute in two chunks
+    d.step([], [d.chunk("d"), *d.decodes("a", "b", "c")])
+    while chunks := d.decodes("a", "b", "c", "d"):
+        d.step([], chunks)
+
+    for rid, prompt in dict(a=prompt_a, b=prompt_b, c=prompt_c, d=prompt_d).items():
+        assert d.seqs[rid]["outputs"] == reference(hf, prompt), f"sequence {rid} diverged"
+
+
+def test_ready_info_reads_eos_and_caps_context(hf_models, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(hf_models("qwen3")[0], folder)
+    gen_config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps(gen_config | {"eos_token_id": [2, 5]}))
+    runner = make_runner(folder, max_model_len=10_000)
+    info = runner.ready_info(rank=3)
+    assert info == messages.WorkerReady(rank=3, num_kv_blocks=96, block_size=BLOCK_SIZE, max_model_len=256, eos_token_ids=[2, 5])
+    assert make_runner(folder, num_blocks=None, memory_fraction=0.001).num_kv_blocks >= 1
+
+
+def test_finished_then_unknown_chunk_names_the_request(hf_models):
+    folder, _ = hf_models("llama")
+    d = Driver(make_runner(folder))
+    d.step([d.start("x", [5, 6, 7])], [d.chunk("x")])
+    with pytest.raises(PlanError, match="'x'.*never started") as err:
+        d.step([], [d.chunk("x")], finished=["x"])
+    assert err.value.request_ids == ["x"]
+
+
+def _chunk(**overrides) -> messages.ScheduledChunk:
+    fields = dict(request_id="r", num_computed=0, num_tokens=4, block_ids=[1], sample=True)
+    return messages.ScheduledChunk(**(fields | overrides))
+
+
+@pytest.mark.parametrize(
+    "chunk, message",
+    [
+        (_chunk(num_tokens=5), "outside its 4 known tokens"),
+        (_chunk(num_tokens=3), "sample=true but the chunk ends at 3"),
+        (_chunk(block_ids=[]), "need 1 blocks"),
+        (_chunk(block_ids=[99]), r"block ids \[99\] are outside"),
+        (_chunk(request_id="nope"), "'nope'"),
+    ],
+)
+def test_build_batch_rejects_bad_chunks(chunk, message):
+    seqs = {"r": SeqState([1, 2, 3], GREEDY, [4])}
+    with pytest.raises(PlanError, match=message):
+        build_batch([chunk], seqs, block_size=4, num_kv_blocks=8, max_model_len=64)
+
+
+def test_build_batch_flattens_chunks():
+    seqs = {"r": SeqState([1, 2, 3, 4, 5], GREEDY, [6]), "s": SeqState([9, 8], GREEDY)}
+    chunks = [_chunk(num_computed=4, num_tokens=2, block_ids=[3, 1]), _chunk(request_id="s", num_tokens=1, block_ids=[2], sample=False)]
+    batch = build_batch(chunks, seqs, block_size=4, num_kv_blocks=8, max_model_len=64)
+    assert batch.input_ids == [5, 6, 9]
+    assert batch.positions == [4, 5, 0]
+    assert batch.slot_mapping == [4, 5, 8]
+    assert batch.context_lens == [6, 1] and batch.query_lens == [2, 1]
+    assert batch.logits_indices == [1] and batch.sample_ids == ["r"]
