@@ -1,0 +1,227 @@
+"""The launcher, live: `python -m mstar_actors serve` of a tiny model folder.
+
+One server is shared by the tests that only look at it; the tests that
+kill something start their own. Each start spawns four processes that
+import torch, so these are the slowest tests of the actor runtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 180
+
+
+def _load_kit():
+    spec = importlib.util.spec_from_file_location("actors_test_kit", ROOT / "tests" / "actors" / "conftest.py")
+    kit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kit)
+    return kit
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    _load_kit().make_model_dir(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runtime_dir(tmp_path_factory) -> Path:
+    """A private XDG_RUNTIME_DIR: runs of these tests never meet a user's server."""
+    return tmp_path_factory.mktemp("runtime")
+
+
+class Server:
+    """One `serve` subprocess; ``lines`` collects its log (stderr)."""
+
+    def __init__(self, model_dir: Path, runtime_dir: Path, tmp: Path):
+        self.port = free_port()
+        self.config = tmp / f"serve-{self.port}.yaml"
+        self.config.write_text(
+            f"model: {{path: {model_dir}, name: tiny, dtype: float32, device: cpu}}\n"
+            "kv: {block_size: 4, num_blocks: 64}\n"
+            "scheduler: {max_model_len: 128}\n"
+        )
+        self.env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime_dir), PYTHONUNBUFFERED="1")
+        self.runtime_dir = runtime_dir
+        self.lines: list[str] = []
+        self.serving = threading.Event()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mstar_actors", "serve", str(self.config), "--port", str(self.port)],
+            cwd=ROOT, env=self.env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        )
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            if "serving tiny at http://" in line:
+                self.serving.set()
+        self.serving.set()  # ended: wake a waiter, which then sees the exit
+
+    def wait_serving(self):
+        assert self.serving.wait(START_TIMEOUT_S), "no 'serving' line:\n" + self.log
+        assert self.proc.poll() is None, "the server exited while starting:\n" + self.log
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    @property
+    def run_dir(self) -> Path:
+        (run_dir,) = [p for p in (self.runtime_dir / "mstar-actors" / "runs").iterdir()
+                      if json.loads((p / "actors.json").read_text())["launcher_pid"] == self.proc.pid]
+        return run_dir
+
+    def actors(self) -> dict[str, int]:
+        return json.loads((self.run_dir / "actors.json").read_text())["actors"]
+
+    def wait_exit(self, timeout=60) -> int:
+        code = self.proc.wait(timeout)
+        self.reader.join(10)
+        return code
+
+    def kill(self):
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        self.proc.wait()
+
+
+def our_segments(run_id: str | None = None) -> list[str]:
+    prefix = f"mstar-{run_id}-" if run_id else "mstar-"
+    return [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+
+
+def http(port: int, path: str, body: dict | None = None) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        text = resp.read().decode()
+        return resp.status, json.loads(text) if text.strip().startswith("{") else {"text": text}
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, runtime_dir, tmp_path_factory):
+    print("seed: 0 (model.seed default; the tiny model is seeded with 0)")
+    srv = Server(model_dir, runtime_dir, tmp_path_factory.mktemp("cfg"))
+    try:
+        srv.wait_serving()
+        yield srv
+    finally:
+        srv.kill()
+
+
+def test_health_and_a_completion(server):
+    assert http(server.port, "/health")[0] == 200
+    status, body = http(server.port, "/v1/completions",
+                        {"model": "tiny", "prompt": "hello world w3", "max_tokens": 4, "temperature": 0})
+    assert status == 200 and body["usage"]["completion_tokens"] >= 1
+
+
+def test_run_dir_lists_every_actor(server):
+    actors = server.actors()
+    assert sorted(actors) == ["conductor", "frontend", "prepare", "worker0"]
+    assert (server.run_dir / "launcher.pid").read_text().strip() == str(server.proc.pid)
+
+
+def test_dump_stacks_shows_every_actor(server):
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "dump_stacks"), "--timeout", "30"],
+                         env=server.env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for name in server.actors():
+        assert f"actor {name} thread MainThread" in out.stdout
+        assert f"actor {name} asyncio task" in out.stdout
+
+
+def test_sigterm_stops_cleanly_without_leftovers(server):
+    run_dir = server.run_dir
+    run_id = run_dir.name
+    assert our_segments(run_id)
+    pids = server.actors().values()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.wait_exit() == 0, server.log
+    assert our_segments(run_id) == []
+    assert not run_dir.exists()
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_kill_9_of_an_actor_stops_the_launcher_naming_it(model_dir, runtime_dir, tmp_path):
+    srv = Server(model_dir, runtime_dir, tmp_path)
+    try:
+        srv.wait_serving()
+        run_id = srv.run_dir.name
+        os.kill(srv.actors()["worker0"], signal.SIGKILL)
+        assert srv.wait_exit() != 0
+        assert "actor worker0" in srv.log and "SIGKILL" in srv.log, srv.log
+        assert our_segments(run_id) == []
+    finally:
+        srv.kill()
+
+
+def test_kill_9_of_the_launcher_is_cleaned_by_the_next_start(model_dir, runtime_dir, tmp_path):
+    srv = Server(model_dir, runtime_dir, tmp_path)
+    try:
+        srv.wait_serving()
+        run_dir = srv.run_dir
+        pids = list(srv.actors().values())
+        srv.proc.kill()
+        srv.wait_exit()
+        assert our_segments(run_dir.name), "a killed launcher leaves its segments"
+    finally:
+        srv.kill()
+    from mstar_actors.config import Config
+    from mstar_actors.launcher import Launcher
+
+    os.environ["XDG_RUNTIME_DIR"], saved = str(runtime_dir), os.environ.get("XDG_RUNTIME_DIR")
+    try:
+        nxt = Launcher(Config(), "next")
+        nxt.prepare_run()  # what every start does first
+        nxt.release()
+    finally:
+        os.environ.pop("XDG_RUNTIME_DIR") if saved is None else os.environ.__setitem__("XDG_RUNTIME_DIR", saved)
+    assert our_segments(run_dir.name) == []
+    assert not run_dir.exists()
+    for pid in pids:  # the actors died with their launcher (parent-death signal)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_bad_config_is_one_line_and_exit_2(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("model: {pth: x}\n")
+    out = subprocess.run([sys.executable, "-m", "mstar_actors", "serve", str(config)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    (line,) = out.stderr.strip().splitlines()
+    assert "pth" in line and "accepted keys there: path" in line
