@@ -1,0 +1,235 @@
+"""Check the LoRA Triton kernels against the torch reference, then time them.
+
+For every config (linear x batch tokens x rank x slot mix) of a
+Llama-3.2-1B-shaped model it first validates the kernels' delta against the
+fp32 reference on fresh random inputs, then times the whole delta
+(``LoraStack.add_delta``: shrink + expand) and the base GEMM ``x @ W.T`` of
+the same linear with CUDA events (warmup, median), and prints one table row:
+shape, mix, kernel us, base GEMM us, overhead %. A config that fails is
+reported in its row and the run goes on; the exit status is 1 if any failed.
+
+    python tools/check_lora_kernels.py                 # full run on a GPU
+    python tools/check_lora_kernels.py --dry-run       # CPU: reference path, small subset
+    python tools/check_lora_kernels.py --tokens 1 256 --ranks 16 --linears qkv
+
+Writes ``$OUT/lora_kernels.json`` when the OUT environment variable is set
+(or ``--json PATH``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import traceback
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mstar_actors.lora import LoraStack, build_segments  # noqa: E402
+from mstar_actors.lora.ops import LoraSegments, expand_ref, shrink_ref  # noqa: E402
+
+# Llama-3.2-1B: hidden 2048, intermediate 8192, 32 heads, 8 KV heads, head_dim 64.
+HIDDEN, INTER, VOCAB = 2048, 8192, 128256
+Q_SIZE, KV_SIZE = 32 * 64, 8 * 64
+LINEARS = {
+    "qkv": (HIDDEN, (Q_SIZE, KV_SIZE, KV_SIZE)),
+    "o": (Q_SIZE, (HIDDEN,)),
+    "gate_up": (HIDDEN, (INTER, INTER)),
+    "down": (INTER, (HIDDEN,)),
+    "lm_head": (HIDDEN, (VOCAB,)),
+}
+TOKENS = (1, 8, 32, 256, 2048)
+RANKS = (8, 16, 64)
+MIXES = ("base", "one", "mixed4", "random")
+MAX_LORAS = 8  # device slots besides slot 0
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+
+
+@dataclass
+class Row:
+    linear: str
+    in_features: int
+    out_features: int
+    tokens: int
+    rank: int
+    mix: str
+    num_segments: int = 0
+    rel_error: float | None = None
+    kernel_us: float | None = None
+    base_gemm_us: float | None = None
+    overhead_pct: float | None = None
+    segments_host_us: float | None = None
+    error: str | None = None
+
+
+def slot_mix(mix: str, num_tokens: int, rng: random.Random) -> list[int]:
+    """Per-token slots: tokens come in up to 16 contiguous requests, each on one slot."""
+    num_requests = min(num_tokens, 16)
+    bounds = [round(i * num_tokens / num_requests) for i in range(num_requests + 1)]
+    if mix == "base":
+        per_request = [0] * num_requests
+    elif mix == "one":
+        per_request = [1] * num_requests
+    elif mix == "mixed4":
+        per_request = [1 + i % 4 for i in range(num_requests)]
+    elif mix == "random":
+        per_request = [rng.randrange(MAX_LORAS + 1) for _ in range(num_requests)]
+    else:
+        raise ValueError(f"unknown mix {mix!r}; accepted: {MIXES}")
+    return [per_request[r] for r in range(num_requests) for _ in range(bounds[r + 1] - bounds[r])]
+
+
+def make_stack(in_features, output_sizes, rank, dtype, device, gen) -> LoraStack:
+    """Random factors in every adapter slot, each at ``rank`` (the stack's max rank)."""
+    stack = LoraStack(in_features, output_sizes, num_slots=MAX_LORAS + 1, max_rank=rank, dtype=dtype, device=device)
+    a_shape, b_shape = stack.a[:, 1:].shape, stack.b[1:].shape
+    stack.a[:, 1:] = (torch.randn(a_shape, generator=gen) / in_features**0.5).to(dtype).to(device)
+    stack.b[1:] = (torch.randn(b_shape, generator=gen) / rank**0.5).to(dtype).to(device)
+    stack.scales[:, 1:] = (torch.rand(stack.scales[:, 1:].shape, generator=gen) + 0.5).to(device)
+    return stack
+
+
+def reference_delta(stack: LoraStack, x: torch.Tensor, segments: LoraSegments) -> torch.Tensor:
+    """The fp32 delta from the same (rounded) weights, by the torch reference."""
+    y = torch.zeros(x.shape[0], stack.offsets[-1], device=x.device)
+    buf = shrink_ref(x.float(), stack.a.float(), segments)
+    return expand_ref(y, buf, stack.b.float(), stack.scales, segments, stack.offsets)
+
+
+def time_us(fn, *, device: str, warmup: int, iters: int) -> float:
+    """Median microseconds of ``fn``: CUDA events on a GPU, perf_counter on the CPU."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1000.0)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(samples)
+
+
+def check_one(row: Row, output_sizes, args, device: str, dtype: torch.dtype) -> None:
+    """Validate, then time one config, filling ``row`` in place."""
+    seed = args.seed + zlib.crc32(f"{row.linear}/{row.tokens}/{row.rank}/{row.mix}".encode())
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    stack = make_stack(row.in_features, output_sizes, row.rank, dtype, device, gen)
+    slots = slot_mix(row.mix, row.tokens, rng)
+    t0 = time.perf_counter()
+    segments = build_segments(slots)
+    row.segments_host_us = (time.perf_counter() - t0) * 1e6
+    row.num_segments = segments.num_segments
+    segments.on(device)  # the per-step host-to-device copy, outside the timed region
+    x = torch.randn(row.tokens, row.in_features, generator=gen).to(dtype).to(device)
+    y = torch.zeros(row.tokens, row.out_features, dtype=dtype, device=device)
+    stack.add_delta(y, x, segments)
+    want = reference_delta(stack, x, segments)
+    scale = want.norm().item()
+    row.rel_error = 0.0 if scale == 0 and y.abs().max().item() == 0 else (y.float() - want).norm().item() / max(scale, 1e-12)
+    if row.rel_error >= TOLERANCE[dtype]:
+        row.error = f"relative error {row.rel_error:.2e} >= {TOLERANCE[dtype]:.0e}"
+        return
+    weight = (torch.randn(row.out_features, row.in_features, generator=gen) / row.in_features**0.5).to(dtype).to(device)
+    timing = dict(device=device, warmup=args.warmup, iters=args.iters)
+    row.kernel_us = time_us(lambda: stack.add_delta(y, x, segments), **timing)
+    row.base_gemm_us = time_us(lambda: x @ weight.T, **timing)
+    row.overhead_pct = 100.0 * row.kernel_us / row.base_gemm_us
+
+
+def configs(args):
+    for linear in args.linears:
+        in_features, output_sizes = LINEARS[linear]
+        for tokens in args.tokens:
+            for rank in args.ranks:
+                for mix in args.mixes:
+                    yield Row(linear, in_features, sum(output_sizes), tokens, rank, mix), output_sizes
+
+
+def format_row(row: Row) -> str:
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    shape = f"{row.linear} {row.in_features}->{row.out_features}"
+    return (
+        f"{shape:<24} {row.tokens:>5} {row.rank:>4} {row.mix:<7} {row.num_segments:>4} "
+        f"{num(row.rel_error, '.1e'):>8} {num(row.kernel_us, '.1f'):>9} {num(row.base_gemm_us, '.1f'):>9} "
+        f"{num(row.overhead_pct, '.1f'):>8}  {row.error or ''}"
+    )
+
+
+HEADER = f"{'shape':<24} {'T':>5} {'rank':>4} {'mix':<7} {'segs':>4} {'rel_err':>8} {'lora_us':>9} {'gemm_us':>9} {'ovh_%':>8}"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true", help="CPU, torch reference path, a small subset of configs")
+    p.add_argument("--linears", nargs="+", choices=list(LINEARS), default=list(LINEARS))
+    p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    p.add_argument("--ranks", nargs="+", type=int, default=list(RANKS))
+    p.add_argument("--mixes", nargs="+", choices=MIXES, default=list(MIXES))
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="default: $OUT/lora_kernels.json when OUT is set")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        args.linears = [l for l in args.linears if l != "lm_head"][:2]
+        args.tokens = [t for t in args.tokens if t <= 32][:2] or [1]
+        args.ranks = args.ranks[:1]
+        args.warmup, args.iters = 1, 3
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
+    dtype = getattr(torch, args.dtype)
+    if device == "cpu" and not args.dry_run:
+        print("no CUDA device: running the torch reference on the CPU (use --dry-run for a quick subset)")
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    print(f"# {env}  dtype={args.dtype}  max_loras={MAX_LORAS}  seed={args.seed}")
+    print(HEADER)
+    rows = []
+    for row, output_sizes in configs(args):
+        try:
+            check_one(row, output_sizes, args, device, dtype)
+        except Exception as err:  # one failing config must not end the run
+            row.error = f"{type(err).__name__}: {err}".splitlines()[0][:200]
+            traceback.print_exc(file=sys.stderr)
+        rows.append(row)
+        print(format_row(row), flush=True)
+    failed = [r for r in rows if r.error]
+    print(f"# {len(rows) - len(failed)} passed, {len(failed)} failed")
+    out = args.json or (Path(os.environ["OUT"]) / "lora_kernels.json" if os.environ.get("OUT") else None)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"env": env, "dtype": args.dtype, "rows": [asdict(r) for r in rows]}, indent=1))
+        print(f"# wrote {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
