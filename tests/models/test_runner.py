@@ -74,12 +74,30 @@ def make_runner(folder, **overrides) -> ModelRunner:
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
 def test_scripted_plans_match_generate(kind, hf_models):
     folder, hf = hf_models(kind)
+    outputs, prompts = run_script(make_runner(folder))
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == reference(hf, prompt), f"sequence {rid} diverged"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama3-tied", "qwen3"])
+def test_scripted_plans_match_generate_on_cuda(kind, hf_models):
+    folder, hf = hf_models(kind)
+    outputs, prompts = run_script(make_runner(folder, device="cuda"))
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == reference(hf, prompt), f"sequence {rid} diverged"
+    half, _ = run_script(make_runner(folder, device="cuda", dtype="bfloat16"))
+    assert all(len(out) == NUM_NEW for out in half.values())
+
+
+def run_script(runner: ModelRunner) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """Drive four sequences through every kind of step; return (outputs, prompts) by request id."""
     gen = torch.Generator().manual_seed(7)
     prompt_a = torch.randint(3, 500, (30,), generator=gen).tolist()
     prompt_b = torch.randint(3, 500, (5,), generator=gen).tolist()
     prompt_c = prompt_a[:24] + torch.randint(3, 500, (7,), generator=gen).tolist()  # shares 6 full blocks
     prompt_d = torch.randint(3, 500, (9,), generator=gen).tolist()
-    d = Driver(make_runner(folder))
+    d = Driver(runner)
 
     # Chunked prefill of A over three steps, mixed with B's and D's prefill and decodes.
     d.step([d.start("a", prompt_a), d.start("b", prompt_b), d.start("d", prompt_d)], [d.chunk("a", 12), d.chunk("b"), d.chunk("d")])
@@ -100,8 +118,8 @@ def test_scripted_plans_match_generate(kind, hf_models):
     while chunks := d.decodes("a", "b", "c", "d"):
         d.step([], chunks)
 
-    for rid, prompt in dict(a=prompt_a, b=prompt_b, c=prompt_c, d=prompt_d).items():
-        assert d.seqs[rid]["outputs"] == reference(hf, prompt), f"sequence {rid} diverged"
+    prompts = dict(a=prompt_a, b=prompt_b, c=prompt_c, d=prompt_d)
+    return {rid: d.seqs[rid]["outputs"] for rid in prompts}, prompts
 
 
 def test_ready_info_reads_eos_and_caps_context(hf_models, tmp_path):
