@@ -21,7 +21,7 @@ def _load_tool():
 def test_dry_run_validates_every_mix_and_writes_json(tmp_path, monkeypatch, capsys):
     tool = _load_tool()
     monkeypatch.setenv("OUT", str(tmp_path))
-    argv = ["--dry-run", "--linears", "o", "--tokens", "1", "8", "--mixes", "base", "one", "mixed4", "random"]
+    argv = ["--dry-run", "--dtype", "float32", "--linears", "o", "--tokens", "1", "8", "--mixes", "base", "one", "mixed4", "random"]
     assert tool.main(argv) == 0
     rows = json.loads((tmp_path / "lora_kernels.json").read_text())["rows"]
     assert [(r["tokens"], r["mix"]) for r in rows] == [(t, m) for t in (1, 8) for m in ("base", "one", "mixed4", "random")]
