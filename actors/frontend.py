@@ -146,7 +146,7 @@ class FrontendActor(Actor):
 
     async def _open_site(self) -> None:
         server = self.config.server
-        self._runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+        self._runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, server.host, server.port)
         await site.start()
