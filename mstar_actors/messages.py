@@ -46,6 +46,23 @@ class TensorRef(Struct, frozen=True, **_HOT):
     shape: tuple[int, ...]
 
 
+class MediaItem(Struct, frozen=True, **_HOT):
+    """One image or video of a request, prepared by the model's processor.
+
+    ``pixel_values`` (the processor's patch rows) lives in the tensor arena;
+    the prompt holds ``num_tokens`` placeholder tokens from ``token_offset``
+    that the worker replaces with the vision tower's output rows inside the
+    step. ``grid_thw`` is the (temporal, height, width) patch grid.
+    """
+
+    kind: Literal["image", "video"]
+    pixel_values: TensorRef
+    grid_thw: tuple[int, int, int]
+    token_offset: int
+    num_tokens: int
+    second_per_grid_t: float = 0.0  # video: seconds per temporal patch (multimodal rotary positions)
+
+
 class SamplingParams(Struct, frozen=True, **_HOT):
     """Per-request sampling, already validated (see ``mstar_actors.sampling_params``).
 
@@ -145,6 +162,7 @@ class Prepared(Struct, frozen=True, tag=True, omit_defaults=True):
     # The body field the prompt came from ("prompt" or "messages"): a later
     # refusal (e.g. by the scheduler) names it as the OpenAI error's ``param``.
     prompt_param: str = "prompt"
+    media: list[MediaItem] = []  # in prompt order; empty for text
 
 
 class Failed(Struct, frozen=True, tag=True, omit_defaults=True):
@@ -220,6 +238,7 @@ class SeqStart(Struct, frozen=True, **_HOT):
     prompt_token_ids: list[int]
     sampling: SamplingParams
     output_token_ids: list[int] = []
+    media: list[MediaItem] = []  # from Prepared.media; vision rows are computed by the worker
 
 
 class ScheduledChunk(Struct, frozen=True, **_HOT):
