@@ -342,11 +342,11 @@ class FrontendActor(Actor):
 
     def _apply_delta(self, exchange: Exchange, choice: ChoiceOutput, delta: TokenDelta) -> tuple[str, list]:
         now = time.perf_counter()
-        if choice.num_output_tokens == 0:
+        if choice.last_token_at is None:
             self.metrics.time_to_first_token.observe(now - exchange.arrival)
         elif delta.tokens:
-            self.metrics.inter_token_latency.observe((now - getattr(choice, "last_at", now)) / len(delta.tokens))
-        choice.last_at = now
+            self.metrics.inter_token_latency.observe((now - choice.last_token_at) / len(delta.tokens))
+        choice.last_token_at = now
         choice.num_prompt_tokens = delta.num_prompt_tokens or choice.num_prompt_tokens
         self.metrics.generation_tokens.inc(len(delta.tokens))
         text, entries = choice.add(delta.tokens)

@@ -497,6 +497,7 @@ class ChoiceOutput:
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
         self.is_settled = False  # the engine has ended it (Finished or Failed)
+        self.last_token_at: float | None = None  # perf_counter of the last delta, for inter-token latency
 
     @property
     def is_done(self) -> bool:
