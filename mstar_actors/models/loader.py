@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .attention import make_attention_backend
 from .decoder import CausalLM, StackedLinear
 from .registry import ARCHITECTURES, Architecture
 from .spec import ModelLoadError, ModelSpec, parse_spec, read_config
@@ -45,7 +46,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
     model_dir = Path(model_dir)
     arch, spec = load_spec(model_dir)
     with torch.device("meta"):
-        model = CausalLM(spec)
+        model = CausalLM(spec, make_attention_backend(device))
     model = model.to_empty(device=device).to(dtype)
     targets = _weight_targets(model, arch)
     _fill_weights(model_dir, targets, arch, spec)
