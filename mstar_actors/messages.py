@@ -63,6 +63,23 @@ class MediaItem(Struct, frozen=True, **_HOT):
     second_per_grid_t: float = 0.0  # video: seconds per temporal patch (multimodal rotary positions)
 
 
+class AdapterHostRef(Struct, frozen=True, **_HOT):
+    """The adapter-reader's host copy of one adapter: a shared-memory segment
+    holding a safetensors blob (see ``mstar_actors.lora.host_copy``). The
+    reader owns it; ranks map it read-only while they install."""
+
+    segment: str
+    nbytes: int
+
+
+class AdapterInfo(Struct, frozen=True, **_HOT):
+    """A served adapter as the frontend lists it (``/v1/models``)."""
+
+    name: str
+    path: str
+    digest: str
+
+
 class SamplingParams(Struct, frozen=True, **_HOT):
     """Per-request sampling, already validated (see ``mstar_actors.sampling_params``).
 
@@ -143,7 +160,23 @@ class Shutdown(Struct, frozen=True, tag=True, omit_defaults=True):
     reason: str = ""
 
 
-FrontendToPrepare = NewRequest | Abort | Shutdown
+class LoadAdapter(Struct, frozen=True, tag=True, omit_defaults=True):
+    """Runtime load (``POST /v1/load_lora_adapter``); answered by AdapterUpdate.
+    A load under a served name replaces it (checked as its new file)."""
+
+    request_id: str
+    name: str
+    path: str
+
+
+class UnloadAdapter(Struct, frozen=True, tag=True, omit_defaults=True):
+    """Runtime unload; requests already running on it finish first."""
+
+    request_id: str
+    name: str
+
+
+FrontendToPrepare = NewRequest | Abort | LoadAdapter | UnloadAdapter | Shutdown
 
 
 # --------------------------------------------------------------------------
@@ -177,7 +210,7 @@ class Failed(Struct, frozen=True, tag=True, omit_defaults=True):
     code: str | None = None
 
 
-PrepareToConductor = Prepared | Abort | Failed | Shutdown
+PrepareToConductor = Prepared | Abort | Failed | LoadAdapter | UnloadAdapter | Shutdown
 
 
 # --------------------------------------------------------------------------
@@ -221,7 +254,23 @@ class EngineStats(Struct, frozen=True, tag=True, omit_defaults=True):
     num_preemptions: int = 0
 
 
-ConductorToFrontend = TokenDelta | Finished | Failed | EngineStats | Shutdown
+class AdapterUpdate(Struct, frozen=True, tag=True, omit_defaults=True):
+    """The answer to a LoadAdapter / UnloadAdapter: ``status`` 200 or the
+    HTTP error status with OpenAI's ``code``."""
+
+    request_id: str
+    status: int
+    message: str
+    code: str | None = None
+
+
+class ModelsChanged(Struct, frozen=True, tag=True, omit_defaults=True):
+    """Every adapter now served; sent at start and after each change."""
+
+    adapters: list[AdapterInfo]
+
+
+ConductorToFrontend = TokenDelta | Finished | Failed | EngineStats | AdapterUpdate | ModelsChanged | Shutdown
 
 
 # --------------------------------------------------------------------------
@@ -239,6 +288,7 @@ class SeqStart(Struct, frozen=True, **_HOT):
     sampling: SamplingParams
     output_token_ids: list[int] = []
     media: list[MediaItem] = []  # from Prepared.media; vision rows are computed by the worker
+    lora_slot: int = 0  # 0: the base model; else a slot every rank acknowledged
 
 
 class ScheduledChunk(Struct, frozen=True, **_HOT):
@@ -265,7 +315,17 @@ class StepPlan(Struct, frozen=True, tag=True, omit_defaults=True):
     finished: list[str] = []  # request ids the workers forget before this step
 
 
-ConductorToWorker = StepPlan | Shutdown
+class InstallAdapter(Struct, frozen=True, tag=True, omit_defaults=True):
+    """Load an adapter into a device slot on every rank. The conductor alone
+    picks the slot; rows use it only after every rank's AdapterInstalled."""
+
+    slot: int
+    name: str
+    digest: str
+    host: AdapterHostRef
+
+
+ConductorToWorker = StepPlan | InstallAdapter | Shutdown
 
 
 # --------------------------------------------------------------------------
@@ -303,7 +363,58 @@ class StepFailed(Struct, frozen=True, tag=True, omit_defaults=True):
     request_ids: list[str] = []
 
 
-WorkerToConductor = WorkerReady | StepDone | StepFailed
+class AdapterInstalled(Struct, frozen=True, tag=True, omit_defaults=True):
+    """One rank's answer to InstallAdapter (``error`` set when not ``ok``)."""
+
+    rank: int
+    slot: int
+    digest: str
+    ok: bool
+    error: str = ""
+
+
+WorkerToConductor = WorkerReady | StepDone | StepFailed | AdapterInstalled
+
+
+# --------------------------------------------------------------------------
+# conductor <-> adapter-reader
+# --------------------------------------------------------------------------
+
+
+class ReadAdapter(Struct, frozen=True, tag=True, omit_defaults=True):
+    """Read, validate and keep a host copy of an adapter folder."""
+
+    name: str
+    path: str
+
+
+class DropAdapter(Struct, frozen=True, tag=True, omit_defaults=True):
+    """The conductor no longer needs this host copy (evicted or unloaded)."""
+
+    name: str
+    digest: str
+
+
+ConductorToAdapterReader = ReadAdapter | DropAdapter | Shutdown
+
+
+class AdapterRead(Struct, frozen=True, tag=True, omit_defaults=True):
+    name: str
+    path: str
+    digest: str
+    host: AdapterHostRef
+    max_rank: int
+
+
+class AdapterReadFailed(Struct, frozen=True, tag=True, omit_defaults=True):
+    """The adapter was refused; ``message`` names the module or file and why."""
+
+    name: str
+    path: str
+    message: str
+
+
+AdapterReaderToConductor = AdapterRead | AdapterReadFailed
 
 
 # --------------------------------------------------------------------------
