@@ -1,0 +1,72 @@
+"""The host-copy blob: an exact round trip of a validated adapter, and clear refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from lora_factories import base_shapes, make_adapter, make_base
+from safetensors.torch import save as st_save
+
+from mstar_actors.lora import AdapterWeights, LoraModule, read_adapter
+from mstar_actors.lora.host_copy import FORMAT, HostCopyError, adapter_from_bytes, adapter_to_bytes
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head", "embed_tokens"]
+
+
+def _assert_same(got: AdapterWeights, want: AdapterWeights) -> None:
+    assert (got.name, got.digest, got.max_rank, len(got.layers)) == (want.name, want.digest, want.max_rank, len(want.layers))
+    got_modules, want_modules = dict(got.iter_modules()), dict(want.iter_modules())
+    assert got_modules.keys() == want_modules.keys()
+    for key, m in want_modules.items():
+        g = got_modules[key]
+        assert g.scale == m.scale, key
+        assert g.a.dtype == m.a.dtype and torch.equal(g.a, m.a), key
+        assert g.b.dtype == m.b.dtype and torch.equal(g.b, m.b), key
+
+
+def test_peft_adapter_round_trips_exactly(tmp_path):
+    model, cfg = make_base("qwen3")
+    folder, _ = make_adapter(
+        tmp_path, model, r=4, lora_alpha=7, use_rslora=True, target_modules=ALL, rank_pattern={"down_proj": 2}
+    )
+    weights = read_adapter(folder, base=base_shapes(cfg), max_rank=8, name="mine")
+    blob = adapter_to_bytes(weights)
+    _assert_same(adapter_from_bytes(blob), weights)
+    # A worker reads straight from the mapped segment: a memoryview with slack after the blob is fine
+    # only once sliced to nbytes, which is what AdapterHostRef carries.
+    padded = bytearray(blob) + bytearray(64)
+    _assert_same(adapter_from_bytes(memoryview(padded)[: len(blob)]), weights)
+
+
+def test_partial_targets_views_and_bf16_round_trip():
+    big = torch.randn(6, 16, dtype=torch.bfloat16)
+    a, b = big[:2], torch.randn(8, 2, dtype=torch.bfloat16)  # a is a view of a larger tensor
+    layers = ({}, {"mlp.down_proj": LoraModule(a=a, b=b, scale=1 / 3)}, {})
+    weights = AdapterWeights(name="x", digest="d" * 32, max_rank=2, layers=layers, global_modules={})
+    got = adapter_from_bytes(adapter_to_bytes(weights))
+    _assert_same(got, weights)
+    assert got.layers[0] == {} and got.layers[2] == {}
+
+
+def test_refuses_foreign_and_torn_blobs():
+    with pytest.raises(HostCopyError, match="format"):
+        adapter_from_bytes(st_save({"x": torch.zeros(2)}))
+    weights = AdapterWeights(
+        name="torn", digest="d", max_rank=1,
+        layers=({"self_attn.q_proj": LoraModule(torch.ones(1, 4), torch.ones(4, 1), 2.0)},), global_modules={},
+    )  # fmt: skip
+    blob = adapter_to_bytes(weights)
+    with pytest.raises(HostCopyError, match="truncated"):
+        adapter_from_bytes(blob[:20])
+    with pytest.raises(HostCopyError, match="too short"):
+        adapter_from_bytes(b"abc")
+    meta = {"format": FORMAT, "name": "gap", "digest": "d", "max_rank": "1", "num_layers": "1",
+            "scales": json.dumps({"model.layers.0.self_attn.q_proj": 1.0})}  # fmt: skip
+    with pytest.raises(HostCopyError, match="'gap'.*lacks tensor 'model.layers.0.self_attn.q_proj.lora_B'"):
+        adapter_from_bytes(st_save({"model.layers.0.self_attn.q_proj.lora_A": torch.ones(1, 4)}, metadata=meta))
+    meta["scales"] = json.dumps({"model.layers.5.self_attn.q_proj": 1.0})
+    tensors = {"model.layers.5.self_attn.q_proj.lora_A": torch.ones(1, 4), "model.layers.5.self_attn.q_proj.lora_B": torch.ones(4, 1)}
+    with pytest.raises(HostCopyError, match="N < 1"):
+        adapter_from_bytes(st_save(tensors, metadata=meta))
