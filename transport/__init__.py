@@ -1,0 +1,38 @@
+"""Transport: typed, bounded channels between actors.
+
+``Channel`` is the interface; ``MemoryChannel`` implements it in one process
+for tests; ``ShmRing`` between two processes over shared memory (the launcher
+calls ``create_ring`` and hands each end a ``RingSpec`` for ``open_ring``);
+``BroadcastChannel`` sends one stream to N rings; ``TensorArena`` carries
+large tensors by reference (``TensorRef``). ``cleanup_run`` /
+``cleanup_stale`` remove the shared memory of a finished or crashed run.
+"""
+
+from transport.broadcast import BroadcastChannel
+from transport.channel import Channel, ChannelStats
+from transport.codec import Codec
+from transport.errors import ChannelBroken, ChannelClosed, ChannelError, ChannelFull, DecodeError
+from transport.memory import MemoryChannel
+from transport.ring import RingSpec, ShmRing, create_ring, open_ring, unlink_ring
+from transport.shm import cleanup_run, cleanup_stale, register_run
+
+__all__ = [
+    "BroadcastChannel",
+    "Channel",
+    "ChannelBroken",
+    "ChannelClosed",
+    "ChannelError",
+    "ChannelFull",
+    "ChannelStats",
+    "Codec",
+    "DecodeError",
+    "MemoryChannel",
+    "RingSpec",
+    "ShmRing",
+    "cleanup_run",
+    "cleanup_stale",
+    "create_ring",
+    "open_ring",
+    "register_run",
+    "unlink_ring",
+]

@@ -1,0 +1,460 @@
+"""Single-producer single-consumer ring of variable-size records in shared
+memory, between two processes, behind the ``Channel`` interface.
+
+The launcher creates each ring (``create_ring``) and passes the ``RingSpec``
+to the two processes, which ``open_ring(spec, role, union)``. Both ends run
+on an asyncio loop; waiting spins briefly, then parks on a FIFO the loop
+watches. See ``ShmRing`` for the layout and the ordering rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from transport import shm
+from transport.channel import Channel, ChannelStats
+from transport.codec import Codec
+from transport.errors import ChannelBroken, ChannelClosed, ChannelFull, DecodeError
+
+MAGIC = 0x3152_5253_5453_4D  # "MSTSRR1", little-endian
+RECORD_HEADER = 8
+MIN_CAPACITY = 64
+# Word indexes (8-byte words) of the header fields; one cache line = 8 words.
+W_MAGIC, W_CAPACITY, W_WRITER_PID, W_READER_PID, W_WRITER_CLOSED, W_READER_CLOSED = range(6)
+W_TAIL = 8  # line 1
+W_HEAD = 16  # line 2
+W_READER_PARKED = 24  # line 3
+W_WRITER_PARKED = 32  # line 4
+DATA = 40 * 8  # byte offset of the data area
+# Checks before parking. One check is ~0.1 us, so this spins for tens of
+# microseconds: long enough to catch a peer that is mid-step, short enough
+# not to matter when the peer is idle.
+MAX_SPIN_CHECKS = 300
+
+
+class RingSpec(msgspec.Struct, frozen=True):
+    """Everything a process needs to open one end of a ring (picklable)."""
+
+    name: str  # the channel's name, used in every error message
+    segment: str  # shared-memory segment name, mstar-<run_id>-ring-<name>
+    capacity_bytes: int  # size of the data area
+    data_fifo: str  # writer -> reader: "records available"
+    space_fifo: str  # reader -> writer: "room available"
+
+
+def create_ring(run_dir: str | os.PathLike, run_id: str, name: str, capacity_bytes: int) -> RingSpec:
+    """Create the segment and FIFOs of one ring (in the launcher)."""
+    capacity = _round_capacity(name, capacity_bytes)
+    shm.register_run(run_dir, run_id)
+    seg = shm.create_segment(shm.segment_name(run_id, f"ring-{name}"), DATA + capacity)
+    words = seg.buf.cast("Q")
+    words[W_CAPACITY] = capacity
+    words[W_MAGIC] = MAGIC
+    words.release()
+    seg.close()
+    fifos = shm.fifo_dir(run_dir)
+    spec = RingSpec(name, seg.name, capacity, str(fifos / f"{name}.data"), str(fifos / f"{name}.space"))
+    shm.make_fifo(Path(spec.data_fifo))
+    shm.make_fifo(Path(spec.space_fifo))
+    return spec
+
+
+def unlink_ring(spec: RingSpec) -> None:
+    """Remove the ring's names (open ends keep working); idempotent."""
+    shm.unlink_segment(spec.segment)
+    for path in (spec.data_fifo, spec.space_fifo):
+        Path(path).unlink(missing_ok=True)
+
+
+def open_ring(spec: RingSpec, role: Literal["writer", "reader"], union: Any) -> ShmRing:
+    if role not in ("writer", "reader"):
+        raise ValueError(f"ring {spec.name!r}: role {role!r}; use 'writer' or 'reader'")
+    return ShmRing(spec, role, union)
+
+
+def _round_capacity(name: str, capacity_bytes: int) -> int:
+    if capacity_bytes < MIN_CAPACITY:
+        raise ValueError(f"ring {name!r}: capacity {capacity_bytes} bytes; use at least {MIN_CAPACITY}")
+    return capacity_bytes - capacity_bytes % 8
+
+
+def _footprint(nbytes: int) -> int:
+    """Bytes a record of ``nbytes`` payload takes: header, payload, padding
+    to 8 so every record header is 8-aligned and never straddles the end."""
+    return RECORD_HEADER + ((nbytes + 7) & ~7)
+
+
+class Parker:
+    """One end's parking place on its asyncio loop: readable ``fd`` means
+    the peer poked us; the peer's pidfd, once known, means it exited.
+
+    Both descriptors stay registered with the loop while the end is open;
+    the callbacks drain the FIFO and set an event. ``arm()`` clears the event
+    *before* the caller sets its parked flag, so a poke that lands between
+    the flag and the ``wait()`` is never lost (the callback sets the event
+    after the clear, and callbacks run on the loop thread only).
+    """
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.is_peer_dead = False
+        self._pidfd: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event: asyncio.Event | None = None
+
+    def watch_peer(self, pid: int) -> None:
+        if pid == 0 or self._pidfd is not None or self.is_peer_dead:
+            return
+        self._pidfd = shm.open_pidfd(pid)
+        if self._pidfd is None:
+            self.is_peer_dead = True
+        elif self._loop is not None:
+            self._loop.add_reader(self._pidfd, self._on_exit)
+
+    def arm(self) -> None:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._bind(loop)
+        self._event.clear()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._unbind()
+        self._loop, self._event = loop, asyncio.Event()
+        loop.add_reader(self.fd, self._on_poke)
+        if self._pidfd is not None:
+            loop.add_reader(self._pidfd, self._on_exit)
+
+    def _unbind(self) -> None:
+        if self._loop is None or self._loop.is_closed():
+            return
+        self._loop.remove_reader(self.fd)
+        if self._pidfd is not None:
+            self._loop.remove_reader(self._pidfd)
+
+    def _on_poke(self) -> None:
+        shm.drain(self.fd)
+        self._event.set()
+
+    def _on_exit(self) -> None:
+        self.is_peer_dead = True
+        self._loop.remove_reader(self._pidfd)
+        self._event.set()
+
+    def close(self) -> None:
+        self._unbind()
+        self._loop = None
+        for fd in (self.fd, self._pidfd):
+            if fd is not None:
+                os.close(fd)
+        self._pidfd = None
+
+
+class ShmRing(Channel):
+    """One end (writer or reader) of an SPSC ring in shared memory.
+
+    Layout of the segment (8-byte words; each line is one 64-byte cache line,
+    so the writer's and the reader's hot counters never share a line)::
+
+        byte 0   +------------------------------------------------------+
+                 | magic | capacity | writer_pid | reader_pid |         |
+                 | writer_closed | reader_closed | (unused)           |
+        byte 64  +------------------------------------------------------+
+                 | tail: bytes ever written (u64, monotonic)  [writer]  |
+        byte 128 +------------------------------------------------------+
+                 | head: bytes ever consumed (u64, monotonic) [reader]  |
+        byte 192 +------------------------------------------------------+
+                 | reader_parked (set by reader, cleared by writer)     |
+        byte 256 +------------------------------------------------------+
+                 | writer_parked (set by writer, cleared by reader)     |
+        byte 320 +------------------------------------------------------+
+                 | data: capacity bytes, records at (position % cap)    |
+                 |  [len u64][payload ...][pad to 8] [len][payload] ... |
+                 +------------------------------------------------------+
+
+    Fill is ``tail - head``; the ring is empty when they are equal. A record
+    takes ``8 + round_up(len, 8)`` bytes. Headers are 8-aligned and never
+    straddle the end; a payload that reaches the end is *split*: it continues
+    at the start of the data area (the reader joins the two parts, the only
+    case where it copies before decoding). So no bytes are wasted on skip
+    markers and any record up to ``capacity - 8`` bytes fits an empty ring;
+    bigger ones raise ``ValueError`` (use the tensor arena).
+
+    Ordering-critical stores:
+
+    1. Writer: payload and length are written *before* ``tail`` is
+       published. Reader: ``tail`` is loaded *before* the payload is read.
+    2. Reader: the payload is fully decoded *before* ``head`` is published
+       (the writer may overwrite those bytes right after).
+    3. Writer: ``writer_closed`` is stored after the last ``tail``; the
+       reader re-loads ``tail`` after seeing it.
+    4. Parking (both directions, Dekker style): the waiter stores its
+       ``*_parked`` flag, issues a full fence, *then* re-checks the counter;
+       the peer stores the counter, issues a full fence, *then* loads the
+       flag and, if set, clears it and writes one byte to the waiter's FIFO.
+       With the fences, at least one side sees the other's store, so a
+       wakeup is never lost; without them x86's store buffer lets both miss.
+
+    Why plain stores through a memoryview are enough for 1-3: each counter is
+    one aligned 8-byte word written and read through a ``"Q"`` memoryview,
+    which CPython compiles to a single ``memcpy`` of 8 bytes (one load or
+    store instruction, so never torn); every store is a separate C call, so
+    the compiler cannot reorder them. On x86-64 (TSO) stores become visible in
+    program order and loads are not reordered with older loads or younger
+    stores, so 1-3 hold as written. aarch64 may reorder both, so there
+    ``shm.publish_fence`` (a ``dmb ish``) precedes every counter store; on
+    x86-64 it is a no-op. Rule 4 needs store->load order, which neither
+    architecture gives for free: ``shm.fence`` is a real ``mfence`` /
+    ``dmb ish`` on every architecture.
+
+    Wakeups: the waiter spins ``MAX_SPIN_CHECKS`` checks, then parks on its
+    FIFO (``data`` for the reader, ``space`` for the writer) through the
+    asyncio loop; the peer pokes only when the flag says it is parked, so a
+    busy stream makes no system calls and an idle end uses no CPU. Each end
+    also watches the other's pidfd (readable when that process exits): a
+    dead writer makes ``recv`` raise ``ChannelBroken`` once the records it
+    published are drained; a dead reader makes a blocked ``send`` raise it.
+    """
+
+    def __init__(self, spec: RingSpec, role: Literal["writer", "reader"], union: Any):
+        self.name = spec.name
+        self.role = role
+        self._codec = Codec(union, spec.name)
+        self._seg = shm.attach_segment(spec.segment)
+        self._buf = self._seg.buf
+        self._words = self._buf.cast("Q")
+        self._capacity = self._check_header(spec)
+        self._head = self._words[W_HEAD]  # the reader's position
+        self._tail = self._words[W_TAIL]  # the writer's position
+        self._is_closed = False
+        self._stats = ChannelStats(name=spec.name, capacity_bytes=self._capacity)
+        own, peer = (spec.data_fifo, spec.space_fifo) if role == "reader" else (spec.space_fifo, spec.data_fifo)
+        self._parker = Parker(shm.open_fifo(own))
+        self._peer_fd = shm.open_fifo(peer)
+        self._attach()
+
+    def _check_header(self, spec: RingSpec) -> int:
+        if self._words[W_MAGIC] != MAGIC or self._words[W_CAPACITY] != spec.capacity_bytes:
+            raise ValueError(
+                f"ring {spec.name!r}: segment {spec.segment!r} is not a ring of "
+                f"{spec.capacity_bytes} bytes; open it with the RingSpec create_ring returned"
+            )
+        return spec.capacity_bytes
+
+    def _attach(self) -> None:
+        """Claim our end (pid word) and poke the peer, which may be parked
+        without a pid to watch yet."""
+        mine, theirs = (W_WRITER_PID, W_READER_PID) if self.role == "writer" else (W_READER_PID, W_WRITER_PID)
+        pid = self._words[mine]
+        if pid not in (0, os.getpid()) and shm.open_pidfd(pid) is not None:
+            raise RuntimeError(f"ring {self.name!r}: the {self.role} end is already open in process {pid}")
+        self._words[mine] = os.getpid()
+        shm.fence()
+        self._parker.watch_peer(self._words[theirs])
+        shm.poke(self._peer_fd)
+
+    # -- writer ------------------------------------------------------------
+
+    def send_nowait(self, msg: Any) -> None:
+        self.send_encoded_nowait(self._codec.encode(msg))
+
+    async def send(self, msg: Any) -> None:
+        await self.send_encoded(self._codec.encode(msg))
+
+    def send_encoded_nowait(self, data: bytes) -> None:
+        """Send an already encoded message now or raise ChannelFull."""
+        need = self._check_send(data)
+        if not self.has_room(need):
+            raise ChannelFull(
+                f"channel {self.name!r}: full ({self._tail - self._words[W_HEAD]}/{self._capacity} bytes "
+                f"used, {need} needed); await send() to wait for the reader"
+            )
+        self._write(data)
+
+    async def send_encoded(self, data: bytes) -> None:
+        """Send an already encoded message, waiting while the ring is full."""
+        need = self._check_send(data)
+        if not self.has_room(need):
+            await self.wait_for_room(need)
+        self._write(data)
+
+    def _check_send(self, data: bytes) -> int:
+        if self.role != "writer":
+            raise ChannelClosed(f"channel {self.name!r}: send on the reader end")
+        if self._is_closed:
+            raise ChannelClosed(f"channel {self.name!r}: send after close")
+        need = _footprint(len(data))
+        if need > self._capacity:
+            raise ValueError(
+                f"channel {self.name!r}: a {len(data)}-byte message exceeds the {self._capacity}-byte "
+                f"ring (at most {self._capacity - RECORD_HEADER}); send large tensors through the arena"
+            )
+        return need
+
+    def has_room(self, need: int) -> bool:
+        """True when ``need`` bytes fit now. Raises when the reader closed."""
+        if self._words[W_READER_CLOSED]:
+            raise ChannelClosed(f"channel {self.name!r}: the reader has closed")
+        return self._capacity - (self._tail - self._words[W_HEAD]) >= need
+
+    async def wait_for_room(self, need: int) -> None:
+        """Spin, then park on the space FIFO until ``need`` bytes fit."""
+        start = time.perf_counter()
+        self._stats.num_blocked += 1
+        try:
+            while not self._spin(lambda: self.has_room(need)):
+                self._parker.arm()
+                self._parker.watch_peer(self._words[W_READER_PID])
+                if self._park_and_recheck(W_WRITER_PARKED, lambda: self.has_room(need)):
+                    return
+                if self._parker.is_peer_dead:
+                    raise ChannelBroken(f"channel {self.name!r}: the reader process died; nothing will drain the ring")
+                await self._parker.wait()
+                self._words[W_WRITER_PARKED] = 0
+        finally:
+            self._stats.blocked_s += time.perf_counter() - start
+
+    def _write(self, data: bytes) -> None:
+        n = len(data)
+        pos = self._tail % self._capacity
+        self._words[(DATA + pos) >> 3] = n
+        start = (pos + RECORD_HEADER) % self._capacity
+        first = min(n, self._capacity - start)
+        self._buf[DATA + start : DATA + start + first] = data[:first]
+        if first < n:  # split at the end of the data area
+            self._buf[DATA : DATA + n - first] = data[first:]
+        self._tail += _footprint(n)
+        shm.publish_fence()
+        self._words[W_TAIL] = self._tail  # rule 1: publish after the payload
+        self._count(n, self._tail - self._words[W_HEAD])
+        self._wake_peer(W_READER_PARKED)
+
+    # -- reader ------------------------------------------------------------
+
+    async def recv(self) -> Any:
+        while True:
+            if self.has_record():
+                return self._take()
+            self._check_end()
+            await self.wait_for_record()
+
+    def recv_nowait(self) -> Any | None:
+        """The next message if one is waiting, else None (raises at end)."""
+        if self.has_record():
+            return self._take()
+        self._check_end()
+        return None
+
+    def has_record(self) -> bool:
+        return self._tail != self._head or self._load_tail() != self._head
+
+    def _load_tail(self) -> int:
+        self._tail = self._words[W_TAIL]
+        return self._tail
+
+    def _check_end(self) -> None:
+        """Raise when no record will ever come. The re-check after each flag
+        is rule 3: the final tail is visible once the flag is."""
+        if self._is_closed:
+            raise ChannelClosed(f"channel {self.name!r}: recv after close")
+        if self.role != "reader":
+            raise ChannelClosed(f"channel {self.name!r}: recv on the writer end")
+        if self._words[W_WRITER_CLOSED] and not self.has_record():
+            raise ChannelClosed(f"channel {self.name!r}: closed by the writer")
+        if self._parker.is_peer_dead and not self.has_record():
+            raise ChannelBroken(f"channel {self.name!r}: the writer process died without closing")
+
+    async def wait_for_record(self) -> None:
+        """Spin, then park on the data FIFO until a record, a close or the
+        writer's death; returns without a guarantee of a record."""
+        if self._spin(self.has_record):
+            return
+        self._parker.arm()
+        self._parker.watch_peer(self._words[W_WRITER_PID])
+        if self._park_and_recheck(W_READER_PARKED, self._is_ready):
+            return
+        await self._parker.wait()
+        self._words[W_READER_PARKED] = 0
+
+    def _is_ready(self) -> bool:
+        return self.has_record() or bool(self._words[W_WRITER_CLOSED]) or self._parker.is_peer_dead
+
+    def _take(self) -> Any:
+        pos = self._head % self._capacity
+        n = self._words[(DATA + pos) >> 3]
+        if n > self._capacity - RECORD_HEADER:
+            raise DecodeError(f"channel {self.name!r}: corrupt record length {n} at {self._head}")
+        start = (pos + RECORD_HEADER) % self._capacity
+        first = min(n, self._capacity - start)
+        try:
+            if first == n:
+                with self._buf[DATA + start : DATA + start + n] as view:
+                    return self._codec.decode(view)  # rule 2: decoded before head moves
+            return self._codec.decode(bytes(self._buf[DATA + start : DATA + start + first]) + bytes(self._buf[DATA : DATA + n - first]))
+        finally:
+            self._count(n, self._tail - self._head)
+            self._head += _footprint(n)
+            shm.publish_fence()
+            self._words[W_HEAD] = self._head
+            self._wake_peer(W_WRITER_PARKED)
+
+    # -- both ends ---------------------------------------------------------
+
+    def _spin(self, is_ready) -> bool:
+        for _ in range(MAX_SPIN_CHECKS):
+            if is_ready():
+                return True
+        return False
+
+    def _park_and_recheck(self, flag: int, is_ready) -> bool:
+        """Rule 4, waiter side: flag, fence, re-check. True when no need to
+        park after all (the flag is withdrawn)."""
+        self._words[flag] = 1
+        shm.fence()
+        if is_ready():
+            self._words[flag] = 0
+            return True
+        return False
+
+    def _wake_peer(self, flag: int) -> None:
+        """Rule 4, publisher side: fence, then poke only a parked peer."""
+        shm.fence()
+        if self._words[flag]:
+            self._words[flag] = 0
+            shm.poke(self._peer_fd)
+
+    def _count(self, nbytes: int, fill: int) -> None:
+        stats = self._stats
+        stats.messages += 1
+        stats.bytes += nbytes
+        if fill > stats.peak_fill_bytes:
+            stats.peak_fill_bytes = fill
+
+    def close(self) -> None:
+        """Close this end; the writer's close lets the reader drain then end."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        shm.publish_fence()
+        self._words[W_WRITER_CLOSED if self.role == "writer" else W_READER_CLOSED] = 1
+        shm.fence()
+        shm.poke(self._peer_fd)
+        self._parker.close()
+        os.close(self._peer_fd)
+        self._words.release()
+        self._seg.close()
+
+    def stats(self) -> ChannelStats:
+        return self._stats
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
