@@ -38,10 +38,13 @@ def _pattern(name: str) -> re.Pattern:
 
 class CheckpointRules:
     """A compiled rule table; ``ignored`` lists HF tensor patterns to skip
-    (e.g. precomputed rotary buffers some checkpoints carry)."""
+    (e.g. precomputed rotary buffers some checkpoints carry); ``aliases``
+    (prefix, replacement) pairs rewrite another checkpoint layout of the same
+    model into the one the rules name, before any lookup."""
 
-    def __init__(self, rules: list[WeightRule], ignored: tuple[str, ...] = ()):
+    def __init__(self, rules: list[WeightRule], ignored: tuple[str, ...] = (), aliases: tuple[tuple[str, str], ...] = ()):
         self.rules = list(rules)
+        self.aliases = tuple(aliases)
         self._forward = [(_pattern(r.hf), r) for r in self.rules]
         self._reverse = [(_pattern(r.ours), r) for r in self.rules]
         self._ignored = [_pattern(p) for p in ignored]
@@ -49,7 +52,7 @@ class CheckpointRules:
     def map_module(self, hf_module: str) -> tuple[str, int | None] | None:
         """``model.layers.3.self_attn.k_proj`` -> ``("model.layers.3.self_attn.qkv_proj", 1)``;
         None when no rule matches (the caller decides whether that is an error)."""
-        hf_module = hf_module.removeprefix("base_model.model.")  # PEFT's wrapper prefix
+        hf_module = self.canonical(hf_module.removeprefix("base_model.model."))  # PEFT's wrapper prefix
         for pattern, rule in self._forward:
             m = pattern.match(hf_module)
             if m:
@@ -71,6 +74,13 @@ class CheckpointRules:
             if m and rule.shard == shard:
                 return _fill(rule.hf, m)
         raise KeyError(f"no checkpoint rule fills {our_module!r} shard {shard}")
+
+    def canonical(self, hf_name: str) -> str:
+        """``hf_name`` in the layout the rules name (the first matching alias applied)."""
+        for prefix, replacement in self.aliases:
+            if hf_name.startswith(prefix):
+                return replacement + hf_name[len(prefix) :]
+        return hf_name
 
     def is_ignored(self, hf_name: str) -> bool:
         return any(p.match(hf_name) for p in self._ignored)

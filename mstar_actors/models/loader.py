@@ -38,7 +38,8 @@ def architecture_of(model_dir: Path, cfg: dict) -> Architecture:
 def load_spec(model_dir: Path) -> tuple[Architecture, ModelSpec]:
     cfg = read_config(model_dir)
     arch = architecture_of(model_dir, cfg)
-    return arch, parse_spec(model_dir, cfg, qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm)
+    text_cfg = arch.text_config(cfg) if arch.text_config else cfg
+    return arch, parse_spec(model_dir, text_cfg, qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm)
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
@@ -46,7 +47,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
     model_dir = Path(model_dir)
     arch, spec = load_spec(model_dir)
     with torch.device("meta"):
-        model = CausalLM(spec, make_attention_backend(device))
+        backend = make_attention_backend(device)
+        model = arch.build(model_dir, spec, backend) if arch.build else CausalLM(spec, backend)
     model = model.to_empty(device=device).to(dtype)
     targets = _weight_targets(model, arch)
     _fill_weights(model_dir, targets, arch, spec)
@@ -87,21 +89,22 @@ def _fill_weights(model_dir: Path, targets: dict[str, torch.Tensor], arch: Archi
     unexpected: list[str] = []
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for stored_name in f.keys():
+                name = arch.rules.canonical(stored_name)
                 if arch.rules.is_ignored(name) or (spec.tie_word_embeddings and name == "lm_head.weight"):
                     continue
                 target = targets.get(name)
                 if target is None:
                     unexpected.append(name)
                     continue
-                tensor = f.get_slice(name)
+                tensor = f.get_slice(stored_name)
                 shape = tuple(tensor.get_shape())
                 if shape != tuple(target.shape):
                     raise ModelLoadError(
                         f"{path.name}: tensor {name!r} has shape {list(shape)}, expected "
                         f"{list(target.shape)} for {spec.architecture} with this config.json"
                     )
-                target.copy_(f.get_tensor(name))
+                target.copy_(f.get_tensor(stored_name))
                 loaded.add(name)
     _check_complete(model_dir, targets, loaded, unexpected, spec)
 

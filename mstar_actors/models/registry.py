@@ -4,8 +4,10 @@ checkpoint rules. Add one here (and, if it differs in structure, a field on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from . import qwen2_5_vl
 from .checkpoint import DECODER_RULES, IGNORED, QK_NORM_RULES, CheckpointRules
 
 
@@ -15,6 +17,10 @@ class Architecture:
     qkv_bias: bool  # q/k/v projections carry a bias regardless of attention_bias
     qk_norm: bool  # per-head RMSNorm on q and k before the rotary embedding
     rules: CheckpointRules
+    # Vision-language models: the decoder's fields out of config.json (they
+    # may be nested), and the model built around the decoder. None: plain CausalLM.
+    text_config: Callable[[dict], dict] | None = None
+    build: Callable | None = None  # (model_dir, spec, attention backend) -> model
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -27,6 +33,14 @@ ARCHITECTURES: dict[str, Architecture] = {
             qkv_bias=False,
             qk_norm=True,
             rules=CheckpointRules(DECODER_RULES + QK_NORM_RULES, IGNORED),
+        ),
+        Architecture(
+            qwen2_5_vl.ARCHITECTURE,
+            qkv_bias=True,
+            qk_norm=False,
+            rules=CheckpointRules(qwen2_5_vl.QWEN2_5_VL_RULES, IGNORED, qwen2_5_vl.LAYOUT_ALIASES),
+            text_config=qwen2_5_vl.text_config,
+            build=qwen2_5_vl.build,
         ),
     )
 }
