@@ -252,6 +252,9 @@ class EngineStats(Struct, frozen=True, tag=True, omit_defaults=True):
     num_kv_blocks_used: int
     num_kv_blocks_total: int
     num_preemptions: int = 0
+    # Requests held until their adapter is installed on every rank (included
+    # in num_waiting): a full adapter pool is backpressure, visible here.
+    num_waiting_for_adapter: int = 0
 
 
 class AdapterUpdate(Struct, frozen=True, tag=True, omit_defaults=True):
@@ -386,6 +389,9 @@ class ReadAdapter(Struct, frozen=True, tag=True, omit_defaults=True):
 
     name: str
     path: str
+    # Read the files again even if a host copy of this name and path is
+    # cached: a runtime (re)load is checked as its new file.
+    refresh: bool = False
 
 
 class DropAdapter(Struct, frozen=True, tag=True, omit_defaults=True):
