@@ -16,7 +16,24 @@ from transport.memory import MemoryChannel
 from transport.ring import RingSpec, ShmRing, create_ring, open_ring, unlink_ring
 from transport.shm import cleanup_run, cleanup_stale, register_run
 
+
+
+def __getattr__(name: str):
+    # The arena needs torch; import it only where it is used, so actors
+    # without torch (the frontend) start fast.
+    if name in ("TensorArena", "ArenaSpec", "ArenaFull", "create_arena", "unlink_arena"):
+        from transport import arena
+
+        return getattr(arena, name)
+    raise AttributeError(f"module 'transport' has no attribute {name!r}")
+
+
 __all__ = [
+    "ArenaFull",
+    "ArenaSpec",
+    "TensorArena",
+    "create_arena",
+    "unlink_arena",
     "BroadcastChannel",
     "Channel",
     "ChannelBroken",

@@ -77,8 +77,8 @@ class Segment:
     def close(self) -> bool:
         """Unmap. False when views into it are still alive: the mapping then
         stays until they are garbage (never an error at shutdown)."""
-        self.buf.release()
         try:
+            self.buf.release()
             self._mmap.close()
             return True
         except BufferError:

@@ -104,3 +104,18 @@ def create_ring_and_die(runs_root: str, run_id: str) -> None:
 
     create_ring(os.path.join(runs_root, run_id), run_id, "steps", 4096)
     os._exit(0)
+
+
+def view_and_release(spec, refs, expected_sums) -> None:
+    """A consumer in another process: map each tensor, check it, release it."""
+    from transport.arena import TensorArena
+
+    arena = TensorArena(spec, "consumer")
+    for ref, expected in zip(refs, expected_sums):
+        tensor = arena.view(ref)
+        if float(tensor.double().sum()) != expected or tuple(tensor.shape) != ref.shape:
+            print(f"tensor at {ref.offset} differs", file=sys.stderr)
+            sys.exit(1)
+        del tensor
+        arena.release(ref)
+    arena.close()
