@@ -15,3 +15,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+
+
+# The live embedded-model server, shared by every test that needs it (one start per session).
+from live_smollm2 import smollm2_server, smollm2_tokenizer  # noqa: E402,F401
