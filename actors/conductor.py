@@ -17,20 +17,39 @@ The busy loop, each turn:
    step ids) and send the outputs to the frontend, plus ``EngineStats`` when
    they changed. A ``StepFailed`` fails its rows (or the whole step) with a
    500 and the loop keeps serving the others.
+
+LoRA: ``AdapterPool`` (``mstar_actors.lora.pool``) decides which request
+waits for which adapter and which slot installs go out; the actor only routes
+what it returns. Requests reach the scheduler only once their slot is
+acknowledged by every rank; installs travel on the same broadcast as the
+plans, so every rank sees plans and installs in one order. A request's end
+(any ``Finished`` / ``Failed`` the scheduler emits) unpins its slot.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from actors.base import Actor
+from mstar_actors.lora.pool import AdapterPool, Admit
 from mstar_actors.messages import (
     Abort,
+    AdapterInstalled,
+    AdapterRead,
+    AdapterReadFailed,
+    DropAdapter,
     Failed,
+    Finished,
+    InstallAdapter,
+    LoadAdapter,
     Prepared,
+    ReadAdapter,
     StepDone,
     StepFailed,
     StepPlan,
+    UnloadAdapter,
     WorkerReady,
 )
 
@@ -82,13 +101,21 @@ def combine_failures(step_id: int, failures: list[StepFailed]) -> StepFailed:
                       request_ids=ids)
 
 
+def base_name(config: Any) -> str:
+    """The base model's served name, as the frontend names it."""
+    from pathlib import Path
+
+    return config.model.name or Path(config.model.path.rstrip("/")).name
+
+
 class ConductorActor(Actor):
-    """inbox: ``prepare``, ``worker0`` .. ``worker{N-1}``, ``control``;
-    outbox: ``frontend``, ``workers`` (broadcast to every rank), ``control``."""
+    """inbox: ``prepare``, ``worker0`` .. ``worker{N-1}``, ``adapter_reader``, ``control``;
+    outbox: ``frontend``, ``workers`` (broadcast to every rank), ``adapter_reader``, ``control``."""
 
     def __init__(self, *, num_ranks: int | None = None, **kw: Any):
         super().__init__(**kw)
         self.num_ranks = num_ranks or self.config.parallel.tp
+        self.pool = AdapterPool.from_config(self.config, base_name(self.config), self.num_ranks)
         self.scheduler: Any = None
         self.step_results: dict[int, StepDone | StepFailed] | None = None  # set while a step runs
         self.last_stats: Any = None
@@ -123,7 +150,7 @@ class ConductorActor(Actor):
                 await self.dispatch(*await self.mailbox.get())  # park until something arrives
                 await self.send_stats()  # an abort or arrival while idle changes the gauges
                 continue
-            await self.outbox["workers"].send(plan)  # 2
+            await self.outbox["workers"].send(self.pool.label(plan))  # 2
             results = await self.await_step(plan)  # 3
             await self.finish_step(plan, results)  # 4
 
@@ -164,12 +191,22 @@ class ConductorActor(Actor):
     async def handle(self, channel: str, msg: Any) -> None:
         match msg:
             case Prepared():
-                # KV is keyed by the weights that computed it: the served model's name.
-                await self.send_outputs([self.scheduler.add(msg, msg.model)])
+                await self.route(self.pool.add(msg))
             case Abort(request_id=request_id):
+                await self.route(self.pool.abort(request_id))  # a request still waiting for its adapter
                 await self.send_outputs([self.scheduler.abort(request_id)])
             case Failed() if channel == "prepare":
                 await self.outbox["frontend"].send(msg)
+            case LoadAdapter() if channel == "prepare":
+                await self.route(self.pool.load(msg))
+            case UnloadAdapter() if channel == "prepare":
+                await self.route(self.pool.unload(msg))
+            case AdapterRead() if channel == "adapter_reader":
+                await self.route(self.pool.on_read(msg))
+            case AdapterReadFailed() if channel == "adapter_reader":
+                await self.route(self.pool.on_read_failed(msg))
+            case AdapterInstalled() if channel.startswith("worker"):
+                await self.route(self.pool.on_installed(msg))
             case StepDone() | StepFailed() if channel.startswith("worker"):
                 self.record_result(channel, msg)
             case _:
@@ -182,13 +219,34 @@ class ConductorActor(Actor):
             raise RuntimeError(f"{channel} answered step {msg.step_id} twice")
         self.step_results[msg.rank] = msg
 
+    async def route(self, outputs: list[Any]) -> None:
+        """Send what the adapter pool decided, in its order."""
+        for out in outputs:
+            match out:
+                case Admit(prepared=prepared, root=root):
+                    # KV is keyed by the weights that computed it: the base name or the adapter's digest.
+                    await self.send_outputs([self.scheduler.add(prepared, root)])
+                case InstallAdapter():
+                    await self.outbox["workers"].send(out)
+                case ReadAdapter() | DropAdapter():
+                    await self.outbox["adapter_reader"].send(out)
+                case _:
+                    await self.send_outputs([out])
+
     async def send_outputs(self, outputs: list[Any]) -> None:
         for out in outputs:
-            if out is not None:
-                await self.outbox["frontend"].send(out)
+            if out is None:
+                continue
+            await self.outbox["frontend"].send(out)
+            if isinstance(out, Finished | Failed):
+                await self.route(self.pool.end(out.request_id))
 
     async def send_stats(self) -> None:
         stats = self.scheduler.stats()
+        num_held = self.pool.num_waiting
+        if num_held:
+            stats = msgspec.structs.replace(stats, num_waiting=stats.num_waiting + num_held,
+                                            num_waiting_for_adapter=num_held)
         if stats != self.last_stats:
             self.last_stats = stats
             await self.outbox["frontend"].send(stats)

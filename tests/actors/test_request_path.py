@@ -113,7 +113,7 @@ class Engine:
 
 def make_config(model_dir, **kv) -> Config:
     return Config(
-        model=ModelConfig(path=str(model_dir), dtype="float32", device="cpu"),
+        model=ModelConfig(path=str(model_dir), name="tiny", dtype="float32", device="cpu"),
         parallel=ParallelConfig(tp=NUM_RANKS),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128),
         kv=KvConfig(block_size=4, num_blocks=kv.get("num_blocks", 128)),

@@ -1,0 +1,393 @@
+"""The conductor's adapter pool: which request waits for which adapter, which
+installs are in flight, which host copies it holds. Pure: no I/O, no asyncio.
+
+Every method takes one event (a request, an abort, a reader's answer, a
+rank's ack, a runtime load or unload, a request's end) and returns what to
+send, in order: ``Admit`` (hand the request to the scheduler on that slot and
+prefix root), ``Failed`` / ``Finished`` / ``AdapterUpdate`` / ``ModelsChanged``
+(to the frontend), ``ReadAdapter`` / ``DropAdapter`` (to the adapter-reader),
+``InstallAdapter`` (to every rank, on the same broadcast as the step plans).
+
+A request on an adapter::
+
+    waiting --host copy held, slot acquired--> installing --every rank ok--> admitted
+       \\--slot already ready with its digest---------------------------->/
+    pool full: stays waiting (backpressure; never failed for it, never run on slot 0)
+
+Invariants:
+
+- A request is admitted only on a slot every rank acknowledged with the
+  adapter's digest; its ``SeqStart.lora_slot`` is that slot. Each admitted
+  or installing request holds one pin on its slot, released exactly once at
+  its end (``end``) or on a failed install.
+- Host copies are reference counted by the reader: each ``AdapterRead`` is
+  one hold, each ``DropAdapter`` releases one. The pool drops every hold on
+  a digest as soon as no install in flight and no waiting request needs it,
+  so the reader's least-recently-used host tier may evict it; a held copy
+  is never evicted (a rank may still be mapping it).
+- The reader answers reads in the order they were sent (one at a time), so
+  answers are matched to ``_reads`` first in, first out.
+- A reload under a served name changes the adapter's digest: new and still
+  waiting requests use the new version; admitted ones keep their slot (the
+  slot table detaches it). The prefix root names the digest, so no KV block
+  is shared across versions or adapters.
+- An unloaded adapter's waiting and running requests finish; new requests
+  naming it get 404.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from mstar_actors.lora.slot_table import SlotState, SlotTable
+from mstar_actors.messages import (
+    AdapterHostRef,
+    AdapterInfo,
+    AdapterInstalled,
+    AdapterRead,
+    AdapterReadFailed,
+    AdapterUpdate,
+    DropAdapter,
+    Failed,
+    Finished,
+    InstallAdapter,
+    LoadAdapter,
+    ModelsChanged,
+    Prepared,
+    ReadAdapter,
+    StepPlan,
+    UnloadAdapter,
+)
+
+
+class AdapterPathError(ValueError):
+    """A runtime load path outside ``lora.adapter_dirs``; the message names both."""
+
+
+def expand_path(path: str) -> str:
+    """``~`` expanded, so configs may point at the user's cache folder."""
+    return os.path.expanduser(path)
+
+
+def resolve_runtime_path(path: str, adapter_dirs: list[str]) -> str:
+    """The real path of a runtime load, if it lies inside an allowed folder
+    (symlinks resolved on both sides). Raises AdapterPathError otherwise."""
+    if not adapter_dirs:
+        raise AdapterPathError(
+            f"lora_path {path!r}: runtime loads may read only folders inside lora.adapter_dirs, "
+            f"and the config lists none; add the folder to lora.adapter_dirs"
+        )
+    real = Path(expand_path(path)).resolve()
+    allowed = [Path(expand_path(d)).resolve() for d in adapter_dirs]
+    if any(real == d or d in real.parents for d in allowed):
+        return str(real)
+    raise AdapterPathError(
+        f"lora_path {path!r} (resolved: {real}) is outside the allowed adapter folders: "
+        f"{', '.join(map(str, allowed))}; copy the adapter there or extend lora.adapter_dirs"
+    )
+
+
+def lora_root(base: str, digest: str) -> str:
+    """The prefix-cache root of a request on an adapter: KV is keyed by the weights."""
+    return f"{base}+lora:{digest}"
+
+
+@dataclass(frozen=True)
+class Admit:
+    """Hand ``prepared`` to the scheduler: rows run on ``slot`` with KV under ``root``."""
+
+    prepared: Prepared
+    slot: int
+    root: str
+
+
+@dataclass(eq=False)
+class _Adapter:
+    name: str
+    path: str
+    digest: str = ""  # known after the first read; a reload changes it
+    is_reading: bool = False  # a read for an install is in flight
+
+
+@dataclass(eq=False)
+class _Waiting:
+    prepared: Prepared
+    adapter: _Adapter
+    slot: int | None = None  # pinned while its install is in flight
+
+
+@dataclass(frozen=True)
+class _Read:
+    name: str
+    path: str
+    load_id: str | None  # the LoadAdapter's request id; None: a read for an install
+
+
+@dataclass
+class _Host:
+    ref: AdapterHostRef
+    num_holds: int = 0
+
+
+@dataclass
+class AdapterPool:
+    base: str  # the base model's served name
+    max_loras: int
+    num_ranks: int = 1
+    allow_runtime_updates: bool = False
+    adapter_dirs: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.table = SlotTable(self.max_loras, self.num_ranks)
+        self.adapters: dict[str, _Adapter] = {}
+        self._waiting: list[_Waiting] = []  # arrival order
+        self._slot_of: dict[str, int] = {}  # admitted request id -> slot (0: base)
+        self._slot_digest: dict[int, str] = {}  # the digest each install put in a slot
+        self._installing: dict[int, tuple[str, str]] = {}  # slot -> (name, digest) whose acks are not all in
+        self._reads: collections.deque[_Read] = collections.deque()
+        self._hosts: dict[tuple[str, str], _Host] = {}  # (name, digest) -> held host copy
+
+    @classmethod
+    def from_config(cls, config, base: str, num_ranks: int) -> AdapterPool:
+        lora = config.lora
+        pool = cls(base, lora.max_loras, num_ranks, lora.allow_runtime_updates, list(lora.adapter_dirs))
+        for name, path in lora.adapters.items():
+            pool.adapters[name] = _Adapter(name, expand_path(path))
+        return pool
+
+    # ------------------------------------------------------------ queries
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def slot_of(self, request_id: str) -> int:
+        return self._slot_of.get(request_id, 0)
+
+    def served(self) -> list[AdapterInfo]:
+        return [AdapterInfo(a.name, a.path, a.digest) for a in sorted(self.adapters.values(), key=lambda a: a.name)]
+
+    def label(self, plan: StepPlan) -> StepPlan:
+        """The plan with each started row's ``lora_slot`` set."""
+        if not any(self._slot_of.get(s.request_id) for s in plan.started):
+            return plan
+        started = [msgspec.structs.replace(s, lora_slot=self._slot_of.get(s.request_id, 0)) for s in plan.started]
+        return msgspec.structs.replace(plan, started=started)
+
+    # ------------------------------------------------------------ requests
+
+    def add(self, req: Prepared) -> list:
+        if req.model == self.base:
+            self._slot_of[req.request_id] = 0
+            return [Admit(req, 0, self.base)]
+        adapter = self.adapters.get(req.model)
+        if adapter is None:
+            served = ", ".join([self.base, *sorted(self.adapters)])
+            return [Failed(request_id=req.request_id, status=404, param="model", code="model_not_found",
+                           message=f"the model {req.model!r} does not exist; served models: {served}")]
+        self._waiting.append(_Waiting(req, adapter))
+        return self._settle()
+
+    def abort(self, request_id: str) -> list:
+        """A waiting request ends here; an admitted one is the scheduler's (see ``end``)."""
+        w = next((w for w in self._waiting if w.prepared.request_id == request_id), None)
+        if w is None:
+            return []
+        self._waiting.remove(w)
+        if w.slot is not None:
+            self.table.unpin(w.slot)
+        finished = Finished(request_id=request_id, finish_reason="abort",
+                            num_prompt_tokens=len(w.prepared.prompt_token_ids), num_output_tokens=0)
+        return [finished, *self._settle()]
+
+    def end(self, request_id: str) -> list:
+        """The scheduler ended (finished or failed) an admitted request: unpin its slot."""
+        slot = self._slot_of.pop(request_id, None)
+        if not slot:
+            return []
+        self.table.unpin(slot)
+        return self._settle()
+
+    # ------------------------------------------------------------ reader answers
+
+    def on_read(self, msg: AdapterRead) -> list:
+        read = self._pop_read(msg.name)
+        self._hold(msg)
+        if read.load_id is not None:
+            return [*self._loaded(read, msg), *self._settle()]
+        adapter = self.adapters.get(read.name) or self._waiting_adapter(read.name)
+        if adapter is not None and adapter.path == read.path:  # else a reload overtook this read
+            adapter.digest, adapter.is_reading = msg.digest, False
+        return self._settle()
+
+    def on_read_failed(self, msg: AdapterReadFailed) -> list:
+        read = self._pop_read(msg.name)
+        if read.load_id is not None:
+            return [AdapterUpdate(request_id=read.load_id, status=400, code="invalid_adapter",
+                                  message=f"adapter {read.name!r} at {read.path} was refused: {msg.message}")]
+        outs = []
+        for w in [w for w in self._waiting if w.adapter.name == read.name and w.slot is None]:
+            if w.adapter.path == read.path:
+                self._waiting.remove(w)
+                outs.append(self._fail(w, 500, f"adapter {read.name!r} could not be read: {msg.message}"))
+        adapter = self._waiting_adapter(read.name) or self.adapters.get(read.name)
+        if adapter is not None:
+            adapter.is_reading = False
+        return [*outs, *self._settle()]
+
+    # ------------------------------------------------------------ rank acks
+
+    def on_installed(self, msg: AdapterInstalled) -> list:
+        settled = self.table.ack(msg.rank, msg.slot, msg.digest, msg.ok, msg.error)
+        if settled is None:
+            return []
+        self._installing.pop(settled.slot, None)
+        outs = []
+        for w in [w for w in self._waiting if w.slot == settled.slot]:
+            self._waiting.remove(w)
+            if settled.ok:
+                outs.append(self._admit(w, settled.slot))
+            else:
+                reason = "; ".join(f"rank {r}: {e}" for r, e in sorted(settled.errors.items()))
+                self.table.unpin(settled.slot)
+                outs.append(self._fail(w, 500, f"adapter {w.adapter.name!r} could not be installed "
+                                               f"(refused on every rank): {reason}"))
+        return [*outs, *self._settle()]
+
+    # ------------------------------------------------------------ runtime updates
+
+    def load(self, msg: LoadAdapter) -> list:
+        refusal = self._check_update(msg.request_id, msg.name)
+        if refusal is not None:
+            return [refusal]
+        try:
+            path = resolve_runtime_path(msg.path, self.adapter_dirs)
+        except AdapterPathError as err:
+            return [AdapterUpdate(request_id=msg.request_id, status=403, code="adapter_path_not_allowed",
+                                  message=str(err))]
+        return [self._read(msg.name, path, load_id=msg.request_id)]
+
+    def unload(self, msg: UnloadAdapter) -> list:
+        refusal = self._check_update(msg.request_id, msg.name)
+        if refusal is not None:
+            return [refusal]
+        if self.adapters.pop(msg.name, None) is None:
+            return [AdapterUpdate(request_id=msg.request_id, status=404, code="model_not_found",
+                                  message=f"the LoRA adapter {msg.name!r} cannot be found; "
+                                          f"served adapters: {', '.join(sorted(self.adapters)) or 'none'}")]
+        done = AdapterUpdate(request_id=msg.request_id, status=200,
+                             message=f"Success: LoRA adapter '{msg.name}' removed successfully.")
+        return [done, ModelsChanged(adapters=self.served()), *self._settle()]
+
+    def _check_update(self, request_id: str, name: str) -> AdapterUpdate | None:
+        if not self.allow_runtime_updates:
+            return AdapterUpdate(request_id=request_id, status=403, code="runtime_updates_disabled",
+                                 message="runtime LoRA updates are off; set lora.allow_runtime_updates: true")
+        if not name or name == self.base:
+            return AdapterUpdate(request_id=request_id, status=400, code="invalid_adapter_name",
+                                 message=f"lora_name {name!r}: name an adapter, not the base model {self.base!r}")
+        return None
+
+    def _loaded(self, read: _Read, msg: AdapterRead) -> list:
+        adapter = self.adapters.get(read.name)
+        if adapter is None:
+            adapter = self.adapters[read.name] = _Adapter(read.name, read.path)
+        adapter.path, adapter.digest = read.path, msg.digest
+        done = AdapterUpdate(request_id=read.load_id, status=200,
+                             message=f"Success: LoRA adapter '{read.name}' added successfully.")
+        return [done, ModelsChanged(adapters=self.served())]
+
+    # ------------------------------------------------------------ placing waiting requests
+
+    def _settle(self) -> list:
+        """Place every waiting request that can move, in arrival order; then
+        release host copies nothing needs any more."""
+        outs = []
+        for w in list(self._waiting):
+            if w.slot is None:
+                outs.extend(self._place(w))
+        return [*outs, *self._release_unneeded()]
+
+    def _place(self, w: _Waiting) -> list:
+        adapter = w.adapter
+        slot = self.table.lookup(adapter.name)
+        if adapter.digest and slot is not None and self._slot_digest.get(slot) == adapter.digest:
+            return self._pin_existing(w, adapter)
+        if not adapter.digest or (adapter.name, adapter.digest) not in self._hosts:
+            return self._ensure_read(adapter)
+        slot = self.table.acquire(adapter.name, adapter.digest)
+        if slot is None:
+            return []  # every slot pinned or installing: wait for an end or an ack
+        w.slot = slot
+        outs = []
+        for install in self.table.take_installs():
+            host = self._hosts[install.name, install.digest].ref
+            self._slot_digest[install.slot] = install.digest
+            self._installing[install.slot] = (install.name, install.digest)
+            outs.append(InstallAdapter(slot=install.slot, name=install.name, digest=install.digest, host=host))
+        return outs
+
+    def _pin_existing(self, w: _Waiting, adapter: _Adapter) -> list:
+        slot = self.table.acquire(adapter.name, adapter.digest)
+        state = self.table.state(slot)
+        if state is SlotState.READY:
+            self._waiting.remove(w)
+            return [self._admit(w, slot)]
+        if state is SlotState.FAILED:
+            self._waiting.remove(w)
+            error = self.table.error(slot)
+            self.table.unpin(slot)
+            return [self._fail(w, 500, f"adapter {adapter.name!r} could not be installed: {error}")]
+        w.slot = slot  # installing: admitted when every rank has answered
+        return []
+
+    def _ensure_read(self, adapter: _Adapter) -> list:
+        if adapter.is_reading:
+            return []
+        adapter.is_reading = True
+        return [self._read(adapter.name, adapter.path, load_id=None)]
+
+    def _read(self, name: str, path: str, load_id: str | None) -> ReadAdapter:
+        self._reads.append(_Read(name, path, load_id))
+        return ReadAdapter(name=name, path=path, refresh=load_id is not None)
+
+    def _admit(self, w: _Waiting, slot: int) -> Admit:
+        self._slot_of[w.prepared.request_id] = slot
+        return Admit(w.prepared, slot, lora_root(self.base, self._slot_digest[slot]))
+
+    @staticmethod
+    def _fail(w: _Waiting, status: int, message: str) -> Failed:
+        error_type = "server_error" if status >= 500 else "invalid_request_error"
+        return Failed(request_id=w.prepared.request_id, status=status, error_type=error_type, param="model",
+                      message=f"request {w.prepared.request_id}: {message}")
+
+    # ------------------------------------------------------------ host copies
+
+    def _pop_read(self, name: str) -> _Read:
+        if not self._reads or self._reads[0].name != name:
+            expected = self._reads[0].name if self._reads else "nothing"
+            raise RuntimeError(f"adapter-reader answered {name!r} while {expected!r} was due: "
+                               f"the reader must answer reads in order")
+        return self._reads.popleft()
+
+    def _waiting_adapter(self, name: str) -> _Adapter | None:
+        """An unloaded adapter still needed by waiting requests."""
+        return next((w.adapter for w in self._waiting if w.adapter.name == name), None)
+
+    def _hold(self, msg: AdapterRead) -> None:
+        host = self._hosts.setdefault((msg.name, msg.digest), _Host(msg.host))
+        host.num_holds += 1
+
+    def _release_unneeded(self) -> list:
+        needed = set(self._installing.values())
+        needed.update((w.adapter.name, w.adapter.digest) for w in self._waiting if w.slot is None)
+        outs = []
+        for name, digest in [key for key in self._hosts if key not in needed]:
+            host = self._hosts.pop((name, digest))
+            outs.extend(DropAdapter(name=name, digest=digest) for _ in range(host.num_holds))
+        return outs
