@@ -1,124 +1,255 @@
 """The prepare actor: client requests in, model inputs out, in arrival order.
 
-``Preparer`` is the pure core: one ``NewRequest`` becomes a ``Prepared``
-(chat template, prompt encoding, or given token ids checked against the
-vocabulary) or a ``Failed(400)`` for that request alone. The actor is a thin
-loop that hands each request to the core and forwards ``Abort`` in order.
+The model-specific work (chat template, tokens, media decode, the processor)
+is a preparer from ``mstar_actors.preprocess``, chosen by the architecture;
+``draft(req, fetched) -> Draft | Failed`` is its one entry point. This file
+only schedules it.
 
-Today preparation runs inline. A pool slots in at ``_prepare``: it would hand
-requests to workers and release results in arrival order, so the order of
-``Prepared`` / ``Failed`` / ``Abort`` on the conductor channel stays the order
-the frontend sent them.
+Two paths:
+
+- **Inline** (the preparer does not declare ``PREPROCESS_PARALLEL``, or the
+  pool would have one worker): one message, one reaction, in mailbox order,
+  as the default ``Actor.serve`` does. ``Abort`` is forwarded in order.
+- **Pool**: each request's preparation runs on a ``ThreadPoolExecutor``
+  while this loop only starts requests and finishes them (stores tensors in
+  the arena, sends). ``serve`` below is the loop.
+
+Invariants of the pool path (all state is touched only by the loop's thread;
+the pool's threads see only their request and the read-only preparer):
+
+- **Arrival order.** ``_slots`` holds requests in the order they were read;
+  only the head is ever released, so ``Prepared`` / ``Failed`` reach the
+  conductor in arrival order whichever finishes first.
+- **Bounded pool.** A request is read from the mailbox only while fewer than
+  ``num_workers`` preparations run and fewer than ``2 * num_workers``
+  requests wait for release; otherwise the loop waits for one to finish and
+  new requests wait undecoded in the mailbox and the ring behind it (the
+  frontend sees backpressure).
+- **Bounded outbox.** A release awaits ``send``: while the conductor's ring
+  is full nothing else is read, and nothing is dropped.
+- **Abandoned requests.** An ``Abort`` for a request still preparing takes it
+  out of ``_slots`` at once (the requests behind it don't wait for it); its
+  thread finishes and the result is dropped unsent. Its tensors never reach
+  the arena, since storing happens only at release. The Abort itself is not
+  forwarded: the conductor never saw the request, and the frontend expects no
+  ``Finished`` for a request that produced no token. An ``Abort`` for a
+  request already released (or unknown) is forwarded, in order.
+- **Failures are per request.** A preparer's refusal is that request's
+  ``Failed(400)``; an unexpected exception is its ``Failed(500)``; an arena
+  that stays full is its ``Failed(503)``.
+
+Media fetched over http(s) is async I/O: it runs on this loop (aiohttp)
+inside the request's task, before the request takes a thread, so a slow
+server never holds a pool thread. The slot counts as preparing meanwhile.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import asyncio
+import collections
+import concurrent.futures
+import os
+from dataclasses import dataclass
 from typing import Any
 
 from actors.base import Actor
+from mstar_actors.cpu_plan import CpuPlan, resolve_prepare_workers
+from mstar_actors.media import MediaError, MediaLimits, collect_media, fetch_remote
 from mstar_actors.messages import Abort, Failed, NewRequest, Prepared
+from mstar_actors.preprocess import Draft, Preparer, failed, load_preparer, read_vocab_size, with_media
+
+__all__ = ["PrepareActor", "Preparer", "load_preparer", "read_vocab_size"]
 
 
-class Preparer:
-    """Turns one request into token ids. No I/O after construction.
+@dataclass
+class _Slot:
+    """One request between read and release."""
 
-    ``tokenization`` provides ``encode_prompt(text) -> list[int]`` and
-    ``apply_chat_template(messages, add_generation_prompt) -> list[int]``.
-    """
-
-    def __init__(self, tokenization: Any, vocab_size: int, max_model_len: int | None = None):
-        self.tokenization = tokenization
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-
-    def prepare(self, req: NewRequest) -> Prepared | Failed:
-        try:
-            token_ids, param = self._token_ids(req)
-        except Exception as err:  # the client's input broke tokenization: its request alone fails
-            return _failed(req, f"could not prepare the request: {type(err).__name__}: {err}", _param_of(req))
-        problem = self._check(token_ids)
-        if problem:
-            return _failed(req, problem, param)
-        return Prepared(
-            request_id=req.request_id,
-            model=req.model,
-            prompt_token_ids=token_ids,
-            sampling=req.sampling,
-            arrival_time=req.arrival_time,
-            prompt_param=param,
-        )
-
-    def _token_ids(self, req: NewRequest) -> tuple[list[int], str]:
-        if req.prompt_token_ids is not None:
-            return list(req.prompt_token_ids), "prompt"
-        if req.messages is not None:
-            ids = self.tokenization.apply_chat_template(req.messages, req.add_generation_prompt)
-            return list(ids), "messages"
-        if req.prompt is not None:
-            return list(self.tokenization.encode_prompt(req.prompt)), "prompt"
-        raise ValueError("none of prompt, prompt_token_ids or messages is set")
-
-    def _check(self, token_ids: list[int]) -> str | None:
-        if not token_ids:
-            return "the prompt is empty: send at least one token"
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            return f"token id {bad} is outside the vocabulary: ids must be in [0, {self.vocab_size})"
-        if self.max_model_len is not None and len(token_ids) >= self.max_model_len:
-            return (
-                f"the prompt has {len(token_ids)} tokens; this server's context is "
-                f"{self.max_model_len} tokens, prompt and output together"
-            )
-        return None
-
-
-def _param_of(req: NewRequest) -> str:
-    return "messages" if req.messages is not None else "prompt"
-
-
-def _failed(req: NewRequest, message: str, param: str) -> Failed:
-    return Failed(request_id=req.request_id, status=400, message=message, param=param)
-
-
-def read_vocab_size(model_dir: Path) -> int:
-    """The model's vocabulary size from ``config.json`` (VLMs keep it in ``text_config``)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-    if not size:
-        raise ValueError(f"{model_dir}/config.json: no vocab_size (nor text_config.vocab_size)")
-    return int(size)
-
-
-def load_preparer(model_dir: Path, max_model_len: int | None) -> Preparer:
-    from mstar_actors.tokenization import Tokenization
-
-    return Preparer(Tokenization(model_dir), read_vocab_size(model_dir), max_model_len)
+    req: NewRequest
+    task: asyncio.Task  # -> Draft | Failed
+    in_pool: bool = False  # its draft runs on a pool thread (no longer cancellable)
 
 
 class PrepareActor(Actor):
-    """inbox: ``frontend`` (FrontendToPrepare), ``control``; outbox: ``conductor``, ``control``."""
+    """inbox: ``frontend`` (FrontendToPrepare), ``control``; outbox: ``conductor``, ``control``.
 
-    def __init__(self, *, preparer: Preparer | None = None, **kw: Any):
+    ``preparer``, ``arena`` and ``num_workers`` may be injected (tests);
+    otherwise ``start`` builds them from the config. ``arena`` is the producer
+    end of the media tensor arena (``async put(tensor, num_readers)``).
+    """
+
+    def __init__(self, *, preparer: Any = None, arena: Any = None, num_workers: int | None = None,
+                 arena_spec: Any = None, **kw: Any):
         super().__init__(**kw)
-        self.preparer = preparer  # tests may inject one; otherwise built in start()
+        self.preparer = preparer
+        self.arena = arena
+        self.arena_spec = arena_spec
+        self.num_workers = num_workers
+        self.limits = MediaLimits.from_config(self.config.server)
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._slots: collections.deque[_Slot] = collections.deque()  # arrival order
+        self._by_id: dict[str, _Slot] = {}
+        self._busy: set[asyncio.Task] = set()  # preparing, abandoned ones included
+        self._changed = asyncio.Event()  # a preparation ended
+        self._http: Any = None  # aiohttp session, made on first http(s) media
+
+    # ---- lifecycle ------------------------------------------------------------
 
     async def start(self) -> None:
+        import torch
+
+        torch.set_num_threads(self.config.prepare.preprocess_torch_threads)
         if self.preparer is None:
             from mstar_actors.fetch import resolve_model
 
             model_dir = resolve_model(self.config.model.path)
-            self.preparer = await self.run_blocking(load_preparer, model_dir, self.config.scheduler.max_model_len)
+            self.preparer = await self.run_blocking(load_preparer, model_dir, self.config.scheduler.max_model_len,
+                                                    self.limits)
+        if self.arena is None and self.arena_spec is not None:
+            from transport.arena import TensorArena
+
+            self.arena = TensorArena(self.arena_spec, "producer")
+        self.num_workers = self._size_pool()
+        if self.num_workers > 1:
+            self.pool = concurrent.futures.ThreadPoolExecutor(self.num_workers, thread_name_prefix="prepare")
+        self.log.info("preparing %s", f"on {self.num_workers} threads" if self.pool else "inline")
+
+    def _size_pool(self) -> int:
+        is_parallel = bool(getattr(self.preparer, "PREPROCESS_PARALLEL", False))
+        if self.num_workers is not None:
+            return self.num_workers if is_parallel else 1
+        plan = CpuPlan(num_cpus=len(os.sched_getaffinity(0)), num_ranks=self.config.parallel.tp)
+        return resolve_prepare_workers(plan, self.config.prepare.preprocess_torch_threads,
+                                       self.config.prepare.preprocess_workers, is_parallel)
+
+    async def stop(self) -> None:
+        for slot in self._slots:
+            slot.task.cancel()
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+        if self._http is not None:
+            await self._http.close()
+
+    # ---- inline path ----------------------------------------------------------
 
     async def handle(self, channel: str, msg: Any) -> None:
         match msg:
+            case NewRequest() if self.pool is not None:
+                self._start(msg)
             case NewRequest():
-                await self.outbox["conductor"].send(self._prepare(msg))
+                result = await self._prepare(msg, in_pool=None)
+                await self._send_result(msg, result)
+            case Abort() if msg.request_id in self._by_id:
+                self._abandon(msg.request_id)
             case Abort():
                 await self.outbox["conductor"].send(msg)
             case _:
                 self.unknown(channel, msg)
 
-    def _prepare(self, req: NewRequest) -> Prepared | Failed:
-        return self.preparer.prepare(req)
+    # ---- pool path ------------------------------------------------------------
+
+    async def serve(self) -> None:
+        if self.pool is None:
+            return await super().serve()
+        reading: asyncio.Task | None = None
+        try:
+            while True:
+                self._changed.clear()  # before looking, so no completion is missed
+                await self._release_ready()
+                if self._has_room() and reading is None:
+                    reading = asyncio.create_task(self.mailbox.get(), name="prepare:read")
+                changed = asyncio.create_task(self._changed.wait())
+                await asyncio.wait({changed} | ({reading} if reading else set()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                changed.cancel()
+                if reading is not None and reading.done():
+                    channel, msg = reading.result()
+                    reading = None
+                    await self.dispatch(channel, msg)
+        finally:
+            if reading is not None:
+                reading.cancel()
+
+    def _has_room(self) -> bool:
+        return len(self._busy) < self.num_workers and len(self._slots) < 2 * self.num_workers
+
+    def _start(self, req: NewRequest) -> None:
+        slot = _Slot(req, None)  # type: ignore[arg-type]
+        slot.task = asyncio.create_task(self._prepare(req, in_pool=slot), name=f"prepare:{req.request_id}")
+        self._slots.append(slot)
+        self._by_id[req.request_id] = slot
+        self._busy.add(slot.task)
+        slot.task.add_done_callback(self._on_done)
+
+    def _on_done(self, task: asyncio.Task) -> None:
+        self._busy.discard(task)
+        self._changed.set()
+
+    def _abandon(self, request_id: str) -> None:
+        """Take a request out of the release order; its thread's result is dropped."""
+        slot = self._by_id.pop(request_id)
+        self._slots.remove(slot)
+        if not slot.in_pool:
+            slot.task.cancel()  # still fetching on this loop: stop now
+        self._changed.set()
+        self.log.debug("request %s abandoned while preparing: dropped unsent", request_id)
+
+    async def _release_ready(self) -> None:
+        """Send every finished request at the head of the order, oldest first."""
+        while self._slots and self._slots[0].task.done():
+            slot = self._slots.popleft()
+            del self._by_id[slot.req.request_id]
+            await self._send_result(slot.req, slot.task.result())
+
+    # ---- both paths -----------------------------------------------------------
+
+    async def _prepare(self, req: NewRequest, in_pool: _Slot | None) -> Draft | Failed:
+        """Fetch remote media here, then draft on the pool (or inline)."""
+        try:
+            fetched = await self._fetch(req)
+            if in_pool is None:
+                return self.preparer.draft(req, fetched)
+            in_pool.in_pool = True
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self.pool, self.preparer.draft, req, fetched)
+        except MediaError as err:
+            return failed(req, str(err), err.param)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # a bug in preparation fails its request alone
+            self.log.exception("preparing request %s failed", req.request_id)
+            return Failed(request_id=req.request_id, status=500, error_type="server_error",
+                          message=f"preparing the request failed: {type(err).__name__}: {err}")
+
+    async def _fetch(self, req: NewRequest) -> dict[str, bytes]:
+        if not getattr(self.preparer, "PREPARES_MEDIA", False) or not req.messages:
+            return {}
+        refs = collect_media(req, self.limits)
+        if not any(r.scheme in ("http", "https") for r in refs):
+            return {}
+        if self._http is None:
+            import aiohttp
+
+            self._http = aiohttp.ClientSession()
+        return await fetch_remote(refs, self.limits, self._http)
+
+    async def _send_result(self, req: NewRequest, result: Draft | Failed) -> None:
+        msg = result if isinstance(result, Failed) else await self._finish(req, result)
+        await self.outbox["conductor"].send(msg)
+
+    async def _finish(self, req: NewRequest, draft: Draft) -> Prepared | Failed:
+        """Store the draft's tensors in the arena (readers: every rank)."""
+        if not draft.media:
+            return draft.prepared
+        if self.arena is None:
+            return Failed(request_id=req.request_id, status=503, error_type="server_error",
+                          message="this server has no tensor arena for media inputs")
+        refs = []
+        try:
+            for item in draft.media:
+                refs.append(await self.arena.put(item.pixel_values, num_readers=self.config.parallel.tp))
+        except Exception as err:  # ArenaFull: the workers hold too much media; this request fails
+            # Refs already stored stay until the arena reclaims them; the producer end has no discard.
+            return Failed(request_id=req.request_id, status=503, error_type="server_error",
+                          message=f"no room for the request's media tensors: {err}; retry later")
+        return with_media(draft, refs)

@@ -1,0 +1,67 @@
+"""CPU sizing: how many threads each process may run so the machine is not
+oversubscribed. Pure: no I/O, no torch; the actors pass in what they read.
+
+The split, in order of need:
+
+- every tensor-parallel worker runs ``torch_threads_per_worker`` intra-op
+  threads (on a GPU host one or two: the device does the work);
+- the frontend and conductor loops keep ``num_reserved`` cores so that
+  streaming and scheduling never wait behind preparation;
+- what is left goes to the prepare pool. Each pool worker calls into torch /
+  numpy / ffmpeg, which run the prepare process's intra-op threads, so the
+  pool is ``cpus left // threads of this process``, capped at
+  ``MAX_PREPARE_WORKERS`` (past 8 the measured video speed-up is flat and the
+  reorder buffer only grows).
+
+A higher ``prepare.preprocess_torch_threads`` therefore shrinks the pool:
+with 8 CPUs left and 8 threads per worker the pool is 1, i.e. inline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_PREPARE_WORKERS = 8
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    num_cpus: int  # CPUs this server may use (the affinity mask, not the host's count)
+    num_ranks: int  # tensor-parallel worker processes on this host
+    torch_threads_per_worker: int = 1
+    num_reserved: int = 2  # frontend and conductor loops
+
+    def __post_init__(self) -> None:
+        for name in ("num_cpus", "num_ranks", "torch_threads_per_worker"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"CpuPlan.{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_reserved < 0:
+            raise ValueError(f"CpuPlan.num_reserved must be at least 0, got {self.num_reserved}")
+
+    @property
+    def num_cpus_left(self) -> int:
+        """CPUs for preparation once the workers and the loops have theirs (never below 1)."""
+        used = self.num_ranks * self.torch_threads_per_worker + self.num_reserved
+        return max(1, self.num_cpus - used)
+
+    def prepare_workers(self, prepare_torch_threads: int) -> int:
+        """Pool size for a prepare process running ``prepare_torch_threads``
+        intra-op threads: ``min(8, cpus left // threads)``, at least 1 (inline)."""
+        if prepare_torch_threads < 1:
+            raise ValueError(f"prepare_torch_threads must be at least 1, got {prepare_torch_threads}")
+        return max(1, min(MAX_PREPARE_WORKERS, self.num_cpus_left // prepare_torch_threads))
+
+
+def resolve_prepare_workers(
+    plan: CpuPlan, prepare_torch_threads: int, configured: int | None, is_parallel: bool
+) -> int:
+    """The pool size the prepare actor runs: 1 (inline) unless the model's
+    preparation is declared parallel; else the config's
+    ``prepare.preprocess_workers`` when set (1 turns the pool off), else the plan's."""
+    if not is_parallel:
+        return 1
+    if configured is not None:
+        if configured < 1:
+            raise ValueError(f"prepare.preprocess_workers must be at least 1, got {configured}")
+        return configured
+    return plan.prepare_workers(prepare_torch_threads)

@@ -1,0 +1,335 @@
+"""Media input: find, fetch, bound and decode a request's images and videos.
+
+A chat message's ``image_url`` / ``video_url`` content part (``video_url`` is
+vLLM's extension) is one of:
+
+- ``data:<mime>;base64,<payload>``: decoded in memory;
+- ``http(s)://...``: fetched with aiohttp on the prepare actor's loop
+  (``fetch_remote``): the whole fetch has a timeout, redirects are bounded,
+  and the size limit is enforced while the body streams in, so an oversize
+  body is cut off rather than read whole;
+- ``file:///path``: read only inside ``server.allowed_media_dir``, after
+  resolving symlinks, so ``..`` and links out of the folder are refused.
+
+Decoding (``decode_image``, ``decode_video``) is CPU work and runs wherever
+the request is prepared (the pool's thread or inline). Pillow reads an image's
+size from its header before decoding pixels, so an oversize image (a
+decompression bomb: a small file that claims a huge canvas) is refused before
+any pixel is decoded. A video's duration is checked from its container
+before decoding, and again while decoding when the container does not say.
+
+Every refusal is a ``MediaError`` naming the content part
+(``messages[0].content[1].image_url``) and the limit it broke; the prepare
+actor turns it into ``Failed(400, param=...)`` for that request alone.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import math
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mstar_actors.messages import ChatMessage, NewRequest
+
+MEDIA_PART_TYPES = {"image_url": "image", "video_url": "video"}
+_CHUNK_BYTES = 64 * 1024
+
+
+class MediaError(ValueError):
+    """A content part that cannot be served; ``param`` names it for the 400."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    max_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 4096 * 4096
+    max_video_frames: int = 64
+    max_video_seconds: float = 120.0
+    max_items: int = 8
+    video_fps: float = 2.0
+    fetch_timeout_s: float = 10.0
+    max_redirects: int = 3
+    allowed_dir: str | None = None
+
+    @classmethod
+    def from_config(cls, server: Any) -> "MediaLimits":
+        """From ``config.server`` (``ServerConfig``)."""
+        return cls(
+            max_bytes=server.max_media_bytes,
+            max_image_pixels=server.max_image_pixels,
+            max_video_frames=server.max_video_frames,
+            max_video_seconds=server.max_video_seconds,
+            max_items=server.max_media_items,
+            video_fps=server.video_fps,
+            fetch_timeout_s=server.media_fetch_timeout_s,
+            max_redirects=server.max_media_redirects,
+            allowed_dir=server.allowed_media_dir,
+        )
+
+
+@dataclass(frozen=True)
+class MediaRef:
+    """One media content part, in prompt order."""
+
+    kind: str  # "image" | "video"
+    url: str
+    param: str  # "messages[i].content[j].image_url"
+
+    @property
+    def scheme(self) -> str:
+        return self.url.split(":", 1)[0].lower() if ":" in self.url else ""
+
+
+@dataclass(frozen=True)
+class VideoFrames:
+    frames: Any  # numpy uint8 array (num_frames, height, width, 3)
+    fps: float  # the sampling rate the frames were taken at
+
+
+# --------------------------------------------------------------------------
+# Finding the parts
+# --------------------------------------------------------------------------
+
+
+def collect_media(req: NewRequest, limits: MediaLimits) -> list[MediaRef]:
+    """The request's media parts in prompt order; raises MediaError for an
+    unsupported scheme or more parts than ``max_items``."""
+    refs = list(_iter_media(req.messages or []))
+    if len(refs) > limits.max_items:
+        raise MediaError(
+            refs[limits.max_items].param,
+            f"the request has {len(refs)} image/video parts; this server accepts at most "
+            f"{limits.max_items} per request (server.max_media_items)",
+        )
+    for ref in refs:
+        if ref.scheme not in ("data", "http", "https", "file"):
+            raise MediaError(ref.param, "the url must be a data:, http(s):// or file:// URL")
+    return refs
+
+
+def _iter_media(chat: list[ChatMessage]):
+    for i, message in enumerate(chat):
+        if isinstance(message.content, str):
+            continue
+        for j, part in enumerate(message.content):
+            kind = MEDIA_PART_TYPES.get(part.type)
+            if kind is not None:
+                yield MediaRef(kind, part.url or "", f"messages[{i}].content[{j}].{part.type}")
+
+
+def has_media(req: NewRequest) -> bool:
+    return any(True for _ in _iter_media(req.messages or []))
+
+
+# --------------------------------------------------------------------------
+# Bytes: data:, file://, http(s)://
+# --------------------------------------------------------------------------
+
+
+def _too_big(ref: MediaRef, num_bytes: int | str, limits: MediaLimits) -> MediaError:
+    return MediaError(
+        ref.param, f"the {ref.kind} is {num_bytes} bytes; this server accepts at most "
+        f"{limits.max_bytes} bytes per item (server.max_media_bytes)",
+    )
+
+
+def read_local(ref: MediaRef, limits: MediaLimits) -> bytes:
+    """The bytes of a data: or file:// part (blocking: run it off the loop)."""
+    if ref.scheme == "data":
+        return _read_data_url(ref, limits)
+    if ref.scheme == "file":
+        return _read_file_url(ref, limits)
+    raise MediaError(ref.param, f"{ref.scheme}: URLs are fetched, not read locally")
+
+
+def _read_data_url(ref: MediaRef, limits: MediaLimits) -> bytes:
+    header, sep, payload = ref.url.partition(",")
+    if not sep or not header.lower().endswith(";base64"):
+        raise MediaError(ref.param, "a data: URL must be base64: data:<mime type>;base64,<data>")
+    if len(payload) * 3 // 4 > limits.max_bytes + 2:  # decoded size, known before decoding
+        raise _too_big(ref, f"about {len(payload) * 3 // 4}", limits)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise MediaError(ref.param, f"the data: URL is not valid base64: {err}") from None
+    if len(data) > limits.max_bytes:
+        raise _too_big(ref, len(data), limits)
+    return data
+
+
+def _read_file_url(ref: MediaRef, limits: MediaLimits) -> bytes:
+    if not limits.allowed_dir:
+        raise MediaError(ref.param, "file:// URLs are off on this server (server.allowed_media_dir is not set)")
+    parsed = urllib.parse.urlparse(ref.url)
+    if parsed.netloc not in ("", "localhost"):
+        raise MediaError(ref.param, "a file:// URL must name a local path: file:///path/inside/the/allowed/dir")
+    allowed = Path(limits.allowed_dir).resolve()
+    try:  # resolve symlinks and '..' first, then check where it landed
+        path = Path(urllib.parse.unquote(parsed.path)).resolve(strict=True)
+    except (OSError, RuntimeError):
+        raise MediaError(ref.param, "no such file inside server.allowed_media_dir") from None
+    if not path.is_relative_to(allowed) or not path.is_file():
+        raise MediaError(ref.param, "the file is outside server.allowed_media_dir (or not a regular file)")
+    size = path.stat().st_size
+    if size > limits.max_bytes:
+        raise _too_big(ref, size, limits)
+    return path.read_bytes()
+
+
+async def fetch_remote(refs: list[MediaRef], limits: MediaLimits, session: Any = None) -> dict[str, bytes]:
+    """Fetch every http(s) part; returns ``param -> bytes``. Raises MediaError
+    for the first part that fails (the request fails as a whole)."""
+    remote = [r for r in refs if r.scheme in ("http", "https")]
+    if not remote:
+        return {}
+    import aiohttp
+
+    own = session is None
+    if own:
+        session = aiohttp.ClientSession()
+    try:
+        return {r.param: await _fetch_one(session, r, limits) for r in remote}
+    finally:
+        if own:
+            await session.close()
+
+
+async def _fetch_one(session: Any, ref: MediaRef, limits: MediaLimits) -> bytes:
+    import asyncio
+
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=limits.fetch_timeout_s)
+    try:
+        async with session.get(ref.url, timeout=timeout, max_redirects=limits.max_redirects,
+                               allow_redirects=limits.max_redirects > 0) as resp:
+            if resp.status != 200:
+                raise MediaError(ref.param, f"fetching the {ref.kind} gave HTTP {resp.status}; expected 200")
+            if resp.content_length is not None and resp.content_length > limits.max_bytes:
+                raise _too_big(ref, resp.content_length, limits)
+            return await _read_bounded(resp, ref, limits)
+    except aiohttp.TooManyRedirects:
+        raise MediaError(ref.param, f"more than {limits.max_redirects} redirects (server.max_media_redirects)") from None
+    except asyncio.TimeoutError:
+        raise MediaError(ref.param, f"fetching took over {limits.fetch_timeout_s} s (server.media_fetch_timeout_s)") from None
+    except aiohttp.ClientError as err:
+        raise MediaError(ref.param, f"could not fetch the {ref.kind}: {type(err).__name__}: {err}") from None
+
+
+async def _read_bounded(resp: Any, ref: MediaRef, limits: MediaLimits) -> bytes:
+    """The body, cut off as soon as it passes the limit (a lying or absent
+    Content-Length cannot make us buffer more than ``max_bytes``)."""
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(_CHUNK_BYTES):
+        body += chunk
+        if len(body) > limits.max_bytes:
+            raise _too_big(ref, f"over {limits.max_bytes}", limits)
+    return bytes(body)
+
+
+# --------------------------------------------------------------------------
+# Decoding
+# --------------------------------------------------------------------------
+
+
+def decode_image(data: bytes, ref: MediaRef, limits: MediaLimits):
+    """An RGB ``PIL.Image``; the pixel limit is checked from the header first."""
+    from PIL import Image, UnidentifiedImageError
+
+    # Pillow's own guard as a second line (it raises past 2x this); ours is below.
+    Image.MAX_IMAGE_PIXELS = max(Image.MAX_IMAGE_PIXELS or 0, limits.max_image_pixels)
+    try:
+        image = Image.open(io.BytesIO(data))  # lazy: reads the header only
+        width, height = image.size
+        if width * height > limits.max_image_pixels:
+            raise MediaError(
+                ref.param, f"the image is {width}x{height} = {width * height} pixels; this server accepts "
+                f"at most {limits.max_image_pixels} (server.max_image_pixels)",
+            )
+        image.load()
+        return image.convert("RGB")
+    except MediaError:
+        raise
+    except Image.DecompressionBombError as err:
+        raise MediaError(ref.param, f"the image is too large to decode ({err}) (server.max_image_pixels)") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+        raise MediaError(ref.param, f"could not decode the image: {type(err).__name__}: {err}") from None
+
+
+def decode_video(data: bytes, ref: MediaRef, limits: MediaLimits) -> VideoFrames:
+    """Frames sampled at ``limits.video_fps`` as a uint8 (T, H, W, 3) array."""
+    import av
+    import numpy as np
+
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.video:
+                raise MediaError(ref.param, "the file has no video stream")
+            stream = container.streams.video[0]
+            stream.thread_type = "AUTO"
+            _check_duration(_duration_s(container, stream), ref, limits)
+            frames = _sample_frames(container, stream, ref, limits)
+    except MediaError:
+        raise
+    except (av.error.FFmpegError, OSError, ValueError) as err:
+        raise MediaError(ref.param, f"could not decode the video: {type(err).__name__}: {err}") from None
+    if not frames:
+        raise MediaError(ref.param, "the video has no frames")
+    return VideoFrames(np.stack(frames), limits.video_fps)
+
+
+def _duration_s(container: Any, stream: Any) -> float | None:
+    if stream.duration is not None and stream.time_base is not None:
+        return float(stream.duration * stream.time_base)
+    if container.duration is not None:
+        return container.duration / 1_000_000  # av.time_base
+    return None
+
+
+def _check_duration(seconds: float | None, ref: MediaRef, limits: MediaLimits) -> None:
+    if seconds is None:
+        return  # checked frame by frame while decoding
+    if seconds > limits.max_video_seconds:
+        raise MediaError(ref.param, f"the video is {seconds:.1f} s long; this server accepts at most "
+                                    f"{limits.max_video_seconds} s (server.max_video_seconds)")
+    num_frames = math.ceil(seconds * limits.video_fps - 1e-6)
+    if num_frames > limits.max_video_frames:
+        raise _too_many_frames(ref, num_frames, limits)
+
+
+def _too_many_frames(ref: MediaRef, num_frames: int | str, limits: MediaLimits) -> MediaError:
+    return MediaError(
+        ref.param, f"the video gives {num_frames} frames at {limits.video_fps} fps; this server accepts "
+        f"at most {limits.max_video_frames} (server.max_video_frames; fewer fps: server.video_fps)",
+    )
+
+
+def _sample_frames(container: Any, stream: Any, ref: MediaRef, limits: MediaLimits) -> list:
+    """One frame per 1/fps seconds: the first frame at or after each sample time."""
+    frames: list = []
+    next_t = 0.0
+    for frame in container.decode(stream):
+        t = frame.time if frame.time is not None else len(frames) / limits.video_fps
+        if t > limits.max_video_seconds:
+            raise MediaError(ref.param, f"the video runs past {limits.max_video_seconds} s (server.max_video_seconds)")
+        if t + 1e-6 < next_t:
+            continue
+        if frame.width * frame.height > limits.max_image_pixels:
+            raise MediaError(ref.param, f"video frames are {frame.width}x{frame.height}; this server accepts at "
+                                        f"most {limits.max_image_pixels} pixels (server.max_image_pixels)")
+        if len(frames) == limits.max_video_frames:
+            raise _too_many_frames(ref, f"over {limits.max_video_frames}", limits)
+        frames.append(frame.to_ndarray(format="rgb24"))
+        next_t += 1.0 / limits.video_fps
+        while next_t + 1e-6 < t:  # a gap in the stream: don't emit a burst for it
+            next_t += 1.0 / limits.video_fps
+    return frames

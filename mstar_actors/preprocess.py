@@ -1,0 +1,314 @@
+"""Model-specific preparation, chosen by the architecture in config.json.
+
+A preparer turns one ``NewRequest`` (plus the bytes of its http(s) media,
+fetched beforehand on the actor's loop) into a ``Draft``: the ``Prepared``
+message without its media references, and the media tensors still in process
+memory. The prepare actor stores those tensors in the arena and sends the
+message when the request's turn comes (``with_media``).
+
+``PREPROCESS_PARALLEL`` on the preparer class is the declaration the prepare
+actor reads: True when ``draft`` keeps no shared mutable state, so several
+requests may be drafted at once on the pool's threads.
+
+- Text models (``Preparer``): False. Encoding with the
+  HF fast tokenizer is thread-safe as we call it (no truncation/padding
+  toggles), but one prompt takes well under a millisecond and the Rust
+  encoder holds the GIL, so a pool would only add a thread hop.
+- Qwen2.5-VL (``QwenVLPreparer``): True. The image processor, the tokenizer
+  and the limits are read-only after construction; every request decodes
+  into its own arrays; Pillow, ffmpeg (``av``), numpy and torch release the
+  GIL in the heavy parts, so decode and pixel work overlap across threads.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from mstar_actors.media import MediaError, MediaLimits, MediaRef, collect_media, decode_image, decode_video, read_local
+from mstar_actors.messages import ChatMessage, Failed, MediaItem, NewRequest, Prepared, TensorRef
+
+VL_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "Qwen2VLForConditionalGeneration")
+
+
+@dataclass
+class MediaDraft:
+    """One MediaItem whose pixel rows are still a CPU tensor."""
+
+    kind: str
+    pixel_values: Any  # torch.Tensor (num_patches, patch_dim), float32
+    grid_thw: tuple[int, int, int]
+    token_offset: int
+    num_tokens: int
+    second_per_grid_t: float = 0.0
+
+
+@dataclass
+class Draft:
+    prepared: Prepared  # media=[]: filled in by with_media
+    media: list[MediaDraft] = field(default_factory=list)
+
+
+def with_media(draft: Draft, refs: list[TensorRef]) -> Prepared:
+    """The message to send: the draft's Prepared with one MediaItem per stored
+    tensor (``refs[i]`` holds ``draft.media[i].pixel_values``)."""
+    if len(refs) != len(draft.media):
+        raise ValueError(f"request {draft.prepared.request_id}: {len(refs)} stored tensors for {len(draft.media)} items")
+    media = [
+        MediaItem(kind=m.kind, pixel_values=ref, grid_thw=m.grid_thw, token_offset=m.token_offset,
+                  num_tokens=m.num_tokens, second_per_grid_t=m.second_per_grid_t)
+        for m, ref in zip(draft.media, refs)
+    ]
+    return msgspec.structs.replace(draft.prepared, media=media)
+
+
+# --------------------------------------------------------------------------
+# Text models
+# --------------------------------------------------------------------------
+
+
+class Preparer:
+    """Turns one text request into token ids. No I/O after construction.
+
+    ``tokenization`` provides ``encode_prompt(text) -> list[int]`` and
+    ``apply_chat_template(messages, add_generation_prompt) -> list[int]``.
+    """
+
+    PREPROCESS_PARALLEL = False  # see the module docstring
+    PREPARES_MEDIA = False  # image/video parts are refused by the chat template path
+
+    def __init__(self, tokenization: Any, vocab_size: int, max_model_len: int | None = None):
+        self.tokenization = tokenization
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def prepare(self, req: NewRequest) -> Prepared | Failed:
+        result = self.draft(req, {})
+        return result.prepared if isinstance(result, Draft) else result
+
+    def draft(self, req: NewRequest, fetched: dict[str, bytes] | None = None) -> Draft | Failed:
+        try:
+            token_ids, param = self._token_ids(req)
+        except Exception as err:  # the client's input broke tokenization: its request alone fails
+            return failed(req, f"could not prepare the request: {type(err).__name__}: {err}", _param_of(req))
+        problem = self.check(token_ids)
+        if problem:
+            return failed(req, problem, param)
+        return Draft(Prepared(
+            request_id=req.request_id,
+            model=req.model,
+            prompt_token_ids=token_ids,
+            sampling=req.sampling,
+            arrival_time=req.arrival_time,
+            prompt_param=param,
+        ))
+
+    def _token_ids(self, req: NewRequest) -> tuple[list[int], str]:
+        if req.prompt_token_ids is not None:
+            return list(req.prompt_token_ids), "prompt"
+        if req.messages is not None:
+            ids = self.tokenization.apply_chat_template(req.messages, req.add_generation_prompt)
+            return list(ids), "messages"
+        if req.prompt is not None:
+            return list(self.tokenization.encode_prompt(req.prompt)), "prompt"
+        raise ValueError("none of prompt, prompt_token_ids or messages is set")
+
+    def check(self, token_ids: list[int]) -> str | None:
+        if not token_ids:
+            return "the prompt is empty: send at least one token"
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            return f"token id {bad} is outside the vocabulary: ids must be in [0, {self.vocab_size})"
+        if self.max_model_len is not None and len(token_ids) >= self.max_model_len:
+            return (
+                f"the prompt has {len(token_ids)} tokens; this server's context is "
+                f"{self.max_model_len} tokens, prompt and output together"
+            )
+        return None
+
+
+def _param_of(req: NewRequest) -> str:
+    return "messages" if req.messages is not None else "prompt"
+
+
+def failed(req: NewRequest, message: str, param: str | None) -> Failed:
+    return Failed(request_id=req.request_id, status=400, message=message, param=param)
+
+
+def read_vocab_size(model_dir: Path) -> int:
+    """The model's vocabulary size from ``config.json`` (VLMs keep it in ``text_config``)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    if not size:
+        raise ValueError(f"{model_dir}/config.json: no vocab_size (nor text_config.vocab_size)")
+    return int(size)
+
+
+def read_architecture(model_dir: Path) -> str:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return (config.get("architectures") or [""])[0]
+
+
+def load_preparer(model_dir: Path, max_model_len: int | None, limits: MediaLimits | None = None) -> Any:
+    """The preparer for the model's architecture: a VL preparer for Qwen2(.5)-VL,
+    else the text ``Preparer``."""
+    from mstar_actors.tokenization import Tokenization
+
+    tokenization = Tokenization(model_dir)
+    if read_architecture(model_dir) in VL_ARCHITECTURES:
+        return QwenVLPreparer(model_dir, tokenization, read_vocab_size(model_dir), max_model_len,
+                              limits or MediaLimits())
+    return Preparer(tokenization, read_vocab_size(model_dir), max_model_len)
+
+
+# --------------------------------------------------------------------------
+# Qwen2.5-VL
+# --------------------------------------------------------------------------
+
+
+def load_image_processor(model_dir: Path) -> Any:
+    """The model's image processor (Pillow backend: it needs no torchvision)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    if (Path(model_dir) / "preprocessor_config.json").is_file():
+        return Qwen2VLImageProcessorPil.from_pretrained(str(model_dir), local_files_only=True)
+    return Qwen2VLImageProcessorPil()
+
+
+class QwenVLPreparer:
+    """Chat template, image/video decode, the processor's patch rows and the
+    placeholder expansion, for one request at a time. Read-only after
+    construction, so any number of threads may call ``draft`` at once."""
+
+    PREPROCESS_PARALLEL = True
+    PREPARES_MEDIA = True
+
+    def __init__(self, model_dir: Path, tokenization: Any, vocab_size: int, max_model_len: int | None,
+                 limits: MediaLimits, image_processor: Any = None):
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        self.tokenization = tokenization
+        self.text = Preparer(tokenization, vocab_size, max_model_len)  # text-only requests, and the checks
+        self.limits = limits
+        self.image_token_id = int(config["image_token_id"])
+        self.video_token_id = int(config["video_token_id"])
+        self.image_processor = image_processor or load_image_processor(model_dir)
+        ip = self.image_processor
+        self.patch_size, self.merge_size, self.temporal_patch_size = ip.patch_size, ip.merge_size, ip.temporal_patch_size
+        self.min_pixels, self.max_pixels = ip.size["shortest_edge"], ip.size["longest_edge"]
+
+    # ---- the one entry point -----------------------------------------------
+
+    def draft(self, req: NewRequest, fetched: dict[str, bytes]) -> Draft | Failed:
+        try:
+            refs = collect_media(req, self.limits)
+            if not refs:
+                return self.text.draft(req, fetched)  # text only: the plain path
+            media = [self._process(ref, fetched) for ref in refs]
+            token_ids = self._expand(self._template_ids(req), media, refs)
+        except MediaError as err:
+            return failed(req, str(err), err.param)
+        except Exception as err:  # the client's input broke a processor: its request alone fails
+            return failed(req, f"could not prepare the request: {type(err).__name__}: {err}", "messages")
+        problem = self.text.check(token_ids)
+        if problem:
+            return failed(req, problem, "messages")
+        prepared = Prepared(request_id=req.request_id, model=req.model, prompt_token_ids=token_ids,
+                            sampling=req.sampling, arrival_time=req.arrival_time, prompt_param="messages")
+        return Draft(prepared, media)
+
+    # ---- media ---------------------------------------------------------------
+
+    def _process(self, ref: MediaRef, fetched: dict[str, bytes]) -> MediaDraft:
+        data = fetched[ref.param] if ref.param in fetched else read_local(ref, self.limits)
+        if ref.kind == "image":
+            return self._image(decode_image(data, ref, self.limits))
+        video = decode_video(data, ref, self.limits)
+        return self._video(video.frames, video.fps)
+
+    def _image(self, image: Any) -> MediaDraft:
+        out = self.image_processor(images=[image], return_tensors="pt")
+        t, h, w = (int(x) for x in out["image_grid_thw"][0])
+        return MediaDraft("image", out["pixel_values"].float().contiguous(), (t, h, w), 0,
+                          t * h * w // self.merge_size**2)
+
+    def _video(self, frames: Any, fps: float) -> MediaDraft:
+        pixel_values, grid = video_patches(frames, self.image_processor, self.min_pixels, self.max_pixels)
+        t, h, w = grid
+        return MediaDraft("video", pixel_values, grid, 0, t * h * w // self.merge_size**2,
+                          second_per_grid_t=self.temporal_patch_size / fps)
+
+    # ---- tokens --------------------------------------------------------------
+
+    def _template_ids(self, req: NewRequest) -> list[int]:
+        tokenizer = self.tokenization.tokenizer
+        conversation = [_template_message(m) for m in req.messages or []]
+        text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                             add_generation_prompt=req.add_generation_prompt)
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+    def _expand(self, ids: list[int], media: list[MediaDraft], refs: list[MediaRef]) -> list[int]:
+        """Replace each placeholder token by its item's ``num_tokens`` copies and
+        record where each item's rows start."""
+        placeholders = {"image": self.image_token_id, "video": self.video_token_id}
+        found = [i for i, t in enumerate(ids) if t in placeholders.values()]
+        if len(found) != len(media):
+            raise MediaError(refs[0].param, f"the chat template wrote {len(found)} media placeholders for "
+                                            f"{len(media)} image/video parts; the model's template must write one each")
+        out: list[int] = []
+        start = 0
+        for pos, item, ref in zip(found, media, refs):
+            if ids[pos] != placeholders[item.kind]:
+                raise MediaError(ref.param, f"the chat template's placeholder here is not a {item.kind} token")
+            out += ids[start:pos]
+            item.token_offset = len(out)
+            out += [ids[pos]] * item.num_tokens
+            start = pos + 1
+        return out + ids[start:]
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """Content parts as Qwen's chat template reads them: text, image, video."""
+    if isinstance(message.content, str):
+        return {"role": message.role, "content": message.content}
+    parts = []
+    for part in message.content:
+        if part.type == "text":
+            parts.append({"type": "text", "text": part.text or ""})
+        elif part.type == "image_url":
+            parts.append({"type": "image"})
+        elif part.type == "video_url":
+            parts.append({"type": "video"})
+        else:
+            raise ValueError(f"content part type {part.type!r}: accepted are text, image_url, video_url")
+    return {"role": message.role, "content": parts}
+
+
+def video_patches(frames: Any, image_processor: Any, min_pixels: int, max_pixels: int) -> tuple[Any, tuple[int, int, int]]:
+    """Qwen2-VL's video layout without torchvision: every frame resized to one
+    ``smart_resize`` size (bicubic), rescaled and normalized like the images,
+    padded to a whole temporal patch by repeating the last frame, then
+    flattened as (t, h/m, w/m, m, m, C, tps, p, p) rows, as transformers'
+    video processor does."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    ip = image_processor
+    p, m, tps = ip.patch_size, ip.merge_size, ip.temporal_patch_size
+    num_frames, height, width, _ = frames.shape
+    rh, rw = smart_resize(height, width, factor=p * m, min_pixels=min_pixels, max_pixels=max_pixels)
+    resized = np.stack([np.asarray(Image.fromarray(f).resize((rw, rh), Image.BICUBIC)) for f in frames])
+    x = torch.from_numpy(resized).permute(0, 3, 1, 2).float() * float(ip.rescale_factor)
+    mean = torch.tensor(ip.image_mean, dtype=torch.float32).view(1, 3, 1, 1)
+    std = torch.tensor(ip.image_std, dtype=torch.float32).view(1, 3, 1, 1)
+    x = (x - mean) / std
+    if num_frames % tps:
+        x = torch.cat([x, x[-1:].expand(tps - num_frames % tps, -1, -1, -1)])
+    t, gh, gw = x.shape[0] // tps, rh // p, rw // p
+    x = x.reshape(t, tps, 3, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(t * gh * gw, 3 * tps * p * p).contiguous(), (t, gh, gw)
