@@ -73,6 +73,16 @@ class ServerConfig(msgspec.Struct, **_STRICT):
     max_body_bytes: Pos = 4 * 1024 * 1024
     max_waiting_requests: Pos = 1024
     allowed_media_dir: str | None = None
+    # Media input (image_url / video_url content parts); every limit is per item
+    # unless named per request. A refusal is a 400 naming the part and the limit.
+    max_media_bytes: Pos = 20 * 1024 * 1024  # encoded bytes of one image or video
+    max_image_pixels: Pos = 4096 * 4096  # width x height, checked from the header before decoding
+    max_video_frames: Pos = 64  # frames kept after sampling at video_fps
+    max_video_seconds: Annotated[float, msgspec.Meta(gt=0.0)] = 120.0
+    max_media_items: NonNeg = 8  # per request; 0 refuses media
+    video_fps: Annotated[float, msgspec.Meta(gt=0.0)] = 2.0  # frames sampled per second of video
+    media_fetch_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 10.0  # whole http(s) fetch
+    max_media_redirects: NonNeg = 3
 
 
 class TransportConfig(msgspec.Struct, **_STRICT):
