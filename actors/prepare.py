@@ -55,7 +55,7 @@ from typing import Any
 from actors.base import Actor
 from mstar_actors.cpu_plan import CpuPlan, resolve_prepare_workers
 from mstar_actors.media import MediaError, MediaLimits, collect_media, fetch_remote
-from mstar_actors.messages import Abort, Failed, NewRequest, Prepared
+from mstar_actors.messages import Abort, Failed, LoadAdapter, NewRequest, Prepared, UnloadAdapter
 from mstar_actors.preprocess import Draft, Preparer, failed, load_preparer, read_vocab_size, with_media
 
 __all__ = ["PrepareActor", "Preparer", "load_preparer", "read_vocab_size"]
@@ -141,7 +141,7 @@ class PrepareActor(Actor):
                 await self._send_result(msg, result)
             case Abort() if msg.request_id in self._by_id:
                 self._abandon(msg.request_id)
-            case Abort():
+            case Abort() | LoadAdapter() | UnloadAdapter():  # the conductor decides adapters
                 await self.outbox["conductor"].send(msg)
             case _:
                 self.unknown(channel, msg)
