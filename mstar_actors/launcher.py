@@ -68,10 +68,15 @@ def plan_actors(num_ranks: int) -> list[ActorPlan]:
                   outbox={"conductor": ("prepare.conductor", "PrepareToConductor")}),
         ActorPlan("conductor", "actors.conductor:ConductorActor",
                   inbox={"prepare": ("prepare.conductor", "PrepareToConductor")}
-                  | {w: (f"{w}.conductor", "WorkerToConductor") for w in workers},
+                  | {w: (f"{w}.conductor", "WorkerToConductor") for w in workers}
+                  | {"adapter_reader": ("adapter_reader.conductor", "AdapterReaderToConductor")},
                   outbox={"frontend": ("conductor.frontend", "ConductorToFrontend"),
-                          "workers": ([f"conductor.{w}" for w in workers], "ConductorToWorker")},
+                          "workers": ([f"conductor.{w}" for w in workers], "ConductorToWorker"),
+                          "adapter_reader": ("conductor.adapter_reader", "ConductorToAdapterReader")},
                   params={"num_ranks": num_ranks}),
+        ActorPlan("adapter_reader", "actors.adapter_reader:AdapterReaderActor",
+                  inbox={"conductor": ("conductor.adapter_reader", "ConductorToAdapterReader")},
+                  outbox={"conductor": ("adapter_reader.conductor", "AdapterReaderToConductor")}),
     ]
     for rank, w in enumerate(workers):
         plans.append(ActorPlan(w, "actors.worker:WorkerActor",
@@ -139,6 +144,9 @@ class Launcher:
         self.plans = plans or plan_actors(config.parallel.tp)
         self.ready_timeout_s = ready_timeout_s
         self.run_id = rundir.new_run_id()
+        for plan in self.plans:
+            if plan.name == "adapter_reader":  # its host copies are segments of this run
+                plan.params["run_id"] = self.run_id
         self.run_dir: Path | None = None
         self.rings: Rings | None = None
         self.procs: dict[str, multiprocessing.Process] = {}
@@ -336,10 +344,39 @@ class Launcher:
             rundir.remove_run_dir(self.run_dir)
 
 
+def validate_adapters(config: Config) -> None:
+    """Read and validate every configured adapter against the base model, before
+    anything is spawned. Raises AdapterError naming the first bad one and why."""
+    import json
+
+    from mstar_actors.fetch import resolve_model
+    from mstar_actors.lora import AdapterError, BaseShapes, read_adapter
+    from mstar_actors.lora.pool import expand_path
+
+    if not config.lora.adapters:
+        return
+    base = BaseShapes.from_hf_config(json.loads((resolve_model(config.model.path) / "config.json").read_text()))
+    for name, path in config.lora.adapters.items():
+        try:
+            read_adapter(expand_path(path), base=base, max_rank=config.lora.max_lora_rank, name=name)
+        except AdapterError as err:
+            raise AdapterError(f"lora.adapters.{name} ({path}): {err}".replace("\n", " ")) from None
+
+
 def serve(config: Config, model_name: str) -> int:
-    """Run the server until a signal or an actor's death; the exit code."""
+    """Run the server until a signal or an actor's death; the exit code
+    (2: a configured adapter can't be served, one line on stderr says which)."""
+    import sys
+
     import uvloop
 
+    from mstar_actors.lora import AdapterError
+
+    try:
+        validate_adapters(config)
+    except AdapterError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(Launcher(config, model_name).run())
 
