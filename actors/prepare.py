@@ -52,7 +52,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from actors.base import Actor
+from actors.base import Actor, Mailbox
 from mstar_actors.cpu_plan import CpuPlan, resolve_prepare_workers
 from mstar_actors.media import MediaError, MediaLimits, collect_media, fetch_remote
 from mstar_actors.messages import Abort, Failed, LoadAdapter, NewRequest, Prepared, UnloadAdapter
@@ -81,6 +81,9 @@ class PrepareActor(Actor):
     def __init__(self, *, preparer: Any = None, arena: Any = None, num_workers: int | None = None,
                  arena_spec: Any = None, **kw: Any):
         super().__init__(**kw)
+        # Hold at most one message beyond the one being handled, so a full pool
+        # leaves the rest in the frontend's ring: the frontend feels backpressure.
+        self.mailbox = Mailbox(self.inbox, max_pending=1)
         self.preparer = preparer
         self.arena = arena
         self.arena_spec = arena_spec

@@ -1,0 +1,199 @@
+"""The prepare actor's pool over in-memory channels, with a fake preparer whose
+per-request duration the test controls with events (no sleeps)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from actors.prepare import PrepareActor
+from mstar_actors.config import Config
+from mstar_actors.messages import (
+    Abort,
+    Failed,
+    FrontendToPrepare,
+    NewRequest,
+    Prepared,
+    PrepareToConductor,
+    SamplingParams,
+    Shutdown,
+)
+from mstar_actors.preprocess import Draft
+from transport.errors import ChannelClosed
+from transport.memory import MemoryChannel
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class GatedPreparer:
+    """Each request's draft blocks on its own gate; ``started`` tells the loop it began."""
+
+    PREPROCESS_PARALLEL = True
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.gates: dict[str, threading.Event] = {}
+        self.started: dict[str, asyncio.Event] = {}
+        self.threads: set[str] = set()
+
+    def expect(self, *ids: str) -> None:
+        for rid in ids:
+            self.gates[rid] = threading.Event()
+            self.started[rid] = asyncio.Event()
+
+    def draft(self, req: NewRequest, fetched: dict) -> Draft | Failed:
+        self.threads.add(threading.current_thread().name)
+        self.loop.call_soon_threadsafe(self.started[req.request_id].set)
+        assert self.gates[req.request_id].wait(20), f"gate {req.request_id} never opened"
+        if req.prompt == "fail":
+            return Failed(request_id=req.request_id, status=400, message="bad media", param="messages")
+        if req.prompt == "boom":
+            raise RuntimeError("preparer bug")
+        return Draft(Prepared(request_id=req.request_id, model="m", prompt_token_ids=[1, 2, 3],
+                              sampling=SamplingParams()))
+
+
+class InlinePreparer(GatedPreparer):
+    PREPROCESS_PARALLEL = False
+
+    def draft(self, req, fetched):
+        self.threads.add(threading.current_thread().name)
+        return Draft(Prepared(request_id=req.request_id, model="m", prompt_token_ids=[1], sampling=SamplingParams()))
+
+
+class Harness:
+    def __init__(self, preparer, num_workers: int, outbox_bytes: int = 1 << 20):
+        self.inbox = MemoryChannel(FrontendToPrepare, "frontend.prepare", capacity_bytes=1 << 20)
+        self.out = MemoryChannel(PrepareToConductor, "prepare.conductor", capacity_bytes=outbox_bytes)
+        self.preparer = preparer
+        self.actor = PrepareActor(name="prepare", config=Config(), inbox={"frontend": self.inbox},
+                                  outbox={"conductor": self.out}, preparer=preparer, num_workers=num_workers)
+        self.task = asyncio.create_task(self.actor.run())
+
+    async def send(self, rid: str, prompt: str = "ok") -> None:
+        await self.inbox.send(NewRequest(request_id=rid, model="m", sampling=SamplingParams(), prompt=prompt))
+
+    async def recv_id(self) -> tuple[str, str]:
+        msg = await self.out.recv()
+        return type(msg).__name__, msg.request_id
+
+    async def close(self) -> list:
+        """Shut down and return what was still on the way out."""
+        await self.inbox.send(Shutdown(reason="test"))
+        assert await self.task == 0
+        rest = []
+        while True:
+            try:
+                rest.append(await self.out.recv())
+            except ChannelClosed:
+                return rest
+
+
+async def settle() -> None:
+    """Let every ready callback on the loop run (no timing involved)."""
+    for _ in range(100):
+        await asyncio.sleep(0)
+
+
+async def test_arrival_order_kept_when_later_requests_finish_first():
+    h = Harness(GatedPreparer(asyncio.get_running_loop()), num_workers=3)
+    h.preparer.expect("r1", "r2", "r3")
+    for rid in ("r1", "r2", "r3"):
+        await h.send(rid)
+    for rid in ("r1", "r2", "r3"):
+        await h.preparer.started[rid].wait()  # all three run at once
+    h.preparer.gates["r3"].set()
+    h.preparer.gates["r2"].set()
+    await settle()
+    assert h.out.stats().messages == 0  # r2 and r3 are done but wait for r1
+    h.preparer.gates["r1"].set()
+    assert [await h.recv_id() for _ in range(3)] == [("Prepared", "r1"), ("Prepared", "r2"), ("Prepared", "r3")]
+    assert len(h.preparer.threads) == 3 and all(t.startswith("prepare") for t in h.preparer.threads)
+    assert await h.close() == []
+
+
+async def test_full_pool_reads_nothing_more_until_a_slot_frees():
+    h = Harness(GatedPreparer(asyncio.get_running_loop()), num_workers=2)
+    h.preparer.expect("r1", "r2", "r3", "r4", "r5")
+    for rid in ("r1", "r2", "r3", "r4", "r5"):
+        await h.send(rid)
+    await h.preparer.started["r1"].wait()
+    await h.preparer.started["r2"].wait()
+    await settle()
+    assert set(h.actor._by_id) == {"r1", "r2"}  # r3.. wait undecoded
+    assert not h.preparer.started["r3"].is_set()
+    assert h.inbox._records, "the pool is full: the rest stays in the frontend's channel"
+    h.preparer.gates["r2"].set()  # a slot frees (r2 waits for r1 to be released)
+    await h.preparer.started["r3"].wait()
+    assert not h.preparer.started["r4"].is_set()
+    for rid in ("r1", "r3", "r4", "r5"):
+        h.preparer.gates[rid].set()
+    assert [(await h.recv_id())[1] for _ in range(5)] == ["r1", "r2", "r3", "r4", "r5"]
+    await h.close()
+
+
+async def test_full_outbox_release_waits_and_nothing_is_lost():
+    # room for one Prepared (about 140 bytes with the record header) and not two
+    h = Harness(GatedPreparer(asyncio.get_running_loop()), num_workers=4, outbox_bytes=200)
+    ids = [f"r{i}" for i in range(6)]
+    h.preparer.expect(*ids)
+    for rid in ids:
+        h.preparer.gates[rid].set()
+        await h.send(rid)
+    await h.preparer.started["r3"].wait()
+    await settle()
+    assert h.out.stats().messages < len(ids) and h.out.stats().num_blocked >= 1  # a release is waiting
+    got = [(await h.recv_id())[1] for _ in ids]
+    assert got == ids
+    await h.close()
+
+
+async def test_one_failing_request_fails_alone():
+    h = Harness(GatedPreparer(asyncio.get_running_loop()), num_workers=3)
+    h.preparer.expect("r1", "r2", "r3", "r4")
+    await h.send("r1")
+    await h.send("r2", prompt="fail")
+    await h.send("r3", prompt="boom")
+    await h.send("r4")
+    for rid in ("r4", "r3", "r2", "r1"):
+        h.preparer.gates[rid].set()
+    msgs = [await h.out.recv() for _ in range(4)]
+    assert [type(m).__name__ for m in msgs] == ["Prepared", "Failed", "Failed", "Prepared"]
+    assert (msgs[1].status, msgs[1].param) == (400, "messages")
+    assert msgs[2].status == 500 and "preparer bug" in msgs[2].message
+    await h.close()
+
+
+async def test_abandoned_request_is_dropped_unsent_and_the_others_continue():
+    h = Harness(GatedPreparer(asyncio.get_running_loop()), num_workers=3)
+    h.preparer.expect("r1", "r2", "r3")
+    for rid in ("r1", "r2", "r3"):
+        await h.send(rid)
+    await h.preparer.started["r1"].wait()
+    await h.inbox.send(Abort(request_id="r1"))  # r1 still prepares
+    h.preparer.gates["r2"].set()
+    h.preparer.gates["r3"].set()
+    assert [await h.recv_id() for _ in range(2)] == [("Prepared", "r2"), ("Prepared", "r3")]
+    h.preparer.gates["r1"].set()  # its thread ends; the result goes nowhere
+    await h.inbox.send(Abort(request_id="r2"))  # already released: forwarded in order
+    assert await h.recv_id() == ("Abort", "r2")
+    assert await h.close() == []
+
+
+@pytest.mark.parametrize("preparer_cls, num_workers", [(InlinePreparer, 4), (GatedPreparer, 1)],
+                         ids=["no-declaration", "one-worker"])
+async def test_inline_fallbacks(preparer_cls, num_workers):
+    preparer = preparer_cls(asyncio.get_running_loop())
+    preparer.expect("r1", "r2")
+    preparer.gates["r1"].set()
+    preparer.gates["r2"].set()
+    h = Harness(preparer, num_workers=num_workers)
+    await h.send("r1")
+    await h.inbox.send(Abort(request_id="r1"))
+    await h.send("r2")
+    assert [await h.recv_id() for _ in range(3)] == [("Prepared", "r1"), ("Abort", "r1"), ("Prepared", "r2")]
+    assert h.actor.pool is None
+    assert not any(t.startswith("prepare") for t in preparer.threads)  # ran on the loop's thread
+    await h.close()
