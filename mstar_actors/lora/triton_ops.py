@@ -223,6 +223,8 @@ def sgmv_expand(
 
 def add_delta(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, segments: LoraSegments) -> torch.Tensor:
     """``LoraStack.add_delta`` on CUDA: shrink + expand (plus a zero-fill under split-K)."""
+    if segments.num_segments == 0:  # every row on the base model: an empty grid is not launchable
+        return y
     seg = segments.on(y.device)
     if stack.is_embedding:
         # The embedding's shrink is a gather, once per step: torch is enough.
