@@ -28,6 +28,7 @@ import torch
 from mstar_actors import messages
 from mstar_actors.models.attention import AttentionMetadata, allocate_kv_cache, kv_bytes_per_block
 from mstar_actors.models.loader import load_model, load_spec
+from mstar_actors.models.media_inputs import MediaInputs, TensorResolver
 from mstar_actors.sampling import SampleRow, sample_tokens
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,11 @@ class Batch:
     context_lens: list[int] = field(default_factory=list)
     logits_indices: list[int] = field(default_factory=list)  # flat rows to sample (a chunk's last token)
     sample_ids: list[str] = field(default_factory=list)  # their request ids, same order
+    request_ids: list[str] = field(default_factory=list)  # each chunk's request, in batch order
+
+    def spans(self) -> list[tuple[str, int, int]]:
+        """(request id, first token index, stop) of each chunk, in batch order."""
+        return [(rid, ctx - n, ctx) for rid, n, ctx in zip(self.request_ids, self.query_lens, self.context_lens)]
 
 
 def build_batch(
@@ -98,6 +104,7 @@ def build_batch(
         batch.block_tables.append(table[: -(-stop // block_size)])
         batch.query_lens.append(chunk.num_tokens)
         batch.context_lens.append(stop)
+        batch.request_ids.append(chunk.request_id)
         if chunk.sample:
             batch.logits_indices.append(len(batch.input_ids) - 1)
             batch.sample_ids.append(chunk.request_id)
@@ -147,6 +154,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         seed: int = 0,
         sampler: Sampler = sample_tokens,
+        resolve_tensor: TensorResolver | None = None,
     ):
         self.device = resolve_device(device)
         _, spec = load_spec(Path(model_dir))  # read first: "auto" dtype depends on it
@@ -163,6 +171,9 @@ class ModelRunner:
         self.generator.manual_seed(seed)
         self.sampler = sampler
         self.seqs: dict[str, SeqState] = {}
+        # Multimodal models: per-sequence positions and vision rows; pixel
+        # values are read through ``resolve_tensor`` (the worker's arena).
+        self.media = MediaInputs(self.model, resolve_tensor) if getattr(self.model, "is_multimodal", False) else None
 
     # -- protocol ----------------------------------------------------------
 
@@ -193,15 +204,33 @@ class ModelRunner:
 
     def start(self, started: list[messages.SeqStart]) -> None:
         """Remember new sequences; a restarted one replaces its old state."""
+        media_errors = []
         for s in started:
             self.seqs[s.request_id] = SeqState(list(s.prompt_token_ids), s.sampling, list(s.output_token_ids))
+            if (error := self._start_media(s)) is not None:
+                self.seqs.pop(s.request_id)
+                media_errors.append(error)
+        if media_errors:
+            raise PlanError("; ".join(media_errors), [s.request_id for s in started if s.request_id not in self.seqs])
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Drop finished sequences; an unknown id is a no-op (aborts are idempotent)."""
         for rid in request_ids:
             self.seqs.pop(rid, None)
+            if self.media is not None:
+                self.media.forget(rid)
 
     # -- internals ---------------------------------------------------------
+
+    def _start_media(self, s: messages.SeqStart) -> str | None:
+        """Why ``s``'s media can't be served here, or None when it can (or has none)."""
+        if self.media is None:
+            return f"request {s.request_id!r}: has {len(s.media)} media item(s) but {self.spec.architecture} takes text only" if s.media else None
+        try:
+            self.media.start(s.request_id, s.prompt_token_ids, s.media)
+        except ValueError as err:
+            return str(err)
+        return None
 
     def _sample_row(self, request_id: str) -> SampleRow:
         seq = self.seqs[request_id]
@@ -211,8 +240,17 @@ class ModelRunner:
         """The batch's sampled rows' logits, ``[len(batch.sample_ids), vocab]`` float32."""
         input_ids, positions, meta, logits_indices = self._to_device(batch)
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            hidden = self._forward(batch, input_ids, positions, meta)
             return self.model.compute_logits(hidden[logits_indices])
+
+    def _forward(self, batch: Batch, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.media is None:
+            return self.model(input_ids, positions, self.kv_caches, meta)
+        try:  # multimodal: [3, T] positions, and vision rows spliced over placeholders
+            positions, media_rows = self.media.step_inputs(batch.spans(), self.device)
+        except ValueError as err:
+            raise PlanError(str(err)) from None
+        return self.model(input_ids, positions, self.kv_caches, meta, media_rows)
 
     def _to_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         def longs(values: list[int]) -> torch.Tensor:
