@@ -36,17 +36,20 @@ class GatedPreparer:
         self.loop = loop
         self.gates: dict[str, threading.Event] = {}
         self.started: dict[str, asyncio.Event] = {}
+        self.ended: dict[str, asyncio.Event] = {}
         self.threads: set[str] = set()
 
     def expect(self, *ids: str) -> None:
         for rid in ids:
             self.gates[rid] = threading.Event()
             self.started[rid] = asyncio.Event()
+            self.ended[rid] = asyncio.Event()
 
     def draft(self, req: NewRequest, fetched: dict) -> Draft | Failed:
         self.threads.add(threading.current_thread().name)
         self.loop.call_soon_threadsafe(self.started[req.request_id].set)
         assert self.gates[req.request_id].wait(20), f"gate {req.request_id} never opened"
+        self.loop.call_soon_threadsafe(self.ended[req.request_id].set)
         if req.prompt == "fail":
             return Failed(request_id=req.request_id, status=400, message="bad media", param="messages")
         if req.prompt == "boom":
@@ -140,13 +143,17 @@ async def test_full_outbox_release_waits_and_nothing_is_lost():
     ids = [f"r{i}" for i in range(6)]
     h.preparer.expect(*ids)
     for rid in ids:
-        h.preparer.gates[rid].set()
         await h.send(rid)
-    await h.preparer.started["r3"].wait()
+    for rid in ids[:4]:
+        await h.preparer.started[rid].wait()
+    for rid in ids:
+        h.preparer.gates[rid].set()
+    for rid in ids[:4]:
+        await h.preparer.ended[rid].wait()
     await settle()
-    assert h.out.stats().messages < len(ids) and h.out.stats().num_blocked >= 1  # a release is waiting
-    got = [(await h.recv_id())[1] for _ in ids]
-    assert got == ids
+    assert h.out.stats().messages == 1 and h.out.stats().num_blocked == 1  # r1's release waits
+    assert not h.preparer.started["r4"].is_set()  # and nothing more is read meanwhile
+    assert [(await h.recv_id())[1] for _ in ids] == ids
     await h.close()
 
 
