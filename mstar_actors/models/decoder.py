@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, PagedAttention, TorchPagedAttention
+from .lora_layers import LoraHook
 from .rope import RotaryEmbedding
 from .spec import ModelSpec
 
@@ -34,7 +35,28 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-class StackedLinear(nn.Linear):
+class LoraLinear(nn.Linear):
+    """A linear layer LoRA can target: ``lora`` is None (base path only)
+    unless ``lora_layers.enable_lora`` gave it a hook."""
+
+    lora: LoraHook | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.apply(y, x)
+
+
+class LoraEmbedding(nn.Embedding):
+    """The token embedding, LoRA-targetable like ``LoraLinear`` (its ``x`` is the token ids)."""
+
+    lora: LoraHook | None = None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        y = F.embedding(input_ids, self.weight)
+        return y if self.lora is None else self.lora.apply(y, input_ids)
+
+
+class StackedLinear(LoraLinear):
     """A linear layer fusing several projections along the output dimension."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool):
@@ -51,7 +73,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.qkv_proj = StackedLinear(spec.hidden_size, [spec.q_size, spec.kv_size, spec.kv_size], spec.qkv_bias)
-        self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.o_proj = LoraLinear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
@@ -78,7 +100,7 @@ class MLP(nn.Module):
         super().__init__()
         size = spec.intermediate_size
         self.gate_up_proj = StackedLinear(spec.hidden_size, [size, size], bias=False)
-        self.down_proj = nn.Linear(size, spec.hidden_size, bias=False)
+        self.down_proj = LoraLinear(size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -101,7 +123,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, spec: ModelSpec, backend: PagedAttention):
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = LoraEmbedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, backend) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -109,6 +131,8 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """``forward`` -> final hidden states ``[T, hidden]``; ``compute_logits``
     on the rows that are sampled -> ``[R, vocab]`` float32."""
+
+    lm_head_lora: LoraHook | None = None  # set by lora_layers.enable_lora (the head may be tied)
 
     def __init__(self, spec: ModelSpec, backend: PagedAttention | None = None):
         super().__init__()
@@ -131,4 +155,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        if self.lm_head_lora is not None:  # rows of ``hidden`` are the sampled rows, in order
+            logits = self.lm_head_lora.apply(logits, hidden)
+        return logits.float()

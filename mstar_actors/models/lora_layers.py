@@ -1,0 +1,177 @@
+"""LoRA inside the decoder: one ``LoraStack`` per targeted module, one step's segments.
+
+Targets: every ``LoraLinear`` of the decoder (``qkv_proj``, ``o_proj``,
+``gate_up_proj``, ``down_proj``), the token embedding and the LM head. Each
+targeted module gets a ``LoraHook`` (its stack plus the model's shared
+``LoraStep``); after its base matmul it calls ``hook.apply(y, x)``.
+
+Nothing here exists unless LoRA is enabled (``enable_lora``): a model built
+without it has ``lora = None`` on every module and runs the base path only.
+With LoRA on, a step with no adapter rows has ``LoraStep.segments = None``
+and every hook returns at once, so base-only batches cost an attribute test
+per module.
+
+Adapter placement goes through the architecture's ``CheckpointRules`` (the
+same table the weight loader uses): HF ``model.layers.3.self_attn.k_proj``
+lands in our ``model.layers.3.self_attn.qkv_proj`` stack as shard 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from mstar_actors.lora.adapter_file import AdapterWeights
+from mstar_actors.lora.ops import ZERO_SLOT, LoraSegments, LoraStack, build_segments
+
+from .checkpoint import CheckpointRules
+
+LM_HEAD = "lm_head"
+EMBED_TOKENS = "model.embed_tokens"
+
+
+class LoraStep:
+    """The current step's rows grouped by slot, shared by every hook of one model.
+
+    ``segments`` covers the flat batch's token rows, ``sampled_segments`` the
+    rows given to the LM head (one per sampled chunk). Both are None outside
+    a step and in steps without adapter rows. Set by ``LoraLayers.begin_step``
+    and reset by ``end_step``; the runner executes one step at a time, so one
+    shared holder is enough (no step ever sees another's segments).
+    """
+
+    __slots__ = ("segments", "sampled_segments")
+
+    def __init__(self) -> None:
+        self.segments: LoraSegments | None = None
+        self.sampled_segments: LoraSegments | None = None
+
+
+class LoraHook:
+    """One targeted module's stack; ``apply`` adds its delta for the step's adapter rows."""
+
+    __slots__ = ("stack", "step", "is_sampled")
+
+    def __init__(self, stack: LoraStack, step: LoraStep, *, is_sampled: bool = False):
+        self.stack = stack
+        self.step = step
+        self.is_sampled = is_sampled  # the LM head sees only the sampled rows
+
+    def apply(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        segments = self.step.sampled_segments if self.is_sampled else self.step.segments
+        return y if segments is None else self.stack.add_delta(y, x, segments)
+
+
+class LoraLayers:
+    """Every LoRA stack of one model, keyed by our module name, and its slots.
+
+    ``install`` / ``clear`` run between steps on the runner's thread, never
+    while a step reads the slot (the conductor installs only into slots no
+    running row uses).
+    """
+
+    def __init__(self, stacks: dict[str, LoraStack], rules: CheckpointRules, step: LoraStep):
+        self.stacks = stacks
+        self.rules = rules
+        self.step = step
+
+    @property
+    def num_slots(self) -> int:
+        return next(iter(self.stacks.values())).num_slots
+
+    @property
+    def max_rank(self) -> int:
+        return next(iter(self.stacks.values())).max_rank
+
+    # -- steps -------------------------------------------------------------
+
+    def begin_step(self, chunk_slots: Sequence[int], query_lens: Sequence[int], sampled_slots: Sequence[int]) -> None:
+        """Group this step's rows by slot: chunk ``i`` has ``query_lens[i]``
+        rows on ``chunk_slots[i]``. A base-only step leaves the segments None."""
+        if not any(chunk_slots):
+            self.end_step()
+            return
+        token_slots = [slot for slot, n in zip(chunk_slots, query_lens, strict=True) for _ in range(n)]
+        self.step.segments = build_segments(token_slots)
+        self.step.sampled_segments = build_segments(sampled_slots) if any(sampled_slots) else None
+
+    def end_step(self) -> None:
+        self.step.segments = None
+        self.step.sampled_segments = None
+
+    # -- slots -------------------------------------------------------------
+
+    def install(self, slot: int, weights: AdapterWeights) -> None:
+        """Install ``weights`` into ``slot`` of every stack; modules the adapter
+        does not target read zero. The slot is cleared first, so a reload
+        never keeps an earlier tenant's rows; on any error it is left cleared."""
+        self._check_slot(slot, weights.name)
+        placements = [(hf, *self._place(hf, weights.name), module) for hf, module in weights.iter_modules()]
+        self.clear(slot)
+        try:
+            for hf_module, ours, shard, module in placements:
+                self._install_one(slot, hf_module, ours, shard, module, weights.name)
+        except Exception:
+            self.clear(slot)
+            raise
+
+    def clear(self, slot: int) -> None:
+        for stack in self.stacks.values():
+            stack.clear(slot)
+
+    def _check_slot(self, slot: int, name: str) -> None:
+        if not 0 < slot < self.num_slots:
+            raise ValueError(
+                f"adapter {name!r}: slot {slot} is out of range; accepted: 1..{self.num_slots - 1} "
+                "(slot 0 is the base model; lora.max_loras sets the count)"
+            )
+
+    def _place(self, hf_module: str, name: str) -> tuple[str, int | None]:
+        mapped = self.rules.map_module(hf_module)
+        if mapped is None or mapped[0] not in self.stacks:
+            raise ValueError(
+                f"adapter {name!r}: module {hf_module!r} has no LoRA stack in this model; "
+                f"accepted targets: q/k/v/o_proj, gate/up/down_proj, {LM_HEAD}, embed_tokens"
+            )
+        return mapped
+
+    def _install_one(self, slot, hf_module, ours, shard, module, name) -> None:
+        try:
+            self.stacks[ours].install(slot, shard, module)
+        except ValueError as err:
+            raise ValueError(f"adapter {name!r}: module {hf_module!r} ({ours}): {err}") from None
+
+
+def enable_lora(
+    model: nn.Module, rules: CheckpointRules, *, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device | str
+) -> LoraLayers:
+    """Give every targetable module of ``model`` (a ``CausalLM``) a stack of
+    ``num_slots`` slots (slot 0 = base) and return them. Called once, after
+    the weights are loaded and before the KV cache is sized."""
+    from .decoder import LoraEmbedding, LoraLinear  # the decoder imports this module
+
+    if num_slots < 2 or max_rank < 1:
+        raise ValueError(f"LoRA needs num_slots >= 2 (slot 0 is the base) and max_rank >= 1; got {num_slots}, {max_rank}")
+    step = LoraStep()
+    stacks: dict[str, LoraStack] = {}
+    kwargs = dict(num_slots=num_slots, max_rank=max_rank, dtype=dtype, device=device)
+    # Only the text decoder (``model.model``): a vision tower's rows are not the step's token rows.
+    for name, module in model.model.named_modules(prefix="model"):
+        if isinstance(module, LoraLinear):
+            sizes = getattr(module, "output_sizes", [module.out_features])
+            stacks[name] = LoraStack(module.in_features, sizes, **kwargs)
+            module.lora = LoraHook(stacks[name], step)
+        elif isinstance(module, LoraEmbedding):
+            stacks[name] = LoraStack(module.num_embeddings, [module.embedding_dim], is_embedding=True, **kwargs)
+            module.lora = LoraHook(stacks[name], step)
+    # The LM head may be tied to the embedding (no module of its own); its
+    # LoRA delta is independent of the tie, so it always gets a stack.
+    spec = model.spec
+    stacks[LM_HEAD] = LoraStack(spec.hidden_size, [spec.vocab_size], **kwargs)
+    model.lm_head_lora = LoraHook(stacks[LM_HEAD], step, is_sampled=True)
+    return LoraLayers(stacks, rules, step)
+
+
+__all__ = ["EMBED_TOKENS", "LM_HEAD", "LoraHook", "LoraLayers", "LoraStep", "ZERO_SLOT", "enable_lora"]
