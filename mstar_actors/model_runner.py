@@ -11,6 +11,10 @@ Sequence state lives from ``plan.started`` until the id appears in
 ``plan.finished``; a sequence restarted after a preemption arrives again in
 ``started`` with the outputs it had, and replaces the old state.
 
+LoRA (``max_loras > 0``): each sequence runs on its ``SeqStart.lora_slot``
+(0: the base model); ``install_adapter`` fills a slot between steps. With
+LoRA off no stack exists and the model runs its base path only.
+
 ``build_batch`` is a pure function (no torch), so the plan-to-batch rules can
 be tested without a model.
 """
@@ -26,9 +30,11 @@ import psutil
 import torch
 
 from mstar_actors import messages
+from mstar_actors.lora.adapter_file import AdapterWeights
 from mstar_actors.models.attention import AttentionMetadata, allocate_kv_cache, kv_bytes_per_block
 from mstar_actors.models.loader import load_model, load_spec
 from mstar_actors.models.media_inputs import MediaInputs, TensorResolver
+from mstar_actors.models.lora_layers import LoraLayers, enable_lora
 from mstar_actors.sampling import SampleRow, sample_tokens
 
 log = logging.getLogger(__name__)
@@ -52,6 +58,7 @@ class SeqState:
     prompt_token_ids: list[int]
     sampling: messages.SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
+    lora_slot: int = 0  # 0: the base model
 
     @property
     def num_tokens(self) -> int:
@@ -83,6 +90,8 @@ class Batch:
     def spans(self) -> list[tuple[str, int, int]]:
         """(request id, first token index, stop) of each chunk, in batch order."""
         return [(rid, ctx - n, ctx) for rid, n, ctx in zip(self.request_ids, self.query_lens, self.context_lens)]
+    chunk_slots: list[int] = field(default_factory=list)  # LoRA slot of each chunk (0: base)
+    sample_slots: list[int] = field(default_factory=list)  # LoRA slot of each sampled row
 
 
 def build_batch(
@@ -105,9 +114,11 @@ def build_batch(
         batch.query_lens.append(chunk.num_tokens)
         batch.context_lens.append(stop)
         batch.request_ids.append(chunk.request_id)
+        batch.chunk_slots.append(seq.lora_slot)
         if chunk.sample:
             batch.logits_indices.append(len(batch.input_ids) - 1)
             batch.sample_ids.append(chunk.request_id)
+            batch.sample_slots.append(seq.lora_slot)
     return batch
 
 
@@ -155,12 +166,21 @@ class ModelRunner:
         seed: int = 0,
         sampler: Sampler = sample_tokens,
         resolve_tensor: TensorResolver | None = None,
+        max_loras: int = 0,
+        max_lora_rank: int = 0,
     ):
         self.device = resolve_device(device)
-        _, spec = load_spec(Path(model_dir))  # read first: "auto" dtype depends on it
+        arch, spec = load_spec(Path(model_dir))  # read first: "auto" dtype depends on it
         self.dtype = resolve_dtype(dtype, spec.torch_dtype, self.device)
         self.model = load_model(model_dir, self.dtype, self.device)
         self.spec = spec
+        # Stacks before the KV cache: its size is what memory is left.
+        self.lora: LoraLayers | None = None
+        if max_loras > 0:
+            self.lora = enable_lora(
+                self.model, arch.rules, num_slots=max_loras + 1, max_rank=max_lora_rank, dtype=self.dtype, device=self.device
+            )
+        self.lora_names: dict[int, str] = {}  # slot -> installed adapter's name
         self.block_size = block_size
         self.max_model_len = min(max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
         self.num_kv_blocks = num_blocks or self._blocks_from_memory(memory_fraction)
@@ -203,15 +223,36 @@ class ModelRunner:
         return sampled
 
     def start(self, started: list[messages.SeqStart]) -> None:
-        """Remember new sequences; a restarted one replaces its old state."""
-        media_errors = []
+        """Remember new sequences; a restarted one replaces its old state.
+
+        A sequence on a LoRA slot this rank holds no adapter in is refused
+        (PlanError naming it): running it on the base model would be wrong
+        silently. The others are still remembered."""
+        errors = []
         for s in started:
-            self.seqs[s.request_id] = SeqState(list(s.prompt_token_ids), s.sampling, list(s.output_token_ids))
+            if s.lora_slot != 0 and s.lora_slot not in self.lora_names:
+                errors.append(f"request {s.request_id!r}: lora_slot {s.lora_slot} holds no adapter on this rank; {self._lora_hint()}")
+                continue
+            self.seqs[s.request_id] = SeqState(list(s.prompt_token_ids), s.sampling, list(s.output_token_ids), s.lora_slot)
             if (error := self._start_media(s)) is not None:
                 self.seqs.pop(s.request_id)
-                media_errors.append(error)
-        if media_errors:
-            raise PlanError("; ".join(media_errors), [s.request_id for s in started if s.request_id not in self.seqs])
+                errors.append(error)
+        if errors:
+            raise PlanError("; ".join(errors), [s.request_id for s in started if s.request_id not in self.seqs])
+
+    def install_adapter(self, slot: int, weights: AdapterWeights) -> None:
+        """Install ``weights`` into ``slot`` (cleared first: no earlier tenant's
+        rows survive). Between steps only; no running sequence may use ``slot``."""
+        if self.lora is None:
+            raise ValueError(f"adapter {weights.name!r}: LoRA is off on this rank (lora.max_loras = 0); enable it to install adapters")
+        self.lora_names.pop(slot, None)  # on failure the slot is cleared and holds nothing
+        self.lora.install(slot, weights)
+        self.lora_names[slot] = weights.name
+
+    def _lora_hint(self) -> str:
+        if self.lora is None:
+            return "LoRA is off on this rank (lora.max_loras = 0), so only slot 0 (base) is accepted"
+        return f"installed: {dict(sorted(self.lora_names.items())) or 'none'} (slot: adapter)"
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Drop finished sequences; an unknown id is a no-op (aborts are idempotent)."""
@@ -239,9 +280,15 @@ class ModelRunner:
     def _run_model(self, batch: Batch) -> torch.Tensor:
         """The batch's sampled rows' logits, ``[len(batch.sample_ids), vocab]`` float32."""
         input_ids, positions, meta, logits_indices = self._to_device(batch)
-        with torch.inference_mode():
-            hidden = self._forward(batch, input_ids, positions, meta)
-            return self.model.compute_logits(hidden[logits_indices])
+        if self.lora is not None:
+            self.lora.begin_step(batch.chunk_slots, batch.query_lens, batch.sample_slots)
+        try:
+            with torch.inference_mode():
+                hidden = self._forward(batch, input_ids, positions, meta)
+                return self.model.compute_logits(hidden[logits_indices])
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
 
     def _forward(self, batch: Batch, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.media is None:
