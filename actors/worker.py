@@ -13,10 +13,12 @@ answer, which is what sharding will rely on.
 from __future__ import annotations
 
 import time
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 from actors.base import Actor
-from mstar_actors.messages import StepDone, StepFailed, StepPlan
+from mstar_actors.messages import AdapterInstalled, InstallAdapter, StepDone, StepFailed, StepPlan
 
 
 def build_runner(config: Any) -> Any:
@@ -25,6 +27,10 @@ def build_runner(config: Any) -> Any:
     from mstar_actors.model_runner import ModelRunner
 
     kv = config.kv
+    lora = config.lora
+    # LoRA stacks only where an adapter can ever be served: configured ones or
+    # runtime loads. Otherwise the model keeps its base path, with no stacks.
+    is_lora_on = bool(lora.adapters) or lora.allow_runtime_updates
     return ModelRunner(
         model_dir=resolve_model(config.model.path),
         dtype=config.model.dtype,
@@ -34,7 +40,43 @@ def build_runner(config: Any) -> Any:
         memory_fraction=kv.memory_fraction,
         max_model_len=config.scheduler.max_model_len,
         seed=config.model.seed,
+        max_loras=lora.max_loras if is_lora_on else 0,
+        max_lora_rank=lora.max_lora_rank if is_lora_on else 0,
     )
+
+
+def install_from_host(runner: Any, rank: int, msg: InstallAdapter) -> AdapterInstalled:
+    """Install the adapter-reader's host copy named by ``msg`` into ``msg.slot``.
+
+    The segment is the reader's: it is mapped read-only for the copy and
+    unregistered from this process's resource tracker, so our exit never
+    unlinks it. Any failure (missing segment, torn blob, digest mismatch, a
+    module this model has no stack for) is an ``ok=False`` answer with the
+    reason; the conductor then refuses the adapter on every rank.
+    """
+    from mstar_actors.lora.host_copy import adapter_from_bytes
+
+    try:
+        weights = adapter_from_bytes(_read_segment(msg.host.segment, msg.host.nbytes))
+        if weights.digest != msg.digest:
+            raise ValueError(f"host copy holds digest {weights.digest}, the install names {msg.digest}")
+        runner.install_adapter(msg.slot, weights)
+    except Exception as err:
+        error = f"rank {rank}: adapter {msg.name!r} into slot {msg.slot}: {type(err).__name__}: {err}"
+        return AdapterInstalled(rank=rank, slot=msg.slot, digest=msg.digest, ok=False, error=error)
+    return AdapterInstalled(rank=rank, slot=msg.slot, digest=msg.digest, ok=True)
+
+
+def _read_segment(name: str, nbytes: int) -> bytes:
+    shm = SharedMemory(name=name, create=False)
+    try:
+        # Python 3.11 registers attached segments too; the reader owns this one.
+        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+        if nbytes > shm.size:
+            raise ValueError(f"shared memory segment {name!r} has {shm.size} bytes, the install names {nbytes}")
+        return bytes(shm.buf[:nbytes])
+    finally:
+        shm.close()
 
 
 class WorkerActor(Actor):
@@ -59,8 +101,18 @@ class WorkerActor(Actor):
         match msg:
             case StepPlan():
                 await self.outbox["conductor"].send(self.execute(msg))
+            case InstallAdapter():
+                # Inline, in channel order with the plans: a step sent before
+                # the install never sees the new weights, one sent after does.
+                await self.outbox["conductor"].send(self.install(msg))
             case _:
                 self.unknown(channel, msg)
+
+    def install(self, msg: InstallAdapter) -> AdapterInstalled:
+        reply = install_from_host(self.runner, self.rank, msg)
+        if not reply.ok:
+            self.log.warning("%s", reply.error)
+        return reply
 
     def execute(self, plan: StepPlan) -> StepDone | StepFailed:
         start = time.perf_counter()
