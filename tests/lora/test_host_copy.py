@@ -70,3 +70,72 @@ def test_refuses_foreign_and_torn_blobs():
     tensors = {"model.layers.5.self_attn.q_proj.lora_A": torch.ones(1, 4), "model.layers.5.self_attn.q_proj.lora_B": torch.ones(4, 1)}
     with pytest.raises(HostCopyError, match="N < 1"):
         adapter_from_bytes(st_save(tensors, metadata=meta))
+
+
+# ---------------------------------------------------------------- the worker's install
+
+
+class _Runner:
+    def __init__(self, error: Exception | None = None):
+        self.installed: list[tuple[int, AdapterWeights]] = []
+        self.error = error
+
+    def install_adapter(self, slot, weights):
+        if self.error:
+            raise self.error
+        self.installed.append((slot, weights))
+
+
+@pytest.fixture
+def segment():
+    """A shared-memory segment holding one adapter's blob, as the adapter-reader writes it."""
+    from multiprocessing import resource_tracker
+    from multiprocessing.shared_memory import SharedMemory
+
+    layers = ({"mlp.up_proj": LoraModule(torch.randn(2, 8), torch.randn(12, 2), 0.5)},)
+    weights = AdapterWeights(name="seg", digest="abc", max_rank=2, layers=layers, global_modules={})
+    blob = adapter_to_bytes(weights)
+    shm = SharedMemory(create=True, size=len(blob) + 100)
+    shm.buf[: len(blob)] = blob
+    yield shm, len(blob), weights
+    # The worker unregistered the name from this (shared) tracker; re-register so unlink balances.
+    resource_tracker.register(shm._name, "shared_memory")
+    shm.close()
+    shm.unlink()
+
+
+def _install_msg(shm, nbytes, digest="abc"):
+    from mstar_actors.messages import AdapterHostRef, InstallAdapter
+
+    return InstallAdapter(slot=2, name="seg", digest=digest, host=AdapterHostRef(segment=shm.name, nbytes=nbytes))
+
+
+def test_worker_installs_from_the_segment(segment):
+    from actors.worker import install_from_host
+
+    shm, nbytes, weights = segment
+    runner = _Runner()
+    reply = install_from_host(runner, 3, _install_msg(shm, nbytes))
+    assert (reply.rank, reply.slot, reply.digest, reply.ok, reply.error) == (3, 2, "abc", True, "")
+    [(slot, got)] = runner.installed
+    assert slot == 2
+    _assert_same(got, weights)
+
+
+def test_worker_answers_every_failure_with_its_reason(segment):
+    from actors.worker import install_from_host
+
+    shm, nbytes, _ = segment
+    reply = install_from_host(_Runner(), 1, _install_msg(shm, nbytes, digest="other"))
+    assert not reply.ok and "rank 1: adapter 'seg' into slot 2" in reply.error and "digest abc" in reply.error
+    reply = install_from_host(_Runner(ValueError("module 'x' has no LoRA stack")), 0, _install_msg(shm, nbytes))
+    assert not reply.ok and "ValueError: module 'x' has no LoRA stack" in reply.error
+    reply = install_from_host(_Runner(), 0, _install_msg(shm, shm.size + 1))
+    assert not reply.ok and "the install names" in reply.error
+    reply = install_from_host(_Runner(), 0, _install_msg(shm, 12))
+    assert not reply.ok and "HostCopyError" in reply.error
+    from mstar_actors.messages import AdapterHostRef, InstallAdapter
+
+    gone = InstallAdapter(slot=1, name="gone", digest="d", host=AdapterHostRef(segment="mstar_no_such_segment", nbytes=8))
+    reply = install_from_host(_Runner(), 0, gone)
+    assert not reply.ok and "FileNotFoundError" in reply.error
