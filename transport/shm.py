@@ -208,8 +208,14 @@ def _lock_fence() -> None:
 fence = _make_fence()
 # Stores through a memoryview are plain stores; x86-64 (TSO) keeps them in
 # program order as seen by other cores, aarch64 does not: publication there
-# needs a barrier too. ``publish_fence`` is that barrier (a no-op on x86-64).
-publish_fence = (lambda: None) if platform.machine() == "x86_64" else fence
+# needs a barrier too. Hot paths test the flag (cheaper than a no-op call).
+NEEDS_PUBLISH_FENCE = platform.machine() != "x86_64"
+
+
+def publish_fence() -> None:
+    """The barrier before publishing a counter or flag (no-op on x86-64)."""
+    if NEEDS_PUBLISH_FENCE:
+        fence()
 
 
 # -- run ownership and cleanup ---------------------------------------------------

@@ -254,3 +254,16 @@ def test_multiprocess_stress_every_byte_in_order(run):
     assert proc.exitcode == 0
     print(reader.stats())
     close_all(run, reader)
+
+
+def test_bad_record_in_a_batch_comes_after_the_good_ones(run):
+    spec = create_ring(run.run_dir, run.run_id, "plans", 4096)
+    writer, reader = open_ring(spec, "writer", Blob | int), open_ring(spec, "reader", Msg)
+    for msg in (Blob(0, b"a"), 42, Blob(2, b"c")):
+        writer.send_nowait(msg)
+    assert reader.recv_nowait() == Blob(0, b"a")
+    with pytest.raises(DecodeError, match="'plans'"):
+        reader.recv_nowait()
+    assert reader.recv_nowait() == Blob(2, b"c")
+    assert reader.stats().messages == 2
+    close_all(run, writer, reader)
