@@ -272,7 +272,9 @@ class ShmRing(Channel):
         self.send_encoded_nowait(self._codec.encode(msg))
 
     async def send(self, msg: Any) -> None:
-        await self.send_encoded(self._codec.encode(msg))
+        data = self._codec.encode(msg)
+        if not self._try_write(data):  # no nested coroutine on the fast path
+            await self.send_encoded(data)
 
     def send_encoded_nowait(self, data: bytes) -> None:
         """Send an already encoded message now or raise ChannelFull."""
