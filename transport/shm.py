@@ -109,7 +109,7 @@ def attach_segment(name: str) -> Segment:
     except FileNotFoundError:
         raise FileNotFoundError(
             f"shared memory {name!r} does not exist: the launcher creates it "
-            f"(create_ring / TensorArena.create) before its readers and writers open it"
+            f"(create_ring / create_arena) before its readers and writers open it"
         ) from None
     return Segment(name, fd)
 
