@@ -333,16 +333,16 @@ async def run_load(url: str, base: str, scenario: Scenario, prompts: list, max_t
     return result
 
 
-async def warm_up(url: str, models: list[str], prompts: list, concurrency: int) -> None:
-    """Every served model once, then one full-concurrency burst, a few tokens each."""
+async def warm_up(url: str, models: list[str], prompts: list, levels: tuple[int, ...]) -> None:
+    """Every served model once, then one burst at each concurrency, a few tokens each."""
     import aiohttp
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
         for model in models:
             await one_request(session, url, model, prompts[0], 4)
-        burst = [one_request(session, url, models[i % len(models)], prompts[i % len(prompts)], 4)
-                 for i in range(concurrency)]
-        await asyncio.gather(*burst)
+        for c in levels:  # each batch size once, so no first-time cost (compiles, allocations) is measured
+            await asyncio.gather(*[one_request(session, url, models[i % len(models)], prompts[i % len(prompts)], 4)
+                                   for i in range(c)])
 
 
 async def check_models(url: str, expected: list[str]) -> None:
@@ -367,7 +367,7 @@ def run_server(plan: Plan, key: str, model_dir: Path, adapters: dict[str, Path],
         models = [base, *ADAPTER_NAMES[:spec.num_adapters]]
         asyncio.run(check_models(url, models))
         prompts = make_messages(max(plan.num_requests(c) for c in plan.levels))
-        asyncio.run(warm_up(url, models, prompts, max(plan.levels)))
+        asyncio.run(warm_up(url, models, prompts, plan.levels))
         results = []
         for scenario in [s for s in plan.scenarios if s.server == key]:
             for c in plan.levels:
