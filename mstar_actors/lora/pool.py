@@ -221,8 +221,10 @@ class AdapterPool:
         if read.load_id is not None:
             return [*self._loaded(read, msg), *self._settle()]
         adapter = self.adapters.get(read.name) or self._waiting_adapter(read.name)
-        if adapter is not None and adapter.path == read.path:  # else a reload overtook this read
-            adapter.digest, adapter.is_reading = msg.digest, False
+        if adapter is not None:
+            adapter.is_reading = False
+            if adapter.path == read.path:  # else a reload overtook this read: keep the reload's digest
+                adapter.digest = msg.digest
         return self._settle()
 
     def on_read_failed(self, msg: AdapterReadFailed) -> list:
