@@ -82,6 +82,10 @@ class LoraLayers:
         return next(iter(self.stacks.values())).num_slots
 
     @property
+    def device(self) -> torch.device:
+        return next(iter(self.stacks.values())).a.device
+
+    @property
     def max_rank(self) -> int:
         return next(iter(self.stacks.values())).max_rank
 
@@ -96,6 +100,11 @@ class LoraLayers:
         token_slots = [slot for slot, n in zip(chunk_slots, query_lens, strict=True) for _ in range(n)]
         self.step.segments = build_segments(token_slots)
         self.step.sampled_segments = build_segments(sampled_slots) if any(sampled_slots) else None
+        if self.device.type == "cuda":
+            # The segments' one host-to-device copy, here rather than inside the first layer.
+            for segments in (self.step.segments, self.step.sampled_segments):
+                if segments is not None:
+                    segments.on(self.device)
 
     def end_step(self) -> None:
         self.step.segments = None
