@@ -37,6 +37,7 @@ CONFIGS = {
     "llama": lambda: LlamaConfig(**_TINY),
     "qwen2": lambda: Qwen2Config(**_TINY),  # q/k/v biases
     "qwen3": lambda: Qwen3Config(**_TINY, head_dim=32),  # q/o sizes differ from hidden
+    "qwen2-tied": lambda: Qwen2Config(**(_TINY | {"tie_word_embeddings": True})),  # the LM head is the embedding
 }
 ADAPTERS = {
     "all": dict(r=8, lora_alpha=16, target_modules=LINEARS + ["lm_head", "embed_tokens"]),
@@ -142,7 +143,7 @@ class Driver:
 # ---------------------------------------------------------------- parity
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def world(request, tmp_path_factory):
     """(base folder, base model, {adapter: (folder, peft model)}) for one architecture."""
     root = tmp_path_factory.mktemp(request.param)
@@ -181,10 +182,9 @@ def test_mixed_adapters_match_peft_and_merged(world):
         name = on[rid]
         want = generate(base, prompt) if name is None else generate(adapters[name][1], prompt)
         assert outputs[rid] == want, f"{rid} on adapter {name} diverged from transformers+peft"
-        if name is not None:
+        if rid in ("a1", "t1", "m1"):  # one request per adapter (a2 is a1's adapter again)
             assert outputs[rid] == generate(merged[name], prompt), f"{rid} diverged from {name}'s merged weights"
-        if rid in ("t1", "m1", "a1"):  # one request per adapter: the adapter must matter
-            assert outputs[rid] != generate(base, prompt), f"adapter {name} did not change {rid}'s tokens"
+    # That the adapters matter at all is shown by the reload test: one prompt, three different outputs.
 
 
 def _fresh_peft(world):
@@ -275,3 +275,27 @@ def test_install_refusals_name_adapter_and_module(world):
         runner.install_adapter(3, good)
     with pytest.raises(PlanError, match="'y': lora_slot 2 holds no adapter.*installed: none"):
         Driver(runner).step([Driver(runner).start("y", [4], slot=2)], [])
+
+
+def test_tied_lm_head_and_embedding_adapter_match_peft(tmp_path):
+    """A tied LM head has no module of its own here; its LoRA stack still applies."""
+    base_folder = tmp_path / "base"
+    make_base("qwen2-tied", base_folder)
+    peft = make_peft(base_folder, tmp_path / "ad", seed=5, r=4, lora_alpha=8, target_modules=["q_proj", "lm_head", "embed_tokens"])
+    seen: list[torch.Tensor] = []
+
+    def sampler(logits, rows, generator):
+        from mstar_actors.sampling import sample_tokens
+
+        seen.append(logits.clone())
+        return sample_tokens(logits, rows, generator=generator)
+
+    runner = make_runner(base_folder, max_loras=1, sampler=sampler)
+    runner.install_adapter(1, load_weights(tmp_path / "ad", base_folder, "ad"))
+    prompt = list(range(5, 20))
+    d = Driver(runner)
+    d.step([d.start("x", prompt, slot=1)], [d.chunk("x")])
+    with torch.no_grad():
+        want = peft(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(seen[0][0], want, rtol=1e-4, atol=1e-4)
+    assert d.run_to_end()["x"] == generate(peft, prompt)
