@@ -155,9 +155,11 @@ def world(request, tmp_path_factory):
     return root / "base", base, adapters
 
 
-def test_mixed_adapters_match_peft_and_merged(world):
-    base_folder, base, adapters = world
-    runner = make_runner(base_folder)
+def run_mixed(world, **runner_overrides) -> tuple[dict, dict, dict]:
+    """Base and three adapters in the same steps: chunked prefill, a prefix hit.
+    Returns (outputs, prompts, adapter name or None) by request id."""
+    base_folder, _, adapters = world
+    runner = make_runner(base_folder, **runner_overrides)
     slots = {name: slot for slot, name in enumerate(ADAPTERS, start=1)}
     for name, slot in slots.items():
         runner.install_adapter(slot, load_weights(adapters[name][0], base_folder, name))
@@ -175,16 +177,34 @@ def test_mixed_adapters_match_peft_and_merged(world):
     # Prefix-cache hit within adapter "all": a2 reuses a1's first six blocks.
     a2 = d.start("a2", prompts["a2"], slot=slots["all"], shared_blocks=d.seqs["a1"]["blocks"][:6], num_computed=24)
     d.step([a2], [d.chunk("a2"), *d.decodes("a1", "b0", "t1", "m1")])
-    outputs = d.run_to_end()
+    return d.run_to_end(), prompts, on
 
-    merged = {name: peft.merge_and_unload() for name, peft in _fresh_peft(world).items()}
+
+def assert_matches_peft(world, outputs, prompts, on) -> None:
+    _, base, adapters = world
     for rid, prompt in prompts.items():
         name = on[rid]
         want = generate(base, prompt) if name is None else generate(adapters[name][1], prompt)
         assert outputs[rid] == want, f"{rid} on adapter {name} diverged from transformers+peft"
-        if rid in ("a1", "t1", "m1"):  # one request per adapter (a2 is a1's adapter again)
-            assert outputs[rid] == generate(merged[name], prompt), f"{rid} diverged from {name}'s merged weights"
+
+
+def test_mixed_adapters_match_peft_and_merged(world):
+    outputs, prompts, on = run_mixed(world)
+    assert_matches_peft(world, outputs, prompts, on)
+    merged = {name: peft.merge_and_unload() for name, peft in _fresh_peft(world).items()}
+    for rid in ("a1", "t1", "m1"):  # one request per adapter (a2 is a1's adapter again)
+        name = on[rid]
+        assert outputs[rid] == generate(merged[name], prompts[rid]), f"{rid} diverged from {name}'s merged weights"
     # That the adapters matter at all is shown by the reload test: one prompt, three different outputs.
+
+
+@pytest.mark.gpu
+def test_mixed_adapters_match_peft_on_cuda(world):
+    """The Triton kernels (fp32: IEEE dots) give PEFT's tokens too; bfloat16 is a smoke run."""
+    outputs, prompts, on = run_mixed(world, device="cuda")
+    assert_matches_peft(world, outputs, prompts, on)
+    half, _, _ = run_mixed(world, device="cuda", dtype="bfloat16")
+    assert all(len(out) == NUM_NEW for out in half.values())
 
 
 def _fresh_peft(world):
