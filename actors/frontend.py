@@ -41,7 +41,19 @@ from aiohttp import web
 
 from actors.base import CONTROL, Actor
 from mstar_actors import openai_api as api
-from mstar_actors.messages import Abort, EngineStats, Failed, Finished, NewRequest, PeerFailed, TokenDelta
+from mstar_actors.messages import (
+    Abort,
+    AdapterUpdate,
+    EngineStats,
+    Failed,
+    Finished,
+    LoadAdapter,
+    ModelsChanged,
+    NewRequest,
+    PeerFailed,
+    TokenDelta,
+    UnloadAdapter,
+)
 from mstar_actors.metrics import Metrics
 from mstar_actors.openai_api import ApiError, ChoiceOutput, ParsedRequest
 from transport.errors import ChannelFull
@@ -119,6 +131,8 @@ class FrontendActor(Actor):
         self._failure: str | None = None  # a peer's failure: unhealthy from then on
         self.health_changed = asyncio.Event()  # set when Started / PeerFailed was applied
         self._exchanges: dict[str, Exchange] = {}  # request id -> its exchange
+        self._updates: dict[str, asyncio.Future] = {}  # runtime load/unload id -> its AdapterUpdate
+        self.adapters: dict[str, str] = {}  # served adapter name -> path (set in start)
         self._unacked: set[str] = set()
         self._num_engine_waiting = 0
         self._background: set[asyncio.Task] = set()
@@ -132,7 +146,10 @@ class FrontendActor(Actor):
         model = self.config.model
         folder = await self.run_blocking(resolve_model, model.path)
         self.model_name = served_name(model.name, model.path, folder)
-        self.adapter_names = sorted(self.config.lora.adapters)
+        from mstar_actors.lora.pool import expand_path
+
+        # name -> path; the conductor's ModelsChanged replaces it after each runtime load / unload
+        self.adapters = {n: expand_path(p) for n, p in self.config.lora.adapters.items()}
         self.max_model_len = read_max_model_len(self.config.scheduler.max_model_len, folder)
         self.tokenizer = await self.run_blocking(_load_tokenizer, folder)
         self.vocab_size = len(self.tokenizer)
@@ -180,10 +197,19 @@ class FrontendActor(Actor):
             case EngineStats():
                 self._num_engine_waiting = msg.num_waiting
                 self.metrics.observe_engine(msg)
+            case ModelsChanged(adapters=adapters):
+                self.adapters = {a.name: a.path for a in adapters}
+            case AdapterUpdate(request_id=request_id):
+                future = self._updates.pop(request_id, None)
+                if future is not None and not future.done():
+                    future.set_result(msg)
             case _:
                 self.unknown(channel, msg)
 
     def _fail_all(self, status: int, message: str) -> None:
+        for rid, future in list(self._updates.items()):
+            if not future.done():
+                future.set_result(AdapterUpdate(request_id=rid, status=status, message=message))
         for rid, exchange in list(self._exchanges.items()):
             exchange.push(Failed(request_id=rid, status=status, message=message, error_type="server_error"))
 
@@ -195,6 +221,8 @@ class FrontendActor(Actor):
         app.router.add_post("/v1/chat/completions", functools.partial(self._generate, kind="chat"))
         app.router.add_post("/v1/completions", functools.partial(self._generate, kind="completion"))
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/load_lora_adapter", functools.partial(self._update_adapter, kind="load"))
+        app.router.add_post("/v1/unload_lora_adapter", functools.partial(self._update_adapter, kind="unload"))
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         return app
@@ -237,7 +265,51 @@ class FrontendActor(Actor):
         return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response(api.models_list(self.model_name, self.started_at, self.max_model_len, self.adapter_names))
+        return web.json_response(api.models_list(self.model_name, self.started_at, self.max_model_len, self.adapters))
+
+    # ---- runtime adapter updates (vLLM's routes and bodies) ---------------
+
+    async def _update_adapter(self, request: web.Request, kind: str) -> web.Response:
+        """Validated here as far as the body goes; the conductor (and the reader
+        it asks) decide. A 200 answers with vLLM's plain-text message."""
+        raw = await request.read()
+        self._check_available()
+        if not self.config.lora.allow_runtime_updates:
+            raise ApiError(403, "runtime LoRA updates are off; set lora.allow_runtime_updates: true in the config",
+                           code="runtime_updates_disabled", error_type="permission_error")
+        body = api.decode_body(raw)
+        name = api.get_str(body, "lora_name", None)
+        if not name:
+            raise ApiError(400, "lora_name is required: the name clients will put in the model field",
+                           param="lora_name")
+        rid = f"lora-{uuid.uuid4().hex}"
+        if kind == "load":
+            msg = LoadAdapter(request_id=rid, name=name, path=self._runtime_path(body))
+        else:
+            msg = UnloadAdapter(request_id=rid, name=name)
+        future = self._updates[rid] = asyncio.get_running_loop().create_future()
+        try:
+            await self.outbox["prepare"].send(msg)
+            update = await future
+        finally:
+            self._updates.pop(rid, None)
+        if update.status != 200:
+            raise ApiError(update.status, update.message, param="lora_path" if kind == "load" else "lora_name",
+                           code=update.code)
+        return web.Response(text=update.message)
+
+    def _runtime_path(self, body: dict) -> str:
+        from mstar_actors.lora.pool import AdapterPathError, resolve_runtime_path
+
+        path = api.get_str(body, "lora_path", None)
+        if not path:
+            raise ApiError(400, "lora_path is required: a PEFT adapter folder inside lora.adapter_dirs",
+                           param="lora_path")
+        try:
+            return resolve_runtime_path(path, self.config.lora.adapter_dirs)
+        except AdapterPathError as err:
+            raise ApiError(403, str(err), param="lora_path", code="adapter_path_not_allowed",
+                           error_type="permission_error") from None
 
     # ---- generation -----------------------------------------------------
 
@@ -265,9 +337,9 @@ class FrontendActor(Actor):
             raise ApiError(503, "the server is starting; retry when GET /health answers 200")
 
     def _resolve_model(self, model: str | None) -> str:
-        if model is None or model == self.model_name or model in self.config.lora.adapters:
+        if model is None or model == self.model_name or model in self.adapters:
             return model or self.model_name
-        served = ", ".join([self.model_name, *self.adapter_names])
+        served = ", ".join([self.model_name, *sorted(self.adapters)])
         raise ApiError(404, f"the model {model!r} does not exist; served models: {served}", param="model",
                        code="model_not_found")
 

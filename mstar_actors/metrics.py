@@ -37,6 +37,8 @@ class Metrics:
         self.num_kv_blocks_used = Gauge("mstar_kv_blocks_used", "KV-cache blocks in use", registry=reg)
         self.num_kv_blocks_total = Gauge("mstar_kv_blocks_total", "KV-cache blocks in all", registry=reg)
         self.num_preemptions = Gauge("mstar_num_preemptions", "Preemptions since start", registry=reg)
+        self.num_waiting_for_adapter = Gauge("mstar_num_requests_waiting_for_adapter",
+                                             "Requests held until their LoRA adapter is in a slot", registry=reg)
 
     def observe_request(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
@@ -47,6 +49,7 @@ class Metrics:
         self.num_kv_blocks_used.set(stats.num_kv_blocks_used)
         self.num_kv_blocks_total.set(stats.num_kv_blocks_total)
         self.num_preemptions.set(stats.num_preemptions)
+        self.num_waiting_for_adapter.set(stats.num_waiting_for_adapter)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -461,10 +461,13 @@ def legacy_logprobs(entries: list[tuple[str, float, list[tuple[str, float]], int
     }
 
 
-def models_list(name: str, created: int, max_model_len: int | None, adapters: list[str] = ()) -> dict:
+def models_list(name: str, created: int, max_model_len: int | None, adapters: dict[str, str] | list[str] = ()) -> dict:
+    """vLLM's listing: each adapter with ``parent`` = the base and ``root`` = its path
+    (``adapters`` maps name -> path; a plain list of names roots each at its name)."""
     base = {"id": name, "object": "model", "created": created, "owned_by": "mstar-actors", "root": name,
             "parent": None, "max_model_len": max_model_len}
-    data = [base] + [dict(base, id=a, root=a, parent=name) for a in adapters]
+    pairs = sorted(adapters.items()) if isinstance(adapters, dict) else [(a, a) for a in adapters]
+    data = [base] + [dict(base, id=a, root=path, parent=name) for a, path in pairs]
     return {"object": "list", "data": data}
 
 

@@ -142,7 +142,7 @@ def test_health_and_a_completion(server):
 
 def test_run_dir_lists_every_actor(server):
     actors = server.actors()
-    assert sorted(actors) == ["conductor", "frontend", "prepare", "worker0"]
+    assert sorted(actors) == ["adapter_reader", "conductor", "frontend", "prepare", "worker0"]
     assert (server.run_dir / "launcher.pid").read_text().strip() == str(server.proc.pid)
 
 
