@@ -211,3 +211,13 @@ def test_table_has_retention_churn_ttft_and_labelled_published_figures():
 
 def test_percentile_is_nearest_rank():
     assert [bench.percentile([4, 1, 3, 2], q) for q in (50, 90, 100)] == [2, 4, 4]
+
+
+def test_rounds_add_up_per_scenario_and_level():
+    m = bench.Measurement
+    results: dict = {}
+    for wall in (1.0, 3.0):
+        bench.add_up(results, m("one adapter", 8, 8, 80, wall, [wall]))
+    total = results[("one adapter", 8)]
+    assert (total.num_requests, total.num_tokens, total.wall_s, total.ttft_s) == (16, 160, 4.0, [1.0, 3.0])
+    assert total.tokens_per_s == 40.0

