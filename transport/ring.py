@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -38,6 +39,13 @@ DATA = 40 * 8  # byte offset of the data area
 # not to matter when the peer is idle.
 MAX_SPIN_CHECKS = 300
 MAX_BATCH = 256  # records the reader decodes per visit to the shared counters
+# The writer publishes its tail at once when this many bytes are unpublished
+# (about 56 records of 64 B): a fast sender that never yields to its loop
+# still feeds the reader in small batches, and a large record (whose copy
+# dwarfs the fence) is published as soon as it is written.
+MAX_UNPUBLISHED_BYTES = 4096
+SMALL_RECORD_BYTES = 4096  # the reader decodes these from a copy, larger ones in place
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
 
 
 class RingSpec(msgspec.Struct, frozen=True):
@@ -90,6 +98,31 @@ def _footprint(nbytes: int) -> int:
     """Bytes a record of ``nbytes`` payload takes: header, payload, padding
     to 8 so every record header is 8-aligned and never straddles the end."""
     return RECORD_HEADER + ((nbytes + 7) & ~7)
+
+
+_local = threading.local()
+
+
+def _unpublished_rings() -> set:
+    """This thread's writer ends holding records they have not published.
+
+    Per thread because publishing touches a writer's private tail, which only
+    its own (loop) thread may do."""
+    try:
+        return _local.rings
+    except AttributeError:
+        _local.rings = set()
+        return _local.rings
+
+
+def publish_pending() -> None:
+    """Publish every unpublished record this thread's ring writers hold.
+
+    A waiting end calls this before it spins: the spin does not yield to the
+    loop, so the once-per-iteration publication would otherwise wait for it
+    (a ping's reply would not leave before the next ping came back)."""
+    for ring in _unpublished_rings():
+        ring.flush()  # leaves the set alone: the ring stays listed until its loop turn
 
 
 class Parker:
@@ -170,7 +203,7 @@ class ShmRing(Channel):
                  | magic | capacity | writer_pid | reader_pid |         |
                  | writer_closed | reader_closed | (unused)           |
         byte 64  +------------------------------------------------------+
-                 | tail: bytes ever written (u64, monotonic)  [writer]  |
+                 | tail: bytes ever published (u64, monotonic) [writer] |
         byte 128 +------------------------------------------------------+
                  | head: bytes ever consumed (u64, monotonic) [reader]  |
         byte 192 +------------------------------------------------------+
@@ -190,20 +223,46 @@ class ShmRing(Channel):
     markers and any record up to ``capacity - 8`` bytes fits an empty ring;
     bigger ones raise ``ValueError`` (use the tensor arena).
 
+    Coalesced publication (writer). ``send``/``send_nowait`` write the record
+    and advance a *private* tail (``_tail``); the shared ``tail`` word, the
+    fence and the parked-reader check happen once per batch, in ``flush()``:
+
+    - once per event-loop iteration: the first unpublished record schedules
+      ``flush`` with ``loop.call_soon``, which runs before the loop next
+      sleeps, so a burst of N sends costs one fence and at most one wakeup;
+    - at once when ``MAX_UNPUBLISHED_BYTES`` are unpublished, when the ring
+      looks full to the writer (the reader can only make room from what it
+      sees), before any end of this thread spins or parks
+      (``publish_pending``), on ``flush()`` and on ``close()``;
+    - at once when no event loop runs in this thread.
+
+    So a record is visible at the latest when the sending task next yields to
+    its loop. A task that sends and then blocks its loop without yielding
+    (a long synchronous computation) should call ``flush()`` first. The
+    writer also keeps the last ``head`` it loaded (``_head``) and re-loads
+    the shared word only when that stale view says the ring is full, at
+    publication, or when asked ``has_room``: a stale head only under-states
+    the room, never over-states it.
+
     Ordering-critical stores:
 
     1. Writer: payload and length are written *before* ``tail`` is
-       published. Reader: ``tail`` is loaded *before* the payload is read.
-    2. Reader: the payload is fully decoded *before* ``head`` is published
-       (the writer may overwrite those bytes right after).
-    3. Writer: ``writer_closed`` is stored after the last ``tail``; the
-       reader re-loads ``tail`` after seeing it.
+       published (``flush`` stores ``tail`` only after every record up to the
+       private tail is complete). Reader: ``tail`` is loaded *before* the
+       payload is read.
+    2. Reader: the payload is fully decoded (or copied out) *before* ``head``
+       is published (the writer may overwrite those bytes right after).
+    3. Writer: ``close`` flushes, then stores ``writer_closed`` after the last
+       ``tail``; the reader re-loads ``tail`` after seeing it.
     4. Parking (both directions, Dekker style): the waiter stores its
        ``*_parked`` flag, issues a full fence, *then* re-checks the counter;
        the peer stores the counter, issues a full fence, *then* loads the
        flag and, if set, clears it and writes one byte to the waiter's FIFO.
        With the fences, at least one side sees the other's store, so a
        wakeup is never lost; without them x86's store buffer lets both miss.
+       The writer's counter store here is the *published* tail: unpublished
+       records wake no one, and a writer about to wait for room publishes
+       first, so the reader it waits for can see (and consume) everything.
 
     Why plain stores through a memoryview are enough for 1-3: each counter is
     one aligned 8-byte word written and read through a ``"Q"`` memoryview,
@@ -224,18 +283,26 @@ class ShmRing(Channel):
     also watches the other's pidfd (readable when that process exits): a
     dead writer makes ``recv`` raise ``ChannelBroken`` once the records it
     published are drained; a dead reader makes a blocked ``send`` raise it.
+
+    Threads: one end is used from one thread (its event loop's).
     """
 
     def __init__(self, spec: RingSpec, role: Literal["writer", "reader"], union: Any):
         self.name = spec.name
         self.role = role
-        self._codec = Codec(union, spec.name)
+        self._codec = Codec(union, spec.name)  # the error path and its messages
+        self._encode = msgspec.msgpack.Encoder().encode  # hot paths call these directly
+        self._decode = msgspec.msgpack.Decoder(union).decode
         self._seg = shm.attach_segment(spec.segment)
         self._buf = self._seg.buf
+        self._mmap = self._seg._mmap  # noqa: SLF001 - slicing the mmap copies small records fastest
         self._words = self._buf.cast("Q")
         self._capacity = self._check_header(spec)
-        self._head = self._words[W_HEAD]  # the reader's position
-        self._tail = self._words[W_TAIL]  # the writer's position
+        self._head = self._words[W_HEAD]  # reader: its position; writer: the last head it loaded
+        self._tail = self._words[W_TAIL]  # writer: its private position; reader: the last tail it loaded
+        self._published = self._tail  # writer: the tail the reader can see
+        self._is_publish_scheduled = False
+        self._can_write = role == "writer"  # and not closed: one test on the hot path
         self._is_closed = False
         self._ready: collections.deque = collections.deque()  # decoded, not yet received
         self._error: DecodeError | None = None  # raised after the records before it
@@ -269,26 +336,31 @@ class ShmRing(Channel):
     # -- writer ------------------------------------------------------------
 
     def send_nowait(self, msg: Any) -> None:
-        self.send_encoded_nowait(self._codec.encode(msg))
+        data = self._encode(msg)
+        if not self._try_write(data):
+            self._raise_full(data)
 
     async def send(self, msg: Any) -> None:
-        data = self._codec.encode(msg)
+        data = self._encode(msg)
         if not self._try_write(data):  # no nested coroutine on the fast path
             await self.send_encoded(data)
 
     def send_encoded_nowait(self, data: bytes) -> None:
         """Send an already encoded message now or raise ChannelFull."""
         if not self._try_write(data):
-            raise ChannelFull(
-                f"channel {self.name!r}: full ({self._tail - self._words[W_HEAD]}/{self._capacity} bytes "
-                f"used, {_footprint(len(data))} needed); await send() to wait for the reader"
-            )
+            self._raise_full(data)
 
     async def send_encoded(self, data: bytes) -> None:
         """Send an already encoded message, waiting while the ring is full."""
         if not self._try_write(data):
             await self.wait_for_room(_footprint(len(data)))
             self._try_write(data)
+
+    def _raise_full(self, data: bytes) -> None:
+        raise ChannelFull(
+            f"channel {self.name!r}: full ({self._tail - self._head}/{self._capacity} bytes "
+            f"used, {_footprint(len(data))} needed); await send() to wait for the reader"
+        )
 
     def _check_send(self, data: bytes) -> int:
         if self.role != "writer":
@@ -304,15 +376,22 @@ class ShmRing(Channel):
         return need
 
     def has_room(self, need: int) -> bool:
-        """True when ``need`` bytes fit now. Raises when the reader closed."""
+        """True when ``need`` bytes fit now. Raises when the reader closed.
+        When they do not, publishes what is pending: only the reader can make
+        room, and only from records it can see."""
         if self._words[W_READER_CLOSED]:
             raise ChannelClosed(f"channel {self.name!r}: the reader has closed")
-        return self._capacity - (self._tail - self._words[W_HEAD]) >= need
+        if self._capacity - (self._tail - self._head) >= need:
+            return True
+        self.flush()
+        self._head = self._words[W_HEAD]
+        return self._capacity - (self._tail - self._head) >= need
 
     async def wait_for_room(self, need: int) -> None:
         """Spin, then park on the space FIFO until ``need`` bytes fit."""
         start = time.perf_counter()
         self._num_blocked += 1
+        publish_pending()
         try:
             while not self._spin(lambda: self.has_room(need)):
                 self._parker.arm()
@@ -327,42 +406,73 @@ class ShmRing(Channel):
             self._blocked_s += time.perf_counter() - start
 
     def _try_write(self, data: bytes) -> bool:
-        """Write one record if it fits (False if not). The hot path: one
-        method, no helper calls, because every call costs ~0.1 us here."""
-        words, cap, n = self._words, self._capacity, len(data)
+        """Write one record if it fits (False if not) and advance the private
+        tail; publication is ``flush``'s (see the class docstring). The hot
+        path: one method, few attribute loads, because every Python call
+        costs ~0.1 us here."""
+        n = len(data)
         need = RECORD_HEADER + ((n + 7) & ~7)
-        fill = self._tail - words[W_HEAD]
-        if cap - fill < need or words[W_READER_CLOSED] or self._is_closed or self.role != "writer":
+        tail, cap = self._tail, self._capacity
+        if tail + need - self._head > cap or not self._can_write or self._words[W_READER_CLOSED]:
             self._check_send(data)  # raises for the cases that are errors
             if not self.has_room(need):
                 return False
-            fill = self._tail - words[W_HEAD]
-        pos = self._tail % cap
-        words[(DATA + pos) >> 3] = n
+        pos = tail % cap
+        self._words[(DATA + pos) >> 3] = n
         start = DATA + pos + RECORD_HEADER
         if start == DATA + cap:
             start = DATA
         end = start + n
         if end <= DATA + cap:
-            self._buf[start:end] = data
+            self._mmap[start:end] = data
         else:  # split at the end of the data area
             first = DATA + cap - start
             with memoryview(data) as view:
                 self._buf[start : DATA + cap] = view[:first]
                 self._buf[DATA : DATA + n - first] = view[first:]
-        self._tail += need
-        if shm.NEEDS_PUBLISH_FENCE:
-            shm.fence()
-        words[W_TAIL] = self._tail  # rule 1: publish after the payload
+        self._tail = tail + need
         self._num_messages += 1
         self._num_bytes += n
-        if fill + need > self._peak_fill:
-            self._peak_fill = fill + need
+        if tail + need - self._published >= MAX_UNPUBLISHED_BYTES:
+            self.flush()
+        elif not self._is_publish_scheduled:
+            self._schedule_flush()
+        return True
+
+    def _schedule_flush(self) -> None:
+        """Publish at the end of this loop iteration (at once without a loop)."""
+        loop = asyncio._get_running_loop()  # noqa: SLF001 - None, not an exception, when there is none
+        if loop is None:
+            self.flush()
+            return
+        self._is_publish_scheduled = True
+        loop.call_soon(self._on_loop_turn)
+        _unpublished_rings().add(self)  # while scheduled: records may follow a bounded flush
+
+    def _on_loop_turn(self) -> None:
+        self._is_publish_scheduled = False
+        _unpublished_rings().discard(self)
+        if not self._is_closed:
+            self.flush()
+
+    def flush(self) -> None:
+        """Publish every record written so far and wake a parked reader
+        (rules 1 and 4). Cheap when there is nothing to publish."""
+        tail = self._tail
+        if tail == self._published:
+            return
+        words = self._words
+        if shm.NEEDS_PUBLISH_FENCE:
+            shm.fence()
+        words[W_TAIL] = tail  # rule 1: after every record up to it
+        self._published = tail
+        self._head = head = words[W_HEAD]
+        if tail - head > self._peak_fill:  # the fill only falls until the next publication
+            self._peak_fill = tail - head
         shm.fence()  # rule 4, publisher side
         if words[W_READER_PARKED]:
             words[W_READER_PARKED] = 0
             shm.poke(self._peer_fd)
-        return True
 
     # -- reader ------------------------------------------------------------
 
@@ -403,6 +513,7 @@ class ShmRing(Channel):
     async def wait_for_record(self) -> None:
         """Spin, then park on the data FIFO until a record, a close or the
         writer's death; returns without a guarantee of a record."""
+        publish_pending()  # our own replies must not wait for our spin
         if self._spin(self.has_record):
             return
         self._parker.arm()
@@ -424,48 +535,77 @@ class ShmRing(Channel):
         if self._error is not None:
             error, self._error = self._error, None
             raise error
-        words, cap, buf = self._words, self._capacity, self._buf
+        words, cap = self._words, self._capacity
         tail, head = words[W_TAIL], self._head
         if tail == head:
             return False
         if tail - head > self._peak_fill:
             self._peak_fill = tail - head
-        decode, ready = self._codec.decode, self._ready
-        for _ in range(MAX_BATCH):
-            if head == tail:
-                break
+        decode, ready, mm = self._decode, self._ready, self._mmap
+        end, max_len = DATA + cap, cap - RECORD_HEADER
+        num_messages = num_bytes = 0
+        while head != tail and num_messages < MAX_BATCH:
             pos = head % cap
             n = words[(DATA + pos) >> 3]
-            head += RECORD_HEADER + ((n + 7) & ~7)
+            start = DATA + pos + RECORD_HEADER
+            if start == end:
+                start = DATA
             try:
-                ready.append(decode(self._record(pos, n)))  # rule 2: before head moves
-            except DecodeError as err:
-                self._error = err
+                if start + n > end or n > SMALL_RECORD_BYTES:
+                    record = self._record(start, n, max_len)  # split, large or corrupt
+                else:
+                    record = mm[start : start + n]  # a copy: cheaper than a view at this size
+                ready.append(decode(record))  # rule 2: before head moves
+            except _DECODE_ERRORS:
+                self._error = self._decode_error(record)
+                head += RECORD_HEADER + ((n + 7) & ~7)
                 break
-            self._num_messages += 1
-            self._num_bytes += n
-        self._head = self._tail = head
-        if shm.NEEDS_PUBLISH_FENCE:
-            shm.fence()
-        words[W_HEAD] = head
-        shm.fence()  # rule 4, publisher side
-        if words[W_WRITER_PARKED]:
-            words[W_WRITER_PARKED] = 0
-            shm.poke(self._peer_fd)
+            except DecodeError as err:  # a corrupt length
+                self._error = err
+                head += RECORD_HEADER + ((n + 7) & ~7)
+                break
+            head += RECORD_HEADER + ((n + 7) & ~7)
+            num_messages += 1
+            num_bytes += n
+        self._num_messages += num_messages
+        self._num_bytes += num_bytes
+        self._publish_head(head)
         if not ready:  # the only record was bad
             error, self._error = self._error, None
             raise error
         return True
 
-    def _record(self, pos: int, n: int) -> memoryview | bytes:
-        """The payload at ``pos``: a view when contiguous, joined when split."""
-        if n > self._capacity - RECORD_HEADER:
+    def _publish_head(self, head: int) -> None:
+        """Rule 2 then rule 4, publisher side: the batch is decoded, so its
+        bytes are the writer's again; wake the writer if it waits for them."""
+        self._head = self._tail = head
+        words = self._words
+        if shm.NEEDS_PUBLISH_FENCE:
+            shm.fence()
+        words[W_HEAD] = head
+        shm.fence()
+        if words[W_WRITER_PARKED]:
+            words[W_WRITER_PARKED] = 0
+            shm.poke(self._peer_fd)
+
+    def _record(self, start: int, n: int, max_len: int) -> memoryview | bytes:
+        """The payload at byte ``start`` of the segment: a view when
+        contiguous, joined when split at the end of the data area."""
+        if n > max_len:
             raise DecodeError(f"channel {self.name!r}: corrupt record length {n} at {self._head}")
-        start = DATA + (pos + RECORD_HEADER) % self._capacity
         end = DATA + self._capacity
         if start + n <= end:
             return self._buf[start : start + n]
         return bytes(self._buf[start:end]) + bytes(self._buf[DATA : DATA + n - (end - start)])
+
+    def _decode_error(self, record: Any) -> DecodeError:
+        """The codec's error for a record the fast decoder refused (its
+        message names the channel and the reason)."""
+        try:
+            self._codec.decode(record)
+        except DecodeError as err:
+            return err
+        return DecodeError(f"channel {self.name!r}: undecodable message")
 
     # -- both ends ---------------------------------------------------------
 
@@ -485,24 +625,22 @@ class ShmRing(Channel):
             return True
         return False
 
-    def _wake_peer(self, flag: int) -> None:
-        """Rule 4, publisher side: fence, then poke only a parked peer."""
-        shm.fence()
-        if self._words[flag]:
-            self._words[flag] = 0
-            shm.poke(self._peer_fd)
-
     def close(self) -> None:
-        """Close this end; the writer's close lets the reader drain then end."""
+        """Close this end; the writer's close publishes what is pending and
+        lets the reader drain, then end."""
         if self._is_closed:
             return
+        if self.role == "writer":
+            self.flush()  # rule 3: the last tail before writer_closed
         self._is_closed = True
+        self._can_write = False
         shm.publish_fence()
         self._words[W_WRITER_CLOSED if self.role == "writer" else W_READER_CLOSED] = 1
         shm.fence()
         shm.poke(self._peer_fd)
         self._parker.close()
         os.close(self._peer_fd)
+        _unpublished_rings().discard(self)
         self._words.release()
         self._seg.close()
 
