@@ -66,10 +66,23 @@ class InlinePreparer(GatedPreparer):
         return Draft(Prepared(request_id=req.request_id, model="m", prompt_token_ids=[1], sampling=SamplingParams()))
 
 
+class WatchedChannel(MemoryChannel):
+    """Sets ``blocked`` when a send has to wait for room."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.blocked = asyncio.Event()
+
+    async def send(self, msg) -> None:
+        if not self._check_send(self._codec.encode(msg)):
+            self.blocked.set()
+        await super().send(msg)
+
+
 class Harness:
     def __init__(self, preparer, num_workers: int, outbox_bytes: int = 1 << 20):
         self.inbox = MemoryChannel(FrontendToPrepare, "frontend.prepare", capacity_bytes=1 << 20)
-        self.out = MemoryChannel(PrepareToConductor, "prepare.conductor", capacity_bytes=outbox_bytes)
+        self.out = WatchedChannel(PrepareToConductor, "prepare.conductor", capacity_bytes=outbox_bytes)
         self.preparer = preparer
         self.actor = PrepareActor(name="prepare", config=Config(), inbox={"frontend": self.inbox},
                                   outbox={"conductor": self.out}, preparer=preparer, num_workers=num_workers)
@@ -148,8 +161,7 @@ async def test_full_outbox_release_waits_and_nothing_is_lost():
         await h.preparer.started[rid].wait()
     for rid in ids:
         h.preparer.gates[rid].set()
-    for rid in ids[:4]:
-        await h.preparer.ended[rid].wait()
+    await h.out.blocked.wait()
     await settle()
     assert h.out.stats().messages == 1 and h.out.stats().num_blocked == 1  # r1's release waits
     assert [(await h.recv_id())[1] for _ in ids] == ids
