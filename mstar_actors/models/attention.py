@@ -15,7 +15,7 @@ interface and are picked by ``make_attention_backend``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -41,10 +41,19 @@ class AttentionMetadata:
     query_lens_list: list[int]
     context_lens_list: list[int]
     num_blocks_list: list[int]  # blocks each sequence's context occupies
+    # What a backend derives from the above once per step and reuses in every layer.
+    derived: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens_list)
+
+    @property
+    def query_start_list(self) -> list[int]:
+        starts = [0]
+        for n in self.query_lens_list:
+            starts.append(starts[-1] + n)
+        return starts
 
 
 def allocate_kv_cache(
@@ -74,10 +83,15 @@ class PagedAttention(Protocol):
 
 
 class TorchPagedAttention:
-    """Reference backend: gather each sequence's pages, then SDPA.
+    """Reference backend: gather pages, then SDPA.
 
-    One SDPA call per sequence; decode rows (one query) need no mask, prefill
-    chunks get a causal mask shifted by the cached prefix length.
+    Decode rows (one query each) are attended together: one gather of every
+    such sequence's pages padded to the longest, one SDPA call with a length
+    mask (padding keys get -inf, so they add exactly nothing). On CPU this is
+    what keeps a step's attention cost from growing with one call per
+    sequence per layer. Prefill chunks get one SDPA call each, with a causal
+    mask shifted by the cached prefix length. Grouped K/V heads are shared
+    through SDPA's ``enable_gqa`` rather than copied per query head.
     """
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -87,21 +101,35 @@ class TorchPagedAttention:
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
-        num_heads, num_kv_heads = q.shape[1], kv_cache.shape[-2]
-        group = num_heads // num_kv_heads
+        decode = _decode_rows(meta, kv_cache.shape[2], q.device)
+        if decode is not None:
+            rows, tables, mask = decode
+            out[rows] = self._attend_decode(q[rows], kv_cache, tables, mask, scale)
         start = 0
         for i in range(meta.num_seqs):
             q_len, ctx_len = meta.query_lens_list[i], meta.context_lens_list[i]
-            k, v = self._gather(kv_cache, meta.block_tables[i, : meta.num_blocks_list[i]], ctx_len)
-            if group > 1:
-                k = k.repeat_interleave(group, dim=0)
-                v = v.repeat_interleave(group, dim=0)
-            qi = q[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
-            mask = None if q_len == 1 else _causal_offset_mask(q_len, ctx_len, q.device)
-            oi = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
-            out[start : start + q_len] = oi.transpose(0, 1)
+            if q_len > 1 or decode is None:
+                k, v = self._gather(kv_cache, meta.block_tables[i, : meta.num_blocks_list[i]], ctx_len)
+                qi = q[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
+                mask = None if q_len == 1 else _causal_offset_mask(q_len, ctx_len, q.device)
+                oi = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+                out[start : start + q_len] = oi.transpose(0, 1)
             start += q_len
         return out
+
+    @staticmethod
+    def _attend_decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+        """``q [B, H, D]``, one query per sequence, against its padded pages -> ``[B, H, D]``."""
+        two, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        # index_select over whole blocks is one contiguous copy per block; advanced
+        # indexing with a 2-D index takes a much slower strided path on CPU.
+        pages = kv_cache.flatten(2).index_select(1, tables.flatten())  # [2, B*nb, bs*KH*D]
+        pages = pages.view(two, tables.shape[0], tables.shape[1] * block_size, num_kv_heads, head_dim)
+        kv = pages.transpose(2, 3)  # [2, B, KH, nb*bs, D]
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], attn_mask=mask, scale=scale,
+                                             enable_gqa=True)
+        return out.squeeze(2)
 
     @staticmethod
     def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor, ctx_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,6 +138,29 @@ class TorchPagedAttention:
         pages = pages.flatten(1, 2)[:, :ctx_len]  # [2, ctx, KH, D]
         kv = pages.permute(0, 2, 1, 3)  # [2, KH, ctx, D]
         return kv[0], kv[1]
+
+
+def _decode_rows(meta: AttentionMetadata, block_size: int, device: torch.device):
+    """``(rows, tables, mask)`` for the step's decode rows when there are at
+    least two, else None: flat query rows ``[B]``, their block tables ``[B,
+    nb]`` (int64) and a key mask ``[B, 1, 1, nb * block_size]``. Built once
+    per step and kept in ``meta.derived``: every layer reuses it."""
+    if "decode" in meta.derived:
+        return meta.derived["decode"]
+    seqs = [i for i, n in enumerate(meta.query_lens_list) if n == 1]
+    decode = None
+    if len(seqs) >= 2:
+        starts = meta.query_start_list
+        num_blocks = max(meta.num_blocks_list[i] for i in seqs)
+        index = torch.tensor(seqs, dtype=torch.long, device=device)
+        tables = meta.block_tables[index, :num_blocks].long()
+        lens = meta.context_lens[index].long()
+        positions = torch.arange(num_blocks * block_size, device=device)
+        mask = (positions[None, :] < lens[:, None])[:, None, None, :]
+        rows = torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=device)
+        decode = (rows, tables, mask)
+    meta.derived["decode"] = decode
+    return decode
 
 
 def _causal_offset_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor:
