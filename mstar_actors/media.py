@@ -245,8 +245,8 @@ def decode_image(data: bytes, ref: MediaRef, limits: MediaLimits):
     """An RGB ``PIL.Image``; the pixel limit is checked from the header first."""
     from PIL import Image, UnidentifiedImageError
 
-    # Pillow's own guard as a second line (it raises past 2x this); ours is below.
-    Image.MAX_IMAGE_PIXELS = max(Image.MAX_IMAGE_PIXELS or 0, limits.max_image_pixels)
+    # Pillow's own guard as a second line: it refuses past twice this at open(); ours is below.
+    Image.MAX_IMAGE_PIXELS = limits.max_image_pixels
     try:
         image = Image.open(io.BytesIO(data))  # lazy: reads the header only
         width, height = image.size

@@ -1,0 +1,222 @@
+"""Media input on files the tests make: data/file/http URLs, each limit, corrupt input."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+from mstar_actors.media import (
+    MediaError,
+    MediaLimits,
+    MediaRef,
+    collect_media,
+    decode_image,
+    decode_video,
+    fetch_remote,
+    read_local,
+)
+from mstar_actors.messages import ChatMessage, ContentPart, NewRequest, SamplingParams
+
+PARAM = "messages[0].content[1].image_url"
+
+
+def png_bytes(size=(32, 24), fmt="PNG") -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+    out = io.BytesIO()
+    image.save(out, format=fmt)
+    return out.getvalue()
+
+
+def bomb_png(width=100_000, height=100_000) -> bytes:
+    """A valid PNG header claiming a huge canvas, with almost no data."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+def video_bytes(seconds: float = 3.0, fps: int = 10, size: int = 64) -> bytes:
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width = stream.height = size
+        stream.pix_fmt = "yuv420p"
+        for i in range(int(seconds * fps)):
+            img = np.full((size, size, 3), (i * 7) % 255, dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return out.getvalue()
+
+
+def ref(url: str, kind: str = "image") -> MediaRef:
+    return MediaRef(kind, url, PARAM)
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+# ---- data: and file:// ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+def test_data_url_image_decodes(fmt):
+    data = png_bytes(fmt=fmt)
+    got = read_local(ref(data_url(data, f"image/{fmt.lower()}")), MediaLimits())
+    assert got == data
+    image = decode_image(got, ref(""), MediaLimits())
+    assert image.size == (32, 24) and image.mode == "RGB"
+
+
+def test_data_url_must_be_base64():
+    with pytest.raises(MediaError, match="base64") as err:
+        read_local(ref("data:image/png,rawtext"), MediaLimits())
+    assert err.value.param == PARAM
+    with pytest.raises(MediaError, match="not valid base64"):
+        read_local(ref("data:image/png;base64,@@@@"), MediaLimits())
+
+
+def test_file_url_inside_the_allowed_dir(tmp_path):
+    (tmp_path / "a.png").write_bytes(png_bytes())
+    limits = MediaLimits(allowed_dir=str(tmp_path))
+    assert read_local(ref(f"file://{tmp_path}/a.png"), limits) == (tmp_path / "a.png").read_bytes()
+
+
+def test_file_url_outside_the_allowed_dir_is_refused(tmp_path):
+    allowed = tmp_path / "media"
+    allowed.mkdir()
+    (tmp_path / "secret.png").write_bytes(png_bytes())
+    (allowed / "link.png").symlink_to(tmp_path / "secret.png")
+    limits = MediaLimits(allowed_dir=str(allowed))
+    for url in (f"file://{tmp_path}/secret.png", f"file://{allowed}/../secret.png", f"file://{allowed}/link.png"):
+        with pytest.raises(MediaError, match="outside server.allowed_media_dir"):
+            read_local(ref(url), limits)
+    with pytest.raises(MediaError, match="no such file"):
+        read_local(ref(f"file://{allowed}/missing.png"), limits)
+    with pytest.raises(MediaError, match="allowed_media_dir is not set"):
+        read_local(ref(f"file://{allowed}/link.png"), MediaLimits())
+
+
+# ---- limits -----------------------------------------------------------------------
+
+
+def test_bytes_limit(tmp_path):
+    data = png_bytes()
+    limits = MediaLimits(max_bytes=len(data) - 1, allowed_dir=str(tmp_path))
+    with pytest.raises(MediaError, match="server.max_media_bytes"):
+        read_local(ref(data_url(data)), limits)
+    (tmp_path / "a.png").write_bytes(data)
+    with pytest.raises(MediaError, match="server.max_media_bytes"):
+        read_local(ref(f"file://{tmp_path}/a.png"), limits)
+
+
+def test_pixel_limit_and_decompression_bomb_refused_from_the_header():
+    with pytest.raises(MediaError, match=r"32x24 = 768 pixels.*server.max_image_pixels"):
+        decode_image(png_bytes(), ref(""), MediaLimits(max_image_pixels=767))
+    with pytest.raises(MediaError, match="server.max_image_pixels") as err:  # Pillow's own guard, at open
+        decode_image(bomb_png(), ref(""), MediaLimits())
+    assert err.value.param == PARAM
+    with pytest.warns(Warning), pytest.raises(MediaError, match=r"20000x20000 = 400000000 pixels"):  # ours first
+        decode_image(bomb_png(20_000, 20_000), ref(""), MediaLimits(max_image_pixels=10**9 // 4))
+
+
+def test_corrupt_files_fail_with_the_reason():
+    with pytest.raises(MediaError, match="could not decode the image"):
+        decode_image(b"not an image at all", ref(""), MediaLimits())
+    with pytest.raises(MediaError, match="could not decode the image"):
+        decode_image(png_bytes()[:60], ref(""), MediaLimits())
+    with pytest.raises(MediaError, match="could not decode the video"):
+        decode_video(b"\0" * 1000, ref("", "video"), MediaLimits())
+
+
+def test_items_per_request_and_scheme():
+    parts = [ContentPart(type="text", text="hi")] + [ContentPart(type="image_url", url="data:,") for _ in range(3)]
+    req = NewRequest(request_id="r", model="m", sampling=SamplingParams(), messages=[ChatMessage("user", parts)])
+    assert [r.param for r in collect_media(req, MediaLimits())] == [f"messages[0].content[{j}].image_url" for j in (1, 2, 3)]
+    with pytest.raises(MediaError, match=r"messages\[0\].content\[3\].image_url: .*at most 2.*server.max_media_items"):
+        collect_media(req, MediaLimits(max_items=2))
+    bad = NewRequest(request_id="r", model="m", sampling=SamplingParams(),
+                     messages=[ChatMessage("user", [ContentPart(type="video_url", url="ftp://x/v.mp4")])])
+    with pytest.raises(MediaError, match=r"video_url: the url must be a data:, http\(s\)://"):
+        collect_media(bad, MediaLimits())
+
+
+# ---- video ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def video3s() -> bytes:
+    return video_bytes(seconds=3.0, fps=10)
+
+
+def test_video_sampled_at_the_configured_fps(video3s):
+    got = decode_video(video3s, ref("", "video"), MediaLimits(video_fps=2.0))
+    assert got.frames.shape == (6, 64, 64, 3) and got.fps == 2.0
+    assert decode_video(video3s, ref("", "video"), MediaLimits(video_fps=10.0)).frames.shape[0] == 30
+
+
+def test_video_frame_and_second_limits(video3s):
+    with pytest.raises(MediaError, match="server.max_video_frames"):
+        decode_video(video3s, ref("", "video"), MediaLimits(video_fps=2.0, max_video_frames=5))
+    with pytest.raises(MediaError, match=r"3.0 s long.*server.max_video_seconds"):
+        decode_video(video3s, ref("", "video"), MediaLimits(max_video_seconds=2.0))
+
+
+# ---- http(s) ------------------------------------------------------------------------
+
+
+async def test_http_fetch_redirects_and_size_limit():
+    from aiohttp import web
+
+    image = png_bytes()
+
+    async def big(request):
+        resp = web.StreamResponse()  # no Content-Length: the limit holds while streaming
+        await resp.prepare(request)
+        for _ in range(64):
+            await resp.write(b"\0" * 4096)
+        return resp
+
+    async def img(request):
+        return web.Response(body=image)
+
+    def redirect(to):
+        async def handler(request):
+            raise web.HTTPFound(to)
+        return handler
+
+    app = web.Application()
+    app.router.add_get("/img.png", img)
+    app.router.add_get("/moved", redirect("/img.png"))
+    app.router.add_get("/loop", redirect("/loop"))
+    app.router.add_get("/big", big)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    limits = MediaLimits(max_bytes=100_000, max_redirects=3)
+    try:
+        got = await fetch_remote([ref(f"{base}/img.png"), MediaRef("image", f"{base}/moved", "p2")], limits)
+        assert got == {PARAM: image, "p2": image}
+        with pytest.raises(MediaError, match="more than 3 redirects"):
+            await fetch_remote([ref(f"{base}/loop")], limits)
+        with pytest.raises(MediaError, match="server.max_media_bytes"):
+            await fetch_remote([ref(f"{base}/big")], limits)
+        with pytest.raises(MediaError, match="HTTP 404"):
+            await fetch_remote([ref(f"{base}/nothing")], limits)
+    finally:
+        await runner.cleanup()
