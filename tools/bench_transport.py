@@ -1,8 +1,16 @@
 """Benchmark the shared-memory ring against multiprocessing.Queue and pyzmq.
 
-Between two processes (spawn context): one-way throughput (msgs/s, MB/s) and
+Between two processes (spawn context): one-way throughput (msgs/s, MB/s, and
+the CPU time both processes spend per message, every thread included) and
 round-trip latency (p50/p99) for 64-byte and 1 MiB messages, printed side by
 side with the ring's ratios, and the CPU an idle ring reader burns in ~1 s.
+
+Fairness: every backend moves the same ``bytes`` object of the given size,
+bounded to the same number of buffered bytes (``BUFFERED_BYTES``); the ring's
+sender is what an actor does (``send_nowait``, ``await send`` only when
+full), the Queue's and zmq's are their plain blocking calls. On a loaded
+machine msgs/s measures each backend's share of the CPUs as much as its cost
+(zmq's I/O threads compete as extra threads); CPU us/msg does not.
 
     python tools/bench_transport.py            # default run, under a minute
     python tools/bench_transport.py --quick    # a few seconds, for a smoke test
@@ -12,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import multiprocessing
 import os
 import statistics
@@ -23,7 +32,7 @@ import uuid
 import psutil
 import zmq
 
-from transport import cleanup_run, create_ring, open_ring
+from transport import ChannelFull, cleanup_run, create_ring, open_ring
 
 SPAWN = multiprocessing.get_context("spawn")
 SMALL, LARGE = 64, 1 << 20
@@ -54,27 +63,32 @@ class RingBackend:
         return create_ring(self.run_dir, self.run_id, f"bench{self._num_rings}", RING_BYTES)
 
     @staticmethod
-    def produce(spec, size: int, num: int) -> None:
+    def produce(spec, size: int, num: int, cpu_s) -> None:
         async def main():
             ring = open_ring(spec, "writer", bytes)
             payload = bytes(size)
+            start = time.process_time()
             for _ in range(num):
-                await ring.send(payload)
+                try:
+                    ring.send_nowait(payload)
+                except ChannelFull:
+                    await ring.send(payload)
             ring.close()
+            cpu_s.value = time.process_time() - start
 
         asyncio.run(main())
 
     @staticmethod
-    def consume(spec, num: int) -> float:
+    def consume(spec, num: int) -> tuple[float, float]:
         async def main():
             ring = open_ring(spec, "reader", bytes)
             await ring.recv()  # the clock starts at the first message, not at spawn
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             for _ in range(num - 1):
                 await ring.recv()
-            elapsed = time.perf_counter() - start
+            elapsed, cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
             ring.close()
-            return elapsed
+            return elapsed, cpu_s
 
         return asyncio.run(main())
 
@@ -123,18 +137,22 @@ class QueueBackend:
         return SPAWN.Queue(max_buffered(size))
 
     @staticmethod
-    def produce(queue, size: int, num: int) -> None:
+    def produce(queue, size: int, num: int, cpu_s) -> None:
         payload = bytes(size)
+        start = time.process_time()
         for _ in range(num):
             queue.put(payload)
+        queue.close()
+        queue.join_thread()  # the feeder thread has written everything
+        cpu_s.value = time.process_time() - start
 
     @staticmethod
-    def consume(queue, num: int) -> float:
+    def consume(queue, num: int) -> tuple[float, float]:
         queue.get()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         for _ in range(num - 1):
             queue.get()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - start_cpu
 
     @staticmethod
     def echo(ping, pong) -> None:
@@ -177,20 +195,25 @@ class ZmqBackend:
         return sock
 
     @staticmethod
-    def produce(pipe, size: int, num: int) -> None:
+    def produce(pipe, size: int, num: int, cpu_s) -> None:
         sock, payload = ZmqBackend._socket(pipe, zmq.PUSH), bytes(size)
+        start = time.process_time()
         for _ in range(num):
             sock.send(payload)
-        sock.close()
+        sock.close()  # lingers until the I/O thread has sent everything
+        zmq.Context.instance().term()
+        cpu_s.value = time.process_time() - start
 
     @staticmethod
-    def consume(pipe, num: int) -> float:
+    def consume(pipe, num: int) -> tuple[float, float]:
         sock = ZmqBackend._socket(pipe, zmq.PULL)
         sock.recv()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         for _ in range(num - 1):
             sock.recv()
-        return time.perf_counter() - start
+        elapsed, cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
+        sock.close()
+        return elapsed, cpu_s
 
     @staticmethod
     def echo(ping, pong) -> None:
@@ -218,15 +241,18 @@ def make_pipe(backend, size: int):
     return backend.make_pipe() if isinstance(backend, RingBackend) else backend.make_pipe(size)
 
 
-def throughput(backend, size: int, num: int) -> tuple[float, float]:
-    """(msgs/s, MB/s) from a producer process to this one."""
+def throughput(backend, size: int, num: int) -> tuple[float, float, float]:
+    """(msgs/s, MB/s, CPU us/msg of both processes) from a producer process
+    to this one. The consumer's CPU is counted from its first message."""
     pipe = make_pipe(backend, size)
-    proc = SPAWN.Process(target=backend.produce, args=(pipe, size, num))
+    producer_cpu_s = SPAWN.Value(ctypes.c_double, 0.0, lock=False)
+    proc = SPAWN.Process(target=backend.produce, args=(pipe, size, num, producer_cpu_s))
     proc.start()
-    elapsed = backend.consume(pipe, num)
+    elapsed, consumer_cpu_s = backend.consume(pipe, num)
     proc.join()
     rate = (num - 1) / elapsed
-    return rate, rate * size / 1e6
+    cpu_us = (producer_cpu_s.value + consumer_cpu_s) / num * 1e6
+    return rate, rate * size / 1e6, cpu_us
 
 
 def round_trip(backend, size: int, num: int) -> tuple[float, float]:
@@ -278,12 +304,13 @@ def run_all(scale: float) -> tuple[dict, float]:
         for label, size, num_tp, num_rt in plan:
             for index, backend in enumerate(backends):
                 progress(f"{backend.name}: {label} throughput ({num_tp} msgs)")
-                msgs, mbytes = throughput(backend, size, num_tp)
+                msgs, mbytes, cpu_us = throughput(backend, size, num_tp)
                 progress(f"{backend.name}: {label} round trips ({num_rt})")
                 p50, p99 = round_trip(backend, size, num_rt)
                 for key, value in [
                     (f"{label} msgs/s", msgs),
                     (f"{label} MB/s", mbytes),
+                    (f"{label} CPU us/msg", cpu_us),
                     (f"{label} round trip p50 us", p50),
                     (f"{label} round trip p99 us", p99),
                 ]:

@@ -298,6 +298,7 @@ class ShmRing(Channel):
         self._mmap = self._seg._mmap  # noqa: SLF001 - slicing the mmap copies small records fastest
         self._words = self._buf.cast("Q")
         self._capacity = self._check_header(spec)
+        self._data_end = DATA + self._capacity
         self._head = self._words[W_HEAD]  # reader: its position; writer: the last head it loaded
         self._tail = self._words[W_TAIL]  # writer: its private position; reader: the last tail it loaded
         self._published = self._tail  # writer: the tail the reader can see
@@ -412,32 +413,37 @@ class ShmRing(Channel):
         costs ~0.1 us here."""
         n = len(data)
         need = RECORD_HEADER + ((n + 7) & ~7)
-        tail, cap = self._tail, self._capacity
-        if tail + need - self._head > cap or not self._can_write or self._words[W_READER_CLOSED]:
+        tail = self._tail
+        if tail + need - self._head > self._capacity or not self._can_write or self._words[W_READER_CLOSED]:
             self._check_send(data)  # raises for the cases that are errors
             if not self.has_room(need):
                 return False
-        pos = tail % cap
-        self._words[(DATA + pos) >> 3] = n
-        start = DATA + pos + RECORD_HEADER
-        if start == DATA + cap:
-            start = DATA
+        start = DATA + tail % self._capacity
+        self._words[start >> 3] = n
+        start += RECORD_HEADER
         end = start + n
-        if end <= DATA + cap:
+        if end <= self._data_end:
             self._mmap[start:end] = data
-        else:  # split at the end of the data area
-            first = DATA + cap - start
-            with memoryview(data) as view:
-                self._buf[start : DATA + cap] = view[:first]
-                self._buf[DATA : DATA + n - first] = view[first:]
-        self._tail = tail + need
+        else:
+            self._write_split(start, data)
+        self._tail = tail = tail + need
         self._num_messages += 1
         self._num_bytes += n
-        if tail + need - self._published >= MAX_UNPUBLISHED_BYTES:
+        if tail - self._published >= MAX_UNPUBLISHED_BYTES:
             self.flush()
         elif not self._is_publish_scheduled:
             self._schedule_flush()
         return True
+
+    def _write_split(self, start: int, data: bytes) -> None:
+        """A payload that reaches the end of the data area continues at its
+        start (``start`` may be the end itself: a header in the last word)."""
+        end = self._data_end
+        first = end - start
+        with memoryview(data) as view:
+            if first:
+                self._buf[start:end] = view[:first]
+            self._buf[DATA : DATA + len(data) - first] = view[first:]
 
     def _schedule_flush(self) -> None:
         """Publish at the end of this loop iteration (at once without a loop)."""
@@ -542,14 +548,12 @@ class ShmRing(Channel):
         if tail - head > self._peak_fill:
             self._peak_fill = tail - head
         decode, ready, mm = self._decode, self._ready, self._mmap
-        end, max_len = DATA + cap, cap - RECORD_HEADER
+        end, max_len = self._data_end, cap - RECORD_HEADER
         num_messages = num_bytes = 0
         while head != tail and num_messages < MAX_BATCH:
-            pos = head % cap
-            n = words[(DATA + pos) >> 3]
-            start = DATA + pos + RECORD_HEADER
-            if start == end:
-                start = DATA
+            start = DATA + head % cap
+            n = words[start >> 3]
+            start += RECORD_HEADER  # may be ``end``: the payload then starts the data area
             try:
                 if start + n > end or n > SMALL_RECORD_BYTES:
                     record = self._record(start, n, max_len)  # split, large or corrupt
@@ -593,7 +597,7 @@ class ShmRing(Channel):
         contiguous, joined when split at the end of the data area."""
         if n > max_len:
             raise DecodeError(f"channel {self.name!r}: corrupt record length {n} at {self._head}")
-        end = DATA + self._capacity
+        end = self._data_end
         if start + n <= end:
             return self._buf[start : start + n]
         return bytes(self._buf[start:end]) + bytes(self._buf[DATA : DATA + n - (end - start)])
