@@ -1,0 +1,166 @@
+"""Qwen2.5-VL preparation: placeholders expanded to the processor's patch grid,
+pixel rows equal to transformers' image processor, and the actor sending media
+through the arena in arrival order."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import importlib.util
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from actors.prepare import PrepareActor
+from mstar_actors.config import Config
+from mstar_actors.media import MediaLimits
+from mstar_actors.messages import (
+    ChatMessage,
+    ContentPart,
+    Failed,
+    FrontendToPrepare,
+    NewRequest,
+    Prepared,
+    PrepareToConductor,
+    SamplingParams,
+    Shutdown,
+)
+from mstar_actors.preprocess import Draft, Preparer, QwenVLPreparer, load_preparer
+from transport.memory import MemoryChannel
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_prepare.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_prepare", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _bench()
+
+
+@pytest.fixture(scope="module")
+def vl_folder(tmp_path_factory):
+    return bench.save_vl_prepare_folder(tmp_path_factory.mktemp("vl"), max_pixels=28 * 28 * 64)
+
+
+@pytest.fixture(scope="module")
+def preparer(vl_folder):
+    return load_preparer(vl_folder, None, MediaLimits(video_fps=2.0))
+
+
+def png_url(array: np.ndarray) -> str:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(array).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def still_video_url(frame: np.ndarray, seconds: int = 1, fps: int = 4) -> str:
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="mp4") as container:
+        stream = container.add_stream("mjpeg", rate=fps)  # intra-only: frames come back nearly exact
+        stream.width, stream.height, stream.pix_fmt = frame.shape[1], frame.shape[0], "yuvj444p"
+        for _ in range(seconds * fps):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return "data:video/mp4;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def chat(rid: str, *parts: ContentPart) -> NewRequest:
+    return NewRequest(request_id=rid, model="vl", sampling=SamplingParams(),
+                      messages=[ChatMessage("user", [ContentPart(type="text", text="describe this"), *parts])])
+
+
+def image_part(url: str) -> ContentPart:
+    return ContentPart(type="image_url", url=url)
+
+
+def test_vl_is_parallel_and_text_is_not(preparer):
+    assert isinstance(preparer, QwenVLPreparer) and preparer.PREPROCESS_PARALLEL
+    assert not Preparer.PREPROCESS_PARALLEL
+
+
+def test_image_placeholders_expand_to_the_processor_grid(preparer):
+    from PIL import Image
+
+    array = np.random.default_rng(0).integers(0, 255, (60, 90, 3), dtype=np.uint8)
+    draft = preparer.draft(chat("r1", image_part(png_url(array)), ContentPart(type="text", text="and this")), {})
+    assert isinstance(draft, Draft), draft
+    [item] = draft.media
+    expected = preparer.image_processor(images=[Image.fromarray(array)], return_tensors="pt")
+    assert torch.equal(item.pixel_values, expected["pixel_values"].float())
+    assert item.grid_thw == tuple(int(x) for x in expected["image_grid_thw"][0])
+    t, h, w = item.grid_thw
+    assert item.num_tokens == t * h * w // 4 and item.pixel_values.shape == (t * h * w, 3 * 2 * 14 * 14)
+    ids = draft.prepared.prompt_token_ids
+    span = ids[item.token_offset:item.token_offset + item.num_tokens]
+    assert span == [bench.IMAGE_TOKEN] * item.num_tokens and ids.count(bench.IMAGE_TOKEN) == item.num_tokens
+    assert ids[item.token_offset - 1] == 7 and ids[item.token_offset + item.num_tokens] == 8  # vision start/end
+
+
+def test_video_rows_match_the_image_layout_for_a_still_clip(preparer):
+    yy, xx = np.mgrid[0:56, 0:84]  # smooth, so the codec keeps it nearly exact
+    frame = np.stack([yy * 4, xx * 3, (yy + xx) * 2], axis=-1).astype(np.uint8)
+    draft = preparer.draft(chat("v1", ContentPart(type="video_url", url=still_video_url(frame))), {})
+    assert isinstance(draft, Draft), draft
+    [item] = draft.media
+    assert item.kind == "video" and item.grid_thw[0] == 1  # 2 frames at 2 fps: one temporal patch
+    assert item.second_per_grid_t == pytest.approx(1.0)  # temporal_patch_size / fps
+    image = preparer.draft(chat("i1", image_part(png_url(frame))), {}).media[0]
+    assert item.grid_thw == image.grid_thw
+    assert (item.pixel_values - image.pixel_values).abs().mean() < 0.1  # codec noise only
+    assert draft.prepared.prompt_token_ids.count(bench.VIDEO_TOKEN) == item.num_tokens
+
+
+def test_video_patch_layout_equals_the_image_processor_for_repeated_frames(preparer):
+    from PIL import Image
+
+    from mstar_actors.preprocess import video_patches
+
+    frame = np.random.default_rng(2).integers(0, 255, (50, 70, 3), dtype=np.uint8)
+    ip = preparer.image_processor
+    rows, grid = video_patches(np.stack([frame, frame]), ip, preparer.min_pixels, preparer.max_pixels)
+    expected = ip(images=[Image.fromarray(frame)], return_tensors="pt")
+    assert grid == tuple(int(x) for x in expected["image_grid_thw"][0])
+    torch.testing.assert_close(rows, expected["pixel_values"].float(), atol=1e-5, rtol=1e-5)
+    three, grid3 = video_patches(np.stack([frame] * 3), ip, preparer.min_pixels, preparer.max_pixels)
+    assert grid3[0] == 2 and torch.equal(three[rows.shape[0]:], rows)  # padded with the last frame
+
+
+def test_text_only_request_takes_the_plain_path(preparer):
+    req = NewRequest(request_id="t", model="vl", sampling=SamplingParams(), prompt="describe this image")
+    draft = preparer.draft(req, {})
+    assert isinstance(draft, Draft) and not draft.media and draft.prepared.prompt_param == "prompt"
+
+
+async def test_actor_sends_media_through_the_arena_in_order(preparer):
+    arena = bench.HeapArena()
+    inbox = MemoryChannel(FrontendToPrepare, "frontend.prepare", capacity_bytes=1 << 22)
+    out = MemoryChannel(PrepareToConductor, "prepare.conductor")
+    actor = PrepareActor(name="prepare", config=Config(), inbox={"frontend": inbox}, outbox={"conductor": out},
+                         preparer=preparer, arena=arena, num_workers=2)
+    task = asyncio.create_task(actor.run())
+    good = png_url(np.zeros((40, 40, 3), dtype=np.uint8))
+    await inbox.send(chat("a", image_part(good)))
+    await inbox.send(chat("b", image_part("data:image/png;base64," + base64.b64encode(b"junk").decode())))
+    await inbox.send(NewRequest(request_id="c", model="vl", sampling=SamplingParams(), prompt="describe this"))
+    a, b, c = [await out.recv() for _ in range(3)]
+    assert isinstance(a, Prepared) and a.media[0].pixel_values.segment == "heap"
+    assert tuple(arena.tensors[a.media[0].pixel_values.offset].shape) == a.media[0].pixel_values.shape
+    assert isinstance(b, Failed) and b.status == 400 and b.param == "messages[0].content[1].image_url"
+    assert "could not decode the image" in b.message
+    assert isinstance(c, Prepared) and not c.media
+    assert len(arena.tensors) == 1  # the failed request stored nothing
+    await inbox.send(Shutdown(reason="test"))
+    assert await task == 0

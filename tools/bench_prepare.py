@@ -1,0 +1,191 @@
+"""Preparation throughput of image and video requests through the prepare
+actor's pool, with 1, 2, 4 and 8 workers.
+
+    python tools/bench_prepare.py [--requests 32] [--workers 1 2 4 8] [--torch-threads 1]
+
+The requests go through ``PrepareActor`` over in-memory channels, with the
+real Qwen2.5-VL preparation (chat template, Pillow / ``av`` decode,
+transformers' Qwen2-VL image processor, the video patch layout) on a folder
+this script saves itself: a Qwen2.5-VL ``config.json``, a word-level
+tokenizer with Qwen's vision tokens, and the processor's config. No model
+weights are needed to prepare. Media travel as data: URLs (a 640x480 JPEG; a
+4 s 320x240 mpeg4 clip at 24 fps, sampled at 2 fps), so no network is timed.
+Tensors go to an in-process stand-in for the arena.
+
+Time to first token (pool vs inline at concurrency 4) needs the served VL
+model and a GPU; see docs/benchmarks.md for how the lead runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+IMAGE_TOKEN, VIDEO_TOKEN = 5, 6
+SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|image_pad|>", "<|video_pad|>",
+            "<|vision_start|>", "<|vision_end|>"]
+WORDS = ["user", "assistant", "system", "describe", "this", "image", "video", "and"] + [f"w{i}" for i in range(200)]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} "
+    "{% if m['content'] is string %}{{ m['content'] }} {% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'text' %}{{ c['text'] }} "
+    "{% elif c['type'] == 'image' %}<|vision_start|> <|image_pad|> <|vision_end|> "
+    "{% elif c['type'] == 'video' %}<|vision_start|> <|video_pad|> <|vision_end|> {% endif %}"
+    "{% endfor %}{% endif %}<|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant{% endif %}"
+)
+
+
+def save_vl_prepare_folder(folder: Path, min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 1280) -> Path:
+    """What preparation reads from a Qwen2.5-VL folder: config.json, the
+    tokenizer (with a chat template that writes Qwen's vision placeholders) and
+    preprocessor_config.json. Returns ``folder``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
+    assert vocab["<|image_pad|>"] == IMAGE_TOKEN and vocab["<|video_pad|>"] == VIDEO_TOKEN
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   additional_special_tokens=SPECIALS[3:])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(folder)
+    config = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+              "vocab_size": 512, "image_token_id": IMAGE_TOKEN, "video_token_id": VIDEO_TOKEN,
+              "bos_token_id": 1, "eos_token_id": 2,
+              "text_config": {"vocab_size": 512, "bos_token_id": 1, "eos_token_id": 2}}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+class HeapArena:
+    """Stands in for the arena's producer end: keeps tensors in a dict."""
+
+    def __init__(self):
+        self.tensors: dict[int, object] = {}
+
+    async def put(self, tensor, num_readers: int = 1):
+        from mstar_actors.messages import TensorRef
+
+        key = len(self.tensors)
+        self.tensors[key] = tensor.clone()
+        return TensorRef(segment="heap", offset=key, nbytes=tensor.numel() * tensor.element_size(),
+                         dtype=str(tensor.dtype).removeprefix("torch."), shape=tuple(tensor.shape))
+
+
+def jpeg_data_url(width: int = 640, height: int = 480, seed: int = 0) -> str:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    out = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(out, format="JPEG")
+    return "data:image/jpeg;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def mp4_data_url(seconds: float = 4.0, fps: int = 24, width: int = 320, height: int = 240) -> str:
+    import av
+    import numpy as np
+
+    out = io.BytesIO()
+    rng = np.random.default_rng(0)
+    with av.open(out, mode="w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        base = rng.integers(0, 255, (height, width, 3), dtype=np.uint8)
+        for i in range(int(seconds * fps)):
+            frame = av.VideoFrame.from_ndarray(np.roll(base, i * 4, axis=1), format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return "data:video/mp4;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def make_request(rid: str, kind: str, url: str):
+    from mstar_actors.messages import ChatMessage, ContentPart, NewRequest, SamplingParams
+
+    parts = [ContentPart(type="text", text=f"describe this {kind}"), ContentPart(type=f"{kind}_url", url=url)]
+    return NewRequest(request_id=rid, model="vl", sampling=SamplingParams(), messages=[ChatMessage("user", parts)])
+
+
+async def run_once(preparer, requests: list, num_workers: int) -> float:
+    """Seconds from the first request sent to the last Prepared received."""
+    from actors.prepare import PrepareActor
+    from mstar_actors.config import Config
+    from mstar_actors.messages import Failed, FrontendToPrepare, PrepareToConductor, Shutdown
+    from transport.memory import MemoryChannel
+
+    inbox = MemoryChannel(FrontendToPrepare, "frontend.prepare", capacity_bytes=64 << 20)
+    out = MemoryChannel(PrepareToConductor, "prepare.conductor", capacity_bytes=16 << 20)
+    actor = PrepareActor(name="prepare", config=Config(), inbox={"frontend": inbox}, outbox={"conductor": out},
+                         preparer=preparer, arena=HeapArena(), num_workers=num_workers)
+    task = asyncio.create_task(actor.run())
+    start = time.perf_counter()
+    sender = asyncio.create_task(_send_all(inbox, requests))
+    for _ in requests:
+        msg = await out.recv()
+        if isinstance(msg, Failed):
+            raise RuntimeError(f"request {msg.request_id} failed: {msg.message}")
+    elapsed = time.perf_counter() - start
+    await sender
+    await inbox.send(Shutdown(reason="bench"))
+    await task
+    return elapsed
+
+
+async def _send_all(inbox, requests) -> None:
+    for req in requests:
+        await inbox.send(req)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=32, help="requests per kind and pool size")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads of this process")
+    args = parser.parse_args()
+
+    import torch
+
+    from mstar_actors.media import MediaLimits
+    from mstar_actors.preprocess import load_preparer
+
+    torch.set_num_threads(args.torch_threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = save_vl_prepare_folder(Path(tmp) / "vl")
+        preparer = load_preparer(folder, None, MediaLimits(max_bytes=50 << 20))
+        urls = {"image": jpeg_data_url(), "video": mp4_data_url()}
+        print(f"# {platform.node()} {os.cpu_count()} cpus (affinity {len(os.sched_getaffinity(0))}), "
+              f"torch threads {torch.get_num_threads()}, {args.requests} requests per cell")
+        print("| kind | workers | req/s | ms/req | speed-up |\n|---|---|---|---|---|")
+        for kind, url in urls.items():
+            base = None
+            for workers in args.workers:
+                requests = [make_request(f"{kind}{workers}-{i}", kind, url) for i in range(args.requests)]
+                asyncio.run(run_once(preparer, requests[:2], workers))  # warm-up
+                elapsed = asyncio.run(run_once(preparer, requests, workers))
+                rate = args.requests / elapsed
+                base = base or rate
+                print(f"| {kind} | {workers} | {rate:.1f} | {1000 * elapsed / args.requests:.1f} | {rate / base:.2f}x |",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
