@@ -23,7 +23,8 @@ class BroadcastChannel(Channel):
     before writing any, so all readers receive the same messages in the same
     order and a full ring never leaves a message half-broadcast.
     ``send_nowait`` is all-or-nothing likewise. Reading is per ring: each
-    reader opens its own ring as an ordinary ``ShmRing``.
+    reader opens its own ring as an ordinary ``ShmRing``. Publication is the
+    rings' (once per loop turn or batch); ``flush`` forces it on all of them.
     """
 
     def __init__(self, rings: list[ShmRing], union: Any, name: str):
@@ -65,9 +66,14 @@ class BroadcastChannel(Channel):
     async def recv(self) -> Any:
         raise ChannelClosed(f"broadcast {self.name!r}: the broadcast end only sends; readers open their rings")
 
+    def flush(self) -> None:
+        """Publish what every ring holds unpublished (see ``ShmRing.flush``)."""
+        for ring in self.rings:
+            ring.flush()
+
     def close(self) -> None:
         for ring in self.rings:
-            ring.close()
+            ring.close()  # each publishes what it holds first
 
     def stats(self) -> ChannelStats:
         """Messages and bytes once per broadcast; capacity of one ring (the
