@@ -121,7 +121,10 @@ class PrepareActor(Actor):
         is_parallel = bool(getattr(self.preparer, "PREPROCESS_PARALLEL", False))
         if self.num_workers is not None:
             return self.num_workers if is_parallel else 1
-        plan = CpuPlan(num_cpus=len(os.sched_getaffinity(0)), num_ranks=self.config.parallel.tp)
+        # worker_torch_threads: the workers' intra-op threads when the config fixes them (else 1, a GPU's)
+        worker_threads = getattr(self.config.parallel, "worker_torch_threads", None) or 1
+        plan = CpuPlan(num_cpus=len(os.sched_getaffinity(0)), num_ranks=self.config.parallel.tp,
+                       torch_threads_per_worker=worker_threads)
         return resolve_prepare_workers(plan, self.config.prepare.preprocess_torch_threads,
                                        self.config.prepare.preprocess_workers, is_parallel)
 
