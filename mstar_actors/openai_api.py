@@ -324,12 +324,24 @@ def _parse_part(where: str, part: Any) -> ContentPart:
     if not isinstance(part, dict):
         raise _bad(where, f"expected an object like {{\"type\": \"text\", \"text\": ...}}, got {_show(part)}")
     kind = part.get("type")
+    if kind in ("image_url", "video_url"):
+        return ContentPart(type=kind, url=_parse_media_url(f"{where}.{kind}", part.get(kind)))
     if kind != "text":
-        raise _bad(f"{where}.type", f"only \"text\" content parts are supported, got {_show(kind)}")
+        raise _bad(f"{where}.type", f"accepted content part types are \"text\", \"image_url\" and \"video_url\", "
+                                    f"got {_show(kind)}")
     text = part.get("text")
     if not isinstance(text, str):
         raise _bad(f"{where}.text", f"expected a string, got {_show(text)}")
     return ContentPart(type="text", text=text)
+
+
+def _parse_media_url(where: str, value: Any) -> str:
+    """OpenAI's ``{"url": ...}`` object, or vLLM's bare string. Whether the
+    model takes media, and the URL's scheme and limits, are checked by prepare."""
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise _bad(where, f"expected an object like {{\"url\": \"data:...\"}} or a URL string, got {_show(value)}")
+    return url
 
 
 # --------------------------------------------------------------------------

@@ -46,8 +46,14 @@ BAD = [
     ("chat", chat(messages=[{"content": "x"}]), "messages[0].role"),
     ("chat", chat(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
     ("chat", chat(messages=[{"role": "user"}]), "messages[0].content"),
-    ("chat", chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+    ("chat", chat(messages=[{"role": "user", "content": [{"type": "audio", "audio": {"url": "x"}}]}]),
      "messages[0].content[0].type"),
+    ("chat", chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"uri": "x"}}]}]),
+     "messages[0].content[0].image_url"),
+    ("chat", chat(messages=[{"role": "user", "content": [{"type": "video_url", "video_url": 5}]}]),
+     "messages[0].content[0].video_url"),
+    ("chat", chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+     "messages[0].content[0].image_url"),
     ("chat", chat(messages=[{"role": "user", "content": [{"type": "text", "text": 3}]}]), "messages[0].content[0].text"),
     ("chat", chat(messages=[{"role": "user", "content": ["x"]}]), "messages[0].content[0]"),
     ("chat", chat(max_tokens=-1), "max_tokens"),
@@ -159,6 +165,14 @@ def test_chat_roles_and_text_parts():
     parsed = api.parse_chat(chat(messages=msgs))
     assert [m.role for m in parsed.messages] == ["system", "system", "user", "assistant"]
     assert [p.text for p in parsed.messages[2].content] == ["a", "b"]
+
+
+def test_chat_media_parts_pass_through_as_urls():
+    parts = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}},
+             {"type": "video_url", "video_url": "file:///media/clip.mp4"}]  # vLLM also takes a bare string
+    parsed = api.parse_chat(chat(messages=[{"role": "user", "content": parts}]))
+    assert [(p.type, p.url) for p in parsed.messages[0].content[1:]] == [
+        ("image_url", "data:image/png;base64,AA"), ("video_url", "file:///media/clip.mp4")]
 
 
 def test_completion_prompts_and_choice_order():
