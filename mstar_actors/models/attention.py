@@ -141,15 +141,16 @@ class TorchPagedAttention:
 
 
 def _decode_rows(meta: AttentionMetadata, block_size: int, device: torch.device):
-    """``(rows, tables, mask)`` for the step's decode rows when there are at
-    least two, else None: flat query rows ``[B]``, their block tables ``[B,
-    nb]`` (int64) and a key mask ``[B, 1, 1, nb * block_size]``. Built once
-    per step and kept in ``meta.derived``: every layer reuses it."""
+    """``(rows, tables, mask)`` for the step's decode rows, None without any:
+    flat query rows ``[B]``, their block tables ``[B, nb]`` (int64) and a key
+    mask ``[B, 1, 1, nb * block_size]``. Built once per step and kept in
+    ``meta.derived``: every layer reuses it. A lone decode row takes this
+    path too: SDPA's fused CPU kernel beats its math path even at B = 1."""
     if "decode" in meta.derived:
         return meta.derived["decode"]
     seqs = [i for i, n in enumerate(meta.query_lens_list) if n == 1]
     decode = None
-    if len(seqs) >= 2:
+    if seqs:
         starts = meta.query_start_list
         num_blocks = max(meta.num_blocks_list[i] for i in seqs)
         index = torch.tensor(seqs, dtype=torch.long, device=device)
