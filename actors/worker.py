@@ -12,6 +12,7 @@ answer, which is what sharding will rely on.
 
 from __future__ import annotations
 
+import os
 import time
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
@@ -19,6 +20,16 @@ from typing import Any
 
 from actors.base import Actor
 from mstar_actors.messages import AdapterInstalled, InstallAdapter, StepDone, StepFailed, StepPlan
+
+
+def worker_torch_threads(config: Any, device_type: str, num_cpus: int) -> int:
+    """The rank's torch intra-op threads: ``parallel.worker_torch_threads``, else
+    on CPU the ``num_cpus`` this server may use split between the ranks (the
+    step's GEMMs are the server's work; the other actors are single-threaded
+    loops), else 1: a GPU does the work and spare threads only spin."""
+    if config.parallel.worker_torch_threads is not None:
+        return config.parallel.worker_torch_threads
+    return max(1, num_cpus // config.parallel.tp) if device_type == "cpu" else 1
 
 
 def build_runner(config: Any) -> Any:
@@ -94,8 +105,21 @@ class WorkerActor(Actor):
 
     async def start(self) -> None:
         if self.runner is None:
+            self.set_torch_threads()
             self.runner = await self.run_blocking(build_runner, self.config)
         await self.outbox["conductor"].send(self.runner.ready_info(self.rank))
+
+    def set_torch_threads(self) -> None:
+        """On the loop's thread, which runs every step: OpenMP's thread count
+        is per calling thread, so setting it inside run_blocking would not stick."""
+        import torch
+
+        from mstar_actors.model_runner import resolve_device
+
+        device_type = resolve_device(self.config.model.device).type
+        num_threads = worker_torch_threads(self.config, device_type, len(os.sched_getaffinity(0)))
+        torch.set_num_threads(num_threads)
+        self.log.info("torch intra-op threads: %d", num_threads)
 
     async def handle(self, channel: str, msg: Any) -> None:
         match msg:

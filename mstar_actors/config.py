@@ -37,6 +37,9 @@ class ModelConfig(msgspec.Struct, **_STRICT):
 
 class ParallelConfig(msgspec.Struct, **_STRICT):
     tp: Pos = 1
+    # Each worker's torch intra-op threads. Default: on CPU the cores this
+    # server may use, split between the ranks; on a GPU 1 (the device works).
+    worker_torch_threads: Pos | None = None
 
 
 class SchedulerConfig(msgspec.Struct, **_STRICT):
