@@ -196,6 +196,10 @@ class Prepared(Struct, frozen=True, tag=True, omit_defaults=True):
     # refusal (e.g. by the scheduler) names it as the OpenAI error's ``param``.
     prompt_param: str = "prompt"
     media: list[MediaItem] = []  # in prompt order; empty for text
+    # Digest of the media's content (pixel rows, grids): the conductor keys the
+    # prefix cache of a media request by it, so placeholder blocks computed for
+    # one image are never reused for another. Empty for text.
+    media_digest: str = ""
 
 
 class Failed(Struct, frozen=True, tag=True, omit_defaults=True):
@@ -316,6 +320,13 @@ class StepPlan(Struct, frozen=True, tag=True, omit_defaults=True):
     started: list[SeqStart]
     scheduled: list[ScheduledChunk]
     finished: list[str] = []  # request ids the workers forget before this step
+    # The ids in ``finished`` that were preempted and will start again: workers
+    # keep their per-request media copies for them. Any other id in
+    # ``finished`` ended for good (it may come again after a preemption).
+    preempted: list[str] = []
+    # Media of requests that ended before any SeqStart reached the workers:
+    # each rank releases these arena refs (it never saw them otherwise).
+    release_media: list[TensorRef] = []
 
 
 class InstallAdapter(Struct, frozen=True, tag=True, omit_defaults=True):

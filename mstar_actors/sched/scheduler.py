@@ -79,7 +79,11 @@ class Scheduler:
     - a sequence's id goes into ``StepPlan.finished`` exactly when the workers
       hold state for it and it ends or is preempted, so a restarted sequence's
       id appears in ``finished`` before (or in the same plan as) its new
-      ``SeqStart``, and workers apply ``finished`` first.
+      ``SeqStart``, and workers apply ``finished`` first;
+    - a preempted id is also in ``StepPlan.preempted``; a sequence that was
+      ever started and ends for good has its id in some plan's ``finished``
+      without ``preempted`` (a second time when it ends while waiting after a
+      preemption), so workers can drop what they keep across restarts.
     """
 
     def __init__(
@@ -120,6 +124,7 @@ class Scheduler:
         self._next_step_id = 0
         self._in_flight: _InFlight | None = None
         self._finished_ids: list[str] = []  # for the next plan's ``finished``
+        self._preempted_ids: list[str] = []  # for the next plan's ``preempted``
 
     # ------------------------------------------------------------------ intake
 
@@ -199,10 +204,12 @@ class Scheduler:
             started=step.started,
             scheduled=[chunk for _, chunk in step.chunks.values()],
             finished=self._finished_ids,
+            preempted=self._preempted_ids,
         )
         self._in_flight = _InFlight(self._next_step_id, list(step.chunks.values()))
         self._next_step_id += 1
         self._finished_ids = []
+        self._preempted_ids = []
         return plan
 
     def _schedule_running(self, step: _StepBuilder, decodes: bool) -> None:
@@ -237,6 +244,7 @@ class Scheduler:
         step.drop(seq)
         self.running.remove(seq)
         self._release(seq)
+        self._preempted_ids.append(seq.request_id)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -263,9 +271,9 @@ class Scheduler:
         self.waiting.popleft()
         self.running.append(seq)
         seq.status = SeqStatus.RUNNING
-        seq.is_started = True
+        seq.is_started = seq.was_started = True
         step.started.append(
-            SeqStart(seq.request_id, seq.prompt_token_ids, seq.sampling, list(seq.output_token_ids))
+            SeqStart(seq.request_id, seq.prompt_token_ids, seq.sampling, list(seq.output_token_ids), seq.media)
         )
         step.add(seq, num_new)
         return True
@@ -351,6 +359,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+            if seq.was_started:  # preempted earlier: the workers still keep its media
+                self._finished_ids.append(seq.request_id)
         self._release(seq)
         seq.status = SeqStatus.FINISHED
         del self.requests[seq.request_id]

@@ -37,6 +37,10 @@ class Sequence:
         self.block_ids: list[int] = []
         self.status = SeqStatus.WAITING
         self.is_started = False
+        # Ever started: the workers may keep per-request state (media copies)
+        # across a preemption, until the id is sent in ``finished`` for good.
+        self.was_started = False
+        self.media = list(req.media)  # carried into every SeqStart: a restart recomputes vision rows
         self.num_cached_tokens: int | None = None  # prefix hit at first admission
         self._block_hashes: list[bytes] = []  # chain hashes of full blocks, computed lazily
         self._root_hash = root_hash(root)

@@ -124,11 +124,17 @@ class FakeWorker:
         self.roots = roots  # request id -> root (workers never see roots; tests do)
         self.seqs: dict[str, list[int]] = {}  # request id -> all known tokens
         self.kv: dict[tuple[int, int], tuple[str, int, int]] = {}
+        self.kept: set[str] = set()  # preempted ids not yet ended for good
 
     def run(self, plan: StepPlan, sample) -> StepDone:
         for request_id in plan.finished:
-            assert request_id in self.seqs, f"finished {request_id} unknown to the worker"
-            del self.seqs[request_id]
+            if request_id not in self.seqs:  # only a preempted one, now ended for good
+                assert request_id in self.kept and request_id not in plan.preempted, f"finished {request_id} unknown to the worker"
+            self.seqs.pop(request_id, None)
+            if request_id in plan.preempted:
+                self.kept.add(request_id)  # what a worker keeps across a restart (media copies)
+            else:
+                self.kept.discard(request_id)
         for start in plan.started:
             assert start.request_id not in self.seqs, f"{start.request_id} started twice"
             self.seqs[start.request_id] = start.prompt_token_ids + start.output_token_ids

@@ -104,6 +104,8 @@ class Trial:
         assert not self.sched.has_work()
         assert sorted(self.ended) == sorted(self.streamed), "a request never ended"
         assert self.sched.allocator.num_used == 0
+        # Whatever workers keep across a preemption is dropped by the next plan at the latest.
+        assert self.worker.kept <= set(self.sched._finished_ids), "a preempted request never ended for the workers"
         for request_id, tokens in self.streamed.items():
             reason = self.ended[request_id]
             if reason == "stop":
