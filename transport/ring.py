@@ -234,11 +234,15 @@ class ShmRing(Channel):
       looks full to the writer (the reader can only make room from what it
       sees), before any end of this thread spins or parks
       (``publish_pending``), on ``flush()`` and on ``close()``;
-    - at once when no event loop runs in this thread.
+    - at once when no event loop runs in this thread, and for the first
+      record of a batch when the reader is parked (idle: it gains nothing
+      from waiting for more, and a sender that then blocks its loop does
+      not hold the message back).
 
     So a record is visible at the latest when the sending task next yields to
-    its loop. A task that sends and then blocks its loop without yielding
-    (a long synchronous computation) should call ``flush()`` first. The
+    its loop. A task that sends to a busy reader and then blocks its loop
+    without yielding (a long synchronous computation) should call
+    ``flush()`` first. The
     writer also keeps the last ``head`` it loaded (``_head``) and re-loads
     the shared word only when that stale view says the ring is full, at
     publication, or when asked ``has_room``: a stale head only under-states
@@ -446,9 +450,13 @@ class ShmRing(Channel):
             self._buf[DATA : DATA + len(data) - first] = view[first:]
 
     def _schedule_flush(self) -> None:
-        """Publish at the end of this loop iteration (at once without a loop)."""
+        """Publish at the end of this loop iteration; at once without a loop,
+        or when the reader is parked: it is idle, so it gains nothing from a
+        batch, and the waking fence and poke are due anyway. (The flag is
+        loaded without a fence: a reader that parks just after we look is
+        woken by the scheduled ``flush``, which follows rule 4.)"""
         loop = asyncio._get_running_loop()  # noqa: SLF001 - None, not an exception, when there is none
-        if loop is None:
+        if loop is None or self._words[W_READER_PARKED]:
             self.flush()
             return
         self._is_publish_scheduled = True

@@ -41,25 +41,45 @@ def published_tail(writer: ShmRing) -> int:
     return writer._words[W_TAIL]
 
 
-def test_a_burst_is_published_once_and_wakes_the_parked_reader_once(run, pokes):
+def test_a_burst_to_a_busy_reader_is_published_once(run, pokes):
     writer, reader = make_ring(run)
-    num = 40  # 40 records of 16 bytes stay under MAX_UNPUBLISHED_BYTES
+    pokes.clear()  # opening an end pokes the other
+    num = 40  # 40 records of 24 bytes stay under MAX_UNPUBLISHED_BYTES
+
+    async def main():
+        for seq in range(num):
+            writer.send_nowait(Blob(seq, b""))
+        assert published_tail(writer) == 0  # nothing visible within the turn
+        await asyncio.sleep(0)
+        assert published_tail(writer) == writer._tail
+        return [reader.recv_nowait().seq for _ in range(num)]
+
+    assert asyncio.run(main()) == list(range(num))
+    assert reader.stats().peak_fill_bytes == writer._tail  # one batch
+    assert not pokes  # the reader never parked
+    close_all(run, writer, reader)
+
+
+def test_a_parked_reader_gets_the_first_record_at_once_and_one_wakeup(run, pokes):
+    writer, reader = make_ring(run)
+    num = 40
 
     async def main():
         pending = asyncio.create_task(reader.recv())
         await asyncio.sleep(0)  # the reader spins, then parks
         assert reader._words[W_READER_PARKED] == 1
         pokes.clear()
-        for seq in range(num):
+        writer.send_nowait(Blob(0, b""))
+        first_tail = writer._tail
+        for seq in range(1, num):
             writer.send_nowait(Blob(seq, b""))
-        assert published_tail(writer) == 0 and not pokes  # nothing visible within the turn
+        assert published_tail(writer) == first_tail  # the first record only: the rest wait for the turn
         first = await asyncio.wait_for(pending, 1.0)
         return first, [reader.recv_nowait().seq for _ in range(num - 1)]
 
     first, rest = asyncio.run(main())
     assert first.seq == 0 and rest == list(range(1, num))
     assert pokes == [writer._peer_fd]  # one wakeup for the whole burst
-    assert reader.stats().messages == num
     close_all(run, writer, reader)
 
 
