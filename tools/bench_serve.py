@@ -22,7 +22,10 @@ spinning threads slow down many times over when they lose their core.
     python tools/bench_serve.py --url http://127.0.0.1:8000/v1 --model DIR   # an already running server
 
 Prints a table and the ratios to ``generate`` (issue targets: concurrency 1
->= 0.9x sequential, concurrency 8 >= 2x batched).
+>= 0.9x sequential, concurrency 8 >= 2x batched). TTFT is the median; CPU
+ms/token is user + system time of every process doing the work (this one
+for generate; the launcher and every actor for the server, not the HTTP
+client), which other jobs on a shared machine distort far less than wall time.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class Result:
     num_tokens: int
     wall_s: float
     ttft_s: list[float]
+    cpu_s: float | None = None  # CPU time (user + system) of every process doing the work
 
     @property
     def tokens_per_s(self) -> float:
@@ -60,7 +64,8 @@ class Result:
 
     def row(self) -> str:
         ttft = f"{statistics.median(self.ttft_s) * 1000:8.0f}" if self.ttft_s else "       -"
-        return f"{self.name:<28} {self.num_tokens:>7} {self.wall_s:>8.2f} {self.tokens_per_s:>9.1f} {ttft}"
+        cpu = f"{self.cpu_s / self.num_tokens * 1000:11.1f}" if self.cpu_s is not None else "          -"
+        return f"{self.name:<28} {self.num_tokens:>7} {self.wall_s:>8.2f} {self.tokens_per_s:>9.1f} {ttft} {cpu}"
 
 
 def progress(text: str) -> None:
@@ -93,27 +98,18 @@ def run_generate(model_dir: Path, prompts: list[list[dict]], max_tokens: int, ba
 
     generate(texts[:1], 2)  # warm up
     results = []
-    ttft, num_tokens, start = [], 0, time.perf_counter()
-    for i, text in enumerate(texts):
-        t0 = time.perf_counter()
-        generate([text], 1)  # time to first token: a generate of one token
-        ttft.append(time.perf_counter() - t0)
-        num_tokens += generate([text], max_tokens)
-        progress(f"generate sequential {i + 1}/{len(texts)}")
-    # The sequential figure is the generate runs only (the one-token runs are apart).
-    seq_wall = time.perf_counter() - start - sum(ttft)
-    results.append(Result("generate sequential", num_tokens, seq_wall, ttft))
-    num_tokens, wall, ttft = 0, 0.0, []
-    for i in range(0, len(texts), batch):
-        chunk = texts[i : i + batch]
-        t0 = time.perf_counter()
-        generate(chunk, 1)
-        ttft += [time.perf_counter() - t0] * len(chunk)
-        t0 = time.perf_counter()
-        num_tokens += generate(chunk, max_tokens)
-        wall += time.perf_counter() - t0
-        progress(f"generate batch {len(chunk)}: {i + len(chunk)}/{len(texts)}")
-    results.append(Result(f"generate batch {batch} (padded)", num_tokens, wall, ttft))
+    for size, name in ((1, "generate sequential"), (batch, f"generate batch {batch} (padded)")):
+        num_tokens, wall, cpu, ttft = 0, 0.0, 0.0, []
+        for i in range(0, len(texts), size):
+            chunk = texts[i : i + size]
+            t0 = time.perf_counter()
+            generate(chunk, 1)  # time to first token: a generate of one token, timed apart
+            ttft += [time.perf_counter() - t0] * len(chunk)
+            t0, c0 = time.perf_counter(), time.process_time()
+            num_tokens += generate(chunk, max_tokens)
+            wall, cpu = wall + time.perf_counter() - t0, cpu + time.process_time() - c0
+            progress(f"{name}: {i + len(chunk)}/{len(texts)}")
+        results.append(Result(name, num_tokens, wall, ttft, cpu))
     return results
 
 
@@ -159,6 +155,13 @@ class Server:
             raise SystemExit(f"the server exited ({self.proc.returncode}):\n{''.join(self.log[-30:])}")
         return f"http://127.0.0.1:{self.port}/v1"
 
+    def cpu_s(self) -> float:
+        """CPU time so far of the launcher and every actor process."""
+        import psutil
+
+        root = psutil.Process(self.proc.pid)
+        return sum(sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)])
+
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=60)
@@ -184,7 +187,8 @@ async def one_request(session, url: str, model: str, messages: list[dict], max_t
     return ttft if ttft is not None else time.perf_counter() - t0, num_tokens
 
 
-async def run_server_load(url: str, model: str, prompts: list[list[dict]], max_tokens: int, concurrency: int) -> Result:
+async def run_server_load(url: str, model: str, prompts: list[list[dict]], max_tokens: int, concurrency: int,
+                          server: Server | None = None) -> Result:
     import aiohttp
 
     queue = list(enumerate(prompts))
@@ -204,10 +208,11 @@ async def run_server_load(url: str, model: str, prompts: list[list[dict]], max_t
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
         await one_request(session, url, model, prompts[0], 2)  # warm up
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), server.cpu_s() if server else None
         await asyncio.gather(*[client(session) for _ in range(concurrency)])
         wall = time.perf_counter() - start
-    return Result(f"server concurrency {concurrency}", total, wall, ttfts)
+        cpu = server.cpu_s() - cpu if server else None
+    return Result(f"server concurrency {concurrency}", total, wall, ttfts, cpu)
 
 
 # ---- main -------------------------------------------------------------------
@@ -250,11 +255,11 @@ def main(argv: list[str] | None = None) -> int:
                 server = Server(model_dir, name, max(levels), args.threads, Path(tmp))
                 url = server.wait()
             for c in levels:
-                results.append(asyncio.run(run_server_load(url, name, prompts, args.max_tokens, c)))
+                results.append(asyncio.run(run_server_load(url, name, prompts, args.max_tokens, c, server)))
     finally:
         if server:
             server.stop()
-    print(f"\n{'system':<28} {'tokens':>7} {'wall s':>8} {'tok/s':>9} {'TTFT ms':>8} (median)")
+    print(f"\n{'system':<28} {'tokens':>7} {'wall s':>8} {'tok/s':>9} {'TTFT ms':>8} {'CPU ms/tok':>11}")
     for r in results:
         print(r.row())
     seq, batched = results[0], results[1]
