@@ -6,7 +6,8 @@ round-trip latency (p50/p99) for 64-byte and 1 MiB messages, printed side by
 side with the ring's ratios, and the CPU an idle ring reader burns in ~1 s.
 
 Fairness: every backend moves the same ``bytes`` object of the given size,
-bounded to the same number of buffered bytes (``BUFFERED_BYTES``); the ring's
+bounded to the same number of buffered messages (``max_buffered``: the
+Queue's maxsize, zmq's high-water mark, the ring's capacity in records); the ring's
 sender is what an actor does (``send_nowait``, ``await send`` only when
 full), the Queue's and zmq's are their plain blocking calls. On a loaded
 machine msgs/s measures each backend's share of the CPUs as much as its cost
@@ -29,15 +30,16 @@ import tempfile
 import time
 import uuid
 
+import msgspec
 import psutil
 import zmq
 
 from transport import ChannelFull, cleanup_run, create_ring, open_ring
+from transport.ring import _footprint
 
 SPAWN = multiprocessing.get_context("spawn")
 SMALL, LARGE = 64, 1 << 20
-RING_BYTES = 8 << 20
-BUFFERED_BYTES = RING_BYTES  # the same bound for the Queue's and zmq's buffers
+BUFFERED_BYTES = 8 << 20  # at most this much payload in flight, for every backend
 
 
 def progress(text: str) -> None:
@@ -45,7 +47,14 @@ def progress(text: str) -> None:
 
 
 def max_buffered(size: int) -> int:
+    """Messages of ``size`` bytes any backend may hold in flight."""
     return max(2, min(10_000, BUFFERED_BYTES // size))
+
+
+def ring_bytes(size: int) -> int:
+    """A ring that holds exactly ``max_buffered(size)`` records of ``size``
+    bytes (msgpack bin header, record header, padding included)."""
+    return max_buffered(size) * _footprint(len(msgspec.msgpack.encode(bytes(size))))
 
 
 # -- ring ----------------------------------------------------------------------
@@ -58,9 +67,9 @@ class RingBackend:
         self.run_dir, self.run_id = run_dir, run_id
         self._num_rings = 0
 
-    def make_pipe(self):
+    def make_pipe(self, size: int = SMALL):
         self._num_rings += 1
-        return create_ring(self.run_dir, self.run_id, f"bench{self._num_rings}", RING_BYTES)
+        return create_ring(self.run_dir, self.run_id, f"bench{self._num_rings}", ring_bytes(size))
 
     @staticmethod
     def produce(spec, size: int, num: int, cpu_s) -> None:
@@ -238,7 +247,7 @@ class ZmqBackend:
 
 
 def make_pipe(backend, size: int):
-    return backend.make_pipe() if isinstance(backend, RingBackend) else backend.make_pipe(size)
+    return backend.make_pipe(size)
 
 
 def throughput(backend, size: int, num: int) -> tuple[float, float, float]:
