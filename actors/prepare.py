@@ -109,9 +109,10 @@ class PrepareActor(Actor):
             self.preparer = await self.run_blocking(load_preparer, model_dir, self.config.scheduler.max_model_len,
                                                     self.limits)
         if self.arena is None and self.arena_spec is not None:
-            from transport.arena import TensorArena
+            from transport.arena import ArenaSpec, TensorArena
 
-            self.arena = TensorArena(self.arena_spec, "producer")
+            spec = ArenaSpec(**self.arena_spec) if isinstance(self.arena_spec, dict) else self.arena_spec  # the launcher's dict
+            self.arena = TensorArena(spec, "producer")
         self.num_workers = self._size_pool()
         if self.num_workers > 1:
             self.pool = concurrent.futures.ThreadPoolExecutor(self.num_workers, thread_name_prefix="prepare")

@@ -32,8 +32,9 @@ def worker_torch_threads(config: Any, device_type: str, num_cpus: int) -> int:
     return max(1, num_cpus // config.parallel.tp) if device_type == "cpu" else 1
 
 
-def build_runner(config: Any) -> Any:
-    """The rank's ``ModelRunner`` from the validated config (blocking: loads weights)."""
+def build_runner(config: Any, resolve_tensor: Any = None) -> Any:
+    """The rank's ``ModelRunner`` from the validated config (blocking: loads weights).
+    ``resolve_tensor`` reads media pixel values (the rank's ``MediaCopies``)."""
     from mstar_actors.fetch import resolve_model
     from mstar_actors.model_runner import ModelRunner
 
@@ -53,6 +54,7 @@ def build_runner(config: Any) -> Any:
         seed=config.model.seed,
         max_loras=lora.max_loras if is_lora_on else 0,
         max_lora_rank=lora.max_lora_rank if is_lora_on else 0,
+        resolve_tensor=resolve_tensor,
     )
 
 
@@ -98,15 +100,24 @@ class WorkerActor(Actor):
     is fine (a stack dump does not need the loop).
     """
 
-    def __init__(self, *, rank: int = 0, runner: Any = None, **kw: Any):
+    def __init__(self, *, rank: int = 0, runner: Any = None, arena_spec: Any = None, **kw: Any):
         super().__init__(**kw)
         self.rank = rank
         self.runner = runner  # tests may inject one; otherwise built in start()
+        self.arena_spec = arena_spec  # the media arena, read as consumer ``rank``
+        self.media: Any = None  # MediaCopies when there is an arena (see mstar_actors.media_copies)
 
     async def start(self) -> None:
+        if self.arena_spec is not None:
+            from mstar_actors.media_copies import MediaCopies
+            from transport.arena import ArenaSpec, TensorArena
+
+            spec = ArenaSpec(**self.arena_spec) if isinstance(self.arena_spec, dict) else self.arena_spec
+            self.media = MediaCopies(TensorArena(spec, "consumer", reader_index=self.rank))
         if self.runner is None:
             self.set_torch_threads()
-            self.runner = await self.run_blocking(build_runner, self.config)
+            resolve = self.media.resolve if self.media is not None else None
+            self.runner = await self.run_blocking(build_runner, self.config, resolve)
         await self.outbox["conductor"].send(self.runner.ready_info(self.rank))
 
     def set_torch_threads(self) -> None:
@@ -141,6 +152,8 @@ class WorkerActor(Actor):
     def execute(self, plan: StepPlan) -> StepDone | StepFailed:
         start = time.perf_counter()
         try:
+            if self.media is not None:  # copies media out of the arena, releases it
+                plan = self.media.take(plan)
             sampled = self.runner.execute(plan)
         except Exception as err:  # the step fails; the rank keeps serving
             self.log.exception("step %d failed on rank %d", plan.step_id, self.rank)

@@ -10,6 +10,8 @@ who did not), send ``Started`` to the frontend, then wait for one of:
   frontend gets ``PeerFailed`` so in-flight requests fail clearly; then a
   clean stop with exit code 1.
 
+The media arena is made with the rings (``create_media_arena``).
+
 Stopping: ``Shutdown`` to every live actor, join with a timeout, kill the
 stragglers, unlink every segment and remove the run directory. Child exits are
 watched through their process sentinels on the asyncio loop: nothing polls.
@@ -25,6 +27,8 @@ import os
 import signal
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from actors.base import ActorSpec, run_actor_process
 from mstar_actors import messages, rundir
@@ -170,6 +174,23 @@ class Launcher:
         register_run(self.run_dir, self.run_id)
         self.rings = Rings(self.run_id, self.run_dir, self.config)
         self.rings.create_all(self.plans)
+        self.create_media_arena()
+
+    def create_media_arena(self) -> None:
+        """One media tensor arena per run (``transport.arena_bytes``, sparse until
+        used): prepare puts pixel values, each worker reads as reader ``rank``.
+        Its segment is named under the run, so ``cleanup_run`` unlinks it at
+        shutdown and ``cleanup_stale`` after a crash."""
+        from transport import create_arena
+
+        if not any(plan.name == "prepare" for plan in self.plans):
+            return  # a test topology without the prepare actor
+        spec = create_arena(self.run_dir, self.run_id, "media", self.config.transport.arena_bytes)
+        for plan in self.plans:
+            if plan.name == "prepare" or plan.target == "actors.worker:WorkerActor":
+                # A plain dict: unpickling an ArenaSpec in the child would import
+                # torch before the actor blocks SIGUSR1 (see actors.base).
+                plan.params["arena_spec"] = msgspec.structs.asdict(spec)
 
     def open_control(self) -> None:
         from transport import open_ring
