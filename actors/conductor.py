@@ -24,6 +24,16 @@ what it returns. Requests reach the scheduler only once their slot is
 acknowledged by every rank; installs travel on the same broadcast as the
 plans, so every rank sees plans and installs in one order. A request's end
 (any ``Finished`` / ``Failed`` the scheduler emits) unpins its slot.
+
+Media: a media request's prefix root adds its ``media_digest``
+(``media_root``), so KV of placeholder blocks is shared only between
+requests with the same images in the same places; text-only requests keep
+sharing under the plain root. This also forgoes sharing a text prefix
+(e.g. a system prompt) before the first image, which per-block keys (vLLM
+hashes each block's media ranges) would keep; acceptable while media
+prompts are short next to their vision rows. The arena refs of a request
+that ends before any ``SeqStart`` carried them are released by the ranks
+through the next plan's ``release_media`` (see ``mstar_actors.media_copies``).
 """
 
 from __future__ import annotations
@@ -101,6 +111,11 @@ def combine_failures(step_id: int, failures: list[StepFailed]) -> StepFailed:
                       request_ids=ids)
 
 
+def media_root(root: str, prepared: Prepared) -> str:
+    """The prefix-cache root of a request: its weights', plus its media's digest."""
+    return f"{root}|media:{prepared.media_digest}" if prepared.media_digest else root
+
+
 def base_name(config: Any) -> str:
     """The base model's served name, as the frontend names it."""
     from pathlib import Path
@@ -119,6 +134,8 @@ class ConductorActor(Actor):
         self.scheduler: Any = None
         self.step_results: dict[int, StepDone | StepFailed] | None = None  # set while a step runs
         self.last_stats: Any = None
+        self.unstarted_media: dict[str, list[Any]] = {}  # request id -> arena refs no rank has seen yet
+        self.release_media: list[Any] = []  # refs of requests that ended unstarted, for the next plan
 
     # ---- start: agreement -------------------------------------------------
 
@@ -150,7 +167,7 @@ class ConductorActor(Actor):
                 await self.dispatch(*await self.mailbox.get())  # park until something arrives
                 await self.send_stats()  # an abort or arrival while idle changes the gauges
                 continue
-            await self.outbox["workers"].send(self.pool.label(plan))  # 2
+            await self.outbox["workers"].send(self.pool.label(self.track_media(plan)))  # 2
             results = await self.await_step(plan)  # 3
             await self.finish_step(plan, results)  # 4
 
@@ -191,6 +208,8 @@ class ConductorActor(Actor):
     async def handle(self, channel: str, msg: Any) -> None:
         match msg:
             case Prepared():
+                if msg.media:
+                    self.unstarted_media[msg.request_id] = [m.pixel_values for m in msg.media]
                 await self.route(self.pool.add(msg))
             case Abort(request_id=request_id):
                 await self.route(self.pool.abort(request_id))  # a request still waiting for its adapter
@@ -225,7 +244,7 @@ class ConductorActor(Actor):
             match out:
                 case Admit(prepared=prepared, root=root):
                     # KV is keyed by the weights that computed it: the base name or the adapter's digest.
-                    await self.send_outputs([self.scheduler.add(prepared, root)])
+                    await self.send_outputs([self.scheduler.add(prepared, media_root(root, prepared))])
                 case InstallAdapter():
                     await self.outbox["workers"].send(out)
                 case ReadAdapter() | DropAdapter():
@@ -239,7 +258,19 @@ class ConductorActor(Actor):
                 continue
             await self.outbox["frontend"].send(out)
             if isinstance(out, Finished | Failed):
+                self.release_media += self.unstarted_media.pop(out.request_id, ())
                 await self.route(self.pool.end(out.request_id))
+
+    def track_media(self, plan: StepPlan) -> StepPlan:
+        """Ranks own the refs of the requests this plan starts; they release
+        the refs of requests that ended unstarted."""
+        for start in plan.started:
+            self.unstarted_media.pop(start.request_id, None)
+        if not self.release_media:
+            return plan
+        plan = msgspec.structs.replace(plan, release_media=self.release_media)
+        self.release_media = []
+        return plan
 
     async def send_stats(self) -> None:
         stats = self.scheduler.stats()

@@ -217,7 +217,8 @@ class QwenVLPreparer:
         if problem:
             return failed(req, problem, "messages")
         prepared = Prepared(request_id=req.request_id, model=req.model, prompt_token_ids=token_ids,
-                            sampling=req.sampling, arrival_time=req.arrival_time, prompt_param="messages")
+                            sampling=req.sampling, arrival_time=req.arrival_time, prompt_param="messages",
+                            media_digest=media_digest(media))
         return Draft(prepared, media)
 
     # ---- media ---------------------------------------------------------------
@@ -268,6 +269,20 @@ class QwenVLPreparer:
             out += [ids[pos]] * item.num_tokens
             start = pos + 1
         return out + ids[start:]
+
+
+def media_digest(media: list[MediaDraft]) -> str:
+    """blake2b over every item's kind, grid, place in the prompt, frame timing and
+    pixel rows: equal only for the same media in the same places. The
+    conductor keys a media request's prefix cache by it (placeholder tokens
+    are equal for any image, their KV is not). Runs on the pool's thread."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    for item in media:
+        h.update(f"{item.kind}|{item.grid_thw}|{item.token_offset}|{item.num_tokens}|{item.second_per_grid_t!r}|".encode())
+        h.update(item.pixel_values.contiguous().numpy())  # no copy; hashlib releases the GIL on large buffers
+    return h.hexdigest()
 
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:
