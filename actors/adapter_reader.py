@@ -61,10 +61,20 @@ class AdapterReaderActor(Actor):
         self.base_shapes = base_shapes  # tests may inject; otherwise read in start()
         self.tier = HostTier(self.config.lora.max_cpu_loras)
         self._counter = itertools.count()
+        self.base_error: Exception | None = None  # why this model takes no adapters
 
     async def start(self) -> None:
+        from mstar_actors.lora.base_shapes import BaseShapesError
+
         if self.base_shapes is None:
-            self.base_shapes = await self.run_blocking(load_base_shapes, self.config.model.path)
+            try:
+                self.base_shapes = await self.run_blocking(load_base_shapes, self.config.model.path)
+            except BaseShapesError as err:
+                # A model without LoRA rules (e.g. a vision-language one) still serves its
+                # base weights; configured adapters were refused by the launcher already,
+                # a runtime load is refused with this reason.
+                self.base_error = err
+                self.log.info("adapters can't be read for this model: %s", err)
 
     async def stop(self) -> None:
         for entry in list(self.tier.entries.values()):
@@ -99,6 +109,8 @@ class AdapterReaderActor(Actor):
         from mstar_actors.lora import read_adapter
         from mstar_actors.lora.host_copy import adapter_to_bytes
 
+        if self.base_shapes is None and self.base_error is not None:
+            raise self.base_error
         weights = read_adapter(msg.path, base=self.base_shapes, max_rank=self.config.lora.max_lora_rank,
                                name=msg.name)
         known = self.tier.find(msg.name, weights.digest)
