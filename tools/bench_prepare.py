@@ -52,25 +52,53 @@ def save_vl_prepare_folder(folder: Path, min_pixels: int = 56 * 56, max_pixels: 
     """What preparation reads from a Qwen2.5-VL folder: config.json, the
     tokenizer (with a chat template that writes Qwen's vision placeholders) and
     preprocessor_config.json. Returns ``folder``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     folder.mkdir(parents=True, exist_ok=True)
     vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
     assert vocab["<|image_pad|>"] == IMAGE_TOKEN and vocab["<|video_pad|>"] == VIDEO_TOKEN
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   additional_special_tokens=SPECIALS[3:])
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(folder)
+    save_word_tokenizer(folder, vocab)
     Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(folder)
     config = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
               "vocab_size": 512, "image_token_id": IMAGE_TOKEN, "video_token_id": VIDEO_TOKEN,
               "bos_token_id": 1, "eos_token_id": 2,
               "text_config": {"vocab_size": 512, "bos_token_id": 1, "eos_token_id": 2}}
     (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def save_word_tokenizer(folder: Path, vocab: dict[str, int]) -> None:
+    """A word-level tokenizer over ``vocab`` with Qwen's chat template and specials."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   additional_special_tokens=SPECIALS[3:])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+
+
+def save_tiny_vl_model(folder: Path, max_pixels: int = 32 * 32) -> Path:
+    """A servable tiny random Qwen2.5-VL (float32 weights from the tests'
+    ``vl_factories``), a tokenizer whose vision tokens are the model's ids and
+    covering its whole vocabulary, and an image processor with its patch
+    sizes (2 px patches, 2x2 merge). Returns ``folder``."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from models import vl_factories as vf
+
+    vf.make_hf_vl_model(folder)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<|im_start|>": 3, "<|im_end|>": 4, "<|image_pad|>": vf.IMAGE_TOKEN,
+             "<|video_pad|>": vf.VIDEO_TOKEN, "<|vision_start|>": vf.VISION_START, "<|vision_end|>": vf.VISION_END}
+    words = iter(WORDS + [f"x{i}" for i in range(vf.VOCAB)])
+    taken = set(vocab.values())
+    vocab |= {next(words): i for i in range(vf.VOCAB) if i not in taken}
+    save_word_tokenizer(folder, vocab)
+    Qwen2VLImageProcessorPil(patch_size=2, temporal_patch_size=2, merge_size=vf.MERGE, min_pixels=8 * 8,
+                             max_pixels=max_pixels).save_pretrained(folder)
     return folder
 
 

@@ -1,0 +1,196 @@
+"""Qwen2.5-VL served end to end: a tiny random model behind the real launcher
+(every actor in its own process, media through the shared-memory arena),
+image, video and text chat requests sent at once with the ``openai`` client,
+greedy tokens equal to transformers ``generate`` on the same processor
+outputs; a corrupt image fails alone with a 400 naming its part; shutdown
+leaves no shared memory behind."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import importlib.util
+import io
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from test_launcher import Server, our_segments
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_TOKENS = 8
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_prepare", ROOT / "tools" / "bench_prepare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _bench()
+
+
+def png_url(seed: int, height: int = 16, width: int = 24) -> str:
+    from PIL import Image
+
+    array = np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(array).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def mp4_url(seconds: int = 2, fps: int = 4, size: int = 16) -> str:
+    """A short mjpeg clip (sampled at the server's 2 fps: 4 frames, 2 temporal patches)."""
+    import av
+
+    out = io.BytesIO()
+    rng = np.random.default_rng(7)
+    with av.open(out, mode="w", format="mp4") as container:
+        stream = container.add_stream("mjpeg", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = size, size, "yuvj444p"
+        for _ in range(seconds * fps):
+            frame = rng.integers(0, 255, (size, size, 3), dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return "data:video/mp4;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def messages_with(kind: str, url: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": f"describe this {kind}"},
+                                         {"type": f"{kind}_url", f"{kind}_url": {"url": url}}]}]
+
+
+TEXT_MESSAGES = [{"role": "user", "content": "describe this and this"}]
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory):
+    return bench.save_tiny_vl_model(tmp_path_factory.mktemp("vl") / "tiny-vl")
+
+
+@pytest.fixture(scope="module")
+def vl_server(vl_dir, tmp_path_factory):
+    runtime_dir = tmp_path_factory.mktemp("xdg")
+    runtime_dir.chmod(0o700)
+    print("seed: 0 (the tiny model's weights and model.seed)")
+    srv = Server(vl_dir, runtime_dir, tmp_path_factory.mktemp("cfg"))
+    try:
+        srv.wait_serving()
+        yield srv
+    finally:
+        srv.kill()
+
+
+@functools.cache
+def _hf_and_preparer(vl_dir: Path):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from mstar_actors.media import MediaLimits
+    from mstar_actors.preprocess import load_preparer
+
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(vl_dir), dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf, load_preparer(vl_dir, None, MediaLimits())
+
+
+def reference_reply(vl_dir: Path, messages: list[dict]) -> list[int]:
+    """transformers' greedy tokens on what our preparer makes of ``messages``
+    (the server gets the same tensors through the arena)."""
+    from mstar_actors.messages import ChatMessage, ContentPart, NewRequest, SamplingParams
+
+    parts = messages[0]["content"]
+    content = parts if isinstance(parts, str) else [
+        ContentPart(type="text", text=p["text"]) if p["type"] == "text" else ContentPart(type=p["type"], url=p[p["type"]]["url"])
+        for p in parts]
+    req = NewRequest(request_id="ref", model="tiny", sampling=SamplingParams(),
+                     messages=[ChatMessage("user", content)])
+    hf, preparer = _hf_and_preparer(vl_dir)
+    draft = preparer.draft(req, {})
+    prompt = draft.prepared.prompt_token_ids
+    kwargs: dict = {"mm_token_type_ids": torch.tensor([[1 if t == 300 else 2 if t == 301 else 0 for t in prompt]])}
+    for item in draft.media:
+        if item.kind == "image":
+            kwargs |= {"pixel_values": item.pixel_values, "image_grid_thw": torch.tensor([item.grid_thw])}
+        else:
+            kwargs |= {"pixel_values_videos": item.pixel_values, "video_grid_thw": torch.tensor([item.grid_thw]),
+                       "second_per_grid_ts": torch.tensor([item.second_per_grid_t])}
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False, **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+async def _ask_all(port: int, bodies: dict[str, list[dict]]) -> dict[str, object]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+
+    async def ask(messages):
+        try:
+            return await client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0, logprobs=True,
+                extra_body={"ignore_eos": True})
+        except openai.APIStatusError as err:
+            return err
+
+    try:
+        results = await asyncio.gather(*(ask(m) for m in bodies.values()))
+    finally:
+        await client.close()
+    return dict(zip(bodies, results))
+
+
+def test_image_video_and_text_together_equal_transformers(vl_server, vl_dir):
+    import openai
+    from transformers import AutoTokenizer
+
+    bodies = {
+        "image": messages_with("image", png_url(1)),
+        "video": messages_with("video", mp4_url()),
+        "text": TEXT_MESSAGES,
+        "corrupt": messages_with("image", "data:image/png;base64," + base64.b64encode(b"\x89PNG junk").decode()),
+    }
+    replies = asyncio.run(_ask_all(vl_server.port, bodies))
+
+    bad = replies.pop("corrupt")
+    assert isinstance(bad, openai.BadRequestError), bad
+    assert "messages[0].content[1].image_url" in str(bad)
+    tokenizer = AutoTokenizer.from_pretrained(str(vl_dir))
+    for name, reply in replies.items():
+        assert not isinstance(reply, Exception), f"{name}: {reply}"
+        expected = reference_reply(vl_dir, bodies[name])
+        got = tokenizer.convert_tokens_to_ids([t.token for t in reply.choices[0].logprobs.content])
+        assert got == expected, f"{name}: served {got}, transformers {expected}"
+        assert reply.usage.completion_tokens == MAX_TOKENS
+
+
+def test_another_image_of_the_same_size_does_not_reuse_the_first_ones_kv(vl_server, vl_dir):
+    """Placeholder blocks are keyed by the media digest: a different image of
+    the same size has the same prompt tokens, but its reply must be its own."""
+    first, again, other = (asyncio.run(_ask_all(vl_server.port, {"r": messages_with("image", png_url(seed))}))["r"]
+                           for seed in (11, 11, 12))
+    tokens = [[t.token for t in r.choices[0].logprobs.content] for r in (first, again, other)]
+    assert tokens[0] == tokens[1]
+    assert tokens[2] == _tokens(vl_dir, messages_with("image", png_url(12)))
+
+
+def _tokens(vl_dir: Path, messages: list[dict]) -> list[str]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(vl_dir)).convert_ids_to_tokens(reference_reply(vl_dir, messages))
+
+
+def test_shutdown_leaves_no_shared_memory(vl_server):
+    run_id = vl_server.run_dir.name
+    assert any("arena-media" in name for name in our_segments(run_id)), "the run has a media arena"
+    vl_server.proc.send_signal(signal.SIGTERM)
+    assert vl_server.wait_exit() == 0, vl_server.log
+    assert our_segments(run_id) == []
