@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Every GPU-marked test and the GPU benchmarks, in one go, on a CUDA host.
+#
+#   tools/gpu_checks.sh [TOKENIZER_DIR]
+#
+# Results (logs and tables) go under $OUT (default ./gpu-results). The LoRA
+# benchmark's random Llama-3.2-1B-shaped model uses SmolLM2's vocabulary, so
+# it needs SmolLM2's tokenizer files: TOKENIZER_DIR, else the fetched
+# embedded model. Steps are independent: one failing step doesn't stop the
+# others, and the script exits non-zero if any failed.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+TOKENIZER=${1:-}
+status=0
+
+step() {  # step NAME COMMAND...: run, log to $OUT/NAME.txt, print the tail
+    local name=$1; shift
+    echo "==> $name: $*"
+    local t0=$SECONDS
+    "$@" >"$OUT/$name.txt" 2>&1
+    local rc=$?
+    tail -n "${TAIL:-25}" "$OUT/$name.txt"
+    echo "<== $name: exit $rc after $((SECONDS - t0)) s"
+    [ $rc -eq 0 ] || status=1
+}
+
+$PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")'
+step gpu_tests $PY -m pytest -q -m gpu -p no:cacheprovider \
+    tests/lora/test_lora_triton_gpu.py tests/lora/test_lora_parity.py tests/models/test_runner.py tests/test_sampling.py
+step bench_lora $PY tools/bench_lora.py --model llama-3.2-1b-random --device cuda \
+    ${TOKENIZER:+--tokenizer "$TOKENIZER"} --output "$OUT/bench_lora_table.txt"
+step bench_prepare $PY tools/bench_prepare.py
+exit $status
