@@ -474,9 +474,10 @@ class ShmRing(Channel):
 
     def flush(self) -> None:
         """Publish every record written so far and wake a parked reader
-        (rules 1 and 4). Cheap when there is nothing to publish."""
+        (rules 1 and 4). Cheap when there is nothing to publish; a no-op on
+        the reader end and after close."""
         tail = self._tail
-        if tail == self._published:
+        if tail == self._published or not self._can_write:
             return
         words = self._words
         if shm.NEEDS_PUBLISH_FENCE:

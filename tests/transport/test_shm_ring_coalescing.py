@@ -114,6 +114,8 @@ def test_flush_and_close_publish_what_is_pending(run):
         for seq in (1, 2, 3):
             writer.send_nowait(Blob(seq, b""))
         writer.close()  # within the same turn: close must publish them
+        writer.flush()  # after close: nothing to do, no error
+        reader.flush()  # on the reader end: nothing to do
         got = [reader.recv_nowait().seq for _ in range(3)]
         with pytest.raises(ChannelClosed, match="closed by the writer"):
             reader.recv_nowait()
