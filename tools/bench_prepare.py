@@ -205,11 +205,14 @@ def serve_for_ttft(model_dir: Path, num_workers: int, tmp: Path, model_name: str
     env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp), PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-m", "mstar_actors", "serve", str(config), "--port", str(port)],
                             cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    seen: list[str] = []
     for line in proc.stderr:  # the launcher logs "serving NAME at http://..." once every actor is ready
+        seen.append(line)
         if f"serving {model_name} at http://" in line:
             break
     else:
-        raise RuntimeError(f"the server with preprocess_workers={num_workers} exited before serving")
+        tail = "".join(seen[-30:])
+        raise RuntimeError(f"the server with preprocess_workers={num_workers} exited before serving; its log ends:\n{tail}")
     import threading
 
     threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # keep the pipe drained
@@ -217,26 +220,28 @@ def serve_for_ttft(model_dir: Path, num_workers: int, tmp: Path, model_name: str
 
 
 async def ttft_round(port: int, url: str, concurrency: int, model_name: str = "vl") -> list[float]:
-    """Seconds to the first streamed chunk of ``concurrency`` video requests sent at once."""
-    import openai
+    """Seconds to the first streamed chunk of ``concurrency`` video requests sent at once.
 
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-    messages = [{"role": "user", "content": [{"type": "text", "text": "describe this video"},
-                                             {"type": "video_url", "video_url": {"url": url}}]}]
+    Plain aiohttp, so the benchmark runs where the ``openai`` client is not installed."""
+    import aiohttp
 
-    async def one() -> float:
+    body = {"model": model_name, "max_tokens": 2, "temperature": 0, "stream": True, "ignore_eos": True,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "describe this video"},
+                                                      {"type": "video_url", "video_url": {"url": url}}]}]}
+
+    async def one(session) -> float:
         start = time.perf_counter()
-        stream = await client.chat.completions.create(model=model_name, messages=messages, max_tokens=2,
-                                                      temperature=0, stream=True, extra_body={"ignore_eos": True})
-        first = None
-        async for _ in stream:
-            first = first or time.perf_counter() - start
+        async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as response:
+            if response.status != 200:
+                raise RuntimeError(f"video request answered {response.status}: {await response.text()}")
+            first = None
+            async for line in response.content:
+                if first is None and line.startswith(b"data: "):
+                    first = time.perf_counter() - start
         return first
 
-    try:
-        return list(await asyncio.gather(*(one() for _ in range(concurrency))))
-    finally:
-        await client.close()
+    async with aiohttp.ClientSession() as session:
+        return list(await asyncio.gather(*(one(session) for _ in range(concurrency))))
 
 
 def measure_ttft(model_dir: Path, url: str, tmp: Path, rounds: int, concurrency: int = 4) -> dict[int, float]:
