@@ -135,13 +135,18 @@ class WorkerActor(Actor):
     async def handle(self, channel: str, msg: Any) -> None:
         match msg:
             case StepPlan():
-                await self.outbox["conductor"].send(self.execute(msg))
+                reply = self.execute(msg)
             case InstallAdapter():
                 # Inline, in channel order with the plans: a step sent before
                 # the install never sees the new weights, one sent after does.
-                await self.outbox["conductor"].send(self.install(msg))
+                reply = self.install(msg)
             case _:
-                self.unknown(channel, msg)
+                return self.unknown(channel, msg)
+        out = self.outbox["conductor"]
+        await out.send(reply)
+        # The next queued message may run synchronously (an install, a step)
+        # without yielding to the loop: publish this reply before it starts.
+        out.flush()
 
     def install(self, msg: InstallAdapter) -> AdapterInstalled:
         reply = install_from_host(self.runner, self.rank, msg)

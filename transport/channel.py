@@ -49,6 +49,11 @@ class Channel(abc.ABC):
         """The next message. Raises ChannelClosed at end of channel
         (ChannelBroken when the writer died) and DecodeError on bad bytes."""
 
+    def flush(self) -> None:
+        """Make what was sent visible to the reader now. Rings publish once per
+        event-loop turn; an actor about to block its loop (a long step) flushes
+        first so its last reply isn't held back. A no-op where sends are immediate."""
+
     @abc.abstractmethod
     def close(self) -> None:
         """Close this end. Idempotent."""
