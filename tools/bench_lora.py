@@ -345,7 +345,7 @@ async def run_load(url: str, base: str, scenario: Scenario, prompts: list, max_t
     async def client(session) -> None:
         while queue:
             i = queue.pop(0)
-            ttft, n = await one_request(session, url, model_of(scenario, base, i), prompts[i], max_tokens)
+            ttft, _, n = await one_request(session, url, model_of(scenario, base, i), prompts[i], max_tokens, exact=True)
             if n != max_tokens:
                 raise SystemExit(f"{scenario.name}, request {i}: {n} tokens, expected {max_tokens} (ignore_eos)")
             result.ttft_s.append(ttft)
@@ -365,9 +365,9 @@ async def warm_up(url: str, models: list[str], prompts: list, levels: tuple[int,
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
         for model in models:
-            await one_request(session, url, model, prompts[0], 4)
+            await one_request(session, url, model, prompts[0], 4, exact=True)
         for c in levels:  # each batch size once, so no first-time cost (compiles, allocations) is measured
-            await asyncio.gather(*[one_request(session, url, models[i % len(models)], prompts[i % len(prompts)], 4)
+            await asyncio.gather(*[one_request(session, url, models[i % len(models)], prompts[i % len(prompts)], 4, exact=True)
                                    for i in range(c)])
 
 
