@@ -202,7 +202,8 @@ def serve_for_ttft(model_dir: Path, num_workers: int, tmp: Path, model_name: str
         "server: {max_body_bytes: 67108864, max_media_bytes: 52428800}\n"
         "transport: {arena_bytes: 268435456}\n"
     )
-    env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp), PYTHONPATH=str(ROOT))
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp),
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.Popen([sys.executable, "-m", "mstar_actors", "serve", str(config), "--port", str(port)],
                             cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     seen: list[str] = []
