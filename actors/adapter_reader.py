@@ -70,9 +70,10 @@ class AdapterReaderActor(Actor):
             try:
                 self.base_shapes = await self.run_blocking(load_base_shapes, self.config.model.path)
             except BaseShapesError as err:
-                # A model without LoRA rules (e.g. a vision-language one) still serves its
-                # base weights; configured adapters were refused by the launcher already,
-                # a runtime load is refused with this reason.
+                # An architecture without LoRA shape rules still serves its base
+                # weights (Qwen2.5-VL has rules: its text stack); configured adapters
+                # were refused by the launcher already, a runtime load is refused
+                # with this reason.
                 self.base_error = err
                 self.log.info("adapters can't be read for this model: %s", err)
 
@@ -110,7 +111,9 @@ class AdapterReaderActor(Actor):
         from mstar_actors.lora.host_copy import adapter_to_bytes
 
         if self.base_shapes is None and self.base_error is not None:
-            raise self.base_error
+            from mstar_actors.lora import AdapterError
+
+            raise AdapterError(f"adapter {msg.name!r}: this base model takes no adapters ({self.base_error})")
         weights = read_adapter(msg.path, base=self.base_shapes, max_rank=self.config.lora.max_lora_rank,
                                name=msg.name)
         known = self.tier.find(msg.name, weights.digest)

@@ -372,11 +372,15 @@ def validate_adapters(config: Config) -> None:
 
     from mstar_actors.fetch import resolve_model
     from mstar_actors.lora import AdapterError, BaseShapes, read_adapter
+    from mstar_actors.lora.base_shapes import BaseShapesError
     from mstar_actors.lora.pool import expand_path
 
     if not config.lora.adapters:
         return
-    base = BaseShapes.from_hf_config(json.loads((resolve_model(config.model.path) / "config.json").read_text()))
+    try:
+        base = BaseShapes.from_hf_config(json.loads((resolve_model(config.model.path) / "config.json").read_text()))
+    except BaseShapesError as err:  # one line (exit 2), not a traceback
+        raise AdapterError(f"lora.adapters: the base model {config.model.path} takes no adapters: {err}") from None
     for name, path in config.lora.adapters.items():
         try:
             read_adapter(expand_path(path), base=base, max_rank=config.lora.max_lora_rank, name=name)

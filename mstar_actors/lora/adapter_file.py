@@ -37,6 +37,8 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # root is "model." (VL models: "model.language_model.").
 _LAYER_RE = re.compile(r"^(?:model\.)?(?:language_model\.)?layers\.(\d+)\.(.+)$")
 _GLOBAL_RE = re.compile(r"^(?:model\.)?(?:language_model\.)?(embed_tokens|lm_head)$")
+# A VL model's vision tower: "visual." (original layout) or "model.visual." (transformers 5).
+_VISION_RE = re.compile(r"^(?:model\.)?visual\.")
 _KINDS = {
     "lora_A.weight": "A",
     "lora_B.weight": "B",
@@ -294,6 +296,13 @@ def _check_base_copy(key: str, shape: tuple[int, ...], base: BaseShapes, name: s
 
 def _place(module_path: str, base: BaseShapes, name: str) -> tuple[str, int | None]:
     """(module key in BaseShapes, layer index or None for a global module)."""
+    if _VISION_RE.match(module_path):
+        # Its rows are not the step's token rows, so no slot could apply a delta there.
+        raise AdapterError(
+            f"adapter {name!r}: module {module_path!r} is in the vision tower; vision tower modules are not "
+            "adapter targets; accepted: the text stack's linears, lm_head, embed_tokens "
+            "(PEFT: target_modules matching only the language model)"
+        )
     if m := _GLOBAL_RE.match(module_path):
         key, layer = m.group(1), None
     elif m := _LAYER_RE.match(module_path):

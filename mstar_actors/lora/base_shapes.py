@@ -24,7 +24,14 @@ LAYER_MODULES = (
 GLOBAL_MODULES = ("lm_head", "embed_tokens")
 EMBEDDING_MODULES = frozenset({"embed_tokens"})
 
-_SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+_SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+    # Its text stack is the Qwen2 decoder; the vision tower is never a target.
+    "Qwen2_5_VLForConditionalGeneration",
+)
 
 
 class BaseShapesError(ValueError):
@@ -43,6 +50,8 @@ class BaseShapes:
     num_layers: int
     layer_modules: dict[str, tuple[int, int]]
     global_modules: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Informational: a tied lm_head still takes its own LoRA delta.
+    tie_word_embeddings: bool = False
 
     def shape_of(self, module: str) -> tuple[int, int] | None:
         """(in, out) of a layer module suffix or a global module; None if not targetable."""
@@ -55,11 +64,14 @@ class BaseShapes:
 
     @classmethod
     def from_hf_config(cls, config: dict) -> BaseShapes:
-        """Shapes of a Llama / Qwen2 / Qwen3 (or Mistral) ``config.json`` dict.
+        """Shapes of a Llama / Qwen2 / Qwen3 (or Mistral) ``config.json`` dict,
+        or of Qwen2.5-VL's text stack.
 
-        A vision-language config's ``text_config`` is used when present.
+        A vision-language config's ``text_config`` (transformers 5) overrides
+        its top-level fields, which older configs use for the text stack and
+        which keep ``tie_word_embeddings`` in either layout.
         """
-        cfg = config.get("text_config") or config
+        cfg = {**config, **(config.get("text_config") or {})}
         archs = config.get("architectures") or []
         if archs and not any(a in _SUPPORTED_ARCHITECTURES for a in archs):
             raise BaseShapesError(
@@ -84,7 +96,12 @@ class BaseShapes:
         # A tied lm_head is still its own Linear module in transformers, so
         # PEFT can target it; its LoRA delta is independent of the tie.
         glob = {"lm_head": (hidden, vocab), "embed_tokens": (vocab, hidden)}
-        return cls(num_layers=_require_int(cfg, "num_hidden_layers"), layer_modules=layer, global_modules=glob)
+        return cls(
+            num_layers=_require_int(cfg, "num_hidden_layers"),
+            layer_modules=layer,
+            global_modules=glob,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
 
 
 def _require_int(cfg: dict, key: str) -> int:

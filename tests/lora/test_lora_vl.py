@@ -1,0 +1,195 @@
+"""LoRA on Qwen2.5-VL's text stack equals transformers + PEFT, token for token.
+
+A tiny random Qwen2.5-VL and a PEFT adapter on its language model only (q/k/v/o,
+gate/up/down of every layer, lm_head and embed_tokens; random non-zero
+factors). Through the runner, with hand-built StepPlans: an image prompt and a
+text prompt on the adapter next to an image prompt on the base model, in the
+same steps (chunked prefill splitting the image run). Greedy tokens must equal
+PEFT's ``generate`` (and the base model's). Also: both PEFT key layouts read
+to the same factors, the served folder's shapes come from its text stack, and
+an adapter that reaches into the vision tower is refused, naming the module.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models.test_qwen2_5_vl import hf_media_kwargs, media_prompt
+from models.vl_factories import VOCAB, FakeArena, make_hf_vl_model
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file, save_file
+from transformers import Qwen2_5_VLForConditionalGeneration
+
+from actors.adapter_reader import load_base_shapes
+from mstar_actors import messages
+from mstar_actors.lora import AdapterError, read_adapter
+from mstar_actors.lora.host_copy import adapter_from_bytes, adapter_to_bytes
+from mstar_actors.model_runner import ModelRunner
+
+BLOCK_SIZE = 4
+NUM_NEW = 16
+MAX_RANK = 8
+GREEDY = messages.SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+IMAGE_GRID = (1, 6, 10)  # 15 placeholder tokens
+# PEFT matches a string target as a full-name regex: the language model's linears only.
+TEXT_STACK = r"lm_head|.*language_model\.embed_tokens|.*language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """(base folder, base model, adapter folder, PEFT model)."""
+    root = tmp_path_factory.mktemp("vl_lora")
+    base = make_hf_vl_model(root / "base")
+    peft = make_vl_peft(root / "base", root / "text", target_modules=TEXT_STACK)
+    return root / "base", base, root / "text", peft
+
+
+def make_vl_peft(base_folder, adapter_folder, *, seed: int = 7, **lora_kwargs):
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(base_folder, dtype=torch.float32)
+    peft = get_peft_model(model, LoraConfig(r=MAX_RANK, lora_alpha=16, **lora_kwargs)).eval()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.25)  # PEFT starts B at zero; a zero adapter would prove nothing
+    peft.save_pretrained(str(adapter_folder))
+    return peft
+
+
+def generate(model, prompt, media, arena) -> list[int]:
+    config = model.generation_config
+    config.eos_token_id, config.pad_token_id = None, 0
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_NEW, do_sample=False,
+            **hf_media_kwargs(prompt, media, arena),
+        )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+class Driver:
+    """A scripted conductor: blocks, chunks, plans; records sampled tokens."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.free = list(range(runner.num_kv_blocks - 1, 0, -1))
+        self.seqs: dict[str, dict] = {}
+        self.step_id = 0
+
+    def start(self, rid, prompt, media=(), *, slot=0) -> messages.SeqStart:
+        self.seqs[rid] = dict(total=len(prompt), outputs=[], blocks=[], done=0)
+        return messages.SeqStart(rid, list(prompt), GREEDY, media=list(media), lora_slot=slot)
+
+    def chunk(self, rid, num_tokens: int | None = None) -> messages.ScheduledChunk:
+        seq = self.seqs[rid]
+        total = seq["total"] + len(seq["outputs"])
+        num_tokens = num_tokens or total - seq["done"]
+        stop = seq["done"] + num_tokens
+        while len(seq["blocks"]) * BLOCK_SIZE < stop:
+            seq["blocks"].append(self.free.pop())
+        chunk = messages.ScheduledChunk(rid, seq["done"], num_tokens, list(seq["blocks"]), stop == total)
+        seq["done"] = stop
+        return chunk
+
+    def step(self, started=(), chunks=()) -> None:
+        plan = messages.StepPlan(self.step_id, list(started), list(chunks))
+        self.step_id += 1
+        for token in self.runner.execute(plan):
+            self.seqs[token.request_id]["outputs"].append(token.token_id)
+
+    def run_to_end(self) -> dict[str, list[int]]:
+        while chunks := [self.chunk(r) for r, s in self.seqs.items() if len(s["outputs"]) < NUM_NEW]:
+            self.step([], chunks)
+        return {rid: seq["outputs"] for rid, seq in self.seqs.items()}
+
+
+def test_served_shapes_come_from_the_text_stack(world):
+    base_folder, _, _, _ = world
+    shapes = load_base_shapes(str(base_folder))  # what the adapter reader and the launcher derive
+    assert shapes.num_layers == 2 and not shapes.tie_word_embeddings
+    assert shapes.shape_of("self_attn.k_proj") == (64, 32) and shapes.shape_of("mlp.down_proj") == (128, 64)
+    assert shapes.shape_of("lm_head") == (64, VOCAB) and shapes.shape_of("embed_tokens") == (VOCAB, 64)
+
+
+def test_adapter_on_the_text_stack_matches_peft(world):
+    base_folder, base, adapter_folder, peft = world
+    shapes = load_base_shapes(str(base_folder))
+    weights = read_adapter(adapter_folder, base=shapes, max_rank=MAX_RANK, name="text")
+    assert weights.num_modules == 2 * 7 + 2
+    arena = FakeArena()
+    prompts = {
+        "img": media_prompt([("text", 5), ("image", IMAGE_GRID), ("text", 6)], arena, seed=1),
+        "txt": media_prompt([("text", 17)], arena, seed=2),
+        "base": media_prompt([("text", 3), ("image", IMAGE_GRID), ("text", 4)], arena, seed=3),
+    }
+    on_adapter = {"img": True, "txt": True, "base": False}
+    runner = ModelRunner(
+        base_folder, dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_blocks=64, seed=0,
+        max_loras=1, max_lora_rank=MAX_RANK, resolve_tensor=arena.resolve,
+    )  # fmt: skip
+    assert not any(name.startswith("visual") for name in runner.lora.stacks)  # the tower gets no stack
+    runner.install_adapter(1, adapter_from_bytes(adapter_to_bytes(weights)))  # as the worker receives it
+    d = Driver(runner)
+    starts = [d.start(rid, p, m, slot=1 if on_adapter[rid] else 0) for rid, (p, m, _) in prompts.items()]
+    # img's image run covers tokens 6..20: chunks of 10 and the rest split it.
+    d.step(starts, [d.chunk("img", 10), d.chunk("txt", 9), d.chunk("base")])
+    d.step([], [d.chunk("img"), d.chunk("txt"), d.chunk("base")])
+    outputs = d.run_to_end()
+    for rid, (prompt, media, _) in prompts.items():
+        model = peft if on_adapter[rid] else base
+        assert outputs[rid] == generate(model, prompt, media, arena), f"{rid} (adapter: {on_adapter[rid]}) diverged"
+    with peft.disable_adapter():  # the adapter changes the tokens, so the comparison above means something
+        assert outputs["img"] != generate(peft, *prompts["img"][:2], arena)
+
+
+def test_both_peft_layouts_read_to_the_same_factors(world, tmp_path):
+    base_folder, _, adapter_folder, _ = world
+    shapes = load_base_shapes(str(base_folder))
+    tensors = load_file(adapter_folder / "adapter_model.safetensors")
+    assert any(k.startswith("base_model.model.model.language_model.layers.") for k in tensors)
+    original = {k.replace("model.language_model.", "model."): v for k, v in tensors.items()}
+    (tmp_path / "adapter_config.json").write_text((adapter_folder / "adapter_config.json").read_text())
+    save_file(original, tmp_path / "adapter_model.safetensors")
+    new = read_adapter(adapter_folder, base=shapes, max_rank=MAX_RANK)
+    old = read_adapter(tmp_path, base=shapes, max_rank=MAX_RANK)
+    new_modules, old_modules = dict(new.iter_modules()), dict(old.iter_modules())
+    assert new_modules.keys() == old_modules.keys()
+    for key, module in new_modules.items():
+        assert torch.equal(module.a, old_modules[key].a) and torch.equal(module.b, old_modules[key].b), key
+
+
+@pytest.mark.parametrize("layout", ["transformers5", "original"])
+def test_vision_tower_target_is_refused_by_name(world, tmp_path, layout):
+    """Plain names hit the tower too: its blocks have mlp.gate_proj as well."""
+    base_folder, _, _, _ = world
+    make_vl_peft(base_folder, tmp_path / "ad", target_modules=["q_proj", "gate_proj"])
+    if layout == "original":
+        path = tmp_path / "ad" / "adapter_model.safetensors"
+        tensors = load_file(path)
+        save_file({k.replace("model.visual.", "visual.").replace("model.language_model.", "model."): v for k, v in tensors.items()}, path)
+    prefix = "model.visual." if layout == "transformers5" else "visual."
+    message = (
+        rf"adapter 'ad': module '{prefix}blocks\.\d+\.mlp\.gate_proj' is in the vision tower; vision tower modules "
+        r"are not adapter targets; accepted: the text stack's linears, lm_head, embed_tokens"
+    )
+    with pytest.raises(AdapterError, match=message):
+        read_adapter(tmp_path / "ad", base=load_base_shapes(str(base_folder)), max_rank=MAX_RANK)
+
+
+
+def test_launcher_accepts_a_text_stack_adapter_and_refuses_a_model_without_rules(world, tmp_path):
+    import json
+
+    from mstar_actors.config import parse_config
+    from mstar_actors.launcher import validate_adapters
+
+    base_folder, _, adapter_folder, _ = world
+    lora = {"max_loras": 1, "max_lora_rank": MAX_RANK, "adapters": {"text": str(adapter_folder)}}
+    validate_adapters(parse_config({"model": {"path": str(base_folder)}, "lora": lora}))
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((base_folder / "config.json").read_text()) | {"architectures": ["GPT2LMHeadModel"]}
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(AdapterError, match=r"lora.adapters: the base model .* takes no adapters: .*GPT2LMHeadModel.*no LoRA shape rules"):
+        validate_adapters(parse_config({"model": {"path": str(other)}, "lora": lora}))
