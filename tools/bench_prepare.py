@@ -27,12 +27,14 @@ import asyncio
 import base64
 import io
 import json
+import math
 import os
 import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -84,26 +86,70 @@ def save_word_tokenizer(folder: Path, vocab: dict[str, int]) -> None:
     fast.save_pretrained(folder)
 
 
-def save_tiny_vl_model(folder: Path, max_pixels: int = 32 * 32) -> Path:
+def save_tiny_vl_model(folder: Path, max_pixels: int | None = None, *, real_patches: bool = False,
+                       max_model_len: int = 512) -> Path:
     """A servable tiny random Qwen2.5-VL (float32 weights from the tests'
     ``vl_factories``), a tokenizer whose vision tokens are the model's ids and
-    covering its whole vocabulary, and an image processor with its patch
-    sizes (2 px patches, 2x2 merge). Returns ``folder``."""
+    covering its whole vocabulary, and an image processor. Returns ``folder``.
+
+    Default (the tests): 2 px patches, 2x2 merge, frames resized to at most
+    ``max_pixels`` (32x32) so media fit the 512-token context. With
+    ``real_patches`` the processor is Qwen2.5-VL's own (14 px patches, 2x2
+    merge, 56x56 to ``max_pixels`` 28*28*1280 pixels), so media are resized
+    and patched as for a real model, and the context is ``max_model_len``;
+    the vision tower (hidden 32, depth 2) and text stack (hidden 64, 2 layers)
+    stay tiny, so the model's share of a request is small next to preparing it."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     sys.path.insert(0, str(ROOT / "tests"))
     from models import vl_factories as vf
 
-    vf.make_hf_vl_model(folder)
+    if real_patches:
+        _save_random_vl(folder, _real_patch_config(vf.make_vl_config(), max_model_len))
+        processor = Qwen2VLImageProcessorPil(patch_size=14, temporal_patch_size=2, merge_size=2, min_pixels=56 * 56,
+                                             max_pixels=max_pixels or 28 * 28 * 1280)
+    else:
+        vf.make_hf_vl_model(folder)
+        processor = Qwen2VLImageProcessorPil(patch_size=2, temporal_patch_size=2, merge_size=vf.MERGE, min_pixels=8 * 8,
+                                             max_pixels=max_pixels or 32 * 32)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<|im_start|>": 3, "<|im_end|>": 4, "<|image_pad|>": vf.IMAGE_TOKEN,
              "<|video_pad|>": vf.VIDEO_TOKEN, "<|vision_start|>": vf.VISION_START, "<|vision_end|>": vf.VISION_END}
     words = iter(WORDS + [f"x{i}" for i in range(vf.VOCAB)])
     taken = set(vocab.values())
     vocab |= {next(words): i for i in range(vf.VOCAB) if i not in taken}
     save_word_tokenizer(folder, vocab)
-    Qwen2VLImageProcessorPil(patch_size=2, temporal_patch_size=2, merge_size=vf.MERGE, min_pixels=8 * 8,
-                             max_pixels=max_pixels).save_pretrained(folder)
+    processor.save_pretrained(folder)
     return folder
+
+
+def _real_patch_config(config, max_model_len: int):
+    """The tests' tiny config with Qwen2.5-VL's patch geometry (14 px patches,
+    2 frames per temporal patch, 2x2 merge, 112 px attention windows) and a
+    context of ``max_model_len``; vision depth 2 (one windowed, one full block)."""
+    vision = config.vision_config
+    vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size = 14, 2, 2
+    vision.window_size = 112  # 4x4 merged cells per window, as in the released models
+    vision.depth, vision.fullatt_block_indexes = 2, [1]
+    config.text_config.max_position_embeddings = max_model_len
+    return config
+
+
+def _save_random_vl(folder: Path, config, seed: int = 0) -> None:
+    """``vl_factories.make_hf_vl_model`` for a given config: float32 random
+    weights, spread wide, the vision tower's kept moderate."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from models.factories import _spread_weights
+
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32).eval()
+    _spread_weights(model)
+    with torch.no_grad():
+        for name, p in model.model.visual.named_parameters():
+            if "norm" not in name and "ln_q" not in name:
+                p.normal_(0.0, 0.1 if "patch_embed" not in name else 0.03)  # patch_embed sums 1,176 inputs
+    model.save_pretrained(folder)
 
 
 class HeapArena:
@@ -187,8 +233,43 @@ async def _send_all(inbox, requests) -> None:
         await inbox.send(req)
 
 
-def serve_for_ttft(model_dir: Path, num_workers: int, tmp: Path, model_name: str = "vl"):
-    """Start the server with ``num_workers`` prepare threads; (process, port) once serving."""
+class Clip(NamedTuple):
+    """The benchmark's video: ``seconds`` long at ``width`` x ``height``,
+    encoded at 24 fps, sampled by the server at ``fps``."""
+
+    seconds: float = 4.0
+    width: int = 320
+    height: int = 240
+    fps: float = 2.0
+
+    @property
+    def num_frames(self) -> int:  # as the media limits count them
+        return math.ceil(self.seconds * self.fps - 1e-6)
+
+    def num_tokens(self, max_pixels: int = 28 * 28 * 1280) -> int:
+        """Video placeholder tokens with Qwen2.5-VL's processor (14 px patches, 2x2 merge)."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        h, w = smart_resize(self.height, self.width, factor=28, min_pixels=56 * 56, max_pixels=max_pixels)
+        return math.ceil(self.num_frames / 2) * (h // 28) * (w // 28)
+
+    def media_limits(self) -> str:
+        """The server section's video limits that let this clip through."""
+        return (f"video_fps: {self.fps}, max_video_frames: {max(64, self.num_frames + 2)}, "
+                f"max_video_seconds: {max(120.0, self.seconds + 1)}")
+
+
+def context_for(clip: Clip) -> int:
+    """A context that holds the clip's prompt (placeholders, template, answer)."""
+    return 1 << max(10, (clip.num_tokens() + 256 - 1).bit_length())
+
+
+def serve_for_ttft(model_dir: Path, num_workers: int, tmp: Path, clip: Clip = Clip(), model_name: str = "vl",
+                   max_model_len: int | None = None):
+    """Start the server with ``num_workers`` prepare threads; (process, port) once serving.
+
+    ``max_model_len`` also sizes the batch budget, so one whole video prompt
+    fits a step."""
     import socket
     import subprocess
 
@@ -199,7 +280,10 @@ def serve_for_ttft(model_dir: Path, num_workers: int, tmp: Path, model_name: str
     config.write_text(
         f"model: {{path: {model_dir}, name: {model_name}, dtype: auto, device: auto}}\n"
         f"prepare: {{preprocess_workers: {num_workers}}}\n"
-        "server: {max_body_bytes: 67108864, max_media_bytes: 52428800}\n"
+        f"server: {{max_body_bytes: 67108864, max_media_bytes: 52428800, {clip.media_limits()}}}\n"
+        + (f"scheduler: {{max_model_len: {max_model_len}, max_num_batched_tokens: {max_model_len}}}\n"
+           if max_model_len else "")
+        + 
         "transport: {arena_bytes: 268435456}\n"
     )
     env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp),
@@ -218,6 +302,23 @@ def serve_for_ttft(model_dir: Path, num_workers: int, tmp: Path, model_name: str
 
     threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # keep the pipe drained
     return proc, port
+
+
+async def check_one(port: int, url: str, model_name: str = "vl") -> int:
+    """One unstreamed video request must answer 200 with its 2 tokens; returns its prompt tokens."""
+    import aiohttp
+
+    body = {"model": model_name, "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "describe this video"},
+                                                      {"type": "video_url", "video_url": {"url": url}}]}]}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as response:
+            if response.status != 200:
+                raise RuntimeError(f"the check request answered {response.status}: {await response.text()}")
+            usage = (await response.json())["usage"]
+    if usage["completion_tokens"] != 2:
+        raise RuntimeError(f"the check request made {usage['completion_tokens']} tokens, asked for 2")
+    return usage["prompt_tokens"]
 
 
 async def ttft_round(port: int, url: str, concurrency: int, model_name: str = "vl") -> list[float]:
@@ -245,22 +346,25 @@ async def ttft_round(port: int, url: str, concurrency: int, model_name: str = "v
         return list(await asyncio.gather(*(one(session) for _ in range(concurrency))))
 
 
-def measure_ttft(model_dir: Path, url: str, tmp: Path, rounds: int, concurrency: int = 4) -> dict[int, float]:
-    """Median TTFT (s) at ``concurrency`` with the pool (4 workers) and inline (1)."""
+def measure_ttft(model_dir: Path, url: str, tmp: Path, rounds: int, clip: Clip, concurrency: int = 4,
+                 max_model_len: int | None = None) -> tuple[dict[int, float], int]:
+    """Median TTFT (s) at ``concurrency`` with the pool (4 workers) and inline
+    (1), and the video prompt's token count."""
     import signal
     import statistics
 
     medians = {}
     for num_workers in (4, 1):
-        proc, port = serve_for_ttft(model_dir, num_workers, tmp)
+        proc, port = serve_for_ttft(model_dir, num_workers, tmp, clip, max_model_len=max_model_len)
         try:
-            asyncio.run(ttft_round(port, url, 1))  # warm-up: first-call costs of every actor
+            num_prompt_tokens = asyncio.run(check_one(port, url))  # also the warm-up of every actor
+            asyncio.run(ttft_round(port, url, concurrency))  # and of every pool thread (first-call costs)
             times = [t for _ in range(rounds) for t in asyncio.run(ttft_round(port, url, concurrency))]
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
         medians[num_workers] = statistics.median(times)
-    return medians
+    return medians, num_prompt_tokens
 
 
 def main() -> None:
@@ -271,7 +375,13 @@ def main() -> None:
     parser.add_argument("--ttft-rounds", type=int, default=5, help="rounds of 4 concurrent video requests (0: skip)")
     parser.add_argument("--model", type=Path, default=None, help="a Qwen2.5-VL folder to serve for TTFT "
                                                                   "(default: a tiny random one)")
+    parser.add_argument("--video-seconds", type=float, default=4.0, help="length of the clip (default 4)")
+    parser.add_argument("--video-size", type=_size, default=(320, 240), metavar="WxH",
+                        help="frame size of the clip (default 320x240)")
+    parser.add_argument("--video-fps", type=float, default=2.0,
+                        help="frames sampled per second of clip: the server's video_fps (default 2)")
     args = parser.parse_args()
+    clip = Clip(args.video_seconds, *args.video_size, args.video_fps)
 
     import torch
 
@@ -281,10 +391,13 @@ def main() -> None:
     torch.set_num_threads(args.torch_threads)
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_vl_prepare_folder(Path(tmp) / "vl")
-        preparer = load_preparer(folder, None, MediaLimits(max_bytes=50 << 20))
-        urls = {"image": jpeg_data_url(), "video": mp4_data_url()}
+        limits = MediaLimits(max_bytes=50 << 20, video_fps=clip.fps, max_video_frames=max(64, clip.num_frames + 2),
+                             max_video_seconds=max(120.0, clip.seconds + 1))
+        preparer = load_preparer(folder, None, limits)
+        urls = {"image": jpeg_data_url(), "video": mp4_data_url(clip.seconds, width=clip.width, height=clip.height)}
         print(f"# {platform.node()} {os.cpu_count()} cpus (affinity {len(os.sched_getaffinity(0))}), "
-              f"torch threads {torch.get_num_threads()}, {args.requests} requests per cell")
+              f"torch threads {torch.get_num_threads()}, {args.requests} requests per cell; video "
+              f"{clip.seconds:g} s {clip.width}x{clip.height} sampled at {clip.fps:g} fps ({clip.num_frames} frames)")
         print("| kind | workers | req/s | ms/req | speed-up |\n|---|---|---|---|---|")
         for kind, url in urls.items():
             base = None
@@ -297,12 +410,26 @@ def main() -> None:
                 print(f"| {kind} | {workers} | {rate:.1f} | {1000 * elapsed / args.requests:.1f} | {rate / base:.2f}x |",
                       flush=True)
         if args.ttft_rounds:
-            # Tiny model: frames resized to at most 32x32 px so a clip fits its 512-token context;
-            # decoding and sampling the clip (the work the pool overlaps) is the same.
-            model_dir = args.model or save_tiny_vl_model(Path(tmp) / "tiny-vl")
-            medians = measure_ttft(model_dir, urls["video"], Path(tmp), args.ttft_rounds)
-            print(f"\n| video TTFT, concurrency 4 | p50 ms |\n|---|---|\n| pool (4 workers) | {1000 * medians[4]:.0f} |\n"
+            # The tiny model keeps Qwen2.5-VL's processor (14 px patches, frames up to 28*28*1280 px), so
+            # the server decodes, resizes and patches the clip as for a real model: TTFT is mostly that.
+            max_model_len = None if args.model else context_for(clip)
+            model_dir = args.model or save_tiny_vl_model(Path(tmp) / "tiny-vl", real_patches=True,
+                                                         max_model_len=max_model_len)
+            medians, num_prompt_tokens = measure_ttft(model_dir, urls["video"], Path(tmp), args.ttft_rounds, clip,
+                                                      max_model_len=max_model_len)
+            print(f"\nserved video prompt: {num_prompt_tokens} tokens, context {max_model_len or 'of the model'}")
+            print(f"| video TTFT, concurrency 4 | p50 ms |\n|---|---|\n| pool (4 workers) | {1000 * medians[4]:.0f} |\n"
                   f"| inline (1) | {1000 * medians[1]:.0f} |\ninline / pool: {medians[1] / medians[4]:.2f}x", flush=True)
+
+
+def _size(text: str) -> tuple[int, int]:
+    try:
+        width, height = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected WIDTHxHEIGHT, e.g. 320x240") from None
+    if width < 16 or height < 16 or width % 2 or height % 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: width and height must be even and at least 16")
+    return width, height
 
 
 if __name__ == "__main__":
