@@ -115,7 +115,13 @@ class PrepareActor(Actor):
             self.arena = TensorArena(spec, "producer")
         self.num_workers = self._size_pool()
         if self.num_workers > 1:
-            self.pool = concurrent.futures.ThreadPoolExecutor(self.num_workers, thread_name_prefix="prepare")
+            # Each pool thread sets its intra-op count too (with some OpenMP
+            # runtimes it is per thread), so N workers never fan out over
+            # every core each.
+            threads = self.config.prepare.preprocess_torch_threads
+            self.pool = concurrent.futures.ThreadPoolExecutor(self.num_workers, thread_name_prefix="prepare",
+                                                              initializer=torch.set_num_threads,
+                                                              initargs=(threads,))
         self.log.info("preparing %s", f"on {self.num_workers} threads" if self.pool else "inline")
 
     def _size_pool(self) -> int:
