@@ -163,11 +163,11 @@ class Launcher:
     # ---- set-up -------------------------------------------------------------
 
     def prepare_run(self) -> None:
-        from transport import cleanup_stale, register_run
+        from transport import cleanup_orphans, cleanup_stale, register_run
 
         root = rundir.runs_root()
         root.mkdir(parents=True, exist_ok=True)
-        for run_id in cleanup_stale(root):
+        for run_id in cleanup_stale(root) + cleanup_orphans(rundir.run_is_dead):
             log.info("removed shared memory left by dead run %s", run_id)
         rundir.remove_dead_run_dirs(root)
         self.run_dir = rundir.create_run_dir(self.run_id, root)

@@ -20,6 +20,8 @@ import shutil
 import time
 from pathlib import Path
 
+import psutil
+
 ACTORS_FILE = "actors.json"
 PID_FILE = "launcher.pid"
 
@@ -32,6 +34,22 @@ def runs_root() -> Path:
 def new_run_id() -> str:
     """Unique per start, sortable by time, and without '-' (segment names use it as separator)."""
     return f"{time.strftime('%Y%m%d%H%M%S')}p{os.getpid()}"
+
+
+def run_is_dead(run_id: str) -> bool:
+    """True for a launcher run id (``new_run_id``) whose launcher is gone: its
+    pid runs no more, or runs a process started after the run (a reused pid).
+    Other ids (not ours to judge) are never dead."""
+    stamp, sep, pid = run_id.partition("p")
+    if not sep or not pid.isdigit() or len(stamp) != 14 or not stamp.isdigit():
+        return False
+    try:
+        started = time.mktime(time.strptime(stamp, "%Y%m%d%H%M%S"))
+        return psutil.Process(int(pid)).create_time() > started + 1
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return True
+    except ValueError:
+        return False
 
 
 def create_run_dir(run_id: str, root: Path | None = None) -> Path:

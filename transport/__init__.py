@@ -14,7 +14,7 @@ from transport.codec import Codec
 from transport.errors import ChannelBroken, ChannelClosed, ChannelError, ChannelFull, DecodeError
 from transport.memory import MemoryChannel
 from transport.ring import RingSpec, ShmRing, create_ring, open_ring, unlink_ring
-from transport.shm import cleanup_run, cleanup_stale, register_run
+from transport.shm import cleanup_orphans, cleanup_run, cleanup_stale, register_run
 
 
 
@@ -46,6 +46,7 @@ __all__ = [
     "MemoryChannel",
     "RingSpec",
     "ShmRing",
+    "cleanup_orphans",
     "cleanup_run",
     "cleanup_stale",
     "create_ring",

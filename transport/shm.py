@@ -31,6 +31,7 @@ import platform
 import stat
 import threading
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
@@ -260,6 +261,28 @@ def cleanup_stale(runs_root: str | os.PathLike) -> list[str]:
         marker.unlink(missing_ok=True)
         cleaned.append(info["run_id"])
     return cleaned
+
+
+def cleanup_orphans(is_dead_run: Callable[[str], bool]) -> list[str]:
+    """Unlink segments of runs whose run directory is gone (a test's temporary
+    folder, another runtime dir) and that ``is_dead_run(run_id)`` declares
+    dead; ``cleanup_stale`` can't see those. Returns the run ids cleaned."""
+    cleaned: set[str] = set()
+    for name in _list_shm():
+        if not name.startswith(PREFIX):
+            continue
+        run_id = name[len(PREFIX):].split("-", 1)[0]
+        if run_id in cleaned or is_dead_run(run_id):
+            _unlink_quietly(name)
+            cleaned.add(run_id)
+    return sorted(cleaned)
+
+
+def _unlink_quietly(name: str) -> None:
+    try:
+        os.unlink(SHM_DIR / name)
+    except FileNotFoundError:
+        pass  # another start cleaned it first
 
 
 def _read_marker(path: Path) -> dict | None:
