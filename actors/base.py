@@ -60,7 +60,7 @@ from mstar_actors.messages import (
     Shutdown,
     Started,
 )
-from transport.errors import ChannelBroken, ChannelClosed
+from transport.errors import ChannelBroken, ChannelClosed, DecodeError
 
 log = logging.getLogger("mstar_actors.actor")
 
@@ -81,7 +81,8 @@ class UnknownMessage(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class _EndOfChannel:
-    """Put in the mailbox by a channel's reader task when the channel ends."""
+    """Put in the mailbox by a channel's reader task when the channel ends
+    (closed, broken, or an undecodable message, which ``dispatch`` raises)."""
 
     error: BaseException
 
@@ -106,13 +107,23 @@ class Mailbox:
             self._tasks.append(task)
 
     async def _pump(self, name: str, channel: Any) -> None:
+        """Move one channel's messages into the queue, a batch per await: the
+        per-message cost is a ``put_nowait``, not a coroutine. The batch is
+        at most the queue's size, so what the pump holds stays bounded (a
+        full queue still blocks it, leaving the rest in the channel)."""
+        queue = self._queue
+        max_n = max(1, queue.maxsize)
         while True:
             try:
-                msg = await channel.recv()
-            except ChannelClosed as err:  # ChannelBroken included
-                await self._queue.put((name, _EndOfChannel(err)))
+                batch = await channel.recv_batch(max_n)
+            except (ChannelClosed, DecodeError) as err:  # ChannelBroken included
+                await queue.put((name, _EndOfChannel(err)))  # after every message before it
                 return
-            await self._queue.put((name, msg))
+            for msg in batch:
+                if queue.full():
+                    await queue.put((name, msg))
+                else:
+                    queue.put_nowait((name, msg))
 
     async def get(self) -> tuple[str, Any]:
         """The next ``(channel, message)``, waiting for one."""
@@ -174,6 +185,8 @@ class Actor:
         match msg:
             case _EndOfChannel(error=ChannelBroken() as err):
                 raise ChannelBroken(f"actor {self.name!r}: inbound channel {channel!r} broke: {err}")
+            case _EndOfChannel(error=DecodeError() as err):
+                raise DecodeError(f"actor {self.name!r}: inbound channel {channel!r}: {err}")
             case _EndOfChannel():
                 raise ShutdownRequested(f"channel {channel!r} ended")
             case Shutdown(reason=reason):

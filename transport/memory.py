@@ -15,7 +15,7 @@ from typing import Any
 
 from transport.channel import Channel, ChannelStats
 from transport.codec import Codec
-from transport.errors import ChannelClosed, ChannelFull
+from transport.errors import ChannelClosed, ChannelFull, DecodeError
 
 RECORD_OVERHEAD = 8  # the ring's per-record header, so capacities match
 
@@ -75,7 +75,7 @@ class MemoryChannel(Channel):
         self._stats.blocked_s += time.perf_counter() - start
         self._push(data)
 
-    async def recv(self) -> Any:
+    async def _wait_for_record(self) -> None:
         while not self._records:
             if self._writer_closed:
                 raise ChannelClosed(f"channel {self.name!r}: closed by the writer")
@@ -83,10 +83,36 @@ class MemoryChannel(Channel):
                 raise ChannelClosed(f"channel {self.name!r}: recv after close")
             self._changed.clear()
             await self._changed.wait()
+
+    def _pop(self) -> Any:
+        """Take and decode the oldest record (consumed even when it is bad,
+        as over the ring, so a bad record is never stuck)."""
+        data = self._records[0]
+        self._drop_oldest()
+        return self._codec.decode(data)
+
+    async def recv(self) -> Any:
+        await self._wait_for_record()
+        return self._pop()
+
+    async def recv_batch(self, max_n: int = 256) -> list[Any]:
+        """See ``Channel.recv_batch``: a bad record ends the batch; the next
+        call raises its DecodeError."""
+        await self._wait_for_record()
+        batch = [self._pop()]  # raises when the first record is bad: nothing to return
+        while self._records and len(batch) < max_n:
+            try:
+                msg = self._codec.decode(self._records[0])
+            except DecodeError:
+                break  # left in place: the next call pops it and raises
+            self._drop_oldest()
+            batch.append(msg)
+        return batch
+
+    def _drop_oldest(self) -> None:
         data = self._records.popleft()
         self._fill -= self._size(data)
         self._changed.set()
-        return self._codec.decode(data)
 
     def close(self) -> None:
         """Close the writer end (the in-memory channel has one object for both

@@ -502,6 +502,21 @@ class ShmRing(Channel):
             await self.wait_for_record()
         return self._ready.popleft()
 
+    async def recv_batch(self, max_n: int = MAX_BATCH) -> list[Any]:
+        """Every decoded message, up to ``max_n``, at least one (see
+        ``Channel.recv_batch``). The decoded queue already stops before a bad
+        record (``_take_all``), whose error the next call raises."""
+        ready = self._ready
+        if not ready:
+            while not self._take_all():
+                self._check_end()
+                await self.wait_for_record()
+        if len(ready) <= max_n:
+            batch = list(ready)
+            ready.clear()
+            return batch
+        return [ready.popleft() for _ in range(max_n)]
+
     def recv_nowait(self) -> Any | None:
         """The next message if one is waiting, else None (raises at end)."""
         if self._ready or self._take_all():
