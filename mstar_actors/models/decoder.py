@@ -148,7 +148,16 @@ class CausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        return self.run_layers(self.model.embed_tokens(input_ids), positions, kv_caches, meta)
+
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The decoder stack on embedded rows [T, H] (a multimodal model splices first)."""
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, positions, kv_cache, meta)
         return self.model.norm(x)

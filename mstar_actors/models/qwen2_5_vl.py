@@ -202,9 +202,7 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         if media_rows is not None:
             rows, values = media_rows
             x = x.index_copy(0, rows, values.to(x.dtype))
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, positions, kv_cache, meta)
-        return self.model.norm(x)
+        return self.run_layers(x, positions, kv_caches, meta)
 
     def encode_media(self, pixel_values: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
         """Vision rows for several items at once, ``[sum(t*h*w) / merge**2, hidden]``."""
