@@ -265,11 +265,16 @@ def context_for(clip: Clip) -> int:
 
 
 def serve_for_ttft(model_dir: Path, num_workers: int, tmp: Path, clip: Clip = Clip(), model_name: str = "vl",
-                   max_model_len: int | None = None):
+                   max_model_len: int | None = None, concurrency: int = 4):
     """Start the server with ``num_workers`` prepare threads; (process, port) once serving.
 
-    ``max_model_len`` also sizes the batch budget, so one whole video prompt
-    fits a step."""
+    ``max_model_len`` also sizes the batch budget: ``concurrency`` whole video
+    prompts fit one step. With a budget of one context (1,024 for the default
+    clip, 406 tokens a prompt) only two of four prompts fit a step, so the
+    scheduler serialises what the pool prepared at once. Prefix caching is
+    off: every request carries the same clip, and with the cache on each
+    prompt after the first computes only its last block, so TTFT would time
+    no prefill (and no vision encode) at all, as no real client sees."""
     import socket
     import subprocess
 
@@ -281,9 +286,10 @@ def serve_for_ttft(model_dir: Path, num_workers: int, tmp: Path, clip: Clip = Cl
         f"model: {{path: {model_dir}, name: {model_name}, dtype: auto, device: auto}}\n"
         f"prepare: {{preprocess_workers: {num_workers}}}\n"
         f"server: {{max_body_bytes: 67108864, max_media_bytes: 52428800, {clip.media_limits()}}}\n"
-        + (f"scheduler: {{max_model_len: {max_model_len}, max_num_batched_tokens: {max_model_len}}}\n"
+        + (f"scheduler: {{max_model_len: {max_model_len}, max_num_batched_tokens: {concurrency * max_model_len}}}\n"
            if max_model_len else "")
-        + 
+        + "kv: {enable_prefix_caching: false}\n"
+        +
         "transport: {arena_bytes: 268435456}\n"
     )
     env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp),
@@ -355,7 +361,8 @@ def measure_ttft(model_dir: Path, url: str, tmp: Path, rounds: int, clip: Clip, 
 
     medians = {}
     for num_workers in (4, 1):
-        proc, port = serve_for_ttft(model_dir, num_workers, tmp, clip, max_model_len=max_model_len)
+        proc, port = serve_for_ttft(model_dir, num_workers, tmp, clip, max_model_len=max_model_len,
+                                    concurrency=concurrency)
         try:
             num_prompt_tokens = asyncio.run(check_one(port, url))  # also the warm-up of every actor
             asyncio.run(ttft_round(port, url, concurrency))  # and of every pool thread (first-call costs)
