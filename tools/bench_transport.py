@@ -7,11 +7,16 @@ side with the ring's ratios, and the CPU an idle ring reader burns in ~1 s.
 
 Fairness: every backend moves the same ``bytes`` object of the given size,
 bounded to the same number of buffered messages (``max_buffered``: the
-Queue's maxsize, zmq's high-water mark, the ring's capacity in records); the ring's
-sender is what an actor does (``send_nowait``, ``await send`` only when
-full), the Queue's and zmq's are their plain blocking calls. On a loaded
-machine msgs/s measures each backend's share of the CPUs as much as its cost
-(zmq's I/O threads compete as extra threads); CPU us/msg does not.
+Queue's maxsize, zmq's high-water mark, the ring's capacity in records). The
+ring is used as the actors use it: the sender ``send_nowait`` (``await send``
+only when full), the reader ``recv_batch`` (the actor Mailbox's read, one
+await per wakeup); the "ring recv()" column is the same ring read with one
+``await recv()`` per message. The Queue and zmq run their fastest idiomatic
+loops: blocking ``put``/``get`` and ``send``/``recv`` in a tight synchronous
+loop (a ``recv(NOBLOCK)`` drain or ``recv(copy=False)`` was no faster for
+zmq at 64 B; the Queue has no batch read). On a loaded machine msgs/s
+measures each backend's share of the CPUs as much as its cost (zmq's I/O
+threads compete as extra threads); CPU us/msg does not.
 
     python tools/bench_transport.py            # default run, under a minute
     python tools/bench_transport.py --quick    # a few seconds, for a smoke test
