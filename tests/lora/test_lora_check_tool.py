@@ -1,4 +1,4 @@
-"""tools/check_lora_kernels.py imports and runs its CPU path (the GPU run is the lead's)."""
+"""tools/check_lora_kernels.py imports and runs its CPU path here; the GPU run happens on a CUDA host."""
 
 from __future__ import annotations
 
