@@ -52,17 +52,15 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package
 import bench_serve  # noqa: E402
-from bench_serve import ROOT, free_port, make_messages, one_request, progress  # noqa: E402
+from bench_serve import free_port, make_messages, one_request, progress  # noqa: E402
 
 LLAMA_1B = "llama-3.2-1b-random"
 NUM_ADAPTERS = 4
@@ -288,21 +286,6 @@ def num_kv_blocks(plan: Plan, max_prompt_tokens: int = 256, block_size: int = 16
     return max(plan.levels) * math.ceil((max_prompt_tokens + plan.max_tokens) / block_size) + 16
 
 
-class LoraServer(bench_serve.Server):
-    """bench_serve's server process (log drain, wait, stop) started on a given config."""
-
-    def __init__(self, config: dict, tmp: Path):  # noqa: super().__init__ writes its own config
-        self.port = config["server"]["port"]
-        self.name = config["model"]["name"]
-        path = tmp / f"bench-lora-{self.port}.yaml"
-        path.write_text(json.dumps(config))
-        self.log: list[str] = []
-        self.serving = threading.Event()
-        self.proc = subprocess.Popen([sys.executable, "-m", "mstar_actors", "serve", str(path)], cwd=ROOT,
-                                     stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-        threading.Thread(target=self._drain, daemon=True).start()
-
-
 # ---- load -------------------------------------------------------------------------
 
 
@@ -381,17 +364,17 @@ async def check_models(url: str, expected: list[str]) -> None:
         raise SystemExit(f"the server lists models {listed}, expected {sorted(expected)}")
 
 
-def start_servers(plan: Plan, model_dir: Path, adapters: dict[str, Path], tmp: Path) -> dict[str, LoraServer]:
+def start_servers(plan: Plan, model_dir: Path, adapters: dict[str, Path], tmp: Path) -> dict[str, bench_serve.Server]:
     """Every server the plan needs, started together (their start-ups overlap)."""
     servers = {}
     for key, spec in SERVERS.items():
         if any(s.server == key for s in plan.scenarios):
             progress(f"starting server {key} ({'no lora' if not spec.max_loras else f'max_loras {spec.max_loras}'})")
-            servers[key] = LoraServer(server_config(plan, model_dir, spec, adapters, free_port()), tmp)
+            servers[key] = bench_serve.Server(server_config(plan, model_dir, spec, adapters, free_port()), tmp)
     return servers
 
 
-def ready_server(plan: Plan, key: str, server: LoraServer, prompts: list) -> str:
+def ready_server(plan: Plan, key: str, server: bench_serve.Server, prompts: list) -> str:
     """Wait for one server, check what it serves, warm it up; its URL."""
     url = server.wait()
     models = [plan.served_name, *ADAPTER_NAMES[:SERVERS[key].num_adapters]]

@@ -212,24 +212,29 @@ def free_port() -> int:
 
 
 class Server:
-    """``python -m mstar_actors serve`` on a temporary config naming ``model_dir``."""
+    """``python -m mstar_actors serve`` on a config dict (written to ``tmp``);
+    ``Server.for_model`` builds the CPU config this benchmark serves."""
 
-    def __init__(self, model_dir: Path, name: str, num_seqs: int, num_threads: int, tmp: Path):
-        self.port = free_port()
-        config = tmp / "bench.yaml"
-        config.write_text(json.dumps({
+    def __init__(self, config: dict, tmp: Path):
+        self.port = config["server"]["port"]
+        self.name = config["model"]["name"]
+        path = tmp / f"bench-{self.port}.yaml"
+        path.write_text(json.dumps(config))
+        self.log: list[str] = []
+        self.serving = threading.Event()
+        self.proc = subprocess.Popen([sys.executable, "-m", "mstar_actors", "serve", str(path)], cwd=ROOT,
+                                     stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    @classmethod
+    def for_model(cls, model_dir: Path, name: str, num_seqs: int, num_threads: int, tmp: Path) -> "Server":
+        return cls({
             "model": {"path": str(model_dir), "name": name, "dtype": "float32", "device": "cpu"},
             "scheduler": {"max_num_seqs": max(num_seqs, 8), "max_num_batched_tokens": 1024, "max_model_len": 2048},
             "kv": {"block_size": 16, "num_blocks": 1024},
             "parallel": {"worker_torch_threads": num_threads},
-            "server": {"host": "127.0.0.1", "port": self.port},
-        }))
-        self.log: list[str] = []
-        self.serving = threading.Event()
-        self.name = name
-        self.proc = subprocess.Popen([sys.executable, "-m", "mstar_actors", "serve", str(config)], cwd=ROOT,
-                                     stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-        threading.Thread(target=self._drain, daemon=True).start()
+            "server": {"host": "127.0.0.1", "port": free_port()},
+        }, tmp)
 
     def _drain(self) -> None:
         for line in self.proc.stderr:
@@ -378,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                 url = args.url
             else:
                 progress("starting the server")
-                server = Server(model_dir, name, max(levels), args.threads, Path(tmp))
+                server = Server.for_model(model_dir, name, max(levels), args.threads, Path(tmp))
                 url = server.wait()
             for w in workloads:
                 for c in levels:
