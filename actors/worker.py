@@ -167,4 +167,6 @@ class WorkerActor(Actor):
             rows = list(getattr(err, "request_ids", ()))
             return StepFailed(step_id=plan.step_id, rank=self.rank, message=message, request_ids=rows)
         elapsed = time.perf_counter() - start
+        self.log.debug("step %d: %d rows, %d tokens, %d new, %.1f ms", plan.step_id, len(plan.scheduled),
+                       sum(c.num_tokens for c in plan.scheduled), len(plan.started), elapsed * 1e3)
         return StepDone(step_id=plan.step_id, rank=self.rank, sampled=sampled, elapsed_s=elapsed)

@@ -294,7 +294,8 @@ def serve_for_ttft(model_dir: Path, num_workers: int, tmp: Path, clip: Clip = Cl
     )
     env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp),
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.Popen([sys.executable, "-m", "mstar_actors", "serve", str(config), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "mstar_actors", "serve", str(config), "--port", str(port),
+                             "--log-level", os.environ.get("MSTAR_BENCH_SERVER_LOG", "INFO")],
                             cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     seen: list[str] = []
     for line in proc.stderr:  # the launcher logs "serving NAME at http://..." once every actor is ready
@@ -306,7 +307,9 @@ def serve_for_ttft(model_dir: Path, num_workers: int, tmp: Path, clip: Clip = Cl
         raise RuntimeError(f"the server with preprocess_workers={num_workers} exited before serving; its log ends:\n{tail}")
     import threading
 
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # keep the pipe drained
+    echo = os.environ.get("MSTAR_BENCH_SERVER_LOG") == "DEBUG"  # show the server's step log lines
+    threading.Thread(target=lambda: [print(line, end="", file=sys.stderr) if echo and "step " in line else None
+                                     for line in proc.stderr], daemon=True).start()  # keep the pipe drained
     return proc, port
 
 
