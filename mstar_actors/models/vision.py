@@ -169,16 +169,34 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(spec.hidden_size, 3 * spec.hidden_size, bias=True)
         self.proj = nn.Linear(spec.hidden_size, spec.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: "Segments") -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = torch.empty_like(q)
-        # Attention stays inside each segment (a window or a frame).
-        for start, stop in zip(bounds[:-1], bounds[1:]):
-            seg = [t[start:stop].transpose(0, 1) for t in (q, k, v)]  # [H, len, D]
-            out[start:stop] = F.scaled_dot_product_attention(*seg).transpose(0, 1)
-        return self.proj(out.reshape(n, -1))
+        return self.proj(segments.attend(q, k, v).reshape(n, -1))
+
+
+class Segments:
+    """Attention that stays inside each segment (a window or a frame), for
+    every segment of every item in ONE SDPA call: rows ``[start, stop)`` of
+    each segment are gathered into a padded batch ``[S, H, L, D]`` and a key
+    mask hides the padding. Built once per forward for each set of bounds
+    (one call per segment cost a kernel launch per window and layer)."""
+
+    def __init__(self, bounds: list[int], device: torch.device | str):
+        lens = [stop - start for start, stop in zip(bounds[:-1], bounds[1:])]
+        length = max(lens)
+        steps = torch.arange(length, device=device)
+        valid = steps[None, :] < torch.tensor(lens, device=device)[:, None]  # [S, L]
+        self.index = torch.where(valid, torch.tensor(bounds[:-1], device=device)[:, None] + steps[None, :], 0)
+        self.key_mask = valid[:, None, None, :]  # [S, 1, 1, L]: keys a row may see
+        self.rows = valid.flatten().nonzero().squeeze(1)  # the padded batch's real rows, in input order
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q, k, v ``[N, H, D]`` -> ``[N, H, D]``."""
+        batch = [t[self.index].transpose(1, 2) for t in (q, k, v)]  # [S, H, L, D]
+        out = F.scaled_dot_product_attention(*batch, attn_mask=self.key_mask)
+        return out.transpose(1, 2).flatten(0, 1)[self.rows]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -206,8 +224,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(spec)
         self.mlp = VisionMLP(spec)
 
-    def forward(self, x, cos, sin, bounds):
-        x = x + self.attn(self.norm1(x), cos, sin, bounds)
+    def forward(self, x, cos, sin, segments):
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -242,11 +260,12 @@ class VisionTransformer(nn.Module):
         self._check(pixel_values, grids)
         order, window_bounds = window_order(grids, spec.spatial_merge_size, spec.window_size // spec.patch_size // spec.spatial_merge_size)
         order = order.to(pixel_values.device)
-        full_bounds = frame_bounds(grids)
+        device = pixel_values.device
+        frames, windows = Segments(frame_bounds(grids), device), Segments(window_bounds, device)
         x = self._by_window(self.patch_embed(pixel_values), order)
-        cos, sin = self._rotary(grids, order, pixel_values.device)
+        cos, sin = self._rotary(grids, order, device)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, full_bounds if i in spec.fullatt_block_indexes else window_bounds)
+            x = block(x, cos, sin, frames if i in spec.fullatt_block_indexes else windows)
         return self.merger(x)[torch.argsort(order)]
 
     def _by_window(self, rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
