@@ -12,12 +12,15 @@ batch on the base model, and the LoRA-off runner builds no stack at all.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from mstar_actors import messages
+from plan_driver import PlanDriver
 from mstar_actors.lora import AdapterWeights, BaseShapes, LoraModule, read_adapter
 from mstar_actors.lora.host_copy import adapter_from_bytes, adapter_to_bytes
 from mstar_actors.model_runner import ModelRunner, PlanError
@@ -101,43 +104,7 @@ def make_runner(folder, **overrides) -> ModelRunner:
     return ModelRunner(folder, **(kwargs | overrides))
 
 
-class Driver:
-    """A scripted conductor: allocates blocks, builds chunks, records tokens."""
-
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
-        self.free = list(range(runner.num_kv_blocks - 1, 0, -1))
-        self.seqs: dict[str, dict] = {}
-        self.step_id = 0
-
-    def start(self, rid, prompt, *, slot=0, shared_blocks=(), num_computed=0) -> messages.SeqStart:
-        self.seqs[rid] = dict(prompt=list(prompt), outputs=[], blocks=list(shared_blocks), done=num_computed)
-        return messages.SeqStart(rid, list(prompt), GREEDY, lora_slot=slot)
-
-    def chunk(self, rid, num_tokens: int | None = None) -> messages.ScheduledChunk:
-        seq = self.seqs[rid]
-        total = len(seq["prompt"]) + len(seq["outputs"])
-        num_tokens = num_tokens or total - seq["done"]
-        stop = seq["done"] + num_tokens
-        while len(seq["blocks"]) * BLOCK_SIZE < stop:
-            seq["blocks"].append(self.free.pop())
-        chunk = messages.ScheduledChunk(rid, seq["done"], num_tokens, list(seq["blocks"]), stop == total)
-        seq["done"] = stop
-        return chunk
-
-    def step(self, started=(), chunks=()) -> None:
-        plan = messages.StepPlan(self.step_id, list(started), list(chunks))
-        self.step_id += 1
-        for token in self.runner.execute(plan):
-            self.seqs[token.request_id]["outputs"].append(token.token_id)
-
-    def decodes(self, *rids):
-        return [self.chunk(r) for r in rids if r in self.seqs and len(self.seqs[r]["outputs"]) < NUM_NEW]
-
-    def run_to_end(self) -> dict[str, list[int]]:
-        while chunks := self.decodes(*self.seqs):
-            self.step([], chunks)
-        return {rid: seq["outputs"] for rid, seq in self.seqs.items()}
+Driver = functools.partial(PlanDriver, block_size=BLOCK_SIZE, num_new=NUM_NEW, sampling=GREEDY)
 
 
 # ---------------------------------------------------------------- parity

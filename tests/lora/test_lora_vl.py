@@ -12,6 +12,8 @@ an adapter that reaches into the vision tower is refused, naming the module.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from models.test_qwen2_5_vl import hf_media_kwargs, media_prompt
@@ -22,6 +24,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 
 from actors.adapter_reader import load_base_shapes
 from mstar_actors import messages
+from plan_driver import PlanDriver
 from mstar_actors.lora import AdapterError, read_adapter
 from mstar_actors.lora.host_copy import adapter_from_bytes, adapter_to_bytes
 from mstar_actors.model_runner import ModelRunner
@@ -68,40 +71,7 @@ def generate(model, prompt, media, arena) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-class Driver:
-    """A scripted conductor: blocks, chunks, plans; records sampled tokens."""
-
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
-        self.free = list(range(runner.num_kv_blocks - 1, 0, -1))
-        self.seqs: dict[str, dict] = {}
-        self.step_id = 0
-
-    def start(self, rid, prompt, media=(), *, slot=0) -> messages.SeqStart:
-        self.seqs[rid] = dict(total=len(prompt), outputs=[], blocks=[], done=0)
-        return messages.SeqStart(rid, list(prompt), GREEDY, media=list(media), lora_slot=slot)
-
-    def chunk(self, rid, num_tokens: int | None = None) -> messages.ScheduledChunk:
-        seq = self.seqs[rid]
-        total = seq["total"] + len(seq["outputs"])
-        num_tokens = num_tokens or total - seq["done"]
-        stop = seq["done"] + num_tokens
-        while len(seq["blocks"]) * BLOCK_SIZE < stop:
-            seq["blocks"].append(self.free.pop())
-        chunk = messages.ScheduledChunk(rid, seq["done"], num_tokens, list(seq["blocks"]), stop == total)
-        seq["done"] = stop
-        return chunk
-
-    def step(self, started=(), chunks=()) -> None:
-        plan = messages.StepPlan(self.step_id, list(started), list(chunks))
-        self.step_id += 1
-        for token in self.runner.execute(plan):
-            self.seqs[token.request_id]["outputs"].append(token.token_id)
-
-    def run_to_end(self) -> dict[str, list[int]]:
-        while chunks := [self.chunk(r) for r, s in self.seqs.items() if len(s["outputs"]) < NUM_NEW]:
-            self.step([], chunks)
-        return {rid: seq["outputs"] for rid, seq in self.seqs.items()}
+Driver = functools.partial(PlanDriver, block_size=BLOCK_SIZE, num_new=NUM_NEW, sampling=GREEDY)
 
 
 def test_served_shapes_come_from_the_text_stack(world):

@@ -6,10 +6,13 @@ a preemption that recomputes the vision rows)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from mstar_actors import messages
+from plan_driver import PlanDriver
 from mstar_actors.model_runner import ModelRunner, PlanError
 from mstar_actors.models.loader import load_model
 from mstar_actors.models.qwen2_5_vl import mrope_positions
@@ -131,42 +134,7 @@ def reference(hf, prompt, media, arena) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-class Driver:
-    """A scripted conductor: blocks, chunks, plans; records sampled tokens."""
-
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
-        self.free = list(range(runner.num_kv_blocks - 1, 0, -1))
-        self.seqs: dict[str, dict] = {}
-        self.step_id = 0
-
-    def start(self, rid, prompt, media=(), outputs=()) -> messages.SeqStart:
-        self.seqs[rid] = dict(total=len(prompt), outputs=list(outputs), blocks=[], done=0)
-        return messages.SeqStart(rid, list(prompt), GREEDY, list(outputs), media=list(media))
-
-    def chunk(self, rid, num_tokens: int | None = None) -> messages.ScheduledChunk:
-        seq = self.seqs[rid]
-        total = seq["total"] + len(seq["outputs"])
-        num_tokens = num_tokens or total - seq["done"]
-        stop = seq["done"] + num_tokens
-        while len(seq["blocks"]) * BLOCK_SIZE < stop:
-            seq["blocks"].append(self.free.pop())
-        chunk = messages.ScheduledChunk(rid, seq["done"], num_tokens, list(seq["blocks"]), stop == total)
-        seq["done"] = stop
-        return chunk
-
-    def finish(self, rid) -> str:
-        self.free += self.seqs.pop(rid)["blocks"]
-        return rid
-
-    def step(self, started=(), chunks=(), finished=()) -> None:
-        plan = messages.StepPlan(self.step_id, list(started), list(chunks), list(finished))
-        self.step_id += 1
-        for token in self.runner.execute(plan):
-            self.seqs[token.request_id]["outputs"].append(token.token_id)
-
-    def decodes(self, *rids):
-        return [self.chunk(r) for r in rids if r in self.seqs and len(self.seqs[r]["outputs"]) < NUM_NEW]
+Driver = functools.partial(PlanDriver, block_size=BLOCK_SIZE, num_new=NUM_NEW, sampling=GREEDY)
 
 
 class CountingTower:

@@ -4,6 +4,8 @@ prefill, a prefix-cache hit and a preemption with restart."""
 
 from __future__ import annotations
 
+import functools
+
 import json
 import shutil
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from mstar_actors import messages
+from plan_driver import PlanDriver
 from mstar_actors.model_runner import ModelRunner, PlanError, SeqState, build_batch
 
 from .factories import CONFIGS
@@ -20,43 +23,7 @@ NUM_NEW = 32
 GREEDY = messages.SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
 
 
-class Driver:
-    """A scripted stand-in for the conductor: allocates blocks, builds chunks,
-    sends plans and records the sampled tokens."""
-
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
-        self.free = list(range(runner.num_kv_blocks - 1, 0, -1))
-        self.seqs: dict[str, dict] = {}
-        self.step_id = 0
-
-    def start(self, rid, prompt, outputs=(), shared_blocks=(), num_computed=0) -> messages.SeqStart:
-        self.seqs[rid] = dict(prompt=list(prompt), outputs=list(outputs), blocks=list(shared_blocks), done=num_computed)
-        return messages.SeqStart(rid, list(prompt), GREEDY, list(outputs))
-
-    def chunk(self, rid, num_tokens: int | None = None) -> messages.ScheduledChunk:
-        seq = self.seqs[rid]
-        total = len(seq["prompt"]) + len(seq["outputs"])
-        num_tokens = num_tokens or total - seq["done"]
-        stop = seq["done"] + num_tokens
-        while len(seq["blocks"]) * BLOCK_SIZE < stop:
-            seq["blocks"].append(self.free.pop())
-        chunk = messages.ScheduledChunk(rid, seq["done"], num_tokens, list(seq["blocks"]), stop == total)
-        seq["done"] = stop
-        return chunk
-
-    def finish(self, rid) -> str:
-        self.free += self.seqs.pop(rid)["blocks"]
-        return rid
-
-    def step(self, started=(), chunks=(), finished=()) -> None:
-        plan = messages.StepPlan(self.step_id, list(started), list(chunks), list(finished))
-        self.step_id += 1
-        for token in self.runner.execute(plan):
-            self.seqs[token.request_id]["outputs"].append(token.token_id)
-
-    def decodes(self, *rids):
-        return [self.chunk(r) for r in rids if r in self.seqs and len(self.seqs[r]["outputs"]) < NUM_NEW]
+Driver = functools.partial(PlanDriver, block_size=BLOCK_SIZE, num_new=NUM_NEW, sampling=GREEDY)
 
 
 def reference(hf, prompt: list[int]) -> list[int]:
