@@ -1,5 +1,7 @@
 """Shared test fixtures. GPU tests skip cleanly without CUDA."""
 
+import os
+
 import pytest
 
 try:
@@ -8,6 +10,12 @@ try:
     HAS_CUDA = torch.cuda.is_available()
 except ImportError:  # pragma: no cover
     HAS_CUDA = False
+
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors
+# (slow, so tests keep them small). Set before any test module imports a
+# kernel: ``triton.jit`` reads it when it decorates.
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
