@@ -43,6 +43,16 @@ class AttentionMetadata:
     num_blocks_list: list[int]  # blocks each sequence's context occupies
     # What a backend derives from the above once per step and reuses in every layer.
     derived: dict = field(default_factory=dict)
+    # A decode step in static form, so it can be captured in a CUDA graph and
+    # replayed with new tensor contents. Then every sequence is one decode row
+    # (row i = sequence i); ``block_tables`` is ``[B, max_blocks_per_seq]``
+    # int32 of one fixed width for the whole run, padded with any valid block
+    # id; ``context_lens [B]`` int32 is authoritative (>= 1: a padded row has 1
+    # and a table pointing at a scratch block); ``slot_mapping [B]`` int64.
+    # The ``*_list`` fields and ``derived`` are stale inside a replayed graph
+    # and must not be read: ``write_kv`` and ``attend`` are pure tensor code
+    # with static shapes and no host synchronisation.
+    graph_decode: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -100,6 +110,9 @@ class TorchPagedAttention:
         flat[1].index_copy_(0, meta.slot_mapping, v)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.graph_decode:
+            mask = _graph_decode_mask(meta, kv_cache.shape[2])
+            return self._attend_decode(q, kv_cache, meta.block_tables, mask, scale)
         out = torch.empty_like(q)
         decode = _decode_rows(meta, kv_cache.shape[2], q.device)
         if decode is not None:
@@ -162,6 +175,15 @@ def _decode_rows(meta: AttentionMetadata, block_size: int, device: torch.device)
         decode = (rows, tables, mask)
     meta.derived["decode"] = decode
     return decode
+
+
+def _graph_decode_mask(meta: AttentionMetadata, block_size: int) -> torch.Tensor:
+    """Key mask ``[B, 1, 1, max_blocks * block_size]`` from the tensors alone
+    (graph-safe). Lengths are clamped to >= 1 so that no row is all -inf: a
+    row with one valid key never yields NaN, whatever its table points at."""
+    positions = torch.arange(meta.block_tables.shape[1] * block_size, device=meta.context_lens.device)
+    lens = meta.context_lens.clamp(min=1)
+    return (positions[None, :] < lens[:, None])[:, None, None, :]
 
 
 def _causal_offset_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,120 @@
+"""Paged decode attention: the graph-safe torch path and the Triton kernel.
+
+On CPU the Triton kernel runs in Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET), so shapes stay tiny; the ``gpu`` tests run it compiled.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mstar_actors.models.attention import AttentionMetadata, TorchPagedAttention
+
+BLOCK_SIZE = 16
+
+
+def make_paged_case(context_lens: list[int], *, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 64,
+                    block_size: int = BLOCK_SIZE, max_blocks: int | None = None, dtype=torch.float32,
+                    device="cpu", seed: int = 0):
+    """Random q, a random KV cache and block tables of non-contiguous blocks.
+
+    Each sequence owns ``cdiv(ctx, block_size)`` distinct, shuffled blocks; the
+    rest of its row (up to ``max_blocks``) is padded with a valid block id of
+    another sequence, so a kernel that reads past the context reads real data.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    need = [math.ceil(n / block_size) for n in context_lens]
+    max_blocks = max_blocks or max(need)
+    num_blocks = sum(need) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, taken = [], 0
+    for n in need:
+        row = order[taken : taken + n]
+        taken += n
+        tables.append(row + [order[-1]] * (max_blocks - n))
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=gen)
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    return dict(
+        q=q.to(device=device, dtype=dtype),
+        kv_cache=kv.to(device=device, dtype=dtype),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        scale=head_dim**-0.5,
+    )
+
+
+def reference_decode(q, kv_cache, block_tables, context_lens, scale) -> torch.Tensor:
+    """Explicit fp32 softmax attention, one sequence at a time."""
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    group = q.shape[1] // num_kv_heads
+    out = []
+    for i, ctx in enumerate(context_lens.tolist()):
+        blocks = block_tables[i, : math.ceil(ctx / block_size)].long()
+        kv = kv_cache[:, blocks].flatten(1, 2)[:, :ctx].float()  # [2, ctx, KH, D]
+        k = kv[0].repeat_interleave(group, dim=1)  # [ctx, H, D]
+        v = kv[1].repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,thd->ht", q[i].float(), k) * scale
+        out.append(torch.einsum("ht,thd->hd", scores.softmax(-1), v))
+    return torch.stack(out)
+
+
+def decode_meta(case: dict, *, graph_decode: bool) -> AttentionMetadata:
+    """Metadata for one decode row per sequence (the new token already cached)."""
+    lens = case["context_lens"].tolist()
+    block_size = case["kv_cache"].shape[2]
+    tables = case["block_tables"]
+    slots = [int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size for i, n in enumerate(lens)]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, device=tables.device),
+        block_tables=tables,
+        query_start=torch.arange(len(lens) + 1, dtype=torch.int32, device=tables.device),
+        context_lens=case["context_lens"],
+        query_lens_list=[1] * len(lens),
+        context_lens_list=lens,
+        num_blocks_list=[math.ceil(n / block_size) for n in lens],
+        graph_decode=graph_decode,
+    )
+
+
+# --- graph_decode in the torch reference ----------------------------------------------------
+
+
+def test_torch_graph_decode_matches_normal_decode_and_reference():
+    case = make_paged_case([1, 17, 40], max_blocks=6)
+    backend = TorchPagedAttention()
+    normal = backend.attend(case["q"], case["kv_cache"], decode_meta(case, graph_decode=False), case["scale"])
+    graph = backend.attend(case["q"], case["kv_cache"], decode_meta(case, graph_decode=True), case["scale"])
+    torch.testing.assert_close(graph, normal, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(graph, reference_decode(**case), atol=1e-5, rtol=1e-5)
+
+
+def test_torch_graph_decode_ignores_stale_lists():
+    """Inside a replayed graph the lists describe the captured step, not this one."""
+    case = make_paged_case([5, 33], max_blocks=4)
+    meta = decode_meta(case, graph_decode=True)
+    meta.context_lens_list, meta.num_blocks_list, meta.derived = [1, 1], [1, 1], {"decode": None}
+    out = TorchPagedAttention().attend(case["q"], case["kv_cache"], meta, case["scale"])
+    torch.testing.assert_close(out, reference_decode(**case), atol=1e-5, rtol=1e-5)
+
+
+def test_torch_graph_decode_padded_rows_are_finite():
+    """Padded rows (context 1 on a scratch block, or a stray 0) never give NaN."""
+    case = make_paged_case([1, 1, 9], max_blocks=3)
+    case["block_tables"][:2] = case["block_tables"][2, 0]  # padded rows share one scratch block
+    case["context_lens"][1] = 0
+    out = TorchPagedAttention().attend(case["q"], case["kv_cache"], decode_meta(case, graph_decode=True), case["scale"])
+    assert torch.isfinite(out).all()
+
+
+def test_torch_graph_decode_write_kv_lands_in_slots():
+    case = make_paged_case([3, 20], max_blocks=2)
+    meta = decode_meta(case, graph_decode=True)
+    k = torch.randn(2, 2, 64)
+    v = torch.randn(2, 2, 64)
+    TorchPagedAttention().write_kv(case["kv_cache"], k, v, meta)
+    flat = case["kv_cache"].view(2, -1, 2, 64)
+    torch.testing.assert_close(flat[0, meta.slot_mapping], k)
+    torch.testing.assert_close(flat[1, meta.slot_mapping], v)
