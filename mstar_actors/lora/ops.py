@@ -19,6 +19,13 @@ rows).
 Two implementations with one meaning: the torch reference (``*_ref``, any
 device, fp32 math) and the Triton kernels in ``triton_ops`` (CUDA).
 ``LoraStack.add_delta`` picks one; it is the one call a model's linear makes.
+
+Per-row slots (``LoraStack.add_delta_rows``, decode steps): instead of
+segments, a device tensor ``row_slots`` [T] (int32, 0 = base) names each
+row's slot. Nothing about it is read on the host, the work's shape depends
+only on tensor shapes, and slot 0's factors are zero, so the call can be
+captured once in a CUDA graph and replayed with other slots written into the
+same tensor. Base rows come out bit-identical to ``y``.
 """
 
 from __future__ import annotations
@@ -170,6 +177,51 @@ def lora_delta_ref(y, x, a, b, scales, segments: LoraSegments, offsets: Sequence
     return expand_ref(y, shrink_ref(x, a, segments), b, scales, segments, offsets)
 
 
+def delta_rows_ref(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scales: torch.Tensor,
+    row_slots: torch.Tensor,
+    offsets: Sequence[int],
+    *,
+    is_embedding: bool = False,
+) -> torch.Tensor:
+    """``lora_delta_ref`` with one slot per row (``row_slots`` [T] on ``y``'s
+    device) instead of segments, in place on ``y``, fp32 math.
+
+    Gathers every row's factors (no host sync, no data-dependent shape, so it
+    is graph-capturable too); base rows add an exact zero (slot 0 is zero)."""
+    slots = row_slots.long()
+    if is_embedding:  # the shrink is a gather of A's columns at the token ids
+        shrink = a[0][slots, :, x.long()].float().unsqueeze(0)  # [1, T, R]
+    else:
+        shrink = torch.matmul(a[:, slots].float(), x.float()[None, :, :, None]).squeeze(-1)  # [S, T, R]
+    row_scales = scales[:, slots]  # [S, T]
+    for i in range(len(offsets) - 1):
+        lo, hi = offsets[i], offsets[i + 1]
+        delta = torch.bmm(b[slots, lo:hi].float(), shrink[i].unsqueeze(-1)).squeeze(-1) * row_scales[i, :, None]
+        y[:, lo:hi] = (y[:, lo:hi].float() + delta).to(y.dtype)
+    return y
+
+
+def check_rows(y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, *, in_features: int, out_features: int, is_embedding: bool) -> None:
+    """Shape, dtype and device checks of ``add_delta_rows`` (host metadata only: no sync)."""
+    num_rows = row_slots.shape[0] if row_slots.dim() == 1 else -1
+    want_x = (num_rows,) if is_embedding else (num_rows, in_features)
+    if row_slots.dtype != torch.int32 or row_slots.dim() != 1 or row_slots.device != y.device:
+        raise ValueError(
+            f"row_slots is {row_slots.dtype} {tuple(row_slots.shape)} on {row_slots.device}; "
+            f"accepted: int32 [T] on the output's device {y.device}"
+        )
+    if tuple(x.shape) != want_x or tuple(y.shape) != (num_rows, out_features):
+        raise ValueError(
+            f"LoRA rows delta: x {tuple(x.shape)}, y {tuple(y.shape)} for {num_rows} row slots; "
+            f"accepted: x {list(want_x)}, y [{num_rows}, {out_features}]"
+        )
+
+
 # ---------------------------------------------------------------- device stacks
 
 
@@ -205,7 +257,9 @@ class LoraStack:
         self.a = torch.zeros(num_shards, num_slots, max_rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, self.offsets[-1], max_rank, dtype=dtype, device=device)
         self.scales = torch.zeros(num_shards, num_slots, dtype=torch.float32, device=device)
-        self._offsets_dev: torch.Tensor | None = None
+        # Made here, not at first use: a first use inside CUDA-graph capture
+        # would be a host-to-device copy, which capture forbids.
+        self._offsets_dev = torch.tensor(self.offsets, dtype=torch.int32, device=device)
 
     @property
     def num_slots(self) -> int:
@@ -213,7 +267,7 @@ class LoraStack:
 
     def offsets_on(self, device: torch.device | str) -> torch.Tensor:
         """The shard offsets as an int32 tensor on ``device`` (made once)."""
-        if self._offsets_dev is None or self._offsets_dev.device != torch.device(device):
+        if self._offsets_dev.device != torch.device(device):
             self._offsets_dev = torch.tensor(self.offsets, dtype=torch.int32, device=device)
         return self._offsets_dev
 
@@ -254,6 +308,20 @@ class LoraStack:
             return _triton_ops().add_delta(self, y, x, segments)
         shrink = embedding_shrink_ref(x, self.a, segments) if self.is_embedding else shrink_ref(x, self.a, segments)
         return expand_ref(y, shrink, self.b, self.scales, segments, self.offsets)
+
+    def add_delta_rows(self, y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
+        """y += the delta with row ``t`` on slot ``row_slots[t]`` (int32 [T] on
+        ``y``'s device, 0 = base), in place; returns y.
+
+        Graph-safe: never reads ``row_slots`` on the host and launches the same
+        work for any slot values, so a captured call replays correctly after
+        the caller writes new slots into the same tensor."""
+        check_rows(y, x, row_slots, in_features=self.in_features, out_features=self.offsets[-1], is_embedding=self.is_embedding)
+        if y.shape[0] == 0:
+            return y
+        if y.is_cuda and _triton_ops() is not None:
+            return _triton_ops().add_delta_rows(self, y, x, row_slots)
+        return delta_rows_ref(y, x, self.a, self.b, self.scales, row_slots, self.offsets, is_embedding=self.is_embedding)
 
 
 _TRITON = None

@@ -11,6 +11,14 @@ With LoRA on, a step with no adapter rows has ``LoraStep.segments = None``
 and every hook returns at once, so base-only batches cost an attribute test
 per module.
 
+Two ways to give a step its rows' slots: ``begin_step`` groups them into
+segments on the host (any step: prefill, chunks, decode), and
+``begin_rows_step`` takes a device tensor with one slot per row, for pure
+decode steps (one token per sequence, every row sampled, same order). The
+rows path never reads the slots on the host and launches fixed work, so a
+decode step run through it can be captured in a CUDA graph and replayed
+with new slots written into the same tensor.
+
 Adapter placement goes through the architecture's ``CheckpointRules`` (the
 same table the weight loader uses): HF ``model.layers.3.self_attn.k_proj``
 lands in our ``model.layers.3.self_attn.qkv_proj`` stack as shard 1.
@@ -40,13 +48,19 @@ class LoraStep:
     a step and in steps without adapter rows. Set by ``LoraLayers.begin_step``
     and reset by ``end_step``; the runner executes one step at a time, so one
     shared holder is enough (no step ever sees another's segments).
+
+    ``row_slots`` (int32 device tensor [T], 0 = base), set by
+    ``begin_rows_step`` for a pure decode step, replaces both: every hook,
+    the embedding's and the LM head's included, reads its row's slot there.
+    At most one of ``row_slots`` and ``segments`` is set.
     """
 
-    __slots__ = ("segments", "sampled_segments")
+    __slots__ = ("segments", "sampled_segments", "row_slots")
 
     def __init__(self) -> None:
         self.segments: LoraSegments | None = None
         self.sampled_segments: LoraSegments | None = None
+        self.row_slots: torch.Tensor | None = None
 
 
 class LoraHook:
@@ -60,6 +74,9 @@ class LoraHook:
         self.is_sampled = is_sampled  # the LM head sees only the sampled rows
 
     def apply(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        row_slots = self.step.row_slots
+        if row_slots is not None:  # pure decode: token rows are the sampled rows, same order
+            return self.stack.add_delta_rows(y, x, row_slots)
         segments = self.step.sampled_segments if self.is_sampled else self.step.segments
         return y if segments is None else self.stack.add_delta(y, x, segments)
 
@@ -98,6 +115,7 @@ class LoraLayers:
             self.end_step()
             return
         token_slots = [slot for slot, n in zip(chunk_slots, query_lens, strict=True) for _ in range(n)]
+        self.step.row_slots = None
         self.step.segments = build_segments(token_slots)
         self.step.sampled_segments = build_segments(sampled_slots) if any(sampled_slots) else None
         if self.device.type == "cuda":
@@ -106,9 +124,27 @@ class LoraLayers:
                 if segments is not None:
                     segments.on(self.device)
 
+    def begin_rows_step(self, row_slots: torch.Tensor) -> None:
+        """A pure decode step: row ``t`` (token row and sampled row alike) runs
+        on slot ``row_slots[t]`` (int32 [T] on this model's device, 0 = base).
+
+        The tensor is kept, not copied, and never read on the host: a caller
+        capturing a CUDA graph passes its static slots buffer and rewrites it
+        before each replay. Slots must be installed ones (not checked here:
+        checking would read the device)."""
+        if row_slots.dtype != torch.int32 or row_slots.dim() != 1 or row_slots.device != self.device:
+            raise ValueError(
+                f"row_slots is {row_slots.dtype} {tuple(row_slots.shape)} on {row_slots.device}; "
+                f"accepted: an int32 [num_rows] tensor on the LoRA stacks' device {self.device}"
+            )
+        self.step.segments = None
+        self.step.sampled_segments = None
+        self.step.row_slots = row_slots
+
     def end_step(self) -> None:
         self.step.segments = None
         self.step.sampled_segments = None
+        self.step.row_slots = None
 
     # -- slots -------------------------------------------------------------
 
