@@ -141,6 +141,7 @@ class AdapterPool:
     num_ranks: int = 1
     allow_runtime_updates: bool = False
     adapter_dirs: list[str] = field(default_factory=list)
+    max_cpu_loras: int = 0  # the reader's host tier; copies kept held for a quick reinstall
 
     def __post_init__(self) -> None:
         self.table = SlotTable(self.max_loras, self.num_ranks)
