@@ -320,7 +320,7 @@ class LoraStack:
         if y.shape[0] == 0:
             return y
         if y.is_cuda and _triton_ops() is not None:
-            return _triton_ops().add_delta_rows(self, y, x, row_slots)
+            return _triton_ops().bgmv_rows(self, y, x, row_slots)
         return delta_rows_ref(y, x, self.a, self.b, self.scales, row_slots, self.offsets, is_embedding=self.is_embedding)
 
 

@@ -14,6 +14,20 @@ once. Rows of different segments never overlap, so the expand's
 read-modify-write of ``y`` has no races; the shrink's atomics only meet
 between split-K partners of the same tile.
 
+One kernel per targeted linear for per-row slots (``add_delta_rows``,
+decode steps, CUDA-graph safe):
+
+- ``bgmv_rows``: grid (rows, shards x column groups), fixed by shapes. Each
+  program reads its row's slot on the device and returns at once on slot 0
+  (base rows are left bit-identical), computes the rank-wide intermediate
+  ``t = scale * x[row] @ A[shard, slot].T`` in fp32 (a one-row product:
+  elementwise multiply and ``tl.sum``, no tensor cores needed), then adds
+  ``t @ B[slot, cols].T`` to its ``TILES`` column tiles of ``y[row]``. Every
+  program of a row recomputes the shrink: the price of one launch instead of
+  two and of no intermediate buffer. ``_pick_tiles`` sizes the column groups
+  to balance that redundancy against filling the device. The embedding's
+  shrink is a gather of ``A[0, slot, :, token]``.
+
 Importing this module needs Triton; ``ops`` falls back to the reference
 where it is missing.
 """
@@ -24,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mstar_actors.lora.ops import LoraSegments, LoraStack, embedding_shrink_ref
+from mstar_actors.lora.ops import LoraSegments, LoraStack, check_rows, embedding_shrink_ref
 
 _DOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -33,11 +47,11 @@ _DOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _shrink_kernel(
     x_ptr, a_ptr, out_ptr,
     starts_ptr, lens_ptr, slots_ptr, index_ptr,
-    K, R,
+    R,
     stride_xm, stride_xk,
     stride_as, stride_al, stride_ar, stride_ak,
     stride_os, stride_om, stride_or,
-    HAS_INDEX: tl.constexpr, SPLIT_K: tl.constexpr,
+    K: tl.constexpr, HAS_INDEX: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -62,10 +76,14 @@ def _shrink_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
     mask_r = offs_r < R
+    # This split's K tiles start at split * BLOCK_K; the loop's bounds are
+    # compile-time constants (a fixed trip count, and what Triton's
+    # interpreter can loop over under NumPy >= 2.4), the mask ends it.
+    offs_k = split * BLOCK_K + offs_k
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
     a_ptrs = a_ptr + shard * stride_as + slot * stride_al + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(split * BLOCK_K, K, BLOCK_K * SPLIT_K):
+    for k0 in range(0, K, BLOCK_K * SPLIT_K):
         mask_k = (k0 + offs_k) < K
         xt = tl.load(x_ptrs + k0 * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         at = tl.load(a_ptrs + k0 * stride_ak, mask=mask_k[:, None] & mask_r[None, :], other=0.0)
@@ -175,11 +193,11 @@ def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, seg: dict, segments: LoraSegme
     _shrink_kernel[grid](
         x, a, out,
         seg["starts"], seg["lens"], seg["slots"], seg["row_index"] if seg["row_index"] is not None else seg["starts"],
-        k, max_rank,
+        max_rank,
         x.stride(0), x.stride(1),
         a.stride(0), a.stride(1), a.stride(2), a.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
-        HAS_INDEX=seg["row_index"] is not None, SPLIT_K=split_k,
+        K=k, HAS_INDEX=seg["row_index"] is not None, SPLIT_K=split_k,
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         PRECISION=_precision(x.dtype),
         num_warps=4,
@@ -233,3 +251,139 @@ def add_delta(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, segments: Lora
         buf = sgmv_shrink(x, stack.a, seg, segments)
     offsets = stack.offsets_on(y.device)
     return sgmv_expand(y, buf, stack.b, stack.scales, offsets, max(stack.output_sizes), seg, segments)
+
+
+# ---------------------------------------------------------------- per-row slots (decode)
+
+
+@triton.jit
+def _rows_kernel(
+    x_ptr, a_ptr, b_ptr, scales_ptr, y_ptr, offsets_ptr, slots_ptr,
+    R, NUM_GROUPS,
+    stride_xm, stride_xk,
+    stride_as, stride_al, stride_ar, stride_ak,
+    stride_wl, stride_wn, stride_wr,
+    stride_ss, stride_sl,
+    stride_ym, stride_yn,
+    K: tl.constexpr, IS_EMBEDDING: tl.constexpr, TILES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # K is a compile-time constant (a linear's in_features: a few values per
+    # model): the shrink's loop then has a fixed trip count, and Triton's
+    # interpreter cannot loop to a runtime bound under NumPy >= 2.4.
+    row = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(1)
+    shard = pid // NUM_GROUPS
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    if slot == 0:
+        return
+    hi = tl.load(offsets_ptr + shard + 1)
+    n_start = tl.load(offsets_ptr + shard) + (pid % NUM_GROUPS) * (TILES * BLOCK_N)
+    if n_start >= hi:  # a shorter shard than the widest: its spare groups
+        return
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    a_row = a_ptr + shard * stride_as + slot * stride_al + offs_r * stride_ar
+    if IS_EMBEDDING:
+        token = tl.load(x_ptr + row * stride_xm).to(tl.int64)
+        t = tl.load(a_row + token * stride_ak, mask=mask_r, other=0.0).to(tl.float32)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            mask_k = (k0 + offs_k) < K
+            xk = tl.load(x_ptr + row * stride_xm + (k0 + offs_k) * stride_xk, mask=mask_k, other=0.0)
+            ak = tl.load(a_row[:, None] + (k0 + offs_k)[None, :] * stride_ak, mask=mask_r[:, None] & mask_k[None, :], other=0.0)
+            acc += ak.to(tl.float32) * xk.to(tl.float32)[None, :]
+        t = tl.sum(acc, axis=1)
+    t = t * tl.load(scales_ptr + shard * stride_ss + slot * stride_sl)
+    offs_n = tl.arange(0, BLOCK_N)
+    for j in range(TILES):
+        cols = n_start + j * BLOCK_N + offs_n
+        mask_n = cols < hi
+        w = tl.load(
+            b_ptr + slot * stride_wl + cols[:, None].to(tl.int64) * stride_wn + offs_r[None, :] * stride_wr,
+            mask=mask_n[:, None] & mask_r[None, :],
+            other=0.0,
+        )
+        delta = tl.sum(w.to(tl.float32) * t[None, :], axis=1)
+        y_ptrs = y_ptr + row * stride_ym + cols.to(tl.int64) * stride_yn
+        y = tl.load(y_ptrs, mask=mask_n, other=0.0)
+        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask_n)
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (cached: graph capture must not query); 4 off CUDA."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
+
+
+def _pick_tiles(num_rows: int, num_shards: int, max_out: int, shrink_cost: int, block_n: int, num_sms: int) -> int:
+    """Column tiles per program (a power of two) minimising the estimated time.
+
+    A program costs its shrink (``shrink_cost``, the same for every program
+    of a row) plus ``tiles * block_n`` columns of expand, and programs run in
+    waves of ``num_sms``: few wide programs waste the device, many narrow
+    ones repeat the shrink. Shapes only, so a graph captures the same grid."""
+    max_tiles = triton.next_power_of_2(triton.cdiv(max_out, block_n))
+    best, best_cost, tiles = 1, None, 1
+    while tiles <= max_tiles:
+        num_programs = num_rows * num_shards * triton.cdiv(max_out, tiles * block_n)
+        cost = triton.cdiv(num_programs, num_sms) * (shrink_cost + tiles * block_n)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = tiles, cost
+        tiles *= 2
+    return best
+
+
+def _rows_blocks(max_rank: int, k: int, max_out: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_K, BLOCK_N): ~4K fp32 accumulators per program (32 registers a thread at 4 warps)."""
+    block_r = max(4, triton.next_power_of_2(max_rank))
+    block_k = min(max(32, 4096 // block_r), triton.next_power_of_2(k))
+    block_n = min(max(32, 4096 // block_r), triton.next_power_of_2(max_out))
+    return block_r, block_k, block_n
+
+
+def bgmv_rows(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, *, tiles: int | None = None) -> torch.Tensor:
+    """y[row] += the delta of ``row_slots[row]``'s adapter, every shard, one launch, in place.
+
+    ``tiles`` (a power of two) overrides ``_pick_tiles``, for tests."""
+    num_shards, _, max_rank, k = stack.a.shape
+    num_rows, max_out = y.shape[0], max(stack.output_sizes)
+    if not stack.is_embedding and x.dtype != stack.a.dtype:
+        raise TypeError(f"LoRA rows delta: x is {x.dtype} and A is {stack.a.dtype}; accepted: the same dtype")
+    block_r, block_k, block_n = _rows_blocks(max_rank, k, max_out)
+    shrink_cost = max_rank if stack.is_embedding else k
+    tiles = tiles or _pick_tiles(num_rows, num_shards, max_out, shrink_cost, block_n, _num_sms(y.device))
+    num_groups = triton.cdiv(max_out, tiles * block_n)
+    a, b, scales = stack.a, stack.b, stack.scales
+    x_stride_k = 0 if stack.is_embedding else x.stride(1)
+    _rows_kernel[(num_rows, num_shards * num_groups)](
+        x, a, b, scales, y, stack.offsets_on(y.device), row_slots,
+        max_rank, num_groups,
+        x.stride(0), x_stride_k,
+        a.stride(0), a.stride(1), a.stride(2), a.stride(3),
+        b.stride(0), b.stride(1), b.stride(2),
+        scales.stride(0), scales.stride(1),
+        y.stride(0), y.stride(1),
+        K=k, IS_EMBEDDING=stack.is_embedding, TILES=tiles,
+        BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k,
+        num_warps=4,
+    )  # fmt: skip
+    return y
+
+
+def add_delta_rows(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
+    """``LoraStack.add_delta_rows`` with the kernel on any device Triton runs
+    on (CUDA, or CPU tensors in Triton's interpreter): one ``bgmv_rows`` launch."""
+    check_rows(y, x, row_slots, in_features=stack.in_features, out_features=stack.offsets[-1], is_embedding=stack.is_embedding)
+    if y.shape[0] == 0:  # an empty grid is not launchable
+        return y
+    return bgmv_rows(stack, y, x, row_slots)
