@@ -55,6 +55,9 @@ def build_runner(config: Any, resolve_tensor: Any = None) -> Any:
         max_loras=lora.max_loras if is_lora_on else 0,
         max_lora_rank=lora.max_lora_rank if is_lora_on else 0,
         resolve_tensor=resolve_tensor,
+        enforce_eager=config.model.enforce_eager,
+        # No decode step holds more sequences than the scheduler runs at once.
+        cuda_graph_max_batch=min(config.model.cuda_graph_max_batch, config.scheduler.max_num_seqs),
     )
 
 

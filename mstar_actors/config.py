@@ -33,6 +33,14 @@ class ModelConfig(msgspec.Struct, **_STRICT):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
+    # CUDA only (on CPU both keys are accepted and ignored: every step runs
+    # eagerly there). Pure decode steps of up to ``cuda_graph_max_batch``
+    # sequences (capped by scheduler.max_num_seqs) replay CUDA graphs captured
+    # at startup; larger decode batches, prefill and mixed steps run eagerly.
+    # ``enforce_eager: true`` never captures (vLLM's name): slower decode,
+    # faster startup, no graph memory.
+    enforce_eager: bool = False
+    cuda_graph_max_batch: Pos = 64
 
 
 class ParallelConfig(msgspec.Struct, **_STRICT):

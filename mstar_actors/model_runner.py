@@ -17,6 +17,13 @@ LoRA off no stack exists and the model runs its base path only.
 
 ``build_batch`` is a pure function (no torch), so the plan-to-batch rules can
 be tested without a model.
+
+Decode graphs (CUDA, text models, unless ``enforce_eager``): a pure decode
+step (every chunk one token that samples) of up to ``cuda_graph_max_batch``
+sequences replays a CUDA graph captured at startup (``decode_graphs``); any
+other step runs eagerly. The KV cache has one block more than
+``num_kv_blocks`` reports: the scratch block padded graph rows write into,
+which no plan can name (block ids are checked against ``num_kv_blocks``).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import psutil
 import torch
 
 from mstar_actors import messages
+from mstar_actors.decode_graphs import DecodeGraphs
 from mstar_actors.lora.adapter_file import AdapterWeights
 from mstar_actors.models.attention import AttentionMetadata, allocate_kv_cache, kv_bytes_per_block
 from mstar_actors.models.loader import load_model, load_spec
@@ -168,6 +176,8 @@ class ModelRunner:
         resolve_tensor: TensorResolver | None = None,
         max_loras: int = 0,
         max_lora_rank: int = 0,
+        enforce_eager: bool = False,
+        cuda_graph_max_batch: int = 64,
     ):
         self.device = resolve_device(device)
         arch, spec = load_spec(Path(model_dir))  # read first: "auto" dtype depends on it
@@ -184,8 +194,9 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = min(max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
         self.num_kv_blocks = num_blocks or self._blocks_from_memory(memory_fraction)
+        self.scratch_block = self.num_kv_blocks  # one past the reported blocks: see the module doc
         self.kv_caches = allocate_kv_cache(
-            spec.num_layers, self.num_kv_blocks, block_size, spec.num_kv_heads, spec.head_dim, self.dtype, self.device
+            spec.num_layers, self.num_kv_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim, self.dtype, self.device
         )
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
@@ -194,6 +205,27 @@ class ModelRunner:
         # Multimodal models: per-sequence positions and vision rows; pixel
         # values are read through ``resolve_tensor`` (the worker's arena).
         self.media = MediaInputs(self.model, resolve_tensor) if getattr(self.model, "is_multimodal", False) else None
+        # Last: capture needs the LoRA stacks and the KV cache, and its memory
+        # comes out of what the cache left.
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not enforce_eager and self.media is None:
+            self.enable_decode_graphs(cuda_graph_max_batch)
+
+    def enable_decode_graphs(self, max_batch: int, *, capture: bool = True) -> None:
+        """Serve pure decode steps of up to ``max_batch`` sequences through
+        ``DecodeGraphs``; ``capture=False`` runs its static path eagerly (tests)."""
+        if self.media is not None:
+            raise ValueError(f"decode graphs: {self.spec.architecture} is multimodal; its steps run eagerly")
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            self.lora,
+            max_batch=max_batch,
+            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+            block_size=self.block_size,
+            scratch_block=self.scratch_block,
+            capture=capture,
+        )
 
     # -- protocol ----------------------------------------------------------
 
@@ -247,6 +279,8 @@ class ModelRunner:
             raise ValueError(f"adapter {weights.name!r}: LoRA is off on this rank (lora.max_loras = 0); enable it to install adapters")
         self.lora_names.pop(slot, None)  # on failure the slot is cleared and holds nothing
         self.lora.install(slot, weights)
+        if self.graphs is not None:  # the graphs read the stacks by address
+            self.graphs.check_lora_in_place()
         self.lora_names[slot] = weights.name
 
     def _lora_hint(self) -> str:
@@ -279,6 +313,8 @@ class ModelRunner:
 
     def _run_model(self, batch: Batch) -> torch.Tensor:
         """The batch's sampled rows' logits, ``[len(batch.sample_ids), vocab]`` float32."""
+        if self._is_graph_step(batch):
+            return self.graphs.run(batch)
         input_ids, positions, meta, logits_indices = self._to_device(batch)
         if self.lora is not None:
             self.lora.begin_step(batch.chunk_slots, batch.query_lens, batch.sample_slots)
@@ -289,6 +325,14 @@ class ModelRunner:
         finally:
             if self.lora is not None:
                 self.lora.end_step()
+
+    def _is_graph_step(self, batch: Batch) -> bool:
+        """Pure decode within the captured sizes: one token per chunk, each sampled."""
+        return (
+            self.graphs is not None
+            and len(batch.request_ids) <= self.graphs.max_batch
+            and len(batch.sample_ids) == len(batch.request_ids) == len(batch.input_ids)
+        )
 
     def _forward(self, batch: Batch, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.media is None:
@@ -329,10 +373,10 @@ class ModelRunner:
             budget = int(free * memory_fraction)
         else:
             budget = min(int(psutil.virtual_memory().available * memory_fraction), MAX_CPU_KV_BYTES)
-        num_blocks = budget // per_block
+        num_blocks = budget // per_block - 1  # less the scratch block
         if num_blocks < 1:
             raise RuntimeError(
-                f"kv: no room for one KV block of {per_block} bytes on {self.device} "
+                f"kv: no room for two KV blocks (one is scratch) of {per_block} bytes on {self.device} "
                 f"(budget {budget} bytes); raise kv.memory_fraction or set kv.num_blocks"
             )
         log.info("kv cache: %d blocks of %d tokens (%.1f MiB) on %s", num_blocks, self.block_size, num_blocks * per_block / 2**20, self.device)

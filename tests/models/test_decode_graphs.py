@@ -1,0 +1,320 @@
+"""Decode graphs: pure decode steps through static buffers give the eager runner's tokens.
+
+On CPU the static path runs without capture (``enable_decode_graphs(capture=
+False)``): the same buffers, packing, padding and scratch block, the forward
+run eagerly on them. On a GPU (``-m gpu``) the graphs are really captured and
+replayed, base and LoRA rows alike, and compared with ``enforce_eager``.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from mstar_actors import messages
+from mstar_actors.config import ConfigError, parse_config
+from mstar_actors.decode_graphs import DecodeGraphs, batch_buckets
+from mstar_actors.lora import BaseShapes, read_adapter
+from mstar_actors.lora.host_copy import adapter_from_bytes, adapter_to_bytes
+from mstar_actors.model_runner import ModelRunner, PlanError
+from mstar_actors.sampling import sample_tokens
+from plan_driver import PlanDriver
+
+BLOCK_SIZE = 4
+NUM_NEW = 12
+MAX_RANK = 8
+GREEDY = messages.SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+Driver = functools.partial(PlanDriver, block_size=BLOCK_SIZE, num_new=NUM_NEW, sampling=GREEDY)
+ADAPTERS = {  # slot: PEFT kwargs (different ranks and targets, embedding and LM head included)
+    1: dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                  "down_proj", "lm_head", "embed_tokens"]),
+    2: dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------- helpers
+
+
+class Recorder:
+    """A sampler that records each step's logits and which path produced them."""
+
+    def __init__(self, forced: list[list[int]] | None = None):
+        self.logits: list[torch.Tensor] = []
+        self.forced = forced  # teacher forcing: these tokens instead of the argmax
+
+    def __call__(self, logits, rows, generator):
+        self.logits.append(logits.float().cpu().clone())
+        sampled = sample_tokens(logits, rows, generator=generator)
+        if self.forced is not None:
+            ids = self.forced[len(self.logits) - 1]
+            sampled = [messages.SampledToken(s.request_id, i) for s, i in zip(sampled, ids)]
+        return sampled
+
+
+def make_runner(folder, *, static: int | None = None, **overrides) -> ModelRunner:
+    """A float32 CPU runner; ``static``: its pure decode steps of up to that
+    many rows take the static (graph) path, run without capture."""
+    kwargs = dict(dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_blocks=96, seed=0, enforce_eager=True)
+    runner = ModelRunner(folder, **(kwargs | overrides))
+    if static is not None:
+        runner.enable_decode_graphs(static, capture=False)
+    return runner
+
+
+def count_graph_steps(runner: ModelRunner) -> list[int]:
+    """Wrap the runner's graphs; the returned list gets each graph step's row count."""
+    sizes: list[int] = []
+    run = runner.graphs.run
+
+    def counted(batch):
+        sizes.append(len(batch.input_ids))
+        return run(batch)
+
+    runner.graphs.run = counted
+    return sizes
+
+
+def script(runner: ModelRunner, slots: dict[str, int] | None = None) -> dict[str, list[int]]:
+    """Padded buckets, block crossings, a finished sequence replaced, a batch over
+    the graphs' max (4), prefill next to decodes. Outputs by request id."""
+    slots = slots or {}
+    gen = torch.Generator().manual_seed(5)
+    lens = dict(a=6, b=3, c=9, d=5, e=4, f=7)
+    prompts = {rid: torch.randint(3, 300, (n,), generator=gen).tolist() for rid, n in lens.items()}
+    d = Driver(runner)
+
+    def start(rid):
+        return d.start(rid, prompts[rid], slot=slots.get(rid, 0))
+
+    d.step([start("a"), start("b"), start("c")], [d.chunk("a"), d.chunk("b"), d.chunk("c")])
+    for _ in range(3):
+        d.step([], d.decodes("a", "b", "c"))  # 3 rows in bucket 4
+    d.step([start("d")], [d.chunk("d"), *d.decodes("a", "c")], finished=[d.finish("b")])  # mixed: eager
+    for _ in range(2):
+        d.step([], d.decodes("a", "c", "d"))  # b's rows reused by d
+    d.step([start("e"), start("f")], [d.chunk("e"), d.chunk("f"), *d.decodes("a", "c", "d")])
+    d.step([], d.decodes("a", "c", "d", "e", "f"))  # 5 rows > max 4: eager
+    d.step([], d.decodes("a", "c", "d", "e"), finished=[d.finish("f")])  # 4 rows: no padding
+    d.step([], d.decodes("a"), finished=[d.finish("c"), d.finish("d")])  # one row
+    return d.run_to_end()
+
+
+# ---------------------------------------------------------------- base model
+
+
+def test_batch_buckets():
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert batch_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]
+    assert batch_buckets(5) == [1, 2, 4, 5]
+    assert batch_buckets(1) == [1]
+
+
+def test_static_decode_matches_eager(hf_models):
+    folder, _ = hf_models("llama")
+    eager_rec, static_rec = Recorder(), Recorder()
+    want = script(make_runner(folder, sampler=eager_rec))
+    runner = make_runner(folder, static=4, sampler=static_rec)
+    sizes = count_graph_steps(runner)
+    got = script(runner)
+    assert got == want
+    assert {1, 2, 3, 4} <= set(sizes) and 5 not in sizes  # padded buckets used; 5 rows ran eagerly
+    for step, (a, b) in enumerate(zip(static_rec.logits, eager_rec.logits, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+
+
+def test_scratch_block_is_never_reported_and_takes_the_padding(hf_models):
+    folder, _ = hf_models("llama")
+    runner = make_runner(folder, static=4)
+    assert runner.ready_info(0).num_kv_blocks == runner.num_kv_blocks == 96
+    assert runner.scratch_block == 96 and runner.kv_caches[0].shape[1] == 97
+    script(runner)
+    for kv in runner.kv_caches:
+        assert not kv[:, 0].any(), "block 0 (never handed out) was written: padding must go to the scratch block"
+        assert kv[:, 96].any(), "padded rows wrote nowhere"
+    d = Driver(runner)
+    bad = messages.ScheduledChunk("x", 0, 3, [96], True)
+    with pytest.raises(PlanError, match=r"'x'.*block ids \[96\] are outside \[0, 96\)"):
+        d.step([d.start("x", [5, 6, 7])], [bad])
+
+
+def test_memory_sized_cache_reserves_the_scratch_block(hf_models):
+    folder, _ = hf_models("llama")
+    runner = make_runner(folder, num_blocks=None, memory_fraction=0.001)
+    assert runner.kv_caches[0].shape[1] == runner.num_kv_blocks + 1 == runner.scratch_block + 1
+
+
+def test_cpu_runner_never_captures(hf_models):
+    folder, _ = hf_models("llama")
+    assert make_runner(folder, enforce_eager=False).graphs is None
+
+
+def test_bucket_for_names_the_limit(hf_models):
+    graphs = make_runner(hf_models("llama")[0], static=4).graphs
+    assert [graphs.bucket_for(n) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    with pytest.raises(ValueError, match=r"1\.\.4 rows \(model.cuda_graph_max_batch\); got 5"):
+        graphs.bucket_for(5)
+
+
+# ---------------------------------------------------------------- LoRA
+
+
+@pytest.fixture(scope="module")
+def lora_world(tmp_path_factory, hf_models):
+    """(base folder, {slot: adapter weights as the worker receives them})."""
+    base_folder, _ = hf_models("llama")
+    root = tmp_path_factory.mktemp("adapters")
+    shapes = BaseShapes.from_hf_config(AutoModelForCausalLM.from_pretrained(base_folder).config.to_dict())
+    weights = {}
+    for slot, kwargs in ADAPTERS.items():
+        model = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+        peft_model = get_peft_model(model, LoraConfig(**kwargs))
+        torch.manual_seed(20 + slot)
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "lora_" in name:
+                    p.normal_(0.0, 0.25)  # PEFT starts B at zero; a zero adapter would prove nothing
+        peft_model.save_pretrained(str(root / f"ad{slot}"))
+        read = read_adapter(root / f"ad{slot}", base=shapes, max_rank=MAX_RANK, name=f"ad{slot}")
+        weights[slot] = adapter_from_bytes(adapter_to_bytes(read))
+    return base_folder, weights
+
+
+MIXED_SLOTS = dict(a=1, b=2, c=0, d=2, e=1, f=0)
+
+
+def lora_runner(world, *, install=True, **overrides) -> ModelRunner:
+    base_folder, weights = world
+    runner = make_runner(base_folder, max_loras=2, max_lora_rank=MAX_RANK, **overrides)
+    if install:
+        for slot, w in weights.items():
+            runner.install_adapter(slot, w)
+    return runner
+
+
+def test_static_lora_rows_match_eager(lora_world):
+    want = script(lora_runner(lora_world), MIXED_SLOTS)
+    runner = lora_runner(lora_world, static=4)
+    sizes = count_graph_steps(runner)
+    assert script(runner, MIXED_SLOTS) == want
+    assert sizes
+    base_only = script(lora_runner(lora_world))
+    assert base_only != want, "the adapters changed nothing: the test would prove nothing"
+
+
+def test_static_base_rows_on_a_lora_runner_skip_the_delta(lora_world, monkeypatch):
+    """A step with no adapter row runs the base variant: no LoRA step at all."""
+    runner = lora_runner(lora_world, static=4)
+    calls = []
+    monkeypatch.setattr(runner.lora, "begin_rows_step", lambda slots: calls.append(slots))
+    base = script(runner)
+    assert base == script(make_runner(lora_world[0]))
+    assert calls == []
+
+
+def test_a_moved_lora_stack_is_refused(lora_world):
+    runner = lora_runner(lora_world, static=4, install=False)
+    runner.install_adapter(1, lora_world[1][1])  # in place: accepted
+    stack = next(iter(runner.lora.stacks.values()))
+    stack.b = stack.b.clone()
+    with pytest.raises(RuntimeError, match="moved after the decode graphs were captured"):
+        runner.install_adapter(2, lora_world[1][2])
+
+
+# ---------------------------------------------------------------- config and worker
+
+
+def test_config_keys_and_worker_passes_them(monkeypatch):
+    config = parse_config({"model": {"enforce_eager": True, "cuda_graph_max_batch": 128}, "scheduler": {"max_num_seqs": 32}})
+    assert config.model.enforce_eager and config.model.cuda_graph_max_batch == 128
+    assert parse_config({}).model.enforce_eager is False and parse_config({}).model.cuda_graph_max_batch == 64
+    with pytest.raises(ConfigError, match="cuda_graph_max_batch"):
+        parse_config({"model": {"cuda_graph_max_batch": 0}})
+
+    import actors.worker as worker
+    import mstar_actors.fetch
+    import mstar_actors.model_runner
+
+    seen = {}
+    monkeypatch.setattr(mstar_actors.model_runner, "ModelRunner", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(mstar_actors.fetch, "resolve_model", lambda path: Path(path))
+    worker.build_runner(config)
+    assert seen["enforce_eager"] is True
+    assert seen["cuda_graph_max_batch"] == 32  # capped by scheduler.max_num_seqs
+
+
+# ---------------------------------------------------------------- GPU: real capture
+
+
+def cuda_runner(folder, **overrides) -> ModelRunner:
+    kwargs = dict(device="cuda", enforce_eager=False, cuda_graph_max_batch=4)
+    return make_runner(folder, **(kwargs | overrides))
+
+
+def assert_logits_close(got: list[torch.Tensor], want: list[torch.Tensor], tolerance: float) -> None:
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        error = (a - b).abs().max() / b.abs().max()
+        assert error < tolerance, f"step {step}: relative logits error {error:.3g} >= {tolerance}"
+
+
+@pytest.mark.gpu
+def test_captured_graphs_match_eager_on_cuda(hf_models):
+    folder, _ = hf_models("llama")
+    want = script(cuda_runner(folder, enforce_eager=True))
+    runner = cuda_runner(folder)
+    assert runner.graphs is not None and runner.graphs.is_captured
+    assert set(runner.graphs.graphs) == {(b, False) for b in (1, 2, 4)}
+    sizes = count_graph_steps(runner)
+    assert script(runner) == want
+    assert {1, 2, 3, 4} <= set(sizes)
+
+
+@pytest.mark.gpu
+def test_captured_graphs_bf16_logits_close_to_eager(hf_models):
+    """bf16 may flip near-ties, so the eager run is teacher-forced with the graph run's tokens."""
+    folder, _ = hf_models("llama")
+    graph_rec = Recorder()
+    graph_out = script(cuda_runner(folder, dtype="bfloat16", sampler=graph_rec))
+    forced = [[int(t) for t in step.argmax(-1)] for step in graph_rec.logits]
+    eager_rec = Recorder(forced)
+    assert script(cuda_runner(folder, dtype="bfloat16", enforce_eager=True, sampler=eager_rec)) == graph_out
+    assert_logits_close(graph_rec.logits, eager_rec.logits, 2e-2)
+
+
+@pytest.mark.gpu
+def test_captured_lora_graphs_match_eager_on_cuda(lora_world):
+    want = script(lora_runner(lora_world, device="cuda"), MIXED_SLOTS)
+    runner = lora_runner(lora_world, device="cuda", enforce_eager=False, cuda_graph_max_batch=4)
+    assert set(runner.graphs.graphs) == {(b, rows) for b in (1, 2, 4) for rows in (False, True)}
+    sizes = count_graph_steps(runner)
+    assert script(runner, MIXED_SLOTS) == want
+    assert sizes
+    # bf16: teacher-forced eager against the graphs, logits within tolerance.
+    graph_rec = Recorder()
+    graph_out = script(lora_runner(lora_world, device="cuda", dtype="bfloat16", enforce_eager=False,
+                                   cuda_graph_max_batch=4, sampler=graph_rec), MIXED_SLOTS)
+    forced = [[int(t) for t in step.argmax(-1)] for step in graph_rec.logits]
+    eager_rec = Recorder(forced)
+    assert script(lora_runner(lora_world, device="cuda", dtype="bfloat16", sampler=eager_rec), MIXED_SLOTS) == graph_out
+    assert_logits_close(graph_rec.logits, eager_rec.logits, 2e-2)
+
+
+@pytest.mark.gpu
+def test_adapter_installed_after_capture_is_used_by_the_graphs(lora_world):
+    want = script(lora_runner(lora_world, device="cuda"), MIXED_SLOTS)
+    runner = lora_runner(lora_world, device="cuda", enforce_eager=False, cuda_graph_max_batch=4, install=False)
+    assert runner.graphs.is_captured  # captured with every slot empty
+    for slot, w in lora_world[1].items():
+        runner.install_adapter(slot, w)
+    assert script(runner, MIXED_SLOTS) == want
+
+
+@pytest.mark.gpu
+def test_enforce_eager_captures_nothing_on_cuda(hf_models):
+    folder, _ = hf_models("llama")
+    assert cuda_runner(folder, enforce_eager=True).graphs is None
+    assert isinstance(cuda_runner(folder).graphs, DecodeGraphs)
