@@ -15,11 +15,14 @@ interface and are picked by ``make_attention_backend``.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -118,17 +121,23 @@ class TorchPagedAttention:
         if decode is not None:
             rows, tables, mask = decode
             out[rows] = self._attend_decode(q[rows], kv_cache, tables, mask, scale)
+        self._attend_chunks(q, kv_cache, meta, scale, out)
+        return out
+
+    def _attend_chunks(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                       out: torch.Tensor) -> None:
+        """Prefill chunks (rows of sequences with more than one query), one SDPA
+        call each, written into ``out``; decode rows are left to the caller."""
         start = 0
         for i in range(meta.num_seqs):
             q_len, ctx_len = meta.query_lens_list[i], meta.context_lens_list[i]
-            if q_len > 1 or decode is None:
+            if q_len > 1:
                 k, v = self._gather(kv_cache, meta.block_tables[i, : meta.num_blocks_list[i]], ctx_len)
                 qi = q[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
-                mask = None if q_len == 1 else _causal_offset_mask(q_len, ctx_len, q.device)
+                mask = _causal_offset_mask(q_len, ctx_len, q.device)
                 oi = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
                 out[start : start + q_len] = oi.transpose(0, 1)
             start += q_len
-        return out
 
     @staticmethod
     def _attend_decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor,
@@ -194,6 +203,13 @@ def _causal_offset_mask(q_len: int, ctx_len: int, device: torch.device) -> torch
 
 
 def make_attention_backend(device: torch.device | str) -> PagedAttention:
-    """The attention backend for ``device``. Only the torch reference exists so
-    far; it is correct on CUDA too, just not fast."""
+    """The attention backend for ``device``: on CUDA the Triton decode kernel
+    (``TritonPagedAttention``) when Triton imports, else the torch reference."""
+    if torch.device(device).type == "cuda":
+        try:
+            from .triton_attention import TritonPagedAttention
+        except ImportError as err:  # Triton missing or broken: correct, just slower
+            log.warning("attention: Triton unavailable (%s); using the torch reference on %s", err, device)
+        else:
+            return TritonPagedAttention()
     return TorchPagedAttention()

@@ -118,3 +118,113 @@ def test_torch_graph_decode_write_kv_lands_in_slots():
     flat = case["kv_cache"].view(2, -1, 2, 64)
     torch.testing.assert_close(flat[0, meta.slot_mapping], k)
     torch.testing.assert_close(flat[1, meta.slot_mapping], v)
+
+
+# --- the Triton kernel (Triton's interpreter on CPU) ----------------------------------------
+
+triton_attention = pytest.importorskip("mstar_actors.models.triton_attention")
+paged_decode_attention = triton_attention.paged_decode_attention
+TritonPagedAttention = triton_attention.TritonPagedAttention
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_kernel_matches_fp32_reference(num_splits):
+    case = make_paged_case([1, 17, 40], max_blocks=6)  # padded table entries point at a real block
+    out = paged_decode_attention(**case, num_splits=num_splits)
+    torch.testing.assert_close(out, reference_decode(**case), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size, num_heads, num_kv_heads", [(4, 4, 4), (12, 8, 1)])
+def test_kernel_other_pages_and_groups(block_size, num_heads, num_kv_heads):
+    """Pages smaller or not a power of two, no GQA and one KV head for all."""
+    case = make_paged_case([3, 70], block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                           head_dim=32, seed=1)
+    out = paged_decode_attention(**case, num_splits=2)
+    torch.testing.assert_close(out, reference_decode(**case), atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_writes_into_out_and_keeps_padded_rows_finite():
+    case = make_paged_case([1, 1, 9], max_blocks=3)
+    case["block_tables"][:2] = case["block_tables"][2, 0]  # padded rows share one scratch block
+    case["context_lens"][1] = 0  # a stray empty row reads as length 1
+    out = torch.full_like(case["q"], float("nan"))
+    assert paged_decode_attention(**case, out=out, num_splits=2) is out
+    assert torch.isfinite(out).all()
+    case["context_lens"][1] = 1
+    torch.testing.assert_close(out, reference_decode(**case), atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_fp16():
+    case = make_paged_case([5, 33], dtype=torch.float16)
+    out = paged_decode_attention(**case)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), reference_decode(**case), atol=2e-3, rtol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(head_dim=80), "head_dim 80 is not supported; accepted: a power of two"),
+        (dict(num_heads=3, num_kv_heads=2), "multiple of the KV heads"),
+    ],
+)
+def test_kernel_refuses_shapes(change, message):
+    case = make_paged_case([4], **change)
+    with pytest.raises(ValueError, match=message):
+        paged_decode_attention(**case)
+
+
+def test_kernel_refuses_dtypes():
+    case = make_paged_case([4])
+    with pytest.raises(ValueError, match="block_tables .* must be int32"):
+        paged_decode_attention(**(case | dict(block_tables=case["block_tables"].long())))
+    with pytest.raises(ValueError, match="kv_cache torch.float16; both must be one of"):
+        paged_decode_attention(**(case | dict(kv_cache=case["kv_cache"].half())))
+
+
+def mixed_step(block_size: int = BLOCK_SIZE, seed: int = 2):
+    """A mixed step: a prefill chunk on a cached prefix between two decode rows."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 12
+    kv = torch.randn(2, num_blocks, block_size, 2, 64, generator=gen)
+    tables = torch.tensor([[3, 0, 0], [7, 1, 9], [5, 10, 0]], dtype=torch.int32)
+    query_lens, context_lens = [1, 5, 1], [9, 37, 20]
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(7, dtype=torch.long),  # not read by attend
+        block_tables=tables,
+        query_start=torch.tensor([0, 1, 6, 7], dtype=torch.int32),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32),
+        query_lens_list=query_lens,
+        context_lens_list=context_lens,
+        num_blocks_list=[1, 3, 2],
+    )
+    return torch.randn(7, 4, 64, generator=gen), kv, meta
+
+
+def test_backend_mixed_step_matches_reference():
+    q, kv, meta = mixed_step()
+    expected = TorchPagedAttention().attend(q, kv, meta, 0.125)
+    meta.derived.clear()
+    torch.testing.assert_close(TritonPagedAttention().attend(q, kv, meta, 0.125), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_backend_graph_decode_matches_reference():
+    case = make_paged_case([1, 17, 40], max_blocks=6)
+    meta = decode_meta(case, graph_decode=True)
+    meta.context_lens_list = [1, 1, 1]  # stale lists are not read
+    out = TritonPagedAttention().attend(case["q"], case["kv_cache"], meta, case["scale"])
+    torch.testing.assert_close(out, reference_decode(**case), atol=1e-5, rtol=1e-5)
+
+
+def test_backend_falls_back_for_head_dims_without_kernel():
+    case = make_paged_case([6, 19], head_dim=80)
+    meta = decode_meta(case, graph_decode=False)
+    out = TritonPagedAttention().attend(case["q"], case["kv_cache"], meta, case["scale"])
+    torch.testing.assert_close(out, reference_decode(**case), atol=1e-5, rtol=1e-5)
+
+
+def test_make_attention_backend_picks_by_device():
+    from mstar_actors.models.attention import make_attention_backend
+
+    assert type(make_attention_backend("cpu")) is TorchPagedAttention
+    assert isinstance(make_attention_backend(torch.device("cuda", 0)), TritonPagedAttention)

@@ -1,0 +1,325 @@
+"""Triton paged decode attention (CUDA; Triton's interpreter runs it on CPU in tests).
+
+``paged_decode_attention``: one query row per sequence against its paged KV
+cache. One program per (sequence, KV head, context split) handles the whole
+GQA group of query heads that share the KV head, so each K/V page is read
+from memory once per group, not once per query head. Each program walks its
+share of the sequence's context ``BLOCK_N`` tokens at a time (several pages
+per step: the page ids of the step's tokens are gathered from the block
+table), with an fp32 online softmax (exp2, running max and sum).
+
+Split-K over the context: at small batch there are only ``B * KH`` programs
+(8 for Llama-3.2-1B at B = 1), far fewer than the device's SMs, and a long
+context would be read by a handful of SMs at a fraction of the memory
+bandwidth. So when ``B * KH`` is below about twice the SM count, each
+(sequence, KV head) is split into ``num_splits`` contiguous ranges of its
+context, each program writes a partial output and its log-sum-exp, and a
+second small kernel combines the splits. At larger batch one split suffices
+and the first kernel writes the output directly (one launch).
+
+Graph safety: the grid and ``num_splits`` depend on tensor shapes (and the
+device's SM count) only; each program reads its context length from
+``context_lens`` on the device and stops there, whatever the table width. No
+host synchronisation, so a decode step can be captured in a CUDA graph and
+replayed with new tables and lengths. A context length below 1 is treated as
+1 (a padded row of a graph bucket), so no row is ever empty or NaN.
+
+``TritonPagedAttention`` is the backend that uses it for decode rows; prefill
+chunks keep the torch reference's SDPA per sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention import AttentionMetadata, TorchPagedAttention
+
+log = logging.getLogger(__name__)
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+MAX_SPLITS = 16
+# Context tokens a program loads per loop step. Page ids are gathered per
+# token, so a step may span several pages and any block_size works.
+TOKENS_PER_STEP = 64
+
+
+@triton.jit
+def _attend_tokens(q, m_i, l_i, acc, n0, end, table, kv_base, stride_kv, stride_kb, stride_kt, scale_log2, offs_d,
+                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """One online-softmax step over context tokens ``n0 .. n0 + BLOCK_N`` (< ``end``)
+    for a GQA group: returns the updated running max, sum and output."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    page = tl.load(table + offs_n // PAGE, mask=mask_n, other=0).to(tl.int64)
+    token = page * stride_kb + (offs_n % PAGE) * stride_kt
+    k = tl.load(kv_base + token[None, :] + offs_d[:, None], mask=mask_n[None, :], other=0.0)  # [D, N]
+    s = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # [G, N], log2 units
+    s = tl.where(mask_n[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    v = tl.load(kv_base + stride_kv + token[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)  # [N, D]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, kv_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr,
+    scale_log2,
+    stride_qb, stride_qh,
+    stride_kv, stride_kb, stride_kt, stride_kh,
+    stride_tb,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr, LOOP_WHILE: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.maximum(tl.load(lens_ptr + seq), 1)
+    steps_per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), NUM_SPLITS)
+    start = split * steps_per_split * BLOCK_N
+    end = tl.minimum(ctx, start + steps_per_split * BLOCK_N)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + offs_g
+    mask_g = offs_g < GROUP
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_g[:, None], other=0.0)
+
+    m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32)
+    table = tables_ptr + seq * stride_tb
+    kv_base = kv_ptr + kv_head * stride_kh
+    if LOOP_WHILE:  # Triton's interpreter cannot range() over a loaded bound; the body is the same
+        n0 = start
+        while n0 < end:
+            m_i, l_i, acc = _attend_tokens(q, m_i, l_i, acc, n0, end, table, kv_base, stride_kv, stride_kb, stride_kt,
+                                           scale_log2, offs_d, PAGE, BLOCK_N, PRECISION)
+            n0 += BLOCK_N
+    else:  # compiled: a for loop, which Triton software-pipelines
+        for n0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _attend_tokens(q, m_i, l_i, acc, n0, end, table, kv_base, stride_kv, stride_kb, stride_kt,
+                                           scale_log2, offs_d, PAGE, BLOCK_N, PRECISION)
+
+    is_live = l_i > 0  # a split past the context's end saw no key
+    out = acc / tl.where(is_live, l_i, 1.0)[:, None]
+    out_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
+    if NUM_SPLITS > 1:
+        lse = tl.where(is_live, m_i + tl.log2(tl.where(is_live, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + seq * stride_lb + heads * stride_lh + split, lse, mask=mask_g)
+
+
+@triton.jit
+def _combine_kernel(
+    part_ptr, lse_ptr, out_ptr,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    stride_ob, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_s = offs_s < NUM_SPLITS
+    lse = tl.load(lse_ptr + seq * stride_lb + head * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
+    # Split 0 always holds the context's first key, so the max is finite.
+    weights = tl.exp2(lse - tl.max(lse, 0))
+    part = tl.load(part_ptr + seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+                   mask=mask_s[:, None], other=0.0)
+    out = tl.sum(part * weights[:, None], 0) / tl.sum(weights, 0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """``q [B, H, D]`` against ``kv_cache [2, num_blocks, block_size, KH, D]``
+    through ``block_tables [B, max_blocks]`` int32 and ``context_lens [B]``
+    int32 -> ``[B, H, D]`` (written into ``out`` when given). ``num_splits``
+    (context splits per sequence) defaults to one chosen from the shapes."""
+    _check_inputs(q, kv_cache, block_tables, context_lens)
+    batch, num_heads, head_dim = q.shape
+    _, _, page, num_kv_heads, _ = kv_cache.shape
+    if q.stride(2) != 1 or kv_cache.stride(4) != 1 or block_tables.stride(1) != 1:
+        raise ValueError("paged_decode_attention: q, kv_cache and block_tables need a contiguous last dimension")
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page, q.device)
+    group = num_heads // num_kv_heads
+    consts = dict(
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
+        BLOCK_N=TOKENS_PER_STEP, NUM_SPLITS=num_splits,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", LOOP_WHILE=not q.is_cuda,
+    )
+    if num_splits == 1:
+        target, lse = out, out  # lse is not written with one split
+        target_strides = (out.stride(0), out.stride(1), 0)
+    else:
+        target = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        target_strides = (target.stride(0), target.stride(1), target.stride(2))
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, kv_cache, block_tables, context_lens, target, lse,
+        scale * 1.4426950408889634,  # log2(e): the kernel works in exp2
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0),
+        *target_strides,
+        lse.stride(0) if num_splits > 1 else 0, lse.stride(1) if num_splits > 1 else 0,
+        **consts,
+    )  # fmt: skip
+    if num_splits > 1:
+        _combine_kernel[(batch, num_heads)](
+            target, lse, out,
+            target.stride(0), target.stride(1), target.stride(2),
+            lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+        )  # fmt: skip
+    return out
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Context splits per (sequence, KV head): enough programs for about two per
+    SM, at most ``MAX_SPLITS`` and no more than the table has steps. From
+    shapes only, so a captured graph keeps its choice."""
+    num_programs = batch * num_kv_heads
+    num_sms = _num_sms(device)
+    if num_programs >= num_sms:
+        return 1
+    max_steps = triton.cdiv(max_context, TOKENS_PER_STEP)
+    return max(1, min(MAX_SPLITS, triton.cdiv(2 * num_sms, num_programs), max_steps))
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: splitting gains nothing
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+def is_supported_head_dim(head_dim: int) -> bool:
+    return MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0
+
+
+def _check_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
+    if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            f"paged_decode_attention: q {tuple(q.shape)} must be [B, H, D] and kv_cache {tuple(kv_cache.shape)} "
+            "[2, num_blocks, block_size, KH, D]"
+        )
+    batch, num_heads, head_dim = q.shape
+    _, _, _, num_kv_heads, kv_dim = kv_cache.shape
+    if kv_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"paged_decode_attention: q has {num_heads} heads of {head_dim}, kv_cache {num_kv_heads} of {kv_dim}; "
+            "head_dim must match and the query heads be a multiple of the KV heads"
+        )
+    if not is_supported_head_dim(head_dim):
+        raise ValueError(
+            f"paged_decode_attention: head_dim {head_dim} is not supported; "
+            f"accepted: a power of two from {MIN_HEAD_DIM} to {MAX_HEAD_DIM} (use TorchPagedAttention otherwise)"
+        )
+    if q.dtype not in _DTYPES or kv_cache.dtype != q.dtype:
+        raise ValueError(
+            f"paged_decode_attention: q is {q.dtype} and kv_cache {kv_cache.dtype}; both must be one of "
+            "float16, bfloat16, float32"
+        )
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise ValueError(
+            f"paged_decode_attention: block_tables ({block_tables.dtype}) and context_lens ({context_lens.dtype}) "
+            "must be int32"
+        )
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or tuple(context_lens.shape) != (batch,):
+        raise ValueError(
+            f"paged_decode_attention: block_tables {tuple(block_tables.shape)} must be [{batch}, max_blocks] and "
+            f"context_lens {tuple(context_lens.shape)} [{batch}]"
+        )
+
+
+class TritonPagedAttention(TorchPagedAttention):
+    """The CUDA backend: decode rows through ``paged_decode_attention``, prefill
+    chunks through the reference's SDPA per sequence, ``write_kv`` the
+    reference's ``index_copy_`` (graph-safe as it is).
+
+    A ``graph_decode`` step is all decode rows and goes to the kernel as is
+    (tensors only). A mixed eager step sends its decode rows to the kernel in
+    one launch, gathered by an index built once per step from the host lists.
+    A head_dim the kernel does not take falls back to the reference, with
+    one warning, so such a model is slower but still correct.
+    """
+
+    def __init__(self) -> None:
+        self._warned_head_dims: set[int] = set()
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if not self._kernel_takes(q.shape[-1]):
+            return super().attend(q, kv_cache, meta, scale)
+        if meta.graph_decode:
+            return paged_decode_attention(q, kv_cache, meta.block_tables, meta.context_lens, scale)
+        decode = _kernel_decode_rows(meta)
+        if decode is not None and decode[0] is None:  # every row decodes: no gather, no scatter
+            return paged_decode_attention(q, kv_cache, meta.block_tables, meta.context_lens, scale)
+        out = torch.empty_like(q)
+        if decode is not None:
+            rows, tables, lens = decode
+            out[rows] = paged_decode_attention(q[rows], kv_cache, tables, lens, scale)
+        self._attend_chunks(q, kv_cache, meta, scale, out)
+        return out
+
+    def _kernel_takes(self, head_dim: int) -> bool:
+        if is_supported_head_dim(head_dim):
+            return True
+        if head_dim not in self._warned_head_dims:
+            self._warned_head_dims.add(head_dim)
+            log.warning("attention: head_dim %d has no Triton kernel (accepted: powers of two %d..%d); "
+                        "using the torch reference", head_dim, MIN_HEAD_DIM, MAX_HEAD_DIM)
+        return False
+
+
+def _kernel_decode_rows(meta: AttentionMetadata):
+    """``(rows [B] int64, tables [B, nb] int32, context_lens [B] int32)`` of the
+    step's decode rows, None without any, rows None when every row decodes
+    (row i = sequence i); built once per step, reused by every layer through
+    ``meta.derived``."""
+    if "triton_decode" in meta.derived:
+        return meta.derived["triton_decode"]
+    seqs = [i for i, n in enumerate(meta.query_lens_list) if n == 1]
+    decode = None
+    if len(seqs) == meta.num_seqs:
+        decode = (None, meta.block_tables, meta.context_lens)
+    elif seqs:
+        device = meta.block_tables.device
+        starts = meta.query_start_list
+        index = torch.tensor(seqs, dtype=torch.long, device=device)
+        rows = torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=device)
+        # The kernel stops at each context's end, so the full table width is fine.
+        decode = (rows, meta.block_tables.index_select(0, index), meta.context_lens.index_select(0, index))
+    meta.derived["triton_decode"] = decode
+    return decode
