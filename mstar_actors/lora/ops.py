@@ -324,6 +324,11 @@ class LoraStack:
         return delta_rows_ref(y, x, self.a, self.b, self.scales, row_slots, self.offsets, is_embedding=self.is_embedding)
 
 
+def has_kernels(device: torch.device | str) -> bool:
+    """Whether stacks on ``device`` run the Triton kernels (CUDA with Triton installed)."""
+    return torch.device(device).type == "cuda" and _triton_ops() is not None
+
+
 _TRITON = None
 
 

@@ -264,7 +264,7 @@ def _rows_kernel(
     stride_as, stride_al, stride_ar, stride_ak,
     stride_wl, stride_wn, stride_wr,
     stride_ss, stride_sl,
-    stride_ym, stride_yn,
+    stride_ym, stride_yn, stride_slot,
     K: tl.constexpr, IS_EMBEDDING: tl.constexpr, TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -274,7 +274,7 @@ def _rows_kernel(
     row = tl.program_id(0).to(tl.int64)
     pid = tl.program_id(1)
     shard = pid // NUM_GROUPS
-    slot = tl.load(slots_ptr + row).to(tl.int64)
+    slot = tl.load(slots_ptr + row * stride_slot).to(tl.int64)
     if slot == 0:
         return
     hi = tl.load(offsets_ptr + shard + 1)
@@ -372,7 +372,7 @@ def bgmv_rows(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: tor
         a.stride(0), a.stride(1), a.stride(2), a.stride(3),
         b.stride(0), b.stride(1), b.stride(2),
         scales.stride(0), scales.stride(1),
-        y.stride(0), y.stride(1),
+        y.stride(0), y.stride(1), row_slots.stride(0),
         K=k, IS_EMBEDDING=stack.is_embedding, TILES=tiles,
         BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k,
         num_warps=4,

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from mstar_actors.lora.adapter_file import AdapterWeights
-from mstar_actors.lora.ops import ZERO_SLOT, LoraSegments, LoraStack, build_segments
+from mstar_actors.lora.ops import ZERO_SLOT, LoraSegments, LoraStack, build_segments, has_kernels
 
 from .checkpoint import CheckpointRules
 
@@ -93,6 +93,11 @@ class LoraLayers:
         self.stacks = stacks
         self.rules = rules
         self.step = step
+        # Eager pure-decode steps take the rows path where it runs as a kernel:
+        # one launch per linear instead of shrink + expand, and no host-side
+        # segment build. On the CPU the segment reference is cheaper (the rows
+        # reference gathers every row's B, vocabulary-wide for the LM head).
+        self.rows_for_decode = has_kernels(self.device)
 
     @property
     def num_slots(self) -> int:
@@ -110,9 +115,14 @@ class LoraLayers:
 
     def begin_step(self, chunk_slots: Sequence[int], query_lens: Sequence[int], sampled_slots: Sequence[int]) -> None:
         """Group this step's rows by slot: chunk ``i`` has ``query_lens[i]``
-        rows on ``chunk_slots[i]``. A base-only step leaves the segments None."""
+        rows on ``chunk_slots[i]``. A base-only step leaves the segments None.
+        A pure decode step goes to ``begin_rows_step`` instead where
+        ``rows_for_decode`` (default: the kernels run on this device)."""
         if not any(chunk_slots):
             self.end_step()
+            return
+        if self.rows_for_decode and _is_pure_decode(query_lens, chunk_slots, sampled_slots):
+            self.begin_rows_step(torch.tensor(chunk_slots, dtype=torch.int32).to(self.device, non_blocking=True))
             return
         token_slots = [slot for slot, n in zip(chunk_slots, query_lens, strict=True) for _ in range(n)]
         self.step.row_slots = None
@@ -187,6 +197,12 @@ class LoraLayers:
             self.stacks[ours].install(slot, shard, module)
         except ValueError as err:
             raise ValueError(f"adapter {name!r}: module {hf_module!r} ({ours}): {err}") from None
+
+
+def _is_pure_decode(query_lens: Sequence[int], chunk_slots: Sequence[int], sampled_slots: Sequence[int]) -> bool:
+    """One row per chunk and every chunk sampled: the sampled rows are the
+    token rows in the same order, so one slot per row serves every hook."""
+    return len(sampled_slots) == len(chunk_slots) and all(n == 1 for n in query_lens)
 
 
 def enable_lora(

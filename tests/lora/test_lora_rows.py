@@ -1,0 +1,203 @@
+"""Per-row LoRA slots (decode steps): the fused Triton kernel, run in Triton's
+interpreter on CPU tensors, equals the torch rows reference and the segment
+path on the same rows; a tiny model's decode step through ``begin_rows_step``
+gives the same logits as through ``begin_step``; the SGMV kernels run in the
+interpreter too."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from lora_factories import make_adapter, make_base
+
+from mstar_actors.lora import LoraModule, LoraStack, build_segments
+from mstar_actors.lora.ops import delta_rows_ref
+
+triton_ops = pytest.importorskip("mstar_actors.lora.triton_ops")
+
+RANKS = {1: 4, 2: 8, 3: 16}  # slot -> rank, zero-padded to the stack's max rank
+
+
+def make_stack(gen, in_features, output_sizes, *, dtype=torch.float32, is_embedding=False) -> LoraStack:
+    """Slots 1-3 hold random factors of ranks 4, 8 and 16 on every shard."""
+    stack = LoraStack(in_features, output_sizes, num_slots=4, max_rank=16, dtype=dtype, is_embedding=is_embedding)
+    for slot, rank in RANKS.items():
+        for shard, out in enumerate(output_sizes):
+            a = torch.randn(rank, in_features, generator=gen) / (1.0 if is_embedding else in_features**0.5)
+            b = torch.randn(out, rank, generator=gen) / rank**0.5
+            scale = 0.5 + torch.rand((), generator=gen).item()
+            stack.install(slot, shard, LoraModule(a=a.to(dtype), b=b.to(dtype), scale=scale))
+    return stack
+
+
+def random_slots(rng: random.Random, num_rows: int) -> list[int]:
+    """Slot-0 rows interleaved with all three adapters (every slot present from 5 rows on)."""
+    slots = [[0, 2, 1, 3, 0][i] if num_rows >= 5 else rng.randrange(1, 4) for i in range(min(num_rows, 5))]
+    return slots + [rng.randrange(4) for _ in range(num_rows - len(slots))]
+
+
+def int32(slots: list[int]) -> torch.Tensor:
+    return torch.tensor(slots, dtype=torch.int32)
+
+
+# ---------------------------------------------------------------- linears and embedding
+
+
+@pytest.mark.parametrize("output_sizes", [(64,), (96, 40), (64, 32, 48)])
+@pytest.mark.parametrize("num_rows", [1, 5])
+def test_rows_kernel_equals_reference_and_segment_path(output_sizes, num_rows):
+    seed = random.randrange(2**31)
+    print(f"seed={seed}")
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    in_features = 72 if len(output_sizes) == 2 else 128
+    stack = make_stack(gen, in_features, output_sizes)
+    slots = random_slots(rng, num_rows)
+    x = torch.randn(num_rows, in_features, generator=gen)
+    y0 = torch.randn(num_rows, sum(output_sizes), generator=gen)
+    want = stack.add_delta(y0.clone(), x, build_segments(slots))
+    ref = stack.add_delta_rows(y0.clone(), x, int32(slots))  # CPU: the torch rows reference
+    torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-5)
+    for tiles in (None, 1, 2):  # one column tile per program, and a loop over two
+        got = triton_ops.bgmv_rows(stack, y0.clone(), x, int32(slots), tiles=tiles)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        base_rows = [t for t, s in enumerate(slots) if s == 0]
+        assert torch.equal(got[base_rows], y0[base_rows])
+
+
+def test_rows_kernel_in_bfloat16():
+    gen = torch.Generator().manual_seed(7)
+    stack = make_stack(gen, 64, (64, 32), dtype=torch.bfloat16)
+    slots = [3, 0, 1, 2, 1]
+    x = torch.randn(5, 64, generator=gen).bfloat16()
+    y0 = torch.randn(5, 96, generator=gen).bfloat16()
+    got = triton_ops.add_delta_rows(stack, y0.clone(), x, int32(slots))
+    want = delta_rows_ref(y0.float(), x.float(), stack.a.float(), stack.b.float(), stack.scales, int32(slots), stack.offsets)
+    assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+    assert torch.equal(got[1], y0[1])
+
+
+def test_rows_embedding_equals_segment_path():
+    gen = torch.Generator().manual_seed(3)
+    stack = make_stack(gen, 300, (64,), is_embedding=True)
+    slots = [0, 2, 1, 3, 0]
+    ids = torch.tensor([5, 299, 0, 17, 5])
+    y0 = torch.randn(5, 64, generator=gen)
+    want = stack.add_delta(y0.clone(), ids, build_segments(slots))
+    torch.testing.assert_close(stack.add_delta_rows(y0.clone(), ids, int32(slots)), want, rtol=1e-5, atol=1e-5)
+    got = triton_ops.add_delta_rows(stack, y0.clone(), ids, int32(slots))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_all_base_rows_leave_y_bit_identical():
+    gen = torch.Generator().manual_seed(4)
+    stack = make_stack(gen, 64, (64, 32))
+    x, y0 = torch.randn(5, 64, generator=gen), torch.randn(5, 96, generator=gen)
+    zeros = torch.zeros(5, dtype=torch.int32)
+    assert torch.equal(triton_ops.add_delta_rows(stack, y0.clone(), x, zeros), y0)
+    assert torch.equal(stack.add_delta_rows(y0.clone(), x, zeros), y0)
+
+
+def test_rows_read_a_strided_slots_view():
+    """Slots may be a view into a larger staging buffer (as a graph's static inputs are)."""
+    gen = torch.Generator().manual_seed(5)
+    stack = make_stack(gen, 64, (64,))
+    staged = torch.tensor([[1, 9], [0, 9], [3, 9]], dtype=torch.int32)[:, 0]  # stride 2
+    x, y0 = torch.randn(3, 64, generator=gen), torch.randn(3, 64, generator=gen)
+    want = stack.add_delta(y0.clone(), x, build_segments([1, 0, 3]))
+    torch.testing.assert_close(triton_ops.add_delta_rows(stack, y0.clone(), x, staged), want, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_refuse_wrong_slots_and_shapes():
+    stack = LoraStack(16, [8], num_slots=2, max_rank=4)
+    x, y = torch.randn(3, 16), torch.randn(3, 8)
+    with pytest.raises(ValueError, match=r"row_slots is torch.int64 \(3,\) on cpu; accepted: int32 \[T\]"):
+        stack.add_delta_rows(y, x, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"x \(3, 16\), y \(3, 8\) for 2 row slots; accepted: x \[2, 16\], y \[2, 8\]"):
+        stack.add_delta_rows(y, x, torch.zeros(2, dtype=torch.int32))
+
+
+# ---------------------------------------------------------------- SGMV in the interpreter
+
+
+@pytest.mark.parametrize("slots", [[0, 2, 1, 3, 0, 2], [1, 1, 1]])
+@pytest.mark.parametrize("in_features", [72, 512])  # 512: split-K (atomics) for so few rows
+def test_sgmv_kernels_equal_reference(slots, in_features):
+    gen = torch.Generator().manual_seed(6)
+    stack = make_stack(gen, in_features, (40, 24, 16))
+    segments = build_segments(slots)
+    x = torch.randn(len(slots), in_features, generator=gen)
+    y0 = torch.randn(len(slots), 80, generator=gen)
+    want = stack.add_delta(y0.clone(), x, segments)
+    torch.testing.assert_close(triton_ops.add_delta(stack, y0.clone(), x, segments), want, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- through a model
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    """A tiny Llama runner, three adapters of ranks 4/8/16 targeting every linear,
+    the LM head and the embedding, each on its slot."""
+    from mstar_actors.lora import BaseShapes, read_adapter
+    from mstar_actors.model_runner import ModelRunner
+
+    tmp = tmp_path_factory.mktemp("rows")
+    model, config = make_base("llama", vocab_size=300)
+    model.save_pretrained(tmp / "base")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head", "embed_tokens"]
+    runner = ModelRunner(tmp / "base", dtype="float32", device="cpu", block_size=4, num_blocks=32, seed=0, max_loras=3, max_lora_rank=16)
+    import copy
+
+    for slot, rank in RANKS.items():
+        folder, _ = make_adapter(tmp, copy.deepcopy(model), seed=slot, name=f"r{rank}", r=rank, lora_alpha=rank, target_modules=targets)
+        runner.install_adapter(slot, read_adapter(folder, base=BaseShapes.from_hf_config(config), max_rank=16, name=f"r{rank}"))
+    return runner
+
+
+def _decode_logits(runner, slots, *, rows: bool, kernel: bool, monkeypatch) -> torch.Tensor:
+    """Prefill then one decode step of one sequence per slot; the decode's logits
+    (the KV writes repeat the same values, so the step can be run again)."""
+    from plan_driver import PlanDriver
+
+    from mstar_actors import messages
+    from mstar_actors.model_runner import build_batch
+
+    sampling = messages.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    d = PlanDriver(runner, block_size=4, num_new=4, sampling=sampling)
+    rids = [f"s{i}" for i in range(len(slots))]
+    starts = [d.start(rid, [3 + 7 * i + j for j in range(5 + i)], slot=s) for i, (rid, s) in enumerate(zip(rids, slots))]
+    d.step(starts, [d.chunk(rid) for rid in rids])
+    batch = build_batch(d.decodes(*rids), runner.seqs, runner.block_size, runner.num_kv_blocks, runner.max_model_len)
+    monkeypatch.setattr(runner.lora, "rows_for_decode", rows)
+    if kernel:  # the rows path through the Triton kernel in the interpreter
+        monkeypatch.setattr(LoraStack, "add_delta_rows", lambda stack, y, x, s: triton_ops.add_delta_rows(stack, y, x, s))
+    calls = []
+    monkeypatch.setattr(type(runner.lora), "begin_rows_step", _spy(type(runner.lora).begin_rows_step, calls))
+    try:
+        logits = runner._run_model(batch)
+    finally:
+        runner.forget(rids)
+        monkeypatch.undo()
+    assert len(calls) == int(rows), "the decode step did not take the expected LoRA path"
+    return logits
+
+
+def _spy(method, calls):
+    def spied(self, row_slots):
+        calls.append(row_slots.tolist())
+        return method(self, row_slots)
+
+    return spied
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_decode_through_rows_equals_segments(runner, kernel, monkeypatch):
+    slots = [0, 2, 1, 3, 0]
+    want = _decode_logits(runner, slots, rows=False, kernel=False, monkeypatch=monkeypatch)
+    base = _decode_logits(runner, [0] * len(slots), rows=False, kernel=False, monkeypatch=monkeypatch)
+    assert not torch.allclose(want[[1, 2, 3]], base[[1, 2, 3]], atol=1e-3), "adapters must change the logits"
+    got = _decode_logits(runner, slots, rows=True, kernel=kernel, monkeypatch=monkeypatch)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got[[0, 4]], base[[0, 4]])  # base rows bit-identical to the base-only step
