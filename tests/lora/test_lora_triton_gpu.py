@@ -91,3 +91,88 @@ def test_lm_head_and_embedding_on_cuda(triton_ops):
     ids = torch.randint(0, 1000, (len(slots),), generator=gen).cuda()
     y = torch.zeros(len(slots), 2048, dtype=torch.bfloat16, device="cuda")
     assert _rel(embed.add_delta(y, ids, segments), _reference(embed, ids, segments)) < 1e-2
+
+
+# ---------------------------------------------------------------- per-row slots (decode, graphs)
+
+_LLAMA_1B = {
+    "qkv": (2048, (2048, 512, 512)),
+    "o": (2048, (2048,)),
+    "gate_up": (2048, (8192, 8192)),
+    "down": (8192, (2048,)),
+    "lm_head": (2048, (128256,)),
+}
+
+
+def _mixed_rank_stack(gen, in_features, output_sizes, *, is_embedding=False):
+    """bf16, slots 1-4 at ranks 4/8/16/16 (zero-padded to 16)."""
+    stack = _random_stack(gen, in_features, output_sizes, num_slots=5, max_rank=16, dtype=torch.bfloat16, is_embedding=is_embedding)
+    for slot, rank in ((1, 4), (2, 8)):
+        stack.a[:, slot, rank:] = 0
+        stack.b[slot, :, rank:] = 0
+    return stack
+
+
+def _row_slots(rng, num_rows):
+    return torch.tensor([rng.choice([0, 1, 2, 3, 4]) for _ in range(num_rows)], dtype=torch.int32, device="cuda")
+
+
+@pytest.mark.parametrize("num_rows", [1, 8, 32, 64])
+@pytest.mark.parametrize("linear", list(_LLAMA_1B))
+def test_rows_kernel_matches_reference(triton_ops, linear, num_rows):
+    seed = random.randrange(2**31)
+    print(f"seed={seed}")
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    in_features, output_sizes = _LLAMA_1B[linear]
+    stack = _mixed_rank_stack(gen, in_features, output_sizes)
+    slots = _row_slots(rng, num_rows)
+    slots[0] = 1  # never an all-base batch (the reference would be zero)
+    x = torch.randn(num_rows, in_features, generator=gen).bfloat16().cuda()
+    y0 = torch.randn(num_rows, stack.offsets[-1], generator=gen).bfloat16().cuda()
+    y = stack.add_delta_rows(y0.clone(), x, slots)
+    assert _rel(y.float() - y0.float(), _reference(stack, x, build_segments(slots.tolist()))) < 1e-2
+    base_rows = (slots == 0).nonzero().flatten()
+    assert torch.equal(y[base_rows], y0[base_rows])
+
+
+@pytest.mark.parametrize("num_rows", [1, 64])
+def test_rows_embedding_matches_reference(triton_ops, num_rows):
+    rng, gen = random.Random(num_rows), torch.Generator().manual_seed(num_rows)
+    stack = _mixed_rank_stack(gen, 128256, (2048,), is_embedding=True)
+    slots = _row_slots(rng, num_rows)
+    slots[0] = 3
+    ids = torch.randint(0, 128256, (num_rows,), generator=gen).cuda()
+    y = torch.zeros(num_rows, 2048, dtype=torch.bfloat16, device="cuda")
+    stack.add_delta_rows(y, ids, slots)
+    assert _rel(y, _reference(stack, ids, build_segments(slots.tolist()))) < 1e-2
+
+
+@pytest.mark.parametrize("linear", ["qkv", "lm_head"])
+def test_rows_kernel_replays_in_a_cuda_graph_with_new_slots(triton_ops, linear):
+    """Captured once; each replay reads the slots written into the same tensor since."""
+    gen = torch.Generator().manual_seed(11)
+    in_features, output_sizes = _LLAMA_1B[linear]
+    stack = _mixed_rank_stack(gen, in_features, output_sizes)
+    num_rows = 8
+    x = torch.randn(num_rows, in_features, generator=gen).bfloat16().cuda()
+    y0 = torch.randn(num_rows, stack.offsets[-1], generator=gen).bfloat16().cuda()
+    y = y0.clone()
+    slots = torch.zeros(num_rows, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        stack.add_delta_rows(y, x, slots)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y.copy_(y0)
+        stack.add_delta_rows(y, x, slots)
+    for values in ([1, 2, 3, 4, 0, 1, 2, 3], [0] * 8, [4, 4, 0, 0, 2, 2, 1, 1]):
+        slots.copy_(torch.tensor(values, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        if not any(values):
+            assert torch.equal(y, y0)
+            continue
+        assert _rel(y.float() - y0.float(), _reference(stack, x, build_segments(values))) < 1e-2
+        assert torch.equal(y[[t for t, s in enumerate(values) if s == 0]], y0[[t for t, s in enumerate(values) if s == 0]])
