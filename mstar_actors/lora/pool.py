@@ -13,6 +13,7 @@ A request on an adapter::
     waiting --host copy held, slot acquired--> installing --every rank ok--> admitted
        \\--slot already ready with its digest---------------------------->/
     pool full: stays waiting (backpressure; never failed for it, never run on slot 0)
+               and reserves a slot to drain, so its wait is bounded
 
 Invariants:
 
@@ -21,10 +22,22 @@ Invariants:
   or installing request holds one pin on its slot, released exactly once at
   its end (``end``) or on a failed install.
 - Host copies are reference counted by the reader: each ``AdapterRead`` is
-  one hold, each ``DropAdapter`` releases one. The pool drops every hold on
-  a digest as soon as no install in flight and no waiting request needs it,
-  so the reader's least-recently-used host tier may evict it; a held copy
-  is never evicted (a rank may still be mapping it).
+  one hold, each ``DropAdapter`` releases one. Copies an install in flight
+  or a waiting request needs stay held (a held copy is never evicted: a rank
+  may still be mapping it). Of the rest, the most recently used copies of
+  served versions stay held while all held copies fit ``max_cpu_loras`` (the
+  reader's tier), so swapping an adapter back in costs no read; every other
+  hold is dropped at once, so the tier may evict it. Unloaded and stale
+  versions are never kept. The held copy is what was validated: a file
+  changed on disk is served once reloaded (``load``), as before.
+- Churn is bounded: when the oldest waiter of an adapter finds every slot
+  pinned, one ready slot (fewest pins, then least recently used) is marked
+  draining for it: no new request joins that slot, so it empties within one
+  request's length and the waiter's install takes it. Requests on other
+  resident slots are still admitted at once (they delay no older waiter).
+  At most ``max_drains`` slots drain at once; a drain is dropped when its
+  waiters are gone. So a waiter waits at most for the drains reserved
+  before it, never for a stream of later requests on resident adapters.
 - The reader answers reads in the order they were sent (one at a time), so
   answers are matched to ``_reads`` first in, first out.
 - A reload under a served name changes the adapter's digest: new and still
@@ -132,6 +145,7 @@ class _Read:
 class _Host:
     ref: AdapterHostRef
     num_holds: int = 0
+    last_used: int = 0  # for keeping the most recently installed copies held
 
 
 @dataclass
@@ -152,11 +166,16 @@ class AdapterPool:
         self._installing: dict[int, tuple[str, str]] = {}  # slot -> (name, digest) whose acks are not all in
         self._reads: collections.deque[_Read] = collections.deque()
         self._hosts: dict[tuple[str, str], _Host] = {}  # (name, digest) -> held host copy
+        self._drains: dict[int, str] = {}  # slot -> adapter whose waiter it empties for
+        # Half the slots may drain at once (at least one): the rest keep the batch busy.
+        self.max_drains = max(1, self.max_loras // 2)
+        self._tick = 0
 
     @classmethod
     def from_config(cls, config, base: str, num_ranks: int) -> AdapterPool:
         lora = config.lora
-        pool = cls(base, lora.max_loras, num_ranks, lora.allow_runtime_updates, list(lora.adapter_dirs))
+        pool = cls(base, lora.max_loras, num_ranks, lora.allow_runtime_updates, list(lora.adapter_dirs),
+                   lora.max_cpu_loras)
         for name, path in lora.adapters.items():
             pool.adapters[name] = _Adapter(name, expand_path(path))
         return pool
@@ -310,6 +329,7 @@ class AdapterPool:
     def _settle(self) -> list:
         """Place every waiting request that can move, in arrival order; then
         release host copies nothing needs any more."""
+        self._forget_drains()
         outs = []
         for w in list(self._waiting):
             if w.slot is None:
@@ -318,15 +338,29 @@ class AdapterPool:
 
     def _place(self, w: _Waiting) -> list:
         adapter = w.adapter
-        slot = self.table.lookup(adapter.name)
-        if adapter.digest and slot is not None and self._slot_digest.get(slot) == adapter.digest:
+        slot = self._resident_slot(adapter)
+        if slot is not None:
+            if self._drains.get(slot, adapter.name) != adapter.name:
+                return []  # draining for an older waiter: no new rows join it
             return self._pin_existing(w, adapter)
         if not adapter.digest or (adapter.name, adapter.digest) not in self._hosts:
-            return self._ensure_read(adapter)
-        slot = self.table.acquire(adapter.name, adapter.digest)
+            return [*self._ensure_read(adapter), *self._reserve_drain(adapter.name)]
+        slot = self.table.acquire(adapter.name, adapter.digest, exclude=self._reserved_for_others(adapter.name))
         if slot is None:
-            return []  # every slot pinned or installing: wait for an end or an ack
+            return self._reserve_drain(adapter.name)  # every slot pinned or installing: wait for an end or an ack
         w.slot = slot
+        self._drains = {s: name for s, name in self._drains.items() if name != adapter.name}
+        self._hosts[adapter.name, adapter.digest].last_used = self._next_tick()
+        return self._take_installs()
+
+    def _resident_slot(self, adapter: _Adapter) -> int | None:
+        """The slot holding (or installing) this version of the adapter."""
+        slot = self.table.lookup(adapter.name)
+        if adapter.digest and slot is not None and self._slot_digest.get(slot) == adapter.digest:
+            return slot
+        return None
+
+    def _take_installs(self) -> list:
         outs = []
         for install in self.table.take_installs():
             host = self._hosts[install.name, install.digest].ref
@@ -334,6 +368,34 @@ class AdapterPool:
             self._installing[install.slot] = (install.name, install.digest)
             outs.append(InstallAdapter(slot=install.slot, name=install.name, digest=install.digest, host=host))
         return outs
+
+    # ------------------------------------------------------------ drains
+
+    def _reserve_drain(self, name: str) -> list:
+        """The oldest waiter of ``name`` found no slot: stop new rows joining
+        one ready slot, so it empties within one request's length and the
+        waiter gets it. Called in arrival order, so older waiters reserve
+        first; at most ``max_drains`` slots drain at once, so the batch keeps
+        running on the others."""
+        if name in self._drains.values() or len(self._drains) >= self.max_drains:
+            return []
+        if self.table.num_free(exclude=self._reserved_for_others(name)) > 0:
+            return []  # a slot is takeable already; only the host copy is missing
+        slot = self.table.pick_drain(exclude=frozenset(self._drains))
+        if slot is not None:
+            self._drains[slot] = name
+        return []
+
+    def _reserved_for_others(self, name: str) -> frozenset[int]:
+        return frozenset(slot for slot, target in self._drains.items() if target != name)
+
+    def _forget_drains(self) -> None:
+        """Drop drains whose reason is gone: no waiter of the target needs a
+        slot any more (admitted, installing, aborted, failed, or unloaded), or
+        the slot left the ready state (reloaded, freed)."""
+        needy = {w.adapter.name for w in self._waiting if w.slot is None}
+        self._drains = {slot: name for slot, name in self._drains.items()
+                        if name in needy and self.table.state(slot) is SlotState.READY}
 
     def _pin_existing(self, w: _Waiting, adapter: _Adapter) -> list:
         slot = self.table.acquire(adapter.name, adapter.digest)
@@ -385,12 +447,24 @@ class AdapterPool:
     def _hold(self, msg: AdapterRead) -> None:
         host = self._hosts.setdefault((msg.name, msg.digest), _Host(msg.host))
         host.num_holds += 1
+        host.last_used = self._next_tick()
+
+    def _next_tick(self) -> int:
+        self._tick += 1
+        return self._tick
 
     def _release_unneeded(self) -> list:
+        """Drop the holds nothing needs, except on the most recently used copies
+        of served versions while they fit the reader's tier: a swap back then
+        installs at once, with no read round trip."""
         needed = set(self._installing.values())
         needed.update((w.adapter.name, w.adapter.digest) for w in self._waiting if w.slot is None)
+        served = {(a.name, a.digest) for a in self.adapters.values() if a.digest}
+        spare = [key for key in self._hosts if key not in needed]
+        warm = sorted((key for key in spare if key in served), key=lambda key: -self._hosts[key].last_used)
+        keep = set(warm[:max(0, self.max_cpu_loras - len(self._hosts) + len(spare))])
         outs = []
-        for name, digest in [key for key in self._hosts if key not in needed]:
+        for name, digest in [key for key in spare if key not in keep]:
             host = self._hosts.pop((name, digest))
             outs.extend(DropAdapter(name=name, digest=digest) for _ in range(host.num_holds))
         return outs

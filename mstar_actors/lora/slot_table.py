@@ -31,6 +31,9 @@ Invariants:
   (``acquire`` of that name and digest returns it, so the caller fails the
   request at once) until unpinned with every ack in, then it is freed and
   the next ``acquire`` retries.
+- ``exclude`` only narrows which slot a new install may take; the table
+  keeps no reservations itself (the pool decides which slots drain, see
+  ``pick_drain``), so a reservation can never outlive its reason here.
 """
 
 from __future__ import annotations
@@ -116,23 +119,40 @@ class SlotTable:
     def num_pins(self, slot: int) -> int:
         return self._slot(slot).num_pins
 
-    def num_free(self) -> int:
-        """Slots an acquire of a new adapter could take now (free or evictable)."""
-        return sum(1 for s in self._adapter_slots() if self._is_takeable(s))
+    def name_of(self, slot: int) -> str:
+        """The adapter a slot holds or installs ("" when free)."""
+        return self._slot(slot).name
 
-    def can_acquire(self, name: str, digest: str) -> bool:
+    def num_free(self, exclude: frozenset[int] = frozenset()) -> int:
+        """Slots an acquire of a new adapter could take now (free or evictable),
+        leaving out ``exclude``."""
+        return sum(1 for s in self._adapter_slots() if s.index not in exclude and self._is_takeable(s))
+
+    def can_acquire(self, name: str, digest: str, exclude: frozenset[int] = frozenset()) -> bool:
         found = self._by_name.get(name)
         if found is not None and self._slots[found].digest == digest:
             return True
-        return self.num_free() > 0
+        return self.num_free(exclude) > 0
+
+    def pick_drain(self, exclude: frozenset[int] = frozenset()) -> int | None:
+        """The slot to stop giving new rows so it empties soonest: a ready one
+        (an install in flight is never wasted), fewest pins first, then the
+        least recently used. None when no ready slot is left outside ``exclude``."""
+        ready = [s for s in self._adapter_slots()
+                 if s.index not in exclude and s.state is SlotState.READY and not s.detached]
+        if not ready:
+            return None
+        return min(ready, key=lambda s: (s.num_pins, s.last_used)).index
 
     # ------------------------------------------------------------ decisions
 
-    def acquire(self, name: str, digest: str) -> int | None:
+    def acquire(self, name: str, digest: str, exclude: frozenset[int] = frozenset()) -> int | None:
         """Pin a slot for one request on adapter ``name`` with weights ``digest``.
 
         Returns the slot (pinned once), or None when every slot is pinned or
         mid-install: the pool is full and the request waits (backpressure).
+        A slot holding ``name`` with ``digest`` is shared whatever ``exclude``
+        says; a new install never takes a slot in ``exclude``.
         A newly picked slot is in ``installing`` and its install is queued
         for ``take_installs``; the caller checks ``is_ready`` before running
         rows on it.
@@ -144,7 +164,7 @@ class SlotTable:
                 self._pin(slot)
                 return slot.index
             self._detach(slot)  # reloaded: running requests keep the old weights
-        victim = self._pick_victim()
+        victim = self._pick_victim(exclude)
         if victim is None:
             return None
         self._start_install(victim, name, digest)
@@ -217,8 +237,8 @@ class SlotTable:
         all_acked = len(s.acks) == self.num_ranks
         return s.state is SlotState.FREE or (s.num_pins == 0 and all_acked)
 
-    def _pick_victim(self) -> _Slot | None:
-        takeable = [s for s in self._adapter_slots() if self._is_takeable(s)]
+    def _pick_victim(self, exclude: frozenset[int]) -> _Slot | None:
+        takeable = [s for s in self._adapter_slots() if s.index not in exclude and self._is_takeable(s)]
         if not takeable:
             return None
         # Free slots first (last_used 0 after a free), then the least recently used.
