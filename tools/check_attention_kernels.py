@@ -1,0 +1,185 @@
+"""Check the Triton paged decode-attention kernel against an fp32 reference, then time it.
+
+One row per (batch, context) of a Llama-3.2-1B-shaped layer (32 query heads,
+8 KV heads, head_dim 64, bf16, block 16; every sequence at the same context):
+
+- err: relative error (norm) of ours against fp32 attention on the same pages;
+- ours: ``paged_decode_attention`` with the split count it picks (shown);
+- 1 split: ours forced to one split (what split-K buys at small batch);
+- torch ref: ``TorchPagedAttention`` decode path (index_select pages + masked SDPA);
+- sdpa: ``F.scaled_dot_product_attention`` on K/V already gathered contiguous
+  (no paging cost: a floor for a library kernel, not a fair end-to-end rival);
+- GB/s: K/V bytes ours reads over its time.
+
+Times are microseconds of device time per call: each callable is captured
+``--calls`` times in one CUDA graph and replayed (median of ``--repeats``), so
+launch overhead on the host, which the engine's graph runner removes too, is
+not counted. ``--eager`` times plain launches instead (CUDA events around a loop).
+
+    python tools/check_attention_kernels.py
+    python tools/check_attention_kernels.py --batches 1 64 --contexts 2000 --eager
+
+Without CUDA it runs Triton's interpreter on CPU with tiny defaults, as a
+smoke test of the script only (no timings worth reading).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel module is imported
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch.nn.functional as F  # noqa: E402
+
+from mstar_actors.models.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
+from mstar_actors.models.triton_attention import choose_num_splits, paged_decode_attention  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 64, 16
+
+
+def make_case(batch: int, context: int, device: str, dtype: torch.dtype, seed: int = 0) -> dict:
+    """Shuffled, non-contiguous pages; every sequence at ``context`` tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = -(-context // BLOCK_SIZE)
+    num_blocks = batch * per_seq + 1
+    tables = torch.randperm(num_blocks, generator=gen)[: batch * per_seq].view(batch, per_seq)
+    return dict(
+        q=torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen).to(device, dtype),
+        kv_cache=torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype),
+        block_tables=tables.to(device=device, dtype=torch.int32),
+        context_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+        scale=HEAD_DIM**-0.5,
+    )
+
+
+def gathered(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[B, KH, ctx, D]`` contiguous (every sequence at one context)."""
+    pages = case["kv_cache"][:, case["block_tables"].long()]  # [2, B, nb, bs, KH, D]
+    ctx = int(case["context_lens"][0])
+    kv = pages.flatten(2, 3)[:, :, :ctx].transpose(2, 3).contiguous()
+    return kv[0], kv[1]
+
+
+def reference(case: dict, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    q = case["q"].float().unsqueeze(2)
+    out = F.scaled_dot_product_attention(q, k.float(), v.float(), scale=case["scale"], enable_gqa=True)
+    return out.squeeze(2)
+
+
+def torch_ref_call(case: dict):
+    batch = case["q"].shape[0]
+    ctx = int(case["context_lens"][0])
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(batch, dtype=torch.long, device=case["q"].device),
+        block_tables=case["block_tables"],
+        query_start=torch.arange(batch + 1, dtype=torch.int32, device=case["q"].device),
+        context_lens=case["context_lens"],
+        query_lens_list=[1] * batch,
+        context_lens_list=[ctx] * batch,
+        num_blocks_list=[case["block_tables"].shape[1]] * batch,
+        graph_decode=True,  # the same static path a captured step takes
+    )
+    backend = TorchPagedAttention()
+    return lambda: backend.attend(case["q"], case["kv_cache"], meta, case["scale"])
+
+
+def time_graph(fn, calls: int, repeats: int) -> float:
+    """Median microseconds per call of ``fn`` captured ``calls`` times in one graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return _median_us(graph.replay, 1, calls, repeats)
+
+
+def time_eager(fn, calls: int, repeats: int) -> float:
+    fn()
+    return _median_us(fn, calls, calls, repeats)
+
+
+def _median_us(fn, num_runs: int, calls: int, repeats: int) -> float:
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e6
+    times = []
+    for _ in range(repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(num_runs):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(begin.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def run_row(batch: int, context: int, args) -> str:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # bf16 on the GPU; the interpreter's tl.dot misreads bf16, so fp16 there.
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    case = make_case(batch, context, device, dtype)
+    k, v = gathered(case)
+    expected = reference(case, k, v)
+    ours = paged_decode_attention(**case)
+    err = ((ours.float() - expected).norm() / expected.norm()).item()
+    splits = choose_num_splits(batch, NUM_KV_HEADS, case["block_tables"].shape[1] * BLOCK_SIZE, case["q"].device)
+    out = torch.empty_like(case["q"])
+    fns = {
+        "ours": lambda: paged_decode_attention(**case, out=out),
+        "1 split": lambda: paged_decode_attention(**case, out=out, num_splits=1),
+        "torch ref": torch_ref_call(case),
+        "sdpa": lambda: F.scaled_dot_product_attention(case["q"].unsqueeze(2), k, v, scale=case["scale"],
+                                                       enable_gqa=True),
+    }
+    timer = time_eager if args.eager or device == "cpu" else time_graph
+    us = {name: timer(fn, args.calls, args.repeats) for name, fn in fns.items()}
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * case["kv_cache"].element_size()
+    gbps = kv_bytes / (us["ours"] * 1e-6) / 1e9
+    cells = [f"{batch:>5}", f"{context:>7}", f"{splits:>6}", f"{err:>8.1e}"]
+    cells += [f"{us[name]:>9.1f}" for name in fns] + [f"{gbps:>7.0f}"]
+    return " ".join(cells)
+
+
+def main() -> int:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64] if cuda else [2])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024] if cuda else [40])
+    parser.add_argument("--calls", type=int, default=20 if cuda else 1, help="calls per timed run")
+    parser.add_argument("--repeats", type=int, default=10 if cuda else 1, help="timed runs (median)")
+    parser.add_argument("--eager", action="store_true", help="time plain launches, not graph replays")
+    args = parser.parse_args()
+    device = torch.cuda.get_device_name() if cuda else "CPU (Triton interpreter: smoke test only)"
+    print(f"# {device}; H={NUM_HEADS} KH={NUM_KV_HEADS} D={HEAD_DIM} block={BLOCK_SIZE}; "
+          f"us per call ({'eager' if args.eager or not cuda else 'CUDA graph'})")
+    print("batch context splits      err      ours   1 split torch ref      sdpa    GB/s")
+    worst = 0.0
+    for batch in args.batches:
+        for context in args.contexts:
+            row = run_row(batch, context, args)
+            worst = max(worst, float(row.split()[3]))
+            print(row, flush=True)
+    if worst >= 1e-2:
+        print(f"FAIL: relative error {worst:.1e} >= 1e-2")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
