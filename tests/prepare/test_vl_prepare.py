@@ -138,6 +138,46 @@ def test_video_patch_layout_equals_the_image_processor_for_repeated_frames(prepa
     assert grid3[0] == 2 and torch.equal(three[rows.shape[0]:], rows)  # padded with the last frame
 
 
+def _patches_normalized_first(frames, ip, min_pixels, max_pixels):
+    """The layout as first written: normalize float frames, then permute (the reference)."""
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    p, m, tps = ip.patch_size, ip.merge_size, ip.temporal_patch_size
+    rh, rw = smart_resize(frames.shape[1], frames.shape[2], factor=p * m, min_pixels=min_pixels, max_pixels=max_pixels)
+    resized = np.stack([np.asarray(Image.fromarray(f).resize((rw, rh), Image.BICUBIC)) for f in frames])
+    x = torch.from_numpy(resized).permute(0, 3, 1, 2).float() * float(ip.rescale_factor)
+    x = (x - torch.tensor(ip.image_mean).view(1, 3, 1, 1)) / torch.tensor(ip.image_std).view(1, 3, 1, 1)
+    if len(frames) % tps:
+        x = torch.cat([x, x[-1:].expand(tps - len(frames) % tps, -1, -1, -1)])
+    t, gh, gw = x.shape[0] // tps, rh // p, rw // p
+    x = x.reshape(t, tps, 3, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(t * gh * gw, 3 * tps * p * p)
+
+
+@pytest.mark.parametrize("num_frames", [3, 4])
+def test_video_rows_laid_out_as_uint8_equal_normalizing_first_bit_for_bit(preparer, num_frames):
+    from mstar_actors.preprocess import video_patches
+
+    frames = np.random.default_rng(num_frames).integers(0, 255, (num_frames, 45, 61, 3), dtype=np.uint8)
+    ip = preparer.image_processor
+    rows, grid = video_patches(frames, ip, preparer.min_pixels, preparer.max_pixels)
+    assert torch.equal(rows, _patches_normalized_first(frames, ip, preparer.min_pixels, preparer.max_pixels))
+    assert grid[0] == 2 and rows.dtype == torch.float32 and rows.is_contiguous()
+
+
+def test_media_digest_follows_the_source_bytes_and_the_place(preparer):
+    frame = np.random.default_rng(3).integers(0, 255, (40, 40, 3), dtype=np.uint8)
+    other = frame.copy()
+    other[0, 0] ^= 1
+    a1, a2 = (preparer.draft(chat(r, image_part(png_url(frame))), {}) for r in ("a1", "a2"))
+    b = preparer.draft(chat("b", image_part(png_url(other))), {})
+    moved = preparer.draft(chat("m", ContentPart(type="text", text="and"), image_part(png_url(frame))), {})
+    assert a1.media[0].source_digest and a1.prepared.media_digest == a2.prepared.media_digest
+    assert b.prepared.media_digest != a1.prepared.media_digest  # one pixel apart
+    assert moved.prepared.media_digest != a1.prepared.media_digest  # same image, later in the prompt
+
+
 def test_text_only_request_takes_the_plain_path(preparer):
     req = NewRequest(request_id="t", model="vl", sampling=SamplingParams(), prompt="describe this image")
     draft = preparer.draft(req, {})
