@@ -163,3 +163,26 @@ def test_pin_adds_a_holder_of_an_acquired_slot():
     fresh = make_table(max_loras=1)
     with pytest.raises(ValueError, match="pin of free slot 1"):
         fresh.pin(1)
+
+
+def test_an_excluded_slot_is_never_taken_by_a_new_install_but_still_shared():
+    table = make_table(max_loras=2)
+    a, b = ready(table, "a"), ready(table, "b")
+    table.unpin(a)
+    table.unpin(b)
+    assert table.num_free(exclude=frozenset({a})) == 1
+    assert table.acquire("c", "d", exclude=frozenset({a})) == b
+    assert table.acquire("a", "d", exclude=frozenset({a})) == a  # resident: shared whatever exclude says
+    assert table.acquire("e", "d", exclude=frozenset({a})) is None
+    assert not table.can_acquire("e", "d", exclude=frozenset({a}))
+
+
+def test_pick_drain_prefers_the_ready_slot_with_fewest_pins_and_never_an_install_in_flight():
+    table = make_table(max_loras=3)
+    a, b = ready(table, "a"), ready(table, "b")
+    table.pin(a)  # two rows on "a", one on "b"
+    installing = table.acquire("c", "d")
+    assert table.pick_drain() == b
+    assert table.pick_drain(exclude=frozenset({b})) == a
+    assert table.pick_drain(exclude=frozenset({a, b})) is None  # "c" is still installing
+    assert table.name_of(installing) == "c"
