@@ -41,6 +41,10 @@ the pool's threads see only their request and the read-only preparer):
 Media fetched over http(s) is async I/O: it runs on this loop (aiohttp)
 inside the request's task, before the request takes a thread, so a slow
 server never holds a pool thread. The slot counts as preparing meanwhile.
+
+At DEBUG, each request sent logs when it was read, drafted and sent, in ms
+after its arrival at the frontend (``tools/bench_prepare.py`` reads these
+lines to split time to first token into its stages).
 """
 
 from __future__ import annotations
@@ -48,7 +52,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,8 +72,13 @@ class _Slot:
     """One request between read and release."""
 
     req: NewRequest
-    task: asyncio.Task  # -> Draft | Failed
+    task: asyncio.Task | None = None  # -> Draft | Failed (pool path)
     in_pool: bool = False  # its draft runs on a pool thread (no longer cancellable)
+    # time.time(), as NewRequest.arrival_time. The draft's two are written by
+    # the thread that drafts, read by the loop only after the draft is done.
+    read_at: float = 0.0
+    draft_start: float = 0.0
+    draft_end: float = 0.0
 
 
 class PrepareActor(Actor):
@@ -150,8 +161,8 @@ class PrepareActor(Actor):
             case NewRequest() if self.pool is not None:
                 self._start(msg)
             case NewRequest():
-                result = await self._prepare(msg, in_pool=None)
-                await self._send_result(msg, result)
+                slot = _Slot(msg, read_at=time.time())
+                await self._send_result(slot, await self._prepare(slot))
             case Abort() if msg.request_id in self._by_id:
                 self._abandon(msg.request_id)
             case Abort() | LoadAdapter() | UnloadAdapter():  # the conductor decides adapters
@@ -187,8 +198,8 @@ class PrepareActor(Actor):
         return len(self._busy) < self.num_workers and len(self._slots) < 2 * self.num_workers
 
     def _start(self, req: NewRequest) -> None:
-        slot = _Slot(req, None)  # type: ignore[arg-type]
-        slot.task = asyncio.create_task(self._prepare(req, in_pool=slot), name=f"prepare:{req.request_id}")
+        slot = _Slot(req, read_at=time.time())
+        slot.task = asyncio.create_task(self._prepare(slot), name=f"prepare:{req.request_id}")
         self._slots.append(slot)
         self._by_id[req.request_id] = slot
         self._busy.add(slot.task)
@@ -212,19 +223,20 @@ class PrepareActor(Actor):
         while self._slots and self._slots[0].task.done():
             slot = self._slots.popleft()
             del self._by_id[slot.req.request_id]
-            await self._send_result(slot.req, slot.task.result())
+            await self._send_result(slot, slot.task.result())
 
     # ---- both paths -----------------------------------------------------------
 
-    async def _prepare(self, req: NewRequest, in_pool: _Slot | None) -> Draft | Failed:
+    async def _prepare(self, slot: _Slot) -> Draft | Failed:
         """Fetch remote media here, then draft on the pool (or inline)."""
+        req = slot.req
         try:
             fetched = await self._fetch(req)
-            if in_pool is None:
-                return self.preparer.draft(req, fetched)
-            in_pool.in_pool = True
+            if self.pool is None:
+                return self._draft(slot, fetched)
+            slot.in_pool = True
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.pool, self.preparer.draft, req, fetched)
+            return await loop.run_in_executor(self.pool, self._draft, slot, fetched)
         except MediaError as err:
             return failed(req, str(err), err.param)
         except asyncio.CancelledError:
@@ -233,6 +245,14 @@ class PrepareActor(Actor):
             self.log.exception("preparing request %s failed", req.request_id)
             return Failed(request_id=req.request_id, status=500, error_type="server_error",
                           message=f"preparing the request failed: {type(err).__name__}: {err}")
+
+    def _draft(self, slot: _Slot, fetched: dict[str, bytes]) -> Draft | Failed:
+        """The preparer's draft, timed (on a pool thread, or inline)."""
+        slot.draft_start = time.time()
+        try:
+            return self.preparer.draft(slot.req, fetched)
+        finally:
+            slot.draft_end = time.time()
 
     async def _fetch(self, req: NewRequest) -> dict[str, bytes]:
         if not getattr(self.preparer, "PREPARES_MEDIA", False) or not req.messages:
@@ -246,9 +266,11 @@ class PrepareActor(Actor):
             self._http = aiohttp.ClientSession()
         return await fetch_remote(refs, self.limits, self._http)
 
-    async def _send_result(self, req: NewRequest, result: Draft | Failed) -> None:
-        msg = result if isinstance(result, Failed) else await self._finish(req, result)
+    async def _send_result(self, slot: _Slot, result: Draft | Failed) -> None:
+        msg = result if isinstance(result, Failed) else await self._finish(slot.req, result)
         await self.outbox["conductor"].send(msg)
+        if self.log.isEnabledFor(logging.DEBUG):
+            self.log.debug("%s", stage_line(slot, time.time()))
 
     async def _finish(self, req: NewRequest, draft: Draft) -> Prepared | Failed:
         """Store the draft's tensors in the arena (readers: every rank)."""
@@ -266,3 +288,12 @@ class PrepareActor(Actor):
             return Failed(request_id=req.request_id, status=503, error_type="server_error",
                           message=f"no room for the request's media tensors: {err}; retry later")
         return with_media(draft, refs)
+
+
+def stage_line(slot: _Slot, sent_at: float) -> str:
+    """``prepared REQUEST_ID: read R, draft S-E, sent T ms after arrival``
+    (``tools/bench_prepare.py`` parses it; keep the two in step)."""
+    arrival = slot.req.arrival_time or slot.read_at
+    read, start, end, sent = (1e3 * (t - arrival) for t in (slot.read_at, slot.draft_start, slot.draft_end, sent_at))
+    draft = f"{start:.1f}-{end:.1f}" if slot.draft_end else "none"  # failed before it drafted
+    return f"prepared {slot.req.request_id}: read {read:.1f}, draft {draft}, sent {sent:.1f} ms after arrival"

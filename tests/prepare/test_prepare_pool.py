@@ -215,3 +215,24 @@ async def test_inline_fallbacks(preparer_cls, num_workers):
     assert h.actor.pool is None
     assert not any(t.startswith("prepare") for t in preparer.threads)  # ran on the loop's thread
     await h.close()
+
+
+@pytest.mark.parametrize("num_workers", [1, 2], ids=["inline", "pool"])
+async def test_debug_log_times_each_stage_after_arrival(caplog, num_workers):
+    import re
+    import time
+
+    preparer = GatedPreparer(asyncio.get_running_loop())
+    preparer.expect("r1")
+    preparer.gates["r1"].set()
+    h = Harness(preparer, num_workers=num_workers)
+    with caplog.at_level("DEBUG", logger="mstar_actors.prepare"):
+        await h.inbox.send(NewRequest(request_id="r1", model="m", sampling=SamplingParams(), prompt="ok",
+                                      arrival_time=time.time()))
+        assert await h.recv_id() == ("Prepared", "r1")
+        await h.close()
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("prepared ")]
+    stages = re.fullmatch(r"prepared r1: read (\S+), draft (\S+)-(\S+), sent (\S+) ms after arrival", line)
+    assert stages, line
+    read, start, end, sent = (float(x) for x in stages.groups())
+    assert 0 <= read <= start <= end <= sent < 10_000
