@@ -12,8 +12,20 @@ reported in its row and the run goes on; the exit status is 1 if any failed.
     python tools/check_lora_kernels.py --dry-run       # CPU: reference path, small subset
     python tools/check_lora_kernels.py --tokens 1 256 --ranks 16 --linears qkv
 
-Writes ``$OUT/lora_kernels.json`` when the OUT environment variable is set
-(or ``--json PATH``).
+``--decode`` prints the decode-step table instead: for batches of 1, 8, 32
+and 64 rows (one per sequence) and each linear, the time per call of the
+base GEMM, of the segment path (SGMV shrink + expand) and of the fused rows
+kernel (``add_delta_rows``), eager and, for the GEMM and rows, inside one
+CUDA graph of 66 back-to-back calls (a Llama-3.2-1B decode step makes 66
+LoRA calls: 16 layers x 4 linears, embedding, LM head). Eager times are the
+wall time of 66 back-to-back calls / 66, launch overhead included, as an
+eager step pays it; graph times are the replay's GPU time / 66.
+
+    python tools/check_lora_kernels.py --decode                 # GPU
+    python tools/check_lora_kernels.py --decode --dry-run       # CPU: reference path, no graphs
+
+Writes ``$OUT/lora_kernels.json`` (``lora_decode.json`` with ``--decode``)
+when the OUT environment variable is set (or ``--json PATH``).
 """
 
 from __future__ import annotations
@@ -179,6 +191,7 @@ HEADER = f"{'shape':<24} {'T':>5} {'rank':>4} {'mix':<7} {'segs':>4} {'rel_err':
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, torch reference path, a small subset of configs")
+    p.add_argument("--decode", action="store_true", help="the decode-step table: GEMM vs SGMV vs rows kernel, eager and graphed")
     p.add_argument("--linears", nargs="+", choices=list(LINEARS), default=list(LINEARS))
     p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     p.add_argument("--ranks", nargs="+", type=int, default=list(RANKS))
@@ -189,6 +202,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="default: $OUT/lora_kernels.json when OUT is set")
     args = p.parse_args(argv)
+    if args.decode:
+        return args
     if args.dry_run:
         args.linears = [l for l in args.linears if l != "lm_head"][:2]
         args.tokens = [t for t in args.tokens if t <= 32][:2] or [1]
@@ -197,8 +212,169 @@ def parse_args(argv=None):
     return args
 
 
+# ---------------------------------------------------------------- decode table
+
+DECODE_BATCHES = (1, 8, 32, 64)
+CALLS_PER_STEP = 66  # Llama-3.2-1B: 16 layers x (qkv, o, gate_up, down) + embedding + LM head
+
+
+@dataclass
+class DecodeRow:
+    linear: str
+    in_features: int
+    out_features: int
+    batch: int
+    rank: int
+    mix: str
+    rel_error: float | None = None  # rows kernel vs the fp32 reference
+    gemm_us: float | None = None
+    gemm_graph_us: float | None = None
+    sgmv_us: float | None = None
+    rows_us: float | None = None
+    rows_graph_us: float | None = None
+    error: str | None = None
+
+
+def decode_slots(mix: str, batch: int, rng: random.Random) -> list[int]:
+    """One slot per row (each row its own sequence); mixed4 interleaves, the SGMV path's worst order."""
+    if mix == "base":
+        return [0] * batch
+    if mix == "one":
+        return [1] * batch
+    if mix == "mixed4":
+        return [1 + i % 4 for i in range(batch)]
+    return [rng.randrange(MAX_LORAS + 1) for _ in range(batch)]
+
+
+def eager_us(fn, *, device: str, warmup: int, iters: int, calls: int = CALLS_PER_STEP) -> float:
+    """Median wall microseconds per call of ``calls`` back-to-back calls, synchronised at the end."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) * 1e6 / calls)
+    return statistics.median(samples)
+
+
+def graph_us(fn, *, warmup: int, iters: int, calls: int = CALLS_PER_STEP) -> float:
+    """Median GPU microseconds per call of one CUDA graph of ``calls`` back-to-back calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return time_us(graph.replay, device="cuda", warmup=warmup, iters=iters) / calls
+
+
+def check_decode_one(row: DecodeRow, output_sizes, args, device: str, dtype: torch.dtype) -> None:
+    """Validate the rows kernel, then time GEMM / SGMV / rows for one config, filling ``row``."""
+    seed = args.seed + zlib.crc32(f"decode/{row.linear}/{row.batch}/{row.rank}/{row.mix}".encode())
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    stack = make_stack(row.in_features, output_sizes, row.rank, dtype, device, gen)
+    slots = decode_slots(row.mix, row.batch, rng)
+    segments = build_segments(slots)
+    segments.on(device)
+    row_slots = torch.tensor(slots, dtype=torch.int32, device=device)
+    x = torch.randn(row.batch, row.in_features, generator=gen).to(dtype).to(device)
+    y = torch.zeros(row.batch, row.out_features, dtype=dtype, device=device)
+    stack.add_delta_rows(y, x, row_slots)
+    want = reference_delta(stack, x, segments)
+    scale = want.norm().item()
+    row.rel_error = 0.0 if scale == 0 and y.abs().max().item() == 0 else (y.float() - want).norm().item() / max(scale, 1e-12)
+    if row.rel_error >= TOLERANCE[dtype]:
+        row.error = f"rows kernel: relative error {row.rel_error:.2e} >= {TOLERANCE[dtype]:.0e}"
+        return
+    weight = (torch.randn(row.out_features, row.in_features, generator=gen) / row.in_features**0.5).to(dtype).to(device)
+    out = torch.empty(row.batch, row.out_features, dtype=dtype, device=device)
+    gemm = lambda: torch.matmul(x, weight.T, out=out)  # noqa: E731
+    rows = lambda: stack.add_delta_rows(y, x, row_slots)  # noqa: E731
+    timing = dict(warmup=args.warmup, iters=args.iters, calls=args.calls)
+    row.gemm_us = eager_us(gemm, device=device, **timing)
+    row.sgmv_us = eager_us(lambda: stack.add_delta(y, x, segments), device=device, **timing)
+    row.rows_us = eager_us(rows, device=device, **timing)
+    if device == "cuda":
+        row.gemm_graph_us = graph_us(gemm, **timing)
+        row.rows_graph_us = graph_us(rows, **timing)
+
+
+def decode_configs(args):
+    for linear in args.linears:
+        in_features, output_sizes = LINEARS[linear]
+        for batch in args.tokens:
+            for rank in args.ranks:
+                for mix in args.mixes:
+                    yield DecodeRow(linear, in_features, sum(output_sizes), batch, rank, mix), output_sizes
+
+
+DECODE_HEADER = (
+    f"{'shape':<24} {'B':>3} {'rank':>4} {'mix':<7} {'rel_err':>8} "
+    f"{'gemm':>8} {'gemm_g':>8} {'sgmv':>8} {'rows':>8} {'rows_g':>8}  (us per call; _g: in a graph)"
+)
+
+
+def format_decode_row(row: DecodeRow) -> str:
+    def num(v, fmt=".1f"):
+        return "-" if v is None else format(v, fmt)
+
+    shape = f"{row.linear} {row.in_features}->{row.out_features}"
+    return (
+        f"{shape:<24} {row.batch:>3} {row.rank:>4} {row.mix:<7} {num(row.rel_error, '.1e'):>8} "
+        f"{num(row.gemm_us):>8} {num(row.gemm_graph_us):>8} {num(row.sgmv_us):>8} {num(row.rows_us):>8} "
+        f"{num(row.rows_graph_us):>8}  {row.error or ''}"
+    )
+
+
+def decode_main(args) -> int:
+    """The ``--decode`` run: defaults narrowed to decode batches, rank 16, the mixed4 mix."""
+    defaults = {"tokens": list(TOKENS), "ranks": list(RANKS), "mixes": list(MIXES)}
+    if args.tokens == defaults["tokens"]:
+        args.tokens = list(DECODE_BATCHES)
+    if args.ranks == defaults["ranks"]:
+        args.ranks = [16]
+    if args.mixes == defaults["mixes"]:
+        args.mixes = ["mixed4"]
+    device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
+    if args.dry_run:
+        args.linears, args.tokens, args.warmup, args.iters = args.linears[:1], args.tokens[:2], 1, 2
+    args.calls = 2 if args.dry_run else CALLS_PER_STEP
+    dtype = getattr(torch, args.dtype)
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+    print(f"# decode  {env}  dtype={args.dtype}  max_loras={MAX_LORAS}  seed={args.seed}  calls per timing={args.calls}")
+    print(DECODE_HEADER)
+    rows = []
+    for row, output_sizes in decode_configs(args):
+        try:
+            check_decode_one(row, output_sizes, args, device, dtype)
+        except Exception as err:  # one failing config must not end the run
+            row.error = f"{type(err).__name__}: {err}".splitlines()[0][:200]
+            traceback.print_exc(file=sys.stderr)
+        rows.append(row)
+        print(format_decode_row(row), flush=True)
+    failed = [r for r in rows if r.error]
+    print(f"# {len(rows) - len(failed)} passed, {len(failed)} failed")
+    out = args.json or (Path(os.environ["OUT"]) / "lora_decode.json" if os.environ.get("OUT") else None)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"env": env, "dtype": args.dtype, "rows": [asdict(r) for r in rows]}, indent=1))
+        print(f"# wrote {out}")
+    return 1 if failed else 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.decode:
+        return decode_main(args)
     device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
     dtype = getattr(torch, args.dtype)
     if device == "cpu" and not args.dry_run:

@@ -201,3 +201,25 @@ def test_decode_through_rows_equals_segments(runner, kernel, monkeypatch):
     got = _decode_logits(runner, slots, rows=True, kernel=kernel, monkeypatch=monkeypatch)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(got[[0, 4]], base[[0, 4]])  # base rows bit-identical to the base-only step
+
+
+# ---------------------------------------------------------------- the timing tool's decode table
+
+
+def test_check_tool_decode_dry_run_validates_and_writes_json(tmp_path):
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "check_lora_kernels.py"
+    spec = importlib.util.spec_from_file_location("check_lora_kernels", path)
+    tool = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = tool  # dataclasses look their module up there
+    spec.loader.exec_module(tool)
+    out = tmp_path / "decode.json"
+    assert tool.main(["--decode", "--dry-run", "--dtype", "float32", "--linears", "qkv", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["linear"], r["batch"], r["mix"]) for r in rows] == [("qkv", 1, "mixed4"), ("qkv", 8, "mixed4")]
+    assert all(r["error"] is None and r["rel_error"] < 1e-4 and r["rows_us"] and r["sgmv_us"] for r in rows)
+    assert tool.decode_slots("mixed4", 6, None) == [1, 2, 3, 4, 1, 2]
