@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, PagedAttention, TorchPagedAttention
+from .cpu_linear import PackedWeight, is_packable, packed_linear
 from .lora_layers import LoraHook
 from .rope import RotaryEmbedding
 from .spec import ModelSpec
@@ -37,13 +38,24 @@ class RMSNorm(nn.Module):
 
 class LoraLinear(nn.Linear):
     """A linear layer LoRA can target: ``lora`` is None (base path only)
-    unless ``lora_layers.enable_lora`` gave it a hook."""
+    unless ``lora_layers.enable_lora`` gave it a hook. On CPU in float32 the
+    base matmul runs on a packed copy of the weight (``cpu_linear``); the
+    LoRA delta is added to it all the same."""
 
     lora: LoraHook | None = None
+    packed: PackedWeight | None = None  # made on the first CPU float32 call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self._base(x)
         return y if self.lora is None else self.lora.apply(y, x)
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
+        # A device-type and dtype test only: nothing data-dependent, no sync.
+        if not is_packable(x, self.weight):
+            return F.linear(x, self.weight, self.bias)
+        if self.packed is None:
+            self.packed = PackedWeight()
+        return packed_linear(x, self.weight, self.bias, self.packed)
 
 
 class LoraEmbedding(nn.Embedding):
@@ -133,6 +145,7 @@ class CausalLM(nn.Module):
     on the rows that are sampled -> ``[R, vocab]`` float32."""
 
     lm_head_lora: LoraHook | None = None  # set by lora_layers.enable_lora (the head may be tied)
+    lm_head_packed: PackedWeight | None = None  # the head's CPU float32 copy (cpu_linear), made on first use
 
     def __init__(self, spec: ModelSpec, backend: PagedAttention | None = None):
         super().__init__()
@@ -164,7 +177,17 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        logits = self._head(hidden, weight)
         if self.lm_head_lora is not None:  # rows of ``hidden`` are the sampled rows, in order
             logits = self.lm_head_lora.apply(logits, hidden)
         return logits.float()
+
+    def _head(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The LM head's matmul. On CPU float32 a packed copy of ``weight``
+        (113 MB more for SmolLM2's tied head) makes it 1.3x (1 row) to 2.5x
+        (8 rows) faster: it is a third of a decode step's GEMM time."""
+        if not is_packable(hidden, weight):
+            return F.linear(hidden, weight)
+        if self.lm_head_packed is None:
+            self.lm_head_packed = PackedWeight()
+        return packed_linear(hidden, weight, None, self.lm_head_packed)

@@ -1,0 +1,164 @@
+"""One decode step in process: our ``ModelRunner.execute`` against the
+``transformers`` model's forward on the same batch, CPU time and op profile.
+
+Both sides decode ``--num-seqs`` sequences of ``--min-context`` ..
+``--max-context`` prompt tokens (the same random ids, one seed), one new token
+per sequence per step, greedy. Ours is a whole worker step (batch building,
+the decoder, the LM head on the sampled rows, sampling); ``transformers``'s is
+what ``generate`` runs per decode step on a left-padded batch (one forward
+with its KV cache, the last position's logits, argmax). CPU time is the
+thread's (``time.thread_time``), which other jobs on a shared machine distort
+far less than wall time; the median over ``--steps`` steps is printed.
+
+    python tools/profile_step.py                      # SmolLM2, 8 sequences, 1 thread
+    python tools/profile_step.py --profile            # plus torch.profiler's top ops of each side
+    python tools/profile_step.py --num-seqs 1 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def make_prompts(num_seqs: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(min_len, max_len + 1, (num_seqs,), generator=gen).tolist()
+    # Skip the first ids (special tokens) so no prompt holds an EOS.
+    return [torch.randint(100, vocab_size, (n,), generator=gen).tolist() for n in lens]
+
+
+class OurStep:
+    """A ModelRunner fed by a minimal scripted conductor: prefill once, then decode steps."""
+
+    def __init__(self, model_dir: Path, prompts: list[list[int]], block_size: int = 16):
+        from mstar_actors import messages
+        from mstar_actors.model_runner import ModelRunner
+
+        self.messages = messages
+        max_len = max(len(p) for p in prompts) + 512
+        num_blocks = len(prompts) * (-(-max_len // block_size)) + 1
+        self.runner = ModelRunner(model_dir, dtype="float32", device="cpu", block_size=block_size,
+                                  num_blocks=num_blocks)
+        self.block_size = block_size
+        sampling = messages.SamplingParams(max_tokens=1 << 20, temperature=0.0)
+        self.seqs = {f"r{i}": dict(num_tokens=len(p), blocks=[]) for i, p in enumerate(prompts)}
+        self.next_block = 1
+        started = [messages.SeqStart(f"r{i}", p, sampling) for i, p in enumerate(prompts)]
+        self.step_id = 0
+        self._execute(started, [self._chunk(rid, 0, len(p)) for rid, p in zip(self.seqs, prompts)])
+
+    def _chunk(self, rid: str, start: int, num_tokens: int):
+        seq = self.seqs[rid]
+        while len(seq["blocks"]) * self.block_size < start + num_tokens:
+            seq["blocks"].append(self.next_block)
+            self.next_block += 1
+        return self.messages.ScheduledChunk(rid, start, num_tokens, list(seq["blocks"]), True)
+
+    def _execute(self, started, chunks) -> None:
+        plan = self.messages.StepPlan(self.step_id, started, chunks)
+        self.step_id += 1
+        for token in self.runner.execute(plan):
+            self.seqs[token.request_id]["num_tokens"] += 1
+
+    def step(self) -> None:
+        self._execute([], [self._chunk(rid, seq["num_tokens"] - 1, 1) for rid, seq in self.seqs.items()])
+
+
+class HfStep:
+    """``transformers``'s decode step as ``generate`` runs it on a left-padded batch."""
+
+    def __init__(self, model_dir: Path, prompts: list[list[int]]):
+        from transformers import AutoModelForCausalLM, DynamicCache
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                          local_files_only=True).eval()
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        self.mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        self.cache = DynamicCache(config=self.model.config)
+        with torch.inference_mode():
+            self.next_ids = self._forward(ids, self._positions(width))
+
+    def _positions(self, num_new: int) -> torch.Tensor:
+        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        return positions[:, -num_new:]
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float().argmax(-1, keepdim=True)
+
+    def step(self) -> None:
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)
+        with torch.inference_mode():
+            self.next_ids = self._forward(self.next_ids, self._positions(1))
+
+
+def time_steps(step, num_steps: int, num_warmup: int = 3) -> list[float]:
+    for _ in range(num_warmup):
+        step()
+    times = []
+    for _ in range(num_steps):
+        start = time.thread_time()
+        step()
+        times.append(time.thread_time() - start)
+    return times
+
+
+def profile_steps(step, num_steps: int, num_rows: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(num_steps):
+            step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=num_rows))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="a Hugging Face folder (default: the embedded SmolLM2)")
+    p.add_argument("--num-seqs", type=int, default=8, help="sequences decoding together (default 8)")
+    p.add_argument("--min-context", type=int, default=50, help="shortest prompt in tokens (default 50)")
+    p.add_argument("--max-context", type=int, default=100, help="longest prompt in tokens (default 100)")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps per side (default 20)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    p.add_argument("--side", choices=["ours", "hf", "both"], default="both")
+    p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops over 5 steps of each side")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from mstar_actors.fetch import fetch_embedded
+    from mstar_actors.models.loader import load_spec
+
+    torch.set_num_threads(args.threads)
+    model_dir = Path(args.model) if args.model else Path(fetch_embedded("smollm2"))
+    _, spec = load_spec(model_dir)
+    prompts = make_prompts(args.num_seqs, args.min_context, args.max_context, spec.vocab_size, args.seed)
+    print(f"model {model_dir.name}, {args.num_seqs} sequences, prompts {sorted(len(p) for p in prompts)} tokens, "
+          f"threads {args.threads}, seed {args.seed}", flush=True)
+    sides = {"ours": OurStep, "hf": HfStep}
+    medians = {}
+    for name in (["ours", "hf"] if args.side == "both" else [args.side]):
+        step = sides[name](model_dir, prompts).step
+        times = time_steps(step, args.steps)
+        medians[name] = statistics.median(times) * 1000
+        print(f"{name:>4}: CPU ms per step median {medians[name]:.1f} (min {min(times) * 1000:.1f}, "
+              f"max {max(times) * 1000:.1f}, {args.steps} steps)", flush=True)
+        if args.profile:
+            profile_steps(step, 5, 20)
+    if len(medians) == 2:
+        print(f"ours / hf: {medians['ours'] / medians['hf']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
