@@ -20,11 +20,11 @@ Pure: bytes in, bytes out; no shared memory, no device.
 from __future__ import annotations
 
 import json
+import math
 import re
+import warnings
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
 from mstar_actors.lora.adapter_file import AdapterWeights, LoraModule
@@ -58,14 +58,20 @@ def adapter_to_bytes(weights: AdapterWeights) -> bytes:
 
 
 def adapter_from_bytes(buf: bytes | bytearray | memoryview) -> AdapterWeights:
-    """Decode a blob written by ``adapter_to_bytes``; tensors are CPU copies
-    (the buffer may be unmapped right after). Raises HostCopyError."""
-    data = bytes(buf)
+    """Decode a blob written by ``adapter_to_bytes``. Raises HostCopyError.
+
+    The buffer may be unmapped right after: a ``bytes`` blob (immutable, and
+    kept alive by the tensors) is decoded without copying, the tensors are
+    read-only views of it (an install only copies them to the device; on the
+    install path this saves a copy of the whole adapter); any other buffer is
+    copied into ``bytes`` first. Don't write into the returned tensors.
+    """
+    data = buf if isinstance(buf, bytes) else bytes(buf)
     metadata = _read_metadata(data)
     name = metadata["name"]
     try:
-        tensors = _st_load(data)
-    except (SafetensorError, RuntimeError, ValueError) as err:
+        tensors = _views(data)
+    except (RuntimeError, ValueError, KeyError, TypeError) as err:
         raise HostCopyError(f"adapter {name!r}: host copy is corrupt ({err})") from None
     num_layers, scales = _parse_counts(metadata, name)
     layers: list[dict[str, LoraModule]] = [dict() for _ in range(num_layers)]
@@ -85,6 +91,32 @@ def adapter_from_bytes(buf: bytes | bytearray | memoryview) -> AdapterWeights:
         layers=tuple(layers),
         global_modules=global_modules,
     )
+
+
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+def _views(data: bytes) -> dict[str, torch.Tensor]:
+    """The blob's tensors as views of ``data`` (safetensors layout: u64 header
+    length, JSON header of dtype / shape / data_offsets, then the data)."""
+    header_len = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + header_len])
+    base = 8 + header_len
+    tensors = {}
+    with warnings.catch_warnings():  # bytes are read-only; the views are only read
+        warnings.simplefilter("ignore", UserWarning)
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            dtype, shape, (begin, end) = _DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
+            count = math.prod(shape)
+            if not 0 <= begin <= end <= len(data) - base or end - begin != count * dtype.itemsize:
+                raise ValueError(f"tensor {key!r}: data_offsets {begin}..{end} do not fit {shape} {info['dtype']} "
+                                 f"in {len(data) - base} data bytes")
+            flat = torch.frombuffer(data, dtype=dtype, count=count, offset=base + begin) if count else \
+                torch.empty(0, dtype=dtype)
+            tensors[key] = flat.view(shape)
+    return tensors
 
 
 def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
