@@ -43,19 +43,46 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + _rotate_half(x) * sin``, bit for bit, with the minus sign
+    folded into ``signed_sin`` (``(-sin, sin)`` halves): ``(-a) * b`` and
+    ``a * (-b)`` round alike, and one fewer kernel runs (no negation)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((x2, x1), dim=-1) * signed_sin
+
+
 class RotaryEmbedding(nn.Module):
+    """Rotates q and k by token position.
+
+    One instance serves every layer of a decoder, and ``begin_step`` /
+    ``end_step`` bracket a forward over all of them: the angles of a step's
+    positions are computed once there instead of once per layer (30 times
+    for SmolLM2). Outside such a bracket each call computes its own.
+    """
+
     def __init__(self, rope: RopeSpec, head_dim: int):
         super().__init__()
         # A plain attribute, not a buffer: it survives building on the meta
         # device (``to_empty`` would leave a buffer uninitialised).
         self.inv_freq = inverse_frequencies(rope, head_dim)
+        self.step_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q [T, H, D]`` and ``k [T, KH, D]`` by their token positions ``[T]``."""
+        cos, signed_sin = self.step_tables if self.step_tables is not None else self.tables(positions, q.dtype)
+        return rotate(q, cos, signed_sin), rotate(k, cos, signed_sin)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``signed_sin`` ``[T, 1, D]`` for ``positions [T]`` (see ``rotate``)."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        cos = angles.cos().to(q.dtype)[:, None, :]
-        sin = angles.sin().to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :], torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :]
+
+    def begin_step(self, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        """Compute the tables every layer of this forward uses (same ``positions``)."""
+        self.step_tables = self.tables(positions, dtype)
+
+    def end_step(self) -> None:
+        self.step_tables = None
