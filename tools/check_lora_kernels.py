@@ -15,7 +15,8 @@ reported in its row and the run goes on; the exit status is 1 if any failed.
 ``--decode`` prints the decode-step table instead: for batches of 1, 8, 32
 and 64 rows (one per sequence) and each linear, the time per call of the
 base GEMM, of the segment path (SGMV shrink + expand) and of the fused rows
-kernel (``add_delta_rows``), eager and, for the GEMM and rows, inside one
+kernels (``add_delta_rows``: one program per row below 16 rows, rows
+grouped by slot from 16), eager and, for the GEMM and rows, inside one
 CUDA graph of 66 back-to-back calls (a Llama-3.2-1B decode step makes 66
 LoRA calls: 16 layers x 4 linears, embedding, LM head). Eager times are the
 wall time of 66 back-to-back calls / 66, launch overhead included, as an
@@ -47,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mstar_actors.lora import LoraStack, build_segments  # noqa: E402
-from mstar_actors.lora.ops import LoraSegments, expand_ref, shrink_ref  # noqa: E402
+from mstar_actors.lora.ops import LoraSegments, expand_ref, row_groups, shrink_ref  # noqa: E402
 
 # Llama-3.2-1B: hidden 2048, intermediate 8192, 32 heads, 8 KV heads, head_dim 64.
 HIDDEN, INTER, VOCAB = 2048, 8192, 128256
@@ -286,9 +287,10 @@ def check_decode_one(row: DecodeRow, output_sizes, args, device: str, dtype: tor
     segments = build_segments(slots)
     segments.on(device)
     row_slots = torch.tensor(slots, dtype=torch.int32, device=device)
+    groups = row_groups(row_slots, stack.num_slots)  # once per step in a model, shared by its 66 calls
     x = torch.randn(row.batch, row.in_features, generator=gen).to(dtype).to(device)
     y = torch.zeros(row.batch, row.out_features, dtype=dtype, device=device)
-    stack.add_delta_rows(y, x, row_slots)
+    stack.add_delta_rows(y, x, row_slots, groups)
     want = reference_delta(stack, x, segments)
     scale = want.norm().item()
     row.rel_error = 0.0 if scale == 0 and y.abs().max().item() == 0 else (y.float() - want).norm().item() / max(scale, 1e-12)
@@ -298,7 +300,7 @@ def check_decode_one(row: DecodeRow, output_sizes, args, device: str, dtype: tor
     weight = (torch.randn(row.out_features, row.in_features, generator=gen) / row.in_features**0.5).to(dtype).to(device)
     out = torch.empty(row.batch, row.out_features, dtype=dtype, device=device)
     gemm = lambda: torch.matmul(x, weight.T, out=out)  # noqa: E731
-    rows = lambda: stack.add_delta_rows(y, x, row_slots)  # noqa: E731
+    rows = lambda: stack.add_delta_rows(y, x, row_slots, groups)  # noqa: E731
     timing = dict(warmup=args.warmup, iters=args.iters, calls=args.calls)
     row.gemm_us = eager_us(gemm, device=device, **timing)
     row.sgmv_us = eager_us(lambda: stack.add_delta(y, x, segments), device=device, **timing)

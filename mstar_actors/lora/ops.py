@@ -309,24 +309,36 @@ class LoraStack:
         shrink = embedding_shrink_ref(x, self.a, segments) if self.is_embedding else shrink_ref(x, self.a, segments)
         return expand_ref(y, shrink, self.b, self.scales, segments, self.offsets)
 
-    def add_delta_rows(self, y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
+    def add_delta_rows(self, y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, groups=None) -> torch.Tensor:
         """y += the delta with row ``t`` on slot ``row_slots[t]`` (int32 [T] on
         ``y``'s device, 0 = base), in place; returns y.
 
         Graph-safe: never reads ``row_slots`` on the host and launches the same
         work for any slot values, so a captured call replays correctly after
-        the caller writes new slots into the same tensor."""
+        the caller writes new slots into the same tensor. ``groups``: the
+        step's ``triton_ops.group_rows`` of the same slots, made once per step
+        for every stack (None: made here if the kernel needs it)."""
         check_rows(y, x, row_slots, in_features=self.in_features, out_features=self.offsets[-1], is_embedding=self.is_embedding)
         if y.shape[0] == 0:
             return y
         if y.is_cuda and _triton_ops() is not None:
-            return _triton_ops().bgmv_rows(self, y, x, row_slots)
+            return _triton_ops().rows_delta(self, y, x, row_slots, groups)
         return delta_rows_ref(y, x, self.a, self.b, self.scales, row_slots, self.offsets, is_embedding=self.is_embedding)
 
 
 def has_kernels(device: torch.device | str) -> bool:
     """Whether stacks on ``device`` run the Triton kernels (CUDA with Triton installed)."""
     return torch.device(device).type == "cuda" and _triton_ops() is not None
+
+
+def row_groups(row_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, ...] | None:
+    """The step's rows grouped by slot on the device, for every stack's
+    ``add_delta_rows``; None where the kernel that runs needs none (CPU,
+    small batches). Device ops only: graph-capturable."""
+    kernels = _triton_ops() if row_slots.is_cuda else None
+    if kernels is None or kernels.uses_single_rows(row_slots.shape[0]):
+        return None
+    return kernels.group_rows(row_slots, num_slots)
 
 
 _TRITON = None

@@ -380,10 +380,137 @@ def bgmv_rows(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: tor
     return y
 
 
+@triton.jit
+def _grouped_kernel(
+    x_ptr, a_ptr, b_ptr, scales_ptr, y_ptr, offsets_ptr, order_ptr, counts_ptr, starts_ptr,
+    R, NUM_GROUPS,
+    stride_xm, stride_xk,
+    stride_as, stride_al, stride_ar, stride_ak,
+    stride_wl, stride_wn, stride_wr,
+    stride_ss, stride_sl,
+    stride_ym, stride_yn,
+    K: tl.constexpr, TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    slot = tl.program_id(1) + 1  # slot 0 (base) has no programs
+    pid = tl.program_id(2)
+    count = tl.load(counts_ptr + slot)
+    if pid_m * BLOCK_M >= count:  # most programs: this slot has fewer rows, or none
+        return
+    shard = pid // NUM_GROUPS
+    hi = tl.load(offsets_ptr + shard + 1)
+    n_start = tl.load(offsets_ptr + shard) + (pid % NUM_GROUPS) * (TILES * BLOCK_N)
+    if n_start >= hi:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < count
+    rows = tl.load(order_ptr + tl.load(starts_ptr + slot) + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    offs_k = tl.arange(0, BLOCK_K)
+    slot64 = slot.to(tl.int64)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    a_ptrs = a_ptr + shard * stride_as + slot64 * stride_al + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = (k0 + offs_k) < K
+        xt = tl.load(x_ptrs + k0 * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        at = tl.load(a_ptrs + k0 * stride_ak, mask=mask_k[:, None] & mask_r[None, :], other=0.0)
+        acc += tl.dot(xt, at, input_precision=PRECISION)
+    t = acc * tl.load(scales_ptr + shard * stride_ss + slot64 * stride_sl)
+    offs_n = tl.arange(0, BLOCK_N)
+    for j in range(TILES):
+        cols = n_start + j * BLOCK_N + offs_n
+        mask_n = cols < hi
+        w = tl.load(
+            b_ptr + slot64 * stride_wl + cols[None, :].to(tl.int64) * stride_wn + offs_r[:, None] * stride_wr,
+            mask=mask_r[:, None] & mask_n[None, :],
+            other=0.0,
+        )
+        # As in the SGMV expand: the rank-wide intermediate is rounded to the
+        # weights' dtype for the tensor-core dot; the sum stays fp32.
+        delta = tl.dot(t.to(w.dtype), w, input_precision=PRECISION)
+        mask = mask_m[:, None] & mask_n[None, :]
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :].to(tl.int64) * stride_yn
+        y = tl.load(y_ptrs, mask=mask, other=0.0)
+        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
+
+
+def group_rows(row_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, counts, starts), int32 on the slots' device: ``order[starts[s] :
+    starts[s] + counts[s]]`` are the rows on slot ``s``, in row order.
+
+    Elementwise ops, cumsums and a scatter over fixed shapes: no host sync, so
+    a graph captures it (a sort would do, but this is plainly capturable)."""
+    slots = row_slots.long()
+    onehot = slots[:, None] == torch.arange(num_slots, device=slots.device)[None, :]  # [T, num_slots]
+    rank_in_slot = (onehot.cumsum(0, dtype=torch.int32) - 1).gather(1, slots[:, None]).squeeze(1)
+    counts = onehot.sum(0, dtype=torch.int32)
+    starts = counts.cumsum(0, dtype=torch.int32) - counts
+    order = torch.empty_like(row_slots, dtype=torch.int32)
+    order.scatter_(0, (starts.long()[slots] + rank_in_slot), torch.arange(slots.shape[0], dtype=torch.int32, device=slots.device))
+    return order, counts, starts
+
+
+def sgmv_rows(
+    stack: LoraStack, y: torch.Tensor, x: torch.Tensor, groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *, tiles: int | None = None
+) -> torch.Tensor:
+    """The rows delta for bigger decode batches: rows grouped by slot on the
+    device (``group_rows``), so a program's A and B tiles serve up to
+    ``BLOCK_M`` rows of its slot (``bgmv_rows`` reads them once per row:
+    ``rows x rank / in_features`` of the base GEMM's weight traffic, half of
+    it at 64 rows). One launch, shrink and expand fused; grid (row tiles of
+    the whole batch, adapter slots, shards x column groups) from shapes; the
+    programs past their slot's rows return at once."""
+    num_shards, num_slots, max_rank, k = stack.a.shape
+    num_rows, max_out = y.shape[0], max(stack.output_sizes)
+    if x.dtype != stack.a.dtype or x.dtype not in _DOT_DTYPES:
+        raise TypeError(f"LoRA rows delta: x is {x.dtype} and A is {stack.a.dtype}; accepted: the same dtype of {_DOT_DTYPES}")
+    order, counts, starts = groups
+    block_m, block_r, block_k = 16, _block_r(max_rank), 64
+    block_n = min(max(32, 2048 // block_r), triton.next_power_of_2(max_out))
+    num_m = triton.cdiv(num_rows, block_m)
+    tiles = tiles or _pick_tiles(num_m, num_shards, max_out, k, block_n, _num_sms(y.device))
+    num_groups = triton.cdiv(max_out, tiles * block_n)
+    a, b, scales = stack.a, stack.b, stack.scales
+    _grouped_kernel[(num_m, num_slots - 1, num_shards * num_groups)](
+        x, a, b, scales, y, stack.offsets_on(y.device), order, counts, starts,
+        max_rank, num_groups,
+        x.stride(0), x.stride(1),
+        a.stride(0), a.stride(1), a.stride(2), a.stride(3),
+        b.stride(0), b.stride(1), b.stride(2),
+        scales.stride(0), scales.stride(1),
+        y.stride(0), y.stride(1),
+        K=k, TILES=tiles,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k,
+        PRECISION=_precision(b.dtype),
+        num_warps=4,
+    )  # fmt: skip
+    return y
+
+
+# Decode batches of at least this many rows take ``sgmv_rows`` (shared weight
+# reads), smaller ones ``bgmv_rows`` (one program per row: more parallel, and
+# there the per-row weight reads are a few percent of the GEMM's).
+MIN_GROUPED_ROWS = 16
+
+
+def rows_delta(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, groups=None) -> torch.Tensor:
+    """The rows delta by the kernel that suits the batch's size (a shape, so graph-safe).
+
+    ``groups``: ``group_rows(row_slots, ...)`` computed once per step by the
+    caller (None: computed here when needed)."""
+    if stack.is_embedding or y.shape[0] < MIN_GROUPED_ROWS:
+        return bgmv_rows(stack, y, x, row_slots)
+    return sgmv_rows(stack, y, x, groups if groups is not None else group_rows(row_slots, stack.num_slots))
+
+
 def add_delta_rows(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
     """``LoraStack.add_delta_rows`` with the kernel on any device Triton runs
     on (CUDA, or CPU tensors in Triton's interpreter): one ``bgmv_rows`` launch."""
     check_rows(y, x, row_slots, in_features=stack.in_features, out_features=stack.offsets[-1], is_embedding=stack.is_embedding)
     if y.shape[0] == 0:  # an empty grid is not launchable
         return y
-    return bgmv_rows(stack, y, x, row_slots)
+    return rows_delta(stack, y, x, row_slots)

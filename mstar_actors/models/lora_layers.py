@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from mstar_actors.lora.adapter_file import AdapterWeights
-from mstar_actors.lora.ops import ZERO_SLOT, LoraSegments, LoraStack, build_segments, has_kernels
+from mstar_actors.lora.ops import ZERO_SLOT, LoraSegments, LoraStack, build_segments, has_kernels, row_groups
 
 from .checkpoint import CheckpointRules
 
@@ -52,15 +52,18 @@ class LoraStep:
     ``row_slots`` (int32 device tensor [T], 0 = base), set by
     ``begin_rows_step`` for a pure decode step, replaces both: every hook,
     the embedding's and the LM head's included, reads its row's slot there.
-    At most one of ``row_slots`` and ``segments`` is set.
+    At most one of ``row_slots`` and ``segments`` is set. ``row_groups``:
+    the rows grouped by slot on the device (``triton_ops.group_rows``), made
+    once per step for the grouped kernel's batch sizes, else None.
     """
 
-    __slots__ = ("segments", "sampled_segments", "row_slots")
+    __slots__ = ("segments", "sampled_segments", "row_slots", "row_groups")
 
     def __init__(self) -> None:
         self.segments: LoraSegments | None = None
         self.sampled_segments: LoraSegments | None = None
         self.row_slots: torch.Tensor | None = None
+        self.row_groups: tuple[torch.Tensor, ...] | None = None
 
 
 class LoraHook:
@@ -76,7 +79,7 @@ class LoraHook:
     def apply(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         row_slots = self.step.row_slots
         if row_slots is not None:  # pure decode: token rows are the sampled rows, same order
-            return self.stack.add_delta_rows(y, x, row_slots)
+            return self.stack.add_delta_rows(y, x, row_slots, self.step.row_groups)
         segments = self.step.sampled_segments if self.is_sampled else self.step.segments
         return y if segments is None else self.stack.add_delta(y, x, segments)
 
@@ -126,6 +129,7 @@ class LoraLayers:
             return
         token_slots = [slot for slot, n in zip(chunk_slots, query_lens, strict=True) for _ in range(n)]
         self.step.row_slots = None
+        self.step.row_groups = None
         self.step.segments = build_segments(token_slots)
         self.step.sampled_segments = build_segments(sampled_slots) if any(sampled_slots) else None
         if self.device.type == "cuda":
@@ -140,8 +144,10 @@ class LoraLayers:
 
         The tensor is kept, not copied, and never read on the host: a caller
         capturing a CUDA graph passes its static slots buffer and rewrites it
-        before each replay. Slots must be installed ones (not checked here:
-        checking would read the device)."""
+        before each replay. Call it inside the captured region: with the
+        kernels it also groups the rows by slot on the device (a few small
+        ops, once per step), which the replay must redo. Slots must be
+        installed ones (not checked here: checking would read the device)."""
         if row_slots.dtype != torch.int32 or row_slots.dim() != 1 or row_slots.device != self.device:
             raise ValueError(
                 f"row_slots is {row_slots.dtype} {tuple(row_slots.shape)} on {row_slots.device}; "
@@ -150,11 +156,13 @@ class LoraLayers:
         self.step.segments = None
         self.step.sampled_segments = None
         self.step.row_slots = row_slots
+        self.step.row_groups = row_groups(row_slots, self.num_slots)
 
     def end_step(self) -> None:
         self.step.segments = None
         self.step.sampled_segments = None
         self.step.row_slots = None
+        self.step.row_groups = None
 
     # -- slots -------------------------------------------------------------
 

@@ -66,6 +66,34 @@ def test_rows_kernel_equals_reference_and_segment_path(output_sizes, num_rows):
         assert torch.equal(got[base_rows], y0[base_rows])
 
 
+@pytest.mark.parametrize("output_sizes", [(64,), (64, 32, 48)])
+@pytest.mark.parametrize("num_rows", [16, 37])
+def test_grouped_rows_kernel_equals_segment_path(output_sizes, num_rows):
+    seed = random.randrange(2**31)
+    print(f"seed={seed}")
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    stack = make_stack(gen, 72, output_sizes)
+    slots = random_slots(rng, num_rows)
+    x = torch.randn(num_rows, 72, generator=gen)
+    y0 = torch.randn(num_rows, sum(output_sizes), generator=gen)
+    want = stack.add_delta(y0.clone(), x, build_segments(slots))
+    groups = triton_ops.group_rows(int32(slots), stack.num_slots)
+    for tiles in (None, 2):
+        got = triton_ops.sgmv_rows(stack, y0.clone(), x, groups, tiles=tiles)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        base_rows = [t for t, s in enumerate(slots) if s == 0]
+        assert torch.equal(got[base_rows], y0[base_rows])
+    got = triton_ops.add_delta_rows(stack, y0.clone(), x, int32(slots))  # picks the grouped kernel itself
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_group_rows_orders_rows_by_slot_stably():
+    order, counts, starts = triton_ops.group_rows(int32([2, 0, 1, 2, 0, 3]), 5)
+    assert counts.tolist() == [2, 1, 2, 1, 0] and starts.tolist() == [0, 2, 3, 5, 6]
+    assert order.tolist() == [1, 4, 2, 0, 3, 5]
+    assert order.dtype == counts.dtype == starts.dtype == torch.int32
+
+
 def test_rows_kernel_in_bfloat16():
     gen = torch.Generator().manual_seed(7)
     stack = make_stack(gen, 64, (64, 32), dtype=torch.bfloat16)
@@ -147,7 +175,7 @@ def runner(tmp_path_factory):
     model, config = make_base("llama", vocab_size=300)
     model.save_pretrained(tmp / "base")
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head", "embed_tokens"]
-    runner = ModelRunner(tmp / "base", dtype="float32", device="cpu", block_size=4, num_blocks=32, seed=0, max_loras=3, max_lora_rank=16)
+    runner = ModelRunner(tmp / "base", dtype="float32", device="cpu", block_size=4, num_blocks=64, seed=0, max_loras=3, max_lora_rank=16)
     import copy
 
     for slot, rank in RANKS.items():
@@ -167,12 +195,13 @@ def _decode_logits(runner, slots, *, rows: bool, kernel: bool, monkeypatch) -> t
     sampling = messages.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     d = PlanDriver(runner, block_size=4, num_new=4, sampling=sampling)
     rids = [f"s{i}" for i in range(len(slots))]
-    starts = [d.start(rid, [3 + 7 * i + j for j in range(5 + i)], slot=s) for i, (rid, s) in enumerate(zip(rids, slots))]
+    starts = [d.start(rid, [3 + 7 * i + j for j in range(5 + i % 5)], slot=s) for i, (rid, s) in enumerate(zip(rids, slots))]
     d.step(starts, [d.chunk(rid) for rid in rids])
     batch = build_batch(d.decodes(*rids), runner.seqs, runner.block_size, runner.num_kv_blocks, runner.max_model_len)
     monkeypatch.setattr(runner.lora, "rows_for_decode", rows)
     if kernel:  # the rows path through the Triton kernel in the interpreter
-        monkeypatch.setattr(LoraStack, "add_delta_rows", lambda stack, y, x, s: triton_ops.add_delta_rows(stack, y, x, s))
+        rows_delta = triton_ops.rows_delta  # picks bgmv_rows or sgmv_rows by the batch size, as on CUDA
+        monkeypatch.setattr(LoraStack, "add_delta_rows", lambda stack, y, x, s, groups=None: rows_delta(stack, y, x, s, groups))
     calls = []
     monkeypatch.setattr(type(runner.lora), "begin_rows_step", _spy(type(runner.lora).begin_rows_step, calls))
     try:
@@ -192,15 +221,16 @@ def _spy(method, calls):
     return spied
 
 
-@pytest.mark.parametrize("kernel", [False, True])
-def test_decode_through_rows_equals_segments(runner, kernel, monkeypatch):
-    slots = [0, 2, 1, 3, 0]
+@pytest.mark.parametrize("kernel,num_rows", [(False, 5), (True, 5), (True, triton_ops.MIN_GROUPED_ROWS)])
+def test_decode_through_rows_equals_segments(runner, kernel, num_rows, monkeypatch):
+    slots = [[0, 2, 1, 3, 0][i % 5] for i in range(num_rows)]
     want = _decode_logits(runner, slots, rows=False, kernel=False, monkeypatch=monkeypatch)
     base = _decode_logits(runner, [0] * len(slots), rows=False, kernel=False, monkeypatch=monkeypatch)
     assert not torch.allclose(want[[1, 2, 3]], base[[1, 2, 3]], atol=1e-3), "adapters must change the logits"
     got = _decode_logits(runner, slots, rows=True, kernel=kernel, monkeypatch=monkeypatch)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert torch.equal(got[[0, 4]], base[[0, 4]])  # base rows bit-identical to the base-only step
+    base_rows = [t for t, s in enumerate(slots) if s == 0]
+    assert torch.equal(got[base_rows], base[base_rows])  # base rows bit-identical to the base-only step
 
 
 # ---------------------------------------------------------------- the timing tool's decode table
@@ -218,8 +248,8 @@ def test_check_tool_decode_dry_run_validates_and_writes_json(tmp_path):
     sys.modules[spec.name] = tool  # dataclasses look their module up there
     spec.loader.exec_module(tool)
     out = tmp_path / "decode.json"
-    assert tool.main(["--decode", "--dry-run", "--dtype", "float32", "--linears", "qkv", "--json", str(out)]) == 0
+    assert tool.main(["--decode", "--dry-run", "--dtype", "float32", "--linears", "o", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["linear"], r["batch"], r["mix"]) for r in rows] == [("qkv", 1, "mixed4"), ("qkv", 8, "mixed4")]
+    assert [(r["linear"], r["batch"], r["mix"]) for r in rows] == [("o", 1, "mixed4"), ("o", 8, "mixed4")]
     assert all(r["error"] is None and r["rel_error"] < 1e-4 and r["rows_us"] and r["sgmv_us"] for r in rows)
     assert tool.decode_slots("mixed4", 6, None) == [1, 2, 3, 4, 1, 2]

@@ -147,13 +147,13 @@ def test_rows_embedding_matches_reference(triton_ops, num_rows):
     assert _rel(y, _reference(stack, ids, build_segments(slots.tolist()))) < 1e-2
 
 
+@pytest.mark.parametrize("num_rows", [8, 32])  # one program per row; rows grouped by slot inside the graph
 @pytest.mark.parametrize("linear", ["qkv", "lm_head"])
-def test_rows_kernel_replays_in_a_cuda_graph_with_new_slots(triton_ops, linear):
+def test_rows_kernel_replays_in_a_cuda_graph_with_new_slots(triton_ops, linear, num_rows):
     """Captured once; each replay reads the slots written into the same tensor since."""
     gen = torch.Generator().manual_seed(11)
     in_features, output_sizes = _LLAMA_1B[linear]
     stack = _mixed_rank_stack(gen, in_features, output_sizes)
-    num_rows = 8
     x = torch.randn(num_rows, in_features, generator=gen).bfloat16().cuda()
     y0 = torch.randn(num_rows, stack.offsets[-1], generator=gen).bfloat16().cuda()
     y = y0.clone()
@@ -168,6 +168,7 @@ def test_rows_kernel_replays_in_a_cuda_graph_with_new_slots(triton_ops, linear):
         y.copy_(y0)
         stack.add_delta_rows(y, x, slots)
     for values in ([1, 2, 3, 4, 0, 1, 2, 3], [0] * 8, [4, 4, 0, 0, 2, 2, 1, 1]):
+        values = values * (num_rows // 8)
         slots.copy_(torch.tensor(values, dtype=torch.int32))
         graph.replay()
         torch.cuda.synchronize()
