@@ -17,6 +17,11 @@ from mstar_actors.lora.ops import delta_rows_ref
 
 triton_ops = pytest.importorskip("mstar_actors.lora.triton_ops")
 
+# CPU tensors run the kernels only in Triton's interpreter, which conftest
+# turns on where there is no CUDA device; on a GPU host the ``gpu`` tests of
+# test_lora_triton_gpu.py run them compiled instead.
+interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="kernels on CPU tensors need Triton's interpreter (no CUDA)")
+
 RANKS = {1: 4, 2: 8, 3: 16}  # slot -> rank, zero-padded to the stack's max rank
 
 
@@ -45,6 +50,7 @@ def int32(slots: list[int]) -> torch.Tensor:
 # ---------------------------------------------------------------- linears and embedding
 
 
+@interpreted
 @pytest.mark.parametrize("output_sizes", [(64,), (96, 40), (64, 32, 48)])
 @pytest.mark.parametrize("num_rows", [1, 5])
 def test_rows_kernel_equals_reference_and_segment_path(output_sizes, num_rows):
@@ -66,6 +72,7 @@ def test_rows_kernel_equals_reference_and_segment_path(output_sizes, num_rows):
         assert torch.equal(got[base_rows], y0[base_rows])
 
 
+@interpreted
 @pytest.mark.parametrize("output_sizes", [(64,), (64, 32, 48)])
 @pytest.mark.parametrize("num_rows", [16, 37])
 def test_grouped_rows_kernel_equals_segment_path(output_sizes, num_rows):
@@ -94,6 +101,7 @@ def test_group_rows_orders_rows_by_slot_stably():
     assert order.dtype == counts.dtype == starts.dtype == torch.int32
 
 
+@interpreted
 def test_rows_kernel_in_bfloat16():
     gen = torch.Generator().manual_seed(7)
     stack = make_stack(gen, 64, (64, 32), dtype=torch.bfloat16)
@@ -106,6 +114,7 @@ def test_rows_kernel_in_bfloat16():
     assert torch.equal(got[1], y0[1])
 
 
+@interpreted
 def test_rows_embedding_equals_segment_path():
     gen = torch.Generator().manual_seed(3)
     stack = make_stack(gen, 300, (64,), is_embedding=True)
@@ -118,6 +127,7 @@ def test_rows_embedding_equals_segment_path():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@interpreted
 def test_all_base_rows_leave_y_bit_identical():
     gen = torch.Generator().manual_seed(4)
     stack = make_stack(gen, 64, (64, 32))
@@ -127,6 +137,7 @@ def test_all_base_rows_leave_y_bit_identical():
     assert torch.equal(stack.add_delta_rows(y0.clone(), x, zeros), y0)
 
 
+@interpreted
 def test_rows_read_a_strided_slots_view():
     """Slots may be a view into a larger staging buffer (as a graph's static inputs are)."""
     gen = torch.Generator().manual_seed(5)
@@ -149,6 +160,7 @@ def test_rows_refuse_wrong_slots_and_shapes():
 # ---------------------------------------------------------------- SGMV in the interpreter
 
 
+@interpreted
 @pytest.mark.parametrize("slots", [[0, 2, 1, 3, 0, 2], [1, 1, 1]])
 @pytest.mark.parametrize("in_features", [72, 512])  # 512: split-K (atomics) for so few rows
 def test_sgmv_kernels_equal_reference(slots, in_features):
@@ -221,7 +233,10 @@ def _spy(method, calls):
     return spied
 
 
-@pytest.mark.parametrize("kernel,num_rows", [(False, 5), (True, 5), (True, triton_ops.MIN_GROUPED_ROWS)])
+@pytest.mark.parametrize(
+    "kernel,num_rows",
+    [(False, 5), pytest.param(True, 5, marks=interpreted), pytest.param(True, triton_ops.MIN_GROUPED_ROWS, marks=interpreted)],
+)
 def test_decode_through_rows_equals_segments(runner, kernel, num_rows, monkeypatch):
     slots = [[0, 2, 1, 3, 0][i % 5] for i in range(num_rows)]
     want = _decode_logits(runner, slots, rows=False, kernel=False, monkeypatch=monkeypatch)
