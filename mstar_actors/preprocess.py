@@ -321,31 +321,32 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
 
 def video_patches(frames: Any, image_processor: Any, min_pixels: int, max_pixels: int) -> tuple[Any, tuple[int, int, int]]:
     """Qwen2-VL's video layout without torchvision: every frame resized to one
-    ``smart_resize`` size (Pillow bicubic, as the image processor), padded to a
-    whole temporal patch by repeating the last frame, laid out as
-    (t, h/m, w/m, m, m, C, tps, p, p) rows, as transformers' video processor
-    does, then rescaled and normalized like the images.
+    ``smart_resize`` size, padded to a whole temporal patch by repeating the
+    last frame, laid out as (t, h/m, w/m, m, m, C, tps, p, p) rows, then
+    rescaled and normalized with the image processor's constants.
 
-    The layout is done on the uint8 frames and the float rows are normalized
-    in place: a quarter of the bytes moved and no float temporaries (3.2 ms
-    against 9.6 ms for 8 frames of 308x252), with the same float32 operations
-    in the same order, so the rows are bit-identical to normalizing first."""
-    import numpy as np
+    The resize is transformers' video processor's: torchvision's resize of a
+    uint8 CPU tensor is ``interpolate(bicubic, antialias=True)`` on uint8.
+    Pillow's bicubic (the image processor's) differs from it by at most 2 of
+    255 levels in under 1% of values and costs ~10 ms per 8 frames of
+    320x240 where this takes ~1.5 ms. Layout on uint8 and normalization in
+    place move a quarter of the bytes, with no float temporaries."""
     import torch
-    from PIL import Image
+    from torch.nn import functional
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
     ip = image_processor
     p, m, tps = ip.patch_size, ip.merge_size, ip.temporal_patch_size
     num_frames, height, width, _ = frames.shape
     rh, rw = smart_resize(height, width, factor=p * m, min_pixels=min_pixels, max_pixels=max_pixels)
-    num_whole = tps * -(-num_frames // tps)  # padded to whole temporal patches
-    resized = np.empty((num_whole, rh, rw, 3), dtype=np.uint8)
-    for i, frame in enumerate(frames):  # Pillow releases the GIL while it resamples
-        resized[i] = np.asarray(Image.fromarray(frame).resize((rw, rh), Image.BICUBIC))
-    resized[num_frames:] = resized[num_frames - 1]
-    t, gh, gw = resized.shape[0] // tps, rh // p, rw // p
-    cells = torch.from_numpy(resized).view(t, tps, gh // m, m, p, gw // m, m, p, 3).permute(0, 2, 5, 3, 6, 8, 1, 4, 7)
+    x = torch.from_numpy(frames)  # (T, H, W, C)
+    if (rh, rw) != (height, width):  # channels-last in memory, which is interpolate's fast uint8 path
+        x = functional.interpolate(x.permute(0, 3, 1, 2), size=(rh, rw), mode="bicubic", antialias=True)
+        x = x.permute(0, 2, 3, 1)
+    if num_frames % tps:
+        x = torch.cat([x, x[-1:].expand(tps - num_frames % tps, -1, -1, -1)])
+    t, gh, gw = x.shape[0] // tps, rh // p, rw // p
+    cells = x.reshape(t, tps, gh // m, m, p, gw // m, m, p, 3).permute(0, 2, 5, 3, 6, 8, 1, 4, 7)
     rows = cells.reshape(t * gh * gw, 3 * tps * p * p).float()  # one uint8 gather, one conversion
     mean = torch.tensor(ip.image_mean, dtype=torch.float32).view(3, 1).expand(3, tps * p * p).reshape(-1)
     std = torch.tensor(ip.image_std, dtype=torch.float32).view(3, 1).expand(3, tps * p * p).reshape(-1)

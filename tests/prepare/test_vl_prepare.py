@@ -131,22 +131,30 @@ def test_video_patch_layout_equals_the_image_processor_for_repeated_frames(prepa
     frame = np.random.default_rng(2).integers(0, 255, (50, 70, 3), dtype=np.uint8)
     ip = preparer.image_processor
     rows, grid = video_patches(np.stack([frame, frame]), ip, preparer.min_pixels, preparer.max_pixels)
-    expected = ip(images=[Image.fromarray(frame)], return_tensors="pt")
-    assert grid == tuple(int(x) for x in expected["image_grid_thw"][0])
-    torch.testing.assert_close(rows, expected["pixel_values"].float(), atol=1e-5, rtol=1e-5)
+    out = ip(images=[Image.fromarray(frame)], return_tensors="pt")
+    expected = out["pixel_values"].float()
+    assert grid == tuple(int(x) for x in out["image_grid_thw"][0])
+    # The image processor resizes with Pillow's bicubic, videos with torch's (as transformers'
+    # video processor): they differ by at most 2 of 255 levels in a few values, so the layout
+    # and normalization are checked exactly everywhere else.
+    level = 1 / 255 / min(ip.image_std)
+    diff = (rows - expected).abs()
+    assert diff.max() <= 2 * level + 1e-5 and (diff > 1e-5).float().mean() < 0.02
     three, grid3 = video_patches(np.stack([frame] * 3), ip, preparer.min_pixels, preparer.max_pixels)
     assert grid3[0] == 2 and torch.equal(three[rows.shape[0]:], rows)  # padded with the last frame
 
 
 def _patches_normalized_first(frames, ip, min_pixels, max_pixels):
-    """The layout as first written: normalize float frames, then permute (the reference)."""
-    from PIL import Image
+    """The layout as first written, with transformers' video resize (torchvision's
+    ``resize`` of a uint8 CPU tensor: ``interpolate`` bicubic, antialias, on uint8):
+    normalize float frames, then permute. The reference for the rows."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
     p, m, tps = ip.patch_size, ip.merge_size, ip.temporal_patch_size
     rh, rw = smart_resize(frames.shape[1], frames.shape[2], factor=p * m, min_pixels=min_pixels, max_pixels=max_pixels)
-    resized = np.stack([np.asarray(Image.fromarray(f).resize((rw, rh), Image.BICUBIC)) for f in frames])
-    x = torch.from_numpy(resized).permute(0, 3, 1, 2).float() * float(ip.rescale_factor)
+    u8 = torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous()
+    u8 = torch.nn.functional.interpolate(u8, size=(rh, rw), mode="bicubic", antialias=True, align_corners=False)
+    x = u8.float() * float(ip.rescale_factor)
     x = (x - torch.tensor(ip.image_mean).view(1, 3, 1, 1)) / torch.tensor(ip.image_std).view(1, 3, 1, 1)
     if len(frames) % tps:
         x = torch.cat([x, x[-1:].expand(tps - len(frames) % tps, -1, -1, -1)])
@@ -156,7 +164,7 @@ def _patches_normalized_first(frames, ip, min_pixels, max_pixels):
 
 
 @pytest.mark.parametrize("num_frames", [3, 4])
-def test_video_rows_laid_out_as_uint8_equal_normalizing_first_bit_for_bit(preparer, num_frames):
+def test_video_rows_equal_transformers_video_resize_and_layout_bit_for_bit(preparer, num_frames):
     from mstar_actors.preprocess import video_patches
 
     frames = np.random.default_rng(num_frames).integers(0, 255, (num_frames, 45, 61, 3), dtype=np.uint8)
