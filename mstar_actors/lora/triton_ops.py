@@ -497,12 +497,17 @@ def sgmv_rows(
 MIN_GROUPED_ROWS = 16
 
 
+def uses_single_rows(num_rows: int) -> bool:
+    """Whether a batch of ``num_rows`` takes ``bgmv_rows`` (no row groups needed)."""
+    return num_rows < MIN_GROUPED_ROWS
+
+
 def rows_delta(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, groups=None) -> torch.Tensor:
     """The rows delta by the kernel that suits the batch's size (a shape, so graph-safe).
 
     ``groups``: ``group_rows(row_slots, ...)`` computed once per step by the
     caller (None: computed here when needed)."""
-    if stack.is_embedding or y.shape[0] < MIN_GROUPED_ROWS:
+    if stack.is_embedding or uses_single_rows(y.shape[0]):
         return bgmv_rows(stack, y, x, row_slots)
     return sgmv_rows(stack, y, x, groups if groups is not None else group_rows(row_slots, stack.num_slots))
 
