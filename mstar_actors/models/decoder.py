@@ -191,6 +191,26 @@ class CausalLM(nn.Module):
                 shared.end_step()
         return self.model.norm(x)
 
+    def pack_cpu_weights(self) -> int:
+        """Make the packed copies of the CPU fast path (``cpu_linear``) now
+        rather than in the first forward, which would take them out of the
+        first request's time (about 0.4 s for SmolLM2) and after the KV cache
+        was sized. A no-op off CPU float32 (or without oneDNN); returns the
+        bytes the copies take. Call after the weights are loaded."""
+        num_bytes = 0
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, LoraLinear) and is_packable(module.weight, module.weight):
+                    module.packed = module.packed or PackedWeight()
+                    module.packed.get(module.weight)
+                    num_bytes += module.weight.nbytes
+            head = self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+            if is_packable(head, head):
+                self.lm_head_packed = self.lm_head_packed or PackedWeight()
+                self.lm_head_packed.get(head)
+                num_bytes += head.nbytes
+        return num_bytes
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
         logits = self._head(hidden, weight)

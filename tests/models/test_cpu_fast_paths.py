@@ -214,3 +214,16 @@ def test_rms_norm_bfloat16_keeps_the_reference_casts():
     x32 = x.float()
     expected = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
     assert torch.equal(norm(x), expected)
+
+
+@needs_onednn
+def test_pack_cpu_weights_packs_ahead_and_the_forward_reuses_the_copies():
+    model = make_model()
+    num_bytes = model.pack_cpu_weights()
+    linears = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    assert num_bytes == sum(m.weight.nbytes for m in linears) + model.model.embed_tokens.weight.nbytes
+    copies = [m.packed.packed for m in linears] + [model.lm_head_packed.packed]
+    run_forward(model, torch.arange(4))
+    after = [m.packed.packed for m in linears] + [model.lm_head_packed.packed]
+    assert all(a is b for a, b in zip(after, copies, strict=True))  # none made again
+    assert make_model().to(torch.float64).pack_cpu_weights() == 0
