@@ -7,9 +7,10 @@ The split, in order of need:
   threads (on a GPU host one or two: the device does the work);
 - the frontend and conductor loops keep ``num_reserved`` cores so that
   streaming and scheduling never wait behind preparation;
-- what is left goes to the prepare pool. Each pool worker calls into torch /
-  numpy / ffmpeg, which run the prepare process's intra-op threads, so the
-  pool is ``cpus left // threads of this process``, capped at
+- what is left goes to the prepare pool. Each pool worker decodes on its own
+  thread (ffmpeg single-threaded: the pool is the parallelism) and calls into
+  torch, which runs the prepare process's intra-op threads, so the pool is
+  ``cpus left // threads of this process``, capped at
   ``MAX_PREPARE_WORKERS`` (past 8 the measured video speed-up is flat and the
   reorder buffer only grows).
 

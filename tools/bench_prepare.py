@@ -10,14 +10,22 @@ this script saves itself: a Qwen2.5-VL ``config.json``, a word-level
 tokenizer with Qwen's vision tokens, and the processor's config. No model
 weights are needed to prepare. Media travel as data: URLs (a 640x480 JPEG; a
 4 s 320x240 mpeg4 clip at 24 fps, sampled at 2 fps), so no network is timed.
-Tensors go to an in-process stand-in for the arena.
+Tensors go to an in-process stand-in for the arena. Each cell also shows the
+process's CPU time per request (CPU ms/req rising with the workers is
+contention; flat CPU with a flat speed-up is a serial part: the GIL or the
+actor's loop). A GIL probe follows: how long one video draft holds the GIL.
 
 Then, in the same run, time to first token at concurrency 4 for video
 requests over HTTP: the real server (``python -m mstar_actors serve``) with
 ``prepare.preprocess_workers`` 4 (the pool) against 1 (inline), on a tiny
 random Qwen2.5-VL this script saves (``--model PATH`` serves a real folder),
-each request streamed with the ``openai`` client and timed to its first
-content chunk; the ratio inline / pool is printed. ``--ttft-rounds 0`` skips it.
+each request streamed and timed to its first content chunk; the ratio
+inline / pool is printed, with each stage of the requests' way (from the
+prepare actor's DEBUG stage lines and the worker's step lines): when the
+frontend had the body, when prepare read it, drafted it and sent it, and the
+prefill steps that followed. ``--ttft-extra-clip 640x480x8`` measures TTFT
+again with a heavier clip; ``--ttft-rounds 0`` skips TTFT. With ``OUT`` set
+in the environment, the tables are also appended to ``$OUT/bench_prepare.md``.
 """
 
 from __future__ import annotations
@@ -25,11 +33,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import collections
 import io
 import json
 import math
 import os
 import platform
+import re
 import sys
 import tempfile
 import time
@@ -266,7 +276,7 @@ def context_for(clip: Clip) -> int:
 
 def serve_for_ttft(model_dir: Path, num_workers: int, tmp: Path, clip: Clip = Clip(), model_name: str = "vl",
                    max_model_len: int | None = None, concurrency: int = 4):
-    """Start the server with ``num_workers`` prepare threads; (process, port) once serving.
+    """Start the server with ``num_workers`` prepare threads; (process, port, ServerLog) once serving.
 
     ``max_model_len`` also sizes the batch budget: ``concurrency`` whole video
     prompts fit one step. With a budget of one context (1,024 for the default
@@ -274,7 +284,11 @@ def serve_for_ttft(model_dir: Path, num_workers: int, tmp: Path, clip: Clip = Cl
     scheduler serialises what the pool prepared at once. Prefix caching is
     off: every request carries the same clip, and with the cache on each
     prompt after the first computes only its last block, so TTFT would time
-    no prefill (and no vision encode) at all, as no real client sees."""
+    no prefill (and no vision encode) at all, as no real client sees.
+
+    The server logs at DEBUG (``MSTAR_BENCH_SERVER_LOG`` sets another level):
+    the prepare actor's per-request stage line and the worker's step line are
+    what ``ServerLog`` keeps to split TTFT into its stages."""
     import socket
     import subprocess
 
@@ -295,7 +309,7 @@ def serve_for_ttft(model_dir: Path, num_workers: int, tmp: Path, clip: Clip = Cl
     env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp),
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.Popen([sys.executable, "-m", "mstar_actors", "serve", str(config), "--port", str(port),
-                             "--log-level", os.environ.get("MSTAR_BENCH_SERVER_LOG", "INFO")],
+                             "--log-level", os.environ.get("MSTAR_BENCH_SERVER_LOG", "DEBUG")],
                             cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     seen: list[str] = []
     for line in proc.stderr:  # the launcher logs "serving NAME at http://..." once every actor is ready
@@ -305,12 +319,57 @@ def serve_for_ttft(model_dir: Path, num_workers: int, tmp: Path, clip: Clip = Cl
     else:
         tail = "".join(seen[-30:])
         raise RuntimeError(f"the server with preprocess_workers={num_workers} exited before serving; its log ends:\n{tail}")
-    import threading
+    log = ServerLog(echo=os.environ.get("MSTAR_BENCH_SERVER_LOG") == "DEBUG")  # echo: show the step log lines
+    log.drain(proc.stderr)
+    return proc, port, log
 
-    echo = os.environ.get("MSTAR_BENCH_SERVER_LOG") == "DEBUG"  # show the server's step log lines
-    threading.Thread(target=lambda: [print(line, end="", file=sys.stderr) if echo and "step " in line else None
-                                     for line in proc.stderr], daemon=True).start()  # keep the pipe drained
-    return proc, port
+
+class Stage(NamedTuple):
+    """One request through the prepare actor, ms after its arrival at the frontend."""
+
+    arrival: float  # time.time() at the frontend
+    read: float
+    draft_start: float
+    draft_end: float
+    sent: float
+
+
+class Step(NamedTuple):
+    at: float  # time.time() when the worker logged it (the step's end; ms resolution)
+    num_tokens: int
+    num_new: int
+    ms: float
+
+
+_STAGE = re.compile(r"prepared (\S+) at (\S+): read (\S+), draft (\S+)-(\S+), sent (\S+) ms after arrival")
+_STEP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*step \d+: \d+ rows, (\d+) tokens, (\d+) new, (\S+) ms")
+
+
+class ServerLog:
+    """The server's stderr, read on a thread (which also keeps the pipe
+    drained): the prepare actor's stage line per request (see
+    ``actors/prepare.py`` ``stage_line``) and the worker's step lines."""
+
+    def __init__(self, echo: bool = False):
+        self.echo = echo
+        self.stages: dict[str, Stage] = {}
+        self.steps: list[Step] = []
+
+    def drain(self, stream) -> None:
+        import threading
+
+        threading.Thread(target=lambda: [self.read_line(line) for line in stream], daemon=True).start()
+
+    def read_line(self, line: str) -> None:
+        if (m := _STAGE.search(line)) is not None:
+            self.stages[m[1]] = Stage(*(float(x) for x in m.groups()[1:]))
+        elif (m := _STEP.search(line)) is not None:
+            import datetime
+
+            at = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            self.steps.append(Step(at, int(m[2]), int(m[3]), float(m[4])))
+            if self.echo:
+                print(line, end="", file=sys.stderr)
 
 
 async def check_one(port: int, url: str, model_name: str = "vl") -> int:
@@ -330,8 +389,16 @@ async def check_one(port: int, url: str, model_name: str = "vl") -> int:
     return usage["prompt_tokens"]
 
 
-async def ttft_round(port: int, url: str, concurrency: int, model_name: str = "vl") -> list[float]:
-    """Seconds to the first streamed chunk of ``concurrency`` video requests sent at once.
+class Timed(NamedTuple):
+    """One streamed request as the client saw it."""
+
+    request_id: str  # the engine's id: the chunk's id and choice 0
+    sent: float  # time.time() when the client sent it
+    ttft: float  # seconds to the first content chunk
+
+
+async def ttft_round(port: int, url: str, concurrency: int, model_name: str = "vl") -> list[Timed]:
+    """``concurrency`` video requests sent at once, each timed to its first streamed chunk.
 
     Plain aiohttp, so the benchmark runs where the ``openai`` client is not installed."""
     import aiohttp
@@ -340,15 +407,15 @@ async def ttft_round(port: int, url: str, concurrency: int, model_name: str = "v
             "messages": [{"role": "user", "content": [{"type": "text", "text": "describe this video"},
                                                       {"type": "video_url", "video_url": {"url": url}}]}]}
 
-    async def one(session) -> float:
-        start = time.perf_counter()
+    async def one(session) -> Timed:
+        sent, start = time.time(), time.perf_counter()
         async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as response:
             if response.status != 200:
                 raise RuntimeError(f"video request answered {response.status}: {await response.text()}")
             first = None
             async for line in response.content:
                 if first is None and line.startswith(b"data: "):
-                    first = time.perf_counter() - start
+                    first = Timed(json.loads(line[6:])["id"] + "-0", sent, time.perf_counter() - start)
         return first
 
     async with aiohttp.ClientSession() as session:
@@ -356,25 +423,122 @@ async def ttft_round(port: int, url: str, concurrency: int, model_name: str = "v
 
 
 def measure_ttft(model_dir: Path, url: str, tmp: Path, rounds: int, clip: Clip, concurrency: int = 4,
-                 max_model_len: int | None = None) -> tuple[dict[int, float], int]:
-    """Median TTFT (s) at ``concurrency`` with the pool (4 workers) and inline
-    (1), and the video prompt's token count."""
+                 max_model_len: int | None = None) -> tuple[dict[int, list[Timed]], dict[int, ServerLog], int]:
+    """TTFT at ``concurrency`` with the pool (4 workers) and inline (1): every
+    measured request, each server's log, and the video prompt's token count."""
     import signal
-    import statistics
 
-    medians = {}
+    timed, logs = {}, {}
     for num_workers in (4, 1):
-        proc, port = serve_for_ttft(model_dir, num_workers, tmp, clip, max_model_len=max_model_len,
-                                    concurrency=concurrency)
+        progress(f"TTFT: starting the server with preprocess_workers={num_workers}")
+        proc, port, log = serve_for_ttft(model_dir, num_workers, tmp, clip, max_model_len=max_model_len,
+                                         concurrency=concurrency)
         try:
             num_prompt_tokens = asyncio.run(check_one(port, url))  # also the warm-up of every actor
             asyncio.run(ttft_round(port, url, concurrency))  # and of every pool thread (first-call costs)
-            times = [t for _ in range(rounds) for t in asyncio.run(ttft_round(port, url, concurrency))]
+            timed[num_workers] = []
+            for i in range(rounds):
+                timed[num_workers] += asyncio.run(ttft_round(port, url, concurrency))
+                progress(f"TTFT workers={num_workers}: round {i + 1}/{rounds}", end="\r")
+            progress("")
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
-        medians[num_workers] = statistics.median(times)
-    return medians, num_prompt_tokens
+        logs[num_workers] = log
+    return timed, logs, num_prompt_tokens
+
+
+def ttft_stages(timed: list[Timed], log: ServerLog, num_rounds: int) -> dict[str, float]:
+    """p50 over the requests of each stage, in ms after the client sent the
+    request, and of the draft's own duration; plus the prefill steps that ran
+    while the requests waited for their first token."""
+    import statistics
+
+    rows: dict[str, list[float]] = collections.defaultdict(list)
+    for t in timed:
+        stage = log.stages.get(t.request_id)
+        rows["first token at the client (TTFT)"].append(1e3 * t.ttft)
+        if stage is None:
+            continue  # the server logs at another level than DEBUG
+        base = 1e3 * (stage.arrival - t.sent)  # HTTP and body parse
+        rows["at the frontend (body parsed)"].append(base)
+        rows["prepare reads it"].append(base + stage.read)
+        rows["draft starts"].append(base + stage.draft_start)
+        rows["draft ends"].append(base + stage.draft_end)
+        rows["Prepared sent to the conductor"].append(base + stage.sent)
+        rows["draft's own time"].append(stage.draft_end - stage.draft_start)
+        rows["Prepared sent -> first token"].append(1e3 * t.ttft - base - stage.sent)
+    out = {name: statistics.median(v) for name, v in rows.items()}
+    start, end = min(t.sent for t in timed), max(t.sent + t.ttft for t in timed)
+    prefills = [s for s in log.steps if start <= s.at <= end + 0.002 and s.num_new]
+    if prefills:
+        out["prefill steps per round"] = len(prefills) / num_rounds
+        out["requests per prefill step"] = sum(s.num_new for s in prefills) / len(prefills)
+        out["prefill step ms (p50)"] = statistics.median(s.ms for s in prefills)
+    return out
+
+
+def gil_probe(preparer, request, num_drafts: int = 10) -> str:
+    """How long one draft holds the GIL: a second thread spins a tiny Python
+    loop beside it and loses the GIL for that long. GIL ms per draft = (1 -
+    spin rate beside / spin rate alone) x the draft's wall time beside it.
+    A pool can scale at most draft time alone / GIL ms (Amdahl, the GIL-held
+    part serial)."""
+    import statistics
+    import threading
+
+    def spin(seconds: float | None, stop: threading.Event, out: list) -> None:
+        n, start = 0, time.perf_counter()
+        while not stop.is_set() and (seconds is None or time.perf_counter() - start < seconds):
+            for _ in range(100):
+                pass
+            n += 1
+        out.append(n / (time.perf_counter() - start))
+
+    def solo_draft_ms() -> float:
+        start = time.perf_counter()
+        preparer.draft(request, {})
+        return 1e3 * (time.perf_counter() - start)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)  # finer than the 5 ms default, so waiting for the GIL distorts less
+    try:
+        alone: list[float] = []
+        spin(0.3, threading.Event(), alone)
+        stop, beside = threading.Event(), []
+        spinner = threading.Thread(target=spin, args=(None, stop, beside))
+        spinner.start()
+        walls = [solo_draft_ms() for _ in range(num_drafts)]
+        stop.set()
+        spinner.join()
+    finally:
+        sys.setswitchinterval(old)
+    solo = statistics.median(solo_draft_ms() for _ in range(num_drafts))
+    wall = statistics.median(walls)
+    share = max(0.0, 1 - beside[0] / alone[0])
+    held = share * wall
+    return (f"GIL probe (video draft): alone {solo:.1f} ms; beside a thread spinning in Python {wall:.1f} ms, "
+            f"holding the GIL {100 * share:.0f}% of that ({held:.1f} ms), so N threads draft at most "
+            f"{solo / max(held, 1e-3):.1f}x as fast as one (meaningful on idle cores only: on busy ones the "
+            f"spinner also loses its core)")
+
+
+def progress(text: str, end: str = "\n") -> None:
+    print(f"# {text}" if text else "", end=end, file=sys.stderr, flush=True)
+
+
+class Report:
+    """Prints the result tables, and appends them to ``$OUT/bench_prepare.md`` when ``OUT`` is set."""
+
+    def __init__(self):
+        out = os.environ.get("OUT")
+        self.path = Path(out) / "bench_prepare.md" if out else None
+
+    def __call__(self, text: str = "") -> None:
+        print(text, flush=True)
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(text + "\n")
 
 
 def main() -> None:
@@ -390,13 +554,23 @@ def main() -> None:
                         help="frame size of the clip (default 320x240)")
     parser.add_argument("--video-fps", type=float, default=2.0,
                         help="frames sampled per second of clip: the server's video_fps (default 2)")
+    parser.add_argument("--ttft-extra-clip", type=_clip, default=None, metavar="WxHxSECONDS",
+                        help="time to first token again with this clip too (e.g. 640x480x8: a draft that "
+                             "weighs more against the model's steps)")
     args = parser.parse_args()
     clip = Clip(args.video_seconds, *args.video_size, args.video_fps)
+    report = Report()
+
+    import resource
 
     import torch
 
     from mstar_actors.media import MediaLimits
     from mstar_actors.preprocess import load_preparer
+
+    def cpu_s() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
 
     torch.set_num_threads(args.torch_threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -405,31 +579,68 @@ def main() -> None:
                              max_video_seconds=max(120.0, clip.seconds + 1))
         preparer = load_preparer(folder, None, limits)
         urls = {"image": jpeg_data_url(), "video": mp4_data_url(clip.seconds, width=clip.width, height=clip.height)}
-        print(f"# {platform.node()} {os.cpu_count()} cpus (affinity {len(os.sched_getaffinity(0))}), "
-              f"torch threads {torch.get_num_threads()}, {args.requests} requests per cell; video "
-              f"{clip.seconds:g} s {clip.width}x{clip.height} sampled at {clip.fps:g} fps ({clip.num_frames} frames)")
-        print("| kind | workers | req/s | ms/req | speed-up |\n|---|---|---|---|---|")
+        report(f"# {platform.node()} {os.cpu_count()} cpus (affinity {len(os.sched_getaffinity(0))}), "
+               f"torch threads {torch.get_num_threads()}, {args.requests} requests per cell; video "
+               f"{clip.seconds:g} s {clip.width}x{clip.height} sampled at {clip.fps:g} fps ({clip.num_frames} frames)")
+        report("\n| kind | workers | req/s | ms/req | CPU ms/req | speed-up |\n|---|---|---|---|---|---|")
         for kind, url in urls.items():
             base = None
             for workers in args.workers:
                 requests = [make_request(f"{kind}{workers}-{i}", kind, url) for i in range(args.requests)]
                 asyncio.run(run_once(preparer, requests[:2], workers))  # warm-up
+                cpu = cpu_s()
                 elapsed = asyncio.run(run_once(preparer, requests, workers))
+                cpu = cpu_s() - cpu
                 rate = args.requests / elapsed
                 base = base or rate
-                print(f"| {kind} | {workers} | {rate:.1f} | {1000 * elapsed / args.requests:.1f} | {rate / base:.2f}x |",
-                      flush=True)
-        if args.ttft_rounds:
-            # The tiny model keeps Qwen2.5-VL's processor (14 px patches, frames up to 28*28*1280 px), so
-            # the server decodes, resizes and patches the clip as for a real model: TTFT is mostly that.
-            max_model_len = None if args.model else context_for(clip)
-            model_dir = args.model or save_tiny_vl_model(Path(tmp) / "tiny-vl", real_patches=True,
-                                                         max_model_len=max_model_len)
-            medians, num_prompt_tokens = measure_ttft(model_dir, urls["video"], Path(tmp), args.ttft_rounds, clip,
-                                                      max_model_len=max_model_len)
-            print(f"\nserved video prompt: {num_prompt_tokens} tokens, context {max_model_len or 'of the model'}")
-            print(f"| video TTFT, concurrency 4 | p50 ms |\n|---|---|\n| pool (4 workers) | {1000 * medians[4]:.0f} |\n"
-                  f"| inline (1) | {1000 * medians[1]:.0f} |\ninline / pool: {medians[1] / medians[4]:.2f}x", flush=True)
+                report(f"| {kind} | {workers} | {rate:.1f} | {1000 * elapsed / args.requests:.1f} | "
+                       f"{1000 * cpu / args.requests:.1f} | {rate / base:.2f}x |")
+        progress("GIL probe (video draft)")
+        report("\n" + gil_probe(preparer, make_request("gil", "video", urls["video"])))
+        if not args.ttft_rounds:
+            return
+        run_ttft(report, args, clip, urls["video"], Path(tmp))
+        if args.ttft_extra_clip:
+            width, height, seconds = args.ttft_extra_clip
+            extra = Clip(seconds, width, height, clip.fps)
+            progress(f"TTFT again with a {width}x{height} {seconds:g} s clip")
+            run_ttft(report, args, extra, mp4_data_url(seconds, width=width, height=height), Path(tmp))
+
+
+def run_ttft(report: "Report", args, clip: Clip, url: str, tmp: Path) -> None:
+    """Time to first token of ``clip`` at concurrency 4, pool against inline, and its stages."""
+    # The tiny model keeps Qwen2.5-VL's processor (14 px patches, frames up to 28*28*1280 px), so
+    # the server decodes, resizes and patches the clip as for a real model: TTFT is mostly that.
+    max_model_len = None if args.model else context_for(clip)
+    model_dir = args.model or save_tiny_vl_model(tmp / f"tiny-vl-{max_model_len}", real_patches=True,
+                                                 max_model_len=max_model_len)
+    timed, logs, num_prompt_tokens = measure_ttft(model_dir, url, tmp, args.ttft_rounds, clip,
+                                                  max_model_len=max_model_len)
+    report(f"\nvideo {clip.seconds:g} s {clip.width}x{clip.height} at {clip.fps:g} fps ({clip.num_frames} frames, "
+           f"{len(url) >> 10} KiB data: URL)")
+    report_ttft(report, timed, logs, num_prompt_tokens, max_model_len)
+
+
+def report_ttft(report: Report, timed: dict[int, list[Timed]], logs: dict[int, ServerLog], num_prompt_tokens: int,
+                max_model_len: int | None) -> None:
+    stages = {n: ttft_stages(timed[n], logs[n], len(timed[n]) // 4) for n in (4, 1)}
+    ttft = "first token at the client (TTFT)"
+    report(f"\nserved video prompt: {num_prompt_tokens} tokens, context {max_model_len or 'of the model'}; "
+           f"{len(timed[4])} requests per mode")
+    report(f"| video TTFT, concurrency 4 | p50 ms |\n|---|---|\n| pool (4 workers) | {stages[4][ttft]:.0f} |\n"
+           f"| inline (1) | {stages[1][ttft]:.0f} |\ninline / pool: {stages[1][ttft] / stages[4][ttft]:.2f}x")
+    report("\n| stage, ms after the client sent (p50 over requests) | pool (4) | inline (1) |\n|---|---|---|")
+    for name in stages[1]:
+        if name in stages[4]:
+            report(f"| {name} | {stages[4][name]:.1f} | {stages[1][name]:.1f} |")
+
+
+def _clip(text: str) -> tuple[int, int, float]:
+    try:
+        width, height, seconds = text.lower().split("x")
+        return (*_size(f"{width}x{height}"), float(seconds))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected WIDTHxHEIGHTxSECONDS, e.g. 640x480x8") from None
 
 
 def _size(text: str) -> tuple[int, int]:

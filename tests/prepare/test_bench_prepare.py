@@ -1,0 +1,50 @@
+"""The prepare benchmark reads the server's log lines it splits TTFT by: the
+prepare actor's stage line (made here by the actor's own formatter) and the
+worker's step line."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+import pytest
+
+from actors.prepare import _Slot, stage_line
+from mstar_actors.messages import NewRequest, SamplingParams
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_prepare.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_prepare_log", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stages_and_prefill_steps_from_the_server_log(bench):
+    arrival = time.time()
+    req = NewRequest(request_id="chatcmpl-1-0", model="vl", sampling=SamplingParams(), prompt="x", arrival_time=arrival)
+    slot = _Slot(req, read_at=arrival + 0.002, draft_start=arrival + 0.003, draft_end=arrival + 0.030)
+    log = bench.ServerLog()
+    log.read_line(f"2026-01-01 00:00:00,000 DEBUG [prepare] mstar_actors.prepare: {stage_line(slot, arrival + 0.031)}\n")
+    step_at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(arrival + 0.040)) + f",{int((arrival + 0.040) % 1 * 1000):03d}"
+    log.read_line(f"{step_at} DEBUG [worker0] mstar_actors.worker0: step 7: 1 rows, 406 tokens, 1 new, 12.5 ms\n")
+    [stage] = log.stages.values()
+    assert (stage.read, stage.draft_start, stage.draft_end, stage.sent) == pytest.approx((2, 3, 30, 31), abs=0.11)
+    timed = [bench.Timed("chatcmpl-1-0", sent=arrival - 0.005, ttft=0.050)]
+    stages = bench.ttft_stages(timed, log, num_rounds=1)
+    assert stages["at the frontend (body parsed)"] == pytest.approx(5, abs=0.2)
+    assert stages["Prepared sent to the conductor"] == pytest.approx(36, abs=0.2)
+    assert stages["draft's own time"] == pytest.approx(27, abs=0.2)
+    assert stages["first token at the client (TTFT)"] == pytest.approx(50)
+    assert stages["prefill steps per round"] == 1 and stages["requests per prefill step"] == 1
+    assert stages["prefill step ms (p50)"] == 12.5
+
+
+def test_clip_argument(bench):
+    assert bench._clip("640x480x8") == (640, 480, 8.0)
+    with pytest.raises(Exception, match="WIDTHxHEIGHTxSECONDS"):
+        bench._clip("640x480")
