@@ -263,6 +263,10 @@ class Clip(NamedTuple):
         h, w = smart_resize(self.height, self.width, factor=28, min_pixels=56 * 56, max_pixels=max_pixels)
         return math.ceil(self.num_frames / 2) * (h // 28) * (w // 28)
 
+    def pixel_bytes(self, max_pixels: int = 28 * 28 * 1280) -> int:
+        """Bytes of the clip's float32 patch rows (4 patches of 2 x 3 x 14 x 14 values per token)."""
+        return self.num_tokens(max_pixels) * 4 * 1176 * 4
+
     def media_limits(self) -> str:
         """The server section's video limits that let this clip through."""
         return (f"video_fps: {self.fps}, max_video_frames: {max(64, self.num_frames + 2)}, "
@@ -304,7 +308,7 @@ def serve_for_ttft(model_dir: Path, num_workers: int, tmp: Path, clip: Clip = Cl
            if max_model_len else "")
         + "kv: {enable_prefix_caching: false}\n"
         +
-        "transport: {arena_bytes: 268435456}\n"
+        f"transport: {{arena_bytes: {arena_bytes(clip, concurrency)}}}\n"
     )
     env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp),
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
@@ -322,6 +326,11 @@ def serve_for_ttft(model_dir: Path, num_workers: int, tmp: Path, clip: Clip = Cl
     log = ServerLog(echo=os.environ.get("MSTAR_BENCH_SERVER_LOG") == "DEBUG")  # echo: show the step log lines
     log.drain(proc.stderr)
     return proc, port, log
+
+
+def arena_bytes(clip: Clip, concurrency: int) -> int:
+    """Room for every concurrent request's pixels twice over (256 MiB at least), in whole MiB."""
+    return max(256 << 20, -(-2 * concurrency * clip.pixel_bytes() // (1 << 20)) << 20)
 
 
 class Stage(NamedTuple):
