@@ -291,9 +291,11 @@ class PrepareActor(Actor):
 
 
 def stage_line(slot: _Slot, sent_at: float) -> str:
-    """``prepared REQUEST_ID: read R, draft S-E, sent T ms after arrival``
-    (``tools/bench_prepare.py`` parses it; keep the two in step)."""
+    """``prepared REQUEST_ID at ARRIVAL: read R, draft S-E, sent T ms after arrival``,
+    ARRIVAL in seconds of ``time.time()`` (``tools/bench_prepare.py`` parses
+    it; keep the two in step)."""
     arrival = slot.req.arrival_time or slot.read_at
     read, start, end, sent = (1e3 * (t - arrival) for t in (slot.read_at, slot.draft_start, slot.draft_end, sent_at))
     draft = f"{start:.1f}-{end:.1f}" if slot.draft_end else "none"  # failed before it drafted
-    return f"prepared {slot.req.request_id}: read {read:.1f}, draft {draft}, sent {sent:.1f} ms after arrival"
+    return (f"prepared {slot.req.request_id} at {arrival:.4f}: read {read:.1f}, draft {draft}, "
+            f"sent {sent:.1f} ms after arrival")
