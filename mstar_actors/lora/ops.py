@@ -276,6 +276,38 @@ class LoraStack:
         shard), zero-padding the rank. Shards the adapter does not target
         must be cleared first (``clear``) so an earlier tenant leaves nothing."""
         shard = shard or 0
+        self.check(slot, shard, module)
+        lo, hi, rank = self.offsets[shard], self.offsets[shard + 1], module.rank
+        self.a[shard, slot].zero_()
+        self.a[shard, slot, :rank].copy_(module.a)
+        self.b[slot, lo:hi].zero_()
+        self.b[slot, lo:hi, :rank].copy_(module.b)
+        self.scales[shard, slot] = module.scale
+
+    def install_slot(self, slot: int, modules: Sequence[tuple[int | None, LoraModule]]) -> None:
+        """Replace the whole of ``slot`` with ``modules`` (``(shard, factors)``
+        pairs; shards not named read zero), checked first, then staged on the
+        host and written with one copy per tensor: on a GPU that is three
+        transfers instead of a zero and a copy per module and shard, which is
+        what an adapter swap waits for. Staging is pinned on CUDA, so the
+        copies are asynchronous; the stream orders them before any later step."""
+        for shard, module in modules:
+            self.check(slot, shard or 0, module)
+        pin = self.a.is_cuda
+        a = torch.zeros(self.a[:, slot].shape, dtype=self.a.dtype, pin_memory=pin)
+        b = torch.zeros(self.b[slot].shape, dtype=self.b.dtype, pin_memory=pin)
+        scales = torch.zeros(self.scales[:, slot].shape, dtype=self.scales.dtype, pin_memory=pin)
+        for shard, module in modules:
+            shard, rank = shard or 0, module.rank
+            a[shard, :rank].copy_(module.a)
+            b[self.offsets[shard] : self.offsets[shard + 1], :rank].copy_(module.b)
+            scales[shard] = module.scale
+        self.a[:, slot].copy_(a, non_blocking=pin)
+        self.b[slot].copy_(b, non_blocking=pin)
+        self.scales[:, slot].copy_(scales, non_blocking=pin)
+
+    def check(self, slot: int, shard: int, module: LoraModule) -> None:
+        """Raise ValueError, naming what fits, unless ``module`` fits ``shard`` of a non-zero ``slot``."""
         if slot == ZERO_SLOT:
             raise ValueError("slot 0 is the zero adapter and is never installed")
         rank = module.rank
@@ -285,11 +317,6 @@ class LoraStack:
                 f"LoRA factors A {tuple(module.a.shape)} / B {tuple(module.b.shape)} do not fit shard {shard} of "
                 f"this stack: accepted A [r, {self.in_features}], B [{hi - lo}, r] with r <= {self.max_rank}"
             )
-        self.a[shard, slot].zero_()
-        self.a[shard, slot, :rank].copy_(module.a)
-        self.b[slot, lo:hi].zero_()
-        self.b[slot, lo:hi, :rank].copy_(module.b)
-        self.scales[shard, slot] = module.scale
 
     def clear(self, slot: int) -> None:
         self.a[:, slot].zero_()

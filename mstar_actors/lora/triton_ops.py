@@ -454,6 +454,10 @@ def group_rows(row_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, t
     return order, counts, starts
 
 
+def _grouped_block_n(max_rank: int, max_out: int) -> int:
+    return min(max(32, 2048 // _block_r(max_rank)), triton.next_power_of_2(max_out))
+
+
 def sgmv_rows(
     stack: LoraStack, y: torch.Tensor, x: torch.Tensor, groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *, tiles: int | None = None
 ) -> torch.Tensor:
@@ -470,7 +474,7 @@ def sgmv_rows(
         raise TypeError(f"LoRA rows delta: x is {x.dtype} and A is {stack.a.dtype}; accepted: the same dtype of {_DOT_DTYPES}")
     order, counts, starts = groups
     block_m, block_r, block_k = 16, _block_r(max_rank), 64
-    block_n = min(max(32, 2048 // block_r), triton.next_power_of_2(max_out))
+    block_n = _grouped_block_n(max_rank, max_out)
     num_m = triton.cdiv(num_rows, block_m)
     tiles = tiles or _pick_tiles(num_m, num_shards, max_out, k, block_n, _num_sms(y.device))
     num_groups = triton.cdiv(max_out, tiles * block_n)
@@ -510,6 +514,40 @@ def rows_delta(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: to
     if stack.is_embedding or uses_single_rows(y.shape[0]):
         return bgmv_rows(stack, y, x, row_slots)
     return sgmv_rows(stack, y, x, groups if groups is not None else group_rows(row_slots, stack.num_slots))
+
+
+def warm_up(stack: LoraStack, max_num_rows: int) -> None:
+    """Launch once every kernel variant ``rows_delta`` can pick for ``stack``
+    at 1 to ``max_num_rows`` rows, so each compiles now (about a second
+    each) rather than in the middle of serving. The variants differ only in
+    ``TILES``, a function of the row count: one launch per distinct value,
+    on zero slots (every program returns at once; nothing is written)."""
+    device = stack.a.device
+    for num_rows in _variant_row_counts(stack, max_num_rows, _num_sms(device)):
+        if stack.is_embedding:
+            x = torch.zeros(num_rows, dtype=torch.long, device=device)
+        else:
+            x = torch.zeros(num_rows, stack.in_features, dtype=stack.a.dtype, device=device)
+        y = torch.zeros(num_rows, stack.offsets[-1], dtype=stack.a.dtype, device=device)
+        rows_delta(stack, y, x, torch.zeros(num_rows, dtype=torch.int32, device=device))
+
+
+def _variant_row_counts(stack: LoraStack, max_num_rows: int, num_sms: int) -> list[int]:
+    """The smallest row count of each distinct ``(kernel, TILES)`` that
+    ``rows_delta`` picks for ``stack`` at 1 to ``max_num_rows`` rows."""
+    num_shards, _, max_rank, k = stack.a.shape
+    max_out = max(stack.output_sizes)
+    seen: dict[tuple[str, int], int] = {}
+    _, _, block_n = _rows_blocks(max_rank, k, max_out)
+    shrink_cost = max_rank if stack.is_embedding else k
+    grouped_block_n = _grouped_block_n(max_rank, max_out)
+    for num_rows in range(1, max_num_rows + 1):
+        if stack.is_embedding or uses_single_rows(num_rows):
+            key = ("bgmv", _pick_tiles(num_rows, num_shards, max_out, shrink_cost, block_n, num_sms))
+        else:
+            key = ("grouped", _pick_tiles(triton.cdiv(num_rows, 16), num_shards, max_out, k, grouped_block_n, num_sms))
+        seen.setdefault(key, num_rows)
+    return sorted(seen.values())
 
 
 def add_delta_rows(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:

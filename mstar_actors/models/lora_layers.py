@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from mstar_actors.lora.adapter_file import AdapterWeights
+from mstar_actors.lora.adapter_file import AdapterWeights, LoraModule
 from mstar_actors.lora.ops import ZERO_SLOT, LoraSegments, LoraStack, build_segments, has_kernels, row_groups
 
 from .checkpoint import CheckpointRules
@@ -50,20 +50,24 @@ class LoraStep:
     shared holder is enough (no step ever sees another's segments).
 
     ``row_slots`` (int32 device tensor [T], 0 = base), set by
-    ``begin_rows_step`` for a pure decode step, replaces both: every hook,
-    the embedding's and the LM head's included, reads its row's slot there.
-    At most one of ``row_slots`` and ``segments`` is set. ``row_groups``:
-    the rows grouped by slot on the device (``triton_ops.group_rows``), made
-    once per step for the grouped kernel's batch sizes, else None.
+    ``begin_rows_step``, replaces both: every token-row hook reads its row's
+    slot there, the LM head reads ``sampled_row_slots`` (the same tensor in
+    a pure decode step; None when no sampled row has an adapter). At most
+    one of ``row_slots`` and ``segments`` is set. ``row_groups`` /
+    ``sampled_row_groups``: those rows grouped by slot on the device
+    (``triton_ops.group_rows``), made once per step for the grouped
+    kernel's batch sizes, else None.
     """
 
-    __slots__ = ("segments", "sampled_segments", "row_slots", "row_groups")
+    __slots__ = ("segments", "sampled_segments", "row_slots", "row_groups", "sampled_row_slots", "sampled_row_groups")
 
     def __init__(self) -> None:
         self.segments: LoraSegments | None = None
         self.sampled_segments: LoraSegments | None = None
         self.row_slots: torch.Tensor | None = None
         self.row_groups: tuple[torch.Tensor, ...] | None = None
+        self.sampled_row_slots: torch.Tensor | None = None
+        self.sampled_row_groups: tuple[torch.Tensor, ...] | None = None
 
 
 class LoraHook:
@@ -77,9 +81,12 @@ class LoraHook:
         self.is_sampled = is_sampled  # the LM head sees only the sampled rows
 
     def apply(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        row_slots = self.step.row_slots
-        if row_slots is not None:  # pure decode: token rows are the sampled rows, same order
-            return self.stack.add_delta_rows(y, x, row_slots, self.step.row_groups)
+        step = self.step
+        if step.row_slots is not None:
+            if self.is_sampled:
+                slots = step.sampled_row_slots
+                return y if slots is None else self.stack.add_delta_rows(y, x, slots, step.sampled_row_groups)
+            return self.stack.add_delta_rows(y, x, step.row_slots, step.row_groups)
         segments = self.step.sampled_segments if self.is_sampled else self.step.segments
         return y if segments is None else self.stack.add_delta(y, x, segments)
 
@@ -96,11 +103,13 @@ class LoraLayers:
         self.stacks = stacks
         self.rules = rules
         self.step = step
-        # Eager pure-decode steps take the rows path where it runs as a kernel:
-        # one launch per linear instead of shrink + expand, and no host-side
-        # segment build. On the CPU the segment reference is cheaper (the rows
-        # reference gathers every row's B, vocabulary-wide for the LM head).
-        self.rows_for_decode = has_kernels(self.device)
+        # Every step takes the rows path where it runs as a kernel: one launch
+        # per linear instead of shrink + expand, no host-side segment build,
+        # and kernel variants that depend on shapes only, so all of them are
+        # compiled at startup (``warm_up_kernels``) and none mid-request. On
+        # the CPU the segment reference is cheaper (the rows reference
+        # gathers every row's B, vocabulary-wide for the LM head).
+        self.uses_rows = has_kernels(self.device)
 
     @property
     def num_slots(self) -> int:
@@ -119,24 +128,50 @@ class LoraLayers:
     def begin_step(self, chunk_slots: Sequence[int], query_lens: Sequence[int], sampled_slots: Sequence[int]) -> None:
         """Group this step's rows by slot: chunk ``i`` has ``query_lens[i]``
         rows on ``chunk_slots[i]``. A base-only step leaves the segments None.
-        A pure decode step goes to ``begin_rows_step`` instead where
-        ``rows_for_decode`` (default: the kernels run on this device)."""
+        Where the kernels run (``uses_rows``) the step goes to
+        ``begin_rows_step`` instead, with its own sampled rows unless it is
+        a pure decode step (then they are the token rows)."""
         if not any(chunk_slots):
             self.end_step()
             return
-        if self.rows_for_decode and _is_pure_decode(query_lens, chunk_slots, sampled_slots):
-            self.begin_rows_step(torch.tensor(chunk_slots, dtype=torch.int32).to(self.device, non_blocking=True))
+        if self.uses_rows:
+            pure_decode = _is_pure_decode(query_lens, chunk_slots, sampled_slots)
+            token_slots = chunk_slots if pure_decode else _token_slots(chunk_slots, query_lens)
+            self.begin_rows_step(self._on_device(token_slots))
+            if not pure_decode:
+                sampled = self._on_device(sampled_slots) if any(sampled_slots) else None
+                self.step.sampled_row_slots = sampled
+                self.step.sampled_row_groups = None if sampled is None else row_groups(sampled, self.num_slots)
             return
-        token_slots = [slot for slot, n in zip(chunk_slots, query_lens, strict=True) for _ in range(n)]
         self.step.row_slots = None
         self.step.row_groups = None
-        self.step.segments = build_segments(token_slots)
+        self.step.segments = build_segments(_token_slots(chunk_slots, query_lens))
         self.step.sampled_segments = build_segments(sampled_slots) if any(sampled_slots) else None
         if self.device.type == "cuda":
             # The segments' one host-to-device copy, here rather than inside the first layer.
             for segments in (self.step.segments, self.step.sampled_segments):
                 if segments is not None:
                     segments.on(self.device)
+
+    def _on_device(self, slots: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(slots, dtype=torch.int32).to(self.device, non_blocking=True)
+
+    def warm_up_kernels(self, max_num_tokens: int) -> None:
+        """Compile every kernel variant a step of up to ``max_num_tokens`` rows
+        can launch, now: a Triton compile takes about a second, which in the
+        middle of serving would stall every request in the batch. Runs each
+        variant once on scratch tensors (slot rows of zeros: nothing changes)."""
+        if not self.uses_rows:
+            return
+        from mstar_actors.lora import triton_ops
+
+        seen = set()
+        for stack in [*self.stacks.values()]:
+            shape = (tuple(stack.a.shape), tuple(stack.b.shape), stack.is_embedding)
+            if shape not in seen:
+                seen.add(shape)
+                triton_ops.warm_up(stack, max_num_tokens)
+        torch.cuda.synchronize(self.device)
 
     def begin_rows_step(self, row_slots: torch.Tensor) -> None:
         """A pure decode step: row ``t`` (token row and sampled row alike) runs
@@ -155,27 +190,33 @@ class LoraLayers:
             )
         self.step.segments = None
         self.step.sampled_segments = None
-        self.step.row_slots = row_slots
-        self.step.row_groups = row_groups(row_slots, self.num_slots)
+        self.step.row_slots = self.step.sampled_row_slots = row_slots
+        self.step.row_groups = self.step.sampled_row_groups = row_groups(row_slots, self.num_slots)
 
     def end_step(self) -> None:
         self.step.segments = None
         self.step.sampled_segments = None
-        self.step.row_slots = None
-        self.step.row_groups = None
+        self.step.row_slots = self.step.sampled_row_slots = None
+        self.step.row_groups = self.step.sampled_row_groups = None
 
     # -- slots -------------------------------------------------------------
 
     def install(self, slot: int, weights: AdapterWeights) -> None:
         """Install ``weights`` into ``slot`` of every stack; modules the adapter
-        does not target read zero. The slot is cleared first, so a reload
-        never keeps an earlier tenant's rows; on any error it is left cleared."""
+        does not target read zero. Every stack's slot is rewritten whole, so a
+        reload never keeps an earlier tenant's rows; on any error the slot is
+        left cleared."""
         self._check_slot(slot, weights.name)
-        placements = [(hf, *self._place(hf, weights.name), module) for hf, module in weights.iter_modules()]
-        self.clear(slot)
+        by_stack: dict[str, list[tuple[str, int | None, LoraModule]]] = {}
+        for hf_module, module in weights.iter_modules():
+            ours, shard = self._place(hf_module, weights.name)
+            by_stack.setdefault(ours, []).append((hf_module, shard, module))
         try:
-            for hf_module, ours, shard, module in placements:
-                self._install_one(slot, hf_module, ours, shard, module, weights.name)
+            for ours, stack in self.stacks.items():
+                if ours in by_stack:
+                    self._install_stack(slot, ours, by_stack[ours], weights.name)
+                else:
+                    stack.clear(slot)
         except Exception:
             self.clear(slot)
             raise
@@ -200,11 +241,17 @@ class LoraLayers:
             )
         return mapped
 
-    def _install_one(self, slot, hf_module, ours, shard, module, name) -> None:
-        try:
-            self.stacks[ours].install(slot, shard, module)
-        except ValueError as err:
-            raise ValueError(f"adapter {name!r}: module {hf_module!r} ({ours}): {err}") from None
+    def _install_stack(self, slot, ours, modules, name) -> None:
+        stack = self.stacks[ours]
+        for hf_module, shard, module in modules:  # each refusal names its module
+            try:
+                stack.check(slot, shard or 0, module)
+            except ValueError as err:
+                raise ValueError(f"adapter {name!r}: module {hf_module!r} ({ours}): {err}") from None
+        stack.install_slot(slot, [(shard, module) for _, shard, module in modules])
+
+def _token_slots(chunk_slots: Sequence[int], query_lens: Sequence[int]) -> list[int]:
+    return [slot for slot, n in zip(chunk_slots, query_lens, strict=True) for _ in range(n)]
 
 
 def _is_pure_decode(query_lens: Sequence[int], chunk_slots: Sequence[int], sampled_slots: Sequence[int]) -> bool:

@@ -210,7 +210,7 @@ def _decode_logits(runner, slots, *, rows: bool, kernel: bool, monkeypatch) -> t
     starts = [d.start(rid, [3 + 7 * i + j for j in range(5 + i % 5)], slot=s) for i, (rid, s) in enumerate(zip(rids, slots))]
     d.step(starts, [d.chunk(rid) for rid in rids])
     batch = build_batch(d.decodes(*rids), runner.seqs, runner.block_size, runner.num_kv_blocks, runner.max_model_len)
-    monkeypatch.setattr(runner.lora, "rows_for_decode", rows)
+    monkeypatch.setattr(runner.lora, "uses_rows", rows)
     if kernel:  # the rows path through the Triton kernel in the interpreter
         rows_delta = triton_ops.rows_delta  # picks bgmv_rows or sgmv_rows by the batch size, as on CUDA
         monkeypatch.setattr(LoraStack, "add_delta_rows", lambda stack, y, x, s, groups=None: rows_delta(stack, y, x, s, groups))
@@ -248,6 +248,44 @@ def test_decode_through_rows_equals_segments(runner, kernel, num_rows, monkeypat
     assert torch.equal(got[base_rows], base[base_rows])  # base rows bit-identical to the base-only step
 
 
+def _prefill_logits(runner, slots, *, rows: bool, kernel: bool, monkeypatch) -> torch.Tensor:
+    """One prefill step mixing whole prompts (sampled) and partial chunks (not
+    sampled): the LM head's rows are a subset of the token rows."""
+    from plan_driver import PlanDriver
+
+    from mstar_actors import messages
+    from mstar_actors.model_runner import build_batch
+
+    sampling = messages.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    d = PlanDriver(runner, block_size=4, num_new=4, sampling=sampling)
+    rids = [f"p{i}" for i in range(len(slots))]
+    runner.start([d.start(rid, [5 + 3 * i + j for j in range(6 + i)], slot=s) for i, (rid, s) in enumerate(zip(rids, slots))])
+    chunks = [d.chunk(rid, None if i % 2 == 0 else 4) for i, rid in enumerate(rids)]
+    batch = build_batch(chunks, runner.seqs, runner.block_size, runner.num_kv_blocks, runner.max_model_len)
+    monkeypatch.setattr(runner.lora, "uses_rows", rows)
+    if kernel:
+        rows_delta = triton_ops.rows_delta
+        monkeypatch.setattr(LoraStack, "add_delta_rows", lambda stack, y, x, s, groups=None: rows_delta(stack, y, x, s, groups))
+    try:
+        logits = runner._run_model(batch)
+    finally:
+        runner.forget(rids)
+        monkeypatch.undo()
+    return logits
+
+
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=interpreted)])
+def test_prefill_through_rows_equals_segments(runner, kernel, monkeypatch):
+    """Every CUDA step takes the rows path, prefill chunks too: a step whose
+    sampled rows are a subset of its token rows (one of them on the base
+    model, one partial chunk on an adapter) gives the segment path's logits."""
+    slots = [1, 0, 2, 3, 2]  # chunk 1 and 3 are partial (not sampled)
+    want = _prefill_logits(runner, slots, rows=False, kernel=False, monkeypatch=monkeypatch)
+    got = _prefill_logits(runner, slots, rows=True, kernel=kernel, monkeypatch=monkeypatch)
+    assert got.shape == want.shape == (3, runner.spec.vocab_size)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 # ---------------------------------------------------------------- the timing tool's decode table
 
 
@@ -268,3 +306,37 @@ def test_check_tool_decode_dry_run_validates_and_writes_json(tmp_path):
     assert [(r["linear"], r["batch"], r["mix"]) for r in rows] == [("o", 1, "mixed4"), ("o", 8, "mixed4")]
     assert all(r["error"] is None and r["rel_error"] < 1e-4 and r["rows_us"] and r["sgmv_us"] for r in rows)
     assert tool.decode_slots("mixed4", 6, None) == [1, 2, 3, 4, 1, 2]
+
+
+@pytest.mark.parametrize("outs,k,is_embedding", [([64, 32, 32], 64, False), ([512, 512], 64, False), ([96], 300, True)])
+def test_warm_up_covers_every_variant_serving_can_pick(outs, k, is_embedding, monkeypatch):
+    """Each (kernel, TILES) ``rows_delta`` picks at 1..N rows is launched by
+    ``warm_up``, so no compile happens mid-serving (recorded, not launched)."""
+    stack = LoraStack(k, outs, num_slots=3, max_rank=8, dtype=torch.float32, is_embedding=is_embedding)
+    picked = []
+
+    def record(kind):
+        def launch(stack, y, x, slots, *rest, tiles=None):
+            picked.append((kind, tiles or _tiles_for(kind, stack, y.shape[0])))
+            return y
+        return launch
+
+    def _tiles_for(kind, stack, num_rows):
+        num_shards, _, max_rank, kk = stack.a.shape
+        max_out = max(stack.output_sizes)
+        if kind == "bgmv":
+            _, _, block_n = triton_ops._rows_blocks(max_rank, kk, max_out)
+            return triton_ops._pick_tiles(num_rows, num_shards, max_out, max_rank if stack.is_embedding else kk, block_n, 4)
+        return triton_ops._pick_tiles(-(-num_rows // 16), num_shards, max_out, kk, triton_ops._grouped_block_n(max_rank, max_out), 4)
+
+    monkeypatch.setattr(triton_ops, "bgmv_rows", record("bgmv"))
+    monkeypatch.setattr(triton_ops, "sgmv_rows", record("grouped"))
+    monkeypatch.setattr(triton_ops, "group_rows", lambda slots, n: None)
+    max_rows = 300
+    for num_rows in range(1, max_rows + 1):
+        triton_ops.rows_delta(stack, torch.zeros(num_rows, sum(outs)), torch.zeros(num_rows, k), torch.zeros(num_rows, dtype=torch.int32))
+    serving = set(picked)
+    picked.clear()
+    triton_ops.warm_up(stack, max_rows)
+    assert set(picked) == serving
+    assert len(picked) == len(serving)  # one launch per variant
