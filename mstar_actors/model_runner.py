@@ -29,6 +29,7 @@ which no plan can name (block ids are checked against ``num_kv_blocks``).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,6 +179,7 @@ class ModelRunner:
         max_lora_rank: int = 0,
         enforce_eager: bool = False,
         cuda_graph_max_batch: int = 64,
+        max_num_batched_tokens: int = 2048,
     ):
         self.device = resolve_device(device)
         arch, spec = load_spec(Path(model_dir))  # read first: "auto" dtype depends on it
@@ -205,11 +207,27 @@ class ModelRunner:
         # Multimodal models: per-sequence positions and vision rows; pixel
         # values are read through ``resolve_tensor`` (the worker's arena).
         self.media = MediaInputs(self.model, resolve_tensor) if getattr(self.model, "is_multimodal", False) else None
+        if self.device.type == "cuda":
+            self._warm_up_kernels(max_num_batched_tokens)
         # Last: capture needs the LoRA stacks and the KV cache, and its memory
         # comes out of what the cache left.
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not enforce_eager and self.media is None:
             self.enable_decode_graphs(cuda_graph_max_batch)
+
+    def _warm_up_kernels(self, max_num_tokens: int) -> None:
+        """Compile every Triton kernel variant a step can launch before the
+        first request (each compile takes about a second: mid-serving it would
+        stall the whole batch). Variants depend on shapes only, so the set is
+        known: attention's split counts, each LoRA stack's tiling per row count."""
+        started = time.perf_counter()
+        backend = self.model.model.layers[0].self_attn.backend
+        if hasattr(backend, "warm_up"):
+            backend.warm_up(self.spec.num_heads, self.spec.head_dim, self.kv_caches[0])
+        if self.lora is not None:
+            self.lora.warm_up_kernels(max_num_tokens)
+        torch.cuda.synchronize(self.device)
+        log.info("kernels compiled for up to %d tokens a step in %.1f s", max_num_tokens, time.perf_counter() - started)
 
     def enable_decode_graphs(self, max_batch: int, *, capture: bool = True) -> None:
         """Serve pure decode steps of up to ``max_batch`` sequences through

@@ -68,7 +68,10 @@ def _attend_tokens(q, m_i, l_i, acc, n0, end, table, kv_base, stride_kv, stride_
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
-@triton.jit
+# The table's row stride is the step's widest table in eager steps: left to
+# specialise, each width class (1, a multiple of 16, other) would compile
+# its own kernel in the middle of serving.
+@triton.jit(do_not_specialize=["stride_tb"])
 def _decode_kernel(
     q_ptr, kv_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr,
     scale_log2,
@@ -209,7 +212,25 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
     if num_programs >= num_sms:
         return 1
     max_steps = triton.cdiv(max_context, TOKENS_PER_STEP)
-    return max(1, min(MAX_SPLITS, triton.cdiv(2 * num_sms, num_programs), max_steps))
+    splits = max(1, min(MAX_SPLITS, triton.cdiv(2 * num_sms, num_programs), max_steps))
+    # A power of two: the count is a compile-time constant, so this keeps its
+    # variants to a handful that ``warm_up`` compiles before serving.
+    return 1 << (splits.bit_length() - 1)
+
+
+def warm_up(q_shape: tuple[int, int, int], kv_cache: torch.Tensor) -> None:
+    """Compile every split count ``choose_num_splits`` can pick, for queries of
+    ``[_, heads, head_dim]`` on ``kv_cache``, now: a compile takes about a
+    second, which mid-serving would stall the whole batch. Reads the cache,
+    writes only scratch tensors."""
+    _, num_heads, head_dim = q_shape
+    q = torch.zeros(1, num_heads, head_dim, dtype=kv_cache.dtype, device=kv_cache.device)
+    tables = torch.zeros(1, 2, dtype=torch.int32, device=kv_cache.device)
+    lens = torch.ones(1, dtype=torch.int32, device=kv_cache.device)
+    num_splits = 1
+    while num_splits <= MAX_SPLITS:
+        paged_decode_attention(q, kv_cache, tables, lens, 1.0, num_splits=num_splits)
+        num_splits *= 2
 
 
 _SM_COUNTS: dict[int, int] = {}
@@ -292,6 +313,11 @@ class TritonPagedAttention(TorchPagedAttention):
             out[rows] = paged_decode_attention(q[rows], kv_cache, tables, lens, scale)
         self._attend_chunks(q, kv_cache, meta, scale, out)
         return out
+
+    def warm_up(self, num_heads: int, head_dim: int, kv_cache: torch.Tensor) -> None:
+        """Compile the decode kernel's variants now (module ``warm_up``)."""
+        if is_supported_head_dim(head_dim):
+            warm_up((1, num_heads, head_dim), kv_cache)
 
     def _kernel_takes(self, head_dim: int) -> bool:
         if is_supported_head_dim(head_dim):
