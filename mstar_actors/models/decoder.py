@@ -90,6 +90,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.qkv_proj = StackedLinear(spec.hidden_size, [spec.q_size, spec.kv_size, spec.kv_size], spec.qkv_bias)
         self.o_proj = LoraLinear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
+        # A plain flag: ``hasattr`` on a module raises and catches inside
+        # nn.Module.__getattr__ for the missing norm, every layer, every step.
+        self.has_qk_norm = spec.qk_norm
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
@@ -103,7 +106,7 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
+        if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         self.backend.write_kv(kv_cache, k, v, meta)
