@@ -44,6 +44,11 @@ tokens/s = (useful) tokens / wall time. TTFT is the median; CPU ms/token is
 user + system time of every process doing the work (this one for generate;
 the launcher and every actor for the server, not the HTTP client), which
 other jobs on a shared machine distort far less than wall time.
+
+To see where a decode step's time goes, in one process and without HTTP:
+``tools/profile_step.py`` (our ``ModelRunner.execute`` against the
+``transformers`` forward on the same batch, with ``--profile`` for an op
+breakdown of each).
 """
 
 from __future__ import annotations
