@@ -1,0 +1,143 @@
+"""One rank's decode step on the GPU, in process: base against LoRA rows.
+
+Times ``ModelRunner.execute`` for pure decode steps (what the CUDA graphs
+replay) of B sequences at about 100 tokens of context, with every row on
+the base model, on one adapter, or on four adapters round robin; then the
+time of ``install_adapter`` (what an adapter swap waits for on a rank); then
+the GPU kernels of one adapter step by ``torch.profiler``. No server, no
+processes: the figures are the model runner's share of a serving step.
+
+    python tools/profile_gpu_step.py --tokenizer DIR            # the random Llama-3.2-1B shape
+    python tools/profile_gpu_step.py --tokenizer DIR --batches 1 8 32 64
+
+Needs CUDA; makes the model and adapters like ``bench_lora.py`` (same cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import bench_lora  # noqa: E402
+from mstar_actors import messages  # noqa: E402
+from mstar_actors.lora import BaseShapes, read_adapter  # noqa: E402
+from mstar_actors.model_runner import ModelRunner  # noqa: E402
+
+NUM_ADAPTERS = 4
+CONTEXT = 100
+
+
+def load_adapters(runner: ModelRunner, paths: dict[str, Path], model_dir: Path) -> list:
+    import json
+
+    base = BaseShapes.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    return [read_adapter(paths[name], base=base, max_rank=16, name=name) for name in sorted(paths)]
+
+
+class Decoder:
+    """Prefills B sequences on the given slots, then runs decode steps on them."""
+
+    def __init__(self, runner: ModelRunner, slots: list[int], tag: str):
+        self.runner, self.block_size = runner, runner.block_size
+        self.rids = [f"{tag}{i}" for i in range(len(slots))]
+        self.sampling = messages.SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+        self.blocks = {rid: list(range(1 + i * 64, 1 + (i + 1) * 64)) for i, rid in enumerate(self.rids)}
+        self.done = {rid: 0 for rid in self.rids}
+        starts = [messages.SeqStart(rid, [(7 * i + j) % 1000 + 3 for j in range(CONTEXT)], self.sampling, lora_slot=s)
+                  for i, (rid, s) in enumerate(zip(self.rids, slots))]
+        self.step_id = 0
+        self.run(starts, [self.chunk(rid, CONTEXT) for rid in self.rids])
+
+    def chunk(self, rid: str, num_tokens: int) -> messages.ScheduledChunk:
+        c = messages.ScheduledChunk(rid, self.done[rid], num_tokens, self.blocks[rid], True)
+        self.done[rid] += num_tokens
+        return c
+
+    def run(self, started=(), chunks=()) -> None:
+        self.step_id += 1
+        self.runner.execute(messages.StepPlan(self.step_id, list(started), list(chunks), []))
+
+    def decode(self) -> float:
+        started = time.perf_counter()
+        self.run((), [self.chunk(rid, 1) for rid in self.rids])
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        self.runner.forget(self.rids)
+
+
+def time_steps(runner: ModelRunner, slots: list[int], tag: str, num_steps: int) -> float:
+    d = Decoder(runner, slots, tag)
+    for _ in range(3):
+        d.decode()
+    times = [d.decode() for _ in range(num_steps)]
+    d.close()
+    return statistics.median(times) * 1e3
+
+
+def time_install(runner: ModelRunner, adapters: list, repeats: int) -> float:
+    times = []
+    for i in range(repeats):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        runner.install_adapter(1 + i % NUM_ADAPTERS, adapters[i % len(adapters)])
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+def profile_step(runner: ModelRunner, slots: list[int]) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    d = Decoder(runner, slots, "prof")
+    d.decode()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            d.decode()
+    d.close()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokenizer", type=Path, required=True, help="SmolLM2's tokenizer files and config.json")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--no-profile", action="store_true")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_gpu_step needs CUDA", file=sys.stderr)
+        return 2
+    cache = bench_lora.default_cache_dir()
+    model_dir = bench_lora.make_random_llama(cache / bench_lora.LLAMA_1B, args.tokenizer, "bfloat16", "cuda")
+    paths = bench_lora.make_adapters(model_dir, cache / "adapters" / f"{bench_lora.LLAMA_1B}-r16",
+                                     [f"lora{i}" for i in range(NUM_ADAPTERS)], 16, "bfloat16", "cuda")
+    runner = ModelRunner(model_dir, device="cuda", num_blocks=64 * max(args.batches) + 8, max_loras=NUM_ADAPTERS,
+                         max_lora_rank=16, max_model_len=2048)
+    adapters = load_adapters(runner, paths, model_dir)
+    for slot, weights in enumerate(adapters, start=1):
+        runner.install_adapter(slot, weights)
+    print(f"# {torch.cuda.get_device_name()}: decode step ms (median of {args.steps}), ModelRunner.execute, "
+          f"context ~{CONTEXT}")
+    print(f"{'batch':>5} {'base':>8} {'one':>8} {'mixed4':>8} {'one/base':>9} {'mixed/base':>10}")
+    for batch in args.batches:
+        base = time_steps(runner, [0] * batch, "b", args.steps)
+        one = time_steps(runner, [1] * batch, "o", args.steps)
+        mixed = time_steps(runner, [1 + i % NUM_ADAPTERS for i in range(batch)], "m", args.steps)
+        print(f"{batch:>5} {base:>8.3f} {one:>8.3f} {mixed:>8.3f} {base / one:>8.1%} {base / mixed:>9.1%}")
+    print(f"# install_adapter: {time_install(runner, adapters, 8):.1f} ms (median of 8, synchronised)")
+    if not args.no_profile:
+        print(profile_step(runner, [1] * 8))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
