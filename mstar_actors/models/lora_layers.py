@@ -96,7 +96,8 @@ class LoraHook:
         if step.row_slots is None or side is None or not torch.cuda.is_current_stream_capturing():
             return self.apply(base(x), x)
         main = torch.cuda.current_stream(x.device)
-        delta = torch.empty(x.shape[0], self.stack.offsets[-1], dtype=x.dtype, device=x.device)
+        # float32, so ``y + delta`` rounds once, as the in-place kernel does.
+        delta = torch.empty(x.shape[0], self.stack.offsets[-1], dtype=torch.float32, device=x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             delta.zero_()
