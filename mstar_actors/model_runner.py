@@ -185,6 +185,10 @@ class ModelRunner:
         arch, spec = load_spec(Path(model_dir))  # read first: "auto" dtype depends on it
         self.dtype = resolve_dtype(dtype, spec.torch_dtype, self.device)
         self.model = load_model(model_dir, self.dtype, self.device)
+        if self.device.type == "cpu":
+            # Now, not in the first request's step, and before the KV cache
+            # is sized from the RAM that is left.
+            self.model.pack_cpu_weights()
         self.spec = spec
         # Stacks before the KV cache: its size is what memory is left.
         self.lora: LoraLayers | None = None

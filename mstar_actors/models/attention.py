@@ -117,7 +117,7 @@ class TorchPagedAttention:
             mask = _graph_decode_mask(meta, kv_cache.shape[2])
             return self._attend_decode(q, kv_cache, meta.block_tables, mask, scale)
         out = torch.empty_like(q)
-        decode = _decode_rows(meta, kv_cache.shape[2], q.device)
+        decode = _decode_rows(meta, kv_cache.shape[2], q.device, q.dtype)
         if decode is not None:
             rows, tables, mask = decode
             out[rows] = self._attend_decode(q[rows], kv_cache, tables, mask, scale)
@@ -162,12 +162,14 @@ class TorchPagedAttention:
         return kv[0], kv[1]
 
 
-def _decode_rows(meta: AttentionMetadata, block_size: int, device: torch.device):
+def _decode_rows(meta: AttentionMetadata, block_size: int, device: torch.device, dtype: torch.dtype):
     """``(rows, tables, mask)`` for the step's decode rows, None without any:
-    flat query rows ``[B]``, their block tables ``[B, nb]`` (int64) and a key
-    mask ``[B, 1, 1, nb * block_size]``. Built once per step and kept in
-    ``meta.derived``: every layer reuses it. A lone decode row takes this
-    path too: SDPA's fused CPU kernel beats its math path even at B = 1."""
+    flat query rows ``[B]``, their block tables ``[B, nb]`` (int64) and an
+    additive key mask ``[B, 1, 1, nb * block_size]`` (0 or -inf, in the
+    queries' dtype: SDPA would convert a boolean one in every layer). Built
+    once per step and kept in ``meta.derived``: every layer reuses it. A lone
+    decode row takes this path too: SDPA's fused CPU kernel beats its math
+    path even at B = 1."""
     if "decode" in meta.derived:
         return meta.derived["decode"]
     seqs = [i for i, n in enumerate(meta.query_lens_list) if n == 1]
@@ -179,7 +181,8 @@ def _decode_rows(meta: AttentionMetadata, block_size: int, device: torch.device)
         tables = meta.block_tables[index, :num_blocks].long()
         lens = meta.context_lens[index].long()
         positions = torch.arange(num_blocks * block_size, device=device)
-        mask = (positions[None, :] < lens[:, None])[:, None, None, :]
+        visible = (positions[None, :] < lens[:, None])[:, None, None, :]
+        mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
         rows = torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=device)
         decode = (rows, tables, mask)
     meta.derived["decode"] = decode
