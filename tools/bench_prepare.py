@@ -168,7 +168,8 @@ class HeapArena:
     shared segment. A fresh 7.5 MB allocation per request (``clone``) cost
     ~3 ms of page faults on the loop's thread, which the server never pays and
     which slowed the 1-worker baseline most. The buffer is a ring: once it
-    wraps, the oldest entries of ``tensors`` are overwritten (their shapes stay)."""
+    wraps, the oldest entries of ``tensors`` are overwritten (their shapes stay);
+    a tensor bigger than the buffer replaces it with one twice its size."""
 
     def __init__(self, capacity_bytes: int = 64 << 20):
         import torch
@@ -184,8 +185,9 @@ class HeapArena:
 
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         nbytes = flat.numel()
-        if nbytes > self.buffer.numel():
-            raise ValueError(f"a {nbytes}-byte tensor does not fit the {self.buffer.numel()}-byte stand-in arena")
+        if nbytes > self.buffer.numel():  # a bigger clip: grow once (during the warm-up), touched as at start
+            self.buffer = torch.empty(2 * nbytes, dtype=torch.uint8).zero_()
+            self._offset = 0
         if self._offset + nbytes > self.buffer.numel():
             self._offset = 0
         block = self.buffer[self._offset:self._offset + nbytes]

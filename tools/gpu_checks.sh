@@ -31,7 +31,10 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.txt, print the tail
 $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")'
 step gpu_tests $PY -m pytest -q -m gpu -p no:cacheprovider \
     tests/lora/test_lora_triton_gpu.py tests/lora/test_lora_parity.py tests/models/test_runner.py tests/test_sampling.py \
-    tests/models/test_decode_graphs.py
+    tests/models/test_decode_graphs.py tests/models/test_triton_attention.py tests/lora/test_lora_rows.py
+step attention_kernels $PY tools/check_attention_kernels.py
+step lora_kernels $PY tools/check_lora_kernels.py --decode
+step gpu_step $PY tools/profile_gpu_step.py --no-profile ${TOKENIZER:+--tokenizer "$TOKENIZER"}
 step bench_lora $PY tools/bench_lora.py --model llama-3.2-1b-random --device cuda \
     ${TOKENIZER:+--tokenizer "$TOKENIZER"} --output "$OUT/bench_lora_table.txt"
 step bench_prepare $PY tools/bench_prepare.py

@@ -108,7 +108,8 @@ def profile_step(runner: ModelRunner, slots: list[int]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokenizer", type=Path, required=True, help="SmolLM2's tokenizer files and config.json")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="SmolLM2's tokenizer files and config.json (default: the fetched embedded model)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--no-profile", action="store_true")
@@ -116,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("profile_gpu_step needs CUDA", file=sys.stderr)
         return 2
+    if args.tokenizer is None:
+        from mstar_actors.fetch import resolve_model
+
+        args.tokenizer = Path(resolve_model("smollm2"))
     cache = bench_lora.default_cache_dir()
     model_dir = bench_lora.make_random_llama(cache / bench_lora.LLAMA_1B, args.tokenizer, "bfloat16", "cuda")
     paths = bench_lora.make_adapters(model_dir, cache / "adapters" / f"{bench_lora.LLAMA_1B}-r16",
