@@ -354,18 +354,25 @@ def decode_main(args) -> int:
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
     print(f"# decode  {env}  dtype={args.dtype}  max_loras={MAX_LORAS}  seed={args.seed}  calls per timing={args.calls}")
     print(DECODE_HEADER)
+    return run_rows(decode_configs(args), check_decode_one, format_decode_row, args, device, dtype, env, "lora_decode.json")
+
+
+def run_rows(configs_, check, format_, args, device, dtype, env: dict, json_name: str) -> int:
+    """Check and print each configuration's row (a failure is recorded, not
+    fatal), then write them all as JSON (``--json``, else ``$OUT/json_name``).
+    Exit status 1 if any row failed."""
     rows = []
-    for row, output_sizes in decode_configs(args):
+    for row, output_sizes in configs_:
         try:
-            check_decode_one(row, output_sizes, args, device, dtype)
+            check(row, output_sizes, args, device, dtype)
         except Exception as err:  # one failing config must not end the run
             row.error = f"{type(err).__name__}: {err}".splitlines()[0][:200]
             traceback.print_exc(file=sys.stderr)
         rows.append(row)
-        print(format_decode_row(row), flush=True)
+        print(format_(row), flush=True)
     failed = [r for r in rows if r.error]
     print(f"# {len(rows) - len(failed)} passed, {len(failed)} failed")
-    out = args.json or (Path(os.environ["OUT"]) / "lora_decode.json" if os.environ.get("OUT") else None)
+    out = args.json or (Path(os.environ["OUT"]) / json_name if os.environ.get("OUT") else None)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"env": env, "dtype": args.dtype, "rows": [asdict(r) for r in rows]}, indent=1))
@@ -390,23 +397,7 @@ def main(argv=None) -> int:
         env["triton"] = None
     print(f"# {env}  dtype={args.dtype}  max_loras={MAX_LORAS}  seed={args.seed}")
     print(HEADER)
-    rows = []
-    for row, output_sizes in configs(args):
-        try:
-            check_one(row, output_sizes, args, device, dtype)
-        except Exception as err:  # one failing config must not end the run
-            row.error = f"{type(err).__name__}: {err}".splitlines()[0][:200]
-            traceback.print_exc(file=sys.stderr)
-        rows.append(row)
-        print(format_row(row), flush=True)
-    failed = [r for r in rows if r.error]
-    print(f"# {len(rows) - len(failed)} passed, {len(failed)} failed")
-    out = args.json or (Path(os.environ["OUT"]) / "lora_kernels.json" if os.environ.get("OUT") else None)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"env": env, "dtype": args.dtype, "rows": [asdict(r) for r in rows]}, indent=1))
-        print(f"# wrote {out}")
-    return 1 if failed else 0
+    return run_rows(configs(args), check_one, format_row, args, device, dtype, env, "lora_kernels.json")
 
 
 if __name__ == "__main__":
