@@ -3,7 +3,8 @@
 For every config (linear x batch tokens x rank x slot mix) of a
 Llama-3.2-1B-shaped model it first validates the kernels' delta against the
 fp32 reference on fresh random inputs, then times the whole delta
-(``LoraStack.add_delta``: shrink + expand) and the base GEMM ``x @ W.T`` of
+(``LoraStack.add_delta_rows``: one launch, the kernel its row count picks,
+plus the step's once-per-step row grouping) and the base GEMM ``x @ W.T`` of
 the same linear with CUDA events (warmup, median), and prints one table row:
 shape, mix, kernel us, base GEMM us, overhead %. A config that fails is
 reported in its row and the run goes on; the exit status is 1 if any failed.
@@ -14,9 +15,8 @@ reported in its row and the run goes on; the exit status is 1 if any failed.
 
 ``--decode`` prints the decode-step table instead: for batches of 1, 8, 32
 and 64 rows (one per sequence) and each linear, the time per call of the
-base GEMM, of the segment path (SGMV shrink + expand) and of the fused rows
-kernels (``add_delta_rows``: one program per row below 16 rows, rows
-grouped by slot from 16), eager and, for the GEMM and rows, inside one
+base GEMM and of the rows kernels (``add_delta_rows``: one program per row
+below ``MIN_GROUPED_ROWS``, rows grouped by slot from there), eager and inside one
 CUDA graph of 66 back-to-back calls (a Llama-3.2-1B decode step makes 66
 LoRA calls: 16 layers x 4 linears, embedding, LM head). Eager times are the
 wall time of 66 back-to-back calls / 66, launch overhead included, as an
@@ -75,12 +75,11 @@ class Row:
     tokens: int
     rank: int
     mix: str
-    num_segments: int = 0
+    num_segments: int = 0  # distinct adapters among the rows
     rel_error: float | None = None
     kernel_us: float | None = None
     base_gemm_us: float | None = None
     overhead_pct: float | None = None
-    segments_host_us: float | None = None
     error: str | None = None
 
 
@@ -144,14 +143,12 @@ def check_one(row: Row, output_sizes, args, device: str, dtype: torch.dtype) -> 
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     stack = make_stack(row.in_features, output_sizes, row.rank, dtype, device, gen)
     slots = slot_mix(row.mix, row.tokens, rng)
-    t0 = time.perf_counter()
-    segments = build_segments(slots)
-    row.segments_host_us = (time.perf_counter() - t0) * 1e6
+    segments = build_segments(slots)  # the reference's input
     row.num_segments = segments.num_segments
-    segments.on(device)  # the per-step host-to-device copy, outside the timed region
+    row_slots = torch.tensor(slots, dtype=torch.int32, device=device)  # the per-step copy, outside the timed region
     x = torch.randn(row.tokens, row.in_features, generator=gen).to(dtype).to(device)
     y = torch.zeros(row.tokens, row.out_features, dtype=dtype, device=device)
-    stack.add_delta(y, x, segments)
+    stack.add_delta_rows(y, x, row_slots)
     want = reference_delta(stack, x, segments)
     scale = want.norm().item()
     row.rel_error = 0.0 if scale == 0 and y.abs().max().item() == 0 else (y.float() - want).norm().item() / max(scale, 1e-12)
@@ -160,7 +157,7 @@ def check_one(row: Row, output_sizes, args, device: str, dtype: torch.dtype) -> 
         return
     weight = (torch.randn(row.out_features, row.in_features, generator=gen) / row.in_features**0.5).to(dtype).to(device)
     timing = dict(device=device, warmup=args.warmup, iters=args.iters)
-    row.kernel_us = time_us(lambda: stack.add_delta(y, x, segments), **timing)
+    row.kernel_us = time_us(lambda: stack.add_delta_rows(y, x, row_slots), **timing)
     row.base_gemm_us = time_us(lambda: x @ weight.T, **timing)
     row.overhead_pct = 100.0 * row.kernel_us / row.base_gemm_us
 
@@ -192,7 +189,7 @@ HEADER = f"{'shape':<24} {'T':>5} {'rank':>4} {'mix':<7} {'segs':>4} {'rel_err':
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, torch reference path, a small subset of configs")
-    p.add_argument("--decode", action="store_true", help="the decode-step table: GEMM vs SGMV vs rows kernel, eager and graphed")
+    p.add_argument("--decode", action="store_true", help="the decode-step table: GEMM vs rows kernels, eager and graphed")
     p.add_argument("--linears", nargs="+", choices=list(LINEARS), default=list(LINEARS))
     p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     p.add_argument("--ranks", nargs="+", type=int, default=list(RANKS))
@@ -230,14 +227,13 @@ class DecodeRow:
     rel_error: float | None = None  # rows kernel vs the fp32 reference
     gemm_us: float | None = None
     gemm_graph_us: float | None = None
-    sgmv_us: float | None = None
     rows_us: float | None = None
     rows_graph_us: float | None = None
     error: str | None = None
 
 
 def decode_slots(mix: str, batch: int, rng: random.Random) -> list[int]:
-    """One slot per row (each row its own sequence); mixed4 interleaves, the SGMV path's worst order."""
+    """One slot per row (each row its own sequence); mixed4 interleaves adapters row by row."""
     if mix == "base":
         return [0] * batch
     if mix == "one":
@@ -279,13 +275,12 @@ def graph_us(fn, *, warmup: int, iters: int, calls: int = CALLS_PER_STEP) -> flo
 
 
 def check_decode_one(row: DecodeRow, output_sizes, args, device: str, dtype: torch.dtype) -> None:
-    """Validate the rows kernel, then time GEMM / SGMV / rows for one config, filling ``row``."""
+    """Validate the rows kernel, then time GEMM / rows for one config, filling ``row``."""
     seed = args.seed + zlib.crc32(f"decode/{row.linear}/{row.batch}/{row.rank}/{row.mix}".encode())
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     stack = make_stack(row.in_features, output_sizes, row.rank, dtype, device, gen)
     slots = decode_slots(row.mix, row.batch, rng)
-    segments = build_segments(slots)
-    segments.on(device)
+    segments = build_segments(slots)  # the reference's input
     row_slots = torch.tensor(slots, dtype=torch.int32, device=device)
     groups = row_groups(row_slots, stack.num_slots)  # once per step in a model, shared by its 66 calls
     x = torch.randn(row.batch, row.in_features, generator=gen).to(dtype).to(device)
@@ -303,7 +298,6 @@ def check_decode_one(row: DecodeRow, output_sizes, args, device: str, dtype: tor
     rows = lambda: stack.add_delta_rows(y, x, row_slots, groups)  # noqa: E731
     timing = dict(warmup=args.warmup, iters=args.iters, calls=args.calls)
     row.gemm_us = eager_us(gemm, device=device, **timing)
-    row.sgmv_us = eager_us(lambda: stack.add_delta(y, x, segments), device=device, **timing)
     row.rows_us = eager_us(rows, device=device, **timing)
     if device == "cuda":
         row.gemm_graph_us = graph_us(gemm, **timing)
@@ -321,7 +315,7 @@ def decode_configs(args):
 
 DECODE_HEADER = (
     f"{'shape':<24} {'B':>3} {'rank':>4} {'mix':<7} {'rel_err':>8} "
-    f"{'gemm':>8} {'gemm_g':>8} {'sgmv':>8} {'rows':>8} {'rows_g':>8}  (us per call; _g: in a graph)"
+    f"{'gemm':>8} {'gemm_g':>8} {'rows':>8} {'rows_g':>8}  (us per call; _g: in a graph)"
 )
 
 
@@ -332,7 +326,7 @@ def format_decode_row(row: DecodeRow) -> str:
     shape = f"{row.linear} {row.in_features}->{row.out_features}"
     return (
         f"{shape:<24} {row.batch:>3} {row.rank:>4} {row.mix:<7} {num(row.rel_error, '.1e'):>8} "
-        f"{num(row.gemm_us):>8} {num(row.gemm_graph_us):>8} {num(row.sgmv_us):>8} {num(row.rows_us):>8} "
+        f"{num(row.gemm_us):>8} {num(row.gemm_graph_us):>8} {num(row.rows_us):>8} "
         f"{num(row.rows_graph_us):>8}  {row.error or ''}"
     )
 

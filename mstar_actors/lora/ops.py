@@ -9,28 +9,26 @@ one B whose out rows are the three B's concatenated at ``offsets``). A plain
 linear is the one-shard case. Weights of every slot are stacked on the device
 (``LoraStack``), zero-padded to ``max_rank``; slot 0 stays zero (base rows).
 
-Rows are grouped into segments (Punica's SGMV): ``build_segments`` sorts a
-step's per-row slots once on the host and drops slot-0 rows, so every launch
-covers a few segments whatever the adapter mix, and base rows cost nothing.
-A segment ``j`` covers rows ``row_index[seg_starts[j] : seg_starts[j] +
-seg_lens[j]]`` (``row_index`` None: rows are already grouped, positions are
-rows).
+Two ways to name each row's slot, one meaning:
 
-Two implementations with one meaning: the torch reference (``*_ref``, any
-device, fp32 math) and the Triton kernels in ``triton_ops`` (CUDA).
-``LoraStack.add_delta`` picks one; it is the one call a model's linear makes.
-
-Per-row slots (``LoraStack.add_delta_rows``, decode steps): instead of
-segments, a device tensor ``row_slots`` [T] (int32, 0 = base) names each
-row's slot. Nothing about it is read on the host, the work's shape depends
-only on tensor shapes, and slot 0's factors are zero, so the call can be
-captured once in a CUDA graph and replayed with other slots written into the
-same tensor. Base rows come out bit-identical to ``y``.
+- Segments (Punica's SGMV layout): ``build_segments`` sorts a step's per-row
+  slots once on the host and drops slot-0 rows. A segment ``j`` covers rows
+  ``row_index[seg_starts[j] : seg_starts[j] + seg_lens[j]]`` (``row_index``
+  None: rows are already grouped, positions are rows).
+  ``LoraStack.add_delta`` runs the torch reference over them (``*_ref``, fp32
+  math): the CPU path, and CUDA without Triton.
+- Per-row slots (``LoraStack.add_delta_rows``): a device tensor
+  ``row_slots`` [T] (int32, 0 = base). Nothing about it is read on the host,
+  the work's shape depends only on tensor shapes, and slot 0's factors are
+  zero, so the call can be captured once in a CUDA graph and replayed with
+  other slots written into the same tensor; base rows come out bit-identical
+  to ``y``. On CUDA it runs the Triton kernels of ``triton_ops`` (every step
+  takes them there, prefill too), elsewhere ``delta_rows_ref``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -45,15 +43,13 @@ ZERO_SLOT = 0
 
 @dataclass(frozen=True)
 class LoraSegments:
-    """One step's rows grouped by slot. Host tuples for the reference; device
-    tensors (int32) made once per device by ``on``."""
+    """One step's rows grouped by slot, as host tuples (the reference's input)."""
 
     num_rows: int
     seg_starts: tuple[int, ...]
     seg_lens: tuple[int, ...]
     seg_slots: tuple[int, ...]
     row_index: tuple[int, ...] | None  # None: segment positions are row numbers
-    _device: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_segments(self) -> int:
@@ -66,26 +62,6 @@ class LoraSegments:
     def rows(self, j: int) -> list[int] | slice:
         start, end = self.seg_starts[j], self.seg_starts[j] + self.seg_lens[j]
         return slice(start, end) if self.row_index is None else list(self.row_index[start:end])
-
-    def on(self, device: torch.device | str) -> dict[str, torch.Tensor]:
-        """{starts, lens, slots, row_index} as int32 tensors on ``device``, cached.
-
-        One host-to-device copy per step and device, made by the caller
-        before the layer loop (not inside it)."""
-        key = str(device)
-        if key not in self._device:
-            host = torch.tensor(
-                [*self.seg_starts, *self.seg_lens, *self.seg_slots, *(self.row_index or ())], dtype=torch.int32
-            )
-            dev = host.to(device, non_blocking=True)
-            n = self.num_segments
-            self._device[key] = {
-                "starts": dev[:n],
-                "lens": dev[n : 2 * n],
-                "slots": dev[2 * n : 3 * n],
-                "row_index": dev[3 * n :] if self.row_index is not None else None,
-            }
-        return self._device[key]
 
 
 def build_segments(token_slots: Sequence[int] | torch.Tensor, *, sort: bool = True) -> LoraSegments:
@@ -331,8 +307,6 @@ class LoraStack:
         """
         if segments.num_segments == 0:
             return y
-        if y.is_cuda and _triton_ops() is not None:
-            return _triton_ops().add_delta(self, y, x, segments)
         shrink = embedding_shrink_ref(x, self.a, segments) if self.is_embedding else shrink_ref(x, self.a, segments)
         return expand_ref(y, shrink, self.b, self.scales, segments, self.offsets)
 

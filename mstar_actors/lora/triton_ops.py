@@ -1,35 +1,28 @@
-"""Triton SGMV kernels for the LoRA delta (CUDA only; see ``ops`` for the meaning).
+"""Triton kernels for the LoRA delta (CUDA; see ``ops`` for the meaning).
 
-Two kernels per targeted linear, whatever the adapter mix:
+One launch per targeted linear and step, all shards of a stacked q|k|v or
+gate|up in it, rows on any mix of slots (``LoraStack.add_delta_rows``).
+Grids follow from shapes only and slots are read on the device, so a CUDA
+graph captures a call and replays it with new slots:
 
-- ``sgmv_shrink``: ``buf[i, rows] = x[rows] @ A[i, slot].T`` per segment and
-  shard, fp32 out. Split-K over ``in`` when the grid would be too small to
-  fill the device (decode steps with one adapter), accumulated atomically.
-- ``sgmv_expand``: ``y[rows, off_i + n] += scale[i, slot] * buf[i, rows] @
-  B[slot, off_i + n].T``, one launch over every shard's output slice.
+- ``bgmv_rows`` (fewer than ``MIN_GROUPED_ROWS`` rows: decode steps, and
+  the embedding always): grid (rows, shards x column groups). Each program
+  reads its row's slot and returns at once on slot 0 (base rows are left
+  bit-identical) or on a module the adapter does not target (scale 0),
+  computes the rank-wide intermediate ``t = scale * x[row] @ A[shard,
+  slot].T`` in fp32 (a one-row product: elementwise multiply and
+  ``tl.sum``), then adds ``t @ B[slot, cols].T`` to its ``TILES`` column
+  tiles of ``y[row]``. Every program of a row recomputes the shrink: the
+  price of one launch instead of two and of no intermediate buffer;
+  ``_pick_tiles`` balances that redundancy against filling the device. The
+  embedding's shrink is a gather of ``A[0, slot, :, token]``.
+- ``sgmv_rows`` (prefill-sized steps): rows grouped by slot on the device
+  (``group_rows``), so one program's A and B tiles serve up to 16 rows of
+  its slot, shrink and expand fused with ``tl.dot``.
 
-Grids: (row tiles of the longest segment, segments, shards x {split-K |
-column tiles}); programs past their segment's end, or on slot 0, return at
-once. Rows of different segments never overlap, so the expand's
-read-modify-write of ``y`` has no races; the shrink's atomics only meet
-between split-K partners of the same tile.
-
-One kernel per targeted linear for per-row slots (``add_delta_rows``,
-decode steps, CUDA-graph safe):
-
-- ``bgmv_rows``: grid (rows, shards x column groups), fixed by shapes. Each
-  program reads its row's slot on the device and returns at once on slot 0
-  (base rows are left bit-identical), computes the rank-wide intermediate
-  ``t = scale * x[row] @ A[shard, slot].T`` in fp32 (a one-row product:
-  elementwise multiply and ``tl.sum``, no tensor cores needed), then adds
-  ``t @ B[slot, cols].T`` to its ``TILES`` column tiles of ``y[row]``. Every
-  program of a row recomputes the shrink: the price of one launch instead of
-  two and of no intermediate buffer. ``_pick_tiles`` sizes the column groups
-  to balance that redundancy against filling the device. The embedding's
-  shrink is a gather of ``A[0, slot, :, token]``.
-
-Importing this module needs Triton; ``ops`` falls back to the reference
-where it is missing.
+Every variant either can launch (``TILES`` per row count) is compiled at
+startup by ``warm_up``. Importing this module needs Triton; ``ops`` falls
+back to the torch reference where it is missing.
 """
 
 from __future__ import annotations
@@ -38,222 +31,20 @@ import torch
 import triton
 import triton.language as tl
 
-from mstar_actors.lora.ops import LoraSegments, LoraStack, check_rows, embedding_shrink_ref
+from mstar_actors.lora.ops import LoraStack, check_rows
 
 _DOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-@triton.jit
-def _shrink_kernel(
-    x_ptr, a_ptr, out_ptr,
-    starts_ptr, lens_ptr, slots_ptr, index_ptr,
-    R,
-    stride_xm, stride_xk,
-    stride_as, stride_al, stride_ar, stride_ak,
-    stride_os, stride_om, stride_or,
-    K: tl.constexpr, HAS_INDEX: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-):  # fmt: skip
-    pid_m = tl.program_id(0)
-    seg = tl.program_id(1)
-    pid_z = tl.program_id(2)
-    shard = pid_z // SPLIT_K
-    split = pid_z % SPLIT_K
-    slot = tl.load(slots_ptr + seg).to(tl.int64)
-    seg_len = tl.load(lens_ptr + seg)
-    if slot == 0:
-        return
-    if pid_m * BLOCK_M >= seg_len:
-        return
-    start = tl.load(starts_ptr + seg)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < seg_len
-    if HAS_INDEX:
-        rows = tl.load(index_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
-    else:
-        rows = (start + offs_m).to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_r = offs_r < R
-    # This split's K tiles start at split * BLOCK_K; the loop's bounds are
-    # compile-time constants (a fixed trip count, and what Triton's
-    # interpreter can loop over under NumPy >= 2.4), the mask ends it.
-    offs_k = split * BLOCK_K + offs_k
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    a_ptrs = a_ptr + shard * stride_as + slot * stride_al + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K * SPLIT_K):
-        mask_k = (k0 + offs_k) < K
-        xt = tl.load(x_ptrs + k0 * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        at = tl.load(a_ptrs + k0 * stride_ak, mask=mask_k[:, None] & mask_r[None, :], other=0.0)
-        acc += tl.dot(xt, at, input_precision=PRECISION)
-    out_ptrs = out_ptr + shard * stride_os + rows[:, None] * stride_om + offs_r[None, :] * stride_or
-    mask = mask_m[:, None] & mask_r[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc, mask=mask)
-    else:
-        tl.atomic_add(out_ptrs, acc, mask=mask)
-
-
-@triton.jit
-def _expand_kernel(
-    buf_ptr, b_ptr, scales_ptr, y_ptr, offsets_ptr,
-    starts_ptr, lens_ptr, slots_ptr, index_ptr,
-    R, NUM_N_TILES,
-    stride_bs, stride_bm, stride_br,
-    stride_wl, stride_wn, stride_wr,
-    stride_ss, stride_sl,
-    stride_ym, stride_yn,
-    HAS_INDEX: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    PRECISION: tl.constexpr,
-):  # fmt: skip
-    pid_m = tl.program_id(0)
-    seg = tl.program_id(1)
-    pid_z = tl.program_id(2)
-    shard = pid_z // NUM_N_TILES
-    pid_n = pid_z % NUM_N_TILES
-    slot = tl.load(slots_ptr + seg).to(tl.int64)
-    seg_len = tl.load(lens_ptr + seg)
-    lo = tl.load(offsets_ptr + shard)
-    hi = tl.load(offsets_ptr + shard + 1)
-    if slot == 0:
-        return
-    if pid_m * BLOCK_M >= seg_len:
-        return
-    if lo + pid_n * BLOCK_N >= hi:
-        return
-    start = tl.load(starts_ptr + seg)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < seg_len
-    if HAS_INDEX:
-        rows = tl.load(index_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
-    else:
-        rows = (start + offs_m).to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < R
-    offs_n = lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < hi
-    t = tl.load(
-        buf_ptr + shard * stride_bs + rows[:, None] * stride_bm + offs_r[None, :] * stride_br,
-        mask=mask_m[:, None] & mask_r[None, :],
-        other=0.0,
-    )
-    w = tl.load(
-        b_ptr + slot * stride_wl + offs_n[None, :].to(tl.int64) * stride_wn + offs_r[:, None] * stride_wr,
-        mask=mask_r[:, None] & mask_n[None, :],
-        other=0.0,
-    )
-    # Half-precision weights: the rank-wide intermediate is rounded to their
-    # dtype for the tensor-core dot (as Punica does); the sum stays fp32.
-    acc = tl.dot(t.to(w.dtype), w, input_precision=PRECISION)
-    scale = tl.load(scales_ptr + shard * stride_ss + slot * stride_sl)
-    mask = mask_m[:, None] & mask_n[None, :]
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :].to(tl.int64) * stride_yn
-    y = tl.load(y_ptrs, mask=mask, other=0.0)
-    tl.store(y_ptrs, (y.to(tl.float32) + acc * scale).to(y.dtype), mask=mask)
 
 
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _block_m(max_seg_len: int) -> int:
-    return 16 if max_seg_len <= 16 else 32 if max_seg_len <= 32 else 64
-
-
 def _block_r(max_rank: int) -> int:
     return max(16, triton.next_power_of_2(max_rank))
 
 
-def _split_k(num_programs: int, k: int, block_k: int) -> int:
-    """Enough K splits to give the device ~256 programs, each looping >= 4 K tiles."""
-    if num_programs >= 256:
-        return 1
-    by_fill = triton.cdiv(256, num_programs)
-    by_k = max(1, k // (block_k * 4))
-    return max(1, min(by_fill, by_k, 32))
-
-
-def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, seg: dict, segments: LoraSegments) -> torch.Tensor:
-    """fp32 [num_shards, T, max_rank]: rows of each segment times its slot's A, per shard.
-
-    Rows outside every segment are left unwritten (garbage unless split-K
-    zeroed them); the expand never reads them."""
-    num_shards, _, max_rank, k = a.shape
-    if x.dtype != a.dtype or x.dtype not in _DOT_DTYPES:
-        raise TypeError(f"sgmv_shrink: x is {x.dtype} and A is {a.dtype}; accepted: the same dtype of {_DOT_DTYPES}")
-    block_m, block_k, block_r = _block_m(segments.max_seg_len), 64, _block_r(max_rank)
-    num_m = triton.cdiv(segments.max_seg_len, block_m)
-    split_k = _split_k(num_m * segments.num_segments * num_shards, k, block_k)
-    alloc = torch.zeros if split_k > 1 else torch.empty
-    out = alloc(num_shards, x.shape[0], max_rank, dtype=torch.float32, device=x.device)
-    grid = (num_m, segments.num_segments, num_shards * split_k)
-    _shrink_kernel[grid](
-        x, a, out,
-        seg["starts"], seg["lens"], seg["slots"], seg["row_index"] if seg["row_index"] is not None else seg["starts"],
-        max_rank,
-        x.stride(0), x.stride(1),
-        a.stride(0), a.stride(1), a.stride(2), a.stride(3),
-        out.stride(0), out.stride(1), out.stride(2),
-        K=k, HAS_INDEX=seg["row_index"] is not None, SPLIT_K=split_k,
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-        PRECISION=_precision(x.dtype),
-        num_warps=4,
-    )  # fmt: skip
-    return out
-
-
-def sgmv_expand(
-    y: torch.Tensor,
-    buf: torch.Tensor,
-    b: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor,
-    max_out: int,
-    seg: dict,
-    segments: LoraSegments,
-) -> torch.Tensor:
-    """y[rows, slice i] += scale * buf[i, rows] @ B[slot, slice i].T, in place, every shard in one launch."""
-    num_shards, _, max_rank = buf.shape
-    if b.dtype not in _DOT_DTYPES:
-        raise TypeError(f"sgmv_expand: B is {b.dtype}; accepted: {_DOT_DTYPES}")
-    block_m, block_r = _block_m(segments.max_seg_len), _block_r(max_rank)
-    block_n = 128 if max_out >= 1024 else 64
-    num_n = triton.cdiv(max_out, block_n)
-    grid = (triton.cdiv(segments.max_seg_len, block_m), segments.num_segments, num_shards * num_n)
-    _expand_kernel[grid](
-        buf, b, scales, y, offsets,
-        seg["starts"], seg["lens"], seg["slots"], seg["row_index"] if seg["row_index"] is not None else seg["starts"],
-        max_rank, num_n,
-        buf.stride(0), buf.stride(1), buf.stride(2),
-        b.stride(0), b.stride(1), b.stride(2),
-        scales.stride(0), scales.stride(1),
-        y.stride(0), y.stride(1),
-        HAS_INDEX=seg["row_index"] is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-        PRECISION=_precision(b.dtype),
-        num_warps=4,
-    )  # fmt: skip
-    return y
-
-
-def add_delta(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, segments: LoraSegments) -> torch.Tensor:
-    """``LoraStack.add_delta`` on CUDA: shrink + expand (plus a zero-fill under split-K)."""
-    if segments.num_segments == 0:  # every row on the base model: an empty grid is not launchable
-        return y
-    seg = segments.on(y.device)
-    if stack.is_embedding:
-        # The embedding's shrink is a gather, once per step: torch is enough.
-        buf = embedding_shrink_ref(x, stack.a, segments)
-    else:
-        buf = sgmv_shrink(x, stack.a, seg, segments)
-    offsets = stack.offsets_on(y.device)
-    return sgmv_expand(y, buf, stack.b, stack.scales, offsets, max(stack.output_sizes), seg, segments)
-
-
-# ---------------------------------------------------------------- per-row slots (decode)
+# ---------------------------------------------------------------- kernels
 
 
 @triton.jit
@@ -435,7 +226,7 @@ def _grouped_kernel(
             mask=mask_r[:, None] & mask_n[None, :],
             other=0.0,
         )
-        # As in the SGMV expand: the rank-wide intermediate is rounded to the
+        # As Punica does: the rank-wide intermediate is rounded to the
         # weights' dtype for the tensor-core dot; the sum stays fp32.
         delta = tl.dot(t.to(w.dtype), w, input_precision=PRECISION)
         mask = mask_m[:, None] & mask_n[None, :]

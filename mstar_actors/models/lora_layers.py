@@ -11,13 +11,12 @@ With LoRA on, a step with no adapter rows has ``LoraStep.segments = None``
 and every hook returns at once, so base-only batches cost an attribute test
 per module.
 
-Two ways to give a step its rows' slots: ``begin_step`` groups them into
-segments on the host (any step: prefill, chunks, decode), and
-``begin_rows_step`` takes a device tensor with one slot per row, for pure
-decode steps (one token per sequence, every row sampled, same order). The
+Two ways to give a step its rows' slots: segments grouped on the host (the
+torch reference's input: the CPU), and a device tensor with one slot per
+row (``begin_rows_step``: where the Triton kernels run, every step). The
 rows path never reads the slots on the host and launches fixed work, so a
 decode step run through it can be captured in a CUDA graph and replayed
-with new slots written into the same tensor.
+with new slots written into the same tensor; ``begin_step`` picks the path.
 
 Adapter placement goes through the architecture's ``CheckpointRules`` (the
 same table the weight loader uses): HF ``model.layers.3.self_attn.k_proj``
@@ -175,11 +174,6 @@ class LoraLayers:
         self.step.row_groups = None
         self.step.segments = build_segments(_token_slots(chunk_slots, query_lens))
         self.step.sampled_segments = build_segments(sampled_slots) if any(sampled_slots) else None
-        if self.device.type == "cuda":
-            # The segments' one host-to-device copy, here rather than inside the first layer.
-            for segments in (self.step.segments, self.step.sampled_segments):
-                if segments is not None:
-                    segments.on(self.device)
 
     def _on_device(self, slots: Sequence[int]) -> torch.Tensor:
         return torch.tensor(slots, dtype=torch.int32).to(self.device, non_blocking=True)

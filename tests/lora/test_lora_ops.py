@@ -34,14 +34,6 @@ def test_segments_of_grouped_rows_need_no_index():
         build_segments([1, -1])
 
 
-def test_segments_on_a_device_are_int32_and_cached():
-    seg = build_segments([2, 0, 1])
-    dev = seg.on("cpu")
-    assert dev["slots"].tolist() == [1, 2] and dev["starts"].dtype == torch.int32
-    assert dev["row_index"].tolist() == [2, 0]
-    assert seg.on("cpu") is dev
-
-
 def _random_stack(gen, *, in_features, output_sizes, num_slots, max_rank, dtype):
     num_shards = len(output_sizes)
     a = torch.randn(num_shards, num_slots, max_rank, in_features, generator=gen).to(dtype)

@@ -1,4 +1,5 @@
-"""Triton SGMV kernels vs the torch reference on fresh random inputs (CUDA only)."""
+"""The Triton LoRA kernels vs the torch reference on fresh random inputs (CUDA only):
+prefill-sized steps (the grouped kernel) and decode batches (the per-row one)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,10 @@ def _reference(stack, x, segments):
     return expand_ref(y, buf, b, stack.scales, segments, stack.offsets)
 
 
+def _on_cuda(slots):
+    return torch.tensor(slots, dtype=torch.int32, device="cuda")
+
+
 def _rel(got, want):
     return ((got.float() - want).norm() / want.norm().clamp_min(1e-12)).item()
 
@@ -58,11 +63,11 @@ def test_kernels_match_reference(triton_ops, dtype, num_rows, shape, mix):
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     in_features, output_sizes = shape
     stack = _random_stack(gen, in_features, output_sizes, num_slots=9, max_rank=16, dtype=dtype)
-    segments = build_segments(_slots(mix, num_rows, 9, rng), sort=mix != "one")
+    slots = _slots(mix, num_rows, 9, rng)
     x = torch.randn(num_rows, in_features, generator=gen).to(dtype).cuda()
     y = torch.zeros(num_rows, stack.offsets[-1], dtype=dtype, device="cuda")
-    triton_ops.add_delta(stack, y, x, segments)
-    assert _rel(y, _reference(stack, x, segments)) < _TOL[dtype]
+    stack.add_delta_rows(y, x, _on_cuda(slots))
+    assert _rel(y, _reference(stack, x, build_segments(slots))) < _TOL[dtype]
 
 
 @pytest.mark.parametrize("max_rank", [8, 64])
@@ -73,7 +78,7 @@ def test_kernels_add_onto_the_base_output_and_skip_base_rows(triton_ops, max_ran
     segments = build_segments(slots)
     x = torch.randn(len(slots), 256, generator=gen).bfloat16().cuda()
     y0 = torch.randn(len(slots), 192, generator=gen).bfloat16().cuda()
-    y = stack.add_delta(y0.clone(), x, segments)
+    y = stack.add_delta_rows(y0.clone(), x, _on_cuda(slots))
     base_rows = [t for t, s in enumerate(slots) if s == 0]
     assert torch.equal(y[base_rows], y0[base_rows])
     assert _rel(y - y0, _reference(stack, x, segments)) < 2e-2
@@ -86,11 +91,11 @@ def test_lm_head_and_embedding_on_cuda(triton_ops):
     head = _random_stack(gen, 2048, (128256,), num_slots=4, max_rank=16, dtype=torch.bfloat16)
     x = torch.randn(len(slots), 2048, generator=gen).bfloat16().cuda()
     y = torch.zeros(len(slots), 128256, dtype=torch.bfloat16, device="cuda")
-    assert _rel(head.add_delta(y, x, segments), _reference(head, x, segments)) < 1e-2
+    assert _rel(head.add_delta_rows(y, x, _on_cuda(slots)), _reference(head, x, segments)) < 1e-2
     embed = _random_stack(gen, 1000, (2048,), num_slots=4, max_rank=16, dtype=torch.bfloat16, is_embedding=True)
     ids = torch.randint(0, 1000, (len(slots),), generator=gen).cuda()
     y = torch.zeros(len(slots), 2048, dtype=torch.bfloat16, device="cuda")
-    assert _rel(embed.add_delta(y, ids, segments), _reference(embed, ids, segments)) < 1e-2
+    assert _rel(embed.add_delta_rows(y, ids, _on_cuda(slots)), _reference(embed, ids, segments)) < 1e-2
 
 
 # ---------------------------------------------------------------- per-row slots (decode, graphs)
