@@ -32,7 +32,7 @@ LoRA: each bucket has a base graph (no LoRA step: every hook is a no-op, so
 base requests on a LoRA server keep base speed) and a rows graph
 (``LoraLayers.begin_rows_step`` over the static slots), picked per step by
 whether any row has an adapter. The graphs read the LoRA stacks' tensors by
-address: adapter installs must write into them in place (``LoraStack.install``
+address: adapter installs must write into them in place (``LoraStack.install_slot``
 does), which ``check_lora_in_place`` asserts after each install.
 
 Ordering invariant: the host staging buffer is rewritten at the start of
@@ -247,7 +247,7 @@ class DecodeGraphs:
         if _lora_addresses(self.lora) != self._lora_addresses:
             raise RuntimeError(
                 "a LoRA stack tensor moved after the decode graphs were captured; adapter installs must "
-                "write into the existing stacks in place (LoraStack.install), or set model.enforce_eager"
+                "write into the existing stacks in place (LoraStack.install_slot), or set model.enforce_eager"
             )
 
 

@@ -206,7 +206,7 @@ class LoraStack:
 
     ``a`` [num_shards, num_slots, max_rank, in], ``b`` [num_slots, sum(output_sizes),
     max_rank], ``scales`` fp32 [num_shards, num_slots]. Slot 0 is never written.
-    ``install`` / ``clear`` run on the worker between steps, never while a
+    ``install_slot`` / ``clear`` run on the worker between steps, never while a
     step that reads the slot is in flight (the conductor's install protocol
     guarantees no running row is on a slot being installed).
     """
@@ -246,19 +246,6 @@ class LoraStack:
         if self._offsets_dev.device != torch.device(device):
             self._offsets_dev = torch.tensor(self.offsets, dtype=torch.int32, device=device)
         return self._offsets_dev
-
-    def install(self, slot: int, shard: int | None, module: LoraModule) -> None:
-        """Copy one module's factors into ``slot`` at ``shard`` (None: the only
-        shard), zero-padding the rank. Shards the adapter does not target
-        must be cleared first (``clear``) so an earlier tenant leaves nothing."""
-        shard = shard or 0
-        self.check(slot, shard, module)
-        lo, hi, rank = self.offsets[shard], self.offsets[shard + 1], module.rank
-        self.a[shard, slot].zero_()
-        self.a[shard, slot, :rank].copy_(module.a)
-        self.b[slot, lo:hi].zero_()
-        self.b[slot, lo:hi, :rank].copy_(module.b)
-        self.scales[shard, slot] = module.scale
 
     def install_slot(self, slot: int, modules: Sequence[tuple[int | None, LoraModule]]) -> None:
         """Replace the whole of ``slot`` with ``modules`` (``(shard, factors)``

@@ -103,8 +103,7 @@ def _stack_for(base, modules, adapters, *, layer, is_embedding=False):
     )
     for slot, (weights, _) in adapters.items():
         found = weights.layers[layer] if layer is not None else weights.global_modules
-        for shard, module in enumerate(modules):
-            stack.install(slot, shard, found[module])
+        stack.install_slot(slot, [(shard, found[module]) for shard, module in enumerate(modules)])
     return stack
 
 
@@ -153,15 +152,17 @@ def test_install_clears_what_an_earlier_tenant_left():
     stack = LoraStack(16, [8, 8], num_slots=2, max_rank=4)
     from mstar_actors.lora import LoraModule
 
-    stack.install(1, 0, LoraModule(a=torch.ones(4, 16), b=torch.ones(8, 4), scale=1.0))
-    stack.install(1, 0, LoraModule(a=torch.ones(2, 16), b=torch.ones(8, 2), scale=2.0))
+    stack.install_slot(1, [(0, LoraModule(a=torch.ones(4, 16), b=torch.ones(8, 4), scale=1.0)),
+                           (1, LoraModule(a=torch.ones(4, 16), b=torch.ones(8, 4), scale=1.0))])
+    stack.install_slot(1, [(0, LoraModule(a=torch.ones(2, 16), b=torch.ones(8, 2), scale=2.0))])
     assert stack.a[0, 1, 2:].abs().sum() == 0 and stack.b[1, :8, 2:].abs().sum() == 0
+    assert stack.a[1, 1].abs().sum() == 0 and stack.b[1, 8:].abs().sum() == 0 and stack.scales[1, 1] == 0
     stack.clear(1)
     assert stack.a.abs().sum() == 0 and stack.scales.abs().sum() == 0
     with pytest.raises(ValueError, match=r"do not fit shard 1 of this stack: accepted A \[r, 16\], B \[8, r\] with r <= 4"):
-        stack.install(1, 1, LoraModule(a=torch.ones(8, 16), b=torch.ones(8, 8), scale=1.0))
+        stack.install_slot(1, [(1, LoraModule(a=torch.ones(8, 16), b=torch.ones(8, 8), scale=1.0))])
     with pytest.raises(ValueError, match="slot 0 is the zero adapter"):
-        stack.install(0, 0, LoraModule(a=torch.ones(4, 16), b=torch.ones(8, 4), scale=1.0))
+        stack.install_slot(0, [(0, LoraModule(a=torch.ones(4, 16), b=torch.ones(8, 4), scale=1.0))])
 
 
 def test_no_adapter_rows_is_a_no_op():

@@ -29,11 +29,13 @@ def make_stack(gen, in_features, output_sizes, *, dtype=torch.float32, is_embedd
     """Slots 1-3 hold random factors of ranks 4, 8 and 16 on every shard."""
     stack = LoraStack(in_features, output_sizes, num_slots=4, max_rank=16, dtype=dtype, is_embedding=is_embedding)
     for slot, rank in RANKS.items():
+        modules = []
         for shard, out in enumerate(output_sizes):
             a = torch.randn(rank, in_features, generator=gen) / (1.0 if is_embedding else in_features**0.5)
             b = torch.randn(out, rank, generator=gen) / rank**0.5
             scale = 0.5 + torch.rand((), generator=gen).item()
-            stack.install(slot, shard, LoraModule(a=a.to(dtype), b=b.to(dtype), scale=scale))
+            modules.append((shard, LoraModule(a=a.to(dtype), b=b.to(dtype), scale=scale)))
+        stack.install_slot(slot, modules)
     return stack
 
 
