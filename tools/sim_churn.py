@@ -8,7 +8,12 @@ and every request makes exactly ``--max-tokens`` tokens. A step's time is
 the same whatever the batch holds (a launch-bound decode step), so tokens
 per step is the batch's occupancy. The adapter-reader answers a read after
 ``--read-steps`` steps (one read at a time, in order) and every rank
-acknowledges an install ``--install-steps`` steps after it was sent.
+acknowledges an install ``--install-steps`` steps after it was sent (5 by
+default: on the H200 an install takes about 16 ms against decode steps of
+about 3 ms). A client's next request reaches the pool ``--client-steps``
+steps after its last one ended (at least 1): the conductor routes all of a
+step's endings before it reads any request the clients send back, so a
+slot whose rows all end in one step is seen empty, as in the server.
 
 Measured per concurrency, against the same run with every adapter resident
 (``max_loras = num_adapters``, "no churn"): tokens per step, their ratio
@@ -16,6 +21,7 @@ Measured per concurrency, against the same run with every adapter resident
 in steps (p50 / p90 / max), and the number of installs and reads.
 
     python tools/sim_churn.py                      # 3 adapters over 2 slots, c = 1, 8, 32, 64
+    python tools/sim_churn.py --waves 3            # as many requests as bench_lora sends
     python tools/sim_churn.py --install-steps 8 --concurrency 8,32
 
 Every row started on an adapter slot is checked: the slot is acknowledged
@@ -51,6 +57,7 @@ from mstar_actors.sched import Scheduler
 
 TOKEN = 7  # every step samples this; requests end by length
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+_NEXT = object()  # an event: one client sends its next request
 
 
 class SimError(AssertionError):
@@ -81,7 +88,8 @@ class _Sim:
     """One run: the pool and scheduler as the conductor wires them, plus
     a scripted reader, ranks and clients."""
 
-    def __init__(self, concurrency, max_loras, num_adapters, max_tokens, num_requests, install_steps, read_steps):
+    def __init__(self, concurrency, max_loras, num_adapters, max_tokens, num_requests, install_steps, read_steps,
+                 client_steps):
         self.names = [f"lora{i}" for i in range(num_adapters)]
         self.pool = AdapterPool("base", max_loras, num_ranks=1, max_cpu_loras=num_adapters + 1)
         for name in self.names:
@@ -90,6 +98,10 @@ class _Sim:
                                max_num_batched_tokens=4096, max_model_len=1024, eos_token_ids=[2],
                                enable_prefix_caching=False)
         self.max_tokens, self.install_steps, self.read_steps = max_tokens, install_steps, read_steps
+        if client_steps < 1:
+            raise ValueError(f"client_steps must be >= 1 (a next request arrives after the step's outputs), "
+                             f"got {client_steps}")
+        self.client_steps = client_steps
         self.num_requests = num_requests
         self.result = SimResult(concurrency, max_loras)
         self.events: dict[int, list] = collections.defaultdict(list)  # step -> messages due then
@@ -105,11 +117,19 @@ class _Sim:
             self.submit()
         while self.sched.has_work() or self.pool.num_waiting or self.events:
             for msg in self.events.pop(self.now, []):
-                self.route(self.pool.on_read(msg) if isinstance(msg, AdapterRead) else self.pool.on_installed(msg))
+                self.deliver(msg)
             self.step()
             self.now += 1
             self.result.num_steps += 1
         return self.result
+
+    def deliver(self, msg) -> None:
+        if msg is _NEXT:
+            self.submit()
+        elif isinstance(msg, AdapterRead):
+            self.route(self.pool.on_read(msg))
+        else:
+            self.route(self.pool.on_installed(msg))
 
     def step(self) -> None:
         plan = self.sched.schedule() if self.sched.has_work() else None
@@ -131,7 +151,7 @@ class _Sim:
             return
         i, self.next_index = self.next_index, self.next_index + 1
         request_id, model = f"r{i}", self.names[i % len(self.names)]
-        self.arrival[request_id], self.models[request_id] = self.now + 1, model
+        self.arrival[request_id], self.models[request_id] = self.now, model  # reaches the pool before this step
         prepared = Prepared(request_id=request_id, model=model, prompt_token_ids=PROMPT,
                             sampling=SamplingParams(max_tokens=self.max_tokens, ignore_eos=True))
         self.route(self.pool.add(prepared))
@@ -146,7 +166,7 @@ class _Sim:
                 case Finished(request_id=request_id):
                     self.result.num_requests += 1
                     self.route(self.pool.end(request_id))
-                    self.submit()
+                    self.events[self.now + self.client_steps].append(_NEXT)
                 case ReadAdapter(name=name):
                     self.read(name)
                 case InstallAdapter(slot=slot, digest=digest):
@@ -183,17 +203,19 @@ def _digest(name: str) -> str:
 
 
 def simulate(concurrency: int, *, max_loras: int = 2, num_adapters: int = 3, max_tokens: int = 64,
-             num_requests: int | None = None, install_steps: int = 2, read_steps: int = 1) -> SimResult:
-    """One run; ``num_requests`` defaults to 8 waves of ``concurrency`` (at least 48)."""
-    num_requests = num_requests or max(8 * concurrency, 48)
-    return _Sim(concurrency, max_loras, num_adapters, max_tokens, num_requests, install_steps, read_steps).run()
+             num_requests: int | None = None, install_steps: int = 5, read_steps: int = 1,
+             client_steps: int = 1, waves: int = 8) -> SimResult:
+    """One run; ``num_requests`` defaults to ``waves`` waves of ``concurrency`` (at least 48)."""
+    num_requests = num_requests or max(waves * concurrency, 48)
+    return _Sim(concurrency, max_loras, num_adapters, max_tokens, num_requests, install_steps, read_steps,
+                client_steps).run()
 
 
 def table(levels: list[int], **kw) -> str:
     num_adapters = kw.get("num_adapters", 3)
     lines = [f"churn: {num_adapters} adapters round robin over max_loras {kw.get('max_loras', 2)}; "
-             f"{kw.get('max_tokens', 64)} tokens each; install {kw.get('install_steps', 2)} steps, "
-             f"read {kw.get('read_steps', 1)} step(s)",
+             f"{kw.get('max_tokens', 64)} tokens each; install {kw.get('install_steps', 5)} steps, "
+             f"read {kw.get('read_steps', 1)} step(s), next request {kw.get('client_steps', 1)} step(s) after an end",
              f"{'conc':>4} {'tok/step':>8} {'no churn':>8} {'ratio':>6} {'TTFT p50':>8} {'p90':>5} {'max':>5} "
              f"{'calm p90':>8} {'installs':>8} {'reads':>5}"]
     for c in levels:
@@ -212,13 +234,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-loras", type=int, default=2)
     p.add_argument("--adapters", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--install-steps", type=int, default=2)
+    p.add_argument("--install-steps", type=int, default=5)
     p.add_argument("--read-steps", type=int, default=1)
-    p.add_argument("--requests", type=int, default=None, help="per level (default 8 waves, at least 48)")
+    p.add_argument("--client-steps", type=int, default=1,
+                   help="steps from a request's end to its client's next request reaching the pool (>= 1)")
+    p.add_argument("--requests", type=int, default=None, help="per level (default: --waves waves, at least 48)")
+    p.add_argument("--waves", type=int, default=8,
+                   help="requests per level = waves x concurrency, at least 48 (default 8; bench_lora runs 3)")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     print(table(levels, max_loras=args.max_loras, num_adapters=args.adapters, max_tokens=args.max_tokens,
-                install_steps=args.install_steps, read_steps=args.read_steps, num_requests=args.requests))
+                install_steps=args.install_steps, read_steps=args.read_steps, num_requests=args.requests,
+                client_steps=args.client_steps, waves=args.waves))
     return 0
 
 
