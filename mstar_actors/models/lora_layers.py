@@ -58,8 +58,7 @@ class LoraStep:
     kernel's batch sizes, else None.
     """
 
-    __slots__ = ("segments", "sampled_segments", "row_slots", "row_groups", "sampled_row_slots", "sampled_row_groups",
-                 "side_stream")
+    __slots__ = ("segments", "sampled_segments", "row_slots", "row_groups", "sampled_row_slots", "sampled_row_groups")
 
     def __init__(self) -> None:
         self.segments: LoraSegments | None = None
@@ -68,9 +67,6 @@ class LoraStep:
         self.row_groups: tuple[torch.Tensor, ...] | None = None
         self.sampled_row_slots: torch.Tensor | None = None
         self.sampled_row_groups: tuple[torch.Tensor, ...] | None = None
-        # CUDA: where a captured step computes each linear's delta while the
-        # base matmul runs (``LoraHook.linear``); None elsewhere.
-        self.side_stream: torch.cuda.Stream | None = None
 
 
 class LoraHook:
@@ -84,26 +80,11 @@ class LoraHook:
         self.is_sampled = is_sampled  # the LM head sees only the sampled rows
 
     def linear(self, x: torch.Tensor, base: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """``base(x)`` plus this module's delta. Inside a CUDA graph capture of
-        a rows step, the delta goes to a side stream, into a scratch buffer,
-        while the base GEMM runs: at decode sizes neither fills the GPU (the
-        GEMM is bound by reading its weight, the delta by its reduction's
-        latency), so the replay runs them side by side and the main stream
-        pays one add. Eager steps add in place, after the GEMM (a stream
-        switch costs more host time than it saves there)."""
-        step, side = self.step, self.step.side_stream
-        if step.row_slots is None or side is None or not torch.cuda.is_current_stream_capturing():
-            return self.apply(base(x), x)
-        main = torch.cuda.current_stream(x.device)
-        # float32, so ``y + delta`` rounds once, as the in-place kernel does.
-        delta = torch.empty(x.shape[0], self.stack.offsets[-1], dtype=torch.float32, device=x.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            delta.zero_()
-            self.stack.add_delta_rows(delta, x, step.row_slots, step.row_groups)
-        y = base(x)
-        main.wait_stream(side)  # joins the fork: the capture must end on one stream
-        return y.add_(delta)
+        """``base(x)`` plus this module's delta, added in place after the GEMM.
+        (A side stream computing the delta beside the GEMM was measured
+        slower on an H200 in captured decode steps: its zero, add and joins
+        cost more than the overlap saved.)"""
+        return self.apply(base(x), x)
 
     def apply(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         step = self.step
@@ -135,8 +116,6 @@ class LoraLayers:
         # the CPU the segment reference is cheaper (the rows reference
         # gathers every row's B, vocabulary-wide for the LM head).
         self.uses_rows = has_kernels(self.device)
-        if self.uses_rows:
-            self.step.side_stream = torch.cuda.Stream(device=self.device)
 
     @property
     def num_slots(self) -> int:

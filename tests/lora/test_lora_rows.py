@@ -316,7 +316,7 @@ def test_warm_up_covers_every_variant_serving_can_pick(outs, k, is_embedding, mo
         num_shards, _, max_rank, kk = stack.a.shape
         max_out = max(stack.output_sizes)
         if kind == "bgmv":
-            _, _, block_n = triton_ops._rows_blocks(max_rank, kk, max_out)
+            block_n = triton_ops._rows_blocks(max_rank, kk, max_out)[2]
             return triton_ops._pick_tiles(num_rows, num_shards, max_out, max_rank if stack.is_embedding else kk, block_n, 4)
         return triton_ops._pick_tiles(-(-num_rows // 16), num_shards, max_out, kk, triton_ops._grouped_block_n(max_rank, max_out), 4)
 
