@@ -94,7 +94,9 @@ class MediaInputs:
                     needed.append((seq, i, item))
         if not needed:
             return
-        pixels = torch.cat([self._pixels(item, device) for _, _, item in needed])
+        # One tensor per item, not concatenated: the tower embeds each on its
+        # own, so the pixel rows are copied only host -> device.
+        pixels = [self._pixels(item, device) for _, _, item in needed]
         rows = self.model.encode_media(pixels, [tuple(item.grid_thw) for _, _, item in needed])
         for (seq, i, _), item_rows in zip(needed, rows.split([item.num_tokens for _, _, item in needed]), strict=True):
             seq.rows[i] = item_rows
@@ -102,7 +104,9 @@ class MediaInputs:
     def _pixels(self, item: messages.MediaItem, device: torch.device) -> torch.Tensor:
         if self.resolve is None:
             raise ValueError("this runner has no tensor resolver, so it can't read media pixel_values")
-        return self.resolve(item.pixel_values).to(device)
+        # non_blocking: a pinned host copy goes by DMA, queued behind nothing
+        # the host must wait for; a pageable one is copied synchronously anyway.
+        return self.resolve(item.pixel_values).to(device, non_blocking=True)
 
     def _splice(self, seq: SeqMedia, start: int, stop: int, base: int):
         """(flat row ids, vision rows) for each item overlapping ``[start, stop)``;
