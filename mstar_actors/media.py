@@ -86,7 +86,12 @@ class MediaRef:
 
     @property
     def scheme(self) -> str:
-        return self.url.split(":", 1)[0].lower() if ":" in self.url else ""
+        # Look only at the head: splitting copied the rest of the URL, 2 MB of
+        # base64 for a data: video, each time (three times per request, on the
+        # prepare actor's loop). Accepted schemes are short; a longer one is
+        # refused like any other unknown scheme.
+        end = self.url.find(":", 0, 16)
+        return self.url[:end].lower() if end >= 0 else ""
 
 
 @dataclass(frozen=True)

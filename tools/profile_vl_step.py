@@ -78,11 +78,12 @@ class StageTimer:
 
 
 def instrument(runner, copies, timer: StageTimer) -> None:
-    import mstar_actors.models.vision as vision
+    import mstar_actors.model_runner as runner_module
 
     model = runner.model
     timer.wrap(copies, "take", "rank's media copy (MediaCopies.take)")
     timer.wrap(runner, "start", "sequence start (checks, mrope positions)")
+    timer.wrap(runner_module, "build_batch", "host batch (build_batch)")
     timer.wrap(runner, "_to_device", "host batch -> device (ids, slots, tables)")
     timer.wrap(runner.media, "_pixels", "pixel rows -> device")
     timer.wrap(runner.media, "step_inputs", "media step inputs (pixels, tower, positions, splice)")
@@ -100,7 +101,6 @@ def instrument(runner, copies, timer: StageTimer) -> None:
     timer.wrap(model, "run_layers", "text layers")
     timer.wrap(model, "compute_logits", "logits")
     timer.wrap(runner, "sampler", "sampling")
-    del vision
 
 
 def make_plan(step_id: int, drafts, block_size: int, previous: list[str]):
@@ -140,7 +140,7 @@ class DictArena:
         pass
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
@@ -151,7 +151,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed steps (after one warm-up)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--no-profiler", action="store_true", help="skip the torch.profiler table")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     import torch
 

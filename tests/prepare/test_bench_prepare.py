@@ -48,3 +48,18 @@ def test_clip_argument(bench):
     assert bench._clip("640x480x8") == (640, 480, 8.0)
     with pytest.raises(Exception, match="WIDTHxHEIGHTxSECONDS"):
         bench._clip("640x480")
+
+
+def test_ttft_clip_preset(bench):
+    assert bench._clip_or_none("none") is None
+    assert bench._clip_or_none("640x480x16") == bench.SEED_TTFT_CLIP == (640, 480, 16.0)
+    assert bench.Clip(16.0, 640, 480).num_frames == 32
+
+
+def test_profile_vl_step_runs_a_small_clip(capsys):
+    spec = importlib.util.spec_from_file_location("profile_vl_step", TOOL.parent / "profile_vl_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--device", "cpu", "--clip", "112x112x1", "--requests", "2", "--repeats", "1", "--no-profiler"])
+    out = capsys.readouterr().out
+    assert "| vision tower (whole) |" in out and "| text layers |" in out and "whole step, no stage syncs" in out
