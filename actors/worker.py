@@ -12,6 +12,7 @@ answer, which is what sharding will rely on.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from multiprocessing import resource_tracker
@@ -102,6 +103,16 @@ class WorkerActor(Actor):
     Plans run inline on the loop, one at a time and in order: the rank has
     nothing else to do meanwhile, and a control message waiting behind a step
     is fine (a stack dump does not need the loop).
+
+    Installs run beside the steps, one at a time in arrival order, on a
+    thread (``_install_loop``): reading the host copy and staging it is tens
+    of milliseconds of host work, and every running row would otherwise
+    stall for it. That is safe because of the agreement: the conductor
+    installs only into a slot no running row uses, and sends rows on it only
+    after every rank acknowledged; this rank acknowledges once the copy is
+    done (on CUDA the copies are on the steps' stream, so a later step is
+    ordered after them). A step sent before the install never sees the new
+    weights, one sent after the acknowledgement always does.
     """
 
     def __init__(self, *, rank: int = 0, runner: Any = None, arena_spec: Any = None, **kw: Any):
@@ -110,6 +121,8 @@ class WorkerActor(Actor):
         self.runner = runner  # tests may inject one; otherwise built in start()
         self.arena_spec = arena_spec  # the media arena, read as consumer ``rank``
         self.media: Any = None  # MediaCopies when there is an arena (see mstar_actors.media_copies)
+        # Bounded by the protocol: at most one install per slot is ever outstanding.
+        self.installs: asyncio.Queue[InstallAdapter] = asyncio.Queue(maxsize=max(1, self.config.lora.max_loras))
 
     async def start(self) -> None:
         if self.arena_spec is not None:
@@ -136,23 +149,46 @@ class WorkerActor(Actor):
         torch.set_num_threads(num_threads)
         self.log.info("torch intra-op threads: %d", num_threads)
 
+    async def serve(self) -> None:
+        installer = asyncio.create_task(self._install_loop(), name="worker:installs")
+        try:
+            await super().serve()
+        finally:
+            installer.cancel()
+
     async def handle(self, channel: str, msg: Any) -> None:
         match msg:
             case StepPlan():
-                reply = self.execute(msg)
+                await self.reply(self.execute(msg))
             case InstallAdapter():
-                # Inline, in channel order with the plans: a step sent before
-                # the install never sees the new weights, one sent after does.
-                reply = self.install(msg)
+                try:
+                    self.installs.put_nowait(msg)
+                except asyncio.QueueFull:
+                    raise RuntimeError(
+                        f"rank {self.rank}: install of {msg.name!r} into slot {msg.slot} while "
+                        f"{self.installs.qsize()} installs are outstanding, more than the {self.config.lora.max_loras} "
+                        "slots: the conductor broke the one-install-per-slot rule"
+                    ) from None
             case _:
                 return self.unknown(channel, msg)
+
+    async def reply(self, msg: Any) -> None:
         out = self.outbox["conductor"]
-        await out.send(reply)
-        # The next queued message may run synchronously (an install, a step)
-        # without yielding to the loop: publish this reply before it starts.
+        await out.send(msg)
+        # The next queued message may run synchronously (a step) without
+        # yielding to the loop: publish this reply before it starts.
         out.flush()
 
+    async def _install_loop(self) -> None:
+        while True:
+            msg = await self.installs.get()
+            started = time.perf_counter()
+            reply = await self.run_blocking(self.install, msg)
+            self.log.debug("install of %r into slot %d: %.1f ms", msg.name, msg.slot, (time.perf_counter() - started) * 1e3)
+            await self.reply(reply)
+
     def install(self, msg: InstallAdapter) -> AdapterInstalled:
+        """On the install thread: the host copy into the slot, then wait for the device copies."""
         reply = install_from_host(self.runner, self.rank, msg)
         if not reply.ok:
             self.log.warning("%s", reply.error)

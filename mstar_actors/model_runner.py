@@ -296,13 +296,20 @@ class ModelRunner:
 
     def install_adapter(self, slot: int, weights: AdapterWeights) -> None:
         """Install ``weights`` into ``slot`` (cleared first: no earlier tenant's
-        rows survive). Between steps only; no running sequence may use ``slot``."""
+        rows survive); returns once the device holds them. No running
+        sequence may use ``slot``; steps on other slots may run meanwhile on
+        another thread (the worker installs on a thread beside its steps): a
+        step reads only its rows' slots, and on CUDA the copies go on the
+        device's current stream, the one steps run on, so they interleave
+        with steps and never race them."""
         if self.lora is None:
             raise ValueError(f"adapter {weights.name!r}: LoRA is off on this rank (lora.max_loras = 0); enable it to install adapters")
         self.lora_names.pop(slot, None)  # on failure the slot is cleared and holds nothing
         self.lora.install(slot, weights)
         if self.graphs is not None:  # the graphs read the stacks by address
             self.graphs.check_lora_in_place()
+        if self.device.type == "cuda":  # the copies are asynchronous; "installed" means they are done
+            torch.cuda.current_stream(self.device).synchronize()
         self.lora_names[slot] = weights.name
 
     def _lora_hint(self) -> str:

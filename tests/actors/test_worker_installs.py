@@ -1,0 +1,158 @@
+"""The worker installs adapters beside its steps: a slow install stalls no step.
+
+A fake runner stands in for ``ModelRunner`` (steps answer at once, an
+install waits for the test's go), over in-memory channels, no model."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+
+import torch
+
+from actors.worker import WorkerActor
+from mstar_actors.config import Config, LoraConfig, ModelConfig
+from mstar_actors.lora.adapter_file import AdapterWeights, LoraModule
+from mstar_actors.lora.host_copy import adapter_to_bytes
+from mstar_actors.messages import (
+    AdapterHostRef,
+    AdapterInstalled,
+    ConductorToWorker,
+    InstallAdapter,
+    Shutdown,
+    StepDone,
+    StepPlan,
+    WorkerReady,
+    WorkerToConductor,
+)
+from transport.memory import MemoryChannel
+
+
+class SlowInstallRunner:
+    """Steps return no tokens at once; ``install_adapter`` blocks (on the install thread) until ``go`` is set."""
+
+    def __init__(self):
+        self.go = threading.Event()
+        self.installed: list[tuple[int, str]] = []
+        self.steps = 0
+
+    def ready_info(self, rank):
+        return WorkerReady(rank=rank, num_kv_blocks=8, block_size=16, max_model_len=128)
+
+    def execute(self, plan):
+        self.steps += 1
+        return []
+
+    def install_adapter(self, slot, weights):
+        if not self.go.wait(10):
+            raise TimeoutError("the test never let the install finish")
+        self.installed.append((slot, weights.name))
+
+
+def _host_copy(name: str) -> tuple[SharedMemory, InstallAdapter]:
+    module = LoraModule(torch.ones(2, 4), torch.ones(3, 2), 1.0)
+    weights = AdapterWeights(name=name, digest=f"digest-{name}", max_rank=2,
+                             layers=({"self_attn.q_proj": module},), global_modules={})
+    blob = adapter_to_bytes(weights)
+    shm = SharedMemory(create=True, size=len(blob))
+    shm.buf[: len(blob)] = blob
+    ref = AdapterHostRef(segment=shm.name, nbytes=len(blob))
+    return shm, InstallAdapter(slot=1, name=name, digest=weights.digest, host=ref)
+
+
+def _free(*shms: SharedMemory) -> None:
+    for shm in shms:
+        # The worker unregistered the name from this (shared) tracker; re-register so unlink balances.
+        resource_tracker.register(shm._name, "shared_memory")  # noqa: SLF001
+        shm.close()
+        shm.unlink()
+
+
+async def _run(runner, script):
+    config = Config(model=ModelConfig(path="unused"), lora=LoraConfig(max_loras=2))
+    inbox = MemoryChannel(ConductorToWorker, "conductor.worker0")
+    outbox = MemoryChannel(WorkerToConductor, "worker0.conductor")
+    worker = WorkerActor(name="worker0", rank=0, runner=runner, inbox={"conductor": inbox},
+                         outbox={"conductor": outbox}, config=config)
+    task = asyncio.create_task(worker.run())
+    try:
+        await asyncio.wait_for(outbox.recv(), 10)  # the worker's ready info
+        await script(inbox, outbox)
+    finally:
+        await inbox.send(Shutdown(reason="test over"))
+        assert await asyncio.wait_for(task, 10) == 0
+
+
+def test_steps_run_while_an_install_is_in_flight():
+    runner = SlowInstallRunner()
+    shm, install = _host_copy("a")
+
+    async def script(inbox, outbox):
+        await inbox.send(install)
+        for step_id in (1, 2, 3):  # each answered while the install still waits
+            await inbox.send(StepPlan(step_id=step_id, started=[], scheduled=[]))
+            reply = await asyncio.wait_for(outbox.recv(), 10)
+            assert isinstance(reply, StepDone) and reply.step_id == step_id
+        assert runner.installed == []
+        runner.go.set()
+        reply = await asyncio.wait_for(outbox.recv(), 10)
+        assert isinstance(reply, AdapterInstalled) and reply.ok, reply
+        assert (reply.slot, reply.digest) == (1, install.digest)
+        assert runner.installed == [(1, "a")]
+
+    try:
+        asyncio.run(_run(runner, script))
+    finally:
+        _free(shm)
+
+
+def test_installs_complete_in_arrival_order_and_failures_are_answered():
+    runner = SlowInstallRunner()
+    runner.go.set()
+    shm_a, install_a = _host_copy("a")
+    shm_b, install_b = _host_copy("b")
+    install_b = InstallAdapter(slot=2, name="b", digest=install_b.digest, host=install_b.host)
+    gone = InstallAdapter(slot=2, name="c", digest="d", host=AdapterHostRef(segment="no-such-segment", nbytes=8))
+
+    async def script(inbox, outbox):
+        for msg in (install_a, install_b):
+            await inbox.send(msg)
+        replies = [await asyncio.wait_for(outbox.recv(), 10) for _ in range(2)]
+        await inbox.send(gone)  # slot 2 again: only once its last install was answered
+        replies.append(await asyncio.wait_for(outbox.recv(), 10))
+        assert [(r.slot, r.ok) for r in replies] == [(1, True), (2, True), (2, False)]
+        assert "no-such-segment" in replies[2].error and "'c'" in replies[2].error
+        assert runner.installed == [(1, "a"), (2, "b")]
+
+    try:
+        asyncio.run(_run(runner, script))
+    finally:
+        _free(shm_a, shm_b)
+
+
+def test_more_installs_than_slots_is_a_protocol_error():
+    runner = SlowInstallRunner()  # never finishes: the queue fills
+    shms, msgs = zip(*[_host_copy(n) for n in "abcd"])
+
+    async def main():
+        config = Config(model=ModelConfig(path="unused"), lora=LoraConfig(max_loras=2))
+        inbox = MemoryChannel(ConductorToWorker, "conductor.worker0")
+        outbox = MemoryChannel(WorkerToConductor, "worker0.conductor")
+        worker = WorkerActor(name="worker0", rank=0, runner=runner, inbox={"conductor": inbox},
+                             outbox={"conductor": outbox}, config=config)
+        task = asyncio.create_task(worker.run())
+        await asyncio.wait_for(outbox.recv(), 10)
+        for msg in msgs:
+            await inbox.send(msg)
+        code = await asyncio.wait_for(task, 10)
+        runner.go.set()
+        return code
+
+    try:
+        assert asyncio.run(main()) == 1  # the actor fails, naming the rule
+    finally:
+        _free(*shms[:3])  # the fourth was never read
+        shms[3].close()
+        shms[3].unlink()
