@@ -13,6 +13,7 @@ far less than wall time; the median over ``--steps`` steps is printed.
     python tools/profile_step.py                      # SmolLM2, 8 sequences, 1 thread
     python tools/profile_step.py --profile            # plus torch.profiler's top ops of each side
     python tools/profile_step.py --num-seqs 1 --threads 2
+    python tools/profile_step.py --side ours --split  # ours split: attention, LM head, the rest
 """
 
 from __future__ import annotations
@@ -100,6 +101,42 @@ class HfStep:
             self.next_ids = self._forward(self.next_ids, self._positions(1))
 
 
+class Split:
+    """CPU time of our step spent in attention (the backend's ``write_kv`` +
+    ``attend``, all layers) and in the LM head (``compute_logits``), per step:
+    wrappers on the runner's own objects, so nothing else changes."""
+
+    def __init__(self, ours: OurStep):
+        self.parts = {"attention": 0.0, "lm head": 0.0}
+        model = ours.runner.model
+        backend = model.model.layers[0].self_attn.backend
+        for name in ("write_kv", "attend"):
+            setattr(backend, name, self._timed("attention", getattr(backend, name)))
+        model.compute_logits = self._timed("lm head", model.compute_logits)
+        self.ours = ours
+
+    def _timed(self, part: str, fn):
+        def timed(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.parts[part] += time.thread_time() - start
+        return timed
+
+    def run(self, num_steps: int) -> None:
+        samples = {name: [] for name in [*self.parts, "rest", "step"]}
+        for _ in range(num_steps):
+            self.parts = dict.fromkeys(self.parts, 0.0)
+            start = time.thread_time()
+            self.ours.step()
+            total = time.thread_time() - start
+            for name, value in [*self.parts.items(), ("rest", total - sum(self.parts.values())), ("step", total)]:
+                samples[name].append(value * 1000)
+        print("ours split, CPU ms per step (median): " + ", ".join(
+            f"{name} {statistics.median(values):.1f}" for name, values in samples.items()), flush=True)
+
+
 def time_steps(step, num_steps: int, num_warmup: int = 3) -> list[float]:
     for _ in range(num_warmup):
         step()
@@ -130,6 +167,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--side", choices=["ours", "hf", "both"], default="both")
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops over 5 steps of each side")
+    p.add_argument("--split", action="store_true",
+                   help="then split our step's CPU time: attention, LM head (GEMM + LoRA), the rest")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -148,13 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     sides = {"ours": OurStep, "hf": HfStep}
     medians = {}
     for name in (["ours", "hf"] if args.side == "both" else [args.side]):
-        step = sides[name](model_dir, prompts).step
+        side = sides[name](model_dir, prompts)
+        step = side.step
         times = time_steps(step, args.steps)
         medians[name] = statistics.median(times) * 1000
         print(f"{name:>4}: CPU ms per step median {medians[name]:.1f} (min {min(times) * 1000:.1f}, "
               f"max {max(times) * 1000:.1f}, {args.steps} steps)", flush=True)
         if args.profile:
             profile_steps(step, 5, 20)
+        if args.split and name == "ours":
+            Split(side).run(args.steps)
     if len(medians) == 2:
         print(f"ours / hf: {medians['ours'] / medians['hf']:.2f}")
     return 0
