@@ -11,17 +11,11 @@ into the cache (``write_kv``), then attend each query to its own sequence's
 cached context with a causal offset (``attend``). The torch backend here is
 the CPU reference; GPU kernels (Triton, FlashAttention) implement the same
 interface and are picked by ``make_attention_backend``.
-
-On CPU in float32 the torch backend keeps each decoding sequence's K/V in a
-contiguous copy across steps (``DecodeStaging``), so a decode step appends
-one token per sequence instead of gathering every page in every layer; the
-paged cache stays the source of truth the copy is filled from.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -118,20 +112,10 @@ class TorchPagedAttention:
         flat[0].index_copy_(0, meta.slot_mapping, k)
         flat[1].index_copy_(0, meta.slot_mapping, v)
 
-    # Made on the first CPU float32 decode step (a class default, so a
-    # subclass that does not call this __init__ still has it).
-    staging: DecodeStaging | None = None
-
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.graph_decode:
             mask = _graph_decode_mask(meta, kv_cache.shape[2])
             return self._attend_decode(q, kv_cache, meta.block_tables, mask, scale)
-        if q.device.type == "cpu" and q.dtype == torch.float32:
-            if self.staging is None:
-                self.staging = DecodeStaging()
-            step = self.staging.plan(meta, q, kv_cache)
-            if step is not None:
-                return self._attend_staged(step, q, kv_cache, meta, scale)
         out = torch.empty_like(q)
         decode = _decode_rows(meta, kv_cache.shape[2], q.device, q.dtype)
         if decode is not None:
@@ -139,19 +123,6 @@ class TorchPagedAttention:
             out[rows] = self._attend_decode(q[rows], kv_cache, tables, mask, scale)
         self._attend_chunks(q, kv_cache, meta, scale, out)
         return out
-
-    def _attend_staged(self, step: StagedStep, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                       scale: float) -> torch.Tensor:
-        """Decode rows on the staged copy, prefill chunks as usual. With every
-        row a decode row on its own staged row (the usual decode step) the
-        result is the staged output itself: no gather, no scatter."""
-        out = self.staging.attend(step, q, kv_cache, scale)
-        if step.is_identity:
-            return out
-        full = torch.empty_like(q)
-        full[step.query_rows] = out[step.rows]
-        self._attend_chunks(q, kv_cache, meta, scale, full)
-        return full
 
     def _attend_chunks(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                        out: torch.Tensor) -> None:
@@ -232,242 +203,6 @@ def _causal_offset_mask(q_len: int, ctx_len: int, device: torch.device) -> torch
     q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
     k_pos = torch.arange(ctx_len, device=device)[None, :]
     return k_pos <= q_pos
-
-
-# --- CPU decode rows on a contiguous copy --------------------------------------
-
-# What one layer's staged copy may take (K and V); a step that would need more
-# takes the gather path instead. 8 MiB is 8 sequences of up to 680 tokens at
-# SmolLM2's 3 KV heads of 64, and 30 layers' worth is 240 MiB at most.
-MAX_STAGED_BYTES_PER_LAYER = 8 << 20
-STAGED_KEYS_ALIGN = 128  # the copy's length grows in these steps, rows one at a time
-
-
-@dataclass(frozen=True)
-class StagedRow:
-    """A staged row holds the first ``length`` tokens of the sequence whose
-    block table starts with ``blocks`` (the blocks covering those tokens)."""
-
-    blocks: tuple[int, ...]
-    length: int
-
-
-def match_staged_rows(
-    previous: list[StagedRow | None], decode: list[tuple[tuple[int, ...], int]]
-) -> tuple[list[int], list[bool], list[StagedRow | None]]:
-    """Pure: the staged row each of a step's decode sequences takes.
-
-    ``decode`` holds each decode sequence's block table and its context
-    length after this step. A sequence continues a previous row when that
-    row holds exactly its first ``context - 1`` tokens in the same blocks:
-    the same sequence one step later (or one sharing those very blocks
-    through the prefix cache, whose K/V are the same). Each row is taken
-    once. Every other sequence takes the lowest free row and must be filled
-    whole from the cache; rows no sequence takes are dropped, so a row only
-    lives across consecutive steps in which its sequence decodes (which is
-    what keeps its blocks from being freed and reused under it).
-
-    Returns the row of each sequence, whether it must be filled, and the
-    rows' contents after this step.
-    """
-    by_key: dict[tuple[int, int], list[int]] = {}
-    for r, row in enumerate(previous):
-        if row is not None and row.blocks:
-            by_key.setdefault((row.blocks[0], row.length), []).append(r)
-    rows = [-1] * len(decode)
-    taken: set[int] = set()
-    for i, (blocks, context) in enumerate(decode):
-        for r in by_key.get((blocks[0], context - 1), ()) if blocks else ():
-            prev = previous[r]
-            if r not in taken and blocks[: len(prev.blocks)] == prev.blocks:
-                rows[i] = r
-                taken.add(r)
-                break
-    fills = [r < 0 for r in rows]
-    free = (r for r in range(len(previous) + len(decode)) if r not in taken)
-    rows = [r if r >= 0 else next(free) for r in rows]
-    contents: list[StagedRow | None] = [None] * (max(rows) + 1 if rows else 0)
-    for r, (blocks, context) in zip(rows, decode):
-        contents[r] = StagedRow(blocks, context)
-    return rows, fills, contents
-
-
-@dataclass
-class StagedStep:
-    """One step's decode rows on the staged copy, derived once per step."""
-
-    generation: int
-    rows: torch.Tensor  # [Bd] int64: staged row of each decode sequence
-    query_rows: torch.Tensor  # [Bd] int64: its query's row in the flat batch
-    positions: torch.Tensor  # [Bd] int64: where its new token goes (context - 1)
-    slots: torch.Tensor  # [Bd] int64: the new token's cache slot
-    fills: list[tuple[int, list[int], int]]  # (row, blocks, context) copied whole from the cache
-    decode: list[tuple[int, list[int], int]]  # the same for every decode sequence
-    num_rows: int  # rows 0 .. num_rows - 1 are attended (a row no sequence holds is masked)
-    num_keys: int  # the longest context
-    mask: torch.Tensor  # [num_rows * KH, group, num_keys] additive key mask
-    is_identity: bool  # every query decodes and query i is on row i
-    token_index: tuple[torch.Size, torch.Tensor] | None = None  # see DecodeStaging._token_index
-
-
-class _StagedLayer:
-    __slots__ = ("cache_ref", "buf", "generation")
-
-    def __init__(self, kv_cache: torch.Tensor):
-        self.cache_ref = weakref.ref(kv_cache)
-        self.buf: torch.Tensor | None = None  # [2, rows, KH, keys, D]
-        self.generation = -1  # the step that last brought it up to date
-
-
-class DecodeStaging:
-    """Each decoding sequence's K/V in one contiguous copy per layer, kept
-    across steps (CPU, float32).
-
-    Why: gathering every page of every decode sequence in every layer was a
-    third of a CPU decode step's attention (the pages are cold by then, the
-    weights having streamed through the cache). With the copy a decode step
-    appends one token per sequence per layer, and attention runs as three
-    batched ops (scores, softmax, values) over ``[rows * KH, group, keys]``.
-
-    Layout of a layer's copy: ``[2, rows, KH, keys, D]`` (K, V), row ``r``
-    holding its sequence's tokens ``0 .. length - 1``; the rest is zeros or
-    stale finite values that the step's key mask hides.
-
-    The paged cache stays the source of truth; the copy is only filled from
-    it (a new row: its whole context; a continued row: the token this step
-    wrote, read back at its slot), always after ``write_kv``. Invariants:
-    a row's contents follow ``match_staged_rows`` (only consecutive decode
-    steps keep it), and a layer copy that missed a step (``generation``
-    behind) or belongs to another cache tensor is refilled whole, so an
-    interrupted step or a second cache never yields stale keys.
-    """
-
-    def __init__(self, max_bytes_per_layer: int = MAX_STAGED_BYTES_PER_LAYER):
-        self.max_bytes_per_layer = max_bytes_per_layer
-        self.rows: list[StagedRow | None] = []
-        self.generation = 0
-        self.layers: dict[int, _StagedLayer] = {}  # by the layer cache's data_ptr
-
-    def plan(self, meta: AttentionMetadata, q: torch.Tensor, kv_cache: torch.Tensor) -> StagedStep | None:
-        """This step's ``StagedStep`` (made by the first layer, reused by the
-        others), or None when the step has no decode rows or its copy would
-        exceed ``max_bytes_per_layer``: then every row is dropped."""
-        if "staged" not in meta.derived:
-            meta.derived["staged"] = self._plan(meta, q.shape[1], kv_cache)
-        return meta.derived["staged"]
-
-    def release(self) -> None:
-        self.rows = []
-        self.layers.clear()
-
-    def _plan(self, meta: AttentionMetadata, num_heads: int, kv_cache: torch.Tensor) -> StagedStep | None:
-        self.generation += 1
-        seqs = [i for i, n in enumerate(meta.query_lens_list) if n == 1]
-        if not seqs:
-            self.release()
-            return None
-        tables = meta.block_tables.tolist()
-        decode = [(tuple(tables[i][: meta.num_blocks_list[i]]), meta.context_lens_list[i]) for i in seqs]
-        rows, fills, self.rows = match_staged_rows(self.rows, decode)
-        _, _, _, num_kv_heads, head_dim = kv_cache.shape
-        num_keys = max(context for _, context in decode)
-        if self._nbytes(len(self.rows), num_kv_heads, num_keys, head_dim) > self.max_bytes_per_layer:
-            self.release()
-            return None
-        # A copy that missed the last step can't be appended to: drop it.
-        self.layers = {k: v for k, v in self.layers.items() if v.generation >= self.generation - 1}
-        starts = meta.query_start_list
-        every = [(r, list(blocks), context) for r, (blocks, context) in zip(rows, decode)]
-        query_rows = torch.tensor([starts[i] for i in seqs])
-        return StagedStep(
-            generation=self.generation,
-            rows=torch.tensor(rows),
-            query_rows=query_rows,
-            positions=torch.tensor([context - 1 for _, context in decode]),
-            slots=meta.slot_mapping.index_select(0, query_rows),
-            fills=[e for e, fill in zip(every, fills) if fill],
-            decode=every,
-            num_rows=len(self.rows),
-            num_keys=num_keys,
-            mask=self._mask(num_keys, num_heads, num_kv_heads),
-            is_identity=len(seqs) == len(meta.slot_mapping) and rows == list(range(len(seqs))),
-        )
-
-    def _mask(self, num_keys: int, num_heads: int, num_kv_heads: int) -> torch.Tensor:
-        """Additive ``[rows * KH, group, keys]``: row ``r`` sees its first
-        ``length`` keys; a row no sequence holds sees key 0 only (finite, unused)."""
-        lens = torch.tensor([row.length if row is not None else 1 for row in self.rows])
-        visible = torch.arange(num_keys)[None, :] < lens[:, None]
-        mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
-        num_rows = len(self.rows)
-        return mask[:, None, :].expand(num_rows, num_heads, num_keys).reshape(num_rows * num_kv_heads, -1, num_keys)
-
-    @staticmethod
-    def _nbytes(num_rows: int, num_kv_heads: int, num_keys: int, head_dim: int) -> int:
-        return 2 * num_rows * num_kv_heads * num_keys * head_dim * 4
-
-    def attend(self, step: StagedStep, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """``[num_rows, H, D]``: each staged row's query (zero on a row no
-        sequence holds) against its copy. Call after ``write_kv``."""
-        buf = self._update(step, kv_cache)
-        num_rows, num_keys = step.num_rows, step.num_keys
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        group_rows = num_rows * kv_cache.shape[3]
-        if step.is_identity:
-            qs = q
-        else:
-            qs = q.new_zeros(num_rows, num_heads, head_dim)
-            qs[step.rows] = q[step.query_rows]
-        k = buf[0, :num_rows, :, :num_keys].view(group_rows, num_keys, head_dim)
-        v = buf[1, :num_rows, :, :num_keys].view(group_rows, num_keys, head_dim)
-        scores = torch.baddbmm(step.mask, qs.reshape(group_rows, -1, head_dim), k.transpose(1, 2), alpha=scale)
-        return torch.bmm(scores.softmax(-1), v).view(num_rows, num_heads, head_dim)
-
-    def _update(self, step: StagedStep, kv_cache: torch.Tensor) -> torch.Tensor:
-        """This layer's copy, grown to the step's size and brought up to date."""
-        layer = self.layers.get(kv_cache.data_ptr())
-        if layer is None or layer.cache_ref() is not kv_cache:
-            layer = self.layers[kv_cache.data_ptr()] = _StagedLayer(kv_cache)
-        is_behind = layer.generation < step.generation - 1
-        buf = layer.buf = self._fit(layer.buf, step, kv_cache)
-        num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-        # The new tokens, read back at their slots, go to (row, head, position)
-        # through one flat index: a copy per row, cheaper than a 2-D index_put.
-        new = kv_cache.view(2, -1, num_kv_heads, head_dim).index_select(1, step.slots)  # [2, Bd, KH, D]
-        flat = buf.view(2, -1, head_dim)
-        flat.index_copy_(1, self._token_index(step, buf.shape), new.view(2, -1, head_dim))
-        for row, blocks, context in step.decode if is_behind else step.fills:
-            pages = kv_cache[:, blocks].flatten(1, 2)[:, :context]  # [2, context, KH, D]
-            buf[:, row, :, :context] = pages.transpose(1, 2)
-        layer.generation = step.generation
-        return buf
-
-    @staticmethod
-    def _token_index(step: StagedStep, shape: torch.Size) -> torch.Tensor:
-        """Flat ``[Bd * KH]`` index of each new token's (row, head, position) in a
-        copy of ``shape``, made once per step (every layer's copy has one shape)."""
-        if step.token_index is None or step.token_index[0] != shape:
-            _, _, num_kv_heads, num_keys, _ = shape
-            heads = torch.arange(num_kv_heads)
-            index = ((step.rows[:, None] * num_kv_heads + heads[None, :]) * num_keys + step.positions[:, None]).flatten()
-            step.token_index = (shape, index)
-        return step.token_index[1]
-
-    def _fit(self, buf: torch.Tensor | None, step: StagedStep, kv_cache: torch.Tensor) -> torch.Tensor:
-        """``buf``, or a larger zeroed copy of it when the step needs more
-        rows or keys (keys rounded up to ``STAGED_KEYS_ALIGN`` within budget)."""
-        _, _, _, num_kv_heads, head_dim = kv_cache.shape
-        have_rows, have_keys = (0, 0) if buf is None else (buf.shape[1], buf.shape[3])
-        if have_rows >= step.num_rows and have_keys >= step.num_keys:
-            return buf
-        num_rows = max(have_rows, step.num_rows)
-        num_keys = max(have_keys, -(-step.num_keys // STAGED_KEYS_ALIGN) * STAGED_KEYS_ALIGN)
-        if self._nbytes(num_rows, num_kv_heads, num_keys, head_dim) > self.max_bytes_per_layer:
-            num_keys = max(have_keys, step.num_keys)
-        grown = kv_cache.new_zeros(2, num_rows, num_kv_heads, num_keys, head_dim)
-        if buf is not None:
-            grown[:, :have_rows, :, :have_keys] = buf
-        return grown
 
 
 def make_attention_backend(device: torch.device | str) -> PagedAttention:

@@ -103,31 +103,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
-        if x.device.type == "cpu" and not self.has_qk_norm and type(self.rotary) is RotaryEmbedding:
-            q, k, v = self._rotated_side_by_side(qkv, positions)
-        else:
-            q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
-            q = q.view(num_tokens, self.num_heads, self.head_dim)
-            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-            if self.has_qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary(positions, q, k)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.has_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
         self.backend.write_kv(kv_cache, k, v, meta)
         out = self.backend.attend(q, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
-
-
-    def _rotated_side_by_side(self, qkv: torch.Tensor, positions: torch.Tensor):
-        """q and k rotated in one call: they sit side by side in ``qkv``, so
-        their heads are one ``[T, H + KH, D]`` view (on CPU a step runs half
-        the rotary kernels; q and k come back as views of one tensor)."""
-        num_tokens, num_qk_heads = qkv.shape[0], self.num_heads + self.num_kv_heads
-        qk = qkv[:, : num_qk_heads * self.head_dim].view(num_tokens, num_qk_heads, self.head_dim)
-        q, k = self.rotary.rotate_heads(positions, qk).split((self.num_heads, self.num_kv_heads), dim=1)
-        v = qkv[:, num_qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        return q, k, v
 
 
 class MLP(nn.Module):

@@ -72,13 +72,6 @@ class RotaryEmbedding(nn.Module):
         cos, signed_sin = self.step_tables if self.step_tables is not None else self.tables(positions, q.dtype)
         return rotate(q, cos, signed_sin), rotate(k, cos, signed_sin)
 
-    def rotate_heads(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [T, n, D]`` by its token positions: q's and k's heads side
-        by side rotate in one call (the same arithmetic as ``forward``, bit for
-        bit, with half the kernels)."""
-        cos, signed_sin = self.step_tables if self.step_tables is not None else self.tables(positions, x.dtype)
-        return rotate(x, cos, signed_sin)
-
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and ``signed_sin`` ``[T, 1, D]`` for ``positions [T]`` (see ``rotate``)."""
         if self.inv_freq.device != positions.device:

@@ -168,14 +168,14 @@ def test_layers_share_one_rotary_whose_tables_last_one_forward():
     rotaries = {id(layer.self_attn.rotary) for layer in model.model.layers}
     assert len(rotaries) == 1
     seen = []
-    original = RotaryEmbedding.rotate_heads  # the CPU path rotates q and k side by side
+    original = RotaryEmbedding.forward
 
-    def spy(self, positions, x):
+    def spy(self, positions, q, k):
         seen.append(self.step_tables is not None)
-        return original(self, positions, x)
+        return original(self, positions, q, k)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(RotaryEmbedding, "rotate_heads", spy)
+        mp.setattr(RotaryEmbedding, "forward", spy)
         run_forward(model, torch.arange(5))
     assert seen == [True] * model.spec.num_layers
     assert model.model.layers[0].self_attn.rotary.step_tables is None
