@@ -36,8 +36,8 @@ class MediaCopies:
     """``pin_memory`` (default: when CUDA is available) makes each copy in
     page-locked memory, so the runner's host -> device copy of the pixel rows
     is one DMA queued without blocking the host; a pageable copy is staged by
-    the driver through a bounce buffer, one more memcpy of ~60 MB for a
-    640x480 8 s clip in float32, synchronously."""
+    the driver through a bounce buffer, one more memcpy (15 MB for a
+    640x480 8 s clip's raw rows), synchronously."""
 
     def __init__(self, arena: Any, pin_memory: bool | None = None):
         self.arena = arena  # consumer end: view(ref), release(ref)

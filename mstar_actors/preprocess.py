@@ -322,15 +322,16 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
 def video_patches(frames: Any, image_processor: Any, min_pixels: int, max_pixels: int) -> tuple[Any, tuple[int, int, int]]:
     """Qwen2-VL's video layout without torchvision: every frame resized to one
     ``smart_resize`` size, padded to a whole temporal patch by repeating the
-    last frame, laid out as (t, h/m, w/m, m, m, C, tps, p, p) rows, then
-    rescaled and normalized with the image processor's constants.
+    last frame, laid out as (t, h/m, w/m, m, m, C, tps, p, p) rows of raw
+    uint8 levels. The vision tower rescales and normalizes them on the rank
+    with the image processor's constants (``models.vision.PixelNorm``), so
+    the arena and the copies carry a quarter of the bytes.
 
     The resize is transformers' video processor's: torchvision's resize of a
     uint8 CPU tensor is ``interpolate(bicubic, antialias=True)`` on uint8.
     Pillow's bicubic (the image processor's) differs from it by at most 2 of
     255 levels in under 1% of values and costs ~10 ms per 8 frames of
-    320x240 where this takes ~1.5 ms. Layout on uint8 and normalization in
-    place move a quarter of the bytes, with no float temporaries."""
+    320x240 where this takes ~1.5 ms."""
     import torch
     from torch.nn import functional
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
@@ -347,8 +348,4 @@ def video_patches(frames: Any, image_processor: Any, min_pixels: int, max_pixels
         x = torch.cat([x, x[-1:].expand(tps - num_frames % tps, -1, -1, -1)])
     t, gh, gw = x.shape[0] // tps, rh // p, rw // p
     cells = x.reshape(t, tps, gh // m, m, p, gw // m, m, p, 3).permute(0, 2, 5, 3, 6, 8, 1, 4, 7)
-    rows = cells.reshape(t * gh * gw, 3 * tps * p * p).float()  # one uint8 gather, one conversion
-    mean = torch.tensor(ip.image_mean, dtype=torch.float32).view(3, 1).expand(3, tps * p * p).reshape(-1)
-    std = torch.tensor(ip.image_std, dtype=torch.float32).view(3, 1).expand(3, tps * p * p).reshape(-1)
-    rows.mul_(float(ip.rescale_factor)).sub_(mean).div_(std)
-    return rows, (t, gh, gw)
+    return cells.reshape(t * gh * gw, 3 * tps * p * p), (t, gh, gw)  # one uint8 gather

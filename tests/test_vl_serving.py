@@ -103,8 +103,10 @@ def _hf_and_preparer(vl_dir: Path):
 
 def reference_reply(vl_dir: Path, messages: list[dict]) -> list[int]:
     """transformers' greedy tokens on what our preparer makes of ``messages``
-    (the server gets the same tensors through the arena)."""
+    (the server gets the same tensors through the arena; video rows travel
+    raw and are normalized by the vision tower, as here)."""
     from mstar_actors.messages import ChatMessage, ContentPart, NewRequest, SamplingParams
+    from mstar_actors.models.vision import PixelNorm
 
     parts = messages[0]["content"]
     content = parts if isinstance(parts, str) else [
@@ -120,7 +122,9 @@ def reference_reply(vl_dir: Path, messages: list[dict]) -> list[int]:
         if item.kind == "image":
             kwargs |= {"pixel_values": item.pixel_values, "image_grid_thw": torch.tensor([item.grid_thw])}
         else:
-            kwargs |= {"pixel_values_videos": item.pixel_values, "video_grid_thw": torch.tensor([item.grid_thw]),
+            ip = preparer.image_processor
+            rows = PixelNorm(ip.image_mean, ip.image_std, ip.rescale_factor, item.pixel_values.shape[1] // 3)(item.pixel_values)
+            kwargs |= {"pixel_values_videos": rows, "video_grid_thw": torch.tensor([item.grid_thw]),
                        "second_per_grid_ts": torch.tensor([item.second_per_grid_t])}
     ids = torch.tensor([prompt])
     with torch.no_grad():

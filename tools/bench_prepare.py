@@ -289,8 +289,8 @@ class Clip(NamedTuple):
         return math.ceil(self.num_frames / 2) * (h // 28) * (w // 28)
 
     def pixel_bytes(self, max_pixels: int = 28 * 28 * 1280) -> int:
-        """Bytes of the clip's float32 patch rows (4 patches of 2 x 3 x 14 x 14 values per token)."""
-        return self.num_tokens(max_pixels) * 4 * 1176 * 4
+        """Bytes of the clip's raw uint8 patch rows (4 patches of 2 x 3 x 14 x 14 levels per token)."""
+        return self.num_tokens(max_pixels) * 4 * 1176
 
     def media_limits(self) -> str:
         """The server section's video limits that let this clip through."""

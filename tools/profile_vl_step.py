@@ -131,7 +131,8 @@ class DictArena:
 
         key = len(self.tensors)
         self.tensors[key] = tensor
-        return TensorRef("dict", key, tensor.numel() * tensor.element_size(), "float32", tuple(tensor.shape))
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        return TensorRef("dict", key, tensor.numel() * tensor.element_size(), dtype, tuple(tensor.shape))
 
     def view(self, ref):
         return self.tensors[ref.offset]

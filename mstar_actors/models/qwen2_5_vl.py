@@ -29,7 +29,7 @@ from .checkpoint import DECODER_RULES, WeightRule
 from .decoder import CausalLM
 from .rope import _rotate_half, inverse_frequencies
 from .spec import ModelLoadError, ModelSpec, read_config
-from .vision import Grid, VisionSpec, VisionTransformer, parse_vision_spec
+from .vision import Grid, PixelNorm, VisionSpec, VisionTransformer, parse_vision_spec
 
 ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
 
@@ -215,8 +215,15 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
 
 def build(model_dir: Path, spec: ModelSpec, backend: PagedAttention) -> Qwen2_5_VLForConditionalGeneration:
     """The loader's constructor for this architecture (reads the vision fields of config.json)."""
+    from mstar_actors.preprocess import load_image_processor  # the preparer's constants, from the same folder
+
     cfg = read_config(model_dir)
     where = str(Path(model_dir) / "config.json")
-    return Qwen2_5_VLForConditionalGeneration(
-        spec, parse_vision_spec(cfg, where), mrope_section(cfg, spec.head_dim, where), media_token_ids(cfg, where), backend
+    vision = parse_vision_spec(cfg, where)
+    model = Qwen2_5_VLForConditionalGeneration(
+        spec, vision, mrope_section(cfg, spec.head_dim, where), media_token_ids(cfg, where), backend
     )
+    ip = load_image_processor(model_dir)
+    cols = vision.temporal_patch_size * vision.patch_size**2
+    model.visual.patch_embed.pixel_norm = PixelNorm(ip.image_mean, ip.image_std, ip.rescale_factor, cols)
+    return model

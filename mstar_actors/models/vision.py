@@ -150,6 +150,34 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 # -- modules --------------------------------------------------------------------
 
 
+class PixelNorm:
+    """The image processor's rescale and normalization of raw uint8 patch
+    rows, in float32: ``(x * rescale - mean[c]) / std[c]``, the same three
+    operations in the same order as the processor, so the rows are the
+    ones it would have made, bit for bit. Rows are laid out channel-major
+    (C, temporal patch, p, p), so channel ``c``'s constants cover
+    ``cols_per_channel`` columns.
+
+    Video rows travel raw (uint8) from the prepare actor to the ranks: a
+    quarter of the bytes through the arena, the rank's copy and the
+    host-to-device copy, and no float pass in preparation, which several
+    drafts at once contend for. Kept off the module's buffers so that a
+    model cast to bfloat16 keeps float32 constants."""
+
+    def __init__(self, mean: list[float], std: list[float], rescale: float, cols_per_channel: int):
+        self.rescale = float(rescale)
+        # On the CPU explicitly: the loader builds the model under a meta device.
+        self.mean = torch.tensor(mean, dtype=torch.float32, device="cpu").repeat_interleave(cols_per_channel)
+        self.std = torch.tensor(std, dtype=torch.float32, device="cpu").repeat_interleave(cols_per_channel)
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.dim() != 2 or rows.shape[1] != self.mean.numel():
+            raise ValueError(f"uint8 pixel rows have shape {list(rows.shape)}; accepted: [N, {self.mean.numel()}]")
+        if self.mean.device != rows.device:  # once per device
+            self.mean, self.std = self.mean.to(rows.device), self.std.to(rows.device)
+        return rows.float().mul_(self.rescale).sub_(self.mean).div_(self.std)
+
+
 class PatchEmbed(nn.Module):
     def __init__(self, spec: VisionSpec):
         super().__init__()
@@ -157,8 +185,14 @@ class PatchEmbed(nn.Module):
         # Stored as the checkpoint's Conv3d; a stride-equals-kernel conv over
         # one patch is a linear map of its flattened pixels.
         self.proj = nn.Conv3d(spec.in_channels, spec.hidden_size, kernel_size=kernel, stride=kernel, bias=False)
+        self.pixel_norm: PixelNorm | None = None  # set by the model's builder from the processor's constants
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        if pixels.dtype == torch.uint8:  # raw rows: normalize here, on the rank's device
+            if self.pixel_norm is None:
+                raise ValueError("uint8 pixel rows need the image processor's mean, std and rescale factor, "
+                                 "which this vision tower was not given (the model folder's preprocessor_config.json)")
+            pixels = self.pixel_norm(pixels)
         weight = self.proj.weight
         return F.linear(pixels.to(weight.dtype), weight.reshape(weight.shape[0], -1))
 

@@ -119,7 +119,8 @@ def test_video_rows_match_the_image_layout_for_a_still_clip(preparer):
     assert item.second_per_grid_t == pytest.approx(1.0)  # temporal_patch_size / fps
     image = preparer.draft(chat("i1", image_part(png_url(frame))), {}).media[0]
     assert item.grid_thw == image.grid_thw
-    assert (item.pixel_values - image.pixel_values).abs().mean() < 0.1  # codec noise only
+    video_rows = _normalize(item.pixel_values, preparer.image_processor)
+    assert (video_rows - image.pixel_values).abs().mean() < 0.1  # codec noise only
     assert draft.prepared.prompt_token_ids.count(bench.VIDEO_TOKEN) == item.num_tokens
 
 
@@ -131,6 +132,7 @@ def test_video_patch_layout_equals_the_image_processor_for_repeated_frames(prepa
     frame = np.random.default_rng(2).integers(0, 255, (50, 70, 3), dtype=np.uint8)
     ip = preparer.image_processor
     rows, grid = video_patches(np.stack([frame, frame]), ip, preparer.min_pixels, preparer.max_pixels)
+    rows = _normalize(rows, ip)
     out = ip(images=[Image.fromarray(frame)], return_tensors="pt")
     expected = out["pixel_values"].float()
     assert grid == tuple(int(x) for x in out["image_grid_thw"][0])
@@ -141,7 +143,14 @@ def test_video_patch_layout_equals_the_image_processor_for_repeated_frames(prepa
     diff = (rows - expected).abs()
     assert diff.max() <= 2 * level + 1e-5 and (diff > 1e-5).float().mean() < 0.02
     three, grid3 = video_patches(np.stack([frame] * 3), ip, preparer.min_pixels, preparer.max_pixels)
-    assert grid3[0] == 2 and torch.equal(three[rows.shape[0]:], rows)  # padded with the last frame
+    assert grid3[0] == 2 and torch.equal(_normalize(three, ip)[rows.shape[0]:], rows)  # padded with the last frame
+
+
+def _normalize(rows, ip):
+    """What the vision tower does to raw rows on the rank."""
+    from mstar_actors.models.vision import PixelNorm
+
+    return PixelNorm(ip.image_mean, ip.image_std, ip.rescale_factor, rows.shape[1] // 3)(rows)
 
 
 def _patches_normalized_first(frames, ip, min_pixels, max_pixels):
@@ -170,8 +179,8 @@ def test_video_rows_equal_transformers_video_resize_and_layout_bit_for_bit(prepa
     frames = np.random.default_rng(num_frames).integers(0, 255, (num_frames, 45, 61, 3), dtype=np.uint8)
     ip = preparer.image_processor
     rows, grid = video_patches(frames, ip, preparer.min_pixels, preparer.max_pixels)
-    assert torch.equal(rows, _patches_normalized_first(frames, ip, preparer.min_pixels, preparer.max_pixels))
-    assert grid[0] == 2 and rows.dtype == torch.float32 and rows.is_contiguous()
+    assert grid[0] == 2 and rows.dtype == torch.uint8 and rows.is_contiguous()  # raw: a quarter of the bytes
+    assert torch.equal(_normalize(rows, ip), _patches_normalized_first(frames, ip, preparer.min_pixels, preparer.max_pixels))
 
 
 def test_media_digest_follows_the_source_bytes_and_the_place(preparer):
