@@ -27,6 +27,8 @@ back to the torch reference where it is missing.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -119,6 +121,7 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[index]
 
 
+@functools.lru_cache(maxsize=4096)  # pure, and called for every targeted linear of every eager step
 def _pick_tiles(num_rows: int, num_shards: int, max_out: int, shrink_cost: int, block_n: int, num_sms: int) -> int:
     """Column tiles per program (a power of two) minimising the estimated time.
 
@@ -146,6 +149,7 @@ def _pick_tiles(num_rows: int, num_shards: int, max_out: int, shrink_cost: int, 
 _SHORT_SHRINK = 2048
 
 
+@functools.lru_cache(maxsize=256)
 def _rows_blocks(max_rank: int, k: int, max_out: int) -> tuple[int, int, int, int]:
     """(BLOCK_R, BLOCK_K, BLOCK_N, num_warps) of ``bgmv_rows``.
 
