@@ -70,15 +70,21 @@ def _free(*shms: SharedMemory) -> None:
         shm.unlink()
 
 
-async def _run(runner, script):
+async def _start(runner):
+    """A worker with 2 LoRA slots over in-memory channels, past its ready info: (inbox, outbox, task)."""
     config = Config(model=ModelConfig(path="unused"), lora=LoraConfig(max_loras=2))
     inbox = MemoryChannel(ConductorToWorker, "conductor.worker0")
     outbox = MemoryChannel(WorkerToConductor, "worker0.conductor")
     worker = WorkerActor(name="worker0", rank=0, runner=runner, inbox={"conductor": inbox},
                          outbox={"conductor": outbox}, config=config)
     task = asyncio.create_task(worker.run())
+    await asyncio.wait_for(outbox.recv(), 10)
+    return inbox, outbox, task
+
+
+async def _run(runner, script):
+    inbox, outbox, task = await _start(runner)
     try:
-        await asyncio.wait_for(outbox.recv(), 10)  # the worker's ready info
         await script(inbox, outbox)
     finally:
         await inbox.send(Shutdown(reason="test over"))
@@ -137,13 +143,7 @@ def test_more_installs_than_slots_is_a_protocol_error():
     shms, msgs = zip(*[_host_copy(n) for n in "abcd"])
 
     async def main():
-        config = Config(model=ModelConfig(path="unused"), lora=LoraConfig(max_loras=2))
-        inbox = MemoryChannel(ConductorToWorker, "conductor.worker0")
-        outbox = MemoryChannel(WorkerToConductor, "worker0.conductor")
-        worker = WorkerActor(name="worker0", rank=0, runner=runner, inbox={"conductor": inbox},
-                             outbox={"conductor": outbox}, config=config)
-        task = asyncio.create_task(worker.run())
-        await asyncio.wait_for(outbox.recv(), 10)
+        inbox, _, task = await _start(runner)
         for msg in msgs:
             await inbox.send(msg)
         code = await asyncio.wait_for(task, 10)

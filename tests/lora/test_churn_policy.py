@@ -5,75 +5,29 @@ no steps; then the policy benchmark (tools/sim_churn.py) as a regression check."
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from sim_churn_loader import load_sim_churn
+from test_lora_churn import Driver, churn_and_calm
 
-from mstar_actors.lora.pool import AdapterPool, Admit, _Adapter
-from mstar_actors.messages import (
-    AdapterHostRef,
-    AdapterInstalled,
-    AdapterRead,
-    InstallAdapter,
-    Prepared,
-    ReadAdapter,
-    SamplingParams,
-)
-
-ROOT = Path(__file__).resolve().parents[2]
+sim = load_sim_churn()
 
 
-def _load_sim():
-    spec = importlib.util.spec_from_file_location("sim_churn", ROOT / "tools" / "sim_churn.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sim_churn"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+class Pool(Driver):
+    """The churn tests' driver over adapters a, b, c, with reads answered at
+    once and installs only when the test acks them."""
 
-
-sim = _load_sim()
-
-
-class Pool:
-    """One pool over adapters a, b, c; reads are answered at once, installs
-    only when the test acks them."""
-
-    def __init__(self, max_loras: int = 2):
-        self.pool = AdapterPool("base", max_loras, num_ranks=1, max_cpu_loras=4)
-        for name in "abc":
-            self.pool.adapters[name] = _Adapter(name, f"/adapters/{name}")
-        self.admitted: dict[str, int] = {}  # request id -> slot
-        self.unacked: list[InstallAdapter] = []
+    def __init__(self, max_loras: int = 2, names: str = "abc"):
+        super().__init__(max_loras=max_loras, names=names, max_cpu_loras=4)
 
     def handle(self, outs: list) -> None:
-        for out in outs:
-            match out:
-                case Admit(prepared=prepared, slot=slot):
-                    self.admitted[prepared.request_id] = slot
-                case ReadAdapter(name=name):
-                    self.handle(self.pool.on_read(AdapterRead(
-                        name=name, path=f"/adapters/{name}", digest=f"d-{name}",
-                        host=AdapterHostRef(segment=f"seg-{name}", nbytes=1), max_rank=8)))
-                case InstallAdapter():
-                    self.unacked.append(out)
-
-    def send(self, request_id: str, model: str) -> None:
-        self.handle(self.pool.add(Prepared(request_id=request_id, model=model, prompt_token_ids=[1, 2],
-                                           sampling=SamplingParams(max_tokens=4))))
+        super().handle(outs)
+        self.answer_reads()
 
     def ack_all(self) -> None:
-        while self.unacked:
-            install = self.unacked.pop(0)
-            self.handle(self.pool.on_installed(AdapterInstalled(rank=0, slot=install.slot, digest=install.digest,
-                                                                ok=True)))
-
-    def end(self, request_id: str) -> None:
-        self.handle(self.pool.end(request_id))
+        self.ack_installs()
 
     def slot(self, name: str) -> int | None:
-        return self.pool.table.lookup(name)
+        return self.slot_of_adapter(name)
 
 
 def resident_ab() -> Pool:
@@ -125,9 +79,7 @@ def test_the_waiter_drains_once_the_install_is_in_and_is_admitted_after_it():
 def test_half_of_a_larger_pool_may_swap_at_once():
     """Four slots: a drain and an install are two out of service, so a third
     waiter waits without draining either of the two slots still serving."""
-    p = Pool(max_loras=4)
-    for name in "def":
-        p.pool.adapters[name] = _Adapter(name, f"/adapters/{name}")
+    p = Pool(max_loras=4, names="abcdef")
     for name in "abcd":
         p.send(f"{name}1", name)
     p.ack_all()
@@ -152,11 +104,7 @@ def test_churn_keeps_two_thirds_of_the_batch_with_a_bounded_wait(concurrency, fl
     this workload is about 75%: at each batch end the requests split evenly
     over 3 adapters and one third of them cannot have a slot."""
     kw = dict(max_tokens=64, install_steps=5, read_steps=1)
-    churn = sim.simulate(concurrency, **kw)
-    calm = sim.simulate(concurrency, **{**kw, "max_loras": 3})
-    print(f"seed none (deterministic); c={concurrency}: {churn.tokens_per_step:.2f} vs {calm.tokens_per_step:.2f} "
-          f"tokens/step, TTFT p90 {churn.ttft(90)} max {max(churn.ttft_steps)} steps")
-    assert churn.num_requests == calm.num_requests
+    churn, calm = churn_and_calm(concurrency, kw)
     assert churn.tokens_per_step >= floor * calm.tokens_per_step
     # A waiter waits for an install in flight, one request's drain, then its own install.
     assert max(churn.ttft_steps) <= kw["max_tokens"] + 1 + 2 * kw["install_steps"] + kw["read_steps"] + 2

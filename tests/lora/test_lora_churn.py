@@ -4,11 +4,8 @@ policy benchmark (tools/sim_churn.py) as a regression check."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from sim_churn_loader import load_sim_churn
 
 from mstar_actors.config import Config, LoraConfig, ModelConfig
 from mstar_actors.lora.pool import AdapterPool, Admit
@@ -25,18 +22,7 @@ from mstar_actors.messages import (
     UnloadAdapter,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load_sim():
-    spec = importlib.util.spec_from_file_location("sim_churn", ROOT / "tools" / "sim_churn.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sim_churn"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-sim = _load_sim()
+sim = load_sim_churn()
 
 
 class Driver:
@@ -83,16 +69,22 @@ class Driver:
     def settle(self) -> None:
         """Answer every read, then ack every install, until nothing is pending."""
         while self.unanswered or self.unacked:
-            while self.unanswered:
-                name = self.unanswered.pop(0)
-                self.holds[name] = self.holds.get(name, 0) + 1
-                msg = AdapterRead(name=name, path=f"/adapters/{name}", digest=f"d-{name}",
-                                  host=AdapterHostRef(segment=f"seg-{name}", nbytes=1), max_rank=8)
-                self.handle(self.pool.on_read(msg))
-            while self.unacked:
-                install = self.unacked.pop(0)
-                self.handle(self.pool.on_installed(AdapterInstalled(rank=0, slot=install.slot, digest=install.digest,
-                                                                    ok=True)))
+            self.answer_reads()
+            self.ack_installs()
+
+    def answer_reads(self) -> None:
+        while self.unanswered:
+            name = self.unanswered.pop(0)
+            self.holds[name] = self.holds.get(name, 0) + 1
+            msg = AdapterRead(name=name, path=f"/adapters/{name}", digest=f"d-{name}",
+                              host=AdapterHostRef(segment=f"seg-{name}", nbytes=1), max_rank=8)
+            self.handle(self.pool.on_read(msg))
+
+    def ack_installs(self) -> None:
+        while self.unacked:
+            install = self.unacked.pop(0)
+            self.handle(self.pool.on_installed(AdapterInstalled(rank=0, slot=install.slot, digest=install.digest,
+                                                                ok=True)))
 
     def end(self, request_id: str) -> None:
         self.handle(self.pool.end(request_id))
@@ -218,16 +210,22 @@ def test_without_a_tier_every_unneeded_hold_is_dropped():
 # ---- the policy benchmark ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("concurrency", [1, 8, 32])
-def test_churn_keeps_the_batch_busy_and_the_wait_bounded(concurrency):
-    """3 adapters round robin over 2 slots. Before the drain policy: 57% / 42%
-    of no-churn tokens per step at c=8 / 32 and waits of hundreds of steps."""
-    kw = dict(max_tokens=32, install_steps=3, read_steps=1)
+def churn_and_calm(concurrency: int, kw: dict):
+    """The simulated churn run (3 adapters over 2 slots) and the same with every adapter resident."""
     churn = sim.simulate(concurrency, **kw)
     calm = sim.simulate(concurrency, **{**kw, "max_loras": 3})
     print(f"seed none (deterministic); c={concurrency}: {churn.tokens_per_step:.2f} vs {calm.tokens_per_step:.2f} "
           f"tokens/step, TTFT p90 {churn.ttft(90)} max {max(churn.ttft_steps)} steps")
     assert churn.num_requests == calm.num_requests
+    return churn, calm
+
+
+@pytest.mark.parametrize("concurrency", [1, 8, 32])
+def test_churn_keeps_the_batch_busy_and_the_wait_bounded(concurrency):
+    """3 adapters round robin over 2 slots. Before the drain policy: 57% / 42%
+    of no-churn tokens per step at c=8 / 32 and waits of hundreds of steps."""
+    kw = dict(max_tokens=32, install_steps=3, read_steps=1)
+    churn, calm = churn_and_calm(concurrency, kw)
     assert churn.tokens_per_step >= 0.58 * calm.tokens_per_step
     # A waiter waits for at most the drain reserved before its own, then its own, then its install.
     one_request = kw["max_tokens"] + 1
