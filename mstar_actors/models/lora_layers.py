@@ -31,11 +31,23 @@ import torch
 from torch import nn
 
 from mstar_actors.lora.adapter_file import AdapterWeights, LoraModule
-from mstar_actors.lora.ops import ZERO_SLOT, LoraSegments, LoraStack, build_segments, has_kernels, row_groups
+from mstar_actors.lora.ops import (
+    ZERO_SLOT,
+    DenseRows,
+    LoraSegments,
+    LoraStack,
+    build_dense_rows,
+    build_segments,
+    has_kernels,
+    row_groups,
+)
 
 from .checkpoint import CheckpointRules
 
 LM_HEAD = "lm_head"
+# Steps of up to this many rows (decode-sized) also carry a one-hot of their
+# slots, which the CPU's delta takes instead of segments (``ops.DenseRows``).
+MAX_DENSE_ROWS = 64
 EMBED_TOKENS = "model.embed_tokens"
 
 
@@ -58,11 +70,15 @@ class LoraStep:
     kernel's batch sizes, else None.
     """
 
-    __slots__ = ("segments", "sampled_segments", "row_slots", "row_groups", "sampled_row_slots", "sampled_row_groups")
+    __slots__ = ("segments", "sampled_segments", "dense", "sampled_dense", "row_slots", "row_groups",
+                 "sampled_row_slots", "sampled_row_groups")
 
     def __init__(self) -> None:
         self.segments: LoraSegments | None = None
         self.sampled_segments: LoraSegments | None = None
+        # The same rows as a one-hot, for steps of up to MAX_DENSE_ROWS rows (CPU).
+        self.dense: DenseRows | None = None
+        self.sampled_dense: DenseRows | None = None
         self.row_slots: torch.Tensor | None = None
         self.row_groups: tuple[torch.Tensor, ...] | None = None
         self.sampled_row_slots: torch.Tensor | None = None
@@ -94,7 +110,8 @@ class LoraHook:
                 return y if slots is None else self.stack.add_delta_rows(y, x, slots, step.sampled_row_groups)
             return self.stack.add_delta_rows(y, x, step.row_slots, step.row_groups)
         segments = self.step.sampled_segments if self.is_sampled else self.step.segments
-        return y if segments is None else self.stack.add_delta(y, x, segments)
+        dense = self.step.sampled_dense if self.is_sampled else self.step.dense
+        return y if segments is None else self.stack.add_delta(y, x, segments, dense)
 
 
 class LoraLayers:
@@ -151,8 +168,14 @@ class LoraLayers:
             return
         self.step.row_slots = None
         self.step.row_groups = None
-        self.step.segments = build_segments(_token_slots(chunk_slots, query_lens))
+        token_slots = _token_slots(chunk_slots, query_lens)
+        self.step.segments = build_segments(token_slots)
         self.step.sampled_segments = build_segments(sampled_slots) if any(sampled_slots) else None
+        self.step.dense = self._dense(token_slots)
+        self.step.sampled_dense = self._dense(sampled_slots) if any(sampled_slots) else None
+
+    def _dense(self, slots: Sequence[int]) -> DenseRows | None:
+        return build_dense_rows(slots, self.num_slots, self.device) if len(slots) <= MAX_DENSE_ROWS else None
 
     def _on_device(self, slots: Sequence[int]) -> torch.Tensor:
         return torch.tensor(slots, dtype=torch.int32).to(self.device, non_blocking=True)
@@ -191,12 +214,14 @@ class LoraLayers:
             )
         self.step.segments = None
         self.step.sampled_segments = None
+        self.step.dense = self.step.sampled_dense = None
         self.step.row_slots = self.step.sampled_row_slots = row_slots
         self.step.row_groups = self.step.sampled_row_groups = row_groups(row_slots, self.num_slots)
 
     def end_step(self) -> None:
         self.step.segments = None
         self.step.sampled_segments = None
+        self.step.dense = self.step.sampled_dense = None
         self.step.row_slots = self.step.sampled_row_slots = None
         self.step.row_groups = self.step.sampled_row_groups = None
 

@@ -11,6 +11,7 @@ from lora_factories import base_shapes, lora_layer, make_adapter, make_base
 
 from mstar_actors.lora import LoraStack, build_segments, lora_delta_ref, read_adapter
 from mstar_actors.lora.base_shapes import LAYER_MODULES
+from mstar_actors.lora.ops import build_dense_rows, delta_dense_ref, expand_matrix
 
 
 def test_segments_sorted_group_each_slot_once_and_skip_base():
@@ -72,6 +73,43 @@ def test_reference_equals_a_per_row_loop_on_random_mixes(output_sizes, sort, dty
     torch.testing.assert_close(got.float(), want, **tol)
     base_rows = [t for t, s in enumerate(slots) if s == 0]
     assert torch.equal(got[base_rows], y0[base_rows])  # base rows untouched
+
+
+@pytest.mark.parametrize("output_sizes", [(48,), (64, 32, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_rows_equal_the_segment_reference(output_sizes, dtype):
+    """The one-hot path (every slot's shrink in one GEMM, every slot's expand
+    in one batched GEMM) gives the segments' delta; base rows stay as they were."""
+    seed = random.randrange(2**31)
+    print(f"seed={seed}")
+    gen = torch.Generator().manual_seed(seed)
+    num_slots, max_rank, in_features, num_rows = 5, 8, 40, 11
+    a, b, scales = _random_stack(gen, in_features=in_features, output_sizes=output_sizes, num_slots=num_slots, max_rank=max_rank, dtype=dtype)
+    scales[-1, 2] = 0.0  # a shard slot 2's adapter does not target
+    offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes) + 1)]
+    slots = torch.randint(0, num_slots, (num_rows,), generator=gen).tolist()
+    slots[:2] = [0, 4]
+    x = torch.randn(num_rows, in_features, generator=gen).to(dtype)
+    y0 = torch.randn(num_rows, offsets[-1], generator=gen).to(dtype)
+    got = delta_dense_ref(y0.clone(), x, a, expand_matrix(b), scales, build_dense_rows(slots, num_slots), offsets)
+    want = lora_delta_ref(y0.clone(), x, a, b, scales, build_segments(slots), offsets)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    base_rows = [t for t, s in enumerate(slots) if s == 0]
+    assert torch.equal(got[base_rows], y0[base_rows])
+
+
+def test_dense_rows_of_an_embedding_gather_each_rows_own_slot():
+    gen = torch.Generator().manual_seed(3)
+    vocab, hidden, num_slots, max_rank = 30, 16, 4, 4
+    a, b, scales = _random_stack(gen, in_features=vocab, output_sizes=(hidden,), num_slots=num_slots, max_rank=max_rank, dtype=torch.float32)
+    slots, tokens = [1, 0, 3, 1, 2], torch.tensor([4, 7, 29, 0, 4])
+    y0 = torch.randn(len(slots), hidden, generator=gen)
+    got = delta_dense_ref(y0.clone(), tokens, a, expand_matrix(b), scales, build_dense_rows(slots, num_slots), [0, hidden],
+                          is_embedding=True)
+    for t, s in enumerate(slots):
+        want = y0[t] + scales[0, s] * (a[0, s][:, tokens[t]] @ b[s].T)
+        torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- stacks vs PEFT
