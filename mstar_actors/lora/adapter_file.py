@@ -272,6 +272,11 @@ def _pair_tensors(tensors: dict, base: BaseShapes, name: str) -> dict[str, tuple
         module_path, kind = _split_key(key, name)
         if tensor.dtype not in _FLOAT_DTYPES:
             raise AdapterError(f"adapter {name!r}: tensor {key!r} has dtype {tensor.dtype}; accepted: float32, float16, bfloat16")
+        if not bool(torch.isfinite(tensor).all()):
+            # Refused, not served: a NaN or infinity would also reach other adapters' rows
+            # on the CPU's one-hot path, where a row keeps its own slot by multiplying by 0.
+            raise AdapterError(f"adapter {name!r}: tensor {key!r} holds NaN or infinite values; accepted: finite "
+                               "weights (the adapter's training diverged or its file is damaged)")
         found.setdefault(module_path, {})[kind] = tensor
     for module_path, kinds in found.items():
         missing = {"A", "B"} - kinds.keys()

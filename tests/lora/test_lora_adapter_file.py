@@ -252,6 +252,16 @@ def test_refuses_half_a_pair_and_non_float(tmp_path):
     _refused(folder, base, "has dtype torch.int32; accepted: float32, float16, bfloat16")
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_refuses_non_finite_weights(tmp_path, bad):
+    base = base_shapes(make_base()[1])
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    b = torch.zeros(64, 4)
+    b[3, 1] = bad
+    folder = write_adapter(tmp_path / "bad", {f"{key}.lora_A.weight": torch.zeros(4, 64), f"{key}.lora_B.weight": b})
+    _refused(folder, base, rf"tensor '{key}.lora_B.weight' holds NaN or infinite values; accepted: finite")
+
+
 def test_refuses_resized_vocabulary_copy(tmp_path):
     model, cfg = make_base()
     folder, _ = make_adapter(tmp_path, model, target_modules=["embed_tokens"])
