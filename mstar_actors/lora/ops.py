@@ -23,7 +23,8 @@ Two ways to name each row's slot, one meaning:
   whose other slots add exact zeros: a fixed handful of ops per linear
   whatever the adapter mix, where segments cost a gather, GEMMs and a
   scatter per adapter present (with four adapters among 8 rows the step of
-  SmolLM2 on one core went from 79 ms base to 186 ms).
+  SmolLM2 on one core went from 79 ms base to 186 ms). Rows on a single
+  adapter take that slot's columns alone (``delta_one_slot_ref``).
 - Per-row slots (``LoraStack.add_delta_rows``): a device tensor
   ``row_slots`` [T] (int32, 0 = base). Nothing about it is read on the host,
   the work's shape depends only on tensor shapes, and slot 0's factors are
@@ -121,6 +122,7 @@ class DenseRows:
     slots: torch.Tensor
     onehot: torch.Tensor
     num_adapters: int  # distinct adapter slots among the rows
+    only_slot: int  # the adapter slot when there is exactly one, else 0
 
     @property
     def num_rows(self) -> int:
@@ -133,7 +135,8 @@ def build_dense_rows(token_slots: Sequence[int], num_slots: int, device: torch.d
     onehot = torch.zeros(slots.shape[0], num_slots, dtype=torch.float32, device=device)
     onehot.scatter_(1, slots[:, None], 1.0)
     onehot[:, ZERO_SLOT] = 0.0
-    return DenseRows(slots, onehot, len(set(token_slots) - {ZERO_SLOT}))
+    adapters = set(token_slots) - {ZERO_SLOT}
+    return DenseRows(slots, onehot, len(adapters), next(iter(adapters)) if len(adapters) == 1 else ZERO_SLOT)
 
 
 # The dense path's work bound (rows x slots x out): beyond it, e.g. the LM
@@ -148,6 +151,24 @@ def expand_matrix(b: torch.Tensor) -> torch.Tensor:
     """B of every slot as one ``[slots * R, out]`` matrix (slot-major rows), the dense path's expand operand."""
     num_slots, out, max_rank = b.shape
     return b.permute(0, 2, 1).reshape(num_slots * max_rank, out).contiguous()
+
+
+def delta_one_slot_ref(y, x, a, b_all, scales, rows: DenseRows, slot: int, offsets: Sequence[int]):
+    """``delta_dense_ref`` when every adapter row is on ``slot`` (the rest
+    base): the same arithmetic over that slot's columns alone, every shard's
+    shrink in one batched GEMM."""
+    max_rank = a.shape[2]
+    shrink = torch.matmul(x.float(), a[:, slot].float().transpose(1, 2))  # [shards, T, R]
+    on_slot = rows.onehot[:, slot]
+    b_slot = b_all[slot * max_rank : (slot + 1) * max_rank]
+    for i in range(len(offsets) - 1):
+        lo, hi = offsets[i], offsets[i + 1]
+        t = shrink[i] * (on_slot * scales[i, slot])[:, None]
+        if y.dtype == torch.float32:
+            y[:, lo:hi].addmm_(t, b_slot[:, lo:hi])
+        else:
+            y[:, lo:hi] = (y[:, lo:hi].float() + t @ b_slot[:, lo:hi].float()).to(y.dtype)
+    return y
 
 
 def delta_dense_ref(y, x, a, b_all, scales, rows: DenseRows, offsets: Sequence[int], *, is_embedding: bool = False):
@@ -369,14 +390,16 @@ class LoraStack:
 
         ``x`` is the linear's input [T, in] (token ids [T] for an embedding),
         ``y`` its output [T, sum(output_sizes)]. No-op when no row has an adapter.
-        ``dense``: the same rows as a one-hot, taken when they mix adapters
-        and its product is small enough (``MAX_DENSE_ELEMENTS``); with one
-        adapter the segment is as cheap and touches only that slot.
+        ``dense``: the same rows as a one-hot, taken when its product is
+        small enough (``MAX_DENSE_ELEMENTS``): over that one slot's columns
+        when the rows have one adapter, else over every slot's.
         """
         if segments.num_segments == 0:
             return y
-        if (dense is not None and dense.num_adapters > 1 and self.b_all is not None
+        if (dense is not None and self.b_all is not None
                 and dense.num_rows * self.num_slots * self.offsets[-1] <= MAX_DENSE_ELEMENTS):
+            if dense.only_slot != ZERO_SLOT and not self.is_embedding:
+                return delta_one_slot_ref(y, x, self.a, self.b_all, self.scales, dense, dense.only_slot, self.offsets)
             return delta_dense_ref(y, x, self.a, self.b_all, self.scales, dense, self.offsets,
                                    is_embedding=self.is_embedding)
         shrink = embedding_shrink_ref(x, self.a, segments) if self.is_embedding else shrink_ref(x, self.a, segments)

@@ -11,7 +11,7 @@ from lora_factories import base_shapes, lora_layer, make_adapter, make_base
 
 from mstar_actors.lora import LoraStack, build_segments, lora_delta_ref, read_adapter
 from mstar_actors.lora.base_shapes import LAYER_MODULES
-from mstar_actors.lora.ops import build_dense_rows, delta_dense_ref, expand_matrix
+from mstar_actors.lora.ops import build_dense_rows, delta_dense_ref, delta_one_slot_ref, expand_matrix
 
 
 def test_segments_sorted_group_each_slot_once_and_skip_base():
@@ -97,6 +97,26 @@ def test_dense_rows_equal_the_segment_reference(output_sizes, dtype):
     torch.testing.assert_close(got.float(), want.float(), **tol)
     base_rows = [t for t, s in enumerate(slots) if s == 0]
     assert torch.equal(got[base_rows], y0[base_rows])
+
+
+@pytest.mark.parametrize("output_sizes", [(48,), (64, 32, 32)])
+def test_one_adapter_rows_take_that_slots_columns_and_equal_the_segments(output_sizes):
+    seed = random.randrange(2**31)
+    print(f"seed={seed}")
+    gen = torch.Generator().manual_seed(seed)
+    num_slots, max_rank, in_features = 5, 8, 40
+    a, b, scales = _random_stack(gen, in_features=in_features, output_sizes=output_sizes, num_slots=num_slots, max_rank=max_rank, dtype=torch.float32)
+    offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes) + 1)]
+    slots = [3, 0, 3, 3, 0, 3]  # one adapter among base rows
+    rows = build_dense_rows(slots, num_slots)
+    assert (rows.num_adapters, rows.only_slot) == (1, 3)
+    x = torch.randn(len(slots), in_features, generator=gen)
+    y0 = torch.randn(len(slots), offsets[-1], generator=gen)
+    got = delta_one_slot_ref(y0.clone(), x, a, expand_matrix(b), scales, rows, 3, offsets)
+    want = lora_delta_ref(y0.clone(), x, a, b, scales, build_segments(slots), offsets)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[[1, 4]], y0[[1, 4]])
+    assert build_dense_rows([1, 2, 0], num_slots).only_slot == 0  # two adapters: no single slot
 
 
 def test_dense_rows_of_an_embedding_gather_each_rows_own_slot():
