@@ -50,9 +50,8 @@ class LoraLinear(nn.Linear):
     packed: PackedWeight | None = None  # made on the first CPU float32 call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The hook runs the base matmul itself: in a captured decode step it
-        # overlaps the LoRA delta with it (``LoraHook.linear``).
-        return self._base(x) if self.lora is None else self.lora.linear(x, self._base)
+        y = self._base(x)
+        return y if self.lora is None else self.lora.apply(y, x)
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         # A device-type and dtype test only: nothing data-dependent, no sync.

@@ -25,7 +25,7 @@ lands in our ``model.layers.3.self_attn.qkv_proj`` stack as shard 1.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -94,13 +94,6 @@ class LoraHook:
         self.stack = stack
         self.step = step
         self.is_sampled = is_sampled  # the LM head sees only the sampled rows
-
-    def linear(self, x: torch.Tensor, base: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """``base(x)`` plus this module's delta, added in place after the GEMM.
-        (A side stream computing the delta beside the GEMM was measured
-        slower on an H200 in captured decode steps: its zero, add and joins
-        cost more than the overlap saved.)"""
-        return self.apply(base(x), x)
 
     def apply(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         step = self.step

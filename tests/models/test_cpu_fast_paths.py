@@ -61,9 +61,6 @@ class AddOne:
     def apply(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return y + 1
 
-    def linear(self, x: torch.Tensor, base) -> torch.Tensor:  # LoraHook.linear's contract
-        return self.apply(base(x), x)
-
 
 # -- packed linear ---------------------------------------------------------------------
 
