@@ -134,10 +134,15 @@ class TorchPagedAttention:
             if q_len > 1:
                 k, v = self._gather(kv_cache, meta.block_tables[i, : meta.num_blocks_list[i]], ctx_len)
                 qi = q[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
-                mask = _causal_offset_mask(q_len, ctx_len, q.device)
-                oi = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-                out[start : start + q_len] = oi.transpose(0, 1)
+                out[start : start + q_len] = self._attend_chunk(qi, k, v, scale).transpose(0, 1)
             start += q_len
+
+    @staticmethod
+    def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """One prefill chunk: ``q [H, q_len, D]`` against its whole context ``k, v [KH, ctx, D]``,
+        causal with the chunk at the context's end."""
+        mask = _causal_offset_mask(q.shape[1], k.shape[1], q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
     @staticmethod
     def _attend_decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor,

@@ -321,19 +321,12 @@ class TritonPagedAttention(TorchPagedAttention):
         self._attend_chunks(q, kv_cache, meta, scale, out)
         return out
 
-    def _attend_chunks(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                       out: torch.Tensor) -> None:
-        start = 0
-        for i in range(meta.num_seqs):
-            q_len, ctx_len = meta.query_lens_list[i], meta.context_lens_list[i]
-            if q_len > 1:
-                k, v = self._gather(kv_cache, meta.block_tables[i, : meta.num_blocks_list[i]], ctx_len)
-                group = q.shape[1] // k.shape[0]
-                qi = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-                k, v = (t.repeat_interleave(group, dim=0).unsqueeze(0) for t in (k, v))
-                oi = F.scaled_dot_product_attention(qi, k, v, attn_mask=causal_lower_right(q_len, ctx_len), scale=scale)
-                out[start : start + q_len] = oi[0].transpose(0, 1)
-            start += q_len
+    @staticmethod
+    def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        group = q.shape[0] // k.shape[0]
+        k, v = (t.repeat_interleave(group, dim=0).unsqueeze(0) for t in (k, v))
+        bias = causal_lower_right(q.shape[1], k.shape[2])
+        return F.scaled_dot_product_attention(q.unsqueeze(0), k, v, attn_mask=bias, scale=scale)[0]
 
     def warm_up(self, num_heads: int, head_dim: int, kv_cache: torch.Tensor) -> None:
         """Compile the decode kernel's variants now (module ``warm_up``)."""
