@@ -56,6 +56,14 @@ class AttentionMetadata:
     # and must not be read: ``write_kv`` and ``attend`` are pure tensor code
     # with static shapes and no host synchronisation.
     graph_decode: bool = False
+    # A step with prefill chunks in static form (a graphed mixed step; eager
+    # steps may use it too): int32 ``[P, 2]`` work items ``(sequence, first
+    # query row of the item within that sequence's chunk)``, one per tile of
+    # query rows, padded with ``(-1, 0)`` items that do nothing. With it,
+    # ``query_start [S + 1]``, ``context_lens [S]`` and ``block_tables [S, W]``
+    # are authoritative on the device (padded sequences have no queries) and,
+    # when the step is replayed from a graph, the ``*_list`` fields are stale.
+    varlen_work: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
