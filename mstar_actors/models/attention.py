@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +75,29 @@ class AttentionMetadata:
         for n in self.query_lens_list:
             starts.append(starts[-1] + n)
         return starts
+
+
+# Query rows per work item of a ``varlen_work`` step (see ``AttentionMetadata``).
+VARLEN_BLOCK_M = 16
+
+
+def plan_varlen_work(query_lens: Sequence[int], num_items: int | None = None,
+                     block_m: int = VARLEN_BLOCK_M) -> list[tuple[int, int]]:
+    """Work items covering every query row: ``(sequence, first row)`` for each
+    run of up to ``block_m`` rows of one sequence's chunk, in sequence order;
+    padded with ``(-1, 0)`` up to ``num_items`` when given. Pure host code."""
+    work = [(seq, first) for seq, n in enumerate(query_lens) for first in range(0, n, block_m)]
+    if num_items is not None:
+        if len(work) > num_items:
+            raise ValueError(f"{len(work)} work items do not fit the {num_items} of this step's static shape")
+        work += [(-1, 0)] * (num_items - len(work))
+    return work
+
+
+def max_varlen_items(num_tokens: int, num_seqs: int, block_m: int = VARLEN_BLOCK_M) -> int:
+    """An upper bound of ``len(plan_varlen_work(q))`` over every split of
+    ``num_tokens`` query rows among at most ``num_seqs`` sequences."""
+    return num_tokens // block_m + min(num_seqs, num_tokens)
 
 
 def allocate_kv_cache(
