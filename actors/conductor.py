@@ -225,6 +225,7 @@ class ConductorActor(Actor):
             case AdapterReadFailed() if channel == "adapter_reader":
                 await self.route(self.pool.on_read_failed(msg))
             case AdapterInstalled() if channel.startswith("worker"):
+                self.log.debug("rank %d: slot %d %s", msg.rank, msg.slot, "installed" if msg.ok else "failed")
                 await self.route(self.pool.on_installed(msg))
             case StepDone() | StepFailed() if channel.startswith("worker"):
                 self.record_result(channel, msg)
@@ -246,6 +247,7 @@ class ConductorActor(Actor):
                     # KV is keyed by the weights that computed it: the base name or the adapter's digest.
                     await self.send_outputs([self.scheduler.add(prepared, media_root(root, prepared))])
                 case InstallAdapter():
+                    self.log.debug("install %r into slot %d", out.name, out.slot)
                     await self.outbox["workers"].send(out)
                 case ReadAdapter() | DropAdapter():
                     await self.outbox["adapter_reader"].send(out)

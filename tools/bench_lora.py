@@ -120,6 +120,7 @@ class Plan:
     cache_dir: Path
     rounds: int = 1
     scenarios: tuple[Scenario, ...] = tuple(SCENARIOS)
+    server_logs: Path | None = None  # where each server's DEBUG log is saved (None: servers log at INFO)
 
     def num_requests(self, concurrency: int) -> int:
         """Requests at one concurrency: ``waves`` full waves, at least ``min_requests``."""
@@ -370,7 +371,8 @@ def start_servers(plan: Plan, model_dir: Path, adapters: dict[str, Path], tmp: P
     for key, spec in SERVERS.items():
         if any(s.server == key for s in plan.scenarios):
             progress(f"starting server {key} ({'no lora' if not spec.max_loras else f'max_loras {spec.max_loras}'})")
-            servers[key] = bench_serve.Server(server_config(plan, model_dir, spec, adapters, free_port()), tmp)
+            servers[key] = bench_serve.Server(server_config(plan, model_dir, spec, adapters, free_port()), tmp,
+                                              log_level="DEBUG" if plan.server_logs else "INFO")
     return servers
 
 
@@ -403,8 +405,12 @@ def run_all(plan: Plan, model_dir: Path, adapters: dict[str, Path], tmp: Path) -
                                     prompts[:plan.num_requests(c)], plan.max_tokens, c)
                     add_up(results, asyncio.run(load))
     finally:
-        for server in servers.values():
+        for key, server in servers.items():
             server.stop()
+            if plan.server_logs:
+                path = plan.server_logs / f"server_{key}.log"
+                path.write_text("".join(server.log))
+                progress(f"server {key}'s log (DEBUG): {path}")
     return sorted(results.values(), key=lambda m: ([s.name for s in plan.scenarios].index(m.scenario), m.concurrency))
 
 
@@ -494,6 +500,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="validate, print the plan, build a tiny model of the setup's shape and its adapters, "
                         "check them with the adapter reader; start no server")
     p.add_argument("--smoke", action="store_true", help="concurrency 1, 2 requests, 4 tokens: checks the pieces work")
+    p.add_argument("--scenarios", help="comma-separated scenario names to run (default: all; the reference "
+                   f"{REFERENCE!r} always runs): " + ", ".join(repr(s.name) for s in SCENARIOS[1:]))
+    p.add_argument("--server-logs", type=Path, help="serve at DEBUG and save each server's log in this folder "
+                   "(its step, install and agreement lines, with ms timestamps)")
     return p.parse_args(argv)
 
 
@@ -521,10 +531,20 @@ def make_plan(args: argparse.Namespace) -> Plan:
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     if args.tokenizer and not (Path(args.tokenizer) / "config.json").exists():
         raise SystemExit(f"--tokenizer {args.tokenizer!r}: expected a folder with tokenizer files and config.json")
+    scenarios = tuple(SCENARIOS)
+    if args.scenarios:
+        names = {s.name: s for s in SCENARIOS}
+        wanted = [name.strip() for name in args.scenarios.split(",")]
+        unknown = [name for name in wanted if name not in names]
+        if unknown:
+            raise SystemExit(f"--scenarios: unknown {unknown}; accepted: {', '.join(names)}")
+        scenarios = tuple(s for s in SCENARIOS if s.name == REFERENCE or s.name in wanted)
+    if args.server_logs:
+        args.server_logs.mkdir(parents=True, exist_ok=True)
     return Plan(setup=args.model, tokenizer=args.tokenizer, device=device, dtype=dtype, levels=levels,
                 max_tokens=args.max_tokens or (64 if device == "cuda" else 32), waves=args.waves,
                 min_requests=args.min_requests, rank=args.rank, prefix_caching=args.prefix_caching,
-                cache_dir=args.cache_dir, rounds=args.rounds)
+                cache_dir=args.cache_dir, rounds=args.rounds, scenarios=scenarios, server_logs=args.server_logs)
 
 
 def dry_run(plan: Plan) -> int:

@@ -220,15 +220,15 @@ class Server:
     """``python -m mstar_actors serve`` on a config dict (written to ``tmp``);
     ``Server.for_model`` builds the CPU config this benchmark serves."""
 
-    def __init__(self, config: dict, tmp: Path):
+    def __init__(self, config: dict, tmp: Path, log_level: str = "INFO"):
         self.port = config["server"]["port"]
         self.name = config["model"]["name"]
         path = tmp / f"bench-{self.port}.yaml"
         path.write_text(json.dumps(config))
         self.log: list[str] = []
         self.serving = threading.Event()
-        self.proc = subprocess.Popen([sys.executable, "-m", "mstar_actors", "serve", str(path)], cwd=ROOT,
-                                     stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "mstar_actors", "serve", str(path), "--log-level", log_level],
+                                     cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         threading.Thread(target=self._drain, daemon=True).start()
 
     @classmethod
