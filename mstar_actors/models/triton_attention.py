@@ -1,4 +1,5 @@
-"""Triton paged decode attention (CUDA; Triton's interpreter runs it on CPU in tests).
+"""Triton paged attention: decode rows, and steps with prefill chunks (CUDA;
+Triton's interpreter runs both on CPU in tests).
 
 ``paged_decode_attention``: one query row per sequence against its paged KV
 cache. One program per (sequence, KV head, context split) handles the whole
@@ -24,8 +25,18 @@ host synchronisation, so a decode step can be captured in a CUDA graph and
 replayed with new tables and lengths. A context length below 1 is treated as
 1 (a padded row of a graph bucket), so no row is ever empty or NaN.
 
-``TritonPagedAttention`` is the backend that uses it for decode rows; prefill
-chunks keep the torch reference's SDPA per sequence.
+``paged_varlen_attention``: every query row of a step (decode rows and
+prefill chunks, each chunk causal at its context's end) in one launch, for
+steps with prefill chunks. One program per (work item, KV head): an item is
+up to ``VARLEN_BLOCK_M`` query rows of one sequence (``plan_varlen_work``),
+and its Q tile is those rows times the GQA group (token-major), so each K/V
+page is again read once per group. It walks the context up to the tile's
+last row's position only: tiles every row sees whole need no causal mask,
+the diagonal tiles mask per element. Graph-safe like the decode kernel: the
+grid is ``(P, KH)`` from shapes, items padded with ``(-1, 0)`` return at
+once, and everything else is read on the device.
+
+``TritonPagedAttention`` is the backend that picks between them.
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ import triton
 import triton.language as tl
 from torch.nn.attention.bias import causal_lower_right
 
-from .attention import AttentionMetadata, TorchPagedAttention
+from .attention import VARLEN_BLOCK_M, AttentionMetadata, TorchPagedAttention, plan_varlen_work
 
 log = logging.getLogger(__name__)
 
@@ -51,17 +62,24 @@ TOKENS_PER_STEP = 64
 
 
 @triton.jit
-def _attend_tokens(q, m_i, l_i, acc, n0, end, table, kv_base, stride_kv, stride_kb, stride_kt, scale_log2, offs_d,
-                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+def _attend_tokens(q, m_i, l_i, acc, n0, end, q_pos, table, kv_base, stride_kv, stride_kb, stride_kt, scale_log2,
+                   offs_d, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
     """One online-softmax step over context tokens ``n0 .. n0 + BLOCK_N`` (< ``end``)
-    for a GQA group: returns the updated running max, sum and output."""
+    for a tile of query rows (a GQA group, or a run of tokens times a group):
+    returns the updated running max, sum and output. ``CAUSAL`` also hides
+    the keys past each row's position ``q_pos [rows]`` (the diagonal tiles of
+    a prefill chunk); without it ``q_pos`` is not read and the code is the
+    decode kernel's as before."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < end
     page = tl.load(table + offs_n // PAGE, mask=mask_n, other=0).to(tl.int64)
     token = page * stride_kb + (offs_n % PAGE) * stride_kt
     k = tl.load(kv_base + token[None, :] + offs_d[:, None], mask=mask_n[None, :], other=0.0)  # [D, N]
-    s = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # [G, N], log2 units
-    s = tl.where(mask_n[None, :], s, float("-inf"))
+    s = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # [rows, N], log2 units
+    if CAUSAL:
+        s = tl.where(mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
+    else:
+        s = tl.where(mask_n[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -108,13 +126,13 @@ def _decode_kernel(
     if LOOP_WHILE:  # Triton's interpreter cannot range() over a loaded bound; the body is the same
         n0 = start
         while n0 < end:
-            m_i, l_i, acc = _attend_tokens(q, m_i, l_i, acc, n0, end, table, kv_base, stride_kv, stride_kb, stride_kt,
-                                           scale_log2, offs_d, PAGE, BLOCK_N, PRECISION)
+            m_i, l_i, acc = _attend_tokens(q, m_i, l_i, acc, n0, end, end, table, kv_base, stride_kv, stride_kb,
+                                           stride_kt, scale_log2, offs_d, PAGE, BLOCK_N, PRECISION, False)
             n0 += BLOCK_N
     else:  # compiled: a for loop, which Triton software-pipelines
         for n0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _attend_tokens(q, m_i, l_i, acc, n0, end, table, kv_base, stride_kv, stride_kb, stride_kt,
-                                           scale_log2, offs_d, PAGE, BLOCK_N, PRECISION)
+            m_i, l_i, acc = _attend_tokens(q, m_i, l_i, acc, n0, end, end, table, kv_base, stride_kv, stride_kb,
+                                           stride_kt, scale_log2, offs_d, PAGE, BLOCK_N, PRECISION, False)
 
     is_live = l_i > 0  # a split past the context's end saw no key
     out = acc / tl.where(is_live, l_i, 1.0)[:, None]
@@ -147,6 +165,74 @@ def _combine_kernel(
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit(do_not_specialize=["stride_tb"])
+def _varlen_kernel(
+    q_ptr, kv_ptr, tables_ptr, starts_ptr, lens_ptr, work_ptr, out_ptr,
+    scale_log2,
+    stride_qt, stride_qh,
+    stride_kv, stride_kb, stride_kt, stride_kh,
+    stride_tb,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, LOOP_WHILE: tl.constexpr,
+):  # fmt: skip
+    item = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(work_ptr + item * 2)
+    if seq < 0:  # a padding item of a static work list
+        return
+    first = tl.load(work_ptr + item * 2 + 1)
+    q_start = tl.load(starts_ptr + seq)
+    q_len = tl.load(starts_ptr + seq + 1) - q_start
+    ctx = tl.load(lens_ptr + seq)
+
+    # Rows are token-major: row r is query row first + r // BLOCK_G of the
+    # chunk, head kv_head * GROUP + r % BLOCK_G (heads >= GROUP masked).
+    offs_r = tl.arange(0, BLOCK_M * BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row = first + offs_r // BLOCK_G
+    offs_g = offs_r % BLOCK_G
+    mask_r = (row < q_len) & (offs_g < GROUP)
+    token = q_start + row
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(q_ptr + token[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_r[:, None], other=0.0)
+    # The chunk ends the context. Positions are clamped at 0 so every row,
+    # masked ones included, sees key 0 in the first tile: no row's running
+    # max stays -inf, so no NaN even for a malformed (context < chunk) row.
+    q_pos = tl.maximum(ctx - q_len + row, 0)
+    first_pos = tl.maximum(ctx - q_len + first, 0)
+    end = tl.minimum(ctx, ctx - q_len + first + BLOCK_M)  # past the tile's last row's position
+    diag = (first_pos // BLOCK_N) * BLOCK_N  # tiles below it are visible to every row: no causal mask
+
+    m_i = tl.full((BLOCK_M * BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M * BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M * BLOCK_G, HEAD_DIM), dtype=tl.float32)
+    table = tables_ptr + seq * stride_tb
+    kv_base = kv_ptr + kv_head * stride_kh
+    if LOOP_WHILE:  # Triton's interpreter cannot range() over a loaded bound; the bodies are the same
+        n0 = diag * 0
+        while n0 < diag:
+            m_i, l_i, acc = _attend_tokens(q, m_i, l_i, acc, n0, diag, q_pos, table, kv_base, stride_kv, stride_kb,
+                                           stride_kt, scale_log2, offs_d, PAGE, BLOCK_N, PRECISION, False)
+            n0 += BLOCK_N
+        while n0 < end:
+            m_i, l_i, acc = _attend_tokens(q, m_i, l_i, acc, n0, end, q_pos, table, kv_base, stride_kv, stride_kb,
+                                           stride_kt, scale_log2, offs_d, PAGE, BLOCK_N, PRECISION, True)
+            n0 += BLOCK_N
+    else:  # compiled: for loops, which Triton software-pipelines
+        for n0 in range(0, diag, BLOCK_N):
+            m_i, l_i, acc = _attend_tokens(q, m_i, l_i, acc, n0, diag, q_pos, table, kv_base, stride_kv, stride_kb,
+                                           stride_kt, scale_log2, offs_d, PAGE, BLOCK_N, PRECISION, False)
+        for n0 in range(diag, end, BLOCK_N):
+            m_i, l_i, acc = _attend_tokens(q, m_i, l_i, acc, n0, end, q_pos, table, kv_base, stride_kv, stride_kb,
+                                           stride_kt, scale_log2, offs_d, PAGE, BLOCK_N, PRECISION, True)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out_ptrs = out_ptr + token[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_r[:, None])
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -163,8 +249,8 @@ def paged_decode_attention(
     _check_inputs(q, kv_cache, block_tables, context_lens)
     batch, num_heads, head_dim = q.shape
     _, _, page, num_kv_heads, _ = kv_cache.shape
-    if q.stride(2) != 1 or kv_cache.stride(4) != 1 or block_tables.stride(1) != 1:
-        raise ValueError("paged_decode_attention: q, kv_cache and block_tables need a contiguous last dimension")
+    if block_tables.stride(1) != 1:
+        raise ValueError("paged_decode_attention: block_tables needs a contiguous last dimension")
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:
@@ -205,6 +291,62 @@ def paged_decode_attention(
     return out
 
 
+def paged_varlen_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    context_lens: torch.Tensor,
+    work: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Every query row of a step, decode rows and prefill chunks alike, in one
+    launch: ``q [T, H, D]`` against ``kv_cache [2, num_blocks, block_size, KH, D]``
+    -> ``[T, H, D]`` (written into ``out`` when given).
+
+    Sequence ``s`` owns rows ``query_start[s] : query_start[s + 1]`` (int32
+    ``[S + 1]``), has ``context_lens[s]`` (int32 ``[S]``) tokens of KV with its
+    chunk at the end, in blocks ``block_tables[s]`` (int32 ``[S, W]``); row
+    ``j`` of its chunk sees keys up to its position. ``work`` (int32 ``[P, 2]``,
+    contiguous) lists ``(sequence, first row)`` items of ``VARLEN_BLOCK_M``
+    rows each, padded with ``(-1, 0)`` (``plan_varlen_work``). Graph-safe: the
+    grid ``(P, KH)`` comes from shapes and every program reads its item's
+    metadata on the device. Rows no item covers are not written."""
+    _check_varlen_inputs(q, kv_cache, block_tables, query_start, context_lens, work)
+    _, num_heads, head_dim = q.shape
+    _, _, page, num_kv_heads, _ = kv_cache.shape
+    if out is None:
+        out = torch.empty_like(q)
+    if work.shape[0] == 0 or q.shape[0] == 0:
+        return out
+    _varlen_kernel[(work.shape[0], num_kv_heads)](
+        q, kv_cache, block_tables, query_start, context_lens, work, out,
+        scale * 1.4426950408889634,  # log2(e): the kernel works in exp2
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        **_varlen_config(num_heads // num_kv_heads, head_dim, page, q),
+    )  # fmt: skip
+    return out
+
+
+def _varlen_config(group: int, head_dim: int, page: int, q: torch.Tensor) -> dict:
+    """The varlen kernel's compile-time constants and launch shape, from the
+    model's shape and dtype only (so ``warm_up`` compiles the one variant
+    serving will use). The K/V tile shrinks with large Q tiles to keep the
+    fp32 accumulator and scores in registers."""
+    block_g = triton.next_power_of_2(group)
+    num_rows = VARLEN_BLOCK_M * block_g
+    return dict(
+        GROUP=group, BLOCK_G=block_g, BLOCK_M=VARLEN_BLOCK_M, HEAD_DIM=head_dim, PAGE=page,
+        BLOCK_N=TOKENS_PER_STEP if num_rows * head_dim <= 64 * 128 else TOKENS_PER_STEP // 2,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", LOOP_WHILE=not q.is_cuda,
+        num_warps=4 if num_rows <= 64 else 8,
+    )
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """Context splits per (sequence, KV head): enough programs for about two per
     SM, at most ``MAX_SPLITS`` and no more than the table has steps. From
@@ -221,7 +363,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
 
 
 def warm_up(q_shape: tuple[int, int, int], kv_cache: torch.Tensor) -> None:
-    """Compile every split count ``choose_num_splits`` can pick, for queries of
+    """Compile every split count ``choose_num_splits`` can pick, and the varlen kernel, for queries of
     ``[_, heads, head_dim]`` on ``kv_cache``, now: a compile takes about a
     second, which mid-serving would stall the whole batch. Reads the cache,
     writes only scratch tensors."""
@@ -233,6 +375,10 @@ def warm_up(q_shape: tuple[int, int, int], kv_cache: torch.Tensor) -> None:
     while num_splits <= MAX_SPLITS:
         paged_decode_attention(q, kv_cache, tables, lens, 1.0, num_splits=num_splits)
         num_splits *= 2
+    # The varlen kernel has one variant per model and dtype (its table stride is not specialised).
+    starts = torch.tensor([0, 1], dtype=torch.int32, device=kv_cache.device)
+    work = torch.zeros(1, 2, dtype=torch.int32, device=kv_cache.device)
+    paged_varlen_attention(q, kv_cache, tables, starts, lens, work, 1.0)
 
 
 _SM_COUNTS: dict[int, int] = {}
@@ -252,33 +398,9 @@ def is_supported_head_dim(head_dim: int) -> bool:
 
 
 def _check_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
-    if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(
-            f"paged_decode_attention: q {tuple(q.shape)} must be [B, H, D] and kv_cache {tuple(kv_cache.shape)} "
-            "[2, num_blocks, block_size, KH, D]"
-        )
-    batch, num_heads, head_dim = q.shape
-    _, _, _, num_kv_heads, kv_dim = kv_cache.shape
-    if kv_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(
-            f"paged_decode_attention: q has {num_heads} heads of {head_dim}, kv_cache {num_kv_heads} of {kv_dim}; "
-            "head_dim must match and the query heads be a multiple of the KV heads"
-        )
-    if not is_supported_head_dim(head_dim):
-        raise ValueError(
-            f"paged_decode_attention: head_dim {head_dim} is not supported; "
-            f"accepted: a power of two from {MIN_HEAD_DIM} to {MAX_HEAD_DIM} (use TorchPagedAttention otherwise)"
-        )
-    if q.dtype not in _DTYPES or kv_cache.dtype != q.dtype:
-        raise ValueError(
-            f"paged_decode_attention: q is {q.dtype} and kv_cache {kv_cache.dtype}; both must be one of "
-            "float16, bfloat16, float32"
-        )
-    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
-        raise ValueError(
-            f"paged_decode_attention: block_tables ({block_tables.dtype}) and context_lens ({context_lens.dtype}) "
-            "must be int32"
-        )
+    _check_q_and_cache("paged_decode_attention", q, kv_cache)
+    batch = q.shape[0]
+    _check_int32("paged_decode_attention", block_tables=block_tables, context_lens=context_lens)
     if block_tables.dim() != 2 or block_tables.shape[0] != batch or tuple(context_lens.shape) != (batch,):
         raise ValueError(
             f"paged_decode_attention: block_tables {tuple(block_tables.shape)} must be [{batch}, max_blocks] and "
@@ -286,24 +408,82 @@ def _check_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
         )
 
 
+def _check_varlen_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                         query_start: torch.Tensor, context_lens: torch.Tensor, work: torch.Tensor) -> None:
+    name = "paged_varlen_attention"
+    _check_q_and_cache(name, q, kv_cache)
+    _check_int32(name, block_tables=block_tables, query_start=query_start, context_lens=context_lens, work=work)
+    num_seqs = context_lens.shape[0] if context_lens.dim() == 1 else -1
+    if (num_seqs < 0 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs
+            or tuple(query_start.shape) != (num_seqs + 1,)):
+        raise ValueError(
+            f"{name}: context_lens {tuple(context_lens.shape)} must be [S], block_tables "
+            f"{tuple(block_tables.shape)} [S, max_blocks] and query_start {tuple(query_start.shape)} [S + 1]"
+        )
+    if work.dim() != 2 or work.shape[1] != 2 or not work.is_contiguous():
+        raise ValueError(f"{name}: work {tuple(work.shape)} must be a contiguous [P, 2] of (sequence, first row) "
+                         "items (plan_varlen_work)")
+    if block_tables.stride(1) != 1:
+        raise ValueError(f"{name}: block_tables needs a contiguous last dimension")
+
+
+def _check_q_and_cache(name: str, q: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            f"{name}: q {tuple(q.shape)} must be [B, H, D] and kv_cache {tuple(kv_cache.shape)} "
+            "[2, num_blocks, block_size, KH, D]"
+        )
+    _, num_heads, head_dim = q.shape
+    _, _, _, num_kv_heads, kv_dim = kv_cache.shape
+    if kv_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"{name}: q has {num_heads} heads of {head_dim}, kv_cache {num_kv_heads} of {kv_dim}; "
+            "head_dim must match and the query heads be a multiple of the KV heads"
+        )
+    if not is_supported_head_dim(head_dim):
+        raise ValueError(
+            f"{name}: head_dim {head_dim} is not supported; "
+            f"accepted: a power of two from {MIN_HEAD_DIM} to {MAX_HEAD_DIM} (use TorchPagedAttention otherwise)"
+        )
+    if q.dtype not in _DTYPES or kv_cache.dtype != q.dtype:
+        raise ValueError(
+            f"{name}: q is {q.dtype} and kv_cache {kv_cache.dtype}; both must be one of float16, bfloat16, float32"
+        )
+    if q.stride(2) != 1 or kv_cache.stride(4) != 1:
+        raise ValueError(f"{name}: q and kv_cache need a contiguous last dimension")
+
+
+def _check_int32(name: str, **tensors: torch.Tensor) -> None:
+    wrong = [f"{key} ({t.dtype})" for key, t in tensors.items() if t.dtype != torch.int32]
+    if wrong:
+        raise ValueError(f"{name}: {' and '.join(wrong)} must be int32")
+
+
 class TritonPagedAttention(TorchPagedAttention):
-    """The CUDA backend: decode rows through ``paged_decode_attention``, prefill
-    chunks through SDPA per sequence, ``write_kv`` the reference's
-    ``index_copy_`` (graph-safe as it is).
+    """The CUDA backend: every query row of a step through Triton kernels,
+    ``write_kv`` the reference's ``index_copy_`` (graph-safe as it is).
 
-    A prefill chunk's causal offset (its cached prefix) is SDPA's
-    ``causal_lower_right`` bias over K/V repeated to every query head, which
-    SDPA runs in a fused kernel; the reference's boolean mask with grouped
-    heads took the unfused math path, about 0.3 ms of host time per layer.
+    A ``graph_decode`` step is all decode rows and goes to
+    ``paged_decode_attention`` as is (tensors only); so does an eager step of
+    decode rows only. A step with ``meta.varlen_work`` (a graphed mixed step,
+    its lists stale) goes to ``paged_varlen_attention`` with the metadata's
+    tensors. An eager step with prefill chunks builds its work list once
+    (``meta.derived``) and takes the same varlen kernel: one launch a layer
+    for its decode rows and chunks together, where the older path below took
+    the decode kernel plus a gather, a repeat and an SDPA call per chunk.
 
-    A ``graph_decode`` step is all decode rows and goes to the kernel as is
-    (tensors only). A mixed eager step sends its decode rows to the kernel in
-    one launch, gathered by an index built once per step from the host lists.
-    A head_dim the kernel does not take falls back to the reference, with
-    one warning, so such a model is slower but still correct.
+    ``eager_varlen=False`` keeps that older path for eager mixed steps: decode
+    rows through the decode kernel, each prefill chunk through SDPA with the
+    ``causal_lower_right`` bias over K/V repeated to every query head (SDPA's
+    fused kernel; the reference's boolean mask with grouped heads took the
+    unfused math path, about 0.3 ms of host time per layer).
+
+    A head_dim the kernels do not take falls back to the reference, with one
+    warning, so such a model is slower but still correct.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, eager_varlen: bool = True) -> None:
+        self.eager_varlen = eager_varlen
         self._warned_head_dims: set[int] = set()
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -311,9 +491,15 @@ class TritonPagedAttention(TorchPagedAttention):
             return super().attend(q, kv_cache, meta, scale)
         if meta.graph_decode:
             return paged_decode_attention(q, kv_cache, meta.block_tables, meta.context_lens, scale)
+        if meta.varlen_work is not None:
+            return paged_varlen_attention(q, kv_cache, meta.block_tables, meta.query_start, meta.context_lens,
+                                          meta.varlen_work, scale)
         decode = _kernel_decode_rows(meta)
         if decode is not None and decode[0] is None:  # every row decodes: no gather, no scatter
             return paged_decode_attention(q, kv_cache, meta.block_tables, meta.context_lens, scale)
+        if self.eager_varlen:
+            return paged_varlen_attention(q, kv_cache, meta.block_tables, meta.query_start, meta.context_lens,
+                                          _eager_varlen_work(meta), scale)
         out = torch.empty_like(q)
         if decode is not None:
             rows, tables, lens = decode
@@ -329,7 +515,7 @@ class TritonPagedAttention(TorchPagedAttention):
         return F.scaled_dot_product_attention(q.unsqueeze(0), k, v, attn_mask=bias, scale=scale)[0]
 
     def warm_up(self, num_heads: int, head_dim: int, kv_cache: torch.Tensor) -> None:
-        """Compile the decode kernel's variants now (module ``warm_up``)."""
+        """Compile the decode and varlen kernels' variants now (module ``warm_up``)."""
         if is_supported_head_dim(head_dim):
             warm_up((1, num_heads, head_dim), kv_cache)
 
@@ -363,3 +549,13 @@ def _kernel_decode_rows(meta: AttentionMetadata):
         decode = (rows, meta.block_tables.index_select(0, index), meta.context_lens.index_select(0, index))
     meta.derived["triton_decode"] = decode
     return decode
+
+
+def _eager_varlen_work(meta: AttentionMetadata) -> torch.Tensor:
+    """An eager step's work list (int32 ``[P, 2]``, ``plan_varlen_work`` of its
+    query lengths, unpadded) on the step's device; built once per step, reused
+    by every layer through ``meta.derived``."""
+    if "triton_varlen" not in meta.derived:
+        work = plan_varlen_work(meta.query_lens_list)
+        meta.derived["triton_varlen"] = torch.tensor(work, dtype=torch.int32, device=meta.block_tables.device).view(-1, 2)
+    return meta.derived["triton_varlen"]
