@@ -1,4 +1,6 @@
-"""Check the Triton paged decode-attention kernel against an fp32 reference, then time it.
+"""Check the Triton paged attention kernels against an fp32 reference, then time them.
+
+Decode section (``paged_decode_attention``):
 
 One row per (batch, context) of a Llama-3.2-1B-shaped layer (32 query heads,
 8 KV heads, head_dim 64, bf16, block 16; every sequence at the same context):
@@ -16,8 +18,21 @@ Times are microseconds of device time per call: each callable is captured
 launch overhead on the host, which the engine's graph runner removes too, is
 not counted. ``--eager`` times plain launches instead (CUDA events around a loop).
 
+Varlen section (``paged_varlen_attention``), one row per step mix (prefill
+chunks beside decode rows, same layer shape):
+
+- err: relative error of the varlen kernel against fp32 ``TorchPagedAttention``;
+- varlen graph / old graph: device us per call replayed from a CUDA graph
+  (the old path: decode kernel for the decode rows + SDPA per chunk, as
+  ``TritonPagedAttention(eager_varlen=False)`` runs an eager mixed step;
+  "n/a" if it cannot be captured);
+- varlen eager / old eager: us per call of plain launches (CUDA events
+  around a loop: what an eager step pays, host-bound when launches are);
+- varlen host / old host: host us per call to issue the launches.
+
     python tools/check_attention_kernels.py
     python tools/check_attention_kernels.py --batches 1 64 --contexts 2000 --eager
+    python tools/check_attention_kernels.py --sections varlen --mixes 4x256 2048
 
 Without CUDA it runs Triton's interpreter on CPU with tiny defaults, as a
 smoke test of the script only (no timings worth reading).
@@ -41,8 +56,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch.nn.functional as F  # noqa: E402
 
-from mstar_actors.models.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
-from mstar_actors.models.triton_attention import choose_num_splits, paged_decode_attention  # noqa: E402
+from mstar_actors.models.attention import AttentionMetadata, TorchPagedAttention, plan_varlen_work  # noqa: E402
+from mstar_actors.models.triton_attention import (  # noqa: E402
+    TritonPagedAttention,
+    choose_num_splits,
+    paged_decode_attention,
+    paged_varlen_attention,
+)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 64, 16
 
@@ -156,23 +176,124 @@ def run_row(batch: int, context: int, args) -> str:
     return " ".join(cells)
 
 
+# Step mixes of the varlen section: (query lengths, context lengths) per sequence.
+MIXES = {
+    "30+7dec": ([30] + [1] * 7, [30] + [100 + 15 * i for i in range(7)]),
+    "30+31dec": ([30] + [1] * 31, [30] + [100 + 3 * i for i in range(31)]),
+    "4x256": ([256] * 4, [256] * 4),
+    "2048": ([2048], [2048]),
+    "tiny": ([5, 1, 1], [5, 20, 40]),  # the CPU smoke test's default
+}
+
+
+def make_mix(query_lens: list[int], context_lens: list[int], device: str, dtype: torch.dtype, seed: int = 0):
+    """``(q, kv_cache, meta)`` of one mixed step on shuffled pages."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-n // BLOCK_SIZE) for n in context_lens]
+    num_blocks = sum(need) + 1
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, taken = [], 0
+    for n in need:
+        tables.append(order[taken : taken + n] + [order[-1]] * (max(need) - n))
+        taken += n
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.long, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        query_start=torch.tensor(starts, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        query_lens_list=list(query_lens),
+        context_lens_list=list(context_lens),
+        num_blocks_list=need,
+    )
+    q = torch.randn(starts[-1], NUM_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
+    kv = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
+    return q, kv, meta
+
+
+def time_host(fn, calls: int, repeats: int) -> float:
+    """Median host microseconds per call to issue ``fn`` (not waiting for the device)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) * 1e6 / calls)
+    return statistics.median(times)
+
+
+def run_mix(name: str, args) -> str:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16  # the interpreter's tl.dot misreads bf16
+    query_lens, context_lens = MIXES[name]
+    q, kv, meta = make_mix(query_lens, context_lens, device, dtype)
+    scale = HEAD_DIM**-0.5
+    expected = TorchPagedAttention().attend(q.float(), kv.float(), meta, scale)
+    meta.derived.clear()
+    work = torch.tensor(plan_varlen_work(query_lens), dtype=torch.int32, device=device)
+    out = torch.empty_like(q)
+
+    def varlen():
+        paged_varlen_attention(q, kv, meta.block_tables, meta.query_start, meta.context_lens, work, scale, out=out)
+
+    old_backend = TritonPagedAttention(eager_varlen=False)
+
+    def old():  # meta.derived keeps the decode rows' index, built once per step as in serving
+        old_backend.attend(q, kv, meta, scale)
+
+    varlen()
+    err = ((out.float() - expected).norm() / expected.norm()).item()
+    us = {}
+    for label, fn in (("varlen", varlen), ("old", old)):
+        if device == "cuda":
+            try:
+                us[f"{label} graph"] = f"{time_graph(fn, args.calls, args.repeats):.1f}"
+            except RuntimeError:  # a path that cannot be captured
+                torch.cuda.synchronize()
+                us[f"{label} graph"] = "n/a"
+        else:
+            us[f"{label} graph"] = "n/a"
+        us[f"{label} eager"] = f"{time_eager(fn, args.calls, args.repeats):.1f}"
+        us[f"{label} host"] = f"{time_host(fn, args.calls, args.repeats):.1f}"
+    order = ("varlen graph", "old graph", "varlen eager", "old eager", "varlen host", "old host")
+    cells = [f"{name:>9}", f"{len(work):>5}", f"{sum(query_lens):>6}", f"{err:>8.1e}"]
+    return " ".join(cells + [f"{us[key]:>12}" for key in order])
+
+
 def main() -> int:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sections", nargs="+", choices=("decode", "varlen"), default=["decode", "varlen"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64] if cuda else [2])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024] if cuda else [40])
+    parser.add_argument("--mixes", nargs="+", choices=list(MIXES),
+                        default=["30+7dec", "30+31dec", "4x256", "2048"] if cuda else ["tiny"])
     parser.add_argument("--calls", type=int, default=20 if cuda else 1, help="calls per timed run")
     parser.add_argument("--repeats", type=int, default=10 if cuda else 1, help="timed runs (median)")
-    parser.add_argument("--eager", action="store_true", help="time plain launches, not graph replays")
+    parser.add_argument("--eager", action="store_true", help="decode section: time plain launches, not graph replays")
     args = parser.parse_args()
     device = torch.cuda.get_device_name() if cuda else "CPU (Triton interpreter: smoke test only)"
-    print(f"# {device}; H={NUM_HEADS} KH={NUM_KV_HEADS} D={HEAD_DIM} block={BLOCK_SIZE}; "
-          f"us per call ({'eager' if args.eager or not cuda else 'CUDA graph'})")
-    print("batch context splits      err      ours   1 split torch ref      sdpa    GB/s")
+    print(f"# {device}; H={NUM_HEADS} KH={NUM_KV_HEADS} D={HEAD_DIM} block={BLOCK_SIZE}")
     worst = 0.0
-    for batch in args.batches:
-        for context in args.contexts:
-            row = run_row(batch, context, args)
+    if "decode" in args.sections:
+        print(f"## decode: us per call ({'eager' if args.eager or not cuda else 'CUDA graph'})")
+        print("batch context splits      err      ours   1 split torch ref      sdpa    GB/s")
+        for batch in args.batches:
+            for context in args.contexts:
+                row = run_row(batch, context, args)
+                worst = max(worst, float(row.split()[3]))
+                print(row, flush=True)
+    if "varlen" in args.sections:
+        print("## varlen: us per call of one layer's attention (old = decode kernel + SDPA per chunk)")
+        print("      mix items tokens      err varlen graph    old graph varlen eager    old eager  varlen host"
+              "     old host")
+        for name in args.mixes:
+            row = run_mix(name, args)
             worst = max(worst, float(row.split()[3]))
             print(row, flush=True)
     if worst >= 1e-2:
