@@ -60,6 +60,7 @@ def build_runner(config: Any, resolve_tensor: Any = None) -> Any:
         # No decode step holds more sequences than the scheduler runs at once.
         cuda_graph_max_batch=min(config.model.cuda_graph_max_batch, config.scheduler.max_num_seqs),
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        cuda_graph_max_tokens=config.model.cuda_graph_max_tokens,  # capped by max_num_batched_tokens there
     )
 
 

@@ -33,14 +33,17 @@ class ModelConfig(msgspec.Struct, **_STRICT):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
-    # CUDA only (on CPU both keys are accepted and ignored: every step runs
+    # CUDA only (on CPU these keys are accepted and ignored: every step runs
     # eagerly there). Pure decode steps of up to ``cuda_graph_max_batch``
     # sequences (capped by scheduler.max_num_seqs) replay CUDA graphs captured
-    # at startup; larger decode batches, prefill and mixed steps run eagerly.
-    # ``enforce_eager: true`` never captures (vLLM's name): slower decode,
-    # faster startup, no graph memory.
+    # at startup; so do steps with prefill chunks of up to that many
+    # sequences and ``cuda_graph_max_tokens`` tokens in all (capped by
+    # scheduler.max_num_batched_tokens; 0: such steps run eagerly). Larger
+    # steps run eagerly. ``enforce_eager: true`` never captures (vLLM's
+    # name): slower steps, faster startup, no graph memory.
     enforce_eager: bool = False
     cuda_graph_max_batch: Pos = 64
+    cuda_graph_max_tokens: NonNeg = 512
 
 
 class ParallelConfig(msgspec.Struct, **_STRICT):

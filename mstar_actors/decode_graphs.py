@@ -1,44 +1,50 @@
-"""CUDA graphs for pure decode steps: captured once per batch-size bucket, replayed per step.
+"""CUDA graphs for the runner's steps: captured once per bucket, replayed per step.
 
-An eager decode step of a small model is host-bound: hundreds of kernel
-launches (more with LoRA: two per targeted linear) cost more than the GPU
-work. A step in which every sequence decodes one token and samples it has
-the same shape every time for a given batch size, so, as vLLM does, we
-capture ``model(...)`` + ``compute_logits`` once per bucket size into a CUDA
-graph over static buffers and replay it with the step's values copied in.
+An eager step of a small model is host-bound: hundreds of kernel launches
+(more with LoRA: one per targeted linear) cost more than the GPU work. So,
+as vLLM does, we capture ``model(...)`` + ``compute_logits`` once per bucket
+into a CUDA graph over static buffers and replay it with the step's values
+copied in. Two kinds of step, two sets of graphs:
 
-Static buffers (sized for ``max_batch`` rows; row i = sequence i):
+- ``DecodeGraphs``: pure decode steps (every sequence decodes one token and
+  samples it), one graph per batch-size bucket.
+- ``MixedGraphs``: steps with prefill chunks (a new request's prompt, or a
+  slice of it, beside running decodes), one graph per bucket of the step's
+  total query tokens ``T``, sequences padded to ``max_seqs``. Attention reads
+  the step's shape from tensors only (``AttentionMetadata.varlen_work``).
 
-- one int32 staging buffer, host (pinned) and device, laid out as
-  ``[input_ids | positions | slot_mapping | context_lens | lora_slots]``
-  (``max_batch`` each) followed by the step's block tables packed as
-  ``[bucket, width]`` (width: the widest table this step). A step fills the
-  host copy and moves it with ONE host-to-device copy, then one
-  device-to-device copy spreads the packed tables into
-- ``block_tables [max_batch, max_blocks_per_seq]`` int32, the fixed-width
-  tables attention reads (``AttentionMetadata.graph_decode``). Columns a
-  step does not write keep older valid block ids; attention never reads past
-  ``context_lens``.
-- ``input_ids``, ``positions``, ``slot_mapping`` int64, filled from the
-  staging views INSIDE the graph (three captured casts, no host cost).
-- ``logits [max_batch, vocab]`` float32, the graph's output.
+Shared by both (``_StepGraphs``):
 
-Padded rows (bucket > batch) decode token 0 at position 0 with context 1 on
-the scratch block: a KV block the runner allocates beyond the ones it
-reports, so the scheduler never hands it out and padded writes never touch a
-sequence's cache. Their LoRA slot is 0.
-
-LoRA: each bucket has a base graph (no LoRA step: every hook is a no-op, so
-base requests on a LoRA server keep base speed) and a rows graph
-(``LoraLayers.begin_rows_step`` over the static slots), picked per step by
-whether any row has an adapter. The graphs read the LoRA stacks' tensors by
-address: adapter installs must write into them in place (``LoraStack.install_slot``
-does), which ``check_lora_in_place`` asserts after each install.
+- One int32 staging buffer, host (pinned) and device (``_Staging``): every
+  value the host writes for a step lies in it, a fixed header of fields
+  followed by the step's block tables packed as ``[rows, width]`` (width:
+  the widest table this step). A step fills the host copy and moves it with
+  ONE host-to-device copy, then one device-to-device copy spreads the packed
+  tables into ``block_tables [rows, max_blocks_per_seq]`` int32, the
+  fixed-width tables attention reads. Columns a step does not write keep
+  older valid block ids; attention never reads past ``context_lens``.
+- int64 views (token ids, positions, KV slots) are cast from the staging
+  fields INSIDE the graph (captured casts, no host cost).
+- ``logits [rows, vocab]`` float32, the graph's output.
+- Padding goes to the scratch block: a KV block the runner allocates beyond
+  the ones it reports, so the scheduler never hands it out and padded writes
+  never touch a sequence's cache. Padding rows are on LoRA slot 0.
+- LoRA: each bucket has a base graph (no LoRA step: every hook is a no-op,
+  so base requests on a LoRA server keep base speed) and a rows graph
+  (``LoraLayers.begin_rows_step`` over the static slots), picked per step
+  by whether any row has an adapter. The graphs read the LoRA stacks'
+  tensors by address: adapter installs must write into them in place
+  (``LoraStack.install_slot`` does), which ``check_lora_in_place`` asserts
+  after each install.
+- Capture runs largest bucket first into one memory pool shared by every
+  graph of both sets (the runner passes it): only one graph ever runs at a
+  time, so smaller graphs reuse the larger ones' intermediate memory.
 
 Ordering invariant: the host staging buffer is rewritten at the start of
-each step while the previous step's copy may, in principle, be in flight.
-It never is: the runner samples from the previous step's logits on the host
-(a synchronising ``.tolist()``), which is stream-ordered after that copy.
+each step while the previous step's copy may still be in flight (a step
+that samples nothing never synchronises). ``_Staging`` records an event
+after each copy and waits for it before the host writes again; usually it
+has long completed (sampling reads the logits on the host).
 
 ``capture=False`` (CPU tests) keeps every buffer and the packing, and
 "replays" by running the same static-shape forward eagerly on them.
@@ -48,16 +54,20 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
-from mstar_actors.models.attention import AttentionMetadata
+from mstar_actors.models.attention import AttentionMetadata, max_varlen_items, plan_varlen_work
 
 log = logging.getLogger(__name__)
 
 NUM_WARMUP_RUNS = 2  # torch wants eager runs on the capture stream first; Triton compiles in them
-_NUM_FIELDS = 5  # input_ids, positions, slot_mapping, context_lens, lora_slots
+_NUM_FIELDS = 5  # decode header: input_ids, positions, slot_mapping, context_lens, lora_slots
+MIN_TOKEN_BUCKET = 16
 
 
 class DecodeBatch(Protocol):
@@ -72,6 +82,16 @@ class DecodeBatch(Protocol):
     chunk_slots: list[int]
 
 
+class StepBatch(DecodeBatch, Protocol):
+    """What a step gives ``MixedGraphs.run``: ``input_ids``, ``positions``,
+    ``slot_mapping`` per token; the rest per sequence (chunk), and the
+    sampled rows (flat token indices) with their LoRA slots."""
+
+    query_lens: list[int]
+    logits_indices: list[int]
+    sample_slots: list[int]
+
+
 def batch_buckets(max_batch: int) -> list[int]:
     """Captured batch sizes: 1, 2, 4, 8, then 16, 24, 32, 48, 64, 96, ... (each
     power of two and the midpoint above it), up to and including ``max_batch``."""
@@ -83,54 +103,180 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted(s for s in sizes if s < max_batch) + [max_batch]
 
 
-class DecodeGraphs:
-    """Static buffers and one captured graph per (bucket, LoRA variant).
+def token_buckets(max_tokens: int) -> list[int]:
+    """Captured token counts of mixed steps: 16, 32, 64, ... (powers of two)
+    below ``max_tokens``, then ``max_tokens`` itself."""
+    sizes = []
+    n = MIN_TOKEN_BUCKET
+    while n < max_tokens:
+        sizes.append(n)
+        n *= 2
+    return sizes + [max_tokens]
+
+
+class _Staging:
+    """The int32 buffer a step's host values travel in: pinned on the host
+    (CUDA), twinned on the device, moved in one copy (see the module doc)."""
+
+    def __init__(self, size: int, device: torch.device):
+        is_cuda = device.type == "cuda"
+        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=is_cuda)
+        self.host_np = self.host.numpy()
+        self.device = torch.zeros(size, dtype=torch.int32, device=device)
+        self._copied = torch.cuda.Event() if is_cuda else None
+
+    def view(self, start: int, length: int) -> torch.Tensor:
+        """The device field ``[start, start + length)``."""
+        return self.device[start : start + length]
+
+    def begin_write(self) -> None:
+        """Wait until the last upload has read the host copy (ordering invariant)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def upload(self, stop: int) -> None:
+        self.device[:stop].copy_(self.host[:stop], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+
+def _capture(forward: Callable[[], None], pool: Any, device: torch.device) -> torch.cuda.CUDAGraph:
+    """Warm ``forward`` up on a side stream, then capture it into ``pool``."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(NUM_WARMUP_RUNS):
+            forward()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):  # on torch's own side stream
+        forward()
+    return graph
+
+
+class _StepGraphs:
+    """What both sets share: the model, the staging and table buffers, capture
+    and replay by key ``(bucket, uses_rows)``, the LoRA address check.
 
     Owned by the runner, used on its thread only, one step at a time.
     """
 
-    def __init__(
-        self,
-        model: Any,
-        kv_caches: list[torch.Tensor],
-        lora: Any,
-        *,
-        max_batch: int,
-        max_blocks_per_seq: int,
-        block_size: int,
-        scratch_block: int,
-        capture: bool = True,
-    ):
+    name = "step graphs"
+
+    def __init__(self, model: Any, kv_caches: list[torch.Tensor], lora: Any, *, num_table_rows: int,
+                 max_blocks_per_seq: int, block_size: int, scratch_block: int):
         self.model, self.kv_caches, self.lora = model, kv_caches, lora
-        self.max_batch, self.block_size, self.scratch_block = max_batch, block_size, scratch_block
-        self.buckets = batch_buckets(max_batch)
+        self.block_size, self.scratch_block = block_size, scratch_block
         self.device = kv_caches[0].device
-        self.is_captured = capture
+        self.is_captured = False
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self._make_buffers(max_blocks_per_seq, model.spec.vocab_size)
+        self.block_tables = torch.full((num_table_rows, max_blocks_per_seq), scratch_block, dtype=torch.int32,
+                                       device=self.device)
         self._lora_addresses = _lora_addresses(lora)
+
+    @property
+    def scratch_slot(self) -> int:
+        """The KV slot padding tokens write (the scratch block's first)."""
+        return self.scratch_block * self.block_size
+
+    def _send(self, tables_start: int, tables: Sequence[Sequence[int]], num_rows: int) -> None:
+        """Pack ``tables`` into ``num_rows`` rows after the header (rows past
+        ``len(tables)`` and short tables' tails: the scratch block), move
+        header and tables in one copy, spread the tables into ``block_tables``."""
+        width = max(len(t) for t in tables)
+        stop = tables_start + num_rows * width
+        packed = self._stage.host_np[tables_start:stop].reshape(num_rows, width)
+        packed.fill(self.scratch_block)
+        for row, table in zip(packed, tables):
+            row[: len(table)] = table
+        self._stage.upload(stop)
+        self.block_tables[:num_rows, :width].copy_(self._stage.view(tables_start, num_rows * width).view(num_rows, width))
+
+    def _replay(self, key: tuple[int, bool]) -> None:
+        if self.is_captured:
+            self.graphs[key].replay()
+        else:
+            with torch.inference_mode():
+                self._forward(*key)
+
+    def _forward(self, bucket: int, uses_rows: bool) -> None:
+        raise NotImplementedError
+
+    def _sizes(self) -> str:
+        raise NotImplementedError
+
+    # -- capture -----------------------------------------------------------
+
+    def capture_all(self, pool: Any = None) -> None:
+        """Capture every (bucket, variant), largest bucket first, into ``pool``
+        (a fresh one when None; see the module doc)."""
+        variants = (False, True) if self.lora is not None else (False,)
+        torch.cuda.synchronize(self.device)
+        free_before, _ = torch.cuda.mem_get_info(self.device)
+        start = time.perf_counter()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for bucket in reversed(self.buckets):
+                for uses_rows in variants:
+                    forward = lambda b=bucket, r=uses_rows: self._forward(b, r)  # noqa: E731
+                    self.graphs[(bucket, uses_rows)] = _capture(forward, pool, self.device)
+        torch.cuda.synchronize(self.device)
+        free_after, _ = torch.cuda.mem_get_info(self.device)
+        self.is_captured = True
+        log.info(
+            "%s: %d captured (%s%s) in %.1f s, %.1f MiB of device memory",
+            self.name, len(self.graphs), self._sizes(), ", base and LoRA rows each" if len(variants) == 2 else "",
+            time.perf_counter() - start, (free_before - free_after) / 2**20,
+        )
+
+    # -- LoRA --------------------------------------------------------------
+
+    def check_lora_in_place(self) -> None:
+        """Raise if a LoRA stack tensor was reallocated: captured graphs read
+        the addresses they saw at capture, so a new tensor would be ignored."""
+        if _lora_addresses(self.lora) != self._lora_addresses:
+            raise RuntimeError(
+                f"a LoRA stack tensor moved after the {self.name} were captured; adapter installs must "
+                "write into the existing stacks in place (LoraStack.install_slot), or set model.enforce_eager"
+            )
+
+
+class DecodeGraphs(_StepGraphs):
+    """Pure decode steps, one graph per (batch bucket, LoRA variant).
+
+    Header (``max_batch`` each; row i = sequence i): ``input_ids | positions
+    | slot_mapping | context_lens | lora_slots``. Padded rows (bucket >
+    batch) decode token 0 at position 0 with context 1 on the scratch block.
+    """
+
+    name = "decode graphs"
+
+    def __init__(self, model: Any, kv_caches: list[torch.Tensor], lora: Any, *, max_batch: int,
+                 max_blocks_per_seq: int, block_size: int, scratch_block: int, capture: bool = True,
+                 pool: Any = None):
+        super().__init__(model, kv_caches, lora, num_table_rows=max_batch, max_blocks_per_seq=max_blocks_per_seq,
+                         block_size=block_size, scratch_block=scratch_block)
+        self.max_batch = max_batch
+        self.buckets = batch_buckets(max_batch)
+        self._make_buffers(model.spec.vocab_size)
         if capture:
-            self.capture_all()
+            self.capture_all(pool)
 
-    # -- buffers -----------------------------------------------------------
-
-    def _make_buffers(self, max_blocks_per_seq: int, vocab_size: int) -> None:
+    def _make_buffers(self, vocab_size: int) -> None:
         m, dev = self.max_batch, self.device
-        size = _NUM_FIELDS * m + m * max_blocks_per_seq
-        pin = dev.type == "cuda"
-        self._host = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
-        self._host_np = self._host.numpy()
-        self._stage = torch.zeros(size, dtype=torch.int32, device=dev)
-        ids32, pos32, slots32, self.context_lens, self.lora_slots = self._stage[: _NUM_FIELDS * m].view(_NUM_FIELDS, m)
+        self._stage = _Staging(_NUM_FIELDS * m + m * self.block_tables.shape[1], dev)
+        ids32, pos32, slots32, self.context_lens, self.lora_slots = self._stage.view(0, _NUM_FIELDS * m).view(_NUM_FIELDS, m)
         self._stage_longs = (ids32, pos32, slots32)
         self.input_ids = torch.zeros(m, dtype=torch.long, device=dev)
         self.positions = torch.zeros(m, dtype=torch.long, device=dev)
         self.slot_mapping = torch.zeros(m, dtype=torch.long, device=dev)
-        self.block_tables = torch.full((m, max_blocks_per_seq), self.scratch_block, dtype=torch.int32, device=dev)
         self.query_start = torch.arange(m + 1, dtype=torch.int32, device=dev)
         self.logits = torch.zeros(m, vocab_size, dtype=torch.float32, device=dev)
         self._fill_padding(0, m)
-        self._stage.copy_(self._host)
+        self._stage.upload(_NUM_FIELDS * m)
+
+    def _sizes(self) -> str:
+        return f"batch sizes {self.buckets}"
 
     def bucket_for(self, num_rows: int) -> int:
         """The smallest captured batch size holding ``num_rows`` rows."""
@@ -139,44 +285,30 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= num_rows)
 
     def _fill_padding(self, start: int, stop: int) -> None:
-        """Rows ``start:stop`` of the host header become padded rows (see module doc)."""
-        h, m = self._host_np, self.max_batch
-        for field, value in enumerate((0, 0, self.scratch_block * self.block_size, 1, 0)):
+        """Rows ``start:stop`` of the host header become padded rows (see the class doc)."""
+        h, m = self._stage.host_np, self.max_batch
+        for field, value in enumerate((0, 0, self.scratch_slot, 1, 0)):
             h[field * m + start : field * m + stop] = value
 
     def _load(self, batch: DecodeBatch) -> int:
         """Copy ``batch`` into the static buffers; return its bucket."""
         num_rows = len(batch.input_ids)
         bucket = self.bucket_for(num_rows)
-        h, m = self._host_np, self.max_batch
+        self._stage.begin_write()
+        h, m = self._stage.host_np, self.max_batch
         for field, values in enumerate(
             (batch.input_ids, batch.positions, batch.slot_mapping, batch.context_lens, batch.chunk_slots)
         ):
             h[field * m : field * m + num_rows] = values
         self._fill_padding(num_rows, bucket)
-        width = max(len(t) for t in batch.block_tables)
-        start = _NUM_FIELDS * m
-        tables = h[start : start + bucket * width].reshape(bucket, width)
-        tables.fill(self.scratch_block)
-        for row, table in zip(tables, batch.block_tables):
-            row[: len(table)] = table
-        stop = start + bucket * width
-        self._stage[:stop].copy_(self._host[:stop], non_blocking=True)
-        self.block_tables[:bucket, :width].copy_(self._stage[start:stop].view(bucket, width))
+        self._send(_NUM_FIELDS * m, batch.block_tables, bucket)
         return bucket
-
-    # -- steps -------------------------------------------------------------
 
     def run(self, batch: DecodeBatch) -> torch.Tensor:
         """The step's logits ``[len(batch.input_ids), vocab]`` float32: a view of
         the static output, valid until the next ``run``."""
         bucket = self._load(batch)
-        uses_rows = self.lora is not None and any(batch.chunk_slots)
-        if self.is_captured:
-            self.graphs[(bucket, uses_rows)].replay()
-        else:
-            with torch.inference_mode():
-                self._forward(bucket, uses_rows)
+        self._replay((bucket, self.lora is not None and any(batch.chunk_slots)))
         return self.logits[: len(batch.input_ids)]
 
     def _forward(self, bucket: int, uses_rows: bool) -> None:
@@ -202,53 +334,182 @@ class DecodeGraphs:
             if self.lora is not None:
                 self.lora.end_step()
 
-    # -- capture -----------------------------------------------------------
 
-    def capture_all(self) -> None:
-        """Capture every (bucket, variant), largest bucket first, into one
-        shared memory pool: later (smaller) graphs reuse the larger ones'
-        intermediate memory, since only one graph ever runs at a time."""
-        variants = (False, True) if self.lora is not None else (False,)
-        torch.cuda.synchronize(self.device)
-        free_before, _ = torch.cuda.mem_get_info(self.device)
-        start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode():
-            for bucket in reversed(self.buckets):
-                for uses_rows in variants:
-                    self.graphs[(bucket, uses_rows)] = self._capture_one(bucket, uses_rows, pool)
-        torch.cuda.synchronize(self.device)
-        free_after, _ = torch.cuda.mem_get_info(self.device)
-        log.info(
-            "decode graphs: %d captured (batch sizes %s%s) in %.1f s, %.1f MiB of device memory",
-            len(self.graphs), self.buckets, ", base and LoRA rows each" if len(variants) == 2 else "",
-            time.perf_counter() - start, (free_before - free_after) / 2**20,
-        )
+class MixedGraphs(_StepGraphs):
+    """Steps with prefill chunks, one graph per (token bucket, LoRA variant).
 
-    def _capture_one(self, bucket: int, uses_rows: bool, pool: Any) -> torch.cuda.CUDAGraph:
-        # Buffers hold padded rows here (set at construction, never loaded
-        # before capture): warm-up and capture runs write only the scratch block.
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(NUM_WARMUP_RUNS):
-                self._forward(bucket, uses_rows)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):  # on torch's own side stream
-            self._forward(bucket, uses_rows)
-        return graph
+    Header, laid out for the largest bucket ``T`` and ``S = max_seqs``:
 
-    # -- LoRA --------------------------------------------------------------
+    - ``input_ids | positions | slot_mapping`` ``[3, T]`` (cast to int64 in
+      the graph) and ``token_slots [T]`` (each token's LoRA slot); padding
+      tokens are token 0 at position 0 on the scratch slot, LoRA slot 0;
+    - ``query_start [S + 1]``, ``context_lens [S]``: padded sequences have
+      no queries (their start is the step's token count) and no context;
+    - ``sampled_rows [S]`` (token rows whose logits the step returns, in
+      ``logits_indices`` order; padding: row 0) and ``sampled_slots [S]``;
+    - ``varlen_work [P, 2]`` (``plan_varlen_work``, padded with ``(-1, 0)``;
+      a bucket of ``t`` tokens reads its first ``max_varlen_items(t, S)``).
 
-    def check_lora_in_place(self) -> None:
-        """Raise if a LoRA stack tensor was reallocated: captured graphs read
-        the addresses they saw at capture, so a new tensor would be ignored."""
-        if _lora_addresses(self.lora) != self._lora_addresses:
-            raise RuntimeError(
-                "a LoRA stack tensor moved after the decode graphs were captured; adapter installs must "
-                "write into the existing stacks in place (LoraStack.install_slot), or set model.enforce_eager"
+    No work item covers a padding token, so attention leaves its output row
+    unwritten: the graph zeroes those rows after attention in every layer
+    (``_padding_rows_zeroed``). Every other op is row-wise, so nothing of a
+    padding row reaches a real one, and the K/V padding tokens write to the
+    scratch block stay finite.
+    """
+
+    name = "mixed-step graphs"
+
+    def __init__(self, model: Any, kv_caches: list[torch.Tensor], lora: Any, *, max_seqs: int, max_tokens: int,
+                 max_blocks_per_seq: int, block_size: int, scratch_block: int, capture: bool = True,
+                 pool: Any = None):
+        if max_tokens < 1 or max_seqs < 1:
+            raise ValueError(f"mixed-step graphs need max_tokens >= 1 and max_seqs >= 1; got {max_tokens}, {max_seqs}")
+        super().__init__(model, kv_caches, lora, num_table_rows=max_seqs, max_blocks_per_seq=max_blocks_per_seq,
+                         block_size=block_size, scratch_block=scratch_block)
+        self.max_seqs = max_seqs
+        self.buckets = token_buckets(max_tokens)
+        self._make_buffers(model.spec.vocab_size)
+        if capture:
+            self.capture_all(pool)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.buckets[-1]
+
+    def _make_buffers(self, vocab_size: int) -> None:
+        t, s, dev = self.max_tokens, self.max_seqs, self.device
+        self._num_work = {b: max_varlen_items(b, s) for b in self.buckets}
+        sizes = dict(longs=3 * t, token_slots=t, query_start=s + 1, context_lens=s, sampled_rows=s, sampled_slots=s,
+                     work=2 * self._num_work[t])
+        self._at: dict[str, int] = {}
+        offset = 0
+        for field, size in sizes.items():
+            self._at[field] = offset
+            offset += size
+        self._tables_start = offset
+        self._stage = _Staging(offset + s * self.block_tables.shape[1], dev)
+        view = {field: self._stage.view(self._at[field], size) for field, size in sizes.items()}
+        self._stage_longs = view["longs"].view(3, t)
+        self.token_slots, self.query_start, self.context_lens = view["token_slots"], view["query_start"], view["context_lens"]
+        self.sampled_rows, self.sampled_slots = view["sampled_rows"], view["sampled_slots"]
+        self.varlen_work = view["work"].view(-1, 2)
+        self.longs = torch.zeros(3, t, dtype=torch.long, device=dev)  # input_ids, positions, slot_mapping
+        self._token_index = torch.arange(t, dtype=torch.int32, device=dev)
+        self.logits = torch.zeros(s, vocab_size, dtype=torch.float32, device=dev)
+        self._write_header([], [], [], [], [], [], [], t)
+        self._stage.upload(self._tables_start)
+
+    def _sizes(self) -> str:
+        return f"token counts {self.buckets}, up to {self.max_seqs} sequences"
+
+    def takes(self, num_tokens: int, num_seqs: int) -> bool:
+        """Whether a step of ``num_tokens`` query tokens in ``num_seqs`` chunks fits a bucket."""
+        return 1 <= num_tokens <= self.max_tokens and 1 <= num_seqs <= self.max_seqs
+
+    def bucket_for(self, num_tokens: int, num_seqs: int) -> int:
+        """The smallest captured token count holding the step."""
+        if not self.takes(num_tokens, num_seqs):
+            raise ValueError(
+                f"mixed-step graphs take 1..{self.max_tokens} tokens (model.cuda_graph_max_tokens) in "
+                f"1..{self.max_seqs} sequences (model.cuda_graph_max_batch); got {num_tokens} in {num_seqs}"
             )
+        return next(b for b in self.buckets if b >= num_tokens)
+
+    def _write_header(self, input_ids, positions, slot_mapping, token_slots, query_lens, context_lens,
+                      sampled, bucket: int, sampled_slots: Sequence[int] = ()) -> None:
+        """The header's host copy for one step, padded to ``bucket`` tokens and ``max_seqs`` sequences."""
+        put = self._put
+        t, s, num_tokens = self.max_tokens, self.max_seqs, len(input_ids)
+        longs = self._at["longs"]
+        put(longs, input_ids, bucket, 0)
+        put(longs + t, positions, bucket, 0)
+        put(longs + 2 * t, slot_mapping, bucket, self.scratch_slot)
+        put(self._at["token_slots"], token_slots, bucket, 0)
+        put(self._at["query_start"], np.cumsum([0, *query_lens]), s + 1, num_tokens)
+        put(self._at["context_lens"], context_lens, s, 0)
+        put(self._at["sampled_rows"], sampled, s, 0)
+        put(self._at["sampled_slots"], sampled_slots, s, 0)
+        work = plan_varlen_work(query_lens, self._num_work[bucket])
+        put(self._at["work"], np.asarray(work, dtype=np.int32).reshape(-1), 2 * len(work), 0)
+
+    def _put(self, start: int, values: Sequence[int], stop: int, pad: int) -> None:
+        """Host field at ``start``: ``values``, then ``pad`` up to ``stop`` entries."""
+        h, n = self._stage.host_np, len(values)
+        h[start : start + n] = values
+        h[start + n : start + stop] = pad
+
+    def _load(self, batch: StepBatch) -> int:
+        """Copy ``batch`` into the static buffers; return its bucket."""
+        num_seqs = len(batch.query_lens)
+        bucket = self.bucket_for(len(batch.input_ids), num_seqs)
+        self._stage.begin_write()
+        token_slots = np.repeat(np.asarray(batch.chunk_slots, dtype=np.int32), batch.query_lens)
+        self._write_header(batch.input_ids, batch.positions, batch.slot_mapping, token_slots, batch.query_lens,
+                           batch.context_lens, batch.logits_indices, bucket, batch.sample_slots)
+        self._send(self._tables_start, batch.block_tables, num_seqs)
+        return bucket
+
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        """The sampled rows' logits ``[len(batch.logits_indices), vocab]`` float32:
+        a view of the static output, valid until the next ``run``."""
+        bucket = self._load(batch)
+        self._replay((bucket, self.lora is not None and any(batch.chunk_slots)))
+        return self.logits[: len(batch.logits_indices)]
+
+    def _forward(self, bucket: int, uses_rows: bool) -> None:
+        """The static-shape step over ``bucket`` tokens: what a graph captures."""
+        self.longs[:, :bucket].copy_(self._stage_longs[:, :bucket])
+        input_ids, positions, slot_mapping = self.longs[:, :bucket]
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            block_tables=self.block_tables,
+            query_start=self.query_start,
+            context_lens=self.context_lens,
+            query_lens_list=[],  # stale under varlen_work: never read
+            context_lens_list=[],
+            num_blocks_list=[],
+            varlen_work=self.varlen_work[: self._num_work[bucket]],
+        )
+        is_padding = self._token_index[:bucket] >= self.query_start[-1]
+        if uses_rows:
+            self.lora.begin_rows_step(self.token_slots[:bucket], self.sampled_slots)
+        try:
+            with _padding_rows_zeroed(self.model, is_padding):
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            self.logits.copy_(self.model.compute_logits(hidden.index_select(0, self.sampled_rows)))
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
+
+
+class _ZeroedRows:
+    """An attention backend whose output rows under ``is_padding [T]`` are zero,
+    whatever the backend left there (a kernel writes only planned rows)."""
+
+    def __init__(self, backend: Any, is_padding: torch.Tensor):
+        self.backend, self.mask = backend, is_padding[:, None, None]
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        self.backend.write_kv(kv_cache, k, v, meta)
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # masked_fill, not a multiply: 0 * NaN is NaN, and unwritten memory may hold any bits.
+        return self.backend.attend(q, kv_cache, meta, scale).masked_fill_(self.mask, 0.0)
+
+
+@contextmanager
+def _padding_rows_zeroed(model: Any, is_padding: torch.Tensor) -> Iterator[None]:
+    """Every layer's attention through ``_ZeroedRows`` for one forward: one
+    small masked fill per layer, captured with the rest."""
+    layers = [layer.self_attn for layer in model.model.layers]
+    backends = [attn.backend for attn in layers]
+    for attn, backend in zip(layers, backends):
+        attn.backend = _ZeroedRows(backend, is_padding)
+    try:
+        yield
+    finally:
+        for attn, backend in zip(layers, backends):
+            attn.backend = backend
 
 
 def _lora_addresses(lora: Any) -> list[int]:

@@ -18,12 +18,15 @@ LoRA off no stack exists and the model runs its base path only.
 ``build_batch`` is a pure function (no torch), so the plan-to-batch rules can
 be tested without a model.
 
-Decode graphs (CUDA, text models, unless ``enforce_eager``): a pure decode
-step (every chunk one token that samples) of up to ``cuda_graph_max_batch``
-sequences replays a CUDA graph captured at startup (``decode_graphs``); any
-other step runs eagerly. The KV cache has one block more than
-``num_kv_blocks`` reports: the scratch block padded graph rows write into,
-which no plan can name (block ids are checked against ``num_kv_blocks``).
+CUDA graphs (CUDA, text models, unless ``enforce_eager``; ``decode_graphs``):
+a pure decode step (every chunk one token that samples) of up to
+``cuda_graph_max_batch`` sequences replays a decode graph captured at
+startup; any other step of up to that many sequences and
+``cuda_graph_max_tokens`` tokens (prefill chunks beside decodes) replays a
+mixed-step graph; a larger step runs eagerly. The KV cache has one block
+more than ``num_kv_blocks`` reports: the scratch block padded graph rows
+write into, which no plan can name (block ids are checked against
+``num_kv_blocks``).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import psutil
 import torch
 
 from mstar_actors import messages
-from mstar_actors.decode_graphs import DecodeGraphs
+from mstar_actors.decode_graphs import DecodeGraphs, MixedGraphs
 from mstar_actors.lora.adapter_file import AdapterWeights
 from mstar_actors.models.attention import AttentionMetadata, allocate_kv_cache, kv_bytes_per_block
 from mstar_actors.models.loader import load_model, load_spec
@@ -180,6 +183,7 @@ class ModelRunner:
         enforce_eager: bool = False,
         cuda_graph_max_batch: int = 64,
         max_num_batched_tokens: int = 2048,
+        cuda_graph_max_tokens: int = 512,
     ):
         self.device = resolve_device(device)
         arch, spec = load_spec(Path(model_dir))  # read first: "auto" dtype depends on it
@@ -211,13 +215,17 @@ class ModelRunner:
         # Multimodal models: per-sequence positions and vision rows; pixel
         # values are read through ``resolve_tensor`` (the worker's arena).
         self.media = MediaInputs(self.model, resolve_tensor) if getattr(self.model, "is_multimodal", False) else None
+        # A step never holds more tokens than the scheduler batches.
+        max_graph_tokens = min(cuda_graph_max_tokens, max_num_batched_tokens)
         if self.device.type == "cuda":
-            self._warm_up_kernels(max_num_batched_tokens)
+            # Graph buckets (a decode batch, a mixed step's sampled rows) are row counts too.
+            self._warm_up_kernels(max(max_num_batched_tokens, cuda_graph_max_batch))
         # Last: capture needs the LoRA stacks and the KV cache, and its memory
         # comes out of what the cache left.
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
         if self.device.type == "cuda" and not enforce_eager and self.media is None:
-            self.enable_decode_graphs(cuda_graph_max_batch)
+            self.enable_step_graphs(cuda_graph_max_batch, max_graph_tokens if self._captures_varlen() else 0)
 
     def _warm_up_kernels(self, max_num_tokens: int) -> None:
         """Compile every Triton kernel variant a step can launch before the
@@ -233,21 +241,36 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         log.info("kernels compiled for up to %d tokens a step in %.1f s", max_num_tokens, time.perf_counter() - started)
 
-    def enable_decode_graphs(self, max_batch: int, *, capture: bool = True) -> None:
+    def enable_step_graphs(self, max_batch: int, max_tokens: int = 0, *, capture: bool = True) -> None:
         """Serve pure decode steps of up to ``max_batch`` sequences through
-        ``DecodeGraphs``; ``capture=False`` runs its static path eagerly (tests)."""
+        ``DecodeGraphs`` and, when ``max_tokens`` > 0, other steps of up to
+        ``max_batch`` sequences and ``max_tokens`` tokens through
+        ``MixedGraphs``; ``capture=False`` runs their static paths eagerly
+        (tests). Both capture into one memory pool, the larger set first."""
         if self.media is not None:
-            raise ValueError(f"decode graphs: {self.spec.architecture} is multimodal; its steps run eagerly")
-        self.graphs = DecodeGraphs(
-            self.model,
-            self.kv_caches,
-            self.lora,
-            max_batch=max_batch,
-            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
-            block_size=self.block_size,
-            scratch_block=self.scratch_block,
-            capture=capture,
-        )
+            raise ValueError(f"step graphs: {self.spec.architecture} is multimodal; its steps run eagerly")
+        pool = torch.cuda.graph_pool_handle() if capture else None
+        shared = dict(max_blocks_per_seq=-(-self.max_model_len // self.block_size), block_size=self.block_size,
+                      scratch_block=self.scratch_block, capture=capture, pool=pool)
+        if max_tokens > 0:
+            self.mixed_graphs = MixedGraphs(self.model, self.kv_caches, self.lora, max_seqs=max_batch,
+                                            max_tokens=max_tokens, **shared)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.lora, max_batch=max_batch, **shared)
+
+    def _captures_varlen(self) -> bool:
+        """Whether attention can run a mixed step inside a CUDA graph: the
+        Triton backend's varlen kernel can; the torch reference (no Triton, or
+        a head size the kernel does not take) reads the step on the host."""
+        try:
+            from mstar_actors.models.triton_attention import TritonPagedAttention, is_supported_head_dim
+        except ImportError:
+            return False
+        backend = self.model.model.layers[0].self_attn.backend
+        if isinstance(backend, TritonPagedAttention) and is_supported_head_dim(self.spec.head_dim):
+            return True
+        log.info("mixed-step graphs off: attention (%s, head_dim %d) has no capturable varlen kernel; "
+                 "steps with prefill chunks run eagerly", type(backend).__name__, self.spec.head_dim)
+        return False
 
     # -- protocol ----------------------------------------------------------
 
@@ -306,8 +329,9 @@ class ModelRunner:
             raise ValueError(f"adapter {weights.name!r}: LoRA is off on this rank (lora.max_loras = 0); enable it to install adapters")
         self.lora_names.pop(slot, None)  # on failure the slot is cleared and holds nothing
         self.lora.install(slot, weights)
-        if self.graphs is not None:  # the graphs read the stacks by address
-            self.graphs.check_lora_in_place()
+        for graphs in (self.graphs, self.mixed_graphs):  # the graphs read the stacks by address
+            if graphs is not None:
+                graphs.check_lora_in_place()
         if self.device.type == "cuda":  # the copies are asynchronous; "installed" means they are done
             torch.cuda.current_stream(self.device).synchronize()
         self.lora_names[slot] = weights.name
@@ -344,6 +368,8 @@ class ModelRunner:
         """The batch's sampled rows' logits, ``[len(batch.sample_ids), vocab]`` float32."""
         if self._is_graph_step(batch):
             return self.graphs.run(batch)
+        if self.mixed_graphs is not None and self.mixed_graphs.takes(len(batch.input_ids), len(batch.request_ids)):
+            return self.mixed_graphs.run(batch)
         input_ids, positions, meta, logits_indices = self._to_device(batch)
         if self.lora is not None:
             self.lora.begin_step(batch.chunk_slots, batch.query_lens, batch.sample_slots)

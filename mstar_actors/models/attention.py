@@ -136,6 +136,9 @@ class TorchPagedAttention:
     sequence per layer. Prefill chunks get one SDPA call each, with a causal
     mask shifted by the cached prefix length. Grouped K/V heads are shared
     through SDPA's ``enable_gqa`` rather than copied per query head.
+
+    A ``varlen_work`` step (a graphed mixed step's static form) is read from
+    its tensors and attended one work item at a time (``_attend_varlen``).
     """
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -144,6 +147,8 @@ class TorchPagedAttention:
         flat[1].index_copy_(0, meta.slot_mapping, v)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.varlen_work is not None:
+            return self._attend_varlen(q, kv_cache, meta, scale)
         if meta.graph_decode:
             mask = _graph_decode_mask(meta, kv_cache.shape[2])
             return self._attend_decode(q, kv_cache, meta.block_tables, mask, scale)
@@ -167,6 +172,31 @@ class TorchPagedAttention:
                 qi = q[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
                 out[start : start + q_len] = self._attend_chunk(qi, k, v, scale).transpose(0, 1)
             start += q_len
+
+    def _attend_varlen(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                       scale: float) -> torch.Tensor:
+        """A ``varlen_work`` step from its tensors alone (the ``*_list`` fields
+        may be stale), item by item as a kernel would run it: the reference
+        for the static path. Reads the tensors on the host, so it runs only
+        eagerly (CPU, tests, a fallback), never inside a captured graph.
+        Rows no item covers (padding tokens) are zero."""
+        out = torch.zeros_like(q)
+        starts, ctx_lens = meta.query_start.tolist(), meta.context_lens.tolist()
+        block_size = kv_cache.shape[2]
+        contexts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for seq, first in meta.varlen_work.tolist():
+            if seq < 0:
+                continue
+            q_len, ctx_len = starts[seq + 1] - starts[seq], ctx_lens[seq]
+            if seq not in contexts:
+                contexts[seq] = self._gather(kv_cache, meta.block_tables[seq, : -(-ctx_len // block_size)], ctx_len)
+            k, v = contexts[seq]
+            rows = slice(starts[seq] + first, starts[seq] + min(first + VARLEN_BLOCK_M, q_len))
+            mask = _causal_offset_mask(q_len, ctx_len, q.device)[first : first + VARLEN_BLOCK_M]
+            qi = q[rows].transpose(0, 1)  # [H, rows, D]
+            attended = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[rows] = attended.transpose(0, 1)
+        return out
 
     @staticmethod
     def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -151,13 +151,13 @@ class LoraLayers:
             self.end_step()
             return
         if self.uses_rows:
-            pure_decode = _is_pure_decode(query_lens, chunk_slots, sampled_slots)
-            token_slots = chunk_slots if pure_decode else _token_slots(chunk_slots, query_lens)
-            self.begin_rows_step(self._on_device(token_slots))
-            if not pure_decode:
-                sampled = self._on_device(sampled_slots) if any(sampled_slots) else None
-                self.step.sampled_row_slots = sampled
-                self.step.sampled_row_groups = None if sampled is None else row_groups(sampled, self.num_slots)
+            if _is_pure_decode(query_lens, chunk_slots, sampled_slots):
+                self.begin_rows_step(self._on_device(chunk_slots))
+                return
+            sampled = self._on_device(sampled_slots) if any(sampled_slots) else None
+            self.begin_rows_step(self._on_device(_token_slots(chunk_slots, query_lens)), sampled)
+            if sampled is None:  # no sampled row has an adapter: the LM head skips its delta
+                self.step.sampled_row_slots = self.step.sampled_row_groups = None
             return
         self.step.row_slots = None
         self.step.row_groups = None
@@ -190,26 +190,37 @@ class LoraLayers:
                 triton_ops.warm_up(stack, max_num_tokens)
         torch.cuda.synchronize(self.device)
 
-    def begin_rows_step(self, row_slots: torch.Tensor) -> None:
-        """A pure decode step: row ``t`` (token row and sampled row alike) runs
-        on slot ``row_slots[t]`` (int32 [T] on this model's device, 0 = base).
+    def begin_rows_step(self, row_slots: torch.Tensor, sampled_row_slots: torch.Tensor | None = None) -> None:
+        """A step by rows: token row ``t`` runs on slot ``row_slots[t]`` (int32
+        [T] on this model's device, 0 = base), the LM head's sampled row ``i``
+        on ``sampled_row_slots[i]`` (int32 [S]; default: ``row_slots`` itself,
+        as in a pure decode step, where the sampled rows are the token rows).
 
-        The tensor is kept, not copied, and never read on the host: a caller
-        capturing a CUDA graph passes its static slots buffer and rewrites it
-        before each replay. Call it inside the captured region: with the
+        The tensors are kept, not copied, and never read on the host: a caller
+        capturing a CUDA graph passes its static slots buffers and rewrites
+        them before each replay. Call it inside the captured region: with the
         kernels it also groups the rows by slot on the device (a few small
         ops, once per step), which the replay must redo. Slots must be
         installed ones (not checked here: checking would read the device)."""
-        if row_slots.dtype != torch.int32 or row_slots.dim() != 1 or row_slots.device != self.device:
-            raise ValueError(
-                f"row_slots is {row_slots.dtype} {tuple(row_slots.shape)} on {row_slots.device}; "
-                f"accepted: an int32 [num_rows] tensor on the LoRA stacks' device {self.device}"
-            )
+        self._check_row_slots("row_slots", row_slots)
         self.step.segments = None
         self.step.sampled_segments = None
         self.step.dense = self.step.sampled_dense = None
-        self.step.row_slots = self.step.sampled_row_slots = row_slots
-        self.step.row_groups = self.step.sampled_row_groups = row_groups(row_slots, self.num_slots)
+        self.step.row_slots = row_slots
+        self.step.row_groups = row_groups(row_slots, self.num_slots)
+        if sampled_row_slots is None:
+            self.step.sampled_row_slots, self.step.sampled_row_groups = row_slots, self.step.row_groups
+        else:
+            self._check_row_slots("sampled_row_slots", sampled_row_slots)
+            self.step.sampled_row_slots = sampled_row_slots
+            self.step.sampled_row_groups = row_groups(sampled_row_slots, self.num_slots)
+
+    def _check_row_slots(self, name: str, slots: torch.Tensor) -> None:
+        if slots.dtype != torch.int32 or slots.dim() != 1 or slots.device != self.device:
+            raise ValueError(
+                f"{name} is {slots.dtype} {tuple(slots.shape)} on {slots.device}; "
+                f"accepted: an int32 [num_rows] tensor on the LoRA stacks' device {self.device}"
+            )
 
     def end_step(self) -> None:
         self.step.segments = None

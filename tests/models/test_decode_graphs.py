@@ -62,7 +62,7 @@ def make_runner(folder, *, static: int | None = None, **overrides) -> ModelRunne
     kwargs = dict(dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_blocks=96, seed=0, enforce_eager=True)
     runner = ModelRunner(folder, **(kwargs | overrides))
     if static is not None:
-        runner.enable_decode_graphs(static, capture=False)
+        runner.enable_step_graphs(static, capture=False)
     return runner
 
 
