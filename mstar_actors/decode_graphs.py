@@ -162,6 +162,7 @@ class _StepGraphs:
     """
 
     name = "step graphs"
+    off_hint = "set model.enforce_eager: true"
 
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], lora: Any, *, num_table_rows: int,
                  max_blocks_per_seq: int, block_size: int, scratch_block: int):
@@ -218,8 +219,7 @@ class _StepGraphs:
         with torch.inference_mode():
             for bucket in reversed(self.buckets):
                 for uses_rows in variants:
-                    forward = lambda b=bucket, r=uses_rows: self._forward(b, r)  # noqa: E731
-                    self.graphs[(bucket, uses_rows)] = _capture(forward, pool, self.device)
+                    self.graphs[(bucket, uses_rows)] = self._capture_one(bucket, uses_rows, pool)
         torch.cuda.synchronize(self.device)
         free_after, _ = torch.cuda.mem_get_info(self.device)
         self.is_captured = True
@@ -228,6 +228,15 @@ class _StepGraphs:
             self.name, len(self.graphs), self._sizes(), ", base and LoRA rows each" if len(variants) == 2 else "",
             time.perf_counter() - start, (free_before - free_after) / 2**20,
         )
+
+    def _capture_one(self, bucket: int, uses_rows: bool, pool: Any) -> torch.cuda.CUDAGraph:
+        try:
+            return _capture(lambda: self._forward(bucket, uses_rows), pool, self.device)
+        except Exception as err:
+            raise RuntimeError(
+                f"{self.name}: capturing bucket {bucket} ({'LoRA rows' if uses_rows else 'base'}) failed: {err}; "
+                f"to serve without these graphs, {self.off_hint}"
+            ) from err
 
     # -- LoRA --------------------------------------------------------------
 
@@ -358,6 +367,7 @@ class MixedGraphs(_StepGraphs):
     """
 
     name = "mixed-step graphs"
+    off_hint = "set model.cuda_graph_max_tokens: 0 (steps with prefill chunks then run eagerly)"
 
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], lora: Any, *, max_seqs: int, max_tokens: int,
                  max_blocks_per_seq: int, block_size: int, scratch_block: int, capture: bool = True,

@@ -1,0 +1,347 @@
+"""Mixed-step graphs: steps with prefill chunks through static buffers give the eager runner's tokens.
+
+On CPU the static path runs without capture (``enable_step_graphs(...,
+capture=False)``): the same staging, padding, work plan and scratch block,
+the forward run eagerly on them with the torch backend reading the
+``varlen_work`` tensors. On a GPU (``-m gpu``) the graphs are really
+captured and replayed, base and LoRA rows alike, and compared with
+``enforce_eager``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from lora.lora_factories import make_adapter
+from mstar_actors import messages
+from mstar_actors.config import ConfigError, parse_config
+from mstar_actors.decode_graphs import MixedGraphs, _Staging, token_buckets
+from mstar_actors.lora import BaseShapes, read_adapter
+from mstar_actors.model_runner import ModelRunner
+from mstar_actors.models.attention import TorchPagedAttention
+from mstar_actors.sampling import sample_tokens
+from plan_driver import PlanDriver
+
+BLOCK_SIZE = 4
+NUM_NEW = 12
+MAX_SEQS = 4
+MAX_TOKENS = 32  # buckets 16 and 32
+MAX_RANK = 8
+GREEDY = messages.SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+Driver = functools.partial(PlanDriver, block_size=BLOCK_SIZE, num_new=NUM_NEW, sampling=GREEDY)
+ADAPTERS = {  # slot: PEFT kwargs (different ranks and targets; slot 1 has the LM head and the embedding)
+    1: dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                  "down_proj", "lm_head", "embed_tokens"]),
+    2: dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+}  # fmt: skip
+SLOTS = dict(a=1, b=0, c=2, d=1, e=0, f=1, g=2, h=0)  # f shares a's prefix: same adapter
+
+
+# ---------------------------------------------------------------- helpers
+
+
+class Recorder:
+    """A sampler that records each step's logits (teacher-forced when ``forced``)."""
+
+    def __init__(self, forced: list[list[int]] | None = None):
+        self.logits: list[torch.Tensor] = []
+        self.forced = forced
+
+    def __call__(self, logits, rows, generator):
+        self.logits.append(logits.float().cpu().clone())
+        sampled = sample_tokens(logits, rows, generator=generator)
+        if self.forced is not None:
+            ids = self.forced[len(self.logits) - 1]
+            sampled = [messages.SampledToken(s.request_id, i) for s, i in zip(sampled, ids)]
+        return sampled
+
+
+def make_runner(folder, *, graphs: bool = True, max_tokens: int = MAX_TOKENS, **overrides) -> ModelRunner:
+    """A float32 CPU runner; with ``graphs`` its steps take the static paths, run without capture."""
+    kwargs = dict(dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_blocks=96, seed=0, enforce_eager=True)
+    runner = ModelRunner(folder, **(kwargs | overrides))
+    if graphs:
+        runner.enable_step_graphs(MAX_SEQS, max_tokens, capture=False)
+    return runner
+
+
+def record_paths(runner: ModelRunner) -> list[tuple[str, int]]:
+    """Wrap the runner's graphs; the returned list gets ``(kind, tokens)`` of each graph step."""
+    paths: list[tuple[str, int]] = []
+    for kind, graphs in (("decode", runner.graphs), ("mixed", runner.mixed_graphs)):
+        if graphs is not None:
+            graphs.run = functools.partial(_counted, graphs.run, kind, paths)
+    return paths
+
+
+def _counted(run, kind, paths, batch):
+    paths.append((kind, len(batch.input_ids)))
+    return run(batch)
+
+
+def script(runner: ModelRunner, slots: dict[str, int] | None = None) -> dict[str, list[int]]:
+    """Prefill-only and mixed steps in both buckets, chunked prefill, a
+    prefix-cache hit, an oversize chunk and a step over max_seqs (both
+    eager), then decodes. Outputs by request id."""
+    slots = slots or {}
+    gen = torch.Generator().manual_seed(7)
+    lens = dict(a=6, b=3, c=9, d=20, e=5, g=40, h=4)
+    prompts = {rid: torch.randint(3, 300, (n,), generator=gen).tolist() for rid, n in lens.items()}
+    prompts["f"] = prompts["a"][:BLOCK_SIZE] + torch.randint(3, 300, (10,), generator=gen).tolist()
+    d = Driver(runner)
+
+    def start(rid, **kw):
+        return d.start(rid, prompts[rid], slot=slots.get(rid, 0), **kw)
+
+    d.step([start("a"), start("b")], [d.chunk("a"), d.chunk("b")])  # prefill only: 9 tokens, 2 of 4 seqs
+    d.step([], d.decodes("a", "b"))  # decode graph
+    d.step([start("c")], [d.chunk("c"), *d.decodes("a", "b")])  # one chunk beside decodes: 11 tokens
+    d.step([start("d"), start("e")], [d.chunk("d", 7), d.chunk("e"), *d.decodes("a", "c")])  # d chunked: 14
+    d.step([], [d.chunk("d"), *d.decodes("a", "b", "e")])  # d's last 13 + 3 decodes: 16, no padding
+    d.step([], [*d.decodes("a", "b", "c", "d")])
+    shared = d.seqs["a"]["blocks"][:1]  # a's first block holds f's first 4 tokens
+    d.step([start("f", shared_blocks=shared, num_computed=BLOCK_SIZE)], [d.chunk("f"), *d.decodes("a", "b", "c")],
+           finished=[d.finish("d"), d.finish("e")])  # prefix hit: context 14 > 10 queries; 13 tokens
+    d.step([start("g")], [d.chunk("g"), *d.decodes("a", "f")])  # 42 tokens > 32: eager
+    d.step([start("h")], [d.chunk("h"), *d.decodes("a", "b", "c", "f")], finished=[d.finish("g")])  # 5 seqs: eager
+    d.step([], [*d.decodes("b", "c")])
+    d.step([start("d", outputs=())], [d.chunk("d", 19), *d.decodes("b", "c", "h")])  # 22 tokens: bucket 32
+    return d.run_to_end()
+
+
+def assert_same_logits(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+
+
+def check_against_eager(make, slots=None) -> list[tuple[str, int]]:
+    """Run ``script`` eagerly and through the static paths; tokens and logits
+    must match. Returns the static run's graph steps."""
+    eager_rec, static_rec = Recorder(), Recorder()
+    want = script(make(graphs=False, sampler=eager_rec), slots)
+    runner = make(sampler=static_rec)
+    paths = record_paths(runner)
+    assert script(runner, slots) == want
+    assert_same_logits(static_rec.logits, eager_rec.logits)
+    return paths
+
+
+# ---------------------------------------------------------------- base model
+
+
+def test_token_buckets():
+    assert token_buckets(512) == [16, 32, 64, 128, 256, 512]
+    assert token_buckets(100) == [16, 32, 64, 100]
+    assert token_buckets(16) == [16]
+    assert token_buckets(8) == [8]
+
+
+def test_static_mixed_steps_match_eager(hf_models):
+    folder, _ = hf_models("llama")
+    paths = check_against_eager(functools.partial(make_runner, folder))
+    mixed = [n for kind, n in paths if kind == "mixed"]
+    assert mixed[:6] == [9, 11, 14, 16, 13, 22], paths  # 42 tokens and 5 sequences ran eagerly
+    assert ("decode", 2) in paths
+
+
+def test_bucket_for_names_the_limits(hf_models):
+    graphs = make_runner(hf_models("llama")[0]).mixed_graphs
+    assert graphs.buckets == [16, 32]
+    assert [graphs.bucket_for(n, 2) for n in (1, 16, 17, 32)] == [16, 16, 32, 32]
+    assert not graphs.takes(33, 1) and not graphs.takes(8, 5)
+    with pytest.raises(ValueError, match=r"1\.\.32 tokens \(model.cuda_graph_max_tokens\) in 1\.\.4 sequences "
+                                         r"\(model.cuda_graph_max_batch\); got 33 in 2"):
+        graphs.bucket_for(33, 2)
+
+
+def test_one_host_to_device_copy_per_step(hf_models, monkeypatch):
+    runner = make_runner(hf_models("llama")[0])
+    uploads = []
+    upload = _Staging.upload
+    monkeypatch.setattr(_Staging, "upload", lambda self, stop: (uploads.append(stop), upload(self, stop)))
+    d = Driver(runner)
+    d.step([d.start("a", [5, 6, 7, 8, 9]), d.start("b", [3, 4])], [d.chunk("a"), d.chunk("b")])
+    d.step([], d.decodes("a", "b"))
+    assert len(uploads) == 2
+
+
+def test_padding_rows_never_reach_real_rows(hf_models, monkeypatch):
+    """A backend that leaves NaN in the rows no work item covers (as a kernel
+    may leave unwritten memory) changes nothing: the graph zeroes them."""
+    folder, _ = hf_models("llama")
+    want_rec, got_rec = Recorder(), Recorder()
+    want = script(make_runner(folder, sampler=want_rec))
+    attend = TorchPagedAttention._attend_varlen
+
+    def leaves_nan(self, q, kv_cache, meta, scale):
+        out = attend(self, q, kv_cache, meta, scale)
+        out[int(meta.query_start[-1]) :] = float("nan")
+        return out
+
+    monkeypatch.setattr(TorchPagedAttention, "_attend_varlen", leaves_nan)
+    runner = make_runner(folder, sampler=got_rec)
+    assert script(runner) == want
+    assert_same_logits(got_rec.logits, want_rec.logits)
+    assert all(kv.isfinite().all() for kv in runner.kv_caches), "padding tokens wrote NaN K/V"
+
+
+def test_max_tokens_zero_keeps_mixed_steps_eager(hf_models):
+    runner = make_runner(hf_models("llama")[0], max_tokens=0)
+    assert runner.mixed_graphs is None and runner.graphs is not None
+    paths = record_paths(runner)
+    script(runner)
+    assert paths and all(kind == "decode" for kind, _ in paths)
+
+
+def test_multimodal_models_keep_eager_steps(tmp_path):
+    from .vl_factories import make_hf_vl_model
+
+    make_hf_vl_model(tmp_path)
+    runner = make_runner(tmp_path, graphs=False)
+    with pytest.raises(ValueError, match="multimodal; its steps run eagerly"):
+        runner.enable_step_graphs(MAX_SEQS, MAX_TOKENS, capture=False)
+
+
+# ---------------------------------------------------------------- LoRA
+
+
+@pytest.fixture(scope="module")
+def lora_world(tmp_path_factory, hf_models):
+    """(base folder, {slot: adapter weights})."""
+    base_folder, hf = hf_models("llama")
+    root = tmp_path_factory.mktemp("adapters")
+    shapes = BaseShapes.from_hf_config(hf.config.to_dict())
+    weights = {}
+    for slot, kwargs in ADAPTERS.items():
+        folder, _ = make_adapter(root, copy.deepcopy(hf), seed=30 + slot, name=f"ad{slot}", **kwargs)
+        weights[slot] = read_adapter(folder, base=shapes, max_rank=MAX_RANK, name=f"ad{slot}")
+    return base_folder, weights
+
+
+def lora_runner(world, *, install: bool = True, **overrides) -> ModelRunner:
+    base_folder, weights = world
+    runner = make_runner(base_folder, max_loras=2, max_lora_rank=MAX_RANK, **overrides)
+    if install:
+        for slot, w in weights.items():
+            runner.install_adapter(slot, w)
+    return runner
+
+
+def test_static_lora_rows_match_eager(lora_world):
+    """Rows on slots 1 and 2 and base rows in the same steps; slot 1 targets the LM head."""
+    paths = check_against_eager(functools.partial(lora_runner, lora_world), SLOTS)
+    assert sum(kind == "mixed" for kind, _ in paths) >= 6
+    assert script(lora_runner(lora_world, graphs=False)) != script(lora_runner(lora_world, graphs=False), SLOTS), \
+        "the adapters changed nothing: the test would prove nothing"
+
+
+def test_static_lora_sampled_rows_have_their_own_slots(lora_world, monkeypatch):
+    """The token rows and the LM head's sampled rows get separate slot tensors."""
+    runner = lora_runner(lora_world)
+    calls = []
+    begin = type(runner.lora).begin_rows_step
+    monkeypatch.setattr(type(runner.lora), "begin_rows_step",
+                        lambda self, rows, sampled=None: (calls.append((rows.tolist(), sampled.tolist())),
+                                                          begin(self, rows, sampled)))
+    d = Driver(runner)
+    d.step([d.start("a", [5, 6, 7], slot=1), d.start("b", [3, 4], slot=0), d.start("c", [8, 9, 10, 11], slot=2)],
+           [d.chunk("a"), d.chunk("b"), d.chunk("c", 2)])
+    assert calls == [([1, 1, 1, 0, 0, 2, 2] + [0] * 9, [1, 0, 0, 0])]  # c's partial chunk samples nothing
+
+
+def test_static_base_steps_on_a_lora_runner_skip_the_delta(lora_world, monkeypatch):
+    runner = lora_runner(lora_world)
+    calls = []
+    monkeypatch.setattr(runner.lora, "begin_rows_step", lambda *args: calls.append(args))
+    assert script(runner) == script(make_runner(lora_world[0], graphs=False))
+    assert calls == []
+
+
+def test_a_moved_lora_stack_is_refused_by_the_mixed_graphs(lora_world):
+    runner = lora_runner(lora_world, install=False)
+    runner.graphs = None  # only the mixed graphs check
+    stack = next(iter(runner.lora.stacks.values()))
+    stack.a = stack.a.clone()
+    with pytest.raises(RuntimeError, match="moved after the mixed-step graphs were captured"):
+        runner.install_adapter(1, lora_world[1][1])
+
+
+# ---------------------------------------------------------------- config and worker
+
+
+def test_config_key_and_worker_passes_it(monkeypatch):
+    assert parse_config({}).model.cuda_graph_max_tokens == 512
+    assert parse_config({"model": {"cuda_graph_max_tokens": 0}}).model.cuda_graph_max_tokens == 0
+    with pytest.raises(ConfigError, match=r"Expected `int` >= 0 - at `\$.model.cuda_graph_max_tokens`"):
+        parse_config({"model": {"cuda_graph_max_tokens": -1}})
+
+    import actors.worker as worker
+    import mstar_actors.fetch
+    import mstar_actors.model_runner
+
+    seen = {}
+    monkeypatch.setattr(mstar_actors.model_runner, "ModelRunner", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(mstar_actors.fetch, "resolve_model", lambda path: Path(path))
+    worker.build_runner(parse_config({"model": {"cuda_graph_max_tokens": 256}}))
+    assert seen["cuda_graph_max_tokens"] == 256
+
+
+# ---------------------------------------------------------------- GPU: real capture
+
+
+def cuda_runner(folder, **overrides) -> ModelRunner:
+    kwargs = dict(device="cuda", enforce_eager=False, cuda_graph_max_batch=MAX_SEQS, cuda_graph_max_tokens=MAX_TOKENS)
+    return make_runner(folder, graphs=False, **(kwargs | overrides))
+
+
+def assert_logits_close(got: list[torch.Tensor], want: list[torch.Tensor], tolerance: float) -> None:
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        error = (a - b).abs().max() / b.abs().max()
+        assert error < tolerance, f"step {step}: relative logits error {error:.3g} >= {tolerance}"
+
+
+def check_captured(make, slots=None) -> None:
+    """float32 tokens equal to eager; bf16 logits within 2e-2 of an eager run
+    teacher-forced with the graph run's tokens (bf16 may flip near-ties)."""
+    want = script(make(enforce_eager=True), slots)
+    runner = make()
+    assert runner.mixed_graphs is not None and runner.mixed_graphs.is_captured
+    paths = record_paths(runner)
+    assert script(runner, slots) == want
+    assert [n for kind, n in paths if kind == "mixed"][:6] == [9, 11, 14, 16, 13, 22]
+    graph_rec = Recorder()
+    graph_out = script(make(dtype="bfloat16", sampler=graph_rec), slots)
+    forced = [[int(t) for t in step.argmax(-1)] for step in graph_rec.logits]
+    eager_rec = Recorder(forced)
+    assert script(make(dtype="bfloat16", enforce_eager=True, sampler=eager_rec), slots) == graph_out
+    assert_logits_close(graph_rec.logits, eager_rec.logits, 2e-2)
+
+
+@pytest.mark.gpu
+def test_captured_mixed_graphs_match_eager_on_cuda(hf_models):
+    folder, _ = hf_models("llama")
+    runner = cuda_runner(folder)
+    assert set(runner.mixed_graphs.graphs) == {(16, False), (32, False)}
+    check_captured(functools.partial(cuda_runner, folder))
+
+
+@pytest.mark.gpu
+def test_captured_lora_mixed_graphs_match_eager_on_cuda(lora_world):
+    make = functools.partial(lora_runner, lora_world, device="cuda", enforce_eager=False, graphs=False,
+                             cuda_graph_max_batch=MAX_SEQS, cuda_graph_max_tokens=MAX_TOKENS)
+    assert set(make().mixed_graphs.graphs) == {(t, rows) for t in (16, 32) for rows in (False, True)}
+    check_captured(make, SLOTS)
+
+
+@pytest.mark.gpu
+def test_mixed_buckets_are_capped_by_the_batched_tokens(hf_models):
+    folder, _ = hf_models("llama")
+    assert cuda_runner(folder, max_num_batched_tokens=24).mixed_graphs.buckets == [16, 24]
+    assert cuda_runner(folder, cuda_graph_max_tokens=0).mixed_graphs is None
+    assert cuda_runner(folder, enforce_eager=True).mixed_graphs is None
+    assert isinstance(cuda_runner(folder).mixed_graphs, MixedGraphs)
