@@ -28,11 +28,13 @@ chunks beside decode rows, same layer shape):
   "n/a" if it cannot be captured);
 - varlen eager / old eager: us per call of plain launches (CUDA events
   around a loop: what an eager step pays, host-bound when launches are);
-- varlen host / old host: host us per call to issue the launches.
+- varlen host / old host: host us per call to issue the launches;
+- ``--tune``: the varlen kernel's time (graph) for each ``(BLOCK_N, num_warps)``
+  tile, to check the choice ``_varlen_config`` makes from shapes.
 
     python tools/check_attention_kernels.py
     python tools/check_attention_kernels.py --batches 1 64 --contexts 2000 --eager
-    python tools/check_attention_kernels.py --sections varlen --mixes 4x256 2048
+    python tools/check_attention_kernels.py --sections varlen --mixes 4x256 2048 --tune
 
 Without CUDA it runs Triton's interpreter on CPU with tiny defaults, as a
 smoke test of the script only (no timings worth reading).
@@ -262,7 +264,18 @@ def run_mix(name: str, args) -> str:
         us[f"{label} host"] = f"{time_host(fn, args.calls, args.repeats):.1f}"
     order = ("varlen graph", "old graph", "varlen eager", "old eager", "varlen host", "old host")
     cells = [f"{name:>9}", f"{len(work):>5}", f"{sum(query_lens):>6}", f"{err:>8.1e}"]
-    return " ".join(cells + [f"{us[key]:>12}" for key in order])
+    row = " ".join(cells + [f"{us[key]:>12}" for key in order])
+    if args.tune:
+        timer = time_graph if device == "cuda" else time_eager
+        tiles = {tile: timer(lambda: paged_varlen_attention(q, kv, meta.block_tables, meta.query_start,
+                                                            meta.context_lens, work, scale, out=out, tile=tile),
+                             args.calls, args.repeats)
+                 for tile in TUNE_TILES}
+        row += "\n" + " " * 10 + "tiles (BLOCK_N, warps) us: " + "  ".join(f"{t}: {v:.1f}" for t, v in tiles.items())
+    return row
+
+
+TUNE_TILES = [(32, 4), (32, 8), (64, 4), (64, 8), (128, 8)]
 
 
 def main() -> int:
@@ -276,6 +289,7 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=20 if cuda else 1, help="calls per timed run")
     parser.add_argument("--repeats", type=int, default=10 if cuda else 1, help="timed runs (median)")
     parser.add_argument("--eager", action="store_true", help="decode section: time plain launches, not graph replays")
+    parser.add_argument("--tune", action="store_true", help="varlen section: also time each (BLOCK_N, num_warps) tile")
     args = parser.parse_args()
     device = torch.cuda.get_device_name() if cuda else "CPU (Triton interpreter: smoke test only)"
     print(f"# {device}; H={NUM_HEADS} KH={NUM_KV_HEADS} D={HEAD_DIM} block={BLOCK_SIZE}")

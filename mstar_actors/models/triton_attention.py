@@ -300,6 +300,7 @@ def paged_varlen_attention(
     work: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    tile: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Every query row of a step, decode rows and prefill chunks alike, in one
     launch: ``q [T, H, D]`` against ``kv_cache [2, num_blocks, block_size, KH, D]``
@@ -312,7 +313,8 @@ def paged_varlen_attention(
     contiguous) lists ``(sequence, first row)`` items of ``VARLEN_BLOCK_M``
     rows each, padded with ``(-1, 0)`` (``plan_varlen_work``). Graph-safe: the
     grid ``(P, KH)`` comes from shapes and every program reads its item's
-    metadata on the device. Rows no item covers are not written."""
+    metadata on the device. Rows no item covers are not written. ``tile``
+    (``(BLOCK_N, num_warps)``) overrides the kernel's tile choice, for tuning."""
     _check_varlen_inputs(q, kv_cache, block_tables, query_start, context_lens, work)
     _, num_heads, head_dim = q.shape
     _, _, page, num_kv_heads, _ = kv_cache.shape
@@ -327,23 +329,28 @@ def paged_varlen_attention(
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        **_varlen_config(num_heads // num_kv_heads, head_dim, page, q),
+        **_varlen_config(num_heads // num_kv_heads, head_dim, page, q, tile),
     )  # fmt: skip
     return out
 
 
-def _varlen_config(group: int, head_dim: int, page: int, q: torch.Tensor) -> dict:
+def _varlen_config(group: int, head_dim: int, page: int, q: torch.Tensor, tile: tuple[int, int] | None = None) -> dict:
     """The varlen kernel's compile-time constants and launch shape, from the
     model's shape and dtype only (so ``warm_up`` compiles the one variant
-    serving will use). The K/V tile shrinks with large Q tiles to keep the
-    fp32 accumulator and scores in registers."""
+    serving will use). ``tile`` = ``(BLOCK_N, num_warps)`` overrides the
+    choice (tuning tools).
+
+    The choice, from ptxas's register counts for sm_90 (bf16): the gathered
+    K/V tiles carry a 64-bit address per element, so with 4 warps a
+    64-row x 64-dim Q tile against 64 keys took 232 registers a thread and
+    wider tiles spilled; 8 warps with 64 keys take 172 (G = 4, D = 64), and
+    32 keys past 64 x 64 keep D = 128 at 201 with no spill."""
     block_g = triton.next_power_of_2(group)
     num_rows = VARLEN_BLOCK_M * block_g
+    block_n, num_warps = tile or (TOKENS_PER_STEP if num_rows * head_dim <= 64 * 64 else TOKENS_PER_STEP // 2, 8)
     return dict(
-        GROUP=group, BLOCK_G=block_g, BLOCK_M=VARLEN_BLOCK_M, HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_N=TOKENS_PER_STEP if num_rows * head_dim <= 64 * 128 else TOKENS_PER_STEP // 2,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", LOOP_WHILE=not q.is_cuda,
-        num_warps=4 if num_rows <= 64 else 8,
+        GROUP=group, BLOCK_G=block_g, BLOCK_M=VARLEN_BLOCK_M, HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", LOOP_WHILE=not q.is_cuda, num_warps=num_warps,
     )
 
 
