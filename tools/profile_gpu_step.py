@@ -2,13 +2,16 @@
 
 Times ``ModelRunner.execute`` for pure decode steps (what the CUDA graphs
 replay) of B sequences at about 100 tokens of context, with every row on
-the base model, on one adapter, or on four adapters round robin; then the
-time of ``install_adapter`` (what an adapter swap waits for on a rank); then
-the GPU kernels of one adapter step by ``torch.profiler``. No server, no
-processes: the figures are the model runner's share of a serving step.
+the base model, on one adapter, or on four adapters round robin; then
+mixed steps (a new request's 30-token prompt beside N decodes: what every
+new request costs the batch), base and one adapter, through the mixed-step
+graphs and eagerly; then the time of ``install_adapter`` (what an adapter
+swap waits for on a rank); then the GPU kernels of one adapter step by
+``torch.profiler``. No server, no processes: the figures are the model
+runner's share of a serving step.
 
     python tools/profile_gpu_step.py --tokenizer DIR            # the random Llama-3.2-1B shape
-    python tools/profile_gpu_step.py --tokenizer DIR --batches 1 8 32 64
+    python tools/profile_gpu_step.py --tokenizer DIR --batches 1 8 32 64 --mixed-decodes 7 31
 
 Needs CUDA; makes the model and adapters like ``bench_lora.py`` (same cache).
 """
@@ -33,6 +36,7 @@ from mstar_actors.model_runner import ModelRunner  # noqa: E402
 
 NUM_ADAPTERS = 4
 CONTEXT = 100
+PREFILL = 30  # a mixed step's new prompt
 
 
 def load_adapters(runner: ModelRunner, paths: dict[str, Path], model_dir: Path) -> list:
@@ -70,6 +74,20 @@ class Decoder:
         self.run((), [self.chunk(rid, 1) for rid in self.rids])
         return time.perf_counter() - started
 
+    def mixed(self, slot: int, blocks: list[int]) -> float:
+        """One step: a new request's ``PREFILL``-token prompt on ``slot`` (in
+        ``blocks``) beside a decode of every sequence; the request is then
+        forgotten, so its blocks serve the next one."""
+        self.step_id += 1
+        rid = f"new{self.step_id}"
+        start = messages.SeqStart(rid, [(5 * j) % 1000 + 3 for j in range(PREFILL)], self.sampling, lora_slot=slot)
+        chunks = [messages.ScheduledChunk(rid, 0, PREFILL, blocks, True), *(self.chunk(r, 1) for r in self.rids)]
+        started = time.perf_counter()
+        self.runner.execute(messages.StepPlan(self.step_id, [start], chunks, []))
+        elapsed = time.perf_counter() - started
+        self.runner.forget([rid])
+        return elapsed
+
     def close(self) -> None:
         self.runner.forget(self.rids)
 
@@ -81,6 +99,39 @@ def time_steps(runner: ModelRunner, slots: list[int], tag: str, num_steps: int) 
     times = [d.decode() for _ in range(num_steps)]
     d.close()
     return statistics.median(times) * 1e3
+
+
+def time_mixed(runner: ModelRunner, num_decodes: int, slot: int, num_steps: int, *, graphed: bool) -> float | None:
+    """Median ms of a mixed step (``Decoder.mixed``) with every row on
+    ``slot``; ``graphed=False`` hides the mixed-step graphs for the run, so
+    the same runner times its eager path. None without graphs to time."""
+    graphs = runner.mixed_graphs
+    if graphed and graphs is None:
+        return None
+    blocks = list(range(runner.num_kv_blocks - 2, runner.num_kv_blocks))  # past every Decoder's
+    d = Decoder(runner, [slot] * num_decodes, f"x{int(graphed)}{slot}")
+    runner.mixed_graphs = graphs if graphed else None
+    try:
+        for _ in range(3):
+            d.mixed(slot, blocks)
+        times = [d.mixed(slot, blocks) for _ in range(num_steps)]
+    finally:
+        runner.mixed_graphs = graphs
+        d.close()
+    return statistics.median(times) * 1e3
+
+
+def print_mixed(runner: ModelRunner, decodes: list[int], num_steps: int) -> None:
+    print(f"# mixed step ms (median of {num_steps}): one {PREFILL}-token prefill beside N decodes, every row on "
+          f"the base model or on one adapter; graphed (mixed-step graphs) against eager, same runner")
+    print(f"{'decodes':>7} {'rows':>5} {'graphed':>8} {'eager':>8} {'eager/graphed':>13}")
+    for num_decodes in decodes:
+        for name, slot in (("base", 0), ("one", 1)):
+            graphed = time_mixed(runner, num_decodes, slot, num_steps, graphed=True)
+            eager = time_mixed(runner, num_decodes, slot, num_steps, graphed=False)
+            ratio = "n/a" if graphed is None else f"{eager / graphed:.2f}x"
+            shown = "n/a" if graphed is None else f"{graphed:.3f}"
+            print(f"{num_decodes:>7} {name:>5} {shown:>8} {eager:>8.3f} {ratio:>13}")
 
 
 def time_install(runner: ModelRunner, adapters: list, repeats: int) -> float:
@@ -112,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="SmolLM2's tokenizer files and config.json (default: the fetched embedded model)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--mixed-decodes", type=int, nargs="*", default=[7, 31],
+                   help="decodes beside each mixed step's prefill (none: skip the mixed steps)")
     p.add_argument("--no-profile", action="store_true")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -125,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = bench_lora.make_random_llama(cache / bench_lora.LLAMA_1B, args.tokenizer, "bfloat16", "cuda")
     paths = bench_lora.make_adapters(model_dir, cache / "adapters" / f"{bench_lora.LLAMA_1B}-r16",
                                      [f"lora{i}" for i in range(NUM_ADAPTERS)], 16, "bfloat16", "cuda")
-    runner = ModelRunner(model_dir, device="cuda", num_blocks=64 * max(args.batches) + 8, max_loras=NUM_ADAPTERS,
+    max_seqs = max([*args.batches, *args.mixed_decodes])
+    runner = ModelRunner(model_dir, device="cuda", num_blocks=64 * max_seqs + 8, max_loras=NUM_ADAPTERS,
                          max_lora_rank=16, max_model_len=2048)
     adapters = load_adapters(runner, paths, model_dir)
     for slot, weights in enumerate(adapters, start=1):
@@ -138,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         one = time_steps(runner, [1] * batch, "o", args.steps)
         mixed = time_steps(runner, [1 + i % NUM_ADAPTERS for i in range(batch)], "m", args.steps)
         print(f"{batch:>5} {base:>8.3f} {one:>8.3f} {mixed:>8.3f} {base / one:>8.1%} {base / mixed:>9.1%}")
+    if args.mixed_decodes:
+        print_mixed(runner, args.mixed_decodes, args.steps)
     print(f"# install_adapter: {time_install(runner, adapters, 8):.1f} ms (median of 8, synchronised)")
     if not args.no_profile:
         print(profile_step(runner, [1] * 8))
