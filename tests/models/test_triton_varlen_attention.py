@@ -238,7 +238,10 @@ def test_backend_varlen_replays_in_a_cuda_graph():
     cases = [make_step(*step, **shape, num_pad_tokens=num_tokens - sum(step[0]), seed=i)
              for i, step in enumerate(steps)]
     num_items = max_varlen_items(num_tokens, num_seqs)
-    q, kv, meta, scale = (t.clone() if isinstance(t, torch.Tensor) else t for t in cases[0])
+    q, kv, first, scale = cases[0]
+    q, kv = q.clone(), kv.clone()
+    meta = AttentionMetadata(**{key: value.clone() if isinstance(value, torch.Tensor) else value
+                                for key, value in first.__dict__.items()})
     meta.varlen_work = torch.tensor(plan_varlen_work(meta.query_lens_list, num_items), dtype=torch.int32,
                                     device="cuda")
     backend = TritonPagedAttention()
