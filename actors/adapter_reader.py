@@ -50,6 +50,18 @@ def load_base_shapes(model_path: str) -> Any:
     return BaseShapes.from_hf_config(json.loads((Path(folder) / "config.json").read_text()))
 
 
+def serving_dtype(config: Any) -> Any:
+    """The dtype the ranks serve in (as they resolve it). Host copies are
+    kept in it: a bf16 copy of a float32 file is half the bytes each install
+    maps and copies, and the install converts nothing."""
+    from mstar_actors.fetch import resolve_model
+    from mstar_actors.model_runner import resolve_device, resolve_dtype
+
+    hf_config = json.loads((Path(resolve_model(config.model.path)) / "config.json").read_text())
+    return resolve_dtype(config.model.dtype, hf_config.get("dtype") or hf_config.get("torch_dtype"),
+                         resolve_device(config.model.device))
+
+
 class AdapterReaderActor(Actor):
     """inbox: ``conductor`` (ConductorToAdapterReader), ``control``; outbox: ``conductor``, ``control``."""
 
@@ -62,11 +74,13 @@ class AdapterReaderActor(Actor):
         self.tier = HostTier(self.config.lora.max_cpu_loras)
         self._counter = itertools.count()
         self.base_error: Exception | None = None  # why this model takes no adapters
+        self.host_dtype: Any = None  # the ranks' dtype, which host copies are kept in (None: the file's)
 
     async def start(self) -> None:
         from mstar_actors.lora.base_shapes import BaseShapesError
 
-        if self.base_shapes is None:
+        if self.base_shapes is None:  # tests inject shapes, and keep the files' dtype
+            self.host_dtype = await self.run_blocking(serving_dtype, self.config)
             try:
                 self.base_shapes = await self.run_blocking(load_base_shapes, self.config.model.path)
             except BaseShapesError as err:
@@ -116,6 +130,8 @@ class AdapterReaderActor(Actor):
             raise AdapterError(f"adapter {msg.name!r}: this base model takes no adapters ({self.base_error})")
         weights = read_adapter(msg.path, base=self.base_shapes, max_rank=self.config.lora.max_lora_rank,
                                name=msg.name)
+        if self.host_dtype is not None:
+            weights = weights.to_dtype(self.host_dtype)
         known = self.tier.find(msg.name, weights.digest)
         if known is not None:  # the same weights again: share the copy
             return known

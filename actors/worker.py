@@ -13,6 +13,7 @@ answer, which is what sharding will rely on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from multiprocessing import resource_tracker
@@ -67,33 +68,57 @@ def build_runner(config: Any, resolve_tensor: Any = None) -> Any:
 def install_from_host(runner: Any, rank: int, msg: InstallAdapter) -> AdapterInstalled:
     """Install the adapter-reader's host copy named by ``msg`` into ``msg.slot``.
 
-    The segment is the reader's: it is mapped read-only for the copy and
-    unregistered from this process's resource tracker, so our exit never
-    unlinks it. Any failure (missing segment, torn blob, digest mismatch, a
-    module this model has no stack for) is an ``ok=False`` answer with the
-    reason; the conductor then refuses the adapter on every rank.
+    The segment is the reader's: it is mapped for the install and read in
+    place (the copy goes straight into the device staging), then unmapped,
+    so ``runner.install_adapter`` must copy the weights before it returns
+    and keep no reference to them (``ModelRunner``'s does: its stacks are
+    device tensors);
+    it is unregistered from this process's resource tracker, so our exit
+    never unlinks it. Any failure (missing segment, torn blob, digest
+    mismatch, a module this model has no stack for) is an ``ok=False``
+    answer with the reason; the conductor then refuses the adapter on every
+    rank.
     """
-    from mstar_actors.lora.host_copy import adapter_from_bytes
-
     try:
-        weights = adapter_from_bytes(_read_segment(msg.host.segment, msg.host.nbytes))
-        if weights.digest != msg.digest:
-            raise ValueError(f"host copy holds digest {weights.digest}, the install names {msg.digest}")
-        runner.install_adapter(msg.slot, weights)
+        with _mapped_segment(msg.host.segment, msg.host.nbytes) as blob:
+            error = _install_blob(runner, msg, blob)  # its frame, and the views of the segment, are gone after
     except Exception as err:
-        error = f"rank {rank}: adapter {msg.name!r} into slot {msg.slot}: {type(err).__name__}: {err}"
+        error = f"{type(err).__name__}: {err}"
+    if error is not None:
+        error = f"rank {rank}: adapter {msg.name!r} into slot {msg.slot}: {error}"
         return AdapterInstalled(rank=rank, slot=msg.slot, digest=msg.digest, ok=False, error=error)
     return AdapterInstalled(rank=rank, slot=msg.slot, digest=msg.digest, ok=True)
 
 
-def _read_segment(name: str, nbytes: int) -> bytes:
+def _install_blob(runner: Any, msg: InstallAdapter, blob: memoryview) -> str | None:
+    """The install from a mapped blob; the failure's reason, or None. Returns
+    rather than raises, so no traceback keeps the blob's views alive."""
+    from mstar_actors.lora.host_copy import adapter_from_bytes
+
+    try:
+        weights = adapter_from_bytes(blob, copy=False)
+        if weights.digest != msg.digest:
+            raise ValueError(f"host copy holds digest {weights.digest}, the install names {msg.digest}")
+        runner.install_adapter(msg.slot, weights)
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+@contextlib.contextmanager
+def _mapped_segment(name: str, nbytes: int):
+    """The first ``nbytes`` of shared memory segment ``name``, mapped while the block runs."""
     shm = SharedMemory(name=name, create=False)
     try:
         # Python 3.11 registers attached segments too; the reader owns this one.
         resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
         if nbytes > shm.size:
             raise ValueError(f"shared memory segment {name!r} has {shm.size} bytes, the install names {nbytes}")
-        return bytes(shm.buf[:nbytes])
+        blob = shm.buf[:nbytes]
+        try:
+            yield blob
+        finally:
+            blob.release()
     finally:
         shm.close()
 

@@ -322,18 +322,15 @@ class ModelRunner:
         rows survive); returns once the device holds them. No running
         sequence may use ``slot``; steps on other slots may run meanwhile on
         another thread (the worker installs on a thread beside its steps): a
-        step reads only its rows' slots, and on CUDA the copies go on the
-        device's current stream, the one steps run on, so they interleave
-        with steps and never race them."""
+        step reads only its rows' slots, and on CUDA the copies run on a
+        stream of their own, which the install waits for (not the steps')."""
         if self.lora is None:
             raise ValueError(f"adapter {weights.name!r}: LoRA is off on this rank (lora.max_loras = 0); enable it to install adapters")
         self.lora_names.pop(slot, None)  # on failure the slot is cleared and holds nothing
-        self.lora.install(slot, weights)
+        self.lora.install(slot, weights)  # returns once the device holds the copy
         for graphs in (self.graphs, self.mixed_graphs):  # the graphs read the stacks by address
             if graphs is not None:
                 graphs.check_lora_in_place()
-        if self.device.type == "cuda":  # the copies are asynchronous; "installed" means they are done
-            torch.cuda.current_stream(self.device).synchronize()
         self.lora_names[slot] = weights.name
 
     def _lora_hint(self) -> str:

@@ -15,6 +15,7 @@ Pure apart from reading the two files; no device, no threads.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -90,6 +91,23 @@ class AdapterWeights:
     @property
     def num_modules(self) -> int:
         return sum(len(m) for m in self.layers) + len(self.global_modules)
+
+    def to_dtype(self, dtype: torch.dtype) -> AdapterWeights:
+        """The same adapter with its factors in ``dtype`` (the digest stays the
+        file's). Raises AdapterError naming a module whose values overflow
+        ``dtype`` (float16 tops out at 65504)."""
+
+        def cast(hf_module: str, module: LoraModule) -> LoraModule:
+            a, b = module.a.to(dtype), module.b.to(dtype)
+            if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+                raise AdapterError(f"adapter {self.name!r}: module {hf_module!r} overflows {dtype} (the serving "
+                                   "dtype); accepted: weights within its range, or serve in bfloat16 / float32")
+            return LoraModule(a=a, b=b, scale=module.scale)
+
+        layers = tuple({suffix: cast(f"model.layers.{i}.{suffix}", m) for suffix, m in modules.items()}
+                       for i, modules in enumerate(self.layers))
+        global_modules = {name: cast(name, m) for name, m in self.global_modules.items()}
+        return dataclasses.replace(self, layers=layers, global_modules=global_modules)
 
 
 def read_adapter(path: str | Path, *, base: BaseShapes, max_rank: int, name: str | None = None) -> AdapterWeights:

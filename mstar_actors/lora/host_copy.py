@@ -57,16 +57,19 @@ def adapter_to_bytes(weights: AdapterWeights) -> bytes:
     return _st_save(tensors, metadata=metadata)
 
 
-def adapter_from_bytes(buf: bytes | bytearray | memoryview) -> AdapterWeights:
+def adapter_from_bytes(buf: bytes | bytearray | memoryview, *, copy: bool = True) -> AdapterWeights:
     """Decode a blob written by ``adapter_to_bytes``. Raises HostCopyError.
 
-    The buffer may be unmapped right after: a ``bytes`` blob (immutable, and
-    kept alive by the tensors) is decoded without copying, the tensors are
-    read-only views of it (an install only copies them to the device; on the
-    install path this saves a copy of the whole adapter); any other buffer is
-    copied into ``bytes`` first. Don't write into the returned tensors.
+    The tensors are views of the blob, never copies. A ``bytes`` blob
+    (immutable, and kept alive by the tensors) is used as is; any other
+    buffer is copied into ``bytes`` first, so it may be unmapped right
+    after, unless ``copy=False``: then the tensors are views of ``buf``
+    itself, which the caller keeps mapped and unchanged while they live (a
+    worker's install reads the reader's segment in place: no copy of the
+    whole adapter before the one into the device staging). Don't write into
+    the returned tensors.
     """
-    data = buf if isinstance(buf, bytes) else bytes(buf)
+    data = buf if isinstance(buf, bytes) or not copy else bytes(buf)
     metadata = _read_metadata(data)
     name = metadata["name"]
     try:
@@ -100,7 +103,7 @@ def _views(data: bytes) -> dict[str, torch.Tensor]:
     """The blob's tensors as views of ``data`` (safetensors layout: u64 header
     length, JSON header of dtype / shape / data_offsets, then the data)."""
     header_len = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + header_len])
+    header = json.loads(bytes(data[8 : 8 + header_len]))
     base = 8 + header_len
     tensors = {}
     with warnings.catch_warnings():  # bytes are read-only; the views are only read
@@ -135,7 +138,7 @@ def _read_metadata(data: bytes) -> dict[str, str]:
     if 8 + header_len > len(data):
         raise HostCopyError(f"host copy is truncated: header needs {8 + header_len} bytes, the blob has {len(data)}")
     try:
-        metadata = json.loads(data[8 : 8 + header_len]).get("__metadata__") or {}
+        metadata = json.loads(bytes(data[8 : 8 + header_len])).get("__metadata__") or {}
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
         raise HostCopyError(f"host copy has a corrupt safetensors header ({err})") from None
     if metadata.get("format") != FORMAT:

@@ -342,24 +342,36 @@ class LoraStack:
     def install_slot(self, slot: int, modules: Sequence[tuple[int | None, LoraModule]]) -> None:
         """Replace the whole of ``slot`` with ``modules`` (``(shard, factors)``
         pairs; shards not named read zero), checked first, then staged on the
-        host and written with one copy per tensor: on a GPU that is three
-        transfers instead of a zero and a copy per module and shard, which is
-        what an adapter swap waits for. Staging is pinned on CUDA, so the
-        copies are asynchronous; the stream orders them before any later step."""
+        host and written with one copy per tensor. ``SlotStaging`` does the
+        same for every stack of a model at once (what a worker's install runs
+        on a GPU)."""
+        a, b, scales = (torch.zeros(shape, dtype=dtype) for shape, dtype in self.slot_layout())
+        self.stage_slot(slot, modules, a, b, scales)
+        self.write_slot(slot, a, b, scales)
+
+    def slot_layout(self) -> tuple[tuple[torch.Size, torch.dtype], ...]:
+        """Shapes and dtypes of one slot's ``a``, ``b`` and ``scales``."""
+        return ((self.a[:, 0].shape, self.a.dtype), (self.b[0].shape, self.b.dtype),
+                (self.scales[:, 0].shape, self.scales.dtype))
+
+    def stage_slot(self, slot: int, modules: Sequence[tuple[int | None, LoraModule]], a: torch.Tensor,
+                   b: torch.Tensor, scales: torch.Tensor) -> None:
+        """Check ``modules`` against this stack, then write them into ``a``, ``b``,
+        ``scales`` (one slot's layout, zeroed by the caller): a host staging copy."""
         for shard, module in modules:
             self.check(slot, shard or 0, module)
-        pin = self.a.is_cuda
-        a = torch.zeros(self.a[:, slot].shape, dtype=self.a.dtype, pin_memory=pin)
-        b = torch.zeros(self.b[slot].shape, dtype=self.b.dtype, pin_memory=pin)
-        scales = torch.zeros(self.scales[:, slot].shape, dtype=self.scales.dtype, pin_memory=pin)
         for shard, module in modules:
             shard, rank = shard or 0, module.rank
             a[shard, :rank].copy_(module.a)
             b[self.offsets[shard] : self.offsets[shard + 1], :rank].copy_(module.b)
             scales[shard] = module.scale
-        self.a[:, slot].copy_(a, non_blocking=pin)
-        self.b[slot].copy_(b, non_blocking=pin)
-        self.scales[:, slot].copy_(scales, non_blocking=pin)
+
+    def write_slot(self, slot: int, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor) -> None:
+        """Copy a staged slot (``stage_slot``'s layout, on any device) into ``slot``."""
+        non_blocking = a.device != self.a.device and a.is_pinned()
+        self.a[:, slot].copy_(a, non_blocking=non_blocking)
+        self.b[slot].copy_(b, non_blocking=non_blocking)
+        self.scales[:, slot].copy_(scales, non_blocking=non_blocking)
         self._write_b_all(slot)
 
     def check(self, slot: int, shard: int, module: LoraModule) -> None:
@@ -451,3 +463,60 @@ def _triton_ops():
         else:
             _TRITON = triton_ops
     return _TRITON or None
+
+
+class SlotStaging:
+    """One slot of every stack of a model, staged as two flat buffers, so an
+    adapter install on a GPU is one host-to-device copy plus one device copy
+    per stack tensor on a stream of its own.
+
+    The host side is pinned and made once (a slot's worth: ~22 MB for a
+    rank-16 all-linear adapter of Llama-3.2-1B in bf16). ``install`` zeroes
+    it, writes the adapter's modules into their stacks' regions, copies it
+    whole to a device twin, spreads the twin into the stacks' slot, and
+    waits for that stream only: steps running meanwhile on the default
+    stream are neither delayed nor raced (no running row reads the slot
+    being installed; the conductor sends rows to it only after this
+    returns on every rank). One install at a time (the worker's install
+    thread); not for CPU stacks, whose ``install_slot`` writes in place.
+    """
+
+    def __init__(self, stacks: dict[str, LoraStack], device: torch.device):
+        self.stacks = stacks
+        layouts = {name: stack.slot_layout() for name, stack in stacks.items()}
+        dtypes = {dtype for layout in layouts.values() for _, dtype in layout[:2]}
+        if len(dtypes) != 1:
+            raise ValueError(f"LoRA stacks hold factors of several dtypes {sorted(map(str, dtypes))}; accepted: one")
+        self.dtype = dtypes.pop()
+        self.regions: dict[str, tuple[tuple[int, torch.Size], tuple[int, torch.Size], tuple[int, torch.Size]]] = {}
+        size = num_scales = 0
+        for name, ((a_shape, _), (b_shape, _), (s_shape, _)) in layouts.items():
+            a_at, b_at = size, size + a_shape.numel()
+            size = b_at + b_shape.numel()
+            self.regions[name] = ((a_at, a_shape), (b_at, b_shape), (num_scales, s_shape))
+            num_scales += s_shape.numel()
+        self.host = torch.empty(size, dtype=self.dtype, pin_memory=True)
+        self.host_scales = torch.empty(num_scales, dtype=torch.float32, pin_memory=True)
+        self.device_copy = torch.empty(size, dtype=self.dtype, device=device)
+        self.device_scales = torch.empty(num_scales, dtype=torch.float32, device=device)
+        self.stream = torch.cuda.Stream(device)
+
+    def _views(self, name: str, flat: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        (a_at, a_shape), (b_at, b_shape), (s_at, s_shape) = self.regions[name]
+        return (flat[a_at : a_at + a_shape.numel()].view(a_shape), flat[b_at : b_at + b_shape.numel()].view(b_shape),
+                scales[s_at : s_at + s_shape.numel()].view(s_shape))
+
+    def install(self, slot: int, by_stack: dict[str, Sequence[tuple[int | None, LoraModule]]]) -> None:
+        """Replace ``slot`` of every stack: ``by_stack[name]`` its modules (stacks
+        not named read zero). Raises ValueError before writing any device
+        memory if a module does not fit its stack."""
+        self.host.zero_()
+        self.host_scales.zero_()
+        for name, stack in self.stacks.items():
+            stack.stage_slot(slot, by_stack.get(name, ()), *self._views(name, self.host, self.host_scales))
+        with torch.cuda.stream(self.stream):
+            self.device_copy.copy_(self.host, non_blocking=True)
+            self.device_scales.copy_(self.host_scales, non_blocking=True)
+            for name, stack in self.stacks.items():
+                stack.write_slot(slot, *self._views(name, self.device_copy, self.device_scales))
+        self.stream.synchronize()

@@ -25,6 +25,7 @@ lands in our ``model.layers.3.self_attn.qkv_proj`` stack as shard 1.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -36,6 +37,7 @@ from mstar_actors.lora.ops import (
     DenseRows,
     LoraSegments,
     LoraStack,
+    SlotStaging,
     build_dense_rows,
     build_segments,
     has_kernels,
@@ -235,21 +237,23 @@ class LoraLayers:
         """Install ``weights`` into ``slot`` of every stack; modules the adapter
         does not target read zero. Every stack's slot is rewritten whole, so a
         reload never keeps an earlier tenant's rows; on any error the slot is
-        left cleared."""
+        left cleared. On CUDA it returns once the device holds the copy (it
+        waits for its own stream only: see ``SlotStaging``)."""
         self._check_slot(slot, weights.name)
-        by_stack: dict[str, list[tuple[str, int | None, LoraModule]]] = {}
-        for hf_module, module in weights.iter_modules():
-            ours, shard = self._place(hf_module, weights.name)
-            by_stack.setdefault(ours, []).append((hf_module, shard, module))
         try:
-            for ours, stack in self.stacks.items():
-                if ours in by_stack:
-                    self._install_stack(slot, ours, by_stack[ours], weights.name)
-                else:
-                    stack.clear(slot)
+            by_stack = self._by_stack(slot, weights)
+            if self.device.type == "cuda":
+                self._staging.install(slot, by_stack)
+            else:
+                for ours, stack in self.stacks.items():
+                    stack.install_slot(slot, by_stack.get(ours, ()))
         except Exception:
             self.clear(slot)
             raise
+
+    @functools.cached_property
+    def _staging(self) -> SlotStaging:
+        return SlotStaging(self.stacks, self.device)
 
     def clear(self, slot: int) -> None:
         for stack in self.stacks.values():
@@ -271,14 +275,19 @@ class LoraLayers:
             )
         return mapped
 
-    def _install_stack(self, slot, ours, modules, name) -> None:
-        stack = self.stacks[ours]
-        for hf_module, shard, module in modules:  # each refusal names its module
+    def _by_stack(self, slot: int, weights: AdapterWeights) -> dict[str, list[tuple[int | None, LoraModule]]]:
+        """The adapter's modules per stack as ``(shard, factors)``, each checked
+        against its stack (a refusal names the module)."""
+        by_stack: dict[str, list[tuple[int | None, LoraModule]]] = {}
+        for hf_module, module in weights.iter_modules():
+            ours, shard = self._place(hf_module, weights.name)
             try:
-                stack.check(slot, shard or 0, module)
+                self.stacks[ours].check(slot, shard or 0, module)
             except ValueError as err:
-                raise ValueError(f"adapter {name!r}: module {hf_module!r} ({ours}): {err}") from None
-        stack.install_slot(slot, [(shard, module) for _, shard, module in modules])
+                raise ValueError(f"adapter {weights.name!r}: module {hf_module!r} ({ours}): {err}") from None
+            by_stack.setdefault(ours, []).append((shard, module))
+        return by_stack
+
 
 def _token_slots(chunk_slots: Sequence[int], query_lens: Sequence[int]) -> list[int]:
     return [slot for slot, n in zip(chunk_slots, query_lens, strict=True) for _ in range(n)]

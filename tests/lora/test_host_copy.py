@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -81,9 +82,10 @@ class _Runner:
         self.error = error
 
     def install_adapter(self, slot, weights):
+        """As the real runner does, copy: the weights are views of the mapped segment."""
         if self.error:
             raise self.error
-        self.installed.append((slot, weights))
+        self.installed.append((slot, copy.deepcopy(weights)))
 
 
 @pytest.fixture

@@ -262,6 +262,25 @@ def test_refuses_non_finite_weights(tmp_path, bad):
     _refused(folder, base, rf"tensor '{key}.lora_B.weight' holds NaN or infinite values; accepted: finite")
 
 
+def test_host_copy_in_the_serving_dtype_keeps_the_digest_and_refuses_overflow(tmp_path):
+    """The reader keeps host copies in the ranks' dtype (half the bytes an install copies)."""
+    base = base_shapes(make_base()[1])
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    b = torch.randn(64, 4)
+    folder = write_adapter(tmp_path / "ok", {f"{key}.lora_A.weight": torch.randn(4, 64), f"{key}.lora_B.weight": b})
+    weights = read_adapter(folder, base=base, max_rank=8)
+    half = weights.to_dtype(torch.bfloat16)
+    module = half.layers[0]["self_attn.q_proj"]
+    assert half.digest == weights.digest and module.a.dtype == module.b.dtype == torch.bfloat16
+    assert torch.equal(module.b, b.to(torch.bfloat16)) and module.scale == weights.layers[0]["self_attn.q_proj"].scale
+    b[0, 0] = 1e6  # finite in float32 and bfloat16, beyond float16's 65504
+    big = read_adapter(write_adapter(tmp_path / "big", {f"{key}.lora_A.weight": torch.randn(4, 64),
+                                                        f"{key}.lora_B.weight": b}), base=base, max_rank=8)
+    big.to_dtype(torch.bfloat16)
+    with pytest.raises(AdapterError, match=r"'model.layers.0.self_attn.q_proj' overflows torch.float16 .*bfloat16 / float32"):
+        big.to_dtype(torch.float16)
+
+
 def test_refuses_resized_vocabulary_copy(tmp_path):
     model, cfg = make_base()
     folder, _ = make_adapter(tmp_path, model, target_modules=["embed_tokens"])

@@ -1,0 +1,58 @@
+"""An adapter install through ``SlotStaging`` (one pinned staging copy, one
+host-to-device copy, a stream of its own) writes exactly what the plain
+per-stack ``install_slot`` writes. GPU only: the staging is pinned memory and
+a CUDA stream."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mstar_actors.lora.adapter_file import LoraModule
+from mstar_actors.lora.ops import LoraStack, SlotStaging
+
+pytestmark = pytest.mark.gpu
+
+
+def _stacks(device: str) -> dict[str, LoraStack]:
+    kw = dict(num_slots=3, max_rank=8, dtype=torch.bfloat16, device=device)
+    return {"qkv": LoraStack(64, [64, 16, 16], **kw), "down": LoraStack(128, [64], **kw),
+            "embed": LoraStack(100, [64], is_embedding=True, **kw)}
+
+
+def _modules(seed: int) -> dict[str, list[tuple[int | None, LoraModule]]]:
+    g = torch.Generator().manual_seed(seed)
+
+    def module(rank: int, in_features: int, out: int, scale: float) -> LoraModule:
+        return LoraModule(a=torch.randn(rank, in_features, generator=g), b=torch.randn(out, rank, generator=g), scale=scale)
+
+    return {"qkv": [(0, module(8, 64, 64, 2.0)), (2, module(4, 64, 16, 0.5))], "down": [(None, module(6, 128, 64, 1.5))]}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_staged_install_matches_install_slot_and_clears_what_it_does_not_name():
+    staged, plain = _stacks("cuda"), _stacks("cuda")
+    staging = SlotStaging(staged, torch.device("cuda"))
+    staging.install(1, _modules(1))  # an earlier tenant with other targets ...
+    staging.install(1, {"down": _modules(2)["down"]})  # ... is replaced whole
+    staging.install(2, _modules(3))
+    for name, stack in plain.items():
+        stack.install_slot(1, {"down": _modules(2)["down"]}.get(name, ()))
+        stack.install_slot(2, _modules(3).get(name, ()))
+    for name in staged:
+        for got, want in zip((staged[name].a, staged[name].b, staged[name].scales),
+                             (plain[name].a, plain[name].b, plain[name].scales)):
+            assert torch.equal(got, want), name
+    assert not staged["qkv"].a[:, 1].any() and not staged["qkv"].scales[:, 1].any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_module_that_does_not_fit_is_refused_before_any_device_write():
+    stacks = _stacks("cuda")
+    staging = SlotStaging(stacks, torch.device("cuda"))
+    staging.install(1, _modules(1))
+    before = stacks["qkv"].a.clone()
+    bad = {"qkv": [(0, LoraModule(a=torch.ones(8, 32), b=torch.ones(64, 8), scale=1.0))]}
+    with pytest.raises(ValueError, match="do not fit shard 0"):
+        staging.install(1, bad)
+    assert torch.equal(stacks["qkv"].a, before)
