@@ -1,14 +1,29 @@
-"""Float32 linear layers on CPU through oneDNN, on a weight reordered once.
+"""Float32 linear layers on CPU on a weight packed once: our own AVX-512
+kernel where it builds, else oneDNN.
 
 Why: a decode step on CPU is mostly GEMMs with few rows (one per sequence)
 against weights that do not fit in cache. ``F.linear`` hands them to MKL's
-sgemm, which repacks the weight on every call; oneDNN on a weight already in
-its blocked layout skips that. Measured on one AVX-512 core, SmolLM2-135M
-shapes, weights cold as in a real step: the 30 layers' four projections at 8
-rows 37 ms against 70 ms, the tied LM head (49152 x 576) 8 ms against 20 ms;
-at 1 row about even for the layers and 8 against 11 ms for the head; at a
-few hundred rows (prefill) 10-20% faster. So one rule: every float32 CPU
-linear without autograd takes this path, whatever its row count.
+sgemm, which repacks the weight on every call; a weight packed once skips
+that. At a few rows such a GEMM is bound by reading the weight from memory,
+and oneDNN's blocked kernel does not overlap those reads with its
+arithmetic: one AVX-512 core (SmolLM2 shapes, 30 copies of each weight so
+they are cold as in a real step) reads a cold weight at about 11 GB/s at 1
+and at 8 rows alike, while a plain ``sum`` streams 25 GB/s, and its time at
+8 rows is the sum of the hot-weight time and the memory time. The kernel
+here (``KERNEL_SOURCE``) walks a layout made for that: 32 output columns
+at a time, their weights contiguous along the input dimension, so every
+block is one sequential stream the hardware prefetcher follows; up to 8 rows
+share each weight load. Against oneDNN at 8 rows it took the layers' four
+projections from about 1.5x the time down, and is even at prefill sizes
+(256 rows); see ``docs/benchmarks.md``, "The decode step in process".
+
+The kernel is C compiled once per machine with the system's C compiler
+(``cc``, or ``$CC``), cached by its source's hash under the user's cache
+folder and loaded with ``ctypes``; it runs on the calling thread plus
+OpenMP threads of the same runtime torch uses (as many as
+``torch.get_num_threads()``). Without a compiler, on a CPU without
+AVX-512, off Linux, or when its self-check fails, one warning says why and
+every layer takes oneDNN's packed weight (the path before it) instead.
 
 Cost: the packed copy lives next to the dense weight, which stays the
 source of truth (the loader fills it, LoRA and CUDA read it). That is one
@@ -23,16 +38,94 @@ not bit for bit.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+log = logging.getLogger(__name__)
+
+BLOCK_N = 32  # output columns per packed block (two AVX-512 vectors)
+
+KERNEL_SOURCE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+
+#define BLOCK_N 32
+#define MAX_ROWS 8
+
+/* Up to MAX_ROWS rows of x against one packed block of 32 output columns
+   (wb: [K][32]); ``cols`` of them are real (the last block may be short;
+   its padding columns are zeros in wb, neither loaded from bias nor stored). */
+static inline void block_rows(int rows, const float *x, int64_t ldx, const float *wb, const float *bias,
+                              int cols, float *y, int64_t ldy, int64_t K) {
+    __mmask16 lo = (__mmask16)(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
+    __mmask16 hi = (__mmask16)(cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1);
+    __m512 b0 = bias ? _mm512_maskz_loadu_ps(lo, bias) : _mm512_setzero_ps();
+    __m512 b1 = bias ? _mm512_maskz_loadu_ps(hi, bias + 16) : _mm512_setzero_ps();
+    __m512 acc[MAX_ROWS][2];
+    for (int m = 0; m < MAX_ROWS; m++) { acc[m][0] = b0; acc[m][1] = b1; }
+    /* One loop per row count, so the accumulators stay in registers. */
+#define ROWS_LOOP(R)                                                        \
+    for (int64_t k = 0; k < K; k++) {                                       \
+        __m512 w0 = _mm512_loadu_ps(wb + k * BLOCK_N);                      \
+        __m512 w1 = _mm512_loadu_ps(wb + k * BLOCK_N + 16);                 \
+        for (int m = 0; m < R; m++) {                                       \
+            __m512 a = _mm512_set1_ps(x[m * ldx + k]);                      \
+            acc[m][0] = _mm512_fmadd_ps(a, w0, acc[m][0]);                  \
+            acc[m][1] = _mm512_fmadd_ps(a, w1, acc[m][1]);                  \
+        }                                                                   \
+    }
+    switch (rows) {
+        case 1: ROWS_LOOP(1) break;
+        case 2: ROWS_LOOP(2) break;
+        case 3: ROWS_LOOP(3) break;
+        case 4: ROWS_LOOP(4) break;
+        case 5: ROWS_LOOP(5) break;
+        case 6: ROWS_LOOP(6) break;
+        case 7: ROWS_LOOP(7) break;
+        default: ROWS_LOOP(8) break;
+    }
+    for (int m = 0; m < rows; m++) {
+        _mm512_mask_storeu_ps(y + m * ldy, lo, acc[m][0]);
+        _mm512_mask_storeu_ps(y + m * ldy + 16, hi, acc[m][1]);
+    }
+}
+
+/* y[M][N] = x[M][K] (row stride ldx) @ W^T + bias, W packed as [ceil(N/32)][K][32].
+   Blocks of columns are split among threads; each block's weights are read
+   once from memory and reused from cache by every group of 8 rows. */
+void linear_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const float *w, int64_t N,
+                const float *bias, float *y, int num_threads) {
+    int64_t num_blocks = (N + BLOCK_N - 1) / BLOCK_N;
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t nb = 0; nb < num_blocks; nb++) {
+        const float *wb = w + nb * K * BLOCK_N;
+        int cols = (int)(N - nb * BLOCK_N < BLOCK_N ? N - nb * BLOCK_N : BLOCK_N);
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+            int rows = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
+            block_rows(rows, x + m0 * ldx, ldx, wb, bias ? bias + nb * BLOCK_N : 0, cols,
+                       y + m0 * N + nb * BLOCK_N, N, K);
+        }
+    }
+}
+"""
+COMPILE_FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+
 
 def is_packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x @ weight.T`` may take the packed path: CPU, float32 on
-    both sides, no autograd (the oneDNN op has no backward), and a oneDNN
-    build that computes it right (checked once)."""
+    both sides, no autograd (neither kernel has a backward), and a kernel
+    that computes it right (checked once)."""
     return (
         x.device.type == "cpu"
         and x.dtype == torch.float32
@@ -42,8 +135,28 @@ def is_packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-@functools.cache
+_use_kernel = True
+
+
+def use_kernel(enabled: bool) -> None:
+    """Pack for our kernel (the default) or for oneDNN from now on, for
+    comparisons and tests. Weights packed before keep their form: a packed
+    copy says which kernel reads it."""
+    global _use_kernel
+    _use_kernel = enabled
+
+
 def is_available() -> bool:
+    """Either packed path works here: our kernel, else oneDNN's."""
+    return _active_kernel() is not None or is_onednn_available()
+
+
+def _active_kernel() -> ctypes.CDLL | None:
+    return kernel() if _use_kernel else None
+
+
+@functools.cache
+def is_onednn_available() -> bool:
     """oneDNN's packed linear exists in this torch build and agrees with
     ``F.linear`` on a small case (a build without it, or a platform where
     it differs, keeps the plain path)."""
@@ -51,17 +164,122 @@ def is_available() -> bool:
         return False
     try:
         with torch.no_grad():
-            gen = torch.Generator().manual_seed(0)
-            x, w, b = (torch.randn(shape, generator=gen) for shape in ((3, 24), (40, 24), (40,)))
+            x, w, b = _check_case()
             y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w), b, "none", [], "")
             return bool(torch.allclose(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5))
     except (RuntimeError, AttributeError):
         return False
 
 
+class KernelUnavailable(RuntimeError):
+    """Why our kernel can't run here (the warning's text)."""
+
+
+@functools.cache
+def kernel() -> ctypes.CDLL | None:
+    """The built and self-checked kernel library, or None (one warning says why)."""
+    try:
+        lib = _load(_build())
+        _check(lib)
+    except KernelUnavailable as err:
+        log.warning("cpu linear: our AVX-512 kernel is off (%s); float32 CPU linears use oneDNN's packed "
+                    "weights instead, about 1.5x slower at decode sizes. %s", err, _HINT)
+        return None
+    return lib
+
+
+_HINT = "To get it back: run on an x86-64 Linux CPU with AVX-512 and install a C compiler with OpenMP (gcc)."
+
+
+def _cpu_has_avx512() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512f" in flags and " fma" in flags
+
+
+def _build() -> Path:
+    """The compiled library, built once per source and flags (cached under the user's cache folder)."""
+    if not sys.platform.startswith("linux") or not _cpu_has_avx512():
+        raise KernelUnavailable("this CPU has no AVX-512 (or this is not Linux)")
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise KernelUnavailable("no C compiler found (cc, gcc or $CC)")
+    key = hashlib.sha256((KERNEL_SOURCE + " ".join(COMPILE_FLAGS)).encode()).hexdigest()[:16]
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mstar-actors" / "kernels"
+    target = folder / f"cpu_linear-{key}.so"
+    if target.exists():
+        return target
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            source, built = Path(tmp) / "cpu_linear.c", Path(tmp) / "cpu_linear.so"
+            source.write_text(KERNEL_SOURCE)
+            done = subprocess.run([compiler, *COMPILE_FLAGS, str(source), "-o", str(built)],
+                                  capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                raise KernelUnavailable(f"{compiler} failed: {done.stderr.strip()[-400:]}")
+            os.replace(built, target)  # atomic: a concurrent builder's copy is the same bytes
+    except (OSError, subprocess.SubprocessError) as err:
+        raise KernelUnavailable(f"building with {compiler} failed: {err}") from None
+    return target
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as err:
+        raise KernelUnavailable(f"loading {path.name} failed: {err}") from None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.linear_f32.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.linear_f32.restype = None
+    return lib
+
+
+def _check(lib: ctypes.CDLL) -> None:
+    with torch.no_grad():
+        x, w, b = _check_case()
+        for bias in (b, None):
+            y = _kernel_linear(lib, x, pack_blocks(w), w.shape[0], bias)
+            if not torch.allclose(y, F.linear(x, w, bias), rtol=1e-5, atol=1e-5):
+                raise KernelUnavailable("its self-check against F.linear failed")
+
+
+def _check_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """11 rows (a group of 8 and a partial one) and 40 columns (a partial block)."""
+    gen = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(shape, generator=gen) for shape in ((11, 24), (40, 24), (40,)))
+
+
+def pack_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` -> ``[ceil(N / 32), K, 32]``: each block of 32 output
+    columns contiguous along K, the last block padded with zero columns."""
+    num_out, num_in = weight.shape
+    padded = -(-num_out // BLOCK_N) * BLOCK_N
+    if padded != num_out:
+        weight = torch.cat([weight, weight.new_zeros(padded - num_out, num_in)])
+    return weight.detach().reshape(padded // BLOCK_N, BLOCK_N, num_in).transpose(1, 2).contiguous()
+
+
+def _kernel_linear(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, num_out: int,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
+        rows = rows.contiguous()
+    y = torch.empty(rows.shape[0], num_out, dtype=x.dtype)
+    if rows.shape[0] > 0:
+        if bias is not None:
+            bias = bias.contiguous()
+        lib.linear_f32(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), blocks.data_ptr(), num_out,
+                       None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
+    return y.view(*x.shape[:-1], num_out)
+
+
 class PackedWeight:
-    """A oneDNN-layout copy of one dense ``[out, in]`` weight, remade when the
-    weight is replaced (another storage) or changed in place (its version)."""
+    """A packed copy of one dense ``[out, in]`` weight (our kernel's blocks,
+    else oneDNN's layout), remade when the weight is replaced (another
+    storage) or changed in place (its version)."""
 
     __slots__ = ("packed", "_key")
 
@@ -72,7 +290,10 @@ class PackedWeight:
     def get(self, weight: torch.Tensor) -> torch.Tensor:
         key = _identity(weight)
         if key != self._key:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            if _active_kernel() is not None:
+                self.packed = pack_blocks(weight)
+            else:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
             self._key = key
         return self.packed
 
@@ -83,7 +304,10 @@ class PackedWeight:
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cache: PackedWeight) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` on ``cache``'s packed copy of ``weight``.
     Only where ``is_packable(x, weight)``."""
-    return torch.ops.mkldnn._linear_pointwise(x, cache.get(weight), bias, "none", [], "")
+    packed = cache.get(weight)
+    if packed.dim() == 3:  # our kernel's blocks (oneDNN's copy is 2-D)
+        return _kernel_linear(kernel(), x, packed, weight.shape[0], bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def _identity(weight: torch.Tensor) -> tuple:
