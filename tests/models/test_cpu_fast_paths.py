@@ -1,6 +1,7 @@
 """The decoder's CPU fast paths against the plain ops they replace, and where
-each one is (and is not) taken: packed oneDNN linears and LM head, rotary
-tables once per forward, fused RMSNorm."""
+each one is (and is not) taken: packed linears and LM head (our AVX-512
+kernel, oneDNN as its fallback), rotary tables once per forward, fused
+RMSNorm."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from mstar_actors.models.rope import RotaryEmbedding, _rotate_half, rotate
 from mstar_actors.models.spec import ModelSpec, RopeSpec
 
 needs_onednn = pytest.mark.skipif(not cpu_linear.is_available(), reason="this torch build has no oneDNN packed linear")
+needs_kernel = pytest.mark.skipif(cpu_linear.kernel() is None, reason="no AVX-512 or no C compiler here: the kernel is off")
+only_onednn = pytest.mark.skipif(not cpu_linear.is_onednn_available(), reason="this torch build has no oneDNN packed linear")
 BLOCK_SIZE = 16
 
 
@@ -146,6 +149,98 @@ def test_model_logits_match_plain_ops(monkeypatch):
     monkeypatch.setattr(decoder, "is_packable", lambda x, w: False)
     plain = run_forward(model, ids)
     torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-4)
+
+
+# -- our kernel ------------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_rows", [1, 3, 8, 9, 40])
+@pytest.mark.parametrize("num_out", [32, 40, 200])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_kernel_matches_f_linear(num_rows, num_out, has_bias):
+    """Row counts around the 8-row groups, column counts around the 32-column blocks."""
+    gen = torch.Generator().manual_seed(num_rows * 1000 + num_out)
+    x, w = torch.randn(num_rows, 72, generator=gen), torch.randn(num_out, 72, generator=gen)
+    b = torch.randn(num_out, generator=gen) if has_bias else None
+    with torch.no_grad():
+        cache = cpu_linear.PackedWeight()
+        got = cpu_linear.packed_linear(x, w, b, cache)
+    assert cache.packed.shape == (-(-num_out // 32), 72, 32)  # the kernel's blocks, zero-padded
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_kernel_takes_strided_and_batched_inputs():
+    w, b = torch.randn(48, 16), torch.randn(48)
+    wide = torch.randn(6, 40)
+    batched = torch.randn(2, 3, 16)
+    with torch.no_grad():
+        cache = cpu_linear.PackedWeight()
+        torch.testing.assert_close(cpu_linear.packed_linear(wide[:, 4:20], w, b, cache), F.linear(wide[:, 4:20], w, b))
+        columns = wide[:, :16].t().contiguous().t()  # column-major rows
+        torch.testing.assert_close(cpu_linear.packed_linear(columns, w, b, cache), F.linear(columns, w, b))
+        torch.testing.assert_close(cpu_linear.packed_linear(batched, w, b, cache), F.linear(batched, w, b))
+        assert cpu_linear.packed_linear(torch.empty(0, 16), w, b, cache).shape == (0, 48)
+
+
+@needs_kernel
+def test_kernel_threads_split_columns_without_changing_a_bit():
+    x, w = torch.randn(5, 64), torch.randn(4096, 64)
+    cache = cpu_linear.PackedWeight()
+    threads = torch.get_num_threads()
+    with torch.no_grad():
+        try:
+            torch.set_num_threads(1)
+            one = cpu_linear.packed_linear(x, w, None, cache)
+            torch.set_num_threads(2)
+            two = cpu_linear.packed_linear(x, w, None, cache)
+        finally:
+            torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_pack_blocks_layout():
+    w = torch.arange(40 * 3, dtype=torch.float32).view(40, 3)
+    blocks = cpu_linear.pack_blocks(w)
+    assert blocks.shape == (2, 3, 32)
+    assert torch.equal(blocks[1, 2, :8], w[32:, 2]) and not blocks[1, :, 8:].any()  # zero columns pad the last block
+    assert torch.equal(blocks[0].t(), w[:32])
+
+
+@only_onednn
+def test_without_the_kernel_weights_pack_for_onednn_and_agree(monkeypatch):
+    x, w, b = torch.randn(8, 64), torch.randn(96, 64), torch.randn(96)
+    monkeypatch.setattr(cpu_linear, "_use_kernel", False)
+    with torch.no_grad():
+        cache = cpu_linear.PackedWeight()
+        got = cpu_linear.packed_linear(x, w, b, cache)
+    assert cache.packed.dim() == 2  # oneDNN's copy, which packed_linear then reads
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_a_failed_build_warns_once_and_falls_back(monkeypatch, caplog):
+    def no_compiler():
+        raise cpu_linear.KernelUnavailable("no C compiler found (cc, gcc or $CC)")
+
+    monkeypatch.setattr(cpu_linear, "_build", no_compiler)
+    cpu_linear.kernel.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger=cpu_linear.__name__):
+            assert cpu_linear.kernel() is None and cpu_linear.kernel() is None
+        warnings = [r.getMessage() for r in caplog.records]
+        assert len(warnings) == 1 and "no C compiler found" in warnings[0] and "oneDNN" in warnings[0]
+        assert cpu_linear.is_available() == cpu_linear.is_onednn_available()
+    finally:
+        cpu_linear.kernel.cache_clear()  # the next caller builds (or finds) the real one again
+
+
+def test_a_missing_compiler_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_linear, "_cpu_has_avx512", lambda: True)
+    with pytest.raises(cpu_linear.KernelUnavailable, match="no-such-cc"):
+        cpu_linear._build()
 
 
 # -- rotary --------------------------------------------------------------------------
