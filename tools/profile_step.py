@@ -14,6 +14,7 @@ far less than wall time; the median over ``--steps`` steps is printed.
     python tools/profile_step.py --profile            # plus torch.profiler's top ops of each side
     python tools/profile_step.py --num-seqs 1 --threads 2
     python tools/profile_step.py --side ours --split  # ours split: attention, LM head, the rest
+    python tools/profile_step.py --side ours --linear onednn   # our step on oneDNN's linears (the fallback)
 """
 
 from __future__ import annotations
@@ -169,6 +170,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops over 5 steps of each side")
     p.add_argument("--split", action="store_true",
                    help="then split our step's CPU time: attention, LM head (GEMM + LoRA), the rest")
+    p.add_argument("--linear", choices=["kernel", "onednn"], default="kernel",
+                   help="our float32 linears: our AVX-512 kernel (default, where it builds) or oneDNN's")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -176,14 +179,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from mstar_actors.fetch import fetch_embedded
+    from mstar_actors.models import cpu_linear
     from mstar_actors.models.loader import load_spec
 
     torch.set_num_threads(args.threads)
+    cpu_linear.use_kernel(args.linear == "kernel")
     model_dir = Path(args.model) if args.model else Path(fetch_embedded("smollm2"))
     _, spec = load_spec(model_dir)
     prompts = make_prompts(args.num_seqs, args.min_context, args.max_context, spec.vocab_size, args.seed)
     print(f"model {model_dir.name}, {args.num_seqs} sequences, prompts {sorted(len(p) for p in prompts)} tokens, "
-          f"threads {args.threads}, seed {args.seed}", flush=True)
+          f"threads {args.threads}, seed {args.seed}, linears {args.linear}", flush=True)
     sides = {"ours": OurStep, "hf": HfStep}
     medians = {}
     for name in (["ours", "hf"] if args.side == "both" else [args.side]):
