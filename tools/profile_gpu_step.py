@@ -134,15 +134,39 @@ def print_mixed(runner: ModelRunner, decodes: list[int], num_steps: int) -> None
             print(f"{num_decodes:>7} {name:>5} {shown:>8} {eager:>8.3f} {ratio:>13}")
 
 
-def time_install(runner: ModelRunner, adapters: list, repeats: int) -> float:
+def time_install(runner: ModelRunner, adapters: list, repeats: int, beside: int = 0) -> tuple[float, float]:
+    """Median ms of ``install_adapter`` from bf16 host copies (as the adapter
+    reader keeps them) into slots 1-2, and of a decode step meanwhile. With
+    ``beside`` > 0 a thread keeps decoding that many sequences on slot 3
+    during the installs, as a worker's step loop does beside its install
+    thread (both want the GIL); step time is then that loop's median."""
+    import threading
+
+    weights = [w.to_dtype(torch.bfloat16) for w in adapters[:2]]
+    stop, warm, step_times = threading.Event(), threading.Event(), []
+
+    def decode_loop() -> None:
+        d = Decoder(runner, [3] * beside, "busy")
+        while not stop.is_set():
+            step_times.append(d.decode())
+            if len(step_times) == 5:
+                warm.set()
+        d.close()
+
+    loop = threading.Thread(target=decode_loop) if beside else None
+    if loop is not None:
+        loop.start()
+        warm.wait()  # the loop is running (and warm) before the first install
     times = []
     for i in range(repeats):
-        torch.cuda.synchronize()
         started = time.perf_counter()
-        runner.install_adapter(1 + i % NUM_ADAPTERS, adapters[i % len(adapters)])
-        torch.cuda.synchronize()
+        runner.install_adapter(1 + i % 2, weights[i % 2])
         times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e3
+    if loop is not None:
+        stop.set()
+        loop.join()
+    step = statistics.median(step_times[5:]) * 1e3 if len(step_times) > 5 else float("nan")
+    return statistics.median(times) * 1e3, step
 
 
 def profile_step(runner: ModelRunner, slots: list[int]) -> str:
@@ -194,7 +218,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{batch:>5} {base:>8.3f} {one:>8.3f} {mixed:>8.3f} {base / one:>8.1%} {base / mixed:>9.1%}")
     if args.mixed_decodes:
         print_mixed(runner, args.mixed_decodes, args.steps)
-    print(f"# install_adapter: {time_install(runner, adapters, 8):.1f} ms (median of 8, synchronised)")
+    alone, _ = time_install(runner, adapters, 8)
+    print(f"# install_adapter (bf16 host copy, returns once the device holds it): {alone:.1f} ms alone (median of 8)")
+    for beside in (8, 32):
+        busy, step = time_install(runner, adapters, 8, beside)
+        print(f"#   beside a thread decoding {beside} sequences: install {busy:.1f} ms, its decode steps {step:.2f} ms "
+              f"meanwhile (median of 8)")
     if not args.no_profile:
         print(profile_step(runner, [1] * 8))
     return 0
