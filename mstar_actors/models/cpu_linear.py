@@ -159,6 +159,11 @@ def _active_kernel() -> ctypes.CDLL | None:
     return kernel() if _use_kernel else None
 
 
+def packs_blocks() -> bool:
+    """Whether weights packed now get our kernel's blocks (else oneDNN's layout)."""
+    return _active_kernel() is not None
+
+
 @functools.cache
 def is_onednn_available() -> bool:
     """oneDNN's packed linear exists in this torch build and agrees with
@@ -258,14 +263,82 @@ def _check_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tuple(torch.randn(shape, generator=gen) for shape in ((11, 24), (40, 24), (40,)))
 
 
-def pack_blocks(weight: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` -> ``[ceil(N / 32), K, 32]``: each block of 32 output
-    columns contiguous along K, the last block padded with zero columns."""
+def blocks_shape(weight: torch.Tensor) -> tuple[int, int, int]:
+    """The shape ``pack_blocks`` gives ``weight [N, K]``: ``[ceil(N / 32), K, 32]``."""
     num_out, num_in = weight.shape
-    padded = -(-num_out // BLOCK_N) * BLOCK_N
-    if padded != num_out:
-        weight = torch.cat([weight, weight.new_zeros(padded - num_out, num_in)])
-    return weight.detach().reshape(padded // BLOCK_N, BLOCK_N, num_in).transpose(1, 2).contiguous()
+    return -(-num_out // BLOCK_N), num_in, BLOCK_N
+
+
+def pack_blocks(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[N, K]`` -> ``[ceil(N / 32), K, 32]``: each block of 32 output
+    columns contiguous along K, the last block padded with zero columns.
+    Written into ``out`` (contiguous, that shape) when given."""
+    weight = weight.detach()
+    num_out, num_in = weight.shape
+    blocks = out if out is not None else weight.new_empty(blocks_shape(weight))
+    num_full = num_out // BLOCK_N
+    blocks[:num_full].copy_(weight[: num_full * BLOCK_N].view(num_full, BLOCK_N, num_in).transpose(1, 2))
+    if num_full < blocks.shape[0]:
+        blocks[num_full:].zero_()
+        blocks[num_full, :, : num_out - num_full * BLOCK_N].copy_(weight[num_full * BLOCK_N :].t())
+    return blocks
+
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # Linux
+
+
+class PackArena:
+    """One buffer for many packed weights, whose memory the OS is asked to
+    back with 2 MiB pages (Linux transparent huge pages, ``madvise``) before
+    anything touches it. Why: the kernel streams each weight once per step,
+    and fewer TLB misses and page-bounded prefetch streams make that stream
+    faster: on one AVX-512 core SmolLM2's projections at 8 rows ran 8-14%
+    faster on huge pages, its whole decode step 2-9% (8 rows 43.8 -> 43.0
+    and 59.6 -> 55.3 ms, 1 row 40.8 -> 37.1; interleaved in one process).
+    Where the OS says no (THP off, not Linux), the buffer is plain memory
+    and nothing else changes. Costs no RAM: the up to 2 MiB of slack
+    before the first page boundary is never touched.
+
+    ``take`` hands out consecutive 64-byte-aligned slices; they live as
+    long as any of them does (the buffer is freed with the last)."""
+
+    def __init__(self, num_floats: int):
+        self.buffer = torch.empty(num_floats + HUGE_PAGE // 4, dtype=torch.float32)
+        start = -self.buffer.data_ptr() % HUGE_PAGE // 4  # first float on a 2 MiB boundary
+        self.offset, self.end = start, start + num_floats
+        self.is_huge = _advise_huge_pages(self.buffer.data_ptr() + start * 4, num_floats * 4)
+
+    def take(self, shape: tuple[int, ...]) -> torch.Tensor:
+        num = 1
+        for size in shape:
+            num *= size
+        if self.offset + num > self.end:
+            raise ValueError(f"pack arena: {num} more floats do not fit, {self.end - self.offset} are left "
+                             "(size it with arena_floats)")
+        piece = self.buffer[self.offset : self.offset + num].view(shape)
+        self.offset += -(-num // 16) * 16
+        return piece
+
+
+def arena_floats(weights: list[torch.Tensor]) -> int:
+    """The floats a ``PackArena`` needs for ``weights``' blocks (aligned as ``take`` does)."""
+    total = 0
+    for weight in weights:
+        num_blocks, num_in, block_n = blocks_shape(weight)
+        total += -(-(num_blocks * num_in * block_n) // 16) * 16
+    return total
+
+
+def _advise_huge_pages(address: int, num_bytes: int) -> bool:
+    if not sys.platform.startswith("linux") or num_bytes < HUGE_PAGE:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(num_bytes // HUGE_PAGE * HUGE_PAGE),
+                            _MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def _kernel_linear(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, num_out: int,
@@ -293,11 +366,13 @@ class PackedWeight:
         self.packed: torch.Tensor | None = None
         self._key: tuple | None = None
 
-    def get(self, weight: torch.Tensor) -> torch.Tensor:
+    def get(self, weight: torch.Tensor, arena: PackArena | None = None) -> torch.Tensor:
+        """The packed copy, made now if missing or stale (our kernel's blocks
+        into ``arena`` when given, else into memory of their own)."""
         key = _identity(weight)
         if key != self._key:
             if _active_kernel() is not None:
-                self.packed = pack_blocks(weight)
+                self.packed = pack_blocks(weight, arena.take(blocks_shape(weight)) if arena is not None else None)
             else:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
             self._key = key

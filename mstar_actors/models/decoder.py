@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, PagedAttention, TorchPagedAttention
-from .cpu_linear import PackedWeight, is_packable, packed_linear
+from .cpu_linear import PackArena, PackedWeight, arena_floats, is_packable, packed_linear, packs_blocks
 from .lora_layers import LoraHook
 from .rope import RotaryEmbedding
 from .spec import ModelSpec
@@ -198,21 +198,25 @@ class CausalLM(nn.Module):
         """Make the packed copies of the CPU fast path (``cpu_linear``) now
         rather than in the first forward, which would take them out of the
         first request's time (about 0.4 s for SmolLM2) and after the KV cache
-        was sized. A no-op off CPU float32 (or without oneDNN); returns the
-        bytes the copies take. Call after the weights are loaded."""
-        num_bytes = 0
+        was sized. For our kernel all copies go into one ``PackArena`` (huge
+        pages where the OS gives them). A no-op off CPU float32 (or without
+        a packed path); returns the bytes the copies take. Call after the
+        weights are loaded."""
         with torch.no_grad():
-            for module in self.modules():
-                if isinstance(module, LoraLinear) and is_packable(module.weight, module.weight):
-                    module.packed = module.packed or PackedWeight()
-                    module.packed.get(module.weight)
-                    num_bytes += module.weight.nbytes
+            owners = [(m, m.weight) for m in self.modules() if isinstance(m, LoraLinear) and is_packable(m.weight, m.weight)]
             head = self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
             if is_packable(head, head):
-                self.lm_head_packed = self.lm_head_packed or PackedWeight()
-                self.lm_head_packed.get(head)
-                num_bytes += head.nbytes
-        return num_bytes
+                owners.append((self, head))
+            weights = [weight for _, weight in owners]
+            arena = PackArena(arena_floats(weights)) if weights and packs_blocks() else None
+            for owner, weight in owners:
+                if owner is self:
+                    self.lm_head_packed = self.lm_head_packed or PackedWeight()
+                    self.lm_head_packed.get(weight, arena)
+                else:
+                    owner.packed = owner.packed or PackedWeight()
+                    owner.packed.get(weight, arena)
+        return sum(weight.nbytes for weight in weights)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight

@@ -243,6 +243,39 @@ def test_a_missing_compiler_is_named(monkeypatch, tmp_path):
         cpu_linear._build()
 
 
+def test_pack_blocks_into_a_given_buffer_equals_its_own():
+    w = torch.randn(70, 9)
+    out = torch.full(cpu_linear.blocks_shape(w), float("nan"))
+    assert cpu_linear.pack_blocks(w, out) is out
+    assert torch.equal(out, cpu_linear.pack_blocks(w))  # padding columns zeroed, not left as they were
+
+
+def test_pack_arena_hands_out_aligned_disjoint_slices():
+    weights = [torch.randn(40, 24), torch.randn(64, 8), torch.randn(3, 5)]
+    arena = cpu_linear.PackArena(cpu_linear.arena_floats(weights))
+    pieces = [arena.take(cpu_linear.blocks_shape(w)) for w in weights]
+    assert all(p.data_ptr() % 64 == 0 for p in pieces)
+    assert pieces[0].data_ptr() % cpu_linear.HUGE_PAGE == 0  # the first starts a 2 MiB page
+    for piece, w in zip(pieces, weights, strict=True):
+        cpu_linear.pack_blocks(w, piece)
+    for piece, w in zip(pieces, weights, strict=True):  # none overwrote another
+        assert torch.equal(piece, cpu_linear.pack_blocks(w))
+    with pytest.raises(ValueError, match="do not fit"):
+        arena.take((1, 1, 32))
+
+
+@needs_kernel
+def test_pack_cpu_weights_puts_every_copy_in_one_arena():
+    model = make_model(tie_word_embeddings=False)
+    model.pack_cpu_weights()
+    copies = [m.packed.packed for m in model.modules() if isinstance(m, LoraLinear)] + [model.lm_head_packed.packed]
+    assert len({c.untyped_storage().data_ptr() for c in copies}) == 1
+    assert all(c.dim() == 3 for c in copies)
+    hidden = torch.randn(3, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(model.compute_logits(hidden), F.linear(hidden, model.lm_head.weight), rtol=1e-5, atol=1e-4)
+
+
 # -- rotary --------------------------------------------------------------------------
 
 
