@@ -18,10 +18,18 @@ graph captures a call and replays it with new slots:
   embedding's shrink is a gather of ``A[0, slot, :, token]``.
 - ``sgmv_rows`` (prefill-sized steps): rows grouped by slot on the device
   (``group_rows``), so one program's A and B tiles serve up to 16 rows of
-  its slot, shrink and expand fused with ``tl.dot``.
+  its slot, shrink and expand fused with ``tl.dot``; each column group's
+  program recomputes its tile's shrink.
+- ``shrink_expand_rows`` (from ``MIN_SPLIT_ROWS`` rows, when set): the same
+  row tiles, but two launches: the shrink once per (tile, shard, K split)
+  into an fp32 scratch, then the expand over (tile, column blocks). The
+  tiles are enumerated on the device (``_tile_of``) over a grid bounded by
+  shapes (``num_row_tiles``), so few programs exit idle. Meant for 16-128
+  row decode steps, where the other two repeat the shrink; the check
+  tool's ``--rows-table`` decides the threshold on a device.
 
-Every variant either can launch (``TILES`` per row count) is compiled at
-startup by ``warm_up``. Importing this module needs Triton; ``ops`` falls
+Every variant any of them can launch (``variant_of`` per row count) is
+compiled at startup by ``warm_up``. Importing this module needs Triton; ``ops`` falls
 back to the torch reference where it is missing.
 """
 
@@ -318,6 +326,202 @@ def sgmv_rows(
     return y
 
 
+
+# ---------------------------------------------------------------- shrink, then expand
+
+
+@triton.jit
+def _tile_of(counts_ptr, starts_ptr, pid_m, NUM_SLOTS, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
+    """(slot, first position in ``order``, rows) of row tile ``pid_m`` in
+    the step's list of tiles: each adapter slot's rows cut into tiles of
+    ``BLOCK_M``, slots in order. Past the last tile the slot's rows are 0."""
+    offs_s = tl.arange(0, BLOCK_S)
+    on_slot = offs_s + 1 < NUM_SLOTS  # adapter slots 1.. (slot 0's rows are base rows: no tiles)
+    counts = tl.load(counts_ptr + 1 + offs_s, mask=on_slot, other=0)
+    starts = tl.load(starts_ptr + 1 + offs_s, mask=on_slot, other=0)
+    num_tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(num_tiles, axis=0)
+    index = tl.sum((ends <= pid_m).to(tl.int32))  # slots whose tiles all come before this one
+    is_mine = offs_s == index
+    first_tile = tl.sum(tl.where(is_mine, ends - num_tiles, 0))
+    in_slot = (pid_m - first_tile) * BLOCK_M  # this tile's first row among its slot's
+    start = tl.sum(tl.where(is_mine, starts, 0)) + in_slot
+    num_rows = tl.sum(tl.where(is_mine, counts, 0)) - in_slot
+    return index + 1, start, num_rows
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a_ptr, scales_ptr, t_ptr, order_ptr, counts_ptr, starts_ptr,
+    R, NUM_SLOTS,
+    stride_xm, stride_xk,
+    stride_as, stride_al, stride_ar, stride_ak,
+    stride_ss, stride_sl,
+    stride_tk, stride_ts, stride_tm,
+    K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    # t[split, shard, p] = scale * x[order[p]] @ A[shard, slot, :, this split's K].T,
+    # for the rows p of one tile on one slot (positions in ``order``, so a
+    # tile's rows are contiguous in t). Grid (row tiles, shards, K splits).
+    slot, start, num_rows = _tile_of(counts_ptr, starts_ptr, tl.program_id(0), NUM_SLOTS, BLOCK_M, BLOCK_S)
+    if num_rows <= 0:  # past the step's last tile
+        return
+    shard = tl.program_id(1)
+    scale = tl.load(scales_ptr + shard * stride_ss + slot.to(tl.int64) * stride_sl)
+    if scale == 0.0:  # the adapter does not target this shard; the expand skips it too
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < num_rows
+    rows = tl.load(order_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    offs_k = tl.program_id(2) * K_PER_SPLIT + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    a_ptrs = a_ptr + shard * stride_as + slot.to(tl.int64) * stride_al + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+        mask_k = (offs_k + k0) < K
+        xt = tl.load(x_ptrs + k0 * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        at = tl.load(a_ptrs + k0 * stride_ak, mask=mask_k[:, None] & mask_r[None, :], other=0.0)
+        acc += tl.dot(xt, at, input_precision=PRECISION)
+    t_ptrs = t_ptr + tl.program_id(2) * stride_tk + shard * stride_ts + (start + offs_m)[:, None] * stride_tm + offs_r[None, :]
+    tl.store(t_ptrs, acc * scale, mask=mask_m[:, None])
+
+
+@triton.jit
+def _expand_kernel(
+    b_ptr, scales_ptr, t_ptr, y_ptr, offsets_ptr, order_ptr, counts_ptr, starts_ptr,
+    R, NUM_SLOTS, NUM_GROUPS,
+    stride_wl, stride_wn, stride_wr,
+    stride_ss, stride_sl,
+    stride_tk, stride_ts, stride_tm,
+    stride_ym, stride_yn,
+    SPLIT_K: tl.constexpr, TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    # y[order[p], cols] += sum over splits of t[split, shard, p] @ B[slot, cols].T
+    # for one tile's rows and TILES column blocks of one shard. Grid (row
+    # tiles, shards x column groups): the same tiles as the shrink's.
+    slot, start, num_rows = _tile_of(counts_ptr, starts_ptr, tl.program_id(0), NUM_SLOTS, BLOCK_M, BLOCK_S)
+    if num_rows <= 0:
+        return
+    pid = tl.program_id(1)
+    shard = pid // NUM_GROUPS
+    slot64 = slot.to(tl.int64)
+    if tl.load(scales_ptr + shard * stride_ss + slot64 * stride_sl) == 0.0:  # untargeted: no t was written
+        return
+    hi = tl.load(offsets_ptr + shard + 1)
+    n_start = tl.load(offsets_ptr + shard) + (pid % NUM_GROUPS) * (TILES * BLOCK_N)
+    if n_start >= hi:  # a shorter shard than the widest: its spare groups
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < num_rows
+    rows = tl.load(order_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    t_ptrs = t_ptr + shard * stride_ts + (start + offs_m)[:, None] * stride_tm + offs_r[None, :]
+    t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for split in range(SPLIT_K):
+        t += tl.load(t_ptrs + split * stride_tk, mask=mask_m[:, None], other=0.0)
+    offs_n = tl.arange(0, BLOCK_N)
+    for j in range(TILES):
+        cols = n_start + j * BLOCK_N + offs_n
+        mask_n = cols < hi
+        w = tl.load(
+            b_ptr + slot64 * stride_wl + cols[None, :].to(tl.int64) * stride_wn + offs_r[:, None] * stride_wr,
+            mask=mask_r[:, None] & mask_n[None, :],
+            other=0.0,
+        )
+        # t rounded to the weights' dtype for the tensor-core dot, as in
+        # ``_grouped_kernel``; the sum stays fp32.
+        delta = tl.dot(t.to(w.dtype), w, input_precision=PRECISION)
+        mask = mask_m[:, None] & mask_n[None, :]
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :].to(tl.int64) * stride_yn
+        y = tl.load(y_ptrs, mask=mask, other=0.0)
+        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
+
+
+def num_row_tiles(num_rows: int, num_slots: int, block_m: int) -> int:
+    """An upper bound, from shapes only, on the row tiles of a step: tiling
+    each slot's rows apart costs at most one partial tile per adapter slot
+    present beyond the ``cdiv(num_rows, block_m)`` of one slot."""
+    return triton.cdiv(num_rows, block_m) + min(num_slots - 1, num_rows) - 1
+
+
+@functools.lru_cache(maxsize=4096)
+def _split_blocks(num_rows: int, num_shards: int, k: int, max_out: int, num_sms: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_K, SPLIT_K, BLOCK_N, TILES) of ``shrink_expand_rows``.
+
+    16-row tiles (``tl.dot``'s least M) up to 255 rows, 64 from there
+    (prefill chunks). K is split while the shrink has fewer programs than
+    SMs (counting the tiles of a one-adapter step, the fewest) and each
+    split keeps two K tiles: at 32 rows q|k|v has 6 tiles x shards, and
+    one 2,048-long loop each would leave the device idle. The expand moves
+    ``y`` and B once; 128 columns a program gives thousands of short
+    programs only at prefill sizes. Not yet tuned on a device: the check
+    tool's ``--rows-table`` times the neighbours of this choice."""
+    block_m = 16 if num_rows < 256 else 64
+    block_k = min(256 if block_m == 16 else 128, triton.next_power_of_2(k))
+    num_tiles, split_k = triton.cdiv(num_rows, block_m), 1
+    while split_k * 2 * block_k <= k and num_tiles * num_shards * split_k * 2 <= num_sms:
+        split_k *= 2
+    return block_m, block_k, split_k, min(128, triton.next_power_of_2(max_out)), 1
+
+
+def shrink_expand_rows(
+    stack: LoraStack, y: torch.Tensor, x: torch.Tensor, groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *,
+    blocks: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """The rows delta in two launches over the step's row tiles (rows grouped
+    by slot, ``group_rows``): a shrink writing ``t = scale * x @ A.T`` once
+    per (tile, shard, K split), fp32, then an expand adding ``t @ B.T`` to
+    every column block of ``y``, in place. ``bgmv_rows`` recomputes a row's
+    shrink in each of its programs and ``sgmv_rows`` a tile's in each
+    column group; here it is done once, for the price of a second launch
+    and a ``[SPLIT_K, shards, rows, BLOCK_R]`` fp32 scratch (made per call;
+    inside a CUDA graph, from the graph's pool). Grids from shapes; base
+    rows and untargeted shards are never written. ``blocks`` overrides
+    ``_split_blocks``, for tests and sweeps."""
+    num_shards, num_slots, max_rank, k = stack.a.shape
+    num_rows, max_out = y.shape[0], max(stack.output_sizes)
+    if x.dtype != stack.a.dtype or x.dtype not in _DOT_DTYPES:
+        raise TypeError(f"LoRA rows delta: x is {x.dtype} and A is {stack.a.dtype}; accepted: the same dtype of {_DOT_DTYPES}")
+    order, counts, starts = groups
+    block_m, block_k, split_k, block_n, tiles = blocks or _split_blocks(num_rows, num_shards, k, max_out, _num_sms(y.device))
+    block_r, block_s = _block_r(max_rank), triton.next_power_of_2(max(num_slots - 1, 1))
+    num_m = num_row_tiles(num_rows, num_slots, block_m)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    t = torch.empty(split_k, num_shards, num_rows, block_r, dtype=torch.float32, device=y.device)
+    a, b, scales = stack.a, stack.b, stack.scales
+    precision = _precision(a.dtype)
+    _shrink_kernel[(num_m, num_shards, split_k)](
+        x, a, scales, t, order, counts, starts,
+        max_rank, num_slots,
+        x.stride(0), x.stride(1),
+        a.stride(0), a.stride(1), a.stride(2), a.stride(3),
+        scales.stride(0), scales.stride(1),
+        t.stride(0), t.stride(1), t.stride(2),
+        K=k, K_PER_SPLIT=k_per_split,
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_S=block_s,
+        PRECISION=precision, num_warps=4,
+    )  # fmt: skip
+    num_groups = triton.cdiv(max_out, tiles * block_n)
+    _expand_kernel[(num_m, num_shards * num_groups)](
+        b, scales, t, y, stack.offsets_on(y.device), order, counts, starts,
+        max_rank, num_slots, num_groups,
+        b.stride(0), b.stride(1), b.stride(2),
+        scales.stride(0), scales.stride(1),
+        t.stride(0), t.stride(1), t.stride(2),
+        y.stride(0), y.stride(1),
+        SPLIT_K=split_k, TILES=tiles,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_S=block_s,
+        PRECISION=precision, num_warps=4,
+    )  # fmt: skip
+    return y
+
 # Steps of at least this many rows take ``sgmv_rows`` (shared weight reads),
 # smaller ones ``bgmv_rows`` (one program per row: more parallel). Measured
 # on an H200 with Llama-3.2-1B's linears in CUDA graphs, ``bgmv_rows`` is
@@ -325,10 +529,24 @@ def sgmv_rows(
 # batch takes it and the grouped kernel serves prefill chunks.
 MIN_GROUPED_ROWS = 128
 
+# Steps of at least this many rows take ``shrink_expand_rows`` instead of
+# either kernel above (prefill chunks included); None: never. Unset until
+# the check tool's ``--rows-table`` has timed it against both on an H200.
+MIN_SPLIT_ROWS: int | None = None
+
+
+def kernel_for(num_rows: int) -> str:
+    """The kernel a linear's step of ``num_rows`` rows takes: "bgmv"
+    (``bgmv_rows``), "sgmv" (``sgmv_rows``) or "split" (``shrink_expand_rows``).
+    A function of the shape alone, so a captured graph keeps its choice."""
+    if MIN_SPLIT_ROWS is not None and num_rows >= MIN_SPLIT_ROWS:
+        return "split"
+    return "bgmv" if num_rows < MIN_GROUPED_ROWS else "sgmv"
+
 
 def uses_single_rows(num_rows: int) -> bool:
     """Whether a batch of ``num_rows`` takes ``bgmv_rows`` (no row groups needed)."""
-    return num_rows < MIN_GROUPED_ROWS
+    return kernel_for(num_rows) == "bgmv"
 
 
 def rows_delta(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, groups=None) -> torch.Tensor:
@@ -336,17 +554,22 @@ def rows_delta(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: to
 
     ``groups``: ``group_rows(row_slots, ...)`` computed once per step by the
     caller (None: computed here when needed)."""
-    if stack.is_embedding or uses_single_rows(y.shape[0]):
+    kernel = "bgmv" if stack.is_embedding else kernel_for(y.shape[0])
+    if kernel == "bgmv":
         return bgmv_rows(stack, y, x, row_slots)
-    return sgmv_rows(stack, y, x, groups if groups is not None else group_rows(row_slots, stack.num_slots))
+    groups = groups if groups is not None else group_rows(row_slots, stack.num_slots)
+    if kernel == "split":
+        return shrink_expand_rows(stack, y, x, groups)
+    return sgmv_rows(stack, y, x, groups)
 
 
 def warm_up(stack: LoraStack, max_num_rows: int) -> None:
     """Launch once every kernel variant ``rows_delta`` can pick for ``stack``
     at 1 to ``max_num_rows`` rows, so each compiles now (about a second
-    each) rather than in the middle of serving. The variants differ only in
-    ``TILES``, a function of the row count: one launch per distinct value,
-    on zero slots (every program returns at once; nothing is written)."""
+    each) rather than in the middle of serving. The variants differ in
+    their compile-time block choices, functions of the row count
+    (``variant_of``): one launch per distinct one, on zero slots (every
+    program returns at once; nothing is written)."""
     device = stack.a.device
     for num_rows in _variant_row_counts(stack, max_num_rows, _num_sms(device)):
         if stack.is_embedding:
@@ -357,27 +580,31 @@ def warm_up(stack: LoraStack, max_num_rows: int) -> None:
         rows_delta(stack, y, x, torch.zeros(num_rows, dtype=torch.int32, device=device))
 
 
-def _variant_row_counts(stack: LoraStack, max_num_rows: int, num_sms: int) -> list[int]:
-    """The smallest row count of each distinct ``(kernel, TILES)`` that
-    ``rows_delta`` picks for ``stack`` at 1 to ``max_num_rows`` rows."""
+def variant_of(stack: LoraStack, num_rows: int, num_sms: int) -> tuple:
+    """The compiled variant ``rows_delta`` launches for ``stack`` at
+    ``num_rows`` rows: the kernel and the block choices that are constexprs."""
     num_shards, _, max_rank, k = stack.a.shape
     max_out = max(stack.output_sizes)
-    seen: dict[tuple[str, int], int] = {}
-    block_n = _rows_blocks(max_rank, k, max_out)[2]
-    shrink_cost = max_rank if stack.is_embedding else k
-    grouped_block_n = _grouped_block_n(max_rank, max_out)
+    kernel = "bgmv" if stack.is_embedding else kernel_for(num_rows)
+    if kernel == "bgmv":
+        block_n = _rows_blocks(max_rank, k, max_out)[2]
+        return kernel, _pick_tiles(num_rows, num_shards, max_out, max_rank if stack.is_embedding else k, block_n, num_sms)
+    if kernel == "sgmv":
+        return kernel, _pick_tiles(triton.cdiv(num_rows, 16), num_shards, max_out, k, _grouped_block_n(max_rank, max_out), num_sms)
+    return kernel, *_split_blocks(num_rows, num_shards, k, max_out, num_sms)
+
+
+def _variant_row_counts(stack: LoraStack, max_num_rows: int, num_sms: int) -> list[int]:
+    """The smallest row count of each distinct ``variant_of`` at 1 to ``max_num_rows`` rows."""
+    seen: dict[tuple, int] = {}
     for num_rows in range(1, max_num_rows + 1):
-        if stack.is_embedding or uses_single_rows(num_rows):
-            key = ("bgmv", _pick_tiles(num_rows, num_shards, max_out, shrink_cost, block_n, num_sms))
-        else:
-            key = ("grouped", _pick_tiles(triton.cdiv(num_rows, 16), num_shards, max_out, k, grouped_block_n, num_sms))
-        seen.setdefault(key, num_rows)
+        seen.setdefault(variant_of(stack, num_rows, num_sms), num_rows)
     return sorted(seen.values())
 
 
 def add_delta_rows(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
     """``LoraStack.add_delta_rows`` with the kernel on any device Triton runs
-    on (CUDA, or CPU tensors in Triton's interpreter): one ``bgmv_rows`` launch."""
+    on (CUDA, or CPU tensors in Triton's interpreter), by ``rows_delta``."""
     check_rows(y, x, row_slots, in_features=stack.in_features, out_features=stack.offsets[-1], is_embedding=stack.is_embedding)
     if y.shape[0] == 0:  # an empty grid is not launchable
         return y
