@@ -96,6 +96,83 @@ def test_grouped_rows_kernel_equals_segment_path(output_sizes, num_rows):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+
+@interpreted
+@pytest.mark.parametrize("output_sizes", [(64,), (64, 32, 48)])
+@pytest.mark.parametrize("num_rows", [1, 16, 37])
+def test_shrink_expand_kernels_equal_segment_path(output_sizes, num_rows):
+    """Two launches over row tiles of one slot, K split or not, one or two
+    column blocks a program; base rows and an untargeted shard unchanged."""
+    seed = random.randrange(2**31)
+    print(f"seed={seed}")
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    stack = make_stack(gen, 72, output_sizes)
+    untargeted = len(output_sizes) - 1  # slot 2 leaves the last shard alone
+    lo, hi = stack.offsets[untargeted], stack.offsets[untargeted + 1]
+    stack.a[untargeted, 2] = 0
+    stack.b[2, lo:hi] = 0
+    stack.scales[untargeted, 2] = 0.0
+    slots = random_slots(rng, num_rows)
+    x = torch.randn(num_rows, 72, generator=gen)
+    y0 = torch.randn(num_rows, sum(output_sizes), generator=gen)
+    want = stack.add_delta(y0.clone(), x, build_segments(slots))
+    groups = triton_ops.group_rows(int32(slots), stack.num_slots)
+    # (BLOCK_M, BLOCK_K, SPLIT_K, BLOCK_N, TILES): the default, K in 3 splits
+    # of 32 (the last one short), 64-row tiles with two 16-column blocks.
+    for blocks in (None, (16, 32, 3, 32, 1), (64, 16, 1, 16, 2)):
+        got = triton_ops.shrink_expand_rows(stack, y0.clone(), x, groups, blocks=blocks)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        base_rows = [t for t, s in enumerate(slots) if s == 0]
+        assert torch.equal(got[base_rows], y0[base_rows])
+        on_two = [t for t, s in enumerate(slots) if s == 2]
+        assert torch.equal(got[on_two, lo:hi], y0[on_two, lo:hi])
+
+
+@pytest.mark.parametrize("num_slots", [2, 5, 33])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_row_tiles_never_exceed_their_bound(num_slots, block_m):
+    """The grids' bound on row tiles holds for every way of spreading rows over slots."""
+    rng = random.Random(num_slots * block_m)
+    for num_rows in [1, 2, 15, 16, 17, 31, 100, 300]:
+        for _ in range(50):
+            slots = [rng.choice([0, *range(1, num_slots)[: rng.randrange(1, num_slots)]]) for _ in range(num_rows)]
+            needed = sum(-(-slots.count(s) // block_m) for s in range(1, num_slots))
+            assert needed <= triton_ops.num_row_tiles(num_rows, num_slots, block_m)
+
+
+@pytest.mark.parametrize("shape", [(2048, 3), (2048, 1), (2048, 2), (8192, 1), (72, 3)])
+def test_split_blocks_cover_k_and_fill_the_device_without_crowding_it(shape):
+    k, num_shards = shape
+    for num_rows in [1, 8, 16, 32, 64, 128, 256, 2048]:
+        block_m, block_k, split_k, block_n, tiles = triton_ops._split_blocks(num_rows, num_shards, k, 2048, 132)
+        assert block_m >= 16 and block_n >= 16 and tiles >= 1 and block_k <= triton_ops.triton.next_power_of_2(k)
+        assert split_k == 1 or block_k * split_k <= k  # each split keeps a K tile of its own
+        num_programs = -(-num_rows // block_m) * num_shards * split_k
+        assert split_k == 1 or num_programs <= 132
+
+
+def test_kernel_for_routes_by_row_count(monkeypatch):
+    assert [triton_ops.kernel_for(n) for n in (1, 127, 128, 2048)] == ["bgmv", "bgmv", "sgmv", "sgmv"]
+    monkeypatch.setattr(triton_ops, "MIN_SPLIT_ROWS", 16)
+    assert [triton_ops.kernel_for(n) for n in (1, 15, 16, 127, 2048)] == ["bgmv", "bgmv", "split", "split", "split"]
+    assert not triton_ops.uses_single_rows(16) and triton_ops.uses_single_rows(15)
+
+
+@interpreted
+def test_add_delta_rows_takes_the_split_kernel_from_its_threshold(monkeypatch):
+    gen = torch.Generator().manual_seed(9)
+    stack = make_stack(gen, 64, (64, 32))
+    slots = [1, 0, 3, 2] * 4
+    x, y0 = torch.randn(16, 64, generator=gen), torch.randn(16, 96, generator=gen)
+    want = stack.add_delta(y0.clone(), x, build_segments(slots))
+    monkeypatch.setattr(triton_ops, "MIN_SPLIT_ROWS", 16)
+    calls = []
+    split = triton_ops.shrink_expand_rows
+    monkeypatch.setattr(triton_ops, "shrink_expand_rows", lambda *args, **kw: calls.append(1) or split(*args, **kw))
+    got = triton_ops.add_delta_rows(stack, y0.clone(), x, int32(slots))
+    assert calls == [1]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
 def test_group_rows_orders_rows_by_slot_stably():
     order, counts, starts = triton_ops.group_rows(int32([2, 0, 1, 2, 0, 3]), 5)
     assert counts.tolist() == [2, 1, 2, 1, 0] and starts.tolist() == [0, 2, 3, 5, 6]
@@ -220,19 +297,21 @@ def _spy(method, calls):
 
 
 @pytest.mark.parametrize(
-    "kernel,num_rows",
-    [(False, 5), pytest.param(True, 5, marks=interpreted), pytest.param(True, 16, marks=interpreted)],
+    "kernel,num_rows,min_split_rows",
+    [(False, 5, None), pytest.param(True, 5, None, marks=interpreted), pytest.param(True, 16, None, marks=interpreted),
+     pytest.param(True, 16, 16, marks=interpreted)],
 )
-def test_decode_through_rows_equals_segments(runner, kernel, num_rows, monkeypatch):
+def test_decode_through_rows_equals_segments(runner, kernel, num_rows, min_split_rows, monkeypatch):
     """At 16 rows the grouped kernel runs (its threshold lowered to 16 here:
-    the interpreter is too slow for batches of the real threshold)."""
+    the interpreter is too slow for batches of the real threshold), or the
+    shrink-then-expand one where ``MIN_SPLIT_ROWS`` is set."""
     from unittest import mock
 
     slots = [[0, 2, 1, 3, 0][i % 5] for i in range(num_rows)]
     want = _decode_logits(runner, slots, rows=False, kernel=False, monkeypatch=monkeypatch)
     base = _decode_logits(runner, [0] * len(slots), rows=False, kernel=False, monkeypatch=monkeypatch)
     assert not torch.allclose(want[[1, 2, 3]], base[[1, 2, 3]], atol=1e-3), "adapters must change the logits"
-    with mock.patch.object(triton_ops, "MIN_GROUPED_ROWS", 16):
+    with mock.patch.object(triton_ops, "MIN_GROUPED_ROWS", 16), mock.patch.object(triton_ops, "MIN_SPLIT_ROWS", min_split_rows):
         got = _decode_logits(runner, slots, rows=True, kernel=kernel, monkeypatch=monkeypatch)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     base_rows = [t for t, s in enumerate(slots) if s == 0]
@@ -299,34 +378,33 @@ def test_check_tool_decode_dry_run_validates_and_writes_json(tmp_path):
     assert tool.decode_slots("mixed4", 6, None) == [1, 2, 3, 4, 1, 2]
 
 
+@pytest.mark.parametrize("min_split_rows", [None, 16])
 @pytest.mark.parametrize("outs,k,is_embedding", [([64, 32, 32], 64, False), ([512, 512], 64, False), ([96], 300, True)])
-def test_warm_up_covers_every_variant_serving_can_pick(outs, k, is_embedding, monkeypatch):
-    """Each (kernel, TILES) ``rows_delta`` picks at 1..N rows is launched by
-    ``warm_up``, so no compile happens mid-serving (recorded, not launched)."""
+def test_warm_up_covers_every_variant_serving_can_pick(outs, k, is_embedding, min_split_rows, monkeypatch):
+    """Each compiled variant ``rows_delta`` launches at 1..N rows is launched
+    by ``warm_up``, so no compile happens mid-serving (recorded, not launched)."""
+    monkeypatch.setattr(triton_ops, "MIN_SPLIT_ROWS", min_split_rows)
+    monkeypatch.setattr(triton_ops, "_num_sms", lambda device: 4)
     stack = LoraStack(k, outs, num_slots=3, max_rank=8, dtype=torch.float32, is_embedding=is_embedding)
     picked = []
 
     def record(kind):
-        def launch(stack, y, x, slots, *rest, tiles=None):
-            picked.append((kind, tiles or _tiles_for(kind, stack, y.shape[0])))
+        def launch(stack, y, *rest, **kw):
+            variant = triton_ops.variant_of(stack, y.shape[0], 4)
+            assert variant[0] == kind
+            picked.append(variant)
             return y
         return launch
 
-    def _tiles_for(kind, stack, num_rows):
-        num_shards, _, max_rank, kk = stack.a.shape
-        max_out = max(stack.output_sizes)
-        if kind == "bgmv":
-            block_n = triton_ops._rows_blocks(max_rank, kk, max_out)[2]
-            return triton_ops._pick_tiles(num_rows, num_shards, max_out, max_rank if stack.is_embedding else kk, block_n, 4)
-        return triton_ops._pick_tiles(-(-num_rows // 16), num_shards, max_out, kk, triton_ops._grouped_block_n(max_rank, max_out), 4)
-
     monkeypatch.setattr(triton_ops, "bgmv_rows", record("bgmv"))
-    monkeypatch.setattr(triton_ops, "sgmv_rows", record("grouped"))
+    monkeypatch.setattr(triton_ops, "sgmv_rows", record("sgmv"))
+    monkeypatch.setattr(triton_ops, "shrink_expand_rows", record("split"))
     monkeypatch.setattr(triton_ops, "group_rows", lambda slots, n: None)
     max_rows = 300
     for num_rows in range(1, max_rows + 1):
         triton_ops.rows_delta(stack, torch.zeros(num_rows, sum(outs)), torch.zeros(num_rows, k), torch.zeros(num_rows, dtype=torch.int32))
     serving = set(picked)
+    assert {v[0] for v in serving} == ({"bgmv"} if is_embedding else {"bgmv", "split" if min_split_rows else "sgmv"})
     picked.clear()
     triton_ops.warm_up(stack, max_rows)
     assert set(picked) == serving
