@@ -62,6 +62,7 @@ def build_runner(config: Any, resolve_tensor: Any = None) -> Any:
         cuda_graph_max_batch=min(config.model.cuda_graph_max_batch, config.scheduler.max_num_seqs),
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         cuda_graph_max_tokens=config.model.cuda_graph_max_tokens,  # capped by max_num_batched_tokens there
+        max_lora_images=lora.max_cpu_loras,  # as many pinned slot images as the reader keeps host copies
     )
 
 
@@ -80,8 +81,11 @@ def install_from_host(runner: Any, rank: int, msg: InstallAdapter) -> AdapterIns
     rank.
     """
     try:
-        with _mapped_segment(msg.host.segment, msg.host.nbytes) as blob:
-            error = _install_blob(runner, msg, blob)  # its frame, and the views of the segment, are gone after
+        if runner.reinstall_adapter(msg.slot, msg.name, msg.digest):  # this rank kept its image
+            error = None
+        else:
+            with _mapped_segment(msg.host.segment, msg.host.nbytes) as blob:
+                error = _install_blob(runner, msg, blob)  # its frame, and the views of the segment, are gone after
     except Exception as err:
         error = f"{type(err).__name__}: {err}"
     if error is not None:

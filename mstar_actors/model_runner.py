@@ -184,6 +184,7 @@ class ModelRunner:
         cuda_graph_max_batch: int = 64,
         max_num_batched_tokens: int = 2048,
         cuda_graph_max_tokens: int = 512,
+        max_lora_images: int = 4,
     ):
         self.device = resolve_device(device)
         arch, spec = load_spec(Path(model_dir))  # read first: "auto" dtype depends on it
@@ -200,6 +201,7 @@ class ModelRunner:
             self.lora = enable_lora(
                 self.model, arch.rules, num_slots=max_loras + 1, max_rank=max_lora_rank, dtype=self.dtype, device=self.device
             )
+            self.lora.max_slot_images = max_lora_images  # pinned, made at the installs that keep them
         self.lora_names: dict[int, str] = {}  # slot -> installed adapter's name
         self.block_size = block_size
         self.max_model_len = min(max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
@@ -332,6 +334,21 @@ class ModelRunner:
             if graphs is not None:
                 graphs.check_lora_in_place()
         self.lora_names[slot] = weights.name
+
+    def reinstall_adapter(self, slot: int, name: str, digest: str) -> bool:
+        """Install the adapter of ``digest`` into ``slot`` from the pinned image
+        this rank kept when it last installed it (``install_adapter``), with
+        no host copy to read; False when it kept none (then install it)."""
+        if self.lora is None:
+            return False
+        self.lora_names.pop(slot, None)
+        if not self.lora.reinstall(slot, digest):
+            return False
+        for graphs in (self.graphs, self.mixed_graphs):
+            if graphs is not None:
+                graphs.check_lora_in_place()
+        self.lora_names[slot] = name
+        return True
 
     def _lora_hint(self) -> str:
         if self.lora is None:

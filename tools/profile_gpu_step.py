@@ -136,7 +136,8 @@ def print_mixed(runner: ModelRunner, decodes: list[int], num_steps: int) -> None
 
 def time_install(runner: ModelRunner, adapters: list, repeats: int, beside: int = 0) -> tuple[float, float]:
     """Median ms of ``install_adapter`` from bf16 host copies (as the adapter
-    reader keeps them) into slots 1-2, and of a decode step meanwhile. With
+    reader keeps them) into slots 1-2, of ``reinstall_adapter`` of the same
+    weights into the other slot, and of a decode step meanwhile. With
     ``beside`` > 0 a thread keeps decoding that many sequences on slot 3
     during the installs, as a worker's step loop does beside its install
     thread (both want the GIL); step time is then that loop's median."""
@@ -157,16 +158,21 @@ def time_install(runner: ModelRunner, adapters: list, repeats: int, beside: int 
     if loop is not None:
         loop.start()
         warm.wait()  # the loop is running (and warm) before the first install
-    times = []
+    times, again = [], []
     for i in range(repeats):
+        runner.lora.clear_slot_images()
         started = time.perf_counter()
         runner.install_adapter(1 + i % 2, weights[i % 2])
         times.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        if not runner.reinstall_adapter(2 - i % 2, weights[i % 2].name, weights[i % 2].digest):
+            raise RuntimeError("the install kept no slot image")
+        again.append(time.perf_counter() - started)
     if loop is not None:
         stop.set()
         loop.join()
     step = statistics.median(step_times[5:]) * 1e3 if len(step_times) > 5 else float("nan")
-    return statistics.median(times) * 1e3, step
+    return statistics.median(times) * 1e3, statistics.median(again) * 1e3, step
 
 
 def profile_step(runner: ModelRunner, slots: list[int]) -> str:
@@ -218,12 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{batch:>5} {base:>8.3f} {one:>8.3f} {mixed:>8.3f} {base / one:>8.1%} {base / mixed:>9.1%}")
     if args.mixed_decodes:
         print_mixed(runner, args.mixed_decodes, args.steps)
-    alone, _ = time_install(runner, adapters, 8)
-    print(f"# install_adapter (bf16 host copy, returns once the device holds it): {alone:.1f} ms alone (median of 8)")
-    for beside in (8, 32):
-        busy, step = time_install(runner, adapters, 8, beside)
-        print(f"#   beside a thread decoding {beside} sequences: install {busy:.1f} ms, its decode steps {step:.2f} ms "
-              f"meanwhile (median of 8)")
+    print("# adapter installs, ms (median of 8; each returns once the device holds the adapter): install_adapter "
+          "from a bf16 host copy, and reinstall_adapter from the pinned image the install kept (a swap back in)")
+    for beside in (0, 8, 32):
+        install, again, step = time_install(runner, adapters, 8, beside)
+        where = f"beside a thread decoding {beside} sequences (its steps {step:.2f} ms)" if beside else "alone"
+        print(f"#   {where}: install {install:.1f}, reinstall {again:.1f}")
     if not args.no_profile:
         print(profile_step(runner, [1] * 8))
     return 0

@@ -243,7 +243,7 @@ class LoraLayers:
         try:
             by_stack = self._by_stack(slot, weights)
             if self.device.type == "cuda":
-                self._staging.install(slot, by_stack)
+                self._staging.install(slot, by_stack, key=weights.digest)
             else:
                 for ours, stack in self.stacks.items():
                     stack.install_slot(slot, by_stack.get(ours, ()))
@@ -251,9 +251,24 @@ class LoraLayers:
             self.clear(slot)
             raise
 
+    def reinstall(self, slot: int, digest: str) -> bool:
+        """Install the adapter of ``digest`` into ``slot`` again from the image
+        its last ``install`` kept (CUDA); False when none is kept."""
+        self._check_slot(slot, digest)
+        return self.device.type == "cuda" and self._staging.reinstall(slot, digest)
+
+    def clear_slot_images(self) -> None:
+        """Drop the kept slot images (the next install of each adapter builds its own again)."""
+        if "_staging" in self.__dict__:
+            self._staging.images.clear()
+
+    # Pinned slot images kept for reinstalls: each is one slot of every stack
+    # (~22 MB for a rank-16 all-linear Llama-3.2-1B adapter in bf16).
+    max_slot_images = 4
+
     @functools.cached_property
     def _staging(self) -> SlotStaging:
-        return SlotStaging(self.stacks, self.device)
+        return SlotStaging(self.stacks, self.device, max_images=self.max_slot_images)
 
     def clear(self, slot: int) -> None:
         for stack in self.stacks.values():

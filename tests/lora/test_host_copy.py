@@ -81,6 +81,9 @@ class _Runner:
         self.installed: list[tuple[int, AdapterWeights]] = []
         self.error = error
 
+    def reinstall_adapter(self, slot, name, digest):
+        return False  # keeps no images: every install reads the host copy
+
     def install_adapter(self, slot, weights):
         """As the real runner does, copy: the weights are views of the mapped segment."""
         if self.error:

@@ -56,3 +56,23 @@ def test_a_module_that_does_not_fit_is_refused_before_any_device_write():
     with pytest.raises(ValueError, match="do not fit shard 0"):
         staging.install(1, bad)
     assert torch.equal(stacks["qkv"].a, before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kept_images_reinstall_the_same_weights_and_the_oldest_is_dropped():
+    stacks, plain = _stacks("cuda"), _stacks("cuda")
+    staging = SlotStaging(stacks, torch.device("cuda"), max_images=2)
+    staging.install(1, _modules(1), key="one")
+    staging.install(2, _modules(2), key="two")
+    staging.install(1, _modules(3), key="three")  # slot 1 now holds "three"; "one" is dropped (oldest)
+    assert not staging.reinstall(2, "one")
+    assert staging.reinstall(1, "two") and staging.reinstall(2, "three")
+    for name, stack in plain.items():
+        stack.install_slot(1, _modules(2).get(name, ()))
+        stack.install_slot(2, _modules(3).get(name, ()))
+    for name in stacks:
+        for got, want in zip((stacks[name].a, stacks[name].b, stacks[name].scales),
+                             (plain[name].a, plain[name].b, plain[name].scales)):
+            assert torch.equal(got, want), name
+    staging.install(1, _modules(4))  # no key: kept images are untouched
+    assert staging.reinstall(2, "two") and list(staging.images) == ["three", "two"]
