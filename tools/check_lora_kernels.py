@@ -25,8 +25,23 @@ eager step pays it; graph times are the replay's GPU time / 66.
     python tools/check_lora_kernels.py --decode                 # GPU
     python tools/check_lora_kernels.py --decode --dry-run       # CPU: reference path, no graphs
 
-Writes ``$OUT/lora_kernels.json`` (``lora_decode.json`` with ``--decode``)
-when the OUT environment variable is set (or ``--json PATH``).
+``--rows-table`` times each rows kernel against the others for one
+linear's call inside a CUDA graph (us per call, ``--calls`` back-to-back
+calls a graph): ``bgmv_rows``, ``sgmv_rows`` and ``shrink_expand_rows``
+with its default blocks and a few neighbours of them, for q|k|v, o,
+gate|up and down at 8-128 rows, one adapter and 4 mixed, rank 16; every
+variant is first checked against the fp32 reference. Then the per-layer
+sum of the four linears per variant, and the step's ``group_rows`` (once
+per step, shared by every linear, not in the per-call figures). With
+``--dry-run`` (or no CUDA device) it runs tiny linears in Triton's
+interpreter on the CPU, eagerly, to check the tool end to end.
+
+    python tools/check_lora_kernels.py --rows-table              # GPU
+    python tools/check_lora_kernels.py --rows-table --dry-run    # CPU, interpreter, seconds
+
+Writes ``$OUT/lora_kernels.json`` (``lora_decode.json`` with ``--decode``,
+``lora_rows_table.json`` with ``--rows-table``) when the OUT environment
+variable is set (or ``--json PATH``).
 """
 
 from __future__ import annotations
@@ -190,6 +205,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, torch reference path, a small subset of configs")
     p.add_argument("--decode", action="store_true", help="the decode-step table: GEMM vs rows kernels, eager and graphed")
+    p.add_argument("--rows-table", action="store_true", help="bgmv / sgmv / shrink-expand variants per linear, in graphs")
+    p.add_argument("--rows", nargs="+", type=int, default=None, help="--rows-table's row counts (default 8 16 32 64 128)")
+    p.add_argument("--calls", type=int, default=None, help="calls per graph (default 66, a decode step's LoRA calls)")
+    p.add_argument("--min-split-rows", type=int, default=None,
+                   help="set triton_ops.MIN_SPLIT_ROWS for this run (the routing add_delta_rows follows in every section)")
     p.add_argument("--linears", nargs="+", choices=list(LINEARS), default=list(LINEARS))
     p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     p.add_argument("--ranks", nargs="+", type=int, default=list(RANKS))
@@ -200,7 +220,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="default: $OUT/lora_kernels.json when OUT is set")
     args = p.parse_args(argv)
-    if args.decode:
+    if args.decode or args.rows_table:
         return args
     if args.dry_run:
         args.linears = [l for l in args.linears if l != "lm_head"][:2]
@@ -343,13 +363,156 @@ def decode_main(args) -> int:
     device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
     if args.dry_run:
         args.linears, args.tokens, args.warmup, args.iters = args.linears[:1], args.tokens[:2], 1, 2
-    args.calls = 2 if args.dry_run else CALLS_PER_STEP
+    args.calls = 2 if args.dry_run else (args.calls or CALLS_PER_STEP)
     dtype = getattr(torch, args.dtype)
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
     print(f"# decode  {env}  dtype={args.dtype}  max_loras={MAX_LORAS}  seed={args.seed}  calls per timing={args.calls}")
     print(DECODE_HEADER)
     return run_rows(decode_configs(args), check_decode_one, format_decode_row, args, device, dtype, env, "lora_decode.json")
 
+
+# ---------------------------------------------------------------- rows kernels, side by side
+
+TABLE_ROWS = (8, 16, 32, 64, 128)
+TABLE_LINEARS = ("qkv", "o", "gate_up", "down")  # one decoder layer
+TINY_LINEARS = {"qkv": (64, (64, 16, 16)), "o": (64, (64,)), "gate_up": (64, (128, 128)), "down": (128, (64,))}
+
+
+def rows_variants(triton_ops, stack: LoraStack, num_rows: int, num_sms: int) -> dict:
+    """name -> fn(y, x, row_slots, groups): the rows kernels and the
+    shrink-expand blocks around its default (BLOCK_M, BLOCK_K, SPLIT_K, BLOCK_N, TILES)."""
+    num_shards, _, _, k = stack.a.shape
+    bm, bk, sk, bn, tiles = triton_ops._split_blocks(num_rows, num_shards, k, max(stack.output_sizes), num_sms)
+    blocks = {
+        "split": (bm, bk, sk, bn, tiles),
+        "bn64": (bm, bk, sk, 64, tiles),
+        "bn256": (bm, bk, sk, 256, tiles),
+        "sk/2": (bm, bk, max(1, sk // 2), bn, tiles),
+        "sk*2": (bm, bk, sk * 2, bn, tiles),
+        "bk128": (bm, 128, sk, bn, tiles),
+        "t2": (bm, bk, sk, bn, 2),
+    }
+
+    def split(b):
+        return lambda y, x, slots, groups: triton_ops.shrink_expand_rows(stack, y, x, groups, blocks=b)
+
+    variants = {
+        "bgmv": lambda y, x, slots, groups: triton_ops.bgmv_rows(stack, y, x, slots),
+        "sgmv": lambda y, x, slots, groups: triton_ops.sgmv_rows(stack, y, x, groups),
+    }
+    return variants | {name: split(b) for name, b in blocks.items()}
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    scale = want.norm().item()
+    return (got.float() - want).norm().item() / max(scale, 1e-12)
+
+
+def time_rows_variant(fn, y, x, row_slots, groups, args, device: str) -> float:
+    call = lambda: fn(y, x, row_slots, groups)  # noqa: E731
+    timing = dict(warmup=args.warmup, iters=args.iters, calls=args.calls)
+    return graph_us(call, **timing) if device == "cuda" else eager_us(call, device=device, **timing)
+
+
+def table_one(triton_ops, linear: str, shape, num_rows: int, mix: str, args, device: str, dtype) -> dict:
+    """us per call of every variant on one linear / rows / mix (None where it failed), after checking each."""
+    in_features, output_sizes = shape
+    seed = args.seed + zlib.crc32(f"table/{linear}/{num_rows}/{mix}".encode())
+    gen = torch.Generator().manual_seed(seed)
+    stack = make_stack(in_features, output_sizes, 16, dtype, device, gen)
+    slots = decode_slots(mix, num_rows, None)
+    row_slots = torch.tensor(slots, dtype=torch.int32, device=device)
+    groups = triton_ops.group_rows(row_slots, stack.num_slots)
+    x = torch.randn(num_rows, in_features, generator=gen).to(dtype).to(device)
+    want = reference_delta(stack, x, build_segments(slots))
+    result = {}
+    for name, fn in rows_variants(triton_ops, stack, num_rows, triton_ops._num_sms(torch.device(device))).items():
+        y = torch.zeros(num_rows, stack.offsets[-1], dtype=dtype, device=device)
+        try:
+            err = rel_error(fn(y, x, row_slots, groups), want)
+            if err >= TOLERANCE[dtype]:
+                raise AssertionError(f"relative error {err:.2e} >= {TOLERANCE[dtype]:.0e}")
+            result[name] = time_rows_variant(fn, y, x, row_slots, groups, args, device)
+        except Exception as err:  # one failing variant must not end the run
+            print(f"# {linear} rows={num_rows} {mix} {name}: {type(err).__name__}: {str(err).splitlines()[0][:200]}", file=sys.stderr)
+            result[name] = None
+    return result
+
+
+def _cells(values, names) -> str:
+    return " ".join(f"{'ERR' if values.get(n) is None else format(values[n], '.1f'):>6}" for n in names)
+
+
+def rows_table_main(args) -> int:
+    """The ``--rows-table`` run; exit status 1 if any variant failed its check."""
+    device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
+    if device == "cpu":  # the kernels on CPU tensors: Triton's interpreter, set before the module is imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from mstar_actors.lora import triton_ops
+
+    linears = TINY_LINEARS if device == "cpu" else LINEARS
+    names_linears = [l for l in (args.linears if args.linears != list(LINEARS) else TABLE_LINEARS) if l in linears]
+    rows = args.rows or ([8, 16] if device == "cpu" else list(TABLE_ROWS))
+    mixes = ["one", "mixed4"] if args.mixes == list(MIXES) else args.mixes
+    if device == "cpu":
+        args.warmup, args.iters, args.calls = 0, 1, 1
+        if args.dtype != "float32":  # Triton 3.6's interpreter computes tl.dot of bf16/fp16 tiles wrongly
+            print(f"# {args.dtype} -> float32 in the interpreter (its tl.dot of 16-bit tiles is wrong)")
+            args.dtype = "float32"
+    args.calls = args.calls or CALLS_PER_STEP
+    dtype = getattr(torch, args.dtype)
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"}
+    print(f"# rows kernels  {env}  dtype={args.dtype}  rank=16  max_loras={MAX_LORAS}  calls per graph={args.calls}")
+    print("# us per call; split: shrink_expand_rows at its default blocks, the others its neighbours (see rows_variants)")
+    names, table = None, []
+    for num_rows in rows:
+        for mix in mixes:
+            for linear in names_linears:
+                values = table_one(triton_ops, linear, linears[linear], num_rows, mix, args, device, dtype)
+                if names is None:
+                    names = list(values)
+                    print(f"{'linear':<8} {'rows':>4} {'mix':<6} " + " ".join(f"{n:>6}" for n in names))
+                table.append({"linear": linear, "rows": num_rows, "mix": mix, "us": values})
+                print(f"{linear:<8} {num_rows:>4} {mix:<6} {_cells(values, names)}", flush=True)
+    print_layer_sums(table, names, rows, mixes, names_linears)
+    print_group_rows(triton_ops, rows, args, device)
+    failed = sum(v is None for r in table for v in r["us"].values())
+    print(f"# {len(table) * len(names or ()) - failed} variants passed, {failed} failed")
+    out = args.json or (Path(os.environ["OUT"]) / "lora_rows_table.json" if os.environ.get("OUT") else None)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"env": env, "dtype": args.dtype, "calls": args.calls, "rows": table}, indent=1))
+        print(f"# wrote {out}")
+    return 1 if failed else 0
+
+
+def print_layer_sums(table: list[dict], names, rows, mixes, linears) -> None:
+    """Per (rows, mix): each variant's sum over the layer's linears, and the
+    sum of the best split variant per linear (what per-linear blocks could give)."""
+    if not names:
+        return
+    splits = [n for n in names if n not in ("bgmv", "sgmv")]
+    print(f"# per layer ({' + '.join(linears)})")
+    print(f"{'layer':<8} {'rows':>4} {'mix':<6} " + " ".join(f"{n:>6}" for n in names) + f" {'best':>6}")
+    for num_rows in rows:
+        for mix in mixes:
+            entries = [r["us"] for r in table if r["rows"] == num_rows and r["mix"] == mix]
+            sums = {n: None if any(e[n] is None for e in entries) else sum(e[n] for e in entries) for n in names}
+            best = [min((e[n] for n in splits if e[n] is not None), default=None) for e in entries]
+            best_sum = None if None in best else sum(best)
+            print(f"{'sum':<8} {num_rows:>4} {mix:<6} {_cells(sums, names)} {_cells({'b': best_sum}, ['b'])}")
+
+
+def print_group_rows(triton_ops, rows, args, device: str) -> None:
+    """``group_rows`` (once a step before the grouped kernels), us, in a graph on CUDA."""
+    figures = []
+    for num_rows in rows:
+        slots = torch.tensor(decode_slots("mixed4", num_rows, None), dtype=torch.int32, device=device)
+        fn = lambda: triton_ops.group_rows(slots, MAX_LORAS + 1)  # noqa: E731
+        timing = dict(warmup=args.warmup, iters=args.iters, calls=1)
+        us = graph_us(fn, **timing) if device == "cuda" else eager_us(fn, device=device, **timing)
+        figures.append(f"{num_rows}: {us:.1f}")
+    print("# group_rows once a step, us (rows: us): " + ", ".join(figures))
 
 def run_rows(configs_, check, format_, args, device, dtype, env: dict, json_name: str) -> int:
     """Check and print each configuration's row (a failure is recorded, not
@@ -376,8 +539,14 @@ def run_rows(configs_, check, format_, args, device, dtype, env: dict, json_name
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.min_split_rows is not None:
+        from mstar_actors.lora import triton_ops
+
+        triton_ops.MIN_SPLIT_ROWS = args.min_split_rows
     if args.decode:
         return decode_main(args)
+    if args.rows_table:
+        return rows_table_main(args)
     device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
     dtype = getattr(torch, args.dtype)
     if device == "cpu" and not args.dry_run:

@@ -409,3 +409,31 @@ def test_warm_up_covers_every_variant_serving_can_pick(outs, k, is_embedding, mi
     triton_ops.warm_up(stack, max_rows)
     assert set(picked) == serving
     assert len(picked) == len(serving)  # one launch per variant
+
+
+def _load_check_tool():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "check_lora_kernels.py"
+    spec = importlib.util.spec_from_file_location("check_lora_kernels", path)
+    tool = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = tool  # dataclasses look their module up there
+    spec.loader.exec_module(tool)
+    return tool
+
+
+@interpreted
+def test_check_tool_rows_table_dry_run_checks_every_variant(tmp_path, capsys):
+    """The device run's table, end to end on tiny linears in the interpreter."""
+    import json
+
+    out = tmp_path / "table.json"
+    argv = ["--rows-table", "--dry-run", "--linears", "o", "--rows", "16", "--mixes", "mixed4", "--json", str(out)]
+    assert _load_check_tool().main(argv) == 0
+    table = json.loads(out.read_text())["rows"]
+    assert [(r["linear"], r["rows"], r["mix"]) for r in table] == [("o", 16, "mixed4")]
+    assert set(table[0]["us"]) >= {"bgmv", "sgmv", "split", "sk*2"} and all(v is not None for r in table for v in r["us"].values())
+    printed = capsys.readouterr().out
+    assert "sum        16 mixed4" in printed and "group_rows once a step" in printed
