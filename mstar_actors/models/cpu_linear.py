@@ -22,8 +22,8 @@ the same greedy tokens; a 256-token prefill 968 against 924 ms, 1024
 tokens 5.60 against 5.78 s.
 
 The kernel is C compiled once per machine with the system's C compiler
-(``cc``, or ``$CC``), cached by its source's hash under the user's cache
-folder and loaded with ``ctypes``; it runs on the calling thread plus
+(``cc`` or ``gcc``), cached by its source's hash under the user's cache
+folder (beside the embedded models) and loaded with ``ctypes``; it runs on the calling thread plus
 OpenMP threads of the same runtime torch uses (as many as
 ``torch.get_num_threads()``). Without a compiler, on a CPU without
 AVX-512, off Linux, or when its self-check fails, one warning says why and
@@ -55,6 +55,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from mstar_actors.fetch import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -210,15 +212,19 @@ def _cpu_has_avx512() -> bool:
     return " avx512f" in flags and " fma" in flags
 
 
+def find_compiler() -> str | None:
+    return shutil.which("cc") or shutil.which("gcc")
+
+
 def _build() -> Path:
     """The compiled library, built once per source and flags (cached under the user's cache folder)."""
     if not sys.platform.startswith("linux") or not _cpu_has_avx512():
         raise KernelUnavailable("this CPU has no AVX-512 (or this is not Linux)")
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = find_compiler()
     if compiler is None:
-        raise KernelUnavailable("no C compiler found (cc, gcc or $CC)")
+        raise KernelUnavailable("no C compiler found (cc or gcc on PATH)")
     key = hashlib.sha256((KERNEL_SOURCE + " ".join(COMPILE_FLAGS)).encode()).hexdigest()[:16]
-    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mstar-actors" / "kernels"
+    folder = cache_root().parent / "kernels"  # beside the embedded models' cache
     target = folder / f"cpu_linear-{key}.so"
     if target.exists():
         return target

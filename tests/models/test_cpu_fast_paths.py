@@ -235,9 +235,16 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch, caplog):
         cpu_linear.kernel.cache_clear()  # the next caller builds (or finds) the real one again
 
 
-def test_a_missing_compiler_is_named(monkeypatch, tmp_path):
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+def test_a_missing_compiler_is_named(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "find_compiler", lambda: None)
+    monkeypatch.setattr(cpu_linear, "_cpu_has_avx512", lambda: True)
+    with pytest.raises(cpu_linear.KernelUnavailable, match="no C compiler found"):
+        cpu_linear._build()
+
+
+def test_a_failing_compiler_is_named(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_linear, "find_compiler", lambda: str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(cpu_linear, "cache_root", lambda: tmp_path / "models")
     monkeypatch.setattr(cpu_linear, "_cpu_has_avx512", lambda: True)
     with pytest.raises(cpu_linear.KernelUnavailable, match="no-such-cc"):
         cpu_linear._build()
