@@ -464,11 +464,11 @@ def _split_blocks(num_rows: int, num_shards: int, k: int, max_out: int, num_sms:
     programs only at prefill sizes. Not yet tuned on a device: the check
     tool's ``--rows-table`` times the neighbours of this choice."""
     block_m = 16 if num_rows < 256 else 64
-    block_k = min(256 if block_m == 16 else 128, triton.next_power_of_2(k))
+    block_k = max(16, min(256 if block_m == 16 else 128, triton.next_power_of_2(k)))  # tl.dot: every dim >= 16
     num_tiles, split_k = triton.cdiv(num_rows, block_m), 1
     while split_k * 2 * block_k <= k and num_tiles * num_shards * split_k * 2 <= num_sms:
         split_k *= 2
-    return block_m, block_k, split_k, min(128, triton.next_power_of_2(max_out)), 1
+    return block_m, block_k, split_k, max(16, min(128, triton.next_power_of_2(max_out))), 1
 
 
 def shrink_expand_rows(
@@ -491,7 +491,7 @@ def shrink_expand_rows(
         raise TypeError(f"LoRA rows delta: x is {x.dtype} and A is {stack.a.dtype}; accepted: the same dtype of {_DOT_DTYPES}")
     order, counts, starts = groups
     block_m, block_k, split_k, block_n, tiles = blocks or _split_blocks(num_rows, num_shards, k, max_out, _num_sms(y.device))
-    block_r, block_s = _block_r(max_rank), triton.next_power_of_2(max(num_slots - 1, 1))
+    block_r, block_s = _block_r(max_rank), max(2, triton.next_power_of_2(num_slots - 1))
     num_m = num_row_tiles(num_rows, num_slots, block_m)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     t = torch.empty(split_k, num_shards, num_rows, block_r, dtype=torch.float32, device=y.device)

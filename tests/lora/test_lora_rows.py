@@ -128,6 +128,20 @@ def test_shrink_expand_kernels_equal_segment_path(output_sizes, num_rows):
         assert torch.equal(got[on_two, lo:hi], y0[on_two, lo:hi])
 
 
+
+@interpreted
+def test_shrink_expand_with_one_adapter_slot_and_narrow_shapes():
+    """max_loras 1 (one adapter slot), rank 4, K and outputs under tl.dot's 16: padded, not refused."""
+    gen = torch.Generator().manual_seed(2)
+    stack = LoraStack(8, (8, 12), num_slots=2, max_rank=4)
+    stack.install_slot(1, [(i, LoraModule(a=torch.randn(4, 8, generator=gen), b=torch.randn(n, 4, generator=gen), scale=1.5))
+                           for i, n in enumerate((8, 12))])
+    slots = [1, 0, 1, 1, 0] * 4
+    x, y0 = torch.randn(20, 8, generator=gen), torch.randn(20, 20, generator=gen)
+    want = stack.add_delta(y0.clone(), x, build_segments(slots))
+    got = triton_ops.shrink_expand_rows(stack, y0.clone(), x, triton_ops.group_rows(int32(slots), 2))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
 @pytest.mark.parametrize("num_slots", [2, 5, 33])
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_row_tiles_never_exceed_their_bound(num_slots, block_m):

@@ -1,5 +1,6 @@
 """The Triton LoRA kernels vs the torch reference on fresh random inputs (CUDA only):
-prefill-sized steps (the grouped kernel) and decode batches (the per-row one)."""
+prefill-sized steps (the grouped kernel), decode batches (the per-row one), and
+the shrink-then-expand kernels at both sizes."""
 
 from __future__ import annotations
 
@@ -109,9 +110,9 @@ _LLAMA_1B = {
 }
 
 
-def _mixed_rank_stack(gen, in_features, output_sizes, *, is_embedding=False):
-    """bf16, slots 1-4 at ranks 4/8/16/16 (zero-padded to 16)."""
-    stack = _random_stack(gen, in_features, output_sizes, num_slots=5, max_rank=16, dtype=torch.bfloat16, is_embedding=is_embedding)
+def _mixed_rank_stack(gen, in_features, output_sizes, *, is_embedding=False, dtype=torch.bfloat16):
+    """Slots 1-4 at ranks 4/8/16/16 (zero-padded to 16), bf16 unless said."""
+    stack = _random_stack(gen, in_features, output_sizes, num_slots=5, max_rank=16, dtype=dtype, is_embedding=is_embedding)
     for slot, rank in ((1, 4), (2, 8)):
         stack.a[:, slot, rank:] = 0
         stack.b[slot, :, rank:] = 0
@@ -152,10 +153,12 @@ def test_rows_embedding_matches_reference(triton_ops, num_rows):
     assert _rel(y, _reference(stack, ids, build_segments(slots.tolist()))) < 1e-2
 
 
+@pytest.mark.parametrize("min_split_rows", [None, 16])  # None: the default routing; 16: shrink then expand
 @pytest.mark.parametrize("num_rows", [8, 32])  # one program per row; rows grouped by slot inside the graph
 @pytest.mark.parametrize("linear", ["qkv", "lm_head"])
-def test_rows_kernel_replays_in_a_cuda_graph_with_new_slots(triton_ops, linear, num_rows):
+def test_rows_kernel_replays_in_a_cuda_graph_with_new_slots(triton_ops, linear, num_rows, min_split_rows, monkeypatch):
     """Captured once; each replay reads the slots written into the same tensor since."""
+    monkeypatch.setattr(triton_ops, "MIN_SPLIT_ROWS", min_split_rows)
     gen = torch.Generator().manual_seed(11)
     in_features, output_sizes = _LLAMA_1B[linear]
     stack = _mixed_rank_stack(gen, in_features, output_sizes)
@@ -182,3 +185,62 @@ def test_rows_kernel_replays_in_a_cuda_graph_with_new_slots(triton_ops, linear, 
             continue
         assert _rel(y.float() - y0.float(), _reference(stack, x, build_segments(values))) < 1e-2
         assert torch.equal(y[[t for t, s in enumerate(values) if s == 0]], y0[[t for t, s in enumerate(values) if s == 0]])
+
+
+# ---------------------------------------------------------------- shrink, then expand
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("num_rows", [16, 32, 64, 100, 128, 2048])
+@pytest.mark.parametrize("linear", list(_LLAMA_1B))
+def test_shrink_expand_matches_reference(triton_ops, linear, num_rows, dtype):
+    """Llama-3.2-1B's shapes, every slot mixed with base rows; slot 2 leaves
+    its last shard untargeted (scale 0): those columns and the base rows
+    come out bit-identical."""
+    if linear == "lm_head" and num_rows > 128:
+        pytest.skip("the LM head sees sampled rows only")
+    seed = random.randrange(2**31)
+    print(f"seed={seed}")
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    in_features, output_sizes = _LLAMA_1B[linear]
+    stack = _mixed_rank_stack(gen, in_features, output_sizes, dtype=dtype)
+    shard = len(output_sizes) - 1
+    lo, hi = stack.offsets[shard], stack.offsets[shard + 1]
+    stack.a[shard, 2], stack.b[2, lo:hi], stack.scales[shard, 2] = 0, 0, 0.0
+    slots = _row_slots(rng, num_rows)
+    slots[0] = 1
+    x = torch.randn(num_rows, in_features, generator=gen).to(dtype).cuda()
+    y0 = torch.randn(num_rows, stack.offsets[-1], generator=gen).to(dtype).cuda()
+    groups = triton_ops.group_rows(slots, stack.num_slots)
+    y = triton_ops.shrink_expand_rows(stack, y0.clone(), x, groups)
+    assert _rel(y.float() - y0.float(), _reference(stack, x, build_segments(slots.tolist()))) < _TOL[dtype]
+    base_rows = (slots == 0).nonzero().flatten()
+    assert torch.equal(y[base_rows], y0[base_rows])
+    on_two = (slots == 2).nonzero().flatten()
+    assert torch.equal(y[on_two, lo:hi], y0[on_two, lo:hi])
+
+
+@pytest.mark.parametrize("num_rows", [32, 128])
+@pytest.mark.parametrize("linear", ["qkv", "down"])
+def test_shrink_expand_blocks_of_the_check_tool(triton_ops, linear, num_rows):
+    """Every variant the check tool times is right before it is timed (here at the real shapes)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "check_lora_kernels.py"
+    spec = importlib.util.spec_from_file_location("check_lora_kernels", path)
+    tool = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = tool
+    spec.loader.exec_module(tool)
+    rng, gen = random.Random(num_rows), torch.Generator().manual_seed(num_rows)
+    in_features, output_sizes = _LLAMA_1B[linear]
+    stack = _mixed_rank_stack(gen, in_features, output_sizes)
+    slots = _row_slots(rng, num_rows)
+    slots[0] = 4
+    groups = triton_ops.group_rows(slots, stack.num_slots)
+    x = torch.randn(num_rows, in_features, generator=gen).bfloat16().cuda()
+    want = _reference(stack, x, build_segments(slots.tolist()))
+    for name, fn in tool.rows_variants(triton_ops, stack, num_rows, 132).items():
+        y = torch.zeros(num_rows, stack.offsets[-1], dtype=torch.bfloat16, device="cuda")
+        assert _rel(fn(y, x, slots, groups), want) < 1e-2, name
