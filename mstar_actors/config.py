@@ -39,11 +39,14 @@ class ModelConfig(msgspec.Struct, **_STRICT):
     # at startup; so do steps with prefill chunks of up to that many
     # sequences and ``cuda_graph_max_tokens`` tokens in all (capped by
     # scheduler.max_num_batched_tokens; 0: such steps run eagerly). Larger
-    # steps run eagerly. ``enforce_eager: true`` never captures (vLLM's
-    # name): slower steps, faster startup, no graph memory.
+    # steps run eagerly: on an H200 an eager step of ~600 tokens beside 16
+    # decodes took 18-22 ms (39 ms with LoRA rows) against 5-7 ms graphed,
+    # so by default every step the scheduler can plan is captured.
+    # ``enforce_eager: true`` never captures (vLLM's name): slower steps,
+    # faster startup, no graph memory.
     enforce_eager: bool = False
     cuda_graph_max_batch: Pos = 64
-    cuda_graph_max_tokens: NonNeg = 512
+    cuda_graph_max_tokens: NonNeg = 2048
 
 
 class ParallelConfig(msgspec.Struct, **_STRICT):

@@ -183,7 +183,7 @@ class ModelRunner:
         enforce_eager: bool = False,
         cuda_graph_max_batch: int = 64,
         max_num_batched_tokens: int = 2048,
-        cuda_graph_max_tokens: int = 512,
+        cuda_graph_max_tokens: int = 2048,
         max_lora_images: int = 4,
     ):
         self.device = resolve_device(device)

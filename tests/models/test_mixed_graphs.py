@@ -275,7 +275,7 @@ def test_a_moved_lora_stack_is_refused_by_the_mixed_graphs(lora_world):
 
 
 def test_config_key_and_worker_passes_it(monkeypatch):
-    assert parse_config({}).model.cuda_graph_max_tokens == 512
+    assert parse_config({}).model.cuda_graph_max_tokens == 2048
     assert parse_config({"model": {"cuda_graph_max_tokens": 0}}).model.cuda_graph_max_tokens == 0
     with pytest.raises(ConfigError, match=r"Expected `int` >= 0 - at `\$.model.cuda_graph_max_tokens`"):
         parse_config({"model": {"cuda_graph_max_tokens": -1}})
