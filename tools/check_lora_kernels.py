@@ -16,7 +16,7 @@ reported in its row and the run goes on; the exit status is 1 if any failed.
 ``--decode`` prints the decode-step table instead: for batches of 1, 8, 32
 and 64 rows (one per sequence) and each linear, the time per call of the
 base GEMM and of the rows kernels (``add_delta_rows``: one program per row
-below ``MIN_GROUPED_ROWS``, rows grouped by slot from there), eager and inside one
+below ``MIN_SPLIT_ROWS``, rows grouped by slot from there), eager and inside one
 CUDA graph of 66 back-to-back calls (a Llama-3.2-1B decode step makes 66
 LoRA calls: 16 layers x 4 linears, embedding, LM head). Eager times are the
 wall time of 66 back-to-back calls / 66, launch overhead included, as an
@@ -27,7 +27,7 @@ eager step pays it; graph times are the replay's GPU time / 66.
 
 ``--rows-table`` times each rows kernel against the others for one
 linear's call inside a CUDA graph (us per call, ``--calls`` back-to-back
-calls a graph): ``bgmv_rows``, ``sgmv_rows`` and ``shrink_expand_rows``
+calls a graph): ``bgmv_rows`` and ``shrink_expand_rows``
 with its default blocks and a few neighbours of them, for q|k|v, o,
 gate|up and down at 8-128 rows, one adapter and 4 mixed, rank 16; every
 variant is first checked against the fp32 reference. Then the per-layer
@@ -205,7 +205,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, torch reference path, a small subset of configs")
     p.add_argument("--decode", action="store_true", help="the decode-step table: GEMM vs rows kernels, eager and graphed")
-    p.add_argument("--rows-table", action="store_true", help="bgmv / sgmv / shrink-expand variants per linear, in graphs")
+    p.add_argument("--rows-table", action="store_true", help="bgmv / shrink-expand variants per linear, in graphs")
     p.add_argument("--rows", nargs="+", type=int, default=None, help="--rows-table's row counts (default 8 16 32 64 128)")
     p.add_argument("--calls", type=int, default=None, help="calls per graph (default 66, a decode step's LoRA calls)")
     p.add_argument("--min-split-rows", type=int, default=None,
@@ -398,7 +398,6 @@ def rows_variants(triton_ops, stack: LoraStack, num_rows: int, num_sms: int) -> 
 
     variants = {
         "bgmv": lambda y, x, slots, groups: triton_ops.bgmv_rows(stack, y, x, slots),
-        "sgmv": lambda y, x, slots, groups: triton_ops.sgmv_rows(stack, y, x, groups),
     }
     return variants | {name: split(b) for name, b in blocks.items()}
 
@@ -491,7 +490,7 @@ def print_layer_sums(table: list[dict], names, rows, mixes, linears) -> None:
     sum of the best split variant per linear (what per-linear blocks could give)."""
     if not names:
         return
-    splits = [n for n in names if n not in ("bgmv", "sgmv")]
+    splits = [n for n in names if n != "bgmv"]
     print(f"# per layer ({' + '.join(linears)})")
     print(f"{'layer':<8} {'rows':>4} {'mix':<6} " + " ".join(f"{n:>6}" for n in names) + f" {'best':>6}")
     for num_rows in rows:

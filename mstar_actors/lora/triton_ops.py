@@ -5,8 +5,8 @@ gate|up in it, rows on any mix of slots (``LoraStack.add_delta_rows``).
 Grids follow from shapes only and slots are read on the device, so a CUDA
 graph captures a call and replays it with new slots:
 
-- ``bgmv_rows`` (fewer than ``MIN_GROUPED_ROWS`` rows: decode steps, and
-  the embedding always): grid (rows, shards x column groups). Each program
+- ``bgmv_rows`` (fewer than ``MIN_SPLIT_ROWS`` rows: small decode steps,
+  and the embedding always): grid (rows, shards x column groups). Each program
   reads its row's slot and returns at once on slot 0 (base rows are left
   bit-identical) or on a module the adapter does not target (scale 0),
   computes the rank-wide intermediate ``t = scale * x[row] @ A[shard,
@@ -16,17 +16,13 @@ graph captures a call and replays it with new slots:
   price of one launch instead of two and of no intermediate buffer;
   ``_pick_tiles`` balances that redundancy against filling the device. The
   embedding's shrink is a gather of ``A[0, slot, :, token]``.
-- ``sgmv_rows`` (prefill-sized steps): rows grouped by slot on the device
-  (``group_rows``), so one program's A and B tiles serve up to 16 rows of
-  its slot, shrink and expand fused with ``tl.dot``; each column group's
-  program recomputes its tile's shrink.
-- ``shrink_expand_rows`` (from ``MIN_SPLIT_ROWS`` rows, when set): the same
-  row tiles, but two launches: the shrink once per (tile, shard, K split)
-  into an fp32 scratch, then the expand over (tile, column blocks). The
-  tiles are enumerated on the device (``_tile_of``) over a grid bounded by
-  shapes (``num_row_tiles``), so few programs exit idle. Meant for 16-128
-  row decode steps, where the other two repeat the shrink; the check
-  tool's ``--rows-table`` decides the threshold on a device.
+- ``shrink_expand_rows`` (from ``MIN_SPLIT_ROWS`` rows: bigger decode
+  steps and prefill chunks): rows grouped by slot on the device
+  (``group_rows``) into tiles of one slot, and two launches: the shrink
+  once per (tile, shard, K split) into an fp32 scratch, then the expand
+  over (tile, column blocks). The tiles are enumerated on the device
+  (``_tile_of``) over a grid bounded by shapes (``num_row_tiles``), so few
+  programs exit idle.
 
 Every variant any of them can launch (``variant_of`` per row count) is
 compiled at startup by ``warm_up``. Importing this module needs Triton; ``ops`` falls
@@ -208,67 +204,6 @@ def bgmv_rows(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: tor
     return y
 
 
-@triton.jit
-def _grouped_kernel(
-    x_ptr, a_ptr, b_ptr, scales_ptr, y_ptr, offsets_ptr, order_ptr, counts_ptr, starts_ptr,
-    R, NUM_GROUPS,
-    stride_xm, stride_xk,
-    stride_as, stride_al, stride_ar, stride_ak,
-    stride_wl, stride_wn, stride_wr,
-    stride_ss, stride_sl,
-    stride_ym, stride_yn,
-    K: tl.constexpr, TILES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-):  # fmt: skip
-    pid_m = tl.program_id(0)
-    slot = tl.program_id(1) + 1  # slot 0 (base) has no programs
-    pid = tl.program_id(2)
-    count = tl.load(counts_ptr + slot)
-    if pid_m * BLOCK_M >= count:  # most programs: this slot has fewer rows, or none
-        return
-    shard = pid // NUM_GROUPS
-    scale = tl.load(scales_ptr + shard * stride_ss + slot.to(tl.int64) * stride_sl)
-    if scale == 0.0:  # the adapter does not target this module (or shard): its factors are zeros
-        return
-    hi = tl.load(offsets_ptr + shard + 1)
-    n_start = tl.load(offsets_ptr + shard) + (pid % NUM_GROUPS) * (TILES * BLOCK_N)
-    if n_start >= hi:
-        return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < count
-    rows = tl.load(order_ptr + tl.load(starts_ptr + slot) + offs_m, mask=mask_m, other=0).to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < R
-    offs_k = tl.arange(0, BLOCK_K)
-    slot64 = slot.to(tl.int64)
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    a_ptrs = a_ptr + shard * stride_as + slot64 * stride_al + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = (k0 + offs_k) < K
-        xt = tl.load(x_ptrs + k0 * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        at = tl.load(a_ptrs + k0 * stride_ak, mask=mask_k[:, None] & mask_r[None, :], other=0.0)
-        acc += tl.dot(xt, at, input_precision=PRECISION)
-    t = acc * scale
-    offs_n = tl.arange(0, BLOCK_N)
-    for j in range(TILES):
-        cols = n_start + j * BLOCK_N + offs_n
-        mask_n = cols < hi
-        w = tl.load(
-            b_ptr + slot64 * stride_wl + cols[None, :].to(tl.int64) * stride_wn + offs_r[:, None] * stride_wr,
-            mask=mask_r[:, None] & mask_n[None, :],
-            other=0.0,
-        )
-        # As Punica does: the rank-wide intermediate is rounded to the
-        # weights' dtype for the tensor-core dot; the sum stays fp32.
-        delta = tl.dot(t.to(w.dtype), w, input_precision=PRECISION)
-        mask = mask_m[:, None] & mask_n[None, :]
-        y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :].to(tl.int64) * stride_yn
-        y = tl.load(y_ptrs, mask=mask, other=0.0)
-        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
-
-
 def group_rows(row_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(order, counts, starts), int32 on the slots' device: ``order[starts[s] :
     starts[s] + counts[s]]`` are the rows on slot ``s``, in row order.
@@ -283,47 +218,6 @@ def group_rows(row_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, t
     order = torch.empty_like(row_slots, dtype=torch.int32)
     order.scatter_(0, (starts.long()[slots] + rank_in_slot), torch.arange(slots.shape[0], dtype=torch.int32, device=slots.device))
     return order, counts, starts
-
-
-def _grouped_block_n(max_rank: int, max_out: int) -> int:
-    return min(max(32, 2048 // _block_r(max_rank)), triton.next_power_of_2(max_out))
-
-
-def sgmv_rows(
-    stack: LoraStack, y: torch.Tensor, x: torch.Tensor, groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *, tiles: int | None = None
-) -> torch.Tensor:
-    """The rows delta for bigger decode batches: rows grouped by slot on the
-    device (``group_rows``), so a program's A and B tiles serve up to
-    ``BLOCK_M`` rows of its slot (``bgmv_rows`` reads them once per row:
-    ``rows x rank / in_features`` of the base GEMM's weight traffic, half of
-    it at 64 rows). One launch, shrink and expand fused; grid (row tiles of
-    the whole batch, adapter slots, shards x column groups) from shapes; the
-    programs past their slot's rows return at once."""
-    num_shards, num_slots, max_rank, k = stack.a.shape
-    num_rows, max_out = y.shape[0], max(stack.output_sizes)
-    if x.dtype != stack.a.dtype or x.dtype not in _DOT_DTYPES:
-        raise TypeError(f"LoRA rows delta: x is {x.dtype} and A is {stack.a.dtype}; accepted: the same dtype of {_DOT_DTYPES}")
-    order, counts, starts = groups
-    block_m, block_r, block_k = 16, _block_r(max_rank), 64
-    block_n = _grouped_block_n(max_rank, max_out)
-    num_m = triton.cdiv(num_rows, block_m)
-    tiles = tiles or _pick_tiles(num_m, num_shards, max_out, k, block_n, _num_sms(y.device))
-    num_groups = triton.cdiv(max_out, tiles * block_n)
-    a, b, scales = stack.a, stack.b, stack.scales
-    _grouped_kernel[(num_m, num_slots - 1, num_shards * num_groups)](
-        x, a, b, scales, y, stack.offsets_on(y.device), order, counts, starts,
-        max_rank, num_groups,
-        x.stride(0), x.stride(1),
-        a.stride(0), a.stride(1), a.stride(2), a.stride(3),
-        b.stride(0), b.stride(1), b.stride(2),
-        scales.stride(0), scales.stride(1),
-        y.stride(0), y.stride(1),
-        K=k, TILES=tiles,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k,
-        PRECISION=_precision(b.dtype),
-        num_warps=4,
-    )  # fmt: skip
-    return y
 
 
 
@@ -435,8 +329,8 @@ def _expand_kernel(
             mask=mask_r[:, None] & mask_n[None, :],
             other=0.0,
         )
-        # t rounded to the weights' dtype for the tensor-core dot, as in
-        # ``_grouped_kernel``; the sum stays fp32.
+        # As Punica does: t rounded to the weights' dtype for the tensor-core
+        # dot; the sum stays fp32.
         delta = tl.dot(t.to(w.dtype), w, input_precision=PRECISION)
         mask = mask_m[:, None] & mask_n[None, :]
         y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :].to(tl.int64) * stride_yn
@@ -479,8 +373,7 @@ def shrink_expand_rows(
     by slot, ``group_rows``): a shrink writing ``t = scale * x @ A.T`` once
     per (tile, shard, K split), fp32, then an expand adding ``t @ B.T`` to
     every column block of ``y``, in place. ``bgmv_rows`` recomputes a row's
-    shrink in each of its programs and ``sgmv_rows`` a tile's in each
-    column group; here it is done once, for the price of a second launch
+    shrink in each of its programs; here it is done once, for the price of a second launch
     and a ``[SPLIT_K, shards, rows, BLOCK_R]`` fp32 scratch (made per call;
     inside a CUDA graph, from the graph's pool). Grids from shapes; base
     rows and untargeted shards are never written. ``blocks`` overrides
@@ -522,26 +415,21 @@ def shrink_expand_rows(
     )  # fmt: skip
     return y
 
-# Steps of at least this many rows take ``sgmv_rows`` (shared weight reads),
-# smaller ones ``bgmv_rows`` (one program per row: more parallel). Measured
-# on an H200 with Llama-3.2-1B's linears in CUDA graphs, ``bgmv_rows`` is
-# still the faster at 64 rows (49 against 83 us a layer), so every decode
-# batch takes it and the grouped kernel serves prefill chunks.
-MIN_GROUPED_ROWS = 128
-
-# Steps of at least this many rows take ``shrink_expand_rows`` instead of
-# either kernel above (prefill chunks included); None: never. Unset until
-# the check tool's ``--rows-table`` has timed it against both on an H200.
-MIN_SPLIT_ROWS: int | None = None
+# Steps of at least this many rows take ``shrink_expand_rows`` (prefill
+# chunks included), smaller ones ``bgmv_rows``. Timed on an H200 in CUDA
+# graphs, Llama-3.2-1B's four linears at rank 16, us a layer, bgmv against
+# shrink-expand: 22.4 / 25.3 at 16 rows, 26.7 / 25.6 at 32, 34.2 / 27.9 at
+# 64, 45.8 / 30.7 at 128, and 145 / 55 at 512 (where the grouped kernel
+# this one replaced took 136); its row grouping costs 30-50 us a step more,
+# so it pays from 64 rows (``tools/check_lora_kernels.py --rows-table``).
+MIN_SPLIT_ROWS = 64
 
 
 def kernel_for(num_rows: int) -> str:
     """The kernel a linear's step of ``num_rows`` rows takes: "bgmv"
-    (``bgmv_rows``), "sgmv" (``sgmv_rows``) or "split" (``shrink_expand_rows``).
-    A function of the shape alone, so a captured graph keeps its choice."""
-    if MIN_SPLIT_ROWS is not None and num_rows >= MIN_SPLIT_ROWS:
-        return "split"
-    return "bgmv" if num_rows < MIN_GROUPED_ROWS else "sgmv"
+    (``bgmv_rows``) or "split" (``shrink_expand_rows``). A function of the
+    shape alone, so a captured graph keeps its choice."""
+    return "split" if num_rows >= MIN_SPLIT_ROWS else "bgmv"
 
 
 def uses_single_rows(num_rows: int) -> bool:
@@ -558,9 +446,7 @@ def rows_delta(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: to
     if kernel == "bgmv":
         return bgmv_rows(stack, y, x, row_slots)
     groups = groups if groups is not None else group_rows(row_slots, stack.num_slots)
-    if kernel == "split":
-        return shrink_expand_rows(stack, y, x, groups)
-    return sgmv_rows(stack, y, x, groups)
+    return shrink_expand_rows(stack, y, x, groups)
 
 
 def warm_up(stack: LoraStack, max_num_rows: int) -> None:
@@ -589,8 +475,6 @@ def variant_of(stack: LoraStack, num_rows: int, num_sms: int) -> tuple:
     if kernel == "bgmv":
         block_n = _rows_blocks(max_rank, k, max_out)[2]
         return kernel, _pick_tiles(num_rows, num_shards, max_out, max_rank if stack.is_embedding else k, block_n, num_sms)
-    if kernel == "sgmv":
-        return kernel, _pick_tiles(triton.cdiv(num_rows, 16), num_shards, max_out, k, _grouped_block_n(max_rank, max_out), num_sms)
     return kernel, *_split_blocks(num_rows, num_shards, k, max_out, num_sms)
 
 

@@ -76,29 +76,6 @@ def test_rows_kernel_equals_reference_and_segment_path(output_sizes, num_rows):
 
 @interpreted
 @pytest.mark.parametrize("output_sizes", [(64,), (64, 32, 48)])
-@pytest.mark.parametrize("num_rows", [16, 37])
-def test_grouped_rows_kernel_equals_segment_path(output_sizes, num_rows):
-    seed = random.randrange(2**31)
-    print(f"seed={seed}")
-    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    stack = make_stack(gen, 72, output_sizes)
-    slots = random_slots(rng, num_rows)
-    x = torch.randn(num_rows, 72, generator=gen)
-    y0 = torch.randn(num_rows, sum(output_sizes), generator=gen)
-    want = stack.add_delta(y0.clone(), x, build_segments(slots))
-    groups = triton_ops.group_rows(int32(slots), stack.num_slots)
-    for tiles in (None, 2):
-        got = triton_ops.sgmv_rows(stack, y0.clone(), x, groups, tiles=tiles)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        base_rows = [t for t, s in enumerate(slots) if s == 0]
-        assert torch.equal(got[base_rows], y0[base_rows])
-    got = triton_ops.add_delta_rows(stack, y0.clone(), x, int32(slots))  # picks the grouped kernel itself
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-
-
-
-@interpreted
-@pytest.mark.parametrize("output_sizes", [(64,), (64, 32, 48)])
 @pytest.mark.parametrize("num_rows", [1, 16, 37])
 def test_shrink_expand_kernels_equal_segment_path(output_sizes, num_rows):
     """Two launches over row tiles of one slot, K split or not, one or two
@@ -166,7 +143,7 @@ def test_split_blocks_cover_k_and_fill_the_device_without_crowding_it(shape):
 
 
 def test_kernel_for_routes_by_row_count(monkeypatch):
-    assert [triton_ops.kernel_for(n) for n in (1, 127, 128, 2048)] == ["bgmv", "bgmv", "sgmv", "sgmv"]
+    assert [triton_ops.kernel_for(n) for n in (1, 63, 64, 2048)] == ["bgmv", "bgmv", "split", "split"]
     monkeypatch.setattr(triton_ops, "MIN_SPLIT_ROWS", 16)
     assert [triton_ops.kernel_for(n) for n in (1, 15, 16, 127, 2048)] == ["bgmv", "bgmv", "split", "split", "split"]
     assert not triton_ops.uses_single_rows(16) and triton_ops.uses_single_rows(15)
@@ -289,7 +266,7 @@ def _decode_logits(runner, slots, *, rows: bool, kernel: bool, monkeypatch) -> t
     batch = build_batch(d.decodes(*rids), runner.seqs, runner.block_size, runner.num_kv_blocks, runner.max_model_len)
     monkeypatch.setattr(runner.lora, "uses_rows", rows)
     if kernel:  # the rows path through the Triton kernel in the interpreter
-        rows_delta = triton_ops.rows_delta  # picks bgmv_rows or sgmv_rows by the batch size, as on CUDA
+        rows_delta = triton_ops.rows_delta  # picks bgmv_rows or shrink_expand_rows by the batch size, as on CUDA
         monkeypatch.setattr(LoraStack, "add_delta_rows", lambda stack, y, x, s, groups=None: rows_delta(stack, y, x, s, groups))
     calls = []
     monkeypatch.setattr(type(runner.lora), "begin_rows_step", _spy(type(runner.lora).begin_rows_step, calls))
@@ -312,20 +289,20 @@ def _spy(method, calls):
 
 @pytest.mark.parametrize(
     "kernel,num_rows,min_split_rows",
-    [(False, 5, None), pytest.param(True, 5, None, marks=interpreted), pytest.param(True, 16, None, marks=interpreted),
+    [(False, 5, 64), pytest.param(True, 5, 64, marks=interpreted), pytest.param(True, 16, 64, marks=interpreted),
      pytest.param(True, 16, 16, marks=interpreted)],
 )
 def test_decode_through_rows_equals_segments(runner, kernel, num_rows, min_split_rows, monkeypatch):
-    """At 16 rows the grouped kernel runs (its threshold lowered to 16 here:
-    the interpreter is too slow for batches of the real threshold), or the
-    shrink-then-expand one where ``MIN_SPLIT_ROWS`` is set."""
+    """One program per row below ``MIN_SPLIT_ROWS``; the shrink-then-expand
+    kernel from it (lowered to 16 here: the interpreter is too slow for
+    batches of the real threshold)."""
     from unittest import mock
 
     slots = [[0, 2, 1, 3, 0][i % 5] for i in range(num_rows)]
     want = _decode_logits(runner, slots, rows=False, kernel=False, monkeypatch=monkeypatch)
     base = _decode_logits(runner, [0] * len(slots), rows=False, kernel=False, monkeypatch=monkeypatch)
     assert not torch.allclose(want[[1, 2, 3]], base[[1, 2, 3]], atol=1e-3), "adapters must change the logits"
-    with mock.patch.object(triton_ops, "MIN_GROUPED_ROWS", 16), mock.patch.object(triton_ops, "MIN_SPLIT_ROWS", min_split_rows):
+    with mock.patch.object(triton_ops, "MIN_SPLIT_ROWS", min_split_rows):
         got = _decode_logits(runner, slots, rows=True, kernel=kernel, monkeypatch=monkeypatch)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     base_rows = [t for t, s in enumerate(slots) if s == 0]
@@ -392,7 +369,7 @@ def test_check_tool_decode_dry_run_validates_and_writes_json(tmp_path):
     assert tool.decode_slots("mixed4", 6, None) == [1, 2, 3, 4, 1, 2]
 
 
-@pytest.mark.parametrize("min_split_rows", [None, 16])
+@pytest.mark.parametrize("min_split_rows", [64, 16])
 @pytest.mark.parametrize("outs,k,is_embedding", [([64, 32, 32], 64, False), ([512, 512], 64, False), ([96], 300, True)])
 def test_warm_up_covers_every_variant_serving_can_pick(outs, k, is_embedding, min_split_rows, monkeypatch):
     """Each compiled variant ``rows_delta`` launches at 1..N rows is launched
@@ -411,14 +388,13 @@ def test_warm_up_covers_every_variant_serving_can_pick(outs, k, is_embedding, mi
         return launch
 
     monkeypatch.setattr(triton_ops, "bgmv_rows", record("bgmv"))
-    monkeypatch.setattr(triton_ops, "sgmv_rows", record("sgmv"))
     monkeypatch.setattr(triton_ops, "shrink_expand_rows", record("split"))
     monkeypatch.setattr(triton_ops, "group_rows", lambda slots, n: None)
     max_rows = 300
     for num_rows in range(1, max_rows + 1):
         triton_ops.rows_delta(stack, torch.zeros(num_rows, sum(outs)), torch.zeros(num_rows, k), torch.zeros(num_rows, dtype=torch.int32))
     serving = set(picked)
-    assert {v[0] for v in serving} == ({"bgmv"} if is_embedding else {"bgmv", "split" if min_split_rows else "sgmv"})
+    assert {v[0] for v in serving} == ({"bgmv"} if is_embedding else {"bgmv", "split"})
     picked.clear()
     triton_ops.warm_up(stack, max_rows)
     assert set(picked) == serving
@@ -448,6 +424,6 @@ def test_check_tool_rows_table_dry_run_checks_every_variant(tmp_path, capsys):
     assert _load_check_tool().main(argv) == 0
     table = json.loads(out.read_text())["rows"]
     assert [(r["linear"], r["rows"], r["mix"]) for r in table] == [("o", 16, "mixed4")]
-    assert set(table[0]["us"]) >= {"bgmv", "sgmv", "split", "sk*2"} and all(v is not None for r in table for v in r["us"].values())
+    assert set(table[0]["us"]) >= {"bgmv", "split", "sk*2"} and all(v is not None for r in table for v in r["us"].values())
     printed = capsys.readouterr().out
     assert "sum        16 mixed4" in printed and "group_rows once a step" in printed
