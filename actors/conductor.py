@@ -167,6 +167,7 @@ class ConductorActor(Actor):
                 await self.dispatch(*await self.mailbox.get())  # park until something arrives
                 await self.send_stats()  # an abort or arrival while idle changes the gauges
                 continue
+            self.pool.step()
             await self.outbox["workers"].send(self.pool.label(self.track_media(plan)))  # 2
             results = await self.await_step(plan)  # 3
             await self.finish_step(plan, results)  # 4

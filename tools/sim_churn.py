@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import collections
 import math
+import random
 import sys
 from dataclasses import dataclass, field
 
@@ -89,7 +90,7 @@ class _Sim:
     a scripted reader, ranks and clients."""
 
     def __init__(self, concurrency, max_loras, num_adapters, max_tokens, num_requests, install_steps, read_steps,
-                 client_steps):
+                 client_steps, client_jitter=0, seed=0):
         self.names = [f"lora{i}" for i in range(num_adapters)]
         self.pool = AdapterPool("base", max_loras, num_ranks=1, max_cpu_loras=num_adapters + 1)
         for name in self.names:
@@ -101,7 +102,8 @@ class _Sim:
         if client_steps < 1:
             raise ValueError(f"client_steps must be >= 1 (a next request arrives after the step's outputs), "
                              f"got {client_steps}")
-        self.client_steps = client_steps
+        self.client_steps, self.client_jitter = client_steps, client_jitter
+        self.rng = random.Random(seed)
         self.num_requests = num_requests
         self.result = SimResult(concurrency, max_loras)
         self.events: dict[int, list] = collections.defaultdict(list)  # step -> messages due then
@@ -135,6 +137,7 @@ class _Sim:
         plan = self.sched.schedule() if self.sched.has_work() else None
         if plan is None:
             return  # idle: waiting for a read or an install
+        self.pool.step()
         for start in self.pool.label(plan).started:
             self.check_slot(start.request_id, start.lora_slot)
         sampled = [SampledToken(c.request_id, TOKEN) for c in plan.scheduled if c.sample]
@@ -166,7 +169,8 @@ class _Sim:
                 case Finished(request_id=request_id):
                     self.result.num_requests += 1
                     self.route(self.pool.end(request_id))
-                    self.events[self.now + self.client_steps].append(_NEXT)
+                    delay = self.client_steps + self.rng.randint(0, self.client_jitter)
+                    self.events[self.now + delay].append(_NEXT)
                 case ReadAdapter(name=name):
                     self.read(name)
                 case InstallAdapter(slot=slot, digest=digest):
@@ -204,18 +208,19 @@ def _digest(name: str) -> str:
 
 def simulate(concurrency: int, *, max_loras: int = 2, num_adapters: int = 3, max_tokens: int = 64,
              num_requests: int | None = None, install_steps: int = 5, read_steps: int = 1,
-             client_steps: int = 1, waves: int = 8) -> SimResult:
+             client_steps: int = 1, client_jitter: int = 0, waves: int = 8) -> SimResult:
     """One run; ``num_requests`` defaults to ``waves`` waves of ``concurrency`` (at least 48)."""
     num_requests = num_requests or max(waves * concurrency, 48)
     return _Sim(concurrency, max_loras, num_adapters, max_tokens, num_requests, install_steps, read_steps,
-                client_steps).run()
+                client_steps, client_jitter).run()
 
 
 def table(levels: list[int], **kw) -> str:
     num_adapters = kw.get("num_adapters", 3)
     lines = [f"churn: {num_adapters} adapters round robin over max_loras {kw.get('max_loras', 2)}; "
              f"{kw.get('max_tokens', 64)} tokens each; install {kw.get('install_steps', 5)} steps, "
-             f"read {kw.get('read_steps', 1)} step(s), next request {kw.get('client_steps', 1)} step(s) after an end",
+             f"read {kw.get('read_steps', 1)} step(s), next request {kw.get('client_steps', 1)} step(s) after an end"
+             f" (+ 0..{kw.get('client_jitter', 0)})",
              f"{'conc':>4} {'tok/step':>8} {'no churn':>8} {'ratio':>6} {'TTFT p50':>8} {'p90':>5} {'max':>5} "
              f"{'calm p90':>8} {'installs':>8} {'reads':>5}"]
     for c in levels:
@@ -238,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--read-steps", type=int, default=1)
     p.add_argument("--client-steps", type=int, default=1,
                    help="steps from a request's end to its client's next request reaching the pool (>= 1)")
+    p.add_argument("--client-jitter", type=int, default=0,
+                   help="up to this many more steps, drawn per request (seeded): the clients of one step's endings "
+                        "send their next requests over several steps, as in the server (default 0)")
     p.add_argument("--requests", type=int, default=None, help="per level (default: --waves waves, at least 48)")
     p.add_argument("--waves", type=int, default=8,
                    help="requests per level = waves x concurrency, at least 48 (default 8; bench_lora runs 3)")
@@ -245,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     print(table(levels, max_loras=args.max_loras, num_adapters=args.adapters, max_tokens=args.max_tokens,
                 install_steps=args.install_steps, read_steps=args.read_steps, num_requests=args.requests,
-                client_steps=args.client_steps, waves=args.waves))
+                client_steps=args.client_steps, client_jitter=args.client_jitter, waves=args.waves))
     return 0
 
 

@@ -32,8 +32,11 @@ Invariants:
   changed on disk is served once reloaded (``load``), as before.
 - Churn is bounded: when the oldest waiter of an adapter finds every slot
   pinned, one ready slot (fewest pins, then least recently used) is marked
-  draining for it: no new request joins that slot, so it empties within one
-  request's length and the waiter's install takes it. Requests on other
+  draining for it: no new request joins that slot unless its max_tokens run
+  out with those of a request already on it (``DRAIN_JOIN_STEPS``: the
+  requests of one wave, whose clients send their next ones over a step or
+  two), so it empties within one request's length and the waiter's install
+  takes it. The pool counts planned steps (``step``) for that. Requests on other
   resident slots are still admitted at once (they delay no older waiter).
   At most ``max_drains`` slots are out of service at once, draining or
   installing (an install in flight serves no row either): the others keep
@@ -153,6 +156,11 @@ class _Host:
     last_used: int = 0  # for keeping the most recently installed copies held
 
 
+# A request joins a draining slot when its max_tokens run out no later than
+# this many steps after those of a request already on it.
+DRAIN_JOIN_STEPS = 2
+
+
 @dataclass
 class AdapterPool:
     base: str  # the base model's served name
@@ -176,6 +184,8 @@ class AdapterPool:
         # at least one: the rest keep the batch busy.
         self.max_drains = max(1, self.max_loras // 2)
         self._tick = 0
+        self._steps = 0  # steps planned so far (``step``): the clock of a request's due step
+        self._due: dict[str, int] = {}  # admitted adapter request -> step its max_tokens run out
 
     @classmethod
     def from_config(cls, config, base: str, num_ranks: int) -> AdapterPool:
@@ -212,6 +222,11 @@ class AdapterPool:
 
     # ------------------------------------------------------------ requests
 
+    def step(self) -> None:
+        """A step was planned: the clock of the requests' due steps (a decode
+        step makes at most one token a request)."""
+        self._steps += 1
+
     def add(self, req: Prepared) -> list:
         if req.model == self.base:
             self._slot_of[req.request_id] = 0
@@ -239,6 +254,7 @@ class AdapterPool:
     def end(self, request_id: str) -> list:
         """The scheduler ended (finished or failed) an admitted request: unpin its slot."""
         slot = self._slot_of.pop(request_id, None)
+        self._due.pop(request_id, None)
         if not slot:
             return []
         self.table.unpin(slot)
@@ -351,8 +367,8 @@ class AdapterPool:
         adapter = w.adapter
         slot = self._resident_slot(adapter)
         if slot is not None:
-            if self._drains.get(slot, adapter.name) != adapter.name:
-                return []  # draining for an older waiter: no new rows join it
+            if self._drains.get(slot, adapter.name) != adapter.name and not self._ends_with_drain(slot, w):
+                return []  # draining for an older waiter: no new rows that would hold it longer
             return self._pin_existing(w, adapter)
         if not adapter.digest or (adapter.name, adapter.digest) not in self._hosts:
             return [*self._ensure_read(adapter), *self._reserve_drain(adapter.name)]
@@ -439,7 +455,18 @@ class AdapterPool:
 
     def _admit(self, w: _Waiting, slot: int) -> Admit:
         self._slot_of[w.prepared.request_id] = slot
+        self._due[w.prepared.request_id] = self._steps + w.prepared.sampling.max_tokens
         return Admit(w.prepared, slot, lora_root(self.base, self._slot_digest[slot]))
+
+    def _ends_with_drain(self, slot: int, w: _Waiting) -> bool:
+        """Whether ``w`` may still join draining ``slot``: its max_tokens run out
+        no later than (within ``DRAIN_JOIN_STEPS`` of) those of a request
+        already on it, so it does not hold the slot longer than they may.
+        Requests of equal length arriving together (a wave's clients, whose
+        next requests trickle in over a step or two) then share the wave
+        instead of waiting for the slot's next tenure, a whole request more."""
+        due = [self._due[rid] for rid, s in self._slot_of.items() if s == slot and rid in self._due]
+        return bool(due) and self._steps + w.prepared.sampling.max_tokens <= max(due) + DRAIN_JOIN_STEPS
 
     @staticmethod
     def _fail(w: _Waiting, status: int, message: str) -> Failed:

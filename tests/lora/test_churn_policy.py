@@ -67,6 +67,8 @@ def test_the_waiter_drains_once_the_install_is_in_and_is_admitted_after_it():
     p.send("b2", "b")
     p.ack_all()  # c is in: a2 now drains the ready slot with the fewest rows (c's, one row)
     assert "c1" in p.admitted and p.pool.num_out_of_service == 1
+    p.pool.step()
+    p.pool.step()  # c2 arrives late enough to outlast c1 by more than DRAIN_JOIN_STEPS
     p.send("c2", "c")
     p.send("b3", "b")
     assert "c2" not in p.admitted and p.admitted.get("b3") == p.slot("b")

@@ -62,7 +62,11 @@ class Driver:
                 case Finished(request_id=request_id):
                     self.finished.append(request_id)
 
-    def send(self, request_id: str, model: str) -> None:
+    def send(self, request_id: str, model: str, *, same_step: bool = False) -> None:
+        """A request of 4 tokens; a step after the last one (so it would hold a
+        draining slot longer than the requests on it) unless ``same_step``."""
+        if not same_step:
+            self.pool.step()
         self.handle(self.pool.add(Prepared(request_id=request_id, model=model, prompt_token_ids=[1, 2],
                                            sampling=SamplingParams(max_tokens=4))))
 
@@ -120,6 +124,28 @@ def test_a_waiter_drains_one_slot_while_the_other_keeps_admitting():
     d.settle()
     assert d.admitted["c1"] == slot_a
     assert d.pool.table.lookup("b") == slot_b
+
+
+def test_a_draining_slot_takes_requests_that_end_with_its_own():
+    """Requests of a wave arrive over a step or two; one that would end by the
+    time the slot's requests do (within DRAIN_JOIN_STEPS) joins the draining
+    slot instead of waiting for its next tenure; a later one does not."""
+    from mstar_actors.lora.pool import DRAIN_JOIN_STEPS
+
+    d = running("ab")
+    d.send("c1", "c", same_step=True)
+    d.settle()
+    d.send("a2", "a", same_step=True)  # ends with a1: joins, the drain is no longer
+    assert "a2" in d.admitted and "c1" not in d.admitted
+    for _ in range(DRAIN_JOIN_STEPS):
+        d.pool.step()
+    d.send("a3", "a")  # would end after a1 and a2 by more than the slack: waits
+    assert "a3" not in d.admitted
+    d.end("a1")
+    assert not d.unacked  # a2 still holds the slot
+    d.end("a2")
+    d.settle()
+    assert d.admitted["c1"] == d.admitted["a2"]
 
 
 def test_no_starvation_the_waiter_is_admitted_once_the_drained_requests_end():
