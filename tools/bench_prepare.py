@@ -569,6 +569,40 @@ def gil_probe(preparer, request, num_drafts: int = 10) -> str:
             f"spinner also loses its core)")
 
 
+def drafts_at_once(preparer, request, num_drafts: int = 4, rounds: int = 3) -> str:
+    """One video draft alone against ``num_drafts`` at once on as many
+    threads (median wall ms of each): the pool's time-to-first-token gain is
+    at most about 2.5 x alone / at once (the inline median waits for ~2.5
+    drafts, the pool's for one among four), less what the frontend and the
+    prefill add to both."""
+    import statistics
+    import threading
+
+    def timed() -> float:
+        start = time.perf_counter()
+        preparer.draft(request, {})
+        return 1e3 * (time.perf_counter() - start)
+
+    def together() -> float:
+        walls = [0.0] * num_drafts
+
+        def run(i: int) -> None:
+            walls[i] = timed()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(num_drafts)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return statistics.mean(walls)
+
+    timed()
+    alone = statistics.median(timed() for _ in range(rounds))
+    at_once = statistics.median(together() for _ in range(rounds))
+    return (f"video drafts: alone {alone:.1f} ms, {num_drafts} at once {at_once:.1f} ms each "
+            f"({at_once / alone:.2f}x); TTFT gain bound ~2.5 x alone / at once = {2.5 * alone / at_once:.2f}x")
+
+
 def progress(text: str, end: str = "\n") -> None:
     print(f"# {text}" if text else "", end=end, file=sys.stderr, flush=True)
 
@@ -646,6 +680,7 @@ def main() -> None:
                        f"{1000 * cpu / args.requests:.1f} | {rate / base:.2f}x |")
         progress("GIL probe (video draft)")
         report("\n" + gil_probe(preparer, make_request("gil", "video", urls["video"])))
+        report("\n" + drafts_at_once(preparer, make_request("at-once", "video", urls["video"])))
         if not args.ttft_rounds:
             return
         ratios = {clip: run_ttft(report, args, clip, urls["video"], Path(tmp))}
