@@ -19,12 +19,13 @@ Two ways to name each row's slot, one meaning:
   math): the CPU path, and CUDA without Triton.
 - A one-hot over the slots (``DenseRows``, ``build_dense_rows``): the CPU's
   path for decode-sized steps. Every slot's shrink is one GEMM, each row
-  keeps its own slot's columns, and every slot's expand is one batched GEMM
-  whose other slots add exact zeros: a fixed handful of ops per linear
-  whatever the adapter mix, where segments cost a gather, GEMMs and a
-  scatter per adapter present (with four adapters among 8 rows the step of
-  SmolLM2 on one core went from 79 ms base to 186 ms). Rows on a single
-  adapter take that slot's columns alone (``delta_one_slot_ref``).
+  keeps its own slot's columns, and every slot's expand is one GEMM per
+  shard whose other slots add exact zeros: a fixed handful of ops per
+  linear whatever the adapter mix, where segments cost a gather, GEMMs and
+  a scatter per adapter present (with four adapters among 8 rows the step
+  of SmolLM2 on one core went from 79 ms base to 186 ms). Rows on a single adapter take
+  that slot's block of operands laid out at install (``DenseFactors``,
+  ``delta_one_slot``): one GEMM, a scaling and one GEMM.
 - Per-row slots (``LoraStack.add_delta_rows``): a device tensor
   ``row_slots`` [T] (int32, 0 = base). Nothing about it is read on the host,
   the work's shape depends only on tensor shapes, and slot 0's factors are
@@ -154,21 +155,60 @@ def expand_matrix(b: torch.Tensor) -> torch.Tensor:
     return b.permute(0, 2, 1).reshape(num_slots * max_rank, out).contiguous()
 
 
-def delta_one_slot_ref(y, x, a, b_all, scales, rows: DenseRows, slot: int, offsets: Sequence[int]):
-    """``delta_dense_ref`` when every adapter row is on ``slot`` (the rest
-    base): the same arithmetic over that slot's columns alone, every shard's
-    shrink in one batched GEMM."""
-    max_rank = a.shape[2]
-    shrink = torch.matmul(x.float(), a[:, slot].float().transpose(1, 2))  # [shards, T, R]
-    on_slot = rows.onehot[:, slot]
-    b_slot = b_all[slot * max_rank : (slot + 1) * max_rank]
-    for i in range(len(offsets) - 1):
-        lo, hi = offsets[i], offsets[i + 1]
-        t = shrink[i] * (on_slot * scales[i, slot])[:, None]
-        if y.dtype == torch.float32:
-            y[:, lo:hi].addmm_(t, b_slot[:, lo:hi])
-        else:
-            y[:, lo:hi] = (y[:, lo:hi].float() + t @ b_slot[:, lo:hi].float()).to(y.dtype)
+class DenseFactors:
+    """Every slot's factors of one linear's stack laid out for steps whose
+    adapter rows are all on one slot (CPU, ``delta_one_slot``), slot-major
+    in blocks of width ``W = shards x R``: ``a_t`` [in, slots * W] (each
+    shard's A transposed, side by side), ``b`` [slots * W, out] (each
+    shard's B transposed in its own rows and columns, zeros elsewhere),
+    ``scales`` [slots * W] (each shard's scale once per rank), fp32. Such a
+    step's delta is then one GEMM, one scaling and one GEMM whatever the
+    shard count. (Steps mixing slots keep ``delta_dense_ref``'s GEMM per
+    shard: the zeros of a block layout over every slot would be read
+    ``shards`` times over.) ``write`` rewrites one slot's block in place,
+    so steps on other slots may read the rest meanwhile (an install runs
+    beside the steps)."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, offsets: Sequence[int]):
+        num_shards, num_slots, max_rank, k = a.shape
+        self.width, self.offsets = num_shards * max_rank, tuple(offsets)
+        self.a_t = torch.zeros(k, num_slots * self.width)
+        self.b = torch.zeros(num_slots * self.width, self.offsets[-1])
+        self.scales = torch.zeros(num_slots * self.width)
+        for slot in range(num_slots):
+            self.write(slot, a, b, scales)
+
+    def block(self, slot: int) -> slice:
+        return slice(slot * self.width, (slot + 1) * self.width)
+
+    def write(self, slot: int, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor) -> None:
+        """Slot ``slot``'s block from the stack's ``a`` [shards, slots, R, in],
+        ``b`` [slots, out, R] and ``scales`` [shards, slots]."""
+        num_shards, _, max_rank, k = a.shape
+        cols = self.block(slot)
+        self.a_t[:, cols] = a[:, slot].reshape(self.width, k).T
+        rows = self.b[cols]
+        rows.zero_()
+        for i in range(num_shards):
+            lo, hi = self.offsets[i], self.offsets[i + 1]
+            rows[i * max_rank : (i + 1) * max_rank, lo:hi] = b[slot, lo:hi].T
+        self.scales[cols] = scales[:, slot].float().repeat_interleave(max_rank)
+
+
+def delta_one_slot(y: torch.Tensor, x: torch.Tensor, f: DenseFactors, slot: int, on_slot: torch.Tensor) -> torch.Tensor:
+    """``delta_dense_ref`` when every adapter row is on ``slot`` (``on_slot``
+    [T]: 1 for its rows, 0 for base ones), in place on ``y``, fp32 math:
+    that slot's block of ``f`` alone (see ``DenseFactors``)."""
+    cols = f.block(slot)
+    t = x.float() @ f.a_t[:, cols]
+    t *= on_slot[:, None] * f.scales[cols]
+    return _add_product(y, t, f.b[cols])
+
+
+def _add_product(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if y.dtype == torch.float32:
+        return y.addmm_(t, b)
+    y.copy_((y.float() + t @ b.float()).to(y.dtype))
     return y
 
 
@@ -190,10 +230,7 @@ def delta_dense_ref(y, x, a, b_all, scales, rows: DenseRows, offsets: Sequence[i
     shrink = (shrink * weights[..., None]).view(num_rows, num_shards, num_slots * max_rank)
     for i in range(len(offsets) - 1):
         lo, hi = offsets[i], offsets[i + 1]
-        if y.dtype == torch.float32:
-            y[:, lo:hi].addmm_(shrink[:, i], b_all[:, lo:hi])
-        else:
-            y[:, lo:hi] = (y[:, lo:hi].float() + shrink[:, i] @ b_all[:, lo:hi].float()).to(y.dtype)
+        _add_product(y[:, lo:hi], shrink[:, i], b_all[:, lo:hi])
     return y
 
 
@@ -326,9 +363,15 @@ class LoraStack:
         # Made here, not at first use: a first use inside CUDA-graph capture
         # would be a host-to-device copy, which capture forbids.
         self._offsets_dev = torch.tensor(self.offsets, dtype=torch.int32, device=device)
-        # expand_matrix(b), kept slot by slot where the dense path runs (no kernels):
-        # an install writes only its own slot's rows, so steps on other slots may read it meanwhile.
-        self.b_all = None if has_kernels(device) else expand_matrix(self.b)
+        # Where the one-hot path runs (no kernels), its operands, kept slot by
+        # slot: an install writes only its own slot's, so steps on other slots
+        # may read them meanwhile. expand_matrix(b) for steps mixing slots,
+        # and a linear's DenseFactors for steps on one.
+        self.b_all = self.factors = None
+        if not has_kernels(device):
+            self.b_all = expand_matrix(self.b)
+            if not is_embedding:
+                self.factors = DenseFactors(self.a, self.b, self.scales, self.offsets)
 
     @property
     def num_slots(self) -> int:
@@ -352,7 +395,7 @@ class LoraStack:
         scales.copy_(torch.tensor(values, dtype=scales.dtype))
         for dst, src in zip(self.slot_views(slot), (a, b, scales)):
             dst.copy_(src)
-        self._write_b_all(slot)
+        self._write_dense(slot)
 
     def slot_layout(self) -> tuple[tuple[torch.Size, torch.dtype], ...]:
         """Shapes and dtypes of one slot's ``a``, ``b`` and ``scales``."""
@@ -396,11 +439,13 @@ class LoraStack:
         self.a[:, slot].zero_()
         self.b[slot].zero_()
         self.scales[:, slot] = 0.0
-        self._write_b_all(slot)
+        self._write_dense(slot)
 
-    def _write_b_all(self, slot: int) -> None:
+    def _write_dense(self, slot: int) -> None:
         if self.b_all is not None:
             self.b_all[slot * self.max_rank : (slot + 1) * self.max_rank].copy_(self.b[slot].T)
+        if self.factors is not None:
+            self.factors.write(slot, self.a, self.b, self.scales)
 
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, segments: LoraSegments,
                   dense: DenseRows | None = None) -> torch.Tensor:
@@ -414,12 +459,12 @@ class LoraStack:
         """
         if segments.num_segments == 0:
             return y
-        if (dense is not None and self.b_all is not None
-                and dense.num_rows * self.num_slots * self.offsets[-1] <= MAX_DENSE_ELEMENTS):
-            if dense.only_slot != ZERO_SLOT and not self.is_embedding:
-                return delta_one_slot_ref(y, x, self.a, self.b_all, self.scales, dense, dense.only_slot, self.offsets)
-            return delta_dense_ref(y, x, self.a, self.b_all, self.scales, dense, self.offsets,
-                                   is_embedding=self.is_embedding)
+        if dense is not None and dense.num_rows * self.num_slots * self.offsets[-1] <= MAX_DENSE_ELEMENTS:
+            if self.factors is not None and dense.only_slot != ZERO_SLOT:
+                return delta_one_slot(y, x, self.factors, dense.only_slot, dense.onehot[:, dense.only_slot])
+            if self.b_all is not None:
+                return delta_dense_ref(y, x, self.a, self.b_all, self.scales, dense, self.offsets,
+                                       is_embedding=self.is_embedding)
         shrink = embedding_shrink_ref(x, self.a, segments) if self.is_embedding else shrink_ref(x, self.a, segments)
         return expand_ref(y, shrink, self.b, self.scales, segments, self.offsets)
 

@@ -11,7 +11,7 @@ from lora_factories import base_shapes, lora_layer, make_adapter, make_base
 
 from mstar_actors.lora import LoraStack, build_segments, lora_delta_ref, read_adapter
 from mstar_actors.lora.base_shapes import LAYER_MODULES
-from mstar_actors.lora.ops import build_dense_rows, delta_dense_ref, delta_one_slot_ref, expand_matrix
+from mstar_actors.lora.ops import DenseFactors, build_dense_rows, delta_dense_ref, delta_one_slot, expand_matrix
 
 
 def test_segments_sorted_group_each_slot_once_and_skip_base():
@@ -112,7 +112,7 @@ def test_one_adapter_rows_take_that_slots_columns_and_equal_the_segments(output_
     assert (rows.num_adapters, rows.only_slot) == (1, 3)
     x = torch.randn(len(slots), in_features, generator=gen)
     y0 = torch.randn(len(slots), offsets[-1], generator=gen)
-    got = delta_one_slot_ref(y0.clone(), x, a, expand_matrix(b), scales, rows, 3, offsets)
+    got = delta_one_slot(y0.clone(), x, DenseFactors(a, b, scales, offsets), 3, rows.onehot[:, 3])
     want = lora_delta_ref(y0.clone(), x, a, b, scales, build_segments(slots), offsets)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got[[1, 4]], y0[[1, 4]])
