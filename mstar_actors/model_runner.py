@@ -417,18 +417,13 @@ class ModelRunner:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
         max_blocks = max(len(t) for t in batch.block_tables)
-        tables = [t + [0] * (max_blocks - len(t)) for t in batch.block_tables]
-        query_start = [0]
-        for n in batch.query_lens:
-            query_start.append(query_start[-1] + n)
-        meta = AttentionMetadata(
-            slot_mapping=longs(batch.slot_mapping),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=self.device),
-            query_start=torch.tensor(query_start, dtype=torch.int32, device=self.device),
-            context_lens=torch.tensor(batch.context_lens, dtype=torch.int32, device=self.device),
-            query_lens_list=list(batch.query_lens),
-            context_lens_list=list(batch.context_lens),
-            num_blocks_list=[len(t) for t in batch.block_tables],
+        meta = AttentionMetadata.from_lists(
+            slot_mapping=batch.slot_mapping,
+            block_tables=[t + [0] * (max_blocks - len(t)) for t in batch.block_tables],
+            num_blocks=[len(t) for t in batch.block_tables],
+            query_lens=batch.query_lens,
+            context_lens=batch.context_lens,
+            device=self.device,
         )
         return longs(batch.input_ids), longs(batch.positions), meta, longs(batch.logits_indices)
 

@@ -198,19 +198,10 @@ def make_mix(query_lens: list[int], context_lens: list[int], device: str, dtype:
     for n in need:
         tables.append(order[taken : taken + n] + [order[-1]] * (max(need) - n))
         taken += n
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(starts[-1], dtype=torch.long, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-        query_start=torch.tensor(starts, dtype=torch.int32, device=device),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        query_lens_list=list(query_lens),
-        context_lens_list=list(context_lens),
-        num_blocks_list=need,
-    )
-    q = torch.randn(starts[-1], NUM_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
+    num_tokens = sum(query_lens)
+    meta = AttentionMetadata.from_lists(slot_mapping=[0] * num_tokens, block_tables=tables, num_blocks=need,
+                                        query_lens=query_lens, context_lens=context_lens, device=device)
+    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
     kv = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
     return q, kv, meta
 

@@ -65,6 +65,25 @@ class AttentionMetadata:
     # when the step is replayed from a graph, the ``*_list`` fields are stale.
     varlen_work: torch.Tensor | None = None
 
+    @classmethod
+    def from_lists(cls, *, slot_mapping: Sequence[int], block_tables: Sequence[Sequence[int]],
+                   num_blocks: Sequence[int], query_lens: Sequence[int], context_lens: Sequence[int],
+                   device: torch.device | str) -> AttentionMetadata:
+        """An eager step's metadata from host lists: ``block_tables`` already
+        padded to one width, ``num_blocks`` the blocks each context occupies."""
+        query_start = [0]
+        for n in query_lens:
+            query_start.append(query_start[-1] + n)
+        return cls(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+            block_tables=torch.tensor(block_tables, dtype=torch.int32, device=device),
+            query_start=torch.tensor(query_start, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            query_lens_list=list(query_lens),
+            context_lens_list=list(context_lens),
+            num_blocks_list=list(num_blocks),
+        )
+
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens_list)

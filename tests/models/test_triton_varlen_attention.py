@@ -48,18 +48,8 @@ def make_step(query_lens: list[int], context_lens: list[int], *, num_heads: int 
     num_tokens = sum(query_lens)
     q = torch.randn(num_tokens + num_pad_tokens, num_heads, head_dim, generator=gen)
     kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(num_tokens, dtype=torch.long, device=device),  # not read by attend
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-        query_start=torch.tensor(starts, dtype=torch.int32, device=device),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        query_lens_list=list(query_lens),
-        context_lens_list=list(context_lens),
-        num_blocks_list=need,
-    )
+    meta = AttentionMetadata.from_lists(slot_mapping=[0] * num_tokens, block_tables=tables, num_blocks=need,  # slots: not read by attend
+                                        query_lens=query_lens, context_lens=context_lens, device=device)
     return q.to(device=device, dtype=dtype), kv.to(device=device, dtype=dtype), meta, head_dim**-0.5
 
 
