@@ -6,20 +6,15 @@ against weights that do not fit in cache. ``F.linear`` hands them to MKL's
 sgemm, which repacks the weight on every call; a weight packed once skips
 that. At a few rows such a GEMM is bound by reading the weight from memory,
 and oneDNN's blocked kernel does not overlap those reads with its
-arithmetic: one AVX-512 core (SmolLM2 shapes, 30 copies of each weight so
-they are cold as in a real step) reads a cold weight at about 11 GB/s at 1
-and at 8 rows alike, while a plain ``sum`` streams 25 GB/s, and its time at
-8 rows is the sum of the hot-weight time and the memory time. The kernel
+arithmetic: on one core its time at 8 rows is about the sum of the
+hot-weight time and the time to stream the weight, which it reads no
+faster at 8 rows than at 1. The kernel
 here (``KERNEL_SOURCE``) walks a layout made for that: 32 output columns
 at a time, their weights contiguous along the input dimension, so every
 block is one sequential stream the hardware prefetcher follows; up to 8 rows
-share each weight load. Measured on that core (thread CPU time, medians,
-the two kernels interleaved): one 960 x 576 linear at 8 rows 122-186 us
-against oneDNN's 236-303, 3072 x 576 375-573 against 591-839; at 256 rows
-even. SmolLM2's whole decode step (``tools/profile_step.py``): 8 rows
-83 -> 53, 104 -> 73 and 99 -> 68 ms over three runs, 1 row 80 -> 42 ms,
-the same greedy tokens; a 256-token prefill 968 against 924 ms, 1024
-tokens 5.60 against 5.78 s.
+share each weight load. Its effect on SmolLM2's decode step is in
+docs/benchmarks.md ("Serving (CPU)"), with the command that measures it
+(``tools/profile_step.py --linear kernel|onednn``).
 
 The kernel is C compiled once per machine with the system's C compiler
 (``cc`` or ``gcc``), cached by its source's hash under the user's cache
