@@ -38,6 +38,7 @@ Two ways to name each row's slot, one meaning:
 from __future__ import annotations
 
 import collections
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -125,6 +126,11 @@ class DenseRows:
     onehot: torch.Tensor
     num_adapters: int  # distinct adapter slots among the rows
     only_slot: int  # the adapter slot when there is exactly one, else 0
+
+    @functools.cached_property
+    def on_only_slot(self) -> torch.Tensor:
+        """``onehot``'s column of ``only_slot`` [T]: made once a step, read by every linear."""
+        return self.onehot[:, self.only_slot]
 
     @property
     def num_rows(self) -> int:
@@ -461,7 +467,7 @@ class LoraStack:
             return y
         if dense is not None and dense.num_rows * self.num_slots * self.offsets[-1] <= MAX_DENSE_ELEMENTS:
             if self.factors is not None and dense.only_slot != ZERO_SLOT:
-                return delta_one_slot(y, x, self.factors, dense.only_slot, dense.onehot[:, dense.only_slot])
+                return delta_one_slot(y, x, self.factors, dense.only_slot, dense.on_only_slot)
             if self.b_all is not None:
                 return delta_dense_ref(y, x, self.a, self.b_all, self.scales, dense, self.offsets,
                                        is_embedding=self.is_embedding)
