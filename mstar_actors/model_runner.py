@@ -342,7 +342,7 @@ class ModelRunner:
         if self.lora is None:
             return False
         self.lora_names.pop(slot, None)
-        if not self.lora.reinstall(slot, digest):
+        if not self.lora.reinstall(slot, name, digest):
             return False
         for graphs in (self.graphs, self.mixed_graphs):
             if graphs is not None:

@@ -251,10 +251,10 @@ class LoraLayers:
             self.clear(slot)
             raise
 
-    def reinstall(self, slot: int, digest: str) -> bool:
-        """Install the adapter of ``digest`` into ``slot`` again from the image
-        its last ``install`` kept (CUDA); False when none is kept."""
-        self._check_slot(slot, digest)
+    def reinstall(self, slot: int, name: str, digest: str) -> bool:
+        """Install adapter ``name`` of ``digest`` into ``slot`` again from the
+        image its last ``install`` kept (CUDA); False when none is kept."""
+        self._check_slot(slot, name)
         return self.device.type == "cuda" and self._staging.reinstall(slot, digest)
 
     def clear_slot_images(self) -> None:
