@@ -93,7 +93,7 @@ def test_dense_rows_equal_the_segment_reference(output_sizes, dtype):
     y0 = torch.randn(num_rows, offsets[-1], generator=gen).to(dtype)
     got = delta_dense_ref(y0.clone(), x, a, expand_matrix(b), scales, build_dense_rows(slots, num_slots), offsets)
     want = lora_delta_ref(y0.clone(), x, a, b, scales, build_segments(slots), offsets)
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(got.float(), want.float(), **tol)
     base_rows = [t for t, s in enumerate(slots) if s == 0]
     assert torch.equal(got[base_rows], y0[base_rows])
@@ -114,7 +114,7 @@ def test_one_adapter_rows_take_that_slots_columns_and_equal_the_segments(output_
     y0 = torch.randn(len(slots), offsets[-1], generator=gen)
     got = delta_one_slot(y0.clone(), x, DenseFactors(a, b, scales, offsets), 3, rows.onehot[:, 3])
     want = lora_delta_ref(y0.clone(), x, a, b, scales, build_segments(slots), offsets)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     assert torch.equal(got[[1, 4]], y0[[1, 4]])
     assert build_dense_rows([1, 2, 0], num_slots).only_slot == 0  # two adapters: no single slot
 
