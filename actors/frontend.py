@@ -142,6 +142,9 @@ class FrontendActor(Actor):
 
     async def start(self) -> None:
         from mstar_actors.fetch import resolve_model
+        from mstar_actors.media import keep_freed_buffers
+
+        keep_freed_buffers()  # request bodies of megabytes, one after another: see there
 
         model = self.config.model
         folder = await self.run_blocking(resolve_model, model.path)

@@ -112,6 +112,12 @@ class PrepareActor(Actor):
     async def start(self) -> None:
         import torch
 
+        from mstar_actors.media import keep_freed_buffers
+
+        # Drafts make and drop tens of MB each (a 640x480 16 s clip: ~100 MB of fresh pages
+        # per draft); kept, they are reused without page faults, and four pool threads no
+        # longer serialise on the process's mmap/munmap (see keep_freed_buffers).
+        keep_freed_buffers()
         torch.set_num_threads(self.config.prepare.preprocess_torch_threads)
         if self.preparer is None:
             from mstar_actors.fetch import resolve_model
