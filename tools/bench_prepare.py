@@ -27,7 +27,10 @@ prefill steps that followed. TTFT is measured for the default clip, then
 for ``--ttft-clip`` (default 640x480x16: 32 frames, a draft of ~500-600 ms on
 one core, the seed's regime, where it measured TTFT halved; ``none`` skips
 it), then for ``--ttft-extra-clip`` if given; a last table gives inline /
-pool per clip. ``--ttft-rounds 0`` skips TTFT. With ``OUT`` set
+pool per clip. ``--ttft-rounds 0`` skips TTFT. Before TTFT, the frontend's part alone
+(``--frontend-rounds``, ``frontend_path``): four ``--ttft-clip`` bodies at once through the real
+frontend and a ring to a prepare stand-in. ``--drafts-only`` runs just the draft figures (alone
+against four at once: CPU, page faults, GIL waits) and that frontend part. With ``OUT`` set
 in the environment, the tables are also appended to ``$OUT/bench_prepare.md``.
 """
 
@@ -571,36 +574,213 @@ def gil_probe(preparer, request, num_drafts: int = 10) -> str:
 
 def drafts_at_once(preparer, request, num_drafts: int = 4, rounds: int = 3) -> str:
     """One video draft alone against ``num_drafts`` at once on as many
-    threads (median wall ms of each): the pool's time-to-first-token gain is
-    at most about 2.5 x alone / at once (the inline median waits for ~2.5
-    drafts, the pool's for one among four), less what the frontend and the
-    prefill add to both."""
+    threads: median wall ms of each, the drafting thread's own CPU ms and
+    minor page faults per draft, and what a watcher thread saw of the GIL
+    meanwhile. The pool's time-to-first-token gain is at most about 2.5 x
+    alone / at once (the inline median waits for ~2.5 drafts, the pool's for
+    one among four), less what the frontend and the prefill add to both.
+
+    The watcher sleeps ``WATCH_TICK_S`` at a time and records how late it
+    wakes: past the tick it waited for the GIL (or, on busy cores, for a
+    core), so its longest wait is the longest stretch a draft (or the
+    drafts' loop) held the GIL, and its waits over 0.5 ms add up to the time
+    the drafts kept another thread out. On a host with more cores than
+    drafts + 1 the waits are the GIL's; on 2 cores CPU ms per draft is the
+    figure to compare (wall ratios are bounded by the cores)."""
     import statistics
     import threading
 
-    def timed() -> float:
-        start = time.perf_counter()
+    def timed(out: list) -> None:
+        import resource
+
+        faults, cpu, start = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt, time.thread_time(), time.perf_counter()
         preparer.draft(request, {})
-        return 1e3 * (time.perf_counter() - start)
+        out.append((1e3 * (time.perf_counter() - start), 1e3 * (time.thread_time() - cpu),
+                    resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults))
 
-    def together() -> float:
-        walls = [0.0] * num_drafts
-
-        def run(i: int) -> None:
-            walls[i] = timed()
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(num_drafts)]
+    def together(n: int, out: list) -> None:
+        threads = [threading.Thread(target=timed, args=(out,)) for _ in range(n)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        return statistics.mean(walls)
 
-    timed()
-    alone = statistics.median(timed() for _ in range(rounds))
-    at_once = statistics.median(together() for _ in range(rounds))
-    return (f"video drafts: alone {alone:.1f} ms, {num_drafts} at once {at_once:.1f} ms each "
-            f"({at_once / alone:.2f}x); TTFT gain bound ~2.5 x alone / at once = {2.5 * alone / at_once:.2f}x")
+    def measure(n: int) -> tuple[list, list[float]]:
+        rows, waits, stop = [], [], threading.Event()
+        watcher = threading.Thread(target=_watch_gil, args=(stop, waits))
+        watcher.start()
+        try:
+            for _ in range(rounds):
+                together(n, rows)
+        finally:
+            stop.set()
+            watcher.join()
+        return rows, waits
+
+    together(1, [])
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(WATCH_TICK_S)  # a thread running Python hands over within a tick
+    try:
+        results = {n: measure(n) for n in (1, num_drafts)}
+    finally:
+        sys.setswitchinterval(old)
+    lines = []
+    for n, (rows, waits) in results.items():
+        wall, cpu, faults = (statistics.median(r[i] for r in rows) for i in range(3))
+        long_waits = [w for w in waits if w > 0.5]
+        lines.append(f"{n} at once: wall {wall:.1f} ms, CPU {cpu:.1f} ms, {faults:.0f} minor faults per draft; GIL "
+                     f"watcher: longest wait {max(waits, default=0):.1f} ms, waits over 0.5 ms {sum(long_waits):.0f} ms "
+                     f"({len(long_waits)}) in {rounds} rounds")
+    alone, at_once = (statistics.median(r[0] for r in results[n][0]) for n in (1, num_drafts))
+    cpu_alone, cpu_at_once = (statistics.median(r[1] for r in results[n][0]) for n in (1, num_drafts))
+    return ("video drafts (" + "; ".join(lines) + f"): at once / alone {at_once / alone:.2f}x wall, "
+            f"{cpu_at_once / cpu_alone:.2f}x CPU; TTFT gain bound ~2.5 x alone / at once = {2.5 * alone / at_once:.2f}x")
+
+
+WATCH_TICK_S = 0.0002
+
+
+def _watch_gil(stop, waits: list[float]) -> None:
+    """Sleep a tick at a time until ``stop``; append how late each wake-up was, ms."""
+    while not stop.is_set():
+        start = time.perf_counter()
+        time.sleep(WATCH_TICK_S)  # the measurement itself: how late the GIL lets us back
+        waits.append(1e3 * (time.perf_counter() - start - WATCH_TICK_S))
+
+
+def frontend_path(url: str, folder: Path, tmp: Path, rounds: int, concurrency: int = 4) -> str:
+    """The frontend's part of time to first token, alone: ``concurrency``
+    chat requests carrying ``url`` sent at once to the real ``FrontendActor``
+    (its own process, uvloop), whose ``NewRequest`` crosses a real
+    shared-memory ring to a stand-in for prepare (another process) that
+    notes when it read each one and answers it with a 400, so nothing else
+    runs. Medians over the requests of ms after the client sent: the body
+    parsed (``NewRequest.arrival_time``), and read by prepare; and per body
+    the frontend's CPU ms and minor page faults, the stand-in's CPU ms."""
+    import multiprocessing
+    import socket
+    import statistics
+    import uuid
+
+    import psutil
+
+    from transport import create_ring
+
+    raw = json.dumps(_video_body(url, stream=True)).encode()
+    run_id = uuid.uuid4().hex[:8]
+    rings = (create_ring(tmp, run_id, "bench-fp", 2 * concurrency * len(raw) + (1 << 20)),
+             create_ring(tmp, run_id, "bench-cf", 1 << 20))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    ready, reads = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_run_bench_frontend, args=(folder, port, rings, ready), daemon=True),
+             ctx.Process(target=_run_prepare_stand_in, args=(rings, reads), daemon=True)]
+    for proc in procs:
+        proc.start()
+    try:
+        if not ready.wait(120):
+            raise RuntimeError("the frontend did not start within 120 s")
+        frontend, stand_in = (psutil.Process(p.pid) for p in procs)
+        rows: dict[str, list[float]] = collections.defaultdict(list)
+        for i in range(rounds + 1):  # the first round warms up
+            cpu = [sum(p.cpu_times()[:2]) for p in (frontend, stand_in)]
+            faults = _minor_faults(frontend.pid)
+            sent = dict(asyncio.run(_refused_round(port, raw, concurrency)))
+            got = [reads.get(timeout=60) for _ in range(concurrency)]
+            if i == 0:
+                continue
+            rows["frontend CPU ms per body"].append(1e3 * (sum(frontend.cpu_times()[:2]) - cpu[0]) / concurrency)
+            rows["prepare stand-in CPU ms per body"].append(1e3 * (sum(stand_in.cpu_times()[:2]) - cpu[1]) / concurrency)
+            rows["frontend minor page faults per body"].append((_minor_faults(frontend.pid) - faults) / concurrency)
+            for rid, arrival, read_at in got:
+                rows["sent -> body parsed, ms"].append(1e3 * (arrival - sent[rid]))
+                rows["sent -> prepare read it, ms"].append(1e3 * (read_at - sent[rid]))
+    finally:
+        for proc in procs:
+            proc.kill()
+    table = "\n".join(f"| {name} | {statistics.median(v):.1f} | {max(v):.1f} |" for name, v in rows.items())
+    return (f"frontend path: {concurrency} bodies of {len(raw) / 1e6:.2f} MB at once, {rounds} rounds\n"
+            f"| stage | p50 | max |\n|---|---|---|\n{table}")
+
+
+def _video_body(url: str, stream: bool, model_name: str = "vl") -> dict:
+    return {"model": model_name, "max_tokens": 2, "temperature": 0, "stream": stream, "ignore_eos": True,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "describe this video"},
+                                                      {"type": "video_url", "video_url": {"url": url}}]}]}
+
+
+def _minor_faults(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+    except (OSError, IndexError, ValueError):
+        return 0  # not Linux
+
+
+def _run_bench_frontend(folder: Path, port: int, rings, ready) -> None:
+    """Process entry: the real FrontendActor on uvloop, its ``prepare`` outbox a ring."""
+    import uvloop
+
+    from actors.frontend import FrontendActor
+    from mstar_actors.config import parse_config
+    from mstar_actors.messages import ConductorToFrontend, FrontendToPrepare
+    from transport import open_ring
+
+    class Frontend(FrontendActor):
+        async def start(self) -> None:
+            await super().start()
+            ready.set()
+
+    config = parse_config({"model": {"path": str(folder), "name": "vl"},
+                           "server": {"port": port, "max_body_bytes": 64 << 20, "max_media_bytes": 50 << 20}})
+
+    async def main() -> None:
+        inbox = {"conductor": open_ring(rings[1], "reader", ConductorToFrontend)}
+        outbox = {"prepare": open_ring(rings[0], "writer", FrontendToPrepare)}
+        await Frontend(name="frontend", config=config, inbox=inbox, outbox=outbox).run()
+
+    uvloop.run(main())
+
+
+def _run_prepare_stand_in(rings, reads) -> None:
+    """Process entry: reads each NewRequest off the ring (decoded, as prepare
+    does), reports (id, arrival, read time) and answers it with a 400."""
+    import uvloop
+
+    from mstar_actors.messages import ConductorToFrontend, Failed, FrontendToPrepare, NewRequest
+    from transport import open_ring
+
+    from mstar_actors.media import keep_freed_buffers
+
+    keep_freed_buffers()  # as the prepare actor does at start
+
+    async def main() -> None:
+        inbox = open_ring(rings[0], "reader", FrontendToPrepare)
+        outbox = open_ring(rings[1], "writer", ConductorToFrontend)
+        while True:
+            msg = await inbox.recv()
+            if isinstance(msg, NewRequest):
+                reads.put((msg.request_id, msg.arrival_time, time.time()))
+                await outbox.send(Failed(request_id=msg.request_id, status=400, message="bench stand-in"))
+
+    uvloop.run(main())
+
+
+async def _refused_round(port: int, raw: bytes, concurrency: int) -> list[tuple[str, float]]:
+    """(engine request id, time.time() sent) of each of ``concurrency`` requests sent at once."""
+    import aiohttp
+
+    headers = {"Content-Type": "application/json"}
+
+    async def one(session) -> tuple[str, float]:
+        sent = time.time()
+        async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", data=raw, headers=headers) as response:
+            message = (await response.json())["error"]["message"]  # "request chatcmpl-...: bench stand-in"
+        return message.split(":")[0].split()[1] + "-0", sent
+
+    async with aiohttp.ClientSession() as session:
+        return list(await asyncio.gather(*(one(session) for _ in range(concurrency))))
 
 
 def progress(text: str, end: str = "\n") -> None:
@@ -638,6 +818,12 @@ def main() -> None:
                         help="time to first token again with this clip, after the default clip's (default "
                              "640x480x16: 32 frames, a draft of ~500-600 ms on one core, the regime where the "
                              "seed measured TTFT halved; 'none' skips it)")
+    parser.add_argument("--drafts-only", action="store_true",
+                        help="only the GIL probe, one video draft alone against four at once (default clip and "
+                             "--ttft-clip) and, with --frontend-rounds, the frontend path: no throughput, no TTFT")
+    parser.add_argument("--frontend-rounds", type=int, default=5,
+                        help="rounds of 4 concurrent --ttft-clip bodies through the real frontend and a ring to a "
+                             "prepare stand-in (0: skip)")
     parser.add_argument("--ttft-extra-clip", type=_clip, default=None, metavar="WxHxSECONDS",
                         help="time to first token with this clip too (e.g. 640x480x8)")
     args = parser.parse_args()
@@ -648,7 +834,7 @@ def main() -> None:
 
     import torch
 
-    from mstar_actors.media import MediaLimits
+    from mstar_actors.media import MediaLimits, keep_freed_buffers
     from mstar_actors.preprocess import load_preparer
 
     def cpu_s() -> float:
@@ -656,6 +842,7 @@ def main() -> None:
         return usage.ru_utime + usage.ru_stime
 
     torch.set_num_threads(args.torch_threads)
+    keep_freed_buffers()  # as the prepare actor does at start: drafts here allocate as there
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_vl_prepare_folder(Path(tmp) / "vl")
         limits = MediaLimits(max_bytes=50 << 20, video_fps=clip.fps, max_video_frames=max(64, clip.num_frames + 2),
@@ -665,23 +852,20 @@ def main() -> None:
         report(f"# {platform.node()} {os.cpu_count()} cpus (affinity {len(os.sched_getaffinity(0))}), "
                f"torch threads {torch.get_num_threads()}, {args.requests} requests per cell; video "
                f"{clip.seconds:g} s {clip.width}x{clip.height} sampled at {clip.fps:g} fps ({clip.num_frames} frames)")
-        report("\n| kind | workers | req/s | ms/req | CPU ms/req | speed-up |\n|---|---|---|---|---|---|")
-        for kind, url in urls.items():
-            base = None
-            for workers in args.workers:
-                requests = [make_request(f"{kind}{workers}-{i}", kind, url) for i in range(args.requests)]
-                asyncio.run(run_once(preparer, requests[:2], workers))  # warm-up
-                cpu = cpu_s()
-                elapsed = asyncio.run(run_once(preparer, requests, workers))
-                cpu = cpu_s() - cpu
-                rate = args.requests / elapsed
-                base = base or rate
-                report(f"| {kind} | {workers} | {rate:.1f} | {1000 * elapsed / args.requests:.1f} | "
-                       f"{1000 * cpu / args.requests:.1f} | {rate / base:.2f}x |")
+        heavy = args.ttft_clip and Clip(args.ttft_clip[2], *args.ttft_clip[:2], clip.fps)
+        heavy_url = heavy and mp4_data_url(heavy.seconds, width=heavy.width, height=heavy.height)
+        if not args.drafts_only:
+            throughput(report, args, preparer, urls, cpu_s)
         progress("GIL probe (video draft)")
         report("\n" + gil_probe(preparer, make_request("gil", "video", urls["video"])))
         report("\n" + drafts_at_once(preparer, make_request("at-once", "video", urls["video"])))
-        if not args.ttft_rounds:
+        if heavy:
+            report(f"\n{heavy.width}x{heavy.height} {heavy.seconds:g} s clip: "
+                   + drafts_at_once(preparer, make_request("at-once", "video", heavy_url)))
+        if args.frontend_rounds:
+            progress("frontend path")
+            report("\n" + frontend_path(heavy_url or urls["video"], folder, Path(tmp), args.frontend_rounds))
+        if args.drafts_only or not args.ttft_rounds:
             return
         ratios = {clip: run_ttft(report, args, clip, urls["video"], Path(tmp))}
         for extra in (args.ttft_clip, args.ttft_extra_clip):
@@ -690,11 +874,28 @@ def main() -> None:
             width, height, seconds = extra
             extra_clip = Clip(seconds, width, height, clip.fps)
             progress(f"TTFT again with a {width}x{height} {seconds:g} s clip")
-            ratios[extra_clip] = run_ttft(report, args, extra_clip, mp4_data_url(seconds, width=width, height=height),
-                                          Path(tmp))
+            url = heavy_url if extra_clip == heavy else mp4_data_url(seconds, width=width, height=height)
+            ratios[extra_clip] = run_ttft(report, args, extra_clip, url, Path(tmp))
         report("\n| video TTFT at concurrency 4, clip | inline / pool |\n|---|---|")
         for c, ratio in ratios.items():
             report(f"| {c.width}x{c.height} {c.seconds:g} s ({c.num_frames} frames) | {ratio:.2f}x |")
+
+
+def throughput(report: "Report", args, preparer, urls: dict[str, str], cpu_s) -> None:
+    """The preparation throughput table: every kind at every pool size."""
+    report("\n| kind | workers | req/s | ms/req | CPU ms/req | speed-up |\n|---|---|---|---|---|---|")
+    for kind, url in urls.items():
+        base = None
+        for workers in args.workers:
+            requests = [make_request(f"{kind}{workers}-{i}", kind, url) for i in range(args.requests)]
+            asyncio.run(run_once(preparer, requests[:2], workers))  # warm-up
+            cpu = cpu_s()
+            elapsed = asyncio.run(run_once(preparer, requests, workers))
+            cpu = cpu_s() - cpu
+            rate = args.requests / elapsed
+            base = base or rate
+            report(f"| {kind} | {workers} | {rate:.1f} | {1000 * elapsed / args.requests:.1f} | "
+                   f"{1000 * cpu / args.requests:.1f} | {rate / base:.2f}x |")
 
 
 def run_ttft(report: "Report", args, clip: Clip, url: str, tmp: Path) -> float:

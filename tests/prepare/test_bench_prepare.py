@@ -63,3 +63,16 @@ def test_profile_vl_step_runs_a_small_clip(capsys):
     module.main(["--device", "cpu", "--clip", "112x112x1", "--requests", "2", "--repeats", "1", "--no-profiler"])
     out = capsys.readouterr().out
     assert "| vision tower (whole) |" in out and "| text layers |" in out and "whole step, no stage syncs" in out
+
+
+def test_drafts_at_once_reports_cpu_faults_and_gil_waits(bench):
+    class Preparer:  # a draft that holds the GIL ~2 ms in Python, then releases it
+        def draft(self, req, fetched):
+            end = time.perf_counter() + 0.002
+            while time.perf_counter() < end:
+                pass
+            time.sleep(0.002)
+
+    line = bench.drafts_at_once(Preparer(), None, num_drafts=2, rounds=1)
+    assert "1 at once: wall" in line and "2 at once: wall" in line and "minor faults per draft" in line
+    assert "GIL watcher: longest wait" in line and "TTFT gain bound" in line
