@@ -27,7 +27,7 @@ eager step pays it; graph times are the replay's GPU time / 66.
 
 ``--rows-table`` times each rows kernel against the others for one
 linear's call inside a CUDA graph (us per call, ``--calls`` back-to-back
-calls a graph): ``bgmv_rows``, ``tile_rows`` and ``shrink_expand_rows``
+calls a graph): ``bgmv_rows`` and ``shrink_expand_rows``
 with its default blocks and a few neighbours of them, for q|k|v, o,
 gate|up and down at 8-128 rows, one adapter and 4 mixed, rank 16; every
 variant is first checked against the fp32 reference. Then the per-layer
@@ -207,7 +207,6 @@ def parse_args(argv=None):
     p.add_argument("--decode", action="store_true", help="the decode-step table: GEMM vs rows kernels, eager and graphed")
     p.add_argument("--rows-table", action="store_true", help="bgmv / shrink-expand variants per linear, in graphs")
     p.add_argument("--rows", nargs="+", type=int, default=None, help="--rows-table's row counts (default 8 16 32 64 128)")
-    p.add_argument("--variants", nargs="+", default=None, help="--rows-table's variants to time (default all, see rows_variants)")
     p.add_argument("--calls", type=int, default=None, help="calls per graph (default 66, a decode step's LoRA calls)")
     p.add_argument("--min-split-rows", type=int, default=None,
                    help="set triton_ops.MIN_SPLIT_ROWS for this run (the routing add_delta_rows follows in every section)")
@@ -380,10 +379,8 @@ TINY_LINEARS = {"qkv": (64, (64, 16, 16)), "o": (64, (64,)), "gate_up": (64, (12
 
 
 def rows_variants(triton_ops, stack: LoraStack, num_rows: int, num_sms: int) -> dict:
-    """name -> fn(y, x, row_slots, groups): the rows kernels, the
-    shrink-expand blocks around its default (BLOCK_M, BLOCK_K, SPLIT_K,
-    BLOCK_N, TILES) and the tile kernel's around its (BLOCK_M, BLOCK_K,
-    BLOCK_N, TILES, num_warps)."""
+    """name -> fn(y, x, row_slots, groups): the rows kernels and the
+    shrink-expand blocks around its default (BLOCK_M, BLOCK_K, SPLIT_K, BLOCK_N, TILES)."""
     num_shards, _, _, k = stack.a.shape
     bm, bk, sk, bn, tiles = triton_ops._split_blocks(num_rows, num_shards, k, max(stack.output_sizes), num_sms)
     blocks = {
@@ -396,28 +393,13 @@ def rows_variants(triton_ops, stack: LoraStack, num_rows: int, num_sms: int) -> 
         "t2": (bm, bk, sk, bn, 2),
     }
 
-    tm, tk, tn, tt, tw = triton_ops._tile_blocks(num_rows, num_shards, k, max(stack.output_sizes), num_sms)
-    tile_blocks = {
-        "tile": (tm, tk, tn, tt, tw),
-        "t.bn/2": (tm, tk, max(16, tn // 2), tt, tw),
-        "t.bn*2": (tm, tk, tn * 2, tt, tw),
-        "t.bk/2": (tm, max(16, tk // 2), tn, tt, tw),
-        "t.bk*2": (tm, tk * 2, tn, tt, tw),
-        "t.bm32": (32, tk, tn, tt, tw),
-        "t.w8": (tm, tk, tn, tt, 8),
-        "t.w2": (tm, tk, tn, tt, 2),
-    }
-
     def split(b):
         return lambda y, x, slots, groups: triton_ops.shrink_expand_rows(stack, y, x, groups, blocks=b)
-
-    def tile(b):
-        return lambda y, x, slots, groups: triton_ops.tile_rows(stack, y, x, slots, blocks=b)
 
     variants = {
         "bgmv": lambda y, x, slots, groups: triton_ops.bgmv_rows(stack, y, x, slots),
     }
-    return variants | {name: split(b) for name, b in blocks.items()} | {name: tile(b) for name, b in tile_blocks.items()}
+    return variants | {name: split(b) for name, b in blocks.items()}
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -444,8 +426,6 @@ def table_one(triton_ops, linear: str, shape, num_rows: int, mix: str, args, dev
     want = reference_delta(stack, x, build_segments(slots))
     result = {}
     for name, fn in rows_variants(triton_ops, stack, num_rows, triton_ops._num_sms(torch.device(device))).items():
-        if args.variants and name not in args.variants:
-            continue
         y = torch.zeros(num_rows, stack.offsets[-1], dtype=dtype, device=device)
         try:
             err = rel_error(fn(y, x, row_slots, groups), want)

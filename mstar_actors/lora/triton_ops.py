@@ -16,13 +16,6 @@ graph captures a call and replays it with new slots:
   price of one launch instead of two and of no intermediate buffer;
   ``_pick_tiles`` balances that redundancy against filling the device. The
   embedding's shrink is a gather of ``A[0, slot, :, token]``.
-- ``tile_rows`` (from ``MIN_TILE_ROWS`` rows to ``MIN_SPLIT_ROWS``: decode
-  steps of a few dozen rows): grid (row tiles, shards x column groups).
-  Rows in tiles of 16 in batch order, whatever their slots; each slot
-  present in a tile costs one masked tensor-core product in the shrink and
-  one in the expand. The shrink is repeated per column group, as in
-  ``bgmv_rows``, but once per tile of rows rather than per row, and no row
-  grouping is needed.
 - ``shrink_expand_rows`` (from ``MIN_SPLIT_ROWS`` rows: bigger decode
   steps and prefill chunks): rows grouped by slot on the device
   (``group_rows``) into tiles of one slot, and two launches: the shrink
@@ -207,124 +200,6 @@ def bgmv_rows(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: tor
         K=k, IS_EMBEDDING=stack.is_embedding, TILES=tiles,
         BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k,
         num_warps=num_warps,
-    )  # fmt: skip
-    return y
-
-
-# ---------------------------------------------------------------- row tiles of any slot mix
-
-
-@triton.jit
-def _tile_kernel(
-    x_ptr, a_ptr, b_ptr, scales_ptr, y_ptr, offsets_ptr, slots_ptr,
-    num_rows, R, NUM_GROUPS,
-    stride_xm, stride_xk,
-    stride_as, stride_al, stride_ar, stride_ak,
-    stride_wl, stride_wn, stride_wr,
-    stride_ss, stride_sl,
-    stride_ym, stride_yn, stride_slot,
-    K: tl.constexpr, NUM_SLOTS: tl.constexpr, TILES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-):  # fmt: skip
-    # y[rows, cols] += (scale_row * x[rows] @ A[shard, slot_row].T) @ B[slot_row, cols].T
-    # for BLOCK_M consecutive rows on any mix of slots and TILES column blocks
-    # of one shard. Grid (row tiles, shards x column groups). Every slot
-    # present in the tile gets one masked tensor-core product in the shrink
-    # and one in the expand: a row's x is zero under every other slot's mask,
-    # so the sums over slots are each row's own adapter. The shrink is
-    # repeated by each column group of the tile, as in bgmv_rows, but once
-    # per tile and slot instead of once per row.
-    pid = tl.program_id(1)
-    shard = pid // NUM_GROUPS
-    hi = tl.load(offsets_ptr + shard + 1)
-    n_start = tl.load(offsets_ptr + shard) + (pid % NUM_GROUPS) * (TILES * BLOCK_N)
-    if n_start >= hi:  # a shorter shard than the widest: its spare groups
-        return
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < num_rows
-    slots = tl.load(slots_ptr + offs_m.to(tl.int64) * stride_slot, mask=mask_m, other=0)
-    scale = tl.load(scales_ptr + shard * stride_ss + slots.to(tl.int64) * stride_sl, mask=mask_m, other=0.0)
-    # Base rows (slot 0) and rows whose adapter skips this shard (scale 0)
-    # are never written: they stay bit-identical.
-    live = mask_m & (slots != 0) & (scale != 0.0)
-    if tl.sum(live.to(tl.int32), axis=0) == 0:
-        return
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < R
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for s in range(1, NUM_SLOTS):
-        on = live & (slots == s)
-        if tl.sum(on.to(tl.int32), axis=0) > 0:
-            a_ptrs = a_ptr + shard * stride_as + s * stride_al + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak
-            for k0 in range(0, K, BLOCK_K):
-                mask_k = (offs_k + k0) < K
-                xt = tl.load(x_ptrs + k0 * stride_xk, mask=on[:, None] & mask_k[None, :], other=0.0)
-                at = tl.load(a_ptrs + k0 * stride_ak, mask=mask_k[:, None] & mask_r[None, :], other=0.0)
-                acc += tl.dot(xt, at, input_precision=PRECISION)
-    t = acc * scale[:, None]
-    offs_n = tl.arange(0, BLOCK_N)
-    for j in range(TILES):
-        cols = n_start + j * BLOCK_N + offs_n
-        mask_n = cols < hi
-        delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for s in range(1, NUM_SLOTS):
-            on = live & (slots == s)
-            if tl.sum(on.to(tl.int32), axis=0) > 0:
-                w = tl.load(
-                    b_ptr + s * stride_wl + cols[None, :].to(tl.int64) * stride_wn + offs_r[:, None] * stride_wr,
-                    mask=mask_r[:, None] & mask_n[None, :],
-                    other=0.0,
-                )
-                # As the split expand: t rounded to the weights' dtype for the
-                # tensor-core dot, the sum in fp32.
-                delta += tl.dot(tl.where(on[:, None], t, 0.0).to(w.dtype), w, input_precision=PRECISION)
-        mask = live[:, None] & mask_n[None, :]
-        y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + cols[None, :].to(tl.int64) * stride_yn
-        y = tl.load(y_ptrs, mask=mask, other=0.0)
-        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
-
-
-@functools.lru_cache(maxsize=4096)
-def _tile_blocks(num_rows: int, num_shards: int, k: int, max_out: int, num_sms: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_K, BLOCK_N, TILES, num_warps) of ``tile_rows``.
-
-    16-row tiles (``tl.dot``'s least M), 256-long K tiles, and column blocks
-    of 128, 64 for a long K (``down``: fewer rows of work per program, more
-    programs to share the long shrink)."""
-    block_m = 16
-    block_k = max(16, min(256, triton.next_power_of_2(k)))
-    block_n = max(16, min(64 if k > 4096 else 128, triton.next_power_of_2(max_out)))
-    return block_m, block_k, block_n, 1, 4
-
-
-def tile_rows(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, *,
-              blocks: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """y[row] += the delta of ``row_slots[row]``'s adapter, every shard, one
-    launch, in place: rows in tiles of ``BLOCK_M`` in their batch order, any
-    slot mix in a tile (one masked product per slot present), so no row
-    grouping is needed. ``blocks`` overrides ``_tile_blocks``, for tests
-    and sweeps."""
-    num_shards, num_slots, max_rank, k = stack.a.shape
-    num_rows, max_out = y.shape[0], max(stack.output_sizes)
-    if x.dtype != stack.a.dtype or x.dtype not in _DOT_DTYPES:
-        raise TypeError(f"LoRA rows delta: x is {x.dtype} and A is {stack.a.dtype}; accepted: the same dtype of {_DOT_DTYPES}")
-    block_m, block_k, block_n, tiles, num_warps = blocks or _tile_blocks(num_rows, num_shards, k, max_out, _num_sms(y.device))
-    num_groups = triton.cdiv(max_out, tiles * block_n)
-    a, b, scales = stack.a, stack.b, stack.scales
-    _tile_kernel[(triton.cdiv(num_rows, block_m), num_shards * num_groups)](
-        x, a, b, scales, y, stack.offsets_on(y.device), row_slots,
-        num_rows, max_rank, num_groups,
-        x.stride(0), x.stride(1),
-        a.stride(0), a.stride(1), a.stride(2), a.stride(3),
-        b.stride(0), b.stride(1), b.stride(2),
-        scales.stride(0), scales.stride(1),
-        y.stride(0), y.stride(1), row_slots.stride(0),
-        K=k, NUM_SLOTS=num_slots, TILES=tiles,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_block_r(max_rank), BLOCK_K=block_k,
-        PRECISION=_precision(a.dtype), num_warps=num_warps,
     )  # fmt: skip
     return y
 
@@ -540,28 +415,26 @@ def shrink_expand_rows(
     )  # fmt: skip
     return y
 
-# Steps of fewer than ``MIN_TILE_ROWS`` rows take ``bgmv_rows``, from there
-# ``tile_rows``, and from ``MIN_SPLIT_ROWS`` (prefill chunks)
-# ``shrink_expand_rows``. Timed on an H200 in CUDA graphs, Llama-3.2-1B's
-# four linears at rank 16 (``tools/check_lora_kernels.py --rows-table``);
-# the split kernel's row grouping costs 30-50 us a step more.
-MIN_TILE_ROWS = 8
+# Steps of at least this many rows take ``shrink_expand_rows`` (prefill
+# chunks included), smaller ones ``bgmv_rows``. Timed on an H200 in CUDA
+# graphs, Llama-3.2-1B's four linears at rank 16, us a layer, bgmv against
+# shrink-expand: 22.4 / 25.3 at 16 rows, 26.7 / 25.6 at 32, 34.2 / 27.9 at
+# 64, 45.8 / 30.7 at 128, and 145 / 55 at 512 (where the grouped kernel
+# this one replaced took 136); its row grouping costs 30-50 us a step more,
+# so it pays from 64 rows (``tools/check_lora_kernels.py --rows-table``).
 MIN_SPLIT_ROWS = 64
 
 
 def kernel_for(num_rows: int) -> str:
     """The kernel a linear's step of ``num_rows`` rows takes: "bgmv"
-    (``bgmv_rows``), "tile" (``tile_rows``) or "split"
-    (``shrink_expand_rows``). A function of the shape alone, so a captured
-    graph keeps its choice."""
-    if num_rows >= MIN_SPLIT_ROWS:
-        return "split"
-    return "tile" if num_rows >= MIN_TILE_ROWS else "bgmv"
+    (``bgmv_rows``) or "split" (``shrink_expand_rows``). A function of the
+    shape alone, so a captured graph keeps its choice."""
+    return "split" if num_rows >= MIN_SPLIT_ROWS else "bgmv"
 
 
 def uses_single_rows(num_rows: int) -> bool:
-    """Whether a batch of ``num_rows`` takes a kernel that needs no row groups."""
-    return kernel_for(num_rows) != "split"
+    """Whether a batch of ``num_rows`` takes ``bgmv_rows`` (no row groups needed)."""
+    return kernel_for(num_rows) == "bgmv"
 
 
 def rows_delta(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, groups=None) -> torch.Tensor:
@@ -572,8 +445,6 @@ def rows_delta(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: to
     kernel = "bgmv" if stack.is_embedding else kernel_for(y.shape[0])
     if kernel == "bgmv":
         return bgmv_rows(stack, y, x, row_slots)
-    if kernel == "tile":
-        return tile_rows(stack, y, x, row_slots)
     groups = groups if groups is not None else group_rows(row_slots, stack.num_slots)
     return shrink_expand_rows(stack, y, x, groups)
 
@@ -604,8 +475,6 @@ def variant_of(stack: LoraStack, num_rows: int, num_sms: int) -> tuple:
     if kernel == "bgmv":
         block_n = _rows_blocks(max_rank, k, max_out)[2]
         return kernel, _pick_tiles(num_rows, num_shards, max_out, max_rank if stack.is_embedding else k, block_n, num_sms)
-    if kernel == "tile":
-        return kernel, *_tile_blocks(num_rows, num_shards, k, max_out, num_sms)
     return kernel, *_split_blocks(num_rows, num_shards, k, max_out, num_sms)
 
 

@@ -107,38 +107,6 @@ def test_shrink_expand_kernels_equal_segment_path(output_sizes, num_rows):
 
 
 @interpreted
-@pytest.mark.parametrize("output_sizes", [(64,), (64, 32, 48)])
-@pytest.mark.parametrize("num_rows", [1, 16, 37])
-def test_tile_kernel_equals_segment_path(output_sizes, num_rows):
-    """One launch over row tiles of any slot mix, one or two column blocks a
-    program and K in one or several tiles; base rows and an untargeted shard
-    unchanged."""
-    seed = random.randrange(2**31)
-    print(f"seed={seed}")
-    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    stack = make_stack(gen, 72, output_sizes)
-    untargeted = len(output_sizes) - 1  # slot 2 leaves the last shard alone
-    lo, hi = stack.offsets[untargeted], stack.offsets[untargeted + 1]
-    stack.a[untargeted, 2] = 0
-    stack.b[2, lo:hi] = 0
-    stack.scales[untargeted, 2] = 0.0
-    slots = random_slots(rng, num_rows)
-    x = torch.randn(num_rows, 72, generator=gen)
-    y0 = torch.randn(num_rows, sum(output_sizes), generator=gen)
-    want = stack.add_delta(y0.clone(), x, build_segments(slots))
-    # (BLOCK_M, BLOCK_K, BLOCK_N, TILES, num_warps): the default, K in 3
-    # tiles of 32 (the last one short) with two 16-column blocks a program,
-    # and 32-row tiles.
-    for blocks in (None, (16, 32, 16, 2, 4), (32, 16, 32, 1, 4)):
-        got = triton_ops.tile_rows(stack, y0.clone(), x, int32(slots), blocks=blocks)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        base_rows = [t for t, s in enumerate(slots) if s == 0]
-        assert torch.equal(got[base_rows], y0[base_rows])
-        on_two = [t for t, s in enumerate(slots) if s == 2]
-        assert torch.equal(got[on_two, lo:hi], y0[on_two, lo:hi])
-
-
-@interpreted
 def test_shrink_expand_with_one_adapter_slot_and_narrow_shapes():
     """max_loras 1 (one adapter slot), rank 4, K and outputs under tl.dot's 16: padded, not refused."""
     gen = torch.Generator().manual_seed(2)
@@ -175,12 +143,10 @@ def test_split_blocks_cover_k_and_fill_the_device_without_crowding_it(shape):
 
 
 def test_kernel_for_routes_by_row_count(monkeypatch):
-    monkeypatch.setattr(triton_ops, "MIN_TILE_ROWS", 8)
-    monkeypatch.setattr(triton_ops, "MIN_SPLIT_ROWS", 64)
-    assert [triton_ops.kernel_for(n) for n in (1, 7, 8, 63, 64, 2048)] == ["bgmv", "bgmv", "tile", "tile", "split", "split"]
+    assert [triton_ops.kernel_for(n) for n in (1, 63, 64, 2048)] == ["bgmv", "bgmv", "split", "split"]
     monkeypatch.setattr(triton_ops, "MIN_SPLIT_ROWS", 16)
-    assert [triton_ops.kernel_for(n) for n in (1, 8, 15, 16, 127, 2048)] == ["bgmv", "tile", "tile", "split", "split", "split"]
-    assert not triton_ops.uses_single_rows(16) and triton_ops.uses_single_rows(15) and triton_ops.uses_single_rows(1)
+    assert [triton_ops.kernel_for(n) for n in (1, 15, 16, 127, 2048)] == ["bgmv", "bgmv", "split", "split", "split"]
+    assert not triton_ops.uses_single_rows(16) and triton_ops.uses_single_rows(15)
 
 
 @interpreted
@@ -300,7 +266,7 @@ def _decode_logits(runner, slots, *, rows: bool, kernel: bool, monkeypatch) -> t
     batch = build_batch(d.decodes(*rids), runner.seqs, runner.block_size, runner.num_kv_blocks, runner.max_model_len)
     monkeypatch.setattr(runner.lora, "uses_rows", rows)
     if kernel:  # the rows path through the Triton kernel in the interpreter
-        rows_delta = triton_ops.rows_delta  # picks the kernel by the batch size, as on CUDA
+        rows_delta = triton_ops.rows_delta  # picks bgmv_rows or shrink_expand_rows by the batch size, as on CUDA
         monkeypatch.setattr(LoraStack, "add_delta_rows", lambda stack, y, x, s, groups=None: rows_delta(stack, y, x, s, groups))
     calls = []
     monkeypatch.setattr(type(runner.lora), "begin_rows_step", _spy(type(runner.lora).begin_rows_step, calls))
@@ -327,9 +293,8 @@ def _spy(method, calls):
      pytest.param(True, 16, 16, marks=interpreted)],
 )
 def test_decode_through_rows_equals_segments(runner, kernel, num_rows, min_split_rows, monkeypatch):
-    """One program per row below ``MIN_TILE_ROWS`` (5 rows), row tiles of
-    any slot mix from there (16 rows), the shrink-then-expand kernel from
-    ``MIN_SPLIT_ROWS`` (lowered to 16 here: the interpreter is too slow for
+    """One program per row below ``MIN_SPLIT_ROWS``; the shrink-then-expand
+    kernel from it (lowered to 16 here: the interpreter is too slow for
     batches of the real threshold)."""
     from unittest import mock
 
@@ -337,7 +302,7 @@ def test_decode_through_rows_equals_segments(runner, kernel, num_rows, min_split
     want = _decode_logits(runner, slots, rows=False, kernel=False, monkeypatch=monkeypatch)
     base = _decode_logits(runner, [0] * len(slots), rows=False, kernel=False, monkeypatch=monkeypatch)
     assert not torch.allclose(want[[1, 2, 3]], base[[1, 2, 3]], atol=1e-3), "adapters must change the logits"
-    with mock.patch.object(triton_ops, "MIN_TILE_ROWS", 8), mock.patch.object(triton_ops, "MIN_SPLIT_ROWS", min_split_rows):
+    with mock.patch.object(triton_ops, "MIN_SPLIT_ROWS", min_split_rows):
         got = _decode_logits(runner, slots, rows=True, kernel=kernel, monkeypatch=monkeypatch)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     base_rows = [t for t, s in enumerate(slots) if s == 0]
@@ -409,7 +374,6 @@ def test_check_tool_decode_dry_run_validates_and_writes_json(tmp_path):
 def test_warm_up_covers_every_variant_serving_can_pick(outs, k, is_embedding, min_split_rows, monkeypatch):
     """Each compiled variant ``rows_delta`` launches at 1..N rows is launched
     by ``warm_up``, so no compile happens mid-serving (recorded, not launched)."""
-    monkeypatch.setattr(triton_ops, "MIN_TILE_ROWS", 8)
     monkeypatch.setattr(triton_ops, "MIN_SPLIT_ROWS", min_split_rows)
     monkeypatch.setattr(triton_ops, "_num_sms", lambda device: 4)
     stack = LoraStack(k, outs, num_slots=3, max_rank=8, dtype=torch.float32, is_embedding=is_embedding)
@@ -424,14 +388,13 @@ def test_warm_up_covers_every_variant_serving_can_pick(outs, k, is_embedding, mi
         return launch
 
     monkeypatch.setattr(triton_ops, "bgmv_rows", record("bgmv"))
-    monkeypatch.setattr(triton_ops, "tile_rows", record("tile"))
     monkeypatch.setattr(triton_ops, "shrink_expand_rows", record("split"))
     monkeypatch.setattr(triton_ops, "group_rows", lambda slots, n: None)
     max_rows = 300
     for num_rows in range(1, max_rows + 1):
         triton_ops.rows_delta(stack, torch.zeros(num_rows, sum(outs)), torch.zeros(num_rows, k), torch.zeros(num_rows, dtype=torch.int32))
     serving = set(picked)
-    assert {v[0] for v in serving} == ({"bgmv"} if is_embedding else {"bgmv", "tile", "split"})
+    assert {v[0] for v in serving} == ({"bgmv"} if is_embedding else {"bgmv", "split"})
     picked.clear()
     triton_ops.warm_up(stack, max_rows)
     assert set(picked) == serving
@@ -461,6 +424,6 @@ def test_check_tool_rows_table_dry_run_checks_every_variant(tmp_path, capsys):
     assert _load_check_tool().main(argv) == 0
     table = json.loads(out.read_text())["rows"]
     assert [(r["linear"], r["rows"], r["mix"]) for r in table] == [("o", 16, "mixed4")]
-    assert set(table[0]["us"]) >= {"bgmv", "split", "sk*2", "tile", "t.bm32"} and all(v is not None for r in table for v in r["us"].values())
+    assert set(table[0]["us"]) >= {"bgmv", "split", "sk*2"} and all(v is not None for r in table for v in r["us"].values())
     printed = capsys.readouterr().out
     assert "sum        16 mixed4" in printed and "group_rows once a step" in printed
