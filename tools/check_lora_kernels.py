@@ -28,7 +28,9 @@ eager step pays it; graph times are the replay's GPU time / 66.
 ``--rows-table`` times each rows kernel against the others for one
 linear's call inside a CUDA graph (us per call, ``--calls`` back-to-back
 calls a graph): ``bgmv_rows`` and ``shrink_expand_rows``
-with its default blocks and a few neighbours of them, for q|k|v, o,
+with its default blocks and a few neighbours of them, then the whole linear
+with its base GEMM: the GEMM alone, GEMM + ``bgmv_rows``, and the fused
+GEMM (every slot's A under the weight) + ``expand_rows``, for q|k|v, o,
 gate|up and down at 8-128 rows, one adapter and 4 mixed, rank 16; every
 variant is first checked against the fp32 reference. Then the per-layer
 sum of the four linears per variant, and the step's ``group_rows`` (once
@@ -59,6 +61,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -207,6 +210,8 @@ def parse_args(argv=None):
     p.add_argument("--decode", action="store_true", help="the decode-step table: GEMM vs rows kernels, eager and graphed")
     p.add_argument("--rows-table", action="store_true", help="bgmv / shrink-expand variants per linear, in graphs")
     p.add_argument("--rows", nargs="+", type=int, default=None, help="--rows-table's row counts (default 8 16 32 64 128)")
+    p.add_argument("--variants", nargs="+", default=None,
+                   help="--rows-table's variants to time (default all: see rows_variants and linear_variants)")
     p.add_argument("--calls", type=int, default=None, help="calls per graph (default 66, a decode step's LoRA calls)")
     p.add_argument("--min-split-rows", type=int, default=None,
                    help="set triton_ops.MIN_SPLIT_ROWS for this run (the routing add_delta_rows follows in every section)")
@@ -402,6 +407,31 @@ def rows_variants(triton_ops, stack: LoraStack, num_rows: int, num_sms: int) -> 
     return variants | {name: split(b) for name, b in blocks.items()}
 
 
+def linear_variants(triton_ops, stack: LoraStack, weight: torch.Tensor) -> dict:
+    """name -> fn(x, row_slots): the whole LoRA linear, base GEMM included:
+    "gemm" the base alone, "g+bgmv" the GEMM then ``bgmv_rows``, "g+fused"
+    one GEMM over the weight with every slot's A under it, then
+    ``expand_rows`` (``LoraStack.fuse_under``: what CUDA serving runs below
+    ``MIN_SPLIT_ROWS``), with 4 or 8 warps."""
+    import copy
+
+    fused_stack = copy.copy(stack)  # fuse_under replaces its ``a`` only: the original stays unfused
+    fused, _ = fused_stack.fuse_under(weight, None)
+    n = weight.shape[0]
+
+    def gemm_bgmv(x, slots):
+        return triton_ops.bgmv_rows(stack, F.linear(x, weight), x, slots)
+
+    def gemm_fused(num_warps):
+        def run(x, slots):
+            out = F.linear(x, fused)
+            return triton_ops.expand_rows(fused_stack, out[:, :n], out[:, n:], slots, num_warps=num_warps)
+        return run
+
+    return {"gemm": lambda x, slots: F.linear(x, weight), "g+bgmv": gemm_bgmv, "g+fused": gemm_fused(None),
+            "g+f.w4": gemm_fused(4)}
+
+
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     scale = want.norm().item()
     return (got.float() - want).norm().item() / max(scale, 1e-12)
@@ -426,6 +456,8 @@ def table_one(triton_ops, linear: str, shape, num_rows: int, mix: str, args, dev
     want = reference_delta(stack, x, build_segments(slots))
     result = {}
     for name, fn in rows_variants(triton_ops, stack, num_rows, triton_ops._num_sms(torch.device(device))).items():
+        if args.variants and name not in args.variants:
+            continue
         y = torch.zeros(num_rows, stack.offsets[-1], dtype=dtype, device=device)
         try:
             err = rel_error(fn(y, x, row_slots, groups), want)
@@ -433,6 +465,20 @@ def table_one(triton_ops, linear: str, shape, num_rows: int, mix: str, args, dev
                 raise AssertionError(f"relative error {err:.2e} >= {TOLERANCE[dtype]:.0e}")
             result[name] = time_rows_variant(fn, y, x, row_slots, groups, args, device)
         except Exception as err:  # one failing variant must not end the run
+            print(f"# {linear} rows={num_rows} {mix} {name}: {type(err).__name__}: {str(err).splitlines()[0][:200]}", file=sys.stderr)
+            result[name] = None
+    weight = (torch.randn(stack.offsets[-1], in_features, generator=gen) / in_features**0.5).to(dtype).to(device)
+    base = F.linear(x, weight).float()
+    for name, fn in linear_variants(triton_ops, stack, weight).items():
+        if args.variants and name not in args.variants:
+            continue
+        try:
+            if name != "gemm":
+                err = rel_error(fn(x, row_slots).float() - base, want)
+                if err >= TOLERANCE[dtype]:
+                    raise AssertionError(f"relative error {err:.2e} >= {TOLERANCE[dtype]:.0e}")
+            result[name] = time_rows_variant(lambda y, x_, s, g, fn=fn: fn(x_, s), None, x, row_slots, None, args, device)
+        except Exception as err:
             print(f"# {linear} rows={num_rows} {mix} {name}: {type(err).__name__}: {str(err).splitlines()[0][:200]}", file=sys.stderr)
             result[name] = None
     return result
@@ -490,7 +536,7 @@ def print_layer_sums(table: list[dict], names, rows, mixes, linears) -> None:
     sum of the best split variant per linear (what per-linear blocks could give)."""
     if not names:
         return
-    splits = [n for n in names if n != "bgmv"]
+    splits = [n for n in names if n != "bgmv" and not n.startswith("g")]  # the split variants (gemm, g+...: whole linears)
     print(f"# per layer ({' + '.join(linears)})")
     print(f"{'layer':<8} {'rows':>4} {'mix':<6} " + " ".join(f"{n:>6}" for n in names) + f" {'best':>6}")
     for num_rows in rows:

@@ -296,14 +296,21 @@ def delta_rows_ref(
     offsets: Sequence[int],
     *,
     is_embedding: bool = False,
+    t: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``lora_delta_ref`` with one slot per row (``row_slots`` [T] on ``y``'s
-    device) instead of segments, in place on ``y``, fp32 math.
+    device) instead of segments, in place on ``y``, fp32 math. ``t``: the
+    shrink already made by a fused stack's GEMM ([T, shards x slots x R],
+    ``LoraStack.fuse_under``); ``x`` is then unused.
 
     Gathers every row's factors (no host sync, no data-dependent shape, so it
     is graph-capturable too); base rows add an exact zero (slot 0 is zero)."""
     slots = row_slots.long()
-    if is_embedding:  # the shrink is a gather of A's columns at the token ids
+    if t is not None:  # row i's own slot's columns of every shard
+        num_shards, num_slots, max_rank = a.shape[:3]
+        rows = torch.arange(t.shape[0], device=t.device)
+        shrink = t.reshape(t.shape[0], num_shards, num_slots, max_rank)[rows, :, slots].float().transpose(0, 1)
+    elif is_embedding:  # the shrink is a gather of A's columns at the token ids
         shrink = a[0][slots, :, x.long()].float().unsqueeze(0)  # [1, T, R]
     else:
         shrink = torch.matmul(a[:, slots].float(), x.float()[None, :, :, None]).squeeze(-1)  # [S, T, R]
@@ -373,6 +380,7 @@ class LoraStack:
         # slot: an install writes only its own slot's, so steps on other slots
         # may read them meanwhile. expand_matrix(b) for steps mixing slots,
         # and a linear's DenseFactors for steps on one.
+        self.fused = False  # ``a`` lives under the targeted linear's weight (``fuse_under``)
         self.b_all = self.factors = None
         if not has_kernels(device):
             self.b_all = expand_matrix(self.b)
@@ -382,6 +390,44 @@ class LoraStack:
     @property
     def num_slots(self) -> int:
         return self.a.shape[1]
+
+    def fuse_under(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Move ``a`` under the targeted linear's ``weight`` ([sum(output_sizes),
+        in]) in one buffer, rows ``[weight; a[shard, slot, r] in order]``, and
+        return it with ``bias`` padded by zeros for A's rows. One GEMM of a
+        step's input with the buffer gives the base output and every slot's
+        shrink ``t = x @ A.T`` beside it, so the delta is an expand alone
+        (``add_delta_expand``): one launch a linear instead of a kernel that
+        recomputes the shrink in each of its programs. ``a`` becomes a view of
+        the buffer, so installs and the other kernels use it as before. The
+        caller serves the base output from the buffer's first rows."""
+        n = self.offsets[-1]
+        if self.is_embedding or weight.shape != (n, self.in_features) or weight.dtype != self.a.dtype or weight.device != self.a.device:
+            raise ValueError(f"fusing LoRA A under a weight {tuple(weight.shape)} {weight.dtype} on {weight.device}; "
+                             f"accepted: a linear's weight [{n}, {self.in_features}] {self.a.dtype} on {self.a.device}")
+        num_a_rows = self.a.numel() // self.in_features
+        fused = torch.cat([weight.detach(), self.a.reshape(num_a_rows, self.in_features)])
+        self.a = fused[n:].view(self.a.shape)
+        self.fused = True
+        fused_bias = None if bias is None else torch.cat([bias.detach(), bias.new_zeros(num_a_rows)])
+        return fused, fused_bias
+
+    def fuses_rows(self, num_rows: int) -> bool:
+        """Whether a rows step of ``num_rows`` rows takes ``add_delta_expand``:
+        a fused stack, at the row counts the one-row kernel serves (from
+        ``MIN_SPLIT_ROWS`` the grouped kernel reads ``a`` instead, where a
+        per-row expand would read B once a row)."""
+        kernels = _triton_ops()
+        return self.fused and kernels is not None and kernels.uses_single_rows(num_rows)
+
+    def add_delta_expand(self, y: torch.Tensor, t: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
+        """y += the delta of row ``t``'s slot given its shrink (a fused stack's
+        GEMM columns, ``fuse_under``), in place; graph-safe as ``add_delta_rows``."""
+        if y.shape[0] == 0:
+            return y
+        if y.is_cuda and _triton_ops() is not None:
+            return _triton_ops().expand_rows(self, y, t, row_slots)
+        return delta_rows_ref(y, None, self.a, self.b, self.scales, row_slots, self.offsets, t=t)
 
     def offsets_on(self, device: torch.device | str) -> torch.Tensor:
         """The shard offsets as an int32 tensor on ``device`` (made once)."""

@@ -62,7 +62,7 @@ def _rows_kernel(
     stride_wl, stride_wn, stride_wr,
     stride_ss, stride_sl,
     stride_ym, stride_yn, stride_slot,
-    K: tl.constexpr, IS_EMBEDDING: tl.constexpr, TILES: tl.constexpr,
+    K: tl.constexpr, IS_EMBEDDING: tl.constexpr, T_GIVEN: tl.constexpr, TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # K is a compile-time constant (a linear's in_features: a few values per
@@ -87,6 +87,11 @@ def _rows_kernel(
     if IS_EMBEDDING:
         token = tl.load(x_ptr + row * stride_xm).to(tl.int64)
         t = tl.load(a_row + token * stride_ak, mask=mask_r, other=0.0).to(tl.float32)
+    elif T_GIVEN:
+        # The shrink came with the base GEMM (``expand_rows``): x is its
+        # output's A columns, one per row of A, at A's row strides.
+        t_cols = shard * stride_as + slot * stride_al + offs_r * stride_ar
+        t = tl.load(x_ptr + row * stride_xm + t_cols * stride_xk, mask=mask_r, other=0.0).to(tl.float32)
     else:
         offs_k = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
@@ -197,9 +202,43 @@ def bgmv_rows(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: tor
         b.stride(0), b.stride(1), b.stride(2),
         scales.stride(0), scales.stride(1),
         y.stride(0), y.stride(1), row_slots.stride(0),
-        K=k, IS_EMBEDDING=stack.is_embedding, TILES=tiles,
+        K=k, IS_EMBEDDING=stack.is_embedding, T_GIVEN=False, TILES=tiles,
         BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k,
         num_warps=num_warps,
+    )  # fmt: skip
+    return y
+
+
+def expand_rows(stack: LoraStack, y: torch.Tensor, t: torch.Tensor, row_slots: torch.Tensor, *,
+                tiles: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """y[row] += scale * t[row, its slot's columns] @ B[slot].T, every shard,
+    one launch, in place: the rows delta of a fused stack (``ops.fuse_shrink``),
+    whose base GEMM wrote ``t = x @ A.T`` for every shard and slot beside
+    ``y`` (t's column ``(shard * num_slots + slot) * max_rank + r`` is A's
+    row ``[shard, slot, r]``). ``bgmv_rows`` without its shrink: the same
+    programs, the same early exits (base rows, untargeted shards) and the
+    same column tiles. ``tiles`` / ``num_warps`` override the defaults, for
+    sweeps."""
+    num_shards, num_slots, max_rank, k = stack.a.shape
+    num_rows, max_out = y.shape[0], max(stack.output_sizes)
+    if t.shape != (num_rows, num_shards * num_slots * max_rank):
+        raise ValueError(f"LoRA expand: t is {tuple(t.shape)}; accepted: [{num_rows}, {num_shards * num_slots * max_rank}] "
+                         "(rows x shards x slots x max_rank, the fused GEMM's A columns)")
+    block_r, _, block_n, warps = _rows_blocks(max_rank, k, max_out)
+    tiles = tiles or _pick_tiles(num_rows, num_shards, max_out, max_rank, block_n, _num_sms(y.device))
+    num_groups = triton.cdiv(max_out, tiles * block_n)
+    b, scales = stack.b, stack.scales
+    _rows_kernel[(num_rows, num_shards * num_groups)](
+        t, stack.a, b, scales, y, stack.offsets_on(y.device), row_slots,
+        max_rank, num_groups,
+        t.stride(0), t.stride(1),
+        num_slots * max_rank, max_rank, 1, 0,
+        b.stride(0), b.stride(1), b.stride(2),
+        scales.stride(0), scales.stride(1),
+        y.stride(0), y.stride(1), row_slots.stride(0),
+        K=max_rank, IS_EMBEDDING=False, T_GIVEN=True, TILES=tiles,
+        BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_r,
+        num_warps=num_warps or warps,
     )  # fmt: skip
     return y
 
@@ -464,6 +503,28 @@ def warm_up(stack: LoraStack, max_num_rows: int) -> None:
             x = torch.zeros(num_rows, stack.in_features, dtype=stack.a.dtype, device=device)
         y = torch.zeros(num_rows, stack.offsets[-1], dtype=stack.a.dtype, device=device)
         rows_delta(stack, y, x, torch.zeros(num_rows, dtype=torch.int32, device=device))
+    if stack.fused:
+        num_t = stack.a.numel() // stack.in_features
+        for num_rows in _expand_row_counts(stack, max_num_rows, _num_sms(device)):
+            y = torch.zeros(num_rows, stack.offsets[-1], dtype=stack.a.dtype, device=device)
+            t = torch.zeros(num_rows, num_t, dtype=stack.a.dtype, device=device)
+            expand_rows(stack, y, t, torch.zeros(num_rows, dtype=torch.int32, device=device))
+
+
+def expand_variant_of(stack: LoraStack, num_rows: int, num_sms: int) -> int:
+    """The compiled variant (its column tiles) ``expand_rows`` launches at ``num_rows`` rows."""
+    num_shards, _, max_rank, k = stack.a.shape
+    max_out = max(stack.output_sizes)
+    return _pick_tiles(num_rows, num_shards, max_out, max_rank, _rows_blocks(max_rank, k, max_out)[2], num_sms)
+
+
+def _expand_row_counts(stack: LoraStack, max_num_rows: int, num_sms: int) -> list[int]:
+    """The smallest row count of each distinct ``expand_variant_of`` a fused stack takes (``fuses_rows``)."""
+    seen: dict[int, int] = {}
+    for num_rows in range(1, max_num_rows + 1):
+        if uses_single_rows(num_rows):
+            seen.setdefault(expand_variant_of(stack, num_rows, num_sms), num_rows)
+    return sorted(seen.values())
 
 
 def variant_of(stack: LoraStack, num_rows: int, num_sms: int) -> tuple:

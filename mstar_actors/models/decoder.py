@@ -48,10 +48,20 @@ class LoraLinear(nn.Linear):
 
     lora: LoraHook | None = None
     packed: PackedWeight | None = None  # made on the first CPU float32 call
+    # [weight; every slot's LoRA A] where the stack is fused (``lora_layers.fuse_linear``),
+    # ``weight`` being its first rows.
+    fused_weight: torch.Tensor | None = None
+    fused_bias: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hook = self.lora
+        if self.fused_weight is not None and hook.fuses(x.shape[0]):
+            # One GEMM: the base output, then each slot's shrink; the delta is the expand alone.
+            out = F.linear(x, self.fused_weight, self.fused_bias)
+            n = self.out_features
+            return hook.expand(out[:, :n], out[:, n:])
         y = self._base(x)
-        return y if self.lora is None else self.lora.apply(y, x)
+        return y if hook is None else hook.apply(y, x)
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         # A device-type and dtype test only: nothing data-dependent, no sync.

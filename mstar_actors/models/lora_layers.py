@@ -108,6 +108,16 @@ class LoraHook:
         dense = self.step.sampled_dense if self.is_sampled else self.step.dense
         return y if segments is None else self.stack.add_delta(y, x, segments, dense)
 
+    def fuses(self, num_rows: int) -> bool:
+        """Whether this step's ``num_rows`` rows take the fused GEMM and
+        ``expand`` (a fused stack in a rows step with adapter rows; shapes and
+        the step's kind only, so a captured graph keeps the choice)."""
+        return self.step.row_slots is not None and not self.is_sampled and self.stack.fuses_rows(num_rows)
+
+    def expand(self, y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """y += the delta, given its shrink ``t`` from the fused GEMM."""
+        return self.stack.add_delta_expand(y, t, self.step.row_slots)
+
 
 class LoraLayers:
     """Every LoRA stack of one model, keyed by our module name, and its slots.
@@ -314,12 +324,24 @@ def _is_pure_decode(query_lens: Sequence[int], chunk_slots: Sequence[int], sampl
     return len(sampled_slots) == len(chunk_slots) and all(n == 1 for n in query_lens)
 
 
+# A linear's stack moves its A under the weight (``LoraStack.fuse_under``)
+# while A's rows add at most this share to the weight's: the base GEMM then
+# reads every slot's A too, about free for decode-sized steps, which are
+# bound by reading the weight.
+MAX_FUSED_SHARE = 0.25
+
+
 def enable_lora(
-    model: nn.Module, rules: CheckpointRules, *, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device | str
+    model: nn.Module, rules: CheckpointRules, *, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device | str,
+    fuse_shrink: bool | None = None,
 ) -> LoraLayers:
     """Give every targetable module of ``model`` (a ``CausalLM``) a stack of
     ``num_slots`` slots (slot 0 = base) and return them. Called once, after
-    the weights are loaded and before the KV cache is sized."""
+    the weights are loaded and before the KV cache is sized.
+
+    ``fuse_shrink`` (default: where the Triton kernels run): each decoder
+    linear whose A rows fit ``MAX_FUSED_SHARE`` of its weight computes the
+    shrink of every slot in its base GEMM (``fuse_linear``)."""
     from .decoder import LoraEmbedding, LoraLinear  # the decoder imports this module
 
     if num_slots < 2 or max_rank < 1:
@@ -327,12 +349,15 @@ def enable_lora(
     step = LoraStep()
     stacks: dict[str, LoraStack] = {}
     kwargs = dict(num_slots=num_slots, max_rank=max_rank, dtype=dtype, device=device)
+    fuse_shrink = has_kernels(device) if fuse_shrink is None else fuse_shrink
     # Only the text decoder (``model.model``): a vision tower's rows are not the step's token rows.
     for name, module in model.model.named_modules(prefix="model"):
         if isinstance(module, LoraLinear):
             sizes = getattr(module, "output_sizes", [module.out_features])
             stacks[name] = LoraStack(module.in_features, sizes, **kwargs)
             module.lora = LoraHook(stacks[name], step)
+            if fuse_shrink:
+                fuse_linear(module, stacks[name])
         elif isinstance(module, LoraEmbedding):
             stacks[name] = LoraStack(module.num_embeddings, [module.embedding_dim], is_embedding=True, **kwargs)
             module.lora = LoraHook(stacks[name], step)
@@ -344,4 +369,21 @@ def enable_lora(
     return LoraLayers(stacks, rules, step)
 
 
-__all__ = ["EMBED_TOKENS", "LM_HEAD", "LoraHook", "LoraLayers", "LoraStep", "ZERO_SLOT", "enable_lora"]
+def fuse_linear(module: nn.Linear, stack: LoraStack) -> bool:
+    """Serve ``module``'s base output from the first rows of one buffer whose
+    next rows are ``stack``'s A (``LoraStack.fuse_under``), if A's rows fit
+    ``MAX_FUSED_SHARE`` of the weight's and the dtypes agree; True if fused.
+    The weight becomes a view of the buffer, so base-only steps run the same
+    GEMM as before and the memory is the weight's plus A's, as unfused."""
+    num_a_rows = stack.a.numel() // stack.in_features
+    if num_a_rows > MAX_FUSED_SHARE * module.out_features or module.weight.dtype != stack.a.dtype:
+        return False
+    fused, fused_bias = stack.fuse_under(module.weight, module.bias)
+    module.weight = nn.Parameter(fused[: module.out_features], requires_grad=False)
+    if module.bias is not None:
+        module.bias = nn.Parameter(fused_bias[: module.out_features], requires_grad=False)
+    module.fused_weight, module.fused_bias = fused, fused_bias
+    return True
+
+
+__all__ = ["EMBED_TOKENS", "LM_HEAD", "LoraHook", "LoraLayers", "LoraStep", "ZERO_SLOT", "enable_lora", "fuse_linear"]

@@ -250,6 +250,36 @@ def runner(tmp_path_factory):
     return runner
 
 
+@pytest.fixture(scope="module")
+def fused_runner(tmp_path_factory):
+    """``runner``'s model and adapters with every decoder linear's A fused
+    under its weight (``fuse_linear``, what CUDA stacks get by default)."""
+    from mstar_actors.lora import BaseShapes, read_adapter
+    from mstar_actors.model_runner import ModelRunner
+    from mstar_actors.models.decoder import LoraLinear
+    from mstar_actors.models.lora_layers import fuse_linear
+
+    tmp = tmp_path_factory.mktemp("fused")
+    model, config = make_base("llama", vocab_size=300)
+    model.save_pretrained(tmp / "base")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head", "embed_tokens"]
+    runner = ModelRunner(tmp / "base", dtype="float32", device="cpu", block_size=4, num_blocks=64, seed=0, max_loras=3, max_lora_rank=16)
+    linears = [m for m in runner.model.modules() if isinstance(m, LoraLinear) and m.lora is not None]
+    # The tiny model's A rows (4 slots x 16 x shards) outweigh its 64-wide
+    # weights, so the share rule would refuse them: lifted for the test.
+    with pytest.MonkeyPatch.context() as patch:
+        from mstar_actors.models import lora_layers
+
+        patch.setattr(lora_layers, "MAX_FUSED_SHARE", 100.0)
+        assert all(fuse_linear(m, m.lora.stack) for m in linears)
+    import copy
+
+    for slot, rank in RANKS.items():
+        folder, _ = make_adapter(tmp, copy.deepcopy(model), seed=slot, name=f"r{rank}", r=rank, lora_alpha=rank, target_modules=targets)
+        runner.install_adapter(slot, read_adapter(folder, base=BaseShapes.from_hf_config(config), max_rank=16, name=f"r{rank}"))
+    return runner
+
+
 def _decode_logits(runner, slots, *, rows: bool, kernel: bool, monkeypatch) -> torch.Tensor:
     """Prefill then one decode step of one sequence per slot; the decode's logits
     (the KV writes repeat the same values, so the step can be run again)."""
@@ -268,6 +298,7 @@ def _decode_logits(runner, slots, *, rows: bool, kernel: bool, monkeypatch) -> t
     if kernel:  # the rows path through the Triton kernel in the interpreter
         rows_delta = triton_ops.rows_delta  # picks bgmv_rows or shrink_expand_rows by the batch size, as on CUDA
         monkeypatch.setattr(LoraStack, "add_delta_rows", lambda stack, y, x, s, groups=None: rows_delta(stack, y, x, s, groups))
+        monkeypatch.setattr(LoraStack, "add_delta_expand", lambda stack, y, t, s: triton_ops.expand_rows(stack, y, t, s))
     calls = []
     monkeypatch.setattr(type(runner.lora), "begin_rows_step", _spy(type(runner.lora).begin_rows_step, calls))
     try:
@@ -336,6 +367,52 @@ def _prefill_logits(runner, slots, *, rows: bool, kernel: bool, monkeypatch) -> 
 
 
 @pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=interpreted)])
+def test_fused_linears_decode_through_rows_equals_segments(fused_runner, kernel, monkeypatch):
+    """Linears whose A sits under the weight: one GEMM gives the base rows and
+    every slot's shrink, the expand adds each row's delta (the torch
+    reference, or the kernel in the interpreter); the same logits as the
+    segment path on the same weights, and the expand ran for every linear."""
+    slots = [[0, 2, 1, 3, 0][i % 5] for i in range(5)]
+    want = _decode_logits(fused_runner, slots, rows=False, kernel=False, monkeypatch=monkeypatch)
+    expands = []
+    expand = LoraStack.add_delta_expand
+    monkeypatch.setattr(LoraStack, "add_delta_expand", lambda stack, y, t, s: expands.append(1) or expand(stack, y, t, s))
+    got = _decode_logits(fused_runner, slots, rows=True, kernel=kernel, monkeypatch=monkeypatch)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    if not kernel:  # (the kernel run replaces the spied method)
+        assert len(expands) == 4 * fused_runner.model.spec.num_layers
+
+
+@interpreted
+def test_expand_kernel_equals_rows_reference():
+    """``expand_rows`` over a fused stack's GEMM output: each row's own
+    slot's columns of ``t``, every shard, base rows and an untargeted shard
+    left bit-identical."""
+    seed = random.randrange(2**31)
+    print(f"seed={seed}")
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    stack = make_stack(gen, 72, (64, 32, 48))
+    stack.a[2, 2], stack.b[2, 96:144], stack.scales[2, 2] = 0, 0, 0.0  # slot 2 leaves the last shard alone
+    weight = torch.randn(144, 72, generator=gen)
+    fused, _ = stack.fuse_under(weight, None)
+    assert stack.fused and stack.a.data_ptr() == fused[144:].data_ptr()
+    slots = random_slots(rng, 21)
+    x = torch.randn(21, 72, generator=gen)
+    out = x @ fused.T
+    y0 = out[:, :144].clone()
+    want = stack.add_delta(x @ weight.T, x, build_segments(slots))
+    for tiles in (None, 2):
+        got = triton_ops.expand_rows(stack, y0.clone(), out[:, 144:], int32(slots), tiles=tiles)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        base_rows = [t for t, s in enumerate(slots) if s == 0]
+        assert torch.equal(got[base_rows], y0[base_rows])
+        on_two = [t for t, s in enumerate(slots) if s == 2]
+        assert torch.equal(got[on_two, 96:144], y0[on_two, 96:144])
+    ref = stack.add_delta_expand(y0.clone(), out[:, 144:], int32(slots))  # CPU: the torch reference
+    torch.testing.assert_close(ref, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=interpreted)])
 def test_prefill_through_rows_equals_segments(runner, kernel, monkeypatch):
     """Every CUDA step takes the rows path, prefill chunks too: a step whose
     sampled rows are a subset of its token rows (one of them on the base
@@ -399,6 +476,22 @@ def test_warm_up_covers_every_variant_serving_can_pick(outs, k, is_embedding, mi
     triton_ops.warm_up(stack, max_rows)
     assert set(picked) == serving
     assert len(picked) == len(serving)  # one launch per variant
+
+
+def test_warm_up_covers_the_expand_of_a_fused_stack(monkeypatch):
+    """A fused stack's expand variants (rows below ``MIN_SPLIT_ROWS``) are compiled by ``warm_up`` too, one launch each."""
+    monkeypatch.setattr(triton_ops, "_num_sms", lambda device: 4)
+    stack = LoraStack(64, [64, 32, 32], num_slots=3, max_rank=8, dtype=torch.float32)
+    stack.fuse_under(torch.zeros(128, 64), None)
+    monkeypatch.setattr(triton_ops, "bgmv_rows", lambda stack, y, *rest, **kw: y)
+    monkeypatch.setattr(triton_ops, "shrink_expand_rows", lambda stack, y, *rest, **kw: y)
+    monkeypatch.setattr(triton_ops, "group_rows", lambda slots, n: None)
+    picked = []
+    monkeypatch.setattr(triton_ops, "expand_rows", lambda stack, y, t, slots: picked.append(
+        (y.shape[0], triton_ops.expand_variant_of(stack, y.shape[0], 4))) or y)
+    triton_ops.warm_up(stack, 300)
+    serving = {triton_ops.expand_variant_of(stack, n, 4) for n in range(1, triton_ops.MIN_SPLIT_ROWS)}
+    assert sorted(v for _, v in picked) == sorted(serving) and all(n < triton_ops.MIN_SPLIT_ROWS for n, _ in picked)
 
 
 def _load_check_tool():

@@ -187,6 +187,39 @@ def test_rows_kernel_replays_in_a_cuda_graph_with_new_slots(triton_ops, linear, 
         assert torch.equal(y[[t for t, s in enumerate(values) if s == 0]], y0[[t for t, s in enumerate(values) if s == 0]])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_rows", [1, 8, 32, 63])
+@pytest.mark.parametrize("linear", ["qkv", "o", "gate_up", "down"])
+def test_fused_gemm_and_expand_match_reference(triton_ops, linear, num_rows, dtype):
+    """Llama-3.2-1B's linears with every slot's A under the weight: the one
+    GEMM's first columns are the base output bit for bit, and the expand of
+    its A columns adds each row's delta; base rows and an untargeted shard
+    (slot 2's last) come out as the base GEMM left them."""
+    seed = random.randrange(2**31)
+    print(f"seed={seed}")
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    in_features, output_sizes = _LLAMA_1B[linear]
+    stack = _mixed_rank_stack(gen, in_features, output_sizes, dtype=dtype)
+    shard = len(output_sizes) - 1
+    lo, hi = stack.offsets[shard], stack.offsets[shard + 1]
+    stack.a[shard, 2], stack.b[2, lo:hi], stack.scales[shard, 2] = 0, 0, 0.0
+    weight = (torch.randn(stack.offsets[-1], in_features, generator=gen) / in_features**0.5).to(dtype).cuda()
+    fused, _ = stack.fuse_under(weight, None)
+    slots = _row_slots(rng, num_rows)
+    slots[0] = 1
+    x = torch.randn(num_rows, in_features, generator=gen).to(dtype).cuda()
+    n = weight.shape[0]
+    out = torch.nn.functional.linear(x, fused)
+    base = torch.nn.functional.linear(x, weight)
+    y0 = out[:, :n].clone()
+    y = triton_ops.expand_rows(stack, out[:, :n], out[:, n:], slots)
+    assert _rel(y.float() - base.float(), _reference(stack, x, build_segments(slots.tolist()))) < _TOL[dtype]
+    base_rows = (slots == 0).nonzero().flatten()
+    assert torch.equal(y[base_rows], y0[base_rows])
+    on_two = (slots == 2).nonzero().flatten()
+    assert torch.equal(y[on_two, lo:hi], y0[on_two, lo:hi])
+
+
 # ---------------------------------------------------------------- shrink, then expand
 
 
