@@ -185,6 +185,7 @@ class ModelRunner:
         max_num_batched_tokens: int = 2048,
         cuda_graph_max_tokens: int = 2048,
         max_lora_images: int = 4,
+        lora_fuse_shrink: bool | None = None,
     ):
         self.device = resolve_device(device)
         arch, spec = load_spec(Path(model_dir))  # read first: "auto" dtype depends on it
@@ -199,7 +200,8 @@ class ModelRunner:
         self.lora: LoraLayers | None = None
         if max_loras > 0:
             self.lora = enable_lora(
-                self.model, arch.rules, num_slots=max_loras + 1, max_rank=max_lora_rank, dtype=self.dtype, device=self.device
+                self.model, arch.rules, num_slots=max_loras + 1, max_rank=max_lora_rank, dtype=self.dtype, device=self.device,
+                fuse_shrink=lora_fuse_shrink,
             )
             self.lora.max_slot_images = max_lora_images  # pinned, made at the installs that keep them
         self.lora_names: dict[int, str] = {}  # slot -> installed adapter's name

@@ -8,7 +8,10 @@ new request costs the batch), base and one adapter, through the mixed-step
 graphs and eagerly; then the time of ``install_adapter`` (what an adapter
 swap waits for on a rank); then the GPU kernels of one adapter step by
 ``torch.profiler``. No server, no processes: the figures are the model
-runner's share of a serving step.
+runner's share of a serving step. The decode table runs two runners side
+by side, the LoRA linears fused (every slot's A under the weight: one GEMM,
+then the expand; CUDA's default) and unfused (the GEMM, then the one-row
+kernel with its own shrink); ``--fuse on|off`` keeps one.
 
     python tools/profile_gpu_step.py --tokenizer DIR            # the random Llama-3.2-1B shape
     python tools/profile_gpu_step.py --tokenizer DIR --batches 1 8 32 64 --mixed-decodes 7 31
@@ -152,6 +155,9 @@ def time_install(runner: ModelRunner, adapters: list, repeats: int, beside: int 
             step_times.append(d.decode())
             if len(step_times) == 5:
                 warm.set()
+            if d.done[d.rids[0]] >= 64 * runner.block_size:  # its blocks are full: start over
+                d.close()
+                d = Decoder(runner, [3] * beside, "busy")
         d.close()
 
     loop = threading.Thread(target=decode_loop) if beside else None
@@ -196,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed-decodes", type=int, nargs="*", default=[7, 31],
                    help="decodes beside each mixed step's prefill (none: skip the mixed steps)")
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--fuse", choices=["on", "off", "both"], default="both",
+                   help="decode table with the LoRA linears' A under their weights (CUDA's default), unfused, "
+                        "or both runners side by side (default)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_gpu_step needs CUDA", file=sys.stderr)
@@ -209,19 +218,24 @@ def main(argv: list[str] | None = None) -> int:
     paths = bench_lora.make_adapters(model_dir, cache / "adapters" / f"{bench_lora.LLAMA_1B}-r16",
                                      [f"lora{i}" for i in range(NUM_ADAPTERS)], 16, "bfloat16", "cuda")
     max_seqs = max([*args.batches, *args.mixed_decodes])
-    runner = ModelRunner(model_dir, device="cuda", num_blocks=64 * max_seqs + 8, max_loras=NUM_ADAPTERS,
-                         max_lora_rank=16, max_model_len=2048)
-    adapters = load_adapters(runner, paths, model_dir)
-    for slot, weights in enumerate(adapters, start=1):
-        runner.install_adapter(slot, weights)
+    runners = {}
+    for fused in [mode == "on" for mode in (("on", "off") if args.fuse == "both" else (args.fuse,))]:
+        runner = ModelRunner(model_dir, device="cuda", num_blocks=64 * max_seqs + 8, max_loras=NUM_ADAPTERS,
+                             max_lora_rank=16, max_model_len=2048, lora_fuse_shrink=fused)
+        adapters = load_adapters(runner, paths, model_dir)
+        for slot, weights in enumerate(adapters, start=1):
+            runner.install_adapter(slot, weights)
+        runners["fused" if fused else "unfused"] = runner
     print(f"# {torch.cuda.get_device_name()}: decode step ms (median of {args.steps}), ModelRunner.execute, "
-          f"context ~{CONTEXT}")
-    print(f"{'batch':>5} {'base':>8} {'one':>8} {'mixed4':>8} {'one/base':>9} {'mixed/base':>10}")
+          f"context ~{CONTEXT}; fused: every LoRA linear's A under its weight (one GEMM, then the expand)")
+    print(f"{'batch':>5} {'linears':>8} {'base':>8} {'one':>8} {'mixed4':>8} {'one/base':>9} {'mixed/base':>10}")
     for batch in args.batches:
-        base = time_steps(runner, [0] * batch, "b", args.steps)
-        one = time_steps(runner, [1] * batch, "o", args.steps)
-        mixed = time_steps(runner, [1 + i % NUM_ADAPTERS for i in range(batch)], "m", args.steps)
-        print(f"{batch:>5} {base:>8.3f} {one:>8.3f} {mixed:>8.3f} {base / one:>8.1%} {base / mixed:>9.1%}")
+        for kind, runner in runners.items():  # side by side at each batch, so drift hits both
+            base = time_steps(runner, [0] * batch, "b", args.steps)
+            one = time_steps(runner, [1] * batch, "o", args.steps)
+            mixed = time_steps(runner, [1 + i % NUM_ADAPTERS for i in range(batch)], "m", args.steps)
+            print(f"{batch:>5} {kind:>8} {base:>8.3f} {one:>8.3f} {mixed:>8.3f} {base / one:>8.1%} {base / mixed:>9.1%}")
+    runner = next(iter(runners.values()))
     if args.mixed_decodes:
         print_mixed(runner, args.mixed_decodes, args.steps)
     print("# adapter installs, ms (median of 8; each returns once the device holds the adapter): install_adapter "
