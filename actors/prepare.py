@@ -112,7 +112,7 @@ class PrepareActor(Actor):
     async def start(self) -> None:
         import torch
 
-        from mstar_actors.media import keep_freed_buffers
+        from mstar_actors.media import KEPT_BYTES_PER_DRAFT, keep_freed_buffers
 
         # Drafts make and drop tens of MB each (a 640x480 16 s clip: ~100 MB of fresh pages
         # per draft); kept, they are reused without page faults, and four pool threads no
@@ -139,6 +139,8 @@ class PrepareActor(Actor):
             self.pool = concurrent.futures.ThreadPoolExecutor(self.num_workers, thread_name_prefix="prepare",
                                                               initializer=torch.set_num_threads,
                                                               initargs=(threads,))
+            # Each thread's draft keeps its freed buffers for the next (one heap, see there).
+            keep_freed_buffers(max_kept=KEPT_BYTES_PER_DRAFT * self.num_workers)
         self.log.info("preparing %s", f"on {self.num_workers} threads" if self.pool else "inline")
 
     def _size_pool(self) -> int:

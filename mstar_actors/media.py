@@ -100,27 +100,38 @@ class VideoFrames:
     fps: float  # the sampling rate the frames were taken at
 
 
-def keep_freed_buffers(max_heap_block: int = 32 << 20, max_kept: int = 256 << 20) -> bool:
-    """Let glibc's malloc serve blocks up to ``max_heap_block`` from its heap
-    and keep up to ``max_kept`` freed bytes there, for a process that makes
-    and drops media-sized buffers (a 4.2 MB body, its str, its encoded
-    message) request after request. True when the allocator took both.
+# Freed bytes a process keeps per thread that drafts media at once
+# (``keep_freed_buffers``): a draft of a 640x480 16 s clip peaks at ~100 MB.
+KEPT_BYTES_PER_DRAFT = 256 << 20
+
+
+def keep_freed_buffers(max_heap_block: int = 32 << 20, max_kept: int = KEPT_BYTES_PER_DRAFT) -> bool:
+    """Let glibc's malloc serve blocks up to ``max_heap_block`` from one heap
+    shared by every thread and keep up to ``max_kept`` freed bytes there, for
+    a process that makes and drops media-sized buffers (a 4.2 MB body, its
+    str, its encoded message; a draft's frames and patches) request after
+    request. True when the allocator took all three settings; may be called
+    again to change ``max_kept`` (the prepare actor scales it by its pool).
 
     Why: by default each such block is a fresh ``mmap`` whose pages fault in
     on first write and go back to the kernel on ``free``: ~2,700 minor faults
     (10.8 MB) per 4.2 MB video body in the frontend on the 2-core VM, about
-    7 of its 12 CPU ms per body. Kept blocks are reused without faults. The
-    cost is resident memory: up to ``max_kept`` freed bytes stay mapped.
-    A no-op returning False where the C library has no ``mallopt`` (not
-    glibc), or refuses the values."""
+    7 of its 12 CPU ms per body. Kept blocks are reused without faults. Pool
+    threads would each get an arena of their own, mmap'ed heaps of at most
+    64 MB that hand big blocks to ``mmap`` and unmap them again: a draft of a
+    640x480 16 s clip on a pool thread faulted ~14,000 pages whatever the
+    thresholds, 20% of its CPU time; from the one heap (M_ARENA_MAX 1), 0-4
+    alone. The cost is resident memory: up to ``max_kept`` freed bytes stay
+    mapped. A no-op returning False where the C library has no ``mallopt``
+    (not glibc), or refuses the values."""
     import ctypes
 
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
-    return bool(mallopt(m_mmap_threshold, max_heap_block)) and bool(mallopt(m_trim_threshold, max_kept))
+    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8  # glibc's malloc.h
+    return all([mallopt(m_arena_max, 1), mallopt(m_mmap_threshold, max_heap_block), mallopt(m_trim_threshold, max_kept)])
 
 
 # --------------------------------------------------------------------------

@@ -834,7 +834,7 @@ def main() -> None:
 
     import torch
 
-    from mstar_actors.media import MediaLimits, keep_freed_buffers
+    from mstar_actors.media import KEPT_BYTES_PER_DRAFT, MediaLimits, keep_freed_buffers
     from mstar_actors.preprocess import load_preparer
 
     def cpu_s() -> float:
@@ -842,7 +842,8 @@ def main() -> None:
         return usage.ru_utime + usage.ru_stime
 
     torch.set_num_threads(args.torch_threads)
-    keep_freed_buffers()  # as the prepare actor does at start: drafts here allocate as there
+    # As the prepare actor does for its pool: drafts here allocate as there.
+    keep_freed_buffers(max_kept=KEPT_BYTES_PER_DRAFT * max(4, *args.workers))
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_vl_prepare_folder(Path(tmp) / "vl")
         limits = MediaLimits(max_bytes=50 << 20, video_fps=clip.fps, max_video_frames=max(64, clip.num_frames + 2),
