@@ -486,7 +486,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated client concurrencies (default 1,8,32)")
     p.add_argument("--max-tokens", type=int, help="new tokens per request, exactly (default: 64 cuda, 32 cpu)")
-    p.add_argument("--waves", type=int, default=3, help="requests per level = waves x concurrency (default 3)")
+    p.add_argument("--waves", type=int, default=8,
+                   help="requests per level = waves x concurrency (default 8: see docs/benchmarks.md on why not 3)")
     p.add_argument("--min-requests", type=int, default=4, help="at least this many requests per level (default 4)")
     p.add_argument("--tokenizer", help=f"{LLAMA_1B}: a folder with tokenizer files and a config.json naming "
                                       "vocab_size (default: the embedded SmolLM2, fetched if needed)")
