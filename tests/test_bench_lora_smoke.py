@@ -206,7 +206,12 @@ def test_table_has_retention_churn_ttft_and_labelled_published_figures():
     assert "80.0%" in text and "50.0%" in text  # 64 / 80 and 40 / 80 tokens/s
     assert "p50 200 ms vs 100 ms (2.00x), p90 500 ms vs 100 ms (5.00x)" in text
     assert "NOT measured here" in text and "68-90%" in text and "68-84%" in text
-    assert "concurrency   8: 50.0% (NOT above vLLM's top 90%, NOT above SGLang's top 84%)" in text
+    assert "concurrency 8: no published figure to compare" in text
+    results = [m(name, 32, 8, 800, secs, [0.1] * 8) for name, secs in
+               (("lora off", 10.0), ("one adapter", 11.0), (bench.CHURN, 20.0))]
+    text = bench.format_table(make_plan(), results, ["header"])
+    assert "one adapter            c=32  ours  90.9%: vLLM 80.4% (above), SGLang 80.3% (above)" in text
+    assert f"{bench.CHURN:<22} c=32  ours  50.0%: vLLM 53.0% (NOT above), SGLang 40.2% (above)" in text
 
 
 def test_percentile_is_nearest_rank():
