@@ -204,6 +204,10 @@ class ModelRunner:
                 fuse_shrink=lora_fuse_shrink,
             )
             self.lora.max_slot_images = max_lora_images  # pinned, made at the installs that keep them
+            if self.device.type == "cuda":
+                # Fused linears copied their weights into new buffers (``fuse_linear``): hand the
+                # old ones back to the driver, or the KV cache sized below would count them as used.
+                torch.cuda.empty_cache()
         self.lora_names: dict[int, str] = {}  # slot -> installed adapter's name
         self.block_size = block_size
         self.max_model_len = min(max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
