@@ -187,14 +187,10 @@ def test_rows_kernel_replays_in_a_cuda_graph_with_new_slots(triton_ops, linear, 
         assert torch.equal(y[[t for t, s in enumerate(values) if s == 0]], y0[[t for t, s in enumerate(values) if s == 0]])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("num_rows", [1, 8, 32, 63])
-@pytest.mark.parametrize("linear", ["qkv", "o", "gate_up", "down"])
-def test_fused_gemm_and_expand_match_reference(triton_ops, linear, num_rows, dtype):
-    """Llama-3.2-1B's linears with every slot's A under the weight: the one
-    GEMM's first columns are the base output bit for bit, and the expand of
-    its A columns adds each row's delta; base rows and an untargeted shard
-    (slot 2's last) come out as the base GEMM left them."""
+def _with_an_untargeted_shard(linear, num_rows, dtype):
+    """Llama-3.2-1B's ``linear``, every slot mixed with base rows (row 0 on
+    slot 1); slot 2 leaves its last shard untargeted (scale 0). Returns
+    (generator, stack, that shard's columns, row slots); prints the seed."""
     seed = random.randrange(2**31)
     print(f"seed={seed}")
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
@@ -203,21 +199,36 @@ def test_fused_gemm_and_expand_match_reference(triton_ops, linear, num_rows, dty
     shard = len(output_sizes) - 1
     lo, hi = stack.offsets[shard], stack.offsets[shard + 1]
     stack.a[shard, 2], stack.b[2, lo:hi], stack.scales[shard, 2] = 0, 0, 0.0
-    weight = (torch.randn(stack.offsets[-1], in_features, generator=gen) / in_features**0.5).to(dtype).cuda()
-    fused, _ = stack.fuse_under(weight, None)
     slots = _row_slots(rng, num_rows)
     slots[0] = 1
-    x = torch.randn(num_rows, in_features, generator=gen).to(dtype).cuda()
+    return gen, stack, slice(lo, hi), slots
+
+
+def _assert_left_alone(y, y0, slots, untargeted: slice) -> None:
+    """Base rows, and slot 2's rows in its untargeted shard, are as they were, bit for bit."""
+    base_rows = (slots == 0).nonzero().flatten()
+    assert torch.equal(y[base_rows], y0[base_rows])
+    on_two = (slots == 2).nonzero().flatten()
+    assert torch.equal(y[on_two, untargeted], y0[on_two, untargeted])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_rows", [1, 8, 32, 63])
+@pytest.mark.parametrize("linear", ["qkv", "o", "gate_up", "down"])
+def test_fused_gemm_and_expand_match_reference(triton_ops, linear, num_rows, dtype):
+    """Every slot's A under the weight: the one GEMM's first columns are the
+    base output, and the expand of its A columns adds each row's delta."""
+    gen, stack, untargeted, slots = _with_an_untargeted_shard(linear, num_rows, dtype)
+    weight = (torch.randn(stack.offsets[-1], stack.in_features, generator=gen) / stack.in_features**0.5).to(dtype).cuda()
+    fused, _ = stack.fuse_under(weight, None)
+    x = torch.randn(num_rows, stack.in_features, generator=gen).to(dtype).cuda()
     n = weight.shape[0]
     out = torch.nn.functional.linear(x, fused)
     base = torch.nn.functional.linear(x, weight)
     y0 = out[:, :n].clone()
     y = triton_ops.expand_rows(stack, out[:, :n], out[:, n:], slots)
     assert _rel(y.float() - base.float(), _reference(stack, x, build_segments(slots.tolist()))) < _TOL[dtype]
-    base_rows = (slots == 0).nonzero().flatten()
-    assert torch.equal(y[base_rows], y0[base_rows])
-    on_two = (slots == 2).nonzero().flatten()
-    assert torch.equal(y[on_two, lo:hi], y0[on_two, lo:hi])
+    _assert_left_alone(y, y0, slots, untargeted)
 
 
 # ---------------------------------------------------------------- shrink, then expand
@@ -232,25 +243,13 @@ def test_shrink_expand_matches_reference(triton_ops, linear, num_rows, dtype):
     come out bit-identical."""
     if linear == "lm_head" and num_rows > 128:
         pytest.skip("the LM head sees sampled rows only")
-    seed = random.randrange(2**31)
-    print(f"seed={seed}")
-    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    in_features, output_sizes = _LLAMA_1B[linear]
-    stack = _mixed_rank_stack(gen, in_features, output_sizes, dtype=dtype)
-    shard = len(output_sizes) - 1
-    lo, hi = stack.offsets[shard], stack.offsets[shard + 1]
-    stack.a[shard, 2], stack.b[2, lo:hi], stack.scales[shard, 2] = 0, 0, 0.0
-    slots = _row_slots(rng, num_rows)
-    slots[0] = 1
-    x = torch.randn(num_rows, in_features, generator=gen).to(dtype).cuda()
+    gen, stack, untargeted, slots = _with_an_untargeted_shard(linear, num_rows, dtype)
+    x = torch.randn(num_rows, stack.in_features, generator=gen).to(dtype).cuda()
     y0 = torch.randn(num_rows, stack.offsets[-1], generator=gen).to(dtype).cuda()
     groups = triton_ops.group_rows(slots, stack.num_slots)
     y = triton_ops.shrink_expand_rows(stack, y0.clone(), x, groups)
     assert _rel(y.float() - y0.float(), _reference(stack, x, build_segments(slots.tolist()))) < _TOL[dtype]
-    base_rows = (slots == 0).nonzero().flatten()
-    assert torch.equal(y[base_rows], y0[base_rows])
-    on_two = (slots == 2).nonzero().flatten()
-    assert torch.equal(y[on_two, lo:hi], y0[on_two, lo:hi])
+    _assert_left_alone(y, y0, slots, untargeted)
 
 
 @pytest.mark.parametrize("num_rows", [32, 128])
