@@ -18,6 +18,13 @@ rows path never reads the slots on the host and launches fixed work, so a
 decode step run through it can be captured in a CUDA graph and replayed
 with new slots written into the same tensor; ``begin_step`` picks the path.
 
+Where the kernels run, each decoder linear's stack is also fused
+(``fuse_linear``): every slot's A sits under the weight in one buffer, so a
+rows step of fewer than ``MIN_SPLIT_ROWS`` rows with adapter rows runs one
+GEMM that yields the base output and each slot's shrink, and the hook's
+``expand`` adds the delta in one launch. Steps without adapter rows run the
+weight alone, a view of the same buffer.
+
 Adapter placement goes through the architecture's ``CheckpointRules`` (the
 same table the weight loader uses): HF ``model.layers.3.self_attn.k_proj``
 lands in our ``model.layers.3.self_attn.qkv_proj`` stack as shard 1.
