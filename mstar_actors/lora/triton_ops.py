@@ -54,6 +54,14 @@ def _block_r(max_rank: int) -> int:
 
 
 @triton.jit
+def _column_group(offsets_ptr, shard, group, GROUP_COLS: tl.constexpr):
+    """(first column, end of the shard) of column group ``group`` of
+    ``shard`` in the stacked output: the first is past the end for a
+    shorter shard's spare groups, whose programs have nothing to do."""
+    return tl.load(offsets_ptr + shard) + group * GROUP_COLS, tl.load(offsets_ptr + shard + 1)
+
+
+@triton.jit
 def _rows_kernel(
     x_ptr, a_ptr, b_ptr, scales_ptr, y_ptr, offsets_ptr, slots_ptr,
     R, NUM_GROUPS,
@@ -77,8 +85,7 @@ def _rows_kernel(
     scale = tl.load(scales_ptr + shard * stride_ss + slot * stride_sl)
     if scale == 0.0:  # the adapter does not target this module (or shard): its factors are zeros
         return
-    hi = tl.load(offsets_ptr + shard + 1)
-    n_start = tl.load(offsets_ptr + shard) + (pid % NUM_GROUPS) * (TILES * BLOCK_N)
+    n_start, hi = _column_group(offsets_ptr, shard, pid % NUM_GROUPS, TILES * BLOCK_N)
     if n_start >= hi:  # a shorter shard than the widest: its spare groups
         return
     offs_r = tl.arange(0, BLOCK_R)
@@ -346,8 +353,7 @@ def _expand_kernel(
     slot64 = slot.to(tl.int64)
     if tl.load(scales_ptr + shard * stride_ss + slot64 * stride_sl) == 0.0:  # untargeted: no t was written
         return
-    hi = tl.load(offsets_ptr + shard + 1)
-    n_start = tl.load(offsets_ptr + shard) + (pid % NUM_GROUPS) * (TILES * BLOCK_N)
+    n_start, hi = _column_group(offsets_ptr, shard, pid % NUM_GROUPS, TILES * BLOCK_N)
     if n_start >= hi:  # a shorter shard than the widest: its spare groups
         return
     offs_m = tl.arange(0, BLOCK_M)
