@@ -43,8 +43,9 @@ inside the request's task, before the request takes a thread, so a slow
 server never holds a pool thread. The slot counts as preparing meanwhile.
 
 At DEBUG, each request sent logs when it was read, drafted and sent, in ms
-after its arrival at the frontend (``tools/bench_prepare.py`` reads these
-lines to split time to first token into its stages).
+after its arrival at the frontend, and its drafting thread's CPU time and
+page faults (``tools/bench_prepare.py`` reads these lines to split time to
+first token into its stages).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ import collections
 import concurrent.futures
 import logging
 import os
+import resource
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +81,11 @@ class _Slot:
     read_at: float = 0.0
     draft_start: float = 0.0
     draft_end: float = 0.0
+    # The drafting thread's own CPU ms and minor page faults over the draft:
+    # against its wall time they tell contention (waits for the GIL or a
+    # core) from work.
+    draft_cpu_ms: float = 0.0
+    draft_faults: int = 0
 
 
 class PrepareActor(Actor):
@@ -256,11 +263,14 @@ class PrepareActor(Actor):
 
     def _draft(self, slot: _Slot, fetched: dict[str, bytes]) -> Draft | Failed:
         """The preparer's draft, timed (on a pool thread, or inline)."""
+        faults, cpu = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt, time.thread_time()
         slot.draft_start = time.time()
         try:
             return self.preparer.draft(slot.req, fetched)
         finally:
             slot.draft_end = time.time()
+            slot.draft_cpu_ms = 1e3 * (time.thread_time() - cpu)
+            slot.draft_faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults
 
     async def _fetch(self, req: NewRequest) -> dict[str, bytes]:
         if not getattr(self.preparer, "PREPARES_MEDIA", False) or not req.messages:
@@ -299,11 +309,12 @@ class PrepareActor(Actor):
 
 
 def stage_line(slot: _Slot, sent_at: float) -> str:
-    """``prepared REQUEST_ID at ARRIVAL: read R, draft S-E, sent T ms after arrival``,
-    ARRIVAL in seconds of ``time.time()`` (``tools/bench_prepare.py`` parses
-    it; keep the two in step)."""
+    """``prepared REQUEST_ID at ARRIVAL: read R, draft S-E, sent T ms after
+    arrival; draft CPU C ms, F faults``, ARRIVAL in seconds of ``time.time()``,
+    C and F the drafting thread's own (``tools/bench_prepare.py`` parses it;
+    keep the two in step)."""
     arrival = slot.req.arrival_time or slot.read_at
     read, start, end, sent = (1e3 * (t - arrival) for t in (slot.read_at, slot.draft_start, slot.draft_end, sent_at))
     draft = f"{start:.1f}-{end:.1f}" if slot.draft_end else "none"  # failed before it drafted
     return (f"prepared {slot.req.request_id} at {arrival:.4f}: read {read:.1f}, draft {draft}, "
-            f"sent {sent:.1f} ms after arrival")
+            f"sent {sent:.1f} ms after arrival; draft CPU {slot.draft_cpu_ms:.1f} ms, {slot.draft_faults} faults")

@@ -376,6 +376,8 @@ class Stage(NamedTuple):
     draft_start: float
     draft_end: float
     sent: float
+    draft_cpu: float  # the drafting thread's own CPU ms
+    draft_faults: float  # and its minor page faults
 
 
 class Step(NamedTuple):
@@ -385,7 +387,8 @@ class Step(NamedTuple):
     ms: float
 
 
-_STAGE = re.compile(r"prepared (\S+) at (\S+): read (\S+), draft (\S+)-(\S+), sent (\S+) ms after arrival")
+_STAGE = re.compile(r"prepared (\S+) at (\S+): read (\S+), draft (\S+)-(\S+), sent (\S+) ms after arrival; "
+                    r"draft CPU (\S+) ms, (\d+) faults")
 _STEP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*step \d+: \d+ rows, (\d+) tokens, (\d+) new, (\S+) ms")
 
 
@@ -516,6 +519,8 @@ def ttft_stages(timed: list[Timed], log: ServerLog, num_rounds: int) -> dict[str
         rows["draft ends"].append(base + stage.draft_end)
         rows["Prepared sent to the conductor"].append(base + stage.sent)
         rows["draft's own time"].append(stage.draft_end - stage.draft_start)
+        rows["draft's own CPU ms (its thread)"].append(stage.draft_cpu)
+        rows["draft's minor page faults"].append(stage.draft_faults)
         rows["Prepared sent -> first token"].append(1e3 * t.ttft - base - stage.sent)
     out = {name: statistics.median(v) for name, v in rows.items()}
     start, end = min(t.sent for t in timed), max(t.sent + t.ttft for t in timed)
@@ -574,29 +579,35 @@ def gil_probe(preparer, request, num_drafts: int = 10) -> str:
 
 def drafts_at_once(preparer, request, num_drafts: int = 4, rounds: int = 3) -> str:
     """One video draft alone against ``num_drafts`` at once on as many
-    threads: median wall ms of each, the drafting thread's own CPU ms and
-    minor page faults per draft, and what a watcher thread saw of the GIL
-    meanwhile. The pool's time-to-first-token gain is at most about 2.5 x
+    threads: median wall ms of each, the drafting thread's own CPU ms, minor
+    page faults and context switches per draft (voluntary ones are mostly
+    waits for the GIL), at the process's own switch interval, as the pool
+    runs them. The pool's time-to-first-token gain is at most about 2.5 x
     alone / at once (the inline median waits for ~2.5 drafts, the pool's for
     one among four), less what the frontend and the prefill add to both.
 
-    The watcher sleeps ``WATCH_TICK_S`` at a time and records how late it
+    Then a second pass with a watcher thread, which sleeps ``WATCH_TICK_S``
+    at a time (and the switch interval set to it) and records how late it
     wakes: past the tick it waited for the GIL (or, on busy cores, for a
-    core), so its longest wait is the longest stretch a draft (or the
-    drafts' loop) held the GIL, and its waits over 0.5 ms add up to the time
-    the drafts kept another thread out. On a host with more cores than
-    drafts + 1 the waits are the GIL's; on 2 cores CPU ms per draft is the
-    figure to compare (wall ratios are bounded by the cores)."""
+    core), so its longest wait is the longest stretch a draft held the GIL,
+    and its waits over 0.5 ms add up to the time the drafts kept another
+    thread out. That pass's drafts are not timed: the watcher's wake-ups
+    every 0.2 ms make each draft hand the GIL over far more often than in
+    the pool (on the 16-core host they took 1.5x the CPU of the pass above).
+    On a host with more cores than drafts + 1 the waits are the GIL's; on 2
+    cores CPU ms per draft is the figure to compare (wall ratios are bounded
+    by the cores)."""
     import statistics
     import threading
 
     def timed(out: list) -> None:
         import resource
 
-        faults, cpu, start = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt, time.thread_time(), time.perf_counter()
+        before, cpu, start = resource.getrusage(resource.RUSAGE_THREAD), time.thread_time(), time.perf_counter()
         preparer.draft(request, {})
+        after = resource.getrusage(resource.RUSAGE_THREAD)
         out.append((1e3 * (time.perf_counter() - start), 1e3 * (time.thread_time() - cpu),
-                    resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults))
+                    after.ru_minflt - before.ru_minflt, after.ru_nvcsw - before.ru_nvcsw))
 
     def together(n: int, out: list) -> None:
         threads = [threading.Thread(target=timed, args=(out,)) for _ in range(n)]
@@ -605,34 +616,36 @@ def drafts_at_once(preparer, request, num_drafts: int = 4, rounds: int = 3) -> s
         for t in threads:
             t.join()
 
-    def measure(n: int) -> tuple[list, list[float]]:
-        rows, waits, stop = [], [], threading.Event()
+    def gil_waits(n: int) -> list[float]:
+        waits, stop = [], threading.Event()
         watcher = threading.Thread(target=_watch_gil, args=(stop, waits))
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(WATCH_TICK_S)  # a thread running Python hands over within a tick
         watcher.start()
         try:
             for _ in range(rounds):
-                together(n, rows)
+                together(n, [])
         finally:
             stop.set()
             watcher.join()
-        return rows, waits
+            sys.setswitchinterval(old)
+        return waits
 
     together(1, [])
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(WATCH_TICK_S)  # a thread running Python hands over within a tick
-    try:
-        results = {n: measure(n) for n in (1, num_drafts)}
-    finally:
-        sys.setswitchinterval(old)
+    rows = {n: [] for n in (1, num_drafts)}
+    for _ in range(rounds):  # interleaved, so a drift in the host's load hits both alike
+        for n, out in rows.items():
+            together(n, out)
+    waits = {n: gil_waits(n) for n in rows}
     lines = []
-    for n, (rows, waits) in results.items():
-        wall, cpu, faults = (statistics.median(r[i] for r in rows) for i in range(3))
-        long_waits = [w for w in waits if w > 0.5]
-        lines.append(f"{n} at once: wall {wall:.1f} ms, CPU {cpu:.1f} ms, {faults:.0f} minor faults per draft; GIL "
-                     f"watcher: longest wait {max(waits, default=0):.1f} ms, waits over 0.5 ms {sum(long_waits):.0f} ms "
-                     f"({len(long_waits)}) in {rounds} rounds")
-    alone, at_once = (statistics.median(r[0] for r in results[n][0]) for n in (1, num_drafts))
-    cpu_alone, cpu_at_once = (statistics.median(r[1] for r in results[n][0]) for n in (1, num_drafts))
+    for n, out in rows.items():
+        wall, cpu, faults, switches = (statistics.median(r[i] for r in out) for i in range(4))
+        long_waits = [w for w in waits[n] if w > 0.5]
+        lines.append(f"{n} at once: wall {wall:.1f} ms, CPU {cpu:.1f} ms, {faults:.0f} minor faults, {switches:.0f} "
+                     f"voluntary context switches per draft; GIL watcher: longest wait {max(waits[n], default=0):.1f} "
+                     f"ms, waits over 0.5 ms {sum(long_waits):.0f} ms ({len(long_waits)}) in {rounds} rounds")
+    alone, at_once = (statistics.median(r[0] for r in rows[n]) for n in (1, num_drafts))
+    cpu_alone, cpu_at_once = (statistics.median(r[1] for r in rows[n]) for n in (1, num_drafts))
     return ("video drafts (" + "; ".join(lines) + f"): at once / alone {at_once / alone:.2f}x wall, "
             f"{cpu_at_once / cpu_alone:.2f}x CPU; TTFT gain bound ~2.5 x alone / at once = {2.5 * alone / at_once:.2f}x")
 

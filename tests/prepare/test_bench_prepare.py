@@ -27,7 +27,8 @@ def bench():
 def test_stages_and_prefill_steps_from_the_server_log(bench):
     arrival = time.time()
     req = NewRequest(request_id="chatcmpl-1-0", model="vl", sampling=SamplingParams(), prompt="x", arrival_time=arrival)
-    slot = _Slot(req, read_at=arrival + 0.002, draft_start=arrival + 0.003, draft_end=arrival + 0.030)
+    slot = _Slot(req, read_at=arrival + 0.002, draft_start=arrival + 0.003, draft_end=arrival + 0.030,
+                 draft_cpu_ms=21.5, draft_faults=7)
     log = bench.ServerLog()
     log.read_line(f"2026-01-01 00:00:00,000 DEBUG [prepare] mstar_actors.prepare: {stage_line(slot, arrival + 0.031)}\n")
     step_at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(arrival + 0.040)) + f",{int((arrival + 0.040) % 1 * 1000):03d}"
@@ -39,6 +40,7 @@ def test_stages_and_prefill_steps_from_the_server_log(bench):
     assert stages["at the frontend (body parsed)"] == pytest.approx(5, abs=0.2)
     assert stages["Prepared sent to the conductor"] == pytest.approx(36, abs=0.2)
     assert stages["draft's own time"] == pytest.approx(27, abs=0.2)
+    assert stages["draft's own CPU ms (its thread)"] == 21.5 and stages["draft's minor page faults"] == 7
     assert stages["first token at the client (TTFT)"] == pytest.approx(50)
     assert stages["prefill steps per round"] == 1 and stages["requests per prefill step"] == 1
     assert stages["prefill step ms (p50)"] == 12.5
@@ -74,5 +76,5 @@ def test_drafts_at_once_reports_cpu_faults_and_gil_waits(bench):
             time.sleep(0.002)
 
     line = bench.drafts_at_once(Preparer(), None, num_drafts=2, rounds=1)
-    assert "1 at once: wall" in line and "2 at once: wall" in line and "minor faults per draft" in line
+    assert "1 at once: wall" in line and "2 at once: wall" in line and "voluntary context switches per draft" in line
     assert "GIL watcher: longest wait" in line and "TTFT gain bound" in line
