@@ -241,29 +241,60 @@ def make_request(rid: str, kind: str, url: str):
     return NewRequest(request_id=rid, model="vl", sampling=SamplingParams(), messages=[ChatMessage("user", parts)])
 
 
-async def run_once(preparer, requests: list, num_workers: int) -> float:
-    """Seconds from the first request sent to the last Prepared received."""
-    from actors.prepare import PrepareActor
-    from mstar_actors.config import Config
-    from mstar_actors.messages import Failed, FrontendToPrepare, PrepareToConductor, Shutdown
-    from transport.memory import MemoryChannel
+class ActorUnderTest:
+    """A ``PrepareActor`` over in-memory channels with ``num_workers`` pool
+    threads, kept running between batches as a server keeps it: its threads
+    persist, so a batch after ``warm_up`` finds every thread warm (a fresh
+    pool's first draft on each thread pays its thread's one-time costs, which
+    with 8 workers and a few requests per thread weighed on the 8-worker
+    cell only)."""
 
-    inbox = MemoryChannel(FrontendToPrepare, "frontend.prepare", capacity_bytes=64 << 20)
-    out = MemoryChannel(PrepareToConductor, "prepare.conductor", capacity_bytes=16 << 20)
-    actor = PrepareActor(name="prepare", config=Config(), inbox={"frontend": inbox}, outbox={"conductor": out},
-                         preparer=preparer, arena=HeapArena(), num_workers=num_workers)
-    task = asyncio.create_task(actor.run())
-    start = time.perf_counter()
-    sender = asyncio.create_task(_send_all(inbox, requests))
-    for _ in requests:
-        msg = await out.recv()
-        if isinstance(msg, Failed):
-            raise RuntimeError(f"request {msg.request_id} failed: {msg.message}")
-    elapsed = time.perf_counter() - start
-    await sender
-    await inbox.send(Shutdown(reason="bench"))
-    await task
-    return elapsed
+    def __init__(self, preparer, num_workers: int):
+        from actors.prepare import PrepareActor
+        from mstar_actors.config import Config
+        from mstar_actors.messages import FrontendToPrepare, PrepareToConductor
+        from transport.memory import MemoryChannel
+
+        self.num_workers = num_workers
+        self.inbox = MemoryChannel(FrontendToPrepare, "frontend.prepare", capacity_bytes=64 << 20)
+        self.out = MemoryChannel(PrepareToConductor, "prepare.conductor", capacity_bytes=16 << 20)
+        self.actor = PrepareActor(name="prepare", config=Config(), inbox={"frontend": self.inbox},
+                                  outbox={"conductor": self.out}, preparer=preparer, arena=HeapArena(),
+                                  num_workers=num_workers)
+        self.task = asyncio.create_task(self.actor.run())
+
+    async def warm_up(self, make) -> None:
+        """Two requests per thread, all at once (every thread drafts at least one)."""
+        await self.batch([make(f"warm{self.num_workers}-{i}") for i in range(2 * self.num_workers)])
+
+    async def batch(self, requests: list) -> float:
+        """Seconds from the first request sent to the last Prepared received."""
+        from mstar_actors.messages import Failed
+
+        start = time.perf_counter()
+        sender = asyncio.create_task(_send_all(self.inbox, requests))
+        for _ in requests:
+            msg = await self.out.recv()
+            if isinstance(msg, Failed):
+                raise RuntimeError(f"request {msg.request_id} failed: {msg.message}")
+        elapsed = time.perf_counter() - start
+        await sender
+        return elapsed
+
+    async def close(self) -> None:
+        from mstar_actors.messages import Shutdown
+
+        await self.inbox.send(Shutdown(reason="bench"))
+        await self.task
+
+
+async def run_once(preparer, requests: list, num_workers: int) -> float:
+    """Seconds from the first request sent to the last Prepared received, on a fresh actor."""
+    actor = ActorUnderTest(preparer, num_workers)
+    try:
+        return await actor.batch(requests)
+    finally:
+        await actor.close()
 
 
 async def _send_all(inbox, requests) -> None:
@@ -533,11 +564,14 @@ def ttft_stages(timed: list[Timed], log: ServerLog, num_rounds: int) -> dict[str
 
 
 def gil_probe(preparer, request, num_drafts: int = 10) -> str:
-    """How long one draft holds the GIL: a second thread spins a tiny Python
-    loop beside it and loses the GIL for that long. GIL ms per draft = (1 -
-    spin rate beside / spin rate alone) x the draft's wall time beside it.
-    A pool can scale at most draft time alone / GIL ms (Amdahl, the GIL-held
-    part serial)."""
+    """One draft beside a thread that spins a tiny Python loop, against the
+    draft alone. Two figures: how much slower the draft runs there (each
+    time it takes the GIL back after a C call that released it, it waits up
+    to a switch interval for the spinner: a measure of how often it hands
+    the GIL over, which is what costs a pool of drafts), and the share of
+    the spinner's rate it lost (the draft's own Python, which holds the GIL
+    while it runs). The second comes out near 0 when the draft's Python is
+    a few ms in short stretches: within this probe's noise."""
     import statistics
     import threading
 
@@ -571,10 +605,10 @@ def gil_probe(preparer, request, num_drafts: int = 10) -> str:
     wall = statistics.median(walls)
     share = max(0.0, 1 - beside[0] / alone[0])
     held = share * wall
-    return (f"GIL probe (video draft): alone {solo:.1f} ms; beside a thread spinning in Python {wall:.1f} ms, "
-            f"holding the GIL {100 * share:.0f}% of that ({held:.1f} ms), so N threads draft at most "
-            f"{solo / max(held, 1e-3):.1f}x as fast as one (meaningful on idle cores only: on busy ones the "
-            f"spinner also loses its core)")
+    return (f"GIL probe (video draft): alone {solo:.1f} ms; beside a thread spinning in Python {wall:.1f} ms "
+            f"({wall / solo:.1f}x: its GIL hand-overs, each waiting up to the 0.5 ms switch interval); the spinner "
+            f"lost {100 * share:.0f}% of its rate, ~{held:.1f} ms of the draft's own Python (meaningful on idle "
+            f"cores only: on busy ones the spinner also loses its core)")
 
 
 def drafts_at_once(preparer, request, num_drafts: int = 4, rounds: int = 3) -> str:
@@ -816,7 +850,9 @@ class Report:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=32, help="requests per kind and pool size")
+    parser.add_argument("--requests", type=int, default=32, help="requests per batch (kind and pool size)")
+    parser.add_argument("--throughput-rounds", type=int, default=3,
+                        help="batches per kind and pool size, sizes taking turns (the median is reported)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads of this process")
     parser.add_argument("--ttft-rounds", type=int, default=5, help="rounds of 4 concurrent video requests (0: skip)")
@@ -896,16 +932,38 @@ def main() -> None:
 
 
 def throughput(report: "Report", args, preparer, urls: dict[str, str], cpu_s) -> None:
-    """The preparation throughput table: every kind at every pool size."""
+    """The preparation throughput table: every kind at every pool size. Each
+    pool size is one actor kept running and warmed; the sizes take turns,
+    batch by batch, for ``--throughput-rounds`` rounds, so a drift in the
+    host's load hits every size alike; each cell is the median round."""
+    import statistics
+
+    report(f"\n{args.requests} requests a batch, median of {args.throughput_rounds} rounds (sizes interleaved)")
     report("\n| kind | workers | req/s | ms/req | CPU ms/req | speed-up |\n|---|---|---|---|---|---|")
+
+    async def measure(kind: str, url: str) -> dict[int, tuple[float, float]]:
+        actors = [ActorUnderTest(preparer, workers) for workers in args.workers]
+        rounds: dict[int, list[tuple[float, float]]] = {workers: [] for workers in args.workers}
+        try:
+            for actor in actors:
+                await actor.warm_up(lambda rid: make_request(rid, kind, url))
+            for r in range(args.throughput_rounds):
+                for actor in actors:
+                    requests = [make_request(f"{kind}{actor.num_workers}-{r}-{i}", kind, url) for i in range(args.requests)]
+                    cpu = cpu_s()
+                    elapsed = await actor.batch(requests)
+                    rounds[actor.num_workers].append((elapsed, cpu_s() - cpu))
+                progress(f"{kind}: round {r + 1}/{args.throughput_rounds}", end="\r")
+        finally:
+            for actor in actors:
+                await actor.close()
+        progress("")
+        return {w: (statistics.median(e for e, _ in rows), statistics.median(c for _, c in rows)) for w, rows in rounds.items()}
+
     for kind, url in urls.items():
+        cells = asyncio.run(measure(kind, url))
         base = None
-        for workers in args.workers:
-            requests = [make_request(f"{kind}{workers}-{i}", kind, url) for i in range(args.requests)]
-            asyncio.run(run_once(preparer, requests[:2], workers))  # warm-up
-            cpu = cpu_s()
-            elapsed = asyncio.run(run_once(preparer, requests, workers))
-            cpu = cpu_s() - cpu
+        for workers, (elapsed, cpu) in cells.items():
             rate = args.requests / elapsed
             base = base or rate
             report(f"| {kind} | {workers} | {rate:.1f} | {1000 * elapsed / args.requests:.1f} | "

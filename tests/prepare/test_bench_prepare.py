@@ -78,3 +78,40 @@ def test_drafts_at_once_reports_cpu_faults_and_gil_waits(bench):
     line = bench.drafts_at_once(Preparer(), None, num_drafts=2, rounds=1)
     assert "1 at once: wall" in line and "2 at once: wall" in line and "voluntary context switches per draft" in line
     assert "GIL watcher: longest wait" in line and "TTFT gain bound" in line
+
+
+def test_throughput_actor_warms_every_thread_and_times_batches(bench):
+    """The throughput table's actor stays up between batches: its warm-up
+    drafts on every pool thread, and each batch gets every request back."""
+    import asyncio
+    import threading
+
+    from mstar_actors.messages import Prepared
+    from mstar_actors.preprocess import Draft
+
+    class Preparer:
+        PREPROCESS_PARALLEL = True
+
+        def __init__(self):
+            self.threads: set[str] = set()
+
+        def draft(self, req, fetched):
+            self.threads.add(threading.current_thread().name)
+            time.sleep(0.02)  # long enough that two requests never share a thread in the warm-up
+            return Draft(Prepared(request_id=req.request_id, model="m", prompt_token_ids=[1, 2], sampling=req.sampling), [])
+
+    def make(rid):
+        return NewRequest(request_id=rid, model="m", sampling=SamplingParams(), prompt="x")
+
+    async def run():
+        preparer = Preparer()
+        actor = bench.ActorUnderTest(preparer, num_workers=3)
+        await actor.warm_up(make)
+        warmed = set(preparer.threads)
+        elapsed = [await actor.batch([make(f"b{r}-{i}") for i in range(6)]) for r in range(2)]
+        await actor.close()
+        return warmed, elapsed
+
+    warmed, elapsed = asyncio.run(run())
+    assert len(warmed) == 3 and all(name.startswith("prepare") for name in warmed)
+    assert all(0.03 <= e < 5 for e in elapsed)  # 6 requests of 20 ms on 3 threads: two waves at least
