@@ -86,6 +86,10 @@ class _Slot:
     # core) from work.
     draft_cpu_ms: float = 0.0
     draft_faults: int = 0
+    # The release, on the loop: when it began (the slot done and at the head
+    # of the order) and when the arena held its tensors.
+    release_start: float = 0.0
+    stored_at: float = 0.0
 
 
 class PrepareActor(Actor):
@@ -285,7 +289,9 @@ class PrepareActor(Actor):
         return await fetch_remote(refs, self.limits, self._http)
 
     async def _send_result(self, slot: _Slot, result: Draft | Failed) -> None:
+        slot.release_start = time.time()
         msg = result if isinstance(result, Failed) else await self._finish(slot.req, result)
+        slot.stored_at = time.time()
         await self.outbox["conductor"].send(msg)
         if self.log.isEnabledFor(logging.DEBUG):
             self.log.debug("%s", stage_line(slot, time.time()))
@@ -309,12 +315,16 @@ class PrepareActor(Actor):
 
 
 def stage_line(slot: _Slot, sent_at: float) -> str:
-    """``prepared REQUEST_ID at ARRIVAL: read R, draft S-E, sent T ms after
-    arrival; draft CPU C ms, F faults``, ARRIVAL in seconds of ``time.time()``,
-    C and F the drafting thread's own (``tools/bench_prepare.py`` parses it;
-    keep the two in step)."""
+    """``prepared REQUEST_ID at ARRIVAL: read R, draft S-E, release L-M, sent
+    T ms after arrival; draft CPU C ms, F faults``: ARRIVAL in seconds of
+    ``time.time()``; the release from L (done, at the head of the order) to M
+    (tensors in the arena); C and F the drafting thread's own
+    (``tools/bench_prepare.py`` parses it; keep the two in step)."""
     arrival = slot.req.arrival_time or slot.read_at
-    read, start, end, sent = (1e3 * (t - arrival) for t in (slot.read_at, slot.draft_start, slot.draft_end, sent_at))
+    read, start, end, release, stored, sent = (
+        1e3 * (t - arrival) for t in (slot.read_at, slot.draft_start, slot.draft_end, slot.release_start,
+                                      slot.stored_at, sent_at))
     draft = f"{start:.1f}-{end:.1f}" if slot.draft_end else "none"  # failed before it drafted
     return (f"prepared {slot.req.request_id} at {arrival:.4f}: read {read:.1f}, draft {draft}, "
-            f"sent {sent:.1f} ms after arrival; draft CPU {slot.draft_cpu_ms:.1f} ms, {slot.draft_faults} faults")
+            f"release {release:.1f}-{stored:.1f}, sent {sent:.1f} ms after arrival; "
+            f"draft CPU {slot.draft_cpu_ms:.1f} ms, {slot.draft_faults} faults")

@@ -406,6 +406,8 @@ class Stage(NamedTuple):
     read: float
     draft_start: float
     draft_end: float
+    release_start: float  # done and at the head of the arrival order
+    stored: float  # its tensors in the arena
     sent: float
     draft_cpu: float  # the drafting thread's own CPU ms
     draft_faults: float  # and its minor page faults
@@ -418,7 +420,8 @@ class Step(NamedTuple):
     ms: float
 
 
-_STAGE = re.compile(r"prepared (\S+) at (\S+): read (\S+), draft (\S+)-(\S+), sent (\S+) ms after arrival; "
+_STAGE = re.compile(r"prepared (\S+) at (\S+): read (\S+), draft (\S+)-(\S+), release (\S+)-(\S+), "
+                    r"sent (\S+) ms after arrival; "
                     r"draft CPU (\S+) ms, (\d+) faults")
 _STEP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*step \d+: \d+ rows, (\d+) tokens, (\d+) new, (\S+) ms")
 
@@ -548,9 +551,14 @@ def ttft_stages(timed: list[Timed], log: ServerLog, num_rounds: int) -> dict[str
         rows["prepare reads it"].append(base + stage.read)
         rows["draft starts"].append(base + stage.draft_start)
         rows["draft ends"].append(base + stage.draft_end)
+        rows["release starts (done, first in order)"].append(base + stage.release_start)
+        rows["stored in the arena"].append(base + stage.stored)
         rows["Prepared sent to the conductor"].append(base + stage.sent)
         rows["draft's own time"].append(stage.draft_end - stage.draft_start)
         rows["draft's own CPU ms (its thread)"].append(stage.draft_cpu)
+        rows["draft end -> release starts (in-order wait)"].append(stage.release_start - stage.draft_end)
+        rows["release starts -> stored (arena put)"].append(stage.stored - stage.release_start)
+        rows["stored -> sent (ring)"].append(stage.sent - stage.stored)
         rows["draft's minor page faults"].append(stage.draft_faults)
         rows["Prepared sent -> first token"].append(1e3 * t.ttft - base - stage.sent)
     out = {name: statistics.median(v) for name, v in rows.items()}

@@ -28,7 +28,7 @@ def test_stages_and_prefill_steps_from_the_server_log(bench):
     arrival = time.time()
     req = NewRequest(request_id="chatcmpl-1-0", model="vl", sampling=SamplingParams(), prompt="x", arrival_time=arrival)
     slot = _Slot(req, read_at=arrival + 0.002, draft_start=arrival + 0.003, draft_end=arrival + 0.030,
-                 draft_cpu_ms=21.5, draft_faults=7)
+                 draft_cpu_ms=21.5, draft_faults=7, release_start=arrival + 0.0302, stored_at=arrival + 0.0306)
     log = bench.ServerLog()
     log.read_line(f"2026-01-01 00:00:00,000 DEBUG [prepare] mstar_actors.prepare: {stage_line(slot, arrival + 0.031)}\n")
     step_at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(arrival + 0.040)) + f",{int((arrival + 0.040) % 1 * 1000):03d}"
@@ -41,6 +41,9 @@ def test_stages_and_prefill_steps_from_the_server_log(bench):
     assert stages["Prepared sent to the conductor"] == pytest.approx(36, abs=0.2)
     assert stages["draft's own time"] == pytest.approx(27, abs=0.2)
     assert stages["draft's own CPU ms (its thread)"] == 21.5 and stages["draft's minor page faults"] == 7
+    assert stages["draft end -> release starts (in-order wait)"] == pytest.approx(0.2, abs=0.11)
+    assert stages["release starts -> stored (arena put)"] == pytest.approx(0.4, abs=0.11)
+    assert stages["stored -> sent (ring)"] == pytest.approx(0.4, abs=0.11)
     assert stages["first token at the client (TTFT)"] == pytest.approx(50)
     assert stages["prefill steps per round"] == 1 and stages["requests per prefill step"] == 1
     assert stages["prefill step ms (p50)"] == 12.5

@@ -232,9 +232,9 @@ async def test_debug_log_times_each_stage_after_arrival(caplog, num_workers):
         assert await h.recv_id() == ("Prepared", "r1")
         await h.close()
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("prepared ")]
-    stages = re.fullmatch(r"prepared r1 at (\S+): read (\S+), draft (\S+)-(\S+), sent (\S+) ms after arrival; "
-                          r"draft CPU (\S+) ms, (\d+) faults", line)
+    stages = re.fullmatch(r"prepared r1 at (\S+): read (\S+), draft (\S+)-(\S+), release (\S+)-(\S+), "
+                          r"sent (\S+) ms after arrival; draft CPU (\S+) ms, (\d+) faults", line)
     assert stages, line
-    arrival, read, start, end, sent, cpu, faults = (float(x) for x in stages.groups())
-    assert 0 <= read <= start <= end <= sent < 10_000 and abs(arrival - time.time()) < 10
+    arrival, read, start, end, release, stored, sent, cpu, faults = (float(x) for x in stages.groups())
+    assert 0 <= read <= start <= end <= release <= stored <= sent < 10_000 and abs(arrival - time.time()) < 10
     assert 0 <= cpu <= end - start + 1 and faults >= 0
