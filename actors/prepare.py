@@ -53,9 +53,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import itertools
 import logging
 import os
 import resource
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -145,24 +147,45 @@ class PrepareActor(Actor):
         if self.num_workers > 1:
             # Each pool thread sets its intra-op count too (with some OpenMP
             # runtimes it is per thread), so N workers never fan out over
-            # every core each.
+            # every core each; and takes CPUs of its own when the plan has them.
             threads = self.config.prepare.preprocess_torch_threads
+            cpus = None
+            if self.config.prepare.pin_pool_threads:
+                cpus = self._cpu_plan().pool_cpus(sorted(os.sched_getaffinity(0)), self.num_workers, threads)
             self.pool = concurrent.futures.ThreadPoolExecutor(self.num_workers, thread_name_prefix="prepare",
-                                                              initializer=torch.set_num_threads,
-                                                              initargs=(threads,))
+                                                              initializer=self._init_pool_thread,
+                                                              initargs=(threads, cpus, itertools.count()))
             # Each thread's draft keeps its freed buffers for the next (one heap, see there).
             keep_freed_buffers(max_kept=KEPT_BYTES_PER_DRAFT * self.num_workers)
-        self.log.info("preparing %s", f"on {self.num_workers} threads" if self.pool else "inline")
+            self.log.info("preparing on %d threads, %s", self.num_workers,
+                          f"pinned to CPUs {cpus}" if cpus else "not pinned (no CPUs of their own to give them)")
+        else:
+            self.log.info("preparing inline")
+
+    def _init_pool_thread(self, torch_threads: int, cpus: list[list[int]] | None, taken: Any) -> None:
+        """A new pool thread: pinned to the next CPU group (``CpuPlan.pool_cpus``),
+        then its intra-op thread count (OpenMP threads it starts share its CPUs)."""
+        import torch
+
+        if cpus:
+            group = cpus[next(taken) % len(cpus)]
+            try:
+                os.sched_setaffinity(threading.get_native_id(), group)  # this thread only
+            except OSError as err:
+                self.log.warning("could not pin a prepare thread to CPUs %s (%s); it runs unpinned", group, err)
+        torch.set_num_threads(torch_threads)
+
+    def _cpu_plan(self) -> CpuPlan:
+        # worker_torch_threads: the workers' intra-op threads when the config fixes them (else 1, a GPU's)
+        worker_threads = getattr(self.config.parallel, "worker_torch_threads", None) or 1
+        return CpuPlan(num_cpus=len(os.sched_getaffinity(0)), num_ranks=self.config.parallel.tp,
+                       torch_threads_per_worker=worker_threads)
 
     def _size_pool(self) -> int:
         is_parallel = bool(getattr(self.preparer, "PREPROCESS_PARALLEL", False))
         if self.num_workers is not None:
             return self.num_workers if is_parallel else 1
-        # worker_torch_threads: the workers' intra-op threads when the config fixes them (else 1, a GPU's)
-        worker_threads = getattr(self.config.parallel, "worker_torch_threads", None) or 1
-        plan = CpuPlan(num_cpus=len(os.sched_getaffinity(0)), num_ranks=self.config.parallel.tp,
-                       torch_threads_per_worker=worker_threads)
-        return resolve_prepare_workers(plan, self.config.prepare.preprocess_torch_threads,
+        return resolve_prepare_workers(self._cpu_plan(), self.config.prepare.preprocess_torch_threads,
                                        self.config.prepare.preprocess_workers, is_parallel)
 
     async def stop(self) -> None:

@@ -45,3 +45,19 @@ def test_bad_plans_name_the_field(field):
         make_plan(**{field: 0})
     with pytest.raises(ValueError, match="prepare_torch_threads"):
         make_plan().prepare_workers(0)
+
+
+def test_pool_threads_get_cpus_of_their_own_from_the_top():
+    plan = make_plan(torch_threads_per_worker=1)  # 16 - 1 - 2 reserved = 13 left
+    assert plan.pool_cpus(list(range(16)), 4, 1) == [[15], [14], [13], [12]]
+    assert plan.pool_cpus(list(range(16)), 3, 2) == [[14, 15], [12, 13], [10, 11]]
+    # the affinity set as given, in any order, with gaps
+    assert plan.pool_cpus([8, 2, 6, 4, 0, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15][::-1], 2, 1) == [[15], [14]]
+
+
+def test_no_pinning_without_enough_cpus_for_every_thread():
+    plan = make_plan(torch_threads_per_worker=1)  # 13 left
+    assert plan.pool_cpus(list(range(16)), 7, 2) is None  # 14 CPUs wanted
+    assert plan.pool_cpus(list(range(16)), 1, 1) is None  # inline: nothing to pin
+    assert make_plan(num_cpus=2).pool_cpus([0, 1], 2, 1) is None  # the 2-core case: one CPU left
+    assert make_plan(num_cpus=16).pool_cpus([0, 1, 2], 4, 1) is None  # fewer CPUs allowed than the plan says

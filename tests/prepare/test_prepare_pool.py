@@ -238,3 +238,59 @@ async def test_debug_log_times_each_stage_after_arrival(caplog, num_workers):
     arrival, read, start, end, release, stored, sent, cpu, faults = (float(x) for x in stages.groups())
     assert 0 <= read <= start <= end <= release <= stored <= sent < 10_000 and abs(arrival - time.time()) < 10
     assert 0 <= cpu <= end - start + 1 and faults >= 0
+
+
+@pytest.mark.parametrize("pin", [True, False], ids=["pinned", "unpinned"])
+async def test_pool_threads_are_pinned_to_cpus_of_their_own(monkeypatch, pin):
+    """With CPUs to spare (an 8-CPU affinity here, faked), each pool thread
+    pins itself to its own CPU from the top before it drafts; the config's
+    ``prepare.pin_pool_threads: false`` leaves them to the OS."""
+    import os
+
+    from mstar_actors.config import parse_config
+
+    pinned: dict[int, set[int]] = {}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(os, "sched_setaffinity", lambda tid, cpus: pinned.__setitem__(tid, set(cpus)))
+    preparer = GatedPreparer(asyncio.get_running_loop())
+    drafted_on: set[int] = set()
+    draft = preparer.draft
+
+    def draft_and_note(req, fetched):
+        drafted_on.add(threading.get_native_id())
+        return draft(req, fetched)
+
+    preparer.draft = draft_and_note
+    preparer.expect("a", "b")
+    h = Harness(preparer, num_workers=2)
+    h.actor.config = parse_config({"model": {"path": "m"}, "prepare": {"pin_pool_threads": pin}})
+    await h.send("a")
+    await h.send("b")
+    await preparer.started["a"].wait()
+    await preparer.started["b"].wait()
+    for rid in ("a", "b"):
+        preparer.gates[rid].set()
+    assert [await h.recv_id() for _ in range(2)] == [("Prepared", "a"), ("Prepared", "b")]
+    await h.close()
+    if pin:
+        assert set(pinned) == drafted_on and sorted(map(sorted, pinned.values())) == [[6], [7]]
+    else:
+        assert pinned == {}
+
+
+async def test_a_refused_pin_leaves_the_thread_working(monkeypatch, caplog):
+    import os
+
+    def refuse(tid, cpus):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(os, "sched_setaffinity", refuse)
+    preparer = GatedPreparer(asyncio.get_running_loop())
+    preparer.expect("a")
+    preparer.gates["a"].set()
+    h = Harness(preparer, num_workers=2)
+    await h.send("a")
+    assert await h.recv_id() == ("Prepared", "a")
+    await h.close()
+    assert any("could not pin a prepare thread" in r.getMessage() for r in caplog.records)
