@@ -627,6 +627,9 @@ def drafts_at_once(preparer, request, num_drafts: int = 4, rounds: int = 3) -> s
     runs them. The pool's time-to-first-token gain is at most about 2.5 x
     alone / at once (the inline median waits for ~2.5 drafts, the pool's for
     one among four), less what the frontend and the prefill add to both.
+    When the host has the CPUs, the same number at once again with each
+    thread pinned where the prepare pool would pin it (``pool_pins``), in
+    the same interleaved rounds: pinned against unpinned in one run.
 
     Then a second pass with a watcher thread, which sleeps ``WATCH_TICK_S``
     at a time (and the switch interval set to it) and records how late it
@@ -642,17 +645,19 @@ def drafts_at_once(preparer, request, num_drafts: int = 4, rounds: int = 3) -> s
     import statistics
     import threading
 
-    def timed(out: list) -> None:
+    def timed(out: list, cpus: list[int] | None = None) -> None:
         import resource
 
+        if cpus is not None:
+            os.sched_setaffinity(threading.get_native_id(), cpus)
         before, cpu, start = resource.getrusage(resource.RUSAGE_THREAD), time.thread_time(), time.perf_counter()
         preparer.draft(request, {})
         after = resource.getrusage(resource.RUSAGE_THREAD)
         out.append((1e3 * (time.perf_counter() - start), 1e3 * (time.thread_time() - cpu),
                     after.ru_minflt - before.ru_minflt, after.ru_nvcsw - before.ru_nvcsw))
 
-    def together(n: int, out: list) -> None:
-        threads = [threading.Thread(target=timed, args=(out,)) for _ in range(n)]
+    def together(n: int, out: list, pins: list[list[int]] | None = None) -> None:
+        threads = [threading.Thread(target=timed, args=(out, pins[i] if pins else None)) for i in range(n)]
         for t in threads:
             t.start()
         for t in threads:
@@ -675,9 +680,13 @@ def drafts_at_once(preparer, request, num_drafts: int = 4, rounds: int = 3) -> s
 
     together(1, [])
     rows = {n: [] for n in (1, num_drafts)}
-    for _ in range(rounds):  # interleaved, so a drift in the host's load hits both alike
+    pins = pool_pins(num_drafts)
+    pinned: list = []
+    for _ in range(rounds):  # interleaved, so a drift in the host's load hits every case alike
         for n, out in rows.items():
             together(n, out)
+        if pins:
+            together(num_drafts, pinned, pins)
     waits = {n: gil_waits(n) for n in rows}
     lines = []
     for n, out in rows.items():
@@ -686,10 +695,29 @@ def drafts_at_once(preparer, request, num_drafts: int = 4, rounds: int = 3) -> s
         lines.append(f"{n} at once: wall {wall:.1f} ms, CPU {cpu:.1f} ms, {faults:.0f} minor faults, {switches:.0f} "
                      f"voluntary context switches per draft; GIL watcher: longest wait {max(waits[n], default=0):.1f} "
                      f"ms, waits over 0.5 ms {sum(long_waits):.0f} ms ({len(long_waits)}) in {rounds} rounds")
+    if pins:
+        wall, cpu, faults, switches = (statistics.median(r[i] for r in pinned) for i in range(4))
+        lines.append(f"{num_drafts} at once pinned as the pool pins them (CPUs {pins}): wall {wall:.1f} ms, CPU "
+                     f"{cpu:.1f} ms, {faults:.0f} minor faults, {switches:.0f} voluntary context switches per draft")
+    else:
+        lines.append(f"{num_drafts} at once pinned: not run (too few CPUs for the pool to pin {num_drafts} threads)")
     alone, at_once = (statistics.median(r[0] for r in rows[n]) for n in (1, num_drafts))
     cpu_alone, cpu_at_once = (statistics.median(r[1] for r in rows[n]) for n in (1, num_drafts))
-    return ("video drafts (" + "; ".join(lines) + f"): at once / alone {at_once / alone:.2f}x wall, "
+    text = ("video drafts (" + "; ".join(lines) + f"): at once / alone {at_once / alone:.2f}x wall, "
             f"{cpu_at_once / cpu_alone:.2f}x CPU; TTFT gain bound ~2.5 x alone / at once = {2.5 * alone / at_once:.2f}x")
+    if pins:
+        at_once = statistics.median(r[0] for r in pinned)
+        text += f"; pinned: {at_once / alone:.2f}x wall, bound {2.5 * alone / at_once:.2f}x"
+    return text
+
+
+def pool_pins(num_threads: int) -> list[list[int]] | None:
+    """The CPUs the prepare pool would pin ``num_threads`` threads to in a
+    one-GPU server on this host (``CpuPlan.pool_cpus``), or None."""
+    from mstar_actors.cpu_plan import CpuPlan
+
+    allowed = sorted(os.sched_getaffinity(0))
+    return CpuPlan(num_cpus=len(allowed), num_ranks=1).pool_cpus(allowed, num_threads, 1)
 
 
 WATCH_TICK_S = 0.0002

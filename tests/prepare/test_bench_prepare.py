@@ -70,7 +70,10 @@ def test_profile_vl_step_runs_a_small_clip(capsys):
     assert "| vision tower (whole) |" in out and "| text layers |" in out and "whole step, no stage syncs" in out
 
 
-def test_drafts_at_once_reports_cpu_faults_and_gil_waits(bench):
+def test_drafts_at_once_reports_cpu_faults_and_gil_waits(bench, monkeypatch):
+    import os
+    import threading
+
     class Preparer:  # a draft that holds the GIL ~2 ms in Python, then releases it
         def draft(self, req, fetched):
             end = time.perf_counter() + 0.002
@@ -78,9 +81,19 @@ def test_drafts_at_once_reports_cpu_faults_and_gil_waits(bench):
                 pass
             time.sleep(0.002)
 
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # the plan leaves 1 CPU: no pinning
     line = bench.drafts_at_once(Preparer(), None, num_drafts=2, rounds=1)
     assert "1 at once: wall" in line and "2 at once: wall" in line and "voluntary context switches per draft" in line
     assert "GIL watcher: longest wait" in line and "TTFT gain bound" in line
+    assert "2 at once pinned: not run" in line
+
+    # With CPUs to spare (8, faked) the drafts also run pinned as the pool would pin them.
+    pinned: dict[int, list[int]] = {}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(os, "sched_setaffinity", lambda tid, cpus: pinned.__setitem__(tid, list(cpus)))
+    line = bench.drafts_at_once(Preparer(), None, num_drafts=2, rounds=1)
+    assert "2 at once pinned as the pool pins them (CPUs [[7], [6]]): wall" in line and "; pinned: " in line
+    assert sorted(pinned.values()) == [[6], [7]] and threading.get_native_id() not in pinned
 
 
 def test_throughput_actor_warms_every_thread_and_times_batches(bench):
