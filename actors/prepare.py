@@ -12,7 +12,9 @@ Two paths:
   as the default ``Actor.serve`` does. ``Abort`` is forwarded in order.
 - **Pool**: each request's preparation runs on a ``ThreadPoolExecutor``
   while this loop only starts requests and finishes them (stores tensors in
-  the arena, sends). ``serve`` below is the loop.
+  the arena, sends). ``serve`` below is the loop. Each pool thread is
+  pinned to CPUs of its own when the CPU plan has them
+  (``CpuPlan.pool_cpus``; ``prepare.pin_pool_threads``).
 
 Invariants of the pool path (all state is touched only by the loop's thread;
 the pool's threads see only their request and the read-only preparer):
