@@ -936,7 +936,7 @@ def main() -> None:
         preparer = load_preparer(folder, None, limits)
         urls = {"image": jpeg_data_url(), "video": mp4_data_url(clip.seconds, width=clip.width, height=clip.height)}
         report(f"# {platform.node()} {os.cpu_count()} cpus (affinity {len(os.sched_getaffinity(0))}), "
-               f"torch threads {torch.get_num_threads()}, {args.requests} requests per cell; video "
+               f"torch threads {torch.get_num_threads()}, {args.requests} requests per batch; video "
                f"{clip.seconds:g} s {clip.width}x{clip.height} sampled at {clip.fps:g} fps ({clip.num_frames} frames)")
         heavy = args.ttft_clip and Clip(args.ttft_clip[2], *args.ttft_clip[:2], clip.fps)
         heavy_url = heavy and mp4_data_url(heavy.seconds, width=heavy.width, height=heavy.height)
