@@ -288,15 +288,6 @@ class ActorUnderTest:
         await self.task
 
 
-async def run_once(preparer, requests: list, num_workers: int) -> float:
-    """Seconds from the first request sent to the last Prepared received, on a fresh actor."""
-    actor = ActorUnderTest(preparer, num_workers)
-    try:
-        return await actor.batch(requests)
-    finally:
-        await actor.close()
-
-
 async def _send_all(inbox, requests) -> None:
     for req in requests:
         await inbox.send(req)
@@ -688,17 +679,18 @@ def drafts_at_once(preparer, request, num_drafts: int = 4, rounds: int = 3) -> s
         if pins:
             together(num_drafts, pinned, pins)
     waits = {n: gil_waits(n) for n in rows}
+    def per_draft(out: list) -> str:
+        wall, cpu, faults, switches = (statistics.median(r[i] for r in out) for i in range(4))
+        return (f"wall {wall:.1f} ms, CPU {cpu:.1f} ms, {faults:.0f} minor faults, {switches:.0f} "
+                f"voluntary context switches per draft")
+
     lines = []
     for n, out in rows.items():
-        wall, cpu, faults, switches = (statistics.median(r[i] for r in out) for i in range(4))
         long_waits = [w for w in waits[n] if w > 0.5]
-        lines.append(f"{n} at once: wall {wall:.1f} ms, CPU {cpu:.1f} ms, {faults:.0f} minor faults, {switches:.0f} "
-                     f"voluntary context switches per draft; GIL watcher: longest wait {max(waits[n], default=0):.1f} "
+        lines.append(f"{n} at once: {per_draft(out)}; GIL watcher: longest wait {max(waits[n], default=0):.1f} "
                      f"ms, waits over 0.5 ms {sum(long_waits):.0f} ms ({len(long_waits)}) in {rounds} rounds")
     if pins:
-        wall, cpu, faults, switches = (statistics.median(r[i] for r in pinned) for i in range(4))
-        lines.append(f"{num_drafts} at once pinned as the pool pins them (CPUs {pins}): wall {wall:.1f} ms, CPU "
-                     f"{cpu:.1f} ms, {faults:.0f} minor faults, {switches:.0f} voluntary context switches per draft")
+        lines.append(f"{num_drafts} at once pinned as the pool pins them (CPUs {pins}): {per_draft(pinned)}")
     else:
         lines.append(f"{num_drafts} at once pinned: not run (too few CPUs for the pool to pin {num_drafts} threads)")
     alone, at_once = (statistics.median(r[0] for r in rows[n]) for n in (1, num_drafts))
