@@ -249,16 +249,17 @@ class ActorUnderTest:
     with 8 workers and a few requests per thread weighed on the 8-worker
     cell only)."""
 
-    def __init__(self, preparer, num_workers: int):
+    def __init__(self, preparer, num_workers: int, pin: bool = True):
         from actors.prepare import PrepareActor
-        from mstar_actors.config import Config
+        from mstar_actors.config import Config, PrepareConfig
         from mstar_actors.messages import FrontendToPrepare, PrepareToConductor
         from transport.memory import MemoryChannel
 
         self.num_workers = num_workers
         self.inbox = MemoryChannel(FrontendToPrepare, "frontend.prepare", capacity_bytes=64 << 20)
         self.out = MemoryChannel(PrepareToConductor, "prepare.conductor", capacity_bytes=16 << 20)
-        self.actor = PrepareActor(name="prepare", config=Config(), inbox={"frontend": self.inbox},
+        config = Config(prepare=PrepareConfig(pin_pool_threads=pin))
+        self.actor = PrepareActor(name="prepare", config=config, inbox={"frontend": self.inbox},
                                   outbox={"conductor": self.out}, preparer=preparer, arena=HeapArena(),
                                   num_workers=num_workers)
         self.task = asyncio.create_task(self.actor.run())
@@ -329,7 +330,7 @@ def context_for(clip: Clip) -> int:
 
 
 def serve_for_ttft(model_dir: Path, num_workers: int, tmp: Path, clip: Clip = Clip(), model_name: str = "vl",
-                   max_model_len: int | None = None, concurrency: int = 4):
+                   max_model_len: int | None = None, concurrency: int = 4, pin: bool = True):
     """Start the server with ``num_workers`` prepare threads; (process, port, ServerLog) once serving.
 
     ``max_model_len`` also sizes the batch budget: ``concurrency`` whole video
@@ -352,7 +353,7 @@ def serve_for_ttft(model_dir: Path, num_workers: int, tmp: Path, clip: Clip = Cl
     config = tmp / f"ttft-{num_workers}.yaml"
     config.write_text(
         f"model: {{path: {model_dir}, name: {model_name}, dtype: auto, device: auto}}\n"
-        f"prepare: {{preprocess_workers: {num_workers}}}\n"
+        f"prepare: {{preprocess_workers: {num_workers}, pin_pool_threads: {str(pin).lower()}}}\n"
         f"server: {{max_body_bytes: 67108864, max_media_bytes: 52428800, {clip.media_limits()}}}\n"
         + (f"scheduler: {{max_model_len: {max_model_len}, max_num_batched_tokens: {concurrency * max_model_len}}}\n"
            if max_model_len else "")
@@ -500,7 +501,8 @@ async def ttft_round(port: int, url: str, concurrency: int, model_name: str = "v
 
 
 def measure_ttft(model_dir: Path, url: str, tmp: Path, rounds: int, clip: Clip, concurrency: int = 4,
-                 max_model_len: int | None = None) -> tuple[dict[int, list[Timed]], dict[int, ServerLog], int]:
+                 max_model_len: int | None = None,
+                 pin: bool = True) -> tuple[dict[int, list[Timed]], dict[int, ServerLog], int]:
     """TTFT at ``concurrency`` with the pool (4 workers) and inline (1): every
     measured request, each server's log, and the video prompt's token count."""
     import signal
@@ -509,7 +511,7 @@ def measure_ttft(model_dir: Path, url: str, tmp: Path, rounds: int, clip: Clip, 
     for num_workers in (4, 1):
         progress(f"TTFT: starting the server with preprocess_workers={num_workers}")
         proc, port, log = serve_for_ttft(model_dir, num_workers, tmp, clip, max_model_len=max_model_len,
-                                         concurrency=concurrency)
+                                         concurrency=concurrency, pin=pin)
         try:
             num_prompt_tokens = asyncio.run(check_one(port, url))  # also the warm-up of every actor
             asyncio.run(ttft_round(port, url, concurrency))  # and of every pool thread (first-call costs)
@@ -903,6 +905,9 @@ def main() -> None:
                              "prepare stand-in (0: skip)")
     parser.add_argument("--ttft-extra-clip", type=_clip, default=None, metavar="WxHxSECONDS",
                         help="time to first token with this clip too (e.g. 640x480x8)")
+    parser.add_argument("--pool-unpinned", action="store_true",
+                        help="run the pool's threads unpinned (prepare.pin_pool_threads: false) in the throughput "
+                             "table and the served TTFT, to compare with a default (pinned) run on the same host")
     args = parser.parse_args()
     clip = Clip(args.video_seconds, *args.video_size, args.video_fps)
     report = Report()
@@ -928,7 +933,8 @@ def main() -> None:
         preparer = load_preparer(folder, None, limits)
         urls = {"image": jpeg_data_url(), "video": mp4_data_url(clip.seconds, width=clip.width, height=clip.height)}
         report(f"# {platform.node()} {os.cpu_count()} cpus (affinity {len(os.sched_getaffinity(0))}), "
-               f"torch threads {torch.get_num_threads()}, {args.requests} requests per batch; video "
+               f"torch threads {torch.get_num_threads()}, pool threads "
+               f"{'unpinned' if args.pool_unpinned else 'pinned where the CPUs allow'}, {args.requests} requests per batch; video "
                f"{clip.seconds:g} s {clip.width}x{clip.height} sampled at {clip.fps:g} fps ({clip.num_frames} frames)")
         heavy = args.ttft_clip and Clip(args.ttft_clip[2], *args.ttft_clip[:2], clip.fps)
         heavy_url = heavy and mp4_data_url(heavy.seconds, width=heavy.width, height=heavy.height)
@@ -970,7 +976,7 @@ def throughput(report: "Report", args, preparer, urls: dict[str, str], cpu_s) ->
     report("\n| kind | workers | req/s | ms/req | CPU ms/req | speed-up |\n|---|---|---|---|---|---|")
 
     async def measure(kind: str, url: str) -> dict[int, tuple[float, float]]:
-        actors = [ActorUnderTest(preparer, workers) for workers in args.workers]
+        actors = [ActorUnderTest(preparer, workers, pin=not args.pool_unpinned) for workers in args.workers]
         rounds: dict[int, list[tuple[float, float]]] = {workers: [] for workers in args.workers}
         try:
             for actor in actors:
@@ -1006,7 +1012,7 @@ def run_ttft(report: "Report", args, clip: Clip, url: str, tmp: Path) -> float:
     model_dir = args.model or save_tiny_vl_model(tmp / f"tiny-vl-{max_model_len}", real_patches=True,
                                                  max_model_len=max_model_len)
     timed, logs, num_prompt_tokens = measure_ttft(model_dir, url, tmp, args.ttft_rounds, clip,
-                                                  max_model_len=max_model_len)
+                                                  max_model_len=max_model_len, pin=not args.pool_unpinned)
     report(f"\nvideo {clip.seconds:g} s {clip.width}x{clip.height} at {clip.fps:g} fps ({clip.num_frames} frames, "
            f"{len(url) >> 10} KiB data: URL)")
     return report_ttft(report, timed, logs, num_prompt_tokens, max_model_len)
