@@ -19,13 +19,18 @@ Then, in the same run, time to first token at concurrency 4 for video
 requests over HTTP: the real server (``python -m mstar_actors serve``) with
 ``prepare.preprocess_workers`` 4 (the pool) against 1 (inline), on a tiny
 random Qwen2.5-VL this script saves (``--model PATH`` serves a real folder),
-each request streamed and timed to its first content chunk; the ratio
-inline / pool is printed, with each stage of the requests' way (from the
+each request streamed and timed to its first content chunk, in two
+workloads: bursts of 4 sent at once (``--ttft-rounds`` of them), then a
+closed loop of 4 clients that each send their next request as soon as their
+last one has answered (``--ttft-rounds`` requests each, after one ramp-up
+request), which is what serving benchmarks call concurrency 4
+(``--max-concurrency``) and how the seed measured it. The ratio inline /
+pool is printed for both, with each stage of the requests' way (from the
 prepare actor's DEBUG stage lines and the worker's step lines): when the
 frontend had the body, when prepare read it, drafted it and sent it, and the
 prefill steps that followed. TTFT is measured for the default clip, then
-for ``--ttft-clip`` (default 640x480x16: 32 frames, a draft of ~500-600 ms on
-one core, the seed's regime, where it measured TTFT halved; ``none`` skips
+for ``--ttft-clip`` (default 640x480x16: 32 frames, a draft of 250-600 ms on
+one core by host, the seed's regime, where it measured TTFT halved; ``none`` skips
 it), then for ``--ttft-extra-clip`` if given; a last table gives inline /
 pool per clip. ``--ttft-rounds 0`` skips TTFT. Before TTFT, the frontend's part alone
 (``--frontend-rounds``, ``frontend_path``): four ``--ttft-clip`` bodies at once through the real
@@ -449,11 +454,9 @@ async def check_one(port: int, url: str, model_name: str = "vl") -> int:
     """One unstreamed video request must answer 200 with its 2 tokens; returns its prompt tokens."""
     import aiohttp
 
-    body = {"model": model_name, "max_tokens": 2, "temperature": 0, "ignore_eos": True,
-            "messages": [{"role": "user", "content": [{"type": "text", "text": "describe this video"},
-                                                      {"type": "video_url", "video_url": {"url": url}}]}]}
     async with aiohttp.ClientSession() as session:
-        async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as response:
+        async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                json=_video_body(url, False, model_name)) as response:
             if response.status != 200:
                 raise RuntimeError(f"the check request answered {response.status}: {await response.text()}")
             usage = (await response.json())["usage"]
@@ -470,44 +473,82 @@ class Timed(NamedTuple):
     ttft: float  # seconds to the first content chunk
 
 
+def _encoded_video_body(url: str, model_name: str = "vl") -> tuple[bytes, dict]:
+    """The streamed request's body and headers, encoded once before any clock
+    starts: ``json=body`` serialised the 0.5-7 MB body in each request on the
+    client's one loop (~6 ms per 2.2 MB on the 2-core VM), so the fourth
+    request's "TTFT" held three other requests' client-side encoding, which no
+    server change can remove."""
+    return json.dumps(_video_body(url, True, model_name)).encode(), {"Content-Type": "application/json"}
+
+
+async def _timed(session, port: int, raw: bytes, headers: dict) -> Timed:
+    """One streamed request, timed to its first chunk and read to its end."""
+    sent, start = time.time(), time.perf_counter()
+    async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", data=raw, headers=headers) as response:
+        if response.status != 200:
+            raise RuntimeError(f"video request answered {response.status}: {await response.text()}")
+        first = None
+        async for line in response.content:
+            if first is None and line.startswith(b"data: "):
+                first = Timed(json.loads(line[6:])["id"] + "-0", sent, time.perf_counter() - start)
+    return first
+
+
 async def ttft_round(port: int, url: str, concurrency: int, model_name: str = "vl") -> list[Timed]:
-    """``concurrency`` video requests sent at once, each timed to its first streamed chunk.
+    """A burst: ``concurrency`` video requests sent at once, each timed to its first streamed chunk.
 
     Plain aiohttp, so the benchmark runs where the ``openai`` client is not installed."""
     import aiohttp
 
-    body = {"model": model_name, "max_tokens": 2, "temperature": 0, "stream": True, "ignore_eos": True,
-            "messages": [{"role": "user", "content": [{"type": "text", "text": "describe this video"},
-                                                      {"type": "video_url", "video_url": {"url": url}}]}]}
-    # Encoded once, before any clock starts: ``json=body`` serialised the
-    # 0.5-4 MB body in each request on the client's one loop (~6 ms per 2.2 MB
-    # on the 2-core VM), so the fourth request's "TTFT" held three other
-    # requests' client-side encoding, which no server change can remove.
-    raw, headers = json.dumps(body).encode(), {"Content-Type": "application/json"}
+    raw, headers = _encoded_video_body(url, model_name)
+    async with aiohttp.ClientSession() as session:
+        return list(await asyncio.gather(*(_timed(session, port, raw, headers) for _ in range(concurrency))))
 
-    async def one(session) -> Timed:
-        sent, start = time.time(), time.perf_counter()
-        async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", data=raw, headers=headers) as response:
-            if response.status != 200:
-                raise RuntimeError(f"video request answered {response.status}: {await response.text()}")
-            first = None
-            async for line in response.content:
-                if first is None and line.startswith(b"data: "):
-                    first = Timed(json.loads(line[6:])["id"] + "-0", sent, time.perf_counter() - start)
-        return first
+
+async def closed_loop(port: int, url: str, concurrency: int, per_client: int,
+                      model_name: str = "vl") -> tuple[list[Timed], float]:
+    """Concurrency as serving benchmarks mean it (``--max-concurrency``, the
+    seed's "V2T c=4"): ``concurrency`` clients, each sending its next video
+    request as soon as its last one has answered, so that many are in flight
+    at all times. Each client sends ``per_client`` + 1; its first (all sent
+    at once: the ramp-up, a burst) is not counted. Returns the counted
+    requests and the seconds from the first counted one sent to the last
+    answered."""
+    import aiohttp
+
+    raw, headers = _encoded_video_body(url, model_name)
+    counted: list[tuple[Timed, float]] = []
+
+    async def client(session) -> None:
+        await _timed(session, port, raw, headers)
+        for _ in range(per_client):
+            counted.append((await _timed(session, port, raw, headers), time.time()))
 
     async with aiohttp.ClientSession() as session:
-        return list(await asyncio.gather(*(one(session) for _ in range(concurrency))))
+        await asyncio.gather(*(client(session) for _ in range(concurrency)))
+    span = max(done for _, done in counted) - min(t.sent for t, _ in counted)
+    return [t for t, _ in counted], span
+
+
+class TtftRun(NamedTuple):
+    """One server's measured requests: bursts, then a closed loop."""
+
+    burst: list[Timed]  # ``rounds`` bursts of ``concurrency`` sent at once
+    closed: list[Timed]  # the closed loop's counted requests
+    closed_span: float  # seconds they spanned
+    log: ServerLog
 
 
 def measure_ttft(model_dir: Path, url: str, tmp: Path, rounds: int, clip: Clip, concurrency: int = 4,
-                 max_model_len: int | None = None,
-                 pin: bool = True) -> tuple[dict[int, list[Timed]], dict[int, ServerLog], int]:
-    """TTFT at ``concurrency`` with the pool (4 workers) and inline (1): every
-    measured request, each server's log, and the video prompt's token count."""
+                 max_model_len: int | None = None, pin: bool = True) -> tuple[dict[int, TtftRun], int]:
+    """TTFT at ``concurrency`` with the pool (4 workers) and inline (1), each
+    server measured with ``rounds`` bursts and then a closed loop of
+    ``rounds`` requests per client: its requests and log per pool size, and
+    the video prompt's token count."""
     import signal
 
-    timed, logs = {}, {}
+    runs = {}
     for num_workers in (4, 1):
         progress(f"TTFT: starting the server with preprocess_workers={num_workers}")
         proc, port, log = serve_for_ttft(model_dir, num_workers, tmp, clip, max_model_len=max_model_len,
@@ -515,16 +556,18 @@ def measure_ttft(model_dir: Path, url: str, tmp: Path, rounds: int, clip: Clip, 
         try:
             num_prompt_tokens = asyncio.run(check_one(port, url))  # also the warm-up of every actor
             asyncio.run(ttft_round(port, url, concurrency))  # and of every pool thread (first-call costs)
-            timed[num_workers] = []
+            burst = []
             for i in range(rounds):
-                timed[num_workers] += asyncio.run(ttft_round(port, url, concurrency))
-                progress(f"TTFT workers={num_workers}: round {i + 1}/{rounds}", end="\r")
+                burst += asyncio.run(ttft_round(port, url, concurrency))
+                progress(f"TTFT workers={num_workers}: burst {i + 1}/{rounds}", end="\r")
+            progress(f"TTFT workers={num_workers}: closed loop, {concurrency} x {rounds} requests", end="\r")
+            closed, span = asyncio.run(closed_loop(port, url, concurrency, rounds))
             progress("")
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
-        logs[num_workers] = log
-    return timed, logs, num_prompt_tokens
+        runs[num_workers] = TtftRun(burst, closed, span, log)
+    return runs, num_prompt_tokens
 
 
 def ttft_stages(timed: list[Timed], log: ServerLog, num_rounds: int) -> dict[str, float]:
@@ -783,6 +826,7 @@ def frontend_path(url: str, folder: Path, tmp: Path, rounds: int, concurrency: i
 
 
 def _video_body(url: str, stream: bool, model_name: str = "vl") -> dict:
+    """A 2-token chat request carrying the video."""
     return {"model": model_name, "max_tokens": 2, "temperature": 0, "stream": stream, "ignore_eos": True,
             "messages": [{"role": "user", "content": [{"type": "text", "text": "describe this video"},
                                                       {"type": "video_url", "video_url": {"url": url}}]}]}
@@ -885,7 +929,9 @@ def main() -> None:
                         help="batches per kind and pool size, sizes taking turns (the median is reported)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads of this process")
-    parser.add_argument("--ttft-rounds", type=int, default=5, help="rounds of 4 concurrent video requests (0: skip)")
+    parser.add_argument("--ttft-rounds", type=int, default=5,
+                        help="bursts of 4 video requests sent at once, and requests per client in the closed loop "
+                             "of 4 clients (0: skip)")
     parser.add_argument("--model", type=Path, default=None, help="a Qwen2.5-VL folder to serve for TTFT "
                                                                   "(default: a tiny random one)")
     parser.add_argument("--video-seconds", type=float, default=4.0, help="length of the clip (default 4)")
@@ -960,9 +1006,10 @@ def main() -> None:
             progress(f"TTFT again with a {width}x{height} {seconds:g} s clip")
             url = heavy_url if extra_clip == heavy else mp4_data_url(seconds, width=width, height=height)
             ratios[extra_clip] = run_ttft(report, args, extra_clip, url, Path(tmp))
-        report("\n| video TTFT at concurrency 4, clip | inline / pool |\n|---|---|")
-        for c, ratio in ratios.items():
-            report(f"| {c.width}x{c.height} {c.seconds:g} s ({c.num_frames} frames) | {ratio:.2f}x |")
+        report("\n| video TTFT at concurrency 4, clip | inline / pool, bursts | inline / pool, closed loop |"
+               "\n|---|---|---|")
+        for c, (in_bursts, in_loop) in ratios.items():
+            report(f"| {c.width}x{c.height} {c.seconds:g} s ({c.num_frames} frames) | {in_bursts:.2f}x | {in_loop:.2f}x |")
 
 
 def throughput(report: "Report", args, preparer, urls: dict[str, str], cpu_s) -> None:
@@ -1004,34 +1051,42 @@ def throughput(report: "Report", args, preparer, urls: dict[str, str], cpu_s) ->
                    f"{1000 * cpu / args.requests:.1f} | {rate / base:.2f}x |")
 
 
-def run_ttft(report: "Report", args, clip: Clip, url: str, tmp: Path) -> float:
-    """Time to first token of ``clip`` at concurrency 4, pool against inline, and its stages."""
+def run_ttft(report: "Report", args, clip: Clip, url: str, tmp: Path) -> tuple[float, float]:
+    """Time to first token of ``clip`` at concurrency 4, pool against inline,
+    and its stages; returns inline / pool in bursts and in the closed loop."""
     # The tiny model keeps Qwen2.5-VL's processor (14 px patches, frames up to 28*28*1280 px), so
     # the server decodes, resizes and patches the clip as for a real model: TTFT is mostly that.
     max_model_len = None if args.model else context_for(clip)
     model_dir = args.model or save_tiny_vl_model(tmp / f"tiny-vl-{max_model_len}", real_patches=True,
                                                  max_model_len=max_model_len)
-    timed, logs, num_prompt_tokens = measure_ttft(model_dir, url, tmp, args.ttft_rounds, clip,
-                                                  max_model_len=max_model_len, pin=not args.pool_unpinned)
+    runs, num_prompt_tokens = measure_ttft(model_dir, url, tmp, args.ttft_rounds, clip,
+                                           max_model_len=max_model_len, pin=not args.pool_unpinned)
     report(f"\nvideo {clip.seconds:g} s {clip.width}x{clip.height} at {clip.fps:g} fps ({clip.num_frames} frames, "
            f"{len(url) >> 10} KiB data: URL)")
-    return report_ttft(report, timed, logs, num_prompt_tokens, max_model_len)
+    return report_ttft(report, runs, num_prompt_tokens, max_model_len)
 
 
-def report_ttft(report: Report, timed: dict[int, list[Timed]], logs: dict[int, ServerLog], num_prompt_tokens: int,
-                max_model_len: int | None) -> float:
-    """Prints the clip's TTFT table and stages; returns inline / pool."""
-    stages = {n: ttft_stages(timed[n], logs[n], len(timed[n]) // 4) for n in (4, 1)}
+def report_ttft(report: Report, runs: dict[int, TtftRun], num_prompt_tokens: int,
+                max_model_len: int | None) -> tuple[float, float]:
+    """Prints the clip's TTFT table and stages; returns inline / pool in bursts and in the closed loop."""
     ttft = "first token at the client (TTFT)"
+    burst = {n: ttft_stages(runs[n].burst, runs[n].log, len(runs[n].burst) // 4) for n in (4, 1)}
+    closed = {n: ttft_stages(runs[n].closed, runs[n].log, len(runs[n].closed) // 4) for n in (4, 1)}
+    rate = {n: len(runs[n].closed) / runs[n].closed_span for n in (4, 1)}
+    ratios = burst[1][ttft] / burst[4][ttft], closed[1][ttft] / closed[4][ttft]
     report(f"\nserved video prompt: {num_prompt_tokens} tokens, context {max_model_len or 'of the model'}; "
-           f"{len(timed[4])} requests per mode")
-    report(f"| video TTFT, concurrency 4 | p50 ms |\n|---|---|\n| pool (4 workers) | {stages[4][ttft]:.0f} |\n"
-           f"| inline (1) | {stages[1][ttft]:.0f} |\ninline / pool: {stages[1][ttft] / stages[4][ttft]:.2f}x")
-    report("\n| stage, ms after the client sent (p50 over requests) | pool (4) | inline (1) |\n|---|---|---|")
-    for name in stages[1]:
-        if name in stages[4]:
-            report(f"| {name} | {stages[4][name]:.1f} | {stages[1][name]:.1f} |")
-    return stages[1][ttft] / stages[4][ttft]
+           f"{len(runs[4].burst)} requests per mode in bursts of 4 sent at once, {len(runs[4].closed)} in a closed "
+           f"loop of 4 clients (each sends its next request when its last one has answered)")
+    report("| video TTFT, concurrency 4, p50 ms | bursts | closed loop | closed loop req/s |\n|---|---|---|---|")
+    report(f"| pool (4 workers) | {burst[4][ttft]:.0f} | {closed[4][ttft]:.0f} | {rate[4]:.2f} |")
+    report(f"| inline (1) | {burst[1][ttft]:.0f} | {closed[1][ttft]:.0f} | {rate[1]:.2f} |")
+    report(f"| inline / pool | {ratios[0]:.2f}x | {ratios[1]:.2f}x | {rate[4] / rate[1]:.2f}x |")
+    report("\n| stage, ms after the client sent (p50 over requests) | pool, bursts | inline, bursts "
+           "| pool, closed loop | inline, closed loop |\n|---|---|---|---|---|")
+    for name in burst[1]:
+        cells = [table.get(name) for table in (burst[4], burst[1], closed[4], closed[1])]
+        report(f"| {name} | " + " | ".join("" if c is None else f"{c:.1f}" for c in cells) + " |")
+    return ratios
 
 
 def _clip(text: str) -> tuple[int, int, float]:

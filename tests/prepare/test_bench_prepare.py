@@ -131,3 +131,48 @@ def test_throughput_actor_warms_every_thread_and_times_batches(bench):
     warmed, elapsed = asyncio.run(run())
     assert len(warmed) == 3 and all(name.startswith("prepare") for name in warmed)
     assert all(0.03 <= e < 5 for e in elapsed)  # 6 requests of 20 ms on 3 threads: two waves at least
+
+
+def test_closed_loop_keeps_four_in_flight_and_skips_each_clients_first(bench):
+    """The closed loop: every client sends its next request once its last has
+    answered (never more than ``concurrency`` in flight, and all of them in
+    flight most of the time), and each client's first request is not counted."""
+    import asyncio
+    import json
+
+    from aiohttp import web
+
+    state = {"in_flight": 0, "most": 0, "served": 0}
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        assert body["stream"] is True and body["messages"][0]["content"][1]["video_url"]["url"] == "data:video/mp4;base64,AAAA"
+        state["in_flight"] += 1
+        state["most"] = max(state["most"], state["in_flight"])
+        state["served"] += 1
+        rid = f"chatcmpl-{state['served']}"
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await asyncio.sleep(0.01)
+        await response.write(b"data: " + json.dumps({"id": rid}).encode() + b"\n\n")
+        state["in_flight"] -= 1
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            return await bench.closed_loop(port, "data:video/mp4;base64,AAAA", concurrency=4, per_client=3)
+        finally:
+            await runner.cleanup()
+
+    counted, span = asyncio.run(main())
+    assert state["served"] == 4 * (3 + 1) and state["most"] == 4
+    assert len(counted) == 12 and len({t.request_id for t in counted}) == 12
+    assert all(t.ttft >= 0.01 for t in counted) and span >= 3 * 0.01
