@@ -23,15 +23,18 @@ the pool's threads see only their request and the read-only preparer):
   only the head is ever released, so ``Prepared`` / ``Failed`` reach the
   conductor in arrival order whichever finishes first.
 - **Bounded pool.** A request is read from the mailbox only while fewer than
-  ``num_workers`` preparations run and fewer than ``2 * num_workers``
-  requests wait for release; otherwise the loop waits for one to finish and
-  new requests wait undecoded in the mailbox and the ring behind it (the
-  frontend sees backpressure).
+  ``2 * num_workers`` are started (drafting, or queued for a thread: each
+  thread has its next request waiting, so a thread that finishes starts it
+  at once instead of after this loop's turn, which shares the GIL with the
+  drafts) and fewer than ``2 * num_workers`` wait for release; otherwise the
+  loop waits for one to finish and new requests wait undecoded in the
+  mailbox and the ring behind it (the frontend sees backpressure).
 - **Bounded outbox.** A release awaits ``send``: while the conductor's ring
   is full nothing else is read, and nothing is dropped.
 - **Abandoned requests.** An ``Abort`` for a request still preparing takes it
-  out of ``_slots`` at once (the requests behind it don't wait for it); its
-  thread finishes and the result is dropped unsent. Its tensors never reach
+  out of ``_slots`` at once (the requests behind it don't wait for it); a
+  thread that has not begun its draft skips it, one that has finishes, and
+  the result is dropped unsent. Its tensors never reach
   the arena, since storing happens only at release. The Abort itself is not
   forwarded: the conductor never saw the request, and the frontend expects no
   ``Finished`` for a request that produced no token. An ``Abort`` for a
@@ -79,7 +82,8 @@ class _Slot:
 
     req: NewRequest
     task: asyncio.Task | None = None  # -> Draft | Failed (pool path)
-    in_pool: bool = False  # its draft runs on a pool thread (no longer cancellable)
+    in_pool: bool = False  # handed to the pool (no longer cancellable)
+    abandoned: bool = False  # aborted: a thread that has not begun its draft skips it
     # time.time(), as NewRequest.arrival_time. The draft's two are written by
     # the thread that drafts, read by the loop only after the draft is done.
     read_at: float = 0.0
@@ -239,7 +243,7 @@ class PrepareActor(Actor):
                 reading.cancel()
 
     def _has_room(self) -> bool:
-        return len(self._busy) < self.num_workers and len(self._slots) < 2 * self.num_workers
+        return len(self._busy) < 2 * self.num_workers and len(self._slots) < 2 * self.num_workers
 
     def _start(self, req: NewRequest) -> None:
         slot = _Slot(req, read_at=time.time())
@@ -257,6 +261,7 @@ class PrepareActor(Actor):
         """Take a request out of the release order; its thread's result is dropped."""
         slot = self._by_id.pop(request_id)
         self._slots.remove(slot)
+        slot.abandoned = True
         if not slot.in_pool:
             slot.task.cancel()  # still fetching on this loop: stop now
         self._changed.set()
@@ -292,6 +297,8 @@ class PrepareActor(Actor):
 
     def _draft(self, slot: _Slot, fetched: dict[str, bytes]) -> Draft | Failed:
         """The preparer's draft, timed (on a pool thread, or inline)."""
+        if slot.abandoned:  # aborted while queued for a thread: its result would be dropped
+            return Failed(request_id=slot.req.request_id, status=400, message="abandoned before its draft began")
         faults, cpu = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt, time.thread_time()
         slot.draft_start = time.time()
         try:

@@ -132,22 +132,48 @@ async def test_arrival_order_kept_when_later_requests_finish_first():
 
 async def test_full_pool_reads_nothing_more_until_a_slot_frees():
     h = Harness(GatedPreparer(asyncio.get_running_loop()), num_workers=2)
-    h.preparer.expect("r1", "r2", "r3", "r4", "r5")
-    for rid in ("r1", "r2", "r3", "r4", "r5"):
+    ids = [f"r{i}" for i in range(1, 8)]
+    h.preparer.expect(*ids)
+    for rid in ids:
         await h.send(rid)
     await h.preparer.started["r1"].wait()
     await h.preparer.started["r2"].wait()
     await settle()
-    assert set(h.actor._by_id) == {"r1", "r2"}  # r3.. wait undecoded
+    # Two drafting and one queued behind each thread; r5.. wait undecoded.
+    assert set(h.actor._by_id) == {"r1", "r2", "r3", "r4"}
     assert not h.preparer.started["r3"].is_set()
     assert h.inbox._records, "the pool is full: the rest stays in the frontend's channel"
-    h.preparer.gates["r2"].set()  # a slot frees (r2 waits for r1 to be released)
+    h.preparer.gates["r2"].set()  # its thread takes the queued r3 at once
     await h.preparer.started["r3"].wait()
-    assert not h.preparer.started["r4"].is_set()
-    for rid in ("r1", "r3", "r4", "r5"):
+    await settle()
+    # r2 is done but waits for r1 to be released: four still wait for release.
+    assert set(h.actor._by_id) == {"r1", "r2", "r3", "r4"} and not h.preparer.started["r4"].is_set()
+    h.preparer.gates["r1"].set()  # r1 and r2 go; r4 starts, r5 and r6 are read
+    await h.preparer.started["r4"].wait()
+    for rid in ids:
         h.preparer.gates[rid].set()
-    assert [(await h.recv_id())[1] for _ in range(5)] == ["r1", "r2", "r3", "r4", "r5"]
+    assert [(await h.recv_id())[1] for _ in ids] == ids
     await h.close()
+
+
+async def test_a_request_abandoned_while_queued_for_a_thread_is_never_drafted():
+    h = Harness(GatedPreparer(asyncio.get_running_loop()), num_workers=2)
+    h.preparer.expect("r1", "r2", "r3", "r4")
+    for rid in ("r1", "r2", "r3"):
+        await h.send(rid)
+    await h.preparer.started["r1"].wait()
+    await h.preparer.started["r2"].wait()
+    await settle()
+    assert "r3" in h.actor._by_id  # read, queued for a thread
+    await h.inbox.send(Abort(request_id="r3"))
+    await h.send("r4")
+    await settle()
+    assert "r3" not in h.actor._by_id
+    for rid in ("r1", "r2", "r4"):
+        h.preparer.gates[rid].set()
+    assert [await h.recv_id() for _ in range(3)] == [("Prepared", "r1"), ("Prepared", "r2"), ("Prepared", "r4")]
+    assert not h.preparer.started["r3"].is_set()  # its thread skipped it
+    assert await h.close() == []
 
 
 async def test_full_outbox_release_waits_and_nothing_is_lost():
