@@ -13,7 +13,9 @@ weights are needed to prepare. Media travel as data: URLs (a 640x480 JPEG; a
 Tensors go to an in-process stand-in for the arena. Each cell also shows the
 process's CPU time per request (CPU ms/req rising with the workers is
 contention; flat CPU with a flat speed-up is a serial part: the GIL or the
-actor's loop). A GIL probe follows: how long one video draft holds the GIL.
+actor's loop), the share of the batch its threads spent drafting, and the
+drafts' CPU over their wall time; the speed-up is the median of each
+round's ratio to the 1-worker batch of that round. A GIL probe follows: how long one video draft holds the GIL.
 
 Then, in the same run, time to first token at concurrency 4 for video
 requests over HTTP: the real server (``python -m mstar_actors serve``) with
@@ -268,6 +270,17 @@ class ActorUnderTest:
                                   outbox={"conductor": self.out}, preparer=preparer, arena=HeapArena(),
                                   num_workers=num_workers)
         self.task = asyncio.create_task(self.actor.run())
+        # Each released request's draft (wall s, its thread's CPU s): against
+        # the batch's time they split a pool's shortfall into idle threads
+        # and drafts slowed by one another.
+        self.drafts: list[tuple[float, float]] = []
+        send = self.actor._send_result
+
+        async def kept(slot, result) -> None:
+            self.drafts.append((slot.draft_end - slot.draft_start, slot.draft_cpu_ms / 1e3))
+            await send(slot, result)
+
+        self.actor._send_result = kept
 
     async def warm_up(self, make) -> None:
         """Two requests per thread, all at once (every thread drafts at least one)."""
@@ -277,6 +290,7 @@ class ActorUnderTest:
         """Seconds from the first request sent to the last Prepared received."""
         from mstar_actors.messages import Failed
 
+        self.drafts.clear()
         start = time.perf_counter()
         sender = asyncio.create_task(_send_all(self.inbox, requests))
         for _ in requests:
@@ -925,7 +939,7 @@ class Report:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=32, help="requests per batch (kind and pool size)")
-    parser.add_argument("--throughput-rounds", type=int, default=3,
+    parser.add_argument("--throughput-rounds", type=int, default=5,
                         help="batches per kind and pool size, sizes taking turns (the median is reported)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads of this process")
@@ -1012,19 +1026,35 @@ def main() -> None:
             report(f"| {c.width}x{c.height} {c.seconds:g} s ({c.num_frames} frames) | {in_bursts:.2f}x | {in_loop:.2f}x |")
 
 
+class Batch(NamedTuple):
+    elapsed: float  # s, first request sent to last Prepared received
+    cpu: float  # s of the process's CPU
+    drafting: float  # s of draft wall time summed over the batch's requests
+    draft_cpu: float  # s of the drafting threads' own CPU over them
+
+
 def throughput(report: "Report", args, preparer, urls: dict[str, str], cpu_s) -> None:
     """The preparation throughput table: every kind at every pool size. Each
     pool size is one actor kept running and warmed; the sizes take turns,
     batch by batch, for ``--throughput-rounds`` rounds, so a drift in the
-    host's load hits every size alike; each cell is the median round."""
+    host's load hits every size alike. Each cell is the median round; the
+    speed-up is paired: the median over rounds of the 1-worker batch's time
+    over this size's batch in the same round, with the rounds' range (on a
+    shared host the same draft's speed moves by a third within a minute).
+    Two more columns split a shortfall: *threads drafting* is the drafts'
+    wall time over workers x batch time (below 100%: threads idle, waiting
+    for the loop), and *draft CPU / wall* the drafting threads' CPU over
+    their drafts' wall (below the 1-worker figure: drafts wait for the GIL
+    or a core beside one another)."""
     import statistics
 
     report(f"\n{args.requests} requests a batch, median of {args.throughput_rounds} rounds (sizes interleaved)")
-    report("\n| kind | workers | req/s | ms/req | CPU ms/req | speed-up |\n|---|---|---|---|---|---|")
+    report("\n| kind | workers | req/s | ms/req | CPU ms/req | threads drafting | draft CPU / wall | speed-up "
+           "(rounds' range) |\n|---|---|---|---|---|---|---|---|")
 
-    async def measure(kind: str, url: str) -> dict[int, tuple[float, float]]:
+    async def measure(kind: str, url: str) -> dict[int, list[Batch]]:
         actors = [ActorUnderTest(preparer, workers, pin=not args.pool_unpinned) for workers in args.workers]
-        rounds: dict[int, list[tuple[float, float]]] = {workers: [] for workers in args.workers}
+        rounds: dict[int, list[Batch]] = {workers: [] for workers in args.workers}
         try:
             for actor in actors:
                 await actor.warm_up(lambda rid: make_request(rid, kind, url))
@@ -1033,22 +1063,26 @@ def throughput(report: "Report", args, preparer, urls: dict[str, str], cpu_s) ->
                     requests = [make_request(f"{kind}{actor.num_workers}-{r}-{i}", kind, url) for i in range(args.requests)]
                     cpu = cpu_s()
                     elapsed = await actor.batch(requests)
-                    rounds[actor.num_workers].append((elapsed, cpu_s() - cpu))
+                    rounds[actor.num_workers].append(Batch(elapsed, cpu_s() - cpu, sum(w for w, _ in actor.drafts),
+                                                           sum(c for _, c in actor.drafts)))
                 progress(f"{kind}: round {r + 1}/{args.throughput_rounds}", end="\r")
         finally:
             for actor in actors:
                 await actor.close()
         progress("")
-        return {w: (statistics.median(e for e, _ in rows), statistics.median(c for _, c in rows)) for w, rows in rounds.items()}
+        return rounds
 
     for kind, url in urls.items():
-        cells = asyncio.run(measure(kind, url))
-        base = None
-        for workers, (elapsed, cpu) in cells.items():
-            rate = args.requests / elapsed
-            base = base or rate
-            report(f"| {kind} | {workers} | {rate:.1f} | {1000 * elapsed / args.requests:.1f} | "
-                   f"{1000 * cpu / args.requests:.1f} | {rate / base:.2f}x |")
+        rounds = asyncio.run(measure(kind, url))
+        base = rounds[args.workers[0]]
+        for workers, batches in rounds.items():
+            elapsed, cpu = statistics.median(b.elapsed for b in batches), statistics.median(b.cpu for b in batches)
+            busy = statistics.median(b.drafting / (workers * b.elapsed) for b in batches)
+            draft_cpu = statistics.median(b.draft_cpu / b.drafting for b in batches)
+            ratios = [b0.elapsed / b.elapsed for b0, b in zip(base, batches)]
+            report(f"| {kind} | {workers} | {args.requests / elapsed:.1f} | {1000 * elapsed / args.requests:.1f} | "
+                   f"{1000 * cpu / args.requests:.1f} | {busy:.0%} | {draft_cpu:.0%} | {statistics.median(ratios):.2f}x "
+                   f"({min(ratios):.2f}-{max(ratios):.2f}) |")
 
 
 def run_ttft(report: "Report", args, clip: Clip, url: str, tmp: Path) -> tuple[float, float]:
