@@ -15,7 +15,8 @@ process's CPU time per request (CPU ms/req rising with the workers is
 contention; flat CPU with a flat speed-up is a serial part: the GIL or the
 actor's loop), the share of the batch its threads spent drafting, and the
 drafts' CPU over their wall time; the speed-up is the median of each
-round's ratio to the 1-worker batch of that round. A GIL probe follows: how long one video draft holds the GIL.
+round's ratio to the 1-worker batch of that round. A GIL probe follows: how
+long one video draft holds the GIL.
 
 Then, in the same run, time to first token at concurrency 4 for video
 requests over HTTP: the real server (``python -m mstar_actors serve``) with
@@ -24,10 +25,12 @@ random Qwen2.5-VL this script saves (``--model PATH`` serves a real folder),
 each request streamed and timed to its first content chunk, in two
 workloads: bursts of 4 sent at once (``--ttft-rounds`` of them), then a
 closed loop of 4 clients that each send their next request as soon as their
-last one has answered (``--ttft-rounds`` requests each, after one ramp-up
-request), which is what serving benchmarks call concurrency 4
-(``--max-concurrency``) and how the seed measured it. The ratio inline /
-pool is printed for both, with each stage of the requests' way (from the
+last one has answered (``--ttft-rounds`` requests each, not counting a
+ramp-up request), which is what serving benchmarks call concurrency 4
+(``--max-concurrency``) and how the seed measured it. Both servers run side
+by side and take turns (bursts alternate; the closed loop runs in halves,
+pool, inline, inline, pool), so the host's drift hits both alike. The ratio
+inline / pool is printed for both, with each stage of the requests' way (from the
 prepare actor's DEBUG stage lines and the worker's step lines): when the
 frontend had the body, when prepare read it, drafted it and sent it, and the
 prefill steps that followed. TTFT is measured for the default clip, then
@@ -376,7 +379,10 @@ def serve_for_ttft(model_dir: Path, num_workers: int, tmp: Path, clip: Clip = Cl
         f"server: {{max_body_bytes: 67108864, max_media_bytes: 52428800, {clip.media_limits()}}}\n"
         + (f"scheduler: {{max_model_len: {max_model_len}, max_num_batched_tokens: {concurrency * max_model_len}}}\n"
            if max_model_len else "")
-        + "kv: {enable_prefix_caching: false}\n"
+        # Two servers share the device (measure_ttft runs pool and inline side by side): each
+        # takes the blocks its concurrent prompts need, or a share of free memory.
+        + (f"kv: {{enable_prefix_caching: false, num_blocks: {concurrency * -(-max_model_len // 16) + 64}}}\n"
+           if max_model_len else "kv: {enable_prefix_caching: false, memory_fraction: 0.4}\n")
         +
         f"transport: {{arena_bytes: {arena_bytes(clip, concurrency)}, ring_bytes: {ring_bytes(clip)}}}\n"
     )
@@ -556,32 +562,45 @@ class TtftRun(NamedTuple):
 
 def measure_ttft(model_dir: Path, url: str, tmp: Path, rounds: int, clip: Clip, concurrency: int = 4,
                  max_model_len: int | None = None, pin: bool = True) -> tuple[dict[int, TtftRun], int]:
-    """TTFT at ``concurrency`` with the pool (4 workers) and inline (1), each
-    server measured with ``rounds`` bursts and then a closed loop of
-    ``rounds`` requests per client: its requests and log per pool size, and
+    """TTFT at ``concurrency`` with the pool (4 workers) and inline (1): both
+    servers run side by side (each idle while the other is measured), taking
+    turns, so a change in the host's speed hits both alike (on the 16-core
+    host the same inline draft took 270 ms in one minute and 390 in the
+    next). ``rounds`` bursts each, alternating, then the closed loop in four
+    halves, pool, inline, inline, pool (a drift cancels), ``rounds`` // 2
+    requests per client in each. Returns each server's requests and log, and
     the video prompt's token count."""
     import signal
 
-    runs = {}
-    for num_workers in (4, 1):
-        progress(f"TTFT: starting the server with preprocess_workers={num_workers}")
-        proc, port, log = serve_for_ttft(model_dir, num_workers, tmp, clip, max_model_len=max_model_len,
-                                         concurrency=concurrency, pin=pin)
-        try:
+    servers = {}
+    try:
+        for num_workers in (4, 1):
+            progress(f"TTFT: starting the server with preprocess_workers={num_workers}")
+            servers[num_workers] = serve_for_ttft(model_dir, num_workers, tmp, clip, max_model_len=max_model_len,
+                                                  concurrency=concurrency, pin=pin)
+        bursts: dict[int, list[Timed]] = {n: [] for n in servers}
+        closed: dict[int, list[Timed]] = {n: [] for n in servers}
+        spans = dict.fromkeys(servers, 0.0)
+        for _, port, _ in servers.values():
             num_prompt_tokens = asyncio.run(check_one(port, url))  # also the warm-up of every actor
             asyncio.run(ttft_round(port, url, concurrency))  # and of every pool thread (first-call costs)
-            burst = []
-            for i in range(rounds):
-                burst += asyncio.run(ttft_round(port, url, concurrency))
-                progress(f"TTFT workers={num_workers}: burst {i + 1}/{rounds}", end="\r")
-            progress(f"TTFT workers={num_workers}: closed loop, {concurrency} x {rounds} requests", end="\r")
-            closed, span = asyncio.run(closed_loop(port, url, concurrency, rounds))
-            progress("")
-        finally:
+        for i in range(rounds):
+            for n, (_, port, _) in servers.items():
+                bursts[n] += asyncio.run(ttft_round(port, url, concurrency))
+            progress(f"TTFT: burst {i + 1}/{rounds}", end="\r")
+        per_half = max(1, rounds // 2)
+        for n in (4, 1, 1, 4):
+            progress(f"TTFT: closed loop, preprocess_workers={n}, {concurrency} x {per_half} requests", end="\r")
+            timed, span = asyncio.run(closed_loop(servers[n][1], url, concurrency, per_half))
+            closed[n] += timed
+            spans[n] += span
+        progress("")
+    finally:
+        for proc, _, _ in servers.values():
             proc.send_signal(signal.SIGTERM)
+        for proc, _, _ in servers.values():
             proc.wait(60)
-        runs[num_workers] = TtftRun(burst, closed, span, log)
-    return runs, num_prompt_tokens
+    return {n: TtftRun(bursts[n], closed[n], spans[n], servers[n][2]) for n in servers}, num_prompt_tokens
 
 
 def ttft_stages(timed: list[Timed], log: ServerLog, num_rounds: int) -> dict[str, float]:
@@ -960,6 +979,8 @@ def main() -> None:
     parser.add_argument("--drafts-only", action="store_true",
                         help="only the GIL probe, one video draft alone against four at once (default clip and "
                              "--ttft-clip) and, with --frontend-rounds, the frontend path: no throughput, no TTFT")
+    parser.add_argument("--ttft-only", action="store_true",
+                        help="only time to first token (no throughput, GIL probe, drafts or frontend path)")
     parser.add_argument("--frontend-rounds", type=int, default=5,
                         help="rounds of 4 concurrent --ttft-clip bodies through the real frontend and a ring to a "
                              "prepare stand-in (0: skip)")
@@ -998,17 +1019,18 @@ def main() -> None:
                f"{clip.seconds:g} s {clip.width}x{clip.height} sampled at {clip.fps:g} fps ({clip.num_frames} frames)")
         heavy = args.ttft_clip and Clip(args.ttft_clip[2], *args.ttft_clip[:2], clip.fps)
         heavy_url = heavy and mp4_data_url(heavy.seconds, width=heavy.width, height=heavy.height)
-        if not args.drafts_only:
+        if not (args.drafts_only or args.ttft_only):
             throughput(report, args, preparer, urls, cpu_s)
-        progress("GIL probe (video draft)")
-        report("\n" + gil_probe(preparer, make_request("gil", "video", urls["video"])))
-        report("\n" + drafts_at_once(preparer, make_request("at-once", "video", urls["video"])))
-        if heavy:
-            report(f"\n{heavy.width}x{heavy.height} {heavy.seconds:g} s clip: "
-                   + drafts_at_once(preparer, make_request("at-once", "video", heavy_url)))
-        if args.frontend_rounds:
-            progress("frontend path")
-            report("\n" + frontend_path(heavy_url or urls["video"], folder, Path(tmp), args.frontend_rounds))
+        if not args.ttft_only:
+            progress("GIL probe (video draft)")
+            report("\n" + gil_probe(preparer, make_request("gil", "video", urls["video"])))
+            report("\n" + drafts_at_once(preparer, make_request("at-once", "video", urls["video"])))
+            if heavy:
+                report(f"\n{heavy.width}x{heavy.height} {heavy.seconds:g} s clip: "
+                       + drafts_at_once(preparer, make_request("at-once", "video", heavy_url)))
+            if args.frontend_rounds:
+                progress("frontend path")
+                report("\n" + frontend_path(heavy_url or urls["video"], folder, Path(tmp), args.frontend_rounds))
         if args.drafts_only or not args.ttft_rounds:
             return
         ratios = {clip: run_ttft(report, args, clip, urls["video"], Path(tmp))}
