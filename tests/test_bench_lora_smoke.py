@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.loopback import serving
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -135,7 +137,7 @@ def test_adapters_are_made_once(tiny, monkeypatch):
 # ---- the load loop against a scripted stream ----------------------------------------
 
 
-async def _fake_server(served: list[str], seen: list[str]):
+def _fake_app(served: list[str], seen: list[str]):
     """/v1/models and a streaming /v1/chat/completions that answers max_tokens chunks."""
     from aiohttp import web
 
@@ -157,12 +159,7 @@ async def _fake_server(served: list[str], seen: list[str]):
     app = web.Application()
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    return runner, f"http://127.0.0.1:{port}/v1"
+    return app
 
 
 def test_load_round_robins_the_scenario_models_and_counts_tokens():
@@ -172,16 +169,14 @@ def test_load_round_robins_the_scenario_models_and_counts_tokens():
 
     async def go():
         seen: list[str] = []
-        runner, url = await _fake_server(served, seen)
-        try:
+        async with serving(_fake_app(served, seen)) as base:
+            url = f"{base}/v1"
             await bench.check_models(url, served)
             with pytest.raises(SystemExit, match="expected"):
                 await bench.check_models(url, ["base"])
             await bench.warm_up(url, served, prompts, (1, 2))
             num_warm = len(seen)
             result = await bench.run_load(url, "base", scenario, prompts, 3, 2)
-        finally:
-            await runner.cleanup()
         return num_warm, seen, result
 
     num_warm, seen, result = asyncio.run(go())

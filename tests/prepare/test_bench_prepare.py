@@ -12,6 +12,7 @@ import pytest
 
 from actors.prepare import _Slot, stage_line
 from mstar_actors.messages import NewRequest, SamplingParams
+from tests.loopback import serving
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_prepare.py"
 
@@ -162,15 +163,9 @@ def test_closed_loop_keeps_four_in_flight_and_skips_each_clients_first(bench):
     async def main():
         app = web.Application()
         app.router.add_post("/v1/chat/completions", chat)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
+        async with serving(app) as base:
+            port = int(base.rsplit(":", 1)[1])
             return await bench.closed_loop(port, "data:video/mp4;base64,AAAA", concurrency=4, per_client=3)
-        finally:
-            await runner.cleanup()
 
     counted, span = asyncio.run(main())
     assert state["served"] == 4 * (3 + 1) and state["most"] == 4

@@ -21,6 +21,7 @@ from mstar_actors.media import (
     read_local,
 )
 from mstar_actors.messages import ChatMessage, ContentPart, NewRequest, SamplingParams
+from tests.loopback import serving
 
 PARAM = "messages[0].content[1].image_url"
 
@@ -209,13 +210,8 @@ async def test_http_fetch_redirects_and_size_limit():
     app.router.add_get("/moved", redirect("/img.png"))
     app.router.add_get("/loop", redirect("/loop"))
     app.router.add_get("/big", big)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
     limits = MediaLimits(max_bytes=100_000, max_redirects=3)
-    try:
+    async with serving(app) as base:
         got = await fetch_remote([ref(f"{base}/img.png"), MediaRef("image", f"{base}/moved", "p2")], limits)
         assert got == {PARAM: image, "p2": image}
         with pytest.raises(MediaError, match="more than 3 redirects"):
@@ -224,8 +220,6 @@ async def test_http_fetch_redirects_and_size_limit():
             await fetch_remote([ref(f"{base}/big")], limits)
         with pytest.raises(MediaError, match="HTTP 404"):
             await fetch_remote([ref(f"{base}/nothing")], limits)
-    finally:
-        await runner.cleanup()
 
 
 def test_data_url_decodes_as_b64decode_validate_does():
