@@ -34,8 +34,8 @@ the pool's threads see only their request and the read-only preparer):
 - **Abandoned requests.** An ``Abort`` for a request still preparing takes it
   out of ``_slots`` at once (the requests behind it don't wait for it); a
   thread that has not begun its draft skips it, one that has finishes, and
-  the result is dropped unsent. Its tensors never reach
-  the arena, since storing happens only at release. The Abort itself is not
+  the result is dropped unsent. Its tensors never reach the arena, since
+  storing happens only at release. The Abort itself is not
   forwarded: the conductor never saw the request, and the frontend expects no
   ``Finished`` for a request that produced no token. An ``Abort`` for a
   request already released (or unknown) is forwarded, in order.

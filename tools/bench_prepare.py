@@ -25,11 +25,11 @@ random Qwen2.5-VL this script saves (``--model PATH`` serves a real folder),
 each request streamed and timed to its first content chunk, in two
 workloads: bursts of 4 sent at once (``--ttft-rounds`` of them), then a
 closed loop of 4 clients that each send their next request as soon as their
-last one has answered (``--ttft-rounds`` requests each, not counting a
-ramp-up request), which is what serving benchmarks call concurrency 4
+last one has answered (``--ttft-rounds`` requests each over two runs, not
+counting a ramp-up request per run), which is what serving benchmarks call concurrency 4
 (``--max-concurrency``) and how the seed measured it. Both servers run side
-by side and take turns (bursts alternate; the closed loop runs in halves,
-pool, inline, inline, pool), so the host's drift hits both alike. The ratio
+by side and take turns (bursts alternate; the closed loop runs twice per
+server, pool, inline, inline, pool), so the host's drift hits both alike. The ratio
 inline / pool is printed for both, with each stage of the requests' way (from the
 prepare actor's DEBUG stage lines and the worker's step lines): when the
 frontend had the body, when prepare read it, drafted it and sent it, and the
@@ -566,9 +566,9 @@ def measure_ttft(model_dir: Path, url: str, tmp: Path, rounds: int, clip: Clip, 
     servers run side by side (each idle while the other is measured), taking
     turns, so a change in the host's speed hits both alike (on the 16-core
     host the same inline draft took 270 ms in one minute and 390 in the
-    next). ``rounds`` bursts each, alternating, then the closed loop in four
-    halves, pool, inline, inline, pool (a drift cancels), ``rounds`` // 2
-    requests per client in each. Returns each server's requests and log, and
+    next). ``rounds`` bursts each, alternating, then the closed loop twice
+    per server, pool, inline, inline, pool (a linear drift cancels), with
+    ``rounds`` // 2 requests per client each time. Returns each server's requests and log, and
     the video prompt's token count."""
     import signal
 
