@@ -219,7 +219,7 @@ def bgmv_rows(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: tor
 def expand_rows(stack: LoraStack, y: torch.Tensor, t: torch.Tensor, row_slots: torch.Tensor, *,
                 tiles: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """y[row] += scale * t[row, its slot's columns] @ B[slot].T, every shard,
-    one launch, in place: the rows delta of a fused stack (``ops.fuse_shrink``),
+    one launch, in place: the rows delta of a fused stack (``LoraStack.fuse_under``),
     whose base GEMM wrote ``t = x @ A.T`` for every shard and slot beside
     ``y`` (t's column ``(shard * num_slots + slot) * max_rank + r`` is A's
     row ``[shard, slot, r]``). ``bgmv_rows`` without its shrink: the same
