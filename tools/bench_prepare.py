@@ -10,7 +10,14 @@ this script saves itself: a Qwen2.5-VL ``config.json``, a word-level
 tokenizer with Qwen's vision tokens, and the processor's config. No model
 weights are needed to prepare. Media travel as data: URLs (a 640x480 JPEG; a
 4 s 320x240 mpeg4 clip at 24 fps, sampled at 2 fps), so no network is timed.
-Tensors go to an in-process stand-in for the arena. Each cell also shows the
+Tensors go to an in-process stand-in for the arena. The video rows come
+twice: the 4 s clip, and ``--ttft-clip`` (640x480 16 s: a draft ~10x
+longer, the seed's regime), half as many requests a batch. Every row is
+measured twice in the same interleaved rounds: through the actor (1 worker
+is the inline path) and on a bare thread pool of as many threads pinned the
+same way (``PlainPool``: how the seed measured its 1.9x / 2.9x, stage by
+stage on N threads against one; against the actor's rows it shows what the
+actor's loop costs). Each cell also shows the
 process's CPU time per request (CPU ms/req rising with the workers is
 contention; flat CPU with a flat speed-up is a serial part: the GIL or the
 actor's loop), the share of the batch its threads spent drafting, and the
@@ -309,6 +316,55 @@ class ActorUnderTest:
 
         await self.inbox.send(Shutdown(reason="bench"))
         await self.task
+
+
+class PlainPool:
+    """The same drafts on a bare ``ThreadPoolExecutor`` of ``num_workers``
+    threads, pinned as the prepare pool pins its own (``pool_pins``), with no
+    actor around them: no mailbox, no release, no arena, no loop sharing the
+    GIL. This is how the seed measured its 1.9x / 2.9x (each stage's
+    throughput on N threads against one), so its rows show what the drafts
+    themselves allow and, against the actor's rows, what the actor costs.
+    Same interface as ``ActorUnderTest`` for the throughput table."""
+
+    def __init__(self, preparer, num_workers: int, pin: bool = True):
+        import concurrent.futures
+        import itertools
+        import threading
+
+        self.num_workers = num_workers
+        self.preparer = preparer
+        self.drafts: list[tuple[float, float]] = []
+        pins = pool_pins(num_workers) if pin else None
+        taken = itertools.count()
+
+        def pin_thread() -> None:
+            if pins:
+                os.sched_setaffinity(threading.get_native_id(), pins[next(taken) % len(pins)])
+
+        self.pool = concurrent.futures.ThreadPoolExecutor(num_workers, thread_name_prefix="plain",
+                                                          initializer=pin_thread)
+
+    def _draft(self, req) -> tuple[float, float]:
+        from mstar_actors.messages import Failed
+
+        start, cpu = time.perf_counter(), time.thread_time()
+        result = self.preparer.draft(req, {})
+        if isinstance(result, Failed):
+            raise RuntimeError(f"request {result.request_id} failed: {result.message}")
+        return time.perf_counter() - start, time.thread_time() - cpu
+
+    async def warm_up(self, make) -> None:
+        await self.batch([make(f"warm-plain{self.num_workers}-{i}") for i in range(2 * self.num_workers)])
+
+    async def batch(self, requests: list) -> float:
+        loop = asyncio.get_running_loop()
+        start = time.perf_counter()
+        self.drafts = await asyncio.gather(*(loop.run_in_executor(self.pool, self._draft, r) for r in requests))
+        return time.perf_counter() - start
+
+    async def close(self) -> None:
+        self.pool.shutdown()
 
 
 async def _send_all(inbox, requests) -> None:
@@ -973,9 +1029,9 @@ def main() -> None:
     parser.add_argument("--video-fps", type=float, default=2.0,
                         help="frames sampled per second of clip: the server's video_fps (default 2)")
     parser.add_argument("--ttft-clip", type=_clip_or_none, default=SEED_TTFT_CLIP, metavar="WxHxSECONDS",
-                        help="time to first token again with this clip, after the default clip's (default "
-                             "640x480x16: 32 frames, a draft of ~500-600 ms on one core, the regime where the "
-                             "seed measured TTFT halved; 'none' skips it)")
+                        help="throughput rows and time to first token again with this clip, after the default "
+                             "clip's (default 640x480x16: 32 frames, a draft of ~250-600 ms on one core by host, "
+                             "the regime where the seed measured TTFT halved; 'none' skips it)")
     parser.add_argument("--drafts-only", action="store_true",
                         help="only the GIL probe, one video draft alone against four at once (default clip and "
                              "--ttft-clip) and, with --frontend-rounds, the frontend path: no throughput, no TTFT")
@@ -1020,7 +1076,12 @@ def main() -> None:
         heavy = args.ttft_clip and Clip(args.ttft_clip[2], *args.ttft_clip[:2], clip.fps)
         heavy_url = heavy and mp4_data_url(heavy.seconds, width=heavy.width, height=heavy.height)
         if not (args.drafts_only or args.ttft_only):
-            throughput(report, args, preparer, urls, cpu_s)
+            media = {"image": Media("image", urls["image"], args.requests),
+                     f"video {clip.width}x{clip.height} {clip.seconds:g} s": Media("video", urls["video"], args.requests)}
+            if heavy:  # the seed's regime: fewer requests, each ~10x the default clip's draft
+                media[f"video {heavy.width}x{heavy.height} {heavy.seconds:g} s"] = Media(
+                    "video", heavy_url, max(8, args.requests // 2))
+            throughput(report, args, preparer, media, cpu_s)
         if not args.ttft_only:
             progress("GIL probe (video draft)")
             report("\n" + gil_probe(preparer, make_request("gil", "video", urls["video"])))
@@ -1055,56 +1116,70 @@ class Batch(NamedTuple):
     draft_cpu: float  # s of the drafting threads' own CPU over them
 
 
-def throughput(report: "Report", args, preparer, urls: dict[str, str], cpu_s) -> None:
-    """The preparation throughput table: every kind at every pool size. Each
-    pool size is one actor kept running and warmed; the sizes take turns,
-    batch by batch, for ``--throughput-rounds`` rounds, so a drift in the
-    host's load hits every size alike. Each cell is the median round; the
-    speed-up is paired: the median over rounds of the 1-worker batch's time
-    over this size's batch in the same round, with the rounds' range (on a
-    shared host the same draft's speed moves by a third within a minute).
-    Two more columns split a shortfall: *threads drafting* is the drafts'
-    wall time over workers x batch time (below 100%: threads idle, waiting
-    for the loop), and *draft CPU / wall* the drafting threads' CPU over
-    their drafts' wall (below the 1-worker figure: drafts wait for the GIL
-    or a core beside one another)."""
+class Media(NamedTuple):
+    """One row group of the throughput table: ``kind`` (image / video) of the
+    content part, its data: URL, and requests per batch."""
+
+    kind: str
+    url: str
+    requests: int
+
+
+def throughput(report: "Report", args, preparer, media: dict[str, Media], cpu_s) -> None:
+    """The preparation throughput table: every media at every pool size,
+    through the prepare actor and, as a reference, the same drafts on a bare
+    thread pool (``PlainPool``). Each pool size is one actor (or plain pool)
+    kept running and warmed; sizes and both kinds of pool take turns, batch
+    by batch, for ``--throughput-rounds`` rounds, so a drift in the host's
+    load hits every cell alike. Each cell is the median round; the speed-up
+    is paired: the median over rounds of the 1-worker batch's time over this
+    size's batch in the same round (actor against the inline actor, plain
+    against one plain thread), with the rounds' range (on a shared host the
+    same draft's speed moves by a third within a minute). Two more columns
+    split a shortfall: *threads drafting* is the drafts' wall time over
+    workers x batch time (below 100%: threads idle, waiting for the loop),
+    and *draft CPU / wall* the drafting threads' CPU over their drafts' wall
+    (below the 1-worker figure: drafts wait for the GIL or a core beside one
+    another)."""
     import statistics
 
-    report(f"\n{args.requests} requests a batch, median of {args.throughput_rounds} rounds (sizes interleaved)")
-    report("\n| kind | workers | req/s | ms/req | CPU ms/req | threads drafting | draft CPU / wall | speed-up "
-           "(rounds' range) |\n|---|---|---|---|---|---|---|---|")
+    report(f"\nMedian of {args.throughput_rounds} rounds (sizes and pools interleaved); \"actor\": through "
+           "the prepare actor (1 worker: inline); \"plain\": the same drafts on a bare thread pool")
+    report("\n| media | pool | workers | requests | req/s | ms/req | CPU ms/req | threads drafting | "
+           "draft CPU / wall | speed-up (rounds' range) |\n|---|---|---|---|---|---|---|---|---|---|")
 
-    async def measure(kind: str, url: str) -> dict[int, list[Batch]]:
-        actors = [ActorUnderTest(preparer, workers, pin=not args.pool_unpinned) for workers in args.workers]
-        rounds: dict[int, list[Batch]] = {workers: [] for workers in args.workers}
+    async def measure(label: str, kind: str, url: str, num_requests: int) -> dict[tuple[str, int], list[Batch]]:
+        pools = {("actor", w): ActorUnderTest(preparer, w, pin=not args.pool_unpinned) for w in args.workers}
+        pools.update({("plain", w): PlainPool(preparer, w, pin=not args.pool_unpinned) for w in args.workers})
+        rounds: dict[tuple[str, int], list[Batch]] = {key: [] for key in pools}
         try:
-            for actor in actors:
-                await actor.warm_up(lambda rid: make_request(rid, kind, url))
+            for pool in pools.values():
+                await pool.warm_up(lambda rid: make_request(rid, kind, url))
             for r in range(args.throughput_rounds):
-                for actor in actors:
-                    requests = [make_request(f"{kind}{actor.num_workers}-{r}-{i}", kind, url) for i in range(args.requests)]
+                for (name, workers), pool in pools.items():
+                    requests = [make_request(f"{kind}-{name}{workers}-{r}-{i}", kind, url) for i in range(num_requests)]
                     cpu = cpu_s()
-                    elapsed = await actor.batch(requests)
-                    rounds[actor.num_workers].append(Batch(elapsed, cpu_s() - cpu, sum(w for w, _ in actor.drafts),
-                                                           sum(c for _, c in actor.drafts)))
-                progress(f"{kind}: round {r + 1}/{args.throughput_rounds}", end="\r")
+                    elapsed = await pool.batch(requests)
+                    rounds[name, workers].append(Batch(elapsed, cpu_s() - cpu, sum(w for w, _ in pool.drafts),
+                                                       sum(c for _, c in pool.drafts)))
+                progress(f"{label}: round {r + 1}/{args.throughput_rounds}", end="\r")
         finally:
-            for actor in actors:
-                await actor.close()
+            for pool in pools.values():
+                await pool.close()
         progress("")
         return rounds
 
-    for kind, url in urls.items():
-        rounds = asyncio.run(measure(kind, url))
-        base = rounds[args.workers[0]]
-        for workers, batches in rounds.items():
+    for label, (kind, url, num_requests) in media.items():
+        rounds = asyncio.run(measure(label, kind, url, num_requests))
+        for (name, workers), batches in rounds.items():
+            base = rounds[name, args.workers[0]]
             elapsed, cpu = statistics.median(b.elapsed for b in batches), statistics.median(b.cpu for b in batches)
             busy = statistics.median(b.drafting / (workers * b.elapsed) for b in batches)
             draft_cpu = statistics.median(b.draft_cpu / b.drafting for b in batches)
             ratios = [b0.elapsed / b.elapsed for b0, b in zip(base, batches)]
-            report(f"| {kind} | {workers} | {args.requests / elapsed:.1f} | {1000 * elapsed / args.requests:.1f} | "
-                   f"{1000 * cpu / args.requests:.1f} | {busy:.0%} | {draft_cpu:.0%} | {statistics.median(ratios):.2f}x "
-                   f"({min(ratios):.2f}-{max(ratios):.2f}) |")
+            report(f"| {label} | {name} | {workers} | {num_requests} | {num_requests / elapsed:.1f} | "
+                   f"{1000 * elapsed / num_requests:.1f} | {1000 * cpu / num_requests:.1f} | {busy:.0%} | "
+                   f"{draft_cpu:.0%} | {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |")
 
 
 def run_ttft(report: "Report", args, clip: Clip, url: str, tmp: Path) -> tuple[float, float]:

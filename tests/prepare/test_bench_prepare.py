@@ -171,3 +171,44 @@ def test_closed_loop_keeps_four_in_flight_and_skips_each_clients_first(bench):
     assert state["served"] == 4 * (3 + 1) and state["most"] == 4
     assert len(counted) == 12 and len({t.request_id for t in counted}) == 12
     assert all(t.ttft >= 0.01 for t in counted) and span >= 3 * 0.01
+
+
+def test_plain_pool_drafts_on_pinned_threads_and_times_each(bench, monkeypatch):
+    """The throughput table's reference rows: the same drafts on a bare
+    thread pool, each thread pinned where the prepare pool would pin it, each
+    draft's wall and CPU kept; a draft that fails stops the benchmark."""
+    import asyncio
+    import os
+    import threading
+
+    from mstar_actors.messages import Failed, Prepared
+    from mstar_actors.preprocess import Draft
+
+    pinned: dict[int, list[int]] = {}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(os, "sched_setaffinity", lambda tid, cpus: pinned.__setitem__(tid, list(cpus)))
+
+    class Preparer:
+        def draft(self, req, fetched):
+            if req.request_id == "bad":
+                return Failed(request_id="bad", status=400, message="no such video")
+            time.sleep(0.02)
+            return Draft(Prepared(request_id=req.request_id, model="m", prompt_token_ids=[1], sampling=req.sampling), [])
+
+    def make(rid):
+        return NewRequest(request_id=rid, model="m", sampling=SamplingParams(), prompt="x")
+
+    async def run():
+        pool = bench.PlainPool(Preparer(), num_workers=2)
+        await pool.warm_up(make)
+        elapsed = await pool.batch([make(f"r{i}") for i in range(4)])
+        drafts = list(pool.drafts)
+        with pytest.raises(RuntimeError, match="request bad failed: no such video"):
+            await pool.batch([make("bad")])
+        await pool.close()
+        return elapsed, drafts
+
+    elapsed, drafts = asyncio.run(run())
+    assert sorted(pinned.values()) == [[6], [7]] and threading.get_native_id() not in pinned
+    assert len(drafts) == 4 and all(0.015 < wall < 1 and cpu < wall for wall, cpu in drafts)
+    assert 0.035 < elapsed < 5  # 4 drafts of 20 ms on 2 threads: two waves
