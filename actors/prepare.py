@@ -65,6 +65,7 @@ import resource
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from actors.base import Actor, Mailbox
@@ -157,7 +158,8 @@ class PrepareActor(Actor):
             threads = self.config.prepare.preprocess_torch_threads
             cpus = None
             if self.config.prepare.pin_pool_threads:
-                cpus = self._cpu_plan().pool_cpus(sorted(os.sched_getaffinity(0)), self.num_workers, threads)
+                allowed = sorted(os.sched_getaffinity(0))
+                cpus = self._cpu_plan().pool_cpus(allowed, self.num_workers, threads, read_cpu_cores(allowed))
             self.pool = concurrent.futures.ThreadPoolExecutor(self.num_workers, thread_name_prefix="prepare",
                                                               initializer=self._init_pool_thread,
                                                               initargs=(threads, cpus, itertools.count()))
@@ -344,6 +346,21 @@ class PrepareActor(Actor):
             return Failed(request_id=req.request_id, status=503, error_type="server_error",
                           message=f"no room for the request's media tensors: {err}; retry later")
         return with_media(draft, refs)
+
+
+def read_cpu_cores(cpus: list[int], root: Path = Path("/sys/devices/system/cpu")) -> dict[int, tuple[int, int]]:
+    """Each CPU's physical core, as (package, core id), from sysfs: what
+    ``CpuPlan.pool_cpus`` needs to keep two pool threads off one core's two
+    hardware threads. A CPU whose topology cannot be read is left out (the
+    plan counts it as a core of its own)."""
+    cores = {}
+    for cpu in cpus:
+        topology = root / f"cpu{cpu}" / "topology"
+        try:
+            cores[cpu] = (int((topology / "physical_package_id").read_text()), int((topology / "core_id").read_text()))
+        except (OSError, ValueError):
+            continue
+    return cores
 
 
 def stage_line(slot: _Slot, sent_at: float) -> str:

@@ -27,6 +27,7 @@ unpinned against 314 alone, and 260-284 ms pinned one CPU apiece.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 
 MAX_PREPARE_WORKERS = 8
@@ -59,19 +60,30 @@ class CpuPlan:
             raise ValueError(f"prepare_torch_threads must be at least 1, got {prepare_torch_threads}")
         return max(1, min(MAX_PREPARE_WORKERS, self.num_cpus_left // prepare_torch_threads))
 
-    def pool_cpus(self, allowed: list[int], num_workers: int, prepare_torch_threads: int) -> list[list[int]] | None:
+    def pool_cpus(self, allowed: list[int], num_workers: int, prepare_torch_threads: int,
+                  cores: Mapping[int, Hashable] | None = None) -> list[list[int]] | None:
         """The CPUs each of ``num_workers`` pool threads is pinned to:
         ``prepare_torch_threads`` of them apiece, disjoint, from the top of
         ``allowed`` (the process's affinity), so the low CPUs stay with the
-        loops and workers. None (no pinning) when the CPUs left for
-        preparation cannot give every thread its own: pinned threads sharing
-        a CPU would wait for each other where floating ones would spread."""
+        loops and workers. ``cores`` maps a CPU to its physical core (CPUs
+        missing from it count as cores of their own): one CPU per core is
+        taken first, top down, and a core's second hardware thread only once
+        every core has one, since two drafts on the hardware threads of one
+        core share its execution units. None (no pinning) when the CPUs left
+        for preparation cannot give every thread its own: pinned threads
+        sharing a CPU would wait for each other where floating ones would
+        spread."""
         if num_workers < 2 or prepare_torch_threads < 1:
             return None
         need = num_workers * prepare_torch_threads
         if need > self.num_cpus_left or need > len(allowed):
             return None
-        top = sorted(allowed)[len(allowed) - need:][::-1]
+        first, second, taken = [], [], set()
+        for cpu in sorted(allowed, reverse=True):
+            core = (cores or {}).get(cpu, ("cpu", cpu))
+            (second if core in taken else first).append(cpu)
+            taken.add(core)
+        top = (first + second)[:need]
         return [sorted(top[i * prepare_torch_threads:(i + 1) * prepare_torch_threads]) for i in range(num_workers)]
 
 

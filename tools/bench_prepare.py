@@ -840,10 +840,11 @@ def drafts_at_once(preparer, request, num_drafts: int = 4, rounds: int = 3) -> s
 def pool_pins(num_threads: int) -> list[list[int]] | None:
     """The CPUs the prepare pool would pin ``num_threads`` threads to in a
     one-GPU server on this host (``CpuPlan.pool_cpus``), or None."""
+    from actors.prepare import read_cpu_cores
     from mstar_actors.cpu_plan import CpuPlan
 
     allowed = sorted(os.sched_getaffinity(0))
-    return CpuPlan(num_cpus=len(allowed), num_ranks=1).pool_cpus(allowed, num_threads, 1)
+    return CpuPlan(num_cpus=len(allowed), num_ranks=1).pool_cpus(allowed, num_threads, 1, read_cpu_cores(allowed))
 
 
 WATCH_TICK_S = 0.0002

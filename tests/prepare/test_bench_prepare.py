@@ -91,6 +91,7 @@ def test_drafts_at_once_reports_cpu_faults_and_gil_waits(bench, monkeypatch):
     # With CPUs to spare (8, faked) the drafts also run pinned as the pool would pin them.
     pinned: dict[int, list[int]] = {}
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr("actors.prepare.read_cpu_cores", lambda cpus: {})  # no topology: one core per CPU
     monkeypatch.setattr(os, "sched_setaffinity", lambda tid, cpus: pinned.__setitem__(tid, list(cpus)))
     line = bench.drafts_at_once(Preparer(), None, num_drafts=2, rounds=1)
     assert "2 at once pinned as the pool pins them (CPUs [[7], [6]]): wall" in line and "; pinned: " in line
@@ -186,6 +187,7 @@ def test_plain_pool_drafts_on_pinned_threads_and_times_each(bench, monkeypatch):
 
     pinned: dict[int, list[int]] = {}
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr("actors.prepare.read_cpu_cores", lambda cpus: {})  # no topology: one core per CPU
     monkeypatch.setattr(os, "sched_setaffinity", lambda tid, cpus: pinned.__setitem__(tid, list(cpus)))
 
     class Preparer:

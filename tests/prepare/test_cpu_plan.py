@@ -61,3 +61,19 @@ def test_no_pinning_without_enough_cpus_for_every_thread():
     assert plan.pool_cpus(list(range(16)), 1, 1) is None  # inline: nothing to pin
     assert make_plan(num_cpus=2).pool_cpus([0, 1], 2, 1) is None  # the 2-core case: one CPU left
     assert make_plan(num_cpus=16).pool_cpus([0, 1, 2], 4, 1) is None  # fewer CPUs allowed than the plan says
+
+
+def test_pool_threads_take_one_cpu_per_physical_core_first():
+    plan = make_plan(torch_threads_per_worker=1)  # 13 left
+    # Hardware threads numbered in pairs (2k, 2k+1 share core k): the top
+    # four CPUs are two cores, so the pool skips every second one.
+    pairs = {cpu: cpu // 2 for cpu in range(16)}
+    assert plan.pool_cpus(list(range(16)), 4, 1, pairs) == [[15], [13], [11], [9]]
+    assert plan.pool_cpus(list(range(16)), 2, 2, pairs) == [[13, 15], [9, 11]]
+    # Numbered by halves (k, k+8 share core k): the top four are four cores already.
+    halves = {cpu: cpu % 8 for cpu in range(16)}
+    assert plan.pool_cpus(list(range(16)), 4, 1, halves) == [[15], [14], [13], [12]]
+    # More threads than cores: the second hardware threads come last, top down.
+    assert plan.pool_cpus([12, 13, 14, 15], 3, 1, {12: 0, 13: 0, 14: 1, 15: 1}) == [[15], [13], [14]]
+    # A CPU the map does not know is a core of its own.
+    assert plan.pool_cpus(list(range(16)), 2, 1, {15: 7, 14: 7}) == [[15], [13]]

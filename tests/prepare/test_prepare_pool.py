@@ -268,15 +268,18 @@ async def test_debug_log_times_each_stage_after_arrival(caplog, num_workers):
 
 @pytest.mark.parametrize("pin", [True, False], ids=["pinned", "unpinned"])
 async def test_pool_threads_are_pinned_to_cpus_of_their_own(monkeypatch, pin):
-    """With CPUs to spare (an 8-CPU affinity here, faked), each pool thread
-    pins itself to its own CPU from the top before it drafts; the config's
+    """With CPUs to spare (an 8-CPU affinity here, faked, hardware threads in
+    pairs: 2k and 2k+1 share a core), each pool thread pins itself to its own
+    CPU from the top, one per core, before it drafts; the config's
     ``prepare.pin_pool_threads: false`` leaves them to the OS."""
     import os
 
+    import actors.prepare
     from mstar_actors.config import parse_config
 
     pinned: dict[int, set[int]] = {}
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(actors.prepare, "read_cpu_cores", lambda cpus: {cpu: (0, cpu // 2) for cpu in cpus})
     monkeypatch.setattr(os, "sched_setaffinity", lambda tid, cpus: pinned.__setitem__(tid, set(cpus)))
     preparer = GatedPreparer(asyncio.get_running_loop())
     drafted_on: set[int] = set()
@@ -299,9 +302,21 @@ async def test_pool_threads_are_pinned_to_cpus_of_their_own(monkeypatch, pin):
     assert [await h.recv_id() for _ in range(2)] == [("Prepared", "a"), ("Prepared", "b")]
     await h.close()
     if pin:
-        assert set(pinned) == drafted_on and sorted(map(sorted, pinned.values())) == [[6], [7]]
+        assert set(pinned) == drafted_on and sorted(map(sorted, pinned.values())) == [[5], [7]]
     else:
         assert pinned == {}
+
+
+def test_cpu_cores_are_read_from_sysfs(tmp_path):
+    from actors.prepare import read_cpu_cores
+
+    for cpu, core in ((0, 0), (1, 0), (2, 1)):
+        topology = tmp_path / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text("0\n")
+        (topology / "core_id").write_text(f"{core}\n")
+    (tmp_path / "cpu3" / "topology").mkdir(parents=True)  # no core_id: unknown, left out
+    assert read_cpu_cores([0, 1, 2, 3, 4], root=tmp_path) == {0: (0, 0), 1: (0, 0), 2: (0, 1)}
 
 
 async def test_a_refused_pin_leaves_the_thread_working(monkeypatch, caplog):
