@@ -18,7 +18,8 @@ A higher ``prepare.preprocess_torch_threads`` therefore shrinks the pool:
 with 8 CPUs left and 8 threads per worker the pool is 1, i.e. inline.
 
 Each pool thread is then pinned to CPUs of its own (``pool_cpus``), taken
-from the top of the allowed set, while the loops and workers float. Drafts
+from the top of the allowed set, one per physical core before any core's
+second hardware thread, while the loops and workers float. Drafts
 hand the GIL over thousands of times each (PyAV releases it around every
 decode call), and each hand-over may wake the thread on another CPU: on
 the 16-core host four 640x480 16 s drafts at once took 399 ms each
