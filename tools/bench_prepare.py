@@ -22,7 +22,9 @@ process's CPU time per request (CPU ms/req rising with the workers is
 contention; flat CPU with a flat speed-up is a serial part: the GIL or the
 actor's loop), the share of the batch its threads spent drafting, and the
 drafts' CPU over their wall time; the speed-up is the median of each
-round's ratio to the 1-worker batch of that round. A GIL probe follows: how
+round's ratio to the 1-worker rate of that round, the rate counted in
+the batch's steady middle (its first wave and its drain left out; a second
+speed-up, "whole batch", keeps them). A GIL probe follows: how
 long one video draft holds the GIL.
 
 Then, in the same run, time to first token at concurrency 4 for video
@@ -296,20 +298,21 @@ class ActorUnderTest:
         """Two requests per thread, all at once (every thread drafts at least one)."""
         await self.batch([make(f"warm{self.num_workers}-{i}") for i in range(2 * self.num_workers)])
 
-    async def batch(self, requests: list) -> float:
-        """Seconds from the first request sent to the last Prepared received."""
+    async def batch(self, requests: list) -> list[float]:
+        """Seconds from the first request sent to each Prepared received, in order."""
         from mstar_actors.messages import Failed
 
         self.drafts.clear()
         start = time.perf_counter()
         sender = asyncio.create_task(_send_all(self.inbox, requests))
+        done = []
         for _ in requests:
             msg = await self.out.recv()
+            done.append(time.perf_counter() - start)
             if isinstance(msg, Failed):
                 raise RuntimeError(f"request {msg.request_id} failed: {msg.message}")
-        elapsed = time.perf_counter() - start
         await sender
-        return elapsed
+        return done
 
     async def close(self) -> None:
         from mstar_actors.messages import Shutdown
@@ -357,11 +360,18 @@ class PlainPool:
     async def warm_up(self, make) -> None:
         await self.batch([make(f"warm-plain{self.num_workers}-{i}") for i in range(2 * self.num_workers)])
 
-    async def batch(self, requests: list) -> float:
+    async def batch(self, requests: list) -> list[float]:
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
-        self.drafts = await asyncio.gather(*(loop.run_in_executor(self.pool, self._draft, r) for r in requests))
-        return time.perf_counter() - start
+        done = []
+
+        async def one(req) -> tuple[float, float]:
+            timing = await loop.run_in_executor(self.pool, self._draft, req)
+            done.append(time.perf_counter() - start)
+            return timing
+
+        self.drafts = await asyncio.gather(*(one(r) for r in requests))
+        return sorted(done)
 
     async def close(self) -> None:
         self.pool.shutdown()
@@ -1111,10 +1121,31 @@ def main() -> None:
 
 
 class Batch(NamedTuple):
-    elapsed: float  # s, first request sent to last Prepared received
+    done: list[float]  # s from the first request sent to each result, in order
+    workers: int
     cpu: float  # s of the process's CPU
     drafting: float  # s of draft wall time summed over the batch's requests
     draft_cpu: float  # s of the drafting threads' own CPU over them
+
+    @property
+    def elapsed(self) -> float:
+        """The whole batch: its last result."""
+        return self.done[-1]
+
+    @property
+    def rate(self) -> float:
+        """Requests a second in the batch's steady middle: results between
+        the first wave's last one (result W, for W workers) and the one after
+        which the last request must have started (result N - W), over the
+        time between them. Outside it are the start (W drafts that began
+        together finish close together, whatever the rate) and the drain
+        (threads idling one by one with nothing left to take), which a loaded
+        server does not have and a batch of N has by construction. A batch
+        too small for a middle (N <= 2W) counts whole."""
+        n, w = len(self.done), self.workers
+        if n <= 2 * w:
+            return n / self.elapsed
+        return (n - 2 * w) / (self.done[n - w - 1] - self.done[w - 1])
 
 
 class Media(NamedTuple):
@@ -1132,11 +1163,16 @@ def throughput(report: "Report", args, preparer, media: dict[str, Media], cpu_s)
     thread pool (``PlainPool``). Each pool size is one actor (or plain pool)
     kept running and warmed; sizes and both kinds of pool take turns, batch
     by batch, for ``--throughput-rounds`` rounds, so a drift in the host's
-    load hits every cell alike. Each cell is the median round; the speed-up
-    is paired: the median over rounds of the 1-worker batch's time over this
-    size's batch in the same round (actor against the inline actor, plain
-    against one plain thread), with the rounds' range (on a shared host the
-    same draft's speed moves by a third within a minute). Two more columns
+    load hits every cell alike. Each cell is the median round. Requests a
+    second are counted in the batch's steady middle (``Batch.rate``: the
+    first wave and the drain, threads idling one by one at the end, are
+    left out; the drain alone idles one thread of two for about half a
+    draft). The speed-up is
+    paired: the median over rounds of this size's rate over the 1-worker
+    rate of the same round (actor against the inline actor, plain against one
+    plain thread), with the rounds' range (on a shared host the same draft's
+    speed moves by a third within a minute); *whole batch* is the same ratio
+    of the batches' whole times, drain included. Two more columns
     split a shortfall: *threads drafting* is the drafts' wall time over
     workers x batch time (below 100%: threads idle, waiting for the loop),
     and *draft CPU / wall* the drafting threads' CPU over their drafts' wall
@@ -1147,7 +1183,7 @@ def throughput(report: "Report", args, preparer, media: dict[str, Media], cpu_s)
     report(f"\nMedian of {args.throughput_rounds} rounds (sizes and pools interleaved); \"actor\": through "
            "the prepare actor (1 worker: inline); \"plain\": the same drafts on a bare thread pool")
     report("\n| media | pool | workers | requests | req/s | ms/req | CPU ms/req | threads drafting | "
-           "draft CPU / wall | speed-up (rounds' range) |\n|---|---|---|---|---|---|---|---|---|---|")
+           "draft CPU / wall | speed-up (rounds' range) | whole batch |\n|---|---|---|---|---|---|---|---|---|---|---|")
 
     async def measure(label: str, kind: str, url: str, num_requests: int) -> dict[tuple[str, int], list[Batch]]:
         pools = {("actor", w): ActorUnderTest(preparer, w, pin=not args.pool_unpinned) for w in args.workers}
@@ -1160,8 +1196,8 @@ def throughput(report: "Report", args, preparer, media: dict[str, Media], cpu_s)
                 for (name, workers), pool in pools.items():
                     requests = [make_request(f"{kind}-{name}{workers}-{r}-{i}", kind, url) for i in range(num_requests)]
                     cpu = cpu_s()
-                    elapsed = await pool.batch(requests)
-                    rounds[name, workers].append(Batch(elapsed, cpu_s() - cpu, sum(w for w, _ in pool.drafts),
+                    done = await pool.batch(requests)
+                    rounds[name, workers].append(Batch(done, workers, cpu_s() - cpu, sum(w for w, _ in pool.drafts),
                                                        sum(c for _, c in pool.drafts)))
                 progress(f"{label}: round {r + 1}/{args.throughput_rounds}", end="\r")
         finally:
@@ -1174,13 +1210,14 @@ def throughput(report: "Report", args, preparer, media: dict[str, Media], cpu_s)
         rounds = asyncio.run(measure(label, kind, url, num_requests))
         for (name, workers), batches in rounds.items():
             base = rounds[name, args.workers[0]]
-            elapsed, cpu = statistics.median(b.elapsed for b in batches), statistics.median(b.cpu for b in batches)
+            rate, cpu = statistics.median(b.rate for b in batches), statistics.median(b.cpu for b in batches)
             busy = statistics.median(b.drafting / (workers * b.elapsed) for b in batches)
             draft_cpu = statistics.median(b.draft_cpu / b.drafting for b in batches)
-            ratios = [b0.elapsed / b.elapsed for b0, b in zip(base, batches)]
-            report(f"| {label} | {name} | {workers} | {num_requests} | {num_requests / elapsed:.1f} | "
-                   f"{1000 * elapsed / num_requests:.1f} | {1000 * cpu / num_requests:.1f} | {busy:.0%} | "
-                   f"{draft_cpu:.0%} | {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |")
+            ratios = [b.rate / b0.rate for b0, b in zip(base, batches)]
+            whole = statistics.median(b0.elapsed / b.elapsed for b0, b in zip(base, batches))
+            report(f"| {label} | {name} | {workers} | {num_requests} | {rate:.1f} | {1000 / rate:.1f} | "
+                   f"{1000 * cpu / num_requests:.1f} | {busy:.0%} | {draft_cpu:.0%} | {statistics.median(ratios):.2f}x "
+                   f"({min(ratios):.2f}-{max(ratios):.2f}) | {whole:.2f}x |")
 
 
 def run_ttft(report: "Report", args, clip: Clip, url: str, tmp: Path) -> tuple[float, float]:

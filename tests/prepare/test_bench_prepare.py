@@ -126,7 +126,7 @@ def test_throughput_actor_warms_every_thread_and_times_batches(bench):
         actor = bench.ActorUnderTest(preparer, num_workers=3)
         await actor.warm_up(make)
         warmed = set(preparer.threads)
-        elapsed = [await actor.batch([make(f"b{r}-{i}") for i in range(6)]) for r in range(2)]
+        elapsed = [(await actor.batch([make(f"b{r}-{i}") for i in range(6)]))[-1] for r in range(2)]
         await actor.close()
         return warmed, elapsed
 
@@ -203,14 +203,26 @@ def test_plain_pool_drafts_on_pinned_threads_and_times_each(bench, monkeypatch):
     async def run():
         pool = bench.PlainPool(Preparer(), num_workers=2)
         await pool.warm_up(make)
-        elapsed = await pool.batch([make(f"r{i}") for i in range(4)])
+        done = await pool.batch([make(f"r{i}") for i in range(4)])
         drafts = list(pool.drafts)
         with pytest.raises(RuntimeError, match="request bad failed: no such video"):
             await pool.batch([make("bad")])
         await pool.close()
-        return elapsed, drafts
+        return done, drafts
 
-    elapsed, drafts = asyncio.run(run())
+    done, drafts = asyncio.run(run())
     assert sorted(pinned.values()) == [[6], [7]] and threading.get_native_id() not in pinned
     assert len(drafts) == 4 and all(0.015 < wall < 1 and cpu < wall for wall, cpu in drafts)
-    assert 0.035 < elapsed < 5  # 4 drafts of 20 ms on 2 threads: two waves
+    assert len(done) == 4 and done == sorted(done) and 0.035 < done[-1] < 5  # 4 drafts of 20 ms on 2 threads: two waves
+
+
+def test_throughput_rate_is_the_batchs_steady_middle(bench):
+    """A batch's rate counts the results between the first wave's last and
+    the drain's first, over the time between them: the same 2 a second
+    whether two threads finish in step or half a draft apart, where the
+    whole batch would say 2.0 and 1.78."""
+    in_step, staggered = [1, 1, 2, 2, 3, 3, 4, 4], [1, 1.5, 2, 2.5, 3, 3.5, 4, 4.5]
+    assert bench.Batch(in_step, 2, 0, 0, 0).rate == bench.Batch(staggered, 2, 0, 0, 0).rate == 2.0
+    assert bench.Batch(staggered, 2, 0, 0, 0).elapsed == 4.5
+    assert bench.Batch([1, 2, 3, 4], 1, 0, 0, 0).rate == 1.0  # inline: results 1 to 3
+    assert bench.Batch([2, 2, 3], 2, 0, 0, 0).rate == 1.0  # no middle: the whole batch
