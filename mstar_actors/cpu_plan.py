@@ -22,8 +22,11 @@ from the top of the allowed set, one per physical core before any core's
 second hardware thread, while the loops and workers float. Drafts
 hand the GIL over thousands of times each (PyAV releases it around every
 decode call), and each hand-over may wake the thread on another CPU: on
-the 16-core host four 640x480 16 s drafts at once took 399 ms each
-unpinned against 314 alone, and 260-284 ms pinned one CPU apiece.
+one 16-core host four 640x480 16 s drafts at once took 399 ms each
+unpinned against 314 alone, and 260-284 ms pinned one CPU apiece. On other
+hosts of that kind the difference went either way, run to run (the
+benchmarks' Prepare section); ``prepare.pin_pool_threads: false`` turns
+pinning off.
 """
 
 from __future__ import annotations
