@@ -82,9 +82,10 @@ class CpuPlan:
         need = num_workers * prepare_torch_threads
         if need > self.num_cpus_left or need > len(allowed):
             return None
+        cores = cores or {}
         first, second, taken = [], [], set()
         for cpu in sorted(allowed, reverse=True):
-            core = (cores or {}).get(cpu, ("cpu", cpu))
+            core = cores.get(cpu, ("cpu", cpu))
             (second if core in taken else first).append(cpu)
             taken.add(core)
         top = (first + second)[:need]

@@ -17,8 +17,7 @@ measured twice in the same interleaved rounds: through the actor (1 worker
 is the inline path) and on a bare thread pool of as many threads pinned the
 same way (``PlainPool``: how the seed measured its 1.9x / 2.9x, stage by
 stage on N threads against one; against the actor's rows it shows what the
-actor's loop costs). Each cell also shows the
-process's CPU time per request (CPU ms/req rising with the workers is
+actor's loop costs). Each cell also shows the process's CPU time per request (CPU ms/req rising with the workers is
 contention; flat CPU with a flat speed-up is a serial part: the GIL or the
 actor's loop), the share of the batch its threads spent drafting, and the
 drafts' CPU over their wall time; the speed-up is the median of each
@@ -1167,17 +1166,16 @@ def throughput(report: "Report", args, preparer, media: dict[str, Media], cpu_s)
     second are counted in the batch's steady middle (``Batch.rate``: the
     first wave and the drain, threads idling one by one at the end, are
     left out; the drain alone idles one thread of two for about half a
-    draft). The speed-up is
-    paired: the median over rounds of this size's rate over the 1-worker
-    rate of the same round (actor against the inline actor, plain against one
-    plain thread), with the rounds' range (on a shared host the same draft's
-    speed moves by a third within a minute); *whole batch* is the same ratio
-    of the batches' whole times, drain included. Two more columns
-    split a shortfall: *threads drafting* is the drafts' wall time over
-    workers x batch time (below 100%: threads idle, waiting for the loop),
-    and *draft CPU / wall* the drafting threads' CPU over their drafts' wall
-    (below the 1-worker figure: drafts wait for the GIL or a core beside one
-    another)."""
+    draft). The speed-up is paired: the median over rounds of this size's
+    rate over the 1-worker rate of the same round (actor against the inline
+    actor, plain against one plain thread), with the rounds' range (on a
+    shared host the same draft's speed moves by a third within a minute);
+    *whole batch* is the same ratio of the batches' whole times, drain
+    included. Two more columns split a shortfall: *threads drafting* is the
+    drafts' wall time over workers x batch time (below 100%: threads idle,
+    waiting for the loop), and *draft CPU / wall* the drafting threads' CPU
+    over their drafts' wall (below the 1-worker figure: drafts wait for the
+    GIL or a core beside one another)."""
     import statistics
 
     report(f"\nMedian of {args.throughput_rounds} rounds (sizes and pools interleaved); \"actor\": through "
