@@ -39,9 +39,9 @@ class ModelConfig(msgspec.Struct, **_STRICT):
     # at startup; so do steps with prefill chunks of up to that many
     # sequences and ``cuda_graph_max_tokens`` tokens in all (capped by
     # scheduler.max_num_batched_tokens; 0: such steps run eagerly). Larger
-    # steps run eagerly: on an H200 an eager step of ~600 tokens beside 16
-    # decodes took 18-22 ms (39 ms with LoRA rows) against 5-7 ms graphed,
-    # so by default every step the scheduler can plan is captured.
+    # steps run eagerly, several times slower than graphed, so by default
+    # every step the scheduler can plan is captured (see bench_lora in
+    # docs/benchmarks.md).
     # ``enforce_eager: true`` never captures (vLLM's name): slower steps,
     # faster startup, no graph memory.
     enforce_eager: bool = False

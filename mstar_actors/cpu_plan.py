@@ -11,22 +11,20 @@ The split, in order of need:
   thread (ffmpeg single-threaded: the pool is the parallelism) and calls into
   torch, which runs the prepare process's intra-op threads, so the pool is
   ``cpus left // threads of this process``, capped at
-  ``MAX_PREPARE_WORKERS`` (past 8 the measured video speed-up is flat and the
-  reorder buffer only grows).
+  ``MAX_PREPARE_WORKERS`` (past 8 the video speed-up is flat and the reorder
+  buffer only grows).
 
 A higher ``prepare.preprocess_torch_threads`` therefore shrinks the pool:
 with 8 CPUs left and 8 threads per worker the pool is 1, i.e. inline.
 
 Each pool thread is then pinned to CPUs of its own (``pool_cpus``), taken
 from the top of the allowed set, one per physical core before any core's
-second hardware thread, while the loops and workers float. Drafts
-hand the GIL over thousands of times each (PyAV releases it around every
-decode call), and each hand-over may wake the thread on another CPU: on
-one 16-core host four 640x480 16 s drafts at once took 399 ms each
-unpinned against 314 alone, and 260-284 ms pinned one CPU apiece. On other
-hosts of that kind the difference went either way, run to run (the
-benchmarks' Prepare section); ``prepare.pin_pool_threads: false`` turns
-pinning off.
+second hardware thread, while the loops and workers float. Drafts hand the
+GIL over thousands of times each (PyAV releases it around every decode
+call), and a pinned thread wakes on its own CPU after each hand-over instead
+of wherever the OS puts it. Whether that pays depends on the host (measure it
+with bench_prepare, docs/benchmarks.md); ``prepare.pin_pool_threads: false``
+turns pinning off.
 """
 
 from __future__ import annotations

@@ -5,8 +5,7 @@ vLLM's extension) is one of:
 
 - ``data:<mime>;base64,<payload>``: decoded in memory, by ``pybase64``, which
   releases the GIL while it decodes (the standard library's ``binascii``
-  holds it: 25 ms for a 6.7 MB payload on the 2-core VM, a third of all the
-  time a pool of video drafts held the GIL; ``pybase64`` takes under 1 ms);
+  holds it throughout, which stalls the other pool threads' drafts);
 - ``http(s)://...``: fetched with aiohttp on the prepare actor's loop
   (``fetch_remote``): the whole fetch has a timeout, redirects are bounded,
   and the size limit is enforced while the body streams in, so an oversize
@@ -90,10 +89,10 @@ class MediaRef:
 
     @property
     def scheme(self) -> str:
-        # Look only at the head: splitting copied the rest of the URL, 2 MB of
-        # base64 for a data: video, each time (three times per request, on the
-        # prepare actor's loop). Accepted schemes are short; a longer one is
-        # refused like any other unknown scheme.
+        # Look only at the head: splitting would copy the rest of the URL
+        # (megabytes of base64 for a data: video) on the prepare actor's loop.
+        # Accepted schemes are short; a longer one is refused like any other
+        # unknown scheme.
         end = self.url.find(":", 0, 16)
         return self.url[:end].lower() if end >= 0 else ""
 
@@ -118,16 +117,14 @@ def keep_freed_buffers(max_heap_block: int = 32 << 20, max_kept: int = KEPT_BYTE
     again to change ``max_kept`` (the prepare actor scales it by its pool).
 
     Why: by default each such block is a fresh ``mmap`` whose pages fault in
-    on first write and go back to the kernel on ``free``: ~2,700 minor faults
-    (10.8 MB) per 4.2 MB video body in the frontend on the 2-core VM, about
-    7 of its 12 CPU ms per body. Kept blocks are reused without faults. Pool
-    threads would each get an arena of their own, mmap'ed heaps of at most
-    64 MB that hand big blocks to ``mmap`` and unmap them again: a draft of a
-    640x480 16 s clip on a pool thread faulted ~14,000 pages whatever the
-    thresholds, 20% of its CPU time; from the one heap (M_ARENA_MAX 1), 0-4
-    alone. The cost is resident memory: up to ``max_kept`` freed bytes stay
-    mapped. A no-op returning False where the C library has no ``mallopt``
-    (not glibc), or refuses the values."""
+    on first write and go back to the kernel on ``free``, so every body and
+    draft pays its page faults again; kept blocks are reused without faults.
+    One heap (M_ARENA_MAX 1), because pool threads would otherwise each get
+    an arena of their own, mmap'ed heaps that hand big blocks to ``mmap``
+    whatever the thresholds (see bench_prepare in docs/benchmarks.md). The
+    cost is resident memory: up to ``max_kept`` freed bytes stay mapped. A
+    no-op returning False where the C library has no ``mallopt`` (not
+    glibc), or refuses the values."""
     import ctypes
 
     try:
@@ -167,10 +164,6 @@ def _iter_media(chat: list[ChatMessage]):
             kind = MEDIA_PART_TYPES.get(part.type)
             if kind is not None:
                 yield MediaRef(kind, part.url or "", f"messages[{i}].content[{j}].{part.type}")
-
-
-def has_media(req: NewRequest) -> bool:
-    return any(True for _ in _iter_media(req.messages or []))
 
 
 # --------------------------------------------------------------------------
@@ -322,8 +315,7 @@ def decode_video(data: bytes, ref: MediaRef, limits: MediaLimits, num_threads: i
     default) decodes on the calling thread. The prepare pool is the
     parallelism: ffmpeg's automatic threading starts one frame thread per
     core for every decode, so N videos at once oversubscribe the host, and on
-    a short clip its frame threads cost more than they save (4 s 320x240
-    mpeg4: 10.6 ms wall / 13.9 ms CPU with them, 7.7 / 7.7 without)."""
+    a short clip its frame threads cost more CPU and wall time than they save."""
     import av
 
     try:
@@ -346,10 +338,8 @@ def decode_video(data: bytes, ref: MediaRef, limits: MediaLimits, num_threads: i
 
 
 def stack_frames(frames: list) -> Any:
-    """``np.stack(frames)``, copied by torch: numpy's copy holds the GIL
-    (29 MB for 32 frames of 640x480) and took 4-60 ms on the 2-core VM
-    (page faults of a fresh array each time); torch's takes ~3 ms without
-    the GIL. Same array, same bytes."""
+    """``np.stack(frames)``, copied by torch: numpy's copy holds the GIL for
+    the whole tens-of-MB copy, torch's releases it. Same array, same bytes."""
     import torch
 
     return torch.stack([torch.from_numpy(f) for f in frames]).numpy()

@@ -88,7 +88,7 @@ class MemoryChannel(Channel):
         """Take and decode the oldest record (consumed even when it is bad,
         as over the ring, so a bad record is never stuck)."""
         data = self._records[0]
-        self._drop_oldest()
+        self._consume_oldest()
         return self._codec.decode(data)
 
     async def recv(self) -> Any:
@@ -105,11 +105,13 @@ class MemoryChannel(Channel):
                 msg = self._codec.decode(self._records[0])
             except DecodeError:
                 break  # left in place: the next call pops it and raises
-            self._drop_oldest()
+            self._consume_oldest()
             batch.append(msg)
         return batch
 
-    def _drop_oldest(self) -> None:
+    def _consume_oldest(self) -> None:
+        """Move past the oldest record, already read, and give its room back to
+        the writer (the ring's head advancing)."""
         data = self._records.popleft()
         self._fill -= self._size(data)
         self._changed.set()
