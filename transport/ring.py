@@ -582,8 +582,8 @@ class ShmRing(Channel):
     def _take_all(self) -> bool:
         """Decode every record published so far (up to ``MAX_BATCH``) into
         the ready queue, then publish ``head`` and check for a parked writer
-        once for the whole batch: the reader's per-message cost is what
-        bounds small-message throughput. A bad record ends the batch; its
+        once for the whole batch, so the shared counters are paid per batch,
+        not per small message. A bad record ends the batch; its
         error is raised after the good records before it are received."""
         if self._error is not None:
             error, self._error = self._error, None
