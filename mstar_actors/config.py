@@ -40,8 +40,7 @@ class ModelConfig(msgspec.Struct, **_STRICT):
     # sequences and ``cuda_graph_max_tokens`` tokens in all (capped by
     # scheduler.max_num_batched_tokens; 0: such steps run eagerly). Larger
     # steps run eagerly, several times slower than graphed, so by default
-    # every step the scheduler can plan is captured (see bench_lora in
-    # docs/benchmarks.md).
+    # every step the scheduler can plan is captured.
     # ``enforce_eager: true`` never captures (vLLM's name): slower steps,
     # faster startup, no graph memory.
     enforce_eager: bool = False

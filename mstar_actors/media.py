@@ -121,10 +121,9 @@ def keep_freed_buffers(max_heap_block: int = 32 << 20, max_kept: int = KEPT_BYTE
     draft pays its page faults again; kept blocks are reused without faults.
     One heap (M_ARENA_MAX 1), because pool threads would otherwise each get
     an arena of their own, mmap'ed heaps that hand big blocks to ``mmap``
-    whatever the thresholds (see bench_prepare in docs/benchmarks.md). The
-    cost is resident memory: up to ``max_kept`` freed bytes stay mapped. A
-    no-op returning False where the C library has no ``mallopt`` (not
-    glibc), or refuses the values."""
+    whatever the thresholds. The cost is resident memory: up to ``max_kept``
+    freed bytes stay mapped. A no-op returning False where the C library has
+    no ``mallopt`` (not glibc), or refuses the values."""
     import ctypes
 
     try:
