@@ -227,6 +227,48 @@ async def test_abandoned_request_is_dropped_unsent_and_the_others_continue():
     assert await h.close() == []
 
 
+async def test_a_request_abandoned_while_fetching_is_cancelled_on_the_loop():
+    """Its http fetch is cancelled at once (the server never answers), it
+    never takes a thread, and the requests behind it go."""
+    from aiohttp import web
+
+    from mstar_actors.messages import ChatMessage, ContentPart
+    from tests.loopback import serving
+
+    asked, never = asyncio.Event(), asyncio.Event()
+
+    async def slow(request: web.Request) -> web.Response:
+        asked.set()
+        await never.wait()
+        return web.Response(body=b"")
+
+    class FetchingPreparer(GatedPreparer):
+        PREPARES_MEDIA = True
+
+    app = web.Application()
+    app.router.add_get("/slow.png", slow)
+    async with serving(app) as base:
+        try:
+            h = Harness(FetchingPreparer(asyncio.get_running_loop()), num_workers=2)
+            h.preparer.expect("r1", "r2")
+            parts = [ContentPart(type="image_url", url=f"{base}/slow.png")]
+            await h.inbox.send(NewRequest(request_id="r1", model="m", sampling=SamplingParams(),
+                                          messages=[ChatMessage("user", parts)]))
+            await h.send("r2")
+            await asked.wait()
+            await h.preparer.started["r2"].wait()
+            assert h.actor.pending.request_ids() == ["r1", "r2"]
+            await h.inbox.send(Abort(request_id="r1"))
+            h.preparer.gates["r2"].set()
+            assert await h.recv_id() == ("Prepared", "r2")
+            await settle()
+            assert h.actor.pending.num_preparing == 0 and not h.actor._tasks  # r1's fetch ended, cancelled
+            assert not h.preparer.started["r1"].is_set()
+            assert await h.close() == []
+        finally:
+            never.set()  # the server's handler ends, so the server stops at once
+
+
 @pytest.mark.parametrize("preparer_cls, num_workers", [(InlinePreparer, 4), (GatedPreparer, 1)],
                          ids=["no-declaration", "one-worker"])
 async def test_inline_fallbacks(preparer_cls, num_workers):
