@@ -7,7 +7,8 @@ the preparations (tasks, a thread pool) and reports how each ends.
 A request's life::
 
     start --hand_over--> in the pool --finish(result)--> done --pop_releasable--> released
-      \\______________________ abandon: out of the order; its result is dropped
+      |  fetching: may finish (a media error) or be dropped (cancelled) before hand_over
+      \\-- abandon, any time before its release: out of the order, its result dropped
 
 Invariants:
 

@@ -265,7 +265,8 @@ class Schedule:
         assert pending.request_ids() == self.order
         assert pending.num_preparing == len(self.running) <= pending.max_preparing
         assert len(pending) <= pending.max_unreleased
-        assert pending.can_start() == (len(self.running) < pending.max_preparing and len(self.order) < pending.max_unreleased)
+        has_room = len(self.running) < pending.max_preparing and len(self.order) < pending.max_unreleased
+        assert pending.can_start() == has_room
 
     def drain(self) -> None:
         """Every preparation ends and every request still in the order goes."""
