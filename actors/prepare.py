@@ -16,14 +16,16 @@ Two paths:
   pinned to CPUs of its own when the CPU plan has them
   (``CpuPlan.pool_cpus``; ``prepare.pin_pool_threads``).
 
-Invariants of the pool path (all state is touched only by the loop's thread;
-the pool's threads see only their request and the read-only preparer):
+Invariants of the pool path. Its state (release order, bounds, abandoned
+requests) is ``PendingRequests`` (``mstar_actors.prepare``), touched only by
+the loop's thread; the pool's threads see only their request and the
+read-only preparer.
 
-- **Arrival order.** ``_slots`` holds requests in the order they were read;
-  only the head is ever released, so ``Prepared`` / ``Failed`` reach the
-  conductor in arrival order whichever finishes first.
+- **Arrival order.** ``PendingRequests`` releases only its oldest request,
+  so ``Prepared`` / ``Failed`` reach the conductor in arrival order
+  whichever finishes first.
 - **Bounded pool.** A request is read from the mailbox only while fewer than
-  ``2 * num_workers`` are started (drafting, or queued for a thread: each
+  ``2 * num_workers`` are preparing (drafting, or queued for a thread: each
   thread has its next request waiting, so a thread that finishes starts it
   at once instead of after this loop's turn, which shares the GIL with the
   drafts) and fewer than ``2 * num_workers`` wait for release; otherwise the
@@ -31,11 +33,11 @@ the pool's threads see only their request and the read-only preparer):
   mailbox and the ring behind it (the frontend sees backpressure).
 - **Bounded outbox.** A release awaits ``send``: while the conductor's ring
   is full nothing else is read, and nothing is dropped.
-- **Abandoned requests.** An ``Abort`` for a request still preparing takes it
-  out of ``_slots`` at once (the requests behind it don't wait for it); a
-  thread that has not begun its draft skips it, one that has finishes, and
-  the result is dropped unsent. Its tensors never reach the arena, since
-  storing happens only at release. The Abort itself is not
+- **Abandoned requests.** An ``Abort`` for a request not yet released takes
+  it out of the release order at once (the requests behind it don't wait for
+  it); a thread that has not begun its draft skips it, one that has
+  finishes, and the result is dropped unsent. Its tensors never reach the
+  arena, since storing happens only at release. The Abort itself is not
   forwarded: the conductor never saw the request, and the frontend expects no
   ``Finished`` for a request that produced no token. An ``Abort`` for a
   request already released (or unknown) is forwarded, in order.
@@ -45,26 +47,19 @@ the pool's threads see only their request and the read-only preparer):
 
 Media fetched over http(s) is async I/O: it runs on this loop (aiohttp)
 inside the request's task, before the request takes a thread, so a slow
-server never holds a pool thread. The slot counts as preparing meanwhile.
+server never holds a pool thread. The request counts as preparing meanwhile.
 
-At DEBUG, each request sent logs when it was read, drafted and sent, in ms
-after its arrival at the frontend, and its drafting thread's CPU time and
-page faults (``tools/bench_prepare.py`` reads these lines to split time to
-first token into its stages).
+At DEBUG, each request sent logs one line: its id and what was sent.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
+import functools
 import itertools
-import logging
 import os
-import resource
 import threading
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,33 +67,10 @@ from actors.base import Actor, Mailbox
 from mstar_actors.cpu_plan import CpuPlan, resolve_prepare_workers
 from mstar_actors.media import MediaError, MediaLimits, collect_media, fetch_remote
 from mstar_actors.messages import Abort, Failed, LoadAdapter, NewRequest, Prepared, UnloadAdapter
+from mstar_actors.prepare import PendingRequest, PendingRequests
 from mstar_actors.preprocess import Draft, Preparer, failed, load_preparer, read_vocab_size, with_media
 
 __all__ = ["PrepareActor", "Preparer", "load_preparer", "read_vocab_size"]
-
-
-@dataclass
-class _Slot:
-    """One request between read and release."""
-
-    req: NewRequest
-    task: asyncio.Task | None = None  # -> Draft | Failed (pool path)
-    in_pool: bool = False  # handed to the pool (no longer cancellable)
-    abandoned: bool = False  # aborted: a thread that has not begun its draft skips it
-    # time.time(), as NewRequest.arrival_time. The draft's two are written by
-    # the thread that drafts, read by the loop only after the draft is done.
-    read_at: float = 0.0
-    draft_start: float = 0.0
-    draft_end: float = 0.0
-    # The drafting thread's own CPU ms and minor page faults over the draft:
-    # against its wall time they tell contention (waits for the GIL or a
-    # core) from work.
-    draft_cpu_ms: float = 0.0
-    draft_faults: int = 0
-    # The release, on the loop: when it began (the slot done and at the head
-    # of the order) and when the arena held its tensors.
-    release_start: float = 0.0
-    stored_at: float = 0.0
 
 
 class PrepareActor(Actor):
@@ -121,9 +93,8 @@ class PrepareActor(Actor):
         self.num_workers = num_workers
         self.limits = MediaLimits.from_config(self.config.server)
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._slots: collections.deque[_Slot] = collections.deque()  # arrival order
-        self._by_id: dict[str, _Slot] = {}
-        self._busy: set[asyncio.Task] = set()  # preparing, abandoned ones included
+        self.pending = PendingRequests(max_preparing=1, max_unreleased=1)  # sized with the pool in start
+        self._tasks: dict[PendingRequest, asyncio.Task] = {}  # preparing, abandoned ones included
         self._changed = asyncio.Event()  # a preparation ended
         self._http: Any = None  # aiohttp session, made on first http(s) media
 
@@ -151,6 +122,7 @@ class PrepareActor(Actor):
             spec = ArenaSpec(**self.arena_spec) if isinstance(self.arena_spec, dict) else self.arena_spec  # the launcher's dict
             self.arena = TensorArena(spec, "producer")
         self.num_workers = self._size_pool()
+        self.pending = PendingRequests(max_preparing=2 * self.num_workers, max_unreleased=2 * self.num_workers)
         if self.num_workers > 1:
             # Each pool thread sets its intra-op count too (with some OpenMP
             # runtimes it is per thread), so N workers never fan out over
@@ -197,8 +169,8 @@ class PrepareActor(Actor):
                                        self.config.prepare.preprocess_workers, is_parallel)
 
     async def stop(self) -> None:
-        for slot in self._slots:
-            slot.task.cancel()
+        for task in list(self._tasks.values()):
+            task.cancel()
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
         if self._http is not None:
@@ -210,10 +182,9 @@ class PrepareActor(Actor):
         match msg:
             case NewRequest() if self.pool is not None:
                 self._start(msg)
-            case NewRequest():
-                slot = _Slot(msg, read_at=time.time())
-                await self._send_result(slot, await self._prepare(slot))
-            case Abort() if msg.request_id in self._by_id:
+            case NewRequest():  # inline: never in the release order
+                await self._send_result(msg, await self._prepare(PendingRequest(msg)))
+            case Abort() if msg.request_id in self.pending:
                 self._abandon(msg.request_id)
             case Abort() | LoadAdapter() | UnloadAdapter():  # the conductor decides adapters
                 await self.outbox["conductor"].send(msg)
@@ -230,7 +201,7 @@ class PrepareActor(Actor):
             while True:
                 self._changed.clear()  # before looking, so no completion is missed
                 await self._release_ready()
-                if self._has_room() and reading is None:
+                if self.pending.can_start() and reading is None:
                     reading = asyncio.create_task(self.mailbox.get(), name="prepare:read")
                 changed = asyncio.create_task(self._changed.wait())
                 await asyncio.wait({changed} | ({reading} if reading else set()),
@@ -244,50 +215,45 @@ class PrepareActor(Actor):
             if reading is not None:
                 reading.cancel()
 
-    def _has_room(self) -> bool:
-        return len(self._busy) < 2 * self.num_workers and len(self._slots) < 2 * self.num_workers
-
     def _start(self, req: NewRequest) -> None:
-        slot = _Slot(req, read_at=time.time())
-        slot.task = asyncio.create_task(self._prepare(slot), name=f"prepare:{req.request_id}")
-        self._slots.append(slot)
-        self._by_id[req.request_id] = slot
-        self._busy.add(slot.task)
-        slot.task.add_done_callback(self._on_done)
+        pending = self.pending.start(req)
+        task = asyncio.create_task(self._prepare(pending), name=f"prepare:{req.request_id}")
+        self._tasks[pending] = task
+        task.add_done_callback(functools.partial(self._on_done, pending))
 
-    def _on_done(self, task: asyncio.Task) -> None:
-        self._busy.discard(task)
+    def _on_done(self, pending: PendingRequest, task: asyncio.Task) -> None:
+        del self._tasks[pending]
+        if task.cancelled():
+            self.pending.drop(pending)
+        else:
+            self.pending.finish(pending, task.result())  # _prepare turns every error into a Failed
         self._changed.set()
 
     def _abandon(self, request_id: str) -> None:
         """Take a request out of the release order; its thread's result is dropped."""
-        slot = self._by_id.pop(request_id)
-        self._slots.remove(slot)
-        slot.abandoned = True
-        if not slot.in_pool:
-            slot.task.cancel()  # still fetching on this loop: stop now
+        pending = self.pending.abandon(request_id)
+        if pending.is_cancellable:
+            self._tasks[pending].cancel()  # still fetching on this loop: stop now
         self._changed.set()
-        self.log.debug("request %s abandoned while preparing: dropped unsent", request_id)
+        self.log.debug("request %s abandoned before its release: dropped unsent", request_id)
 
     async def _release_ready(self) -> None:
         """Send every finished request at the head of the order, oldest first."""
-        while self._slots and self._slots[0].task.done():
-            slot = self._slots.popleft()
-            del self._by_id[slot.req.request_id]
-            await self._send_result(slot, slot.task.result())
+        while (pending := self.pending.pop_releasable()) is not None:
+            await self._send_result(pending.req, pending.result)
 
     # ---- both paths -----------------------------------------------------------
 
-    async def _prepare(self, slot: _Slot) -> Draft | Failed:
+    async def _prepare(self, pending: PendingRequest) -> Draft | Failed:
         """Fetch remote media here, then draft on the pool (or inline)."""
-        req = slot.req
+        req = pending.req
         try:
             fetched = await self._fetch(req)
             if self.pool is None:
-                return self._draft(slot, fetched)
-            slot.in_pool = True
+                return self._draft(pending, fetched)
+            self.pending.hand_over(pending)
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.pool, self._draft, slot, fetched)
+            return await loop.run_in_executor(self.pool, self._draft, pending, fetched)
         except MediaError as err:
             return failed(req, str(err), err.param)
         except asyncio.CancelledError:
@@ -297,18 +263,11 @@ class PrepareActor(Actor):
             return Failed(request_id=req.request_id, status=500, error_type="server_error",
                           message=f"preparing the request failed: {type(err).__name__}: {err}")
 
-    def _draft(self, slot: _Slot, fetched: dict[str, bytes]) -> Draft | Failed:
-        """The preparer's draft, timed (on a pool thread, or inline)."""
-        if slot.abandoned:  # aborted while queued for a thread: its result would be dropped
-            return Failed(request_id=slot.req.request_id, status=400, message="abandoned before its draft began")
-        faults, cpu = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt, time.thread_time()
-        slot.draft_start = time.time()
-        try:
-            return self.preparer.draft(slot.req, fetched)
-        finally:
-            slot.draft_end = time.time()
-            slot.draft_cpu_ms = 1e3 * (time.thread_time() - cpu)
-            slot.draft_faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults
+    def _draft(self, pending: PendingRequest, fetched: dict[str, bytes]) -> Draft | Failed:
+        """The preparer's draft (on a pool thread, or inline)."""
+        if pending.is_abandoned:  # aborted while queued for a thread: its result would be dropped
+            return Failed(request_id=pending.request_id, status=400, message="abandoned before its draft began")
+        return self.preparer.draft(pending.req, fetched)
 
     async def _fetch(self, req: NewRequest) -> dict[str, bytes]:
         if not getattr(self.preparer, "PREPARES_MEDIA", False) or not req.messages:
@@ -322,13 +281,10 @@ class PrepareActor(Actor):
             self._http = aiohttp.ClientSession()
         return await fetch_remote(refs, self.limits, self._http)
 
-    async def _send_result(self, slot: _Slot, result: Draft | Failed) -> None:
-        slot.release_start = time.time()
-        msg = result if isinstance(result, Failed) else await self._finish(slot.req, result)
-        slot.stored_at = time.time()
+    async def _send_result(self, req: NewRequest, result: Draft | Failed) -> None:
+        msg = result if isinstance(result, Failed) else await self._finish(req, result)
         await self.outbox["conductor"].send(msg)
-        if self.log.isEnabledFor(logging.DEBUG):
-            self.log.debug("%s", stage_line(slot, time.time()))
+        self.log.debug("prepared %s: %s sent", req.request_id, type(msg).__name__)
 
     async def _finish(self, req: NewRequest, draft: Draft) -> Prepared | Failed:
         """Store the draft's tensors in the arena (readers: every rank)."""
@@ -361,19 +317,3 @@ def read_cpu_cores(cpus: list[int], root: Path = Path("/sys/devices/system/cpu")
         except (OSError, ValueError):
             continue
     return cores
-
-
-def stage_line(slot: _Slot, sent_at: float) -> str:
-    """``prepared REQUEST_ID at ARRIVAL: read R, draft S-E, release L-M, sent
-    T ms after arrival; draft CPU C ms, F faults``: ARRIVAL in seconds of
-    ``time.time()``; the release from L (done, at the head of the order) to M
-    (tensors in the arena); C and F the drafting thread's own
-    (``tools/bench_prepare.py`` parses it; keep the two in step)."""
-    arrival = slot.req.arrival_time or slot.read_at
-    read, start, end, release, stored, sent = (
-        1e3 * (t - arrival) for t in (slot.read_at, slot.draft_start, slot.draft_end, slot.release_start,
-                                      slot.stored_at, sent_at))
-    draft = f"{start:.1f}-{end:.1f}" if slot.draft_end else "none"  # failed before it drafted
-    return (f"prepared {slot.req.request_id} at {arrival:.4f}: read {read:.1f}, draft {draft}, "
-            f"release {release:.1f}-{stored:.1f}, sent {sent:.1f} ms after arrival; "
-            f"draft CPU {slot.draft_cpu_ms:.1f} ms, {slot.draft_faults} faults")
