@@ -17,6 +17,7 @@ from mstar_actors.messages import (
     Abort,
     ChatMessage,
     ConductorToFrontend,
+    ContextAgreed,
     ConductorToWorker,
     EngineStats,
     Failed,
@@ -223,6 +224,20 @@ async def test_failed_step_fails_its_rows_with_500_and_serving_continues(tiny_mo
     await engine.to_prepare.send(make_request("ok2", max_tokens=3, prompt_token_ids=[5, 6]))
     out = await engine.collect(num_ended=1)
     assert out["ok2"]["end"].finish_reason == "length"
+    assert await engine.stop() == [0] * (2 + NUM_RANKS)
+
+
+@async_test
+async def test_the_frontend_learns_the_context_the_kv_cache_leaves(tiny_model):
+    model_dir, _ = tiny_model
+    engine = Engine(make_config(model_dir, num_blocks=16))  # 64 KV tokens: less than max_model_len 128
+    engine.start()
+    assert await asyncio.wait_for(engine.from_conductor.recv(), 10) == ContextAgreed(max_model_len=64)
+    await engine.to_prepare.send(make_request("long", max_tokens=3, prompt_token_ids=[5] * 70))
+    out = await engine.collect(num_ended=1)
+    refused = out["long"]["end"]
+    assert isinstance(refused, Failed) and refused.status == 400 and refused.code == "context_length_exceeded"
+    assert "the whole KV cache holds 64 tokens" in refused.message
     assert await engine.stop() == [0] * (2 + NUM_RANKS)
 
 
