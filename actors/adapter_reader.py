@@ -1,8 +1,8 @@
 """The adapter-reader actor: adapter folders in, validated host copies out.
 
 On ``ReadAdapter(name, path)`` it reads and validates the folder with
-``read_adapter`` against the base model's shapes (``ModelInfo.lora_base``), in a thread (the loop stays
-free; it never touches a device), writes the host copy (``adapter_to_bytes``)
+``read_adapter`` against the base model's shapes (``ModelInfo.lora_base``),
+in a thread (the loop stays free; it never touches a device), writes the host copy (``adapter_to_bytes``)
 into a new shared-memory segment of the run, and answers ``AdapterRead``
 with the digest and ``AdapterHostRef`` (``segment`` is the full shared-memory
 name for ``transport.shm.attach_segment``), or ``AdapterReadFailed`` with the

@@ -3,11 +3,14 @@
 An actor is one process (or, in tests, one object on a shared asyncio loop)
 with named channels::
 
-    actor = MyActor(name="prepare", config=config,
+    actor = MyActor(name="prepare", config=config, info=info,
                     inbox={"frontend": ch_in, "control": ctl_in},
                     outbox={"conductor": ch_out, "control": ctl_out},
                     **params)          # e.g. rank=0 for a worker
     exit_code = await actor.run()
+
+``info`` is the launcher's ``ModelInfo`` (``mstar_actors.model_info``): the
+model's facts, which no actor derives again.
 
 Conventions every actor follows (the frontend included):
 

@@ -4,7 +4,9 @@ Channels (see ``actors.base``): inbox ``"conductor"`` (``ConductorToFrontend``)
 and ``"control"``; outbox ``"prepare"`` (``FrontendToPrepare``) and
 ``"control"``. ``start()`` loads the tokenizer and opens the aiohttp site
 (uvloop in the actor process); ``handle`` routes engine messages to the HTTP
-exchange that waits for them.
+exchange that waits for them. The served name, the vocabulary and the context
+are the launcher's ``ModelInfo``; the conductor's ``ContextAgreed`` narrows the
+context to what the ranks' KV cache holds.
 
 Concurrency invariants (one asyncio loop, no threads touch this state):
 
