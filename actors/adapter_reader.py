@@ -1,8 +1,8 @@
 """The adapter-reader actor: adapter folders in, validated host copies out.
 
 On ``ReadAdapter(name, path)`` it reads and validates the folder with
-``read_adapter`` against the base model's shapes, in a thread (the loop stays
-free; it never touches a device), writes the host copy (``adapter_to_bytes``)
+``read_adapter`` against the base model's shapes (``ModelInfo.lora_base``),
+in a thread (the loop stays free; it never touches a device), writes the host copy (``adapter_to_bytes``)
 into a new shared-memory segment of the run, and answers ``AdapterRead``
 with the digest and ``AdapterHostRef`` (``segment`` is the full shared-memory
 name for ``transport.shm.attach_segment``), or ``AdapterReadFailed`` with the
@@ -20,7 +20,6 @@ and after a crash the launcher's ``cleanup_run`` (or the next start's
 from __future__ import annotations
 
 import itertools
-import json
 from pathlib import Path
 from typing import Any
 
@@ -42,54 +41,28 @@ def file_signature(path: str) -> tuple:
     return tuple(sig)
 
 
-def load_base_shapes(model_path: str) -> Any:
-    from mstar_actors.fetch import resolve_model
-    from mstar_actors.lora import BaseShapes
-
-    folder = resolve_model(model_path)
-    return BaseShapes.from_hf_config(json.loads((Path(folder) / "config.json").read_text()))
-
-
-def serving_dtype(config: Any) -> Any:
-    """The dtype the ranks serve in (as they resolve it). Host copies are
-    kept in it: a bf16 copy of a float32 file is half the bytes each install
-    maps and copies, and the install converts nothing."""
-    from mstar_actors.fetch import resolve_model
-    from mstar_actors.model_runner import resolve_device, resolve_dtype
-
-    hf_config = json.loads((Path(resolve_model(config.model.path)) / "config.json").read_text())
-    return resolve_dtype(config.model.dtype, hf_config.get("dtype") or hf_config.get("torch_dtype"),
-                         resolve_device(config.model.device))
-
-
 class AdapterReaderActor(Actor):
     """inbox: ``conductor`` (ConductorToAdapterReader), ``control``; outbox: ``conductor``, ``control``."""
 
-    def __init__(self, *, run_id: str | None = None, base_shapes: Any = None, **kw: Any):
+    def __init__(self, *, run_id: str | None = None, **kw: Any):
         super().__init__(**kw)
+        import torch
+
         from mstar_actors import rundir
 
         self.run_id = run_id or rundir.new_run_id()  # tests: an id of their own
-        self.base_shapes = base_shapes  # tests may inject; otherwise read in start()
         self.tier = HostTier(self.config.lora.max_cpu_loras)
         self._counter = itertools.count()
-        self.base_error: Exception | None = None  # why this model takes no adapters
-        self.host_dtype: Any = None  # the ranks' dtype, which host copies are kept in (None: the file's)
+        # Host copies are kept in the ranks' dtype: a bf16 copy of a float32 file
+        # is half the bytes each install maps and copies, and the install converts nothing.
+        self.host_dtype = getattr(torch, self.info.dtype)
 
     async def start(self) -> None:
-        from mstar_actors.lora.base_shapes import BaseShapesError
-
-        if self.base_shapes is None:  # tests inject shapes, and keep the files' dtype
-            self.host_dtype = await self.run_blocking(serving_dtype, self.config)
-            try:
-                self.base_shapes = await self.run_blocking(load_base_shapes, self.config.model.path)
-            except BaseShapesError as err:
-                # An architecture without LoRA shape rules still serves its base
-                # weights (Qwen2.5-VL has rules: its text stack); configured adapters
-                # were refused by the launcher already, a runtime load is refused
-                # with this reason.
-                self.base_error = err
-                self.log.info("adapters can't be read for this model: %s", err)
+        if self.info.lora_base is None:
+            # An architecture without LoRA shape rules still serves its base weights
+            # (Qwen2.5-VL has rules: its text stack); configured adapters were refused
+            # by the launcher already, a runtime load is refused with this reason.
+            self.log.info("adapters can't be read for this model: %s", self.info.lora_refusal)
 
     async def stop(self) -> None:
         for entry in list(self.tier.entries.values()):
@@ -124,14 +97,13 @@ class AdapterReaderActor(Actor):
         from mstar_actors.lora import read_adapter
         from mstar_actors.lora.host_copy import adapter_to_bytes
 
-        if self.base_shapes is None and self.base_error is not None:
+        if self.info.lora_base is None:
             from mstar_actors.lora import AdapterError
 
-            raise AdapterError(f"adapter {msg.name!r}: this base model takes no adapters ({self.base_error})")
-        weights = read_adapter(msg.path, base=self.base_shapes, max_rank=self.config.lora.max_lora_rank,
+            raise AdapterError(f"adapter {msg.name!r}: this base model takes no adapters ({self.info.lora_refusal})")
+        weights = read_adapter(msg.path, base=self.info.lora_base, max_rank=self.config.lora.max_lora_rank,
                                name=msg.name)
-        if self.host_dtype is not None:
-            weights = weights.to_dtype(self.host_dtype)
+        weights = weights.to_dtype(self.host_dtype)
         known = self.tier.find(msg.name, weights.digest)
         if known is not None:  # the same weights again: share the copy
             return known

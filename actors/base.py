@@ -3,11 +3,14 @@
 An actor is one process (or, in tests, one object on a shared asyncio loop)
 with named channels::
 
-    actor = MyActor(name="prepare", config=config,
+    actor = MyActor(name="prepare", config=config, info=info,
                     inbox={"frontend": ch_in, "control": ctl_in},
                     outbox={"conductor": ch_out, "control": ctl_out},
                     **params)          # e.g. rank=0 for a worker
     exit_code = await actor.run()
+
+``info`` is the launcher's ``ModelInfo`` (``mstar_actors.model_info``): the
+model's facts, which no actor derives again.
 
 Conventions every actor follows (the frontend included):
 
@@ -50,7 +53,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from mstar_actors.config import Config
 from mstar_actors.messages import (
@@ -61,6 +64,9 @@ from mstar_actors.messages import (
     Started,
 )
 from transport.errors import ChannelBroken, ChannelClosed, DecodeError
+
+if TYPE_CHECKING:  # importing it imports torch: see ActorSpec.info
+    from mstar_actors.model_info import ModelInfo
 
 log = logging.getLogger("mstar_actors.actor")
 
@@ -141,11 +147,13 @@ class Mailbox:
 class Actor:
     """Base class; see the module docstring for the conventions."""
 
-    def __init__(self, name: str, config: Config, inbox: dict[str, Any], outbox: dict[str, Any], **params: Any):
+    def __init__(self, name: str, config: Config, inbox: dict[str, Any], outbox: dict[str, Any],
+                 info: ModelInfo | None = None, **params: Any):
         if params:
             raise TypeError(f"actor {name!r}: unexpected parameters {sorted(params)}")
         self.name = name
         self.config = config
+        self.info = info  # the model's facts, from the launcher (None: an actor that needs none)
         self.inbox = inbox
         self.outbox = outbox
         self.mailbox = Mailbox(inbox)
@@ -277,6 +285,9 @@ class ActorSpec:
     outbox: dict[str, tuple[Any, str]]
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
     log_level: int = logging.INFO
+    # The launcher's ModelInfo as plain builtins: unpickling the struct would
+    # import torch (its LoRA shapes' package does) before SIGUSR1 is blocked.
+    info: dict[str, Any] | None = None
 
 
 def stacks_path(run_dir: str | os.PathLike, actor: str) -> Path:
@@ -414,7 +425,14 @@ def open_channels(spec: ActorSpec) -> tuple[dict[str, Any], dict[str, Any]]:
 async def _run_actor(actor_cls: type, spec: ActorSpec, dumper: StackDumper) -> int:
     dumper.loop = asyncio.get_running_loop()
     inbox, outbox = open_channels(spec)
-    actor = actor_cls(name=spec.name, config=spec.config, inbox=inbox, outbox=outbox, **spec.params)
+    info = None
+    if spec.info is not None:
+        import msgspec
+
+        from mstar_actors.model_info import ModelInfo
+
+        info = msgspec.convert(spec.info, ModelInfo)
+    actor = actor_cls(name=spec.name, config=spec.config, inbox=inbox, outbox=outbox, info=info, **spec.params)
     return await actor.run()
 
 

@@ -2,7 +2,8 @@
 
 Start-up is an agreement: every rank reports ``WorkerReady`` (its local
 facts) and the conductor combines them (the minimum of ``num_kv_blocks`` and
-``max_model_len``; block size and EOS ids must match) into one ``Scheduler``.
+``max_model_len``; block size and EOS ids must match) into one ``Scheduler``,
+and tells the frontend the context that KV capacity leaves (``ContextAgreed``).
 Only then does it report ready.
 
 The busy loop, each turn:
@@ -49,6 +50,7 @@ from mstar_actors.messages import (
     AdapterInstalled,
     AdapterRead,
     AdapterReadFailed,
+    ContextAgreed,
     DropAdapter,
     Failed,
     Finished,
@@ -116,13 +118,6 @@ def media_root(root: str, prepared: Prepared) -> str:
     return f"{root}|media:{prepared.media_digest}" if prepared.media_digest else root
 
 
-def base_name(config: Any) -> str:
-    """The base model's served name, as the frontend names it."""
-    from pathlib import Path
-
-    return config.model.name or Path(config.model.path.rstrip("/")).name
-
-
 class ConductorActor(Actor):
     """inbox: ``prepare``, ``worker0`` .. ``worker{N-1}``, ``adapter_reader``, ``control``;
     outbox: ``frontend``, ``workers`` (broadcast to every rank), ``adapter_reader``, ``control``."""
@@ -130,7 +125,7 @@ class ConductorActor(Actor):
     def __init__(self, *, num_ranks: int | None = None, **kw: Any):
         super().__init__(**kw)
         self.num_ranks = num_ranks or self.config.parallel.tp
-        self.pool = AdapterPool.from_config(self.config, base_name(self.config), self.num_ranks)
+        self.pool = AdapterPool.from_config(self.config, self.info.served_name, self.num_ranks)
         self.scheduler: Any = None
         self.step_results: dict[int, StepDone | StepFailed] | None = None  # set while a step runs
         self.last_stats: Any = None
@@ -154,6 +149,8 @@ class ConductorActor(Actor):
         self.scheduler = make_scheduler(self.config, facts)
         self.log.info("%d rank(s) agree: %d KV blocks of %d tokens, context %d",
                       self.num_ranks, facts.num_kv_blocks, facts.block_size, facts.max_model_len)
+        self.info = self.info.with_kv_capacity(facts.num_kv_blocks * facts.block_size)
+        await self.outbox["frontend"].send(ContextAgreed(max_model_len=self.info.max_model_len))
         for channel, msg in early:
             await self.dispatch(channel, msg)
 

@@ -4,7 +4,9 @@ Channels (see ``actors.base``): inbox ``"conductor"`` (``ConductorToFrontend``)
 and ``"control"``; outbox ``"prepare"`` (``FrontendToPrepare``) and
 ``"control"``. ``start()`` loads the tokenizer and opens the aiohttp site
 (uvloop in the actor process); ``handle`` routes engine messages to the HTTP
-exchange that waits for them.
+exchange that waits for them. The served name, the vocabulary and the context
+are the launcher's ``ModelInfo``; the conductor's ``ContextAgreed`` narrows the
+context to what the ranks' KV cache holds.
 
 Concurrency invariants (one asyncio loop, no threads touch this state):
 
@@ -30,7 +32,6 @@ import asyncio
 import collections
 import functools
 import hmac
-import json
 import time
 import uuid
 from pathlib import Path
@@ -44,6 +45,7 @@ from mstar_actors import openai_api as api
 from mstar_actors.messages import (
     Abort,
     AdapterUpdate,
+    ContextAgreed,
     EngineStats,
     Failed,
     Finished,
@@ -59,24 +61,6 @@ from mstar_actors.openai_api import ApiError, ChoiceOutput, ParsedRequest
 from transport.errors import ChannelFull
 
 _json = msgspec.json.Encoder()
-
-
-def served_name(config_name: str | None, path: str, folder: Path) -> str:
-    """``model.name``, else the embedded name, else the folder's name."""
-    from mstar_actors.fetch import EMBEDDED
-
-    return config_name or (path if path in EMBEDDED else folder.name)
-
-
-def read_max_model_len(configured: int | None, folder: Path) -> int | None:
-    if configured:
-        return configured
-    try:
-        model_config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    text_config = model_config.get("text_config") or model_config
-    return text_config.get("max_position_embeddings")
 
 
 class Exchange:
@@ -141,21 +125,15 @@ class FrontendActor(Actor):
     # ---- lifecycle ------------------------------------------------------
 
     async def start(self) -> None:
-        from mstar_actors.fetch import resolve_model
         from mstar_actors.media import keep_freed_buffers
 
         keep_freed_buffers()  # request bodies of megabytes, one after another: see there
 
-        model = self.config.model
-        folder = await self.run_blocking(resolve_model, model.path)
-        self.model_name = served_name(model.name, model.path, folder)
         from mstar_actors.lora.pool import expand_path
 
         # name -> path; the conductor's ModelsChanged replaces it after each runtime load / unload
         self.adapters = {n: expand_path(p) for n, p in self.config.lora.adapters.items()}
-        self.max_model_len = read_max_model_len(self.config.scheduler.max_model_len, folder)
-        self.tokenizer = await self.run_blocking(_load_tokenizer, folder)
-        self.vocab_size = len(self.tokenizer)
+        self.tokenizer = await self.run_blocking(_load_tokenizer, Path(self.info.model_dir))
         self.token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
         self.started_at = int(time.time())
         await self._open_site()
@@ -171,7 +149,7 @@ class FrontendActor(Actor):
         site = web.TCPSite(self._runner, server.host, server.port)
         await site.start()
         self.port = self._runner.addresses[0][1]
-        self.log.info("serving %s on http://%s:%d", self.model_name, server.host, self.port)
+        self.log.info("serving %s on http://%s:%d", self.info.served_name, server.host, self.port)
 
     async def stop(self) -> None:
         self._fail_all(503, f"the server is shutting down ({self.stop_reason or 'stopped'})")
@@ -202,6 +180,8 @@ class FrontendActor(Actor):
                 self.metrics.observe_engine(msg)
             case ModelsChanged(adapters=adapters):
                 self.adapters = {a.name: a.path for a in adapters}
+            case ContextAgreed(max_model_len=max_model_len):
+                self.info = msgspec.structs.replace(self.info, max_model_len=max_model_len)
             case AdapterUpdate(request_id=request_id):
                 future = self._updates.pop(request_id, None)
                 if future is not None and not future.done():
@@ -268,7 +248,8 @@ class FrontendActor(Actor):
         return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response(api.models_list(self.model_name, self.started_at, self.max_model_len, self.adapters))
+        return web.json_response(api.models_list(self.info.served_name, self.started_at, self.info.max_model_len,
+                                                 self.adapters))
 
     # ---- runtime adapter updates (vLLM's routes and bodies) ---------------
 
@@ -319,10 +300,12 @@ class FrontendActor(Actor):
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge -> 413
         self._check_available()
+        # The one vocabulary check is here (the embedding's rows); the prompt's length
+        # is the scheduler's to check, its 400 comes back as Failed.
         if kind == "chat":
-            parsed = api.parse_chat(raw, self.max_model_len)
+            parsed = api.parse_chat(raw, self.info.max_model_len)
         else:
-            parsed = api.parse_completion(raw, self.max_model_len, self.vocab_size)
+            parsed = api.parse_completion(raw, self.info.max_model_len, self.info.vocab_size)
         exchange = Exchange(parsed, self._resolve_model(parsed.model), "chatcmpl" if kind == "chat" else "cmpl")
         self._admit(exchange)
         try:
@@ -340,9 +323,10 @@ class FrontendActor(Actor):
             raise ApiError(503, "the server is starting; retry when GET /health answers 200")
 
     def _resolve_model(self, model: str | None) -> str:
-        if model is None or model == self.model_name or model in self.adapters:
-            return model or self.model_name
-        served = ", ".join([self.model_name, *sorted(self.adapters)])
+        base = self.info.served_name
+        if model is None or model == base or model in self.adapters:
+            return model or base
+        served = ", ".join([base, *sorted(self.adapters)])
         raise ApiError(404, f"the model {model!r} does not exist; served models: {served}", param="model",
                        code="model_not_found")
 

@@ -68,9 +68,9 @@ from mstar_actors.cpu_plan import CpuPlan, resolve_prepare_workers
 from mstar_actors.media import MediaError, MediaLimits, collect_media, fetch_remote
 from mstar_actors.messages import Abort, Failed, LoadAdapter, NewRequest, Prepared, UnloadAdapter
 from mstar_actors.prepare import PendingRequest, PendingRequests
-from mstar_actors.preprocess import Draft, Preparer, failed, load_preparer, read_vocab_size, with_media
+from mstar_actors.preprocess import Draft, Preparer, failed, load_preparer, with_media
 
-__all__ = ["PrepareActor", "Preparer", "load_preparer", "read_vocab_size"]
+__all__ = ["PrepareActor", "Preparer", "load_preparer"]
 
 
 class PrepareActor(Actor):
@@ -111,11 +111,7 @@ class PrepareActor(Actor):
         keep_freed_buffers()
         torch.set_num_threads(self.config.prepare.preprocess_torch_threads)
         if self.preparer is None:
-            from mstar_actors.fetch import resolve_model
-
-            model_dir = resolve_model(self.config.model.path)
-            self.preparer = await self.run_blocking(load_preparer, model_dir, self.config.scheduler.max_model_len,
-                                                    self.limits)
+            self.preparer = await self.run_blocking(load_preparer, self.info, self.limits)
         if self.arena is None and self.arena_spec is not None:
             from transport.arena import ArenaSpec, TensorArena
 

@@ -23,17 +23,19 @@ def _parser() -> argparse.ArgumentParser:
 def _serve(args: argparse.Namespace) -> int:
     from mstar_actors import launcher
     from mstar_actors.config import ConfigError, load_config
-    from mstar_actors.fetch import FetchError, resolve_model
+    from mstar_actors.fetch import FetchError
+    from mstar_actors.model_info import load_model_info
+    from mstar_actors.models.spec import ModelLoadError
 
     server = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     try:
         config = load_config(args.config, server=server)
-        model_dir = resolve_model(config.model.path)
-    except (ConfigError, FetchError) as err:
+        info = load_model_info(config)
+    except (ConfigError, FetchError, ModelLoadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    logging.getLogger("mstar_actors").info("model folder: %s", model_dir)
-    return launcher.serve(config, launcher.served_name(config))
+    logging.getLogger("mstar_actors").info("model folder: %s", info.model_dir)
+    return launcher.serve(config, info)
 
 
 def _fetch(args: argparse.Namespace) -> int:

@@ -1,9 +1,10 @@
 """The launcher: creates the rings, spawns one process per actor, supervises.
 
-``serve(config)`` in order: clean up what dead runs left in /dev/shm, make a
-run directory, create every ring, spawn the actors (``multiprocessing`` spawn
-context), wait until each reports ``ActorReady`` (bounded; the message names
-who did not), send ``Started`` to the frontend, then wait for one of:
+``serve(config, info)`` in order: clean up what dead runs left in /dev/shm,
+make a run directory, create every ring, spawn the actors (``multiprocessing``
+spawn context; each spec carries the model's ``ModelInfo``, read once before),
+wait until each reports ``ActorReady`` (bounded; the message names who did
+not), send ``Started`` to the frontend, then wait for one of:
 
 - SIGINT / SIGTERM: a clean stop (exit code 0);
 - an actor process exiting: logged with its name and exit code or signal; the
@@ -33,16 +34,13 @@ import msgspec
 from actors.base import ActorSpec, run_actor_process
 from mstar_actors import messages, rundir
 from mstar_actors.config import Config
+from mstar_actors.model_info import ModelInfo
 
 log = logging.getLogger("mstar_actors.launcher")
 
 CONTROL_RING_BYTES = 1 << 18  # tracebacks travel here
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 10.0
-
-
-class LaunchError(RuntimeError):
-    """The server could not start; the message names the actor and the cause."""
 
 
 @dataclasses.dataclass
@@ -141,10 +139,10 @@ def exit_description(exitcode: int | None) -> str:
 class Launcher:
     """Supervises one run. ``run()`` returns the process exit code."""
 
-    def __init__(self, config: Config, model_name: str, plans: list[ActorPlan] | None = None,
+    def __init__(self, config: Config, info: ModelInfo | None, plans: list[ActorPlan] | None = None,
                  ready_timeout_s: float = READY_TIMEOUT_S):
         self.config = config
-        self.model_name = model_name
+        self.info = info  # None: a launcher that only cleans up (it spawns nothing that needs it)
         self.plans = plans or plan_actors(config.parallel.tp)
         self.ready_timeout_s = ready_timeout_s
         self.run_id = rundir.new_run_id()
@@ -204,10 +202,11 @@ class Launcher:
     def spawn_all(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         level = logging.getLogger().getEffectiveLevel()
+        info = msgspec.to_builtins(self.info) if self.info is not None else None
         for plan in self.plans:
             spec = ActorSpec(name=plan.name, config=self.config, run_dir=str(self.run_dir),
                              inbox=self.rings.resolve(plan.inbox), outbox=self.rings.resolve(plan.outbox),
-                             params=plan.params, log_level=level)
+                             params=plan.params, log_level=level, info=info)
             proc = ctx.Process(target=run_actor_process, args=(plan.target, spec), name=plan.name)
             proc.start()
             self.procs[plan.name] = proc
@@ -246,7 +245,7 @@ class Launcher:
                 return 0 if stop.is_set() and not self._dead() else 1
             await self.to_actor["frontend"].send(messages.Started())
             host, port = self.config.server.host, self.config.server.port
-            log.info("serving %s at http://%s:%d (run dir %s)", self.model_name, host, port, self.run_dir)
+            log.info("serving %s at http://%s:%d (run dir %s)", self.info.served_name, host, port, self.run_dir)
             return await self.await_end(stop)
         finally:
             for task in listeners:
@@ -365,30 +364,24 @@ class Launcher:
             rundir.remove_run_dir(self.run_dir)
 
 
-def validate_adapters(config: Config) -> None:
+def validate_adapters(config: Config, info: ModelInfo) -> None:
     """Read and validate every configured adapter against the base model, before
     anything is spawned. Raises AdapterError naming the first bad one and why."""
-    import json
-
-    from mstar_actors.fetch import resolve_model
-    from mstar_actors.lora import AdapterError, BaseShapes, read_adapter
-    from mstar_actors.lora.base_shapes import BaseShapesError
+    from mstar_actors.lora import AdapterError, read_adapter
     from mstar_actors.lora.pool import expand_path
 
     if not config.lora.adapters:
         return
-    try:
-        base = BaseShapes.from_hf_config(json.loads((resolve_model(config.model.path) / "config.json").read_text()))
-    except BaseShapesError as err:  # one line (exit 2), not a traceback
-        raise AdapterError(f"lora.adapters: the base model {config.model.path} takes no adapters: {err}") from None
+    if info.lora_base is None:  # one line (exit 2), not a traceback
+        raise AdapterError(f"lora.adapters: the base model {config.model.path} takes no adapters: {info.lora_refusal}")
     for name, path in config.lora.adapters.items():
         try:
-            read_adapter(expand_path(path), base=base, max_rank=config.lora.max_lora_rank, name=name)
+            read_adapter(expand_path(path), base=info.lora_base, max_rank=config.lora.max_lora_rank, name=name)
         except AdapterError as err:
             raise AdapterError(f"lora.adapters.{name} ({path}): {err}".replace("\n", " ")) from None
 
 
-def serve(config: Config, model_name: str) -> int:
+def serve(config: Config, info: ModelInfo) -> int:
     """Run the server until a signal or an actor's death; the exit code
     (2: a configured adapter can't be served, one line on stderr says which)."""
     import sys
@@ -398,14 +391,9 @@ def serve(config: Config, model_name: str) -> int:
     from mstar_actors.lora import AdapterError
 
     try:
-        validate_adapters(config)
+        validate_adapters(config, info)
     except AdapterError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(Launcher(config, model_name).run())
-
-
-def served_name(config: Config) -> str:
-    """The name clients use: ``model.name``, else the embedded name or the folder's name."""
-    return config.model.name or Path(config.model.path.rstrip("/")).name
+        return runner.run(Launcher(config, info).run())

@@ -277,7 +277,17 @@ class ModelsChanged(Struct, frozen=True, tag=True, omit_defaults=True):
     adapters: list[AdapterInfo]
 
 
-ConductorToFrontend = TokenDelta | Finished | Failed | EngineStats | AdapterUpdate | ModelsChanged | Shutdown
+class ContextAgreed(Struct, frozen=True, tag=True, omit_defaults=True):
+    """The context the engine serves (prompt + output tokens): the launcher's
+    ``ModelInfo.max_model_len`` narrowed to the KV capacity the ranks agreed
+    on. Sent once, before the conductor reports ready."""
+
+    max_model_len: int
+
+
+ConductorToFrontend = (
+    TokenDelta | Finished | Failed | EngineStats | AdapterUpdate | ModelsChanged | ContextAgreed | Shutdown
+)
 
 
 # --------------------------------------------------------------------------

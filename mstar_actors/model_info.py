@@ -1,15 +1,27 @@
 """Facts about the served model, computed once by the launcher.
 
 ``ModelInfo`` is built from the model folder and the validated config before
-any actor starts, and travels to every actor in its spec, so no actor parses
-``config.json`` or derives the served name again. What only the ranks can
-learn (the KV capacity) refines ``max_model_len`` through the conductor's
-agreement (``with_kv_capacity``), and the frontend reads the refined copy.
+any actor starts (``load_model_info``), and travels to every actor in its
+spec, so no actor parses ``config.json`` or derives the served name again.
+What only the ranks can learn (the KV capacity) refines ``max_model_len``
+through the conductor's agreement (``with_kv_capacity``), and the frontend
+reads the refined copy.
+
+The facts come from the same reader the ranks use (``models.spec``), so the
+vocabulary, the EOS ids and the context length agree with what they load.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import msgspec
+
+from mstar_actors.lora.base_shapes import BaseShapes
+
+if TYPE_CHECKING:
+    from mstar_actors.config import Config
 
 
 class ModelInfo(msgspec.Struct, frozen=True):
@@ -19,11 +31,83 @@ class ModelInfo(msgspec.Struct, frozen=True):
     model_dir: str  # the resolved Hugging Face folder
     architecture: str  # config.json's ``architectures[0]``
     vocab_size: int  # the embedding's rows: the one vocabulary bound
-    eos_token_ids: tuple[int, ...]  # tokenizer + config + generation_config, in order
+    eos_token_ids: tuple[int, ...]  # config.json's, then generation_config.json's extras
     dtype: str  # the serving dtype after ``model.dtype: auto`` is resolved
     max_model_len: int  # prompt + output tokens; narrowed by the ranks' KV capacity
     is_multimodal: bool = False  # takes image / video parts
+    media_token_ids: dict[str, int] = {}  # "image" / "video" -> its placeholder token (multimodal only)
+    lora_base: BaseShapes | None = None  # what adapters must fit; None: this model takes none
+    lora_refusal: str = ""  # why ``lora_base`` is None
 
-    def with_kv_capacity(self, num_kv_tokens: int) -> "ModelInfo":
+    def with_kv_capacity(self, num_kv_tokens: int) -> ModelInfo:
         """The same facts with ``max_model_len`` narrowed to what the KV cache holds."""
         return msgspec.structs.replace(self, max_model_len=min(self.max_model_len, num_kv_tokens))
+
+
+def load_model_info(config: Config) -> ModelInfo:
+    """Read the model folder ``config.model.path`` names (never the network).
+
+    Raises ``FetchError`` for a folder that is not there and ``ModelLoadError``
+    for a ``config.json`` the ranks could not serve, naming the field.
+    """
+    from mstar_actors.fetch import resolve_model
+    from mstar_actors.models.loader import architecture_of
+    from mstar_actors.models.spec import parse_spec, read_config
+
+    model_dir = resolve_model(config.model.path)
+    cfg = read_config(model_dir)
+    arch = architecture_of(model_dir, cfg)
+    spec = parse_spec(model_dir, arch.text_config(cfg) if arch.text_config else cfg,
+                      qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm)
+    media = _media_token_ids(model_dir, cfg) if arch.text_config else {}
+    lora_base, lora_refusal = lora_base_of(cfg)
+    return ModelInfo(
+        served_name=served_name(config.model.name, config.model.path, model_dir),
+        model_dir=str(model_dir),
+        architecture=spec.architecture,
+        vocab_size=spec.vocab_size,
+        eos_token_ids=tuple(spec.eos_token_ids),
+        dtype=_serving_dtype(config.model.dtype, config.model.device, spec.torch_dtype),
+        max_model_len=min(config.scheduler.max_model_len or spec.max_position_embeddings,
+                          spec.max_position_embeddings),
+        is_multimodal=bool(media),
+        media_token_ids=media,
+        lora_base=lora_base,
+        lora_refusal=lora_refusal,
+    )
+
+
+def served_name(configured: str | None, path: str, folder: Path) -> str:
+    """``model.name``, else the embedded name, else the folder's name."""
+    from mstar_actors.fetch import EMBEDDED
+
+    return configured or (path if path in EMBEDDED else Path(folder).name)
+
+
+def _media_token_ids(model_dir: Path, cfg: dict) -> dict[str, int]:
+    from mstar_actors.models.qwen2_5_vl import media_token_ids
+
+    return media_token_ids(cfg, str(Path(model_dir) / "config.json"))
+
+
+def lora_base_of(cfg: dict) -> tuple[BaseShapes | None, str]:
+    """The shapes adapters must fit, or why this model takes no adapters (it
+    still serves its base weights)."""
+    from mstar_actors.lora.base_shapes import BaseShapesError
+
+    try:
+        return BaseShapes.from_hf_config(cfg), ""
+    except BaseShapesError as err:
+        return None, str(err)
+
+
+def _serving_dtype(dtype: str, device: str, checkpoint_dtype: str | None) -> str:
+    """The ranks' rule (``model_runner.resolve_dtype``), as a name that crosses processes."""
+    from mstar_actors.config import ConfigError
+    from mstar_actors.model_runner import resolve_device, resolve_dtype
+
+    try:
+        resolved = resolve_dtype(dtype, checkpoint_dtype, resolve_device(device))
+    except RuntimeError as err:  # model.device: cuda on a host without one
+        raise ConfigError(str(err)) from None
+    return str(resolved).removeprefix("torch.")

@@ -1,4 +1,4 @@
-"""Model-specific preparation, chosen by the architecture in config.json.
+"""Model-specific preparation, chosen by the launcher's ``ModelInfo``.
 
 A preparer turns one ``NewRequest`` (plus the bytes of its http(s) media,
 fetched beforehand on the actor's loop) into a ``Draft``: the ``Prepared``
@@ -22,17 +22,17 @@ requests may be drafted at once on the pool's threads.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from mstar_actors.media import MediaError, MediaLimits, MediaRef, collect_media, decode_image, decode_video, read_local
 from mstar_actors.messages import ChatMessage, Failed, MediaItem, NewRequest, Prepared, TensorRef
 
-VL_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "Qwen2VLForConditionalGeneration")
+if TYPE_CHECKING:
+    from mstar_actors.model_info import ModelInfo
 
 
 @dataclass
@@ -85,10 +85,8 @@ class Preparer:
     PREPROCESS_PARALLEL = False  # see the module docstring
     PREPARES_MEDIA = False  # image/video parts are refused by the chat template path
 
-    def __init__(self, tokenization: Any, vocab_size: int, max_model_len: int | None = None):
+    def __init__(self, tokenization: Any):
         self.tokenization = tokenization
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
 
     def prepare(self, req: NewRequest) -> Prepared | Failed:
         result = self.draft(req, {})
@@ -122,16 +120,10 @@ class Preparer:
         raise ValueError("none of prompt, prompt_token_ids or messages is set")
 
     def check(self, token_ids: list[int]) -> str | None:
+        """Token ids are the frontend's to check (``openai_api.parse_prompts``),
+        the prompt's length the scheduler's."""
         if not token_ids:
             return "the prompt is empty: send at least one token"
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            return f"token id {bad} is outside the vocabulary: ids must be in [0, {self.vocab_size})"
-        if self.max_model_len is not None and len(token_ids) >= self.max_model_len:
-            return (
-                f"the prompt has {len(token_ids)} tokens; this server's context is "
-                f"{self.max_model_len} tokens, prompt and output together"
-            )
         return None
 
 
@@ -143,30 +135,15 @@ def failed(req: NewRequest, message: str, param: str | None) -> Failed:
     return Failed(request_id=req.request_id, status=400, message=message, param=param)
 
 
-def read_vocab_size(model_dir: Path) -> int:
-    """The model's vocabulary size from ``config.json`` (VLMs keep it in ``text_config``)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-    if not size:
-        raise ValueError(f"{model_dir}/config.json: no vocab_size (nor text_config.vocab_size)")
-    return int(size)
-
-
-def read_architecture(model_dir: Path) -> str:
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return (config.get("architectures") or [""])[0]
-
-
-def load_preparer(model_dir: Path, max_model_len: int | None, limits: MediaLimits | None = None) -> Any:
-    """The preparer for the model's architecture: a VL preparer for Qwen2(.5)-VL,
-    else the text ``Preparer``."""
+def load_preparer(info: ModelInfo, limits: MediaLimits | None = None) -> Any:
+    """The preparer for the model: a VL preparer for a multimodal model, else
+    the text ``Preparer``."""
     from mstar_actors.tokenization import Tokenization
 
-    tokenization = Tokenization(model_dir)
-    if read_architecture(model_dir) in VL_ARCHITECTURES:
-        return QwenVLPreparer(model_dir, tokenization, read_vocab_size(model_dir), max_model_len,
-                              limits or MediaLimits())
-    return Preparer(tokenization, read_vocab_size(model_dir), max_model_len)
+    tokenization = Tokenization(info.model_dir)
+    if info.is_multimodal:
+        return QwenVLPreparer(Path(info.model_dir), tokenization, info.media_token_ids, limits or MediaLimits())
+    return Preparer(tokenization)
 
 
 # --------------------------------------------------------------------------
@@ -191,14 +168,13 @@ class QwenVLPreparer:
     PREPROCESS_PARALLEL = True
     PREPARES_MEDIA = True
 
-    def __init__(self, model_dir: Path, tokenization: Any, vocab_size: int, max_model_len: int | None,
-                 limits: MediaLimits, image_processor: Any = None):
-        config = json.loads((Path(model_dir) / "config.json").read_text())
+    def __init__(self, model_dir: Path, tokenization: Any, media_token_ids: dict[str, int], limits: MediaLimits,
+                 image_processor: Any = None):
         self.tokenization = tokenization
-        self.text = Preparer(tokenization, vocab_size, max_model_len)  # text-only requests, and the checks
+        self.text = Preparer(tokenization)  # text-only requests, and the checks
         self.limits = limits
-        self.image_token_id = int(config["image_token_id"])
-        self.video_token_id = int(config["video_token_id"])
+        self.image_token_id = media_token_ids["image"]
+        self.video_token_id = media_token_ids["video"]
         self.image_processor = image_processor or load_image_processor(model_dir)
         ip = self.image_processor
         self.patch_size, self.merge_size, self.temporal_patch_size = ip.patch_size, ip.merge_size, ip.temporal_patch_size

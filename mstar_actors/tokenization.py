@@ -10,7 +10,6 @@ machines the frontend feeds as ``TokenDelta``s arrive.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import jinja2
@@ -38,7 +37,6 @@ class Tokenization:
                 f"cannot load a tokenizer from model directory {self.model_dir.name!r}: {exc}; "
                 "it needs tokenizer.json or the tokenizer files of a Hugging Face model"
             ) from exc
-        self.eos_token_ids: list[int] = _read_eos_token_ids(self.tokenizer, self.model_dir)
 
     @property
     def vocab_size(self) -> int:
@@ -100,23 +98,6 @@ def _to_template_message(index: int, message: messages.ChatMessage) -> dict[str,
             )
         texts.append(part.text or "")
     return {"role": message.role, "content": "\n".join(texts)}
-
-
-def _read_eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_dir: Path) -> list[int]:
-    """The tokenizer's EOS first, then any extra ones from generation_config.json
-    and config.json (models such as Llama 3 list several there)."""
-    ids: list[int] = []
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    for name in ("generation_config.json", "config.json"):
-        path = model_dir / name
-        if not path.is_file():
-            continue
-        value = json.loads(path.read_text()).get("eos_token_id")
-        for token_id in value if isinstance(value, list) else [value]:
-            if isinstance(token_id, int) and token_id not in ids:
-                ids.append(token_id)
-    return ids
 
 
 class IncrementalDetokenizer:

@@ -108,6 +108,7 @@ def test_adapters_are_random_all_linear_and_pass_the_launcher_checks(tiny):
 
     from mstar_actors.config import parse_config
     from mstar_actors.launcher import validate_adapters
+    from mstar_actors.model_info import load_model_info
 
     model_dir, adapters = tiny
     config = json.loads((model_dir / "config.json").read_text())
@@ -121,7 +122,7 @@ def test_adapters_are_random_all_linear_and_pass_the_launcher_checks(tiny):
     plan = make_plan("--rank", "4")
     for key, spec in bench.SERVERS.items():
         served = parse_config(bench.server_config(plan, model_dir, spec, adapters, 8000), key)
-        validate_adapters(served)
+        validate_adapters(served, load_model_info(served))
         assert len(served.lora.adapters) == spec.num_adapters
         assert served.lora.max_loras == (spec.max_loras or served.lora.max_loras)
         assert not served.kv.enable_prefix_caching

@@ -196,7 +196,7 @@ def test_kill_9_of_the_launcher_is_cleaned_by_the_next_start(model_dir, runtime_
 
     os.environ["XDG_RUNTIME_DIR"], saved = str(runtime_dir), os.environ.get("XDG_RUNTIME_DIR")
     try:
-        nxt = Launcher(Config(), "next")
+        nxt = Launcher(Config(), None)  # it spawns nothing: no model facts needed
         nxt.prepare_run()  # what every start does first
         nxt.release()
     finally:

@@ -92,13 +92,15 @@ def vl_server(vl_dir, tmp_path_factory):
 def _hf_and_preparer(vl_dir: Path):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
+    from mstar_actors.config import Config, ModelConfig
     from mstar_actors.media import MediaLimits
+    from mstar_actors.model_info import load_model_info
     from mstar_actors.preprocess import load_preparer
 
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(vl_dir), dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
-    return hf, load_preparer(vl_dir, None, MediaLimits())
+    return hf, load_preparer(load_model_info(Config(model=ModelConfig(path=str(vl_dir)))), MediaLimits())
 
 
 def reference_reply(vl_dir: Path, messages: list[dict]) -> list[int]:

@@ -571,6 +571,7 @@ def dry_run(plan: Plan) -> int:
     CPU and read them back with the server's own adapter reader."""
     from mstar_actors.config import parse_config
     from mstar_actors.launcher import validate_adapters
+    from mstar_actors.model_info import load_model_info
 
     print("\n".join(["dry run: " + plan.describe()[0], *plan.describe()[1:]]))
     if plan.setup == LLAMA_1B:
@@ -585,7 +586,7 @@ def dry_run(plan: Plan) -> int:
         model_dir, adapters = prepare_tiny(tiny_plan, Path(tmp))
         for key, spec in SERVERS.items():  # the launcher's own checks, as at serve time
             config = parse_config(server_config(tiny_plan, model_dir, spec, adapters, 0), f"server {key}")
-            validate_adapters(config)
+            validate_adapters(config, load_model_info(config))
             print(f"tiny check: server {key} config valid, adapters {sorted(config.lora.adapters) or 'none'} "
                   f"read back against {model_dir.name}")
     return 0

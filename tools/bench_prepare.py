@@ -68,7 +68,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -105,6 +105,16 @@ def save_vl_prepare_folder(folder: Path, min_pixels: int = 56 * 56, max_pixels: 
               "text_config": {"vocab_size": 512, "bos_token_id": 1, "eos_token_id": 2}}
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+def vl_prepare_info(folder: Path) -> Any:
+    """The launcher's facts for a ``save_vl_prepare_folder`` folder, stated here:
+    it holds no decoder for ``load_model_info`` to read, and preparation needs none."""
+    from mstar_actors.model_info import ModelInfo
+
+    return ModelInfo(served_name="vl", model_dir=str(folder), architecture="Qwen2_5_VLForConditionalGeneration",
+                     vocab_size=512, eos_token_ids=(2,), dtype="float32", max_model_len=1 << 20, is_multimodal=True,
+                     media_token_ids={"image": IMAGE_TOKEN, "video": VIDEO_TOKEN})
 
 
 def save_word_tokenizer(folder: Path, vocab: dict[str, int]) -> None:
@@ -1077,7 +1087,7 @@ def main() -> None:
         folder = save_vl_prepare_folder(Path(tmp) / "vl")
         limits = MediaLimits(max_bytes=50 << 20, video_fps=clip.fps, max_video_frames=max(64, clip.num_frames + 2),
                              max_video_seconds=max(120.0, clip.seconds + 1))
-        preparer = load_preparer(folder, None, limits)
+        preparer = load_preparer(vl_prepare_info(folder), limits)
         urls = {"image": jpeg_data_url(), "video": mp4_data_url(clip.seconds, width=clip.width, height=clip.height)}
         report(f"# {platform.node()} {os.cpu_count()} cpus (affinity {len(os.sched_getaffinity(0))}), "
                f"torch threads {torch.get_num_threads()}, pool threads "

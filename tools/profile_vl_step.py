@@ -156,8 +156,10 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
+    from mstar_actors.config import Config, ModelConfig
     from mstar_actors.media import MediaLimits
     from mstar_actors.media_copies import MediaCopies
+    from mstar_actors.model_info import load_model_info
     from mstar_actors.model_runner import ModelRunner
     from mstar_actors.preprocess import load_preparer
 
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         folder = bp.save_tiny_vl_model(Path(tmp) / "vl", real_patches=True, max_model_len=max_model_len)
         limits = MediaLimits(max_bytes=50 << 20, video_fps=clip.fps, max_video_frames=max(64, clip.num_frames + 2),
                              max_video_seconds=max(120.0, clip.seconds + 1))
-        preparer = load_preparer(folder, max_model_len, limits)
+        preparer = load_preparer(load_model_info(Config(model=ModelConfig(path=str(folder)))), limits)
         url = bp.mp4_data_url(clip.seconds, width=clip.width, height=clip.height)
         drafts, draft_ms, arena = [], [], DictArena()
         for i in range(args.requests):

@@ -108,7 +108,8 @@ def _check_servable(cfg: dict, where: str) -> None:
 
 
 def _eos_ids(model_dir: Path, cfg: dict) -> list[int]:
-    """EOS ids from config.json and generation_config.json (union, in order)."""
+    """EOS ids from config.json and generation_config.json (union, in order):
+    the one EOS rule; the ranks stop on these and ``ModelInfo`` carries them."""
     found: list[int] = []
     sources = [cfg]
     gen = Path(model_dir) / "generation_config.json"

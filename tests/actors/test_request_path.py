@@ -17,6 +17,7 @@ from mstar_actors.messages import (
     Abort,
     ChatMessage,
     ConductorToFrontend,
+    ContextAgreed,
     ConductorToWorker,
     EngineStats,
     Failed,
@@ -59,12 +60,14 @@ class Engine:
     """prepare, conductor and the ranks on one loop; ``to_prepare`` / ``from_conductor`` are the frontend's ends."""
 
     def __init__(self, config: Config):
+        from mstar_actors.model_info import load_model_info
+
         self.to_prepare = MemoryChannel(FrontendToPrepare, "frontend.prepare")
         self.from_conductor = MemoryChannel(ConductorToFrontend, "conductor.frontend")
         p2c = MemoryChannel(PrepareToConductor, "prepare.conductor")
         c2w = [MemoryChannel(ConductorToWorker, f"conductor.worker{r}") for r in range(NUM_RANKS)]
         w2c = [MemoryChannel(WorkerToConductor, f"worker{r}.conductor") for r in range(NUM_RANKS)]
-        common = dict(config=config)
+        common = dict(config=config, info=load_model_info(config))
         self.actors = [
             PrepareActor(name="prepare", inbox={"frontend": self.to_prepare}, outbox={"conductor": p2c}, **common),
             ConductorActor(name="conductor", inbox={"prepare": p2c} | {f"worker{r}": w2c[r] for r in range(NUM_RANKS)},
@@ -151,7 +154,7 @@ async def test_greedy_tokens_match_transformers_and_bad_prompt_fails_alone(tiny_
     requests = [
         make_request("ids", prompt_token_ids=[5, 9, 33, 41, 17, 100, 250]),
         make_request("text", prompt="hello world w1 w2 w3 w4 w5 w6 w9 w10 w11"),
-        make_request("bad", prompt_token_ids=[5, 10_000]),
+        make_request("bad", prompt_token_ids=[5] * 130),  # over max_model_len: the scheduler refuses it
         make_request("chat", max_tokens=8, messages=chat),
     ]
     for req in requests:
@@ -161,7 +164,8 @@ async def test_greedy_tokens_match_transformers_and_bad_prompt_fails_alone(tiny_
     assert await engine.stop() == [0] * (2 + NUM_RANKS)
 
     bad = out["bad"]["end"]
-    assert isinstance(bad, Failed) and bad.status == 400 and "10000" in bad.message and not out["bad"]["tokens"]
+    assert isinstance(bad, Failed) and bad.status == 400 and not out["bad"]["tokens"]
+    assert bad.code == "context_length_exceeded" and "130 tokens" in bad.message and "max_model_len is 128" in bad.message
     prompts = {
         "ids": [5, 9, 33, 41, 17, 100, 250],
         "text": tok.encode_prompt("hello world w1 w2 w3 w4 w5 w6 w9 w10 w11"),
@@ -220,6 +224,20 @@ async def test_failed_step_fails_its_rows_with_500_and_serving_continues(tiny_mo
     await engine.to_prepare.send(make_request("ok2", max_tokens=3, prompt_token_ids=[5, 6]))
     out = await engine.collect(num_ended=1)
     assert out["ok2"]["end"].finish_reason == "length"
+    assert await engine.stop() == [0] * (2 + NUM_RANKS)
+
+
+@async_test
+async def test_the_frontend_learns_the_context_the_kv_cache_leaves(tiny_model):
+    model_dir, _ = tiny_model
+    engine = Engine(make_config(model_dir, num_blocks=16))  # 64 KV tokens: less than max_model_len 128
+    engine.start()
+    assert await asyncio.wait_for(engine.from_conductor.recv(), 10) == ContextAgreed(max_model_len=64)
+    await engine.to_prepare.send(make_request("long", max_tokens=3, prompt_token_ids=[5] * 70))
+    out = await engine.collect(num_ended=1)
+    refused = out["long"]["end"]
+    assert isinstance(refused, Failed) and refused.status == 400 and refused.code == "context_length_exceeded"
+    assert "the whole KV cache holds 64 tokens" in refused.message
     assert await engine.stop() == [0] * (2 + NUM_RANKS)
 
 

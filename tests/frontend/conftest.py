@@ -59,6 +59,16 @@ def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
+def tiny_info(model_dir: Path, tokenizer, max_model_len: int = 256):
+    """What the launcher would hand the frontend for the tiny folder (its config.json
+    holds only what a tokenizer-only folder needs, so the facts are stated here)."""
+    from mstar_actors.model_info import ModelInfo
+
+    return ModelInfo(served_name="tiny", model_dir=str(model_dir), architecture="LlamaForCausalLM",
+                     vocab_size=len(tokenizer), eos_token_ids=(tokenizer.eos_token_id,), dtype="float32",
+                     max_model_len=max_model_len)
+
+
 # --------------------------------------------------------------------------
 # The fake engine: answers NewRequests with scripted TokenDeltas / Finished
 # --------------------------------------------------------------------------
@@ -164,13 +174,14 @@ class Harness:
         self.prepare = MemoryChannel(FrontendToPrepare, "frontend->prepare")
         self.control_out = MemoryChannel(ActorToLauncher, "frontend->launcher")
         self.engine = FakeEngine(tokenizer, self.prepare, self.conductor)
+        self.info = tiny_info(model_dir, tokenizer)
         self.started = started
 
     async def __aenter__(self) -> "Harness":
         from actors.frontend import FrontendActor
         from mstar_actors.messages import Started
 
-        self.actor = FrontendActor(name="frontend", config=self.config,
+        self.actor = FrontendActor(name="frontend", config=self.config, info=self.info,
                                    inbox={"conductor": self.conductor, "control": self.control_in},
                                    outbox={"prepare": self.prepare, "control": self.control_out})
         self.actor_task = asyncio.create_task(self.actor.run())

@@ -6,7 +6,7 @@ import json
 import aiohttp
 import msgspec
 
-from mstar_actors.messages import EngineStats, Failed, Finished, PeerFailed, SampledToken, TokenDelta
+from mstar_actors.messages import ContextAgreed, EngineStats, Failed, Finished, PeerFailed, SampledToken, TokenDelta
 from tests.frontend.conftest import REPLY
 from tests.frontend.test_openai_api import BAD
 
@@ -278,6 +278,22 @@ def test_auth_model_size_and_route_errors(harness):
                 models = await resp.json()
             assert [m["id"] for m in models["data"]] == ["tiny", "tiny-lora"]
             assert models["data"][0]["max_model_len"] == 256
+
+    run(body)
+
+
+def test_the_context_the_engine_agreed_bounds_max_tokens_and_is_listed(harness):
+    async def body():
+        async with harness() as h:
+            status, r = await h.post(COMP, {"model": "tiny", "prompt": "Hello", "max_tokens": 200})
+            assert status == 200  # the launcher's context: 256
+            await h.engine.send(ContextAgreed(max_model_len=100))  # the ranks' KV cache holds less
+            while h.actor.info.max_model_len != 100:  # applied by the actor's mailbox, on this loop
+                await asyncio.sleep(0)
+            status, r = await h.post(COMP, {"model": "tiny", "prompt": "Hello", "max_tokens": 200})
+            assert status == 400 and r["error"]["param"] == "max_tokens"
+            async with h.session.get(h.url + "/v1/models") as resp:
+                assert (await resp.json())["data"][0]["max_model_len"] == 100
 
     run(body)
 

@@ -15,6 +15,7 @@ from lora_factories import base_shapes, make_adapter, make_base
 from actors.adapter_reader import AdapterReaderActor
 from actors.conductor import ConductorActor
 from mstar_actors.config import Config, KvConfig, LoraConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from mstar_actors.model_info import ModelInfo
 from mstar_actors.lora.host_copy import adapter_from_bytes
 from mstar_actors.messages import (
     AdapterUpdate,
@@ -141,14 +142,18 @@ class Cluster:
         r2c = MemoryChannel(AdapterReaderToConductor, "adapter_reader.conductor")
         c2w = [MemoryChannel(ConductorToWorker, f"conductor.worker{r}") for r in range(NUM_RANKS)]
         w2c = [MemoryChannel(WorkerToConductor, f"worker{r}.conductor") for r in range(NUM_RANKS)]
+        # The folder is never read here: the launcher's facts for the base, with its LoRA shapes.
+        self.info = ModelInfo(served_name="base", model_dir="unused", architecture="LlamaForCausalLM",
+                              vocab_size=shapes.global_modules["embed_tokens"][0], eos_token_ids=(2,),
+                              dtype="float32", max_model_len=64, lora_base=shapes)
         self.shared = {"violations": [], "expect": {}}
         fail_on = fail_on or {}
         self.ranks = [FakeRank(r, c2w[r], w2c[r], self.shared, fail_on.get(r, ())) for r in range(NUM_RANKS)]
         self.conductor = ConductorActor(
-            name="conductor", config=self.config,
+            name="conductor", config=self.config, info=self.info,
             inbox={"prepare": self.to_conductor, "adapter_reader": r2c} | {f"worker{r}": w2c[r] for r in range(NUM_RANKS)},
             outbox={"frontend": self.from_conductor, "workers": FanOut(c2w), "adapter_reader": c2r})
-        self.reader = AdapterReaderActor(name="adapter_reader", config=self.config, base_shapes=shapes,
+        self.reader = AdapterReaderActor(name="adapter_reader", config=self.config, info=self.info,
                                          inbox={"conductor": c2r}, outbox={"conductor": r2c})
         self.stats: list[EngineStats] = []
         self.others: list = []
@@ -197,7 +202,7 @@ class Cluster:
     def digest(self, name: str) -> str:
         from mstar_actors.lora import read_adapter
 
-        folders, shapes = self.reader.config.lora.adapters, self.reader.base_shapes
+        folders, shapes = self.reader.config.lora.adapters, self.info.lora_base
         return read_adapter(folders[name], base=shapes, max_rank=8, name=name).digest
 
 

@@ -9,6 +9,7 @@ import json
 import shutil
 
 import aiohttp
+import msgspec
 import pytest
 import torch
 from lora_factories import edit_adapter, make_adapter, make_base
@@ -44,7 +45,8 @@ class Served:
         self.to_prepare = MemoryChannel(FrontendToPrepare, "frontend.prepare")
         self.to_frontend = MemoryChannel(ConductorToFrontend, "conductor.frontend(relay)")
         self.ready = MemoryChannel(ActorToLauncher, "frontend.launcher")
-        self.frontend = FrontendActor(name="frontend", config=self.config, inbox={"conductor": self.to_frontend},
+        info = msgspec.structs.replace(self.cluster.info, model_dir=str(tmp_path))  # the tokenizer's folder
+        self.frontend = FrontendActor(name="frontend", config=self.config, info=info, inbox={"conductor": self.to_frontend},
                                       outbox={"prepare": self.to_prepare, "control": self.ready})
 
     async def bridge(self) -> None:

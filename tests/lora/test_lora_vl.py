@@ -22,11 +22,11 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from actors.adapter_reader import load_base_shapes
 from mstar_actors import messages
 from plan_driver import PlanDriver
 from mstar_actors.lora import AdapterError, read_adapter
 from mstar_actors.lora.host_copy import adapter_from_bytes, adapter_to_bytes
+from mstar_actors.model_info import load_model_info
 from mstar_actors.model_runner import ModelRunner
 
 BLOCK_SIZE = 4
@@ -71,12 +71,19 @@ def generate(model, prompt, media, arena) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def served_shapes(folder):
+    """The LoRA shapes the launcher hands the adapter reader for ``folder``."""
+    from mstar_actors.config import parse_config
+
+    return load_model_info(parse_config({"model": {"path": str(folder)}})).lora_base
+
+
 Driver = functools.partial(PlanDriver, block_size=BLOCK_SIZE, num_new=NUM_NEW, sampling=GREEDY)
 
 
 def test_served_shapes_come_from_the_text_stack(world):
     base_folder, _, _, _ = world
-    shapes = load_base_shapes(str(base_folder))  # what the adapter reader and the launcher derive
+    shapes = served_shapes(base_folder)  # what the adapter reader and the launcher use
     assert shapes.num_layers == 2 and not shapes.tie_word_embeddings
     assert shapes.shape_of("self_attn.k_proj") == (64, 32) and shapes.shape_of("mlp.down_proj") == (128, 64)
     assert shapes.shape_of("lm_head") == (64, VOCAB) and shapes.shape_of("embed_tokens") == (VOCAB, 64)
@@ -84,7 +91,7 @@ def test_served_shapes_come_from_the_text_stack(world):
 
 def test_adapter_on_the_text_stack_matches_peft(world):
     base_folder, base, adapter_folder, peft = world
-    shapes = load_base_shapes(str(base_folder))
+    shapes = served_shapes(base_folder)
     weights = read_adapter(adapter_folder, base=shapes, max_rank=MAX_RANK, name="text")
     assert weights.num_modules == 2 * 7 + 2
     arena = FakeArena()
@@ -115,7 +122,7 @@ def test_adapter_on_the_text_stack_matches_peft(world):
 
 def test_both_peft_layouts_read_to_the_same_factors(world, tmp_path):
     base_folder, _, adapter_folder, _ = world
-    shapes = load_base_shapes(str(base_folder))
+    shapes = served_shapes(base_folder)
     tensors = load_file(adapter_folder / "adapter_model.safetensors")
     assert any(k.startswith("base_model.model.model.language_model.layers.") for k in tensors)
     original = {k.replace("model.language_model.", "model."): v for k, v in tensors.items()}
@@ -144,22 +151,27 @@ def test_vision_tower_target_is_refused_by_name(world, tmp_path, layout):
         r"are not adapter targets; accepted: the text stack's linears, lm_head, embed_tokens"
     )
     with pytest.raises(AdapterError, match=message):
-        read_adapter(tmp_path / "ad", base=load_base_shapes(str(base_folder)), max_rank=MAX_RANK)
+        read_adapter(tmp_path / "ad", base=served_shapes(base_folder), max_rank=MAX_RANK)
 
 
 
-def test_launcher_accepts_a_text_stack_adapter_and_refuses_a_model_without_rules(world, tmp_path):
+def test_launcher_accepts_a_text_stack_adapter_and_refuses_a_model_without_rules(world):
     import json
+
+    import msgspec
 
     from mstar_actors.config import parse_config
     from mstar_actors.launcher import validate_adapters
+    from mstar_actors.model_info import lora_base_of
 
     base_folder, _, adapter_folder, _ = world
     lora = {"max_loras": 1, "max_lora_rank": MAX_RANK, "adapters": {"text": str(adapter_folder)}}
-    validate_adapters(parse_config({"model": {"path": str(base_folder)}, "lora": lora}))
-    other = tmp_path / "other"
-    other.mkdir()
-    config = json.loads((base_folder / "config.json").read_text()) | {"architectures": ["GPT2LMHeadModel"]}
-    (other / "config.json").write_text(json.dumps(config))
+    config = parse_config({"model": {"path": str(base_folder)}, "lora": lora})
+    info = load_model_info(config)
+    validate_adapters(config, info)
+    other = json.loads((base_folder / "config.json").read_text()) | {"architectures": ["GPT2LMHeadModel"]}
+    shapes, refusal = lora_base_of(other)
+    assert shapes is None
+    without_rules = msgspec.structs.replace(info, lora_base=None, lora_refusal=refusal)
     with pytest.raises(AdapterError, match=r"lora.adapters: the base model .* takes no adapters: .*GPT2LMHeadModel.*no LoRA shape rules"):
-        validate_adapters(parse_config({"model": {"path": str(other)}, "lora": lora}))
+        validate_adapters(config, without_rules)

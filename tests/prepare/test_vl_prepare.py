@@ -51,7 +51,7 @@ def vl_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def preparer(vl_folder):
-    return load_preparer(vl_folder, None, MediaLimits(video_fps=2.0))
+    return load_preparer(bench.vl_prepare_info(vl_folder), MediaLimits(video_fps=2.0))
 
 
 def png_url(array: np.ndarray) -> str:

@@ -1,0 +1,95 @@
+"""ModelInfo: the model's facts, read once from the folder, as the ranks read them."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from mstar_actors.config import parse_config
+from mstar_actors.lora.base_shapes import BaseShapes
+from mstar_actors.model_info import ModelInfo, load_model_info, served_name
+from mstar_actors.models.spec import ModelLoadError
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+    "max_position_embeddings": 256, "eos_token_id": 2, "torch_dtype": "bfloat16",
+}
+
+
+def model_folder(tmp_path: Path, generation_eos=None, **fields) -> Path:
+    """A folder with only config.json (and generation_config.json): the facts need no weights."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA | fields))
+    if generation_eos is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
+    return tmp_path
+
+
+def info_of(folder: Path, **sections) -> ModelInfo:
+    model = {"path": str(folder), "device": "cpu"} | sections.pop("model", {})
+    return load_model_info(parse_config({"model": model, **sections}))
+
+
+def test_facts_of_a_llama_folder(tmp_path):
+    folder = model_folder(tmp_path, generation_eos=[2, 5, 0])
+    info = info_of(folder, model={"name": "tiny"})
+    assert (info.served_name, info.model_dir, info.architecture) == ("tiny", str(folder), "LlamaForCausalLM")
+    assert info.vocab_size == 512 and not info.is_multimodal and info.media_token_ids == {}
+    assert info.eos_token_ids == (2, 5, 0)  # config.json's first, then generation_config's extras: the ranks' rule
+    assert info.dtype == "float32"  # auto on CPU
+    assert info.lora_base == BaseShapes.from_hf_config(LLAMA) and info.lora_refusal == ""
+
+
+def test_served_name_is_the_configured_the_embedded_or_the_folder_name(tmp_path):
+    assert served_name("mine", "smollm2", tmp_path) == "mine"
+    assert served_name(None, "smollm2", tmp_path / "cache-dir") == "smollm2"
+    assert served_name(None, str(tmp_path / "folder") + "/", tmp_path / "folder") == "folder"
+
+
+def test_max_model_len_is_capped_by_the_model_and_narrowed_by_the_kv_cache(tmp_path):
+    folder = model_folder(tmp_path)
+    assert info_of(folder).max_model_len == 256  # unset: the model's own context
+    assert info_of(folder, scheduler={"max_model_len": 100}).max_model_len == 100
+    info = info_of(folder, scheduler={"max_model_len": 10_000})
+    assert info.max_model_len == 256  # never past the position embeddings, as the ranks clamp it
+    assert info.with_kv_capacity(64).max_model_len == 64 and info.with_kv_capacity(1000) == info
+
+
+def test_dtype_is_the_ranks_resolution(tmp_path):
+    folder = model_folder(tmp_path)
+    assert info_of(folder, model={"dtype": "float16"}).dtype == "float16"
+    assert info_of(folder, model={"dtype": "auto"}).dtype == "float32"
+
+
+def test_a_folder_the_ranks_cannot_serve_is_refused_naming_the_field(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"config.json: architecture 'GPT2LMHeadModel' is not supported"):
+        info_of(model_folder(tmp_path, architectures=["GPT2LMHeadModel"]))
+    with pytest.raises(ModelLoadError, match=r"config.json: field 'hidden_size' is missing"):
+        info_of(model_folder(tmp_path, architectures=["LlamaForCausalLM"], hidden_size=None))
+
+
+def test_info_crosses_processes_as_the_spec_carries_it(tmp_path):
+    info = info_of(model_folder(tmp_path))
+    assert pickle.loads(pickle.dumps(info)) == info
+    assert msgspec.convert(msgspec.to_builtins(info), ModelInfo) == info  # ActorSpec.info and back
+
+
+def test_unpickling_a_spec_with_info_imports_no_torch(tmp_path):
+    """The child unpickles its spec before it blocks SIGUSR1: nothing in it may import torch."""
+    from actors.base import ActorSpec
+    from mstar_actors.config import Config
+
+    info = info_of(model_folder(tmp_path))
+    spec = ActorSpec(name="x", config=Config(), run_dir=str(tmp_path), inbox={}, outbox={},
+                     info=msgspec.to_builtins(info))
+    (tmp_path / "spec.pickle").write_bytes(pickle.dumps(spec))
+    code = (f"import pickle, sys; pickle.loads(open({str(tmp_path / 'spec.pickle')!r}, 'rb').read()); "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={"PYTHONPATH": str(ROOT)}).returncode == 0
