@@ -120,7 +120,7 @@ class Exchange:
     def num_choices(self) -> int:
         return sum(len(ids) for ids in self.choice_ids.values())
 
-    def open_ids(self) -> list[str]:
+    def abort_ids(self) -> list[str]:
         """What to abort: a request none of whose choices is done (so prepare
         can drop it unsent), else each choice not done."""
         out = []
@@ -389,7 +389,7 @@ class FrontendActor(Actor):
 
     def _close(self, exchange: Exchange) -> None:
         """Abort what has not finished and forget the exchange (every exit path)."""
-        for rid in exchange.open_ids():
+        for rid in exchange.abort_ids():
             self._abort(rid)
         self.metrics.prompt_tokens.inc(sum(c.num_prompt_tokens for c in exchange.choices.values()))
         for rid in [*exchange.choice_ids, *exchange.choices]:

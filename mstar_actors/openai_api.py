@@ -3,7 +3,8 @@
 ``parse_chat`` / ``parse_completion`` turn raw body bytes into a validated
 ``ParsedRequest`` (or raise ``ApiError`` naming the field and what would be
 accepted); ``ParsedRequest.new_requests`` makes one engine ``NewRequest`` per
-prompt, of ``n`` choices. The ``*_response`` / ``*_chunk`` builders make OpenAI's JSON shapes.
+prompt, of ``n`` choices. The ``*_response`` / ``*_chunk`` builders make
+OpenAI's JSON shapes.
 
 Validation is by hand rather than through msgspec Structs: each field gets an
 error that names it and its accepted range, ``bool`` is never taken for an
@@ -173,16 +174,12 @@ class ParsedRequest:
     def num_choices(self) -> int:
         return self.n * max(1, len(self.prompts))
 
-    def prompt_of(self, choice: int) -> str | list[int] | None:
-        return self.prompts[choice // self.n] if self.prompts else None
-
     def new_requests(self, base_id: str, model: str, now: float | None = None) -> list[NewRequest]:
         """One engine request per prompt, of ``n`` choices: prepared once, its
         choices sampled by the engine (with a seed, choice i uses seed + i)."""
         now = time.time() if now is None else now
         out = []
-        for index in range(max(1, len(self.prompts))):
-            prompt = self.prompt_of(index * self.n)
+        for index, prompt in enumerate(self.prompts or [None]):
             out.append(
                 NewRequest(
                     request_id=f"{base_id}-{index}",
@@ -539,9 +536,7 @@ class ChoiceOutput:
         return "".join(emitted), self.logprobs[first_entry:]
 
     def finish(self, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int) -> str:
-        """The engine finished this choice; return the held-back tail text."""
-        if self.is_done:
-            return ""
+        """The engine finished this choice (not done here); return the held-back tail text."""
         emitted: list[str] = []
         emit, matched = self.stops.feed(self.detokenizer.flush())
         self._append(emit if matched else emit + self.stops.flush(), emitted)

@@ -159,18 +159,18 @@ class Scheduler:
         """Queue ``req``'s choices (KV under weights named ``root``, rows on
         ``lora_slot``), or refuse each of them at once."""
         ids = choice_ids(req.request_id, req.n)
-        refusal = self._check_prompt(req, ids)
+        if self._is_in_use(req, ids):
+            self.media.release(req.media)  # the live request of that id keeps its own
+            message = f"request id {req.request_id!r} is already in use; send a unique id"
+            return [self._refuse(rid, "request_id", message) for rid in ids]
+        self.media.add(req.request_id, req.media)
+        refusal = self._check_prompt(req)
         if refusal is not None:
-            if refusal.param == "request_id":
-                self.media.release(req.media)  # the live request of that id keeps its own
-            else:
-                self.media.add(req.request_id, req.media)
-                self.media.end(req.request_id)
+            self.media.end(req.request_id)
             return [msgspec.structs.replace(refusal, request_id=rid) for rid in ids]
         num_prompt = len(req.prompt_token_ids)
         max_tokens = min(req.sampling.max_tokens, self.max_model_len - num_prompt, self.max_kv_tokens - num_prompt)
         self.choices[req.request_id] = list(ids)
-        self.media.add(req.request_id, req.media)
         for index, rid in enumerate(ids):
             seq = Sequence(rid, req, choice_sampling(req.sampling, index), root=root, lora_slot=lora_slot,
                            max_tokens=max_tokens, arrival=self._num_arrivals, block_size=self.block_size)
@@ -193,31 +193,30 @@ class Scheduler:
     def _is_in_use(self, req: Prepared, ids: list[str]) -> bool:
         return req.request_id in self.choices or any(rid in self.requests for rid in ids)
 
-    def _check_prompt(self, req: Prepared, ids: list[str]) -> Failed | None:
+    def _check_prompt(self, req: Prepared) -> Failed | None:
         num_prompt = len(req.prompt_token_ids)
-        if self._is_in_use(req, ids):
-            return self._refuse(req, "request_id", f"request id {req.request_id!r} is already in use; send a unique id")
         if num_prompt == 0:
-            return self._refuse(req, req.prompt_param, f"request {req.request_id}: the prompt is empty; send at least one token")
+            message = f"request {req.request_id}: the prompt is empty; send at least one token"
+            return self._refuse(req.request_id, req.prompt_param, message)
         if num_prompt >= self.max_model_len:
             message = (
                 f"request {req.request_id}: the prompt has {num_prompt} tokens, but max_model_len is "
                 f"{self.max_model_len} tokens for prompt and output together; shorten the prompt "
                 f"to at most {self.max_model_len - 1} tokens"
             )
-            return self._refuse(req, req.prompt_param, message, code="context_length_exceeded")
+            return self._refuse(req.request_id, req.prompt_param, message, code="context_length_exceeded")
         if num_prompt >= self.max_kv_tokens:
             message = (
                 f"request {req.request_id}: the prompt has {num_prompt} tokens, but the whole KV cache holds "
                 f"{self.max_kv_tokens} tokens (max_model_len is {self.max_model_len}); shorten the prompt "
                 f"to at most {self.max_kv_tokens - 1} tokens or give the server more KV blocks"
             )
-            return self._refuse(req, req.prompt_param, message, code="context_length_exceeded")
+            return self._refuse(req.request_id, req.prompt_param, message, code="context_length_exceeded")
         return None
 
     @staticmethod
-    def _refuse(req: Prepared, param: str, message: str, code: str | None = None) -> Failed:
-        return Failed(request_id=req.request_id, status=400, message=message, param=param, code=code)
+    def _refuse(request_id: str, param: str, message: str, code: str | None = None) -> Failed:
+        return Failed(request_id=request_id, status=400, message=message, param=param, code=code)
 
     # ---------------------------------------------------------------- schedule
 
@@ -318,10 +317,9 @@ class Scheduler:
         self.running.append(seq)
         seq.status = SeqStatus.RUNNING
         seq.is_started = True
-        media = self.media.start(seq.parent_id)
-        step.started.append(
-            SeqStart(seq.request_id, seq.prompt_token_ids, seq.sampling, list(seq.output_token_ids), media, seq.lora_slot)
-        )
+        media = self.media.start(seq.parent_id)  # names the ranks' copies; the first start orders them
+        outputs = list(seq.output_token_ids)
+        step.started.append(SeqStart(seq.request_id, seq.prompt_token_ids, seq.sampling, outputs, media, seq.lora_slot))
         step.add(seq, num_new)
         return True
 

@@ -52,7 +52,8 @@ def make_request(
     if prompt is None:  # distinct per request id, so requests share a prefix only when a test says so
         rng = random.Random(request_id)
         prompt = [rng.randrange(10, 1000) for _ in range(num_prompt_tokens)]
-    media = [MediaItem("image", make_ref(request_id, i), (1, 2, 2), token_offset=i, num_tokens=1) for i in range(num_media)]
+    media = [MediaItem("image", make_ref(request_id, i), (1, 2, 2), token_offset=i, num_tokens=1)
+             for i in range(num_media)]
     return Prepared(
         request_id=request_id,
         model="m",
