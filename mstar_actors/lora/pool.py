@@ -199,7 +199,8 @@ class AdapterPool:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Choices held for their adapter (the scheduler's gauges count choices too)."""
+        return sum(w.prepared.n for w in self._waiting)
 
     @property
     def num_out_of_service(self) -> int:
