@@ -38,7 +38,7 @@ class MediaCopies:
         for ref in plan.release_media:
             self.arena.release(ref)
         for key in plan.drop_media:
-            del self._tensors[key]
+            self._tensors.pop(key, None)  # absent only if a failed step stopped its copy
         for order in plan.copy_media:
             self._tensors[order.key] = self._copy(order.ref)
 
