@@ -19,12 +19,19 @@ The busy loop, each turn:
    they changed. A ``StepFailed`` fails its rows (or the whole step) with a
    500 and the loop keeps serving the others.
 
+The plan goes out as ``schedule()`` returns it: the scheduler is its only
+author (KV blocks, LoRA slots, media orders); the conductor routes and steps.
+
 LoRA: ``AdapterPool`` (``mstar_actors.lora.pool``) decides which request
 waits for which adapter and which slot installs go out; the actor only routes
 what it returns. Requests reach the scheduler only once their slot is
-acknowledged by every rank; installs travel on the same broadcast as the
-plans, so every rank sees plans and installs in one order. A request's end
-(any ``Finished`` / ``Failed`` the scheduler emits) unpins its slot.
+acknowledged by every rank, and with it (``Admit.slot``); installs travel on
+the same broadcast as the plans, so every rank sees plans and installs in one
+order. A choice's end (any ``Finished`` / ``Failed`` the scheduler emits)
+unpins its slot.
+
+Choices: a request of ``n`` choices arrives prepared once; the scheduler
+runs it as ``n`` sequences sharing its prompt and media.
 
 Media: a media request's prefix root adds its ``media_digest``
 (``media_root``), so KV of placeholder blocks is shared only between
@@ -32,9 +39,8 @@ requests with the same images in the same places; text-only requests keep
 sharing under the plain root. This also forgoes sharing a text prefix
 (e.g. a system prompt) before the first image, which per-block keys (vLLM
 hashes each block's media ranges) would keep; acceptable while media
-prompts are short next to their vision rows. The arena refs of a request
-that ends before any ``SeqStart`` carried them are released by the ranks
-through the next plan's ``release_media`` (see ``mstar_actors.media_copies``).
+prompts are short next to their vision rows. The scheduler owns the
+request's arena refs from here on (``mstar_actors.sched.media``).
 """
 
 from __future__ import annotations
@@ -129,8 +135,6 @@ class ConductorActor(Actor):
         self.scheduler: Any = None
         self.step_results: dict[int, StepDone | StepFailed] | None = None  # set while a step runs
         self.last_stats: Any = None
-        self.unstarted_media: dict[str, list[Any]] = {}  # request id -> arena refs no rank has seen yet
-        self.release_media: list[Any] = []  # refs of requests that ended unstarted, for the next plan
 
     # ---- start: agreement -------------------------------------------------
 
@@ -165,7 +169,7 @@ class ConductorActor(Actor):
                 await self.send_stats()  # an abort or arrival while idle changes the gauges
                 continue
             self.pool.step()
-            await self.outbox["workers"].send(self.pool.label(self.track_media(plan)))  # 2
+            await self.outbox["workers"].send(plan)  # 2
             results = await self.await_step(plan)  # 3
             await self.finish_step(plan, results)  # 4
 
@@ -206,12 +210,11 @@ class ConductorActor(Actor):
     async def handle(self, channel: str, msg: Any) -> None:
         match msg:
             case Prepared():
-                if msg.media:
-                    self.unstarted_media[msg.request_id] = [m.pixel_values for m in msg.media]
+                self.scheduler.receive(msg)  # it owns the media from here, admitted or not
                 await self.route(self.pool.add(msg))
             case Abort(request_id=request_id):
                 await self.route(self.pool.abort(request_id))  # a request still waiting for its adapter
-                await self.send_outputs([self.scheduler.abort(request_id)])
+                await self.send_outputs(self.scheduler.abort(request_id))
             case Failed() if channel == "prepare":
                 await self.outbox["frontend"].send(msg)
             case LoadAdapter() if channel == "prepare":
@@ -241,36 +244,25 @@ class ConductorActor(Actor):
         """Send what the adapter pool decided, in its order."""
         for out in outputs:
             match out:
-                case Admit(prepared=prepared, root=root):
+                case Admit(prepared=prepared, slot=slot, root=root):
                     # KV is keyed by the weights that computed it: the base name or the adapter's digest.
-                    await self.send_outputs([self.scheduler.add(prepared, media_root(root, prepared))])
+                    await self.send_outputs(self.scheduler.add(prepared, media_root(root, prepared), slot))
                 case InstallAdapter():
                     self.log.debug("install %r into slot %d", out.name, out.slot)
                     await self.outbox["workers"].send(out)
                 case ReadAdapter() | DropAdapter():
                     await self.outbox["adapter_reader"].send(out)
+                case Failed():  # the pool refused a request it never admitted: its media goes
+                    self.scheduler.abort(out.request_id)
+                    await self.send_outputs([out])
                 case _:
                     await self.send_outputs([out])
 
     async def send_outputs(self, outputs: list[Any]) -> None:
         for out in outputs:
-            if out is None:
-                continue
             await self.outbox["frontend"].send(out)
             if isinstance(out, Finished | Failed):
-                self.release_media += self.unstarted_media.pop(out.request_id, ())
                 await self.route(self.pool.end(out.request_id))
-
-    def track_media(self, plan: StepPlan) -> StepPlan:
-        """Ranks own the refs of the requests this plan starts; they release
-        the refs of requests that ended unstarted."""
-        for start in plan.started:
-            self.unstarted_media.pop(start.request_id, None)
-        if not self.release_media:
-            return plan
-        plan = msgspec.structs.replace(plan, release_media=self.release_media)
-        self.release_media = []
-        return plan
 
     async def send_stats(self) -> None:
         stats = self.scheduler.stats()

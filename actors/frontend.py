@@ -55,6 +55,7 @@ from mstar_actors.messages import (
     PeerFailed,
     TokenDelta,
     UnloadAdapter,
+    choice_ids,
 )
 from mstar_actors.metrics import Metrics
 from mstar_actors.openai_api import ApiError, ChoiceOutput, ParsedRequest
@@ -64,7 +65,9 @@ _json = msgspec.json.Encoder()
 
 
 class Exchange:
-    """One HTTP request's engine requests and its bounded inbound queue."""
+    """One HTTP request's engine requests (one per prompt, of ``n`` choices
+    each) and its bounded inbound queue. Outputs name a choice; a failure of
+    a whole request (prepare's, the adapter pool's) names the request."""
 
     def __init__(self, parsed: ParsedRequest, model: str, prefix: str):
         self.parsed = parsed
@@ -73,8 +76,9 @@ class Exchange:
         self.created = int(time.time())
         self.arrival = time.perf_counter()
         self.requests = parsed.new_requests(self.id, model)
+        self.choice_ids = {r.request_id: choice_ids(r.request_id, r.n) for r in self.requests}
         self.choices: dict[str, ChoiceOutput] = {}
-        self.max_pending = sum(r.sampling.max_tokens + 2 for r in self.requests)
+        self.max_pending = sum((r.sampling.max_tokens + 2) * r.n for r in self.requests)
         self._pending: collections.deque = collections.deque()
         self._changed = asyncio.Event()
         self.is_overflowed = False
@@ -96,12 +100,22 @@ class Exchange:
             await self._changed.wait()
         return self._pending.popleft()
 
-    def open_ids(self) -> list[str]:
-        return [rid for rid, c in self.choices.items() if not c.is_done]
+    @property
+    def num_choices(self) -> int:
+        return sum(len(ids) for ids in self.choice_ids.values())
+
+    def abort_ids(self) -> list[str]:
+        """What to abort: a request none of whose choices is done (so prepare
+        can drop it unsent), else each choice not done."""
+        out = []
+        for rid, ids in self.choice_ids.items():
+            open_ids = [cid for cid in ids if not self.choices[cid].is_done]
+            out += [rid] if len(open_ids) == len(ids) else open_ids
+        return out
 
     def is_waiting(self) -> bool:
-        """Some choice has output or usage still to come."""
-        return any(not c.is_done or c.is_waiting_for_usage for c in self.choices.values())
+        """Some choice has output still to come."""
+        return any(not c.is_done for c in self.choices.values())
 
 
 class FrontendActor(Actor):
@@ -333,17 +347,19 @@ class FrontendActor(Actor):
     def _admit(self, exchange: Exchange) -> None:
         num_waiting = max(self._num_engine_waiting, len(self._unacked))
         limit = self.config.server.max_waiting_requests
-        if num_waiting + len(exchange.requests) > limit:
+        if num_waiting + exchange.num_choices > limit:
             raise ApiError(503, f"server overloaded: {num_waiting} requests waiting (limit {limit}); retry later",
                            code="overloaded")
 
     async def _submit(self, exchange: Exchange) -> None:
         """Register every choice before sending, so no output can arrive unrouted."""
-        for index, req in enumerate(exchange.requests):
-            exchange.choices[req.request_id] = self._new_choice(index, exchange, req)
-            self._exchanges[req.request_id] = exchange
         for req in exchange.requests:
-            self._unacked.add(req.request_id)
+            self._exchanges[req.request_id] = exchange
+            for cid in exchange.choice_ids[req.request_id]:
+                exchange.choices[cid] = self._new_choice(len(exchange.choices), exchange, req)
+                self._exchanges[cid] = exchange
+        for req in exchange.requests:
+            self._unacked.update(exchange.choice_ids[req.request_id])
             await self.outbox["prepare"].send(req)
 
     def _new_choice(self, index: int, exchange: Exchange, req: NewRequest) -> ChoiceOutput:
@@ -357,10 +373,10 @@ class FrontendActor(Actor):
 
     def _close(self, exchange: Exchange) -> None:
         """Abort what has not finished and forget the exchange (every exit path)."""
-        for rid in exchange.open_ids():
+        for rid in exchange.abort_ids():
             self._abort(rid)
         self.metrics.prompt_tokens.inc(sum(c.num_prompt_tokens for c in exchange.choices.values()))
-        for rid in exchange.choices:
+        for rid in [*exchange.choice_ids, *exchange.choices]:
             self._exchanges.pop(rid, None)
             self._unacked.discard(rid)
 
@@ -379,15 +395,11 @@ class FrontendActor(Actor):
     def _apply(self, exchange: Exchange, msg: Any) -> tuple[ChoiceOutput, str, list] | None:
         """Feed one engine message to its choice; raise ApiError for Failed.
         None when the choice was already done (nothing for the client)."""
-        choice = exchange.choices[msg.request_id]
-        if choice.is_done:  # stopped here; only the engine's count of prompt tokens still matters
-            match msg:
-                case TokenDelta():
-                    choice.num_prompt_tokens = choice.num_prompt_tokens or msg.num_prompt_tokens
-                case Finished():
-                    choice.settle(msg.num_prompt_tokens)
-                case Failed():
-                    choice.settle()
+        choice = exchange.choices.get(msg.request_id)
+        if choice is None or choice.is_done:  # a whole request's, or stopped here
+            if isinstance(msg, Failed) and choice is None:
+                raise ApiError(msg.status, f"request {exchange.id}: {msg.message}", param=msg.param, code=msg.code,
+                               error_type=msg.error_type)
             return None
         match msg:
             case TokenDelta():
@@ -469,7 +481,7 @@ class _Stream:
     async def _prepare(self) -> None:
         await self.response.prepare(self.request)
         if self.is_chat:  # the first chunk of each choice carries the role
-            for index in range(len(self.exchange.requests)):
+            for index in range(self.exchange.num_choices):
                 await self._write_choices([api.chat_chunk_choice(index, {"role": "assistant", "content": ""}, None, None)])
 
     async def write_choice(self, choice: ChoiceOutput, text: str, entries: list) -> None:

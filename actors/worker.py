@@ -227,8 +227,8 @@ class WorkerActor(Actor):
     def execute(self, plan: StepPlan) -> StepDone | StepFailed:
         start = time.perf_counter()
         try:
-            if self.media is not None:  # copies media out of the arena, releases it
-                plan = self.media.take(plan)
+            if self.media is not None:  # the plan's media orders: copies out of the arena, releases
+                self.media.apply(plan)
             sampled = self.runner.execute(plan)
         except Exception as err:  # the step fails; the rank keeps serving
             self.log.exception("step %d failed on rank %d", plan.step_id, self.rank)

@@ -36,7 +36,9 @@ _HOT = dict(array_like=True, omit_defaults=True)
 class TensorRef(Struct, frozen=True, **_HOT):
     """A tensor stored in a shared-memory arena (see ``transport.arena``).
 
-    The reader maps it without a copy and must release it exactly once.
+    The reader maps it without a copy and must release it exactly once. A
+    ref whose ``segment`` is ``RANK_MEMORY`` names instead a rank's private
+    copy, by the key ``offset`` (see ``StepPlan.copy_media``).
     """
 
     segment: str
@@ -61,6 +63,17 @@ class MediaItem(Struct, frozen=True, **_HOT):
     token_offset: int
     num_tokens: int
     second_per_grid_t: float = 0.0  # video: seconds per temporal patch (multimodal rotary positions)
+
+
+RANK_MEMORY = "rank-memory"  # TensorRef.segment of a rank's private copy
+
+
+class MediaCopy(Struct, frozen=True, **_HOT):
+    """Copy arena tensor ``ref`` into rank memory as key ``key``, then release
+    the arena block (see ``StepPlan.copy_media``)."""
+
+    key: int
+    ref: TensorRef
 
 
 class AdapterHostRef(Struct, frozen=True, **_HOT):
@@ -137,7 +150,9 @@ class SampledToken(Struct, frozen=True, **_HOT):
 
 class NewRequest(Struct, frozen=True, tag=True, omit_defaults=True):
     """A validated client request. Exactly one of prompt / prompt_token_ids /
-    messages is set. ``model`` is the served name: the base model or an adapter."""
+    messages is set. ``model`` is the served name: the base model or an adapter.
+    It is prepared once; the conductor runs its ``n`` choices as sequences
+    named ``choice_ids(request_id, n)``, each output names its choice."""
 
     request_id: str
     model: str
@@ -147,11 +162,18 @@ class NewRequest(Struct, frozen=True, tag=True, omit_defaults=True):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     arrival_time: float = 0.0
+    n: int = 1  # choices sampled from the one prepared prompt
+
+
+def choice_ids(request_id: str, n: int) -> list[str]:
+    """The ids of a request's ``n`` choices: its own for one, else ``id-0`` ..."""
+    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
 
 
 class Abort(Struct, frozen=True, tag=True, omit_defaults=True):
-    """Stop a request: a client disconnect or a stop-string match. Idempotent;
-    an abort of an unknown or finished request is a no-op."""
+    """Stop a request (every choice) or one choice: a client disconnect or a
+    stop-string match. Idempotent; an abort of an unknown or finished request
+    is a no-op."""
 
     request_id: str
 
@@ -200,6 +222,7 @@ class Prepared(Struct, frozen=True, tag=True, omit_defaults=True):
     # prefix cache of a media request by it, so placeholder blocks computed for
     # one image are never reused for another. Empty for text.
     media_digest: str = ""
+    n: int = 1  # NewRequest.n: choices that share this prompt and its media
 
 
 class Failed(Struct, frozen=True, tag=True, omit_defaults=True):
@@ -227,9 +250,9 @@ class TokenDelta(Struct, frozen=True, tag=True, omit_defaults=True):
 
     request_id: str
     tokens: list[SampledToken]
-    # The prompt's length, at least on a request's first delta: the frontend
-    # reports usage for a choice it ended itself (stop string) without
-    # waiting for a Finished.
+    # The prompt's length on a choice's first delta (0 on later ones): the
+    # frontend reports usage for a choice it ended itself (stop string)
+    # without waiting for a Finished.
     num_prompt_tokens: int = 0
 
 
@@ -304,7 +327,9 @@ class SeqStart(Struct, frozen=True, **_HOT):
     prompt_token_ids: list[int]
     sampling: SamplingParams
     output_token_ids: list[int] = []
-    media: list[MediaItem] = []  # from Prepared.media; vision rows are computed by the worker
+    # Prepared.media with each pixel_values naming the rank's copy
+    # (``RANK_MEMORY``); vision rows are computed by the worker.
+    media: list[MediaItem] = []
     lora_slot: int = 0  # 0: the base model; else a slot every rank acknowledged
 
 
@@ -326,17 +351,27 @@ class ScheduledChunk(Struct, frozen=True, **_HOT):
 
 
 class StepPlan(Struct, frozen=True, tag=True, omit_defaults=True):
+    """One step, final as the scheduler emits it: ranks apply ``finished``,
+    then the media orders, then run ``started`` and ``scheduled``.
+
+    Media lifetime (the scheduler owns it, see ``mstar_actors.sched.media``):
+    a request's pixel tensors reach a rank once, shared by its choices, in
+    ``copy_media`` of the plan that first starts one of them: each rank
+    copies them into its own memory and releases the arena block at once
+    (the arena reclaims FIFO, so a block held for a whole generation would
+    stall every newer tensor). SeqStarts name the copies by key, a restart
+    after a preemption too. ``drop_media`` frees them once the request's last
+    choice ended; ``release_media`` releases unread the arena refs of a
+    request that ended before any choice started.
+    """
+
     step_id: int
     started: list[SeqStart]
     scheduled: list[ScheduledChunk]
     finished: list[str] = []  # request ids the workers forget before this step
-    # The ids in ``finished`` that were preempted and will start again: workers
-    # keep their per-request media copies for them. Any other id in
-    # ``finished`` ended for good (it may come again after a preemption).
-    preempted: list[str] = []
-    # Media of requests that ended before any SeqStart reached the workers:
-    # each rank releases these arena refs (it never saw them otherwise).
     release_media: list[TensorRef] = []
+    copy_media: list[MediaCopy] = []
+    drop_media: list[int] = []  # keys of MediaCopy
 
 
 class InstallAdapter(Struct, frozen=True, tag=True, omit_defaults=True):

@@ -3,7 +3,8 @@
 ``parse_chat`` / ``parse_completion`` turn raw body bytes into a validated
 ``ParsedRequest`` (or raise ``ApiError`` naming the field and what would be
 accepted); ``ParsedRequest.new_requests`` makes one engine ``NewRequest`` per
-choice. The ``*_response`` / ``*_chunk`` builders make OpenAI's JSON shapes.
+prompt, of ``n`` choices. The ``*_response`` / ``*_chunk`` builders make
+OpenAI's JSON shapes.
 
 Validation is by hand rather than through msgspec Structs: each field gets an
 error that names it and its accepted range, ``bool`` is never taken for an
@@ -173,29 +174,23 @@ class ParsedRequest:
     def num_choices(self) -> int:
         return self.n * max(1, len(self.prompts))
 
-    def prompt_of(self, choice: int) -> str | list[int] | None:
-        return self.prompts[choice // self.n] if self.prompts else None
-
     def new_requests(self, base_id: str, model: str, now: float | None = None) -> list[NewRequest]:
-        """One engine request per choice; with a seed, choice i samples with
-        seed + i so choices differ and each reproduces."""
+        """One engine request per prompt, of ``n`` choices: prepared once, its
+        choices sampled by the engine (with a seed, choice i uses seed + i)."""
         now = time.time() if now is None else now
         out = []
-        for choice in range(self.num_choices):
-            sampling = self.sampling
-            if sampling.seed is not None:
-                sampling = msgspec.structs.replace(sampling, seed=sampling.seed + choice % self.n)
-            prompt = self.prompt_of(choice)
+        for index, prompt in enumerate(self.prompts or [None]):
             out.append(
                 NewRequest(
-                    request_id=f"{base_id}-{choice}",
+                    request_id=f"{base_id}-{index}",
                     model=model,
-                    sampling=sampling,
+                    sampling=self.sampling,
                     prompt=prompt if isinstance(prompt, str) else None,
                     prompt_token_ids=prompt if isinstance(prompt, list) else None,
                     messages=self.messages,
                     add_generation_prompt=self.add_generation_prompt,
                     arrival_time=now,
+                    n=self.n,
                 )
             )
         return out
@@ -511,7 +506,6 @@ class ChoiceOutput:
         self.finish_reason: str | None = None
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
-        self.is_settled = False  # the engine has ended it (Finished or Failed)
         self.last_token_at: float | None = None  # perf_counter of the last delta, for inter-token latency
 
     @property
@@ -541,23 +535,8 @@ class ChoiceOutput:
                 break
         return "".join(emitted), self.logprobs[first_entry:]
 
-    @property
-    def is_waiting_for_usage(self) -> bool:
-        """Stopped by a stop string before the engine said how long the prompt
-        was: the Finished that answers the abort will."""
-        return self.is_done and not self.is_settled and self.num_prompt_tokens == 0
-
-    def settle(self, num_prompt_tokens: int = 0) -> None:
-        """The engine's last word on a choice already done (its abort's Finished)."""
-        self.is_settled = True
-        self.num_prompt_tokens = self.num_prompt_tokens or num_prompt_tokens
-
     def finish(self, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int) -> str:
-        """The engine finished this choice; return the held-back tail text."""
-        if self.is_done:
-            self.settle(num_prompt_tokens)
-            return ""
-        self.is_settled = True
+        """The engine finished this choice (not done here); return the held-back tail text."""
         emitted: list[str] = []
         emit, matched = self.stops.feed(self.detokenizer.flush())
         self._append(emit if matched else emit + self.stops.flush(), emitted)

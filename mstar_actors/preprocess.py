@@ -107,6 +107,7 @@ class Preparer:
             sampling=req.sampling,
             arrival_time=req.arrival_time,
             prompt_param=param,
+            n=req.n,
         ))
 
     def _token_ids(self, req: NewRequest) -> tuple[list[int], str]:
@@ -198,7 +199,7 @@ class QwenVLPreparer:
             return failed(req, problem, "messages")
         prepared = Prepared(request_id=req.request_id, model=req.model, prompt_token_ids=token_ids,
                             sampling=req.sampling, arrival_time=req.arrival_time, prompt_param="messages",
-                            media_digest=media_digest(media))
+                            media_digest=media_digest(media), n=req.n)
         return Draft(prepared, media)
 
     # ---- media ---------------------------------------------------------------

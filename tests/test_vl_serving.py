@@ -194,6 +194,26 @@ def _tokens(vl_dir: Path, messages: list[dict]) -> list[str]:
     return AutoTokenizer.from_pretrained(str(vl_dir)).convert_ids_to_tokens(reference_reply(vl_dir, messages))
 
 
+def test_n_choices_of_one_image_each_equal_transformers(vl_server, vl_dir):
+    """The request is prepared once; its choices share the image's one copy
+    on the rank, held until the last of them ends."""
+    import openai
+
+    async def ask():
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{vl_server.port}/v1", api_key="none", max_retries=0)
+        try:
+            return await client.chat.completions.create(
+                model="tiny", messages=messages_with("image", png_url(3)), max_tokens=MAX_TOKENS, temperature=0,
+                logprobs=True, n=3, extra_body={"ignore_eos": True})
+        finally:
+            await client.close()
+
+    reply = asyncio.run(ask())
+    expected = _tokens(vl_dir, messages_with("image", png_url(3)))
+    assert [[t.token for t in c.logprobs.content] for c in reply.choices] == [expected] * 3
+    assert reply.usage.completion_tokens == 3 * MAX_TOKENS
+
+
 def test_shutdown_leaves_no_shared_memory(vl_server):
     run_id = vl_server.run_dir.name
     assert any("arena-media" in name for name in our_segments(run_id)), "the run has a media arena"

@@ -81,7 +81,7 @@ def instrument(runner, copies, timer: StageTimer) -> None:
     import mstar_actors.model_runner as runner_module
 
     model = runner.model
-    timer.wrap(copies, "take", "rank's media copy (MediaCopies.take)")
+    timer.wrap(copies, "apply", "rank's media copy (MediaCopies.apply)")
     timer.wrap(runner, "start", "sequence start (checks, mrope positions)")
     timer.wrap(runner_module, "build_batch", "host batch (build_batch)")
     timer.wrap(runner, "_to_device", "host batch -> device (ids, slots, tables)")
@@ -103,10 +103,13 @@ def instrument(runner, copies, timer: StageTimer) -> None:
     timer.wrap(runner, "sampler", "sampling")
 
 
-def make_plan(step_id: int, drafts, block_size: int, previous: list[str]):
+def make_plan(step_id: int, drafts, block_size: int, previous: list[str], ledger):
+    """``ledger`` (the scheduler's ``MediaLedger``) orders the rank's media copies."""
     from mstar_actors import messages
     from mstar_actors.preprocess import with_media
 
+    for rid in previous:
+        ledger.end(rid)
     started, scheduled, next_block = [], [], 0
     for i, (draft, refs) in enumerate(drafts):
         prepared = with_media(draft, refs)
@@ -114,10 +117,13 @@ def make_plan(step_id: int, drafts, block_size: int, previous: list[str]):
         num = len(prepared.prompt_token_ids)
         blocks = list(range(next_block, next_block + -(-num // block_size)))
         next_block += len(blocks)
+        ledger.add(rid, prepared.media)
         started.append(messages.SeqStart(rid, prepared.prompt_token_ids, messages.SamplingParams(max_tokens=1, temperature=0.0),
-                                         media=prepared.media))
+                                         media=ledger.start(rid)))
         scheduled.append(messages.ScheduledChunk(rid, 0, num, blocks, True))
-    return messages.StepPlan(step_id, started, scheduled, finished=previous), next_block
+    copies, drops, releases = ledger.take()
+    return messages.StepPlan(step_id, started, scheduled, finished=previous, copy_media=copies, drop_media=drops,
+                             release_media=releases), next_block
 
 
 class DictArena:
@@ -160,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     from mstar_actors.media import MediaLimits
     from mstar_actors.media_copies import MediaCopies
     from mstar_actors.model_info import load_model_info
+    from mstar_actors.sched.media import MediaLedger
     from mstar_actors.model_runner import ModelRunner
     from mstar_actors.preprocess import load_preparer
 
@@ -197,14 +204,16 @@ def main(argv: list[str] | None = None) -> None:
         timer = StageTimer(device)
         instrument(runner, copies, timer)
         previous: list[str] = []
+        ledger = MediaLedger()
         walls = []
 
         def step(step_id: int) -> float:
             nonlocal previous
-            plan, _ = make_plan(step_id, drafts, block_size, previous)
+            plan, _ = make_plan(step_id, drafts, block_size, previous, ledger)
             timer.sync()
             start = time.perf_counter()
-            tokens = runner.execute(copies.take(plan))
+            copies.apply(plan)
+            tokens = runner.execute(plan)
             timer.sync()
             elapsed = 1e3 * (time.perf_counter() - start)
             assert len(tokens) == args.requests, tokens

@@ -138,7 +138,7 @@ class _Sim:
         if plan is None:
             return  # idle: waiting for a read or an install
         self.pool.step()
-        for start in self.pool.label(plan).started:
+        for start in plan.started:
             self.check_slot(start.request_id, start.lora_slot)
         sampled = [SampledToken(c.request_id, TOKEN) for c in plan.scheduled if c.sample]
         self.result.num_tokens += len(sampled)
@@ -162,8 +162,8 @@ class _Sim:
     def route(self, outs: list) -> None:
         for out in outs:
             match out:
-                case Admit(prepared=prepared, root=root):
-                    self.route([self.sched.add(prepared, root)])
+                case Admit(prepared=prepared, slot=slot, root=root):
+                    self.route(self.sched.add(prepared, root, slot))
                 case TokenDelta(request_id=request_id) if request_id in self.arrival:
                     self.result.ttft_steps.append(self.now + 1 - self.arrival.pop(request_id))
                 case Finished(request_id=request_id):

@@ -18,8 +18,9 @@ A request on an adapter::
 Invariants:
 
 - A request is admitted only on a slot every rank acknowledged with the
-  adapter's digest; its ``SeqStart.lora_slot`` is that slot. Each admitted
-  or installing request holds one pin on its slot, released exactly once at
+  adapter's digest; ``Admit.slot`` is that slot, and the scheduler puts it
+  in the ``SeqStart`` of each choice. Each admitted choice (an installing
+  request: the request) holds one pin on its slot, released exactly once at
   its end (``end``) or on a failed install.
 - Host copies are reference counted by the reader: each ``AdapterRead`` is
   one hold, each ``DropAdapter`` releases one. Copies an install in flight
@@ -63,8 +64,6 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import msgspec
-
 from mstar_actors.lora.slot_table import SlotState, SlotTable
 from mstar_actors.messages import (
     AdapterHostRef,
@@ -81,8 +80,8 @@ from mstar_actors.messages import (
     ModelsChanged,
     Prepared,
     ReadAdapter,
-    StepPlan,
     UnloadAdapter,
+    choice_ids,
 )
 
 
@@ -174,7 +173,7 @@ class AdapterPool:
         self.table = SlotTable(self.max_loras, self.num_ranks)
         self.adapters: dict[str, _Adapter] = {}
         self._waiting: list[_Waiting] = []  # arrival order
-        self._slot_of: dict[str, int] = {}  # admitted request id -> slot (0: base)
+        self._slot_of: dict[str, int] = {}  # admitted choice id -> slot (0: base)
         self._slot_digest: dict[int, str] = {}  # the digest each install put in a slot
         self._installing: dict[int, tuple[str, str]] = {}  # slot -> (name, digest) whose acks are not all in
         self._reads: collections.deque[_Read] = collections.deque()
@@ -200,25 +199,16 @@ class AdapterPool:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Choices held for their adapter (the scheduler's gauges count choices too)."""
+        return sum(w.prepared.n for w in self._waiting)
 
     @property
     def num_out_of_service(self) -> int:
         """Slots taken out of service for a swap: draining for a waiter, or installing."""
         return len(self._drains) + len(self._installing)
 
-    def slot_of(self, request_id: str) -> int:
-        return self._slot_of.get(request_id, 0)
-
     def served(self) -> list[AdapterInfo]:
         return [AdapterInfo(a.name, a.path, a.digest) for a in sorted(self.adapters.values(), key=lambda a: a.name)]
-
-    def label(self, plan: StepPlan) -> StepPlan:
-        """The plan with each started row's ``lora_slot`` set."""
-        if not any(self._slot_of.get(s.request_id) for s in plan.started):
-            return plan
-        started = [msgspec.structs.replace(s, lora_slot=self._slot_of.get(s.request_id, 0)) for s in plan.started]
-        return msgspec.structs.replace(plan, started=started)
 
     # ------------------------------------------------------------ requests
 
@@ -229,7 +219,7 @@ class AdapterPool:
 
     def add(self, req: Prepared) -> list:
         if req.model == self.base:
-            self._slot_of[req.request_id] = 0
+            self._slot_of.update(dict.fromkeys(choice_ids(req.request_id, req.n), 0))
             return [Admit(req, 0, self.base)]
         adapter = self.adapters.get(req.model)
         if adapter is None:
@@ -247,12 +237,13 @@ class AdapterPool:
         self._waiting.remove(w)
         if w.slot is not None:
             self.table.unpin(w.slot)
-        finished = Finished(request_id=request_id, finish_reason="abort",
-                            num_prompt_tokens=len(w.prepared.prompt_token_ids), num_output_tokens=0)
-        return [finished, *self._settle()]
+        num_prompt = len(w.prepared.prompt_token_ids)
+        finished = [Finished(request_id=rid, finish_reason="abort", num_prompt_tokens=num_prompt, num_output_tokens=0)
+                    for rid in choice_ids(request_id, w.prepared.n)]
+        return [*finished, *self._settle()]
 
     def end(self, request_id: str) -> list:
-        """The scheduler ended (finished or failed) an admitted request: unpin its slot."""
+        """The scheduler ended (finished or failed) an admitted choice: unpin its slot."""
         slot = self._slot_of.pop(request_id, None)
         self._due.pop(request_id, None)
         if not slot:
@@ -454,8 +445,12 @@ class AdapterPool:
         return ReadAdapter(name=name, path=path, refresh=load_id is not None)
 
     def _admit(self, w: _Waiting, slot: int) -> Admit:
-        self._slot_of[w.prepared.request_id] = slot
-        self._due[w.prepared.request_id] = self._steps + w.prepared.sampling.max_tokens
+        """The request's pin becomes its first choice's; each other choice pins once more."""
+        for index, rid in enumerate(choice_ids(w.prepared.request_id, w.prepared.n)):
+            if index:
+                self.table.pin(slot)
+            self._slot_of[rid] = slot
+            self._due[rid] = self._steps + w.prepared.sampling.max_tokens
         return Admit(w.prepared, slot, lora_root(self.base, self._slot_digest[slot]))
 
     def _ends_with_drain(self, slot: int, w: _Waiting) -> bool:

@@ -119,20 +119,10 @@ class SlotTable:
     def num_pins(self, slot: int) -> int:
         return self._slot(slot).num_pins
 
-    def name_of(self, slot: int) -> str:
-        """The adapter a slot holds or installs ("" when free)."""
-        return self._slot(slot).name
-
     def num_free(self, exclude: frozenset[int] = frozenset()) -> int:
         """Slots an acquire of a new adapter could take now (free or evictable),
         leaving out ``exclude``."""
         return sum(1 for s in self._adapter_slots() if s.index not in exclude and self._is_takeable(s))
-
-    def can_acquire(self, name: str, digest: str, exclude: frozenset[int] = frozenset()) -> bool:
-        found = self._by_name.get(name)
-        if found is not None and self._slots[found].digest == digest:
-            return True
-        return self.num_free(exclude) > 0
 
     def pick_drain(self, exclude: frozenset[int] = frozenset()) -> int | None:
         """The slot to stop giving new rows so it empties soonest: a ready one

@@ -3,12 +3,18 @@
 The conductor drives it in a loop: ``add`` / ``abort`` as messages arrive,
 ``schedule()`` -> one ``StepPlan`` to every rank, ``update(StepDone)`` ->
 tokens and endings for the frontend. No I/O, no asyncio, no torch.
+
+The plan is final as ``schedule()`` returns it: KV blocks, each start's
+LoRA slot (the adapter pool's admission, passed to ``add``) and the media
+orders are in it; nothing edits it on its way to the ranks.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+
+import msgspec
 
 from mstar_actors.messages import (
     ConductorToFrontend,
@@ -17,20 +23,31 @@ from mstar_actors.messages import (
     Finished,
     Prepared,
     SampledToken,
+    SamplingParams,
     ScheduledChunk,
     SeqStart,
     StepDone,
     StepFailed,
     StepPlan,
     TokenDelta,
+    choice_ids,
 )
 from mstar_actors.sched.block_allocator import BlockAllocator
+from mstar_actors.sched.media import MediaLedger
 from mstar_actors.sched.prefix_index import PrefixIndex
 from mstar_actors.sched.sequence import Sequence, SeqStatus
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index`` of a request: with a seed, it samples with seed + index,
+    so choices differ and each reproduces."""
+    if sampling.seed is None or index == 0:
+        return sampling
+    return msgspec.structs.replace(sampling, seed=sampling.seed + index)
 
 
 class _StepBuilder:
@@ -66,7 +83,11 @@ class _InFlight:
 
 
 class Scheduler:
-    """The conductor's decider: queues, KV block table and prefix index.
+    """The conductor's decider: queues, KV block table, prefix index and media.
+
+    A request of ``n`` choices is ``n`` sequences (``choice_ids``) sharing its
+    prompt and media; each is scheduled, preempted and ended on its own, and
+    its outputs name its choice.
 
     Invariants:
 
@@ -80,10 +101,9 @@ class Scheduler:
       hold state for it and it ends or is preempted, so a restarted sequence's
       id appears in ``finished`` before (or in the same plan as) its new
       ``SeqStart``, and workers apply ``finished`` first;
-    - a preempted id is also in ``StepPlan.preempted``; a sequence that was
-      ever started and ends for good has its id in some plan's ``finished``
-      without ``preempted`` (a second time when it ends while waiting after a
-      preemption), so workers can drop what they keep across restarts.
+    - a request's media is copied by the ranks in the plan of its first
+      ``SeqStart`` and dropped (or released, when none started) in a plan
+      after its last choice ended (``MediaLedger``).
     """
 
     def __init__(
@@ -118,62 +138,85 @@ class Scheduler:
         self.allocator = BlockAllocator(num_blocks, block_size, self.prefix_index)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, Sequence] = {}  # choice id -> its sequence, until it ends
+        self.choices: dict[str, list[str]] = {}  # request id -> its choices still going
+        self.media = MediaLedger()
         self.num_preemptions = 0
         self._num_arrivals = 0
         self._next_step_id = 0
         self._in_flight: _InFlight | None = None
         self._finished_ids: list[str] = []  # for the next plan's ``finished``
-        self._preempted_ids: list[str] = []  # for the next plan's ``preempted``
 
     # ------------------------------------------------------------------ intake
 
-    def add(self, req: Prepared, root: str) -> Failed | None:
-        """Queue ``req`` (KV under weights named ``root``), or refuse it at once."""
+    def receive(self, req: Prepared) -> None:
+        """Own ``req``'s media from its arrival, before the adapter pool admits
+        it (``add``) or refuses it (``abort``): the media is released either way."""
+        if not self._is_in_use(req, choice_ids(req.request_id, req.n)):
+            self.media.add(req.request_id, req.media)
+
+    def add(self, req: Prepared, root: str, lora_slot: int = 0) -> list[Failed]:
+        """Queue ``req``'s choices (KV under weights named ``root``, rows on
+        ``lora_slot``), or refuse each of them at once."""
+        ids = choice_ids(req.request_id, req.n)
+        if self._is_in_use(req, ids):
+            self.media.release(req.media)  # the live request of that id keeps its own
+            message = f"request id {req.request_id!r} is already in use; send a unique id"
+            return [self._refuse(rid, "request_id", message) for rid in ids]
+        self.media.add(req.request_id, req.media)
         refusal = self._check_prompt(req)
         if refusal is not None:
-            return refusal
+            self.media.end(req.request_id)
+            return [msgspec.structs.replace(refusal, request_id=rid) for rid in ids]
         num_prompt = len(req.prompt_token_ids)
         max_tokens = min(req.sampling.max_tokens, self.max_model_len - num_prompt, self.max_kv_tokens - num_prompt)
-        seq = Sequence(req, root, max_tokens, self._num_arrivals, self.block_size)
-        self._num_arrivals += 1
-        self.requests[seq.request_id] = seq
-        self.waiting.append(seq)
-        return None
+        self.choices[req.request_id] = list(ids)
+        for index, rid in enumerate(ids):
+            seq = Sequence(rid, req, choice_sampling(req.sampling, index), root=root, lora_slot=lora_slot,
+                           max_tokens=max_tokens, arrival=self._num_arrivals, block_size=self.block_size)
+            self._num_arrivals += 1
+            self.requests[rid] = seq
+            self.waiting.append(seq)
+        return []
 
-    def abort(self, request_id: str) -> Finished | None:
-        """Stop a request now, wherever it is. Idempotent: only the first call
-        returns its ``Finished``; an unknown or ended id is a no-op."""
-        seq = self.requests.get(request_id)
-        if seq is None:
-            return None
-        return self._finish(seq, "abort")
+    def abort(self, request_id: str) -> list[Finished]:
+        """Stop a request (every choice) or one choice now, wherever it is.
+        Idempotent: only the first call returns the ``Finished`` of each
+        choice; an unknown or ended id is a no-op. A request received but
+        never added (the adapter pool ended it) only has its media released."""
+        ids = self.choices.get(request_id)
+        if ids is None and self.media.holds(request_id) and request_id not in self.requests:
+            self.media.end(request_id)
+            return []
+        return [self._finish(self.requests[rid], "abort") for rid in list(ids or [request_id]) if rid in self.requests]
+
+    def _is_in_use(self, req: Prepared, ids: list[str]) -> bool:
+        return req.request_id in self.choices or any(rid in self.requests for rid in ids)
 
     def _check_prompt(self, req: Prepared) -> Failed | None:
         num_prompt = len(req.prompt_token_ids)
-        if req.request_id in self.requests:
-            return self._refuse(req, "request_id", f"request id {req.request_id!r} is already in use; send a unique id")
         if num_prompt == 0:
-            return self._refuse(req, req.prompt_param, f"request {req.request_id}: the prompt is empty; send at least one token")
+            message = f"request {req.request_id}: the prompt is empty; send at least one token"
+            return self._refuse(req.request_id, req.prompt_param, message)
         if num_prompt >= self.max_model_len:
             message = (
                 f"request {req.request_id}: the prompt has {num_prompt} tokens, but max_model_len is "
                 f"{self.max_model_len} tokens for prompt and output together; shorten the prompt "
                 f"to at most {self.max_model_len - 1} tokens"
             )
-            return self._refuse(req, req.prompt_param, message, code="context_length_exceeded")
+            return self._refuse(req.request_id, req.prompt_param, message, code="context_length_exceeded")
         if num_prompt >= self.max_kv_tokens:
             message = (
                 f"request {req.request_id}: the prompt has {num_prompt} tokens, but the whole KV cache holds "
                 f"{self.max_kv_tokens} tokens (max_model_len is {self.max_model_len}); shorten the prompt "
                 f"to at most {self.max_kv_tokens - 1} tokens or give the server more KV blocks"
             )
-            return self._refuse(req, req.prompt_param, message, code="context_length_exceeded")
+            return self._refuse(req.request_id, req.prompt_param, message, code="context_length_exceeded")
         return None
 
     @staticmethod
-    def _refuse(req: Prepared, param: str, message: str, code: str | None = None) -> Failed:
-        return Failed(request_id=req.request_id, status=400, message=message, param=param, code=code)
+    def _refuse(request_id: str, param: str, message: str, code: str | None = None) -> Failed:
+        return Failed(request_id=request_id, status=400, message=message, param=param, code=code)
 
     # ---------------------------------------------------------------- schedule
 
@@ -204,13 +247,16 @@ class Scheduler:
             started=step.started,
             scheduled=[chunk for _, chunk in step.chunks.values()],
             finished=self._finished_ids,
-            preempted=self._preempted_ids,
+            **self._media_orders(),
         )
         self._in_flight = _InFlight(self._next_step_id, list(step.chunks.values()))
         self._next_step_id += 1
         self._finished_ids = []
-        self._preempted_ids = []
         return plan
+
+    def _media_orders(self) -> dict:
+        copies, drops, releases = self.media.take()
+        return dict(copy_media=copies, drop_media=drops, release_media=releases)
 
     def _schedule_running(self, step: _StepBuilder, decodes: bool) -> None:
         for seq in list(self.running):
@@ -244,7 +290,6 @@ class Scheduler:
         step.drop(seq)
         self.running.remove(seq)
         self._release(seq)
-        self._preempted_ids.append(seq.request_id)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -271,10 +316,10 @@ class Scheduler:
         self.waiting.popleft()
         self.running.append(seq)
         seq.status = SeqStatus.RUNNING
-        seq.is_started = seq.was_started = True
-        step.started.append(
-            SeqStart(seq.request_id, seq.prompt_token_ids, seq.sampling, list(seq.output_token_ids), seq.media)
-        )
+        seq.is_started = True
+        media = self.media.start(seq.parent_id)  # names the ranks' copies; the first start orders them
+        outputs = list(seq.output_token_ids)
+        step.started.append(SeqStart(seq.request_id, seq.prompt_token_ids, seq.sampling, outputs, media, seq.lora_slot))
         step.add(seq, num_new)
         return True
 
@@ -337,7 +382,8 @@ class Scheduler:
 
     def _append_token(self, seq: Sequence, token: SampledToken) -> list[ConductorToFrontend]:
         seq.output_token_ids.append(token.token_id)
-        outputs: list[ConductorToFrontend] = [TokenDelta(seq.request_id, [token])]
+        num_prompt = seq.num_prompt_tokens if seq.num_output_tokens == 1 else 0
+        outputs: list[ConductorToFrontend] = [TokenDelta(seq.request_id, [token], num_prompt)]
         ending = self._stop_reason(seq, token.token_id)
         if ending is not None:
             outputs.append(self._finish(seq, *ending))
@@ -359,11 +405,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
-            if seq.was_started:  # preempted earlier: the workers still keep its media
-                self._finished_ids.append(seq.request_id)
         self._release(seq)
         seq.status = SeqStatus.FINISHED
         del self.requests[seq.request_id]
+        self._end_choice(seq)
         return Finished(
             request_id=seq.request_id,
             finish_reason=reason,
@@ -372,6 +417,14 @@ class Scheduler:
             num_cached_tokens=seq.num_cached_tokens or 0,
             stop_token_id=stop_token_id,
         )
+
+    def _end_choice(self, seq: Sequence) -> None:
+        """The request ends with its last choice: then its media goes."""
+        going = self.choices[seq.parent_id]
+        going.remove(seq.request_id)
+        if not going:
+            del self.choices[seq.parent_id]
+            self.media.end(seq.parent_id)
 
     def _release(self, seq: Sequence) -> None:
         """Free the blocks and have the workers forget the sequence."""
@@ -394,9 +447,6 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
-
-    def is_in_flight(self) -> bool:
-        return self._in_flight is not None
 
     def stats(self) -> EngineStats:
         return EngineStats(

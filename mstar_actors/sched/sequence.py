@@ -15,7 +15,7 @@ class SeqStatus(enum.Enum):
 
 
 class Sequence:
-    """One request: its tokens, how many have KV computed, and its block table.
+    """One choice of a request: its tokens, how many have KV computed, and its block table.
 
     ``num_computed`` counts the leading tokens of ``prompt + output`` whose KV
     is in ``block_ids``; the last sampled token never has KV yet, so a running
@@ -24,11 +24,14 @@ class Sequence:
     in ``StepPlan.finished``).
     """
 
-    def __init__(self, req: Prepared, root: str, max_tokens: int, arrival: int, block_size: int):
-        self.request_id = req.request_id
+    def __init__(self, request_id: str, req: Prepared, sampling: SamplingParams, *, root: str, lora_slot: int,
+                 max_tokens: int, arrival: int, block_size: int):
+        self.request_id = request_id
+        self.parent_id = req.request_id  # the request whose choice this is
         self.root = root
+        self.lora_slot = lora_slot
         self.prompt_token_ids = list(req.prompt_token_ids)
-        self.sampling: SamplingParams = req.sampling
+        self.sampling = sampling
         self.max_tokens = max_tokens
         self.arrival = arrival
         self.block_size = block_size
@@ -37,10 +40,6 @@ class Sequence:
         self.block_ids: list[int] = []
         self.status = SeqStatus.WAITING
         self.is_started = False
-        # Ever started: the workers may keep per-request state (media copies)
-        # across a preemption, until the id is sent in ``finished`` for good.
-        self.was_started = False
-        self.media = list(req.media)  # carried into every SeqStart: a restart recomputes vision rows
         self.num_cached_tokens: int | None = None  # prefix hit at first admission
         self._block_hashes: list[bytes] = []  # chain hashes of full blocks, computed lazily
         self._root_hash = root_hash(root)

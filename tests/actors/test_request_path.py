@@ -207,6 +207,33 @@ async def test_abort_frees_everything_and_others_continue(tiny_model):
 
 
 @async_test
+async def test_n_choices_are_prepared_once_and_each_ends_on_its_own(tiny_model):
+    model_dir, hf_model = tiny_model
+    engine = Engine(make_config(model_dir))
+    engine.start()
+    prompt = [5, 9, 33, 41, 17]
+    sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    await engine.to_prepare.send(NewRequest(request_id="r", model="tiny", sampling=sampling,
+                                            prompt_token_ids=prompt, n=3))
+
+    async def abort_one_choice(delta):
+        if delta.request_id == "r-1" and not engine.aborted:
+            engine.aborted = True
+            await engine.to_prepare.send(Abort(request_id="r-1"))
+
+    engine.aborted = False
+    out = await engine.collect(num_ended=3, on_delta=abort_one_choice)
+    assert sorted(out) == ["r-0", "r-1", "r-2"]
+    assert out["r-1"]["end"].finish_reason == "abort"
+    expected = greedy_reference(hf_model, prompt, 4)
+    for rid in ("r-0", "r-2"):
+        assert out[rid]["end"].finish_reason == "length" and out[rid]["tokens"] == expected
+    assert (await engine.await_idle()).num_kv_blocks_used == 0
+    assert not engine.actors[1].scheduler.choices  # the request ended with its last choice
+    assert await engine.stop() == [0] * (2 + NUM_RANKS)
+
+
+@async_test
 async def test_failed_step_fails_its_rows_with_500_and_serving_continues(tiny_model):
     model_dir, _ = tiny_model
     engine = Engine(make_config(model_dir))

@@ -1,5 +1,6 @@
-"""Frontend test kit: a tiny tokenizer on disk, a scripted fake engine, and a
-harness that runs the real FrontendActor over in-memory channels."""
+"""Frontend test kit: a tiny tokenizer on disk, an engine made of the real
+scheduler and a scripted rank, and a harness that runs the real
+FrontendActor over in-memory channels."""
 
 from __future__ import annotations
 
@@ -70,30 +71,33 @@ def tiny_info(model_dir: Path, tokenizer, max_model_len: int = 256):
 
 
 # --------------------------------------------------------------------------
-# The fake engine: answers NewRequests with scripted TokenDeltas / Finished
+# The engine: the real Scheduler behind stand-ins for prepare and the ranks
 # --------------------------------------------------------------------------
 
 REPLY = "Hello world! This is a test."
 
 
-class FakeEngine:
+class Engine:
     """Reads the frontend's ``prepare`` channel, writes its ``conductor`` channel.
 
     ``plan(request)`` returns the messages to send back, or None to hold the
-    request (a test then answers with ``send``). The default replies ``REPLY``
-    one token per delta, then EOS, capped at max_tokens.
+    request (a test then answers with ``send``). The default, ``reply``, runs
+    the request through the engine's own ``Scheduler`` (so every TokenDelta
+    and Finished keeps the engine's contract) with a scripted rank that
+    samples ``REPLY`` one token per step, then EOS.
     """
 
-    def __init__(self, tokenizer, inbox, outbox):
+    def __init__(self, tokenizer, inbox, outbox, max_model_len: int):
         self.tokenizer = tokenizer
         self.inbox = inbox
         self.outbox = outbox
+        self.max_model_len = max_model_len
         self.requests: dict[str, Any] = {}
+        self.started: list[Any] = []  # every SeqStart the scheduler emitted
         self.aborts: list[str] = []
         self.changed = asyncio.Event()
         self.plan: Callable[[Any], list | None] = self.reply
         self.reply_text = REPLY
-        self.finish_on_abort: Callable | None = None  # request -> its Finished("abort")
 
     async def run(self) -> None:
         from mstar_actors.messages import Abort, NewRequest
@@ -106,8 +110,6 @@ class FakeEngine:
                         await self.outbox.send(out)
                 case Abort():
                     self.aborts.append(msg.request_id)
-                    if self.finish_on_abort:  # as the conductor's scheduler does
-                        await self.outbox.send(self.finish_on_abort(self.requests[msg.request_id]))
             self.changed.set()
 
     async def wait_for(self, predicate: Callable[[], bool]) -> None:
@@ -118,40 +120,68 @@ class FakeEngine:
     async def send(self, msg: Any) -> None:
         await self.outbox.send(msg)
 
-    def prompt_len(self, req) -> int:
+    def choice_ids(self, req) -> list[str]:
+        from mstar_actors.messages import choice_ids
+
+        return choice_ids(req.request_id, req.n)
+
+    def prompt_ids(self, req) -> list[int]:
+        """What prepare makes of the request's prompt."""
         if req.prompt_token_ids:
-            return len(req.prompt_token_ids)
+            return list(req.prompt_token_ids)
         if req.prompt:
-            return len(self.tokenizer(req.prompt).input_ids)
+            return self.tokenizer(req.prompt).input_ids
         text = self.tokenizer.apply_chat_template([msgspec.to_builtins(m) for m in req.messages],
                                                   tokenize=False, add_generation_prompt=True)
-        return len(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def prompt_len(self, req) -> int:
+        return len(self.prompt_ids(req))
 
     def reply(self, req, text: str | None = None) -> list:
-        from mstar_actors.messages import Finished, SampledToken, TokenDelta, TopLogprob
+        """Every output of ``req``'s choices, run to their end by a scheduler of their own."""
+        from mstar_actors.messages import Prepared, StepDone
+        from mstar_actors.sched import Scheduler
 
-        ids = self.tokenizer(text or self.reply_text).input_ids
-        eos = self.tokenizer.eos_token_id
-        reason = "stop"
-        if len(ids) >= req.sampling.max_tokens:
-            ids, reason = ids[: req.sampling.max_tokens], "length"
-        else:
-            ids = ids + [eos]
-        n_prompt = self.prompt_len(req)
-        out = []
-        for i, tid in enumerate(ids):
-            top = ()
-            lp = None
-            if req.sampling.logprobs is not None:
-                lp = -0.5 - i * 0.01
-                top = tuple(TopLogprob(token_id=(tid + k) % 300, logprob=lp - k) for k in range(req.sampling.logprobs))
-            token = SampledToken(request_id=req.request_id, token_id=tid, logprob=lp, top_logprobs=top)
-            out.append(TokenDelta(request_id=req.request_id, tokens=[token], num_prompt_tokens=n_prompt if i == 0 else 0))
-        out.append(Finished(request_id=req.request_id, finish_reason=reason, num_prompt_tokens=n_prompt,
-                            num_output_tokens=len(ids), stop_token_id=eos if reason == "stop" else None))
+        sched = Scheduler(num_blocks=256, block_size=16, max_num_seqs=8, max_num_batched_tokens=2048,
+                          max_model_len=self.max_model_len, eos_token_ids=[self.tokenizer.eos_token_id])
+        prepared = Prepared(request_id=req.request_id, model=req.model, prompt_token_ids=self.prompt_ids(req),
+                            sampling=req.sampling, n=req.n)
+        out = list(sched.add(prepared, "base"))
+        rank = _ScriptedRank(self.tokenizer(text or self.reply_text).input_ids + [self.tokenizer.eos_token_id])
+        while (plan := sched.schedule()) is not None:
+            self.started += plan.started
+            out += sched.update(StepDone(step_id=plan.step_id, rank=0, sampled=rank.run(plan)))
         return out
 
 
+class _ScriptedRank:
+    """Samples ``ids`` in order for every sequence (the scheduler ends it at
+    EOS or max_tokens); logprobs made up from the position (``-0.5 - i / 100``,
+    alternatives ``k`` lower)."""
+
+    def __init__(self, ids: list[int]):
+        self.ids = ids
+        self.sampling: dict[str, Any] = {}
+        self.num_sampled: dict[str, int] = {}
+
+    def run(self, plan) -> list:
+        from mstar_actors.messages import SampledToken, TopLogprob
+
+        for start in plan.started:
+            self.sampling[start.request_id] = start.sampling
+            self.num_sampled[start.request_id] = len(start.output_token_ids)
+        sampled = []
+        for chunk in (c for c in plan.scheduled if c.sample):
+            rid, i = chunk.request_id, self.num_sampled[chunk.request_id]
+            tid = self.ids[i]
+            num_top, lp, top = self.sampling[rid].logprobs, None, ()
+            if num_top is not None:
+                lp = -0.5 - i * 0.01
+                top = tuple(TopLogprob(token_id=(tid + k) % 300, logprob=lp - k) for k in range(num_top))
+            sampled.append(SampledToken(request_id=rid, token_id=tid, logprob=lp, top_logprobs=top))
+            self.num_sampled[rid] = i + 1
+        return sampled
 # --------------------------------------------------------------------------
 # The harness: the real actor, in-memory channels, a real HTTP port
 # --------------------------------------------------------------------------
@@ -173,8 +203,8 @@ class Harness:
         self.control_in = MemoryChannel(LauncherToActor, "launcher->frontend")
         self.prepare = MemoryChannel(FrontendToPrepare, "frontend->prepare")
         self.control_out = MemoryChannel(ActorToLauncher, "frontend->launcher")
-        self.engine = FakeEngine(tokenizer, self.prepare, self.conductor)
         self.info = tiny_info(model_dir, tokenizer)
+        self.engine = Engine(tokenizer, self.prepare, self.conductor, max_model_len=self.info.max_model_len)
         self.started = started
 
     async def __aenter__(self) -> "Harness":

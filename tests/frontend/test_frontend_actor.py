@@ -1,10 +1,9 @@
-"""The frontend actor over in-memory channels, a fake engine and real HTTP."""
+"""The frontend actor over in-memory channels, the engine's scheduler and real HTTP."""
 
 import asyncio
 import json
 
 import aiohttp
-import msgspec
 
 from mstar_actors.messages import ContextAgreed, EngineStats, Failed, Finished, PeerFailed, SampledToken, TokenDelta
 from tests.frontend.conftest import REPLY
@@ -85,12 +84,14 @@ def test_n_choices_and_multiple_prompts(harness):
             assert status == 200
             assert [c["index"] for c in r["choices"]] == [0, 1]
             assert all(c["message"]["content"] == REPLY for c in r["choices"])
-            seeds = sorted(req.sampling.seed for req in h.engine.requests.values())
-            assert seeds == [7, 8]
+            (req,) = h.engine.requests.values()  # prepared once, fanned out by the engine
+            assert req.n == 2
+            assert sorted(s.sampling.seed for s in h.engine.started) == [7, 8]
             one = len(h.engine.tokenizer(REPLY).input_ids) + 1
             assert r["usage"]["completion_tokens"] == 2 * one
             status, r = await h.post(COMP, {"model": "tiny", "prompt": ["a b", "c"], "n": 2})
             assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+            assert len(h.engine.requests) == 3  # one per prompt
             prompts = [len(h.engine.tokenizer(p).input_ids) for p in ("a b", "c")]
             assert r["usage"]["prompt_tokens"] == sum(prompts)  # each prompt once, not once per choice
 
@@ -127,23 +128,24 @@ def test_stop_string_cuts_text_and_aborts(harness):
     run(body)
 
 
-def test_stop_string_usage_waits_for_the_aborts_finished(harness):
-    """Without the prompt length on deltas, usage comes from the Finished that answers the Abort."""
+def test_stop_string_usage_needs_no_finished(harness):
+    """A choice ended by a stop string reports usage from the engine's first
+    delta (its prompt length) without waiting for a Finished."""
     async def body():
         async with harness() as h:
-            def without_prompt_len(req):
-                deltas = [msgspec.structs.replace(m, num_prompt_tokens=0) for m in h.engine.reply(req)[:-1]]
-                return deltas  # then hold: no Finished until the abort
-            h.engine.plan = without_prompt_len
-            h.engine.finish_on_abort = lambda req: Finished(request_id=req.request_id, finish_reason="abort",
-                                                            num_prompt_tokens=11, num_output_tokens=5)
+            def without_finished(req):
+                return [m for m in h.engine.reply(req) if isinstance(m, TokenDelta)]
+            h.engine.plan = without_finished
             status, r = await h.post(CHAT, chat_body(stop="!", n=2))
             assert status == 200 and [c["message"]["content"] for c in r["choices"]] == ["Hello world"] * 2
-            assert r["usage"]["prompt_tokens"] == 11  # the prompt once, for both choices
+            (req,) = h.engine.requests.values()
+            n_prompt = h.engine.prompt_len(req)
+            assert r["usage"]["prompt_tokens"] == n_prompt  # the prompt once, for both choices
+            await h.engine.wait_for(lambda: sorted(h.engine.aborts) == h.engine.choice_ids(req))  # each choice alone
             assert r["usage"]["completion_tokens"] == 2 * len(h.engine.tokenizer("Hello world!").input_ids)
             _, events = await h.stream(CHAT, chat_body(stop="!", stream_options={"include_usage": True}))
             assert [e["choices"][0]["finish_reason"] for e in events[:-2]].count("stop") == 1
-            assert events[-2]["usage"]["prompt_tokens"] == 11 and events[-1] == "[DONE]"
+            assert events[-2]["usage"]["prompt_tokens"] == n_prompt and events[-1] == "[DONE]"
 
     run(body)
 
@@ -175,15 +177,17 @@ def test_disconnect_mid_stream_aborts_every_choice(harness):
             async with aiohttp.ClientSession() as s:
                 # headers come with the first engine output (see FrontendActor._stream)
                 posting = asyncio.create_task(s.post(h.url + CHAT, json=chat_body(n=2, stream=True)))
-                await h.engine.wait_for(lambda: len(h.engine.requests) == 2)
-                for rid in h.engine.requests:
+                await h.engine.wait_for(lambda: len(h.engine.requests) == 1)
+                (req,) = h.engine.requests.values()
+                for rid in h.engine.choice_ids(req):
                     tok = SampledToken(request_id=rid, token_id=h.engine.tokenizer("Hello").input_ids[0])
                     await h.engine.send(TokenDelta(request_id=rid, tokens=[tok], num_prompt_tokens=3))
                 resp = await posting
                 line = await resp.content.readline()
                 assert line.startswith(b"data: ")
                 resp.close()  # the client goes away mid-stream
-            await h.engine.wait_for(lambda: set(h.engine.aborts) == set(h.engine.requests))
+            # Both choices open: one Abort of the request stops them all (and prepare could drop it).
+            await h.engine.wait_for(lambda: h.engine.aborts == [req.request_id])
             assert h.actor._exchanges == {}
 
     run(body)
@@ -215,6 +219,19 @@ def test_error_mid_stream_is_an_error_event_without_done(harness):
             assert "[DONE]" not in events
             assert events[-1]["error"]["message"].endswith("device lost")
             assert events[-1]["error"]["type"] == "server_error"
+
+    run(body)
+
+
+def test_a_failure_of_a_whole_request_fails_the_exchange(harness):
+    """Prepare and the adapter pool fail a request, not its choices."""
+    async def body():
+        async with harness() as h:
+            h.engine.plan = lambda req: [Failed(request_id=req.request_id, status=400, param="messages",
+                                                message="image 0 could not be decoded")]
+            status, r = await h.post(CHAT, chat_body(n=2))
+            assert status == 400 and r["error"]["message"].endswith("could not be decoded")
+            assert h.actor._exchanges == {}
 
     run(body)
 

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from mstar_actors import openai_api as api
-from mstar_actors.messages import SamplingParams
+from mstar_actors.messages import SamplingParams, choice_ids
+from mstar_actors.sched.scheduler import choice_sampling
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -147,10 +148,10 @@ def test_chat_defaults_and_fields():
                                  logprobs=True, top_logprobs=2, unknown_field={"x": 1}), max_model_len=256)
     assert parsed.sampling == SamplingParams(max_tokens=7, temperature=0.0, top_k=0, seed=3, logprobs=2)
     assert parsed.stop == ["END"] and parsed.n == 2 and parsed.logprobs == 2
-    reqs = parsed.new_requests("chatcmpl-x", "tiny", now=1.0)
-    assert [r.request_id for r in reqs] == ["chatcmpl-x-0", "chatcmpl-x-1"]
-    assert [r.sampling.seed for r in reqs] == [3, 4]  # choices differ, yet reproduce
-    assert reqs[0].messages[0].role == "user" and reqs[0].messages[0].content == "hi"
+    (req,) = parsed.new_requests("chatcmpl-x", "tiny", now=1.0)  # prepared once for both choices
+    assert req.n == 2 and choice_ids(req.request_id, req.n) == ["chatcmpl-x-0-0", "chatcmpl-x-0-1"]
+    assert [choice_sampling(req.sampling, i).seed for i in range(2)] == [3, 4]  # choices differ, yet reproduce
+    assert req.messages[0].role == "user" and req.messages[0].content == "hi"
 
 
 def test_chat_max_tokens_defaults_to_the_context_and_prefers_max_completion_tokens():
@@ -178,8 +179,8 @@ def test_chat_media_parts_pass_through_as_urls():
 def test_completion_prompts_and_choice_order():
     parsed = api.parse_completion(comp(prompt=["a", "b"], n=2, seed=10), vocab_size=400)
     reqs = parsed.new_requests("cmpl-x", "tiny")
-    assert [r.prompt for r in reqs] == ["a", "a", "b", "b"]
-    assert [r.sampling.seed for r in reqs] == [10, 11, 10, 11]
+    assert [(r.prompt, r.n) for r in reqs] == [("a", 2), ("b", 2)]
+    assert [choice_sampling(r.sampling, i).seed for r in reqs for i in range(r.n)] == [10, 11, 10, 11]
     ids = api.parse_completion(comp(prompt=[[1, 2], [3]]), vocab_size=400).new_requests("c", "tiny")
     assert [r.prompt_token_ids for r in ids] == [[1, 2], [3]]
     assert api.parse_completion(comp(prompt=[5, 6])).prompts == [[5, 6]]

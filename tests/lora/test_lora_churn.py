@@ -267,3 +267,26 @@ def test_sim_catches_a_row_on_an_unacknowledged_slot(monkeypatch):
     with pytest.raises(sim.SimError, match="started on slot"):
         sim.simulate(2, max_tokens=4, num_requests=4)
 
+
+
+def test_a_request_of_n_choices_pins_its_slot_once_per_choice():
+    d = Driver(max_loras=1)
+
+    def add(request_id: str, model: str, n: int) -> None:
+        d.handle(d.pool.add(Prepared(request_id=request_id, model=model, prompt_token_ids=[1, 2],
+                                     sampling=SamplingParams(max_tokens=4), n=n)))
+
+    add("r", "a", n=3)
+    d.settle()
+    slot = d.admitted["r"]
+    assert d.pool.table.num_pins(slot) == 3
+    add("w", "b", n=2)  # the one slot is pinned: w waits for it
+    d.settle()
+    assert "w" not in d.admitted
+    d.handle(d.pool.abort("w"))  # ended as a whole: one Finished per choice
+    assert d.finished == ["w-0", "w-1"]
+    d.end("r-0")
+    d.end("r-1")
+    assert d.pool.table.num_pins(slot) == 1
+    d.end("r-2")
+    assert d.pool.table.num_pins(slot) == 0

@@ -75,10 +75,10 @@ def test_one_rank_failing_refuses_the_adapter_on_every_rank():
 def test_full_pool_is_backpressure_until_an_unpin():
     table = make_table(max_loras=2)
     a, b = ready(table, "a"), ready(table, "b")
-    assert not table.can_acquire("c", "d")
+    assert table.num_free() == 0
     assert table.acquire("c", "d") is None
     assert table.take_installs() == []
-    assert table.can_acquire("a", "d")  # resident: a new request shares it
+    assert table.acquire("a", "d") == a  # resident: a new request shares it
     table.unpin(b)
     assert table.acquire("c", "d") == b
     assert table.lookup("b") is None and table.lookup("c") == b
@@ -174,7 +174,7 @@ def test_an_excluded_slot_is_never_taken_by_a_new_install_but_still_shared():
     assert table.acquire("c", "d", exclude=frozenset({a})) == b
     assert table.acquire("a", "d", exclude=frozenset({a})) == a  # resident: shared whatever exclude says
     assert table.acquire("e", "d", exclude=frozenset({a})) is None
-    assert not table.can_acquire("e", "d", exclude=frozenset({a}))
+    assert table.num_free(exclude=frozenset({a})) == 0
 
 
 def test_pick_drain_prefers_the_ready_slot_with_fewest_pins_and_never_an_install_in_flight():
@@ -185,4 +185,4 @@ def test_pick_drain_prefers_the_ready_slot_with_fewest_pins_and_never_an_install
     assert table.pick_drain() == b
     assert table.pick_drain(exclude=frozenset({b})) == a
     assert table.pick_drain(exclude=frozenset({a, b})) is None  # "c" is still installing
-    assert table.name_of(installing) == "c"
+    assert table.lookup("c") == installing

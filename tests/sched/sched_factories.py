@@ -5,7 +5,18 @@ from __future__ import annotations
 
 import random
 
-from mstar_actors.messages import Finished, Prepared, SampledToken, SamplingParams, StepDone, StepPlan, TokenDelta
+from mstar_actors.messages import (
+    RANK_MEMORY,
+    Finished,
+    MediaItem,
+    Prepared,
+    SampledToken,
+    SamplingParams,
+    StepDone,
+    StepPlan,
+    TensorRef,
+    TokenDelta,
+)
 from mstar_actors.sched import Scheduler, SeqStatus
 
 EOS = 2
@@ -32,18 +43,31 @@ def make_request(
     num_prompt_tokens: int = 6,
     max_tokens: int = 16,
     prompt_param: str = "prompt",
+    n: int = 1,
+    num_media: int = 0,
     **sampling,
 ) -> Prepared:
+    """``num_media`` items, each with an arena ref of its own (segment named
+    for the request), on the prompt's first tokens (the scheduler never reads them)."""
     if prompt is None:  # distinct per request id, so requests share a prefix only when a test says so
         rng = random.Random(request_id)
         prompt = [rng.randrange(10, 1000) for _ in range(num_prompt_tokens)]
+    media = [MediaItem("image", make_ref(request_id, i), (1, 2, 2), token_offset=i, num_tokens=1)
+             for i in range(num_media)]
     return Prepared(
         request_id=request_id,
         model="m",
         prompt_token_ids=prompt,
         sampling=SamplingParams(max_tokens=max_tokens, **sampling),
         prompt_param=prompt_param,
+        media=media,
+        media_digest=f"digest-{request_id}" if media else "",
+        n=n,
     )
+
+
+def make_ref(request_id: str, index: int) -> TensorRef:
+    return TensorRef(f"arena-{request_id}", 64 * index, 64, "float32", (4, 4))
 
 
 def make_done(plan: StepPlan, tokens: dict[str, int] | None = None, default: int = 7) -> StepDone:
@@ -117,6 +141,11 @@ class FakeWorker:
     there, so a chunk that reads a prefix (its own or a shared cached one)
     must find exactly its own tokens under its own root, written by an
     earlier step (rows of one step run as one batch).
+
+    Media: it applies the plan's orders as a rank does (``MediaCopies``),
+    checking that every arena ref is released exactly once (copied or only
+    released), that no key is copied twice or dropped unheld, and that every
+    started row's media names a copy it holds.
     """
 
     def __init__(self, block_size: int, roots: dict[str, str]):
@@ -124,20 +153,19 @@ class FakeWorker:
         self.roots = roots  # request id -> root (workers never see roots; tests do)
         self.seqs: dict[str, list[int]] = {}  # request id -> all known tokens
         self.kv: dict[tuple[int, int], tuple[str, int, int]] = {}
-        self.kept: set[str] = set()  # preempted ids not yet ended for good
+        self.copies: dict[int, TensorRef] = {}  # key -> the arena ref it was copied from
+        self.released: list[TensorRef] = []  # arena refs this rank released, in order
 
     def run(self, plan: StepPlan, sample) -> StepDone:
         for request_id in plan.finished:
-            if request_id not in self.seqs:  # only a preempted one, now ended for good
-                assert request_id in self.kept and request_id not in plan.preempted, f"finished {request_id} unknown to the worker"
-            self.seqs.pop(request_id, None)
-            if request_id in plan.preempted:
-                self.kept.add(request_id)  # what a worker keeps across a restart (media copies)
-            else:
-                self.kept.discard(request_id)
+            assert self.seqs.pop(request_id, None) is not None, f"finished {request_id} unknown to the worker"
+        self.apply_media(plan)
         for start in plan.started:
             assert start.request_id not in self.seqs, f"{start.request_id} started twice"
             self.seqs[start.request_id] = start.prompt_token_ids + start.output_token_ids
+            for item in start.media:
+                ref = item.pixel_values
+                assert ref.segment == RANK_MEMORY and ref.offset in self.copies, f"{start.request_id}: {ref} not held"
         # One forward pass: every row reads the KV as it was before the step.
         for chunk in plan.scheduled:
             assert chunk.num_tokens >= 1, f"{chunk.request_id}: empty chunk"
@@ -154,6 +182,20 @@ class FakeWorker:
             else:
                 assert chunk.num_computed + chunk.num_tokens < len(tokens)
         return StepDone(step_id=plan.step_id, rank=0, sampled=sampled)
+
+    def apply_media(self, plan: StepPlan) -> None:
+        for ref in plan.release_media:
+            self._release(ref)
+        for key in plan.drop_media:
+            assert self.copies.pop(key, None) is not None, f"drop of media key {key}, not held"
+        for order in plan.copy_media:
+            assert order.key not in self.copies, f"media key {order.key} copied twice"
+            self.copies[order.key] = order.ref
+            self._release(order.ref)
+
+    def _release(self, ref: TensorRef) -> None:
+        assert ref.segment != RANK_MEMORY and ref not in self.released, f"{ref} released twice"
+        self.released.append(ref)
 
     def _slot(self, chunk, position: int) -> tuple[int, int]:
         return chunk.block_ids[position // self.block_size], position % self.block_size

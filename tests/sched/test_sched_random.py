@@ -1,4 +1,5 @@
-"""Randomized property test: many requests, aborts and random configs through
+"""Randomized property test: many requests (some of several choices, some
+with media), aborts of requests and of choices, and random configs through
 schedule / update with a fake worker that checks every plan; invariants are
 checked after every call. Set MSTAR_SCHED_SEED to replay a failing seed."""
 
@@ -7,7 +8,7 @@ import random
 
 from sched_factories import EOS, FakeWorker, check_invariants, make_request, make_scheduler
 
-from mstar_actors.messages import Failed, Finished, TokenDelta
+from mstar_actors.messages import Failed, Finished, StepPlan, TokenDelta, choice_ids
 
 STOP = 99
 ROOTS = ["model", "adapter-a", "adapter-b"]
@@ -28,8 +29,10 @@ class Trial:
         self.worker = FakeWorker(self.sched.block_size, self.roots)
         self.prefixes = [[rng.randrange(10, 1000) for _ in range(rng.randint(1, 30))] for _ in range(3)]
         self.num_added = 0
-        self.streamed: dict[str, list[int]] = {}
+        self.streamed: dict[str, list[int]] = {}  # choice id -> its tokens
         self.ended: dict[str, str] = {}
+        self.choices: dict[str, list[str]] = {}  # request id -> its choice ids
+        self.refs: list = []  # every arena ref the requests brought
 
     def add_some(self) -> None:
         for _ in range(self.rng.choice([0, 0, 1, 1, 2, 3])):
@@ -37,25 +40,39 @@ class Trial:
             self.num_added += 1
             prompt = self.rng.choice(self.prefixes)[: self.rng.randint(0, 30)]
             prompt += [self.rng.randrange(10, 1000) for _ in range(self.rng.choice([0, 1, 5, 20]))]
-            self.roots[request_id] = self.rng.choice(ROOTS)
+            n = self.rng.choice([1, 1, 1, 2, 3])
+            num_media = min(len(prompt), self.rng.choice([0, 0, 1, 2]))
+            ids = self.choices[request_id] = choice_ids(request_id, n)
+            root = self.rng.choice(ROOTS)
+            self.roots.update(dict.fromkeys(ids, root))
             req = make_request(
                 request_id,
                 prompt=prompt,
                 max_tokens=self.rng.randint(1, 20),
                 ignore_eos=self.rng.random() < 0.2,
                 stop_token_ids=(STOP,) if self.rng.random() < 0.5 else (),
+                n=n,
+                num_media=num_media,
             )
-            self.streamed[request_id] = []
-            refusal = self.sched.add(req, self.roots[request_id])
-            if refusal is not None:
-                assert isinstance(refusal, Failed) and refusal.status == 400 and request_id in refusal.message
-                self.end(request_id, "refused")
+            self.streamed.update({rid: [] for rid in ids})
+            self.refs += [item.pixel_values for item in req.media]  # a refused request's are released too
+            refusals = self.sched.add(req, root)
+            if refusals:
+                assert [f.request_id for f in refusals] == ids
+                for refusal in refusals:
+                    assert isinstance(refusal, Failed) and refusal.status == 400 and request_id in refusal.message
+                    self.end(refusal.request_id, "refused")
 
     def abort_some(self) -> None:
         if self.num_added and self.rng.random() < 0.15:
             request_id = f"q{self.rng.randrange(self.num_added + 2)}"  # maybe unknown or already ended
-            ending = self.sched.abort(request_id)
-            if ending is not None:
+            ids = self.choices.get(request_id, [request_id])
+            if self.rng.random() < 0.5:  # one choice, else the whole request
+                request_id = self.rng.choice(ids)
+                ids = [request_id]
+            endings = self.sched.abort(request_id)
+            assert {e.request_id for e in endings} <= set(ids)
+            for ending in endings:
                 assert ending.finish_reason == "abort"
                 self.check_finished(ending)
 
@@ -66,6 +83,16 @@ class Trial:
     def check_finished(self, ending: Finished) -> None:
         self.end(ending.request_id, ending.finish_reason)
         assert ending.num_output_tokens == len(self.streamed[ending.request_id])
+
+    def check_media(self) -> None:
+        """Once every request ended, the next plan's orders leave the ranks
+        holding nothing, and every arena ref was released exactly once."""
+        assert self.sched.media.num_requests == 0
+        copies, drops, releases = self.sched.media.take()
+        assert copies == []
+        self.worker.apply_media(StepPlan(step_id=-1, started=[], scheduled=[], drop_media=drops, release_media=releases))
+        assert self.worker.copies == {}, "a request's media copies outlived it"
+        assert sorted(map(repr, self.worker.released)) == sorted(map(repr, self.refs))
 
     def sample(self, request_id: str) -> int:
         return self.rng.choice([EOS, STOP] + [self.rng.randrange(10, 1000)] * 6)
@@ -104,8 +131,7 @@ class Trial:
         assert not self.sched.has_work()
         assert sorted(self.ended) == sorted(self.streamed), "a request never ended"
         assert self.sched.allocator.num_used == 0
-        # Whatever workers keep across a preemption is dropped by the next plan at the latest.
-        assert self.worker.kept <= set(self.sched._finished_ids), "a preempted request never ended for the workers"
+        self.check_media()
         for request_id, tokens in self.streamed.items():
             reason = self.ended[request_id]
             if reason == "stop":

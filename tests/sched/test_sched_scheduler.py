@@ -22,15 +22,16 @@ from mstar_actors.sched import chain_hash, root_hash
 
 def test_prefill_then_decodes_until_max_tokens():
     sched = make_scheduler()
-    assert sched.add(make_request("r0", num_prompt_tokens=6, max_tokens=3), ROOT) is None
+    assert sched.add(make_request("r0", num_prompt_tokens=6, max_tokens=3), ROOT) == []
     assert sched.has_work() and sched.num_waiting == 1
     plan, outputs = run_step(sched)
     assert [s.request_id for s in plan.started] == ["r0"]
     assert chunks_of(plan) == {"r0": (0, 6, True)}
     assert len(plan.scheduled[0].block_ids) == 2
-    assert outputs == [TokenDelta("r0", list(make_done(plan).sampled))]
-    plan, _ = run_step(sched)
+    assert outputs == [TokenDelta("r0", list(make_done(plan).sampled), num_prompt_tokens=6)]  # on the first delta
+    plan, outputs = run_step(sched)
     assert plan.started == [] and chunks_of(plan) == {"r0": (6, 1, True)}
+    assert outputs == [TokenDelta("r0", list(make_done(plan).sampled))]  # not on later ones
     plan, outputs = run_step(sched, {"r0": 9})
     assert chunks_of(plan) == {"r0": (7, 1, True)}
     assert tokens_of(outputs) == {"r0": [9]}
@@ -279,41 +280,41 @@ def test_kv_capacity_caps_max_tokens():
 @pytest.mark.parametrize("param", ["prompt", "messages"])
 def test_too_long_prompt_is_refused(param):
     sched = make_scheduler(max_model_len=16)
-    failed = sched.add(make_request("long-1", num_prompt_tokens=16, prompt_param=param), ROOT)
+    (failed,) = sched.add(make_request("long-1", num_prompt_tokens=16, prompt_param=param), ROOT)
     assert isinstance(failed, Failed) and failed.status == 400 and failed.param == param
     assert "long-1" in failed.message and "16 tokens" in failed.message and "max_model_len" in failed.message
     assert "at most 15" in failed.message
-    assert sched.add(make_request("ok", num_prompt_tokens=15), ROOT) is None
+    assert sched.add(make_request("ok", num_prompt_tokens=15), ROOT) == []
     assert sched.num_waiting == 1
 
 
 def test_empty_prompt_is_refused():
     sched = make_scheduler()
-    failed = sched.add(make_request("e", prompt=[], prompt_param="messages"), ROOT)
+    (failed,) = sched.add(make_request("e", prompt=[], prompt_param="messages"), ROOT)
     assert failed.status == 400 and failed.param == "messages" and "empty" in failed.message
     assert not sched.has_work()
 
 
 def test_prompt_larger_than_the_whole_kv_cache_is_refused():
     sched = make_scheduler(num_blocks=2, block_size=4, max_model_len=100)
-    failed = sched.add(make_request("big", num_prompt_tokens=8), ROOT)
+    (failed,) = sched.add(make_request("big", num_prompt_tokens=8), ROOT)
     assert failed.status == 400 and "KV cache holds 8 tokens" in failed.message and "big" in failed.message
     assert not sched.has_work()
 
 
 def test_duplicate_live_request_id_is_refused():
     sched = make_scheduler()
-    assert sched.add(make_request("r0"), ROOT) is None
-    failed = sched.add(make_request("r0"), ROOT)
+    assert sched.add(make_request("r0"), ROOT) == []
+    (failed,) = sched.add(make_request("r0"), ROOT)
     assert failed.param == "request_id" and sched.num_waiting == 1
 
 
 def test_abort_while_waiting():
     sched = make_scheduler()
     sched.add(make_request("r0"), ROOT)
-    ending = sched.abort("r0")
+    (ending,) = sched.abort("r0")
     assert ending == Finished("r0", "abort", num_prompt_tokens=6, num_output_tokens=0)
-    assert sched.abort("r0") is None and sched.abort("never-seen") is None
+    assert sched.abort("r0") == [] and sched.abort("never-seen") == []
     assert sched.schedule() is None and not sched.has_work()
     sched.add(make_request("r1"), ROOT)
     assert sched.schedule().finished == []  # the workers never knew r0
@@ -324,9 +325,9 @@ def test_abort_while_prefilling_across_chunks():
     sched.add(make_request("r0", num_prompt_tokens=12), ROOT)
     run_step(sched)
     assert sched.allocator.num_used == 1
-    assert sched.abort("r0").finish_reason == "abort"
+    assert [f.finish_reason for f in sched.abort("r0")] == ["abort"]
     assert_no_blocks_used(sched)
-    assert sched.abort("r0") is None
+    assert sched.abort("r0") == []
     sched.add(make_request("r1", prompt=[1, 2, 3]), ROOT)
     assert sched.schedule().finished == ["r0"]
 
@@ -336,12 +337,12 @@ def test_abort_while_step_in_flight_drops_its_result():
     sched.add(make_request("r0", num_prompt_tokens=10), ROOT)
     sched.add(make_request("r1", num_prompt_tokens=3), ROOT)
     plan = sched.schedule()
-    assert sched.abort("r0").num_output_tokens == 0
+    assert [f.num_output_tokens for f in sched.abort("r0")] == [0]
     assert sched.allocator.num_used == 1  # r1's block only, at once
     outputs = sched.update(make_done(plan))
     assert [o.request_id for o in outputs] == ["r1"]
     assert len(sched.prefix_index) == 0  # r0's blocks were never indexed: they are free
-    assert sched.abort("r0") is None
+    assert sched.abort("r0") == []
     assert sched.schedule().finished == ["r0"]
 
 
