@@ -70,7 +70,7 @@ from typing import Any
 
 from actors.base import Actor, Mailbox
 from mstar_actors.cpu_plan import CpuPlan, resolve_prepare_workers
-from mstar_actors.media import MediaError, MediaLimits, collect_media, fetch_remote
+from mstar_actors.media import FetchError, MediaError, MediaLimits, collect_media, fetch_remote, make_fetch_session
 from mstar_actors.messages import Abort, Failed, LoadAdapter, NewRequest, Prepared, UnloadAdapter
 from mstar_actors.preprocess import Draft, Preparer, failed, load_preparer, read_vocab_size, with_media
 
@@ -125,7 +125,7 @@ class PrepareActor(Actor):
         self._by_id: dict[str, _Slot] = {}
         self._busy: set[asyncio.Task] = set()  # preparing, abandoned ones included
         self._changed = asyncio.Event()  # a preparation ended
-        self._http: Any = None  # aiohttp session, made on first http(s) media
+        self._http: Any = None  # media.FetchSession, made on first http(s) media
 
     # ---- lifecycle ------------------------------------------------------------
 
@@ -288,6 +288,9 @@ class PrepareActor(Actor):
             slot.in_pool = True
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self.pool, self._draft, slot, fetched)
+        except FetchError as err:  # the client sees one message whatever failed; the log has why
+            self.log.warning("request %s: %s", req.request_id, err)
+            return failed(req, err.public_message, err.param)
         except MediaError as err:
             return failed(req, str(err), err.param)
         except asyncio.CancelledError:
@@ -317,9 +320,7 @@ class PrepareActor(Actor):
         if not any(r.scheme in ("http", "https") for r in refs):
             return {}
         if self._http is None:
-            import aiohttp
-
-            self._http = aiohttp.ClientSession()
+            self._http = make_fetch_session(self.limits)
         return await fetch_remote(refs, self.limits, self._http)
 
     async def _send_result(self, slot: _Slot, result: Draft | Failed) -> None:
