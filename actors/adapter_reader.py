@@ -12,6 +12,16 @@ for the tier's rules: least recently used, never a held copy).
 Reads run one at a time, in arrival order, so answers come back in the order
 the conductor asked (it matches them first in, first out).
 
+Which files a read may open: a runtime load's (any path not configured in
+``lora.adapters``) only files that really lie inside ``lora.adapter_dirs``,
+checked on each opened file (``read_adapter(allowed_dirs=...)``), so a
+folder of links to an adapter elsewhere, or a config linked to any JSON
+file, is refused (``AdapterReadFailed`` code ``adapter_path_not_allowed``,
+a 403 naming the file, not where it led). Configured adapters are the
+operator's and are read where their links lead, as vLLM applies its
+allowed folders to runtime loads only: a Hugging Face cache snapshot's
+files are links into the cache's ``blobs/``.
+
 Segments are named ``mstar-<run_id>-adapter<N>``: ``stop()`` unlinks them,
 and after a crash the launcher's ``cleanup_run`` (or the next start's
 ``cleanup_stale``) removes them by the run's prefix.
@@ -21,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +86,10 @@ class AdapterReaderActor(Actor):
         self._counter = itertools.count()
         self.base_error: Exception | None = None  # why this model takes no adapters
         self.host_dtype: Any = None  # the ranks' dtype, which host copies are kept in (None: the file's)
+        from mstar_actors.lora.pool import expand_path
+
+        self.configured_paths = {expand_path(p) for p in self.config.lora.adapters.values()}  # as the pool sends them
+        self.allowed_dirs = [os.path.realpath(expand_path(d)) for d in self.config.lora.adapter_dirs]
 
     async def start(self) -> None:
         from mstar_actors.lora.base_shapes import BaseShapesError
@@ -113,7 +128,7 @@ class AdapterReaderActor(Actor):
                 entry = await self.run_blocking(self._read_into_segment, msg, signature)
             except Exception as err:  # AdapterError names the module and reason; anything else is a bad file too
                 self.log.warning("adapter %r at %s refused: %s", msg.name, msg.path, err)
-                return AdapterReadFailed(name=msg.name, path=msg.path, message=_reason(err))
+                return AdapterReadFailed(name=msg.name, path=msg.path, message=_reason(err), code=_code(err))
         self.unlink(self.tier.hold(entry))
         entry = self.tier.find(entry.name, entry.digest)
         host = AdapterHostRef(segment=entry.segment, nbytes=entry.nbytes)
@@ -128,8 +143,9 @@ class AdapterReaderActor(Actor):
             from mstar_actors.lora import AdapterError
 
             raise AdapterError(f"adapter {msg.name!r}: this base model takes no adapters ({self.base_error})")
+        allowed = None if msg.path in self.configured_paths else self.allowed_dirs
         weights = read_adapter(msg.path, base=self.base_shapes, max_rank=self.config.lora.max_lora_rank,
-                               name=msg.name)
+                               name=msg.name, allowed_dirs=allowed)
         if self.host_dtype is not None:
             weights = weights.to_dtype(self.host_dtype)
         known = self.tier.find(msg.name, weights.digest)
@@ -154,3 +170,9 @@ def _reason(err: Exception) -> str:
     from mstar_actors.lora import AdapterError
 
     return str(err) if isinstance(err, AdapterError) else f"{type(err).__name__}: {err}"
+
+
+def _code(err: Exception) -> str:
+    from mstar_actors.lora.adapter_file import AdapterFileOutside
+
+    return "adapter_path_not_allowed" if isinstance(err, AdapterFileOutside) else "invalid_adapter"
