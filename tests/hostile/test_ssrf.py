@@ -196,11 +196,12 @@ async def test_a_redirect_to_loopback_is_refused_on_its_hop():
 
     async with canary_at() as canary:
         limits = MediaLimits()
-        for target in (f"{canary.base}/img", f"http://localhost:{canary.port}/img", f"http://0x7f000001:{canary.port}/img"):
+        for target in (f"{canary.base}/img", f"http://localhost:{canary.port}/img", f"http://0x7f000001:{canary.port}/img",
+                       "file:///etc/passwd"):
             real = make_fetch_session(limits)
             session = FetchSession(OnePublicHop(real.http, target), real.policy)
             try:
-                with pytest.raises(FetchError, match="loopback|refused addresses"):
+                with pytest.raises(FetchError, match="loopback|refused addresses|scheme 'file' is not fetched"):
                     await fetch_remote([ref("http://public.test/start")], limits, session)
             finally:
                 await real.close()
