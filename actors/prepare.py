@@ -288,9 +288,6 @@ class PrepareActor(Actor):
             slot.in_pool = True
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self.pool, self._draft, slot, fetched)
-        except FetchError as err:  # the client sees one message whatever failed; the log has why
-            self.log.warning("request %s: %s", req.request_id, err)
-            return failed(req, err.public_message, err.param)
         except MediaError as err:
             return failed(req, str(err), err.param)
         except asyncio.CancelledError:
@@ -321,7 +318,11 @@ class PrepareActor(Actor):
             return {}
         if self._http is None:
             self._http = make_fetch_session(self.limits)
-        return await fetch_remote(refs, self.limits, self._http)
+        try:
+            return await fetch_remote(refs, self.limits, self._http)
+        except FetchError as err:  # the client is told one message whatever failed; the log, why
+            self.log.warning("request %s: %s", req.request_id, err)
+            raise err.public() from None
 
     async def _send_result(self, slot: _Slot, result: Draft | Failed) -> None:
         slot.release_start = time.time()

@@ -243,12 +243,19 @@ def _read_file_url(ref: MediaRef, limits: MediaLimits) -> bytes:
 
 class FetchError(MediaError):
     """An http(s) part that could not be fetched. ``str()`` is the detail, for
-    the server log; the client sees only ``public_message``, the same whatever
+    the server log; the client is told only ``public()``, the same whatever
     went wrong, so answers cannot map what the server can reach."""
 
-    @property
-    def public_message(self) -> str:
-        return f"could not fetch {self.param}"
+    def public(self) -> MediaError:
+        return FetchFailed(self.param)
+
+
+class FetchFailed(MediaError):
+    """What a client is told of any failed fetch: ``could not fetch <param>``."""
+
+    def __init__(self, param: str):
+        ValueError.__init__(self, f"could not fetch {param}")
+        self.param = param
 
 
 _REDIRECTS = (301, 302, 303, 307, 308)

@@ -118,7 +118,7 @@ async def refused(url: str, limits: MediaLimits, resolver=None) -> str:
     """The refusal's detail (what the server log gets)."""
     with pytest.raises(FetchError) as err:
         await fetch(url, limits, resolver)
-    assert err.value.param == PARAM and err.value.public_message == GENERIC
+    assert err.value.param == PARAM and str(err.value.public()) == GENERIC
     return str(err.value)
 
 
