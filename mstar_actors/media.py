@@ -10,7 +10,8 @@ vLLM's extension) is one of:
 - ``http(s)://...``: fetched with aiohttp on the prepare actor's loop
   (``fetch_remote``): the whole fetch has a timeout, redirects are bounded,
   and the size limit is enforced while the body streams in, so an oversize
-  body is cut off rather than read whole;
+  body is cut off rather than read whole; every hop may reach only the
+  addresses ``media_guard`` allows (by default public ones);
 - ``file:///path``: read only inside ``server.allowed_media_dir``, after
   resolving symlinks, so ``..`` and links out of the folder are refused.
 
@@ -23,7 +24,9 @@ before decoding, and again while decoding when the container does not say.
 
 Every refusal is a ``MediaError`` naming the content part
 (``messages[0].content[1].image_url``) and the limit it broke; the prepare
-actor turns it into ``Failed(400, param=...)`` for that request alone.
+actor turns it into ``Failed(400, param=...)`` for that request alone. A
+failed fetch (``FetchError``) tells the client only ``could not fetch
+<part>``, whatever the cause; the cause goes to the server log.
 """
 
 from __future__ import annotations
