@@ -29,9 +29,11 @@ and after a crash the launcher's ``cleanup_run`` (or the next start's
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,10 +88,6 @@ class AdapterReaderActor(Actor):
         self._counter = itertools.count()
         self.base_error: Exception | None = None  # why this model takes no adapters
         self.host_dtype: Any = None  # the ranks' dtype, which host copies are kept in (None: the file's)
-        from mstar_actors.lora.pool import expand_path
-
-        self.configured_paths = {expand_path(p) for p in self.config.lora.adapters.values()}  # as the pool sends them
-        self.allowed_dirs = [os.path.realpath(expand_path(d)) for d in self.config.lora.adapter_dirs]
 
     async def start(self) -> None:
         from mstar_actors.lora.base_shapes import BaseShapesError
@@ -136,16 +134,15 @@ class AdapterReaderActor(Actor):
 
     def _read_into_segment(self, msg: ReadAdapter, signature: tuple) -> HostEntry:
         """In a thread: read, validate, serialise, write one segment."""
-        from mstar_actors.lora import read_adapter
+        read_adapter = self.confined_reader(msg.path)
         from mstar_actors.lora.host_copy import adapter_to_bytes
 
         if self.base_shapes is None and self.base_error is not None:
             from mstar_actors.lora import AdapterError
 
             raise AdapterError(f"adapter {msg.name!r}: this base model takes no adapters ({self.base_error})")
-        allowed = None if msg.path in self.configured_paths else self.allowed_dirs
         weights = read_adapter(msg.path, base=self.base_shapes, max_rank=self.config.lora.max_lora_rank,
-                               name=msg.name, allowed_dirs=allowed)
+                               name=msg.name)
         if self.host_dtype is not None:
             weights = weights.to_dtype(self.host_dtype)
         known = self.tier.find(msg.name, weights.digest)
@@ -164,6 +161,18 @@ class AdapterReaderActor(Actor):
         for entry in evicted:
             shm.unlink_segment(entry.segment)
             self.log.info("host copy of adapter %r (%s) evicted", entry.name, entry.digest[:12])
+
+    def confined_reader(self, path: str) -> Callable[..., Any]:
+        """``read_adapter`` for a read of ``path``: a runtime load's opens only
+        files inside ``lora.adapter_dirs``; a configured adapter's (the path
+        as the pool sends it) are read where their links lead."""
+        from mstar_actors.lora import read_adapter
+        from mstar_actors.lora.pool import expand_path
+
+        if path in {expand_path(p) for p in self.config.lora.adapters.values()}:
+            return read_adapter
+        allowed = [os.path.realpath(expand_path(d)) for d in self.config.lora.adapter_dirs]
+        return functools.partial(read_adapter, allowed_dirs=allowed)
 
 
 def _reason(err: Exception) -> str:
