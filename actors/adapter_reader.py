@@ -29,11 +29,8 @@ and after a crash the launcher's ``cleanup_run`` (or the next start's
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
-import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -162,10 +159,13 @@ class AdapterReaderActor(Actor):
             shm.unlink_segment(entry.segment)
             self.log.info("host copy of adapter %r (%s) evicted", entry.name, entry.digest[:12])
 
-    def confined_reader(self, path: str) -> Callable[..., Any]:
+    def confined_reader(self, path: str) -> Any:
         """``read_adapter`` for a read of ``path``: a runtime load's opens only
         files inside ``lora.adapter_dirs``; a configured adapter's (the path
         as the pool sends it) are read where their links lead."""
+        import functools
+        import os
+
         from mstar_actors.lora import read_adapter
         from mstar_actors.lora.pool import expand_path
 
