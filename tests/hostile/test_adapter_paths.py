@@ -6,7 +6,6 @@ adapters are the operator's and are read where their links lead."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import sys
@@ -17,24 +16,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lora"))  # the LoRA tests' factories and harness
 
 from lora_factories import base_shapes, make_adapter, make_base  # noqa: E402
-from test_lora_agreement import adapters, run_async  # noqa: E402,F401 (fixture)
+from test_lora_agreement import Cluster, adapters, run_async  # noqa: E402,F401 (fixture)
 from test_lora_serving import Served, error  # noqa: E402
 
-from actors.adapter_reader import AdapterReaderActor  # noqa: E402
-from mstar_actors.config import Config, LoraConfig  # noqa: E402
 from mstar_actors.lora import AdapterError, read_adapter  # noqa: E402
 from mstar_actors.lora.adapter_file import CONFIG_FILE, WEIGHTS_FILE, AdapterFileOutside  # noqa: E402
 from mstar_actors.lora.pool import resolve_runtime_path  # noqa: E402
-from mstar_actors.messages import (  # noqa: E402
-    AdapterRead,
-    AdapterReadFailed,
-    AdapterReaderToConductor,
-    ConductorToAdapterReader,
-    ReadAdapter,
-    Shutdown,
-)
-from transport import shm  # noqa: E402
-from transport.memory import MemoryChannel  # noqa: E402
+from mstar_actors.messages import AdapterRead, AdapterReadFailed, ReadAdapter  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = "peft-secret-7731"
@@ -133,27 +121,20 @@ def test_a_fifo_in_the_folder_is_refused_without_hanging(layout, tmp_path):
 
 @run_async
 async def test_the_reader_confines_runtime_reads_and_trusts_configured_adapters(layout, tmp_path):
+    """The real adapter-reader (in the LoRA tests' cluster): a configured
+    adapter whose files link out of every allowed folder is read; a runtime
+    read of the same links is refused with the 403's code."""
     tmp, shapes = layout
     allowed = tmp_path / "allowed"
     allowed.mkdir()
     configured = linked_copy(tmp_path / "configured", tmp / "outside" / "good")  # outside adapter_dirs, links out
     runtime = linked_copy(allowed / "runtime", tmp / "outside" / "good")
-    config = Config(lora=LoraConfig(adapters={"conf": str(configured)}, adapter_dirs=[str(allowed)],
-                                    allow_runtime_updates=True))
-    to_reader = MemoryChannel(ConductorToAdapterReader, "conductor.adapter_reader")
-    answers = MemoryChannel(AdapterReaderToConductor, "adapter_reader.conductor")
-    reader = AdapterReaderActor(name="adapter_reader", config=config, base_shapes=shapes,
-                                inbox={"conductor": to_reader}, outbox={"conductor": answers})
-    task = asyncio.create_task(reader.run())
-    await to_reader.send(ReadAdapter(name="conf", path=str(configured)))
-    assert isinstance(await answers.recv(), AdapterRead)
-    await to_reader.send(ReadAdapter(name="x", path=str(runtime), refresh=True))
-    failed = await answers.recv()
-    assert isinstance(failed, AdapterReadFailed) and failed.code == "adapter_path_not_allowed", failed
-    assert str(tmp) not in failed.message
-    await to_reader.send(Shutdown(reason="test"))
-    assert await task == 0
-    assert not shm.cleanup_run(reader.run_id)
+    async with Cluster(({"conf": configured}, shapes), runtime_dirs=[str(allowed)]) as cluster:
+        read = await cluster.reader.read(ReadAdapter(name="conf", path=str(configured)))
+        assert isinstance(read, AdapterRead), read
+        failed = await cluster.reader.read(ReadAdapter(name="x", path=str(runtime), refresh=True))
+        assert isinstance(failed, AdapterReadFailed) and failed.code == "adapter_path_not_allowed", failed
+        assert str(tmp) not in failed.message
 
 
 @run_async
