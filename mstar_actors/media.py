@@ -324,9 +324,15 @@ async def _fetch_one(session: FetchSession, ref: MediaRef, limits: MediaLimits) 
     except TimeoutError:
         raise FetchError(ref.param, f"fetching took over {limits.fetch_timeout_s} s (server.media_fetch_timeout_s)") from None
     except (aiohttp.ClientError, OSError, ValueError) as err:  # ValueError: a URL yarl cannot parse
-        cause = getattr(err, "os_error", None)  # a connector error's str drops the resolver's reason
-        detail = f"{type(err).__name__}: {err}" + (f" ({cause})" if cause is not None and str(cause) not in str(err) else "")
-        raise FetchError(ref.param, f"could not fetch the {ref.kind}: {detail}") from None
+        raise FetchError(ref.param, f"could not fetch the {ref.kind}: {_describe(err)}") from None
+
+
+def _describe(err: Exception) -> str:
+    """The error for the log, with a connector error's cause (its own text
+    drops the guard's reason for refusing every address of a name)."""
+    cause = getattr(err, "os_error", None)
+    text = f"{type(err).__name__}: {err}"
+    return f"{text} ({cause})" if cause is not None and str(cause) not in text else text
 
 
 async def _follow(session: FetchSession, ref: MediaRef, limits: MediaLimits) -> bytes:
