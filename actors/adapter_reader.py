@@ -12,6 +12,16 @@ for the tier's rules: least recently used, never a held copy).
 Reads run one at a time, in arrival order, so answers come back in the order
 the conductor asked (it matches them first in, first out).
 
+Which files a read may open: a runtime load's (any path not configured in
+``lora.adapters``) only files that really lie inside ``lora.adapter_dirs``,
+checked on each opened file (``read_adapter(allowed_dirs=...)``), so a
+folder of links to an adapter elsewhere, or a config linked to any JSON
+file, is refused (``AdapterReadFailed`` code ``adapter_path_not_allowed``,
+a 403 naming the file, not where it led). Configured adapters are the
+operator's and are read where their links lead, as vLLM applies its
+allowed folders to runtime loads only: a Hugging Face cache snapshot's
+files are links into the cache's ``blobs/``.
+
 Segments are named ``mstar-<run_id>-adapter<N>``: ``stop()`` unlinks them,
 and after a crash the launcher's ``cleanup_run`` (or the next start's
 ``cleanup_stale``) removes them by the run's prefix.
@@ -86,7 +96,7 @@ class AdapterReaderActor(Actor):
                 entry = await self.run_blocking(self._read_into_segment, msg, signature)
             except Exception as err:  # AdapterError names the module and reason; anything else is a bad file too
                 self.log.warning("adapter %r at %s refused: %s", msg.name, msg.path, err)
-                return AdapterReadFailed(name=msg.name, path=msg.path, message=_reason(err))
+                return AdapterReadFailed(name=msg.name, path=msg.path, message=_reason(err), code=_code(err))
         self.unlink(self.tier.hold(entry))
         entry = self.tier.find(entry.name, entry.digest)
         host = AdapterHostRef(segment=entry.segment, nbytes=entry.nbytes)
@@ -94,7 +104,7 @@ class AdapterReaderActor(Actor):
 
     def _read_into_segment(self, msg: ReadAdapter, signature: tuple) -> HostEntry:
         """In a thread: read, validate, serialise, write one segment."""
-        from mstar_actors.lora import read_adapter
+        read_adapter = self.confined_reader(msg.path)
         from mstar_actors.lora.host_copy import adapter_to_bytes
 
         if self.info.lora_base is None:
@@ -121,8 +131,29 @@ class AdapterReaderActor(Actor):
             shm.unlink_segment(entry.segment)
             self.log.info("host copy of adapter %r (%s) evicted", entry.name, entry.digest[:12])
 
+    def confined_reader(self, path: str) -> Any:
+        """``read_adapter`` for a read of ``path``: a runtime load's opens only
+        files inside ``lora.adapter_dirs``; a configured adapter's (the path
+        as the pool sends it) are read where their links lead."""
+        import functools
+        import os
+
+        from mstar_actors.lora import read_adapter
+        from mstar_actors.lora.pool import expand_path
+
+        if path in {expand_path(p) for p in self.config.lora.adapters.values()}:
+            return read_adapter
+        allowed = [os.path.realpath(expand_path(d)) for d in self.config.lora.adapter_dirs]
+        return functools.partial(read_adapter, allowed_dirs=allowed)
+
 
 def _reason(err: Exception) -> str:
     from mstar_actors.lora import AdapterError
 
     return str(err) if isinstance(err, AdapterError) else f"{type(err).__name__}: {err}"
+
+
+def _code(err: Exception) -> str:
+    from mstar_actors.lora.adapter_file import AdapterFileOutside
+
+    return "adapter_path_not_allowed" if isinstance(err, AdapterFileOutside) else "invalid_adapter"

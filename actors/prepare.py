@@ -65,7 +65,7 @@ from typing import Any
 
 from actors.base import Actor, Mailbox
 from mstar_actors.cpu_plan import CpuPlan, resolve_prepare_workers
-from mstar_actors.media import MediaError, MediaLimits, collect_media, fetch_remote
+from mstar_actors.media import FetchError, MediaError, MediaLimits, collect_media, fetch_remote, make_fetch_session
 from mstar_actors.messages import Abort, Failed, LoadAdapter, NewRequest, Prepared, UnloadAdapter
 from mstar_actors.prepare import PendingRequest, PendingRequests
 from mstar_actors.preprocess import Draft, Preparer, failed, load_preparer, with_media
@@ -96,7 +96,7 @@ class PrepareActor(Actor):
         self.pending = PendingRequests(max_preparing=1, max_unreleased=1)  # sized with the pool in start
         self._tasks: dict[PendingRequest, asyncio.Task] = {}  # preparing, abandoned ones included
         self._changed = asyncio.Event()  # a preparation ended
-        self._http: Any = None  # aiohttp session, made on first http(s) media
+        self._http: Any = None  # media.FetchSession, made on first http(s) media
 
     # ---- lifecycle ------------------------------------------------------------
 
@@ -272,10 +272,12 @@ class PrepareActor(Actor):
         if not any(r.scheme in ("http", "https") for r in refs):
             return {}
         if self._http is None:
-            import aiohttp
-
-            self._http = aiohttp.ClientSession()
-        return await fetch_remote(refs, self.limits, self._http)
+            self._http = make_fetch_session(self.limits)
+        try:
+            return await fetch_remote(refs, self.limits, self._http)
+        except FetchError as err:  # the client is told one message whatever failed; the log, why
+            self.log.warning("request %s: %s", req.request_id, err)
+            raise err.public() from None
 
     async def _send_result(self, req: NewRequest, result: Draft | Failed) -> None:
         msg = result if isinstance(result, Failed) else await self._finish(req, result)

@@ -9,7 +9,8 @@ vLLM's extension) is one of:
 - ``http(s)://...``: fetched with aiohttp on the prepare actor's loop
   (``fetch_remote``): the whole fetch has a timeout, redirects are bounded,
   and the size limit is enforced while the body streams in, so an oversize
-  body is cut off rather than read whole;
+  body is cut off rather than read whole; every hop may reach only the
+  addresses ``media_guard`` allows (by default public ones);
 - ``file:///path``: read only inside ``server.allowed_media_dir``, after
   resolving symlinks, so ``..`` and links out of the folder are refused.
 
@@ -22,7 +23,9 @@ before decoding, and again while decoding when the container does not say.
 
 Every refusal is a ``MediaError`` naming the content part
 (``messages[0].content[1].image_url``) and the limit it broke; the prepare
-actor turns it into ``Failed(400, param=...)`` for that request alone.
+actor turns it into ``Failed(400, param=...)`` for that request alone. A
+failed fetch (``FetchError``) tells the client only ``could not fetch
+<part>``, whatever the cause; the cause goes to the server log.
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ class MediaLimits:
     fetch_timeout_s: float = 10.0
     max_redirects: int = 3
     allowed_dir: str | None = None
+    allowed_domains: tuple[str, ...] = ()  # http(s) hosts that may be fetched; empty: any (media_guard)
+    allow_private_addresses: bool = False
+    own_port: int = 0  # the server's port, never fetched (0: unknown)
 
     @classmethod
     def from_config(cls, server: Any) -> "MediaLimits":
@@ -76,6 +82,9 @@ class MediaLimits:
             fetch_timeout_s=server.media_fetch_timeout_s,
             max_redirects=server.max_media_redirects,
             allowed_dir=server.allowed_media_dir,
+            allowed_domains=tuple(server.allowed_media_domains),
+            allow_private_addresses=server.allow_private_media_addresses,
+            own_port=server.port,
         )
 
 
@@ -227,17 +236,64 @@ def _read_file_url(ref: MediaRef, limits: MediaLimits) -> bytes:
     return path.read_bytes()
 
 
-async def fetch_remote(refs: list[MediaRef], limits: MediaLimits, session: Any = None) -> dict[str, bytes]:
-    """Fetch every http(s) part; returns ``param -> bytes``. Raises MediaError
-    for the first part that fails (the request fails as a whole)."""
+class FetchError(MediaError):
+    """An http(s) part that could not be fetched. ``str()`` is the detail, for
+    the server log; the client is told only ``public()``, the same whatever
+    went wrong, so answers cannot map what the server can reach."""
+
+    def public(self) -> MediaError:
+        return FetchFailed(self.param)
+
+
+class FetchFailed(MediaError):
+    """What a client is told of any failed fetch: ``could not fetch <param>``."""
+
+    def __init__(self, param: str):
+        ValueError.__init__(self, f"could not fetch {param}")
+        self.param = param
+
+
+_REDIRECTS = (301, 302, 303, 307, 308)
+
+
+@dataclass
+class FetchSession:
+    """An aiohttp session whose connector resolves through ``GuardedResolver``,
+    and the policy it enforces (``_follow`` checks IP literals against the
+    same one). This host's addresses are read when it is made."""
+
+    http: Any
+    policy: Any  # media_guard.FetchPolicy
+
+    async def close(self) -> None:
+        await self.http.close()
+
+
+def make_fetch_session(limits: MediaLimits, resolver: Any = None) -> FetchSession:
+    """A session for ``fetch_remote``; ``resolver`` is the one the guard wraps
+    (default: the system's). Call it on the loop that will use it."""
+    import aiohttp
+
+    from mstar_actors.media_guard import FetchPolicy, GuardedResolver
+
+    policy = FetchPolicy.from_limits(limits)
+    guarded = GuardedResolver(policy, resolver or aiohttp.ThreadedResolver())
+    # No proxies from the environment, and no cookies carried from one client's fetch to another's.
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(resolver=guarded), trust_env=False,
+                                 cookie_jar=aiohttp.DummyCookieJar())
+    return FetchSession(http, policy)
+
+
+async def fetch_remote(refs: list[MediaRef], limits: MediaLimits, session: FetchSession | None = None) -> dict[str, bytes]:
+    """Fetch every http(s) part; returns ``param -> bytes``. Raises FetchError
+    for the first part that fails (the request fails as a whole). ``session``
+    None makes one for this call."""
     remote = [r for r in refs if r.scheme in ("http", "https")]
     if not remote:
         return {}
-    import aiohttp
-
     own = session is None
     if own:
-        session = aiohttp.ClientSession()
+        session = make_fetch_session(limits)
     try:
         return {r.param: await _fetch_one(session, r, limits) for r in remote}
     finally:
@@ -245,26 +301,56 @@ async def fetch_remote(refs: list[MediaRef], limits: MediaLimits, session: Any =
             await session.close()
 
 
-async def _fetch_one(session: Any, ref: MediaRef, limits: MediaLimits) -> bytes:
+async def _fetch_one(session: FetchSession, ref: MediaRef, limits: MediaLimits) -> bytes:
     import asyncio
 
     import aiohttp
 
-    timeout = aiohttp.ClientTimeout(total=limits.fetch_timeout_s)
     try:
-        async with session.get(ref.url, timeout=timeout, max_redirects=limits.max_redirects,
-                               allow_redirects=limits.max_redirects > 0) as resp:
+        async with asyncio.timeout(limits.fetch_timeout_s):
+            return await _follow(session, ref, limits)
+    except FetchError:
+        raise
+    except MediaError as err:  # over a limit: still one answer for every failure
+        raise FetchError(ref.param, str(err).removeprefix(f"{ref.param}: ")) from None
+    except TimeoutError:
+        raise FetchError(ref.param, f"fetching took over {limits.fetch_timeout_s} s (server.media_fetch_timeout_s)") from None
+    except (aiohttp.ClientError, OSError, ValueError) as err:  # ValueError: a URL yarl cannot parse
+        raise FetchError(ref.param, f"could not fetch the {ref.kind}: {_describe(err)}") from None
+
+
+def _describe(err: Exception) -> str:
+    """The error for the log, with a connector error's cause (its own text
+    drops the guard's reason for refusing every address of a name)."""
+    cause = getattr(err, "os_error", None)
+    text = f"{type(err).__name__}: {err}"
+    return f"{text} ({cause})" if cause is not None and str(cause) not in text else text
+
+
+async def _follow(session: FetchSession, ref: MediaRef, limits: MediaLimits) -> bytes:
+    """Follow up to ``max_redirects`` redirects by hand, each hop's URL checked
+    by ``media_guard`` before it is requested (aiohttp's own following would
+    check none); the next redirect past the limit is refused."""
+    from yarl import URL
+
+    from mstar_actors.media_guard import url_refusal
+
+    url = URL(ref.url)
+    for _ in range(limits.max_redirects + 1):
+        refusal = url_refusal(url.scheme, url.host, url.port, session.policy)
+        if refusal is not None:
+            raise FetchError(ref.param, f"{url.host}: {refusal}")
+        async with session.http.get(url, allow_redirects=False) as resp:
+            location = resp.headers.get("Location")
+            if resp.status in _REDIRECTS and location:
+                url = url.join(URL(location))
+                continue
             if resp.status != 200:
-                raise MediaError(ref.param, f"fetching the {ref.kind} gave HTTP {resp.status}; expected 200")
+                raise FetchError(ref.param, f"fetching the {ref.kind} gave HTTP {resp.status}; expected 200")
             if resp.content_length is not None and resp.content_length > limits.max_bytes:
                 raise _too_big(ref, resp.content_length, limits)
             return await _read_bounded(resp, ref, limits)
-    except aiohttp.TooManyRedirects:
-        raise MediaError(ref.param, f"more than {limits.max_redirects} redirects (server.max_media_redirects)") from None
-    except asyncio.TimeoutError:
-        raise MediaError(ref.param, f"fetching took over {limits.fetch_timeout_s} s (server.media_fetch_timeout_s)") from None
-    except aiohttp.ClientError as err:
-        raise MediaError(ref.param, f"could not fetch the {ref.kind}: {type(err).__name__}: {err}") from None
+    raise FetchError(ref.param, f"more than {limits.max_redirects} redirects (server.max_media_redirects)")
 
 
 async def _read_bounded(resp: Any, ref: MediaRef, limits: MediaLimits) -> bytes:

@@ -474,6 +474,7 @@ class AdapterReadFailed(Struct, frozen=True, tag=True, omit_defaults=True):
     name: str
     path: str
     message: str
+    code: str = "invalid_adapter"  # adapter_path_not_allowed: a file resolves outside lora.adapter_dirs (a 403)
 
 
 AdapterReaderToConductor = AdapterRead | AdapterReadFailed

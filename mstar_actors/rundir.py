@@ -45,10 +45,11 @@ def run_is_dead(run_id: str) -> bool:
         return False
     try:
         started = time.mktime(time.strptime(stamp, "%Y%m%d%H%M%S"))
-        return psutil.Process(int(pid)).create_time() > started + 1
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        proc = psutil.Process(int(pid))
+        return proc.status() == psutil.STATUS_ZOMBIE or proc.create_time() > started + 1
+    except psutil.NoSuchProcess:  # ZombieProcess included
         return True
-    except ValueError:
+    except (ValueError, psutil.AccessDenied):
         return False
 
 
@@ -83,13 +84,15 @@ def remove_run_dir(run_dir: Path) -> None:
 
 
 def is_alive(pid: int) -> bool:
+    """Whether ``pid`` runs. A zombie (exited, not yet reaped by its parent)
+    does not: a killed launcher whose parent has not waited for it is one,
+    and its run must still be cleaned up."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # ZombieProcess included
         return False
-    except PermissionError:
+    except psutil.AccessDenied:  # another user's process: it runs
         return True
-    return True
 
 
 def live_runs(root: Path | None = None) -> list[Path]:

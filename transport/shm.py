@@ -295,7 +295,9 @@ def _read_marker(path: Path) -> dict | None:
 def _is_alive(pid: int, start_time: float) -> bool:
     """True when ``pid`` runs and is the same process (not a reused pid)."""
     try:
-        return abs(psutil.Process(pid).create_time() - start_time) < 0.01
+        proc = psutil.Process(pid)
+        # A zombie has exited (its parent has not reaped it yet): its run is dead.
+        return proc.status() != psutil.STATUS_ZOMBIE and abs(proc.create_time() - start_time) < 0.01
     except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return False
 

@@ -11,6 +11,12 @@ module A [r, in], B [out, r] and the PEFT scale, plus a digest naming the
 weights.
 
 Pure apart from reading the two files; no device, no threads.
+
+``allowed_dirs`` confines the read (runtime loads: ``lora.adapter_dirs``):
+every file is opened first and then checked where the opened descriptor
+really lies (``/proc/self/fd``), so a link inside the folder that points
+out of it, or a file swapped for one between a check and the open, is
+refused; the refusal names the file, never where it led.
 """
 
 from __future__ import annotations
@@ -19,8 +25,12 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import re
+import stat
 import struct
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +60,10 @@ _KINDS = {
 
 class AdapterError(ValueError):
     """An adapter that can't be served; the message names adapter, tensor and reason."""
+
+
+class AdapterFileOutside(AdapterError):
+    """A file of the adapter resolves outside the allowed folders (a 403)."""
 
 
 @dataclass(frozen=True)
@@ -110,16 +124,19 @@ class AdapterWeights:
         return dataclasses.replace(self, layers=layers, global_modules=global_modules)
 
 
-def read_adapter(path: str | Path, *, base: BaseShapes, max_rank: int, name: str | None = None) -> AdapterWeights:
+def read_adapter(path: str | Path, *, base: BaseShapes, max_rank: int, name: str | None = None,
+                 allowed_dirs: Sequence[str] | None = None) -> AdapterWeights:
     """Read and validate the PEFT adapter folder at ``path`` against ``base``.
 
+    With ``allowed_dirs`` (real paths), every file read must resolve inside
+    one of them (AdapterFileOutside otherwise); None reads where links lead.
     Raises AdapterError for anything that can't be served exactly.
     """
     folder = Path(path)
     name = name or folder.name
-    config = _read_config(folder, name)
+    config = _read_config(folder, name, allowed_dirs)
     _check_config(config, name)
-    tensors = _read_tensors(_weights_path(folder, name), name)
+    tensors = _read_tensors(_weights_path(folder, name), name, allowed_dirs)
     pairs = _pair_tensors(tensors, base, name)
     layers = [dict() for _ in range(base.num_layers)]
     global_modules: dict[str, LoraModule] = {}
@@ -146,14 +163,39 @@ def read_adapter(path: str | Path, *, base: BaseShapes, max_rank: int, name: str
 # ---------------------------------------------------------------- files
 
 
-def _read_config(folder: Path, name: str) -> dict:
+def is_inside(real: str, allowed_dirs: Sequence[str]) -> bool:
+    """Whether the real path ``real`` is one of ``allowed_dirs`` or below one."""
+    return any(real == d or real.startswith(d.rstrip(os.sep) + os.sep) for d in allowed_dirs)
+
+
+@contextmanager
+def open_inside(path: Path, allowed_dirs: Sequence[str] | None, name: str) -> Iterator[int]:
+    """A descriptor of the regular file ``path``, checked after opening: the
+    check is on the file opened, not on a name that could change under it.
+    O_NONBLOCK so a FIFO planted in the folder cannot hang the open."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        if allowed_dirs is not None and not is_inside(os.path.realpath(f"/proc/self/fd/{fd}"), allowed_dirs):
+            raise AdapterFileOutside(f"adapter {name!r}: {path.name} resolves outside lora.adapter_dirs; a runtime "
+                                     "load reads only files inside them (copy the adapter's files in, not links)")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise AdapterError(f"adapter {name!r}: {path.name} is not a regular file")
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _read_config(folder: Path, name: str, allowed_dirs: Sequence[str] | None = None) -> dict:
     path = folder / CONFIG_FILE
     try:
-        config = json.loads(path.read_text())
+        with open_inside(path, allowed_dirs, name) as fd, os.fdopen(os.dup(fd), "rb") as f:
+            config = json.loads(f.read())
     except FileNotFoundError:
         raise AdapterError(f"adapter {name!r}: {CONFIG_FILE} is missing from {folder}; a PEFT adapter folder needs it") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise AdapterError(f"adapter {name!r}: {CONFIG_FILE} is not valid JSON ({err})") from None
+    except OSError as err:  # its strerror only: the exception's own text carries the path
+        raise AdapterError(f"adapter {name!r}: {CONFIG_FILE} could not be read ({err.strerror})") from None
     if not isinstance(config, dict):
         raise AdapterError(f"adapter {name!r}: {CONFIG_FILE} must hold a JSON object, got {type(config).__name__}")
     return config
@@ -172,10 +214,19 @@ def _weights_path(folder: Path, name: str) -> Path:
     raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} is missing from {folder}")
 
 
-def _read_tensors(path: Path, name: str) -> dict[str, torch.Tensor | tuple[int, ...]]:
+def _read_tensors(path: Path, name: str, allowed_dirs: Sequence[str] | None = None) -> dict[str, torch.Tensor | tuple[int, ...]]:
     """Every tensor, except that the base-layer copies PEFT saves next to
     embedding / lm_head adapters (``*.base_layer.weight``) are not read: they
     are the base model's own weights; only their shape is kept, to check."""
+    try:
+        with open_inside(path, allowed_dirs, name) as fd:
+            # The checked descriptor's own file, whatever the name points at by now.
+            return _read_checked_tensors(Path(f"/proc/self/fd/{fd}"), name)
+    except OSError as err:
+        raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} could not be opened ({err.strerror})") from None
+
+
+def _read_checked_tensors(path: Path, name: str) -> dict[str, torch.Tensor | tuple[int, ...]]:
     _check_safetensors_size(path, name)
     out: dict[str, torch.Tensor | tuple[int, ...]] = {}
     try:

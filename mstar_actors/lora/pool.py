@@ -106,9 +106,9 @@ def resolve_runtime_path(path: str, adapter_dirs: list[str]) -> str:
     allowed = [Path(expand_path(d)).resolve() for d in adapter_dirs]
     if any(real == d or d in real.parents for d in allowed):
         return str(real)
-    raise AdapterPathError(
-        f"lora_path {path!r} (resolved: {real}) is outside the allowed adapter folders: "
-        f"{', '.join(map(str, allowed))}; copy the adapter there or extend lora.adapter_dirs"
+    raise AdapterPathError(  # the folders as configured: where the path resolved stays unsaid
+        f"lora_path {path!r} is outside the allowed adapter folders: "
+        f"{', '.join(adapter_dirs)}; copy the adapter there or extend lora.adapter_dirs"
     )
 
 
@@ -267,6 +267,9 @@ class AdapterPool:
 
     def on_read_failed(self, msg: AdapterReadFailed) -> list:
         read = self._pop_read(msg.name)
+        if read.load_id is not None and msg.code == "adapter_path_not_allowed":  # where it resolved stays unsaid
+            return [AdapterUpdate(request_id=read.load_id, status=403, code=msg.code,
+                                  message=f"adapter {read.name!r} was refused: {msg.message}")]
         if read.load_id is not None:
             return [AdapterUpdate(request_id=read.load_id, status=400, code="invalid_adapter",
                                   message=f"adapter {read.name!r} at {read.path} was refused: {msg.message}")]

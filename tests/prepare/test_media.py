@@ -210,7 +210,7 @@ async def test_http_fetch_redirects_and_size_limit():
     app.router.add_get("/moved", redirect("/img.png"))
     app.router.add_get("/loop", redirect("/loop"))
     app.router.add_get("/big", big)
-    limits = MediaLimits(max_bytes=100_000, max_redirects=3)
+    limits = MediaLimits(max_bytes=100_000, max_redirects=3, allow_private_addresses=True)  # the server is on loopback
     async with serving(app) as base:
         got = await fetch_remote([ref(f"{base}/img.png"), MediaRef("image", f"{base}/moved", "p2")], limits)
         assert got == {PARAM: image, "p2": image}

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from actors.prepare import PrepareActor
-from mstar_actors.config import Config
+from mstar_actors.config import Config, ServerConfig
 from mstar_actors.messages import (
     Abort,
     Failed,
@@ -84,7 +84,8 @@ class Harness:
         self.inbox = MemoryChannel(FrontendToPrepare, "frontend.prepare", capacity_bytes=1 << 20)
         self.out = WatchedChannel(PrepareToConductor, "prepare.conductor", capacity_bytes=outbox_bytes)
         self.preparer = preparer
-        self.actor = PrepareActor(name="prepare", config=Config(), inbox={"frontend": self.inbox},
+        config = Config(server=ServerConfig(allow_private_media_addresses=True))  # media is served on loopback
+        self.actor = PrepareActor(name="prepare", config=config, inbox={"frontend": self.inbox},
                                   outbox={"conductor": self.out}, preparer=preparer, num_workers=num_workers)
         self.task = asyncio.create_task(self.actor.run())
 

@@ -1,0 +1,204 @@
+"""The live server under hostile load: `python -m mstar_actors serve` of a
+tiny random model (every actor in its own process).
+
+- Clients that disconnect mid-stream lose no one else's request, and every
+  engine gauge (running, waiting, KV blocks used) is back to 0 after.
+- A SIGKILL of an actor under load fails every request in flight within a
+  short bound with an error naming the actor, and leaves no shared memory
+  of the run and no process behind.
+
+One server serves both: the kill ends it, so it comes last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import time
+
+import aiohttp
+import psutil
+import pytest
+
+from tests.test_launcher import Server, _load_kit, our_segments
+
+pytestmark = pytest.mark.timeout(240)
+
+SEED = 20
+NUM_REQUESTS = 100
+CONCURRENCY = 16
+MAX_TOKENS = 8
+LONG_TOKENS = 120  # the prompt's 5 tokens and these fit max_model_len 128: in flight when the kill comes
+KILL_BOUND_S = 3.0
+SETTLE_BOUND_S = 2.0  # from the last client's end to every gauge at 0  # from the SIGKILL to the last in-flight request's end, on 2 busy cores
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    _load_kit().make_model_dir(folder)
+    srv = Server(folder, tmp_path_factory.mktemp("runtime"), tmp_path_factory.mktemp("cfg"))
+    try:
+        srv.wait_serving()
+        yield srv
+    finally:
+        srv.kill()
+
+
+def body(max_tokens: int, stream: bool) -> dict:
+    return {"model": "tiny", "prompt": "hello world w3", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+
+
+async def stream_one(session: aiohttp.ClientSession, url: str, disconnect: bool) -> str:
+    """One streamed completion: "done" once [DONE] came after a finish_reason,
+    "left" when this client hung up after its first chunk."""
+    # A leaver asks for a long reply: its rows would hold the gauges up long after the others end.
+    async with session.post(url, json=body(LONG_TOKENS if disconnect else MAX_TOKENS, stream=True)) as resp:
+        assert resp.status == 200, await resp.text()
+        finish = None
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            if disconnect:
+                resp.close()  # mid-stream: the connection goes, unread
+                return "left"
+            if line == "data: [DONE]":
+                return "done" if finish == "length" else f"ended with finish_reason {finish}"
+            finish = json.loads(line[6:])["choices"][0].get("finish_reason") or finish
+    return "cut off before [DONE]"
+
+
+async def gauges(session: aiohttp.ClientSession, base: str) -> dict[str, float]:
+    names = ("mstar_num_requests_running", "mstar_num_requests_waiting", "mstar_kv_blocks_used")
+    async with session.get(f"{base}/metrics") as resp:
+        text = await resp.text()
+    return {n: float(line.split()[1]) for line in text.splitlines() for n in names if line.startswith(n + " ")}
+
+
+async def settled_gauges(session, base: str, bound_s: float = 5.0) -> dict[str, float]:
+    deadline = time.monotonic() + bound_s
+    while True:
+        now = await gauges(session, base)
+        if (len(now) == 3 and not any(now.values())) or time.monotonic() > deadline:
+            return now
+        await asyncio.sleep(0.05)
+
+
+def test_clients_disconnecting_mid_stream_lose_nothing_and_gauges_return_to_zero(server):
+    print(f"seed: {SEED}")
+    rng = random.Random(SEED)
+    leaving = set(rng.sample(range(NUM_REQUESTS), NUM_REQUESTS // 5))
+    base = f"http://127.0.0.1:{server.port}"
+
+    async def run():
+        gate = asyncio.Semaphore(CONCURRENCY)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            async def client(i):
+                async with gate:
+                    return await stream_one(session, f"{base}/v1/completions", i in leaving)
+
+            started = time.monotonic()
+            outcomes = await asyncio.gather(*(client(i) for i in range(NUM_REQUESTS)))
+            elapsed = time.monotonic() - started
+            after = await settled_gauges(session, base, SETTLE_BOUND_S)
+            async with session.post(f"{base}/v1/completions", json=body(4, stream=False)) as resp:
+                normal = resp.status, await resp.json()
+            return outcomes, elapsed, after, normal
+
+    outcomes, elapsed, after, (status, reply) = asyncio.run(run())
+    print(f"{NUM_REQUESTS} streams at concurrency {CONCURRENCY}, {len(leaving)} hung up: {elapsed:.2f} s")
+    assert [i for i, o in enumerate(outcomes) if o != ("left" if i in leaving else "done")] == [], outcomes
+    assert after == {"mstar_num_requests_running": 0, "mstar_num_requests_waiting": 0, "mstar_kv_blocks_used": 0}
+    assert status == 200 and reply["usage"]["completion_tokens"] == 4
+
+
+async def in_flight_until_killed(base: str, pid: int, num_streams: int, num_plain: int) -> tuple[list, float]:
+    """Start long requests, SIGKILL ``pid`` once a few streams have their first
+    chunk (the KV cache holds few of them at once: the rest wait in the
+    engine), and return each request's end and the seconds from the kill to
+    the last end."""
+    ends: list = []
+    first = asyncio.Event()
+    num_started = 0
+
+    async def streamed(session):
+        nonlocal num_started
+        async with session.post(f"{base}/v1/completions", json=body(LONG_TOKENS, stream=True)) as resp:
+            counted = False
+            events = []
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if line.startswith("data: ") and not counted:
+                    counted = True
+                    num_started += 1
+                    if num_started == min(4, num_streams):
+                        first.set()
+                events.append(line)
+            ends.append(("stream", time.monotonic(), events))
+
+    async def plain(session):
+        async with session.post(f"{base}/v1/completions", json=body(LONG_TOKENS, stream=False)) as resp:
+            ends.append(("plain", time.monotonic(), [resp.status, await resp.text()]))
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        tasks = [asyncio.create_task(streamed(session)) for _ in range(num_streams)]
+        await asyncio.wait_for(first.wait(), 30)
+        tasks += [asyncio.create_task(plain(session)) for _ in range(num_plain)]
+        await asyncio.sleep(0.05)  # the plain ones reach the engine
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors
+    return ends, max(t for _, t, _ in ends) - killed_at
+
+
+def test_sigkill_of_an_actor_under_load_fails_every_request_fast_and_leaves_nothing(server):
+    run_id = server.run_dir.name
+    launcher = psutil.Process(server.proc.pid)
+    processes = [launcher, *launcher.children(recursive=True)]
+    assert our_segments(run_id)
+    victim = server.actors()["worker0"]
+    ends, last_end_s = asyncio.run(in_flight_until_killed(f"http://127.0.0.1:{server.port}", victim, 12, 4))
+    assert len(ends) == 16
+    print(f"the last of {len(ends)} requests in flight ended {last_end_s:.3f} s after the SIGKILL")
+    assert last_end_s < KILL_BOUND_S, last_end_s
+    for kind, _, what in ends:
+        error = error_of(kind, what)
+        assert error["type"] == "server_error" and CLEAR_ERROR.search(error["message"]), (kind, what)
+    assert server.wait_exit(60) != 0
+    assert "actor worker0" in server.log and "SIGKILL" in server.log
+    assert our_segments(run_id) == []
+    deadline = time.monotonic() + 10
+    while (left := [p.pid for p in processes if _runs(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left == [], f"processes of the run still running: {left}"
+
+
+# Whichever the frontend learns first: the launcher's word of the death, or the
+# end of the conductor's channel (the conductor stops when a rank's channel ends).
+CLEAR_ERROR = re.compile(r"the worker0 actor failed: .*SIGKILL|the server is shutting down \(channel '\w+' ended\)")
+
+
+def error_of(kind: str, what: list) -> dict:
+    """The OpenAI error envelope a request ended with: a plain one's 503 body,
+    a stream's last event."""
+    if kind == "plain":
+        status, text = what
+        assert status == 503, what
+        return json.loads(text)["error"]
+    events = [line[6:] for line in what if line.startswith("data: ") and line != "data: [DONE]"]
+    return json.loads(events[-1])["error"]
+
+
+def _runs(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
