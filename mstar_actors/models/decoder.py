@@ -11,15 +11,19 @@ The forward takes a flat batch of tokens from many sequences plus
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, PagedAttention, TorchPagedAttention
 from .cpu_linear import PackArena, PackedWeight, arena_floats, is_packable, packed_linear, packs_blocks
-from .lora_layers import LoraHook
 from .rope import RotaryEmbedding
 from .spec import ModelSpec
+
+if TYPE_CHECKING:  # the hooks are made by ``lora_layers``, which builds on these modules
+    from .lora_layers import LoraHook
 
 
 class RMSNorm(nn.Module):
