@@ -35,7 +35,7 @@ import torch  # noqa: E402
 import bench_lora  # noqa: E402
 from mstar_actors import messages  # noqa: E402
 from mstar_actors.lora import BaseShapes, read_adapter  # noqa: E402
-from mstar_actors.model_runner import ModelRunner  # noqa: E402
+from mstar_actors.runner.model_runner import ModelRunner  # noqa: E402
 
 NUM_ADAPTERS = 4
 CONTEXT = 100

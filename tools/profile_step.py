@@ -40,7 +40,7 @@ class OurStep:
 
     def __init__(self, model_dir: Path, prompts: list[list[int]], block_size: int = 16):
         from mstar_actors import messages
-        from mstar_actors.model_runner import ModelRunner
+        from mstar_actors.runner.model_runner import ModelRunner
 
         self.messages = messages
         max_len = max(len(p) for p in prompts) + 512

@@ -78,7 +78,7 @@ class StageTimer:
 
 
 def instrument(runner, copies, timer: StageTimer) -> None:
-    import mstar_actors.model_runner as runner_module
+    import mstar_actors.runner.model_runner as runner_module
 
     model = runner.model
     timer.wrap(copies, "take", "rank's media copy (MediaCopies.take)")
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from mstar_actors.media import MediaLimits
     from mstar_actors.media_copies import MediaCopies
-    from mstar_actors.model_runner import ModelRunner
+    from mstar_actors.runner.model_runner import ModelRunner
     from mstar_actors.preprocess import load_preparer
 
     if args.threads:

@@ -251,13 +251,13 @@ def runner(tmp_path_factory):
     """A tiny Llama runner, three adapters of ranks 4/8/16 targeting every linear,
     the LM head and the embedding, each on its slot."""
     from mstar_actors.lora import BaseShapes, read_adapter
-    from mstar_actors.model_runner import ModelRunner
+    from runner_factories import make_runner
 
     tmp = tmp_path_factory.mktemp("rows")
     model, config = make_base("llama", vocab_size=300)
     model.save_pretrained(tmp / "base")
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head", "embed_tokens"]
-    runner = ModelRunner(tmp / "base", dtype="float32", device="cpu", block_size=4, num_blocks=64, seed=0, max_loras=3, max_lora_rank=16)
+    runner = make_runner(tmp / "base", dtype="float32", device="cpu", block_size=4, num_blocks=64, seed=0, max_loras=3, max_lora_rank=16)
     import copy
 
     for slot, rank in RANKS.items():
@@ -271,7 +271,7 @@ def fused_runner(tmp_path_factory):
     """``runner``'s model and adapters with every decoder linear's A fused
     under its weight (``fuse_linear``, what CUDA stacks get by default)."""
     from mstar_actors.lora import BaseShapes, read_adapter
-    from mstar_actors.model_runner import ModelRunner
+    from runner_factories import make_runner
     from mstar_actors.models.decoder import LoraLinear
     from mstar_actors.models.lora_layers import fuse_linear
 
@@ -279,7 +279,7 @@ def fused_runner(tmp_path_factory):
     model, config = make_base("llama", vocab_size=300)
     model.save_pretrained(tmp / "base")
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head", "embed_tokens"]
-    runner = ModelRunner(tmp / "base", dtype="float32", device="cpu", block_size=4, num_blocks=64, seed=0, max_loras=3, max_lora_rank=16)
+    runner = make_runner(tmp / "base", dtype="float32", device="cpu", block_size=4, num_blocks=64, seed=0, max_loras=3, max_lora_rank=16)
     linears = [m for m in runner.model.modules() if isinstance(m, LoraLinear) and m.lora is not None]
     # The tiny model's A rows (4 slots x 16 x shards) outweigh its 64-wide
     # weights, so the share rule would refuse them: lifted for the test.
@@ -302,7 +302,7 @@ def _decode_logits(runner, slots, *, rows: bool, kernel: bool, monkeypatch) -> t
     from plan_driver import PlanDriver
 
     from mstar_actors import messages
-    from mstar_actors.model_runner import build_batch
+    from mstar_actors.runner.model_runner import build_batch
 
     sampling = messages.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     d = PlanDriver(runner, block_size=4, num_new=4, sampling=sampling)
@@ -360,7 +360,7 @@ def _prefill_logits(runner, slots, *, rows: bool, kernel: bool, monkeypatch) -> 
     from plan_driver import PlanDriver
 
     from mstar_actors import messages
-    from mstar_actors.model_runner import build_batch
+    from mstar_actors.runner.model_runner import build_batch
 
     sampling = messages.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     d = PlanDriver(runner, block_size=4, num_new=4, sampling=sampling)
