@@ -232,7 +232,7 @@ def test_base_rows_in_a_mixed_batch_equal_the_base_batch(world):
 
 def test_lora_off_builds_no_stack_and_refuses_slots(world):
     base_folder, _, adapters = world
-    runner = make_runner(base_folder, max_loras=0, max_lora_rank=0)
+    runner = make_runner(base_folder, allow_runtime_updates=False)  # no adapter can ever be served: LoRA off
     assert runner.lora is None and runner.model.lm_head_lora is None
     assert all(getattr(m, "lora", None) is None for m in runner.model.modules())
     with pytest.raises(ValueError, match="'attn'.*LoRA is off"):
