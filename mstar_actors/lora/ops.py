@@ -73,19 +73,14 @@ class LoraSegments:
         return slice(start, end) if self.row_index is None else list(self.row_index[start:end])
 
 
-def build_segments(token_slots: Sequence[int] | torch.Tensor, *, sort: bool = True) -> LoraSegments:
-    """Group a step's rows by slot; rows on slot 0 (base) are left out.
-
-    ``sort=True``: one segment per distinct adapter slot, rows gathered
-    through ``row_index`` (stable, so each request's rows stay in order).
-    ``sort=False``: one segment per run of equal slots, no indirection
-    (best when the caller already ordered the batch by slot).
-    """
+def build_segments(token_slots: Sequence[int] | torch.Tensor) -> LoraSegments:
+    """Group a step's rows by slot; rows on slot 0 (base) are left out. One
+    segment per distinct adapter slot, rows gathered through ``row_index``
+    (stable, so each request's rows stay in order; None where the adapter
+    rows already lie in slot order, back to back)."""
     slots = token_slots.tolist() if isinstance(token_slots, torch.Tensor) else list(token_slots)
     if any(s < 0 for s in slots):
         raise ValueError(f"token slots must be >= 0 (0 = base); got {min(slots)}")
-    if not sort:
-        return _runs(slots, list(range(len(slots))), with_index=False)
     order = sorted((i for i, s in enumerate(slots) if s != ZERO_SLOT), key=lambda i: slots[i])
     is_identity = order == list(range(order[0], order[0] + len(order))) if order else True
     return _runs(slots, order, with_index=not is_identity)
