@@ -55,7 +55,7 @@ def serving_dtype(config: Any) -> Any:
     kept in it: a bf16 copy of a float32 file is half the bytes each install
     maps and copies, and the install converts nothing."""
     from mstar_actors.fetch import resolve_model
-    from mstar_actors.runner.build import resolve_device, resolve_dtype
+    from mstar_actors.runner.device import resolve_device, resolve_dtype
 
     hf_config = json.loads((Path(resolve_model(config.model.path)) / "config.json").read_text())
     return resolve_dtype(config.model.dtype, hf_config.get("dtype") or hf_config.get("torch_dtype"),

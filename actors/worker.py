@@ -152,7 +152,7 @@ class WorkerActor(Actor):
         is per calling thread, so setting it inside run_blocking would not stick."""
         import torch
 
-        from mstar_actors.runner.build import resolve_device
+        from mstar_actors.runner.device import resolve_device
 
         device_type = resolve_device(self.config.model.device).type
         num_threads = worker_torch_threads(self.config, device_type, len(os.sched_getaffinity(0)))

@@ -5,4 +5,6 @@
   graphs).
 - ``model_runner.ModelRunner``: runs one ``StepPlan`` at a time.
 - ``step_graphs``: the CUDA graphs of decode steps and of mixed steps.
+- ``device``: the device and dtype a rank serves on (torch alone, for what
+  resolves them before any rank starts).
 """

@@ -35,6 +35,7 @@ from mstar_actors.models.lora_layers import LoraLayers, enable_lora
 from mstar_actors.models.media_inputs import MediaInputs, TensorResolver
 from mstar_actors.models.registry import ARCHITECTURES
 from mstar_actors.models.spec import ModelSpec
+from mstar_actors.runner.device import resolve_device, resolve_dtype
 from mstar_actors.runner.model_runner import KvCache, ModelRunner, Sampler
 from mstar_actors.sampling import sample_tokens
 
@@ -187,26 +188,3 @@ def read_model_info(config: Config) -> ModelInfo:
         max_model_len=min(config.scheduler.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings),
         is_multimodal=arch.text_config is not None,
     )
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"model.device={device!r} but no CUDA device is available; accepted here: cpu, auto")
-    return torch.device(device)
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(dtype: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
-    """``auto``: float32 on CPU (half precision is slow there); on a GPU the
-    checkpoint's half dtype, or bfloat16 for a float32 checkpoint."""
-    if dtype != "auto":
-        if dtype not in _DTYPES:
-            raise ValueError(f"model.dtype={dtype!r}; accepted: auto, {', '.join(_DTYPES)}")
-        return _DTYPES[dtype]
-    if device.type == "cpu":
-        return torch.float32
-    return _DTYPES[checkpoint_dtype] if checkpoint_dtype in ("bfloat16", "float16") else torch.bfloat16
