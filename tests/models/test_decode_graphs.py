@@ -1,6 +1,6 @@
 """Decode graphs: pure decode steps through static buffers give the eager runner's tokens.
 
-On CPU the static path runs without capture (``enable_decode_graphs(capture=
+On CPU the static path runs without capture (``enable_step_graphs(capture=
 False)``): the same buffers, packing, padding and scratch block, the forward
 run eagerly on them. On a GPU (``-m gpu``) the graphs are really captured and
 replayed, base and LoRA rows alike, and compared with ``enforce_eager``.
