@@ -395,7 +395,9 @@ class LoraStack:
     max_rank], ``scales`` fp32 [num_shards, num_slots]. Slot 0 is never written.
     ``install_slot`` / ``clear`` run on the worker between steps, never while a
     step that reads the slot is in flight (the conductor's install protocol
-    guarantees no running row is on a slot being installed).
+    guarantees no running row is on a slot being installed). ``kernels`` run
+    the rows delta: ``enable_lora`` gives every stack its device's
+    (``lora_layers.lora_kernels``); built alone, a stack runs the reference.
     """
 
     def __init__(

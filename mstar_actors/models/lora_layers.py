@@ -353,30 +353,28 @@ def lora_kernels(device: torch.device | str) -> RowKernels:
 
 def enable_lora(
     model: nn.Module, rules: CheckpointRules, *, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device | str,
-    fuse_shrink: bool | None = None, kernels: RowKernels | None = None,
 ) -> LoraLayers:
     """Give every targetable module of ``model`` (a ``CausalLM``) a stack of
     ``num_slots`` slots (slot 0 = base) and return them. Called once, after
     the weights are loaded and before the KV cache is sized.
 
-    ``kernels`` (default: ``lora_kernels(device)``) run every stack's rows
-    delta. ``fuse_shrink`` (default: where they take every step by rows):
-    each decoder linear whose A rows fit ``MAX_FUSED_SHARE`` of its weight
+    Every stack's rows delta runs on ``lora_kernels(device)``, chosen here
+    once. Where those take every step by rows (the Triton kernels), each
+    decoder linear whose A rows fit ``MAX_FUSED_SHARE`` of its weight also
     computes the shrink of every slot in its base GEMM (``fuse_linear``)."""
     if num_slots < 2 or max_rank < 1:
         raise ValueError(f"LoRA needs num_slots >= 2 (slot 0 is the base) and max_rank >= 1; got {num_slots}, {max_rank}")
     step = LoraStep()
     stacks: dict[str, LoraStack] = {}
-    kernels = lora_kernels(device) if kernels is None else kernels
+    kernels = lora_kernels(device)
     kwargs = dict(num_slots=num_slots, max_rank=max_rank, dtype=dtype, device=device, kernels=kernels)
-    fuse_shrink = kernels.uses_rows if fuse_shrink is None else fuse_shrink
     # Only the text decoder (``model.model``): a vision tower's rows are not the step's token rows.
     for name, module in model.model.named_modules(prefix="model"):
         if isinstance(module, LoraLinear):
             sizes = getattr(module, "output_sizes", [module.out_features])
             stacks[name] = LoraStack(module.in_features, sizes, **kwargs)
             module.lora = LoraHook(stacks[name], step)
-            if fuse_shrink:
+            if kernels.uses_rows:
                 fuse_linear(module, stacks[name])
         elif isinstance(module, LoraEmbedding):
             stacks[name] = LoraStack(module.num_embeddings, [module.embedding_dim], is_embedding=True, **kwargs)
