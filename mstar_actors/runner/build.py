@@ -30,10 +30,9 @@ from mstar_actors.config import Config, KvConfig, LoraConfig
 from mstar_actors.model_info import ModelInfo
 from mstar_actors.models.attention import allocate_kv_cache, kv_bytes_per_block
 from mstar_actors.models.checkpoint import CheckpointRules
-from mstar_actors.models.loader import load_model
+from mstar_actors.models.loader import load_model, load_spec
 from mstar_actors.models.lora_layers import LoraLayers, enable_lora
 from mstar_actors.models.media_inputs import MediaInputs, TensorResolver
-from mstar_actors.models.registry import ARCHITECTURES
 from mstar_actors.models.spec import ModelSpec
 from mstar_actors.runner.device import resolve_device, resolve_dtype
 from mstar_actors.runner.model_runner import KvCache, ModelRunner, Sampler
@@ -53,7 +52,8 @@ def build_runner(config: Config, info: ModelInfo, resolve_tensor: TensorResolver
     model = load_model(info.model_dir, dtype, device)
     if device.type == "cpu":
         model.pack_cpu_weights()  # step 2
-    lora = enable_served_lora(model, ARCHITECTURES[info.architecture].rules, config.lora, dtype, device)
+    rules = load_spec(Path(info.model_dir))[0].rules  # where adapters' modules land: the loader's own table
+    lora = enable_served_lora(model, rules, config.lora, dtype, device)
     kv = size_kv_cache(model.spec, config.kv, dtype, device)
     media = MediaInputs(model, resolve_tensor) if getattr(model, "is_multimodal", False) else None
     runner = ModelRunner(model, kv, max_model_len=info.max_model_len, lora=lora, media=media, sampler=sampler,
@@ -173,7 +173,6 @@ def read_model_info(config: Config) -> ModelInfo:
     """The facts a runner needs, read from the model folder: for a worker
     started without the launcher's ``ModelInfo``, and for tests."""
     from mstar_actors.fetch import resolve_model
-    from mstar_actors.models.loader import load_spec
 
     model_dir = resolve_model(config.model.path)
     arch, spec = load_spec(model_dir)
