@@ -34,38 +34,6 @@ def worker_torch_threads(config: Any, device_type: str, num_cpus: int) -> int:
     return max(1, num_cpus // config.parallel.tp) if device_type == "cpu" else 1
 
 
-def build_runner(config: Any, resolve_tensor: Any = None) -> Any:
-    """The rank's ``ModelRunner`` from the validated config (blocking: loads weights).
-    ``resolve_tensor`` reads media pixel values (the rank's ``MediaCopies``)."""
-    from mstar_actors.fetch import resolve_model
-    from mstar_actors.model_runner import ModelRunner
-
-    kv = config.kv
-    lora = config.lora
-    # LoRA stacks only where an adapter can ever be served: configured ones or
-    # runtime loads. Otherwise the model keeps its base path, with no stacks.
-    is_lora_on = bool(lora.adapters) or lora.allow_runtime_updates
-    return ModelRunner(
-        model_dir=resolve_model(config.model.path),
-        dtype=config.model.dtype,
-        device=config.model.device,
-        block_size=kv.block_size,
-        num_blocks=kv.num_blocks,
-        memory_fraction=kv.memory_fraction,
-        max_model_len=config.scheduler.max_model_len,
-        seed=config.model.seed,
-        max_loras=lora.max_loras if is_lora_on else 0,
-        max_lora_rank=lora.max_lora_rank if is_lora_on else 0,
-        resolve_tensor=resolve_tensor,
-        enforce_eager=config.model.enforce_eager,
-        # No decode step holds more sequences than the scheduler runs at once.
-        cuda_graph_max_batch=min(config.model.cuda_graph_max_batch, config.scheduler.max_num_seqs),
-        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-        cuda_graph_max_tokens=config.model.cuda_graph_max_tokens,  # capped by max_num_batched_tokens there
-        max_lora_images=lora.max_cpu_loras,  # as many pinned slot images as the reader keeps host copies
-    )
-
-
 def install_from_host(runner: Any, rank: int, msg: InstallAdapter) -> AdapterInstalled:
     """Install the adapter-reader's host copy named by ``msg`` into ``msg.slot``.
 
@@ -163,8 +131,10 @@ class WorkerActor(Actor):
             self.media = MediaCopies(TensorArena(spec, "consumer", reader_index=self.rank))
         if self.runner is None:
             self.set_torch_threads()
+            from mstar_actors.runner.build import build_runner
+
             resolve = self.media.resolve if self.media is not None else None
-            self.runner = await self.run_blocking(build_runner, self.config, resolve)
+            self.runner = await self.run_blocking(build_runner, self.config, self.info, resolve)
         await self.outbox["conductor"].send(self.runner.ready_info(self.rank))
 
     def set_torch_threads(self) -> None:
@@ -172,7 +142,7 @@ class WorkerActor(Actor):
         is per calling thread, so setting it inside run_blocking would not stick."""
         import torch
 
-        from mstar_actors.model_runner import resolve_device
+        from mstar_actors.runner.device import resolve_device
 
         device_type = resolve_device(self.config.model.device).type
         num_threads = worker_torch_threads(self.config, device_type, len(os.sched_getaffinity(0)))

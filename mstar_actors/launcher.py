@@ -24,7 +24,6 @@ import asyncio
 import dataclasses
 import logging
 import multiprocessing
-import os
 import signal
 from pathlib import Path
 from typing import Any

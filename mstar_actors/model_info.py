@@ -104,7 +104,7 @@ def lora_base_of(cfg: dict) -> tuple[BaseShapes | None, str]:
 def _serving_dtype(dtype: str, device: str, checkpoint_dtype: str | None) -> str:
     """The ranks' rule (``model_runner.resolve_dtype``), as a name that crosses processes."""
     from mstar_actors.config import ConfigError
-    from mstar_actors.model_runner import resolve_device, resolve_dtype
+    from mstar_actors.runner.device import resolve_device, resolve_dtype
 
     try:
         resolved = resolve_dtype(dtype, checkpoint_dtype, resolve_device(device))

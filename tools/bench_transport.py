@@ -29,7 +29,6 @@ import asyncio
 import ctypes
 import multiprocessing
 import os
-import statistics
 import sys
 import tempfile
 import time

@@ -66,7 +66,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mstar_actors.lora import LoraStack, build_segments  # noqa: E402
-from mstar_actors.lora.ops import LoraSegments, expand_ref, row_groups, shrink_ref  # noqa: E402
+from mstar_actors.lora.ops import LoraSegments, expand_ref, shrink_ref  # noqa: E402
+from mstar_actors.models.lora_layers import lora_kernels  # noqa: E402
 
 # Llama-3.2-1B: hidden 2048, intermediate 8192, 32 heads, 8 KV heads, head_dim 64.
 HIDDEN, INTER, VOCAB = 2048, 8192, 128256
@@ -120,7 +121,8 @@ def slot_mix(mix: str, num_tokens: int, rng: random.Random) -> list[int]:
 
 def make_stack(in_features, output_sizes, rank, dtype, device, gen) -> LoraStack:
     """Random factors in every adapter slot, each at ``rank`` (the stack's max rank)."""
-    stack = LoraStack(in_features, output_sizes, num_slots=MAX_LORAS + 1, max_rank=rank, dtype=dtype, device=device)
+    stack = LoraStack(in_features, output_sizes, num_slots=MAX_LORAS + 1, max_rank=rank, dtype=dtype, device=device,
+                      kernels=lora_kernels(device))
     a_shape, b_shape = stack.a[:, 1:].shape, stack.b[1:].shape
     stack.a[:, 1:] = (torch.randn(a_shape, generator=gen) / in_features**0.5).to(dtype).to(device)
     stack.b[1:] = (torch.randn(b_shape, generator=gen) / rank**0.5).to(dtype).to(device)
@@ -307,7 +309,7 @@ def check_decode_one(row: DecodeRow, output_sizes, args, device: str, dtype: tor
     slots = decode_slots(row.mix, row.batch, rng)
     segments = build_segments(slots)  # the reference's input
     row_slots = torch.tensor(slots, dtype=torch.int32, device=device)
-    groups = row_groups(row_slots, stack.num_slots)  # once per step in a model, shared by its 66 calls
+    groups = stack.row_groups(row_slots)  # once per step in a model, shared by its 66 calls
     x = torch.randn(row.batch, row.in_features, generator=gen).to(dtype).to(device)
     y = torch.zeros(row.batch, row.out_features, dtype=dtype, device=device)
     stack.add_delta_rows(y, x, row_slots, groups)

@@ -35,7 +35,11 @@ import torch  # noqa: E402
 import bench_lora  # noqa: E402
 from mstar_actors import messages  # noqa: E402
 from mstar_actors.lora import BaseShapes, read_adapter  # noqa: E402
-from mstar_actors.model_runner import ModelRunner  # noqa: E402
+from mstar_actors.config import parse_config  # noqa: E402
+from mstar_actors.models import lora_layers  # noqa: E402
+from mstar_actors.model_info import load_model_info  # noqa: E402
+from mstar_actors.runner.build import build_runner  # noqa: E402
+from mstar_actors.runner.model_runner import ModelRunner  # noqa: E402
 
 NUM_ADAPTERS = 4
 CONTEXT = 100
@@ -220,8 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     max_seqs = max([*args.batches, *args.mixed_decodes])
     runners = {}
     for fused in [mode == "on" for mode in (("on", "off") if args.fuse == "both" else (args.fuse,))]:
-        runner = ModelRunner(model_dir, device="cuda", num_blocks=64 * max_seqs + 8, max_loras=NUM_ADAPTERS,
-                             max_lora_rank=16, max_model_len=2048, lora_fuse_shrink=fused)
+        config = parse_config({"model": {"path": str(model_dir), "device": "cuda"}, "kv": {"num_blocks": 64 * max_seqs + 8},
+                               "lora": {"max_loras": NUM_ADAPTERS, "max_lora_rank": 16, "allow_runtime_updates": True},
+                               "scheduler": {"max_model_len": 2048}})
+        share = lora_layers.MAX_FUSED_SHARE
+        lora_layers.MAX_FUSED_SHARE = share if fused else 0.0  # 0: no linear's A fits under its weight
+        try:
+            runner = build_runner(config, load_model_info(config))
+        finally:
+            lora_layers.MAX_FUSED_SHARE = share
         adapters = load_adapters(runner, paths, model_dir)
         for slot, weights in enumerate(adapters, start=1):
             runner.install_adapter(slot, weights)

@@ -40,13 +40,16 @@ class OurStep:
 
     def __init__(self, model_dir: Path, prompts: list[list[int]], block_size: int = 16):
         from mstar_actors import messages
-        from mstar_actors.model_runner import ModelRunner
+        from mstar_actors.config import parse_config
+        from mstar_actors.model_info import load_model_info
+        from mstar_actors.runner.build import build_runner
 
         self.messages = messages
         max_len = max(len(p) for p in prompts) + 512
         num_blocks = len(prompts) * (-(-max_len // block_size)) + 1
-        self.runner = ModelRunner(model_dir, dtype="float32", device="cpu", block_size=block_size,
-                                  num_blocks=num_blocks)
+        config = parse_config({"model": {"path": str(model_dir), "dtype": "float32", "device": "cpu"},
+                               "kv": {"block_size": block_size, "num_blocks": num_blocks}})
+        self.runner = build_runner(config, load_model_info(config))
         self.block_size = block_size
         sampling = messages.SamplingParams(max_tokens=1 << 20, temperature=0.0)
         self.seqs = {f"r{i}": dict(num_tokens=len(p), blocks=[]) for i, p in enumerate(prompts)}

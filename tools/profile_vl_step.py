@@ -78,7 +78,7 @@ class StageTimer:
 
 
 def instrument(runner, copies, timer: StageTimer) -> None:
-    import mstar_actors.model_runner as runner_module
+    import mstar_actors.runner.model_runner as runner_module
 
     model = runner.model
     timer.wrap(copies, "apply", "rank's media copy (MediaCopies.apply)")
@@ -165,9 +165,10 @@ def main(argv: list[str] | None = None) -> None:
     from mstar_actors.config import Config, ModelConfig
     from mstar_actors.media import MediaLimits
     from mstar_actors.media_copies import MediaCopies
+    from mstar_actors.config import parse_config
     from mstar_actors.model_info import load_model_info
+    from mstar_actors.runner.build import build_runner
     from mstar_actors.sched.media import MediaLedger
-    from mstar_actors.model_runner import ModelRunner
     from mstar_actors.preprocess import load_preparer
 
     if args.threads:
@@ -196,9 +197,11 @@ def main(argv: list[str] | None = None) -> None:
         copies = MediaCopies(arena)
         block_size = 16
         num_blocks = args.requests * -(-max_model_len // block_size) + 1
-        runner = ModelRunner(folder, dtype=args.dtype, device=args.device, block_size=block_size, num_blocks=num_blocks,
-                             max_model_len=max_model_len, resolve_tensor=copies.resolve,
-                             max_num_batched_tokens=args.requests * max_model_len)
+        config = parse_config({"model": {"path": str(folder), "dtype": args.dtype, "device": args.device},
+                               "kv": {"block_size": block_size, "num_blocks": num_blocks},
+                               "scheduler": {"max_model_len": max_model_len,
+                                             "max_num_batched_tokens": args.requests * max_model_len}})
+        runner = build_runner(config, load_model_info(config), copies.resolve)
         device = runner.device
         print(f"# device {device}, dtype {runner.dtype}, torch {torch.__version__}, threads {torch.get_num_threads()}")
         timer = StageTimer(device)

@@ -22,17 +22,19 @@ Two ways to name each row's slot, one meaning:
   keeps its own slot's columns, and every slot's expand is one GEMM per
   shard whose other slots add exact zeros: a fixed handful of ops per
   linear whatever the adapter mix, where segments cost a gather, GEMMs and
-  a scatter per adapter present (with four adapters among 8 rows the step
-  of SmolLM2 on one core went from 79 ms base to 186 ms). Rows on a single adapter take
-  that slot's block of operands laid out at install (``DenseFactors``,
-  ``delta_one_slot``): one GEMM, a scaling and one GEMM.
+  a scatter per adapter present (the CPU section of the LoRA serving
+  benchmark, docs/benchmarks.md). Rows on a single adapter take that slot's block of
+  operands laid out at install (``DenseFactors``, ``delta_one_slot``): one
+  GEMM, a scaling and one GEMM.
 - Per-row slots (``LoraStack.add_delta_rows``): a device tensor
   ``row_slots`` [T] (int32, 0 = base). Nothing about it is read on the host,
   the work's shape depends only on tensor shapes, and slot 0's factors are
   zero, so the call can be captured once in a CUDA graph and replayed with
   other slots written into the same tensor; base rows come out bit-identical
-  to ``y``. On CUDA it runs the Triton kernels of ``triton_ops`` (every step
-  takes them there, prefill too), elsewhere ``delta_rows_ref``.
+  to ``y``. The stack runs it by its ``RowKernels``, chosen once where the
+  stacks are built (``lora_layers.enable_lora``): the Triton kernels of
+  ``triton_ops`` on CUDA (every step takes them there, prefill too), else
+  ``TORCH_ROWS``, the torch reference. This module never imports Triton.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from __future__ import annotations
 import collections
 import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
@@ -66,28 +68,19 @@ class LoraSegments:
     def num_segments(self) -> int:
         return len(self.seg_slots)
 
-    @property
-    def max_seg_len(self) -> int:
-        return max(self.seg_lens, default=0)
-
     def rows(self, j: int) -> list[int] | slice:
         start, end = self.seg_starts[j], self.seg_starts[j] + self.seg_lens[j]
         return slice(start, end) if self.row_index is None else list(self.row_index[start:end])
 
 
-def build_segments(token_slots: Sequence[int] | torch.Tensor, *, sort: bool = True) -> LoraSegments:
-    """Group a step's rows by slot; rows on slot 0 (base) are left out.
-
-    ``sort=True``: one segment per distinct adapter slot, rows gathered
-    through ``row_index`` (stable, so each request's rows stay in order).
-    ``sort=False``: one segment per run of equal slots, no indirection
-    (best when the caller already ordered the batch by slot).
-    """
+def build_segments(token_slots: Sequence[int] | torch.Tensor) -> LoraSegments:
+    """Group a step's rows by slot; rows on slot 0 (base) are left out. One
+    segment per distinct adapter slot, rows gathered through ``row_index``
+    (stable, so each request's rows stay in order; None where the adapter
+    rows already lie in slot order, back to back)."""
     slots = token_slots.tolist() if isinstance(token_slots, torch.Tensor) else list(token_slots)
     if any(s < 0 for s in slots):
         raise ValueError(f"token slots must be >= 0 (0 = base); got {min(slots)}")
-    if not sort:
-        return _runs(slots, list(range(len(slots))), with_index=False)
     order = sorted((i for i, s in enumerate(slots) if s != ZERO_SLOT), key=lambda i: slots[i])
     is_identity = order == list(range(order[0], order[0] + len(order))) if order else True
     return _runs(slots, order, with_index=not is_identity)
@@ -338,6 +331,60 @@ def check_rows(y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, *, in_
         )
 
 
+# ---------------------------------------------------------------- rows kernels
+
+
+class RowKernels(Protocol):
+    """What runs a stack's per-row delta: ``triton_ops`` (the module itself)
+    or ``TORCH_ROWS``. Picked once per device where the stacks are built."""
+
+    uses_rows: bool  # eager steps go by rows too (else host segments and the one-hot)
+
+    def rows_delta(self, stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor,
+                   groups: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor: ...
+
+    def expand_rows(self, stack: LoraStack, y: torch.Tensor, t: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor: ...
+
+    def uses_single_rows(self, num_rows: int) -> bool: ...
+
+    def group_rows(self, row_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, ...]: ...
+
+    def warm_up(self, stack: LoraStack, max_num_rows: int) -> None: ...
+
+
+class TorchRows:
+    """``RowKernels`` by the torch reference (``delta_rows_ref``): the CPU,
+    and CUDA without Triton. It needs no row groups and compiles nothing."""
+
+    # Eager steps group their rows on the host (segments, one-hot): cheaper
+    # than gathering every row's B, vocabulary-wide for the LM head.
+    uses_rows = False
+
+    @staticmethod
+    def rows_delta(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor,
+                   groups: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        return delta_rows_ref(y, x, stack.a, stack.b, stack.scales, row_slots, stack.offsets, is_embedding=stack.is_embedding)
+
+    @staticmethod
+    def expand_rows(stack: LoraStack, y: torch.Tensor, t: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
+        return delta_rows_ref(y, None, stack.a, stack.b, stack.scales, row_slots, stack.offsets, t=t)
+
+    @staticmethod
+    def uses_single_rows(num_rows: int) -> bool:
+        return True
+
+    @staticmethod
+    def group_rows(row_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError("the torch rows reference takes no row groups (its uses_single_rows is always true)")
+
+    @staticmethod
+    def warm_up(stack: LoraStack, max_num_rows: int) -> None:
+        return None
+
+
+TORCH_ROWS = TorchRows()
+
+
 # ---------------------------------------------------------------- device stacks
 
 
@@ -348,7 +395,9 @@ class LoraStack:
     max_rank], ``scales`` fp32 [num_shards, num_slots]. Slot 0 is never written.
     ``install_slot`` / ``clear`` run on the worker between steps, never while a
     step that reads the slot is in flight (the conductor's install protocol
-    guarantees no running row is on a slot being installed).
+    guarantees no running row is on a slot being installed). ``kernels`` run
+    the rows delta: ``enable_lora`` gives every stack its device's
+    (``lora_layers.lora_kernels``); built alone, a stack runs the reference.
     """
 
     def __init__(
@@ -361,6 +410,7 @@ class LoraStack:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         is_embedding: bool = False,
+        kernels: RowKernels = TORCH_ROWS,
     ):
         if is_embedding and len(output_sizes) != 1:
             raise ValueError("an embedding LoRA stack has one shard")
@@ -369,6 +419,7 @@ class LoraStack:
         self.offsets = tuple(sum(self.output_sizes[:i]) for i in range(len(self.output_sizes) + 1))
         self.max_rank = max_rank
         self.is_embedding = is_embedding
+        self.kernels = kernels  # fixed for the stack's life: no step chooses again
         num_shards = len(self.output_sizes)
         self.a = torch.zeros(num_shards, num_slots, max_rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, self.offsets[-1], max_rank, dtype=dtype, device=device)
@@ -376,13 +427,13 @@ class LoraStack:
         # Made here, not at first use: a first use inside CUDA-graph capture
         # would be a host-to-device copy, which capture forbids.
         self._offsets_dev = torch.tensor(self.offsets, dtype=torch.int32, device=device)
-        # Where the one-hot path runs (no kernels), its operands, kept slot by
+        # Where the one-hot path runs (steps not by rows), its operands, kept slot by
         # slot: an install writes only its own slot's, so steps on other slots
         # may read them meanwhile. expand_matrix(b) for steps mixing slots,
         # and a linear's DenseFactors for steps on one.
         self.fused = False  # ``a`` lives under the targeted linear's weight (``fuse_under``)
         self.b_all = self.factors = None
-        if not has_kernels(device):
+        if not kernels.uses_rows:
             self.b_all = expand_matrix(self.b)
             if not is_embedding:
                 self.factors = DenseFactors(self.a, self.b, self.scales, self.offsets)
@@ -417,17 +468,22 @@ class LoraStack:
         a fused stack, at the row counts the one-row kernel serves (from
         ``MIN_SPLIT_ROWS`` the grouped kernel reads ``a`` instead, where a
         per-row expand would read B once a row)."""
-        kernels = _triton_ops()
-        return self.fused and kernels is not None and kernels.uses_single_rows(num_rows)
+        return self.fused and self.kernels.uses_single_rows(num_rows)
 
     def add_delta_expand(self, y: torch.Tensor, t: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
         """y += the delta of row ``t``'s slot given its shrink (a fused stack's
         GEMM columns, ``fuse_under``), in place; graph-safe as ``add_delta_rows``."""
         if y.shape[0] == 0:
             return y
-        if y.is_cuda and _triton_ops() is not None:
-            return _triton_ops().expand_rows(self, y, t, row_slots)
-        return delta_rows_ref(y, None, self.a, self.b, self.scales, row_slots, self.offsets, t=t)
+        return self.kernels.expand_rows(self, y, t, row_slots)
+
+    def row_groups(self, row_slots: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """The rows grouped by slot on the device, for ``add_delta_rows``; None
+        where the kernel a batch of this size takes needs none. Device ops only:
+        graph-capturable. One step's groups serve every stack of the model."""
+        if self.kernels.uses_single_rows(row_slots.shape[0]):
+            return None
+        return self.kernels.group_rows(row_slots, self.num_slots)
 
     def offsets_on(self, device: torch.device | str) -> torch.Tensor:
         """The shard offsets as an int32 tensor on ``device`` (made once)."""
@@ -527,45 +583,12 @@ class LoraStack:
         Graph-safe: never reads ``row_slots`` on the host and launches the same
         work for any slot values, so a captured call replays correctly after
         the caller writes new slots into the same tensor. ``groups``: the
-        step's ``triton_ops.group_rows`` of the same slots, made once per step
-        for every stack (None: made here if the kernel needs it)."""
+        step's ``row_groups`` of the same slots, made once per step for every
+        stack (None: made by the kernel if it needs them)."""
         check_rows(y, x, row_slots, in_features=self.in_features, out_features=self.offsets[-1], is_embedding=self.is_embedding)
         if y.shape[0] == 0:
             return y
-        if y.is_cuda and _triton_ops() is not None:
-            return _triton_ops().rows_delta(self, y, x, row_slots, groups)
-        return delta_rows_ref(y, x, self.a, self.b, self.scales, row_slots, self.offsets, is_embedding=self.is_embedding)
-
-
-def has_kernels(device: torch.device | str) -> bool:
-    """Whether stacks on ``device`` run the Triton kernels (CUDA with Triton installed)."""
-    return torch.device(device).type == "cuda" and _triton_ops() is not None
-
-
-def row_groups(row_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, ...] | None:
-    """The step's rows grouped by slot on the device, for every stack's
-    ``add_delta_rows``; None where the kernel that runs needs none (CPU,
-    small batches). Device ops only: graph-capturable."""
-    kernels = _triton_ops() if row_slots.is_cuda else None
-    if kernels is None or kernels.uses_single_rows(row_slots.shape[0]):
-        return None
-    return kernels.group_rows(row_slots, num_slots)
-
-
-_TRITON = None
-
-
-def _triton_ops():
-    """The Triton module, or None where Triton is not installed (CPU)."""
-    global _TRITON
-    if _TRITON is None:
-        try:
-            from mstar_actors.lora import triton_ops
-        except ImportError:
-            _TRITON = False
-        else:
-            _TRITON = triton_ops
-    return _TRITON or None
+        return self.kernels.rows_delta(self, y, x, row_slots, groups)
 
 
 class SlotStaging:
@@ -581,11 +604,11 @@ class SlotStaging:
     rows to it only after this returns on every rank). The last
     ``max_images`` images are kept by key (the adapter's digest), so
     installing the same weights again (adapter churn) is ``reinstall``: the
-    copies alone, no parsing, zeroing or staging (~1 ms for a rank-16
-    all-linear Llama-3.2-1B adapter, ~22 MB of bf16, against ~5 ms). Every
-    path makes a handful of torch calls whatever the module count: each call
-    gives the GIL up and takes it back, and beside a step loop that holds it
-    most of the time hundreds of calls made an install 50-70 ms. One
+    copies alone, no parsing, zeroing or staging (the churn rows of the LoRA
+    serving benchmark, docs/benchmarks.md). Every path makes a handful of torch
+    calls whatever the module count: each call gives the GIL up and takes it
+    back, and beside a step loop that holds it most of the time, a call per
+    module would stall the install behind every step. One
     install at a time (the worker's install thread); not for CPU stacks,
     whose ``install_slot`` writes in place.
     """

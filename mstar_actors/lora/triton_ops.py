@@ -25,20 +25,27 @@ graph captures a call and replays it with new slots:
   programs exit idle.
 
 Every variant any of them can launch (``variant_of`` per row count) is
-compiled at startup by ``warm_up``. Importing this module needs Triton; ``ops`` falls
-back to the torch reference where it is missing.
+compiled at startup by ``warm_up``. The module itself is the stacks'
+``ops.RowKernels`` on CUDA (``lora_layers.enable_lora`` picks it once per
+device); importing it needs Triton, and without it the stacks run
+``ops.TORCH_ROWS``.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from mstar_actors.lora.ops import LoraStack, check_rows
+if TYPE_CHECKING:
+    from mstar_actors.lora.ops import LoraStack
 
+# ``ops.RowKernels``: every step goes by rows here, prefill chunks too (one
+# launch a linear, no host-side grouping, shapes-only variants compiled at startup).
+uses_rows = True
 _DOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -147,9 +154,8 @@ def _pick_tiles(num_rows: int, num_shards: int, max_out: int, shrink_cost: int, 
     shrink. A wave is two programs an SM while the shrink is short (it is
     latency-bound, so two overlap), one when it is long (wider than
     ``_SHORT_SHRINK``: then a program streams enough of A to use its SM's
-    bandwidth). Shapes only, so a graph captures the same grid. On an H200
-    this picks the measured best, or within 0.5 us of it, for every linear
-    of Llama-3.2-1B at 1, 8 and 32 rows."""
+    bandwidth). Shapes only, so a graph captures the same grid. The check
+    tool's tile sweep (``tools/check_lora_kernels.py``) times its neighbours."""
     per_wave = num_sms * (2 if shrink_cost <= _SHORT_SHRINK else 1)
     max_tiles = triton.next_power_of_2(triton.cdiv(max_out, block_n))
     best, best_cost, tiles = 1, None, 1
@@ -172,10 +178,7 @@ def _rows_blocks(max_rank: int, k: int, max_out: int) -> tuple[int, int, int, in
     The shrink takes the widest K tile that keeps its fp32 accumulator at
     32K values (128 registers a thread at 8 warps): at 1 to 32 rows the
     kernel is bound by the latency of its dependent loads, so fewer, wider
-    loads win. Swept on an H200 over BLOCK_K 256-2048, BLOCK_N 128-256, 4 or
-    8 warps and 1-16 tiles for Llama-3.2-1B's linears at rank 16: this
-    choice took the rows delta of a layer (all four linears, in a graph)
-    from 24.7 to 17.8 us at one row and from 39.8 to 28.3 us at 32 rows."""
+    loads win (the block sweep of ``tools/check_lora_kernels.py``)."""
     block_r = max(4, triton.next_power_of_2(max_rank))
     block_k = min(max(32, 32768 // block_r), 2048, triton.next_power_of_2(k))
     block_n = min(max(32, 4096 // block_r), triton.next_power_of_2(max_out))
@@ -461,12 +464,9 @@ def shrink_expand_rows(
     return y
 
 # Steps of at least this many rows take ``shrink_expand_rows`` (prefill
-# chunks included), smaller ones ``bgmv_rows``. Timed on an H200 in CUDA
-# graphs, Llama-3.2-1B's four linears at rank 16, us a layer, bgmv against
-# shrink-expand: 22.4 / 25.3 at 16 rows, 26.7 / 25.6 at 32, 34.2 / 27.9 at
-# 64, 45.8 / 30.7 at 128, and 145 / 55 at 512 (where the grouped kernel
-# this one replaced took 136); its row grouping costs 30-50 us a step more,
-# so it pays from 64 rows (``tools/check_lora_kernels.py --rows-table``).
+# chunks included), smaller ones ``bgmv_rows``: below it the one-row
+# kernel's repeated shrink costs less than grouping the rows by slot
+# (``tools/check_lora_kernels.py --rows-table`` times both).
 MIN_SPLIT_ROWS = 64
 
 
@@ -552,11 +552,3 @@ def _variant_row_counts(stack: LoraStack, max_num_rows: int, num_sms: int) -> li
         seen.setdefault(variant_of(stack, num_rows, num_sms), num_rows)
     return sorted(seen.values())
 
-
-def add_delta_rows(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
-    """``LoraStack.add_delta_rows`` with the kernel on any device Triton runs
-    on (CUDA, or CPU tensors in Triton's interpreter), by ``rows_delta``."""
-    check_rows(y, x, row_slots, in_features=stack.in_features, out_features=stack.offsets[-1], is_embedding=stack.is_embedding)
-    if y.shape[0] == 0:  # an empty grid is not launchable
-        return y
-    return rows_delta(stack, y, x, row_slots)

@@ -10,19 +10,17 @@ A backend (``PagedAttention``) does two things per layer: write the new K/V
 into the cache (``write_kv``), then attend each query to its own sequence's
 cached context with a causal offset (``attend``). The torch backend here is
 the CPU reference; GPU kernels (Triton, FlashAttention) implement the same
-interface and are picked by ``make_attention_backend``.
+interface, and the loader picks one per device (``loader.attention_backend``),
+so this module imports none of them.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -289,15 +287,3 @@ def _causal_offset_mask(q_len: int, ctx_len: int, device: torch.device) -> torch
     k_pos = torch.arange(ctx_len, device=device)[None, :]
     return k_pos <= q_pos
 
-
-def make_attention_backend(device: torch.device | str) -> PagedAttention:
-    """The attention backend for ``device``: on CUDA the Triton decode kernel
-    (``TritonPagedAttention``) when Triton imports, else the torch reference."""
-    if torch.device(device).type == "cuda":
-        try:
-            from .triton_attention import TritonPagedAttention
-        except ImportError as err:  # Triton missing or broken: correct, just slower
-            log.warning("attention: Triton unavailable (%s); using the torch reference on %s", err, device)
-        else:
-            return TritonPagedAttention()
-    return TorchPagedAttention()

@@ -6,10 +6,7 @@ against weights that do not fit in cache. ``F.linear`` hands them to MKL's
 sgemm, which repacks the weight on every call; a weight packed once skips
 that. At a few rows such a GEMM is bound by reading the weight from memory,
 and oneDNN's blocked kernel does not overlap those reads with its
-arithmetic: on one core its time at 8 rows is about the sum of the
-hot-weight time and the time to stream the weight, which it reads no
-faster at 8 rows than at 1. The kernel
-here (``KERNEL_SOURCE``) walks a layout made for that: 32 output columns
+arithmetic. The kernel here (``KERNEL_SOURCE``) walks a layout made for that: 32 output columns
 at a time, their weights contiguous along the input dimension, so every
 block is one sequential stream the hardware prefetcher follows; up to 8 rows
 share each weight load. Its effect on SmolLM2's decode step is in
@@ -22,12 +19,12 @@ folder (beside the embedded models) and loaded with ``ctypes``; it runs on the c
 OpenMP threads of the same runtime torch uses (as many as
 ``torch.get_num_threads()``). Without a compiler, on a CPU without
 AVX-512, off Linux, or when its self-check fails, one warning says why and
-every layer takes oneDNN's packed weight (the path before it) instead.
+every layer takes oneDNN's packed weight instead.
 
 Cost: the packed copy lives next to the dense weight, which stays the
 source of truth (the loader fills it, LoRA and CUDA read it). That is one
-more copy of every packed weight in RAM (for SmolLM2 in float32 about
-540 MB: 425 MB of layers and 113 MB of LM head). It is made on a layer's
+more copy of every packed weight in RAM (as large as the float32 weights
+themselves). It is made on a layer's
 first CPU float32 call, so a model that never runs there pays nothing, and
 made again if the weight is replaced or changed in place.
 
@@ -190,7 +187,7 @@ def kernel() -> ctypes.CDLL | None:
         _check(lib)
     except KernelUnavailable as err:
         log.warning("cpu linear: our AVX-512 kernel is off (%s); float32 CPU linears use oneDNN's packed "
-                    "weights instead, about 1.5x slower at decode sizes. %s", err, _HINT)
+                    "weights instead, slower at decode sizes. %s", err, _HINT)
         return None
     log.info("cpu linear: our AVX-512 kernel is on (%s)", path.name)
     return lib
@@ -294,10 +291,7 @@ class PackArena:
     back with 2 MiB pages (Linux transparent huge pages, ``madvise``) before
     anything touches it. Why: the kernel streams each weight once per step,
     and fewer TLB misses and page-bounded prefetch streams make that stream
-    faster: on one AVX-512 core SmolLM2's projections at 8 rows ran 8-14%
-    faster on huge pages, its whole decode step 2-9% (8 rows 43.8 -> 43.0
-    and 59.6 -> 55.3 ms, 1 row 40.8 -> 37.1; interleaved in one process).
-    Where the OS says no (THP off, not Linux), the buffer is plain memory
+    faster (``tools/profile_step.py`` measures the decode step). Where the OS says no (THP off, not Linux), the buffer is plain memory
     and nothing else changes. Costs no RAM: the up to 2 MiB of slack
     before the first page boundary is never touched.
 

@@ -11,15 +11,19 @@ The forward takes a flat batch of tokens from many sequences plus
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, PagedAttention, TorchPagedAttention
 from .cpu_linear import PackArena, PackedWeight, arena_floats, is_packable, packed_linear, packs_blocks
-from .lora_layers import LoraHook
 from .rope import RotaryEmbedding
 from .spec import ModelSpec
+
+if TYPE_CHECKING:  # the hooks are made by ``lora_layers``, which builds on these modules
+    from .lora_layers import LoraHook
 
 
 class RMSNorm(nn.Module):
@@ -236,10 +240,9 @@ class CausalLM(nn.Module):
         return logits.float()
 
     def _head(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The LM head's matmul. On CPU float32 a packed copy of ``weight``
-        (113 MB more for SmolLM2's tied head) makes it 1.8x (1 row) to 3.3x
-        (8 rows) faster than ``F.linear`` (SmolLM2, one core, cold weight:
-        5.5 / 6.3 ms against 10.3 / 21.0; oneDNN's copy 8.0 / 8.2)."""
+        """The LM head's matmul. On CPU float32 through a packed copy of
+        ``weight`` (one more copy of the head in RAM): the vocabulary-wide
+        GEMM is the step's largest, and ``F.linear`` repacks it every call."""
         if not is_packable(hidden, weight):
             return F.linear(hidden, weight)
         if self.lm_head_packed is None:

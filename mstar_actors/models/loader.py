@@ -9,15 +9,18 @@ unexpected or mis-shaped tensor.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from .attention import make_attention_backend
+from .attention import PagedAttention, TorchPagedAttention
 from .decoder import CausalLM, StackedLinear
 from .registry import ARCHITECTURES, Architecture
 from .spec import ModelLoadError, ModelSpec, parse_spec, read_config
+
+log = logging.getLogger(__name__)
 
 _MAX_LISTED = 5  # names listed in one error before "... and N more"
 
@@ -47,12 +50,26 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
     model_dir = Path(model_dir)
     arch, spec = load_spec(model_dir)
     with torch.device("meta"):
-        backend = make_attention_backend(device)
+        backend = attention_backend(device)
         model = arch.build(model_dir, spec, backend) if arch.build else CausalLM(spec, backend)
     model = model.to_empty(device=device).to(dtype)
     targets = _weight_targets(model, arch)
     _fill_weights(model_dir, targets, arch, spec)
     return model.eval()
+
+
+def attention_backend(device: torch.device | str) -> PagedAttention:
+    """The attention backend for ``device``, picked once as the model is built:
+    on CUDA the Triton kernels (``TritonPagedAttention``) when Triton imports,
+    else the torch reference."""
+    if torch.device(device).type == "cuda":
+        try:
+            from .triton_attention import TritonPagedAttention
+        except ImportError as err:  # Triton missing or broken: correct, just slower
+            log.warning("attention: Triton unavailable (%s); using the torch reference on %s", err, device)
+        else:
+            return TritonPagedAttention()
+    return TorchPagedAttention()
 
 
 def _weight_targets(model: CausalLM, arch: Architecture) -> dict[str, torch.Tensor]:

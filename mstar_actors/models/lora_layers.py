@@ -16,7 +16,9 @@ torch reference's input: the CPU), and a device tensor with one slot per
 row (``begin_rows_step``: where the Triton kernels run, every step). The
 rows path never reads the slots on the host and launches fixed work, so a
 decode step run through it can be captured in a CUDA graph and replayed
-with new slots written into the same tensor; ``begin_step`` picks the path.
+with new slots written into the same tensor. Which one eager steps take,
+and what runs the rows delta (``ops.RowKernels``), is fixed per device when
+``enable_lora`` builds the stacks (``lora_kernels``), not chosen per step.
 
 Where the kernels run, each decoder linear's stack is also fused
 (``fuse_linear``): every slot's A sits under the weight in one buffer, so a
@@ -40,18 +42,19 @@ from torch import nn
 
 from mstar_actors.lora.adapter_file import AdapterWeights, LoraModule
 from mstar_actors.lora.ops import (
+    TORCH_ROWS,
     ZERO_SLOT,
     DenseRows,
     LoraSegments,
     LoraStack,
+    RowKernels,
     SlotStaging,
     build_dense_rows,
     build_segments,
-    has_kernels,
-    row_groups,
 )
 
 from .checkpoint import CheckpointRules
+from .decoder import LoraEmbedding, LoraLinear
 
 LM_HEAD = "lm_head"
 # Steps of up to this many rows (decode-sized) also carry a one-hot of their
@@ -75,7 +78,7 @@ class LoraStep:
     a pure decode step; None when no sampled row has an adapter). At most
     one of ``row_slots`` and ``segments`` is set. ``row_groups`` /
     ``sampled_row_groups``: those rows grouped by slot on the device
-    (``triton_ops.group_rows``), made once per step for the grouped
+    (``LoraStack.row_groups``), made once per step for the grouped
     kernel's batch sizes, else None.
     """
 
@@ -134,17 +137,13 @@ class LoraLayers:
     running row uses).
     """
 
-    def __init__(self, stacks: dict[str, LoraStack], rules: CheckpointRules, step: LoraStep):
+    def __init__(self, stacks: dict[str, LoraStack], rules: CheckpointRules, step: LoraStep,
+                 kernels: RowKernels = TORCH_ROWS):
         self.stacks = stacks
         self.rules = rules
         self.step = step
-        # Every step takes the rows path where it runs as a kernel: one launch
-        # per linear instead of shrink + expand, no host-side segment build,
-        # and kernel variants that depend on shapes only, so all of them are
-        # compiled at startup (``warm_up_kernels``) and none mid-request. On
-        # the CPU the segment reference is cheaper (the rows reference
-        # gathers every row's B, vocabulary-wide for the LM head).
-        self.uses_rows = has_kernels(self.device)
+        self.kernels = kernels  # every stack's, picked once for the device (``lora_kernels``)
+        self.uses_rows = kernels.uses_rows  # eager steps by rows (else host segments)
 
     @property
     def num_slots(self) -> int:
@@ -199,14 +198,12 @@ class LoraLayers:
         variant once on scratch tensors (slot rows of zeros: nothing changes)."""
         if not self.uses_rows:
             return
-        from mstar_actors.lora import triton_ops
-
         seen = set()
-        for stack in [*self.stacks.values()]:
+        for stack in self.stacks.values():
             shape = (tuple(stack.a.shape), tuple(stack.b.shape), stack.is_embedding)
             if shape not in seen:
                 seen.add(shape)
-                triton_ops.warm_up(stack, max_num_tokens)
+                self.kernels.warm_up(stack, max_num_tokens)
         torch.cuda.synchronize(self.device)
 
     def begin_rows_step(self, row_slots: torch.Tensor, sampled_row_slots: torch.Tensor | None = None) -> None:
@@ -226,13 +223,16 @@ class LoraLayers:
         self.step.sampled_segments = None
         self.step.dense = self.step.sampled_dense = None
         self.step.row_slots = row_slots
-        self.step.row_groups = row_groups(row_slots, self.num_slots)
+        self.step.row_groups = self._row_groups(row_slots)
         if sampled_row_slots is None:
             self.step.sampled_row_slots, self.step.sampled_row_groups = row_slots, self.step.row_groups
         else:
             self._check_row_slots("sampled_row_slots", sampled_row_slots)
             self.step.sampled_row_slots = sampled_row_slots
-            self.step.sampled_row_groups = row_groups(sampled_row_slots, self.num_slots)
+            self.step.sampled_row_groups = self._row_groups(sampled_row_slots)
+
+    def _row_groups(self, row_slots: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        return next(iter(self.stacks.values())).row_groups(row_slots)  # the stacks share their kernels and slots
 
     def _check_row_slots(self, name: str, slots: torch.Tensor) -> None:
         if slots.dtype != torch.int32 or slots.dim() != 1 or slots.device != self.device:
@@ -338,32 +338,43 @@ def _is_pure_decode(query_lens: Sequence[int], chunk_slots: Sequence[int], sampl
 MAX_FUSED_SHARE = 0.25
 
 
+def lora_kernels(device: torch.device | str) -> RowKernels:
+    """What runs the rows delta on ``device``: the Triton kernels on CUDA
+    where Triton imports, else the torch reference. Imported here, where the
+    stacks are built, so ``ops`` never depends on its kernels."""
+    if torch.device(device).type != "cuda":
+        return TORCH_ROWS
+    try:
+        from mstar_actors.lora import triton_ops
+    except ImportError:  # Triton missing or broken: correct, just slower
+        return TORCH_ROWS
+    return triton_ops
+
+
 def enable_lora(
     model: nn.Module, rules: CheckpointRules, *, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device | str,
-    fuse_shrink: bool | None = None,
 ) -> LoraLayers:
     """Give every targetable module of ``model`` (a ``CausalLM``) a stack of
     ``num_slots`` slots (slot 0 = base) and return them. Called once, after
     the weights are loaded and before the KV cache is sized.
 
-    ``fuse_shrink`` (default: where the Triton kernels run): each decoder
-    linear whose A rows fit ``MAX_FUSED_SHARE`` of its weight computes the
-    shrink of every slot in its base GEMM (``fuse_linear``)."""
-    from .decoder import LoraEmbedding, LoraLinear  # the decoder imports this module
-
+    Every stack's rows delta runs on ``lora_kernels(device)``, chosen here
+    once. Where those take every step by rows (the Triton kernels), each
+    decoder linear whose A rows fit ``MAX_FUSED_SHARE`` of its weight also
+    computes the shrink of every slot in its base GEMM (``fuse_linear``)."""
     if num_slots < 2 or max_rank < 1:
         raise ValueError(f"LoRA needs num_slots >= 2 (slot 0 is the base) and max_rank >= 1; got {num_slots}, {max_rank}")
     step = LoraStep()
     stacks: dict[str, LoraStack] = {}
-    kwargs = dict(num_slots=num_slots, max_rank=max_rank, dtype=dtype, device=device)
-    fuse_shrink = has_kernels(device) if fuse_shrink is None else fuse_shrink
+    kernels = lora_kernels(device)
+    kwargs = dict(num_slots=num_slots, max_rank=max_rank, dtype=dtype, device=device, kernels=kernels)
     # Only the text decoder (``model.model``): a vision tower's rows are not the step's token rows.
     for name, module in model.model.named_modules(prefix="model"):
         if isinstance(module, LoraLinear):
             sizes = getattr(module, "output_sizes", [module.out_features])
             stacks[name] = LoraStack(module.in_features, sizes, **kwargs)
             module.lora = LoraHook(stacks[name], step)
-            if fuse_shrink:
+            if kernels.uses_rows:
                 fuse_linear(module, stacks[name])
         elif isinstance(module, LoraEmbedding):
             stacks[name] = LoraStack(module.num_embeddings, [module.embedding_dim], is_embedding=True, **kwargs)
@@ -373,7 +384,7 @@ def enable_lora(
     spec = model.spec
     stacks[LM_HEAD] = LoraStack(spec.hidden_size, [spec.vocab_size], **kwargs)
     model.lm_head_lora = LoraHook(stacks[LM_HEAD], step, is_sampled=True)
-    return LoraLayers(stacks, rules, step)
+    return LoraLayers(stacks, rules, step, kernels)
 
 
 def fuse_linear(module: nn.Linear, stack: LoraStack) -> bool:
@@ -393,4 +404,5 @@ def fuse_linear(module: nn.Linear, stack: LoraStack) -> bool:
     return True
 
 
-__all__ = ["EMBED_TOKENS", "LM_HEAD", "LoraHook", "LoraLayers", "LoraStep", "ZERO_SLOT", "enable_lora", "fuse_linear"]
+__all__ = ["EMBED_TOKENS", "LM_HEAD", "LoraHook", "LoraLayers", "LoraStep", "ZERO_SLOT", "enable_lora", "fuse_linear",
+           "lora_kernels"]

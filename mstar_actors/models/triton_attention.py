@@ -340,11 +340,10 @@ def _varlen_config(group: int, head_dim: int, page: int, q: torch.Tensor, tile: 
     serving will use). ``tile`` = ``(BLOCK_N, num_warps)`` overrides the
     choice (tuning tools).
 
-    The choice, from ptxas's register counts for sm_90 (bf16): the gathered
-    K/V tiles carry a 64-bit address per element, so with 4 warps a
-    64-row x 64-dim Q tile against 64 keys took 232 registers a thread and
-    wider tiles spilled; 8 warps with 64 keys take 172 (G = 4, D = 64), and
-    32 keys past 64 x 64 keep D = 128 at 201 with no spill."""
+    The choice keeps a program's tiles in registers on sm_90 (bf16): the
+    gathered K/V tiles carry a 64-bit address per element, so 4 warps spill
+    at a 64-row x 64-dim Q tile against 64 keys; 8 warps with 64 keys fit,
+    and 32 keys past 64 x 64 keep D = 128 from spilling."""
     block_g = triton.next_power_of_2(group)
     num_rows = VARLEN_BLOCK_M * block_g
     block_n, num_warps = tile or (TOKENS_PER_STEP if num_rows * head_dim <= 64 * 64 else TOKENS_PER_STEP // 2, 8)
@@ -476,14 +475,14 @@ class TritonPagedAttention(TorchPagedAttention):
     its lists stale) goes to ``paged_varlen_attention`` with the metadata's
     tensors. An eager step with prefill chunks builds its work list once
     (``meta.derived``) and takes the same varlen kernel: one launch a layer
-    for its decode rows and chunks together, where the older path below took
-    the decode kernel plus a gather, a repeat and an SDPA call per chunk.
+    for its decode rows and chunks together.
 
-    ``eager_varlen=False`` keeps that older path for eager mixed steps: decode
+    ``eager_varlen=False`` runs eager mixed steps the other way, for the
+    check tool's comparison (``tools/check_attention_kernels.py``): decode
     rows through the decode kernel, each prefill chunk through SDPA with the
-    ``causal_lower_right`` bias over K/V repeated to every query head (SDPA's
-    fused kernel; the reference's boolean mask with grouped heads took the
-    unfused math path, about 0.3 ms of host time per layer).
+    ``causal_lower_right`` bias over K/V repeated to every query head, which
+    keeps SDPA on its fused kernel (a boolean mask with grouped heads takes
+    the math path).
 
     A head_dim the kernels do not take falls back to the reference, with one
     warning, so such a model is slower but still correct.

@@ -126,8 +126,8 @@ def window_order(grids: list[Grid], merge: int, cells_per_window: int) -> tuple[
 
     Vectorised: each merge block gets its window's number (frame, window row,
     window column, row-major), and a stable sort by it keeps the blocks of a
-    window in row-major order, as slicing each window out would. A loop per
-    window cost ~10 us each, and a 640x480 clip has 240 windows."""
+    window in row-major order, as slicing each window out would: a frame has
+    hundreds of windows, and a host loop over them costs more than the tower."""
     orders, counts, base = [], [], 0
     for t, h, w in grids:
         gh, gw = h // merge, w // merge
@@ -217,10 +217,9 @@ class Segments:
     Segments of equal length are batched into one unmasked SDPA call
     ``[S, H, L, D]``, one call per distinct length: a grid's windows have at
     most four (inner, right edge, bottom edge, corner), a video's frames one.
-    Unmasked, SDPA takes its flash / memory-efficient kernels; the padded
-    batch with a key mask this replaces fell back to the math kernel, which
-    materialises ``[S, H, L, L]`` (on the CPU the full-attention block of a
-    640x480 clip spent 90% of its time there). A group whose segments lie
+    Unmasked, SDPA takes its flash / memory-efficient kernels; a padded
+    batch with a key mask would fall back to the math kernel, which
+    materialises ``[S, H, L, L]``. A group whose segments lie
     back to back in the rows is a view; any other is gathered by an index
     built once per forward, and scattered back.
     """

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import functools
 
-import pytest
 import torch
 
 from actors.conductor import ConductorActor

@@ -209,7 +209,6 @@ class Harness:
 
     async def __aenter__(self) -> "Harness":
         from actors.frontend import FrontendActor
-        from mstar_actors.messages import Started
 
         self.actor = FrontendActor(name="frontend", config=self.config, info=self.info,
                                    inbox={"conductor": self.conductor, "control": self.control_in},

@@ -5,7 +5,7 @@ import json
 
 import aiohttp
 
-from mstar_actors.messages import ContextAgreed, EngineStats, Failed, Finished, PeerFailed, SampledToken, TokenDelta
+from mstar_actors.messages import ContextAgreed, EngineStats, Failed, PeerFailed, SampledToken, TokenDelta
 from tests.frontend.conftest import REPLY
 from tests.frontend.test_openai_api import BAD
 

@@ -21,9 +21,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 from mstar_actors import messages
 from plan_driver import PlanDriver
+import runner_factories
 from mstar_actors.lora import AdapterWeights, BaseShapes, LoraModule, read_adapter
 from mstar_actors.lora.host_copy import adapter_from_bytes, adapter_to_bytes
-from mstar_actors.model_runner import ModelRunner, PlanError
+from mstar_actors.runner.model_runner import ModelRunner, PlanError
 from mstar_actors.models.lora_layers import LoraLayers
 
 BLOCK_SIZE = 4
@@ -101,7 +102,7 @@ def load_weights(folder, base_folder, name: str) -> AdapterWeights:
 
 def make_runner(folder, **overrides) -> ModelRunner:
     kwargs = dict(dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_blocks=96, seed=0, max_loras=3, max_lora_rank=MAX_RANK)
-    return ModelRunner(folder, **(kwargs | overrides))
+    return runner_factories.make_runner(folder, **(kwargs | overrides))
 
 
 Driver = functools.partial(PlanDriver, block_size=BLOCK_SIZE, num_new=NUM_NEW, sampling=GREEDY)
@@ -231,7 +232,7 @@ def test_base_rows_in_a_mixed_batch_equal_the_base_batch(world):
 
 def test_lora_off_builds_no_stack_and_refuses_slots(world):
     base_folder, _, adapters = world
-    runner = make_runner(base_folder, max_loras=0, max_lora_rank=0)
+    runner = make_runner(base_folder, allow_runtime_updates=False)  # no adapter can ever be served: LoRA off
     assert runner.lora is None and runner.model.lm_head_lora is None
     assert all(getattr(m, "lora", None) is None for m in runner.model.modules())
     with pytest.raises(ValueError, match="'attn'.*LoRA is off"):

@@ -6,6 +6,7 @@ interpreter too."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -47,6 +48,21 @@ def random_slots(rng: random.Random, num_rows: int) -> list[int]:
 
 def int32(slots: list[int]) -> torch.Tensor:
     return torch.tensor(slots, dtype=torch.int32)
+
+
+def on_kernels(stack: LoraStack) -> LoraStack:
+    """The same stack (its tensors shared) run by the Triton kernels, which
+    CPU tensors take in the interpreter; ``stack`` itself runs the reference."""
+    kernel_stack = copy.copy(stack)
+    kernel_stack.kernels = triton_ops
+    return kernel_stack
+
+
+def use_kernels(lora, monkeypatch) -> None:
+    """Run a CPU model's LoRA by the Triton kernels, as ``enable_lora`` picks them on CUDA."""
+    monkeypatch.setattr(lora, "kernels", triton_ops)
+    for stack in lora.stacks.values():
+        monkeypatch.setattr(stack, "kernels", triton_ops)
 
 
 # ---------------------------------------------------------------- linears and embedding
@@ -160,7 +176,7 @@ def test_add_delta_rows_takes_the_split_kernel_from_its_threshold(monkeypatch):
     calls = []
     split = triton_ops.shrink_expand_rows
     monkeypatch.setattr(triton_ops, "shrink_expand_rows", lambda *args, **kw: calls.append(1) or split(*args, **kw))
-    got = triton_ops.add_delta_rows(stack, y0.clone(), x, int32(slots))
+    got = on_kernels(stack).add_delta_rows(y0.clone(), x, int32(slots))
     assert calls == [1]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
@@ -178,7 +194,7 @@ def test_rows_kernel_in_bfloat16():
     slots = [3, 0, 1, 2, 1]
     x = torch.randn(5, 64, generator=gen).bfloat16()
     y0 = torch.randn(5, 96, generator=gen).bfloat16()
-    got = triton_ops.add_delta_rows(stack, y0.clone(), x, int32(slots))
+    got = on_kernels(stack).add_delta_rows(y0.clone(), x, int32(slots))
     want = delta_rows_ref(y0.float(), x.float(), stack.a.float(), stack.b.float(), stack.scales, int32(slots), stack.offsets)
     assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
     assert torch.equal(got[1], y0[1])
@@ -193,7 +209,7 @@ def test_rows_embedding_equals_segment_path():
     y0 = torch.randn(5, 64, generator=gen)
     want = stack.add_delta(y0.clone(), ids, build_segments(slots))
     torch.testing.assert_close(stack.add_delta_rows(y0.clone(), ids, int32(slots)), want, rtol=1e-5, atol=1e-5)
-    got = triton_ops.add_delta_rows(stack, y0.clone(), ids, int32(slots))
+    got = on_kernels(stack).add_delta_rows(y0.clone(), ids, int32(slots))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -203,7 +219,7 @@ def test_all_base_rows_leave_y_bit_identical():
     stack = make_stack(gen, 64, (64, 32))
     x, y0 = torch.randn(5, 64, generator=gen), torch.randn(5, 96, generator=gen)
     zeros = torch.zeros(5, dtype=torch.int32)
-    assert torch.equal(triton_ops.add_delta_rows(stack, y0.clone(), x, zeros), y0)
+    assert torch.equal(on_kernels(stack).add_delta_rows(y0.clone(), x, zeros), y0)
     assert torch.equal(stack.add_delta_rows(y0.clone(), x, zeros), y0)
 
 
@@ -215,7 +231,7 @@ def test_rows_read_a_strided_slots_view():
     staged = torch.tensor([[1, 9], [0, 9], [3, 9]], dtype=torch.int32)[:, 0]  # stride 2
     x, y0 = torch.randn(3, 64, generator=gen), torch.randn(3, 64, generator=gen)
     want = stack.add_delta(y0.clone(), x, build_segments([1, 0, 3]))
-    torch.testing.assert_close(triton_ops.add_delta_rows(stack, y0.clone(), x, staged), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(on_kernels(stack).add_delta_rows(y0.clone(), x, staged), want, rtol=1e-5, atol=1e-5)
 
 
 def test_rows_refuse_wrong_slots_and_shapes():
@@ -235,13 +251,13 @@ def runner(tmp_path_factory):
     """A tiny Llama runner, three adapters of ranks 4/8/16 targeting every linear,
     the LM head and the embedding, each on its slot."""
     from mstar_actors.lora import BaseShapes, read_adapter
-    from mstar_actors.model_runner import ModelRunner
+    from runner_factories import make_runner
 
     tmp = tmp_path_factory.mktemp("rows")
     model, config = make_base("llama", vocab_size=300)
     model.save_pretrained(tmp / "base")
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head", "embed_tokens"]
-    runner = ModelRunner(tmp / "base", dtype="float32", device="cpu", block_size=4, num_blocks=64, seed=0, max_loras=3, max_lora_rank=16)
+    runner = make_runner(tmp / "base", dtype="float32", device="cpu", block_size=4, num_blocks=64, seed=0, max_loras=3, max_lora_rank=16)
     import copy
 
     for slot, rank in RANKS.items():
@@ -255,7 +271,7 @@ def fused_runner(tmp_path_factory):
     """``runner``'s model and adapters with every decoder linear's A fused
     under its weight (``fuse_linear``, what CUDA stacks get by default)."""
     from mstar_actors.lora import BaseShapes, read_adapter
-    from mstar_actors.model_runner import ModelRunner
+    from runner_factories import make_runner
     from mstar_actors.models.decoder import LoraLinear
     from mstar_actors.models.lora_layers import fuse_linear
 
@@ -263,7 +279,7 @@ def fused_runner(tmp_path_factory):
     model, config = make_base("llama", vocab_size=300)
     model.save_pretrained(tmp / "base")
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head", "embed_tokens"]
-    runner = ModelRunner(tmp / "base", dtype="float32", device="cpu", block_size=4, num_blocks=64, seed=0, max_loras=3, max_lora_rank=16)
+    runner = make_runner(tmp / "base", dtype="float32", device="cpu", block_size=4, num_blocks=64, seed=0, max_loras=3, max_lora_rank=16)
     linears = [m for m in runner.model.modules() if isinstance(m, LoraLinear) and m.lora is not None]
     # The tiny model's A rows (4 slots x 16 x shards) outweigh its 64-wide
     # weights, so the share rule would refuse them: lifted for the test.
@@ -286,7 +302,7 @@ def _decode_logits(runner, slots, *, rows: bool, kernel: bool, monkeypatch) -> t
     from plan_driver import PlanDriver
 
     from mstar_actors import messages
-    from mstar_actors.model_runner import build_batch
+    from mstar_actors.runner.model_runner import build_batch
 
     sampling = messages.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     d = PlanDriver(runner, block_size=4, num_new=4, sampling=sampling)
@@ -295,10 +311,8 @@ def _decode_logits(runner, slots, *, rows: bool, kernel: bool, monkeypatch) -> t
     d.step(starts, [d.chunk(rid) for rid in rids])
     batch = build_batch(d.decodes(*rids), runner.seqs, runner.block_size, runner.num_kv_blocks, runner.max_model_len)
     monkeypatch.setattr(runner.lora, "uses_rows", rows)
-    if kernel:  # the rows path through the Triton kernel in the interpreter
-        rows_delta = triton_ops.rows_delta  # picks bgmv_rows or shrink_expand_rows by the batch size, as on CUDA
-        monkeypatch.setattr(LoraStack, "add_delta_rows", lambda stack, y, x, s, groups=None: rows_delta(stack, y, x, s, groups))
-        monkeypatch.setattr(LoraStack, "add_delta_expand", lambda stack, y, t, s: triton_ops.expand_rows(stack, y, t, s))
+    if kernel:  # the rows path through the Triton kernels in the interpreter (bgmv or split by the batch size, as on CUDA)
+        use_kernels(runner.lora, monkeypatch)
     calls = []
     monkeypatch.setattr(type(runner.lora), "begin_rows_step", _spy(type(runner.lora).begin_rows_step, calls))
     try:
@@ -346,7 +360,7 @@ def _prefill_logits(runner, slots, *, rows: bool, kernel: bool, monkeypatch) -> 
     from plan_driver import PlanDriver
 
     from mstar_actors import messages
-    from mstar_actors.model_runner import build_batch
+    from mstar_actors.runner.model_runner import build_batch
 
     sampling = messages.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     d = PlanDriver(runner, block_size=4, num_new=4, sampling=sampling)
@@ -356,8 +370,7 @@ def _prefill_logits(runner, slots, *, rows: bool, kernel: bool, monkeypatch) -> 
     batch = build_batch(chunks, runner.seqs, runner.block_size, runner.num_kv_blocks, runner.max_model_len)
     monkeypatch.setattr(runner.lora, "uses_rows", rows)
     if kernel:
-        rows_delta = triton_ops.rows_delta
-        monkeypatch.setattr(LoraStack, "add_delta_rows", lambda stack, y, x, s, groups=None: rows_delta(stack, y, x, s, groups))
+        use_kernels(runner.lora, monkeypatch)
     try:
         logits = runner._run_model(batch)
     finally:
@@ -379,8 +392,7 @@ def test_fused_linears_decode_through_rows_equals_segments(fused_runner, kernel,
     monkeypatch.setattr(LoraStack, "add_delta_expand", lambda stack, y, t, s: expands.append(1) or expand(stack, y, t, s))
     got = _decode_logits(fused_runner, slots, rows=True, kernel=kernel, monkeypatch=monkeypatch)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    if not kernel:  # (the kernel run replaces the spied method)
-        assert len(expands) == 4 * fused_runner.model.spec.num_layers
+    assert len(expands) == 4 * fused_runner.model.spec.num_layers
 
 
 @interpreted

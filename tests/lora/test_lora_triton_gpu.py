@@ -23,7 +23,9 @@ def triton_ops():
 
 
 def _random_stack(gen, in_features, output_sizes, *, num_slots, max_rank, dtype, is_embedding=False):
-    stack = LoraStack(in_features, output_sizes, num_slots=num_slots, max_rank=max_rank, dtype=dtype, device="cuda", is_embedding=is_embedding)
+    kernels = pytest.importorskip("mstar_actors.lora.triton_ops")  # what enable_lora gives CUDA stacks
+    stack = LoraStack(in_features, output_sizes, num_slots=num_slots, max_rank=max_rank, dtype=dtype, device="cuda",
+                      is_embedding=is_embedding, kernels=kernels)
     stack.a[:, 1:] = (torch.randn(stack.a[:, 1:].shape, generator=gen) / in_features**0.5).to(dtype).cuda()
     stack.b[1:] = (torch.randn(stack.b[1:].shape, generator=gen) / max_rank**0.5).to(dtype).cuda()
     stack.scales[:, 1:] = (torch.rand(stack.scales[:, 1:].shape, generator=gen) + 0.5).cuda()

@@ -27,7 +27,7 @@ from plan_driver import PlanDriver
 from mstar_actors.lora import AdapterError, read_adapter
 from mstar_actors.lora.host_copy import adapter_from_bytes, adapter_to_bytes
 from mstar_actors.model_info import load_model_info
-from mstar_actors.model_runner import ModelRunner
+from runner_factories import make_runner
 
 BLOCK_SIZE = 4
 NUM_NEW = 16
@@ -101,7 +101,7 @@ def test_adapter_on_the_text_stack_matches_peft(world):
         "base": media_prompt([("text", 3), ("image", IMAGE_GRID), ("text", 4)], arena, seed=3),
     }
     on_adapter = {"img": True, "txt": True, "base": False}
-    runner = ModelRunner(
+    runner = make_runner(
         base_folder, dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_blocks=64, seed=0,
         max_loras=1, max_lora_rank=MAX_RANK, resolve_tensor=arena.resolve,
     )  # fmt: skip

@@ -1,6 +1,6 @@
 """Decode graphs: pure decode steps through static buffers give the eager runner's tokens.
 
-On CPU the static path runs without capture (``enable_decode_graphs(capture=
+On CPU the static path runs without capture (``enable_step_graphs(capture=
 False)``): the same buffers, packing, padding and scratch block, the forward
 run eagerly on them. On a GPU (``-m gpu``) the graphs are really captured and
 replayed, base and LoRA rows alike, and compared with ``enforce_eager``.
@@ -9,7 +9,6 @@ replayed, base and LoRA rows alike, and compared with ``enforce_eager``.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,12 +17,13 @@ from transformers import AutoModelForCausalLM
 
 from mstar_actors import messages
 from mstar_actors.config import ConfigError, parse_config
-from mstar_actors.decode_graphs import DecodeGraphs, batch_buckets
+from mstar_actors.runner.step_graphs import DecodeGraphs, batch_buckets
 from mstar_actors.lora import BaseShapes, read_adapter
 from mstar_actors.lora.host_copy import adapter_from_bytes, adapter_to_bytes
-from mstar_actors.model_runner import ModelRunner, PlanError
+from mstar_actors.runner.model_runner import ModelRunner, PlanError
 from mstar_actors.sampling import sample_tokens
 from plan_driver import PlanDriver
+import runner_factories
 
 BLOCK_SIZE = 4
 NUM_NEW = 12
@@ -60,7 +60,7 @@ def make_runner(folder, *, static: int | None = None, **overrides) -> ModelRunne
     """A float32 CPU runner; ``static``: its pure decode steps of up to that
     many rows take the static (graph) path, run without capture."""
     kwargs = dict(dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_blocks=96, seed=0, enforce_eager=True)
-    runner = ModelRunner(folder, **(kwargs | overrides))
+    runner = runner_factories.make_runner(folder, **(kwargs | overrides))
     if static is not None:
         runner.enable_step_graphs(static, capture=False)
     return runner
@@ -228,23 +228,22 @@ def test_a_moved_lora_stack_is_refused(lora_world):
 # ---------------------------------------------------------------- config and worker
 
 
-def test_config_keys_and_worker_passes_them(monkeypatch):
+def test_config_keys_and_the_build_reads_them():
+    from mstar_actors.runner.build import graph_limits, takes_graphs
+
     config = parse_config({"model": {"enforce_eager": True, "cuda_graph_max_batch": 128}, "scheduler": {"max_num_seqs": 32}})
     assert config.model.enforce_eager and config.model.cuda_graph_max_batch == 128
     assert parse_config({}).model.enforce_eager is False and parse_config({}).model.cuda_graph_max_batch == 64
     with pytest.raises(ConfigError, match="cuda_graph_max_batch"):
         parse_config({"model": {"cuda_graph_max_batch": 0}})
 
-    import actors.worker as worker
-    import mstar_actors.fetch
-    import mstar_actors.model_runner
-
-    seen = {}
-    monkeypatch.setattr(mstar_actors.model_runner, "ModelRunner", lambda **kw: seen.update(kw))
-    monkeypatch.setattr(mstar_actors.fetch, "resolve_model", lambda path: Path(path))
-    worker.build_runner(config)
-    assert seen["enforce_eager"] is True
-    assert seen["cuda_graph_max_batch"] == 32  # capped by scheduler.max_num_seqs
+    cuda = torch.device("cuda")
+    assert not takes_graphs(config, cuda, is_multimodal=False)  # enforce_eager
+    assert takes_graphs(parse_config({}), cuda, is_multimodal=False)
+    assert not takes_graphs(parse_config({}), cuda, is_multimodal=True)
+    assert not takes_graphs(parse_config({}), torch.device("cpu"), is_multimodal=False)
+    assert graph_limits(config)[0] == 32  # capped by scheduler.max_num_seqs
+    assert graph_limits(parse_config({}))[0] == 64
 
 
 # ---------------------------------------------------------------- GPU: real capture
@@ -264,7 +263,9 @@ def assert_logits_close(got: list[torch.Tensor], want: list[torch.Tensor], toler
 @pytest.mark.gpu
 def test_captured_graphs_match_eager_on_cuda(hf_models):
     folder, _ = hf_models("llama")
-    want = script(cuda_runner(folder, enforce_eager=True))
+    eager = cuda_runner(folder, enforce_eager=True)
+    assert eager.graphs is None and eager.mixed_graphs is None
+    want = script(eager)
     runner = cuda_runner(folder)
     assert runner.graphs is not None and runner.graphs.is_captured
     assert set(runner.graphs.graphs) == {(b, False) for b in (1, 2, 4)}

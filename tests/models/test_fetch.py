@@ -14,7 +14,7 @@ import torch
 
 from mstar_actors import messages
 from mstar_actors.fetch import FetchError, fetch_embedded, resolve_model
-from mstar_actors.model_runner import ModelRunner
+from runner_factories import make_runner
 
 
 def test_resolve_model_returns_folders_and_explains_unfetched(tmp_path, monkeypatch):
@@ -48,7 +48,7 @@ def test_fetch_converts_and_runner_matches_transformers(tmp_path, monkeypatch):
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :].tolist()
 
-    runner = ModelRunner(folder, dtype="float32", device="cpu", block_size=16, num_blocks=8)
+    runner = make_runner(folder, dtype="float32", device="cpu", block_size=16, num_blocks=8)
     assert runner.ready_info(0).eos_token_ids == [2]
     greedy = messages.SamplingParams(max_tokens=8, temperature=0.0)
     blocks = list(range(1, 8))

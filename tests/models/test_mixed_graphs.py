@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import functools
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,12 +19,13 @@ import torch
 from lora.lora_factories import make_adapter
 from mstar_actors import messages
 from mstar_actors.config import ConfigError, parse_config
-from mstar_actors.decode_graphs import MixedGraphs, _Staging, token_buckets
+from mstar_actors.runner.step_graphs import MixedGraphs, _Staging, token_buckets
 from mstar_actors.lora import BaseShapes, read_adapter
-from mstar_actors.model_runner import ModelRunner
+from mstar_actors.runner.model_runner import ModelRunner
 from mstar_actors.models.attention import TorchPagedAttention
 from mstar_actors.sampling import sample_tokens
 from plan_driver import PlanDriver
+import runner_factories
 
 BLOCK_SIZE = 4
 NUM_NEW = 12
@@ -64,7 +64,7 @@ class Recorder:
 def make_runner(folder, *, graphs: bool = True, max_tokens: int = MAX_TOKENS, **overrides) -> ModelRunner:
     """A float32 CPU runner; with ``graphs`` its steps take the static paths, run without capture."""
     kwargs = dict(dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_blocks=96, seed=0, enforce_eager=True)
-    runner = ModelRunner(folder, **(kwargs | overrides))
+    runner = runner_factories.make_runner(folder, **(kwargs | overrides))
     if graphs:
         runner.enable_step_graphs(MAX_SEQS, max_tokens, capture=False)
     return runner
@@ -274,21 +274,17 @@ def test_a_moved_lora_stack_is_refused_by_the_mixed_graphs(lora_world):
 # ---------------------------------------------------------------- config and worker
 
 
-def test_config_key_and_worker_passes_it(monkeypatch):
+def test_config_key_and_the_build_reads_it():
     assert parse_config({}).model.cuda_graph_max_tokens == 2048
     assert parse_config({"model": {"cuda_graph_max_tokens": 0}}).model.cuda_graph_max_tokens == 0
     with pytest.raises(ConfigError, match=r"Expected `int` >= 0 - at `\$.model.cuda_graph_max_tokens`"):
         parse_config({"model": {"cuda_graph_max_tokens": -1}})
 
-    import actors.worker as worker
-    import mstar_actors.fetch
-    import mstar_actors.model_runner
+    from mstar_actors.runner.build import graph_limits
 
-    seen = {}
-    monkeypatch.setattr(mstar_actors.model_runner, "ModelRunner", lambda **kw: seen.update(kw))
-    monkeypatch.setattr(mstar_actors.fetch, "resolve_model", lambda path: Path(path))
-    worker.build_runner(parse_config({"model": {"cuda_graph_max_tokens": 256}}))
-    assert seen["cuda_graph_max_tokens"] == 256
+    assert graph_limits(parse_config({"model": {"cuda_graph_max_tokens": 256}}))[1] == 256
+    # No step holds more tokens than the scheduler batches.
+    assert graph_limits(parse_config({"scheduler": {"max_num_batched_tokens": 512}}))[1] == 512
 
 
 # ---------------------------------------------------------------- GPU: real capture

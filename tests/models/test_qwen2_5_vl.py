@@ -13,7 +13,8 @@ import torch
 
 from mstar_actors import messages
 from plan_driver import PlanDriver
-from mstar_actors.model_runner import ModelRunner, PlanError
+from mstar_actors.runner.model_runner import PlanError
+from runner_factories import make_runner
 from mstar_actors.models.loader import load_model
 from mstar_actors.models.qwen2_5_vl import mrope_positions
 from mstar_actors.models.vision import window_order
@@ -159,7 +160,7 @@ def test_runner_matches_generate_for_image_video_and_text_prompts(vl):
         "mix": media_prompt([("text", 2), ("image", (1, 4, 4)), ("text", 3), ("video", VIDEO_GRID), ("text", 3)], arena, seed=3),
         "txt": media_prompt([("text", 21)], arena, seed=4),
     }
-    runner = ModelRunner(folder, dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_blocks=128, resolve_tensor=arena.resolve)
+    runner = make_runner(folder, dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_blocks=128, resolve_tensor=arena.resolve)
     tower = CountingTower(runner.model)
     d = Driver(runner)
     starts = [d.start(rid, p, m) for rid, (p, m, _) in prompts.items()]
@@ -201,7 +202,7 @@ def test_bad_media_fails_only_its_request(vl, change, message):
     arena = FakeArena()
     prompt, media, _ = media_prompt([("text", 5), ("image", IMAGE_GRID)], arena)
     bad = messages.MediaItem(**({f: getattr(media[0], f) for f in media[0].__struct_fields__} | change))
-    runner = ModelRunner(folder, dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_blocks=32, resolve_tensor=arena.resolve)
+    runner = make_runner(folder, dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_blocks=32, resolve_tensor=arena.resolve)
     d = Driver(runner)
     with pytest.raises(PlanError, match=message) as err:
         d.step([d.start("bad", prompt, [bad]), d.start("ok", [5, 6, 7])], [])

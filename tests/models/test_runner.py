@@ -14,7 +14,8 @@ import torch
 
 from mstar_actors import messages
 from plan_driver import PlanDriver
-from mstar_actors.model_runner import ModelRunner, PlanError, SeqState, build_batch
+import runner_factories
+from mstar_actors.runner.model_runner import ModelRunner, PlanError, SeqState, build_batch
 
 from .factories import CONFIGS
 
@@ -35,7 +36,7 @@ def reference(hf, prompt: list[int]) -> list[int]:
 
 def make_runner(folder, **overrides) -> ModelRunner:
     kwargs = dict(dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_blocks=96, seed=0)
-    return ModelRunner(folder, **(kwargs | overrides))
+    return runner_factories.make_runner(folder, **(kwargs | overrides))
 
 
 @pytest.mark.parametrize("kind", sorted(CONFIGS))

@@ -223,11 +223,11 @@ def test_backend_falls_back_for_head_dims_without_kernel():
     torch.testing.assert_close(out, reference_decode(**case), atol=1e-5, rtol=1e-5)
 
 
-def test_make_attention_backend_picks_by_device():
-    from mstar_actors.models.attention import make_attention_backend
+def test_attention_backend_picks_by_device():
+    from mstar_actors.models.loader import attention_backend
 
-    assert type(make_attention_backend("cpu")) is TorchPagedAttention
-    assert isinstance(make_attention_backend(torch.device("cuda", 0)), TritonPagedAttention)
+    assert type(attention_backend("cpu")) is TorchPagedAttention
+    assert isinstance(attention_backend(torch.device("cuda", 0)), TritonPagedAttention)
 
 
 # --- on the GPU -----------------------------------------------------------------------------

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from mstar_actors.models.attention import (
-    VARLEN_BLOCK_M,
     AttentionMetadata,
     TorchPagedAttention,
     max_varlen_items,

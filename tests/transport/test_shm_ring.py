@@ -13,7 +13,7 @@ import pytest
 from transport_procs import Blob, Done, Msg, payloads
 
 from transport import ChannelBroken, ChannelClosed, ChannelFull, DecodeError, create_ring, open_ring, unlink_ring
-from transport.ring import DATA, W_WRITER_PARKED, ShmRing
+from transport.ring import W_WRITER_PARKED, ShmRing
 
 SPAWN = multiprocessing.get_context("spawn")
 

@@ -11,7 +11,7 @@ import sys
 
 import msgspec
 
-from transport import ChannelClosed, open_ring
+from transport import open_ring
 
 
 class Blob(msgspec.Struct, tag=True, array_like=True):

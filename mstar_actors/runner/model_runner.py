@@ -11,14 +11,18 @@ Sequence state lives from ``plan.started`` until the id appears in
 ``plan.finished``; a sequence restarted after a preemption arrives again in
 ``started`` with the outputs it had, and replaces the old state.
 
-LoRA (``max_loras > 0``): each sequence runs on its ``SeqStart.lora_slot``
+LoRA (``lora`` given): each sequence runs on its ``SeqStart.lora_slot``
 (0: the base model); ``install_adapter`` fills a slot between steps. With
 LoRA off no stack exists and the model runs its base path only.
+
+The runner is built, not configured: ``build.build_runner`` loads the model,
+enables LoRA, sizes the KV cache and hands the parts to the constructor,
+then compiles the kernels and captures the step graphs.
 
 ``build_batch`` is a pure function (no torch), so the plan-to-batch rules can
 be tested without a model.
 
-CUDA graphs (CUDA, text models, unless ``enforce_eager``; ``decode_graphs``):
+CUDA graphs (CUDA, text models, unless ``enforce_eager``; ``step_graphs``):
 a pure decode step (every chunk one token that samples) of up to
 ``cuda_graph_max_batch`` sequences replays a decode graph captured at
 startup; any other step of up to that many sequences and
@@ -31,27 +35,19 @@ write into, which no plan can name (block ids are checked against
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import psutil
 import torch
+from torch import nn
 
 from mstar_actors import messages
-from mstar_actors.decode_graphs import DecodeGraphs, MixedGraphs
 from mstar_actors.lora.adapter_file import AdapterWeights
-from mstar_actors.models.attention import AttentionMetadata, allocate_kv_cache, kv_bytes_per_block
-from mstar_actors.models.loader import load_model, load_spec
-from mstar_actors.models.media_inputs import MediaInputs, TensorResolver
-from mstar_actors.models.lora_layers import LoraLayers, enable_lora
+from mstar_actors.models.attention import AttentionMetadata
+from mstar_actors.models.lora_layers import LoraLayers
+from mstar_actors.models.media_inputs import MediaInputs
+from mstar_actors.runner.step_graphs import DecodeGraphs, MixedGraphs
 from mstar_actors.sampling import SampleRow, sample_tokens
-
-log = logging.getLogger(__name__)
-
-MAX_CPU_KV_BYTES = 2 << 30  # CPU cache cap: RAM is shared with every other actor
 
 Sampler = Callable[..., list[messages.SampledToken]]
 
@@ -159,6 +155,21 @@ def _check_chunk(chunk, seqs, block_size, num_kv_blocks, max_model_len) -> SeqSt
     return seq
 
 
+@dataclass(frozen=True)
+class KvCache:
+    """One rank's paged KV cache: per layer ``[2, num_blocks + 1, block_size,
+    kv_heads, head_dim]``; plans may name blocks ``0 .. num_blocks - 1``,
+    the last is the scratch block padded graph rows write into."""
+
+    caches: list[torch.Tensor]
+    block_size: int
+    num_blocks: int
+
+    @property
+    def scratch_block(self) -> int:
+        return self.num_blocks
+
+
 class ModelRunner:
     """Owns one rank's model, KV cache, sequence state and sampling generator.
 
@@ -166,88 +177,27 @@ class ModelRunner:
     plan order, which is what keeps every rank's state identical.
     """
 
-    def __init__(
-        self,
-        model_dir: str | Path,
-        dtype: str = "auto",
-        device: str = "auto",
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        memory_fraction: float = 0.9,
-        max_model_len: int | None = None,
-        seed: int = 0,
-        sampler: Sampler = sample_tokens,
-        resolve_tensor: TensorResolver | None = None,
-        max_loras: int = 0,
-        max_lora_rank: int = 0,
-        enforce_eager: bool = False,
-        cuda_graph_max_batch: int = 64,
-        max_num_batched_tokens: int = 2048,
-        cuda_graph_max_tokens: int = 2048,
-        max_lora_images: int = 4,
-        lora_fuse_shrink: bool | None = None,
-    ):
-        self.device = resolve_device(device)
-        arch, spec = load_spec(Path(model_dir))  # read first: "auto" dtype depends on it
-        self.dtype = resolve_dtype(dtype, spec.torch_dtype, self.device)
-        self.model = load_model(model_dir, self.dtype, self.device)
-        if self.device.type == "cpu":
-            # Now, not in the first request's step, and before the KV cache
-            # is sized from the RAM that is left.
-            self.model.pack_cpu_weights()
-        self.spec = spec
-        # Stacks before the KV cache: its size is what memory is left.
-        self.lora: LoraLayers | None = None
-        if max_loras > 0:
-            self.lora = enable_lora(
-                self.model, arch.rules, num_slots=max_loras + 1, max_rank=max_lora_rank, dtype=self.dtype, device=self.device,
-                fuse_shrink=lora_fuse_shrink,
-            )
-            self.lora.max_slot_images = max_lora_images  # pinned, made at the installs that keep them
-            if self.device.type == "cuda":
-                # Fused linears copied their weights into new buffers (``fuse_linear``): hand the
-                # old ones back to the driver, or the KV cache sized below would count them as used.
-                torch.cuda.empty_cache()
+    def __init__(self, model: nn.Module, kv: KvCache, *, max_model_len: int, lora: LoraLayers | None = None,
+                 media: MediaInputs | None = None, sampler: Sampler = sample_tokens, seed: int = 0):
+        """The parts ``build.build_runner`` made, in its order; the runner builds nothing itself."""
+        self.model = model
+        self.spec = model.spec
+        self.kv_caches = kv.caches
+        self.block_size = kv.block_size
+        self.num_kv_blocks = kv.num_blocks
+        self.scratch_block = kv.scratch_block  # one past the reported blocks: see the module doc
+        self.lora = lora
         self.lora_names: dict[int, str] = {}  # slot -> installed adapter's name
-        self.block_size = block_size
-        self.max_model_len = min(max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
-        self.num_kv_blocks = num_blocks or self._blocks_from_memory(memory_fraction)
-        self.scratch_block = self.num_kv_blocks  # one past the reported blocks: see the module doc
-        self.kv_caches = allocate_kv_cache(
-            spec.num_layers, self.num_kv_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim, self.dtype, self.device
-        )
+        self.max_model_len = min(max_model_len, self.spec.max_position_embeddings)
+        # Multimodal models: per-sequence positions and vision rows (``MediaInputs``).
+        self.media = media
+        self.device, self.dtype = kv.caches[0].device, kv.caches[0].dtype
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.sampler = sampler
         self.seqs: dict[str, SeqState] = {}
-        # Multimodal models: per-sequence positions and vision rows; pixel
-        # values are read through ``resolve_tensor`` (the worker's arena).
-        self.media = MediaInputs(self.model, resolve_tensor) if getattr(self.model, "is_multimodal", False) else None
-        # A step never holds more tokens than the scheduler batches.
-        max_graph_tokens = min(cuda_graph_max_tokens, max_num_batched_tokens)
-        if self.device.type == "cuda":
-            # Graph buckets (a decode batch, a mixed step's sampled rows) are row counts too.
-            self._warm_up_kernels(max(max_num_batched_tokens, cuda_graph_max_batch))
-        # Last: capture needs the LoRA stacks and the KV cache, and its memory
-        # comes out of what the cache left.
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
-        if self.device.type == "cuda" and not enforce_eager and self.media is None:
-            self.enable_step_graphs(cuda_graph_max_batch, max_graph_tokens if self._captures_varlen() else 0)
-
-    def _warm_up_kernels(self, max_num_tokens: int) -> None:
-        """Compile every Triton kernel variant a step can launch before the
-        first request (each compile takes about a second: mid-serving it would
-        stall the whole batch). Variants depend on shapes only, so the set is
-        known: attention's split counts, each LoRA stack's tiling per row count."""
-        started = time.perf_counter()
-        backend = self.model.model.layers[0].self_attn.backend
-        if hasattr(backend, "warm_up"):
-            backend.warm_up(self.spec.num_heads, self.spec.head_dim, self.kv_caches[0])
-        if self.lora is not None:
-            self.lora.warm_up_kernels(max_num_tokens)
-        torch.cuda.synchronize(self.device)
-        log.info("kernels compiled for up to %d tokens a step in %.1f s", max_num_tokens, time.perf_counter() - started)
 
     def enable_step_graphs(self, max_batch: int, max_tokens: int = 0, *, capture: bool = True) -> None:
         """Serve pure decode steps of up to ``max_batch`` sequences through
@@ -264,21 +214,6 @@ class ModelRunner:
             self.mixed_graphs = MixedGraphs(self.model, self.kv_caches, self.lora, max_seqs=max_batch,
                                             max_tokens=max_tokens, **shared)
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.lora, max_batch=max_batch, **shared)
-
-    def _captures_varlen(self) -> bool:
-        """Whether attention can run a mixed step inside a CUDA graph: the
-        Triton backend's varlen kernel can; the torch reference (no Triton, or
-        a head size the kernel does not take) reads the step on the host."""
-        try:
-            from mstar_actors.models.triton_attention import TritonPagedAttention, is_supported_head_dim
-        except ImportError:
-            return False
-        backend = self.model.model.layers[0].self_attn.backend
-        if isinstance(backend, TritonPagedAttention) and is_supported_head_dim(self.spec.head_dim):
-            return True
-        log.info("mixed-step graphs off: attention (%s, head_dim %d) has no capturable varlen kernel; "
-                 "steps with prefill chunks run eagerly", type(backend).__name__, self.spec.head_dim)
-        return False
 
     # -- protocol ----------------------------------------------------------
 
@@ -432,45 +367,3 @@ class ModelRunner:
             device=self.device,
         )
         return longs(batch.input_ids), longs(batch.positions), meta, longs(batch.logits_indices)
-
-    def _blocks_from_memory(self, memory_fraction: float) -> int:
-        """KV blocks that fit in ``memory_fraction`` of free device memory (CPU: of
-        available RAM, capped at ``MAX_CPU_KV_BYTES``), measured after loading weights."""
-        spec = self.spec
-        per_block = kv_bytes_per_block(spec.num_layers, self.block_size, spec.num_kv_heads, spec.head_dim, self.dtype)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * memory_fraction)
-        else:
-            budget = min(int(psutil.virtual_memory().available * memory_fraction), MAX_CPU_KV_BYTES)
-        num_blocks = budget // per_block - 1  # less the scratch block
-        if num_blocks < 1:
-            raise RuntimeError(
-                f"kv: no room for two KV blocks (one is scratch) of {per_block} bytes on {self.device} "
-                f"(budget {budget} bytes); raise kv.memory_fraction or set kv.num_blocks"
-            )
-        log.info("kv cache: %d blocks of %d tokens (%.1f MiB) on %s", num_blocks, self.block_size, num_blocks * per_block / 2**20, self.device)
-        return num_blocks
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"model.device={device!r} but no CUDA device is available; accepted here: cpu, auto")
-    return torch.device(device)
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(dtype: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
-    """``auto``: float32 on CPU (half precision is slow there); on a GPU the
-    checkpoint's half dtype, or bfloat16 for a float32 checkpoint."""
-    if dtype != "auto":
-        if dtype not in _DTYPES:
-            raise ValueError(f"model.dtype={dtype!r}; accepted: auto, {', '.join(_DTYPES)}")
-        return _DTYPES[dtype]
-    if device.type == "cpu":
-        return torch.float32
-    return _DTYPES[checkpoint_dtype] if checkpoint_dtype in ("bfloat16", "float16") else torch.bfloat16

@@ -1,0 +1,169 @@
+"""A rank's ``ModelRunner``, built from the validated config and the model's facts.
+
+``build_runner`` runs named steps, each in the place the next one needs:
+
+1. ``load_model``: the weights, on the device, in the serving dtype.
+2. ``model.pack_cpu_weights`` (CPU): the GEMM layout, now rather than in the first
+   request's step, and before the KV cache is sized from the RAM left.
+3. ``enable_served_lora``: the LoRA stacks, where an adapter can ever be
+   served; before the KV cache, whose size is the memory that is left.
+4. ``size_kv_cache``: the blocks that fit (or ``kv.num_blocks``), plus the
+   scratch block.
+5. ``warm_kernels`` (CUDA): every Triton variant a step can launch, compiled
+   before the first request.
+6. ``capture_graphs`` (CUDA, text models, unless ``enforce_eager``): last,
+   since capture needs the stacks and the cache, and its memory comes out of
+   what the cache left.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import psutil
+import torch
+from torch import nn
+
+from mstar_actors.config import Config, KvConfig, LoraConfig
+from mstar_actors.model_info import ModelInfo
+from mstar_actors.models.attention import allocate_kv_cache, kv_bytes_per_block
+from mstar_actors.models.checkpoint import CheckpointRules
+from mstar_actors.models.loader import load_model, load_spec
+from mstar_actors.models.lora_layers import LoraLayers, enable_lora
+from mstar_actors.models.media_inputs import MediaInputs, TensorResolver
+from mstar_actors.models.spec import ModelSpec
+from mstar_actors.runner.device import resolve_device, resolve_dtype
+from mstar_actors.runner.model_runner import KvCache, ModelRunner, Sampler
+from mstar_actors.sampling import sample_tokens
+
+log = logging.getLogger(__name__)
+
+MAX_CPU_KV_BYTES = 2 << 30  # CPU cache cap: RAM is shared with every other actor
+
+
+def build_runner(config: Config, info: ModelInfo, resolve_tensor: TensorResolver | None = None, *,
+                 sampler: Sampler = sample_tokens) -> ModelRunner:
+    """The rank's runner (blocking: loads weights). ``resolve_tensor`` reads
+    media pixel values (the rank's arena); ``sampler`` picks each step's tokens."""
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(info.dtype, None, device)
+    model = load_model(info.model_dir, dtype, device)
+    if device.type == "cpu":
+        model.pack_cpu_weights()  # step 2
+    rules = load_spec(Path(info.model_dir))[0].rules  # where adapters' modules land: the loader's own table
+    lora = enable_served_lora(model, rules, config.lora, dtype, device)
+    kv = size_kv_cache(model.spec, config.kv, dtype, device)
+    media = MediaInputs(model, resolve_tensor) if getattr(model, "is_multimodal", False) else None
+    runner = ModelRunner(model, kv, max_model_len=info.max_model_len, lora=lora, media=media, sampler=sampler,
+                         seed=config.model.seed)
+    max_batch, max_tokens = graph_limits(config)
+    if device.type == "cuda":
+        # Graph buckets (a decode batch, a mixed step's sampled rows) are row counts too.
+        warm_kernels(runner, max(config.scheduler.max_num_batched_tokens, max_batch))
+    if takes_graphs(config, device, is_multimodal=media is not None):
+        capture_graphs(runner, max_batch, max_tokens)
+    return runner
+
+
+def is_lora_served(lora: LoraConfig) -> bool:
+    """Whether any adapter can ever be served: configured ones or runtime
+    loads. Otherwise the model keeps its base path, with no stacks."""
+    return bool(lora.adapters) or lora.allow_runtime_updates
+
+
+def enable_served_lora(model: nn.Module, rules: CheckpointRules, lora: LoraConfig, dtype: torch.dtype,
+                       device: torch.device) -> LoraLayers | None:
+    """``max_loras`` slots beside the base (slot 0) on every targetable
+    module, or None where no adapter can be served (``is_lora_served``)."""
+    if not is_lora_served(lora):
+        return None
+    layers = enable_lora(model, rules, num_slots=lora.max_loras + 1, max_rank=lora.max_lora_rank, dtype=dtype,
+                         device=device)
+    layers.max_slot_images = lora.max_cpu_loras  # as many pinned slot images as the reader keeps host copies
+    if device.type == "cuda":
+        # Fused linears copied their weights into new buffers (``fuse_linear``): hand the
+        # old ones back to the driver, or the KV cache sized next would count them as used.
+        torch.cuda.empty_cache()
+    return layers
+
+
+def size_kv_cache(spec: ModelSpec, kv: KvConfig, dtype: torch.dtype, device: torch.device) -> KvCache:
+    """``kv.num_blocks`` blocks, else those that fit in ``kv.memory_fraction``
+    of what is free now; one more is allocated as the scratch block."""
+    num_blocks = kv.num_blocks or blocks_from_memory(spec, kv.block_size, kv.memory_fraction, dtype, device)
+    caches = allocate_kv_cache(spec.num_layers, num_blocks + 1, kv.block_size, spec.num_kv_heads, spec.head_dim,
+                               dtype, device)
+    return KvCache(caches, kv.block_size, num_blocks)
+
+
+def blocks_from_memory(spec: ModelSpec, block_size: int, memory_fraction: float, dtype: torch.dtype,
+                       device: torch.device) -> int:
+    """KV blocks that fit in ``memory_fraction`` of free device memory (CPU: of
+    available RAM, capped at ``MAX_CPU_KV_BYTES``), measured after loading weights."""
+    per_block = kv_bytes_per_block(spec.num_layers, block_size, spec.num_kv_heads, spec.head_dim, dtype)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * memory_fraction)
+    else:
+        budget = min(int(psutil.virtual_memory().available * memory_fraction), MAX_CPU_KV_BYTES)
+    num_blocks = budget // per_block - 1  # less the scratch block
+    if num_blocks < 1:
+        raise RuntimeError(
+            f"kv: no room for two KV blocks (one is scratch) of {per_block} bytes on {device} "
+            f"(budget {budget} bytes); raise kv.memory_fraction or set kv.num_blocks"
+        )
+    log.info("kv cache: %d blocks of %d tokens (%.1f MiB) on %s", num_blocks, block_size, num_blocks * per_block / 2**20, device)
+    return num_blocks
+
+
+def graph_limits(config: Config) -> tuple[int, int]:
+    """(sequences, tokens) the step graphs take: no step holds more sequences
+    or tokens than the scheduler batches (0 tokens: no mixed-step graphs)."""
+    model, scheduler = config.model, config.scheduler
+    return (min(model.cuda_graph_max_batch, scheduler.max_num_seqs),
+            min(model.cuda_graph_max_tokens, scheduler.max_num_batched_tokens))
+
+
+def takes_graphs(config: Config, device: torch.device, *, is_multimodal: bool) -> bool:
+    """Whether steps replay CUDA graphs: on CUDA, for text models (media
+    rows are spliced on the host), unless ``model.enforce_eager``."""
+    return device.type == "cuda" and not config.model.enforce_eager and not is_multimodal
+
+
+def warm_kernels(runner: ModelRunner, max_num_tokens: int) -> None:
+    """Compile every Triton kernel variant a step can launch before the
+    first request (each compile takes about a second: mid-serving it would
+    stall the whole batch). Variants depend on shapes only, so the set is
+    known: attention's split counts, each LoRA stack's tiling per row count."""
+    started = time.perf_counter()
+    backend = runner.model.model.layers[0].self_attn.backend
+    if hasattr(backend, "warm_up"):
+        backend.warm_up(runner.spec.num_heads, runner.spec.head_dim, runner.kv_caches[0])
+    if runner.lora is not None:
+        runner.lora.warm_up_kernels(max_num_tokens)
+    torch.cuda.synchronize(runner.device)
+    log.info("kernels compiled for up to %d tokens a step in %.1f s", max_num_tokens, time.perf_counter() - started)
+
+
+def capture_graphs(runner: ModelRunner, max_batch: int, max_tokens: int) -> None:
+    """Decode graphs of up to ``max_batch`` sequences, and mixed-step graphs
+    of up to ``max_tokens`` tokens where attention can capture them."""
+    runner.enable_step_graphs(max_batch, max_tokens if captures_varlen(runner) else 0)
+
+
+def captures_varlen(runner: ModelRunner) -> bool:
+    """Whether attention can run a mixed step inside a CUDA graph: the
+    Triton backend's varlen kernel can; the torch reference (no Triton, or
+    a head size the kernel does not take) reads the step on the host."""
+    try:
+        from mstar_actors.models.triton_attention import TritonPagedAttention, is_supported_head_dim
+    except ImportError:
+        return False
+    backend = runner.model.model.layers[0].self_attn.backend
+    if isinstance(backend, TritonPagedAttention) and is_supported_head_dim(runner.spec.head_dim):
+        return True
+    log.info("mixed-step graphs off: attention (%s, head_dim %d) has no capturable varlen kernel; "
+             "steps with prefill chunks run eagerly", type(backend).__name__, runner.spec.head_dim)
+    return False
