@@ -57,17 +57,16 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package
+from _common import Server, free_port, progress  # noqa: E402
+
 TOPICS = ["the ocean", "a city at night", "mountains", "old libraries", "trains", "the desert", "winter",
           "a busy market", "rivers", "the moon", "forests", "small islands", "bridges", "gardens", "storms",
           "lighthouses"]
@@ -140,10 +139,6 @@ class Result:
                 f" {differ}")
 
 
-def progress(text: str) -> None:
-    print(f"  .. {text}", file=sys.stderr, flush=True)
-
-
 def make_messages(num: int) -> list[list[dict]]:
     return [[{"role": "user", "content": f"Write a short poem about {TOPICS[i % len(TOPICS)]}."}] for i in range(num)]
 
@@ -210,60 +205,15 @@ class Generate:
 # ---- our server -------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``python -m mstar_actors serve`` on a config dict (written to ``tmp``);
-    ``Server.for_model`` builds the CPU config this benchmark serves."""
-
-    def __init__(self, config: dict, tmp: Path, log_level: str = "INFO"):
-        self.port = config["server"]["port"]
-        self.name = config["model"]["name"]
-        path = tmp / f"bench-{self.port}.yaml"
-        path.write_text(json.dumps(config))
-        self.log: list[str] = []
-        self.serving = threading.Event()
-        self.proc = subprocess.Popen([sys.executable, "-m", "mstar_actors", "serve", str(path), "--log-level", log_level],
-                                     cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    @classmethod
-    def for_model(cls, model_dir: Path, name: str, num_seqs: int, num_threads: int, tmp: Path) -> "Server":
-        return cls({
-            "model": {"path": str(model_dir), "name": name, "dtype": "float32", "device": "cpu"},
-            "scheduler": {"max_num_seqs": max(num_seqs, 8), "max_num_batched_tokens": 1024, "max_model_len": 2048},
-            "kv": {"block_size": 16, "num_blocks": 1024},
-            "parallel": {"worker_torch_threads": num_threads},
-            "server": {"host": "127.0.0.1", "port": free_port()},
-        }, tmp)
-
-    def _drain(self) -> None:
-        for line in self.proc.stderr:
-            self.log.append(line)
-            if f"serving {self.name} at http://" in line:
-                self.serving.set()
-        self.serving.set()
-
-    def wait(self) -> str:
-        self.serving.wait(600)
-        if self.proc.poll() is not None:
-            raise SystemExit(f"the server exited ({self.proc.returncode}):\n{''.join(self.log[-30:])}")
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def cpu_s(self) -> float:
-        """CPU time so far of the launcher and every actor process."""
-        import psutil
-
-        root = psutil.Process(self.proc.pid)
-        return sum(sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)])
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
+def for_model(model_dir: Path, name: str, num_seqs: int, num_threads: int, tmp: Path) -> Server:
+    """The CPU server this benchmark measures."""
+    return Server({
+        "model": {"path": str(model_dir), "name": name, "dtype": "float32", "device": "cpu"},
+        "scheduler": {"max_num_seqs": max(num_seqs, 8), "max_num_batched_tokens": 1024, "max_model_len": 2048},
+        "kv": {"block_size": 16, "num_blocks": 1024},
+        "parallel": {"worker_torch_threads": num_threads},
+        "server": {"host": "127.0.0.1", "port": free_port()},
+    }, tmp)
 
 
 async def one_request(session, url: str, model: str, messages: list[dict], max_tokens: int,
@@ -388,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                 url = args.url
             else:
                 progress("starting the server")
-                server = Server.for_model(model_dir, name, max(levels), args.threads, Path(tmp))
+                server = for_model(model_dir, name, max(levels), args.threads, Path(tmp))
                 url = server.wait()
             for w in workloads:
                 for c in levels:
