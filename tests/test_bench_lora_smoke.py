@@ -90,12 +90,13 @@ def test_smoke_shrinks_the_plan(kit_model):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_smoke_run_measures_every_scenario_and_makes_adapters_once(kit_model, tmp_path):
     from safetensors.torch import load_file
 
     cache, output = tmp_path / "cache", tmp_path / "table.txt"
     run = run_bench("--smoke", "--model", str(kit_model), "--cache-dir", str(cache), "--rank", "4",
-                    "--output", str(output))
+                    "--output", str(output), timeout=800)
     assert run.returncode == 0, run.stderr[-3000:]
     table = output.read_text()
     assert table.strip() in run.stdout

@@ -37,5 +37,5 @@ step lora_kernels $PY tools/check_lora_kernels.py --decode --output "$OUT/lora_d
 step gpu_step $PY tools/profile_gpu_step.py --no-profile ${TOKENIZER:+--tokenizer "$TOKENIZER"}
 step bench_lora $PY tools/bench_lora.py --model llama-3.2-1b-random --device cuda \
     ${TOKENIZER:+--tokenizer "$TOKENIZER"} --output "$OUT/bench_lora_table.txt"
-step bench_prepare $PY tools/bench_prepare.py
+step bench_prepare $PY tools/bench_prepare.py --output "$OUT/bench_prepare.md"
 exit $status
