@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package
-from _common import Server, free_port, progress  # noqa: E402
+from _common import Server, free_port, progress, write_output  # noqa: E402
 
 TOPICS = ["the ocean", "a city at night", "mountains", "old libraries", "trains", "the desert", "winter",
           "a busy market", "rivers", "the moon", "forests", "small islands", "bridges", "gardens", "storms",
@@ -271,7 +271,8 @@ async def run_server_load(url: str, model: str, workload: Workload, concurrency:
 # ---- main -------------------------------------------------------------------
 
 
-def report(workload: Workload, results: list[Result], batch: int) -> None:
+def report(workload: Workload, results: list[Result], batch: int) -> str:
+    """The workload's table and its ratios to ``generate``; answers that differ go to stderr."""
     seq, batched = results[0], results[1]
     if not workload.exact:
         for r in results[1:]:
@@ -279,17 +280,17 @@ def report(workload: Workload, results: list[Result], batch: int) -> None:
         seq.num_differ = 0
     mean = seq.num_tokens / len(workload.prompts)
     limit = f"exactly {workload.max_tokens}" if workload.exact else f"EOS or {workload.max_tokens}, mean {mean:.1f}"
-    print(f"\nworkload {workload.name}: {len(workload.prompts)} prompts, new tokens: {limit}")
-    print(f"{'system':<28} {'tokens':>7} {'wall s':>8} {'tok/s':>9} {'TTFT ms':>8} {'CPU ms/tok':>11} {'differ':>7}")
-    for r in results:
-        print(r.row())
+    lines = [f"\nworkload {workload.name}: {len(workload.prompts)} prompts, new tokens: {limit}",
+             f"{'system':<28} {'tokens':>7} {'wall s':>8} {'tok/s':>9} {'TTFT ms':>8} {'CPU ms/tok':>11} {'differ':>7}"]
+    lines += [r.row() for r in results]
     for r in results[2:]:
-        print(f"{r.name}: {r.tokens_per_s / seq.tokens_per_s:.2f}x generate sequential, "
-              f"{r.tokens_per_s / batched.tokens_per_s:.2f}x generate batch {batch}")
+        lines.append(f"{r.name}: {r.tokens_per_s / seq.tokens_per_s:.2f}x generate sequential, "
+                     f"{r.tokens_per_s / batched.tokens_per_s:.2f}x generate batch {batch}")
     for r in results[1:]:
         for i in sorted(i for i in seq.answers if r.answers[i] != seq.answers[i]):
             progress(f"{workload.name}: {r.name} differs on prompt {i} ({r.answers[i][1]} vs {seq.answers[i][1]} "
                      f"tokens): {r.answers[i][0][-80:]!r} vs {seq.answers[i][0][-80:]!r}")
+    return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -308,6 +309,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="natural: most new tokens per prompt, fewer at EOS (default 128)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="torch intra-op threads of generate and of the server's worker (default: the usable cores)")
+    p.add_argument("--output", default=None, help="write the tables to this file too")
     return p.parse_args(argv)
 
 
@@ -346,9 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server:
             server.stop()
-    for w in workloads:
-        report(w, results[w.name], args.batch)
+    tables = "\n".join(report(w, results[w.name], args.batch) for w in workloads)
+    print(tables)
     print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
+    write_output(tables, args.output)
     return 0
 
 
