@@ -52,7 +52,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools")]  # the engine, and the tools' sh
 
 from _common import Server, free_port, progress, write_output  # noqa: E402
 from _vl_common import (  # noqa: E402
-    SEED_TTFT_CLIP,
+    HEAVY_CLIP,
     Clip,
     context_for,
     jpeg_data_url,
@@ -528,7 +528,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="frame size of the clip (default 320x240)")
     parser.add_argument("--video-fps", type=float, default=2.0,
                         help="frames sampled per second of clip: the server's video_fps (default 2)")
-    parser.add_argument("--ttft-clip", type=parse_clip_or_none, default=SEED_TTFT_CLIP, metavar="WxHxSECONDS",
+    parser.add_argument("--ttft-clip", type=parse_clip_or_none, default=HEAVY_CLIP, metavar="WxHxSECONDS",
                         help="throughput rows and time to first token again with this clip (default 640x480x16: "
                              "32 frames, a draft of ~250-600 ms on one core by host; 'none' skips it)")
     parser.add_argument("--ttft-extra-clip", type=parse_clip, default=None, metavar="WxHxSECONDS",
