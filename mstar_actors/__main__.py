@@ -1,10 +1,12 @@
-"""The command line: ``python -m mstar_actors serve CONFIG`` and ``fetch NAME``."""
+"""The command line: ``python -m mstar_actors serve CONFIG``, ``fetch NAME`` and ``dump-stacks [RUN]``."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+
+from mstar_actors import dump_stacks
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -17,6 +19,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     fetch = commands.add_parser("fetch", help="fetch and convert an embedded model once")
     fetch.add_argument("name", help="an embedded model name, e.g. smollm2")
+    dump = commands.add_parser("dump-stacks", help="print every actor's thread and task stacks of a running server")
+    dump_stacks.add_arguments(dump)
     return parser
 
 
@@ -53,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     level = getattr(args, "log_level", "INFO")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s [launcher] %(name)s: %(message)s")
+    if args.command == "dump-stacks":
+        return dump_stacks.run(args)
     return _serve(args) if args.command == "serve" else _fetch(args)
 
 

@@ -1,18 +1,26 @@
-"""tools/dump_stacks against an actor process whose event loop is blocked."""
+"""tools/dump_stacks against an actor process whose event loop is blocked: as
+the installed ``mstar-actors dump-stacks`` command, and as the launcher run
+from a plain shell (no virtual environment on PATH) of a checkout with a .venv."""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from actors.base import Actor, ActorSpec, run_actor_process
 from mstar_actors import rundir
 from mstar_actors.config import Config
 
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "dump_stacks"
+ROOT = Path(__file__).resolve().parent.parent
+TOOL = ROOT / "tools" / "dump_stacks"
+PLAIN_PATH = "/usr/bin:/bin"
 
 
 class BlockedActor(Actor):
@@ -31,25 +39,80 @@ def blocking_call_in_handler():
     time.sleep(60)
 
 
-def test_dump_stacks_while_the_loop_is_blocked(tmp_path):
+@pytest.fixture(scope="module")
+def blocked_run(tmp_path_factory):
+    """A run directory listing one live actor blocked in its event loop."""
     print("seed: none (deterministic)")
+    run_dir = tmp_path_factory.mktemp("run")
     ctx = multiprocessing.get_context("spawn")
     started = ctx.Event()
-    spec = ActorSpec(name="blocked", config=Config(), run_dir=str(tmp_path), inbox={}, outbox={},
+    spec = ActorSpec(name="blocked", config=Config(), run_dir=str(run_dir), inbox={}, outbox={},
                      params={"started": started})
     proc = ctx.Process(target=run_actor_process, args=(f"{__name__}:BlockedActor", spec))
     proc.start()
     try:
         assert started.wait(60), "the test actor did not start"
-        rundir.write_actors(tmp_path, "test", {"blocked": proc.pid})
-        out = subprocess.run([sys.executable, str(TOOL), str(tmp_path), "--timeout", "20"],
-                             capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
-        text = out.stdout
-        assert "actor blocked thread MainThread" in text
-        assert "blocking_call_in_handler" in text  # the blocked main thread's frame
-        assert "actor blocked thread stack-dumper" in text
-        assert "actor blocked asyncio task" in text and "in run" in text  # the actor's task
+        rundir.write_actors(run_dir, "test", {"blocked": proc.pid})
+        yield run_dir
     finally:
         proc.kill()
         proc.join()
+
+
+def assert_stacks(out: subprocess.CompletedProcess) -> None:
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "actor blocked thread MainThread" in text
+    assert "blocking_call_in_handler" in text  # the blocked main thread's frame
+    assert "actor blocked thread stack-dumper" in text
+    assert "actor blocked asyncio task" in text and "in run" in text  # the actor's task
+
+
+def test_the_command_dumps_while_the_loop_is_blocked(blocked_run):
+    out = subprocess.run([sys.executable, "-m", "mstar_actors", "dump-stacks", str(blocked_run), "--timeout", "20"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert_stacks(out)
+
+
+@pytest.fixture
+def checkout_with_venv(tmp_path):
+    """A checkout as ``make install`` leaves it: the launcher, the package and
+    .venv (this test's own environment, which has the project's dependencies)."""
+    if sys.prefix == sys.base_prefix:
+        pytest.skip("the tests run outside a virtual environment: there is no .venv to find")
+    (tmp_path / "tools").mkdir()
+    shutil.copy(TOOL, tmp_path / "tools" / "dump_stacks")
+    for package in ("mstar_actors", "actors", "transport"):
+        (tmp_path / package).symlink_to(ROOT / package)
+    (tmp_path / ".venv").symlink_to(sys.prefix)
+    return tmp_path
+
+
+def test_the_launcher_finds_the_checkouts_venv_from_a_plain_shell(blocked_run, checkout_with_venv):
+    launcher = checkout_with_venv / "tools" / "dump_stacks"
+    out = subprocess.run(["env", "-i", f"PATH={PLAIN_PATH}", str(launcher), str(blocked_run), "--timeout", "20"],
+                         capture_output=True, text=True, timeout=60, cwd=checkout_with_venv)
+    assert_stacks(out)
+
+
+def test_the_launcher_uses_the_active_virtual_environment(blocked_run):
+    if sys.prefix == sys.base_prefix:
+        pytest.skip("the tests run outside a virtual environment")
+    out = subprocess.run(["env", "-i", f"PATH={PLAIN_PATH}", f"VIRTUAL_ENV={sys.prefix}", str(TOOL),
+                          str(blocked_run), "--timeout", "20"], capture_output=True, text=True, timeout=60)
+    assert_stacks(out)
+
+
+def test_without_an_environment_the_launcher_says_how_to_make_one(tmp_path):
+    """No .venv, no $VIRTUAL_ENV, an interpreter without the dependencies: one line saying what to do."""
+    python = shutil.which("python3", path=PLAIN_PATH)
+    probe = subprocess.run([python, "-c", "import psutil"], capture_output=True) if python else None
+    if probe is None or probe.returncode == 0:
+        pytest.skip("no python3 on the plain PATH lacks the dependencies")
+    (tmp_path / "tools").mkdir()
+    shutil.copy(TOOL, tmp_path / "tools" / "dump_stacks")
+    (tmp_path / "mstar_actors").symlink_to(ROOT / "mstar_actors")
+    out = subprocess.run(["env", "-i", f"PATH={PLAIN_PATH}", str(tmp_path / "tools" / "dump_stacks")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "make install" in out.stderr and "psutil" in out.stderr

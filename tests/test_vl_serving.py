@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
-import importlib.util
 import io
 import signal
 from pathlib import Path
@@ -21,18 +20,9 @@ import torch
 
 from test_launcher import Server, our_segments
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import vl_fixtures
+
 MAX_TOKENS = 8
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_prepare", ROOT / "tools" / "bench_prepare.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _bench()
 
 
 def png_url(seed: int, height: int = 16, width: int = 24) -> str:
@@ -72,7 +62,7 @@ TEXT_MESSAGES = [{"role": "user", "content": "describe this and this"}]
 
 @pytest.fixture(scope="module")
 def vl_dir(tmp_path_factory):
-    return bench.save_tiny_vl_model(tmp_path_factory.mktemp("vl") / "tiny-vl")
+    return vl_fixtures.save_tiny_vl_model(tmp_path_factory.mktemp("vl") / "tiny-vl")
 
 
 @pytest.fixture(scope="module")

@@ -39,8 +39,7 @@ the decoder (``all-linear``), random non-zero ``lora_B``; made once under
     python tools/bench_lora.py --model llama-3.2-1b-random --device cuda --dry-run   # plan + tiny check
     python tools/bench_lora.py --smoke --model DIR               # 2 requests per scenario, concurrency 1
 
-The table is printed at the end and written to ``--output`` (default
-``$OUT/bench_lora.txt`` when ``OUT`` is set).
+The table is printed at the end and written to ``--output PATH`` too.
 """
 
 from __future__ import annotations
@@ -59,8 +58,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package
-import bench_serve  # noqa: E402
-from bench_serve import free_port, make_messages, one_request, progress  # noqa: E402
+from _common import Server, free_port, progress, write_output  # noqa: E402
+from bench_serve import make_messages, one_request  # noqa: E402
 
 LLAMA_1B = "llama-3.2-1b-random"
 NUM_ADAPTERS = 4
@@ -373,18 +372,18 @@ async def check_models(url: str, expected: list[str]) -> None:
         raise SystemExit(f"the server lists models {listed}, expected {sorted(expected)}")
 
 
-def start_servers(plan: Plan, model_dir: Path, adapters: dict[str, Path], tmp: Path) -> dict[str, bench_serve.Server]:
+def start_servers(plan: Plan, model_dir: Path, adapters: dict[str, Path], tmp: Path) -> dict[str, Server]:
     """Every server the plan needs, started together (their start-ups overlap)."""
     servers = {}
     for key, spec in SERVERS.items():
         if any(s.server == key for s in plan.scenarios):
             progress(f"starting server {key} ({'no lora' if not spec.max_loras else f'max_loras {spec.max_loras}'})")
-            servers[key] = bench_serve.Server(server_config(plan, model_dir, spec, adapters, free_port()), tmp,
+            servers[key] = Server(server_config(plan, model_dir, spec, adapters, free_port()), tmp,
                                               log_level="DEBUG" if plan.server_logs else "INFO")
     return servers
 
 
-def ready_server(plan: Plan, key: str, server: bench_serve.Server, prompts: list) -> str:
+def ready_server(plan: Plan, key: str, server: Server, prompts: list) -> str:
     """Wait for one server, check what it serves, warm it up; its URL."""
     url = server.wait()
     models = [plan.served_name, *ADAPTER_NAMES[:SERVERS[key].num_adapters]]
@@ -486,13 +485,6 @@ def published_lines(results: list[Measurement], ref: dict[int, float]) -> list[s
     return lines
 
 
-def write_output(text: str, path: str | None) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(text + "\n")
-        progress(f"table written to {path}")
-
-
 # ---- arguments, dry run, main -----------------------------------------------------
 
 
@@ -514,7 +506,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=16, help="adapter rank (default 16)")
     p.add_argument("--prefix-caching", action="store_true", help="leave prefix caching on (default off)")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where models and adapters are made")
-    p.add_argument("--output", default=None, help="write the table here too (default $OUT/bench_lora.txt if set)")
+    p.add_argument("--output", type=Path, default=None, help="write the table here too")
     p.add_argument("--dry-run", action="store_true",
                    help="validate, print the plan, build a tiny model of the setup's shape and its adapters, "
                         "check them with the adapter reader; start no server")
@@ -610,7 +602,6 @@ def main(argv: list[str] | None = None) -> int:
     plan = make_plan(args)
     if args.dry_run:
         return dry_run(plan)
-    output = args.output or (str(Path(os.environ["OUT"]) / "bench_lora.txt") if os.environ.get("OUT") else None)
     header = [f"bench_lora {time.strftime('%Y-%m-%d %H:%M')}, cpu count {os.cpu_count()}", *plan.describe()]
     print("\n".join(header), flush=True)
     t0 = time.perf_counter()
@@ -620,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     header.append(f"model {model_dir}; whole run {time.perf_counter() - t0:.0f} s")
     text = format_table(plan, results, header)
     print("\n" + text, flush=True)
-    write_output(text, output)
+    write_output(text, args.output)
     return 0
 
 

@@ -57,17 +57,16 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package
+from _common import Server, free_port, progress, write_output  # noqa: E402
+
 TOPICS = ["the ocean", "a city at night", "mountains", "old libraries", "trains", "the desert", "winter",
           "a busy market", "rivers", "the moon", "forests", "small islands", "bridges", "gardens", "storms",
           "lighthouses"]
@@ -140,10 +139,6 @@ class Result:
                 f" {differ}")
 
 
-def progress(text: str) -> None:
-    print(f"  .. {text}", file=sys.stderr, flush=True)
-
-
 def make_messages(num: int) -> list[list[dict]]:
     return [[{"role": "user", "content": f"Write a short poem about {TOPICS[i % len(TOPICS)]}."}] for i in range(num)]
 
@@ -210,60 +205,15 @@ class Generate:
 # ---- our server -------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``python -m mstar_actors serve`` on a config dict (written to ``tmp``);
-    ``Server.for_model`` builds the CPU config this benchmark serves."""
-
-    def __init__(self, config: dict, tmp: Path, log_level: str = "INFO"):
-        self.port = config["server"]["port"]
-        self.name = config["model"]["name"]
-        path = tmp / f"bench-{self.port}.yaml"
-        path.write_text(json.dumps(config))
-        self.log: list[str] = []
-        self.serving = threading.Event()
-        self.proc = subprocess.Popen([sys.executable, "-m", "mstar_actors", "serve", str(path), "--log-level", log_level],
-                                     cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    @classmethod
-    def for_model(cls, model_dir: Path, name: str, num_seqs: int, num_threads: int, tmp: Path) -> "Server":
-        return cls({
-            "model": {"path": str(model_dir), "name": name, "dtype": "float32", "device": "cpu"},
-            "scheduler": {"max_num_seqs": max(num_seqs, 8), "max_num_batched_tokens": 1024, "max_model_len": 2048},
-            "kv": {"block_size": 16, "num_blocks": 1024},
-            "parallel": {"worker_torch_threads": num_threads},
-            "server": {"host": "127.0.0.1", "port": free_port()},
-        }, tmp)
-
-    def _drain(self) -> None:
-        for line in self.proc.stderr:
-            self.log.append(line)
-            if f"serving {self.name} at http://" in line:
-                self.serving.set()
-        self.serving.set()
-
-    def wait(self) -> str:
-        self.serving.wait(600)
-        if self.proc.poll() is not None:
-            raise SystemExit(f"the server exited ({self.proc.returncode}):\n{''.join(self.log[-30:])}")
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def cpu_s(self) -> float:
-        """CPU time so far of the launcher and every actor process."""
-        import psutil
-
-        root = psutil.Process(self.proc.pid)
-        return sum(sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)])
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
+def for_model(model_dir: Path, name: str, num_seqs: int, num_threads: int, tmp: Path) -> Server:
+    """The CPU server this benchmark measures."""
+    return Server({
+        "model": {"path": str(model_dir), "name": name, "dtype": "float32", "device": "cpu"},
+        "scheduler": {"max_num_seqs": max(num_seqs, 8), "max_num_batched_tokens": 1024, "max_model_len": 2048},
+        "kv": {"block_size": 16, "num_blocks": 1024},
+        "parallel": {"worker_torch_threads": num_threads},
+        "server": {"host": "127.0.0.1", "port": free_port()},
+    }, tmp)
 
 
 async def one_request(session, url: str, model: str, messages: list[dict], max_tokens: int,
@@ -321,7 +271,8 @@ async def run_server_load(url: str, model: str, workload: Workload, concurrency:
 # ---- main -------------------------------------------------------------------
 
 
-def report(workload: Workload, results: list[Result], batch: int) -> None:
+def report(workload: Workload, results: list[Result], batch: int) -> str:
+    """The workload's table and its ratios to ``generate``; answers that differ go to stderr."""
     seq, batched = results[0], results[1]
     if not workload.exact:
         for r in results[1:]:
@@ -329,17 +280,17 @@ def report(workload: Workload, results: list[Result], batch: int) -> None:
         seq.num_differ = 0
     mean = seq.num_tokens / len(workload.prompts)
     limit = f"exactly {workload.max_tokens}" if workload.exact else f"EOS or {workload.max_tokens}, mean {mean:.1f}"
-    print(f"\nworkload {workload.name}: {len(workload.prompts)} prompts, new tokens: {limit}")
-    print(f"{'system':<28} {'tokens':>7} {'wall s':>8} {'tok/s':>9} {'TTFT ms':>8} {'CPU ms/tok':>11} {'differ':>7}")
-    for r in results:
-        print(r.row())
+    lines = [f"\nworkload {workload.name}: {len(workload.prompts)} prompts, new tokens: {limit}",
+             f"{'system':<28} {'tokens':>7} {'wall s':>8} {'tok/s':>9} {'TTFT ms':>8} {'CPU ms/tok':>11} {'differ':>7}"]
+    lines += [r.row() for r in results]
     for r in results[2:]:
-        print(f"{r.name}: {r.tokens_per_s / seq.tokens_per_s:.2f}x generate sequential, "
-              f"{r.tokens_per_s / batched.tokens_per_s:.2f}x generate batch {batch}")
+        lines.append(f"{r.name}: {r.tokens_per_s / seq.tokens_per_s:.2f}x generate sequential, "
+                     f"{r.tokens_per_s / batched.tokens_per_s:.2f}x generate batch {batch}")
     for r in results[1:]:
         for i in sorted(i for i in seq.answers if r.answers[i] != seq.answers[i]):
             progress(f"{workload.name}: {r.name} differs on prompt {i} ({r.answers[i][1]} vs {seq.answers[i][1]} "
                      f"tokens): {r.answers[i][0][-80:]!r} vs {seq.answers[i][0][-80:]!r}")
+    return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -358,6 +309,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="natural: most new tokens per prompt, fewer at EOS (default 128)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="torch intra-op threads of generate and of the server's worker (default: the usable cores)")
+    p.add_argument("--output", default=None, help="write the tables to this file too")
     return p.parse_args(argv)
 
 
@@ -388,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                 url = args.url
             else:
                 progress("starting the server")
-                server = Server.for_model(model_dir, name, max(levels), args.threads, Path(tmp))
+                server = for_model(model_dir, name, max(levels), args.threads, Path(tmp))
                 url = server.wait()
             for w in workloads:
                 for c in levels:
@@ -396,9 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server:
             server.stop()
-    for w in workloads:
-        report(w, results[w.name], args.batch)
+    tables = "\n".join(report(w, results[w.name], args.batch) for w in workloads)
+    print(tables)
     print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
+    write_output(tables, args.output)
     return 0
 
 

@@ -38,16 +38,14 @@ import msgspec
 import psutil
 import zmq
 
-from transport import ChannelClosed, ChannelFull, cleanup_run, create_ring, open_ring
-from transport.ring import _footprint
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/ is not a package
+from _common import progress, write_output  # noqa: E402
+from transport import ChannelClosed, ChannelFull, cleanup_run, create_ring, open_ring  # noqa: E402
+from transport.ring import _footprint  # noqa: E402
 
 SPAWN = multiprocessing.get_context("spawn")
 SMALL, LARGE = 64, 1 << 20
 BUFFERED_BYTES = 8 << 20  # at most this much payload in flight, for every backend
-
-
-def progress(text: str) -> None:
-    print(f"  .. {text}", file=sys.stderr, flush=True)
 
 
 def max_buffered(size: int) -> int:
@@ -392,10 +390,13 @@ def format_table(rows: dict, idle_cpu_s: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tenth of the messages (smoke test)")
+    parser.add_argument("--output", default=None, help="write the table to this file too")
     args = parser.parse_args()
     print(f"machine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, pid {os.getpid()}", file=sys.stderr)
     rows, idle = run_all(0.1 if args.quick else 1.0)
-    print(format_table(rows, idle))
+    table = format_table(rows, idle)
+    print(table)
+    write_output(table, args.output)
 
 
 if __name__ == "__main__":

@@ -41,9 +41,7 @@ interpreter on the CPU, eagerly, to check the tool end to end.
     python tools/check_lora_kernels.py --rows-table              # GPU
     python tools/check_lora_kernels.py --rows-table --dry-run    # CPU, interpreter, seconds
 
-Writes ``$OUT/lora_kernels.json`` (``lora_decode.json`` with ``--decode``,
-``lora_rows_table.json`` with ``--rows-table``) when the OUT environment
-variable is set (or ``--json PATH``).
+``--output PATH`` also writes the rows as JSON.
 """
 
 from __future__ import annotations
@@ -225,7 +223,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None, help="default: $OUT/lora_kernels.json when OUT is set")
+    p.add_argument("--output", type=Path, default=None, help="write the rows as JSON here too")
     args = p.parse_args(argv)
     if args.decode or args.rows_table:
         return args
@@ -375,7 +373,7 @@ def decode_main(args) -> int:
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
     print(f"# decode  {env}  dtype={args.dtype}  max_loras={MAX_LORAS}  seed={args.seed}  calls per timing={args.calls}")
     print(DECODE_HEADER)
-    return run_rows(decode_configs(args), check_decode_one, format_decode_row, args, device, dtype, env, "lora_decode.json")
+    return run_rows(decode_configs(args), check_decode_one, format_decode_row, args, device, dtype, env)
 
 
 # ---------------------------------------------------------------- rows kernels, side by side
@@ -525,7 +523,7 @@ def rows_table_main(args) -> int:
     print_group_rows(triton_ops, rows, args, device)
     failed = sum(v is None for r in table for v in r["us"].values())
     print(f"# {len(table) * len(names or ()) - failed} variants passed, {failed} failed")
-    out = args.json or (Path(os.environ["OUT"]) / "lora_rows_table.json" if os.environ.get("OUT") else None)
+    out = args.output
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"env": env, "dtype": args.dtype, "calls": args.calls, "rows": table}, indent=1))
@@ -561,10 +559,10 @@ def print_group_rows(triton_ops, rows, args, device: str) -> None:
         figures.append(f"{num_rows}: {us:.1f}")
     print("# group_rows once a step, us (rows: us): " + ", ".join(figures))
 
-def run_rows(configs_, check, format_, args, device, dtype, env: dict, json_name: str) -> int:
+def run_rows(configs_, check, format_, args, device, dtype, env: dict) -> int:
     """Check and print each configuration's row (a failure is recorded, not
-    fatal), then write them all as JSON (``--json``, else ``$OUT/json_name``).
-    Exit status 1 if any row failed."""
+    fatal), then write them all as JSON to ``--output``. Exit status 1 if any
+    row failed."""
     rows = []
     for row, output_sizes in configs_:
         try:
@@ -576,7 +574,7 @@ def run_rows(configs_, check, format_, args, device, dtype, env: dict, json_name
         print(format_(row), flush=True)
     failed = [r for r in rows if r.error]
     print(f"# {len(rows) - len(failed)} passed, {len(failed)} failed")
-    out = args.json or (Path(os.environ["OUT"]) / json_name if os.environ.get("OUT") else None)
+    out = args.output
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"env": env, "dtype": args.dtype, "rows": [asdict(r) for r in rows]}, indent=1))
@@ -607,7 +605,7 @@ def main(argv=None) -> int:
         env["triton"] = None
     print(f"# {env}  dtype={args.dtype}  max_loras={MAX_LORAS}  seed={args.seed}")
     print(HEADER)
-    return run_rows(configs(args), check_one, format_row, args, device, dtype, env, "lora_kernels.json")
+    return run_rows(configs(args), check_one, format_row, args, device, dtype, env)
 
 
 if __name__ == "__main__":

@@ -33,9 +33,9 @@ step gpu_tests $PY -m pytest -q -m gpu -p no:cacheprovider \
     tests/lora/test_lora_triton_gpu.py tests/lora/test_lora_parity.py tests/models/test_runner.py tests/test_sampling.py \
     tests/models/test_decode_graphs.py tests/models/test_triton_attention.py tests/lora/test_lora_rows.py
 step attention_kernels $PY tools/check_attention_kernels.py
-step lora_kernels $PY tools/check_lora_kernels.py --decode
+step lora_kernels $PY tools/check_lora_kernels.py --decode --output "$OUT/lora_decode.json"
 step gpu_step $PY tools/profile_gpu_step.py --no-profile ${TOKENIZER:+--tokenizer "$TOKENIZER"}
 step bench_lora $PY tools/bench_lora.py --model llama-3.2-1b-random --device cuda \
     ${TOKENIZER:+--tokenizer "$TOKENIZER"} --output "$OUT/bench_lora_table.txt"
-step bench_prepare $PY tools/bench_prepare.py
+step bench_prepare $PY tools/bench_prepare.py --output "$OUT/bench_prepare.md"
 exit $status

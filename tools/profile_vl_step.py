@@ -3,7 +3,7 @@
     python tools/profile_vl_step.py --device cpu --clip 320x240x2      # here: seconds
     python tools/profile_vl_step.py --device cuda                       # the GPU host: the bench's heavy clip
 
-Builds the TTFT benchmark's tiny random Qwen2.5-VL (``bench_prepare``'s
+Builds the TTFT benchmark's tiny random Qwen2.5-VL (the tests'
 ``save_tiny_vl_model(real_patches=True)``: Qwen2.5-VL's 14 px patches and
 112 px windows, a tiny tower and text stack) and a clip (default the heavy
 one, 640x480, 8 s at 2 fps: 16 frames, ~3.1k prompt tokens, ~12.5k
@@ -36,10 +36,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]  # the engine, and the tools' shared modules
 
-import bench_prepare as bp  # noqa: E402
+from _vl_common import Clip, context_for, make_request, parse_clip  # noqa: E402
+
+from tests.vl_fixtures import save_tiny_vl_model  # noqa: E402
 
 
 class StageTimer:
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
-    parser.add_argument("--clip", type=bp._clip, default=(640, 480, 8.0), metavar="WxHxSECONDS",
+    parser.add_argument("--clip", type=parse_clip, default=(640, 480, 8.0), metavar="WxHxSECONDS",
                         help="the video (default 640x480x8, the bench's heavy clip; 320x240x2 is quick on a CPU)")
     parser.add_argument("--fps", type=float, default=2.0, help="frames sampled per second of clip")
     parser.add_argument("--requests", type=int, default=4, help="videos prefilled together in one step")
@@ -174,18 +175,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     width, height, seconds = args.clip
-    clip = bp.Clip(seconds, width, height, args.fps)
-    max_model_len = bp.context_for(clip)
+    clip = Clip(seconds, width, height, args.fps)
+    max_model_len = context_for(clip)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = bp.save_tiny_vl_model(Path(tmp) / "vl", real_patches=True, max_model_len=max_model_len)
-        limits = MediaLimits(max_bytes=50 << 20, video_fps=clip.fps, max_video_frames=max(64, clip.num_frames + 2),
-                             max_video_seconds=max(120.0, clip.seconds + 1))
+        folder = save_tiny_vl_model(Path(tmp) / "vl", real_patches=True, max_model_len=max_model_len)
+        limits = MediaLimits(max_bytes=50 << 20, **clip.server_limits())
         preparer = load_preparer(load_model_info(Config(model=ModelConfig(path=str(folder)))), limits)
-        url = bp.mp4_data_url(clip.seconds, width=clip.width, height=clip.height)
+        url = clip.data_url()
         drafts, draft_ms, arena = [], [], DictArena()
         for i in range(args.requests):
             start = time.perf_counter()
-            draft = preparer.draft(bp.make_request(f"v{i}", "video", url), {})
+            draft = preparer.draft(make_request(f"v{i}", "video", url), {})
             draft_ms.append(1e3 * (time.perf_counter() - start))
             drafts.append((draft, [arena.put(m.pixel_values) for m in draft.media]))
         num_prompt = len(drafts[0][0].prepared.prompt_token_ids)

@@ -1,15 +1,13 @@
 """The churn policy's swap limit: a drain and an install in flight both take
 a slot out of service, and at most half the slots are out at once, so the
 requests that arrive while one slot swaps still run on the others. Pure pool,
-no steps; then the policy benchmark (tools/sim_churn.py) as a regression check."""
+no steps; then the policy simulation (churn_sim.py) as a regression check."""
 
 from __future__ import annotations
 
+import churn_sim as sim
 import pytest
-from sim_churn_loader import load_sim_churn
 from test_lora_churn import Driver, churn_and_calm
-
-sim = load_sim_churn()
 
 
 class Pool(Driver):

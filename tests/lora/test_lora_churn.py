@@ -1,11 +1,11 @@
 """Adapter churn: the pool's drain policy (bounded waits, arrival order,
 resident adapters never held up for nothing), held host copies, and the
-policy benchmark (tools/sim_churn.py) as a regression check."""
+policy simulation (churn_sim.py) as a regression check."""
 
 from __future__ import annotations
 
+import churn_sim as sim
 import pytest
-from sim_churn_loader import load_sim_churn
 
 from mstar_actors.config import Config, LoraConfig, ModelConfig
 from mstar_actors.lora.pool import AdapterPool, Admit
@@ -21,8 +21,6 @@ from mstar_actors.messages import (
     SamplingParams,
     UnloadAdapter,
 )
-
-sim = load_sim_churn()
 
 
 class Driver:

@@ -440,22 +440,14 @@ def test_prefill_through_rows_equals_segments(runner, kernel, monkeypatch):
 
 
 def test_check_tool_decode_dry_run_validates_and_writes_json(tmp_path):
-    import importlib.util
     import json
-    import sys
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "tools" / "check_lora_kernels.py"
-    spec = importlib.util.spec_from_file_location("check_lora_kernels", path)
-    tool = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = tool  # dataclasses look their module up there
-    spec.loader.exec_module(tool)
     out = tmp_path / "decode.json"
-    assert tool.main(["--decode", "--dry-run", "--dtype", "float32", "--linears", "o", "--json", str(out)]) == 0
+    run = _run_check_tool("--decode", "--dry-run", "--dtype", "float32", "--linears", "o", "--output", str(out))
+    assert run.returncode == 0, run.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [(r["linear"], r["batch"], r["mix"]) for r in rows] == [("o", 1, "mixed4"), ("o", 8, "mixed4")]
     assert all(r["error"] is None and r["rel_error"] < 1e-4 and r["rows_us"] for r in rows)
-    assert tool.decode_slots("mixed4", 6, None) == [1, 2, 3, 4, 1, 2]
 
 
 @pytest.mark.parametrize("min_split_rows", [64, 16])
@@ -506,29 +498,28 @@ def test_warm_up_covers_the_expand_of_a_fused_stack(monkeypatch):
     assert sorted(v for _, v in picked) == sorted(serving) and all(n < triton_ops.MIN_SPLIT_ROWS for n, _ in picked)
 
 
-def _load_check_tool():
-    import importlib.util
+def _run_check_tool(*argv: str):
+    """``python tools/check_lora_kernels.py ARGV`` from the repository root, as a user runs it."""
+    import os
+    import subprocess
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "tools" / "check_lora_kernels.py"
-    spec = importlib.util.spec_from_file_location("check_lora_kernels", path)
-    tool = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = tool  # dataclasses look their module up there
-    spec.loader.exec_module(tool)
-    return tool
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run([sys.executable, str(root / "tools" / "check_lora_kernels.py"), *argv], cwd=root,
+                          env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=600)
 
 
 @interpreted
-def test_check_tool_rows_table_dry_run_checks_every_variant(tmp_path, capsys):
+def test_check_tool_rows_table_dry_run_checks_every_variant(tmp_path):
     """The device run's table, end to end on tiny linears in the interpreter."""
     import json
 
     out = tmp_path / "table.json"
-    argv = ["--rows-table", "--dry-run", "--linears", "o", "--rows", "16", "--mixes", "mixed4", "--json", str(out)]
-    assert _load_check_tool().main(argv) == 0
+    run = _run_check_tool("--rows-table", "--dry-run", "--linears", "o", "--rows", "16", "--mixes", "mixed4",
+                          "--output", str(out))
+    assert run.returncode == 0, run.stderr
     table = json.loads(out.read_text())["rows"]
     assert [(r["linear"], r["rows"], r["mix"]) for r in table] == [("o", 16, "mixed4")]
     assert set(table[0]["us"]) >= {"bgmv", "split", "sk*2"} and all(v is not None for r in table for v in r["us"].values())
-    printed = capsys.readouterr().out
-    assert "sum        16 mixed4" in printed and "group_rows once a step" in printed
+    assert "sum        16 mixed4" in run.stdout and "group_rows once a step" in run.stdout

@@ -257,16 +257,8 @@ def test_shrink_expand_matches_reference(triton_ops, linear, num_rows, dtype):
 @pytest.mark.parametrize("num_rows", [32, 128])
 @pytest.mark.parametrize("linear", ["qkv", "down"])
 def test_shrink_expand_blocks_of_the_check_tool(triton_ops, linear, num_rows):
-    """Every variant the check tool times is right before it is timed (here at the real shapes)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "tools" / "check_lora_kernels.py"
-    spec = importlib.util.spec_from_file_location("check_lora_kernels", path)
-    tool = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = tool
-    spec.loader.exec_module(tool)
+    """Every variant the check tool (tools/check_lora_kernels.py --rows-table) times is right before it is
+    timed, here at the real shapes: bgmv, and shrink-expand at its default blocks and their neighbours."""
     rng, gen = random.Random(num_rows), torch.Generator().manual_seed(num_rows)
     in_features, output_sizes = _LLAMA_1B[linear]
     stack = _mixed_rank_stack(gen, in_features, output_sizes)
@@ -275,6 +267,14 @@ def test_shrink_expand_blocks_of_the_check_tool(triton_ops, linear, num_rows):
     groups = triton_ops.group_rows(slots, stack.num_slots)
     x = torch.randn(num_rows, in_features, generator=gen).bfloat16().cuda()
     want = _reference(stack, x, build_segments(slots.tolist()))
-    for name, fn in tool.rows_variants(triton_ops, stack, num_rows, 132).items():
+    num_shards, _, _, k = stack.a.shape
+    bm, bk, sk, bn, tiles = triton_ops._split_blocks(num_rows, num_shards, k, max(stack.output_sizes), 132)
+    neighbours = [(bm, bk, sk, bn, tiles), (bm, bk, sk, 64, tiles), (bm, bk, sk, 256, tiles),
+                  (bm, bk, max(1, sk // 2), bn, tiles), (bm, bk, sk * 2, bn, tiles), (bm, 128, sk, bn, tiles),
+                  (bm, bk, sk, bn, 2)]
+    variants = {"bgmv": lambda y: triton_ops.bgmv_rows(stack, y, x, slots)}
+    variants |= {f"split {b}": lambda y, b=b: triton_ops.shrink_expand_rows(stack, y, x, groups, blocks=b)
+                 for b in neighbours}
+    for name, fn in variants.items():
         y = torch.zeros(num_rows, stack.offsets[-1], dtype=torch.bfloat16, device="cuda")
-        assert _rel(fn(y, x, slots, groups), want) < 1e-2, name
+        assert _rel(fn(y), want) < 1e-2, name

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import importlib.util
 import io
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,29 +27,18 @@ from mstar_actors.messages import (
     Shutdown,
 )
 from mstar_actors.preprocess import Draft, Preparer, QwenVLPreparer, load_preparer
+from tests import vl_fixtures
 from transport.memory import MemoryChannel
-
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_prepare.py"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_prepare", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _bench()
 
 
 @pytest.fixture(scope="module")
 def vl_folder(tmp_path_factory):
-    return bench.save_vl_prepare_folder(tmp_path_factory.mktemp("vl"), max_pixels=28 * 28 * 64)
+    return vl_fixtures.save_vl_prepare_folder(tmp_path_factory.mktemp("vl"), max_pixels=28 * 28 * 64)
 
 
 @pytest.fixture(scope="module")
 def preparer(vl_folder):
-    return load_preparer(bench.vl_prepare_info(vl_folder), MediaLimits(video_fps=2.0))
+    return load_preparer(vl_fixtures.vl_prepare_info(vl_folder), MediaLimits(video_fps=2.0))
 
 
 def png_url(array: np.ndarray) -> str:
@@ -105,7 +92,7 @@ def test_image_placeholders_expand_to_the_processor_grid(preparer):
     assert item.num_tokens == t * h * w // 4 and item.pixel_values.shape == (t * h * w, 3 * 2 * 14 * 14)
     ids = draft.prepared.prompt_token_ids
     span = ids[item.token_offset:item.token_offset + item.num_tokens]
-    assert span == [bench.IMAGE_TOKEN] * item.num_tokens and ids.count(bench.IMAGE_TOKEN) == item.num_tokens
+    assert span == [vl_fixtures.IMAGE_TOKEN] * item.num_tokens and ids.count(vl_fixtures.IMAGE_TOKEN) == item.num_tokens
     assert ids[item.token_offset - 1] == 7 and ids[item.token_offset + item.num_tokens] == 8  # vision start/end
 
 
@@ -121,7 +108,7 @@ def test_video_rows_match_the_image_layout_for_a_still_clip(preparer):
     assert item.grid_thw == image.grid_thw
     video_rows = _normalize(item.pixel_values, preparer.image_processor)
     assert (video_rows - image.pixel_values).abs().mean() < 0.1  # codec noise only
-    assert draft.prepared.prompt_token_ids.count(bench.VIDEO_TOKEN) == item.num_tokens
+    assert draft.prepared.prompt_token_ids.count(vl_fixtures.VIDEO_TOKEN) == item.num_tokens
 
 
 def test_video_patch_layout_equals_the_image_processor_for_repeated_frames(preparer):
@@ -202,7 +189,7 @@ def test_text_only_request_takes_the_plain_path(preparer):
 
 
 async def test_actor_sends_media_through_the_arena_in_order(preparer):
-    arena = bench.HeapArena()
+    arena = vl_fixtures.HeapArena()
     inbox = MemoryChannel(FrontendToPrepare, "frontend.prepare", capacity_bytes=1 << 22)
     out = MemoryChannel(PrepareToConductor, "prepare.conductor")
     actor = PrepareActor(name="prepare", config=Config(), inbox={"frontend": inbox}, outbox={"conductor": out},

@@ -1,5 +1,7 @@
-"""Adapter-churn policy benchmark: the real ``AdapterPool`` and ``Scheduler``
-driven by synthetic clients, with time counted in engine steps.
+"""Adapter-churn policy simulation: the engine's own ``AdapterPool`` and
+``Scheduler`` driven by synthetic clients, with time counted in engine steps.
+The churn tests run it as a regression check; run as a script it prints the
+policy's table.
 
 The scenario is ``tools/bench_lora.py``'s churn: ``--concurrency`` clients
 share one queue of requests, request ``i`` asks adapter ``i % num_adapters``
@@ -20,9 +22,9 @@ Measured per concurrency, against the same run with every adapter resident
 (retention of the policy alone, with no device cost), time to first token
 in steps (p50 / p90 / max), and the number of installs and reads.
 
-    python tools/sim_churn.py                      # 3 adapters over 2 slots, c = 1, 8, 32, 64
-    python tools/sim_churn.py --waves 3            # as many requests as bench_lora sends
-    python tools/sim_churn.py --install-steps 8 --concurrency 8,32
+    PYTHONPATH=. python tests/lora/churn_sim.py                  # 3 adapters over 2 slots, c = 1, 8, 32, 64
+    PYTHONPATH=. python tests/lora/churn_sim.py --waves 3        # as many requests as bench_lora sends
+    PYTHONPATH=. python tests/lora/churn_sim.py --install-steps 8 --concurrency 8,32
 
 Every row started on an adapter slot is checked: the slot is acknowledged
 and holds that request's adapter (``SimError`` otherwise), and every host

@@ -1,0 +1,89 @@
+"""What the serving benchmarks share: a served engine started from a config
+dict, free ports, progress lines and the ``--output`` file."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+READY_TIMEOUT_S = 600
+READY_POLL_S = 0.2  # the server is another process: polling /health is the only way to see it ready
+
+
+def progress(text: str, end: str = "\n") -> None:
+    """A line on stderr, so stdout keeps only the tables."""
+    print(f"# {text}" if text else "", end=end, file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_output(text: str, path: Path | str | None, *, append: bool = False) -> None:
+    """The tables into ``--output`` too (nothing without one)."""
+    if not path:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a" if append else "w") as f:
+        f.write(text + "\n")
+
+
+class Server:
+    """``python -m mstar_actors serve`` on a config dict (written to ``tmp``),
+    ready once ``GET /health`` answers 200. Its stderr is kept in ``log``
+    (saved by ``--server-logs``, never parsed)."""
+
+    def __init__(self, config: dict, tmp: Path, log_level: str = "INFO", env: dict | None = None):
+        self.port = config["server"]["port"]
+        self.name = config["model"]["name"]
+        path = tmp / f"bench-{self.port}.yaml"
+        path.write_text(json.dumps(config))
+        self.log: list[str] = []
+        pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mstar_actors", "serve", str(path), "--log-level", log_level], cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=pythonpath, **(env or {})), stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, text=True)
+        threading.Thread(target=self.log.extend, args=(self.proc.stderr,), daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def wait(self) -> str:
+        """The server's /v1 URL once it is ready (SystemExit with its log's tail if it exits first)."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the server exited ({self.proc.returncode}):\n{''.join(self.log[-30:])}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return self.url
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(READY_POLL_S)
+        raise SystemExit(f"the server was not ready within {READY_TIMEOUT_S} s:\n{''.join(self.log[-30:])}")
+
+    def cpu_s(self) -> float:
+        """CPU time so far of the launcher and every actor process."""
+        import psutil
+
+        root = psutil.Process(self.proc.pid)
+        return sum(sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)])
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
