@@ -139,7 +139,7 @@ class AdapterReaderActor(Actor):
         import os
 
         from mstar_actors.lora import read_adapter
-        from mstar_actors.lora.pool import expand_path
+        from mstar_actors.lora.adapter_pool import expand_path
 
         if path in {expand_path(p) for p in self.config.lora.adapters.values()}:
             return read_adapter

@@ -22,7 +22,7 @@ The busy loop, each turn:
 The plan goes out as ``schedule()`` returns it: the scheduler is its only
 author (KV blocks, LoRA slots, media orders); the conductor routes and steps.
 
-LoRA: ``AdapterPool`` (``mstar_actors.lora.pool``) decides which request
+LoRA: ``AdapterPool`` (``mstar_actors.lora.adapter_pool``) decides which request
 waits for which adapter and which slot installs go out; the actor only routes
 what it returns. Requests reach the scheduler only once their slot is
 acknowledged by every rank, and with it (``Admit.slot``); installs travel on
@@ -50,7 +50,7 @@ from typing import Any
 import msgspec
 
 from actors.base import Actor
-from mstar_actors.lora.pool import AdapterPool, Admit
+from mstar_actors.lora.adapter_pool import AdapterPool, Admit
 from mstar_actors.messages import (
     Abort,
     AdapterInstalled,
@@ -131,7 +131,7 @@ class ConductorActor(Actor):
     def __init__(self, *, num_ranks: int | None = None, **kw: Any):
         super().__init__(**kw)
         self.num_ranks = num_ranks or self.config.parallel.tp
-        self.pool = AdapterPool.from_config(self.config, self.info.served_name, self.num_ranks)
+        self.adapter_pool = AdapterPool.from_config(self.config, self.info.served_name, self.num_ranks)
         self.scheduler: Any = None
         self.step_results: dict[int, StepDone | StepFailed] | None = None  # set while a step runs
         self.last_stats: Any = None
@@ -168,7 +168,7 @@ class ConductorActor(Actor):
                 await self.dispatch(*await self.mailbox.get())  # park until something arrives
                 await self.send_stats()  # an abort or arrival while idle changes the gauges
                 continue
-            self.pool.step()
+            self.adapter_pool.step()
             await self.outbox["workers"].send(plan)  # 2
             results = await self.await_step(plan)  # 3
             await self.finish_step(plan, results)  # 4
@@ -211,23 +211,23 @@ class ConductorActor(Actor):
         match msg:
             case Prepared():
                 self.scheduler.receive(msg)  # it owns the media from here, admitted or not
-                await self.route(self.pool.add(msg))
+                await self.route(self.adapter_pool.add(msg))
             case Abort(request_id=request_id):
-                await self.route(self.pool.abort(request_id))  # a request still waiting for its adapter
+                await self.route(self.adapter_pool.abort(request_id))  # a request still waiting for its adapter
                 await self.send_outputs(self.scheduler.abort(request_id))
             case Failed() if channel == "prepare":
                 await self.outbox["frontend"].send(msg)
             case LoadAdapter() if channel == "prepare":
-                await self.route(self.pool.load(msg))
+                await self.route(self.adapter_pool.load(msg))
             case UnloadAdapter() if channel == "prepare":
-                await self.route(self.pool.unload(msg))
+                await self.route(self.adapter_pool.unload(msg))
             case AdapterRead() if channel == "adapter_reader":
-                await self.route(self.pool.on_read(msg))
+                await self.route(self.adapter_pool.on_read(msg))
             case AdapterReadFailed() if channel == "adapter_reader":
-                await self.route(self.pool.on_read_failed(msg))
+                await self.route(self.adapter_pool.on_read_failed(msg))
             case AdapterInstalled() if channel.startswith("worker"):
                 self.log.debug("rank %d: slot %d %s", msg.rank, msg.slot, "installed" if msg.ok else "failed")
-                await self.route(self.pool.on_installed(msg))
+                await self.route(self.adapter_pool.on_installed(msg))
             case StepDone() | StepFailed() if channel.startswith("worker"):
                 self.record_result(channel, msg)
             case _:
@@ -262,11 +262,11 @@ class ConductorActor(Actor):
         for out in outputs:
             await self.outbox["frontend"].send(out)
             if isinstance(out, Finished | Failed):
-                await self.route(self.pool.end(out.request_id))
+                await self.route(self.adapter_pool.end(out.request_id))
 
     async def send_stats(self) -> None:
         stats = self.scheduler.stats()
-        num_held = self.pool.num_waiting
+        num_held = self.adapter_pool.num_waiting
         if num_held:
             stats = msgspec.structs.replace(stats, num_waiting=stats.num_waiting + num_held,
                                             num_waiting_for_adapter=num_held)

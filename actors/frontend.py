@@ -41,7 +41,7 @@ import msgspec
 from aiohttp import web
 
 from actors.base import CONTROL, Actor
-from mstar_actors import openai_api as api
+from mstar_actors.frontend import openai_api as api
 from mstar_actors.messages import (
     Abort,
     AdapterUpdate,
@@ -57,8 +57,8 @@ from mstar_actors.messages import (
     UnloadAdapter,
     choice_ids,
 )
-from mstar_actors.metrics import Metrics
-from mstar_actors.openai_api import ApiError, ChoiceOutput, ParsedRequest
+from mstar_actors.frontend.metrics import Metrics
+from mstar_actors.frontend.openai_api import ApiError, ChoiceOutput, ParsedRequest
 from transport.errors import ChannelFull
 
 _json = msgspec.json.Encoder()
@@ -139,11 +139,11 @@ class FrontendActor(Actor):
     # ---- lifecycle ------------------------------------------------------
 
     async def start(self) -> None:
-        from mstar_actors.media import keep_freed_buffers
+        from mstar_actors.prepare.media import keep_freed_buffers
 
         keep_freed_buffers()  # request bodies of megabytes, one after another: see there
 
-        from mstar_actors.lora.pool import expand_path
+        from mstar_actors.lora.adapter_pool import expand_path
 
         # name -> path; the conductor's ModelsChanged replaces it after each runtime load / unload
         self.adapters = {n: expand_path(p) for n, p in self.config.lora.adapters.items()}
@@ -297,7 +297,7 @@ class FrontendActor(Actor):
         return web.Response(text=update.message)
 
     def _runtime_path(self, body: dict) -> str:
-        from mstar_actors.lora.pool import AdapterPathError, resolve_runtime_path
+        from mstar_actors.lora.adapter_pool import AdapterPathError, resolve_runtime_path
 
         path = api.get_str(body, "lora_path", None)
         if not path:

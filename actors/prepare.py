@@ -1,7 +1,7 @@
 """The prepare actor: client requests in, model inputs out, in arrival order.
 
 The model-specific work (chat template, tokens, media decode, the processor)
-is a preparer from ``mstar_actors.preprocess``, chosen by the architecture;
+is a preparer from ``mstar_actors.prepare.preparers``, chosen by the architecture;
 ``draft(req, fetched) -> Draft | Failed`` is its one entry point. This file
 only schedules it.
 
@@ -64,11 +64,11 @@ from pathlib import Path
 from typing import Any
 
 from actors.base import Actor, Mailbox
-from mstar_actors.cpu_plan import CpuPlan, resolve_prepare_workers
-from mstar_actors.media import FetchError, MediaError, MediaLimits, collect_media, fetch_remote, make_fetch_session
+from mstar_actors.prepare.cpu_plan import CpuPlan, resolve_prepare_workers
+from mstar_actors.prepare.media import FetchError, MediaError, MediaLimits, collect_media, fetch_remote, make_fetch_session
 from mstar_actors.messages import Abort, Failed, LoadAdapter, NewRequest, Prepared, UnloadAdapter
 from mstar_actors.prepare import PendingRequest, PendingRequests
-from mstar_actors.preprocess import Draft, Preparer, failed, load_preparer, with_media
+from mstar_actors.prepare.preparers import Draft, Preparer, failed, load_preparer, with_media
 
 __all__ = ["PrepareActor", "Preparer", "load_preparer"]
 
@@ -92,7 +92,7 @@ class PrepareActor(Actor):
         self.arena_spec = arena_spec
         self.num_workers = num_workers
         self.limits = MediaLimits.from_config(self.config.server)
-        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.threads: concurrent.futures.ThreadPoolExecutor | None = None
         self.pending = PendingRequests(max_preparing=1, max_unreleased=1)  # sized with the pool in start
         self._tasks: dict[PendingRequest, asyncio.Task] = {}  # preparing, abandoned ones included
         self._changed = asyncio.Event()  # a preparation ended
@@ -103,7 +103,7 @@ class PrepareActor(Actor):
     async def start(self) -> None:
         import torch
 
-        from mstar_actors.media import KEPT_BYTES_PER_DRAFT, keep_freed_buffers
+        from mstar_actors.prepare.media import KEPT_BYTES_PER_DRAFT, keep_freed_buffers
 
         # Drafts make and drop tens of MB each (a 640x480 16 s clip: ~100 MB of fresh pages
         # per draft); kept, they are reused without page faults, and four pool threads no
@@ -128,7 +128,7 @@ class PrepareActor(Actor):
             if self.config.prepare.pin_pool_threads:
                 allowed = sorted(os.sched_getaffinity(0))
                 cpus = self._cpu_plan().pool_cpus(allowed, self.num_workers, threads, read_cpu_cores(allowed))
-            self.pool = concurrent.futures.ThreadPoolExecutor(self.num_workers, thread_name_prefix="prepare",
+            self.threads = concurrent.futures.ThreadPoolExecutor(self.num_workers, thread_name_prefix="prepare",
                                                               initializer=self._init_pool_thread,
                                                               initargs=(threads, cpus, itertools.count()))
             # Each thread's draft keeps its freed buffers for the next (one heap, see there).
@@ -167,8 +167,8 @@ class PrepareActor(Actor):
     async def stop(self) -> None:
         for task in list(self._tasks.values()):
             task.cancel()
-        if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.threads is not None:
+            self.threads.shutdown(wait=False, cancel_futures=True)
         if self._http is not None:
             await self._http.close()
 
@@ -176,7 +176,7 @@ class PrepareActor(Actor):
 
     async def handle(self, channel: str, msg: Any) -> None:
         match msg:
-            case NewRequest() if self.pool is not None:
+            case NewRequest() if self.threads is not None:
                 self._start(msg)
             case NewRequest():  # inline: never in the release order
                 await self._send_result(msg, await self._prepare(PendingRequest(msg)))
@@ -190,7 +190,7 @@ class PrepareActor(Actor):
     # ---- pool path ------------------------------------------------------------
 
     async def serve(self) -> None:
-        if self.pool is None:
+        if self.threads is None:
             return await super().serve()
         reading: asyncio.Task | None = None
         try:
@@ -245,11 +245,11 @@ class PrepareActor(Actor):
         req = pending.req
         try:
             fetched = await self._fetch(req)
-            if self.pool is None:
+            if self.threads is None:
                 return self._draft(pending, fetched)
             self.pending.hand_over(pending)
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.pool, self._draft, pending, fetched)
+            return await loop.run_in_executor(self.threads, self._draft, pending, fetched)
         except MediaError as err:
             return failed(req, str(err), err.param)
         except asyncio.CancelledError:

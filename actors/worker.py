@@ -118,13 +118,13 @@ class WorkerActor(Actor):
         self.rank = rank
         self.runner = runner  # tests may inject one; otherwise built in start()
         self.arena_spec = arena_spec  # the media arena, read as consumer ``rank``
-        self.media: Any = None  # MediaCopies when there is an arena (see mstar_actors.media_copies)
+        self.media: Any = None  # MediaCopies when there is an arena (see mstar_actors.runner.media_copies)
         # Bounded by the protocol: at most one install per slot is ever outstanding.
         self.installs: asyncio.Queue[InstallAdapter] = asyncio.Queue(maxsize=max(1, self.config.lora.max_loras))
 
     async def start(self) -> None:
         if self.arena_spec is not None:
-            from mstar_actors.media_copies import MediaCopies
+            from mstar_actors.runner.media_copies import MediaCopies
             from transport.arena import ArenaSpec, TensorArena
 
             spec = ArenaSpec(**self.arena_spec) if isinstance(self.arena_spec, dict) else self.arena_spec

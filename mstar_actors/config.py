@@ -95,7 +95,7 @@ class ServerConfig(msgspec.Struct, **_STRICT):
     max_body_bytes: Pos = 4 * 1024 * 1024
     max_waiting_requests: Pos = 1024
     allowed_media_dir: str | None = None
-    # http(s) media may reach only public addresses (mstar_actors.media_guard).
+    # http(s) media may reach only public addresses (mstar_actors.prepare.media_guard).
     # allowed_media_domains (vLLM's name): when it lists host names, only
     # those may be fetched. allow_private_media_addresses: loopback, private
     # and this host's addresses too (a media server on the operator's network).

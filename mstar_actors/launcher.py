@@ -367,7 +367,7 @@ def validate_adapters(config: Config, info: ModelInfo) -> None:
     """Read and validate every configured adapter against the base model, before
     anything is spawned. Raises AdapterError naming the first bad one and why."""
     from mstar_actors.lora import AdapterError, read_adapter
-    from mstar_actors.lora.pool import expand_path
+    from mstar_actors.lora.adapter_pool import expand_path
 
     if not config.lora.adapters:
         return

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import torch
 
-from mstar_actors.media_copies import MediaCopies
+from mstar_actors.runner.media_copies import MediaCopies
 from mstar_actors.messages import MediaItem, Prepared, SampledToken, SamplingParams, StepDone, StepPlan
 from mstar_actors.sched import Scheduler
 from transport import shm

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mstar_actors import messages
-from mstar_actors.sampling import (
+from mstar_actors.runner.sampling import (
     MIN_LOGPROB,
     SampleRow,
     apply_min_p,

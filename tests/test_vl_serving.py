@@ -83,9 +83,9 @@ def _hf_and_preparer(vl_dir: Path):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from mstar_actors.config import Config, ModelConfig
-    from mstar_actors.media import MediaLimits
+    from mstar_actors.prepare.media import MediaLimits
     from mstar_actors.model_info import load_model_info
-    from mstar_actors.preprocess import load_preparer
+    from mstar_actors.prepare.preparers import load_preparer
 
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(vl_dir), dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None

@@ -205,7 +205,7 @@ def pool_pins(num_threads: int) -> list[list[int]] | None:
     """The CPUs the prepare pool would pin ``num_threads`` threads to in a
     one-GPU server on this host (``CpuPlan.pool_cpus``), or None."""
     from actors.prepare import read_cpu_cores
-    from mstar_actors.cpu_plan import CpuPlan
+    from mstar_actors.prepare.cpu_plan import CpuPlan
 
     allowed = sorted(os.sched_getaffinity(0))
     return CpuPlan(num_cpus=len(allowed), num_ranks=1).pool_cpus(allowed, num_threads, 1, read_cpu_cores(allowed))
@@ -548,8 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(args.output)
     import torch
 
-    from mstar_actors.media import KEPT_BYTES_PER_DRAFT, MediaLimits, keep_freed_buffers
-    from mstar_actors.preprocess import load_preparer
+    from mstar_actors.prepare.media import KEPT_BYTES_PER_DRAFT, MediaLimits, keep_freed_buffers
+    from mstar_actors.prepare.preparers import load_preparer
 
     torch.set_num_threads(args.torch_threads)
     keep_freed_buffers(max_kept=KEPT_BYTES_PER_DRAFT * max(4, *args.workers))  # as the prepare actor does

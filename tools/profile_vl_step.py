@@ -107,7 +107,7 @@ def instrument(runner, copies, timer: StageTimer) -> None:
 def make_plan(step_id: int, drafts, block_size: int, previous: list[str], ledger):
     """``ledger`` (the scheduler's ``MediaLedger``) orders the rank's media copies."""
     from mstar_actors import messages
-    from mstar_actors.preprocess import with_media
+    from mstar_actors.prepare.preparers import with_media
 
     for rid in previous:
         ledger.end(rid)
@@ -164,13 +164,13 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from mstar_actors.config import Config, ModelConfig
-    from mstar_actors.media import MediaLimits
-    from mstar_actors.media_copies import MediaCopies
+    from mstar_actors.prepare.media import MediaLimits
+    from mstar_actors.runner.media_copies import MediaCopies
     from mstar_actors.config import parse_config
     from mstar_actors.model_info import load_model_info
     from mstar_actors.runner.build import build_runner
     from mstar_actors.sched.media import MediaLedger
-    from mstar_actors.preprocess import load_preparer
+    from mstar_actors.prepare.preparers import load_preparer
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -215,7 +215,7 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
 
 def build(model_dir: Path, spec: ModelSpec, backend: PagedAttention) -> Qwen2_5_VLForConditionalGeneration:
     """The loader's constructor for this architecture (reads the vision fields of config.json)."""
-    from mstar_actors.preprocess import load_image_processor  # the preparer's constants, from the same folder
+    from mstar_actors.prepare.preparers import load_image_processor  # the preparer's constants, from the same folder
 
     cfg = read_config(model_dir)
     where = str(Path(model_dir) / "config.json")

@@ -36,7 +36,7 @@ from mstar_actors.models.media_inputs import MediaInputs, TensorResolver
 from mstar_actors.models.spec import ModelSpec
 from mstar_actors.runner.device import resolve_device, resolve_dtype
 from mstar_actors.runner.model_runner import KvCache, ModelRunner, Sampler
-from mstar_actors.sampling import sample_tokens
+from mstar_actors.runner.sampling import sample_tokens
 
 log = logging.getLogger(__name__)
 

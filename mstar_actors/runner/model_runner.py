@@ -47,7 +47,7 @@ from mstar_actors.models.attention import AttentionMetadata
 from mstar_actors.models.lora_layers import LoraLayers
 from mstar_actors.models.media_inputs import MediaInputs
 from mstar_actors.runner.step_graphs import DecodeGraphs, MixedGraphs
-from mstar_actors.sampling import SampleRow, sample_tokens
+from mstar_actors.runner.sampling import SampleRow, sample_tokens
 
 Sampler = Callable[..., list[messages.SampledToken]]
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from mstar_actors import openai_api as api
+from mstar_actors.frontend import openai_api as api
 from mstar_actors.messages import SamplingParams, choice_ids
 from mstar_actors.sched.scheduler import choice_sampling
 

@@ -21,7 +21,7 @@ from test_lora_serving import Served, error  # noqa: E402
 
 from mstar_actors.lora import AdapterError, read_adapter  # noqa: E402
 from mstar_actors.lora.adapter_file import CONFIG_FILE, WEIGHTS_FILE, AdapterFileOutside  # noqa: E402
-from mstar_actors.lora.pool import resolve_runtime_path  # noqa: E402
+from mstar_actors.lora.adapter_pool import resolve_runtime_path  # noqa: E402
 from mstar_actors.messages import AdapterRead, AdapterReadFailed, ReadAdapter  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)

@@ -21,8 +21,8 @@ from aiohttp import web
 
 from actors.prepare import PrepareActor
 from mstar_actors.config import parse_config
-from mstar_actors.media import FetchError, FetchSession, MediaLimits, MediaRef, fetch_remote, make_fetch_session
-from mstar_actors.media_guard import FetchPolicy, GuardedResolver, address_refusal
+from mstar_actors.prepare.media import FetchError, FetchSession, MediaLimits, MediaRef, fetch_remote, make_fetch_session
+from mstar_actors.prepare.media_guard import FetchPolicy, GuardedResolver, address_refusal
 from mstar_actors.messages import (
     ChatMessage,
     ContentPart,
@@ -34,7 +34,7 @@ from mstar_actors.messages import (
     SamplingParams,
     Shutdown,
 )
-from mstar_actors.preprocess import Draft
+from mstar_actors.prepare.preparers import Draft
 from tests.loopback import serving
 from transport.memory import MemoryChannel
 

@@ -40,7 +40,7 @@ import random
 import sys
 from dataclasses import dataclass, field
 
-from mstar_actors.lora.pool import AdapterPool, Admit
+from mstar_actors.lora.adapter_pool import AdapterPool, Admit
 from mstar_actors.messages import (
     AdapterHostRef,
     AdapterInstalled,
@@ -94,9 +94,9 @@ class _Sim:
     def __init__(self, concurrency, max_loras, num_adapters, max_tokens, num_requests, install_steps, read_steps,
                  client_steps, client_jitter=0, seed=0):
         self.names = [f"lora{i}" for i in range(num_adapters)]
-        self.pool = AdapterPool("base", max_loras, num_ranks=1, max_cpu_loras=num_adapters + 1)
+        self.adapter_pool = AdapterPool("base", max_loras, num_ranks=1, max_cpu_loras=num_adapters + 1)
         for name in self.names:
-            self.pool.adapters[name] = _adapter(name)
+            self.adapter_pool.adapters[name] = _adapter(name)
         self.sched = Scheduler(num_blocks=concurrency * 20 + 64, block_size=16, max_num_seqs=max(concurrency, 8),
                                max_num_batched_tokens=4096, max_model_len=1024, eos_token_ids=[2],
                                enable_prefix_caching=False)
@@ -119,7 +119,7 @@ class _Sim:
     def run(self) -> SimResult:
         for _ in range(self.result.concurrency):
             self.submit()
-        while self.sched.has_work() or self.pool.num_waiting or self.events:
+        while self.sched.has_work() or self.adapter_pool.num_waiting or self.events:
             for msg in self.events.pop(self.now, []):
                 self.deliver(msg)
             self.step()
@@ -131,15 +131,15 @@ class _Sim:
         if msg is _NEXT:
             self.submit()
         elif isinstance(msg, AdapterRead):
-            self.route(self.pool.on_read(msg))
+            self.route(self.adapter_pool.on_read(msg))
         else:
-            self.route(self.pool.on_installed(msg))
+            self.route(self.adapter_pool.on_installed(msg))
 
     def step(self) -> None:
         plan = self.sched.schedule() if self.sched.has_work() else None
         if plan is None:
             return  # idle: waiting for a read or an install
-        self.pool.step()
+        self.adapter_pool.step()
         for start in plan.started:
             self.check_slot(start.request_id, start.lora_slot)
         sampled = [SampledToken(c.request_id, TOKEN) for c in plan.scheduled if c.sample]
@@ -147,7 +147,7 @@ class _Sim:
         self.route(self.sched.update(StepDone(step_id=plan.step_id, rank=0, sampled=sampled)))
 
     def check_slot(self, request_id: str, slot: int) -> None:
-        table = self.pool.table
+        table = self.adapter_pool.table
         if slot == 0 or not table.is_ready(slot) or table._slots[slot].name != self.models[request_id]:
             raise SimError(f"step {self.now}: {request_id} on {self.models[request_id]!r} started on slot {slot}")
 
@@ -159,7 +159,7 @@ class _Sim:
         self.arrival[request_id], self.models[request_id] = self.now, model  # reaches the pool before this step
         prepared = Prepared(request_id=request_id, model=model, prompt_token_ids=PROMPT,
                             sampling=SamplingParams(max_tokens=self.max_tokens, ignore_eos=True))
-        self.route(self.pool.add(prepared))
+        self.route(self.adapter_pool.add(prepared))
 
     def route(self, outs: list) -> None:
         for out in outs:
@@ -170,7 +170,7 @@ class _Sim:
                     self.result.ttft_steps.append(self.now + 1 - self.arrival.pop(request_id))
                 case Finished(request_id=request_id):
                     self.result.num_requests += 1
-                    self.route(self.pool.end(request_id))
+                    self.route(self.adapter_pool.end(request_id))
                     delay = self.client_steps + self.rng.randint(0, self.client_jitter)
                     self.events[self.now + delay].append(_NEXT)
                 case ReadAdapter(name=name):
@@ -199,7 +199,7 @@ class _Sim:
 
 
 def _adapter(name: str):
-    from mstar_actors.lora.pool import _Adapter
+    from mstar_actors.lora.adapter_pool import _Adapter
 
     return _Adapter(name, f"/adapters/{name}")
 

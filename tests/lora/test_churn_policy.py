@@ -45,13 +45,13 @@ def test_no_drain_while_an_install_has_the_only_spare_slot():
     p = resident_ab()
     slot_a, slot_b = p.slot("a"), p.slot("b")
     p.send("c1", "c")
-    assert p.pool.num_out_of_service == 1  # a's slot drains for c1
+    assert p.adapter_pool.num_out_of_service == 1  # a's slot drains for c1
     p.end("a1")  # the drain is done: c installs into a's slot
     assert [i.name for i in p.unacked] == ["c"] and p.unacked[0].slot == slot_a
     p.send("a2", "a")  # a is gone now: it waits ...
     p.send("b2", "b")  # ... but b's slot is not drained for it while c installs
     assert p.admitted.get("b2") == slot_b and "a2" not in p.admitted
-    assert p.pool.num_out_of_service == 1
+    assert p.adapter_pool.num_out_of_service == 1
 
 
 def test_the_waiter_drains_once_the_install_is_in_and_is_admitted_after_it():
@@ -64,9 +64,9 @@ def test_the_waiter_drains_once_the_install_is_in_and_is_admitted_after_it():
     p.send("a2", "a")
     p.send("b2", "b")
     p.ack_all()  # c is in: a2 now drains the ready slot with the fewest rows (c's, one row)
-    assert "c1" in p.admitted and p.pool.num_out_of_service == 1
-    p.pool.step()
-    p.pool.step()  # c2 arrives late enough to outlast c1 by more than DRAIN_JOIN_STEPS
+    assert "c1" in p.admitted and p.adapter_pool.num_out_of_service == 1
+    p.adapter_pool.step()
+    p.adapter_pool.step()  # c2 arrives late enough to outlast c1 by more than DRAIN_JOIN_STEPS
     p.send("c2", "c")
     p.send("b3", "b")
     assert "c2" not in p.admitted and p.admitted.get("b3") == p.slot("b")
@@ -86,7 +86,7 @@ def test_half_of_a_larger_pool_may_swap_at_once():
     p.send("e1", "e")
     p.send("f1", "f")  # two drains: the least recently used slots, a's and b's
     p.end("a1")  # e installs into a's slot; f still drains b's
-    assert [i.name for i in p.unacked] == ["e"] and p.pool.num_out_of_service == 2
+    assert [i.name for i in p.unacked] == ["e"] and p.adapter_pool.num_out_of_service == 2
     p.send("a2", "a")
     p.send("c2", "c")
     p.send("d2", "d")

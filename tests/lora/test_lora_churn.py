@@ -8,7 +8,7 @@ import churn_sim as sim
 import pytest
 
 from mstar_actors.config import Config, LoraConfig, ModelConfig
-from mstar_actors.lora.pool import AdapterPool, Admit
+from mstar_actors.lora.adapter_pool import AdapterPool, Admit
 from mstar_actors.messages import (
     AdapterHostRef,
     AdapterInstalled,
@@ -31,8 +31,8 @@ class Driver:
                         lora=LoraConfig(max_loras=max_loras, max_lora_rank=8, max_cpu_loras=max_cpu_loras or 8,
                                         adapters={n: f"/adapters/{n}" for n in names},
                                         allow_runtime_updates=True, adapter_dirs=["/adapters"]))
-        self.pool = AdapterPool.from_config(config, "base", num_ranks=1)
-        self.pool.max_cpu_loras = max_cpu_loras
+        self.adapter_pool = AdapterPool.from_config(config, "base", num_ranks=1)
+        self.adapter_pool.max_cpu_loras = max_cpu_loras
         self.admitted: dict[str, int] = {}  # request id -> slot
         self.reads: list[str] = []  # names asked, in order (all of them, answered or not)
         self.unanswered: list[str] = []
@@ -64,8 +64,8 @@ class Driver:
         """A request of 4 tokens; a step after the last one (so it would hold a
         draining slot longer than the requests on it) unless ``same_step``."""
         if not same_step:
-            self.pool.step()
-        self.handle(self.pool.add(Prepared(request_id=request_id, model=model, prompt_token_ids=[1, 2],
+            self.adapter_pool.step()
+        self.handle(self.adapter_pool.add(Prepared(request_id=request_id, model=model, prompt_token_ids=[1, 2],
                                            sampling=SamplingParams(max_tokens=4))))
 
     def settle(self) -> None:
@@ -80,19 +80,19 @@ class Driver:
             self.holds[name] = self.holds.get(name, 0) + 1
             msg = AdapterRead(name=name, path=f"/adapters/{name}", digest=f"d-{name}",
                               host=AdapterHostRef(segment=f"seg-{name}", nbytes=1), max_rank=8)
-            self.handle(self.pool.on_read(msg))
+            self.handle(self.adapter_pool.on_read(msg))
 
     def ack_installs(self) -> None:
         while self.unacked:
             install = self.unacked.pop(0)
-            self.handle(self.pool.on_installed(AdapterInstalled(rank=0, slot=install.slot, digest=install.digest,
+            self.handle(self.adapter_pool.on_installed(AdapterInstalled(rank=0, slot=install.slot, digest=install.digest,
                                                                 ok=True)))
 
     def end(self, request_id: str) -> None:
-        self.handle(self.pool.end(request_id))
+        self.handle(self.adapter_pool.end(request_id))
 
     def slot_of_adapter(self, name: str) -> int | None:
-        return self.pool.table.lookup(name)
+        return self.adapter_pool.table.lookup(name)
 
 
 def running(resident: str, max_loras: int = 2, **kw) -> Driver:
@@ -121,14 +121,14 @@ def test_a_waiter_drains_one_slot_while_the_other_keeps_admitting():
     assert [i.name for i in d.unacked] == ["c"] and d.unacked[0].slot == slot_a
     d.settle()
     assert d.admitted["c1"] == slot_a
-    assert d.pool.table.lookup("b") == slot_b
+    assert d.adapter_pool.table.lookup("b") == slot_b
 
 
 def test_a_draining_slot_takes_requests_that_end_with_its_own():
     """Requests of a wave arrive over a step or two; one that would end by the
     time the slot's requests do (within DRAIN_JOIN_STEPS) joins the draining
     slot instead of waiting for its next tenure; a later one does not."""
-    from mstar_actors.lora.pool import DRAIN_JOIN_STEPS
+    from mstar_actors.lora.adapter_pool import DRAIN_JOIN_STEPS
 
     d = running("ab")
     d.send("c1", "c", same_step=True)
@@ -136,7 +136,7 @@ def test_a_draining_slot_takes_requests_that_end_with_its_own():
     d.send("a2", "a", same_step=True)  # ends with a1: joins, the drain is no longer
     assert "a2" in d.admitted and "c1" not in d.admitted
     for _ in range(DRAIN_JOIN_STEPS):
-        d.pool.step()
+        d.adapter_pool.step()
     d.send("a3", "a")  # would end after a1 and a2 by more than the slack: waits
     assert "a3" not in d.admitted
     d.end("a1")
@@ -181,7 +181,7 @@ def test_a_drain_ends_when_its_waiter_is_aborted():
     d.send("c1", "c")
     d.send("a2", "a")
     assert "a2" not in d.admitted  # held: "a"'s slot drains for c1
-    d.handle(d.pool.abort("c1"))
+    d.handle(d.adapter_pool.abort("c1"))
     assert "c1" in d.finished
     d.send("a3", "a")
     assert "a3" in d.admitted and "a2" in d.admitted  # the slot takes rows again, a2 first (arrival order)
@@ -220,7 +220,7 @@ def test_held_copies_fit_the_readers_tier_and_unloaded_ones_are_dropped():
     d.send("c1", "c")
     d.settle()
     assert d.drops == ["a"]  # the least recently used, to keep two held
-    d.handle(d.pool.unload(UnloadAdapter(request_id="u", name="b")))
+    d.handle(d.adapter_pool.unload(UnloadAdapter(request_id="u", name="b")))
     assert d.drops == ["a", "b"]
     assert d.holds == {"a": 0, "b": 0, "c": 1}
 
@@ -271,20 +271,20 @@ def test_a_request_of_n_choices_pins_its_slot_once_per_choice():
     d = Driver(max_loras=1)
 
     def add(request_id: str, model: str, n: int) -> None:
-        d.handle(d.pool.add(Prepared(request_id=request_id, model=model, prompt_token_ids=[1, 2],
+        d.handle(d.adapter_pool.add(Prepared(request_id=request_id, model=model, prompt_token_ids=[1, 2],
                                      sampling=SamplingParams(max_tokens=4), n=n)))
 
     add("r", "a", n=3)
     d.settle()
     slot = d.admitted["r"]
-    assert d.pool.table.num_pins(slot) == 3
+    assert d.adapter_pool.table.num_pins(slot) == 3
     add("w", "b", n=2)  # the one slot is pinned: w waits for it
     d.settle()
     assert "w" not in d.admitted
-    d.handle(d.pool.abort("w"))  # ended as a whole: one Finished per choice
+    d.handle(d.adapter_pool.abort("w"))  # ended as a whole: one Finished per choice
     assert d.finished == ["w-0", "w-1"]
     d.end("r-0")
     d.end("r-1")
-    assert d.pool.table.num_pins(slot) == 1
+    assert d.adapter_pool.table.num_pins(slot) == 1
     d.end("r-2")
-    assert d.pool.table.num_pins(slot) == 0
+    assert d.adapter_pool.table.num_pins(slot) == 0

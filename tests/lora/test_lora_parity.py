@@ -209,7 +209,7 @@ def test_base_rows_in_a_mixed_batch_equal_the_base_batch(world):
         logits_seen: list[torch.Tensor] = []
 
         def sampler(logits, rows, generator):
-            from mstar_actors.sampling import sample_tokens
+            from mstar_actors.runner.sampling import sample_tokens
 
             logits_seen.append(logits.clone())
             return sample_tokens(logits, rows, generator=generator)
@@ -273,7 +273,7 @@ def test_tied_lm_head_and_embedding_adapter_match_peft(tmp_path):
     seen: list[torch.Tensor] = []
 
     def sampler(logits, rows, generator):
-        from mstar_actors.sampling import sample_tokens
+        from mstar_actors.runner.sampling import sample_tokens
 
         seen.append(logits.clone())
         return sample_tokens(logits, rows, generator=generator)

@@ -21,7 +21,7 @@ from mstar_actors.runner.step_graphs import DecodeGraphs, batch_buckets
 from mstar_actors.lora import BaseShapes, read_adapter
 from mstar_actors.lora.host_copy import adapter_from_bytes, adapter_to_bytes
 from mstar_actors.runner.model_runner import ModelRunner, PlanError
-from mstar_actors.sampling import sample_tokens
+from mstar_actors.runner.sampling import sample_tokens
 from plan_driver import PlanDriver
 import runner_factories
 

@@ -23,7 +23,7 @@ from mstar_actors.runner.step_graphs import MixedGraphs, _Staging, token_buckets
 from mstar_actors.lora import BaseShapes, read_adapter
 from mstar_actors.runner.model_runner import ModelRunner
 from mstar_actors.models.attention import TorchPagedAttention
-from mstar_actors.sampling import sample_tokens
+from mstar_actors.runner.sampling import sample_tokens
 from plan_driver import PlanDriver
 import runner_factories
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mstar_actors.cpu_plan import MAX_PREPARE_WORKERS, CpuPlan, resolve_prepare_workers
+from mstar_actors.prepare.cpu_plan import MAX_PREPARE_WORKERS, CpuPlan, resolve_prepare_workers
 
 
 def make_plan(**overrides) -> CpuPlan:

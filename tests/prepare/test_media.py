@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import pytest
 
-from mstar_actors.media import (
+from mstar_actors.prepare.media import (
     MediaError,
     MediaLimits,
     MediaRef,
@@ -241,6 +241,6 @@ def test_data_url_decodes_as_b64decode_validate_does():
 
 
 def test_keep_freed_buffers_answers_without_raising():
-    from mstar_actors.media import keep_freed_buffers
+    from mstar_actors.prepare.media import keep_freed_buffers
 
     assert keep_freed_buffers() in (True, False)  # glibc: True; elsewhere a no-op

@@ -20,7 +20,7 @@ from mstar_actors.messages import (
     SamplingParams,
     Shutdown,
 )
-from mstar_actors.preprocess import Draft
+from mstar_actors.prepare.preparers import Draft
 from transport.errors import ChannelClosed
 from transport.memory import MemoryChannel
 
@@ -282,7 +282,7 @@ async def test_inline_fallbacks(preparer_cls, num_workers):
     await h.inbox.send(Abort(request_id="r1"))
     await h.send("r2")
     assert [await h.recv_id() for _ in range(3)] == [("Prepared", "r1"), ("Abort", "r1"), ("Prepared", "r2")]
-    assert h.actor.pool is None
+    assert h.actor.threads is None
     assert not any(t.startswith("prepare") for t in preparer.threads)  # ran on the loop's thread
     await h.close()
 

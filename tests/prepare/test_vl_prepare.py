@@ -14,7 +14,7 @@ import torch
 
 from actors.prepare import PrepareActor
 from mstar_actors.config import Config
-from mstar_actors.media import MediaLimits
+from mstar_actors.prepare.media import MediaLimits
 from mstar_actors.messages import (
     ChatMessage,
     ContentPart,
@@ -26,7 +26,7 @@ from mstar_actors.messages import (
     SamplingParams,
     Shutdown,
 )
-from mstar_actors.preprocess import Draft, Preparer, QwenVLPreparer, load_preparer
+from mstar_actors.prepare.preparers import Draft, Preparer, QwenVLPreparer, load_preparer
 from tests import vl_fixtures
 from transport.memory import MemoryChannel
 
@@ -114,7 +114,7 @@ def test_video_rows_match_the_image_layout_for_a_still_clip(preparer):
 def test_video_patch_layout_equals_the_image_processor_for_repeated_frames(preparer):
     from PIL import Image
 
-    from mstar_actors.preprocess import video_patches
+    from mstar_actors.prepare.preparers import video_patches
 
     frame = np.random.default_rng(2).integers(0, 255, (50, 70, 3), dtype=np.uint8)
     ip = preparer.image_processor
@@ -161,7 +161,7 @@ def _patches_normalized_first(frames, ip, min_pixels, max_pixels):
 
 @pytest.mark.parametrize("num_frames", [3, 4])
 def test_video_rows_equal_transformers_video_resize_and_layout_bit_for_bit(preparer, num_frames):
-    from mstar_actors.preprocess import video_patches
+    from mstar_actors.prepare.preparers import video_patches
 
     frames = np.random.default_rng(num_frames).integers(0, 255, (num_frames, 45, 61, 3), dtype=np.uint8)
     ip = preparer.image_processor

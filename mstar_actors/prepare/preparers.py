@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from mstar_actors.media import MediaError, MediaLimits, MediaRef, collect_media, decode_image, decode_video, read_local
+from mstar_actors.prepare.media import MediaError, MediaLimits, MediaRef, collect_media, decode_image, decode_video, read_local
 from mstar_actors.messages import ChatMessage, Failed, MediaItem, NewRequest, Prepared, TensorRef
 
 if TYPE_CHECKING:

@@ -274,7 +274,7 @@ def make_fetch_session(limits: MediaLimits, resolver: Any = None) -> FetchSessio
     (default: the system's). Call it on the loop that will use it."""
     import aiohttp
 
-    from mstar_actors.media_guard import FetchPolicy, GuardedResolver
+    from mstar_actors.prepare.media_guard import FetchPolicy, GuardedResolver
 
     policy = FetchPolicy.from_limits(limits)
     guarded = GuardedResolver(policy, resolver or aiohttp.ThreadedResolver())
@@ -333,7 +333,7 @@ async def _follow(session: FetchSession, ref: MediaRef, limits: MediaLimits) -> 
     check none); the next redirect past the limit is refused."""
     from yarl import URL
 
-    from mstar_actors.media_guard import url_refusal
+    from mstar_actors.prepare.media_guard import url_refusal
 
     url = URL(ref.url)
     for _ in range(limits.max_redirects + 1):
