@@ -51,20 +51,18 @@ def load_model_info(config: Config) -> ModelInfo:
     for a ``config.json`` the ranks could not serve, naming the field.
     """
     from mstar_actors.fetch import resolve_model
-    from mstar_actors.models.loader import architecture_of
-    from mstar_actors.models.spec import parse_spec, read_config
+    from mstar_actors.models.loader import load_spec
+    from mstar_actors.models.spec import read_config
 
     model_dir = resolve_model(config.model.path)
-    cfg = read_config(model_dir)
-    arch = architecture_of(model_dir, cfg)
-    spec = parse_spec(model_dir, arch.text_config(cfg) if arch.text_config else cfg,
-                      qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm)
+    cfg = read_config(model_dir)  # the launcher's one read of config.json
+    arch, spec = load_spec(model_dir, cfg)
     media = _media_token_ids(model_dir, cfg) if arch.text_config else {}
     lora_base, lora_refusal = lora_base_of(cfg)
     return ModelInfo(
         served_name=served_name(config.model.name, config.model.path, model_dir),
         model_dir=str(model_dir),
-        architecture=spec.architecture,
+        architecture=arch.name,
         vocab_size=spec.vocab_size,
         eos_token_ids=tuple(spec.eos_token_ids),
         dtype=_serving_dtype(config.model.dtype, config.model.device, spec.torch_dtype),

@@ -38,8 +38,10 @@ def architecture_of(model_dir: Path, cfg: dict) -> Architecture:
     return arch
 
 
-def load_spec(model_dir: Path) -> tuple[Architecture, ModelSpec]:
-    cfg = read_config(model_dir)
+def load_spec(model_dir: Path, cfg: dict | None = None) -> tuple[Architecture, ModelSpec]:
+    """The architecture and decoder shape of ``model_dir``, from its parsed
+    ``config.json`` (read here when not given)."""
+    cfg = read_config(model_dir) if cfg is None else cfg
     arch = architecture_of(model_dir, cfg)
     text_cfg = arch.text_config(cfg) if arch.text_config else cfg
     return arch, parse_spec(model_dir, text_cfg, qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm)
@@ -48,10 +50,11 @@ def load_spec(model_dir: Path) -> tuple[Architecture, ModelSpec]:
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
     """Build the decoder for ``model_dir`` on ``device`` in ``dtype`` and fill its weights."""
     model_dir = Path(model_dir)
-    arch, spec = load_spec(model_dir)
+    cfg = read_config(model_dir)  # the rank's one read of config.json
+    arch, spec = load_spec(model_dir, cfg)
     with torch.device("meta"):
         backend = attention_backend(device)
-        model = arch.build(model_dir, spec, backend) if arch.build else CausalLM(spec, backend)
+        model = arch.build(model_dir, cfg, spec, backend) if arch.build else CausalLM(spec, backend)
     model = model.to_empty(device=device).to(dtype)
     targets = _weight_targets(model, arch)
     _fill_weights(model_dir, targets, arch, spec)

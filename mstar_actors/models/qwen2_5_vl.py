@@ -28,7 +28,7 @@ from .attention import AttentionMetadata, PagedAttention, TorchPagedAttention
 from .checkpoint import DECODER_RULES, WeightRule
 from .decoder import CausalLM
 from .rope import _rotate_half, inverse_frequencies
-from .spec import ModelLoadError, ModelSpec, read_config
+from .spec import ModelLoadError, ModelSpec
 from .vision import Grid, PixelNorm, VisionSpec, VisionTransformer, parse_vision_spec
 
 ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
@@ -213,11 +213,10 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         return mrope_positions(num_prompt_tokens, media, v.spatial_merge_size, v.tokens_per_second)
 
 
-def build(model_dir: Path, spec: ModelSpec, backend: PagedAttention) -> Qwen2_5_VLForConditionalGeneration:
-    """The loader's constructor for this architecture (reads the vision fields of config.json)."""
+def build(model_dir: Path, cfg: dict, spec: ModelSpec, backend: PagedAttention) -> Qwen2_5_VLForConditionalGeneration:
+    """The loader's constructor for this architecture (the vision fields of the parsed config.json)."""
     from mstar_actors.prepare.preparers import load_image_processor  # the preparer's constants, from the same folder
 
-    cfg = read_config(model_dir)
     where = str(Path(model_dir) / "config.json")
     vision = parse_vision_spec(cfg, where)
     model = Qwen2_5_VLForConditionalGeneration(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import psutil
 import torch
@@ -30,7 +29,8 @@ from mstar_actors.config import Config, KvConfig, LoraConfig
 from mstar_actors.model_info import ModelInfo
 from mstar_actors.models.attention import allocate_kv_cache, kv_bytes_per_block
 from mstar_actors.models.checkpoint import CheckpointRules
-from mstar_actors.models.loader import load_model, load_spec
+from mstar_actors.models.loader import load_model
+from mstar_actors.models.registry import ARCHITECTURES
 from mstar_actors.models.lora_layers import LoraLayers, enable_lora
 from mstar_actors.models.media_inputs import MediaInputs, TensorResolver
 from mstar_actors.models.spec import ModelSpec
@@ -52,7 +52,7 @@ def build_runner(config: Config, info: ModelInfo, resolve_tensor: TensorResolver
     model = load_model(info.model_dir, dtype, device)
     if device.type == "cpu":
         model.pack_cpu_weights()  # step 2
-    rules = load_spec(Path(info.model_dir))[0].rules  # where adapters' modules land: the loader's own table
+    rules = ARCHITECTURES[info.architecture].rules  # where adapters' modules land: the loader's own table
     lora = enable_served_lora(model, rules, config.lora, dtype, device)
     kv = size_kv_cache(model.spec, config.kv, dtype, device)
     media = MediaInputs(model, resolve_tensor) if getattr(model, "is_multimodal", False) else None
