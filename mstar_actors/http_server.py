@@ -1,0 +1,127 @@
+"""The HTTP server's connection layer: limits and aiohttp's own answers.
+
+A client that opens connections and sends nothing must not starve others:
+the soft descriptor limit is raised to the hard one at start, and the
+server refuses connections beyond ``server.max_connections`` (capped below
+the descriptor limit, so the process always keeps descriptors for its
+rings, logs and ``/health``) with an immediate 503 instead of letting
+``accept`` fail. Requests aiohttp refuses before any route runs (a malformed
+request line or header, an unsupported ``Content-Encoding``) are answered
+in the same JSON envelope as the app's errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
+
+from aiohttp import web
+
+# Descriptors kept for everything but client connections: shared-memory
+# rings, the tokenizer's files, logs, the listening socket.
+NUM_RESERVED_FDS = 64
+
+
+def raise_descriptor_limit() -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard one; (before, after)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):  # a sandbox may forbid it: keep the soft one
+            return soft, soft
+        return soft, hard
+    return soft, soft
+
+
+def connection_bound(max_connections: int, fd_limit: int) -> int:
+    """The open connections served at once: the configured bound, capped so
+    the process keeps ``NUM_RESERVED_FDS`` descriptors (and at least one connection)."""
+    return max(1, min(max_connections, fd_limit - NUM_RESERVED_FDS))
+
+
+class _Refusal(asyncio.Protocol):
+    """Answers one fixed response to a connection over the bound, then closes.
+    Waits for the request's first bytes (or a short while) so the kernel's
+    buffer is read and the client sees the answer, not a reset."""
+
+    def __init__(self, response: bytes):
+        self.response = response
+        self.transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self._timer = asyncio.get_running_loop().call_later(0.5, self._answer)
+
+    def data_received(self, data: bytes) -> None:
+        self._answer()
+
+    def _answer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(self.response)
+            self.transport.close()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self.transport = None
+
+
+def refusal_response(status: int, reason: str, body: bytes) -> bytes:
+    """A whole HTTP/1.1 response that closes the connection."""
+    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+    return head.encode() + body
+
+
+class EnvelopeHandler(web.RequestHandler):
+    """aiohttp's connection handler, answering its own errors with
+    ``envelope(status, message) -> bytes`` (the app's JSON error body)."""
+
+    def __init__(self, manager: Any, envelope: Callable[[int, str], bytes], **kw: Any):
+        super().__init__(manager, **kw)
+        self._envelope = envelope
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status >= 500 or request.writer.output_size > 0:
+            return super().handle_error(request, status, exc, message)  # logs; raises when already answering
+        self.log_debug("malformed request from %s: %s", request.remote, message or exc)
+        text = f"malformed HTTP request: {message or exc or 'bad request'}"
+        response = web.Response(status=status, body=self._envelope(status, text), content_type="application/json")
+        response.force_close()
+        return response
+
+
+class BoundedSite(web.TCPSite):
+    """A TCP site whose connections get an ``EnvelopeHandler`` (made with
+    ``handler_kwargs``, the runner's), and beyond ``max_connections`` a
+    refusal (``response``, a whole HTTP response) instead of the app."""
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int, max_connections: int, response: bytes,
+                 envelope: Callable[[int, str], bytes], handler_kwargs: dict):
+        super().__init__(runner, host, port)
+        self._max_connections = max_connections
+        self._response = response
+        self._envelope = envelope
+        self._handler_kwargs = handler_kwargs
+
+    def _protocol(self) -> asyncio.BaseProtocol:
+        server = self._runner.server
+        if len(server.connections) >= self._max_connections:
+            return _Refusal(self._response)
+        return EnvelopeHandler(server, self._envelope, loop=asyncio.get_running_loop(), **self._handler_kwargs)
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with its runner
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._protocol, self._host, self._port, backlog=self._backlog,
+                                                reuse_address=self._reuse_address, reuse_port=self._reuse_port)
+        sockets = self._server.sockets
+        self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
