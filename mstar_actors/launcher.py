@@ -377,6 +377,7 @@ def validate_adapters(config: Config) -> None:
 
     if not config.lora.adapters:
         return
+    check_adapter_names(config)
     try:
         base = BaseShapes.from_hf_config(json.loads((resolve_model(config.model.path) / "config.json").read_text()))
     except BaseShapesError as err:  # one line (exit 2), not a traceback
@@ -386,6 +387,17 @@ def validate_adapters(config: Config) -> None:
             read_adapter(expand_path(path), base=base, max_rank=config.lora.max_lora_rank, name=name)
         except AdapterError as err:
             raise AdapterError(f"lora.adapters.{name} ({path}): {err}".replace("\n", " ")) from None
+
+
+def check_adapter_names(config: Config) -> None:
+    """Configured adapter names follow the runtime loads' rule (raises AdapterError)."""
+    from mstar_actors.lora import AdapterError
+    from mstar_actors.lora.names import name_problem
+
+    for name in config.lora.adapters:
+        problem = name_problem(name, served_name(config))
+        if problem:
+            raise AdapterError(f"lora.adapters: {problem}")
 
 
 def serve(config: Config, model_name: str) -> int:
