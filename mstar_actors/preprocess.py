@@ -31,6 +31,7 @@ import msgspec
 
 from mstar_actors.media import MediaError, MediaLimits, MediaRef, collect_media, decode_image, decode_video, read_local
 from mstar_actors.messages import ChatMessage, Failed, MediaItem, NewRequest, Prepared, TensorRef
+from mstar_actors.prompt_bound import PromptTooLong
 
 VL_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "Qwen2VLForConditionalGeneration")
 
@@ -78,17 +79,23 @@ def with_media(draft: Draft, refs: list[TensorRef]) -> Prepared:
 class Preparer:
     """Turns one text request into token ids. No I/O after construction.
 
-    ``tokenization`` provides ``encode_prompt(text) -> list[int]`` and
-    ``apply_chat_template(messages, add_generation_prompt) -> list[int]``.
+    ``tokenization`` provides ``encode_prompt(text, max_tokens) -> list[int]``
+    and ``apply_chat_template(messages, add_generation_prompt, max_tokens) ->
+    list[int]``, raising PromptTooLong for a text of ``max_tokens`` or more
+    before tokenizing all of it. ``context_len`` (the model's, when
+    ``max_model_len`` is not configured) bounds that work: the scheduler
+    refuses such a prompt anyway.
     """
 
     PREPROCESS_PARALLEL = False  # see the module docstring
     PREPARES_MEDIA = False  # image/video parts are refused by the chat template path
 
-    def __init__(self, tokenization: Any, vocab_size: int, max_model_len: int | None = None):
+    def __init__(self, tokenization: Any, vocab_size: int, max_model_len: int | None = None,
+                 context_len: int | None = None):
         self.tokenization = tokenization
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.prompt_limit = max_model_len or context_len  # a prompt of this many tokens can't be served
 
     def prepare(self, req: NewRequest) -> Prepared | Failed:
         result = self.draft(req, {})
@@ -97,6 +104,9 @@ class Preparer:
     def draft(self, req: NewRequest, fetched: dict[str, bytes] | None = None) -> Draft | Failed:
         try:
             token_ids, param = self._token_ids(req)
+        except PromptTooLong as err:
+            return failed(req, too_long(err.min_tokens, err.limit, is_lower_bound=True), _param_of(req),
+                          code="context_length_exceeded")
         except Exception as err:  # the client's input broke tokenization: its request alone fails
             return failed(req, f"could not prepare the request: {type(err).__name__}: {err}", _param_of(req))
         problem = self.check(token_ids)
@@ -115,10 +125,10 @@ class Preparer:
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids), "prompt"
         if req.messages is not None:
-            ids = self.tokenization.apply_chat_template(req.messages, req.add_generation_prompt)
+            ids = self.tokenization.apply_chat_template(req.messages, req.add_generation_prompt, self.prompt_limit)
             return list(ids), "messages"
         if req.prompt is not None:
-            return list(self.tokenization.encode_prompt(req.prompt)), "prompt"
+            return list(self.tokenization.encode_prompt(req.prompt, self.prompt_limit)), "prompt"
         raise ValueError("none of prompt, prompt_token_ids or messages is set")
 
     def check(self, token_ids: list[int]) -> str | None:
@@ -128,19 +138,22 @@ class Preparer:
         if bad is not None:
             return f"token id {bad} is outside the vocabulary: ids must be in [0, {self.vocab_size})"
         if self.max_model_len is not None and len(token_ids) >= self.max_model_len:
-            return (
-                f"the prompt has {len(token_ids)} tokens; this server's context is "
-                f"{self.max_model_len} tokens, prompt and output together"
-            )
+            return too_long(len(token_ids), self.max_model_len)
         return None
+
+
+def too_long(num_tokens: int, limit: int, is_lower_bound: bool = False) -> str:
+    """The refusal of a prompt of ``num_tokens`` (at least, when counting stopped early)."""
+    count = f"at least {num_tokens}" if is_lower_bound else f"{num_tokens}"
+    return f"the prompt has {count} tokens; this server's context is {limit} tokens, prompt and output together"
 
 
 def _param_of(req: NewRequest) -> str:
     return "messages" if req.messages is not None else "prompt"
 
 
-def failed(req: NewRequest, message: str, param: str | None) -> Failed:
-    return Failed(request_id=req.request_id, status=400, message=message, param=param)
+def failed(req: NewRequest, message: str, param: str | None, code: str | None = None) -> Failed:
+    return Failed(request_id=req.request_id, status=400, message=message, param=param, code=code)
 
 
 def read_vocab_size(model_dir: Path) -> int:
@@ -150,6 +163,13 @@ def read_vocab_size(model_dir: Path) -> int:
     if not size:
         raise ValueError(f"{model_dir}/config.json: no vocab_size (nor text_config.vocab_size)")
     return int(size)
+
+
+def read_context_len(model_dir: Path) -> int | None:
+    """The model's own context length from ``config.json`` (None when it names none)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    value = (config.get("text_config") or config).get("max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def read_architecture(model_dir: Path) -> str:
@@ -163,10 +183,11 @@ def load_preparer(model_dir: Path, max_model_len: int | None, limits: MediaLimit
     from mstar_actors.tokenization import Tokenization
 
     tokenization = Tokenization(model_dir)
+    context_len = read_context_len(model_dir)
     if read_architecture(model_dir) in VL_ARCHITECTURES:
         return QwenVLPreparer(model_dir, tokenization, read_vocab_size(model_dir), max_model_len,
-                              limits or MediaLimits())
-    return Preparer(tokenization, read_vocab_size(model_dir), max_model_len)
+                              limits or MediaLimits(), context_len=context_len)
+    return Preparer(tokenization, read_vocab_size(model_dir), max_model_len, context_len)
 
 
 # --------------------------------------------------------------------------
@@ -192,10 +213,10 @@ class QwenVLPreparer:
     PREPARES_MEDIA = True
 
     def __init__(self, model_dir: Path, tokenization: Any, vocab_size: int, max_model_len: int | None,
-                 limits: MediaLimits, image_processor: Any = None):
+                 limits: MediaLimits, image_processor: Any = None, context_len: int | None = None):
         config = json.loads((Path(model_dir) / "config.json").read_text())
         self.tokenization = tokenization
-        self.text = Preparer(tokenization, vocab_size, max_model_len)  # text-only requests, and the checks
+        self.text = Preparer(tokenization, vocab_size, max_model_len, context_len)  # text-only requests, and the checks
         self.limits = limits
         self.image_token_id = int(config["image_token_id"])
         self.video_token_id = int(config["video_token_id"])
@@ -215,6 +236,9 @@ class QwenVLPreparer:
             token_ids = self._expand(self._template_ids(req), media, refs)
         except MediaError as err:
             return failed(req, str(err), err.param)
+        except PromptTooLong as err:
+            return failed(req, too_long(err.min_tokens, err.limit, is_lower_bound=True), "messages",
+                          code="context_length_exceeded")
         except Exception as err:  # the client's input broke a processor: its request alone fails
             return failed(req, f"could not prepare the request: {type(err).__name__}: {err}", "messages")
         problem = self.text.check(token_ids)
@@ -256,7 +280,7 @@ class QwenVLPreparer:
         conversation = [_template_message(m) for m in req.messages or []]
         text = tokenizer.apply_chat_template(conversation, tokenize=False,
                                              add_generation_prompt=req.add_generation_prompt)
-        return list(tokenizer(text, add_special_tokens=False).input_ids)
+        return self.tokenization.encode_text(text, False, self.text.prompt_limit)
 
     def _expand(self, ids: list[int], media: list[MediaDraft], refs: list[MediaRef]) -> list[int]:
         """Replace each placeholder token by its item's ``num_tokens`` copies and
