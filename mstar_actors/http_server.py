@@ -16,6 +16,8 @@ import asyncio
 from typing import Any, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 # Descriptors kept for everything but client connections: shared-memory
 # rings, the tokenizer's files, logs, the listening socket.
@@ -87,6 +89,25 @@ class EnvelopeHandler(web.RequestHandler):
     def __init__(self, manager: Any, envelope: Callable[[int, str], bytes], **kw: Any):
         super().__init__(manager, **kw)
         self._envelope = envelope
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._fail_pending_body()
+
+    def _fail_pending_body(self) -> None:
+        """A body that fails to decode at its very end (a deflate stream cut
+        short) makes aiohttp queue an error answer but leaves the route's
+        ``read()`` waiting for ever: hand the error to that read, so the
+        client gets its 400 now. Reads aiohttp's internals; if they change,
+        the body read timeout still ends the wait."""
+        messages = getattr(self, "_messages", None)
+        request = getattr(self, "_current_request", None)
+        if not messages or request is None:
+            return
+        error = getattr(messages[-1][0], "exc", None)
+        payload = request.content
+        if isinstance(error, HttpProcessingError) and not payload.is_eof() and payload.exception() is None:
+            payload.set_exception(RequestPayloadError(error.message or type(error).__name__))
 
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:

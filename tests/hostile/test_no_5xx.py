@@ -1,6 +1,7 @@
 """Malformed bodies and headers are 4xx in OpenAI's envelope, never a 5xx."""
 
 import gzip
+import json
 
 from tests.hostile.conftest import run
 
@@ -49,4 +50,30 @@ def test_gzip_header_over_plain_json_is_a_400(hostile):
             assert "Content-Encoding" in body["error"]["message"] and body["error"]["param"] == "body", body
             status, body = await h.post(CHAT, BODY)  # the server goes on serving
             assert status == 200, body
+    run(go)
+
+
+def test_a_body_that_fails_to_decode_at_its_end_is_answered_at_once(hostile):
+    """The header first, then a deflate body cut short: aiohttp noticed only
+    at the body's end and the route waited for the body for ever."""
+    import asyncio
+    import time
+
+    async def go():
+        async with hostile(request_read_timeout_s=20) as h:
+            for body in [b"[" * 100, b"[" * 200_000]:
+                reader, writer = await asyncio.open_connection("127.0.0.1", h.actor.port)
+                writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Encoding: deflate\r\n"
+                             b"Content-Length: %d\r\n\r\n" % len(body))
+                await writer.drain()
+                await asyncio.sleep(0.05)  # the header is parsed and routed before the body arrives
+                writer.write(body)
+                start = time.monotonic()
+                data = await asyncio.wait_for(reader.read(), 5)
+                assert data.startswith(b"HTTP/1.1 400") and time.monotonic() - start < 2, data[:200]
+                error = json.loads(data.partition(b"\r\n\r\n")[2])["error"]
+                assert error["param"] == "body" and "deflate" in error["message"] and "\n" not in error["message"]
+                writer.close()
+            status, out = await h.post(CHAT, BODY)
+            assert status == 200, out
     run(go)
