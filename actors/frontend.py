@@ -267,7 +267,8 @@ class FrontendActor(Actor):
         key = self.config.server.api_key
         if key and request.path.startswith("/v1/"):
             given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            # header bytes that aren't UTF-8 arrive as surrogate escapes: compare them as sent
+            if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {key}".encode()):
                 raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                                code="invalid_api_key")
         return await handler(request)

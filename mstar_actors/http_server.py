@@ -58,6 +58,16 @@ class _Refusal(asyncio.Protocol):
         self.transport = transport
         self._timer = asyncio.get_running_loop().call_later(0.5, self._answer)
 
+    async def start(self) -> None:
+        """aiohttp's request loop. Some request lines make it fail outside any
+        route (``CONNECT`` with no target: an AttributeError), which left the
+        connection open for ever with nothing reading it; close it instead."""
+        try:
+            await super().start()
+        except Exception as err:
+            self.log_debug("connection handler failed: %r", err)
+            self.force_close()
+
     def data_received(self, data: bytes) -> None:
         self._answer()
 
@@ -90,6 +100,16 @@ class EnvelopeHandler(web.RequestHandler):
         super().__init__(manager, **kw)
         self._envelope = envelope
 
+    async def start(self) -> None:
+        """aiohttp's request loop. Some request lines make it fail outside any
+        route (``CONNECT`` with no target: an AttributeError), which left the
+        connection open for ever with nothing reading it; close it instead."""
+        try:
+            await super().start()
+        except Exception as err:
+            self.log_debug("connection handler failed: %r", err)
+            self.force_close()
+
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         self._fail_pending_body()
@@ -114,7 +134,8 @@ class EnvelopeHandler(web.RequestHandler):
         if status >= 500 or request.writer.output_size > 0:
             return super().handle_error(request, status, exc, message)  # logs; raises when already answering
         self.log_debug("malformed request from %s: %s", request.remote, message or exc)
-        text = f"malformed HTTP request: {message or exc or 'bad request'}"
+        detail = str(message or exc or "bad request").strip().splitlines()[0].rstrip(":")  # later lines quote bytes
+        text = f"malformed HTTP request: {detail[:200]}"
         response = web.Response(status=status, body=self._envelope(status, text), content_type="application/json")
         response.force_close()
         return response

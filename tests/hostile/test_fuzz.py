@@ -191,3 +191,81 @@ def test_fuzz_every_route(model_dir, tokenizer, tmp_path):
             assert status == 200 and body["choices"][0]["message"]["content"], (seed, body)
             assert h.actor_task.done() is False and h.engine_task.done() is False, seed
     asyncio.run(asyncio.wait_for(go(), 60))
+
+
+RAW_METHODS = [b"GET", b"POST", b"PUT", b"HEAD", b"FOO", b"G\xffT", b"", b"GET GET", b"PRI", b"CONNECT"]
+RAW_TARGETS = [b"/v1/chat/completions", b"/v1/completions", b"/v1/models", b"/health", b"/metrics",
+               b"/v1/load_lora_adapter", b"*", b"http://x/health", b"/\xff", b"/%", b"/a b", b"", b"/" * 9000]
+RAW_VERSIONS = [b"HTTP/1.1", b"HTTP/1.0", b"HTTP/2.0", b"HTTP/9.9", b"HTTP/1.1 x", b"", b"http/1.1"]
+RAW_HEADERS = [b"Host: x", b"Authorization: Bearer \xff\xfe", b"Authorization: Bearer sekret", b"Content-Type: \xff",
+               b"Content-Encoding: gzip", b"Content-Encoding: br", b"Content-Length: 2", b"Expect: 100-continue",
+               b"X-Forwarded-For: \xff", b"Accept: text/html", b"Content-Type: application/json; charset=\xff"]
+BAD_HEADERS = [b"Transfer-Encoding: chunked", b"Transfer-Encoding: gzip, chunked", b"Content-Length: -1",
+               b"Content-Length: 99999999999999999999", b"Connection: upgrade", b"Upgrade: websocket", b"X-\xff: y",
+               b"Bad Header: x", b": empty", b"X: " + b"a" * 9000, b"X:\x00y", b"Host: x\rInjected: y"]
+
+
+def raw_request(rng: random.Random) -> bytes:
+    body = rng.choice([b"", b"{}", b'{"prompt": "hi", "max_tokens": 2}', b"zz\r\n", b"0\r\n\r\n", b"\x1f\x8b\x08"])
+    headers = [rng.choice(BAD_HEADERS if rng.random() < 0.15 else RAW_HEADERS) for _ in range(rng.randrange(0, 4))]
+    if rng.random() < 0.6:  # a well-formed frame, so the headers reach the app
+        line = b" ".join([rng.choice([b"GET", b"POST"]), rng.choice(RAW_TARGETS[:6]), b"HTTP/1.1"])
+        headers = [b"Host: x", *(h for h in headers if not h.startswith(b"Content-Length")),
+                   b"Content-Length: %d" % len(body)]
+    else:
+        line = b" ".join([rng.choice(RAW_METHODS), rng.choice(RAW_TARGETS), rng.choice(RAW_VERSIONS)])
+    return line + b"\r\n" + b"".join(h + b"\r\n" for h in headers) + b"\r\n" + body
+
+
+async def exchange_raw(port: int, request: bytes) -> tuple[int | None, bytes]:
+    """(status, body) of the first final answer; (None, b"") when the server closed without one."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        while True:
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            except asyncio.IncompleteReadError:
+                return None, b""
+            status = int(head.split(b" ", 2)[1])
+            if status >= 200:
+                break  # else 100 Continue: the answer follows
+        lengths = [line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")]
+        if request.startswith(b"HEAD "):
+            return status, b""  # an answer to HEAD has no body, whatever its Content-Length says
+        try:
+            body = await asyncio.wait_for(reader.readexactly(int(lengths[0])), 5) if lengths else b""
+        except asyncio.IncompleteReadError:
+            body = b""
+        return status, body
+    finally:
+        writer.close()
+
+
+def test_fuzz_raw_requests(model_dir, tokenizer, tmp_path):
+    """Malformed request lines and headers: aiohttp's own refusals carry the envelope too."""
+    seed = int(os.environ.get("FUZZ_SEED", time.time_ns() % 2**32))
+    print(f"raw fuzz seed {seed} (FUZZ_SEED={seed} replays it)")
+    rng = random.Random(seed)
+
+    async def go():
+        h = make_harness(model_dir, tokenizer, str(tmp_path), api_key="sekret", keepalive_timeout_s=0.5,
+                         request_read_timeout_s=1)
+        async with h:
+            limit = asyncio.Semaphore(8)
+
+            async def one(request: bytes) -> None:
+                async with limit:
+                    try:
+                        status, body = await exchange_raw(h.actor.port, request)
+                    except asyncio.TimeoutError:
+                        raise AssertionError(f"seed {seed}: no answer nor close within 5 s to {request[:300]!r}") from None
+                if status is not None:
+                    method = b"HEAD" if request.startswith(b"HEAD ") else b"?"
+                    check(seed, method.decode(), "raw", status, body if body or method == b"HEAD" else b"-", request)
+
+            await asyncio.gather(*(one(raw_request(rng)) for _ in range(300)))
+            status, body = await h.post("/v1/completions", {"prompt": "hi", "max_tokens": 2},
+                                        headers={"Authorization": "Bearer sekret"})
+            assert status == 200, (seed, body)
+    asyncio.run(asyncio.wait_for(go(), 60))

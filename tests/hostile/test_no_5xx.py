@@ -77,3 +77,18 @@ def test_a_body_that_fails_to_decode_at_its_end_is_answered_at_once(hostile):
             status, out = await h.post(CHAT, BODY)
             assert status == 200, out
     run(go)
+
+
+def test_an_api_key_header_that_is_not_utf8_is_a_401(hostile):
+    import asyncio
+
+    async def go():
+        async with hostile(api_key="sekret") as h:
+            reader, writer = await asyncio.open_connection("127.0.0.1", h.actor.port)
+            writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n\r\n")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 401"), head
+            writer.close()
+            status, out = await h.post(CHAT, BODY, headers={"Authorization": "Bearer sekret"})
+            assert status == 200, out
+    run(go)

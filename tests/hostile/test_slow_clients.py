@@ -49,6 +49,20 @@ def test_idle_and_half_header_connections_are_closed(hostile):
     run(go)
 
 
+def test_a_request_line_that_breaks_the_parser_closes_the_connection(hostile):
+    """``CONNECT`` with no target made aiohttp's request loop fail, and the
+    connection then stayed open for ever (no timer runs without that loop)."""
+    async def go():
+        async with hostile(keepalive_timeout_s=5) as h:
+            reader, writer = await connect(h)
+            writer.write(b"CONNECT  \r\nAccept: text/html\r\n\r\n")
+            data, took = await read_until_closed(reader, 3)
+            assert took < 1, (took, data)
+            status, body = await h.post(CHAT, BODY)
+            assert status == 200, body
+    run(go)
+
+
 def test_a_body_sent_a_byte_at_a_time_is_a_408(hostile):
     async def go():
         async with hostile(keepalive_timeout_s=5, request_read_timeout_s=0.6) as h:
