@@ -595,8 +595,9 @@ def _payload_reason(err: Exception, request: web.Request) -> str:
     """What the client sent wrong, in a line: aiohttp's payload errors wrap the cause."""
     cause = err.__cause__ if isinstance(err, RequestPayloadError) and err.__cause__ else err
     encoding = request.headers.get("Content-Encoding")
-    detail = getattr(cause, "message", "") or str(cause) or type(cause).__name__
-    detail = detail.strip().splitlines()[0][:200].rstrip(":")  # parser errors quote the bytes on later lines
+    text = str(getattr(cause, "message", "") or cause)
+    # parser errors quote the bytes on later lines
+    detail = (text.strip().splitlines() or [type(cause).__name__])[0][:200].rstrip(":")
     if encoding:
         return f"Content-Encoding {encoding!r} does not match the body: {detail}".rstrip(": ")
     return detail

@@ -134,8 +134,8 @@ class EnvelopeHandler(web.RequestHandler):
         if status >= 500 or request.writer.output_size > 0:
             return super().handle_error(request, status, exc, message)  # logs; raises when already answering
         self.log_debug("malformed request from %s: %s", request.remote, message or exc)
-        detail = str(message or exc or "bad request").strip().splitlines()[0].rstrip(":")  # later lines quote bytes
-        text = f"malformed HTTP request: {detail[:200]}"
+        lines = str(message or exc or "").strip().splitlines() or ["bad request"]
+        text = f"malformed HTTP request: {lines[0][:200].rstrip(':')}"  # later lines quote the bytes
         response = web.Response(status=status, body=self._envelope(status, text), content_type="application/json")
         response.force_close()
         return response
