@@ -13,7 +13,8 @@ in the same JSON envelope as the app's errors.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -57,16 +58,6 @@ class _Refusal(asyncio.Protocol):
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
         self._timer = asyncio.get_running_loop().call_later(0.5, self._answer)
-
-    async def start(self) -> None:
-        """aiohttp's request loop. Some request lines make it fail outside any
-        route (``CONNECT`` with no target: an AttributeError), which left the
-        connection open for ever with nothing reading it; close it instead."""
-        try:
-            await super().start()
-        except Exception as err:
-            self.log_debug("connection handler failed: %r", err)
-            self.force_close()
 
     def data_received(self, data: bytes) -> None:
         self._answer()

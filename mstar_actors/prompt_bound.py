@@ -8,7 +8,8 @@ text longer than ``limit * max_chars_per_token`` characters can't fit in
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # A prompt that may be too long is tokenized in growing prefixes, the first of
 # this many characters per allowed token, each twice the last: a refusal

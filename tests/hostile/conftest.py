@@ -25,8 +25,8 @@ class AdapterEngine(FakeEngine):
         async for msg in self.inbox:
             match msg:
                 case LoadAdapter() if msg.path.endswith("/ok"):
-                    await self.outbox.send(AdapterUpdate(request_id=msg.request_id, status=200,
-                                                         message=f"Success: LoRA adapter '{msg.name}' added successfully."))
+                    message = f"Success: LoRA adapter '{msg.name}' added successfully."
+                    await self.outbox.send(AdapterUpdate(request_id=msg.request_id, status=200, message=message))
                 case LoadAdapter() | UnloadAdapter():
                     await self.outbox.send(AdapterUpdate(request_id=msg.request_id, status=404,
                                                          message=f"no adapter {msg.name!r}"))

@@ -31,7 +31,8 @@ def test_runtime_routes_refuse_bad_names(hostile, tmp_path):
                     assert status == 400, (route, name[:20], status, out)
                     assert out["error"]["param"] == "lora_name" and "A-Z a-z 0-9" in out["error"]["message"], out
             (tmp_path / "ok").mkdir()
-            status, out = await h.post("/v1/load_lora_adapter", {"lora_name": "org/name", "lora_path": f"{tmp_path}/ok"})
+            body = {"lora_name": "org/name", "lora_path": f"{tmp_path}/ok"}
+            status, out = await h.post("/v1/load_lora_adapter", body)
             assert status == 200, out
     run(go)
 

@@ -20,7 +20,7 @@ import aiohttp
 from mstar_actors.messages import Failed
 from mstar_actors.preprocess import Preparer
 from mstar_actors.tokenization import Tokenization
-from tests.hostile.conftest import AdapterEngine, make_harness
+from tests.hostile.conftest import make_harness
 
 NUM_BODIES = 1200
 ROUTES = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
@@ -58,7 +58,8 @@ class Fuzzer:
         if r < 0.8 and depth < 3:
             return [self.value(depth + 1) for _ in range(self.rng.randrange(0, 4))]
         if depth < 3:
-            return {self.rng.choice(FIELDS + STRINGS[:6]): self.value(depth + 1) for _ in range(self.rng.randrange(0, 4))}
+            keys = FIELDS + STRINGS[:6]
+            return {self.rng.choice(keys): self.value(depth + 1) for _ in range(self.rng.randrange(0, 4))}
         return self.rng.choice(STRINGS)
 
     def message(self):
@@ -180,7 +181,7 @@ def test_fuzz_every_route(model_dir, tokenizer, tmp_path):
                             async with session.request(method, h.url + path, data=body, headers=headers,
                                                        skip_auto_headers=["Content-Type"]) as r:
                                 status, raw = r.status, await r.read()
-                        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+                        except (aiohttp.ClientError, TimeoutError) as err:
                             raise AssertionError(f"seed {seed}: {method} {path} {headers} with {body[:200]!r}: "
                                                  f"{type(err).__name__} {err}") from None
                         check(seed, method, path, status, raw, body)
@@ -258,8 +259,8 @@ def test_fuzz_raw_requests(model_dir, tokenizer, tmp_path):
                 async with limit:
                     try:
                         status, body = await exchange_raw(h.actor.port, request)
-                    except asyncio.TimeoutError:
-                        raise AssertionError(f"seed {seed}: no answer nor close within 5 s to {request[:300]!r}") from None
+                    except TimeoutError:
+                        raise AssertionError(f"seed {seed}: no answer nor close in 5 s to {request[:300]!r}") from None
                 if status is not None:
                     method = b"HEAD" if request.startswith(b"HEAD ") else b"?"
                     check(seed, method.decode(), "raw", status, body if body or method == b"HEAD" else b"-", request)

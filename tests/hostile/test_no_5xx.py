@@ -43,7 +43,8 @@ def test_gzip_header_over_plain_json_is_a_400(hostile):
                     assert_envelope(status, body, status)
             status, body = await h.post(CHAT, gzip.compress(raw), headers={"Content-Encoding": "gzip"})
             assert status == 200, body  # a real gzip body still works
-            status, body = await h.post(CHAT, gzip.compress(raw)[:12] + b"\xff" * 64, headers={"Content-Encoding": "gzip"})
+            broken = gzip.compress(raw)[:12] + b"\xff" * 64
+            status, body = await h.post(CHAT, broken, headers={"Content-Encoding": "gzip"})
             assert_envelope(status, body)
             status, body = await h.post(CHAT, raw, headers={"Content-Encoding": "gzip"})  # the reported case
             assert_envelope(status, body)

@@ -25,7 +25,7 @@ async def read_until_closed(reader, timeout: float) -> tuple[bytes, float]:
 
 
 def envelope_of(response: bytes) -> dict:
-    head, _, body = response.partition(b"\r\n\r\n")
+    _, _, body = response.partition(b"\r\n\r\n")
     return json.loads(body)["error"]
 
 
