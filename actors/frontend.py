@@ -181,7 +181,7 @@ class FrontendActor(Actor):
                            code="too_many_connections")
         site = BoundedSite(self._runner, server.host, server.port, max_connections,
                            refusal_response(503, "Service Unavailable", _json.encode(refusal.envelope())),
-                           _envelope_bytes, handler_kwargs)
+                           _envelope_bytes, server.request_read_timeout_s, handler_kwargs)
         await site.start()
         self.port = self._runner.addresses[0][1]
         self.log.info("serving %s on http://%s:%d", self.model_name, server.host, self.port)
@@ -277,13 +277,18 @@ class FrontendActor(Actor):
     async def _body_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """The whole body is read before any route runs (routes' ``read()`` then
         returns it), so a body the client can't deliver is the client's error
-        on every route: undecodable (a 400), or slower than the bound (a 408)."""
+        on every route: undecodable (a 400), or not received in time (a 408;
+        the clock started at the request's first byte)."""
+        from mstar_actors.http_server import take_request_start
+
         timeout = self.config.server.request_read_timeout_s
+        started = take_request_start(request)
+        deadline = (started if started is not None else asyncio.get_running_loop().time()) + timeout
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout_at(deadline):
                 await request.read()
         except TimeoutError:
-            err = ApiError(408, f"request body not received within server.request_read_timeout_s ({timeout:g} s)",
+            err = ApiError(408, f"request not received within server.request_read_timeout_s ({timeout:g} s)",
                            param="body", code="request_timeout")
         except (RequestPayloadError, HttpProcessingError) as exc:
             err = ApiError(400, f"body: could not be read as sent ({_payload_reason(exc, request)})",

@@ -85,11 +85,16 @@ def refusal_response(status: int, reason: str, body: bytes) -> bytes:
 
 class EnvelopeHandler(web.RequestHandler):
     """aiohttp's connection handler, answering its own errors with
-    ``envelope(status, message) -> bytes`` (the app's JSON error body)."""
+    ``envelope(status, message) -> bytes`` (the app's JSON error body), and
+    bounding the time from a request's first byte to its whole header by
+    ``read_timeout`` (a 408; the app bounds the body, see ``take_request_start``)."""
 
-    def __init__(self, manager: Any, envelope: Callable[[int, str], bytes], **kw: Any):
+    def __init__(self, manager: Any, envelope: Callable[[int, str], bytes], read_timeout: float, **kw: Any):
         super().__init__(manager, **kw)
         self._envelope = envelope
+        self._read_timeout = read_timeout
+        self.request_started_at: float | None = None  # loop time of the first byte of the request being read
+        self._header_timer: asyncio.TimerHandle | None = None
 
     async def start(self) -> None:
         """aiohttp's request loop. Some request lines make it fail outside any
@@ -102,8 +107,36 @@ class EnvelopeHandler(web.RequestHandler):
             self.force_close()
 
     def data_received(self, data: bytes) -> None:
+        if data and self.request_started_at is None and self._is_idle():
+            self.request_started_at = asyncio.get_running_loop().time()
         super().data_received(data)
         self._fail_pending_body()
+        self._watch_header()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        super().connection_lost(exc)
+
+    def _is_idle(self) -> bool:
+        """No request delivered to the app and waiting or running (aiohttp's internals)."""
+        return not getattr(self, "_messages", None) and getattr(self, "_current_request", None) is None
+
+    def _watch_header(self) -> None:
+        if not self._is_idle():  # the header is complete: the app bounds the body
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+        elif self.request_started_at is not None and self._header_timer is None:
+            deadline = self.request_started_at + self._read_timeout
+            self._header_timer = asyncio.get_running_loop().call_at(deadline, self._header_overdue)
+
+    def _header_overdue(self) -> None:
+        self._header_timer = None
+        if self._is_idle() and self.transport is not None:
+            message = f"request header not received within server.request_read_timeout_s ({self._read_timeout:g} s)"
+            self.transport.write(refusal_response(408, "Request Timeout", self._envelope(408, message)))
+            self.force_close()
 
     def _fail_pending_body(self) -> None:
         """A body that fails to decode at its very end (a deflate stream cut
@@ -132,14 +165,25 @@ class EnvelopeHandler(web.RequestHandler):
         return response
 
 
+def take_request_start(request: web.BaseRequest) -> float | None:
+    """The loop time of the request's first byte (None if unknown), once:
+    the next request on the connection starts its own clock."""
+    protocol = request.protocol
+    started = getattr(protocol, "request_started_at", None)
+    if started is not None:
+        protocol.request_started_at = None
+    return started
+
+
 class BoundedSite(web.TCPSite):
     """A TCP site whose connections get an ``EnvelopeHandler`` (made with
     ``handler_kwargs``, the runner's), and beyond ``max_connections`` a
     refusal (``response``, a whole HTTP response) instead of the app."""
 
     def __init__(self, runner: web.AppRunner, host: str, port: int, max_connections: int, response: bytes,
-                 envelope: Callable[[int, str], bytes], handler_kwargs: dict):
+                 envelope: Callable[[int, str], bytes], read_timeout: float, handler_kwargs: dict):
         super().__init__(runner, host, port)
+        self._read_timeout = read_timeout
         self._max_connections = max_connections
         self._response = response
         self._envelope = envelope
@@ -149,7 +193,8 @@ class BoundedSite(web.TCPSite):
         server = self._runner.server
         if len(server.connections) >= self._max_connections:
             return _Refusal(self._response)
-        return EnvelopeHandler(server, self._envelope, loop=asyncio.get_running_loop(), **self._handler_kwargs)
+        return EnvelopeHandler(server, self._envelope, self._read_timeout, loop=asyncio.get_running_loop(),
+                               **self._handler_kwargs)
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site with its runner

@@ -49,6 +49,43 @@ def test_idle_and_half_header_connections_are_closed(hostile):
     run(go)
 
 
+def test_a_header_sent_slowly_is_a_408_from_its_first_byte(hostile):
+    async def go():
+        async with hostile(keepalive_timeout_s=5, request_read_timeout_s=1.0) as h:
+            reader, writer = await connect(h)
+            header = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(BODY)
+            start = time.monotonic()
+
+            async def drip(data: bytes, pause: float):
+                for byte in data:
+                    writer.write(bytes([byte]))
+                    await writer.drain()
+                    await asyncio.sleep(pause)
+
+            dripping = asyncio.create_task(drip(header, 0.1))  # never finishes within the bound
+            try:
+                data, _ = await read_until_closed(reader, 4)
+            finally:
+                dripping.cancel()
+            took = time.monotonic() - start
+            assert data.startswith(b"HTTP/1.1 408") and 0.9 < took < 2, (took, data)
+            assert envelope_of(data)["code"] is None and "header" in envelope_of(data)["message"]
+            # the clock runs from the first byte: a header taking half the bound leaves half for the body
+            reader, writer = await connect(h)
+            start = time.monotonic()
+            await drip(header, 0.7 / len(header))
+            dripping = asyncio.create_task(drip(BODY, 0.02))
+            try:
+                data, _ = await read_until_closed(reader, 4)
+            finally:
+                dripping.cancel()
+            took = time.monotonic() - start
+            assert data.startswith(b"HTTP/1.1 408") and 0.9 < took < 1.35, (took, data)  # not 0.7 + 1.0
+            status, body = await h.post(CHAT, BODY)
+            assert status == 200, body
+    run(go)
+
+
 def test_a_request_line_that_breaks_the_parser_closes_the_connection(hostile):
     """``CONNECT`` with no target made aiohttp's request loop fail, and the
     connection then stayed open for ever (no timer runs without that loop)."""
