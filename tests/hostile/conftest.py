@@ -46,14 +46,14 @@ class AdapterEngine(FakeEngine):
                 self.aborts.append(msg.request_id)
 
 
-def make_harness(model_dir, tokenizer, adapter_dir: str | None = None, lora: dict | None = None,
-                 **server: Any) -> Harness:
+def make_harness(model_dir, tokenizer, adapter_dir: str | None = None, **server: Any) -> Harness:
     """A harness whose config takes runtime adapter updates inside ``adapter_dir``."""
     from mstar_actors.config import parse_config
 
     h = Harness(model_dir, tokenizer)
-    lora = {"adapters": {"tiny-lora": str(model_dir)}} | ({"allow_runtime_updates": True,
-                                                             "adapter_dirs": [adapter_dir]} if adapter_dir else {})
+    lora = {"adapters": {"tiny-lora": str(model_dir)}}
+    if adapter_dir:
+        lora |= {"allow_runtime_updates": True, "adapter_dirs": [adapter_dir]}
     h.config = parse_config({"model": {"path": str(model_dir), "name": "tiny"},
                              "server": {"port": 0} | server, "lora": lora})
     h.engine = AdapterEngine(tokenizer, h.prepare, h.conductor)
