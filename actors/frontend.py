@@ -39,6 +39,8 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from actors.base import CONTROL, Actor
 from mstar_actors.frontend import openai_api as api
@@ -157,10 +159,21 @@ class FrontendActor(Actor):
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def _open_site(self) -> None:
+        from mstar_actors.frontend.http_server import BoundedSite, connection_bound, raise_descriptor_limit, refusal_response
+
         server = self.config.server
-        self._runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+        handler_kwargs = dict(access_log=None, keepalive_timeout=server.keepalive_timeout_s)
+        self._runner = web.AppRunner(self.make_app(), handler_cancellation=True, shutdown_timeout=2.0, **handler_kwargs)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, server.host, server.port)
+        before, fd_limit = raise_descriptor_limit()
+        max_connections = connection_bound(server.max_connections, fd_limit)
+        self.log.info("descriptor limit %d (was %d): at most %d client connections at once", fd_limit, before,
+                      max_connections)
+        refusal = ApiError(503, f"too many connections: the server takes {max_connections} at once; retry later",
+                           code="too_many_connections")
+        site = BoundedSite(self._runner, server.host, server.port, max_connections,
+                           refusal_response(503, "Service Unavailable", _json.encode(refusal.envelope())),
+                           _envelope_bytes, server.request_read_timeout_s, handler_kwargs)
         await site.start()
         self.port = self._runner.addresses[0][1]
         self.log.info("serving %s on http://%s:%d", self.info.served_name, server.host, self.port)
@@ -214,7 +227,7 @@ class FrontendActor(Actor):
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.server.max_body_bytes,
-                              middlewares=[self._errors_middleware, self._auth_middleware])
+                              middlewares=[self._errors_middleware, self._auth_middleware, self._body_middleware])
         app.router.add_post("/v1/chat/completions", functools.partial(self._generate, kind="chat"))
         app.router.add_post("/v1/completions", functools.partial(self._generate, kind="completion"))
         app.router.add_get("/v1/models", self._models)
@@ -248,10 +261,40 @@ class FrontendActor(Actor):
         key = self.config.server.api_key
         if key and request.path.startswith("/v1/"):
             given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            # header bytes that aren't UTF-8 arrive as surrogate escapes: compare them as sent
+            if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {key}".encode()):
                 raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                                code="invalid_api_key")
         return await handler(request)
+
+    @web.middleware
+    async def _body_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """The whole body is read before any route runs (routes' ``read()`` then
+        returns it), so a body the client can't deliver is the client's error
+        on every route: undecodable (a 400), or not received in time (a 408;
+        the clock started at the request's first byte)."""
+        from mstar_actors.frontend.http_server import take_request_start
+
+        timeout = self.config.server.request_read_timeout_s
+        started = take_request_start(request)
+        deadline = (started if started is not None else asyncio.get_running_loop().time()) + timeout
+        try:
+            async with asyncio.timeout_at(deadline):
+                await request.read()
+        except TimeoutError:
+            err = ApiError(408, f"request not received within server.request_read_timeout_s ({timeout:g} s)",
+                           param="body", code="request_timeout")
+        except (RequestPayloadError, HttpProcessingError) as exc:
+            err = ApiError(400, f"body: could not be read as sent ({_payload_reason(exc, request)})",
+                           param="body", code="invalid_body")
+        else:
+            return await handler(request)
+        # The rest of the body is never read: answer, then close the connection
+        # (marking the body ended keeps aiohttp from reading on after the answer).
+        request.content.feed_eof()
+        response = _error_response(err)
+        response.force_close()
+        return response
 
     async def _health(self, request: web.Request) -> web.Response:
         if self._failure or not self._is_started:
@@ -276,10 +319,7 @@ class FrontendActor(Actor):
             raise ApiError(403, "runtime LoRA updates are off; set lora.allow_runtime_updates: true in the config",
                            code="runtime_updates_disabled", error_type="permission_error")
         body = api.decode_body(raw)
-        name = api.get_str(body, "lora_name", None)
-        if not name:
-            raise ApiError(400, "lora_name is required: the name clients will put in the model field",
-                           param="lora_name")
+        name = self._adapter_name(body)
         rid = f"lora-{uuid.uuid4().hex}"
         if kind == "load":
             msg = LoadAdapter(request_id=rid, name=name, path=self._runtime_path(body))
@@ -296,6 +336,18 @@ class FrontendActor(Actor):
                            code=update.code)
         return web.Response(text=update.message)
 
+    def _adapter_name(self, body: dict) -> str:
+        from mstar_actors.lora.names import name_problem
+
+        name = api.get_str(body, "lora_name", None)
+        if not name:
+            raise ApiError(400, "lora_name is required: the name clients will put in the model field",
+                           param="lora_name")
+        problem = name_problem(name, self.info.served_name)
+        if problem:
+            raise ApiError(400, f"lora_name: {problem}", param="lora_name", code="invalid_adapter_name")
+        return name
+
     def _runtime_path(self, body: dict) -> str:
         from mstar_actors.lora.adapter_pool import AdapterPathError, resolve_runtime_path
 
@@ -303,6 +355,9 @@ class FrontendActor(Actor):
         if not path:
             raise ApiError(400, "lora_path is required: a PEFT adapter folder inside lora.adapter_dirs",
                            param="lora_path")
+        problem = path_problem(path)
+        if problem:
+            raise ApiError(400, f"lora_path: {problem}", param="lora_path", code="invalid_adapter_path")
         try:
             return resolve_runtime_path(path, self.config.lora.adapter_dirs)
         except AdapterPathError as err:
@@ -518,6 +573,39 @@ class _Stream:
 
 async def _write_event(response: web.StreamResponse, payload: dict) -> None:
     await response.write(b"data: " + _json.encode(payload) + b"\n\n")
+
+
+MAX_PATH_CHARS = 4096  # Linux's PATH_MAX
+
+
+def path_problem(path: str) -> str | None:
+    """Why ``path`` can't be a file-system path at all (None: it can). Checked
+    before any file-system call: those raise on NULs and unencodable text."""
+    if len(path) > MAX_PATH_CHARS:
+        return f"{len(path)} characters; a path has at most {MAX_PATH_CHARS}"
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
+        return "contains a NUL or another control character; a path may not"
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return "is not valid UTF-8 (a lone surrogate); a path must be"
+    return None
+
+
+def _payload_reason(err: Exception, request: web.Request) -> str:
+    """What the client sent wrong, in a line: aiohttp's payload errors wrap the cause."""
+    cause = err.__cause__ if isinstance(err, RequestPayloadError) and err.__cause__ else err
+    encoding = request.headers.get("Content-Encoding")
+    text = str(getattr(cause, "message", "") or cause)
+    # parser errors quote the bytes on later lines
+    detail = (text.strip().splitlines() or [type(cause).__name__])[0][:200].rstrip(":")
+    if encoding:
+        return f"Content-Encoding {encoding!r} does not match the body: {detail}".rstrip(": ")
+    return detail
+
+
+def _envelope_bytes(status: int, message: str) -> bytes:
+    return _json.encode(ApiError(status, message).envelope())
 
 
 def _error_response(err: ApiError) -> web.Response:

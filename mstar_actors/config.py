@@ -111,6 +111,15 @@ class ServerConfig(msgspec.Struct, **_STRICT):
     video_fps: Annotated[float, msgspec.Meta(gt=0.0)] = 2.0  # frames sampled per second of video
     media_fetch_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 10.0  # whole http(s) fetch
     max_media_redirects: NonNeg = 3
+    # Idle and slow clients. A connection with no request in progress (a new
+    # one, one between requests, or one that sent half a header) is closed
+    # after ``keepalive_timeout_s``; a request whose header and body are not
+    # fully received within ``request_read_timeout_s`` of its first byte is a
+    # 408 and the connection closes. Beyond ``max_connections`` open connections (capped at start
+    # below the descriptor limit) a new one gets a 503 and is closed.
+    keepalive_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0
+    request_read_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 30.0
+    max_connections: Pos = 1000
 
 
 class TransportConfig(msgspec.Struct, **_STRICT):

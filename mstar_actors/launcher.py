@@ -371,6 +371,7 @@ def validate_adapters(config: Config, info: ModelInfo) -> None:
 
     if not config.lora.adapters:
         return
+    check_adapter_names(config, info)
     if info.lora_base is None:  # one line (exit 2), not a traceback
         raise AdapterError(f"lora.adapters: the base model {config.model.path} takes no adapters: {info.lora_refusal}")
     for name, path in config.lora.adapters.items():
@@ -378,6 +379,17 @@ def validate_adapters(config: Config, info: ModelInfo) -> None:
             read_adapter(expand_path(path), base=info.lora_base, max_rank=config.lora.max_lora_rank, name=name)
         except AdapterError as err:
             raise AdapterError(f"lora.adapters.{name} ({path}): {err}".replace("\n", " ")) from None
+
+
+def check_adapter_names(config: Config, info: ModelInfo) -> None:
+    """Configured adapter names follow the runtime loads' rule (raises AdapterError)."""
+    from mstar_actors.lora import AdapterError
+    from mstar_actors.lora.names import name_problem
+
+    for name in config.lora.adapters:
+        problem = name_problem(name, info.served_name)
+        if problem:
+            raise AdapterError(f"lora.adapters: {problem}")
 
 
 def serve(config: Config, info: ModelInfo) -> int:

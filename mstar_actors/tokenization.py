@@ -10,12 +10,14 @@ machines the frontend feeds as ``TokenDelta``s arrive.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from mstar_actors import messages
+from mstar_actors.prepare.prompt_bound import encode_bounded, max_chars_per_token
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens the detokenizer decodes before the first output token, so the
@@ -48,12 +50,25 @@ class Tokenization:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def encode_prompt(self, text: str) -> list[int]:
-        """Token ids of a completion prompt, with the model's BOS rules."""
-        return list(self.tokenizer(text).input_ids)
+    @functools.cached_property
+    def max_chars_per_token(self) -> int | None:
+        return max_chars_per_token(self.tokenizer)
+
+    def encode_text(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
+        """Token ids of ``text``; PromptTooLong when it has ``max_tokens`` or
+        more (decided without tokenizing all of a long text)."""
+        def encode(part: str) -> list[int]:
+            return self.tokenizer(part, add_special_tokens=add_special_tokens).input_ids
+
+        return encode_bounded(encode, text, max_tokens, self.max_chars_per_token)
+
+    def encode_prompt(self, text: str, max_tokens: int | None = None) -> list[int]:
+        """Token ids of a completion prompt, with the model's BOS rules
+        (``max_tokens``: see ``encode_text``)."""
+        return self.encode_text(text, True, max_tokens)
 
     def apply_chat_template(
-        self, chat: list[messages.ChatMessage], add_generation_prompt: bool = True
+        self, chat: list[messages.ChatMessage], add_generation_prompt: bool = True, max_tokens: int | None = None
     ) -> list[int]:
         """Token ids of a conversation rendered by the model's own chat template.
 
@@ -72,7 +87,7 @@ class Tokenization:
             )
         except jinja2.TemplateError as exc:
             raise ValueError(f"the model's chat template refused 'messages': {exc}") from exc
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return self.encode_text(text, False, max_tokens)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -30,6 +30,7 @@ import msgspec
 
 from mstar_actors.prepare.media import MediaError, MediaLimits, MediaRef, collect_media, decode_image, decode_video, read_local
 from mstar_actors.messages import ChatMessage, Failed, MediaItem, NewRequest, Prepared, TensorRef
+from mstar_actors.prepare.prompt_bound import PromptTooLong
 
 if TYPE_CHECKING:
     from mstar_actors.model_info import ModelInfo
@@ -78,15 +79,20 @@ def with_media(draft: Draft, refs: list[TensorRef]) -> Prepared:
 class Preparer:
     """Turns one text request into token ids. No I/O after construction.
 
-    ``tokenization`` provides ``encode_prompt(text) -> list[int]`` and
-    ``apply_chat_template(messages, add_generation_prompt) -> list[int]``.
+    ``tokenization`` provides ``encode_prompt(text, max_tokens) -> list[int]``
+    and ``apply_chat_template(messages, add_generation_prompt, max_tokens) ->
+    list[int]``, raising PromptTooLong for a text of ``max_tokens`` or more
+    before tokenizing all of it. ``prompt_limit`` (the launcher's
+    ``max_model_len``) bounds that work; the scheduler's length check is the
+    one that decides, and refuses such a prompt anyway.
     """
 
     PREPROCESS_PARALLEL = False  # see the module docstring
     PREPARES_MEDIA = False  # image/video parts are refused by the chat template path
 
-    def __init__(self, tokenization: Any):
+    def __init__(self, tokenization: Any, prompt_limit: int | None = None):
         self.tokenization = tokenization
+        self.prompt_limit = prompt_limit  # a prompt of this many tokens can't be served
 
     def prepare(self, req: NewRequest) -> Prepared | Failed:
         result = self.draft(req, {})
@@ -95,6 +101,9 @@ class Preparer:
     def draft(self, req: NewRequest, fetched: dict[str, bytes] | None = None) -> Draft | Failed:
         try:
             token_ids, param = self._token_ids(req)
+        except PromptTooLong as err:
+            return failed(req, too_long(err.min_tokens, err.limit, is_lower_bound=True), _param_of(req),
+                          code="context_length_exceeded")
         except Exception as err:  # the client's input broke tokenization: its request alone fails
             return failed(req, f"could not prepare the request: {type(err).__name__}: {err}", _param_of(req))
         problem = self.check(token_ids)
@@ -114,10 +123,10 @@ class Preparer:
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids), "prompt"
         if req.messages is not None:
-            ids = self.tokenization.apply_chat_template(req.messages, req.add_generation_prompt)
+            ids = self.tokenization.apply_chat_template(req.messages, req.add_generation_prompt, self.prompt_limit)
             return list(ids), "messages"
         if req.prompt is not None:
-            return list(self.tokenization.encode_prompt(req.prompt)), "prompt"
+            return list(self.tokenization.encode_prompt(req.prompt, self.prompt_limit)), "prompt"
         raise ValueError("none of prompt, prompt_token_ids or messages is set")
 
     def check(self, token_ids: list[int]) -> str | None:
@@ -128,12 +137,18 @@ class Preparer:
         return None
 
 
+def too_long(num_tokens: int, limit: int, is_lower_bound: bool = False) -> str:
+    """The refusal of a prompt of ``num_tokens`` (at least, when counting stopped early)."""
+    count = f"at least {num_tokens}" if is_lower_bound else f"{num_tokens}"
+    return f"the prompt has {count} tokens; this server's context is {limit} tokens, prompt and output together"
+
+
 def _param_of(req: NewRequest) -> str:
     return "messages" if req.messages is not None else "prompt"
 
 
-def failed(req: NewRequest, message: str, param: str | None) -> Failed:
-    return Failed(request_id=req.request_id, status=400, message=message, param=param)
+def failed(req: NewRequest, message: str, param: str | None, code: str | None = None) -> Failed:
+    return Failed(request_id=req.request_id, status=400, message=message, param=param, code=code)
 
 
 def load_preparer(info: ModelInfo, limits: MediaLimits | None = None) -> Any:
@@ -143,8 +158,9 @@ def load_preparer(info: ModelInfo, limits: MediaLimits | None = None) -> Any:
 
     tokenization = Tokenization(info.model_dir)
     if info.is_multimodal:
-        return QwenVLPreparer(Path(info.model_dir), tokenization, info.media_token_ids, limits or MediaLimits())
-    return Preparer(tokenization)
+        return QwenVLPreparer(Path(info.model_dir), tokenization, info.media_token_ids, limits or MediaLimits(),
+                              prompt_limit=info.max_model_len)
+    return Preparer(tokenization, info.max_model_len)
 
 
 # --------------------------------------------------------------------------
@@ -170,9 +186,9 @@ class QwenVLPreparer:
     PREPARES_MEDIA = True
 
     def __init__(self, model_dir: Path, tokenization: Any, media_token_ids: dict[str, int], limits: MediaLimits,
-                 image_processor: Any = None):
+                 image_processor: Any = None, prompt_limit: int | None = None):
         self.tokenization = tokenization
-        self.text = Preparer(tokenization)  # text-only requests, and the checks
+        self.text = Preparer(tokenization, prompt_limit)  # text-only requests, and the checks
         self.limits = limits
         self.image_token_id = media_token_ids["image"]
         self.video_token_id = media_token_ids["video"]
@@ -192,6 +208,9 @@ class QwenVLPreparer:
             token_ids = self._expand(self._template_ids(req), media, refs)
         except MediaError as err:
             return failed(req, str(err), err.param)
+        except PromptTooLong as err:
+            return failed(req, too_long(err.min_tokens, err.limit, is_lower_bound=True), "messages",
+                          code="context_length_exceeded")
         except Exception as err:  # the client's input broke a processor: its request alone fails
             return failed(req, f"could not prepare the request: {type(err).__name__}: {err}", "messages")
         problem = self.text.check(token_ids)
@@ -233,7 +252,7 @@ class QwenVLPreparer:
         conversation = [_template_message(m) for m in req.messages or []]
         text = tokenizer.apply_chat_template(conversation, tokenize=False,
                                              add_generation_prompt=req.add_generation_prompt)
-        return list(tokenizer(text, add_special_tokens=False).input_ids)
+        return self.tokenization.encode_text(text, False, self.text.prompt_limit)
 
     def _expand(self, ids: list[int], media: list[MediaDraft], refs: list[MediaRef]) -> list[int]:
         """Replace each placeholder token by its item's ``num_tokens`` copies and

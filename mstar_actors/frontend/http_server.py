@@ -1,0 +1,205 @@
+"""The HTTP server's connection layer: limits and aiohttp's own answers.
+
+A client that opens connections and sends nothing must not starve others:
+the soft descriptor limit is raised to the hard one at start, and the
+server refuses connections beyond ``server.max_connections`` (capped below
+the descriptor limit, so the process always keeps descriptors for its
+rings, logs and ``/health``) with an immediate 503 instead of letting
+``accept`` fail. Requests aiohttp refuses before any route runs (a malformed
+request line or header, an unsupported ``Content-Encoding``) are answered
+in the same JSON envelope as the app's errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
+
+# Descriptors kept for everything but client connections: shared-memory
+# rings, the tokenizer's files, logs, the listening socket.
+NUM_RESERVED_FDS = 64
+
+
+def raise_descriptor_limit() -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard one; (before, after)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):  # a sandbox may forbid it: keep the soft one
+            return soft, soft
+        return soft, hard
+    return soft, soft
+
+
+def connection_bound(max_connections: int, fd_limit: int) -> int:
+    """The open connections served at once: the configured bound, capped so
+    the process keeps ``NUM_RESERVED_FDS`` descriptors (and at least one connection)."""
+    return max(1, min(max_connections, fd_limit - NUM_RESERVED_FDS))
+
+
+class _Refusal(asyncio.Protocol):
+    """Answers one fixed response to a connection over the bound, then closes.
+    Waits for the request's first bytes (or a short while) so the kernel's
+    buffer is read and the client sees the answer, not a reset."""
+
+    def __init__(self, response: bytes):
+        self.response = response
+        self.transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self._timer = asyncio.get_running_loop().call_later(0.5, self._answer)
+
+    def data_received(self, data: bytes) -> None:
+        self._answer()
+
+    def _answer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(self.response)
+            self.transport.close()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self.transport = None
+
+
+def refusal_response(status: int, reason: str, body: bytes) -> bytes:
+    """A whole HTTP/1.1 response that closes the connection."""
+    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+    return head.encode() + body
+
+
+class EnvelopeHandler(web.RequestHandler):
+    """aiohttp's connection handler, answering its own errors with
+    ``envelope(status, message) -> bytes`` (the app's JSON error body), and
+    bounding the time from a request's first byte to its whole header by
+    ``read_timeout`` (a 408; the app bounds the body, see ``take_request_start``)."""
+
+    def __init__(self, manager: Any, envelope: Callable[[int, str], bytes], read_timeout: float, **kw: Any):
+        super().__init__(manager, **kw)
+        self._envelope = envelope
+        self._read_timeout = read_timeout
+        self.request_started_at: float | None = None  # loop time of the first byte of the request being read
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    async def start(self) -> None:
+        """aiohttp's request loop. Some request lines make it fail outside any
+        route (``CONNECT`` with no target: an AttributeError), which left the
+        connection open for ever with nothing reading it; close it instead."""
+        try:
+            await super().start()
+        except Exception as err:
+            self.log_debug("connection handler failed: %r", err)
+            self.force_close()
+
+    def data_received(self, data: bytes) -> None:
+        if data and self.request_started_at is None and self._is_idle():
+            self.request_started_at = asyncio.get_running_loop().time()
+        super().data_received(data)
+        self._fail_pending_body()
+        self._watch_header()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        super().connection_lost(exc)
+
+    def _is_idle(self) -> bool:
+        """No request delivered to the app and waiting or running (aiohttp's internals)."""
+        return not getattr(self, "_messages", None) and getattr(self, "_current_request", None) is None
+
+    def _watch_header(self) -> None:
+        if not self._is_idle():  # the header is complete: the app bounds the body
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+        elif self.request_started_at is not None and self._header_timer is None:
+            deadline = self.request_started_at + self._read_timeout
+            self._header_timer = asyncio.get_running_loop().call_at(deadline, self._header_overdue)
+
+    def _header_overdue(self) -> None:
+        self._header_timer = None
+        if self._is_idle() and self.transport is not None:
+            message = f"request header not received within server.request_read_timeout_s ({self._read_timeout:g} s)"
+            self.transport.write(refusal_response(408, "Request Timeout", self._envelope(408, message)))
+            self.force_close()
+
+    def _fail_pending_body(self) -> None:
+        """A body that fails to decode at its very end (a deflate stream cut
+        short) makes aiohttp queue an error answer but leaves the route's
+        ``read()`` waiting for ever: hand the error to that read, so the
+        client gets its 400 now. Reads aiohttp's internals; if they change,
+        the body read timeout still ends the wait."""
+        messages = getattr(self, "_messages", None)
+        request = getattr(self, "_current_request", None)
+        if not messages or request is None:
+            return
+        error = getattr(messages[-1][0], "exc", None)
+        payload = request.content
+        if isinstance(error, HttpProcessingError) and not payload.is_eof() and payload.exception() is None:
+            payload.set_exception(RequestPayloadError(error.message or type(error).__name__))
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status >= 500 or request.writer.output_size > 0:
+            return super().handle_error(request, status, exc, message)  # logs; raises when already answering
+        self.log_debug("malformed request from %s: %s", request.remote, message or exc)
+        lines = str(message or exc or "").strip().splitlines() or ["bad request"]
+        text = f"malformed HTTP request: {lines[0][:200].rstrip(':')}"  # later lines quote the bytes
+        response = web.Response(status=status, body=self._envelope(status, text), content_type="application/json")
+        response.force_close()
+        return response
+
+
+def take_request_start(request: web.BaseRequest) -> float | None:
+    """The loop time of the request's first byte (None if unknown), once:
+    the next request on the connection starts its own clock."""
+    protocol = request.protocol
+    started = getattr(protocol, "request_started_at", None)
+    if started is not None:
+        protocol.request_started_at = None
+    return started
+
+
+class BoundedSite(web.TCPSite):
+    """A TCP site whose connections get an ``EnvelopeHandler`` (made with
+    ``handler_kwargs``, the runner's), and beyond ``max_connections`` a
+    refusal (``response``, a whole HTTP response) instead of the app."""
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int, max_connections: int, response: bytes,
+                 envelope: Callable[[int, str], bytes], read_timeout: float, handler_kwargs: dict):
+        super().__init__(runner, host, port)
+        self._read_timeout = read_timeout
+        self._max_connections = max_connections
+        self._response = response
+        self._envelope = envelope
+        self._handler_kwargs = handler_kwargs
+
+    def _protocol(self) -> asyncio.BaseProtocol:
+        server = self._runner.server
+        if len(server.connections) >= self._max_connections:
+            return _Refusal(self._response)
+        return EnvelopeHandler(server, self._envelope, self._read_timeout, loop=asyncio.get_running_loop(),
+                               **self._handler_kwargs)
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with its runner
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._protocol, self._host, self._port, backlog=self._backlog,
+                                                reuse_address=self._reuse_address, reuse_port=self._reuse_port)
+        sockets = self._server.sockets
+        self._bound_port = sockets[0].getsockname()[1] if sockets else self._port

@@ -1,0 +1,95 @@
+"""Malformed bodies and headers are 4xx in OpenAI's envelope, never a 5xx."""
+
+import gzip
+import json
+
+from tests.hostile.conftest import run
+
+CHAT = "/v1/chat/completions"
+BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def assert_envelope(status, body, expected=400):
+    assert status == expected, (status, body)
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+
+
+def test_nul_in_lora_path_is_a_400(hostile, tmp_path):
+    async def go():
+        async with hostile() as h:
+            for path in [f"{tmp_path}/a\u0000b", "good\u0000/../../etc", f"{tmp_path}/a\nb"]:
+                status, body = await h.post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": path})
+                assert_envelope(status, body)
+                assert body["error"]["param"] == "lora_path", body
+            raw = b'{"lora_name": "x", "lora_path": "%s/\\ud800"}' % str(tmp_path).encode()
+            status, body = await h.post("/v1/load_lora_adapter", raw)  # a lone surrogate
+            assert_envelope(status, body)
+            status, body = await h.post(CHAT, BODY)
+            assert status == 200, body
+    run(go)
+
+
+def test_gzip_header_over_plain_json_is_a_400(hostile):
+    import json
+
+    async def go():
+        async with hostile() as h:
+            raw = json.dumps(BODY).encode()
+            for encoding in ["gzip", "deflate", "br", "zstd", "x-unknown"]:
+                status, body = await h.post(CHAT, raw, headers={"Content-Encoding": encoding,
+                                                                "Content-Type": "application/json"})
+                assert status < 500, (encoding, status, body)
+                if status != 200:
+                    assert_envelope(status, body, status)
+            status, body = await h.post(CHAT, gzip.compress(raw), headers={"Content-Encoding": "gzip"})
+            assert status == 200, body  # a real gzip body still works
+            broken = gzip.compress(raw)[:12] + b"\xff" * 64
+            status, body = await h.post(CHAT, broken, headers={"Content-Encoding": "gzip"})
+            assert_envelope(status, body)
+            status, body = await h.post(CHAT, raw, headers={"Content-Encoding": "gzip"})  # the reported case
+            assert_envelope(status, body)
+            assert "Content-Encoding" in body["error"]["message"] and body["error"]["param"] == "body", body
+            status, body = await h.post(CHAT, BODY)  # the server goes on serving
+            assert status == 200, body
+    run(go)
+
+
+def test_a_body_that_fails_to_decode_at_its_end_is_answered_at_once(hostile):
+    """The header first, then a deflate body cut short: aiohttp noticed only
+    at the body's end and the route waited for the body for ever."""
+    import asyncio
+    import time
+
+    async def go():
+        async with hostile(request_read_timeout_s=20) as h:
+            for body in [b"[" * 100, b"[" * 200_000]:
+                reader, writer = await asyncio.open_connection("127.0.0.1", h.actor.port)
+                writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Encoding: deflate\r\n"
+                             b"Content-Length: %d\r\n\r\n" % len(body))
+                await writer.drain()
+                await asyncio.sleep(0.05)  # the header is parsed and routed before the body arrives
+                writer.write(body)
+                start = time.monotonic()
+                data = await asyncio.wait_for(reader.read(), 5)
+                assert data.startswith(b"HTTP/1.1 400") and time.monotonic() - start < 2, data[:200]
+                error = json.loads(data.partition(b"\r\n\r\n")[2])["error"]
+                assert error["param"] == "body" and "deflate" in error["message"] and "\n" not in error["message"]
+                writer.close()
+            status, out = await h.post(CHAT, BODY)
+            assert status == 200, out
+    run(go)
+
+
+def test_an_api_key_header_that_is_not_utf8_is_a_401(hostile):
+    import asyncio
+
+    async def go():
+        async with hostile(api_key="sekret") as h:
+            reader, writer = await asyncio.open_connection("127.0.0.1", h.actor.port)
+            writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n\r\n")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 401"), head
+            writer.close()
+            status, out = await h.post(CHAT, BODY, headers={"Authorization": "Bearer sekret"})
+            assert status == 200, out
+    run(go)
