@@ -8,15 +8,15 @@ from typing import Any
 
 import pytest
 
-from tests.frontend.conftest import FakeEngine, Harness, model_dir, tokenizer  # noqa: F401
+from tests.frontend.conftest import Engine, Harness, model_dir, tokenizer  # noqa: F401
 
 
 def run(fn, timeout: float = 15) -> None:
     asyncio.run(asyncio.wait_for(fn(), timeout))
 
 
-class AdapterEngine(FakeEngine):
-    """The fake engine, plus vLLM-style answers to runtime adapter updates: a
+class AdapterEngine(Engine):
+    """The frontend tests' engine, plus vLLM-style answers to runtime adapter updates: a
     load of a path ending in ``/ok`` succeeds, anything else is a 404."""
 
     async def run(self) -> None:
@@ -56,7 +56,7 @@ def make_harness(model_dir, tokenizer, adapter_dir: str | None = None, **server:
         lora |= {"allow_runtime_updates": True, "adapter_dirs": [adapter_dir]}
     h.config = parse_config({"model": {"path": str(model_dir), "name": "tiny"},
                              "server": {"port": 0} | server, "lora": lora})
-    h.engine = AdapterEngine(tokenizer, h.prepare, h.conductor)
+    h.engine = AdapterEngine(tokenizer, h.prepare, h.conductor, max_model_len=h.info.max_model_len)
     return h
 
 

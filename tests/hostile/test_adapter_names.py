@@ -37,12 +37,13 @@ def test_runtime_routes_refuse_bad_names(hostile, tmp_path):
     run(go)
 
 
-def test_a_bad_configured_name_stops_the_server_with_one_line(model_dir, capsys):
+def test_a_bad_configured_name_stops_the_server_with_one_line(model_dir, tokenizer, capsys):
     from mstar_actors import launcher
     from mstar_actors.config import parse_config
+    from tests.frontend.conftest import tiny_info
 
     config = parse_config({"model": {"path": str(model_dir), "name": "tiny"},
                            "lora": {"adapters": {"../../etc/passwd": str(model_dir)}}})
-    assert launcher.serve(config, launcher.served_name(config)) == 2
+    assert launcher.serve(config, tiny_info(model_dir, tokenizer)) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "'../../etc/passwd'" in err and "lora.adapters" in err, err

@@ -18,7 +18,7 @@ import zlib
 import aiohttp
 
 from mstar_actors.messages import Failed
-from mstar_actors.preprocess import Preparer
+from mstar_actors.prepare.preparers import Preparer
 from mstar_actors.tokenization import Tokenization
 from tests.hostile.conftest import make_harness
 

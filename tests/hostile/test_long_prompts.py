@@ -6,7 +6,7 @@ import random
 import pytest
 
 from mstar_actors.messages import ChatMessage, NewRequest, SamplingParams
-from mstar_actors.preprocess import Preparer
+from mstar_actors.prepare.preparers import Preparer
 from mstar_actors.prepare.prompt_bound import CUT_SLACK
 from mstar_actors.tokenization import Tokenization
 
