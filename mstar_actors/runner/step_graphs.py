@@ -52,6 +52,7 @@ has long completed (sampling reads the logits on the host).
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -149,8 +150,17 @@ def _capture(forward: Callable[[], None], pool: Any, device: torch.device) -> to
             forward()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):  # on torch's own side stream
-        forward()
+    # The collector stays off while capturing: a finalizer it runs mid-capture
+    # (an event or a stream freed) is a CUDA call capture forbids, and it
+    # invalidates the whole capture. torch.cuda.graph collects on entry.
+    is_gc_on = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):  # on torch's own side stream
+            forward()
+    finally:
+        if is_gc_on:
+            gc.enable()
     return graph
 
 
