@@ -382,7 +382,7 @@ def enable_lora(
     # The LM head may be tied to the embedding (no module of its own); its
     # LoRA delta is independent of the tie, so it always gets a stack.
     spec = model.spec
-    stacks[LM_HEAD] = LoraStack(spec.hidden_size, [spec.vocab_size], **kwargs)
+    stacks[LM_HEAD] = LoraStack(spec.hidden_size, [model.layout.vocab_size], **kwargs)  # this rank's vocabulary
     model.lm_head_lora = LoraHook(stacks[LM_HEAD], step, is_sampled=True)
     return LoraLayers(stacks, rules, step, kernels)
 
