@@ -105,7 +105,13 @@ def init_tensor_parallel(rank: int, rendezvous: Rendezvous, device: torch.device
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=rendezvous.init_method, rank=rank,
                             world_size=rendezvous.world_size, timeout=datetime.timedelta(seconds=timeout_s))
-    return TensorParallel(rank, rendezvous.world_size, backend)
+    tp = TensorParallel(rank, rendezvous.world_size, backend)
+    # One collective now: NCCL makes its communicator on the first, which
+    # must not happen inside a CUDA graph's capture; on gloo it checks the wiring.
+    probe = tp.all_reduce(torch.ones(1, device=device))
+    if int(probe.item()) != tp.world_size:
+        raise RuntimeError(f"rank {rank}: the group's first all-reduce gave {probe.item()}, not {tp.world_size}")
+    return tp
 
 
 def destroy_tensor_parallel(tp: TensorParallel) -> None:

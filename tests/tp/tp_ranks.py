@@ -30,7 +30,7 @@ class LoaderLines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out: Any) -> None:
+def _rank_main(rank: int, world_size: int, port: int, device: str, fn: Callable, args: tuple, out: Any) -> None:
     import torch
 
     from mstar_actors.runner.parallel import Rendezvous, destroy_tensor_parallel, init_tensor_parallel
@@ -42,7 +42,8 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
     loader_log.addHandler(lines)
     tp = None
     try:
-        tp = init_tensor_parallel(rank, Rendezvous("127.0.0.1", port, world_size), torch.device("cpu"), timeout_s=60)
+        where = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+        tp = init_tensor_parallel(rank, Rendezvous("127.0.0.1", port, world_size), where, timeout_s=60)
         result = fn(tp, *args)
         out.put((rank, "ok", result, lines.lines))
     except BaseException:  # noqa: BLE001 - the parent reports it
@@ -52,14 +53,16 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
             destroy_tensor_parallel(tp)
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = RANK_TIMEOUT_S) -> list[tuple[Any, list[str]]]:
-    """``[(fn's result, the loader's log lines)]`` by rank."""
+def run_ranks(fn: Callable, world_size: int, *args: Any, device: str = "cpu",
+              timeout_s: float = RANK_TIMEOUT_S) -> list[tuple[Any, list[str]]]:
+    """``[(fn's result, the loader's log lines)]`` by rank; ``device`` "cuda"
+    puts rank R on ``cuda:R`` in an NCCL group."""
     from mstar_actors.runner.parallel import pick_loopback_port
 
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     port = pick_loopback_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, out), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, device, fn, args, out), daemon=True)
              for r in range(world_size)]
     for proc in procs:
         proc.start()

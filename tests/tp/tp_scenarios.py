@@ -35,7 +35,7 @@ class LogitsRecorder:
         self.logits: list[torch.Tensor] = []
 
     def __call__(self, logits, rows, *, generator):
-        self.logits.append(logits.detach().numpy().copy())  # numpy: crosses the result queue by value
+        self.logits.append(logits.detach().cpu().numpy().copy())  # numpy: crosses the result queue by value
         return sample_tokens(logits, rows, generator=generator)
 
 
@@ -93,3 +93,30 @@ def vl_scenario(tp, folder) -> dict:
     return dict(outputs=outputs, logits=recorder.logits, num_params=held_parameters(runner), rank=tp.rank)
 
 
+
+
+def lora_scenario(tp, base_folder, installs: list, max_rank: int) -> dict:
+    """Three adapters installed as a worker installs them (``install_from_host``
+    from shared-memory host copies), then base and adapter rows in the same
+    steps: chunked prefill and a prefix-cache hit within one adapter (the
+    plans of ``test_lora_parity``'s ``run_mixed``). Returns the outputs and
+    every install's answer."""
+    from actors.worker import install_from_host
+
+    runner = runner_factories.make_runner(base_folder, tp=tp, dtype="float32", device="cpu", block_size=BLOCK_SIZE,
+                                          num_blocks=96, seed=0, max_loras=len(installs), max_lora_rank=max_rank)
+    replies = [install_from_host(runner, tp.rank, msg) for msg in installs]
+    slots = {msg.name: msg.slot for msg in installs}
+    gen = torch.Generator().manual_seed(3)
+    prompts = {rid: torch.randint(3, 320, (n,), generator=gen).tolist() for rid, n in [("a1", 30), ("b0", 14), ("t1", 9), ("m1", 7)]}
+    prompts["a2"] = prompts["a1"][:24] + torch.randint(3, 320, (5,), generator=gen).tolist()
+    on = {"a1": "all", "a2": "all", "t1": "attn", "m1": "mlp", "b0": None}
+    d = PlanDriver(runner, block_size=BLOCK_SIZE, num_new=16, sampling=GREEDY)
+    start = {rid: d.start(rid, prompts[rid], slot=slots.get(on[rid], 0)) for rid in ("a1", "b0", "t1", "m1")}
+    d.step(start.values(), [d.chunk("a1", 12), d.chunk("b0"), d.chunk("t1"), d.chunk("m1")])
+    d.step([], [d.chunk("a1", 12), *d.decodes("b0", "t1", "m1")])
+    d.step([], [d.chunk("a1", 6), *d.decodes("b0", "t1", "m1")])
+    a2 = d.start("a2", prompts["a2"], slot=slots["all"], shared_blocks=d.seqs["a1"]["blocks"][:6], num_computed=24)
+    d.step([a2], [d.chunk("a2"), *d.decodes("a1", "b0", "t1", "m1")])
+    return dict(outputs=d.run_to_end(), prompts=prompts, on=on, replies=[(r.ok, r.error) for r in replies],
+                stack_rows={name: tuple(stack.b.shape) for name, stack in runner.lora.stacks.items()})
