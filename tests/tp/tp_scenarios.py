@@ -120,3 +120,37 @@ def lora_scenario(tp, base_folder, installs: list, max_rank: int) -> dict:
     d.step([a2], [d.chunk("a2"), *d.decodes("a1", "b0", "t1", "m1")])
     return dict(outputs=d.run_to_end(), prompts=prompts, on=on, replies=[(r.ok, r.error) for r in replies],
                 stack_rows={name: tuple(stack.b.shape) for name, stack in runner.lora.stacks.items()})
+
+
+def serve_rank(tp, base_folder, commands, replies, fail_names: tuple[str, ...], max_loras: int) -> int:
+    """A worker's work on a real sharded runner, driven through queues: the
+    parent relays the conductor's ``InstallAdapter`` and ``StepPlan`` here and
+    the answers back (``WorkerReady`` first; ``None`` ends it). Installs of
+    ``fail_names`` fail on this rank, as a rank-local fault would."""
+    import time
+
+    from actors.worker import install_from_host
+
+    runner = runner_factories.make_runner(base_folder, tp=tp, dtype="float32", device="cpu", block_size=4,
+                                          num_blocks=64, seed=0, max_loras=max_loras, max_lora_rank=8,
+                                          max_model_len=64)
+    install = runner.install_adapter
+
+    def failing_install(slot, weights):
+        if weights.name in fail_names:
+            raise RuntimeError(f"scripted failure of {weights.name!r} on rank {tp.rank}")
+        install(slot, weights)
+
+    runner.install_adapter = failing_install
+    replies.put(runner.ready_info(tp.rank))
+    num_steps = 0
+    while (msg := commands.get()) is not None:
+        if isinstance(msg, messages.InstallAdapter):
+            replies.put(install_from_host(runner, tp.rank, msg))
+        else:
+            started = time.perf_counter()
+            sampled = runner.execute(msg)
+            num_steps += 1
+            replies.put(messages.StepDone(step_id=msg.step_id, rank=tp.rank, sampled=sampled,
+                                          elapsed_s=time.perf_counter() - started))
+    return num_steps
