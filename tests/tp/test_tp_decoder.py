@@ -60,6 +60,19 @@ def test_tp2_logits_match_tp1_and_agree_across_ranks(world):
         torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4, msg=f"step {step}")
 
 
+def test_tp2_first_logits_match_transformers(world):
+    """The first step samples b and c (a's chunk is not its last): their
+    logits are transformers' at each prompt's last position."""
+    _, model, _, ranks = world
+    prompts = decode_prompts(VOCAB)
+    first = torch.as_tensor(ranks[0][0]["logits"][0])
+    assert first.shape == (2, VOCAB)
+    with torch.no_grad():
+        for row, rid in enumerate(("b", "c")):
+            want = model(torch.tensor([prompts[rid]])).logits[0, -1]
+            torch.testing.assert_close(first[row], want, atol=1e-4, rtol=1e-4, msg=rid)
+
+
 def test_each_rank_holds_about_half_and_logs_it(world):
     _, _, single, ranks = world
     for rank, (run, lines) in enumerate(ranks):

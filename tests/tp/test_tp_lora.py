@@ -5,6 +5,7 @@ on lm_head and embed_tokens) give transformers + PEFT's tokens."""
 
 from __future__ import annotations
 
+import contextlib
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 
@@ -21,41 +22,70 @@ from mstar_actors.models.lora_layers import shard_factors
 from mstar_actors.models.sharding import Cut
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
-def world(request, tmp_path_factory):
-    """(base model, {adapter: peft model}, the two ranks' runs)."""
-    root = tmp_path_factory.mktemp(f"tp_lora_{request.param}")
-    base = make_base(request.param, root / "base")
-    peft = {name: make_peft(root / "base", root / name, seed=10 + i, **kwargs)
-            for i, (name, kwargs) in enumerate(ADAPTERS.items())}
+@contextlib.contextmanager
+def host_copies(root, base):
+    """The adapter reader's host copies of ``ADAPTERS`` (shared memory) and
+    the ``InstallAdapter`` of each, into slots 1, 2, 3."""
     shapes = BaseShapes.from_hf_config(base.config.to_dict())
     segments, installs = [], []
-    for slot, name in enumerate(ADAPTERS, start=1):  # the adapter reader's host copies
-        weights = read_adapter(root / name, base=shapes, max_rank=MAX_RANK, name=name)
-        blob = adapter_to_bytes(weights)
-        shm = SharedMemory(create=True, size=len(blob))
-        shm.buf[: len(blob)] = blob
-        segments.append(shm)
-        installs.append(InstallAdapter(slot=slot, name=name, digest=weights.digest,
-                                       host=AdapterHostRef(segment=shm.name, nbytes=len(blob))))
     try:
-        ranks = run_ranks(lora_scenario, 2, root / "base", installs, MAX_RANK)
+        for slot, name in enumerate(ADAPTERS, start=1):
+            weights = read_adapter(root / name, base=shapes, max_rank=MAX_RANK, name=name)
+            blob = adapter_to_bytes(weights)
+            shm = SharedMemory(create=True, size=len(blob))
+            shm.buf[: len(blob)] = blob
+            segments.append(shm)
+            installs.append(InstallAdapter(slot=slot, name=name, digest=weights.digest,
+                                           host=AdapterHostRef(segment=shm.name, nbytes=len(blob))))
+        yield installs
     finally:
         for shm in segments:
             resource_tracker.register(shm._name, "shared_memory")  # noqa: SLF001 - the ranks unregistered it
             shm.close()
             shm.unlink()
+
+
+def make_world(root, kind: str):
+    base = make_base(kind, root / "base")
+    peft = {name: make_peft(root / "base", root / name, seed=10 + i, **kwargs)
+            for i, (name, kwargs) in enumerate(ADAPTERS.items())}
+    return base, peft
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def world(request, tmp_path_factory):
+    """(base model, {adapter: peft model}, the two ranks' runs)."""
+    root = tmp_path_factory.mktemp(f"tp_lora_{request.param}")
+    base, peft = make_world(root, request.param)
+    with host_copies(root, base) as installs:
+        ranks = run_ranks(lora_scenario, 2, root / "base", installs, MAX_RANK)
     return base, peft, [run for run, _ in ranks]
+
+
+def assert_matches_peft(run, base, peft) -> None:
+    for rid, prompt in run["prompts"].items():
+        name = run["on"][rid]
+        want = generate(base, prompt) if name is None else generate(peft[name], prompt)
+        assert run["outputs"][rid] == want, f"{rid} on adapter {name} diverged from transformers+peft at tp=2"
 
 
 def test_adapters_at_tp2_match_peft_token_for_token(world):
     base, peft, (rank0, rank1) = world
     assert rank0["replies"] == rank1["replies"] == [(True, "")] * 3
     assert rank0["outputs"] == rank1["outputs"]
-    for rid, prompt in rank0["prompts"].items():
-        name = rank0["on"][rid]
-        want = generate(base, prompt) if name is None else generate(peft[name], prompt)
-        assert rank0["outputs"][rid] == want, f"{rid} on adapter {name} diverged from transformers+peft at tp=2"
+    assert_matches_peft(rank0, base, peft)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_adapters_at_tp2_on_two_gpus_match_peft(tmp_path):
+    """NCCL, the Triton shrink/expand and the fused linears on shards, the steps' graphs captured."""
+    base, peft = make_world(tmp_path, "llama")
+    with host_copies(tmp_path, base) as installs:
+        ranks = run_ranks(lora_scenario, 2, tmp_path / "base", installs, MAX_RANK, "cuda", device="cuda")
+    (rank0, _), (rank1, _) = ranks
+    assert rank0["replies"] == [(True, "")] * 3 and rank0["outputs"] == rank1["outputs"]
+    assert_matches_peft(rank0, base, peft)
 
 
 def test_each_rank_stacks_its_shard_of_the_adapters(world):

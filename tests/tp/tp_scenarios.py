@@ -95,7 +95,7 @@ def vl_scenario(tp, folder) -> dict:
 
 
 
-def lora_scenario(tp, base_folder, installs: list, max_rank: int) -> dict:
+def lora_scenario(tp, base_folder, installs: list, max_rank: int, device: str = "cpu") -> dict:
     """Three adapters installed as a worker installs them (``install_from_host``
     from shared-memory host copies), then base and adapter rows in the same
     steps: chunked prefill and a prefix-cache hit within one adapter (the
@@ -103,7 +103,7 @@ def lora_scenario(tp, base_folder, installs: list, max_rank: int) -> dict:
     every install's answer."""
     from actors.worker import install_from_host
 
-    runner = runner_factories.make_runner(base_folder, tp=tp, dtype="float32", device="cpu", block_size=BLOCK_SIZE,
+    runner = runner_factories.make_runner(base_folder, tp=tp, dtype="float32", device=device, block_size=BLOCK_SIZE,
                                           num_blocks=96, seed=0, max_loras=len(installs), max_lora_rank=max_rank)
     replies = [install_from_host(runner, tp.rank, msg) for msg in installs]
     slots = {msg.name: msg.slot for msg in installs}
