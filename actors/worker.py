@@ -220,6 +220,11 @@ class WorkerActor(Actor):
 
     def install(self, msg: InstallAdapter) -> AdapterInstalled:
         """On the install thread: the host copy into the slot, then wait for the device copies."""
+        device = getattr(self.runner, "device", None)
+        if device is not None and device.type == "cuda":  # a thread's current device is its own: the rank's
+            import torch
+
+            torch.cuda.set_device(device)
         reply = install_from_host(self.runner, self.rank, msg)
         if not reply.ok:
             self.log.warning("%s", reply.error)

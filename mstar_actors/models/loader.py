@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -175,16 +176,9 @@ def _fill_weights(model_dir: Path, targets: dict[str, Target], arch: Architectur
                 else:  # only this rank's rows or columns are read
                     target.view.copy_(target.cut.take(tensor))
                 loaded.add(name)
-                num_full += _numel(shape)
+                num_full += math.prod(shape)
     _check_complete(model_dir, targets, loaded, unexpected, spec)
     return num_full
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    total = 1
-    for n in shape:
-        total *= n
-    return total
 
 
 def _check_complete(model_dir, targets, loaded, unexpected, spec) -> None:

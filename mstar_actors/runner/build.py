@@ -50,6 +50,8 @@ def build_runner(config: Config, info: ModelInfo, resolve_tensor: TensorResolver
     media pixel values (the rank's arena); ``sampler`` picks each step's
     tokens; ``tp`` is the rank's tensor-parallel group (its shard is loaded)."""
     device = rank_device(resolve_device(config.model.device), tp.rank, tp.world_size)
+    if device.type == "cuda":  # this thread's kernels, streams and graph captures go to the rank's device
+        torch.cuda.set_device(device)
     dtype = resolve_dtype(info.dtype, None, device)
     model = load_model(info.model_dir, dtype, device, tp)
     if device.type == "cpu":

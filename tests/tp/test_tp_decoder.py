@@ -29,7 +29,7 @@ def hf_generate(model, prompt: list[int]) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "llama-bias"])
 def world(request, tmp_path_factory):
     """(folder, transformers model, the tp=1 run, the two ranks' runs with their loader lines)."""
     folder = tmp_path_factory.mktemp(f"tp_{request.param}")
