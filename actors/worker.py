@@ -4,16 +4,18 @@ It owns the device state (through ``ModelRunner``) and decides nothing another
 rank would have to agree with: it reports local facts (``WorkerReady``) and
 the result of each step (``StepDone`` / ``StepFailed``).
 
-Tensor parallelism does not split work yet: every rank loads and runs the full
-model, so ``parallel.tp = N`` starts N identical workers. That still exercises
-the conductor's broadcast of each plan and its agreement on every rank's
-answer, which is what sharding will rely on.
+With ``parallel.tp = N`` the N workers are the ranks of one
+``torch.distributed`` group (``runner.parallel``), joined at start through
+the rendezvous the launcher picked and left at stop. Each loads its shard
+of the model; the forward's collectives are the only traffic between ranks,
+and every plan and install still comes from the conductor over the rings.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import time
 from multiprocessing import resource_tracker
@@ -113,10 +115,13 @@ class WorkerActor(Actor):
     weights, one sent after the acknowledgement always does.
     """
 
-    def __init__(self, *, rank: int = 0, runner: Any = None, arena_spec: Any = None, **kw: Any):
+    def __init__(self, *, rank: int = 0, runner: Any = None, arena_spec: Any = None,
+                 rendezvous: dict | None = None, **kw: Any):
         super().__init__(**kw)
         self.rank = rank
         self.runner = runner  # tests may inject one; otherwise built in start()
+        self.rendezvous = rendezvous  # where the tensor-parallel ranks meet (the launcher's pick); None: one rank
+        self.tp: Any = None  # the rank's TensorParallel once joined
         self.arena_spec = arena_spec  # the media arena, read as consumer ``rank``
         self.media: Any = None  # MediaCopies when there is an arena (see mstar_actors.runner.media_copies)
         # Bounded by the protocol: at most one install per slot is ever outstanding.
@@ -133,9 +138,35 @@ class WorkerActor(Actor):
             self.set_torch_threads()
             from mstar_actors.runner.build import build_runner
 
+            self.tp = await self.join_group()
             resolve = self.media.resolve if self.media is not None else None
-            self.runner = await self.run_blocking(build_runner, self.config, self.info, resolve)
+            self.runner = await self.run_blocking(functools.partial(build_runner, tp=self.tp), self.config, self.info,
+                                                  resolve)
         await self.outbox["conductor"].send(self.runner.ready_info(self.rank))
+
+    async def join_group(self) -> Any:
+        """This rank's place in the tensor-parallel group (blocks until every rank joined)."""
+        from mstar_actors.runner.device import resolve_device
+        from mstar_actors.runner.parallel import SINGLE_RANK, Rendezvous, init_tensor_parallel, rank_device
+
+        if not self.rendezvous or self.rendezvous["world_size"] == 1:
+            return SINGLE_RANK
+        meet = Rendezvous(**self.rendezvous)
+        device = rank_device(resolve_device(self.config.model.device), self.rank, meet.world_size)
+        if device.type == "cuda":  # the loop's thread runs the steps: its current device is the rank's
+            import torch
+
+            torch.cuda.set_device(device)
+        tp = await self.run_blocking(init_tensor_parallel, self.rank, meet, device)
+        self.log.info("joined the tensor-parallel group at %s as rank %d of %d (%s)", meet.init_method, tp.rank,
+                      tp.world_size, tp.backend)
+        return tp
+
+    async def stop(self) -> None:
+        if self.tp is not None:
+            from mstar_actors.runner.parallel import destroy_tensor_parallel
+
+            destroy_tensor_parallel(self.tp)
 
     def set_torch_threads(self) -> None:
         """On the loop's thread, which runs every step: OpenMP's thread count
@@ -189,6 +220,11 @@ class WorkerActor(Actor):
 
     def install(self, msg: InstallAdapter) -> AdapterInstalled:
         """On the install thread: the host copy into the slot, then wait for the device copies."""
+        device = getattr(self.runner, "device", None)
+        if device is not None and device.type == "cuda":  # a thread's current device is its own: the rank's
+            import torch
+
+            torch.cuda.set_device(device)
         reply = install_from_host(self.runner, self.rank, msg)
         if not reply.ok:
             self.log.warning("%s", reply.error)

@@ -11,7 +11,13 @@ not), send ``Started`` to the frontend, then wait for one of:
   frontend gets ``PeerFailed`` so in-flight requests fail clearly; then a
   clean stop with exit code 1.
 
-The media arena is made with the rings (``create_media_arena``).
+The media arena is made with the rings (``create_media_arena``). With
+``parallel.tp`` > 1 the workers are one ``torch.distributed`` group: the
+launcher picks a free loopback port for its rendezvous, records it in the
+run directory (``rendezvous.json``) and hands it to every rank
+(``plan_rendezvous``). A rank that dies is an actor exit like any other:
+the others are stopped (killed if a collective holds them), so none waits
+on its dead peer past the stop timeout.
 
 Stopping: ``Shutdown`` to every live actor, join with a timeout, kill the
 stragglers, unlink every segment and remove the run directory. Child exits are
@@ -40,6 +46,7 @@ log = logging.getLogger("mstar_actors.launcher")
 CONTROL_RING_BYTES = 1 << 18  # tracebacks travel here
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 10.0
+RENDEZVOUS_FILE = "rendezvous.json"  # the tensor-parallel group's address, in the run directory
 
 
 @dataclasses.dataclass
@@ -172,6 +179,22 @@ class Launcher:
         self.rings = Rings(self.run_id, self.run_dir, self.config)
         self.rings.create_all(self.plans)
         self.create_media_arena()
+        self.plan_rendezvous()
+
+    def plan_rendezvous(self) -> None:
+        """Where the tensor-parallel ranks meet: a loopback port free now
+        (rank 0's store binds it), recorded in the run directory."""
+        import json
+
+        from mstar_actors.runner.parallel import pick_loopback_port
+
+        workers = [plan for plan in self.plans if plan.target == "actors.worker:WorkerActor"]
+        if len(workers) < 2:
+            return
+        meet = {"host": "127.0.0.1", "port": pick_loopback_port(), "world_size": len(workers)}
+        (self.run_dir / RENDEZVOUS_FILE).write_text(json.dumps(meet) + "\n")
+        for plan in workers:
+            plan.params["rendezvous"] = meet
 
     def create_media_arena(self) -> None:
         """One media tensor arena per run (``transport.arena_bytes``, sparse until
@@ -394,13 +417,17 @@ def check_adapter_names(config: Config, info: ModelInfo) -> None:
 
 def serve(config: Config, info: ModelInfo) -> int:
     """Run the server until a signal or an actor's death; the exit code
-    (2: a configured adapter can't be served, one line on stderr says which)."""
+    (2: a configured adapter can't be served, or ``parallel.tp`` does not
+    split the model; one line on stderr says which)."""
     import sys
 
     import uvloop
 
     from mstar_actors.lora import AdapterError
 
+    if info.tp_refusal:
+        print(f"error: {info.tp_refusal}", file=sys.stderr)
+        return 2
     try:
         validate_adapters(config, info)
     except AdapterError as err:

@@ -38,6 +38,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     media_token_ids: dict[str, int] = {}  # "image" / "video" -> its placeholder token (multimodal only)
     lora_base: BaseShapes | None = None  # what adapters must fit; None: this model takes none
     lora_refusal: str = ""  # why ``lora_base`` is None
+    tp_refusal: str = ""  # why ``parallel.tp`` ranks cannot split this model ("" when they can)
 
     def with_kv_capacity(self, num_kv_tokens: int) -> ModelInfo:
         """The same facts with ``max_model_len`` narrowed to what the KV cache holds."""
@@ -52,6 +53,7 @@ def load_model_info(config: Config) -> ModelInfo:
     """
     from mstar_actors.fetch import resolve_model
     from mstar_actors.models.loader import load_spec
+    from mstar_actors.models.sharding import tp_refusal
     from mstar_actors.models.spec import read_config
 
     model_dir = resolve_model(config.model.path)
@@ -72,6 +74,7 @@ def load_model_info(config: Config) -> ModelInfo:
         media_token_ids=media,
         lora_base=lora_base,
         lora_refusal=lora_refusal,
+        tp_refusal=tp_refusal(spec, config.parallel.tp) or "",
     )
 
 

@@ -42,7 +42,11 @@ def runner_config(folder: Any = None, **keys: Any) -> Config:
     return parse_config(data)
 
 
-def make_runner(folder: Any, *, sampler: Any = None, resolve_tensor: Any = None, **keys: Any) -> ModelRunner:
+def make_runner(folder: Any, *, sampler: Any = None, resolve_tensor: Any = None, tp: Any = None,
+                **keys: Any) -> ModelRunner:
+    """``tp``: the rank's ``TensorParallel`` (its shard is built), else one rank."""
     config = runner_config(folder, **keys)
     extra = {} if sampler is None else {"sampler": sampler}
+    if tp is not None:
+        extra["tp"] = tp
     return build_runner(config, load_model_info(config), resolve_tensor, **extra)

@@ -37,6 +37,7 @@ they lose their core.
     python tools/bench_serve.py --workload natural --natural-prompts 32   # every built-in question
     python tools/bench_serve.py --model DIR --concurrency 1,4,16 --max-tokens 64
     python tools/bench_serve.py --url http://127.0.0.1:8000/v1 --model DIR   # an already running server
+    python tools/bench_serve.py --tp 2 --workload fixed --concurrency 1,4   # two sharded ranks
 
 Prints a table per workload and the ratios to ``generate`` (issue targets:
 concurrency 1 >= 0.9x sequential, concurrency 8 >= 2x batched). Output
@@ -205,13 +206,13 @@ class Generate:
 # ---- our server -------------------------------------------------------------
 
 
-def for_model(model_dir: Path, name: str, num_seqs: int, num_threads: int, tmp: Path) -> Server:
-    """The CPU server this benchmark measures."""
+def for_model(model_dir: Path, name: str, num_seqs: int, num_threads: int, tmp: Path, tp: int = 1) -> Server:
+    """The CPU server this benchmark measures; with ``tp`` ranks the threads are split between them."""
     return Server({
         "model": {"path": str(model_dir), "name": name, "dtype": "float32", "device": "cpu"},
         "scheduler": {"max_num_seqs": max(num_seqs, 8), "max_num_batched_tokens": 1024, "max_model_len": 2048},
         "kv": {"block_size": 16, "num_blocks": 1024},
-        "parallel": {"worker_torch_threads": num_threads},
+        "parallel": {"tp": tp, "worker_torch_threads": max(1, num_threads // tp)},
         "server": {"host": "127.0.0.1", "port": free_port()},
     }, tmp)
 
@@ -309,6 +310,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="natural: most new tokens per prompt, fewer at EOS (default 128)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="torch intra-op threads of generate and of the server's worker (default: the usable cores)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="the server's tensor-parallel ranks (parallel.tp; --threads split between them; default 1)")
     p.add_argument("--output", default=None, help="write the tables to this file too")
     return p.parse_args(argv)
 
@@ -328,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         workloads.append(Workload("fixed", make_messages(max(args.num_prompts, max(levels))), args.max_tokens, True))
     if args.workload in ("natural", "both"):
         workloads.append(Workload("natural", make_questions(args.natural_prompts), args.natural_max_tokens, False))
-    print(f"model {model_dir}, torch threads {args.threads}, cpu count {os.cpu_count()}, "
+    print(f"model {model_dir}, server tp {args.tp}, torch threads {args.threads}, cpu count {os.cpu_count()}, "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     generate = Generate(model_dir)
     results = {w.name: generate.run(w, args.batch) for w in workloads}
@@ -340,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                 url = args.url
             else:
                 progress("starting the server")
-                server = for_model(model_dir, name, max(levels), args.threads, Path(tmp))
+                server = for_model(model_dir, name, max(levels), args.threads, Path(tmp), args.tp)
                 url = server.wait()
             for w in workloads:
                 for c in levels:

@@ -1,7 +1,8 @@
 """Native model code on the paged KV cache.
 
-``loader.load_model(folder, dtype, device)`` builds the shared decoder
-(``decoder.CausalLM``) for any architecture in ``registry.ARCHITECTURES``;
+``loader.load_model(folder, dtype, device, tp)`` builds the shared decoder
+(``decoder.CausalLM``) for any architecture in ``registry.ARCHITECTURES``,
+this tensor-parallel rank's shard of it (``sharding``; all of it on one rank);
 ``checkpoint.CheckpointRules`` maps HF module names onto ours for the loader
 and the LoRA code; ``attention`` holds the paged-attention seam.
 """

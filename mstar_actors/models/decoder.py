@@ -20,6 +20,7 @@ from torch import nn
 from .attention import AttentionMetadata, PagedAttention, TorchPagedAttention
 from .cpu_linear import PackArena, PackedWeight, arena_floats, is_packable, packed_linear, packs_blocks
 from .rope import RotaryEmbedding
+from .sharding import Cut, ShardLayout, single_rank_layout
 from .spec import ModelSpec
 
 if TYPE_CHECKING:  # the hooks are made by ``lora_layers``, which builds on these modules
@@ -56,6 +57,9 @@ class LoraLinear(nn.Linear):
     # ``weight`` being its first rows.
     fused_weight: torch.Tensor | None = None
     fused_bias: torch.Tensor | None = None
+    # Where this rank's weight sits in the checkpoint tensor, per shard
+    # (``sharding``); empty: the whole tensor.
+    tp_slices: dict[int | None, Cut] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hook = self.lora
@@ -77,13 +81,28 @@ class LoraLinear(nn.Linear):
 
 
 class LoraEmbedding(nn.Embedding):
-    """The token embedding, LoRA-targetable like ``LoraLinear`` (its ``x`` is the token ids)."""
+    """The token embedding, LoRA-targetable like ``LoraLinear`` (its ``x`` is the token ids).
+
+    Under tensor parallelism it holds the vocabulary rows of its ``layout``:
+    ids outside them look up row 0 and are zeroed (base and delta alike),
+    and the all-reduce sums the one rank that holds each id."""
 
     lora: LoraHook | None = None
+    tp_slices: dict[int | None, Cut] = {}
+    layout: ShardLayout | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        y = F.embedding(input_ids, self.weight)
-        return y if self.lora is None else self.lora.apply(y, input_ids)
+        layout = self.layout
+        if layout is None or not layout.tp.is_parallel:
+            y = F.embedding(input_ids, self.weight)
+            return y if self.lora is None else self.lora.apply(y, input_ids)
+        local = input_ids - layout.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        local = local.masked_fill(outside, 0)
+        y = F.embedding(local, self.weight)
+        if self.lora is not None:
+            y = self.lora.apply(y, local)
+        return layout.tp.all_reduce(y.masked_fill(outside[:, None], 0.0))
 
 
 class StackedLinear(LoraLinear):
@@ -99,11 +118,20 @@ class StackedLinear(LoraLinear):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: PagedAttention, rotary: RotaryEmbedding | None = None):
+    """This rank's heads (``layout``): q/k/v column-parallel, o row-parallel
+    with one all-reduce (which also carries o's LoRA delta)."""
+
+    def __init__(self, spec: ModelSpec, backend: PagedAttention, rotary: RotaryEmbedding | None = None,
+                 layout: ShardLayout | None = None):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.qkv_proj = StackedLinear(spec.hidden_size, [spec.q_size, spec.kv_size, spec.kv_size], spec.qkv_bias)
-        self.o_proj = LoraLinear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
+        layout = layout or single_rank_layout(spec)
+        self.tp = layout.tp
+        self.num_heads, self.num_kv_heads, self.head_dim = layout.num_heads, layout.num_kv_heads, spec.head_dim
+        q_size, kv_size = self.num_heads * spec.head_dim, self.num_kv_heads * spec.head_dim
+        self.qkv_proj = StackedLinear(spec.hidden_size, [q_size, kv_size, kv_size], spec.qkv_bias)
+        self.qkv_proj.tp_slices = layout.qkv_cuts()
+        self.o_proj = LoraLinear(q_size, spec.hidden_size, bias=spec.o_bias)
+        self.o_proj.tp_slices = layout.o_cuts()
         # A plain flag: ``hasattr`` on a module raises and catches inside
         # nn.Module.__getattr__ for the missing norm, every layer, every step.
         self.has_qk_norm = spec.qk_norm
@@ -125,26 +153,33 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         self.backend.write_kv(kv_cache, k, v, meta)
         out = self.backend.attend(q, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    """This rank's intermediate columns: gate/up column-parallel, down row-parallel with one all-reduce."""
+
+    def __init__(self, spec: ModelSpec, layout: ShardLayout | None = None):
         super().__init__()
-        size = spec.intermediate_size
+        layout = layout or single_rank_layout(spec)
+        self.tp = layout.tp
+        size = layout.intermediate_size
         self.gate_up_proj = StackedLinear(spec.hidden_size, [size, size], bias=False)
+        self.gate_up_proj.tp_slices = layout.gate_up_cuts()
         self.down_proj = LoraLinear(size, spec.hidden_size, bias=False)
+        self.down_proj.tp_slices = layout.down_cuts()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: PagedAttention, rotary: RotaryEmbedding | None = None):
+    def __init__(self, spec: ModelSpec, backend: PagedAttention, rotary: RotaryEmbedding | None = None,
+                 layout: ShardLayout | None = None):
         super().__init__()
-        self.self_attn = Attention(spec, backend, rotary)
-        self.mlp = MLP(spec)
+        self.self_attn = Attention(spec, backend, rotary, layout)
+        self.mlp = MLP(spec, layout)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -154,28 +189,37 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: PagedAttention):
+    def __init__(self, spec: ModelSpec, backend: PagedAttention, layout: ShardLayout | None = None):
         super().__init__()
-        self.embed_tokens = LoraEmbedding(spec.vocab_size, spec.hidden_size)
+        layout = layout or single_rank_layout(spec)
+        self.embed_tokens = LoraEmbedding(layout.vocab_size, spec.hidden_size)
+        self.embed_tokens.tp_slices, self.embed_tokens.layout = layout.vocab_cuts(), layout
         # One rotary for all layers, so a step's angles are computed once (see run_layers).
         rotary = RotaryEmbedding(spec.rope, spec.head_dim)
-        self.layers = nn.ModuleList(DecoderLayer(spec, backend, rotary) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, backend, rotary, layout) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
     """``forward`` -> final hidden states ``[T, hidden]``; ``compute_logits``
-    on the rows that are sampled -> ``[R, vocab]`` float32."""
+    on the rows that are sampled -> ``[R, vocab]`` float32.
+
+    ``spec`` is the whole model's shape; ``layout`` this rank's share of it
+    (``sharding``; one rank holds everything). The LM head holds the
+    layout's vocabulary rows and ``compute_logits`` gathers every rank's,
+    so every rank samples from the same whole-vocabulary logits."""
 
     lm_head_lora: LoraHook | None = None  # set by lora_layers.enable_lora (the head may be tied)
     lm_head_packed: PackedWeight | None = None  # the head's CPU float32 copy (cpu_linear), made on first use
 
-    def __init__(self, spec: ModelSpec, backend: PagedAttention | None = None):
+    def __init__(self, spec: ModelSpec, backend: PagedAttention | None = None, layout: ShardLayout | None = None):
         super().__init__()
         self.spec = spec
-        self.model = DecoderModel(spec, backend or TorchPagedAttention())
+        self.layout = layout or single_rank_layout(spec)
+        self.model = DecoderModel(spec, backend or TorchPagedAttention(), self.layout)
         if not spec.tie_word_embeddings:
-            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = nn.Linear(spec.hidden_size, self.layout.vocab_size, bias=False)
+            self.lm_head.tp_slices = self.layout.vocab_cuts()
 
     def forward(
         self,
@@ -237,7 +281,7 @@ class CausalLM(nn.Module):
         logits = self._head(hidden, weight)
         if self.lm_head_lora is not None:  # rows of ``hidden`` are the sampled rows, in order
             logits = self.lm_head_lora.apply(logits, hidden)
-        return logits.float()
+        return self.layout.tp.all_gather(logits.float())
 
     def _head(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The LM head's matmul. On CPU float32 through a packed copy of

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -18,7 +21,11 @@ from safetensors import safe_open
 from .attention import PagedAttention, TorchPagedAttention
 from .decoder import CausalLM, StackedLinear
 from .registry import ARCHITECTURES, Architecture
+from .sharding import Cut, ShardLayout, single_rank_layout
 from .spec import ModelLoadError, ModelSpec, parse_spec, read_config
+
+if TYPE_CHECKING:
+    from mstar_actors.runner.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -47,18 +54,42 @@ def load_spec(model_dir: Path, cfg: dict | None = None) -> tuple[Architecture, M
     return arch, parse_spec(model_dir, text_cfg, qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm)
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
-    """Build the decoder for ``model_dir`` on ``device`` in ``dtype`` and fill its weights."""
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
+               tp: TensorParallel | None = None) -> CausalLM:
+    """Build the decoder for ``model_dir`` on ``device`` in ``dtype`` and fill
+    its weights: under tensor parallelism (``tp``) this rank's shard only,
+    read as slices of the checkpoint's tensors."""
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)  # the rank's one read of config.json
     arch, spec = load_spec(model_dir, cfg)
+    layout = single_rank_layout(spec) if tp is None else ShardLayout(spec, tp)
     with torch.device("meta"):
         backend = attention_backend(device)
-        model = arch.build(model_dir, cfg, spec, backend) if arch.build else CausalLM(spec, backend)
+        model = arch.build(model_dir, cfg, spec, backend, layout) if arch.build else CausalLM(spec, backend, layout)
     model = model.to_empty(device=device).to(dtype)
     targets = _weight_targets(model, arch)
-    _fill_weights(model_dir, targets, arch, spec)
+    num_full = _fill_weights(model_dir, targets, arch, spec)
+    num_held = sum(p.numel() for p in model.parameters())
+    log.info("rank %d of %d holds %.4gM of %.4gM parameters", layout.rank, layout.world_size, num_held / 1e6,
+             num_full / 1e6)
     return model.eval()
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes: ``view`` of our parameter, filled
+    from ``cut`` of the tensor (None: all of it); ``zero`` for a
+    row-parallel bias on a rank other than 0 (the bias is added once)."""
+
+    view: torch.Tensor
+    cut: Cut | None = None
+    zero: bool = False
+
+    def full_shape(self) -> tuple[int, ...]:
+        shape = list(self.view.shape)
+        if self.cut is not None:
+            shape[self.cut.dim] = self.cut.full
+        return tuple(shape)
 
 
 def attention_backend(device: torch.device | str) -> PagedAttention:
@@ -75,17 +106,29 @@ def attention_backend(device: torch.device | str) -> PagedAttention:
     return TorchPagedAttention()
 
 
-def _weight_targets(model: CausalLM, arch: Architecture) -> dict[str, torch.Tensor]:
-    """HF tensor name -> the view of our parameter it fills (a shard slice for fused modules)."""
-    targets: dict[str, torch.Tensor] = {}
+def _weight_targets(model: CausalLM, arch: Architecture) -> dict[str, Target]:
+    """HF tensor name -> where it goes (a shard slice for fused modules, the
+    rank's cut of it under tensor parallelism)."""
+    targets: dict[str, Target] = {}
+    rank = model.layout.rank
     for name, param in model.named_parameters():
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
         shards = range(len(module.output_sizes)) if isinstance(module, StackedLinear) else [None]
+        cuts = getattr(module, "tp_slices", {})
         for shard in shards:
             hf = arch.rules.hf_module(module_name, shard)
-            targets[f"{hf}.{leaf}"] = param.data if shard is None else param.data[module.shard_slice(shard)]
+            view = param.data if shard is None else param.data[module.shard_slice(shard)]
+            targets[f"{hf}.{leaf}"] = _target(view, cuts.get(shard), rank)
     return targets
+
+
+def _target(view: torch.Tensor, cut: Cut | None, rank: int) -> Target:
+    if cut is None or cut.is_whole:
+        return Target(view)
+    if view.ndim == 1 and cut.dim == 1:  # a row-parallel linear's bias: whole, on one rank
+        return Target(view, zero=rank != 0)
+    return Target(view, cut)
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -104,8 +147,10 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _fill_weights(model_dir: Path, targets: dict[str, torch.Tensor], arch: Architecture, spec: ModelSpec) -> None:
+def _fill_weights(model_dir: Path, targets: dict[str, Target], arch: Architecture, spec: ModelSpec) -> int:
+    """Fill every target from the checkpoint; returns the checkpoint's parameter count."""
     loaded: set[str] = set()
+    num_full = 0
     unexpected: list[str] = []
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
@@ -119,14 +164,21 @@ def _fill_weights(model_dir: Path, targets: dict[str, torch.Tensor], arch: Archi
                     continue
                 tensor = f.get_slice(stored_name)
                 shape = tuple(tensor.get_shape())
-                if shape != tuple(target.shape):
+                if shape != target.full_shape():
                     raise ModelLoadError(
                         f"{path.name}: tensor {name!r} has shape {list(shape)}, expected "
-                        f"{list(target.shape)} for {spec.architecture} with this config.json"
+                        f"{list(target.full_shape())} for {spec.architecture} with this config.json"
                     )
-                target.copy_(f.get_tensor(stored_name))
+                if target.zero:
+                    target.view.zero_()
+                elif target.cut is None:
+                    target.view.copy_(f.get_tensor(stored_name))
+                else:  # only this rank's rows or columns are read
+                    target.view.copy_(target.cut.take(tensor))
                 loaded.add(name)
+                num_full += math.prod(shape)
     _check_complete(model_dir, targets, loaded, unexpected, spec)
+    return num_full
 
 
 def _check_complete(model_dir, targets, loaded, unexpected, spec) -> None:

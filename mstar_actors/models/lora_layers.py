@@ -30,10 +30,20 @@ weight alone, a view of the same buffer.
 Adapter placement goes through the architecture's ``CheckpointRules`` (the
 same table the weight loader uses): HF ``model.layers.3.self_attn.k_proj``
 lands in our ``model.layers.3.self_attn.qkv_proj`` stack as shard 1.
+
+Under tensor parallelism each stack is its module's shard and an install
+takes this rank's part of each factor (``shard_factors``), as S-LoRA and
+vLLM cut them: a column-parallel linear (q/k/v, gate/up, the LM head) keeps
+A whole and B's rows of its outputs; a row-parallel one (o, down) keeps A's
+columns of its inputs and B whole, its partial delta summed by the layer's
+all-reduce with the base output; the embedding keeps A's columns of its
+vocabulary rows. The parts are views of the host copy: no rank copies the
+whole adapter.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -55,6 +65,7 @@ from mstar_actors.lora.ops import (
 
 from .checkpoint import CheckpointRules
 from .decoder import LoraEmbedding, LoraLinear
+from .sharding import Cut
 
 LM_HEAD = "lm_head"
 # Steps of up to this many rows (decode-sized) also carry a one-hot of their
@@ -138,9 +149,11 @@ class LoraLayers:
     """
 
     def __init__(self, stacks: dict[str, LoraStack], rules: CheckpointRules, step: LoraStep,
-                 kernels: RowKernels = TORCH_ROWS):
+                 kernels: RowKernels = TORCH_ROWS, cuts: dict[str, dict[int | None, Cut]] | None = None):
         self.stacks = stacks
         self.rules = rules
+        # Stack -> {shard: where this rank's part of the module sits} (tensor parallelism; else empty).
+        self.cuts = cuts or {}
         self.step = step
         self.kernels = kernels  # every stack's, picked once for the device (``lora_kernels``)
         self.uses_rows = kernels.uses_rows  # eager steps by rows (else host segments)
@@ -314,11 +327,29 @@ class LoraLayers:
         for hf_module, module in weights.iter_modules():
             ours, shard = self._place(hf_module, weights.name)
             try:
+                module = shard_factors(module, self.cuts.get(ours, {}).get(shard), is_embedding=ours == EMBED_TOKENS)
                 self.stacks[ours].check(slot, shard or 0, module)
             except ValueError as err:
                 raise ValueError(f"adapter {weights.name!r}: module {hf_module!r} ({ours}): {err}") from None
             by_stack.setdefault(ours, []).append((shard, module))
         return by_stack
+
+
+def shard_factors(module: LoraModule, cut: Cut | None, *, is_embedding: bool = False) -> LoraModule:
+    """This rank's part of ``module``'s factors (views) for a base module cut
+    at ``cut`` (None: held whole): B's rows of a column-parallel linear's
+    outputs, A's columns of a row-parallel one's inputs, A's columns of the
+    embedding's vocabulary rows. Factors of the wrong full size are left
+    whole for the stack's check to refuse by shape."""
+    if cut is None or cut.is_whole:
+        return module
+    if is_embedding or cut.dim == 1:  # A [r, in]: this rank's inputs (an embedding's in is the vocabulary)
+        if module.a.shape[1] != cut.full:
+            return module
+        return dataclasses.replace(module, a=module.a[:, cut.start : cut.start + cut.size])
+    if module.b.shape[0] != cut.full:  # B [out, r]: this rank's outputs
+        return module
+    return dataclasses.replace(module, b=module.b[cut.start : cut.start + cut.size])
 
 
 def _token_slots(chunk_slots: Sequence[int], query_lens: Sequence[int]) -> list[int]:
@@ -366,6 +397,7 @@ def enable_lora(
         raise ValueError(f"LoRA needs num_slots >= 2 (slot 0 is the base) and max_rank >= 1; got {num_slots}, {max_rank}")
     step = LoraStep()
     stacks: dict[str, LoraStack] = {}
+    cuts: dict[str, dict[int | None, Cut]] = {}
     kernels = lora_kernels(device)
     kwargs = dict(num_slots=num_slots, max_rank=max_rank, dtype=dtype, device=device, kernels=kernels)
     # Only the text decoder (``model.model``): a vision tower's rows are not the step's token rows.
@@ -373,18 +405,21 @@ def enable_lora(
         if isinstance(module, LoraLinear):
             sizes = getattr(module, "output_sizes", [module.out_features])
             stacks[name] = LoraStack(module.in_features, sizes, **kwargs)
+            cuts[name] = module.tp_slices
             module.lora = LoraHook(stacks[name], step)
             if kernels.uses_rows:
                 fuse_linear(module, stacks[name])
         elif isinstance(module, LoraEmbedding):
             stacks[name] = LoraStack(module.num_embeddings, [module.embedding_dim], is_embedding=True, **kwargs)
+            cuts[name] = module.tp_slices
             module.lora = LoraHook(stacks[name], step)
     # The LM head may be tied to the embedding (no module of its own); its
     # LoRA delta is independent of the tie, so it always gets a stack.
     spec = model.spec
-    stacks[LM_HEAD] = LoraStack(spec.hidden_size, [spec.vocab_size], **kwargs)
+    stacks[LM_HEAD] = LoraStack(spec.hidden_size, [model.layout.vocab_size], **kwargs)  # this rank's vocabulary
+    cuts[LM_HEAD] = model.layout.vocab_cuts()
     model.lm_head_lora = LoraHook(stacks[LM_HEAD], step, is_sampled=True)
-    return LoraLayers(stacks, rules, step, kernels)
+    return LoraLayers(stacks, rules, step, kernels, cuts)
 
 
 def fuse_linear(module: nn.Linear, stack: LoraStack) -> bool:
@@ -405,4 +440,4 @@ def fuse_linear(module: nn.Linear, stack: LoraStack) -> bool:
 
 
 __all__ = ["EMBED_TOKENS", "LM_HEAD", "LoraHook", "LoraLayers", "LoraStep", "ZERO_SLOT", "enable_lora", "fuse_linear",
-           "lora_kernels"]
+           "lora_kernels", "shard_factors"]

@@ -28,6 +28,7 @@ from .attention import AttentionMetadata, PagedAttention, TorchPagedAttention
 from .checkpoint import DECODER_RULES, WeightRule
 from .decoder import CausalLM
 from .rope import _rotate_half, inverse_frequencies
+from .sharding import ShardLayout
 from .spec import ModelLoadError, ModelSpec
 from .vision import Grid, PixelNorm, VisionSpec, VisionTransformer, parse_vision_spec
 
@@ -167,6 +168,10 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
     ``forward`` takes ``positions [3, T]`` (``[T]`` for text-only steps) and,
     optionally, ``media_rows``: (flat row indices, vision rows) that replace
     those rows' token embeddings before the first layer.
+
+    Under tensor parallelism the text stack is sharded like any decoder's;
+    the vision tower is replicated on every rank (each encodes the same
+    media and splices the same rows).
     """
 
     is_multimodal = True
@@ -178,8 +183,9 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         section: tuple[int, int, int],
         token_ids: dict[str, int],
         backend: PagedAttention | None = None,
+        layout: ShardLayout | None = None,
     ):
-        super().__init__(spec, backend or TorchPagedAttention())
+        super().__init__(spec, backend or TorchPagedAttention(), layout)
         if vision.out_hidden_size != spec.hidden_size:
             raise ModelLoadError(
                 f"vision_config.out_hidden_size={vision.out_hidden_size} must equal the text hidden_size={spec.hidden_size}"
@@ -213,14 +219,15 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         return mrope_positions(num_prompt_tokens, media, v.spatial_merge_size, v.tokens_per_second)
 
 
-def build(model_dir: Path, cfg: dict, spec: ModelSpec, backend: PagedAttention) -> Qwen2_5_VLForConditionalGeneration:
+def build(model_dir: Path, cfg: dict, spec: ModelSpec, backend: PagedAttention,
+          layout: ShardLayout | None = None) -> Qwen2_5_VLForConditionalGeneration:
     """The loader's constructor for this architecture (the vision fields of the parsed config.json)."""
     from mstar_actors.prepare.preparers import load_image_processor  # the preparer's constants, from the same folder
 
     where = str(Path(model_dir) / "config.json")
     vision = parse_vision_spec(cfg, where)
     model = Qwen2_5_VLForConditionalGeneration(
-        spec, vision, mrope_section(cfg, spec.head_dim, where), media_token_ids(cfg, where), backend
+        spec, vision, mrope_section(cfg, spec.head_dim, where), media_token_ids(cfg, where), backend, layout
     )
     ip = load_image_processor(model_dir)
     cols = vision.temporal_patch_size * vision.patch_size**2

@@ -20,7 +20,7 @@ class Architecture:
     # Vision-language models: the decoder's fields out of config.json (they
     # may be nested), and the model built around the decoder. None: plain CausalLM.
     text_config: Callable[[dict], dict] | None = None
-    build: Callable | None = None  # (model_dir, parsed config.json, spec, attention backend) -> model
+    build: Callable | None = None  # (model_dir, parsed config.json, spec, attention backend, shard layout) -> model
 
 
 ARCHITECTURES: dict[str, Architecture] = {

@@ -36,6 +36,7 @@ from mstar_actors.models.media_inputs import MediaInputs, TensorResolver
 from mstar_actors.models.spec import ModelSpec
 from mstar_actors.runner.device import resolve_device, resolve_dtype
 from mstar_actors.runner.model_runner import KvCache, ModelRunner, Sampler
+from mstar_actors.runner.parallel import SINGLE_RANK, TensorParallel, rank_device
 from mstar_actors.runner.sampling import sample_tokens
 
 log = logging.getLogger(__name__)
@@ -44,17 +45,20 @@ MAX_CPU_KV_BYTES = 2 << 30  # CPU cache cap: RAM is shared with every other acto
 
 
 def build_runner(config: Config, info: ModelInfo, resolve_tensor: TensorResolver | None = None, *,
-                 sampler: Sampler = sample_tokens) -> ModelRunner:
+                 sampler: Sampler = sample_tokens, tp: TensorParallel = SINGLE_RANK) -> ModelRunner:
     """The rank's runner (blocking: loads weights). ``resolve_tensor`` reads
-    media pixel values (the rank's arena); ``sampler`` picks each step's tokens."""
-    device = resolve_device(config.model.device)
+    media pixel values (the rank's arena); ``sampler`` picks each step's
+    tokens; ``tp`` is the rank's tensor-parallel group (its shard is loaded)."""
+    device = rank_device(resolve_device(config.model.device), tp.rank, tp.world_size)
+    if device.type == "cuda":  # this thread's kernels, streams and graph captures go to the rank's device
+        torch.cuda.set_device(device)
     dtype = resolve_dtype(info.dtype, None, device)
-    model = load_model(info.model_dir, dtype, device)
+    model = load_model(info.model_dir, dtype, device, tp)
     if device.type == "cpu":
         model.pack_cpu_weights()  # step 2
     rules = ARCHITECTURES[info.architecture].rules  # where adapters' modules land: the loader's own table
     lora = enable_served_lora(model, rules, config.lora, dtype, device)
-    kv = size_kv_cache(model.spec, config.kv, dtype, device)
+    kv = size_kv_cache(model.spec, config.kv, dtype, device, model.layout.num_kv_heads)
     media = MediaInputs(model, resolve_tensor) if getattr(model, "is_multimodal", False) else None
     runner = ModelRunner(model, kv, max_model_len=info.max_model_len, lora=lora, media=media, sampler=sampler,
                          seed=config.model.seed)
@@ -89,20 +93,25 @@ def enable_served_lora(model: nn.Module, rules: CheckpointRules, lora: LoraConfi
     return layers
 
 
-def size_kv_cache(spec: ModelSpec, kv: KvConfig, dtype: torch.dtype, device: torch.device) -> KvCache:
+def size_kv_cache(spec: ModelSpec, kv: KvConfig, dtype: torch.dtype, device: torch.device,
+                  num_kv_heads: int | None = None) -> KvCache:
     """``kv.num_blocks`` blocks, else those that fit in ``kv.memory_fraction``
-    of what is free now; one more is allocated as the scratch block."""
-    num_blocks = kv.num_blocks or blocks_from_memory(spec, kv.block_size, kv.memory_fraction, dtype, device)
-    caches = allocate_kv_cache(spec.num_layers, num_blocks + 1, kv.block_size, spec.num_kv_heads, spec.head_dim,
+    of what is free now; one more is allocated as the scratch block. A rank
+    caches its own ``num_kv_heads`` (all of them without tensor parallelism)."""
+    num_kv_heads = num_kv_heads or spec.num_kv_heads
+    num_blocks = kv.num_blocks or blocks_from_memory(spec, kv.block_size, kv.memory_fraction, dtype, device,
+                                                     num_kv_heads)
+    caches = allocate_kv_cache(spec.num_layers, num_blocks + 1, kv.block_size, num_kv_heads, spec.head_dim,
                                dtype, device)
     return KvCache(caches, kv.block_size, num_blocks)
 
 
 def blocks_from_memory(spec: ModelSpec, block_size: int, memory_fraction: float, dtype: torch.dtype,
-                       device: torch.device) -> int:
+                       device: torch.device, num_kv_heads: int | None = None) -> int:
     """KV blocks that fit in ``memory_fraction`` of free device memory (CPU: of
     available RAM, capped at ``MAX_CPU_KV_BYTES``), measured after loading weights."""
-    per_block = kv_bytes_per_block(spec.num_layers, block_size, spec.num_kv_heads, spec.head_dim, dtype)
+    per_block = kv_bytes_per_block(spec.num_layers, block_size, num_kv_heads or spec.num_kv_heads, spec.head_dim,
+                                   dtype)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * memory_fraction)
@@ -140,7 +149,7 @@ def warm_kernels(runner: ModelRunner, max_num_tokens: int) -> None:
     started = time.perf_counter()
     backend = runner.model.model.layers[0].self_attn.backend
     if hasattr(backend, "warm_up"):
-        backend.warm_up(runner.spec.num_heads, runner.spec.head_dim, runner.kv_caches[0])
+        backend.warm_up(runner.model.layout.num_heads, runner.spec.head_dim, runner.kv_caches[0])
     if runner.lora is not None:
         runner.lora.warm_up_kernels(max_num_tokens)
     torch.cuda.synchronize(runner.device)

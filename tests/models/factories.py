@@ -33,6 +33,7 @@ CONFIGS = {
     "llama3-tied": lambda: LlamaConfig(**_TINY, rope_scaling=LLAMA3_ROPE, tie_word_embeddings=True),
     "qwen2": lambda: Qwen2Config(**_TINY, tie_word_embeddings=True),
     "qwen3": lambda: Qwen3Config(**_TINY, head_dim=32),
+    "llama-bias": lambda: LlamaConfig(**_TINY, attention_bias=True),  # o_proj's bias: row-parallel, added once
 }
 
 

@@ -1,0 +1,135 @@
+"""A live server with ``parallel.tp: 2`` on CPU: two worker ranks in one
+gloo group. It serves transformers' greedy tokens, records its rendezvous,
+logs each rank's share; a SIGKILL of one rank under load fails every request
+in flight within a few seconds with a clear error, and leaves no shared
+memory and no process behind (the surviving rank is stopped, not left in a
+collective). A ``tp`` that does not split the model is refused at start."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import psutil
+import pytest
+import torch
+
+from tests.hostile.test_resilience import KILL_BOUND_S, _runs, error_of, in_flight_until_killed
+from tests.test_launcher import ROOT, Server, _load_kit, free_port, our_segments
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPT = "hello world w3"
+
+
+def start_tp_server(folder, tmp_path_factory, tp: int = 2) -> Server:
+    """Server's start, with ``parallel.tp`` in its config file."""
+    cfg_dir = tmp_path_factory.mktemp("cfg")
+    server = Server.__new__(Server)
+    port = free_port()
+    server.port = port
+    server.config = cfg_dir / f"serve-{port}.yaml"
+    server.config.write_text(
+        f"model: {{path: {folder}, name: tiny, dtype: float32, device: cpu}}\n"
+        "kv: {block_size: 4, num_blocks: 64}\n"
+        "scheduler: {max_model_len: 128}\n"
+        f"parallel: {{tp: {tp}}}\n"
+    )
+    _start(server, tmp_path_factory.mktemp("runtime"))
+    return server
+
+
+def _start(server: Server, runtime_dir) -> None:
+    """What ``Server.__init__`` does after writing its config."""
+    server.env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime_dir), PYTHONUNBUFFERED="1")
+    server.runtime_dir = runtime_dir
+    server.lines = []
+    server.serving = threading.Event()
+    server.proc = subprocess.Popen(
+        [sys.executable, "-m", "mstar_actors", "serve", str(server.config), "--port", str(server.port)],
+        cwd=ROOT, env=server.env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    )
+    server.reader = threading.Thread(target=server._read, daemon=True)
+    server.reader.start()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    return folder, _load_kit().make_model_dir(folder)
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    srv = start_tp_server(model[0], tmp_path_factory)
+    try:
+        srv.wait_serving()
+        yield srv
+    finally:
+        srv.kill()
+
+
+def complete(port: int, max_tokens: int) -> dict:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read())
+
+
+def test_tp2_server_serves_transformers_tokens_and_records_its_group(server, model):
+    folder, hf = model
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer(PROMPT)["input_ids"]
+    hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = None, 0
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+    reply = complete(server.port, 12)
+    assert reply["usage"]["completion_tokens"] == 12
+    assert reply["choices"][0]["text"] == tokenizer.decode(want)
+    meet = json.loads((server.run_dir / "rendezvous.json").read_text())
+    assert meet["host"] == "127.0.0.1" and meet["world_size"] == 2 and meet["port"] > 0
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank} of 2 holds [\d.]+M of [\d.]+M parameters", server.log), server.log
+    assert "torch intra-op threads: 1" in server.log  # two ranks on two cores: one each
+
+
+def test_sigkill_of_one_rank_under_load_fails_requests_fast_and_leaves_nothing(server):
+    run_id = server.run_dir.name
+    launcher = psutil.Process(server.proc.pid)
+    processes = [launcher, *launcher.children(recursive=True)]
+    victim = server.actors()["worker1"]
+    ends, last_end_s = asyncio.run(in_flight_until_killed(f"http://127.0.0.1:{server.port}", victim, 8, 4))
+    assert len(ends) == 12
+    print(f"the last of {len(ends)} requests in flight ended {last_end_s:.3f} s after the SIGKILL")
+    assert last_end_s < KILL_BOUND_S, last_end_s
+    clear = re.compile(r"the worker1 actor failed: .*SIGKILL|the server is shutting down \(channel '\w+' ended\)"
+                       r"|rank 0, step \d+: ")
+    for kind, _, what in ends:
+        error = error_of(kind, what)
+        assert error["type"] == "server_error" and clear.search(error["message"]), (kind, what)
+    assert server.wait_exit(60) != 0
+    assert "actor worker1" in server.log and "SIGKILL" in server.log
+    assert our_segments(run_id) == []
+    deadline = time.monotonic() + 15
+    while (left := [p.pid for p in processes if _runs(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left == [], f"processes of the run still running: {left}"
+
+
+def test_tp_that_does_not_divide_the_heads_is_refused_at_start(model, tmp_path):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: {{path: {model[0]}, name: tiny, dtype: float32, device: cpu}}\nparallel: {{tp: 3}}\n")
+    run = subprocess.run([sys.executable, "-m", "mstar_actors", "serve", str(cfg)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, XDG_RUNTIME_DIR=str(tmp_path)))
+    assert run.returncode == 2, run.stderr
+    assert "error: parallel.tp=3 does not divide LlamaForCausalLM's num_attention_heads=4" in run.stderr
