@@ -46,6 +46,7 @@ from mstar_actors.lora.adapter_file import AdapterWeights
 from mstar_actors.models.attention import AttentionMetadata
 from mstar_actors.models.lora_layers import LoraLayers
 from mstar_actors.models.media_inputs import MediaInputs
+from mstar_actors.runner.grammar import GrammarError, GrammarMatchers
 from mstar_actors.runner.step_graphs import DecodeGraphs, MixedGraphs
 from mstar_actors.runner.sampling import SampleRow, sample_tokens
 
@@ -198,6 +199,12 @@ class ModelRunner:
         self.seqs: dict[str, SeqState] = {}
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
+        self.grammars: GrammarMatchers | None = None  # structured outputs: see enable_grammars
+
+    def enable_grammars(self, grammars: GrammarMatchers) -> None:
+        """Serve ``SamplingParams.structured``: its rows' logits are masked by
+        ``grammars`` before sampling (after the model, outside any graph)."""
+        self.grammars = grammars
 
     def enable_step_graphs(self, max_batch: int, max_tokens: int = 0, *, capture: bool = True) -> None:
         """Serve pure decode steps of up to ``max_batch`` sequences through
@@ -236,10 +243,14 @@ class ModelRunner:
         logits = self._run_model(batch)
         if not batch.sample_ids:
             return []
+        if self.grammars is not None:  # on CUDA the masks fill while the device runs the step
+            self.grammars.mask(logits, batch.sample_ids)
         rows = [self._sample_row(rid) for rid in batch.sample_ids]
         sampled = self.sampler(logits, rows, generator=self.generator)
         for token in sampled:
             self.seqs[token.request_id].output_token_ids.append(token.token_id)
+        if self.grammars is not None:
+            self.grammars.advance(sampled)
         return sampled
 
     def start(self, started: list[messages.SeqStart]) -> None:
@@ -254,8 +265,8 @@ class ModelRunner:
                 errors.append(f"request {s.request_id!r}: lora_slot {s.lora_slot} holds no adapter on this rank; {self._lora_hint()}")
                 continue
             self.seqs[s.request_id] = SeqState(list(s.prompt_token_ids), s.sampling, list(s.output_token_ids), s.lora_slot)
-            if (error := self._start_media(s)) is not None:
-                self.seqs.pop(s.request_id)
+            if (error := self._start_media(s) or self._start_grammar(s)) is not None:
+                self.forget([s.request_id])
                 errors.append(error)
         if errors:
             raise PlanError("; ".join(errors), [s.request_id for s in started if s.request_id not in self.seqs])
@@ -300,6 +311,8 @@ class ModelRunner:
         """Drop finished sequences; an unknown id is a no-op (aborts are idempotent)."""
         for rid in request_ids:
             self.seqs.pop(rid, None)
+            if self.grammars is not None:
+                self.grammars.forget(rid)
             if self.media is not None:
                 self.media.forget(rid)
 
@@ -313,6 +326,17 @@ class ModelRunner:
             self.media.start(s.request_id, s.prompt_token_ids, s.media)
         except ValueError as err:
             return str(err)
+        return None
+
+    def _start_grammar(self, s: messages.SeqStart) -> str | None:
+        """Why ``s``'s grammar can't be served here, or None (also when it has none).
+        A restarted sequence's matcher is fed its earlier outputs again."""
+        if self.grammars is None:
+            return f"request {s.request_id!r}: structured outputs are off on this rank" if s.sampling.structured else None
+        try:
+            self.grammars.start(s.request_id, s.sampling.structured, s.output_token_ids)
+        except GrammarError as err:
+            return f"request {s.request_id!r}: {err}"
         return None
 
     def _sample_row(self, request_id: str) -> SampleRow:
