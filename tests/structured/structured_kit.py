@@ -11,14 +11,16 @@ from pathlib import Path
 _KIT = Path(__file__).resolve().parent.parent / "actors" / "conftest.py"
 
 
-def _actor_kit():
-    spec = importlib.util.spec_from_file_location("actor_test_kit", _KIT)
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-kit = _actor_kit()
+kit = _load("actor_test_kit", _KIT)
+# The actor tests' in-memory engine (prepare, conductor, two ranks); only its helpers are used.
+request_path = _load("actor_request_path", _KIT.parent / "test_request_path.py")
 VOCAB = kit.SPECIALS + kit.WORDS  # token id -> its string
 EOS = 2  # "</s>"
 
