@@ -25,6 +25,7 @@ samples one and the scheduler ends the request with ``finish_reason: "stop"``.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterable
@@ -36,6 +37,12 @@ from mstar_actors import messages
 
 COMPILER_CACHE_BYTES = 64 << 20  # compiled grammars kept per process (LRU)
 ANY_OBJECT_SCHEMA = '{"type": "object"}'  # response_format json_object
+MAX_SCHEMA_TEXTS = 256  # JSON schemas whose grammar text is kept (_json_grammar_text)
+# The engine writes the characters of a string with a length bound as this
+# class, which lets raw control characters (invalid JSON) through; its plain
+# strings exclude them, as JSON requires.
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
 _ENGINE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[13:34:24] /project/cpp/x.cc:94: " of the engine's errors
 
 
@@ -114,9 +121,9 @@ class GrammarCompiler:
         match spec.kind:
             case "json":
                 json.loads(spec.spec)  # a clearer error than the engine's for text that is not JSON
-                return self.compiler.compile_json_schema(spec.spec, any_whitespace=False)
+                return self.compiler.compile_grammar(_json_grammar_text(spec.spec))
             case "json_object":
-                return self.compiler.compile_json_schema(ANY_OBJECT_SCHEMA, any_whitespace=False)
+                return self.compiler.compile_grammar(_json_grammar_text(ANY_OBJECT_SCHEMA))
             case "regex":
                 return self.compiler.compile_regex(spec.spec)
             case "choice":
@@ -124,6 +131,14 @@ class GrammarCompiler:
             case "grammar":
                 return self.compiler.compile_grammar(spec.spec)
         raise GrammarError(spec.kind, "unknown kind; accepted are json, json_object, regex, choice, grammar")
+
+
+@functools.lru_cache(maxsize=MAX_SCHEMA_TEXTS)
+def _json_grammar_text(schema: str) -> str:
+    """The engine's grammar of ``schema`` (no free whitespace: a small model
+    would fill it), with its length-bounded strings made valid JSON."""
+    text = str(_xgr().Grammar.from_json_schema(schema, any_whitespace=False))
+    return text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
 
 
 def _reason(err: Exception) -> str:
