@@ -4,8 +4,9 @@ response format against the same requests unconstrained, on our live server.
 One server (``python -m mstar_actors serve``, every actor in its own
 process) serves both kinds; at each ``--concurrency`` that many clients each
 send their next request as soon as the last one ended, first unconstrained,
-then constrained, for ``--repeats`` rounds (alternating, so a machine whose
-load drifts shifts both alike). Every request makes exactly ``--max-tokens``
+then constrained (the other order in every other round), for ``--repeats``
+rounds: a machine whose load drifts shifts both alike, and the median of the
+rounds' ratios is robust to a round that a burst of load spoiled. Every request makes exactly ``--max-tokens``
 tokens (``ignore_eos``); the schema asks for more items than fit, so the
 grammar is still open when the request ends and every step fills a mask.
 
@@ -23,6 +24,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -90,28 +92,32 @@ async def warm_up(url: str, model: str) -> None:
             progress(f"{'json_schema' if constrained else 'free'} answer: {data['choices'][0]['message']['content']!r}")
 
 
-def measure(url: str, model: str, levels: list[int], args: argparse.Namespace) -> list[tuple[int, float, float]]:
-    """(concurrency, unconstrained tok/s, constrained tok/s) per level."""
+def measure(url: str, model: str, levels: list[int], args: argparse.Namespace) -> list[tuple[int, float, float, float]]:
+    """(concurrency, unconstrained tok/s, constrained tok/s, median of the rounds' ratios) per level."""
     asyncio.run(warm_up(url, model))
     rows = []
     for c in levels:
         totals = {False: [0, 0.0], True: [0, 0.0]}
+        ratios = []
         num_requests = max(c, args.num_requests)
         for r in range(args.repeats):
-            for constrained in (False, True):
+            rate = {}
+            for constrained in ((False, True) if r % 2 == 0 else (True, False)):
                 tokens, wall = asyncio.run(run_level(url, model, c, num_requests, args.max_tokens, constrained))
                 totals[constrained][0] += tokens
                 totals[constrained][1] += wall
-                progress(f"concurrency {c}, round {r + 1}, {'json_schema' if constrained else 'free'}: "
-                         f"{tokens / wall:.1f} tok/s")
-        rows.append((c, totals[False][0] / totals[False][1], totals[True][0] / totals[True][1]))
+                rate[constrained] = tokens / wall
+                progress(f"concurrency {c}, round {r + 1}, {'json_schema' if constrained else 'free'}: {rate[constrained]:.1f} tok/s")
+            ratios.append(rate[True] / rate[False])
+        rows.append((c, totals[False][0] / totals[False][1], totals[True][0] / totals[True][1], statistics.median(ratios)))
     return rows
 
 
-def report(rows: list[tuple[int, float, float]], args: argparse.Namespace) -> str:
+def report(rows: list[tuple[int, float, float, float]], args: argparse.Namespace) -> str:
     lines = [f"{args.device}, {args.max_tokens} tokens per request (ignore_eos), {args.repeats} round(s)",
-             f"{'concurrency':>11} {'free tok/s':>11} {'json_schema tok/s':>18} {'ratio':>6}"]
-    lines += [f"{c:>11} {free:>11.1f} {schema:>18.1f} {schema / free:>6.3f}" for c, free, schema in rows]
+             f"{'concurrency':>11} {'free tok/s':>11} {'json_schema tok/s':>18} {'ratio':>6} {'median round ratio':>19}"]
+    lines += [f"{c:>11} {free:>11.1f} {schema:>18.1f} {schema / free:>6.3f} {median:>19.3f}"
+              for c, free, schema, median in rows]
     return "\n".join(lines)
 
 

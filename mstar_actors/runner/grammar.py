@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -35,6 +36,7 @@ import torch
 
 from mstar_actors import messages
 
+log = logging.getLogger(__name__)
 COMPILER_CACHE_BYTES = 64 << 20  # compiled grammars kept per process (LRU)
 ANY_OBJECT_SCHEMA = '{"type": "object"}'  # response_format json_object
 MAX_SCHEMA_TEXTS = 256  # JSON schemas whose grammar text is kept (_json_grammar_text)
@@ -169,6 +171,7 @@ class GrammarMatchers:
     def __init__(self, compiler: GrammarCompiler, *, max_threads: int = 1):
         self.compiler = compiler
         self.matchers: dict[str, Any] = {}
+        self.refused: set[str] = set()  # rows whose sampled token their grammar refused: only EOS from then on
         self.batch = _xgr().BatchGrammarMatcher(max_threads=max_threads)
         self.bitmask = _xgr().allocate_token_bitmask(1, compiler.vocab_size)
         self.stop_row = _stop_row(self.bitmask[0], compiler.info.stop_token_ids)  # a terminated grammar's mask
@@ -178,16 +181,17 @@ class GrammarMatchers:
 
     def start(self, request_id: str, spec: messages.StructuredSpec | None, output_token_ids: list[int]) -> None:
         """A matcher for a new (or restarted) sequence, fed the outputs it already has."""
-        self.matchers.pop(request_id, None)
+        self.forget(request_id)
         if spec is None:
             return
         matcher = _xgr().GrammarMatcher(self.compiler.compile(spec))
+        self.matchers[request_id] = matcher
         for token in output_token_ids:
             self._accept(request_id, matcher, token)
-        self.matchers[request_id] = matcher
 
     def forget(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
+        self.refused.discard(request_id)
 
     def mask(self, logits: torch.Tensor, sample_ids: list[str]) -> None:
         """Mask disallowed tokens of the constrained rows of ``logits`` [len(sample_ids), vocab] in place."""
@@ -197,7 +201,7 @@ class GrammarMatchers:
         if self.bitmask.shape[0] < len(sample_ids):
             self.bitmask = _xgr().allocate_token_bitmask(len(sample_ids), self.compiler.vocab_size)
         bitmask = self.bitmask[: len(sample_ids)]
-        live = [i for i in rows if not self.matchers[sample_ids[i]].is_terminated()]
+        live = [i for i in rows if not self._is_done(sample_ids[i])]
         if live:
             self.batch.batch_fill_next_token_bitmask([self.matchers[sample_ids[i]] for i in live], bitmask, indices=live)
         for i in set(rows).difference(live):
@@ -212,15 +216,20 @@ class GrammarMatchers:
             if matcher is not None:
                 self._accept(token.request_id, matcher, token.token_id)
 
-    @staticmethod
-    def _accept(request_id: str, matcher: Any, token_id: int) -> None:
+    def _is_done(self, request_id: str) -> bool:
+        return request_id in self.refused or self.matchers[request_id].is_terminated()
+
+    def _accept(self, request_id: str, matcher: Any, token_id: int) -> None:
         # A complete grammar allows only EOS; with ignore_eos the request may sample
         # it again after the matcher terminated, which changes nothing.
-        if matcher.is_terminated():
+        if self._is_done(request_id):
             return
         if not matcher.accept_token(token_id):
-            raise GrammarError("grammar", f"request {request_id!r}: token {token_id} is outside its grammar "
-                                          "(the mask was not applied to its row)")
+            # Only when a later logits filter removed every token the grammar allows.
+            # The step is sampled on every rank: raising now would fail all its rows,
+            # so the row ends instead (only EOS is allowed from here), on every rank alike.
+            log.warning("request %r: token %d is outside its grammar; the request ends here", request_id, token_id)
+            self.refused.add(request_id)
 
 
 def _stop_row(row: torch.Tensor, stop_token_ids: Iterable[int]) -> torch.Tensor:

@@ -16,7 +16,7 @@ from mstar_actors import messages
 from mstar_actors.lora import BaseShapes, read_adapter
 from mstar_actors.lora.host_copy import adapter_from_bytes, adapter_to_bytes
 from mstar_actors.model_info import load_model_info
-from mstar_actors.runner.grammar import GrammarError, load_matchers
+from mstar_actors.runner.grammar import load_matchers
 from mstar_actors.runner.model_runner import PlanError
 from plan_driver import PlanDriver
 import runner_factories
@@ -127,11 +127,16 @@ def test_a_bad_spec_on_a_rank_fails_its_row_alone(world):
     assert "free" in runner.seqs and "re" not in runner.seqs and len(runner.grammars) == 0
 
 
-def test_a_token_outside_the_grammar_is_an_error_not_a_silent_pass(world):
+def test_a_token_outside_the_grammar_ends_the_row_and_never_passes_unconstrained(world):
+    """Possible only when a later filter removed every token the grammar allows."""
     matchers = make_runner(world).grammars
     matchers.start("x", messages.StructuredSpec("regex", REGEX), [])
-    with pytest.raises(GrammarError, match="outside its grammar"):
-        matchers.advance([messages.SampledToken("x", word_id("w1"))])
+    matchers.advance([messages.SampledToken("x", word_id("w1"))])
+    logits = torch.zeros(1, 512)
+    matchers.mask(logits, ["x"])
+    assert (logits[0] > float("-inf")).nonzero().flatten().tolist() == [EOS]
+    matchers.start("x", messages.StructuredSpec("regex", REGEX), [word_id("hello")])  # a restart begins anew
+    assert not matchers.refused
 
 
 def test_mask_leaves_unconstrained_rows_bit_identical(world):
