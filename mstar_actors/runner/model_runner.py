@@ -22,6 +22,14 @@ then compiles the kernels and captures the step graphs.
 ``build_batch`` is a pure function (no torch), so the plan-to-batch rules can
 be tested without a model.
 
+Structured outputs (``enable_grammars``; ``runner.grammar``): a sequence with
+``SamplingParams.structured`` gets a matcher at start (fed its earlier
+outputs on a restart) and loses it when forgotten; each step the sampled
+rows' logits are masked by their grammars after the model runs (outside the
+CUDA graphs, which stay one set for every step; on CUDA the host fills the
+masks while the device still runs the step) and every rank's matchers take
+the token sampled, so they agree.
+
 CUDA graphs (CUDA, text models, unless ``enforce_eager``; ``step_graphs``):
 a pure decode step (every chunk one token that samples) of up to
 ``cuda_graph_max_batch`` sequences replays a decode graph captured at
