@@ -2,7 +2,8 @@
 per constrained sequence, and the token masks applied to the logits.
 
 Engine: xgrammar, chosen over llguidance for its per-token mask fill time on
-SmolLM2's 49,152-token vocabulary (docs/benchmarks.md, "Grammar engine").
+SmolLM2's 49,152-token vocabulary (``tools/bench_grammar_engines.py``;
+docs/benchmarks.md, "Grammar engine").
 
 Where grammars are compiled: the spec *string* travels (in
 ``SamplingParams.structured``); prepare compiles it once to refuse a bad one
