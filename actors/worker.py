@@ -142,6 +142,9 @@ class WorkerActor(Actor):
             resolve = self.media.resolve if self.media is not None else None
             self.runner = await self.run_blocking(functools.partial(build_runner, tp=self.tp), self.config, self.info,
                                                   resolve)
+            from mstar_actors.runner.grammar import load_matchers
+
+            self.runner.enable_grammars(await self.run_blocking(load_matchers, self.info))
         await self.outbox["conductor"].send(self.runner.ready_info(self.rank))
 
     async def join_group(self) -> Any:

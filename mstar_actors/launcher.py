@@ -417,20 +417,23 @@ def check_adapter_names(config: Config, info: ModelInfo) -> None:
 
 def serve(config: Config, info: ModelInfo) -> int:
     """Run the server until a signal or an actor's death; the exit code
-    (2: a configured adapter can't be served, or ``parallel.tp`` does not
-    split the model; one line on stderr says which)."""
+    (2: a configured adapter can't be served, ``parallel.tp`` does not split
+    the model, or the grammar engine is missing or broken; one line on stderr
+    says which)."""
     import sys
 
     import uvloop
 
     from mstar_actors.lora import AdapterError
+    from mstar_actors.runner.grammar import GrammarEngineError, check_engine
 
     if info.tp_refusal:
         print(f"error: {info.tp_refusal}", file=sys.stderr)
         return 2
     try:
         validate_adapters(config, info)
-    except AdapterError as err:
+        check_engine()
+    except (AdapterError, GrammarEngineError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:

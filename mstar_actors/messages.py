@@ -93,13 +93,28 @@ class AdapterInfo(Struct, frozen=True, **_HOT):
     digest: str
 
 
+class StructuredSpec(Struct, frozen=True, **_HOT):
+    """A constraint on the output (see ``mstar_actors.runner.grammar``).
+
+    ``kind``: "json" (``spec`` is a JSON schema), "json_object" (any JSON
+    object; ``spec`` unused), "regex", "choice" (a JSON list of strings),
+    "grammar" (EBNF/GBNF as the grammar engine reads it). ``param``: the
+    body field it came from, which a refusal of the spec names.
+    """
+
+    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    spec: str = ""
+    param: str = ""
+
+
 class SamplingParams(Struct, frozen=True, **_HOT):
     """Per-request sampling, already validated (see ``mstar_actors.sampling_params``).
 
     ``top_k == 0`` and ``top_p == 1.0`` and ``min_p == 0.0`` mean "off".
     ``temperature == 0.0`` means greedy. ``logprobs`` is None for none, else
     the number of top alternatives returned with each sampled token (0 = only
-    the sampled token's own logprob).
+    the sampled token's own logprob). ``structured`` constrains the output
+    to a grammar (None: unconstrained).
     """
 
     max_tokens: int = 16
@@ -114,6 +129,7 @@ class SamplingParams(Struct, frozen=True, **_HOT):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured: StructuredSpec | None = None
 
 
 class ContentPart(Struct, frozen=True, omit_defaults=True):

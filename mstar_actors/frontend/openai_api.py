@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from mstar_actors.messages import ChatMessage, ContentPart, NewRequest, SamplingParams
+from mstar_actors.messages import ChatMessage, ContentPart, NewRequest, SamplingParams, StructuredSpec
 
 MAX_N = 16
 MAX_STOP_STRINGS = 4
@@ -218,6 +218,7 @@ def _parse_sampling(body: dict, max_tokens: int, logprobs: int | None) -> Sampli
         stop_token_ids=tuple(stop_token_ids or ()),
         ignore_eos=get_bool(body, "ignore_eos", False),
         logprobs=logprobs,
+        structured=parse_structured(body),
     )
 
 
@@ -271,6 +272,116 @@ def _parse_common(body: dict, kind: str, max_tokens: int, logprobs: int | None) 
         stop=_parse_stop(body),
         logprobs=logprobs,
     )
+
+
+# --------------------------------------------------------------------------
+# Structured outputs: response_format, vLLM's structured_outputs and guided_*
+# --------------------------------------------------------------------------
+
+# vLLM's structured_outputs keys and their StructuredSpec kind; the older
+# top-level guided_* names map the same way.
+STRUCTURED_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar", "json_object": "json_object"}
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# Options that change nothing here: no fallback engine exists, and JSON is always
+# generated without free whitespace (what disable_any_whitespace asks for).
+IGNORED_STRUCTURED_KEYS = {"disable_fallback", "disable_any_whitespace"}
+IGNORED_GUIDED_FIELDS = {"guided_decoding_backend"}
+REFUSED_GUIDED_FIELDS = {"guided_whitespace_pattern"}
+
+
+def parse_structured(body: dict) -> StructuredSpec | None:
+    """The request's output constraint, or None; at most one may be given (else 400 naming both).
+
+    Only shapes are checked here; the spec itself is compiled by prepare,
+    whose refusal (a 400 naming the same field) comes before any rank sees it.
+    """
+    found = [spec for spec in (_from_response_format(body), *_from_structured_outputs(body), *_from_guided(body))
+             if spec is not None]
+    if len(found) > 1:
+        names = " and ".join(s.param for s in found)
+        raise ApiError(400, f"{names}: only one structured output constraint may be given per request",
+                       param=found[0].param)
+    return found[0] if found else None
+
+
+def _from_response_format(body: dict) -> StructuredSpec | None:
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise _bad("response_format", f'expected an object like {{"type": "json_object"}}, got {_show(fmt)}')
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredSpec("json_object", "", "response_format")
+    if kind != "json_schema":
+        raise _bad("response_format.type", f'expected "text", "json_object" or "json_schema", got {_show(kind)}')
+    return _json_schema_spec(fmt.get("json_schema"))
+
+
+def _json_schema_spec(value: Any) -> StructuredSpec:
+    where = "response_format.json_schema"
+    if not isinstance(value, dict):
+        raise _bad(where, f'expected an object like {{"name": ..., "schema": {{...}}}}, got {_show(value)}')
+    for key in ("name", "description"):
+        if value.get(key) is not None and not isinstance(value[key], str):
+            raise _bad(f"{where}.{key}", f"expected a string, got {_show(value[key])}")
+    if value.get("strict") is not None and not isinstance(value["strict"], bool):
+        raise _bad(f"{where}.strict", f"expected true or false, got {_show(value['strict'])}")
+    # The output always matches the schema: strict or not, the grammar enforces it.
+    return _schema_spec(value.get("schema"), f"{where}.schema")
+
+
+def _schema_spec(schema: Any, param: str) -> StructuredSpec:
+    if isinstance(schema, str):  # vLLM accepts a schema as JSON text
+        return StructuredSpec("json", schema, param)
+    if not isinstance(schema, (dict, bool)):
+        raise _bad(param, f"expected a JSON schema object, got {_show(schema)}")
+    return StructuredSpec("json", msgspec.json.encode(schema).decode(), param)
+
+
+def _from_structured_outputs(body: dict) -> list[StructuredSpec]:
+    options = body.get("structured_outputs")
+    if options is None:
+        return []
+    if not isinstance(options, dict):
+        raise _bad("structured_outputs", f'expected an object like {{"regex": "..."}}, got {_show(options)}')
+    specs = []
+    for key, value in options.items():
+        if value is None or key in IGNORED_STRUCTURED_KEYS:
+            continue
+        if key not in STRUCTURED_KEYS:
+            accepted = ", ".join(sorted(STRUCTURED_KEYS.keys() | IGNORED_STRUCTURED_KEYS))
+            raise _bad(f"structured_outputs.{key}", f"not supported; accepted keys are {accepted}")
+        if key == "json_object":
+            if not isinstance(value, bool):
+                raise _bad("structured_outputs.json_object", f"expected true or false, got {_show(value)}")
+            if value:
+                specs.append(StructuredSpec("json_object", "", "structured_outputs.json_object"))
+            continue
+        specs.append(_field_spec(STRUCTURED_KEYS[key], value, f"structured_outputs.{key}"))
+    return specs
+
+
+def _from_guided(body: dict) -> list[StructuredSpec]:
+    for name in REFUSED_GUIDED_FIELDS:
+        if body.get(name) is not None:
+            raise _bad(name, "not supported: JSON is generated without free whitespace")
+    return [_field_spec(kind, body[name], name) for name, kind in GUIDED_FIELDS.items() if body.get(name) is not None]
+
+
+def _field_spec(kind: str, value: Any, param: str) -> StructuredSpec:
+    """One structured_outputs / guided_* value by its kind: json a schema, choice a list of strings, else a string."""
+    if kind == "json":
+        return _schema_spec(value, param)
+    if kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+            raise _bad(param, f"expected a non-empty list of non-empty strings, got {_show(value)}")
+        return StructuredSpec("choice", msgspec.json.encode(value).decode(), param)
+    if not isinstance(value, str) or not value:
+        raise _bad(param, f"expected a non-empty string, got {_show(value)}")
+    return StructuredSpec(kind, value, param)
 
 
 # --------------------------------------------------------------------------

@@ -90,15 +90,18 @@ class Preparer:
     PREPROCESS_PARALLEL = False  # see the module docstring
     PREPARES_MEDIA = False  # image/video parts are refused by the chat template path
 
-    def __init__(self, tokenization: Any, prompt_limit: int | None = None):
+    def __init__(self, tokenization: Any, prompt_limit: int | None = None, grammars: Any = None):
         self.tokenization = tokenization
         self.prompt_limit = prompt_limit  # a prompt of this many tokens can't be served
+        self.grammars = grammars  # a runner.grammar.GrammarCompiler, or None: structured outputs refused
 
     def prepare(self, req: NewRequest) -> Prepared | Failed:
         result = self.draft(req, {})
         return result.prepared if isinstance(result, Draft) else result
 
     def draft(self, req: NewRequest, fetched: dict[str, bytes] | None = None) -> Draft | Failed:
+        if (refusal := self.check_structured(req)) is not None:
+            return refusal
         try:
             token_ids, param = self._token_ids(req)
         except PromptTooLong as err:
@@ -129,6 +132,23 @@ class Preparer:
             return list(self.tokenization.encode_prompt(req.prompt, self.prompt_limit)), "prompt"
         raise ValueError("none of prompt, prompt_token_ids or messages is set")
 
+    def check_structured(self, req: NewRequest) -> Failed | None:
+        """Compile the request's grammar (the engine caches it): a bad spec is
+        its 400 here, before anything reaches the conductor or the ranks."""
+        spec = req.sampling.structured
+        if spec is None:
+            return None
+        param = spec.param or "structured_outputs"
+        if self.grammars is None:
+            return failed(req, "structured outputs are off on this server", param)
+        from mstar_actors.runner.grammar import GrammarError
+
+        try:
+            self.grammars.compile(spec)
+        except GrammarError as err:
+            return failed(req, f"{param}: {err}", param)
+        return None
+
     def check(self, token_ids: list[int]) -> str | None:
         """Token ids are the frontend's to check (``openai_api.parse_prompts``),
         the prompt's length the scheduler's."""
@@ -156,11 +176,14 @@ def load_preparer(info: ModelInfo, limits: MediaLimits | None = None) -> Any:
     the text ``Preparer``."""
     from mstar_actors.tokenization import Tokenization
 
+    from mstar_actors.runner.grammar import GrammarCompiler, tokenizer_info
+
     tokenization = Tokenization(info.model_dir)
+    grammars = GrammarCompiler(tokenizer_info(tokenization.tokenizer, info.vocab_size, info.eos_token_ids))
     if info.is_multimodal:
         return QwenVLPreparer(Path(info.model_dir), tokenization, info.media_token_ids, limits or MediaLimits(),
-                              prompt_limit=info.max_model_len)
-    return Preparer(tokenization, info.max_model_len)
+                              prompt_limit=info.max_model_len, grammars=grammars)
+    return Preparer(tokenization, info.max_model_len, grammars)
 
 
 # --------------------------------------------------------------------------
@@ -186,9 +209,9 @@ class QwenVLPreparer:
     PREPARES_MEDIA = True
 
     def __init__(self, model_dir: Path, tokenization: Any, media_token_ids: dict[str, int], limits: MediaLimits,
-                 image_processor: Any = None, prompt_limit: int | None = None):
+                 image_processor: Any = None, prompt_limit: int | None = None, grammars: Any = None):
         self.tokenization = tokenization
-        self.text = Preparer(tokenization, prompt_limit)  # text-only requests, and the checks
+        self.text = Preparer(tokenization, prompt_limit, grammars)  # text-only requests, and the checks
         self.limits = limits
         self.image_token_id = media_token_ids["image"]
         self.video_token_id = media_token_ids["video"]
@@ -200,6 +223,8 @@ class QwenVLPreparer:
     # ---- the one entry point -----------------------------------------------
 
     def draft(self, req: NewRequest, fetched: dict[str, bytes]) -> Draft | Failed:
+        if (refusal := self.text.check_structured(req)) is not None:  # the engine's compiler is thread-safe
+            return refusal
         try:
             refs = collect_media(req, self.limits)
             if not refs:

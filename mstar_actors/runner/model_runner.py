@@ -22,6 +22,14 @@ then compiles the kernels and captures the step graphs.
 ``build_batch`` is a pure function (no torch), so the plan-to-batch rules can
 be tested without a model.
 
+Structured outputs (``enable_grammars``; ``runner.grammar``): a sequence with
+``SamplingParams.structured`` gets a matcher at start (fed its earlier
+outputs on a restart) and loses it when forgotten; each step the sampled
+rows' logits are masked by their grammars after the model runs (outside the
+CUDA graphs, which stay one set for every step; on CUDA the host fills the
+masks while the device still runs the step) and every rank's matchers take
+the token sampled, so they agree.
+
 CUDA graphs (CUDA, text models, unless ``enforce_eager``; ``step_graphs``):
 a pure decode step (every chunk one token that samples) of up to
 ``cuda_graph_max_batch`` sequences replays a decode graph captured at
@@ -46,6 +54,7 @@ from mstar_actors.lora.adapter_file import AdapterWeights
 from mstar_actors.models.attention import AttentionMetadata
 from mstar_actors.models.lora_layers import LoraLayers
 from mstar_actors.models.media_inputs import MediaInputs
+from mstar_actors.runner.grammar import GrammarError, GrammarMatchers
 from mstar_actors.runner.step_graphs import DecodeGraphs, MixedGraphs
 from mstar_actors.runner.sampling import SampleRow, sample_tokens
 
@@ -198,6 +207,12 @@ class ModelRunner:
         self.seqs: dict[str, SeqState] = {}
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
+        self.grammars: GrammarMatchers | None = None  # structured outputs: see enable_grammars
+
+    def enable_grammars(self, grammars: GrammarMatchers) -> None:
+        """Serve ``SamplingParams.structured``: its rows' logits are masked by
+        ``grammars`` before sampling (after the model, outside any graph)."""
+        self.grammars = grammars
 
     def enable_step_graphs(self, max_batch: int, max_tokens: int = 0, *, capture: bool = True) -> None:
         """Serve pure decode steps of up to ``max_batch`` sequences through
@@ -236,10 +251,14 @@ class ModelRunner:
         logits = self._run_model(batch)
         if not batch.sample_ids:
             return []
+        if self.grammars is not None:  # on CUDA the masks fill while the device runs the step
+            self.grammars.mask(logits, batch.sample_ids)
         rows = [self._sample_row(rid) for rid in batch.sample_ids]
         sampled = self.sampler(logits, rows, generator=self.generator)
         for token in sampled:
             self.seqs[token.request_id].output_token_ids.append(token.token_id)
+        if self.grammars is not None:
+            self.grammars.advance(sampled)
         return sampled
 
     def start(self, started: list[messages.SeqStart]) -> None:
@@ -254,8 +273,8 @@ class ModelRunner:
                 errors.append(f"request {s.request_id!r}: lora_slot {s.lora_slot} holds no adapter on this rank; {self._lora_hint()}")
                 continue
             self.seqs[s.request_id] = SeqState(list(s.prompt_token_ids), s.sampling, list(s.output_token_ids), s.lora_slot)
-            if (error := self._start_media(s)) is not None:
-                self.seqs.pop(s.request_id)
+            if (error := self._start_media(s) or self._start_grammar(s)) is not None:
+                self.forget([s.request_id])
                 errors.append(error)
         if errors:
             raise PlanError("; ".join(errors), [s.request_id for s in started if s.request_id not in self.seqs])
@@ -300,6 +319,8 @@ class ModelRunner:
         """Drop finished sequences; an unknown id is a no-op (aborts are idempotent)."""
         for rid in request_ids:
             self.seqs.pop(rid, None)
+            if self.grammars is not None:
+                self.grammars.forget(rid)
             if self.media is not None:
                 self.media.forget(rid)
 
@@ -313,6 +334,17 @@ class ModelRunner:
             self.media.start(s.request_id, s.prompt_token_ids, s.media)
         except ValueError as err:
             return str(err)
+        return None
+
+    def _start_grammar(self, s: messages.SeqStart) -> str | None:
+        """Why ``s``'s grammar can't be served here, or None (also when it has none).
+        A restarted sequence's matcher is fed its earlier outputs again."""
+        if self.grammars is None:
+            return f"request {s.request_id!r}: structured outputs are off on this rank" if s.sampling.structured else None
+        try:
+            self.grammars.start(s.request_id, s.sampling.structured, s.output_token_ids)
+        except GrammarError as err:
+            return f"request {s.request_id!r}: {err}"
         return None
 
     def _sample_row(self, request_id: str) -> SampleRow:

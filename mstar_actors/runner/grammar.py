@@ -1,0 +1,241 @@
+"""Structured outputs: grammars compiled from a ``StructuredSpec``, one matcher
+per constrained sequence, and the token masks applied to the logits.
+
+Engine: xgrammar, chosen over llguidance for its per-token mask fill time on
+SmolLM2's 49,152-token vocabulary (``tools/bench_grammar_engines.py``;
+docs/benchmarks.md, "Grammar engine").
+
+Where grammars are compiled: the spec *string* travels (in
+``SamplingParams.structured``); prepare compiles it once to refuse a bad one
+as the request's 400 before anything reaches the conductor, and every rank
+compiles it again with its own bounded cache. We do not ship the compiled
+grammar: it carries its token-mask cache (far larger than the spec), would
+go to every rank in every ``SeqStart``, and would tie the protocol to the
+engine's serialization version; a recompile costs milliseconds, once per
+distinct spec per rank (the compiler's cache is an LRU bounded in bytes).
+
+Per-sequence state (``GrammarMatchers``, one per rank): a matcher is made at
+``SeqStart`` and fed the outputs the sequence already has, so a sequence
+restarted after a preemption resumes with its grammar state; it advances with
+each sampled token, which is the same on every rank, so every rank's matchers
+agree; it is dropped when the sequence is forgotten (finish or abort).
+
+A grammar that is complete allows only the stop tokens (EOS), so the model
+samples one and the scheduler ends the request with ``finish_reason: "stop"``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from mstar_actors import messages
+
+log = logging.getLogger(__name__)
+COMPILER_CACHE_BYTES = 64 << 20  # compiled grammars kept per process (LRU)
+ANY_OBJECT_SCHEMA = '{"type": "object"}'  # response_format json_object
+MAX_SCHEMA_TEXTS = 256  # JSON schemas whose grammar text is kept (_json_grammar_text)
+# The engine writes the characters of a string with a length bound as this
+# class, which lets raw control characters (invalid JSON) through; its plain
+# strings exclude them, as JSON requires.
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+_ENGINE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[13:34:24] /project/cpp/x.cc:94: " of the engine's errors
+
+
+class GrammarError(ValueError):
+    """A spec the engine refuses; ``reason`` is the engine's own words."""
+
+    def __init__(self, kind: str, reason: str):
+        super().__init__(f"invalid {kind} for structured output: {reason}")
+        self.kind = kind
+        self.reason = reason
+
+
+class GrammarEngineError(RuntimeError):
+    """The grammar engine is missing or broken: the server can't start."""
+
+
+def _xgr() -> Any:
+    try:
+        import xgrammar
+    except Exception as err:  # ImportError, or a broken native library
+        raise GrammarEngineError(f"structured outputs need xgrammar (pip install xgrammar): {type(err).__name__}: {err}") from None
+    return xgrammar
+
+
+def tokenizer_info(tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> Any:
+    """The engine's view of a Hugging Face tokenizer, padded to the model's ``vocab_size`` (the logits' width)."""
+    return _xgr().TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
+
+
+def raw_tokenizer_info(vocab: list[str], eos_token_ids: Iterable[int]) -> Any:
+    """A tokenizer of literal token strings (tests, the start check)."""
+    return _xgr().TokenizerInfo(vocab, vocab_size=len(vocab), stop_token_ids=list(eos_token_ids))
+
+
+def load_matchers(info: Any) -> GrammarMatchers:
+    """A rank's matchers for the model of ``info`` (a ``ModelInfo``), from its tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(info.model_dir, local_files_only=True)
+    return GrammarMatchers(GrammarCompiler(tokenizer_info(tokenizer, info.vocab_size, info.eos_token_ids)))
+
+
+def check_engine() -> None:
+    """Compile and match a small schema on a toy vocabulary; GrammarEngineError in one line if that fails."""
+    try:
+        compiler = GrammarCompiler(raw_tokenizer_info(["<eos>", "{", "}", '"', "a", ":", "1", " "], [0]))
+        grammar = compiler.compile(messages.StructuredSpec("json", '{"type": "object", "properties": {"a": {"type": "integer"}}}'))
+        matcher = _xgr().GrammarMatcher(grammar)
+        if not all(matcher.accept_token(t) for t in (1, 2)):
+            raise RuntimeError("the matcher refused '{}' for an object schema")
+    except GrammarEngineError:
+        raise
+    except Exception as err:
+        raise GrammarEngineError(f"the grammar engine (xgrammar) is broken: {type(err).__name__}: {err}") from None
+
+
+class GrammarCompiler:
+    """Compiles specs for one vocabulary; the engine caches each distinct spec (LRU, bounded in bytes)."""
+
+    def __init__(self, info: Any, *, max_threads: int = 1, cache_bytes: int = COMPILER_CACHE_BYTES):
+        self.info = info
+        self.vocab_size = info.vocab_size
+        self.compiler = _xgr().GrammarCompiler(info, max_threads=max_threads, cache_enabled=True,
+                                               cache_limit_bytes=cache_bytes)
+
+    def compile(self, spec: messages.StructuredSpec) -> Any:
+        """The compiled grammar of ``spec``; GrammarError naming the reason when it is invalid."""
+        try:
+            return self._compile(spec)
+        except GrammarError:
+            raise
+        except Exception as err:  # the engine's errors are RuntimeError / ValueError with its reason
+            raise GrammarError(spec.kind, _reason(err)) from None
+
+    def _compile(self, spec: messages.StructuredSpec) -> Any:
+        match spec.kind:
+            case "json":
+                json.loads(spec.spec)  # a clearer error than the engine's for text that is not JSON
+                return self.compiler.compile_grammar(_json_grammar_text(spec.spec))
+            case "json_object":
+                return self.compiler.compile_grammar(_json_grammar_text(ANY_OBJECT_SCHEMA))
+            case "regex":
+                return self.compiler.compile_regex(spec.spec)
+            case "choice":
+                return self.compiler.compile_regex("|".join(_escape_regex(c) for c in parse_choices(spec.spec)))
+            case "grammar":
+                return self.compiler.compile_grammar(spec.spec)
+        raise GrammarError(spec.kind, "unknown kind; accepted are json, json_object, regex, choice, grammar")
+
+
+@functools.lru_cache(maxsize=MAX_SCHEMA_TEXTS)
+def _json_grammar_text(schema: str) -> str:
+    """The engine's grammar of ``schema`` (no free whitespace: a small model
+    would fill it), with its length-bounded strings made valid JSON."""
+    text = str(_xgr().Grammar.from_json_schema(schema, any_whitespace=False))
+    return text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+
+
+def _reason(err: Exception) -> str:
+    lines = str(err).strip().splitlines()
+    return _ENGINE_PREFIX.sub("", lines[0]) if lines else type(err).__name__
+
+
+def parse_choices(text: str) -> list[str]:
+    choices = json.loads(text)
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise GrammarError("choice", "expected a non-empty list of non-empty strings")
+    return choices
+
+
+def _escape_regex(text: str) -> str:
+    return "".join("\\" + c if c in r"\^$.|?*+()[]{}/" else c for c in text)
+
+
+class GrammarMatchers:
+    """One rank's matchers, by request id, and the step's token bitmask.
+
+    ``mask`` fills the bitmask of every constrained row in one engine call
+    (no per-token Python) and applies it to the logits in place, outside any
+    captured graph: the graphs return their logits, and masking them after
+    keeps one set of graphs for constrained and unconstrained steps.
+    """
+
+    def __init__(self, compiler: GrammarCompiler, *, max_threads: int = 1):
+        self.compiler = compiler
+        self.matchers: dict[str, Any] = {}
+        self.refused: set[str] = set()  # rows whose sampled token their grammar refused: only EOS from then on
+        self.batch = _xgr().BatchGrammarMatcher(max_threads=max_threads)
+        self.bitmask = _xgr().allocate_token_bitmask(1, compiler.vocab_size)
+        self.stop_row = _stop_row(self.bitmask[0], compiler.info.stop_token_ids)  # a terminated grammar's mask
+
+    def __len__(self) -> int:
+        return len(self.matchers)
+
+    def start(self, request_id: str, spec: messages.StructuredSpec | None, output_token_ids: list[int]) -> None:
+        """A matcher for a new (or restarted) sequence, fed the outputs it already has."""
+        self.forget(request_id)
+        if spec is None:
+            return
+        matcher = _xgr().GrammarMatcher(self.compiler.compile(spec))
+        self.matchers[request_id] = matcher
+        for token in output_token_ids:
+            self._accept(request_id, matcher, token)
+
+    def forget(self, request_id: str) -> None:
+        self.matchers.pop(request_id, None)
+        self.refused.discard(request_id)
+
+    def mask(self, logits: torch.Tensor, sample_ids: list[str]) -> None:
+        """Mask disallowed tokens of the constrained rows of ``logits`` [len(sample_ids), vocab] in place."""
+        rows = [i for i, rid in enumerate(sample_ids) if rid in self.matchers]
+        if not rows:
+            return
+        if self.bitmask.shape[0] < len(sample_ids):
+            self.bitmask = _xgr().allocate_token_bitmask(len(sample_ids), self.compiler.vocab_size)
+        bitmask = self.bitmask[: len(sample_ids)]
+        live = [i for i in rows if not self._is_done(sample_ids[i])]
+        if live:
+            self.batch.batch_fill_next_token_bitmask([self.matchers[sample_ids[i]] for i in live], bitmask, indices=live)
+        for i in set(rows).difference(live):
+            bitmask[i] = self.stop_row
+        _xgr().apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                           vocab_size=self.compiler.vocab_size, indices=rows)
+
+    def advance(self, sampled: list[messages.SampledToken]) -> None:
+        """Feed each constrained row its sampled token."""
+        for token in sampled:
+            matcher = self.matchers.get(token.request_id)
+            if matcher is not None:
+                self._accept(token.request_id, matcher, token.token_id)
+
+    def _is_done(self, request_id: str) -> bool:
+        return request_id in self.refused or self.matchers[request_id].is_terminated()
+
+    def _accept(self, request_id: str, matcher: Any, token_id: int) -> None:
+        # A complete grammar allows only EOS; with ignore_eos the request may sample
+        # it again after the matcher terminated, which changes nothing.
+        if self._is_done(request_id):
+            return
+        if not matcher.accept_token(token_id):
+            # Only when a later logits filter removed every token the grammar allows.
+            # The step is sampled on every rank: raising now would fail all its rows,
+            # so the row ends instead (only EOS is allowed from here), on every rank alike.
+            log.warning("request %r: token %d is outside its grammar; the request ends here", request_id, token_id)
+            self.refused.add(request_id)
+
+
+def _stop_row(row: torch.Tensor, stop_token_ids: Iterable[int]) -> torch.Tensor:
+    """A bitmask row (int32 words, bit ``t % 32`` of word ``t // 32``) allowing only ``stop_token_ids``."""
+    words = [0] * row.numel()
+    for token in stop_token_ids:
+        words[token // 32] |= 1 << (token % 32)
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)

@@ -1,0 +1,149 @@
+"""The runner's grammar hooks on a tiny random model: constrained rows follow
+their grammar (the random model alone would not), unconstrained rows in the
+same steps are untouched, base and adapter rows alike; a restarted sequence
+resumes with its grammar state; a forgotten one frees it."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+import pytest
+import torch
+from structured_kit import EOS, make_adapter, token_text, word_id
+
+from mstar_actors import messages
+from mstar_actors.lora import BaseShapes, read_adapter
+from mstar_actors.lora.host_copy import adapter_from_bytes, adapter_to_bytes
+from mstar_actors.model_info import load_model_info
+from mstar_actors.runner.grammar import load_matchers
+from mstar_actors.runner.model_runner import PlanError
+from plan_driver import PlanDriver
+import runner_factories
+
+BLOCK_SIZE = 4
+NUM_NEW = 12
+REGEX = r"hello(w1|w2|w3|w4){2,4}world"
+CHOICES = ["w5w6", "w7", "userassistant"]
+FREE = messages.SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+PROMPTS = {"re": [5, 9, 33, 41], "free": [7, 8, 9, 10, 11], "re-ad": [40, 41, 42], "free-ad": [100, 101], "choice": [60, 61]}
+SLOTS = {"re-ad": 1, "free-ad": 1}
+
+
+def structured(kind: str, spec: str) -> messages.SamplingParams:
+    return msgspec.structs.replace(FREE, structured=messages.StructuredSpec(kind, spec))
+
+
+SAMPLING = {"re": structured("regex", REGEX), "re-ad": structured("regex", REGEX),
+            "choice": structured("choice", msgspec.json.encode(CHOICES).decode())}
+
+
+@pytest.fixture(scope="module")
+def world(word_model, tmp_path_factory):
+    """(model folder, adapter weights) for runners with one adapter slot."""
+    folder, hf_model = word_model
+    adapter_folder = make_adapter(tmp_path_factory.mktemp("adapter"), hf_model)
+    shapes = BaseShapes.from_hf_config(hf_model.config.to_dict())
+    weights = adapter_from_bytes(adapter_to_bytes(read_adapter(adapter_folder, base=shapes, max_rank=8, name="ad")))
+    return folder, weights
+
+
+def make_runner(world, *, grammars: bool = True):
+    """A runner with the adapter in slot 1 and, unless ``grammars`` is False, the matchers a worker gives it."""
+    folder, weights = world
+    keys = dict(dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_blocks=64, seed=0, max_loras=1, max_lora_rank=8)
+    runner = runner_factories.make_runner(folder, **keys)
+    runner.install_adapter(1, weights)
+    if grammars:
+        runner.enable_grammars(load_matchers(load_model_info(runner_factories.runner_config(folder, **keys))))
+    return runner
+
+
+def start(driver: PlanDriver, rid: str, outputs=(), *, constrained: bool = True) -> messages.SeqStart:
+    seq = driver.start(rid, PROMPTS[rid], outputs=outputs, slot=SLOTS.get(rid, 0))
+    return msgspec.structs.replace(seq, sampling=SAMPLING.get(rid, FREE) if constrained else FREE)
+
+
+def run_all(runner, *, constrained: bool = True) -> dict[str, list[int]]:
+    driver = PlanDriver(runner, block_size=BLOCK_SIZE, num_new=NUM_NEW, sampling=FREE)
+    driver.step([start(driver, rid, constrained=constrained) for rid in PROMPTS], [driver.chunk(rid) for rid in PROMPTS])
+    return driver.run_to_end()
+
+
+def assert_follows(tokens: list[int], pattern: str) -> None:
+    """The output up to EOS matches ``pattern`` whole; after it only EOS (a complete grammar allows nothing else)."""
+    assert EOS in tokens, tokens
+    assert re.fullmatch(pattern, token_text(tokens)), token_text(tokens)
+    assert set(tokens[tokens.index(EOS):]) == {EOS}
+
+
+def test_constrained_free_base_and_adapter_rows_in_one_step(world):
+    outputs = run_all(make_runner(world))
+    reference = run_all(make_runner(world, grammars=False), constrained=False)
+    assert_follows(outputs["re"], REGEX)
+    assert_follows(outputs["re-ad"], REGEX)
+    assert_follows(outputs["choice"], "|".join(CHOICES))
+    for rid in ("free", "free-ad"):  # the masks of the other rows never touch these
+        assert outputs[rid] == reference[rid], rid
+    for rid in ("re", "re-ad", "choice"):  # the random model alone does not write the grammar
+        assert not re.fullmatch(REGEX, token_text(reference[rid])), rid
+    assert outputs["re"] != outputs["re-ad"] or reference["re"] != reference["re-ad"]  # the adapter row ran on its slot
+
+
+def test_restarted_sequence_resumes_with_its_grammar_state(world):
+    """A preemption by recompute: the sequence is forgotten, then started again with its outputs."""
+    whole = run_all(make_runner(world))["re"]
+    runner = make_runner(world)
+    driver = PlanDriver(runner, block_size=BLOCK_SIZE, num_new=NUM_NEW, sampling=FREE)
+    driver.step([start(driver, "re")], [driver.chunk("re")])
+    for _ in range(2):
+        driver.step([], driver.decodes("re"))
+    before = list(driver.seqs["re"]["outputs"])
+    assert len(before) == 3 and before[0] == word_id("hello")
+    driver.step([], [], [driver.finish("re")])
+    assert len(runner.grammars) == 0
+    restarted = start(driver, "re", outputs=before)
+    driver.step([restarted], [driver.chunk("re")])
+    assert driver.run_to_end()["re"] == whole
+    assert_follows(whole, REGEX)
+
+
+def test_finished_sequence_frees_its_matcher_and_unknown_ids_are_no_ops(world):
+    runner = make_runner(world)
+    driver = PlanDriver(runner, block_size=BLOCK_SIZE, num_new=NUM_NEW, sampling=FREE)
+    driver.step([start(driver, "re"), start(driver, "free")], [driver.chunk("re"), driver.chunk("free")])
+    assert set(runner.grammars.matchers) == {"re"}  # only constrained rows hold one
+    driver.step([], [], [driver.finish("re"), "never-started"])
+    assert len(runner.grammars) == 0
+
+
+def test_a_bad_spec_on_a_rank_fails_its_row_alone(world):
+    runner = make_runner(world)
+    driver = PlanDriver(runner, block_size=BLOCK_SIZE, num_new=NUM_NEW, sampling=FREE)
+    bad = msgspec.structs.replace(start(driver, "re"), sampling=structured("regex", "hello("))
+    with pytest.raises(PlanError) as err:
+        runner.start([bad, start(driver, "free")])
+    assert err.value.request_ids == ["re"] and "regex" in str(err.value)
+    assert "free" in runner.seqs and "re" not in runner.seqs and len(runner.grammars) == 0
+
+
+def test_a_token_outside_the_grammar_ends_the_row_and_never_passes_unconstrained(world):
+    """Possible only when a later filter removed every token the grammar allows."""
+    matchers = make_runner(world).grammars
+    matchers.start("x", messages.StructuredSpec("regex", REGEX), [])
+    matchers.advance([messages.SampledToken("x", word_id("w1"))])
+    logits = torch.zeros(1, 512)
+    matchers.mask(logits, ["x"])
+    assert (logits[0] > float("-inf")).nonzero().flatten().tolist() == [EOS]
+    matchers.start("x", messages.StructuredSpec("regex", REGEX), [word_id("hello")])  # a restart begins anew
+    assert not matchers.refused
+
+
+def test_mask_leaves_unconstrained_rows_bit_identical(world):
+    matchers = make_runner(world).grammars
+    matchers.start("c", messages.StructuredSpec("choice", '["w7"]'), [])
+    logits = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    masked = logits.clone()
+    matchers.mask(masked, ["a", "c", "b"])
+    assert torch.equal(masked[[0, 2]], logits[[0, 2]])
+    assert (masked[1] > float("-inf")).nonzero().flatten().tolist() == [word_id("w7")]

@@ -1,0 +1,105 @@
+"""Structured outputs through prepare, the conductor and two ranks over
+in-memory channels, on the tiny random model: a grammar that ends finishes
+the request with "stop"; a bad spec is prepare's 400 naming its field; an
+abort frees every rank's grammar state; a preempted constrained request
+resumes with its grammar state."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+from structured_kit import EOS, request_path, token_text, word_id
+
+from mstar_actors.messages import Abort, Failed, Finished, NewRequest, SamplingParams, StructuredSpec
+
+Engine, make_config, async_test = request_path.Engine, request_path.make_config, request_path.async_test
+SHORT = r"hello(w1|w2)world"
+LONG = r"hello(w1|w2|w3|w4){8,10}world"
+
+
+def request(rid: str, prompt: list[int], *, max_tokens: int = 20, spec: StructuredSpec | None = None,
+            ignore_eos: bool = False) -> NewRequest:
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos, structured=spec)
+    return NewRequest(request_id=rid, model="tiny", sampling=sampling, prompt_token_ids=prompt)
+
+
+async def serve(model_dir, requests: list[NewRequest], **kv) -> tuple[dict, Engine]:
+    engine = Engine(make_config(model_dir, **kv))
+    engine.start()
+    for req in requests:
+        await engine.to_prepare.send(req)
+    out = await engine.collect(num_ended=len(requests))
+    await engine.await_idle()
+    return out, engine
+
+
+@async_test
+async def test_a_grammar_that_ends_finishes_with_stop_beside_free_rows(word_model):
+    folder, _ = word_model
+    choices = ["w5w6", "w7"]
+    out, engine = await serve(folder, [
+        request("re", [5, 9, 33], spec=StructuredSpec("regex", SHORT, "structured_outputs.regex")),
+        request("choice", [20, 21], spec=StructuredSpec("choice", msgspec.json.encode(choices).decode())),
+        request("free", [7, 8, 9], max_tokens=6, ignore_eos=True),
+    ])
+    assert await engine.stop() == [0] * 4
+    for rid, pattern in (("re", SHORT), ("choice", "|".join(choices))):
+        end, tokens = out[rid]["end"], out[rid]["tokens"]
+        assert isinstance(end, Finished) and end.finish_reason == "stop" and end.stop_token_id == EOS, (rid, end)
+        assert tokens[-1] == EOS and re.fullmatch(pattern, token_text(tokens)), (rid, tokens)
+    assert out["free"]["end"].finish_reason == "length" and len(out["free"]["tokens"]) == 6
+
+
+@async_test
+async def test_a_bad_spec_is_prepares_400_naming_its_field(word_model):
+    folder, _ = word_model
+    out, engine = await serve(folder, [
+        request("bad", [5, 9], spec=StructuredSpec("regex", "hello(", "structured_outputs.regex")),
+        request("ok", [5, 9], max_tokens=3, ignore_eos=True),
+    ])
+    assert await engine.stop() == [0] * 4
+    bad = out["bad"]["end"]
+    assert isinstance(bad, Failed) and bad.status == 400 and bad.param == "structured_outputs.regex"
+    assert "structured_outputs.regex" in bad.message and "parenthesis" in bad.message and not out["bad"]["tokens"]
+    assert out["ok"]["end"].finish_reason == "length"
+
+
+@async_test
+async def test_abort_frees_the_grammar_state_on_every_rank(word_model):
+    folder, _ = word_model
+    engine = Engine(make_config(folder))
+    engine.start()
+    aborted = []
+
+    async def abort_after_first_token(delta):
+        if delta.request_id == "long" and not aborted:
+            aborted.append(True)
+            await engine.to_prepare.send(Abort(request_id="long"))
+
+    await engine.to_prepare.send(request("long", [5, 9, 33], max_tokens=100, spec=StructuredSpec("regex", r"(w1|w2|w3){60}")))
+    await engine.to_prepare.send(request("short", [7, 8, 9], max_tokens=5, ignore_eos=True))  # carries the forget
+    out = await engine.collect(num_ended=2, on_delta=abort_after_first_token)
+    assert out["long"]["end"].finish_reason == "abort"
+    await engine.await_idle()
+    ranks = engine.actors[2:]
+    assert all("long" not in w.runner.seqs and len(w.runner.grammars) == 0 for w in ranks)
+    assert await engine.stop() == [0] * 4
+
+
+@async_test
+async def test_a_preempted_constrained_request_resumes_with_its_grammar_state(word_model):
+    """Four KV blocks of four tokens: at position 8 both requests need a third
+    block, so the later one (the constrained one) is preempted, and restarts
+    after the other ends with the outputs it had."""
+    folder, _ = word_model
+    spec = StructuredSpec("regex", LONG)
+    alone, engine = await serve(folder, [request("long", [5, 9, 33], spec=spec)])
+    assert await engine.stop() == [0] * 4
+    out, engine = await serve(folder, [request("free", [7, 8, 9], max_tokens=8, ignore_eos=True),
+                                       request("long", [5, 9, 33], spec=spec)], num_blocks=4)
+    assert await engine.stop() == [0] * 4
+    assert max(s.num_preemptions for s in engine.stats) >= 1
+    tokens = out["long"]["tokens"]
+    assert out["long"]["end"].finish_reason == "stop" and re.fullmatch(LONG, token_text(tokens)), tokens
+    assert tokens == alone["long"]["tokens"] and tokens[0] == word_id("hello")

@@ -1,0 +1,148 @@
+"""The request fields that name a structured output, and what the engine
+makes of each spec: pure, no server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mstar_actors.frontend.openai_api import ApiError, parse_chat, parse_completion
+from mstar_actors.messages import StructuredSpec
+from mstar_actors.runner.grammar import GrammarCompiler, GrammarEngineError, GrammarError, check_engine, raw_tokenizer_info
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def chat(**fields):
+    return parse_chat(json.dumps({"messages": MESSAGES, **fields}).encode()).sampling.structured
+
+
+def refusal(parse=chat, **fields) -> ApiError:
+    with pytest.raises(ApiError) as err:
+        parse(**fields)
+    assert err.value.status == 400
+    return err.value
+
+
+@pytest.mark.parametrize(("fields", "expected"), [
+    ({}, None),
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, StructuredSpec("json_object", "", "response_format")),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, "strict": True}}},
+     StructuredSpec("json", json.dumps(SCHEMA, separators=(",", ":")), "response_format.json_schema.schema")),
+    ({"structured_outputs": {"json": SCHEMA}}, StructuredSpec("json", json.dumps(SCHEMA, separators=(",", ":")), "structured_outputs.json")),
+    ({"structured_outputs": {"json": '{"type": "string"}'}}, StructuredSpec("json", '{"type": "string"}', "structured_outputs.json")),
+    ({"structured_outputs": {"regex": "a+", "disable_fallback": True}}, StructuredSpec("regex", "a+", "structured_outputs.regex")),
+    ({"structured_outputs": {"choice": ["x", "y"]}}, StructuredSpec("choice", '["x","y"]', "structured_outputs.choice")),
+    ({"structured_outputs": {"grammar": 'root ::= "a"'}}, StructuredSpec("grammar", 'root ::= "a"', "structured_outputs.grammar")),
+    ({"structured_outputs": {"json_object": True}}, StructuredSpec("json_object", "", "structured_outputs.json_object")),
+    ({"guided_json": SCHEMA}, StructuredSpec("json", json.dumps(SCHEMA, separators=(",", ":")), "guided_json")),
+    ({"guided_regex": "b"}, StructuredSpec("regex", "b", "guided_regex")),
+    ({"guided_choice": ["x"]}, StructuredSpec("choice", '["x"]', "guided_choice")),
+    ({"guided_grammar": 'root ::= "a"', "guided_decoding_backend": "xgrammar"}, StructuredSpec("grammar", 'root ::= "a"', "guided_grammar")),
+])
+def test_each_field_maps_to_one_spec(fields, expected):
+    assert chat(**fields) == expected
+
+
+def test_completions_take_the_same_fields():
+    body = {"prompt": "x", "structured_outputs": {"choice": ["a", "b"]}}
+    assert parse_completion(json.dumps(body).encode()).sampling.structured == StructuredSpec("choice", '["a","b"]', "structured_outputs.choice")
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"response_format": "json"}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": 3, "schema": SCHEMA}}}, "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "strict": "yes"}}}, "response_format.json_schema.strict"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, "response_format.json_schema.schema"),
+    ({"structured_outputs": ["regex"]}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"regex": 5}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"choice": ["a", 1]}}, "structured_outputs.choice"),
+    ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+])
+def test_a_bad_shape_is_a_400_naming_the_field(fields, param):
+    err = refusal(**fields)
+    assert err.param == param and err.message.startswith(param)
+
+
+def test_two_constraints_are_a_400_naming_both():
+    err = refusal(response_format={"type": "json_object"}, structured_outputs={"regex": "a", "choice": ["b"]})
+    assert err.param == "response_format"
+    assert "response_format and structured_outputs.regex and structured_outputs.choice" in err.message
+
+
+# ---------------------------------------------------------------- the engine
+
+VOCAB = ["<eos>", "{", "}", "[", "]", '"', ":", ",", " ", "a", "b", "1", "2", "\x08", "a.b", "(x)", "."]
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    return GrammarCompiler(raw_tokenizer_info(VOCAB, [0]))
+
+
+def accepts(compiler, spec: StructuredSpec, tokens: list[str]) -> bool:
+    import xgrammar
+
+    matcher = xgrammar.GrammarMatcher(compiler.compile(spec))
+    return all(matcher.accept_token(VOCAB.index(t)) for t in tokens) and matcher.accept_token(0)
+
+
+def test_json_object_takes_objects_only(compiler):
+    spec = StructuredSpec("json_object")
+    assert accepts(compiler, spec, ["{", '"', "a", '"', ":", " ", "1", "}"])
+    assert not accepts(compiler, spec, ["[", "]"])
+
+
+def test_a_length_bounded_string_stays_valid_json(compiler):
+    """The engine's own class for such strings lets raw control characters through; ours does not."""
+    spec = StructuredSpec("json", '{"type": "string", "maxLength": 3}')
+    assert accepts(compiler, spec, ['"', "a", "b", '"'])
+    assert not accepts(compiler, spec, ['"', "\x08", '"'])
+    assert not accepts(compiler, spec, ['"', "a", "a", "a", "a", '"'])
+
+
+def test_choices_are_literal_strings(compiler):
+    spec = StructuredSpec("choice", json.dumps(["a.b", "(x)"]))
+    assert accepts(compiler, spec, ["a.b"]) and accepts(compiler, spec, ["(x)"])
+    assert not accepts(compiler, spec, ["a", "a", "b"])
+
+
+@pytest.mark.parametrize(("spec", "reason"), [
+    (StructuredSpec("json", "{not json"), "Expecting property name"),
+    (StructuredSpec("json", '{"type": "wat"}'), 'Unsupported type "wat"'),
+    (StructuredSpec("regex", "(a"), "parenthesis"),
+    (StructuredSpec("grammar", "root ::= undefined_rule"), "undefined_rule"),
+    (StructuredSpec("choice", "[]"), "non-empty list"),
+])
+def test_an_invalid_spec_names_the_engines_reason(compiler, spec, reason):
+    with pytest.raises(GrammarError) as err:
+        compiler.compile(spec)
+    assert err.value.kind == spec.kind and reason in err.value.reason and not err.value.reason.startswith("[")
+
+
+def test_the_start_check_passes_and_a_missing_engine_is_one_line(monkeypatch):
+    check_engine()
+    import sys
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import fails as if not installed
+    with pytest.raises(GrammarEngineError) as err:
+        check_engine()
+    assert "xgrammar" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_server_refuses_to_start_without_the_engine_in_one_line(monkeypatch, capsys):
+    import sys
+
+    from mstar_actors.config import parse_config
+    from mstar_actors.launcher import serve
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    assert serve(parse_config({"model": {"path": "unused"}}), None) == 2  # before anything is spawned
+    err = capsys.readouterr().err
+    assert err.startswith("error: structured outputs need xgrammar") and err.count("\n") == 1
