@@ -427,13 +427,12 @@ def serve(config: Config, info: ModelInfo) -> int:
     from mstar_actors.lora import AdapterError
     from mstar_actors.runner.grammar import GrammarEngineError, check_engine
 
-    if info.tp_refusal:
-        print(f"error: {info.tp_refusal}", file=sys.stderr)
-        return 2
     try:
+        check_engine()  # the host's install first: it needs no model
+        if info.tp_refusal:
+            raise ValueError(info.tp_refusal)
         validate_adapters(config, info)
-        check_engine()
-    except (AdapterError, GrammarEngineError) as err:
+    except (AdapterError, GrammarEngineError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
