@@ -12,7 +12,8 @@ A parser per format the served families' chat templates ask for:
 ``tool_choice: "required"`` or a named function is forced: the assistant turn
 starts with the format's opening (``assistant_prefix``) and the output is
 constrained to the call's JSON by structured outputs, so the reader starts
-inside a call. ``tool_choice: "none"`` still renders the tools, as vLLM does
+inside a call. A model whose template names no format serves forced calls
+only, as a bare JSON object read as Llama 3's. ``tool_choice: "none"`` still renders the tools, as vLLM does
 by default (its ``exclude_tools_when_tool_choice_none`` is off), and reads no
 calls.
 """
@@ -107,10 +108,12 @@ def parse_tool_request(tools: Any, tool_choice: Any, parser: str | None) -> Tool
         return None
     specs = _parse_tools(tools)
     choice, function = _parse_tool_choice(tool_choice, {s["function"]["name"] for s in specs})
-    if parser is None and choice != "none":
-        raise ToolError("tools", "this model's chat template asks for no tool-call format the server reads "
-                                 f"({' or '.join(PARSERS)}); set model.tool_call_parser to serve tools")
-    return ToolRequest(tools=specs, choice=choice, parser=parser or HERMES, function=function)
+    if parser is None and choice == "auto":
+        raise ToolError("tool_choice", "this model's chat template asks for no tool-call format the server reads "
+                                       f"({' or '.join(PARSERS)}), so calls can't be told from text: set "
+                                       'model.tool_call_parser, or send tool_choice "required" or a named function')
+    # A forced call of a model with no format is a bare JSON object (vLLM's way), read as Llama 3's.
+    return ToolRequest(tools=specs, choice=choice, parser=parser or LLAMA3_JSON, function=function)
 
 
 def _parse_tools(tools: Any) -> list[dict]:
@@ -347,11 +350,12 @@ class HermesReader:
             content.append("" if self.num_calls and not before.strip() else before)
             self._held, self._is_inside = self._held[at + len(HERMES_OPEN):], True
             return True
-        if self.num_calls and not self._held.strip():
-            return False  # whitespace between calls: content only if more text follows
         num_held = _partial_suffix(self._held, HERMES_OPEN)
-        content.append(self._held[: len(self._held) - num_held])
-        self._held = self._held[len(self._held) - num_held:]
+        emit = self._held[: len(self._held) - num_held]
+        if self.num_calls and not emit.strip():
+            return False  # whitespace between calls: content only if more text follows
+        content.append(emit)
+        self._held = self._held[len(emit):]
         return False
 
 
@@ -421,8 +425,8 @@ def read_calls(request: ToolRequest, text: str) -> tuple[str | None, list[Parsed
     reader = make_reader(request)
     content, calls = reader.feed(text)
     tail, more = reader.flush()
-    content += tail
-    return (None if calls and not content.strip() else content), calls + more
+    content, calls = content + tail, calls + more
+    return (None if calls and not content.strip() else content), calls
 
 
 def finish_reason(engine_reason: str | None, num_calls: int) -> str | None:
