@@ -116,7 +116,7 @@ def test_forced_calls_are_always_valid(client, tool_choice):
     pytest.importorskip("mstar_actors.runner.grammar")  # the engine that applies SamplingParams.structured
     for seed in range(4):
         out = client.chat.completions.create(model="tiny", messages=HISTORY[:1], tools=TOOLS, tool_choice=tool_choice,
-                                             max_tokens=64, temperature=1.0, seed=seed)
+                                             max_tokens=256, temperature=1.0, seed=seed)
         choice = out.choices[0]
         assert choice.finish_reason == "tool_calls", choice
         [call] = choice.message.tool_calls
