@@ -153,6 +153,7 @@ class FrontendActor(Actor):
         self.tokenizer = await self.run_blocking(_load_tokenizer, Path(self.info.model_dir))
         self.token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
         self.tool_parser = choose_parser(self.tokenizer.chat_template, self.config.model.tool_call_parser)
+        self.log.info("tool calls read as %s", self.tool_parser or "none (forced calls only: bare JSON)")
         self.started_at = int(time.time())
         await self._open_site()
 
@@ -493,8 +494,8 @@ class FrontendActor(Actor):
         choices = sorted(exchange.choices.values(), key=lambda c: c.index)
         args = (exchange.id, exchange.model, exchange.created)
         if exchange.parsed.kind == "chat":
-            out = [_with_tool_calls(exchange.parsed, api.chat_choice(c.index, c.text, c.finish_reason, c.chat_logprobs()))
-                   for c in choices]
+            out = [api.chat_choice(c.index, c.text, c.finish_reason, c.chat_logprobs()) for c in choices]
+            out = [_with_tool_calls(exchange.parsed, choice) for choice in out]
             body = api.chat_response(*args, out, self._usage(exchange))
         else:
             out = [api.completion_choice(c.index, c.text, c.finish_reason, c.legacy_logprobs()) for c in choices]
@@ -531,10 +532,7 @@ class _Stream:
         self.exchange = exchange
         self.is_chat = exchange.parsed.kind == "chat"
         self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        tools = exchange.parsed.tools
-        # choice index -> its tool-call reader: content and calls split as text streams in
-        self.tool_readers = {i: make_reader(tools) for i in range(exchange.num_choices)} if (
-            self.is_chat and tools is not None and tools.reads_calls) else {}
+        self.tool_readers = _tool_readers(exchange) if self.is_chat else {}
 
     @property
     def is_prepared(self) -> bool:
@@ -598,6 +596,15 @@ class _Stream:
 
 async def _write_event(response: web.StreamResponse, payload: dict) -> None:
     await response.write(b"data: " + _json.encode(payload) + b"\n\n")
+
+
+def _tool_readers(exchange: Exchange) -> dict[int, Any]:
+    """Choice index -> its tool-call reader (content and calls split as text
+    streams in), when the request reads tool calls."""
+    tools = exchange.parsed.tools
+    if tools is None or not tools.reads_calls:
+        return {}
+    return {index: make_reader(tools) for index in range(exchange.num_choices)}
 
 
 def _with_tool_calls(parsed: ParsedRequest, choice: dict) -> dict:

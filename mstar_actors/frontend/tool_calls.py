@@ -207,12 +207,14 @@ def parse_message_tool_fields(where: str, role: str, message: dict) -> dict:
 def _parse_history_call(where: str, call: Any) -> ToolCall:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise ToolError(where, 'expected {"id": ..., "type": "function", "function": {"name": ..., "arguments": "{...}"}}')
+        raise ToolError(where, 'expected {"id": ..., "type": "function", '
+                               '"function": {"name": ..., "arguments": "{...}"}}')
     arguments = function.get("arguments", "{}")
     if isinstance(arguments, dict):  # vLLM takes the decoded object too
         arguments = json.dumps(arguments, ensure_ascii=False)
     if not isinstance(arguments, str) or not isinstance(_loads_or_none(arguments), dict):
-        raise ToolError(f"{where}.function.arguments", "expected a JSON object as a string, like '{\"city\": \"Paris\"}'")
+        raise ToolError(f"{where}.function.arguments",
+                        "expected a JSON object as a string, like '{\"city\": \"Paris\"}'")
     call_id = call.get("id")
     return ToolCall(id=call_id if isinstance(call_id, str) else new_call_id(), name=function["name"],
                     arguments=arguments)
@@ -226,7 +228,8 @@ def template_tool_fields(message: ChatMessage) -> dict:
     fields: dict = {}
     if message.tool_calls:
         fields["tool_calls"] = [
-            {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": json.loads(call.arguments)}}
+            {"id": call.id, "type": "function",
+             "function": {"name": call.name, "arguments": json.loads(call.arguments)}}
             for call in message.tool_calls
         ]
     if message.tool_call_id is not None:
