@@ -300,10 +300,11 @@ def parse_chat(raw: bytes, max_model_len: int | None = None, tool_parser: str | 
 
 
 def _parse_tools(parsed: ParsedRequest, body: dict, tool_parser: str | None) -> None:
-    """``tools`` / ``tool_choice``; a forced call (``required``, a named
+    """``tools`` / ``tool_choice`` / ``parallel_tool_calls``; a forced call (``required``, a named
     function) is constrained to the call's JSON by structured outputs."""
     try:
-        parsed.tools = tool_calls.parse_tool_request(body.get("tools"), body.get("tool_choice"), tool_parser)
+        parsed.tools = tool_calls.parse_tool_request(body.get("tools"), body.get("tool_choice"), tool_parser,
+                                                     body.get("parallel_tool_calls"))
     except ToolError as err:
         raise _bad(err.param, err.message) from None
     if parsed.tools is None or not parsed.tools.is_forced:

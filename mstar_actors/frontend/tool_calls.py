@@ -86,6 +86,7 @@ class ToolRequest:
     choice: str
     parser: str
     function: str | None = None
+    max_calls: int | None = None  # 1 for ``parallel_tool_calls: false``; None: any number
 
     @property
     def is_forced(self) -> bool:
@@ -100,8 +101,12 @@ class ToolRequest:
         return FORCED_PREFIX[self.parser] if self.is_forced else ""
 
 
-def parse_tool_request(tools: Any, tool_choice: Any, parser: str | None) -> ToolRequest | None:
-    """Validate ``tools`` and ``tool_choice`` (raises ToolError); None: no tools."""
+def parse_tool_request(tools: Any, tool_choice: Any, parser: str | None,
+                       parallel_tool_calls: Any = None) -> ToolRequest | None:
+    """Validate ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (raises
+    ToolError); None: no tools."""
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise ToolError("parallel_tool_calls", "expected true or false")
     if tools is None or tools == []:
         if tool_choice not in (None, "none", "auto"):
             raise ToolError("tool_choice", "requires a non-empty tools list")
@@ -113,7 +118,8 @@ def parse_tool_request(tools: Any, tool_choice: Any, parser: str | None) -> Tool
                                        f"({' or '.join(PARSERS)}), so calls can't be told from text: set "
                                        'model.tool_call_parser, or send tool_choice "required" or a named function')
     # A forced call of a model with no format is a bare JSON object (vLLM's way), read as Llama 3's.
-    return ToolRequest(tools=specs, choice=choice, parser=parser or LLAMA3_JSON, function=function)
+    return ToolRequest(tools=specs, choice=choice, parser=parser or LLAMA3_JSON, function=function,
+                       max_calls=1 if parallel_tool_calls is False else None)
 
 
 def _parse_tools(tools: Any) -> list[dict]:
@@ -304,11 +310,12 @@ class HermesReader:
     included. Whitespace after a call is held: it only separates calls.
     """
 
-    def __init__(self, is_forced: bool = False):
+    def __init__(self, is_forced: bool = False, max_calls: int | None = None):
         self.is_forced = is_forced
+        self.max_calls = max_calls
         self._is_inside = is_forced  # a forced call's opening is in the prompt
         self._held = ""
-        self.num_calls = 0
+        self.num_calls = 0  # calls read, those past max_calls included
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
         """(content safe to emit now, calls completed by ``text``)."""
@@ -317,7 +324,7 @@ class HermesReader:
         calls: list[ParsedCall] = []
         while self._step(content, calls):
             pass
-        return "".join(content), calls
+        return "".join(content), _within(calls, self.num_calls, self.max_calls)
 
     def flush(self) -> tuple[str, list[ParsedCall]]:
         """What is held at the end of the reply: an unclosed call is read as one
@@ -330,7 +337,7 @@ class HermesReader:
         if call is None:
             return ("" if self.is_forced and not self.num_calls else HERMES_OPEN) + held, []
         self.num_calls += 1
-        return "", [call]
+        return "", _within([call], self.num_calls, self.max_calls)
 
     def _step(self, content: list[str], calls: list[ParsedCall]) -> bool:
         """Consume one piece of the held text; False when the rest must wait."""
@@ -368,7 +375,8 @@ class Llama3JsonReader:
     reply is content, streamed as it comes. A reply that starts like a call
     but does not parse as calls is given back whole as content."""
 
-    def __init__(self, is_forced: bool = False):
+    def __init__(self, is_forced: bool = False, max_calls: int | None = None):
+        self.max_calls = max_calls
         self._mode = "call" if is_forced else "undecided"  # -> "call" | "content"
         self._held = ""
         self.num_calls = 0
@@ -393,7 +401,7 @@ class Llama3JsonReader:
         if not calls:
             return held, []
         self.num_calls += len(calls)
-        return "", calls
+        return "", _within(calls, self.num_calls, self.max_calls)
 
 
 def parse_llama3_calls(text: str) -> list[ParsedCall] | None:
@@ -417,9 +425,18 @@ def parse_llama3_calls(text: str) -> list[ParsedCall] | None:
         calls.append(call)
 
 
+def _within(calls: list[ParsedCall], num_read: int, max_calls: int | None) -> list[ParsedCall]:
+    """The calls of ``calls`` (the last of ``num_read`` read so far) that are
+    within ``max_calls``: later ones are dropped, as vLLM does."""
+    if max_calls is None:
+        return calls
+    first = num_read - len(calls)
+    return calls[: max(0, max_calls - first)]
+
+
 def make_reader(request: ToolRequest) -> HermesReader | Llama3JsonReader:
     reader = HermesReader if request.parser == HERMES else Llama3JsonReader
-    return reader(is_forced=request.is_forced)
+    return reader(is_forced=request.is_forced, max_calls=request.max_calls)
 
 
 def read_calls(request: ToolRequest, text: str) -> tuple[str | None, list[ParsedCall]]:

@@ -201,3 +201,19 @@ def test_call_ids_and_shapes():
     assert call.id.startswith("call_") and len(call.id) > 10 and call.id != tc.parse_call('{"name": "f"}').id
     assert call.as_delta(3) == {"index": 3, "id": call.id, "type": "function",
                                 "function": {"name": "f", "arguments": '{"é": 1}'}}
+
+
+@pytest.mark.parametrize("parser, reply", [
+    ("hermes", HERMES_REPLY),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'),
+])
+def test_parallel_tool_calls_false_keeps_the_first_call(parser, reply):
+    request = tc.parse_tool_request([WEATHER, TIME], "auto", parser, parallel_tool_calls=False)
+    assert _calls(tc.read_calls(request, reply)[1]) == [("get_weather", {"city": "Paris"})]
+    for size in (1, 3, 1000):
+        assert _calls(_stream(tc.make_reader(request), reply, size)[1]) == [("get_weather", {"city": "Paris"})]
+    both = tc.parse_tool_request([WEATHER, TIME], "auto", parser, parallel_tool_calls=True)
+    assert len(tc.read_calls(both, reply)[1]) == 2
+    with pytest.raises(ToolError) as info:
+        tc.parse_tool_request([WEATHER], "auto", parser, parallel_tool_calls="no")
+    assert info.value.param == "parallel_tool_calls"
