@@ -61,7 +61,7 @@ from mstar_actors.messages import (
 )
 from mstar_actors.frontend.metrics import Metrics
 from mstar_actors.frontend.openai_api import ApiError, ChoiceOutput, ParsedRequest
-from mstar_actors.frontend.tool_calls import choose_parser, finish_reason, make_reader, read_calls
+from mstar_actors.frontend.tool_calls import choose_parser, finish_reason, make_reader, marker_problem, read_calls
 from transport.errors import ChannelFull
 
 _json = msgspec.json.Encoder()
@@ -154,6 +154,9 @@ class FrontendActor(Actor):
         self.token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
         self.tool_parser = choose_parser(self.tokenizer.chat_template, self.config.model.tool_call_parser)
         self.log.info("tool calls read as %s", self.tool_parser or "none (forced calls only: bare JSON)")
+        problem = marker_problem(self.tool_parser, set(self.tokenizer.all_special_tokens))
+        if problem:
+            self.log.warning("%s", problem)
         self.started_at = int(time.time())
         await self._open_site()
 

@@ -72,6 +72,16 @@ def choose_parser(chat_template: Any, setting: str = "auto") -> str | None:
     return None
 
 
+def marker_problem(parser: str | None, special_tokens: set[str]) -> str | None:
+    """Why calls of ``parser`` would not be seen in this tokenizer's output, or
+    None. The frontend decodes without special tokens, so a ``<tool_call>``
+    that is one would vanish (Qwen's are plain added tokens; Llama's
+    ``<|python_tag|>`` is special, and the reader does without it)."""
+    if parser == HERMES and HERMES_OPEN in special_tokens:
+        return f"{HERMES_OPEN} is a special token of this tokenizer, dropped when decoding: tool calls won't be read"
+    return None
+
+
 # --------------------------------------------------------------------------
 # The request: tools and tool_choice
 # --------------------------------------------------------------------------

@@ -217,3 +217,9 @@ def test_parallel_tool_calls_false_keeps_the_first_call(parser, reply):
     with pytest.raises(ToolError) as info:
         tc.parse_tool_request([WEATHER], "auto", parser, parallel_tool_calls="no")
     assert info.value.param == "parallel_tool_calls"
+
+
+def test_a_special_opening_marker_is_reported():
+    assert "special token" in tc.marker_problem("hermes", {"<tool_call>", "<|im_end|>"})
+    assert tc.marker_problem("hermes", {"<|im_end|>"}) is None
+    assert tc.marker_problem("llama3_json", {"<|python_tag|>"}) is None  # read with or without it
