@@ -378,7 +378,7 @@ class FrontendActor(Actor):
         # The one vocabulary check is here (the embedding's rows); the prompt's length
         # is the scheduler's to check, its 400 comes back as Failed.
         if kind == "chat":
-            parsed = api.parse_chat(raw, self.info.max_model_len, self.tool_parser)
+            parsed = api.parse_chat(raw, self.info.max_model_len, tool_parser=self.tool_parser)
         else:
             parsed = api.parse_completion(raw, self.info.max_model_len, self.info.vocab_size)
         exchange = Exchange(parsed, self._resolve_model(parsed.model), "chatcmpl" if kind == "chat" else "cmpl")

@@ -283,7 +283,7 @@ def _parse_common(body: dict, kind: str, max_tokens: int, logprobs: int | None) 
 # --------------------------------------------------------------------------
 
 
-def parse_chat(raw: bytes, max_model_len: int | None = None, tool_parser: str | None = None) -> ParsedRequest:
+def parse_chat(raw: bytes, max_model_len: int | None = None, *, tool_parser: str | None = None) -> ParsedRequest:
     """Validate a chat-completions body (raises ApiError). ``tool_parser``: the
     model's tool-call format (``tool_calls.choose_parser``), None for none."""
     body = decode_body(raw)
@@ -309,6 +309,9 @@ def _parse_tools(parsed: ParsedRequest, body: dict, tool_parser: str | None) -> 
         raise _bad(err.param, err.message) from None
     if parsed.tools is None or not parsed.tools.is_forced:
         return
+    if get_bool(body, "continue_final_message", False):
+        raise _bad("tool_choice", "a required or named tool call starts a new assistant turn; "
+                                  "it cannot continue the final message (continue_final_message)")
     given = parsed.sampling.structured
     if given is not None:
         raise _bad("tool_choice", f"a required or named tool call is already constrained; it cannot be combined "

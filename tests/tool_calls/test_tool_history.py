@@ -24,7 +24,7 @@ HISTORY = [
 
 def _parse(messages, **kw):
     body = {"model": "tiny", "messages": messages} | kw
-    return api.parse_chat(json.dumps(body).encode(), None, "hermes")
+    return api.parse_chat(json.dumps(body).encode(), None, tool_parser="hermes")
 
 
 def test_tool_history_is_accepted():
@@ -64,10 +64,18 @@ def test_bad_tool_messages_name_the_field(message, param):
 def test_auto_on_a_template_with_no_format_is_refused():
     body = {"model": "tiny", "messages": HISTORY[:1], "tools": [WEATHER]}
     with pytest.raises(api.ApiError) as info:
-        api.parse_chat(json.dumps(body).encode(), None, None)
+        api.parse_chat(json.dumps(body).encode(), None, tool_parser=None)
     assert info.value.param == "tool_choice" and "tool_call_parser" in info.value.message
-    forced = api.parse_chat(json.dumps(body | {"tool_choice": "required"}).encode(), None, None)
+    forced = api.parse_chat(json.dumps(body | {"tool_choice": "required"}).encode(), None, tool_parser=None)
     assert forced.sampling.structured.kind == "json"
+
+
+def test_forced_call_cannot_continue_the_final_message():
+    messages = HISTORY[:1] + [{"role": "assistant", "content": "Sure"}]
+    with pytest.raises(api.ApiError) as info:
+        _parse(messages, tools=[WEATHER], tool_choice="required", continue_final_message=True,
+               add_generation_prompt=False)
+    assert info.value.param == "tool_choice"
 
 
 def test_forced_call_with_another_constraint_is_refused():
