@@ -61,6 +61,7 @@ from mstar_actors.messages import (
 )
 from mstar_actors.frontend.metrics import Metrics
 from mstar_actors.frontend.openai_api import ApiError, ChoiceOutput, ParsedRequest
+from mstar_actors.frontend.tool_calls import choose_parser, finish_reason, make_reader, marker_problem, read_calls
 from transport.errors import ChannelFull
 
 _json = msgspec.json.Encoder()
@@ -151,6 +152,11 @@ class FrontendActor(Actor):
         self.adapters = {n: expand_path(p) for n, p in self.config.lora.adapters.items()}
         self.tokenizer = await self.run_blocking(_load_tokenizer, Path(self.info.model_dir))
         self.token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
+        self.tool_parser = choose_parser(self.tokenizer.chat_template, self.config.model.tool_call_parser)
+        self.log.info("tool calls read as %s", self.tool_parser or "none (forced calls only: bare JSON)")
+        problem = marker_problem(self.tool_parser, set(self.tokenizer.all_special_tokens))
+        if problem:
+            self.log.warning("%s", problem)
         self.started_at = int(time.time())
         await self._open_site()
 
@@ -372,7 +378,7 @@ class FrontendActor(Actor):
         # The one vocabulary check is here (the embedding's rows); the prompt's length
         # is the scheduler's to check, its 400 comes back as Failed.
         if kind == "chat":
-            parsed = api.parse_chat(raw, self.info.max_model_len)
+            parsed = api.parse_chat(raw, self.info.max_model_len, tool_parser=self.tool_parser)
         else:
             parsed = api.parse_completion(raw, self.info.max_model_len, self.info.vocab_size)
         exchange = Exchange(parsed, self._resolve_model(parsed.model), "chatcmpl" if kind == "chat" else "cmpl")
@@ -492,6 +498,7 @@ class FrontendActor(Actor):
         args = (exchange.id, exchange.model, exchange.created)
         if exchange.parsed.kind == "chat":
             out = [api.chat_choice(c.index, c.text, c.finish_reason, c.chat_logprobs()) for c in choices]
+            out = [_with_tool_calls(exchange.parsed, choice) for choice in out]
             body = api.chat_response(*args, out, self._usage(exchange))
         else:
             out = [api.completion_choice(c.index, c.text, c.finish_reason, c.legacy_logprobs()) for c in choices]
@@ -528,6 +535,7 @@ class _Stream:
         self.exchange = exchange
         self.is_chat = exchange.parsed.kind == "chat"
         self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        self.tool_readers = _tool_readers(exchange) if self.is_chat else {}
 
     @property
     def is_prepared(self) -> bool:
@@ -547,11 +555,29 @@ class _Stream:
         reason = choice.finish_reason
         if self.is_chat:
             delta = {"content": text} if text else {}
+            if choice.index in self.tool_readers:
+                delta, reason = self._tool_delta(choice, text)
+                if not (delta or entries or choice.is_done):
+                    return
             logprobs = choice.chat_logprobs(entries)
             await self._write_choices([api.chat_chunk_choice(choice.index, delta, reason, logprobs)])
         else:
             logprobs = choice.legacy_logprobs(entries)
             await self._write_choices([api.completion_choice(choice.index, text, reason, logprobs)])
+
+    def _tool_delta(self, choice: ChoiceOutput, text: str) -> tuple[dict, str | None]:
+        """The chunk's delta with markup of tool calls held back, each call sent
+        whole (id, name, arguments) once it is complete; and its finish reason."""
+        reader = self.tool_readers[choice.index]
+        first_index = reader.num_calls
+        content, calls = reader.feed(text)
+        if choice.is_done:
+            tail, more = reader.flush()
+            content, calls = content + tail, calls + more
+        delta: dict = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [call.as_delta(first_index + k) for k, call in enumerate(calls)]
+        return delta, finish_reason(choice.finish_reason, reader.num_calls)
 
     async def _write_choices(self, choices: list[dict]) -> None:
         ex = self.exchange
@@ -573,6 +599,29 @@ class _Stream:
 
 async def _write_event(response: web.StreamResponse, payload: dict) -> None:
     await response.write(b"data: " + _json.encode(payload) + b"\n\n")
+
+
+def _tool_readers(exchange: Exchange) -> dict[int, Any]:
+    """Choice index -> its tool-call reader (content and calls split as text
+    streams in), when the request reads tool calls."""
+    tools = exchange.parsed.tools
+    if tools is None or not tools.reads_calls:
+        return {}
+    return {index: make_reader(tools) for index in range(exchange.num_choices)}
+
+
+def _with_tool_calls(parsed: ParsedRequest, choice: dict) -> dict:
+    """A full chat choice with the calls its text made (content: the text
+    around them, or null), when the request reads tool calls."""
+    if parsed.tools is None or not parsed.tools.reads_calls:
+        return choice
+    message = choice["message"]
+    content, calls = read_calls(parsed.tools, message["content"])
+    message["content"] = content
+    if calls:
+        message["tool_calls"] = [call.as_dict() for call in calls]
+    choice["finish_reason"] = finish_reason(choice["finish_reason"], len(calls))
+    return choice
 
 
 MAX_PATH_CHARS = 4096  # Linux's PATH_MAX

@@ -46,6 +46,9 @@ class ModelConfig(msgspec.Struct, **_STRICT):
     enforce_eager: bool = False
     cuda_graph_max_batch: Pos = 64
     cuda_graph_max_tokens: NonNeg = 2048
+    # How tool calls are read from the output: "auto" picks the format the
+    # chat template asks for (see ``mstar_actors.frontend.tool_calls``).
+    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = "auto"
 
 
 class ParallelConfig(msgspec.Struct, **_STRICT):

@@ -140,9 +140,21 @@ class ContentPart(Struct, frozen=True, omit_defaults=True):
     url: str | None = None
 
 
+class ToolCall(Struct, frozen=True, omit_defaults=True):
+    """A function call of an assistant message in the history; ``arguments``
+    is the JSON object text OpenAI sends (templates get it decoded)."""
+
+    id: str
+    name: str
+    arguments: str = "{}"
+
+
 class ChatMessage(Struct, frozen=True, omit_defaults=True):
     role: str  # "system" | "user" | "assistant" | "tool"
     content: str | list[ContentPart] = ""
+    tool_calls: tuple[ToolCall, ...] = ()  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
+    name: str | None = None
 
 
 class TopLogprob(Struct, frozen=True, **_HOT):
@@ -179,6 +191,12 @@ class NewRequest(Struct, frozen=True, tag=True, omit_defaults=True):
     add_generation_prompt: bool = True
     arrival_time: float = 0.0
     n: int = 1  # choices sampled from the one prepared prompt
+    # OpenAI ``tools`` as the chat template takes them (``[{"type": "function",
+    # "function": {...}}]``); None: render no tools.
+    tools: list[dict] | None = None
+    # Text the assistant turn starts with, after the generation prompt: the
+    # opening of a forced tool call, so the model writes only its JSON.
+    assistant_prefix: str = ""
 
 
 def choice_ids(request_id: str, n: int) -> list[str]:

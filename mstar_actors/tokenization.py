@@ -17,6 +17,7 @@ import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from mstar_actors import messages
+from mstar_actors.frontend.tool_calls import template_tool_fields
 from mstar_actors.prepare.prompt_bound import encode_bounded, max_chars_per_token
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -68,12 +69,20 @@ class Tokenization:
         return self.encode_text(text, True, max_tokens)
 
     def apply_chat_template(
-        self, chat: list[messages.ChatMessage], add_generation_prompt: bool = True, max_tokens: int | None = None
+        self,
+        chat: list[messages.ChatMessage],
+        add_generation_prompt: bool = True,
+        max_tokens: int | None = None,
+        tools: list[dict] | None = None,
+        assistant_prefix: str = "",
     ) -> list[int]:
         """Token ids of a conversation rendered by the model's own chat template.
 
-        The rendered text is tokenized without adding special tokens again (the
-        template writes them), as ``tokenizer.apply_chat_template`` does.
+        ``tools`` (OpenAI's list) are rendered by the template as it documents
+        them; ``assistant_prefix`` is appended after the generation prompt
+        (the opening of a forced tool call). The rendered text is tokenized
+        without adding special tokens again (the template writes them), as
+        ``tokenizer.apply_chat_template`` does.
         """
         if not self.has_chat_template:
             raise ValueError(
@@ -83,11 +92,11 @@ class Tokenization:
         conversation = [_to_template_message(i, m) for i, m in enumerate(chat)]
         try:
             text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+                conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except jinja2.TemplateError as exc:
             raise ValueError(f"the model's chat template refused 'messages': {exc}") from exc
-        return self.encode_text(text, False, max_tokens)
+        return self.encode_text(text + assistant_prefix, False, max_tokens)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -103,7 +112,7 @@ def _to_template_message(index: int, message: messages.ChatMessage) -> dict[str,
     newlines (as vLLM does for string-content templates)."""
     content = message.content
     if isinstance(content, str):
-        return {"role": message.role, "content": content}
+        return {"role": message.role, "content": content} | template_tool_fields(message)
     texts = []
     for part_index, part in enumerate(content):
         if part.type != "text":
@@ -112,7 +121,7 @@ def _to_template_message(index: int, message: messages.ChatMessage) -> dict[str,
                 "only 'text' content parts are supported for this model so far"
             )
         texts.append(part.text or "")
-    return {"role": message.role, "content": "\n".join(texts)}
+    return {"role": message.role, "content": "\n".join(texts)} | template_tool_fields(message)
 
 
 class IncrementalDetokenizer:

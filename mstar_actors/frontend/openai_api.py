@@ -21,6 +21,8 @@ from typing import Any
 
 import msgspec
 
+from mstar_actors.frontend import tool_calls
+from mstar_actors.frontend.tool_calls import ToolError, ToolRequest
 from mstar_actors.messages import ChatMessage, ContentPart, NewRequest, SamplingParams, StructuredSpec
 
 MAX_N = 16
@@ -31,7 +33,7 @@ MAX_LEGACY_LOGPROBS = 5  # completions
 MAX_PROMPTS = 64
 MAX_SEED = (1 << 63) - 1 - MAX_N  # seed + choice index stays an int64
 MIN_SEED = -(1 << 63)
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 class ApiError(Exception):
@@ -169,6 +171,7 @@ class ParsedRequest:
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     prompts: list[str | list[int]] = field(default_factory=list)
+    tools: ToolRequest | None = None
 
     @property
     def num_choices(self) -> int:
@@ -191,6 +194,8 @@ class ParsedRequest:
                     add_generation_prompt=self.add_generation_prompt,
                     arrival_time=now,
                     n=self.n,
+                    tools=self.tools.tools if self.tools else None,
+                    assistant_prefix=self.tools.assistant_prefix if self.tools else "",
                 )
             )
         return out
@@ -389,8 +394,9 @@ def _field_spec(kind: str, value: Any, param: str) -> StructuredSpec:
 # --------------------------------------------------------------------------
 
 
-def parse_chat(raw: bytes, max_model_len: int | None = None) -> ParsedRequest:
-    """Validate a chat-completions body (raises ApiError)."""
+def parse_chat(raw: bytes, max_model_len: int | None = None, *, tool_parser: str | None = None) -> ParsedRequest:
+    """Validate a chat-completions body (raises ApiError). ``tool_parser``: the
+    model's tool-call format (``tool_calls.choose_parser``), None for none."""
     body = decode_body(raw)
     max_tokens = _parse_max_tokens(body, None, max_model_len)
     want_logprobs = get_bool(body, "logprobs", False)
@@ -400,7 +406,29 @@ def parse_chat(raw: bytes, max_model_len: int | None = None) -> ParsedRequest:
     parsed = _parse_common(body, "chat", max_tokens, (top or 0) if want_logprobs else None)
     parsed.messages = parse_messages(body.get("messages"))
     parsed.add_generation_prompt = get_bool(body, "add_generation_prompt", True)
+    _parse_tools(parsed, body, tool_parser)
     return parsed
+
+
+def _parse_tools(parsed: ParsedRequest, body: dict, tool_parser: str | None) -> None:
+    """``tools`` / ``tool_choice`` / ``parallel_tool_calls``; a forced call (``required``, a named
+    function) is constrained to the call's JSON by structured outputs."""
+    try:
+        parsed.tools = tool_calls.parse_tool_request(body.get("tools"), body.get("tool_choice"), tool_parser,
+                                                     body.get("parallel_tool_calls"))
+    except ToolError as err:
+        raise _bad(err.param, err.message) from None
+    if parsed.tools is None or not parsed.tools.is_forced:
+        return
+    if get_bool(body, "continue_final_message", False):
+        raise _bad("tool_choice", "a required or named tool call starts a new assistant turn; "
+                                  "it cannot continue the final message (continue_final_message)")
+    given = parsed.sampling.structured
+    if given is not None:
+        raise _bad("tool_choice", f"a required or named tool call is already constrained; it cannot be combined "
+                                  f"with {given.param or 'another output constraint'}")
+    spec = StructuredSpec("json", tool_calls.forced_call_schema(parsed.tools), "tool_choice")
+    parsed.sampling = msgspec.structs.replace(parsed.sampling, structured=spec)
 
 
 def parse_messages(messages: Any) -> list[ChatMessage]:
@@ -419,11 +447,16 @@ def _parse_message(i: int, message: Any) -> ChatMessage:
     content = message.get("content")
     if content is None and role == "assistant":
         content = ""
+    try:
+        extra = tool_calls.parse_message_tool_fields(where, role, message)
+    except ToolError as err:
+        raise _bad(err.param, err.message) from None
     if isinstance(content, str):
-        return ChatMessage(role=ROLES[role], content=content)
+        return ChatMessage(role=ROLES[role], content=content, **extra)
     if not isinstance(content, list):
         raise _bad(f"{where}.content", f"expected a string or an array of text parts, got {_show(content)}")
-    return ChatMessage(role=ROLES[role], content=[_parse_part(f"{where}.content[{j}]", p) for j, p in enumerate(content)])
+    parts = [_parse_part(f"{where}.content[{j}]", p) for j, p in enumerate(content)]
+    return ChatMessage(role=ROLES[role], content=parts, **extra)
 
 
 def _parse_part(where: str, part: Any) -> ContentPart:

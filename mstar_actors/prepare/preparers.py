@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from mstar_actors.frontend.tool_calls import template_tool_fields
 from mstar_actors.prepare.media import MediaError, MediaLimits, MediaRef, collect_media, decode_image, decode_video, read_local
 from mstar_actors.messages import ChatMessage, Failed, MediaItem, NewRequest, Prepared, TensorRef
 from mstar_actors.prepare.prompt_bound import PromptTooLong
@@ -126,7 +127,8 @@ class Preparer:
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids), "prompt"
         if req.messages is not None:
-            ids = self.tokenization.apply_chat_template(req.messages, req.add_generation_prompt, self.prompt_limit)
+            ids = self.tokenization.apply_chat_template(req.messages, req.add_generation_prompt, self.prompt_limit,
+                                                        tools=req.tools, assistant_prefix=req.assistant_prefix)
             return list(ids), "messages"
         if req.prompt is not None:
             return list(self.tokenization.encode_prompt(req.prompt, self.prompt_limit)), "prompt"
@@ -275,9 +277,9 @@ class QwenVLPreparer:
     def _template_ids(self, req: NewRequest) -> list[int]:
         tokenizer = self.tokenization.tokenizer
         conversation = [_template_message(m) for m in req.messages or []]
-        text = tokenizer.apply_chat_template(conversation, tokenize=False,
+        text = tokenizer.apply_chat_template(conversation, tools=req.tools, tokenize=False,
                                              add_generation_prompt=req.add_generation_prompt)
-        return self.tokenization.encode_text(text, False, self.text.prompt_limit)
+        return self.tokenization.encode_text(text + req.assistant_prefix, False, self.text.prompt_limit)
 
     def _expand(self, ids: list[int], media: list[MediaDraft], refs: list[MediaRef]) -> list[int]:
         """Replace each placeholder token by its item's ``num_tokens`` copies and
@@ -326,7 +328,7 @@ def _blake2b(data: bytes) -> bytes:
 def _template_message(message: ChatMessage) -> dict[str, Any]:
     """Content parts as Qwen's chat template reads them: text, image, video."""
     if isinstance(message.content, str):
-        return {"role": message.role, "content": message.content}
+        return {"role": message.role, "content": message.content} | template_tool_fields(message)
     parts = []
     for part in message.content:
         if part.type == "text":
@@ -337,7 +339,7 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
             parts.append({"type": "video"})
         else:
             raise ValueError(f"content part type {part.type!r}: accepted are text, image_url, video_url")
-    return {"role": message.role, "content": parts}
+    return {"role": message.role, "content": parts} | template_tool_fields(message)
 
 
 def video_patches(frames: Any, image_processor: Any, min_pixels: int, max_pixels: int) -> tuple[Any, tuple[int, int, int]]:

@@ -1,0 +1,464 @@
+"""Tool calling: the request's ``tools`` / ``tool_choice``, the history's tool
+messages, and the calls read back from the output. Pure: no I/O, no tokenizer.
+
+A parser per format the served families' chat templates ask for:
+
+- ``hermes`` (Qwen2, Qwen2.5, Qwen3, Hermes): ``<tool_call>\\n{"name": ...,
+  "arguments": {...}}\\n</tool_call>``, any number of them, text around them.
+- ``llama3_json`` (Llama 3.1 / 3.2): the whole reply is ``{"name": ...,
+  "parameters": {...}}`` (several joined by ``;``), possibly after
+  ``<|python_tag|>`` (a special token the detokenizer already drops).
+
+``tool_choice: "required"`` or a named function is forced: the assistant turn
+starts with the format's opening (``assistant_prefix``) and the output is
+constrained to the call's JSON by structured outputs, so the reader starts
+inside a call. A model whose template names no format serves forced calls
+only, as a bare JSON object read as Llama 3's. ``tool_choice: "none"`` still renders the tools, as vLLM does
+by default (its ``exclude_tools_when_tool_choice_none`` is off), and reads no
+calls.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from mstar_actors.messages import ChatMessage, ToolCall
+
+HERMES = "hermes"
+LLAMA3_JSON = "llama3_json"
+PARSERS = (HERMES, LLAMA3_JSON)
+TOOL_CHOICES = ("none", "auto", "required")
+MAX_TOOLS = 128
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+# What a forced call's assistant turn starts with, per format.
+FORCED_PREFIX = {HERMES: HERMES_OPEN + "\n", LLAMA3_JSON: ""}
+# The key the format names the arguments by.
+ARGUMENTS_KEY = {HERMES: "arguments", LLAMA3_JSON: "parameters"}
+
+
+class ToolError(ValueError):
+    """A request's tool field is wrong; ``param`` names it (the frontend's 400)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+        self.message = message
+
+
+# --------------------------------------------------------------------------
+# The format, from the chat template
+# --------------------------------------------------------------------------
+
+
+def choose_parser(chat_template: Any, setting: str = "auto") -> str | None:
+    """The tool-call format of a model: ``setting`` unless "auto", else the one
+    its chat template asks for; None when the template names none."""
+    if setting != "auto":
+        return setting
+    if isinstance(chat_template, dict):  # named templates: any of them
+        chat_template = "\n".join(str(t) for t in chat_template.values())
+    text = (chat_template or "").replace('\\"', '"')
+    if HERMES_OPEN in text:
+        return HERMES
+    if PYTHON_TAG in text or '"parameters"' in text:
+        return LLAMA3_JSON
+    return None
+
+
+def marker_problem(parser: str | None, special_tokens: set[str]) -> str | None:
+    """Why calls of ``parser`` would not be seen in this tokenizer's output, or
+    None. The frontend decodes without special tokens, so a ``<tool_call>``
+    that is one would vanish (Qwen's are plain added tokens; Llama's
+    ``<|python_tag|>`` is special, and the reader does without it)."""
+    if parser == HERMES and HERMES_OPEN in special_tokens:
+        return f"{HERMES_OPEN} is a special token of this tokenizer, dropped when decoding: tool calls won't be read"
+    return None
+
+
+# --------------------------------------------------------------------------
+# The request: tools and tool_choice
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """A request's validated tools. ``choice`` is "none", "auto", "required" or
+    "function" (then ``function`` names it); ``parser`` is the model's format."""
+
+    tools: list[dict]
+    choice: str
+    parser: str
+    function: str | None = None
+    max_calls: int | None = None  # 1 for ``parallel_tool_calls: false``; None: any number
+
+    @property
+    def is_forced(self) -> bool:
+        return self.choice in ("required", "function")
+
+    @property
+    def reads_calls(self) -> bool:
+        return self.choice != "none"
+
+    @property
+    def assistant_prefix(self) -> str:
+        return FORCED_PREFIX[self.parser] if self.is_forced else ""
+
+
+def parse_tool_request(tools: Any, tool_choice: Any, parser: str | None,
+                       parallel_tool_calls: Any = None) -> ToolRequest | None:
+    """Validate ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (raises
+    ToolError); None: no tools."""
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise ToolError("parallel_tool_calls", "expected true or false")
+    if tools is None or tools == []:
+        if tool_choice not in (None, "none", "auto"):
+            raise ToolError("tool_choice", "requires a non-empty tools list")
+        return None
+    specs = _parse_tools(tools)
+    choice, function = _parse_tool_choice(tool_choice, {s["function"]["name"] for s in specs})
+    if parser is None and choice == "auto":
+        raise ToolError("tool_choice", "this model's chat template asks for no tool-call format the server reads "
+                                       f"({' or '.join(PARSERS)}), so calls can't be told from text: set "
+                                       'model.tool_call_parser, or send tool_choice "required" or a named function')
+    # A forced call of a model with no format is a bare JSON object (vLLM's way), read as Llama 3's.
+    return ToolRequest(tools=specs, choice=choice, parser=parser or LLAMA3_JSON, function=function,
+                       max_calls=1 if parallel_tool_calls is False else None)
+
+
+def _parse_tools(tools: Any) -> list[dict]:
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise ToolError("tools", f"expected a list of at most {MAX_TOOLS} tools like "
+                                 '{"type": "function", "function": {"name": ..., "parameters": {...}}}')
+    specs = [_parse_tool(f"tools[{i}]", tool) for i, tool in enumerate(tools)]
+    names = [s["function"]["name"] for s in specs]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate is not None:
+        raise ToolError("tools", f"the function name {duplicate!r} is given twice; names must be unique")
+    return specs
+
+
+def _parse_tool(where: str, tool: Any) -> dict:
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+        raise ToolError(f"{where}.type", 'expected a tool of type "function"')
+    function = tool.get("function")
+    if not isinstance(function, dict):
+        raise ToolError(f"{where}.function", 'expected an object like {"name": ..., "parameters": {...}}')
+    name = function.get("name")
+    if not isinstance(name, str) or not NAME_PATTERN.match(name):
+        raise ToolError(f"{where}.function.name", "expected 1 to 64 letters, digits, '_' or '-'")
+    spec: dict = {"name": name}
+    if function.get("description") is not None:
+        if not isinstance(function["description"], str):
+            raise ToolError(f"{where}.function.description", "expected a string")
+        spec["description"] = function["description"]
+    parameters = function.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise ToolError(f"{where}.function.parameters", "expected a JSON schema object")
+    spec["parameters"] = parameters if parameters is not None else {"type": "object", "properties": {}}
+    return {"type": "function", "function": spec}
+
+
+def _parse_tool_choice(value: Any, names: set[str]) -> tuple[str, str | None]:
+    if value is None:
+        return "auto", None
+    if isinstance(value, str):
+        if value not in TOOL_CHOICES:
+            raise ToolError("tool_choice", f'expected "none", "auto", "required" or '
+                                           f'{{"type": "function", "function": {{"name": ...}}}}, got {value!r}')
+        return value, None
+    function = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise ToolError("tool_choice", 'expected {"type": "function", "function": {"name": ...}}')
+    if name not in names:
+        raise ToolError("tool_choice.function.name", f"{name!r} is not among the tools ({', '.join(sorted(names))})")
+    return "function", name
+
+
+def forced_call_schema(request: ToolRequest) -> str:
+    """The JSON schema of a forced call's text: the format's object whose
+    name is one of the allowed functions and whose arguments match that
+    function's parameter schema (one ``anyOf`` branch per function)."""
+    key = ARGUMENTS_KEY[request.parser]
+    branches = [
+        {"type": "object", "properties": {"name": {"enum": [f["name"]]}, key: f["parameters"]},
+         "required": ["name", key], "additionalProperties": False}
+        for f in (t["function"] for t in request.tools)
+        if request.choice == "required" or f["name"] == request.function
+    ]
+    return json.dumps(branches[0] if len(branches) == 1 else {"anyOf": branches})
+
+
+# --------------------------------------------------------------------------
+# The history: assistant tool_calls and tool messages
+# --------------------------------------------------------------------------
+
+
+def parse_message_tool_fields(where: str, role: str, message: dict) -> dict:
+    """ChatMessage's tool fields of one history message (raises ToolError):
+    an assistant's ``tool_calls``, a tool message's ``tool_call_id``/``name``."""
+    fields: dict = {}
+    if role == "assistant" and message.get("tool_calls") is not None:
+        calls = message["tool_calls"]
+        if not isinstance(calls, list):
+            raise ToolError(f"{where}.tool_calls", "expected a list of calls")
+        fields["tool_calls"] = tuple(_parse_history_call(f"{where}.tool_calls[{j}]", c) for j, c in enumerate(calls))
+    if role == "tool":
+        for key in ("tool_call_id", "name"):
+            value = message.get(key)
+            if value is not None and not isinstance(value, str):
+                raise ToolError(f"{where}.{key}", "expected a string")
+            if value is not None:
+                fields[key] = value
+    return fields
+
+
+def _parse_history_call(where: str, call: Any) -> ToolCall:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ToolError(where, 'expected {"id": ..., "type": "function", '
+                               '"function": {"name": ..., "arguments": "{...}"}}')
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, dict):  # vLLM takes the decoded object too
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    if not isinstance(arguments, str) or not isinstance(_loads_or_none(arguments), dict):
+        raise ToolError(f"{where}.function.arguments",
+                        "expected a JSON object as a string, like '{\"city\": \"Paris\"}'")
+    call_id = call.get("id")
+    return ToolCall(id=call_id if isinstance(call_id, str) else new_call_id(), name=function["name"],
+                    arguments=arguments)
+
+
+def template_tool_fields(message: ChatMessage) -> dict:
+    """A message's tool fields as Hugging Face chat templates read them:
+    ``tool_calls`` with ``arguments`` decoded to a dict (templates ``tojson``
+    it; OpenAI sends a JSON string), ``tool_call_id`` and ``name``. Absent
+    fields are left out: templates test ``message.tool_calls`` for presence."""
+    fields: dict = {}
+    if message.tool_calls:
+        fields["tool_calls"] = [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.name, "arguments": json.loads(call.arguments)}}
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        fields["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        fields["name"] = message.name
+    return fields
+
+
+# --------------------------------------------------------------------------
+# The output: calls read back
+# --------------------------------------------------------------------------
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    """One call read from the output; ``arguments`` is JSON text (OpenAI's shape)."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=new_call_id)
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+    def as_delta(self, index: int) -> dict:
+        return {"index": index} | self.as_dict()
+
+
+def parse_call(text: str) -> ParsedCall | None:
+    """The call in ``text`` (one JSON object), or None when it is not one."""
+    obj = _loads_or_none(text.strip())
+    return _call_of(obj)
+
+
+def _call_of(obj: Any) -> ParsedCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(arguments, str):
+        arguments = _loads_or_none(arguments)
+    if not isinstance(arguments, dict):
+        return None
+    return ParsedCall(name=obj["name"], arguments=json.dumps(arguments, ensure_ascii=False))
+
+
+def _loads_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:size]):
+            return size
+    return 0
+
+
+class HermesReader:
+    """Splits a streamed reply into content and ``<tool_call>`` calls.
+
+    Text that may be the start of ``<tool_call>`` is held back, and so is a
+    call until its ``</tool_call>``, so no markup reaches the content. A
+    block that is not a valid call is given back as content, markup
+    included. Whitespace after a call is held: it only separates calls.
+    """
+
+    def __init__(self, is_forced: bool = False, max_calls: int | None = None):
+        self.is_forced = is_forced
+        self.max_calls = max_calls
+        self._is_inside = is_forced  # a forced call's opening is in the prompt
+        self._held = ""
+        self.num_calls = 0  # calls read, those past max_calls included
+
+    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
+        """(content safe to emit now, calls completed by ``text``)."""
+        self._held += text
+        content: list[str] = []
+        calls: list[ParsedCall] = []
+        while self._step(content, calls):
+            pass
+        return "".join(content), _within(calls, self.num_calls, self.max_calls)
+
+    def flush(self) -> tuple[str, list[ParsedCall]]:
+        """What is held at the end of the reply: an unclosed call is read as one
+        (a model may stop at EOS before ``</tool_call>``)."""
+        held, self._held = self._held, ""
+        if not self._is_inside:
+            return ("" if self.num_calls and not held.strip() else held), []
+        self._is_inside = False
+        call = parse_call(held.removesuffix(HERMES_CLOSE))
+        if call is None:
+            return ("" if self.is_forced and not self.num_calls else HERMES_OPEN) + held, []
+        self.num_calls += 1
+        return "", _within([call], self.num_calls, self.max_calls)
+
+    def _step(self, content: list[str], calls: list[ParsedCall]) -> bool:
+        """Consume one piece of the held text; False when the rest must wait."""
+        if self._is_inside:
+            at = self._held.find(HERMES_CLOSE)
+            if at < 0:
+                return False
+            body, self._held = self._held[:at], self._held[at + len(HERMES_CLOSE):]
+            self._is_inside = False
+            call = parse_call(body)
+            if call is None:
+                content.append(HERMES_OPEN + body + HERMES_CLOSE)
+            else:
+                self.num_calls += 1
+                calls.append(call)
+            return True
+        at = self._held.find(HERMES_OPEN)
+        if at >= 0:
+            before = self._held[:at]
+            content.append("" if self.num_calls and not before.strip() else before)
+            self._held, self._is_inside = self._held[at + len(HERMES_OPEN):], True
+            return True
+        num_held = _partial_suffix(self._held, HERMES_OPEN)
+        emit = self._held[: len(self._held) - num_held]
+        if self.num_calls and not emit.strip():
+            return False  # whitespace between calls: content only if more text follows
+        content.append(emit)
+        self._held = self._held[len(emit):]
+        return False
+
+
+class Llama3JsonReader:
+    """Llama 3's format: a reply that starts with ``{`` (after whitespace and an
+    optional ``<|python_tag|>``) is read as calls once it ends; any other
+    reply is content, streamed as it comes. A reply that starts like a call
+    but does not parse as calls is given back whole as content."""
+
+    def __init__(self, is_forced: bool = False, max_calls: int | None = None):
+        self.max_calls = max_calls
+        self._mode = "call" if is_forced else "undecided"  # -> "call" | "content"
+        self._held = ""
+        self.num_calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
+        if self._mode == "content":
+            return text, []
+        self._held += text
+        if self._mode == "undecided":
+            head = self._held.lstrip().removeprefix(PYTHON_TAG).lstrip()
+            if not head or PYTHON_TAG.startswith(head):
+                return "", []
+            self._mode = "call" if head.startswith("{") else "content"
+        if self._mode == "content":
+            held, self._held = self._held, ""
+            return held, []
+        return "", []
+
+    def flush(self) -> tuple[str, list[ParsedCall]]:
+        held, self._held = self._held, ""
+        calls = parse_llama3_calls(held) if self._mode == "call" else None
+        if not calls:
+            return held, []
+        self.num_calls += len(calls)
+        return "", _within(calls, self.num_calls, self.max_calls)
+
+
+def parse_llama3_calls(text: str) -> list[ParsedCall] | None:
+    """Every call of ``text`` (JSON objects joined by ``;``), or None unless
+    the whole text is calls."""
+    text = text.strip().removeprefix(PYTHON_TAG)
+    decoder = json.JSONDecoder()
+    calls, at = [], 0
+    while True:
+        while at < len(text) and (text[at].isspace() or (text[at] == ";" and calls)):
+            at += 1
+        if at == len(text):
+            return calls or None
+        try:
+            obj, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return None
+        call = _call_of(obj)
+        if call is None:
+            return None
+        calls.append(call)
+
+
+def _within(calls: list[ParsedCall], num_read: int, max_calls: int | None) -> list[ParsedCall]:
+    """The calls of ``calls`` (the last of ``num_read`` read so far) that are
+    within ``max_calls``: later ones are dropped, as vLLM does."""
+    if max_calls is None:
+        return calls
+    first = num_read - len(calls)
+    return calls[: max(0, max_calls - first)]
+
+
+def make_reader(request: ToolRequest) -> HermesReader | Llama3JsonReader:
+    reader = HermesReader if request.parser == HERMES else Llama3JsonReader
+    return reader(is_forced=request.is_forced, max_calls=request.max_calls)
+
+
+def read_calls(request: ToolRequest, text: str) -> tuple[str | None, list[ParsedCall]]:
+    """A whole reply's (content or None, calls): the streamed reader fed once,
+    so a stream and a full response read the same calls."""
+    reader = make_reader(request)
+    content, calls = reader.feed(text)
+    tail, more = reader.flush()
+    content, calls = content + tail, calls + more
+    return (None if calls and not content.strip() else content), calls
+
+
+def finish_reason(engine_reason: str | None, num_calls: int) -> str | None:
+    """``tool_calls`` when a reply that ended by itself made calls (a cut one stays ``length``)."""
+    return "tool_calls" if num_calls and engine_reason == "stop" else engine_reason

@@ -1,0 +1,33 @@
+"""Tool-call test kit: tiny tokenizer folders with tool-format templates, and
+the frontend tests' harness over the hermes one."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.tool_calls.templates import HERMES_TEMPLATE, LLAMA3_JSON_TEMPLATE, make_tool_model_dir
+
+
+@pytest.fixture(scope="session")
+def hermes_dir(tmp_path_factory):
+    return make_tool_model_dir(tmp_path_factory.mktemp("hermes-model"), HERMES_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def llama3_dir(tmp_path_factory):
+    return make_tool_model_dir(tmp_path_factory.mktemp("llama3-model"), LLAMA3_JSON_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def hermes_tokenizer(hermes_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(hermes_dir), local_files_only=True)
+
+
+@pytest.fixture
+def tool_harness(hermes_dir, hermes_tokenizer):
+    """``async with tool_harness() as h:``: the real frontend serving the hermes-template model."""
+    from tests.frontend.conftest import Harness
+
+    return lambda **kw: Harness(hermes_dir, hermes_tokenizer, **kw)

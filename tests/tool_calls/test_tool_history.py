@@ -1,0 +1,114 @@
+"""A history with tool calls and tool results: accepted by the frontend's
+parser, handed to the template in the shape Hugging Face templates read, and
+rendered with the tools (and a forced call's opening) by prepare."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from mstar_actors.frontend import openai_api as api
+from mstar_actors.messages import ChatMessage, NewRequest, SamplingParams, ToolCall
+from tests.tool_calls.templates import WEATHER
+
+ARGS = '{"city": "Paris"}'
+HISTORY = [
+    {"role": "user", "content": "weather in Paris?"},
+    {"role": "assistant", "content": None,
+     "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ARGS}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'},
+]
+
+
+def _parse(messages, **kw):
+    body = {"model": "tiny", "messages": messages} | kw
+    return api.parse_chat(json.dumps(body).encode(), None, tool_parser="hermes")
+
+
+def test_tool_history_is_accepted():
+    parsed = _parse(HISTORY, tools=[WEATHER])
+    assert parsed.messages == [
+        ChatMessage("user", "weather in Paris?"),
+        ChatMessage("assistant", "", tool_calls=(ToolCall(id="call_1", name="get_weather", arguments=ARGS),)),
+        ChatMessage("tool", '{"temp_c": 21}', tool_call_id="call_1"),
+    ]
+    # and it survives the channel's encoding
+    req = parsed.new_requests("r", "tiny")[0]
+    assert msgspec_roundtrip(req) == req
+
+
+def msgspec_roundtrip(req: NewRequest) -> NewRequest:
+    from mstar_actors.messages import FrontendToPrepare
+
+    return msgspec.msgpack.Decoder(FrontendToPrepare).decode(msgspec.msgpack.encode(req))
+
+
+@pytest.mark.parametrize("message, param", [
+    ({"role": "assistant", "tool_calls": {"id": "x"}}, "messages[0].tool_calls"),
+    ({"role": "assistant", "tool_calls": [{"id": "x", "function": {"arguments": "{}"}}]}, "messages[0].tool_calls[0]"),
+    ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]},
+     "messages[0].tool_calls[0].function.arguments"),
+    ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
+     "messages[0].tool_calls[0].function.arguments"),
+    ({"role": "tool", "content": "x", "tool_call_id": 7}, "messages[0].tool_call_id"),
+    ({"role": "tool", "content": None}, "messages[0].content"),
+])
+def test_bad_tool_messages_name_the_field(message, param):
+    with pytest.raises(api.ApiError) as info:
+        _parse([message])
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_auto_on_a_template_with_no_format_is_refused():
+    body = {"model": "tiny", "messages": HISTORY[:1], "tools": [WEATHER]}
+    with pytest.raises(api.ApiError) as info:
+        api.parse_chat(json.dumps(body).encode(), None, tool_parser=None)
+    assert info.value.param == "tool_choice" and "tool_call_parser" in info.value.message
+    forced = api.parse_chat(json.dumps(body | {"tool_choice": "required"}).encode(), None, tool_parser=None)
+    assert forced.sampling.structured.kind == "json"
+
+
+def test_forced_call_cannot_continue_the_final_message():
+    messages = HISTORY[:1] + [{"role": "assistant", "content": "Sure"}]
+    with pytest.raises(api.ApiError) as info:
+        _parse(messages, tools=[WEATHER], tool_choice="required", continue_final_message=True,
+               add_generation_prompt=False)
+    assert info.value.param == "tool_choice"
+
+
+def test_forced_call_with_another_constraint_is_refused():
+    pytest.importorskip("mstar_actors.runner.grammar")  # response_format is parsed where the engine is
+    with pytest.raises(api.ApiError) as info:
+        _parse(HISTORY[:1], tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"})
+    assert info.value.param == "tool_choice"
+
+
+def test_the_template_gets_decoded_arguments(hermes_dir):
+    from mstar_actors.tokenization import Tokenization
+
+    tokenization = Tokenization(hermes_dir)
+    ids = tokenization.apply_chat_template(_parse(HISTORY).messages, True)
+    text = tokenization.decode(ids, skip_special_tokens=False)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert '<tool_response>\n{"temp_c": 21}\n</tool_response>' in text
+
+
+def test_prepare_renders_the_tools_and_a_forced_opening(hermes_dir):
+    from mstar_actors.prepare.preparers import Preparer
+    from mstar_actors.tokenization import Tokenization
+
+    tokenization = Tokenization(hermes_dir)
+    parsed = _parse(HISTORY[:1], tools=[WEATHER], tool_choice="required")
+    req = parsed.new_requests("r", "tiny")[0]
+    assert req.tools == [WEATHER] and req.assistant_prefix == "<tool_call>\n"
+    # the rendering alone: the constraint is the grammar engine's to compile
+    unconstrained = msgspec.structs.replace(req, sampling=SamplingParams())
+    prepared = Preparer(tokenization).prepare(unconstrained)
+    text = tokenization.decode(prepared.prompt_token_ids, skip_special_tokens=False)
+    assert json.dumps(WEATHER) in text  # the template listed the tool
+    assert text.endswith("<|im_start|>assistant\n<tool_call>\n")
+    plain = Preparer(tokenization).prepare(NewRequest(request_id="p", model="tiny", sampling=SamplingParams(),
+                                                      messages=parsed.messages))
+    assert "# Tools" not in tokenization.decode(plain.prompt_token_ids, skip_special_tokens=False)

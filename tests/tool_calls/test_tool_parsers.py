@@ -1,0 +1,225 @@
+"""The pure tool-call module: the format chosen from the template, the
+request's tools validated, and calls read back from replies, whole and
+streamed in every split."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mstar_actors.frontend import tool_calls as tc
+from mstar_actors.frontend.tool_calls import HermesReader, Llama3JsonReader, ToolError
+from tests.frontend.conftest import CHATML
+from tests.tool_calls.templates import HERMES_TEMPLATE, LLAMA3_JSON_TEMPLATE, TIME, WEATHER, make_tool_model_dir
+
+
+def _calls(calls) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def _stream(reader, text: str, size: int) -> tuple[str, list]:
+    """Feed ``text`` in pieces of ``size`` characters, then flush."""
+    content, calls = "", []
+    for at in range(0, len(text), size):
+        piece, more = reader.feed(text[at:at + size])
+        content, calls = content + piece, calls + more
+    piece, more = reader.flush()
+    return content + piece, calls + more
+
+
+# ---- the format ----------------------------------------------------------
+
+
+def test_parser_chosen_from_the_template():
+    assert tc.choose_parser(HERMES_TEMPLATE) == "hermes"
+    assert tc.choose_parser(LLAMA3_JSON_TEMPLATE) == "llama3_json"
+    assert tc.choose_parser(CHATML) is None and tc.choose_parser(None) is None
+    assert tc.choose_parser({"default": CHATML, "tool_use": HERMES_TEMPLATE}) == "hermes"
+    assert tc.choose_parser(CHATML, "llama3_json") == "llama3_json"  # the config overrides
+
+
+def test_config_key_is_validated():
+    from mstar_actors.config import ConfigError, parse_config
+
+    assert parse_config({"model": {"tool_call_parser": "hermes"}}).model.tool_call_parser == "hermes"
+    with pytest.raises(ConfigError, match="tool_call_parser"):
+        parse_config({"model": {"tool_call_parser": "mistral"}})
+
+
+# ---- replies the templates render ------------------------------------------
+
+HISTORY_CALLS = [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {})]
+
+
+@pytest.mark.parametrize("template, start, end", [
+    (HERMES_TEMPLATE, "<|im_start|>assistant", "<|im_end|>"),
+    (LLAMA3_JSON_TEMPLATE, "assistant<|end_header_id|>\n\n", "<|eom_id|>"),
+])
+def test_the_templates_own_rendering_of_calls_reads_back(tmp_path, template, start, end):
+    """A call as the template writes it in the history is what the model learned
+    to write: the reader gives back the same calls, and no content."""
+    from mstar_actors.messages import ChatMessage, ToolCall
+    from mstar_actors.tokenization import Tokenization
+
+    tokenization = Tokenization(make_tool_model_dir(tmp_path / "m", template))
+    calls = tuple(ToolCall(id=f"call_{i}", name=n, arguments=json.dumps(a)) for i, (n, a) in enumerate(HISTORY_CALLS))
+    chat = [ChatMessage("user", "weather and time?"), ChatMessage("assistant", "", tool_calls=calls)]
+    ids = tokenization.apply_chat_template(chat, False, tools=[WEATHER, TIME])
+    rendered = tokenization.decode(ids, skip_special_tokens=False)
+    reply = rendered[rendered.rindex(start) + len(start):rendered.rindex(end)]
+    request = tc.parse_tool_request([WEATHER, TIME], "auto", tc.choose_parser(template))
+    content, parsed = tc.read_calls(request, reply)
+    assert content is None and _calls(parsed) == HISTORY_CALLS
+
+
+# ---- hermes ------------------------------------------------------------------
+
+HERMES_REPLY = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+                '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 7, 11, 1000])
+def test_hermes_streamed_in_any_split_reads_the_same(size):
+    content, calls = _stream(HermesReader(), HERMES_REPLY, size)
+    assert content == "Let me check.\n"
+    assert _calls(calls) == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+
+
+def test_hermes_holds_back_a_possible_opening_only():
+    reader = HermesReader()
+    assert reader.feed("a <tool") == ("a ", [])  # may become <tool_call>
+    assert reader.feed("s are fun") == ("<tools are fun", [])  # did not
+    assert reader.flush() == ("", [])
+
+
+def test_hermes_gives_back_what_is_not_a_call():
+    bad = "<tool_call>\n{not json}\n</tool_call> after"
+    assert _stream(HermesReader(), bad, 3) == (bad, [])
+    assert _stream(HermesReader(), 'x <tool_call>{"arguments": {}}', 4) == ('x <tool_call>{"arguments": {}}', [])
+
+
+def test_hermes_reads_a_call_cut_at_eos_and_string_arguments():
+    text = '<tool_call>\n{"name": "f", "arguments": "{\\"a\\": 1}"}'
+    content, calls = _stream(HermesReader(), text, 4)
+    assert content == "" and _calls(calls) == [("f", {"a": 1})]
+
+
+def test_hermes_forced_reads_the_bare_json():
+    """The opening is in the prompt: the output is the call's JSON alone."""
+    content, calls = _stream(HermesReader(is_forced=True), '{"name": "f", "arguments": {"x": [1, 2]}}', 3)
+    assert content == "" and _calls(calls) == [("f", {"x": [1, 2]})]
+    content, calls = _stream(HermesReader(is_forced=True), "not a call", 3)
+    assert (content, calls) == ("not a call", [])
+
+
+def test_plain_text_streams_unchanged():
+    text = "No tools needed: it is sunny. <b>ok</b>"
+    for reader in (HermesReader(), Llama3JsonReader()):
+        assert _stream(reader, text, 2) == (text, [])
+
+
+# ---- llama 3 JSON --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", [
+    '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    '  \n{"name": "get_weather", "arguments": {"city": "Paris"}}\n',
+])
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_llama3_reads_one_call(text, size):
+    content, calls = _stream(Llama3JsonReader(), text, size)
+    assert content == "" and _calls(calls) == [("get_weather", {"city": "Paris"})]
+
+
+def test_llama3_reads_calls_joined_and_gives_back_the_rest():
+    text = '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"k": 1}}'
+    assert _calls(_stream(Llama3JsonReader(), text, 3)[1]) == [("a", {}), ("b", {"k": 1})]
+    for not_calls in ('{"name": "a", "parameters": {}} and more', '{"city": "Paris"}', "{broken"):
+        assert _stream(Llama3JsonReader(), not_calls, 3) == (not_calls, [])
+
+
+# ---- the request ---------------------------------------------------------------
+
+
+def test_tool_choice_forms():
+    assert tc.parse_tool_request([WEATHER], None, "hermes").choice == "auto"
+    assert tc.parse_tool_request(None, None, "hermes") is None
+    assert tc.parse_tool_request([], "none", "hermes") is None
+    named = tc.parse_tool_request([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, "hermes")
+    assert (named.choice, named.function, named.is_forced, named.assistant_prefix) == \
+        ("function", "get_time", True, "<tool_call>\n")
+    none = tc.parse_tool_request([WEATHER], "none", "hermes")
+    assert none.tools == [WEATHER] and not none.reads_calls  # rendered, as vLLM does by default
+    assert tc.parse_tool_request([WEATHER], "required", "llama3_json").assistant_prefix == ""
+
+
+@pytest.mark.parametrize("tools, choice, param", [
+    ({"type": "function"}, None, "tools"),
+    ([{"type": "retrieval"}], None, "tools[0].type"),
+    ([{"type": "function", "function": {"name": "has space"}}], None, "tools[0].function.name"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "{}"}}], None, "tools[0].function.parameters"),
+    ([WEATHER, WEATHER], None, "tools"),
+    ([WEATHER], "always", "tool_choice"),
+    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice.function.name"),
+    ([WEATHER], {"type": "function"}, "tool_choice"),
+    (None, "required", "tool_choice"),
+])
+def test_bad_tools_name_the_field(tools, choice, param):
+    with pytest.raises(ToolError) as info:
+        tc.parse_tool_request(tools, choice, "hermes")
+    assert info.value.param == param
+
+
+def test_a_template_with_no_format_serves_forced_calls_only():
+    with pytest.raises(ToolError, match="tool_call_parser"):
+        tc.parse_tool_request([WEATHER], "auto", None)
+    forced = tc.parse_tool_request([WEATHER], "required", None)
+    assert forced.parser == "llama3_json" and forced.assistant_prefix == ""  # a bare JSON object
+    assert not tc.parse_tool_request([WEATHER], "none", None).reads_calls
+
+
+def test_forced_schema_pins_the_name_and_the_parameters():
+    required = json.loads(tc.forced_call_schema(tc.parse_tool_request([WEATHER, TIME], "required", "hermes")))
+    assert [b["properties"]["name"] for b in required["anyOf"]] == [{"enum": ["get_weather"]}, {"enum": ["get_time"]}]
+    assert required["anyOf"][0]["properties"]["arguments"] == WEATHER["function"]["parameters"]
+    named = tc.parse_tool_request([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}},
+                                  "llama3_json")
+    schema = json.loads(tc.forced_call_schema(named))
+    assert schema["required"] == ["name", "parameters"] and schema["properties"]["name"] == {"enum": ["get_weather"]}
+
+
+def test_finish_reason():
+    assert tc.finish_reason("stop", 1) == "tool_calls"
+    assert tc.finish_reason("stop", 0) == "stop"
+    assert tc.finish_reason("length", 2) == "length"  # a cut reply says so
+
+
+def test_call_ids_and_shapes():
+    call = tc.parse_call('{"name": "f", "arguments": {"é": 1}}')
+    assert call.id.startswith("call_") and len(call.id) > 10 and call.id != tc.parse_call('{"name": "f"}').id
+    assert call.as_delta(3) == {"index": 3, "id": call.id, "type": "function",
+                                "function": {"name": "f", "arguments": '{"é": 1}'}}
+
+
+@pytest.mark.parametrize("parser, reply", [
+    ("hermes", HERMES_REPLY),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'),
+])
+def test_parallel_tool_calls_false_keeps_the_first_call(parser, reply):
+    request = tc.parse_tool_request([WEATHER, TIME], "auto", parser, parallel_tool_calls=False)
+    assert _calls(tc.read_calls(request, reply)[1]) == [("get_weather", {"city": "Paris"})]
+    for size in (1, 3, 1000):
+        assert _calls(_stream(tc.make_reader(request), reply, size)[1]) == [("get_weather", {"city": "Paris"})]
+    both = tc.parse_tool_request([WEATHER, TIME], "auto", parser, parallel_tool_calls=True)
+    assert len(tc.read_calls(both, reply)[1]) == 2
+    with pytest.raises(ToolError) as info:
+        tc.parse_tool_request([WEATHER], "auto", parser, parallel_tool_calls="no")
+    assert info.value.param == "parallel_tool_calls"
+
+
+def test_a_special_opening_marker_is_reported():
+    assert "special token" in tc.marker_problem("hermes", {"<tool_call>", "<|im_end|>"})
+    assert tc.marker_problem("hermes", {"<|im_end|>"}) is None
+    assert tc.marker_problem("llama3_json", {"<|python_tag|>"}) is None  # read with or without it
