@@ -84,6 +84,7 @@ class Exchange:
         self._pending: collections.deque = collections.deque()
         self._changed = asyncio.Event()
         self.is_overflowed = False
+        self.prompt_token_ids: list[list[int]] = []  # per request, when return_token_ids or echo asks
 
     def push(self, msg: Any) -> None:
         """Never blocks (the mailbox reader calls it); see the module docstring."""
@@ -149,7 +150,8 @@ class FrontendActor(Actor):
 
         # name -> path; the conductor's ModelsChanged replaces it after each runtime load / unload
         self.adapters = {n: expand_path(p) for n, p in self.config.lora.adapters.items()}
-        self.tokenizer = await self.run_blocking(_load_tokenizer, Path(self.info.model_dir))
+        self.tokenization = await self.run_blocking(_load_tokenization, Path(self.info.model_dir))
+        self.tokenizer = self.tokenization.tokenizer
         self.token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
         self.started_at = int(time.time())
         await self._open_site()
@@ -372,10 +374,13 @@ class FrontendActor(Actor):
         # The one vocabulary check is here (the embedding's rows); the prompt's length
         # is the scheduler's to check, its 400 comes back as Failed.
         if kind == "chat":
-            parsed = api.parse_chat(raw, self.info.max_model_len)
+            parsed = api.parse_chat(raw, self.info.max_model_len, self.info.vocab_size)
         else:
             parsed = api.parse_completion(raw, self.info.max_model_len, self.info.vocab_size)
+        parsed.with_token_facts(self.info.eos_token_ids, self._bad_words_token_ids(parsed.bad_words))
         exchange = Exchange(parsed, self._resolve_model(parsed.model), "chatcmpl" if kind == "chat" else "cmpl")
+        if parsed.output.return_token_ids or parsed.output.echo:
+            exchange.prompt_token_ids = await self.run_blocking(self._prompt_token_ids, exchange)
         self._admit(exchange)
         try:
             await self._submit(exchange)
@@ -384,6 +389,27 @@ class FrontendActor(Actor):
             return await self._collect(exchange)
         finally:
             self._close(exchange)
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word as it starts the text and after a space, as vLLM bans it."""
+        encode = functools.partial(self.tokenization.encode_text, add_special_tokens=False)
+        return [ids for word in words for ids in {tuple(encode(word)), tuple(encode(" " + word.lstrip()))}]
+
+    def _prompt_token_ids(self, exchange: Exchange) -> list[list[int]]:
+        """Each prompt's ids as prepare makes them (for return_token_ids and
+        echo): only computed here when the client asks."""
+        out = []
+        for req in exchange.requests:
+            if req.prompt_token_ids is not None:
+                ids = list(req.prompt_token_ids)
+            elif req.messages is not None:
+                ids = self.tokenization.apply_chat_template(req.messages, req.add_generation_prompt, None,
+                                                            req.continue_final_message)
+            else:
+                ids = self.tokenization.encode_prompt(req.prompt or "")
+            keep = req.sampling.truncate_prompt_tokens
+            out.append(ids[-keep:] if keep is not None else ids)
+        return out
 
     def _check_available(self) -> None:
         if self._failure:
@@ -421,9 +447,15 @@ class FrontendActor(Actor):
         from mstar_actors.tokenization import IncrementalDetokenizer, StopStrings
 
         prompt_ids = req.prompt_token_ids or []
-        choice = ChoiceOutput(index, IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=True),
-                              StopStrings(exchange.parsed.stop), self.token_text, exchange.parsed.logprobs is not None)
+        output = exchange.parsed.output
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=output.skip_special_tokens)
+        choice = ChoiceOutput(index, detokenizer, StopStrings(exchange.parsed.stop, output.include_stop_str_in_output),
+                              self.token_text, exchange.parsed.logprobs is not None)
         choice.num_prompt_tokens = len(prompt_ids)
+        if output.echo:  # the prompt's text, as sent or as its ids decode
+            ids = exchange.prompt_token_ids[exchange.requests.index(req)]
+            choice.echo_text = req.prompt if req.prompt is not None else self.tokenizer.decode(
+                ids, skip_special_tokens=output.skip_special_tokens)
         return choice
 
     def _close(self, exchange: Exchange) -> None:
@@ -460,7 +492,9 @@ class FrontendActor(Actor):
             case TokenDelta():
                 return choice, *self._apply_delta(exchange, choice, msg)
             case Finished():
-                return choice, choice.finish(msg.finish_reason, msg.num_prompt_tokens, msg.num_output_tokens), []
+                text = choice.finish(msg.finish_reason, msg.num_prompt_tokens, msg.num_output_tokens,
+                                     msg.num_cached_tokens)
+                return choice, text, []
             case Failed():
                 raise ApiError(msg.status, f"request {exchange.id}: {msg.message}", param=msg.param, code=msg.code,
                                error_type=msg.error_type)
@@ -481,9 +515,10 @@ class FrontendActor(Actor):
         return text, entries
 
     def _usage(self, exchange: Exchange) -> dict:
-        choices = list(exchange.choices.values())
-        prompt = sum(c.num_prompt_tokens for c in choices if c.index % exchange.parsed.n == 0)
-        return api.usage_dict(prompt, sum(c.num_output_tokens for c in choices))
+        choices = [c for c in exchange.choices.values() if c.index % exchange.parsed.n == 0]
+        prompt = sum(c.num_prompt_tokens for c in choices)
+        cached = sum(c.num_cached_tokens for c in choices)
+        return api.usage_dict(prompt, sum(c.num_output_tokens for c in exchange.choices.values()), cached)
 
     async def _collect(self, exchange: Exchange) -> web.Response:
         while exchange.is_waiting():
@@ -494,8 +529,11 @@ class FrontendActor(Actor):
             out = [api.chat_choice(c.index, c.text, c.finish_reason, c.chat_logprobs()) for c in choices]
             body = api.chat_response(*args, out, self._usage(exchange))
         else:
-            out = [api.completion_choice(c.index, c.text, c.finish_reason, c.legacy_logprobs()) for c in choices]
+            out = [api.completion_choice(c.index, c.echo_text + c.text, c.finish_reason, c.legacy_logprobs())
+                   for c in choices]
             body = api.completion_response(*args, out, self._usage(exchange))
+        if exchange.parsed.output.return_token_ids:
+            _add_token_ids(body, exchange, choices)
         return web.Response(body=_json.encode(body), content_type="application/json")
 
     # ---- streaming ------------------------------------------------------
@@ -503,7 +541,7 @@ class FrontendActor(Actor):
     async def _stream(self, request: web.Request, exchange: Exchange) -> web.StreamResponse:
         """SSE. The response is prepared at the first engine output, so a request
         refused before that (prepare's or the scheduler's 4xx) keeps its status."""
-        stream = _Stream(request, exchange)
+        stream = _Stream(request, exchange, functools.partial(self._usage, exchange))
         try:
             while exchange.is_waiting():
                 msg = await exchange.pop()
@@ -520,12 +558,25 @@ class FrontendActor(Actor):
         return stream.response
 
 
+def _add_token_ids(body: dict, exchange: Exchange, choices: list[ChoiceOutput]) -> None:
+    """vLLM's return_token_ids: the prompt's ids (chat: once; completions: per
+    choice) and each choice's sampled ids."""
+    n = exchange.parsed.n
+    if exchange.parsed.kind == "chat":
+        body["prompt_token_ids"] = exchange.prompt_token_ids[0]
+    for c, out in zip(choices, body["choices"]):
+        out["token_ids"] = c.token_ids
+        if exchange.parsed.kind != "chat":
+            out["prompt_token_ids"] = exchange.prompt_token_ids[c.index // n]
+
+
 class _Stream:
     """Writes one exchange's chunks in OpenAI's SSE format."""
 
-    def __init__(self, request: web.Request, exchange: Exchange):
+    def __init__(self, request: web.Request, exchange: Exchange, usage: Any = None):
         self.request = request
         self.exchange = exchange
+        self.usage = usage  # () -> the usage so far, for continuous_usage_stats
         self.is_chat = exchange.parsed.kind == "chat"
         self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
 
@@ -545,17 +596,25 @@ class _Stream:
         if not self.is_prepared:
             await self._prepare()
         reason = choice.finish_reason
+        if choice.echo_text and not choice.is_echoed:
+            text, choice.is_echoed = choice.echo_text + text, True
         if self.is_chat:
             delta = {"content": text} if text else {}
             logprobs = choice.chat_logprobs(entries)
-            await self._write_choices([api.chat_chunk_choice(choice.index, delta, reason, logprobs)])
+            out = api.chat_chunk_choice(choice.index, delta, reason, logprobs)
         else:
             logprobs = choice.legacy_logprobs(entries)
-            await self._write_choices([api.completion_choice(choice.index, text, reason, logprobs)])
+            out = api.completion_choice(choice.index, text, reason, logprobs)
+        if self.exchange.parsed.output.return_token_ids:
+            out["token_ids"] = choice.token_ids[choice.num_streamed_ids:]
+            choice.num_streamed_ids = len(choice.token_ids)
+        await self._write_choices([out])
 
     async def _write_choices(self, choices: list[dict]) -> None:
         ex = self.exchange
         usage = {"usage": None} if ex.parsed.include_usage else {}
+        if ex.parsed.output.continuous_usage_stats and self.usage is not None:
+            usage = {"usage": self.usage()}
         build = api.chat_chunk if self.is_chat else api.completion_chunk
         await _write_event(self.response, build(ex.id, ex.model, ex.created, choices) | usage)
 
@@ -629,7 +688,7 @@ def _route(request: web.Request) -> str:
     return info.canonical if info is not None else "unmatched"
 
 
-def _load_tokenizer(folder: Path) -> Any:
+def _load_tokenization(folder: Path) -> Any:
     from mstar_actors.tokenization import Tokenization
 
-    return Tokenization(folder).tokenizer
+    return Tokenization(folder)

@@ -100,6 +100,14 @@ class SamplingParams(Struct, frozen=True, **_HOT):
     ``temperature == 0.0`` means greedy. ``logprobs`` is None for none, else
     the number of top alternatives returned with each sampled token (0 = only
     the sampled token's own logprob).
+
+    Logits processors, applied on every rank before sampling (``runner.sampling``):
+    ``logit_bias`` adds (token id, bias) pairs; ``allowed_token_ids`` keeps only
+    those tokens (empty = all); ``bad_words_token_ids`` bans each sequence's last
+    token where the output ends with the rest of it; ``min_token_stop_ids`` (EOS
+    and ``stop_token_ids``, filled by the frontend) are masked until the output
+    holds ``min_tokens`` tokens. ``truncate_prompt_tokens`` keeps the prompt's
+    last N tokens (prepare applies it).
     """
 
     max_tokens: int = 16
@@ -114,6 +122,12 @@ class SamplingParams(Struct, frozen=True, **_HOT):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    min_tokens: int = 0
+    min_token_stop_ids: tuple[int, ...] = ()
+    truncate_prompt_tokens: int | None = None
 
 
 class ContentPart(Struct, frozen=True, omit_defaults=True):
@@ -163,6 +177,7 @@ class NewRequest(Struct, frozen=True, tag=True, omit_defaults=True):
     add_generation_prompt: bool = True
     arrival_time: float = 0.0
     n: int = 1  # choices sampled from the one prepared prompt
+    continue_final_message: bool = False  # the template leaves the last (assistant) message open
 
 
 def choice_ids(request_id: str, n: int) -> list[str]:

@@ -120,10 +120,16 @@ class Preparer:
         ))
 
     def _token_ids(self, req: NewRequest) -> tuple[list[int], str]:
+        ids, param = self._full_token_ids(req)
+        keep = req.sampling.truncate_prompt_tokens  # vLLM's: the prompt's last N tokens
+        return (ids[-keep:] if keep is not None else ids), param
+
+    def _full_token_ids(self, req: NewRequest) -> tuple[list[int], str]:
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids), "prompt"
         if req.messages is not None:
-            ids = self.tokenization.apply_chat_template(req.messages, req.add_generation_prompt, self.prompt_limit)
+            ids = self.tokenization.apply_chat_template(req.messages, req.add_generation_prompt, self.prompt_limit,
+                                                        req.continue_final_message)
             return list(ids), "messages"
         if req.prompt is not None:
             return list(self.tokenization.encode_prompt(req.prompt, self.prompt_limit)), "prompt"
