@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import hmac
 import time
@@ -48,6 +49,8 @@ from mstar_actors.messages import (
     Abort,
     AdapterUpdate,
     ContextAgreed,
+    Drain,
+    Drained,
     EngineStats,
     Failed,
     Finished,
@@ -64,6 +67,7 @@ from mstar_actors.frontend.openai_api import ApiError, ChoiceOutput, ParsedReque
 from transport.errors import ChannelFull
 
 _json = msgspec.json.Encoder()
+DRAIN_FAILURE_WRITE_S = 2.0  # after the drain's timeout: time for handlers to send their 503
 
 
 class Exchange:
@@ -130,6 +134,7 @@ class FrontendActor(Actor):
         self.port: int | None = None  # the bound port, once started
         self._is_started = CONTROL not in self.inbox  # without a launcher: ready when started
         self._failure: str | None = None  # a peer's failure: unhealthy from then on
+        self._draining: str | None = None  # why new requests are refused while in-flight ones finish
         self.health_changed = asyncio.Event()  # set when Started / PeerFailed was applied
         self._exchanges: dict[str, Exchange] = {}  # request id -> its exchange
         self._updates: dict[str, asyncio.Future] = {}  # runtime load/unload id -> its AdapterUpdate
@@ -137,6 +142,7 @@ class FrontendActor(Actor):
         self._unacked: set[str] = set()
         self._num_engine_waiting = 0
         self._background: set[asyncio.Task] = set()
+        self._idle = asyncio.Event()  # set when an exchange closes (the drain waits on it)
         self._runner: web.AppRunner | None = None
 
     # ---- lifecycle ------------------------------------------------------
@@ -211,12 +217,49 @@ class FrontendActor(Actor):
                 self.adapters = {a.name: a.path for a in adapters}
             case ContextAgreed(max_model_len=max_model_len):
                 self.info = msgspec.structs.replace(self.info, max_model_len=max_model_len)
+            case Drain():
+                self._start_drain(msg)
             case AdapterUpdate(request_id=request_id):
                 future = self._updates.pop(request_id, None)
                 if future is not None and not future.done():
                     future.set_result(msg)
             case _:
                 self.unknown(channel, msg)
+
+    # ---- graceful shutdown ----------------------------------------------
+
+    def _start_drain(self, msg: Drain) -> None:
+        """Runs in the background: the mailbox keeps delivering the outputs
+        that let in-flight requests finish."""
+        if self._draining is None:
+            self._draining = msg.reason or "the server is shutting down"
+            self.health_changed.set()
+            task = asyncio.ensure_future(self._drain(msg.timeout_s))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _drain(self, timeout_s: float) -> None:
+        num_failed = 0
+        if not await self._await_idle(timeout_s):
+            num_failed = len({id(e) for e in self._exchanges.values()})
+            self.log.warning("%d requests still running after server.shutdown_timeout_s (%g s): failing them",
+                             num_failed, timeout_s)
+            self._fail_all(503, f"the server shut down before this request finished "
+                                f"(server.shutdown_timeout_s = {timeout_s:g} s)")
+            await self._await_idle(DRAIN_FAILURE_WRITE_S)  # their handlers write the error
+        await self.report(Drained(num_failed=num_failed))
+
+    async def _await_idle(self, timeout_s: float) -> bool:
+        """True once no exchange and no adapter update is open, within ``timeout_s``."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self._exchanges or self._updates:
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return False
+            self._idle.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), remaining)
+        return True
 
     def _fail_all(self, status: int, message: str) -> None:
         for rid, future in list(self._updates.items()):
@@ -233,6 +276,12 @@ class FrontendActor(Actor):
         app.router.add_post("/v1/chat/completions", functools.partial(self._generate, kind="chat"))
         app.router.add_post("/v1/completions", functools.partial(self._generate, kind="completion"))
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model_id:.+}", self._model)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
+        app.router.add_get("/version", self._version)
+        app.router.add_get("/ping", self._health)
+        app.router.add_post("/ping", self._health)
         app.router.add_post("/v1/load_lora_adapter", functools.partial(self._update_adapter, kind="load"))
         app.router.add_post("/v1/unload_lora_adapter", functools.partial(self._update_adapter, kind="unload"))
         app.router.add_get("/health", self._health)
@@ -299,8 +348,8 @@ class FrontendActor(Actor):
         return response
 
     async def _health(self, request: web.Request) -> web.Response:
-        if self._failure or not self._is_started:
-            return web.json_response({"status": self._failure or "starting"}, status=503)
+        if self._failure or self._draining or not self._is_started:
+            return web.json_response({"status": self._failure or self._draining or "starting"}, status=503)
         return web.json_response({"status": "ok"})
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -309,6 +358,57 @@ class FrontendActor(Actor):
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(api.models_list(self.info.served_name, self.started_at, self.info.max_model_len,
                                                  self.adapters))
+
+    async def _model(self, request: web.Request) -> web.Response:
+        model_id = request.match_info["model_id"]
+        listing = api.models_list(self.info.served_name, self.started_at, self.info.max_model_len, self.adapters)
+        card = api.model_card(listing, model_id)
+        if card is None:
+            self._resolve_model(model_id)  # the 404 model_not_found naming what is served
+        return web.json_response(card)
+
+    async def _version(self, request: web.Request) -> web.Response:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return web.json_response({"version": version("mstar-actors")})
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            return web.json_response({"version": "unknown"})
+
+    # ---- vLLM's /tokenize and /detokenize ---------------------------------
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        parsed = api.parse_tokenize(await request.read())
+        self._resolve_model(parsed.model)
+        tokens = await self.run_blocking(self._tokenize_ids, parsed)
+        return web.json_response({"count": len(tokens), "max_model_len": self.info.max_model_len, "tokens": tokens,
+                                  "token_strs": None})
+
+    def _tokenize_ids(self, parsed: api.TokenizeRequest) -> list[int]:
+        from mstar_actors.prepare.prompt_bound import PromptTooLong
+
+        # bounded as prepare bounds a prompt: the tokenizer's time stays proportional to what can be served
+        limit = self.info.max_model_len
+        try:
+            if parsed.messages is None:
+                return self.tokenization.encode_text(parsed.prompt, parsed.add_special_tokens, limit)
+            ids = self.tokenization.apply_chat_template(parsed.messages, parsed.add_generation_prompt, limit,
+                                                        parsed.continue_final_message)
+        except PromptTooLong as err:
+            raise ApiError(400, f"{'prompt' if parsed.messages is None else 'messages'}: {err}",
+                           param="prompt" if parsed.messages is None else "messages",
+                           code="context_length_exceeded") from None
+        except ValueError as err:  # no chat template, or the template refused the messages
+            raise ApiError(400, f"messages: {err}", param="messages") from None
+        if parsed.add_special_tokens and self.tokenizer.bos_token_id is not None and ids[:1] != [self.tokenizer.bos_token_id]:
+            ids = [self.tokenizer.bos_token_id, *ids]
+        return ids
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        model, tokens = api.parse_detokenize(await request.read(), self.info.vocab_size)
+        self._resolve_model(model)
+        text = await self.run_blocking(self.tokenizer.decode, tokens)
+        return web.json_response({"prompt": text})
 
     # ---- runtime adapter updates (vLLM's routes and bodies) ---------------
 
@@ -324,6 +424,9 @@ class FrontendActor(Actor):
         name = self._adapter_name(body)
         rid = f"lora-{uuid.uuid4().hex}"
         if kind == "load":
+            if name in self.adapters and not api.get_bool(body, "load_inplace", False):
+                raise ApiError(400, f"lora_name: the adapter {name!r} is already loaded; send load_inplace: true "
+                               "to replace it", param="lora_name", code="adapter_already_loaded")
             msg = LoadAdapter(request_id=rid, name=name, path=self._runtime_path(body))
         else:
             msg = UnloadAdapter(request_id=rid, name=name)
@@ -333,6 +436,7 @@ class FrontendActor(Actor):
             update = await future
         finally:
             self._updates.pop(rid, None)
+            self._idle.set()
         if update.status != 200:
             raise ApiError(update.status, update.message, param="lora_path" if kind == "load" else "lora_name",
                            code=update.code)
@@ -414,6 +518,9 @@ class FrontendActor(Actor):
     def _check_available(self) -> None:
         if self._failure:
             raise ApiError(503, f"{self._failure}; the server must be restarted")
+        if self._draining:
+            raise ApiError(503, f"{self._draining}: no new requests; retry on another replica",
+                           code="shutting_down")
         if not self._is_started:
             raise ApiError(503, "the server is starting; retry when GET /health answers 200")
 
@@ -466,6 +573,7 @@ class FrontendActor(Actor):
         for rid in [*exchange.choice_ids, *exchange.choices]:
             self._exchanges.pop(rid, None)
             self._unacked.discard(rid)
+        self._idle.set()
 
     def _abort(self, request_id: str) -> None:
         """Without awaiting: this runs in ``finally`` of a cancelled handler."""

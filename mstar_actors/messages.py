@@ -511,7 +511,15 @@ class PeerFailed(Struct, frozen=True, tag=True, omit_defaults=True):
     reason: str
 
 
-LauncherToActor = Started | PeerFailed | Shutdown
+class Drain(Struct, frozen=True, tag=True, omit_defaults=True):
+    """A signal came: the frontend stops admitting, lets what is in flight
+    finish for up to ``timeout_s``, fails the rest, then answers ``Drained``."""
+
+    timeout_s: float
+    reason: str = ""
+
+
+LauncherToActor = Started | PeerFailed | Drain | Shutdown
 
 
 class ActorReady(Struct, frozen=True, tag=True, omit_defaults=True):
@@ -527,4 +535,10 @@ class ActorError(Struct, frozen=True, tag=True, omit_defaults=True):
     traceback: str = ""
 
 
-ActorToLauncher = ActorReady | ActorError
+class Drained(Struct, frozen=True, tag=True, omit_defaults=True):
+    """The frontend's answer to ``Drain``: no request is in flight any more."""
+
+    num_failed: int = 0  # requests still running at the timeout, failed with a 503
+
+
+ActorToLauncher = ActorReady | ActorError | Drained

@@ -561,6 +561,64 @@ def _check_prompt(i: int, prompt: Any, vocab_size: int | None, accepted: str) ->
 
 
 # --------------------------------------------------------------------------
+# /tokenize and /detokenize (vLLM's bodies)
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class TokenizeRequest:
+    """Exactly one of ``prompt`` / ``messages``; ``add_special_tokens`` defaults
+    as vLLM's: true for a prompt, false for messages (the template writes them)."""
+
+    model: str | None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                             "continue_final_message", "return_token_strs"})
+
+
+def parse_tokenize(raw: bytes) -> TokenizeRequest:
+    body = decode_body(raw)
+    _check_known(body, TOKENIZE_FIELDS, "/tokenize")
+    if get_bool(body, "return_token_strs", False):
+        raise _bad("return_token_strs", "not supported by this server")
+    model = get_str(body, "model", None)
+    if ("prompt" in body) == ("messages" in body):
+        raise _bad("prompt", "send exactly one of prompt (a string) and messages")
+    if "prompt" in body:
+        prompt = get_str(body, "prompt", None)
+        if prompt is None:
+            raise _bad("prompt", "expected a string")
+        return TokenizeRequest(model, prompt=prompt, add_special_tokens=get_bool(body, "add_special_tokens", True))
+    continue_final = get_bool(body, "continue_final_message", False)
+    return TokenizeRequest(model, messages=parse_messages(body.get("messages")),
+                           add_special_tokens=get_bool(body, "add_special_tokens", False),
+                           add_generation_prompt=get_bool(body, "add_generation_prompt", not continue_final),
+                           continue_final_message=continue_final)
+
+
+def parse_detokenize(raw: bytes, vocab_size: int | None) -> tuple[str | None, list[int]]:
+    """(model, token ids)."""
+    body = decode_body(raw)
+    _check_known(body, {"model", "tokens"}, "/detokenize")
+    tokens = get_token_ids(body, "tokens", 1 << 20, vocab_size)
+    if "tokens" not in body or body["tokens"] is None:
+        raise _bad("tokens", "expected a list of token ids")
+    return get_str(body, "model", None), list(tokens)
+
+
+def _check_known(body: dict, accepted: frozenset | set, route: str) -> None:
+    unknown = next((k for k in body if k not in accepted), None)
+    if unknown is not None:
+        raise _bad(unknown, f"unknown field for {route}; accepted: {', '.join(sorted(accepted))}")
+
+
+# --------------------------------------------------------------------------
 # Responses
 # --------------------------------------------------------------------------
 
