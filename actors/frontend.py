@@ -233,6 +233,8 @@ class FrontendActor(Actor):
         that let in-flight requests finish."""
         if self._draining is None:
             self._draining = msg.reason or "the server is shutting down"
+            self.log.info("draining: new requests get 503; %d requests in flight have %g s to finish",
+                          len({id(e) for e in self._exchanges.values()}), msg.timeout_s)
             self.health_changed.set()
             task = asyncio.ensure_future(self._drain(msg.timeout_s))
             self._background.add(task)
