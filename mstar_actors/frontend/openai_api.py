@@ -455,7 +455,22 @@ def parse_chat(raw: bytes, max_model_len: int | None = None, vocab_size: int | N
         raise _bad("continue_final_message", "cannot be true together with add_generation_prompt: true")
     if parsed.continue_final_message and parsed.messages[-1].role != "assistant":
         raise _bad("continue_final_message", "the last message must be the assistant's, to be continued")
+    _check_media_fields(parsed)
     return parsed
+
+
+def _check_media_fields(parsed: ParsedRequest) -> None:
+    """Fields that work on the prompt's text tokens are refused with media:
+    truncating could cut an image's placeholder run, and the frontend's own
+    tokenizing (return_token_ids) does not expand them."""
+    has_media = any(not isinstance(m.content, str) and any(p.type != "text" for p in m.content)
+                    for m in parsed.messages or [])
+    if not has_media:
+        return
+    if parsed.sampling.truncate_prompt_tokens is not None:
+        raise _bad("truncate_prompt_tokens", "not supported with image or video parts")
+    if parsed.output.return_token_ids:
+        raise _bad("return_token_ids", "not supported with image or video parts")
 
 
 def parse_messages(messages: Any) -> list[ChatMessage]:

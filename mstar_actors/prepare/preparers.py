@@ -257,7 +257,8 @@ class QwenVLPreparer:
         tokenizer = self.tokenization.tokenizer
         conversation = [_template_message(m) for m in req.messages or []]
         text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                             add_generation_prompt=req.add_generation_prompt)
+                                             add_generation_prompt=req.add_generation_prompt,
+                                             continue_final_message=req.continue_final_message)
         return self.tokenization.encode_text(text, False, self.text.prompt_limit)
 
     def _expand(self, ids: list[int], media: list[MediaDraft], refs: list[MediaRef]) -> list[int]:

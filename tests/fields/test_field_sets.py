@@ -122,3 +122,10 @@ def test_tokenize_bodies():
     assert api.parse_detokenize(b'{"tokens": [1, 2]}', 400) == (None, [1, 2])
     with pytest.raises(api.ApiError):
         api.parse_detokenize(b'{"tokens": [400]}', 400)
+
+
+def test_prompt_token_fields_are_refused_with_media_parts():
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]
+    assert refused(chat(messages=image, truncate_prompt_tokens=4)).param == "truncate_prompt_tokens"
+    assert refused(chat(messages=image, return_token_ids=True)).param == "return_token_ids"
+    api.parse_chat(chat(messages=image, min_tokens=1), 256, 400)
