@@ -697,8 +697,12 @@ class _Stream:
     async def _prepare(self) -> None:
         await self.response.prepare(self.request)
         if self.is_chat:  # the first chunk of each choice carries the role
-            for index in range(self.exchange.num_choices):
-                await self._write_choices([api.chat_chunk_choice(index, {"role": "assistant", "content": ""}, None, None)])
+            ex = self.exchange
+            for index in range(ex.num_choices):
+                # return_token_ids: the prompt's ids once, on the first chunk (as vLLM)
+                extra = {"prompt_token_ids": ex.prompt_token_ids[0]} if ex.parsed.output.return_token_ids and not index else {}
+                await self._write_choices([api.chat_chunk_choice(index, {"role": "assistant", "content": ""}, None, None)],
+                                          extra)
 
     async def write_choice(self, choice: ChoiceOutput, text: str, entries: list) -> None:
         if not (text or entries or choice.is_done):
@@ -716,17 +720,20 @@ class _Stream:
             logprobs = choice.legacy_logprobs(entries)
             out = api.completion_choice(choice.index, text, reason, logprobs)
         if self.exchange.parsed.output.return_token_ids:
+            if not self.is_chat and not choice.is_prompt_sent:  # completions: per choice, on its first chunk
+                out["prompt_token_ids"] = self.exchange.prompt_token_ids[choice.index // self.exchange.parsed.n]
+                choice.is_prompt_sent = True
             out["token_ids"] = choice.token_ids[choice.num_streamed_ids:]
             choice.num_streamed_ids = len(choice.token_ids)
         await self._write_choices([out])
 
-    async def _write_choices(self, choices: list[dict]) -> None:
+    async def _write_choices(self, choices: list[dict], extra: dict | None = None) -> None:
         ex = self.exchange
         usage = {"usage": None} if ex.parsed.include_usage else {}
         if ex.parsed.output.continuous_usage_stats and self.usage is not None:
             usage = {"usage": self.usage()}
         build = api.chat_chunk if self.is_chat else api.completion_chunk
-        await _write_event(self.response, build(ex.id, ex.model, ex.created, choices) | usage)
+        await _write_event(self.response, build(ex.id, ex.model, ex.created, choices) | usage | (extra or {}))
 
     async def write_usage(self, usage: dict) -> None:
         ex = self.exchange

@@ -759,6 +759,7 @@ class ChoiceOutput:
         self.num_cached_tokens = 0  # prompt tokens the prefix cache held
         self.token_ids: list[int] = []  # for return_token_ids
         self.num_streamed_ids = 0  # of token_ids, already sent in chunks
+        self.is_prompt_sent = False  # streamed completions: prompt_token_ids went out
         self.echo_text = ""  # completions echo: the prompt before the output
         self.is_echoed = False  # streamed: the echo went out with the first chunk
         self.last_token_at: float | None = None  # perf_counter of the last delta, for inter-token latency

@@ -74,6 +74,13 @@ def test_return_token_ids_gives_the_prompt_and_the_sampled_ids(harness):
                                               "max_tokens": 3})
             streamed = [t for e in events[:-1] for t in e["choices"][0]["token_ids"]]
             assert streamed == h.engine.tokenizer(REPLY).input_ids[:3]
+            assert events[0]["choices"][0]["prompt_token_ids"] == h.engine.tokenizer("ab").input_ids
+            assert all("prompt_token_ids" not in e["choices"][0] for e in events[1:-1])
+            _, events = await h.stream(CHAT, chat_body(return_token_ids=True))
+            req = [r for r in h.engine.requests.values() if r.messages][-1]
+            assert events[0]["prompt_token_ids"] == h.engine.prompt_ids(req)
+            assert [t for e in events[1:-1] if e["choices"] for t in e["choices"][0]["token_ids"]] == \
+                h.engine.tokenizer(REPLY).input_ids + [h.engine.tokenizer.eos_token_id]
 
     run(body)
 
