@@ -1,6 +1,7 @@
 """logit_bias, allowed_token_ids, bad_words and min_tokens change the sampled
 tokens as specified, per row, in batches that mix rows with and without them."""
 
+import pytest
 import torch
 
 from mstar_actors.messages import SamplingParams
@@ -15,8 +16,19 @@ def rows_of(*params: SamplingParams, outputs=None) -> list[SampleRow]:
     return [SampleRow(f"r{i}", p, [1, 2, 3], list(o)) for i, (p, o) in enumerate(zip(params, outputs))]
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICE = "cpu"
+
+
+@pytest.fixture(autouse=True, params=DEVICES)
+def device(request, monkeypatch):
+    """Each test on the CPU and, where there is one, the GPU (index ops on the device)."""
+    monkeypatch.setitem(globals(), "DEVICE", request.param)
+    return request.param
+
+
 def logits(num_rows: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(num_rows, VOCAB, generator=torch.Generator().manual_seed(seed))
+    return torch.randn(num_rows, VOCAB, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
 def test_logit_bias_plus_100_makes_every_draw_that_token_and_leaves_other_rows():
@@ -68,4 +80,4 @@ def test_logprobs_stay_raw_under_processors():
     params = SamplingParams(temperature=0.0, logprobs=0, logit_bias=((11, 100.0),))
     (token,) = sample_tokens(x, rows_of(params))
     assert token.token_id == 11 and token.top_logprobs == ()
-    assert abs(token.logprob - float(torch.log_softmax(x[0], -1)[11])) < 1e-5
+    assert abs(token.logprob - float(torch.log_softmax(x[0], -1)[11].cpu())) < 1e-5
