@@ -567,7 +567,8 @@ class FrontendActor(Actor):
         output = exchange.parsed.output
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=output.skip_special_tokens)
         choice = ChoiceOutput(index, detokenizer, StopStrings(exchange.parsed.stop, output.include_stop_str_in_output),
-                              self.token_text, exchange.parsed.logprobs is not None)
+                              self.token_text, exchange.parsed.logprobs is not None,
+                              api.hidden_stop_ids(exchange.parsed, self.info.eos_token_ids))
         choice.num_prompt_tokens = len(prompt_ids)
         if output.echo:  # the prompt's text, as sent or as its ids decode
             ids = exchange.prompt_token_ids[exchange.requests.index(req)]

@@ -713,6 +713,15 @@ def legacy_logprobs(entries: list[tuple[str, float, list[tuple[str, float]], int
     }
 
 
+def hidden_stop_ids(parsed: ParsedRequest, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
+    """The tokens that end a choice and whose text stays out of it: EOS (unless
+    ignored) and ``stop_token_ids``, unless ``include_stop_str_in_output``."""
+    if parsed.output.include_stop_str_in_output:
+        return frozenset()
+    sampling = parsed.sampling
+    return frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else frozenset(eos_token_ids))
+
+
 def model_card(listing: dict, model_id: str) -> dict | None:
     """One entry of ``models_list``'s listing (``/v1/models/{id}``), None if not served."""
     return next((m for m in listing["data"] if m["id"] == model_id), None)
@@ -744,9 +753,13 @@ class ChoiceOutput:
     already in flight are not the client's.
     """
 
-    def __init__(self, index: int, detokenizer: Any, stops: Any, token_text: Any, want_logprobs: bool):
+    def __init__(self, index: int, detokenizer: Any, stops: Any, token_text: Any, want_logprobs: bool,
+                 hidden_stop_ids: frozenset[int] = frozenset()):
         self.index = index
         self.detokenizer = detokenizer
+        # the engine ends the choice on these tokens; their text is not output (vLLM's
+        # default, ``hidden_stop_ids``): always the last token of its delta
+        self.hidden_stop_ids = hidden_stop_ids
         self.stops = stops
         self.token_text = token_text
         self.want_logprobs = want_logprobs
@@ -785,7 +798,10 @@ class ChoiceOutput:
             self.token_ids += [t.token_id for t in group]
             if self.want_logprobs:
                 self._add_logprob(group[0])
-            emit, matched = self.stops.feed(self.detokenizer.add([t.token_id for t in group]))
+            ids = [t.token_id for t in group]
+            if ids[-1] in self.hidden_stop_ids:
+                ids.pop()
+            emit, matched = self.stops.feed(self.detokenizer.add(ids))
             self._append(emit, emitted)
             if matched:
                 self.finish_reason = "stop"

@@ -43,7 +43,21 @@ def test_skip_special_tokens_false_shows_them(harness):
             _, r = await h.post(CHAT, chat_body())
             assert r["choices"][0]["message"]["content"] == "Helloworld"
             _, r = await h.post(CHAT, chat_body(skip_special_tokens=False))
-            assert r["choices"][0]["message"]["content"] == "Hello<|im_start|>world<|im_end|>"  # EOS shown too
+            assert r["choices"][0]["message"]["content"] == "Hello<|im_start|>world"  # the EOS that stopped it: not
+            _, r = await h.post(CHAT, chat_body(skip_special_tokens=False, include_stop_str_in_output=True))
+            assert r["choices"][0]["message"]["content"] == "Hello<|im_start|>world<|im_end|>"
+
+
+def test_a_stop_token_ends_the_text_without_its_own_text_unless_asked(harness):
+    async def body():
+        async with harness() as h:
+            (stop_id,) = h.engine.tokenizer(" is", add_special_tokens=False).input_ids[-1:]
+            _, r = await h.post(CHAT, chat_body(stop_token_ids=[stop_id]))
+            stopped = r["choices"][0]["message"]["content"]
+            assert r["choices"][0]["finish_reason"] == "stop" and REPLY.startswith(stopped) and stopped != REPLY
+            _, r = await h.post(CHAT, chat_body(stop_token_ids=[stop_id], include_stop_str_in_output=True))
+            shown = r["choices"][0]["message"]["content"]
+            assert shown == stopped + h.engine.tokenizer.decode([stop_id])
 
     run(body)
 
