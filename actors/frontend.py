@@ -570,6 +570,7 @@ class FrontendActor(Actor):
                               self.token_text, exchange.parsed.logprobs is not None,
                               api.hidden_stop_ids(exchange.parsed, self.info.eos_token_ids))
         choice.num_prompt_tokens = len(prompt_ids)
+        choice.min_tokens = req.sampling.min_tokens
         if output.echo:  # the prompt's text, as sent or as its ids decode
             ids = exchange.prompt_token_ids[exchange.requests.index(req)]
             choice.echo_text = req.prompt if req.prompt is not None else self.tokenizer.decode(

@@ -760,6 +760,7 @@ class ChoiceOutput:
         # the engine ends the choice on these tokens; their text is not output (vLLM's
         # default, ``hidden_stop_ids``): always the last token of its delta
         self.hidden_stop_ids = hidden_stop_ids
+        self.min_tokens = 0
         self.stops = stops
         self.token_text = token_text
         self.want_logprobs = want_logprobs
@@ -791,7 +792,8 @@ class ChoiceOutput:
         if self.is_done:
             return "", []
         first_entry = len(self.logprobs)
-        groups = [[t] for t in tokens] if self.want_logprobs else [tokens]
+        one_by_one = self.want_logprobs or self.num_output_tokens < self.min_tokens  # min_tokens ends mid-delta
+        groups = [[t] for t in tokens] if one_by_one else [tokens]
         emitted = []
         for group in groups:
             self.num_output_tokens += len(group)
@@ -801,7 +803,9 @@ class ChoiceOutput:
             ids = [t.token_id for t in group]
             if ids[-1] in self.hidden_stop_ids:
                 ids.pop()
-            emit, matched = self.stops.feed(self.detokenizer.add(ids))
+            text = self.detokenizer.add(ids)
+            # as vLLM: stop strings are looked for once the output has min_tokens tokens
+            emit, matched = (text, False) if self.num_output_tokens < self.min_tokens else self.stops.feed(text)
             self._append(emit, emitted)
             if matched:
                 self.finish_reason = "stop"

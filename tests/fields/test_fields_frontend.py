@@ -222,3 +222,14 @@ def test_drain_timeout_fails_what_is_left_with_a_clear_error(harness):
             assert h.engine.aborts == [req.request_id]  # the engine frees its blocks
 
     run(body)
+
+
+def test_stop_strings_wait_for_min_tokens(harness):
+    async def body():
+        async with harness() as h:
+            _, r = await h.post(CHAT, chat_body(stop=["Hello"]))
+            assert r["choices"][0]["message"]["content"] == ""
+            _, r = await h.post(CHAT, chat_body(stop=["Hello", " is"], min_tokens=2))
+            assert r["choices"][0]["message"]["content"] == "Hello world! This"  # " is" comes later
+
+    run(body)
