@@ -233,3 +233,16 @@ def test_stop_strings_wait_for_min_tokens(harness):
             assert r["choices"][0]["message"]["content"] == "Hello world! This"  # " is" comes later
 
     run(body)
+
+
+def test_the_scheduler_does_not_stop_on_eos_before_min_tokens(harness):
+    async def body():
+        async with harness() as h:
+            h.engine.reply_text = "Hello<|im_end|> world"  # an EOS mid-reply
+            _, r = await h.post(CHAT, chat_body())
+            assert r["choices"][0]["message"]["content"] == "Hello"
+            num_hello = len(h.engine.tokenizer("Hello").input_ids)
+            _, r = await h.post(CHAT, chat_body(min_tokens=num_hello + 2))
+            assert r["choices"][0]["message"]["content"] == "Hello world"
+
+    run(body)
