@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import hmac
 import time
@@ -48,6 +49,8 @@ from mstar_actors.messages import (
     Abort,
     AdapterUpdate,
     ContextAgreed,
+    Drain,
+    Drained,
     EngineStats,
     Failed,
     Finished,
@@ -65,6 +68,7 @@ from mstar_actors.frontend.tool_calls import choose_parser, finish_reason, make_
 from transport.errors import ChannelFull
 
 _json = msgspec.json.Encoder()
+DRAIN_FAILURE_WRITE_S = 2.0  # after the drain's timeout: time for handlers to send their 503
 
 
 class Exchange:
@@ -85,6 +89,7 @@ class Exchange:
         self._pending: collections.deque = collections.deque()
         self._changed = asyncio.Event()
         self.is_overflowed = False
+        self.prompt_token_ids: list[list[int]] = []  # per request, when return_token_ids or echo asks
 
     def push(self, msg: Any) -> None:
         """Never blocks (the mailbox reader calls it); see the module docstring."""
@@ -130,6 +135,7 @@ class FrontendActor(Actor):
         self.port: int | None = None  # the bound port, once started
         self._is_started = CONTROL not in self.inbox  # without a launcher: ready when started
         self._failure: str | None = None  # a peer's failure: unhealthy from then on
+        self._draining: str | None = None  # why new requests are refused while in-flight ones finish
         self.health_changed = asyncio.Event()  # set when Started / PeerFailed was applied
         self._exchanges: dict[str, Exchange] = {}  # request id -> its exchange
         self._updates: dict[str, asyncio.Future] = {}  # runtime load/unload id -> its AdapterUpdate
@@ -137,6 +143,7 @@ class FrontendActor(Actor):
         self._unacked: set[str] = set()
         self._num_engine_waiting = 0
         self._background: set[asyncio.Task] = set()
+        self._idle = asyncio.Event()  # set when an exchange closes (the drain waits on it)
         self._runner: web.AppRunner | None = None
 
     # ---- lifecycle ------------------------------------------------------
@@ -150,7 +157,8 @@ class FrontendActor(Actor):
 
         # name -> path; the conductor's ModelsChanged replaces it after each runtime load / unload
         self.adapters = {n: expand_path(p) for n, p in self.config.lora.adapters.items()}
-        self.tokenizer = await self.run_blocking(_load_tokenizer, Path(self.info.model_dir))
+        self.tokenization = await self.run_blocking(_load_tokenization, Path(self.info.model_dir))
+        self.tokenizer = self.tokenization.tokenizer
         self.token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
         self.tool_parser = choose_parser(self.tokenizer.chat_template, self.config.model.tool_call_parser)
         self.log.info("tool calls read as %s", self.tool_parser or "none (forced calls only: bare JSON)")
@@ -215,12 +223,51 @@ class FrontendActor(Actor):
                 self.adapters = {a.name: a.path for a in adapters}
             case ContextAgreed(max_model_len=max_model_len):
                 self.info = msgspec.structs.replace(self.info, max_model_len=max_model_len)
+            case Drain():
+                self._start_drain(msg)
             case AdapterUpdate(request_id=request_id):
                 future = self._updates.pop(request_id, None)
                 if future is not None and not future.done():
                     future.set_result(msg)
             case _:
                 self.unknown(channel, msg)
+
+    # ---- graceful shutdown ----------------------------------------------
+
+    def _start_drain(self, msg: Drain) -> None:
+        """Runs in the background: the mailbox keeps delivering the outputs
+        that let in-flight requests finish."""
+        if self._draining is None:
+            self._draining = msg.reason or "the server is shutting down"
+            self.log.info("draining: new requests get 503; %d requests in flight have %g s to finish",
+                          len({id(e) for e in self._exchanges.values()}), msg.timeout_s)
+            self.health_changed.set()
+            task = asyncio.ensure_future(self._drain(msg.timeout_s))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _drain(self, timeout_s: float) -> None:
+        num_failed = 0
+        if not await self._await_idle(timeout_s):
+            num_failed = len({id(e) for e in self._exchanges.values()})
+            self.log.warning("%d requests still running after server.shutdown_timeout_s (%g s): failing them",
+                             num_failed, timeout_s)
+            self._fail_all(503, f"the server shut down before this request finished "
+                                f"(server.shutdown_timeout_s = {timeout_s:g} s)")
+            await self._await_idle(DRAIN_FAILURE_WRITE_S)  # their handlers write the error
+        await self.report(Drained(num_failed=num_failed))
+
+    async def _await_idle(self, timeout_s: float) -> bool:
+        """True once no exchange and no adapter update is open, within ``timeout_s``."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self._exchanges or self._updates:
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return False
+            self._idle.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), remaining)
+        return True
 
     def _fail_all(self, status: int, message: str) -> None:
         for rid, future in list(self._updates.items()):
@@ -237,6 +284,12 @@ class FrontendActor(Actor):
         app.router.add_post("/v1/chat/completions", functools.partial(self._generate, kind="chat"))
         app.router.add_post("/v1/completions", functools.partial(self._generate, kind="completion"))
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model_id:.+}", self._model)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
+        app.router.add_get("/version", self._version)
+        app.router.add_get("/ping", self._health)
+        app.router.add_post("/ping", self._health)
         app.router.add_post("/v1/load_lora_adapter", functools.partial(self._update_adapter, kind="load"))
         app.router.add_post("/v1/unload_lora_adapter", functools.partial(self._update_adapter, kind="unload"))
         app.router.add_get("/health", self._health)
@@ -303,8 +356,8 @@ class FrontendActor(Actor):
         return response
 
     async def _health(self, request: web.Request) -> web.Response:
-        if self._failure or not self._is_started:
-            return web.json_response({"status": self._failure or "starting"}, status=503)
+        if self._failure or self._draining or not self._is_started:
+            return web.json_response({"status": self._failure or self._draining or "starting"}, status=503)
         return web.json_response({"status": "ok"})
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -313,6 +366,57 @@ class FrontendActor(Actor):
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(api.models_list(self.info.served_name, self.started_at, self.info.max_model_len,
                                                  self.adapters))
+
+    async def _model(self, request: web.Request) -> web.Response:
+        model_id = request.match_info["model_id"]
+        listing = api.models_list(self.info.served_name, self.started_at, self.info.max_model_len, self.adapters)
+        card = api.model_card(listing, model_id)
+        if card is None:
+            self._resolve_model(model_id)  # the 404 model_not_found naming what is served
+        return web.json_response(card)
+
+    async def _version(self, request: web.Request) -> web.Response:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return web.json_response({"version": version("mstar-actors")})
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            return web.json_response({"version": "unknown"})
+
+    # ---- vLLM's /tokenize and /detokenize ---------------------------------
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        parsed = api.parse_tokenize(await request.read())
+        self._resolve_model(parsed.model)
+        tokens = await self.run_blocking(self._tokenize_ids, parsed)
+        return web.json_response({"count": len(tokens), "max_model_len": self.info.max_model_len, "tokens": tokens,
+                                  "token_strs": None})
+
+    def _tokenize_ids(self, parsed: api.TokenizeRequest) -> list[int]:
+        from mstar_actors.prepare.prompt_bound import PromptTooLong
+
+        # bounded as prepare bounds a prompt: the tokenizer's time stays proportional to what can be served
+        limit = self.info.max_model_len
+        try:
+            if parsed.messages is None:
+                return self.tokenization.encode_text(parsed.prompt, parsed.add_special_tokens, limit)
+            ids = self.tokenization.apply_chat_template(parsed.messages, parsed.add_generation_prompt, limit,
+                                                        parsed.continue_final_message)
+        except PromptTooLong as err:
+            raise ApiError(400, f"{'prompt' if parsed.messages is None else 'messages'}: {err}",
+                           param="prompt" if parsed.messages is None else "messages",
+                           code="context_length_exceeded") from None
+        except ValueError as err:  # no chat template, or the template refused the messages
+            raise ApiError(400, f"messages: {err}", param="messages") from None
+        if parsed.add_special_tokens and self.tokenizer.bos_token_id is not None and ids[:1] != [self.tokenizer.bos_token_id]:
+            ids = [self.tokenizer.bos_token_id, *ids]
+        return ids
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        model, tokens = api.parse_detokenize(await request.read(), self.info.vocab_size)
+        self._resolve_model(model)
+        text = await self.run_blocking(self.tokenizer.decode, tokens)
+        return web.json_response({"prompt": text})
 
     # ---- runtime adapter updates (vLLM's routes and bodies) ---------------
 
@@ -328,6 +432,9 @@ class FrontendActor(Actor):
         name = self._adapter_name(body)
         rid = f"lora-{uuid.uuid4().hex}"
         if kind == "load":
+            if name in self.adapters and not api.get_bool(body, "load_inplace", False):
+                raise ApiError(400, f"lora_name: the adapter {name!r} is already loaded; send load_inplace: true "
+                               "to replace it", param="lora_name", code="adapter_already_loaded")
             msg = LoadAdapter(request_id=rid, name=name, path=self._runtime_path(body))
         else:
             msg = UnloadAdapter(request_id=rid, name=name)
@@ -337,6 +444,7 @@ class FrontendActor(Actor):
             update = await future
         finally:
             self._updates.pop(rid, None)
+            self._idle.set()
         if update.status != 200:
             raise ApiError(update.status, update.message, param="lora_path" if kind == "load" else "lora_name",
                            code=update.code)
@@ -378,10 +486,13 @@ class FrontendActor(Actor):
         # The one vocabulary check is here (the embedding's rows); the prompt's length
         # is the scheduler's to check, its 400 comes back as Failed.
         if kind == "chat":
-            parsed = api.parse_chat(raw, self.info.max_model_len, tool_parser=self.tool_parser)
+            parsed = api.parse_chat(raw, self.info.max_model_len, self.info.vocab_size, tool_parser=self.tool_parser)
         else:
             parsed = api.parse_completion(raw, self.info.max_model_len, self.info.vocab_size)
+        parsed.with_token_facts(self.info.eos_token_ids, self._bad_words_token_ids(parsed.bad_words))
         exchange = Exchange(parsed, self._resolve_model(parsed.model), "chatcmpl" if kind == "chat" else "cmpl")
+        if parsed.output.return_token_ids or parsed.output.echo:
+            exchange.prompt_token_ids = await self.run_blocking(self._prompt_token_ids, exchange)
         self._admit(exchange)
         try:
             await self._submit(exchange)
@@ -391,9 +502,41 @@ class FrontendActor(Actor):
         finally:
             self._close(exchange)
 
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word as it starts the text and after a space, as vLLM bans it."""
+        encode = functools.partial(self.tokenization.encode_text, add_special_tokens=False)
+        return [ids for word in words for ids in {tuple(encode(word)), tuple(encode(" " + word.lstrip()))}]
+
+    def _prompt_token_ids(self, exchange: Exchange) -> list[list[int]]:
+        """Each prompt's ids as prepare makes them (for return_token_ids and
+        echo): only computed here when the client asks."""
+        from mstar_actors.prepare.prompt_bound import PromptTooLong
+
+        out, limit = [], self.info.max_model_len  # bounded as prepare bounds it
+        for req in exchange.requests:
+            try:
+                if req.prompt_token_ids is not None:
+                    ids = list(req.prompt_token_ids)
+                elif req.messages is not None:
+                    ids = self.tokenization.apply_chat_template(req.messages, req.add_generation_prompt, limit,
+                                                                req.continue_final_message)
+                else:
+                    ids = self.tokenization.encode_prompt(req.prompt or "", limit)
+            except PromptTooLong as err:
+                param = "messages" if req.messages is not None else "prompt"
+                raise ApiError(400, f"{param}: {err}", param=param, code="context_length_exceeded") from None
+            except ValueError as err:  # no chat template, or the template refused the messages
+                raise ApiError(400, f"messages: {err}", param="messages") from None
+            keep = req.sampling.truncate_prompt_tokens
+            out.append(ids[-keep:] if keep is not None else ids)
+        return out
+
     def _check_available(self) -> None:
         if self._failure:
             raise ApiError(503, f"{self._failure}; the server must be restarted")
+        if self._draining:
+            raise ApiError(503, f"{self._draining}: no new requests; retry on another replica",
+                           code="shutting_down")
         if not self._is_started:
             raise ApiError(503, "the server is starting; retry when GET /health answers 200")
 
@@ -427,9 +570,17 @@ class FrontendActor(Actor):
         from mstar_actors.tokenization import IncrementalDetokenizer, StopStrings
 
         prompt_ids = req.prompt_token_ids or []
-        choice = ChoiceOutput(index, IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=True),
-                              StopStrings(exchange.parsed.stop), self.token_text, exchange.parsed.logprobs is not None)
+        output = exchange.parsed.output
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=output.skip_special_tokens)
+        choice = ChoiceOutput(index, detokenizer, StopStrings(exchange.parsed.stop, output.include_stop_str_in_output),
+                              self.token_text, exchange.parsed.logprobs is not None,
+                              api.hidden_stop_ids(exchange.parsed, self.info.eos_token_ids))
         choice.num_prompt_tokens = len(prompt_ids)
+        choice.min_tokens = req.sampling.min_tokens
+        if output.echo:  # the prompt's text, as sent or as its ids decode
+            ids = exchange.prompt_token_ids[exchange.requests.index(req)]
+            choice.echo_text = req.prompt if req.prompt is not None else self.tokenizer.decode(
+                ids, skip_special_tokens=output.skip_special_tokens)
         return choice
 
     def _close(self, exchange: Exchange) -> None:
@@ -440,6 +591,7 @@ class FrontendActor(Actor):
         for rid in [*exchange.choice_ids, *exchange.choices]:
             self._exchanges.pop(rid, None)
             self._unacked.discard(rid)
+        self._idle.set()
 
     def _abort(self, request_id: str) -> None:
         """Without awaiting: this runs in ``finally`` of a cancelled handler."""
@@ -466,7 +618,9 @@ class FrontendActor(Actor):
             case TokenDelta():
                 return choice, *self._apply_delta(exchange, choice, msg)
             case Finished():
-                return choice, choice.finish(msg.finish_reason, msg.num_prompt_tokens, msg.num_output_tokens), []
+                text = choice.finish(msg.finish_reason, msg.num_prompt_tokens, msg.num_output_tokens,
+                                     msg.num_cached_tokens)
+                return choice, text, []
             case Failed():
                 raise ApiError(msg.status, f"request {exchange.id}: {msg.message}", param=msg.param, code=msg.code,
                                error_type=msg.error_type)
@@ -487,9 +641,10 @@ class FrontendActor(Actor):
         return text, entries
 
     def _usage(self, exchange: Exchange) -> dict:
-        choices = list(exchange.choices.values())
-        prompt = sum(c.num_prompt_tokens for c in choices if c.index % exchange.parsed.n == 0)
-        return api.usage_dict(prompt, sum(c.num_output_tokens for c in choices))
+        choices = [c for c in exchange.choices.values() if c.index % exchange.parsed.n == 0]
+        prompt = sum(c.num_prompt_tokens for c in choices)
+        cached = sum(c.num_cached_tokens for c in choices)
+        return api.usage_dict(prompt, sum(c.num_output_tokens for c in exchange.choices.values()), cached)
 
     async def _collect(self, exchange: Exchange) -> web.Response:
         while exchange.is_waiting():
@@ -501,8 +656,11 @@ class FrontendActor(Actor):
             out = [_with_tool_calls(exchange.parsed, choice) for choice in out]
             body = api.chat_response(*args, out, self._usage(exchange))
         else:
-            out = [api.completion_choice(c.index, c.text, c.finish_reason, c.legacy_logprobs()) for c in choices]
+            out = [api.completion_choice(c.index, c.echo_text + c.text, c.finish_reason, c.legacy_logprobs())
+                   for c in choices]
             body = api.completion_response(*args, out, self._usage(exchange))
+        if exchange.parsed.output.return_token_ids:
+            _add_token_ids(body, exchange, choices)
         return web.Response(body=_json.encode(body), content_type="application/json")
 
     # ---- streaming ------------------------------------------------------
@@ -510,7 +668,7 @@ class FrontendActor(Actor):
     async def _stream(self, request: web.Request, exchange: Exchange) -> web.StreamResponse:
         """SSE. The response is prepared at the first engine output, so a request
         refused before that (prepare's or the scheduler's 4xx) keeps its status."""
-        stream = _Stream(request, exchange)
+        stream = _Stream(request, exchange, functools.partial(self._usage, exchange))
         try:
             while exchange.is_waiting():
                 msg = await exchange.pop()
@@ -527,12 +685,25 @@ class FrontendActor(Actor):
         return stream.response
 
 
+def _add_token_ids(body: dict, exchange: Exchange, choices: list[ChoiceOutput]) -> None:
+    """vLLM's return_token_ids: the prompt's ids (chat: once; completions: per
+    choice) and each choice's sampled ids."""
+    n = exchange.parsed.n
+    if exchange.parsed.kind == "chat":
+        body["prompt_token_ids"] = exchange.prompt_token_ids[0]
+    for c, out in zip(choices, body["choices"]):
+        out["token_ids"] = c.token_ids
+        if exchange.parsed.kind != "chat":
+            out["prompt_token_ids"] = exchange.prompt_token_ids[c.index // n]
+
+
 class _Stream:
     """Writes one exchange's chunks in OpenAI's SSE format."""
 
-    def __init__(self, request: web.Request, exchange: Exchange):
+    def __init__(self, request: web.Request, exchange: Exchange, usage: Any = None):
         self.request = request
         self.exchange = exchange
+        self.usage = usage  # () -> the usage so far, for continuous_usage_stats
         self.is_chat = exchange.parsed.kind == "chat"
         self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         self.tool_readers = _tool_readers(exchange) if self.is_chat else {}
@@ -544,8 +715,12 @@ class _Stream:
     async def _prepare(self) -> None:
         await self.response.prepare(self.request)
         if self.is_chat:  # the first chunk of each choice carries the role
-            for index in range(self.exchange.num_choices):
-                await self._write_choices([api.chat_chunk_choice(index, {"role": "assistant", "content": ""}, None, None)])
+            ex = self.exchange
+            for index in range(ex.num_choices):
+                # return_token_ids: the prompt's ids once, on the first chunk (as vLLM)
+                extra = {"prompt_token_ids": ex.prompt_token_ids[0]} if ex.parsed.output.return_token_ids and not index else {}
+                await self._write_choices([api.chat_chunk_choice(index, {"role": "assistant", "content": ""}, None, None)],
+                                          extra)
 
     async def write_choice(self, choice: ChoiceOutput, text: str, entries: list) -> None:
         if not (text or entries or choice.is_done):
@@ -553,6 +728,8 @@ class _Stream:
         if not self.is_prepared:
             await self._prepare()
         reason = choice.finish_reason
+        if choice.echo_text and not choice.is_echoed:
+            text, choice.is_echoed = choice.echo_text + text, True
         if self.is_chat:
             delta = {"content": text} if text else {}
             if choice.index in self.tool_readers:
@@ -560,10 +737,17 @@ class _Stream:
                 if not (delta or entries or choice.is_done):
                     return
             logprobs = choice.chat_logprobs(entries)
-            await self._write_choices([api.chat_chunk_choice(choice.index, delta, reason, logprobs)])
+            out = api.chat_chunk_choice(choice.index, delta, reason, logprobs)
         else:
             logprobs = choice.legacy_logprobs(entries)
-            await self._write_choices([api.completion_choice(choice.index, text, reason, logprobs)])
+            out = api.completion_choice(choice.index, text, reason, logprobs)
+        if self.exchange.parsed.output.return_token_ids:
+            if not self.is_chat and not choice.is_prompt_sent:  # completions: per choice, on its first chunk
+                out["prompt_token_ids"] = self.exchange.prompt_token_ids[choice.index // self.exchange.parsed.n]
+                choice.is_prompt_sent = True
+            out["token_ids"] = choice.token_ids[choice.num_streamed_ids:]
+            choice.num_streamed_ids = len(choice.token_ids)
+        await self._write_choices([out])
 
     def _tool_delta(self, choice: ChoiceOutput, text: str) -> tuple[dict, str | None]:
         """The chunk's delta with markup of tool calls held back, each call sent
@@ -579,11 +763,13 @@ class _Stream:
             delta["tool_calls"] = [call.as_delta(first_index + k) for k, call in enumerate(calls)]
         return delta, finish_reason(choice.finish_reason, reader.num_calls)
 
-    async def _write_choices(self, choices: list[dict]) -> None:
+    async def _write_choices(self, choices: list[dict], extra: dict | None = None) -> None:
         ex = self.exchange
         usage = {"usage": None} if ex.parsed.include_usage else {}
+        if ex.parsed.output.continuous_usage_stats and self.usage is not None:
+            usage = {"usage": self.usage()}
         build = api.chat_chunk if self.is_chat else api.completion_chunk
-        await _write_event(self.response, build(ex.id, ex.model, ex.created, choices) | usage)
+        await _write_event(self.response, build(ex.id, ex.model, ex.created, choices) | usage | (extra or {}))
 
     async def write_usage(self, usage: dict) -> None:
         ex = self.exchange
@@ -678,7 +864,7 @@ def _route(request: web.Request) -> str:
     return info.canonical if info is not None else "unmatched"
 
 
-def _load_tokenizer(folder: Path) -> Any:
+def _load_tokenization(folder: Path) -> Any:
     from mstar_actors.tokenization import Tokenization
 
-    return Tokenization(folder).tokenizer
+    return Tokenization(folder)

@@ -6,7 +6,10 @@ spawn context; each spec carries the model's ``ModelInfo``, read once before),
 wait until each reports ``ActorReady`` (bounded; the message names who did
 not), send ``Started`` to the frontend, then wait for one of:
 
-- SIGINT / SIGTERM: a clean stop (exit code 0);
+- SIGINT / SIGTERM: a graceful stop (exit code 0): ``Drain`` to the frontend,
+  which refuses new requests with a 503 and lets those in flight finish for
+  up to ``server.shutdown_timeout_s``, fails the rest and answers ``Drained``
+  (a second signal stops at once);
 - an actor process exiting: logged with its name and exit code or signal; the
   frontend gets ``PeerFailed`` so in-flight requests fail clearly; then a
   clean stop with exit code 1.
@@ -47,6 +50,7 @@ CONTROL_RING_BYTES = 1 << 18  # tracebacks travel here
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 10.0
 RENDEZVOUS_FILE = "rendezvous.json"  # the tensor-parallel group's address, in the run directory
+DRAIN_MARGIN_S = 5.0  # past shutdown_timeout_s: the frontend fails what is left, then answers
 
 
 @dataclasses.dataclass
@@ -162,6 +166,7 @@ class Launcher:
         self.from_actor: dict[str, Any] = {}
         self.ready: set[str] = set()
         self.exited: asyncio.Queue[str] = asyncio.Queue()
+        self.drained = asyncio.Event()  # the frontend's Drained came
         self.stopping = False
 
     # ---- set-up -------------------------------------------------------------
@@ -268,7 +273,10 @@ class Launcher:
             await self.to_actor["frontend"].send(messages.Started())
             host, port = self.config.server.host, self.config.server.port
             log.info("serving %s at http://%s:%d (run dir %s)", self.info.served_name, host, port, self.run_dir)
-            return await self.await_end(stop)
+            code = await self.await_end(stop)
+            if code == 0:
+                await self.drain(stop)
+            return code
         finally:
             for task in listeners:
                 task.cancel()
@@ -288,6 +296,9 @@ class Launcher:
                     self._ready_changed.set()
                 case messages.ActorError(message=message, traceback=tb):
                     log.error("actor %s reported: %s\n%s", name, message, tb)
+                case messages.Drained(num_failed=num_failed):
+                    log.info("frontend drained (%d requests failed at the timeout)", num_failed)
+                    self.drained.set()
 
     def _dead(self) -> list[str]:
         return [n for n, p in self.procs.items() if not p.is_alive()]
@@ -327,6 +338,25 @@ class Launcher:
         exit_task.cancel()
         log.info("stopping on signal")
         return 0
+
+    async def drain(self, stop: asyncio.Event) -> None:
+        """Graceful stop: the frontend refuses new requests and lets those in
+        flight finish (``server.shutdown_timeout_s``); a second signal, an
+        actor's death or a frontend that never answers cuts it short."""
+        timeout_s = self.config.server.shutdown_timeout_s
+        stop.clear()  # a second signal stops at once
+        log.info("draining: in-flight requests have %g s to finish", timeout_s)
+        await self.to_actor["frontend"].send(messages.Drain(timeout_s=timeout_s, reason="the server is shutting down"))
+        waits = [asyncio.ensure_future(w) for w in (self.drained.wait(), stop.wait(), self.exited.get())]
+        done, pending = await asyncio.wait(waits, timeout=timeout_s + DRAIN_MARGIN_S,
+                                           return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        if waits[2] in done:
+            await self.report_death(waits[2].result(), starting=False)
+        elif not done:
+            log.warning("the frontend did not finish draining within %g s: stopping anyway",
+                        timeout_s + DRAIN_MARGIN_S)
 
     async def report_death(self, name: str, starting: bool) -> None:
         proc = self.procs[name]

@@ -113,7 +113,15 @@ class SamplingParams(Struct, frozen=True, **_HOT):
     ``top_k == 0`` and ``top_p == 1.0`` and ``min_p == 0.0`` mean "off".
     ``temperature == 0.0`` means greedy. ``logprobs`` is None for none, else
     the number of top alternatives returned with each sampled token (0 = only
-    the sampled token's own logprob). ``structured`` constrains the output
+    the sampled token's own logprob).
+
+    Logits processors, applied on every rank before sampling (``runner.sampling``):
+    ``logit_bias`` adds (token id, bias) pairs; ``allowed_token_ids`` keeps only
+    those tokens (empty = all); ``bad_words_token_ids`` bans each sequence's last
+    token where the output ends with the rest of it; ``min_token_stop_ids`` (EOS
+    and ``stop_token_ids``, filled by the frontend) are masked until the output
+    holds ``min_tokens`` tokens. ``truncate_prompt_tokens`` keeps the prompt's
+    last N tokens (prepare applies it). ``structured`` constrains the output
     to a grammar (None: unconstrained).
     """
 
@@ -130,6 +138,12 @@ class SamplingParams(Struct, frozen=True, **_HOT):
     ignore_eos: bool = False
     logprobs: int | None = None
     structured: StructuredSpec | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    min_tokens: int = 0
+    min_token_stop_ids: tuple[int, ...] = ()
+    truncate_prompt_tokens: int | None = None
 
 
 class ContentPart(Struct, frozen=True, omit_defaults=True):
@@ -197,6 +211,7 @@ class NewRequest(Struct, frozen=True, tag=True, omit_defaults=True):
     # Text the assistant turn starts with, after the generation prompt: the
     # opening of a forced tool call, so the model writes only its JSON.
     assistant_prefix: str = ""
+    continue_final_message: bool = False  # the template leaves the last (assistant) message open
 
 
 def choice_ids(request_id: str, n: int) -> list[str]:
@@ -530,7 +545,15 @@ class PeerFailed(Struct, frozen=True, tag=True, omit_defaults=True):
     reason: str
 
 
-LauncherToActor = Started | PeerFailed | Shutdown
+class Drain(Struct, frozen=True, tag=True, omit_defaults=True):
+    """A signal came: the frontend stops admitting, lets what is in flight
+    finish for up to ``timeout_s``, fails the rest, then answers ``Drained``."""
+
+    timeout_s: float
+    reason: str = ""
+
+
+LauncherToActor = Started | PeerFailed | Drain | Shutdown
 
 
 class ActorReady(Struct, frozen=True, tag=True, omit_defaults=True):
@@ -546,4 +569,10 @@ class ActorError(Struct, frozen=True, tag=True, omit_defaults=True):
     traceback: str = ""
 
 
-ActorToLauncher = ActorReady | ActorError
+class Drained(Struct, frozen=True, tag=True, omit_defaults=True):
+    """The frontend's answer to ``Drain``: no request is in flight any more."""
+
+    num_failed: int = 0  # requests still running at the timeout, failed with a 503
+
+
+ActorToLauncher = ActorReady | ActorError | Drained

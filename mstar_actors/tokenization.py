@@ -73,6 +73,7 @@ class Tokenization:
         chat: list[messages.ChatMessage],
         add_generation_prompt: bool = True,
         max_tokens: int | None = None,
+        continue_final_message: bool = False,
         tools: list[dict] | None = None,
         assistant_prefix: str = "",
     ) -> list[int]:
@@ -92,7 +93,8 @@ class Tokenization:
         conversation = [_to_template_message(i, m) for i, m in enumerate(chat)]
         try:
             text = self.tokenizer.apply_chat_template(
-                conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+                conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
             )
         except jinja2.TemplateError as exc:
             raise ValueError(f"the model's chat template refused 'messages': {exc}") from exc
@@ -196,11 +198,13 @@ class StopStrings:
     grow into a stop string; everything before it is safe to emit. A match
     anywhere in held + new text stops the stream: the text before the match
     is returned and the stop string itself is never emitted. When several
-    stops match, the earliest in the text wins.
+    stops match, the earliest in the text wins. ``include_stop`` (vLLM's
+    ``include_stop_str_in_output``) emits the matched stop string too.
     """
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include_stop: bool = False):
         self.stops = [s for s in stops if s]  # "" would match everywhere
+        self.include_stop = include_stop
         self.matched: str | None = None
         self._held = ""
 
@@ -216,7 +220,7 @@ class StopStrings:
         match_at, match = self._find_first_match(text)
         if match is not None:
             self.matched, self._held = match, ""
-            return text[:match_at], True
+            return text[: match_at + (len(match) if self.include_stop else 0)], True
         num_held = self._num_partial_suffix(text)
         self._held = text[len(text) - num_held :]
         return text[: len(text) - num_held], False

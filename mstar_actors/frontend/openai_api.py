@@ -8,12 +8,18 @@ OpenAI's JSON shapes.
 
 Validation is by hand rather than through msgspec Structs: each field gets an
 error that names it and its accepted range, ``bool`` is never taken for an
-int, ``null`` means "not given", and unknown fields are ignored as OpenAI's
-server does.
+int, and ``null`` means "not given".
+
+Every body field is in one of three sets per endpoint (``check_fields``): it is
+implemented; it changes nothing here and is ignored, as OpenAI ignores it
+(``user``, ``metadata``...); or it is refused with a 400 naming it. A field
+that would change the output and is not implemented is refused, and so is an
+unknown one: a silently ignored field is a wrong answer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -74,6 +80,68 @@ def error_envelope(message: str, error_type: str, param: str | None = None, code
 
 def _bad(param: str, message: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param)
+
+
+# --------------------------------------------------------------------------
+# Which fields each endpoint takes
+# --------------------------------------------------------------------------
+
+# Both endpoints: OpenAI's sampling fields and the vLLM extensions honoured.
+COMMON_FIELDS = frozenset({
+    "model", "n", "stream", "stream_options", "stop", "max_tokens", "max_completion_tokens", "temperature",
+    "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "logprobs",
+    "stop_token_ids", "ignore_eos", "logit_bias", "min_tokens", "bad_words", "allowed_token_ids",
+    "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens", "return_token_ids",
+})
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs", "add_generation_prompt", "continue_final_message"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of"}
+
+# Implemented, and parsed by the structured-output and tool-calling parts of
+# the request parser, not by the sampling fields here.
+STRUCTURED_FIELDS = frozenset({
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "guided_decoding_backend", "guided_whitespace_pattern",
+})
+TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
+OWNED_FIELDS = {"chat": STRUCTURED_FIELDS | TOOL_FIELDS, "completion": STRUCTURED_FIELDS}
+
+# Change nothing in the output: accepted and ignored, as OpenAI's server does.
+IGNORED_FIELDS = frozenset({
+    "user", "metadata", "store", "service_tier", "request_id", "priority", "prompt_cache_key",
+    "safety_identifier", "cache_salt",
+})
+
+# Would change the output and are not implemented: refused unless their value is
+# the neutral one (then they change nothing either). Name -> neutral values.
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "use_beam_search": (False,), "length_penalty": (1, 1.0), "early_stopping": (False,), "suffix": ("",),
+    "prompt_logprobs": (), "audio": (), "modalities": (["text"],), "prediction": (), "functions": (),
+    "function_call": (), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
+    "chat_template": (), "chat_template_kwargs": ({},), "documents": (), "mm_processor_kwargs": ({},),
+    "logits_processors": (), "vllm_xargs": (), "add_special_tokens": (), "return_tokens_as_token_ids": (False,),
+    "prompt_embeds": (), "kv_transfer_params": (), "echo": (False,),
+    # fast tokenizers never put spaces between special tokens: only the default is honoured
+    "spaces_between_special_tokens": (True,),
+}
+
+
+def accepted_fields(kind: str) -> frozenset[str]:
+    own = CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS
+    return own | OWNED_FIELDS[kind] | IGNORED_FIELDS
+
+
+def check_fields(body: dict, kind: str) -> None:
+    """400 for the first field that is neither taken nor harmless to ignore."""
+    accepted = accepted_fields(kind)
+    for name, value in body.items():
+        if name in accepted or value is None:
+            continue
+        if name in UNSUPPORTED_FIELDS:
+            if value in UNSUPPORTED_FIELDS[name]:
+                continue
+            raise _bad(name, f"not supported by this server (it would change the output); remove it")
+        endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        raise _bad(name, f"unknown field for {endpoint}; accepted: {', '.join(sorted(accepted - IGNORED_FIELDS))}")
 
 
 # --------------------------------------------------------------------------
@@ -155,6 +223,17 @@ def _show(value: Any) -> str:
 # --------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class OutputOptions:
+    """How the frontend renders a choice (no effect on the engine)."""
+
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    echo: bool = False  # completions: the prompt text before the output
+    return_token_ids: bool = False  # vLLM: prompt_token_ids and each choice's token_ids
+    continuous_usage_stats: bool = False  # usage in every streamed chunk
+
+
 @dataclass
 class ParsedRequest:
     """A validated request: one prompt (chat) or several (completions), ``n``
@@ -170,8 +249,21 @@ class ParsedRequest:
     logprobs: int | None = None  # top alternatives per token, None = no logprobs
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     prompts: list[str | list[int]] = field(default_factory=list)
     tools: ToolRequest | None = None
+    output: OutputOptions = field(default_factory=lambda: OutputOptions())
+    bad_words: list[str] = field(default_factory=list)  # tokenized by the frontend (``with_token_facts``)
+
+    def with_token_facts(self, eos_token_ids: tuple[int, ...], bad_words_token_ids: list[list[int]]) -> None:
+        """Fill the sampling fields that need the tokenizer: the ids ``min_tokens``
+        masks (EOS unless ignored, and the stop tokens) and the bad words' ids."""
+        sampling = self.sampling
+        stop_ids = () if sampling.min_tokens == 0 else (
+            (() if sampling.ignore_eos else tuple(eos_token_ids)) + sampling.stop_token_ids)
+        self.sampling = msgspec.structs.replace(
+            sampling, min_token_stop_ids=tuple(sorted(set(stop_ids))),
+            bad_words_token_ids=tuple(tuple(ids) for ids in bad_words_token_ids if ids))
 
     @property
     def num_choices(self) -> int:
@@ -192,6 +284,7 @@ class ParsedRequest:
                     prompt_token_ids=prompt if isinstance(prompt, list) else None,
                     messages=self.messages,
                     add_generation_prompt=self.add_generation_prompt,
+                    continue_final_message=self.continue_final_message,
                     arrival_time=now,
                     n=self.n,
                     tools=self.tools.tools if self.tools else None,
@@ -201,15 +294,55 @@ class ParsedRequest:
         return out
 
 
-def _parse_sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingParams:
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_BAD_WORDS = 64
+MAX_ALLOWED_TOKEN_IDS = 1 << 16
+
+
+def get_token_ids(body: dict, name: str, max_len: int, vocab_size: int | None) -> tuple[int, ...]:
+    """A list of token ids inside the vocabulary (empty when absent)."""
+    value = body.get(name)
+    if value is None:
+        return ()
+    hi = vocab_size or 1 << 31
+    if not (isinstance(value, list) and len(value) <= max_len and all(_is_int(t) and 0 <= t < hi for t in value)):
+        raise _bad(name, f"expected a list of at most {max_len} token ids in [0, {hi})")
+    return tuple(value)
+
+
+def parse_logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}``: keys are decimal token ids inside the
+    vocabulary, biases numbers in [-100, 100]."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise _bad("logit_bias", f"expected an object of at most {MAX_LOGIT_BIAS} \"token id\": bias entries")
+    hi = vocab_size or 1 << 31
+    pairs = []
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit() and int(key) < hi):
+            raise _bad("logit_bias", f"key {_show(key)} is not a token id in [0, {hi})")
+        if not ((_is_int(bias) or isinstance(bias, float)) and math.isfinite(bias) and -100 <= bias <= 100):
+            raise _bad("logit_bias", f"the bias of {key} must be a number in [-100, 100], got {_show(bias)}")
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
+
+
+def parse_bad_words(body: dict) -> list[str]:
+    value = body.get("bad_words")
+    if value is None:
+        return []
+    if not (isinstance(value, list) and len(value) <= MAX_BAD_WORDS
+            and all(isinstance(w, str) and 0 < len(w) <= MAX_STOP_CHARS for w in value)):
+        raise _bad("bad_words", f"expected a list of at most {MAX_BAD_WORDS} non-empty strings")
+    return value
+
+
+def _parse_sampling(body: dict, max_tokens: int, logprobs: int | None, vocab_size: int | None) -> SamplingParams:
     top_k = get_int(body, "top_k", 0, -1, 1 << 31)
-    stop_token_ids = body.get("stop_token_ids")
-    if stop_token_ids is not None and not (
-        isinstance(stop_token_ids, list)
-        and len(stop_token_ids) <= 64
-        and all(_is_int(t) and 0 <= t < 1 << 31 for t in stop_token_ids)
-    ):
-        raise _bad("stop_token_ids", "expected a list of at most 64 non-negative token ids")
+    stop_token_ids = get_token_ids(body, "stop_token_ids", 64, vocab_size)
+    min_tokens = get_int(body, "min_tokens", 0, 0, max_tokens)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=get_float(body, "temperature", 1.0, 0.0, 2.0),
@@ -220,10 +353,14 @@ def _parse_sampling(body: dict, max_tokens: int, logprobs: int | None) -> Sampli
         frequency_penalty=get_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=get_float(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
         seed=get_int(body, "seed", None, MIN_SEED, MAX_SEED),
-        stop_token_ids=tuple(stop_token_ids or ()),
+        stop_token_ids=stop_token_ids,
         ignore_eos=get_bool(body, "ignore_eos", False),
         logprobs=logprobs,
         structured=parse_structured(body),
+        logit_bias=parse_logit_bias(body, vocab_size),
+        allowed_token_ids=get_token_ids(body, "allowed_token_ids", MAX_ALLOWED_TOKEN_IDS, vocab_size),
+        min_tokens=min_tokens,
+        truncate_prompt_tokens=get_int(body, "truncate_prompt_tokens", None, 1, 1 << 31),
     )
 
 
@@ -249,33 +386,57 @@ def _parse_stop(body: dict) -> list[str]:
     return stops
 
 
-def _parse_stream(body: dict) -> tuple[bool, bool]:
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
+
+
+def _parse_stream(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats)."""
     stream = get_bool(body, "stream", False)
     options = body.get("stream_options")
     if options is None:
-        return stream, False
+        return stream, False, False
     if not stream:
         raise _bad("stream_options", "only allowed when stream is true")
     if not isinstance(options, dict):
         raise _bad("stream_options", f"expected an object like {{\"include_usage\": true}}, got {_show(options)}")
-    try:
-        return stream, get_bool(options, "include_usage", False)
-    except ApiError:
-        raise _bad("stream_options.include_usage", "expected true or false") from None
+    unknown = next((k for k in options if k not in STREAM_OPTIONS), None)
+    if unknown is not None:
+        raise _bad(f"stream_options.{unknown}", f"unknown option; accepted: {', '.join(STREAM_OPTIONS)}")
+    flags = []
+    for name in STREAM_OPTIONS:
+        try:
+            flags.append(get_bool(options, name, False))
+        except ApiError:
+            raise _bad(f"stream_options.{name}", "expected true or false") from None
+    return stream, *flags
 
 
-def _parse_common(body: dict, kind: str, max_tokens: int, logprobs: int | None) -> ParsedRequest:
-    stream, include_usage = _parse_stream(body)
-    get_str(body, "user", None)
+def _parse_output(body: dict, continuous_usage_stats: bool) -> OutputOptions:
+    return OutputOptions(
+        include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
+        skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+        return_token_ids=get_bool(body, "return_token_ids", False),
+        continuous_usage_stats=continuous_usage_stats,
+    )
+
+
+def _parse_common(body: dict, kind: str, max_tokens: int, logprobs: int | None,
+                  vocab_size: int | None) -> ParsedRequest:
+    check_fields(body, kind)
+    stream, include_usage, continuous = _parse_stream(body)
+    for name in ("user", "request_id", "prompt_cache_key", "safety_identifier", "cache_salt"):
+        get_str(body, name, None)  # ignored, but a wrong type is still the client's error
     return ParsedRequest(
         kind=kind,
         model=get_str(body, "model", None),
-        sampling=_parse_sampling(body, max_tokens, logprobs),
+        sampling=_parse_sampling(body, max_tokens, logprobs, vocab_size),
         n=get_int(body, "n", 1, 1, MAX_N),
         stream=stream,
         include_usage=include_usage,
         stop=_parse_stop(body),
         logprobs=logprobs,
+        output=_parse_output(body, continuous),
+        bad_words=parse_bad_words(body),
     )
 
 
@@ -394,7 +555,8 @@ def _field_spec(kind: str, value: Any, param: str) -> StructuredSpec:
 # --------------------------------------------------------------------------
 
 
-def parse_chat(raw: bytes, max_model_len: int | None = None, *, tool_parser: str | None = None) -> ParsedRequest:
+def parse_chat(raw: bytes, max_model_len: int | None = None, vocab_size: int | None = None, *,
+               tool_parser: str | None = None) -> ParsedRequest:
     """Validate a chat-completions body (raises ApiError). ``tool_parser``: the
     model's tool-call format (``tool_calls.choose_parser``), None for none."""
     body = decode_body(raw)
@@ -403,9 +565,15 @@ def parse_chat(raw: bytes, max_model_len: int | None = None, *, tool_parser: str
     top = get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top is not None and not want_logprobs:
         raise _bad("top_logprobs", "requires logprobs: true")
-    parsed = _parse_common(body, "chat", max_tokens, (top or 0) if want_logprobs else None)
+    parsed = _parse_common(body, "chat", max_tokens, (top or 0) if want_logprobs else None, vocab_size)
     parsed.messages = parse_messages(body.get("messages"))
-    parsed.add_generation_prompt = get_bool(body, "add_generation_prompt", True)
+    parsed.continue_final_message = get_bool(body, "continue_final_message", False)
+    parsed.add_generation_prompt = get_bool(body, "add_generation_prompt", not parsed.continue_final_message)
+    if parsed.continue_final_message and parsed.add_generation_prompt:
+        raise _bad("continue_final_message", "cannot be true together with add_generation_prompt: true")
+    if parsed.continue_final_message and parsed.messages[-1].role != "assistant":
+        raise _bad("continue_final_message", "the last message must be the assistant's, to be continued")
+    _check_media_fields(parsed)
     _parse_tools(parsed, body, tool_parser)
     return parsed
 
@@ -429,6 +597,20 @@ def _parse_tools(parsed: ParsedRequest, body: dict, tool_parser: str | None) -> 
                                   f"with {given.param or 'another output constraint'}")
     spec = StructuredSpec("json", tool_calls.forced_call_schema(parsed.tools), "tool_choice")
     parsed.sampling = msgspec.structs.replace(parsed.sampling, structured=spec)
+
+
+def _check_media_fields(parsed: ParsedRequest) -> None:
+    """Fields that work on the prompt's text tokens are refused with media:
+    truncating could cut an image's placeholder run, and the frontend's own
+    tokenizing (return_token_ids) does not expand them."""
+    has_media = any(not isinstance(m.content, str) and any(p.type != "text" for p in m.content)
+                    for m in parsed.messages or [])
+    if not has_media:
+        return
+    if parsed.sampling.truncate_prompt_tokens is not None:
+        raise _bad("truncate_prompt_tokens", "not supported with image or video parts")
+    if parsed.output.return_token_ids:
+        raise _bad("return_token_ids", "not supported with image or video parts")
 
 
 def parse_messages(messages: Any) -> list[ChatMessage]:
@@ -491,13 +673,16 @@ def _parse_media_url(where: str, value: Any) -> str:
 def parse_completion(raw: bytes, max_model_len: int | None = None, vocab_size: int | None = None) -> ParsedRequest:
     """Validate a (legacy) completions body (raises ApiError)."""
     body = decode_body(raw)
-    if get_bool(body, "echo", False):
-        raise _bad("echo", "echo is not supported; send echo: false and prepend the prompt yourself")
-    if get_str(body, "suffix", None):
-        raise _bad("suffix", "suffix (fill-in-the-middle) is not supported")
     max_tokens = _parse_max_tokens(body, 16, max_model_len)
     logprobs = get_int(body, "logprobs", None, 0, MAX_LEGACY_LOGPROBS)
-    parsed = _parse_common(body, "completion", max_tokens, logprobs)
+    parsed = _parse_common(body, "completion", max_tokens, logprobs, vocab_size)
+    echo = get_bool(body, "echo", False)
+    if echo and logprobs is not None:
+        raise _bad("echo", "echo with logprobs (the prompt's logprobs) is not supported; send one of them")
+    parsed.output = dataclasses.replace(parsed.output, echo=echo)
+    best_of = get_int(body, "best_of", None, 1, MAX_N)
+    if best_of is not None and best_of != parsed.n:
+        raise _bad("best_of", f"only best_of equal to n ({parsed.n}) is supported: choices are not ranked")
     parsed.prompts = parse_prompts(body.get("prompt"), vocab_size)
     if parsed.num_choices > MAX_N * 4:
         raise _bad("n", f"{len(parsed.prompts)} prompts x n={parsed.n} is more than {MAX_N * 4} choices")
@@ -536,16 +721,77 @@ def _check_prompt(i: int, prompt: Any, vocab_size: int | None, accepted: str) ->
 
 
 # --------------------------------------------------------------------------
+# /tokenize and /detokenize (vLLM's bodies)
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class TokenizeRequest:
+    """Exactly one of ``prompt`` / ``messages``; ``add_special_tokens`` defaults
+    as vLLM's: true for a prompt, false for messages (the template writes them)."""
+
+    model: str | None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                             "continue_final_message", "return_token_strs"})
+
+
+def parse_tokenize(raw: bytes) -> TokenizeRequest:
+    body = decode_body(raw)
+    _check_known(body, TOKENIZE_FIELDS, "/tokenize")
+    if get_bool(body, "return_token_strs", False):
+        raise _bad("return_token_strs", "not supported by this server")
+    model = get_str(body, "model", None)
+    if ("prompt" in body) == ("messages" in body):
+        raise _bad("prompt", "send exactly one of prompt (a string) and messages")
+    if "prompt" in body:
+        prompt = get_str(body, "prompt", None)
+        if prompt is None:
+            raise _bad("prompt", "expected a string")
+        return TokenizeRequest(model, prompt=prompt, add_special_tokens=get_bool(body, "add_special_tokens", True))
+    continue_final = get_bool(body, "continue_final_message", False)
+    return TokenizeRequest(model, messages=parse_messages(body.get("messages")),
+                           add_special_tokens=get_bool(body, "add_special_tokens", False),
+                           add_generation_prompt=get_bool(body, "add_generation_prompt", not continue_final),
+                           continue_final_message=continue_final)
+
+
+def parse_detokenize(raw: bytes, vocab_size: int | None) -> tuple[str | None, list[int]]:
+    """(model, token ids)."""
+    body = decode_body(raw)
+    _check_known(body, {"model", "tokens"}, "/detokenize")
+    tokens = get_token_ids(body, "tokens", 1 << 20, vocab_size)
+    if "tokens" not in body or body["tokens"] is None:
+        raise _bad("tokens", "expected a list of token ids")
+    return get_str(body, "model", None), list(tokens)
+
+
+def _check_known(body: dict, accepted: frozenset | set, route: str) -> None:
+    unknown = next((k for k in body if k not in accepted), None)
+    if unknown is not None:
+        raise _bad(unknown, f"unknown field for {route}; accepted: {', '.join(sorted(accepted))}")
+
+
+# --------------------------------------------------------------------------
 # Responses
 # --------------------------------------------------------------------------
 
 
-def usage_dict(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
-    return {
+def usage_dict(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int | None = None) -> dict:
+    usage = {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
     }
+    if num_cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": num_cached_tokens}
+    return usage
 
 
 def chat_response(rid: str, model: str, created: int, choices: list[dict], usage: dict) -> dict:
@@ -612,6 +858,20 @@ def legacy_logprobs(entries: list[tuple[str, float, list[tuple[str, float]], int
     }
 
 
+def hidden_stop_ids(parsed: ParsedRequest, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
+    """The tokens that end a choice and whose text stays out of it: EOS (unless
+    ignored) and ``stop_token_ids``, unless ``include_stop_str_in_output``."""
+    if parsed.output.include_stop_str_in_output:
+        return frozenset()
+    sampling = parsed.sampling
+    return frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else frozenset(eos_token_ids))
+
+
+def model_card(listing: dict, model_id: str) -> dict | None:
+    """One entry of ``models_list``'s listing (``/v1/models/{id}``), None if not served."""
+    return next((m for m in listing["data"] if m["id"] == model_id), None)
+
+
 def models_list(name: str, created: int, max_model_len: int | None, adapters: dict[str, str] | list[str] = ()) -> dict:
     """vLLM's listing: each adapter with ``parent`` = the base and ``root`` = its path
     (``adapters`` maps name -> path; a plain list of names roots each at its name)."""
@@ -638,9 +898,14 @@ class ChoiceOutput:
     already in flight are not the client's.
     """
 
-    def __init__(self, index: int, detokenizer: Any, stops: Any, token_text: Any, want_logprobs: bool):
+    def __init__(self, index: int, detokenizer: Any, stops: Any, token_text: Any, want_logprobs: bool,
+                 hidden_stop_ids: frozenset[int] = frozenset()):
         self.index = index
         self.detokenizer = detokenizer
+        # the engine ends the choice on these tokens; their text is not output (vLLM's
+        # default, ``hidden_stop_ids``): always the last token of its delta
+        self.hidden_stop_ids = hidden_stop_ids
+        self.min_tokens = 0
         self.stops = stops
         self.token_text = token_text
         self.want_logprobs = want_logprobs
@@ -650,6 +915,12 @@ class ChoiceOutput:
         self.finish_reason: str | None = None
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache held
+        self.token_ids: list[int] = []  # for return_token_ids
+        self.num_streamed_ids = 0  # of token_ids, already sent in chunks
+        self.is_prompt_sent = False  # streamed completions: prompt_token_ids went out
+        self.echo_text = ""  # completions echo: the prompt before the output
+        self.is_echoed = False  # streamed: the echo went out with the first chunk
         self.last_token_at: float | None = None  # perf_counter of the last delta, for inter-token latency
 
     @property
@@ -666,21 +937,30 @@ class ChoiceOutput:
         if self.is_done:
             return "", []
         first_entry = len(self.logprobs)
-        groups = [[t] for t in tokens] if self.want_logprobs else [tokens]
+        one_by_one = self.want_logprobs or self.num_output_tokens < self.min_tokens  # min_tokens ends mid-delta
+        groups = [[t] for t in tokens] if one_by_one else [tokens]
         emitted = []
         for group in groups:
             self.num_output_tokens += len(group)
+            self.token_ids += [t.token_id for t in group]
             if self.want_logprobs:
                 self._add_logprob(group[0])
-            emit, matched = self.stops.feed(self.detokenizer.add([t.token_id for t in group]))
+            ids = [t.token_id for t in group]
+            if ids[-1] in self.hidden_stop_ids:
+                ids.pop()
+            text = self.detokenizer.add(ids)
+            # as vLLM: stop strings are looked for once the output has min_tokens tokens
+            emit, matched = (text, False) if self.num_output_tokens < self.min_tokens else self.stops.feed(text)
             self._append(emit, emitted)
             if matched:
                 self.finish_reason = "stop"
                 break
         return "".join(emitted), self.logprobs[first_entry:]
 
-    def finish(self, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int) -> str:
+    def finish(self, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int,
+               num_cached_tokens: int = 0) -> str:
         """The engine finished this choice (not done here); return the held-back tail text."""
+        self.num_cached_tokens = num_cached_tokens
         emitted: list[str] = []
         emit, matched = self.stops.feed(self.detokenizer.flush())
         self._append(emit if matched else emit + self.stops.flush(), emitted)

@@ -124,11 +124,17 @@ class Preparer:
         ))
 
     def _token_ids(self, req: NewRequest) -> tuple[list[int], str]:
+        ids, param = self._full_token_ids(req)
+        keep = req.sampling.truncate_prompt_tokens  # vLLM's: the prompt's last N tokens
+        return (ids[-keep:] if keep is not None else ids), param
+
+    def _full_token_ids(self, req: NewRequest) -> tuple[list[int], str]:
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids), "prompt"
         if req.messages is not None:
             ids = self.tokenization.apply_chat_template(req.messages, req.add_generation_prompt, self.prompt_limit,
-                                                        tools=req.tools, assistant_prefix=req.assistant_prefix)
+                                                        req.continue_final_message, tools=req.tools,
+                                                        assistant_prefix=req.assistant_prefix)
             return list(ids), "messages"
         if req.prompt is not None:
             return list(self.tokenization.encode_prompt(req.prompt, self.prompt_limit)), "prompt"
@@ -278,7 +284,8 @@ class QwenVLPreparer:
         tokenizer = self.tokenization.tokenizer
         conversation = [_template_message(m) for m in req.messages or []]
         text = tokenizer.apply_chat_template(conversation, tools=req.tools, tokenize=False,
-                                             add_generation_prompt=req.add_generation_prompt)
+                                             add_generation_prompt=req.add_generation_prompt,
+                                             continue_final_message=req.continue_final_message)
         return self.tokenization.encode_text(text + req.assistant_prefix, False, self.text.prompt_limit)
 
     def _expand(self, ids: list[int], media: list[MediaDraft], refs: list[MediaRef]) -> list[int]:

@@ -7,14 +7,16 @@ identical tokens (see "Randomness" below).
 Order of operations (vLLM v1's sampler):
 
 1. raw logprobs, if any row asked for them (before anything below);
-2. penalties: repetition (over prompt + output tokens, HF/vLLM semantics),
+2. logits processors: allowed_token_ids, bad words, min_tokens (EOS and
+   stop tokens masked), then logit_bias;
+3. penalties: repetition (over prompt + output tokens, HF/vLLM semantics),
    then frequency and presence (over output tokens, OpenAI semantics);
-3. greedy rows (``temperature < 1e-5``) take the argmax here;
-4. temperature;
-5. filters: min_p, then top_k, then top_p (min_p and top_k both keep a
+4. greedy rows (``temperature < 1e-5``) take the argmax here;
+5. temperature;
+6. filters: min_p, then top_k, then top_p (min_p and top_k both keep a
    prefix of the tokens sorted by probability, so they commute; top_p runs
    last on the renormalised survivors);
-6. softmax and an exponential race (below).
+7. softmax and an exponential race (below).
 
 Logprobs: we return the *raw* logprobs, ``log_softmax`` of the model's logits
 before penalties, temperature and filters: vLLM v1's default
@@ -72,6 +74,7 @@ class _Plan:
     is_greedy: list[bool]
     needs_penalties: bool
     needs_logprobs: bool
+    needs_processors: bool = False
 
     @classmethod
     def from_rows(cls, rows: list[SampleRow]) -> _Plan:
@@ -79,6 +82,7 @@ class _Plan:
             is_greedy=[r.params.temperature < SAMPLING_EPS for r in rows],
             needs_penalties=any(_has_penalty(r.params) for r in rows),
             needs_logprobs=any(r.params.logprobs is not None for r in rows),
+            needs_processors=any(_has_processor(r) for r in rows),
         )
 
     @property
@@ -105,11 +109,13 @@ def sample_tokens(
     if not rows:
         return []
     plan = _Plan.from_rows(rows)
-    if plan.is_all_greedy and not plan.needs_penalties and not plan.needs_logprobs:
+    if plan.is_all_greedy and not (plan.needs_penalties or plan.needs_logprobs or plan.needs_processors):
         # The common case: one argmax, no float32 copy (the cast is exact).
         return _to_sampled(rows, logits.argmax(dim=-1).tolist())
     logits = logits.to(torch.float32, copy=True)
     raw_logprobs = _log_softmax(logits) if plan.needs_logprobs and logprobs_mode == "raw" else None
+    if plan.needs_processors:
+        apply_logits_processors(logits, rows)
     if plan.needs_penalties:
         apply_penalties(logits, rows)
     token_ids, final_logits = _choose_tokens(logits, rows, plan, generator)
@@ -117,6 +123,63 @@ def sample_tokens(
         return _to_sampled(rows, token_ids.tolist())
     logprobs = raw_logprobs if raw_logprobs is not None else _log_softmax(final_logits)
     return _to_sampled_with_logprobs(rows, token_ids, logprobs)
+
+
+# --------------------------------------------------------------------------
+# Logits processors
+# --------------------------------------------------------------------------
+
+
+def _has_processor(row: SampleRow) -> bool:
+    p = row.params
+    return bool(p.logit_bias or p.allowed_token_ids or p.bad_words_token_ids or _is_below_min_tokens(row))
+
+
+def _is_below_min_tokens(row: SampleRow) -> bool:
+    return bool(row.params.min_token_stop_ids) and len(row.output_token_ids) < row.params.min_tokens
+
+
+def apply_logits_processors(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """In place on float32 ``logits``: allowed_token_ids, then the banned tokens
+    (bad words, min_tokens' stop ids), then logit_bias. Each is one indexed op
+    over the rows that ask for it; the index lists are built on the host from
+    the rows alone, so every rank applies the same ones."""
+    vocab = logits.shape[1]
+    _apply_allowed(logits, rows, vocab)
+    banned = [(i, t) for i, r in enumerate(rows) for t in _banned_tokens(r) if 0 <= t < vocab]
+    _index_put(logits, banned, [float("-inf")] * len(banned), accumulate=False)
+    bias = [((i, t), b) for i, r in enumerate(rows) for t, b in r.params.logit_bias if 0 <= t < vocab]
+    _index_put(logits, [ix for ix, _ in bias], [b for _, b in bias], accumulate=True)
+    return logits
+
+
+def _apply_allowed(logits: torch.Tensor, rows: list[SampleRow], vocab: int) -> None:
+    idx = [i for i, r in enumerate(rows) if r.params.allowed_token_ids]
+    if not idx:
+        return
+    allowed = torch.zeros((len(idx), vocab), dtype=torch.bool, device=logits.device)
+    pairs = [(j, t) for j, i in enumerate(idx) for t in rows[i].params.allowed_token_ids if 0 <= t < vocab]
+    _index_put(allowed, pairs, [True] * len(pairs), accumulate=False)
+    logits[idx] = logits[idx].masked_fill_(~allowed, float("-inf"))
+
+
+def _banned_tokens(row: SampleRow) -> list[int]:
+    """vLLM's bad words: a word's last token is banned where the output ends
+    with the word's other tokens; min_tokens bans the stop ids until reached."""
+    out = row.output_token_ids
+    banned = [word[-1] for word in row.params.bad_words_token_ids
+              if len(word) == 1 or (len(out) >= len(word) - 1 and list(out[len(out) - len(word) + 1:]) == list(word[:-1]))]
+    if _is_below_min_tokens(row):
+        banned += row.params.min_token_stop_ids
+    return banned
+
+
+def _index_put(target: torch.Tensor, pairs: list[tuple[int, int]], values: list, accumulate: bool) -> None:
+    if not pairs:
+        return
+    index = torch.tensor(pairs, dtype=torch.int64).to(target.device).T
+    target.index_put_((index[0], index[1]), torch.tensor(values, dtype=target.dtype).to(target.device),
+                      accumulate=accumulate)
 
 
 # --------------------------------------------------------------------------

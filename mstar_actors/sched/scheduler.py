@@ -390,9 +390,10 @@ class Scheduler:
         return outputs
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> tuple[str, int | None] | None:
-        if token_id in self.eos_token_ids and not seq.sampling.ignore_eos:
+        is_stoppable = seq.num_output_tokens >= seq.sampling.min_tokens  # the sampler masks them too
+        if is_stoppable and token_id in self.eos_token_ids and not seq.sampling.ignore_eos:
             return "stop", token_id
-        if token_id in seq.sampling.stop_token_ids:
+        if is_stoppable and token_id in seq.sampling.stop_token_ids:
             return "stop", token_id
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length", None

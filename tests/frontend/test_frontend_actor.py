@@ -38,7 +38,8 @@ def test_chat_non_streaming_with_usage(harness):
             req = next(iter(h.engine.requests.values()))
             n_prompt = h.engine.prompt_len(req)
             n_out = len(h.engine.tokenizer(REPLY).input_ids) + 1  # + EOS, which makes no text
-            assert r["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+            assert r["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+                                  "prompt_tokens_details": {"cached_tokens": 0}}
             assert [m.role for m in req.messages] == ["system", "user"]
 
     run(body)

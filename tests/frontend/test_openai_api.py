@@ -113,7 +113,18 @@ BAD = [
     ("completion", comp(prompt=[True, False]), "prompt"),
     ("completion", comp(logprobs=6), "logprobs"),
     ("completion", comp(logprobs=True), "logprobs"),
-    ("completion", comp(echo=True), "echo"),
+    ("completion", comp(echo=True, logprobs=1), "echo"),  # echo of the prompt's logprobs is refused
+    ("completion", comp(best_of=3), "best_of"),
+    ("chat", chat(use_beam_search=True), "use_beam_search"),
+    ("chat", chat(unknown_field={"x": 1}), "unknown_field"),
+    ("chat", chat(logit_bias={"x": 1}), "logit_bias"),
+    ("chat", chat(logit_bias={"400": 1}), "logit_bias"),
+    ("chat", chat(logit_bias={"5": 101}), "logit_bias"),
+    ("chat", chat(allowed_token_ids=[400]), "allowed_token_ids"),
+    ("chat", chat(min_tokens=-1), "min_tokens"),
+    ("chat", chat(bad_words=[""]), "bad_words"),
+    ("chat", chat(stream=True, stream_options={"continuous_usage_stats": 1}), "stream_options.continuous_usage_stats"),
+    ("chat", chat(continue_final_message=True), "continue_final_message"),
     ("completion", comp(suffix="tail"), "suffix"),
     ("completion", comp(max_tokens=-3), "max_tokens"),
     ("completion", comp(max_tokens=257), "max_tokens"),
@@ -123,7 +134,7 @@ BAD = [
 
 def parse(kind: str, raw: bytes):
     if kind == "chat":
-        return api.parse_chat(raw, max_model_len=256)
+        return api.parse_chat(raw, max_model_len=256, vocab_size=400)
     return api.parse_completion(raw, max_model_len=256, vocab_size=400)
 
 
@@ -145,7 +156,7 @@ def test_bad_body_is_a_400_naming_the_param(kind, raw, param):
 
 def test_chat_defaults_and_fields():
     parsed = api.parse_chat(chat(max_tokens=7, temperature=0, top_k=-1, stop="END", seed=3, n=2,
-                                 logprobs=True, top_logprobs=2, unknown_field={"x": 1}), max_model_len=256)
+                                 logprobs=True, top_logprobs=2, user="u", metadata={"x": 1}), max_model_len=256)
     assert parsed.sampling == SamplingParams(max_tokens=7, temperature=0.0, top_k=0, seed=3, logprobs=2)
     assert parsed.stop == ["END"] and parsed.n == 2 and parsed.logprobs == 2
     (req,) = parsed.new_requests("chatcmpl-x", "tiny", now=1.0)  # prepared once for both choices

@@ -1,0 +1,131 @@
+"""Every body field is implemented, ignored as OpenAI ignores it, or a 400 naming it."""
+
+import json
+
+import pytest
+
+from mstar_actors.frontend import openai_api as api
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def chat(**kw) -> bytes:
+    return json.dumps({"model": "tiny", "messages": MSG} | kw).encode()
+
+
+def comp(**kw) -> bytes:
+    return json.dumps({"model": "tiny", "prompt": "hi"} | kw).encode()
+
+
+def refused(raw: bytes, kind: str = "chat") -> api.ApiError:
+    with pytest.raises(api.ApiError) as info:
+        (api.parse_chat if kind == "chat" else api.parse_completion)(raw, 256, 400)
+    assert info.value.status == 400
+    return info.value
+
+
+@pytest.mark.parametrize("name", sorted(api.IGNORED_FIELDS))
+def test_fields_that_change_nothing_are_accepted(name):
+    value = {"metadata": {"k": "v"}, "store": False, "service_tier": "auto", "priority": 0}.get(name, "x")
+    api.parse_chat(chat(**{name: value}), 256, 400)
+    api.parse_completion(comp(**{name: value}), 256, 400)
+
+
+@pytest.mark.parametrize("name,value", [("use_beam_search", True), ("suffix", "tail"), ("prompt_logprobs", 1),
+                                        ("audio", {"voice": "x"}), ("modalities", ["text", "audio"]),
+                                        ("prediction", {"type": "content", "content": "x"}),
+                                        ("length_penalty", 0.5), ("spaces_between_special_tokens", False)])
+def test_fields_that_would_change_the_output_are_refused_by_name(name, value):
+    err = refused(chat(**{name: value}))
+    assert err.param == name and "not supported" in err.message
+
+
+@pytest.mark.parametrize("name,value", [("use_beam_search", False), ("suffix", ""), ("modalities", ["text"]),
+                                        ("spaces_between_special_tokens", True), ("prompt_logprobs", None)])
+def test_refused_fields_at_their_neutral_value_change_nothing_and_pass(name, value):
+    api.parse_chat(chat(**{name: value}), 256, 400)
+
+
+def test_an_unknown_field_is_refused_naming_it_and_the_accepted_ones():
+    err = refused(chat(temprature=0.5))
+    assert err.param == "temprature" and "accepted:" in err.message and "temperature" in err.message
+    assert refused(comp(messages=MSG), "completion").param == "messages"  # a chat field is unknown here
+    assert refused(chat(prompt="x")).param == "prompt"
+    assert refused(chat(echo=True)).param == "echo"  # chat takes no echo
+
+
+def test_fields_owned_by_structured_outputs_and_tools_are_one_list_each():
+    # parsed by the structured-output and tool-calling parsers, not refused as unknown
+    for name in api.STRUCTURED_FIELDS | api.TOOL_FIELDS:
+        assert name in api.accepted_fields("chat")
+    assert not api.TOOL_FIELDS & api.accepted_fields("completion")
+
+
+def test_sampling_fields_reach_sampling_params():
+    parsed = api.parse_chat(chat(logit_bias={"5": 10, "3": -100}, allowed_token_ids=[1, 2], min_tokens=4,
+                                 bad_words=["foo"], stop_token_ids=[9], truncate_prompt_tokens=8, max_tokens=20),
+                            256, 400)
+    s = parsed.sampling
+    assert s.logit_bias == ((3, -100.0), (5, 10.0)) and s.allowed_token_ids == (1, 2)
+    assert s.min_tokens == 4 and s.truncate_prompt_tokens == 8 and parsed.bad_words == ["foo"]
+    parsed.with_token_facts((7,), [[11, 12]])
+    assert parsed.sampling.min_token_stop_ids == (7, 9) and parsed.sampling.bad_words_token_ids == ((11, 12),)
+
+
+def test_min_tokens_with_ignore_eos_masks_only_the_stop_tokens():
+    parsed = api.parse_chat(chat(min_tokens=2, ignore_eos=True, stop_token_ids=[9]), 256, 400)
+    parsed.with_token_facts((7,), [])
+    assert parsed.sampling.min_token_stop_ids == (9,)
+    parsed = api.parse_chat(chat(), 256, 400)
+    parsed.with_token_facts((7,), [])
+    assert parsed.sampling.min_token_stop_ids == ()  # nothing to mask, so no processor runs
+
+
+@pytest.mark.parametrize("body,param", [
+    (chat(logit_bias={"-1": 1}), "logit_bias"), (chat(logit_bias={"1.5": 1}), "logit_bias"),
+    (chat(logit_bias={"1": "x"}), "logit_bias"), (chat(logit_bias={"1": -100.5}), "logit_bias"),
+    (chat(logit_bias=[1]), "logit_bias"), (chat(allowed_token_ids=[-1]), "allowed_token_ids"),
+    (chat(allowed_token_ids="1"), "allowed_token_ids"), (chat(min_tokens=30, max_tokens=20), "min_tokens"),
+    (chat(bad_words="foo"), "bad_words"), (chat(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    (chat(skip_special_tokens="no"), "skip_special_tokens"), (chat(return_token_ids=1), "return_token_ids"),
+    (chat(include_stop_str_in_output="y"), "include_stop_str_in_output"),
+    (chat(stream=True, stream_options={"bogus": True}), "stream_options.bogus"),
+    (chat(messages=MSG, add_generation_prompt=True, continue_final_message=True), "continue_final_message"),
+])
+def test_invalid_values_are_a_400_naming_the_field(body, param):
+    assert refused(body).param == param
+
+
+def test_best_of_equal_to_n_is_accepted_and_echo_without_logprobs_too():
+    parsed = api.parse_completion(comp(best_of=2, n=2, echo=True), 256, 400)
+    assert parsed.output.echo and parsed.n == 2
+    assert refused(comp(echo=True, logprobs=0), "completion").param == "echo"
+
+
+def test_continue_final_message_leaves_the_assistant_message_open():
+    msgs = MSG + [{"role": "assistant", "content": "Once upon"}]
+    parsed = api.parse_chat(chat(messages=msgs, continue_final_message=True), 256, 400)
+    assert parsed.continue_final_message and not parsed.add_generation_prompt
+    (req,) = parsed.new_requests("x", "tiny")
+    assert req.continue_final_message
+
+
+def test_tokenize_bodies():
+    assert api.parse_tokenize(b'{"prompt": "hi"}').add_special_tokens
+    t = api.parse_tokenize(json.dumps({"messages": MSG}).encode())
+    assert not t.add_special_tokens and t.add_generation_prompt and t.messages[0].content == "hi"
+    for raw, param in [(b'{}', "prompt"), (b'{"prompt": "x", "messages": []}', "prompt"), (b'{"prompt": 3}', "prompt"),
+                       (b'{"prompt": "x", "extra": 1}', "extra")]:
+        with pytest.raises(api.ApiError) as info:
+            api.parse_tokenize(raw)
+        assert info.value.param == param
+    assert api.parse_detokenize(b'{"tokens": [1, 2]}', 400) == (None, [1, 2])
+    with pytest.raises(api.ApiError):
+        api.parse_detokenize(b'{"tokens": [400]}', 400)
+
+
+def test_prompt_token_fields_are_refused_with_media_parts():
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]
+    assert refused(chat(messages=image, truncate_prompt_tokens=4)).param == "truncate_prompt_tokens"
+    assert refused(chat(messages=image, return_token_ids=True)).param == "return_token_ids"
+    api.parse_chat(chat(messages=image, min_tokens=1), 256, 400)

@@ -1,0 +1,248 @@
+"""Output fields, routes, adapter reloads and the graceful drain, through the
+real FrontendActor over HTTP with the scheduler-backed engine."""
+
+import asyncio
+
+import msgspec
+
+from mstar_actors.messages import Drain, Drained, Finished, SampledToken, TokenDelta
+from tests.frontend.conftest import REPLY
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def run(fn):
+    asyncio.run(asyncio.wait_for(fn(), 20))
+
+
+def chat_body(**kw):
+    return {"model": "tiny", "messages": MSGS} | kw
+
+
+def hold(req):
+    return None
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(harness):
+    async def body():
+        async with harness() as h:
+            _, r = await h.post(CHAT, chat_body(stop=[" is"], include_stop_str_in_output=True))
+            assert r["choices"][0]["message"]["content"] == "Hello world! This is"
+            _, r = await h.post(CHAT, chat_body(stop=[" is"]))
+            assert r["choices"][0]["message"]["content"] == "Hello world! This"
+
+    run(body)
+
+
+def test_skip_special_tokens_false_shows_them(harness):
+    async def body():
+        async with harness() as h:
+            h.engine.reply_text = "Hello<|im_start|>world"
+            _, r = await h.post(CHAT, chat_body())
+            assert r["choices"][0]["message"]["content"] == "Helloworld"
+            _, r = await h.post(CHAT, chat_body(skip_special_tokens=False))
+            assert r["choices"][0]["message"]["content"] == "Hello<|im_start|>world"  # the EOS that stopped it: not
+            _, r = await h.post(CHAT, chat_body(skip_special_tokens=False, include_stop_str_in_output=True))
+            assert r["choices"][0]["message"]["content"] == "Hello<|im_start|>world<|im_end|>"
+
+
+def test_a_stop_token_ends_the_text_without_its_own_text_unless_asked(harness):
+    async def body():
+        async with harness() as h:
+            (stop_id,) = h.engine.tokenizer(" is", add_special_tokens=False).input_ids[-1:]
+            _, r = await h.post(CHAT, chat_body(stop_token_ids=[stop_id]))
+            stopped = r["choices"][0]["message"]["content"]
+            assert r["choices"][0]["finish_reason"] == "stop" and REPLY.startswith(stopped) and stopped != REPLY
+            _, r = await h.post(CHAT, chat_body(stop_token_ids=[stop_id], include_stop_str_in_output=True))
+            shown = r["choices"][0]["message"]["content"]
+            assert shown == stopped + h.engine.tokenizer.decode([stop_id])
+
+    run(body)
+
+
+def test_echo_prepends_the_prompt_text_streamed_or_not(harness):
+    async def body():
+        async with harness() as h:
+            _, r = await h.post(COMP, {"model": "tiny", "prompt": "Once", "echo": True, "max_tokens": 50})
+            assert r["choices"][0]["text"] == "Once" + REPLY
+            ids = h.engine.tokenizer("The quick").input_ids
+            _, events = await h.stream(COMP, {"model": "tiny", "prompt": ids, "echo": True, "max_tokens": 50})
+            assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "The quick" + REPLY
+            status, r = await h.post(COMP, {"model": "tiny", "prompt": "x", "echo": True, "logprobs": 1})
+            assert status == 400 and r["error"]["param"] == "echo"
+
+    run(body)
+
+
+def test_return_token_ids_gives_the_prompt_and_the_sampled_ids(harness):
+    async def body():
+        async with harness() as h:
+            _, r = await h.post(CHAT, chat_body(return_token_ids=True))
+            req = next(iter(h.engine.requests.values()))
+            assert r["prompt_token_ids"] == h.engine.prompt_ids(req)
+            eos = h.engine.tokenizer.eos_token_id
+            assert r["choices"][0]["token_ids"] == h.engine.tokenizer(REPLY).input_ids + [eos]
+            _, events = await h.stream(COMP, {"model": "tiny", "prompt": "ab", "return_token_ids": True,
+                                              "max_tokens": 3})
+            streamed = [t for e in events[:-1] for t in e["choices"][0]["token_ids"]]
+            assert streamed == h.engine.tokenizer(REPLY).input_ids[:3]
+            assert events[0]["choices"][0]["prompt_token_ids"] == h.engine.tokenizer("ab").input_ids
+            assert all("prompt_token_ids" not in e["choices"][0] for e in events[1:-1])
+            _, events = await h.stream(CHAT, chat_body(return_token_ids=True))
+            req = [r for r in h.engine.requests.values() if r.messages][-1]
+            assert events[0]["prompt_token_ids"] == h.engine.prompt_ids(req)
+            assert [t for e in events[1:-1] if e["choices"] for t in e["choices"][0]["token_ids"]] == \
+                h.engine.tokenizer(REPLY).input_ids + [h.engine.tokenizer.eos_token_id]
+
+    run(body)
+
+
+def test_continuous_usage_stats_puts_usage_in_every_chunk(harness):
+    async def body():
+        async with harness() as h:
+            _, events = await h.stream(CHAT, chat_body(stream_options={"include_usage": True,
+                                                                       "continuous_usage_stats": True}))
+            chunks = events[:-1]
+            assert all(c["usage"] is not None for c in chunks)
+            counts = [c["usage"]["completion_tokens"] for c in chunks]
+            assert counts == sorted(counts) and counts[-1] > counts[1]
+
+    run(body)
+
+
+def test_cached_tokens_come_from_the_engine(harness):
+    async def body():
+        async with harness() as h:
+            def cached(req):
+                out = h.engine.reply(req)
+                return [msgspec.structs.replace(m, num_cached_tokens=16) if isinstance(m, Finished) else m
+                        for m in out]
+            h.engine.plan = cached
+            _, r = await h.post(CHAT, chat_body(n=2))
+            assert r["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}  # one prompt, not one per choice
+
+    run(body)
+
+
+def test_bad_words_and_min_tokens_reach_the_engine_as_token_ids(harness):
+    async def body():
+        async with harness() as h:
+            _, r = await h.post(CHAT, chat_body(bad_words=["Hello"], min_tokens=2))
+            req = next(iter(h.engine.requests.values()))
+            tok = h.engine.tokenizer
+            words = {tuple(tok("Hello", add_special_tokens=False).input_ids),
+                     tuple(tok(" Hello", add_special_tokens=False).input_ids)}
+            assert set(req.sampling.bad_words_token_ids) == words
+            assert req.sampling.min_token_stop_ids == (tok.eos_token_id,)
+
+    run(body)
+
+
+def test_tokenize_detokenize_version_ping_and_model_by_id(harness):
+    async def body():
+        async with harness() as h:
+            tok = h.engine.tokenizer
+            status, r = await h.post("/tokenize", {"model": "tiny", "prompt": "Hello world"})
+            assert status == 200 and r["tokens"] == tok("Hello world").input_ids
+            assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
+            status, r = await h.post("/tokenize", {"model": "tiny", "messages": MSGS})
+            text = tok.apply_chat_template(MSGS, tokenize=False, add_generation_prompt=True)
+            assert r["tokens"] == tok(text, add_special_tokens=False).input_ids
+            status, r = await h.post("/detokenize", {"model": "tiny", "tokens": tok("Hello world").input_ids})
+            assert status == 200 and r == {"prompt": "Hello world"}
+            status, r = await h.post("/tokenize", {"model": "nope", "prompt": "x"})
+            assert status == 404 and r["error"]["code"] == "model_not_found"
+            async with h.session.get(h.url + "/version") as resp:
+                assert resp.status == 200 and "version" in await resp.json()
+            for method in (h.session.get, h.session.post):
+                async with method(h.url + "/ping") as resp:
+                    assert resp.status == 200
+            async with h.session.get(h.url + "/v1/models/tiny-lora") as resp:
+                card = await resp.json()
+                assert resp.status == 200 and card["id"] == "tiny-lora" and card["parent"] == "tiny"
+            async with h.session.get(h.url + "/v1/models/other") as resp:
+                assert resp.status == 404 and (await resp.json())["error"]["code"] == "model_not_found"
+
+    run(body)
+
+
+def test_reloading_a_served_adapter_needs_load_inplace(harness, tmp_path):
+    async def body():
+        async with harness() as h:
+            lora = msgspec.structs.replace(h.config.lora, allow_runtime_updates=True, adapter_dirs=[str(tmp_path)])
+            h.actor.config = msgspec.structs.replace(h.config, lora=lora)
+            status, r = await h.post("/v1/load_lora_adapter", {"lora_name": "tiny-lora", "lora_path": "/elsewhere"})
+            assert status == 400 and r["error"]["code"] == "adapter_already_loaded" and "load_inplace" in r["error"]["message"]
+            # with load_inplace (or a new name) the request goes on to the path check
+            for body in ({"lora_name": "tiny-lora", "lora_path": "/elsewhere", "load_inplace": True},
+                         {"lora_name": "new", "lora_path": "/elsewhere"}):
+                status, r = await h.post("/v1/load_lora_adapter", body)
+                assert status == 403, r
+
+    run(body)
+
+
+def test_drain_finishes_a_stream_in_flight_and_refuses_new_requests(harness):
+    async def body():
+        async with harness() as h:
+            h.engine.plan = hold
+            streaming = asyncio.create_task(h.stream(CHAT, chat_body()))
+            await h.engine.wait_for(lambda: len(h.engine.requests) == 1)
+            (req,) = h.engine.requests.values()
+            await h.control(Drain(timeout_s=10.0))
+            status, r = await h.post(CHAT, chat_body())
+            assert status == 503 and r["error"]["code"] == "shutting_down"
+            async with h.session.get(h.url + "/health") as resp:
+                assert resp.status == 503
+            for out in h.engine.reply(req):  # the request in flight finishes after the signal
+                await h.engine.send(out)
+            status, events = await streaming
+            assert events[-1] == "[DONE]" and "".join(
+                e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"]) == REPLY
+            assert await h.control_out.recv() == Drained(num_failed=0)
+
+    run(body)
+
+
+def test_drain_timeout_fails_what_is_left_with_a_clear_error(harness):
+    async def body():
+        async with harness() as h:
+            h.engine.plan = hold
+            streaming = asyncio.create_task(h.stream(CHAT, chat_body()))
+            await h.engine.wait_for(lambda: len(h.engine.requests) == 1)
+            (req,) = h.engine.requests.values()
+            tok = SampledToken(request_id=req.request_id, token_id=h.engine.tokenizer("Hello").input_ids[0])
+            await h.engine.send(TokenDelta(request_id=req.request_id, tokens=[tok], num_prompt_tokens=3))
+            await h.control(Drain(timeout_s=0.2))
+            status, events = await streaming
+            assert "[DONE]" not in events and "shutdown_timeout_s" in events[-1]["error"]["message"]
+            assert await h.control_out.recv() == Drained(num_failed=1)
+            assert h.engine.aborts == [req.request_id]  # the engine frees its blocks
+
+    run(body)
+
+
+def test_stop_strings_wait_for_min_tokens(harness):
+    async def body():
+        async with harness() as h:
+            _, r = await h.post(CHAT, chat_body(stop=["Hello"]))
+            assert r["choices"][0]["message"]["content"] == ""
+            _, r = await h.post(CHAT, chat_body(stop=["Hello", " is"], min_tokens=2))
+            assert r["choices"][0]["message"]["content"] == "Hello world! This"  # " is" comes later
+
+    run(body)
+
+
+def test_the_scheduler_does_not_stop_on_eos_before_min_tokens(harness):
+    async def body():
+        async with harness() as h:
+            h.engine.reply_text = "Hello<|im_end|> world"  # an EOS mid-reply
+            _, r = await h.post(CHAT, chat_body())
+            assert r["choices"][0]["message"]["content"] == "Hello"
+            num_hello = len(h.engine.tokenizer("Hello").input_ids)
+            _, r = await h.post(CHAT, chat_body(min_tokens=num_hello + 2))
+            assert r["choices"][0]["message"]["content"] == "Hello world"
+
+    run(body)

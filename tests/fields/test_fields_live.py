@@ -1,0 +1,136 @@
+"""The official ``openai`` client against a live server (every actor in its own
+process, a tiny random Llama on CPU, greedy): each honoured field changes the
+output as specified, an invalid value is a 400, and SIGTERM drains."""
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.frontend.test_openai_live import _free_port, _tiny_llama
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.slow
+GREEDY = dict(model="tiny", temperature=0, extra_body={"return_token_ids": True})
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tokenizer):
+    """``(client, process)``; the last test of the module sends it SIGTERM."""
+    folder = tmp_path_factory.mktemp("fields-model")
+    _tiny_llama(folder, tokenizer)
+    port = _free_port()
+    config = folder / "serve.yaml"
+    config.write_text(json.dumps({
+        "model": {"path": str(folder), "name": "tiny", "dtype": "float32", "device": "cpu"},
+        "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 256},
+        "kv": {"block_size": 16, "num_blocks": 64},
+        "server": {"host": "127.0.0.1", "port": port, "shutdown_timeout_s": 60},
+    }))
+    proc = subprocess.Popen([sys.executable, "-m", "mstar_actors", "serve", str(config)],
+                            stderr=subprocess.PIPE, text=True)
+    log = []
+    for line in proc.stderr:
+        log.append(line)
+        if "serving tiny at" in line:
+            break
+    else:
+        proc.wait()
+        pytest.fail(f"the server exited ({proc.returncode}) before serving:\n{''.join(log[-40:])}")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+    try:
+        yield client, proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        proc.wait(timeout=90)
+        proc.stderr.close()
+
+
+def ids_of(choice) -> list[int]:
+    return choice.model_extra["token_ids"]
+
+
+def test_logit_bias_makes_every_token_that_token_and_bad_words_ban_it(server, tokenizer):
+    client, _ = server
+    (hello,) = tokenizer("Hello", add_special_tokens=False).input_ids
+    out = client.completions.create(prompt="The quick", max_tokens=6, logit_bias={str(hello): 100}, **GREEDY)
+    assert ids_of(out.choices[0]) == [hello] * 6
+    extra = {"return_token_ids": True, "bad_words": ["Hello"]}
+    out = client.completions.create(prompt="The quick", max_tokens=6, logit_bias={str(hello): 100},
+                                    **GREEDY | {"extra_body": extra})
+    assert hello not in ids_of(out.choices[0]) and len(ids_of(out.choices[0])) == 6
+
+
+def test_allowed_token_ids_restrict_and_stop_token_ids_stop(server):
+    client, _ = server
+    allowed = [30, 31, 32]
+    out = client.completions.create(prompt="The quick", max_tokens=8, temperature=1.0, seed=1,
+                                    extra_body={"allowed_token_ids": allowed, "return_token_ids": True}, model="tiny")
+    assert set(ids_of(out.choices[0])) <= set(allowed)
+    plain = ids_of(client.completions.create(prompt="The quick", max_tokens=8, **GREEDY).choices[0])
+    extra = {"return_token_ids": True, "stop_token_ids": [plain[2]], "ignore_eos": True}
+    stopped = client.completions.create(prompt="The quick", max_tokens=8, **GREEDY | {"extra_body": extra})
+    cut = plain.index(plain[2]) + 1
+    assert ids_of(stopped.choices[0]) == plain[:cut] and stopped.choices[0].finish_reason == "stop"
+
+
+def test_min_tokens_delays_a_forced_eos(server, tokenizer):
+    client, _ = server
+    bias = {str(tokenizer.eos_token_id): 100}
+    out = client.completions.create(prompt="The quick", max_tokens=20, logit_bias=bias, **GREEDY)
+    assert out.usage.completion_tokens == 1 and out.choices[0].finish_reason == "stop"
+    extra = {"return_token_ids": True, "min_tokens": 5}
+    out = client.completions.create(prompt="The quick", max_tokens=20, logit_bias=bias, **GREEDY | {"extra_body": extra})
+    assert out.usage.completion_tokens == 6 and ids_of(out.choices[0])[-1] == tokenizer.eos_token_id
+    assert tokenizer.eos_token_id not in ids_of(out.choices[0])[:5]
+
+
+def test_truncate_echo_logprobs_zero_and_cached_tokens(server, tokenizer):
+    client, _ = server
+    prompt = "The quick brown fox jumps over the lazy dog. " * 4
+    out = client.completions.create(prompt=prompt, max_tokens=2, model="tiny", extra_body={"truncate_prompt_tokens": 5})
+    assert out.usage.prompt_tokens == 5
+    out = client.completions.create(prompt="Hello world", max_tokens=2, echo=True, model="tiny", temperature=0)
+    assert out.choices[0].text.startswith("Hello world")
+    out = client.completions.create(prompt="Hello", max_tokens=3, logprobs=0, model="tiny", temperature=0)
+    assert len(out.choices[0].logprobs.token_logprobs) == 3 and all(t == {} for t in out.choices[0].logprobs.top_logprobs)
+    client.completions.create(prompt=prompt, max_tokens=1, model="tiny")
+    again = client.completions.create(prompt=prompt, max_tokens=1, model="tiny")
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16  # a full KV block hit the prefix cache
+
+
+def test_invalid_or_unsupported_fields_are_a_400_naming_them(server):
+    client, _ = server
+    msgs = [{"role": "user", "content": "x"}]
+    for kwargs, param in [({"logit_bias": {"99999": 1}}, "logit_bias"), ({"logit_bias": {"1": 200}}, "logit_bias"),
+                          ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
+                          ({"extra_body": {"allowed_token_ids": [-1]}}, "allowed_token_ids"),
+                          ({"extra_body": {"no_such_field": 1}}, "no_such_field")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, **kwargs)
+        assert info.value.body["param"] == param
+    # fields that change nothing pass, as OpenAI's server takes them
+    client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, user="u", metadata={"k": "v"}, store=False)
+
+
+def test_sigterm_lets_a_stream_in_flight_end_with_done_and_refuses_new_requests(server):
+    client, proc = server
+    stream = client.completions.create(model="tiny", prompt="The quick", max_tokens=200, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    first = next(chunks)
+    proc.send_signal(signal.SIGTERM)
+    for line in proc.stderr:  # the frontend applied the drain
+        if "draining: new requests get 503" in line:
+            break
+    with pytest.raises((openai.InternalServerError, openai.APIConnectionError)) as info:
+        client.completions.create(model="tiny", prompt="x", max_tokens=2)
+    if isinstance(info.value, openai.InternalServerError):
+        assert info.value.status_code == 503
+    rest = list(chunks)  # the openai client ends the iteration at [DONE]; an error event would raise
+    text = first.choices[0].text + "".join(c.choices[0].text for c in rest if c.choices)
+    assert rest[-1].choices[0].finish_reason == "length" and text
+    assert proc.wait(timeout=90) == 0
