@@ -139,7 +139,7 @@ def check_fields(body: dict, kind: str) -> None:
         if name in UNSUPPORTED_FIELDS:
             if value in UNSUPPORTED_FIELDS[name]:
                 continue
-            raise _bad(name, f"not supported by this server (it would change the output); remove it")
+            raise _bad(name, "not supported by this server (it would change the output); remove it")
         endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         raise _bad(name, f"unknown field for {endpoint}; accepted: {', '.join(sorted(accepted - IGNORED_FIELDS))}")
 
