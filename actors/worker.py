@@ -149,17 +149,14 @@ class WorkerActor(Actor):
 
     async def join_group(self) -> Any:
         """This rank's place in the tensor-parallel group (blocks until every rank joined)."""
-        from mstar_actors.runner.device import resolve_device
+        from mstar_actors.runner.device import resolve_device, use_device
         from mstar_actors.runner.parallel import SINGLE_RANK, Rendezvous, init_tensor_parallel, rank_device
 
         if not self.rendezvous or self.rendezvous["world_size"] == 1:
             return SINGLE_RANK
         meet = Rendezvous(**self.rendezvous)
         device = rank_device(resolve_device(self.config.model.device), self.rank, meet.world_size)
-        if device.type == "cuda":  # the loop's thread runs the steps: its current device is the rank's
-            import torch
-
-            torch.cuda.set_device(device)
+        use_device(device)  # the loop's thread runs the steps: its current device is the rank's
         tp = await self.run_blocking(init_tensor_parallel, self.rank, meet, device)
         self.log.info("joined the tensor-parallel group at %s as rank %d of %d (%s)", meet.init_method, tp.rank,
                       tp.world_size, tp.backend)
@@ -223,11 +220,11 @@ class WorkerActor(Actor):
 
     def install(self, msg: InstallAdapter) -> AdapterInstalled:
         """On the install thread: the host copy into the slot, then wait for the device copies."""
-        device = getattr(self.runner, "device", None)
-        if device is not None and device.type == "cuda":  # a thread's current device is its own: the rank's
-            import torch
+        from mstar_actors.runner.device import use_device
 
-            torch.cuda.set_device(device)
+        device = getattr(self.runner, "device", None)  # the actor tests' runners have none
+        if device is not None:
+            use_device(device)  # a thread's current device is its own: the rank's
         reply = install_from_host(self.runner, self.rank, msg)
         if not reply.ok:
             self.log.warning("%s", reply.error)

@@ -34,7 +34,7 @@ from mstar_actors.models.registry import ARCHITECTURES
 from mstar_actors.models.lora_layers import LoraLayers, enable_lora
 from mstar_actors.models.media_inputs import MediaInputs, TensorResolver
 from mstar_actors.models.spec import ModelSpec
-from mstar_actors.runner.device import resolve_device, resolve_dtype
+from mstar_actors.runner.device import resolve_device, resolve_dtype, use_device
 from mstar_actors.runner.model_runner import KvCache, ModelRunner, Sampler
 from mstar_actors.runner.parallel import SINGLE_RANK, TensorParallel, rank_device
 from mstar_actors.runner.sampling import sample_tokens
@@ -50,8 +50,7 @@ def build_runner(config: Config, info: ModelInfo, resolve_tensor: TensorResolver
     media pixel values (the rank's arena); ``sampler`` picks each step's
     tokens; ``tp`` is the rank's tensor-parallel group (its shard is loaded)."""
     device = rank_device(resolve_device(config.model.device), tp.rank, tp.world_size)
-    if device.type == "cuda":  # this thread's kernels, streams and graph captures go to the rank's device
-        torch.cuda.set_device(device)
+    use_device(device)  # this thread's kernels, streams and graph captures go to the rank's device
     dtype = resolve_dtype(info.dtype, None, device)
     model = load_model(info.model_dir, dtype, device, tp)
     if device.type == "cpu":

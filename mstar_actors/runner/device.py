@@ -30,3 +30,10 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str | None, device: torch.device
     if device.type == "cpu":
         return torch.float32
     return _DTYPES[checkpoint_dtype] if checkpoint_dtype in ("bfloat16", "float16") else torch.bfloat16
+
+
+def use_device(device: torch.device) -> None:
+    """Make ``device`` this thread's current CUDA device (each thread has its
+    own). A plain ``cuda`` names the current one already; CPU has none."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)

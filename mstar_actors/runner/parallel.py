@@ -101,8 +101,9 @@ def init_tensor_parallel(rank: int, rendezvous: Rendezvous, device: torch.device
     import torch.distributed as dist
 
     backend = backend_for(device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    from mstar_actors.runner.device import use_device
+
+    use_device(device)
     dist.init_process_group(backend, init_method=rendezvous.init_method, rank=rank,
                             world_size=rendezvous.world_size, timeout=datetime.timedelta(seconds=timeout_s))
     tp = TensorParallel(rank, rendezvous.world_size, backend)
