@@ -2,8 +2,10 @@
 
 A multi-megabyte prompt took seconds of tokenizing before its refusal. A
 text longer than ``limit * max_chars_per_token`` characters can't fit in
-``limit`` tokens; below that, growing prefixes decide after a few times
-``limit`` tokens of work. Pure: the tokenizer comes in as a function.
+``limit`` tokens; below that, a short prefix measures the text's characters
+per token and a second prefix aimed just past ``limit`` decides, so a
+refusal costs about ``limit`` tokens of work. Pure: the tokenizer comes in
+as a function.
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-# A prompt that may be too long is tokenized in growing prefixes, the first of
-# this many characters per allowed token, each twice the last: a refusal
-# costs a few times max_model_len tokens of work, never the whole prompt.
-FIRST_PROBE_CHARS_PER_TOKEN = 2
+# A prompt that may be too long is tokenized in prefixes: the first of this
+# many characters per allowed token (a quarter of the limit's tokens for
+# English), each next one aimed AIM past the limit at the characters per
+# token measured so far, and at least GROWTH times the last.
+FIRST_PROBE_CHARS_PER_TOKEN = 1
+AIM = 1.1
+GROWTH = 1.25
 # Tokens a cut can add to a prefix (the split word or special token), so a
 # prefix of limit + CUT_SLACK tokens proves the whole prompt has limit or more.
 CUT_SLACK = 32
@@ -44,7 +49,8 @@ def encode_bounded(encode: Callable[[str], list], text: str, limit: int | None,
         num_tokens = len(encode(text[:probe]))
         if num_tokens >= limit + CUT_SLACK:
             raise PromptTooLong(num_tokens - CUT_SLACK, limit)
-        probe *= 2
+        chars_per_token = probe / max(num_tokens, 1)
+        probe = max(int(probe * GROWTH), int(AIM * (limit + CUT_SLACK) * chars_per_token))
     return list(encode(text))
 
 

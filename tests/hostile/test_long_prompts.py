@@ -57,14 +57,15 @@ def test_a_huge_prompt_is_refused_from_its_length_without_tokenizing(counted):
     assert counter.num_chars == 0
 
 
-def test_a_long_prompt_is_refused_after_a_few_limits_of_work(counted):
+def test_a_long_prompt_is_refused_within_two_and_a_half_limits_of_work(counted):
     preparer, counter = counted
     limit_chars = (LIMIT - 1) * preparer.tokenization.max_chars_per_token
     for piece in ["hello world ", "東京 café 🙂 ", "x"]:
         text = (piece * (limit_chars // len(piece)))[:limit_chars]
         counter.num_tokens = 0
         assert_too_long(preparer.draft(request(prompt=text)))
-        assert counter.num_tokens <= 4 * (LIMIT + CUT_SLACK) + LIMIT, (piece, counter.num_tokens)
+        # about 1.5 limits for text, 2.25 for a run of one letter (BPE merges it unevenly)
+        assert counter.num_tokens <= 2.5 * (LIMIT + CUT_SLACK), (piece, counter.num_tokens)
 
 
 def test_prompts_that_fit_are_tokenized_as_before(counted, tokenizer):
