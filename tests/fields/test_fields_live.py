@@ -2,14 +2,11 @@
 process, a tiny random Llama on CPU, greedy): each honoured field changes the
 output as specified, an invalid value is a 400, and SIGTERM drains."""
 
-import json
 import signal
-import subprocess
-import sys
 
 import pytest
 
-from tests.frontend.test_openai_live import _free_port, _tiny_llama
+from tests.live_tiny import save_tiny_llama, serve_tiny
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -20,33 +17,9 @@ GREEDY = dict(model="tiny", temperature=0, extra_body={"return_token_ids": True}
 def server(tmp_path_factory, tokenizer):
     """``(client, process)``; the last test of the module sends it SIGTERM."""
     folder = tmp_path_factory.mktemp("fields-model")
-    _tiny_llama(folder, tokenizer)
-    port = _free_port()
-    config = folder / "serve.yaml"
-    config.write_text(json.dumps({
-        "model": {"path": str(folder), "name": "tiny", "dtype": "float32", "device": "cpu"},
-        "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 256},
-        "kv": {"block_size": 16, "num_blocks": 64},
-        "server": {"host": "127.0.0.1", "port": port, "shutdown_timeout_s": 60},
-    }))
-    proc = subprocess.Popen([sys.executable, "-m", "mstar_actors", "serve", str(config)],
-                            stderr=subprocess.PIPE, text=True)
-    log = []
-    for line in proc.stderr:
-        log.append(line)
-        if "serving tiny at" in line:
-            break
-    else:
-        proc.wait()
-        pytest.fail(f"the server exited ({proc.returncode}) before serving:\n{''.join(log[-40:])}")
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
-    try:
-        yield client, proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-        proc.wait(timeout=90)
-        proc.stderr.close()
+    save_tiny_llama(folder, tokenizer)
+    with serve_tiny(folder, stop_timeout_s=90, shutdown_timeout_s=60) as (base_url, proc):
+        yield openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=60), proc
 
 
 def ids_of(choice) -> list[int]:

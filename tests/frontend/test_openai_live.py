@@ -1,69 +1,24 @@
 """The official ``openai`` client against a real server: every actor in its own
 process, a tiny random Llama on CPU. Skips until the launcher is importable."""
 
-import json
-import socket
-import subprocess
-import sys
 
 import pytest
+
+from tests.live_tiny import save_tiny_llama, serve_tiny
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tiny_llama(folder, tokenizer) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-
-
 @pytest.fixture(scope="module")
 def live_server(tmp_path_factory, tokenizer):
-    """``(base_url, api_key)`` of a server started with ``python -m mstar_actors serve``.
-
-    Waits for the launcher's "serving" log line (reading the child's stderr,
-    no polling); fails with the log if the server exits first.
-    """
+    """``(base_url, api_key)`` of a server started with ``python -m mstar_actors serve``."""
     pytest.importorskip("mstar_actors.launcher")
     folder = tmp_path_factory.mktemp("live-model")
-    _tiny_llama(folder, tokenizer)
-    port, key = _free_port(), "live-key"
-    config = folder / "serve.yaml"
-    config.write_text(json.dumps({
-        "model": {"path": str(folder), "name": "tiny", "dtype": "float32", "device": "cpu"},
-        "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 256},
-        "kv": {"block_size": 16, "num_blocks": 64},
-        "server": {"host": "127.0.0.1", "port": port, "api_key": key},
-    }))  # JSON is YAML
-    proc = subprocess.Popen([sys.executable, "-m", "mstar_actors", "serve", str(config)],
-                            stderr=subprocess.PIPE, text=True)
-    log = []
-    for line in proc.stderr:
-        log.append(line)
-        if "serving tiny at" in line:
-            break
-    else:
-        proc.wait()
-        pytest.fail(f"the server exited ({proc.returncode}) before serving:\n{''.join(log[-40:])}")
-    try:
-        yield f"http://127.0.0.1:{port}/v1", key
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        proc.stderr.close()
+    save_tiny_llama(folder, tokenizer)
+    key = "live-key"
+    with serve_tiny(folder, api_key=key) as (base_url, _):
+        yield base_url, key
 
 
 @pytest.fixture

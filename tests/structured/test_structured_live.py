@@ -4,14 +4,12 @@ random model alone writes garbage, so output that parses is the mask at work."""
 
 from __future__ import annotations
 
-import json
 import re
-import socket
-import subprocess
-import sys
 from typing import Literal
 
 import pytest
+
+from tests.live_tiny import save_tiny_llama, serve_tiny
 from pydantic import BaseModel, Field
 from structured_kit import frontend_kit
 
@@ -34,52 +32,19 @@ class Order(BaseModel):
     note: str | None = Field(max_length=6)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tiny_llama(folder) -> None:
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     frontend_kit.make_tokenizer_dir(folder)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(folder)
+    save_tiny_llama(folder, AutoTokenizer.from_pretrained(str(folder)), max_position_embeddings=512)
 
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     folder = tmp_path_factory.mktemp("structured-live")
     _tiny_llama(folder)
-    port = _free_port()
-    config = folder / "serve.yaml"
-    config.write_text(json.dumps({
-        "model": {"path": str(folder), "name": "tiny", "dtype": "float32", "device": "cpu"},
-        "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 512, "max_model_len": 512},
-        "kv": {"block_size": 16, "num_blocks": 128},
-        "server": {"host": "127.0.0.1", "port": port, "api_key": "k"},
-    }))  # JSON is YAML
-    proc = subprocess.Popen([sys.executable, "-m", "mstar_actors", "serve", str(config)], stderr=subprocess.PIPE, text=True)
-    log = []
-    for line in proc.stderr:
-        log.append(line)
-        if "serving tiny at" in line:
-            break
-    else:
-        proc.wait()
-        pytest.fail(f"the server exited ({proc.returncode}) before serving:\n{''.join(log[-40:])}")
-    try:
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=120)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        proc.stderr.close()
+    with serve_tiny(folder, max_model_len=512, num_blocks=128, api_key="k") as (base_url, _):
+        yield openai.OpenAI(base_url=base_url, api_key="k", max_retries=0, timeout=120)
 
 
 def chat(content: str) -> list[dict]:

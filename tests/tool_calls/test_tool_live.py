@@ -7,12 +7,11 @@ forced calls are checked valid, which holds once structured outputs apply
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 from typing import Literal
 
 import pytest
+
+from tests.live_tiny import save_tiny_llama, serve_tiny
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -38,53 +37,13 @@ HISTORY = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tiny_llama(folder, tokenizer) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_MODEL_LEN,
-                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-
-
 @pytest.fixture(scope="module")
 def client(tmp_path_factory, hermes_tokenizer):
     pytest.importorskip("mstar_actors.launcher")
     folder = tmp_path_factory.mktemp("live-tools-model")
-    _tiny_llama(folder, hermes_tokenizer)
-    port = _free_port()
-    config = folder / "serve.yaml"
-    config.write_text(json.dumps({
-        "model": {"path": str(folder), "name": "tiny", "dtype": "float32", "device": "cpu"},
-        "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": MAX_MODEL_LEN, "max_model_len": MAX_MODEL_LEN},
-        "kv": {"block_size": 16, "num_blocks": 256},
-        "server": {"host": "127.0.0.1", "port": port},
-    }))  # JSON is YAML
-    proc = subprocess.Popen([sys.executable, "-m", "mstar_actors", "serve", str(config)],
-                            stderr=subprocess.PIPE, text=True)
-    log = []
-    for line in proc.stderr:
-        log.append(line)
-        if "serving tiny at" in line:
-            break
-    else:
-        proc.wait()
-        pytest.fail(f"the server exited ({proc.returncode}) before serving:\n{''.join(log[-40:])}")
-    try:
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        proc.stderr.close()
+    save_tiny_llama(folder, hermes_tokenizer, max_position_embeddings=MAX_MODEL_LEN)
+    with serve_tiny(folder, max_model_len=MAX_MODEL_LEN, num_blocks=256) as (base_url, _):
+        yield openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=60)
 
 
 def test_auto_runs_full_and_streamed(client):

@@ -1,0 +1,72 @@
+"""A live ``python -m mstar_actors serve`` of a tiny random Llama, for the
+tests that talk to a real server with the ``openai`` client.
+
+``save_tiny_llama`` writes the model beside a tokenizer; ``serve_tiny``
+starts the server on a free port with a config built from the caller's
+sections, waits for the launcher's "serving" line (reading the child's
+stderr, no polling), yields ``(base_url, process)``, and stops it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+MODEL_NAME = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def save_tiny_llama(folder: Path, tokenizer, max_position_embeddings: int = 256) -> None:
+    """A 2-layer random Llama over ``tokenizer``'s vocabulary, and the tokenizer, in ``folder``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+@contextlib.contextmanager
+def serve_tiny(folder: Path, max_model_len: int = 256, num_blocks: int = 64, stop_timeout_s: float = 30,
+               **server) -> Iterator[tuple[str, subprocess.Popen]]:
+    """The server of the model in ``folder``; ``server`` adds keys to the config's server section."""
+    port = free_port()
+    config = folder / "serve.yaml"
+    config.write_text(json.dumps({  # JSON is YAML
+        "model": {"path": str(folder), "name": MODEL_NAME, "dtype": "float32", "device": "cpu"},
+        "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": max_model_len, "max_model_len": max_model_len},
+        "kv": {"block_size": 16, "num_blocks": num_blocks},
+        "server": {"host": "127.0.0.1", "port": port} | server,
+    }))
+    proc = subprocess.Popen([sys.executable, "-m", "mstar_actors", "serve", str(config)],
+                            stderr=subprocess.PIPE, text=True)
+    log = []
+    for line in proc.stderr:
+        log.append(line)
+        if f"serving {MODEL_NAME} at" in line:
+            break
+    else:
+        proc.wait()
+        pytest.fail(f"the server exited ({proc.returncode}) before serving:\n{''.join(log[-40:])}")
+    try:
+        yield f"http://127.0.0.1:{port}/v1", proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        proc.wait(timeout=stop_timeout_s)
+        proc.stderr.close()
