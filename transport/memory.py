@@ -128,3 +128,39 @@ class MemoryChannel(Channel):
 
     def stats(self) -> ChannelStats:
         return self._stats
+
+
+class MemoryBroadcast:
+    """``BroadcastChannel``'s semantics over in-memory channels, for tests:
+    every message to every reader in one order; ``send_nowait`` is
+    all-or-nothing (ChannelFull before any reader gets it)."""
+
+    def __init__(self, channels: list[MemoryChannel], name: str = "broadcast"):
+        if not channels:
+            raise ValueError(f"broadcast {name!r}: needs at least one reader channel")
+        self.channels = channels
+        self.name = name
+
+    def send_nowait(self, msg: Any) -> None:
+        datas = [ch._codec.encode(msg) for ch in self.channels]
+        full = [ch.name for ch, data in zip(self.channels, datas) if not ch._check_send(data)]
+        if full:
+            raise ChannelFull(f"broadcast {self.name!r}: channels {full} are full; await send() to wait")
+        for ch, data in zip(self.channels, datas):
+            ch._push(data)
+
+    async def send(self, msg: Any) -> None:
+        for ch in self.channels:  # room only grows while we wait on the others (we are the one writer)
+            await ch.send(msg)
+
+    def close(self) -> None:
+        for ch in self.channels:
+            ch.close()
+
+    def stats(self) -> ChannelStats:
+        """As ``BroadcastChannel.stats``: once per broadcast, the slowest reader's bound."""
+        per_reader = [ch.stats() for ch in self.channels]
+        return ChannelStats(name=self.name, messages=min(s.messages for s in per_reader),
+                            bytes=min(s.bytes for s in per_reader),
+                            capacity_bytes=min(s.capacity_bytes for s in per_reader),
+                            peak_fill_bytes=max(s.peak_fill_bytes for s in per_reader))

@@ -30,29 +30,9 @@ from mstar_actors.messages import (
     WorkerToConductor,
 )
 from mstar_actors.tokenization import Tokenization
-from transport.memory import MemoryChannel
+from transport.memory import MemoryBroadcast, MemoryChannel
 
 NUM_RANKS = 2
-
-
-class FanOut:
-    """The broadcast's semantics over in-memory channels: every message to every rank."""
-
-    def __init__(self, channels):
-        self.channels = channels
-        self.name = "conductor.workers"
-
-    async def send(self, msg):
-        for ch in self.channels:
-            await ch.send(msg)
-
-    def send_nowait(self, msg):
-        for ch in self.channels:
-            ch.send_nowait(msg)
-
-    def close(self):
-        for ch in self.channels:
-            ch.close()
 
 
 class Engine:
@@ -70,7 +50,8 @@ class Engine:
         self.actors = [
             PrepareActor(name="prepare", inbox={"frontend": self.to_prepare}, outbox={"conductor": p2c}, **common),
             ConductorActor(name="conductor", inbox={"prepare": p2c} | {f"worker{r}": w2c[r] for r in range(NUM_RANKS)},
-                           outbox={"frontend": self.from_conductor, "workers": FanOut(c2w)}, **common),
+                           outbox={"frontend": self.from_conductor,
+                                   "workers": MemoryBroadcast(c2w, "conductor.workers")}, **common),
         ] + [
             WorkerActor(name=f"worker{r}", rank=r, inbox={"conductor": c2w[r]}, outbox={"conductor": w2c[r]}, **common)
             for r in range(NUM_RANKS)

@@ -42,7 +42,7 @@ from mstar_actors.messages import (
 )
 from transport import shm
 from transport.errors import ChannelClosed
-from transport.memory import MemoryChannel
+from transport.memory import MemoryBroadcast, MemoryChannel
 
 NUM_RANKS = 4
 TOKEN = 7  # every fake step samples this (never EOS): requests end by length
@@ -152,7 +152,8 @@ class Cluster:
         self.conductor = ConductorActor(
             name="conductor", config=self.config, info=self.info,
             inbox={"prepare": self.to_conductor, "adapter_reader": r2c} | {f"worker{r}": w2c[r] for r in range(NUM_RANKS)},
-            outbox={"frontend": self.from_conductor, "workers": FanOut(c2w), "adapter_reader": c2r})
+            outbox={"frontend": self.from_conductor, "workers": MemoryBroadcast(c2w, "conductor.workers"),
+                    "adapter_reader": c2r})
         self.reader = AdapterReaderActor(name="adapter_reader", config=self.config, info=self.info,
                                          inbox={"conductor": c2r}, outbox={"conductor": r2c})
         self.stats: list[EngineStats] = []
@@ -204,25 +205,6 @@ class Cluster:
 
         folders, shapes = self.reader.config.lora.adapters, self.info.lora_base
         return read_adapter(folders[name], base=shapes, max_rank=8, name=name).digest
-
-
-class FanOut:
-    """The broadcast over in-memory channels: every message to every rank, in one order."""
-
-    def __init__(self, channels):
-        self.channels, self.name = channels, "conductor.workers"
-
-    async def send(self, msg):
-        for ch in self.channels:
-            await ch.send(msg)
-
-    def send_nowait(self, msg):
-        for ch in self.channels:
-            ch.send_nowait(msg)
-
-    def close(self):
-        for ch in self.channels:
-            ch.close()
 
 
 def assert_agreed(cluster: Cluster) -> None:

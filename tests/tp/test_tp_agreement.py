@@ -38,7 +38,7 @@ from mstar_actors.messages import (
 from mstar_actors.model_info import ModelInfo
 from transport import shm
 from transport.errors import ChannelClosed
-from transport.memory import MemoryChannel
+from transport.memory import MemoryBroadcast, MemoryChannel
 
 NUM_RANKS = 2
 REPLY_TIMEOUT_S = 120.0
@@ -56,25 +56,6 @@ def world(tmp_path_factory):
         folders[name], _ = make_adapter(tmp, model, seed=seed + 1, name=name,
                                         target_modules=["q_proj", "o_proj", "gate_proj", "down_proj", "lm_head"])
     return tmp / "base", folders, base_shapes(config)
-
-
-class FanOut:
-    """The broadcast over in-memory channels: every message to every rank, in one order."""
-
-    def __init__(self, channels):
-        self.channels, self.name = channels, "conductor.workers"
-
-    async def send(self, msg):
-        for ch in self.channels:
-            await ch.send(msg)
-
-    def send_nowait(self, msg):
-        for ch in self.channels:
-            ch.send_nowait(msg)
-
-    def close(self):
-        for ch in self.channels:
-            ch.close()
 
 
 class RelayedRank:
@@ -146,7 +127,8 @@ class ShardedCluster:
         self.conductor = ConductorActor(
             name="conductor", config=self.config, info=self.info,
             inbox={"prepare": self.to_conductor, "adapter_reader": r2c} | {f"worker{r}": w2c[r] for r in range(NUM_RANKS)},
-            outbox={"frontend": self.from_conductor, "workers": FanOut(c2w), "adapter_reader": c2r})
+            outbox={"frontend": self.from_conductor, "workers": MemoryBroadcast(c2w, "conductor.workers"),
+                    "adapter_reader": c2r})
         self.reader = AdapterReaderActor(name="adapter_reader", config=self.config, info=self.info,
                                          inbox={"conductor": c2r}, outbox={"conductor": r2c})
         self.fail_on = fail_on or {}
