@@ -29,9 +29,7 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.txt, print the tail
 }
 
 $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")'
-step gpu_tests $PY -m pytest -q -m gpu -p no:cacheprovider \
-    tests/lora/test_lora_triton_gpu.py tests/lora/test_lora_parity.py tests/models/test_runner.py tests/test_sampling.py \
-    tests/models/test_decode_graphs.py tests/models/test_triton_attention.py tests/lora/test_lora_rows.py
+step gpu_tests $PY -m pytest -q -m gpu -p no:cacheprovider tests    # the two-GPU ones skip on one
 step attention_kernels $PY tools/check_attention_kernels.py
 step lora_kernels $PY tools/check_lora_kernels.py --decode --output "$OUT/lora_decode.json"
 step gpu_step $PY tools/profile_gpu_step.py --no-profile ${TOKENIZER:+--tokenizer "$TOKENIZER"}
