@@ -459,10 +459,15 @@ def serve(config: Config, info: ModelInfo) -> int:
 
     try:
         check_engine()  # the host's install first: it needs no model
-        if info.tp_refusal:
-            raise ValueError(info.tp_refusal)
+    except GrammarEngineError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if info.tp_refusal:
+        print(f"error: {info.tp_refusal}", file=sys.stderr)
+        return 2
+    try:
         validate_adapters(config, info)
-    except (AdapterError, GrammarEngineError, ValueError) as err:
+    except AdapterError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
