@@ -222,9 +222,7 @@ class WorkerActor(Actor):
         """On the install thread: the host copy into the slot, then wait for the device copies."""
         from mstar_actors.runner.device import use_device
 
-        device = getattr(self.runner, "device", None)  # the actor tests' runners have none
-        if device is not None:
-            use_device(device)  # a thread's current device is its own: the rank's
+        use_device(self.runner.device)  # a thread's current device is its own: the rank's
         reply = install_from_host(self.runner, self.rank, msg)
         if not reply.ok:
             self.log.warning("%s", reply.error)

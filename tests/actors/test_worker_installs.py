@@ -33,6 +33,8 @@ from transport.memory import MemoryChannel
 class SlowInstallRunner:
     """Steps return no tokens at once; ``install_adapter`` blocks (on the install thread) until ``go`` is set."""
 
+    device = torch.device("cpu")
+
     def __init__(self):
         self.go = threading.Event()
         self.installed: list[tuple[int, str]] = []
