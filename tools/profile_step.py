@@ -113,7 +113,7 @@ class Split:
     def __init__(self, ours: OurStep):
         self.parts = {"attention": 0.0, "lm head": 0.0}
         model = ours.runner.model
-        backend = model.model.layers[0].self_attn.backend
+        backend = model.attention_backend
         for name in ("write_kv", "attend"):
             setattr(backend, name, self._timed("attention", getattr(backend, name)))
         model.compute_logits = self._timed("lm head", model.compute_logits)

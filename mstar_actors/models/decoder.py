@@ -233,6 +233,11 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.run_layers(self.model.embed_tokens(input_ids), positions, kv_caches, meta)
 
+    @property
+    def attention_backend(self) -> PagedAttention:
+        """The paged-attention backend every attention layer shares (the first one's)."""
+        return self.model.layers[self.spec.kv_layers[0]].self_attn.backend
+
     def run_layers(
         self,
         x: torch.Tensor,

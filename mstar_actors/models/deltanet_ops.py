@@ -145,7 +145,12 @@ def _step_rows(meta: AttentionMetadata, device: torch.device):
     """``(decode, chunks)`` of this step, kept in ``meta.derived``: the rows of
     single-token sequences with their slots and whether each continues a
     state, as device tensors (or None), and ``(first row, length, slot,
-    continues)`` of each longer chunk."""
+    continues)`` of each longer chunk. A graphed decode step (``graph_decode``)
+    is read from its tensors alone: every row decodes, and a row continues
+    its state unless its context is that one token."""
+    if meta.graph_decode:
+        rows = torch.arange(meta.context_lens.shape[0], device=device)
+        return (rows, meta.state_slots, meta.context_lens > 1), []
     if "deltanet" in meta.derived:
         return meta.derived["deltanet"]
     starts = meta.query_start_list

@@ -226,7 +226,7 @@ class GatedDeltaNet(nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if self.pool is None or meta.state_slots_list is None:
+        if self.pool is None or meta.state_slots is None:
             raise RuntimeError("a Gated DeltaNet step needs state slots: the runner attaches the pools "
                                "and each step names its sequences' slots (AttentionMetadata.state_slots)")
         num_tokens = x.shape[0]

@@ -68,10 +68,7 @@ def build_runner(config: Config, info: ModelInfo, resolve_tensor: TensorResolver
         # Graph buckets (a decode batch, a mixed step's sampled rows) are row counts too.
         warm_kernels(runner, max(config.scheduler.max_num_batched_tokens, max_batch))
     if takes_graphs(config, device, is_multimodal=media is not None):
-        if model.spec.is_hybrid:
-            log.info("step graphs off: %s's recurrent-state steps run eagerly", model.spec.architecture)
-        else:
-            capture_graphs(runner, max_batch, max_tokens)
+        capture_graphs(runner, max_batch, max_tokens)
     return runner
 
 
@@ -170,7 +167,7 @@ def warm_kernels(runner: ModelRunner, max_num_tokens: int) -> None:
     stall the whole batch). Variants depend on shapes only, so the set is
     known: attention's split counts, each LoRA stack's tiling per row count."""
     started = time.perf_counter()
-    backend = runner.model.model.layers[0].self_attn.backend
+    backend = runner.model.attention_backend
     if hasattr(backend, "warm_up"):
         backend.warm_up(runner.model.layout.num_heads, runner.spec.head_dim, runner.kv_caches[0])
     if runner.lora is not None:
@@ -182,7 +179,18 @@ def warm_kernels(runner: ModelRunner, max_num_tokens: int) -> None:
 def capture_graphs(runner: ModelRunner, max_batch: int, max_tokens: int) -> None:
     """Decode graphs of up to ``max_batch`` sequences, and mixed-step graphs
     of up to ``max_tokens`` tokens where attention can capture them."""
-    runner.enable_step_graphs(max_batch, max_tokens if captures_varlen(runner) else 0)
+    runner.enable_step_graphs(max_batch, max_tokens if captures_mixed(runner) else 0)
+
+
+def captures_mixed(runner: ModelRunner) -> bool:
+    """Whether a step with prefill chunks can be captured: attention must
+    read its shape from tensors (``captures_varlen``), and a hybrid model's
+    chunks go through the DeltaNet's varlen ops, which read it on the host."""
+    if runner.spec.is_hybrid:
+        log.info("mixed-step graphs off: %s's prefill chunks run eagerly (decode steps are graphed)",
+                 runner.spec.architecture)
+        return False
+    return captures_varlen(runner)
 
 
 def captures_varlen(runner: ModelRunner) -> bool:
@@ -193,7 +201,7 @@ def captures_varlen(runner: ModelRunner) -> bool:
         from mstar_actors.models.triton_attention import TritonPagedAttention, is_supported_head_dim
     except ImportError:
         return False
-    backend = runner.model.model.layers[0].self_attn.backend
+    backend = runner.model.attention_backend
     if isinstance(backend, TritonPagedAttention) and is_supported_head_dim(runner.spec.head_dim):
         return True
     log.info("mixed-step graphs off: attention (%s, head_dim %d) has no capturable varlen kernel; "

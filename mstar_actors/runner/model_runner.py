@@ -243,7 +243,9 @@ class ModelRunner:
         if max_tokens > 0:
             self.mixed_graphs = MixedGraphs(self.model, self.kv_caches, self.lora, max_seqs=max_batch,
                                             max_tokens=max_tokens, **shared)
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.lora, max_batch=max_batch, **shared)
+        scratch_state = self.num_state_slots if self.num_state_slots else None  # the pools' scratch slot
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.lora, max_batch=max_batch,
+                                   scratch_state_slot=scratch_state, **shared)
 
     # -- protocol ----------------------------------------------------------
 

@@ -67,7 +67,7 @@ from mstar_actors.models.attention import AttentionMetadata, max_varlen_items, p
 log = logging.getLogger(__name__)
 
 NUM_WARMUP_RUNS = 2  # torch wants eager runs on the capture stream first; Triton compiles in them
-_NUM_FIELDS = 5  # decode header: input_ids, positions, slot_mapping, context_lens, lora_slots
+_NUM_FIELDS = 6  # decode header: input_ids, positions, slot_mapping, context_lens, lora_slots, state_slots
 MIN_TOKEN_BUCKET = 16
 
 
@@ -81,6 +81,7 @@ class DecodeBatch(Protocol):
     context_lens: list[int]
     block_tables: list[list[int]]
     chunk_slots: list[int]
+    state_slots: list[int]  # a hybrid model's recurrent-state slots (-1 each otherwise)
 
 
 class StepBatch(DecodeBatch, Protocol):
@@ -264,18 +265,22 @@ class DecodeGraphs(_StepGraphs):
     """Pure decode steps, one graph per (batch bucket, LoRA variant).
 
     Header (``max_batch`` each; row i = sequence i): ``input_ids | positions
-    | slot_mapping | context_lens | lora_slots``. Padded rows (bucket >
-    batch) decode token 0 at position 0 with context 1 on the scratch block.
+    | slot_mapping | context_lens | lora_slots | state_slots``. Padded rows
+    (bucket > batch) decode token 0 at position 0 with context 1 on the
+    scratch block and, for a hybrid model (``scratch_state_slot``), on the
+    scratch state slot: a context of 1 starts from zero state, so padding
+    never reads a sequence's state and writes only the scratch slot.
     """
 
     name = "decode graphs"
 
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], lora: Any, *, max_batch: int,
                  max_blocks_per_seq: int, block_size: int, scratch_block: int, capture: bool = True,
-                 pool: Any = None):
+                 pool: Any = None, scratch_state_slot: int | None = None):
         super().__init__(model, kv_caches, lora, num_table_rows=max_batch, max_blocks_per_seq=max_blocks_per_seq,
                          block_size=block_size, scratch_block=scratch_block)
         self.max_batch = max_batch
+        self.scratch_state_slot = scratch_state_slot  # None: the model keeps no recurrent state
         self.buckets = batch_buckets(max_batch)
         self._make_buffers(model.spec.vocab_size)
         if capture:
@@ -284,8 +289,10 @@ class DecodeGraphs(_StepGraphs):
     def _make_buffers(self, vocab_size: int) -> None:
         m, dev = self.max_batch, self.device
         self._stage = _Staging(_NUM_FIELDS * m + m * self.block_tables.shape[1], dev)
-        ids32, pos32, slots32, self.context_lens, self.lora_slots = self._stage.view(0, _NUM_FIELDS * m).view(_NUM_FIELDS, m)
-        self._stage_longs = (ids32, pos32, slots32)
+        ids32, pos32, slots32, self.context_lens, self.lora_slots, states32 = (
+            self._stage.view(0, _NUM_FIELDS * m).view(_NUM_FIELDS, m))
+        self._stage_longs = (ids32, pos32, slots32, states32)
+        self.state_slots = torch.zeros(m, dtype=torch.long, device=dev)
         self.input_ids = torch.zeros(m, dtype=torch.long, device=dev)
         self.positions = torch.zeros(m, dtype=torch.long, device=dev)
         self.slot_mapping = torch.zeros(m, dtype=torch.long, device=dev)
@@ -306,7 +313,8 @@ class DecodeGraphs(_StepGraphs):
     def _fill_padding(self, start: int, stop: int) -> None:
         """Rows ``start:stop`` of the host header become padded rows (see the class doc)."""
         h, m = self._stage.host_np, self.max_batch
-        for field, value in enumerate((0, 0, self.scratch_slot, 1, 0)):
+        scratch_state = -1 if self.scratch_state_slot is None else self.scratch_state_slot
+        for field, value in enumerate((0, 0, self.scratch_slot, 1, 0, scratch_state)):
             h[field * m + start : field * m + stop] = value
 
     def _load(self, batch: DecodeBatch) -> int:
@@ -316,7 +324,8 @@ class DecodeGraphs(_StepGraphs):
         self._stage.begin_write()
         h, m = self._stage.host_np, self.max_batch
         for field, values in enumerate(
-            (batch.input_ids, batch.positions, batch.slot_mapping, batch.context_lens, batch.chunk_slots)
+            (batch.input_ids, batch.positions, batch.slot_mapping, batch.context_lens, batch.chunk_slots,
+             batch.state_slots)
         ):
             h[field * m : field * m + num_rows] = values
         self._fill_padding(num_rows, bucket)
@@ -332,8 +341,10 @@ class DecodeGraphs(_StepGraphs):
 
     def _forward(self, bucket: int, uses_rows: bool) -> None:
         """The static-shape step over rows ``:bucket``: what a graph captures."""
-        for static, staged in zip((self.input_ids, self.positions, self.slot_mapping), self._stage_longs):
+        for static, staged in zip((self.input_ids, self.positions, self.slot_mapping, self.state_slots),
+                                  self._stage_longs):
             static[:bucket].copy_(staged[:bucket])
+        is_hybrid = self.scratch_state_slot is not None
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:bucket],
             block_tables=self.block_tables[:bucket],
@@ -343,6 +354,7 @@ class DecodeGraphs(_StepGraphs):
             context_lens_list=[],  # stale under graph_decode: never read
             num_blocks_list=[],
             graph_decode=True,
+            state_slots=self.state_slots[:bucket] if is_hybrid else None,
         )
         if uses_rows:
             self.lora.begin_rows_step(self.lora_slots[:bucket])
