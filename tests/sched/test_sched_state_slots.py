@@ -220,6 +220,16 @@ def test_stats_carry_the_slot_gauges():
                                         num_state_slots_used=1, num_state_slots_total=2)
 
 
+class SlotTrial(Trial):
+    """A random trial that counts the steps run with a queue but no free slot."""
+
+    num_backpressured = 0
+
+    def step(self) -> bool:
+        self.num_backpressured += bool(self.sched.waiting) and not self.sched.state_slots.can_allocate()
+        return super().step()
+
+
 def test_random_schedules_keep_every_slot_accounted_for():
     """check_invariants (after every call) and the fake worker check the slots;
     here small pools and caches make backpressure and preemption common."""
@@ -229,19 +239,11 @@ def test_random_schedules_keep_every_slot_accounted_for():
     num_preemptions = num_backpressured = 0
     for _ in range(40):
         num_slots = rng.randint(1, 5)
-        t = Trial(random.Random(rng.randrange(2**32)), num_blocks=rng.randint(6, 24), num_state_slots=num_slots)
-        pool = t.sched.state_slots
-        step = t.step
-
-        def counted_step():
-            nonlocal num_backpressured
-            num_backpressured += bool(t.sched.waiting) and not pool.can_allocate()
-            return step()
-
-        t.step = counted_step
+        t = SlotTrial(random.Random(rng.randrange(2**32)), num_blocks=rng.randint(6, 24), num_state_slots=num_slots)
         t.run(num_steps=60)
-        assert pool.num_used == 0 and pool.num_free == num_slots
-        assert all(pool.is_used(slot) is False for slot in range(num_slots))
+        pool = t.sched.state_slots
+        assert pool.num_used == 0 and not any(pool.is_used(slot) for slot in range(num_slots))
         num_preemptions += t.sched.num_preemptions
+        num_backpressured += t.num_backpressured
     assert num_preemptions > 0, "the random configs should exercise preemption"
     assert num_backpressured > 0, "the random configs should exhaust the slots"
