@@ -1,8 +1,9 @@
 """The conductor actor: the only decider. A thin busy loop around the Scheduler.
 
 Start-up is an agreement: every rank reports ``WorkerReady`` (its local
-facts) and the conductor combines them (the minimum of ``num_kv_blocks`` and
-``max_model_len``; block size and EOS ids must match) into one ``Scheduler``,
+facts) and the conductor combines them (the minimum of ``num_kv_blocks``,
+``max_model_len`` and ``num_state_slots``; block size and EOS ids must match,
+and either every rank keeps recurrent state or none) into one ``Scheduler``,
 and tells the frontend the context that KV capacity leaves (``ContextAgreed``).
 Only then does it report ready.
 
@@ -45,6 +46,7 @@ request's arena refs from here on (``mstar_actors.sched.media``).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import msgspec
@@ -86,19 +88,28 @@ def combine_ready(ready: list[WorkerReady]) -> WorkerReady:
                 f"rank {first.rank} reports block_size={first.block_size}, eos={first.eos_token_ids}: "
                 f"every rank must load the same model with the same kv.block_size"
             )
+        if (other.num_state_slots > 0) != (first.num_state_slots > 0):
+            raise AgreementError(
+                f"rank {other.rank} reports num_state_slots={other.num_state_slots}; "
+                f"rank {first.rank} reports num_state_slots={first.num_state_slots}: "
+                f"every rank must load the same model (0 only for a model without recurrent state)"
+            )
     return WorkerReady(
         rank=0,
         num_kv_blocks=min(r.num_kv_blocks for r in ready),
         block_size=first.block_size,
         max_model_len=min(r.max_model_len for r in ready),
         eos_token_ids=list(first.eos_token_ids),
+        num_state_slots=min(r.num_state_slots for r in ready),
     )
 
 
-def make_scheduler(config: Any, facts: WorkerReady) -> Any:
+def make_scheduler(config: Any, facts: WorkerReady, log: logging.Logger) -> Any:
     from mstar_actors.sched import Scheduler
 
     sched = config.scheduler
+    if facts.num_state_slots and config.kv.enable_prefix_caching:
+        log.info("prefix caching is off for this model: its recurrent state is not cached")
     return Scheduler(
         num_blocks=facts.num_kv_blocks,
         block_size=facts.block_size,
@@ -107,6 +118,7 @@ def make_scheduler(config: Any, facts: WorkerReady) -> Any:
         max_model_len=facts.max_model_len,
         eos_token_ids=list(facts.eos_token_ids),
         enable_prefix_caching=config.kv.enable_prefix_caching,
+        num_state_slots=facts.num_state_slots,
     )
 
 
@@ -150,9 +162,10 @@ class ConductorActor(Actor):
             else:
                 early.append((channel, msg))  # nothing should come before Started; keep order anyway
         facts = combine_ready([ready[r] for r in sorted(ready)])
-        self.scheduler = make_scheduler(self.config, facts)
-        self.log.info("%d rank(s) agree: %d KV blocks of %d tokens, context %d",
-                      self.num_ranks, facts.num_kv_blocks, facts.block_size, facts.max_model_len)
+        self.scheduler = make_scheduler(self.config, facts, self.log)
+        self.log.info("%d rank(s) agree: %d KV blocks of %d tokens, context %d%s",
+                      self.num_ranks, facts.num_kv_blocks, facts.block_size, facts.max_model_len,
+                      f", {facts.num_state_slots} recurrent-state slots" if facts.num_state_slots else "")
         self.info = self.info.with_kv_capacity(facts.num_kv_blocks * facts.block_size)
         await self.outbox["frontend"].send(ContextAgreed(max_model_len=self.info.max_model_len))
         for channel, msg in early:

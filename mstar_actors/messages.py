@@ -331,6 +331,9 @@ class EngineStats(Struct, frozen=True, tag=True, omit_defaults=True):
     # Requests held until their adapter is installed on every rank (included
     # in num_waiting): a full adapter pool is backpressure, visible here.
     num_waiting_for_adapter: int = 0
+    # Recurrent-state slots (models with recurrent layers; 0 and 0 otherwise).
+    num_state_slots_used: int = 0
+    num_state_slots_total: int = 0
 
 
 class AdapterUpdate(Struct, frozen=True, tag=True, omit_defaults=True):
@@ -380,7 +383,10 @@ class SeqStart(Struct, frozen=True, **_HOT):
     # (``RANK_MEMORY``); vision rows are computed by the worker.
     media: list[MediaItem] = []
     lora_slot: int = 0  # 0: the base model; else a slot every rank acknowledged
-    state_slot: int = -1  # a hybrid model's recurrent-state slot; -1: the model keeps no recurrent state
+    # The recurrent-state slot the scheduler gave it (``WorkerReady.num_state_slots``);
+    # -1: the model keeps no recurrent state. The slot may have held another
+    # sequence's state: ranks build this one's from its first token.
+    state_slot: int = -1
 
 
 class ScheduledChunk(Struct, frozen=True, **_HOT):
@@ -450,7 +456,7 @@ class WorkerReady(Struct, frozen=True, tag=True, omit_defaults=True):
     block_size: int
     max_model_len: int
     eos_token_ids: list[int] = []
-    num_state_slots: int = 0  # recurrent-state slots (hybrid models); 0: no recurrent state
+    num_state_slots: int = 0  # sequences the recurrent-state pool holds; 0: no recurrent state
 
 
 class StepDone(Struct, frozen=True, tag=True, omit_defaults=True):

@@ -39,6 +39,8 @@ class Metrics:
         self.num_preemptions = Gauge("mstar_num_preemptions", "Preemptions since start", registry=reg)
         self.num_waiting_for_adapter = Gauge("mstar_num_requests_waiting_for_adapter",
                                              "Requests held until their LoRA adapter is in a slot", registry=reg)
+        self.num_state_slots_used = Gauge("mstar_state_slots_used", "Recurrent-state slots in use", registry=reg)
+        self.num_state_slots_total = Gauge("mstar_state_slots_total", "Recurrent-state slots in all", registry=reg)
 
     def observe_request(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
@@ -50,6 +52,8 @@ class Metrics:
         self.num_kv_blocks_total.set(stats.num_kv_blocks_total)
         self.num_preemptions.set(stats.num_preemptions)
         self.num_waiting_for_adapter.set(stats.num_waiting_for_adapter)
+        self.num_state_slots_used.set(stats.num_state_slots_used)
+        self.num_state_slots_total.set(stats.num_state_slots_total)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -5,8 +5,9 @@ The conductor drives it in a loop: ``add`` / ``abort`` as messages arrive,
 tokens and endings for the frontend. No I/O, no asyncio, no torch.
 
 The plan is final as ``schedule()`` returns it: KV blocks, each start's
-LoRA slot (the adapter pool's admission, passed to ``add``) and the media
-orders are in it; nothing edits it on its way to the ranks.
+LoRA slot (the adapter pool's admission, passed to ``add``), its
+recurrent-state slot and the media orders are in it; nothing edits it on
+its way to the ranks.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from mstar_actors.sched.block_allocator import BlockAllocator
 from mstar_actors.sched.media import MediaLedger
 from mstar_actors.sched.prefix_index import PrefixIndex
 from mstar_actors.sched.sequence import Sequence, SeqStatus
+from mstar_actors.sched.state_slots import StateSlotAllocator
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -83,7 +85,8 @@ class _InFlight:
 
 
 class Scheduler:
-    """The conductor's decider: queues, KV block table, prefix index and media.
+    """The conductor's decider: queues, KV block table, prefix index, media
+    and recurrent-state slots.
 
     A request of ``n`` choices is ``n`` sequences (``choice_ids``) sharing its
     prompt and media; each is scheduled, preempted and ended on its own, and
@@ -103,7 +106,19 @@ class Scheduler:
       ``SeqStart``, and workers apply ``finished`` first;
     - a request's media is copied by the ranks in the plan of its first
       ``SeqStart`` and dropped (or released, when none started) in a plan
-      after its last choice ended (``MediaLedger``).
+      after its last choice ended (``MediaLedger``);
+    - with ``num_state_slots > 0`` (a model with recurrent layers) a sequence
+      holds a state slot exactly while it runs: taken at admission, before
+      its ``SeqStart`` (which names it), given back with its blocks when it
+      ends or is preempted; so the slots used are the running sequences.
+      While every slot is in use the head of the queue waits (FIFO, like KV
+      blocks); it is never failed for it. A restart may get another slot; it
+      recomputes from token 0, so the ranks rebuild its state there. A freed
+      slot is reused under the same in-flight rule as a freed block.
+
+    Prefix caching is off whenever ``num_state_slots > 0``, whatever
+    ``enable_prefix_caching`` says: a hit would restore the KV of a prefix but
+    not the recurrent state after it, which no rank keeps.
     """
 
     def __init__(
@@ -116,6 +131,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
         enable_prefix_caching: bool = True,
+        num_state_slots: int = 0,
     ):
         for name, value in [
             ("num_blocks", num_blocks),
@@ -126,6 +142,8 @@ class Scheduler:
         ]:
             if value < 1:
                 raise ValueError(f"scheduler: {name} must be >= 1, got {value}")
+        if num_state_slots < 0:
+            raise ValueError(f"scheduler: num_state_slots must be >= 0 (0: no recurrent state), got {num_state_slots}")
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -133,7 +151,9 @@ class Scheduler:
         # One sequence can never hold more KV than the whole cache.
         self.max_kv_tokens = num_blocks * block_size
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.enable_prefix_caching = enable_prefix_caching
+        # A prefix hit cannot restore recurrent state (see the class docstring).
+        self.enable_prefix_caching = enable_prefix_caching and num_state_slots == 0
+        self.state_slots = StateSlotAllocator(num_state_slots) if num_state_slots else None
         self.prefix_index = PrefixIndex()
         self.allocator = BlockAllocator(num_blocks, block_size, self.prefix_index)
         self.waiting: deque[Sequence] = deque()
@@ -300,6 +320,8 @@ class Scheduler:
                 return  # FIFO: nobody overtakes the head
 
     def _try_admit(self, seq: Sequence, step: _StepBuilder) -> bool:
+        if self.state_slots is not None and not self.state_slots.can_allocate():
+            return False  # backpressure: a running sequence's end or preemption frees one
         hits = self._lookup_prefix(seq)
         num_computed = len(hits) * self.block_size
         num_new = min(seq.num_tokens - num_computed, step.budget)
@@ -310,6 +332,8 @@ class Scheduler:
             return False
         self.allocator.share(hits)  # before allocate(), which could evict them
         seq.block_ids = hits + self.allocator.allocate(num_needed)
+        if self.state_slots is not None:
+            seq.state_slot = self.state_slots.allocate()
         seq.num_computed = num_computed
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = num_computed
@@ -319,7 +343,8 @@ class Scheduler:
         seq.is_started = True
         media = self.media.start(seq.parent_id)  # names the ranks' copies; the first start orders them
         outputs = list(seq.output_token_ids)
-        step.started.append(SeqStart(seq.request_id, seq.prompt_token_ids, seq.sampling, outputs, media, seq.lora_slot))
+        step.started.append(SeqStart(seq.request_id, seq.prompt_token_ids, seq.sampling, outputs, media, seq.lora_slot,
+                                     state_slot=seq.state_slot))
         step.add(seq, num_new)
         return True
 
@@ -428,9 +453,12 @@ class Scheduler:
             self.media.end(seq.parent_id)
 
     def _release(self, seq: Sequence) -> None:
-        """Free the blocks and have the workers forget the sequence."""
+        """Free the blocks and the state slot and have the workers forget the sequence."""
         self.allocator.free(seq.block_ids)
         seq.block_ids = []
+        if seq.state_slot >= 0:
+            self.state_slots.free(seq.state_slot)
+            seq.state_slot = -1
         seq.num_computed = 0
         if seq.is_started:
             self._finished_ids.append(seq.request_id)
@@ -456,4 +484,6 @@ class Scheduler:
             num_kv_blocks_used=self.allocator.num_used,
             num_kv_blocks_total=self.allocator.num_blocks,
             num_preemptions=self.num_preemptions,
+            num_state_slots_used=self.state_slots.num_used if self.state_slots else 0,
+            num_state_slots_total=self.state_slots.num_slots if self.state_slots else 0,
         )

@@ -21,7 +21,8 @@ class Sequence:
     is in ``block_ids``; the last sampled token never has KV yet, so a running
     sequence has ``num_computed < num_tokens``. ``is_started`` is true while
     the workers hold state for it (from its ``SeqStart`` until its id is sent
-    in ``StepPlan.finished``).
+    in ``StepPlan.finished``). ``state_slot`` is its recurrent-state slot while
+    it runs, else -1 (always -1 for a model without recurrent state).
     """
 
     def __init__(self, request_id: str, req: Prepared, sampling: SamplingParams, *, root: str, lora_slot: int,
@@ -38,6 +39,7 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.num_computed = 0
         self.block_ids: list[int] = []
+        self.state_slot = -1
         self.status = SeqStatus.WAITING
         self.is_started = False
         self.num_cached_tokens: int | None = None  # prefix hit at first admission

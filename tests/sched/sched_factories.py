@@ -132,6 +132,20 @@ def check_invariants(sched: Scheduler) -> None:
     assert len(sched.running) <= sched.max_num_seqs
     ids = [s.request_id for s in sched.running] + [s.request_id for s in sched.waiting]
     assert sorted(ids) == sorted(sched.requests)
+    check_state_slots(sched)
+
+
+def check_state_slots(sched: Scheduler) -> None:
+    """Running sequences hold distinct used slots (none without a pool), waiting ones none."""
+    slots = [seq.state_slot for seq in sched.running]
+    assert all(seq.state_slot == -1 for seq in sched.waiting), "a waiting sequence holds a state slot"
+    pool = sched.state_slots
+    if pool is None:
+        assert all(slot == -1 for slot in slots), "a state slot without a pool"
+        return
+    assert len(set(slots)) == len(slots), f"running sequences share a state slot: {slots}"
+    assert all(0 <= slot < pool.num_slots and pool.is_used(slot) for slot in slots), slots
+    assert pool.num_used == len(sched.running)
 
 
 class FakeWorker:
@@ -141,6 +155,9 @@ class FakeWorker:
     there, so a chunk that reads a prefix (its own or a shared cached one)
     must find exactly its own tokens under its own root, written by an
     earlier step (rows of one step run as one batch).
+
+    State slots: a started row's slot (when it has one) must not be held by
+    a sequence the worker still knows, once the plan's ``finished`` is applied.
 
     Media: it applies the plan's orders as a rank does (``MediaCopies``),
     checking that every arena ref is released exactly once (copied or only
@@ -155,14 +172,19 @@ class FakeWorker:
         self.kv: dict[tuple[int, int], tuple[str, int, int]] = {}
         self.copies: dict[int, TensorRef] = {}  # key -> the arena ref it was copied from
         self.released: list[TensorRef] = []  # arena refs this rank released, in order
+        self.state_slots: dict[int, str] = {}  # state slot -> the request id whose state it holds
 
     def run(self, plan: StepPlan, sample) -> StepDone:
         for request_id in plan.finished:
             assert self.seqs.pop(request_id, None) is not None, f"finished {request_id} unknown to the worker"
+            self.state_slots = {slot: rid for slot, rid in self.state_slots.items() if rid != request_id}
         self.apply_media(plan)
         for start in plan.started:
             assert start.request_id not in self.seqs, f"{start.request_id} started twice"
             self.seqs[start.request_id] = start.prompt_token_ids + start.output_token_ids
+            if start.state_slot >= 0:
+                holder = self.state_slots.setdefault(start.state_slot, start.request_id)
+                assert holder == start.request_id, f"{start.request_id} given state slot {start.state_slot} of {holder}"
             for item in start.media:
                 ref = item.pixel_values
                 assert ref.segment == RANK_MEMORY and ref.offset in self.copies, f"{start.request_id}: {ref} not held"

@@ -15,9 +15,9 @@ ROOTS = ["model", "adapter-a", "adapter-b"]
 
 
 class Trial:
-    def __init__(self, rng: random.Random):
+    def __init__(self, rng: random.Random, **overrides):
         self.rng = rng
-        self.sched = make_scheduler(
+        config = dict(
             num_blocks=rng.randint(6, 40),
             block_size=rng.choice([1, 2, 4, 8]),
             max_num_seqs=rng.randint(1, 6),
@@ -25,6 +25,7 @@ class Trial:
             max_model_len=rng.randint(8, 80),
             enable_prefix_caching=rng.random() < 0.8,
         )
+        self.sched = make_scheduler(**config | overrides)
         self.roots: dict[str, str] = {}
         self.worker = FakeWorker(self.sched.block_size, self.roots)
         self.prefixes = [[rng.randrange(10, 1000) for _ in range(rng.randint(1, 30))] for _ in range(3)]
@@ -108,6 +109,9 @@ class Trial:
         assert len(plan.scheduled) <= self.sched.max_num_seqs
         for start in plan.started:  # a restart resumes exactly what was streamed
             assert start.output_token_ids == self.streamed[start.request_id]
+            assert start.state_slot == self.sched.requests[start.request_id].state_slot
+            if start.state_slot >= 0:  # no prefix hit: the ranks build its recurrent state from token 0
+                assert next(c for c in plan.scheduled if c.request_id == start.request_id).num_computed == 0
         done = self.worker.run(plan, self.sample)
         self.abort_some()  # maybe while the step is in flight
         check_invariants(self.sched)
