@@ -380,6 +380,7 @@ class SeqStart(Struct, frozen=True, **_HOT):
     # (``RANK_MEMORY``); vision rows are computed by the worker.
     media: list[MediaItem] = []
     lora_slot: int = 0  # 0: the base model; else a slot every rank acknowledged
+    state_slot: int = -1  # a hybrid model's recurrent-state slot; -1: the model keeps no recurrent state
 
 
 class ScheduledChunk(Struct, frozen=True, **_HOT):
@@ -449,6 +450,7 @@ class WorkerReady(Struct, frozen=True, tag=True, omit_defaults=True):
     block_size: int
     max_model_len: int
     eos_token_ids: list[int] = []
+    num_state_slots: int = 0  # recurrent-state slots (hybrid models); 0: no recurrent state
 
 
 class StepDone(Struct, frozen=True, tag=True, omit_defaults=True):

@@ -59,7 +59,7 @@ def load_model_info(config: Config) -> ModelInfo:
     model_dir = resolve_model(config.model.path)
     cfg = read_config(model_dir)  # the launcher's one read of config.json
     arch, spec = load_spec(model_dir, cfg)
-    media = _media_token_ids(model_dir, cfg) if arch.text_config else {}
+    media = _media_token_ids(model_dir, cfg) if arch.is_multimodal else {}
     lora_base, lora_refusal = lora_base_of(cfg)
     return ModelInfo(
         served_name=served_name(config.model.name, config.model.path, model_dir),

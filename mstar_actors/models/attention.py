@@ -62,6 +62,10 @@ class AttentionMetadata:
     # are authoritative on the device (padded sequences have no queries) and,
     # when the step is replayed from a graph, the ``*_list`` fields are stale.
     varlen_work: torch.Tensor | None = None
+    # A hybrid model's step (``deltanet_ops``): each sequence's state slot,
+    # int64 [S] on the device and as a host list; None for other models.
+    state_slots: torch.Tensor | None = None
+    state_slots_list: list[int] | None = None
 
     @classmethod
     def from_lists(cls, *, slot_mapping: Sequence[int], block_tables: Sequence[Sequence[int]],

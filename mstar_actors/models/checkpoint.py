@@ -42,9 +42,11 @@ class CheckpointRules:
     (prefix, replacement) pairs rewrite another checkpoint layout of the same
     model into the one the rules name, before any lookup."""
 
-    def __init__(self, rules: list[WeightRule], ignored: tuple[str, ...] = (), aliases: tuple[tuple[str, str], ...] = ()):
+    def __init__(self, rules: list[WeightRule], ignored: tuple[str, ...] = (), aliases: tuple[tuple[str, str], ...] = (),
+                 ignored_prefixes: tuple[str, ...] = ()):
         self.rules = list(rules)
         self.aliases = tuple(aliases)
+        self.ignored_prefixes = tuple(ignored_prefixes)
         self._forward = [(_pattern(r.hf), r) for r in self.rules]
         self._reverse = [(_pattern(r.ours), r) for r in self.rules]
         self._ignored = [_pattern(p) for p in ignored]
@@ -75,6 +77,12 @@ class CheckpointRules:
                 return _fill(rule.hf, m)
         raise KeyError(f"no checkpoint rule fills {our_module!r} shard {shard}")
 
+    def fills_whole(self, our_module: str) -> bool:
+        """Whether one checkpoint tensor fills all of ``our_module`` (a shard-None
+        rule names it), even where it has shards: a fused checkpoint module
+        whose shards only adapters name apart."""
+        return any(pattern.match(our_module) and rule.shard is None for pattern, rule in self._reverse)
+
     def canonical(self, hf_name: str) -> str:
         """``hf_name`` in the layout the rules name (the first matching alias applied)."""
         for prefix, replacement in self.aliases:
@@ -83,7 +91,7 @@ class CheckpointRules:
         return hf_name
 
     def is_ignored(self, hf_name: str) -> bool:
-        return any(p.match(hf_name) for p in self._ignored)
+        return hf_name.startswith(self.ignored_prefixes) or any(p.match(hf_name) for p in self._ignored)
 
 
 def _fill(template: str, match: re.Match) -> str:

@@ -212,11 +212,14 @@ class CausalLM(nn.Module):
     lm_head_lora: LoraHook | None = None  # set by lora_layers.enable_lora (the head may be tied)
     lm_head_packed: PackedWeight | None = None  # the head's CPU float32 copy (cpu_linear), made on first use
 
-    def __init__(self, spec: ModelSpec, backend: PagedAttention | None = None, layout: ShardLayout | None = None):
+    def __init__(self, spec: ModelSpec, backend: PagedAttention | None = None, layout: ShardLayout | None = None,
+                 decoder: nn.Module | None = None):
+        """``decoder``: a family's own layer stack (``embed_tokens``, ``layers``,
+        ``norm``) in place of the shared one."""
         super().__init__()
         self.spec = spec
         self.layout = layout or single_rank_layout(spec)
-        self.model = DecoderModel(spec, backend or TorchPagedAttention(), self.layout)
+        self.model = decoder or DecoderModel(spec, backend or TorchPagedAttention(), self.layout)
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, self.layout.vocab_size, bias=False)
             self.lm_head.tp_slices = self.layout.vocab_cuts()

@@ -20,7 +20,8 @@ from safetensors import safe_open
 
 from .attention import PagedAttention, TorchPagedAttention
 from .decoder import CausalLM, StackedLinear
-from .registry import ARCHITECTURES, Architecture
+from .deltanet_ops import DeltaNetOps, TorchDeltaNetOps
+from .registry import ARCHITECTURES, REFUSED, Architecture
 from .sharding import Cut, ShardLayout, single_rank_layout
 from .spec import ModelLoadError, ModelSpec, parse_spec, read_config
 
@@ -37,6 +38,8 @@ def architecture_of(model_dir: Path, cfg: dict) -> Architecture:
     if not names:
         raise ModelLoadError(f"{Path(model_dir) / 'config.json'}: field 'architectures' is missing")
     arch = ARCHITECTURES.get(names[0])
+    if names[0] in REFUSED:
+        raise ModelLoadError(f"{Path(model_dir) / 'config.json'}: architecture {names[0]!r}: {REFUSED[names[0]]}")
     if arch is None:
         raise ModelLoadError(
             f"{Path(model_dir) / 'config.json'}: architecture {names[0]!r} is not supported; "
@@ -67,6 +70,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
         backend = attention_backend(device)
         model = arch.build(model_dir, cfg, spec, backend, layout) if arch.build else CausalLM(spec, backend, layout)
     model = model.to_empty(device=device).to(dtype)
+    if spec.is_hybrid:
+        model.use_ops(deltanet_ops(device))
     targets = _weight_targets(model, arch)
     num_full = _fill_weights(model_dir, targets, arch, spec)
     num_held = sum(p.numel() for p in model.parameters())
@@ -106,6 +111,19 @@ def attention_backend(device: torch.device | str) -> PagedAttention:
     return TorchPagedAttention()
 
 
+def deltanet_ops(device: torch.device | str) -> DeltaNetOps:
+    """Gated DeltaNet's ops for ``device``: on CUDA the Triton kernels where
+    they import and pass their check, else the torch reference."""
+    if torch.device(device).type == "cuda":
+        try:
+            from .deltanet_triton import TritonDeltaNetOps
+        except ImportError as err:  # the kernels missing or broken: correct, just slower
+            log.warning("deltanet: Triton kernels unavailable (%s); using the torch reference on %s", err, device)
+        else:
+            return TritonDeltaNetOps()
+    return TorchDeltaNetOps()
+
+
 def _weight_targets(model: CausalLM, arch: Architecture) -> dict[str, Target]:
     """HF tensor name -> where it goes (a shard slice for fused modules, the
     rank's cut of it under tensor parallelism)."""
@@ -114,7 +132,8 @@ def _weight_targets(model: CausalLM, arch: Architecture) -> dict[str, Target]:
     for name, param in model.named_parameters():
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
-        shards = range(len(module.output_sizes)) if isinstance(module, StackedLinear) else [None]
+        is_stacked = isinstance(module, StackedLinear) and not arch.rules.fills_whole(module_name)
+        shards = range(len(module.output_sizes)) if is_stacked else [None]
         cuts = getattr(module, "tp_slices", {})
         for shard in shards:
             hf = arch.rules.hf_module(module_name, shard)

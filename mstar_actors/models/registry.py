@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import qwen2_5_vl
+from . import qwen2_5_vl, qwen3_5
 from .checkpoint import DECODER_RULES, IGNORED, QK_NORM_RULES, CheckpointRules
 
 
@@ -21,6 +21,7 @@ class Architecture:
     # may be nested), and the model built around the decoder. None: plain CausalLM.
     text_config: Callable[[dict], dict] | None = None
     build: Callable | None = None  # (model_dir, parsed config.json, spec, attention backend, shard layout) -> model
+    is_multimodal: bool = False  # takes image / video parts (its media token ids are in config.json)
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -41,6 +42,21 @@ ARCHITECTURES: dict[str, Architecture] = {
             rules=CheckpointRules(qwen2_5_vl.QWEN2_5_VL_RULES, IGNORED, qwen2_5_vl.LAYOUT_ALIASES),
             text_config=qwen2_5_vl.text_config,
             build=qwen2_5_vl.build,
+            is_multimodal=True,
+        ),
+        Architecture(
+            qwen3_5.ARCHITECTURE,
+            qkv_bias=False,
+            qk_norm=True,
+            rules=CheckpointRules(qwen3_5.QWEN3_5_RULES, IGNORED, qwen3_5.LAYOUT_ALIASES, qwen3_5.IGNORED_PREFIXES),
+            text_config=qwen3_5.text_config,
+            build=qwen3_5.build,
         ),
     )
 }
+
+REFUSED: dict[str, str] = {
+    name: "the Qwen3.5 mixture-of-experts family (qwen3_5_moe) is not served yet; serve a dense Qwen3.5 model"
+    for name in qwen3_5.MOE_ARCHITECTURES
+}
+"""Architectures known and refused at start, each with its one-line reason."""

@@ -48,6 +48,9 @@ def tp_refusal(spec: ModelSpec, tp: int) -> str | None:
     """Why ``tp`` ranks cannot split this model, in one line naming the numbers; None if they can."""
     if tp == 1:
         return None
+    if spec.is_hybrid:
+        return (f"parallel.tp={tp}: {spec.architecture}'s linear-attention layers are not split across ranks yet; "
+                "serve it with parallel.tp: 1")
     checks = [("num_attention_heads", spec.num_heads), ("intermediate_size", spec.intermediate_size),
               ("vocab_size", spec.vocab_size)]
     for field, value in checks:

@@ -30,6 +30,33 @@ class RopeSpec:
 
 
 @dataclass(frozen=True)
+class LinearAttentionSpec:
+    """A Gated DeltaNet layer's shape (Qwen3.5's ``linear_attention`` layers)."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     architecture: str
     vocab_size: int
@@ -48,6 +75,23 @@ class ModelSpec:
     qk_norm: bool = False
     torch_dtype: str | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # A hybrid decoder (Qwen3.5): each layer's kind; empty: every layer is full attention.
+    layer_types: tuple[str, ...] = ()
+    linear_attention: LinearAttentionSpec | None = None
+
+    @property
+    def is_hybrid(self) -> bool:
+        return LINEAR_ATTENTION in self.layer_types
+
+    @property
+    def kv_layers(self) -> list[int]:
+        """The layers that keep KV in the paged cache (full attention)."""
+        return [i for i in range(self.num_layers) if not self.layer_types or self.layer_types[i] == FULL_ATTENTION]
+
+    @property
+    def state_layers(self) -> list[int]:
+        """The layers that keep a recurrent state per sequence (linear attention)."""
+        return [i for i, kind in enumerate(self.layer_types) if kind == LINEAR_ATTENTION]
 
     @property
     def q_size(self) -> int:
@@ -137,12 +181,14 @@ def parse_spec(model_dir: Path, cfg: dict, *, qkv_bias: bool, qk_norm: bool) -> 
             f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
         )
     attention_bias = bool(cfg.get("attention_bias", False))
+    num_layers = int(_require(cfg, "num_hidden_layers", where))
+    layer_types, linear = _layer_types(cfg, num_layers, where)
     return ModelSpec(
         architecture=cfg["architectures"][0],
         vocab_size=int(_require(cfg, "vocab_size", where)),
         hidden_size=hidden,
         intermediate_size=int(_require(cfg, "intermediate_size", where)),
-        num_layers=int(_require(cfg, "num_hidden_layers", where)),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
@@ -155,4 +201,29 @@ def parse_spec(model_dir: Path, cfg: dict, *, qkv_bias: bool, qk_norm: bool) -> 
         qk_norm=qk_norm,
         torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
         eos_token_ids=_eos_ids(model_dir, cfg),
+        layer_types=layer_types,
+        linear_attention=linear,
     )
+
+
+def _layer_types(cfg: dict, num_layers: int, where: str) -> tuple[tuple[str, ...], LinearAttentionSpec | None]:
+    """``config.layer_types`` (a hybrid decoder's) and its linear-attention shape; ((), None) without."""
+    types = tuple(cfg.get("layer_types") or ())
+    if not types:
+        return (), None
+    if len(types) != num_layers or any(t not in (FULL_ATTENTION, LINEAR_ATTENTION) for t in types):
+        raise ModelLoadError(f"{where}: layer_types must list {num_layers} entries, each "
+                             f"{FULL_ATTENTION!r} or {LINEAR_ATTENTION!r}; got {list(types)}")
+    if LINEAR_ATTENTION not in types:
+        return types, None
+    linear = LinearAttentionSpec(
+        num_k_heads=int(_require(cfg, "linear_num_key_heads", where)),
+        num_v_heads=int(_require(cfg, "linear_num_value_heads", where)),
+        k_head_dim=int(_require(cfg, "linear_key_head_dim", where)),
+        v_head_dim=int(_require(cfg, "linear_value_head_dim", where)),
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+    )
+    if linear.num_v_heads % linear.num_k_heads:
+        raise ModelLoadError(f"{where}: linear_num_value_heads={linear.num_v_heads} is not a multiple of "
+                             f"linear_num_key_heads={linear.num_k_heads}")
+    return types, linear

@@ -29,6 +29,7 @@ from mstar_actors.config import Config, KvConfig, LoraConfig
 from mstar_actors.model_info import ModelInfo
 from mstar_actors.models.attention import allocate_kv_cache, kv_bytes_per_block
 from mstar_actors.models.checkpoint import CheckpointRules
+from mstar_actors.models.deltanet_ops import StatePool, allocate_state_pools, state_bytes_per_slot
 from mstar_actors.models.loader import load_model
 from mstar_actors.models.registry import ARCHITECTURES
 from mstar_actors.models.lora_layers import LoraLayers, enable_lora
@@ -57,7 +58,8 @@ def build_runner(config: Config, info: ModelInfo, resolve_tensor: TensorResolver
         model.pack_cpu_weights()  # step 2
     rules = ARCHITECTURES[info.architecture].rules  # where adapters' modules land: the loader's own table
     lora = enable_served_lora(model, rules, config.lora, dtype, device)
-    kv = size_kv_cache(model.spec, config.kv, dtype, device, model.layout.num_kv_heads)
+    pools = size_state_pools(model.spec, config.scheduler.max_num_seqs, dtype, device)
+    kv = size_kv_cache(model.spec, config.kv, dtype, device, model.layout.num_kv_heads, pools)
     media = MediaInputs(model, resolve_tensor) if getattr(model, "is_multimodal", False) else None
     runner = ModelRunner(model, kv, max_model_len=info.max_model_len, lora=lora, media=media, sampler=sampler,
                          seed=config.model.seed)
@@ -66,7 +68,10 @@ def build_runner(config: Config, info: ModelInfo, resolve_tensor: TensorResolver
         # Graph buckets (a decode batch, a mixed step's sampled rows) are row counts too.
         warm_kernels(runner, max(config.scheduler.max_num_batched_tokens, max_batch))
     if takes_graphs(config, device, is_multimodal=media is not None):
-        capture_graphs(runner, max_batch, max_tokens)
+        if model.spec.is_hybrid:
+            log.info("step graphs off: %s's recurrent-state steps run eagerly", model.spec.architecture)
+        else:
+            capture_graphs(runner, max_batch, max_tokens)
     return runner
 
 
@@ -92,24 +97,43 @@ def enable_served_lora(model: nn.Module, rules: CheckpointRules, lora: LoraConfi
     return layers
 
 
+def size_state_pools(spec: ModelSpec, num_slots: int, dtype: torch.dtype, device: torch.device) -> list[StatePool]:
+    """A hybrid model's recurrent-state slots, one per sequence the scheduler
+    may run (``scheduler.max_num_seqs``), allocated before the KV cache takes
+    what is left; none for other models."""
+    la = spec.linear_attention
+    if la is None:
+        return []
+    layers = len(spec.state_layers)
+    pools = allocate_state_pools(layers, num_slots, la.conv_dim, la.conv_kernel, la.num_v_heads, la.k_head_dim,
+                                 la.v_head_dim, dtype, device)
+    per_slot = state_bytes_per_slot(layers, la.conv_dim, la.conv_kernel, la.num_v_heads, la.k_head_dim,
+                                    la.v_head_dim, dtype)
+    log.info("recurrent state: %d slots of %.2f MiB (%.1f MiB, %d linear-attention layers) on %s; "
+             "the KV cache takes what is left", num_slots, per_slot / 2**20, (num_slots + 1) * per_slot / 2**20,
+             layers, device)
+    return pools
+
+
 def size_kv_cache(spec: ModelSpec, kv: KvConfig, dtype: torch.dtype, device: torch.device,
-                  num_kv_heads: int | None = None) -> KvCache:
+                  num_kv_heads: int | None = None, state_pools: list[StatePool] | None = None) -> KvCache:
     """``kv.num_blocks`` blocks, else those that fit in ``kv.memory_fraction``
     of what is free now; one more is allocated as the scratch block. A rank
-    caches its own ``num_kv_heads`` (all of them without tensor parallelism)."""
+    caches its own ``num_kv_heads`` (all of them without tensor parallelism),
+    for the full-attention layers only (``spec.kv_layers``)."""
     num_kv_heads = num_kv_heads or spec.num_kv_heads
     num_blocks = kv.num_blocks or blocks_from_memory(spec, kv.block_size, kv.memory_fraction, dtype, device,
                                                      num_kv_heads)
-    caches = allocate_kv_cache(spec.num_layers, num_blocks + 1, kv.block_size, num_kv_heads, spec.head_dim,
+    caches = allocate_kv_cache(len(spec.kv_layers), num_blocks + 1, kv.block_size, num_kv_heads, spec.head_dim,
                                dtype, device)
-    return KvCache(caches, kv.block_size, num_blocks)
+    return KvCache(caches, kv.block_size, num_blocks, state_pools or [])
 
 
 def blocks_from_memory(spec: ModelSpec, block_size: int, memory_fraction: float, dtype: torch.dtype,
                        device: torch.device, num_kv_heads: int | None = None) -> int:
     """KV blocks that fit in ``memory_fraction`` of free device memory (CPU: of
     available RAM, capped at ``MAX_CPU_KV_BYTES``), measured after loading weights."""
-    per_block = kv_bytes_per_block(spec.num_layers, block_size, num_kv_heads or spec.num_kv_heads, spec.head_dim,
+    per_block = kv_bytes_per_block(len(spec.kv_layers), block_size, num_kv_heads or spec.num_kv_heads, spec.head_dim,
                                    dtype)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)

@@ -52,6 +52,7 @@ from torch import nn
 from mstar_actors import messages
 from mstar_actors.lora.adapter_file import AdapterWeights
 from mstar_actors.models.attention import AttentionMetadata
+from mstar_actors.models.deltanet_ops import StatePool
 from mstar_actors.models.lora_layers import LoraLayers
 from mstar_actors.models.media_inputs import MediaInputs
 from mstar_actors.runner.grammar import GrammarError, GrammarMatchers
@@ -76,6 +77,7 @@ class SeqState:
     sampling: messages.SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
     lora_slot: int = 0  # 0: the base model
+    state_slot: int = -1  # a hybrid model's recurrent-state slot (-1: none)
 
     @property
     def num_tokens(self) -> int:
@@ -108,6 +110,7 @@ class Batch:
         """(request id, first token index, stop) of each chunk, in batch order."""
         return [(rid, ctx - n, ctx) for rid, n, ctx in zip(self.request_ids, self.query_lens, self.context_lens)]
     chunk_slots: list[int] = field(default_factory=list)  # LoRA slot of each chunk (0: base)
+    state_slots: list[int] = field(default_factory=list)  # recurrent-state slot of each chunk (-1: none)
     sample_slots: list[int] = field(default_factory=list)  # LoRA slot of each sampled row
 
 
@@ -132,6 +135,7 @@ def build_batch(
         batch.context_lens.append(stop)
         batch.request_ids.append(chunk.request_id)
         batch.chunk_slots.append(seq.lora_slot)
+        batch.state_slots.append(seq.state_slot)
         if chunk.sample:
             batch.logits_indices.append(len(batch.input_ids) - 1)
             batch.sample_ids.append(chunk.request_id)
@@ -166,17 +170,25 @@ def _check_chunk(chunk, seqs, block_size, num_kv_blocks, max_model_len) -> SeqSt
 
 @dataclass(frozen=True)
 class KvCache:
-    """One rank's paged KV cache: per layer ``[2, num_blocks + 1, block_size,
-    kv_heads, head_dim]``; plans may name blocks ``0 .. num_blocks - 1``,
-    the last is the scratch block padded graph rows write into."""
+    """One rank's paged KV cache: per full-attention layer ``[2, num_blocks + 1,
+    block_size, kv_heads, head_dim]``; plans may name blocks ``0 ..
+    num_blocks - 1``, the last is the scratch block padded graph rows write
+    into. ``state_pools``: a hybrid model's recurrent-state slots, one pool
+    per linear-attention layer (``deltanet_ops.StatePool``), empty for
+    other models; plans may name slots ``0 .. num_state_slots - 1``."""
 
     caches: list[torch.Tensor]
     block_size: int
     num_blocks: int
+    state_pools: list[StatePool] = field(default_factory=list)
 
     @property
     def scratch_block(self) -> int:
         return self.num_blocks
+
+    @property
+    def num_state_slots(self) -> int:
+        return self.state_pools[0].num_slots if self.state_pools else 0
 
 
 class ModelRunner:
@@ -195,6 +207,9 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.num_kv_blocks = kv.num_blocks
         self.scratch_block = kv.scratch_block  # one past the reported blocks: see the module doc
+        self.num_state_slots = kv.num_state_slots  # a hybrid model's (0: it keeps no recurrent state)
+        if kv.state_pools:
+            model.attach_state_pools(kv.state_pools)
         self.lora = lora
         self.lora_names: dict[int, str] = {}  # slot -> installed adapter's name
         self.max_model_len = min(max_model_len, self.spec.max_position_embeddings)
@@ -239,6 +254,7 @@ class ModelRunner:
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             eos_token_ids=list(self.spec.eos_token_ids),
+            num_state_slots=self.num_state_slots,
         )
 
     def execute(self, plan: messages.StepPlan) -> list[messages.SampledToken]:
@@ -272,7 +288,11 @@ class ModelRunner:
             if s.lora_slot != 0 and s.lora_slot not in self.lora_names:
                 errors.append(f"request {s.request_id!r}: lora_slot {s.lora_slot} holds no adapter on this rank; {self._lora_hint()}")
                 continue
-            self.seqs[s.request_id] = SeqState(list(s.prompt_token_ids), s.sampling, list(s.output_token_ids), s.lora_slot)
+            if (error := self._state_slot_error(s)) is not None:
+                errors.append(error)
+                continue
+            self.seqs[s.request_id] = SeqState(list(s.prompt_token_ids), s.sampling, list(s.output_token_ids), s.lora_slot,
+                                               s.state_slot)
             if (error := self._start_media(s) or self._start_grammar(s)) is not None:
                 self.forget([s.request_id])
                 errors.append(error)
@@ -325,6 +345,20 @@ class ModelRunner:
                 self.media.forget(rid)
 
     # -- internals ---------------------------------------------------------
+
+    def _state_slot_error(self, s: messages.SeqStart) -> str | None:
+        """Why ``s``'s recurrent-state slot can't be used here, or None: a hybrid
+        model's sequence needs one of its own; other models take none."""
+        if self.num_state_slots == 0:
+            return None if s.state_slot < 0 else (f"request {s.request_id!r}: state_slot {s.state_slot}, but "
+                                                  f"{self.spec.architecture} keeps no recurrent state")
+        if not 0 <= s.state_slot < self.num_state_slots:
+            return (f"request {s.request_id!r}: state_slot {s.state_slot} is outside [0, {self.num_state_slots}); "
+                    f"{self.spec.architecture} needs a slot per running sequence")
+        held = next((rid for rid, seq in self.seqs.items() if seq.state_slot == s.state_slot and rid != s.request_id), None)
+        if held is not None:
+            return f"request {s.request_id!r}: state_slot {s.state_slot} is held by running request {held!r}"
+        return None
 
     def _start_media(self, s: messages.SeqStart) -> str | None:
         """Why ``s``'s media can't be served here, or None when it can (or has none)."""
@@ -398,4 +432,6 @@ class ModelRunner:
             context_lens=batch.context_lens,
             device=self.device,
         )
+        if self.num_state_slots:
+            meta.state_slots, meta.state_slots_list = longs(batch.state_slots), batch.state_slots
         return longs(batch.input_ids), longs(batch.positions), meta, longs(batch.logits_indices)

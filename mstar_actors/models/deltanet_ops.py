@@ -1,0 +1,203 @@
+"""Gated DeltaNet's two sequence ops over a step's flat batch, with per-sequence state.
+
+A Gated DeltaNet layer (Qwen3.5's ``linear_attention``) keeps, per
+sequence, a short convolution state (the last ``K - 1`` inputs of its
+depthwise causal convolution) and a recurrent state ``S [Hv, Dk, Dv]``. The
+ranks hold both in a fixed pool of state slots (``StatePool``), one slot
+per running sequence, chosen by the scheduler; a step names each
+sequence's slot in ``AttentionMetadata.state_slots``. A sequence whose
+chunk starts at token 0 starts from zero state; any later chunk continues
+from the state its slot holds (chunked prefill, decode).
+
+``DeltaNetOps`` is the seam to a kernel set, as ``PagedAttention`` is for
+attention: ``TorchDeltaNetOps`` here is the reference (the CPU's, and
+every other's check); the loader picks one per device.
+
+The arithmetic follows transformers' ``Qwen3_5GatedDeltaNet``: a chunk of
+more than one token takes the chunked form of the delta rule (chunks of
+64, a triangular solve inside each), a single token the recurrent form,
+both in float32 with q and k L2-normalised and q scaled by ``Dk ** -0.5``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from .attention import AttentionMetadata
+
+CHUNK = 64  # the chunked form's block of tokens (the reference's and the kernels')
+
+
+@dataclass(frozen=True)
+class StatePool:
+    """One Gated DeltaNet layer's state slots: ``conv [P + 1, C, K - 1]`` in
+    the model's dtype and ``ssm [P + 1, Hv, Dk, Dv]`` float32. Slot ``P``
+    is scratch (padded rows of a static step write there)."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+    @property
+    def num_slots(self) -> int:
+        return self.conv.shape[0] - 1
+
+
+def allocate_state_pools(num_layers: int, num_slots: int, conv_dim: int, kernel: int, num_v_heads: int,
+                         k_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device | str) -> list[StatePool]:
+    """Zeroed pools of ``num_slots`` slots (plus scratch) for each of ``num_layers`` layers."""
+    return [StatePool(torch.zeros(num_slots + 1, conv_dim, kernel - 1, dtype=dtype, device=device),
+                      torch.zeros(num_slots + 1, num_v_heads, k_dim, v_dim, dtype=torch.float32, device=device))
+            for _ in range(num_layers)]
+
+
+def state_bytes_per_slot(num_layers: int, conv_dim: int, kernel: int, num_v_heads: int, k_dim: int, v_dim: int,
+                         dtype: torch.dtype) -> int:
+    conv = conv_dim * (kernel - 1) * torch.empty((), dtype=dtype).element_size()
+    return num_layers * (conv + num_v_heads * k_dim * v_dim * 4)
+
+
+class DeltaNetOps(Protocol):
+    def conv(self, x: torch.Tensor, weight: torch.Tensor, pool: StatePool, meta: AttentionMetadata) -> torch.Tensor:
+        """``x [T, C]`` -> ``silu(causal depthwise conv) [T, C]`` per sequence,
+        continuing from (and updating) each sequence's ``pool.conv`` slot;
+        ``weight [C, K]``."""
+
+    def delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   pool: StatePool, meta: AttentionMetadata) -> torch.Tensor:
+        """``q, k [T, Hk, Dk]`` (not yet normalised), ``v [T, Hv, Dv]``, log-decay
+        ``g [T, Hv]`` float32 and ``beta [T, Hv]`` -> ``o [T, Hv, Dv]`` in ``v``'s
+        dtype, continuing from (and updating) each sequence's ``pool.ssm`` slot."""
+
+
+# -- the reference arithmetic -------------------------------------------------------------
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _prepare(q, k, v, g, beta):
+    """float32, q/k normalised (q scaled), key heads repeated onto value heads."""
+    num_k, num_v = k.shape[-2], v.shape[-2]
+    q, k = l2norm(q.float()), l2norm(k.float())
+    q = q * q.shape[-1] ** -0.5
+    if num_k != num_v:
+        q, k = q.repeat_interleave(num_v // num_k, dim=-2), k.repeat_interleave(num_v // num_k, dim=-2)
+    return q, k, v.float(), g.float(), beta.float()
+
+
+def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's chunk, prepared (``_prepare``): ``q, k [L, H, Dk]``,
+    ``v [L, H, Dv]``, ``g, beta [L, H]``, ``state [H, Dk, Dv]`` -> ``(o [L, H, Dv],
+    final state)``, all float32; the chunked (WY) form of the reference."""
+    length = q.shape[0]
+    pad = (CHUNK - length % CHUNK) % CHUNK
+    # [H, N, C, D]: heads first, then chunks of CHUNK tokens.
+    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1).reshape(x.shape[1], -1, CHUNK, x.shape[2]) for x in (q, k, v))
+    beta, g = (F.pad(x, (0, 0, 0, pad)).transpose(0, 1).reshape(x.shape[1], -1, CHUNK) for x in (beta, g))
+    v_beta, k_beta = v * beta[..., None], k * beta[..., None]
+    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
+    cum = g.cumsum(dim=-1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay
+    q = q * cum.exp()[..., None]
+    k = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    out = torch.empty_like(new_values)
+    for i in range(q.shape[1]):
+        v_new = new_values[:, i] - k_cumdecay[:, i] @ state
+        out[:, i] = q[:, i] @ state + intra[:, i] @ v_new
+        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
+    return out.reshape(out.shape[0], -1, out.shape[-1])[:, :length].transpose(0, 1), state
+
+
+def recurrent_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of ``B`` sequences at once, prepared: ``q, k [B, H, Dk]``,
+    ``v [B, H, Dv]``, ``g, beta [B, H]``, ``state [B, H, Dk, Dv]`` -> ``(o [B, H, Dv],
+    new state)``; the reference's recurrent form."""
+    state = state * g.exp()[..., None, None]
+    memory = (state * k[..., None]).sum(dim=-2)
+    delta = (v - memory) * beta[..., None]
+    state = state + k[..., None] * delta[..., None, :]
+    return (state * q[..., None]).sum(dim=-2), state
+
+
+def conv_chunk(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence: ``x [L, C]`` after ``prev [C, K - 1]`` -> ``(silu(conv) [L, C], new prev)``."""
+    window = torch.cat((prev, x.t().to(prev.dtype)), dim=1)  # [C, K - 1 + L]
+    out = F.conv1d(window[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])[0]
+    return F.silu(out).t().to(x.dtype), window[:, window.shape[1] - prev.shape[1]:]
+
+
+# -- the varlen step ---------------------------------------------------------------------------
+
+
+def _step_rows(meta: AttentionMetadata, device: torch.device):
+    """``(decode, chunks)`` of this step, kept in ``meta.derived``: the rows of
+    single-token sequences with their slots and whether each continues a
+    state, as device tensors (or None), and ``(first row, length, slot,
+    continues)`` of each longer chunk."""
+    if "deltanet" in meta.derived:
+        return meta.derived["deltanet"]
+    starts = meta.query_start_list
+    decode_rows, decode_slots, decode_cont, chunks = [], [], [], []
+    for i, (n, ctx) in enumerate(zip(meta.query_lens_list, meta.context_lens_list)):
+        slot, continues = meta.state_slots_list[i], ctx > n
+        if n == 1:
+            decode_rows.append(starts[i])
+            decode_slots.append(slot)
+            decode_cont.append(continues)
+        else:
+            chunks.append((starts[i], n, slot, continues))
+    decode = None
+    if decode_rows:
+        decode = (torch.tensor(decode_rows, dtype=torch.long, device=device),
+                  torch.tensor(decode_slots, dtype=torch.long, device=device),
+                  torch.tensor(decode_cont, dtype=torch.bool, device=device))
+    meta.derived["deltanet"] = (decode, chunks)
+    return decode, chunks
+
+
+class TorchDeltaNetOps:
+    """The reference: single-token rows of a step batched into one recurrent
+    step, each longer chunk on its own through the chunked form."""
+
+    def conv(self, x: torch.Tensor, weight: torch.Tensor, pool: StatePool, meta: AttentionMetadata) -> torch.Tensor:
+        decode, chunks = _step_rows(meta, x.device)
+        out = torch.empty_like(x)
+        if decode is not None:
+            rows, slots, continues = decode
+            prev = pool.conv.index_select(0, slots) * continues[:, None, None]  # [B, C, K - 1]
+            window = torch.cat((prev, x[rows, :, None].to(prev.dtype)), dim=2)  # [B, C, K]
+            y = (window.to(weight.dtype) * weight[None]).sum(-1)
+            out[rows] = F.silu(y).to(x.dtype)
+            pool.conv.index_copy_(0, slots, window[:, :, 1:])
+        for first, n, slot, continues in chunks:
+            prev = pool.conv[slot] if continues else torch.zeros_like(pool.conv[slot])
+            out[first:first + n], pool.conv[slot] = conv_chunk(x[first:first + n], weight, prev)
+        return out
+
+    def delta_rule(self, q, k, v, g, beta, pool: StatePool, meta: AttentionMetadata) -> torch.Tensor:
+        decode, chunks = _step_rows(meta, q.device)
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        if decode is not None:
+            rows, slots, continues = decode
+            state = pool.ssm.index_select(0, slots) * continues[:, None, None, None]
+            o, state = recurrent_delta_step(*_prepare(q[rows], k[rows], v[rows], g[rows], beta[rows]), state)
+            out[rows] = o.to(v.dtype)
+            pool.ssm.index_copy_(0, slots, state)
+        for first, n, slot, continues in chunks:
+            rows = slice(first, first + n)
+            state = pool.ssm[slot] if continues else torch.zeros_like(pool.ssm[slot])
+            o, pool.ssm[slot] = chunked_delta_rule(*_prepare(q[rows], k[rows], v[rows], g[rows], beta[rows]), state)
+            out[rows] = o.to(v.dtype)
+        return out
