@@ -188,3 +188,121 @@ def test_positions_match_get_rope_index(qwen3_5, torchvision_normalize, num_fram
 def test_positions_of_a_text_only_prompt_are_plain():
     positions, delta = mrope_positions(5, [], MERGE)
     assert positions.tolist() == [list(range(5))] * 3 and delta == 0
+
+
+# -- preparation against the processor ------------------------------------------------------
+
+
+def png_url(array: np.ndarray) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(array).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def mp4_url(frames: np.ndarray, fps: int) -> str:
+    import base64
+    import io
+
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="mp4") as container:
+        stream = container.add_stream("mjpeg", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuvj444p"
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return "data:video/mp4;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def preparer(qwen3_5):
+    from mstar_actors.model_info import ModelInfo
+    from mstar_actors.prepare.media import MediaLimits
+    from mstar_actors.prepare.preparers import load_preparer
+
+    folder, hf, _ = qwen3_5
+    info = ModelInfo(served_name="q", model_dir=str(folder), architecture="Qwen3_5ForConditionalGeneration",
+                     vocab_size=hf.config.text_config.vocab_size, eos_token_ids=(2,), dtype="float32",
+                     max_model_len=1 << 20, is_multimodal=True,
+                     media_token_ids={"image": hf.config.image_token_id, "video": hf.config.video_token_id})
+    return load_preparer(info, MediaLimits(video_fps=2.0))
+
+
+def chat_request(*media_parts) -> messages.NewRequest:
+    C = messages.ContentPart
+    parts = [C(type="text", text="describe this image")]
+    for kind, url in media_parts:
+        if kind == "video":
+            parts.append(C(type="text", text="and this video"))
+        parts.append(C(type=f"{kind}_url", url=url))
+    parts.append(C(type="text", text="what is in the picture"))
+    return messages.NewRequest(request_id="r", model="q", sampling=messages.SamplingParams(),
+                               messages=[messages.ChatMessage("user", parts)])
+
+
+def test_preparer_is_qwen3_5s_and_parallel(preparer):
+    from mstar_actors.prepare.preparers import Qwen3_5VLPreparer
+
+    assert isinstance(preparer, Qwen3_5VLPreparer) and preparer.PREPROCESS_PARALLEL
+
+
+def test_image_prompt_matches_the_processor(qwen3_5, preparer):
+    from PIL import Image
+
+    _, hf, processor = qwen3_5
+    array = np.random.default_rng(4).integers(0, 255, (50, 70, 3), dtype=np.uint8)
+    draft = preparer.draft(chat_request(("image", png_url(array))), {})
+    out = processor_inputs(processor, image=Image.fromarray(array))
+    assert draft.prepared.prompt_token_ids == out["input_ids"][0].tolist()
+    [item] = draft.media
+    assert torch.equal(item.pixel_values, out["pixel_values"].float())
+    assert item.grid_thw == tuple(out["image_grid_thw"][0].tolist())
+    assert [m.token_offset for m in items_of(out["input_ids"][0].tolist(), out, hf.config.image_token_id, -1)] == [item.token_offset]
+
+
+def test_video_prompt_matches_the_processor(qwen3_5, preparer, torchvision_normalize):
+    from mstar_actors.models.vision import PixelNorm
+    from mstar_actors.prepare.media import MediaLimits, MediaRef, decode_video
+    from mstar_actors.prepare.preparers import video_pixel_constants
+
+    _, hf, processor = qwen3_5
+    url = mp4_url(video_frames(10, 64, 96, seed=6), fps=4)  # 2.5 s: 5 frames at 2 fps, 3 temporal patches
+    draft = preparer.draft(chat_request(("video", url)), {})
+    assert not isinstance(draft, messages.Failed), draft
+    from mstar_actors.prepare.media import read_local
+
+    ref = MediaRef("video", url, "messages[0].content[2]")
+    frames = decode_video(read_local(ref, MediaLimits()), ref, MediaLimits(video_fps=2.0)).frames
+    assert frames.shape[0] == 5
+    out = processor_inputs(processor, frames=frames, fps=2.0)
+    ids = out["input_ids"][0].tolist()
+    assert draft.prepared.prompt_token_ids == ids
+    expected_items = items_of(ids, out, -1, hf.config.video_token_id)
+    assert [(m.token_offset, m.num_tokens, m.grid_thw) for m in draft.media] == \
+        [(m.token_offset, m.num_tokens, tuple(m.grid_thw)) for m in expected_items]
+    rows = torch.cat([m.pixel_values for m in draft.media])
+    assert rows.dtype == torch.uint8
+    norm = PixelNorm(*video_pixel_constants(preparer.video_processor), rows.shape[1] // 3)
+    assert torch.equal(norm(rows), out["pixel_values_videos"])
+
+
+def test_video_resize_is_qwen3_vls(preparer):
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+    from mstar_actors.prepare.preparers import qwen3_5_video_patches
+
+    vp = preparer.video_processor
+    for num_frames, height, width in [(4, 64, 96), (5, 50, 70), (2, 300, 200), (3, 20, 20)]:
+        frames = np.zeros((num_frames, height, width, 3), dtype=np.uint8)
+        _, (t, h, w) = qwen3_5_video_patches(frames, vp)
+        rh, rw = smart_resize(max(num_frames, 2), height, width, temporal_factor=2, factor=32,
+                              min_pixels=vp.size["shortest_edge"], max_pixels=vp.size["longest_edge"])
+        assert (t, h * 16, w * 16) == ((num_frames + 1) // 2, rh, rw)
