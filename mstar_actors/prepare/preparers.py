@@ -416,8 +416,9 @@ def video_pixel_constants(video_processor: Any) -> tuple[list[float], list[float
     import torch
 
     vp = video_processor
-    mean = (torch.tensor(vp.image_mean) * (1.0 / vp.rescale_factor)).tolist()
-    std = (torch.tensor(vp.image_std) * (1.0 / vp.rescale_factor)).tolist()
+    # On the CPU explicitly: the loader builds the model under a meta device.
+    mean = (torch.tensor(vp.image_mean, device="cpu") * (1.0 / vp.rescale_factor)).tolist()
+    std = (torch.tensor(vp.image_std, device="cpu") * (1.0 / vp.rescale_factor)).tolist()
     return mean, std, 1.0
 
 
