@@ -13,15 +13,19 @@ class PlanDriver:
         self.runner = runner
         self.block_size, self.num_new, self.sampling = block_size, num_new, sampling
         self.free = list(range(runner.num_kv_blocks - 1, 0, -1))
+        # A hybrid model's recurrent-state slots, handed out at start like the scheduler does.
+        self.free_states = list(range(getattr(runner, "num_state_slots", 0) - 1, -1, -1))
         self.seqs: dict[str, dict] = {}
         self.step_id = 0
 
     def start(self, rid, prompt, media=(), outputs=(), *, slot=0, shared_blocks=(), num_computed=0) -> messages.SeqStart:
         """A new (or restarted, with ``outputs``) sequence; ``shared_blocks`` and
         ``num_computed`` model a prefix-cache hit."""
+        state = self.free_states.pop() if self.free_states else -1
         self.seqs[rid] = dict(num_prompt=len(prompt), outputs=list(outputs), blocks=list(shared_blocks),
-                              done=num_computed)
-        return messages.SeqStart(rid, list(prompt), self.sampling, list(outputs), media=list(media), lora_slot=slot)
+                              done=num_computed, state=state)
+        return messages.SeqStart(rid, list(prompt), self.sampling, list(outputs), media=list(media), lora_slot=slot,
+                                 state_slot=state)
 
     def chunk(self, rid, num_tokens: int | None = None) -> messages.ScheduledChunk:
         seq = self.seqs[rid]
@@ -35,7 +39,10 @@ class PlanDriver:
         return chunk
 
     def finish(self, rid) -> str:
-        self.free += self.seqs.pop(rid)["blocks"]
+        seq = self.seqs.pop(rid)
+        self.free += seq["blocks"]
+        if seq["state"] >= 0:
+            self.free_states.append(seq["state"])
         return rid
 
     def step(self, started=(), chunks=(), finished=()) -> None:

@@ -47,7 +47,8 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Module paths as PEFT saves them, after "base_model.model.": the decoder
 # root is "model." (VL models: "model.language_model.").
 _LAYER_RE = re.compile(r"^(?:model\.)?(?:language_model\.)?layers\.(\d+)\.(.+)$")
-_GLOBAL_RE = re.compile(r"^(?:model\.)?(?:language_model\.)?(embed_tokens|lm_head)$")
+_GLOBAL_RE = re.compile(r"^(?:model\.)?(?:language_model\.)?(embed_tokens|lm_head|unembed_tokens)$")
+_GLOBAL_ALIASES = {"unembed_tokens": "lm_head"}  # the output head under another trainer's name
 # A VL model's vision tower: "visual." (original layout) or "model.visual." (transformers 5).
 _VISION_RE = re.compile(r"^(?:model\.)?visual\.")
 _KINDS = {
@@ -378,7 +379,7 @@ def _place(module_path: str, base: BaseShapes, name: str) -> tuple[str, int | No
             "(PEFT: target_modules matching only the language model)"
         )
     if m := _GLOBAL_RE.match(module_path):
-        key, layer = m.group(1), None
+        key, layer = _GLOBAL_ALIASES.get(m.group(1), m.group(1)), None
     elif m := _LAYER_RE.match(module_path):
         key, layer = m.group(2), int(m.group(1))
         if layer >= base.num_layers:
@@ -393,6 +394,8 @@ def _place(module_path: str, base: BaseShapes, name: str) -> tuple[str, int | No
             f"adapter {name!r}: module {module_path!r} is not a LoRA target of the base model; "
             f"accepted: {base.targetable()}"
         )
+    if layer is not None and (why := base.allows(key, layer)) is not None:
+        raise AdapterError(f"adapter {name!r}: module {module_path!r} is not in the base model: {why}")
     return key, layer
 
 

@@ -31,6 +31,19 @@ _SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     # Its text stack is the Qwen2 decoder; the vision tower is never a target.
     "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+)
+# A hybrid decoder's (Qwen3.5) modules, by the kind of layer that has them.
+LINEAR_ATTENTION_MODULES = (
+    "linear_attn.in_proj_qkv",
+    "linear_attn.in_proj_q",  # split q / k / v adapters: shards of in_proj_qkv
+    "linear_attn.in_proj_k",
+    "linear_attn.in_proj_v",
+    "linear_attn.in_proj_z",
+    "linear_attn.in_proj_b",
+    "linear_attn.in_proj_a",
+    "linear_attn.out_proj",
 )
 
 
@@ -52,6 +65,19 @@ class BaseShapes:
     global_modules: dict[str, tuple[int, int]] = field(default_factory=dict)
     # Informational: a tied lm_head still takes its own LoRA delta.
     tie_word_embeddings: bool = False
+    # A hybrid decoder: each layer's kind ("full_attention" / "linear_attention"); empty: one kind.
+    layer_types: tuple[str, ...] = ()
+
+    def allows(self, module: str, layer: int) -> str | None:
+        """Why layer ``layer`` has no ``module`` (a hybrid decoder's attention
+        and linear-attention modules live in their own kinds of layer), or None."""
+        if not self.layer_types:
+            return None
+        kind = self.layer_types[layer]
+        is_linear = module.startswith("linear_attn.")
+        if is_linear != (kind == "linear_attention") and not module.startswith("mlp."):
+            return f"layer {layer} is a {kind} layer, which has no {module}"
+        return None
 
     def shape_of(self, module: str) -> tuple[int, int] | None:
         """(in, out) of a layer module suffix or a global module; None if not targetable."""
@@ -96,12 +122,37 @@ class BaseShapes:
         # A tied lm_head is still its own Linear module in transformers, so
         # PEFT can target it; its LoRA delta is independent of the tie.
         glob = {"lm_head": (hidden, vocab), "embed_tokens": (vocab, hidden)}
+        num_layers = _require_int(cfg, "num_hidden_layers")
+        layer_types: tuple[str, ...] = ()
+        if any(a.startswith("Qwen3_5") for a in archs):
+            layer["self_attn.q_proj"] = (hidden, 2 * q_size)  # each head's query and its output gate
+            layer.update(_linear_attention_shapes(cfg, hidden))
+            from mstar_actors.models.spec import default_layer_types  # the loader's own rule
+
+            layer_types = tuple(default_layer_types(cfg))
         return cls(
-            num_layers=_require_int(cfg, "num_hidden_layers"),
+            num_layers=num_layers,
             layer_modules=layer,
             global_modules=glob,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            layer_types=layer_types,
         )
+
+
+def _linear_attention_shapes(cfg: dict, hidden: int) -> dict[str, tuple[int, int]]:
+    key = _require_int(cfg, "linear_num_key_heads") * _require_int(cfg, "linear_key_head_dim")
+    num_v = _require_int(cfg, "linear_num_value_heads")
+    value = num_v * _require_int(cfg, "linear_value_head_dim")
+    return {
+        "linear_attn.in_proj_qkv": (hidden, 2 * key + value),
+        "linear_attn.in_proj_q": (hidden, key),
+        "linear_attn.in_proj_k": (hidden, key),
+        "linear_attn.in_proj_v": (hidden, value),
+        "linear_attn.in_proj_z": (hidden, value),
+        "linear_attn.in_proj_b": (hidden, num_v),
+        "linear_attn.in_proj_a": (hidden, num_v),
+        "linear_attn.out_proj": (value, hidden),
+    }
 
 
 def _require_int(cfg: dict, key: str) -> int:

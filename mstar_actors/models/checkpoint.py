@@ -77,6 +77,10 @@ class CheckpointRules:
                 return _fill(rule.hf, m)
         raise KeyError(f"no checkpoint rule fills {our_module!r} shard {shard}")
 
+    def rules_for(self, our_module: str) -> list[WeightRule]:
+        """The rules that fill ``our_module`` (every shard's, the whole's)."""
+        return [rule for pattern, rule in self._reverse if pattern.match(our_module)]
+
     def fills_whole(self, our_module: str) -> bool:
         """Whether one checkpoint tensor fills all of ``our_module`` (a shard-None
         rule names it), even where it has shards: a fused checkpoint module

@@ -316,23 +316,40 @@ class LoraLayers:
         if mapped is None or mapped[0] not in self.stacks:
             raise ValueError(
                 f"adapter {name!r}: module {hf_module!r} has no LoRA stack in this model; "
-                f"accepted targets: q/k/v/o_proj, gate/up/down_proj, {LM_HEAD}, embed_tokens"
+                f"accepted targets: {self._target_names()}"
             )
         return mapped
+
+    def _target_names(self) -> str:
+        """The checkpoint module names (their last part) an adapter may target here."""
+        names = {rule.hf.rpartition(".")[2] for name in self.stacks for rule in self.rules.rules_for(name)}
+        return ", ".join(sorted(names | {LM_HEAD}))
 
     def _by_stack(self, slot: int, weights: AdapterWeights) -> dict[str, list[tuple[int | None, LoraModule]]]:
         """The adapter's modules per stack as ``(shard, factors)``, each checked
         against its stack (a refusal names the module)."""
         by_stack: dict[str, list[tuple[int | None, LoraModule]]] = {}
-        for hf_module, module in weights.iter_modules():
+        for hf_module, whole in weights.iter_modules():
             ours, shard = self._place(hf_module, weights.name)
-            try:
-                module = shard_factors(module, self.cuts.get(ours, {}).get(shard), is_embedding=ours == EMBED_TOKENS)
-                self.stacks[ours].check(slot, shard or 0, module)
-            except ValueError as err:
-                raise ValueError(f"adapter {weights.name!r}: module {hf_module!r} ({ours}): {err}") from None
-            by_stack.setdefault(ours, []).append((shard, module))
+            for shard, module in split_fused(whole, shard, self.stacks[ours].offsets):
+                try:
+                    module = shard_factors(module, self.cuts.get(ours, {}).get(shard), is_embedding=ours == EMBED_TOKENS)
+                    self.stacks[ours].check(slot, shard or 0, module)
+                except ValueError as err:
+                    raise ValueError(f"adapter {weights.name!r}: module {hf_module!r} ({ours}): {err}") from None
+                by_stack.setdefault(ours, []).append((shard, module))
         return by_stack
+
+
+def split_fused(module: LoraModule, shard: int | None, offsets: Sequence[int]) -> list[tuple[int | None, LoraModule]]:
+    """An adapter module on a whole fused module (``shard`` None on a stack of
+    several shards: Qwen3.5's ``in_proj_qkv``) as one part per shard: the same
+    A, each shard's rows of B (``B A x`` split by output rows). Else as given;
+    a B of the wrong size is left whole for the stack's check to refuse."""
+    num_shards = len(offsets) - 1
+    if shard is not None or num_shards == 1 or module.b.shape[0] != offsets[-1]:
+        return [(shard, module)]
+    return [(i, dataclasses.replace(module, b=module.b[offsets[i] : offsets[i + 1]])) for i in range(num_shards)]
 
 
 def shard_factors(module: LoraModule, cut: Cut | None, *, is_embedding: bool = False) -> LoraModule:

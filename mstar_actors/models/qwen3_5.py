@@ -34,7 +34,7 @@ from .decoder import MLP, CausalLM, LoraEmbedding, LoraLinear, StackedLinear
 from .deltanet_ops import DeltaNetOps, StatePool, TorchDeltaNetOps
 from .rope import _rotate_half
 from .sharding import ShardLayout, single_rank_layout
-from .spec import FULL_ATTENTION, ModelLoadError, ModelSpec
+from .spec import FULL_ATTENTION, ModelLoadError, ModelSpec, default_layer_types
 
 ARCHITECTURE = "Qwen3_5ForCausalLM"
 MOE_ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
@@ -77,10 +77,7 @@ def text_config(cfg: dict) -> dict:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     flat["rope_parameters"] = {"rope_type": "default" if rope_type in ("mrope", "default") else rope_type,
                                "rope_theta": theta}
-    if not flat.get("layer_types"):  # the reference's default: every fourth layer full attention
-        interval = int(flat.get("full_attention_interval", 4))
-        flat["layer_types"] = ["linear_attention" if (i + 1) % interval else "full_attention"
-                               for i in range(int(flat.get("num_hidden_layers", 0)))]
+    flat["layer_types"] = default_layer_types(flat)
     return flat
 
 

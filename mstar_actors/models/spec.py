@@ -206,6 +206,16 @@ def parse_spec(model_dir: Path, cfg: dict, *, qkv_bias: bool, qk_norm: bool) -> 
     )
 
 
+def default_layer_types(cfg: dict) -> list[str]:
+    """``layer_types`` of a hybrid config, or the family's default when it
+    gives none: every ``full_attention_interval``-th layer (4th by default)
+    full attention, the others linear attention."""
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    interval = int(cfg.get("full_attention_interval", 4))
+    return [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(int(cfg.get("num_hidden_layers", 0)))]
+
+
 def _layer_types(cfg: dict, num_layers: int, where: str) -> tuple[tuple[str, ...], LinearAttentionSpec | None]:
     """``config.layer_types`` (a hybrid decoder's) and its linear-attention shape; ((), None) without."""
     types = tuple(cfg.get("layer_types") or ())
