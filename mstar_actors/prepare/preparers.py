@@ -47,6 +47,7 @@ class MediaDraft:
     token_offset: int
     num_tokens: int
     second_per_grid_t: float = 0.0
+    timestamps: tuple[float, ...] = ()  # Qwen3.5 videos: each temporal patch's time (s), written into the prompt
     # blake2b of the item's encoded bytes: the server's processing is fixed, so
     # equal bytes give equal pixel rows, and hashing them is ~15x cheaper (470 KB
     # of mp4 against 7.5 MB of float rows). Empty: the digest hashes the rows.
@@ -188,6 +189,9 @@ def load_preparer(info: ModelInfo, limits: MediaLimits | None = None) -> Any:
 
     tokenization = Tokenization(info.model_dir)
     grammars = GrammarCompiler(tokenizer_info(tokenization.tokenizer, info.vocab_size, info.eos_token_ids))
+    if info.architecture == QWEN3_5_ARCHITECTURE:
+        return Qwen3_5VLPreparer(Path(info.model_dir), tokenization, info.media_token_ids, limits or MediaLimits(),
+                                 prompt_limit=info.max_model_len, grammars=grammars)
     if info.is_multimodal:
         return QwenVLPreparer(Path(info.model_dir), tokenization, info.media_token_ids, limits or MediaLimits(),
                               prompt_limit=info.max_model_len, grammars=grammars)
@@ -238,7 +242,7 @@ class QwenVLPreparer:
             if not refs:
                 return self.text.draft(req, fetched)  # text only: the plain path
             media = [self._process(ref, fetched) for ref in refs]
-            token_ids = self._expand(self._template_ids(req), media, refs)
+            token_ids, media = self._expand(self._template_ids(req), media, refs)
         except MediaError as err:
             return failed(req, str(err), err.param)
         except PromptTooLong as err:
@@ -288,9 +292,9 @@ class QwenVLPreparer:
                                              continue_final_message=req.continue_final_message)
         return self.tokenization.encode_text(text + req.assistant_prefix, False, self.text.prompt_limit)
 
-    def _expand(self, ids: list[int], media: list[MediaDraft], refs: list[MediaRef]) -> list[int]:
+    def _expand(self, ids: list[int], media: list[MediaDraft], refs: list[MediaRef]) -> tuple[list[int], list[MediaDraft]]:
         """Replace each placeholder token by its item's ``num_tokens`` copies and
-        record where each item's rows start."""
+        record where each item's rows start; returns the ids and the items."""
         placeholders = {"image": self.image_token_id, "video": self.video_token_id}
         found = [i for i, t in enumerate(ids) if t in placeholders.values()]
         if len(found) != len(media):
@@ -305,7 +309,7 @@ class QwenVLPreparer:
             item.token_offset = len(out)
             out += [ids[pos]] * item.num_tokens
             start = pos + 1
-        return out + ids[start:]
+        return out + ids[start:], media
 
 
 def media_digest(media: list[MediaDraft]) -> str:
@@ -362,14 +366,22 @@ def video_patches(frames: Any, image_processor: Any, min_pixels: int, max_pixels
     Pillow's bicubic (the image processor's) differs from it by at most 2 of
     255 levels in under 1% of values and costs ~10 ms per 8 frames of
     320x240 where this takes ~1.5 ms."""
-    import torch
-    from torch.nn import functional
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
     ip = image_processor
-    p, m, tps = ip.patch_size, ip.merge_size, ip.temporal_patch_size
+    _, height, width, _ = frames.shape
+    size = smart_resize(height, width, factor=ip.patch_size * ip.merge_size, min_pixels=min_pixels, max_pixels=max_pixels)
+    return patch_frames(frames, size, ip.patch_size, ip.merge_size, ip.temporal_patch_size)
+
+
+def patch_frames(frames: Any, size: tuple[int, int], p: int, m: int, tps: int) -> tuple[Any, tuple[int, int, int]]:
+    """``video_patches``' resize (to ``size``, when it differs), temporal padding
+    and (t, h/m, w/m, m, m, C, tps, p, p) layout of raw uint8 rows."""
+    import torch
+    from torch.nn import functional
+
     num_frames, height, width, _ = frames.shape
-    rh, rw = smart_resize(height, width, factor=p * m, min_pixels=min_pixels, max_pixels=max_pixels)
+    rh, rw = size
     x = torch.from_numpy(frames)  # (T, H, W, C)
     if (rh, rw) != (height, width):  # channels-last in memory, which is interpolate's fast uint8 path
         x = functional.interpolate(x.permute(0, 3, 1, 2), size=(rh, rw), mode="bicubic", antialias=True)
@@ -379,3 +391,110 @@ def video_patches(frames: Any, image_processor: Any, min_pixels: int, max_pixels
     t, gh, gw = x.shape[0] // tps, rh // p, rw // p
     cells = x.reshape(t, tps, gh // m, m, p, gw // m, m, p, 3).permute(0, 2, 5, 3, 6, 8, 1, 4, 7)
     return cells.reshape(t * gh * gw, 3 * tps * p * p), (t, gh, gw)  # one uint8 gather
+
+
+# --------------------------------------------------------------------------
+# Qwen3.5
+# --------------------------------------------------------------------------
+
+QWEN3_5_ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
+
+
+def load_video_processor(model_dir: Path) -> Any:
+    """Qwen3-VL's video processor settings (sizes, patches, normalization); its
+    torchvision pipeline is not run: ``qwen3_5_video_patches`` does its work."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    if (Path(model_dir) / "video_preprocessor_config.json").is_file():
+        return Qwen3VLVideoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+    return Qwen3VLVideoProcessor()
+
+
+def video_pixel_constants(video_processor: Any) -> tuple[list[float], list[float], float]:
+    """(mean, std, rescale) for ``PixelNorm`` that reproduce the video processor's
+    fused normalization, ``(x - mean / rescale) / (std / rescale)``, in float32."""
+    import torch
+
+    vp = video_processor
+    # On the CPU explicitly: the loader builds the model under a meta device.
+    mean = (torch.tensor(vp.image_mean, device="cpu") * (1.0 / vp.rescale_factor)).tolist()
+    std = (torch.tensor(vp.image_std, device="cpu") * (1.0 / vp.rescale_factor)).tolist()
+    return mean, std, 1.0
+
+
+def qwen3_5_video_patches(frames: Any, video_processor: Any) -> tuple[Any, tuple[int, int, int]]:
+    """Qwen3-VL's video processor without torchvision: its ``smart_resize``
+    (over the whole clip's pixel budget, with the per-frame cap when the
+    processor sets ``cap_pixels_per_frame``), then ``video_patches``' resize
+    and layout, as raw uint8 rows."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+    vp = video_processor
+    num_frames, height, width, _ = frames.shape
+    factor = vp.patch_size * vp.merge_size
+    min_pixels, max_pixels = vp.size["shortest_edge"], vp.size["longest_edge"]
+    if vp.cap_pixels_per_frame:
+        per_frame = max(min(vp.max_video_tokens * factor * factor, max_pixels // num_frames), int(min_pixels * 1.05))
+        max_pixels = per_frame * num_frames
+    size = smart_resize(max(num_frames, vp.temporal_patch_size), height, width, temporal_factor=vp.temporal_patch_size,
+                        factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    return patch_frames(frames, size, vp.patch_size, vp.merge_size, vp.temporal_patch_size)
+
+
+def frame_timestamps(num_frames: int, fps: float, temporal_patch_size: int) -> tuple[float, ...]:
+    """Each temporal patch's time as the processor writes it: the mean of its
+    first and last frame's times, the clip padded with its last frame."""
+    indices = list(range(num_frames))
+    indices += [num_frames - 1] * (-num_frames % temporal_patch_size)
+    times = [i / fps for i in indices]
+    return tuple((times[i] + times[i + temporal_patch_size - 1]) / 2 for i in range(0, len(times), temporal_patch_size))
+
+
+class Qwen3_5VLPreparer(QwenVLPreparer):
+    """Qwen3.5's preparation: images as Qwen2.5-VL's (the same image processor,
+    with 16 px patches); a video as the processor writes it, one
+    ``<t seconds><vision_start><video_pad>*n<vision_end>`` group per temporal
+    patch inside the template's placeholder, each group its own media item
+    (grid ``(1, h, w)``) so every placeholder run is contiguous. Frames are
+    the server's (``limits.video_fps``), resized and patched as Qwen3-VL's
+    video processor does. Read-only after construction, like its parent."""
+
+    def __init__(self, model_dir: Path, tokenization: Any, media_token_ids: dict[str, int], limits: MediaLimits,
+                 image_processor: Any = None, prompt_limit: int | None = None, grammars: Any = None,
+                 video_processor: Any = None):
+        super().__init__(model_dir, tokenization, media_token_ids, limits, image_processor, prompt_limit, grammars)
+        self.video_processor = video_processor or load_video_processor(model_dir)
+        tokenizer = tokenization.tokenizer
+        self.vision_start_id, self.vision_end_id = (tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>"))
+
+    def _video(self, frames: Any, fps: float) -> MediaDraft:
+        pixel_values, grid = qwen3_5_video_patches(frames, self.video_processor)
+        t, h, w = grid
+        tps = self.video_processor.temporal_patch_size
+        return MediaDraft("video", pixel_values, grid, 0, t * h * w // self.video_processor.merge_size**2,
+                          second_per_grid_t=tps / fps, timestamps=frame_timestamps(frames.shape[0], fps, tps))
+
+    def _expand(self, ids: list[int], media: list[MediaDraft], refs: list[MediaRef]) -> tuple[list[int], list[MediaDraft]]:
+        """The parent's expansion, then each video's run becomes its groups of frames."""
+        ids, media = super()._expand(ids, media, refs)
+        out: list[int] = []
+        items: list[MediaDraft] = []
+        cursor = 0
+        for item in media:
+            out += ids[cursor:item.token_offset]
+            cursor = item.token_offset + item.num_tokens
+            if item.kind != "video":
+                item.token_offset = len(out)
+                out += [self.image_token_id] * item.num_tokens
+                items.append(item)
+                continue
+            t, h, w = item.grid_thw
+            per_frame = item.num_tokens // t
+            for i, (rows, stamp) in enumerate(zip(item.pixel_values.split(h * w), item.timestamps, strict=True)):
+                out += self.tokenization.tokenizer.encode(f"<{stamp:.1f} seconds>", add_special_tokens=False)
+                out.append(self.vision_start_id)
+                items.append(MediaDraft("video", rows, (1, h, w), len(out), per_frame, item.second_per_grid_t,
+                                        (stamp,), item.source_digest))
+                out += [self.video_token_id] * per_frame
+                out.append(self.vision_end_id)
+        return out + ids[cursor:], items
