@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import qwen2_5_vl, qwen3_5
+from . import qwen2_5_vl, qwen3_5, qwen3_5_vl
 from .checkpoint import DECODER_RULES, IGNORED, QK_NORM_RULES, CheckpointRules
 
 
@@ -51,6 +51,15 @@ ARCHITECTURES: dict[str, Architecture] = {
             rules=CheckpointRules(qwen3_5.QWEN3_5_RULES, IGNORED, qwen3_5.LAYOUT_ALIASES, qwen3_5.IGNORED_PREFIXES),
             text_config=qwen3_5.text_config,
             build=qwen3_5.build,
+        ),
+        Architecture(
+            qwen3_5_vl.ARCHITECTURE,
+            qkv_bias=False,
+            qk_norm=True,
+            rules=CheckpointRules(qwen3_5_vl.QWEN3_5_VL_RULES, IGNORED, qwen3_5.LAYOUT_ALIASES, qwen3_5.IGNORED_PREFIXES),
+            text_config=qwen3_5.text_config,
+            build=qwen3_5_vl.build,
+            is_multimodal=True,
         ),
     )
 }

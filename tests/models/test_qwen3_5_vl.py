@@ -5,14 +5,12 @@ and a text prompt beside them."""
 
 from __future__ import annotations
 
-import msgspec
 import numpy as np
 import pytest
 import torch
 
 from mstar_actors import messages
-from mstar_actors.models import qwen3_5, qwen3_5_vl, registry
-from mstar_actors.models.checkpoint import IGNORED, CheckpointRules
+from mstar_actors.models import qwen3_5_vl
 from mstar_actors.prepare.preparers import video_pixel_constants
 from plan_driver import PlanDriver
 from runner_factories import make_runner
@@ -23,16 +21,6 @@ from .test_qwen3_5_vision import chat_request, mp4_url, png_url, video_frames
 BLOCK_SIZE = 4
 NUM_NEW = 8
 GREEDY = messages.SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture()
-def served(monkeypatch):
-    """The architecture's registry entry, as the registry will state it."""
-    arch = registry.Architecture(
-        qwen3_5_vl.ARCHITECTURE, qkv_bias=False, qk_norm=True,
-        rules=CheckpointRules(qwen3_5_vl.QWEN3_5_VL_RULES, IGNORED, qwen3_5.LAYOUT_ALIASES, qwen3_5.IGNORED_PREFIXES),
-        text_config=qwen3_5.text_config, build=qwen3_5_vl.build, is_multimodal=True)
-    monkeypatch.setitem(registry.ARCHITECTURES, arch.name, arch)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +66,7 @@ def reference(hf, preparer, draft) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
-def test_runner_matches_generate_for_image_video_and_text(served, qwen3_5_model):
+def test_runner_matches_generate_for_image_video_and_text(qwen3_5_model):
     from mstar_actors.model_info import load_model_info
     from mstar_actors.prepare.media import MediaLimits
     from mstar_actors.prepare.preparers import load_preparer, with_media
@@ -100,7 +88,7 @@ def test_runner_matches_generate_for_image_video_and_text(served, qwen3_5_model)
                          resolve_tensor=arena.resolve)
     assert isinstance(runner.model, qwen3_5_vl.Qwen3_5ForConditionalGeneration)
     d = PlanDriver(runner, block_size=BLOCK_SIZE, num_new=NUM_NEW, sampling=GREEDY)
-    starts = [msgspec.structs.replace(d.start(rid, p, m), state_slot=i) for i, (rid, (p, m)) in enumerate(prompts.items())]
+    starts = [d.start(rid, p, m) for rid, (p, m) in prompts.items()]  # each on a state slot of its own
     img_item = prompts["img"][1][0]
     # img's first chunk ends inside its image run; vid's inside its second frame's.
     d.step(starts, [d.chunk("img", img_item.token_offset + 3), d.chunk("vid", prompts["vid"][1][1].token_offset + 2),
