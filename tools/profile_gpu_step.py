@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.tokenizer = Path(resolve_model("smollm2"))
     cache = bench_lora.default_cache_dir()
-    model_dir = bench_lora.make_random_llama(cache / bench_lora.LLAMA_1B, args.tokenizer, "bfloat16", "cuda")
+    model_dir = bench_lora.make_random_model(bench_lora.LLAMA_1B, cache / bench_lora.LLAMA_1B, args.tokenizer, "bfloat16", "cuda")
     paths = bench_lora.make_adapters(model_dir, cache / "adapters" / f"{bench_lora.LLAMA_1B}-r16",
                                      [f"lora{i}" for i in range(NUM_ADAPTERS)], 16, "bfloat16", "cuda")
     max_seqs = max([*args.batches, *args.mixed_decodes])
