@@ -43,7 +43,7 @@ def kit_model(tmp_path_factory) -> Path:
     (["--concurrency", "1,x"], "--concurrency '1,x'"),
     (["--concurrency", "0,8"], "--concurrency must be at least 1"),
     (["--rank", "0"], "--rank must be at least 1"),
-    (["--model", "no-such-setup"], "expected smollm2, llama-3.2-1b-random, or a folder"),
+    (["--model", "no-such-setup"], "expected smollm2, llama-3.2-1b-random, qwen3.5-0.8b-random, or a folder"),
 ])
 def test_bad_arguments_say_what_is_accepted(argv, message):
     run = run_bench(*argv)
