@@ -101,6 +101,7 @@ def combine_ready(ready: list[WorkerReady]) -> WorkerReady:
         max_model_len=min(r.max_model_len for r in ready),
         eos_token_ids=list(first.eos_token_ids),
         num_state_slots=min(r.num_state_slots for r in ready),
+        num_state_snapshots=min(r.num_state_snapshots for r in ready),
     )
 
 
@@ -109,7 +110,11 @@ def make_scheduler(config: Any, facts: WorkerReady, log: logging.Logger) -> Any:
 
     sched = config.scheduler
     if facts.num_state_slots and config.kv.enable_prefix_caching:
-        log.info("prefix caching is off for this model: its recurrent state is not cached")
+        if facts.num_state_snapshots:
+            log.info("prefix caching: %d recurrent-state snapshots, taken where a prompt's last full block ends",
+                     facts.num_state_snapshots)
+        else:
+            log.info("prefix caching is off for this model: no recurrent-state snapshots (kv.state_snapshots: 0)")
     return Scheduler(
         num_blocks=facts.num_kv_blocks,
         block_size=facts.block_size,
@@ -119,6 +124,7 @@ def make_scheduler(config: Any, facts: WorkerReady, log: logging.Logger) -> Any:
         eos_token_ids=list(facts.eos_token_ids),
         enable_prefix_caching=config.kv.enable_prefix_caching,
         num_state_slots=facts.num_state_slots,
+        num_state_snapshots=facts.num_state_snapshots,
     )
 
 

@@ -69,6 +69,10 @@ class KvConfig(msgspec.Struct, **_STRICT):
     memory_fraction: Fraction = 0.9  # of free device memory (CPU: of available RAM, capped below)
     num_blocks: Pos | None = None  # overrides memory_fraction
     enable_prefix_caching: bool = True
+    # A hybrid model's (Qwen3.5) prefix cache: copies of the recurrent state where
+    # prompts' last full blocks end, each as large as one sequence's state.
+    # Default: scheduler.max_num_seqs; 0: no snapshots, no prefix caching for it.
+    state_snapshots: NonNeg | None = None
 
 
 class LoraConfig(msgspec.Struct, **_STRICT):

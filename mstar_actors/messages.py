@@ -387,6 +387,9 @@ class SeqStart(Struct, frozen=True, **_HOT):
     # -1: the model keeps no recurrent state. The slot may have held another
     # sequence's state: ranks build this one's from its first token.
     state_slot: int = -1
+    # A prefix hit of a hybrid model: the snapshot slot whose state the ranks copy
+    # into ``state_slot`` before this step (-1: none; the chunk starts from token 0).
+    restore_snapshot: int = -1
 
 
 class ScheduledChunk(Struct, frozen=True, **_HOT):
@@ -404,6 +407,10 @@ class ScheduledChunk(Struct, frozen=True, **_HOT):
     num_tokens: int
     block_ids: list[int]
     sample: bool
+    # A hybrid model's chunk that ends where a prompt's last full block does: the
+    # ranks copy the sequence's recurrent state into this snapshot slot after the
+    # step (-1: none), for later prefix hits (``SeqStart.restore_snapshot``).
+    snapshot: int = -1
 
 
 class StepPlan(Struct, frozen=True, tag=True, omit_defaults=True):
@@ -457,6 +464,7 @@ class WorkerReady(Struct, frozen=True, tag=True, omit_defaults=True):
     max_model_len: int
     eos_token_ids: list[int] = []
     num_state_slots: int = 0  # sequences the recurrent-state pool holds; 0: no recurrent state
+    num_state_snapshots: int = 0  # recurrent-state snapshots for prefix hits; 0: none (no prefix caching)
 
 
 class StepDone(Struct, frozen=True, tag=True, omit_defaults=True):

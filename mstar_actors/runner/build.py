@@ -58,8 +58,9 @@ def build_runner(config: Config, info: ModelInfo, resolve_tensor: TensorResolver
         model.pack_cpu_weights()  # step 2
     rules = ARCHITECTURES[info.architecture].rules  # where adapters' modules land: the loader's own table
     lora = enable_served_lora(model, rules, config.lora, dtype, device)
-    pools = size_state_pools(model.spec, config.scheduler.max_num_seqs, dtype, device)
-    kv = size_kv_cache(model.spec, config.kv, dtype, device, model.layout.num_kv_heads, pools)
+    pools, snapshots = size_state_pools(model.spec, config.scheduler.max_num_seqs, num_state_snapshots(config), dtype,
+                                        device)
+    kv = size_kv_cache(model.spec, config.kv, dtype, device, model.layout.num_kv_heads, pools, snapshots)
     media = MediaInputs(model, resolve_tensor) if getattr(model, "is_multimodal", False) else None
     runner = ModelRunner(model, kv, max_model_len=info.max_model_len, lora=lora, media=media, sampler=sampler,
                          seed=config.model.seed)
@@ -94,26 +95,35 @@ def enable_served_lora(model: nn.Module, rules: CheckpointRules, lora: LoraConfi
     return layers
 
 
-def size_state_pools(spec: ModelSpec, num_slots: int, dtype: torch.dtype, device: torch.device) -> list[StatePool]:
+def size_state_pools(spec: ModelSpec, num_slots: int, num_snapshots: int, dtype: torch.dtype,
+                     device: torch.device) -> tuple[list[StatePool], list[StatePool]]:
     """A hybrid model's recurrent-state slots, one per sequence the scheduler
-    may run (``scheduler.max_num_seqs``), allocated before the KV cache takes
-    what is left; none for other models."""
+    may run (``scheduler.max_num_seqs``), and its prefix-cache snapshots, both
+    allocated before the KV cache takes what is left; none for other models."""
     la = spec.linear_attention
     if la is None:
-        return []
+        return [], []
     layers = len(spec.state_layers)
-    pools = allocate_state_pools(layers, num_slots, la.conv_dim, la.conv_kernel, la.num_v_heads, la.k_head_dim,
-                                 la.v_head_dim, dtype, device)
-    per_slot = state_bytes_per_slot(layers, la.conv_dim, la.conv_kernel, la.num_v_heads, la.k_head_dim,
-                                    la.v_head_dim, dtype)
-    log.info("recurrent state: %d slots of %.2f MiB (%.1f MiB, %d linear-attention layers) on %s; "
-             "the KV cache takes what is left", num_slots, per_slot / 2**20, (num_slots + 1) * per_slot / 2**20,
-             layers, device)
-    return pools
+    shape = (la.conv_dim, la.conv_kernel, la.num_v_heads, la.k_head_dim, la.v_head_dim)
+    pools = allocate_state_pools(layers, num_slots, *shape, dtype, device)
+    snapshots = allocate_state_pools(layers, num_snapshots, *shape, dtype, device) if num_snapshots else []
+    per_slot = state_bytes_per_slot(layers, *shape, dtype)
+    log.info("recurrent state: %d slots and %d prefix snapshots of %.2f MiB each (%.1f MiB, %d linear-attention "
+             "layers) on %s; the KV cache takes what is left", num_slots, num_snapshots, per_slot / 2**20,
+             (num_slots + 1 + (num_snapshots + 1 if num_snapshots else 0)) * per_slot / 2**20, layers, device)
+    return pools, snapshots
+
+
+def num_state_snapshots(config: Config) -> int:
+    """``kv.state_snapshots``, by default one per sequence the scheduler may run; 0 without prefix caching."""
+    if not config.kv.enable_prefix_caching:
+        return 0
+    return config.scheduler.max_num_seqs if config.kv.state_snapshots is None else config.kv.state_snapshots
 
 
 def size_kv_cache(spec: ModelSpec, kv: KvConfig, dtype: torch.dtype, device: torch.device,
-                  num_kv_heads: int | None = None, state_pools: list[StatePool] | None = None) -> KvCache:
+                  num_kv_heads: int | None = None, state_pools: list[StatePool] | None = None,
+                  snapshot_pools: list[StatePool] | None = None) -> KvCache:
     """``kv.num_blocks`` blocks, else those that fit in ``kv.memory_fraction``
     of what is free now; one more is allocated as the scratch block. A rank
     caches its own ``num_kv_heads`` (all of them without tensor parallelism),
@@ -123,7 +133,7 @@ def size_kv_cache(spec: ModelSpec, kv: KvConfig, dtype: torch.dtype, device: tor
                                                      num_kv_heads)
     caches = allocate_kv_cache(len(spec.kv_layers), num_blocks + 1, kv.block_size, num_kv_heads, spec.head_dim,
                                dtype, device)
-    return KvCache(caches, kv.block_size, num_blocks, state_pools or [])
+    return KvCache(caches, kv.block_size, num_blocks, state_pools or [], snapshot_pools or [])
 
 
 def blocks_from_memory(spec: ModelSpec, block_size: int, memory_fraction: float, dtype: torch.dtype,

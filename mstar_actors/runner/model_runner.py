@@ -168,6 +168,13 @@ def _check_chunk(chunk, seqs, block_size, num_kv_blocks, max_model_len) -> SeqSt
     return seq
 
 
+def _copy_state(src: list[StatePool], src_slot: int, dst: list[StatePool], dst_slot: int) -> None:
+    """Every linear-attention layer's state of ``src[src_slot]`` into ``dst[dst_slot]``."""
+    for a, b in zip(src, dst, strict=True):
+        b.conv[dst_slot].copy_(a.conv[src_slot])
+        b.ssm[dst_slot].copy_(a.ssm[src_slot])
+
+
 @dataclass(frozen=True)
 class KvCache:
     """One rank's paged KV cache: per full-attention layer ``[2, num_blocks + 1,
@@ -181,6 +188,9 @@ class KvCache:
     block_size: int
     num_blocks: int
     state_pools: list[StatePool] = field(default_factory=list)
+    # Prefix-cache snapshots of the recurrent state, shaped like ``state_pools``
+    # (plans may name ``0 .. num_state_snapshots - 1``); empty: none.
+    snapshot_pools: list[StatePool] = field(default_factory=list)
 
     @property
     def scratch_block(self) -> int:
@@ -189,6 +199,10 @@ class KvCache:
     @property
     def num_state_slots(self) -> int:
         return self.state_pools[0].num_slots if self.state_pools else 0
+
+    @property
+    def num_state_snapshots(self) -> int:
+        return self.snapshot_pools[0].num_slots if self.snapshot_pools else 0
 
 
 class ModelRunner:
@@ -208,6 +222,8 @@ class ModelRunner:
         self.num_kv_blocks = kv.num_blocks
         self.scratch_block = kv.scratch_block  # one past the reported blocks: see the module doc
         self.num_state_slots = kv.num_state_slots  # a hybrid model's (0: it keeps no recurrent state)
+        self.state_pools, self.snapshot_pools = kv.state_pools, kv.snapshot_pools
+        self.num_state_snapshots = kv.num_state_snapshots
         if kv.state_pools:
             model.attach_state_pools(kv.state_pools)
         self.lora = lora
@@ -257,6 +273,7 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             eos_token_ids=list(self.spec.eos_token_ids),
             num_state_slots=self.num_state_slots,
+            num_state_snapshots=self.num_state_snapshots,
         )
 
     def execute(self, plan: messages.StepPlan) -> list[messages.SampledToken]:
@@ -266,7 +283,10 @@ class ModelRunner:
         if not plan.scheduled:
             return []
         batch = build_batch(plan.scheduled, self.seqs, self.block_size, self.num_kv_blocks, self.max_model_len)
+        snapshots = self._snapshots_to_take(plan.scheduled)
         logits = self._run_model(batch)
+        for slot, snapshot in snapshots:
+            _copy_state(self.state_pools, slot, self.snapshot_pools, snapshot)
         if not batch.sample_ids:
             return []
         if self.grammars is not None:  # on CUDA the masks fill while the device runs the step
@@ -298,6 +318,8 @@ class ModelRunner:
             if (error := self._start_media(s) or self._start_grammar(s)) is not None:
                 self.forget([s.request_id])
                 errors.append(error)
+            elif s.restore_snapshot >= 0:  # a prefix hit: its state after the prefix, from the snapshot
+                _copy_state(self.snapshot_pools, s.restore_snapshot, self.state_pools, s.state_slot)
         if errors:
             raise PlanError("; ".join(errors), [s.request_id for s in started if s.request_id not in self.seqs])
 
@@ -348,9 +370,25 @@ class ModelRunner:
 
     # -- internals ---------------------------------------------------------
 
+    def _snapshots_to_take(self, chunks: list[messages.ScheduledChunk]) -> list[tuple[int, int]]:
+        """(state slot, snapshot slot) of each chunk that names a snapshot, checked."""
+        taken = []
+        for chunk in chunks:
+            if chunk.snapshot < 0:
+                continue
+            if not 0 <= chunk.snapshot < self.num_state_snapshots:
+                raise PlanError(f"request {chunk.request_id!r}: snapshot {chunk.snapshot} is outside "
+                                f"[0, {self.num_state_snapshots}) (kv.state_snapshots)", [chunk.request_id])
+            taken.append((self.seqs[chunk.request_id].state_slot, chunk.snapshot))
+        return taken
+
     def _state_slot_error(self, s: messages.SeqStart) -> str | None:
-        """Why ``s``'s recurrent-state slot can't be used here, or None: a hybrid
-        model's sequence needs one of its own; other models take none."""
+        """Why ``s``'s recurrent-state slot (or the snapshot it restores) can't be
+        used here, or None: a hybrid model's sequence needs a slot of its own;
+        other models take none."""
+        if s.restore_snapshot >= 0 and not s.restore_snapshot < self.num_state_snapshots:
+            return (f"request {s.request_id!r}: restore_snapshot {s.restore_snapshot} is outside "
+                    f"[0, {self.num_state_snapshots}) (kv.state_snapshots)")
         if self.num_state_slots == 0:
             return None if s.state_slot < 0 else (f"request {s.request_id!r}: state_slot {s.state_slot}, but "
                                                   f"{self.spec.architecture} keeps no recurrent state")

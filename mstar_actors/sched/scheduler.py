@@ -38,6 +38,7 @@ from mstar_actors.sched.media import MediaLedger
 from mstar_actors.sched.prefix_index import PrefixIndex
 from mstar_actors.sched.sequence import Sequence, SeqStatus
 from mstar_actors.sched.state_slots import StateSlotAllocator
+from mstar_actors.sched.state_snapshots import SnapshotIndex
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -59,29 +60,37 @@ class _StepBuilder:
         self.budget = budget
         self.chunks: dict[str, tuple[Sequence, ScheduledChunk]] = {}
         self.started: list[SeqStart] = []
+        self.snapshots: dict[str, tuple[int, bytes]] = {}  # request id -> (reserved slot, prefix hash)
 
-    def add(self, seq: Sequence, num_tokens: int) -> None:
+    def add(self, seq: Sequence, num_tokens: int, snapshot: tuple[int, bytes] | None = None) -> None:
         chunk = ScheduledChunk(
             request_id=seq.request_id,
             num_computed=seq.num_computed,
             num_tokens=num_tokens,
             block_ids=list(seq.block_ids),
             sample=seq.num_computed + num_tokens == seq.num_tokens,
+            snapshot=-1 if snapshot is None else snapshot[0],
         )
         self.chunks[seq.request_id] = (seq, chunk)
         self.budget -= num_tokens
+        if snapshot is not None:
+            self.snapshots[seq.request_id] = snapshot
 
-    def drop(self, seq: Sequence) -> None:
-        """Take back a chunk of a sequence preempted later in the same call."""
+    def drop(self, seq: Sequence) -> tuple[int, bytes] | None:
+        """Take back a chunk of a sequence preempted later in the same call;
+        returns the snapshot it had reserved, for the caller to release."""
         entry = self.chunks.pop(seq.request_id, None)
         if entry is not None:
             self.budget += entry[1].num_tokens
+        return self.snapshots.pop(seq.request_id, None)
 
 
 class _InFlight:
-    def __init__(self, step_id: int, rows: list[tuple[Sequence, ScheduledChunk]]):
+    def __init__(self, step_id: int, rows: list[tuple[Sequence, ScheduledChunk]],
+                 snapshots: dict[str, tuple[int, bytes]]):
         self.step_id = step_id
         self.rows = rows
+        self.snapshots = snapshots
 
 
 class Scheduler:
@@ -116,9 +125,20 @@ class Scheduler:
       recomputes from token 0, so the ranks rebuild its state there. A freed
       slot is reused under the same in-flight rule as a freed block.
 
-    Prefix caching is off whenever ``num_state_slots > 0``, whatever
-    ``enable_prefix_caching`` says: a hit would restore the KV of a prefix but
-    not the recurrent state after it, which no rank keeps.
+    - prefix caching with recurrent state (``num_state_snapshots > 0``): a hit
+      needs, beside the prefix's KV blocks, a snapshot of the state after its
+      last block (``SnapshotIndex``), restored into the sequence's slot by
+      its ``SeqStart.restore_snapshot``; the hit is the longest cached prefix
+      that has one. Snapshots are taken where a prompt's last full block
+      ends (what a multi-turn conversation, a repeated prompt and the
+      choices of one request share): the prefill chunk that would cross that
+      boundary stops at it and names a reserved slot
+      (``ScheduledChunk.snapshot``), whose prefix enters the index in
+      ``update()`` once the state exists, like a full block's KV.
+
+    With ``num_state_slots > 0`` and no snapshots, prefix caching is off
+    whatever ``enable_prefix_caching`` says: a hit would restore the KV of a
+    prefix but not the recurrent state after it.
     """
 
     def __init__(
@@ -132,6 +152,7 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         enable_prefix_caching: bool = True,
         num_state_slots: int = 0,
+        num_state_snapshots: int = 0,
     ):
         for name, value in [
             ("num_blocks", num_blocks),
@@ -151,9 +172,11 @@ class Scheduler:
         # One sequence can never hold more KV than the whole cache.
         self.max_kv_tokens = num_blocks * block_size
         self.eos_token_ids = frozenset(eos_token_ids)
-        # A prefix hit cannot restore recurrent state (see the class docstring).
-        self.enable_prefix_caching = enable_prefix_caching and num_state_slots == 0
         self.state_slots = StateSlotAllocator(num_state_slots) if num_state_slots else None
+        # A hybrid model's hit restores its state from a snapshot (see the class docstring).
+        is_stateful = num_state_slots > 0
+        self.snapshots = SnapshotIndex(num_state_snapshots) if is_stateful and num_state_snapshots > 0 else None
+        self.enable_prefix_caching = enable_prefix_caching and (not is_stateful or self.snapshots is not None)
         self.prefix_index = PrefixIndex()
         self.allocator = BlockAllocator(num_blocks, block_size, self.prefix_index)
         self.waiting: deque[Sequence] = deque()
@@ -269,7 +292,7 @@ class Scheduler:
             finished=self._finished_ids,
             **self._media_orders(),
         )
-        self._in_flight = _InFlight(self._next_step_id, list(step.chunks.values()))
+        self._in_flight = _InFlight(self._next_step_id, list(step.chunks.values()), step.snapshots)
         self._next_step_id += 1
         self._finished_ids = []
         return plan
@@ -287,9 +310,11 @@ class Scheduler:
             num_left = seq.num_tokens - seq.num_computed
             if (num_left == 1) != decodes:
                 continue
-            num_new = min(num_left, step.budget)
+            num_new, snapshot = self._snapshot_cut(seq, min(num_left, step.budget))
             if self._reserve_blocks(seq, num_new, step):
-                step.add(seq, num_new)
+                step.add(seq, num_new, snapshot)
+            elif snapshot is not None:
+                self.snapshots.release(snapshot[0])
 
     def _reserve_blocks(self, seq: Sequence, num_new: int, step: _StepBuilder) -> bool:
         """Blocks for ``num_new`` more tokens of a running ``seq``, preempting
@@ -307,7 +332,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, step: _StepBuilder) -> None:
         """Preempt by recompute: free everything, requeue at the head."""
-        step.drop(seq)
+        if (snapshot := step.drop(seq)) is not None:
+            self.snapshots.release(snapshot[0])
         self.running.remove(seq)
         self._release(seq)
         seq.status = SeqStatus.WAITING
@@ -322,9 +348,9 @@ class Scheduler:
     def _try_admit(self, seq: Sequence, step: _StepBuilder) -> bool:
         if self.state_slots is not None and not self.state_slots.can_allocate():
             return False  # backpressure: a running sequence's end or preemption frees one
-        hits = self._lookup_prefix(seq)
+        hits, restore = self._lookup_prefix(seq)
         num_computed = len(hits) * self.block_size
-        num_new = min(seq.num_tokens - num_computed, step.budget)
+        num_new = self._snapshot_point_cut(seq, num_computed, min(seq.num_tokens - num_computed, step.budget))
         num_needed = _cdiv(num_computed + num_new, self.block_size) - len(hits)
         # Hits that are cached-free leave the free pool when shared.
         num_revived = sum(1 for block_id in hits if self.allocator.ref_count(block_id) == 0)
@@ -344,17 +370,58 @@ class Scheduler:
         media = self.media.start(seq.parent_id)  # names the ranks' copies; the first start orders them
         outputs = list(seq.output_token_ids)
         step.started.append(SeqStart(seq.request_id, seq.prompt_token_ids, seq.sampling, outputs, media, seq.lora_slot,
-                                     state_slot=seq.state_slot))
-        step.add(seq, num_new)
+                                     state_slot=seq.state_slot, restore_snapshot=restore))
+        step.add(seq, num_new, self._snapshot_to_take(seq, num_new))
         return True
 
-    def _lookup_prefix(self, seq: Sequence) -> list[int]:
+    def _lookup_prefix(self, seq: Sequence) -> tuple[list[int], int]:
         """Cached blocks of the longest known prefix, leaving at least the last
-        token to compute so there is a position to sample from."""
+        token to compute so there is a position to sample from; with recurrent
+        state, the longest whose state after it is snapshotted, and that
+        snapshot's slot (-1: none)."""
         if not self.enable_prefix_caching:
-            return []
+            return [], -1
         max_hit_blocks = (seq.num_tokens - 1) // self.block_size
-        return self.prefix_index.lookup(seq.block_hash(i) for i in range(max_hit_blocks))
+        hits = self.prefix_index.lookup(seq.block_hash(i) for i in range(max_hit_blocks))
+        if self.snapshots is None:
+            return hits, -1
+        for num_blocks in range(len(hits), 0, -1):
+            slot = self.snapshots.lookup(seq.block_hash(num_blocks - 1))
+            if slot is not None:
+                return hits[:num_blocks], slot
+        return [], -1
+
+    # ---------------------------------------------------------- state snapshots
+
+    def _snapshot_point(self, seq: Sequence) -> int:
+        """Where ``seq``'s snapshot would be taken: its prompt's last full block
+        boundary that a later prompt could hit (at least one token after it), 0: none."""
+        if self.snapshots is None:
+            return 0
+        return (seq.num_prompt_tokens - 1) // self.block_size * self.block_size
+
+    def _snapshot_point_cut(self, seq: Sequence, start: int, num_new: int) -> int:
+        """``num_new`` tokens from ``start``, cut to end at the snapshot point when
+        the chunk would cross it and no snapshot of that prefix exists."""
+        point = self._snapshot_point(seq)
+        if start < point < start + num_new and not self.snapshots.has(seq.block_hash(point // self.block_size - 1)):
+            return point - start
+        return num_new
+
+    def _snapshot_to_take(self, seq: Sequence, num_new: int) -> tuple[int, bytes] | None:
+        """A reserved snapshot slot and its prefix hash when the chunk of ``num_new``
+        tokens from ``seq.num_computed`` ends at the snapshot point, else None."""
+        point = self._snapshot_point(seq)
+        if point == 0 or seq.num_computed + num_new != point:
+            return None
+        block_hash = seq.block_hash(point // self.block_size - 1)
+        if self.snapshots.has(block_hash) or not self.snapshots.can_reserve():
+            return None
+        return self.snapshots.reserve(), block_hash
+
+    def _snapshot_cut(self, seq: Sequence, num_new: int) -> tuple[int, tuple[int, bytes] | None]:
+        num_new = self._snapshot_point_cut(seq, seq.num_computed, num_new)
+        return num_new, self._snapshot_to_take(seq, num_new)
 
     # ------------------------------------------------------------------ update
 
@@ -369,6 +436,7 @@ class Scheduler:
         if missing:  # refused before any change: the step stays in flight
             raise ValueError(f"StepDone of step {done.step_id} has no sampled token for request(s) {missing}")
         self._in_flight = None
+        self._settle_snapshots(in_flight, live_rows)
         outputs: list[ConductorToFrontend] = []
         for seq, chunk in live_rows:
             seq.num_computed += chunk.num_tokens
@@ -382,6 +450,7 @@ class Scheduler:
         names none). Other rows did not advance; their chunk is scheduled again."""
         in_flight = self._check_in_flight(failed.step_id)
         self._in_flight = None
+        self._settle_snapshots(in_flight, [])
         names = set(failed.request_ids)
         outputs: list[ConductorToFrontend] = []
         for seq, _ in in_flight.rows:
@@ -390,6 +459,15 @@ class Scheduler:
                 message = f"request {seq.request_id}: the engine failed its step on rank {failed.rank}: {failed.message}"
                 outputs.append(Failed(seq.request_id, status=500, message=message, error_type="server_error"))
         return outputs
+
+    def _settle_snapshots(self, in_flight: _InFlight, done_rows: list[tuple[Sequence, ScheduledChunk]]) -> None:
+        """Index the snapshots the step took for rows it completed; give back the others'."""
+        done = {seq.request_id for seq, _ in done_rows}
+        for request_id, (slot, block_hash) in in_flight.snapshots.items():
+            if request_id in done:
+                self.snapshots.commit(slot, block_hash)
+            else:
+                self.snapshots.release(slot)
 
     def _check_in_flight(self, step_id: int) -> _InFlight:
         in_flight = self._in_flight

@@ -54,7 +54,16 @@ def test_scheduler_gets_the_slots_and_prefix_caching_is_off_with_a_log_line(capl
         sched = make_scheduler(config(), ready(0, num_state_slots=6), LOG)
     assert sched.state_slots.num_slots == 6 and not sched.enable_prefix_caching
     assert [r.getMessage() for r in caplog.records] == [
-        "prefix caching is off for this model: its recurrent state is not cached"
+        "prefix caching is off for this model: no recurrent-state snapshots (kv.state_snapshots: 0)"
+    ]
+
+
+def test_scheduler_caches_prefixes_with_state_snapshots_and_says_so(caplog):
+    with caplog.at_level(logging.INFO, logger=LOG.name):
+        sched = make_scheduler(config(), ready(0, num_state_slots=6, num_state_snapshots=4), LOG)
+    assert sched.enable_prefix_caching and sched.snapshots.num_snapshots == 4
+    assert [r.getMessage() for r in caplog.records] == [
+        "prefix caching: 4 recurrent-state snapshots, taken where a prompt's last full block ends"
     ]
 
 

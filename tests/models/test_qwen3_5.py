@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import runner_factories
+from .engine_loop import Engine
 from .hybrid_factories import VOCAB, generate, make_qwen3_5
 from mstar_actors import messages
 from mstar_actors.models.loader import load_spec
@@ -92,6 +93,34 @@ def test_a_preempted_sequence_recomputes_its_state_on_another_slot(world):
     result = d.run_to_end()
     assert result["a"] == generate(hf, p, NUM_NEW)
     assert result["b"] == generate(hf, other, NUM_NEW)
+
+
+def test_prefix_hits_restore_the_recurrent_state_from_a_snapshot(world):
+    """Through the real scheduler: a repeated prompt and the next turn of a
+    conversation hit the prefix that ends at the first prompt's last full
+    block, restore the state after it, and still give transformers' tokens."""
+    folder, hf = world
+    engine = Engine(make_runner(folder), max_num_batched_tokens=16)  # the first prompt in chunks
+    first = prompts()["long"][:23]  # snapshot point: 20 tokens (five blocks of 4, one token after)
+    (out, done), = engine.run({"a": first}, GREEDY).values()
+    assert out == generate(hf, first, NUM_NEW) and done.num_cached_tokens == 0
+    assert any(c.snapshot >= 0 for plan in engine.plans for c in plan.scheduled)
+    (again, done), = engine.run({"b": first}, GREEDY).values()
+    assert again == out and done.num_cached_tokens == 20
+    turn = first + out + [5, 6, 7, 8, 9]
+    (nxt, done), = engine.run({"c": turn}, GREEDY).values()
+    assert done.num_cached_tokens == 20 and nxt == generate(hf, turn, NUM_NEW)
+
+
+def test_without_snapshots_a_hybrid_model_recomputes_every_prefix(world):
+    folder, hf = world
+    runner = make_runner(folder, state_snapshots=0)
+    assert runner.num_state_snapshots == 0
+    engine = Engine(runner)
+    first = prompts()["long"][:23]
+    engine.run({"a": first}, GREEDY)
+    (again, done), = engine.run({"b": first}, GREEDY).values()
+    assert done.num_cached_tokens == 0 and again == generate(hf, first, NUM_NEW)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -158,6 +158,10 @@ class FakeWorker:
 
     State slots: a started row's slot (when it has one) must not be held by
     a sequence the worker still knows, once the plan's ``finished`` is applied.
+    It keeps, per state slot and per snapshot slot, the (root, tokens) whose
+    recurrent state it holds, so a chunk that continues a state (past token
+    0) must find exactly its own prefix there: in its slot from its earlier
+    chunks, or restored from a snapshot of that prefix.
 
     Media: it applies the plan's orders as a rank does (``MediaCopies``),
     checking that every arena ref is released exactly once (copied or only
@@ -173,6 +177,10 @@ class FakeWorker:
         self.copies: dict[int, TensorRef] = {}  # key -> the arena ref it was copied from
         self.released: list[TensorRef] = []  # arena refs this rank released, in order
         self.state_slots: dict[int, str] = {}  # state slot -> the request id whose state it holds
+        self.slot_of: dict[str, int] = {}  # request id -> its state slot
+        self.states: dict[int, tuple[str, tuple[int, ...]]] = {}  # state slot -> (root, tokens) of its state
+        self.snapshots: dict[int, tuple[str, tuple[int, ...]]] = {}  # snapshot slot -> (root, tokens)
+        self.num_restores = 0
 
     def run(self, plan: StepPlan, sample) -> StepDone:
         for request_id in plan.finished:
@@ -185,13 +193,19 @@ class FakeWorker:
             if start.state_slot >= 0:
                 holder = self.state_slots.setdefault(start.state_slot, start.request_id)
                 assert holder == start.request_id, f"{start.request_id} given state slot {start.state_slot} of {holder}"
+                self.slot_of[start.request_id] = start.state_slot
+                if start.restore_snapshot >= 0:
+                    assert start.restore_snapshot in self.snapshots, f"{start.request_id}: restores an empty snapshot"
+                    self.states[start.state_slot] = self.snapshots[start.restore_snapshot]
+                    self.num_restores += 1
             for item in start.media:
                 ref = item.pixel_values
                 assert ref.segment == RANK_MEMORY and ref.offset in self.copies, f"{start.request_id}: {ref} not held"
-        # One forward pass: every row reads the KV as it was before the step.
+        # One forward pass: every row reads the KV (and its state) as they were before the step.
         for chunk in plan.scheduled:
             assert chunk.num_tokens >= 1, f"{chunk.request_id}: empty chunk"
             self._check_prefix(chunk, self.seqs[chunk.request_id])
+            self._check_state(chunk, self.seqs[chunk.request_id])
         sampled = []
         for chunk in plan.scheduled:
             tokens = self.seqs[chunk.request_id]
@@ -218,6 +232,23 @@ class FakeWorker:
     def _release(self, ref: TensorRef) -> None:
         assert ref.segment != RANK_MEMORY and ref not in self.released, f"{ref} released twice"
         self.released.append(ref)
+
+    def _check_state(self, chunk, tokens: list[int]) -> None:
+        """A chunk past token 0 continues its slot's state, which must be its own
+        prefix; then the slot holds the state after the chunk (and the named
+        snapshot a copy of it)."""
+        slot = self.slot_of.get(chunk.request_id, -1)
+        if slot < 0:
+            assert chunk.snapshot < 0, f"{chunk.request_id}: a snapshot without a state slot"
+            return
+        root, stop = self.roots[chunk.request_id], chunk.num_computed + chunk.num_tokens
+        if chunk.num_computed:
+            assert self.states.get(slot) == (root, tuple(tokens[: chunk.num_computed])), (
+                f"{chunk.request_id}: its state slot {slot} does not hold its first {chunk.num_computed} tokens")
+        self.states[slot] = (root, tuple(tokens[:stop]))
+        if chunk.snapshot >= 0:
+            assert stop % self.block_size == 0, f"{chunk.request_id}: a snapshot off a block boundary ({stop})"
+            self.snapshots[chunk.snapshot] = self.states[slot]
 
     def _slot(self, chunk, position: int) -> tuple[int, int]:
         return chunk.block_ids[position // self.block_size], position % self.block_size

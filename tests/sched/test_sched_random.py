@@ -110,8 +110,9 @@ class Trial:
         for start in plan.started:  # a restart resumes exactly what was streamed
             assert start.output_token_ids == self.streamed[start.request_id]
             assert start.state_slot == self.sched.requests[start.request_id].state_slot
-            if start.state_slot >= 0:  # no prefix hit: the ranks build its recurrent state from token 0
-                assert next(c for c in plan.scheduled if c.request_id == start.request_id).num_computed == 0
+            if start.state_slot >= 0:  # the ranks build its recurrent state from token 0, or restore a snapshot
+                first = next(c for c in plan.scheduled if c.request_id == start.request_id)
+                assert (first.num_computed == 0) is (start.restore_snapshot < 0)
         done = self.worker.run(plan, self.sample)
         self.abort_some()  # maybe while the step is in flight
         check_invariants(self.sched)
