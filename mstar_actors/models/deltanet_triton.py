@@ -112,14 +112,12 @@ def _conv_kernel(x_ptr, w_ptr, out_ptr, prev_ptr, starts_ptr, ctx_ptr, slots_ptr
         n = tl.full([BLOCK_T], 1, tl.int32)
         pos = tl.zeros([BLOCK_T], tl.int32)
     else:
-        item_seq = tl.load(items_ptr + 2 * pid)
-        if item_seq < 0:  # padding item
-            return
-        seq = tl.zeros([BLOCK_T], tl.int32) + item_seq
+        item = tl.zeros([BLOCK_T], tl.int32) + tl.load(items_ptr + 2 * pid)  # -1: padding, does nothing
+        seq = tl.maximum(item, 0)
         start = tl.load(starts_ptr + seq)
         n = tl.load(starts_ptr + seq + 1) - start
         pos = tl.load(items_ptr + 2 * pid + 1) + rows
-        live = pos < n
+        live = (pos < n) & (item >= 0)
     cont = tl.load(ctx_ptr + seq, mask=live, other=0) > n
     slot = tl.load(slots_ptr + seq, mask=live, other=0).to(tl.int64)
     valid = live[:, None] & mask_c[None, :]
