@@ -20,12 +20,14 @@ How the kernels must be called (each of these broke an earlier use):
   Passing ``beta`` positionally makes the kernel read a ``[T, Hv]`` tensor
   as ``[T, Hv, Dk]`` (out of bounds: NaN, or an illegal access) with
   ``beta = 1``. So every argument past ``v`` is passed by name.
-- The varlen path caches its chunk index tensors by the identity of the
-  ``cu_seqlens`` tensor object, not its contents: a buffer refilled in
-  place between calls gets the previous call's chunk layout (kernels then
-  index past the step's tokens). Each step builds its own ``cu_seqlens``
-  and passes ``chunk_indices`` computed on the host, and nothing mutates
-  either afterwards.
+- The varlen path caches its chunk index tensors (``chunk_indices``,
+  ``chunk_offsets``) by the identity of the ``cu_seqlens`` tensor object,
+  not its contents. A ``cu_seqlens`` buffer refilled in place between calls
+  gets the previous call's chunk count: the per-chunk buffers are sized by
+  it while the kernels walk the new lengths, and write past their end (an
+  illegal memory access on the second call). Each step builds its own
+  ``cu_seqlens`` and passes ``chunk_indices`` computed from the host lists
+  (no device sync), and nothing mutates either afterwards.
 
 The causal depthwise convolution is our own kernel (fla-core's takes its
 initial states as one tensor per sequence, not from a pool of slots):
