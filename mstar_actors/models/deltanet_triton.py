@@ -1,0 +1,257 @@
+"""Gated DeltaNet's two ops on Triton (CUDA): ``TritonDeltaNetOps``.
+
+The delta rule runs on flash-linear-attention's kernels (the ``fla-core``
+package): every prefill chunk of a step in one varlen call of
+``chunk_gated_delta_rule`` (``[1, T, H, D]``, ``cu_seqlens`` over the
+chunks), the single-token rows in one call of
+``fused_recurrent_gated_delta_rule`` (one row per batch entry). Both take
+q and k as they come (L2-normalised in the kernel, ``Dk ** -0.5`` scale),
+natural-log decay ``g`` in float32 and ``beta`` after its sigmoid, and
+share key heads across value heads themselves (GVA: ``Hv % Hk == 0``), so
+nothing is repeated. Initial states are gathered from the pool by slot
+(zeroed for a sequence whose chunk starts at token 0) and the float32
+final states scattered back.
+
+How the kernels must be called (each of these broke an earlier use):
+
+- ``fused_recurrent_gated_delta_rule(q, k, v, g, gk, gv, beta, ...)``: its
+  fifth positional parameter is ``gk`` (per-key decay ``[B, T, Hv, Dk]``),
+  not ``beta`` as in ``chunk_gated_delta_rule(q, k, v, g, beta, ...)``.
+  Passing ``beta`` positionally makes the kernel read a ``[T, Hv]`` tensor
+  as ``[T, Hv, Dk]`` (out of bounds: NaN, or an illegal access) with
+  ``beta = 1``. So every argument past ``v`` is passed by name.
+- The varlen path caches its chunk index tensors (``chunk_indices``,
+  ``chunk_offsets``) by the identity of the ``cu_seqlens`` tensor object,
+  not its contents. A ``cu_seqlens`` buffer refilled in place between calls
+  gets the previous call's chunk count: the per-chunk buffers are sized by
+  it while the kernels walk the new lengths, and write past their end (an
+  illegal memory access on the second call). Each step builds its own
+  ``cu_seqlens`` and passes ``chunk_indices`` computed from the host lists
+  (no device sync), and nothing mutates either afterwards.
+
+The causal depthwise convolution is our own kernel (fla-core's takes its
+initial states as one tensor per sequence, not from a pool of slots):
+``_conv_kernel`` computes ``silu(conv)`` for tiles of ``BLOCK_T`` rows of
+one sequence (a ``plan_varlen_work`` item) times ``BLOCK_C`` channels, the
+window's first ``K - 1`` inputs before the chunk read from the sequence's
+``pool.conv`` slot (zeros for a fresh sequence); ``_conv_state_kernel``
+then writes each sequence's last ``K - 1`` inputs back to its slot (a
+second launch: the tiles that read a slot and the one that ends the
+sequence are different programs). In a pure decode step every program
+holds whole sequences (one row each), so one launch does both.
+
+Graph safety: a pure decode step (``meta.graph_decode``, or every sequence
+one token) reads only ``state_slots`` and ``context_lens`` on the device
+(row ``i`` is sequence ``i``; continues iff ``context_lens > 1``); shapes
+follow the row count; no host synchronisation. Steps with prefill chunks
+read the host lists and run eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+except Exception as err:  # Triton or fla-core missing or broken: the loader falls back to the reference
+    raise ImportError(f"Triton DeltaNet kernels need triton and fla-core: {err}") from err
+
+from .attention import AttentionMetadata, plan_varlen_work
+from .deltanet_ops import CHUNK, StatePool, _step_rows
+
+BLOCK_T = 16  # rows of one sequence per convolution program
+BLOCK_C = 128  # channels per convolution program
+
+
+@triton.jit
+def _conv_input(x_ptr, prev_ptr, start, idx, slot, cont, chan, valid, stride_x, stride_ps, stride_pc,
+                K: tl.constexpr):
+    """The convolution's input at chunk position ``idx [R]`` (may be negative:
+    then the slot's saved input ``K - 1 + idx``, or 0 for a fresh sequence),
+    for rows ``[R]`` of ``start``, ``slot``, ``cont`` and channels ``chan [C]``:
+    ``[R, C]`` float32."""
+    inside = valid & (idx >= 0)[:, None]
+    before = valid & ((idx < 0) & cont)[:, None]
+    xv = tl.load(x_ptr + (start + idx).to(tl.int64)[:, None] * stride_x + chan[None, :], mask=inside, other=0.0)
+    pv = tl.load(prev_ptr + slot[:, None] * stride_ps + chan[None, :] * stride_pc + (K - 1 + idx)[:, None],
+                 mask=before, other=0.0)
+    return xv.to(tl.float32) + pv.to(tl.float32)
+
+
+@triton.jit
+def _save_state(x_ptr, prev_ptr, start, n, slot, cont, chan, valid, stride_x, stride_ps, stride_pc,
+                K: tl.constexpr):
+    """Each row's sequence's last ``K - 1`` inputs into its slot. Entry ``i``
+    takes input ``n - (K - 1) + i``: x, or the slot's own entry ``n + i > i``.
+    In ascending ``i`` no entry is read after it is overwritten, and the
+    barrier before each store keeps every thread's earlier reads (this
+    program's window too) ahead of it, whatever thread holds which element."""
+    for i in tl.static_range(K - 1):
+        value = _conv_input(x_ptr, prev_ptr, start, n - (K - 1) + i, slot, cont, chan, valid, stride_x,
+                            stride_ps, stride_pc, K)
+        tl.debug_barrier()
+        tl.store(prev_ptr + slot[:, None] * stride_ps + chan[None, :] * stride_pc + i,
+                 value.to(prev_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _conv_kernel(x_ptr, w_ptr, out_ptr, prev_ptr, starts_ptr, ctx_ptr, slots_ptr, items_ptr, num_rows, C,
+                 stride_x, stride_o, stride_wc, stride_wk, stride_ps, stride_pc,
+                 K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, ONE_ROW: tl.constexpr):
+    """``ONE_ROW``: rows ``pid * BLOCK_T ..`` are sequences of one token each
+    (row ``i`` = sequence ``i``), and the state is saved here too. Else the
+    program's ``(sequence, first row)`` work item from ``items_ptr``."""
+    pid = tl.program_id(0)
+    chan = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = chan < C
+    rows = tl.arange(0, BLOCK_T)
+    if ONE_ROW:
+        seq = pid * BLOCK_T + rows
+        live = seq < num_rows
+        start = seq
+        n = tl.full([BLOCK_T], 1, tl.int32)
+        pos = tl.zeros([BLOCK_T], tl.int32)
+    else:
+        item = tl.zeros([BLOCK_T], tl.int32) + tl.load(items_ptr + 2 * pid)  # -1: padding, does nothing
+        seq = tl.maximum(item, 0)
+        start = tl.load(starts_ptr + seq)
+        n = tl.load(starts_ptr + seq + 1) - start
+        pos = tl.load(items_ptr + 2 * pid + 1) + rows
+        live = (pos < n) & (item >= 0)
+    cont = tl.load(ctx_ptr + seq, mask=live, other=0) > n
+    slot = tl.load(slots_ptr + seq, mask=live, other=0).to(tl.int64)
+    valid = live[:, None] & mask_c[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+    for w in tl.static_range(K):
+        xw = _conv_input(x_ptr, prev_ptr, start, pos - (K - 1) + w, slot, cont, chan, valid, stride_x, stride_ps,
+                         stride_pc, K)
+        weight = tl.load(w_ptr + chan * stride_wc + w * stride_wk, mask=mask_c, other=0.0).to(tl.float32)
+        acc += xw * weight[None, :]
+    y = acc * tl.sigmoid(acc)
+    tl.store(out_ptr + (start + pos).to(tl.int64)[:, None] * stride_o + chan[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=valid)
+    if ONE_ROW:
+        _save_state(x_ptr, prev_ptr, start, n, slot, cont, chan, valid, stride_x, stride_ps, stride_pc, K)
+
+
+@triton.jit
+def _conv_state_kernel(x_ptr, prev_ptr, starts_ptr, ctx_ptr, slots_ptr, num_seqs, C, stride_x, stride_ps, stride_pc,
+                       K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Sequences ``pid * BLOCK_T ..``: the last ``K - 1`` inputs into each slot."""
+    seq = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    chan = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    live = seq < num_seqs
+    start = tl.load(starts_ptr + seq, mask=live, other=0)
+    n = tl.load(starts_ptr + seq + 1, mask=live, other=1) - start
+    cont = tl.load(ctx_ptr + seq, mask=live, other=0) > n
+    slot = tl.load(slots_ptr + seq, mask=live, other=0).to(tl.int64)
+    valid = live[:, None] & (chan < C)[None, :]
+    _save_state(x_ptr, prev_ptr, start, n, slot, cont, chan, valid, stride_x, stride_ps, stride_pc, K)
+
+
+def _check_conv(x: torch.Tensor, weight: torch.Tensor, pool: StatePool) -> None:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"deltanet conv: x must be [T, C] with unit channel stride, got {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+    if weight.shape != (x.shape[1], pool.conv.shape[2] + 1) or pool.conv.shape[1] != x.shape[1]:
+        raise ValueError(f"deltanet conv: weight {tuple(weight.shape)} and pool.conv {tuple(pool.conv.shape)} "
+                         f"do not fit x [T, {x.shape[1]}] (accepted: weight [C, K], pool.conv [P + 1, C, K - 1])")
+    if pool.conv.stride(2) != 1:
+        raise ValueError("deltanet conv: pool.conv's last dimension must be contiguous")
+
+
+def _chunk_plan(meta: AttentionMetadata, chunks: list, device: torch.device):
+    """The prefill chunks of a step for the varlen kernel, once per step: their
+    rows of the flat batch (a slice when they are contiguous), ``cu_seqlens``
+    and ``chunk_indices`` (int64, built here from the host lists, never
+    refilled), and their slots and whether each continues a state."""
+    if "deltanet_triton" in meta.derived:
+        return meta.derived["deltanet_triton"]
+    first, end = chunks[0][0], chunks[-1][0] + chunks[-1][1]
+    lengths = [n for _, n, _, _ in chunks]
+    if sum(lengths) == end - first and all(a[0] + a[1] == b[0] for a, b in zip(chunks, chunks[1:])):
+        rows = slice(first, end)
+    else:
+        rows = torch.tensor([r for f, n, _, _ in chunks for r in range(f, f + n)], dtype=torch.long, device=device)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    indices = [(i, j) for i, n in enumerate(lengths) for j in range(-(-n // CHUNK))]
+    plan = (rows,
+            torch.tensor(cu, dtype=torch.long, device=device),
+            torch.tensor(indices, dtype=torch.long, device=device),
+            torch.tensor([slot for _, _, slot, _ in chunks], dtype=torch.long, device=device),
+            torch.tensor([c for _, _, _, c in chunks], dtype=torch.bool, device=device))
+    meta.derived["deltanet_triton"] = plan
+    return plan
+
+
+def _initial_states(pool: StatePool, slots: torch.Tensor, continues: torch.Tensor) -> torch.Tensor:
+    """``pool.ssm[slots]`` (a copy), zero where a sequence starts afresh."""
+    return pool.ssm.index_select(0, slots).masked_fill_(~continues[:, None, None, None], 0.0)
+
+
+def _is_pure_decode(meta: AttentionMetadata) -> bool:
+    return meta.graph_decode or all(n == 1 for n in meta.query_lens_list)
+
+
+class TritonDeltaNetOps:
+    """``DeltaNetOps`` on the GPU: fla-core's delta-rule kernels and our conv."""
+
+    def conv(self, x: torch.Tensor, weight: torch.Tensor, pool: StatePool, meta: AttentionMetadata) -> torch.Tensor:
+        _check_conv(x, weight, pool)
+        out = torch.empty_like(x)
+        num_rows, channels = x.shape
+        kernel = weight.shape[1]
+        strides = (x.stride(0), out.stride(0), weight.stride(0), weight.stride(1), pool.conv.stride(0),
+                   pool.conv.stride(1))
+        if _is_pure_decode(meta):  # row i is sequence i
+            grid = (triton.cdiv(num_rows, BLOCK_T), triton.cdiv(channels, BLOCK_C))
+            _conv_kernel[grid](x, weight, out, pool.conv, meta.context_lens, meta.context_lens, meta.state_slots,
+                               meta.state_slots, num_rows, channels, *strides, K=kernel, BLOCK_T=BLOCK_T,
+                               BLOCK_C=BLOCK_C, ONE_ROW=True)
+            return out
+        items = meta.derived.get("deltanet_conv_items")
+        if items is None:
+            work = plan_varlen_work(meta.query_lens_list, block_m=BLOCK_T)
+            items = meta.derived["deltanet_conv_items"] = torch.tensor(work, dtype=torch.int32, device=x.device)
+        _conv_kernel[(items.shape[0], triton.cdiv(channels, BLOCK_C))](
+            x, weight, out, pool.conv, meta.query_start, meta.context_lens, meta.state_slots, items, num_rows,
+            channels, *strides, K=kernel, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, ONE_ROW=False)
+        num_seqs = meta.num_seqs
+        _conv_state_kernel[(triton.cdiv(num_seqs, BLOCK_T), triton.cdiv(channels, BLOCK_C))](
+            x, pool.conv, meta.query_start, meta.context_lens, meta.state_slots, num_seqs, channels, x.stride(0),
+            pool.conv.stride(0), pool.conv.stride(1), K=kernel, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C)
+        return out
+
+    def delta_rule(self, q, k, v, g, beta, pool: StatePool, meta: AttentionMetadata) -> torch.Tensor:
+        scale = q.shape[-1] ** -0.5
+        if _is_pure_decode(meta):  # row i is sequence i: tensors only, graph-safe
+            return self._decode(q, k, v, g, beta, pool, meta.state_slots, meta.context_lens > 1, scale)
+        decode, chunks = _step_rows(meta, q.device)
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        if decode is not None:
+            rows, slots, continues = decode
+            out[rows] = self._decode(q[rows], k[rows], v[rows], g[rows], beta[rows], pool, slots, continues, scale)
+        if chunks:
+            rows, cu_seqlens, chunk_indices, slots, continues = _chunk_plan(meta, chunks, q.device)
+            o, final = chunk_gated_delta_rule(
+                q[rows][None], k[rows][None], v[rows][None], g=g[rows][None].float(), beta=beta[rows][None],
+                scale=scale, initial_state=_initial_states(pool, slots, continues), output_final_state=True,
+                use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+            pool.ssm.index_copy_(0, slots, final)
+            out[rows] = o[0].to(v.dtype)
+        return out
+
+    @staticmethod
+    def _decode(q, k, v, g, beta, pool: StatePool, slots: torch.Tensor, continues: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        """Single-token rows ``[B, ...]``, each its own sequence: one recurrent step."""
+        o, final = fused_recurrent_gated_delta_rule(
+            q[:, None], k[:, None], v[:, None], g=g[:, None].float(), beta=beta[:, None], scale=scale,
+            initial_state=_initial_states(pool, slots, continues), output_final_state=True,
+            use_qk_l2norm_in_kernel=True)
+        pool.ssm.index_copy_(0, slots, final)
+        return o[:, 0]

@@ -1,0 +1,168 @@
+"""Time Gated DeltaNet's two ops, Triton (``TritonDeltaNetOps``) against the
+torch reference (``TorchDeltaNetOps``) on the same GPU, at one DeltaNet
+layer of Qwen3.5-0.8B's shape (hidden 1024; 16 key and 16 value heads of
+128; conv kernel 4; bf16, float32 recurrent state).
+
+One row per (step, op):
+
+- ``prefill N``: one fresh sequence of N tokens (the chunked kernels);
+- ``decode B``: B sequences of one token each, continuing their states
+  (the recurrent kernel; the step in the static ``graph_decode`` form).
+
+Columns: microseconds of device time per call for Triton and for the
+reference, their ratio (reference / Triton), and the relative error of
+Triton's output against the reference in float32 on the same inputs.
+Decode calls are captured ``--calls`` times in one CUDA graph and replayed
+(what the engine's decode graphs run); prefill calls are timed as plain
+launches between CUDA events. Median of ``--repeats``.
+
+    python tools/bench_deltanet.py
+    python tools/bench_deltanet.py --prefill 512 2048 8192 --decode 1 64 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mstar_actors.models.attention import AttentionMetadata  # noqa: E402
+from mstar_actors.models.deltanet_ops import StatePool, TorchDeltaNetOps  # noqa: E402
+
+HIDDEN, NUM_K_HEADS, NUM_V_HEADS, HEAD_DIM, KERNEL = 1024, 16, 16, 128, 4
+CONV_DIM = 2 * NUM_K_HEADS * HEAD_DIM + NUM_V_HEADS * HEAD_DIM
+
+
+def make_case(query_lens: list[int], fresh: bool, num_slots: int, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = sum(query_lens)
+    context = list(query_lens) if fresh else [n + 100 for n in query_lens]
+    slots = torch.randperm(num_slots, generator=gen)[: len(query_lens)].tolist()
+    meta = AttentionMetadata.from_lists(slot_mapping=[0] * tokens, block_tables=[[0]] * len(query_lens),
+                                        num_blocks=[1] * len(query_lens), query_lens=query_lens, context_lens=context,
+                                        device="cuda")
+    meta.state_slots, meta.state_slots_list = torch.tensor(slots, device="cuda"), slots
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).cuda()
+
+    bf16 = torch.bfloat16
+    g = -F.softplus(rand(tokens, NUM_V_HEADS)) * rand(NUM_V_HEADS).exp()
+    return dict(
+        meta=meta,
+        x=rand(tokens, CONV_DIM).to(bf16), weight=rand(CONV_DIM, KERNEL, scale=0.5).to(bf16),
+        q=rand(tokens, NUM_K_HEADS, HEAD_DIM).to(bf16), k=rand(tokens, NUM_K_HEADS, HEAD_DIM).to(bf16),
+        v=rand(tokens, NUM_V_HEADS, HEAD_DIM).to(bf16), g=g, beta=rand(tokens, NUM_V_HEADS).sigmoid().to(bf16),
+        pool=StatePool(rand(num_slots + 1, CONV_DIM, KERNEL - 1).to(bf16),
+                       rand(num_slots + 1, NUM_V_HEADS, HEAD_DIM, HEAD_DIM, scale=0.1)))
+
+
+def calls(case: dict, ops, meta: AttentionMetadata) -> dict:
+    c, pool = case, case["pool"]
+    return {"conv": lambda: ops.conv(c["x"], c["weight"], pool, meta),
+            "delta_rule": lambda: ops.delta_rule(c["q"], c["k"], c["v"], c["g"], c["beta"], pool, meta)}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def errors(case: dict, triton_ops) -> dict:
+    """Triton against the reference in float32, each on its own copy of the pools."""
+    pool = case["pool"]
+    mine = StatePool(pool.conv.clone(), pool.ssm.clone())
+    ref = StatePool(pool.conv.float(), pool.ssm.clone())
+    meta = lambda: dataclasses.replace(case["meta"], derived={})  # noqa: E731
+    got_conv = triton_ops.conv(case["x"], case["weight"], mine, meta())
+    got_o = triton_ops.delta_rule(case["q"], case["k"], case["v"], case["g"], case["beta"], mine, meta())
+    torch_ops, m = TorchDeltaNetOps(), meta()
+    want_conv = torch_ops.conv(case["x"].float(), case["weight"].float(), ref, m)
+    want_o = torch_ops.delta_rule(case["q"].float(), case["k"].float(), case["v"].float(), case["g"],
+                                  case["beta"].float(), ref, m)
+    return {"conv": max(rel_err(got_conv, want_conv), rel_err(mine.conv, ref.conv)),
+            "delta_rule": max(rel_err(got_o, want_o), rel_err(mine.ssm, ref.ssm))}
+
+
+def median_us(run, num_calls: int, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(begin.elapsed_time(end) * 1e3 / num_calls)
+    return statistics.median(times)
+
+
+def time_eager(fn, num_calls: int, repeats: int) -> float:
+    fn()
+
+    def run():
+        for _ in range(num_calls):
+            fn()
+    return median_us(run, num_calls, repeats)
+
+
+def time_graph(fn, num_calls: int, repeats: int) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(num_calls):
+            fn()
+    graph.replay()
+    return median_us(graph.replay, num_calls, repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prefill", type=int, nargs="*", default=[2048])
+    parser.add_argument("--decode", type=int, nargs="*", default=[1, 8, 32, 64])
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_deltanet: needs a CUDA device (it times the GPU kernels against the reference)")
+    from mstar_actors.models.deltanet_triton import TritonDeltaNetOps
+
+    triton_ops, torch_ops = TritonDeltaNetOps(), TorchDeltaNetOps()
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; one DeltaNet layer: conv_dim {CONV_DIM}, "
+          f"heads {NUM_K_HEADS}/{NUM_V_HEADS} x {HEAD_DIM}, kernel {KERNEL}, bf16")
+    header = f"{'step':<14} {'op':<11} {'timing':<6} {'triton us':>10} {'torch us':>10} {'ratio':>7} {'rel err':>9}"
+    print(header)
+    print("-" * len(header))
+    steps = [(f"prefill {n}", [n], True) for n in args.prefill] + [(f"decode {b}", [1] * b, False) for b in args.decode]
+    for name, lens, fresh in steps:
+        case = make_case(lens, fresh, num_slots=max(64, len(lens)))
+        errs = errors(case, triton_ops)
+        decode = all(n == 1 for n in lens)
+        meta = case["meta"]
+        if decode:  # the static form a captured decode step runs (the reference reads its lists)
+            static = dataclasses.replace(meta, graph_decode=True)
+            timer, mine, theirs = time_graph, calls(case, triton_ops, static), calls(case, torch_ops, meta)
+        else:
+            timer, mine, theirs = time_eager, calls(case, triton_ops, meta), calls(case, torch_ops, meta)
+        for op in ("conv", "delta_rule"):
+            how = "graph" if decode else "eager"
+            try:
+                t_mine, t_ref = timer(mine[op], args.calls, args.repeats), timer(theirs[op], args.calls, args.repeats)
+            except RuntimeError as err:  # a capture that fails: say so, and time plain launches instead
+                print(f"# {name} {op}: graph capture failed ({err}); timing eager launches", flush=True)
+                how, t_mine, t_ref = "eager", *(time_eager(f[op], args.calls, args.repeats) for f in (mine, theirs))
+            print(f"{name:<14} {op:<11} {how:<6} {t_mine:>10.1f} {t_ref:>10.1f} "
+                  f"{t_ref / t_mine:>6.1f}x {errs[op]:>9.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
