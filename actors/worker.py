@@ -144,7 +144,8 @@ class WorkerActor(Actor):
                                                   resolve)
             from mstar_actors.runner.grammar import load_matchers
 
-            self.runner.enable_grammars(await self.run_blocking(load_matchers, self.info))
+            matchers = functools.partial(load_matchers, self.info, self.runner.device, self.config.scheduler.max_num_seqs)
+            self.runner.enable_grammars(await self.run_blocking(matchers))
         await self.outbox["conductor"].send(self.runner.ready_info(self.rank))
 
     async def join_group(self) -> Any:

@@ -80,12 +80,17 @@ def raw_tokenizer_info(vocab: list[str], eos_token_ids: Iterable[int]) -> Any:
     return _xgr().TokenizerInfo(vocab, vocab_size=len(vocab), stop_token_ids=list(eos_token_ids))
 
 
-def load_matchers(info: Any) -> GrammarMatchers:
-    """A rank's matchers for the model of ``info`` (a ``ModelInfo``), from its tokenizer."""
+def load_matchers(info: Any, device: torch.device | str = "cpu", max_rows: int = 1) -> GrammarMatchers:
+    """A rank's matchers for the model of ``info`` (a ``ModelInfo``), from its
+    tokenizer, masking logits on ``device`` for up to ``max_rows`` rows a step
+    (more grow the buffers); on CUDA the masking kernel is warmed here."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(info.model_dir, local_files_only=True)
-    return GrammarMatchers(GrammarCompiler(tokenizer_info(tokenizer, info.vocab_size, info.eos_token_ids)))
+    compiler = GrammarCompiler(tokenizer_info(tokenizer, info.vocab_size, info.eos_token_ids))
+    matchers = GrammarMatchers(compiler, device=device, max_rows=max_rows)
+    matchers.warm_up()
+    return matchers
 
 
 def check_engine() -> None:
@@ -169,13 +174,35 @@ class GrammarMatchers:
     keeps one set of graphs for constrained and unconstrained steps.
     """
 
-    def __init__(self, compiler: GrammarCompiler, *, max_threads: int = 1):
+    def __init__(self, compiler: GrammarCompiler, *, max_threads: int = 1, device: torch.device | str = "cpu",
+                 max_rows: int = 1):
         self.compiler = compiler
         self.matchers: dict[str, Any] = {}
         self.refused: set[str] = set()  # rows whose sampled token their grammar refused: only EOS from then on
         self.batch = _xgr().BatchGrammarMatcher(max_threads=max_threads)
-        self.bitmask = _xgr().allocate_token_bitmask(1, compiler.vocab_size)
+        self.device = torch.device(device)
+        self._allocate(max_rows)
         self.stop_row = _stop_row(self.bitmask[0], compiler.info.stop_token_ids)  # a terminated grammar's mask
+
+    def _allocate(self, num_rows: int) -> None:
+        """The host bitmask (pinned on CUDA, so its copy is asynchronous) and its device twin."""
+        host = _xgr().allocate_token_bitmask(num_rows, self.compiler.vocab_size)
+        is_cuda = self.device.type == "cuda"
+        self.bitmask = host.pin_memory() if is_cuda else host
+        self.device_bitmask = torch.empty_like(host, device=self.device) if is_cuda else None
+
+    def warm_up(self) -> None:
+        """Run the masking kernel once for each power-of-two row count up to the
+        buffers' (on CUDA its first use compiles it: not in a request's step)."""
+        if self.device.type != "cuda":
+            return
+        n = 1
+        while n <= self.bitmask.shape[0]:
+            logits = torch.zeros(n, self.compiler.vocab_size, device=self.device)
+            _xgr().apply_token_bitmask_inplace(logits, self.device_bitmask[:n], vocab_size=self.compiler.vocab_size,
+                                               indices=list(range(n)))
+            n *= 2
+        torch.cuda.synchronize(self.device)
 
     def __len__(self) -> int:
         return len(self.matchers)
@@ -200,15 +227,20 @@ class GrammarMatchers:
         if not rows:
             return
         if self.bitmask.shape[0] < len(sample_ids):
-            self.bitmask = _xgr().allocate_token_bitmask(len(sample_ids), self.compiler.vocab_size)
+            self._allocate(len(sample_ids))
         bitmask = self.bitmask[: len(sample_ids)]
         live = [i for i in rows if not self._is_done(sample_ids[i])]
         if live:
             self.batch.batch_fill_next_token_bitmask([self.matchers[sample_ids[i]] for i in live], bitmask, indices=live)
         for i in set(rows).difference(live):
             bitmask[i] = self.stop_row
-        _xgr().apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                           vocab_size=self.compiler.vocab_size, indices=rows)
+        if self.device_bitmask is not None and logits.device.type == "cuda":
+            # The pinned copy is not overwritten before it lands: the next fill follows this step's sampling.
+            on_device = self.device_bitmask[: len(sample_ids)]
+            on_device.copy_(bitmask, non_blocking=True)
+        else:
+            on_device = bitmask.to(logits.device)
+        _xgr().apply_token_bitmask_inplace(logits, on_device, vocab_size=self.compiler.vocab_size, indices=rows)
 
     def advance(self, sampled: list[messages.SampledToken]) -> None:
         """Feed each constrained row its sampled token."""
