@@ -55,5 +55,5 @@ def generate(model, prompt: list[int], num_new: int) -> list[int]:
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False)
+        out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=num_new, do_sample=False)
     return out[0, len(prompt):].tolist()

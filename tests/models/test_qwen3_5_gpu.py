@@ -46,6 +46,8 @@ def test_graphed_decode_equals_eager_and_transformers(world):
     assert type(runner.model.model.layers[0].linear_attn.ops).__name__ == "TritonDeltaNetOps"
     eager, _, _ = run(folder, enforce_eager=True)
     assert graphed == eager
+    # On the GPU: where flash-linear-attention imports, transformers runs its kernels, which take CUDA tensors only.
+    hf = hf.to("cuda")
     for rid, prompt in prompts.items():
         assert graphed[rid] == generate(hf, prompt, NUM_NEW), rid
 
