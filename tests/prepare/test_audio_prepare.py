@@ -20,8 +20,6 @@ from actors.prepare import PrepareActor
 from mstar_actors.config import Config
 from mstar_actors.frontend import openai_api as api
 from mstar_actors.messages import (
-    ChatMessage,
-    ContentPart,
     Failed,
     FrontendToPrepare,
     NewRequest,
