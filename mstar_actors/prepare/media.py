@@ -490,6 +490,9 @@ def _sample_frames(container: Any, stream: Any, ref: MediaRef, limits: MediaLimi
     return frames
 
 
+_AUDIO_PROBE = {"probesize": "32768"}
+
+
 def decode_audio(data: bytes, ref: MediaRef, limits: MediaLimits, sampling_rate: int,
                  max_seconds: float | None = None) -> Any:
     """The clip as float32 mono samples at ``sampling_rate`` (a numpy array):
@@ -503,7 +506,10 @@ def decode_audio(data: bytes, ref: MediaRef, limits: MediaLimits, sampling_rate:
 
     max_seconds = limits.max_audio_seconds if max_seconds is None else max_seconds
     try:
-        with av.open(io.BytesIO(data), mode="r") as container:
+        # A short probe: audio headers state the stream's parameters, and
+        # ffmpeg's default 5 MB probe of a wav (read through Python, GIL held)
+        # costs more than decoding the whole clip.
+        with av.open(io.BytesIO(data), mode="r", options=_AUDIO_PROBE) as container:
             if not container.streams.audio:
                 raise MediaError(ref.param, "the file has no audio stream")
             stream = container.streams.audio[0]
