@@ -35,21 +35,41 @@ def save_audio_prepare_folder(folder: Path, feature_extractor=None) -> Path:
     """What preparation reads from a Qwen2-Audio folder. Returns ``folder``."""
     from transformers import WhisperFeatureExtractor
 
+    folder.mkdir(parents=True, exist_ok=True)
+    save_audio_tokenizer(folder, {t: i for i, t in enumerate(SPECIALS + WORDS + [f"w{i}" for i in range(200)])})
+    (feature_extractor or WhisperFeatureExtractor(feature_size=128)).save_pretrained(folder)
+    config = {"architectures": ["Qwen2AudioForConditionalGeneration"], "model_type": "qwen2_audio",
+              "audio_token_index": AUDIO_TOKEN, "text_config": {"vocab_size": 512, "eos_token_id": 2}}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def save_audio_tokenizer(folder: Path, vocab: dict[str, int]) -> None:
+    """A word-level tokenizer over ``vocab`` with Qwen2-Audio's chat template and specials."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS + [f"w{i}" for i in range(200)])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                                    additional_special_tokens=SPECIALS[3:])
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(folder)
-    (feature_extractor or WhisperFeatureExtractor(feature_size=128)).save_pretrained(folder)
-    config = {"architectures": ["Qwen2AudioForConditionalGeneration"], "model_type": "qwen2_audio",
-              "audio_token_index": AUDIO_TOKEN, "text_config": {"vocab_size": 512, "eos_token_id": 2}}
-    (folder / "config.json").write_text(json.dumps(config))
+
+
+def save_tiny_audio_model(folder: Path) -> Path:
+    """A servable tiny random Qwen2-Audio (float32 weights and the 8-bin, 2 s
+    feature extractor of the tests' ``audio_factories``), with a tokenizer whose
+    audio tokens are the model's ids and covering its whole vocabulary. Returns ``folder``."""
+    from tests.models import audio_factories as af
+
+    af.make_hf_audio_model(folder)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<|im_start|>": 3, "<|im_end|>": 4, "<|AUDIO|>": af.AUDIO_TOKEN,
+             "<|audio_bos|>": af.AUDIO_BOS, "<|audio_eos|>": af.AUDIO_EOS}
+    words = iter(WORDS + [f"x{i}" for i in range(af.VOCAB)])
+    taken = set(vocab.values())
+    vocab |= {next(words): i for i in range(af.VOCAB) if i not in taken}
+    save_audio_tokenizer(folder, vocab)
     return folder
 
 
