@@ -250,6 +250,7 @@ class MediaPreparer:
         self.text = Preparer(tokenization, prompt_limit, grammars)  # text-only requests, and the checks
         self.limits = limits
         self.placeholders = dict(placeholders)
+        self.chat_template: str | None = None  # None: the tokenizer's
 
     def _process(self, ref: MediaRef, fetched: dict[str, bytes]) -> MediaDraft:
         raise NotImplementedError
@@ -287,7 +288,8 @@ class MediaPreparer:
         conversation = [_template_message(m) for m in req.messages or []]
         text = tokenizer.apply_chat_template(conversation, tools=req.tools, tokenize=False,
                                              add_generation_prompt=req.add_generation_prompt,
-                                             continue_final_message=req.continue_final_message)
+                                             continue_final_message=req.continue_final_message,
+                                             chat_template=self.chat_template)
         return self.tokenization.encode_text(text + req.assistant_prefix, False, self.text.prompt_limit)
 
     def _expand(self, ids: list[int], media: list[MediaDraft], refs: list[MediaRef]) -> tuple[list[int], list[MediaDraft]]:
@@ -559,6 +561,19 @@ def load_feature_extractor(model_dir: Path) -> Any:
     return WhisperFeatureExtractor(feature_size=128)
 
 
+def processor_chat_template(model_dir: Path) -> str | None:
+    """The processor's chat template (``chat_template.json``), which writes the
+    audio placeholders, where the folder has one: the model card renders
+    prompts with it (``processor.apply_chat_template``). None: the tokenizer's."""
+    import json
+
+    path = Path(model_dir) / "chat_template.json"
+    if not path.is_file():
+        return None
+    template = json.loads(path.read_text()).get("chat_template")
+    return template if isinstance(template, str) and template else None
+
+
 class AudioPreparer(MediaPreparer):
     """Qwen2-Audio's preparation: each ``audio_url`` / ``input_audio`` part
     decoded and resampled to the feature extractor's rate (``decode_audio``),
@@ -577,6 +592,7 @@ class AudioPreparer(MediaPreparer):
         fe = self.feature_extractor
         self.sampling_rate, self.max_frames = fe.sampling_rate, fe.nb_max_frames
         self.max_seconds = min(limits.max_audio_seconds, fe.n_samples / fe.sampling_rate)
+        self.chat_template = processor_chat_template(model_dir)
 
     def _process(self, ref: MediaRef, fetched: dict[str, bytes]) -> MediaDraft:
         data = fetched[ref.param] if ref.param in fetched else read_local(ref, self.limits)

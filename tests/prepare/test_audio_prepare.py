@@ -214,6 +214,25 @@ def test_other_models_refuse_audio_and_this_one_refuses_images(preparer, tmp_pat
     assert "this model takes no image (image_url parts); accepted media parts: audio_url, input_audio" in image.message
 
 
+def test_the_processors_chat_template_wins_over_a_text_one(folder, tmp_path):
+    """A folder whose tokenizer template is text-only and whose
+    chat_template.json is the processor's (as published checkpoints may be)."""
+    import shutil
+
+    shutil.copytree(folder, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
+    text_only = "{% for m in messages %}<|im_start|> {{ m['content'] if m['content'] is string else '' }} {% endfor %}"
+    (tmp_path / "m" / "chat_template.jinja").write_text(text_only)
+    config.pop("chat_template", None)
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps(config))
+    wav = input_audio(af.encode_audio("wav", seconds=0.3))
+    plain = load_preparer(af.audio_prepare_info(tmp_path / "m"), MediaLimits())
+    assert "the chat template wrote 0 media placeholders for 1 media parts" in refusal(plain, request(wav)).message
+    (tmp_path / "m" / "chat_template.json").write_text(json.dumps({"chat_template": af.CHAT_TEMPLATE}))
+    draft = load_preparer(af.audio_prepare_info(tmp_path / "m"), MediaLimits()).draft(request(wav), {})
+    assert isinstance(draft, Draft) and draft.prepared.prompt_token_ids.count(af.AUDIO_TOKEN) == draft.media[0].num_tokens
+
+
 def test_preparer_is_parallel_and_text_requests_take_the_plain_path(preparer):
     assert isinstance(preparer, AudioPreparer) and preparer.PREPROCESS_PARALLEL
     draft = preparer.draft(NewRequest(request_id="t", model="audio", sampling=SamplingParams(), prompt="what is this"), {})
