@@ -268,7 +268,7 @@ class PrepareActor(Actor):
     async def _fetch(self, req: NewRequest) -> dict[str, bytes]:
         if not getattr(self.preparer, "PREPARES_MEDIA", False) or not req.messages:
             return {}
-        refs = collect_media(req, self.limits)
+        refs = collect_media(req, self.limits, getattr(self.preparer, "MEDIA_KINDS", None))  # a kind refused: before any fetch
         if not any(r.scheme in ("http", "https") for r in refs):
             return {}
         if self._http is None:

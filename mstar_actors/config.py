@@ -108,14 +108,17 @@ class ServerConfig(msgspec.Struct, **_STRICT):
     # and this host's addresses too (a media server on the operator's network).
     allowed_media_domains: list[str] = []
     allow_private_media_addresses: bool = False
-    # Media input (image_url / video_url content parts); every limit is per item
-    # unless named per request. A refusal is a 400 naming the part and the limit.
-    max_media_bytes: Pos = 20 * 1024 * 1024  # encoded bytes of one image or video
+    # Media input (image_url / video_url, audio_url / input_audio content parts);
+    # every limit is per item unless named per request. A refusal is a 400
+    # naming the part and the limit.
+    max_media_bytes: Pos = 20 * 1024 * 1024  # encoded bytes of one image, video or audio clip
     max_image_pixels: Pos = 4096 * 4096  # width x height, checked from the header before decoding
     max_video_frames: Pos = 64  # frames kept after sampling at video_fps
     max_video_seconds: Annotated[float, msgspec.Meta(gt=0.0)] = 120.0
     max_media_items: NonNeg = 8  # per request; 0 refuses media
     video_fps: Annotated[float, msgspec.Meta(gt=0.0)] = 2.0  # frames sampled per second of video
+    # Seconds of one audio clip; the model's feature extractor may hear fewer (Qwen2-Audio: 30).
+    max_audio_seconds: Annotated[float, msgspec.Meta(gt=0.0)] = 30.0
     media_fetch_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 10.0  # whole http(s) fetch
     max_media_redirects: NonNeg = 3
     # Idle and slow clients. A connection with no request in progress (a new

@@ -49,15 +49,17 @@ class TensorRef(Struct, frozen=True, **_HOT):
 
 
 class MediaItem(Struct, frozen=True, **_HOT):
-    """One image or video of a request, prepared by the model's processor.
+    """One image, video or audio clip of a request, prepared by the model's processor.
 
-    ``pixel_values`` (the processor's patch rows) lives in the tensor arena;
-    the prompt holds ``num_tokens`` placeholder tokens from ``token_offset``
-    that the worker replaces with the vision tower's output rows inside the
-    step. ``grid_thw`` is the (temporal, height, width) patch grid.
+    ``pixel_values`` (the processor's patch rows; an audio clip's log-mel
+    frames, one row per frame) lives in the tensor arena; the prompt holds
+    ``num_tokens`` placeholder tokens from ``token_offset`` that the worker
+    replaces with the encoder's output rows inside the step. ``grid_thw`` is
+    the (temporal, height, width) patch grid; for audio ``(1, num_frames, 1)``,
+    its valid mel frames (``models.qwen2_audio``).
     """
 
-    kind: Literal["image", "video"]
+    kind: Literal["image", "video", "audio"]
     pixel_values: TensorRef
     grid_thw: tuple[int, int, int]
     token_offset: int
@@ -149,7 +151,7 @@ class SamplingParams(Struct, frozen=True, **_HOT):
 class ContentPart(Struct, frozen=True, omit_defaults=True):
     """One part of a chat message's content (OpenAI content-part list)."""
 
-    type: str  # "text" | "image_url" | "video_url"
+    type: str  # "text" | "image_url" | "video_url" | "audio_url" | "input_audio" (its data as a data: URL)
     text: str | None = None
     url: str | None = None
 

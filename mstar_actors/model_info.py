@@ -34,8 +34,8 @@ class ModelInfo(msgspec.Struct, frozen=True):
     eos_token_ids: tuple[int, ...]  # config.json's, then generation_config.json's extras
     dtype: str  # the serving dtype after ``model.dtype: auto`` is resolved
     max_model_len: int  # prompt + output tokens; narrowed by the ranks' KV capacity
-    is_multimodal: bool = False  # takes image / video parts
-    media_token_ids: dict[str, int] = {}  # "image" / "video" -> its placeholder token (multimodal only)
+    is_multimodal: bool = False  # takes media parts (image / video, or audio)
+    media_token_ids: dict[str, int] = {}  # "image" / "video" / "audio" -> its placeholder token (multimodal only)
     lora_base: BaseShapes | None = None  # what adapters must fit; None: this model takes none
     lora_refusal: str = ""  # why ``lora_base`` is None
     tp_refusal: str = ""  # why ``parallel.tp`` ranks cannot split this model ("" when they can)
@@ -59,7 +59,7 @@ def load_model_info(config: Config) -> ModelInfo:
     model_dir = resolve_model(config.model.path)
     cfg = read_config(model_dir)  # the launcher's one read of config.json
     arch, spec = load_spec(model_dir, cfg)
-    media = _media_token_ids(model_dir, cfg) if arch.is_multimodal else {}
+    media = arch.media_token_ids(cfg, str(Path(model_dir) / "config.json")) if arch.is_multimodal else {}
     lora_base, lora_refusal = lora_base_of(cfg)
     return ModelInfo(
         served_name=served_name(config.model.name, config.model.path, model_dir),
@@ -83,12 +83,6 @@ def served_name(configured: str | None, path: str, folder: Path) -> str:
     from mstar_actors.fetch import EMBEDDED
 
     return configured or (path if path in EMBEDDED else Path(folder).name)
-
-
-def _media_token_ids(model_dir: Path, cfg: dict) -> dict[str, int]:
-    from mstar_actors.models.qwen2_5_vl import media_token_ids
-
-    return media_token_ids(cfg, str(Path(model_dir) / "config.json"))
 
 
 def lora_base_of(cfg: dict) -> tuple[BaseShapes | None, str]:

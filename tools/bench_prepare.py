@@ -1,4 +1,4 @@
-"""Preparation of image and video requests: throughput of the prepare
+"""Preparation of image, video and audio requests: throughput of the prepare
 actor's pool at 1, 2, 4 and 8 workers, and time to first token of video
 requests at concurrency 4 with the pool (4 workers) against inline (1).
 
@@ -11,7 +11,11 @@ channels with the real Qwen2.5-VL preparation (chat template, Pillow /
 ``av`` decode, transformers' image processor) on a folder with no weights;
 media travel as data: URLs (a 640x480 JPEG; a 4 s 320x240 clip sampled at 2
 fps; and ``--ttft-clip``, 640x480 16 s, half as many requests a batch), and
-tensors go to an in-process stand-in for the arena. Each row is measured
+tensors go to an in-process stand-in for the arena. Audio rows
+(``--audio-seconds``, ``--audio-formats``) take the real Qwen2-Audio
+preparation the same way (``av`` decode and resample of a 44.1 kHz stereo
+clip to 16 kHz mono, the Whisper feature extractor's 128 mel bins over a 30
+s chunk, the placeholder expansion) on a folder with no weights. Each row is measured
 through the actor (1 worker is the inline path) and, as the reference, on a
 bare thread pool pinned the same way ("plain"). Per cell: requests a second
 in the batch's steady middle, CPU ms per request, the share of the batch its
@@ -244,6 +248,7 @@ class Media(NamedTuple):
     kind: str
     url: str
     requests: int
+    preparer: object = None  # its own preparer (audio: Qwen2-Audio's); None: the table's
 
 
 def cpu_s() -> float:
@@ -257,7 +262,7 @@ async def measure_media(args, preparer, label: str, media: Media) -> dict[tuple[
     """Every pool size and both kinds of pool, kept running and warmed, taking
     turns batch by batch for ``--throughput-rounds`` rounds, so a drift in
     the host's load hits every cell alike."""
-    kind, url, num_requests = media
+    kind, url, num_requests = media.kind, media.url, media.requests
     pools = {("actor", w): ActorUnderTest(preparer, w, pin=not args.pool_unpinned) for w in args.workers}
     pools.update({("plain", w): PlainPool(preparer, w, pin=not args.pool_unpinned) for w in args.workers})
     rounds: dict[tuple[str, int], list[Batch]] = {key: [] for key in pools}
@@ -304,9 +309,28 @@ def throughput(report, args, preparer, media: dict[str, Media]) -> None:
     report("\n| media | pool | workers | requests | req/s | ms/req | CPU ms/req | threads drafting | "
            "draft CPU / wall | speed-up (rounds' range) | whole batch |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for label, m in media.items():
-        rounds = asyncio.run(measure_media(args, preparer, label, m))
+        rounds = asyncio.run(measure_media(args, m.preparer or preparer, label, m))
         for row in throughput_rows(label, m.requests, rounds, args.workers[0]):
             report(row)
+
+
+def audio_media(args, tmp: Path, limits) -> dict[str, Media]:
+    """One row group per ``--audio-formats``: a ``--audio-seconds`` clip of
+    44.1 kHz stereo as a data: URL (an ``audio_url`` part), through Qwen2-Audio's preparer."""
+    import base64
+
+    from mstar_actors.prepare.preparers import load_preparer
+    from tests.audio_fixtures import audio_prepare_info, encode_audio, save_audio_prepare_folder
+
+    if not args.audio_formats:
+        return {}
+    preparer = load_preparer(audio_prepare_info(save_audio_prepare_folder(tmp / "audio")), limits)
+    media = {}
+    for fmt in args.audio_formats:
+        data = base64.b64encode(encode_audio(fmt, seconds=args.audio_seconds)).decode()
+        url = f"data:audio/{'mpeg' if fmt == 'mp3' else fmt};base64,{data}"
+        media[f"audio {fmt} {args.audio_seconds:g} s"] = Media("audio", url, args.requests, preparer)
+    return media
 
 
 # ---- time to first token ------------------------------------------------------
@@ -533,6 +557,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "32 frames, a draft of ~250-600 ms on one core by host; 'none' skips it)")
     parser.add_argument("--ttft-extra-clip", type=parse_clip, default=None, metavar="WxHxSECONDS",
                         help="time to first token with this clip too (e.g. 640x480x8)")
+    parser.add_argument("--audio-seconds", type=float, default=10.0, help="length of the audio clip (default 10; at most 30)")
+    parser.add_argument("--audio-formats", nargs="*", choices=["wav", "mp3"], default=["wav", "mp3"],
+                        help="audio rows, one per format (none: no audio rows)")
     parser.add_argument("--ttft-only", action="store_true", help="only time to first token (no throughput)")
     parser.add_argument("--pool-unpinned", action="store_true",
                         help="run the pool's threads unpinned (prepare.pin_pool_threads: false), to compare with a "
@@ -565,6 +592,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"video {clip.label}": Media("video", videos[clip], args.requests)}
             if heavy:  # fewer requests, each ~10x the default clip's draft
                 media[f"video {heavy.label}"] = Media("video", videos[heavy], max(8, args.requests // 2))
+            media |= audio_media(args, Path(tmp), limits)
             throughput(report, args, preparer, media)
         if not args.ttft_rounds:
             return 0

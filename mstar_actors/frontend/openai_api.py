@@ -601,16 +601,16 @@ def _parse_tools(parsed: ParsedRequest, body: dict, tool_parser: str | None) -> 
 
 def _check_media_fields(parsed: ParsedRequest) -> None:
     """Fields that work on the prompt's text tokens are refused with media:
-    truncating could cut an image's placeholder run, and the frontend's own
+    truncating could cut a media item's placeholder run, and the frontend's own
     tokenizing (return_token_ids) does not expand them."""
     has_media = any(not isinstance(m.content, str) and any(p.type != "text" for p in m.content)
                     for m in parsed.messages or [])
     if not has_media:
         return
     if parsed.sampling.truncate_prompt_tokens is not None:
-        raise _bad("truncate_prompt_tokens", "not supported with image or video parts")
+        raise _bad("truncate_prompt_tokens", "not supported with image, video or audio parts")
     if parsed.output.return_token_ids:
-        raise _bad("return_token_ids", "not supported with image or video parts")
+        raise _bad("return_token_ids", "not supported with image, video or audio parts")
 
 
 def parse_messages(messages: Any) -> list[ChatMessage]:
@@ -645,15 +645,33 @@ def _parse_part(where: str, part: Any) -> ContentPart:
     if not isinstance(part, dict):
         raise _bad(where, f"expected an object like {{\"type\": \"text\", \"text\": ...}}, got {_show(part)}")
     kind = part.get("type")
-    if kind in ("image_url", "video_url"):
+    if kind in ("image_url", "video_url", "audio_url"):
         return ContentPart(type=kind, url=_parse_media_url(f"{where}.{kind}", part.get(kind)))
+    if kind == "input_audio":
+        return ContentPart(type=kind, url=_parse_input_audio(f"{where}.input_audio", part.get(kind)))
     if kind != "text":
-        raise _bad(f"{where}.type", f"accepted content part types are \"text\", \"image_url\" and \"video_url\", "
-                                    f"got {_show(kind)}")
+        raise _bad(f"{where}.type", "accepted content part types are \"text\", \"image_url\", \"video_url\", "
+                                    f"\"audio_url\" and \"input_audio\", got {_show(kind)}")
     text = part.get("text")
     if not isinstance(text, str):
         raise _bad(f"{where}.text", f"expected a string, got {_show(text)}")
     return ContentPart(type="text", text=text)
+
+
+INPUT_AUDIO_FORMATS = {"wav": "audio/wav", "mp3": "audio/mpeg"}
+
+
+def _parse_input_audio(where: str, value: Any) -> str:
+    """OpenAI's ``{"data": base64, "format": "wav" | "mp3"}``, as the data: URL
+    prepare reads (the base64 itself is checked there, with the size limit)."""
+    if not isinstance(value, dict):
+        raise _bad(where, f"expected an object like {{\"data\": \"<base64>\", \"format\": \"wav\"}}, got {_show(value)}")
+    data, fmt = value.get("data"), value.get("format")
+    if not isinstance(data, str) or not data:
+        raise _bad(f"{where}.data", f"expected the audio file as a non-empty base64 string, got {_show(data)}")
+    if fmt not in INPUT_AUDIO_FORMATS:
+        raise _bad(f"{where}.format", f"accepted formats are {', '.join(map(repr, INPUT_AUDIO_FORMATS))}, got {_show(fmt)}")
+    return f"data:{INPUT_AUDIO_FORMATS[fmt]};base64,{data}"
 
 
 def _parse_media_url(where: str, value: Any) -> str:

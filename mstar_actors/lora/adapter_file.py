@@ -46,11 +46,14 @@ _PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Module paths as PEFT saves them, after "base_model.model.": the decoder
 # root is "model." (VL models: "model.language_model.").
-_LAYER_RE = re.compile(r"^(?:model\.)?(?:language_model\.)?layers\.(\d+)\.(.+)$")
-_GLOBAL_RE = re.compile(r"^(?:model\.)?(?:language_model\.)?(embed_tokens|lm_head|unembed_tokens)$")
+# Qwen2-Audio's original layout nests the decoder as "language_model.model.".
+_LAYER_RE = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.(.+)$")
+_GLOBAL_RE = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?(embed_tokens|lm_head|unembed_tokens)$")
 _GLOBAL_ALIASES = {"unembed_tokens": "lm_head"}  # the output head under another trainer's name
-# A VL model's vision tower: "visual." (original layout) or "model.visual." (transformers 5).
-_VISION_RE = re.compile(r"^(?:model\.)?visual\.")
+# A model's media encoder, either layout ("visual." or "model.visual."): the VL
+# vision tower; Qwen2-Audio's audio encoder and its projector.
+_ENCODER_RE = re.compile(r"^(?:model\.)?(visual|audio_tower|multi_modal_projector)\.")
+_ENCODER_NAMES = {"visual": "vision tower", "audio_tower": "audio encoder", "multi_modal_projector": "audio encoder"}
 _KINDS = {
     "lora_A.weight": "A",
     "lora_B.weight": "B",
@@ -371,10 +374,11 @@ def _check_base_copy(key: str, shape: tuple[int, ...], base: BaseShapes, name: s
 
 def _place(module_path: str, base: BaseShapes, name: str) -> tuple[str, int | None]:
     """(module key in BaseShapes, layer index or None for a global module)."""
-    if _VISION_RE.match(module_path):
+    if m := _ENCODER_RE.match(module_path):
         # Its rows are not the step's token rows, so no slot could apply a delta there.
+        encoder = _ENCODER_NAMES[m.group(1)]
         raise AdapterError(
-            f"adapter {name!r}: module {module_path!r} is in the vision tower; vision tower modules are not "
+            f"adapter {name!r}: module {module_path!r} is in the {encoder}; {encoder} modules are not "
             "adapter targets; accepted: the text stack's linears, lm_head, embed_tokens "
             "(PEFT: target_modules matching only the language model)"
         )

@@ -31,6 +31,8 @@ _SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     # Its text stack is the Qwen2 decoder; the vision tower is never a target.
     "Qwen2_5_VLForConditionalGeneration",
+    # Its decoder is Qwen2's; the audio encoder and projector are never targets.
+    "Qwen2AudioForConditionalGeneration",
     "Qwen3_5ForCausalLM",
     "Qwen3_5ForConditionalGeneration",
 )

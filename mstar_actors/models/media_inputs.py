@@ -1,11 +1,15 @@
 """One rank's media state for a multimodal model: per-sequence rotary
-positions and vision rows, turned into a step's inputs.
+positions and vision (or audio) rows, turned into a step's inputs.
 
 At ``start`` a sequence's media items are checked against its prompt (each
 placeholder run holds exactly the item's token id, ``num_tokens`` matches
 the grid) and its multimodal positions are computed once. At each step,
-``step_inputs`` gives the flat batch's ``[3, T]`` positions and the rows
-whose token embeddings are replaced by vision rows.
+``step_inputs`` gives the flat batch's positions and the rows whose token
+embeddings are replaced by the encoder's rows. Positions are ``[3, T]`` for
+a model with multimodal rotary (it has ``mrope_positions``), else plain
+``[T]`` token indices (Qwen2-Audio: its audio runs count like text); a model
+without a vision tower checks its items' geometry itself
+(``media_item_problem``).
 
 Vision rows of an item are computed the first time a chunk reaches its
 placeholder run, for every such item of the step in one tower call, and
@@ -30,13 +34,10 @@ TensorResolver = Callable[[messages.TensorRef], torch.Tensor]
 @dataclass
 class SeqMedia:
     items: list[messages.MediaItem]
-    positions: torch.Tensor  # [3, num_prompt] int64 on the CPU
+    num_prompt: int
+    positions: torch.Tensor | None  # [3, num_prompt] int64 on the CPU; None: plain 1-D positions
     rope_delta: int
-    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # item index -> vision rows, until consumed
-
-    @property
-    def num_prompt(self) -> int:
-        return self.positions.shape[1]
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # item index -> encoder rows, until consumed
 
 
 class MediaInputs:
@@ -45,6 +46,7 @@ class MediaInputs:
     def __init__(self, model, resolve: TensorResolver | None):
         self.model = model
         self.resolve = resolve
+        self.is_mrope = hasattr(model, "mrope_positions")
         self.seqs: dict[str, SeqMedia] = {}
 
     def start(self, request_id: str, prompt_token_ids: list[int], media: list[messages.MediaItem]) -> None:
@@ -55,8 +57,8 @@ class MediaInputs:
         items = sorted(media, key=lambda m: m.token_offset)
         for i, item in enumerate(items):
             self._check_item(request_id, i, item, prompt_token_ids, items[i - 1] if i else None)
-        positions, delta = self.model.mrope_positions(len(prompt_token_ids), items)
-        self.seqs[request_id] = SeqMedia(items, positions, delta)
+        positions, delta = self.model.mrope_positions(len(prompt_token_ids), items) if self.is_mrope else (None, 0)
+        self.seqs[request_id] = SeqMedia(items, len(prompt_token_ids), positions, delta)
 
     def forget(self, request_id: str) -> None:
         self.seqs.pop(request_id, None)
@@ -65,19 +67,20 @@ class MediaInputs:
         self, spans: list[tuple[str, int, int]], device: torch.device
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """``spans``: (request id, first token index, stop) of each chunk, in
-        batch order. Returns ``positions [3, T]`` and, when any chunk covers
-        placeholder tokens, ``(flat row indices, vision rows)``."""
+        batch order. Returns ``positions`` (``[3, T]``, or ``[T]`` without
+        multimodal rotary) and, when any chunk covers placeholder tokens,
+        ``(flat row indices, encoder rows)``."""
         self._encode_missing(spans, device)
         positions, row_ids, row_values, base = [], [], [], 0
         for rid, start, stop in spans:
             seq = self.seqs.get(rid)
-            positions.append(_positions(seq, start, stop))
+            positions.append(_positions(seq, start, stop) if self.is_mrope else torch.arange(start, stop))
             if seq is not None:
                 for ids, values in self._splice(seq, start, stop, base):
                     row_ids.append(ids)
                     row_values.append(values)
             base += stop - start
-        flat = torch.cat(positions, dim=1).to(device)
+        flat = torch.cat(positions, dim=-1).to(device)
         if not row_ids:
             return flat, None
         return flat, (torch.cat(row_ids).to(device), torch.cat(row_values))
@@ -125,20 +128,29 @@ class MediaInputs:
         token_id = self.model.media_token_ids.get(item.kind)
         if token_id is None:
             raise ValueError(f"{where}: kind {item.kind!r} is not supported; accepted: {', '.join(self.model.media_token_ids)}")
-        merge = self.model.vision_spec.spatial_merge_size
-        t, h, w = item.grid_thw
-        if min(t, h, w) < 1 or h % merge or w % merge:
-            raise ValueError(f"{where}: grid_thw {list(item.grid_thw)} needs positive t, and h, w multiples of {merge}")
-        if item.num_tokens != t * h * w // merge**2:
-            raise ValueError(f"{where}: num_tokens={item.num_tokens}, but grid_thw {list(item.grid_thw)} gives t*h*w/{merge**2} = {t * h * w // merge**2}")
-        expected = (t * h * w, self.model.vision_spec.patch_dim)
-        if tuple(item.pixel_values.shape) != expected:
-            raise ValueError(f"{where}: pixel_values has shape {list(item.pixel_values.shape)}, expected {list(expected)}")
+        check = getattr(self.model, "media_item_problem", None)
+        problem = check(item) if check is not None else _vision_problem(self.model.vision_spec, item)
+        if problem is not None:
+            raise ValueError(f"{where}: {problem}")
         end = item.token_offset + item.num_tokens
         if previous is not None and item.token_offset < previous.token_offset + previous.num_tokens:
             raise ValueError(f"{where}: placeholder run at {item.token_offset} overlaps the previous item's")
         if item.token_offset < 0 or end > len(prompt) or any(tok != token_id for tok in prompt[item.token_offset : end]):
             raise ValueError(f"{where}: prompt tokens [{item.token_offset}, {end}) must all be the {item.kind} token {token_id}")
+
+
+def _vision_problem(vision, item: messages.MediaItem) -> str | None:
+    """Why a vision item's grid, token count or pixel rows don't agree, or None."""
+    merge = vision.spatial_merge_size
+    t, h, w = item.grid_thw
+    if min(t, h, w) < 1 or h % merge or w % merge:
+        return f"grid_thw {list(item.grid_thw)} needs positive t, and h, w multiples of {merge}"
+    if item.num_tokens != t * h * w // merge**2:
+        return f"num_tokens={item.num_tokens}, but grid_thw {list(item.grid_thw)} gives t*h*w/{merge**2} = {t * h * w // merge**2}"
+    expected = (t * h * w, vision.patch_dim)
+    if tuple(item.pixel_values.shape) != expected:
+        return f"pixel_values has shape {list(item.pixel_values.shape)}, expected {list(expected)}"
+    return None
 
 
 def _overlaps(item: messages.MediaItem, start: int, stop: int) -> bool:

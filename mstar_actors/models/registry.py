@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import qwen2_5_vl, qwen3_5, qwen3_5_vl
+from . import qwen2_5_vl, qwen2_audio, qwen3_5, qwen3_5_vl
 from .checkpoint import DECODER_RULES, IGNORED, QK_NORM_RULES, CheckpointRules
 
 
@@ -21,7 +21,9 @@ class Architecture:
     # may be nested), and the model built around the decoder. None: plain CausalLM.
     text_config: Callable[[dict], dict] | None = None
     build: Callable | None = None  # (model_dir, parsed config.json, spec, attention backend, shard layout) -> model
-    is_multimodal: bool = False  # takes image / video parts (its media token ids are in config.json)
+    is_multimodal: bool = False  # takes media parts (its media token ids are in config.json)
+    # (parsed config.json, where) -> media kind -> placeholder token id; multimodal only.
+    media_token_ids: Callable[[dict, str], dict[str, int]] | None = None
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -43,6 +45,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             text_config=qwen2_5_vl.text_config,
             build=qwen2_5_vl.build,
             is_multimodal=True,
+            media_token_ids=qwen2_5_vl.media_token_ids,
         ),
         Architecture(
             qwen3_5.ARCHITECTURE,
@@ -60,6 +63,17 @@ ARCHITECTURES: dict[str, Architecture] = {
             text_config=qwen3_5.text_config,
             build=qwen3_5_vl.build,
             is_multimodal=True,
+            media_token_ids=qwen2_5_vl.media_token_ids,
+        ),
+        Architecture(
+            qwen2_audio.ARCHITECTURE,
+            qkv_bias=True,
+            qk_norm=False,
+            rules=CheckpointRules(qwen2_audio.QWEN2_AUDIO_RULES, IGNORED, qwen2_audio.LAYOUT_ALIASES),
+            text_config=qwen2_audio.text_config,
+            build=qwen2_audio.build,
+            is_multimodal=True,
+            media_token_ids=qwen2_audio.media_token_ids,
         ),
     )
 }

@@ -1,7 +1,9 @@
-"""Media input: find, fetch, bound and decode a request's images and videos.
+"""Media input: find, fetch, bound and decode a request's images, videos and audio.
 
-A chat message's ``image_url`` / ``video_url`` content part (``video_url`` is
-vLLM's extension) is one of:
+A chat message's ``image_url`` / ``video_url`` / ``audio_url`` content part
+(``video_url`` and ``audio_url`` are vLLM's extensions) is one of the URLs
+below; OpenAI's ``input_audio`` part (base64 data and a format) reaches here
+as a data: URL (the frontend writes it so):
 
 - ``data:<mime>;base64,<payload>``: decoded in memory, by ``pybase64``, which
   releases the GIL while it decodes (the standard library's ``binascii``
@@ -14,12 +16,13 @@ vLLM's extension) is one of:
 - ``file:///path``: read only inside ``server.allowed_media_dir``, after
   resolving symlinks, so ``..`` and links out of the folder are refused.
 
-Decoding (``decode_image``, ``decode_video``) is CPU work and runs wherever
-the request is prepared (the pool's thread or inline). Pillow reads an image's
-size from its header before decoding pixels, so an oversize image (a
-decompression bomb: a small file that claims a huge canvas) is refused before
-any pixel is decoded. A video's duration is checked from its container
-before decoding, and again while decoding when the container does not say.
+Decoding (``decode_image``, ``decode_video``, ``decode_audio``) is CPU work
+and runs wherever the request is prepared (the pool's thread or inline).
+Pillow reads an image's size from its header before decoding pixels, so an
+oversize image (a decompression bomb: a small file that claims a huge canvas)
+is refused before any pixel is decoded. A video's or an audio clip's duration
+is checked from its container before decoding, and again while decoding
+(counting what was decoded) when the container does not say or lies.
 
 Every refusal is a ``MediaError`` naming the content part
 (``messages[0].content[1].image_url``) and the limit it broke; the prepare
@@ -42,7 +45,8 @@ import pybase64
 
 from mstar_actors.messages import ChatMessage, NewRequest
 
-MEDIA_PART_TYPES = {"image_url": "image", "video_url": "video"}
+MEDIA_PART_TYPES = {"image_url": "image", "video_url": "video", "audio_url": "audio", "input_audio": "audio"}
+VISION_KINDS, AUDIO_KINDS = ("image", "video"), ("audio",)
 _CHUNK_BYTES = 64 * 1024
 
 
@@ -62,6 +66,7 @@ class MediaLimits:
     max_video_seconds: float = 120.0
     max_items: int = 8
     video_fps: float = 2.0
+    max_audio_seconds: float = 30.0
     fetch_timeout_s: float = 10.0
     max_redirects: int = 3
     allowed_dir: str | None = None
@@ -79,6 +84,7 @@ class MediaLimits:
             max_video_seconds=server.max_video_seconds,
             max_items=server.max_media_items,
             video_fps=server.video_fps,
+            max_audio_seconds=server.max_audio_seconds,
             fetch_timeout_s=server.media_fetch_timeout_s,
             max_redirects=server.max_media_redirects,
             allowed_dir=server.allowed_media_dir,
@@ -92,9 +98,9 @@ class MediaLimits:
 class MediaRef:
     """One media content part, in prompt order."""
 
-    kind: str  # "image" | "video"
+    kind: str  # "image" | "video" | "audio"
     url: str
-    param: str  # "messages[i].content[j].image_url"
+    param: str  # "messages[i].content[j].image_url" (or video_url, audio_url, input_audio)
 
     @property
     def scheme(self) -> str:
@@ -148,14 +154,20 @@ def keep_freed_buffers(max_heap_block: int = 32 << 20, max_kept: int = KEPT_BYTE
 # --------------------------------------------------------------------------
 
 
-def collect_media(req: NewRequest, limits: MediaLimits) -> list[MediaRef]:
-    """The request's media parts in prompt order; raises MediaError for an
-    unsupported scheme or more parts than ``max_items``."""
+def collect_media(req: NewRequest, limits: MediaLimits, kinds: tuple[str, ...] | None = None) -> list[MediaRef]:
+    """The request's media parts in prompt order; raises MediaError for a part
+    of a kind not in ``kinds`` (None: any), an unsupported scheme or more
+    parts than ``max_items``."""
     refs = list(_iter_media(req.messages or []))
+    for ref in refs:
+        if kinds is not None and ref.kind not in kinds:
+            part = ref.param.rpartition(".")[2]
+            accepted = ", ".join(t for t, k in MEDIA_PART_TYPES.items() if k in kinds)
+            raise MediaError(ref.param, f"this model takes no {ref.kind} ({part} parts); accepted media parts: {accepted}")
     if len(refs) > limits.max_items:
         raise MediaError(
             refs[limits.max_items].param,
-            f"the request has {len(refs)} image/video parts; this server accepts at most "
+            f"the request has {len(refs)} media parts; this server accepts at most "
             f"{limits.max_items} per request (server.max_media_items)",
         )
     for ref in refs:
@@ -476,3 +488,61 @@ def _sample_frames(container: Any, stream: Any, ref: MediaRef, limits: MediaLimi
         while next_t + 1e-6 < t:  # a gap in the stream: don't emit a burst for it
             next_t += 1.0 / limits.video_fps
     return frames
+
+
+_AUDIO_PROBE = {"probesize": "32768"}
+
+
+def decode_audio(data: bytes, ref: MediaRef, limits: MediaLimits, sampling_rate: int,
+                 max_seconds: float | None = None) -> Any:
+    """The clip as float32 mono samples at ``sampling_rate`` (a numpy array):
+    every channel resampled by ffmpeg, then averaged (a downmix by the mean,
+    as audio loaders for these models do). ``max_seconds`` (default
+    ``limits.max_audio_seconds``) is checked from the container first, then
+    by counting decoded samples, so a file that lies about its length is cut
+    off as soon as it passes the limit."""
+    import av
+    import numpy as np
+
+    max_seconds = limits.max_audio_seconds if max_seconds is None else max_seconds
+    try:
+        # A short probe: audio headers state the stream's parameters, and
+        # ffmpeg's default 5 MB probe of a wav (read through Python, GIL held)
+        # costs more than decoding the whole clip.
+        with av.open(io.BytesIO(data), mode="r", options=_AUDIO_PROBE) as container:
+            if not container.streams.audio:
+                raise MediaError(ref.param, "the file has no audio stream")
+            stream = container.streams.audio[0]
+            seconds = _duration_s(container, stream)
+            if seconds is not None and seconds > max_seconds + 1e-3:
+                raise _too_long(ref, f"{seconds:.2f}", max_seconds)
+            chunks = _resampled(container, stream, ref, sampling_rate, int(max_seconds * sampling_rate) + 1)
+    except MediaError:
+        raise
+    except (av.error.FFmpegError, OSError, ValueError) as err:
+        raise MediaError(ref.param, f"could not decode the audio: {type(err).__name__}: {err}") from None
+    if not chunks:
+        raise MediaError(ref.param, "the audio has no samples")
+    return np.concatenate(chunks, axis=1).mean(axis=0, dtype=np.float32)
+
+
+def _resampled(container: Any, stream: Any, ref: MediaRef, sampling_rate: int, max_samples: int) -> list:
+    """Every frame resampled to planar float32 at ``sampling_rate``; [channels, n] arrays."""
+    import itertools
+
+    import av
+
+    resampler = av.AudioResampler(format="fltp", rate=sampling_rate)
+    chunks, num_samples = [], 0
+    for frame in itertools.chain(container.decode(stream), [None]):  # None: flush the resampler's tail
+        for out in resampler.resample(frame):
+            chunks.append(out.to_ndarray())
+            num_samples += out.samples
+            if num_samples > max_samples:
+                raise _too_long(ref, f"over {(max_samples - 1) / sampling_rate:g}", (max_samples - 1) / sampling_rate)
+    return chunks
+
+
+def _too_long(ref: MediaRef, seconds: str, limit: float) -> MediaError:
+    return MediaError(ref.param, f"the audio is {seconds} s long; this server accepts at most {limit:g} s per clip "
+                                 "(server.max_audio_seconds, and the model's feature extractor's chunk_length)")

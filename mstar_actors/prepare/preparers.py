@@ -18,6 +18,10 @@ requests may be drafted at once on the pool's threads.
   and the limits are read-only after construction; every request decodes
   into its own arrays; Pillow, ffmpeg (``av``), numpy and torch release the
   GIL in the heavy parts, so decode and pixel work overlap across threads.
+- Qwen2-Audio (``AudioPreparer``): True, for the same reasons: the Whisper
+  feature extractor is read-only after construction (its mel filters and
+  window are made per call or kept as constants), and ffmpeg's decode and
+  resample and torch's STFT release the GIL.
 """
 
 from __future__ import annotations
@@ -29,7 +33,18 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from mstar_actors.frontend.tool_calls import template_tool_fields
-from mstar_actors.prepare.media import MediaError, MediaLimits, MediaRef, collect_media, decode_image, decode_video, read_local
+from mstar_actors.prepare.media import (
+    AUDIO_KINDS,
+    VISION_KINDS,
+    MediaError,
+    MediaLimits,
+    MediaRef,
+    collect_media,
+    decode_audio,
+    decode_image,
+    decode_video,
+    read_local,
+)
 from mstar_actors.messages import ChatMessage, Failed, MediaItem, NewRequest, Prepared, TensorRef
 from mstar_actors.prepare.prompt_bound import PromptTooLong
 
@@ -39,10 +54,10 @@ if TYPE_CHECKING:
 
 @dataclass
 class MediaDraft:
-    """One MediaItem whose pixel rows are still a CPU tensor."""
+    """One MediaItem whose pixel rows (an audio clip's mel frames) are still a CPU tensor."""
 
     kind: str
-    pixel_values: Any  # torch.Tensor (num_patches, patch_dim), float32
+    pixel_values: Any  # torch.Tensor (num_patches, patch_dim), float32; audio: (frames kept, num_mel_bins)
     grid_thw: tuple[int, int, int]
     token_offset: int
     num_tokens: int
@@ -189,6 +204,9 @@ def load_preparer(info: ModelInfo, limits: MediaLimits | None = None) -> Any:
 
     tokenization = Tokenization(info.model_dir)
     grammars = GrammarCompiler(tokenizer_info(tokenization.tokenizer, info.vocab_size, info.eos_token_ids))
+    if info.architecture == QWEN2_AUDIO_ARCHITECTURE:
+        return AudioPreparer(Path(info.model_dir), tokenization, info.media_token_ids, limits or MediaLimits(),
+                             prompt_limit=info.max_model_len, grammars=grammars)
     if info.architecture == QWEN3_5_ARCHITECTURE:
         return Qwen3_5VLPreparer(Path(info.model_dir), tokenization, info.media_token_ids, limits or MediaLimits(),
                                  prompt_limit=info.max_model_len, grammars=grammars)
@@ -212,25 +230,30 @@ def load_image_processor(model_dir: Path) -> Any:
     return Qwen2VLImageProcessorPil()
 
 
-class QwenVLPreparer:
-    """Chat template, image/video decode, the processor's patch rows and the
-    placeholder expansion, for one request at a time. Read-only after
-    construction, so any number of threads may call ``draft`` at once."""
+class MediaPreparer:
+    """What every media preparer shares: chat template, each part's
+    ``_process`` (the subclass's decode and processor), the placeholder
+    expansion and the refusals, for one request at a time. Read-only after
+    construction, so any number of threads may call ``draft`` at once.
+
+    A subclass sets ``MEDIA_KINDS`` (the kinds it takes; other parts are
+    refused naming the part), ``placeholders`` (kind -> token id) and
+    ``_process``."""
 
     PREPROCESS_PARALLEL = True
     PREPARES_MEDIA = True
+    MEDIA_KINDS: tuple[str, ...] = ()
 
-    def __init__(self, model_dir: Path, tokenization: Any, media_token_ids: dict[str, int], limits: MediaLimits,
-                 image_processor: Any = None, prompt_limit: int | None = None, grammars: Any = None):
+    def __init__(self, tokenization: Any, limits: MediaLimits, placeholders: dict[str, int],
+                 prompt_limit: int | None = None, grammars: Any = None):
         self.tokenization = tokenization
         self.text = Preparer(tokenization, prompt_limit, grammars)  # text-only requests, and the checks
         self.limits = limits
-        self.image_token_id = media_token_ids["image"]
-        self.video_token_id = media_token_ids["video"]
-        self.image_processor = image_processor or load_image_processor(model_dir)
-        ip = self.image_processor
-        self.patch_size, self.merge_size, self.temporal_patch_size = ip.patch_size, ip.merge_size, ip.temporal_patch_size
-        self.min_pixels, self.max_pixels = ip.size["shortest_edge"], ip.size["longest_edge"]
+        self.placeholders = dict(placeholders)
+        self.chat_template: str | None = None  # None: the tokenizer's
+
+    def _process(self, ref: MediaRef, fetched: dict[str, bytes]) -> MediaDraft:
+        raise NotImplementedError
 
     # ---- the one entry point -----------------------------------------------
 
@@ -238,7 +261,7 @@ class QwenVLPreparer:
         if (refusal := self.text.check_structured(req)) is not None:  # the engine's compiler is thread-safe
             return refusal
         try:
-            refs = collect_media(req, self.limits)
+            refs = collect_media(req, self.limits, self.MEDIA_KINDS)
             if not refs:
                 return self.text.draft(req, fetched)  # text only: the plain path
             media = [self._process(ref, fetched) for ref in refs]
@@ -257,6 +280,53 @@ class QwenVLPreparer:
                             sampling=req.sampling, arrival_time=req.arrival_time, prompt_param="messages",
                             media_digest=media_digest(media), n=req.n)
         return Draft(prepared, media)
+
+    # ---- tokens --------------------------------------------------------------
+
+    def _template_ids(self, req: NewRequest) -> list[int]:
+        tokenizer = self.tokenization.tokenizer
+        conversation = [_template_message(m) for m in req.messages or []]
+        text = tokenizer.apply_chat_template(conversation, tools=req.tools, tokenize=False,
+                                             add_generation_prompt=req.add_generation_prompt,
+                                             continue_final_message=req.continue_final_message,
+                                             chat_template=self.chat_template)
+        return self.tokenization.encode_text(text + req.assistant_prefix, False, self.text.prompt_limit)
+
+    def _expand(self, ids: list[int], media: list[MediaDraft], refs: list[MediaRef]) -> tuple[list[int], list[MediaDraft]]:
+        """Replace each placeholder token by its item's ``num_tokens`` copies and
+        record where each item's rows start; returns the ids and the items."""
+        placeholders = self.placeholders
+        found = [i for i, t in enumerate(ids) if t in placeholders.values()]
+        if len(found) != len(media):
+            raise MediaError(refs[0].param, f"the chat template wrote {len(found)} media placeholders for "
+                                            f"{len(media)} media parts; the model's template must write one each")
+        out: list[int] = []
+        start = 0
+        for pos, item, ref in zip(found, media, refs):
+            if ids[pos] != placeholders[item.kind]:
+                raise MediaError(ref.param, f"the chat template's placeholder here is not a {item.kind} token")
+            out += ids[start:pos]
+            item.token_offset = len(out)
+            out += [ids[pos]] * item.num_tokens
+            start = pos + 1
+        return out + ids[start:], media
+
+
+class QwenVLPreparer(MediaPreparer):
+    """Chat template, image/video decode, the processor's patch rows and the
+    placeholder expansion (``MediaPreparer``)."""
+
+    MEDIA_KINDS = VISION_KINDS
+
+    def __init__(self, model_dir: Path, tokenization: Any, media_token_ids: dict[str, int], limits: MediaLimits,
+                 image_processor: Any = None, prompt_limit: int | None = None, grammars: Any = None):
+        super().__init__(tokenization, limits, {k: media_token_ids[k] for k in VISION_KINDS}, prompt_limit, grammars)
+        self.image_token_id = media_token_ids["image"]
+        self.video_token_id = media_token_ids["video"]
+        self.image_processor = image_processor or load_image_processor(model_dir)
+        ip = self.image_processor
+        self.patch_size, self.merge_size, self.temporal_patch_size = ip.patch_size, ip.merge_size, ip.temporal_patch_size
+        self.min_pixels, self.max_pixels = ip.size["shortest_edge"], ip.size["longest_edge"]
 
     # ---- media ---------------------------------------------------------------
 
@@ -281,35 +351,6 @@ class QwenVLPreparer:
         t, h, w = grid
         return MediaDraft("video", pixel_values, grid, 0, t * h * w // self.merge_size**2,
                           second_per_grid_t=self.temporal_patch_size / fps)
-
-    # ---- tokens --------------------------------------------------------------
-
-    def _template_ids(self, req: NewRequest) -> list[int]:
-        tokenizer = self.tokenization.tokenizer
-        conversation = [_template_message(m) for m in req.messages or []]
-        text = tokenizer.apply_chat_template(conversation, tools=req.tools, tokenize=False,
-                                             add_generation_prompt=req.add_generation_prompt,
-                                             continue_final_message=req.continue_final_message)
-        return self.tokenization.encode_text(text + req.assistant_prefix, False, self.text.prompt_limit)
-
-    def _expand(self, ids: list[int], media: list[MediaDraft], refs: list[MediaRef]) -> tuple[list[int], list[MediaDraft]]:
-        """Replace each placeholder token by its item's ``num_tokens`` copies and
-        record where each item's rows start; returns the ids and the items."""
-        placeholders = {"image": self.image_token_id, "video": self.video_token_id}
-        found = [i for i, t in enumerate(ids) if t in placeholders.values()]
-        if len(found) != len(media):
-            raise MediaError(refs[0].param, f"the chat template wrote {len(found)} media placeholders for "
-                                            f"{len(media)} image/video parts; the model's template must write one each")
-        out: list[int] = []
-        start = 0
-        for pos, item, ref in zip(found, media, refs):
-            if ids[pos] != placeholders[item.kind]:
-                raise MediaError(ref.param, f"the chat template's placeholder here is not a {item.kind} token")
-            out += ids[start:pos]
-            item.token_offset = len(out)
-            out += [ids[pos]] * item.num_tokens
-            start = pos + 1
-        return out + ids[start:], media
 
 
 def media_digest(media: list[MediaDraft]) -> str:
@@ -337,7 +378,8 @@ def _blake2b(data: bytes) -> bytes:
 
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:
-    """Content parts as Qwen's chat template reads them: text, image, video."""
+    """Content parts as Qwen's chat templates read them: text, image, video,
+    audio (Qwen2-Audio's template tests for an ``audio_url`` key)."""
     if isinstance(message.content, str):
         return {"role": message.role, "content": message.content} | template_tool_fields(message)
     parts = []
@@ -348,8 +390,11 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
             parts.append({"type": "image"})
         elif part.type == "video_url":
             parts.append({"type": "video"})
+        elif part.type in ("audio_url", "input_audio"):
+            parts.append({"type": "audio", "audio_url": ""})
         else:
-            raise ValueError(f"content part type {part.type!r}: accepted are text, image_url, video_url")
+            raise ValueError(f"content part type {part.type!r}: accepted are text, image_url, video_url, audio_url, "
+                             "input_audio")
     return {"role": message.role, "content": parts} | template_tool_fields(message)
 
 
@@ -498,3 +543,74 @@ class Qwen3_5VLPreparer(QwenVLPreparer):
                 out += [self.video_token_id] * per_frame
                 out.append(self.vision_end_id)
         return out + ids[cursor:], items
+
+
+# --------------------------------------------------------------------------
+# Qwen2-Audio
+# --------------------------------------------------------------------------
+
+QWEN2_AUDIO_ARCHITECTURE = "Qwen2AudioForConditionalGeneration"
+
+
+def load_feature_extractor(model_dir: Path) -> Any:
+    """The model's Whisper feature extractor (Qwen2-Audio's defaults: 128 mel bins, 30 s chunks)."""
+    from transformers import WhisperFeatureExtractor
+
+    if (Path(model_dir) / "preprocessor_config.json").is_file():
+        return WhisperFeatureExtractor.from_pretrained(str(model_dir), local_files_only=True)
+    return WhisperFeatureExtractor(feature_size=128)
+
+
+def processor_chat_template(model_dir: Path) -> str | None:
+    """The processor's chat template (``chat_template.json``), which writes the
+    audio placeholders, where the folder has one: the model card renders
+    prompts with it (``processor.apply_chat_template``). None: the tokenizer's."""
+    import json
+
+    path = Path(model_dir) / "chat_template.json"
+    if not path.is_file():
+        return None
+    template = json.loads(path.read_text()).get("chat_template")
+    return template if isinstance(template, str) and template else None
+
+
+class AudioPreparer(MediaPreparer):
+    """Qwen2-Audio's preparation: each ``audio_url`` / ``input_audio`` part
+    decoded and resampled to the feature extractor's rate (``decode_audio``),
+    its log-mel frames (the extractor's, padded to its chunk as
+    ``Qwen2AudioProcessor`` asks), and the template's ``<|AUDIO|>`` expanded
+    to the processor's count of audio tokens. An item carries only the frames
+    its valid rows read (``models.qwen2_audio``). A clip longer than the
+    extractor's chunk is refused (the processor would cut it silently)."""
+
+    MEDIA_KINDS = AUDIO_KINDS
+
+    def __init__(self, model_dir: Path, tokenization: Any, media_token_ids: dict[str, int], limits: MediaLimits,
+                 feature_extractor: Any = None, prompt_limit: int | None = None, grammars: Any = None):
+        super().__init__(tokenization, limits, {"audio": media_token_ids["audio"]}, prompt_limit, grammars)
+        self.feature_extractor = feature_extractor or load_feature_extractor(model_dir)
+        fe = self.feature_extractor
+        self.sampling_rate, self.max_frames = fe.sampling_rate, fe.nb_max_frames
+        self.max_seconds = min(limits.max_audio_seconds, fe.n_samples / fe.sampling_rate)
+        self.chat_template = processor_chat_template(model_dir)
+
+    def _process(self, ref: MediaRef, fetched: dict[str, bytes]) -> MediaDraft:
+        data = fetched[ref.param] if ref.param in fetched else read_local(ref, self.limits)
+        item = self.clip(decode_audio(data, ref, self.limits, self.sampling_rate, self.max_seconds), ref)
+        item.source_digest = _blake2b(data)
+        return item
+
+    def clip(self, samples: Any, ref: MediaRef) -> MediaDraft:
+        """One clip's item from its mono samples at ``sampling_rate``."""
+        from mstar_actors.models.qwen2_audio import audio_frames_kept, audio_num_tokens
+
+        out = self.feature_extractor(samples, sampling_rate=self.sampling_rate, return_attention_mask=True,
+                                     padding="max_length", return_tensors="pt")
+        num_frames = int(out["attention_mask"][0].sum())
+        num_tokens = audio_num_tokens(num_frames)
+        if num_tokens < 1:
+            raise MediaError(ref.param, f"the audio is {len(samples) / self.sampling_rate * 1000:.0f} ms long, too "
+                                        f"short to give an audio token; send at least "
+                                        f"{3 * self.feature_extractor.hop_length / self.sampling_rate * 1000:.0f} ms")
+        rows = out["input_features"][0, :, :audio_frames_kept(num_frames, self.max_frames)]
+        return MediaDraft("audio", rows.t().float().contiguous(), (1, num_frames, 1), 0, num_tokens)

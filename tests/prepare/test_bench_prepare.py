@@ -27,10 +27,10 @@ def run_tool(name: str, *argv: str, timeout: int = 600) -> subprocess.CompletedP
 def test_throughput_table_through_the_actor_and_a_plain_pool(tmp_path):
     output = tmp_path / "prepare.md"
     run = run_tool("bench_prepare.py", "--requests", "5", "--workers", "1", "2", "--throughput-rounds", "2",
-                   "--ttft-rounds", "0", *SMALL_CLIP, "--output", str(output))
+                   "--ttft-rounds", "0", *SMALL_CLIP, "--audio-seconds", "1", "--output", str(output))
     assert run.returncode == 0, run.stderr[-3000:]
     assert "video 64x48 1 s sampled at 2 fps (2 frames)" in run.stdout
-    for media in ("image", "video 64x48 1 s"):
+    for media in ("image", "video 64x48 1 s", "audio wav 1 s", "audio mp3 1 s"):
         for pool in ("actor", "plain"):
             # Every cell measured; 1 worker is each pool's own reference.
             one = rf"\| {media} \| {pool} \| 1 \| 5 \| {NUMBER} \| {NUMBER} \| {NUMBER} \| \d+% \| \d+% \| "

@@ -1,0 +1,266 @@
+"""Qwen2-Audio preparation: OpenAI's ``input_audio`` and vLLM's ``audio_url``
+parts parsed, wav and mp3 files (made here with ``av``) decoded and
+resampled to 16 kHz, prompt ids and mel frames equal to transformers'
+``Qwen2AudioProcessor``, every limit and a corrupt file refused as a 400
+naming the part, and the actor's pool keeping arrival order."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from actors.prepare import PrepareActor
+from mstar_actors.config import Config
+from mstar_actors.frontend import openai_api as api
+from mstar_actors.messages import (
+    Failed,
+    FrontendToPrepare,
+    NewRequest,
+    Prepared,
+    PrepareToConductor,
+    SamplingParams,
+    Shutdown,
+)
+from mstar_actors.prepare.media import MediaLimits, MediaRef, decode_audio
+from mstar_actors.prepare.preparers import AudioPreparer, Draft, load_preparer
+from tests import audio_fixtures as af
+from tests import vl_fixtures
+from transport.memory import MemoryChannel
+
+QUESTION = {"type": "text", "text": "what is this sound"}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return af.save_audio_prepare_folder(tmp_path_factory.mktemp("audio"))
+
+
+@pytest.fixture(scope="module")
+def preparer(folder):
+    return load_preparer(af.audio_prepare_info(folder), MediaLimits())
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def input_audio(data: bytes, fmt: str = "wav") -> dict:
+    return {"type": "input_audio", "input_audio": {"data": b64(data), "format": fmt}}
+
+
+def audio_url(url: str) -> dict:
+    return {"type": "audio_url", "audio_url": {"url": url}}
+
+
+def request(*parts: dict, rid: str = "r") -> NewRequest:
+    """The NewRequest the frontend makes of one user message with ``parts``."""
+    body = {"model": "audio", "messages": [{"role": "user", "content": [QUESTION, *parts]}]}
+    parsed = api.parse_chat(json.dumps(body).encode())
+    return NewRequest(request_id=rid, model="audio", sampling=SamplingParams(), messages=parsed.messages)
+
+
+def processor_reference(folder, preparer, samples: list[np.ndarray], num_parts: int) -> dict:
+    """transformers' processor on the template text our preparer renders and the same samples."""
+    from transformers import AutoTokenizer, Qwen2AudioProcessor
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    processor = Qwen2AudioProcessor(feature_extractor=preparer.feature_extractor, tokenizer=tokenizer,
+                                    chat_template=af.CHAT_TEMPLATE)
+    content = [QUESTION] + [{"type": "audio", "audio_url": "x"}] * num_parts
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+    return processor(text=[text], audio=samples, sampling_rate=16000, return_tensors="pt")
+
+
+# -- parsing ---------------------------------------------------------------------------------
+
+
+def test_parts_become_data_urls_and_bad_ones_name_the_field():
+    req = request(input_audio(b"RIFF", "mp3"), audio_url("https://example.com/a.wav"))
+    parts = req.messages[0].content
+    assert [(p.type, p.url) for p in parts[1:]] == [("input_audio", "data:audio/mpeg;base64,UklGRg=="),
+                                                     ("audio_url", "https://example.com/a.wav")]
+    for part, param, message in [
+        ({"type": "input_audio", "input_audio": {"data": "AA", "format": "flac"}}, "input_audio.format",
+         "accepted formats are 'wav', 'mp3'"),
+        ({"type": "input_audio", "input_audio": {"format": "wav"}}, "input_audio.data", "non-empty base64 string"),
+        ({"type": "input_audio", "input_audio": "AA"}, "input_audio", "expected an object like"),
+        ({"type": "audio_url", "audio_url": {}}, "audio_url", "expected an object like"),
+        ({"type": "audio"}, "type", '"audio_url" and "input_audio"'),
+    ]:
+        with pytest.raises(api.ApiError, match=message) as err:
+            request(part)
+        assert err.value.param == f"messages[0].content[1].{param}"
+
+
+# -- decoding ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["wav", "mp3"])
+def test_decode_resamples_to_16k_and_averages_the_channels(fmt):
+    ref = MediaRef("audio", "", "messages[0].content[1].input_audio")
+    samples = decode_audio(af.encode_audio(fmt, seconds=1.0, rate=44100), ref, MediaLimits(), 16000)
+    assert samples.dtype == np.float32 and samples.ndim == 1
+    expected = af.tones(1.0, 16000).mean(axis=0)
+    # mp3 adds its encoder delay (and frame padding) at the start: align on the best lag.
+    lag = 0 if fmt == "wav" else int(np.argmax([np.dot(samples[k:k + 8000], expected[:8000]) for k in range(2000)]))
+    assert abs(len(samples) - lag - 16000) <= (2 if fmt == "wav" else 1200)
+    n = min(len(samples) - lag, 16000) - 200  # the resampler's filter tail
+    error = np.abs(samples[lag + 100:lag + n] - expected[100:n]).max()
+    assert error < (2e-3 if fmt == "wav" else 3e-2), error
+
+
+@pytest.mark.parametrize("fmt", ["wav", "mp3"])
+def test_prompt_and_frames_equal_the_processor(folder, preparer, fmt):
+    data = [af.encode_audio(fmt, seconds=1.5, rate=22050), af.encode_audio(fmt, seconds=0.4, rate=16000, channels=1)]
+    draft = preparer.draft(request(input_audio(data[0], fmt), audio_url(f"data:audio/{fmt};base64,{b64(data[1])}")), {})
+    assert isinstance(draft, Draft), draft
+    ref = MediaRef("audio", "", "p")
+    samples = [decode_audio(d, ref, MediaLimits(), 16000) for d in data]
+    expected = processor_reference(folder, preparer, samples, 2)
+    assert draft.prepared.prompt_token_ids == expected["input_ids"][0].tolist()
+    for item, features, mask in zip(draft.media, expected["input_features"], expected["feature_attention_mask"]):
+        num_frames = int(mask.sum())
+        assert item.kind == "audio" and item.grid_thw == (1, num_frames, 1)
+        ids = draft.prepared.prompt_token_ids
+        assert ids[item.token_offset - 1:item.token_offset + item.num_tokens + 1] == \
+            [af.AUDIO_BOS] + [af.AUDIO_TOKEN] * item.num_tokens + [af.AUDIO_EOS]
+        kept = item.pixel_values.shape[0]
+        assert kept == min(3000, 2 * ((num_frames - 1) // 2 + 1) + 1)
+        assert torch.equal(item.pixel_values, features[:, :kept].t())
+    assert sum(m.num_tokens for m in draft.media) == draft.prepared.prompt_token_ids.count(af.AUDIO_TOKEN)
+
+
+def test_file_url_inside_the_allowed_dir(folder, tmp_path):
+    (tmp_path / "clip.wav").write_bytes(af.encode_audio("wav", seconds=0.5))
+    limits = MediaLimits(allowed_dir=str(tmp_path))
+    prep = load_preparer(af.audio_prepare_info(folder), limits)
+    draft = prep.draft(request(audio_url(f"file://{tmp_path}/clip.wav")), {})
+    assert isinstance(draft, Draft) and draft.media[0].grid_thw == (1, 50, 1)
+    outside = prep.draft(request(audio_url(f"file://{tmp_path}/../clip.wav")), {})
+    assert isinstance(outside, Failed) and outside.param == "messages[0].content[1].audio_url"
+
+
+# -- refusals: 400s naming the part -------------------------------------------------------------
+
+
+def refusal(preparer, req: NewRequest) -> Failed:
+    result = preparer.draft(req, {})
+    assert isinstance(result, Failed) and result.status == 400, result
+    return result
+
+
+def test_corrupt_and_silent_files_fail_naming_the_part(preparer):
+    bad = refusal(preparer, request(input_audio(b"RIFF\x00\x00junk" * 10)))
+    assert bad.param == "messages[0].content[1].input_audio" and "could not decode the audio" in bad.message
+    no_audio = refusal(preparer, request(audio_url("data:audio/wav;base64," + png_b64())))
+    assert no_audio.param == "messages[0].content[1].audio_url"
+    short = refusal(preparer, request(input_audio(af.encode_audio("wav", seconds=0.01, rate=16000, channels=1))))
+    assert "too short to give an audio token" in short.message
+
+
+def png_b64() -> str:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(out, format="PNG")
+    return b64(out.getvalue())
+
+
+@pytest.mark.parametrize("limits, parts, index, message", [
+    (dict(max_bytes=10_000), [0.1, 1.0], 2, r"the audio is about 441\d\d bytes; this server accepts at most 10000 bytes per item "
+                                            r"\(server.max_media_bytes\)"),
+    (dict(max_audio_seconds=1.0), [0.5, 1.5], 2, r"the audio is 1.50 s long; this server accepts at most 1 s per clip "
+                                                 r"\(server.max_audio_seconds"),
+    (dict(), [31.0], 1, r"the audio is 31.00 s long; this server accepts at most 30 s per clip"),  # the extractor's chunk
+    (dict(max_items=2), [0.1, 0.1, 0.1], 3, r"the request has 3 media parts; this server accepts at most 2 per request "
+                                            r"\(server.max_media_items\)"),
+])
+def test_each_limit_is_a_400_naming_the_part(folder, limits, parts, index, message):
+    prep = load_preparer(af.audio_prepare_info(folder), MediaLimits(**limits))
+    req = request(*(input_audio(af.encode_audio("wav", seconds=s, rate=22050, channels=1)) for s in parts))
+    result = refusal(prep, req)
+    assert result.param == f"messages[0].content[{index}].input_audio"
+    assert re.search(message, result.message), result.message
+
+
+def test_a_clip_of_unknown_length_is_cut_off_while_decoding(folder, monkeypatch):
+    """A container that states no duration: the decoded samples are counted."""
+    from mstar_actors.prepare import media
+
+    monkeypatch.setattr(media, "_duration_s", lambda container, stream: None)
+    prep = load_preparer(af.audio_prepare_info(folder), MediaLimits(max_audio_seconds=1.0))
+    result = refusal(prep, request(input_audio(af.encode_audio("wav", seconds=1.5))))
+    assert result.param == "messages[0].content[1].input_audio"
+    assert "the audio is over 1 s long; this server accepts at most 1 s per clip" in result.message
+    assert isinstance(prep.draft(request(input_audio(af.encode_audio("wav", seconds=0.9))), {}), Draft)
+
+
+def test_other_models_refuse_audio_and_this_one_refuses_images(preparer, tmp_path):
+    vl = load_preparer(vl_fixtures.vl_prepare_info(vl_fixtures.save_vl_prepare_folder(tmp_path / "vl")), MediaLimits())
+    wav = af.encode_audio("wav", seconds=0.2)
+    refused = refusal(vl, request(input_audio(wav)))
+    assert refused.param == "messages[0].content[1].input_audio"
+    assert "this model takes no audio (input_audio parts); accepted media parts: image_url, video_url" in refused.message
+    image = refusal(preparer, request({"type": "image_url", "image_url": {"url": "data:image/png;base64," + png_b64()}}))
+    assert image.param == "messages[0].content[1].image_url"
+    assert "this model takes no image (image_url parts); accepted media parts: audio_url, input_audio" in image.message
+
+
+def test_the_processors_chat_template_wins_over_a_text_one(folder, tmp_path):
+    """A folder whose tokenizer template is text-only and whose
+    chat_template.json is the processor's (as published checkpoints may be)."""
+    import shutil
+
+    shutil.copytree(folder, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
+    text_only = "{% for m in messages %}<|im_start|> {{ m['content'] if m['content'] is string else '' }} {% endfor %}"
+    (tmp_path / "m" / "chat_template.jinja").write_text(text_only)
+    config.pop("chat_template", None)
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps(config))
+    wav = input_audio(af.encode_audio("wav", seconds=0.3))
+    plain = load_preparer(af.audio_prepare_info(tmp_path / "m"), MediaLimits())
+    assert "the chat template wrote 0 media placeholders for 1 media parts" in refusal(plain, request(wav)).message
+    (tmp_path / "m" / "chat_template.json").write_text(json.dumps({"chat_template": af.CHAT_TEMPLATE}))
+    draft = load_preparer(af.audio_prepare_info(tmp_path / "m"), MediaLimits()).draft(request(wav), {})
+    assert isinstance(draft, Draft) and draft.prepared.prompt_token_ids.count(af.AUDIO_TOKEN) == draft.media[0].num_tokens
+
+
+def test_preparer_is_parallel_and_text_requests_take_the_plain_path(preparer):
+    assert isinstance(preparer, AudioPreparer) and preparer.PREPROCESS_PARALLEL
+    draft = preparer.draft(NewRequest(request_id="t", model="audio", sampling=SamplingParams(), prompt="what is this"), {})
+    assert isinstance(draft, Draft) and not draft.media and draft.prepared.prompt_param == "prompt"
+
+
+# -- the actor ---------------------------------------------------------------------------------
+
+
+async def test_actor_on_a_pool_sends_audio_in_arrival_order(preparer):
+    arena = vl_fixtures.HeapArena()
+    inbox = MemoryChannel(FrontendToPrepare, "frontend.prepare", capacity_bytes=1 << 22)
+    out = MemoryChannel(PrepareToConductor, "prepare.conductor")
+    actor = PrepareActor(name="prepare", config=Config(), inbox={"frontend": inbox}, outbox={"conductor": out},
+                         preparer=preparer, arena=arena, num_workers=2)
+    task = asyncio.create_task(actor.run())
+    long_clip, short_clip = af.encode_audio("wav", seconds=8.0), af.encode_audio("mp3", seconds=0.3)
+    await inbox.send(request(input_audio(long_clip), rid="a"))  # the longest draft first
+    await inbox.send(request(input_audio(b"junk" * 20), rid="b"))
+    await inbox.send(request(input_audio(short_clip, "mp3"), rid="c"))
+    await inbox.send(NewRequest(request_id="d", model="audio", sampling=SamplingParams(), prompt="what is this"))
+    results = [await out.recv() for _ in range(4)]
+    assert [r.request_id for r in results] == ["a", "b", "c", "d"]
+    a, b, c, d = results
+    assert isinstance(a, Prepared) and a.media[0].kind == "audio" and a.media[0].grid_thw == (1, 800, 1)
+    assert tuple(arena.tensors[a.media[0].pixel_values.offset].shape) == a.media[0].pixel_values.shape == (801, 128)
+    assert isinstance(b, Failed) and b.status == 400 and b.param == "messages[0].content[1].input_audio"
+    assert isinstance(c, Prepared) and isinstance(d, Prepared) and not d.media
+    assert a.media_digest != c.media_digest
+    await inbox.send(Shutdown(reason="test"))
+    assert await task == 0
