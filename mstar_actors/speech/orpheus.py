@@ -156,7 +156,6 @@ class WindowPlan:
 
     def __init__(self) -> None:
         self.num_frames = 0
-        self.is_finished = False
 
     def add(self, num_new: int) -> list[Window]:
         windows = []
@@ -169,7 +168,6 @@ class WindowPlan:
 
     def finish(self) -> Window | None:
         """The last window (held-back frames; decoded again only when short), or None."""
-        self.is_finished = True
         n = self.num_frames
         if n == 0:
             return None

@@ -88,8 +88,3 @@ class SpeechStream:
         loop = asyncio.get_running_loop()
         pcm, _ = await loop.run_in_executor(self.codec.executor, self.codec.window_pcm, list(self.frames), [window])
         return pcm
-
-    @property
-    def num_samples(self) -> int:
-        """Of the whole audio, once finished."""
-        return len(self.frames) * self.codec.frame_samples
