@@ -21,6 +21,9 @@ Concurrency invariants (one asyncio loop, no threads touch this state):
 - Every engine request the frontend sent is aborted unless it finished, on
   every exit path of its handler (client gone: aiohttp cancels the handler;
   write failed; error; stop-string match), so the conductor frees its blocks.
+- Speech (``/v1/audio/speech``) decodes codec tokens to audio on the codec's
+  own thread (``mstar_actors.speech``), which sees only the frames it is
+  handed: the loop awaits it and stays free.
 - Waiting requests are ``max(EngineStats.num_waiting, unacknowledged)``: a
   request with no engine output yet is in prepare or in the engine's waiting
   queue, so summing the two would count the latter twice.
