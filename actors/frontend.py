@@ -21,6 +21,9 @@ Concurrency invariants (one asyncio loop, no threads touch this state):
 - Every engine request the frontend sent is aborted unless it finished, on
   every exit path of its handler (client gone: aiohttp cancels the handler;
   write failed; error; stop-string match), so the conductor frees its blocks.
+- Speech (``/v1/audio/speech``) decodes codec tokens to audio on the codec's
+  own thread (``mstar_actors.speech``), which sees only the frames it is
+  handed: the loop awaits it and stays free.
 - Waiting requests are ``max(EngineStats.num_waiting, unacknowledged)``: a
   request with no engine output yet is in prepare or in the engine's waiting
   queue, so summing the two would count the latter twice.
@@ -165,6 +168,10 @@ class FrontendActor(Actor):
         problem = marker_problem(self.tool_parser, set(self.tokenizer.all_special_tokens))
         if problem:
             self.log.warning("%s", problem)
+        self.speech = None  # the speech route's codec and tokens (speech.snac_path)
+        if self.config.speech.snac_path:
+            self.speech = await self.run_blocking(_load_speech, self.config.speech, self.tokenizer, self.info.vocab_size)
+            self.log.info("speech: SNAC codec on %s, %d Hz", self.speech.codec.device, self.speech.codec.sample_rate)
         self.started_at = int(time.time())
         await self._open_site()
 
@@ -196,6 +203,8 @@ class FrontendActor(Actor):
         self._fail_all(503, f"the server is shutting down ({self.stop_reason or 'stopped'})")
         if self._runner is not None:
             await self._runner.cleanup()
+        if getattr(self, "speech", None) is not None:
+            self.speech.close()
 
     def on_started(self) -> None:
         self._is_started = True
@@ -283,6 +292,7 @@ class FrontendActor(Actor):
                               middlewares=[self._errors_middleware, self._auth_middleware, self._body_middleware])
         app.router.add_post("/v1/chat/completions", functools.partial(self._generate, kind="chat"))
         app.router.add_post("/v1/completions", functools.partial(self._generate, kind="completion"))
+        app.router.add_post("/v1/audio/speech", self._speech)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model_id:.+}", self._model)
         app.router.add_post("/tokenize", self._tokenize)
@@ -501,6 +511,67 @@ class FrontendActor(Actor):
             return await self._collect(exchange)
         finally:
             self._close(exchange)
+
+    # ---- text to speech -----------------------------------------------
+
+    async def _speech(self, request: web.Request) -> web.StreamResponse:
+        """Orpheus: the voice's prompt in, codec tokens out, decoded to PCM by
+        windows of frames as they come (``mstar_actors.speech``)."""
+        from mstar_actors.frontend import speech_api
+
+        raw = await request.read()
+        self._check_available()
+        if self.speech is None:
+            raise ApiError(404, "text to speech is not served here: it needs an Orpheus model and "
+                           "speech.snac_path (a SNAC codec folder) in the config", code="not_found")
+        speech = speech_api.parse_speech(raw, self.config.speech, self.info.max_model_len)
+        model = self._resolve_model(speech.model)
+        prompt_ids = await self.run_blocking(self._speech_prompt_ids, speech)
+        sampling = msgspec.structs.replace(speech.sampling, stop_token_ids=(self.speech.tokens.end_of_speech,))
+        parsed = ParsedRequest(kind="speech", model=speech.model, sampling=sampling, prompts=[prompt_ids])
+        parsed.with_token_facts(self.info.eos_token_ids, [])
+        exchange = Exchange(parsed, model, "speech")
+        self._admit(exchange)
+        try:
+            await self._submit(exchange)
+            return await self._speak(request, exchange, speech)
+        finally:
+            self._close(exchange)
+
+    def _speech_prompt_ids(self, speech: Any) -> list[int]:
+        from mstar_actors.prepare.prompt_bound import PromptTooLong
+        from mstar_actors.speech.orpheus import speech_text
+
+        try:  # bounded as prepare bounds a prompt; the 6 framing tokens are counted by the scheduler
+            text_ids = self.tokenization.encode_text(speech_text(speech.voice, speech.text), True,
+                                                     self.info.max_model_len)
+        except PromptTooLong as err:
+            raise ApiError(400, f"input: {err}", param="input", code="context_length_exceeded") from None
+        return self.speech.tokens.prompt_ids(text_ids)
+
+    async def _speak(self, request: web.Request, exchange: Exchange, speech: Any) -> web.StreamResponse:
+        """Feed each delta's tokens to the request's speech stream and write
+        the PCM they complete; the response is prepared at the first bytes, so
+        a refusal before them keeps its status."""
+        stream = self.speech.stream()
+        out = _SpeechOut(request, speech.response_format, speech.stream_format, self.speech.codec.sample_rate)
+        num_fed = 0
+        try:
+            while exchange.is_waiting():
+                applied = self._apply(exchange, await exchange.pop())
+                if applied is None:
+                    continue
+                choice = applied[0]
+                new, num_fed = choice.token_ids[num_fed:], len(choice.token_ids)
+                await out.write(await stream.feed(new))
+            await out.write(await stream.finish())
+            choice = next(iter(exchange.choices.values()))
+            await out.finish(choice.num_prompt_tokens, choice.num_output_tokens)
+        except ApiError as err:
+            if not out.is_prepared:
+                raise
+            await out.fail(err)
+        return out.response
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word as it starts the text and after a space, as vLLM bans it."""
@@ -787,6 +858,50 @@ async def _write_event(response: web.StreamResponse, payload: dict) -> None:
     await response.write(b"data: " + _json.encode(payload) + b"\n\n")
 
 
+class _SpeechOut:
+    """Writes a speech response: the file's bytes as they come (``audio``), or
+    OpenAI's ``speech.audio.delta`` / ``speech.audio.done`` events (``sse``)."""
+
+    def __init__(self, request: web.Request, response_format: str, stream_format: str, sample_rate: int):
+        from mstar_actors.frontend import speech_api
+
+        self.api = speech_api
+        self.request = request
+        self.is_sse = stream_format == "sse"
+        content_type = "text/event-stream" if self.is_sse else speech_api.CONTENT_TYPES[response_format]
+        self.response = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
+        self._head = speech_api.wav_header(sample_rate) if response_format == "wav" else b""
+
+    @property
+    def is_prepared(self) -> bool:
+        return self.response.prepared
+
+    async def write(self, pcm: bytes) -> None:
+        if not pcm:
+            return
+        if not self.is_prepared:
+            await self.response.prepare(self.request)
+            pcm, self._head = self._head + pcm, b""
+        await self.response.write(self.api.sse_delta(pcm) if self.is_sse else pcm)
+
+    async def finish(self, num_input_tokens: int, num_output_tokens: int) -> None:
+        if not self.is_prepared:  # no audio at all: the bare header
+            await self.response.prepare(self.request)
+            if self._head:
+                await self.response.write(self.api.sse_delta(self._head) if self.is_sse else self._head)
+        if self.is_sse:
+            await self.response.write(self.api.sse_done(num_input_tokens, num_output_tokens))
+        await self.response.write_eof()
+
+    async def fail(self, err: ApiError) -> None:
+        """After bytes left: an error event, or (raw audio) the connection cut
+        before the body's end, so the client sees a truncated transfer."""
+        if self.is_sse:
+            await self.response.write(self.api.sse_error(err))
+        elif self.request.transport is not None:
+            self.request.transport.close()
+
+
 def _tool_readers(exchange: Exchange) -> dict[int, Any]:
     """Choice index -> its tool-call reader (content and calls split as text
     streams in), when the request reads tool calls."""
@@ -862,6 +977,12 @@ def _http_code(err: web.HTTPException) -> str | None:
 def _route(request: web.Request) -> str:
     info = request.match_info.route.resource
     return info.canonical if info is not None else "unmatched"
+
+
+def _load_speech(config: Any, tokenizer: Any, vocab_size: int) -> Any:
+    from mstar_actors.speech.stream import load_speech
+
+    return load_speech(config, tokenizer.get_vocab(), vocab_size)
 
 
 def _load_tokenization(folder: Path) -> Any:

@@ -135,6 +135,25 @@ class ServerConfig(msgspec.Struct, **_STRICT):
     shutdown_timeout_s: Annotated[float, msgspec.Meta(ge=0.0)] = 30.0
 
 
+ORPHEUS_VOICES = ["tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe"]
+
+
+class SpeechConfig(msgspec.Struct, **_STRICT):
+    # Text to speech (``POST /v1/audio/speech``) for an Orpheus model: the
+    # served Llama writes SNAC codec tokens, the frontend decodes them with the
+    # SNAC folder named here (config.json + pytorch_model.bin; never fetched).
+    # None: no speech route.
+    snac_path: str | None = None
+    voices: list[str] = msgspec.field(default_factory=lambda: list(ORPHEUS_VOICES))
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # where the codec decodes; auto: cuda if there is one
+    codec_threads: Pos = 2  # torch threads of the codec on CPU
+    # Sampling defaults of a speech request (Orpheus's own); a body may override them.
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 0.6
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.8
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=2.0)] = 1.3
+    max_tokens: Pos = 1200  # codec tokens: 7 per frame of 2048 samples (85 ms at 24 kHz)
+
+
 class TransportConfig(msgspec.Struct, **_STRICT):
     ring_bytes: Annotated[int, msgspec.Meta(ge=4096)] = 4 * 1024 * 1024
     arena_bytes: Annotated[int, msgspec.Meta(ge=1 << 16)] = 64 * 1024 * 1024
@@ -149,6 +168,7 @@ class Config(msgspec.Struct, **_STRICT):
     prepare: PrepareConfig = msgspec.field(default_factory=PrepareConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
+    speech: SpeechConfig = msgspec.field(default_factory=SpeechConfig)
 
 
 def _type_at(path: str) -> object:

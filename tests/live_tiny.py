@@ -43,8 +43,9 @@ def save_tiny_llama(folder: Path, tokenizer, max_position_embeddings: int = 256)
 
 @contextlib.contextmanager
 def serve_tiny(folder: Path, max_model_len: int = 256, num_blocks: int = 64, stop_timeout_s: float = 30,
-               **server) -> Iterator[tuple[str, subprocess.Popen]]:
-    """The server of the model in ``folder``; ``server`` adds keys to the config's server section."""
+               sections: dict | None = None, **server) -> Iterator[tuple[str, subprocess.Popen]]:
+    """The server of the model in ``folder``; ``server`` adds keys to the config's server section,
+    ``sections`` whole sections (``{"lora": {...}}``)."""
     port = free_port()
     config = folder / "serve.yaml"
     config.write_text(json.dumps({  # JSON is YAML
@@ -52,7 +53,7 @@ def serve_tiny(folder: Path, max_model_len: int = 256, num_blocks: int = 64, sto
         "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": max_model_len, "max_model_len": max_model_len},
         "kv": {"block_size": 16, "num_blocks": num_blocks},
         "server": {"host": "127.0.0.1", "port": port} | server,
-    }))
+    } | (sections or {})))
     proc = subprocess.Popen([sys.executable, "-m", "mstar_actors", "serve", str(config)],
                             stderr=subprocess.PIPE, text=True)
     log = []
