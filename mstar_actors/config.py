@@ -145,7 +145,7 @@ class SpeechConfig(msgspec.Struct, **_STRICT):
     # None: no speech route.
     snac_path: str | None = None
     voices: list[str] = msgspec.field(default_factory=lambda: list(ORPHEUS_VOICES))
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # where the codec decodes; auto: cuda if there is one
+    codec_device: Literal["auto", "cpu", "cuda"] = "auto"  # where the codec decodes; auto: cuda if there is one
     codec_threads: Pos = 2  # torch threads of the codec on CPU
     # Sampling defaults of a speech request (Orpheus's own); a body may override them.
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 0.6

@@ -35,7 +35,7 @@ def load_speech(config: SpeechConfig, vocab: dict[str, int], vocab_size: int) ->
     run it off the loop). Raises ValueError naming what does not fit."""
     from mstar_actors.speech.orpheus import OrpheusFormatError
 
-    device = config.device
+    device = config.codec_device
     if device == "auto":
         import torch
 

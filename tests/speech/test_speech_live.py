@@ -62,7 +62,7 @@ def served(tmp_path_factory):
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False)
     peft_model = get_peft_model(save_tiny_orpheus(root / "model-copy", tok), lora).eval()
     peft_model.save_pretrained(str(root / "voice-lora"))
-    sections = {"speech": {"snac_path": str(root / "snac"), "device": "cpu", "codec_threads": 1},
+    sections = {"speech": {"snac_path": str(root / "snac"), "codec_device": "cpu", "codec_threads": 1},
                 "lora": {"adapters": {"tiny-voice": str(root / "voice-lora")}, "max_lora_rank": 8}}
     with serve_tiny(root / "model", sections=sections) as (base_url, _):
         yield Served(base_url, tok, model, peft_model, snac)
