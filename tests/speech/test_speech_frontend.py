@@ -36,7 +36,7 @@ def speech_harness(orpheus) -> Harness:
 
     folder, tok, snac_dir, _ = orpheus
     h = Harness(folder, tok)
-    h.config = msgspec.structs.replace(h.config, speech=SpeechConfig(snac_path=str(snac_dir), device="cpu",
+    h.config = msgspec.structs.replace(h.config, speech=SpeechConfig(snac_path=str(snac_dir), codec_device="cpu",
                                                                      codec_threads=1))
     h.engine.plan = lambda req: None  # the test answers
     return h
