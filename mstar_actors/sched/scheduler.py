@@ -130,8 +130,7 @@ class Scheduler:
       last block (``SnapshotIndex``), restored into the sequence's slot by
       its ``SeqStart.restore_snapshot``; the hit is the longest cached prefix
       that has one. Snapshots are taken where a prompt's last full block
-      ends (what a multi-turn conversation, a repeated prompt and the
-      choices of one request share): the prefill chunk that would cross that
+      ends (what a multi-turn conversation and a repeated prompt share): the prefill chunk that would cross that
       boundary stops at it and names a reserved slot
       (``ScheduledChunk.snapshot``), whose prefix enters the index in
       ``update()`` once the state exists, like a full block's KV.
