@@ -22,12 +22,8 @@ def serve(model_dir: Path, tmp_path_factory):
     runtime_dir = tmp_path_factory.mktemp("xdg")
     runtime_dir.chmod(0o700)
     print("seed: 0 (the tiny model's weights and model.seed)")
-    srv = Server(model_dir, runtime_dir, tmp_path_factory.mktemp("cfg"))
-    try:
-        srv.wait_serving()
+    with Server(model_dir, runtime_dir, tmp_path_factory.mktemp("cfg")).running() as srv:
         yield srv
-    finally:
-        srv.kill()
 
 
 @functools.cache
