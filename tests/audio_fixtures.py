@@ -14,6 +14,8 @@ import io
 import json
 from pathlib import Path
 
+from tests.word_tokenizer import save_word_tokenizer
+
 AUDIO_TOKEN, AUDIO_BOS, AUDIO_EOS = 5, 6, 7
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
 WORDS = ["user", "assistant", "system", "what", "is", "this", "sound", "and", "Audio", "1:", "2:"]
@@ -36,25 +38,13 @@ def save_audio_prepare_folder(folder: Path, feature_extractor=None) -> Path:
     from transformers import WhisperFeatureExtractor
 
     folder.mkdir(parents=True, exist_ok=True)
-    save_audio_tokenizer(folder, {t: i for i, t in enumerate(SPECIALS + WORDS + [f"w{i}" for i in range(200)])})
+    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS + [f"w{i}" for i in range(200)])}
+    save_word_tokenizer(folder, vocab, SPECIALS[3:], CHAT_TEMPLATE)
     (feature_extractor or WhisperFeatureExtractor(feature_size=128)).save_pretrained(folder)
     config = {"architectures": ["Qwen2AudioForConditionalGeneration"], "model_type": "qwen2_audio",
               "audio_token_index": AUDIO_TOKEN, "text_config": {"vocab_size": 512, "eos_token_id": 2}}
     (folder / "config.json").write_text(json.dumps(config))
     return folder
-
-
-def save_audio_tokenizer(folder: Path, vocab: dict[str, int]) -> None:
-    """A word-level tokenizer over ``vocab`` with Qwen2-Audio's chat template and specials."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   additional_special_tokens=SPECIALS[3:])
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(folder)
 
 
 def save_tiny_audio_model(folder: Path) -> Path:
@@ -69,7 +59,7 @@ def save_tiny_audio_model(folder: Path) -> Path:
     words = iter(WORDS + [f"x{i}" for i in range(af.VOCAB)])
     taken = set(vocab.values())
     vocab |= {next(words): i for i in range(af.VOCAB) if i not in taken}
-    save_audio_tokenizer(folder, vocab)
+    save_word_tokenizer(folder, vocab, SPECIALS[3:], CHAT_TEMPLATE)
     return folder
 
 

@@ -107,6 +107,15 @@ class Server:
             self.proc.kill()
         self.proc.wait()
 
+    @contextlib.contextmanager
+    def running(self):
+        """The server ready inside the block, killed when the block ends, however it ends."""
+        try:
+            self.wait_serving()
+            yield self
+        finally:
+            self.kill()
+
 
 def our_segments(run_id: str | None = None) -> list[str]:
     prefix = f"mstar-{run_id}-" if run_id else "mstar-"
@@ -125,12 +134,8 @@ def http(port: int, path: str, body: dict | None = None) -> tuple[int, dict]:
 @pytest.fixture(scope="module")
 def server(model_dir, runtime_dir, tmp_path_factory):
     print("seed: 0 (model.seed default; the tiny model is seeded with 0)")
-    srv = Server(model_dir, runtime_dir, tmp_path_factory.mktemp("cfg"))
-    try:
-        srv.wait_serving()
+    with Server(model_dir, runtime_dir, tmp_path_factory.mktemp("cfg")).running() as srv:
         yield srv
-    finally:
-        srv.kill()
 
 
 def test_health_and_a_completion(server):
@@ -168,29 +173,21 @@ def test_sigterm_stops_cleanly_without_leftovers(server):
 
 
 def test_kill_9_of_an_actor_stops_the_launcher_naming_it(model_dir, runtime_dir, tmp_path):
-    srv = Server(model_dir, runtime_dir, tmp_path)
-    try:
-        srv.wait_serving()
+    with Server(model_dir, runtime_dir, tmp_path).running() as srv:
         run_id = srv.run_dir.name
         os.kill(srv.actors()["worker0"], signal.SIGKILL)
         assert srv.wait_exit() != 0
         assert "actor worker0" in srv.log and "SIGKILL" in srv.log, srv.log
         assert our_segments(run_id) == []
-    finally:
-        srv.kill()
 
 
 def test_kill_9_of_the_launcher_is_cleaned_by_the_next_start(model_dir, runtime_dir, tmp_path):
-    srv = Server(model_dir, runtime_dir, tmp_path)
-    try:
-        srv.wait_serving()
+    with Server(model_dir, runtime_dir, tmp_path).running() as srv:
         run_dir = srv.run_dir
         pids = list(srv.actors().values())
         srv.proc.kill()
         srv.wait_exit()
         assert our_segments(run_dir.name), "a killed launcher leaves its segments"
-    finally:
-        srv.kill()
     from mstar_actors.config import Config
     from mstar_actors.launcher import Launcher
 

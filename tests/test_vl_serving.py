@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import functools
 import io
 import signal
 from pathlib import Path
@@ -18,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from test_launcher import Server, our_segments
+from media_serving import MAX_TOKENS, ask_all, assert_replies_are_references, hf_and_preparer, serve
+from test_launcher import our_segments
 
 from tests import vl_fixtures
 
-MAX_TOKENS = 8
 
 
 def png_url(seed: int, height: int = 16, width: int = 24) -> str:
@@ -67,36 +66,15 @@ def vl_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vl_server(vl_dir, tmp_path_factory):
-    runtime_dir = tmp_path_factory.mktemp("xdg")
-    runtime_dir.chmod(0o700)
-    print("seed: 0 (the tiny model's weights and model.seed)")
-    srv = Server(vl_dir, runtime_dir, tmp_path_factory.mktemp("cfg"))
-    try:
-        srv.wait_serving()
-        yield srv
-    finally:
-        srv.kill()
-
-
-@functools.cache
-def _hf_and_preparer(vl_dir: Path):
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    from mstar_actors.config import Config, ModelConfig
-    from mstar_actors.prepare.media import MediaLimits
-    from mstar_actors.model_info import load_model_info
-    from mstar_actors.prepare.preparers import load_preparer
-
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(vl_dir), dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    return hf, load_preparer(load_model_info(Config(model=ModelConfig(path=str(vl_dir)))), MediaLimits())
+    yield from serve(vl_dir, tmp_path_factory)
 
 
 def reference_reply(vl_dir: Path, messages: list[dict]) -> list[int]:
     """transformers' greedy tokens on what our preparer makes of ``messages``
     (the server gets the same tensors through the arena; video rows travel
     raw and are normalized by the vision tower, as here)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
     from mstar_actors.messages import ChatMessage, ContentPart, NewRequest, SamplingParams
     from mstar_actors.models.vision import PixelNorm
 
@@ -106,7 +84,7 @@ def reference_reply(vl_dir: Path, messages: list[dict]) -> list[int]:
         for p in parts]
     req = NewRequest(request_id="ref", model="tiny", sampling=SamplingParams(),
                      messages=[ChatMessage("user", content)])
-    hf, preparer = _hf_and_preparer(vl_dir)
+    hf, preparer = hf_and_preparer(Qwen2_5_VLForConditionalGeneration, vl_dir)
     draft = preparer.draft(req, {})
     prompt = draft.prepared.prompt_token_ids
     kwargs: dict = {"mm_token_type_ids": torch.tensor([[1 if t == 300 else 2 if t == 301 else 0 for t in prompt]])}
@@ -124,29 +102,8 @@ def reference_reply(vl_dir: Path, messages: list[dict]) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-async def _ask_all(port: int, bodies: dict[str, list[dict]]) -> dict[str, object]:
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-
-    async def ask(messages):
-        try:
-            return await client.chat.completions.create(
-                model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0, logprobs=True,
-                extra_body={"ignore_eos": True})
-        except openai.APIStatusError as err:
-            return err
-
-    try:
-        results = await asyncio.gather(*(ask(m) for m in bodies.values()))
-    finally:
-        await client.close()
-    return dict(zip(bodies, results))
-
-
 def test_image_video_and_text_together_equal_transformers(vl_server, vl_dir):
     import openai
-    from transformers import AutoTokenizer
 
     bodies = {
         "image": messages_with("image", png_url(1)),
@@ -154,24 +111,18 @@ def test_image_video_and_text_together_equal_transformers(vl_server, vl_dir):
         "text": TEXT_MESSAGES,
         "corrupt": messages_with("image", "data:image/png;base64," + base64.b64encode(b"\x89PNG junk").decode()),
     }
-    replies = asyncio.run(_ask_all(vl_server.port, bodies))
+    replies = asyncio.run(ask_all(vl_server.port, bodies))
 
     bad = replies.pop("corrupt")
     assert isinstance(bad, openai.BadRequestError), bad
     assert "messages[0].content[1].image_url" in str(bad)
-    tokenizer = AutoTokenizer.from_pretrained(str(vl_dir))
-    for name, reply in replies.items():
-        assert not isinstance(reply, Exception), f"{name}: {reply}"
-        expected = reference_reply(vl_dir, bodies[name])
-        got = tokenizer.convert_tokens_to_ids([t.token for t in reply.choices[0].logprobs.content])
-        assert got == expected, f"{name}: served {got}, transformers {expected}"
-        assert reply.usage.completion_tokens == MAX_TOKENS
+    assert_replies_are_references(replies, bodies, vl_dir, reference_reply)
 
 
 def test_another_image_of_the_same_size_does_not_reuse_the_first_ones_kv(vl_server, vl_dir):
     """Placeholder blocks are keyed by the media digest: a different image of
     the same size has the same prompt tokens, but its reply must be its own."""
-    first, again, other = (asyncio.run(_ask_all(vl_server.port, {"r": messages_with("image", png_url(seed))}))["r"]
+    first, again, other = (asyncio.run(ask_all(vl_server.port, {"r": messages_with("image", png_url(seed))}))["r"]
                            for seed in (11, 11, 12))
     tokens = [[t.token for t in r.choices[0].logprobs.content] for r in (first, again, other)]
     assert tokens[0] == tokens[1]

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tests.word_tokenizer import save_word_tokenizer
+
 IMAGE_TOKEN, VIDEO_TOKEN = 5, 6
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|image_pad|>", "<|video_pad|>",
             "<|vision_start|>", "<|vision_end|>"]
@@ -35,7 +37,7 @@ def save_vl_prepare_folder(folder: Path, min_pixels: int = 56 * 56, max_pixels: 
     folder.mkdir(parents=True, exist_ok=True)
     vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
     assert vocab["<|image_pad|>"] == IMAGE_TOKEN and vocab["<|video_pad|>"] == VIDEO_TOKEN
-    save_word_tokenizer(folder, vocab)
+    save_word_tokenizer(folder, vocab, SPECIALS[3:], CHAT_TEMPLATE)
     Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(folder)
     config = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
               "vocab_size": 512, "image_token_id": IMAGE_TOKEN, "video_token_id": VIDEO_TOKEN,
@@ -53,19 +55,6 @@ def vl_prepare_info(folder: Path):
     return ModelInfo(served_name="vl", model_dir=str(folder), architecture="Qwen2_5_VLForConditionalGeneration",
                      vocab_size=512, eos_token_ids=(2,), dtype="float32", max_model_len=1 << 20, is_multimodal=True,
                      media_token_ids={"image": IMAGE_TOKEN, "video": VIDEO_TOKEN})
-
-
-def save_word_tokenizer(folder: Path, vocab: dict[str, int]) -> None:
-    """A word-level tokenizer over ``vocab`` with Qwen's chat template and specials."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   additional_special_tokens=SPECIALS[3:])
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(folder)
 
 
 def save_tiny_vl_model(folder: Path, max_pixels: int | None = None, *, real_patches: bool = False,
@@ -98,7 +87,7 @@ def save_tiny_vl_model(folder: Path, max_pixels: int | None = None, *, real_patc
     words = iter(WORDS + [f"x{i}" for i in range(vf.VOCAB)])
     taken = set(vocab.values())
     vocab |= {next(words): i for i in range(vf.VOCAB) if i not in taken}
-    save_word_tokenizer(folder, vocab)
+    save_word_tokenizer(folder, vocab, SPECIALS[3:], CHAT_TEMPLATE)
     processor.save_pretrained(folder)
     return folder
 

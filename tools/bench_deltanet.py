@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _gpu_timing import capture_graph, cuda_median_us  # noqa: E402
 from mstar_actors.models.attention import AttentionMetadata  # noqa: E402
 from mstar_actors.models.deltanet_ops import StatePool, TorchDeltaNetOps  # noqa: E402
 
@@ -90,39 +90,19 @@ def errors(case: dict, triton_ops) -> dict:
             "delta_rule": max(rel_err(got_o, want_o), rel_err(mine.ssm, ref.ssm))}
 
 
-def median_us(run, num_calls: int, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(begin.elapsed_time(end) * 1e3 / num_calls)
-    return statistics.median(times)
-
-
 def time_eager(fn, num_calls: int, repeats: int) -> float:
     fn()
 
     def run():
         for _ in range(num_calls):
             fn()
-    return median_us(run, num_calls, repeats)
+    return cuda_median_us(run, num_calls, repeats)
 
 
 def time_graph(fn, num_calls: int, repeats: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(num_calls):
-            fn()
+    graph = capture_graph(fn, num_calls)
     graph.replay()
-    return median_us(graph.replay, num_calls, repeats)
+    return cuda_median_us(graph.replay, num_calls, repeats)
 
 
 def main() -> None:

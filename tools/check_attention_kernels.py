@@ -58,6 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch.nn.functional as F  # noqa: E402
 
+from _gpu_timing import capture_graph, cuda_median_us  # noqa: E402
+
 from mstar_actors.models.attention import AttentionMetadata, TorchPagedAttention, plan_varlen_work  # noqa: E402
 from mstar_actors.models.triton_attention import (  # noqa: E402
     TritonPagedAttention,
@@ -117,16 +119,7 @@ def torch_ref_call(case: dict):
 
 def time_graph(fn, calls: int, repeats: int) -> float:
     """Median microseconds per call of ``fn`` captured ``calls`` times in one graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return _median_us(graph.replay, 1, calls, repeats)
+    return _median_us(capture_graph(fn, calls).replay, 1, calls, repeats)
 
 
 def time_eager(fn, calls: int, repeats: int) -> float:
@@ -139,16 +132,11 @@ def _median_us(fn, num_runs: int, calls: int, repeats: int) -> float:
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e6
-    times = []
-    for _ in range(repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
+
+    def run():
         for _ in range(num_runs):
             fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(begin.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+    return cuda_median_us(run, calls, repeats)
 
 
 def run_row(batch: int, context: int, args) -> str:

@@ -63,6 +63,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _gpu_timing import capture_graph  # noqa: E402
 from mstar_actors.lora import LoraStack, build_segments  # noqa: E402
 from mstar_actors.lora.ops import LoraSegments, expand_ref, shrink_ref  # noqa: E402
 from mstar_actors.models.lora_layers import lora_kernels  # noqa: E402
@@ -287,15 +288,7 @@ def eager_us(fn, *, device: str, warmup: int, iters: int, calls: int = CALLS_PER
 
 def graph_us(fn, *, warmup: int, iters: int, calls: int = CALLS_PER_STEP) -> float:
     """Median GPU microseconds per call of one CUDA graph of ``calls`` back-to-back calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+    graph = capture_graph(fn, calls)
     return time_us(graph.replay, device="cuda", warmup=warmup, iters=iters) / calls
 
 

@@ -23,12 +23,33 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from mstar_actors import messages
 
+if TYPE_CHECKING:
+    from .attention import AttentionMetadata
+
 TensorResolver = Callable[[messages.TensorRef], torch.Tensor]
+
+
+class MediaSplice:
+    """The forward of a multimodal causal LM, mixed in before its ``CausalLM``
+    base (which supplies ``model.embed_tokens`` and ``run_layers``):
+    ``media_rows``, (flat row indices, encoder rows) from ``step_inputs``,
+    replace those rows' token embeddings before the first layer."""
+
+    is_multimodal = True
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, media_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        if media_rows is not None:
+            rows, values = media_rows
+            x = x.index_copy(0, rows, values.to(x.dtype))
+        return self.run_layers(x, positions, kv_caches, meta)
 
 
 @dataclass

@@ -24,13 +24,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .attention import AttentionMetadata, PagedAttention, TorchPagedAttention
+from .attention import PagedAttention, TorchPagedAttention
 from .checkpoint import DECODER_RULES, WeightRule
 from .decoder import CausalLM
+from .media_inputs import MediaSplice
 from .rope import _rotate_half, inverse_frequencies
 from .sharding import ShardLayout
 from .spec import ModelLoadError, ModelSpec
-from .vision import Grid, PixelNorm, VisionSpec, VisionTransformer, parse_vision_spec
+from .vision import Grid, PixelNorm, VisionSpec, VisionTransformer, check_vision_width, parse_vision_spec
 
 ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
 
@@ -110,13 +111,25 @@ def mrope_positions(
     ``num_tokens``, ``grid_thw``, ``kind``, ``second_per_grid_t``), sorted by
     offset and not overlapping (the caller checks). Pure: depends only on the
     prompt length and the items' grids and offsets."""
+
+    def place(item, start: int) -> tuple[torch.Tensor, int]:
+        grid = _item_grid(item, spatial_merge_size, tokens_per_second, start)
+        return grid, int(grid.max()) + 1
+
+    return place_media(num_prompt_tokens, media, place)
+
+
+def place_media(num_prompt_tokens: int, media: list, place) -> tuple[torch.Tensor, int]:
+    """``([3, num_prompt_tokens] positions, rope_delta)``: text runs count on
+    from where the run before them left off, the same in all three rows;
+    ``place(item, start)`` gives an item's ``[3, num_tokens]`` positions from
+    ``start`` and where the text after it resumes."""
     runs, next_pos, cursor = [], 0, 0
     for item in media:
         runs.append(_text_run(item.token_offset - cursor, next_pos))
         next_pos += item.token_offset - cursor
-        grid = _item_grid(item, spatial_merge_size, tokens_per_second, next_pos)
+        grid, next_pos = place(item, next_pos)
         runs.append(grid)
-        next_pos = int(grid.max()) + 1
         cursor = item.token_offset + item.num_tokens
     runs.append(_text_run(num_prompt_tokens - cursor, next_pos))
     positions = torch.cat(runs, dim=1)
@@ -162,7 +175,7 @@ class MRotaryEmbedding(nn.Module):
 # -- the model ---------------------------------------------------------------------------
 
 
-class Qwen2_5_VLForConditionalGeneration(CausalLM):
+class Qwen2_5_VLForConditionalGeneration(MediaSplice, CausalLM):
     """The shared decoder (``model``, ``lm_head``) with M-RoPE, plus ``visual``.
 
     ``forward`` takes ``positions [3, T]`` (``[T]`` for text-only steps) and,
@@ -174,8 +187,6 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
     media and splices the same rows).
     """
 
-    is_multimodal = True
-
     def __init__(
         self,
         spec: ModelSpec,
@@ -186,29 +197,12 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         layout: ShardLayout | None = None,
     ):
         super().__init__(spec, backend or TorchPagedAttention(), layout)
-        if vision.out_hidden_size != spec.hidden_size:
-            raise ModelLoadError(
-                f"vision_config.out_hidden_size={vision.out_hidden_size} must equal the text hidden_size={spec.hidden_size}"
-            )
+        check_vision_width(vision.out_hidden_size, spec.hidden_size)
         self.vision_spec = vision
         self.media_token_ids = dict(token_ids)
         self.visual = VisionTransformer(vision)
         for layer in self.model.layers:
             layer.self_attn.rotary = MRotaryEmbedding(spec, section)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-        media_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        if media_rows is not None:
-            rows, values = media_rows
-            x = x.index_copy(0, rows, values.to(x.dtype))
-        return self.run_layers(x, positions, kv_caches, meta)
 
     def encode_media(self, pixel_values: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
         """Vision rows for several items at once, ``[sum(t*h*w) / merge**2, hidden]``."""

@@ -32,9 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata, PagedAttention, TorchPagedAttention
+from .attention import PagedAttention, TorchPagedAttention
 from .checkpoint import DECODER_RULES, WeightRule
 from .decoder import CausalLM
+from .media_inputs import MediaSplice
 from .sharding import ShardLayout
 from .spec import ModelLoadError, ModelSpec
 
@@ -227,7 +228,7 @@ class Projector(nn.Module):
 # -- the model ------------------------------------------------------------------------
 
 
-class Qwen2AudioForConditionalGeneration(CausalLM):
+class Qwen2AudioForConditionalGeneration(MediaSplice, CausalLM):
     """The shared decoder (``model``, ``lm_head``), plus ``audio_tower`` and
     ``multi_modal_projector``.
 
@@ -236,8 +237,6 @@ class Qwen2AudioForConditionalGeneration(CausalLM):
     the first layer. The encoder is replicated on every rank.
     """
 
-    is_multimodal = True
-
     def __init__(self, spec: ModelSpec, audio: AudioSpec, token_ids: dict[str, int],
                  backend: PagedAttention | None = None, layout: ShardLayout | None = None):
         super().__init__(spec, backend or TorchPagedAttention(), layout)
@@ -245,20 +244,6 @@ class Qwen2AudioForConditionalGeneration(CausalLM):
         self.media_token_ids = dict(token_ids)
         self.audio_tower = AudioEncoder(audio)
         self.multi_modal_projector = Projector(audio.d_model, spec.hidden_size)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-        media_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        if media_rows is not None:
-            rows, values = media_rows
-            x = x.index_copy(0, rows, values.to(x.dtype))
-        return self.run_layers(x, positions, kv_caches, meta)
 
     def encode_media(self, frames: list[torch.Tensor], grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """Audio rows for several clips, one encoder call each (clips differ

@@ -30,15 +30,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import WeightRule
+from .qwen2_5_vl import place_media
 from .spec import ModelLoadError
-from .vision import Grid, PixelNorm, Segments, VisionAttention, frame_bounds, patch_positions
+from .vision import Grid, PatchEmbed, Segments, Tower, TowerShape, VisionAttention, check_head_dim, frame_bounds
+from .vision import patch_positions
 
 _NORM_EPS = 1e-6  # fixed in the reference implementation, not in config.json
 _ACTIVATIONS = ("gelu_pytorch_tanh",)
 
 
 @dataclass(frozen=True)
-class Qwen3_5VisionSpec:
+class Qwen3_5VisionSpec(TowerShape):
     depth: int
     hidden_size: int
     intermediate_size: int
@@ -50,19 +52,6 @@ class Qwen3_5VisionSpec:
     spatial_merge_size: int = 2
     in_channels: int = 3
     rope_theta: float = 10000.0
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        """Width of one ``pixel_values`` row."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
-
-    @property
-    def merge_unit(self) -> int:
-        return self.spatial_merge_size**2
 
     @property
     def num_grid_per_side(self) -> int:
@@ -96,10 +85,7 @@ def parse_qwen3_5_vision_spec(cfg: dict, where: str) -> Qwen3_5VisionSpec:
         )
     except KeyError as err:
         raise ModelLoadError(f"{where}: field 'vision_config.{err.args[0]}' is missing") from None
-    if spec.hidden_size % spec.num_heads or spec.head_dim % 4:
-        raise ModelLoadError(
-            f"{where}: vision_config hidden_size={spec.hidden_size} / num_heads={spec.num_heads} must give a head_dim divisible by 4"
-        )
+    check_head_dim(spec, where)
     if spec.num_grid_per_side**2 != spec.num_position_embeddings or spec.num_grid_per_side < 2:
         raise ModelLoadError(
             f"{where}: vision_config.num_position_embeddings={spec.num_position_embeddings} must be a square of at least 4"
@@ -173,46 +159,17 @@ def mrope_positions(num_prompt_tokens: int, media: list, spatial_merge_size: int
     An item starting at position ``s`` gets ``(s + t, s + row, s + col)`` over
     its merged grid; the text after it resumes at ``s + max(h, w) / merge``
     (the reference's rule, which ignores ``t``). Pure."""
-    runs, next_pos, cursor = [], 0, 0
-    for item in media:
-        runs.append(_text_run(item.token_offset - cursor, next_pos))
-        next_pos += item.token_offset - cursor
+    merge = spatial_merge_size
+
+    def place(item, start: int) -> tuple[torch.Tensor, int]:
         t, h, w = item.grid_thw
-        tt, hh, ww = torch.meshgrid(
-            torch.arange(t), torch.arange(h // spatial_merge_size), torch.arange(w // spatial_merge_size), indexing="ij"
-        )
-        runs.append(torch.stack([tt, hh, ww]).reshape(3, -1) + next_pos)
-        next_pos += max(h, w) // spatial_merge_size
-        cursor = item.token_offset + item.num_tokens
-    runs.append(_text_run(num_prompt_tokens - cursor, next_pos))
-    positions = torch.cat(runs, dim=1)
-    return positions, next_pos + (num_prompt_tokens - cursor) - num_prompt_tokens
+        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h // merge), torch.arange(w // merge), indexing="ij")
+        return torch.stack([tt, hh, ww]).reshape(3, -1) + start, start + max(h, w) // merge
 
-
-def _text_run(length: int, start: int) -> torch.Tensor:
-    return torch.arange(start, start + length, dtype=torch.long).expand(3, length)
+    return place_media(num_prompt_tokens, media, place)
 
 
 # -- modules --------------------------------------------------------------------
-
-
-class PatchEmbed(nn.Module):
-    def __init__(self, spec: Qwen3_5VisionSpec):
-        super().__init__()
-        kernel = (spec.temporal_patch_size, spec.patch_size, spec.patch_size)
-        # Stored as the checkpoint's Conv3d; a stride-equals-kernel conv over
-        # one patch is a linear map of its flattened pixels.
-        self.proj = nn.Conv3d(spec.in_channels, spec.hidden_size, kernel_size=kernel, stride=kernel, bias=True)
-        self.pixel_norm: PixelNorm | None = None  # set by the model's builder from the video processor's constants
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        if pixels.dtype == torch.uint8:  # raw video rows: normalize here, on the rank's device
-            if self.pixel_norm is None:
-                raise ValueError("uint8 pixel rows need the video processor's mean, std and rescale factor, "
-                                 "which this vision tower was not given (the model folder's video_preprocessor_config.json)")
-            pixels = self.pixel_norm(pixels)
-        weight = self.proj.weight
-        return F.linear(pixels.to(weight.dtype), weight.reshape(weight.shape[0], -1), self.proj.bias)
 
 
 class VisionMLP(nn.Module):
@@ -263,24 +220,18 @@ class Geometry:
     interp_weights: torch.Tensor  # [N, 4] float32
 
 
-class Qwen3_5VisionTransformer(nn.Module):
+class Qwen3_5VisionTransformer(Tower):
     """``forward(pixel_values, grids)`` -> ``[N / merge**2, out_hidden_size]``,
     items in input order, each item's rows in the prompt's placeholder order.
     ``pixel_values`` is ``[N, patch_dim]``, or one such tensor per item (each
     embedded on its own, so pixel rows are not copied into one tensor)."""
 
-    MAX_GEOMETRIES = 8
-
     def __init__(self, spec: Qwen3_5VisionSpec):
-        super().__init__()
-        self.spec = spec
-        self.patch_embed = PatchEmbed(spec)
+        super().__init__(spec)
+        self.patch_embed = PatchEmbed(spec, bias=True, processor=("video processor", "video_preprocessor_config.json"))
         self.pos_embed = nn.Embedding(spec.num_position_embeddings, spec.hidden_size)
         self.blocks = nn.ModuleList(VisionBlock(spec) for _ in range(spec.depth))
         self.merger = PatchMerger(spec)
-        half = spec.head_dim // 2  # rows and columns each rotate a quarter of the pairs
-        self.inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32, device="cpu") / half))
-        self._geometries: dict[tuple, Geometry] = {}  # (grids, device) -> geometry, oldest first
 
     def forward(self, pixel_values: torch.Tensor | list[torch.Tensor], grids: list[Grid]) -> torch.Tensor:
         items = [pixel_values] if isinstance(pixel_values, torch.Tensor) else list(pixel_values)
@@ -294,19 +245,9 @@ class Qwen3_5VisionTransformer(nn.Module):
             x = block(x, geo.cos, geo.sin, geo.frames)
         return self.merger(x)
 
-    def _geometry(self, grids: list[Grid], device: torch.device) -> Geometry:
-        key = (tuple(tuple(int(x) for x in g) for g in grids), str(device))
-        geo = self._geometries.pop(key, None) or self._build_geometry(list(key[0]), device)
-        self._geometries[key] = geo  # most recent last
-        while len(self._geometries) > self.MAX_GEOMETRIES:
-            del self._geometries[next(iter(self._geometries))]
-        return geo
-
     def _build_geometry(self, grids: list[Grid], device: torch.device) -> Geometry:
         spec = self.spec
-        positions = patch_positions(grids, spec.spatial_merge_size)
-        freqs = (positions[:, :, None].float() * self.inv_freq).flatten(1)  # [N, head_dim / 2]: rows' then columns'
-        angles = torch.cat((freqs, freqs), dim=-1)
+        angles = self._rotary_angles(grids)
         indices, weights = position_interpolation(grids, spec.spatial_merge_size, spec.num_grid_per_side)
         return Geometry(
             frames=Segments(frame_bounds(grids), device),
@@ -315,13 +256,3 @@ class Qwen3_5VisionTransformer(nn.Module):
             interp_indices=indices.to(device),
             interp_weights=weights.to(device),
         )
-
-    def _check(self, items: list[torch.Tensor], grids: list[Grid]) -> None:
-        spec = self.spec
-        bad = [g for g in grids if g[1] % spec.spatial_merge_size or g[2] % spec.spatial_merge_size or min(g) < 1]
-        if bad:
-            raise ValueError(f"grid_thw {bad}: height and width must be positive multiples of spatial_merge_size={spec.spatial_merge_size}")
-        num_patches = sum(t * h * w for t, h, w in grids)
-        shapes = [list(p.shape) for p in items]
-        if any(p.ndim != 2 or p.shape[1] != spec.patch_dim for p in items) or sum(s[0] for s in shapes) != num_patches:
-            raise ValueError(f"pixel_values has shape(s) {shapes}; grids {grids} need [{num_patches}, {spec.patch_dim}] rows in all")

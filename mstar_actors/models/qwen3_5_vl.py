@@ -14,14 +14,15 @@ from pathlib import Path
 import torch
 
 from . import qwen3_5
-from .attention import AttentionMetadata, PagedAttention
+from .attention import PagedAttention
 from .deltanet_ops import DeltaNetOps
+from .media_inputs import MediaSplice
 from .qwen2_5_vl import media_token_ids
 from .qwen3_5_vision import QWEN3_5_VISION_RULES, Grid, Qwen3_5VisionSpec, Qwen3_5VisionTransformer, mrope_positions
 from .qwen3_5_vision import parse_qwen3_5_vision_spec
 from .sharding import ShardLayout
 from .spec import ModelLoadError, ModelSpec
-from .vision import PixelNorm
+from .vision import PixelNorm, check_vision_width
 
 ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
 
@@ -29,34 +30,21 @@ QWEN3_5_VL_RULES = qwen3_5.QWEN3_5_RULES + QWEN3_5_VISION_RULES
 """With ``qwen3_5.LAYOUT_ALIASES`` and ``qwen3_5.IGNORED_PREFIXES``."""
 
 
-class Qwen3_5ForConditionalGeneration(qwen3_5.Qwen3_5ForCausalLM):
+class Qwen3_5ForConditionalGeneration(MediaSplice, qwen3_5.Qwen3_5ForCausalLM):
     """The hybrid text model plus ``visual``. ``forward`` takes ``positions
     [3, T]`` (``[T]`` for text-only steps) and, optionally, ``media_rows``:
     (flat row indices, vision rows) that replace those rows' token embeddings
     before the first layer. The tower is replicated on every rank."""
-
-    is_multimodal = True
 
     def __init__(self, spec: ModelSpec, vision: Qwen3_5VisionSpec, token_ids: dict[str, int],
                  backend: PagedAttention | None = None, layout: ShardLayout | None = None,
                  ops: DeltaNetOps | None = None, rotary_dim: int | None = None,
                  section: tuple[int, int, int] = (11, 11, 10)):
         super().__init__(spec, backend, layout, ops, rotary_dim, section)
-        if vision.out_hidden_size != spec.hidden_size:
-            raise ModelLoadError(
-                f"vision_config.out_hidden_size={vision.out_hidden_size} must equal the text hidden_size={spec.hidden_size}"
-            )
+        check_vision_width(vision.out_hidden_size, spec.hidden_size)
         self.vision_spec = vision
         self.media_token_ids = dict(token_ids)
         self.visual = Qwen3_5VisionTransformer(vision)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, media_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        if media_rows is not None:
-            rows, values = media_rows
-            x = x.index_copy(0, rows, values.to(x.dtype))
-        return self.run_layers(x, positions, kv_caches, meta)
 
     def encode_media(self, pixel_values: torch.Tensor | list[torch.Tensor], grids: list[Grid]) -> torch.Tensor:
         """Vision rows for several items at once, ``[sum(t*h*w) / merge**2, hidden]``."""

@@ -26,6 +26,16 @@ class Architecture:
     media_token_ids: Callable[[dict, str], dict[str, int]] | None = None
 
 
+def _family(module, rules: CheckpointRules, *, qkv_bias: bool, qk_norm: bool,
+            text_config: Callable[[dict], dict] | None = None,
+            media_token_ids: Callable[[dict, str], dict[str, int]] | None = None) -> Architecture:
+    """The architecture a model module builds (its ``ARCHITECTURE``, ``build``
+    and, unless given, ``text_config``); multimodal where it has media token ids."""
+    return Architecture(module.ARCHITECTURE, qkv_bias=qkv_bias, qk_norm=qk_norm, rules=rules,
+                        text_config=text_config or module.text_config, build=module.build,
+                        is_multimodal=media_token_ids is not None, media_token_ids=media_token_ids)
+
+
 ARCHITECTURES: dict[str, Architecture] = {
     arch.name: arch
     for arch in (
@@ -37,44 +47,15 @@ ARCHITECTURES: dict[str, Architecture] = {
             qk_norm=True,
             rules=CheckpointRules(DECODER_RULES + QK_NORM_RULES, IGNORED),
         ),
-        Architecture(
-            qwen2_5_vl.ARCHITECTURE,
-            qkv_bias=True,
-            qk_norm=False,
-            rules=CheckpointRules(qwen2_5_vl.QWEN2_5_VL_RULES, IGNORED, qwen2_5_vl.LAYOUT_ALIASES),
-            text_config=qwen2_5_vl.text_config,
-            build=qwen2_5_vl.build,
-            is_multimodal=True,
-            media_token_ids=qwen2_5_vl.media_token_ids,
-        ),
-        Architecture(
-            qwen3_5.ARCHITECTURE,
-            qkv_bias=False,
-            qk_norm=True,
-            rules=CheckpointRules(qwen3_5.QWEN3_5_RULES, IGNORED, qwen3_5.LAYOUT_ALIASES, qwen3_5.IGNORED_PREFIXES),
-            text_config=qwen3_5.text_config,
-            build=qwen3_5.build,
-        ),
-        Architecture(
-            qwen3_5_vl.ARCHITECTURE,
-            qkv_bias=False,
-            qk_norm=True,
-            rules=CheckpointRules(qwen3_5_vl.QWEN3_5_VL_RULES, IGNORED, qwen3_5.LAYOUT_ALIASES, qwen3_5.IGNORED_PREFIXES),
-            text_config=qwen3_5.text_config,
-            build=qwen3_5_vl.build,
-            is_multimodal=True,
-            media_token_ids=qwen2_5_vl.media_token_ids,
-        ),
-        Architecture(
-            qwen2_audio.ARCHITECTURE,
-            qkv_bias=True,
-            qk_norm=False,
-            rules=CheckpointRules(qwen2_audio.QWEN2_AUDIO_RULES, IGNORED, qwen2_audio.LAYOUT_ALIASES),
-            text_config=qwen2_audio.text_config,
-            build=qwen2_audio.build,
-            is_multimodal=True,
-            media_token_ids=qwen2_audio.media_token_ids,
-        ),
+        _family(qwen2_5_vl, CheckpointRules(qwen2_5_vl.QWEN2_5_VL_RULES, IGNORED, qwen2_5_vl.LAYOUT_ALIASES),
+                qkv_bias=True, qk_norm=False, media_token_ids=qwen2_5_vl.media_token_ids),
+        _family(qwen3_5, CheckpointRules(qwen3_5.QWEN3_5_RULES, IGNORED, qwen3_5.LAYOUT_ALIASES, qwen3_5.IGNORED_PREFIXES),
+                qkv_bias=False, qk_norm=True),
+        _family(qwen3_5_vl,
+                CheckpointRules(qwen3_5_vl.QWEN3_5_VL_RULES, IGNORED, qwen3_5.LAYOUT_ALIASES, qwen3_5.IGNORED_PREFIXES),
+                qkv_bias=False, qk_norm=True, text_config=qwen3_5.text_config, media_token_ids=qwen2_5_vl.media_token_ids),
+        _family(qwen2_audio, CheckpointRules(qwen2_audio.QWEN2_AUDIO_RULES, IGNORED, qwen2_audio.LAYOUT_ALIASES),
+                qkv_bias=True, qk_norm=False, media_token_ids=qwen2_audio.media_token_ids),
     )
 }
 

@@ -31,21 +31,10 @@ _NORM_EPS = 1e-6  # fixed in the reference implementation, not in config.json
 Grid = tuple[int, int, int]
 
 
-@dataclass(frozen=True)
-class VisionSpec:
-    depth: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    out_hidden_size: int
-    patch_size: int
-    temporal_patch_size: int
-    spatial_merge_size: int
-    window_size: int
-    fullatt_block_indexes: tuple[int, ...]
-    in_channels: int = 3
-    tokens_per_second: float = 2.0
-    rope_theta: float = 10000.0
+class TowerShape:
+    """What a Qwen vision tower derives from its spec's sizes (``hidden_size``,
+    ``num_heads``, ``in_channels``, ``temporal_patch_size``, ``patch_size``,
+    ``spatial_merge_size``)."""
 
     @property
     def head_dim(self) -> int:
@@ -59,6 +48,23 @@ class VisionSpec:
     @property
     def merge_unit(self) -> int:
         return self.spatial_merge_size**2
+
+
+@dataclass(frozen=True)
+class VisionSpec(TowerShape):
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    window_size: int
+    fullatt_block_indexes: tuple[int, ...]
+    in_channels: int = 3
+    tokens_per_second: float = 2.0
+    rope_theta: float = 10000.0
 
 
 def parse_vision_spec(cfg: dict, where: str) -> VisionSpec:
@@ -88,13 +94,24 @@ def parse_vision_spec(cfg: dict, where: str) -> VisionSpec:
         )
     except KeyError as err:
         raise ModelLoadError(f"{where}: field 'vision_config.{err.args[0]}' is missing") from None
+    check_head_dim(spec, where)
+    if spec.window_size % (spec.patch_size * spec.spatial_merge_size):
+        raise ModelLoadError(f"{where}: vision_config.window_size={spec.window_size} must be a multiple of patch_size * spatial_merge_size")
+    return spec
+
+
+def check_vision_width(out_hidden_size: int, hidden_size: int) -> None:
+    """The tower's rows replace token embeddings, so their widths must agree."""
+    if out_hidden_size != hidden_size:
+        raise ModelLoadError(f"vision_config.out_hidden_size={out_hidden_size} must equal the text hidden_size={hidden_size}")
+
+
+def check_head_dim(spec: TowerShape, where: str) -> None:
+    """2D rotary turns rows and columns by a quarter of each head's pairs each."""
     if spec.hidden_size % spec.num_heads or spec.head_dim % 4:
         raise ModelLoadError(
             f"{where}: vision_config hidden_size={spec.hidden_size} / num_heads={spec.num_heads} must give a head_dim divisible by 4"
         )
-    if spec.window_size % (spec.patch_size * spec.spatial_merge_size):
-        raise ModelLoadError(f"{where}: vision_config.window_size={spec.window_size} must be a multiple of patch_size * spatial_merge_size")
-    return spec
 
 
 # -- geometry: pure functions of the grids -------------------------------------
@@ -179,22 +196,28 @@ class PixelNorm:
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, spec: VisionSpec):
+    """``processor``: the processor whose constants normalize raw uint8 rows,
+    and the folder's file that holds them (named when they are missing)."""
+
+    def __init__(self, spec: TowerShape, bias: bool = False,
+                 processor: tuple[str, str] = ("image processor", "preprocessor_config.json")):
         super().__init__()
         kernel = (spec.temporal_patch_size, spec.patch_size, spec.patch_size)
         # Stored as the checkpoint's Conv3d; a stride-equals-kernel conv over
         # one patch is a linear map of its flattened pixels.
-        self.proj = nn.Conv3d(spec.in_channels, spec.hidden_size, kernel_size=kernel, stride=kernel, bias=False)
+        self.proj = nn.Conv3d(spec.in_channels, spec.hidden_size, kernel_size=kernel, stride=kernel, bias=bias)
+        self.processor = processor
         self.pixel_norm: PixelNorm | None = None  # set by the model's builder from the processor's constants
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         if pixels.dtype == torch.uint8:  # raw rows: normalize here, on the rank's device
             if self.pixel_norm is None:
-                raise ValueError("uint8 pixel rows need the image processor's mean, std and rescale factor, "
-                                 "which this vision tower was not given (the model folder's preprocessor_config.json)")
+                name, file = self.processor
+                raise ValueError(f"uint8 pixel rows need the {name}'s mean, std and rescale factor, "
+                                 f"which this vision tower was not given (the model folder's {file})")
             pixels = self.pixel_norm(pixels)
         weight = self.proj.weight
-        return F.linear(pixels.to(weight.dtype), weight.reshape(weight.shape[0], -1))
+        return F.linear(pixels.to(weight.dtype), weight.reshape(weight.shape[0], -1), self.proj.bias)
 
 
 class VisionAttention(nn.Module):
@@ -318,24 +341,61 @@ class Geometry:
     sin: torch.Tensor
 
 
-class VisionTransformer(nn.Module):
+class Tower(nn.Module):
+    """What the Qwen vision towers share around their blocks: the 2D rotary
+    frequencies, the geometry of a grid list (``_build_geometry``, the
+    tower's own), kept for the last ``MAX_GEOMETRIES`` lists (clips of one
+    size repeat), and the check of pixel rows against their grids."""
+
+    MAX_GEOMETRIES = 8
+
+    def __init__(self, spec: TowerShape):
+        super().__init__()
+        self.spec = spec
+        half = spec.head_dim // 2  # rows and columns each rotate a quarter of the pairs
+        self.inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32, device="cpu") / half))
+        self._geometries: dict[tuple, object] = {}  # (grids, device) -> geometry, oldest first
+
+    def _geometry(self, grids: list[Grid], device: torch.device):
+        key = (tuple(tuple(int(x) for x in g) for g in grids), str(device))
+        geo = self._geometries.pop(key, None) or self._build_geometry(list(key[0]), device)
+        self._geometries[key] = geo  # most recent last
+        while len(self._geometries) > self.MAX_GEOMETRIES:
+            del self._geometries[next(iter(self._geometries))]
+        return geo
+
+    def _build_geometry(self, grids: list[Grid], device: torch.device):
+        raise NotImplementedError
+
+    def _rotary_angles(self, grids: list[Grid]) -> torch.Tensor:
+        """``[N, head_dim]`` angles of every patch, in the processor's order: rows' then columns', twice."""
+        positions = patch_positions(grids, self.spec.spatial_merge_size)
+        freqs = (positions[:, :, None].float() * self.inv_freq).flatten(1)  # [N, head_dim / 2]: rows' then columns'
+        return torch.cat((freqs, freqs), dim=-1)
+
+    def _check(self, items: list[torch.Tensor], grids: list[Grid]) -> None:
+        spec = self.spec
+        bad = [g for g in grids if g[1] % spec.spatial_merge_size or g[2] % spec.spatial_merge_size or min(g) < 1]
+        if bad:
+            raise ValueError(f"grid_thw {bad}: height and width must be positive multiples of spatial_merge_size={spec.spatial_merge_size}")
+        num_patches = sum(t * h * w for t, h, w in grids)
+        shapes = [list(p.shape) for p in items]
+        if any(p.ndim != 2 or p.shape[1] != spec.patch_dim for p in items) or sum(s[0] for s in shapes) != num_patches:
+            raise ValueError(f"pixel_values has shape(s) {shapes}; grids {grids} need [{num_patches}, {spec.patch_dim}] rows in all")
+
+
+class VisionTransformer(Tower):
     """``forward(pixel_values, grids)`` -> ``[N / merge**2, out_hidden_size]``,
     items in input order, each item's rows in the prompt's placeholder order.
     ``pixel_values`` is ``[N, patch_dim]``, or one such tensor per item (each
     is embedded on its own: a concatenation would copy every pixel row once
     more, ~60 MB for a 640x480 8 s clip in float32)."""
 
-    MAX_GEOMETRIES = 8
-
     def __init__(self, spec: VisionSpec):
-        super().__init__()
-        self.spec = spec
+        super().__init__(spec)
         self.patch_embed = PatchEmbed(spec)
         self.blocks = nn.ModuleList(VisionBlock(spec) for _ in range(spec.depth))
         self.merger = PatchMerger(spec)
-        half = spec.head_dim // 2  # rows and columns each rotate a quarter of the pairs
-        self.inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32, device="cpu") / half))
-        self._geometries: dict[tuple, Geometry] = {}  # (grids, device) -> geometry, oldest first
 
     def forward(self, pixel_values: torch.Tensor | list[torch.Tensor], grids: list[Grid]) -> torch.Tensor:
         spec = self.spec
@@ -348,21 +408,11 @@ class VisionTransformer(nn.Module):
             x = block(x, geo.cos, geo.sin, geo.frames if i in spec.fullatt_block_indexes else geo.windows)
         return self.merger(x)[geo.restore]
 
-    def _geometry(self, grids: list[Grid], device: torch.device) -> Geometry:
-        key = (tuple(tuple(int(x) for x in g) for g in grids), str(device))
-        geo = self._geometries.pop(key, None) or self._build_geometry(list(key[0]), device)
-        self._geometries[key] = geo  # most recent last
-        while len(self._geometries) > self.MAX_GEOMETRIES:
-            del self._geometries[next(iter(self._geometries))]
-        return geo
-
     def _build_geometry(self, grids: list[Grid], device: torch.device) -> Geometry:
         spec = self.spec
         cells_per_window = spec.window_size // spec.patch_size // spec.spatial_merge_size
         order, window_bounds = window_order(grids, spec.spatial_merge_size, cells_per_window)
-        positions = patch_positions(grids, spec.spatial_merge_size)
-        freqs = (positions[:, :, None].float() * self.inv_freq).flatten(1)  # [N, head_dim / 2]: rows' then columns'
-        angles = self._by_window(torch.cat((freqs, freqs), dim=-1), order)
+        angles = self._by_window(self._rotary_angles(grids), order)
         return Geometry(
             order=order.to(device),
             restore=torch.argsort(order).to(device),
@@ -375,13 +425,3 @@ class VisionTransformer(nn.Module):
     def _by_window(self, rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         unit = self.spec.merge_unit
         return rows.view(-1, unit, rows.shape[-1])[order].reshape(rows.shape)
-
-    def _check(self, items: list[torch.Tensor], grids: list[Grid]) -> None:
-        spec = self.spec
-        bad = [g for g in grids if g[1] % spec.spatial_merge_size or g[2] % spec.spatial_merge_size or min(g) < 1]
-        if bad:
-            raise ValueError(f"grid_thw {bad}: height and width must be positive multiples of spatial_merge_size={spec.spatial_merge_size}")
-        num_patches = sum(t * h * w for t, h, w in grids)
-        shapes = [list(p.shape) for p in items]
-        if any(p.ndim != 2 or p.shape[1] != spec.patch_dim for p in items) or sum(s[0] for s in shapes) != num_patches:
-            raise ValueError(f"pixel_values has shape(s) {shapes}; grids {grids} need [{num_patches}, {spec.patch_dim}] rows in all")

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.word_tokenizer import save_word_tokenizer
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
     "{% if add_generation_prompt %}<|im_start|> assistant{% endif %}"
@@ -17,16 +19,7 @@ WORDS = ["user", "assistant", "system", "hello", "world"] + [f"w{i}" for i in ra
 
 def save_tokenizer(folder: Path) -> None:
     """A word-level tokenizer (ids: specials, then WORDS) with a chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   additional_special_tokens=SPECIALS[3:])
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(folder)
+    save_word_tokenizer(folder, {t: i for i, t in enumerate(SPECIALS + WORDS)}, SPECIALS[3:], CHAT_TEMPLATE)
 
 
 def make_model_dir(folder: Path, seed: int = 0):

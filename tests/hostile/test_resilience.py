@@ -41,12 +41,8 @@ SETTLE_BOUND_S = 2.0  # from the last client's end to every gauge at 0  # from t
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-llama")
     _load_kit().make_model_dir(folder)
-    srv = Server(folder, tmp_path_factory.mktemp("runtime"), tmp_path_factory.mktemp("cfg"))
-    try:
-        srv.wait_serving()
+    with Server(folder, tmp_path_factory.mktemp("runtime"), tmp_path_factory.mktemp("cfg")).running() as srv:
         yield srv
-    finally:
-        srv.kill()
 
 
 def body(max_tokens: int, stream: bool) -> dict:

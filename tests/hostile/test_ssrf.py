@@ -19,7 +19,6 @@ import socket
 import pytest
 from aiohttp import web
 
-from actors.prepare import PrepareActor
 from mstar_actors.config import parse_config
 from mstar_actors.prepare.media import FetchError, FetchSession, MediaLimits, MediaRef, fetch_remote, make_fetch_session
 from mstar_actors.prepare.media_guard import FetchPolicy, GuardedResolver, address_refusal
@@ -27,16 +26,13 @@ from mstar_actors.messages import (
     ChatMessage,
     ContentPart,
     Failed,
-    FrontendToPrepare,
     NewRequest,
     Prepared,
-    PrepareToConductor,
     SamplingParams,
-    Shutdown,
 )
 from mstar_actors.prepare.preparers import Draft
 from tests.loopback import serving
-from transport.memory import MemoryChannel
+from tests.prepare.actor_kit import running_prepare_actor
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -279,20 +275,13 @@ class MediaPreparer:
 
 async def prepare_all(server: dict, urls: list[str]) -> list:
     """Each URL as one chat request through the prepare actor; its answers."""
-    config = parse_config({"server": server})
-    inbox = MemoryChannel(FrontendToPrepare, "frontend.prepare", capacity_bytes=1 << 20)
-    out = MemoryChannel(PrepareToConductor, "prepare.conductor", capacity_bytes=1 << 20)
-    actor = PrepareActor(name="prepare", config=config, inbox={"frontend": inbox}, outbox={"conductor": out},
-                         preparer=MediaPreparer(), num_workers=1)
-    task = asyncio.create_task(actor.run())
     answers = []
-    for i, url in enumerate(urls):
-        parts = [ContentPart(type="text", text="what is it?"), ContentPart(type="image_url", url=url)]
-        await inbox.send(NewRequest(request_id=f"r{i}", model="m", sampling=SamplingParams(),
-                                    messages=[ChatMessage("user", parts)]))
-        answers.append(await asyncio.wait_for(out.recv(), 10))
-    await inbox.send(Shutdown(reason="test"))
-    assert await task == 0
+    async with running_prepare_actor(MediaPreparer(), config=parse_config({"server": server}), num_workers=1) as (inbox, out):
+        for i, url in enumerate(urls):
+            parts = [ContentPart(type="text", text="what is it?"), ContentPart(type="image_url", url=url)]
+            await inbox.send(NewRequest(request_id=f"r{i}", model="m", sampling=SamplingParams(),
+                                        messages=[ChatMessage("user", parts)]))
+            answers.append(await asyncio.wait_for(out.recv(), 10))
     return answers
 
 

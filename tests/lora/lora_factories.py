@@ -81,3 +81,44 @@ def edit_adapter(folder: Path, *, config: dict | None = None, tensors: dict | No
 def lora_layer(peft_model, hf_module: str):
     """The PEFT LoRA layer wrapping ``hf_module`` (e.g. "model.layers.0.self_attn.q_proj")."""
     return peft_model.base_model.model.get_submodule(hf_module)
+
+
+# PEFT matches a string target as a full-name regex: a multimodal model's language model linears only.
+TEXT_STACK = r"lm_head|.*language_model\.embed_tokens|.*language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
+
+
+def make_saved_peft(model_cls, base_folder: Path, adapter_folder: Path, *, seed: int, **lora_kwargs):
+    """A PEFT model (eval mode) with random non-zero factors on a fresh
+    ``model_cls`` copy of the base, saved to ``adapter_folder``."""
+    model = model_cls.from_pretrained(base_folder, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(**lora_kwargs)).eval()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.25)  # PEFT starts B at zero; a zero adapter would prove nothing
+    peft_model.save_pretrained(str(adapter_folder))
+    return peft_model
+
+
+def served_shapes(folder: Path) -> BaseShapes:
+    """The LoRA shapes the launcher hands the adapter reader for ``folder``."""
+    from mstar_actors.config import parse_config
+    from mstar_actors.model_info import load_model_info
+
+    return load_model_info(parse_config({"model": {"path": str(folder)}})).lora_base
+
+
+def save_renamed_adapter(source: Path, folder: Path, rename) -> None:
+    """``source``'s adapter in ``folder``, each tensor's key passed through ``rename``."""
+    tensors = load_file(source / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text((source / "adapter_config.json").read_text())
+    save_file({rename(k): v for k, v in tensors.items()}, folder / "adapter_model.safetensors")
+
+
+def assert_same_factors(first, second) -> None:
+    """Two ``AdapterWeights`` hold the same modules with equal factors."""
+    first_modules, second_modules = dict(first.iter_modules()), dict(second.iter_modules())
+    assert first_modules.keys() == second_modules.keys()
+    for key, module in first_modules.items():
+        assert torch.equal(module.a, second_modules[key].a) and torch.equal(module.b, second_modules[key].b), key

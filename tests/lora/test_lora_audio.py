@@ -18,15 +18,13 @@ import torch
 from models.audio_factories import VOCAB, make_hf_audio_model
 from models.test_qwen2_audio import audio_prompt, hf_audio_kwargs
 from models.vl_factories import FakeArena
-from peft import LoraConfig, get_peft_model
-from safetensors.torch import load_file, save_file
+from lora_factories import TEXT_STACK, assert_same_factors, make_saved_peft, save_renamed_adapter, served_shapes
+from safetensors.torch import load_file
 from transformers import Qwen2AudioForConditionalGeneration
 
 from mstar_actors import messages
-from mstar_actors.config import parse_config
 from mstar_actors.lora import AdapterError, read_adapter
 from mstar_actors.lora.host_copy import adapter_from_bytes, adapter_to_bytes
-from mstar_actors.model_info import load_model_info
 from plan_driver import PlanDriver
 from runner_factories import make_runner
 
@@ -34,8 +32,6 @@ BLOCK_SIZE = 4
 NUM_NEW = 16
 MAX_RANK = 8
 GREEDY = messages.SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
-# PEFT matches a string target as a full-name regex: the language model's linears only.
-TEXT_STACK = r"lm_head|.*language_model\.embed_tokens|.*language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +44,8 @@ def world(tmp_path_factory):
 
 
 def make_audio_peft(base_folder, adapter_folder, *, seed: int = 7, **lora_kwargs):
-    model = Qwen2AudioForConditionalGeneration.from_pretrained(base_folder, dtype=torch.float32)
-    peft = get_peft_model(model, LoraConfig(r=MAX_RANK, lora_alpha=16, **lora_kwargs)).eval()
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.25)  # PEFT starts B at zero; a zero adapter would prove nothing
-    peft.save_pretrained(str(adapter_folder))
-    return peft
+    return make_saved_peft(Qwen2AudioForConditionalGeneration, base_folder, adapter_folder, seed=seed, r=MAX_RANK,
+                           lora_alpha=16, **lora_kwargs)
 
 
 def generate(model, prompt, media, frames) -> list[int]:
@@ -67,10 +56,6 @@ def generate(model, prompt, media, frames) -> list[int]:
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_NEW,
                              do_sample=False, **hf_audio_kwargs(media, frames))
     return out[0, len(prompt):].tolist()
-
-
-def served_shapes(folder):
-    return load_model_info(parse_config({"model": {"path": str(folder)}})).lora_base
 
 
 Driver = functools.partial(PlanDriver, block_size=BLOCK_SIZE, num_new=NUM_NEW, sampling=GREEDY)
@@ -112,17 +97,11 @@ def test_adapter_on_the_decoder_matches_peft(world):
 def test_original_peft_layout_reads_to_the_same_factors(world, tmp_path):
     base_folder, _, adapter_folder, _ = world
     shapes = served_shapes(base_folder)
-    tensors = load_file(adapter_folder / "adapter_model.safetensors")
-    assert any(k.startswith("base_model.model.model.language_model.layers.") for k in tensors)
-    original = {k.replace("model.language_model.", "language_model.model.").replace("base_model.model.lm_head", "base_model.model.language_model.lm_head"): v
-                for k, v in tensors.items()}
-    (tmp_path / "adapter_config.json").write_text((adapter_folder / "adapter_config.json").read_text())
-    save_file(original, tmp_path / "adapter_model.safetensors")
+    assert any(k.startswith("base_model.model.model.language_model.layers.") for k in load_file(adapter_folder / "adapter_model.safetensors"))
+    save_renamed_adapter(adapter_folder, tmp_path, lambda k: k.replace("model.language_model.", "language_model.model.")
+                         .replace("base_model.model.lm_head", "base_model.model.language_model.lm_head"))
     new, old = read_adapter(adapter_folder, base=shapes, max_rank=MAX_RANK), read_adapter(tmp_path, base=shapes, max_rank=MAX_RANK)
-    new_modules, old_modules = dict(new.iter_modules()), dict(old.iter_modules())
-    assert new_modules.keys() == old_modules.keys()
-    for key, module in new_modules.items():
-        assert torch.equal(module.a, old_modules[key].a) and torch.equal(module.b, old_modules[key].b), key
+    assert_same_factors(new, old)
 
 
 @pytest.mark.parametrize("targets, module", [

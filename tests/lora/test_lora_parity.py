@@ -16,7 +16,7 @@ import functools
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from lora_factories import make_saved_peft
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from mstar_actors import messages
@@ -75,15 +75,7 @@ def make_base(kind: str, folder):
 
 def make_peft(base_folder, adapter_folder, *, seed: int, **lora_kwargs):
     """A PEFT model with random non-zero factors on a fresh copy of the base; saved to ``adapter_folder``."""
-    model = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(**lora_kwargs)).eval()
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.25)
-    peft_model.save_pretrained(str(adapter_folder))
-    return peft_model
+    return make_saved_peft(AutoModelForCausalLM, base_folder, adapter_folder, seed=seed, **lora_kwargs)
 
 
 def generate(model, prompt: list[int]) -> list[int]:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from models.test_qwen2_5_vl import hf_media_kwargs, media_prompt
 from models.vl_factories import VOCAB, FakeArena, make_hf_vl_model
-from peft import LoraConfig, get_peft_model
+from lora_factories import TEXT_STACK, assert_same_factors, make_saved_peft, save_renamed_adapter, served_shapes
 from safetensors.torch import load_file, save_file
 from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -34,8 +34,6 @@ NUM_NEW = 16
 MAX_RANK = 8
 GREEDY = messages.SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
 IMAGE_GRID = (1, 6, 10)  # 15 placeholder tokens
-# PEFT matches a string target as a full-name regex: the language model's linears only.
-TEXT_STACK = r"lm_head|.*language_model\.embed_tokens|.*language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +46,8 @@ def world(tmp_path_factory):
 
 
 def make_vl_peft(base_folder, adapter_folder, *, seed: int = 7, **lora_kwargs):
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(base_folder, dtype=torch.float32)
-    peft = get_peft_model(model, LoraConfig(r=MAX_RANK, lora_alpha=16, **lora_kwargs)).eval()
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.25)  # PEFT starts B at zero; a zero adapter would prove nothing
-    peft.save_pretrained(str(adapter_folder))
-    return peft
+    return make_saved_peft(Qwen2_5_VLForConditionalGeneration, base_folder, adapter_folder, seed=seed, r=MAX_RANK,
+                           lora_alpha=16, **lora_kwargs)
 
 
 def generate(model, prompt, media, arena) -> list[int]:
@@ -69,13 +60,6 @@ def generate(model, prompt, media, arena) -> list[int]:
             **hf_media_kwargs(prompt, media, arena),
         )  # fmt: skip
     return out[0, len(prompt) :].tolist()
-
-
-def served_shapes(folder):
-    """The LoRA shapes the launcher hands the adapter reader for ``folder``."""
-    from mstar_actors.config import parse_config
-
-    return load_model_info(parse_config({"model": {"path": str(folder)}})).lora_base
 
 
 Driver = functools.partial(PlanDriver, block_size=BLOCK_SIZE, num_new=NUM_NEW, sampling=GREEDY)
@@ -123,17 +107,11 @@ def test_adapter_on_the_text_stack_matches_peft(world):
 def test_both_peft_layouts_read_to_the_same_factors(world, tmp_path):
     base_folder, _, adapter_folder, _ = world
     shapes = served_shapes(base_folder)
-    tensors = load_file(adapter_folder / "adapter_model.safetensors")
-    assert any(k.startswith("base_model.model.model.language_model.layers.") for k in tensors)
-    original = {k.replace("model.language_model.", "model."): v for k, v in tensors.items()}
-    (tmp_path / "adapter_config.json").write_text((adapter_folder / "adapter_config.json").read_text())
-    save_file(original, tmp_path / "adapter_model.safetensors")
+    assert any(k.startswith("base_model.model.model.language_model.layers.") for k in load_file(adapter_folder / "adapter_model.safetensors"))
+    save_renamed_adapter(adapter_folder, tmp_path, lambda k: k.replace("model.language_model.", "model."))
     new = read_adapter(adapter_folder, base=shapes, max_rank=MAX_RANK)
     old = read_adapter(tmp_path, base=shapes, max_rank=MAX_RANK)
-    new_modules, old_modules = dict(new.iter_modules()), dict(old.iter_modules())
-    assert new_modules.keys() == old_modules.keys()
-    for key, module in new_modules.items():
-        assert torch.equal(module.a, old_modules[key].a) and torch.equal(module.b, old_modules[key].b), key
+    assert_same_factors(new, old)
 
 
 @pytest.mark.parametrize("layout", ["transformers5", "original"])

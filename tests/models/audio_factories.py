@@ -12,7 +12,7 @@ from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration, W
 from mstar_actors import messages
 from mstar_actors.models.qwen2_audio import audio_frames_kept, audio_num_tokens
 
-from .factories import _spread_weights
+from .factories import _spread_weights, multimodal_text_config
 
 AUDIO_TOKEN, AUDIO_BOS, AUDIO_EOS = 300, 301, 302
 VOCAB = 320
@@ -23,19 +23,7 @@ SAMPLING_RATE = 16000
 
 
 def make_audio_config() -> Qwen2AudioConfig:
-    text = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    )
+    text = multimodal_text_config(VOCAB, tie_word_embeddings=False)
     audio = dict(
         num_mel_bins=NUM_MEL_BINS,
         encoder_layers=2,

@@ -7,12 +7,21 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-_TINY = dict(
+TINY_DECODER = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
+)
+"""The tiny decoder's sizes, shared by every family's test model."""
+
+TINY_TOWER = dict(hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, temporal_patch_size=2,
+                  spatial_merge_size=2)
+"""The tiny vision tower's sizes (2x2 merge, rows as wide as the decoder's), shared by the VL test models."""
+
+_TINY = dict(
+    **TINY_DECODER,
     vocab_size=512,
     max_position_embeddings=256,
     eos_token_id=2,
@@ -35,6 +44,12 @@ CONFIGS = {
     "qwen3": lambda: Qwen3Config(**_TINY, head_dim=32),
     "llama-bias": lambda: LlamaConfig(**_TINY, attention_bias=True),  # o_proj's bias: row-parallel, added once
 }
+
+
+def multimodal_text_config(vocab_size: int, **extra) -> dict:
+    """A multimodal test model's text stack: the tiny decoder, 512 positions."""
+    return dict(TINY_DECODER, vocab_size=vocab_size, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1,
+                eos_token_id=2, **extra)
 
 
 def make_hf_model(kind: str, folder: Path, seed: int = 0):

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from .factories import _spread_weights
+from .factories import TINY_DECODER, TINY_TOWER, _spread_weights
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
             "<|image_pad|>", "<|video_pad|>"]
 VOCAB = 400
-MERGE = 2
+MERGE = TINY_TOWER["spatial_merge_size"]
 PATCH = 16
 NUM_POSITION_EMBEDDINGS = 36  # a 6 x 6 table: every test grid resamples it
 MIN_PIXELS, MAX_PIXELS = 32 * 32, 32 * 32 * 16  # at most 16 merged tokens per frame
@@ -34,12 +34,8 @@ def make_qwen3_5_config(token_ids: dict[str, int]):
     from transformers import Qwen3_5Config
 
     text = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        TINY_DECODER,
         layer_types=["linear_attention", "full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
@@ -53,14 +49,9 @@ def make_qwen3_5_config(token_ids: dict[str, int]):
                          "mrope_section": [1, 1, 0], "mrope_interleaved": True},
     )
     vision = dict(
+        TINY_TOWER,
         depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        out_hidden_size=64,
         patch_size=PATCH,
-        temporal_patch_size=2,
-        spatial_merge_size=MERGE,
         num_position_embeddings=NUM_POSITION_EMBEDDINGS,
     )
     return Qwen3_5Config(

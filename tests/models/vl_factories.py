@@ -10,38 +10,22 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from mstar_actors import messages
 
-from .factories import _spread_weights
+from .factories import TINY_TOWER, _spread_weights, multimodal_text_config
 
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 300, 301, 302, 303
 VOCAB = 320
-MERGE = 2
+MERGE = TINY_TOWER["spatial_merge_size"]
 PATCH_DIM = 3 * 2 * 2 * 2  # channels * temporal_patch_size * patch_size**2
 TOKENS_PER_SECOND = 2
 
 
 def make_vl_config() -> Qwen2_5_VLConfig:
-    text = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        bos_token_id=1,
-        eos_token_id=2,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-    )
+    text = multimodal_text_config(
+        VOCAB, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
     vision = dict(
+        TINY_TOWER,
         depth=3,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        out_hidden_size=64,
         patch_size=2,
-        temporal_patch_size=2,
-        spatial_merge_size=MERGE,
         window_size=8,  # 2 x 2 merged cells per window
         fullatt_block_indexes=[1],
         tokens_per_second=TOKENS_PER_SECOND,

@@ -6,7 +6,6 @@ naming the part, and the actor's pool keeping arrival order."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 import json
@@ -16,23 +15,18 @@ import numpy as np
 import pytest
 import torch
 
-from actors.prepare import PrepareActor
-from mstar_actors.config import Config
 from mstar_actors.frontend import openai_api as api
 from mstar_actors.messages import (
     Failed,
-    FrontendToPrepare,
     NewRequest,
     Prepared,
-    PrepareToConductor,
     SamplingParams,
-    Shutdown,
 )
 from mstar_actors.prepare.media import MediaLimits, MediaRef, decode_audio
 from mstar_actors.prepare.preparers import AudioPreparer, Draft, load_preparer
 from tests import audio_fixtures as af
 from tests import vl_fixtures
-from transport.memory import MemoryChannel
+from tests.prepare.actor_kit import running_prepare_actor
 
 QUESTION = {"type": "text", "text": "what is this sound"}
 
@@ -244,23 +238,17 @@ def test_preparer_is_parallel_and_text_requests_take_the_plain_path(preparer):
 
 async def test_actor_on_a_pool_sends_audio_in_arrival_order(preparer):
     arena = vl_fixtures.HeapArena()
-    inbox = MemoryChannel(FrontendToPrepare, "frontend.prepare", capacity_bytes=1 << 22)
-    out = MemoryChannel(PrepareToConductor, "prepare.conductor")
-    actor = PrepareActor(name="prepare", config=Config(), inbox={"frontend": inbox}, outbox={"conductor": out},
-                         preparer=preparer, arena=arena, num_workers=2)
-    task = asyncio.create_task(actor.run())
-    long_clip, short_clip = af.encode_audio("wav", seconds=8.0), af.encode_audio("mp3", seconds=0.3)
-    await inbox.send(request(input_audio(long_clip), rid="a"))  # the longest draft first
-    await inbox.send(request(input_audio(b"junk" * 20), rid="b"))
-    await inbox.send(request(input_audio(short_clip, "mp3"), rid="c"))
-    await inbox.send(NewRequest(request_id="d", model="audio", sampling=SamplingParams(), prompt="what is this"))
-    results = [await out.recv() for _ in range(4)]
-    assert [r.request_id for r in results] == ["a", "b", "c", "d"]
-    a, b, c, d = results
-    assert isinstance(a, Prepared) and a.media[0].kind == "audio" and a.media[0].grid_thw == (1, 800, 1)
-    assert tuple(arena.tensors[a.media[0].pixel_values.offset].shape) == a.media[0].pixel_values.shape == (801, 128)
-    assert isinstance(b, Failed) and b.status == 400 and b.param == "messages[0].content[1].input_audio"
-    assert isinstance(c, Prepared) and isinstance(d, Prepared) and not d.media
-    assert a.media_digest != c.media_digest
-    await inbox.send(Shutdown(reason="test"))
-    assert await task == 0
+    async with running_prepare_actor(preparer, arena=arena, inbox_bytes=1 << 22) as (inbox, out):
+        long_clip, short_clip = af.encode_audio("wav", seconds=8.0), af.encode_audio("mp3", seconds=0.3)
+        await inbox.send(request(input_audio(long_clip), rid="a"))  # the longest draft first
+        await inbox.send(request(input_audio(b"junk" * 20), rid="b"))
+        await inbox.send(request(input_audio(short_clip, "mp3"), rid="c"))
+        await inbox.send(NewRequest(request_id="d", model="audio", sampling=SamplingParams(), prompt="what is this"))
+        results = [await out.recv() for _ in range(4)]
+        assert [r.request_id for r in results] == ["a", "b", "c", "d"]
+        a, b, c, d = results
+        assert isinstance(a, Prepared) and a.media[0].kind == "audio" and a.media[0].grid_thw == (1, 800, 1)
+        assert tuple(arena.tensors[a.media[0].pixel_values.offset].shape) == a.media[0].pixel_values.shape == (801, 128)
+        assert isinstance(b, Failed) and b.status == 400 and b.param == "messages[0].content[1].input_audio"
+        assert isinstance(c, Prepared) and isinstance(d, Prepared) and not d.media
+        assert a.media_digest != c.media_digest

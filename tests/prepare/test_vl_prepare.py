@@ -4,7 +4,6 @@ through the arena in arrival order."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 
@@ -12,23 +11,18 @@ import numpy as np
 import pytest
 import torch
 
-from actors.prepare import PrepareActor
-from mstar_actors.config import Config
 from mstar_actors.prepare.media import MediaLimits
 from mstar_actors.messages import (
     ChatMessage,
     ContentPart,
     Failed,
-    FrontendToPrepare,
     NewRequest,
     Prepared,
-    PrepareToConductor,
     SamplingParams,
-    Shutdown,
 )
 from mstar_actors.prepare.preparers import Draft, Preparer, QwenVLPreparer, load_preparer
 from tests import vl_fixtures
-from transport.memory import MemoryChannel
+from tests.prepare.actor_kit import running_prepare_actor
 
 
 @pytest.fixture(scope="module")
@@ -190,21 +184,15 @@ def test_text_only_request_takes_the_plain_path(preparer):
 
 async def test_actor_sends_media_through_the_arena_in_order(preparer):
     arena = vl_fixtures.HeapArena()
-    inbox = MemoryChannel(FrontendToPrepare, "frontend.prepare", capacity_bytes=1 << 22)
-    out = MemoryChannel(PrepareToConductor, "prepare.conductor")
-    actor = PrepareActor(name="prepare", config=Config(), inbox={"frontend": inbox}, outbox={"conductor": out},
-                         preparer=preparer, arena=arena, num_workers=2)
-    task = asyncio.create_task(actor.run())
-    good = png_url(np.zeros((40, 40, 3), dtype=np.uint8))
-    await inbox.send(chat("a", image_part(good)))
-    await inbox.send(chat("b", image_part("data:image/png;base64," + base64.b64encode(b"junk").decode())))
-    await inbox.send(NewRequest(request_id="c", model="vl", sampling=SamplingParams(), prompt="describe this"))
-    a, b, c = [await out.recv() for _ in range(3)]
-    assert isinstance(a, Prepared) and a.media[0].pixel_values.segment == "heap"
-    assert tuple(arena.tensors[a.media[0].pixel_values.offset].shape) == a.media[0].pixel_values.shape
-    assert isinstance(b, Failed) and b.status == 400 and b.param == "messages[0].content[1].image_url"
-    assert "could not decode the image" in b.message
-    assert isinstance(c, Prepared) and not c.media
-    assert len(arena.tensors) == 1  # the failed request stored nothing
-    await inbox.send(Shutdown(reason="test"))
-    assert await task == 0
+    async with running_prepare_actor(preparer, arena=arena, inbox_bytes=1 << 22) as (inbox, out):
+        good = png_url(np.zeros((40, 40, 3), dtype=np.uint8))
+        await inbox.send(chat("a", image_part(good)))
+        await inbox.send(chat("b", image_part("data:image/png;base64," + base64.b64encode(b"junk").decode())))
+        await inbox.send(NewRequest(request_id="c", model="vl", sampling=SamplingParams(), prompt="describe this"))
+        a, b, c = [await out.recv() for _ in range(3)]
+        assert isinstance(a, Prepared) and a.media[0].pixel_values.segment == "heap"
+        assert tuple(arena.tensors[a.media[0].pixel_values.offset].shape) == a.media[0].pixel_values.shape
+        assert isinstance(b, Failed) and b.status == 400 and b.param == "messages[0].content[1].image_url"
+        assert "could not decode the image" in b.message
+        assert isinstance(c, Prepared) and not c.media
+        assert len(arena.tensors) == 1  # the failed request stored nothing

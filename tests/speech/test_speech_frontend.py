@@ -64,6 +64,15 @@ async def read_into(h: Harness, body: dict, chunks: asyncio.Queue) -> int:
         return r.status
 
 
+async def start_speech(h: Harness, body: dict) -> tuple[asyncio.Queue, asyncio.Task, object]:
+    """A speech request in flight: (its body's chunks as they come, the client's
+    task, which ends with the status, the request the engine got)."""
+    chunks: asyncio.Queue = asyncio.Queue()
+    client = asyncio.create_task(read_into(h, body, chunks))
+    await h.engine.wait_for(lambda: h.engine.requests)
+    return chunks, client, next(iter(h.engine.requests.values()))
+
+
 async def take(chunks: asyncio.Queue, num_bytes: int) -> bytes:
     got = b""
     while len(got) < num_bytes:
@@ -94,11 +103,7 @@ def test_without_a_codec_the_route_says_what_it_needs(harness):
 async def _audio_leaves_early(orpheus):
     folder, tok, _, snac = orpheus
     async with speech_harness(orpheus) as h:
-        chunks: asyncio.Queue = asyncio.Queue()
-        client = asyncio.create_task(read_into(h, {"model": "tiny", "voice": "zoe", "input": TEXT,
-                                                    "response_format": "pcm"}, chunks))
-        await h.engine.wait_for(lambda: h.engine.requests)
-        req = next(iter(h.engine.requests.values()))
+        chunks, client, req = await start_speech(h, {"model": "tiny", "voice": "zoe", "input": TEXT, "response_format": "pcm"})
         assert req.prompt_token_ids == orpheus_prompt(tok, "zoe", TEXT)
         assert req.sampling.stop_token_ids == tuple(ids(tok, "<custom_token_2>"))
         sos, eos_speech = ids(tok, "<custom_token_1>", "<custom_token_2>")
@@ -117,10 +122,7 @@ async def _audio_leaves_early(orpheus):
 async def _failure_after_bytes(orpheus):
     folder, tok, _, _ = orpheus
     async with speech_harness(orpheus) as h:
-        chunks: asyncio.Queue = asyncio.Queue()
-        client = asyncio.create_task(read_into(h, {"voice": "tara", "input": TEXT, "stream_format": "sse"}, chunks))
-        await h.engine.wait_for(lambda: h.engine.requests)
-        req = next(iter(h.engine.requests.values()))
+        chunks, client, req = await start_speech(h, {"voice": "tara", "input": TEXT, "stream_format": "sse"})
         await deltas(h, req, frame_tokens(tok, 4))
         raw = await take(chunks, 1)  # the first delta event
         await h.engine.send(Failed(request_id=req.request_id, status=500, message="rank lost", error_type="server_error"))
@@ -135,10 +137,7 @@ async def _failure_after_bytes(orpheus):
 
 async def _refusal_before_audio(orpheus):
     async with speech_harness(orpheus) as h:
-        chunks: asyncio.Queue = asyncio.Queue()
-        client = asyncio.create_task(read_into(h, {"voice": "tara", "input": TEXT}, chunks))
-        await h.engine.wait_for(lambda: h.engine.requests)
-        req = next(iter(h.engine.requests.values()))
+        chunks, client, req = await start_speech(h, {"voice": "tara", "input": TEXT})
         await h.engine.send(Failed(request_id=req.request_id, status=400, message="prompt too long", param="prompt"))
         assert await client == 400
 
@@ -158,10 +157,7 @@ async def _failure_after_raw_bytes(orpheus):
 
     folder, tok, _, _ = orpheus
     async with speech_harness(orpheus) as h:
-        chunks: asyncio.Queue = asyncio.Queue()
-        client = asyncio.create_task(read_into(h, {"voice": "tara", "input": TEXT}, chunks))
-        await h.engine.wait_for(lambda: h.engine.requests)
-        req = next(iter(h.engine.requests.values()))
+        chunks, client, req = await start_speech(h, {"voice": "tara", "input": TEXT})
         await deltas(h, req, frame_tokens(tok, 4))
         assert (await take(chunks, 44))[:4] == b"RIFF"
         await h.engine.send(Failed(request_id=req.request_id, status=500, message="rank lost", error_type="server_error"))

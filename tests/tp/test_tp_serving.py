@@ -68,12 +68,8 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    srv = start_tp_server(model[0], tmp_path_factory)
-    try:
-        srv.wait_serving()
+    with start_tp_server(model[0], tmp_path_factory).running() as srv:
         yield srv
-    finally:
-        srv.kill()
 
 
 def complete(port: int, max_tokens: int) -> dict:
