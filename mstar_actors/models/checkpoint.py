@@ -24,12 +24,18 @@ _LAYER = "{i}"
 class WeightRule:
     """One HF module -> one of our modules (and the shard inside it).
 
-    ``{i}`` in both names stands for the layer index.
+    ``{i}`` in both names stands for the layer index. ``span``: the HF module
+    fills that many consecutive shards from ``shard`` (a projection the
+    checkpoint already fuses, inside one we fuse further). ``for_adapters``:
+    a name adapters may use but checkpoints never hold (split projections of
+    one the checkpoint fuses); the loader skips it.
     """
 
     hf: str
     ours: str
     shard: int | None = None
+    span: int = 1
+    for_adapters: bool = False
 
 
 def _pattern(name: str) -> re.Pattern:
@@ -69,6 +75,16 @@ class CheckpointRules:
             return None
         return f"{mapped[0]}.{leaf}", mapped[1]
 
+    def place(self, hf_module: str) -> tuple[str, int | None, int] | None:
+        """Where an adapter's module lands: ``(our module, first shard, shards)``;
+        None when no rule matches."""
+        hf_module = self.canonical(hf_module.removeprefix("base_model.model."))
+        for pattern, rule in self._forward:
+            m = pattern.match(hf_module)
+            if m:
+                return _fill(rule.ours, m), rule.shard, rule.span
+        return None
+
     def hf_module(self, our_module: str, shard: int | None) -> str:
         """The inverse of ``map_module``: which HF module fills ``our_module``'s ``shard``."""
         for pattern, rule in self._reverse:
@@ -77,15 +93,15 @@ class CheckpointRules:
                 return _fill(rule.hf, m)
         raise KeyError(f"no checkpoint rule fills {our_module!r} shard {shard}")
 
+    def checkpoint_parts(self, our_module: str) -> list[tuple[str, int | None, int]]:
+        """The checkpoint modules that fill ``our_module``: ``(HF module, first
+        shard, shards)`` each (shard None: all of it), adapter-only names left out."""
+        return [(_fill(rule.hf, m), rule.shard, rule.span) for pattern, rule in self._reverse
+                if not rule.for_adapters and (m := pattern.match(our_module))]
+
     def rules_for(self, our_module: str) -> list[WeightRule]:
         """The rules that fill ``our_module`` (every shard's, the whole's)."""
         return [rule for pattern, rule in self._reverse if pattern.match(our_module)]
-
-    def fills_whole(self, our_module: str) -> bool:
-        """Whether one checkpoint tensor fills all of ``our_module`` (a shard-None
-        rule names it), even where it has shards: a fused checkpoint module
-        whose shards only adapters name apart."""
-        return any(pattern.match(our_module) and rule.shard is None for pattern, rule in self._reverse)
 
     def canonical(self, hf_name: str) -> str:
         """``hf_name`` in the layout the rules name (the first matching alias applied)."""

@@ -132,13 +132,16 @@ def _weight_targets(model: CausalLM, arch: Architecture) -> dict[str, Target]:
     for name, param in model.named_parameters():
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
-        is_stacked = isinstance(module, StackedLinear) and not arch.rules.fills_whole(module_name)
-        shards = range(len(module.output_sizes)) if is_stacked else [None]
         cuts = getattr(module, "tp_slices", {})
-        for shard in shards:
-            hf = arch.rules.hf_module(module_name, shard)
-            view = param.data if shard is None else param.data[module.shard_slice(shard)]
-            targets[f"{hf}.{leaf}"] = _target(view, cuts.get(shard), rank)
+        parts = arch.rules.checkpoint_parts(module_name)
+        if not parts:
+            raise KeyError(f"no checkpoint rule fills {module_name!r}")
+        for hf, shard, span in parts:
+            if shard is None or not isinstance(module, StackedLinear):
+                view = param.data
+            else:  # the rows of shards shard .. shard + span - 1
+                view = param.data[module.shard_slice(shard).start : module.shard_slice(shard + span - 1).stop]
+            targets[f"{hf}.{leaf}"] = _target(view, cuts.get(shard) if span == 1 else None, rank)
     return targets
 
 

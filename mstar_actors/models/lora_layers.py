@@ -311,8 +311,8 @@ class LoraLayers:
                 "(slot 0 is the base model; lora.max_loras sets the count)"
             )
 
-    def _place(self, hf_module: str, name: str) -> tuple[str, int | None]:
-        mapped = self.rules.map_module(hf_module)
+    def _place(self, hf_module: str, name: str) -> tuple[str, int | None, int]:
+        mapped = self.rules.place(hf_module)
         if mapped is None or mapped[0] not in self.stacks:
             raise ValueError(
                 f"adapter {name!r}: module {hf_module!r} has no LoRA stack in this model; "
@@ -330,8 +330,8 @@ class LoraLayers:
         against its stack (a refusal names the module)."""
         by_stack: dict[str, list[tuple[int | None, LoraModule]]] = {}
         for hf_module, whole in weights.iter_modules():
-            ours, shard = self._place(hf_module, weights.name)
-            for shard, module in split_fused(whole, shard, self.stacks[ours].offsets):
+            ours, shard, span = self._place(hf_module, weights.name)
+            for shard, module in split_fused(whole, shard, span, self.stacks[ours].offsets):
                 try:
                     module = shard_factors(module, self.cuts.get(ours, {}).get(shard), is_embedding=ours == EMBED_TOKENS)
                     self.stacks[ours].check(slot, shard or 0, module)
@@ -341,15 +341,20 @@ class LoraLayers:
         return by_stack
 
 
-def split_fused(module: LoraModule, shard: int | None, offsets: Sequence[int]) -> list[tuple[int | None, LoraModule]]:
-    """An adapter module on a whole fused module (``shard`` None on a stack of
-    several shards: Qwen3.5's ``in_proj_qkv``) as one part per shard: the same
-    A, each shard's rows of B (``B A x`` split by output rows). Else as given;
-    a B of the wrong size is left whole for the stack's check to refuse."""
-    num_shards = len(offsets) - 1
-    if shard is not None or num_shards == 1 or module.b.shape[0] != offsets[-1]:
+def split_fused(module: LoraModule, shard: int | None, span: int,
+                offsets: Sequence[int]) -> list[tuple[int | None, LoraModule]]:
+    """An adapter module on several shards of a stack at once (the whole of a
+    fused module: ``shard`` None on a stack of several shards, or ``span``
+    shards from ``shard``, as Qwen3.5's ``in_proj_qkv`` in our wider
+    in-projection) as one part per shard: the same A, each shard's rows of B
+    (``B A x`` split by output rows). Else as given; a B of the wrong size is
+    left whole for the stack's check to refuse."""
+    first, count = (0, len(offsets) - 1) if shard is None else (shard, span)
+    lo, hi = offsets[first], offsets[first + count]
+    if count == 1 or module.b.shape[0] != hi - lo:
         return [(shard, module)]
-    return [(i, dataclasses.replace(module, b=module.b[offsets[i] : offsets[i + 1]])) for i in range(num_shards)]
+    return [(i, dataclasses.replace(module, b=module.b[offsets[i] - lo : offsets[i + 1] - lo]))
+            for i in range(first, first + count)]
 
 
 def shard_factors(module: LoraModule, cut: Cut | None, *, is_embedding: bool = False) -> LoraModule:

@@ -3,7 +3,8 @@
 ``config.layer_types`` names each layer's token mixer:
 
 - ``linear_attention``: Gated DeltaNet. ``in_proj_qkv`` (q | k | v), a
-  short causal depthwise convolution over them, then the gated delta rule
+  short causal depthwise convolution over them (here one ``in_proj`` GEMM
+  yields q, k, v and the three projections below), then the gated delta rule
   (decay ``g = -exp(A_log) * softplus(a + dt_bias)``, write strength
   ``beta = sigmoid(b)``) on a per-sequence recurrent state, a gated RMSNorm
   by ``in_proj_z`` and ``out_proj``. Its per-sequence state sits in the
@@ -49,15 +50,18 @@ IGNORED_PREFIXES = ("mtp.",)
 
 _L = "model.layers.{i}"
 _D = f"{_L}.linear_attn"
+# The DeltaNet's four input projections are one GEMM here (``in_proj``: q | k |
+# v | z | b | a), as one LoRA stack: the checkpoint's fused in_proj_qkv fills
+# its first three shards.
 LINEAR_ATTENTION_RULES = [
-    WeightRule(f"{_D}.in_proj_qkv", f"{_D}.in_proj_qkv"),
-    # Adapters trained on split q / k / v projections land on the fused one's shards.
-    WeightRule(f"{_D}.in_proj_q", f"{_D}.in_proj_qkv", 0),
-    WeightRule(f"{_D}.in_proj_k", f"{_D}.in_proj_qkv", 1),
-    WeightRule(f"{_D}.in_proj_v", f"{_D}.in_proj_qkv", 2),
-    WeightRule(f"{_D}.in_proj_z", f"{_D}.in_proj_z"),
-    WeightRule(f"{_D}.in_proj_b", f"{_D}.in_proj_b"),
-    WeightRule(f"{_D}.in_proj_a", f"{_D}.in_proj_a"),
+    WeightRule(f"{_D}.in_proj_qkv", f"{_D}.in_proj", 0, span=3),
+    # Adapters trained on split q / k / v projections land on its shards.
+    WeightRule(f"{_D}.in_proj_q", f"{_D}.in_proj", 0, for_adapters=True),
+    WeightRule(f"{_D}.in_proj_k", f"{_D}.in_proj", 1, for_adapters=True),
+    WeightRule(f"{_D}.in_proj_v", f"{_D}.in_proj", 2, for_adapters=True),
+    WeightRule(f"{_D}.in_proj_z", f"{_D}.in_proj", 3),
+    WeightRule(f"{_D}.in_proj_b", f"{_D}.in_proj", 4),
+    WeightRule(f"{_D}.in_proj_a", f"{_D}.in_proj", 5),
     WeightRule(f"{_D}.out_proj", f"{_D}.out_proj"),
     WeightRule(f"{_D}.conv1d", f"{_D}.conv1d"),
     WeightRule(f"{_D}.norm", f"{_D}.norm"),
@@ -213,10 +217,9 @@ class GatedDeltaNet(nn.Module):
         la = spec.linear_attention
         self.num_v_heads, self.k_head_dim, self.v_head_dim = la.num_v_heads, la.k_head_dim, la.v_head_dim
         self.sizes = [la.key_dim, la.key_dim, la.value_dim]
-        self.in_proj_qkv = StackedLinear(spec.hidden_size, self.sizes, bias=False)
-        self.in_proj_z = LoraLinear(spec.hidden_size, la.value_dim, bias=False)
-        self.in_proj_b = LoraLinear(spec.hidden_size, la.num_v_heads, bias=False)
-        self.in_proj_a = LoraLinear(spec.hidden_size, la.num_v_heads, bias=False)
+        # q | k | v | z | b | a in one GEMM (see LINEAR_ATTENTION_RULES).
+        self.in_proj = StackedLinear(spec.hidden_size, self.sizes + [la.value_dim, la.num_v_heads, la.num_v_heads],
+                                     bias=False)
         self.conv1d = nn.Conv1d(la.conv_dim, la.conv_dim, la.conv_kernel, groups=la.conv_dim, bias=False,
                                 padding=la.conv_kernel - 1)
         self.dt_bias = nn.Parameter(torch.ones(la.num_v_heads))
@@ -230,15 +233,16 @@ class GatedDeltaNet(nn.Module):
             raise RuntimeError("a Gated DeltaNet step needs state slots: the runner attaches the pools "
                                "and each step names its sequences' slots (AttentionMetadata.state_slots)")
         num_tokens = x.shape[0]
-        mixed = self.ops.conv(self.in_proj_qkv(x), self.conv1d.weight[:, 0], self.pool, meta)
+        qkv, z, b, a = self.in_proj(x).split([sum(self.sizes), *self.in_proj.output_sizes[3:]], dim=-1)
+        mixed = self.ops.conv(qkv, self.conv1d.weight[:, 0], self.pool, meta)  # a view: rows strided, channels not
         q, k, v = mixed.split(self.sizes, dim=-1)
         q = q.reshape(num_tokens, -1, self.k_head_dim)
         k = k.reshape(num_tokens, -1, self.k_head_dim)
         v = v.reshape(num_tokens, -1, self.v_head_dim)
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         out = self.ops.delta_rule(q, k, v, g, beta, self.pool, meta)
-        z = self.in_proj_z(x).reshape(-1, self.v_head_dim)
+        z = z.reshape(-1, self.v_head_dim)
         out = self.norm(out.reshape(-1, self.v_head_dim), z).reshape(num_tokens, -1)
         return self.out_proj(out)
 
