@@ -32,10 +32,16 @@ def cache_dir() -> Path:
 
 
 def _run(cmd: list[str], what: str, cwd: Path | None = None, env: dict | None = None) -> None:
+    """Run ``cmd``, passing its progress lines (cmake's ``[ 42%] ...``) on; its output's tail on failure."""
     progress(f"llama.cpp: {what}: {' '.join(cmd[:6])}{' ...' if len(cmd) > 6 else ''}")
-    done = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if done.returncode != 0:
-        raise PeerUnavailable(f"llama.cpp: {what} failed (exit {done.returncode}):\n{done.stdout[-3000:]}")
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail: list[str] = []
+    for line in proc.stdout:
+        tail = (tail + [line])[-60:]
+        if line.startswith("[") and "%]" in line[:8]:
+            progress(f"llama.cpp: {line.strip()}")
+    if proc.wait() != 0:
+        raise PeerUnavailable(f"llama.cpp: {what} failed (exit {proc.returncode}):\n{''.join(tail)}")
 
 
 def source_tree() -> Path:
@@ -69,7 +75,7 @@ def server_binary() -> Path:
     if cmake is None or compiler is None:
         missing = " and ".join(n for n, w in (("cmake", cmake), ("a C++ compiler (c++, g++ or clang++)", compiler))
                                if w is None)
-        raise PeerUnavailable(f"llama.cpp: cannot build llama-server: no {missing} on PATH "
+        raise PeerUnavailable(f"llama.cpp: cannot build llama-server: {missing} not found on PATH "
                               "(install them, e.g. pip install cmake and your system's g++)")
     jobs = str(len(os.sched_getaffinity(0)))
     _run([cmake, "-S", str(tree / "vendor" / "llama.cpp"), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
