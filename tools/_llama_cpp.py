@@ -9,6 +9,7 @@ GGUFs converted by its ``convert_hf_to_gguf.py``.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -91,7 +92,8 @@ def server_binary() -> Path:
 def f32_gguf(model_dir: Path) -> Path:
     """``model_dir`` converted to an F32 GGUF (once per folder) by llama.cpp's own converter."""
     tree = source_tree() / "vendor" / "llama.cpp"
-    out = cache_dir() / "gguf" / f"{model_dir.resolve().name}-{abs(hash(str(model_dir.resolve()))) % 10**8}.f32.gguf"
+    key = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:12]  # one per folder
+    out = cache_dir() / "gguf" / f"{model_dir.resolve().name}-{key}.f32.gguf"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
