@@ -106,6 +106,13 @@ def f32_gguf(model_dir: Path) -> Path:
 
 
 def server_command(binary: Path, gguf: Path, port: int, threads: int, num_slots: int, ctx_per_slot: int) -> list[str]:
-    """``llama-server`` on ``gguf`` with ``num_slots`` parallel sequences (``-np``) of ``ctx_per_slot`` tokens each."""
+    """``llama-server`` on ``gguf`` with ``num_slots`` parallel sequences (``-np``) of ``ctx_per_slot`` tokens each.
+
+    ``--no-repack``: no extra weight layouts. On a CPU with AMX the native
+    build's AMX path takes Q4_1 weights and crashes (a segfault in
+    ``tinygemm_kernel_amx<block_q8_1, block_q4_1>`` on the first matmul, seen
+    with llama-cpp-python 0.3.36's llama.cpp); F32 has no such layout, and
+    Q4_1 then runs on ggml's AVX-512 dot products."""
     return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-            "-tb", str(threads), "-np", str(num_slots), "-c", str(num_slots * ctx_per_slot), "--no-webui"]
+            "-tb", str(threads), "-np", str(num_slots), "-c", str(num_slots * ctx_per_slot), "--no-webui",
+            "--no-repack"]

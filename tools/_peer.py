@@ -8,7 +8,8 @@ llama.cpp's ``convert_hf_to_gguf.py``; ours int4 (``model.quantization: int4``)
 against the embedded package's own Q4_1 GGUF (embedded model only). Each
 server runs alone; ``--rounds`` rounds go through every system in turn, and
 the table gives each figure's median over the rounds with the ratios of ours
-to llama.cpp's (targets: concurrency 1 >= 1.0x, 8 >= 1.5x).
+to llama.cpp's (targets: concurrency 1 >= 1.0x, 8 >= 1.5x). Every request
+opens its own connection, for both servers (llama-server closes a streamed one).
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def run_peer(args) -> int:
                 try:
                     url = server.wait()
                     for c in levels:
-                        r = asyncio.run(run_server_load(url, name, workload, c, server))
+                        r = asyncio.run(run_server_load(url, name, workload, c, server, fresh_connections=True))
                         figures.setdefault((label, c), []).append(r)
                 finally:
                     server.stop()

@@ -243,9 +243,11 @@ async def one_request(session, url: str, model: str, messages: list[dict], max_t
 
 
 async def run_server_load(url: str, model: str, workload: Workload, concurrency: int,
-                          server: Server | None = None) -> Result:
+                          server: Server | None = None, fresh_connections: bool = False) -> Result:
     """``concurrency`` clients take the prompts in order; each sends its next one
-    as soon as its last answer ends, so ``concurrency`` requests are in flight."""
+    as soon as its last answer ends, so ``concurrency`` requests are in flight.
+    ``fresh_connections``: a new connection per request (llama-server closes a
+    streamed response's connection, which a kept-alive session would reuse)."""
     import aiohttp
 
     queue = list(enumerate(workload.prompts))
@@ -262,7 +264,8 @@ async def run_server_load(url: str, model: str, workload: Workload, concurrency:
             result.num_tokens += n
             progress(f"{workload.name}: server concurrency {concurrency}: {len(result.answers)}/{len(workload.prompts)}")
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+    connector = aiohttp.TCPConnector(force_close=fresh_connections)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), connector=connector) as session:
         await one_request(session, url, model, workload.prompts[0], 2, True)  # warm up
         start, cpu = time.perf_counter(), server.cpu_s() if server else None
         await asyncio.gather(*[client(session) for _ in range(concurrency)])
