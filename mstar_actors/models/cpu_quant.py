@@ -21,10 +21,11 @@ they requantize to the same values' nearest int4 codes, not always the same.)
 
 The matmul is our AVX-512 kernel (``KERNEL_SOURCE``), in the layout of the
 float32 one (``cpu_linear``): 32 output columns at a time, their codes
-contiguous along the input dimension; each code is turned back into a
-float (``scale * q + min``) in registers and multiplied in float32, so
-activations are never quantized and results equal ``F.linear`` on the
-dequantized weight to float32 rounding. Where the kernel does not build
+contiguous along the input dimension; codes become floats in registers
+and are multiplied in float32 (at up to 4 rows a group's dot products are
+scaled once: ``scale * sum(x q) + min * sum(x)``), so activations are never
+quantized and results equal ``F.linear`` on the dequantized weight to
+float32 rounding. Where the kernel does not build
 (no AVX-512, no compiler), ``QuantizedWeight.linear`` dequantizes a group
 of output columns at a time and calls ``F.linear``: right, slower.
 """
@@ -54,56 +55,89 @@ KERNEL_SOURCE = r"""
 #define BLOCK_N 32
 #define GROUP 32
 #define MAX_ROWS 8
+#define FACTORED_ROWS 4
 
 /* One block of 32 output columns, up to MAX_ROWS rows. Codes: int8 [K][32]
    (bits 8) or int4 [K][16] (bits 4: byte j holds column j in its low
    nibble, column j + 16 in its high one). scale, min: [K / 32][32] floats
-   (min unused for int8). The weight is rebuilt in registers per k. */
-static inline void block_rows(int bits, int rows, const float *x, int64_t ldx, const uint8_t *q,
-                              const float *scale, const float *minv, const float *bias, int cols,
-                              float *y, int64_t ldy, int64_t K) {
+   (min unused for int8). xsum: [rows][K / 32], each group's sum of x.
+
+   An int4 code becomes a float through a 16-entry table (vpermps reads the
+   low 4 bits of each index), cheaper than mask and convert. Up to
+   FACTORED_ROWS rows, a group's dot products are taken on the raw codes
+   and scaled once: y += scale * sum(x q) + min * sum(x); more rows rebuild
+   the weight per k (scale * q + min) and share it, as the registers of
+   twice the accumulators would not fit. */
+static inline void block_rows(int bits, int rows, const float *x, int64_t ldx, const float *xsum,
+                              const uint8_t *q, const float *scale, const float *minv, const float *bias,
+                              int cols, float *y, int64_t ldy, int64_t K) {
+    static const float LUT[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const __m512 table = _mm512_loadu_ps(LUT);
+    const int64_t num_groups = K / GROUP;
     __mmask16 lo = (__mmask16)(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
     __mmask16 hi = (__mmask16)(cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1);
     __m512 b0 = bias ? _mm512_maskz_loadu_ps(lo, bias) : _mm512_setzero_ps();
     __m512 b1 = bias ? _mm512_maskz_loadu_ps(hi, bias + 16) : _mm512_setzero_ps();
     __m512 acc[MAX_ROWS][2];
     for (int m = 0; m < MAX_ROWS; m++) { acc[m][0] = b0; acc[m][1] = b1; }
-    const __m512i nibble = _mm512_set1_epi32(0xF);
-#define FMA_ROWS(R)                                                         \
+#define INT4_CODES(k)                                                       \
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + (k) * 16))); \
+    __m512 c0 = _mm512_permutexvar_ps(v, table);                            \
+    __m512 c1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+#define INT8_CODES(k)                                                       \
+    __m512 c0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + (k) * 32)))); \
+    __m512 c1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + (k) * 32 + 16))));
+#define FMA_ROWS(R, ACC, W0, W1)                                            \
     for (int m = 0; m < R; m++) {                                           \
         __m512 a = _mm512_set1_ps(x[m * ldx + k]);                          \
-        acc[m][0] = _mm512_fmadd_ps(a, w0, acc[m][0]);                      \
-        acc[m][1] = _mm512_fmadd_ps(a, w1, acc[m][1]);                      \
+        ACC[m][0] = _mm512_fmadd_ps(a, W0, ACC[m][0]);                      \
+        ACC[m][1] = _mm512_fmadd_ps(a, W1, ACC[m][1]);                      \
     }
-#define INT4_LOOP(R)                                                        \
-    for (int64_t g = 0; g < K / GROUP; g++) {                               \
-        __m512 s0 = _mm512_loadu_ps(scale + g * BLOCK_N), s1 = _mm512_loadu_ps(scale + g * BLOCK_N + 16); \
-        __m512 z0 = _mm512_loadu_ps(minv + g * BLOCK_N), z1 = _mm512_loadu_ps(minv + g * BLOCK_N + 16);   \
+    /* Factored: per group, dot products on the codes, then scale (and min). */
+#define FACTORED(R, CODES, HAS_MIN)                                         \
+    for (int64_t g = 0; g < num_groups; g++) {                              \
+        __m512 dot[FACTORED_ROWS][2];                                       \
+        for (int m = 0; m < R; m++) { dot[m][0] = _mm512_setzero_ps(); dot[m][1] = _mm512_setzero_ps(); } \
         for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) {             \
-            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + k * 16))); \
-            __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, nibble)), s0, z0); \
-            __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s1, z1);     \
-            FMA_ROWS(R)                                                     \
+            CODES(k)                                                        \
+            FMA_ROWS(R, dot, c0, c1)                                        \
+        }                                                                   \
+        __m512 s0 = _mm512_loadu_ps(scale + g * BLOCK_N), s1 = _mm512_loadu_ps(scale + g * BLOCK_N + 16); \
+        for (int m = 0; m < R; m++) {                                       \
+            acc[m][0] = _mm512_fmadd_ps(dot[m][0], s0, acc[m][0]);          \
+            acc[m][1] = _mm512_fmadd_ps(dot[m][1], s1, acc[m][1]);          \
+        }                                                                   \
+        if (HAS_MIN) {                                                      \
+            __m512 z0 = _mm512_loadu_ps(minv + g * BLOCK_N), z1 = _mm512_loadu_ps(minv + g * BLOCK_N + 16); \
+            for (int m = 0; m < R; m++) {                                   \
+                __m512 sx = _mm512_set1_ps(xsum[m * num_groups + g]);       \
+                acc[m][0] = _mm512_fmadd_ps(sx, z0, acc[m][0]);             \
+                acc[m][1] = _mm512_fmadd_ps(sx, z1, acc[m][1]);             \
+            }                                                               \
         }                                                                   \
     }
-#define INT8_LOOP(R)                                                        \
-    for (int64_t g = 0; g < K / GROUP; g++) {                               \
+    /* Shared: the weight rebuilt per k, then every row's FMAs on it. */
+#define SHARED(R, CODES, HAS_MIN)                                           \
+    for (int64_t g = 0; g < num_groups; g++) {                              \
         __m512 s0 = _mm512_loadu_ps(scale + g * BLOCK_N), s1 = _mm512_loadu_ps(scale + g * BLOCK_N + 16); \
+        __m512 z0 = HAS_MIN ? _mm512_loadu_ps(minv + g * BLOCK_N) : _mm512_setzero_ps();      \
+        __m512 z1 = HAS_MIN ? _mm512_loadu_ps(minv + g * BLOCK_N + 16) : _mm512_setzero_ps(); \
         for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) {             \
-            __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                        \
-                _mm_loadu_si128((const __m128i *)(q + k * 32)))), s0);      \
-            __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                        \
-                _mm_loadu_si128((const __m128i *)(q + k * 32 + 16)))), s1); \
-            FMA_ROWS(R)                                                     \
+            CODES(k)                                                        \
+            __m512 w0 = _mm512_fmadd_ps(c0, s0, z0), w1 = _mm512_fmadd_ps(c1, s1, z1);      \
+            FMA_ROWS(R, acc, w0, w1)                                        \
         }                                                                   \
     }
-#define BY_ROWS(LOOP)                                                       \
+#define INT4_F(R) FACTORED(R, INT4_CODES, 1)
+#define INT8_F(R) FACTORED(R, INT8_CODES, 0)
+#define INT4_S(R) SHARED(R, INT4_CODES, 1)
+#define INT8_S(R) SHARED(R, INT8_CODES, 0)
+#define BY_ROWS(F, S)                                                       \
     switch (rows) {                                                         \
-        case 1: LOOP(1) break; case 2: LOOP(2) break; case 3: LOOP(3) break; \
-        case 4: LOOP(4) break; case 5: LOOP(5) break; case 6: LOOP(6) break; \
-        case 7: LOOP(7) break; default: LOOP(8) break;                      \
+        case 1: F(1) break; case 2: F(2) break; case 3: F(3) break; case 4: F(4) break; \
+        case 5: S(5) break; case 6: S(6) break; case 7: S(7) break; default: S(8) break; \
     }
-    if (bits == 4) { BY_ROWS(INT4_LOOP) } else { BY_ROWS(INT8_LOOP) }
+    if (bits == 4) { BY_ROWS(INT4_F, INT4_S) } else { BY_ROWS(INT8_F, INT8_S) }
     for (int m = 0; m < rows; m++) {
         _mm512_mask_storeu_ps(y + m * ldy, lo, acc[m][0]);
         _mm512_mask_storeu_ps(y + m * ldy + 16, hi, acc[m][1]);
@@ -116,18 +150,26 @@ static inline void block_rows(int bits, int rows, const float *x, int64_t ldx, c
 void linear_quant(int bits, const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q,
                   const float *scale, const float *minv, int64_t N, const float *bias, float *y,
                   int num_threads) {
-    int64_t num_blocks = (N + BLOCK_N - 1) / BLOCK_N;
-    int64_t block_bytes = K * (bits == 4 ? 16 : 32), block_groups = K / GROUP * BLOCK_N;
+    int64_t num_blocks = (N + BLOCK_N - 1) / BLOCK_N, num_groups = K / GROUP;
+    int64_t block_bytes = K * (bits == 4 ? 16 : 32), block_groups = num_groups * BLOCK_N;
+    float *xsum = (float *)malloc(sizeof(float) * (M > 0 ? M : 1) * num_groups);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < num_groups; g++) {
+            float s = 0;
+            for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) s += x[m * ldx + k];
+            xsum[m * num_groups + g] = s;
+        }
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
     for (int64_t nb = 0; nb < num_blocks; nb++) {
         int cols = (int)(N - nb * BLOCK_N < BLOCK_N ? N - nb * BLOCK_N : BLOCK_N);
         for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
             int rows = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
-            block_rows(bits, rows, x + m0 * ldx, ldx, q + nb * block_bytes, scale + nb * block_groups,
-                       minv ? minv + nb * block_groups : 0, bias ? bias + nb * BLOCK_N : 0, cols,
-                       y + m0 * N + nb * BLOCK_N, N, K);
+            block_rows(bits, rows, x + m0 * ldx, ldx, xsum + m0 * num_groups, q + nb * block_bytes,
+                       scale + nb * block_groups, minv ? minv + nb * block_groups : 0,
+                       bias ? bias + nb * BLOCK_N : 0, cols, y + m0 * N + nb * BLOCK_N, N, K);
         }
     }
+    free(xsum);
 }
 """
 
@@ -149,6 +191,19 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.codes, self.scale, self.min) if t is not None)
+
+    def arena_floats(self) -> int:
+        """The floats ``move_into`` takes from a ``PackArena`` (each tensor 64-byte aligned)."""
+        return sum(-(-t.nbytes // 64) * 16 for t in (self.codes, self.scale, self.min) if t is not None)
+
+    def move_into(self, arena: cpu_linear.PackArena) -> None:
+        """Copy the codes, scales and mins into ``arena`` (huge pages where the OS gives them: the
+        kernel streams them once per step, as the float32 kernel streams its blocks)."""
+        codes = arena.take((-(-self.codes.nbytes // 4),)).view(torch.uint8)[: self.codes.nbytes]
+        self.codes = codes.view(self.codes.shape).copy_(self.codes)
+        self.scale = arena.take(tuple(self.scale.shape)).copy_(self.scale)
+        if self.min is not None:
+            self.min = arena.take(tuple(self.min.shape)).copy_(self.min)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, self.dequantize(), bias)`` for float32 ``x`` on CPU."""

@@ -305,6 +305,7 @@ class CausalLM(nn.Module):
         and before ``pack_cpu_weights``; returns (float bytes dropped, bytes
         the quantized weights take)."""
         dropped = kept = 0
+        placed: list[QuantizedWeight] = []
         with torch.no_grad():
             owners = [m for m in self.modules() if isinstance(m, LoraLinear) and m.in_features % GROUP == 0]
             tied = self.spec.tie_word_embeddings
@@ -321,7 +322,12 @@ class CausalLM(nn.Module):
                     module.quant = quant
                 dropped += module.weight.nbytes
                 kept += quant.nbytes
+                placed.append(quant)
                 module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
+            if placed:  # all in one huge-page buffer, as pack_cpu_weights does for float32
+                arena = PackArena(sum(q.arena_floats() for q in placed))
+                for quant in placed:
+                    quant.move_into(arena)
         return dropped, kept
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
