@@ -220,10 +220,13 @@ class QuantizedWeight:
             if bias is not None:
                 bias = bias.contiguous()
             lib.linear_quant(self.bits, rows.data_ptr(), rows.shape[0], self.in_features, rows.stride(0),
-                             self.codes.data_ptr(), self.scale.data_ptr(),
-                             None if self.min is None else self.min.data_ptr(), self.out_features,
-                             None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
+                             *self._pointers(), self.out_features, None if bias is None else bias.data_ptr(),
+                             y.data_ptr(), torch.get_num_threads())
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _pointers(self) -> tuple[int, int, int | None]:
+        # Read on every call, not kept: ``move_into`` replaces the tensors.
+        return self.codes.data_ptr(), self.scale.data_ptr(), None if self.min is None else self.min.data_ptr()
 
     def dequantize(self) -> torch.Tensor:
         """The float32 ``[out, in]`` weight these codes stand for."""
