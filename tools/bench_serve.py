@@ -38,6 +38,7 @@ they lose their core.
     python tools/bench_serve.py --model DIR --concurrency 1,4,16 --max-tokens 64
     python tools/bench_serve.py --url http://127.0.0.1:8000/v1 --model DIR   # an already running server
     python tools/bench_serve.py --tp 2 --workload fixed --concurrency 1,4   # two sharded ranks
+    python tools/bench_serve.py --peer llama.cpp      # against llama-server, float32 and int4 (tools/_peer.py)
 
 Prints a table per workload and the ratios to ``generate`` (issue targets:
 concurrency 1 >= 0.9x sequential, concurrency 8 >= 2x batched). Output
