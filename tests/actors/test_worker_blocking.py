@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from actors.worker import Worker
+from actors.worker import WorkerActor
 
 
 def run_blocking(fn, *args):
-    return asyncio.run(Worker.run_blocking(SimpleNamespace(name="worker0"), fn, *args))
+    return asyncio.run(WorkerActor.run_blocking(SimpleNamespace(name="worker0"), fn, *args))
 
 
 def test_result_comes_back_from_a_thread_that_then_ends():
