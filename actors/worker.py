@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import threading
 import time
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
@@ -168,6 +169,31 @@ class WorkerActor(Actor):
             from mstar_actors.runner.parallel import destroy_tensor_parallel
 
             destroy_tensor_parallel(self.tp)
+
+    async def run_blocking(self, fn: Any, *args: Any) -> Any:
+        """Blocking work (loading, installs) in a thread of its own that ends
+        with the call, not the loop's executor. Why: OpenMP keeps a team of
+        helper threads per thread that ran a parallel region, for as long as
+        that thread lives; a kept executor thread's idle team makes the step
+        thread's parallel regions wait (on 2 cores the CPU decode step took
+        twice as long: ``tools/profile_step.py`` against the served step)."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            if not done.done():
+                done.set_exception(error) if error is not None else done.set_result(result)
+
+        def run() -> None:
+            try:
+                result = fn(*args)
+            except BaseException as err:  # handed to the awaiting task, raised there
+                loop.call_soon_threadsafe(settle, None, err)
+            else:
+                loop.call_soon_threadsafe(settle, result, None)
+
+        threading.Thread(target=run, name=f"{self.name}:blocking", daemon=True).start()
+        return await done
 
     def set_torch_threads(self) -> None:
         """On the loop's thread, which runs every step: OpenMP's thread count

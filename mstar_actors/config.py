@@ -33,6 +33,12 @@ class ModelConfig(msgspec.Struct, **_STRICT):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
+    # Weight-only quantization of the linear layers, CPU float32 only
+    # (``mstar_actors.models.cpu_quant``): int8 or int4 in groups of 32
+    # weights (GGUF's Q8_0 and Q4_1 schemes; the LM head is int8 under
+    # both). "auto": an embedded model's shipped quantization (smollm2:
+    # int4), else none; refused on CUDA when set.
+    quantization: Literal["auto", "none", "int8", "int4"] = "auto"
     # CUDA only (on CPU these keys are accepted and ignored: every step runs
     # eagerly there). Pure decode steps of up to ``cuda_graph_max_batch``
     # sequences (capped by scheduler.max_num_seqs) replay CUDA graphs captured

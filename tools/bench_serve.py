@@ -38,6 +38,7 @@ they lose their core.
     python tools/bench_serve.py --model DIR --concurrency 1,4,16 --max-tokens 64
     python tools/bench_serve.py --url http://127.0.0.1:8000/v1 --model DIR   # an already running server
     python tools/bench_serve.py --tp 2 --workload fixed --concurrency 1,4   # two sharded ranks
+    python tools/bench_serve.py --peer llama.cpp      # against llama-server, float32 and int4 (tools/_peer.py)
 
 Prints a table per workload and the ratios to ``generate`` (issue targets:
 concurrency 1 >= 0.9x sequential, concurrency 8 >= 2x batched). Output
@@ -206,10 +207,12 @@ class Generate:
 # ---- our server -------------------------------------------------------------
 
 
-def for_model(model_dir: Path, name: str, num_seqs: int, num_threads: int, tmp: Path, tp: int = 1) -> Server:
+def for_model(model_dir: Path, name: str, num_seqs: int, num_threads: int, tmp: Path, tp: int = 1,
+              quantization: str = "none") -> Server:
     """The CPU server this benchmark measures; with ``tp`` ranks the threads are split between them."""
     return Server({
-        "model": {"path": str(model_dir), "name": name, "dtype": "float32", "device": "cpu"},
+        "model": {"path": str(model_dir), "name": name, "dtype": "float32", "device": "cpu",
+                  "quantization": quantization},
         "scheduler": {"max_num_seqs": max(num_seqs, 8), "max_num_batched_tokens": 1024, "max_model_len": 2048},
         "kv": {"block_size": 16, "num_blocks": 1024},
         "parallel": {"tp": tp, "worker_torch_threads": max(1, num_threads // tp)},
@@ -241,9 +244,11 @@ async def one_request(session, url: str, model: str, messages: list[dict], max_t
 
 
 async def run_server_load(url: str, model: str, workload: Workload, concurrency: int,
-                          server: Server | None = None) -> Result:
+                          server: Server | None = None, fresh_connections: bool = False) -> Result:
     """``concurrency`` clients take the prompts in order; each sends its next one
-    as soon as its last answer ends, so ``concurrency`` requests are in flight."""
+    as soon as its last answer ends, so ``concurrency`` requests are in flight.
+    ``fresh_connections``: a new connection per request (llama-server closes a
+    streamed response's connection, which a kept-alive session would reuse)."""
     import aiohttp
 
     queue = list(enumerate(workload.prompts))
@@ -260,7 +265,8 @@ async def run_server_load(url: str, model: str, workload: Workload, concurrency:
             result.num_tokens += n
             progress(f"{workload.name}: server concurrency {concurrency}: {len(result.answers)}/{len(workload.prompts)}")
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+    connector = aiohttp.TCPConnector(force_close=fresh_connections)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), connector=connector) as session:
         await one_request(session, url, model, workload.prompts[0], 2, True)  # warm up
         start, cpu = time.perf_counter(), server.cpu_s() if server else None
         await asyncio.gather(*[client(session) for _ in range(concurrency)])
@@ -302,7 +308,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="fixed-length answers, natural (EOS) answers, or both (default)")
     p.add_argument("--concurrency", default="1,8", help="comma-separated client concurrencies (default 1,8)")
     p.add_argument("--batch", type=int, default=8, help="generate's padded batch size (default 8)")
-    p.add_argument("--num-prompts", type=int, default=8, help="fixed: prompts per measurement (default 8)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="fixed: prompts per measurement (default 8; with --peer 12)")
     p.add_argument("--max-tokens", type=int, default=64, help="fixed: new tokens per prompt, exactly (default 64)")
     p.add_argument("--natural-prompts", type=int, default=16,
                    help=f"natural: prompts, from the {len(QUESTIONS)} built-in questions (default 16)")
@@ -312,12 +319,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="torch intra-op threads of generate and of the server's worker (default: the usable cores)")
     p.add_argument("--tp", type=int, default=1,
                    help="the server's tensor-parallel ranks (parallel.tp; --threads split between them; default 1)")
+    p.add_argument("--peer", choices=["llama.cpp"], default=None,
+                   help="instead of generate: llama.cpp's llama-server (built once, cached) against our server, "
+                        "float32 against an F32 GGUF and int4 against the embedded Q4_1 GGUF, fixed workload")
+    p.add_argument("--rounds", type=int, default=2, help="--peer: rounds, each server alone, interleaved (default 2)")
     p.add_argument("--output", default=None, help="write the tables to this file too")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.peer:
+        from _peer import run_peer
+
+        return run_peer(args)
     import torch
 
     from mstar_actors.fetch import fetch_embedded
@@ -328,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     workloads = []
     if args.workload in ("fixed", "both"):
-        workloads.append(Workload("fixed", make_messages(max(args.num_prompts, max(levels))), args.max_tokens, True))
+        workloads.append(Workload("fixed", make_messages(max(args.num_prompts or 8, max(levels))), args.max_tokens, True))
     if args.workload in ("natural", "both"):
         workloads.append(Workload("natural", make_questions(args.natural_prompts), args.natural_max_tokens, False))
     print(f"model {model_dir}, server tp {args.tp}, torch threads {args.threads}, cpu count {os.cpu_count()}, "

@@ -15,6 +15,7 @@ far less than wall time; the median over ``--steps`` steps is printed.
     python tools/profile_step.py --num-seqs 1 --threads 2
     python tools/profile_step.py --side ours --split  # ours split: attention, LM head, the rest
     python tools/profile_step.py --side ours --linear onednn   # our step on oneDNN's linears (the fallback)
+    python tools/profile_step.py --side ours --quantization int4 --num-seqs 1 --threads 2
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def make_prompts(num_seqs: int, min_len: int, max_len: int, vocab_size: int, see
 class OurStep:
     """A ModelRunner fed by a minimal scripted conductor: prefill once, then decode steps."""
 
-    def __init__(self, model_dir: Path, prompts: list[list[int]], block_size: int = 16):
+    def __init__(self, model_dir: Path, prompts: list[list[int]], block_size: int = 16, quantization: str = "none"):
         from mstar_actors import messages
         from mstar_actors.config import parse_config
         from mstar_actors.model_info import load_model_info
@@ -47,7 +48,8 @@ class OurStep:
         self.messages = messages
         max_len = max(len(p) for p in prompts) + 512
         num_blocks = len(prompts) * (-(-max_len // block_size)) + 1
-        config = parse_config({"model": {"path": str(model_dir), "dtype": "float32", "device": "cpu"},
+        config = parse_config({"model": {"path": str(model_dir), "dtype": "float32", "device": "cpu",
+                                         "quantization": quantization},
                                "kv": {"block_size": block_size, "num_blocks": num_blocks}})
         self.runner = build_runner(config, load_model_info(config))
         self.block_size = block_size
@@ -141,15 +143,17 @@ class Split:
             f"{name} {statistics.median(values):.1f}" for name, values in samples.items()), flush=True)
 
 
-def time_steps(step, num_steps: int, num_warmup: int = 3) -> list[float]:
+def time_steps(step, num_steps: int, num_warmup: int = 3) -> tuple[list[float], list[float]]:
+    """(this thread's CPU seconds, wall seconds) per step."""
     for _ in range(num_warmup):
         step()
-    times = []
+    times, walls = [], []
     for _ in range(num_steps):
-        start = time.thread_time()
+        start, wall = time.thread_time(), time.perf_counter()
         step()
         times.append(time.thread_time() - start)
-    return times
+        walls.append(time.perf_counter() - wall)
+    return times, walls
 
 
 def profile_steps(step, num_steps: int, num_rows: int) -> None:
@@ -175,6 +179,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="then split our step's CPU time: attention, LM head (GEMM + LoRA), the rest")
     p.add_argument("--linear", choices=["kernel", "onednn"], default="kernel",
                    help="our float32 linears: our AVX-512 kernel (default, where it builds) or oneDNN's")
+    p.add_argument("--quantization", choices=["none", "int8", "int4"], default="none",
+                   help="our side's model.quantization (default none: float32)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -191,16 +197,17 @@ def main(argv: list[str] | None = None) -> int:
     _, spec = load_spec(model_dir)
     prompts = make_prompts(args.num_seqs, args.min_context, args.max_context, spec.vocab_size, args.seed)
     print(f"model {model_dir.name}, {args.num_seqs} sequences, prompts {sorted(len(p) for p in prompts)} tokens, "
-          f"threads {args.threads}, seed {args.seed}, linears {args.linear}", flush=True)
-    sides = {"ours": OurStep, "hf": HfStep}
+          f"threads {args.threads}, seed {args.seed}, linears {args.linear}, quantization {args.quantization}",
+          flush=True)
     medians = {}
     for name in (["ours", "hf"] if args.side == "both" else [args.side]):
-        side = sides[name](model_dir, prompts)
+        side = OurStep(model_dir, prompts, quantization=args.quantization) if name == "ours" else HfStep(model_dir, prompts)
         step = side.step
-        times = time_steps(step, args.steps)
+        times, walls = time_steps(step, args.steps)
         medians[name] = statistics.median(times) * 1000
         print(f"{name:>4}: CPU ms per step median {medians[name]:.1f} (min {min(times) * 1000:.1f}, "
-              f"max {max(times) * 1000:.1f}, {args.steps} steps)", flush=True)
+              f"max {max(times) * 1000:.1f}, {args.steps} steps), wall ms median {statistics.median(walls) * 1000:.1f}",
+              flush=True)
         if args.profile:
             profile_steps(step, 5, 20)
         if args.split and name == "ours":

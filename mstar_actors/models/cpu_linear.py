@@ -187,13 +187,13 @@ def kernel() -> ctypes.CDLL | None:
         _check(lib)
     except KernelUnavailable as err:
         log.warning("cpu linear: our AVX-512 kernel is off (%s); float32 CPU linears use oneDNN's packed "
-                    "weights instead, slower at decode sizes. %s", err, _HINT)
+                    "weights instead, slower at decode sizes. %s", err, HINT)
         return None
     log.info("cpu linear: our AVX-512 kernel is on (%s)", path.name)
     return lib
 
 
-_HINT = "To get it back: run on an x86-64 Linux CPU with AVX-512 and install a C compiler with OpenMP (gcc)."
+HINT = "To get it back: run on an x86-64 Linux CPU with AVX-512 and install a C compiler with OpenMP (gcc)."
 
 
 def _cpu_has_avx512() -> bool:
@@ -209,23 +209,28 @@ def find_compiler() -> str | None:
 
 
 def _build() -> Path:
-    """The compiled library, built once per source and flags (cached under the user's cache folder)."""
+    return build_library("cpu_linear", KERNEL_SOURCE)
+
+
+def build_library(name: str, source: str) -> Path:
+    """The library compiled from C ``source``, built once per source and flags
+    (cached under the user's cache folder as ``name-<hash>.so``)."""
     if not sys.platform.startswith("linux") or not _cpu_has_avx512():
         raise KernelUnavailable("this CPU has no AVX-512 (or this is not Linux)")
     compiler = find_compiler()
     if compiler is None:
         raise KernelUnavailable("no C compiler found (cc or gcc on PATH)")
-    key = hashlib.sha256((KERNEL_SOURCE + " ".join(COMPILE_FLAGS)).encode()).hexdigest()[:16]
+    key = hashlib.sha256((source + " ".join(COMPILE_FLAGS)).encode()).hexdigest()[:16]
     folder = cache_root().parent / "kernels"  # beside the embedded models' cache
-    target = folder / f"cpu_linear-{key}.so"
+    target = folder / f"{name}-{key}.so"
     if target.exists():
         return target
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            source, built = Path(tmp) / "cpu_linear.c", Path(tmp) / "cpu_linear.so"
-            source.write_text(KERNEL_SOURCE)
-            done = subprocess.run([compiler, *COMPILE_FLAGS, str(source), "-o", str(built)],
+            source_file, built = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
+            source_file.write_text(source)
+            done = subprocess.run([compiler, *COMPILE_FLAGS, str(source_file), "-o", str(built)],
                                   capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
                 raise KernelUnavailable(f"{compiler} failed: {done.stderr.strip()[-400:]}")
@@ -235,11 +240,15 @@ def _build() -> Path:
     return target
 
 
-def _load(path: Path) -> ctypes.CDLL:
+def load_library(path: Path) -> ctypes.CDLL:
     try:
-        lib = ctypes.CDLL(str(path))
+        return ctypes.CDLL(str(path))
     except OSError as err:
         raise KernelUnavailable(f"loading {path.name} failed: {err}") from None
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = load_library(path)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.linear_f32.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
     lib.linear_f32.restype = None

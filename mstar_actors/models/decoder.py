@@ -19,6 +19,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, PagedAttention, TorchPagedAttention
 from .cpu_linear import PackArena, PackedWeight, arena_floats, is_packable, packed_linear, packs_blocks
+from .cpu_quant import GROUP, QuantizedWeight, quantize
 from .rope import RotaryEmbedding
 from .sharding import Cut, ShardLayout, single_rank_layout
 from .spec import ModelSpec
@@ -48,10 +49,12 @@ class RMSNorm(nn.Module):
 class LoraLinear(nn.Linear):
     """A linear layer LoRA can target: ``lora`` is None (base path only)
     unless ``lora_layers.enable_lora`` gave it a hook. On CPU in float32 the
-    base matmul runs on a packed copy of the weight (``cpu_linear``); the
-    LoRA delta is added to it all the same."""
+    base matmul runs on a packed copy of the weight (``cpu_linear``), or on
+    its quantized codes (``quant``, ``cpu_quant``); the LoRA delta is added
+    to it all the same."""
 
     lora: LoraHook | None = None
+    quant: QuantizedWeight | None = None  # set by CausalLM.quantize_cpu_weights (``weight`` is then on meta)
     packed: PackedWeight | None = None  # made on the first CPU float32 call
     # [weight; every slot's LoRA A] where the stack is fused (``lora_layers.fuse_linear``),
     # ``weight`` being its first rows.
@@ -72,6 +75,8 @@ class LoraLinear(nn.Linear):
         return y if hook is None else hook.apply(y, x)
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.linear(x, self.bias)
         # A device-type and dtype test only: nothing data-dependent, no sync.
         if not is_packable(x, self.weight):
             return F.linear(x, self.weight, self.bias)
@@ -90,19 +95,23 @@ class LoraEmbedding(nn.Embedding):
     lora: LoraHook | None = None
     tp_slices: dict[int | None, Cut] = {}
     layout: ShardLayout | None = None
+    quant: QuantizedWeight | None = None  # a tied head's quantized weight: rows are looked up there
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         layout = self.layout
         if layout is None or not layout.tp.is_parallel:
-            y = F.embedding(input_ids, self.weight)
+            y = self._lookup(input_ids)
             return y if self.lora is None else self.lora.apply(y, input_ids)
         local = input_ids - layout.vocab_start
         outside = (local < 0) | (local >= self.num_embeddings)
         local = local.masked_fill(outside, 0)
-        y = F.embedding(local, self.weight)
+        y = self._lookup(local)
         if self.lora is not None:
             y = self.lora.apply(y, local)
         return layout.tp.all_reduce(y.masked_fill(outside[:, None], 0.0))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight) if self.quant is None else self.quant.rows(ids)
 
 
 class StackedLinear(LoraLinear):
@@ -211,6 +220,7 @@ class CausalLM(nn.Module):
 
     lm_head_lora: LoraHook | None = None  # set by lora_layers.enable_lora (the head may be tied)
     lm_head_packed: PackedWeight | None = None  # the head's CPU float32 copy (cpu_linear), made on first use
+    lm_head_quant: QuantizedWeight | None = None  # the head's quantized weight (quantize_cpu_weights)
 
     def __init__(self, spec: ModelSpec, backend: PagedAttention | None = None, layout: ShardLayout | None = None,
                  decoder: nn.Module | None = None):
@@ -284,9 +294,48 @@ class CausalLM(nn.Module):
                     owner.packed.get(weight, arena)
         return sum(weight.nbytes for weight in weights)
 
+    def quantize_cpu_weights(self, bits: int, head_bits: int = 8) -> tuple[int, int]:
+        """Quantize every ``LoraLinear`` to ``bits`` (8 or 4) and the LM head
+        to ``head_bits`` (``cpu_quant``; GGUF models keep their head at Q8_0
+        beside Q4 layers, as it is the most sensitive matrix), then drop
+        their float weights (moved to the meta device: nothing on CPU reads
+        them, as LoRA adds its delta to the base output). A tied head's
+        quantized weight also serves the embedding's lookups. Layers whose
+        input size is not a multiple of 32 stay float. Call after loading
+        and before ``pack_cpu_weights``; returns (float bytes dropped, bytes
+        the quantized weights take)."""
+        dropped = kept = 0
+        placed: list[QuantizedWeight] = []
+        with torch.no_grad():
+            owners = [m for m in self.modules() if isinstance(m, LoraLinear) and m.in_features % GROUP == 0]
+            tied = self.spec.tie_word_embeddings
+            head = self.model.embed_tokens if tied else self.lm_head
+            for module, num_bits in [(m, bits) for m in owners] + [(head, head_bits)]:
+                if module.weight.shape[1] % GROUP:
+                    continue
+                quant = quantize(module.weight, num_bits)
+                if module is head:
+                    self.lm_head_quant = quant
+                    if tied:
+                        module.quant = quant
+                else:
+                    module.quant = quant
+                dropped += module.weight.nbytes
+                kept += quant.nbytes
+                placed.append(quant)
+                module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
+            if placed:  # all in one huge-page buffer, as pack_cpu_weights does for float32
+                arena = PackArena(sum(q.arena_floats() for q in placed))
+                for quant in placed:
+                    quant.move_into(arena)
+        return dropped, kept
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
-        logits = self._head(hidden, weight)
+        if self.lm_head_quant is not None:
+            logits = self.lm_head_quant.linear(hidden)
+        else:
+            weight = self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+            logits = self._head(hidden, weight)
         if self.lm_head_lora is not None:  # rows of ``hidden`` are the sampled rows, in order
             logits = self.lm_head_lora.apply(logits, hidden)
         return self.layout.tp.all_gather(logits.float())

@@ -100,7 +100,8 @@ class Target:
 def attention_backend(device: torch.device | str) -> PagedAttention:
     """The attention backend for ``device``, picked once as the model is built:
     on CUDA the Triton kernels (``TritonPagedAttention``) when Triton imports,
-    else the torch reference."""
+    else the torch reference; on CPU the reference with decode rows on our
+    kernel (``cpu_attention``, itself the reference where it can't build)."""
     if torch.device(device).type == "cuda":
         try:
             from .triton_attention import TritonPagedAttention
@@ -108,7 +109,10 @@ def attention_backend(device: torch.device | str) -> PagedAttention:
             log.warning("attention: Triton unavailable (%s); using the torch reference on %s", err, device)
         else:
             return TritonPagedAttention()
-    return TorchPagedAttention()
+        return TorchPagedAttention()
+    from .cpu_attention import CpuPagedAttention
+
+    return CpuPagedAttention()
 
 
 def deltanet_ops(device: torch.device | str) -> DeltaNetOps:

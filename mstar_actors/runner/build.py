@@ -3,7 +3,8 @@
 ``build_runner`` runs named steps, each in the place the next one needs:
 
 1. ``load_model``: the weights, on the device, in the serving dtype.
-2. ``model.pack_cpu_weights`` (CPU): the GEMM layout, now rather than in the first
+2. ``model.quantize_cpu_weights`` (CPU, ``model.quantization``), then
+   ``model.pack_cpu_weights``: the GEMM layout, now rather than in the first
    request's step, and before the KV cache is sized from the RAM left.
 3. ``enable_served_lora``: the LoRA stacks, where an adapter can ever be
    served; before the KV cache, whose size is the memory that is left.
@@ -25,10 +26,12 @@ import psutil
 import torch
 from torch import nn
 
-from mstar_actors.config import Config, KvConfig, LoraConfig
+from mstar_actors.config import Config, ConfigError, KvConfig, LoraConfig
+from mstar_actors.fetch import EMBEDDED
 from mstar_actors.model_info import ModelInfo
 from mstar_actors.models.attention import allocate_kv_cache, kv_bytes_per_block
 from mstar_actors.models.checkpoint import CheckpointRules
+from mstar_actors.models.cpu_quant import bits_of
 from mstar_actors.models.deltanet_ops import StatePool, allocate_state_pools, state_bytes_per_slot
 from mstar_actors.models.loader import load_model
 from mstar_actors.models.registry import ARCHITECTURES
@@ -53,7 +56,12 @@ def build_runner(config: Config, info: ModelInfo, resolve_tensor: TensorResolver
     device = rank_device(resolve_device(config.model.device), tp.rank, tp.world_size)
     use_device(device)  # this thread's kernels, streams and graph captures go to the rank's device
     dtype = resolve_dtype(info.dtype, None, device)
+    bits = quantization_bits(config.model.quantization, config.model.path, device, dtype)
     model = load_model(info.model_dir, dtype, device, tp)
+    if bits is not None:
+        dropped, kept = model.quantize_cpu_weights(bits)
+        log.info("weights: int%d linears (int8 head) take %.1f MiB in place of %.1f MiB of float32",
+                 bits, kept / 2**20, dropped / 2**20)
     if device.type == "cpu":
         model.pack_cpu_weights()  # step 2
     rules = ARCHITECTURES[info.architecture].rules  # where adapters' modules land: the loader's own table
@@ -71,6 +79,24 @@ def build_runner(config: Config, info: ModelInfo, resolve_tensor: TensorResolver
     if takes_graphs(config, device, is_multimodal=media is not None):
         capture_graphs(runner, max_batch, max_tokens)
     return runner
+
+
+def quantization_bits(quantization: str, model_path: str, device: torch.device, dtype: torch.dtype) -> int | None:
+    """``model.quantization`` -> the linear layers' bits (None: float).
+    "auto" is an embedded model's shipped quantization on CPU float32, else
+    none; an explicit int8/int4 elsewhere is refused (``ConfigError``)."""
+    if quantization == "auto":
+        shipped = EMBEDDED[model_path].quantization if model_path in EMBEDDED else "none"
+        is_float_cpu = device.type == "cpu" and dtype == torch.float32
+        return bits_of(shipped) if is_float_cpu else None
+    bits = bits_of(quantization)
+    if bits is not None and device.type != "cpu":
+        raise ConfigError(f"model.quantization: {quantization} runs on CPU only (this model is on {device}); "
+                          "set model.quantization: none (or model.device: cpu)")
+    if bits is not None and dtype != torch.float32:
+        raise ConfigError(f"model.quantization: {quantization} takes model.dtype float32 on CPU, got {dtype}; "
+                          "set model.dtype: float32 (or model.quantization: none)")
+    return bits
 
 
 def is_lora_served(lora: LoraConfig) -> bool:

