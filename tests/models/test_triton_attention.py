@@ -224,9 +224,10 @@ def test_backend_falls_back_for_head_dims_without_kernel():
 
 
 def test_attention_backend_picks_by_device():
+    from mstar_actors.models.cpu_attention import CpuPagedAttention
     from mstar_actors.models.loader import attention_backend
 
-    assert type(attention_backend("cpu")) is TorchPagedAttention
+    assert type(attention_backend("cpu")) is CpuPagedAttention
     assert isinstance(attention_backend(torch.device("cuda", 0)), TritonPagedAttention)
 
 
