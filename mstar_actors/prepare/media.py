@@ -527,19 +527,35 @@ def decode_audio(data: bytes, ref: MediaRef, limits: MediaLimits, sampling_rate:
 
 
 def _resampled(container: Any, stream: Any, ref: MediaRef, sampling_rate: int, max_samples: int) -> list:
-    """Every frame resampled to planar float32 at ``sampling_rate``; [channels, n] arrays."""
-    import itertools
-
+    """The clip resampled to planar float32 at ``sampling_rate``: [channels, n]
+    arrays. Frames are decoded one by one (their samples counted against the
+    limit as they come), then resampled in one call: resampling frame by
+    frame is a Python loop of small calls that holds the GIL, which kept the
+    prepare pool's threads from running clips side by side. A stream whose
+    frames change format or rate is resampled frame by frame."""
     import av
+    import numpy as np
 
+    frames = []
+    num_in = 0
+    for frame in container.decode(stream):
+        frames.append(frame)
+        num_in += frame.samples
+        if num_in * sampling_rate > max_samples * frame.sample_rate:
+            raise _too_long(ref, f"over {(max_samples - 1) / sampling_rate:g}", (max_samples - 1) / sampling_rate)
+    if not frames:
+        return []
+    first = frames[0]
+    kind = (first.format.name, first.layout.name, first.sample_rate)
+    if all((f.format.name, f.layout.name, f.sample_rate) == kind for f in frames):
+        whole = av.AudioFrame.from_ndarray(np.concatenate([f.to_ndarray() for f in frames], axis=1),
+                                           format=kind[0], layout=kind[1])
+        whole.sample_rate = kind[2]
+        frames = [whole]
     resampler = av.AudioResampler(format="fltp", rate=sampling_rate)
-    chunks, num_samples = [], 0
-    for frame in itertools.chain(container.decode(stream), [None]):  # None: flush the resampler's tail
-        for out in resampler.resample(frame):
-            chunks.append(out.to_ndarray())
-            num_samples += out.samples
-            if num_samples > max_samples:
-                raise _too_long(ref, f"over {(max_samples - 1) / sampling_rate:g}", (max_samples - 1) / sampling_rate)
+    chunks = [out.to_ndarray() for frame in [*frames, None] for out in resampler.resample(frame)]
+    if sum(chunk.shape[1] for chunk in chunks) > max_samples:
+        raise _too_long(ref, f"over {(max_samples - 1) / sampling_rate:g}", (max_samples - 1) / sampling_rate)
     return chunks
 
 
