@@ -57,15 +57,21 @@ class CheckpointRules:
         self._reverse = [(_pattern(r.ours), r) for r in self.rules]
         self._ignored = [_pattern(p) for p in ignored]
 
-    def map_module(self, hf_module: str) -> tuple[str, int | None] | None:
-        """``model.layers.3.self_attn.k_proj`` -> ``("model.layers.3.self_attn.qkv_proj", 1)``;
-        None when no rule matches (the caller decides whether that is an error)."""
+    def place(self, hf_module: str) -> tuple[str, int | None, int] | None:
+        """``model.layers.3.self_attn.k_proj`` -> ``("model.layers.3.self_attn.qkv_proj", 1, 1)``:
+        our module, the first shard it fills and how many; None when no rule
+        matches (the caller decides whether that is an error)."""
         hf_module = self.canonical(hf_module.removeprefix("base_model.model."))  # PEFT's wrapper prefix
         for pattern, rule in self._forward:
             m = pattern.match(hf_module)
             if m:
-                return _fill(rule.ours, m), rule.shard
+                return _fill(rule.ours, m), rule.shard, rule.span
         return None
+
+    def map_module(self, hf_module: str) -> tuple[str, int | None] | None:
+        """``place`` without the span: ``("model.layers.3.self_attn.qkv_proj", 1)``."""
+        placed = self.place(hf_module)
+        return None if placed is None else placed[:2]
 
     def map_tensor(self, hf_name: str) -> tuple[str, int | None] | None:
         """``...k_proj.weight`` -> ``("...qkv_proj.weight", 1)``."""
@@ -74,24 +80,6 @@ class CheckpointRules:
         if mapped is None:
             return None
         return f"{mapped[0]}.{leaf}", mapped[1]
-
-    def place(self, hf_module: str) -> tuple[str, int | None, int] | None:
-        """Where an adapter's module lands: ``(our module, first shard, shards)``;
-        None when no rule matches."""
-        hf_module = self.canonical(hf_module.removeprefix("base_model.model."))
-        for pattern, rule in self._forward:
-            m = pattern.match(hf_module)
-            if m:
-                return _fill(rule.ours, m), rule.shard, rule.span
-        return None
-
-    def hf_module(self, our_module: str, shard: int | None) -> str:
-        """The inverse of ``map_module``: which HF module fills ``our_module``'s ``shard``."""
-        for pattern, rule in self._reverse:
-            m = pattern.match(our_module)
-            if m and rule.shard == shard:
-                return _fill(rule.hf, m)
-        raise KeyError(f"no checkpoint rule fills {our_module!r} shard {shard}")
 
     def checkpoint_parts(self, our_module: str) -> list[tuple[str, int | None, int]]:
         """The checkpoint modules that fill ``our_module``: ``(HF module, first

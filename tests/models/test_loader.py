@@ -89,5 +89,6 @@ def test_checkpoint_rules_place_adapter_modules():
     assert rules.map_module("model.layers.2.self_attn.q_norm") == ("model.layers.2.self_attn.q_norm", None)
     assert rules.map_module("model.layers.2.self_attn.rotary") is None
     assert rules.map_tensor("model.layers.5.self_attn.v_proj.bias") == ("model.layers.5.self_attn.qkv_proj.bias", 2)
-    assert rules.hf_module("model.layers.5.mlp.gate_up_proj", 0) == "model.layers.5.mlp.gate_proj"
+    assert rules.checkpoint_parts("model.layers.5.mlp.gate_up_proj") == [
+        ("model.layers.5.mlp.gate_proj", 0, 1), ("model.layers.5.mlp.up_proj", 1, 1)]
     assert ARCHITECTURES["LlamaForCausalLM"].rules.map_module("model.layers.0.self_attn.q_norm") is None
