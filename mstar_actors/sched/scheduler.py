@@ -309,11 +309,9 @@ class Scheduler:
             num_left = seq.num_tokens - seq.num_computed
             if (num_left == 1) != decodes:
                 continue
-            num_new, snapshot = self._snapshot_cut(seq, min(num_left, step.budget))
+            num_new = self._snapshot_point_cut(seq, seq.num_computed, min(num_left, step.budget))
             if self._reserve_blocks(seq, num_new, step):
-                step.add(seq, num_new, snapshot)
-            elif snapshot is not None:
-                self.snapshots.release(snapshot[0])
+                step.add(seq, num_new, self._snapshot_to_take(seq, num_new))
 
     def _reserve_blocks(self, seq: Sequence, num_new: int, step: _StepBuilder) -> bool:
         """Blocks for ``num_new`` more tokens of a running ``seq``, preempting
@@ -417,10 +415,6 @@ class Scheduler:
         if self.snapshots.has(block_hash) or not self.snapshots.can_reserve():
             return None
         return self.snapshots.reserve(), block_hash
-
-    def _snapshot_cut(self, seq: Sequence, num_new: int) -> tuple[int, tuple[int, bytes] | None]:
-        num_new = self._snapshot_point_cut(seq, seq.num_computed, num_new)
-        return num_new, self._snapshot_to_take(seq, num_new)
 
     # ------------------------------------------------------------------ update
 
