@@ -196,13 +196,14 @@ class GrammarMatchers:
         buffers' (on CUDA its first use compiles it: not in a request's step)."""
         if self.device.type != "cuda":
             return
-        n = 1
-        while n <= self.bitmask.shape[0]:
-            logits = torch.zeros(n, self.compiler.vocab_size, device=self.device)
-            _xgr().apply_token_bitmask_inplace(logits, self.device_bitmask[:n], vocab_size=self.compiler.vocab_size,
-                                               indices=list(range(n)))
-            n *= 2
-        torch.cuda.synchronize(self.device)
+        with torch.cuda.device(self.device):  # this may be a thread whose current device is another rank's
+            n = 1
+            while n <= self.bitmask.shape[0]:
+                logits = torch.zeros(n, self.compiler.vocab_size, device=self.device)
+                _xgr().apply_token_bitmask_inplace(logits, self.device_bitmask[:n], vocab_size=self.compiler.vocab_size,
+                                                   indices=list(range(n)))
+                n *= 2
+            torch.cuda.synchronize(self.device)
 
     def __len__(self) -> int:
         return len(self.matchers)
