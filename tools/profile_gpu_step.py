@@ -15,6 +15,7 @@ kernel with its own shrink); ``--fuse on|off`` keeps one.
 
     python tools/profile_gpu_step.py --tokenizer DIR            # the random Llama-3.2-1B shape
     python tools/profile_gpu_step.py --tokenizer DIR --batches 1 8 32 64 --mixed-decodes 7 31
+    python tools/profile_gpu_step.py --tokenizer DIR --model qwen3.5-0.8b-random   # the hybrid model
 
 Needs CUDA; makes the model and adapters like ``bench_lora.py`` (same cache).
 """
@@ -62,7 +63,11 @@ class Decoder:
         self.sampling = messages.SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
         self.blocks = {rid: list(range(1 + i * 64, 1 + (i + 1) * 64)) for i, rid in enumerate(self.rids)}
         self.done = {rid: 0 for rid in self.rids}
-        starts = [messages.SeqStart(rid, [(7 * i + j) % 1000 + 3 for j in range(CONTEXT)], self.sampling, lora_slot=s)
+        # A model with recurrent state gives each sequence a state slot: the
+        # first ones (a mixed step's new request takes the last).
+        self.stateful = runner.num_state_slots > 0
+        starts = [messages.SeqStart(rid, [(7 * i + j) % 1000 + 3 for j in range(CONTEXT)], self.sampling, lora_slot=s,
+                                    state_slot=i if self.stateful else -1)
                   for i, (rid, s) in enumerate(zip(self.rids, slots))]
         self.step_id = 0
         self.run(starts, [self.chunk(rid, CONTEXT) for rid in self.rids])
@@ -87,7 +92,8 @@ class Decoder:
         forgotten, so its blocks serve the next one."""
         self.step_id += 1
         rid = f"new{self.step_id}"
-        start = messages.SeqStart(rid, [(5 * j) % 1000 + 3 for j in range(PREFILL)], self.sampling, lora_slot=slot)
+        start = messages.SeqStart(rid, [(5 * j) % 1000 + 3 for j in range(PREFILL)], self.sampling, lora_slot=slot,
+                                  state_slot=self.runner.num_state_slots - 1 if self.stateful else -1)
         chunks = [messages.ScheduledChunk(rid, 0, PREFILL, blocks, True), *(self.chunk(r, 1) for r in self.rids)]
         started = time.perf_counter()
         self.runner.execute(messages.StepPlan(self.step_id, [start], chunks, []))
@@ -201,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="SmolLM2's tokenizer files and config.json (default: the fetched embedded model)")
+    p.add_argument("--model", choices=sorted(bench_lora.RANDOM_SETUPS), default=bench_lora.LLAMA_1B,
+                   help=f"the random model's shape (default {bench_lora.LLAMA_1B})")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--mixed-decodes", type=int, nargs="*", default=[7, 31],
@@ -218,10 +226,10 @@ def main(argv: list[str] | None = None) -> int:
 
         args.tokenizer = Path(resolve_model("smollm2"))
     cache = bench_lora.default_cache_dir()
-    model_dir = bench_lora.make_random_model(bench_lora.LLAMA_1B, cache / bench_lora.LLAMA_1B, args.tokenizer, "bfloat16", "cuda")
-    paths = bench_lora.make_adapters(model_dir, cache / "adapters" / f"{bench_lora.LLAMA_1B}-r16",
+    model_dir = bench_lora.make_random_model(args.model, cache / args.model, args.tokenizer, "bfloat16", "cuda")
+    paths = bench_lora.make_adapters(model_dir, cache / "adapters" / f"{args.model}-r16",
                                      [f"lora{i}" for i in range(NUM_ADAPTERS)], 16, "bfloat16", "cuda")
-    max_seqs = max([*args.batches, *args.mixed_decodes])
+    max_seqs = max([*args.batches, *args.mixed_decodes, 32])  # the install rows decode 32 beside
     runners = {}
     for fused in [mode == "on" for mode in (("on", "off") if args.fuse == "both" else (args.fuse,))]:
         config = parse_config({"model": {"path": str(model_dir), "device": "cuda"}, "kv": {"num_blocks": 64 * max_seqs + 8},

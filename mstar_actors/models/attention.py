@@ -66,6 +66,13 @@ class AttentionMetadata:
     # int64 [S] on the device and as a host list; None for other models.
     state_slots: torch.Tensor | None = None
     state_slots_list: list[int] | None = None
+    # A hybrid model's step in static form (a graphed mixed step, with
+    # ``varlen_work``): int64 ``[NT, 2]`` ``(sequence, chunk)`` of every
+    # 64-token chunk of every sequence's queries, in order, padded with
+    # ``(S, 0)`` (an empty sequence past the last); ``state_slots [S]`` is
+    # then padded with the pools' scratch slot. Every sequence, a decode row
+    # too, goes through the chunked delta rule (``deltanet_triton``).
+    deltanet_chunks: torch.Tensor | None = None
 
     @classmethod
     def from_lists(cls, *, slot_mapping: Sequence[int], block_tables: Sequence[Sequence[int]],

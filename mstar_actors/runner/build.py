@@ -220,13 +220,23 @@ def capture_graphs(runner: ModelRunner, max_batch: int, max_tokens: int) -> None
 
 def captures_mixed(runner: ModelRunner) -> bool:
     """Whether a step with prefill chunks can be captured: attention must
-    read its shape from tensors (``captures_varlen``), and a hybrid model's
-    chunks go through the DeltaNet's varlen ops, which read it on the host."""
-    if runner.spec.is_hybrid:
-        log.info("mixed-step graphs off: %s's prefill chunks run eagerly (decode steps are graphed)",
-                 runner.spec.architecture)
+    read its shape from tensors (``captures_varlen``), and so must a hybrid
+    model's DeltaNet layers (the Triton ops' static form; the torch
+    reference reads the step on the host)."""
+    if runner.spec.is_hybrid and not captures_deltanet(runner):
+        log.info("mixed-step graphs off: %s's DeltaNet layers run the torch reference, which reads each step on "
+                 "the host; steps with prefill chunks run eagerly (decode steps are graphed)", runner.spec.architecture)
         return False
     return captures_varlen(runner)
+
+
+def captures_deltanet(runner: ModelRunner) -> bool:
+    try:
+        from mstar_actors.models.deltanet_triton import TritonDeltaNetOps
+    except ImportError:
+        return False
+    layers = runner.model.model.layers
+    return all(isinstance(layers[i].linear_attn.ops, TritonDeltaNetOps) for i in runner.spec.state_layers)
 
 
 def captures_varlen(runner: ModelRunner) -> bool:

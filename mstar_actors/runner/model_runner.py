@@ -256,12 +256,11 @@ class ModelRunner:
         pool = torch.cuda.graph_pool_handle() if capture else None
         shared = dict(max_blocks_per_seq=-(-self.max_model_len // self.block_size), block_size=self.block_size,
                       scratch_block=self.scratch_block, capture=capture, pool=pool)
+        shared["scratch_state_slot"] = self.num_state_slots if self.num_state_slots else None  # the pools' scratch
         if max_tokens > 0:
             self.mixed_graphs = MixedGraphs(self.model, self.kv_caches, self.lora, max_seqs=max_batch,
                                             max_tokens=max_tokens, **shared)
-        scratch_state = self.num_state_slots if self.num_state_slots else None  # the pools' scratch slot
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.lora, max_batch=max_batch,
-                                   scratch_state_slot=scratch_state, **shared)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.lora, max_batch=max_batch, **shared)
 
     # -- protocol ----------------------------------------------------------
 

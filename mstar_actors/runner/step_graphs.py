@@ -63,6 +63,7 @@ import numpy as np
 import torch
 
 from mstar_actors.models.attention import AttentionMetadata, max_varlen_items, plan_varlen_work
+from mstar_actors.models.deltanet_ops import CHUNK
 
 log = logging.getLogger(__name__)
 
@@ -379,7 +380,12 @@ class MixedGraphs(_StepGraphs):
     - ``sampled_rows [S]`` (token rows whose logits the step returns, in
       ``logits_indices`` order; padding: row 0) and ``sampled_slots [S]``;
     - ``varlen_work [P, 2]`` (``plan_varlen_work``, padded with ``(-1, 0)``;
-      a bucket of ``t`` tokens reads its first ``max_varlen_items(t, S)``).
+      a bucket of ``t`` tokens reads its first ``max_varlen_items(t, S)``);
+    - a hybrid model's (``scratch_state_slot``): ``state_slots [S]`` (padded
+      with the scratch slot) and ``deltanet_chunks [NT, 2]``, each
+      sequence's 64-token chunks (``AttentionMetadata.deltanet_chunks``,
+      padded with ``(S, 0)``; a bucket reads its first
+      ``max_varlen_items(t, S, CHUNK)``).
 
     No work item covers a padding token, so attention leaves its output row
     unwritten: the graph zeroes those rows after attention in every layer
@@ -393,12 +399,13 @@ class MixedGraphs(_StepGraphs):
 
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], lora: Any, *, max_seqs: int, max_tokens: int,
                  max_blocks_per_seq: int, block_size: int, scratch_block: int, capture: bool = True,
-                 pool: Any = None):
+                 pool: Any = None, scratch_state_slot: int | None = None):
         if max_tokens < 1 or max_seqs < 1:
             raise ValueError(f"mixed-step graphs need max_tokens >= 1 and max_seqs >= 1; got {max_tokens}, {max_seqs}")
         super().__init__(model, kv_caches, lora, num_table_rows=max_seqs, max_blocks_per_seq=max_blocks_per_seq,
                          block_size=block_size, scratch_block=scratch_block)
         self.max_seqs = max_seqs
+        self.scratch_state_slot = scratch_state_slot  # None: the model keeps no recurrent state
         self.buckets = token_buckets(max_tokens)
         self._make_buffers(model.spec.vocab_size)
         if capture:
@@ -411,8 +418,11 @@ class MixedGraphs(_StepGraphs):
     def _make_buffers(self, vocab_size: int) -> None:
         t, s, dev = self.max_tokens, self.max_seqs, self.device
         self._num_work = {b: max_varlen_items(b, s) for b in self.buckets}
+        self._num_chunks = {b: max_varlen_items(b, s, CHUNK) for b in self.buckets}
         sizes = dict(longs=3 * t, token_slots=t, query_start=s + 1, context_lens=s, sampled_rows=s, sampled_slots=s,
                      work=2 * self._num_work[t])
+        if self.scratch_state_slot is not None:
+            sizes.update(state_slots=s, chunks=2 * self._num_chunks[t])
         self._at: dict[str, int] = {}
         offset = 0
         for field, size in sizes.items():
@@ -426,6 +436,10 @@ class MixedGraphs(_StepGraphs):
         self.sampled_rows, self.sampled_slots = view["sampled_rows"], view["sampled_slots"]
         self.varlen_work = view["work"].view(-1, 2)
         self.longs = torch.zeros(3, t, dtype=torch.long, device=dev)  # input_ids, positions, slot_mapping
+        if self.scratch_state_slot is not None:  # int64 in the graph, cast from the staged fields
+            self._stage_states, self._stage_chunks = view["state_slots"], view["chunks"].view(-1, 2)
+            self.state_slots = torch.zeros(s, dtype=torch.long, device=dev)
+            self.deltanet_chunks = torch.zeros(self._num_chunks[t], 2, dtype=torch.long, device=dev)
         self._token_index = torch.arange(t, dtype=torch.int32, device=dev)
         self.logits = torch.zeros(s, vocab_size, dtype=torch.float32, device=dev)
         self._write_header([], [], [], [], [], [], [], t)
@@ -448,7 +462,7 @@ class MixedGraphs(_StepGraphs):
         return next(b for b in self.buckets if b >= num_tokens)
 
     def _write_header(self, input_ids, positions, slot_mapping, token_slots, query_lens, context_lens,
-                      sampled, bucket: int, sampled_slots: Sequence[int] = ()) -> None:
+                      sampled, bucket: int, sampled_slots: Sequence[int] = (), state_slots: Sequence[int] = ()) -> None:
         """The header's host copy for one step, padded to ``bucket`` tokens and ``max_seqs`` sequences."""
         put = self._put
         t, s, num_tokens = self.max_tokens, self.max_seqs, len(input_ids)
@@ -463,6 +477,11 @@ class MixedGraphs(_StepGraphs):
         put(self._at["sampled_slots"], sampled_slots, s, 0)
         work = plan_varlen_work(query_lens, self._num_work[bucket])
         put(self._at["work"], np.asarray(work, dtype=np.int32).reshape(-1), 2 * len(work), 0)
+        if self.scratch_state_slot is not None:
+            put(self._at["state_slots"], state_slots, s, self.scratch_state_slot)
+            chunks = [(seq, j) for seq, n in enumerate(query_lens) for j in range(-(-n // CHUNK))]
+            chunks += [(s, 0)] * (self._num_chunks[bucket] - len(chunks))  # the empty sequence past the last
+            put(self._at["chunks"], np.asarray(chunks, dtype=np.int32).reshape(-1), 2 * len(chunks), 0)
 
     def _put(self, start: int, values: Sequence[int], stop: int, pad: int) -> None:
         """Host field at ``start``: ``values``, then ``pad`` up to ``stop`` entries."""
@@ -477,7 +496,7 @@ class MixedGraphs(_StepGraphs):
         self._stage.begin_write()
         token_slots = np.repeat(np.asarray(batch.chunk_slots, dtype=np.int32), batch.query_lens)
         self._write_header(batch.input_ids, batch.positions, batch.slot_mapping, token_slots, batch.query_lens,
-                           batch.context_lens, batch.logits_indices, bucket, batch.sample_slots)
+                           batch.context_lens, batch.logits_indices, bucket, batch.sample_slots, batch.state_slots)
         self._send(self._tables_start, batch.block_tables, num_seqs)
         return bucket
 
@@ -502,6 +521,11 @@ class MixedGraphs(_StepGraphs):
             num_blocks_list=[],
             varlen_work=self.varlen_work[: self._num_work[bucket]],
         )
+        if self.scratch_state_slot is not None:
+            num_chunks = self._num_chunks[bucket]
+            self.state_slots.copy_(self._stage_states)
+            self.deltanet_chunks[:num_chunks].copy_(self._stage_chunks[:num_chunks])
+            meta.state_slots, meta.deltanet_chunks = self.state_slots, self.deltanet_chunks[:num_chunks]
         is_padding = self._token_index[:bucket] >= self.query_start[-1]
         if uses_rows:
             self.lora.begin_rows_step(self.token_slots[:bucket], self.sampled_slots)
@@ -533,7 +557,7 @@ class _ZeroedRows:
 def _padding_rows_zeroed(model: Any, is_padding: torch.Tensor) -> Iterator[None]:
     """Every layer's attention through ``_ZeroedRows`` for one forward: one
     small masked fill per layer, captured with the rest."""
-    layers = [layer.self_attn for layer in model.model.layers]
+    layers = [layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn")]  # a hybrid's too
     backends = [attn.backend for attn in layers]
     for attn, backend in zip(layers, backends):
         attn.backend = _ZeroedRows(backend, is_padding)

@@ -58,3 +58,29 @@ def test_bfloat16_serves_close_to_float32(world):
     full, _, _ = run(folder)
     same = sum(x == y for rid in full for x, y in zip(half[rid], full[rid]))
     assert same >= 0.6 * sum(len(v) for v in full.values())
+
+
+def test_graphed_mixed_steps_equal_eager_and_transformers(world):
+    """Steps with prefill chunks from the mixed-step graphs: a prompt of
+    several 64-token chunks in one step beside decodes, a chunk continuing
+    a state, and a one-token prompt, against eager steps and transformers."""
+    folder, hf = world
+    gen = torch.Generator().manual_seed(11)
+    prompts = {rid: torch.randint(2, VOCAB, (n,), generator=gen).tolist() for rid, n in [("a", 150), ("b", 5), ("c", 1)]}
+
+    def serve(**overrides):
+        runner = runner_factories.make_runner(folder, **(dict(dtype="float32", device="cuda", block_size=4, num_blocks=96,
+                                                              max_num_seqs=6, cuda_graph_max_batch=4) | overrides))
+        d = Driver(runner)
+        d.step([d.start("b", prompts["b"]), d.start("c", prompts["c"])], [d.chunk("b"), d.chunk("c")])
+        d.step([d.start("a", prompts["a"])], [d.chunk("a", 130), *d.decodes("b", "c")])
+        d.step([], [d.chunk("a"), *d.decodes("b", "c")])
+        return d.run_to_end(), runner
+
+    graphed, runner = serve()
+    assert runner.mixed_graphs is not None and runner.mixed_graphs.is_captured
+    eager, _ = serve(enforce_eager=True)
+    assert graphed == eager
+    hf = hf.to("cuda")
+    for rid, prompt in prompts.items():
+        assert graphed[rid] == generate(hf, prompt, NUM_NEW), rid
