@@ -161,3 +161,45 @@ def test_more_installs_than_slots_is_a_protocol_error():
         _free(*shms[:3])  # the fourth was never read
         shms[3].close()
         shms[3].unlink()
+
+
+class KeptImageRunner(SlowInstallRunner):
+    """Keeps the images of ``kept`` digests: those swap back in at once."""
+
+    def __init__(self, kept):
+        super().__init__()
+        self.kept, self.swapped = set(kept), []
+
+    def reinstall_adapter(self, slot, name, digest):
+        if digest not in self.kept:
+            return False
+        self.swapped.append((slot, name))
+        return True
+
+
+def test_a_kept_image_swaps_in_inline_unless_an_install_is_on_the_thread():
+    shm_a, install_a = _host_copy("a")
+    shm_b, install_b = _host_copy("b")
+    install_b = InstallAdapter(slot=2, name="b", digest=install_b.digest, host=install_b.host)
+    runner = KeptImageRunner({install_b.digest})  # "a" reads its host copy on the thread, which waits for go
+
+    async def script(inbox, outbox):
+        await inbox.send(install_b)  # kept: answered inline, the thread untouched
+        reply = await asyncio.wait_for(outbox.recv(), 10)
+        assert isinstance(reply, AdapterInstalled) and (reply.slot, reply.ok) == (2, True)
+        assert runner.swapped == [(2, "b")] and runner.installed == []
+        await inbox.send(install_a)  # to the thread, which blocks
+        await inbox.send(install_b)  # kept, but queued behind "a": one install at a time, in order
+        await inbox.send(StepPlan(step_id=1, started=[], scheduled=[]))
+        reply = await asyncio.wait_for(outbox.recv(), 10)
+        assert isinstance(reply, StepDone) and reply.step_id == 1  # steps go on meanwhile
+        assert runner.swapped == [(2, "b")]
+        runner.go.set()
+        replies = [await asyncio.wait_for(outbox.recv(), 10) for _ in range(2)]
+        assert [(r.slot, r.ok) for r in replies] == [(1, True), (2, True)]
+        assert runner.installed == [(1, "a")] and runner.swapped == [(2, "b"), (2, "b")]
+
+    try:
+        asyncio.run(_run(runner, script))
+    finally:
+        _free(shm_a, shm_b)
