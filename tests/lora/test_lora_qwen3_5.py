@@ -74,9 +74,11 @@ def make_runner(folder, **overrides):
     return runner_factories.make_runner(folder, **(kwargs | overrides))
 
 
-def test_adapters_on_every_target_match_peft_beside_base_rows_with_churn(world):
+def serve_every_target(world, **overrides):
+    """Three adapters beside base rows on two slots, one swapped (see the
+    module doc): each request's tokens, its prompt and its adapter's name."""
     base_folder, base, adapters = world
-    runner = make_runner(base_folder)
+    runner = make_runner(base_folder, **overrides)
     gen = torch.Generator().manual_seed(5)
     prompts = {rid: torch.randint(2, VOCAB, (n,), generator=gen).tolist()
                for rid, n in [("d", 19), ("a", 11), ("b", 7), ("h", 13)]}
@@ -94,11 +96,32 @@ def test_adapters_on_every_target_match_peft_beside_base_rows_with_churn(world):
     # Churn: slot 2 frees with its last request and takes the third adapter.
     runner.install_adapter(2, load_weights(adapters["head"][0], base_folder, "head"))
     d.step([d.start("h", prompts["h"], slot=2)], [d.chunk("h"), *d.decodes("d", "b")])
-    outputs = d.run_to_end() | done
+    return d.run_to_end() | done, prompts, on, runner
+
+
+def test_adapters_on_every_target_match_peft_beside_base_rows_with_churn(world):
+    _, base, adapters = world
+    outputs, prompts, on, _ = serve_every_target(world)
     for rid, name in on.items():
         model = base if name is None else adapters[name][1]
         assert outputs[rid] == generate(model, prompts[rid], NUM_NEW), f"{rid} on adapter {name} diverged from peft"
     assert outputs["d"] != generate(base, prompts["d"], NUM_NEW)  # the adapter matters
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_adapters_match_peft_on_cuda_through_the_step_graphs(world):
+    """The same steps on CUDA: prefill chunks from the mixed-step graphs and
+    decodes from the decode graphs, LoRA rows through the Triton kernels."""
+    _, base, adapters = world
+    outputs, prompts, on, runner = serve_every_target(world, device="cuda", cuda_graph_max_batch=4)
+    assert runner.mixed_graphs is not None and runner.mixed_graphs.is_captured
+    for rid, name in on.items():
+        model = (base if name is None else adapters[name][1]).to("cuda")
+        try:
+            assert outputs[rid] == generate(model, prompts[rid], NUM_NEW), f"{rid} on adapter {name} diverged from peft"
+        finally:
+            model.to("cpu")  # the module's other tests compare on the CPU
 
 
 
