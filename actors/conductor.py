@@ -29,7 +29,11 @@ what it returns. Requests reach the scheduler only once their slot is
 acknowledged by every rank, and with it (``Admit.slot``); installs travel on
 the same broadcast as the plans, so every rank sees plans and installs in one
 order. A choice's end (any ``Finished`` / ``Failed`` the scheduler emits)
-unpins its slot.
+unpins its slot. Under churn the pool parks a slot's admitted choices when
+their adapter's turn ends (``MoveRows``: the scheduler leaves them out of the
+plans) and moves them to a slot again once their adapter is reinstalled; the
+swap's install goes after the last plan that used the slot, so every rank
+runs that step on the old weights.
 
 Choices: a request of ``n`` choices arrives prepared once; the scheduler
 runs it as ``n`` sequences sharing its prompt and media.
@@ -52,7 +56,7 @@ from typing import Any
 import msgspec
 
 from actors.base import Actor
-from mstar_actors.lora.adapter_pool import AdapterPool, Admit
+from mstar_actors.lora.adapter_pool import AdapterPool, Admit, MoveRows
 from mstar_actors.messages import (
     Abort,
     AdapterInstalled,
@@ -184,11 +188,14 @@ class ConductorActor(Actor):
             await self.apply_arrived()  # 1
             plan = self.scheduler.schedule() if self.scheduler.has_work() else None
             if plan is None:
+                if self.scheduler.has_work() and (moved := self.adapter_pool.stalled()):
+                    await self.route(moved)  # every live row parked: their turns end now
+                    continue
                 await self.dispatch(*await self.mailbox.get())  # park until something arrives
                 await self.send_stats()  # an abort or arrival while idle changes the gauges
                 continue
-            self.adapter_pool.step()
             await self.outbox["workers"].send(plan)  # 2
+            await self.route(self.adapter_pool.step())  # a turn's end: its swap goes after this plan
             results = await self.await_step(plan)  # 3
             await self.finish_step(plan, results)  # 4
 
@@ -266,6 +273,8 @@ class ConductorActor(Actor):
                 case Admit(prepared=prepared, slot=slot, root=root):
                     # KV is keyed by the weights that computed it: the base name or the adapter's digest.
                     await self.send_outputs(self.scheduler.add(prepared, media_root(root, prepared), slot))
+                case MoveRows(request_ids=request_ids, slot=slot):
+                    self.scheduler.set_lora_slot(request_ids, slot)
                 case InstallAdapter():
                     self.log.debug("install %r into slot %d", out.name, out.slot)
                     await self.outbox["workers"].send(out)

@@ -413,6 +413,10 @@ class ScheduledChunk(Struct, frozen=True, **_HOT):
     # ranks copy the sequence's recurrent state into this snapshot slot after the
     # step (-1: none), for later prefix hits (``SeqStart.restore_snapshot``).
     snapshot: int = -1
+    # The LoRA slot the chunk's rows run on this step: the scheduler names it
+    # in every chunk, since a sequence parked for adapter churn resumes on
+    # whatever slot its adapter gets next (-1: the one its SeqStart named).
+    lora_slot: int = -1
 
 
 class StepPlan(Struct, frozen=True, tag=True, omit_defaults=True):

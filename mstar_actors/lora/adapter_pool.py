@@ -2,18 +2,21 @@
 installs are in flight, which host copies it holds. Pure: no I/O, no asyncio.
 
 Every method takes one event (a request, an abort, a reader's answer, a
-rank's ack, a runtime load or unload, a request's end) and returns what to
-send, in order: ``Admit`` (hand the request to the scheduler on that slot and
-prefix root), ``Failed`` / ``Finished`` / ``AdapterUpdate`` / ``ModelsChanged``
-(to the frontend), ``ReadAdapter`` / ``DropAdapter`` (to the adapter-reader),
-``InstallAdapter`` (to every rank, on the same broadcast as the step plans).
+rank's ack, a runtime load or unload, a request's end, a planned step) and
+returns what to send, in order: ``Admit`` (hand the request to the scheduler
+on that slot and prefix root), ``MoveRows`` (park admitted choices, or resume
+them on a slot: the scheduler's ``set_lora_slot``), ``Failed`` / ``Finished``
+/ ``AdapterUpdate`` / ``ModelsChanged`` (to the frontend), ``ReadAdapter`` /
+``DropAdapter`` (to the adapter-reader), ``InstallAdapter`` (to every rank, on
+the same broadcast as the step plans).
 
 A request on an adapter::
 
     waiting --host copy held, slot acquired--> installing --every rank ok--> admitted
        \\--slot already ready with its digest---------------------------->/
     pool full: stays waiting (backpressure; never failed for it, never run on slot 0)
-               and reserves a slot to drain, so its wait is bounded
+               and reserves a slot, whose rows are parked once it had its turn
+    admitted --its slot taken for another adapter--> parked --a slot again--> admitted
 
 Invariants:
 
@@ -31,22 +34,23 @@ Invariants:
   hold is dropped at once, so the tier may evict it. Unloaded and stale
   versions are never kept. The held copy is what was validated: a file
   changed on disk is served once reloaded (``load``), as before.
-- Churn is bounded: when the oldest waiter of an adapter finds every slot
-  pinned, one ready slot (fewest pins, then least recently used) is marked
-  draining for it: no new request joins that slot unless its max_tokens run
-  out with those of a request already on it (``DRAIN_JOIN_STEPS``: the
-  requests of one wave, whose clients send their next ones over a step or
-  two), so it empties within one request's length and the waiter's install
-  takes it. The pool counts planned steps (``step``) for that. Requests on other
-  resident slots are still admitted at once (they delay no older waiter).
-  At most ``max_drains`` slots are out of service at once, draining or
-  installing (an install in flight serves no row either): the others keep
-  the batch running, and the requests that arrive with the install (the
-  clients of the rows that just ended) still join them instead of waiting
-  a whole request for the next swap. A drain is dropped when its waiters
-  are gone. So a waiter waits at most for the installs in flight and the
-  drains reserved before it, then its own drain (one request's length) and
-  install; never for a stream of later requests on resident adapters.
+- Churn is time-sliced: when the oldest waiter of an adapter (a new request,
+  or parked ones) finds every slot pinned, one ready slot is reserved for it
+  (``_drains``: the one whose tenant has held it longest). Its tenant keeps
+  serving, new requests on it included, until it has had ``quantum_steps``
+  planned steps since its install (``step`` counts them); then its admitted
+  choices are parked (``MoveRows(..., PARKED)``: they keep their KV and state
+  and leave the plans), the slot is free, and the waiter's install takes it.
+  The parked choices wait like a request, in the order they were parked, and
+  resume (``MoveRows`` to the new slot, after every rank acknowledged) where
+  their adapter is installed next. So a waiter waits at most for the turns of
+  the tenants before it, a quantum each, never for requests to end: with a
+  swap back in costing a copy (the ranks keep each adapter's image), the
+  batch keeps every adapter's requests moving. When nothing can run (every
+  live choice parked), ``stalled`` ends the quantum at once. At most
+  ``max_drains`` slots are reserved or installing at once (an install in
+  flight serves no row): the others keep the batch running. A reservation is
+  dropped when its waiters are gone.
 - The reader answers reads in the order they were sent (one at a time), so
   answers are matched to ``_reads`` first in, first out.
 - A reload under a served name changes the adapter's digest: new and still
@@ -65,6 +69,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mstar_actors.lora.slot_table import SlotState, SlotTable
+from mstar_actors.sched.scheduler import PARKED
 from mstar_actors.messages import (
     AdapterHostRef,
     AdapterInfo,
@@ -126,6 +131,14 @@ class Admit:
     root: str
 
 
+@dataclass(frozen=True)
+class MoveRows:
+    """Set admitted choices' LoRA slot in the scheduler: ``slot``, or ``PARKED``."""
+
+    request_ids: tuple[str, ...]
+    slot: int
+
+
 @dataclass(eq=False)
 class _Adapter:
     name: str
@@ -136,9 +149,14 @@ class _Adapter:
 
 @dataclass(eq=False)
 class _Waiting:
-    prepared: Prepared
+    """A request for its adapter's slot, or (``parked``) admitted choices whose
+    slot was taken, waiting for the version ``digest`` they ran on."""
+
+    prepared: Prepared | None
     adapter: _Adapter
-    slot: int | None = None  # pinned while its install is in flight
+    slot: int | None = None  # pinned while its install is in flight (once per parked choice)
+    parked: tuple[str, ...] = ()
+    digest: str = ""
 
 
 @dataclass(frozen=True)
@@ -155,9 +173,14 @@ class _Host:
     last_used: int = 0  # for keeping the most recently installed copies held
 
 
-# A request joins a draining slot when its max_tokens run out no later than
-# this many steps after those of a request already on it.
-DRAIN_JOIN_STEPS = 2
+# Planned steps a slot's tenant keeps it, from its install, before a waiter
+# reserving it parks its rows: at least QUANTUM_STEPS, and TURNS_PER_INSTALL
+# times what installs take (in planned steps, measured from send to the last
+# ack), so swaps keep a small share of the slot's time. A swap back in is a
+# copy (about 2 ms on the H200, a step or less); a waiter waits about a turn
+# for each tenant before it (``tests/lora/churn_sim.py``).
+QUANTUM_STEPS = 16
+TURNS_PER_INSTALL = 8
 
 
 @dataclass
@@ -168,6 +191,7 @@ class AdapterPool:
     allow_runtime_updates: bool = False
     adapter_dirs: list[str] = field(default_factory=list)
     max_cpu_loras: int = 0  # the reader's host tier; copies kept held for a quick reinstall
+    quantum_steps: int = QUANTUM_STEPS
 
     def __post_init__(self) -> None:
         self.table = SlotTable(self.max_loras, self.num_ranks)
@@ -178,13 +202,16 @@ class AdapterPool:
         self._installing: dict[int, tuple[str, str]] = {}  # slot -> (name, digest) whose acks are not all in
         self._reads: collections.deque[_Read] = collections.deque()
         self._hosts: dict[tuple[str, str], _Host] = {}  # (name, digest) -> held host copy
-        self._drains: dict[int, str] = {}  # slot -> adapter whose waiter it empties for
-        # Half the slots may be out of service (draining or installing) at once,
+        self._drains: dict[int, str] = {}  # slot -> adapter whose waiter it is reserved for
+        # Half the slots may be out of service (reserved or installing) at once,
         # at least one: the rest keep the batch busy.
         self.max_drains = max(1, self.max_loras // 2)
         self._tick = 0
-        self._steps = 0  # steps planned so far (``step``): the clock of a request's due step
-        self._due: dict[str, int] = {}  # admitted adapter request -> step its max_tokens run out
+        self._steps = 0  # steps planned so far (``step``): the clock of the quanta
+        self._tenancy: dict[int, int] = {}  # slot -> the step its tenant's install was acknowledged
+        self._install_sent: dict[int, int] = {}  # slot -> the step its install in flight was sent
+        self._last_park = -(1 << 30)  # the step of the last park
+        self.install_steps = 1.0  # what installs take, in planned steps (a running mean)
 
     @classmethod
     def from_config(cls, config, base: str, num_ranks: int) -> AdapterPool:
@@ -199,12 +226,18 @@ class AdapterPool:
 
     @property
     def num_waiting(self) -> int:
-        """Choices held for their adapter (the scheduler's gauges count choices too)."""
-        return sum(w.prepared.n for w in self._waiting)
+        """Choices held for their adapter (the scheduler's gauges count choices
+        too; parked ones are the scheduler's)."""
+        return sum(w.prepared.n for w in self._waiting if w.prepared is not None)
+
+    @property
+    def quantum(self) -> float:
+        """A tenant's turn, in planned steps (see ``QUANTUM_STEPS``)."""
+        return max(self.quantum_steps, TURNS_PER_INSTALL * self.install_steps)
 
     @property
     def num_out_of_service(self) -> int:
-        """Slots taken out of service for a swap: draining for a waiter, or installing."""
+        """Slots taken for a swap: reserved for a waiter, or installing."""
         return len(self._drains) + len(self._installing)
 
     def served(self) -> list[AdapterInfo]:
@@ -212,10 +245,17 @@ class AdapterPool:
 
     # ------------------------------------------------------------ requests
 
-    def step(self) -> None:
-        """A step was planned: the clock of the requests' due steps (a decode
-        step makes at most one token a request)."""
+    def step(self) -> list:
+        """A step was planned (and sent): the clock of the quanta. Returns
+        what a quantum's end moves; sent after the plan, so every rank runs
+        that step before the swap."""
         self._steps += 1
+        return self._settle() if self._drains or self._waiting else []
+
+    def stalled(self) -> list:
+        """Nothing can run, yet choices are live (every one parked, or
+        waiting for a slot): reserved slots' tenants are parked now."""
+        return self._settle(end_quanta=True)
 
     def add(self, req: Prepared) -> list:
         if req.model == self.base:
@@ -231,7 +271,7 @@ class AdapterPool:
 
     def abort(self, request_id: str) -> list:
         """A waiting request ends here; an admitted one is the scheduler's (see ``end``)."""
-        w = next((w for w in self._waiting if w.prepared.request_id == request_id), None)
+        w = next((w for w in self._waiting if w.prepared is not None and w.prepared.request_id == request_id), None)
         if w is None:
             return []
         self._waiting.remove(w)
@@ -245,10 +285,22 @@ class AdapterPool:
     def end(self, request_id: str) -> list:
         """The scheduler ended (finished or failed) an admitted choice: unpin its slot."""
         slot = self._slot_of.pop(request_id, None)
-        self._due.pop(request_id, None)
+        if slot is None:
+            return self._end_parked(request_id)
         if not slot:
             return []
         self.table.unpin(slot)
+        return self._settle()
+
+    def _end_parked(self, request_id: str) -> list:
+        w = next((w for w in self._waiting if request_id in w.parked), None)
+        if w is None:
+            return []
+        w.parked = tuple(rid for rid in w.parked if rid != request_id)
+        if w.slot is not None:
+            self.table.unpin(w.slot)
+        if not w.parked:
+            self._waiting.remove(w)
         return self._settle()
 
     # ------------------------------------------------------------ reader answers
@@ -274,7 +326,7 @@ class AdapterPool:
             return [AdapterUpdate(request_id=read.load_id, status=400, code="invalid_adapter",
                                   message=f"adapter {read.name!r} at {read.path} was refused: {msg.message}")]
         outs = []
-        for w in [w for w in self._waiting if w.adapter.name == read.name and w.slot is None]:
+        for w in [w for w in self._waiting if w.adapter.name == read.name and w.slot is None and not w.parked]:
             if w.adapter.path == read.path:
                 self._waiting.remove(w)
                 outs.append(self._fail(w, 500, f"adapter {read.name!r} could not be read: {msg.message}"))
@@ -290,10 +342,16 @@ class AdapterPool:
         if settled is None:
             return []
         self._installing.pop(settled.slot, None)
+        sent = self._install_sent.pop(settled.slot, self._steps)
+        if settled.ok:
+            self._tenancy[settled.slot] = self._steps
+            self.install_steps = 0.5 * self.install_steps + 0.5 * max(1, self._steps - sent)
         outs = []
         for w in [w for w in self._waiting if w.slot == settled.slot]:
             self._waiting.remove(w)
-            if settled.ok:
+            if w.parked:
+                outs.extend(self._resume(w, settled.slot) if settled.ok else self._fail_parked(w, settled))
+            elif settled.ok:
                 outs.append(self._admit(w, settled.slot))
             else:
                 reason = "; ".join(f"rank {r}: {e}" for r, e in sorted(settled.errors.items()))
@@ -347,22 +405,27 @@ class AdapterPool:
 
     # ------------------------------------------------------------ placing waiting requests
 
-    def _settle(self) -> list:
-        """Place every waiting request that can move, in arrival order; then
-        release host copies nothing needs any more."""
-        self._forget_drains()
+    def _settle(self, end_quanta: bool = False) -> list:
+        """Place every waiting request (and parked choices) that can move, in
+        arrival order; park the tenants of reserved slots whose quantum is
+        over, and place again into what they left; then release host copies
+        nothing needs any more."""
         outs = []
-        for w in list(self._waiting):
-            if w.slot is None:
-                outs.extend(self._place(w))
+        while True:
+            self._forget_drains()
+            for w in list(self._waiting):
+                if w.slot is None:
+                    outs.extend(self._place_parked(w) if w.parked else self._place(w))
+            parked = self._park_due(end_quanta)
+            if not parked:
+                break
+            outs.extend(parked)
         return [*outs, *self._release_unneeded()]
 
     def _place(self, w: _Waiting) -> list:
         adapter = w.adapter
         slot = self._resident_slot(adapter)
-        if slot is not None:
-            if self._drains.get(slot, adapter.name) != adapter.name and not self._ends_with_drain(slot, w):
-                return []  # draining for an older waiter: no new rows that would hold it longer
+        if slot is not None:  # reserved for another or not, its rows run until its tenant's turn ends
             return self._pin_existing(w, adapter)
         if not adapter.digest or (adapter.name, adapter.digest) not in self._hosts:
             return [*self._ensure_read(adapter), *self._reserve_drain(adapter.name)]
@@ -374,12 +437,93 @@ class AdapterPool:
         self._hosts[adapter.name, adapter.digest].last_used = self._next_tick()
         return self._take_installs()
 
-    def _resident_slot(self, adapter: _Adapter) -> int | None:
-        """The slot holding (or installing) this version of the adapter."""
+    def _resident_slot(self, adapter: _Adapter, digest: str | None = None) -> int | None:
+        """The slot holding (or installing) this version of the adapter (``digest``: that one)."""
+        digest = adapter.digest if digest is None else digest
         slot = self.table.lookup(adapter.name)
-        if adapter.digest and slot is not None and self._slot_digest.get(slot) == adapter.digest:
+        if digest and slot is not None and self._slot_digest.get(slot) == digest:
             return slot
         return None
+
+    # ------------------------------------------------------------ parking
+
+    def _park_due(self, end_quanta: bool) -> list:
+        """Park the rows of every reserved slot whose tenant had its quantum
+        (any, with ``end_quanta``): the slot is free for its waiter. Parks
+        are spaced a quantum over the slots apart, so the slots' turns end
+        in a staggered round (two ending together would hand each other
+        their tenants: a swap for nothing)."""
+        outs = []
+        for slot in list(self._drains):
+            if self.table.state(slot) is not SlotState.READY:
+                continue
+            if not end_quanta and (self._steps - self._tenancy.get(slot, 0) < self.quantum
+                                   or self._steps - self._last_park < self.quantum / self.max_loras):
+                continue
+            ids = tuple(rid for rid, s in self._slot_of.items() if s == slot)
+            if not ids:
+                continue  # empty already: the waiter takes it
+            name, digest = self.table.name_of(slot), self._slot_digest[slot]
+            for rid in ids:
+                del self._slot_of[rid]
+                self.table.unpin(slot)
+            adapter = self.adapters.get(name)
+            if adapter is None or adapter.digest != digest:  # unloaded or reloaded: the parked keep their version
+                adapter = _Adapter(name, "", digest)
+            self._waiting.append(_Waiting(None, adapter, parked=ids, digest=digest))
+            outs.append(MoveRows(ids, PARKED))
+            self._last_park = self._steps
+        return outs
+
+    def _place_parked(self, w: _Waiting) -> list:
+        """Parked choices back on a slot of their version: the resident one
+        (unless reserved for another waiter: its tenant is about to go), or
+        an install; else a reservation of their own."""
+        name, digest = w.adapter.name, w.digest
+        slot = self._resident_slot(w.adapter, digest)
+        if slot is not None:
+            if self._drains.get(slot, name) != name:
+                return []
+            return self._pin_parked(w, self.table.acquire(name, digest))
+        if (name, digest) not in self._hosts:  # dropped before the park (past the reader's tier): read again
+            if w.adapter.path and w.adapter.digest == digest:
+                return [*self._ensure_read(w.adapter), *self._reserve_drain(name)]
+            self._waiting.remove(w)  # unloaded or reloaded since: that version is gone
+            return self._fail_parked(w, None)
+        slot = self.table.acquire(name, digest, exclude=self._reserved_for_others(name))
+        if slot is None:
+            return self._reserve_drain(name)
+        self._drains = {s: target for s, target in self._drains.items() if target != name}
+        self._hosts[name, digest].last_used = self._next_tick()
+        outs = self._pin_parked(w, slot)
+        return [*outs, *self._take_installs()]
+
+    def _pin_parked(self, w: _Waiting, slot: int) -> list:
+        """The parked choices pin ``slot`` (acquired once: one pin more each
+        after the first); resumed at once where it is ready."""
+        for _ in w.parked[1:]:
+            self.table.pin(slot)
+        if self.table.state(slot) is SlotState.READY:
+            self._waiting.remove(w)
+            return self._resume(w, slot)
+        w.slot = slot  # installing: resumed when every rank has answered
+        return []
+
+    def _resume(self, w: _Waiting, slot: int) -> list:
+        for rid in w.parked:
+            self._slot_of[rid] = slot
+        return [MoveRows(w.parked, slot)]
+
+    def _fail_parked(self, w: _Waiting, settled) -> list:
+        """Parked choices whose version cannot be installed again end as failed."""
+        if w.slot is not None:
+            for _ in w.parked:
+                self.table.unpin(w.slot)
+        reason = "that version is no longer served" if settled is None else "; ".join(
+            f"rank {r}: {e}" for r, e in sorted(settled.errors.items()))
+        return [Failed(request_id=rid, status=500, error_type="server_error", param="model",
+                       message=f"request {rid}: adapter {w.adapter.name!r} could not be installed again after its "
+                               f"slot was lent to another adapter: {reason}") for rid in w.parked]
 
     def _take_installs(self) -> list:
         outs = []
@@ -387,27 +531,25 @@ class AdapterPool:
             host = self._hosts[install.name, install.digest].ref
             self._slot_digest[install.slot] = install.digest
             self._installing[install.slot] = (install.name, install.digest)
+            self._install_sent[install.slot] = self._steps
             outs.append(InstallAdapter(slot=install.slot, name=install.name, digest=install.digest, host=host))
         return outs
 
     # ------------------------------------------------------------ drains
 
     def _reserve_drain(self, name: str) -> list:
-        """The oldest waiter of ``name`` found no slot: stop new rows joining
-        one ready slot, so it empties within one request's length and the
-        waiter gets it. Called in arrival order, so older waiters reserve
-        first. At most ``max_drains`` slots drain or install at once, so the
-        batch keeps running on the others: with every slot swapping together
-        no row runs for the install's length, and the requests that arrive
-        meanwhile for the adapter being drained wait a whole request more
-        (under churn, 59% of the no-churn tokens per step against 66-71% in
-        tools/sim_churn.py). A waiter that found no drain to reserve tries
-        again at the next event (an ack, an end), so it is never forgotten."""
+        """The oldest waiter of ``name`` found no slot: reserve the ready slot
+        whose tenant has held it longest, to be parked at its quantum's end
+        (``_park_due``) and installed for the waiter. Called in arrival order,
+        so older waiters reserve first. At most ``max_drains`` slots are
+        reserved or installing at once, so the batch keeps running on the
+        others. A waiter that found none to reserve tries again at the next
+        event (an ack, an end, a step), so it is never forgotten."""
         if name in self._drains.values() or self.num_out_of_service >= self.max_drains:
             return []
         if self.table.num_free(exclude=self._reserved_for_others(name)) > 0:
             return []  # a slot is takeable already; only the host copy is missing
-        slot = self.table.pick_drain(exclude=frozenset(self._drains))
+        slot = self.table.pick_drain(exclude=frozenset(self._drains), key=lambda s: self._tenancy.get(s, 0))
         if slot is not None:
             self._drains[slot] = name
         return []
@@ -453,18 +595,7 @@ class AdapterPool:
             if index:
                 self.table.pin(slot)
             self._slot_of[rid] = slot
-            self._due[rid] = self._steps + w.prepared.sampling.max_tokens
         return Admit(w.prepared, slot, lora_root(self.base, self._slot_digest[slot]))
-
-    def _ends_with_drain(self, slot: int, w: _Waiting) -> bool:
-        """Whether ``w`` may still join draining ``slot``: its max_tokens run out
-        no later than (within ``DRAIN_JOIN_STEPS`` of) those of a request
-        already on it, so it does not hold the slot longer than they may.
-        Requests of equal length arriving together (a wave's clients, whose
-        next requests trickle in over a step or two) then share the wave
-        instead of waiting for the slot's next tenure, a whole request more."""
-        due = [self._due[rid] for rid, s in self._slot_of.items() if s == slot and rid in self._due]
-        return bool(due) and self._steps + w.prepared.sampling.max_tokens <= max(due) + DRAIN_JOIN_STEPS
 
     @staticmethod
     def _fail(w: _Waiting, status: int, message: str) -> Failed:
@@ -499,7 +630,7 @@ class AdapterPool:
         of served versions while they fit the reader's tier: a swap back then
         installs at once, with no read round trip."""
         needed = set(self._installing.values())
-        needed.update((w.adapter.name, w.adapter.digest) for w in self._waiting if w.slot is None)
+        needed.update((w.adapter.name, w.digest or w.adapter.digest) for w in self._waiting if w.slot is None)
         served = {(a.name, a.digest) for a in self.adapters.values() if a.digest}
         spare = [key for key in self._hosts if key not in needed]
         warm = sorted((key for key in spare if key in served), key=lambda key: -self._hosts[key].last_used)

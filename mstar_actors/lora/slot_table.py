@@ -124,15 +124,22 @@ class SlotTable:
         leaving out ``exclude``."""
         return sum(1 for s in self._adapter_slots() if s.index not in exclude and self._is_takeable(s))
 
-    def pick_drain(self, exclude: frozenset[int] = frozenset()) -> int | None:
-        """The slot to stop giving new rows so it empties soonest: a ready one
-        (an install in flight is never wasted), fewest pins first, then the
-        least recently used. None when no ready slot is left outside ``exclude``."""
+    def pick_drain(self, exclude: frozenset[int] = frozenset(), key=None) -> int | None:
+        """The slot to hand over next: a ready one (an install in flight is
+        never wasted) outside ``exclude``, the least by ``key(slot index)``
+        (default: fewest pins, then the least recently used). None when no
+        ready slot is left."""
         ready = [s for s in self._adapter_slots()
                  if s.index not in exclude and s.state is SlotState.READY and not s.detached]
         if not ready:
             return None
-        return min(ready, key=lambda s: (s.num_pins, s.last_used)).index
+        if key is None:
+            return min(ready, key=lambda s: (s.num_pins, s.last_used)).index
+        return min(ready, key=lambda s: (key(s.index), s.last_used)).index
+
+    def name_of(self, slot: int) -> str:
+        """The adapter a slot holds or installs ("" when free)."""
+        return self._slot(slot).name
 
     # ------------------------------------------------------------ decisions
 

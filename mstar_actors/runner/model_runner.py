@@ -12,7 +12,9 @@ Sequence state lives from ``plan.started`` until the id appears in
 ``started`` with the outputs it had, and replaces the old state.
 
 LoRA (``lora`` given): each sequence runs on its ``SeqStart.lora_slot``
-(0: the base model); ``install_adapter`` fills a slot between steps. With
+(0: the base model), or the slot a chunk names (``ScheduledChunk.lora_slot``,
+a sequence the adapter pool parked and resumed elsewhere);
+``install_adapter`` fills a slot between steps. With
 LoRA off no stack exists and the model runs its base path only.
 
 The runner is built, not configured: ``build.build_runner`` loads the model,
@@ -281,6 +283,7 @@ class ModelRunner:
         self.start(plan.started)
         if not plan.scheduled:
             return []
+        self._move_lora_slots(plan.scheduled)
         batch = build_batch(plan.scheduled, self.seqs, self.block_size, self.num_kv_blocks, self.max_model_len)
         snapshots = self._snapshots_to_take(plan.scheduled)
         logits = self._run_model(batch)
@@ -297,6 +300,22 @@ class ModelRunner:
         if self.grammars is not None:
             self.grammars.advance(sampled)
         return sampled
+
+    def _move_lora_slots(self, chunks: list[messages.ScheduledChunk]) -> None:
+        """Each chunk's rows on the LoRA slot it names (-1: where they were);
+        a slot this rank holds no adapter in fails the step's rows on it."""
+        bad = []
+        for chunk in chunks:
+            seq = self.seqs.get(chunk.request_id)
+            if seq is None or chunk.lora_slot < 0 or chunk.lora_slot == seq.lora_slot:
+                continue  # a missing sequence is build_batch's to report
+            if chunk.lora_slot != 0 and chunk.lora_slot not in self.lora_names:
+                bad.append(chunk.request_id)
+                continue
+            seq.lora_slot = chunk.lora_slot
+        if bad:
+            raise PlanError(f"requests {bad}: their chunks name LoRA slots that hold no adapter on this rank; "
+                            f"{self._lora_hint()}", bad)
 
     def start(self, started: list[messages.SeqStart]) -> None:
         """Remember new sequences; a restarted one replaces its old state.

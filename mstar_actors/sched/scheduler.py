@@ -4,10 +4,10 @@ The conductor drives it in a loop: ``add`` / ``abort`` as messages arrive,
 ``schedule()`` -> one ``StepPlan`` to every rank, ``update(StepDone)`` ->
 tokens and endings for the frontend. No I/O, no asyncio, no torch.
 
-The plan is final as ``schedule()`` returns it: KV blocks, each start's
-LoRA slot (the adapter pool's admission, passed to ``add``), its
-recurrent-state slot and the media orders are in it; nothing edits it on
-its way to the ranks.
+The plan is final as ``schedule()`` returns it: KV blocks, each chunk's
+LoRA slot (the adapter pool's admission, passed to ``add``, or where it
+moved the sequence since: ``set_lora_slot``), its recurrent-state slot and
+the media orders are in it; nothing edits it on its way to the ranks.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ from mstar_actors.sched.sequence import Sequence, SeqStatus
 from mstar_actors.sched.state_slots import StateSlotAllocator
 from mstar_actors.sched.state_snapshots import SnapshotIndex
 
+PARKED = -1  # a sequence's lora_slot while its adapter has no slot (``set_lora_slot``)
+
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -70,6 +72,7 @@ class _StepBuilder:
             block_ids=list(seq.block_ids),
             sample=seq.num_computed + num_tokens == seq.num_tokens,
             snapshot=-1 if snapshot is None else snapshot[0],
+            lora_slot=seq.lora_slot,
         )
         self.chunks[seq.request_id] = (seq, chunk)
         self.budget -= num_tokens
@@ -124,6 +127,10 @@ class Scheduler:
       blocks); it is never failed for it. A restart may get another slot; it
       recomputes from token 0, so the ranks rebuild its state there. A freed
       slot is reused under the same in-flight rule as a freed block.
+    - a parked sequence (``lora_slot == PARKED``, adapter churn) is in no
+      plan until it is moved to a slot; it keeps its place in the queues and
+      everything it holds, and the others (the head of the waiting queue too)
+      go on without it.
 
     - prefix caching with recurrent state (``num_state_snapshots > 0``): a hit
       needs, beside the prefix's KV blocks, a snapshot of the state after its
@@ -221,6 +228,23 @@ class Scheduler:
             self.waiting.append(seq)
         return []
 
+    def set_lora_slot(self, request_ids: Iterable[str], slot: int) -> None:
+        """Move choices to another LoRA slot, or park them (``PARKED``): a
+        parked sequence keeps its KV blocks and state slot but is left out of
+        every step until the adapter pool gives its adapter a slot again (its
+        chunks then name the new slot). The pool parks a slot's rows only
+        between a step's plan and the install it sends after it, so every
+        rank sees the last step on the old slot before the swap; an unknown
+        id (ended meanwhile) is skipped."""
+        for rid in request_ids:
+            if (seq := self.requests.get(rid)) is not None:
+                seq.lora_slot = slot
+
+    @property
+    def num_runnable(self) -> int:
+        """Sequences a step could take: every live one but the parked."""
+        return sum(1 for seq in self.requests.values() if seq.lora_slot != PARKED)
+
     def abort(self, request_id: str) -> list[Finished]:
         """Stop a request (every choice) or one choice now, wherever it is.
         Idempotent: only the first call returns the ``Finished`` of each
@@ -304,8 +328,8 @@ class Scheduler:
         for seq in list(self.running):
             if step.budget == 0:
                 return
-            if seq.status is not SeqStatus.RUNNING or seq.request_id in step.chunks:
-                continue  # preempted, or already scheduled this step
+            if seq.status is not SeqStatus.RUNNING or seq.request_id in step.chunks or seq.lora_slot == PARKED:
+                continue  # preempted, already scheduled this step, or parked
             num_left = seq.num_tokens - seq.num_computed
             if (num_left == 1) != decodes:
                 continue
@@ -338,9 +362,13 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _admit_waiting(self, step: _StepBuilder) -> None:
+        parked = []  # FIFO among the others; a parked one keeps its place
         while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
-            if not self._try_admit(self.waiting[0], step):
-                return  # FIFO: nobody overtakes the head
+            if self.waiting[0].lora_slot == PARKED:
+                parked.append(self.waiting.popleft())
+            elif not self._try_admit(self.waiting[0], step):
+                break  # FIFO: nobody overtakes the head
+        self.waiting.extendleft(reversed(parked))
 
     def _try_admit(self, seq: Sequence, step: _StepBuilder) -> bool:
         if self.state_slots is not None and not self.state_slots.can_allocate():

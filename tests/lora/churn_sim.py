@@ -10,9 +10,10 @@ and every request makes exactly ``--max-tokens`` tokens. A step's time is
 the same whatever the batch holds (a launch-bound decode step), so tokens
 per step is the batch's occupancy. The adapter-reader answers a read after
 ``--read-steps`` steps (one read at a time, in order) and every rank
-acknowledges an install ``--install-steps`` steps after it was sent (5 by
-default: on the H200 an install takes about 16 ms against decode steps of
-about 3 ms). A client's next request reaches the pool ``--client-steps``
+acknowledges an install ``--install-steps`` steps after it was sent (1 by
+default: on the H200 a swap back in runs inline between steps in about
+2 ms, against decode steps of about 3 ms; an install from a host copy, an
+adapter's first, takes 10-50 ms). A client's next request reaches the pool ``--client-steps``
 steps after its last one ended (at least 1): the conductor routes all of a
 step's endings before it reads any request the clients send back, so a
 slot whose rows all end in one step is seen empty, as in the server.
@@ -26,9 +27,10 @@ in steps (p50 / p90 / max), and the number of installs and reads.
     PYTHONPATH=. python tests/lora/churn_sim.py --waves 3        # as many requests as bench_lora sends
     PYTHONPATH=. python tests/lora/churn_sim.py --install-steps 8 --concurrency 8,32
 
-Every row started on an adapter slot is checked: the slot is acknowledged
-and holds that request's adapter (``SimError`` otherwise), and every host
-copy hold the pool dropped was one it had.
+Every row of every step on an adapter slot is checked: the slot is
+acknowledged and holds that request's adapter (``SimError`` otherwise; a
+parked request is in no step), and every host copy hold the pool dropped
+was one it had.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import random
 import sys
 from dataclasses import dataclass, field
 
-from mstar_actors.lora.adapter_pool import AdapterPool, Admit
+from mstar_actors.lora.adapter_pool import AdapterPool, Admit, MoveRows
 from mstar_actors.messages import (
     AdapterHostRef,
     AdapterInstalled,
@@ -138,10 +140,14 @@ class _Sim:
     def step(self) -> None:
         plan = self.sched.schedule() if self.sched.has_work() else None
         if plan is None:
+            if self.sched.has_work():
+                self.route(self.adapter_pool.stalled())
             return  # idle: waiting for a read or an install
-        self.adapter_pool.step()
         for start in plan.started:
             self.check_slot(start.request_id, start.lora_slot)
+        for chunk in plan.scheduled:
+            self.check_slot(chunk.request_id, chunk.lora_slot)
+        self.route(self.adapter_pool.step())  # after the plan, as the conductor sends it
         sampled = [SampledToken(c.request_id, TOKEN) for c in plan.scheduled if c.sample]
         self.result.num_tokens += len(sampled)
         self.route(self.sched.update(StepDone(step_id=plan.step_id, rank=0, sampled=sampled)))
@@ -166,6 +172,8 @@ class _Sim:
             match out:
                 case Admit(prepared=prepared, slot=slot, root=root):
                     self.route(self.sched.add(prepared, root, slot))
+                case MoveRows(request_ids=request_ids, slot=slot):
+                    self.sched.set_lora_slot(request_ids, slot)
                 case TokenDelta(request_id=request_id) if request_id in self.arrival:
                     self.result.ttft_steps.append(self.now + 1 - self.arrival.pop(request_id))
                 case Finished(request_id=request_id):
@@ -209,7 +217,7 @@ def _digest(name: str) -> str:
 
 
 def simulate(concurrency: int, *, max_loras: int = 2, num_adapters: int = 3, max_tokens: int = 64,
-             num_requests: int | None = None, install_steps: int = 5, read_steps: int = 1,
+             num_requests: int | None = None, install_steps: int = 1, read_steps: int = 1,
              client_steps: int = 1, client_jitter: int = 0, waves: int = 8) -> SimResult:
     """One run; ``num_requests`` defaults to ``waves`` waves of ``concurrency`` (at least 48)."""
     num_requests = num_requests or max(waves * concurrency, 48)
@@ -220,7 +228,7 @@ def simulate(concurrency: int, *, max_loras: int = 2, num_adapters: int = 3, max
 def table(levels: list[int], **kw) -> str:
     num_adapters = kw.get("num_adapters", 3)
     lines = [f"churn: {num_adapters} adapters round robin over max_loras {kw.get('max_loras', 2)}; "
-             f"{kw.get('max_tokens', 64)} tokens each; install {kw.get('install_steps', 5)} steps, "
+             f"{kw.get('max_tokens', 64)} tokens each; install {kw.get('install_steps', 1)} steps, "
              f"read {kw.get('read_steps', 1)} step(s), next request {kw.get('client_steps', 1)} step(s) after an end"
              f" (+ 0..{kw.get('client_jitter', 0)})",
              f"{'conc':>4} {'tok/step':>8} {'no churn':>8} {'ratio':>6} {'TTFT p50':>8} {'p90':>5} {'max':>5} "
@@ -241,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-loras", type=int, default=2)
     p.add_argument("--adapters", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--install-steps", type=int, default=5)
+    p.add_argument("--install-steps", type=int, default=1)
     p.add_argument("--read-steps", type=int, default=1)
     p.add_argument("--client-steps", type=int, default=1,
                    help="steps from a request's end to its client's next request reaching the pool (>= 1)")

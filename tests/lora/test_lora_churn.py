@@ -1,6 +1,8 @@
-"""Adapter churn: the pool's drain policy (bounded waits, arrival order,
-resident adapters never held up for nothing), held host copies, and the
-policy simulation (churn_sim.py) as a regression check."""
+"""Adapter churn: the pool's time slices (a waiter takes a slot when its
+tenant's turn ends, the tenant's rows parked and resumed on the next slot
+their adapter gets; arrival order; resident adapters never held up for
+nothing), held host copies, and the policy simulation (churn_sim.py) as a
+regression check."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import churn_sim as sim
 import pytest
 
 from mstar_actors.config import Config, LoraConfig, ModelConfig
-from mstar_actors.lora.adapter_pool import AdapterPool, Admit
+from mstar_actors.lora.adapter_pool import AdapterPool, Admit, MoveRows
 from mstar_actors.messages import (
     AdapterHostRef,
     AdapterInstalled,
@@ -34,6 +36,7 @@ class Driver:
         self.adapter_pool = AdapterPool.from_config(config, "base", num_ranks=1)
         self.adapter_pool.max_cpu_loras = max_cpu_loras
         self.admitted: dict[str, int] = {}  # request id -> slot
+        self.parked: set[str] = set()  # admitted, their slot lent to another adapter
         self.reads: list[str] = []  # names asked, in order (all of them, answered or not)
         self.unanswered: list[str] = []
         self.installs: list[InstallAdapter] = []
@@ -47,6 +50,15 @@ class Driver:
             match out:
                 case Admit(prepared=prepared, slot=slot):
                     self.admitted[prepared.request_id] = slot
+                case MoveRows(request_ids=ids, slot=slot) if slot < 0:
+                    assert all(rid in self.admitted for rid in ids), ids
+                    self.parked.update(ids)
+                    for rid in ids:
+                        del self.admitted[rid]
+                case MoveRows(request_ids=ids, slot=slot):
+                    assert set(ids) <= self.parked, ids
+                    self.parked.difference_update(ids)
+                    self.admitted.update(dict.fromkeys(ids, slot))
                 case ReadAdapter(name=name):
                     self.reads.append(name)
                     self.unanswered.append(name)
@@ -64,9 +76,14 @@ class Driver:
         """A request of 4 tokens; a step after the last one (so it would hold a
         draining slot longer than the requests on it) unless ``same_step``."""
         if not same_step:
-            self.adapter_pool.step()
+            self.step()
         self.handle(self.adapter_pool.add(Prepared(request_id=request_id, model=model, prompt_token_ids=[1, 2],
                                            sampling=SamplingParams(max_tokens=4))))
+
+    def step(self, n: int = 1) -> None:
+        """``n`` planned steps (each may end a turn)."""
+        for _ in range(n):
+            self.handle(self.adapter_pool.step())
 
     def settle(self) -> None:
         """Answer every read, then ack every install, until nothing is pending."""
@@ -105,61 +122,60 @@ def running(resident: str, max_loras: int = 2, **kw) -> Driver:
     return d
 
 
-def test_a_waiter_drains_one_slot_while_the_other_keeps_admitting():
+def test_a_waiter_takes_a_slot_when_its_tenants_turn_ends():
+    """Both resident adapters keep admitting while c waits; when the tenant
+    of the reserved slot has had its quantum, its rows are parked (not
+    ended) and c installs there; the other slot keeps serving throughout."""
     d = running("ab")
     slot_a, slot_b = d.slot_of_adapter("a"), d.slot_of_adapter("b")
     d.send("c1", "c")
     d.settle()
     assert "c1" not in d.admitted
-    # A stream on both resident adapters: "a"'s slot drains (no new rows), "b"'s keeps serving.
-    for i in range(2, 8):
+    for i in range(2, 5):  # new rows join both slots, the reserved one too
         d.send(f"a{i}", "a")
         d.send(f"b{i}", "b")
-    assert all(f"b{i}" in d.admitted for i in range(2, 8))
-    assert not any(f"a{i}" in d.admitted for i in range(2, 8))
-    d.end("a1")  # the drained slot's last row ends: the waiter's install takes it
+    assert all(f"a{i}" in d.admitted and f"b{i}" in d.admitted for i in range(2, 5))
+    d.step(int(d.adapter_pool.quantum))
+    assert d.parked == {"a1", "a2", "a3", "a4"}
     assert [i.name for i in d.unacked] == ["c"] and d.unacked[0].slot == slot_a
     d.settle()
-    assert d.admitted["c1"] == slot_a
-    assert d.adapter_pool.table.lookup("b") == slot_b
+    assert d.admitted["c1"] == slot_a and d.slot_of_adapter("b") == slot_b
+    assert all(d.admitted[f"b{i}"] == slot_b for i in range(1, 5))
 
 
-def test_a_draining_slot_takes_requests_that_end_with_its_own():
-    """Requests of a wave arrive over a step or two; one that would end by the
-    time the slot's requests do (within DRAIN_JOIN_STEPS) joins the draining
-    slot instead of waiting for its next tenure; a later one does not."""
-    from mstar_actors.lora.adapter_pool import DRAIN_JOIN_STEPS
-
+def test_parked_rows_resume_on_the_next_slot_their_adapter_gets():
+    """a's parked rows reserve a slot of their own (b's, the older tenant),
+    and resume there on the same version when b's turn ends, half a quantum
+    later (turns end staggered); then c's ends and b comes back: a round
+    robin whose rows move between slots, never onto one without their adapter."""
     d = running("ab")
-    d.send("c1", "c", same_step=True)
+    slot_a, slot_b = d.slot_of_adapter("a"), d.slot_of_adapter("b")
+    half = int(d.adapter_pool.quantum) // 2
+    d.send("c1", "c")
+    d.step(2 * half)
     d.settle()
-    d.send("a2", "a", same_step=True)  # ends with a1: joins, the drain is no longer
-    assert "a2" in d.admitted and "c1" not in d.admitted
-    for _ in range(DRAIN_JOIN_STEPS):
-        d.adapter_pool.step()
-    d.send("a3", "a")  # would end after a1 and a2 by more than the slack: waits
-    assert "a3" not in d.admitted
-    d.end("a1")
-    assert not d.unacked  # a2 still holds the slot
-    d.end("a2")
+    assert d.parked == {"a1"} and d.admitted["c1"] == slot_a
+    d.step(half)
     d.settle()
-    assert d.admitted["c1"] == d.admitted["a2"]
+    assert d.admitted["a1"] == slot_b and d.parked == {"b1"} and d.slot_of_adapter("a") == slot_b
+    d.step(half)
+    d.settle()
+    assert d.admitted["b1"] == slot_a and d.parked == {"c1"}
 
 
-def test_no_starvation_the_waiter_is_admitted_once_the_drained_requests_end():
-    """Resident requests keep arriving and ending; the waiter still gets in
-    after the requests that were on the drained slot when it arrived."""
+def test_no_starvation_the_waiter_gets_in_though_no_request_ever_ends():
+    """Resident requests keep arriving and none ends: the waiter still gets a
+    slot after one quantum, not after the requests on it."""
     d = running("ab")
     d.send("c1", "c")
-    d.settle()
-    for i in range(2, 40):  # both resident adapters get many requests meanwhile
+    for i in range(2, 40):
         d.send(f"a{i}", "a")
         d.send(f"b{i}", "b")
-        d.end(f"b{i - 1}")
-        assert "c1" not in d.admitted
-    d.end("a1")  # the last row the waiter waited for: later "a" requests joined no slot
-    d.settle()
+        d.settle()
+        if "c1" in d.admitted:
+            break
     assert "c1" in d.admitted
+    assert i <= int(d.adapter_pool.quantum) + 2
 
 
 def test_older_waiters_get_slots_first_across_adapters():
@@ -168,7 +184,7 @@ def test_older_waiters_get_slots_first_across_adapters():
     d.send("d1", "d")
     d.settle()
     slot_b = d.slot_of_adapter("b")
-    d.end("b1")  # "b"'s slot frees first, though "a"'s was draining for "c": "c" is older, it goes first
+    d.end("b1")  # "b"'s slot frees first, though "a"'s was reserved for "c": "c" is older, it goes first
     d.settle()
     assert d.admitted.get("c1") == slot_b and "d1" not in d.admitted
     d.end("a1")
@@ -176,28 +192,35 @@ def test_older_waiters_get_slots_first_across_adapters():
     assert "d1" in d.admitted
 
 
-def test_a_drain_ends_when_its_waiter_is_aborted():
+def test_a_reservation_ends_when_its_waiter_is_aborted():
     d = running("ab")
     d.send("c1", "c")
     d.send("a2", "a")
-    assert "a2" not in d.admitted  # held: "a"'s slot drains for c1
+    assert "a2" in d.admitted  # the reserved slot still takes rows until its turn ends
     d.handle(d.adapter_pool.abort("c1"))
     assert "c1" in d.finished
-    d.send("a3", "a")
-    assert "a3" in d.admitted and "a2" in d.admitted  # the slot takes rows again, a2 first (arrival order)
+    d.step(2 * int(d.adapter_pool.quantum))
+    assert not d.parked and not d.unacked  # nobody waits: nobody is parked
 
 
-def test_requests_of_the_drained_adapter_wait_then_get_a_drain_of_their_own():
+def test_a_parked_choice_that_ends_releases_nothing_twice():
+    """A parked row aborted (the scheduler ends it) is simply forgotten; its
+    adapter's other parked rows still resume."""
     d = running("ab")
+    d.send("a2", "a", same_step=True)
     d.send("c1", "c")
-    d.send("a2", "a")
-    d.end("a1")
+    d.step(int(d.adapter_pool.quantum))
     d.settle()
-    assert "c1" in d.admitted and "a2" not in d.admitted
-    # "a" needs a slot now: one of b / c drains for it, and it comes back when that one empties.
-    d.end("b1")
+    assert d.parked == {"a1", "a2"}
+    d.end("a1")  # aborted while parked
+    d.parked.discard("a1")
+    d.step(int(d.adapter_pool.quantum) // 2)
     d.settle()
-    assert d.admitted.get("a2") == d.slot_of_adapter("a")
+    assert d.admitted.get("a2") is not None and d.parked == {"b1"}
+    slot = d.admitted["a2"]
+    d.end("a2")  # the slot empties: b's parked row takes it at once, no turn to wait for
+    d.settle()
+    assert d.admitted["b1"] == slot and not d.parked and d.adapter_pool.table.num_pins(slot) == 1
 
 
 def test_recently_used_host_copies_stay_held_so_swapping_back_needs_no_read():

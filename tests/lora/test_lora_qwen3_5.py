@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 
+import msgspec
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -24,6 +25,7 @@ from models.hybrid_factories import VOCAB, generate, make_qwen3_5, spread
 from mstar_actors import messages
 from mstar_actors.lora import AdapterError, BaseShapes, read_adapter
 from mstar_actors.lora.host_copy import adapter_from_bytes, adapter_to_bytes
+from mstar_actors.runner.model_runner import PlanError
 from plan_driver import PlanDriver
 
 BLOCK_SIZE = 4
@@ -158,3 +160,27 @@ def test_a_module_on_the_wrong_kind_of_layer_is_refused_by_name(world, tmp_path)
     })
     with pytest.raises(AdapterError, match=r"layers\.0\.self_attn\.q_proj.*layer 0 is a linear_attention layer"):
         load_weights(folder, base_folder, "wrong")
+
+
+def test_a_parked_sequence_resumes_on_another_slot_with_its_state_intact(world):
+    """Churn's parking on the ranks: a sequence on slot 1 leaves the steps for
+    two (its recurrent state and KV untouched), then its chunks name slot 2,
+    holding the same adapter: its tokens are peft's. A chunk naming a slot
+    this rank holds no adapter in fails that request."""
+    base_folder, base, adapters = world
+    folder, peft_model = adapters["deltanet"]
+    runner = make_runner(base_folder)
+    for slot in (1, 2):
+        runner.install_adapter(slot, load_weights(folder, base_folder, "deltanet"))
+    prompt, other = list(range(3, 21)), list(range(30, 37))
+    d = Driver(runner)
+    d.step([d.start("p", prompt, slot=1), d.start("o", other)], [d.chunk("p"), d.chunk("o")])
+    d.step([], d.decodes("p", "o"))
+    for _ in range(2):  # parked: only the other runs
+        d.step([], d.decodes("o"))
+    while len(d.seqs["p"]["outputs"]) < NUM_NEW:
+        d.step([], [msgspec.structs.replace(c, lora_slot=2) for c in d.decodes("p")])
+    assert d.seqs["p"]["outputs"] == generate(peft_model, prompt, NUM_NEW)
+    runner.lora_names.pop(2)  # as if slot 2 held nothing on this rank
+    with pytest.raises(PlanError, match="'o'"):
+        d.step([], [msgspec.structs.replace(c, lora_slot=2) for c in d.decodes("o")])
