@@ -135,6 +135,9 @@ class PrepareActor(Actor):
             keep_freed_buffers(max_kept=KEPT_BYTES_PER_DRAFT * self.num_workers)
             self.log.info("preparing on %d threads, %s", self.num_workers,
                           f"pinned to CPUs {cpus}" if cpus else "not pinned (no CPUs of their own to give them)")
+            if hasattr(self.preparer, "start_processes"):  # its heavy part holds the GIL: processes do it
+                await self.run_blocking(self.preparer.start_processes, self.num_workers)
+                self.log.info("the pool's threads prepare each clip in one of %d processes", self.num_workers)
         else:
             self.log.info("preparing inline")
 
@@ -169,6 +172,8 @@ class PrepareActor(Actor):
             task.cancel()
         if self.threads is not None:
             self.threads.shutdown(wait=False, cancel_futures=True)
+        if hasattr(self.preparer, "stop_processes"):
+            self.preparer.stop_processes()
         if self._http is not None:
             await self._http.close()
 

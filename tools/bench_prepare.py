@@ -15,9 +15,11 @@ tensors go to an in-process stand-in for the arena. Audio rows
 (``--audio-seconds``, ``--audio-formats``) take the real Qwen2-Audio
 preparation the same way (``av`` decode and resample of a 44.1 kHz stereo
 clip to 16 kHz mono, the Whisper feature extractor's 128 mel bins over a 30
-s chunk, the placeholder expansion) on a folder with no weights. Each row is measured
-through the actor (1 worker is the inline path) and, as the reference, on a
-bare thread pool pinned the same way ("plain"). Per cell: requests a second
+s chunk, the placeholder expansion) on a folder with no weights; with 2 or
+more workers the actor prepares each clip in a process of its own. Each row
+is measured through the actor (1 worker is the inline path) and, as the
+reference, on a bare thread pool pinned the same way ("plain": threads
+only). Per cell: requests a second
 in the batch's steady middle, CPU ms per request, the share of the batch its
 threads spent drafting, the drafts' CPU over their wall time, and the
 speed-up against 1 worker (the median of each round's ratio, with the
@@ -38,6 +40,7 @@ inline / pool is printed for each, per clip, and in a last table for all.
 from __future__ import annotations
 
 import argparse
+import copy
 import asyncio
 import json
 import math
@@ -107,7 +110,9 @@ class ActorUnderTest:
         from transport.memory import MemoryChannel
 
         self.num_workers = num_workers
-        self.preparer = TimedPreparer(preparer)
+        # A preparer with clip processes gets them from its actor: a copy of its own, so
+        # a 1-worker actor prepares inline as a 1-worker server does.
+        self.preparer = TimedPreparer(copy.copy(preparer) if hasattr(preparer, "start_processes") else preparer)
         self.inbox = MemoryChannel(FrontendToPrepare, "frontend.prepare", capacity_bytes=64 << 20)
         self.out = MemoryChannel(PrepareToConductor, "prepare.conductor", capacity_bytes=16 << 20)
         config = Config(prepare=PrepareConfig(pin_pool_threads=pin))

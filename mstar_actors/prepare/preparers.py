@@ -18,10 +18,15 @@ requests may be drafted at once on the pool's threads.
   and the limits are read-only after construction; every request decodes
   into its own arrays; Pillow, ffmpeg (``av``), numpy and torch release the
   GIL in the heavy parts, so decode and pixel work overlap across threads.
-- Qwen2-Audio (``AudioPreparer``): True, for the same reasons: the Whisper
-  feature extractor is read-only after construction (its mel filters and
-  window are made per call or kept as constants), and ffmpeg's decode and
-  resample and torch's STFT release the GIL.
+- Qwen2-Audio (``AudioPreparer``): True: the Whisper feature extractor is
+  read-only after construction (its mel filters and window are made per call
+  or kept as constants). But a clip's decode (PyAV's frame by frame loop)
+  and the extractor's numpy steps hold the GIL most of their 20 ms, so
+  threads barely overlap them (2 threads 1.2-1.5x on 2 cores, 4 on 16 cores
+  0.75-1.5x: docs/benchmarks.md); with a pool (``start_processes``) each
+  clip is decoded and featurised in a process of its own, the pool's
+  thread waiting for it (the GIL released), and only bytes in and frames
+  out cross.
 """
 
 from __future__ import annotations
@@ -588,29 +593,98 @@ class AudioPreparer(MediaPreparer):
     def __init__(self, model_dir: Path, tokenization: Any, media_token_ids: dict[str, int], limits: MediaLimits,
                  feature_extractor: Any = None, prompt_limit: int | None = None, grammars: Any = None):
         super().__init__(tokenization, limits, {"audio": media_token_ids["audio"]}, prompt_limit, grammars)
+        self.model_dir = Path(model_dir)  # a clip process loads its own extractor from here
         self.feature_extractor = feature_extractor or load_feature_extractor(model_dir)
         fe = self.feature_extractor
         self.sampling_rate, self.max_frames = fe.sampling_rate, fe.nb_max_frames
         self.max_seconds = min(limits.max_audio_seconds, fe.n_samples / fe.sampling_rate)
         self.chat_template = processor_chat_template(model_dir)
 
+    processes: Any = None  # a ProcessPoolExecutor once ``start_processes`` ran
+
+    def start_processes(self, num: int) -> None:
+        """Prepare clips in ``num`` processes of their own (each loads the
+        feature extractor once), started and warmed now so no request waits
+        for an interpreter's start; ``stop_processes`` ends them."""
+        import concurrent.futures
+        import multiprocessing
+
+        self.processes = concurrent.futures.ProcessPoolExecutor(
+            num, mp_context=multiprocessing.get_context("spawn"), initializer=_init_clip_process,
+            initargs=(self.model_dir,))
+        for future in [self.processes.submit(_clip_process_ready) for _ in range(num)]:
+            future.result()
+
+    def stop_processes(self) -> None:
+        if self.processes is not None:
+            self.processes.shutdown(wait=False, cancel_futures=True)
+            self.processes = None
+
     def _process(self, ref: MediaRef, fetched: dict[str, bytes]) -> MediaDraft:
         data = fetched[ref.param] if ref.param in fetched else read_local(ref, self.limits)
-        item = self.clip(decode_audio(data, ref, self.limits, self.sampling_rate, self.max_seconds), ref)
+        args = (data, ref.param, self.limits, self.sampling_rate, self.max_seconds)
+        if self.processes is None:
+            rows, num_frames, num_tokens = clip_features(self.feature_extractor, *args)
+        else:
+            result = self.processes.submit(_clip_in_process, *args).result()
+            if isinstance(result, str):
+                raise MediaError(ref.param, result)
+            rows, num_frames, num_tokens = result
+        item = MediaDraft("audio", torch_rows(rows), (1, num_frames, 1), 0, num_tokens)
         item.source_digest = _blake2b(data)
         return item
 
-    def clip(self, samples: Any, ref: MediaRef) -> MediaDraft:
-        """One clip's item from its mono samples at ``sampling_rate``."""
-        from mstar_actors.models.qwen2_audio import audio_frames_kept, audio_num_tokens
 
-        out = self.feature_extractor(samples, sampling_rate=self.sampling_rate, return_attention_mask=True,
-                                     padding="max_length", return_tensors="pt")
-        num_frames = int(out["attention_mask"][0].sum())
-        num_tokens = audio_num_tokens(num_frames)
-        if num_tokens < 1:
-            raise MediaError(ref.param, f"the audio is {len(samples) / self.sampling_rate * 1000:.0f} ms long, too "
-                                        f"short to give an audio token; send at least "
-                                        f"{3 * self.feature_extractor.hop_length / self.sampling_rate * 1000:.0f} ms")
-        rows = out["input_features"][0, :, :audio_frames_kept(num_frames, self.max_frames)]
-        return MediaDraft("audio", rows.t().float().contiguous(), (1, num_frames, 1), 0, num_tokens)
+def clip_features(feature_extractor: Any, data: bytes, param: str, limits: MediaLimits, sampling_rate: int,
+                  max_seconds: float) -> tuple[Any, int, int]:
+    """One clip: decoded and resampled to mono at ``sampling_rate``, then the
+    extractor's log-mel frames its valid rows read (numpy ``[frames, mels]``
+    float32), the count of valid frames and of audio tokens."""
+    from mstar_actors.models.qwen2_audio import audio_frames_kept, audio_num_tokens
+
+    class _Ref:  # what decode_audio names in its errors
+        pass
+
+    ref = _Ref()
+    ref.param = param
+    samples = decode_audio(data, ref, limits, sampling_rate, max_seconds)
+    out = feature_extractor(samples, sampling_rate=sampling_rate, return_attention_mask=True, padding="max_length",
+                            return_tensors="np")
+    num_frames = int(out["attention_mask"][0].sum())
+    num_tokens = audio_num_tokens(num_frames)
+    if num_tokens < 1:
+        raise MediaError(param, f"the audio is {len(samples) / sampling_rate * 1000:.0f} ms long, too short to give "
+                                f"an audio token; send at least "
+                                f"{3 * feature_extractor.hop_length / sampling_rate * 1000:.0f} ms")
+    rows = out["input_features"][0, :, :audio_frames_kept(num_frames, feature_extractor.nb_max_frames)]
+    return rows.T.astype("float32", copy=False), num_frames, num_tokens
+
+
+def torch_rows(rows: Any) -> Any:
+    import torch
+
+    return torch.from_numpy(rows).contiguous()
+
+
+_CLIP_EXTRACTOR: Any = None  # a clip process's feature extractor (``_init_clip_process``)
+
+
+def _init_clip_process(model_dir: Path) -> None:
+    global _CLIP_EXTRACTOR
+    import torch
+
+    torch.set_num_threads(1)
+    _CLIP_EXTRACTOR = load_feature_extractor(model_dir)
+
+
+def _clip_process_ready() -> bool:
+    return _CLIP_EXTRACTOR is not None
+
+
+def _clip_in_process(*args: Any) -> tuple[Any, int, int] | str:
+    """``clip_features`` in a clip process; a refusal comes back as its message
+    (an exception with the part's name would not survive the pickle)."""
+    try:
+        return clip_features(_CLIP_EXTRACTOR, *args)
+    except MediaError as err:
+        return str(err).split(": ", 1)[1] if ": " in str(err) else str(err)

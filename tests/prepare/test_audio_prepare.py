@@ -252,3 +252,21 @@ async def test_actor_on_a_pool_sends_audio_in_arrival_order(preparer):
         assert isinstance(b, Failed) and b.status == 400 and b.param == "messages[0].content[1].input_audio"
         assert isinstance(c, Prepared) and isinstance(d, Prepared) and not d.media
         assert a.media_digest != c.media_digest
+
+
+def test_clips_prepared_in_a_process_equal_the_inline_ones_and_refusals_name_the_part(preparer):
+    import copy
+
+    in_processes = copy.copy(preparer)
+    in_processes.start_processes(1)
+    try:
+        clip = af.encode_audio("mp3", seconds=1.2, rate=22050)
+        inline, other = preparer.draft(request(input_audio(clip, "mp3")), {}), in_processes.draft(
+            request(input_audio(clip, "mp3")), {})
+        assert isinstance(other, Draft) and other.prepared.prompt_token_ids == inline.prepared.prompt_token_ids
+        assert other.media[0].grid_thw == inline.media[0].grid_thw
+        assert torch.equal(other.media[0].pixel_values, inline.media[0].pixel_values)
+        short = refusal(in_processes, request(input_audio(af.encode_audio("wav", seconds=0.01, rate=16000, channels=1))))
+        assert short.param == "messages[0].content[1].input_audio" and "too short to give an audio token" in short.message
+    finally:
+        in_processes.stop_processes()
