@@ -56,6 +56,27 @@ KERNEL_SOURCE = r"""
 #define GROUP 32
 #define MAX_ROWS 8
 #define FACTORED_ROWS 4
+#define PREFETCH_GROUPS 4
+
+/* The codes, scales and mins of the group PREFETCH_GROUPS ahead. A block's
+   three streams are a few KB each, too short for the hardware prefetcher
+   to ramp up: ahead of time they stream from DRAM at about 31 GB/s on two
+   cores against 22 without (the 120 int4 linears of SmolLM2-135M's layers
+   at one row). A prefetch past the end never faults. */
+#define PREFETCH_GROUP(g)                                                   \
+    do {                                                                    \
+        int64_t group_bytes = GROUP * (bits == 4 ? 16 : 32);               \
+        const char *pq = (const char *)q + ((g) + PREFETCH_GROUPS) * group_bytes; \
+        for (int64_t b = 0; b < group_bytes; b += 64) _mm_prefetch(pq + b, _MM_HINT_T0); \
+        const char *ps = (const char *)(scale + ((g) + PREFETCH_GROUPS) * BLOCK_N); \
+        _mm_prefetch(ps, _MM_HINT_T0);                                      \
+        _mm_prefetch(ps + 64, _MM_HINT_T0);                                 \
+        if (minv) {                                                         \
+            const char *pm = (const char *)(minv + ((g) + PREFETCH_GROUPS) * BLOCK_N); \
+            _mm_prefetch(pm, _MM_HINT_T0);                                  \
+            _mm_prefetch(pm + 64, _MM_HINT_T0);                             \
+        }                                                                   \
+    } while (0);
 
 /* One block of 32 output columns, up to MAX_ROWS rows. Codes: int8 [K][32]
    (bits 8) or int4 [K][16] (bits 4: byte j holds column j in its low
@@ -96,6 +117,7 @@ static inline void block_rows(int bits, int rows, const float *x, int64_t ldx, c
     /* Factored: per group, dot products on the codes, then scale (and min). */
 #define FACTORED(R, CODES, HAS_MIN)                                         \
     for (int64_t g = 0; g < num_groups; g++) {                              \
+        PREFETCH_GROUP(g)                                                   \
         __m512 dot[FACTORED_ROWS][2];                                       \
         for (int m = 0; m < R; m++) { dot[m][0] = _mm512_setzero_ps(); dot[m][1] = _mm512_setzero_ps(); } \
         for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) {             \
@@ -119,6 +141,7 @@ static inline void block_rows(int bits, int rows, const float *x, int64_t ldx, c
     /* Shared: the weight rebuilt per k, then every row's FMAs on it. */
 #define SHARED(R, CODES, HAS_MIN)                                           \
     for (int64_t g = 0; g < num_groups; g++) {                              \
+        PREFETCH_GROUP(g)                                                   \
         __m512 s0 = _mm512_loadu_ps(scale + g * BLOCK_N), s1 = _mm512_loadu_ps(scale + g * BLOCK_N + 16); \
         __m512 z0 = HAS_MIN ? _mm512_loadu_ps(minv + g * BLOCK_N) : _mm512_setzero_ps();      \
         __m512 z1 = HAS_MIN ? _mm512_loadu_ps(minv + g * BLOCK_N + 16) : _mm512_setzero_ps(); \
