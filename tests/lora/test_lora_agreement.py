@@ -1,8 +1,11 @@
 """Slot agreement: the real conductor and adapter-reader with FOUR fake ranks
 over in-memory channels. Fake ranks answer StepPlans with a scripted token
 and InstallAdapter with ok (or a scripted failure), after checking the host
-copy decodes; each checks that every row's slot was acknowledged by every
-rank with its adapter's digest before the row arrived."""
+copy decodes; each checks that every row of every step runs on a slot
+holding, on that rank at that point of its message order, its adapter's
+digest (a row admitted before some rank installed it, or a slot reinstalled
+before its last rows ran, breaks this on some rank), and every rank saw the
+same rows on the same weights."""
 
 from __future__ import annotations
 
@@ -72,10 +75,13 @@ class FakeRank:
 
     def __init__(self, rank: int, inbox, outbox, shared: dict, fail_names=()):
         self.rank, self.inbox, self.outbox = rank, inbox, outbox
-        self.shared = shared  # acks of every rank: (rank, slot) -> digest, plus "violations"
+        self.shared = shared  # "expect": request id -> its adapter's digest; "violations"
         self.fail_names = set(fail_names)
         self.installs: list[tuple[int, str, str]] = []
         self.rows: dict[str, int] = {}  # request id -> lora_slot it started on
+        self.slots_run: dict[str, list[int]] = {}  # request id -> the slot of each of its chunks
+        self.local: dict[int, str | None] = {}  # slot -> the digest this rank holds there (None: failed)
+        self.weights_run: list[tuple[int, str, str | None]] = []  # (step, request id, digest it ran on)
 
     async def run(self) -> None:
         await self.outbox.send(WorkerReady(rank=self.rank, num_kv_blocks=64, block_size=4, max_model_len=64,
@@ -102,24 +108,26 @@ class FakeRank:
             segment.close()
         assert weights.digest == msg.digest
         ok = msg.name not in self.fail_names
-        self.shared[self.rank, msg.slot] = msg.digest if ok else None
+        self.local[msg.slot] = msg.digest if ok else None
         error = "" if ok else f"scripted failure of {msg.name!r} on rank {self.rank}"
         return AdapterInstalled(rank=self.rank, slot=msg.slot, digest=msg.digest, ok=ok, error=error)
 
     def step(self, plan: StepPlan) -> StepDone:
         for start in plan.started:
             self.rows[start.request_id] = start.lora_slot
-            self.check_acked(start.request_id, start.lora_slot)
+        for chunk in plan.scheduled:  # every step's rows: a parked request resumes on another slot
+            self.slots_run.setdefault(chunk.request_id, []).append(chunk.lora_slot)
+            self.check_slot(plan.step_id, chunk.request_id, chunk.lora_slot)
         sampled = [SampledToken(c.request_id, TOKEN) for c in plan.scheduled if c.sample]
         return StepDone(step_id=plan.step_id, rank=self.rank, sampled=sampled)
 
-    def check_acked(self, request_id: str, slot: int) -> None:
-        if slot == 0:
-            return
-        digests = {self.shared.get((r, slot)) for r in range(NUM_RANKS)}
+    def check_slot(self, step_id: int, request_id: str, slot: int) -> None:
+        digest = None if slot == 0 else self.local.get(slot)
+        self.weights_run.append((step_id, request_id, digest))
         expected = self.shared["expect"].get(request_id)
-        if digests != {expected}:
-            self.shared["violations"].append(f"rank {self.rank}: {request_id} on slot {slot}, acks {digests}")
+        if digest != expected:
+            self.shared["violations"].append(f"rank {self.rank}: {request_id} ran on slot {slot} holding {digest}, "
+                                             f"not {expected}")
 
 
 class Cluster:
@@ -212,6 +220,7 @@ def assert_agreed(cluster: Cluster) -> None:
     for rank in cluster.ranks[1:]:
         assert rank.installs == first.installs, f"rank {rank.rank} saw other installs than rank 0"
         assert rank.rows == first.rows
+        assert rank.weights_run == first.weights_run, f"rank {rank.rank} ran rows on other weights than rank 0"
     assert cluster.shared["violations"] == []
 
 
@@ -268,6 +277,25 @@ async def test_full_pool_holds_requests_until_a_slot_frees_then_they_complete(ad
     assert cluster.stats[-1].num_waiting_for_adapter == 0
     assert {slot for slot, _, _ in cluster.ranks[0].installs} == {1}
     assert_agreed(cluster)
+
+
+@run_async
+async def test_one_slot_two_adapters_take_turns_every_request_runs_to_its_length(adapters):
+    """Requests longer than a turn on one slot: the first adapter's rows are
+    parked when the second's turn comes and resume when theirs comes back,
+    never on a slot without their adapter (every rank's check), and each
+    makes all its tokens."""
+    async with Cluster(adapters, max_loras=1) as cluster:
+        digests = {n: cluster.digest(n) for n in "ab"}
+        for rid, name in (("a1", "a"), ("b1", "b"), ("a2", "a")):
+            await cluster.send(rid, name, max_tokens=40, digest=digests[name])
+        ended = await cluster.collect(3)
+    assert all(isinstance(m, Finished) and m.num_output_tokens == 40 for m in ended.values()), ended
+    assert_agreed(cluster)
+    installs = [name for _, name, _ in cluster.ranks[0].installs]
+    assert installs[:3] == ["a", "b", "a"], installs  # a, then b's turn, then a back before b1 ended
+    runs = cluster.ranks[0].slots_run
+    assert len(runs["a1"]) < 40 + 5 and set(runs["a1"]) == {1}
 
 
 @run_async
