@@ -503,24 +503,29 @@ class AdapterPool:
         after the first); resumed at once where it is ready."""
         for _ in w.parked[1:]:
             self.table.pin(slot)
-        if self.table.state(slot) is SlotState.READY:
-            self._waiting.remove(w)
+        state = self.table.state(slot)
+        if state is SlotState.INSTALLING:
+            w.slot = slot  # resumed when every rank has answered
+            return []
+        self._waiting.remove(w)
+        if state is SlotState.READY:
             return self._resume(w, slot)
-        w.slot = slot  # installing: resumed when every rank has answered
-        return []
+        w.slot = slot  # failed on some rank (every ack in): the parked choices end
+        return self._fail_parked(w, None, self.table.error(slot))
 
     def _resume(self, w: _Waiting, slot: int) -> list:
         for rid in w.parked:
             self._slot_of[rid] = slot
         return [MoveRows(w.parked, slot)]
 
-    def _fail_parked(self, w: _Waiting, settled) -> list:
+    def _fail_parked(self, w: _Waiting, settled, reason: str = "") -> list:
         """Parked choices whose version cannot be installed again end as failed."""
         if w.slot is not None:
             for _ in w.parked:
                 self.table.unpin(w.slot)
-        reason = "that version is no longer served" if settled is None else "; ".join(
-            f"rank {r}: {e}" for r, e in sorted(settled.errors.items()))
+        if settled is not None:
+            reason = "; ".join(f"rank {r}: {e}" for r, e in sorted(settled.errors.items()))
+        reason = reason or "that version is no longer served"
         return [Failed(request_id=rid, status=500, error_type="server_error", param="model",
                        message=f"request {rid}: adapter {w.adapter.name!r} could not be installed again after its "
                                f"slot was lent to another adapter: {reason}") for rid in w.parked]

@@ -311,3 +311,21 @@ def test_a_request_of_n_choices_pins_its_slot_once_per_choice():
     assert d.adapter_pool.table.num_pins(slot) == 1
     d.end("r-2")
     assert d.adapter_pool.table.num_pins(slot) == 0
+
+
+def test_parked_rows_whose_reinstall_fails_end_as_failed_with_the_reason():
+    from mstar_actors.messages import Failed
+
+    d = running("ab")
+    d.send("c1", "c")
+    d.step(int(d.adapter_pool.quantum))
+    d.settle()
+    assert d.parked == {"a1"}
+    d.step(int(d.adapter_pool.quantum) // 2)  # b's turn ends: a's reinstall goes out
+    install = d.unacked.pop(0)
+    assert install.name == "a"
+    outs = d.adapter_pool.on_installed(AdapterInstalled(rank=0, slot=install.slot, digest=install.digest, ok=False,
+                                                        error="the disk is gone"))
+    failed = [out for out in outs if isinstance(out, Failed)]
+    assert [f.request_id for f in failed] == ["a1"] and failed[0].status == 500
+    assert "the disk is gone" in failed[0].message and "'a'" in failed[0].message
