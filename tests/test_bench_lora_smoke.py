@@ -43,7 +43,7 @@ def kit_model(tmp_path_factory) -> Path:
     (["--concurrency", "1,x"], "--concurrency '1,x'"),
     (["--concurrency", "0,8"], "--concurrency must be at least 1"),
     (["--rank", "0"], "--rank must be at least 1"),
-    (["--model", "no-such-setup"], "expected smollm2, llama-3.2-1b-random, qwen3.5-0.8b-random, or a folder"),
+    (["--model", "no-such-setup"], "expected smollm2, llama-3.2-1b-random, llama-3.1-8b-random, qwen3.5-0.8b-random, or a folder"),
 ])
 def test_bad_arguments_say_what_is_accepted(argv, message):
     run = run_bench(*argv)
@@ -122,3 +122,14 @@ def test_smoke_run_measures_every_scenario_and_makes_adapters_once(kit_model, tm
     assert "making adapters" in run.stderr and "making adapters" not in again.stderr
     assert re.search(r"^one adapter +1 +2 +8 ", again.stdout, re.M)
     assert not re.search(r"^mixed 4 adapters +1 ", again.stdout, re.M)  # only the scenarios asked for
+
+
+def test_dry_run_of_the_8b_shape(kit_model):
+    run = run_bench("--model", "llama-3.1-8b-random", "--dry-run", "--tokenizer", str(kit_model), "--concurrency", "1")
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    # Llama-3.1-8B's published shape (untied head), with SmolLM2's vocabulary.
+    assert "32 layers, hidden 4096, intermediate 14336, heads 32/8, vocab 49152" in out
+    assert "rope llama3, untied head" in out
+    assert 7.3 < float(re.search(r"~(\d\.\d\d)B parameters", out)[1]) < 7.5
+    assert "tiny check: server churn config valid" in out

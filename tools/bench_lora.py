@@ -28,6 +28,8 @@ Model setups (``--model``):
   for ``--device cuda``. Its vocabulary is SmolLM2's (49152 tokens, not
   Llama's 128256), so SmolLM2's tokenizer serves it; made once under
   ``--cache-dir``;
+- ``llama-3.1-8b-random``: the same for Llama-3.1-8B's shape (7.4 B
+  parameters, untied head; about 15 GB in bfloat16, made on the GPU);
 - ``qwen3.5-0.8b-random``: the same for Qwen3.5-0.8B's text stack (24
   layers, three Gated DeltaNet layers to each gated-attention one, tied
   embeddings; SmolLM2's vocabulary, not Qwen's 248320);
@@ -65,6 +67,7 @@ from _common import Server, free_port, progress, write_output  # noqa: E402
 from bench_serve import make_messages, one_request  # noqa: E402
 
 LLAMA_1B = "llama-3.2-1b-random"
+LLAMA_8B = "llama-3.1-8b-random"
 QWEN3_5_08B = "qwen3.5-0.8b-random"
 NUM_ADAPTERS = 4
 ADAPTER_NAMES = [f"lora{i}" for i in range(NUM_ADAPTERS)]
@@ -165,16 +168,29 @@ class Plan:
 def llama_1b_config(vocab_size: int = 49152, bos: int = 1, eos: int = 2, tiny: bool = False):
     """Llama-3.2-1B's shape (llama3 rope scaling, tied embeddings) with SmolLM2's
     vocabulary; ``tiny`` keeps the architecture and shrinks the sizes."""
+    sizes = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                 num_key_value_heads=8)
+    return _llama_config(sizes, vocab_size, bos, eos, tiny, rope_factor=32.0, tied=True)
+
+
+def llama_8b_config(vocab_size: int = 49152, bos: int = 1, eos: int = 2, tiny: bool = False):
+    """Llama-3.1-8B's shape (untied head) with SmolLM2's vocabulary: 7.4 B
+    parameters, about 15 GB in bfloat16; ``tiny`` as for the 1B."""
+    sizes = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8)
+    return _llama_config(sizes, vocab_size, bos, eos, tiny, rope_factor=8.0, tied=False)
+
+
+def _llama_config(sizes: dict, vocab_size: int, bos: int, eos: int, tiny: bool, *, rope_factor: float, tied: bool):
     from transformers import LlamaConfig
 
-    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2) if tiny else \
-        dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-             num_key_value_heads=8)
-    rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    if tiny:
+        sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2)
+    rope = {"rope_type": "llama3", "factor": rope_factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192}
     return LlamaConfig(**sizes, vocab_size=vocab_size, max_position_embeddings=131072, rope_theta=500000.0,
-                       rope_scaling=rope, tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=bos,
+                       rope_scaling=rope, tie_word_embeddings=tied, rms_norm_eps=1e-5, bos_token_id=bos,
                        eos_token_id=eos, pad_token_id=eos)
 
 
@@ -197,7 +213,7 @@ def qwen3_5_08b_config(vocab_size: int = 49152, bos: int = 1, eos: int = 2, tiny
                              eos_token_id=eos, pad_token_id=eos)
 
 
-RANDOM_SETUPS = {LLAMA_1B: llama_1b_config, QWEN3_5_08B: qwen3_5_08b_config}
+RANDOM_SETUPS = {LLAMA_1B: llama_1b_config, LLAMA_8B: llama_8b_config, QWEN3_5_08B: qwen3_5_08b_config}
 NAMED_SETUPS = ("smollm2", *RANDOM_SETUPS)
 
 
@@ -522,8 +538,8 @@ def published_lines(results: list[Measurement], ref: dict[int, float]) -> list[s
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2",
-                   help=f"smollm2 (default), {LLAMA_1B}, {QWEN3_5_08B}, or a Hugging Face folder")
-    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda for the random Llama, else cpu")
+                   help=f"smollm2 (default), {', '.join(RANDOM_SETUPS)}, or a Hugging Face folder")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda for the random models, else cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated client concurrencies (default 1,8,32)")
@@ -531,7 +547,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--waves", type=int, default=8,
                    help="requests per level = waves x concurrency (default 8: see docs/benchmarks.md on why not 3)")
     p.add_argument("--min-requests", type=int, default=4, help="at least this many requests per level (default 4)")
-    p.add_argument("--tokenizer", help=f"{LLAMA_1B}: a folder with tokenizer files and a config.json naming "
+    p.add_argument("--tokenizer", help="the random models: a folder with tokenizer files and a config.json naming "
                                       "vocab_size (default: the embedded SmolLM2, fetched if needed)")
     p.add_argument("--rounds", type=int, default=1,
                    help="measure every scenario this many times, interleaved, and add up (default 1)")
@@ -603,7 +619,8 @@ def dry_run(plan: Plan) -> int:
         print(f"{plan.setup}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
               f"intermediate {config.intermediate_size}, heads {config.num_attention_heads}/"
               f"{config.num_key_value_heads}, vocab {config.vocab_size} (SmolLM2's), "
-              f"rope {config.rope_parameters['rope_type']}, tied embeddings, "
+              f"rope {config.rope_parameters['rope_type']}, "
+              f"{'tied embeddings' if config.tie_word_embeddings else 'untied head'}, "
               f"~{estimate_params(config) / 1e9:.2f}B parameters")
     with tempfile.TemporaryDirectory() as tmp:
         tiny_plan = Plan(**{**plan.__dict__, "device": "cpu", "dtype": "float32", "cache_dir": Path(tmp)})
