@@ -221,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("profile_gpu_step needs CUDA", file=sys.stderr)
         return 2
+    # As a GPU worker runs (actors.worker.worker_torch_threads): one intra-op
+    # thread, so host work beside the steps (an install's staging) does not
+    # fan out over every core.
+    torch.set_num_threads(1)
     if args.tokenizer is None:
         from mstar_actors.fetch import resolve_model
 
