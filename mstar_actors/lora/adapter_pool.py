@@ -250,7 +250,7 @@ class AdapterPool:
         what a quantum's end moves; sent after the plan, so every rank runs
         that step before the swap."""
         self._steps += 1
-        return self._settle() if self._drains or self._waiting else []
+        return self._settle() if any(self._turn_over(slot) for slot in self._drains) else []
 
     def stalled(self) -> list:
         """Nothing can run, yet choices are live (every one parked, or
@@ -455,10 +455,7 @@ class AdapterPool:
         their tenants: a swap for nothing)."""
         outs = []
         for slot in list(self._drains):
-            if self.table.state(slot) is not SlotState.READY:
-                continue
-            if not end_quanta and (self._steps - self._tenancy.get(slot, 0) < self.quantum
-                                   or self._steps - self._last_park < self.quantum / self.max_loras):
+            if self.table.state(slot) is not SlotState.READY or not (end_quanta or self._turn_over(slot)):
                 continue
             ids = tuple(rid for rid, s in self._slot_of.items() if s == slot)
             if not ids:
@@ -474,6 +471,11 @@ class AdapterPool:
             outs.append(MoveRows(ids, PARKED))
             self._last_park = self._steps
         return outs
+
+    def _turn_over(self, slot: int) -> bool:
+        """Whether the tenant of reserved ``slot`` had its quantum, and the last park is far enough back."""
+        return (self._steps - self._tenancy.get(slot, 0) >= self.quantum
+                and self._steps - self._last_park >= self.quantum / self.max_loras)
 
     def _place_parked(self, w: _Waiting) -> list:
         """Parked choices back on a slot of their version: the resident one
@@ -549,7 +551,7 @@ class AdapterPool:
         so older waiters reserve first. At most ``max_drains`` slots are
         reserved or installing at once, so the batch keeps running on the
         others. A waiter that found none to reserve tries again at the next
-        event (an ack, an end, a step), so it is never forgotten."""
+        event (an ack, an end), so it is never forgotten."""
         if name in self._drains.values() or self.num_out_of_service >= self.max_drains:
             return []
         if self.table.num_free(exclude=self._reserved_for_others(name)) > 0:

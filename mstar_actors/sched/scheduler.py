@@ -240,11 +240,6 @@ class Scheduler:
             if (seq := self.requests.get(rid)) is not None:
                 seq.lora_slot = slot
 
-    @property
-    def num_runnable(self) -> int:
-        """Sequences a step could take: every live one but the parked."""
-        return sum(1 for seq in self.requests.values() if seq.lora_slot != PARKED)
-
     def abort(self, request_id: str) -> list[Finished]:
         """Stop a request (every choice) or one choice now, wherever it is.
         Idempotent: only the first call returns the ``Finished`` of each

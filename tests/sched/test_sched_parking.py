@@ -24,7 +24,7 @@ def test_a_parked_running_sequence_skips_steps_keeps_its_blocks_and_resumes_on_t
     for _ in range(3):
         plan, _ = run_step(sched)
         assert rows(plan) == {"b": 2}
-    assert sched.requests["a"].block_ids == blocks and sched.num_runnable == 1
+    assert sched.requests["a"].block_ids == blocks and sched.requests["a"].lora_slot == PARKED
     done = sched.requests["a"].num_computed
     sched.set_lora_slot(["a"], 2)
     plan, _ = run_step(sched)
