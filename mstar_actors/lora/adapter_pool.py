@@ -22,13 +22,16 @@ Invariants:
 
 - A request is admitted only on a slot every rank acknowledged with the
   adapter's digest; ``Admit.slot`` is that slot, and the scheduler puts it
-  in the ``SeqStart`` of each choice. Each admitted choice (an installing
-  request: the request) holds one pin on its slot, released exactly once at
-  its end (``end``) or on a failed install.
+  in the ``SeqStart`` of each choice; a parked choice resumes only on a slot
+  every rank acknowledged with the digest it ran on. Each admitted choice
+  (an installing request: the request) holds one pin on its slot, released
+  exactly once: at its end (``end``), on a failed install, or when it is
+  parked (a parked choice holds none until it resumes; while its reinstall
+  is in flight it holds one on that slot).
 - Host copies are reference counted by the reader: each ``AdapterRead`` is
   one hold, each ``DropAdapter`` releases one. Copies an install in flight
-  or a waiting request needs stay held (a held copy is never evicted: a rank
-  may still be mapping it). Of the rest, the most recently used copies of
+  or a waiting or parked request needs stay held (a held copy is never
+  evicted: a rank may still be mapping it). Of the rest, the most recently used copies of
   served versions stay held while all held copies fit ``max_cpu_loras`` (the
   reader's tier), so swapping an adapter back in costs no read; every other
   hold is dropped at once, so the tier may evict it. Unloaded and stale
@@ -37,8 +40,9 @@ Invariants:
 - Churn is time-sliced: when the oldest waiter of an adapter (a new request,
   or parked ones) finds every slot pinned, one ready slot is reserved for it
   (``_drains``: the one whose tenant has held it longest). Its tenant keeps
-  serving, new requests on it included, until it has had ``quantum_steps``
-  planned steps since its install (``step`` counts them); then its admitted
+  serving, new requests on it included, until it has had its ``quantum``
+  of planned steps since its install (``step`` counts them), the turns of
+  the slots ending staggered; then its admitted
   choices are parked (``MoveRows(..., PARKED)``: they keep their KV and state
   and leave the plans), the slot is free, and the waiter's install takes it.
   The parked choices wait like a request, in the order they were parked, and
@@ -57,8 +61,8 @@ Invariants:
   waiting requests use the new version; admitted ones keep their slot (the
   slot table detaches it). The prefix root names the digest, so no KV block
   is shared across versions or adapters.
-- An unloaded adapter's waiting and running requests finish; new requests
-  naming it get 404.
+- An unloaded adapter's waiting, running and parked requests finish; new
+  requests naming it get 404.
 """
 
 from __future__ import annotations
