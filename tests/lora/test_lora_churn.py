@@ -329,3 +329,17 @@ def test_parked_rows_whose_reinstall_fails_end_as_failed_with_the_reason():
     failed = [out for out in outs if isinstance(out, Failed)]
     assert [f.request_id for f in failed] == ["a1"] and failed[0].status == 500
     assert "the disk is gone" in failed[0].message and "'a'" in failed[0].message
+
+
+def test_an_unloaded_adapters_parked_rows_still_resume_and_finish():
+    d = running("ab", max_cpu_loras=4)
+    d.send("c1", "c")
+    d.step(int(d.adapter_pool.quantum))
+    d.settle()
+    assert d.parked == {"a1"}
+    d.handle(d.adapter_pool.unload(UnloadAdapter(request_id="u", name="a")))
+    d.step(int(d.adapter_pool.quantum) // 2)
+    d.settle()
+    assert "a1" in d.admitted and "a1" not in d.parked  # resumed on its own version, read nowhere again
+    d.send("a9", "a")
+    assert "a9" not in d.admitted  # new requests naming it are refused (404)
