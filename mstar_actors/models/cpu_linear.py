@@ -352,7 +352,7 @@ def _advise_huge_pages(address: int, num_bytes: int) -> bool:
 
 def _kernel_linear(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, num_out: int,
                    bias: torch.Tensor | None) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, in] as it comes: no reshape, no view
     if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
         rows = rows.contiguous()
     y = torch.empty(rows.shape[0], num_out, dtype=x.dtype)
@@ -361,7 +361,7 @@ def _kernel_linear(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, num_
             bias = bias.contiguous()
         lib.linear_f32(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), blocks.data_ptr(), num_out,
                        None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
-    return y.view(*x.shape[:-1], num_out)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], num_out)
 
 
 class PackedWeight:
