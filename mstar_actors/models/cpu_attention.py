@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 
 import torch
 
 from . import cpu_linear
 from .attention import AttentionMetadata, TorchPagedAttention
 
-log = logging.getLogger(__name__)
 
 KERNEL_SOURCE = r"""
 #include <immintrin.h>
@@ -84,19 +82,15 @@ void decode_attention(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t
 @functools.cache
 def kernel() -> ctypes.CDLL | None:
     """The built and self-checked library, or None (one warning says why)."""
-    try:
-        path = cpu_linear.build_library("cpu_attention", KERNEL_SOURCE)
-        lib = cpu_linear.load_library(path)
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.decode_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr,
-                                         ctypes.c_float, ptr, i64, ctypes.c_int]
-        lib.decode_attention.restype = None
-        _check(lib)
-    except cpu_linear.KernelUnavailable as err:
-        log.warning("cpu attention: our decode kernel is off (%s); decode attention gathers pages for SDPA. %s",
-                    err, cpu_linear.HINT)
-        return None
-    return lib
+    return cpu_linear.checked_library("cpu_attention", KERNEL_SOURCE, declare=_declare, check=_check,
+                                      what="cpu decode attention", when_off="decode attention gathers pages for SDPA")
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.decode_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr, ctypes.c_float, ptr,
+                                     i64, ctypes.c_int]
+    lib.decode_attention.restype = None
 
 
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,

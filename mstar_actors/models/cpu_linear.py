@@ -43,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -54,7 +55,20 @@ log = logging.getLogger(__name__)
 
 BLOCK_N = 32  # output columns per packed block (two AVX-512 vectors)
 
-KERNEL_SOURCE = r"""
+# Shared by the block kernels (this one and cpu_quant's): a block's masks of
+# its ``cols`` real columns of 32, and MAX_ROWS rows of accumulators that
+# start at the bias (zero without one).
+BLOCK_ACCUMULATORS = r"""
+#define BLOCK_ACCUMULATORS                                                  \
+    __mmask16 lo = (__mmask16)(cols >= 16 ? 0xFFFF : (1u << cols) - 1);     \
+    __mmask16 hi = (__mmask16)(cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1); \
+    __m512 b0 = bias ? _mm512_maskz_loadu_ps(lo, bias) : _mm512_setzero_ps(); \
+    __m512 b1 = bias ? _mm512_maskz_loadu_ps(hi, bias + 16) : _mm512_setzero_ps(); \
+    __m512 acc[MAX_ROWS][2];                                                \
+    for (int m = 0; m < MAX_ROWS; m++) { acc[m][0] = b0; acc[m][1] = b1; }
+"""
+
+KERNEL_SOURCE = BLOCK_ACCUMULATORS + r"""
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -67,12 +81,7 @@ KERNEL_SOURCE = r"""
    its padding columns are zeros in wb, neither loaded from bias nor stored). */
 static inline void block_rows(int rows, const float *x, int64_t ldx, const float *wb, const float *bias,
                               int cols, float *y, int64_t ldy, int64_t K) {
-    __mmask16 lo = (__mmask16)(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
-    __mmask16 hi = (__mmask16)(cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1);
-    __m512 b0 = bias ? _mm512_maskz_loadu_ps(lo, bias) : _mm512_setzero_ps();
-    __m512 b1 = bias ? _mm512_maskz_loadu_ps(hi, bias + 16) : _mm512_setzero_ps();
-    __m512 acc[MAX_ROWS][2];
-    for (int m = 0; m < MAX_ROWS; m++) { acc[m][0] = b0; acc[m][1] = b1; }
+    BLOCK_ACCUMULATORS
     /* One loop per row count, so the accumulators stay in registers. */
 #define ROWS_LOOP(R)                                                        \
     for (int64_t k = 0; k < K; k++) {                                       \
@@ -186,15 +195,25 @@ class KernelUnavailable(RuntimeError):
 @functools.cache
 def kernel() -> ctypes.CDLL | None:
     """The built and self-checked kernel library, or None (one warning says why)."""
+    return checked_library("cpu_linear", KERNEL_SOURCE, declare=_declare, check=_check, what="cpu linear",
+                           when_off="float32 CPU linears use oneDNN's packed weights instead, slower at decode sizes")
+
+
+def checked_library(name: str, source: str, *, declare: Callable[[ctypes.CDLL], None],
+                    check: Callable[[ctypes.CDLL], None], what: str, when_off: str) -> ctypes.CDLL | None:
+    """One of our C kernels: built (``build_library``), loaded, its functions'
+    signatures declared, then checked against torch on a small case; None
+    where any of that fails, with one warning saying why and what serves
+    instead (``when_off``)."""
     try:
-        path = _build()
-        lib = _load(path)
-        _check(lib)
+        path = build_library(name, source)
+        lib = load_library(path)
+        declare(lib)
+        check(lib)
     except KernelUnavailable as err:
-        log.warning("cpu linear: our AVX-512 kernel is off (%s); float32 CPU linears use oneDNN's packed "
-                    "weights instead, slower at decode sizes. %s", err, HINT)
+        log.warning("%s: our AVX-512 kernel is off (%s); %s. %s", what, err, when_off, HINT)
         return None
-    log.info("cpu linear: our AVX-512 kernel is on (%s)", path.name)
+    log.info("%s: our AVX-512 kernel is on (%s)", what, path.name)
     return lib
 
 
@@ -211,10 +230,6 @@ def _cpu_has_avx512() -> bool:
 
 def find_compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc")
-
-
-def _build() -> Path:
-    return build_library("cpu_linear", KERNEL_SOURCE)
 
 
 def build_library(name: str, source: str) -> Path:
@@ -252,12 +267,10 @@ def load_library(path: Path) -> ctypes.CDLL:
         raise KernelUnavailable(f"loading {path.name} failed: {err}") from None
 
 
-def _load(path: Path) -> ctypes.CDLL:
-    lib = load_library(path)
+def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.linear_f32.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
     lib.linear_f32.restype = None
-    return lib
 
 
 def _check(lib: ctypes.CDLL) -> None:

@@ -34,20 +34,18 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 
 import torch
 import torch.nn.functional as F
 
 from . import cpu_linear
 
-log = logging.getLogger(__name__)
 
 GROUP = 32  # weights per scale, along the input dimension
 BLOCK_N = cpu_linear.BLOCK_N  # output columns per packed block
 QUANTIZATIONS = ("none", "int8", "int4")
 
-KERNEL_SOURCE = r"""
+KERNEL_SOURCE = cpu_linear.BLOCK_ACCUMULATORS + r"""
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -95,12 +93,7 @@ static inline void block_rows(int bits, int rows, const float *x, int64_t ldx, c
     static const float LUT[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     const __m512 table = _mm512_loadu_ps(LUT);
     const int64_t num_groups = K / GROUP;
-    __mmask16 lo = (__mmask16)(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
-    __mmask16 hi = (__mmask16)(cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1);
-    __m512 b0 = bias ? _mm512_maskz_loadu_ps(lo, bias) : _mm512_setzero_ps();
-    __m512 b1 = bias ? _mm512_maskz_loadu_ps(hi, bias + 16) : _mm512_setzero_ps();
-    __m512 acc[MAX_ROWS][2];
-    for (int m = 0; m < MAX_ROWS; m++) { acc[m][0] = b0; acc[m][1] = b1; }
+    BLOCK_ACCUMULATORS
 #define INT4_CODES(k)                                                       \
     __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + (k) * 16))); \
     __m512 c0 = _mm512_permutexvar_ps(v, table);                            \
@@ -325,19 +318,15 @@ def bits_of(quantization: str) -> int | None:
 @functools.cache
 def kernel() -> ctypes.CDLL | None:
     """The built and self-checked kernel library, or None (one warning says why)."""
-    try:
-        path = cpu_linear.build_library("cpu_quant", KERNEL_SOURCE)
-        lib = cpu_linear.load_library(path)
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.linear_quant.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
-        lib.linear_quant.restype = None
-        _check(lib)
-    except cpu_linear.KernelUnavailable as err:
-        log.warning("cpu quantized linear: our AVX-512 kernel is off (%s); quantized layers dequantize each "
-                    "call instead, much slower. %s", err, cpu_linear.HINT)
-        return None
-    log.info("cpu quantized linear: our AVX-512 kernel is on (%s)", path.name)
-    return lib
+    return cpu_linear.checked_library("cpu_quant", KERNEL_SOURCE, declare=_declare, check=_check,
+                                      what="cpu quantized linear",
+                                      when_off="quantized layers dequantize each call instead, much slower")
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.linear_quant.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.linear_quant.restype = None
 
 
 def _check(lib: ctypes.CDLL) -> None:

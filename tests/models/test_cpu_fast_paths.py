@@ -220,10 +220,10 @@ def test_without_the_kernel_weights_pack_for_onednn_and_agree(monkeypatch):
 
 
 def test_a_failed_build_warns_once_and_falls_back(monkeypatch, caplog):
-    def no_compiler():
+    def no_compiler(name, source):
         raise cpu_linear.KernelUnavailable("no C compiler found (cc, gcc or $CC)")
 
-    monkeypatch.setattr(cpu_linear, "_build", no_compiler)
+    monkeypatch.setattr(cpu_linear, "build_library", no_compiler)
     cpu_linear.kernel.cache_clear()
     try:
         with caplog.at_level("WARNING", logger=cpu_linear.__name__):
@@ -239,7 +239,7 @@ def test_a_missing_compiler_is_named(monkeypatch):
     monkeypatch.setattr(cpu_linear, "find_compiler", lambda: None)
     monkeypatch.setattr(cpu_linear, "_cpu_has_avx512", lambda: True)
     with pytest.raises(cpu_linear.KernelUnavailable, match="no C compiler found"):
-        cpu_linear._build()
+        cpu_linear.build_library("cpu_linear", cpu_linear.KERNEL_SOURCE)
 
 
 def test_a_failing_compiler_is_named(monkeypatch, tmp_path):
@@ -247,7 +247,7 @@ def test_a_failing_compiler_is_named(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_linear, "cache_root", lambda: tmp_path / "models")
     monkeypatch.setattr(cpu_linear, "_cpu_has_avx512", lambda: True)
     with pytest.raises(cpu_linear.KernelUnavailable, match="no-such-cc"):
-        cpu_linear._build()
+        cpu_linear.build_library("cpu_linear", cpu_linear.KERNEL_SOURCE)
 
 
 def test_pack_blocks_into_a_given_buffer_equals_its_own():
