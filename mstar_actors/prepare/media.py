@@ -55,7 +55,7 @@ class MediaError(ValueError):
 
     def __init__(self, param: str, message: str):
         super().__init__(f"{param}: {message}")
-        self.param = param
+        self.param, self.reason = param, message
 
 
 @dataclass(frozen=True)

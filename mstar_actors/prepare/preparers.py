@@ -642,12 +642,7 @@ def clip_features(feature_extractor: Any, data: bytes, param: str, limits: Media
     float32), the count of valid frames and of audio tokens."""
     from mstar_actors.models.qwen2_audio import audio_frames_kept, audio_num_tokens
 
-    class _Ref:  # what decode_audio names in its errors
-        pass
-
-    ref = _Ref()
-    ref.param = param
-    samples = decode_audio(data, ref, limits, sampling_rate, max_seconds)
+    samples = decode_audio(data, MediaRef("audio", "", param), limits, sampling_rate, max_seconds)
     out = feature_extractor(samples, sampling_rate=sampling_rate, return_attention_mask=True, padding="max_length",
                             return_tensors="np")
     num_frames = int(out["attention_mask"][0].sum())
@@ -687,4 +682,4 @@ def _clip_in_process(*args: Any) -> tuple[Any, int, int] | str:
     try:
         return clip_features(_CLIP_EXTRACTOR, *args)
     except MediaError as err:
-        return str(err).split(": ", 1)[1] if ": " in str(err) else str(err)
+        return err.reason
