@@ -41,8 +41,8 @@ class ModelConfig(msgspec.Struct, **_STRICT):
     quantization: Literal["auto", "none", "int8", "int4"] = "auto"
     # CUDA only (on CPU these keys are accepted and ignored: every step runs
     # eagerly there). Pure decode steps of up to ``cuda_graph_max_batch``
-    # sequences (capped by scheduler.max_num_seqs) replay CUDA graphs captured
-    # at startup; so do steps with prefill chunks of up to that many
+    # sequences (default and cap: scheduler.max_num_seqs) replay CUDA graphs
+    # captured at startup; so do steps with prefill chunks of up to that many
     # sequences and ``cuda_graph_max_tokens`` tokens in all (capped by
     # scheduler.max_num_batched_tokens; 0: such steps run eagerly). Larger
     # steps run eagerly, several times slower than graphed, so by default
@@ -50,7 +50,7 @@ class ModelConfig(msgspec.Struct, **_STRICT):
     # ``enforce_eager: true`` never captures (vLLM's name): slower steps,
     # faster startup, no graph memory.
     enforce_eager: bool = False
-    cuda_graph_max_batch: Pos = 64
+    cuda_graph_max_batch: Pos | None = None
     cuda_graph_max_tokens: NonNeg = 2048
     # How tool calls are read from the output: "auto" picks the format the
     # chat template asks for (see ``mstar_actors.frontend.tool_calls``).
@@ -64,8 +64,15 @@ class ParallelConfig(msgspec.Struct, **_STRICT):
     worker_torch_threads: Pos | None = None
 
 
+# Sequences a step may hold when scheduler.max_num_seqs is not set: on CUDA
+# vLLM's 256 (a decode step's cost grows slowly with its rows there); on CPU
+# a step's cost grows with every row, so fewer keep each stream's pace.
+DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
+
+
 class SchedulerConfig(msgspec.Struct, **_STRICT):
-    max_num_seqs: Pos = 64
+    # None: DEFAULT_MAX_NUM_SEQS of the device (resolved by ``parse_config``).
+    max_num_seqs: Pos | None = None
     max_num_batched_tokens: Pos = 2048
     max_model_len: Pos | None = None  # default: the model's own context length
 
@@ -217,9 +224,24 @@ def parse_config(data: object, source: str = "<config>") -> Config:
     if data is None:
         data = {}
     try:
-        return msgspec.convert(data, Config)
+        config = msgspec.convert(data, Config)
     except msgspec.ValidationError as err:
         raise ConfigError(f"{source}: {_explain(err)}") from None
+    return with_device_defaults(config)
+
+
+def with_device_defaults(config: Config) -> Config:
+    """``config`` with the keys whose default depends on the device filled in
+    (``scheduler.max_num_seqs``), so every actor reads one settled value."""
+    if config.scheduler.max_num_seqs is not None:
+        return config
+    device = config.model.device
+    if device == "auto":
+        from mstar_actors.runner.device import resolve_device  # torch only where the device must be probed
+
+        device = resolve_device(device).type
+    scheduler = msgspec.structs.replace(config.scheduler, max_num_seqs=DEFAULT_MAX_NUM_SEQS[device])
+    return msgspec.structs.replace(config, scheduler=scheduler)
 
 
 def load_config(path: str | os.PathLike, **overrides: dict) -> Config:

@@ -187,7 +187,7 @@ def graph_limits(config: Config) -> tuple[int, int]:
     """(sequences, tokens) the step graphs take: no step holds more sequences
     or tokens than the scheduler batches (0 tokens: no mixed-step graphs)."""
     model, scheduler = config.model, config.scheduler
-    return (min(model.cuda_graph_max_batch, scheduler.max_num_seqs),
+    return (min(model.cuda_graph_max_batch or scheduler.max_num_seqs, scheduler.max_num_seqs),
             min(model.cuda_graph_max_tokens, scheduler.max_num_batched_tokens))
 
 

@@ -233,7 +233,7 @@ def test_config_keys_and_the_build_reads_them():
 
     config = parse_config({"model": {"enforce_eager": True, "cuda_graph_max_batch": 128}, "scheduler": {"max_num_seqs": 32}})
     assert config.model.enforce_eager and config.model.cuda_graph_max_batch == 128
-    assert parse_config({}).model.enforce_eager is False and parse_config({}).model.cuda_graph_max_batch == 64
+    assert parse_config({}).model.enforce_eager is False and parse_config({}).model.cuda_graph_max_batch is None
     with pytest.raises(ConfigError, match="cuda_graph_max_batch"):
         parse_config({"model": {"cuda_graph_max_batch": 0}})
 
@@ -243,7 +243,12 @@ def test_config_keys_and_the_build_reads_them():
     assert not takes_graphs(parse_config({}), cuda, is_multimodal=True)
     assert not takes_graphs(parse_config({}), torch.device("cpu"), is_multimodal=False)
     assert graph_limits(config)[0] == 32  # capped by scheduler.max_num_seqs
-    assert graph_limits(parse_config({}))[0] == 64
+    cpu, on_cuda = parse_config({"model": {"device": "cpu"}}), parse_config({"model": {"device": "cuda"}})
+    assert graph_limits(on_cuda)[0] == on_cuda.scheduler.max_num_seqs == 256  # no cliff: every batch is graphed
+    assert cpu.scheduler.max_num_seqs == 64
+    assert graph_limits(parse_config({"model": {"device": "cuda", "cuda_graph_max_batch": 96}}))[0] == 96
+    if not torch.cuda.is_available():
+        assert parse_config({}).scheduler.max_num_seqs == 64  # auto resolves to this host's device
 
 
 # ---------------------------------------------------------------- GPU: real capture
