@@ -192,6 +192,8 @@ def time_install(runner: ModelRunner, adapters: list, repeats: int, beside: int 
 
 
 def profile_step(runner: ModelRunner, slots: list[int]) -> str:
+    """torch.profiler's table of 5 decode steps on ``slots``: the GPU kernels
+    by device time, and the host's share (an op's CPU time against the step's)."""
     from torch.profiler import ProfilerActivity, profile
 
     d = Decoder(runner, slots, "prof")
@@ -200,7 +202,7 @@ def profile_step(runner: ModelRunner, slots: list[int]) -> str:
         for _ in range(5):
             d.decode()
     d.close()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=24, max_name_column_width=60)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed-decodes", type=int, nargs="*", default=[7, 31],
                    help="decodes beside each mixed step's prefill (none: skip the mixed steps)")
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--profile-batches", type=int, nargs="+", default=[8],
+                   help="rows of the profiled decode steps, each profiled on the base model and on one adapter")
     p.add_argument("--fuse", choices=["on", "off", "both"], default="both",
                    help="decode table with the LoRA linears' A under their weights (CUDA's default), unfused, "
                         "or both runners side by side (default)")
@@ -233,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = bench_lora.make_random_model(args.model, cache / args.model, args.tokenizer, "bfloat16", "cuda")
     paths = bench_lora.make_adapters(model_dir, cache / "adapters" / f"{args.model}-r16",
                                      [f"lora{i}" for i in range(NUM_ADAPTERS)], 16, "bfloat16", "cuda")
-    max_seqs = max([*args.batches, *args.mixed_decodes, 32])  # the install rows decode 32 beside
+    max_seqs = max([*args.batches, *args.mixed_decodes, *args.profile_batches, 32])  # the install rows decode 32 beside
     runners = {}
     for fused in [mode == "on" for mode in (("on", "off") if args.fuse == "both" else (args.fuse,))]:
         config = parse_config({"model": {"path": str(model_dir), "device": "cuda"}, "kv": {"num_blocks": 64 * max_seqs + 8},
@@ -268,7 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         where = f"beside a thread decoding {beside} sequences (its steps {step:.2f} ms)" if beside else "alone"
         print(f"#   {where}: install {install:.1f}, reinstall {again:.1f}")
     if not args.no_profile:
-        print(profile_step(runner, [1] * 8))
+        for batch in args.profile_batches:
+            for name, slot in (("base", 0), ("one adapter", 1)):
+                print(f"# torch.profiler, 5 decode steps of {batch} rows, {name}")
+                print(profile_step(runner, [slot] * batch))
     return 0
 
 
