@@ -11,14 +11,22 @@ The busy loop, each turn:
 
 1. apply what has arrived: aborts and new requests, in channel order
    (an abort is idempotent; ``Failed`` from prepare is relayed);
-2. ``schedule()`` and broadcast the ``StepPlan`` to every rank; with no work,
-   park on the mailbox until a message arrives (no polling);
-3. await the step's answer from every rank, applying other arrivals
-   meanwhile (an abort then lands before the step's results are used);
+2. while the scheduler may plan (``scheduler.async_scheduling``: one step
+   ahead of the ranks, else one step at a time), ``schedule()`` and
+   broadcast the ``StepPlan`` to every rank;
+3. else await the oldest step's answer from every rank, applying other
+   arrivals meanwhile (an abort then lands before the step's results are
+   used); with nothing in flight and no work, park on the mailbox until a
+   message arrives (no polling);
 4. ``update()`` with rank 0's tokens (the others acknowledge, with matching
    step ids) and send the outputs to the frontend, plus ``EngineStats`` when
    they changed. A ``StepFailed`` fails its rows (or the whole step) with a
    500 and the loop keeps serving the others.
+
+Planning ahead, a rank finds the next plan waiting when its step ends: the
+result's trip here, the update, the plan and its trip back overlap the
+step instead of following it (``Scheduler``'s module doc says what the
+plan assumes of the step in flight).
 
 The plan goes out as ``schedule()`` returns it: the scheduler is its only
 author (KV blocks, LoRA slots, media orders); the conductor routes and steps.
@@ -51,6 +59,7 @@ request's arena refs from here on (``mstar_actors.sched.media``).
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Any
 
 import msgspec
@@ -129,6 +138,7 @@ def make_scheduler(config: Any, facts: WorkerReady, log: logging.Logger) -> Any:
         enable_prefix_caching=config.kv.enable_prefix_caching,
         num_state_slots=facts.num_state_slots,
         num_state_snapshots=facts.num_state_snapshots,
+        max_in_flight=2 if sched.async_scheduling else 1,
     )
 
 
@@ -155,7 +165,9 @@ class ConductorActor(Actor):
         self.num_ranks = num_ranks or self.config.parallel.tp
         self.adapter_pool = AdapterPool.from_config(self.config, self.info.served_name, self.num_ranks)
         self.scheduler: Any = None
-        self.step_results: dict[int, StepDone | StepFailed] | None = None  # set while a step runs
+        # Steps sent to the ranks, oldest first, and their answers so far (step id -> rank -> result).
+        self.in_flight: deque[StepPlan] = deque()
+        self.step_results: dict[int, dict[int, StepDone | StepFailed]] = {}
         self.last_stats: Any = None
 
     # ---- start: agreement -------------------------------------------------
@@ -186,38 +198,41 @@ class ConductorActor(Actor):
     async def serve(self) -> None:
         while True:
             await self.apply_arrived()  # 1
-            plan = self.scheduler.schedule() if self.scheduler.has_work() else None
-            if plan is None:
-                if self.scheduler.has_work() and (moved := self.adapter_pool.stalled()):
-                    await self.route(moved)  # every live row parked: their turns end now
+            if self.scheduler.can_schedule():
+                plan = self.scheduler.schedule() if self.scheduler.has_work() else None
+                if plan is None and not self.in_flight:  # no step to carry the orders: they go alone
+                    plan = self.scheduler.schedule_orders()
+                if plan is not None:
+                    await self.send_plan(plan)  # 2
                     continue
-                await self.dispatch(*await self.mailbox.get())  # park until something arrives
-                await self.send_stats()  # an abort or arrival while idle changes the gauges
+            if self.in_flight:
+                plan = self.in_flight.popleft()
+                await self.finish_step(plan, await self.await_step(plan))  # 3, 4
                 continue
-            await self.outbox["workers"].send(plan)  # 2
-            await self.route(self.adapter_pool.step())  # a turn's end: its swap goes after this plan
-            results = await self.await_step(plan)  # 3
-            await self.finish_step(plan, results)  # 4
+            if self.scheduler.has_work() and (moved := self.adapter_pool.stalled()):
+                await self.route(moved)  # every live row parked: their turns end now
+                continue
+            await self.dispatch(*await self.mailbox.get())  # park until something arrives
+            await self.send_stats()  # an abort or arrival while idle changes the gauges
+
+    async def send_plan(self, plan: StepPlan) -> None:
+        self.step_results[plan.step_id] = {}
+        self.in_flight.append(plan)
+        await self.outbox["workers"].send(plan)
+        await self.route(self.adapter_pool.step())  # a turn's end: its swap goes after this plan
 
     async def apply_arrived(self) -> None:
         while (item := self.mailbox.get_nowait()) is not None:
             await self.dispatch(*item)
 
     async def await_step(self, plan: StepPlan) -> dict[int, StepDone | StepFailed]:
-        self.step_results = {}
-        try:
-            while len(self.step_results) < self.num_ranks:
-                channel, msg = await self.mailbox.get()
-                await self.dispatch(channel, msg)
-            for rank, result in self.step_results.items():
-                if result.step_id != plan.step_id:
-                    raise RuntimeError(
-                        f"rank {rank} answered step {result.step_id} while step {plan.step_id} runs: "
-                        f"ranks must execute plans in order"
-                    )
-            return self.step_results
-        finally:
-            self.step_results = None
+        """Every rank's answer to ``plan`` (the oldest step in flight)."""
+        results = self.step_results[plan.step_id]
+        while len(results) < self.num_ranks:
+            channel, msg = await self.mailbox.get()
+            await self.dispatch(channel, msg)
+        del self.step_results[plan.step_id]
+        return results
 
     async def finish_step(self, plan: StepPlan, results: dict[int, StepDone | StepFailed]) -> None:
         failures = [results[r] for r in sorted(results) if isinstance(results[r], StepFailed)]
@@ -260,11 +275,17 @@ class ConductorActor(Actor):
                 self.unknown(channel, msg)
 
     def record_result(self, channel: str, msg: StepDone | StepFailed) -> None:
-        if self.step_results is None:
-            raise RuntimeError(f"{channel} sent {type(msg).__name__} for step {msg.step_id} while no step runs")
-        if msg.rank in self.step_results:
+        results = self.step_results.get(msg.step_id)
+        if results is None:
+            raise RuntimeError(f"{channel} sent {type(msg).__name__} for step {msg.step_id}, which is not in flight "
+                               f"(in flight: {sorted(self.step_results)})")
+        if msg.rank in results:
             raise RuntimeError(f"{channel} answered step {msg.step_id} twice")
-        self.step_results[msg.rank] = msg
+        unanswered = [step for step, got in self.step_results.items() if step < msg.step_id and msg.rank not in got]
+        if unanswered:
+            raise RuntimeError(f"rank {msg.rank} answered step {msg.step_id} before step(s) {unanswered}: "
+                               "ranks must execute plans in order")
+        results[msg.rank] = msg
 
     async def route(self, outputs: list[Any]) -> None:
         """Send what the adapter pool decided, in its order."""

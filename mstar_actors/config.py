@@ -75,6 +75,11 @@ class SchedulerConfig(msgspec.Struct, **_STRICT):
     max_num_seqs: Pos | None = None
     max_num_batched_tokens: Pos = 2048
     max_model_len: Pos | None = None  # default: the model's own context length
+    # Plan each step while the ranks run the one before (vLLM's name): the
+    # ranks never wait for a result's round trip and the next plan. A row is
+    # then planned past a token that may end its request (EOS, a stop token):
+    # that row's token is computed and dropped. false: one step at a time.
+    async_scheduling: bool = True
 
 
 class KvConfig(msgspec.Struct, **_STRICT):

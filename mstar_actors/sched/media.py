@@ -70,6 +70,9 @@ class MediaLedger:
         else:
             self._drops += [item.pixel_values.offset for item in entry.copied]
 
+    def has_orders(self) -> bool:
+        return bool(self._copies or self._drops or self._releases)
+
     def take(self) -> tuple[list[MediaCopy], list[int], list[TensorRef]]:
         """(copies, drops, releases) for the next plan."""
         orders = self._copies, self._drops, self._releases

@@ -8,6 +8,15 @@ The plan is final as ``schedule()`` returns it: KV blocks, each chunk's
 LoRA slot (the adapter pool's admission, passed to ``add``, or where it
 moved the sequence since: ``set_lora_slot``), its recurrent-state slot and
 the media orders are in it; nothing edits it on its way to the ranks.
+
+Planning ahead (``max_in_flight=2``, the conductor's overlapped steps): the
+next plan is made while a step runs, so a rank finds it waiting when the
+step ends instead of idling for the result's round trip and the planning.
+A running sequence whose in-flight chunk samples is planned one token
+further (the ranks append what they sample before they run the next plan),
+unless what is known already ends it (``max_tokens``, the context); an end
+that only the sampled token shows (EOS, a stop token) is applied one step
+late and exactly: the row planned past it computes a token nobody reads.
 """
 
 from __future__ import annotations
@@ -67,10 +76,10 @@ class _StepBuilder:
     def add(self, seq: Sequence, num_tokens: int, snapshot: tuple[int, bytes] | None = None) -> None:
         chunk = ScheduledChunk(
             request_id=seq.request_id,
-            num_computed=seq.num_computed,
+            num_computed=seq.num_scheduled,
             num_tokens=num_tokens,
             block_ids=list(seq.block_ids),
-            sample=seq.num_computed + num_tokens == seq.num_tokens,
+            sample=seq.num_scheduled + num_tokens == seq.num_tokens_ahead,
             snapshot=-1 if snapshot is None else snapshot[0],
             lora_slot=seq.lora_slot,
         )
@@ -89,11 +98,26 @@ class _StepBuilder:
 
 
 class _InFlight:
+    """A step sent to the ranks: its rows, each with its sequence's epoch when
+    planned (a row is live while that epoch lasts), and its reserved snapshots."""
+
     def __init__(self, step_id: int, rows: list[tuple[Sequence, ScheduledChunk]],
                  snapshots: dict[str, tuple[int, bytes]]):
         self.step_id = step_id
-        self.rows = rows
+        self.rows = [(seq, chunk, seq.epoch) for seq, chunk in rows]
         self.snapshots = snapshots
+        for seq, chunk in rows:
+            seq.num_in_flight += chunk.num_tokens
+            seq.num_samples_in_flight += chunk.sample
+
+    def live_rows(self) -> list[tuple[Sequence, ScheduledChunk]]:
+        return [(seq, chunk) for seq, chunk, epoch in self.rows
+                if seq.status is SeqStatus.RUNNING and seq.epoch == epoch]
+
+    def land(self, seq: Sequence, chunk: ScheduledChunk) -> None:
+        """A live row's step is over (done or failed): its counts leave the flight."""
+        seq.num_in_flight -= chunk.num_tokens
+        seq.num_samples_in_flight -= chunk.sample
 
 
 class Scheduler:
@@ -106,10 +130,13 @@ class Scheduler:
 
     Invariants:
 
-    - at most one plan is in flight: ``schedule()`` refuses to run until
-      ``update()`` (or ``fail_step()``) has consumed the previous plan's result,
-      so blocks freed by an abort can only be handed out in a plan the workers
-      run after the in-flight one: they never see a block reused under them;
+    - at most ``max_in_flight`` plans are in flight (1, or 2 when planning
+      ahead): ``schedule()`` refuses to run past that until ``update()`` (or
+      ``fail_step()``) has consumed the oldest result. Ranks run plans in
+      order, so a block freed while steps are in flight (an abort, an end,
+      a preemption) is handed out only in a later plan: what an in-flight
+      step writes there lands before its new owner's writes, and rows of a
+      sequence whose epoch has changed are void (their results ignored);
     - ``num_computed`` advances only in ``update()``, and a full block enters
       the prefix index only there, once its KV really exists;
     - a sequence's id goes into ``StepPlan.finished`` exactly when the workers
@@ -159,7 +186,10 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         num_state_slots: int = 0,
         num_state_snapshots: int = 0,
+        max_in_flight: int = 1,
     ):
+        if max_in_flight not in (1, 2):
+            raise ValueError(f"scheduler: max_in_flight must be 1 or 2 (plan one step ahead), got {max_in_flight}")
         for name, value in [
             ("num_blocks", num_blocks),
             ("block_size", block_size),
@@ -193,7 +223,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._num_arrivals = 0
         self._next_step_id = 0
-        self._in_flight: _InFlight | None = None
+        self.max_in_flight = max_in_flight
+        self._in_flight: deque[_InFlight] = deque()  # oldest first
         self._finished_ids: list[str] = []  # for the next plan's ``finished``
 
     # ------------------------------------------------------------------ intake
@@ -290,10 +321,11 @@ class Scheduler:
         come first everywhere, so the oldest one always progresses; with
         ``max_num_batched_tokens < max_num_seqs`` the newest decodes wait.
         """
-        if self._in_flight is not None:
+        if not self.can_schedule():
             raise RuntimeError(
-                f"schedule() while step {self._in_flight.step_id} is in flight; "
-                "pass its StepDone to update() (or its StepFailed to fail_step()) first"
+                f"schedule() while step(s) {[f.step_id for f in self._in_flight]} are in flight "
+                f"(at most {self.max_in_flight}); pass the oldest's StepDone to update() "
+                "(or its StepFailed to fail_step()) first"
             )
         step = _StepBuilder(self.max_num_batched_tokens)
         num_preemptions = self.num_preemptions
@@ -303,6 +335,18 @@ class Scheduler:
             self._admit_waiting(step)
         if not step.chunks:
             return None
+        return self._emit(step)
+
+    def schedule_orders(self) -> StepPlan | None:
+        """A plan of no rows carrying the orders collected since the last plan
+        (sequences the ranks must forget, media to drop or release), or None
+        when there are none: with no step to follow an abort or an end, the
+        ranks would otherwise hold those until the next request."""
+        if not self.can_schedule() or not (self._finished_ids or self.media.has_orders()):
+            return None
+        return self._emit(_StepBuilder(0))
+
+    def _emit(self, step: _StepBuilder) -> StepPlan:
         plan = StepPlan(
             step_id=self._next_step_id,
             started=step.started,
@@ -310,10 +354,18 @@ class Scheduler:
             finished=self._finished_ids,
             **self._media_orders(),
         )
-        self._in_flight = _InFlight(self._next_step_id, list(step.chunks.values()), step.snapshots)
+        self._in_flight.append(_InFlight(self._next_step_id, list(step.chunks.values()), step.snapshots))
         self._next_step_id += 1
         self._finished_ids = []
         return plan
+
+    def can_schedule(self) -> bool:
+        """Whether ``schedule()`` may plan another step now (see ``max_in_flight``)."""
+        return len(self._in_flight) < self.max_in_flight
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        return len(self._in_flight)
 
     def _media_orders(self) -> dict:
         copies, drops, releases = self.media.take()
@@ -325,17 +377,27 @@ class Scheduler:
                 return
             if seq.status is not SeqStatus.RUNNING or seq.request_id in step.chunks or seq.lora_slot == PARKED:
                 continue  # preempted, already scheduled this step, or parked
-            num_left = seq.num_tokens - seq.num_computed
+            if self._ends_in_flight(seq):
+                continue
+            num_left = seq.num_tokens_ahead - seq.num_scheduled
             if (num_left == 1) != decodes:
                 continue
-            num_new = self._snapshot_point_cut(seq, seq.num_computed, min(num_left, step.budget))
+            num_new = self._snapshot_point_cut(seq, seq.num_scheduled, min(num_left, step.budget))
             if self._reserve_blocks(seq, num_new, step):
                 step.add(seq, num_new, self._snapshot_to_take(seq, num_new))
+
+    def _ends_in_flight(self, seq: Sequence) -> bool:
+        """Whether a token being sampled in flight ends ``seq`` whatever it is
+        (its ``max_tokens``, or the context): then no row is planned past it."""
+        if not seq.num_samples_in_flight:
+            return False
+        num_outputs = seq.num_output_tokens + seq.num_samples_in_flight
+        return num_outputs >= seq.max_tokens or seq.num_tokens_ahead >= self.max_model_len
 
     def _reserve_blocks(self, seq: Sequence, num_new: int, step: _StepBuilder) -> bool:
         """Blocks for ``num_new`` more tokens of a running ``seq``, preempting
         the latest admitted sequences (maybe ``seq`` itself) until they fit."""
-        num_needed = _cdiv(seq.num_computed + num_new, self.block_size) - len(seq.block_ids)
+        num_needed = _cdiv(seq.num_scheduled + num_new, self.block_size) - len(seq.block_ids)
         if num_needed <= 0:
             return True  # most decodes: the last block still has room
         while not self.allocator.can_allocate(num_needed):
@@ -350,6 +412,9 @@ class Scheduler:
         """Preempt by recompute: free everything, requeue at the head."""
         if (snapshot := step.drop(seq)) is not None:
             self.snapshots.release(snapshot[0])
+        self._requeue(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
         seq.status = SeqStatus.WAITING
@@ -430,9 +495,9 @@ class Scheduler:
 
     def _snapshot_to_take(self, seq: Sequence, num_new: int) -> tuple[int, bytes] | None:
         """A reserved snapshot slot and its prefix hash when the chunk of ``num_new``
-        tokens from ``seq.num_computed`` ends at the snapshot point, else None."""
+        tokens from ``seq.num_scheduled`` ends at the snapshot point, else None."""
         point = self._snapshot_point(seq)
-        if point == 0 or seq.num_computed + num_new != point:
+        if point == 0 or seq.num_scheduled + num_new != point:
             return None
         block_hash = seq.block_hash(point // self.block_size - 1)
         if self.snapshots.has(block_hash) or not self.snapshots.can_reserve():
@@ -442,19 +507,21 @@ class Scheduler:
     # ------------------------------------------------------------------ update
 
     def update(self, done: StepDone) -> list[ConductorToFrontend]:
-        """Apply one step's result: a ``TokenDelta`` per sequence that sampled,
-        then a ``Finished`` for each that ended. Rows aborted while the step was
-        in flight are skipped (their sampled tokens ignored)."""
+        """Apply the oldest in-flight step's result: a ``TokenDelta`` per
+        sequence that sampled, then a ``Finished`` for each that ended. Void
+        rows (a sequence aborted, ended or preempted since the plan) are
+        skipped, their sampled tokens ignored."""
         in_flight = self._check_in_flight(done.step_id)
         sampled = {token.request_id: token for token in done.sampled}
-        live_rows = [(seq, chunk) for seq, chunk in in_flight.rows if seq.status is SeqStatus.RUNNING]
+        live_rows = in_flight.live_rows()
         missing = [seq.request_id for seq, chunk in live_rows if chunk.sample and seq.request_id not in sampled]
         if missing:  # refused before any change: the step stays in flight
             raise ValueError(f"StepDone of step {done.step_id} has no sampled token for request(s) {missing}")
-        self._in_flight = None
+        self._in_flight.popleft()
         self._settle_snapshots(in_flight, live_rows)
         outputs: list[ConductorToFrontend] = []
         for seq, chunk in live_rows:
+            in_flight.land(seq, chunk)
             seq.num_computed += chunk.num_tokens
             self._cache_full_blocks(seq, chunk.num_computed)
             if chunk.sample:
@@ -463,17 +530,31 @@ class Scheduler:
 
     def fail_step(self, failed: StepFailed) -> list[ConductorToFrontend]:
         """A step raised on a rank: fail the rows it names (all rows when it
-        names none). Other rows did not advance; their chunk is scheduled again."""
+        names none). Other rows did not advance: with no later step in flight
+        their chunk is scheduled again; a later step in flight was planned as
+        if they had, so they and every row of the later steps recompute from
+        their tokens so far (preempted: the ranks forget them, and the later
+        steps' rows are void)."""
         in_flight = self._check_in_flight(failed.step_id)
-        self._in_flight = None
+        self._in_flight.popleft()
         self._settle_snapshots(in_flight, [])
         names = set(failed.request_ids)
         outputs: list[ConductorToFrontend] = []
-        for seq, _ in in_flight.rows:
-            if seq.status is SeqStatus.RUNNING and (not names or seq.request_id in names):
+        kept = []
+        for seq, chunk in in_flight.live_rows():
+            in_flight.land(seq, chunk)
+            if not names or seq.request_id in names:
                 self._finish(seq, "abort")
                 message = f"request {seq.request_id}: the engine failed its step on rank {failed.rank}: {failed.message}"
                 outputs.append(Failed(seq.request_id, status=500, message=message, error_type="server_error"))
+            else:
+                kept.append(seq)
+        if self._in_flight:
+            later = [seq for step in self._in_flight for seq, _ in step.live_rows()]
+            # Each once; requeued at the head, the earliest arrival first.
+            for seq in sorted(set(kept + later), key=lambda s: s.arrival, reverse=True):
+                if seq.status is SeqStatus.RUNNING:
+                    self._requeue(seq)
         return outputs
 
     def _settle_snapshots(self, in_flight: _InFlight, done_rows: list[tuple[Sequence, ScheduledChunk]]) -> None:
@@ -486,11 +567,12 @@ class Scheduler:
                 self.snapshots.release(slot)
 
     def _check_in_flight(self, step_id: int) -> _InFlight:
-        in_flight = self._in_flight
-        if in_flight is None or in_flight.step_id != step_id:
-            expected = "no step" if in_flight is None else f"step {in_flight.step_id}"
-            raise ValueError(f"result for step {step_id}, but {expected} is in flight")
-        return in_flight
+        """The oldest step in flight, which ``step_id`` must name (ranks answer in order)."""
+        oldest = self._in_flight[0] if self._in_flight else None
+        if oldest is None or oldest.step_id != step_id:
+            expected = "no step is in flight" if oldest is None else f"the oldest in flight is step {oldest.step_id}"
+            raise ValueError(f"result for step {step_id}, but {expected}")
+        return oldest
 
     def _cache_full_blocks(self, seq: Sequence, num_computed_before: int) -> None:
         """Index the blocks this step filled: their KV exists now."""
@@ -554,6 +636,8 @@ class Scheduler:
             self.state_slots.free(seq.state_slot)
             seq.state_slot = -1
         seq.num_computed = 0
+        seq.num_in_flight = seq.num_samples_in_flight = 0
+        seq.epoch += 1  # its rows in steps in flight are void from here
         if seq.is_started:
             self._finished_ids.append(seq.request_id)
             seq.is_started = False

@@ -23,6 +23,13 @@ class Sequence:
     the workers hold state for it (from its ``SeqStart`` until its id is sent
     in ``StepPlan.finished``). ``state_slot`` is its recurrent-state slot while
     it runs, else -1 (always -1 for a model without recurrent state).
+
+    With steps planned ahead (``Scheduler(max_in_flight=2)``), the chunks of
+    steps in flight count in ``num_in_flight`` (their tokens) and
+    ``num_samples_in_flight`` (the tokens they will sample): the next plan
+    continues from ``num_scheduled`` and ``num_tokens_ahead``. ``epoch``
+    changes whenever the sequence lets go of its KV (an end, a preemption):
+    a row planned in an older epoch is void when its step's result arrives.
     """
 
     def __init__(self, request_id: str, req: Prepared, sampling: SamplingParams, *, root: str, lora_slot: int,
@@ -42,6 +49,9 @@ class Sequence:
         self.state_slot = -1
         self.status = SeqStatus.WAITING
         self.is_started = False
+        self.num_in_flight = 0  # tokens of this sequence's chunks in steps in flight
+        self.num_samples_in_flight = 0  # tokens those steps will sample for it
+        self.epoch = 0  # bumped when it lets go of its KV: rows planned before are void
         self.num_cached_tokens: int | None = None  # prefix hit at first admission
         self._block_hashes: list[bytes] = []  # chain hashes of full blocks, computed lazily
         self._root_hash = root_hash(root)
@@ -57,6 +67,16 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_scheduled(self) -> int:
+        """Tokens whose KV is computed or being computed by a step in flight."""
+        return self.num_computed + self.num_in_flight
+
+    @property
+    def num_tokens_ahead(self) -> int:
+        """Tokens known or being sampled by a step in flight."""
+        return self.num_tokens + self.num_samples_in_flight
 
     @property
     def num_full_blocks(self) -> int:

@@ -192,7 +192,8 @@ async def test_n_choices_are_prepared_once_and_each_ends_on_its_own(tiny_model):
     engine = Engine(make_config(model_dir))
     engine.start()
     prompt = [5, 9, 33, 41, 17]
-    sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    # Enough tokens that the abort, sent at r-1's first token, lands while it runs.
+    sampling = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     await engine.to_prepare.send(NewRequest(request_id="r", model="tiny", sampling=sampling,
                                             prompt_token_ids=prompt, n=3))
 
@@ -205,7 +206,7 @@ async def test_n_choices_are_prepared_once_and_each_ends_on_its_own(tiny_model):
     out = await engine.collect(num_ended=3, on_delta=abort_one_choice)
     assert sorted(out) == ["r-0", "r-1", "r-2"]
     assert out["r-1"]["end"].finish_reason == "abort"
-    expected = greedy_reference(hf_model, prompt, 4)
+    expected = greedy_reference(hf_model, prompt, 32)
     for rid in ("r-0", "r-2"):
         assert out[rid]["end"].finish_reason == "length" and out[rid]["tokens"] == expected
     assert (await engine.await_idle()).num_kv_blocks_used == 0

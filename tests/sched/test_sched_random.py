@@ -1,10 +1,15 @@
 """Randomized property test: many requests (some of several choices, some
 with media), aborts of requests and of choices, and random configs through
 schedule / update with a fake worker that checks every plan; invariants are
-checked after every call. Set MSTAR_SCHED_SEED to replay a failing seed."""
+checked after every call. Planning ahead (``max_in_flight=2``) runs the same
+trials with the next plan made, and run by the worker, before the last
+result is applied. Set MSTAR_SCHED_SEED to replay a failing seed."""
 
 import os
 import random
+from collections import deque
+
+import pytest
 
 from sched_factories import EOS, FakeWorker, check_invariants, make_request, make_scheduler
 
@@ -26,6 +31,7 @@ class Trial:
             enable_prefix_caching=rng.random() < 0.8,
         )
         self.sched = make_scheduler(**config | overrides)
+        self.results: deque = deque()  # StepDones of the plans in flight, oldest first
         self.roots: dict[str, str] = {}
         self.worker = FakeWorker(self.sched.block_size, self.roots)
         self.prefixes = [[rng.randrange(10, 1000) for _ in range(rng.randint(1, 30))] for _ in range(3)]
@@ -99,12 +105,24 @@ class Trial:
         return self.rng.choice([EOS, STOP] + [self.rng.randrange(10, 1000)] * 6)
 
     def step(self) -> bool:
-        had_work = self.sched.has_work()
-        plan = self.sched.schedule()
-        check_invariants(self.sched)
-        if plan is None:
-            assert not had_work, "schedule() returned None with work queued"
+        """Plan (and run) while the scheduler may, then apply the oldest result."""
+        while self.sched.can_schedule():
+            had_work = self.sched.has_work()
+            plan = self.sched.schedule()
+            check_invariants(self.sched)
+            if plan is None:
+                assert self.results or not had_work, "schedule() returned None with work queued and none in flight"
+                break
+            self.check_plan(plan)
+            self.results.append(self.worker.run(plan, self.sample))
+        if not self.results:
             return False
+        self.abort_some()  # maybe while steps are in flight
+        check_invariants(self.sched)
+        self.apply(self.results.popleft())
+        return True
+
+    def check_plan(self, plan: StepPlan) -> None:
         assert sum(c.num_tokens for c in plan.scheduled) <= self.sched.max_num_batched_tokens
         assert len(plan.scheduled) <= self.sched.max_num_seqs
         for start in plan.started:  # a restart resumes exactly what was streamed
@@ -113,9 +131,12 @@ class Trial:
             if start.state_slot >= 0:  # the ranks build its recurrent state from token 0, or restore a snapshot
                 first = next(c for c in plan.scheduled if c.request_id == start.request_id)
                 assert (first.num_computed == 0) is (start.restore_snapshot < 0)
-        done = self.worker.run(plan, self.sample)
-        self.abort_some()  # maybe while the step is in flight
-        check_invariants(self.sched)
+        for chunk in plan.scheduled:  # never planned past what is known to end it
+            seq = self.sched.requests[chunk.request_id]
+            assert seq.num_output_tokens + seq.num_samples_in_flight <= seq.max_tokens
+            assert chunk.num_computed + chunk.num_tokens <= self.sched.max_model_len
+
+    def apply(self, done) -> None:
         for out in self.sched.update(done):
             assert out.request_id not in self.ended, f"output after the end of {out.request_id}"
             if isinstance(out, TokenDelta):
@@ -143,13 +164,14 @@ class Trial:
                 assert tokens[-1] in (EOS, STOP)
 
 
-def test_random_requests_and_aborts_keep_invariants():
+@pytest.mark.parametrize("max_in_flight", [1, 2])
+def test_random_requests_and_aborts_keep_invariants(max_in_flight):
     seed = int(os.environ.get("MSTAR_SCHED_SEED", random.randrange(2**32)))
     print(f"seed={seed}")
     rng = random.Random(seed)
     num_preemptions = 0
     for trial in range(40):
-        t = Trial(random.Random(rng.randrange(2**32)))
+        t = Trial(random.Random(rng.randrange(2**32)), max_in_flight=max_in_flight)
         t.run(num_steps=60)
         num_preemptions += t.sched.num_preemptions
     assert num_preemptions > 0, "the random configs should exercise preemption"

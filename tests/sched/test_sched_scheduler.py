@@ -366,7 +366,7 @@ def test_schedule_before_update_raises():
     sched = make_scheduler()
     sched.add(make_request("r0"), ROOT)
     plan = sched.schedule()
-    with pytest.raises(RuntimeError, match=f"step {plan.step_id} is in flight"):
+    with pytest.raises(RuntimeError, match=rf"step\(s\) \[{plan.step_id}\] are in flight"):
         sched.schedule()
     with pytest.raises(ValueError, match="result for step 5"):
         sched.update(msgspec.structs.replace(make_done(plan), step_id=5))

@@ -1,0 +1,105 @@
+"""Planning one step ahead (``Scheduler(max_in_flight=2)``): what the next
+plan assumes of the step in flight, ends applied one step late, and a failed
+step with a later one in flight. The randomized trials run this mode too
+(``test_sched_random``)."""
+
+import pytest
+from sched_factories import EOS, ROOT, assert_no_blocks_used, check_invariants, make_done, make_request, make_scheduler
+
+from mstar_actors.messages import Failed, Finished, StepFailed, TokenDelta
+
+
+def ahead(**overrides):
+    return make_scheduler(max_in_flight=2, **overrides)
+
+
+def test_the_next_plan_continues_past_the_step_in_flight():
+    sched = ahead(block_size=4)
+    sched.add(make_request("r0", num_prompt_tokens=7), ROOT)
+    first = sched.schedule()  # the prompt, sampling its first token
+    second = sched.schedule()  # that token's decode, planned before the result
+    assert [(c.num_computed, c.num_tokens, c.sample) for c in first.scheduled] == [(0, 7, True)]
+    assert [(c.num_computed, c.num_tokens, c.sample) for c in second.scheduled] == [(7, 1, True)]
+    assert second.scheduled[0].block_ids == first.scheduled[0].block_ids  # position 7 is in the second block
+    assert not sched.can_schedule()
+    with pytest.raises(RuntimeError, match="at most 2"):
+        sched.schedule()
+    assert [type(o) for o in sched.update(make_done(first))] == [TokenDelta]
+    third = sched.schedule()
+    assert [(c.num_computed, c.num_tokens) for c in third.scheduled] == [(8, 1)]
+    assert len(third.scheduled[0].block_ids) == 3  # position 8 opens a third block
+    check_invariants(sched)
+
+
+def test_max_tokens_stops_planning_ahead_without_a_wasted_row():
+    sched = ahead()
+    sched.add(make_request("r0", max_tokens=2), ROOT)
+    prompt, decode = sched.schedule(), sched.schedule()
+    sched.update(make_done(prompt))
+    assert sched.schedule() is None  # the decode in flight samples the last token: nothing past it
+    outputs = sched.update(make_done(decode))
+    assert isinstance(outputs[-1], Finished) and outputs[-1].finish_reason == "length"
+    assert not sched.has_work()
+    assert_no_blocks_used(sched)
+
+
+def test_an_eos_ends_the_request_one_step_late_and_its_row_is_void():
+    sched = ahead()
+    sched.add(make_request("r0"), ROOT)
+    sched.add(make_request("r1"), ROOT)
+    prompts = sched.schedule()
+    decodes = sched.schedule()  # both decode, planned before r0's EOS is known
+    outputs = sched.update(make_done(prompts, {"r0": EOS}))
+    assert [o.request_id for o in outputs if isinstance(o, Finished)] == ["r0"]
+    after = sched.schedule()
+    assert after.finished == ["r0"]  # the ranks forget r0 after running its void row
+    assert [c.request_id for c in after.scheduled] == ["r1"]
+    outputs = sched.update(make_done(decodes, {"r0": 11, "r1": 12}))
+    assert [(o.request_id, [t.token_id for t in o.tokens]) for o in outputs] == [("r1", [12])]  # r0's 11: nobody's
+    check_invariants(sched)
+
+
+def test_a_failed_step_with_a_later_one_in_flight_recomputes_the_rest():
+    sched = ahead()
+    for rid in ("r0", "r1"):
+        sched.add(make_request(rid), ROOT)
+    sched.update(make_done(sched.schedule()))  # both prompts done, one token each
+    failing, later = sched.schedule(), sched.schedule()
+    outputs = sched.fail_step(StepFailed(step_id=failing.step_id, rank=0, message="boom", request_ids=["r0"]))
+    assert [(type(o), o.request_id) for o in outputs] == [(Failed, "r0")]
+    r1 = sched.requests["r1"]
+    assert r1 in sched.waiting and not r1.block_ids  # planned past a step that did not advance it: recomputed
+    assert sched.update(make_done(later)) == []  # every row of the later step is void
+    plan = sched.schedule()
+    assert sorted(plan.finished) == ["r0", "r1"]
+    assert [(s.request_id, s.output_token_ids) for s in plan.started] == [("r1", [7])]
+    assert [(c.num_computed, c.num_tokens, c.sample) for c in plan.scheduled] == [(4, 3, True)]  # its first block is cached
+    check_invariants(sched)
+
+
+def test_a_failed_step_with_nothing_after_it_runs_its_other_rows_again():
+    sched = ahead()
+    for rid in ("r0", "r1"):
+        sched.add(make_request(rid), ROOT)
+    sched.update(make_done(sched.schedule()))
+    failing = sched.schedule()
+    sched.fail_step(StepFailed(step_id=failing.step_id, rank=0, message="boom", request_ids=["r0"]))
+    again = sched.schedule()
+    assert [(c.request_id, c.num_computed, c.num_tokens) for c in again.scheduled] == [("r1", 6, 1)]
+    assert again.started == []  # the ranks still hold r1
+
+
+def test_an_abort_while_two_steps_fly_voids_both_rows():
+    sched = ahead()
+    sched.add(make_request("r0"), ROOT)
+    first, second = sched.schedule(), sched.schedule()
+    [ending] = sched.abort("r0")
+    assert ending.finish_reason == "abort"
+    assert sched.update(make_done(first)) == [] and sched.update(make_done(second)) == []
+    assert sched.schedule() is None and not sched.has_work()
+    assert_no_blocks_used(sched)
+
+
+def test_max_in_flight_is_one_or_two():
+    with pytest.raises(ValueError, match="max_in_flight must be 1 or 2"):
+        make_scheduler(max_in_flight=3)
