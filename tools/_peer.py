@@ -100,7 +100,8 @@ def run_peer(args) -> int:
                 if isinstance(how, Path):
                     server = LlamaServer(how, args.threads, max(levels))
                 else:
-                    server = for_model(model_dir, name, max(levels), args.threads, Path(tmp), quantization=how)
+                    server = for_model(model_dir, name, max(levels), args.threads, Path(tmp), quantization=how,
+                                       async_scheduling=args.async_scheduling)
                 try:
                     url = server.wait()
                     for c in levels:

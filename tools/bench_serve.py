@@ -208,12 +208,13 @@ class Generate:
 
 
 def for_model(model_dir: Path, name: str, num_seqs: int, num_threads: int, tmp: Path, tp: int = 1,
-              quantization: str = "none") -> Server:
+              quantization: str = "none", async_scheduling: bool = True) -> Server:
     """The CPU server this benchmark measures; with ``tp`` ranks the threads are split between them."""
     return Server({
         "model": {"path": str(model_dir), "name": name, "dtype": "float32", "device": "cpu",
                   "quantization": quantization},
-        "scheduler": {"max_num_seqs": max(num_seqs, 8), "max_num_batched_tokens": 1024, "max_model_len": 2048},
+        "scheduler": {"max_num_seqs": max(num_seqs, 8), "max_num_batched_tokens": 1024, "max_model_len": 2048,
+                      "async_scheduling": async_scheduling},
         "kv": {"block_size": 16, "num_blocks": 1024},
         "parallel": {"tp": tp, "worker_torch_threads": max(1, num_threads // tp)},
         "server": {"host": "127.0.0.1", "port": free_port()},
@@ -323,6 +324,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="instead of generate: llama.cpp's llama-server (built once, cached) against our server, "
                         "float32 against an F32 GGUF and int4 against the embedded Q4_1 GGUF, fixed workload")
     p.add_argument("--rounds", type=int, default=2, help="--peer: rounds, each server alone, interleaved (default 2)")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="our server plans one step at a time (scheduler.async_scheduling: false)")
     p.add_argument("--output", default=None, help="write the tables to this file too")
     return p.parse_args(argv)
 
@@ -358,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                 url = args.url
             else:
                 progress("starting the server")
-                server = for_model(model_dir, name, max(levels), args.threads, Path(tmp), args.tp)
+                server = for_model(model_dir, name, max(levels), args.threads, Path(tmp), args.tp,
+                                   async_scheduling=args.async_scheduling)
                 url = server.wait()
             for w in workloads:
                 for c in levels:
