@@ -79,10 +79,27 @@ void decode_attention(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t
 """
 
 
+# The same kernel on AVX2: only the dot product differs (8 lanes, a scalar tail).
+KERNEL_SOURCE_AVX2 = KERNEL_SOURCE.replace(KERNEL_SOURCE[KERNEL_SOURCE.index("/* A dot product"):
+                                                         KERNEL_SOURCE.index("/* out[b][h][:]")], r"""/* A dot product over D floats: 8 lanes at a time, then the tail. */
+static inline float dot(const float *a, const float *b, int64_t D) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    float total = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    for (; d < D; d++) total += a[d] * b[d];
+    return total;
+}
+
+""")
+
+
 @functools.cache
 def kernel() -> ctypes.CDLL | None:
     """The built and self-checked library, or None (one warning says why)."""
-    return cpu_linear.checked_library("cpu_attention", KERNEL_SOURCE, declare=_declare, check=_check,
+    return cpu_linear.checked_library("cpu_attention", {"avx512": KERNEL_SOURCE, "avx2": KERNEL_SOURCE_AVX2}, declare=_declare, check=_check,
                                       what="cpu decode attention", when_off="decode attention gathers pages for SDPA")
 
 

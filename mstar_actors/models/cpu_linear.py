@@ -131,7 +131,121 @@ void linear_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const float *
     }
 }
 """
-COMPILE_FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+
+# Shared by the AVX2 block kernels: a block's 32 columns are 4 vectors of 8,
+# taken by passes of up to 6 rows over 2 of them (12 accumulators of the 16
+# registers) or up to 2 rows over all 4. The accumulators are named scalars
+# (acc0_0 .. acc5_3), not an array: GCC kept arrays of them on the stack,
+# storing every one every k. A pass declares them all at the bias; those of
+# rows and vectors it does not use are dead code. AVX2 has no masked float
+# store: a short block's bias is read into a padded copy and its rows are
+# stored through a buffer.
+BLOCK_ACCUMULATORS_AVX2 = r"""
+#define BLOCK_OUT_AVX2                                                      \
+    float b[32] = {0}, t[6 * 32];                                           \
+    if (bias) for (int j = 0; j < cols; j++) b[j] = bias[j];                \
+    float *out = cols == 32 ? y : t;                                        \
+    int64_t ldo = cols == 32 ? ldy : 32;
+#define ACC_ROW(m) __m256 acc##m##_0 = B0, acc##m##_1 = B1, acc##m##_2 = B2, acc##m##_3 = B3;
+#define ACC_DECLARE(J0)                                                     \
+    __m256 B0 = _mm256_loadu_ps(b + 8 * (J0)), B1 = _mm256_loadu_ps(b + 8 * (J0) + 8); \
+    __m256 B2 = _mm256_loadu_ps(b + 16), B3 = _mm256_loadu_ps(b + 24);      \
+    ACC_ROW(0) ACC_ROW(1) ACC_ROW(2) ACC_ROW(3) ACC_ROW(4) ACC_ROW(5)
+/* Row m of a pass of R rows: acc += a * (W0, W1[, W2, W3]) for NV of 2 or 4. */
+#define ACC_FMA(R, NV, m, a, W0, W1, W2, W3)                                \
+    if ((R) > (m)) {                                                        \
+        acc##m##_0 = _mm256_fmadd_ps(a, W0, acc##m##_0);                        \
+        acc##m##_1 = _mm256_fmadd_ps(a, W1, acc##m##_1);                        \
+        if ((NV) == 4) {                                                    \
+            acc##m##_2 = _mm256_fmadd_ps(a, W2, acc##m##_2);                    \
+            acc##m##_3 = _mm256_fmadd_ps(a, W3, acc##m##_3);                    \
+        }                                                                   \
+    }
+#define ACC_STORE_ROW(R, NV, J0, m)                                         \
+    if ((R) > (m)) {                                                        \
+        float *o = out + (m) * ldo + 8 * (J0);                              \
+        _mm256_storeu_ps(o, acc##m##_0);                                      \
+        _mm256_storeu_ps(o + 8, acc##m##_1);                                  \
+        if ((NV) == 4) { _mm256_storeu_ps(o + 16, acc##m##_2); _mm256_storeu_ps(o + 24, acc##m##_3); } \
+    }
+#define ACC_STORE(R, NV, J0)                                                \
+    ACC_STORE_ROW(R, NV, J0, 0) ACC_STORE_ROW(R, NV, J0, 1) ACC_STORE_ROW(R, NV, J0, 2) \
+    ACC_STORE_ROW(R, NV, J0, 3) ACC_STORE_ROW(R, NV, J0, 4) ACC_STORE_ROW(R, NV, J0, 5)
+#define BLOCK_STORE_AVX2                                                    \
+    if (cols < 32)                                                          \
+        for (int m = 0; m < rows; m++)                                      \
+            for (int j = 0; j < cols; j++) y[m * ldy + j] = t[m * 32 + j];
+"""
+
+KERNEL_SOURCE_AVX2 = BLOCK_ACCUMULATORS_AVX2 + r"""
+#include <immintrin.h>
+#include <stdint.h>
+
+#define BLOCK_N 32
+#define PASS_ROWS 6
+#define PREFETCH_K 32
+
+/* KERNEL_SOURCE's block_rows on AVX2's 16 registers: up to PASS_ROWS rows
+   of x against one packed block (wb: [K][32]). One or two rows take all 32
+   columns per k (at one row the read of the weights is all that matters).
+   More rows take the block in two halves of 16 columns, each half's 2
+   weight vectors loaded once per k and shared by up to 6 rows: the loads
+   no longer outnumber the FMAs, and each half reads its own cache lines. */
+static inline void block_rows(int rows, const float *x, int64_t ldx, const float *wb, const float *bias,
+                              int cols, float *y, int64_t ldy, int64_t K) {
+    BLOCK_OUT_AVX2
+#define ROW_FMA(R, NV, m)                                                   \
+    if ((R) > (m)) {                                                        \
+        __m256 a = _mm256_broadcast_ss(x + (m) * ldx + k);                  \
+        ACC_FMA(R, NV, m, a, w0, w1, w2, w3)                                \
+    }
+#define PASS(R, J0, NV)                                                     \
+    {                                                                       \
+        ACC_DECLARE(J0)                                                     \
+        for (int64_t k = 0; k < K; k++) {                                   \
+            const float *w = wb + k * BLOCK_N + 8 * (J0);                   \
+            _mm_prefetch((const char *)(wb + (k + PREFETCH_K) * BLOCK_N), _MM_HINT_T0);      \
+            _mm_prefetch((const char *)(wb + (k + PREFETCH_K) * BLOCK_N) + 64, _MM_HINT_T0); \
+            __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);    \
+            __m256 w2 = (NV) == 4 ? _mm256_loadu_ps(w + 16) : w0;           \
+            __m256 w3 = (NV) == 4 ? _mm256_loadu_ps(w + 24) : w1;           \
+            ROW_FMA(R, NV, 0) ROW_FMA(R, NV, 1) ROW_FMA(R, NV, 2)           \
+            ROW_FMA(R, NV, 3) ROW_FMA(R, NV, 4) ROW_FMA(R, NV, 5)           \
+        }                                                                   \
+        ACC_STORE(R, NV, J0)                                                \
+    }
+#define HALVES(R) PASS(R, 0, 2) PASS(R, 2, 2)
+    switch (rows) {
+        case 1: PASS(1, 0, 4) break;
+        case 2: PASS(2, 0, 4) break;
+        case 3: HALVES(3) break;
+        case 4: HALVES(4) break;
+        case 5: HALVES(5) break;
+        default: HALVES(6) break;
+    }
+    BLOCK_STORE_AVX2
+}
+
+void linear_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const float *w, int64_t N,
+                const float *bias, float *y, int num_threads) {
+    int64_t num_blocks = (N + BLOCK_N - 1) / BLOCK_N;
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t nb = 0; nb < num_blocks; nb++) {
+        const float *wb = w + nb * K * BLOCK_N;
+        int cols = (int)(N - nb * BLOCK_N < BLOCK_N ? N - nb * BLOCK_N : BLOCK_N);
+        for (int64_t m0 = 0; m0 < M; m0 += PASS_ROWS) {
+            int rows = (int)(M - m0 < PASS_ROWS ? M - m0 : PASS_ROWS);
+            block_rows(rows, x + m0 * ldx, ldx, wb, bias ? bias + nb * BLOCK_N : 0, cols,
+                       y + m0 * N + nb * BLOCK_N, N, K);
+        }
+    }
+}
+"""
+COMPILE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+# The instruction sets a kernel can be built for, best first, with their
+# flags. A CPU without AVX-512 (many AMD EPYC hosts) gets a kernel's AVX2
+# source where it has one: the same layout and results, 8 lanes a vector.
+ISA_FLAGS = {"avx512": ["-mavx512f", "-mfma"], "avx2": ["-mavx2", "-mfma"]}
 
 
 def is_packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -195,52 +309,79 @@ class KernelUnavailable(RuntimeError):
 @functools.cache
 def kernel() -> ctypes.CDLL | None:
     """The built and self-checked kernel library, or None (one warning says why)."""
-    return checked_library("cpu_linear", KERNEL_SOURCE, declare=_declare, check=_check, what="cpu linear",
+    return checked_library("cpu_linear", {"avx512": KERNEL_SOURCE, "avx2": KERNEL_SOURCE_AVX2}, declare=_declare,
+                           check=_check, what="cpu linear",
                            when_off="float32 CPU linears use oneDNN's packed weights instead, slower at decode sizes")
 
 
-def checked_library(name: str, source: str, *, declare: Callable[[ctypes.CDLL], None],
+def checked_library(name: str, sources: dict[str, str], *, declare: Callable[[ctypes.CDLL], None],
                     check: Callable[[ctypes.CDLL], None], what: str, when_off: str) -> ctypes.CDLL | None:
-    """One of our C kernels: built (``build_library``), loaded, its functions'
-    signatures declared, then checked against torch on a small case; None
-    where any of that fails, with one warning saying why and what serves
-    instead (``when_off``)."""
+    """One of our C kernels: the source of the best instruction set this CPU
+    has (``sources``: ISA_FLAGS' names -> C) built (``build_library``),
+    loaded, its functions' signatures declared, then checked against torch
+    on a small case; None where any of that fails, with one warning saying
+    why and what serves instead (``when_off``)."""
+    isa = kernel_isa(tuple(sources))
     try:
-        path = build_library(name, source)
+        if isa is None:
+            raise KernelUnavailable(f"this CPU has none of {', '.join(sources)} (or this is not Linux)")
+        path = build_library(name, sources[isa], isa)
         lib = load_library(path)
         declare(lib)
         check(lib)
     except KernelUnavailable as err:
-        log.warning("%s: our AVX-512 kernel is off (%s); %s. %s", what, err, when_off, HINT)
+        log.warning("%s: our SIMD kernel is off (%s); %s. %s", what, err, when_off, HINT)
         return None
-    log.info("%s: our AVX-512 kernel is on (%s)", what, path.name)
+    log.info("%s: our %s kernel is on (%s)", what, isa, path.name)
     return lib
 
 
-HINT = "To get it back: run on an x86-64 Linux CPU with AVX-512 and install a C compiler with OpenMP (gcc)."
+HINT = "To get it back: run on an x86-64 Linux CPU with AVX-512 or AVX2 and install a C compiler with OpenMP (gcc)."
+
+
+def kernel_isa(choices: tuple[str, ...] = tuple(ISA_FLAGS)) -> str | None:
+    """The first of ``choices`` this CPU runs (None: none, or not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    return next((isa for isa in choices if _cpu_has(isa)), None)
+
+
+def _cpu_has(isa: str) -> bool:
+    return _cpu_has_avx512() if isa == "avx512" else _cpu_has_avx2()
+
+
+def _cpu_flags() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
 
 
 def _cpu_has_avx512() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    flags = _cpu_flags()
     return " avx512f" in flags and " fma" in flags
+
+
+def _cpu_has_avx2() -> bool:
+    flags = _cpu_flags()
+    return " avx2" in flags and " fma" in flags
 
 
 def find_compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc")
 
 
-def build_library(name: str, source: str) -> Path:
-    """The library compiled from C ``source``, built once per source and flags
-    (cached under the user's cache folder as ``name-<hash>.so``)."""
-    if not sys.platform.startswith("linux") or not _cpu_has_avx512():
-        raise KernelUnavailable("this CPU has no AVX-512 (or this is not Linux)")
+def build_library(name: str, source: str, isa: str = "avx512") -> Path:
+    """The library compiled from C ``source`` for ``isa`` (a key of
+    ISA_FLAGS), built once per source and flags (cached under the user's
+    cache folder as ``name-<hash>.so``)."""
+    if not sys.platform.startswith("linux") or not _cpu_has(isa):
+        raise KernelUnavailable(f"this CPU has no {isa} (or this is not Linux)")
+    flags = [*COMPILE_FLAGS, *ISA_FLAGS[isa]]
     compiler = find_compiler()
     if compiler is None:
         raise KernelUnavailable("no C compiler found (cc or gcc on PATH)")
-    key = hashlib.sha256((source + " ".join(COMPILE_FLAGS)).encode()).hexdigest()[:16]
+    key = hashlib.sha256((source + " ".join(flags)).encode()).hexdigest()[:16]
     folder = cache_root().parent / "kernels"  # beside the embedded models' cache
     target = folder / f"{name}-{key}.so"
     if target.exists():
@@ -250,7 +391,7 @@ def build_library(name: str, source: str) -> Path:
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             source_file, built = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
             source_file.write_text(source)
-            done = subprocess.run([compiler, *COMPILE_FLAGS, str(source_file), "-o", str(built)],
+            done = subprocess.run([compiler, *flags, str(source_file), "-o", str(built)],
                                   capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
                 raise KernelUnavailable(f"{compiler} failed: {done.stderr.strip()[-400:]}")

@@ -190,6 +190,95 @@ void linear_quant(int bits, const float *x, int64_t M, int64_t K, int64_t ldx, c
 """
 
 
+KERNEL_SOURCE_AVX2 = cpu_linear.BLOCK_ACCUMULATORS_AVX2 + r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define BLOCK_N 32
+#define GROUP 32
+#define PASS_ROWS 2
+#define PREFETCH_GROUPS 4
+
+""" + KERNEL_SOURCE[KERNEL_SOURCE.index("#define PREFETCH_GROUP(g)"):KERNEL_SOURCE.index("/* One block of 32")] + r"""
+/* KERNEL_SOURCE's block_rows on AVX2, factored at every row count: per
+   group, the dot products of up to PASS_ROWS rows with the raw codes (8
+   accumulators: 4 vectors of 8 columns a row) are scaled once into the
+   outputs (8 more), y += scale * sum(x q) + min * sum(x). More rows take
+   more passes over the block, which the first left in cache. An int4 code
+   becomes a float by zero-extension and conversion (AVX2 has no 16-lane
+   table lookup). */
+static inline void block_rows(int bits, int rows, const float *x, int64_t ldx, const float *xsum,
+                              const uint8_t *q, const float *scale, const float *minv, const float *bias,
+                              int cols, float *y, int64_t ldy, int64_t K) {
+    const int64_t num_groups = K / GROUP;
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    BLOCK_OUT_AVX2
+#define CODES(k)                                                            \
+    __m256 c0, c1, c2, c3;                                                  \
+    if (bits == 4) {                                                        \
+        __m128i raw = _mm_loadu_si128((const __m128i *)(q + (k) * 16));    \
+        __m128i lo = _mm_and_si128(raw, nibble), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble); \
+        c0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));                  \
+        c1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))); \
+        c2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));                  \
+        c3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))); \
+    } else {                                                                \
+        const uint8_t *qk = q + (k) * 32;                                   \
+        c0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)qk))); \
+        c1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qk + 8)))); \
+        c2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qk + 16)))); \
+        c3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qk + 24)))); \
+    }
+#define DOT_ROW(R, m)                                                       \
+    if ((R) > (m)) {                                                        \
+        __m256 a = _mm256_broadcast_ss(x + (m) * ldx + k);                  \
+        d##m##_0 = _mm256_fmadd_ps(a, c0, d##m##_0);                        \
+        d##m##_1 = _mm256_fmadd_ps(a, c1, d##m##_1);                        \
+        d##m##_2 = _mm256_fmadd_ps(a, c2, d##m##_2);                        \
+        d##m##_3 = _mm256_fmadd_ps(a, c3, d##m##_3);                        \
+    }
+#define PASS(R)                                                             \
+    {                                                                       \
+        ACC_DECLARE(0)                                                      \
+        for (int64_t g = 0; g < num_groups; g++) {                          \
+            PREFETCH_GROUP(g)                                               \
+            __m256 z = _mm256_setzero_ps();                                 \
+            __m256 d0_0 = z, d0_1 = z, d0_2 = z, d0_3 = z, d1_0 = z, d1_1 = z, d1_2 = z, d1_3 = z; \
+            for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) {         \
+                CODES(k)                                                    \
+                DOT_ROW(R, 0) DOT_ROW(R, 1)                                 \
+            }                                                               \
+            const float *sg = scale + g * BLOCK_N;                          \
+            __m256 s0 = _mm256_loadu_ps(sg), s1 = _mm256_loadu_ps(sg + 8);   \
+            __m256 s2 = _mm256_loadu_ps(sg + 16), s3 = _mm256_loadu_ps(sg + 24); \
+            acc0_0 = _mm256_fmadd_ps(d0_0, s0, acc0_0); acc0_1 = _mm256_fmadd_ps(d0_1, s1, acc0_1); \
+            acc0_2 = _mm256_fmadd_ps(d0_2, s2, acc0_2); acc0_3 = _mm256_fmadd_ps(d0_3, s3, acc0_3); \
+            if ((R) > 1) {                                                  \
+                acc1_0 = _mm256_fmadd_ps(d1_0, s0, acc1_0); acc1_1 = _mm256_fmadd_ps(d1_1, s1, acc1_1); \
+                acc1_2 = _mm256_fmadd_ps(d1_2, s2, acc1_2); acc1_3 = _mm256_fmadd_ps(d1_3, s3, acc1_3); \
+            }                                                               \
+            if (minv) {                                                     \
+                const float *mg = minv + g * BLOCK_N;                       \
+                __m256 z0 = _mm256_loadu_ps(mg), z1 = _mm256_loadu_ps(mg + 8); \
+                __m256 z2 = _mm256_loadu_ps(mg + 16), z3 = _mm256_loadu_ps(mg + 24); \
+                __m256 sx = _mm256_broadcast_ss(xsum + g);                  \
+                ACC_FMA(R, 4, 0, sx, z0, z1, z2, z3)                        \
+                if ((R) > 1) {                                              \
+                    sx = _mm256_broadcast_ss(xsum + num_groups + g);        \
+                    ACC_FMA(R, 4, 1, sx, z0, z1, z2, z3)                    \
+                }                                                           \
+            }                                                               \
+        }                                                                   \
+        ACC_STORE(R, 4, 0)                                                  \
+    }
+    if (rows == 1) PASS(1) else PASS(2)
+    BLOCK_STORE_AVX2
+}
+
+""" + KERNEL_SOURCE[KERNEL_SOURCE.index("/* y[M][N] = x[M][K] (row stride ldx) @ dequant(W)^T"):].replace("MAX_ROWS", "PASS_ROWS")
+
+
 class QuantizedWeight:
     """One ``[out, in]`` weight quantized for ``linear`` (see the module
     docstring for the schemes). ``codes``: uint8 ``[ceil(out/32), in, 32]``
@@ -318,7 +407,7 @@ def bits_of(quantization: str) -> int | None:
 @functools.cache
 def kernel() -> ctypes.CDLL | None:
     """The built and self-checked kernel library, or None (one warning says why)."""
-    return cpu_linear.checked_library("cpu_quant", KERNEL_SOURCE, declare=_declare, check=_check,
+    return cpu_linear.checked_library("cpu_quant", {"avx512": KERNEL_SOURCE, "avx2": KERNEL_SOURCE_AVX2}, declare=_declare, check=_check,
                                       what="cpu quantized linear",
                                       when_off="quantized layers dequantize each call instead, much slower")
 

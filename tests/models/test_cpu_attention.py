@@ -11,7 +11,7 @@ import torch
 from mstar_actors.models import cpu_attention
 from mstar_actors.models.attention import AttentionMetadata, TorchPagedAttention
 
-needs_kernel = pytest.mark.skipif(cpu_attention.kernel() is None, reason="no AVX-512 or no C compiler here")
+needs_kernel = pytest.mark.skipif(cpu_attention.kernel() is None, reason="no AVX-512 or AVX2, or no C compiler here")
 BLOCK_SIZE = 4
 
 

@@ -16,7 +16,7 @@ from mstar_actors.models.rope import RotaryEmbedding, _rotate_half, rotate
 from mstar_actors.models.spec import ModelSpec, RopeSpec
 
 needs_onednn = pytest.mark.skipif(not cpu_linear.is_available(), reason="this torch build has no oneDNN packed linear")
-needs_kernel = pytest.mark.skipif(cpu_linear.kernel() is None, reason="no AVX-512 or no C compiler here: the kernel is off")
+needs_kernel = pytest.mark.skipif(cpu_linear.kernel() is None, reason="no AVX-512 or AVX2, or no C compiler here: the kernel is off")
 only_onednn = pytest.mark.skipif(not cpu_linear.is_onednn_available(), reason="this torch build has no oneDNN packed linear")
 BLOCK_SIZE = 16
 
@@ -220,10 +220,11 @@ def test_without_the_kernel_weights_pack_for_onednn_and_agree(monkeypatch):
 
 
 def test_a_failed_build_warns_once_and_falls_back(monkeypatch, caplog):
-    def no_compiler(name, source):
+    def no_compiler(name, source, isa="avx512"):
         raise cpu_linear.KernelUnavailable("no C compiler found (cc, gcc or $CC)")
 
     monkeypatch.setattr(cpu_linear, "build_library", no_compiler)
+    monkeypatch.setattr(cpu_linear, "kernel_isa", lambda choices: choices[0])  # as if the CPU had it
     cpu_linear.kernel.cache_clear()
     try:
         with caplog.at_level("WARNING", logger=cpu_linear.__name__):
@@ -248,6 +249,17 @@ def test_a_failing_compiler_is_named(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_linear, "_cpu_has_avx512", lambda: True)
     with pytest.raises(cpu_linear.KernelUnavailable, match="no-such-cc"):
         cpu_linear.build_library("cpu_linear", cpu_linear.KERNEL_SOURCE)
+
+
+def test_the_best_instruction_set_the_cpu_has_is_built(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "_cpu_has_avx512", lambda: False)
+    monkeypatch.setattr(cpu_linear, "_cpu_has_avx2", lambda: True)
+    assert cpu_linear.kernel_isa() == "avx2" and cpu_linear.kernel_isa(("avx512",)) is None
+    monkeypatch.setattr(cpu_linear, "_cpu_has_avx512", lambda: True)
+    assert cpu_linear.kernel_isa() == "avx512"
+    with pytest.raises(cpu_linear.KernelUnavailable, match="no avx512"):
+        monkeypatch.setattr(cpu_linear, "_cpu_has_avx512", lambda: False)
+        cpu_linear.build_library("cpu_linear", cpu_linear.KERNEL_SOURCE, "avx512")
 
 
 def test_pack_blocks_into_a_given_buffer_equals_its_own():

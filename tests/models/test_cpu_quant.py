@@ -21,7 +21,7 @@ from mstar_actors.runner.build import quantization_bits
 
 from .factories import make_hf_model
 
-needs_kernel = pytest.mark.skipif(cpu_quant.kernel() is None, reason="no AVX-512 or no C compiler here: the kernel is off")
+needs_kernel = pytest.mark.skipif(cpu_quant.kernel() is None, reason="no AVX-512 or AVX2, or no C compiler here: the kernel is off")
 
 
 @needs_kernel
