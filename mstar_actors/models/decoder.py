@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_ops
 from .attention import AttentionMetadata, PagedAttention, TorchPagedAttention
 from .cpu_linear import PackArena, PackedWeight, arena_floats, is_packable, packed_linear, packs_blocks
 from .cpu_quant import GROUP, QuantizedWeight, quantize
@@ -36,14 +37,25 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and x.device.type == "cpu":
-            # The same arithmetic in one call (the casts below are no-ops in
-            # float32): equal bit for bit, a few kernels fewer per norm.
+            # One C call where it builds (``cpu_ops``: equal to float32
+            # rounding), else the same arithmetic as below in one torch
+            # call (the casts are no-ops in float32): equal bit for bit.
+            if cpu_ops.takes(x) and (y := cpu_ops.rms_norm(x, self.weight, self.eps)) is not None:
+                return y
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 and scale after casting back, like the reference.
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_norm(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(x + y), x + y)``. On the CPU fast path one C call, which
+        writes the sum into ``y`` in place: ``y`` must be the caller's own."""
+        if cpu_ops.takes(x) and (normed := cpu_ops.rms_norm(x, self.weight, self.eps, y)) is not None:
+            return normed, y
+        total = x + y
+        return self(total), total
 
 
 class LoraLinear(nn.Linear):
@@ -159,10 +171,24 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        self.backend.write_kv(kv_cache, k, v, meta)
+        if not self._rope_write_kv(positions, q, k, v, kv_cache, meta):
+            q, k = self.rotary(positions, q, k)
+            self.backend.write_kv(kv_cache, k, v, meta)
         out = self.backend.attend(q, kv_cache, meta, self.scale)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))
+
+
+    def _rope_write_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Rotary on q and k (in place: they are this step's own projections)
+        and the KV write in one C call (``cpu_ops``), where the plain rotary
+        and the reference backend's write would run on CPU float32; False
+        (nothing done) elsewhere."""
+        if (type(self.rotary) is not RotaryEmbedding or getattr(self.backend.write_kv, "__func__", None) is not TorchPagedAttention.write_kv
+                or positions.dim() != 1 or not cpu_ops.takes(q) or kv_cache.dtype != torch.float32):
+            return False
+        tables = self.rotary.step_tables or self.rotary.tables(positions, q.dtype)
+        return cpu_ops.rope_write_kv(q, k, v, *tables, kv_cache, meta.slot_mapping)
 
 
 class MLP(nn.Module):
@@ -193,8 +219,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # The attention's output is ours to add the residual into (one call with the norm on CPU).
+        normed, x = self.post_attention_layernorm.add_norm(x, self.self_attn(self.input_layernorm(x), positions,
+                                                                               kv_cache, meta))
+        return x + self.mlp(normed)
 
 
 class DecoderModel(nn.Module):

@@ -1,0 +1,200 @@
+"""A decoder layer's small float32 ops on CPU in single C calls: RMSNorm
+(with the residual add before it), and rotary on q and k with the KV-cache
+write.
+
+Why: at decode sizes (a few rows of 576 floats) these ops are all call
+overhead. ``F.rms_norm`` is a composite of about eight torch kernels on CPU
+(about 50 us a call on the 2-core VM, 61 calls a SmolLM2 step); rotary is
+five kernels for q and five for k, then two ``index_copy_`` into the cache.
+Each function here is one ``ctypes`` call of a few us.
+
+Arithmetic: rotary and the cache write equal the torch path bit for bit
+(products rounded, then summed, as torch does: built without contracting
+them into FMAs). RMSNorm's sum of squares is taken in another order than
+torch's, so its results equal ``F.rms_norm``'s to float32 rounding, not bit
+for bit; the residual add is the same single addition.
+
+Built and cached like ``cpu_linear``'s kernels (one C source, plain
+vectors of 8 floats, for AVX-512 and AVX2 machines alike); without it (no
+compiler, a failed self-check) the callers keep their torch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu_linear
+from .rope import rotate
+
+KERNEL_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Products are rounded before they are summed, as torch's separate kernels do. */
+#pragma GCC optimize("fp-contract=off")
+
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+
+/* For each of M rows: h = x + res (stored back into res) where res is given,
+   else h = x; out = w * (h * (1 / sqrt(mean(h^2) + eps))), in the order of
+   the reference's two products. */
+void add_rms_norm(const float *x, int64_t ldx, float *res, int64_t ldr, const float *w, float *out, int64_t ldo,
+                  int64_t M, int64_t N, float eps) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * ldx;
+        float *h = res ? res + m * ldr : (float *)xm;
+        float *o = out + m * ldo;
+        v8 acc = {0};
+        int64_t i = 0;
+        for (; i + 8 <= N; i += 8) {
+            v8 v = load8(xm + i);
+            if (res) { v = v + load8(h + i); store8(h + i, v); }
+            acc += v * v;
+        }
+        float total = 0;
+        for (; i < N; i++) {
+            float v = xm[i];
+            if (res) { v = v + h[i]; h[i] = v; }
+            total += v * v;
+        }
+        for (int j = 0; j < 8; j++) total += acc[j];
+        float inv = 1.0f / sqrtf(total / (float)N + eps);
+        for (i = 0; i < N; i++) o[i] = w[i] * (h[i] * inv);
+    }
+}
+
+/* Rotate the H heads of one row in place: x * cos + rotate_half(x) * sin, the
+   minus of rotate_half folded into ssin ((-sin, sin) halves). */
+static inline void rotate_heads(float *x, int64_t H, int64_t D, const float *c, const float *s) {
+    const int64_t half = D / 2;
+    float t[512];
+    for (int64_t h = 0; h < H; h++) {
+        float *xh = x + h * D;
+        memcpy(t, xh, sizeof(float) * D);
+        for (int64_t d = 0; d < half; d++) xh[d] = t[d] * c[d] + t[d + half] * s[d];
+        for (int64_t d = half; d < D; d++) xh[d] = t[d] * c[d] + t[d - half] * s[d];
+    }
+}
+
+/* T tokens: q [T][H][D] and k [T][KH][D] (row strides ldq, ldk; heads
+   contiguous) rotated in place by cos and ssin [T][D]; then k and v
+   (row stride ldv) written at slots[t] of cache [2][num_slots][KH][D]
+   (keys, then values). A negative slot is a padding row: not written. */
+void rope_write_kv(float *q, int64_t ldq, int64_t H, float *k, int64_t ldk, const float *v, int64_t ldv,
+                   int64_t KH, int64_t D, int64_t T, const float *cos, const float *ssin, float *cache,
+                   int64_t num_slots, const int64_t *slots) {
+    const int64_t token = KH * D;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * D, *s = ssin + t * D;
+        rotate_heads(q + t * ldq, H, D, c, s);
+        rotate_heads(k + t * ldk, KH, D, c, s);
+        if (slots[t] < 0) continue;
+        memcpy(cache + slots[t] * token, k + t * ldk, sizeof(float) * token);
+        memcpy(cache + (num_slots + slots[t]) * token, v + t * ldv, sizeof(float) * token);
+    }
+}
+"""
+
+MAX_HEAD_DIM = 512  # rotate_heads' buffer
+
+
+@functools.cache
+def kernel() -> ctypes.CDLL | None:
+    """The built and self-checked library, or None (one warning says why)."""
+    return cpu_linear.checked_library("cpu_ops", {"avx512": KERNEL_SOURCE, "avx2": KERNEL_SOURCE}, declare=_declare,
+                                      check=_check, what="cpu layer ops",
+                                      when_off="RMSNorm, rotary and the KV write run as torch ops")
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.add_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float]
+    lib.add_rms_norm.restype = None
+    lib.rope_write_kv.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr]
+    lib.rope_write_kv.restype = None
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Whether ``x`` may take these ops: CPU float32 rows without autograd, the library built."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
+            and kernel() is not None)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` as ``[M, N]`` rows of unit stride without a copy, else None."""
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1]) if x.is_contiguous() else None
+    if rows is None or rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
+        return None
+    return rows
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``F.rms_norm(x (+ residual), weight)`` in one call, or None where the
+    rows don't fit (the caller then takes torch's path). With ``residual``
+    (the shape of ``x``), ``residual += x`` first, in place: the sum is what
+    is normalised."""
+    lib = kernel()
+    rows = _rows(x)
+    res = _rows(residual) if residual is not None else None
+    if lib is None or rows is None or (residual is not None and res is None) or not weight.is_contiguous():
+        return None
+    out = torch.empty(rows.shape, dtype=torch.float32)
+    lib.add_rms_norm(rows.data_ptr(), rows.stride(0), None if res is None else res.data_ptr(),
+                     0 if res is None else res.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
+                     rows.shape[0], rows.shape[1], eps)
+    return out.view(x.shape)
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """Rotate ``q [T, H, D]`` and ``k [T, KH, D]`` in place by ``cos`` and
+    ``signed_sin`` (``[T, 1, D]``, ``RotaryEmbedding.tables``), then write k
+    and v at ``slot_mapping`` into ``kv_cache [2, blocks, block_size, KH, D]``
+    (what ``TorchPagedAttention.write_kv`` does). False, having done
+    nothing, where the tensors' layouts don't fit one call."""
+    lib = kernel()
+    head_dim = q.shape[-1]
+    if (lib is None or head_dim > MAX_HEAD_DIM or head_dim % 2 or not kv_cache.is_contiguous()
+            or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
+            or not cos.is_contiguous() or not signed_sin.is_contiguous() or cos.shape[0] != q.shape[0]):
+        return False
+    for t in (q, k, v):
+        if t.stride(2) != 1 or t.stride(1) != head_dim or t.dtype != torch.float32:
+            return False
+    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    lib.rope_write_kv(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                      k.shape[1], head_dim, q.shape[0], cos.data_ptr(), signed_sin.data_ptr(), kv_cache.data_ptr(),
+                      num_slots, slot_mapping.data_ptr())
+    return True
+
+
+def _check(lib: ctypes.CDLL) -> None:
+    """Against torch: RMSNorm (with and without the residual) to rounding, rotary and the cache write exactly."""
+    gen = torch.Generator().manual_seed(0)
+    x, res, w = (torch.randn(shape, generator=gen) for shape in ((3, 45), (3, 45), (45,)))
+    want_sum = x + res
+    out = torch.empty(3, 45)
+    lib.add_rms_norm(x.data_ptr(), 45, res.data_ptr(), 45, w.data_ptr(), out.data_ptr(), 45, 3, 45, 1e-5)
+    if not (torch.equal(res, want_sum) and torch.allclose(out, F.rms_norm(want_sum, (45,), w, 1e-5), rtol=1e-5, atol=1e-6)):
+        raise cpu_linear.KernelUnavailable("its RMSNorm self-check against torch failed")
+    qkv = torch.randn(3, 4 * 8 + 2 * 2 * 8, generator=gen)  # 3 tokens, 4 query heads, 2 KV heads of 8
+    q, k, v = (t.view(3, -1, 8) for t in qkv.split([32, 16, 16], dim=-1))
+    angles = torch.randn(3, 4, generator=gen)
+    cos = torch.cat((angles.cos(), angles.cos()), -1)[:, None]
+    ssin = torch.cat((-angles.sin(), angles.sin()), -1)[:, None]
+    want_q, want_k, want_v = rotate(q, cos, ssin), rotate(k, cos, ssin), v.clone()
+    cache, slots = torch.zeros(2, 3, 2, 2, 8), torch.tensor([5, -1, 0])
+    lib.rope_write_kv(q.data_ptr(), q.stride(0), 4, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), 2, 8, 3,
+                      cos.data_ptr(), ssin.data_ptr(), cache.data_ptr(), 6, slots.data_ptr())
+    flat = cache.view(2, 6, 2, 8)
+    if not (torch.equal(q, want_q) and torch.equal(k, want_k) and torch.equal(flat[0, 5], want_k[0])
+            and torch.equal(flat[1, 0], want_v[2]) and not flat[:, [1, 2, 3, 4]].any()):
+        raise cpu_linear.KernelUnavailable("its rotary and KV-write self-check against torch failed")
