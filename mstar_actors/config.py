@@ -68,6 +68,10 @@ class ParallelConfig(msgspec.Struct, **_STRICT):
 # vLLM's 256 (a decode step's cost grows slowly with its rows there); on CPU
 # a step's cost grows with every row, so fewer keep each stream's pace.
 DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
+# scheduler.async_scheduling when not set: a GPU step leaves the host's cores
+# free to plan the next; a CPU step wants every core (2-core VM, int4 SmolLM2,
+# concurrency 1: planning ahead slowed the served tokens by a fifth or more).
+DEFAULT_ASYNC_SCHEDULING = {"cuda": True, "cpu": False}
 
 
 class SchedulerConfig(msgspec.Struct, **_STRICT):
@@ -79,7 +83,9 @@ class SchedulerConfig(msgspec.Struct, **_STRICT):
     # ranks never wait for a result's round trip and the next plan. A row is
     # then planned past a token that may end its request (EOS, a stop token):
     # that row's token is computed and dropped. false: one step at a time.
-    async_scheduling: bool = True
+    # None: DEFAULT_ASYNC_SCHEDULING of the device (on a CPU the planning and
+    # streaming would take cores from the step's own threads).
+    async_scheduling: bool | None = None
 
 
 class KvConfig(msgspec.Struct, **_STRICT):
@@ -237,15 +243,21 @@ def parse_config(data: object, source: str = "<config>") -> Config:
 
 def with_device_defaults(config: Config) -> Config:
     """``config`` with the keys whose default depends on the device filled in
-    (``scheduler.max_num_seqs``), so every actor reads one settled value."""
-    if config.scheduler.max_num_seqs is not None:
+    (``scheduler.max_num_seqs``, ``scheduler.async_scheduling``), so every
+    actor reads one settled value."""
+    sched = config.scheduler
+    if sched.max_num_seqs is not None and sched.async_scheduling is not None:
         return config
     device = config.model.device
     if device == "auto":
         from mstar_actors.runner.device import resolve_device  # torch only where the device must be probed
 
         device = resolve_device(device).type
-    scheduler = msgspec.structs.replace(config.scheduler, max_num_seqs=DEFAULT_MAX_NUM_SEQS[device])
+    scheduler = msgspec.structs.replace(
+        sched,
+        max_num_seqs=DEFAULT_MAX_NUM_SEQS[device] if sched.max_num_seqs is None else sched.max_num_seqs,
+        async_scheduling=DEFAULT_ASYNC_SCHEDULING[device] if sched.async_scheduling is None else sched.async_scheduling,
+    )
     return msgspec.structs.replace(config, scheduler=scheduler)
 
 

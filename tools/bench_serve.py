@@ -208,7 +208,7 @@ class Generate:
 
 
 def for_model(model_dir: Path, name: str, num_seqs: int, num_threads: int, tmp: Path, tp: int = 1,
-              quantization: str = "none", async_scheduling: bool = True) -> Server:
+              quantization: str = "none", async_scheduling: bool | None = None) -> Server:
     """The CPU server this benchmark measures; with ``tp`` ranks the threads are split between them."""
     return Server({
         "model": {"path": str(model_dir), "name": name, "dtype": "float32", "device": "cpu",
@@ -324,14 +324,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="instead of generate: llama.cpp's llama-server (built once, cached) against our server, "
                         "float32 against an F32 GGUF and int4 against the embedded Q4_1 GGUF, fixed workload")
     p.add_argument("--rounds", type=int, default=2, help="--peer: rounds, each server alone, interleaved (default 2)")
-    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                   help="our server plans one step at a time (scheduler.async_scheduling: false)")
+    p.add_argument("--async-scheduling", choices=["on", "off"], default=None,
+                   help="our server's scheduler.async_scheduling (default: the config's, off on CPU)")
     p.add_argument("--output", default=None, help="write the tables to this file too")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.async_scheduling = None if args.async_scheduling is None else args.async_scheduling == "on"
     if args.peer:
         from _peer import run_peer
 

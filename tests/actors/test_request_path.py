@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 
+import pytest
 import torch
 
 from actors.conductor import ConductorActor
@@ -94,11 +95,12 @@ class Engine:
                 return msg
 
 
-def make_config(model_dir, **kv) -> Config:
+def make_config(model_dir, async_scheduling=False, **kv) -> Config:
     return Config(
         model=ModelConfig(path=str(model_dir), name="tiny", dtype="float32", device="cpu"),
         parallel=ParallelConfig(tp=NUM_RANKS),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
+                                  async_scheduling=async_scheduling),
         kv=KvConfig(block_size=4, num_blocks=kv.get("num_blocks", 128)),
     )
 
@@ -124,11 +126,12 @@ def async_test(fn):
     return wrapper
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["one-step", "planned-ahead"])
 @async_test
-async def test_greedy_tokens_match_transformers_and_bad_prompt_fails_alone(tiny_model):
+async def test_greedy_tokens_match_transformers_and_bad_prompt_fails_alone(tiny_model, ahead):
     model_dir, hf_model = tiny_model
     tok = Tokenization(model_dir)
-    engine = Engine(make_config(model_dir))
+    engine = Engine(make_config(model_dir, ahead))
     engine.start()
     chat = [ChatMessage(role="user", content="hello w7 w8 world")]
     requests = [
@@ -158,10 +161,11 @@ async def test_greedy_tokens_match_transformers_and_bad_prompt_fails_alone(tiny_
         assert out[rid]["tokens"] == greedy_reference(hf_model, prompt, end.num_output_tokens), rid
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["one-step", "planned-ahead"])
 @async_test
-async def test_abort_frees_everything_and_others_continue(tiny_model):
+async def test_abort_frees_everything_and_others_continue(tiny_model, ahead):
     model_dir, _ = tiny_model
-    engine = Engine(make_config(model_dir))
+    engine = Engine(make_config(model_dir, ahead))
     engine.start()
 
     async def abort_after_first_token(delta):
@@ -186,10 +190,11 @@ async def test_abort_frees_everything_and_others_continue(tiny_model):
     assert await engine.stop() == [0] * (2 + NUM_RANKS)
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["one-step", "planned-ahead"])
 @async_test
-async def test_n_choices_are_prepared_once_and_each_ends_on_its_own(tiny_model):
+async def test_n_choices_are_prepared_once_and_each_ends_on_its_own(tiny_model, ahead):
     model_dir, hf_model = tiny_model
-    engine = Engine(make_config(model_dir))
+    engine = Engine(make_config(model_dir, ahead))
     engine.start()
     prompt = [5, 9, 33, 41, 17]
     # Enough tokens that the abort, sent at r-1's first token, lands while it runs.
@@ -214,10 +219,11 @@ async def test_n_choices_are_prepared_once_and_each_ends_on_its_own(tiny_model):
     assert await engine.stop() == [0] * (2 + NUM_RANKS)
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["one-step", "planned-ahead"])
 @async_test
-async def test_failed_step_fails_its_rows_with_500_and_serving_continues(tiny_model):
+async def test_failed_step_fails_its_rows_with_500_and_serving_continues(tiny_model, ahead):
     model_dir, _ = tiny_model
-    engine = Engine(make_config(model_dir))
+    engine = Engine(make_config(model_dir, ahead))
     workers = engine.actors[2:]
     engine.start()
     await engine.to_prepare.send(make_request("ok1", max_tokens=3, prompt_token_ids=[5, 6]))
