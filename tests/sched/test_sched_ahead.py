@@ -103,3 +103,18 @@ def test_an_abort_while_two_steps_fly_voids_both_rows():
 def test_max_in_flight_is_one_or_two():
     with pytest.raises(ValueError, match="max_in_flight must be 1 or 2"):
         make_scheduler(max_in_flight=3)
+
+
+@pytest.mark.parametrize("max_in_flight", [1, 2])
+def test_orders_with_no_step_to_carry_them_go_alone(max_in_flight):
+    sched = make_scheduler(max_in_flight=max_in_flight)
+    assert sched.schedule_orders() is None  # nothing to say
+    sched.add(make_request("r0", num_media=1), ROOT)
+    sched.update(make_done(sched.schedule()))
+    sched.abort("r0")
+    assert sched.schedule() is None
+    plan = sched.schedule_orders()
+    assert plan.finished == ["r0"] and plan.scheduled == [] and len(plan.drop_media) == 1
+    assert sched.schedule_orders() is None  # said once
+    assert sched.update(make_done(plan)) == []
+    assert_no_blocks_used(sched)
