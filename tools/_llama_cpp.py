@@ -10,6 +10,7 @@ GGUFs converted by its ``convert_hf_to_gguf.py``.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -96,6 +97,9 @@ def f32_gguf(model_dir: Path) -> Path:
     out = cache_dir() / "gguf" / f"{model_dir.resolve().name}-{key}.f32.gguf"
     if out.is_file():
         return out
+    if importlib.util.find_spec("sentencepiece") is None:  # the converter reads Llama vocabularies with it
+        raise PeerUnavailable("llama.cpp's convert_hf_to_gguf.py needs sentencepiece: "
+                              "pip install -e '.[bench]' (or pip install sentencepiece), then run again")
     out.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree / "gguf-py"), os.environ.get("PYTHONPATH", "")]))
     tmp = out.with_suffix(".partial")
