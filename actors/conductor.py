@@ -59,7 +59,6 @@ request's arena refs from here on (``mstar_actors.sched.media``).
 from __future__ import annotations
 
 import logging
-from collections import deque
 from typing import Any
 
 import msgspec
@@ -165,8 +164,7 @@ class ConductorActor(Actor):
         self.num_ranks = num_ranks or self.config.parallel.tp
         self.adapter_pool = AdapterPool.from_config(self.config, self.info.served_name, self.num_ranks)
         self.scheduler: Any = None
-        # Steps sent to the ranks, oldest first, and their answers so far (step id -> rank -> result).
-        self.in_flight: deque[StepPlan] = deque()
+        # Steps sent to the ranks, oldest first, with their answers so far: step id -> rank -> result.
         self.step_results: dict[int, dict[int, StepDone | StepFailed]] = {}
         self.last_stats: Any = None
 
@@ -200,14 +198,14 @@ class ConductorActor(Actor):
             await self.apply_arrived()  # 1
             if self.scheduler.can_schedule():
                 plan = self.scheduler.schedule() if self.scheduler.has_work() else None
-                if plan is None and not self.in_flight:  # no step to carry the orders: they go alone
+                if plan is None and not self.step_results:  # no step to carry the orders: they go alone
                     plan = self.scheduler.schedule_orders()
                 if plan is not None:
                     await self.send_plan(plan)  # 2
                     continue
-            if self.in_flight:
-                plan = self.in_flight.popleft()
-                await self.finish_step(plan, await self.await_step(plan))  # 3, 4
+            if self.step_results:
+                oldest = next(iter(self.step_results))
+                await self.finish_step(oldest, await self.await_step(oldest))  # 3, 4
                 continue
             if self.scheduler.has_work() and (moved := self.adapter_pool.stalled()):
                 await self.route(moved)  # every live row parked: their turns end now
@@ -217,7 +215,6 @@ class ConductorActor(Actor):
 
     async def send_plan(self, plan: StepPlan) -> None:
         self.step_results[plan.step_id] = {}
-        self.in_flight.append(plan)
         await self.outbox["workers"].send(plan)
         await self.route(self.adapter_pool.step())  # a turn's end: its swap goes after this plan
 
@@ -225,20 +222,20 @@ class ConductorActor(Actor):
         while (item := self.mailbox.get_nowait()) is not None:
             await self.dispatch(*item)
 
-    async def await_step(self, plan: StepPlan) -> dict[int, StepDone | StepFailed]:
-        """Every rank's answer to ``plan`` (the oldest step in flight)."""
-        results = self.step_results[plan.step_id]
+    async def await_step(self, step_id: int) -> dict[int, StepDone | StepFailed]:
+        """Every rank's answer to step ``step_id`` (the oldest in flight)."""
+        results = self.step_results[step_id]
         while len(results) < self.num_ranks:
             channel, msg = await self.mailbox.get()
             await self.dispatch(channel, msg)
-        del self.step_results[plan.step_id]
+        del self.step_results[step_id]
         return results
 
-    async def finish_step(self, plan: StepPlan, results: dict[int, StepDone | StepFailed]) -> None:
+    async def finish_step(self, step_id: int, results: dict[int, StepDone | StepFailed]) -> None:
         failures = [results[r] for r in sorted(results) if isinstance(results[r], StepFailed)]
         if failures:
-            failed = combine_failures(plan.step_id, failures)
-            self.log.error("step %d failed (%s): %s", plan.step_id,
+            failed = combine_failures(step_id, failures)
+            self.log.error("step %d failed (%s): %s", step_id,
                            ", ".join(failed.request_ids) or "every row", failed.message)
             # Rows the failure does not name did not advance: the scheduler runs them again.
             await self.send_outputs(self.scheduler.fail_step(failed))
