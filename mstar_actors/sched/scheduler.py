@@ -363,10 +363,6 @@ class Scheduler:
         """Whether ``schedule()`` may plan another step now (see ``max_in_flight``)."""
         return len(self._in_flight) < self.max_in_flight
 
-    @property
-    def num_steps_in_flight(self) -> int:
-        return len(self._in_flight)
-
     def _media_orders(self) -> dict:
         copies, drops, releases = self.media.take()
         return dict(copy_media=copies, drop_media=drops, release_media=releases)
