@@ -137,6 +137,7 @@ class Plan:
     rounds: int = 1
     scenarios: tuple[Scenario, ...] = tuple(SCENARIOS)
     server_logs: Path | None = None  # where each server's DEBUG log is saved (None: servers log at INFO)
+    async_scheduling: bool | None = None  # None: the device's default (on with CUDA, off on CPU)
 
     def num_requests(self, concurrency: int) -> int:
         """Requests at one concurrency: ``waves`` full waves, at least ``min_requests``."""
@@ -149,7 +150,8 @@ class Plan:
     def describe(self) -> list[str]:
         lines = [f"setup {self.setup} on {self.device} ({self.dtype}), adapters rank {self.rank} all-linear, "
                  f"{self.max_tokens} new tokens per request (ignore_eos), prefix caching "
-                 f"{'on' if self.prefix_caching else 'off'}"]
+                 f"{'on' if self.prefix_caching else 'off'}, overlapped scheduling "
+                 f"{'the device default' if self.async_scheduling is None else ('on' if self.async_scheduling else 'off')}"]
         for key, spec in SERVERS.items():
             lora = (f"max_loras {spec.max_loras}, adapters {', '.join(ADAPTER_NAMES[:spec.num_adapters])}"
                     if spec.max_loras else "no lora section")
@@ -324,7 +326,7 @@ def server_config(plan: Plan, model_dir: Path, spec: ServerSpec, adapters: dict[
     config = {
         "model": {"path": str(model_dir), "name": plan.served_name, "dtype": plan.dtype, "device": plan.device},
         "scheduler": {"max_num_seqs": max(max(plan.levels), 8), "max_num_batched_tokens": 2048,
-                      "max_model_len": 2048},
+                      "max_model_len": 2048, "async_scheduling": plan.async_scheduling},
         "kv": {"block_size": 16, "num_blocks": num_kv_blocks(plan), "enable_prefix_caching": plan.prefix_caching},
         "server": {"host": "127.0.0.1", "port": port, "max_waiting_requests": 4 * max(plan.levels) + 64},
     }
@@ -561,6 +563,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="concurrency 1, 2 requests, 4 tokens: checks the pieces work")
     p.add_argument("--scenarios", help="comma-separated scenario names to run (default: all; the reference "
                    f"{REFERENCE!r} always runs): " + ", ".join(repr(s.name) for s in SCENARIOS[1:]))
+    p.add_argument("--async-scheduling", choices=["on", "off"], default=None,
+                   help="plan the next step while the device runs this one (default: on with cuda, off on cpu)")
     p.add_argument("--server-logs", type=Path, help="serve at DEBUG and save each server's log in this folder "
                    "(its step, install and agreement lines, with ms timestamps)")
     return p.parse_args(argv)
@@ -603,7 +607,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     return Plan(setup=args.model, tokenizer=args.tokenizer, device=device, dtype=dtype, levels=levels,
                 max_tokens=args.max_tokens or (64 if device == "cuda" else 32), waves=args.waves,
                 min_requests=args.min_requests, rank=args.rank, prefix_caching=args.prefix_caching,
-                cache_dir=args.cache_dir, rounds=args.rounds, scenarios=scenarios, server_logs=args.server_logs)
+                cache_dir=args.cache_dir, rounds=args.rounds, scenarios=scenarios, server_logs=args.server_logs,
+                async_scheduling=None if args.async_scheduling is None else args.async_scheduling == "on")
 
 
 def dry_run(plan: Plan) -> int:
