@@ -11,7 +11,10 @@ swap waits for on a rank); then the GPU kernels of one adapter step by
 runner's share of a serving step. The decode table runs two runners side
 by side, the LoRA linears fused (every slot's A under the weight: one GEMM,
 then the expand; CUDA's default) and unfused (the GEMM, then the one-row
-kernel with its own shrink); ``--fuse on|off`` keeps one.
+kernel with its own shrink); ``--fuse on|off`` keeps one. ``--fused-ops``
+likewise sets the layers' small ops side by side: ``triton_fused``'s one
+launch each (RMSNorm with the residual add, rotary with the KV write,
+SiLU-and-mul; CUDA's default) or torch's ops.
 
     python tools/profile_gpu_step.py --tokenizer DIR            # the random Llama-3.2-1B shape
     python tools/profile_gpu_step.py --tokenizer DIR --batches 1 8 32 64 --mixed-decodes 7 31
@@ -37,7 +40,7 @@ import bench_lora  # noqa: E402
 from mstar_actors import messages  # noqa: E402
 from mstar_actors.lora import BaseShapes, read_adapter  # noqa: E402
 from mstar_actors.config import parse_config  # noqa: E402
-from mstar_actors.models import lora_layers  # noqa: E402
+from mstar_actors.models import lora_layers, triton_fused  # noqa: E402
 from mstar_actors.model_info import load_model_info  # noqa: E402
 from mstar_actors.runner.build import build_runner  # noqa: E402
 from mstar_actors.runner.model_runner import ModelRunner  # noqa: E402
@@ -221,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fuse", choices=["on", "off", "both"], default="both",
                    help="decode table with the LoRA linears' A under their weights (CUDA's default), unfused, "
                         "or both runners side by side (default)")
+    p.add_argument("--fused-ops", choices=["on", "off", "both"], default="both",
+                   help="decode table with the layers' small ops fused (triton_fused, CUDA's default), as torch ops, "
+                        "or both side by side (default); the rest of the run takes the first")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_gpu_step needs CUDA", file=sys.stderr)
@@ -239,29 +245,36 @@ def main(argv: list[str] | None = None) -> int:
                                      [f"lora{i}" for i in range(NUM_ADAPTERS)], 16, "bfloat16", "cuda")
     max_seqs = max([*args.batches, *args.mixed_decodes, *args.profile_batches, 32])  # the install rows decode 32 beside
     runners = {}
-    for fused in [mode == "on" for mode in (("on", "off") if args.fuse == "both" else (args.fuse,))]:
-        config = parse_config({"model": {"path": str(model_dir), "device": "cuda"}, "kv": {"num_blocks": 64 * max_seqs + 8},
-                               "lora": {"max_loras": NUM_ADAPTERS, "max_lora_rank": 16, "allow_runtime_updates": True},
-                               "scheduler": {"max_model_len": 2048}})
-        share = lora_layers.MAX_FUSED_SHARE
-        lora_layers.MAX_FUSED_SHARE = share if fused else 0.0  # 0: no linear's A fits under its weight
-        try:
-            runner = build_runner(config, load_model_info(config))
-        finally:
-            lora_layers.MAX_FUSED_SHARE = share
-        adapters = load_adapters(runner, paths, model_dir)
-        for slot, weights in enumerate(adapters, start=1):
-            runner.install_adapter(slot, weights)
-        runners["fused" if fused else "unfused"] = runner
+    modes = {"on": [True], "off": [False], "both": [True, False]}
+    for fused in modes[args.fuse]:
+        for ops in modes[args.fused_ops]:
+            config = parse_config({"model": {"path": str(model_dir), "device": "cuda"},
+                                   "kv": {"num_blocks": 64 * max_seqs + 8},
+                                   "lora": {"max_loras": NUM_ADAPTERS, "max_lora_rank": 16, "allow_runtime_updates": True},
+                                   "scheduler": {"max_model_len": 2048}})
+            share = lora_layers.MAX_FUSED_SHARE
+            lora_layers.MAX_FUSED_SHARE = share if fused else 0.0  # 0: no linear's A fits under its weight
+            triton_fused.enabled = ops  # read as the graphs are captured: each runner replays its own kernels
+            try:
+                runner = build_runner(config, load_model_info(config))
+            finally:
+                lora_layers.MAX_FUSED_SHARE = share
+            adapters = load_adapters(runner, paths, model_dir)
+            for slot, weights in enumerate(adapters, start=1):
+                runner.install_adapter(slot, weights)
+            runners[("fused" if fused else "unfused", "fused" if ops else "torch")] = runner
+    triton_fused.enabled = modes[args.fused_ops][0]  # the eager steps below run as the first runner was built
     print(f"# {torch.cuda.get_device_name()}: decode step ms (median of {args.steps}), ModelRunner.execute, "
-          f"context ~{CONTEXT}; fused: every LoRA linear's A under its weight (one GEMM, then the expand)")
-    print(f"{'batch':>5} {'linears':>8} {'base':>8} {'one':>8} {'mixed4':>8} {'one/base':>9} {'mixed/base':>10}")
+          f"context ~{CONTEXT}; linears fused: every LoRA linear's A under its weight (one GEMM, then the expand); "
+          f"ops fused: RMSNorm+add, rotary+KV write, SiLU-and-mul one launch each")
+    print(f"{'batch':>5} {'linears':>8} {'ops':>6} {'base':>8} {'one':>8} {'mixed4':>8} {'one/base':>9} {'mixed/base':>10}")
     for batch in args.batches:
-        for kind, runner in runners.items():  # side by side at each batch, so drift hits both
+        for (linears, ops), runner in runners.items():  # side by side at each batch, so drift hits all
             base = time_steps(runner, [0] * batch, "b", args.steps)
             one = time_steps(runner, [1] * batch, "o", args.steps)
             mixed = time_steps(runner, [1 + i % NUM_ADAPTERS for i in range(batch)], "m", args.steps)
-            print(f"{batch:>5} {kind:>8} {base:>8.3f} {one:>8.3f} {mixed:>8.3f} {base / one:>8.1%} {base / mixed:>9.1%}")
+            print(f"{batch:>5} {linears:>8} {ops:>6} {base:>8.3f} {one:>8.3f} {mixed:>8.3f} {base / one:>8.1%} "
+                  f"{base / mixed:>9.1%}")
     runner = next(iter(runners.values()))
     if args.mixed_decodes:
         print_mixed(runner, args.mixed_decodes, args.steps)

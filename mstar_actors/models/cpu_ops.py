@@ -136,11 +136,15 @@ def _rows(x: torch.Tensor) -> torch.Tensor | None:
     return rows
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor | None:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             zero_centered: bool = False) -> torch.Tensor | None:
     """``F.rms_norm(x (+ residual), weight)`` in one call, or None where the
     rows don't fit (the caller then takes torch's path). With ``residual``
     (the shape of ``x``), ``residual += x`` first, in place: the sum is what
-    is normalised."""
+    is normalised. ``zero_centered``: the scale is ``1 + weight`` (in
+    float32 the same products as the reference's)."""
+    if zero_centered:
+        weight = 1.0 + weight
     lib = kernel()
     rows = _rows(x)
     res = _rows(residual) if residual is not None else None

@@ -29,19 +29,41 @@ if TYPE_CHECKING:  # the hooks are made by ``lora_layers``, which builds on thes
     from .lora_layers import LoraHook
 
 
+def fused_ops(x: torch.Tensor):
+    """The one-call kernels ``x`` may take: ``cpu_ops`` (C) for CPU float32,
+    ``triton_fused`` for CUDA activations, else None (torch's ops). Both
+    modules have the same functions, returning None / False where a
+    tensor's layout doesn't fit."""
+    if cpu_ops.takes(x):
+        return cpu_ops
+    if x.is_cuda:
+        from . import triton_fused  # imported on first CUDA use: a CPU server never loads Triton here
+
+        if triton_fused.takes(x):
+            return triton_fused
+    return None
+
+
 class RMSNorm(nn.Module):
+    zero_centered = False  # True: scales by ``1 + weight`` (Qwen3.5's, ``qwen3_5.ZeroCenteredRMSNorm``)
+
     def __init__(self, size: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.zeros(size) if self.zero_centered else torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # One call where it fits (``fused_ops``: equal to the dtype's rounding).
+        if (ops := fused_ops(x)) is not None and (y := ops.rms_norm(x, self.weight, self.eps,
+                                                                  zero_centered=self.zero_centered)) is not None:
+            return y
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch ops, in the reference's order."""
         if x.dtype == torch.float32 and x.device.type == "cpu":
-            # One C call where it builds (``cpu_ops``: equal to float32
-            # rounding), else the same arithmetic as below in one torch
-            # call (the casts are no-ops in float32): equal bit for bit.
-            if cpu_ops.takes(x) and (y := cpu_ops.rms_norm(x, self.weight, self.eps)) is not None:
-                return y
+            # The same arithmetic as below in one torch call (the casts are
+            # no-ops in float32): equal bit for bit.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 and scale after casting back, like the reference.
         dtype = x.dtype
@@ -50,12 +72,13 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
     def add_norm(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(self(x + y), x + y)``. On the CPU fast path one C call, which
+        """``(self(x + y), x + y)``. Through ``fused_ops`` one call, which
         writes the sum into ``y`` in place: ``y`` must be the caller's own."""
-        if cpu_ops.takes(x) and (normed := cpu_ops.rms_norm(x, self.weight, self.eps, y)) is not None:
+        if (ops := fused_ops(x)) is not None and (normed := ops.rms_norm(x, self.weight, self.eps, y,
+                                                                       zero_centered=self.zero_centered)) is not None:
             return normed, y
         total = x + y
-        return self(total), total
+        return self.reference(total), total
 
 
 class LoraLinear(nn.Linear):
@@ -181,14 +204,14 @@ class Attention(nn.Module):
     def _rope_write_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Rotary on q and k (in place: they are this step's own projections)
-        and the KV write in one C call (``cpu_ops``), where the plain rotary
-        and the reference backend's write would run on CPU float32; False
-        (nothing done) elsewhere."""
+        and the KV write in one call (``fused_ops``), where the plain rotary
+        and the reference backend's write would run; False (nothing done)
+        elsewhere."""
         if (type(self.rotary) is not RotaryEmbedding or getattr(self.backend.write_kv, "__func__", None) is not TorchPagedAttention.write_kv
-                or positions.dim() != 1 or not cpu_ops.takes(q) or kv_cache.dtype != torch.float32):
+                or positions.dim() != 1 or (ops := fused_ops(q)) is None or kv_cache.dtype != q.dtype):
             return False
         tables = self.rotary.step_tables or self.rotary.tables(positions, q.dtype)
-        return cpu_ops.rope_write_kv(q, k, v, *tables, kv_cache, meta.slot_mapping)
+        return ops.rope_write_kv(q, k, v, *tables, kv_cache, meta.slot_mapping)
 
 
 class MLP(nn.Module):
@@ -205,8 +228,14 @@ class MLP(nn.Module):
         self.down_proj.tp_slices = layout.down_cuts()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        gate_up = self.gate_up_proj(x)
+        # One launch on CUDA (``triton_fused``); cpu_ops has no such call, torch's two ops run there.
+        ops = fused_ops(gate_up)
+        act = ops.silu_mul(gate_up) if ops is not None and ops is not cpu_ops else None
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return self.tp.all_reduce(self.down_proj(act))
 
 
 class DecoderLayer(nn.Module):
@@ -218,11 +247,21 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # The attention's output is ours to add the residual into (one call with the norm on CPU).
-        normed, x = self.post_attention_layernorm.add_norm(x, self.self_attn(self.input_layernorm(x), positions,
-                                                                               kv_cache, meta))
-        return x + self.mlp(normed)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: the previous layer's MLP output, not yet added into the
+        residual stream ``residual`` (the first layer: the embedded rows,
+        ``residual`` None). Returns this layer's MLP output and the stream
+        before it, so that every residual add goes with the norm after it
+        (one call where ``fused_ops`` takes them; the sums land in the
+        attention's and MLP's own outputs, never in the embeddings)."""
+        if residual is None:
+            normed, residual = self.input_layernorm(x), x
+        else:
+            normed, residual = self.input_layernorm.add_norm(residual, x)
+        attn = self.self_attn(normed, positions, kv_cache, meta)
+        normed, residual = self.post_attention_layernorm.add_norm(residual, attn)
+        return self.mlp(normed), residual
 
 
 class DecoderModel(nn.Module):
@@ -291,12 +330,13 @@ class CausalLM(nn.Module):
         if shared is not None:
             shared.begin_step(positions, x.dtype)
         try:
+            residual = None
             for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-                x = layer(x, positions, kv_cache, meta)
+                x, residual = layer(x, residual, positions, kv_cache, meta)
         finally:
             if shared is not None:
                 shared.end_step()
-        return self.model.norm(x)
+        return self.model.norm.add_norm(residual, x)[0]
 
     def pack_cpu_weights(self) -> int:
         """Make the packed copies of the CPU fast path (``cpu_linear``) now

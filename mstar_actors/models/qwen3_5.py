@@ -31,7 +31,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, PagedAttention, TorchPagedAttention
 from .checkpoint import DECODER_RULES, QK_NORM_RULES, WeightRule
-from .decoder import MLP, CausalLM, LoraEmbedding, LoraLinear, StackedLinear
+from .decoder import MLP, CausalLM, LoraEmbedding, LoraLinear, RMSNorm, StackedLinear
 from .deltanet_ops import DeltaNetOps, StatePool, TorchDeltaNetOps
 from .rope import _rotate_half
 from .sharding import ShardLayout, single_rank_layout
@@ -105,15 +105,13 @@ def rotary_facts(cfg: dict, head_dim: int, where: str) -> tuple[int, tuple[int, 
 # -- the modules ---------------------------------------------------------------------------
 
 
-class ZeroCenteredRMSNorm(nn.Module):
-    """RMSNorm scaling by ``1 + weight``, in float32, cast after the scale (the reference's order)."""
+class ZeroCenteredRMSNorm(RMSNorm):
+    """RMSNorm scaling by ``1 + weight``, in float32, cast after the scale
+    (the reference's order); one call through ``fused_ops`` where it fits."""
 
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(size))
-        self.eps = eps
+    zero_centered = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).type_as(x)
@@ -260,12 +258,17 @@ class HybridLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor | None,
-                meta: AttentionMetadata) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """``decoder.DecoderLayer``'s pairing: ``x`` the previous layer's MLP
+        output not yet added into ``residual`` (None: ``x`` is the stream)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_norm(residual, x)
         h = self.self_attn(h, positions, kv_cache, meta) if self.is_attention else self.linear_attn(h, meta)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, residual = self.post_attention_layernorm.add_norm(residual, h)
+        return self.mlp(h), residual
 
 
 class HybridModel(nn.Module):
@@ -311,11 +314,12 @@ class Qwen3_5ForCausalLM(CausalLM):
         rotary = self.model.rotary
         rotary.begin_step(positions, x.dtype)
         try:
+            residual = None
             for layer in self.model.layers:
-                x = layer(x, positions, next(caches) if layer.is_attention else None, meta)
+                x, residual = layer(x, residual, positions, next(caches) if layer.is_attention else None, meta)
         finally:
             rotary.end_step()
-        return self.model.norm(x)
+        return self.model.norm.add_norm(residual, x)[0]
 
 
 def build(model_dir: Path, cfg: dict, spec: ModelSpec, backend: PagedAttention,

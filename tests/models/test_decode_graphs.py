@@ -294,6 +294,24 @@ def test_captured_graphs_bf16_logits_close_to_eager(hf_models):
 
 
 @pytest.mark.gpu
+def test_fused_kernels_match_the_torch_ops_on_cuda(hf_models, monkeypatch):
+    """The decoder with ``triton_fused``'s kernels (the default on CUDA) and
+    with torch's ops, graphs captured: float32 tokens equal; bf16 logits
+    within rounding, the torch run teacher-forced with the fused run's tokens."""
+    from mstar_actors.models import triton_fused
+
+    folder, _ = hf_models("llama")
+    fused_rec = Recorder()
+    want = script(cuda_runner(folder))
+    fused_bf16 = script(cuda_runner(folder, dtype="bfloat16", sampler=fused_rec))
+    monkeypatch.setattr(triton_fused, "enabled", False)
+    assert script(cuda_runner(folder)) == want
+    torch_rec = Recorder([[int(t) for t in step.argmax(-1)] for step in fused_rec.logits])
+    assert script(cuda_runner(folder, dtype="bfloat16", sampler=torch_rec)) == fused_bf16
+    assert_logits_close(fused_rec.logits, torch_rec.logits, 2e-2)
+
+
+@pytest.mark.gpu
 def test_captured_lora_graphs_match_eager_on_cuda(lora_world):
     want = script(lora_runner(lora_world, device="cuda"), MIXED_SLOTS)
     runner = lora_runner(lora_world, device="cuda", enforce_eager=False, cuda_graph_max_batch=4)

@@ -1,0 +1,194 @@
+"""Fused Triton kernels for the CUDA step's small operations (Triton's
+interpreter runs them on CPU in tests).
+
+A decode step of a small model is mostly launches: the profile of
+Llama-3.2-1B's shape at one row (``tools/profile_gpu_step.py
+--profile-batches``) ran about 37 kernels a layer, of which only 4 are the
+GEMMs. torch spends seven on an RMSNorm (cast, square, mean, add, rsqrt,
+multiply, cast back, scale), two on the residual add, eight on the rotary
+of q and k and two on the KV write, two on SiLU-and-mul. Each one here is
+one launch instead, with the same arithmetic and rounding as the torch path
+it replaces (``decoder``), so graphs and eager steps agree:
+
+- ``rms_norm``: ``RMSNorm`` (normalise in float32, cast back, scale), with
+  the residual add in the same pass when ``residual`` is given (the sum is
+  rounded to the activations' dtype first, as ``x + y`` is).
+- ``rope_write_kv``: ``rotate`` on q (in place) and k, then k and v written
+  at ``slot_mapping`` into the paged cache: each product and the sum
+  rounded to the dtype as torch's three elementwise kernels round them.
+- ``silu_mul``: ``F.silu(gate) * up`` over the fused ``gate_up`` output.
+
+The functions mirror ``cpu_ops`` (the C path on CPU): same names, same
+arguments, and None / False where the tensors don't fit, so the caller
+falls back to torch. Graph-safe: grids come from shapes only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_WIDTH = 16384  # a row a program holds whole (hidden sizes up to 16k)
+
+
+# Off: the torch path everywhere (``tools/profile_gpu_step.py --fused-ops`` times both).
+enabled = True
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Whether ``x`` may take these kernels: CUDA activations of a served
+    dtype without autograd. (Tests call the functions directly on CPU,
+    under Triton's interpreter.)"""
+    return enabled and x.is_cuda and x.dtype in _DTYPES and not torch.is_grad_enabled()
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, stride_x0, stride_x1, res_ptr, stride_res, w_ptr, out_ptr, n, eps,
+                     HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr):
+    i0 = tl.program_id(0).to(tl.int64)
+    i1 = tl.program_id(1).to(tl.int64)
+    row = i0 * tl.num_programs(1) + i1
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + i0 * stride_x0 + i1 * stride_x1 + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        # ``x + residual`` rounded to the dtype, stored back as the new residual.
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(out_ptr.dtype.element_ty)
+        tl.store(res_ptr + row * stride_res + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / n + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:  # Qwen3.5's: scaled by 1 + weight in float32, one cast at the end
+        out = (x32 * inv) * (1.0 + w)
+    else:  # cast, then scaled
+        out = w * (x32 * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * n + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             zero_centered: bool = False) -> torch.Tensor | None:
+    """``RMSNorm(x (+ residual))`` over the last dimension in one launch, or
+    None where the tensors don't fit. ``x`` is ``[M, N]`` or ``[M, H, N]``
+    with unit stride in ``N`` (per-head q/k norms take the projection's
+    views as they are); the result is contiguous. With ``residual``
+    (``[M, N]``, contiguous rows), ``residual += x`` first, in place,
+    rounded to the dtype: the sum is what is normalised. ``zero_centered``:
+    scaled by ``1 + weight`` in float32 before the one cast (Qwen3.5's)."""
+    n = x.shape[-1]
+    if x.dim() not in (2, 3) or x.stride(-1) != 1 or n > MAX_WIDTH or weight.dtype != x.dtype or not weight.is_contiguous():
+        return None
+    if residual is not None and (x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype
+                                 or residual.stride(-1) != 1):
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n0, n1 = x.shape[0], x.shape[1] if x.dim() == 3 else 1
+    if out.numel():
+        _rms_norm_kernel[(n0, n1)](x, x.stride(0), x.stride(1) if x.dim() == 3 else 0,
+                                   x if residual is None else residual, 0 if residual is None else residual.stride(0),
+                                   weight, out, n, eps, HAS_RES=residual is not None, ZERO_CENTERED=zero_centered,
+                                   BLOCK=triton.next_power_of_2(n), num_warps=_warps(n))
+    return out
+
+
+@triton.jit
+def _rope_write_kv_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh,
+                          cos_ptr, sin_ptr, stride_ct, cache_ptr, stride_cs, stride_ch, cache_half, slot_ptr,
+                          num_heads, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < 2 * HALF
+    other = tl.where(cols < HALF, cols + HALF, cols - HALF)  # the rotated half's partner
+    c = tl.load(cos_ptr + t * stride_ct + cols, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_ct + cols, mask=mask, other=0.0).to(tl.float32)
+    if h < num_heads:
+        base = q_ptr + t * stride_qt + h * stride_qh
+    else:
+        base = k_ptr + t * stride_kt + (h - num_heads) * stride_kh
+    dtype = q_ptr.dtype.element_ty
+    x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+    xo = tl.load(base + other, mask=mask, other=0.0).to(tl.float32)
+    # torch's rounding: x * cos, swapped * signed_sin, then their sum, each to the dtype.
+    rotated = ((x * c).to(dtype).to(tl.float32) + (xo * s).to(dtype).to(tl.float32)).to(dtype)
+    if h < num_heads:
+        # Every lane read its partner above, before any lane writes.
+        tl.debug_barrier()
+        tl.store(base + cols, rotated, mask=mask)
+    else:
+        kh = h - num_heads
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:  # a negative slot is a padding row: not written
+            dst = cache_ptr + slot * stride_cs + kh * stride_ch + cols
+            tl.store(dst, rotated, mask=mask)
+            v = tl.load(v_ptr + t * stride_vt + kh * stride_vh + cols, mask=mask, other=0.0)
+            tl.store(dst + cache_half, v, mask=mask)
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """Rotate ``q [T, H, D]`` in place and ``k [T, KH, D]`` by ``cos`` and
+    ``signed_sin`` (``[T, 1, D]``, ``RotaryEmbedding.tables``), writing the
+    rotated k and v at ``slot_mapping`` into ``kv_cache [2, blocks,
+    block_size, KH, D]`` (a negative slot: not written), in one launch
+    (``cpu_ops.rope_write_kv`` on CPU; ``k`` itself is left as it was).
+    False, having done nothing, where the layouts don't fit."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if (head_dim % 2 or head_dim > 1024 or not kv_cache.is_contiguous() or kv_cache.dtype != q.dtype
+            or k.dtype != q.dtype or v.dtype != q.dtype or cos.dtype != q.dtype or signed_sin.dtype != q.dtype
+            or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
+            or cos.shape[0] != num_tokens or cos.stride() != signed_sin.stride() or cos.stride(-1) != 1
+            or any(t.stride(-1) != 1 for t in (q, k, v)) or kv_cache.shape[-1] != head_dim
+            or kv_cache.shape[-2] != num_kv_heads):
+        return False
+    if num_tokens:
+        slots = kv_cache[0].view(-1, num_kv_heads, head_dim)
+        _rope_write_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
+            q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
+            cos, signed_sin, cos.stride(0), kv_cache, slots.stride(0), slots.stride(1), kv_cache[0].numel(),
+            slot_mapping, num_heads, HALF=head_dim // 2, BLOCK=triton.next_power_of_2(head_dim),
+            num_warps=1 if head_dim <= 128 else 2)
+    return True
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, stride_x, out_ptr, stride_out, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0).to(tl.float32)
+    # torch's rounding: silu in float32, cast, then the product in float32, cast.
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (act * up).to(dtype), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``F.silu(gate) * up`` of ``gate_up [T, 2I]`` (its two halves) in one
+    launch, ``[T, I]``; None where the rows don't fit."""
+    rows = _rows(gate_up)
+    if rows is None or rows.shape[-1] % 2:
+        return None
+    n = rows.shape[-1] // 2
+    out = torch.empty((rows.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
+    if rows.shape[0]:
+        block = min(1024, triton.next_power_of_2(n))
+        _silu_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](rows, rows.stride(0), out, out.stride(0), n,
+                                                                 BLOCK=block, num_warps=4)
+    return out.view(*gate_up.shape[:-1], n)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` as ``[M, N]`` rows of unit stride without a copy, else None."""
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1]) if x.is_contiguous() else None
+    if rows is None or rows.stride(-1) != 1:
+        return None
+    return rows
+
+
+def _warps(n: int) -> int:
+    return 1 if n <= 512 else 4 if n <= 4096 else 8

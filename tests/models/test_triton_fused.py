@@ -1,0 +1,157 @@
+"""The fused Triton kernels of the CUDA step against the torch ops they replace.
+
+On CPU they run in Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET), so shapes stay small; the ``gpu`` tests run them compiled,
+and the decoder with them against the decoder without them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mstar_actors.models import triton_fused
+from mstar_actors.models.decoder import RMSNorm
+from mstar_actors.models.qwen3_5 import ZeroCenteredRMSNorm
+from mstar_actors.models.rope import RotaryEmbedding, rotate
+from mstar_actors.models.spec import RopeSpec
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Triton's interpreter truncates float32 to bfloat16 where the GPU rounds to
+# nearest even, so bfloat16 runs compiled only (``test_kernels_compiled_on_gpu``).
+CPU_DTYPES = [torch.float32, torch.float16]
+
+
+def torch_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
+    """The norm's torch path (the one the kernel replaces on CUDA)."""
+    norm = (ZeroCenteredRMSNorm if zero_centered else RMSNorm)(x.shape[-1], eps).to(device=x.device, dtype=x.dtype)
+    norm.weight.data = weight
+    return norm.reference(x)
+
+
+def assert_close_to_rounding(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal up to two steps of the dtype's rounding: the sum of squares is
+    taken in another order, so the normalised value may round the other way,
+    and the scale's product rounds once more."""
+    ulp = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[expected.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=ulp, atol=ulp)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_rms_norm_matches_torch(dtype, device="cpu"):
+    gen = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(5, 96, generator=gen)).to(dtype).to(device)
+    weight = (1 + 0.1 * torch.randn(96, generator=gen)).to(dtype).to(device)
+    out = triton_fused.rms_norm(x, weight, 1e-6)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_close_to_rounding(out, torch_norm(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_add_rms_norm_writes_the_sum_and_normalises_it(dtype, zero_centered, device="cpu"):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 80, generator=gen).to(dtype).to(device)  # not a power of two: masked lanes
+    residual = torch.randn(4, 80, generator=gen).to(dtype).to(device)
+    weight = torch.randn(80, generator=gen).to(dtype).to(device)
+    total = x + residual  # rounded to the dtype, as the kernel must round it
+    out = triton_fused.rms_norm(x, weight, 1e-5, residual, zero_centered=zero_centered)
+    assert torch.equal(residual, total)  # the sum, in place, bit for bit
+    assert_close_to_rounding(out, torch_norm(total, weight, 1e-5, zero_centered))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_rms_norm_per_head_on_a_projections_view(dtype, device="cpu"):
+    """Qwen3's q/k norms: ``[T, H, D]`` heads of a wider projection row, as they are."""
+    gen = torch.Generator().manual_seed(4)
+    qkv = torch.randn(3, 7 * 16, generator=gen).to(dtype).to(device)
+    q = qkv[:, : 4 * 16].view(3, 4, 16)
+    weight = torch.randn(16, generator=gen).to(dtype).to(device)
+    out = triton_fused.rms_norm(q, weight, 1e-6)
+    assert out.shape == q.shape and out.is_contiguous()
+    assert_close_to_rounding(out, torch_norm(q, weight, 1e-6))
+
+
+def test_rms_norm_refuses_what_does_not_fit():
+    x = torch.randn(4, 64)
+    assert triton_fused.rms_norm(x, torch.ones(64, dtype=torch.float16), 1e-6) is None  # weight dtype
+    assert triton_fused.rms_norm(x.t().contiguous().t(), torch.ones(4), 1e-6) is None  # columns strided
+    assert triton_fused.rms_norm(x, torch.ones(64), 1e-6, torch.randn(4, 64).half()) is None  # residual dtype
+    assert triton_fused.rms_norm(torch.randn(0, 64), torch.ones(64), 1e-6).shape == (0, 64)
+
+
+def paged_case(dtype, device, num_tokens=3, num_heads=4, num_kv_heads=2, head_dim=32, seed=2):
+    """q, k, v as views of one fused projection (row stride wider than the
+    heads, as ``qkv_proj``'s output is split), the rotary tables of some
+    positions, and an empty paged cache."""
+    gen = torch.Generator().manual_seed(seed)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen).to(dtype).to(device)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(num_tokens, num_heads, head_dim)
+    k = k.view(num_tokens, num_kv_heads, head_dim)
+    v = v.view(num_tokens, num_kv_heads, head_dim)
+    rotary = RotaryEmbedding(RopeSpec(theta=10000.0), head_dim)
+    positions = torch.tensor([5, 17, 300, 2, 9][:num_tokens], device=device)
+    cos, sin = rotary.tables(positions, dtype)
+    cache = torch.zeros(2, 6, 4, num_kv_heads, head_dim, dtype=dtype, device=device)
+    slots = torch.tensor([7, 0, 22, 13, 3][:num_tokens], device=device)
+    return q, k, v, cos, sin, cache, slots
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_rope_write_kv_equals_rotate_and_index_copy_bit_for_bit(dtype, device="cpu"):
+    q, k, v, cos, sin, cache, slots = paged_case(dtype, device)
+    want_q, want_k = rotate(q, cos, sin), rotate(k, cos, sin)
+    want_cache = cache.clone()
+    flat = want_cache.view(2, -1, *cache.shape[-2:])
+    flat[0].index_copy_(0, slots, want_k)
+    flat[1].index_copy_(0, slots, v)
+    k_before = k.clone()
+    assert triton_fused.rope_write_kv(q, k, v, cos, sin, cache, slots)
+    if dtype == torch.float32:  # the GPU may contract a product into the sum (one rounding fewer)
+        torch.testing.assert_close(q, want_q, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(cache, want_cache, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(q, want_q)
+        assert torch.equal(cache, want_cache)
+    assert torch.equal(k, k_before)
+
+
+def test_rope_write_kv_skips_padding_slots_and_refuses_other_layouts():
+    q, k, v, cos, sin, cache, slots = paged_case(torch.float32, "cpu")
+    slots[1] = -1
+    assert triton_fused.rope_write_kv(q, k, v, cos, sin, cache, slots)
+    written = cache.view(2, -1, *cache.shape[-2:]).abs().sum(dim=(0, 2, 3)).nonzero().flatten().tolist()
+    assert written == sorted([7, 22])
+    assert not triton_fused.rope_write_kv(q, k, v, cos, sin, cache.half(), slots)  # cache dtype
+    assert not triton_fused.rope_write_kv(q, k, v, cos, sin, cache, slots.int())  # slot dtype
+    assert not triton_fused.rope_write_kv(q, k, v, cos[:2], sin[:2], cache, slots)  # tables of other tokens
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_silu_mul_equals_torch_to_rounding(dtype, device="cpu"):
+    gen = torch.Generator().manual_seed(3)
+    gate_up = (2 * torch.randn(3, 2 * 1100, generator=gen)).to(dtype).to(device)  # two column blocks, the last partial
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    out = triton_fused.silu_mul(gate_up)
+    assert out.shape == want.shape and out.dtype == dtype
+    # exp differs between libraries in the last bit, so a product may round the other way
+    tolerance = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(out, want, rtol=tolerance, atol=tolerance)
+
+
+# ---- compiled, on the device -------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_kernels_compiled_on_gpu(dtype):
+    test_rms_norm_matches_torch(dtype, "cuda")
+    for zero_centered in (False, True):
+        test_add_rms_norm_writes_the_sum_and_normalises_it(dtype, zero_centered, "cuda")
+    test_rms_norm_per_head_on_a_projections_view(dtype, "cuda")
+    test_rope_write_kv_equals_rotate_and_index_copy_bit_for_bit(dtype, "cuda")
+    test_silu_mul_equals_torch_to_rounding(dtype, "cuda")
