@@ -147,7 +147,7 @@ def test_silu_mul_equals_torch_to_rounding(dtype, device="cpu"):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_kernels_compiled_on_gpu(dtype):
     test_rms_norm_matches_torch(dtype, "cuda")
     for zero_centered in (False, True):
