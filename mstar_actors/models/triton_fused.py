@@ -33,8 +33,12 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_WIDTH = 16384  # a row a program holds whole (hidden sizes up to 16k)
 
 
-# Off: the torch path everywhere (``tools/profile_gpu_step.py --fused-ops`` times both).
-enabled = True
+# Off by default until the GPU suite has passed with it on: the first run on
+# the device (before the float64 sum of squares below) had
+# ``test_captured_lora_graphs_match_eager_on_cuda[fused]`` fail. Read when a
+# step runs or is captured; ``tools/profile_gpu_step.py --fused-ops`` times
+# both, the GPU tests run both.
+enabled = False
 
 
 def takes(x: torch.Tensor) -> bool:
@@ -59,7 +63,12 @@ def _rms_norm_kernel(x_ptr, stride_x0, stride_x1, res_ptr, stride_res, w_ptr, ou
         x = x.to(out_ptr.dtype.element_ty)
         tl.store(res_ptr + row * stride_res + cols, x, mask=mask)
     x32 = x.to(tl.float32)
-    inv = tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / n + eps)
+    # The sum of squares in float64 (each product exact): Triton lays a row out
+    # by its alignment, so a float32 sum's order, and its last bit, would
+    # depend on the row stride, and one token's norm would differ between a
+    # step whose rows are views of a wider GEMM output and one whose are not.
+    x64 = x32.to(tl.float64)
+    inv = tl.math.rsqrt((tl.sum(x64 * x64, axis=0) / n).to(tl.float32) + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:  # Qwen3.5's: scaled by 1 + weight in float32, one cast at the end
         out = (x32 * inv) * (1.0 + w)
@@ -150,7 +159,7 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
             q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
             cos, signed_sin, cos.stride(0), kv_cache, slots.stride(0), slots.stride(1), kv_cache[0].numel(),
             slot_mapping, num_heads, HALF=head_dim // 2, BLOCK=triton.next_power_of_2(head_dim),
-            num_warps=1 if head_dim <= 128 else 2)
+            num_warps=1 if head_dim <= 128 else 2, enable_fp_fusion=False)  # float32: no FMA, torch's two roundings
     return True
 
 

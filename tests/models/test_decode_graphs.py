@@ -295,13 +295,14 @@ def test_captured_graphs_bf16_logits_close_to_eager(hf_models):
 
 @pytest.mark.gpu
 def test_fused_kernels_match_the_torch_ops_on_cuda(hf_models, monkeypatch):
-    """The decoder with ``triton_fused``'s kernels (the default on CUDA) and
-    with torch's ops, graphs captured: float32 tokens equal; bf16 logits
-    within rounding, the torch run teacher-forced with the fused run's tokens."""
+    """The decoder with ``triton_fused``'s kernels and with torch's ops,
+    graphs captured: float32 tokens equal; bf16 logits within rounding, the
+    torch run teacher-forced with the fused run's tokens."""
     from mstar_actors.models import triton_fused
 
     folder, _ = hf_models("llama")
     fused_rec = Recorder()
+    monkeypatch.setattr(triton_fused, "enabled", True)
     want = script(cuda_runner(folder))
     fused_bf16 = script(cuda_runner(folder, dtype="bfloat16", sampler=fused_rec))
     monkeypatch.setattr(triton_fused, "enabled", False)
@@ -312,7 +313,11 @@ def test_fused_kernels_match_the_torch_ops_on_cuda(hf_models, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_captured_lora_graphs_match_eager_on_cuda(lora_world):
+@pytest.mark.parametrize("fused_ops", [False, True], ids=["torch_ops", "fused"])
+def test_captured_lora_graphs_match_eager_on_cuda(lora_world, fused_ops, monkeypatch):
+    from mstar_actors.models import triton_fused
+
+    monkeypatch.setattr(triton_fused, "enabled", fused_ops)
     want = script(lora_runner(lora_world, device="cuda"), MIXED_SLOTS)
     runner = lora_runner(lora_world, device="cuda", enforce_eager=False, cuda_graph_max_batch=4)
     assert set(runner.graphs.graphs) == {(b, rows) for b in (1, 2, 4) for rows in (False, True)}
