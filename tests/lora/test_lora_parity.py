@@ -16,7 +16,7 @@ import functools
 
 import pytest
 import torch
-from lora_factories import make_saved_peft
+from lora.lora_factories import make_saved_peft
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from mstar_actors import messages
