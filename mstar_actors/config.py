@@ -36,9 +36,12 @@ class ModelConfig(msgspec.Struct, **_STRICT):
     # Weight-only quantization of the linear layers, CPU float32 only
     # (``mstar_actors.models.cpu_quant``): int8 or int4 in groups of 32
     # weights (GGUF's Q8_0 and Q4_1 schemes; the LM head is int8 under
-    # both). "auto": an embedded model's shipped quantization (smollm2:
-    # int4), else none; refused on CUDA when set.
-    quantization: Literal["auto", "none", "int8", "int4"] = "auto"
+    # both). "int4_a8": int4 with the activations rounded to int8 per group
+    # of 32 and integer dot products (llama.cpp's Q4_1 x Q8_1 arithmetic:
+    # faster, no longer equal to float32; AVX2 CPUs). "auto": an embedded
+    # model's shipped quantization (smollm2: int4), else none; refused on
+    # CUDA when set.
+    quantization: Literal["auto", "none", "int8", "int4", "int4_a8"] = "auto"
     # CUDA only (on CPU these keys are accepted and ignored: every step runs
     # eagerly there). Pure decode steps of up to ``cuda_graph_max_batch``
     # sequences (default and cap: scheduler.max_num_seqs) replay CUDA graphs

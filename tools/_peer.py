@@ -4,8 +4,9 @@ exactly ``--max-tokens`` new tokens each with ``ignore_eos``, streaming), at eac
 ``--concurrency``.
 
 Systems: ours float32 against an F32 GGUF converted from the same folder by
-llama.cpp's ``convert_hf_to_gguf.py``; ours int4 (``model.quantization: int4``)
-against the embedded package's own Q4_1 GGUF (embedded model only). Each
+llama.cpp's ``convert_hf_to_gguf.py``; ours int4 (``model.quantization: int4``,
+float activations) and int4_a8 (int8 activations, llama.cpp's own arithmetic;
+AVX2 CPUs) against the embedded package's own Q4_1 GGUF (embedded model only). Each
 server runs alone; ``--rounds`` rounds go through every system in turn, and
 the table gives each figure's median over the rounds with the ratios of ours
 to llama.cpp's (targets: concurrency 1 >= 1.0x, 8 >= 1.5x). Every request
@@ -71,10 +72,14 @@ def systems(model_dir: Path, is_embedded: bool) -> list[tuple[str, str, object]]
     out = [("ours float32", "float32", "none"), ("llama.cpp F32", "float32", _llama_cpp.f32_gguf(model_dir))]
     if is_embedded:
         from mstar_actors.fetch import EMBEDDED
+        from mstar_actors.models.cpu_quant import has_dot_kernel
 
         spec = EMBEDDED["smollm2"]
         q4 = Path(importlib.util.find_spec(spec.module).submodule_search_locations[0]) / spec.gguf_file
-        out += [("ours int4", "int4", "int4"), ("llama.cpp Q4_1", "int4", q4)]
+        out += [("ours int4", "int4", "int4")]
+        if has_dot_kernel():
+            out.append(("ours int4_a8", "int4", "int4_a8"))
+        out.append(("llama.cpp Q4_1", "int4", q4))
     return out
 
 
@@ -131,8 +136,11 @@ def report(entries, levels, figures) -> str:
             cells.append(f"{med(label, c, tps):>12.1f} {ttft:>8.0f} {cpu:>10.1f}")
         rounds = " / ".join(",".join(f"{tps(r):.0f}" for r in figures[(label, c)]) for c in levels)
         lines.append(f"{label:<18} {' '.join(cells)}   ({rounds})")
-    for i in range(0, len(entries), 2):
-        (ours, precision, _), (peer, _, _) = entries[i], entries[i + 1]
+    peers = {precision: label for label, precision, _ in entries if label.startswith("llama.cpp")}
+    for ours, precision, _ in entries:
+        if ours.startswith("llama.cpp"):
+            continue
+        peer = peers[precision]
         for c in levels:
             ratio = med(ours, c, tps) / med(peer, c, tps)
             target = TARGETS.get(c)

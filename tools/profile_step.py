@@ -179,7 +179,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="then split our step's CPU time: attention, LM head (GEMM + LoRA), the rest")
     p.add_argument("--linear", choices=["kernel", "onednn"], default="kernel",
                    help="our float32 linears: our AVX-512 kernel (default, where it builds) or oneDNN's")
-    p.add_argument("--quantization", choices=["none", "int8", "int4"], default="none",
+    p.add_argument("--quantization", choices=["none", "int8", "int4", "int4_a8"], default="none",
                    help="our side's model.quantization (default none: float32)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)

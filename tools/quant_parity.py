@@ -74,7 +74,7 @@ def decode(runner, prompt: list[int], num_new: int, forced: list[int] | None = N
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a Hugging Face folder (default: the embedded SmolLM2)")
-    p.add_argument("--quantization", choices=["int8", "int4"], default="int4")
+    p.add_argument("--quantization", choices=["int8", "int4", "int4_a8"], default="int4")
     p.add_argument("--prompts", type=int, default=16, help="built-in chat questions (default 16)")
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per answer (default 64)")
     p.add_argument("--threads", type=int, default=2)

@@ -362,8 +362,10 @@ class CausalLM(nn.Module):
                     owner.packed.get(weight, arena)
         return sum(weight.nbytes for weight in weights)
 
-    def quantize_cpu_weights(self, bits: int, head_bits: int = 8) -> tuple[int, int]:
-        """Quantize every ``LoraLinear`` to ``bits`` (8 or 4) and the LM head
+    def quantize_cpu_weights(self, bits: int, head_bits: int = 8, int8_activations: bool = False) -> tuple[int, int]:
+        """Quantize every ``LoraLinear`` to ``bits`` (8 or 4; with
+        ``int8_activations`` the int4 ones take the integer-dot kernel,
+        ``int4_a8``) and the LM head
         to ``head_bits`` (``cpu_quant``; GGUF models keep their head at Q8_0
         beside Q4 layers, as it is the most sensitive matrix), then drop
         their float weights (moved to the meta device: nothing on CPU reads
@@ -381,7 +383,7 @@ class CausalLM(nn.Module):
             for module, num_bits in [(m, bits) for m in owners] + [(head, head_bits)]:
                 if module.weight.shape[1] % GROUP:
                     continue
-                quant = quantize(module.weight, num_bits)
+                quant = quantize(module.weight, num_bits, dot_layout=int8_activations)
                 if module is head:
                     self.lm_head_quant = quant
                     if tied:

@@ -31,7 +31,7 @@ from mstar_actors.fetch import EMBEDDED
 from mstar_actors.model_info import ModelInfo
 from mstar_actors.models.attention import allocate_kv_cache, kv_bytes_per_block
 from mstar_actors.models.checkpoint import CheckpointRules
-from mstar_actors.models.cpu_quant import bits_of
+from mstar_actors.models.cpu_quant import bits_of, has_dot_kernel
 from mstar_actors.models.deltanet_ops import StatePool, allocate_state_pools, state_bytes_per_slot
 from mstar_actors.models.loader import load_model
 from mstar_actors.models.registry import ARCHITECTURES
@@ -59,9 +59,10 @@ def build_runner(config: Config, info: ModelInfo, resolve_tensor: TensorResolver
     bits = quantization_bits(config.model.quantization, config.model.path, device, dtype)
     model = load_model(info.model_dir, dtype, device, tp)
     if bits is not None:
-        dropped, kept = model.quantize_cpu_weights(bits)
-        log.info("weights: int%d linears (int8 head) take %.1f MiB in place of %.1f MiB of float32",
-                 bits, kept / 2**20, dropped / 2**20)
+        int8_activations = config.model.quantization == "int4_a8"
+        dropped, kept = model.quantize_cpu_weights(bits, int8_activations=int8_activations)
+        log.info("weights: int%d linears%s (int8 head) take %.1f MiB in place of %.1f MiB of float32",
+                 bits, ", int8 activations" if int8_activations else "", kept / 2**20, dropped / 2**20)
     if device.type == "cpu":
         model.pack_cpu_weights()  # step 2
     rules = ARCHITECTURES[info.architecture].rules  # where adapters' modules land: the loader's own table
@@ -96,6 +97,10 @@ def quantization_bits(quantization: str, model_path: str, device: torch.device, 
     if bits is not None and dtype != torch.float32:
         raise ConfigError(f"model.quantization: {quantization} takes model.dtype float32 on CPU, got {dtype}; "
                           "set model.dtype: float32 (or model.quantization: none)")
+    if quantization == "int4_a8" and not has_dot_kernel():
+        raise ConfigError("model.quantization: int4_a8 runs on our AVX2 integer-dot kernel, which this CPU does not "
+                          "take (an AVX-512 CPU runs the AVX-512 kernel, or no kernel built: see the log's warning); "
+                          "set model.quantization: int4")
     return bits
 
 

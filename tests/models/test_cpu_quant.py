@@ -6,6 +6,7 @@ tokens through the runner with ``model.quantization`` equal ``transformers``
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -22,21 +23,46 @@ from mstar_actors.runner.build import quantization_bits
 from .factories import make_hf_model
 
 needs_kernel = pytest.mark.skipif(cpu_quant.kernel() is None, reason="no AVX-512 or AVX2, or no C compiler here: the kernel is off")
+needs_dot_kernel = pytest.mark.skipif(not cpu_quant.has_dot_kernel(), reason="int4_a8 runs on the AVX2 kernel only")
+# (bits, the integer-dot layout): int8, int4 on float activations, int4_a8
+SCHEMES = [(8, False), (4, False), pytest.param(4, True, marks=needs_dot_kernel, id="4-a8")]
 
 
 @needs_kernel
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits, dot", SCHEMES)
 @pytest.mark.parametrize("num_rows", [1, 5, 8, 19])
 @pytest.mark.parametrize("num_out", [32, 45, 96])
-def test_kernel_matches_f_linear_on_the_dequantized_weight(bits, num_rows, num_out):
+def test_kernel_matches_f_linear_on_the_dequantized_weight(bits, dot, num_rows, num_out):
     gen = torch.Generator().manual_seed(num_rows * 100 + num_out)
     w, x, b = torch.randn(num_out, 96, generator=gen), torch.randn(num_rows, 96, generator=gen), torch.randn(num_out, generator=gen)
-    q = cpu_quant.quantize(w, bits)
-    for bias in (b, None):
-        torch.testing.assert_close(q.linear(x, bias), F.linear(x, q.dequantize(), bias), rtol=1e-5, atol=1e-4)
+    q = cpu_quant.quantize(w, bits, dot_layout=dot)
     strided = torch.randn(num_rows, 200, generator=gen)[:, 10:106]
-    torch.testing.assert_close(q.linear(strided), F.linear(strided, q.dequantize()), rtol=1e-5, atol=1e-4)
+    for rows, bias in ((x, b), (x, None), (strided, None)):
+        got, want = q.linear(rows, bias), F.linear(rows, q.dequantize(), bias)
+        assert cpu_quant.close_to_reference(got, want, q)
+        if q.dot_layout:  # the integer arithmetic itself, to float32 rounding
+            torch.testing.assert_close(got, dot4_reference(rows, q, bias), rtol=1e-5, atol=1e-4)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     assert q.linear(torch.empty(0, 96)).shape == (0, num_out)
+
+
+def dot4_reference(x: torch.Tensor, q: cpu_quant.QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the integer-dot kernel computes, in torch: x quantized to int8 per
+    group of 32 (scale max|x| / 127, round to nearest even), each group's
+    integer dot product with the codes scaled by both scales, plus the
+    group minimum times the exact sum of x."""
+    m, k = x.shape
+    groups = x.reshape(m, k // 32, 32)
+    dx = groups.abs().amax(dim=2, keepdim=True) / 127
+    xq = torch.where(dx > 0, torch.round(groups / torch.where(dx > 0, dx, 1)), 0)
+    codes = q.column_codes()
+    cols = torch.cat([codes & 0xF, codes >> 4], dim=2).transpose(1, 2).reshape(-1, k)[: q.out_features].float()
+    dots = torch.einsum("mgk,ngk->mgn", xq, cols.view(-1, k // 32, 32))  # exact: small integers
+    scale = q.scale.transpose(1, 2).reshape(-1, k // 32)[: q.out_features]  # [n, groups]
+    low = q.min.transpose(1, 2).reshape(-1, k // 32)[: q.out_features]
+    y = (dots * dx * scale.T).sum(1) + groups.sum(2) @ low.T
+    return y if bias is None else y + bias
 
 
 def test_without_the_kernel_linear_dequantizes(monkeypatch):
@@ -77,7 +103,7 @@ def test_int4_nibble_layout():
     w[:, 1] = torch.arange(32) % 16  # column c's code at k = 1: c % 16
     q = cpu_quant.quantize(w, 4)
     assert torch.equal(q.scale, torch.ones(1, 1, 32)) and torch.equal(q.min, torch.zeros(1, 1, 32))
-    low, high = q.codes[0, 1] & 0xF, q.codes[0, 1] >> 4
+    low, high = q.column_codes()[0, 1] & 0xF, q.column_codes()[0, 1] >> 4
     assert low.tolist() == list(range(16)) and high.tolist() == list(range(16))
 
 
@@ -102,7 +128,7 @@ def test_quantization_key_resolves_and_refuses_cuda():
         quantization_bits("int4", "smollm2", cuda, torch.bfloat16)
     with pytest.raises(ConfigError, match="takes model.dtype float32"):
         quantization_bits("int8", "smollm2", cpu, torch.bfloat16)
-    with pytest.raises(ConfigError, match="accepted: auto, none, int8, int4"):
+    with pytest.raises(ConfigError, match="accepted: auto, none, int8, int4, int4_a8"):
         runner_factories.runner_config("x", quantization="int2")
 
 
@@ -139,7 +165,7 @@ def _codes_by_row(q: cpu_quant.QuantizedWeight) -> torch.Tensor:
     if q.bits == 8:
         codes = q.codes.view(torch.int8).to(torch.int16)
     else:
-        codes = torch.cat([q.codes & 0xF, q.codes >> 4], dim=2).to(torch.int16)
+        codes = torch.cat([q.column_codes() & 0xF, q.column_codes() >> 4], dim=2).to(torch.int16)
     return codes.transpose(1, 2).reshape(-1, q.in_features)[: q.out_features]
 
 
@@ -159,25 +185,61 @@ def round_through(model, bits: int) -> None:
         head.weight.copy_(cpu_quant.quantize(head.weight, 8).dequantize())
 
 
+def emulate_int4_a8(model) -> None:
+    """Make ``model``'s linears (rounded through int4) compute as
+    ``int4_a8``'s integer-dot kernel does (``dot4_reference``); PEFT's
+    adapters still add their deltas on top."""
+    for name, module in model.named_modules():
+        if type(module) is torch.nn.Linear and "lm_head" not in name and "lora_" not in name and module.in_features % 32 == 0:
+            q = cpu_quant.quantize(module.weight.detach(), 4)
+            module.forward = functools.partial(_dot4_forward, q, module.bias)
+
+
+def _dot4_forward(q: cpu_quant.QuantizedWeight, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return dot4_reference(x.reshape(-1, x.shape[-1]), q, bias).view(*x.shape[:-1], q.out_features)
+
+
 @needs_kernel
 @pytest.mark.parametrize("kind", ["llama3-tied", "llama-bias"])
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", pytest.param("int4_a8", marks=needs_dot_kernel)])
 def test_quantized_runner_matches_generate_on_the_dequantized_weights(kind, quantization, tmp_path):
     from .test_runner import reference, run_script
 
     hf = make_hf_model(kind, tmp_path / "float")
-    round_through(hf, int(quantization[3:]))
+    round_through(hf, cpu_quant.bits_of(quantization))
     hf.save_pretrained(tmp_path / "rounded")
     runner = runner_factories.make_runner(tmp_path / "rounded", dtype="float32", device="cpu", block_size=4,
                                           num_blocks=96, quantization=quantization)
     assert all(m.quant is not None for m in runner.model.modules() if hasattr(m, "quant") and hasattr(m, "in_features"))
     outputs, prompts = run_script(runner)
+    if quantization == "int4_a8":
+        emulate_int4_a8(hf)
+        for rid, prompt in prompts.items():
+            assert_greedy_near_ties(hf, prompt, outputs[rid], DOT_TIE)
+        return
     for rid, prompt in prompts.items():
         assert outputs[rid] == reference(hf, prompt), f"sequence {rid} diverged"
 
 
+# The integer-dot kernel rounds each activation to int8: a float32-rounding
+# difference upstream can move one code a step, so a served token may take
+# the other side of a near-tie. Teacher-forced on the served tokens, each
+# must be the reference's argmax or within this share of its logit range
+# (tiny random models, two groups of 32 a row: one code moves a logit most).
+DOT_TIE = 3e-2
+
+
+def assert_greedy_near_ties(hf, prompt: list[int], tokens: list[int], tie: float) -> None:
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    best, worst = logits.max(-1).values, logits.min(-1).values
+    short = best - logits[torch.arange(len(tokens)), torch.tensor(tokens)]
+    assert (short <= tie * (best - worst)).all(), f"tokens not the reference's argmax: {short.tolist()}"
+
+
 @needs_kernel
-def test_lora_on_a_quantized_base_matches_peft(tmp_path):
+@pytest.mark.parametrize("quantization", ["int4", pytest.param("int4_a8", marks=needs_dot_kernel)])
+def test_lora_on_a_quantized_base_matches_peft(quantization, tmp_path):
     """Adapters on every linear, the head and the embedding: the delta is
     added to the quantized base's output as PEFT adds it to the float one."""
     from lora import test_lora_parity as parity  # tests/ is on the path (plan_driver)
@@ -188,5 +250,12 @@ def test_lora_on_a_quantized_base_matches_peft(tmp_path):
     adapters = {name: (tmp_path / name, parity.make_peft(tmp_path / "base", tmp_path / name, seed=10 + i, **kwargs))
                 for i, (name, kwargs) in enumerate(parity.ADAPTERS.items())}
     world = (tmp_path / "base", AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval(), adapters)
-    outputs, prompts, on = parity.run_mixed(world, quantization="int4")
+    outputs, prompts, on = parity.run_mixed(world, quantization=quantization)
+    if quantization == "int4_a8":  # near-ties may go the other way: the same check as above, per request
+        for model in [world[1], *(peft for _, peft in adapters.values())]:
+            emulate_int4_a8(model)
+        for rid, prompt in prompts.items():
+            model = world[1] if on[rid] is None else adapters[on[rid]][1]
+            assert_greedy_near_ties(model, prompt, outputs[rid], DOT_TIE)
+        return
     parity.assert_matches_peft(world, outputs, prompts, on)
