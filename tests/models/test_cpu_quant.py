@@ -50,8 +50,8 @@ def test_kernel_matches_f_linear_on_the_dequantized_weight(bits, dot, num_rows, 
 def dot4_reference(x: torch.Tensor, q: cpu_quant.QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """What the integer-dot kernel computes, in torch: x quantized to int8 per
     group of 32 (scale max|x| / 127, round to nearest even), each group's
-    integer dot product with the codes scaled by both scales, plus the
-    group minimum times the exact sum of x."""
+    integer dot product with the codes less 8 scaled by both scales, plus
+    (the group minimum + 8 scales) times the exact sum of x."""
     m, k = x.shape
     groups = x.reshape(m, k // 32, 32)
     dx = groups.abs().amax(dim=2, keepdim=True) / 127
@@ -61,7 +61,8 @@ def dot4_reference(x: torch.Tensor, q: cpu_quant.QuantizedWeight, bias: torch.Te
     dots = torch.einsum("mgk,ngk->mgn", xq, cols.view(-1, k // 32, 32))  # exact: small integers
     scale = q.scale.transpose(1, 2).reshape(-1, k // 32)[: q.out_features]  # [n, groups]
     low = q.min.transpose(1, 2).reshape(-1, k // 32)[: q.out_features]
-    y = (dots * dx * scale.T).sum(1) + groups.sum(2) @ low.T
+    centred = dots - 8 * xq.sum(2, keepdim=True)  # [m, groups, n]
+    y = (centred * dx * scale.T).sum(1) + groups.sum(2) @ (low + 8 * scale).T
     return y if bias is None else y + bias
 
 
