@@ -7,16 +7,23 @@ Llama-3.2-1B's shape at one row (``tools/profile_gpu_step.py
 GEMMs. torch spends seven on an RMSNorm (cast, square, mean, add, rsqrt,
 multiply, cast back, scale), two on the residual add, eight on the rotary
 of q and k and two on the KV write, two on SiLU-and-mul. Each one here is
-one launch instead, with the same arithmetic and rounding as the torch path
-it replaces (``decoder``), so graphs and eager steps agree:
+one launch instead, rounding where the torch path it replaces
+(``decoder``) rounds, and giving a row the same result whatever its stride,
+so graphs and eager steps agree:
 
 - ``rms_norm``: ``RMSNorm`` (normalise in float32, cast back, scale), with
   the residual add in the same pass when ``residual`` is given (the sum is
-  rounded to the activations' dtype first, as ``x + y`` is).
+  rounded to the activations' dtype first, as ``x + y`` is); the sum of
+  squares in float64, so its order does not matter.
 - ``rope_write_kv``: ``rotate`` on q (in place) and k, then k and v written
   at ``slot_mapping`` into the paged cache: each product and the sum
-  rounded to the dtype as torch's three elementwise kernels round them.
-- ``silu_mul``: ``F.silu(gate) * up`` over the fused ``gate_up`` output.
+  rounded to the dtype as torch's three elementwise kernels round them
+  (equal bit for bit, float32 too: no FMA contraction).
+- ``silu_mul``: ``F.silu(gate) * up`` over the fused ``gate_up`` output
+  (the GPU's exp and division are approximate: within 2 ulps).
+
+Off by default for now (``enabled``); ``tools/profile_gpu_step.py
+--fused-ops both`` times the step with and without them.
 
 The functions mirror ``cpu_ops`` (the C path on CPU): same names, same
 arguments, and None / False where the tensors don't fit, so the caller
