@@ -13,7 +13,7 @@ far less than wall time; the median over ``--steps`` steps is printed.
     python tools/profile_step.py                      # SmolLM2, 8 sequences, 1 thread
     python tools/profile_step.py --profile            # plus torch.profiler's top ops of each side
     python tools/profile_step.py --num-seqs 1 --threads 2
-    python tools/profile_step.py --side ours --split  # ours split: attention, LM head, the rest
+    python tools/profile_step.py --side ours --split  # ours split: linears, attention, LM head, the rest
     python tools/profile_step.py --side ours --linear onednn   # our step on oneDNN's linears (the fallback)
     python tools/profile_step.py --side ours --quantization int4 --num-seqs 1 --threads 2
 """
@@ -108,13 +108,20 @@ class HfStep:
 
 
 class Split:
-    """CPU time of our step spent in attention (the backend's ``write_kv`` +
-    ``attend``, all layers) and in the LM head (``compute_logits``), per step:
-    wrappers on the runner's own objects, so nothing else changes."""
+    """CPU time of our step spent in the decoder's linears (each
+    ``LoraLinear``'s base product: the packed or quantized kernel), in
+    attention (the backend's ``write_kv`` + ``attend``, all layers) and in
+    the LM head (``compute_logits``), per step: wrappers on the runner's own
+    objects, so nothing else changes."""
 
     def __init__(self, ours: OurStep):
-        self.parts = {"attention": 0.0, "lm head": 0.0}
+        from mstar_actors.models.decoder import LoraLinear
+
+        self.parts = {"linears": 0.0, "attention": 0.0, "lm head": 0.0}
         model = ours.runner.model
+        for module in model.modules():
+            if isinstance(module, LoraLinear):
+                module._base = self._timed("linears", module._base)
         backend = model.attention_backend
         for name in ("write_kv", "attend"):
             setattr(backend, name, self._timed("attention", getattr(backend, name)))
@@ -176,7 +183,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--side", choices=["ours", "hf", "both"], default="both")
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops over 5 steps of each side")
     p.add_argument("--split", action="store_true",
-                   help="then split our step's CPU time: attention, LM head (GEMM + LoRA), the rest")
+                   help="then split our step's CPU time: linears, attention, LM head (GEMM + LoRA), the rest")
     p.add_argument("--linear", choices=["kernel", "onednn"], default="kernel",
                    help="our float32 linears: our AVX-512 kernel (default, where it builds) or oneDNN's")
     p.add_argument("--quantization", choices=["none", "int8", "int4", "int4_a8"], default="none",

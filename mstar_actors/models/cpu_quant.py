@@ -47,12 +47,14 @@ QUANTIZATIONS = ("none", "int8", "int4", "int4_a8")
 
 KERNEL_SOURCE = cpu_linear.BLOCK_ACCUMULATORS + r"""
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 #define BLOCK_N 32
 #define GROUP 32
 #define MAX_ROWS 8
+#define ROWS_PER_CALL MAX_ROWS
 #define FACTORED_ROWS 4
 #define PREFETCH_GROUPS 4
 
@@ -160,35 +162,6 @@ static inline void block_rows(int bits, int rows, const float *x, int64_t ldx, c
     }
 }
 
-/* y[M][N] = x[M][K] (row stride ldx) @ dequant(W)^T + bias; W's codes packed
-   as [ceil(N/32)][K][32 or 16 bytes], scales and mins as [ceil(N/32)][K/32][32].
-   K is a multiple of 32. Blocks of columns are split among threads. ``dot``
-   (the AVX2 kernel's int8-activation path) is never set here: the
-   configuration refuses int4_a8 where this kernel serves. */
-void linear_quant(int bits, int dot, const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q,
-                  const float *scale, const float *minv, int64_t N, const float *bias, float *y,
-                  int num_threads) {
-    int64_t num_blocks = (N + BLOCK_N - 1) / BLOCK_N, num_groups = K / GROUP;
-    int64_t block_bytes = K * (bits == 4 ? 16 : 32), block_groups = num_groups * BLOCK_N;
-    float *xsum = (float *)malloc(sizeof(float) * (M > 0 ? M : 1) * num_groups);
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < num_groups; g++) {
-            float s = 0;
-            for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) s += x[m * ldx + k];
-            xsum[m * num_groups + g] = s;
-        }
-    #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t nb = 0; nb < num_blocks; nb++) {
-        int cols = (int)(N - nb * BLOCK_N < BLOCK_N ? N - nb * BLOCK_N : BLOCK_N);
-        for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-            int rows = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
-            block_rows(bits, rows, x + m0 * ldx, ldx, xsum + m0 * num_groups, q + nb * block_bytes,
-                       scale + nb * block_groups, minv ? minv + nb * block_groups : 0,
-                       bias ? bias + nb * BLOCK_N : 0, cols, y + m0 * N + nb * BLOCK_N, N, K);
-        }
-    }
-    free(xsum);
-}
 """
 
 
@@ -201,6 +174,8 @@ KERNEL_SOURCE_AVX2 = cpu_linear.BLOCK_ACCUMULATORS_AVX2 + r"""
 #define BLOCK_N 32
 #define GROUP 32
 #define PASS_ROWS 2
+#define ROWS_PER_CALL PASS_ROWS
+#define DOT4
 #define PREFETCH_GROUPS 4
 
 """ + KERNEL_SOURCE[KERNEL_SOURCE.index("#define PREFETCH_GROUP(g)"):KERNEL_SOURCE.index("/* One block of 32")] + r"""
@@ -278,6 +253,7 @@ static inline void block_rows(int bits, int rows, const float *x, int64_t ldx, c
     if (rows == 1) PASS(1) else PASS(2)
     BLOCK_STORE_AVX2
 #undef PASS
+#undef DOT_ROW
 }
 
 /* int4 by integer dot products, as llama.cpp's Q4_1 x Q8_1: the rows'
@@ -348,10 +324,18 @@ static inline void block_rows_dot4(int rows, const int8_t *xq, int64_t ldq, cons
     BLOCK_STORE_AVX2
 }
 
-/* y[M][N] = x[M][K] (row stride ldx) @ dequant(W)^T + bias, as
-   KERNEL_SOURCE's linear_quant; with ``dot`` (int4 codes in the dot
-   layout) the integer dot products above, the rows' activations quantized
-   here once. */
+"""
+
+
+# The entry point both sources end with: ROWS_PER_CALL rows a block_rows call;
+# with DOT4 defined (the AVX2 source) the int8-activation path of int4_a8.
+LINEAR_QUANT_DRIVER = r"""
+/* y[M][N] = x[M][K] (row stride ldx) @ dequant(W)^T + bias; W's codes packed
+   as [ceil(N/32)][K][32 or 16 bytes], scales and mins as [ceil(N/32)][K/32][32].
+   K is a multiple of 32. Blocks of columns are split among threads. With
+   ``dot`` (int4 codes in the dot layout, where DOT4 is built; the
+   configuration refuses int4_a8 elsewhere) the rows' activations are
+   quantized here once and block_rows_dot4 takes the blocks. */
 void linear_quant(int bits, int dot, const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q,
                   const float *scale, const float *minv, int64_t N, const float *bias, float *y,
                   int num_threads) {
@@ -360,7 +344,10 @@ void linear_quant(int bits, int dot, const float *x, int64_t M, int64_t K, int64
     int64_t rows_alloc = M > 0 ? M : 1;
     float *xsum = (float *)malloc(sizeof(float) * rows_alloc * num_groups * 3);
     float *dx = xsum + rows_alloc * num_groups, *xq8 = dx + rows_alloc * num_groups;
-    int8_t *xq = dot && bits == 4 ? (int8_t *)malloc(rows_alloc * K) : 0;
+    int8_t *xq = 0;
+#ifdef DOT4
+    if (dot && bits == 4) xq = (int8_t *)malloc(rows_alloc * K);
+#endif
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < num_groups; g++) {
             const float *xg = x + m * ldx + g * GROUP;
@@ -382,22 +369,28 @@ void linear_quant(int bits, int dot, const float *x, int64_t M, int64_t K, int64
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
     for (int64_t nb = 0; nb < num_blocks; nb++) {
         int cols = (int)(N - nb * BLOCK_N < BLOCK_N ? N - nb * BLOCK_N : BLOCK_N);
-        for (int64_t m0 = 0; m0 < M; m0 += PASS_ROWS) {
-            int rows = (int)(M - m0 < PASS_ROWS ? M - m0 : PASS_ROWS);
-            if (xq)
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS_PER_CALL) {
+            int rows = (int)(M - m0 < ROWS_PER_CALL ? M - m0 : ROWS_PER_CALL);
+#ifdef DOT4
+            if (xq) {
                 block_rows_dot4(rows, xq + m0 * K, K, dx + m0 * num_groups, xsum + m0 * num_groups,
-                                xq8 + m0 * num_groups, q + nb * block_bytes, scale + nb * block_groups, minv + nb * block_groups,
-                                bias ? bias + nb * BLOCK_N : 0, cols, y + m0 * N + nb * BLOCK_N, N, K);
-            else
-                block_rows(bits, rows, x + m0 * ldx, ldx, xsum + m0 * num_groups, q + nb * block_bytes,
-                           scale + nb * block_groups, minv ? minv + nb * block_groups : 0,
-                           bias ? bias + nb * BLOCK_N : 0, cols, y + m0 * N + nb * BLOCK_N, N, K);
+                                xq8 + m0 * num_groups, q + nb * block_bytes, scale + nb * block_groups,
+                                minv + nb * block_groups, bias ? bias + nb * BLOCK_N : 0, cols,
+                                y + m0 * N + nb * BLOCK_N, N, K);
+                continue;
+            }
+#endif
+            block_rows(bits, rows, x + m0 * ldx, ldx, xsum + m0 * num_groups, q + nb * block_bytes,
+                       scale + nb * block_groups, minv ? minv + nb * block_groups : 0,
+                       bias ? bias + nb * BLOCK_N : 0, cols, y + m0 * N + nb * BLOCK_N, N, K);
         }
     }
     free(xsum);
     free(xq);
 }
 """
+KERNEL_SOURCE += LINEAR_QUANT_DRIVER
+KERNEL_SOURCE_AVX2 += LINEAR_QUANT_DRIVER
 
 
 class QuantizedWeight:
