@@ -22,8 +22,8 @@ so graphs and eager steps agree:
 - ``silu_mul``: ``F.silu(gate) * up`` over the fused ``gate_up`` output
   (the GPU's exp and division are approximate: within 2 ulps).
 
-Off by default for now (``enabled``); ``tools/profile_gpu_step.py
---fused-ops both`` times the step with and without them.
+On by default (``enabled``); ``tools/profile_gpu_step.py --fused-ops both``
+times the step with and without them.
 
 The functions mirror ``cpu_ops`` (the C path on CPU): same names, same
 arguments, and None / False where the tensors don't fit, so the caller
@@ -40,12 +40,9 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_WIDTH = 16384  # a row a program holds whole (hidden sizes up to 16k)
 
 
-# Off by default until the GPU suite has passed with it on: the first run on
-# the device (before the float64 sum of squares below) had
-# ``test_captured_lora_graphs_match_eager_on_cuda[fused]`` fail. Read when a
-# step runs or is captured; ``tools/profile_gpu_step.py --fused-ops`` times
-# both, the GPU tests run both.
-enabled = False
+# Read when a step runs or is captured; ``tools/profile_gpu_step.py
+# --fused-ops`` times both, the GPU tests run both.
+enabled = True
 
 
 def takes(x: torch.Tensor) -> bool:

@@ -48,6 +48,17 @@ def _rel(got, want):
     return ((got.float() - want).norm() / want.norm().clamp_min(1e-12)).item()
 
 
+def _assert_delta(y, base, want, tol):
+    """``y`` (rounded to its dtype) is ``base + want`` within ``tol`` of the
+    delta's norm plus one rounding of the sum: a one-row delta much smaller
+    than its base loses up to half an ulp of ``y`` per element to the final
+    rounding alone (and the fused GEMM's base columns may round differently
+    from a separate GEMM's), which no kernel can avoid."""
+    err = (y.float() - base.float() - want).norm().item()
+    rounding = torch.finfo(y.dtype).eps * (base.float() + want).norm().item()
+    assert err <= tol * want.norm().item() + rounding, (err, want.norm().item(), rounding)
+
+
 def _slots(kind, num_rows, num_slots, rng):
     if kind == "one":
         return [1] * num_rows
@@ -138,7 +149,7 @@ def test_rows_kernel_matches_reference(triton_ops, linear, num_rows):
     x = torch.randn(num_rows, in_features, generator=gen).bfloat16().cuda()
     y0 = torch.randn(num_rows, stack.offsets[-1], generator=gen).bfloat16().cuda()
     y = stack.add_delta_rows(y0.clone(), x, slots)
-    assert _rel(y.float() - y0.float(), _reference(stack, x, build_segments(slots.tolist()))) < 1e-2
+    _assert_delta(y, y0, _reference(stack, x, build_segments(slots.tolist())), 1e-2)
     base_rows = (slots == 0).nonzero().flatten()
     assert torch.equal(y[base_rows], y0[base_rows])
 
@@ -185,7 +196,7 @@ def test_rows_kernel_replays_in_a_cuda_graph_with_new_slots(triton_ops, linear, 
         if not any(values):
             assert torch.equal(y, y0)
             continue
-        assert _rel(y.float() - y0.float(), _reference(stack, x, build_segments(values))) < 1e-2
+        _assert_delta(y, y0, _reference(stack, x, build_segments(values)), 1e-2)
         assert torch.equal(y[[t for t, s in enumerate(values) if s == 0]], y0[[t for t, s in enumerate(values) if s == 0]])
 
 
@@ -229,7 +240,7 @@ def test_fused_gemm_and_expand_match_reference(triton_ops, linear, num_rows, dty
     base = torch.nn.functional.linear(x, weight)
     y0 = out[:, :n].clone()
     y = triton_ops.expand_rows(stack, out[:, :n], out[:, n:], slots)
-    assert _rel(y.float() - base.float(), _reference(stack, x, build_segments(slots.tolist()))) < _TOL[dtype]
+    _assert_delta(y, base, _reference(stack, x, build_segments(slots.tolist())), _TOL[dtype])
     _assert_left_alone(y, y0, slots, untargeted)
 
 
@@ -250,7 +261,7 @@ def test_shrink_expand_matches_reference(triton_ops, linear, num_rows, dtype):
     y0 = torch.randn(num_rows, stack.offsets[-1], generator=gen).to(dtype).cuda()
     groups = triton_ops.group_rows(slots, stack.num_slots)
     y = triton_ops.shrink_expand_rows(stack, y0.clone(), x, groups)
-    assert _rel(y.float() - y0.float(), _reference(stack, x, build_segments(slots.tolist()))) < _TOL[dtype]
+    _assert_delta(y, y0, _reference(stack, x, build_segments(slots.tolist())), _TOL[dtype])
     _assert_left_alone(y, y0, slots, untargeted)
 
 
