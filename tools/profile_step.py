@@ -110,7 +110,8 @@ class HfStep:
 class Split:
     """CPU time of our step spent in the decoder's linears (each
     ``LoraLinear``'s base product: the packed or quantized kernel), in
-    attention (the backend's ``write_kv`` + ``attend``, all layers) and in
+    attention (the backend's ``attend``, all layers, and its ``write_kv``
+    where the fused rotary and KV write does not take it) and in
     the LM head (``compute_logits``), per step: wrappers on the runner's own
     objects, so nothing else changes."""
 

@@ -207,7 +207,9 @@ class Attention(nn.Module):
         and the KV write in one call (``fused_ops``), where the plain rotary
         and the reference backend's write would run; False (nothing done)
         elsewhere."""
-        if (type(self.rotary) is not RotaryEmbedding or getattr(self.backend.write_kv, "__func__", None) is not TorchPagedAttention.write_kv
+        # The backend's class, not the instance: a wrapper timing the instance's
+        # methods (tools/profile_step.py --split) must not switch this path off.
+        if (type(self.rotary) is not RotaryEmbedding or type(self.backend).write_kv is not TorchPagedAttention.write_kv
                 or positions.dim() != 1 or (ops := fused_ops(q)) is None or kv_cache.dtype != q.dtype):
             return False
         tables = self.rotary.step_tables or self.rotary.tables(positions, q.dtype)
