@@ -58,6 +58,22 @@ def test_rope_write_kv_equals_rotary_and_index_copy_bit_for_bit():
 
 
 @needs_kernel
+@pytest.mark.parametrize("shape", [(1, 2 * 1536), (5, 2 * 21), (2, 3, 2 * 16)])
+def test_silu_mul_matches_torch(shape):
+    gen = torch.Generator().manual_seed(shape[-1])
+    gate_up = torch.randn(shape, generator=gen) * 12  # exponents well past either end of e^x's reduced range
+    gate_up.view(-1)[:6] = torch.tensor([-100.0, -88.0, 0.0, 88.0, 100.0, 3e38])
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_ops.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+def test_silu_mul_declines_rows_it_cannot_take():
+    assert cpu_ops.silu_mul(torch.randn(3, 7)) is None  # no two halves
+    assert cpu_ops.silu_mul(torch.randn(8, 4).t()) is None  # column-major rows
+
+
+@needs_kernel
 def test_model_forward_matches_the_torch_ops(monkeypatch):
     """The whole prefill forward on the fused ops against the same model on torch's."""
     model = make_model()
