@@ -5,14 +5,16 @@ decode sequence's pages into one padded tensor, then runs SDPA on it, per
 layer; at decode sizes the copy and the calls cost more than the
 arithmetic (``tools/profile_step.py --split`` shows attention's share).
 The kernel here (``KERNEL_SOURCE``) reads each key and value where it lies
-in its block: per (sequence, query head) the scores of its context, their
-softmax, then the weighted sum of values, in float32. Grouped K/V heads are
-read once per query head that shares them. Prefill chunks, graphed and
-varlen steps keep the reference path.
+in its block: per (sequence, K/V head) the query heads that share that head
+score a tile of keys, rescale their running softmax, and sum in the tile's
+values, in float32; so each key and value is read once per step and layer,
+and no buffer grows with the context. Prefill chunks, graphed and varlen
+steps keep the reference path.
 
-Built and cached like ``cpu_linear``'s kernel; without it (no AVX-512, no
-compiler, a failed self-check) the reference runs. Results equal SDPA's to
-float32 rounding.
+One C source (plain vectors of 8 floats) built for AVX-512 and AVX2 alike,
+cached and self-checked like ``cpu_linear``'s kernels; without it (neither
+instruction set, no compiler, a failed self-check) the reference runs.
+Results equal SDPA's to float32 rounding (another summation order).
 """
 
 from __future__ import annotations
@@ -22,84 +24,142 @@ import functools
 
 import torch
 
-from . import cpu_linear
+from . import cpu_linear, cpu_ops
 from .attention import AttentionMetadata, TorchPagedAttention
 
 
-KERNEL_SOURCE = r"""
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
+KERNEL_SOURCE = cpu_ops.VECTORS + r"""
+#define TILE 32       /* keys scored before their values are summed (a softmax rescale per tile) */
+#define MAX_GROUP 16  /* query heads per K/V head in one pass over the keys */
+#define MIN_PARALLEL_WORK (1 << 16)  /* multiply-adds below which a fork and join cost about what a second thread saves */
 
-/* A dot product over D floats: 16 lanes at a time, the tail masked. */
-static inline float dot(const float *a, const float *b, int64_t D) {
-    __m512 acc = _mm512_setzero_ps();
+static inline float sum8(v8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
+
+/* s[j] = q . k[j] over D floats for 4 keys: 4 independent chains, q loaded once for all. */
+static inline void dot4(const float *q, const float *const *k, int64_t D, float *s) {
+    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     int64_t d = 0;
-    for (; d + 16 <= D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
-    if (d < D) {
-        __mmask16 m = (__mmask16)((1u << (D - d)) - 1);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + d), _mm512_maskz_loadu_ps(m, b + d), acc);
+    for (; d + 8 <= D; d += 8) {
+        v8 x = load8(q + d);
+        a0 += x * load8(k[0] + d); a1 += x * load8(k[1] + d); a2 += x * load8(k[2] + d); a3 += x * load8(k[3] + d);
     }
-    return _mm512_reduce_add_ps(acc);
+    float t0 = 0, t1 = 0, t2 = 0, t3 = 0;
+    for (; d < D; d++) { t0 += q[d] * k[0][d]; t1 += q[d] * k[1][d]; t2 += q[d] * k[2][d]; t3 += q[d] * k[3][d]; }
+    s[0] = t0 + sum8(a0); s[1] = t1 + sum8(a1); s[2] = t2 + sum8(a2); s[3] = t3 + sum8(a3);
+}
+
+static inline float dot(const float *q, const float *k, int64_t D) {
+    v8 a = {0};
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) a += load8(q + d) * load8(k + d);
+    float t = 0;
+    for (; d < D; d++) t += q[d] * k[d];
+    return t + sum8(a);
+}
+
+/* o[:D] = o * c + sum_i p[i] v[i][:D] over n value rows v[i]: 64 floats a
+   pass where they fit (8 chains of FMAs in flight, as many as keep both FMA
+   units busy), then 8 at a time, then the tail. */
+static inline void accumulate(float *o, float c, const float *p, const float *const *v, int64_t n, int64_t D) {
+    int64_t d = 0;
+    for (; d + 64 <= D; d += 64) {
+        v8 a0 = load8(o + d) * c, a1 = load8(o + d + 8) * c, a2 = load8(o + d + 16) * c, a3 = load8(o + d + 24) * c;
+        v8 a4 = load8(o + d + 32) * c, a5 = load8(o + d + 40) * c, a6 = load8(o + d + 48) * c, a7 = load8(o + d + 56) * c;
+        for (int64_t i = 0; i < n; i++) {
+            const float *vi = v[i] + d;
+            a0 += p[i] * load8(vi); a1 += p[i] * load8(vi + 8); a2 += p[i] * load8(vi + 16); a3 += p[i] * load8(vi + 24);
+            a4 += p[i] * load8(vi + 32); a5 += p[i] * load8(vi + 40); a6 += p[i] * load8(vi + 48); a7 += p[i] * load8(vi + 56);
+        }
+        store8(o + d, a0); store8(o + d + 8, a1); store8(o + d + 16, a2); store8(o + d + 24, a3);
+        store8(o + d + 32, a4); store8(o + d + 40, a5); store8(o + d + 48, a6); store8(o + d + 56, a7);
+    }
+    for (; d + 8 <= D; d += 8) {
+        v8 a = load8(o + d) * c;
+        for (int64_t i = 0; i < n; i++) a += p[i] * load8(v[i] + d);
+        store8(o + d, a);
+    }
+    for (; d < D; d++) {
+        float a = o[d] * c;
+        for (int64_t i = 0; i < n; i++) a += p[i] * v[i][d];
+        o[d] = a;
+    }
+}
+
+/* G query heads (q, o: [G][D]) that share one K/V head, against len keys:
+   a tile's keys are scored, the running softmax of each head rescaled to the
+   tile's new maximum, then its values summed in; o is divided by the
+   softmax's total at the end. key[t] and key[t] + half are token t's key
+   and value. */
+static void attend_group(const float *q, float *o, int64_t G, int64_t D, const float *kv, int64_t half,
+                         int64_t token, int64_t kh, const int64_t *table, int64_t bs, int64_t len, float scale) {
+    float top[MAX_GROUP], total[MAX_GROUP], p[MAX_GROUP][TILE];
+    const float *key[TILE], *value[TILE];
+    for (int64_t g = 0; g < G; g++) { top[g] = -INFINITY; total[g] = 0; }
+    for (int64_t t0 = 0; t0 < len; t0 += TILE) {
+        int64_t n = len - t0 < TILE ? len - t0 : TILE;
+        for (int64_t i = 0; i < n; i++) {
+            int64_t t = t0 + i;
+            key[i] = kv + (table[t / bs] * bs + t % bs) * token + kh * D;
+            value[i] = key[i] + half;
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float m = top[g];
+            int64_t i = 0;
+            for (; i + 4 <= n; i += 4) dot4(q + g * D, key + i, D, p[g] + i);
+            for (; i < n; i++) p[g][i] = dot(q + g * D, key[i], D);
+            for (i = 0; i < n; i++) {
+                p[g][i] *= scale;
+                m = p[g][i] > m ? p[g][i] : m;
+            }
+            float c = expf(top[g] - m), sum = 0;  /* 0 on the first tile: nothing to rescale */
+            int64_t i8 = 0;
+            for (; i8 + 8 <= n; i8 += 8) store8(p[g] + i8, exp8(load8(p[g] + i8) - m));
+            for (; i8 < n; i8++) p[g][i8] = expf(p[g][i8] - m);
+            for (i = 0; i < n; i++) sum += p[g][i];
+            if (t0 == 0) memset(o + g * D, 0, sizeof(float) * D);
+            accumulate(o + g * D, c, p[g], value, n, D);
+            top[g] = m;
+            total[g] = total[g] * c + sum;
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float inv = 1.0f / total[g];
+        for (int64_t d = 0; d < D; d++) o[g * D + d] *= inv;
+    }
 }
 
 /* out[b][h][:] = softmax(scale * q[b][h] . K[b]) V[b] for one query per
    sequence b. kv: [2][num_cache_blocks][bs][KH][D] (keys, then values);
    tables: [B][max_nb] block ids; lens: [B] context lengths (>= 1).
-   q, out: [B][H][D] with row stride ldq / ldo floats between sequences. */
+   q, out: [B][H][D] with row stride ldq / ldo floats between sequences.
+   One work item per (sequence, K/V head), its query heads read its keys
+   and values once; threads only where the work pays for them. */
 void decode_attention(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t D, const float *kv,
                       int64_t num_cache_blocks, int64_t bs, int64_t KH, const int64_t *tables, int64_t max_nb,
                       const int64_t *lens, float scale, float *out, int64_t ldo, int num_threads) {
     const int64_t group = H / KH, token = KH * D, half = num_cache_blocks * bs * token;
+    int64_t work = 0;
+    for (int64_t b = 0; b < B; b++) work += lens[b];
+    work *= H * D;
+    if (work < MIN_PARALLEL_WORK || B * KH < 2) num_threads = 1;
     #pragma omp parallel for schedule(dynamic) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t bh = 0; bh < B * H; bh++) {
-        int64_t b = bh / H, h = bh % H, kh = h / group, len = lens[b];
-        const float *qv = q + b * ldq + h * D;
-        float *scores = (float *)malloc(sizeof(float) * len);
-        float top = -INFINITY;
-        for (int64_t t = 0; t < len; t++) {
-            const float *k = kv + (tables[b * max_nb + t / bs] * bs + t % bs) * token + kh * D;
-            float s = dot(qv, k, D) * scale;
-            scores[t] = s;
-            top = s > top ? s : top;
+    for (int64_t item = 0; item < B * KH; item++) {
+        int64_t b = item / KH, kh = item % KH;
+        for (int64_t g0 = 0; g0 < group; g0 += MAX_GROUP) {
+            int64_t G = group - g0 < MAX_GROUP ? group - g0 : MAX_GROUP, h = kh * group + g0;
+            attend_group(q + b * ldq + h * D, out + b * ldo + h * D, G, D, kv, half, token, kh,
+                         tables + b * max_nb, bs, lens[b], scale);
         }
-        float total = 0;
-        for (int64_t t = 0; t < len; t++) { scores[t] = expf(scores[t] - top); total += scores[t]; }
-        float *o = out + b * ldo + h * D;
-        for (int64_t d = 0; d < D; d++) o[d] = 0;
-        for (int64_t t = 0; t < len; t++) {
-            const float *v = kv + half + (tables[b * max_nb + t / bs] * bs + t % bs) * token + kh * D;
-            float p = scores[t] / total;
-            for (int64_t d = 0; d < D; d++) o[d] += p * v[d];
-        }
-        free(scores);
     }
 }
 """
 
 
-# The same kernel on AVX2: only the dot product differs (8 lanes, a scalar tail).
-KERNEL_SOURCE_AVX2 = KERNEL_SOURCE.replace(KERNEL_SOURCE[KERNEL_SOURCE.index("/* A dot product"):
-                                                         KERNEL_SOURCE.index("/* out[b][h][:]")], r"""/* A dot product over D floats: 8 lanes at a time, then the tail. */
-static inline float dot(const float *a, const float *b, int64_t D) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t d = 0;
-    for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    float total = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-    for (; d < D; d++) total += a[d] * b[d];
-    return total;
-}
-
-""")
-
-
 @functools.cache
 def kernel() -> ctypes.CDLL | None:
     """The built and self-checked library, or None (one warning says why)."""
-    return cpu_linear.checked_library("cpu_attention", {"avx512": KERNEL_SOURCE, "avx2": KERNEL_SOURCE_AVX2}, declare=_declare, check=_check,
+    return cpu_linear.checked_library("cpu_attention", {"avx512": KERNEL_SOURCE, "avx2": KERNEL_SOURCE},
+                                      declare=_declare, check=_check,
                                       what="cpu decode attention", when_off="decode attention gathers pages for SDPA")
 
 
@@ -112,15 +172,18 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
                      lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q [B, H, D]`` (one query per sequence) against its pages -> ``[B, H, D]``.
-    ``tables [B, nb]`` and ``lens [B]`` int64, contiguous."""
-    two, num_cache_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    if q.stride(2) != 1 or q.stride(1) != head_dim:
-        q = q.contiguous()
-    out = torch.empty(q.shape, dtype=q.dtype)
-    lib.decode_attention(q.data_ptr(), q.stride(0), q.shape[0], q.shape[1], head_dim, kv_cache.data_ptr(),
-                         num_cache_blocks, block_size, num_kv_heads, tables.data_ptr(), tables.shape[1],
-                         lens.data_ptr(), scale, out.data_ptr(), out.stride(0), torch.get_num_threads())
+    """``q [B, H, D]`` float32 (one query per sequence) against its pages -> ``[B, H, D]``.
+    ``tables [B, nb]`` and ``lens [B]`` int64, contiguous. Shapes and strides
+    are read once and handed to torch as ints (``cpu_ops`` says why)."""
+    _, num_cache_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_seqs, num_heads, _ = q.shape
+    q_stride, head_stride, one = q.stride()
+    if one != 1 or head_stride != head_dim:
+        q, q_stride = q.contiguous(), num_heads * head_dim
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
+    lib.decode_attention(q.data_ptr(), q_stride, num_seqs, num_heads, head_dim, kv_cache.data_ptr(), num_cache_blocks,
+                         block_size, num_kv_heads, tables.data_ptr(), tables.shape[1], lens.data_ptr(), scale,
+                         out.data_ptr(), num_heads * head_dim, torch.get_num_threads())
     return out
 
 
@@ -143,8 +206,8 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         lib = kernel()
-        if (lib is None or meta.varlen_work is not None or meta.graph_decode or q.dtype != torch.float32
-                or q.device.type != "cpu" or not kv_cache.is_contiguous()):
+        if (lib is None or meta.varlen_work is not None or meta.graph_decode or q.dtype is not torch.float32
+                or not q.is_cpu or not kv_cache.is_contiguous()):
             return super().attend(q, kv_cache, meta, scale)
         decode = _decode_rows(meta)
         if decode is None:

@@ -1,14 +1,15 @@
 """Decode attention on our CPU kernel (``cpu_attention``) against the torch
 reference it replaces, on the same paged cache: pure decode steps, decode
 rows beside prefill chunks, grouped heads, a head size that is not a
-multiple of 16, blocks out of order."""
+multiple of 8, blocks out of order; and the kernel built for each
+instruction set this CPU has, on random paged caches."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mstar_actors.models import cpu_attention
+from mstar_actors.models import cpu_attention, cpu_linear
 from mstar_actors.models.attention import AttentionMetadata, TorchPagedAttention
 
 needs_kernel = pytest.mark.skipif(cpu_attention.kernel() is None, reason="no AVX-512 or AVX2, or no C compiler here")
@@ -62,3 +63,52 @@ def test_other_dtypes_and_graphed_steps_keep_the_reference():
     assert "cpu_decode" not in meta.derived
     meta.derived.clear()
     torch.testing.assert_close(got, TorchPagedAttention().attend(q, cache, meta, 0.25))
+
+
+def built_for(isa: str):
+    """The kernel built for ``isa`` (the source is one; the flags differ), declared."""
+    lib = cpu_linear.load_library(cpu_linear.build_library("cpu_attention", cpu_attention.KERNEL_SOURCE, isa))
+    cpu_attention._declare(lib)
+    return lib
+
+
+ISAS = [pytest.param(isa, marks=pytest.mark.skipif(cpu_linear.kernel_isa((isa,)) is None or cpu_linear.find_compiler() is None,
+                                                   reason=f"no {isa} or no C compiler here"))
+        for isa in cpu_linear.ISA_FLAGS]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("context_lens, num_heads, num_kv_heads, head_dim, block_size", [
+    ([1], 9, 3, 64, 16),  # a context of one key
+    ([1, 16, 17, 33, 64, 100], 9, 3, 64, 16),  # lengths on and across block and 32-key tile boundaries
+    ([70, 5, 31], 34, 2, 72, 8),  # 17 query heads per K/V head (more than a pass takes), a head of 64 + 8
+    ([40, 3], 6, 6, 20, 4),  # no grouping, a head of 8 + 8 + 4
+    ([300] * 8, 9, 3, 64, 16),  # enough work for the threads
+])
+def test_each_instruction_set_matches_sdpa_on_random_pages(isa, context_lens, num_heads, num_kv_heads, head_dim,
+                                                           block_size, num_threads=2):
+    seed = sum(context_lens) + num_heads + head_dim
+    gen = torch.Generator().manual_seed(seed)
+    widths = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(widths) + 3
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(context_lens), max(widths), dtype=torch.long)
+    start = 0
+    for b, width in enumerate(widths):
+        tables[b, :width] = order[start : start + width]
+        start += width
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=gen)
+    lens = torch.tensor(context_lens)
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        got = cpu_attention.decode_attention(built_for(isa), q, cache, tables, lens, head_dim**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    group = num_heads // num_kv_heads
+    for b, n in enumerate(context_lens):
+        k, v = (cache[i][tables[b, : widths[b]]].flatten(0, 1)[:n].transpose(0, 1) for i in (0, 1))  # [KH, n, D]
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[b][:, None], k.repeat_interleave(group, 0), v.repeat_interleave(group, 0), scale=head_dim**-0.5)[:, 0]
+        torch.testing.assert_close(got[b], want, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}, sequence {b}: {m}")
