@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import queue
 import threading
 import time
 from multiprocessing import resource_tracker
@@ -101,9 +102,21 @@ def _mapped_segment(name: str, nbytes: int):
 class WorkerActor(Actor):
     """inbox: ``conductor`` (ConductorToWorker), ``control``; outbox: ``conductor``, ``control``.
 
-    Plans run inline on the loop, one at a time and in order: the rank has
-    nothing else to do meanwhile, and a control message waiting behind a step
-    is fine (a stack dump does not need the loop).
+    Plans run inline on the loop, in order: the rank has nothing else to do
+    meanwhile, and a control message waiting behind a step is fine (a stack
+    dump does not need the loop).
+
+    Overlapped steps: a plan is enqueued on the device (``runner.forward``,
+    then ``runner.sample``) and answered once its tokens reach the host
+    (``runner.collect``). While the device runs step N, the loop waits for
+    whichever comes first, step N's tokens or the next plan (the conductor
+    plans one step ahead, so it is usually waiting already): the next plan's
+    forward is then enqueued behind step N, reading N's tokens on the device,
+    before N is collected and answered. The device never idles for the
+    result's trip, the host's batch building or the next plan's arrival. On
+    a CPU a step is done when it returns, and each is answered at once. The
+    wait for the device is a thread (``_device_waits``) that blocks on the
+    step's event and wakes the loop: no polling.
 
     Installs run beside the steps, one at a time in arrival order, on a
     thread (``_install_loop``): reading the host copy and staging it is tens
@@ -135,6 +148,9 @@ class WorkerActor(Actor):
         # Bounded by the protocol: at most one install per slot is ever outstanding.
         self.installs: asyncio.Queue[InstallAdapter] = asyncio.Queue(maxsize=max(1, self.config.lora.max_loras))
         self.num_installing = 0  # queued for the install thread or on it
+        self.pending: _Pending | None = None  # the step sampled on the device, not yet answered
+        self._next: asyncio.Future | None = None  # a mailbox read begun while a step ran (its result is the next message)
+        self._device_waits: queue.SimpleQueue | None = None  # (step, future) for the waiting thread
 
     async def start(self) -> None:
         if self.arena_spec is not None:
@@ -218,14 +234,54 @@ class WorkerActor(Actor):
     async def serve(self) -> None:
         installer = asyncio.create_task(self._install_loop(), name="worker:installs")
         try:
-            await super().serve()
+            while True:
+                if self.pending is not None and self.pending.step.ready():
+                    await self._answer_pending()
+                    continue
+                item = self._waiting_message()
+                if item is None:
+                    item = await self._next_message()
+                if item is not None:  # None: the pending step's tokens arrived first
+                    await self.dispatch(*item)
         finally:
             installer.cancel()
+            if self._device_waits is not None:
+                self._device_waits.put(None)
+
+    def _waiting_message(self) -> tuple[str, Any] | None:
+        """The next message if it has arrived (the read begun earlier first: order is kept)."""
+        if self._next is None:
+            return self.mailbox.get_nowait()
+        if not self._next.done():
+            return None
+        item, self._next = self._next.result(), None
+        return item
+
+    async def _next_message(self) -> tuple[str, Any] | None:
+        """Wait for the next message; with a step on the device, None if its tokens reach the host first."""
+        if self._next is None:
+            self._next = asyncio.ensure_future(self.mailbox.get())
+        if self.pending is not None:
+            await asyncio.wait({self._next, self._device_done(self.pending)}, return_when=asyncio.FIRST_COMPLETED)
+        else:
+            await asyncio.wait({self._next})
+        return self._waiting_message()
+
+    def _device_done(self, pending: _Pending) -> asyncio.Future:
+        """A future set once ``pending``'s tokens are on the host (one wait per step, on the waiting thread)."""
+        if pending.done is None:
+            if self._device_waits is None:
+                self._device_waits = queue.SimpleQueue()
+                threading.Thread(target=_wait_for_devices, args=(self._device_waits, asyncio.get_running_loop()),
+                                 name=f"{self.name}:device-waits", daemon=True).start()
+            pending.done = asyncio.get_running_loop().create_future()
+            self._device_waits.put((pending.step, pending.done))
+        return pending.done
 
     async def handle(self, channel: str, msg: Any) -> None:
         match msg:
             case StepPlan():
-                await self.reply(self.execute(msg))
+                await self.run_step(msg)
             case InstallAdapter():
                 if self.num_installing == 0 and self._swap_in(msg):
                     return await self.reply(AdapterInstalled(rank=self.rank, slot=msg.slot, digest=msg.digest, ok=True))
@@ -283,19 +339,69 @@ class WorkerActor(Actor):
             self.log.warning("%s", reply.error)
         return reply
 
-    def execute(self, plan: StepPlan) -> StepDone | StepFailed:
+    async def run_step(self, plan: StepPlan) -> None:
+        """Enqueue ``plan``'s step behind the pending one, answer that one, then
+        sample this one (its sampling reads the outputs the answer appended)."""
         start = time.perf_counter()
         try:
             if self.media is not None:  # the plan's media orders: copies out of the arena, releases
                 self.media.apply(plan)
-            sampled = self.runner.execute(plan)
+            step, failed = self.runner.forward(plan), None
         except Exception as err:  # the step fails; the rank keeps serving
-            self.log.exception("step %d failed on rank %d", plan.step_id, self.rank)
-            message = f"rank {self.rank}, step {plan.step_id}: {type(err).__name__}: {err}"
-            # A PlanError names the rows at fault; anything else fails the whole step.
-            rows = list(getattr(err, "request_ids", ()))
-            return StepFailed(step_id=plan.step_id, rank=self.rank, message=message, request_ids=rows)
-        elapsed = time.perf_counter() - start
+            step, failed = None, self._failed(plan, err)
+        if self.pending is not None:
+            await self._answer_pending()
+        if failed is None:
+            try:
+                self.runner.sample(step)
+                self.pending = _Pending(plan, step, start)
+                return
+            except Exception as err:
+                failed = self._failed(plan, err)
+        await self.reply(failed)
+
+    async def _answer_pending(self) -> None:
+        pending, self.pending = self.pending, None
+        plan = pending.plan
+        try:
+            sampled = self.runner.collect(pending.step)
+        except Exception as err:
+            return await self.reply(self._failed(plan, err))
+        elapsed = time.perf_counter() - pending.start
         self.log.debug("step %d: %d rows, %d tokens, %d new, %.1f ms", plan.step_id, len(plan.scheduled),
                        sum(c.num_tokens for c in plan.scheduled), len(plan.started), elapsed * 1e3)
-        return StepDone(step_id=plan.step_id, rank=self.rank, sampled=sampled, elapsed_s=elapsed)
+        await self.reply(StepDone(step_id=plan.step_id, rank=self.rank, sampled=sampled, elapsed_s=elapsed))
+
+    def _failed(self, plan: StepPlan, err: Exception) -> StepFailed:
+        """The step fails; the rank keeps serving. A PlanError names the rows
+        at fault; anything else fails the whole step."""
+        self.log.error("step %d failed on rank %d", plan.step_id, self.rank, exc_info=err)
+        message = f"rank {self.rank}, step {plan.step_id}: {type(err).__name__}: {err}"
+        return StepFailed(step_id=plan.step_id, rank=self.rank, message=message,
+                          request_ids=list(getattr(err, "request_ids", ())))
+
+
+class _Pending:
+    """A step on the device: its plan, the runner's ``Step``, when it began,
+    and the future the waiting thread sets (None until a wait was asked)."""
+
+    def __init__(self, plan: StepPlan, step: Any, start: float):
+        self.plan, self.step, self.start = plan, step, start
+        self.done: asyncio.Future | None = None
+
+
+def _wait_for_devices(jobs: queue.SimpleQueue, loop: asyncio.AbstractEventLoop) -> None:
+    """The waiting thread: block on each step until its tokens are on the host,
+    then wake the loop (blocking releases the interpreter lock); None ends it."""
+    while (job := jobs.get()) is not None:
+        step, done = job
+        try:
+            step.wait()
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+                loop.call_soon_threadsafe(_settle, done)
+
+
+def _settle(done: asyncio.Future) -> None:
+    if not done.done():
+        done.set_result(None)

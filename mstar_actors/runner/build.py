@@ -41,7 +41,7 @@ from mstar_actors.models.spec import ModelSpec
 from mstar_actors.runner.device import resolve_device, resolve_dtype, use_device
 from mstar_actors.runner.model_runner import KvCache, ModelRunner, Sampler
 from mstar_actors.runner.parallel import SINGLE_RANK, TensorParallel, rank_device
-from mstar_actors.runner.sampling import sample_tokens
+from mstar_actors.runner.sampling import sample_pending
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ MAX_CPU_KV_BYTES = 2 << 30  # CPU cache cap: RAM is shared with every other acto
 
 
 def build_runner(config: Config, info: ModelInfo, resolve_tensor: TensorResolver | None = None, *,
-                 sampler: Sampler = sample_tokens, tp: TensorParallel = SINGLE_RANK) -> ModelRunner:
+                 sampler: Sampler = sample_pending, tp: TensorParallel = SINGLE_RANK) -> ModelRunner:
     """The rank's runner (blocking: loads weights). ``resolve_tensor`` reads
     media pixel values (the rank's arena); ``sampler`` picks each step's
     tokens; ``tp`` is the rank's tensor-parallel group (its shard is loaded)."""
@@ -72,7 +72,7 @@ def build_runner(config: Config, info: ModelInfo, resolve_tensor: TensorResolver
     kv = size_kv_cache(model.spec, config.kv, dtype, device, model.layout.num_kv_heads, pools, snapshots)
     media = MediaInputs(model, resolve_tensor) if getattr(model, "is_multimodal", False) else None
     runner = ModelRunner(model, kv, max_model_len=info.max_model_len, lora=lora, media=media, sampler=sampler,
-                         seed=config.model.seed)
+                         seed=config.model.seed, max_sampled_rows=config.scheduler.max_num_seqs)
     max_batch, max_tokens = graph_limits(config)
     if device.type == "cuda":
         # Graph buckets (a decode batch, a mixed step's sampled rows) are row counts too.

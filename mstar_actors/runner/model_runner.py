@@ -7,6 +7,18 @@ it, and append that token to its sequence. The runner decides nothing: block
 ids, chunk sizes and which rows sample all come from the conductor, so every
 rank runs the same plan to the same tokens.
 
+Overlapped steps (the worker's, on CUDA): ``execute`` is ``forward`` (the
+model's work enqueued on the device), ``sample`` (the draws enqueued, their
+host copies started) and ``collect`` (wait for those copies, append the
+tokens). The worker may run the next plan's ``forward`` before it collects
+the step before: a sequence whose sampled token the host has not read yet
+holds it as ``SeqState.pending``, its row in ``step_tokens`` (a device
+buffer each sampling writes), and the next step's input for that position
+is read there, on the device (``Batch.device_inputs``). ``collect`` must
+then come before the next ``sample`` (penalties, seeds and grammars read
+the outputs the host holds), and it appends to the sequences as the step
+saw them: one a later plan forgot or restarted keeps its new state.
+
 Sequence state lives from ``plan.started`` until the id appears in
 ``plan.finished``; a sequence restarted after a preemption arrives again in
 ``started`` with the outputs it had, and replaces the old state.
@@ -59,9 +71,10 @@ from mstar_actors.models.lora_layers import LoraLayers
 from mstar_actors.models.media_inputs import MediaInputs
 from mstar_actors.runner.grammar import GrammarError, GrammarMatchers
 from mstar_actors.runner.step_graphs import DecodeGraphs, MixedGraphs
-from mstar_actors.runner.sampling import SampleRow, sample_tokens
+from mstar_actors.runner.sampling import PendingSample, SampleRow, sample_pending
 
-Sampler = Callable[..., list[messages.SampledToken]]
+# A sampler answers a step's logits with its draws: at once (a list), or on their way to the host.
+Sampler = Callable[..., "list[messages.SampledToken] | PendingSample"]
 
 
 class PlanError(ValueError):
@@ -80,10 +93,16 @@ class SeqState:
     output_token_ids: list[int] = field(default_factory=list)
     lora_slot: int = 0  # 0: the base model
     state_slot: int = -1  # a hybrid model's recurrent-state slot (-1: none)
+    pending: int = -1  # row of the runner's step_tokens holding a sampled token not yet read (-1: none)
+
+    @property
+    def num_known(self) -> int:
+        """Tokens the host holds (prompt and read outputs)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_known + (self.pending >= 0)
 
     def tokens(self, start: int, stop: int) -> list[int]:
         """``(prompt + outputs)[start:stop]`` without concatenating the whole list."""
@@ -99,6 +118,8 @@ class Batch:
     """One step's flat batch, as host lists."""
 
     input_ids: list[int] = field(default_factory=list)
+    # (index into input_ids, row of step_tokens): a token sampled last step, still on the device (its input_ids entry: 0)
+    device_inputs: list[tuple[int, int]] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     slot_mapping: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
@@ -128,7 +149,10 @@ def build_batch(
     for chunk in chunks:
         seq = _check_chunk(chunk, seqs, block_size, num_kv_blocks, max_model_len)
         start, stop = chunk.num_computed, chunk.num_computed + chunk.num_tokens
-        batch.input_ids += seq.tokens(start, stop)
+        batch.input_ids += seq.tokens(start, min(stop, seq.num_known))
+        if stop > seq.num_known:  # the last token: sampled by the step before, not read yet
+            batch.device_inputs.append((len(batch.input_ids), seq.pending))
+            batch.input_ids.append(0)
         batch.positions += range(start, stop)
         table = chunk.block_ids
         batch.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, stop)]
@@ -207,15 +231,37 @@ class KvCache:
         return self.snapshot_pools[0].num_slots if self.snapshot_pools else 0
 
 
+@dataclass
+class Step:
+    """One plan on its way through the runner: ``forward`` made it, ``sample``
+    and ``collect`` finish it."""
+
+    batch: Batch
+    logits: torch.Tensor | None  # the sampled rows' (None: the step samples nothing)
+    states: list[SeqState]  # the sampled rows' sequences, as the step saw them
+    draws: PendingSample | list[messages.SampledToken] | None = None
+
+    def ready(self) -> bool:
+        """Whether ``collect`` would not wait for the device."""
+        return not isinstance(self.draws, PendingSample) or self.draws.ready()
+
+    def wait(self) -> None:
+        """Block until ``collect`` would not wait (any thread may call it)."""
+        if isinstance(self.draws, PendingSample):
+            self.draws.wait()
+
+
 class ModelRunner:
     """Owns one rank's model, KV cache, sequence state and sampling generator.
 
-    Not thread-safe: the worker calls ``execute`` for one plan at a time, in
-    plan order, which is what keeps every rank's state identical.
+    Not thread-safe: the worker runs one plan at a time, in plan order
+    (``execute``, or overlapped as the module doc says), which is what keeps
+    every rank's state identical.
     """
 
     def __init__(self, model: nn.Module, kv: KvCache, *, max_model_len: int, lora: LoraLayers | None = None,
-                 media: MediaInputs | None = None, sampler: Sampler = sample_tokens, seed: int = 0):
+                 media: MediaInputs | None = None, sampler: Sampler = sample_pending, seed: int = 0,
+                 max_sampled_rows: int = 256):
         """The parts ``build.build_runner`` made, in its order; the runner builds nothing itself."""
         self.model = model
         self.spec = model.spec
@@ -237,6 +283,9 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.sampler = sampler
+        # The last sampling's tokens, where the next step reads those the host has
+        # not (a step sampling more rows than this reads its draws at once).
+        self.step_tokens = torch.zeros(max_sampled_rows, dtype=torch.long, device=self.device)
         self.seqs: dict[str, SeqState] = {}
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
@@ -257,7 +306,7 @@ class ModelRunner:
             raise ValueError(f"step graphs: {self.spec.architecture} is multimodal; its steps run eagerly")
         pool = torch.cuda.graph_pool_handle() if capture else None
         shared = dict(max_blocks_per_seq=-(-self.max_model_len // self.block_size), block_size=self.block_size,
-                      scratch_block=self.scratch_block, capture=capture, pool=pool)
+                      scratch_block=self.scratch_block, capture=capture, pool=pool, step_tokens=self.step_tokens)
         shared["scratch_state_slot"] = self.num_state_slots if self.num_state_slots else None  # the pools' scratch
         if max_tokens > 0:
             self.mixed_graphs = MixedGraphs(self.model, self.kv_caches, self.lora, max_seqs=max_batch,
@@ -279,10 +328,17 @@ class ModelRunner:
 
     def execute(self, plan: messages.StepPlan) -> list[messages.SampledToken]:
         """Run one plan; return the sampled tokens in the order of the sampled chunks."""
+        step = self.forward(plan)
+        self.sample(step)
+        return self.collect(step)
+
+    def forward(self, plan: messages.StepPlan) -> Step:
+        """The plan's sequence changes, then its model step, enqueued (on CUDA
+        the device may still be running it, and the step before, on return)."""
         self.forget(plan.finished)
         self.start(plan.started)
         if not plan.scheduled:
-            return []
+            return Step(Batch(), None, [], [])
         self._move_lora_slots(plan.scheduled)
         batch = build_batch(plan.scheduled, self.seqs, self.block_size, self.num_kv_blocks, self.max_model_len)
         snapshots = self._snapshots_to_take(plan.scheduled)
@@ -290,16 +346,44 @@ class ModelRunner:
         for slot, snapshot in snapshots:
             _copy_state(self.state_pools, slot, self.snapshot_pools, snapshot)
         if not batch.sample_ids:
-            return []
+            return Step(batch, None, [], [])
+        return Step(batch, logits, [self.seqs[rid] for rid in batch.sample_ids])
+
+    def sample(self, step: Step) -> None:
+        """Enqueue ``step``'s draws; every step before must have been collected.
+        Their tokens stay on the device (``step_tokens``) for the next step,
+        unless the sampler answered at once or the rows outnumber the buffer."""
+        if step.draws is not None:
+            return
+        batch = step.batch
         if self.grammars is not None:  # on CUDA the masks fill while the device runs the step
-            self.grammars.mask(logits, batch.sample_ids)
+            self.grammars.mask(step.logits, batch.sample_ids)
         rows = [self._sample_row(rid) for rid in batch.sample_ids]
-        sampled = self.sampler(logits, rows, generator=self.generator)
-        for token in sampled:
-            self.seqs[token.request_id].output_token_ids.append(token.token_id)
+        draws = self.sampler(step.logits, rows, generator=self.generator)
+        if isinstance(draws, PendingSample) and len(rows) <= self.step_tokens.shape[0]:
+            self.step_tokens[: len(rows)].copy_(draws.token_ids)
+            for row, seq in enumerate(step.states):
+                seq.pending = row
+            step.draws = draws
+            return
+        step.draws = draws.result() if isinstance(draws, PendingSample) else draws
+        self._take_tokens(step)
+
+    def collect(self, step: Step) -> list[messages.SampledToken]:
+        """``step``'s tokens, in the order of its sampled chunks (waits for their host copies)."""
+        if isinstance(step.draws, PendingSample):
+            step.draws = step.draws.result()
+            self._take_tokens(step)
+        return step.draws
+
+    def _take_tokens(self, step: Step) -> None:
+        """Append each sampled token to its sequence as the step saw it, and
+        feed the grammars of those still running as that state."""
+        for seq, token in zip(step.states, step.draws):
+            seq.output_token_ids.append(token.token_id)
+            seq.pending = -1
         if self.grammars is not None:
-            self.grammars.advance(sampled)
-        return sampled
+            self.grammars.advance([t for seq, t in zip(step.states, step.draws) if self.seqs.get(t.request_id) is seq])
 
     def _move_lora_slots(self, chunks: list[messages.ScheduledChunk]) -> None:
         """Each chunk's rows on the LoRA slot it names (-1: where they were);
@@ -478,7 +562,7 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_caches, meta, media_rows)
 
     def _to_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        def longs(values: list[int]) -> torch.Tensor:
+        def longs(values: list[int] | tuple[int, ...]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
         max_blocks = max(len(t) for t in batch.block_tables)
@@ -492,4 +576,8 @@ class ModelRunner:
         )
         if self.num_state_slots:
             meta.state_slots, meta.state_slots_list = longs(batch.state_slots), batch.state_slots
-        return longs(batch.input_ids), longs(batch.positions), meta, longs(batch.logits_indices)
+        input_ids = longs(batch.input_ids)
+        if batch.device_inputs:
+            at, rows = zip(*batch.device_inputs)
+            input_ids[longs(at)] = self.step_tokens[longs(rows)]
+        return input_ids, longs(batch.positions), meta, longs(batch.logits_indices)

@@ -1,6 +1,7 @@
 """Token sampling for one model step: logits in, one ``SampledToken`` per row out.
 
-Pure torch, no I/O. The model runner calls ``sample_tokens`` once per step on
+Pure torch, no I/O. The model runner calls ``sample_pending`` (``sample_tokens``
+without the wait for the host copies) once per step on
 every tensor-parallel rank with identical inputs; every rank must then draw
 identical tokens (see "Randomness" below).
 
@@ -37,7 +38,7 @@ request draws the same token at the same output length whatever else is in
 the batch, and a preempted request that restarts with its earlier outputs
 reproduces the rest. Unseeded rows share one generator (``generator``, or a
 per-device module generator seeded with ``DEFAULT_SHARED_SEED``); ranks stay
-in lockstep because each calls ``sample_tokens`` with the same rows in the
+in lockstep because each samples the same rows in the
 same order.
 """
 
@@ -102,16 +103,62 @@ def sample_tokens(
     ``generator`` drives the unseeded rows (default: a per-device module
     generator). The caller's ``logits`` tensor is never modified.
     """
+    return sample_pending(logits, rows, generator=generator, logprobs_mode=logprobs_mode).result()
+
+
+class PendingSample:
+    """One step's draws on their way to the host.
+
+    ``token_ids`` (``[rows]`` int64) stays on the logits' device, where the
+    next step's inputs may read it before the host does; the host copies
+    (token ids, and the logprobs when a row asked for them) are started at
+    once without waiting (pinned memory on CUDA) and ``result()`` waits for
+    them: the step's one synchronisation. ``ready()`` says, without
+    waiting, whether ``result()`` would not block; ``wait()`` blocks until
+    it would not (another thread may call it: it holds no lock of ours).
+    """
+
+    def __init__(self, rows: list[SampleRow], token_ids: torch.Tensor, logprobs: torch.Tensor | None = None):
+        self.rows = rows
+        self.token_ids = token_ids
+        parts = (token_ids,) if logprobs is None else (token_ids, *_logprob_parts(rows, token_ids, logprobs))
+        is_cuda = token_ids.device.type == "cuda"
+        self._host = [t.to("cpu", non_blocking=is_cuda) for t in parts]
+        self._copied: torch.cuda.Event | None = None
+        if is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def ready(self) -> bool:
+        return self._copied is None or self._copied.query()
+
+    def wait(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def result(self) -> list[messages.SampledToken]:
+        self.wait()
+        if len(self._host) == 1:
+            return _to_sampled(self.rows, self._host[0].tolist())
+        return _to_sampled_with_logprobs(self.rows, *(t.tolist() for t in self._host))
+
+
+def sample_pending(
+    logits: torch.Tensor,
+    rows: list[SampleRow],
+    *,
+    generator: torch.Generator | None = None,
+    logprobs_mode: Literal["raw", "processed"] = "raw",
+) -> PendingSample:
+    """``sample_tokens`` up to its host copies: the draws as a ``PendingSample``."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(
             f"sample_tokens: logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}"
         )
-    if not rows:
-        return []
     plan = _Plan.from_rows(rows)
     if plan.is_all_greedy and not (plan.needs_penalties or plan.needs_logprobs or plan.needs_processors):
         # The common case: one argmax, no float32 copy (the cast is exact).
-        return _to_sampled(rows, logits.argmax(dim=-1).tolist())
+        return PendingSample(rows, logits.argmax(dim=-1))
     logits = logits.to(torch.float32, copy=True)
     raw_logprobs = _log_softmax(logits) if plan.needs_logprobs and logprobs_mode == "raw" else None
     if plan.needs_processors:
@@ -120,9 +167,8 @@ def sample_tokens(
         apply_penalties(logits, rows)
     token_ids, final_logits = _choose_tokens(logits, rows, plan, generator)
     if not plan.needs_logprobs:
-        return _to_sampled(rows, token_ids.tolist())
-    logprobs = raw_logprobs if raw_logprobs is not None else _log_softmax(final_logits)
-    return _to_sampled_with_logprobs(rows, token_ids, logprobs)
+        return PendingSample(rows, token_ids)
+    return PendingSample(rows, token_ids, raw_logprobs if raw_logprobs is not None else _log_softmax(final_logits))
 
 
 # --------------------------------------------------------------------------
@@ -379,14 +425,17 @@ def _to_sampled(rows: list[SampleRow], token_ids: list[int]) -> list[messages.Sa
     return [messages.SampledToken(r.request_id, t) for r, t in zip(rows, token_ids)]
 
 
-def _to_sampled_with_logprobs(
-    rows: list[SampleRow], token_ids: torch.Tensor, logprobs: torch.Tensor
-) -> list[messages.SampledToken]:
+def _logprob_parts(rows: list[SampleRow], token_ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The chosen tokens' logprobs ``[rows]`` and the top ``max k`` of each row (values, ids), on the device."""
     max_k = min(max(r.params.logprobs or 0 for r in rows), logprobs.shape[1])
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     top_values, top_ids = logprobs.topk(max_k, dim=-1)
-    # One host copy per tensor: a single synchronisation on CUDA.
-    ids, chosen, top_values, top_ids = (t.tolist() for t in (token_ids, chosen, top_values, top_ids))
+    return chosen, top_values, top_ids
+
+
+def _to_sampled_with_logprobs(
+    rows: list[SampleRow], ids: list[int], chosen: list[float], top_values: list[list[float]], top_ids: list[list[int]]
+) -> list[messages.SampledToken]:
     out = []
     for i, r in enumerate(rows):
         if r.params.logprobs is None:

@@ -25,6 +25,11 @@ Shared by both (``_StepGraphs``):
   older valid block ids; attention never reads past ``context_lens``.
 - int64 views (token ids, positions, KV slots) are cast from the staging
   fields INSIDE the graph (captured casts, no host cost).
+- A token the previous step sampled and the host has not read yet (the
+  runner's overlapped steps) comes from the device: its ``input_src`` field
+  holds its row in ``step_tokens`` (the runner's buffer the previous step's
+  sampling wrote), -1 for a token the host staged; the graph picks one or
+  the other per token.
 - ``logits [rows, vocab]`` float32, the graph's output.
 - Padding goes to the scratch block: a KV block the runner allocates beyond
   the ones it reports, so the scheduler never hands it out and padded writes
@@ -68,7 +73,7 @@ from mstar_actors.models.deltanet_ops import CHUNK
 log = logging.getLogger(__name__)
 
 NUM_WARMUP_RUNS = 2  # torch wants eager runs on the capture stream first; Triton compiles in them
-_NUM_FIELDS = 6  # decode header: input_ids, positions, slot_mapping, context_lens, lora_slots, state_slots
+_NUM_FIELDS = 7  # decode header: input_ids, positions, slot_mapping, context_lens, lora_slots, state_slots, input_src
 MIN_TOKEN_BUCKET = 16
 
 
@@ -77,6 +82,7 @@ class DecodeBatch(Protocol):
     lists with one entry per sequence, each a single decode row."""
 
     input_ids: list[int]
+    device_inputs: list[tuple[int, int]]  # (index into input_ids, row of step_tokens): tokens still on the device
     positions: list[int]
     slot_mapping: list[int]
     context_lens: list[int]
@@ -177,10 +183,12 @@ class _StepGraphs:
     off_hint = "set model.enforce_eager: true"
 
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], lora: Any, *, num_table_rows: int,
-                 max_blocks_per_seq: int, block_size: int, scratch_block: int):
+                 max_blocks_per_seq: int, block_size: int, scratch_block: int, step_tokens: torch.Tensor | None):
         self.model, self.kv_caches, self.lora = model, kv_caches, lora
         self.block_size, self.scratch_block = block_size, scratch_block
         self.device = kv_caches[0].device
+        # The previous step's sampled tokens (the runner's); the graphs read it by address.
+        self.step_tokens = step_tokens if step_tokens is not None else torch.zeros(1, dtype=torch.long, device=self.device)
         self.is_captured = False
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.block_tables = torch.full((num_table_rows, max_blocks_per_seq), scratch_block, dtype=torch.int32,
@@ -204,6 +212,11 @@ class _StepGraphs:
             row[: len(table)] = table
         self._stage.upload(stop)
         self.block_tables[:num_rows, :width].copy_(self._stage.view(tables_start, num_rows * width).view(num_rows, width))
+
+    def _take_device_tokens(self, input_ids: torch.Tensor, input_src: torch.Tensor) -> None:
+        """``input_ids[i] = step_tokens[input_src[i]]`` where ``input_src[i] >= 0`` (captured)."""
+        from_device = self.step_tokens.index_select(0, input_src.clamp(min=0))
+        input_ids.copy_(torch.where(input_src >= 0, from_device, input_ids))
 
     def _replay(self, key: tuple[int, bool]) -> None:
         if self.is_captured:
@@ -266,7 +279,7 @@ class DecodeGraphs(_StepGraphs):
     """Pure decode steps, one graph per (batch bucket, LoRA variant).
 
     Header (``max_batch`` each; row i = sequence i): ``input_ids | positions
-    | slot_mapping | context_lens | lora_slots | state_slots``. Padded rows
+    | slot_mapping | context_lens | lora_slots | state_slots | input_src``. Padded rows
     (bucket > batch) decode token 0 at position 0 with context 1 on the
     scratch block and, for a hybrid model (``scratch_state_slot``), on the
     scratch state slot: a context of 1 starts from zero state, so padding
@@ -277,9 +290,9 @@ class DecodeGraphs(_StepGraphs):
 
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], lora: Any, *, max_batch: int,
                  max_blocks_per_seq: int, block_size: int, scratch_block: int, capture: bool = True,
-                 pool: Any = None, scratch_state_slot: int | None = None):
+                 pool: Any = None, scratch_state_slot: int | None = None, step_tokens: torch.Tensor | None = None):
         super().__init__(model, kv_caches, lora, num_table_rows=max_batch, max_blocks_per_seq=max_blocks_per_seq,
-                         block_size=block_size, scratch_block=scratch_block)
+                         block_size=block_size, scratch_block=scratch_block, step_tokens=step_tokens)
         self.max_batch = max_batch
         self.scratch_state_slot = scratch_state_slot  # None: the model keeps no recurrent state
         self.buckets = batch_buckets(max_batch)
@@ -290,7 +303,7 @@ class DecodeGraphs(_StepGraphs):
     def _make_buffers(self, vocab_size: int) -> None:
         m, dev = self.max_batch, self.device
         self._stage = _Staging(_NUM_FIELDS * m + m * self.block_tables.shape[1], dev)
-        ids32, pos32, slots32, self.context_lens, self.lora_slots, states32 = (
+        ids32, pos32, slots32, self.context_lens, self.lora_slots, states32, self.input_src = (
             self._stage.view(0, _NUM_FIELDS * m).view(_NUM_FIELDS, m))
         self._stage_longs = (ids32, pos32, slots32, states32)
         self.state_slots = torch.zeros(m, dtype=torch.long, device=dev)
@@ -315,7 +328,7 @@ class DecodeGraphs(_StepGraphs):
         """Rows ``start:stop`` of the host header become padded rows (see the class doc)."""
         h, m = self._stage.host_np, self.max_batch
         scratch_state = -1 if self.scratch_state_slot is None else self.scratch_state_slot
-        for field, value in enumerate((0, 0, self.scratch_slot, 1, 0, scratch_state)):
+        for field, value in enumerate((0, 0, self.scratch_slot, 1, 0, scratch_state, -1)):
             h[field * m + start : field * m + stop] = value
 
     def _load(self, batch: DecodeBatch) -> int:
@@ -329,6 +342,7 @@ class DecodeGraphs(_StepGraphs):
              batch.state_slots)
         ):
             h[field * m : field * m + num_rows] = values
+        _put_sources(h[6 * m : 7 * m], num_rows, batch.device_inputs)
         self._fill_padding(num_rows, bucket)
         self._send(_NUM_FIELDS * m, batch.block_tables, bucket)
         return bucket
@@ -345,6 +359,7 @@ class DecodeGraphs(_StepGraphs):
         for static, staged in zip((self.input_ids, self.positions, self.slot_mapping, self.state_slots),
                                   self._stage_longs):
             static[:bucket].copy_(staged[:bucket])
+        self._take_device_tokens(self.input_ids[:bucket], self.input_src[:bucket])
         is_hybrid = self.scratch_state_slot is not None
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:bucket],
@@ -373,7 +388,7 @@ class MixedGraphs(_StepGraphs):
     Header, laid out for the largest bucket ``T`` and ``S = max_seqs``:
 
     - ``input_ids | positions | slot_mapping`` ``[3, T]`` (cast to int64 in
-      the graph) and ``token_slots [T]`` (each token's LoRA slot); padding
+      the graph), ``input_src [T]`` and ``token_slots [T]`` (each token's LoRA slot); padding
       tokens are token 0 at position 0 on the scratch slot, LoRA slot 0;
     - ``query_start [S + 1]``, ``context_lens [S]``: padded sequences have
       no queries (their start is the step's token count) and no context;
@@ -399,11 +414,11 @@ class MixedGraphs(_StepGraphs):
 
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], lora: Any, *, max_seqs: int, max_tokens: int,
                  max_blocks_per_seq: int, block_size: int, scratch_block: int, capture: bool = True,
-                 pool: Any = None, scratch_state_slot: int | None = None):
+                 pool: Any = None, scratch_state_slot: int | None = None, step_tokens: torch.Tensor | None = None):
         if max_tokens < 1 or max_seqs < 1:
             raise ValueError(f"mixed-step graphs need max_tokens >= 1 and max_seqs >= 1; got {max_tokens}, {max_seqs}")
         super().__init__(model, kv_caches, lora, num_table_rows=max_seqs, max_blocks_per_seq=max_blocks_per_seq,
-                         block_size=block_size, scratch_block=scratch_block)
+                         block_size=block_size, scratch_block=scratch_block, step_tokens=step_tokens)
         self.max_seqs = max_seqs
         self.scratch_state_slot = scratch_state_slot  # None: the model keeps no recurrent state
         self.buckets = token_buckets(max_tokens)
@@ -419,7 +434,7 @@ class MixedGraphs(_StepGraphs):
         t, s, dev = self.max_tokens, self.max_seqs, self.device
         self._num_work = {b: max_varlen_items(b, s) for b in self.buckets}
         self._num_chunks = {b: max_varlen_items(b, s, CHUNK) for b in self.buckets}
-        sizes = dict(longs=3 * t, token_slots=t, query_start=s + 1, context_lens=s, sampled_rows=s, sampled_slots=s,
+        sizes = dict(longs=3 * t, input_src=t, token_slots=t, query_start=s + 1, context_lens=s, sampled_rows=s, sampled_slots=s,
                      work=2 * self._num_work[t])
         if self.scratch_state_slot is not None:
             sizes.update(state_slots=s, chunks=2 * self._num_chunks[t])
@@ -431,7 +446,7 @@ class MixedGraphs(_StepGraphs):
         self._tables_start = offset
         self._stage = _Staging(offset + s * self.block_tables.shape[1], dev)
         view = {field: self._stage.view(self._at[field], size) for field, size in sizes.items()}
-        self._stage_longs = view["longs"].view(3, t)
+        self._stage_longs, self.input_src = view["longs"].view(3, t), view["input_src"]
         self.token_slots, self.query_start, self.context_lens = view["token_slots"], view["query_start"], view["context_lens"]
         self.sampled_rows, self.sampled_slots = view["sampled_rows"], view["sampled_slots"]
         self.varlen_work = view["work"].view(-1, 2)
@@ -442,7 +457,7 @@ class MixedGraphs(_StepGraphs):
             self.deltanet_chunks = torch.zeros(self._num_chunks[t], 2, dtype=torch.long, device=dev)
         self._token_index = torch.arange(t, dtype=torch.int32, device=dev)
         self.logits = torch.zeros(s, vocab_size, dtype=torch.float32, device=dev)
-        self._write_header([], [], [], [], [], [], [], t)
+        self._write_header([], [], [], [], [], [], [], t, device_inputs=())
         self._stage.upload(self._tables_start)
 
     def _sizes(self) -> str:
@@ -462,7 +477,8 @@ class MixedGraphs(_StepGraphs):
         return next(b for b in self.buckets if b >= num_tokens)
 
     def _write_header(self, input_ids, positions, slot_mapping, token_slots, query_lens, context_lens,
-                      sampled, bucket: int, sampled_slots: Sequence[int] = (), state_slots: Sequence[int] = ()) -> None:
+                      sampled, bucket: int, sampled_slots: Sequence[int] = (), state_slots: Sequence[int] = (), *,
+                      device_inputs: Sequence[tuple[int, int]]) -> None:
         """The header's host copy for one step, padded to ``bucket`` tokens and ``max_seqs`` sequences."""
         put = self._put
         t, s, num_tokens = self.max_tokens, self.max_seqs, len(input_ids)
@@ -470,6 +486,7 @@ class MixedGraphs(_StepGraphs):
         put(longs, input_ids, bucket, 0)
         put(longs + t, positions, bucket, 0)
         put(longs + 2 * t, slot_mapping, bucket, self.scratch_slot)
+        _put_sources(self._stage.host_np[self._at["input_src"] : self._at["input_src"] + bucket], num_tokens, device_inputs)
         put(self._at["token_slots"], token_slots, bucket, 0)
         put(self._at["query_start"], np.cumsum([0, *query_lens]), s + 1, num_tokens)
         put(self._at["context_lens"], context_lens, s, 0)
@@ -496,7 +513,8 @@ class MixedGraphs(_StepGraphs):
         self._stage.begin_write()
         token_slots = np.repeat(np.asarray(batch.chunk_slots, dtype=np.int32), batch.query_lens)
         self._write_header(batch.input_ids, batch.positions, batch.slot_mapping, token_slots, batch.query_lens,
-                           batch.context_lens, batch.logits_indices, bucket, batch.sample_slots, batch.state_slots)
+                           batch.context_lens, batch.logits_indices, bucket, batch.sample_slots, batch.state_slots,
+                           device_inputs=batch.device_inputs)
         self._send(self._tables_start, batch.block_tables, num_seqs)
         return bucket
 
@@ -511,6 +529,7 @@ class MixedGraphs(_StepGraphs):
         """The static-shape step over ``bucket`` tokens: what a graph captures."""
         self.longs[:, :bucket].copy_(self._stage_longs[:, :bucket])
         input_ids, positions, slot_mapping = self.longs[:, :bucket]
+        self._take_device_tokens(input_ids, self.input_src[:bucket])
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=self.block_tables,
@@ -536,6 +555,15 @@ class MixedGraphs(_StepGraphs):
         finally:
             if self.lora is not None:
                 self.lora.end_step()
+
+
+def _put_sources(field: np.ndarray, num_tokens: int, device_inputs: Sequence[tuple[int, int]]) -> None:
+    """The host ``input_src`` field of a step: -1 (staged) for every token, then each device token's row."""
+    field[:] = -1
+    for index, row in device_inputs:
+        if not 0 <= index < num_tokens:
+            raise ValueError(f"device input at token {index}: the step has {num_tokens} tokens")
+        field[index] = row
 
 
 class _ZeroedRows:

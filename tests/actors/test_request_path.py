@@ -229,8 +229,8 @@ async def test_failed_step_fails_its_rows_with_500_and_serving_continues(tiny_mo
     await engine.to_prepare.send(make_request("ok1", max_tokens=3, prompt_token_ids=[5, 6]))
     await engine.collect(num_ended=1)
     for worker in workers:  # the next step raises on every rank, once
-        real = worker.runner.execute
-        worker.runner.execute = functools.partial(_fail_once, worker, real)
+        real = worker.runner.forward
+        worker.runner.forward = functools.partial(_fail_once, worker, real)
     await engine.to_prepare.send(make_request("doomed", max_tokens=3, prompt_token_ids=[5, 6]))
     out = await engine.collect(num_ended=1)
     failed = out["doomed"]["end"]
@@ -256,5 +256,5 @@ async def test_the_frontend_learns_the_context_the_kv_cache_leaves(tiny_model):
 
 
 def _fail_once(worker, real, plan):
-    worker.runner.execute = real
+    worker.runner.forward = real
     raise RuntimeError("injected failure")

@@ -30,6 +30,16 @@ from mstar_actors.messages import (
 from transport.memory import MemoryChannel
 
 
+class DoneStep:
+    """A step whose tokens are on the host when it is made (a CPU step's)."""
+
+    def ready(self):
+        return True
+
+    def wait(self):
+        pass
+
+
 class SlowInstallRunner:
     """Steps return no tokens at once; ``install_adapter`` blocks (on the install thread) until ``go`` is set."""
 
@@ -43,8 +53,14 @@ class SlowInstallRunner:
     def ready_info(self, rank):
         return WorkerReady(rank=rank, num_kv_blocks=8, block_size=16, max_model_len=128)
 
-    def execute(self, plan):
+    def forward(self, plan):
         self.steps += 1
+        return DoneStep()
+
+    def sample(self, step):
+        pass
+
+    def collect(self, step):
         return []
 
     def reinstall_adapter(self, slot, name, digest):

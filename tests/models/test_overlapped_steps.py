@@ -1,0 +1,130 @@
+"""The runner's overlapped steps give the tokens of one-at-a-time steps.
+
+On CUDA the worker enqueues the next plan's ``forward`` before it
+``collect``s the step ahead (``ModelRunner``'s module doc): a token the host
+has not read yet is read on the device. Here the same scheduler (planning
+one step ahead, as the conductor does) drives two runners on the same
+weights, one overlapped and one stepping ``execute`` after ``execute``:
+every request's tokens and logprobs must be equal, for greedy, seeded and
+unseeded random rows, penalties and logprobs, through chunked prefill, a
+prefix hit, and preemptions (a small KV cache). The static (graph) paths
+run without capture on CPU and take the device tokens as well."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from mstar_actors import messages
+from mstar_actors.sched import Scheduler
+import runner_factories
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 40  # too few for every request at once: the scheduler preempts
+
+
+def make_runner(folder, paths: str):
+    if paths == "cuda-graphs":  # captured decode and mixed-step graphs, bf16
+        return runner_factories.make_runner(folder, dtype="bfloat16", device="cuda", block_size=BLOCK_SIZE,
+                                            num_blocks=NUM_BLOCKS, seed=0, max_num_seqs=8, cuda_graph_max_batch=8,
+                                            cuda_graph_max_tokens=16)
+    runner = runner_factories.make_runner(folder, dtype="float32", device="cpu", block_size=BLOCK_SIZE,
+                                          num_blocks=NUM_BLOCKS, seed=0, enforce_eager=True, max_num_seqs=8)
+    if paths == "static":
+        runner.enable_step_graphs(8, 16, capture=False)
+    return runner
+
+
+def requests(eos: int) -> list[messages.Prepared]:
+    shared = list(range(40, 64))
+    params = [
+        dict(temperature=0.0),
+        dict(temperature=0.8, seed=11, logprobs=3),
+        dict(temperature=1.0, top_k=20),  # unseeded: the runners' generators draw in the same order
+        dict(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, logprobs=2),
+        dict(temperature=0.7, top_p=0.9, seed=5, presence_penalty=0.4),
+    ]
+    out = []
+    for i, p in enumerate(params):
+        prompt = shared + [100 + 7 * i + j for j in range(3 + 5 * i)]  # a shared prefix, lengths 27..47
+        sampling = messages.SamplingParams(max_tokens=18, ignore_eos=True, **p)
+        out.append(messages.Prepared(request_id=f"r{i}", model="m", prompt_token_ids=prompt, sampling=sampling))
+    return out
+
+
+def drive(runner, overlapped: bool) -> tuple[list, int]:
+    """Every request through ``runner``: the scheduler's outputs in order, and
+    how many sequences restarted after a preemption."""
+    info = runner.ready_info(0)
+    sched = Scheduler(num_blocks=info.num_kv_blocks, block_size=BLOCK_SIZE, max_num_seqs=8, max_num_batched_tokens=16,
+                      max_model_len=info.max_model_len, eos_token_ids=tuple(info.eos_token_ids),
+                      enable_prefix_caching=True, max_in_flight=2)
+    for req in requests(info.eos_token_ids[0]):
+        sched.receive(req)
+        assert sched.add(req, "root") == []
+    outputs: list = []
+    num_restarts = 0
+    in_flight: deque = deque()  # (plan, Step or tokens), oldest first
+
+    def answer(plan, sampled):
+        outputs.extend(sched.update(messages.StepDone(step_id=plan.step_id, rank=0, sampled=sampled)))
+
+    while True:
+        plan = sched.schedule() if sched.can_schedule() else None
+        if plan is None and not in_flight:
+            break
+        num_restarts += plan is not None and sum(bool(s.output_token_ids) for s in plan.started)
+        if plan is None:
+            old, step = in_flight.popleft()
+            answer(old, runner.collect(step) if overlapped else step)
+        elif overlapped:  # the worker's order: the next forward, then the answer ahead, then the sampling
+            step = runner.forward(plan)
+            if in_flight:
+                old, older_step = in_flight.popleft()
+                answer(old, runner.collect(older_step))
+            runner.sample(step)
+            in_flight.append((plan, step))
+        else:  # the plan runs whole; the answer follows the next plan, as when the conductor plans ahead
+            in_flight.append((plan, runner.execute(plan)))
+            if len(in_flight) == 2:
+                answer(*in_flight.popleft())
+    assert not sched.has_work()
+    return outputs, num_restarts
+
+
+@pytest.mark.parametrize("paths", ["eager", "static", pytest.param("cuda-graphs", marks=pytest.mark.gpu)])
+def test_overlapped_steps_give_the_tokens_of_steps_one_at_a_time(paths, hf_models):
+    folder, _ = hf_models("llama")
+    want, num_restarts = drive(make_runner(folder, paths), overlapped=False)
+    runner = make_runner(folder, paths)
+    got, _ = drive(runner, overlapped=True)
+    assert got == want
+    assert num_restarts > 0  # the KV cache was small enough
+    finished = [o for o in got if isinstance(o, messages.Finished)]
+    assert len(finished) == 5 and all(o.finish_reason == "length" for o in finished)
+    assert any(isinstance(o, messages.TokenDelta) and o.tokens[0].logprob is not None for o in got)
+    assert all(seq.pending == -1 for seq in runner.seqs.values())
+
+
+def test_a_token_not_yet_read_is_the_next_steps_input_on_the_device(hf_models):
+    """The mechanism itself: after ``sample``, the sequence holds its token as
+    pending and the next batch reads it from ``step_tokens``."""
+    folder, _ = hf_models("llama")
+    runner = make_runner(folder, "eager")
+    greedy = messages.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    start = messages.SeqStart(request_id="a", prompt_token_ids=[5, 6, 7], sampling=greedy)
+    first = runner.forward(messages.StepPlan(step_id=1, started=[start], scheduled=[
+        messages.ScheduledChunk(request_id="a", num_computed=0, num_tokens=3, block_ids=[0], sample=True)]))
+    runner.sample(first)
+    seq = runner.seqs["a"]
+    assert (seq.pending, seq.num_known, seq.num_tokens) == (0, 3, 4)
+    second = runner.forward(messages.StepPlan(step_id=2, started=[], scheduled=[
+        messages.ScheduledChunk(request_id="a", num_computed=3, num_tokens=1, block_ids=[0], sample=True)]))
+    assert second.batch.device_inputs == [(0, 0)] and second.batch.input_ids == [0]
+    (token,) = runner.collect(first)
+    assert seq.output_token_ids == [token.token_id] and seq.pending == -1
+    assert runner.step_tokens[0].item() == token.token_id
+    runner.sample(second)
+    (token2,) = runner.collect(second)
+    assert seq.output_token_ids == [token.token_id, token2.token_id]
