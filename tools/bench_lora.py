@@ -392,7 +392,9 @@ async def run_load(url: str, base: str, scenario: Scenario, prompts: list, max_t
             result.num_tokens += n
         progress(f"{scenario.name}, concurrency {concurrency}: {len(result.ttft_s)}/{len(prompts)} done")
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+    # aiohttp's default connector opens at most 100 connections: more clients would queue in it, not at the server.
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), connector=connector) as session:
         start = time.perf_counter()
         await asyncio.gather(*[client(session) for _ in range(concurrency)])
         result.wall_s = time.perf_counter() - start
@@ -403,7 +405,8 @@ async def warm_up(url: str, models: list[str], prompts: list, levels: tuple[int,
     """Every served model once, then one burst at each concurrency, a few tokens each."""
     import aiohttp
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+    connector = aiohttp.TCPConnector(limit=0)  # no cap: the bursts go up to the largest level
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), connector=connector) as session:
         for model in models:
             await one_request(session, url, model, prompts[0], 4, exact=True)
         for c in levels:  # each batch size once, so no first-time cost (compiles, allocations) is measured
