@@ -79,10 +79,14 @@ class Server:
 
     def cpu_s(self) -> float:
         """CPU time so far of the launcher and every actor process."""
+        return sum(self.process_cpu_s().values())
+
+    def process_cpu_s(self) -> dict[int, float]:
+        """CPU time so far (user + system) of the launcher and of each actor process, by pid."""
         import psutil
 
         root = psutil.Process(self.proc.pid)
-        return sum(sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)])
+        return {p.pid: sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)]}
 
     def stop(self) -> None:
         self.proc.terminate()
