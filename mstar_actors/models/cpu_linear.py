@@ -497,16 +497,18 @@ def _advise_huge_pages(address: int, num_bytes: int) -> bool:
 
 def _kernel_linear(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, num_out: int,
                    bias: torch.Tensor | None) -> torch.Tensor:
-    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, in] as it comes: no reshape, no view
-    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
-        rows = rows.contiguous()
-    y = torch.empty(rows.shape[0], num_out, dtype=x.dtype)
-    if rows.shape[0] > 0:
+    is_rows = x.dim() == 2
+    rows = x if is_rows else x.reshape(-1, x.shape[-1])  # [M, in] as it comes: no reshape, no view
+    (num_rows, num_in), (row_stride, col_stride) = rows.shape, rows.stride()  # read once: a call each costs
+    if col_stride != 1 or (num_rows > 1 and row_stride < num_in):
+        rows, row_stride = rows.contiguous(), num_in
+    y = torch.empty(num_rows, num_out, dtype=torch.float32)
+    if num_rows > 0:
         if bias is not None:
             bias = bias.contiguous()
-        lib.linear_f32(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), blocks.data_ptr(), num_out,
+        lib.linear_f32(rows.data_ptr(), num_rows, num_in, row_stride, blocks.data_ptr(), num_out,
                        None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], num_out)
+    return y if is_rows else y.view(*x.shape[:-1], num_out)
 
 
 class PackedWeight:

@@ -440,18 +440,20 @@ class QuantizedWeight:
         lib = kernel()
         if lib is None:
             return F.linear(x, self.dequantize(), bias)
-        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
-            rows = rows.contiguous()
-        y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-        if rows.shape[0] > 0:
+        is_rows = x.dim() == 2
+        rows = x if is_rows else x.reshape(-1, x.shape[-1])
+        (num_rows, num_in), (row_stride, col_stride) = rows.shape, rows.stride()
+        if col_stride != 1 or (num_rows > 1 and row_stride < num_in):
+            rows, row_stride = rows.contiguous(), num_in
+        y = torch.empty(num_rows, self.out_features, dtype=torch.float32)
+        if num_rows > 0:
             if bias is not None:
                 bias = bias.contiguous()
             codes, scale, minv = self._pointers()
-            lib.linear_quant(self.bits, int(self.dot_layout), rows.data_ptr(), rows.shape[0], self.in_features, rows.stride(0), codes,
-                             scale, minv, self.out_features, None if bias is None else bias.data_ptr(), y.data_ptr(),
-                             torch.get_num_threads())
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+            lib.linear_quant(self.bits, int(self.dot_layout), rows.data_ptr(), num_rows, self.in_features, row_stride,
+                             codes, scale, minv, self.out_features, None if bias is None else bias.data_ptr(),
+                             y.data_ptr(), torch.get_num_threads())
+        return y if is_rows else y.view(*x.shape[:-1], self.out_features)
 
     def _pointers(self) -> tuple[int, int, int | None]:
         # Read on every call, not kept: ``move_into`` replaces the tensors.
