@@ -81,12 +81,20 @@ class Server:
         """CPU time so far of the launcher and every actor process."""
         return sum(self.process_cpu_s().values())
 
-    def process_cpu_s(self) -> dict[int, float]:
-        """CPU time so far (user + system) of the launcher and of each actor process, by pid."""
+    def process_cpu_s(self) -> dict[str, float]:
+        """CPU time so far (user + system) of the launcher and of each actor
+        process, by actor name (the run directory's actors.json; a process it
+        does not name, by pid)."""
         import psutil
 
+        from mstar_actors.rundir import ACTORS_FILE, runs_root
+
+        names = {}
+        for path in runs_root().glob(f"*p{self.proc.pid}/{ACTORS_FILE}"):  # the run id ends with the launcher's pid
+            names = {pid: name for name, pid in json.loads(path.read_text())["actors"].items()}
+        names[self.proc.pid] = "launcher"
         root = psutil.Process(self.proc.pid)
-        return {p.pid: sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)]}
+        return {names.get(p.pid, f"pid {p.pid}"): sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)]}
 
     def stop(self) -> None:
         self.proc.terminate()
