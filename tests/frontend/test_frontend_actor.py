@@ -5,7 +5,7 @@ import json
 
 import aiohttp
 
-from mstar_actors.messages import ContextAgreed, EngineStats, Failed, PeerFailed, SampledToken, TokenDelta
+from mstar_actors.messages import ContextAgreed, EngineStats, Failed, Finished, PeerFailed, SampledToken, TokenDelta
 from tests.frontend.conftest import REPLY
 from tests.frontend.test_openai_api import BAD
 
@@ -167,6 +167,35 @@ def test_logprobs_chat_and_legacy_formats(harness):
             assert "".join(lp["tokens"]) == r["choices"][0]["text"]
             assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
             assert all(len(top) == 1 for top in lp["top_logprobs"])
+
+    run(body)
+
+
+def test_outputs_queued_together_leave_in_one_event(harness):
+    """Outputs that arrive faster than the stream writes go out together: one
+    event with all their text and logprobs (and the finish), the same content."""
+    async def body():
+        async with harness() as h:
+            h.engine.plan = hold
+            streaming = asyncio.create_task(h.stream(CHAT, chat_body(logprobs=True, top_logprobs=1,
+                                                                     stream_options={"include_usage": True})))
+            await h.engine.wait_for(lambda: len(h.engine.requests) == 1)
+            (req,) = h.engine.requests.values()
+            (rid,) = h.engine.choice_ids(req)
+            ids = h.engine.tokenizer(REPLY).input_ids
+            for i, token_id in enumerate(ids):  # queued back to back: the frontend has not run meanwhile
+                tok = SampledToken(request_id=rid, token_id=token_id, logprob=-0.5)
+                await h.engine.send(TokenDelta(request_id=rid, tokens=[tok], num_prompt_tokens=3 if i == 0 else 0))
+            await h.engine.send(Finished(request_id=rid, finish_reason="stop", num_prompt_tokens=3,
+                                         num_output_tokens=len(ids)))
+            status, events = await streaming
+            assert status == 200 and events[-1] == "[DONE]"
+            role, merged, usage = events[:-1]
+            assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+            (choice,) = merged["choices"]
+            assert choice["delta"]["content"] == REPLY and choice["finish_reason"] == "stop"
+            assert len(choice["logprobs"]["content"]) == len(ids)
+            assert usage["usage"]["completion_tokens"] == len(ids)
 
     run(body)
 
