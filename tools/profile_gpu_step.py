@@ -14,7 +14,7 @@ then the expand; CUDA's default) and unfused (the GEMM, then the one-row
 kernel with its own shrink); ``--fuse on|off`` keeps one. ``--fused-ops``
 likewise sets the layers' small ops side by side: ``triton_fused``'s one
 launch each (RMSNorm with the residual add, rotary with the KV write,
-SiLU-and-mul; off by default for now, see ``triton_fused.enabled``) or torch's ops.
+SiLU-and-mul; on by default, see ``triton_fused.enabled``) or torch's ops.
 
     python tools/profile_gpu_step.py --tokenizer DIR            # the random Llama-3.2-1B shape
     python tools/profile_gpu_step.py --tokenizer DIR --batches 1 8 32 64 --mixed-decodes 7 31
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="decode table with the LoRA linears' A under their weights (CUDA's default), unfused, "
                         "or both runners side by side (default)")
     p.add_argument("--fused-ops", choices=["on", "off", "both"], default="both",
-                   help="decode table with the layers' small ops fused (triton_fused; off by default for now), as torch ops, "
+                   help="decode table with the layers' small ops fused (triton_fused, the default), as torch ops, "
                         "or both side by side (default); the rest of the run takes the first")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
