@@ -100,14 +100,39 @@ def test_return_token_ids_gives_the_prompt_and_the_sampled_ids(harness):
 
 
 def test_continuous_usage_stats_puts_usage_in_every_chunk(harness):
+    """Each token is sent once the client has read the chunk before it (outputs
+    that queue together would leave in one chunk, with one count)."""
+    import json
+
+    import aiohttp
+
     async def body():
         async with harness() as h:
-            _, events = await h.stream(CHAT, chat_body(stream_options={"include_usage": True,
-                                                                       "continuous_usage_stats": True}))
-            chunks = events[:-1]
+            h.engine.plan = hold
+            body = chat_body(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+            async with aiohttp.ClientSession() as s:
+                posting = asyncio.create_task(s.post(h.url + CHAT, json=body))
+                await h.engine.wait_for(lambda: len(h.engine.requests) == 1)
+                (req,) = h.engine.requests.values()
+                (rid,) = h.engine.choice_ids(req)
+                ids = h.engine.tokenizer(REPLY).input_ids[:4]
+                chunks, response = [], None
+                for i, token_id in enumerate(ids):
+                    tok = SampledToken(request_id=rid, token_id=token_id)
+                    await h.engine.send(TokenDelta(request_id=rid, tokens=[tok], num_prompt_tokens=2 if i == 0 else 0))
+                    response = response or await posting
+                    while not chunks or chunks[-1]["usage"]["completion_tokens"] < i + 1:
+                        line = await response.content.readline()
+                        if line.startswith(b"data: {"):
+                            chunks.append(json.loads(line[6:]))
+                await h.engine.send(Finished(request_id=rid, finish_reason="length", num_prompt_tokens=2,
+                                             num_output_tokens=len(ids)))
+                async for line in response.content:
+                    if line.startswith(b"data: {"):
+                        chunks.append(json.loads(line[6:]))
             assert all(c["usage"] is not None for c in chunks)
             counts = [c["usage"]["completion_tokens"] for c in chunks]
-            assert counts == sorted(counts) and counts[-1] > counts[1]
+            assert counts == sorted(counts) and counts[-1] == len(ids) and counts[1] == 1
 
     run(body)
 
