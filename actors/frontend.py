@@ -18,10 +18,11 @@ Concurrency invariants (one asyncio loop, no threads touch this state):
   from the frontend itself). A slow client therefore holds at most its own
   tokens in memory and never makes the frontend drop or stall anyone's. A
   message beyond the bound is an engine bug: the exchange fails, others go on.
-- A stream writes what its queue holds at once: the outputs of a choice that
-  queued while the last event was written leave in one event (their text,
-  logprobs and token ids together), so under load the events per token fall
-  instead of the backlog growing; a stream that keeps up sends one per token.
+- A stream writes what its queue holds at once: the outputs of each choice
+  that queued while the last event was written leave in one event (their
+  text, logprobs and token ids together), so under load the events per token
+  fall instead of the backlog growing; a stream that keeps up sends one per
+  token.
 - Every engine request the frontend sent is aborted unless it finished, on
   every exit path of its handler (client gone: aiohttp cancels the handler;
   write failed; error; stop-string match), so the conductor frees its blocks.
@@ -764,32 +765,35 @@ class FrontendActor(Actor):
 
 
     async def _write_outputs(self, stream: _Stream, exchange: Exchange, msgs: list[Any]) -> None:
-        """Apply ``msgs`` in order and write them, one event per run of outputs
-        of the same choice. While the stream keeps up an event carries one
-        token; when outputs arrive faster than events are written (one
-        process writes every stream, at about 20k events/s on the H200's
-        host), the queued ones leave together, so the cost per token falls
-        as the load rises instead of the backlog growing."""
-        run: list | None = None  # [choice, text, entries] not yet written
+        """Apply ``msgs`` in order and write them, one event per choice (in
+        the order choices first appear; each choice's outputs keep theirs).
+        While the stream keeps up an event carries one token; when outputs
+        arrive faster than events are written (one process writes every
+        stream, about 20k events/s on the H200's host), the queued ones leave
+        together, so the cost per token falls as the load rises instead of
+        the backlog growing."""
+        runs: dict[int, list] = {}  # choice index -> [choice, text, entries] not yet written
         try:
             for msg in msgs:
                 applied = self._apply(exchange, msg)
                 if applied is None:
                     continue
                 choice, text, entries = applied
-                if run is not None and run[0] is choice:
+                run = runs.get(choice.index)
+                if run is None:
+                    runs[choice.index] = [choice, text, entries]
+                else:
                     run[1] += text
                     run[2] = [*run[2], *entries]
-                    continue
-                if run is not None:
-                    await stream.write_choice(*run)
-                run = [choice, text, entries]
         except ApiError:  # a later output failed the exchange: what came before it still goes out first
-            if run is not None:
-                await stream.write_choice(*run)
+            await _write_runs(stream, runs)
             raise
-        if run is not None:
-            await stream.write_choice(*run)
+        await _write_runs(stream, runs)
+
+
+async def _write_runs(stream: _Stream, runs: dict[int, list]) -> None:
+    for run in runs.values():
+        await stream.write_choice(*run)
 
 
 def _add_token_ids(body: dict, exchange: Exchange, choices: list[ChoiceOutput]) -> None:

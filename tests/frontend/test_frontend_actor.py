@@ -200,6 +200,31 @@ def test_outputs_queued_together_leave_in_one_event(harness):
     run(body)
 
 
+def test_queued_outputs_of_two_choices_leave_in_one_event_each(harness):
+    async def body():
+        async with harness() as h:
+            h.engine.plan = hold
+            streaming = asyncio.create_task(h.stream(CHAT, chat_body(n=2)))
+            await h.engine.wait_for(lambda: len(h.engine.requests) == 1)
+            (req,) = h.engine.requests.values()
+            rids = h.engine.choice_ids(req)
+            ids = h.engine.tokenizer(REPLY).input_ids
+            for i, token_id in enumerate(ids):  # interleaved: a, b, a, b, ...
+                for rid in rids:
+                    tok = SampledToken(request_id=rid, token_id=token_id)
+                    await h.engine.send(TokenDelta(request_id=rid, tokens=[tok], num_prompt_tokens=3 if i == 0 else 0))
+            for rid in rids:
+                await h.engine.send(Finished(request_id=rid, finish_reason="stop", num_prompt_tokens=3,
+                                             num_output_tokens=len(ids)))
+            status, events = await streaming
+            assert status == 200 and events[-1] == "[DONE]"
+            content = [c["choices"][0] for c in events[:-1] if c["choices"] and c["choices"][0]["delta"].get("content")]
+            assert sorted(c["index"] for c in content) == [0, 1]
+            assert all(c["delta"]["content"] == REPLY and c["finish_reason"] == "stop" for c in content)
+
+    run(body)
+
+
 def test_disconnect_mid_stream_aborts_every_choice(harness):
     async def body():
         async with harness() as h:
