@@ -183,12 +183,11 @@ class _StepGraphs:
     off_hint = "set model.enforce_eager: true"
 
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], lora: Any, *, num_table_rows: int,
-                 max_blocks_per_seq: int, block_size: int, scratch_block: int, step_tokens: torch.Tensor | None):
+                 max_blocks_per_seq: int, block_size: int, scratch_block: int, step_tokens: torch.Tensor):
         self.model, self.kv_caches, self.lora = model, kv_caches, lora
         self.block_size, self.scratch_block = block_size, scratch_block
         self.device = kv_caches[0].device
-        # The previous step's sampled tokens (the runner's); the graphs read it by address.
-        self.step_tokens = step_tokens if step_tokens is not None else torch.zeros(1, dtype=torch.long, device=self.device)
+        self.step_tokens = step_tokens  # the runner's: the last sampling's tokens, read by address
         self.is_captured = False
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.block_tables = torch.full((num_table_rows, max_blocks_per_seq), scratch_block, dtype=torch.int32,
@@ -290,7 +289,7 @@ class DecodeGraphs(_StepGraphs):
 
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], lora: Any, *, max_batch: int,
                  max_blocks_per_seq: int, block_size: int, scratch_block: int, capture: bool = True,
-                 pool: Any = None, scratch_state_slot: int | None = None, step_tokens: torch.Tensor | None = None):
+                 pool: Any = None, scratch_state_slot: int | None = None, step_tokens: torch.Tensor):
         super().__init__(model, kv_caches, lora, num_table_rows=max_batch, max_blocks_per_seq=max_blocks_per_seq,
                          block_size=block_size, scratch_block=scratch_block, step_tokens=step_tokens)
         self.max_batch = max_batch
@@ -414,7 +413,7 @@ class MixedGraphs(_StepGraphs):
 
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], lora: Any, *, max_seqs: int, max_tokens: int,
                  max_blocks_per_seq: int, block_size: int, scratch_block: int, capture: bool = True,
-                 pool: Any = None, scratch_state_slot: int | None = None, step_tokens: torch.Tensor | None = None):
+                 pool: Any = None, scratch_state_slot: int | None = None, step_tokens: torch.Tensor):
         if max_tokens < 1 or max_seqs < 1:
             raise ValueError(f"mixed-step graphs need max_tokens >= 1 and max_seqs >= 1; got {max_tokens}, {max_seqs}")
         super().__init__(model, kv_caches, lora, num_table_rows=max_seqs, max_blocks_per_seq=max_blocks_per_seq,
