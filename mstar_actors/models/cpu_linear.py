@@ -497,17 +497,28 @@ def _advise_huge_pages(address: int, num_bytes: int) -> bool:
 
 def _kernel_linear(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, num_out: int,
                    bias: torch.Tensor | None) -> torch.Tensor:
+    return on_rows(x, num_out, bias, lambda rows, num_rows, num_in, row_stride, bias_ptr, y, num_threads: lib.linear_f32(
+        rows, num_rows, num_in, row_stride, blocks.data_ptr(), num_out, bias_ptr, y, num_threads))
+
+
+def on_rows(x: torch.Tensor, num_out: int, bias: torch.Tensor | None, call: Callable[..., None]) -> torch.Tensor:
+    """A linear kernel's output ``[..., num_out]`` for float32 ``x [..., in]``:
+    ``call(rows, num_rows, num_in, row_stride, bias, y, num_threads)`` with
+    pointers to x's rows as the kernels read them (unit column stride,
+    ``row_stride`` floats apart: copied only when they are not), to the
+    contiguous bias (or None) and to a fresh ``y``. Shapes and strides are
+    read once: each read is a call, and a decode step makes 121 of these."""
     is_rows = x.dim() == 2
     rows = x if is_rows else x.reshape(-1, x.shape[-1])  # [M, in] as it comes: no reshape, no view
-    (num_rows, num_in), (row_stride, col_stride) = rows.shape, rows.stride()  # read once: a call each costs
+    (num_rows, num_in), (row_stride, col_stride) = rows.shape, rows.stride()
     if col_stride != 1 or (num_rows > 1 and row_stride < num_in):
         rows, row_stride = rows.contiguous(), num_in
     y = torch.empty(num_rows, num_out, dtype=torch.float32)
     if num_rows > 0:
         if bias is not None:
             bias = bias.contiguous()
-        lib.linear_f32(rows.data_ptr(), num_rows, num_in, row_stride, blocks.data_ptr(), num_out,
-                       None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        call(rows.data_ptr(), num_rows, num_in, row_stride, None if bias is None else bias.data_ptr(), y.data_ptr(),
+             torch.get_num_threads())
     return y if is_rows else y.view(*x.shape[:-1], num_out)
 
 

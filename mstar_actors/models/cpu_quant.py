@@ -432,28 +432,19 @@ class QuantizedWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, self.dequantize(), bias)`` for float32 ``x`` on CPU.
-        A decode step calls this once a linear (121 times for SmolLM2), so
-        the common case, rows ``[M, in]`` of unit stride, goes straight to the
-        kernel: the general path's reshapes and view cost about 5 us a call."""
+        A decode step calls this once a linear (121 times for SmolLM2):
+        ``cpu_linear.on_rows`` hands the rows to the kernel as they come."""
         if x.dtype is not torch.float32 or not x.is_cpu:
             raise ValueError(f"quantized linear: takes float32 input on CPU, got {x.dtype} on {x.device}")
         lib = kernel()
         if lib is None:
             return F.linear(x, self.dequantize(), bias)
-        is_rows = x.dim() == 2
-        rows = x if is_rows else x.reshape(-1, x.shape[-1])
-        (num_rows, num_in), (row_stride, col_stride) = rows.shape, rows.stride()
-        if col_stride != 1 or (num_rows > 1 and row_stride < num_in):
-            rows, row_stride = rows.contiguous(), num_in
-        y = torch.empty(num_rows, self.out_features, dtype=torch.float32)
-        if num_rows > 0:
-            if bias is not None:
-                bias = bias.contiguous()
+        def call(rows, num_rows, num_in, row_stride, bias_ptr, y, num_threads):
             codes, scale, minv = self._pointers()
-            lib.linear_quant(self.bits, int(self.dot_layout), rows.data_ptr(), num_rows, self.in_features, row_stride,
-                             codes, scale, minv, self.out_features, None if bias is None else bias.data_ptr(),
-                             y.data_ptr(), torch.get_num_threads())
-        return y if is_rows else y.view(*x.shape[:-1], self.out_features)
+            lib.linear_quant(self.bits, int(self.dot_layout), rows, num_rows, num_in, row_stride, codes, scale, minv,
+                             self.out_features, bias_ptr, y, num_threads)
+
+        return cpu_linear.on_rows(x, self.out_features, bias, call)
 
     def _pointers(self) -> tuple[int, int, int | None]:
         # Read on every call, not kept: ``move_into`` replaces the tensors.
