@@ -195,15 +195,12 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int] | None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             zero_centered: bool = False, lora=None) -> torch.Tensor | None:
+             zero_centered: bool = False) -> torch.Tensor | None:
     """``F.rms_norm(x (+ residual), weight)`` in one call, or None where the
     rows don't fit (the caller then takes torch's path). With ``residual``
     (the shape of ``x``), ``residual += x`` first, in place: the sum is what
     is normalised. ``zero_centered``: the scale is ``1 + weight`` (in
-    float32 the same products as the reference's). A LoRA delta to add
-    first (``lora``, ``triton_fused``'s) is not taken here: None."""
-    if lora is not None:
-        return None
+    float32 the same products as the reference's)."""
     if zero_centered:
         weight = 1.0 + weight
     lib = kernel()
@@ -218,13 +215,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out if x.dim() == 2 else out.view(*x.shape)
 
 
-def silu_mul(gate_up: torch.Tensor, lora=None) -> torch.Tensor | None:
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """``F.silu(gate) * up`` of ``gate_up [T, 2I]`` (its two halves) in one
-    call, ``[T, I]``; None where the rows don't fit, or with a LoRA delta
-    to add first (``lora``: ``triton_fused``'s)."""
+    call, ``[T, I]``; None where the rows don't fit."""
     lib = kernel()
     rows = _rows(gate_up)
-    if lib is None or rows is None or rows[2] % 2 or lora is not None:
+    if lib is None or rows is None or rows[2] % 2:
         return None
     rows, num_rows, num_cols, row_stride = rows
     size = num_cols // 2
@@ -234,18 +230,17 @@ def silu_mul(gate_up: torch.Tensor, lora=None) -> torch.Tensor | None:
 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor, lora=None) -> bool:
+                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
     """Rotate ``q [T, H, D]`` and ``k [T, KH, D]`` in place by ``cos`` and
     ``signed_sin`` (``[T, 1, D]``, ``RotaryEmbedding.tables``), then write k
     and v at ``slot_mapping`` into ``kv_cache [2, blocks, block_size, KH, D]``
     (what ``TorchPagedAttention.write_kv`` does). False, having done
-    nothing, where the tensors' layouts don't fit one call, or with a LoRA
-    delta to add first (``lora``: ``triton_fused``'s)."""
+    nothing, where the tensors' layouts don't fit one call."""
     lib = kernel()
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     (q_stride, q_head, q_one), (k_stride, k_head, k_one), (v_stride, v_head, v_one) = q.stride(), k.stride(), v.stride()
-    if (lib is None or lora is not None or head_dim > MAX_HEAD_DIM or head_dim % 2 or not kv_cache.is_contiguous()
+    if (lib is None or head_dim > MAX_HEAD_DIM or head_dim % 2 or not kv_cache.is_contiguous()
             or slot_mapping.dtype is not torch.int64 or not slot_mapping.is_contiguous()
             or not cos.is_contiguous() or not signed_sin.is_contiguous() or cos.shape[0] != num_tokens
             or q_one != 1 or k_one != 1 or v_one != 1 or q_head != head_dim or k_head != head_dim or v_head != head_dim

@@ -26,7 +26,7 @@ from .sharding import Cut, ShardLayout, single_rank_layout
 from .spec import ModelSpec
 
 if TYPE_CHECKING:  # the hooks are made by ``lora_layers``, which builds on these modules
-    from .lora_layers import LoraDelta, LoraHook
+    from .lora_layers import LoraHook
 
 
 def fused_ops(x: torch.Tensor):
@@ -71,16 +71,12 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
-    def add_norm(self, x: torch.Tensor, y: torch.Tensor, delta: LoraDelta | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(self(x + y), x + y)``, ``y`` with its LoRA ``delta`` added first
-        where one is given. Through ``fused_ops`` one call, which writes the
-        sum into ``y`` in place: ``y`` must be the caller's own."""
+    def add_norm(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(x + y), x + y)``. Through ``fused_ops`` one call, which
+        writes the sum into ``y`` in place: ``y`` must be the caller's own."""
         if (ops := fused_ops(x)) is not None and (normed := ops.rms_norm(x, self.weight, self.eps, y,
-                                                                       zero_centered=self.zero_centered,
-                                                                       lora=delta)) is not None:
+                                                                       zero_centered=self.zero_centered)) is not None:
             return normed, y
-        if delta is not None:
-            y = delta.add_to(y)
         total = x + y
         return self.reference(total), total
 
@@ -112,18 +108,6 @@ class LoraLinear(nn.Linear):
             return hook.expand(out[:, :n], out[:, n:])
         y = self._base(x)
         return y if hook is None else hook.apply(y, x)
-
-    def forward_deferred(self, x: torch.Tensor) -> tuple[torch.Tensor, LoraDelta | None]:
-        """``forward``, except where the fused GEMM runs (``lora_layers.fuse_linear``):
-        there the base output and its LoRA delta not yet added, for a caller
-        whose next fused op adds it (``fused_ops``'s ``lora``) or who adds
-        it (``LoraDelta.add_to``). Elsewhere the delta is None."""
-        hook = self.lora
-        if self.fused_weight is not None and fused_ops(x) is not None and hook.fuses(x.shape[0]):
-            out = F.linear(x, self.fused_weight, self.fused_bias)
-            n = self.out_features
-            return out[:, :n], hook.deferred(out[:, n:])
-        return self.forward(x), None
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
@@ -203,48 +187,33 @@ class Attention(nn.Module):
         self.scale = spec.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        out, delta = self.forward_deferred(x, positions, kv_cache, meta)
-        return out if delta is None else delta.add_to(out)
-
-    def forward_deferred(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                         meta: AttentionMetadata) -> tuple[torch.Tensor, LoraDelta | None]:
-        """``forward``, o's LoRA delta left for the norm after it where it can
-        be (``LoraLinear.forward_deferred``); q|k|v's goes into the rotary."""
         num_tokens = x.shape[0]
-        qkv, delta = self.qkv_proj.forward_deferred(x)
         # The rows as heads, then split: one view and one split, where a split
         # of the columns and three views cost twice as much at decode sizes.
-        heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        heads = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = heads.split_with_sizes([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.has_qk_norm:
-            if delta is not None:  # the norms come between: the delta goes in first
-                delta.add_to(qkv)
-                delta = None
             q, k = self.q_norm(q), self.k_norm(k)
-        if not self._rope_write_kv(positions, q, k, v, kv_cache, meta, delta):
-            if delta is not None:
-                delta.add_to(qkv)  # q, k and v are its views
+        if not self._rope_write_kv(positions, q, k, v, kv_cache, meta):
             q, k = self.rotary(positions, q, k)
             self.backend.write_kv(kv_cache, k, v, meta)
         out = self.backend.attend(q, kv_cache, meta, self.scale)
-        if self.tp.is_parallel:  # o's delta is a partial sum too: the all-reduce carries it
-            return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, -1))), None
-        return self.o_proj.forward_deferred(out.reshape(num_tokens, -1))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))
 
 
     def _rope_write_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       kv_cache: torch.Tensor, meta: AttentionMetadata, delta: LoraDelta | None = None) -> bool:
+                       kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Rotary on q and k (in place: they are this step's own projections)
-        and the KV write in one call (``fused_ops``, adding q|k|v's LoRA
-        ``delta`` first), where the plain rotary and the reference backend's
-        write would run; False (nothing done) elsewhere."""
+        and the KV write in one call (``fused_ops``), where the plain rotary
+        and the reference backend's write would run; False (nothing done)
+        elsewhere."""
         # The backend's class, not the instance: a wrapper timing the instance's
         # methods (tools/profile_step.py --split) must not switch this path off.
         if (type(self.rotary) is not RotaryEmbedding or type(self.backend).write_kv is not TorchPagedAttention.write_kv
                 or positions.dim() != 1 or (ops := fused_ops(q)) is None or kv_cache.dtype != q.dtype):
             return False
         tables = self.rotary.step_tables or self.rotary.tables(positions, q.dtype)
-        return ops.rope_write_kv(q, k, v, *tables, kv_cache, meta.slot_mapping, delta)
+        return ops.rope_write_kv(q, k, v, *tables, kv_cache, meta.slot_mapping)
 
 
 class MLP(nn.Module):
@@ -261,24 +230,14 @@ class MLP(nn.Module):
         self.down_proj.tp_slices = layout.down_cuts()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, delta = self.forward_deferred(x)
-        return out if delta is None else delta.add_to(out)
-
-    def forward_deferred(self, x: torch.Tensor) -> tuple[torch.Tensor, LoraDelta | None]:
-        """``forward``, down's LoRA delta left for the next norm where it can
-        be (``LoraLinear.forward_deferred``); gate|up's goes into ``silu_mul``."""
-        gate_up, delta = self.gate_up_proj.forward_deferred(x)
+        gate_up = self.gate_up_proj(x)
         # One call where ``fused_ops`` takes it (equal to torch's to float32 rounding).
         ops = fused_ops(gate_up)
-        act = ops.silu_mul(gate_up, delta) if ops is not None else None
+        act = ops.silu_mul(gate_up) if ops is not None else None
         if act is None:
-            if delta is not None:
-                gate_up = delta.add_to(gate_up)
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        if self.tp.is_parallel:  # down's delta is a partial sum too: the all-reduce carries it
-            return self.tp.all_reduce(self.down_proj(act)), None
-        return self.down_proj.forward_deferred(act)
+        return self.tp.all_reduce(self.down_proj(act))
 
 
 class DecoderLayer(nn.Module):
@@ -291,24 +250,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, delta: LoraDelta | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor, LoraDelta | None]:
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """``x``: the previous layer's MLP output, not yet added into the
         residual stream ``residual`` (the first layer: the embedded rows,
-        ``residual`` None), nor its LoRA ``delta``. Returns this layer's MLP
-        output, the stream before it and the output's delta, so that every
-        residual add (and the delta of the linear before it) goes with the
-        norm after it (one call where ``fused_ops`` takes them; the sums
-        land in the attention's and MLP's own outputs, never in the
-        embeddings)."""
+        ``residual`` None). Returns this layer's MLP output and the stream
+        before it, so that every residual add goes with the norm after it
+        (one call where ``fused_ops`` takes them; the sums land in the
+        attention's and MLP's own outputs, never in the embeddings)."""
         if residual is None:
-            normed, residual = self.input_layernorm(x if delta is None else delta.add_to(x)), x
+            normed, residual = self.input_layernorm(x), x
         else:
-            normed, residual = self.input_layernorm.add_norm(residual, x, delta)
-        attn, delta = self.self_attn.forward_deferred(normed, positions, kv_cache, meta)
-        normed, residual = self.post_attention_layernorm.add_norm(residual, attn, delta)
-        out, delta = self.mlp.forward_deferred(normed)
-        return out, residual, delta
+            normed, residual = self.input_layernorm.add_norm(residual, x)
+        attn = self.self_attn(normed, positions, kv_cache, meta)
+        normed, residual = self.post_attention_layernorm.add_norm(residual, attn)
+        return self.mlp(normed), residual
 
 
 class DecoderModel(nn.Module):
@@ -377,13 +332,13 @@ class CausalLM(nn.Module):
         if shared is not None:
             shared.begin_step(positions, x.dtype)
         try:
-            residual = delta = None
+            residual = None
             for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-                x, residual, delta = layer(x, residual, positions, kv_cache, meta, delta)
+                x, residual = layer(x, residual, positions, kv_cache, meta)
         finally:
             if shared is not None:
                 shared.end_step()
-        return self.model.norm.add_norm(residual, x, delta)[0]
+        return self.model.norm.add_norm(residual, x)[0]
 
     def pack_cpu_weights(self) -> int:
         """Make the packed copies of the CPU fast path (``cpu_linear``) now

@@ -46,7 +46,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -139,30 +138,6 @@ class LoraHook:
     def expand(self, y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """y += the delta, given its shrink ``t`` from the fused GEMM."""
         return self.stack.add_delta_expand(y, t, self.step.row_slots)
-
-    def deferred(self, t: torch.Tensor) -> LoraDelta:
-        """The delta of shrink ``t`` (from the fused GEMM), not yet added."""
-        stack = self.stack
-        return LoraDelta(stack, t, stack.b, stack.scales, self.step.row_slots)
-
-
-class LoraDelta(NamedTuple):
-    """A fused stack's delta for this step's rows, not yet added to its base
-    output: its shrink ``t`` (the fused GEMM's A columns, ``[rows, shards x
-    slots x max_rank]``), the stack's ``b`` and ``scales`` and the rows'
-    slots. The step's next fused op adds it as it reads that output
-    (``triton_fused``: no launch of its own); ``add_to`` is the expand,
-    for a caller that cannot."""
-
-    stack: LoraStack
-    t: torch.Tensor
-    b: torch.Tensor
-    scales: torch.Tensor
-    row_slots: torch.Tensor
-
-    def add_to(self, y: torch.Tensor) -> torch.Tensor:
-        """``y += delta`` in place (one launch); returns ``y``."""
-        return self.stack.add_delta_expand(y, self.t, self.row_slots)
 
 
 class LoraLayers:

@@ -22,14 +22,6 @@ so graphs and eager steps agree:
 - ``silu_mul``: ``F.silu(gate) * up`` over the fused ``gate_up`` output
   (the GPU's exp and division are approximate: within 2 ulps).
 
-With ``lora`` (``lora_layers.LoraDelta``: a fused LoRA stack's shrink, not
-yet expanded), each also adds that delta to its input first, as
-``lora.triton_ops.expand_rows`` would have in a launch of its own: the
-attention's output into the norm after it, q|k|v into the rotary, gate|up
-into ``silu_mul``, the MLP's output into the next layer's norm. An adapter
-row's step then launches as many kernels as a base row's (at one row the
-four expands were about 0.2 ms of a 1.4 ms step on Llama-3.2-1B's shape).
-
 On by default (``enabled``); ``tools/profile_gpu_step.py --fused-ops both``
 times the step with and without them.
 
@@ -46,8 +38,6 @@ import triton.language as tl
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_WIDTH = 16384  # a row a program holds whole (hidden sizes up to 16k)
-# The largest LoRA B tile (columns x rank, padded) a norm's program holds whole: 128 values a thread at 32 warps.
-_MAX_LORA_TILE = 32 * 32 * 128
 
 
 # Read when a step runs or is captured; ``tools/profile_gpu_step.py
@@ -63,46 +53,8 @@ def takes(x: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _lora_delta(t_ptr, stride_t, b_ptr, stride_bs, stride_bn, scales_ptr, stride_sc, slots_ptr, num_slots, rank,
-                row, shard, cols, mask, BLOCK_R: tl.constexpr):
-    """The float32 LoRA delta of ``row`` at stacked output columns ``cols``
-    of ``shard``: ``scale * t[row, its slot's A columns] @ B[slot, cols].T``,
-    ``expand_rows``' arithmetic; zeros on slot 0 (base rows, which then add
-    an exact 0), and nothing read for them."""
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < tl.where(slot > 0, rank, 0)
-    scale = tl.load(scales_ptr + shard * stride_sc + slot)
-    t = tl.load(t_ptr + row * stride_t + (shard * num_slots + slot) * rank + offs_r, mask=mask_r, other=0.0)
-    t = t.to(tl.float32) * scale
-    w = tl.load(b_ptr + slot * stride_bs + cols[:, None].to(tl.int64) * stride_bn + offs_r[None, :],
-                mask=mask[:, None] & mask_r[None, :], other=0.0)
-    return tl.sum(w.to(tl.float32) * t[None, :], axis=1)
-
-
-def _lora_args(lora, rows: int, like: torch.Tensor) -> tuple | None:
-    """The kernels' arguments for ``lora`` (a ``LoraDelta`` or None) over
-    ``rows`` rows of ``like``'s dtype: ``(t, stride, b, stride, stride,
-    scales, stride, slots, num_slots, rank)`` and ``BLOCK_R``; None where
-    its layout does not fit (the caller then expands on its own). Without
-    a delta, ``like`` stands in for the pointers, which are never read."""
-    if lora is None:
-        return (like, 0, like, 0, 0, like, 0, like, 0, 0), 1
-    t, b, scales, slots = lora.t, lora.b, lora.scales, lora.row_slots
-    num_slots, _, rank = b.shape
-    if (t.shape[0] != rows or t.stride(-1) != 1 or b.dtype != like.dtype or b.stride(-1) != 1 or scales.stride(-1) != 1
-            or scales.dtype != torch.float32 or slots.shape != (rows,) or not slots.is_contiguous()):
-        return None
-    return (t, t.stride(0), b, b.stride(0), b.stride(1), scales, scales.stride(0), slots, num_slots, rank), \
-        max(4, triton.next_power_of_2(rank))
-
-
-
-@triton.jit
 def _rms_norm_kernel(x_ptr, stride_x0, stride_x1, res_ptr, stride_res, w_ptr, out_ptr, n, eps,
-                     lt_ptr, stride_lt, lb_ptr, stride_lbs, stride_lbn, lsc_ptr, stride_lsc, lslots_ptr, num_slots, rank,
-                     HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr,
-                     HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr):
+                     HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr):
     i0 = tl.program_id(0).to(tl.int64)
     i1 = tl.program_id(1).to(tl.int64)
     row = i0 * tl.num_programs(1) + i1
@@ -111,12 +63,8 @@ def _rms_norm_kernel(x_ptr, stride_x0, stride_x1, res_ptr, stride_res, w_ptr, ou
     x = tl.load(x_ptr + i0 * stride_x0 + i1 * stride_x1 + cols, mask=mask, other=0.0)
     if HAS_RES:
         # ``x + residual`` rounded to the dtype, stored back as the new residual.
-        y = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_LORA:  # residual's own LoRA delta first, rounded as the expand's in-place add is
-            y += _lora_delta(lt_ptr, stride_lt, lb_ptr, stride_lbs, stride_lbn, lsc_ptr, stride_lsc, lslots_ptr,
-                             num_slots, rank, row, 0, cols, mask, BLOCK_R)
-            y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-        x = (x.to(tl.float32) + y).to(out_ptr.dtype.element_ty)
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(out_ptr.dtype.element_ty)
         tl.store(res_ptr + row * stride_res + cols, x, mask=mask)
     x32 = x.to(tl.float32)
     # The sum of squares in float64 (each product exact): Triton lays a row out
@@ -134,45 +82,34 @@ def _rms_norm_kernel(x_ptr, stride_x0, stride_x1, res_ptr, stride_res, w_ptr, ou
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             zero_centered: bool = False, lora=None) -> torch.Tensor | None:
+             zero_centered: bool = False) -> torch.Tensor | None:
     """``RMSNorm(x (+ residual))`` over the last dimension in one launch, or
     None where the tensors don't fit. ``x`` is ``[M, N]`` or ``[M, H, N]``
     with unit stride in ``N`` (per-head q/k norms take the projection's
     views as they are); the result is contiguous. With ``residual``
     (``[M, N]``, contiguous rows), ``residual += x`` first, in place,
-    rounded to the dtype: the sum is what is normalised; with ``lora``
-    too (``residual``'s ``LoraDelta``), ``residual += delta`` before that.
-    ``zero_centered``: scaled by ``1 + weight`` in float32 before the one
-    cast (Qwen3.5's)."""
+    rounded to the dtype: the sum is what is normalised. ``zero_centered``:
+    scaled by ``1 + weight`` in float32 before the one cast (Qwen3.5's)."""
     n = x.shape[-1]
     if x.dim() not in (2, 3) or x.stride(-1) != 1 or n > MAX_WIDTH or weight.dtype != x.dtype or not weight.is_contiguous():
         return None
     if residual is not None and (x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype
                                  or residual.stride(-1) != 1):
         return None
-    block = triton.next_power_of_2(n)
-    lora_args = _lora_args(lora, x.shape[0], x) if residual is not None or lora is None else None
-    if lora_args is None or block * lora_args[1] > _MAX_LORA_TILE:
-        return None
-    # A program holds its row's B tile whole: warps enough for about 64 of its values a thread.
-    num_warps = max(_warps(n), min(32, block * lora_args[1] // 2048)) if lora is not None else _warps(n)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n0, n1 = x.shape[0], x.shape[1] if x.dim() == 3 else 1
     if out.numel():
         _rms_norm_kernel[(n0, n1)](x, x.stride(0), x.stride(1) if x.dim() == 3 else 0,
                                    x if residual is None else residual, 0 if residual is None else residual.stride(0),
-                                   weight, out, n, eps, *lora_args[0], HAS_RES=residual is not None,
-                                   ZERO_CENTERED=zero_centered, BLOCK=block, HAS_LORA=lora is not None,
-                                   BLOCK_R=lora_args[1], num_warps=num_warps)
+                                   weight, out, n, eps, HAS_RES=residual is not None, ZERO_CENTERED=zero_centered,
+                                   BLOCK=triton.next_power_of_2(n), num_warps=_warps(n))
     return out
 
 
 @triton.jit
 def _rope_write_kv_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh,
                           cos_ptr, sin_ptr, stride_ct, cache_ptr, stride_cs, stride_ch, cache_half, slot_ptr,
-                          num_heads, num_kv_heads,
-                          lt_ptr, stride_lt, lb_ptr, stride_lbs, stride_lbn, lsc_ptr, stride_lsc, lslots_ptr, num_slots,
-                          rank, HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr):
+                          num_heads, HALF: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -187,17 +124,6 @@ def _rope_write_kv_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_
     dtype = q_ptr.dtype.element_ty
     x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
     xo = tl.load(base + other, mask=mask, other=0.0).to(tl.float32)
-    if HAS_LORA:
-        # q|k|v's delta at this head's columns of the stacked output (q heads, then k's, then v's), rounded
-        # to the dtype as the expand's in-place add is; the partner half's too (its own columns' delta).
-        shard = tl.where(h < num_heads, 0, 1)
-        head_cols = h * (2 * HALF)
-        x += _lora_delta(lt_ptr, stride_lt, lb_ptr, stride_lbs, stride_lbn, lsc_ptr, stride_lsc, lslots_ptr,
-                         num_slots, rank, t, shard, head_cols + cols, mask, BLOCK_R)
-        xo += _lora_delta(lt_ptr, stride_lt, lb_ptr, stride_lbs, stride_lbn, lsc_ptr, stride_lsc, lslots_ptr,
-                          num_slots, rank, t, shard, head_cols + other, mask, BLOCK_R)
-        x = x.to(dtype).to(tl.float32)
-        xo = xo.to(dtype).to(tl.float32)
     # torch's rounding: x * cos, swapped * signed_sin, then their sum, each to the dtype.
     rotated = ((x * c).to(dtype).to(tl.float32) + (xo * s).to(dtype).to(tl.float32)).to(dtype)
     if h < num_heads:
@@ -211,24 +137,17 @@ def _rope_write_kv_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_
             dst = cache_ptr + slot * stride_cs + kh * stride_ch + cols
             tl.store(dst, rotated, mask=mask)
             v = tl.load(v_ptr + t * stride_vt + kh * stride_vh + cols, mask=mask, other=0.0)
-            if HAS_LORA:
-                v_cols = (num_heads + num_kv_heads + kh) * (2 * HALF) + cols
-                v = (v.to(tl.float32) + _lora_delta(lt_ptr, stride_lt, lb_ptr, stride_lbs, stride_lbn, lsc_ptr,
-                                                    stride_lsc, lslots_ptr, num_slots, rank, t, 2, v_cols, mask,
-                                                    BLOCK_R)).to(dtype)
             tl.store(dst + cache_half, v, mask=mask)
 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor, lora=None) -> bool:
+                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
     """Rotate ``q [T, H, D]`` in place and ``k [T, KH, D]`` by ``cos`` and
     ``signed_sin`` (``[T, 1, D]``, ``RotaryEmbedding.tables``), writing the
     rotated k and v at ``slot_mapping`` into ``kv_cache [2, blocks,
     block_size, KH, D]`` (a negative slot: not written), in one launch
     (``cpu_ops.rope_write_kv`` on CPU; ``k`` itself is left as it was).
-    ``lora``: the ``LoraDelta`` of the q|k|v projection they are heads of,
-    added to each first (q's in place). False, having done nothing, where
-    the layouts don't fit."""
+    False, having done nothing, where the layouts don't fit."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if (head_dim % 2 or head_dim > 1024 or not kv_cache.is_contiguous() or kv_cache.dtype != q.dtype
@@ -238,54 +157,41 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
             or any(t.stride(-1) != 1 for t in (q, k, v)) or kv_cache.shape[-1] != head_dim
             or kv_cache.shape[-2] != num_kv_heads):
         return False
-    if (lora_args := _lora_args(lora, num_tokens, q)) is None:
-        return False
     if num_tokens:
         slots = kv_cache[0].view(-1, num_kv_heads, head_dim)
         _rope_write_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
             q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
             cos, signed_sin, cos.stride(0), kv_cache, slots.stride(0), slots.stride(1), kv_cache[0].numel(),
-            slot_mapping, num_heads, num_kv_heads, *lora_args[0], HALF=head_dim // 2,
-            BLOCK=triton.next_power_of_2(head_dim), HAS_LORA=lora is not None, BLOCK_R=lora_args[1],
+            slot_mapping, num_heads, HALF=head_dim // 2, BLOCK=triton.next_power_of_2(head_dim),
             num_warps=1 if head_dim <= 128 else 2, enable_fp_fusion=False)  # float32: no FMA, torch's two roundings
     return True
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, stride_x, out_ptr, stride_out, n,
-                     lt_ptr, stride_lt, lb_ptr, stride_lbs, stride_lbn, lsc_ptr, stride_lsc, lslots_ptr, num_slots, rank,
-                     BLOCK: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr):
+def _silu_mul_kernel(x_ptr, stride_x, out_ptr, stride_out, n, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_LORA:  # gate|up's delta (shards 0 and 1), rounded as the expand's in-place add is
-        gate = (gate + _lora_delta(lt_ptr, stride_lt, lb_ptr, stride_lbs, stride_lbn, lsc_ptr, stride_lsc, lslots_ptr,
-                                   num_slots, rank, row, 0, cols, mask, BLOCK_R)).to(dtype).to(tl.float32)
-        up = (up + _lora_delta(lt_ptr, stride_lt, lb_ptr, stride_lbs, stride_lbn, lsc_ptr, stride_lsc, lslots_ptr,
-                               num_slots, rank, row, 1, n + cols, mask, BLOCK_R)).to(dtype).to(tl.float32)
     # torch's rounding: silu in float32, cast, then the product in float32, cast.
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (act * up).to(dtype), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor, lora=None) -> torch.Tensor | None:
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """``F.silu(gate) * up`` of ``gate_up [T, 2I]`` (its two halves) in one
-    launch, ``[T, I]``; with ``lora`` (``gate_up``'s ``LoraDelta``, rows
-    ``[T, 2I]``) its delta added to both first. None where the rows don't fit."""
+    launch, ``[T, I]``; None where the rows don't fit."""
     rows = _rows(gate_up)
-    if rows is None or rows.shape[-1] % 2 or (lora_args := _lora_args(lora, rows.shape[0], rows)) is None:
+    if rows is None or rows.shape[-1] % 2:
         return None
     n = rows.shape[-1] // 2
     out = torch.empty((rows.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
     if rows.shape[0]:
-        # With a delta, narrower blocks: a program holds two B tiles (columns x rank) besides.
-        block = min(1024 if lora is None else max(32, 4096 // lora_args[1]), triton.next_power_of_2(n))
+        block = min(1024, triton.next_power_of_2(n))
         _silu_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](rows, rows.stride(0), out, out.stride(0), n,
-                                                                 *lora_args[0], BLOCK=block, HAS_LORA=lora is not None,
-                                                                 BLOCK_R=lora_args[1], num_warps=4)
+                                                                 BLOCK=block, num_warps=4)
     return out.view(*gate_up.shape[:-1], n)
 
 

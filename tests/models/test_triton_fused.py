@@ -7,8 +7,6 @@ and the decoder with them against the decoder without them.
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -151,100 +149,6 @@ def test_silu_mul_equals_torch_to_rounding(dtype, device="cpu"):
     assert_close_to_rounding(out, want)
 
 
-# ---- a LoRA delta added on the way in ------------------------------------------------
-
-
-def lora_case(dtype, device, rows, output_sizes, num_slots=3, rank=5, seed=7):
-    """A fused stack's pending delta (``lora_layers.LoraDelta``'s fields)
-    over ``rows`` rows: rows on slot 0 (base), 1 and 2, slot 2 not
-    targeting the last shard (scale 0); and the delta itself, as
-    ``expand_rows`` computes it, in float32, ``[rows, sum(output_sizes)]``."""
-    gen = torch.Generator().manual_seed(seed)
-    num_shards, width = len(output_sizes), sum(output_sizes)
-    t = torch.randn(rows, num_shards * num_slots * rank, generator=gen).to(dtype)
-    b = (0.5 * torch.randn(num_slots, width, rank, generator=gen)).to(dtype)
-    b[0] = 0
-    scales = torch.full((num_shards, num_slots), 0.75)
-    scales[:, 0] = 0
-    scales[-1, 2] = 0
-    slots = torch.tensor([(1, 0, 2)[i % 3] for i in range(rows)], dtype=torch.int32)
-    want = torch.zeros(rows, width)
-    for row, slot in enumerate(slots.tolist()):
-        for shard in range(num_shards):
-            cols = slice(sum(output_sizes[:shard]), sum(output_sizes[: shard + 1]))
-            first = (shard * num_slots + slot) * rank
-            want[row, cols] = b[slot, cols].float() @ (t[row, first:first + rank].float() * scales[shard, slot])
-    delta = types.SimpleNamespace(t=t.to(device), b=b.to(device), scales=scales.to(device), row_slots=slots.to(device))
-    return delta, want.to(device)
-
-
-def with_delta(y: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """``y + delta`` rounded to ``y``'s dtype, as the expand's in-place add leaves it."""
-    return (y.float() + want).to(y.dtype)
-
-
-def assert_close_with_delta(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """The kernel sums the delta's rank in its own order: its float32 result
-    may round to the dtype the other way (an ulp of the operands, which a
-    cancelling sum makes many ulps of the result)."""
-    tol = 1e-5 if expected.dtype == torch.float32 else 4e-3
-    torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol)
-
-
-@pytest.mark.parametrize("dtype", CPU_DTYPES)
-def test_add_rms_norm_adds_the_lora_delta_first(dtype, device="cpu"):
-    gen = torch.Generator().manual_seed(11)
-    x = torch.randn(4, 80, generator=gen).to(dtype).to(device)
-    residual = torch.randn(4, 80, generator=gen).to(dtype).to(device)
-    weight = torch.randn(80, generator=gen).to(dtype).to(device)
-    delta, want = lora_case(dtype, device, 4, [80])
-    expected_sum = x + with_delta(residual, want)
-    out = triton_fused.rms_norm(x, weight, 1e-5, residual, lora=delta)
-    assert_close_with_delta(residual, expected_sum)
-    assert torch.equal(residual[1], expected_sum[1])  # a base row: exactly the sum
-    assert_close_to_rounding(out, torch_norm(residual, weight, 1e-5))  # the norm of the sum it wrote
-    assert triton_fused.rms_norm(x, weight, 1e-5, lora=delta) is None  # a delta goes with a residual
-
-
-@pytest.mark.parametrize("dtype", CPU_DTYPES)
-def test_rope_write_kv_adds_the_lora_delta_first(dtype, device="cpu"):
-    q, k, v, cos, sin, cache, slots = paged_case(dtype, device)
-    num_tokens, num_heads, head_dim = q.shape
-    q_size, kv_size = num_heads * head_dim, k.shape[1] * head_dim
-    delta, want = lora_case(dtype, device, num_tokens, [q_size, kv_size, kv_size])
-    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
-    q_ref, k_ref, v_ref = with_delta(qkv, want).split([q_size, kv_size, kv_size], dim=1)
-    q_ref, k_ref, v_ref = (t.view(num_tokens, -1, head_dim) for t in (q_ref, k_ref, v_ref))
-    want_cache = cache.clone()
-    flat = want_cache.view(2, -1, *cache.shape[-2:])
-    flat[0].index_copy_(0, slots, rotate(k_ref, cos, sin))
-    flat[1].index_copy_(0, slots, v_ref)
-    assert triton_fused.rope_write_kv(q, k, v, cos, sin, cache, slots, delta)
-    assert_close_with_delta(q, rotate(q_ref, cos, sin))
-    assert_close_with_delta(cache, want_cache)
-    assert torch.equal(cache[:, 0, 0], want_cache[:, 0, 0])  # token 1's k and v (a base row, at cache slot 0): exact
-
-
-@pytest.mark.parametrize("dtype", CPU_DTYPES)
-def test_silu_mul_adds_the_lora_delta_first(dtype, device="cpu"):
-    gen = torch.Generator().manual_seed(12)
-    gate_up = (2 * torch.randn(3, 2 * 300, generator=gen)).to(dtype).to(device)  # several column blocks with a delta
-    delta, want = lora_case(dtype, device, 3, [300, 300])
-    gate, up = with_delta(gate_up, want).chunk(2, dim=-1)
-    out = triton_fused.silu_mul(gate_up, delta)
-    assert_close_with_delta(out, F.silu(gate) * up)
-    assert torch.equal(out[1], triton_fused.silu_mul(gate_up)[1])  # the base row
-
-
-def test_a_lora_delta_that_does_not_fit_is_refused():
-    x, residual, weight = torch.randn(2, 16), torch.randn(2, 16), torch.ones(16)
-    delta, _ = lora_case(torch.float32, "cpu", 3, [16])  # three rows, not two
-    assert triton_fused.rms_norm(x, weight, 1e-6, residual, lora=delta) is None
-    assert triton_fused.silu_mul(torch.randn(2, 32), delta) is None
-    delta, _ = lora_case(torch.float16, "cpu", 2, [16])  # another dtype
-    assert triton_fused.rms_norm(x, weight, 1e-6, residual, lora=delta) is None
-
-
 # ---- compiled, on the device -------------------------------------------------------
 
 
@@ -257,6 +161,3 @@ def test_kernels_compiled_on_gpu(dtype):
     test_rms_norm_per_head_on_a_projections_view(dtype, "cuda")
     test_rope_write_kv_equals_rotate_and_index_copy_bit_for_bit(dtype, "cuda")
     test_silu_mul_equals_torch_to_rounding(dtype, "cuda")
-    test_add_rms_norm_adds_the_lora_delta_first(dtype, "cuda")
-    test_rope_write_kv_adds_the_lora_delta_first(dtype, "cuda")
-    test_silu_mul_adds_the_lora_delta_first(dtype, "cuda")
