@@ -653,7 +653,7 @@ def clip_features(feature_extractor: Any, data: bytes, param: str, limits: Media
 
     samples = decode_audio(data, MediaRef("audio", "", param), limits, sampling_rate, max_seconds)
     out = feature_extractor(samples, sampling_rate=sampling_rate, return_attention_mask=True, padding="max_length",
-                            return_tensors="np")
+                            max_length=features_length(feature_extractor, len(samples)), return_tensors="np")
     num_frames = int(out["attention_mask"][0].sum())
     num_tokens = audio_num_tokens(num_frames)
     if num_tokens < 1:
@@ -662,6 +662,28 @@ def clip_features(feature_extractor: Any, data: bytes, param: str, limits: Media
                                 f"{3 * feature_extractor.hop_length / sampling_rate * 1000:.0f} ms")
     rows = out["input_features"][0, :, :audio_frames_kept(num_frames, feature_extractor.nb_max_frames)]
     return rows.T.astype("float32", copy=False), num_frames, num_tokens
+
+
+def features_length(feature_extractor: Any, num_samples: int) -> int:
+    """The samples to pad a clip to before the extractor: the clip, the
+    frames the model reads past it, and zeros enough that the STFT's
+    reflected edge is zeros too, up to the extractor's 30 s chunk. Every
+    frame kept is then the one the whole chunk gives (a frame sees only its
+    own window), and so is the spectrogram's maximum, which sets its floor
+    (the frames past the clip are silence, -10, in both). A 10 s clip then
+    costs a third of the chunk's STFT and mel products. The frames come in
+    whole tiles of ``_FRAME_TILE``, at least ``_MIN_FRAMES``: a mel product
+    only a few frames wide takes another summation path in the BLAS, a last
+    bit off the chunk's."""
+    hop = feature_extractor.hop_length
+    # The kept frames end at most two frames past the clip's (``audio_frames_kept``); one more, and the last window's
+    # reflected half, lie wholly in zeros.
+    num_frames = max(_MIN_FRAMES, -(-(num_samples + feature_extractor.n_fft // 2 + 1) // hop) + 3)
+    num_frames = -(-num_frames // _FRAME_TILE) * _FRAME_TILE
+    return min(feature_extractor.n_samples, num_frames * hop)
+
+
+_MIN_FRAMES, _FRAME_TILE = 64, 32
 
 
 def torch_rows(rows: Any) -> Any:

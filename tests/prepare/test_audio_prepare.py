@@ -132,6 +132,27 @@ def test_prompt_and_frames_equal_the_processor(folder, preparer, fmt):
     assert sum(m.num_tokens for m in draft.media) == draft.prepared.prompt_token_ids.count(af.AUDIO_TOKEN)
 
 
+@pytest.mark.parametrize("num_samples", [1, 159, 160, 161, 16000, 16001, 479_500, 480_000])
+def test_features_of_a_short_pad_equal_the_whole_chunks(preparer, num_samples):
+    """The extractor over ``features_length`` samples gives the kept frames
+    (and the floor the spectrogram's maximum sets) of its whole 30 s chunk,
+    bit for bit, clip lengths at hop boundaries and near the chunk's end."""
+    from mstar_actors.models.qwen2_audio import audio_frames_kept
+    from mstar_actors.prepare.preparers import features_length
+
+    fe = preparer.feature_extractor
+    samples = np.random.default_rng(num_samples).standard_normal(num_samples).astype(np.float32) * 0.1
+    samples[: num_samples // 3] *= 1e-6  # quiet stretches, floored at the maximum less 8
+    kwargs = dict(sampling_rate=16000, return_attention_mask=True, padding="max_length", return_tensors="np")
+    whole = fe(samples, **kwargs)
+    short = fe(samples, max_length=features_length(fe, num_samples), **kwargs)
+    num_frames = int(whole["attention_mask"][0].sum())
+    kept = audio_frames_kept(num_frames, fe.nb_max_frames)
+    assert int(short["attention_mask"][0].sum()) == num_frames
+    assert short["input_features"].shape[2] >= kept
+    assert np.array_equal(short["input_features"][..., :kept], whole["input_features"][..., :kept])
+
+
 def test_file_url_inside_the_allowed_dir(folder, tmp_path):
     (tmp_path / "clip.wav").write_bytes(af.encode_audio("wav", seconds=0.5))
     limits = MediaLimits(allowed_dir=str(tmp_path))
