@@ -1,4 +1,4 @@
-"""Decode attention on CPU straight from the paged KV cache (float32).
+"""Attention on CPU straight from the paged KV cache, one query row at a time (float32).
 
 Why: the torch reference (``TorchPagedAttention``) first copies every
 decode sequence's pages into one padded tensor, then runs SDPA on it, per
@@ -8,8 +8,10 @@ The kernel here (``KERNEL_SOURCE``) reads each key and value where it lies
 in its block: per (sequence, K/V head) the query heads that share that head
 score a tile of keys, rescale their running softmax, and sum in the tile's
 values, in float32; so each key and value is read once per step and layer,
-and no buffer grows with the context. Prefill chunks, graphed and varlen
-steps keep the reference path.
+and no buffer grows with the context. A prefill chunk's rows take it too,
+each against its causal prefix (faster here than SDPA with a causal mask
+on a copy of the pages, at tens of rows as at thousands); graphed and
+varlen steps keep the reference path.
 
 One C source (plain vectors of 8 floats) built for AVX-512 and AVX2 alike,
 cached and self-checked like ``cpu_linear``'s kernels; without it (neither
@@ -202,37 +204,34 @@ def _check(lib: ctypes.CDLL) -> None:
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """The reference backend with decode rows on our kernel (CPU, float32, eager steps)."""
+    """The reference backend with every row of an eager step on our kernel
+    (CPU, float32): a decode row against its sequence's whole context, row
+    ``j`` of a prefill chunk against its causal prefix. A row's arithmetic
+    is the same whichever rows share its step (decode rows, chunks, adapter
+    rows or none: ``cpu_stack`` runs the same call)."""
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         lib = kernel()
         if (lib is None or meta.varlen_work is not None or meta.graph_decode or q.dtype is not torch.float32
                 or not q.is_cpu or not kv_cache.is_contiguous()):
             return super().attend(q, kv_cache, meta, scale)
-        decode = _decode_rows(meta)
-        if decode is None:
-            return super().attend(q, kv_cache, meta, scale)
-        rows, tables, lens, is_all = decode
-        if is_all:  # a pure decode step: every row is one sequence's query
-            return decode_attention(lib, q, kv_cache, tables, lens, scale)
-        out = torch.empty_like(q)
-        out[rows] = decode_attention(lib, q[rows], kv_cache, tables, lens, scale)
-        self._attend_chunks(q, kv_cache, meta, scale, out)
-        return out
+        tables, lens = row_contexts(meta)
+        return decode_attention(lib, q, kv_cache, tables, lens, scale)
 
 
-def _decode_rows(meta: AttentionMetadata):
-    """``(rows, tables, lens, is_all)`` of the step's decode rows (None without any), once per step."""
-    if "cpu_decode" in meta.derived:
-        return meta.derived["cpu_decode"]
-    seqs = [i for i, n in enumerate(meta.query_lens_list) if n == 1]
-    decode = None
-    if seqs:
-        num_blocks = max(meta.num_blocks_list[i] for i in seqs)
-        index = torch.tensor(seqs, dtype=torch.long)
-        tables = meta.block_tables[index, :num_blocks].long().contiguous()
-        lens = meta.context_lens[index].long().contiguous()
-        rows = torch.tensor([meta.query_start_list[i] for i in seqs], dtype=torch.long)
-        decode = (rows, tables, lens, len(seqs) == sum(meta.query_lens_list))
-    meta.derived["cpu_decode"] = decode
-    return decode
+def row_contexts(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query row's block table ``[T, W]`` and the tokens it attends
+    ``[T]`` (int64, contiguous): a decode row its whole context, row ``j``
+    of a chunk of ``n`` rows its context less the ``n - 1 - j`` rows after
+    it. Made once per step (``meta.derived``): every layer reuses it."""
+    if "cpu_rows" in meta.derived:
+        return meta.derived["cpu_rows"]
+    tables, lens = meta.block_tables.long(), meta.context_lens.long()
+    num_rows = sum(meta.query_lens_list)
+    if num_rows != meta.num_seqs:  # prefill chunks: a row per query, each its own length
+        seq_of_row = torch.repeat_interleave(torch.arange(meta.num_seqs),
+                                             torch.tensor(meta.query_lens_list, dtype=torch.long))
+        ends = meta.query_start[1:].long()[seq_of_row]
+        tables, lens = tables[seq_of_row], lens[seq_of_row] - ends + torch.arange(1, num_rows + 1)
+    meta.derived["cpu_rows"] = (tables, lens)
+    return tables, lens

@@ -1,8 +1,9 @@
-"""Decode attention on our CPU kernel (``cpu_attention``) against the torch
-reference it replaces, on the same paged cache: pure decode steps, decode
-rows beside prefill chunks, grouped heads, a head size that is not a
-multiple of 8, blocks out of order; and the kernel built for each
-instruction set this CPU has, on random paged caches."""
+"""Attention on our CPU kernel (``cpu_attention``) against the torch
+reference it replaces, on the same paged cache: pure decode steps, prefill
+chunks (with and without a cached prefix) beside decode rows, grouped
+heads, a head size that is not a multiple of 8, blocks out of order; and
+the kernel built for each instruction set this CPU has, on random paged
+caches."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def make_step(query_lens: list[int], context_lens: list[int], gen: torch.Generat
 @pytest.mark.parametrize("query_lens, context_lens", [
     ([1], [1]), ([1], [13]), ([1, 1, 1], [5, 17, 8]),  # pure decode
     ([1, 6, 1, 3], [9, 6, 22, 10]),  # decode rows between prefill chunks
+    ([7], [7]), ([5, 2], [14, 9]),  # prefill chunks alone, whole prompts and after a cached prefix
 ])
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (4, 4, 20)])
 def test_matches_the_torch_reference(query_lens, context_lens, num_heads, num_kv_heads, head_dim):
@@ -51,7 +53,7 @@ def test_matches_the_torch_reference(query_lens, context_lens, num_heads, num_kv
     meta.derived.clear()
     got = cpu_attention.CpuPagedAttention().attend(q, cache, meta, 0.125)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert "cpu_decode" in meta.derived  # the kernel's path, not the fallback
+    assert "cpu_rows" in meta.derived  # the kernel's path, not the fallback
 
 
 def test_other_dtypes_and_graphed_steps_keep_the_reference():
@@ -60,7 +62,7 @@ def test_other_dtypes_and_graphed_steps_keep_the_reference():
     cache = torch.randn(2, 40, BLOCK_SIZE, 2, 16, generator=gen, dtype=torch.float64)
     q = torch.randn(2, 2, 16, generator=gen, dtype=torch.float64)
     got = cpu_attention.CpuPagedAttention().attend(q, cache, meta, 0.25)
-    assert "cpu_decode" not in meta.derived
+    assert "cpu_rows" not in meta.derived
     meta.derived.clear()
     torch.testing.assert_close(got, TorchPagedAttention().attend(q, cache, meta, 0.25))
 
