@@ -16,6 +16,7 @@ far less than wall time; the median over ``--steps`` steps is printed.
     python tools/profile_step.py --side ours --split  # ours split: linears, attention, LM head, the rest
     python tools/profile_step.py --side ours --linear onednn   # our step on oneDNN's linears (the fallback)
     python tools/profile_step.py --side ours --quantization int4 --num-seqs 1 --threads 2
+    python tools/profile_step.py --side ours --layers python --split   # each layer through Python, not one C call
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ def make_prompts(num_seqs: int, min_len: int, max_len: int, vocab_size: int, see
 class OurStep:
     """A ModelRunner fed by a minimal scripted conductor: prefill once, then decode steps."""
 
-    def __init__(self, model_dir: Path, prompts: list[list[int]], block_size: int = 16, quantization: str = "none"):
+    def __init__(self, model_dir: Path, prompts: list[list[int]], block_size: int = 16, quantization: str = "none",
+                 layers: str = "stack"):
         from mstar_actors import messages
         from mstar_actors.config import parse_config
         from mstar_actors.model_info import load_model_info
+        from mstar_actors.models.cpu_stack import CpuDecoderStack
         from mstar_actors.runner.build import build_runner
 
         self.messages = messages
@@ -52,6 +55,8 @@ class OurStep:
                                          "quantization": quantization},
                                "kv": {"block_size": block_size, "num_blocks": num_blocks}})
         self.runner = build_runner(config, load_model_info(config))
+        if layers == "python" and isinstance(self.runner.model.run_layers, CpuDecoderStack):
+            self.runner.model.run_layers = self.runner.model.run_layers.fallback
         self.block_size = block_size
         sampling = messages.SamplingParams(max_tokens=1 << 20, temperature=0.0)
         self.seqs = {f"r{i}": dict(num_tokens=len(p), blocks=[]) for i, p in enumerate(prompts)}
@@ -113,13 +118,18 @@ class Split:
     attention (the backend's ``attend``, all layers, and its ``write_kv``
     where the fused rotary and KV write does not take it) and in
     the LM head (``compute_logits``), per step: wrappers on the runner's own
-    objects, so nothing else changes."""
+    objects, so nothing else changes. Steps whose layers run as one C call
+    (``cpu_stack``) show it as "layers (C)": its linears and attention are
+    inside, and no longer apart."""
 
     def __init__(self, ours: OurStep):
+        from mstar_actors.models.cpu_stack import CpuDecoderStack
         from mstar_actors.models.decoder import LoraLinear
 
-        self.parts = {"linears": 0.0, "attention": 0.0, "lm head": 0.0}
+        self.parts = {"linears": 0.0, "attention": 0.0, "layers (C)": 0.0, "lm head": 0.0}
         model = ours.runner.model
+        if isinstance(model.run_layers, CpuDecoderStack):
+            model.run_layers.run = self._timed("layers (C)", model.run_layers.run)
         for module in model.modules():
             if isinstance(module, LoraLinear):
                 module._base = self._timed("linears", module._base)
@@ -189,6 +199,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="our float32 linears: our AVX-512 kernel (default, where it builds) or oneDNN's")
     p.add_argument("--quantization", choices=["none", "int8", "int4", "int4_a8"], default="none",
                    help="our side's model.quantization (default none: float32)")
+    p.add_argument("--layers", choices=["stack", "python"], default="stack",
+                   help="our CPU steps' layers: one C call where a step fits (default) or each through Python")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -205,11 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     _, spec = load_spec(model_dir)
     prompts = make_prompts(args.num_seqs, args.min_context, args.max_context, spec.vocab_size, args.seed)
     print(f"model {model_dir.name}, {args.num_seqs} sequences, prompts {sorted(len(p) for p in prompts)} tokens, "
-          f"threads {args.threads}, seed {args.seed}, linears {args.linear}, quantization {args.quantization}",
+          f"threads {args.threads}, seed {args.seed}, linears {args.linear}, quantization {args.quantization}, "
+          f"layers {args.layers}",
           flush=True)
     medians = {}
     for name in (["ours", "hf"] if args.side == "both" else [args.side]):
-        side = OurStep(model_dir, prompts, quantization=args.quantization) if name == "ours" else HfStep(model_dir, prompts)
+        side = (OurStep(model_dir, prompts, quantization=args.quantization, layers=args.layers) if name == "ours"
+                else HfStep(model_dir, prompts))
         step = side.step
         times, walls = time_steps(step, args.steps)
         medians[name] = statistics.median(times) * 1000

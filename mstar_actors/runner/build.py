@@ -8,6 +8,8 @@
    request's step, and before the KV cache is sized from the RAM left.
 3. ``enable_served_lora``: the LoRA stacks, where an adapter can ever be
    served; before the KV cache, whose size is the memory that is left.
+   On CPU, ``cpu_stack.install`` then gathers the final weights' addresses
+   for base-only steps' one-call layer stack.
 4. ``size_kv_cache``: the blocks that fit (or ``kv.num_blocks``), plus the
    scratch block.
 5. ``warm_kernels`` (CUDA): every Triton variant a step can launch, compiled
@@ -29,6 +31,7 @@ from torch import nn
 from mstar_actors.config import Config, ConfigError, KvConfig, LoraConfig
 from mstar_actors.fetch import EMBEDDED
 from mstar_actors.model_info import ModelInfo
+from mstar_actors.models import cpu_stack
 from mstar_actors.models.attention import allocate_kv_cache, kv_bytes_per_block
 from mstar_actors.models.checkpoint import CheckpointRules
 from mstar_actors.models.cpu_quant import bits_of, has_dot_kernel
@@ -67,6 +70,8 @@ def build_runner(config: Config, info: ModelInfo, resolve_tensor: TensorResolver
         model.pack_cpu_weights()  # step 2
     rules = ARCHITECTURES[info.architecture].rules  # where adapters' modules land: the loader's own table
     lora = enable_served_lora(model, rules, config.lora, dtype, device)
+    if device.type == "cpu":
+        cpu_stack.install(model)  # step 3, on the final weights
     pools, snapshots = size_state_pools(model.spec, config.scheduler.max_num_seqs, num_state_snapshots(config), dtype,
                                         device)
     kv = size_kv_cache(model.spec, config.kv, dtype, device, model.layout.num_kv_heads, pools, snapshots)

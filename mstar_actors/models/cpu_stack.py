@@ -1,0 +1,391 @@
+"""The shared decoder's layer stack on CPU in one C call (``decoder_stack``).
+
+Why: at decode sizes each layer is about a dozen small kernel calls (two
+norms, four linears, rotary with the KV write, attention, SiLU), and on
+CPU the Python around them (module calls, views, each call's argument
+checks and ``ctypes`` conversions) costs about as much as the norms,
+rotary and attention themselves: several ms a SmolLM2 step of 30 layers.
+Here the whole stack, the final norm included, is one ``ctypes`` call;
+what it needs from the weights (pointers, shapes) is gathered once
+(``StackPlan``) and only the step's own arrays are passed per call.
+
+The C here (``KERNEL_SOURCE``) orchestrates and computes nothing itself:
+it calls the same compiled kernels the Python path calls (``cpu_ops``,
+``cpu_linear``, ``cpu_quant``, ``cpu_attention``), through their addresses,
+with the same arguments, so a step's hidden states and KV cache equal the
+Python path's bit for bit, decode rows and prefill chunks alike.
+
+Taken by ``CausalLM``s of the shared decoder (Llama, Qwen2; not per-head
+q/k norms), one rank, every linear on our float32 blocks or quantized
+codes, and base-only steps (no LoRA rows) of CPU float32 rows with 1-D
+positions; everything else, decided per step by a few attribute tests,
+runs the Python path (``CausalLM.run_layers``). ``install`` puts it in
+front of a model's ``run_layers``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import torch
+from torch import nn
+
+from . import cpu_attention, cpu_linear, cpu_ops, cpu_quant
+from .attention import AttentionMetadata
+from .decoder import CausalLM, DecoderLayer, DecoderModel, LoraLinear, RMSNorm
+from .rope import RotaryEmbedding
+
+log = logging.getLogger(__name__)
+
+KERNEL_SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+
+/* The kernels' signatures (cpu_linear, cpu_quant, cpu_ops, cpu_attention). */
+typedef void (*linear_f32_fn)(const float *, int64_t, int64_t, int64_t, const float *, int64_t, const float *,
+                              float *, int);
+typedef void (*linear_quant_fn)(int, int, const float *, int64_t, int64_t, int64_t, const uint8_t *, const float *,
+                                const float *, int64_t, const float *, float *, int);
+typedef void (*add_rms_norm_fn)(const float *, int64_t, float *, int64_t, const float *, float *, int64_t, int64_t,
+                                int64_t, float);
+typedef void (*rope_write_kv_fn)(float *, int64_t, int64_t, float *, int64_t, const float *, int64_t, int64_t,
+                                 int64_t, int64_t, const float *, const float *, float *, int64_t, const int64_t *);
+typedef void (*silu_mul_fn)(const float *, int64_t, float *, int64_t, int64_t, int64_t);
+typedef void (*decode_attention_fn)(const float *, int64_t, int64_t, int64_t, int64_t, const float *, int64_t,
+                                    int64_t, int64_t, const int64_t *, int64_t, const int64_t *, float, float *,
+                                    int64_t, int);
+
+/* One linear: bits 0 is a float32 weight in cpu_linear's blocks (weight),
+   8 or 4 cpu_quant's codes (weight), scales and mins; dot: int4 codes in
+   the integer-dot layout. bias may be null. */
+typedef struct {
+    int64_t bits, dot, in_features, out_features;
+    const void *weight;
+    const float *scale, *minv, *bias;
+} linear_desc;
+
+typedef struct {
+    linear_desc qkv, o, gate_up, down;
+    const float *input_norm, *post_norm;
+} layer_desc;
+
+typedef struct {
+    linear_f32_fn linear_f32;
+    linear_quant_fn linear_quant;
+    add_rms_norm_fn add_rms_norm;
+    rope_write_kv_fn rope_write_kv;
+    silu_mul_fn silu_mul;
+    decode_attention_fn decode_attention;
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    float eps, scale;
+    const layer_desc *layers;
+    const float *final_norm;
+} stack_desc;
+
+int64_t stack_desc_size(void) { return sizeof(stack_desc); }
+
+/* y[M][out] = x[M][in] (contiguous rows) through one linear. */
+static void linear(const stack_desc *s, const linear_desc *l, const float *x, int64_t M, float *y, int num_threads) {
+    if (l->bits == 0)
+        s->linear_f32(x, M, l->in_features, l->in_features, (const float *)l->weight, l->out_features, l->bias, y,
+                      num_threads);
+    else
+        s->linear_quant((int)l->bits, (int)l->dot, x, M, l->in_features, l->in_features, (const uint8_t *)l->weight,
+                        l->scale, l->minv, l->out_features, l->bias, y, num_threads);
+}
+
+/* The decoder's layers and final norm on T rows x [T][hidden] (the
+   embedded tokens; not written): out [T][hidden] = norm(the residual
+   stream after the last layer). Row t is at rotary tables cos, ssin
+   [T][head_dim], writes its key and value at slots[t] of every layer's
+   cache (caches[l]: [2][num_cache_blocks][block_size][KH][D]) and attends
+   to the first lens[t] tokens of its sequence's blocks tables[t]
+   ([T][max_nb]; cpu_attention.row_contexts). Each step is the Python path's call, in its order, on
+   the same arguments: residual sums land in the sublayers' outputs.
+   Returns 0, or -1 where its buffers could not be allocated. */
+int decoder_stack(const stack_desc *s, const float *x, int64_t T, const float *cos, const float *ssin,
+                   const int64_t *slots, float *const *caches, int64_t num_cache_blocks, int64_t block_size,
+                   const int64_t *tables, int64_t max_nb, const int64_t *lens, float *out, int num_threads) {
+    const int64_t H = s->hidden, D = s->head_dim, NH = s->num_heads, KH = s->num_kv_heads, I = s->intermediate;
+    const int64_t qkv_n = (NH + 2 * KH) * D, attn_n = NH * D;
+    float *buffer = (float *)malloc(sizeof(float) * T * (3 * H + qkv_n + attn_n + 3 * I));
+    if (!buffer) return -1;
+    float *normed = buffer, *sums[2] = {buffer + T * H, buffer + 2 * T * H};
+    float *qkv = buffer + 3 * T * H, *attn = qkv + T * qkv_n, *gate_up = attn + T * attn_n, *act = gate_up + 2 * T * I;
+    const float *residual = x;
+    float *sublayer = 0;  /* the last sublayer's output, not yet added into the residual stream */
+    int next = 0;  /* the sums buffer that does not hold the residual stream */
+    for (int64_t l = 0; l < s->num_layers; l++) {
+        const layer_desc *layer = s->layers + l;
+        if (l == 0) {
+            s->add_rms_norm(x, H, 0, 0, layer->input_norm, normed, H, T, H, s->eps);
+        } else {
+            s->add_rms_norm(residual, H, sublayer, H, layer->input_norm, normed, H, T, H, s->eps);
+            residual = sublayer;
+        }
+        linear(s, &layer->qkv, normed, T, qkv, num_threads);
+        s->rope_write_kv(qkv, qkv_n, NH, qkv + NH * D, qkv_n, qkv + (NH + KH) * D, qkv_n, KH, D, T, cos, ssin,
+                         caches[l], num_cache_blocks * block_size, slots);
+        s->decode_attention(qkv, qkv_n, T, NH, D, caches[l], num_cache_blocks, block_size, KH, tables, max_nb, lens,
+                            s->scale, attn, attn_n, num_threads);
+        sublayer = sums[next];
+        next ^= 1;
+        linear(s, &layer->o, attn, T, sublayer, num_threads);
+        s->add_rms_norm(residual, H, sublayer, H, layer->post_norm, normed, H, T, H, s->eps);
+        residual = sublayer;
+        linear(s, &layer->gate_up, normed, T, gate_up, num_threads);
+        s->silu_mul(gate_up, 2 * I, act, I, T, I);
+        sublayer = sums[next];
+        next ^= 1;
+        linear(s, &layer->down, act, T, sublayer, num_threads);
+    }
+    s->add_rms_norm(residual, H, sublayer, H, s->final_norm, out, H, T, H, s->eps);
+    free(buffer);
+    return 0;
+}
+"""
+
+
+class LinearDesc(ctypes.Structure):
+    _fields_ = [("bits", ctypes.c_int64), ("dot", ctypes.c_int64), ("in_features", ctypes.c_int64),
+                ("out_features", ctypes.c_int64), ("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("minv", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class LayerDesc(ctypes.Structure):
+    _fields_ = [("qkv", LinearDesc), ("o", LinearDesc), ("gate_up", LinearDesc), ("down", LinearDesc),
+                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)]
+
+
+class StackDesc(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("linear_f32", "linear_quant", "add_rms_norm", "rope_write_kv",
+                                                      "silu_mul", "decode_attention")] + \
+               [(name, ctypes.c_int64) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
+                                                    "intermediate")] + \
+               [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", ctypes.POINTER(LayerDesc)),
+                ("final_norm", ctypes.c_void_p)]
+
+
+@functools.cache
+def kernel() -> ctypes.CDLL | None:
+    """The built library, or None (one warning says why). Its self-check is
+    the struct layout; the kernels it calls are checked by their own modules."""
+    return cpu_linear.checked_library("cpu_stack", {"avx512": KERNEL_SOURCE, "avx2": KERNEL_SOURCE}, declare=_declare,
+                                      check=_check, what="cpu decoder stack",
+                                      when_off="each layer runs its kernels through Python")
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.stack_desc_size.argtypes, lib.stack_desc_size.restype = [], i64
+    lib.decoder_stack.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.decoder_stack.restype = ctypes.c_int
+
+
+def _check(lib: ctypes.CDLL) -> None:
+    if lib.stack_desc_size() != ctypes.sizeof(StackDesc):
+        raise cpu_linear.KernelUnavailable("its struct layout differs from the one Python writes")
+
+
+def _address(lib: ctypes.CDLL, name: str) -> int:
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+
+class PlanRefused(ValueError):
+    """Why a model's layers can't take one C call (the message says what)."""
+
+
+class StackPlan:
+    """Everything ``decoder_stack`` reads that holds across steps: the
+    kernels' addresses, the model's shape, and each layer's weights by
+    address. It holds the tensors it points at, so they outlive it; it reads
+    them as they are when it is made, so make it after the weights are
+    final (quantized, packed, LoRA stacks built)."""
+
+    def __init__(self, model: CausalLM):
+        self.lib = kernel()
+        if self.lib is None or cpu_ops.kernel() is None or cpu_attention.kernel() is None:
+            raise PlanRefused("the stack's, the layer ops' or the attention's kernel did not build")
+        spec, layers = model.spec, model.model.layers
+        attn = layers[0].self_attn
+        self.num_layers, self.hidden = len(layers), spec.hidden_size
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.intermediate = layers[0].mlp.down_proj.in_features
+        self.kept: list[torch.Tensor] = []  # what the descriptors point at
+        norms = [model.model.norm] + [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        eps = {n.eps for n in norms}
+        if len(eps) != 1 or any(type(n) is not RMSNorm or n.zero_centered for n in norms):
+            raise PlanRefused("its norms are not plain RMSNorms of one eps")
+        self.hook = attn.qkv_proj.lora
+        linears = [m for layer in layers for m in layer.modules() if isinstance(m, LoraLinear)]
+        if any(m.fused_weight is not None or (m.lora is None) != (self.hook is None)
+               or (m.lora is not None and m.lora.step is not self.hook.step) for m in linears):
+            raise PlanRefused("its linears' LoRA hooks do not share one step, or a stack is fused into a weight")
+        self.has_float = self.has_quant = False  # which linear kernels the layers take (``_linear``)
+        with torch.no_grad():
+            self.layers = (LayerDesc * len(layers))(*(self._layer(layer) for layer in layers))
+        self.desc = StackDesc(
+            linear_f32=_address(cpu_linear.kernel(), "linear_f32") if self.has_float else None,
+            linear_quant=_address(cpu_quant.kernel(), "linear_quant") if self.has_quant else None,
+            add_rms_norm=_address(cpu_ops.kernel(), "add_rms_norm"),
+            rope_write_kv=_address(cpu_ops.kernel(), "rope_write_kv"), silu_mul=_address(cpu_ops.kernel(), "silu_mul"),
+            decode_attention=_address(cpu_attention.kernel(), "decode_attention"),
+            num_layers=self.num_layers, hidden=self.hidden, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, intermediate=self.intermediate, eps=eps.pop(), scale=attn.scale,
+            layers=self.layers, final_norm=self._keep(model.model.norm.weight.detach()))
+
+    def _keep(self, tensor: torch.Tensor | None) -> int | None:
+        if tensor is None:
+            return None
+        if not tensor.is_contiguous() or tensor.dtype not in (torch.float32, torch.uint8) or not tensor.is_cpu:
+            raise PlanRefused(f"a weight is {tensor.dtype} on {tensor.device}, contiguous {tensor.is_contiguous()}")
+        self.kept.append(tensor)
+        return tensor.data_ptr()
+
+    def _layer(self, layer: DecoderLayer) -> LayerDesc:
+        attn, mlp = layer.self_attn, layer.mlp
+        if type(layer) is not DecoderLayer or attn.has_qk_norm or type(attn.rotary) is not RotaryEmbedding:
+            raise PlanRefused("a layer has per-head q/k norms or a rotary of its own")
+        if not isinstance(attn.backend, cpu_attention.CpuPagedAttention) or attn.tp.is_parallel or mlp.tp.is_parallel:
+            raise PlanRefused("attention is not the CPU backend, or the layers are split across ranks")
+        hidden, heads = self.hidden, self.num_heads * self.head_dim
+        qkv = heads + 2 * self.num_kv_heads * self.head_dim
+        return LayerDesc(qkv=self._linear(attn.qkv_proj, hidden, qkv), o=self._linear(attn.o_proj, heads, hidden),
+                         gate_up=self._linear(mlp.gate_up_proj, hidden, 2 * self.intermediate),
+                         down=self._linear(mlp.down_proj, self.intermediate, hidden),
+                         input_norm=self._keep(layer.input_layernorm.weight.detach()),
+                         post_norm=self._keep(layer.post_attention_layernorm.weight.detach()))
+
+    def _linear(self, module: LoraLinear, in_features: int, out_features: int) -> LinearDesc:
+        if (module.in_features, module.out_features) != (in_features, out_features):
+            raise PlanRefused(f"a linear is {module.in_features} -> {module.out_features}, not the layers' "
+                              f"{in_features} -> {out_features}")
+        bias = self._keep(module.bias.detach()) if module.bias is not None else None
+        shape = dict(in_features=in_features, out_features=out_features, bias=bias)
+        if (quant := module.quant) is not None:
+            if cpu_quant.kernel() is None:
+                raise PlanRefused("the quantized linears' kernel did not build")
+            self.has_quant = True
+            codes, scale, minv = (self._keep(t) for t in (quant.codes, quant.scale, quant.min))
+            return LinearDesc(bits=quant.bits, dot=int(quant.dot_layout), weight=codes, scale=scale, minv=minv, **shape)
+        if not cpu_linear.packs_blocks() or not cpu_linear.is_packable(module.weight, module.weight):
+            raise PlanRefused("a float linear is not on our packed kernel")
+        module.packed = module.packed or cpu_linear.PackedWeight()
+        blocks = module.packed.get(module.weight)
+        if blocks.dim() != 3:  # oneDNN's layout
+            raise PlanRefused("float linears are packed for oneDNN, not our kernel")
+        self.has_float = True
+        return LinearDesc(bits=0, dot=0, weight=self._keep(blocks), **shape)
+
+
+class CpuDecoderStack:
+    """``CausalLM.run_layers`` in one C call where a step fits (see the
+    module docstring), else the model's own ``run_layers`` (``fallback``).
+
+    LoRA: ``enable_lora`` gives every linear a hook, all sharing one step;
+    the plan checked that, and a step with adapter rows (segments or row
+    slots set) takes the fallback. A hook set on the first layer's qkv
+    after the plan was made remakes the plan, which checks them again."""
+
+    def __init__(self, model: CausalLM, plan: StackPlan, fallback):
+        self.model = model
+        self.plan = plan
+        self.fallback = fallback
+        self.qkv = model.model.layers[0].self_attn.qkv_proj
+        self.rotary = model.model.layers[0].self_attn.rotary
+        # (the list the runner passes, its first cache's address, the C array of every layer's, blocks, block size)
+        self._caches: tuple[list[torch.Tensor], int, ctypes.Array, int, int] | None = None
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                 meta: AttentionMetadata) -> torch.Tensor:
+        if not self.takes(x, positions, meta) or not self._know_caches(kv_caches):
+            return self.fallback(x, positions, kv_caches, meta)
+        return self.run(x.contiguous(), positions, meta)
+
+    def takes(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step fits one call: CPU float32 rows without autograd,
+        1-D positions, an eager step (no static graph form), no LoRA rows."""
+        hook = self.qkv.lora
+        if self.plan is None or hook is not self.plan.hook and not self._replan():
+            return False
+        if hook is not None and (hook.step.segments is not None or hook.step.row_slots is not None):
+            return False
+        return (x.dtype is torch.float32 and x.is_cpu and x.dim() == 2 and positions.dim() == 1
+                and not torch.is_grad_enabled() and meta.varlen_work is None and not meta.graph_decode)
+
+    def _replan(self) -> bool:
+        try:
+            self.plan = StackPlan(self.model)
+        except PlanRefused as err:
+            log.info("decoder stack: each layer runs through Python from now on (%s)", err)
+            self.plan = None
+        return self.plan is not None
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The C call on a step that ``takes``, once its caches are known (``_know_caches``)."""
+        num_rows = x.shape[0]
+        cos, signed_sin = self.rotary.tables(positions, torch.float32)
+        tables, lens = cpu_attention.row_contexts(meta)
+        slots = meta.slot_mapping
+        if slots.dtype is not torch.int64 or not slots.is_contiguous():
+            slots = slots.long().contiguous()
+        _, _, pointers, num_cache_blocks, block_size = self._caches
+        out = torch.empty(num_rows, self.plan.hidden, dtype=torch.float32)
+        if self.plan.lib.decoder_stack(ctypes.byref(self.plan.desc), x.data_ptr(), num_rows, cos.data_ptr(),
+                                       signed_sin.data_ptr(), slots.data_ptr(), pointers, num_cache_blocks, block_size,
+                                       tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(),
+                                       torch.get_num_threads()):
+            raise MemoryError(f"decoder stack: no memory for the buffers of a step of {num_rows} rows")
+        return out
+
+    def _know_caches(self, kv_caches: list[torch.Tensor]) -> bool:
+        """Whether the caches fit (every layer's one contiguous CPU float32
+        shape of this model's KV heads); their addresses are taken again
+        only when the list or its first tensor changes."""
+        known = self._caches
+        if known is not None and known[0] is kv_caches and known[1] == kv_caches[0].data_ptr():
+            return True
+        if len(kv_caches) != self.plan.num_layers:
+            return False
+        shape = kv_caches[0].shape
+        if len(shape) != 5 or shape[3] != self.plan.num_kv_heads or shape[4] != self.plan.head_dim or any(
+                c.shape != shape or c.dtype is not torch.float32 or not c.is_cpu or not c.is_contiguous()
+                for c in kv_caches):
+            return False
+        pointers = (ctypes.c_void_p * len(kv_caches))(*(c.data_ptr() for c in kv_caches))
+        self._caches = (kv_caches, kv_caches[0].data_ptr(), pointers, shape[1], shape[2])
+        return True
+
+
+def refusal(model: nn.Module) -> str | None:
+    """Why ``model``'s layers can't take one C call (None: they can)."""
+    if not isinstance(model, CausalLM) or type(model.model) is not DecoderModel:
+        return f"{type(model).__name__} is not the shared decoder"
+    if model.layout.tp.is_parallel:
+        return "its layers are split across ranks"
+    if not all(p.is_cpu and p.dtype is torch.float32 for p in model.model.layers.parameters() if p.device.type != "meta"):
+        return "its layers are not CPU float32"
+    return None
+
+
+def install(model: nn.Module) -> bool:
+    """Put ``CpuDecoderStack`` in front of ``model.run_layers`` (an attribute
+    of this instance: the class is untouched) where the model fits; True if
+    it did. Call once the weights are final (``StackPlan``)."""
+    reason = refusal(model)
+    if reason is None:
+        try:
+            plan = StackPlan(model)
+        except PlanRefused as err:
+            reason = str(err)
+    if reason is not None:
+        log.info("decoder stack: each layer runs through Python (%s)", reason)
+        return False
+    fallback = model.run_layers
+    if isinstance(fallback, CpuDecoderStack):  # installed before: the plan is remade, the stack replaced
+        fallback = fallback.fallback
+    model.run_layers = CpuDecoderStack(model, plan, fallback)
+    log.info("decoder stack: base-only CPU steps run all %d layers in one C call", plan.num_layers)
+    return True

@@ -1,0 +1,218 @@
+"""The decoder's layers in one C call (``cpu_stack``) against the Python path
+they replace, on one model and paged caches: hidden states and every
+layer's cache equal bit for bit for float32, int4 and int4_a8 weights, in
+decode steps of one row and several and in steps with prefill chunks; and
+the steps and models it leaves to the Python path. Through the runner against
+``transformers``: ``test_runner``'s and ``test_cpu_quant``'s scripted plans
+run it, and the last test here checks that they do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mstar_actors.models import cpu_attention, cpu_linear, cpu_ops, cpu_quant, cpu_stack
+from mstar_actors.models.attention import AttentionMetadata, allocate_kv_cache
+from mstar_actors.models.cpu_attention import CpuPagedAttention
+from mstar_actors.models.decoder import CausalLM
+
+from .factories import make_hf_model
+from .test_cpu_fast_paths import make_spec
+
+needs_kernels = pytest.mark.skipif(
+    any(k() is None for k in (cpu_stack.kernel, cpu_ops.kernel, cpu_attention.kernel, cpu_linear.kernel, cpu_quant.kernel)),
+    reason="no AVX-512 or AVX2, or no C compiler here")
+needs_dot_kernel = pytest.mark.skipif(not cpu_quant.has_dot_kernel(), reason="int4_a8 runs on the AVX2 kernel only")
+QUANTIZATIONS = ["none", "int4", pytest.param("int4_a8", marks=needs_dot_kernel)]
+BLOCK_SIZE = 4
+NUM_BLOCKS = 40
+
+
+def make_model(quantization: str, seed: int = 0, **overrides) -> CausalLM:
+    """A random model of ``make_spec``'s shape (3 layers, q/k/v bias) on the CPU backend, its weights
+    quantized and packed as ``build_runner`` leaves them, the stack installed."""
+    torch.manual_seed(seed)
+    model = CausalLM(make_spec(**({"num_layers": 3, "qkv_bias": True} | overrides)), CpuPagedAttention()).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0.0, 0.15)
+    if quantization != "none":
+        model.quantize_cpu_weights(cpu_quant.bits_of(quantization), int8_activations=quantization == "int4_a8")
+    model.pack_cpu_weights()
+    return model
+
+
+class Sequences:
+    """Sequences whose contexts lie in shuffled blocks of a paged cache (block 0 unused)."""
+
+    def __init__(self, prompt_lens: list[int], seed: int, max_len: int = 24):
+        gen = torch.Generator().manual_seed(seed)
+        order = (torch.randperm(NUM_BLOCKS - 1, generator=gen) + 1).tolist()
+        per_seq = -(-max_len // BLOCK_SIZE)
+        self.tables = [order[i * per_seq : (i + 1) * per_seq] for i in range(len(prompt_lens))]
+        self.lens = [0] * len(prompt_lens)
+        self.ids = torch.randint(0, 300, (len(prompt_lens), max_len), generator=gen)
+
+    def step(self, query_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The next ``query_lens[i]`` tokens of each sequence (0: not in this step): ids, positions, metadata."""
+        seqs = [i for i, n in enumerate(query_lens) if n]
+        positions = [p for i in seqs for p in range(self.lens[i], self.lens[i] + query_lens[i])]
+        seq_of = [i for i in seqs for _ in range(query_lens[i])]
+        ids = torch.stack([self.ids[i, p] for i, p in zip(seq_of, positions)])
+        for i in seqs:
+            self.lens[i] += query_lens[i]
+        tables = [self.tables[i][: -(-self.lens[i] // BLOCK_SIZE)] for i in seqs]
+        width = max(map(len, tables))
+        meta = AttentionMetadata.from_lists(
+            slot_mapping=[self.tables[i][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for i, p in zip(seq_of, positions)],
+            block_tables=[t + [0] * (width - len(t)) for t in tables], num_blocks=[len(t) for t in tables],
+            query_lens=[query_lens[i] for i in seqs], context_lens=[self.lens[i] for i in seqs], device="cpu")
+        return ids, torch.tensor(positions), meta
+
+
+def run_both(model: CausalLM, steps: list[list[int]], seed: int):
+    """Each step through the stack and through the Python path, from the same
+    cache (the Python path's, copied): yields (stack's hidden, Python's,
+    stack's caches, Python's)."""
+    assert cpu_stack.install(model)
+    stack = model.run_layers
+    spec = model.spec
+    caches = [allocate_kv_cache(spec.num_layers, NUM_BLOCKS, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim,
+                                torch.float32, "cpu") for _ in range(2)]
+    seqs = Sequences(steps[0], seed)
+    calls = []
+    stack.run = lambda *args, run=stack.run: calls.append(1) or run(*args)
+    with torch.inference_mode():
+        for query_lens in steps:
+            ids, positions, meta = seqs.step(query_lens)
+            x = model.model.embed_tokens(ids)
+            for mine, theirs in zip(*caches):
+                mine.copy_(theirs)
+            got = stack(x, positions, caches[0], meta)
+            meta.derived.clear()
+            want = stack.fallback(x, positions, caches[1], meta)
+            yield got, want, caches[0], caches[1]
+    assert len(calls) == len(steps)  # every step took the one call
+
+
+@needs_kernels
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_decode_steps_equal_the_python_path_bit_for_bit(quantization, num_seqs):
+    """Prompts through the Python path (so both caches start equal), then
+    decode steps across block boundaries (blocks of 4, up to 17 tokens)."""
+    model = make_model(quantization)
+    prompts = [9, 13, 6][:num_seqs]
+    seqs = Sequences(prompts, seed=num_seqs)
+    spec = model.spec
+    caches = [allocate_kv_cache(spec.num_layers, NUM_BLOCKS, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim,
+                                torch.float32, "cpu") for _ in range(2)]
+    assert cpu_stack.install(model)
+    stack = model.run_layers
+    with torch.inference_mode():
+        ids, positions, meta = seqs.step(prompts)
+        for cache in caches:
+            stack.fallback(model.model.embed_tokens(ids), positions, cache, meta)
+        for _ in range(5):
+            ids, positions, meta = seqs.step([1] * num_seqs)
+            x = model.model.embed_tokens(ids)
+            assert stack.takes(x, positions, meta)
+            got = stack(x, positions, caches[0], meta)
+            want = stack.fallback(x, positions, caches[1], meta)
+            assert torch.equal(got, want)
+            assert all(torch.equal(a, b) for a, b in zip(*caches, strict=True))
+
+
+@needs_kernels
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_steps_with_prefill_chunks_equal_the_python_path_bit_for_bit(quantization):
+    """Whole prompts, then chunks (after a cached prefix too) beside decode rows."""
+    steps = [[7, 5, 0], [1, 1, 6], [1, 3, 1], [1, 1, 1]]
+    for got, want, got_caches, want_caches in run_both(make_model(quantization), steps, seed=5):
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches, strict=True))
+
+
+@needs_kernels
+def test_steps_it_cannot_take_run_the_python_path():
+    model = make_model("none")
+    assert cpu_stack.install(model)
+    stack = model.run_layers
+    seqs = Sequences([5, 5], seed=0)
+    ids, positions, meta = seqs.step([5, 5])
+    with torch.inference_mode():
+        x = model.model.embed_tokens(ids)
+        assert stack.takes(x, positions, meta)
+        assert not stack.takes(x.double(), positions, meta)
+        assert not stack.takes(x, positions.expand(3, -1), meta)  # M-RoPE's positions
+        meta.graph_decode = True
+        assert not stack.takes(x, positions, meta)
+        meta.graph_decode = False
+    assert not stack.takes(x, positions, meta)  # autograd on
+
+
+class Step:
+    """A stand-in for ``lora_layers.LoraStep``: adapter rows where ``segments`` is set."""
+
+    segments = row_slots = None
+
+
+class Hook:
+    def __init__(self, step: Step):
+        self.step = step
+
+
+@needs_kernels
+def test_lora_hooks_keep_base_steps_on_the_stack_and_adapter_steps_off_it():
+    """Hooks set after the plan remake it; a step with adapter rows, or
+    hooks that do not share one step, leave the stack."""
+    model = make_model("none")
+    assert cpu_stack.install(model)
+    stack = model.run_layers
+    ids, positions, meta = Sequences([5], seed=0).step([5])
+    step = Step()
+    linears = [m for m in model.model.layers.modules() if hasattr(m, "lora") and hasattr(m, "in_features")]
+    assert len(linears) == 4 * model.spec.num_layers
+    with torch.inference_mode():
+        x = model.model.embed_tokens(ids)
+        for module in linears:
+            module.lora = Hook(step)
+        assert stack.takes(x, positions, meta) and stack.plan.hook is linears[0].lora
+        step.segments = "adapter rows"
+        assert not stack.takes(x, positions, meta)
+        step.segments = None
+        assert stack.takes(x, positions, meta)
+        linears[0].lora = Hook(Step())  # a step of its own: the plan refuses, for good
+        assert not stack.takes(x, positions, meta) and stack.plan is None
+        linears[0].lora = linears[1].lora
+        assert not stack.takes(x, positions, meta)
+
+
+@needs_kernels
+def test_models_it_cannot_take_are_refused():
+    assert not cpu_stack.install(make_model("none", qk_norm=True))  # Qwen3's per-head norms
+    assert not cpu_stack.install(CausalLM(make_spec()).eval())  # the torch attention backend
+    assert cpu_stack.install(make_model("none"))
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind, quantization", [("llama-bias", "none"), ("llama3-tied", "int4")])
+def test_the_runner_takes_it_and_matches_generate(kind, quantization, tmp_path):
+    """``test_runner``'s scripted plans (chunked prefill, prefix hits,
+    preemption, decode) through the stack, against ``transformers``."""
+    from . import test_cpu_quant
+    from .test_runner import make_runner, reference, run_script
+
+    hf = make_hf_model(kind, tmp_path / "float")
+    if quantization != "none":
+        test_cpu_quant.round_through(hf, cpu_quant.bits_of(quantization))
+    hf.save_pretrained(tmp_path / "model")
+    runner = make_runner(tmp_path / "model", quantization=quantization)
+    stack = runner.model.run_layers
+    assert isinstance(stack, cpu_stack.CpuDecoderStack)
+    calls = []
+    stack.run = lambda *args, run=stack.run: calls.append(1) or run(*args)
+    outputs, prompts = run_script(runner)
+    assert len(calls) > 10
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == reference(hf, prompt), f"sequence {rid} diverged"
