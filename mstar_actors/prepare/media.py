@@ -496,8 +496,8 @@ _AUDIO_PROBE = {"probesize": "32768"}
 def decode_audio(data: bytes, ref: MediaRef, limits: MediaLimits, sampling_rate: int,
                  max_seconds: float | None = None) -> Any:
     """The clip as float32 mono samples at ``sampling_rate`` (a numpy array):
-    every channel resampled by ffmpeg, then averaged (a downmix by the mean,
-    as audio loaders for these models do). ``max_seconds`` (default
+    downmixed by the mean (as audio loaders for these models do), then
+    resampled by ffmpeg (``_resampled``). ``max_seconds`` (default
     ``limits.max_audio_seconds``) is checked from the container first, then
     by counting decoded samples, so a file that lies about its length is cut
     off as soon as it passes the limit."""
@@ -529,10 +529,14 @@ def decode_audio(data: bytes, ref: MediaRef, limits: MediaLimits, sampling_rate:
 def _resampled(container: Any, stream: Any, ref: MediaRef, sampling_rate: int, max_samples: int) -> list:
     """The clip resampled to planar float32 at ``sampling_rate``: [channels, n]
     arrays. Frames are decoded one by one (their samples counted against the
-    limit as they come), then resampled in one call: resampling frame by
-    frame is a Python loop of small calls that holds the GIL, which kept the
-    prepare pool's threads from running clips side by side. A stream whose
-    frames change format or rate is resampled frame by frame."""
+    limit as they come), then joined in a FIFO, downmixed by the mean and
+    resampled in one call: resampling frame by frame is a Python loop of
+    small calls that holds the GIL, which kept the prepare pool's threads
+    from running clips side by side, and resampling one channel instead of
+    each halves the filter's work on stereo (the filter is linear: the mean
+    of the resampled channels is the resampled mean, to rounding; audio
+    loaders such as librosa's downmix first too). A stream whose frames
+    change format or rate is resampled frame by frame, every channel."""
     import av
     import numpy as np
 
@@ -548,8 +552,14 @@ def _resampled(container: Any, stream: Any, ref: MediaRef, sampling_rate: int, m
     first = frames[0]
     kind = (first.format.name, first.layout.name, first.sample_rate)
     if all((f.format.name, f.layout.name, f.sample_rate) == kind for f in frames):
-        whole = av.AudioFrame.from_ndarray(np.concatenate([f.to_ndarray() for f in frames], axis=1),
-                                           format=kind[0], layout=kind[1])
+        fifo = av.AudioFifo()
+        for f in frames:
+            f.pts = None  # the FIFO checks timestamps for gaps; a clip's are the decoder's, not ours to judge
+            fifo.write(f)
+        # To planar float32 at the stream's own rate (a conversion, no filter), then the mean of the channels.
+        planar = av.AudioResampler(format="fltp", layout=kind[1], rate=kind[2]).resample(fifo.read())
+        mono = np.concatenate([out.to_ndarray() for out in planar], axis=1).mean(axis=0, dtype=np.float32)
+        whole = av.AudioFrame.from_ndarray(mono[None, :], format="fltp", layout="mono")
         whole.sample_rate = kind[2]
         frames = [whole]
     resampler = av.AudioResampler(format="fltp", rate=sampling_rate)
