@@ -649,11 +649,11 @@ class FrontendActor(Actor):
             await self.outbox["prepare"].send(req)
 
     def _new_choice(self, index: int, exchange: Exchange, req: NewRequest) -> ChoiceOutput:
-        from mstar_actors.tokenization import IncrementalDetokenizer, StopStrings
+        from mstar_actors.tokenization import StopStrings
 
         prompt_ids = req.prompt_token_ids or []
         output = exchange.parsed.output
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=output.skip_special_tokens)
+        detokenizer = self.tokenization.make_detokenizer(prompt_ids, output.skip_special_tokens)
         choice = ChoiceOutput(index, detokenizer, StopStrings(exchange.parsed.stop, output.include_stop_str_in_output),
                               self.token_text, exchange.parsed.logprobs is not None,
                               api.hidden_stop_ids(exchange.parsed, self.info.eos_token_ids))

@@ -163,6 +163,72 @@ def test_detokenizer_sentencepiece_leading_spaces(metaspace_tokenization):
     assert deltas[1].startswith(" ")
 
 
+def reference_deltas(hf, prompt_ids, chunks, skip):
+    """The detokenizer's algorithm with two full ``hf.decode`` calls per token
+    and no caching: what the fast paths must reproduce delta for delta."""
+    def decode(ids):
+        return hf.decode(ids, skip_special_tokens=skip) if ids else ""
+
+    window, out = list(prompt_ids[-5:]), []
+    num_read = len(window)
+    for chunk in chunks:
+        parts = []
+        for token_id in chunk:
+            window.append(token_id)
+            prefix, text = decode(window[:num_read]), decode(window)
+            if len(text) > len(prefix) and not text.endswith("\ufffd"):
+                parts.append(text[len(prefix):])
+                del window[:num_read]
+                num_read = len(window)
+        out.append("".join(parts))
+    tail = decode(window)[len(decode(window[:num_read])):] if len(window) > num_read else ""
+    return out + [tail]
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "metaspace"])
+def test_detokenizer_matches_the_plain_algorithm_on_random_ids(kind, tokenization, metaspace_tokenization):
+    import random
+
+    tok = tokenization if kind == "byte_level" else metaspace_tokenization
+    hf = tok.tokenizer
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    for _ in range(30):  # random ids: split characters, specials anywhere, ids past the vocabulary
+        ids = [rng.randrange(len(hf) + 3) for _ in range(rng.randrange(1, 40))]
+        prompt = [rng.randrange(len(hf)) for _ in range(rng.randrange(0, 8))]
+        size = rng.choice([1, 1, 2, 5])
+        chunks = [ids[i:i + size] for i in range(0, len(ids), size)]
+        for skip in (True, False):
+            detok = tok.make_detokenizer(prompt, skip)  # the shared decoder: its cache fills across requests
+            got = [detok.add(c) for c in chunks] + [detok.flush()]
+            assert got == reference_deltas(hf, prompt, chunks, skip), f"seed {seed}, ids {ids}, prompt {prompt}"
+
+
+def test_text_decoder_uses_the_backend_only_where_decode_is_exactly_it(tokenization, tmp_path):
+    from transformers import AutoTokenizer
+
+    from mstar_actors.tokenization import TextDecoder
+
+    hf = tokenization.tokenizer
+    ids = tokenization.encode_prompt(MIXED_TEXT) + [hf.convert_tokens_to_ids("<|im_end|>")]
+    for skip in (True, False):
+        fast = TextDecoder(hf, skip)
+        assert fast.decode_ids.func == hf.backend_tokenizer.decode
+        assert fast.decode(ids) == hf.decode(ids, skip_special_tokens=skip)
+        assert fast.decode(ids[-1:]) == fast.decode(ids[-1:]) == hf.decode(ids[-1:], skip_special_tokens=skip)
+    cleaning = AutoTokenizer.from_pretrained(str(tokenization.model_dir), clean_up_tokenization_spaces=True)
+    assert TextDecoder(cleaning).decode_ids.func == cleaning.decode  # its cleanup runs in the wrapper
+
+    class OwnDecode(type(hf)):
+        def _decode(self, token_ids, **kw):
+            return super()._decode(token_ids, **kw).upper()
+
+    own = OwnDecode.from_pretrained(str(tokenization.model_dir))
+    assert TextDecoder(own).decode(ids) == hf.decode(ids, skip_special_tokens=True).upper()
+    with pytest.raises(ValueError, match="skip_special_tokens"):
+        IncrementalDetokenizer(hf, [], skip_special_tokens=False, decoder=TextDecoder(hf, True))
+
+
 # --------------------------------------------------------------------------
 # Stop strings
 # --------------------------------------------------------------------------
