@@ -95,7 +95,7 @@ class Exchange:
         self.choices: dict[str, ChoiceOutput] = {}
         self.max_pending = sum((r.sampling.max_tokens + 2) * r.n for r in self.requests)
         self._pending: collections.deque = collections.deque()
-        self._changed = asyncio.Event()
+        self._waiter: asyncio.Future | None = None  # the handler's, while it waits for an output
         self.is_overflowed = False
         self.prompt_token_ids: list[list[int]] = []  # per request, when return_token_ids or echo asks
 
@@ -108,16 +108,23 @@ class Exchange:
             msg = Failed(request_id=msg.request_id, status=500, error_type="server_error",
                          message=f"request {self.id}: the engine sent more outputs than max_tokens allows")
         self._pending.append(msg)
-        self._changed.set()
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():  # done: its handler was cancelled
+            waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        while not self._pending:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
 
     async def pop(self) -> Any:
-        while not self._pending:
-            self._changed.clear()
-            await self._changed.wait()
+        """The oldest output, waiting for one."""
+        await self._wait()
         return self._pending.popleft()
 
-    def pop_ready(self) -> list[Any]:
-        """Every output already queued, oldest first (none waited for)."""
+    async def pop_all(self) -> list[Any]:
+        """Every output queued, oldest first, waiting for one if none is."""
+        await self._wait()
         out = list(self._pending)
         self._pending.clear()
         return out
@@ -137,7 +144,10 @@ class Exchange:
 
     def is_waiting(self) -> bool:
         """Some choice has output still to come."""
-        return any(not c.is_done for c in self.choices.values())
+        for choice in self.choices.values():  # a loop, not any(): called once per event
+            if choice.finish_reason is None:
+                return True
+        return False
 
 
 class FrontendActor(Actor):
@@ -753,7 +763,13 @@ class FrontendActor(Actor):
         stream = _Stream(request, exchange, functools.partial(self._usage, exchange))
         try:
             while exchange.is_waiting():
-                await self._write_outputs(stream, exchange, [await exchange.pop(), *exchange.pop_ready()])
+                msgs = await exchange.pop_all()
+                if len(msgs) == 1:  # a stream that keeps up: one output, one event
+                    applied = self._apply(exchange, msgs[0])
+                    if applied is not None:
+                        await stream.write_choice(*applied)
+                else:
+                    await self._write_outputs(stream, exchange, msgs)
             if exchange.parsed.include_usage:
                 await stream.write_usage(self._usage(exchange))
             await stream.write_done()
@@ -818,6 +834,10 @@ class _Stream:
         self.is_chat = exchange.parsed.kind == "chat"
         self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         self.tool_readers = _tool_readers(exchange) if self.is_chat else {}
+        self.build = api.chat_chunk if self.is_chat else api.completion_chunk
+        # Every chunk's bytes around its choices, encoded once (None: the usage changes per chunk)
+        is_constant = not (exchange.parsed.output.continuous_usage_stats and usage is not None)
+        self._envelope = _chunk_envelope(self.build, exchange, self._usage_field()) if is_constant else None
 
     @property
     def is_prepared(self) -> bool:
@@ -875,17 +895,24 @@ class _Stream:
         return delta, finish_reason(choice.finish_reason, reader.num_calls)
 
     async def _write_choices(self, choices: list[dict], extra: dict | None = None) -> None:
+        if self._envelope is not None and not extra:
+            head, tail = self._envelope
+            body = _json.encode(choices[0]) if len(choices) == 1 else b",".join([_json.encode(c) for c in choices])
+            await self.response.write(head + body + tail)
+            return
         ex = self.exchange
-        usage = {"usage": None} if ex.parsed.include_usage else {}
-        if ex.parsed.output.continuous_usage_stats and self.usage is not None:
-            usage = {"usage": self.usage()}
-        build = api.chat_chunk if self.is_chat else api.completion_chunk
-        await _write_event(self.response, build(ex.id, ex.model, ex.created, choices) | usage | (extra or {}))
+        await _write_event(self.response, self.build(ex.id, ex.model, ex.created, choices) | self._usage_field()
+                           | (extra or {}))
+
+    def _usage_field(self) -> dict:
+        """What a chunk with choices says of usage: nothing, null (include_usage), or the usage so far."""
+        if self.exchange.parsed.output.continuous_usage_stats and self.usage is not None:
+            return {"usage": self.usage()}
+        return {"usage": None} if self.exchange.parsed.include_usage else {}
 
     async def write_usage(self, usage: dict) -> None:
         ex = self.exchange
-        build = api.chat_chunk if self.is_chat else api.completion_chunk
-        await _write_event(self.response, build(ex.id, ex.model, ex.created, [], usage))
+        await _write_event(self.response, self.build(ex.id, ex.model, ex.created, [], usage))
 
     async def write_done(self) -> None:
         await self.response.write(b"data: [DONE]\n\n")
@@ -896,6 +923,17 @@ class _Stream:
 
 async def _write_event(response: web.StreamResponse, payload: dict) -> None:
     await response.write(b"data: " + _json.encode(payload) + b"\n\n")
+
+
+def _chunk_envelope(build: Any, exchange: Exchange, usage: dict) -> tuple[bytes, bytes]:
+    """The SSE bytes of ``build``'s chunk (with ``usage``) before and after
+    its list of choices: a chunk is then ``head + choices + tail``, the bytes
+    ``_write_event`` would write, without building and encoding the
+    envelope per event."""
+    marker = uuid.uuid4().hex  # a string no id or model name holds
+    data = b"data: " + _json.encode(build(exchange.id, exchange.model, exchange.created, [marker]) | usage) + b"\n\n"
+    head, tail = data.split(_json.encode(marker))
+    return head, tail
 
 
 class _SpeechOut:

@@ -273,6 +273,8 @@ class StopStrings:
 
     def feed(self, new_text: str) -> tuple[str, bool]:
         """(text safe to emit now, whether a stop string matched)."""
+        if not self.stops:  # nothing to look for, nothing held
+            return new_text, False
         if self.is_stopped:
             return "", True
         text = self._held + new_text

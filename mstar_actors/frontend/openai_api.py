@@ -954,18 +954,16 @@ class ChoiceOutput:
         Sets ``finish_reason = "stop"`` when a stop string matched."""
         if self.is_done:
             return "", []
+        if not (self.want_logprobs or self.num_output_tokens < self.min_tokens):
+            return self._add_group(tokens), []
         first_entry = len(self.logprobs)
-        one_by_one = self.want_logprobs or self.num_output_tokens < self.min_tokens  # min_tokens ends mid-delta
-        groups = [[t] for t in tokens] if one_by_one else [tokens]
         emitted = []
-        for group in groups:
-            self.num_output_tokens += len(group)
-            self.token_ids += [t.token_id for t in group]
+        for token in tokens:  # one by one: a logprob entry each, or min_tokens is reached mid-delta
+            self.num_output_tokens += 1
+            self.token_ids.append(token.token_id)
             if self.want_logprobs:
-                self._add_logprob(group[0])
-            ids = [t.token_id for t in group]
-            if ids[-1] in self.hidden_stop_ids:
-                ids.pop()
+                self._add_logprob(token)
+            ids = [] if token.token_id in self.hidden_stop_ids else [token.token_id]
             text = self.detokenizer.add(ids)
             # as vLLM: stop strings are looked for once the output has min_tokens tokens
             emit, matched = (text, False) if self.num_output_tokens < self.min_tokens else self.stops.feed(text)
@@ -974,6 +972,21 @@ class ChoiceOutput:
                 self.finish_reason = "stop"
                 break
         return "".join(emitted), self.logprobs[first_entry:]
+
+    def _add_group(self, tokens: list) -> str:
+        """``add`` for tokens fed as one group (no logprobs, min_tokens reached):
+        the same steps, on the path every token of a plain stream takes."""
+        ids = [t.token_id for t in tokens]
+        self.num_output_tokens += len(ids)
+        self.token_ids += ids
+        text = self.detokenizer.add(ids[:-1] if ids[-1] in self.hidden_stop_ids else ids)
+        emit, matched = self.stops.feed(text)
+        if emit:
+            self.text_parts.append(emit)
+            self.num_chars += len(emit)
+        if matched:
+            self.finish_reason = "stop"
+        return emit
 
     def finish(self, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int,
                num_cached_tokens: int = 0) -> str:

@@ -1,0 +1,128 @@
+"""The streaming hot path's shortcuts give what the general path gives: a
+choice fed a delta as one group, and a chunk written around a pre-encoded
+envelope."""
+
+import asyncio
+import json
+import random
+
+import msgspec
+import pytest
+
+from mstar_actors.frontend import openai_api as api
+from mstar_actors.frontend.openai_api import ChoiceOutput
+from mstar_actors.messages import SampledToken
+from mstar_actors.tokenization import StopStrings
+
+WORDS = {i: w for i, w in enumerate(["a", "b", "ab", " ", "x", "y", "STOP", "S", "TOP", "<eos>"])}
+EOS = 9
+
+
+class WordDetokenizer:
+    """Each id is its word; no text is ever held back."""
+
+    def add(self, ids: list[int]) -> str:
+        return "".join(WORDS[i] for i in ids)
+
+    def flush(self) -> str:
+        return ""
+
+
+def reference_add(choice: ChoiceOutput, tokens: list) -> tuple[str, list]:
+    """``ChoiceOutput.add`` as it was written before its shortcut: groups of
+    one when logprobs are wanted or min_tokens is not reached, else one group."""
+    if choice.is_done:
+        return "", []
+    first_entry = len(choice.logprobs)
+    one_by_one = choice.want_logprobs or choice.num_output_tokens < choice.min_tokens
+    groups = [[t] for t in tokens] if one_by_one else [tokens]
+    emitted = []
+    for group in groups:
+        choice.num_output_tokens += len(group)
+        choice.token_ids += [t.token_id for t in group]
+        if choice.want_logprobs:
+            choice._add_logprob(group[0])
+        ids = [t.token_id for t in group]
+        if ids[-1] in choice.hidden_stop_ids:
+            ids.pop()
+        text = choice.detokenizer.add(ids)
+        emit, matched = (text, False) if choice.num_output_tokens < choice.min_tokens else choice.stops.feed(text)
+        choice._append(emit, emitted)
+        if matched:
+            choice.finish_reason = "stop"
+            break
+    return "".join(emitted), choice.logprobs[first_entry:]
+
+
+def make_choice(stops: list[str], want_logprobs: bool, min_tokens: int, include_stop: bool) -> ChoiceOutput:
+    choice = ChoiceOutput(0, WordDetokenizer(), StopStrings(stops, include_stop), WORDS.get, want_logprobs,
+                          frozenset({EOS}))
+    choice.min_tokens = min_tokens
+    return choice
+
+
+def state(choice: ChoiceOutput) -> tuple:
+    return (choice.text, choice.token_ids, choice.num_output_tokens, choice.num_chars, choice.finish_reason,
+            choice.logprobs)
+
+
+def test_choice_add_matches_the_general_path_on_random_deltas():
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    for _ in range(300):
+        options = dict(stops=rng.choice([[], ["STOP"], ["ab", "y"], ["x a"]]), want_logprobs=rng.random() < 0.3,
+                       min_tokens=rng.choice([0, 0, 2, 5]), include_stop=rng.random() < 0.3)
+        fast, reference = make_choice(**options), make_choice(**options)
+        for _ in range(rng.randrange(1, 12)):
+            ids = [rng.randrange(len(WORDS)) for _ in range(rng.randrange(1, 4))]
+            tokens = [SampledToken(request_id="r", token_id=i, logprob=-0.5) for i in ids]
+            assert fast.add(tokens) == reference_add(reference, tokens), f"seed {seed}, {options}"
+            assert state(fast) == state(reference), f"seed {seed}, {options}"
+
+
+def test_choice_add_hides_a_final_stop_token_and_keeps_its_id():
+    choice = make_choice([], False, 0, False)
+    tokens = [SampledToken(request_id="r", token_id=i) for i in (0, 3, 1, EOS)]
+    assert choice.add(tokens) == ("a b", [])
+    assert choice.token_ids == [0, 3, 1, EOS] and choice.num_output_tokens == 4
+
+
+def run_stream(parsed, extra=None, usage=None) -> tuple[bytes, bytes]:
+    """(bytes ``_write_choices`` writes, bytes of the general path) for one chunk."""
+    from actors.frontend import Exchange, _Stream
+
+    async def body():
+        exchange = Exchange(parsed, "tiny", "chatcmpl" if parsed.kind == "chat" else "cmpl")
+        stream = _Stream(None, exchange, usage)
+        written = []
+
+        class Response:
+            async def write(self, data):
+                written.append(data)
+
+        stream.response = Response()
+        choices = [api.chat_chunk_choice(0, {"content": "h\u00e9\"\n"}, None, None),
+                   api.chat_chunk_choice(1, {}, "stop", None)]
+        await stream._write_choices(choices, extra)
+        build = api.chat_chunk if parsed.kind == "chat" else api.completion_chunk
+        fields = {"usage": usage()} if parsed.output.continuous_usage_stats and usage else (
+            {"usage": None} if parsed.include_usage else {})
+        general = build(exchange.id, exchange.model, exchange.created, choices) | fields | (extra or {})
+        return written[0], b"data: " + msgspec.json.encode(general) + b"\n\n"
+
+    return asyncio.run(body())
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("options", [{}, {"include_usage": True}, {"include_usage": False},
+                                     {"include_usage": True, "continuous_usage_stats": True}])
+@pytest.mark.parametrize("extra", [None, {"prompt_token_ids": [1, 2]}])
+def test_chunk_bytes_equal_the_general_encoding(kind, options, extra):
+    body = {"model": "tiny", "stream": True, "stream_options": options, "n": 2}
+    if kind == "chat":
+        parsed = api.parse_chat(json.dumps(body | {"messages": [{"role": "user", "content": "hi"}]}).encode())
+    else:
+        parsed = api.parse_completion(json.dumps(body | {"prompt": "hi"}).encode())
+    fast, general = run_stream(parsed, extra, usage=lambda: api.usage_dict(3, 4, 0))
+    assert fast == general
+    assert json.loads(fast[len(b"data: "):])["choices"][0]["index"] == 0
