@@ -2,12 +2,24 @@
 
 An own ``CollectorRegistry`` (not the process-global one) keeps two frontends
 in one test process apart and keeps the default process collectors out.
+
+The two observed once per token delta (tokens generated, inter-token
+latency) are plain counts exposed as ``prometheus_client`` exposes its
+``Counter`` and ``Histogram``: theirs take a lock and several calls per
+observation, which a stream pays for every token.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
+import time
+from typing import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+from prometheus_client.utils import floatToGoString
 
 from mstar_actors.messages import EngineStats
 
@@ -25,12 +37,12 @@ class Metrics:
         reg = self.registry
         self.requests = Counter("mstar_requests", "HTTP requests by route and status code", ["route", "status"], registry=reg)
         self.prompt_tokens = Counter("mstar_prompt_tokens", "Prompt tokens of finished requests", registry=reg)
-        self.generation_tokens = Counter("mstar_generation_tokens", "Tokens generated", registry=reg)
+        self.generation_tokens = LoopCounter("mstar_generation_tokens", "Tokens generated", reg)
         self.time_to_first_token = Histogram(
             "mstar_time_to_first_token_seconds", "From arrival to the first token", buckets=_TTFT_BUCKETS, registry=reg
         )
-        self.inter_token_latency = Histogram(
-            "mstar_inter_token_latency_seconds", "Between consecutive token deltas", buckets=_ITL_BUCKETS, registry=reg
+        self.inter_token_latency = LoopHistogram(
+            "mstar_inter_token_latency_seconds", "Between consecutive token deltas", _ITL_BUCKETS, reg
         )
         self.num_running = Gauge("mstar_num_requests_running", "Requests running in the engine", registry=reg)
         self.num_waiting = Gauge("mstar_num_requests_waiting", "Requests waiting in the engine", registry=reg)
@@ -57,3 +69,60 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class LoopCounter:
+    """A counter for one event loop's use (no lock: one thread writes and
+    renders it), exposed as ``prometheus_client.Counter``: ``NAME_total``
+    and ``NAME_created``."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry):
+        self.name, self.documentation = name, documentation
+        self.value = 0.0
+        self.created = time.time()
+        registry.register(self)
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+    def describe(self) -> list[Metric]:
+        return [Metric(self.name, self.documentation, "counter")]
+
+    def collect(self) -> Iterator[Metric]:
+        metric = Metric(self.name, self.documentation, "counter")
+        metric.add_sample(f"{self.name}_total", {}, float(self.value))
+        metric.add_sample(f"{self.name}_created", {}, self.created)
+        yield metric
+
+
+class LoopHistogram:
+    """A histogram for one event loop's use (a bisect and two additions per
+    observation), exposed as ``prometheus_client.Histogram``: cumulative
+    ``NAME_bucket{le=...}`` up to ``+Inf``, ``NAME_count``, ``NAME_sum``,
+    ``NAME_created``. A value equal to a bound counts in that bound's bucket."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], registry: CollectorRegistry):
+        self.name, self.documentation = name, documentation
+        self.bounds = [float(b) for b in buckets]
+        self.counts = [0] * (len(self.bounds) + 1)  # per bucket, the last +Inf
+        self.sum = 0.0
+        self.created = time.time()
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def describe(self) -> list[Metric]:
+        return [Metric(self.name, self.documentation, "histogram")]
+
+    def collect(self) -> Iterator[Metric]:
+        metric = Metric(self.name, self.documentation, "histogram")
+        total = 0
+        for bound, count in zip([*self.bounds, math.inf], self.counts):
+            total += count
+            metric.add_sample(f"{self.name}_bucket", {"le": floatToGoString(bound)}, float(total))
+        metric.add_sample(f"{self.name}_count", {}, float(total))
+        metric.add_sample(f"{self.name}_sum", {}, self.sum)
+        metric.add_sample(f"{self.name}_created", {}, self.created)
+        yield metric

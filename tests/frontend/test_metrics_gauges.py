@@ -21,3 +21,32 @@ def test_engine_gauges_follow_the_last_stats():
     seen = gauges(metrics)  # a model without recurrent state reports none
     assert seen["mstar_state_slots_used"] == 0 and seen["mstar_state_slots_total"] == 0
     assert seen["mstar_num_requests_running"] == 0
+
+
+def test_loop_counter_and_histogram_render_as_prometheus_client_does():
+    import random
+
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from mstar_actors.frontend.metrics import LoopCounter, LoopHistogram
+
+    buckets = (0.001, 0.0025, 0.01, 1.0, 2.5)
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    counter, histogram = Counter("c_tokens", "doc c", registry=theirs), Histogram("h_seconds", "doc h", buckets=buckets,
+                                                                                  registry=theirs)
+    loop_counter, loop_histogram = LoopCounter("c_tokens", "doc c", ours), LoopHistogram("h_seconds", "doc h", buckets,
+                                                                                         ours)
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    values = [*buckets, 0.0, 3.0, *(rng.choice([rng.random() * 0.02, rng.random() * 4]) for _ in range(200))]
+    for value in values:  # bounds themselves included: a value equal to a bound is in its bucket
+        histogram.observe(value)
+        loop_histogram.observe(value)
+        counter.inc(3)
+        loop_counter.inc(3)
+
+    def text(registry):  # the creation times differ by when each was made
+        return [line for line in generate_latest(registry).decode().splitlines() if "_created " not in line]
+
+    assert text(ours) == text(theirs), f"seed {seed}"
+    assert "h_seconds_created" in generate_latest(ours).decode() and "c_tokens_created" in generate_latest(ours).decode()
