@@ -86,14 +86,19 @@ def _rows_kernel(
     row = tl.program_id(0).to(tl.int64)
     pid = tl.program_id(1)
     shard = pid // NUM_GROUPS
+    # At decode sizes a program's time is its chain of dependent loads, so
+    # every load that does not wait on another is issued before any branch:
+    # the slot and the column group together, then (given a slot) its scale,
+    # t and B, and y beside B.
     slot = tl.load(slots_ptr + row * stride_slot).to(tl.int64)
-    if slot == 0:
+    n_start, hi = _column_group(offsets_ptr, shard, pid % NUM_GROUPS, TILES * BLOCK_N)
+    # Base rows, and a shorter shard's spare groups (shards narrower than the widest).
+    if slot == 0 or n_start >= hi:
         return
     scale = tl.load(scales_ptr + shard * stride_ss + slot * stride_sl)
-    if scale == 0.0:  # the adapter does not target this module (or shard): its factors are zeros
-        return
-    n_start, hi = _column_group(offsets_ptr, shard, pid % NUM_GROUPS, TILES * BLOCK_N)
-    if n_start >= hi:  # a shorter shard than the widest: its spare groups
+    if not T_GIVEN and scale == 0.0:
+        # The adapter does not target this module (or shard): its factors are zeros, so its
+        # shrink is skipped. A given t is zero there, and the expand adds exactly 0 without waiting.
         return
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
@@ -120,14 +125,14 @@ def _rows_kernel(
     for j in range(TILES):
         cols = n_start + j * BLOCK_N + offs_n
         mask_n = cols < hi
+        y_ptrs = y_ptr + row * stride_ym + cols.to(tl.int64) * stride_yn
+        y = tl.load(y_ptrs, mask=mask_n, other=0.0)
         w = tl.load(
             b_ptr + slot * stride_wl + cols[:, None].to(tl.int64) * stride_wn + offs_r[None, :] * stride_wr,
             mask=mask_n[:, None] & mask_r[None, :],
             other=0.0,
         )
         delta = tl.sum(w.to(tl.float32) * t[None, :], axis=1)
-        y_ptrs = y_ptr + row * stride_ym + cols.to(tl.int64) * stride_yn
-        y = tl.load(y_ptrs, mask=mask_n, other=0.0)
         tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask_n)
 
 

@@ -117,27 +117,30 @@ def _rope_write_kv_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_
     other = tl.where(cols < HALF, cols + HALF, cols - HALF)  # the rotated half's partner
     c = tl.load(cos_ptr + t * stride_ct + cols, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + t * stride_ct + cols, mask=mask, other=0.0).to(tl.float32)
-    if h < num_heads:
-        base = q_ptr + t * stride_qt + h * stride_qh
+    is_k = h >= num_heads
+    kh = tl.maximum(h - num_heads, 0)
+    if is_k:
+        base = k_ptr + t * stride_kt + kh * stride_kh
     else:
-        base = k_ptr + t * stride_kt + (h - num_heads) * stride_kh
+        base = q_ptr + t * stride_qt + h * stride_qh
+    # Every load before any branch on a loaded value (a k head's slot and v
+    # too): at decode sizes the kernel's time is its chain of dependent loads.
+    slot = tl.load(slot_ptr + t)
+    v = tl.load(v_ptr + t * stride_vt + kh * stride_vh + cols, mask=cols < tl.where(is_k, 2 * HALF, 0), other=0.0)
     dtype = q_ptr.dtype.element_ty
     x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
     xo = tl.load(base + other, mask=mask, other=0.0).to(tl.float32)
     # torch's rounding: x * cos, swapped * signed_sin, then their sum, each to the dtype.
     rotated = ((x * c).to(dtype).to(tl.float32) + (xo * s).to(dtype).to(tl.float32)).to(dtype)
-    if h < num_heads:
-        # Every lane read its partner above, before any lane writes.
-        tl.debug_barrier()
-        tl.store(base + cols, rotated, mask=mask)
-    else:
-        kh = h - num_heads
-        slot = tl.load(slot_ptr + t)
+    if is_k:
         if slot >= 0:  # a negative slot is a padding row: not written
             dst = cache_ptr + slot * stride_cs + kh * stride_ch + cols
             tl.store(dst, rotated, mask=mask)
-            v = tl.load(v_ptr + t * stride_vt + kh * stride_vh + cols, mask=mask, other=0.0)
             tl.store(dst + cache_half, v, mask=mask)
+    else:
+        # Every lane read its partner above, before any lane writes.
+        tl.debug_barrier()
+        tl.store(base + cols, rotated, mask=mask)
 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
