@@ -30,7 +30,7 @@ NUM_BLOCKS = 40
 
 def make_model(quantization: str, seed: int = 0, **overrides) -> CausalLM:
     """A random model of ``make_spec``'s shape (3 layers, q/k/v bias) on the CPU backend, its weights
-    quantized and packed as ``build_runner`` leaves them, the stack installed."""
+    quantized and packed as ``build_runner`` leaves them (the stack not installed yet)."""
     torch.manual_seed(seed)
     model = CausalLM(make_spec(**({"num_layers": 3, "qkv_bias": True} | overrides)), CpuPagedAttention()).eval()
     with torch.no_grad():
@@ -95,40 +95,20 @@ def run_both(model: CausalLM, steps: list[list[int]], seed: int):
     assert len(calls) == len(steps)  # every step took the one call
 
 
-@needs_kernels
-@pytest.mark.parametrize("quantization", QUANTIZATIONS)
-@pytest.mark.parametrize("num_seqs", [1, 3])
-def test_decode_steps_equal_the_python_path_bit_for_bit(quantization, num_seqs):
-    """Prompts through the Python path (so both caches start equal), then
-    decode steps across block boundaries (blocks of 4, up to 17 tokens)."""
-    model = make_model(quantization)
-    prompts = [9, 13, 6][:num_seqs]
-    seqs = Sequences(prompts, seed=num_seqs)
-    spec = model.spec
-    caches = [allocate_kv_cache(spec.num_layers, NUM_BLOCKS, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim,
-                                torch.float32, "cpu") for _ in range(2)]
-    assert cpu_stack.install(model)
-    stack = model.run_layers
-    with torch.inference_mode():
-        ids, positions, meta = seqs.step(prompts)
-        for cache in caches:
-            stack.fallback(model.model.embed_tokens(ids), positions, cache, meta)
-        for _ in range(5):
-            ids, positions, meta = seqs.step([1] * num_seqs)
-            x = model.model.embed_tokens(ids)
-            assert stack.takes(x, positions, meta)
-            got = stack(x, positions, caches[0], meta)
-            want = stack.fallback(x, positions, caches[1], meta)
-            assert torch.equal(got, want)
-            assert all(torch.equal(a, b) for a, b in zip(*caches, strict=True))
+STEPS = {
+    # prompts, then decode steps across block boundaries (blocks of 4, contexts up to 18 tokens)
+    "decode, 1 row": [[9]] + [[1]] * 5,
+    "decode, 3 rows": [[9, 13, 6]] + [[1, 1, 1]] * 5,
+    # whole prompts, then chunks (after a cached prefix too) beside decode rows
+    "prefill chunks": [[7, 5, 0], [1, 1, 6], [1, 3, 1], [1, 1, 1]],
+}
 
 
 @needs_kernels
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
-def test_steps_with_prefill_chunks_equal_the_python_path_bit_for_bit(quantization):
-    """Whole prompts, then chunks (after a cached prefix too) beside decode rows."""
-    steps = [[7, 5, 0], [1, 1, 6], [1, 3, 1], [1, 1, 1]]
-    for got, want, got_caches, want_caches in run_both(make_model(quantization), steps, seed=5):
+@pytest.mark.parametrize("steps", list(STEPS.values()), ids=list(STEPS))
+def test_steps_equal_the_python_path_bit_for_bit(quantization, steps):
+    for got, want, got_caches, want_caches in run_both(make_model(quantization), steps, seed=len(steps[0])):
         assert torch.equal(got, want)
         assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches, strict=True))
 
