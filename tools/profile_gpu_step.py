@@ -8,10 +8,12 @@ new request costs the batch), base and one adapter, through the mixed-step
 graphs and eagerly; then the time of ``install_adapter`` (what an adapter
 swap waits for on a rank); then the GPU kernels of one adapter step by
 ``torch.profiler``. No server, no processes: the figures are the model
-runner's share of a serving step. The decode table runs two runners side
-by side, the LoRA linears fused (every slot's A under the weight: one GEMM,
-then the expand; CUDA's default) and unfused (the GEMM, then the one-row
-kernel with its own shrink); ``--fuse on|off`` keeps one. ``--fused-ops``
+runner's share of a serving step. The decode table runs runners side by
+side, one per ``--lora-paths``: ``beside`` (each decoder linear's delta on a
+side stream while its GEMM runs, added by the op after it; CUDA's default,
+``lora_layers.BESIDE``), ``fused`` (every slot's A under the weight: one
+GEMM, then the expand) and ``unfused`` (the GEMM, then the one-row kernel
+with its own shrink). ``--fused-ops``
 likewise sets the layers' small ops side by side: ``triton_fused``'s one
 launch each (RMSNorm with the residual add, rotary with the KV write,
 SiLU-and-mul; on by default, see ``triton_fused.enabled``) or torch's ops.
@@ -221,9 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--profile-batches", type=int, nargs="+", default=[8],
                    help="rows of the profiled decode steps, each profiled on the base model and on one adapter")
-    p.add_argument("--fuse", choices=["on", "off", "both"], default="both",
-                   help="decode table with the LoRA linears' A under their weights (CUDA's default), unfused, "
-                        "or both runners side by side (default)")
+    p.add_argument("--lora-paths", nargs="+", choices=["beside", "fused", "unfused"], default=["beside", "fused"],
+                   help="decode table runners, side by side: the LoRA delta beside the GEMM on a side stream "
+                        "(CUDA's default), after it with A under the weight, or after it unfused "
+                        "(default: beside fused); the rest of the run takes the first")
     p.add_argument("--fused-ops", choices=["on", "off", "both"], default="both",
                    help="decode table with the layers' small ops fused (triton_fused, the default), as torch ops, "
                         "or both side by side (default); the rest of the run takes the first")
@@ -246,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     max_seqs = max([*args.batches, *args.mixed_decodes, *args.profile_batches, 32])  # the install rows decode 32 beside
     runners = {}
     modes = {"on": [True], "off": [False], "both": [True, False]}
-    for fused in modes[args.fuse]:
+    for path in args.lora_paths:
+        fused = path != "unfused"
         for ops in modes[args.fused_ops]:
             config = parse_config({"model": {"path": str(model_dir), "device": "cuda"},
                                    "kv": {"num_blocks": 64 * max_seqs + 8},
@@ -255,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             share = lora_layers.MAX_FUSED_SHARE
             lora_layers.MAX_FUSED_SHARE = share if fused else 0.0  # 0: no linear's A fits under its weight
             triton_fused.enabled = ops  # read as the graphs are captured: each runner replays its own kernels
+            lora_layers.BESIDE = path == "beside"
             try:
                 runner = build_runner(config, load_model_info(config))
             finally:
@@ -262,12 +267,15 @@ def main(argv: list[str] | None = None) -> int:
             adapters = load_adapters(runner, paths, model_dir)
             for slot, weights in enumerate(adapters, start=1):
                 runner.install_adapter(slot, weights)
-            runners[("fused" if fused else "unfused", "fused" if ops else "torch")] = runner
-    triton_fused.enabled = modes[args.fused_ops][0]  # the eager steps below run as the first runner was built
+            runners[(path, "fused" if ops else "torch")] = runner
+    # The eager steps below run as the first runner was built.
+    triton_fused.enabled = modes[args.fused_ops][0]
+    lora_layers.BESIDE = args.lora_paths[0] == "beside"
     print(f"# {torch.cuda.get_device_name()}: decode step ms (median of {args.steps}), ModelRunner.execute, "
-          f"context ~{CONTEXT}; linears fused: every LoRA linear's A under its weight (one GEMM, then the expand); "
+          f"context ~{CONTEXT}; lora beside: the delta on a side stream during the GEMM; fused: every LoRA linear's "
+          f"A under its weight (one GEMM, then the expand); "
           f"ops fused: RMSNorm+add, rotary+KV write, SiLU-and-mul one launch each")
-    print(f"{'batch':>5} {'linears':>8} {'ops':>6} {'base':>8} {'one':>8} {'mixed4':>8} {'one/base':>9} {'mixed/base':>10}")
+    print(f"{'batch':>5} {'lora':>8} {'ops':>6} {'base':>8} {'one':>8} {'mixed4':>8} {'one/base':>9} {'mixed/base':>10}")
     for batch in args.batches:
         for (linears, ops), runner in runners.items():  # side by side at each batch, so drift hits all
             base = time_steps(runner, [0] * batch, "b", args.steps)

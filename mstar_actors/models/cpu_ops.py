@@ -215,12 +215,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out if x.dim() == 2 else out.view(*x.shape)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+def silu_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor | None:
     """``F.silu(gate) * up`` of ``gate_up [T, 2I]`` (its two halves) in one
-    call, ``[T, I]``; None where the rows don't fit."""
+    call, ``[T, I]``; None where the rows don't fit or a ``delta`` is given
+    (``triton_fused``'s takes one; here the caller adds it)."""
     lib = kernel()
     rows = _rows(gate_up)
-    if lib is None or rows is None or rows[2] % 2:
+    if lib is None or rows is None or rows[2] % 2 or delta is not None:
         return None
     rows, num_rows, num_cols, row_stride = rows
     size = num_cols // 2
@@ -230,12 +231,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor, delta: torch.Tensor | None = None) -> bool:
     """Rotate ``q [T, H, D]`` and ``k [T, KH, D]`` in place by ``cos`` and
     ``signed_sin`` (``[T, 1, D]``, ``RotaryEmbedding.tables``), then write k
     and v at ``slot_mapping`` into ``kv_cache [2, blocks, block_size, KH, D]``
     (what ``TorchPagedAttention.write_kv`` does). False, having done
-    nothing, where the tensors' layouts don't fit one call."""
+    nothing, where the tensors' layouts don't fit one call or a ``delta``
+    is given (``triton_fused``'s takes one; here the caller adds it)."""
+    if delta is not None:
+        return False
     lib = kernel()
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]

@@ -100,14 +100,37 @@ class LoraLinear(nn.Linear):
     tp_slices: dict[int | None, Cut] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_into(x, None)
+
+    def forward_into(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """``self(x)`` for a caller that adds the result to ``residual`` next
+        (the caller's own tensor, ``[T, out]``): where the delta runs beside
+        the GEMM it goes into ``residual`` in place, so that nothing waits
+        for it after the GEMM but that add."""
+        y, delta = self.forward_parts(x, residual)
+        return y if delta is None else y.add_(delta)
+
+    def forward_parts(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(y, delta)``. Where the hook runs the LoRA delta beside the base
+        GEMM (``LoraHook.runs_beside``: a CUDA rows step of many rows), the delta runs on
+        the side stream while the GEMM runs on the step's, and is returned
+        for the caller to add (the next fused op reads it), or added into
+        ``residual`` (then None). Elsewhere ``y`` has the delta and it is None."""
         hook = self.lora
+        if hook is not None and x.is_cuda and hook.runs_beside(x.shape[0]):
+            with hook.fork():
+                target = residual if residual is not None else x.new_zeros(*x.shape[:-1], self.out_features)
+                hook.apply(target, x)
+            y = self._base(x)
+            hook.join()
+            return y, None if residual is not None else target
         if self.fused_weight is not None and hook.fuses(x.shape[0]):
             # One GEMM: the base output, then each slot's shrink; the delta is the expand alone.
             out = F.linear(x, self.fused_weight, self.fused_bias)
             n = self.out_features
-            return hook.expand(out[:, :n], out[:, n:])
+            return hook.expand(out[:, :n], out[:, n:]), None
         y = self._base(x)
-        return y if hook is None else hook.apply(y, x)
+        return (y if hook is None else hook.apply(y, x)), None
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
@@ -186,34 +209,45 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = spec.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``residual``: the stream the caller adds the result to next, if
+        its own (o's LoRA delta may go there: ``LoraLinear.forward_into``)."""
         num_tokens = x.shape[0]
+        qkv, delta = self.qkv_proj.forward_parts(x)
+        if delta is not None and self.has_qk_norm:
+            qkv, delta = qkv.add_(delta), None
         # The rows as heads, then split: one view and one split, where a split
         # of the columns and three views cost twice as much at decode sizes.
-        heads = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        shape = (num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        heads = qkv.view(shape)
         q, k, v = heads.split_with_sizes([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if not self._rope_write_kv(positions, q, k, v, kv_cache, meta):
+        if not self._rope_write_kv(positions, q, k, v, kv_cache, meta, delta):
+            if delta is not None:
+                heads.add_(delta.view(shape))
             q, k = self.rotary(positions, q, k)
             self.backend.write_kv(kv_cache, k, v, meta)
         out = self.backend.attend(q, kv_cache, meta, self.scale)
-        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))
+        into = None if self.tp.is_parallel else residual  # a rank's partial delta goes through the all-reduce
+        return self.tp.all_reduce(self.o_proj.forward_into(out.reshape(num_tokens, -1), into))
 
 
     def _rope_write_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+                       kv_cache: torch.Tensor, meta: AttentionMetadata, delta: torch.Tensor | None = None) -> bool:
         """Rotary on q and k (in place: they are this step's own projections)
         and the KV write in one call (``fused_ops``), where the plain rotary
-        and the reference backend's write would run; False (nothing done)
-        elsewhere."""
+        and the reference backend's write would run, q, k and v taking
+        ``delta`` (``[T, q|k|v]``, the LoRA delta) first where given; False
+        (nothing done) elsewhere."""
         # The backend's class, not the instance: a wrapper timing the instance's
         # methods (tools/profile_step.py --split) must not switch this path off.
         if (type(self.rotary) is not RotaryEmbedding or type(self.backend).write_kv is not TorchPagedAttention.write_kv
                 or positions.dim() != 1 or (ops := fused_ops(q)) is None or kv_cache.dtype != q.dtype):
             return False
         tables = self.rotary.step_tables or self.rotary.tables(positions, q.dtype)
-        return ops.rope_write_kv(q, k, v, *tables, kv_cache, meta.slot_mapping)
+        return ops.rope_write_kv(q, k, v, *tables, kv_cache, meta.slot_mapping, delta)
 
 
 class MLP(nn.Module):
@@ -229,15 +263,20 @@ class MLP(nn.Module):
         self.down_proj = LoraLinear(size, spec.hidden_size, bias=False)
         self.down_proj.tp_slices = layout.down_cuts()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        # One call where ``fused_ops`` takes it (equal to torch's to float32 rounding).
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``residual``: as ``Attention.forward``'s (down's LoRA delta may go there)."""
+        gate_up, delta = self.gate_up_proj.forward_parts(x)
+        # One call where ``fused_ops`` takes it (equal to torch's to float32
+        # rounding), adding the LoRA delta first where it ran beside the GEMM.
         ops = fused_ops(gate_up)
-        act = ops.silu_mul(gate_up) if ops is not None else None
+        act = ops.silu_mul(gate_up, delta) if ops is not None else None
         if act is None:
+            if delta is not None:
+                gate_up.add_(delta)
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        return self.tp.all_reduce(self.down_proj(act))
+        into = None if self.tp.is_parallel else residual
+        return self.tp.all_reduce(self.down_proj.forward_into(act, into))
 
 
 class DecoderLayer(nn.Module):
@@ -257,13 +296,14 @@ class DecoderLayer(nn.Module):
         before it, so that every residual add goes with the norm after it
         (one call where ``fused_ops`` takes them; the sums land in the
         attention's and MLP's own outputs, never in the embeddings)."""
-        if residual is None:
-            normed, residual = self.input_layernorm(x), x
+        if residual is None:  # the stream is the embedded rows: not ours to add into
+            normed, residual, own = self.input_layernorm(x), x, None
         else:
             normed, residual = self.input_layernorm.add_norm(residual, x)
-        attn = self.self_attn(normed, positions, kv_cache, meta)
+            own = residual
+        attn = self.self_attn(normed, positions, kv_cache, meta, residual=own)
         normed, residual = self.post_attention_layernorm.add_norm(residual, attn)
-        return self.mlp(normed), residual
+        return self.mlp(normed, residual=residual), residual
 
 
 class DecoderModel(nn.Module):

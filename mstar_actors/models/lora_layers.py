@@ -71,6 +71,11 @@ LM_HEAD = "lm_head"
 # Steps of up to this many rows (decode-sized) also carry a one-hot of their
 # slots, which the CPU's delta takes instead of segments (``ops.DenseRows``).
 MAX_DENSE_ROWS = 64
+# On CUDA, each decoder linear's delta of a step of many rows runs on a side
+# stream while the base GEMM runs (``LoraHook.runs_beside``); off, it
+# follows the GEMM on the step's stream. Read as steps run and graphs are captured
+# (``tools/profile_gpu_step.py --beside`` times both).
+BESIDE = True
 EMBED_TOKENS = "model.embed_tokens"
 
 
@@ -94,7 +99,7 @@ class LoraStep:
     """
 
     __slots__ = ("segments", "sampled_segments", "dense", "sampled_dense", "row_slots", "row_groups",
-                 "sampled_row_slots", "sampled_row_groups")
+                 "sampled_row_slots", "sampled_row_groups", "side")
 
     def __init__(self) -> None:
         self.segments: LoraSegments | None = None
@@ -106,6 +111,9 @@ class LoraStep:
         self.row_groups: tuple[torch.Tensor, ...] | None = None
         self.sampled_row_slots: torch.Tensor | None = None
         self.sampled_row_groups: tuple[torch.Tensor, ...] | None = None
+        # Where the kernels run on CUDA: the stream the decoder linears' deltas
+        # run on, beside their base GEMMs (``LoraHook.runs_beside``).
+        self.side: torch.cuda.Stream | None = None
 
 
 class LoraHook:
@@ -138,6 +146,30 @@ class LoraHook:
     def expand(self, y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """y += the delta, given its shrink ``t`` from the fused GEMM."""
         return self.stack.add_delta_expand(y, t, self.step.row_slots)
+
+    def runs_beside(self, num_rows: int) -> bool:
+        """Whether this step's delta runs on the side stream, beside the base
+        GEMM (``LoraLinear.forward_parts``): a rows step on CUDA, with
+        ``BESIDE`` on, of a size the fused GEMM does not take (``fuses``:
+        from ``MIN_SPLIT_ROWS`` rows, where the rows kernels take several
+        launches a linear; below, the fused GEMM and its one expand measure
+        faster than a shrink beside the GEMM). Host state and shapes only,
+        so a captured graph keeps the choice."""
+        return (BESIDE and self.step.side is not None and self.step.row_slots is not None and not self.is_sampled
+                and not self.fuses(num_rows))
+
+    def fork(self) -> torch.cuda.StreamContext:
+        """The side stream as the current one, after the work queued so far
+        on the current stream (a graph capture's too): what runs under it
+        is a branch of its own, beside what the current stream queues next."""
+        side = self.step.side
+        side.wait_stream(torch.cuda.current_stream(side.device))
+        return torch.cuda.stream(side)
+
+    def join(self) -> None:
+        """The current stream waits for everything queued on the side stream."""
+        side = self.step.side
+        torch.cuda.current_stream(side.device).wait_stream(side)
 
 
 class LoraLayers:
@@ -421,6 +453,8 @@ def enable_lora(
     stacks: dict[str, LoraStack] = {}
     cuts: dict[str, dict[int | None, Cut]] = {}
     kernels = lora_kernels(device)
+    if kernels.uses_rows and torch.device(device).type == "cuda":
+        step.side = torch.cuda.Stream(torch.device(device))
     kwargs = dict(num_slots=num_slots, max_rank=max_rank, dtype=dtype, device=device, kernels=kernels)
     # Only the text decoder (``model.model``): a vision tower's rows are not the step's token rows.
     for name, module in model.model.named_modules(prefix="model"):

@@ -192,7 +192,8 @@ class GatedAttention(nn.Module):
         self.scale = spec.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``residual``: as ``decoder.Attention.forward``'s."""
         num_tokens = x.shape[0]
         q_gate, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         q, gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -202,7 +203,7 @@ class GatedAttention(nn.Module):
         q, k = self.rotary(positions, q, k)
         self.backend.write_kv(kv_cache, k, v, meta)
         out = self.backend.attend(q, kv_cache, meta, self.scale).reshape(num_tokens, -1)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(num_tokens, -1)))
+        return self.o_proj.forward_into(out * torch.sigmoid(gate.reshape(num_tokens, -1)), residual)
 
 
 class GatedDeltaNet(nn.Module):
@@ -226,7 +227,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = LoraLinear(la.value_dim, spec.hidden_size, bias=False)
         self.ops = ops
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``residual``: as ``decoder.Attention.forward``'s."""
         if self.pool is None or meta.state_slots is None:
             raise RuntimeError("a Gated DeltaNet step needs state slots: the runner attaches the pools "
                                "and each step names its sequences' slots (AttentionMetadata.state_slots)")
@@ -242,7 +244,7 @@ class GatedDeltaNet(nn.Module):
         out = self.ops.delta_rule(q, k, v, g, beta, self.pool, meta)
         z = z.reshape(-1, self.v_head_dim)
         out = self.norm(out.reshape(-1, self.v_head_dim), z).reshape(num_tokens, -1)
-        return self.out_proj(out)
+        return self.out_proj.forward_into(out, residual)
 
 
 class HybridLayer(nn.Module):
@@ -262,13 +264,17 @@ class HybridLayer(nn.Module):
                 kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """``decoder.DecoderLayer``'s pairing: ``x`` the previous layer's MLP
         output not yet added into ``residual`` (None: ``x`` is the stream)."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
+        if residual is None:  # the embedded rows: not ours to add into
+            h, residual, own = self.input_layernorm(x), x, None
         else:
             h, residual = self.input_layernorm.add_norm(residual, x)
-        h = self.self_attn(h, positions, kv_cache, meta) if self.is_attention else self.linear_attn(h, meta)
+            own = residual
+        if self.is_attention:
+            h = self.self_attn(h, positions, kv_cache, meta, residual=own)
+        else:
+            h = self.linear_attn(h, meta, residual=own)
         h, residual = self.post_attention_layernorm.add_norm(residual, h)
-        return self.mlp(h), residual
+        return self.mlp(h, residual=residual), residual
 
 
 class HybridModel(nn.Module):

@@ -109,7 +109,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 @triton.jit
 def _rope_write_kv_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh,
                           cos_ptr, sin_ptr, stride_ct, cache_ptr, stride_cs, stride_ch, cache_half, slot_ptr,
-                          num_heads, HALF: tl.constexpr, BLOCK: tl.constexpr):
+                          num_heads, dq_ptr, dk_ptr, dv_ptr,
+                          HAS_DELTA: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -119,17 +120,28 @@ def _rope_write_kv_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_
     s = tl.load(sin_ptr + t * stride_ct + cols, mask=mask, other=0.0).to(tl.float32)
     is_k = h >= num_heads
     kh = tl.maximum(h - num_heads, 0)
+    # The delta (``rope_write_kv``'s) has q's, k's and v's strides.
     if is_k:
-        base = k_ptr + t * stride_kt + kh * stride_kh
+        at = t * stride_kt + kh * stride_kh
+        base, dbase = k_ptr + at, dk_ptr + at
     else:
-        base = q_ptr + t * stride_qt + h * stride_qh
+        at = t * stride_qt + h * stride_qh
+        base, dbase = q_ptr + at, dq_ptr + at
     # Every load before any branch on a loaded value (a k head's slot and v
     # too): at decode sizes the kernel's time is its chain of dependent loads.
     slot = tl.load(slot_ptr + t)
-    v = tl.load(v_ptr + t * stride_vt + kh * stride_vh + cols, mask=cols < tl.where(is_k, 2 * HALF, 0), other=0.0)
+    v_mask = cols < tl.where(is_k, 2 * HALF, 0)
+    v_at = t * stride_vt + kh * stride_vh + cols
+    v = tl.load(v_ptr + v_at, mask=v_mask, other=0.0)
+    x = tl.load(base + cols, mask=mask, other=0.0)
+    xo = tl.load(base + other, mask=mask, other=0.0)
+    if HAS_DELTA:
+        v = (v.to(tl.float32) + tl.load(dv_ptr + v_at, mask=v_mask, other=0.0).to(tl.float32)).to(v.dtype)
+        x = (x.to(tl.float32) + tl.load(dbase + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        xo = (xo.to(tl.float32) + tl.load(dbase + other, mask=mask, other=0.0).to(tl.float32)).to(xo.dtype)
     dtype = q_ptr.dtype.element_ty
-    x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-    xo = tl.load(base + other, mask=mask, other=0.0).to(tl.float32)
+    x = x.to(tl.float32)
+    xo = xo.to(tl.float32)
     # torch's rounding: x * cos, swapped * signed_sin, then their sum, each to the dtype.
     rotated = ((x * c).to(dtype).to(tl.float32) + (xo * s).to(dtype).to(tl.float32)).to(dtype)
     if is_k:
@@ -144,15 +156,24 @@ def _rope_write_kv_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_
 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor, delta: torch.Tensor | None = None) -> bool:
     """Rotate ``q [T, H, D]`` in place and ``k [T, KH, D]`` by ``cos`` and
     ``signed_sin`` (``[T, 1, D]``, ``RotaryEmbedding.tables``), writing the
     rotated k and v at ``slot_mapping`` into ``kv_cache [2, blocks,
     block_size, KH, D]`` (a negative slot: not written), in one launch
     (``cpu_ops.rope_write_kv`` on CPU; ``k`` itself is left as it was).
-    False, having done nothing, where the layouts don't fit."""
+    ``delta``: ``[T, (H + 2 KH) D]`` added to q, k and v first (rounded as
+    ``add_``), where q, k and v are the heads of one contiguous ``[T, (H +
+    2 KH) D]`` output, in that order. False, having done nothing, where the
+    layouts don't fit."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
+    if delta is not None:
+        parts = _delta_heads(delta, q, k, v)
+        if parts is None:
+            return False
+    else:
+        parts = (q, k, v)
     if (head_dim % 2 or head_dim > 1024 or not kv_cache.is_contiguous() or kv_cache.dtype != q.dtype
             or k.dtype != q.dtype or v.dtype != q.dtype or cos.dtype != q.dtype or signed_sin.dtype != q.dtype
             or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
@@ -165,36 +186,60 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         _rope_write_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
             q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
             cos, signed_sin, cos.stride(0), kv_cache, slots.stride(0), slots.stride(1), kv_cache[0].numel(),
-            slot_mapping, num_heads, HALF=head_dim // 2, BLOCK=triton.next_power_of_2(head_dim),
+            slot_mapping, num_heads, *parts, HAS_DELTA=delta is not None, HALF=head_dim // 2,
+            BLOCK=triton.next_power_of_2(head_dim),
             num_warps=1 if head_dim <= 128 else 2, enable_fp_fusion=False)  # float32: no FMA, torch's two roundings
     return True
 
 
+def _delta_heads(delta: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple | None:
+    """``delta``'s q, k and v heads with q's, k's and v's strides, or None
+    where q, k and v are not the heads of one contiguous output like it."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if (delta.shape != (num_tokens, width) or not delta.is_contiguous() or delta.dtype != q.dtype
+            or k.data_ptr() != q.data_ptr() + num_heads * head_dim * q.element_size()
+            or v.data_ptr() != k.data_ptr() + num_kv_heads * head_dim * k.element_size()
+            or any(t.stride() != (width, head_dim, 1) for t in (q, k, v))):
+        return None
+    return tuple(delta.view(num_tokens, -1, head_dim).split_with_sizes([num_heads, num_kv_heads, num_kv_heads], dim=1))
+
+
 @triton.jit
-def _silu_mul_kernel(x_ptr, stride_x, out_ptr, stride_out, n, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, stride_x, d_ptr, out_ptr, stride_out, n, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
     dtype = out_ptr.dtype.element_ty
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0)
+    if HAS_DELTA:  # the delta's rows are contiguous [T, 2I]; y.add_(delta)'s rounding
+        gate = (gate.to(tl.float32) + tl.load(d_ptr + row * 2 * n + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+        up = (up.to(tl.float32) + tl.load(d_ptr + row * 2 * n + n + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+    gate = gate.to(tl.float32)
+    up = up.to(tl.float32)
     # torch's rounding: silu in float32, cast, then the product in float32, cast.
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (act * up).to(dtype), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+def silu_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor | None:
     """``F.silu(gate) * up`` of ``gate_up [T, 2I]`` (its two halves) in one
-    launch, ``[T, I]``; None where the rows don't fit."""
+    launch, ``[T, I]``, with ``delta`` (contiguous, ``gate_up``'s shape: the
+    LoRA delta) added first where given; None where the rows don't fit."""
     rows = _rows(gate_up)
     if rows is None or rows.shape[-1] % 2:
+        return None
+    if delta is not None and (delta.shape != rows.shape or not delta.is_contiguous() or delta.dtype != rows.dtype):
         return None
     n = rows.shape[-1] // 2
     out = torch.empty((rows.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
     if rows.shape[0]:
         block = min(1024, triton.next_power_of_2(n))
-        _silu_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](rows, rows.stride(0), out, out.stride(0), n,
-                                                                 BLOCK=block, num_warps=4)
+        _silu_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](
+            rows, rows.stride(0), rows if delta is None else delta, out, out.stride(0), n,
+            HAS_DELTA=delta is not None, BLOCK=block, num_warps=4)
     return out.view(*gate_up.shape[:-1], n)
 
 

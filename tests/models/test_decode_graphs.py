@@ -335,6 +335,48 @@ def test_captured_lora_graphs_match_eager_on_cuda(lora_world, fused_ops, monkeyp
 
 
 @pytest.mark.gpu
+def test_lora_beside_the_gemm_matches_lora_after_it_on_cuda(lora_world, monkeypatch):
+    """Each linear's delta on a side stream while its GEMM runs (graphs
+    captured with the fork and join inside) against the delta after the
+    GEMM: float32 tokens equal; bf16 logits within rounding (the delta is
+    added into the residual stream or by the next op, in another order).
+    The grouped kernels from 2 rows, so that these small steps go beside."""
+    from mstar_actors.lora import triton_ops
+    from mstar_actors.models import lora_layers
+
+    monkeypatch.setattr(triton_ops, "MIN_SPLIT_ROWS", 2)
+
+    forks = []
+    fork = lora_layers.LoraHook.fork
+    monkeypatch.setattr(lora_layers.LoraHook, "fork", lambda hook: forks.append(1) or fork(hook))
+    monkeypatch.setattr(lora_layers, "BESIDE", False)
+    want = script(lora_runner(lora_world, device="cuda"), MIXED_SLOTS)
+    after_rec = Recorder()
+    after = script(lora_runner(lora_world, device="cuda", dtype="bfloat16", enforce_eager=False,
+                               cuda_graph_max_batch=4, sampler=after_rec), MIXED_SLOTS)
+    assert not forks
+    monkeypatch.setattr(lora_layers, "BESIDE", True)
+    graphs = script(lora_runner(lora_world, device="cuda", enforce_eager=False, cuda_graph_max_batch=4), MIXED_SLOTS)
+    assert forks, "no step ran its delta beside the GEMM: the test would prove nothing"
+    assert graphs == want, "float32 graphs with the delta beside: other tokens than after"
+    assert script(lora_runner(lora_world, device="cuda"), MIXED_SLOTS) == want, "float32 eager steps: other tokens"
+    forced = [[int(t) for t in step.argmax(-1)] for step in after_rec.logits]
+    beside_rec, exact_rec = Recorder(forced), Recorder(forced)
+    assert script(lora_runner(lora_world, device="cuda", dtype="bfloat16", enforce_eager=False, cuda_graph_max_batch=4,
+                              sampler=beside_rec), MIXED_SLOTS) == after
+    # Both bf16 runs against float32 on the same tokens. The delta beside is
+    # rounded to bf16 before it is added (after, the expand adds it in
+    # float32), so the two differ by rounding, by up to ~4% of the largest
+    # logit with these large random adapters; both stay that close to float32.
+    script(lora_runner(lora_world, device="cuda", sampler=exact_rec), MIXED_SLOTS)
+    for step, (beside, after_logits, exact) in enumerate(zip(beside_rec.logits, after_rec.logits, exact_rec.logits)):
+        scale = exact.abs().max()
+        beside_error, after_error = ((t - exact).abs().max() / scale for t in (beside, after_logits))
+        assert beside_error < 6e-2 and after_error < 6e-2, (
+            f"step {step}: bf16 logits off float32's by {beside_error:.3g} beside, {after_error:.3g} after")
+
+
+@pytest.mark.gpu
 def test_adapter_installed_after_capture_is_used_by_the_graphs(lora_world):
     want = script(lora_runner(lora_world, device="cuda"), MIXED_SLOTS)
     runner = lora_runner(lora_world, device="cuda", enforce_eager=False, cuda_graph_max_batch=4, install=False)

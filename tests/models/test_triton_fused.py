@@ -139,6 +139,34 @@ def test_rope_write_kv_skips_padding_slots_and_refuses_other_layouts():
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_rope_write_kv_adds_a_delta_as_add_would(dtype, device="cpu"):
+    """The LoRA delta run beside the GEMM: q, k and v take it first, rounded
+    as ``qkv.add_(delta)`` rounds, so the result is that of add then rotary."""
+    q, k, v, cos, sin, cache, slots = paged_case(dtype, device)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=-1)
+    delta = (0.5 * torch.randn(qkv.shape, generator=torch.Generator().manual_seed(5))).to(dtype).to(device)
+    # The reference: the sum, then the kernel without a delta (equal to rotate + index_copy, above).
+    sizes = [q[0].numel(), k[0].numel(), v[0].numel()]
+    rq, rk, rv = (t.view(t.shape[0], -1, q.shape[-1]) for t in (qkv + delta).split(sizes, dim=-1))
+    ref_cache = cache.clone()
+    assert triton_fused.rope_write_kv(rq, rk, rv, cos, sin, ref_cache, slots)
+    assert triton_fused.rope_write_kv(q, k, v, cos, sin, cache, slots, delta)
+    assert torch.equal(q, rq) and torch.equal(cache, ref_cache)
+    wide = torch.zeros(delta.shape[0], delta.shape[1] + 1, dtype=dtype, device=device)
+    assert not triton_fused.rope_write_kv(q, k, v, cos, sin, cache, slots, wide)  # not q|k|v's layout
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_silu_mul_adds_a_delta_as_add_would(dtype, device="cpu"):
+    gen = torch.Generator().manual_seed(6)
+    gate_up = (2 * torch.randn(3, 2 * 600, generator=gen)).to(dtype).to(device)
+    delta = torch.randn(gate_up.shape, generator=gen).to(dtype).to(device)
+    want = triton_fused.silu_mul(gate_up + delta)
+    assert torch.equal(triton_fused.silu_mul(gate_up, delta), want)
+    assert triton_fused.silu_mul(gate_up, delta[:, :-2]) is None  # not gate_up's shape
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
 def test_silu_mul_equals_torch_to_rounding(dtype, device="cpu"):
     gen = torch.Generator().manual_seed(3)
     gate_up = (2 * torch.randn(3, 2 * 1100, generator=gen)).to(dtype).to(device)  # two column blocks, the last partial
@@ -161,3 +189,5 @@ def test_kernels_compiled_on_gpu(dtype):
     test_rms_norm_per_head_on_a_projections_view(dtype, "cuda")
     test_rope_write_kv_equals_rotate_and_index_copy_bit_for_bit(dtype, "cuda")
     test_silu_mul_equals_torch_to_rounding(dtype, "cuda")
+    test_rope_write_kv_adds_a_delta_as_add_would(dtype, "cuda")
+    test_silu_mul_adds_a_delta_as_add_would(dtype, "cuda")
