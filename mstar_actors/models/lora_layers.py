@@ -25,7 +25,11 @@ Where the kernels run, each decoder linear's stack is also fused
 rows step of fewer than ``MIN_SPLIT_ROWS`` rows with adapter rows runs one
 GEMM that yields the base output and each slot's shrink, and the hook's
 ``expand`` adds the delta in one launch. Steps without adapter rows run the
-weight alone, a view of the same buffer.
+weight alone, a view of the same buffer. From ``MIN_SPLIT_ROWS`` rows the
+delta (the grouped shrink and expand) runs on a side stream while the base
+GEMM runs (``BESIDE``, ``LoraLinear.forward_parts``): o's and down's go
+straight into the residual stream, q|k|v's and gate|up's into a buffer the
+next fused op adds as it loads.
 
 Adapter placement goes through the architecture's ``CheckpointRules`` (the
 same table the weight loader uses): HF ``model.layers.3.self_attn.k_proj``

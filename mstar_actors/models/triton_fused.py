@@ -22,6 +22,10 @@ so graphs and eager steps agree:
 - ``silu_mul``: ``F.silu(gate) * up`` over the fused ``gate_up`` output
   (the GPU's exp and division are approximate: within 2 ulps).
 
+``rope_write_kv`` and ``silu_mul`` also take a LoRA delta computed beside
+the GEMM before them (``LoraLinear.forward_parts``), added as they load and
+rounded as ``y.add_(delta)`` would round it.
+
 On by default (``enabled``); ``tools/profile_gpu_step.py --fused-ops both``
 times the step with and without them.
 
