@@ -173,22 +173,22 @@ KERNEL_SOURCE_AVX2 = cpu_linear.BLOCK_ACCUMULATORS_AVX2 + r"""
 
 #define BLOCK_N 32
 #define GROUP 32
-#define PASS_ROWS 2
-#define ROWS_PER_CALL PASS_ROWS
+#define PASS_ROWS 2     /* rows of a block_few pass */
+#define ROWS_PER_CALL 48 /* rows of x a block_rows call: block_chunked's 8 groups of 6 */
 #define DOT4
 #define PREFETCH_GROUPS 4
 
 """ + KERNEL_SOURCE[KERNEL_SOURCE.index("#define PREFETCH_GROUP(g)"):KERNEL_SOURCE.index("/* One block of 32")] + r"""
-/* KERNEL_SOURCE's block_rows on AVX2, factored at every row count: per
-   group, the dot products of up to PASS_ROWS rows with the raw codes (8
-   accumulators: 4 vectors of 8 columns a row) are scaled once into the
-   outputs (8 more), y += scale * sum(x q) + min * sum(x). More rows take
-   more passes over the block, which the first left in cache. An int4 code
+/* KERNEL_SOURCE's block_rows on AVX2 for one or two rows (block_chunked
+   below takes more), factored: per group, the dot products of the rows
+   with the raw codes (8 accumulators: 4 vectors of 8 columns a row) are
+   scaled once into the outputs (8 more), y += scale * sum(x q) + min *
+   sum(x), in one pass over the block. An int4 code
    becomes a float by zero-extension and conversion (AVX2 has no 16-lane
    table lookup). */
-static inline void block_rows(int bits, int rows, const float *x, int64_t ldx, const float *xsum,
-                              const uint8_t *q, const float *scale, const float *minv, const float *bias,
-                              int cols, float *y, int64_t ldy, int64_t K) {
+static inline void block_few(int bits, int rows, const float *x, int64_t ldx, const float *xsum,
+                             const uint8_t *q, const float *scale, const float *minv, const float *bias,
+                             int cols, float *y, int64_t ldy, int64_t K) {
     const int64_t num_groups = K / GROUP;
     const __m128i nibble = _mm_set1_epi8(0x0F);
     BLOCK_OUT_AVX2
@@ -256,6 +256,193 @@ static inline void block_rows(int bits, int rows, const float *x, int64_t ldx, c
 #undef DOT_ROW
 }
 
+/* 3 to ROWS_PER_CALL rows against one block, block_few's arithmetic in
+   another order of work. block_few's passes of 2 rows each ran over the
+   whole block, each converting every code again, and only the first read
+   the block from memory: 8 rows cost 4.7 times one. Here the group (32 k)
+   is the unit: every pass runs over a group before any goes on to the
+   next, so the group is read from memory once, stays in L1 for the other
+   passes, and the memory stream (PREFETCH_GROUP, once a group) runs under
+   all of them. Each group of 6 rows takes the block in two halves of 16
+   columns: a half's codes (low nibbles: columns 0-15, high: 16-31) become
+   2 vectors of floats once per k and serve 6 rows (12 dot accumulators);
+   the last 1 or 2 rows take all 32 columns at once (3 to 5 rows: two
+   halves). The outputs wait in ``acc`` (rows x 32 floats on the stack)
+   and take each group's scale * dot + min * sum(x) as block_few's
+   registers do: the same operations in the same order, the same bits.
+   7 or 8 rows left over (8, 13, 14, ...) take two passes of 3 or 4 rows
+   rather than 6 and then 1 or 2 at 32 columns (those convert 4 vectors of
+   codes a k for 1 or 2 rows' FMAs). The passes' bits are constants in
+   each copy of the group loop (GROUPS), so no k tests them.
+
+   Measured on a 2-core AMD EPYC (Zen 3, AVX2), two threads: the 120 int4
+   linears of SmolLM2-135M's 30 layers in one PackArena, one linear_quant
+   call each, ms a pass (median of 9, alternating the two kernels), 2-row
+   passes over the whole block -> this: 1 row 5.8 -> 6.2 (the same code,
+   noise), 2 rows 7.4 -> 7.4, 4 rows 14.2 -> 9.6, 6 rows 26.6 -> 17.9, 8
+   rows 30.7 -> 20.4, 12 rows 53.1 -> 34.1, 16 rows 69.7 -> 44.3, 256 rows
+   978 -> 709; int8, 8 rows 31.8 -> 24.0, 256 rows 788 -> 711. A decode
+   step at 8 sequences (``python tools/profile_step.py --side ours
+   --threads 2 --steps 20 --split --quantization int4 --num-seqs 8``,
+   medians of 4 interleaved runs): the layers 44.1 -> 30.4 ms CPU, the LM
+   head 6.8 -> 5.4, the step 53.0 -> 37.7; at one sequence the same (layers
+   8.3 -> 8.7, noise: the same code). Still about twice the FMAs' time: a
+   half pass's k (2 code conversions, 6 broadcasts, 12 FMAs) takes about
+   10 cycles where its FMAs alone take 6. */
+static inline void block_chunked(int bits, int rows, const float *x, int64_t ldx, const float *xsum,
+                                 const uint8_t *q, const float *scale, const float *minv, const float *bias,
+                                 int cols, float *y, int64_t ldy, int64_t K) {
+    const int64_t num_groups = K / GROUP;
+    float acc[ROWS_PER_CALL * BLOCK_N] __attribute__((aligned(32)));
+    float b[BLOCK_N] __attribute__((aligned(32))) = {0};
+    if (bias) for (int j = 0; j < cols; j++) b[j] = bias[j];
+    {
+        __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8), b2 = _mm256_load_ps(b + 16), b3 = _mm256_load_ps(b + 24);
+        for (int m = 0; m < rows; m++) {
+            _mm256_store_ps(acc + m * BLOCK_N, b0); _mm256_store_ps(acc + m * BLOCK_N + 8, b1);
+            _mm256_store_ps(acc + m * BLOCK_N + 16, b2); _mm256_store_ps(acc + m * BLOCK_N + 24, b3);
+        }
+    }
+    /* Passes of 6 rows; 7 or 8 rows left (8, 13, 14, ...) take two of 3 or 4, not one of 6 and one of 1 or 2
+       (block_few's 32 columns a pass converts 4 vectors of codes a k for 1 or 2 rows' FMAs). */
+    int groups = rows / 6, rest = rows % 6;
+    if (groups > 0 && (rest == 1 || rest == 2)) { groups--; rest += 6; }
+    const __m256i low4 = _mm256_set1_epi32(0x0F);
+    /* Half H's codes of row k as floats: w0 columns 16H + 0..7, w1 16H + 8..15. */
+#define HALF_CODES(H)                                                       \
+    __m256 w0, w1;                                                          \
+    if (bits == 4) {                                                        \
+        __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qg + k * 16))); \
+        __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qg + k * 16 + 8))); \
+        if ((H) == 0) { v0 = _mm256_and_si256(v0, low4); v1 = _mm256_and_si256(v1, low4); } \
+        else { v0 = _mm256_srli_epi32(v0, 4); v1 = _mm256_srli_epi32(v1, 4); } \
+        w0 = _mm256_cvtepi32_ps(v0); w1 = _mm256_cvtepi32_ps(v1);          \
+    } else {                                                                \
+        const uint8_t *qk = qg + k * 32 + 16 * (H);                         \
+        w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)qk))); \
+        w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qk + 8)))); \
+    }
+#define HDOT_ROW(R, m)                                                      \
+    __m256 d##m##_0 = z, d##m##_1 = z;
+#define HFMA_ROW(R, m)                                                      \
+    if ((R) > (m)) {                                                        \
+        __m256 a = _mm256_broadcast_ss(xr + (m) * ldx + k);                 \
+        d##m##_0 = _mm256_fmadd_ps(a, w0, d##m##_0);                        \
+        d##m##_1 = _mm256_fmadd_ps(a, w1, d##m##_1);                        \
+    }
+#define HOUT_ROW(R, m)                                                      \
+    if ((R) > (m)) {                                                        \
+        float *o = a0 + (m) * BLOCK_N;                                      \
+        __m256 o0 = _mm256_fmadd_ps(d##m##_0, s0, _mm256_load_ps(o));      \
+        __m256 o1 = _mm256_fmadd_ps(d##m##_1, s1, _mm256_load_ps(o + 8));  \
+        if (minv) {                                                         \
+            __m256 sx = _mm256_broadcast_ss(xs + (m) * num_groups);         \
+            o0 = _mm256_fmadd_ps(sx, z0, o0); o1 = _mm256_fmadd_ps(sx, z1, o1); \
+        }                                                                   \
+        _mm256_store_ps(o, o0); _mm256_store_ps(o + 8, o1);                 \
+    }
+    /* One pass: rows M0 .. M0 + R - 1 (R <= 6), half H, group g. */
+#define HPASS(R, H, M0)                                                     \
+    {                                                                       \
+        const float *xr = x + (M0) * ldx;                                   \
+        const __m256 z = _mm256_setzero_ps();                               \
+        HDOT_ROW(R, 0) HDOT_ROW(R, 1) HDOT_ROW(R, 2) HDOT_ROW(R, 3) HDOT_ROW(R, 4) HDOT_ROW(R, 5) \
+        for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) {             \
+            HALF_CODES(H)                                                   \
+            HFMA_ROW(R, 0) HFMA_ROW(R, 1) HFMA_ROW(R, 2) HFMA_ROW(R, 3) HFMA_ROW(R, 4) HFMA_ROW(R, 5) \
+        }                                                                   \
+        float *a0 = acc + (M0) * BLOCK_N + 16 * (H);                        \
+        const float *xs = xsum + (M0) * num_groups + g;                     \
+        __m256 s0 = _mm256_loadu_ps(sg + 16 * (H)), s1 = _mm256_loadu_ps(sg + 16 * (H) + 8); \
+        __m256 z0 = z, z1 = z;                                              \
+        if (minv) { z0 = _mm256_loadu_ps(mg + 16 * (H)); z1 = _mm256_loadu_ps(mg + 16 * (H) + 8); } \
+        HOUT_ROW(R, 0) HOUT_ROW(R, 1) HOUT_ROW(R, 2) HOUT_ROW(R, 3) HOUT_ROW(R, 4) HOUT_ROW(R, 5) \
+    }
+    /* The last 1 or 2 rows: all 32 columns a pass, block_few's CODES. */
+#define FULL_DOT_ROW(R, m)                                                  \
+    if ((R) > (m)) {                                                        \
+        __m256 a = _mm256_broadcast_ss(xr + (m) * ldx + k);                 \
+        d##m##_0 = _mm256_fmadd_ps(a, c0, d##m##_0);                        \
+        d##m##_1 = _mm256_fmadd_ps(a, c1, d##m##_1);                        \
+        d##m##_2 = _mm256_fmadd_ps(a, c2, d##m##_2);                        \
+        d##m##_3 = _mm256_fmadd_ps(a, c3, d##m##_3);                        \
+    }
+#define FULL_OUT_ROW(R, m)                                                  \
+    if ((R) > (m)) {                                                        \
+        float *o = acc + (mb + (m)) * BLOCK_N;                            \
+        __m256 o0 = _mm256_fmadd_ps(d##m##_0, s0, _mm256_load_ps(o));      \
+        __m256 o1 = _mm256_fmadd_ps(d##m##_1, s1, _mm256_load_ps(o + 8));  \
+        __m256 o2 = _mm256_fmadd_ps(d##m##_2, s2, _mm256_load_ps(o + 16)); \
+        __m256 o3 = _mm256_fmadd_ps(d##m##_3, s3, _mm256_load_ps(o + 24)); \
+        if (minv) {                                                         \
+            __m256 sx = _mm256_broadcast_ss(xsum + (mb + (m)) * num_groups + g); \
+            o0 = _mm256_fmadd_ps(sx, z0, o0); o1 = _mm256_fmadd_ps(sx, z1, o1); \
+            o2 = _mm256_fmadd_ps(sx, z2, o2); o3 = _mm256_fmadd_ps(sx, z3, o3); \
+        }                                                                   \
+        _mm256_store_ps(o, o0); _mm256_store_ps(o + 8, o1);                 \
+        _mm256_store_ps(o + 16, o2); _mm256_store_ps(o + 24, o3);           \
+    }
+#define FULL_PASS(R, M0)                                                    \
+    {                                                                       \
+        const int mb = (M0);                                                \
+        const float *xr = x + mb * ldx;                                     \
+        const __m256 z = _mm256_setzero_ps();                               \
+        __m256 d0_0 = z, d0_1 = z, d0_2 = z, d0_3 = z, d1_0 = z, d1_1 = z, d1_2 = z, d1_3 = z; \
+        for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) {             \
+            CODES(k)                                                        \
+            FULL_DOT_ROW(R, 0) FULL_DOT_ROW(R, 1)                           \
+        }                                                                   \
+        __m256 s0 = _mm256_loadu_ps(sg), s1 = _mm256_loadu_ps(sg + 8);      \
+        __m256 s2 = _mm256_loadu_ps(sg + 16), s3 = _mm256_loadu_ps(sg + 24); \
+        __m256 z0 = z, z1 = z, z2 = z, z3 = z;                              \
+        if (minv) {                                                         \
+            z0 = _mm256_loadu_ps(mg); z1 = _mm256_loadu_ps(mg + 8);         \
+            z2 = _mm256_loadu_ps(mg + 16); z3 = _mm256_loadu_ps(mg + 24);   \
+        }                                                                   \
+        FULL_OUT_ROW(R, 0) FULL_OUT_ROW(R, 1)                               \
+    }
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    /* B: the bits, a constant in each copy of the loop (it shadows ``bits``),
+       so that no pass tests it per k. */
+#define GROUPS(B)                                                           \
+    {                                                                       \
+        const int bits = (B);                                               \
+        for (int64_t g = 0; g < num_groups; g++) {                          \
+            PREFETCH_GROUP(g)                                               \
+            const uint8_t *qg = q;                                          \
+            const float *sg = scale + g * BLOCK_N, *mg = minv ? minv + g * BLOCK_N : 0; \
+            for (int r = 0; r < groups; r++) { HPASS(6, 0, 6 * r) HPASS(6, 1, 6 * r) } \
+            const int m0 = 6 * groups;                                      \
+            switch (rest) {                                                 \
+                case 1: FULL_PASS(1, m0) break;                             \
+                case 2: FULL_PASS(2, m0) break;                             \
+                case 3: HPASS(3, 0, m0) HPASS(3, 1, m0) break;              \
+                case 4: HPASS(4, 0, m0) HPASS(4, 1, m0) break;              \
+                case 5: HPASS(5, 0, m0) HPASS(5, 1, m0) break;              \
+                case 7: HPASS(4, 0, m0) HPASS(4, 1, m0) HPASS(3, 0, m0 + 4) HPASS(3, 1, m0 + 4) break; \
+                case 8: HPASS(4, 0, m0) HPASS(4, 1, m0) HPASS(4, 0, m0 + 4) HPASS(4, 1, m0 + 4) break; \
+                default: break;                                             \
+            }                                                               \
+        }                                                                   \
+    }
+    if (bits == 4) GROUPS(4) else GROUPS(8)
+    for (int m = 0; m < rows; m++) {
+        if (cols == BLOCK_N) {
+            for (int j = 0; j < BLOCK_N; j += 8) _mm256_storeu_ps(y + m * ldy + j, _mm256_load_ps(acc + m * BLOCK_N + j));
+        } else {
+            for (int j = 0; j < cols; j++) y[m * ldy + j] = acc[m * BLOCK_N + j];
+        }
+    }
+#undef CODES
+}
+
+static inline void block_rows(int bits, int rows, const float *x, int64_t ldx, const float *xsum,
+                              const uint8_t *q, const float *scale, const float *minv, const float *bias,
+                              int cols, float *y, int64_t ldy, int64_t K) {
+    if (rows <= 2) block_few(bits, rows, x, ldx, xsum, q, scale, minv, bias, cols, y, ldy, K);
+    else block_chunked(bits, rows, x, ldx, xsum, q, scale, minv, bias, cols, y, ldy, K);
+}
+
 /* int4 by integer dot products, as llama.cpp's Q4_1 x Q8_1: the rows'
    activations quantized to int8 per group of 32 (xq, scale dx), each
    group's dot product taken exactly in integers (vpmaddubsw on unsigned
@@ -268,9 +455,9 @@ static inline void block_rows(int bits, int rows, const float *x, int64_t ldx, c
    vector (ko, co) holding column co * 8 + l's codes of k = 8 ko + 0..3 (low
    nibbles) and 8 ko + 4..7 (high nibbles). A code-to-float conversion per
    weight is what this saves: 4x fewer instructions a weight at one row. */
-static inline void block_rows_dot4(int rows, const int8_t *xq, int64_t ldq, const float *dx, const float *xsum,
-                                   const float *xq8, const uint8_t *q, const float *scale, const float *minv, const float *bias,
-                                   int cols, float *y, int64_t ldy, int64_t K) {
+static inline void block_dot4_few(int rows, const int8_t *xq, int64_t ldq, const float *dx, const float *xsum,
+                                  const float *xq8, const uint8_t *q, const float *scale, const float *minv, const float *bias,
+                                  int cols, float *y, int64_t ldy, int64_t K) {
     const int bits = 4;  /* for PREFETCH_GROUP */
     const int64_t num_groups = K / GROUP;
     const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -322,6 +509,19 @@ static inline void block_rows_dot4(int rows, const int8_t *xq, int64_t ldq, cons
     }
     if (rows == 1) PASS(1) else PASS(2)
     BLOCK_STORE_AVX2
+}
+
+/* Up to ROWS_PER_CALL rows: block_dot4_few's passes of 2 rows. (Passes of
+   up to 8 rows over a group at a time, as block_chunked, gave the same bits
+   and were slower: the int16 sums and the broadcasts of x, per row, are
+   the cost here, not the codes.) */
+static inline void block_rows_dot4(int rows, const int8_t *xq, int64_t ldq, const float *dx, const float *xsum,
+                                   const float *xq8, const uint8_t *q, const float *scale, const float *minv, const float *bias,
+                                   int cols, float *y, int64_t ldy, int64_t K) {
+    const int64_t num_groups = K / GROUP;
+    for (int m0 = 0; m0 < rows; m0 += PASS_ROWS)
+        block_dot4_few(rows - m0 < PASS_ROWS ? rows - m0 : PASS_ROWS, xq + m0 * ldq, ldq, dx + m0 * num_groups,
+                       xsum + m0 * num_groups, xq8 + m0 * num_groups, q, scale, minv, bias, cols, y + m0 * ldy, ldy, K);
 }
 
 """
