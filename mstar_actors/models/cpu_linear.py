@@ -176,6 +176,20 @@ BLOCK_ACCUMULATORS_AVX2 = r"""
 #define ACC_STORE(R, NV, J0)                                                \
     ACC_STORE_ROW(R, NV, J0, 0) ACC_STORE_ROW(R, NV, J0, 1) ACC_STORE_ROW(R, NV, J0, 2) \
     ACC_STORE_ROW(R, NV, J0, 3) ACC_STORE_ROW(R, NV, J0, 4) ACC_STORE_ROW(R, NV, J0, 5)
+/* The chunked kernels' saved accumulators (``acc``, BLOCK_N floats a row,
+   32-byte aligned) of ``rows`` rows at the block's bias (zero without one;
+   a short block's bias read into a padded copy). */
+#define ACC_AT_BIAS(acc)                                                    \
+    {                                                                       \
+        float b_[BLOCK_N] __attribute__((aligned(32))) = {0};               \
+        if (bias) for (int j = 0; j < cols; j++) b_[j] = bias[j];           \
+        __m256 b0 = _mm256_load_ps(b_), b1 = _mm256_load_ps(b_ + 8);        \
+        __m256 b2 = _mm256_load_ps(b_ + 16), b3 = _mm256_load_ps(b_ + 24);  \
+        for (int m = 0; m < rows; m++) {                                    \
+            _mm256_store_ps((acc) + m * BLOCK_N, b0); _mm256_store_ps((acc) + m * BLOCK_N + 8, b1);   \
+            _mm256_store_ps((acc) + m * BLOCK_N + 16, b2); _mm256_store_ps((acc) + m * BLOCK_N + 24, b3); \
+        }                                                                   \
+    }
 #define BLOCK_STORE_AVX2                                                    \
     if (cols < 32)                                                          \
         for (int m = 0; m < rows; m++)                                      \
@@ -242,15 +256,7 @@ static inline void block_few(int rows, const float *x, int64_t ldx, const float 
 static inline void block_chunked(int rows, const float *x, int64_t ldx, const float *wb, const float *bias,
                                  int cols, float *y, int64_t ldy, int64_t K) {
     float acc[PASS_ROWS * BLOCK_N] __attribute__((aligned(32)));
-    float b[BLOCK_N] __attribute__((aligned(32))) = {0};
-    if (bias) for (int j = 0; j < cols; j++) b[j] = bias[j];
-    {
-        __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8), b2 = _mm256_load_ps(b + 16), b3 = _mm256_load_ps(b + 24);
-        for (int m = 0; m < rows; m++) {
-            _mm256_store_ps(acc + m * BLOCK_N, b0); _mm256_store_ps(acc + m * BLOCK_N + 8, b1);
-            _mm256_store_ps(acc + m * BLOCK_N + 16, b2); _mm256_store_ps(acc + m * BLOCK_N + 24, b3);
-        }
-    }
+    ACC_AT_BIAS(acc)
     const int groups = rows / 6, rest = rows % 6;
     const int passes = 2 * groups + (rest == 0 ? 0 : rest <= 2 ? 1 : 2);
 #define ACC_LOAD_ROW(R, NV, m)                                              \

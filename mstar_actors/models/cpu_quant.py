@@ -294,15 +294,7 @@ static inline void block_chunked(int bits, int rows, const float *x, int64_t ldx
                                  int cols, float *y, int64_t ldy, int64_t K) {
     const int64_t num_groups = K / GROUP;
     float acc[ROWS_PER_CALL * BLOCK_N] __attribute__((aligned(32)));
-    float b[BLOCK_N] __attribute__((aligned(32))) = {0};
-    if (bias) for (int j = 0; j < cols; j++) b[j] = bias[j];
-    {
-        __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8), b2 = _mm256_load_ps(b + 16), b3 = _mm256_load_ps(b + 24);
-        for (int m = 0; m < rows; m++) {
-            _mm256_store_ps(acc + m * BLOCK_N, b0); _mm256_store_ps(acc + m * BLOCK_N + 8, b1);
-            _mm256_store_ps(acc + m * BLOCK_N + 16, b2); _mm256_store_ps(acc + m * BLOCK_N + 24, b3);
-        }
-    }
+    ACC_AT_BIAS(acc)
     /* Passes of 6 rows; 7 or 8 rows left (8, 13, 14, ...) take two of 3 or 4, not one of 6 and one of 1 or 2
        (block_few's 32 columns a pass converts 4 vectors of codes a k for 1 or 2 rows' FMAs). */
     int groups = rows / 6, rest = rows % 6;
