@@ -78,7 +78,7 @@ MAX_DENSE_ROWS = 64
 # On CUDA, each decoder linear's delta of a step of many rows runs on a side
 # stream while the base GEMM runs (``LoraHook.runs_beside``); off, it
 # follows the GEMM on the step's stream. Read as steps run and graphs are captured
-# (``tools/profile_gpu_step.py --beside`` times both).
+# (``tools/profile_gpu_step.py --lora-paths beside fused`` times both).
 BESIDE = True
 EMBED_TOKENS = "model.embed_tokens"
 
