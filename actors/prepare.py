@@ -82,8 +82,9 @@ class PrepareActor(Actor):
     """
 
     def __init__(self, *, preparer: Any = None, arena: Any = None, num_workers: int | None = None,
-                 arena_spec: Any = None, **kw: Any):
+                 arena_spec: Any = None, run_id: str | None = None, **kw: Any):
         super().__init__(**kw)
+        self.run_id = run_id  # names the clip processes' shared memory (None: an id of its own)
         # Hold at most one message beyond the one being handled, so a full pool
         # leaves the rest in the frontend's ring: the frontend feels backpressure.
         self.mailbox = Mailbox(self.inbox, max_pending=1)
@@ -145,7 +146,7 @@ class PrepareActor(Actor):
             self.log.info("preparing on %d threads, %s", num_threads,
                           f"pinned to CPUs {cpus}" if cpus else "not pinned")
             if in_processes:
-                await self.run_blocking(self.preparer.start_processes, self.num_workers)
+                await self.run_blocking(self.preparer.start_processes, self.num_workers, self.run_id)
                 self.log.info("the pool's threads prepare each clip in one of %d processes", self.num_workers)
         else:
             self.log.info("preparing inline")

@@ -157,7 +157,8 @@ class Launcher:
         self.ready_timeout_s = ready_timeout_s
         self.run_id = rundir.new_run_id()
         for plan in self.plans:
-            if plan.name == "adapter_reader":  # its host copies are segments of this run
+            # The adapter reader's host copies and the prepare actor's clip slots are segments of this run.
+            if plan.name in ("adapter_reader", "prepare"):
                 plan.params["run_id"] = self.run_id
         self.run_dir: Path | None = None
         self.rings: Rings | None = None

@@ -17,12 +17,13 @@ from test_launcher import Server
 MAX_TOKENS = 8
 
 
-def serve(model_dir: Path, tmp_path_factory):
-    """A module fixture's body: the launcher serving ``model_dir`` until the module ends."""
+def serve(model_dir: Path, tmp_path_factory, extra_config: str = ""):
+    """A module fixture's body: the launcher serving ``model_dir`` (its config
+    with ``extra_config``'s lines) until the module ends."""
     runtime_dir = tmp_path_factory.mktemp("xdg")
     runtime_dir.chmod(0o700)
     print("seed: 0 (the tiny model's weights and model.seed)")
-    with Server(model_dir, runtime_dir, tmp_path_factory.mktemp("cfg")).running() as srv:
+    with Server(model_dir, runtime_dir, tmp_path_factory.mktemp("cfg"), extra_config).running() as srv:
         yield srv
 
 

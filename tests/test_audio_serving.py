@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +44,8 @@ def audio_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def audio_server(audio_dir, tmp_path_factory):
-    yield from serve(audio_dir, tmp_path_factory)
+    """Two prepare workers: clips are prepared in the pool's processes, through slots of the run's shared memory."""
+    yield from serve(audio_dir, tmp_path_factory, "prepare: {preprocess_workers: 2}\n")
 
 
 def reference_reply(audio_dir: Path, messages: list[dict]) -> list[int]:
@@ -93,3 +95,5 @@ def test_audio_and_text_together_equal_transformers(audio_server, audio_dir):
     assert "messages[0].content[2].input_audio" in str(bad) and "could not decode the audio" in str(bad)
     assert_replies_are_references(replies, bodies, audio_dir, reference_reply)
     assert np.unique([r.usage.prompt_tokens for r in replies.values()]).size == 3  # each clip's own count
+    assert "prepare each clip in one of 2 processes" in audio_server.log
+    assert [n for n in os.listdir("/dev/shm") if n.startswith(f"mstar-{audio_server.run_dir.name}-clip")]

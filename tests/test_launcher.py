@@ -54,13 +54,13 @@ def runtime_dir(tmp_path_factory) -> Path:
 class Server:
     """One `serve` subprocess; ``lines`` collects its log (stderr)."""
 
-    def __init__(self, model_dir: Path, runtime_dir: Path, tmp: Path):
+    def __init__(self, model_dir: Path, runtime_dir: Path, tmp: Path, extra_config: str = ""):
         self.port = free_port()
         self.config = tmp / f"serve-{self.port}.yaml"
         self.config.write_text(
             f"model: {{path: {model_dir}, name: tiny, dtype: float32, device: cpu}}\n"
             "kv: {block_size: 4, num_blocks: 64}\n"
-            "scheduler: {max_model_len: 128}\n"
+            "scheduler: {max_model_len: 128}\n" + extra_config
         )
         self.env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime_dir), PYTHONUNBUFFERED="1")
         self.runtime_dir = runtime_dir

@@ -25,8 +25,8 @@ requests may be drafted at once on the pool's threads.
   threads barely overlap them (2 threads 1.2-1.5x on 2 cores, 4 on 16 cores
   0.75-1.5x: docs/benchmarks.md); with a pool (``start_processes``) each
   clip is decoded and featurised in a process of its own, the pool's
-  thread waiting for it (the GIL released), and only bytes in and frames
-  out cross.
+  thread waiting for it (the GIL released), the bytes in and the frames out
+  passing through shared memory (``clip_processes``).
 """
 
 from __future__ import annotations
@@ -601,24 +601,23 @@ class AudioPreparer(MediaPreparer):
         self.max_seconds = min(limits.max_audio_seconds, fe.n_samples / fe.sampling_rate)
         self.chat_template = processor_chat_template(model_dir)
 
-    processes: Any = None  # a ProcessPoolExecutor once ``start_processes`` ran
+    processes: Any = None  # ``clip_processes.ClipProcesses`` once ``start_processes`` ran
 
-    def start_processes(self, num: int) -> None:
-        """Prepare clips in ``num`` processes of their own (each loads the
-        feature extractor once), started and warmed now so no request waits
-        for an interpreter's start; ``stop_processes`` ends them."""
-        import concurrent.futures
-        import multiprocessing
+    def start_processes(self, num: int, run_id: str | None = None) -> None:
+        """Prepare clips in ``num`` processes of their own (``ClipProcesses``:
+        each loads the feature extractor once, started and warmed now), their
+        shared memory named under ``run_id`` (default: an id of its own);
+        ``stop_processes`` ends them."""
+        from mstar_actors import rundir
+        from mstar_actors.prepare.clip_processes import ClipProcesses
 
-        self.processes = concurrent.futures.ProcessPoolExecutor(
-            num, mp_context=multiprocessing.get_context("spawn"), initializer=_init_clip_process,
-            initargs=(self.model_dir,))
-        for future in [self.processes.submit(_clip_process_ready) for _ in range(num)]:
-            future.result()
+        fe = self.feature_extractor
+        self.processes = ClipProcesses(self.model_dir, num, run_id or rundir.new_run_id(),
+                                       frame_bytes=self.max_frames * fe.feature_size * 4)
 
     def stop_processes(self) -> None:
         if self.processes is not None:
-            self.processes.shutdown(wait=False, cancel_futures=True)
+            self.processes.close()
             self.processes = None
 
     def _process(self, ref: MediaRef, fetched: dict[str, bytes]) -> MediaDraft:
@@ -627,10 +626,7 @@ class AudioPreparer(MediaPreparer):
         if self.processes is None:
             rows, num_frames, num_tokens, digest = prepare_clip(self.feature_extractor, *args)
         else:
-            result = self.processes.submit(_clip_in_process, *args).result()
-            if isinstance(result, str):
-                raise MediaError(ref.param, result)
-            rows, num_frames, num_tokens, digest = result
+            rows, num_frames, num_tokens, digest = self.processes.prepare(*args)
         item = MediaDraft("audio", torch_rows(rows), (1, num_frames, 1), 0, num_tokens)
         item.source_digest = digest
         return item
@@ -692,22 +688,6 @@ def torch_rows(rows: Any) -> Any:
     return torch.from_numpy(rows).contiguous()
 
 
-_CLIP_EXTRACTOR: Any = None  # a clip process's feature extractor (``_init_clip_process``)
-
-
-def _init_clip_process(model_dir: Path) -> None:
-    """A clip process's start: one intra-op thread, its extractor, and one
-    short clip prepared, so the first request's clip finds the decoder and
-    the feature code imported and warm (a second or more at the first clip)."""
-    global _CLIP_EXTRACTOR
-    import torch
-
-    torch.set_num_threads(1)
-    _CLIP_EXTRACTOR = load_feature_extractor(model_dir)
-    rate = _CLIP_EXTRACTOR.sampling_rate
-    prepare_clip(_CLIP_EXTRACTOR, silent_wav(rate, rate // 2), "warm-up", MediaLimits(), rate, 1.0)
-
-
 def silent_wav(sampling_rate: int, num_samples: int) -> bytes:
     """A mono 16-bit PCM wav file of ``num_samples`` zero samples."""
     import wave
@@ -719,16 +699,3 @@ def silent_wav(sampling_rate: int, num_samples: int) -> bytes:
         w.setframerate(sampling_rate)
         w.writeframes(bytes(2 * num_samples))
     return out.getvalue()
-
-
-def _clip_process_ready() -> bool:
-    return _CLIP_EXTRACTOR is not None
-
-
-def _clip_in_process(*args: Any) -> tuple[Any, int, int, bytes] | str:
-    """``prepare_clip`` in a clip process; a refusal comes back as its message
-    (an exception with the part's name would not survive the pickle)."""
-    try:
-        return prepare_clip(_CLIP_EXTRACTOR, *args)
-    except MediaError as err:
-        return err.reason

@@ -275,19 +275,37 @@ async def test_actor_on_a_pool_sends_audio_in_arrival_order(preparer):
         assert a.media_digest != c.media_digest
 
 
-def test_clips_prepared_in_a_process_equal_the_inline_ones_and_refusals_name_the_part(preparer):
+def test_clips_prepared_in_a_process_equal_the_inline_ones_and_refusals_name_the_part(preparer, monkeypatch):
+    """Two processes and three threads at once: each clip's frames equal the
+    inline ones, through slots that grow for a bigger clip (a first slot of
+    64 KB here) and are unlinked at stop."""
+    import concurrent.futures
     import copy
+    import os
 
+    from mstar_actors.prepare import clip_processes
+
+    monkeypatch.setattr(clip_processes, "MIN_CLIP_BYTES", 64 << 10)
     in_processes = copy.copy(preparer)
-    in_processes.start_processes(1)
+    in_processes.start_processes(2, "cliptest")
     try:
-        clip = af.encode_audio("mp3", seconds=1.2, rate=22050)
-        inline, other = preparer.draft(request(input_audio(clip, "mp3")), {}), in_processes.draft(
-            request(input_audio(clip, "mp3")), {})
-        assert isinstance(other, Draft) and other.prepared.prompt_token_ids == inline.prepared.prompt_token_ids
-        assert other.media[0].grid_thw == inline.media[0].grid_thw
-        assert torch.equal(other.media[0].pixel_values, inline.media[0].pixel_values)
+        clips = [af.encode_audio("mp3", seconds=1.2, rate=22050), af.encode_audio("wav", seconds=0.5, rate=16000),
+                 af.encode_audio("wav", seconds=3.0, rate=44100)]  # 0.5 MB: the slot grows
+        assert len(clips[2]) > 4 * (64 << 10) > len(clips[1])
+        reqs = [request(input_audio(clip, "mp3" if i == 0 else "wav"), rid=str(i)) for i, clip in enumerate(clips)]
+        inline = [preparer.draft(r, {}) for r in reqs]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            for _ in range(3):
+                for ours, other in zip(inline * 2, pool.map(lambda r: in_processes.draft(r, {}), reqs * 2), strict=True):
+                    assert isinstance(other, Draft) and other.prepared.prompt_token_ids == ours.prepared.prompt_token_ids
+                    assert other.media[0].grid_thw == ours.media[0].grid_thw
+                    assert other.media[0].source_digest == ours.media[0].source_digest
+                    assert torch.equal(other.media[0].pixel_values, ours.media[0].pixel_values)
         short = refusal(in_processes, request(input_audio(af.encode_audio("wav", seconds=0.01, rate=16000, channels=1))))
         assert short.param == "messages[0].content[1].input_audio" and "too short to give an audio token" in short.message
+        slots = [name for name in os.listdir("/dev/shm") if name.startswith("mstar-cliptest-clip")]
+        assert 1 <= len(slots) <= 3 and any(not name.endswith(f"-{in_processes.processes.frame_bytes + (64 << 10)}")
+                                            for name in slots)
     finally:
         in_processes.stop_processes()
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith("mstar-cliptest-")]
