@@ -18,7 +18,8 @@ A slot is taken by one call at a time and goes back after it, so there are
 at most as many as calls at once (the pool's threads). A clip bigger than
 its slot gets the slot replaced by a bigger one (a new name); a process
 keeps one mapping a slot, reopening it when the name changes. Segments are
-named ``mstar-<run_id>-clip<N>-<size>``: ``close`` unlinks them, and after a
+named ``mstar-<run_id>-clip<P>s<N>-<size>`` (pool P of the process, slot N):
+``close`` unlinks them, and after a
 crash the launcher's ``cleanup_run`` (or the next start's
 ``cleanup_stale``) removes them by the run's prefix.
 """
@@ -36,6 +37,7 @@ from mstar_actors.prepare.media import MediaError, MediaLimits
 from transport import shm
 
 MIN_CLIP_BYTES = 4 << 20  # a slot's room for the clip at first; it grows by doubling
+_POOLS = itertools.count()  # one process may run several pools under one run id (the benchmark does)
 
 
 class ClipSlot:
@@ -53,6 +55,7 @@ class ClipProcesses:
 
     def __init__(self, model_dir: Path, num: int, run_id: str, frame_bytes: int):
         self.run_id, self.frame_bytes = run_id, frame_bytes
+        self.tag = f"clip{next(_POOLS)}"
         self.executor = concurrent.futures.ProcessPoolExecutor(
             num, mp_context=multiprocessing.get_context("spawn"), initializer=_init_clip_process,
             initargs=(model_dir,))
@@ -102,7 +105,7 @@ class ClipProcesses:
         if slot is not None:  # too small for this clip: a bigger one under a new name
             self._drop(slot)
         size = self.frame_bytes + room
-        slot = ClipSlot(index, shm.create_segment(shm.segment_name(self.run_id, f"clip{index}-{size}"), size))
+        slot = ClipSlot(index, shm.create_segment(shm.segment_name(self.run_id, f"{self.tag}s{index}-{size}"), size))
         with self._lock:
             self._all[index] = slot
         return slot

@@ -366,14 +366,17 @@ def test_lora_beside_the_gemm_matches_lora_after_it_on_cuda(lora_world, monkeypa
                               sampler=beside_rec), MIXED_SLOTS) == after
     # Both bf16 runs against float32 on the same tokens. The delta beside is
     # rounded to bf16 before it is added (after, the expand adds it in
-    # float32), so the two differ by rounding, by up to ~4% of the largest
-    # logit with these large random adapters; both stay that close to float32.
+    # float32), so the two differ by rounding: with these large random
+    # adapters each has measured 1-8% of the largest logit off float32 at its
+    # worst step, by host. Beside may be off by at most 1.5x what after is
+    # (or than that rounding's 4%), both under 10%.
     script(lora_runner(lora_world, device="cuda", sampler=exact_rec), MIXED_SLOTS)
     for step, (beside, after_logits, exact) in enumerate(zip(beside_rec.logits, after_rec.logits, exact_rec.logits)):
         scale = exact.abs().max()
         beside_error, after_error = ((t - exact).abs().max() / scale for t in (beside, after_logits))
-        assert beside_error < 6e-2 and after_error < 6e-2, (
-            f"step {step}: bf16 logits off float32's by {beside_error:.3g} beside, {after_error:.3g} after")
+        message = f"step {step}: bf16 logits off float32's by {beside_error:.3g} beside, {after_error:.3g} after"
+        assert beside_error < 1e-1 and after_error < 1e-1, message
+        assert beside_error < 1.5 * max(after_error, 4e-2), message
 
 
 @pytest.mark.gpu

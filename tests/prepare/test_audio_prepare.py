@@ -286,8 +286,9 @@ def test_clips_prepared_in_a_process_equal_the_inline_ones_and_refusals_name_the
     from mstar_actors.prepare import clip_processes
 
     monkeypatch.setattr(clip_processes, "MIN_CLIP_BYTES", 64 << 10)
-    in_processes = copy.copy(preparer)
+    in_processes, beside = copy.copy(preparer), copy.copy(preparer)
     in_processes.start_processes(2, "cliptest")
+    beside.start_processes(1, "cliptest")  # another pool under the same run id: slots of its own
     try:
         clips = [af.encode_audio("mp3", seconds=1.2, rate=22050), af.encode_audio("wav", seconds=0.5, rate=16000),
                  af.encode_audio("wav", seconds=3.0, rate=44100)]  # 0.5 MB: the slot grows
@@ -301,11 +302,13 @@ def test_clips_prepared_in_a_process_equal_the_inline_ones_and_refusals_name_the
                     assert other.media[0].grid_thw == ours.media[0].grid_thw
                     assert other.media[0].source_digest == ours.media[0].source_digest
                     assert torch.equal(other.media[0].pixel_values, ours.media[0].pixel_values)
+        assert torch.equal(beside.draft(reqs[0], {}).media[0].pixel_values, inline[0].media[0].pixel_values)
         short = refusal(in_processes, request(input_audio(af.encode_audio("wav", seconds=0.01, rate=16000, channels=1))))
         assert short.param == "messages[0].content[1].input_audio" and "too short to give an audio token" in short.message
         slots = [name for name in os.listdir("/dev/shm") if name.startswith("mstar-cliptest-clip")]
-        assert 1 <= len(slots) <= 3 and any(not name.endswith(f"-{in_processes.processes.frame_bytes + (64 << 10)}")
+        assert 2 <= len(slots) <= 4 and any(not name.endswith(f"-{in_processes.processes.frame_bytes + (64 << 10)}")
                                             for name in slots)
     finally:
         in_processes.stop_processes()
+        beside.stop_processes()
     assert not [name for name in os.listdir("/dev/shm") if name.startswith("mstar-cliptest-")]
