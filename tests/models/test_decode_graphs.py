@@ -367,10 +367,11 @@ def test_lora_beside_the_gemm_matches_lora_after_it_on_cuda(lora_world, monkeypa
     # Both bf16 runs against float32 on the same tokens. The delta beside is
     # rounded to bf16 before it is added (after, the expand adds it in
     # float32), so the two differ by rounding. With these large random
-    # adapters a step's worst logit is off float32's by 1-8% of the largest
-    # in either path, varying from run to run (beside 4.1% and after 7.5% at
-    # one step of one run, 6.8% and 4.5% at another of the next). Every step
-    # stays under 10%, and beside's mean over the steps is at most 1.5x
+    # adapters a step's worst logit is off float32's by 1-14% of the largest
+    # in either path, growing over the steps and varying from run to run
+    # (one run's 20 steps: beside 1.2-11.5%, mean 4.1%; after 1.0-13.9%,
+    # mean 3.5%). Every step stays under 25% (a lost or doubled delta is off
+    # by about 100%), and beside's mean over the steps is at most 1.5x
     # after's (or than 4%).
     script(lora_runner(lora_world, device="cuda", sampler=exact_rec), MIXED_SLOTS)
     errors = []
@@ -378,7 +379,7 @@ def test_lora_beside_the_gemm_matches_lora_after_it_on_cuda(lora_world, monkeypa
         scale = exact.abs().max()
         errors.append([float((t - exact).abs().max() / scale) for t in (beside, after_logits)])
     message = "bf16 logits off float32's, (beside, after) per step: " + ", ".join(f"({b:.3f}, {a:.3f})" for b, a in errors)
-    assert max(max(e) for e in errors) < 1e-1, message
+    assert max(max(e) for e in errors) < 0.25, message
     beside_mean, after_mean = (sum(e[i] for e in errors) / len(errors) for i in (0, 1))
     assert beside_mean < 1.5 * max(after_mean, 4e-2), message
 
