@@ -6,29 +6,37 @@ the GIL most of their 20-30 ms, so the prepare pool's threads would take
 turns on them; ``ClipProcesses`` runs each clip in one of N processes while
 the calling pool thread waits (the GIL released).
 
-Only small arguments cross the process pool's pipe. A clip's bytes and its
-frames travel through a **slot**: a shared-memory segment, its head holding
-the frames the process writes, its tail the clip the caller wrote. Through
-the pipe, a 10 s 44.1 kHz stereo wav (1.8 MB in, 0.5 MB of frames out) took
-about 4 ms of one pipe's time a clip, every clip of every process in turn
-through the one call queue, and 2 ms of the feeding process's CPU; through
-a slot it is two copies (``tools/bench_prepare.py``'s audio rows).
+**Lanes.** Each process serves ``LANES_PER_PROCESS`` lanes: a pipe of its
+own and a **slot**, a shared-memory segment whose head holds the frames the
+process writes and whose tail the clip the caller wrote. A call takes a
+free lane (on the process with the fewest calls, so the processes fill
+evenly), writes the clip into its slot, sends a few numbers down its pipe
+and waits for a few numbers back. With two lanes a process, the process
+finds its next clip waiting when it finishes one, instead of idling while
+the result travels back and the next clip is handed over.
 
-A slot is taken by one call at a time and goes back after it, so there are
-at most as many as calls at once (the pool's threads). A clip bigger than
-its slot gets the slot replaced by a bigger one (a new name); a process
-keeps one mapping a slot, reopening it when the name changes. Segments are
-named ``mstar-<run_id>-clip<P>s<N>-<size>`` (pool P of the process, slot N):
-``close`` unlinks them, and after a
-crash the launcher's ``cleanup_run`` (or the next start's
-``cleanup_stale``) removes them by the run's prefix.
+Why not ``concurrent.futures.ProcessPoolExecutor``: its one call queue
+carried every clip's bytes and frames through one pipe in turn (a 10 s
+44.1 kHz stereo wav: 1.8 MB in and 0.5 MB out, about 4 ms of that pipe's
+time a clip, and 2 ms of the feeding process's CPU), and held only one call
+beyond those running, refilled by a thread that needs the feeding process's
+GIL; and a process that dies breaks the whole pool for good. Here a dead
+process fails its calls with a ``MediaError`` naming the part (its clip
+may be what killed it) and is started again on the next call.
+
+A clip bigger than its slot gets the slot replaced by a bigger one (a new
+name); a process keeps one mapping a lane, reopening it when the name
+changes. Segments are named ``mstar-<run_id>-clip<P>s<N>-<size>`` (pool P
+of the process, lane N): ``close`` unlinks them, and after a crash the
+launcher's ``cleanup_run`` (or the next start's ``cleanup_stale``) removes
+them by the run's prefix.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import multiprocessing
+import multiprocessing.connection
 import threading
 from pathlib import Path
 from typing import Any
@@ -37,35 +45,79 @@ from mstar_actors.prepare.media import MediaError, MediaLimits
 from transport import shm
 
 MIN_CLIP_BYTES = 4 << 20  # a slot's room for the clip at first; it grows by doubling
+LANES_PER_PROCESS = 2
+START_TIMEOUT_S = 120.0  # a process's start: an interpreter, torch, av and the extractor
 _POOLS = itertools.count()  # one process may run several pools under one run id (the benchmark does)
 
 
-class ClipSlot:
-    """One shared-memory segment: ``frame_bytes`` of frames, then the clip."""
+class ClipProcess:
+    """One process and the parent ends of its lanes' pipes; ``generation``
+    counts its starts, so that calls failing together restart it once."""
 
-    def __init__(self, index: int, segment: shm.Segment):
-        self.index, self.segment = index, segment
+    def __init__(self, index: int):
+        self.index, self.generation, self.busy = index, 0, 0
+        self.process: Any = None
+        self.conns: list[Any] = []
+
+    def start(self, model_dir: Path) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        pipes = [ctx.Pipe() for _ in range(LANES_PER_PROCESS)]
+        self.process = ctx.Process(target=_serve_clips, args=(model_dir, [child for _, child in pipes]),
+                                   name=f"clip-process-{self.index}", daemon=True)
+        self.process.start()
+        for _, child in pipes:
+            child.close()
+        self.conns = [parent for parent, _ in pipes]
+        self.generation += 1
+
+    def wait_ready(self) -> None:
+        """The process's first message: ready, or why its start failed."""
+        conn = self.conns[0]
+        if not conn.poll(START_TIMEOUT_S):
+            raise RuntimeError(f"a clip process did not start within {START_TIMEOUT_S:g} s")
+        try:
+            ready = conn.recv()
+        except EOFError:
+            raise RuntimeError(f"a clip process ended while starting (exit code {self.process.exitcode})") from None
+        if ready != "ready":
+            raise RuntimeError(f"a clip process could not start: {ready}")
+
+    def stop(self) -> None:
+        for conn in self.conns:
+            conn.close()  # the process sees every pipe end and returns
+        if self.process is not None:
+            self.process.join(2.0)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
+
+
+class Lane:
+    def __init__(self, index: int, process: ClipProcess, conn_index: int):
+        self.index, self.process, self.conn_index = index, process, conn_index
+        self.segment: shm.Segment | None = None
 
 
 class ClipProcesses:
     """``num`` processes, each with its own feature extractor loaded from
     ``model_dir``, started and warmed now so no request waits for an
     interpreter's start. ``prepare`` is ``preparers.prepare_clip`` in one of
-    them; call it from several threads at once."""
+    them; call it from several threads at once (a call waits while every
+    lane is taken: the prepare pool has as many threads as lanes)."""
 
     def __init__(self, model_dir: Path, num: int, run_id: str, frame_bytes: int):
-        self.run_id, self.frame_bytes = run_id, frame_bytes
+        self.model_dir, self.run_id, self.frame_bytes = model_dir, run_id, frame_bytes
         self.tag = f"clip{next(_POOLS)}"
-        self.executor = concurrent.futures.ProcessPoolExecutor(
-            num, mp_context=multiprocessing.get_context("spawn"), initializer=_init_clip_process,
-            initargs=(model_dir,))
-        self._lock = threading.Lock()
-        self._free: list[ClipSlot] = []
-        self._all: dict[int, ClipSlot] = {}
-        self._indices = itertools.count()
+        self.processes = [ClipProcess(i) for i in range(num)]
+        self.lanes = [Lane(p.index * LANES_PER_PROCESS + k, p, k) for p in self.processes
+                      for k in range(LANES_PER_PROCESS)]
+        self._free = list(self.lanes)
+        self._changed = threading.Condition()
         try:
-            for future in [self.executor.submit(_clip_process_ready) for _ in range(num)]:
-                future.result()
+            for p in self.processes:
+                p.start(model_dir)
+            for p in self.processes:
+                p.wait_ready()
         except BaseException:
             self.close()
             raise
@@ -77,63 +129,119 @@ class ClipProcesses:
         ``MediaError`` naming ``param``."""
         import numpy as np
 
-        slot = self._take(len(data))
+        lane, generation = self._take()
         try:
-            buf = slot.segment.buf
-            buf[self.frame_bytes:self.frame_bytes + len(data)] = data
-            result = self.executor.submit(_clip_in_process, slot.index, slot.segment.name, self.frame_bytes,
-                                          len(data), param, limits, sampling_rate, max_seconds).result()
-            if isinstance(result, str):
-                raise MediaError(param, result)
-            shape, num_frames, num_tokens, digest = result
-            view = np.frombuffer(buf, np.float32, count=shape[0] * shape[1]).reshape(shape)
-            rows = view.copy()  # the slot serves the next clip once given back
+            segment = self._slot(lane, len(data))
+            segment.buf[self.frame_bytes:self.frame_bytes + len(data)] = data
+            conn = lane.process.conns[lane.conn_index]
+            try:
+                conn.send((lane.index, segment.name, self.frame_bytes, len(data), param, limits, sampling_rate,
+                           max_seconds))
+                result = conn.recv()
+                if isinstance(result, str):  # a restarted process's first message, before this clip's
+                    if result != "ready":
+                        raise RuntimeError(f"a clip process could not start: {result}")
+                    result = conn.recv()
+            except (EOFError, OSError):
+                self._restart(lane.process, generation)
+                raise MediaError(param, "the process preparing this audio ended while it was decoded (its file "
+                                        "may be what ended it); send the audio again, or as another format") from None
+            kind, value = result
+            if kind == "refused":
+                raise MediaError(param, value)
+            if kind == "error":
+                raise RuntimeError(value)
+            shape, num_frames, num_tokens, digest = value
+            view = np.frombuffer(segment.buf, np.float32, count=shape[0] * shape[1]).reshape(shape)
+            rows = view.copy()  # the slot serves the lane's next clip
             del view
         finally:
-            self._give_back(slot)
+            self._give_back(lane)
         return rows, num_frames, num_tokens, digest
 
-    def _take(self, clip_bytes: int) -> ClipSlot:
-        with self._lock:
-            slot = self._free.pop() if self._free else None
-            index = slot.index if slot is not None else next(self._indices)
-        if slot is not None and slot.segment.size >= self.frame_bytes + clip_bytes:
-            return slot
+    def _take(self) -> tuple[Lane, int]:
+        with self._changed:
+            while not self._free:
+                self._changed.wait()
+            lane = min(self._free, key=lambda ln: ln.process.busy)
+            self._free.remove(lane)
+            lane.process.busy += 1
+            return lane, lane.process.generation
+
+    def _give_back(self, lane: Lane) -> None:
+        with self._changed:
+            lane.process.busy -= 1
+            self._free.append(lane)
+            self._changed.notify()
+
+    def _slot(self, lane: Lane, clip_bytes: int) -> shm.Segment:
+        """The lane's segment, replaced by a bigger one when the clip does not fit."""
+        if lane.segment is not None and lane.segment.size >= self.frame_bytes + clip_bytes:
+            return lane.segment
         room = MIN_CLIP_BYTES
         while room < clip_bytes:
             room *= 2
-        if slot is not None:  # too small for this clip: a bigger one under a new name
-            self._drop(slot)
+        if lane.segment is not None:
+            shm.unlink_segment(lane.segment.name)
+            lane.segment.close()
+            lane.segment = None
         size = self.frame_bytes + room
-        slot = ClipSlot(index, shm.create_segment(shm.segment_name(self.run_id, f"{self.tag}s{index}-{size}"), size))
-        with self._lock:
-            self._all[index] = slot
-        return slot
+        lane.segment = shm.create_segment(shm.segment_name(self.run_id, f"{self.tag}s{lane.index}-{size}"), size)
+        return lane.segment
 
-    def _give_back(self, slot: ClipSlot) -> None:
-        with self._lock:
-            self._free.append(slot)
-
-    def _drop(self, slot: ClipSlot) -> None:
-        shm.unlink_segment(slot.segment.name)
-        slot.segment.close()
-        with self._lock:
-            self._all.pop(slot.index, None)
+    def _restart(self, process: ClipProcess, generation: int) -> None:
+        """Start ``process`` again unless a call that saw it end did already.
+        Its other lanes' calls fail too (their pipes closed with it)."""
+        with self._changed:
+            if process.generation != generation:
+                return
+            process.stop()
+            process.start(self.model_dir)  # its first message, "ready", waits in lane 0's pipe for its next call
 
     def close(self) -> None:
         """End the processes (a clip being prepared is abandoned) and unlink every slot."""
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            slots, self._all, self._free = list(self._all.values()), {}, []
-        for slot in slots:
-            shm.unlink_segment(slot.segment.name)
-            slot.segment.close()
+        for process in self.processes:
+            process.stop()
+        for lane in self.lanes:
+            if lane.segment is not None:
+                shm.unlink_segment(lane.segment.name)
+                lane.segment.close()
+                lane.segment = None
 
 
 # -- in a clip process ----------------------------------------------------------
 
 _EXTRACTOR: Any = None  # this process's feature extractor (``_init_clip_process``)
-_SLOTS: dict[int, shm.Segment] = {}  # this process's mapping of each slot it has used
+_SLOTS: dict[int, shm.Segment] = {}  # this process's mapping of each lane's slot
+
+
+def _serve_clips(model_dir: Path, conns: list[Any]) -> None:
+    """A clip process: start, say so on the first lane, then answer each
+    lane's clips in turn until the parent closes every pipe."""
+    try:
+        _init_clip_process(model_dir)
+    except Exception as err:
+        conns[0].send(f"{type(err).__name__}: {err}")
+        return
+    conns[0].send("ready")
+    conns = list(conns)
+    while conns:
+        for conn in multiprocessing.connection.wait(conns):
+            try:
+                call = conn.recv()
+            except (EOFError, OSError):
+                conns.remove(conn)
+                continue
+            try:
+                result: tuple[str, Any] = _clip_in_process(*call)
+            except MediaError as err:
+                result = ("refused", err.reason)
+            except Exception as err:
+                result = ("error", f"{type(err).__name__}: {err}")
+            try:
+                conn.send(result)
+            except (EOFError, OSError):
+                conns.remove(conn)
 
 
 def _init_clip_process(model_dir: Path) -> None:
@@ -156,10 +264,6 @@ def _init_clip_process(model_dir: Path) -> None:
     prepare_clip(_EXTRACTOR, silent_wav(rate, rate // 2), "warm-up", MediaLimits(), rate, 1.0)
 
 
-def _clip_process_ready() -> bool:
-    return _EXTRACTOR is not None
-
-
 def _slot(index: int, name: str) -> shm.Segment:
     segment = _SLOTS.get(index)
     if segment is None or segment.name != name:
@@ -170,24 +274,19 @@ def _slot(index: int, name: str) -> shm.Segment:
 
 
 def _clip_in_process(index: int, name: str, frame_bytes: int, clip_bytes: int, param: str, limits: MediaLimits,
-                     sampling_rate: int, max_seconds: float) -> tuple[tuple[int, int], int, int, bytes] | str:
-    """``prepare_clip`` on the clip in slot ``index``, its frames written to the
-    slot's head; a refusal comes back as its message (an exception with the
-    part's name would not survive the pickle)."""
+                     sampling_rate: int, max_seconds: float) -> tuple[str, Any]:
+    """``prepare_clip`` on the clip in lane ``index``'s slot, its frames
+    written to the slot's head: ("done", (shape, frames, tokens, digest))."""
     import numpy as np
 
     from mstar_actors.prepare.preparers import prepare_clip
 
     buf = _slot(index, name).buf
     data = bytes(buf[frame_bytes:frame_bytes + clip_bytes])
-    try:
-        rows, num_frames, num_tokens, digest = prepare_clip(_EXTRACTOR, data, param, limits, sampling_rate,
-                                                            max_seconds)
-    except MediaError as err:
-        return err.reason
+    rows, num_frames, num_tokens, digest = prepare_clip(_EXTRACTOR, data, param, limits, sampling_rate, max_seconds)
     if rows.nbytes > frame_bytes:
         raise ValueError(f"{rows.nbytes} bytes of frames exceed the slot's {frame_bytes}")
     out = np.frombuffer(buf, np.float32, count=rows.size).reshape(rows.shape)
     out[...] = rows
     del out
-    return rows.shape, num_frames, num_tokens, digest
+    return "done", (rows.shape, num_frames, num_tokens, digest)

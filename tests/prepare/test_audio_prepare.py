@@ -306,9 +306,40 @@ def test_clips_prepared_in_a_process_equal_the_inline_ones_and_refusals_name_the
         short = refusal(in_processes, request(input_audio(af.encode_audio("wav", seconds=0.01, rate=16000, channels=1))))
         assert short.param == "messages[0].content[1].input_audio" and "too short to give an audio token" in short.message
         slots = [name for name in os.listdir("/dev/shm") if name.startswith("mstar-cliptest-clip")]
-        assert 2 <= len(slots) <= 4 and any(not name.endswith(f"-{in_processes.processes.frame_bytes + (64 << 10)}")
+        assert 2 <= len(slots) <= 6 and any(not name.endswith(f"-{in_processes.processes.frame_bytes + (64 << 10)}")
                                             for name in slots)
     finally:
         in_processes.stop_processes()
         beside.stop_processes()
     assert not [name for name in os.listdir("/dev/shm") if name.startswith("mstar-cliptest-")]
+
+
+def test_a_clip_process_that_dies_fails_its_clip_naming_the_part_and_is_started_again(preparer):
+    """Both processes killed between clips: each call that meets a dead one
+    is a 400 naming its part, the process starts again, and later clips
+    equal the inline ones."""
+    import copy
+    import os
+    import signal
+
+    in_processes = copy.copy(preparer)
+    in_processes.start_processes(2, "clipdeath")
+    try:
+        req = request(input_audio(af.encode_audio("wav", seconds=1.0, rate=16000)))
+        want = preparer.draft(req, {}).media[0].pixel_values
+        assert torch.equal(in_processes.draft(req, {}).media[0].pixel_values, want)
+        for process in in_processes.processes.processes:
+            os.kill(process.process.pid, signal.SIGKILL)
+            process.process.join()
+        results = [in_processes.draft(req, {}) for _ in range(4)]
+        failures = [r for r in results if isinstance(r, Failed)]
+        assert 1 <= len(failures) <= 2 and all(isinstance(r, Draft) for r in results[2:])
+        for f in failures:
+            assert f.status == 400 and f.param == "messages[0].content[1].input_audio", f
+            assert "the process preparing this audio ended" in f.message
+        for r in results:
+            if isinstance(r, Draft):
+                assert torch.equal(r.media[0].pixel_values, want)
+    finally:
+        in_processes.stop_processes()
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith("mstar-clipdeath-")]
