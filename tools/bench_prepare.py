@@ -20,7 +20,8 @@ more workers the actor prepares each clip in a process of its own. Each row
 is measured through the actor (1 worker is the inline path) and, as the
 reference, on a bare thread pool pinned the same way ("plain": threads
 only). Per cell: requests a second
-in the batch's steady middle, CPU ms per request, the share of the batch its
+in the batch's steady middle, CPU ms per request (this process's and its
+clip processes'), the share of the batch its
 threads spent drafting, the drafts' CPU over their wall time, and the
 speed-up against 1 worker (the median of each round's ratio, with the
 rounds' range; "whole batch" keeps the first wave and the drain).
@@ -257,10 +258,18 @@ class Media(NamedTuple):
 
 
 def cpu_s() -> float:
-    import resource
+    """CPU seconds of this process and of its live children (the audio rows'
+    clip processes: only the pool being measured is busy)."""
+    import psutil
 
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            pass
+    return total
 
 
 async def measure_media(args, preparer, label: str, media: Media) -> dict[tuple[str, int], list[Batch]]:
