@@ -124,10 +124,9 @@ class PrepareActor(Actor):
             # A preparer whose heavy part holds the GIL runs it in processes of
             # its own (``start_processes``: audio clips), one a worker. Its
             # threads then only hand clips over and wait, so there are two a
-            # process, unpinned: each process finds its next clip queued when
-            # it finishes one, instead of idling while the last one's result
-            # travels back and its thread hands over the next (on a 16-core
-            # host about 4 ms of each 30 ms clip, bench_prepare's audio rows).
+            # process (a lane each, ``clip_processes``), unpinned: each process
+            # finds its next clip queued when it finishes one. The processes
+            # take the CPUs the threads would have taken.
             in_processes = hasattr(self.preparer, "start_processes")
             num_threads = 2 * self.num_workers if in_processes else self.num_workers
             # Each pool thread sets its intra-op count too (with some OpenMP
@@ -135,19 +134,21 @@ class PrepareActor(Actor):
             # every core each; and takes CPUs of its own when the plan has them.
             threads = self.config.prepare.preprocess_torch_threads
             cpus = None
-            if self.config.prepare.pin_pool_threads and not in_processes:
+            if self.config.prepare.pin_pool_threads:
                 allowed = sorted(os.sched_getaffinity(0))
                 cpus = self._cpu_plan().pool_cpus(allowed, self.num_workers, threads, read_cpu_cores(allowed))
             self.threads = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="prepare",
                                                               initializer=self._init_pool_thread,
-                                                              initargs=(threads, cpus, itertools.count()))
+                                                              initargs=(threads, None if in_processes else cpus,
+                                                                        itertools.count()))
             # Each thread's draft keeps its freed buffers for the next (one heap, see there).
             keep_freed_buffers(max_kept=KEPT_BYTES_PER_DRAFT * num_threads)
             self.log.info("preparing on %d threads, %s", num_threads,
-                          f"pinned to CPUs {cpus}" if cpus else "not pinned")
+                          f"pinned to CPUs {cpus}" if cpus and not in_processes else "not pinned")
             if in_processes:
-                await self.run_blocking(self.preparer.start_processes, self.num_workers, self.run_id)
-                self.log.info("the pool's threads prepare each clip in one of %d processes", self.num_workers)
+                await self.run_blocking(self.preparer.start_processes, self.num_workers, self.run_id, cpus)
+                self.log.info("the pool's threads prepare each clip in one of %d processes, %s", self.num_workers,
+                              f"pinned to CPUs {cpus}" if cpus else "not pinned")
         else:
             self.log.info("preparing inline")
 

@@ -54,15 +54,15 @@ class ClipProcess:
     """One process and the parent ends of its lanes' pipes; ``generation``
     counts its starts, so that calls failing together restart it once."""
 
-    def __init__(self, index: int):
-        self.index, self.generation, self.busy = index, 0, 0
+    def __init__(self, index: int, cpus: list[int] | None):
+        self.index, self.cpus, self.generation, self.busy = index, cpus, 0, 0
         self.process: Any = None
         self.conns: list[Any] = []
 
     def start(self, model_dir: Path) -> None:
         ctx = multiprocessing.get_context("spawn")
         pipes = [ctx.Pipe() for _ in range(LANES_PER_PROCESS)]
-        self.process = ctx.Process(target=_serve_clips, args=(model_dir, [child for _, child in pipes]),
+        self.process = ctx.Process(target=_serve_clips, args=(model_dir, [child for _, child in pipes], self.cpus),
                                    name=f"clip-process-{self.index}", daemon=True)
         self.process.start()
         for _, child in pipes:
@@ -103,12 +103,15 @@ class ClipProcesses:
     ``model_dir``, started and warmed now so no request waits for an
     interpreter's start. ``prepare`` is ``preparers.prepare_clip`` in one of
     them; call it from several threads at once (a call waits while every
-    lane is taken: the prepare pool has as many threads as lanes)."""
+    lane is taken: the prepare pool has as many threads as lanes). Process
+    i is pinned to ``cpus[i]`` where given (``CpuPlan.pool_cpus``: a physical
+    core each before any core's second hardware thread)."""
 
-    def __init__(self, model_dir: Path, num: int, run_id: str, frame_bytes: int):
+    def __init__(self, model_dir: Path, num: int, run_id: str, frame_bytes: int,
+                 cpus: list[list[int]] | None = None):
         self.model_dir, self.run_id, self.frame_bytes = model_dir, run_id, frame_bytes
         self.tag = f"clip{next(_POOLS)}"
-        self.processes = [ClipProcess(i) for i in range(num)]
+        self.processes = [ClipProcess(i, cpus[i % len(cpus)] if cpus else None) for i in range(num)]
         self.lanes = [Lane(p.index * LANES_PER_PROCESS + k, p, k) for p in self.processes
                       for k in range(LANES_PER_PROCESS)]
         self._free = list(self.lanes)
@@ -215,9 +218,16 @@ _EXTRACTOR: Any = None  # this process's feature extractor (``_init_clip_process
 _SLOTS: dict[int, shm.Segment] = {}  # this process's mapping of each lane's slot
 
 
-def _serve_clips(model_dir: Path, conns: list[Any]) -> None:
-    """A clip process: start, say so on the first lane, then answer each
-    lane's clips in turn until the parent closes every pipe."""
+def _serve_clips(model_dir: Path, conns: list[Any], cpus: list[int] | None) -> None:
+    """A clip process: pinned to ``cpus`` (where the host lets it), started,
+    saying so on the first lane, then answering each lane's clips in turn
+    until the parent closes every pipe."""
+    import contextlib
+    import os
+
+    if cpus:
+        with contextlib.suppress(OSError):  # unpinned, it still prepares clips
+            os.sched_setaffinity(0, cpus)
     try:
         _init_clip_process(model_dir)
     except Exception as err:

@@ -603,17 +603,17 @@ class AudioPreparer(MediaPreparer):
 
     processes: Any = None  # ``clip_processes.ClipProcesses`` once ``start_processes`` ran
 
-    def start_processes(self, num: int, run_id: str | None = None) -> None:
+    def start_processes(self, num: int, run_id: str | None = None, cpus: list[list[int]] | None = None) -> None:
         """Prepare clips in ``num`` processes of their own (``ClipProcesses``:
         each loads the feature extractor once, started and warmed now), their
-        shared memory named under ``run_id`` (default: an id of its own);
-        ``stop_processes`` ends them."""
+        shared memory named under ``run_id`` (default: an id of its own),
+        process i pinned to ``cpus[i]`` where given; ``stop_processes`` ends them."""
         from mstar_actors import rundir
         from mstar_actors.prepare.clip_processes import ClipProcesses
 
         fe = self.feature_extractor
         self.processes = ClipProcesses(self.model_dir, num, run_id or rundir.new_run_id(),
-                                       frame_bytes=self.max_frames * fe.feature_size * 4)
+                                       frame_bytes=self.max_frames * fe.feature_size * 4, cpus=cpus)
 
     def stop_processes(self) -> None:
         if self.processes is not None:

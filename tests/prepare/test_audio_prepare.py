@@ -276,9 +276,9 @@ async def test_actor_on_a_pool_sends_audio_in_arrival_order(preparer):
 
 
 def test_clips_prepared_in_a_process_equal_the_inline_ones_and_refusals_name_the_part(preparer, monkeypatch):
-    """Two processes and three threads at once: each clip's frames equal the
-    inline ones, through slots that grow for a bigger clip (a first slot of
-    64 KB here) and are unlinked at stop."""
+    """Two processes, each pinned to a CPU, and three threads at once: each
+    clip's frames equal the inline ones, through slots that grow for a bigger
+    clip (a first slot of 64 KB here) and are unlinked at stop."""
     import concurrent.futures
     import copy
     import os
@@ -287,9 +287,12 @@ def test_clips_prepared_in_a_process_equal_the_inline_ones_and_refusals_name_the
 
     monkeypatch.setattr(clip_processes, "MIN_CLIP_BYTES", 64 << 10)
     in_processes, beside = copy.copy(preparer), copy.copy(preparer)
-    in_processes.start_processes(2, "cliptest")
+    cpus = sorted(os.sched_getaffinity(0))[-2:]
+    in_processes.start_processes(2, "cliptest", [[cpus[-1]], [cpus[0]]])
     beside.start_processes(1, "cliptest")  # another pool under the same run id: slots of its own
     try:
+        pinned = [os.sched_getaffinity(p.process.pid) for p in in_processes.processes.processes]
+        assert pinned == [{cpus[-1]}, {cpus[0]}]
         clips = [af.encode_audio("mp3", seconds=1.2, rate=22050), af.encode_audio("wav", seconds=0.5, rate=16000),
                  af.encode_audio("wav", seconds=3.0, rate=44100)]  # 0.5 MB: the slot grows
         assert len(clips[2]) > 4 * (64 << 10) > len(clips[1])
