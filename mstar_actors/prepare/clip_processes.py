@@ -22,7 +22,8 @@ time a clip, and 2 ms of the feeding process's CPU), and held only one call
 beyond those running, refilled by a thread that needs the feeding process's
 GIL; and a process that dies breaks the whole pool for good. Here a dead
 process fails its calls with a ``MediaError`` naming the part (its clip
-may be what killed it) and is started again on the next call.
+may be what killed it) and is started again, and so is one that takes over
+``CLIP_TIMEOUT_S`` on a clip.
 
 A clip bigger than its slot gets the slot replaced by a bigger one (a new
 name); a process keeps one mapping a lane, reopening it when the name
@@ -47,7 +48,12 @@ from transport import shm
 MIN_CLIP_BYTES = 4 << 20  # a slot's room for the clip at first; it grows by doubling
 LANES_PER_PROCESS = 2
 START_TIMEOUT_S = 120.0  # a process's start: an interpreter, torch, av and the extractor
+CLIP_TIMEOUT_S = 60.0  # one clip (30 s of audio at most: well under a second); past it the process is restarted
 _POOLS = itertools.count()  # one process may run several pools under one run id (the benchmark does)
+
+
+class ClipTimeout(Exception):
+    """No answer within ``CLIP_TIMEOUT_S`` (not ``TimeoutError``: that is an ``OSError``, a broken pipe's kind)."""
 
 
 class ClipProcess:
@@ -140,11 +146,11 @@ class ClipProcesses:
             try:
                 conn.send((lane.index, segment.name, self.frame_bytes, len(data), param, limits, sampling_rate,
                            max_seconds))
-                result = conn.recv()
-                if isinstance(result, str):  # a restarted process's first message, before this clip's
-                    if result != "ready":
-                        raise RuntimeError(f"a clip process could not start: {result}")
-                    result = conn.recv()
+                result = _receive(conn)
+            except ClipTimeout:
+                self._restart(lane.process, generation)  # stops the process, and the clip with it
+                raise MediaError(param, f"preparing this audio took over {CLIP_TIMEOUT_S:g} s and was stopped; "
+                                        f"send a shorter clip or another format") from None
             except (EOFError, OSError):
                 self._restart(lane.process, generation)
                 raise MediaError(param, "the process preparing this audio ended while it was decoded (its file "
@@ -210,6 +216,21 @@ class ClipProcesses:
                 shm.unlink_segment(lane.segment.name)
                 lane.segment.close()
                 lane.segment = None
+
+
+def _receive(conn: Any) -> tuple[str, Any]:
+    """A clip's answer, past a restarted process's first message ("ready",
+    which comes before the answer to the clip sent after the restart);
+    ``ClipTimeout`` after ``CLIP_TIMEOUT_S`` without one (a decoder stuck
+    on a file holds no thread forever)."""
+    while True:
+        if not conn.poll(CLIP_TIMEOUT_S):
+            raise ClipTimeout
+        result = conn.recv()
+        if not isinstance(result, str):
+            return result
+        if result != "ready":
+            raise RuntimeError(f"a clip process could not start: {result}")
 
 
 # -- in a clip process ----------------------------------------------------------

@@ -317,32 +317,38 @@ def test_clips_prepared_in_a_process_equal_the_inline_ones_and_refusals_name_the
     assert not [name for name in os.listdir("/dev/shm") if name.startswith("mstar-cliptest-")]
 
 
-def test_a_clip_process_that_dies_fails_its_clip_naming_the_part_and_is_started_again(preparer):
-    """Both processes killed between clips: each call that meets a dead one
-    is a 400 naming its part, the process starts again, and later clips
-    equal the inline ones."""
+def test_a_clip_process_that_dies_or_hangs_fails_its_clip_naming_the_part_and_is_started_again(preparer,
+                                                                                                monkeypatch):
+    """The process killed between clips: the next call is a 400 naming its
+    part, the process starts again, and the clip after equals the inline
+    one. A clip past the time limit (1 ms here) is a 400 too, its process
+    restarted."""
     import copy
     import os
     import signal
 
+    from mstar_actors.prepare import clip_processes
+
     in_processes = copy.copy(preparer)
-    in_processes.start_processes(2, "clipdeath")
+    in_processes.start_processes(1, "clipdeath")
     try:
+        (process,) = in_processes.processes.processes
         req = request(input_audio(af.encode_audio("wav", seconds=1.0, rate=16000)))
         want = preparer.draft(req, {}).media[0].pixel_values
         assert torch.equal(in_processes.draft(req, {}).media[0].pixel_values, want)
-        for process in in_processes.processes.processes:
-            os.kill(process.process.pid, signal.SIGKILL)
-            process.process.join()
-        results = [in_processes.draft(req, {}) for _ in range(4)]
-        failures = [r for r in results if isinstance(r, Failed)]
-        assert 1 <= len(failures) <= 2 and all(isinstance(r, Draft) for r in results[2:])
-        for f in failures:
-            assert f.status == 400 and f.param == "messages[0].content[1].input_audio", f
-            assert "the process preparing this audio ended" in f.message
-        for r in results:
-            if isinstance(r, Draft):
-                assert torch.equal(r.media[0].pixel_values, want)
+        os.kill(process.process.pid, signal.SIGKILL)
+        process.process.join()
+        dead = in_processes.draft(req, {})
+        assert isinstance(dead, Failed) and dead.status == 400 and dead.param == "messages[0].content[1].input_audio"
+        assert "the process preparing this audio ended" in dead.message
+        assert process.generation == 2 and torch.equal(in_processes.draft(req, {}).media[0].pixel_values, want)
+
+        monkeypatch.setattr(clip_processes, "CLIP_TIMEOUT_S", 1e-3)
+        slow = in_processes.draft(req, {})
+        assert isinstance(slow, Failed) and slow.status == 400 and slow.param == "messages[0].content[1].input_audio"
+        assert "took over 0.001 s and was stopped" in slow.message
+        monkeypatch.setattr(clip_processes, "CLIP_TIMEOUT_S", 60.0)
+        assert process.generation == 3 and torch.equal(in_processes.draft(req, {}).media[0].pixel_values, want)
     finally:
         in_processes.stop_processes()
     assert not [name for name in os.listdir("/dev/shm") if name.startswith("mstar-clipdeath-")]
