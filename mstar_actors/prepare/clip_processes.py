@@ -107,7 +107,7 @@ class Lane:
 class ClipProcesses:
     """``num`` processes, each with its own feature extractor loaded from
     ``model_dir``, started and warmed now so no request waits for an
-    interpreter's start. ``prepare`` is ``preparers.prepare_clip`` in one of
+    interpreter's start. ``prepare`` is ``audio_features.prepare_clip`` in one of
     them; call it from several threads at once (a call waits while every
     lane is taken: the prepare pool has as many threads as lanes). Process
     i is pinned to ``cpus[i]`` where given (``CpuPlan.pool_cpus``: a physical
@@ -286,7 +286,7 @@ def _init_clip_process(model_dir: Path) -> None:
     import torch
 
     from mstar_actors.prepare.media import KEPT_BYTES_PER_DRAFT, keep_freed_buffers
-    from mstar_actors.prepare.preparers import load_feature_extractor, prepare_clip, silent_wav
+    from mstar_actors.prepare.audio_features import load_feature_extractor, prepare_clip, silent_wav
 
     keep_freed_buffers(max_kept=KEPT_BYTES_PER_DRAFT)
     torch.set_num_threads(1)
@@ -310,7 +310,7 @@ def _clip_in_process(index: int, name: str, frame_bytes: int, clip_bytes: int, p
     written to the slot's head: ("done", (shape, frames, tokens, digest))."""
     import numpy as np
 
-    from mstar_actors.prepare.preparers import prepare_clip
+    from mstar_actors.prepare.audio_features import prepare_clip
 
     buf = _slot(index, name).buf
     data = bytes(buf[frame_bytes:frame_bytes + clip_bytes])

@@ -123,6 +123,13 @@ class VideoFrames:
 KEPT_BYTES_PER_DRAFT = 256 << 20
 
 
+def source_digest(data: bytes) -> bytes:
+    """A media item's digest of its source bytes (blake2b, 16 bytes)."""
+    import hashlib
+
+    return hashlib.blake2b(data, digest_size=16).digest()  # releases the GIL on large buffers
+
+
 def keep_freed_buffers(max_heap_block: int = 32 << 20, max_kept: int = KEPT_BYTES_PER_DRAFT) -> bool:
     """Let glibc's malloc serve blocks up to ``max_heap_block`` from one heap
     shared by every thread and keep up to ``max_kept`` freed bytes there, for

@@ -31,7 +31,6 @@ requests may be drafted at once on the pool's threads.
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from mstar_actors.frontend.tool_calls import template_tool_fields
+from mstar_actors.prepare.audio_features import load_feature_extractor, prepare_clip
 from mstar_actors.prepare.media import (
     AUDIO_KINDS,
     VISION_KINDS,
@@ -46,10 +46,10 @@ from mstar_actors.prepare.media import (
     MediaLimits,
     MediaRef,
     collect_media,
-    decode_audio,
     decode_image,
     decode_video,
     read_local,
+    source_digest,
 )
 from mstar_actors.messages import ChatMessage, Failed, MediaItem, NewRequest, Prepared, TensorRef
 from mstar_actors.prepare.prompt_bound import PromptTooLong
@@ -343,7 +343,7 @@ class QwenVLPreparer(MediaPreparer):
         else:
             video = decode_video(data, ref, self.limits)
             item = self._video(video.frames, video.fps)
-        item.source_digest = _blake2b(data)
+        item.source_digest = source_digest(data)
         return item
 
     def _image(self, image: Any) -> MediaDraft:
@@ -375,12 +375,6 @@ def media_digest(media: list[MediaDraft]) -> str:
         else:
             h.update(item.pixel_values.contiguous().numpy())  # no copy; hashlib releases the GIL on large buffers
     return h.hexdigest()
-
-
-def _blake2b(data: bytes) -> bytes:
-    import hashlib
-
-    return hashlib.blake2b(data, digest_size=16).digest()  # releases the GIL on large buffers
 
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:
@@ -558,15 +552,6 @@ class Qwen3_5VLPreparer(QwenVLPreparer):
 QWEN2_AUDIO_ARCHITECTURE = "Qwen2AudioForConditionalGeneration"
 
 
-def load_feature_extractor(model_dir: Path) -> Any:
-    """The model's Whisper feature extractor (Qwen2-Audio's defaults: 128 mel bins, 30 s chunks)."""
-    from transformers import WhisperFeatureExtractor
-
-    if (Path(model_dir) / "preprocessor_config.json").is_file():
-        return WhisperFeatureExtractor.from_pretrained(str(model_dir), local_files_only=True)
-    return WhisperFeatureExtractor(feature_size=128)
-
-
 def processor_chat_template(model_dir: Path) -> str | None:
     """The processor's chat template (``chat_template.json``), which writes the
     audio placeholders, where the folder has one: the model card renders
@@ -632,70 +617,7 @@ class AudioPreparer(MediaPreparer):
         return item
 
 
-def prepare_clip(feature_extractor: Any, data: bytes, param: str, limits: MediaLimits, sampling_rate: int,
-                 max_seconds: float) -> tuple[Any, int, int, bytes]:
-    """``clip_features`` and the clip's source digest, both where the clip is
-    prepared: in a clip process the hash (about 2 ms a MB) stays off the
-    process that feeds every clip."""
-    return (*clip_features(feature_extractor, data, param, limits, sampling_rate, max_seconds), _blake2b(data))
-
-
-def clip_features(feature_extractor: Any, data: bytes, param: str, limits: MediaLimits, sampling_rate: int,
-                  max_seconds: float) -> tuple[Any, int, int]:
-    """One clip: decoded and resampled to mono at ``sampling_rate``, then the
-    extractor's log-mel frames its valid rows read (numpy ``[frames, mels]``
-    float32), the count of valid frames and of audio tokens."""
-    from mstar_actors.models.qwen2_audio import audio_frames_kept, audio_num_tokens
-
-    samples = decode_audio(data, MediaRef("audio", "", param), limits, sampling_rate, max_seconds)
-    out = feature_extractor(samples, sampling_rate=sampling_rate, return_attention_mask=True, padding="max_length",
-                            max_length=features_length(feature_extractor, len(samples)), return_tensors="np")
-    num_frames = int(out["attention_mask"][0].sum())
-    num_tokens = audio_num_tokens(num_frames)
-    if num_tokens < 1:
-        raise MediaError(param, f"the audio is {len(samples) / sampling_rate * 1000:.0f} ms long, too short to give "
-                                f"an audio token; send at least "
-                                f"{3 * feature_extractor.hop_length / sampling_rate * 1000:.0f} ms")
-    rows = out["input_features"][0, :, :audio_frames_kept(num_frames, feature_extractor.nb_max_frames)]
-    return rows.T.astype("float32", copy=False), num_frames, num_tokens
-
-
-def features_length(feature_extractor: Any, num_samples: int) -> int:
-    """The samples to pad a clip to before the extractor: the clip, the
-    frames the model reads past it, and zeros enough that the STFT's
-    reflected edge is zeros too, up to the extractor's 30 s chunk. Every
-    frame kept is then the one the whole chunk gives (a frame sees only its
-    own window), and so is the spectrogram's maximum, which sets its floor
-    (the frames past the clip are silence, -10, in both). A 10 s clip then
-    costs a third of the chunk's STFT and mel products. The frames come in
-    whole tiles of ``_FRAME_TILE``, at least ``_MIN_FRAMES``: a mel product
-    only a few frames wide takes another summation path in the BLAS, a last
-    bit off the chunk's."""
-    hop = feature_extractor.hop_length
-    # The kept frames end at most two frames past the clip's (``audio_frames_kept``); one more, and the last window's
-    # reflected half, lie wholly in zeros.
-    num_frames = max(_MIN_FRAMES, -(-(num_samples + feature_extractor.n_fft // 2 + 1) // hop) + 3)
-    num_frames = -(-num_frames // _FRAME_TILE) * _FRAME_TILE
-    return min(feature_extractor.n_samples, num_frames * hop)
-
-
-_MIN_FRAMES, _FRAME_TILE = 64, 32
-
-
 def torch_rows(rows: Any) -> Any:
     import torch
 
     return torch.from_numpy(rows).contiguous()
-
-
-def silent_wav(sampling_rate: int, num_samples: int) -> bytes:
-    """A mono 16-bit PCM wav file of ``num_samples`` zero samples."""
-    import wave
-
-    out = io.BytesIO()
-    with wave.open(out, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(sampling_rate)
-        w.writeframes(bytes(2 * num_samples))
-    return out.getvalue()

@@ -138,7 +138,7 @@ def test_features_of_a_short_pad_equal_the_whole_chunks(preparer, num_samples):
     (and the floor the spectrogram's maximum sets) of its whole 30 s chunk,
     bit for bit, clip lengths at hop boundaries and near the chunk's end."""
     from mstar_actors.models.qwen2_audio import audio_frames_kept
-    from mstar_actors.prepare.preparers import features_length
+    from mstar_actors.prepare.audio_features import features_length
 
     fe = preparer.feature_extractor
     samples = np.random.default_rng(num_samples).standard_normal(num_samples).astype(np.float32) * 0.1
