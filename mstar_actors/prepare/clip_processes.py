@@ -25,6 +25,14 @@ process fails its calls with a ``MediaError`` naming the part (its clip
 may be what killed it) and is started again, and so is one that takes over
 ``CLIP_TIMEOUT_S`` on a clip.
 
+**Restarts and close never close a pipe under a waiting call**: the process
+is killed first, so each call waiting on one of its lanes reads the end of
+its own pipe, and only once those calls have given their lanes back are the
+pipes closed (and, for a restart, new ones made). A pipe closed under a
+waiting call could have its descriptor reused by the new process's pipe,
+and the call would then wait on the wrong process. While a process is
+restarted no call takes its lanes.
+
 A clip bigger than its slot gets the slot replaced by a bigger one (a new
 name); a process keeps one mapping a lane, reopening it when the name
 changes. Segments are named ``mstar-<run_id>-clip<P>s<N>-<size>`` (pool P
@@ -48,6 +56,7 @@ from transport import shm
 MIN_CLIP_BYTES = 4 << 20  # a slot's room for the clip at first; it grows by doubling
 LANES_PER_PROCESS = 2
 START_TIMEOUT_S = 120.0  # a process's start: an interpreter, torch, av and the extractor
+CLOSE_WAIT_S = 5.0  # for the calls under way when the processes are killed at close to read the end
 CLIP_TIMEOUT_S = 60.0  # one clip (30 s of audio at most: well under a second); past it the process is restarted
 _POOLS = itertools.count()  # one process may run several pools under one run id (the benchmark does)
 
@@ -58,22 +67,25 @@ class ClipTimeout(Exception):
 
 class ClipProcess:
     """One process and the parent ends of its lanes' pipes; ``generation``
-    counts its starts, so that calls failing together restart it once."""
+    counts its starts, ``busy`` the calls on its lanes, and ``restarting``
+    keeps new calls off it while it is replaced."""
 
     def __init__(self, index: int, cpus: list[int] | None):
-        self.index, self.cpus, self.generation, self.busy = index, cpus, 0, 0
+        self.index, self.cpus, self.generation, self.busy, self.restarting = index, cpus, 0, 0, False
         self.process: Any = None
         self.conns: list[Any] = []
 
     def start(self, model_dir: Path) -> None:
         ctx = multiprocessing.get_context("spawn")
         pipes = [ctx.Pipe() for _ in range(LANES_PER_PROCESS)]
-        self.process = ctx.Process(target=_serve_clips, args=(model_dir, [child for _, child in pipes], self.cpus),
-                                   name=f"clip-process-{self.index}", daemon=True)
-        self.process.start()
-        for _, child in pipes:
-            child.close()
-        self.conns = [parent for parent, _ in pipes]
+        process = ctx.Process(target=_serve_clips, args=(model_dir, [child for _, child in pipes], self.cpus),
+                              name=f"clip-process-{self.index}", daemon=True)
+        try:
+            process.start()
+        finally:
+            for _, child in pipes:
+                child.close()
+        self.process, self.conns = process, [parent for parent, _ in pipes]
         self.generation += 1
 
     def wait_ready(self) -> None:
@@ -88,14 +100,22 @@ class ClipProcess:
         if ready != "ready":
             raise RuntimeError(f"a clip process could not start: {ready}")
 
+    def kill(self) -> None:
+        """End the process now, its pipes left open: a call waiting on one
+        reads the end of it (closing a pipe under a waiting call could hand
+        its descriptor to the next process's pipe)."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.join()
+
     def stop(self) -> None:
+        """Close the pipes (the process sees every end and returns) and reap it."""
         for conn in self.conns:
-            conn.close()  # the process sees every pipe end and returns
+            conn.close()
         if self.process is not None:
             self.process.join(2.0)
             if self.process.is_alive():
-                self.process.kill()
-                self.process.join()
+                self.kill()
 
 
 class Lane:
@@ -122,6 +142,7 @@ class ClipProcesses:
                       for k in range(LANES_PER_PROCESS)]
         self._free = list(self.lanes)
         self._changed = threading.Condition()
+        self._closed = False
         try:
             for p in self.processes:
                 p.start(model_dir)
@@ -169,10 +190,19 @@ class ClipProcesses:
         return rows, num_frames, num_tokens, digest
 
     def _take(self) -> tuple[Lane, int]:
+        """A free lane of a process not being restarted, the least busy
+        first, and that process's generation. No restart can finish while
+        the lane is held (it waits for its process's other calls), so the
+        lane's pipe stays the one of that generation until ``_give_back``."""
         with self._changed:
-            while not self._free:
+            while True:
+                if self._closed:
+                    raise RuntimeError("the clip processes are closed (the server is stopping)")
+                free = [ln for ln in self._free if not ln.process.restarting]
+                if free:
+                    break
                 self._changed.wait()
-            lane = min(self._free, key=lambda ln: ln.process.busy)
+            lane = min(free, key=lambda ln: ln.process.busy)
             self._free.remove(lane)
             lane.process.busy += 1
             return lane, lane.process.generation
@@ -181,7 +211,7 @@ class ClipProcesses:
         with self._changed:
             lane.process.busy -= 1
             self._free.append(lane)
-            self._changed.notify()
+            self._changed.notify_all()  # a caller waiting for a lane, or a restart for its process's calls
 
     def _slot(self, lane: Lane, clip_bytes: int) -> shm.Segment:
         """The lane's segment, replaced by a bigger one when the clip does not fit."""
@@ -190,32 +220,55 @@ class ClipProcesses:
         room = MIN_CLIP_BYTES
         while room < clip_bytes:
             room *= 2
-        if lane.segment is not None:
-            shm.unlink_segment(lane.segment.name)
-            lane.segment.close()
-            lane.segment = None
         size = self.frame_bytes + room
-        lane.segment = shm.create_segment(shm.segment_name(self.run_id, f"{self.tag}s{lane.index}-{size}"), size)
-        return lane.segment
+        with self._changed:  # never a new segment once ``close`` has unlinked them
+            if self._closed:
+                raise RuntimeError("the clip processes are closed (the server is stopping)")
+            if lane.segment is not None:
+                shm.unlink_segment(lane.segment.name)
+                lane.segment.close()
+            lane.segment = shm.create_segment(shm.segment_name(self.run_id, f"{self.tag}s{lane.index}-{size}"),
+                                              size)
+            return lane.segment
 
     def _restart(self, process: ClipProcess, generation: int) -> None:
-        """Start ``process`` again unless a call that saw it end did already.
-        Its other lanes' calls fail too (their pipes closed with it)."""
+        """Replace ``process`` (the caller holds one of its lanes) unless a
+        call that saw it end does so already, or it is the same no more, or
+        the pool is closing. It is killed first, its pipes left open, so a
+        call on its other lane reads the end and gives its lane back; once
+        the caller's is the only call left, it is started again."""
         with self._changed:
-            if process.generation != generation:
+            if self._closed or process.restarting or process.generation != generation:
                 return
-            process.stop()
-            process.start(self.model_dir)  # its first message, "ready", waits in lane 0's pipe for its next call
+            process.restarting = True
+            try:
+                process.kill()
+                self._changed.wait_for(lambda: process.busy == 1 or self._closed)
+                if self._closed:
+                    return
+                process.stop()
+                process.start(self.model_dir)  # its first message, "ready", waits in lane 0's pipe
+            finally:
+                process.restarting = False
+                self._changed.notify_all()
 
     def close(self) -> None:
-        """End the processes (a clip being prepared is abandoned) and unlink every slot."""
+        """End the processes (a clip being prepared fails: killed, its pipes
+        left open until its call has read the end) and unlink every slot;
+        calls after this raise."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        for process in self.processes:
+            process.kill()
+        with self._changed:
+            self._changed.wait_for(lambda: all(p.busy == 0 for p in self.processes), timeout=CLOSE_WAIT_S)
         for process in self.processes:
             process.stop()
         for lane in self.lanes:
             if lane.segment is not None:
                 shm.unlink_segment(lane.segment.name)
-                lane.segment.close()
-                lane.segment = None
+                lane.segment.close()  # the mapping stays while a call still writes to it
 
 
 def _receive(conn: Any) -> tuple[str, Any]:

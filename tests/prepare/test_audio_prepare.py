@@ -348,7 +348,77 @@ def test_a_clip_process_that_dies_or_hangs_fails_its_clip_naming_the_part_and_is
         assert isinstance(slow, Failed) and slow.status == 400 and slow.param == "messages[0].content[1].input_audio"
         assert "took over 0.001 s and was stopped" in slow.message
         monkeypatch.setattr(clip_processes, "CLIP_TIMEOUT_S", 60.0)
-        assert process.generation == 3 and torch.equal(in_processes.draft(req, {}).media[0].pixel_values, want)
+        # Another clip after it: the stopped clip's frames, had they come late, would differ.
+        other = request(input_audio(af.encode_audio("mp3", seconds=0.6, rate=22050), "mp3"))
+        got = in_processes.draft(other, {}).media[0].pixel_values
+        assert process.generation == 3 and torch.equal(got, preparer.draft(other, {}).media[0].pixel_values)
     finally:
         in_processes.stop_processes()
     assert not [name for name in os.listdir("/dev/shm") if name.startswith("mstar-clipdeath-")]
+
+
+def long_clip_request(rid: str) -> NewRequest:
+    """A 30 s 44.1 kHz stereo wav: a clip that takes its process tens of ms or more."""
+    return request(input_audio(af.encode_audio("wav", seconds=30.0)), rid=rid)
+
+
+def test_a_process_killed_under_both_lanes_fails_both_calls_at_once_and_serves_again(preparer):
+    """Both lanes' calls wait on the process when it is killed: each reads
+    the end of its own pipe at once (none waits for the 60 s limit), each is
+    a 400 naming its part or, had it finished first, the inline frames; then
+    the restarted process serves both lanes again."""
+    import concurrent.futures
+    import copy
+    import os
+    import signal
+    import time
+
+    in_processes = copy.copy(preparer)
+    in_processes.start_processes(1, "clipboth")
+    try:
+        (process,) = in_processes.processes.processes
+        reqs = [long_clip_request("a"), long_clip_request("b")]
+        want = preparer.draft(reqs[0], {}).media[0].pixel_values
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            start = time.perf_counter()
+            futures = [pool.submit(in_processes.draft, r, {}) for r in reqs]
+            while process.busy < 2:
+                assert not futures[0].done(), futures[0].result()
+                time.sleep(1e-3)
+            os.kill(process.process.pid, signal.SIGKILL)
+            results = [f.result() for f in futures]
+            assert time.perf_counter() - start < 30
+        assert any(isinstance(r, Failed) for r in results)
+        for r in results:
+            if isinstance(r, Failed):
+                assert r.status == 400 and "the process preparing this audio ended" in r.message, r
+            else:
+                assert torch.equal(r.media[0].pixel_values, want)
+        assert process.generation == 2 and process.busy == 0
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            for r in pool.map(lambda req: in_processes.draft(req, {}), reqs):
+                assert torch.equal(r.media[0].pixel_values, want)
+    finally:
+        in_processes.stop_processes()
+
+
+def test_closing_with_a_clip_in_flight_ends_every_process_and_leaves_no_segment(preparer):
+    import concurrent.futures
+    import copy
+    import os
+    import time
+
+    in_processes = copy.copy(preparer)
+    in_processes.start_processes(2, "clipclose")
+    pool = in_processes.processes
+    reqs = [long_clip_request(str(i)) for i in range(3)]
+    with concurrent.futures.ThreadPoolExecutor(2) as threads:
+        futures = [threads.submit(in_processes.draft, r, {}) for r in reqs]
+        while sum(p.busy for p in pool.processes) < 2:
+            assert not futures[0].done(), futures[0].result()
+            time.sleep(1e-3)
+        in_processes.stop_processes()
+        results = [f.result() for f in futures]
+    assert all(isinstance(r, Failed) and r.status == 400 for r in results[2:]), results  # after the close
+    assert not any(p.process.is_alive() for p in pool.processes)
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith("mstar-clipclose-")]
