@@ -14,7 +14,9 @@ Two paths:
   while this loop only starts requests and finishes them (stores tensors in
   the arena, sends). ``serve`` below is the loop. Each pool thread is
   pinned to CPUs of its own when the CPU plan has them
-  (``CpuPlan.pool_cpus``; ``prepare.pin_pool_threads``).
+  (``CpuPlan.pool_cpus``; ``prepare.pin_pool_threads``); for a preparer
+  that prepares in processes (audio clips: ``start_processes``), each
+  process takes those CPUs instead, and its two threads float.
 
 Invariants of the pool path. Its state (release order, bounds, abandoned
 requests) is ``PendingRequests`` (``mstar_actors.prepare``), touched only by
