@@ -118,8 +118,9 @@ class LoraConfig(msgspec.Struct, **_STRICT):
 class PrepareConfig(msgspec.Struct, **_STRICT):
     preprocess_workers: Pos | None = None  # default: sized by CpuPlan
     preprocess_torch_threads: Pos = 1
-    # Pin each pool thread to CPUs of its own (CpuPlan.pool_cpus) when the CPUs
-    # left for preparation allow it; false lets the OS place them.
+    # Pin each pool thread (audio: each clip process) to CPUs of its own
+    # (CpuPlan.pool_cpus) when the CPUs left for preparation allow it; false
+    # lets the OS place them.
     pin_pool_threads: bool = True
 
 
