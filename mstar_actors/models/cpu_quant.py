@@ -208,9 +208,9 @@ static inline void block_few(int bits, int rows, const float *x, int64_t ldx, co
         c2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qk + 16)))); \
         c3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qk + 24)))); \
     }
-#define DOT_ROW(R, m)                                                       \
+#define CODE_FMA_ROW(X, R, m)                                                \
     if ((R) > (m)) {                                                        \
-        __m256 a = _mm256_broadcast_ss(x + (m) * ldx + k);                  \
+        __m256 a = _mm256_broadcast_ss((X) + (m) * ldx + k);                \
         d##m##_0 = _mm256_fmadd_ps(a, c0, d##m##_0);                        \
         d##m##_1 = _mm256_fmadd_ps(a, c1, d##m##_1);                        \
         d##m##_2 = _mm256_fmadd_ps(a, c2, d##m##_2);                        \
@@ -225,7 +225,7 @@ static inline void block_few(int bits, int rows, const float *x, int64_t ldx, co
             __m256 d0_0 = z, d0_1 = z, d0_2 = z, d0_3 = z, d1_0 = z, d1_1 = z, d1_2 = z, d1_3 = z; \
             for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) {         \
                 CODES(k)                                                    \
-                DOT_ROW(R, 0) DOT_ROW(R, 1)                                 \
+                CODE_FMA_ROW(x, R, 0) CODE_FMA_ROW(x, R, 1)                 \
             }                                                               \
             const float *sg = scale + g * BLOCK_N;                          \
             __m256 s0 = _mm256_loadu_ps(sg), s1 = _mm256_loadu_ps(sg + 8);   \
@@ -253,7 +253,6 @@ static inline void block_few(int bits, int rows, const float *x, int64_t ldx, co
     if (rows == 1) PASS(1) else PASS(2)
     BLOCK_STORE_AVX2
 #undef PASS
-#undef DOT_ROW
 }
 
 /* 3 to ROWS_PER_CALL rows against one block, block_few's arithmetic in
@@ -351,14 +350,6 @@ static inline void block_chunked(int bits, int rows, const float *x, int64_t ldx
         HOUT_ROW(R, 0) HOUT_ROW(R, 1) HOUT_ROW(R, 2) HOUT_ROW(R, 3) HOUT_ROW(R, 4) HOUT_ROW(R, 5) \
     }
     /* The last 1 or 2 rows: all 32 columns a pass, block_few's CODES. */
-#define FULL_DOT_ROW(R, m)                                                  \
-    if ((R) > (m)) {                                                        \
-        __m256 a = _mm256_broadcast_ss(xr + (m) * ldx + k);                 \
-        d##m##_0 = _mm256_fmadd_ps(a, c0, d##m##_0);                        \
-        d##m##_1 = _mm256_fmadd_ps(a, c1, d##m##_1);                        \
-        d##m##_2 = _mm256_fmadd_ps(a, c2, d##m##_2);                        \
-        d##m##_3 = _mm256_fmadd_ps(a, c3, d##m##_3);                        \
-    }
 #define FULL_OUT_ROW(R, m)                                                  \
     if ((R) > (m)) {                                                        \
         float *o = acc + (mb + (m)) * BLOCK_N;                            \
@@ -382,7 +373,7 @@ static inline void block_chunked(int bits, int rows, const float *x, int64_t ldx
         __m256 d0_0 = z, d0_1 = z, d0_2 = z, d0_3 = z, d1_0 = z, d1_1 = z, d1_2 = z, d1_3 = z; \
         for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) {             \
             CODES(k)                                                        \
-            FULL_DOT_ROW(R, 0) FULL_DOT_ROW(R, 1)                           \
+            CODE_FMA_ROW(xr, R, 0) CODE_FMA_ROW(xr, R, 1)                   \
         }                                                                   \
         __m256 s0 = _mm256_loadu_ps(sg), s1 = _mm256_loadu_ps(sg + 8);      \
         __m256 s2 = _mm256_loadu_ps(sg + 16), s3 = _mm256_loadu_ps(sg + 24); \
