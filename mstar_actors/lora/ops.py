@@ -592,66 +592,105 @@ class LoraStack:
 
 
 class SlotStaging:
-    """One slot of every stack of a model as a pinned host image of two flat
-    buffers, so an adapter install on a GPU is one host-to-device copy plus
-    one batched device copy into the stacks, on a stream of its own.
+    """One slot of every stack of a model as an image of two flat buffers, so
+    an adapter install on a GPU is one host-to-device copy plus one batched
+    device copy into the stacks, and a swap back in is the batched copy alone.
 
-    ``install`` builds an image (zeroed, then the adapter's modules written
-    into their stacks' regions), copies it whole to a device twin, spreads
-    the twin into the stacks' slot, and waits for that stream only: steps
-    running meanwhile on the default stream are neither delayed nor raced
-    (no running row reads the slot being installed; the conductor sends
-    rows to it only after this returns on every rank). The last
-    ``max_images`` images are kept by key (the adapter's digest), so
-    installing the same weights again (adapter churn) is ``reinstall``: the
-    copies alone, no parsing, zeroing or staging (the churn rows of the LoRA
-    serving benchmark, docs/benchmarks.md). Every path makes a handful of torch
-    calls whatever the module count: each call gives the GIL up and takes it
-    back, and beside a step loop that holds it most of the time, a call per
-    module would stall the install behind every step. One
-    install at a time (the worker's install thread); not for CPU stacks,
-    whose ``install_slot`` writes in place.
+    ``install`` builds a pinned host image (zeroed, then the adapter's modules
+    written into their stacks' regions), copies it whole to a device twin on
+    a stream of its own, and spreads the twin into the stacks' slot once the
+    steps already queued on the step stream (the caller's current stream:
+    a worker's steps and its install thread share the device's default
+    stream) are done: the last steps of the slot's earlier tenant read its
+    weights to the end. Then it waits for its own stream only, so steps
+    queued meanwhile are not delayed. The last ``max_images`` images are kept
+    by key (the adapter's digest), so installing the same weights again
+    (adapter churn) is ``reinstall``: no parsing, zeroing or staging (the
+    churn rows of the LoRA serving benchmark, docs/benchmarks.md). The most
+    recently used ``device_images`` of them keep their device twin too (a
+    fixed pool allocated here, before the KV cache is sized): their
+    reinstall is one device copy queued on the step stream, behind the steps
+    already queued and ahead of those queued after it, so nothing waits on
+    the host and the slot is ready for the next step. An image without a
+    twin takes the least recently used one (copied there first). Every path
+    makes a handful of torch calls whatever the module count: each call
+    gives the GIL up and takes it back, and beside a step loop that holds it
+    most of the time, a call per module would stall the install behind every
+    step. One install or reinstall at a time (the worker installs on one
+    thread, and swaps inline only while none is in flight); not for CPU
+    stacks, whose ``install_slot`` writes in place.
     """
 
-    def __init__(self, stacks: dict[str, LoraStack], device: torch.device, max_images: int = 0):
+    def __init__(self, stacks: dict[str, LoraStack], device: torch.device, max_images: int = 0,
+                 device_images: int = 1):
         self.stacks = stacks
         self.layouts = {name: stack.slot_layout() for name, stack in stacks.items()}
         dtypes = {dtype for layout in self.layouts.values() for _, dtype in layout[:2]}
         if len(dtypes) != 1:
             raise ValueError(f"LoRA stacks hold factors of several dtypes {sorted(map(str, dtypes))}; accepted: one")
         self.dtype = dtypes.pop()
+        self.device = device
         self.size = sum(a.numel() + b.numel() for (a, _), (b, _), _ in self.layouts.values())
         self.num_scales = sum(s.numel() for _, _, (s, _) in self.layouts.values())
-        self.device_copy = torch.empty(self.size, dtype=self.dtype, device=device)
-        self.device_scales = torch.empty(self.num_scales, dtype=torch.float32, device=device)
-        device_views = _slot_regions(self.layouts, self.device_copy, self.device_scales)
-        self.device_views = [view for name in stacks for view in device_views[name]]
         self.stream = torch.cuda.Stream(device)
         self.max_images = max_images
         self.images: collections.OrderedDict[str, _SlotImage] = collections.OrderedDict()  # by key, oldest first
         self._scratch: _SlotImage | None = None  # the image of installs that keep none
         self._slot_views: dict[int, list[torch.Tensor]] = {}
+        self._free_twins = [_DeviceTwin(self, device) for _ in range(max(1, device_images))]
+        self._twins: collections.OrderedDict[str, _DeviceTwin] = collections.OrderedDict()  # by key, oldest use first
+
+    @property
+    def image_bytes(self) -> int:
+        """One image's bytes (each kept pinned image, each device twin)."""
+        return slot_image_bytes(self.stacks)
+
+    @property
+    def num_device_images(self) -> int:
+        return len(self._free_twins) + len(self._twins)
 
     def install(self, slot: int, by_stack: dict[str, Sequence[tuple[int | None, LoraModule]]],
                 key: str | None = None) -> None:
         """Replace ``slot`` of every stack: ``by_stack[name]`` its modules (stacks
         not named read zero); keep the image under ``key`` when given. Raises
         ValueError before writing any device memory if a module does not fit."""
-        self.images.pop(key, None)
-        image = self._free_image(keep=key is not None and self.max_images > 0)
+        self.forget(key)
+        keep = key is not None and self.max_images > 0
+        image = self._free_image(keep)
         image.fill(self.stacks, slot, by_stack)
-        if key is not None and self.max_images > 0:
+        if keep:
             self.images[key] = image
-        self._write(slot, image)
+        self._write(slot, image, key if keep else None)
 
     def reinstall(self, slot: int, key: str) -> bool:
-        """Write the kept image ``key`` into ``slot``; False when none is kept."""
+        """Write the kept image ``key`` into ``slot``; False when none is kept.
+        With its device twin: one device copy queued on the step stream, no wait."""
         image = self.images.get(key)
         if image is None:
             return False
         self.images.move_to_end(key)
-        self._write(slot, image)
+        twin = self._twins.get(key)
+        if twin is None:
+            self._write(slot, image, key)
+            return True
+        self._twins.move_to_end(key)
+        step_stream = torch.cuda.current_stream(self.device)
+        torch._foreach_copy_(self._views(slot), twin.views)
+        twin.read.record(step_stream)
         return True
+
+    def forget(self, key: str | None) -> None:
+        """Drop the image kept under ``key`` (and its device twin), if any."""
+        if key is None:
+            return
+        self.images.pop(key, None)
+        if (twin := self._twins.pop(key, None)) is not None:
+            self._free_twins.append(twin)
+
+    def clear(self) -> None:
+        """Drop every kept image (the next install of each adapter builds its own again)."""
+        for key in list(self.images):
+            self.forget(key)
 
     def _free_image(self, keep: bool) -> _SlotImage:
         if not keep:
@@ -659,17 +698,56 @@ class SlotStaging:
                 self._scratch = _SlotImage(self.layouts, self.size, self.num_scales, self.dtype)
             return self._scratch
         if len(self.images) >= self.max_images:  # the oldest kept image's buffers serve the new one
-            return self.images.popitem(last=False)[1]
+            key, image = next(iter(self.images.items()))
+            self.forget(key)
+            return image
         return _SlotImage(self.layouts, self.size, self.num_scales, self.dtype)
 
-    def _write(self, slot: int, image: _SlotImage) -> None:
+    def _views(self, slot: int) -> list[torch.Tensor]:
         if slot not in self._slot_views:
             self._slot_views[slot] = [view for stack in self.stacks.values() for view in stack.slot_views(slot)]
+        return self._slot_views[slot]
+
+    def _take_twin(self, key: str | None) -> _DeviceTwin:
+        """A device twin for the image of ``key`` (None: one for this write
+        only): a free one, else the least recently used image's."""
+        twin = self._free_twins.pop() if self._free_twins else self._twins.popitem(last=False)[1]
+        if key is None:
+            self._free_twins.append(twin)
+        else:
+            self._twins[key] = twin
+        return twin
+
+    def _write(self, slot: int, image: _SlotImage, key: str | None) -> None:
+        step_stream = torch.cuda.current_stream(self.device)
+        twin = self._take_twin(key)
+        # Its last reinstall may still be queued on the step stream: that copy reads it first.
+        self.stream.wait_event(twin.read)
         with torch.cuda.stream(self.stream):
-            self.device_copy.copy_(image.flat, non_blocking=True)
-            self.device_scales.copy_(image.scales, non_blocking=True)
-            torch._foreach_copy_(self._slot_views[slot], self.device_views)
+            twin.flat.copy_(image.flat, non_blocking=True)
+            twin.scales.copy_(image.scales, non_blocking=True)
+        # The steps queued so far may read the slot's earlier tenant: the slot is written after them.
+        self.stream.wait_stream(step_stream)
+        with torch.cuda.stream(self.stream):
+            torch._foreach_copy_(self._views(slot), twin.views)
         self.stream.synchronize()
+
+
+def slot_image_bytes(stacks: dict[str, LoraStack]) -> int:
+    """The bytes of one slot of every stack: a ``SlotStaging`` image."""
+    return sum(view.numel() * view.element_size() for stack in stacks.values() for view in stack.slot_views(1))
+
+
+class _DeviceTwin:
+    """One image on the device (``SlotStaging``'s layout), and the event after
+    the last copy that read it on the step stream."""
+
+    def __init__(self, staging: SlotStaging, device: torch.device):
+        self.flat = torch.empty(staging.size, dtype=staging.dtype, device=device)
+        self.scales = torch.empty(staging.num_scales, dtype=torch.float32, device=device)
+        regions = _slot_regions(staging.layouts, self.flat, self.scales)
+        self.views = [view for name in staging.stacks for view in regions[name]]
+        self.read = torch.cuda.Event()
 
 
 class _SlotImage:

@@ -65,6 +65,7 @@ from mstar_actors.lora.ops import (
     SlotStaging,
     build_dense_rows,
     build_segments,
+    slot_image_bytes,
 )
 
 from .checkpoint import CheckpointRules
@@ -326,15 +327,23 @@ class LoraLayers:
     def clear_slot_images(self) -> None:
         """Drop the kept slot images (the next install of each adapter builds its own again)."""
         if "_staging" in self.__dict__:
-            self._staging.images.clear()
+            self._staging.clear()
 
     # Pinned slot images kept for reinstalls: each is one slot of every stack
     # (~22 MB for a rank-16 all-linear Llama-3.2-1B adapter in bf16).
     max_slot_images = 4
 
+    def start_staging(self) -> SlotStaging | None:
+        """On CUDA, the install staging and its device twins now (call before
+        the KV cache is sized, which takes a share of what is free); None on CPU."""
+        return self._staging if self.device.type == "cuda" else None
+
     @functools.cached_property
     def _staging(self) -> SlotStaging:
-        return SlotStaging(self.stacks, self.device, max_images=self.max_slot_images)
+        image_bytes = slot_image_bytes(self.stacks)
+        budget = DEVICE_IMAGES_SHARE * torch.cuda.get_device_properties(self.device).total_memory
+        twins = min(self.max_slot_images, int(budget // max(1, image_bytes)))
+        return SlotStaging(self.stacks, self.device, max_images=self.max_slot_images, device_images=twins)
 
     def clear(self, slot: int) -> None:
         for stack in self.stacks.values():
@@ -425,6 +434,11 @@ def _is_pure_decode(query_lens: Sequence[int], chunk_slots: Sequence[int], sampl
 # reads every slot's A too, about free for decode-sized steps, which are
 # bound by reading the weight.
 MAX_FUSED_SHARE = 0.25
+# Kept slot images also stay on the device (a reinstall is then one device
+# copy, queued with the steps: ``SlotStaging``), as many as fit this share of
+# the device's memory (a rank-16 all-linear adapter: ~22 MB at Llama-3.2-1B's
+# shape, ~86 MB at Llama-3.1-8B's), at most ``max_slot_images``.
+DEVICE_IMAGES_SHARE = 0.01
 
 
 def lora_kernels(device: torch.device | str) -> RowKernels:

@@ -431,7 +431,9 @@ class ModelRunner:
         sequence may use ``slot``; steps on other slots may run meanwhile on
         another thread (the worker installs on a thread beside its steps): a
         step reads only its rows' slots, and on CUDA the copies run on a
-        stream of their own, which the install waits for (not the steps')."""
+        stream of their own, which the install waits for; the slot itself is
+        written after the steps queued before the install (its earlier
+        tenant's last rows), never before."""
         if self.lora is None:
             raise ValueError(f"adapter {weights.name!r}: LoRA is off on this rank (lora.max_loras = 0); enable it to install adapters")
         self.lora_names.pop(slot, None)  # on failure the slot is cleared and holds nothing
@@ -442,9 +444,11 @@ class ModelRunner:
         self.lora_names[slot] = weights.name
 
     def reinstall_adapter(self, slot: int, name: str, digest: str) -> bool:
-        """Install the adapter of ``digest`` into ``slot`` from the pinned image
-        this rank kept when it last installed it (``install_adapter``), with
-        no host copy to read; False when it kept none (then install it)."""
+        """Install the adapter of ``digest`` into ``slot`` from the image this
+        rank kept when it last installed it (``install_adapter``), with no
+        host copy to read; False when it kept none (then install it). On CUDA
+        an image still on the device is one copy queued behind the steps
+        already queued: it returns at once, and the next step reads the slot."""
         if self.lora is None:
             return False
         self.lora_names.pop(slot, None)

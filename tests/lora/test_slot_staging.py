@@ -76,3 +76,56 @@ def test_kept_images_reinstall_the_same_weights_and_the_oldest_is_dropped():
             assert torch.equal(got, want), name
     staging.install(1, _modules(4))  # no key: kept images are untouched
     assert staging.reinstall(2, "two") and list(staging.images) == ["three", "two"]
+
+
+def _assert_slot(stacks, plain, slot: int) -> None:
+    for name in stacks:
+        for got, want in zip(stacks[name].slot_views(slot), plain[name].slot_views(slot)):
+            assert torch.equal(got, want), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_images_beyond_the_device_twins_reinstall_from_the_host_and_take_the_oldest_twin():
+    stacks, plain = _stacks("cuda"), _stacks("cuda")
+    staging = SlotStaging(stacks, torch.device("cuda"), max_images=3, device_images=2)
+    assert staging.num_device_images == 2
+    for seed, key in ((1, "one"), (2, "two"), (3, "three")):
+        staging.install(1, _modules(seed), key=key)  # "three" took "one"'s twin; "one" is kept on the host only
+    for rounds in range(2):
+        for seed, key in ((1, "one"), (2, "two"), (3, "three")):
+            assert staging.reinstall(2, key)
+            plain_stack_modules = _modules(seed)
+            for name, stack in plain.items():
+                stack.install_slot(2, plain_stack_modules.get(name, ()))
+            torch.cuda.current_stream().synchronize()
+            _assert_slot(stacks, plain, 2)
+    assert list(staging.images) == ["one", "two", "three"] and staging.num_device_images == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("path", ["device twin", "host image", "install"])
+def test_a_slot_is_written_after_the_steps_queued_before_and_before_those_queued_after(path):
+    """The last steps of a slot's earlier tenant may still be queued on the
+    step stream (overlapped scheduling): they must read its weights, and the
+    next step the new tenant's, whichever path writes the slot."""
+    stacks, plain = _stacks("cuda"), _stacks("cuda")
+    staging = SlotStaging(stacks, torch.device("cuda"), max_images=2, device_images=1 if path == "host image" else 2)
+    staging.install(1, _modules(1), key="old")
+    staging.install(2, _modules(2), key="new")
+    if path == "host image":
+        staging.install(2, _modules(3), key="other")  # takes "new"'s only twin: its reinstall goes through the host
+    torch.cuda.synchronize()
+    old = [view.clone() for stack in stacks.values() for view in stack.slot_views(1)]
+    torch.cuda._sleep(200_000_000)  # a long step still running on the step stream ...
+    seen_by_old = [view.clone() for stack in stacks.values() for view in stack.slot_views(1)]  # ... reading slot 1
+    if path == "install":
+        staging.install(1, _modules(2))
+    else:
+        assert staging.reinstall(1, "new")
+    seen_by_next = [view.clone() for stack in stacks.values() for view in stack.slot_views(1)]
+    torch.cuda.synchronize()
+    for name, stack in plain.items():
+        stack.install_slot(1, _modules(2).get(name, ()))
+    want = [view for stack in plain.values() for view in stack.slot_views(1)]
+    assert all(torch.equal(a, b) for a, b in zip(seen_by_old, old))
+    assert all(torch.equal(a, b) for a, b in zip(seen_by_next, want))
