@@ -28,6 +28,7 @@ Needs CUDA; makes the model and adapters like ``bench_lora.py`` (same cache).
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -230,7 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fused-ops", choices=["on", "off", "both"], default="both",
                    help="decode table with the layers' small ops fused (triton_fused, the default), as torch ops, "
                         "or both side by side (default); the rest of the run takes the first")
+    p.add_argument("--max-loras", type=int, nargs="+", default=[NUM_ADAPTERS],
+                   help=f"decode table runners with these lora.max_loras, side by side (default {NUM_ADAPTERS}; "
+                        "bench_lora's churn serves 2); each holds min(max_loras, "
+                        f"{NUM_ADAPTERS}) adapters, and mixed rows go round robin over them; the rest of the run "
+                        "takes the first")
     args = p.parse_args(argv)
+    if min(args.max_loras) < 1:
+        p.error(f"--max-loras: at least 1 each, got {args.max_loras}")
     if not torch.cuda.is_available():
         print("profile_gpu_step needs CUDA", file=sys.stderr)
         return 2
@@ -249,25 +257,24 @@ def main(argv: list[str] | None = None) -> int:
     max_seqs = max([*args.batches, *args.mixed_decodes, *args.profile_batches, 32])  # the install rows decode 32 beside
     runners = {}
     modes = {"on": [True], "off": [False], "both": [True, False]}
-    for path in args.lora_paths:
+    for path, ops, max_loras in itertools.product(args.lora_paths, modes[args.fused_ops], args.max_loras):
         fused = path != "unfused"
-        for ops in modes[args.fused_ops]:
-            config = parse_config({"model": {"path": str(model_dir), "device": "cuda"},
-                                   "kv": {"num_blocks": 64 * max_seqs + 8},
-                                   "lora": {"max_loras": NUM_ADAPTERS, "max_lora_rank": 16, "allow_runtime_updates": True},
-                                   "scheduler": {"max_model_len": 2048}})
-            share = lora_layers.MAX_FUSED_SHARE
-            lora_layers.MAX_FUSED_SHARE = share if fused else 0.0  # 0: no linear's A fits under its weight
-            triton_fused.enabled = ops  # read as the graphs are captured: each runner replays its own kernels
-            lora_layers.BESIDE = path == "beside"
-            try:
-                runner = build_runner(config, load_model_info(config))
-            finally:
-                lora_layers.MAX_FUSED_SHARE = share
-            adapters = load_adapters(runner, paths, model_dir)
-            for slot, weights in enumerate(adapters, start=1):
-                runner.install_adapter(slot, weights)
-            runners[(path, "fused" if ops else "torch")] = runner
+        config = parse_config({"model": {"path": str(model_dir), "device": "cuda"},
+                               "kv": {"num_blocks": 64 * max_seqs + 8},
+                               "lora": {"max_loras": max_loras, "max_lora_rank": 16, "allow_runtime_updates": True},
+                               "scheduler": {"max_model_len": 2048}})
+        share = lora_layers.MAX_FUSED_SHARE
+        lora_layers.MAX_FUSED_SHARE = share if fused else 0.0  # 0: no linear's A fits under its weight
+        triton_fused.enabled = ops  # read as the graphs are captured: each runner replays its own kernels
+        lora_layers.BESIDE = path == "beside"
+        try:
+            runner = build_runner(config, load_model_info(config))
+        finally:
+            lora_layers.MAX_FUSED_SHARE = share
+        adapters = load_adapters(runner, paths, model_dir)
+        for slot, weights in enumerate(adapters[:max_loras], start=1):
+            runner.install_adapter(slot, weights)
+        runners[(path, "fused" if ops else "torch", max_loras)] = runner
     # The eager steps below run as the first runner was built.
     triton_fused.enabled = modes[args.fused_ops][0]
     lora_layers.BESIDE = args.lora_paths[0] == "beside"
@@ -275,20 +282,22 @@ def main(argv: list[str] | None = None) -> int:
           f"context ~{CONTEXT}; lora beside: the delta on a side stream during the GEMM; fused: every LoRA linear's "
           f"A under its weight (one GEMM, then the expand); "
           f"ops fused: RMSNorm+add, rotary+KV write, SiLU-and-mul one launch each")
-    print(f"{'batch':>5} {'lora':>8} {'ops':>6} {'base':>8} {'one':>8} {'mixed4':>8} {'one/base':>9} {'mixed/base':>10}")
+    print(f"{'batch':>5} {'lora':>8} {'ops':>6} {'slots':>5} {'base':>8} {'one':>8} {'mixed':>8} {'one/base':>9} "
+          f"{'mixed/base':>10}")
     for batch in args.batches:
-        for (linears, ops), runner in runners.items():  # side by side at each batch, so drift hits all
+        for (linears, ops, max_loras), runner in runners.items():  # side by side at each batch, so drift hits all
             base = time_steps(runner, [0] * batch, "b", args.steps)
             one = time_steps(runner, [1] * batch, "o", args.steps)
-            mixed = time_steps(runner, [1 + i % NUM_ADAPTERS for i in range(batch)], "m", args.steps)
-            print(f"{batch:>5} {linears:>8} {ops:>6} {base:>8.3f} {one:>8.3f} {mixed:>8.3f} {base / one:>8.1%} "
-                  f"{base / mixed:>9.1%}")
+            held = min(max_loras, NUM_ADAPTERS)
+            mixed = time_steps(runner, [1 + i % held for i in range(batch)], "m", args.steps)
+            print(f"{batch:>5} {linears:>8} {ops:>6} {max_loras:>5} {base:>8.3f} {one:>8.3f} {mixed:>8.3f} "
+                  f"{base / one:>8.1%} {base / mixed:>9.1%}")
     runner = next(iter(runners.values()))
     if args.mixed_decodes:
         print_mixed(runner, args.mixed_decodes, args.steps)
     print("# adapter installs, ms (median of 8; each returns once the device holds the adapter): install_adapter "
           "from a bf16 host copy, and reinstall_adapter from the pinned image the install kept (a swap back in)")
-    for beside in (0, 8, 32):
+    for beside in (0, 8, 32) if args.max_loras[0] >= 3 else (0,):  # a thread decodes beside on slot 3
         install, again, step = time_install(runner, adapters, 8, beside)
         where = f"beside a thread decoding {beside} sequences (its steps {step:.2f} ms)" if beside else "alone"
         print(f"#   {where}: install {install:.1f}, reinstall {again:.1f}")
