@@ -636,7 +636,7 @@ class SlotStaging:
         self.max_images = max_images
         self.images: collections.OrderedDict[str, _SlotImage] = collections.OrderedDict()  # by key, oldest first
         self._scratch: _SlotImage | None = None  # the image of installs that keep none
-        self._slot_views: dict[int, list[torch.Tensor]] = {}
+        self._slot_views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._free_twins = [_DeviceTwin(self, device) for _ in range(max(1, device_images))]
         self._twins: collections.OrderedDict[str, _DeviceTwin] = collections.OrderedDict()  # by key, oldest use first
 
@@ -675,7 +675,7 @@ class SlotStaging:
             return True
         self._twins.move_to_end(key)
         step_stream = torch.cuda.current_stream(self.device)
-        torch._foreach_copy_(self._views(slot), twin.views)
+        _copy_parts(self._views(slot), twin.views)
         twin.read.record(step_stream)
         return True
 
@@ -703,9 +703,9 @@ class SlotStaging:
             return image
         return _SlotImage(self.layouts, self.size, self.num_scales, self.dtype)
 
-    def _views(self, slot: int) -> list[torch.Tensor]:
+    def _views(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if slot not in self._slot_views:
-            self._slot_views[slot] = [view for stack in self.stacks.values() for view in stack.slot_views(slot)]
+            self._slot_views[slot] = _dense_parts(stack.slot_views(slot) for stack in self.stacks.values())
         return self._slot_views[slot]
 
     def _take_twin(self, key: str | None) -> _DeviceTwin:
@@ -729,7 +729,7 @@ class SlotStaging:
         # The steps queued so far may read the slot's earlier tenant: the slot is written after them.
         self.stream.wait_stream(step_stream)
         with torch.cuda.stream(self.stream):
-            torch._foreach_copy_(self._views(slot), twin.views)
+            _copy_parts(self._views(slot), twin.views)
         self.stream.synchronize()
 
 
@@ -746,7 +746,7 @@ class _DeviceTwin:
         self.flat = torch.empty(staging.size, dtype=staging.dtype, device=device)
         self.scales = torch.empty(staging.num_scales, dtype=torch.float32, device=device)
         regions = _slot_regions(staging.layouts, self.flat, self.scales)
-        self.views = [view for name in staging.stacks for view in regions[name]]
+        self.views = _dense_parts(regions[name] for name in staging.stacks)
         self.read = torch.cuda.Event()
 
 
@@ -769,6 +769,25 @@ class _SlotImage:
         self.flat.zero_()
         copy_all(copies)
         self.scales.copy_(torch.tensor(values, dtype=torch.float32))
+
+
+def _dense_parts(slot_views) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each stack's one-slot ``(a, b, scales)`` as dense pieces, factors and
+    scales apart: ``a[shard]``, ``b``, ``scales[shard:shard + 1]``. A stack's
+    slot is strided across its shards (``a[:, slot]``), and ``_foreach_copy_``
+    batches dense tensors of one dtype into a few launches where strided ones
+    take a copy kernel each (~200 launches, ~2 ms, for a Llama-3.2-1B adapter)."""
+    factors, scales = [], []
+    for a, b, s in slot_views:
+        factors += [*a.unbind(0), b]
+        scales += [s[i : i + 1] for i in range(s.shape[0])]
+    return factors, scales
+
+
+def _copy_parts(dst: tuple[list[torch.Tensor], list[torch.Tensor]],
+                src: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
+    for d, s in zip(dst, src):
+        torch._foreach_copy_(d, s)
 
 
 def copy_all(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
