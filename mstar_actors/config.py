@@ -107,8 +107,9 @@ class LoraConfig(msgspec.Struct, **_STRICT):
     max_loras: Pos = 4
     max_lora_rank: Pos = 16
     # Host copies the adapter-reader keeps (least recently used evicted); on a
-    # GPU each rank also keeps as many pinned images of installed slots, so an
-    # adapter swapped back in is one copy, not a new read and staging.
+    # GPU each rank also keeps as many pinned images of installed slots (those
+    # that fit 1% of its memory on the device too), so an adapter swapped back
+    # in is one copy, not a new read and staging.
     max_cpu_loras: Pos = 8
     adapters: dict[str, str] = {}
     allow_runtime_updates: bool = False
