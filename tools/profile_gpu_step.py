@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mixed_decodes:
         print_mixed(runner, args.mixed_decodes, args.steps)
     print("# adapter installs, ms (median of 8; each returns once the device holds the adapter): install_adapter "
-          "from a bf16 host copy, and reinstall_adapter from the pinned image the install kept (a swap back in)")
+          "from a bf16 host copy, and reinstall_adapter from the image the install kept (a swap back in: its device twin, queued with the steps)")
     for beside in (0, 8, 32) if args.max_loras[0] >= 3 else (0,):  # a thread decodes beside on slot 3
         install, again, step = time_install(runner, adapters, 8, beside)
         where = f"beside a thread decoding {beside} sequences (its steps {step:.2f} ms)" if beside else "alone"
