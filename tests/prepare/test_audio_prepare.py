@@ -275,6 +275,45 @@ async def test_actor_on_a_pool_sends_audio_in_arrival_order(preparer):
         assert a.media_digest != c.media_digest
 
 
+async def test_actor_fetches_an_audio_url_over_http_under_the_media_rules(preparer, caplog):
+    """An ``audio_url`` over http(s) is fetched by the actor under the
+    hardening rules (loopback only when allowed) and prepared exactly as the
+    same bytes sent inline; a 404, or a refused address, is a 400 naming the part."""
+    from aiohttp import web
+
+    from mstar_actors.config import Config, ServerConfig
+    from tests.loopback import serving
+
+    clip = af.encode_audio("mp3", seconds=1.5)
+
+    async def handler(request):
+        return web.Response(body=clip, content_type="audio/mpeg")
+
+    app = web.Application()
+    app.router.add_get("/clip.mp3", handler)
+    arena = vl_fixtures.HeapArena()
+    async with serving(app) as base:
+        for allowed in (True, False):
+            config = Config(server=ServerConfig(allow_private_media_addresses=allowed))
+            async with running_prepare_actor(preparer, config=config, arena=arena) as (inbox, out):
+                await inbox.send(request(audio_url(f"{base}/clip.mp3"), rid="url"))
+                await inbox.send(request(input_audio(clip, "mp3"), rid="inline"))
+                await inbox.send(request(audio_url(f"{base}/missing.mp3"), rid="404"))
+                fetched, inline, missing = [await out.recv() for _ in range(3)]
+            assert isinstance(inline, Prepared) and isinstance(missing, Failed) and missing.status == 400
+            assert missing.param == "messages[0].content[1].audio_url"
+            if not allowed:  # the server is on loopback: refused (the client is not told why: the log says)
+                assert isinstance(fetched, Failed) and fetched.status == 400
+                assert fetched.param == "messages[0].content[1].audio_url", fetched
+                assert "allow_private_media_addresses is off" in caplog.text
+                continue
+            assert isinstance(fetched, Prepared), fetched
+            assert fetched.prompt_token_ids == inline.prompt_token_ids
+            assert fetched.media[0].grid_thw == inline.media[0].grid_thw
+            assert torch.equal(arena.tensors[fetched.media[0].pixel_values.offset],
+                               arena.tensors[inline.media[0].pixel_values.offset])
+
+
 def test_clips_prepared_in_a_process_equal_the_inline_ones_and_refusals_name_the_part(preparer, monkeypatch):
     """Two processes, each pinned to a CPU, and three threads at once: each
     clip's frames equal the inline ones, through slots that grow for a bigger
