@@ -153,10 +153,12 @@ def print_mixed(runner: ModelRunner, decodes: list[int], num_steps: int) -> None
             print(f"{num_decodes:>7} {name:>5} {shown:>8} {eager:>8.3f} {ratio:>13}")
 
 
-def time_install(runner: ModelRunner, adapters: list, repeats: int, beside: int = 0) -> tuple[float, float]:
+def time_install(runner: ModelRunner, adapters: list, repeats: int, beside: int = 0) -> tuple[float, float, float, float]:
     """Median ms of ``install_adapter`` from bf16 host copies (as the adapter
     reader keeps them) into slots 1-2, of ``reinstall_adapter`` of the same
-    weights into the other slot, and of a decode step meanwhile. With
+    weights into the other slot (the host's hold, and until the device has
+    it: from a device twin the copy is queued and the call returns first),
+    and of a decode step meanwhile. With
     ``beside`` > 0 a thread keeps decoding that many sequences on slot 3
     during the installs, as a worker's step loop does beside its install
     thread (both want the GIL); step time is then that loop's median."""
@@ -180,21 +182,24 @@ def time_install(runner: ModelRunner, adapters: list, repeats: int, beside: int 
     if loop is not None:
         loop.start()
         warm.wait()  # the loop is running (and warm) before the first install
-    times, again = [], []
+    times, again, held = [], [], []
     for i in range(repeats):
         runner.lora.clear_slot_images()
         started = time.perf_counter()
         runner.install_adapter(1 + i % 2, weights[i % 2])
         times.append(time.perf_counter() - started)
+        torch.cuda.synchronize()  # a reinstall queued behind steps would time them too
         started = time.perf_counter()
         if not runner.reinstall_adapter(2 - i % 2, weights[i % 2].name, weights[i % 2].digest):
             raise RuntimeError("the install kept no slot image")
         again.append(time.perf_counter() - started)
+        torch.cuda.current_stream().synchronize()
+        held.append(time.perf_counter() - started)
     if loop is not None:
         stop.set()
         loop.join()
     step = statistics.median(step_times[5:]) * 1e3 if len(step_times) > 5 else float("nan")
-    return statistics.median(times) * 1e3, statistics.median(again) * 1e3, step
+    return statistics.median(times) * 1e3, statistics.median(again) * 1e3, statistics.median(held) * 1e3, step
 
 
 def profile_step(runner: ModelRunner, slots: list[int]) -> str:
@@ -295,12 +300,13 @@ def main(argv: list[str] | None = None) -> int:
     runner = next(iter(runners.values()))
     if args.mixed_decodes:
         print_mixed(runner, args.mixed_decodes, args.steps)
-    print("# adapter installs, ms (median of 8; each returns once the device holds the adapter): install_adapter "
-          "from a bf16 host copy, and reinstall_adapter from the image the install kept (a swap back in: its device twin, queued with the steps)")
+    print("# adapter installs, ms (median of 8): install_adapter from a bf16 host copy (returns once the device "
+          "holds it), and reinstall_adapter from the image the install kept (a swap back in: from its device twin "
+          "one copy queued with the steps, so the call returns first; then until the device holds it)")
     for beside in (0, 8, 32) if args.max_loras[0] >= 3 else (0,):  # a thread decodes beside on slot 3
-        install, again, step = time_install(runner, adapters, 8, beside)
+        install, again, held, step = time_install(runner, adapters, 8, beside)
         where = f"beside a thread decoding {beside} sequences (its steps {step:.2f} ms)" if beside else "alone"
-        print(f"#   {where}: install {install:.1f}, reinstall {again:.1f}")
+        print(f"#   {where}: install {install:.1f}, reinstall {again:.1f} (held on the device {held:.1f})")
     if not args.no_profile:
         for batch in args.profile_batches:
             for name, slot in (("base", 0), ("one adapter", 1)):
