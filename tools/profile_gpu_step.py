@@ -16,7 +16,9 @@ it, below as ``fused``; CUDA's default, ``lora_layers.BESIDE``), ``fused``
 ``unfused`` (the GEMM, then the one-row kernel with its own shrink). ``--fused-ops``
 likewise sets the layers' small ops side by side: ``triton_fused``'s one
 launch each (RMSNorm with the residual add, rotary with the KV write,
-SiLU-and-mul; on by default, see ``triton_fused.enabled``) or torch's ops.
+SiLU-and-mul; on by default, see ``triton_fused.enabled``) or torch's ops,
+and ``--pdl`` our Triton kernels launched with programmatic dependent launch
+or without (``triton_launch``; on by default where the GPU has it).
 
     python tools/profile_gpu_step.py --tokenizer DIR            # the random Llama-3.2-1B shape
     python tools/profile_gpu_step.py --tokenizer DIR --batches 1 8 32 64 --mixed-decodes 7 31
@@ -40,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import bench_lora  # noqa: E402
-from mstar_actors import messages  # noqa: E402
+from mstar_actors import messages, triton_launch  # noqa: E402
 from mstar_actors.lora import BaseShapes, read_adapter  # noqa: E402
 from mstar_actors.config import parse_config  # noqa: E402
 from mstar_actors.models import lora_layers, triton_fused  # noqa: E402
@@ -236,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fused-ops", choices=["on", "off", "both"], default="both",
                    help="decode table with the layers' small ops fused (triton_fused, the default), as torch ops, "
                         "or both side by side (default); the rest of the run takes the first")
+    p.add_argument("--pdl", choices=["on", "off", "both"], default="on",
+                   help="decode table with our Triton kernels launched with programmatic dependent launch "
+                        "(triton_launch, the default), without, or both side by side; the rest of the run takes "
+                        "the first")
     p.add_argument("--max-loras", type=int, nargs="+", default=[NUM_ADAPTERS],
                    help=f"decode table runners with these lora.max_loras, side by side (default {NUM_ADAPTERS}; "
                         "bench_lora's churn serves 2); each holds min(max_loras, "
@@ -262,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     max_seqs = max([*args.batches, *args.mixed_decodes, *args.profile_batches, 32])  # the install rows decode 32 beside
     runners = {}
     modes = {"on": [True], "off": [False], "both": [True, False]}
-    for path, ops, max_loras in itertools.product(args.lora_paths, modes[args.fused_ops], args.max_loras):
+    for path, ops, pdl, max_loras in itertools.product(args.lora_paths, modes[args.fused_ops], modes[args.pdl],
+                                                       args.max_loras):
         fused = path != "unfused"
         config = parse_config({"model": {"path": str(model_dir), "device": "cuda"},
                                "kv": {"num_blocks": 64 * max_seqs + 8},
@@ -271,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         share = lora_layers.MAX_FUSED_SHARE
         lora_layers.MAX_FUSED_SHARE = share if fused else 0.0  # 0: no linear's A fits under its weight
         triton_fused.enabled = ops  # read as the graphs are captured: each runner replays its own kernels
+        triton_launch.enabled = pdl
         lora_layers.BESIDE = path == "beside"
         try:
             runner = build_runner(config, load_model_info(config))
@@ -279,23 +287,24 @@ def main(argv: list[str] | None = None) -> int:
         adapters = load_adapters(runner, paths, model_dir)
         for slot, weights in enumerate(adapters[:max_loras], start=1):
             runner.install_adapter(slot, weights)
-        runners[(path, "fused" if ops else "torch", max_loras)] = runner
+        runners[(path, "fused" if ops else "torch", "on" if pdl else "off", max_loras)] = runner
     # The eager steps below run as the first runner was built.
     triton_fused.enabled = modes[args.fused_ops][0]
+    triton_launch.enabled = modes[args.pdl][0]
     lora_layers.BESIDE = args.lora_paths[0] == "beside"
     print(f"# {torch.cuda.get_device_name()}: decode step ms (median of {args.steps}), ModelRunner.execute, "
           f"context ~{CONTEXT}; lora beside: the delta on a side stream during the GEMM; fused: every LoRA linear's "
           f"A under its weight (one GEMM, then the expand); "
           f"ops fused: RMSNorm+add, rotary+KV write, SiLU-and-mul one launch each")
-    print(f"{'batch':>5} {'lora':>8} {'ops':>6} {'slots':>5} {'base':>8} {'one':>8} {'mixed':>8} {'one/base':>9} "
-          f"{'mixed/base':>10}")
+    print(f"{'batch':>5} {'lora':>8} {'ops':>6} {'pdl':>4} {'slots':>5} {'base':>8} {'one':>8} {'mixed':>8} "
+          f"{'one/base':>9} {'mixed/base':>10}")
     for batch in args.batches:
-        for (linears, ops, max_loras), runner in runners.items():  # side by side at each batch, so drift hits all
+        for (linears, ops, pdl, max_loras), runner in runners.items():  # side by side at each batch, so drift hits all
             base = time_steps(runner, [0] * batch, "b", args.steps)
             one = time_steps(runner, [1] * batch, "o", args.steps)
             held = min(max_loras, NUM_ADAPTERS)
             mixed = time_steps(runner, [1 + i % held for i in range(batch)], "m", args.steps)
-            print(f"{batch:>5} {linears:>8} {ops:>6} {max_loras:>5} {base:>8.3f} {one:>8.3f} {mixed:>8.3f} "
+            print(f"{batch:>5} {linears:>8} {ops:>6} {pdl:>4} {max_loras:>5} {base:>8.3f} {one:>8.3f} {mixed:>8.3f} "
                   f"{base / one:>8.1%} {base / mixed:>9.1%}")
     runner = next(iter(runners.values()))
     if args.mixed_decodes:

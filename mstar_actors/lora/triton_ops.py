@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mstar_actors import triton_launch
+
 if TYPE_CHECKING:
     from mstar_actors.lora.ops import LoraStack
 
@@ -78,7 +80,7 @@ def _rows_kernel(
     stride_ss, stride_sl,
     stride_ym, stride_yn, stride_slot,
     K: tl.constexpr, IS_EMBEDDING: tl.constexpr, T_GIVEN: tl.constexpr, TILES: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     # K is a compile-time constant (a linear's in_features: a few values per
     # model): the shrink's loop then has a fixed trip count, and Triton's
@@ -88,20 +90,28 @@ def _rows_kernel(
     shard = pid // NUM_GROUPS
     # At decode sizes a program's time is its chain of dependent loads, so
     # every load that does not wait on another is issued before any branch:
-    # the slot and the column group together, then (given a slot) its scale,
-    # t and B, and y beside B.
+    # the slot and the column group together, then its scale (slot 0's is a
+    # zero) and the first tile of B, all before ``gdc_wait`` (none is written
+    # by a step: ``triton_launch``), then t or x, and y beside the next B.
     slot = tl.load(slots_ptr + row * stride_slot).to(tl.int64)
     n_start, hi = _column_group(offsets_ptr, shard, pid % NUM_GROUPS, TILES * BLOCK_N)
+    scale = tl.load(scales_ptr + shard * stride_ss + slot * stride_sl)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    offs_n = tl.arange(0, BLOCK_N)
+    first = n_start + offs_n
+    w_first = tl.load(b_ptr + slot * stride_wl + first[:, None].to(tl.int64) * stride_wn + offs_r[None, :] * stride_wr,
+                      mask=(first < hi)[:, None] & mask_r[None, :], other=0.0)
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # Base rows, and a shorter shard's spare groups (shards narrower than the widest).
     if slot == 0 or n_start >= hi:
         return
-    scale = tl.load(scales_ptr + shard * stride_ss + slot * stride_sl)
     if not T_GIVEN and scale == 0.0:
         # The adapter does not target this module (or shard): its factors are zeros, so its
         # shrink is skipped. A given t is zero there, and the expand adds exactly 0 without waiting.
         return
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < R
     a_row = a_ptr + shard * stride_as + slot * stride_al + offs_r * stride_ar
     if IS_EMBEDDING:
         token = tl.load(x_ptr + row * stride_xm).to(tl.int64)
@@ -121,17 +131,19 @@ def _rows_kernel(
             acc += ak.to(tl.float32) * xk.to(tl.float32)[None, :]
         t = tl.sum(acc, axis=1)
     t = t * scale
-    offs_n = tl.arange(0, BLOCK_N)
-    for j in range(TILES):
+    for j in tl.static_range(TILES):
         cols = n_start + j * BLOCK_N + offs_n
         mask_n = cols < hi
         y_ptrs = y_ptr + row * stride_ym + cols.to(tl.int64) * stride_yn
         y = tl.load(y_ptrs, mask=mask_n, other=0.0)
-        w = tl.load(
-            b_ptr + slot * stride_wl + cols[:, None].to(tl.int64) * stride_wn + offs_r[None, :] * stride_wr,
-            mask=mask_n[:, None] & mask_r[None, :],
-            other=0.0,
-        )
+        if j == 0:
+            w = w_first
+        else:
+            w = tl.load(
+                b_ptr + slot * stride_wl + cols[:, None].to(tl.int64) * stride_wn + offs_r[None, :] * stride_wr,
+                mask=mask_n[:, None] & mask_r[None, :],
+                other=0.0,
+            )
         delta = tl.sum(w.to(tl.float32) * t[None, :], axis=1)
         tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask_n)
 
@@ -219,7 +231,7 @@ def bgmv_rows(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: tor
         y.stride(0), y.stride(1), row_slots.stride(0),
         K=k, IS_EMBEDDING=stack.is_embedding, T_GIVEN=False, TILES=tiles,
         BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k,
-        num_warps=num_warps,
+        num_warps=num_warps, **triton_launch.options(y),
     )  # fmt: skip
     return y
 
@@ -253,7 +265,7 @@ def expand_rows(stack: LoraStack, y: torch.Tensor, t: torch.Tensor, row_slots: t
         y.stride(0), y.stride(1), row_slots.stride(0),
         K=max_rank, IS_EMBEDDING=False, T_GIVEN=True, TILES=tiles,
         BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_r,
-        num_warps=num_warps or warps,
+        num_warps=num_warps or warps, **triton_launch.options(y),
     )  # fmt: skip
     return y
 
@@ -308,8 +320,11 @@ def _shrink_kernel(
     stride_tk, stride_ts, stride_tm,
     K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    if GDC:  # the step's groups are read below, written by a step's kernels (``triton_launch``)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # t[split, shard, p] = scale * x[order[p]] @ A[shard, slot, :, this split's K].T,
     # for the rows p of one tile on one slot (positions in ``order``, so a
     # tile's rows are contiguous in t). Grid (row tiles, shards, K splits).
@@ -348,8 +363,11 @@ def _expand_kernel(
     stride_ym, stride_yn,
     SPLIT_K: tl.constexpr, TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    if GDC:  # the step's groups are read below, written by a step's kernels (``triton_launch``)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # y[order[p], cols] += sum over splits of t[split, shard, p] @ B[slot, cols].T
     # for one tile's rows and TILES column blocks of one shard. Grid (row
     # tiles, shards x column groups): the same tiles as the shrink's.
@@ -452,7 +470,7 @@ def shrink_expand_rows(
         t.stride(0), t.stride(1), t.stride(2),
         K=k, K_PER_SPLIT=k_per_split,
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_S=block_s,
-        PRECISION=precision, num_warps=4,
+        PRECISION=precision, num_warps=4, **triton_launch.options(y),
     )  # fmt: skip
     num_groups = triton.cdiv(max_out, tiles * block_n)
     _expand_kernel[(num_m, num_shards * num_groups)](
@@ -464,7 +482,7 @@ def shrink_expand_rows(
         y.stride(0), y.stride(1),
         SPLIT_K=split_k, TILES=tiles,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_S=block_s,
-        PRECISION=precision, num_warps=4,
+        PRECISION=precision, num_warps=4, **triton_launch.options(y),
     )  # fmt: skip
     return y
 

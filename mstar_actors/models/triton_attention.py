@@ -49,6 +49,8 @@ import triton
 import triton.language as tl
 from torch.nn.attention.bias import causal_lower_right
 
+from mstar_actors import triton_launch
+
 from .attention import VARLEN_BLOCK_M, AttentionMetadata, TorchPagedAttention, plan_varlen_work
 
 log = logging.getLogger(__name__)
@@ -102,12 +104,15 @@ def _decode_kernel(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr, LOOP_WHILE: tl.constexpr,
+    PRECISION: tl.constexpr, LOOP_WHILE: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    ctx = tl.maximum(tl.load(lens_ptr + seq), 1)
+    ctx = tl.maximum(tl.load(lens_ptr + seq), 1)  # a step's input: before the wait (``triton_launch``)
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     steps_per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), NUM_SPLITS)
     start = split * steps_per_split * BLOCK_N
     end = tl.minimum(ctx, start + steps_per_split * BLOCK_N)
@@ -149,8 +154,11 @@ def _combine_kernel(
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     stride_ob, stride_oh,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    if GDC:  # everything below reads the decode kernel's writes (``triton_launch``)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -175,7 +183,11 @@ def _varlen_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, LOOP_WHILE: tl.constexpr,
+    GDC: tl.constexpr,
 ):  # fmt: skip
+    if GDC:  # the work list may be a step's own (``triton_launch``)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.load(work_ptr + item * 2)
@@ -262,6 +274,7 @@ def paged_decode_attention(
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
         BLOCK_N=TOKENS_PER_STEP, NUM_SPLITS=num_splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", LOOP_WHILE=not q.is_cuda,
+        **triton_launch.options(q),
     )
     if num_splits == 1:
         target, lse = out, out  # lse is not written with one split
@@ -287,6 +300,7 @@ def paged_decode_attention(
             lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            **triton_launch.options(q),
         )  # fmt: skip
     return out
 
@@ -350,6 +364,7 @@ def _varlen_config(group: int, head_dim: int, page: int, q: torch.Tensor, tile: 
     return dict(
         GROUP=group, BLOCK_G=block_g, BLOCK_M=VARLEN_BLOCK_M, HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", LOOP_WHILE=not q.is_cuda, num_warps=num_warps,
+        **triton_launch.options(q),
     )
 
 

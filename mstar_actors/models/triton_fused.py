@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mstar_actors import triton_launch
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_WIDTH = 16384  # a row a program holds whole (hidden sizes up to 16k)
 
@@ -58,12 +60,16 @@ def takes(x: torch.Tensor) -> bool:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, stride_x0, stride_x1, res_ptr, stride_res, w_ptr, out_ptr, n, eps,
-                     HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
     i0 = tl.program_id(0).to(tl.int64)
     i1 = tl.program_id(1).to(tl.int64)
     row = i0 * tl.num_programs(1) + i1
     cols = tl.arange(0, BLOCK)
     mask = cols < n
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait (``triton_launch``)
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + i0 * stride_x0 + i1 * stride_x1 + cols, mask=mask, other=0.0)
     if HAS_RES:
         # ``x + residual`` rounded to the dtype, stored back as the new residual.
@@ -77,7 +83,6 @@ def _rms_norm_kernel(x_ptr, stride_x0, stride_x1, res_ptr, stride_res, w_ptr, ou
     # step whose rows are views of a wider GEMM output and one whose are not.
     x64 = x32.to(tl.float64)
     inv = tl.math.rsqrt((tl.sum(x64 * x64, axis=0) / n).to(tl.float32) + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:  # Qwen3.5's: scaled by 1 + weight in float32, one cast at the end
         out = (x32 * inv) * (1.0 + w)
     else:  # cast, then scaled
@@ -106,7 +111,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         _rms_norm_kernel[(n0, n1)](x, x.stride(0), x.stride(1) if x.dim() == 3 else 0,
                                    x if residual is None else residual, 0 if residual is None else residual.stride(0),
                                    weight, out, n, eps, HAS_RES=residual is not None, ZERO_CENTERED=zero_centered,
-                                   BLOCK=triton.next_power_of_2(n), num_warps=_warps(n))
+                                   BLOCK=triton.next_power_of_2(n), num_warps=_warps(n), **triton_launch.options(x))
     return out
 
 
@@ -114,7 +119,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def _rope_write_kv_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh,
                           cos_ptr, sin_ptr, stride_ct, cache_ptr, stride_cs, stride_ch, cache_half, slot_ptr,
                           num_heads, dq_ptr, dk_ptr, dv_ptr,
-                          HAS_DELTA: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+                          HAS_DELTA: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    if GDC:  # everything below reads the step's own writes (``triton_launch``)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -191,8 +199,8 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
             q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
             cos, signed_sin, cos.stride(0), kv_cache, slots.stride(0), slots.stride(1), kv_cache[0].numel(),
             slot_mapping, num_heads, *parts, HAS_DELTA=delta is not None, HALF=head_dim // 2,
-            BLOCK=triton.next_power_of_2(head_dim),
-            num_warps=1 if head_dim <= 128 else 2, enable_fp_fusion=False)  # float32: no FMA, torch's two roundings
+            BLOCK=triton.next_power_of_2(head_dim), num_warps=1 if head_dim <= 128 else 2,
+            enable_fp_fusion=False, **triton_launch.options(q))  # float32: no FMA, torch's two roundings
     return True
 
 
@@ -211,7 +219,11 @@ def _delta_heads(delta: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, stride_x, d_ptr, out_ptr, stride_out, n, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, stride_x, d_ptr, out_ptr, stride_out, n, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+                     GDC: tl.constexpr):
+    if GDC:  # everything below reads the step's own writes (``triton_launch``)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -243,7 +255,7 @@ def silu_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.
         block = min(1024, triton.next_power_of_2(n))
         _silu_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](
             rows, rows.stride(0), rows if delta is None else delta, out, out.stride(0), n,
-            HAS_DELTA=delta is not None, BLOCK=block, num_warps=4)
+            HAS_DELTA=delta is not None, BLOCK=block, num_warps=4, **triton_launch.options(rows))
     return out.view(*gate_up.shape[:-1], n)
 
 

@@ -385,6 +385,36 @@ def test_lora_beside_the_gemm_matches_lora_after_it_on_cuda(lora_world, monkeypa
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("beside", [False, True], ids=["after", "beside"])
+def test_programmatic_launch_changes_no_bit_on_cuda(lora_world, beside, monkeypatch):
+    """Our Triton kernels launched with programmatic dependent launch
+    (``triton_launch``) against without, graphs captured, adapter rows beside
+    base rows, the grouped LoRA kernels from 2 rows: the same arithmetic, only
+    when each kernel may start differs, so bf16 logits are equal bit for bit.
+    A kernel that read a tensor before its wait that the kernel before it
+    writes would show here as a wrong or varying logit."""
+    from mstar_actors import triton_launch
+    from mstar_actors.lora import triton_ops
+    from mstar_actors.models import lora_layers
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 or newer")
+    monkeypatch.setattr(triton_ops, "MIN_SPLIT_ROWS", 2)
+    monkeypatch.setattr(lora_layers, "BESIDE", beside)
+    runs = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(triton_launch, "enabled", pdl)
+        assert triton_launch.pdl(torch.empty(1, device="cuda")) is pdl
+        rec = Recorder()
+        out = script(lora_runner(lora_world, device="cuda", dtype="bfloat16", enforce_eager=False,
+                                 cuda_graph_max_batch=4, sampler=rec), MIXED_SLOTS)
+        runs[pdl] = out, rec.logits
+    assert runs[True][0] == runs[False][0]
+    for step, (with_pdl, without) in enumerate(zip(runs[True][1], runs[False][1], strict=True)):
+        assert torch.equal(with_pdl, without), f"step {step}: logits differ by {(with_pdl - without).abs().max():.3g}"
+
+
+@pytest.mark.gpu
 def test_adapter_installed_after_capture_is_used_by_the_graphs(lora_world):
     want = script(lora_runner(lora_world, device="cuda"), MIXED_SLOTS)
     runner = lora_runner(lora_world, device="cuda", enforce_eager=False, cuda_graph_max_batch=4, install=False)

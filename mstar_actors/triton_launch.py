@@ -1,0 +1,54 @@
+"""How the step's own Triton kernels launch on CUDA: with programmatic
+dependent launch (PDL) where the device has it (compute capability 9.0 and
+up: Hopper, Blackwell).
+
+A decode step of a small model is a chain of short kernels, and between two
+of them the device drains the first, flushes its writes and only then
+starts the second. Launched with PDL, a kernel's programs may start while
+the kernel before it in the stream is still finishing. Each of our kernels
+then follows one rule (``GDC`` in their signatures):
+
+- before ``gdc_wait`` it reads only what no kernel of a step writes: weights,
+  a LoRA slot's scale and factors, and the step's inputs copied in before its
+  first kernel (row slots, context lengths); it writes nothing;
+- ``gdc_wait`` returns once the kernel before it has finished and its writes
+  are visible (by then every kernel before that one has finished too, since
+  it waited in turn);
+- ``gdc_launch_dependents`` right after lets the kernel after it start early.
+
+A kernel launched without PDL (a cuBLAS GEMM, a torch op) waits for the
+whole of the one before it, as always; CUDA graphs capture the programmatic
+edges as they are. On other devices and under Triton's interpreter, ``GDC``
+is False and the kernels are what they were.
+
+``tools/profile_gpu_step.py --pdl both`` times the step with and without.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Read as each kernel launches (graphs keep what they captured); the GPU
+# tests and ``tools/profile_gpu_step.py --pdl`` run both.
+enabled = True
+
+_CAPABLE: dict[int, bool] = {}
+
+
+def pdl(x: torch.Tensor) -> bool:
+    """Whether a kernel over ``x`` launches with PDL (``launch_pdl=`` and
+    its ``GDC`` constant): ``x`` on a CUDA device of compute capability 9.0
+    or newer, and ``enabled``."""
+    if not (enabled and x.is_cuda):
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABLE:
+        _CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _CAPABLE[index]
+
+
+def options(x: torch.Tensor) -> dict:
+    """A kernel's launch arguments over ``x``: ``launch_pdl`` and its ``GDC``
+    constant, both ``pdl(x)``."""
+    use = pdl(x)
+    return {"GDC": use, "launch_pdl": use}
