@@ -17,8 +17,10 @@ it, below as ``fused``; CUDA's default, ``lora_layers.BESIDE``), ``fused``
 likewise sets the layers' small ops side by side: ``triton_fused``'s one
 launch each (RMSNorm with the residual add, rotary with the KV write,
 SiLU-and-mul; on by default, see ``triton_fused.enabled``) or torch's ops,
-and ``--pdl`` our Triton kernels launched with programmatic dependent launch
-or without (``triton_launch``; on by default where the GPU has it).
+``--pdl`` our Triton kernels launched with programmatic dependent launch or
+without (``triton_launch``; on by default where the GPU has it), and
+``--fold`` a fused q|k|v's and gate|up's LoRA expand added by the rotary and
+SiLU-and-mul kernels or launched alone (``lora_layers.FOLD``).
 
     python tools/profile_gpu_step.py --tokenizer DIR            # the random Llama-3.2-1B shape
     python tools/profile_gpu_step.py --tokenizer DIR --batches 1 8 32 64 --mixed-decodes 7 31
@@ -242,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="decode table with our Triton kernels launched with programmatic dependent launch "
                         "(triton_launch, the default), without, or both side by side; the rest of the run takes "
                         "the first")
+    p.add_argument("--fold", choices=["on", "off", "both"], default="on",
+                   help="decode table with a fused q|k|v's and gate|up's LoRA expand added by the rotary and "
+                        "SiLU-and-mul kernels (lora_layers.FOLD, the default), as launches of their own, or both "
+                        "side by side; the rest of the run takes the first")
     p.add_argument("--max-loras", type=int, nargs="+", default=[NUM_ADAPTERS],
                    help=f"decode table runners with these lora.max_loras, side by side (default {NUM_ADAPTERS}; "
                         "bench_lora's churn serves 2); each holds min(max_loras, "
@@ -268,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     max_seqs = max([*args.batches, *args.mixed_decodes, *args.profile_batches, 32])  # the install rows decode 32 beside
     runners = {}
     modes = {"on": [True], "off": [False], "both": [True, False]}
-    for path, ops, pdl, max_loras in itertools.product(args.lora_paths, modes[args.fused_ops], modes[args.pdl],
-                                                       args.max_loras):
+    for path, ops, pdl, fold, max_loras in itertools.product(args.lora_paths, modes[args.fused_ops], modes[args.pdl],
+                                                             modes[args.fold], args.max_loras):
         fused = path != "unfused"
         config = parse_config({"model": {"path": str(model_dir), "device": "cuda"},
                                "kv": {"num_blocks": 64 * max_seqs + 8},
@@ -279,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         lora_layers.MAX_FUSED_SHARE = share if fused else 0.0  # 0: no linear's A fits under its weight
         triton_fused.enabled = ops  # read as the graphs are captured: each runner replays its own kernels
         triton_launch.enabled = pdl
+        lora_layers.FOLD = fold
         lora_layers.BESIDE = path == "beside"
         try:
             runner = build_runner(config, load_model_info(config))
@@ -287,24 +294,25 @@ def main(argv: list[str] | None = None) -> int:
         adapters = load_adapters(runner, paths, model_dir)
         for slot, weights in enumerate(adapters[:max_loras], start=1):
             runner.install_adapter(slot, weights)
-        runners[(path, "fused" if ops else "torch", "on" if pdl else "off", max_loras)] = runner
+        runners[(path, "fused" if ops else "torch", "on" if pdl else "off", "on" if fold else "off", max_loras)] = runner
     # The eager steps below run as the first runner was built.
     triton_fused.enabled = modes[args.fused_ops][0]
     triton_launch.enabled = modes[args.pdl][0]
+    lora_layers.FOLD = modes[args.fold][0]
     lora_layers.BESIDE = args.lora_paths[0] == "beside"
     print(f"# {torch.cuda.get_device_name()}: decode step ms (median of {args.steps}), ModelRunner.execute, "
           f"context ~{CONTEXT}; lora beside: the delta on a side stream during the GEMM; fused: every LoRA linear's "
           f"A under its weight (one GEMM, then the expand); "
           f"ops fused: RMSNorm+add, rotary+KV write, SiLU-and-mul one launch each")
-    print(f"{'batch':>5} {'lora':>8} {'ops':>6} {'pdl':>4} {'slots':>5} {'base':>8} {'one':>8} {'mixed':>8} "
+    print(f"{'batch':>5} {'lora':>8} {'ops':>6} {'pdl':>4} {'fold':>4} {'slots':>5} {'base':>8} {'one':>8} {'mixed':>8} "
           f"{'one/base':>9} {'mixed/base':>10}")
     for batch in args.batches:
-        for (linears, ops, pdl, max_loras), runner in runners.items():  # side by side at each batch, so drift hits all
+        for (linears, ops, pdl, fold, max_loras), runner in runners.items():  # side by side at each batch
             base = time_steps(runner, [0] * batch, "b", args.steps)
             one = time_steps(runner, [1] * batch, "o", args.steps)
             held = min(max_loras, NUM_ADAPTERS)
             mixed = time_steps(runner, [1 + i % held for i in range(batch)], "m", args.steps)
-            print(f"{batch:>5} {linears:>8} {ops:>6} {pdl:>4} {max_loras:>5} {base:>8.3f} {one:>8.3f} {mixed:>8.3f} "
+            print(f"{batch:>5} {linears:>8} {ops:>6} {pdl:>4} {fold:>4} {max_loras:>5} {base:>8.3f} {one:>8.3f} {mixed:>8.3f} "
                   f"{base / one:>8.1%} {base / mixed:>9.1%}")
     runner = next(iter(runners.values()))
     if args.mixed_decodes:

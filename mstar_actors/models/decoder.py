@@ -26,7 +26,7 @@ from .sharding import Cut, ShardLayout, single_rank_layout
 from .spec import ModelSpec
 
 if TYPE_CHECKING:  # the hooks are made by ``lora_layers``, which builds on these modules
-    from .lora_layers import LoraHook
+    from .lora_layers import LoraHook, PendingExpand
 
 
 def fused_ops(x: torch.Tensor):
@@ -110,12 +110,16 @@ class LoraLinear(nn.Linear):
         y, delta = self.forward_parts(x, residual)
         return y if delta is None else y.add_(delta)
 
-    def forward_parts(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_parts(self, x: torch.Tensor, residual: torch.Tensor | None = None, fold: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor | PendingExpand | None]:
         """``(y, delta)``. Where the hook runs the LoRA delta beside the base
         GEMM (``LoraHook.runs_beside``: a CUDA rows step of many rows), the delta runs on
         the side stream while the GEMM runs on the step's, and is returned
         for the caller to add (the next fused op reads it), or added into
-        ``residual`` (then None). Elsewhere ``y`` has the delta and it is None."""
+        ``residual`` (then None). With ``fold``, where the fused GEMM runs
+        (``LoraHook.fuses``), the delta is its expand still to do
+        (``lora_layers.PendingExpand``), for the op after the GEMM to add as
+        it loads. Elsewhere ``y`` has the delta and it is None."""
         hook = self.lora
         if hook is not None and x.is_cuda and hook.runs_beside(x.shape[0]):
             with hook.fork():
@@ -128,6 +132,8 @@ class LoraLinear(nn.Linear):
             # One GEMM: the base output, then each slot's shrink; the delta is the expand alone.
             out = F.linear(x, self.fused_weight, self.fused_bias)
             n = self.out_features
+            if fold and hook.folds:
+                return out[:, :n], hook.pending(out[:, n:])
             return hook.expand(out[:, :n], out[:, n:]), None
         y = self._base(x)
         return (y if hook is None else hook.apply(y, x)), None
@@ -214,7 +220,8 @@ class Attention(nn.Module):
         """``residual``: the stream the caller adds the result to next, if
         its own (o's LoRA delta may go there: ``LoraLinear.forward_into``)."""
         num_tokens = x.shape[0]
-        qkv, delta = self.qkv_proj.forward_parts(x)
+        # A fused q|k|v's expand goes into the rotary kernel where that runs (``_rope_write_kv``).
+        qkv, delta = self.qkv_proj.forward_parts(x, fold=self._folds(x))
         if delta is not None and self.has_qk_norm:
             qkv, delta = qkv.add_(delta), None
         # The rows as heads, then split: one view and one split, where a split
@@ -225,8 +232,10 @@ class Attention(nn.Module):
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if not self._rope_write_kv(positions, q, k, v, kv_cache, meta, delta):
-            if delta is not None:
+            if isinstance(delta, torch.Tensor):
                 heads.add_(delta.view(shape))
+            elif delta is not None:
+                delta.apply(qkv)
             q, k = self.rotary(positions, q, k)
             self.backend.write_kv(kv_cache, k, v, meta)
         out = self.backend.attend(q, kv_cache, meta, self.scale)
@@ -247,7 +256,16 @@ class Attention(nn.Module):
                 or positions.dim() != 1 or (ops := fused_ops(q)) is None or kv_cache.dtype != q.dtype):
             return False
         tables = self.rotary.step_tables or self.rotary.tables(positions, q.dtype)
-        return ops.rope_write_kv(q, k, v, *tables, kv_cache, meta.slot_mapping, delta)
+        if isinstance(delta, torch.Tensor) or delta is None:
+            return ops.rope_write_kv(q, k, v, *tables, kv_cache, meta.slot_mapping, delta)
+        return ops.rope_write_kv(q, k, v, *tables, kv_cache, meta.slot_mapping, expand=delta)
+
+    def _folds(self, x: torch.Tensor) -> bool:
+        """Whether q|k|v's expand may be left to ``_rope_write_kv``: no q/k
+        norm comes between, and the rotary is the fused kernel's (the
+        checks of ``_rope_write_kv`` that need no step tensors)."""
+        return (not self.has_qk_norm and type(self.rotary) is RotaryEmbedding
+                and type(self.backend).write_kv is TorchPagedAttention.write_kv and fused_ops(x) is not None)
 
 
 class MLP(nn.Module):
@@ -265,14 +283,20 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``residual``: as ``Attention.forward``'s (down's LoRA delta may go there)."""
-        gate_up, delta = self.gate_up_proj.forward_parts(x)
         # One call where ``fused_ops`` takes it (equal to torch's to float32
-        # rounding), adding the LoRA delta first where it ran beside the GEMM.
-        ops = fused_ops(gate_up)
-        act = ops.silu_mul(gate_up, delta) if ops is not None else None
+        # rounding), adding the LoRA delta first where it ran beside the GEMM,
+        # or a fused gate|up's expand.
+        ops = fused_ops(x)
+        gate_up, delta = self.gate_up_proj.forward_parts(x, fold=ops is not None)
+        act = None
+        if ops is not None:
+            act = (ops.silu_mul(gate_up, delta) if delta is None or isinstance(delta, torch.Tensor)
+                   else ops.silu_mul(gate_up, expand=delta))
         if act is None:
-            if delta is not None:
+            if isinstance(delta, torch.Tensor):
                 gate_up.add_(delta)
+            elif delta is not None:
+                delta.apply(gate_up)
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
         into = None if self.tp.is_parallel else residual

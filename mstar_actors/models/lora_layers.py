@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -81,6 +82,10 @@ MAX_DENSE_ROWS = 64
 # follows the GEMM on the step's stream. Read as steps run and graphs are captured
 # (``tools/profile_gpu_step.py --lora-paths beside fused`` times both).
 BESIDE = True
+# Below that size, a fused q|k|v's and gate|up's expand is added by the
+# rotary and SiLU-and-mul kernels as they load (``PendingExpand``) instead of
+# a launch of its own. Read likewise (``tools/profile_gpu_step.py --fold``).
+FOLD = True
 EMBED_TOKENS = "model.embed_tokens"
 
 
@@ -121,6 +126,22 @@ class LoraStep:
         self.side: torch.cuda.Stream | None = None
 
 
+class PendingExpand(NamedTuple):
+    """A fused linear's LoRA delta still to add: its expand, given the shrink
+    ``t`` the fused GEMM wrote beside the base output
+    (``LoraLinear.forward_parts(fold=True)``). The op after the GEMM adds it
+    as it loads (``triton_fused.rope_write_kv`` and ``silu_mul`` take it):
+    one launch a linear fewer at decode sizes; ``apply`` adds it where that
+    op cannot."""
+
+    stack: LoraStack
+    t: torch.Tensor
+    row_slots: torch.Tensor
+
+    def apply(self, y: torch.Tensor) -> torch.Tensor:
+        return self.stack.add_delta_expand(y, self.t, self.row_slots)
+
+
 class LoraHook:
     """One targeted module's stack; ``apply`` adds its delta for the step's adapter rows."""
 
@@ -151,6 +172,15 @@ class LoraHook:
     def expand(self, y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """y += the delta, given its shrink ``t`` from the fused GEMM."""
         return self.stack.add_delta_expand(y, t, self.step.row_slots)
+
+    @property
+    def folds(self) -> bool:
+        """Whether a fused step's expand may be left to the op after the GEMM (``FOLD``)."""
+        return FOLD
+
+    def pending(self, t: torch.Tensor) -> PendingExpand:
+        """``expand`` left for the op after the GEMM to add as it loads."""
+        return PendingExpand(self.stack, t, self.step.row_slots)
 
     def runs_beside(self, num_rows: int) -> bool:
         """Whether this step's delta runs on the side stream, beside the base

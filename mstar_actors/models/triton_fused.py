@@ -116,22 +116,62 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
+def _b_tile(b_ptr, stride_bs, stride_bn, slot, first, cols, mask, offs_r, mask_r):
+    """``B[slot, first + cols, :]`` of a LoRA stack, ``[BLOCK, BLOCK_R]``, zeros where masked."""
+    return tl.load(b_ptr + slot * stride_bs + (first + cols)[:, None].to(tl.int64) * stride_bn + offs_r[None, :],
+                   mask=mask[:, None] & mask_r[None, :], other=0.0)
+
+
+@triton.jit
+def _shrunk(t_ptr, row, stride_t, shard, num_slots, slot, R, offs_r, mask, scale):
+    """A row's shrink for one shard from the fused GEMM's A columns, scaled (``lora.triton_ops.expand_rows``'s)."""
+    at = t_ptr + row * stride_t + (shard * num_slots + slot) * R + offs_r
+    return tl.load(at, mask=mask, other=0.0).to(tl.float32) * scale
+
+
+@triton.jit
+def _plus_expand(x, w, t, live):
+    """``x`` plus the expand of its columns, rounded as ``expand_rows`` rounds
+    ``y += t @ B.T``; a base row (not ``live``) as it was."""
+    return tl.where(live, (x.to(tl.float32) + tl.sum(w.to(tl.float32) * t[None, :], axis=1)).to(x.dtype), x)
+
+
+@triton.jit
 def _rope_write_kv_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh,
                           cos_ptr, sin_ptr, stride_ct, cache_ptr, stride_cs, stride_ch, cache_half, slot_ptr,
                           num_heads, dq_ptr, dk_ptr, dv_ptr,
-                          HAS_DELTA: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
-    if GDC:  # everything below reads the step's own writes (``triton_launch``)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+                          t_ptr, stride_t, b_ptr, stride_bs, stride_bn, sc_ptr, stride_ss, stride_sl, lslot_ptr,
+                          num_slots, R, k_col, v_col,
+                          HAS_DELTA: tl.constexpr, FOLD: tl.constexpr, BLOCK_R: tl.constexpr,
+                          HALF: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     mask = cols < 2 * HALF
     other = tl.where(cols < HALF, cols + HALF, cols - HALF)  # the rotated half's partner
-    c = tl.load(cos_ptr + t * stride_ct + cols, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + t * stride_ct + cols, mask=mask, other=0.0).to(tl.float32)
     is_k = h >= num_heads
     kh = tl.maximum(h - num_heads, 0)
+    v_mask = cols < tl.where(is_k, 2 * HALF, 0)
+    if FOLD:
+        # The expand of a fused q|k|v (``expand``): the row's LoRA slot, its
+        # scales and B's columns for this head (and v's), before the wait:
+        # none is a step's write (``triton_launch``).
+        lslot = tl.load(lslot_ptr + t).to(tl.int64)
+        live = lslot != 0
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < tl.where(live, R, 0)  # a base row loads nothing
+        shard = tl.where(is_k, 1, 0)
+        first = tl.where(is_k, k_col + kh * 2 * HALF, h * 2 * HALF)
+        scale = tl.load(sc_ptr + shard * stride_ss + lslot * stride_sl)
+        v_scale = tl.load(sc_ptr + 2 * stride_ss + lslot * stride_sl)
+        bx = _b_tile(b_ptr, stride_bs, stride_bn, lslot, first, cols, mask, offs_r, mask_r)
+        bo = _b_tile(b_ptr, stride_bs, stride_bn, lslot, first, other, mask, offs_r, mask_r)
+        bv = _b_tile(b_ptr, stride_bs, stride_bn, lslot, v_col + kh * 2 * HALF, cols, v_mask, offs_r, mask_r)
+    if GDC:  # everything below reads the step's own writes (``triton_launch``)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    c = tl.load(cos_ptr + t * stride_ct + cols, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_ct + cols, mask=mask, other=0.0).to(tl.float32)
     # The delta (``rope_write_kv``'s) has q's, k's and v's strides.
     if is_k:
         at = t * stride_kt + kh * stride_kh
@@ -142,7 +182,6 @@ def _rope_write_kv_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_
     # Every load before any branch on a loaded value (a k head's slot and v
     # too): at decode sizes the kernel's time is its chain of dependent loads.
     slot = tl.load(slot_ptr + t)
-    v_mask = cols < tl.where(is_k, 2 * HALF, 0)
     v_at = t * stride_vt + kh * stride_vh + cols
     v = tl.load(v_ptr + v_at, mask=v_mask, other=0.0)
     x = tl.load(base + cols, mask=mask, other=0.0)
@@ -151,6 +190,12 @@ def _rope_write_kv_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_
         v = (v.to(tl.float32) + tl.load(dv_ptr + v_at, mask=v_mask, other=0.0).to(tl.float32)).to(v.dtype)
         x = (x.to(tl.float32) + tl.load(dbase + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
         xo = (xo.to(tl.float32) + tl.load(dbase + other, mask=mask, other=0.0).to(tl.float32)).to(xo.dtype)
+    if FOLD:
+        tx = _shrunk(t_ptr, t, stride_t, shard, num_slots, lslot, R, offs_r, mask_r, scale)
+        tv = _shrunk(t_ptr, t, stride_t, 2, num_slots, lslot, R, offs_r, offs_r < tl.where(live & is_k, R, 0), v_scale)
+        x = _plus_expand(x, bx, tx, live)
+        xo = _plus_expand(xo, bo, tx, live)
+        v = _plus_expand(v, bv, tv, live)
     dtype = q_ptr.dtype.element_ty
     x = x.to(tl.float32)
     xo = xo.to(tl.float32)
@@ -168,7 +213,8 @@ def _rope_write_kv_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_
 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor, delta: torch.Tensor | None = None) -> bool:
+                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor, delta: torch.Tensor | None = None,
+                  expand=None) -> bool:
     """Rotate ``q [T, H, D]`` in place and ``k [T, KH, D]`` by ``cos`` and
     ``signed_sin`` (``[T, 1, D]``, ``RotaryEmbedding.tables``), writing the
     rotated k and v at ``slot_mapping`` into ``kv_cache [2, blocks,
@@ -176,10 +222,15 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     (``cpu_ops.rope_write_kv`` on CPU; ``k`` itself is left as it was).
     ``delta``: ``[T, (H + 2 KH) D]`` added to q, k and v first (rounded as
     ``add_``), where q, k and v are the heads of one contiguous ``[T, (H +
-    2 KH) D]`` output, in that order. False, having done nothing, where the
-    layouts don't fit."""
+    2 KH) D]`` output, in that order. ``expand`` (``lora_layers.PendingExpand``,
+    not with ``delta``): a fused q|k|v's LoRA expand, added to q, k and v
+    first as ``expand_rows`` would add it. False, having done nothing, where
+    the layouts don't fit."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
+    fold = _fold_args(expand, q, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim])
+    if fold is None or (delta is not None and expand is not None):
+        return False
     if delta is not None:
         parts = _delta_heads(delta, q, k, v)
         if parts is None:
@@ -198,7 +249,8 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         _rope_write_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
             q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
             cos, signed_sin, cos.stride(0), kv_cache, slots.stride(0), slots.stride(1), kv_cache[0].numel(),
-            slot_mapping, num_heads, *parts, HAS_DELTA=delta is not None, HALF=head_dim // 2,
+            slot_mapping, num_heads, *parts, *fold, HAS_DELTA=delta is not None, FOLD=expand is not None,
+            BLOCK_R=_block_r(expand), HALF=head_dim // 2,
             BLOCK=triton.next_power_of_2(head_dim), num_warps=1 if head_dim <= 128 else 2,
             enable_fp_fusion=False, **triton_launch.options(q))  # float32: no FMA, torch's two roundings
     return True
@@ -219,20 +271,39 @@ def _delta_heads(delta: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, stride_x, d_ptr, out_ptr, stride_out, n, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+def _silu_mul_kernel(x_ptr, stride_x, d_ptr, out_ptr, stride_out, n,
+                     t_ptr, stride_t, b_ptr, stride_bs, stride_bn, sc_ptr, stride_ss, stride_sl, lslot_ptr,
+                     num_slots, R, up_col,
+                     HAS_DELTA: tl.constexpr, FOLD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
                      GDC: tl.constexpr):
-    if GDC:  # everything below reads the step's own writes (``triton_launch``)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
+    if FOLD:
+        # The expand of a fused gate|up (``silu_mul``'s ``expand``): before
+        # the wait, as ``_rope_write_kv_kernel``'s.
+        lslot = tl.load(lslot_ptr + row).to(tl.int64)
+        live = lslot != 0
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < tl.where(live, R, 0)  # a base row loads nothing
+        gate_scale = tl.load(sc_ptr + lslot * stride_sl)
+        up_scale = tl.load(sc_ptr + stride_ss + lslot * stride_sl)
+        b_gate = _b_tile(b_ptr, stride_bs, stride_bn, lslot, 0, cols, mask, offs_r, mask_r)
+        b_up = _b_tile(b_ptr, stride_bs, stride_bn, lslot, up_col, cols, mask, offs_r, mask_r)
+    if GDC:  # everything below reads the step's own writes (``triton_launch``)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0)
     if HAS_DELTA:  # the delta's rows are contiguous [T, 2I]; y.add_(delta)'s rounding
         gate = (gate.to(tl.float32) + tl.load(d_ptr + row * 2 * n + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
         up = (up.to(tl.float32) + tl.load(d_ptr + row * 2 * n + n + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+    if FOLD:
+        gate = _plus_expand(gate, b_gate, _shrunk(t_ptr, row, stride_t, 0, num_slots, lslot, R, offs_r, mask_r,
+                                                  gate_scale), live)
+        up = _plus_expand(up, b_up, _shrunk(t_ptr, row, stride_t, 1, num_slots, lslot, R, offs_r, mask_r, up_scale),
+                          live)
     gate = gate.to(tl.float32)
     up = up.to(tl.float32)
     # torch's rounding: silu in float32, cast, then the product in float32, cast.
@@ -240,23 +311,54 @@ def _silu_mul_kernel(x_ptr, stride_x, d_ptr, out_ptr, stride_out, n, HAS_DELTA: 
     tl.store(out_ptr + row * stride_out + cols, (act * up).to(dtype), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor | None:
+def silu_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None, expand=None) -> torch.Tensor | None:
     """``F.silu(gate) * up`` of ``gate_up [T, 2I]`` (its two halves) in one
     launch, ``[T, I]``, with ``delta`` (contiguous, ``gate_up``'s shape: the
-    LoRA delta) added first where given; None where the rows don't fit."""
+    LoRA delta) or ``expand`` (``lora_layers.PendingExpand``: a fused
+    gate|up's, as ``rope_write_kv`` takes it) added first where given; None
+    where the rows don't fit."""
     rows = _rows(gate_up)
-    if rows is None or rows.shape[-1] % 2:
+    if rows is None or rows.shape[-1] % 2 or (delta is not None and expand is not None):
         return None
     if delta is not None and (delta.shape != rows.shape or not delta.is_contiguous() or delta.dtype != rows.dtype):
         return None
     n = rows.shape[-1] // 2
+    fold = _fold_args(expand, rows, [n, n])
+    if fold is None:
+        return None
     out = torch.empty((rows.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
     if rows.shape[0]:
-        block = min(1024, triton.next_power_of_2(n))
+        # A folded expand holds two [BLOCK, rank] tiles of B a program: narrower blocks.
+        block = min(256 if expand is not None else 1024, triton.next_power_of_2(n))
         _silu_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](
-            rows, rows.stride(0), rows if delta is None else delta, out, out.stride(0), n,
-            HAS_DELTA=delta is not None, BLOCK=block, num_warps=4, **triton_launch.options(rows))
+            rows, rows.stride(0), rows if delta is None else delta, out, out.stride(0), n, *fold[:-1],
+            HAS_DELTA=delta is not None, FOLD=expand is not None, BLOCK_R=_block_r(expand), BLOCK=block, num_warps=4,
+            **triton_launch.options(rows))
     return out.view(*gate_up.shape[:-1], n)
+
+
+def _fold_args(expand, y: torch.Tensor, sizes: list[int]) -> tuple | None:
+    """``expand``'s kernel arguments (t, its row stride, B and its slot and
+    column strides, the scales and theirs, the row slots, the slots, the
+    rank, then the B columns where the second and third shards start), zeros
+    without one; None where it does not fit ``y``'s dtype or its shards are
+    not ``sizes``."""
+    if expand is None:
+        return (y, 0, y, 0, 0, y, 0, 0, y, 0, 0, 0, 0)
+    stack, t, row_slots = expand.stack, expand.t, expand.row_slots
+    b, scales = stack.b, stack.scales
+    num_shards, num_slots, max_rank, _ = stack.a.shape
+    if (list(stack.output_sizes) != sizes or b.dtype != y.dtype or t.dtype != y.dtype or b.stride(2) != 1
+            or t.stride(1) != 1 or t.shape != (y.shape[0], num_shards * num_slots * max_rank)
+            or row_slots.shape != (y.shape[0],) or row_slots.stride(0) != 1 or scales.dtype != torch.float32):
+        return None
+    offsets = stack.offsets
+    return (t, t.stride(0), b, b.stride(0), b.stride(1), scales, scales.stride(0), scales.stride(1), row_slots,
+            num_slots, max_rank, offsets[1], offsets[2] if len(offsets) > 3 else 0)
+
+
+def _block_r(expand) -> int:
+    return 16 if expand is None else max(16, triton.next_power_of_2(expand.stack.max_rank))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor | None:

@@ -385,6 +385,33 @@ def test_lora_beside_the_gemm_matches_lora_after_it_on_cuda(lora_world, monkeypa
 
 
 @pytest.mark.gpu
+def test_lora_expand_folded_into_the_next_kernel_matches_its_own_launch_on_cuda(lora_world, monkeypatch):
+    """A fused q|k|v's and gate|up's expand added by the rotary and
+    SiLU-and-mul kernels as they load (``lora_layers.FOLD``) against its own
+    launch before them, graphs captured: float32 tokens equal; bf16 logits
+    within rounding (the kernels sum the delta as the expand does, but may
+    contract a product into it differently), teacher-forced."""
+    from mstar_actors.models import lora_layers
+
+    monkeypatch.setattr(lora_layers, "MAX_FUSED_SHARE", 100.0)  # this small model's A under every weight
+    folded = []
+    pending = lora_layers.LoraHook.pending
+    monkeypatch.setattr(lora_layers.LoraHook, "pending", lambda hook, t: folded.append(1) or pending(hook, t))
+    runs = {}
+    for fold in (False, True):
+        monkeypatch.setattr(lora_layers, "FOLD", fold)
+        exact = script(lora_runner(lora_world, device="cuda", enforce_eager=False, cuda_graph_max_batch=4), MIXED_SLOTS)
+        rec = Recorder(None if not fold else [[int(t) for t in step.argmax(-1)] for step in runs[False][1].logits])
+        half = script(lora_runner(lora_world, device="cuda", dtype="bfloat16", enforce_eager=False,
+                                  cuda_graph_max_batch=4, sampler=rec), MIXED_SLOTS)
+        runs[fold] = exact, rec, half
+        assert bool(folded) is fold, "the expand was (not) left to the next kernel as FOLD says"
+    assert runs[True][0] == runs[False][0], "float32: other tokens with the expand folded"
+    assert runs[True][2] == runs[False][2]
+    assert_logits_close(runs[True][1].logits, runs[False][1].logits, 2e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("beside", [False, True], ids=["after", "beside"])
 def test_programmatic_launch_changes_no_bit_on_cuda(lora_world, beside, monkeypatch):
     """Our Triton kernels launched with programmatic dependent launch

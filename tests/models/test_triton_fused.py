@@ -7,11 +7,15 @@ and the decoder with them against the decoder without them.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from mstar_actors.lora import LoraStack, triton_ops
 from mstar_actors.models import triton_fused
+from mstar_actors.models.lora_layers import PendingExpand
 from mstar_actors.models.decoder import RMSNorm
 from mstar_actors.models.qwen3_5 import ZeroCenteredRMSNorm
 from mstar_actors.models.rope import RotaryEmbedding, rotate
@@ -166,6 +170,65 @@ def test_silu_mul_adds_a_delta_as_add_would(dtype, device="cpu"):
     assert triton_fused.silu_mul(gate_up, delta[:, :-2]) is None  # not gate_up's shape
 
 
+def pending_expand(y: torch.Tensor, output_sizes: list[int], row_slots: list[int], seed: int = 8, num_slots: int = 3,
+                   max_rank: int = 8) -> tuple[torch.Tensor, PendingExpand]:
+    """A fused linear's output ``[y | t]`` (``y``'s rows, then every shard and
+    slot's shrink, as the fused GEMM writes them) with ``y``'s values, and the
+    expand left to do on it: a stack on the Triton kernels whose slots past 0
+    hold random factors and scales (one shard of slot 2 untargeted)."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype, device = y.dtype, y.device
+    stack = LoraStack(8, output_sizes, num_slots=num_slots, max_rank=max_rank, dtype=dtype, device=device,
+                      kernels=triton_ops)
+    stack.b[1:] = torch.randn(stack.b[1:].shape, generator=gen).to(dtype).to(device)
+    stack.scales[:, 1:] = 0.5 + torch.rand(stack.scales[:, 1:].shape, generator=gen).to(device)
+    stack.scales[1, 2] = 0.0
+    stack.b[2, stack.offsets[1]:stack.offsets[2]] = 0
+    width = len(output_sizes) * num_slots * max_rank
+    out = torch.cat([y, torch.randn(y.shape[0], width, generator=gen).to(dtype).to(device)], dim=-1)
+    slots = torch.tensor(row_slots, dtype=torch.int32, device=device)
+    return out, PendingExpand(stack, out[:, y.shape[1]:], slots)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_rope_write_kv_folds_a_fused_expand_as_expand_rows_would(dtype, device="cpu"):
+    """A fused q|k|v's expand (``PendingExpand``), added by the rotary kernel
+    as it loads: the result of ``expand_rows`` then the kernel, rows on
+    slots 0 (base: untouched), 1 and 2 (k untargeted)."""
+    q, k, v, cos, sin, cache, slots = paged_case(dtype, device)
+    heads = q.shape[1] + 2 * k.shape[1]
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=-1)
+    sizes = [q[0].numel(), k[0].numel(), v[0].numel()]
+    out, expand = pending_expand(qkv, sizes, [1, 0, 2])
+    n = qkv.shape[1]
+    want = out.clone()
+    expand._replace(t=want[:, n:]).apply(want[:, :n])
+    rq, rk, rv = want[:, :n].view(-1, heads, q.shape[-1]).split_with_sizes([q.shape[1], k.shape[1], k.shape[1]], 1)
+    ref_cache = cache.clone()
+    assert triton_fused.rope_write_kv(rq, rk, rv, cos, sin, ref_cache, slots)
+    fq, fk, fv = out[:, :n].view(-1, heads, q.shape[-1]).split_with_sizes([q.shape[1], k.shape[1], k.shape[1]], 1)
+    assert triton_fused.rope_write_kv(fq, fk, fv, cos, sin, cache, slots, expand=expand)
+    check = torch.equal if device == "cpu" else functools.partial(assert_within_ulps, ulps=2)
+    assert check(fq, rq) in (True, None) and check(cache, ref_cache) in (True, None)
+    assert not torch.equal(rq, q)  # the expand changed something
+    other = pending_expand(qkv, [sizes[0], sizes[1] + sizes[2]], [1, 0, 2])[1]
+    assert not triton_fused.rope_write_kv(fq, fk, fv, cos, sin, cache, slots, expand=other)  # not q|k|v's shards
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_silu_mul_folds_a_fused_expand_as_expand_rows_would(dtype, device="cpu"):
+    gen = torch.Generator().manual_seed(9)
+    gate_up = (2 * torch.randn(3, 2 * 600, generator=gen)).to(dtype).to(device)
+    out, expand = pending_expand(gate_up, [600, 600], [2, 1, 0])
+    want = out.clone()
+    expand._replace(t=want[:, 1200:]).apply(want[:, :1200])
+    check = torch.equal if device == "cpu" else functools.partial(assert_within_ulps, ulps=2)
+    got = triton_fused.silu_mul(out[:, :1200], expand=expand)
+    assert check(got, triton_fused.silu_mul(want[:, :1200])) in (True, None)
+    assert torch.equal(got[2], triton_fused.silu_mul(gate_up)[2])  # the base row
+    assert triton_fused.silu_mul(out[:, :1200], expand=pending_expand(gate_up, [400, 800], [2, 1, 0])[1]) is None
+
+
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 def test_silu_mul_equals_torch_to_rounding(dtype, device="cpu"):
     gen = torch.Generator().manual_seed(3)
@@ -191,3 +254,5 @@ def test_kernels_compiled_on_gpu(dtype):
     test_silu_mul_equals_torch_to_rounding(dtype, "cuda")
     test_rope_write_kv_adds_a_delta_as_add_would(dtype, "cuda")
     test_silu_mul_adds_a_delta_as_add_would(dtype, "cuda")
+    test_rope_write_kv_folds_a_fused_expand_as_expand_rows_would(dtype, "cuda")
+    test_silu_mul_folds_a_fused_expand_as_expand_rows_would(dtype, "cuda")
