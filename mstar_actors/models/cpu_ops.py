@@ -32,6 +32,9 @@ import torch.nn.functional as F
 from . import cpu_linear
 from .rope import rotate
 
+# A fused linear's LoRA expand is added apart here (``triton_fused``'s take it as they load).
+takes_expand = False
+
 # Plain vectors of 8 floats (GCC's vector extensions, one source for every
 # instruction set) and e^x on them, for the kernels here and ``cpu_attention``.
 VECTORS = r"""

@@ -265,7 +265,8 @@ class Attention(nn.Module):
         norm comes between, and the rotary is the fused kernel's (the
         checks of ``_rope_write_kv`` that need no step tensors)."""
         return (not self.has_qk_norm and type(self.rotary) is RotaryEmbedding
-                and type(self.backend).write_kv is TorchPagedAttention.write_kv and fused_ops(x) is not None)
+                and type(self.backend).write_kv is TorchPagedAttention.write_kv
+                and (ops := fused_ops(x)) is not None and ops.takes_expand)
 
 
 class MLP(nn.Module):
@@ -287,7 +288,7 @@ class MLP(nn.Module):
         # rounding), adding the LoRA delta first where it ran beside the GEMM,
         # or a fused gate|up's expand.
         ops = fused_ops(x)
-        gate_up, delta = self.gate_up_proj.forward_parts(x, fold=ops is not None)
+        gate_up, delta = self.gate_up_proj.forward_parts(x, fold=ops is not None and ops.takes_expand)
         act = None
         if ops is not None:
             act = (ops.silu_mul(gate_up, delta) if delta is None or isinstance(delta, torch.Tensor)

@@ -44,6 +44,8 @@ from mstar_actors import triton_launch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_WIDTH = 16384  # a row a program holds whole (hidden sizes up to 16k)
+# ``rope_write_kv`` and ``silu_mul`` add a fused linear's LoRA expand as they load (``cpu_ops``' do not).
+takes_expand = True
 
 
 # Read when a step runs or is captured; ``tools/profile_gpu_step.py
