@@ -222,6 +222,8 @@ class FrontendActor(Actor):
 
     async def stop(self) -> None:
         self._fail_all(503, f"the server is shutting down ({self.stop_reason or 'stopped'})")
+        # Their handlers write the error (a stream's last event) before the connections close.
+        await self._await_idle(DRAIN_FAILURE_WRITE_S)
         if self._runner is not None:
             await self._runner.cleanup()
         if getattr(self, "speech", None) is not None:
