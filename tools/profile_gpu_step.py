@@ -18,7 +18,7 @@ likewise sets the layers' small ops side by side: ``triton_fused``'s one
 launch each (RMSNorm with the residual add, rotary with the KV write,
 SiLU-and-mul; on by default, see ``triton_fused.enabled``) or torch's ops,
 ``--pdl`` our Triton kernels launched with programmatic dependent launch or
-without (``triton_launch``; on by default where the GPU has it), and
+without (``triton_launch``), and
 ``--fold`` a fused q|k|v's and gate|up's LoRA expand added by the rotary and
 SiLU-and-mul kernels or launched alone (``lora_layers.FOLD``).
 
@@ -240,14 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fused-ops", choices=["on", "off", "both"], default="both",
                    help="decode table with the layers' small ops fused (triton_fused, the default), as torch ops, "
                         "or both side by side (default); the rest of the run takes the first")
-    p.add_argument("--pdl", choices=["on", "off", "both"], default="on",
+    p.add_argument("--pdl", choices=["on", "off", "both"], default="both",
                    help="decode table with our Triton kernels launched with programmatic dependent launch "
-                        "(triton_launch, the default), without, or both side by side; the rest of the run takes "
+                        "(triton_launch), without, or both side by side (default); the rest of the run takes "
                         "the first")
-    p.add_argument("--fold", choices=["on", "off", "both"], default="on",
+    p.add_argument("--fold", choices=["on", "off", "both"], default="both",
                    help="decode table with a fused q|k|v's and gate|up's LoRA expand added by the rotary and "
-                        "SiLU-and-mul kernels (lora_layers.FOLD, the default), as launches of their own, or both "
-                        "side by side; the rest of the run takes the first")
+                        "SiLU-and-mul kernels (lora_layers.FOLD), as launches of their own, or both side by side "
+                        "(default); the rest of the run takes the first")
     p.add_argument("--max-loras", type=int, nargs="+", default=[NUM_ADAPTERS],
                    help=f"decode table runners with these lora.max_loras, side by side (default {NUM_ADAPTERS}; "
                         "bench_lora's churn serves 2); each holds min(max_loras, "

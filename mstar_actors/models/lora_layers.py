@@ -85,7 +85,8 @@ BESIDE = True
 # Below that size, a fused q|k|v's and gate|up's expand is added by the
 # rotary and SiLU-and-mul kernels as they load (``PendingExpand``) instead of
 # a launch of its own. Read likewise (``tools/profile_gpu_step.py --fold``).
-FOLD = True
+# Off until measured on a device.
+FOLD = False
 EMBED_TOKENS = "model.embed_tokens"
 
 
