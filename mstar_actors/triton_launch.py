@@ -29,9 +29,8 @@ from __future__ import annotations
 import torch
 
 # Read as each kernel launches (graphs keep what they captured); the GPU
-# tests and ``tools/profile_gpu_step.py --pdl`` run both. Off until measured
-# on a device.
-enabled = False
+# tests and ``tools/profile_gpu_step.py --pdl`` run both.
+enabled = True
 
 _CAPABLE: dict[int, bool] = {}
 

@@ -85,8 +85,7 @@ BESIDE = True
 # Below that size, a fused q|k|v's and gate|up's expand is added by the
 # rotary and SiLU-and-mul kernels as they load (``PendingExpand``) instead of
 # a launch of its own. Read likewise (``tools/profile_gpu_step.py --fold``).
-# Off until measured on a device.
-FOLD = False
+FOLD = True
 EMBED_TOKENS = "model.embed_tokens"
 
 
