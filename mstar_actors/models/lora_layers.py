@@ -24,7 +24,9 @@ Where the kernels run, each decoder linear's stack is also fused
 (``fuse_linear``): every slot's A sits under the weight in one buffer, so a
 rows step of fewer than ``MIN_SPLIT_ROWS`` rows with adapter rows runs one
 GEMM that yields the base output and each slot's shrink, and the hook's
-``expand`` adds the delta in one launch. Steps without adapter rows run the
+``expand`` adds the delta in one launch; q|k|v's and gate|up's is added by
+the rotary and SiLU-and-mul kernels as they load instead (``FOLD``,
+``PendingExpand``), no launch of its own. Steps without adapter rows run the
 weight alone, a view of the same buffer. From ``MIN_SPLIT_ROWS`` rows the
 delta (the grouped shrink and expand) runs on a side stream while the base
 GEMM runs (``BESIDE``, ``LoraLinear.forward_parts``): o's and down's go
