@@ -221,7 +221,9 @@ class FrontendActor(Actor):
         self.log.info("serving %s on http://%s:%d", self.info.served_name, server.host, self.port)
 
     async def stop(self) -> None:
-        self._fail_all(503, f"the server is shutting down ({self.stop_reason or 'stopped'})")
+        reason = f"the server is shutting down ({self.stop_reason or 'stopped'})"
+        self._draining = self._draining or reason  # a request arriving from here on gets a 503 at once
+        self._fail_all(503, reason)
         # Their handlers write the error (a stream's last event) before the connections close.
         await self._await_idle(DRAIN_FAILURE_WRITE_S)
         if self._runner is not None:

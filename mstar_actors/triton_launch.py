@@ -16,8 +16,10 @@ then follows one rule (``GDC`` in their signatures):
   it waited in turn);
 - ``gdc_launch_dependents`` right after lets the kernel after it start early.
 
-A kernel launched without PDL (a cuBLAS GEMM, a torch op) waits for the
-whole of the one before it, as always; CUDA graphs capture the programmatic
+The step's inputs are copied in, and a swap's slot copies queued, before
+its first kernel, which is never one of ours (the embedding lookup comes
+first), so they are complete when ours start. A kernel launched without PDL
+(a cuBLAS GEMM, a torch op) waits for the whole of the one before it, as always; CUDA graphs capture the programmatic
 edges as they are. On other devices and under Triton's interpreter, ``GDC``
 is False and the kernels are what they were.
 
@@ -37,14 +39,24 @@ _CAPABLE: dict[int, bool] = {}
 
 def pdl(x: torch.Tensor) -> bool:
     """Whether a kernel over ``x`` launches with PDL (``launch_pdl=`` and
-    its ``GDC`` constant): ``x`` on a CUDA device of compute capability 9.0
-    or newer, and ``enabled``."""
+    its ``GDC`` constant): ``x`` on an NVIDIA device of compute capability
+    9.0 or newer, a Triton that has it, and ``enabled``."""
     if not (enabled and x.is_cuda):
         return False
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if index not in _CAPABLE:
-        _CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
+        _CAPABLE[index] = (torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+                           and _triton_has_pdl())
     return _CAPABLE[index]
+
+
+def _triton_has_pdl() -> bool:
+    """Triton's ``gdc_wait`` and ``launch_pdl`` came together (Triton 3.4)."""
+    try:
+        from triton.language.extra import cuda
+    except ImportError:
+        return False
+    return hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
 
 
 def options(x: torch.Tensor) -> dict:

@@ -101,7 +101,7 @@ def _rows_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     first = n_start + offs_n
     w_first = tl.load(b_ptr + slot * stride_wl + first[:, None].to(tl.int64) * stride_wn + offs_r[None, :] * stride_wr,
-                      mask=(first < hi)[:, None] & mask_r[None, :], other=0.0)
+                      mask=(first < tl.where(slot != 0, hi, 0))[:, None] & mask_r[None, :], other=0.0)
     if GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

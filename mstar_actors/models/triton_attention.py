@@ -109,10 +109,10 @@ def _decode_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    ctx = tl.maximum(tl.load(lens_ptr + seq), 1)  # a step's input: before the wait (``triton_launch``)
-    if GDC:
+    if GDC:  # the lengths may be a step's own gather, q is (``triton_launch``)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    ctx = tl.maximum(tl.load(lens_ptr + seq), 1)
     steps_per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), NUM_SPLITS)
     start = split * steps_per_split * BLOCK_N
     end = tl.minimum(ctx, start + steps_per_split * BLOCK_N)

@@ -252,8 +252,9 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
             q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
             cos, signed_sin, cos.stride(0), kv_cache, slots.stride(0), slots.stride(1), kv_cache[0].numel(),
             slot_mapping, num_heads, *parts, *fold, HAS_DELTA=delta is not None, FOLD=expand is not None,
-            BLOCK_R=_block_r(expand), HALF=head_dim // 2,
-            BLOCK=triton.next_power_of_2(head_dim), num_warps=1 if head_dim <= 128 else 2,
+            BLOCK_R=_block_r(expand), HALF=head_dim // 2, BLOCK=triton.next_power_of_2(head_dim),
+            # A folded expand holds three [head_dim, rank] tiles of B a program: more warps past rank 16.
+            num_warps=(1 if head_dim <= 128 else 2) * (_block_r(expand) // 16),
             enable_fp_fusion=False, **triton_launch.options(q))  # float32: no FMA, torch's two roundings
     return True
 
@@ -330,8 +331,8 @@ def silu_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None, expand=No
         return None
     out = torch.empty((rows.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
     if rows.shape[0]:
-        # A folded expand holds two [BLOCK, rank] tiles of B a program: narrower blocks.
-        block = min(256 if expand is not None else 1024, triton.next_power_of_2(n))
+        # A folded expand holds two [BLOCK, rank] tiles of B a program: narrower blocks, the more so past rank 16.
+        block = min(4096 // _block_r(expand) if expand is not None else 1024, triton.next_power_of_2(n))
         _silu_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](
             rows, rows.stride(0), rows if delta is None else delta, out, out.stride(0), n, *fold[:-1],
             HAS_DELTA=delta is not None, FOLD=expand is not None, BLOCK_R=_block_r(expand), BLOCK=block, num_warps=4,
