@@ -44,6 +44,15 @@ def fused_ops(x: torch.Tensor):
     return None
 
 
+def add_delta(y: torch.Tensor, delta: torch.Tensor | PendingExpand | None) -> None:
+    """``y += delta`` in place, as ``LoraLinear.forward_parts`` left it: a
+    tensor, or a fused linear's expand still to do."""
+    if isinstance(delta, torch.Tensor):
+        y.add_(delta)
+    elif delta is not None:
+        delta.apply(y)
+
+
 class RMSNorm(nn.Module):
     zero_centered = False  # True: scales by ``1 + weight`` (Qwen3.5's, ``qwen3_5.ZeroCenteredRMSNorm``)
 
@@ -232,10 +241,7 @@ class Attention(nn.Module):
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if not self._rope_write_kv(positions, q, k, v, kv_cache, meta, delta):
-            if isinstance(delta, torch.Tensor):
-                heads.add_(delta.view(shape))
-            elif delta is not None:
-                delta.apply(qkv)
+            add_delta(qkv, delta)
             q, k = self.rotary(positions, q, k)
             self.backend.write_kv(kv_cache, k, v, meta)
         out = self.backend.attend(q, kv_cache, meta, self.scale)
@@ -244,7 +250,8 @@ class Attention(nn.Module):
 
 
     def _rope_write_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       kv_cache: torch.Tensor, meta: AttentionMetadata, delta: torch.Tensor | None = None) -> bool:
+                       kv_cache: torch.Tensor, meta: AttentionMetadata,
+                       delta: torch.Tensor | PendingExpand | None = None) -> bool:
         """Rotary on q and k (in place: they are this step's own projections)
         and the KV write in one call (``fused_ops``), where the plain rotary
         and the reference backend's write would run, q, k and v taking
@@ -256,9 +263,7 @@ class Attention(nn.Module):
                 or positions.dim() != 1 or (ops := fused_ops(q)) is None or kv_cache.dtype != q.dtype):
             return False
         tables = self.rotary.step_tables or self.rotary.tables(positions, q.dtype)
-        if isinstance(delta, torch.Tensor) or delta is None:
-            return ops.rope_write_kv(q, k, v, *tables, kv_cache, meta.slot_mapping, delta)
-        return ops.rope_write_kv(q, k, v, *tables, kv_cache, meta.slot_mapping, expand=delta)
+        return ops.rope_write_kv(q, k, v, *tables, kv_cache, meta.slot_mapping, delta)
 
     def _folds(self, x: torch.Tensor) -> bool:
         """Whether q|k|v's expand may be left to ``_rope_write_kv``: no q/k
@@ -289,15 +294,9 @@ class MLP(nn.Module):
         # or a fused gate|up's expand.
         ops = fused_ops(x)
         gate_up, delta = self.gate_up_proj.forward_parts(x, fold=ops is not None and ops.takes_expand)
-        act = None
-        if ops is not None:
-            act = (ops.silu_mul(gate_up, delta) if delta is None or isinstance(delta, torch.Tensor)
-                   else ops.silu_mul(gate_up, expand=delta))
+        act = ops.silu_mul(gate_up, delta) if ops is not None else None
         if act is None:
-            if isinstance(delta, torch.Tensor):
-                gate_up.add_(delta)
-            elif delta is not None:
-                delta.apply(gate_up)
+            add_delta(gate_up, delta)
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
         into = None if self.tp.is_parallel else residual

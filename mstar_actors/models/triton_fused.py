@@ -224,12 +224,13 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     (``cpu_ops.rope_write_kv`` on CPU; ``k`` itself is left as it was).
     ``delta``: ``[T, (H + 2 KH) D]`` added to q, k and v first (rounded as
     ``add_``), where q, k and v are the heads of one contiguous ``[T, (H +
-    2 KH) D]`` output, in that order. ``expand`` (``lora_layers.PendingExpand``,
+    2 KH) D]`` output, in that order. ``expand`` (or ``delta`` given one) (``lora_layers.PendingExpand``,
     not with ``delta``): a fused q|k|v's LoRA expand, added to q, k and v
     first as ``expand_rows`` would add it. False, having done nothing, where
     the layouts don't fit."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
+    delta, expand = _delta_or_expand(delta, expand)
     fold = _fold_args(expand, q, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim])
     if fold is None or (delta is not None and expand is not None):
         return False
@@ -320,6 +321,7 @@ def silu_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None, expand=No
     LoRA delta) or ``expand`` (``lora_layers.PendingExpand``: a fused
     gate|up's, as ``rope_write_kv`` takes it) added first where given; None
     where the rows don't fit."""
+    delta, expand = _delta_or_expand(delta, expand)
     rows = _rows(gate_up)
     if rows is None or rows.shape[-1] % 2 or (delta is not None and expand is not None):
         return None
@@ -338,6 +340,14 @@ def silu_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None, expand=No
             HAS_DELTA=delta is not None, FOLD=expand is not None, BLOCK_R=_block_r(expand), BLOCK=block, num_warps=4,
             **triton_launch.options(rows))
     return out.view(*gate_up.shape[:-1], n)
+
+
+def _delta_or_expand(delta, expand) -> tuple:
+    """``(delta, expand)`` with a ``PendingExpand`` passed as ``delta`` (what
+    ``LoraLinear.forward_parts`` returns) moved to ``expand``."""
+    if delta is not None and not isinstance(delta, torch.Tensor) and expand is None:
+        return None, delta
+    return delta, expand
 
 
 def _fold_args(expand, y: torch.Tensor, sizes: list[int]) -> tuple | None:

@@ -226,6 +226,7 @@ def test_silu_mul_folds_a_fused_expand_as_expand_rows_would(dtype, device="cpu")
     got = triton_fused.silu_mul(out[:, :1200], expand=expand)
     assert check(got, triton_fused.silu_mul(want[:, :1200])) in (True, None)
     assert torch.equal(got[2], triton_fused.silu_mul(gate_up)[2])  # the base row
+    assert torch.equal(triton_fused.silu_mul(out[:, :1200], expand), got)  # handed over as the delta
     assert triton_fused.silu_mul(out[:, :1200], expand=pending_expand(gate_up, [400, 800], [2, 1, 0])[1]) is None
 
 
