@@ -45,7 +45,7 @@ import torch  # noqa: E402
 
 import bench_lora  # noqa: E402
 from mstar_actors import messages, triton_launch  # noqa: E402
-from mstar_actors.lora import BaseShapes, read_adapter  # noqa: E402
+from mstar_actors.lora import BaseShapes, read_adapter, triton_ops  # noqa: E402
 from mstar_actors.config import parse_config  # noqa: E402
 from mstar_actors.models import lora_layers, triton_fused  # noqa: E402
 from mstar_actors.model_info import load_model_info  # noqa: E402
@@ -253,6 +253,11 @@ def main(argv: list[str] | None = None) -> int:
                         "bench_lora's churn serves 2); each holds min(max_loras, "
                         f"{NUM_ADAPTERS}) adapters, and mixed rows go round robin over them; the rest of the run "
                         "takes the first")
+    p.add_argument("--split-rows", type=int, nargs="+", default=[triton_ops.MIN_SPLIT_ROWS],
+                   help="decode table runners whose LoRA steps of at least this many rows take the grouped "
+                        "shrink and expand (beside the GEMM), fewer the fused GEMM and its expand "
+                        f"(triton_ops.MIN_SPLIT_ROWS, default {triton_ops.MIN_SPLIT_ROWS}), side by side; "
+                        "the rest of the run takes the first")
     args = p.parse_args(argv)
     if min(args.max_loras) < 1:
         p.error(f"--max-loras: at least 1 each, got {args.max_loras}")
@@ -274,8 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     max_seqs = max([*args.batches, *args.mixed_decodes, *args.profile_batches, 32])  # the install rows decode 32 beside
     runners = {}
     modes = {"on": [True], "off": [False], "both": [True, False]}
-    for path, ops, pdl, fold, max_loras in itertools.product(args.lora_paths, modes[args.fused_ops], modes[args.pdl],
-                                                             modes[args.fold], args.max_loras):
+    for path, ops, pdl, fold, max_loras, split in itertools.product(
+            args.lora_paths, modes[args.fused_ops], modes[args.pdl], modes[args.fold], args.max_loras,
+            args.split_rows):
         fused = path != "unfused"
         config = parse_config({"model": {"path": str(model_dir), "device": "cuda"},
                                "kv": {"num_blocks": 64 * max_seqs + 8},
@@ -287,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         triton_launch.enabled = pdl
         lora_layers.FOLD = fold
         lora_layers.BESIDE = path == "beside"
+        triton_ops.MIN_SPLIT_ROWS = split  # read as the graphs are captured, like the rest
         try:
             runner = build_runner(config, load_model_info(config))
         finally:
@@ -294,25 +301,27 @@ def main(argv: list[str] | None = None) -> int:
         adapters = load_adapters(runner, paths, model_dir)
         for slot, weights in enumerate(adapters[:max_loras], start=1):
             runner.install_adapter(slot, weights)
-        runners[(path, "fused" if ops else "torch", "on" if pdl else "off", "on" if fold else "off", max_loras)] = runner
+        runners[(path, "fused" if ops else "torch", "on" if pdl else "off", "on" if fold else "off", max_loras,
+                 split)] = runner
     # The eager steps below run as the first runner was built.
     triton_fused.enabled = modes[args.fused_ops][0]
     triton_launch.enabled = modes[args.pdl][0]
     lora_layers.FOLD = modes[args.fold][0]
     lora_layers.BESIDE = args.lora_paths[0] == "beside"
+    triton_ops.MIN_SPLIT_ROWS = args.split_rows[0]
     print(f"# {torch.cuda.get_device_name()}: decode step ms (median of {args.steps}), ModelRunner.execute, "
           f"context ~{CONTEXT}; lora beside: the delta on a side stream during the GEMM; fused: every LoRA linear's "
           f"A under its weight (one GEMM, then the expand); "
           f"ops fused: RMSNorm+add, rotary+KV write, SiLU-and-mul one launch each")
-    print(f"{'batch':>5} {'lora':>8} {'ops':>6} {'pdl':>4} {'fold':>4} {'slots':>5} {'base':>8} {'one':>8} {'mixed':>8} "
+    print(f"{'batch':>5} {'lora':>8} {'ops':>6} {'pdl':>4} {'fold':>4} {'slots':>5} {'split':>5} {'base':>8} {'one':>8} {'mixed':>8} "
           f"{'one/base':>9} {'mixed/base':>10}")
     for batch in args.batches:
-        for (linears, ops, pdl, fold, max_loras), runner in runners.items():  # side by side at each batch
+        for (linears, ops, pdl, fold, max_loras, split), runner in runners.items():  # side by side at each batch
             base = time_steps(runner, [0] * batch, "b", args.steps)
             one = time_steps(runner, [1] * batch, "o", args.steps)
             held = min(max_loras, NUM_ADAPTERS)
             mixed = time_steps(runner, [1 + i % held for i in range(batch)], "m", args.steps)
-            print(f"{batch:>5} {linears:>8} {ops:>6} {pdl:>4} {fold:>4} {max_loras:>5} {base:>8.3f} {one:>8.3f} {mixed:>8.3f} "
+            print(f"{batch:>5} {linears:>8} {ops:>6} {pdl:>4} {fold:>4} {max_loras:>5} {split:>5} {base:>8.3f} {one:>8.3f} {mixed:>8.3f} "
                   f"{base / one:>8.1%} {base / mixed:>9.1%}")
     runner = next(iter(runners.values()))
     if args.mixed_decodes:
