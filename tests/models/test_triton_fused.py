@@ -7,8 +7,6 @@ and the decoder with them against the decoder without them.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -208,7 +206,8 @@ def test_rope_write_kv_folds_a_fused_expand_as_expand_rows_would(dtype, device="
     assert triton_fused.rope_write_kv(rq, rk, rv, cos, sin, ref_cache, slots)
     fq, fk, fv = out[:, :n].view(-1, heads, q.shape[-1]).split_with_sizes([q.shape[1], k.shape[1], k.shape[1]], 1)
     assert triton_fused.rope_write_kv(fq, fk, fv, cos, sin, cache, slots, expand=expand)
-    check = torch.equal if device == "cpu" else functools.partial(assert_within_ulps, ulps=2)
+    # Compiled, the kernel and ``expand_rows`` sum the rank's products in other orders.
+    check = torch.equal if device == "cpu" else assert_close_to_rounding
     assert check(fq, rq) in (True, None) and check(cache, ref_cache) in (True, None)
     assert not torch.equal(rq, q)  # the expand changed something
     other = pending_expand(qkv, [sizes[0], sizes[1] + sizes[2]], [1, 0, 2])[1]
@@ -222,7 +221,8 @@ def test_silu_mul_folds_a_fused_expand_as_expand_rows_would(dtype, device="cpu")
     out, expand = pending_expand(gate_up, [600, 600], [2, 1, 0])
     want = out.clone()
     expand._replace(t=want[:, 1200:]).apply(want[:, :1200])
-    check = torch.equal if device == "cpu" else functools.partial(assert_within_ulps, ulps=2)
+    # Compiled, the kernel and ``expand_rows`` sum the rank's products in other orders.
+    check = torch.equal if device == "cpu" else assert_close_to_rounding
     got = triton_fused.silu_mul(out[:, :1200], expand=expand)
     assert check(got, triton_fused.silu_mul(want[:, :1200])) in (True, None)
     assert torch.equal(got[2], triton_fused.silu_mul(gate_up)[2])  # the base row
