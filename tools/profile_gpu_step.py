@@ -2,9 +2,11 @@
 
 Times ``ModelRunner.execute`` for pure decode steps (what the CUDA graphs
 replay) of B sequences at about 100 tokens of context, with every row on
-the base model, on one adapter, or on four adapters round robin; then
-mixed steps (a new request's 30-token prompt beside N decodes: what every
-new request costs the batch), base and one adapter, through the mixed-step
+the base model, on one adapter, or on four adapters round robin; the
+same steps' graphs replayed back to back (the device's time alone,
+steadier than the wall time of ``execute``); then mixed steps (a new
+request's 30-token prompt beside N decodes: what every new request costs
+the batch), base and one adapter, through the mixed-step
 graphs and eagerly; then the time of ``install_adapter`` (what an adapter
 swap waits for on a rank); then the GPU kernels of one adapter step by
 ``torch.profiler``. No server, no processes: the figures are the model
@@ -122,6 +124,29 @@ def time_steps(runner: ModelRunner, slots: list[int], tag: str, num_steps: int) 
     times = [d.decode() for _ in range(num_steps)]
     d.close()
     return statistics.median(times) * 1e3
+
+
+def time_replays(runner: ModelRunner, slots: list[int], tag: str, num_steps: int) -> float:
+    """Median ms of the decode graph ``slots`` take, replayed back to back
+    on the step's inputs (CUDA events, ``num_steps`` rounds of 10): the
+    GPU's own time of a step, what a server whose host work overlaps the
+    device's waits for. Steadier than ``time_steps``, whose wall time
+    takes the host's preparation and its jitter too."""
+    d = Decoder(runner, slots, tag)
+    d.decode()  # the graph's static inputs now hold this batch
+    graphs = runner.graphs
+    graph = graphs.graphs[(graphs.bucket_for(len(slots)), any(slots))]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(num_steps):
+        start.record()
+        for _ in range(10):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 10)
+    d.close()
+    return statistics.median(times)
 
 
 def time_mixed(runner: ModelRunner, num_decodes: int, slot: int, num_steps: int, *, graphed: bool) -> float | None:
@@ -312,17 +337,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {torch.cuda.get_device_name()}: decode step ms (median of {args.steps}), ModelRunner.execute, "
           f"context ~{CONTEXT}; lora beside: the delta on a side stream during the GEMM; fused: every LoRA linear's "
           f"A under its weight (one GEMM, then the expand); "
-          f"ops fused: RMSNorm+add, rotary+KV write, SiLU-and-mul one launch each")
+          f"ops fused: RMSNorm+add, rotary+KV write, SiLU-and-mul one launch each; gpu: the decode graph "
+          f"replayed back to back (the device's time alone, CUDA events)")
     print(f"{'batch':>5} {'lora':>8} {'ops':>6} {'pdl':>4} {'fold':>4} {'slots':>5} {'split':>5} {'base':>8} {'one':>8} {'mixed':>8} "
-          f"{'one/base':>9} {'mixed/base':>10}")
+          f"{'one/base':>9} {'mixed/base':>10} {'gpu base':>8} {'gpu one':>8} {'gpu o/b':>8}")
     for batch in args.batches:
         for (linears, ops, pdl, fold, max_loras, split), runner in runners.items():  # side by side at each batch
             base = time_steps(runner, [0] * batch, "b", args.steps)
             one = time_steps(runner, [1] * batch, "o", args.steps)
             held = min(max_loras, NUM_ADAPTERS)
             mixed = time_steps(runner, [1 + i % held for i in range(batch)], "m", args.steps)
+            gpu_base = time_replays(runner, [0] * batch, "gb", args.steps)
+            gpu_one = time_replays(runner, [1] * batch, "go", args.steps)
             print(f"{batch:>5} {linears:>8} {ops:>6} {pdl:>4} {fold:>4} {max_loras:>5} {split:>5} {base:>8.3f} {one:>8.3f} {mixed:>8.3f} "
-                  f"{base / one:>8.1%} {base / mixed:>9.1%}")
+                  f"{base / one:>8.1%} {base / mixed:>9.1%} {gpu_base:>8.3f} {gpu_one:>8.3f} {gpu_base / gpu_one:>8.1%}")
     runner = next(iter(runners.values()))
     if args.mixed_decodes:
         print_mixed(runner, args.mixed_decodes, args.steps)

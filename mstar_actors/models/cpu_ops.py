@@ -198,12 +198,15 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int] | None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             zero_centered: bool = False) -> torch.Tensor | None:
+             zero_centered: bool = False, expand=None) -> torch.Tensor | None:
     """``F.rms_norm(x (+ residual), weight)`` in one call, or None where the
     rows don't fit (the caller then takes torch's path). With ``residual``
     (the shape of ``x``), ``residual += x`` first, in place: the sum is what
     is normalised. ``zero_centered``: the scale is ``1 + weight`` (in
-    float32 the same products as the reference's)."""
+    float32 the same products as the reference's). None where an
+    ``expand`` is given (``triton_fused``'s takes one; here the caller adds it)."""
+    if expand is not None:
+        return None
     if zero_centered:
         weight = 1.0 + weight
     lib = kernel()

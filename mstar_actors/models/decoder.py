@@ -80,11 +80,21 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
-    def add_norm(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(self(x + y), x + y)``. Through ``fused_ops`` one call, which
-        writes the sum into ``y`` in place: ``y`` must be the caller's own."""
-        if (ops := fused_ops(x)) is not None and (normed := ops.rms_norm(x, self.weight, self.eps, y,
-                                                                       zero_centered=self.zero_centered)) is not None:
+    def add_norm(self, x: torch.Tensor, y: torch.Tensor, delta: torch.Tensor | PendingExpand | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(x + y'), x + y')``, ``y'`` being ``y`` with ``delta`` added
+        (``add_delta``: the LoRA delta of the linear that made ``y``, where
+        it left one). Through ``fused_ops`` one call, which writes the sum
+        into ``y`` in place (``y`` must be the caller's own), adding a fused
+        linear's expand as it loads where it takes one."""
+        ops = fused_ops(x)
+        if delta is not None and ops is not None and ops.takes_expand:
+            normed = ops.rms_norm(x, self.weight, self.eps, y, zero_centered=self.zero_centered, expand=delta)
+            if normed is not None:
+                return normed, y
+        add_delta(y, delta)
+        if ops is not None and (normed := ops.rms_norm(x, self.weight, self.eps, y,
+                                                       zero_centered=self.zero_centered)) is not None:
             return normed, y
         total = x + y
         return self.reference(total), total
@@ -109,14 +119,7 @@ class LoraLinear(nn.Linear):
     tp_slices: dict[int | None, Cut] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_into(x, None)
-
-    def forward_into(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """``self(x)`` for a caller that adds the result to ``residual`` next
-        (the caller's own tensor, ``[T, out]``): where the delta runs beside
-        the GEMM it goes into ``residual`` in place, so that nothing waits
-        for it after the GEMM but that add."""
-        y, delta = self.forward_parts(x, residual)
+        y, delta = self.forward_parts(x)
         return y if delta is None else y.add_(delta)
 
     def forward_parts(self, x: torch.Tensor, residual: torch.Tensor | None = None, fold: bool = False
@@ -225,9 +228,13 @@ class Attention(nn.Module):
         self.scale = spec.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``residual``: the stream the caller adds the result to next, if
-        its own (o's LoRA delta may go there: ``LoraLinear.forward_into``)."""
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | PendingExpand | None]:
+        """``(out, delta)``: o's output and its LoRA delta still to add, for
+        the norm after it (``RMSNorm.add_norm``), where o left one
+        (``LoraLinear.forward_parts`` with ``fold``: none under tensor
+        parallelism, where the all-reduce carries it). ``residual``: the
+        stream the caller adds the result to next, if its own (o's delta
+        may go there instead)."""
         num_tokens = x.shape[0]
         # A fused q|k|v's expand goes into the rotary kernel where that runs (``_rope_write_kv``).
         qkv, delta = self.qkv_proj.forward_parts(x, fold=self._folds(x))
@@ -245,8 +252,9 @@ class Attention(nn.Module):
             q, k = self.rotary(positions, q, k)
             self.backend.write_kv(kv_cache, k, v, meta)
         out = self.backend.attend(q, kv_cache, meta, self.scale)
-        into = None if self.tp.is_parallel else residual  # a rank's partial delta goes through the all-reduce
-        return self.tp.all_reduce(self.o_proj.forward_into(out.reshape(num_tokens, -1), into))
+        if self.tp.is_parallel:  # a rank's partial delta goes through the all-reduce
+            return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, -1))), None
+        return self.o_proj.forward_parts(out.reshape(num_tokens, -1), residual, fold=True)
 
 
     def _rope_write_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -287,8 +295,9 @@ class MLP(nn.Module):
         self.down_proj = LoraLinear(size, spec.hidden_size, bias=False)
         self.down_proj.tp_slices = layout.down_cuts()
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``residual``: as ``Attention.forward``'s (down's LoRA delta may go there)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | PendingExpand | None]:
+        """``(out, delta)`` and ``residual``: as ``Attention.forward``'s, of down."""
         # One call where ``fused_ops`` takes it (equal to torch's to float32
         # rounding), adding the LoRA delta first where it ran beside the GEMM,
         # or a fused gate|up's expand.
@@ -299,8 +308,9 @@ class MLP(nn.Module):
             add_delta(gate_up, delta)
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        into = None if self.tp.is_parallel else residual
-        return self.tp.all_reduce(self.down_proj.forward_into(act, into))
+        if self.tp.is_parallel:
+            return self.tp.all_reduce(self.down_proj(act)), None
+        return self.down_proj.forward_parts(act, residual, fold=True)
 
 
 class DecoderLayer(nn.Module):
@@ -312,22 +322,26 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, delta: torch.Tensor | PendingExpand | None,
+                positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple:
         """``x``: the previous layer's MLP output, not yet added into the
         residual stream ``residual`` (the first layer: the embedded rows,
-        ``residual`` None). Returns this layer's MLP output and the stream
-        before it, so that every residual add goes with the norm after it
-        (one call where ``fused_ops`` takes them; the sums land in the
-        attention's and MLP's own outputs, never in the embeddings)."""
+        ``residual`` None), and its down's LoRA delta still to add
+        (``delta``, ``MLP.forward``'s). Returns the same three for the next
+        layer (this layer's MLP output, the stream before it, down's delta),
+        so that every residual add goes with the norm after it (one call
+        where ``fused_ops`` takes them, a fused o's or down's expand too;
+        the sums land in the attention's and MLP's own outputs, never in the
+        embeddings)."""
         if residual is None:  # the stream is the embedded rows: not ours to add into
             normed, residual, own = self.input_layernorm(x), x, None
         else:
-            normed, residual = self.input_layernorm.add_norm(residual, x)
+            normed, residual = self.input_layernorm.add_norm(residual, x, delta)
             own = residual
-        attn = self.self_attn(normed, positions, kv_cache, meta, residual=own)
-        normed, residual = self.post_attention_layernorm.add_norm(residual, attn)
-        return self.mlp(normed, residual=residual), residual
+        attn, delta = self.self_attn(normed, positions, kv_cache, meta, residual=own)
+        normed, residual = self.post_attention_layernorm.add_norm(residual, attn, delta)
+        x, delta = self.mlp(normed, residual=residual)
+        return x, residual, delta
 
 
 class DecoderModel(nn.Module):
@@ -396,13 +410,13 @@ class CausalLM(nn.Module):
         if shared is not None:
             shared.begin_step(positions, x.dtype)
         try:
-            residual = None
+            residual = delta = None
             for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-                x, residual = layer(x, residual, positions, kv_cache, meta)
+                x, residual, delta = layer(x, residual, delta, positions, kv_cache, meta)
         finally:
             if shared is not None:
                 shared.end_step()
-        return self.model.norm.add_norm(residual, x)[0]
+        return self.model.norm.add_norm(residual, x, delta)[0]
 
     def pack_cpu_weights(self) -> int:
         """Make the packed copies of the CPU fast path (``cpu_linear``) now

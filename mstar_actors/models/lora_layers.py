@@ -24,9 +24,10 @@ Where the kernels run, each decoder linear's stack is also fused
 (``fuse_linear``): every slot's A sits under the weight in one buffer, so a
 rows step of fewer than ``MIN_SPLIT_ROWS`` rows with adapter rows runs one
 GEMM that yields the base output and each slot's shrink, and the hook's
-``expand`` adds the delta in one launch; q|k|v's and gate|up's is added by
-the rotary and SiLU-and-mul kernels as they load instead (``FOLD``,
-``PendingExpand``), no launch of its own. Steps without adapter rows run the
+``expand`` adds the delta in one launch; or rather the kernel after the
+GEMM adds it as it loads, no launch of its own (``FOLD``, ``PendingExpand``):
+the rotary kernel q|k|v's, SiLU-and-mul gate|up's, the residual add's
+RMSNorm o's and down's. Steps without adapter rows run the
 weight alone, a view of the same buffer. From ``MIN_SPLIT_ROWS`` rows the
 delta (the grouped shrink and expand) runs on a side stream while the base
 GEMM runs (``BESIDE``, ``LoraLinear.forward_parts``): o's and down's go
@@ -84,9 +85,10 @@ MAX_DENSE_ROWS = 64
 # follows the GEMM on the step's stream. Read as steps run and graphs are captured
 # (``tools/profile_gpu_step.py --lora-paths beside fused`` times both).
 BESIDE = True
-# Below that size, a fused q|k|v's and gate|up's expand is added by the
-# rotary and SiLU-and-mul kernels as they load (``PendingExpand``) instead of
-# a launch of its own. Read likewise (``tools/profile_gpu_step.py --fold``).
+# Below that size, a fused linear's expand is added by the kernel after its
+# GEMM as it loads (``PendingExpand``: rotary, SiLU-and-mul, the residual
+# add's RMSNorm) instead of a launch of its own. Read likewise
+# (``tools/profile_gpu_step.py --fold``).
 FOLD = True
 EMBED_TOKENS = "model.embed_tokens"
 
@@ -132,7 +134,7 @@ class PendingExpand(NamedTuple):
     """A fused linear's LoRA delta still to add: its expand, given the shrink
     ``t`` the fused GEMM wrote beside the base output
     (``LoraLinear.forward_parts(fold=True)``). The op after the GEMM adds it
-    as it loads (``triton_fused.rope_write_kv`` and ``silu_mul`` take it):
+    as it loads (``triton_fused.rope_write_kv``, ``silu_mul`` and ``rms_norm`` take it):
     one launch a linear fewer at decode sizes; ``apply`` adds it where that
     op cannot."""
 

@@ -192,8 +192,8 @@ class GatedAttention(nn.Module):
         self.scale = spec.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``residual``: as ``decoder.Attention.forward``'s."""
+                meta: AttentionMetadata, residual: torch.Tensor | None = None) -> tuple:
+        """``(out, delta)`` and ``residual``: as ``decoder.Attention.forward``'s."""
         num_tokens = x.shape[0]
         q_gate, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         q, gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -203,7 +203,7 @@ class GatedAttention(nn.Module):
         q, k = self.rotary(positions, q, k)
         self.backend.write_kv(kv_cache, k, v, meta)
         out = self.backend.attend(q, kv_cache, meta, self.scale).reshape(num_tokens, -1)
-        return self.o_proj.forward_into(out * torch.sigmoid(gate.reshape(num_tokens, -1)), residual)
+        return self.o_proj.forward_parts(out * torch.sigmoid(gate.reshape(num_tokens, -1)), residual, fold=True)
 
 
 class GatedDeltaNet(nn.Module):
@@ -227,8 +227,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = LoraLinear(la.value_dim, spec.hidden_size, bias=False)
         self.ops = ops
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``residual``: as ``decoder.Attention.forward``'s."""
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, residual: torch.Tensor | None = None) -> tuple:
+        """``(out, delta)`` and ``residual``: as ``decoder.Attention.forward``'s."""
         if self.pool is None or meta.state_slots is None:
             raise RuntimeError("a Gated DeltaNet step needs state slots: the runner attaches the pools "
                                "and each step names its sequences' slots (AttentionMetadata.state_slots)")
@@ -244,7 +244,7 @@ class GatedDeltaNet(nn.Module):
         out = self.ops.delta_rule(q, k, v, g, beta, self.pool, meta)
         z = z.reshape(-1, self.v_head_dim)
         out = self.norm(out.reshape(-1, self.v_head_dim), z).reshape(num_tokens, -1)
-        return self.out_proj.forward_into(out, residual)
+        return self.out_proj.forward_parts(out, residual, fold=True)
 
 
 class HybridLayer(nn.Module):
@@ -260,21 +260,23 @@ class HybridLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, delta, positions: torch.Tensor,
+                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> tuple:
         """``decoder.DecoderLayer``'s pairing: ``x`` the previous layer's MLP
-        output not yet added into ``residual`` (None: ``x`` is the stream)."""
+        output not yet added into ``residual`` (None: ``x`` is the stream),
+        ``delta`` its down's LoRA delta still to add; returns the same three."""
         if residual is None:  # the embedded rows: not ours to add into
             h, residual, own = self.input_layernorm(x), x, None
         else:
-            h, residual = self.input_layernorm.add_norm(residual, x)
+            h, residual = self.input_layernorm.add_norm(residual, x, delta)
             own = residual
         if self.is_attention:
-            h = self.self_attn(h, positions, kv_cache, meta, residual=own)
+            h, delta = self.self_attn(h, positions, kv_cache, meta, residual=own)
         else:
-            h = self.linear_attn(h, meta, residual=own)
-        h, residual = self.post_attention_layernorm.add_norm(residual, h)
-        return self.mlp(h, residual=residual), residual
+            h, delta = self.linear_attn(h, meta, residual=own)
+        h, residual = self.post_attention_layernorm.add_norm(residual, h, delta)
+        x, delta = self.mlp(h, residual=residual)
+        return x, residual, delta
 
 
 class HybridModel(nn.Module):
@@ -320,12 +322,13 @@ class Qwen3_5ForCausalLM(CausalLM):
         rotary = self.model.rotary
         rotary.begin_step(positions, x.dtype)
         try:
-            residual = None
+            residual = delta = None
             for layer in self.model.layers:
-                x, residual = layer(x, residual, positions, next(caches) if layer.is_attention else None, meta)
+                x, residual, delta = layer(x, residual, delta, positions, next(caches) if layer.is_attention else None,
+                                           meta)
         finally:
             rotary.end_step()
-        return self.model.norm.add_norm(residual, x)[0]
+        return self.model.norm.add_norm(residual, x, delta)[0]
 
 
 def build(model_dir: Path, cfg: dict, spec: ModelSpec, backend: PagedAttention,

@@ -24,7 +24,9 @@ so graphs and eager steps agree:
 
 ``rope_write_kv`` and ``silu_mul`` also take a LoRA delta computed beside
 the GEMM before them (``LoraLinear.forward_parts``), added as they load and
-rounded as ``y.add_(delta)`` would round it.
+rounded as ``y.add_(delta)`` would round it; they and ``rms_norm`` (to the
+residual) take a fused linear's expand still to do, rounded as
+``expand_rows`` rounds it.
 
 On by default (``enabled``); ``tools/profile_gpu_step.py --fused-ops both``
 times the step with and without them.
@@ -44,7 +46,10 @@ from mstar_actors import triton_launch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_WIDTH = 16384  # a row a program holds whole (hidden sizes up to 16k)
-# ``rope_write_kv`` and ``silu_mul`` add a fused linear's LoRA expand as they load (``cpu_ops``' do not).
+# ``rms_norm`` folds an expand whose B tile (the row's width by the rank, padded
+# to powers of two) has at most this many values: hidden 4096 at rank 16.
+MAX_FOLD_TILE = 65536
+# ``rms_norm``, ``rope_write_kv`` and ``silu_mul`` add a fused linear's LoRA expand as they load (``cpu_ops``' do not).
 takes_expand = True
 
 
@@ -62,21 +67,35 @@ def takes(x: torch.Tensor) -> bool:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, stride_x0, stride_x1, res_ptr, stride_res, w_ptr, out_ptr, n, eps,
-                     HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
+                     t_ptr, stride_t, b_ptr, stride_bs, stride_bn, sc_ptr, stride_ss, stride_sl, lslot_ptr,
+                     num_slots, R,
+                     HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr, FOLD: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK: tl.constexpr, GDC: tl.constexpr):
     i0 = tl.program_id(0).to(tl.int64)
     i1 = tl.program_id(1).to(tl.int64)
     row = i0 * tl.num_programs(1) + i1
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait (``triton_launch``)
+    if FOLD:
+        # The expand of a fused o or down (``rms_norm``'s ``expand``), B's
+        # whole row for the row's slot: before the wait, as the others'.
+        lslot = tl.load(lslot_ptr + row).to(tl.int64)
+        live = lslot != 0
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < tl.where(live, R, 0)  # a base row loads nothing
+        scale = tl.load(sc_ptr + lslot * stride_sl)
+        b = _b_tile(b_ptr, stride_bs, stride_bn, lslot, 0, cols, mask, offs_r, mask_r)
     if GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + i0 * stride_x0 + i1 * stride_x1 + cols, mask=mask, other=0.0)
     if HAS_RES:
+        y = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        if FOLD:
+            y = _plus_expand(y, b, _shrunk(t_ptr, row, stride_t, 0, num_slots, lslot, R, offs_r, mask_r, scale), live)
         # ``x + residual`` rounded to the dtype, stored back as the new residual.
-        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32))
-        x = x.to(out_ptr.dtype.element_ty)
+        x = (x.to(tl.float32) + y.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(res_ptr + row * stride_res + cols, x, mask=mask)
     x32 = x.to(tl.float32)
     # The sum of squares in float64 (each product exact): Triton lays a row out
@@ -93,27 +112,41 @@ def _rms_norm_kernel(x_ptr, stride_x0, stride_x1, res_ptr, stride_res, w_ptr, ou
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             zero_centered: bool = False) -> torch.Tensor | None:
+             zero_centered: bool = False, expand=None) -> torch.Tensor | None:
     """``RMSNorm(x (+ residual))`` over the last dimension in one launch, or
     None where the tensors don't fit. ``x`` is ``[M, N]`` or ``[M, H, N]``
     with unit stride in ``N`` (per-head q/k norms take the projection's
     views as they are); the result is contiguous. With ``residual``
-    (``[M, N]``, contiguous rows), ``residual += x`` first, in place,
+    (``[M, N]``, unit stride in ``N``), ``residual += x`` first, in place,
     rounded to the dtype: the sum is what is normalised. ``zero_centered``:
-    scaled by ``1 + weight`` in float32 before the one cast (Qwen3.5's)."""
+    scaled by ``1 + weight`` in float32 before the one cast (Qwen3.5's).
+    ``expand`` (``lora_layers.PendingExpand``, with ``residual``): a fused
+    o's or down's LoRA expand, added to ``residual`` first as
+    ``expand_rows`` would add it; None where it doesn't fit (a tensor delta,
+    or B's row too wide for a program's registers)."""
     n = x.shape[-1]
     if x.dim() not in (2, 3) or x.stride(-1) != 1 or n > MAX_WIDTH or weight.dtype != x.dtype or not weight.is_contiguous():
         return None
     if residual is not None and (x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype
                                  or residual.stride(-1) != 1):
         return None
+    block = triton.next_power_of_2(n)
+    if expand is not None and (residual is None or isinstance(expand, torch.Tensor)
+                               or block * _block_r(expand) > MAX_FOLD_TILE):
+        return None
+    fold = _fold_args(expand, x, [n])
+    if fold is None:
+        return None
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n0, n1 = x.shape[0], x.shape[1] if x.dim() == 3 else 1
     if out.numel():
+        # A folded expand holds B's [N, rank] tile in one program: warps to spread it (at most 128 values a thread).
+        warps = _warps(n) if expand is None else min(16, max(_warps(n), block * _block_r(expand) // 2048))
         _rms_norm_kernel[(n0, n1)](x, x.stride(0), x.stride(1) if x.dim() == 3 else 0,
                                    x if residual is None else residual, 0 if residual is None else residual.stride(0),
-                                   weight, out, n, eps, HAS_RES=residual is not None, ZERO_CENTERED=zero_centered,
-                                   BLOCK=triton.next_power_of_2(n), num_warps=_warps(n), **triton_launch.options(x))
+                                   weight, out, n, eps, *fold[:-2], HAS_RES=residual is not None,
+                                   ZERO_CENTERED=zero_centered, FOLD=expand is not None, BLOCK_R=_block_r(expand),
+                                   BLOCK=block, num_warps=warps, **triton_launch.options(x))
     return out
 
 

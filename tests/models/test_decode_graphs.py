@@ -386,9 +386,10 @@ def test_lora_beside_the_gemm_matches_lora_after_it_on_cuda(lora_world, monkeypa
 
 @pytest.mark.gpu
 def test_lora_expand_folded_into_the_next_kernel_matches_its_own_launch_on_cuda(lora_world, monkeypatch):
-    """A fused q|k|v's and gate|up's expand added by the rotary and
-    SiLU-and-mul kernels as they load (``lora_layers.FOLD``) against its own
-    launch before them, graphs captured: float32 tokens equal; bf16 logits
+    """A fused linear's expand added by the kernel after its GEMM as it loads
+    (``lora_layers.FOLD``: q|k|v's by the rotary, gate|up's by SiLU-and-mul,
+    o's and down's by the residual add's RMSNorm) against its own launch
+    before them, graphs captured: float32 tokens equal; bf16 logits
     within rounding (the kernels sum the delta as the expand does, but may
     contract a product into it differently), teacher-forced."""
     from mstar_actors.models import lora_layers

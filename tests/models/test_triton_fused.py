@@ -173,15 +173,16 @@ def pending_expand(y: torch.Tensor, output_sizes: list[int], row_slots: list[int
     """A fused linear's output ``[y | t]`` (``y``'s rows, then every shard and
     slot's shrink, as the fused GEMM writes them) with ``y``'s values, and the
     expand left to do on it: a stack on the Triton kernels whose slots past 0
-    hold random factors and scales (one shard of slot 2 untargeted)."""
+    hold random factors and scales (of several shards, slot 2's second untargeted)."""
     gen = torch.Generator().manual_seed(seed)
     dtype, device = y.dtype, y.device
     stack = LoraStack(8, output_sizes, num_slots=num_slots, max_rank=max_rank, dtype=dtype, device=device,
                       kernels=triton_ops)
     stack.b[1:] = torch.randn(stack.b[1:].shape, generator=gen).to(dtype).to(device)
     stack.scales[:, 1:] = 0.5 + torch.rand(stack.scales[:, 1:].shape, generator=gen).to(device)
-    stack.scales[1, 2] = 0.0
-    stack.b[2, stack.offsets[1]:stack.offsets[2]] = 0
+    if len(output_sizes) > 1:
+        stack.scales[1, 2] = 0.0
+        stack.b[2, stack.offsets[1]:stack.offsets[2]] = 0
     width = len(output_sizes) * num_slots * max_rank
     out = torch.cat([y, torch.randn(y.shape[0], width, generator=gen).to(dtype).to(device)], dim=-1)
     slots = torch.tensor(row_slots, dtype=torch.int32, device=device)
@@ -231,6 +232,33 @@ def test_silu_mul_folds_a_fused_expand_as_expand_rows_would(dtype, device="cpu")
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_add_rms_norm_folds_a_fused_expand_as_expand_rows_would(dtype, zero_centered, device="cpu"):
+    """A fused o's or down's expand, added by the residual add's RMSNorm to
+    the linear's output as it loads: the result (the sum, in place, and the
+    norm) of ``expand_rows`` then the kernel, rows on slots 1, 0 (base:
+    untouched) and 2, the output a view of the fused GEMM's wider rows."""
+    gen = torch.Generator().manual_seed(10)
+    stream = torch.randn(3, 80, generator=gen).to(dtype).to(device)
+    weight = torch.randn(80, generator=gen).to(dtype).to(device)
+    out, expand = pending_expand(torch.randn(3, 80, generator=gen).to(dtype).to(device), [80], [1, 0, 2])
+    want = out.clone()
+    expand._replace(t=want[:, 80:]).apply(want[:, :80])
+    want_normed = triton_fused.rms_norm(stream, weight, 1e-5, want[:, :80], zero_centered=zero_centered)
+    before = out[:, :80].clone()
+    assert not torch.equal(want[:, :80], before)  # the expand changes something
+    got = triton_fused.rms_norm(stream, weight, 1e-5, out[:, :80], zero_centered=zero_centered, expand=expand)
+    # Compiled, the kernel and ``expand_rows`` sum the rank's products in other orders.
+    check = torch.equal if device == "cpu" else assert_close_to_rounding
+    assert check(out[:, :80], want[:, :80]) in (True, None) and check(got, want_normed) in (True, None)
+    assert torch.equal(out[1, :80], stream[1] + before[1])  # the base row: the plain sum
+    assert triton_fused.rms_norm(stream, weight, 1e-5, None, expand=expand) is None  # only with a residual
+    assert triton_fused.rms_norm(stream, weight, 1e-5, out[:, :80].clone(), expand=torch.zeros(3, 80)) is None
+    two = pending_expand(torch.zeros(3, 80, dtype=dtype, device=device), [40, 40], [1, 0, 2])[1]
+    assert triton_fused.rms_norm(stream, weight, 1e-5, out[:, :80].clone(), expand=two) is None  # one shard only
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
 def test_silu_mul_equals_torch_to_rounding(dtype, device="cpu"):
     gen = torch.Generator().manual_seed(3)
     gate_up = (2 * torch.randn(3, 2 * 1100, generator=gen)).to(dtype).to(device)  # two column blocks, the last partial
@@ -257,3 +285,5 @@ def test_kernels_compiled_on_gpu(dtype):
     test_silu_mul_adds_a_delta_as_add_would(dtype, "cuda")
     test_rope_write_kv_folds_a_fused_expand_as_expand_rows_would(dtype, "cuda")
     test_silu_mul_folds_a_fused_expand_as_expand_rows_would(dtype, "cuda")
+    for zero_centered in (False, True):
+        test_add_rms_norm_folds_a_fused_expand_as_expand_rows_would(dtype, zero_centered, "cuda")
