@@ -11,9 +11,9 @@ graphs and eagerly; then the time of ``install_adapter`` (what an adapter
 swap waits for on a rank); then the GPU kernels of one adapter step by
 ``torch.profiler``. No server, no processes: the figures are the model
 runner's share of a serving step. The decode table runs runners side by
-side, one per ``--lora-paths``: ``beside`` (from 64 rows each decoder
-linear's delta on a side stream while its GEMM runs, added by the op after
-it, below as ``fused``; CUDA's default, ``lora_layers.BESIDE``), ``fused``
+side, one per ``--lora-paths``: ``beside`` (from ``MIN_SPLIT_ROWS`` rows
+each decoder linear's delta on a side stream while its GEMM runs, added by
+the op after it, below as ``fused``; CUDA's default, ``lora_layers.BESIDE``), ``fused``
 (every slot's A under the weight: one GEMM, then the expand) and
 ``unfused`` (the GEMM, then the one-row kernel with its own shrink). ``--fused-ops``
 likewise sets the layers' small ops side by side: ``triton_fused``'s one

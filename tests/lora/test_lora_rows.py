@@ -159,7 +159,8 @@ def test_split_blocks_cover_k_and_fill_the_device_without_crowding_it(shape):
 
 
 def test_kernel_for_routes_by_row_count(monkeypatch):
-    assert [triton_ops.kernel_for(n) for n in (1, 63, 64, 2048)] == ["bgmv", "bgmv", "split", "split"]
+    split = triton_ops.MIN_SPLIT_ROWS
+    assert [triton_ops.kernel_for(n) for n in (1, split - 1, split, 2048)] == ["bgmv", "bgmv", "split", "split"]
     monkeypatch.setattr(triton_ops, "MIN_SPLIT_ROWS", 16)
     assert [triton_ops.kernel_for(n) for n in (1, 15, 16, 127, 2048)] == ["bgmv", "bgmv", "split", "split", "split"]
     assert not triton_ops.uses_single_rows(16) and triton_ops.uses_single_rows(15)
