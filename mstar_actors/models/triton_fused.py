@@ -80,10 +80,7 @@ def _rms_norm_kernel(x_ptr, stride_x0, stride_x1, res_ptr, stride_res, w_ptr, ou
     if FOLD:
         # The expand of a fused o or down (``rms_norm``'s ``expand``), B's
         # whole row for the row's slot: before the wait, as the others'.
-        lslot = tl.load(lslot_ptr + row).to(tl.int64)
-        live = lslot != 0
-        offs_r = tl.arange(0, BLOCK_R)
-        mask_r = offs_r < tl.where(live, R, 0)  # a base row loads nothing
+        lslot, live, offs_r, mask_r = _row_slot(lslot_ptr, row, R, BLOCK_R)
         scale = tl.load(sc_ptr + lslot * stride_sl)
         b = _b_tile(b_ptr, stride_bs, stride_bn, lslot, 0, cols, mask, offs_r, mask_r)
     if GDC:
@@ -151,6 +148,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
+def _row_slot(lslot_ptr, row, R, BLOCK_R: tl.constexpr):
+    """A row's LoRA slot for a folded expand: (slot, whether it is an adapter's,
+    the rank's offsets, their mask: none for a base row, which loads nothing)."""
+    lslot = tl.load(lslot_ptr + row).to(tl.int64)
+    live = lslot != 0
+    offs_r = tl.arange(0, BLOCK_R)
+    return lslot, live, offs_r, offs_r < tl.where(live, R, 0)
+
+
+@triton.jit
 def _b_tile(b_ptr, stride_bs, stride_bn, slot, first, cols, mask, offs_r, mask_r):
     """``B[slot, first + cols, :]`` of a LoRA stack, ``[BLOCK, BLOCK_R]``, zeros where masked."""
     return tl.load(b_ptr + slot * stride_bs + (first + cols)[:, None].to(tl.int64) * stride_bn + offs_r[None, :],
@@ -191,10 +198,7 @@ def _rope_write_kv_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_
         # The expand of a fused q|k|v (``expand``): the row's LoRA slot, its
         # scales and B's columns for this head (and v's), before the wait:
         # none is a step's write (``triton_launch``).
-        lslot = tl.load(lslot_ptr + t).to(tl.int64)
-        live = lslot != 0
-        offs_r = tl.arange(0, BLOCK_R)
-        mask_r = offs_r < tl.where(live, R, 0)  # a base row loads nothing
+        lslot, live, offs_r, mask_r = _row_slot(lslot_ptr, t, R, BLOCK_R)
         shard = tl.where(is_k, 1, 0)
         first = tl.where(is_k, k_col + kh * 2 * HALF, h * 2 * HALF)
         scale = tl.load(sc_ptr + shard * stride_ss + lslot * stride_sl)
@@ -319,10 +323,7 @@ def _silu_mul_kernel(x_ptr, stride_x, d_ptr, out_ptr, stride_out, n,
     if FOLD:
         # The expand of a fused gate|up (``silu_mul``'s ``expand``): before
         # the wait, as ``_rope_write_kv_kernel``'s.
-        lslot = tl.load(lslot_ptr + row).to(tl.int64)
-        live = lslot != 0
-        offs_r = tl.arange(0, BLOCK_R)
-        mask_r = offs_r < tl.where(live, R, 0)  # a base row loads nothing
+        lslot, live, offs_r, mask_r = _row_slot(lslot_ptr, row, R, BLOCK_R)
         gate_scale = tl.load(sc_ptr + lslot * stride_sl)
         up_scale = tl.load(sc_ptr + stride_ss + lslot * stride_sl)
         b_gate = _b_tile(b_ptr, stride_bs, stride_bn, lslot, 0, cols, mask, offs_r, mask_r)
