@@ -132,9 +132,11 @@ def time_replays(runner: ModelRunner, slots: list[int], tag: str, num_steps: int
     GPU's own time of a step, what a server whose host work overlaps the
     device's waits for. Steadier than ``time_steps``, whose wall time
     takes the host's preparation and its jitter too."""
+    graphs = runner.graphs
+    if graphs is None or not graphs.is_captured or len(slots) > graphs.max_batch:
+        return float("nan")  # no graph to replay: the step runs eagerly (``time_steps`` times it)
     d = Decoder(runner, slots, tag)
     d.decode()  # the graph's static inputs now hold this batch
-    graphs = runner.graphs
     graph = graphs.graphs[(graphs.bucket_for(len(slots)), any(slots))]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
@@ -278,11 +280,11 @@ def main(argv: list[str] | None = None) -> int:
                         "bench_lora's churn serves 2); each holds min(max_loras, "
                         f"{NUM_ADAPTERS}) adapters, and mixed rows go round robin over them; the rest of the run "
                         "takes the first")
-    p.add_argument("--split-rows", type=int, nargs="+", default=[triton_ops.MIN_SPLIT_ROWS],
-                   help="decode table runners whose LoRA steps of at least this many rows take the grouped "
-                        "shrink and expand (beside the GEMM), fewer the fused GEMM and its expand "
-                        f"(triton_ops.MIN_SPLIT_ROWS, default {triton_ops.MIN_SPLIT_ROWS}), side by side; "
-                        "the rest of the run takes the first")
+    p.add_argument("--split-rows", type=int, nargs="+", default=[triton_ops.MIN_SPLIT_FUSED_ROWS],
+                   help="decode table runners whose fused linears' LoRA steps of at least this many rows take "
+                        "the grouped shrink and expand (beside the GEMM), fewer the fused GEMM and its expand "
+                        f"(triton_ops.MIN_SPLIT_FUSED_ROWS, default {triton_ops.MIN_SPLIT_FUSED_ROWS}), side by "
+                        "side; the rest of the run takes the first")
     args = p.parse_args(argv)
     if min(args.max_loras) < 1:
         p.error(f"--max-loras: at least 1 each, got {args.max_loras}")
@@ -318,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         triton_launch.enabled = pdl
         lora_layers.FOLD = fold
         lora_layers.BESIDE = path == "beside"
-        triton_ops.MIN_SPLIT_ROWS = split  # read as the graphs are captured, like the rest
+        triton_ops.MIN_SPLIT_FUSED_ROWS = split  # read as the graphs are captured, like the rest
         try:
             runner = build_runner(config, load_model_info(config))
         finally:
@@ -333,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     triton_launch.enabled = modes[args.pdl][0]
     lora_layers.FOLD = modes[args.fold][0]
     lora_layers.BESIDE = args.lora_paths[0] == "beside"
-    triton_ops.MIN_SPLIT_ROWS = args.split_rows[0]
+    triton_ops.MIN_SPLIT_FUSED_ROWS = args.split_rows[0]
     print(f"# {torch.cuda.get_device_name()}: decode step ms (median of {args.steps}), ModelRunner.execute, "
           f"context ~{CONTEXT}; lora beside: the delta on a side stream during the GEMM; fused: every LoRA linear's "
           f"A under its weight (one GEMM, then the expand); "

@@ -347,6 +347,8 @@ class RowKernels(Protocol):
 
     def uses_single_rows(self, num_rows: int) -> bool: ...
 
+    def uses_fused_rows(self, num_rows: int) -> bool: ...
+
     def group_rows(self, row_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, ...]: ...
 
     def warm_up(self, stack: LoraStack, max_num_rows: int) -> None: ...
@@ -371,6 +373,10 @@ class TorchRows:
 
     @staticmethod
     def uses_single_rows(num_rows: int) -> bool:
+        return True
+
+    @staticmethod
+    def uses_fused_rows(num_rows: int) -> bool:
         return True
 
     @staticmethod
@@ -465,10 +471,10 @@ class LoraStack:
 
     def fuses_rows(self, num_rows: int) -> bool:
         """Whether a rows step of ``num_rows`` rows takes ``add_delta_expand``:
-        a fused stack, at the row counts the one-row kernel serves (from
-        ``MIN_SPLIT_ROWS`` the grouped kernel reads ``a`` instead, where a
-        per-row expand would read B once a row)."""
-        return self.fused and self.kernels.uses_single_rows(num_rows)
+        a fused stack, below ``MIN_SPLIT_FUSED_ROWS`` rows (from there the
+        grouped kernel reads ``a`` instead, where a per-row expand would read
+        B once a row)."""
+        return self.fused and self.kernels.uses_fused_rows(num_rows)
 
     def add_delta_expand(self, y: torch.Tensor, t: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
         """y += the delta of row ``t``'s slot given its shrink (a fused stack's

@@ -487,13 +487,16 @@ def shrink_expand_rows(
     return y
 
 # Steps of at least this many rows take ``shrink_expand_rows`` (prefill
-# chunks included), smaller ones ``bgmv_rows``, and a fused stack the fused
-# GEMM and one expand (folded into the next kernel where it takes it): at 64
-# and 128 rows that step measures 3-9% faster on the H200 than the grouped
-# kernels beside the GEMM, on the 1B and Qwen3.5 shapes alike
-# (``tools/profile_gpu_step.py --split-rows 64 256``; the kernels alone:
-# ``tools/check_lora_kernels.py --rows-table``).
-MIN_SPLIT_ROWS = 256
+# chunks included), smaller ones ``bgmv_rows``: below it the one-row
+# kernel's repeated shrink costs less than grouping the rows by slot
+# (``tools/check_lora_kernels.py --rows-table`` times both).
+MIN_SPLIT_ROWS = 64
+# A fused stack's steps of fewer rows take the fused GEMM and one expand
+# (folded into the next kernel where it takes it) instead: at 64 and 128 rows
+# that step measured 3-9% faster on the H200 than the grouped kernels beside
+# the GEMM, on the 1B and Qwen3.5 shapes alike (``tools/profile_gpu_step.py
+# --split-rows 64 256``).
+MIN_SPLIT_FUSED_ROWS = 256
 
 
 def kernel_for(num_rows: int) -> str:
@@ -506,6 +509,11 @@ def kernel_for(num_rows: int) -> str:
 def uses_single_rows(num_rows: int) -> bool:
     """Whether a batch of ``num_rows`` takes ``bgmv_rows`` (no row groups needed)."""
     return kernel_for(num_rows) == "bgmv"
+
+
+def uses_fused_rows(num_rows: int) -> bool:
+    """Whether a fused stack's batch of ``num_rows`` takes the fused GEMM and ``expand_rows``."""
+    return num_rows < MIN_SPLIT_FUSED_ROWS
 
 
 def rows_delta(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, groups=None) -> torch.Tensor:
@@ -554,7 +562,7 @@ def _expand_row_counts(stack: LoraStack, max_num_rows: int, num_sms: int) -> lis
     """The smallest row count of each distinct ``expand_variant_of`` a fused stack takes (``fuses_rows``)."""
     seen: dict[int, int] = {}
     for num_rows in range(1, max_num_rows + 1):
-        if uses_single_rows(num_rows):
+        if uses_fused_rows(num_rows):
             seen.setdefault(expand_variant_of(stack, num_rows, num_sms), num_rows)
     return sorted(seen.values())
 

@@ -88,7 +88,7 @@ class RMSNorm(nn.Module):
         into ``y`` in place (``y`` must be the caller's own), adding a fused
         linear's expand as it loads where it takes one."""
         ops = fused_ops(x)
-        if delta is not None and ops is not None and ops.takes_expand:
+        if delta is not None and not isinstance(delta, torch.Tensor) and ops is not None and ops.takes_expand:
             normed = ops.rms_norm(x, self.weight, self.eps, y, zero_centered=self.zero_centered, expand=delta)
             if normed is not None:
                 return normed, y

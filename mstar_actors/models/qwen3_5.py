@@ -24,6 +24,7 @@ the shared decoder's, so LoRA, packing and sharding apply as they do there.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,9 @@ from .deltanet_ops import DeltaNetOps, StatePool, TorchDeltaNetOps
 from .rope import _rotate_half
 from .sharding import ShardLayout, single_rank_layout
 from .spec import FULL_ATTENTION, ModelLoadError, ModelSpec, default_layer_types
+
+if TYPE_CHECKING:  # made by ``lora_layers``, which builds on these modules
+    from .lora_layers import PendingExpand
 
 ARCHITECTURE = "Qwen3_5ForCausalLM"
 MOE_ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
@@ -260,8 +264,8 @@ class HybridLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, delta, positions: torch.Tensor,
-                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> tuple:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, delta: torch.Tensor | PendingExpand | None,
+                positions: torch.Tensor, kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> tuple:
         """``decoder.DecoderLayer``'s pairing: ``x`` the previous layer's MLP
         output not yet added into ``residual`` (None: ``x`` is the stream),
         ``delta`` its down's LoRA delta still to add; returns the same three."""

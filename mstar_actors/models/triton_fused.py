@@ -47,8 +47,9 @@ from mstar_actors import triton_launch
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_WIDTH = 16384  # a row a program holds whole (hidden sizes up to 16k)
 # ``rms_norm`` folds an expand whose B tile (the row's width by the rank, padded
-# to powers of two) has at most this many values: hidden 4096 at rank 16.
-MAX_FOLD_TILE = 65536
+# to powers of two) has at most this many values, 64 a thread of 16 warps:
+# hidden 2048 at rank 16 (wider ones would spill registers).
+MAX_FOLD_TILE = 32768
 # ``rms_norm``, ``rope_write_kv`` and ``silu_mul`` add a fused linear's LoRA expand as they load (``cpu_ops``' do not).
 takes_expand = True
 
@@ -137,7 +138,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n0, n1 = x.shape[0], x.shape[1] if x.dim() == 3 else 1
     if out.numel():
-        # A folded expand holds B's [N, rank] tile in one program: warps to spread it (at most 128 values a thread).
+        # A folded expand holds B's [N, rank] tile in one program: warps to spread it (at most 64 values a thread).
         warps = _warps(n) if expand is None else min(16, max(_warps(n), block * _block_r(expand) // 2048))
         _rms_norm_kernel[(n0, n1)](x, x.stride(0), x.stride(1) if x.dim() == 3 else 0,
                                    x if residual is None else residual, 0 if residual is None else residual.stride(0),

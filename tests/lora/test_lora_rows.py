@@ -159,8 +159,9 @@ def test_split_blocks_cover_k_and_fill_the_device_without_crowding_it(shape):
 
 
 def test_kernel_for_routes_by_row_count(monkeypatch):
-    split = triton_ops.MIN_SPLIT_ROWS
-    assert [triton_ops.kernel_for(n) for n in (1, split - 1, split, 2048)] == ["bgmv", "bgmv", "split", "split"]
+    assert [triton_ops.kernel_for(n) for n in (1, 63, 64, 2048)] == ["bgmv", "bgmv", "split", "split"]
+    fused = triton_ops.MIN_SPLIT_FUSED_ROWS  # a fused stack's own threshold
+    assert triton_ops.uses_fused_rows(fused - 1) and not triton_ops.uses_fused_rows(fused)
     monkeypatch.setattr(triton_ops, "MIN_SPLIT_ROWS", 16)
     assert [triton_ops.kernel_for(n) for n in (1, 15, 16, 127, 2048)] == ["bgmv", "bgmv", "split", "split", "split"]
     assert not triton_ops.uses_single_rows(16) and triton_ops.uses_single_rows(15)
@@ -484,7 +485,7 @@ def test_warm_up_covers_every_variant_serving_can_pick(outs, k, is_embedding, mi
 
 
 def test_warm_up_covers_the_expand_of_a_fused_stack(monkeypatch):
-    """A fused stack's expand variants (rows below ``MIN_SPLIT_ROWS``) are compiled by ``warm_up`` too, one launch each."""
+    """A fused stack's expand variants (rows below ``MIN_SPLIT_FUSED_ROWS``) are compiled by ``warm_up`` too, one launch each."""
     monkeypatch.setattr(triton_ops, "_num_sms", lambda device: 4)
     stack = LoraStack(64, [64, 32, 32], num_slots=3, max_rank=8, dtype=torch.float32)
     stack.fuse_under(torch.zeros(128, 64), None)
@@ -495,8 +496,8 @@ def test_warm_up_covers_the_expand_of_a_fused_stack(monkeypatch):
     monkeypatch.setattr(triton_ops, "expand_rows", lambda stack, y, t, slots: picked.append(
         (y.shape[0], triton_ops.expand_variant_of(stack, y.shape[0], 4))) or y)
     triton_ops.warm_up(stack, 300)
-    serving = {triton_ops.expand_variant_of(stack, n, 4) for n in range(1, triton_ops.MIN_SPLIT_ROWS)}
-    assert sorted(v for _, v in picked) == sorted(serving) and all(n < triton_ops.MIN_SPLIT_ROWS for n, _ in picked)
+    serving = {triton_ops.expand_variant_of(stack, n, 4) for n in range(1, triton_ops.MIN_SPLIT_FUSED_ROWS)}
+    assert sorted(v for _, v in picked) == sorted(serving) and all(n < triton_ops.MIN_SPLIT_FUSED_ROWS for n, _ in picked)
 
 
 def _run_check_tool(*argv: str):

@@ -345,6 +345,7 @@ def test_lora_beside_the_gemm_matches_lora_after_it_on_cuda(lora_world, monkeypa
     from mstar_actors.models import lora_layers
 
     monkeypatch.setattr(triton_ops, "MIN_SPLIT_ROWS", 2)
+    monkeypatch.setattr(triton_ops, "MIN_SPLIT_FUSED_ROWS", 2)
 
     forks = []
     fork = lora_layers.LoraHook.fork
@@ -395,9 +396,11 @@ def test_lora_expand_folded_into_the_next_kernel_matches_its_own_launch_on_cuda(
     from mstar_actors.models import lora_layers
 
     monkeypatch.setattr(lora_layers, "MAX_FUSED_SHARE", 100.0)  # this small model's A under every weight
-    folded = []
+    folded, apart = [], []
     pending = lora_layers.LoraHook.pending
     monkeypatch.setattr(lora_layers.LoraHook, "pending", lambda hook, t: folded.append(1) or pending(hook, t))
+    apply = lora_layers.PendingExpand.apply
+    monkeypatch.setattr(lora_layers.PendingExpand, "apply", lambda expand, y: apart.append(1) or apply(expand, y))
     runs = {}
     for fold in (False, True):
         monkeypatch.setattr(lora_layers, "FOLD", fold)
@@ -407,6 +410,7 @@ def test_lora_expand_folded_into_the_next_kernel_matches_its_own_launch_on_cuda(
                                   cuda_graph_max_batch=4, sampler=rec), MIXED_SLOTS)
         runs[fold] = exact, rec, half
         assert bool(folded) is fold, "the expand was (not) left to the next kernel as FOLD says"
+        assert not apart, "a folded expand was launched apart: the kernel after its GEMM did not take it"
     assert runs[True][0] == runs[False][0], "float32: other tokens with the expand folded"
     assert runs[True][2] == runs[False][2]
     assert_logits_close(runs[True][1].logits, runs[False][1].logits, 2e-2)
@@ -428,6 +432,7 @@ def test_programmatic_launch_changes_no_bit_on_cuda(lora_world, beside, monkeypa
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0 or newer")
     monkeypatch.setattr(triton_ops, "MIN_SPLIT_ROWS", 2)
+    monkeypatch.setattr(triton_ops, "MIN_SPLIT_FUSED_ROWS", 2)
     monkeypatch.setattr(lora_layers, "BESIDE", beside)
     runs = {}
     for pdl in (False, True):
