@@ -48,7 +48,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_WIDTH = 16384  # a row a program holds whole (hidden sizes up to 16k)
 # ``rms_norm`` folds an expand whose B tile (the row's width by the rank, padded
 # to powers of two) has at most this many values, 64 a thread of 16 warps:
-# hidden 2048 at rank 16 (wider ones would spill registers).
+# hidden 2048 at rank 16 (a wider one needs more than the 128 registers a thread has at 16 warps).
 MAX_FOLD_TILE = 32768
 # ``rms_norm``, ``rope_write_kv`` and ``silu_mul`` add a fused linear's LoRA expand as they load (``cpu_ops``' do not).
 takes_expand = True
