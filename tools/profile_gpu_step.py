@@ -341,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
           f"A under its weight (one GEMM, then the expand); "
           f"ops fused: RMSNorm+add, rotary+KV write, SiLU-and-mul one launch each; gpu: the decode graph "
           f"replayed back to back (the device's time alone, CUDA events)")
-    print(f"{'batch':>5} {'lora':>8} {'ops':>6} {'pdl':>4} {'fold':>4} {'slots':>5} {'split':>5} {'base':>8} {'one':>8} {'mixed':>8} "
+    print(f"{'batch':>5} {'lora':>8} {'ops':>6} {'pdl':>4} {'fold':>4} {'slots':>5} {'split':>5} "
+          f"{'base':>8} {'one':>8} {'mixed':>8} "
           f"{'one/base':>9} {'mixed/base':>10} {'gpu base':>8} {'gpu one':>8} {'gpu o/b':>8}")
     for batch in args.batches:
         for (linears, ops, pdl, fold, max_loras, split), runner in runners.items():  # side by side at each batch
@@ -351,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
             mixed = time_steps(runner, [1 + i % held for i in range(batch)], "m", args.steps)
             gpu_base = time_replays(runner, [0] * batch, "gb", args.steps)
             gpu_one = time_replays(runner, [1] * batch, "go", args.steps)
-            print(f"{batch:>5} {linears:>8} {ops:>6} {pdl:>4} {fold:>4} {max_loras:>5} {split:>5} {base:>8.3f} {one:>8.3f} {mixed:>8.3f} "
+            print(f"{batch:>5} {linears:>8} {ops:>6} {pdl:>4} {fold:>4} {max_loras:>5} {split:>5} "
+                  f"{base:>8.3f} {one:>8.3f} {mixed:>8.3f} "
                   f"{base / one:>8.1%} {base / mixed:>9.1%} {gpu_base:>8.3f} {gpu_one:>8.3f} {gpu_base / gpu_one:>8.1%}")
     runner = next(iter(runners.values()))
     if args.mixed_decodes:

@@ -22,17 +22,17 @@ and what runs the rows delta (``ops.RowKernels``), is fixed per device when
 
 Where the kernels run, each decoder linear's stack is also fused
 (``fuse_linear``): every slot's A sits under the weight in one buffer, so a
-rows step of fewer than ``MIN_SPLIT_FUSED_ROWS`` rows with adapter rows runs one
-GEMM that yields the base output and each slot's shrink, and the hook's
-``expand`` adds the delta in one launch; or rather the kernel after the
-GEMM adds it as it loads, no launch of its own (``FOLD``, ``PendingExpand``):
-the rotary kernel q|k|v's, SiLU-and-mul gate|up's, the residual add's
-RMSNorm o's and down's. Steps without adapter rows run the
-weight alone, a view of the same buffer. From ``MIN_SPLIT_FUSED_ROWS`` rows the
-delta (the grouped shrink and expand) runs on a side stream while the base
-GEMM runs (``BESIDE``, ``LoraLinear.forward_parts``): o's and down's go
-straight into the residual stream, q|k|v's and gate|up's into a buffer the
-next fused op adds as it loads.
+rows step of fewer than ``MIN_SPLIT_FUSED_ROWS`` rows with adapter rows runs
+one GEMM that yields the base output and each slot's shrink; the kernel
+after the GEMM adds the expand as it loads (``FOLD``, ``PendingExpand``: the
+rotary kernel q|k|v's, SiLU-and-mul gate|up's, the residual add's RMSNorm
+o's and down's), else the hook's ``expand`` in one launch. Steps without
+adapter rows run the weight alone, a view of the same buffer. From
+``MIN_SPLIT_FUSED_ROWS`` rows the delta (the grouped shrink and expand) runs
+on a side stream while the base GEMM runs (``BESIDE``,
+``LoraLinear.forward_parts``): o's and down's go straight into the residual
+stream, q|k|v's and gate|up's into a buffer the next fused op adds as it
+loads.
 
 Adapter placement goes through the architecture's ``CheckpointRules`` (the
 same table the weight loader uses): HF ``model.layers.3.self_attn.k_proj``

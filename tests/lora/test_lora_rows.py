@@ -485,7 +485,8 @@ def test_warm_up_covers_every_variant_serving_can_pick(outs, k, is_embedding, mi
 
 
 def test_warm_up_covers_the_expand_of_a_fused_stack(monkeypatch):
-    """A fused stack's expand variants (rows below ``MIN_SPLIT_FUSED_ROWS``) are compiled by ``warm_up`` too, one launch each."""
+    """A fused stack's expand variants (rows below ``MIN_SPLIT_FUSED_ROWS``) are
+    compiled by ``warm_up`` too, one launch each."""
     monkeypatch.setattr(triton_ops, "_num_sms", lambda device: 4)
     stack = LoraStack(64, [64, 32, 32], num_slots=3, max_rank=8, dtype=torch.float32)
     stack.fuse_under(torch.zeros(128, 64), None)
@@ -497,7 +498,8 @@ def test_warm_up_covers_the_expand_of_a_fused_stack(monkeypatch):
         (y.shape[0], triton_ops.expand_variant_of(stack, y.shape[0], 4))) or y)
     triton_ops.warm_up(stack, 300)
     serving = {triton_ops.expand_variant_of(stack, n, 4) for n in range(1, triton_ops.MIN_SPLIT_FUSED_ROWS)}
-    assert sorted(v for _, v in picked) == sorted(serving) and all(n < triton_ops.MIN_SPLIT_FUSED_ROWS for n, _ in picked)
+    assert sorted(v for _, v in picked) == sorted(serving)
+    assert all(n < triton_ops.MIN_SPLIT_FUSED_ROWS for n, _ in picked)
 
 
 def _run_check_tool(*argv: str):
