@@ -165,7 +165,12 @@ def test_sigkill_of_an_actor_under_load_fails_every_request_fast_and_leaves_noth
     assert len(ends) == 16
     print(f"the last of {len(ends)} requests in flight ended {last_end_s:.3f} s after the SIGKILL")
     assert last_end_s < KILL_BOUND_S, last_end_s
-    for kind, _, what in ends:
+    # A stream admitted well before the fourth may have made all its tokens
+    # before the kill (on a loaded machine): it was not in flight. Every other
+    # request fails with the error, and that is most of them.
+    failed = [(kind, what) for kind, _, what in ends if not (kind == "stream" and completed(what))]
+    assert len(failed) >= 12, f"only {len(failed)} of 16 requests were still in flight at the kill"
+    for kind, what in failed:
         error = error_of(kind, what)
         assert error["type"] == "server_error" and CLEAR_ERROR.search(error["message"]), (kind, what)
     assert server.wait_exit(60) != 0
@@ -180,6 +185,15 @@ def test_sigkill_of_an_actor_under_load_fails_every_request_fast_and_leaves_noth
 # Whichever the frontend learns first: the launcher's word of the death, or the
 # end of the conductor's channel (the conductor stops when a rank's channel ends).
 CLEAR_ERROR = re.compile(r"the worker0 actor failed: .*SIGKILL|the server is shutting down \(channel '\w+' ended\)")
+
+
+def completed(events: list) -> bool:
+    """Whether a stream ended as a whole reply does: a finish_reason, then [DONE]."""
+    data = [line[6:] for line in events if line.startswith("data: ") and line != "data: [DONE]"]
+    if not data or "data: [DONE]" not in events:
+        return False
+    last = json.loads(data[-1])
+    return "error" not in last and last["choices"][0].get("finish_reason") is not None
 
 
 def error_of(kind: str, what: list) -> dict:
