@@ -244,7 +244,7 @@ def profile_step(runner: ModelRunner, slots: list[int]) -> str:
         for _ in range(5):
             d.decode()
     d.close()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=24, max_name_column_width=60)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60)
 
 
 def main(argv: list[str] | None = None) -> int:
