@@ -12,6 +12,11 @@ One row per (step, op):
 Columns: microseconds of device time per call for Triton and for the
 reference, their ratio (reference / Triton), and the relative error of
 Triton's output against the reference in float32 on the same inputs.
+Decode rows add ``fla us``: the same step through flash-linear-attention's
+fused recurrent kernel, whose states come in and go out as tensors of
+their own (a gather from the pool, a masked fill for fresh rows, a scatter
+back) and whose gates are torch ops: what our decode kernel
+(``deltanet_decode``) saves by updating the pool in place.
 Decode calls are captured ``--calls`` times in one CUDA graph and replayed
 (what the engine's decode graphs run); prefill calls are timed as plain
 launches between CUDA events. Median of ``--repeats``.
@@ -28,13 +33,12 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _gpu_timing import capture_graph, cuda_median_us  # noqa: E402
 from mstar_actors.models.attention import AttentionMetadata  # noqa: E402
-from mstar_actors.models.deltanet_ops import StatePool, TorchDeltaNetOps  # noqa: E402
+from mstar_actors.models.deltanet_ops import Gates, StatePool, TorchDeltaNetOps  # noqa: E402
 
 HIDDEN, NUM_K_HEADS, NUM_V_HEADS, HEAD_DIM, KERNEL = 1024, 16, 16, 128, 4
 CONV_DIM = 2 * NUM_K_HEADS * HEAD_DIM + NUM_V_HEADS * HEAD_DIM
@@ -54,12 +58,13 @@ def make_case(query_lens: list[int], fresh: bool, num_slots: int, seed: int = 0)
         return (torch.randn(*shape, generator=gen) * scale).cuda()
 
     bf16 = torch.bfloat16
-    g = -F.softplus(rand(tokens, NUM_V_HEADS)) * rand(NUM_V_HEADS).exp()
+    gates = Gates(rand(tokens, NUM_V_HEADS, scale=2.0).to(bf16), rand(tokens, NUM_V_HEADS, scale=2.0).to(bf16),
+                  rand(NUM_V_HEADS), rand(NUM_V_HEADS).to(bf16))
     return dict(
         meta=meta,
         x=rand(tokens, CONV_DIM).to(bf16), weight=rand(CONV_DIM, KERNEL, scale=0.5).to(bf16),
         q=rand(tokens, NUM_K_HEADS, HEAD_DIM).to(bf16), k=rand(tokens, NUM_K_HEADS, HEAD_DIM).to(bf16),
-        v=rand(tokens, NUM_V_HEADS, HEAD_DIM).to(bf16), g=g, beta=rand(tokens, NUM_V_HEADS).sigmoid().to(bf16),
+        v=rand(tokens, NUM_V_HEADS, HEAD_DIM).to(bf16), gates=gates,
         pool=StatePool(rand(num_slots + 1, CONV_DIM, KERNEL - 1).to(bf16),
                        rand(num_slots + 1, NUM_V_HEADS, HEAD_DIM, HEAD_DIM, scale=0.1)))
 
@@ -67,7 +72,26 @@ def make_case(query_lens: list[int], fresh: bool, num_slots: int, seed: int = 0)
 def calls(case: dict, ops, meta: AttentionMetadata) -> dict:
     c, pool = case, case["pool"]
     return {"conv": lambda: ops.conv(c["x"], c["weight"], pool, meta),
-            "delta_rule": lambda: ops.delta_rule(c["q"], c["k"], c["v"], c["g"], c["beta"], pool, meta)}
+            "delta_rule": lambda: ops.delta_rule(c["q"], c["k"], c["v"], c["gates"], pool, meta)}
+
+
+def fla_decode(case: dict, meta: AttentionMetadata):
+    """A decode step's delta rule through fla-core's fused recurrent kernel:
+    the gates as torch ops, the states gathered, zeroed where fresh, scattered back."""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    c, pool = case, case["pool"]
+
+    def step():
+        slots, continues = meta.state_slots, meta.context_lens > 1
+        state = pool.ssm.index_select(0, slots).masked_fill_(~continues[:, None, None, None], 0.0)
+        g, beta = c["gates"].decay(), c["gates"].beta()
+        o, final = fused_recurrent_gated_delta_rule(
+            c["q"][:, None], c["k"][:, None], c["v"][:, None], g=g[:, None], beta=beta[:, None],
+            scale=HEAD_DIM**-0.5, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        pool.ssm.index_copy_(0, slots, final)
+        return o
+    return step
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -81,11 +105,11 @@ def errors(case: dict, triton_ops) -> dict:
     ref = StatePool(pool.conv.float(), pool.ssm.clone())
     meta = lambda: dataclasses.replace(case["meta"], derived={})  # noqa: E731
     got_conv = triton_ops.conv(case["x"], case["weight"], mine, meta())
-    got_o = triton_ops.delta_rule(case["q"], case["k"], case["v"], case["g"], case["beta"], mine, meta())
+    got_o = triton_ops.delta_rule(case["q"], case["k"], case["v"], case["gates"], mine, meta())
     torch_ops, m = TorchDeltaNetOps(), meta()
     want_conv = torch_ops.conv(case["x"].float(), case["weight"].float(), ref, m)
-    want_o = torch_ops.delta_rule(case["q"].float(), case["k"].float(), case["v"].float(), case["g"],
-                                  case["beta"].float(), ref, m)
+    want_o = torch_ops.delta_rule(case["q"].float(), case["k"].float(), case["v"].float(),
+                                  Gates(*(t.float() for t in case["gates"])), ref, m)
     return {"conv": max(rel_err(got_conv, want_conv), rel_err(mine.conv, ref.conv)),
             "delta_rule": max(rel_err(got_o, want_o), rel_err(mine.ssm, ref.ssm))}
 
@@ -119,7 +143,8 @@ def main() -> None:
     triton_ops, torch_ops = TritonDeltaNetOps(), TorchDeltaNetOps()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; one DeltaNet layer: conv_dim {CONV_DIM}, "
           f"heads {NUM_K_HEADS}/{NUM_V_HEADS} x {HEAD_DIM}, kernel {KERNEL}, bf16")
-    header = f"{'step':<14} {'op':<11} {'timing':<6} {'triton us':>10} {'torch us':>10} {'ratio':>7} {'rel err':>9}"
+    header = (f"{'step':<14} {'op':<11} {'timing':<6} {'triton us':>10} {'torch us':>10} {'ratio':>7} "
+              f"{'rel err':>9} {'fla us':>8}")
     print(header)
     print("-" * len(header))
     steps = [(f"prefill {n}", [n], True) for n in args.prefill] + [(f"decode {b}", [1] * b, False) for b in args.decode]
@@ -140,8 +165,11 @@ def main() -> None:
             except RuntimeError as err:  # a capture that fails: say so, and time plain launches instead
                 print(f"# {name} {op}: graph capture failed ({err}); timing eager launches", flush=True)
                 how, t_mine, t_ref = "eager", *(time_eager(f[op], args.calls, args.repeats) for f in (mine, theirs))
+            fla = ""
+            if decode and op == "delta_rule":
+                fla = f"{timer(fla_decode(case, static), args.calls, args.repeats):>8.1f}"
             print(f"{name:<14} {op:<11} {how:<6} {t_mine:>10.1f} {t_ref:>10.1f} "
-                  f"{t_ref / t_mine:>6.1f}x {errs[op]:>9.2e}", flush=True)
+                  f"{t_ref / t_mine:>6.1f}x {errs[op]:>9.2e} {fla}", flush=True)
 
 
 if __name__ == "__main__":

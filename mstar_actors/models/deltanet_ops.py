@@ -22,7 +22,7 @@ both in float32 with q and k L2-normalised and q scaled by ``Dk ** -0.5``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -60,17 +60,41 @@ def state_bytes_per_slot(num_layers: int, conv_dim: int, kernel: int, num_v_head
     return num_layers * (conv + num_v_heads * k_dim * v_dim * 4)
 
 
+class Gates(NamedTuple):
+    """A step's delta-rule gates as the layer has them: ``a, b [T, Hv]``
+    (``in_proj``'s last two shards) and the layer's ``A_log, dt_bias [Hv]``.
+    The decay and write strength are computed here (``decay``, ``beta``);
+    the Triton decode kernel computes the same from these inputs itself."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+
+    def decay(self) -> torch.Tensor:
+        """Log-decay ``g = -exp(A_log) * softplus(a + dt_bias)`` ``[T, Hv]``, float32."""
+        return -self.A_log.float().exp() * F.softplus(self.a.float() + self.dt_bias)
+
+    def beta(self) -> torch.Tensor:
+        """Write strength ``sigmoid(b)`` ``[T, Hv]`` in ``b``'s dtype."""
+        return self.b.sigmoid()
+
+    def rows(self, rows) -> Gates:
+        """These gates for ``rows`` of the step (an index tensor or a slice)."""
+        return self._replace(a=self.a[rows], b=self.b[rows])
+
+
 class DeltaNetOps(Protocol):
     def conv(self, x: torch.Tensor, weight: torch.Tensor, pool: StatePool, meta: AttentionMetadata) -> torch.Tensor:
         """``x [T, C]`` -> ``silu(causal depthwise conv) [T, C]`` per sequence,
         continuing from (and updating) each sequence's ``pool.conv`` slot;
         ``weight [C, K]``."""
 
-    def delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   pool: StatePool, meta: AttentionMetadata) -> torch.Tensor:
-        """``q, k [T, Hk, Dk]`` (not yet normalised), ``v [T, Hv, Dv]``, log-decay
-        ``g [T, Hv]`` float32 and ``beta [T, Hv]`` -> ``o [T, Hv, Dv]`` in ``v``'s
-        dtype, continuing from (and updating) each sequence's ``pool.ssm`` slot."""
+    def delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates, pool: StatePool,
+                   meta: AttentionMetadata) -> torch.Tensor:
+        """``q, k [T, Hk, Dk]`` (not yet normalised), ``v [T, Hv, Dv]`` and the
+        step's ``gates`` -> ``o [T, Hv, Dv]`` in ``v``'s dtype, continuing from
+        (and updating) each sequence's ``pool.ssm`` slot."""
 
 
 # -- the reference arithmetic -------------------------------------------------------------
@@ -191,8 +215,9 @@ class TorchDeltaNetOps:
             out[first:first + n], pool.conv[slot] = conv_chunk(x[first:first + n], weight, prev)
         return out
 
-    def delta_rule(self, q, k, v, g, beta, pool: StatePool, meta: AttentionMetadata) -> torch.Tensor:
+    def delta_rule(self, q, k, v, gates: Gates, pool: StatePool, meta: AttentionMetadata) -> torch.Tensor:
         decode, chunks = _step_rows(meta, q.device)
+        g, beta = gates.decay(), gates.beta()
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         if decode is not None:
             rows, slots, continues = decode

@@ -1,25 +1,19 @@
 """Gated DeltaNet's two ops on Triton (CUDA): ``TritonDeltaNetOps``.
 
-The delta rule runs on flash-linear-attention's kernels (the ``fla-core``
-package): every prefill chunk of a step in one varlen call of
+The prefill chunks of a step run on flash-linear-attention's chunked kernel
+(the ``fla-core`` package): all of them in one varlen call of
 ``chunk_gated_delta_rule`` (``[1, T, H, D]``, ``cu_seqlens`` over the
-chunks), the single-token rows in one call of
-``fused_recurrent_gated_delta_rule`` (one row per batch entry). Both take
-q and k as they come (L2-normalised in the kernel, ``Dk ** -0.5`` scale),
-natural-log decay ``g`` in float32 and ``beta`` after its sigmoid, and
-share key heads across value heads themselves (GVA: ``Hv % Hk == 0``), so
-nothing is repeated. Initial states are gathered from the pool by slot
-(zeroed for a sequence whose chunk starts at token 0) and the float32
-final states scattered back.
+chunks), q and k as they come (L2-normalised in the kernel, ``Dk ** -0.5``
+scale), natural-log decay ``g`` in float32 and ``beta`` after its sigmoid,
+key heads shared across value heads by the kernel (GVA: ``Hv % Hk == 0``).
+Their initial states are gathered from the pool by slot (zeroed for a
+sequence whose chunk starts at token 0) and the float32 final states
+scattered back. The single-token rows take our decode kernel
+(``deltanet_decode``), which updates each row's slot of the pool in place
+and computes the gates itself.
 
-How the kernels must be called (each of these broke an earlier use):
+How the chunked kernel must be called (this broke an earlier use):
 
-- ``fused_recurrent_gated_delta_rule(q, k, v, g, gk, gv, beta, ...)``: its
-  fifth positional parameter is ``gk`` (per-key decay ``[B, T, Hv, Dk]``),
-  not ``beta`` as in ``chunk_gated_delta_rule(q, k, v, g, beta, ...)``.
-  Passing ``beta`` positionally makes the kernel read a ``[T, Hv]`` tensor
-  as ``[T, Hv, Dk]`` (out of bounds: NaN, or an illegal access) with
-  ``beta = 1``. So every argument past ``v`` is passed by name.
 - The varlen path caches its chunk index tensors (``chunk_indices``,
   ``chunk_offsets``) by the identity of the ``cu_seqlens`` tensor object,
   not its contents. A ``cu_seqlens`` buffer refilled in place between calls
@@ -63,12 +57,13 @@ import torch
 try:
     import triton
     import triton.language as tl
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 except Exception as err:  # Triton or fla-core missing or broken: the loader falls back to the reference
     raise ImportError(f"Triton DeltaNet kernels need triton and fla-core: {err}") from err
 
 from .attention import AttentionMetadata, plan_varlen_work
-from .deltanet_ops import CHUNK, StatePool, _step_rows
+from .deltanet_decode import decode_step
+from .deltanet_ops import CHUNK, Gates, StatePool, _step_rows
 
 BLOCK_T = 16  # rows of one sequence per convolution program
 BLOCK_C = 128  # channels per convolution program
@@ -259,41 +254,36 @@ class TritonDeltaNetOps:
             pool.conv.stride(0), pool.conv.stride(1), K=kernel, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C)
         return out
 
-    def delta_rule(self, q, k, v, g, beta, pool: StatePool, meta: AttentionMetadata) -> torch.Tensor:
+    def delta_rule(self, q, k, v, gates: Gates, pool: StatePool, meta: AttentionMetadata) -> torch.Tensor:
         scale = q.shape[-1] ** -0.5
         if meta.deltanet_chunks is not None:  # static: every sequence through the chunked kernel
             cu_seqlens, slots, continues = _static_sequences(meta, pool)
+            g, beta = gates.decay(), gates.beta()
             o, final = chunk_gated_delta_rule(
-                q[None], k[None], v[None], g=g[None].float(), beta=beta[None], scale=scale,
+                q[None], k[None], v[None], g=g[None], beta=beta[None], scale=scale,
                 initial_state=_initial_states(pool, slots, continues), output_final_state=True,
                 use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, chunk_indices=meta.deltanet_chunks)
             pool.ssm.index_copy_(0, slots, final)
             is_padding = torch.arange(o.shape[1], device=o.device) >= cu_seqlens[-1]
             return o[0].to(v.dtype).masked_fill_(is_padding[:, None, None], 0.0)  # rows no sequence wrote
         if _is_pure_decode(meta):  # row i is sequence i: tensors only, graph-safe
-            return self._decode(q, k, v, g, beta, pool, meta.state_slots, meta.context_lens > 1, scale)
+            continues = meta.derived.get("deltanet_continues")
+            if continues is None:  # once a step, for every layer
+                continues = meta.derived["deltanet_continues"] = meta.context_lens > 1
+            return decode_step(q, k, v, gates, pool.ssm, meta.state_slots, continues)
         decode, chunks = _step_rows(meta, q.device)
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         if decode is not None:
             rows, slots, continues = decode
-            out[rows] = self._decode(q[rows], k[rows], v[rows], g[rows], beta[rows], pool, slots, continues, scale)
+            out[rows] = decode_step(q[rows], k[rows], v[rows], gates.rows(rows), pool.ssm, slots, continues)
         if chunks:
             rows, cu_seqlens, chunk_indices, slots, continues = _chunk_plan(meta, chunks, q.device)
+            chunk_gates = gates.rows(rows)
             o, final = chunk_gated_delta_rule(
-                q[rows][None], k[rows][None], v[rows][None], g=g[rows][None].float(), beta=beta[rows][None],
+                q[rows][None], k[rows][None], v[rows][None], g=chunk_gates.decay()[None],
+                beta=chunk_gates.beta()[None],
                 scale=scale, initial_state=_initial_states(pool, slots, continues), output_final_state=True,
                 use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
             pool.ssm.index_copy_(0, slots, final)
             out[rows] = o[0].to(v.dtype)
         return out
-
-    @staticmethod
-    def _decode(q, k, v, g, beta, pool: StatePool, slots: torch.Tensor, continues: torch.Tensor,
-                scale: float) -> torch.Tensor:
-        """Single-token rows ``[B, ...]``, each its own sequence: one recurrent step."""
-        o, final = fused_recurrent_gated_delta_rule(
-            q[:, None], k[:, None], v[:, None], g=g[:, None].float(), beta=beta[:, None], scale=scale,
-            initial_state=_initial_states(pool, slots, continues), output_final_state=True,
-            use_qk_l2norm_in_kernel=True)
-        pool.ssm.index_copy_(0, slots, final)
-        return o[:, 0]

@@ -6,7 +6,7 @@
   short causal depthwise convolution over them (here one ``in_proj`` GEMM
   yields q, k, v and the three projections below), then the gated delta rule
   (decay ``g = -exp(A_log) * softplus(a + dt_bias)``, write strength
-  ``beta = sigmoid(b)``) on a per-sequence recurrent state, a gated RMSNorm
+  ``beta = sigmoid(b)``: ``deltanet_ops.Gates``) on a per-sequence recurrent state, a gated RMSNorm
   by ``in_proj_z`` and ``out_proj``. Its per-sequence state sits in the
   ranks' state slots (``deltanet_ops.StatePool``), the scheduler's to hand
   out like KV blocks.
@@ -33,7 +33,7 @@ from torch import nn
 from .attention import AttentionMetadata, PagedAttention, TorchPagedAttention
 from .checkpoint import DECODER_RULES, QK_NORM_RULES, WeightRule
 from .decoder import MLP, CausalLM, LoraEmbedding, LoraLinear, RMSNorm, StackedLinear
-from .deltanet_ops import DeltaNetOps, StatePool, TorchDeltaNetOps
+from .deltanet_ops import DeltaNetOps, Gates, StatePool, TorchDeltaNetOps
 from .rope import _rotate_half
 from .sharding import ShardLayout, single_rank_layout
 from .spec import FULL_ATTENTION, ModelLoadError, ModelSpec, default_layer_types
@@ -243,9 +243,7 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(num_tokens, -1, self.k_head_dim)
         k = k.reshape(num_tokens, -1, self.k_head_dim)
         v = v.reshape(num_tokens, -1, self.v_head_dim)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        out = self.ops.delta_rule(q, k, v, g, beta, self.pool, meta)
+        out = self.ops.delta_rule(q, k, v, Gates(a, b, self.A_log, self.dt_bias), self.pool, meta)
         z = z.reshape(-1, self.v_head_dim)
         out = self.norm(out.reshape(-1, self.v_head_dim), z).reshape(num_tokens, -1)
         return self.out_proj.forward_parts(out, residual, fold=True)

@@ -1,4 +1,4 @@
-"""The Triton Gated DeltaNet ops (fla-core's delta-rule kernels, our conv)
+"""The Triton Gated DeltaNet ops (fla-core's chunked kernel, our decode kernel and conv)
 against the torch reference on fresh random inputs and pools (CUDA only).
 
 Each step mixes prefill chunks of 2 .. 300 tokens, fresh (context == chunk)
@@ -16,10 +16,9 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mstar_actors.models.attention import AttentionMetadata
-from mstar_actors.models.deltanet_ops import StatePool, TorchDeltaNetOps
+from mstar_actors.models.deltanet_ops import Gates, StatePool, TorchDeltaNetOps
 
 pytestmark = pytest.mark.gpu
 
@@ -71,10 +70,17 @@ def random_inputs(gen, num_tokens, num_k_heads, num_v_heads, dtype, device):
     q = torch.randn(num_tokens, num_k_heads, DK, generator=gen)
     k = torch.randn(num_tokens, num_k_heads, DK, generator=gen)
     v = torch.randn(num_tokens, num_v_heads, DV, generator=gen)
-    g = -torch.rand(num_v_heads, generator=gen).exp() * F.softplus(torch.randn(num_tokens, num_v_heads, generator=gen))
-    beta = torch.randn(num_tokens, num_v_heads, generator=gen).sigmoid()
-    cast = [t.to(device, dtype) for t in (x, weight, q, k, v)]
-    return (*cast, g.to(device), beta.to(device, dtype))
+    # The gates raw, as in_proj yields a and b (Gates: decay and beta computed by the ops)
+    a = torch.randn(num_tokens, num_v_heads, generator=gen) * 2
+    b = torch.randn(num_tokens, num_v_heads, generator=gen) * 2
+    a_log = torch.rand(num_v_heads, generator=gen) * 2 - 1
+    dt_bias = torch.randn(num_v_heads, generator=gen)
+    cast = [t.to(device, dtype) for t in (x, weight, q, k, v, a, b)]
+    return (*cast, a_log.to(device), dt_bias.to(device, dtype))
+
+
+def gates_of(inputs, dtype=None) -> Gates:
+    return Gates(*(t if dtype is None else t.to(dtype) for t in inputs[5:]))
 
 
 def copy_pool(pool: StatePool, dtype=None) -> StatePool:
@@ -83,12 +89,12 @@ def copy_pool(pool: StatePool, dtype=None) -> StatePool:
 
 def run_both(ops, meta, inputs, pool, ref_pool):
     """One layer's conv then delta rule on both op sets; the reference in float32."""
-    x, weight, q, k, v, g, beta = inputs
+    x, weight, q, k, v = inputs[:5]
     fresh_meta = lambda: dataclasses.replace(meta, derived={})  # noqa: E731  each op set derives its own
-    got = (ops.conv(x, weight, pool, fresh_meta()), ops.delta_rule(q, k, v, g, beta, pool, fresh_meta()))
+    got = (ops.conv(x, weight, pool, fresh_meta()), ops.delta_rule(q, k, v, gates_of(inputs), pool, fresh_meta()))
     ref_ops, m = TorchDeltaNetOps(), fresh_meta()
     want = (ref_ops.conv(x.float(), weight.float(), ref_pool, m),
-            ref_ops.delta_rule(q.float(), k.float(), v.float(), g, beta.float(), ref_pool, m))
+            ref_ops.delta_rule(q.float(), k.float(), v.float(), gates_of(inputs, torch.float32), ref_pool, m))
     return got, want
 
 
@@ -153,8 +159,8 @@ def test_pure_decode_step_replays_from_a_cuda_graph(ops):
                                       graph_decode=True)
 
     def step():
-        x, weight, q, k, v, g, beta = static_in
-        return ops.conv(x, weight, pool, static_meta), ops.delta_rule(q, k, v, g, beta, pool, static_meta)
+        x, weight, q, k, v = static_in[:5]
+        return ops.conv(x, weight, pool, static_meta), ops.delta_rule(q, k, v, gates_of(static_in), pool, static_meta)
 
     warm = torch.cuda.Stream()
     warm.wait_stream(torch.cuda.current_stream())
@@ -177,8 +183,9 @@ def test_pure_decode_step_replays_from_a_cuda_graph(ops):
         eager_pool, ref_pool = copy_pool(pool), copy_pool(pool, torch.float32)
         graph.replay()
         eager_meta = make_meta([1] * batch, context, slots, "cuda")
-        x, weight, q, k, v, g, beta = inputs
-        eager = (ops.conv(x, weight, eager_pool, eager_meta), ops.delta_rule(q, k, v, g, beta, eager_pool, eager_meta))
+        x, weight, q, k, v = inputs[:5]
+        eager = (ops.conv(x, weight, eager_pool, eager_meta),
+                 ops.delta_rule(q, k, v, gates_of(inputs), eager_pool, eager_meta))
         torch.testing.assert_close(static_out[0], eager[0], rtol=0, atol=0)
         torch.testing.assert_close(static_out[1], eager[1], rtol=0, atol=0)
         torch.testing.assert_close(pool.ssm, eager_pool.ssm, rtol=0, atol=0)

@@ -1,0 +1,89 @@
+"""The delta rule's decode kernel (``deltanet_decode.decode_step``) against
+the reference's recurrent step, on CPU in Triton's interpreter
+(tests/conftest.py sets TRITON_INTERPRET; the GPU runs it compiled in
+test_deltanet_kernels_gpu.py).
+
+Inputs come as the layer hands them over: q, k, v strided views of one
+convolution output, a and b views of in_proj's, the gates raw; the pool's
+slots are updated in place, and slots no row names must stay as they were.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mstar_actors.models.deltanet_decode import decode_step
+from mstar_actors.models.deltanet_ops import Gates, _prepare, recurrent_delta_step
+
+DK, DV = 16, 24  # DV: three of the kernel's 8-wide value tiles, the last one full
+NUM_SLOTS = 9
+
+
+def layer_inputs(gen, rows: int, num_k: int, num_v: int, dtype: torch.dtype):
+    """q, k, v views of one [rows, conv_dim] tensor; a, b views of a wider one."""
+    mixed = torch.randn(rows, 2 * num_k * DK + num_v * DV, generator=gen).to(dtype)
+    q, k, v = mixed.split([num_k * DK, num_k * DK, num_v * DV], dim=-1)
+    proj = torch.randn(rows, 3 + 2 * num_v, generator=gen) * 3
+    proj[0, 3] = 30.0  # past softplus' threshold: taken as is
+    proj = proj.to(dtype)
+    gates = Gates(proj[:, 3:3 + num_v], proj[:, 3 + num_v:], torch.rand(num_v, generator=gen) * 2 - 1,
+                  torch.randn(num_v, generator=gen).to(dtype))
+    return q.view(rows, num_k, DK), k.view(rows, num_k, DK), v.view(rows, num_v, DV), gates
+
+
+def reference(q, k, v, gates: Gates, ssm, slots, continues):
+    state = ssm[slots] * continues[:, None, None, None]
+    o, state = recurrent_delta_step(*_prepare(q, k, v, gates.decay(), gates.beta()), state)
+    out = ssm.clone()
+    out[slots] = state
+    return o.to(v.dtype), out
+
+
+@pytest.mark.parametrize("dtype, heads, atol", [(torch.float32, (2, 4), 2e-5), (torch.float32, (3, 3), 2e-5),
+                                                (torch.bfloat16, (1, 2), 2e-2)],
+                         ids=["fp32-gva", "fp32-equal-heads", "bf16"])
+def test_decode_step_matches_the_recurrent_reference_in_place(dtype, heads, atol):
+    gen = torch.Generator().manual_seed(heads[0] * 10 + heads[1])
+    num_k, num_v = heads
+    rows = 5
+    q, k, v, gates = layer_inputs(gen, rows, num_k, num_v, dtype)
+    ssm = torch.randn(NUM_SLOTS + 1, num_v, DK, DV, generator=gen) * 0.3
+    slots = torch.tensor([6, 0, 3, 8, 1])
+    continues = torch.tensor([True, False, True, True, False])
+    want_o, want_ssm = reference(q, k, v, gates, ssm, slots, continues)
+    got_ssm = ssm.clone()
+    got_o = decode_step(q, k, v, gates, got_ssm, slots, continues)
+    assert got_o.dtype == dtype and got_o.shape == v.shape
+    torch.testing.assert_close(got_o.float(), want_o.float(), rtol=0, atol=atol)
+    torch.testing.assert_close(got_ssm, want_ssm, rtol=0, atol=2e-5 if dtype == torch.float32 else 1e-2)
+    untouched = [s for s in range(NUM_SLOTS + 1) if s not in slots.tolist()]
+    assert torch.equal(got_ssm[untouched], ssm[untouched])
+
+
+def test_a_fresh_row_ignores_what_its_slot_held():
+    """A row that starts afresh computes from zero state whatever the slot held (NaN here)."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, gates = layer_inputs(gen, 2, 1, 2, torch.float32)
+    ssm = torch.randn(4, 2, DK, DV, generator=gen)
+    ssm[2] = float("nan")
+    slots, continues = torch.tensor([2, 0]), torch.tensor([False, True])
+    want_o, want_ssm = reference(q, k, v, gates, torch.nan_to_num(ssm), slots, continues)
+    got_o = decode_step(q, k, v, gates, ssm, slots, continues)
+    torch.testing.assert_close(got_o, want_o, rtol=0, atol=2e-5)
+    torch.testing.assert_close(ssm[2], want_ssm[2], rtol=0, atol=2e-5)
+
+
+def test_decode_step_refuses_what_it_cannot_read():
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, gates = layer_inputs(gen, 2, 2, 4, torch.float32)
+    ssm = torch.zeros(3, 4, DK, DV)
+    slots, continues = torch.tensor([0, 1]), torch.tensor([True, True])
+    with pytest.raises(ValueError, match="Hv a multiple of Hk"):
+        decode_step(q, k, v[:, :3], gates, ssm, slots, continues)
+    with pytest.raises(ValueError, match="float32"):
+        decode_step(q, k, v, gates, ssm.double(), slots, continues)
+    with pytest.raises(ValueError, match="gates"):
+        decode_step(q, k, v, gates._replace(a=gates.a[:, :2]), ssm, slots, continues)
+    with pytest.raises(ValueError, match="contiguous"):
+        decode_step(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, gates, ssm, slots, continues)
