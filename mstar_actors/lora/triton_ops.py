@@ -26,9 +26,10 @@ graph captures a call and replays it with new slots:
 - ``expand_rows``: a fused stack's expand, its shrink done by the base
   GEMM (``LoraStack.fuse_under``). Below ``MIN_TILED_EXPAND_ROWS`` rows the
   one-row kernel without its shrink; from there tiles of rows on any mix of
-  slots (``_slots_expand_kernel``): each slot present in a tile adds its
-  rows' ``t`` (the others masked to zero) times its B in one ``tl.dot``, so
-  B is read once a tile, where the one-row programs read it once a row.
+  slots (``_slots_expand_kernel``): the tile's ``t`` over every slot's
+  columns, each row's own slot's kept and the rest zeroed, times every
+  slot's B in one ``tl.dot``, so B is read once a tile, where the one-row
+  programs read it once a row.
 
 Every variant any of them can launch (``variant_of`` per row count) is
 compiled at startup by ``warm_up``. The module itself is the stacks'
@@ -162,46 +163,45 @@ def _slots_expand_kernel(
     stride_wl, stride_wn, stride_wr,
     stride_ss, stride_sl,
     stride_ym, stride_yn, stride_slot,
-    NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SR: tl.constexpr,
     PRECISION: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
-    # y[rows, cols] += sum over the slots s present in the tile of
-    # (t[rows, s's columns] masked to the rows on s) @ B[s, cols].T: a fused
-    # stack's expand for a tile of BLOCK_M rows on any mix of slots, B read
-    # once a tile instead of once a row. Grid (row tiles, shards x column groups).
+    # y[rows, cols] += (t[rows, this shard's columns of every slot], each row's
+    # own slot's kept, the others zeroed, times their scales) @ B[every slot,
+    # cols, :] as one [BLOCK_M, NUM_SLOTS * R] x [NUM_SLOTS * R, BLOCK_N] dot:
+    # a fused stack's expand for a tile of rows on any mix of slots, B read
+    # once a tile, every load issued at once (at decode sizes the time is the
+    # chain of dependent loads). Grid (row tiles, shards x column groups).
     pid = tl.program_id(1)
     shard = pid // NUM_GROUPS
     n_start, hi = _column_group(offsets_ptr, shard, pid % NUM_GROUPS, BLOCK_N)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = rows < num_rows
+    rows64 = rows.to(tl.int64)
     row_slot = tl.load(slots_ptr + rows * stride_slot, mask=mask_m, other=0)
-    if GDC:  # t and y are the GEMM's, before this kernel (``triton_launch``)
+    # k = slot * R + r over every slot (slot 0's B is zeros, its scale 0).
+    offs_k = tl.arange(0, BLOCK_SR)
+    k_slot = offs_k // R
+    mask_k = offs_k < NUM_SLOTS * R
+    scale = tl.load(scales_ptr + shard * stride_ss + k_slot * stride_sl, mask=mask_k, other=0.0)
+    cols = n_start + tl.arange(0, BLOCK_N)
+    mask_n = cols < hi
+    w = tl.load(b_ptr + k_slot[:, None].to(tl.int64) * stride_wl + cols[None, :].to(tl.int64) * stride_wn
+                + (offs_k % R)[:, None] * stride_wr, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+    if GDC:  # t and y are the GEMM's, before this kernel; B and the slots are not (``triton_launch``)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if n_start >= hi:  # a shorter shard than the widest: its spare groups
         return
-    rows64 = rows.to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < R
-    cols = n_start + tl.arange(0, BLOCK_N)
-    mask_n = cols < hi
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in range(1, NUM_SLOTS):
-        on_s = (row_slot == s) & mask_m
-        scale = tl.load(scales_ptr + shard * stride_ss + s * stride_sl)
-        if (tl.sum(on_s.to(tl.int32), axis=0) > 0) & (scale != 0.0):  # present, and targeting this shard
-            t_cols = (shard * NUM_SLOTS + s) * R + offs_r
-            t = tl.load(t_ptr + rows64[:, None] * stride_tm + t_cols[None, :] * stride_tk,
-                        mask=on_s[:, None] & mask_r[None, :], other=0.0).to(tl.float32) * scale
-            w = tl.load(b_ptr + s * stride_wl + cols[None, :].to(tl.int64) * stride_wn + offs_r[:, None] * stride_wr,
-                        mask=mask_r[:, None] & mask_n[None, :], other=0.0)
-            # As the grouped expand: t rounded to B's dtype for the dot, the sum in fp32.
-            acc += tl.dot(t.to(w.dtype), w, input_precision=PRECISION)
+    own = (k_slot[None, :] == row_slot[:, None]) & mask_m[:, None] & mask_k[None, :]
+    t = tl.load(t_ptr + rows64[:, None] * stride_tm + (shard * NUM_SLOTS * R + offs_k)[None, :] * stride_tk,
+                mask=own, other=0.0)
     mask = (mask_m & (row_slot != 0))[:, None] & mask_n[None, :]  # base rows are never written
     y_ptrs = y_ptr + rows64[:, None] * stride_ym + cols[None, :].to(tl.int64) * stride_yn
     y = tl.load(y_ptrs, mask=mask, other=0.0)
-    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
-
+    # As the grouped expand: t rounded to B's dtype for the dot, the sum in fp32.
+    delta = tl.dot((t.to(tl.float32) * scale[None, :]).to(w.dtype), w, input_precision=PRECISION)
+    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
 
 _NUM_SMS: dict[int, int] = {}
 
@@ -347,7 +347,8 @@ def _tiled_expand(stack: LoraStack, y: torch.Tensor, t: torch.Tensor, row_slots:
         b.stride(0), b.stride(1), b.stride(2),
         scales.stride(0), scales.stride(1),
         y.stride(0), y.stride(1), row_slots.stride(0),
-        NUM_SLOTS=num_slots, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_block_r(max_rank),
+        NUM_SLOTS=num_slots, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_SR=max(16, triton.next_power_of_2(num_slots * max_rank)),
         PRECISION=_precision(b.dtype), num_warps=4, **triton_launch.options(y),
     )  # fmt: skip
     return y

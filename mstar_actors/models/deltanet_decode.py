@@ -40,7 +40,7 @@ BLOCK_V = 8
 
 
 @triton.jit
-def _decode_kernel(
+def _delta_decode_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, ssm_ptr, o_ptr, slots_ptr, continues_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     stride_ss, stride_sh, stride_sk, stride_ot, stride_oh, scale,
@@ -110,7 +110,7 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates,
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if rows == 0:
         return out
-    _decode_kernel[(triton.cdiv(dv, BLOCK_V), rows * num_v)](
+    _delta_decode_kernel[(triton.cdiv(dv, BLOCK_V), rows * num_v)](
         q, k, v, gates.a, gates.b, gates.A_log, gates.dt_bias, ssm, out, slots, continues,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         gates.a.stride(0), gates.b.stride(0),
