@@ -45,7 +45,7 @@ def _delta_decode_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     stride_ss, stride_sh, stride_sk, stride_ot, stride_oh, scale,
     HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, FRESH_AT: tl.constexpr,
 ):  # fmt: skip
     i_v = tl.program_id(0)
     pid = tl.program_id(1)
@@ -53,7 +53,7 @@ def _delta_decode_kernel(
     head = hv // GROUP  # value heads share key heads (GVA)
     row64 = row.to(tl.int64)
     slot = tl.load(slots_ptr + row).to(tl.int64)
-    continues = tl.load(continues_ptr + row) != 0
+    continues = tl.load(continues_ptr + row) > FRESH_AT
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k, mask_v = offs_k < DK, offs_v < DV
@@ -101,9 +101,11 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates,
                 slots: torch.Tensor, continues: torch.Tensor) -> torch.Tensor:
     """``q, k [B, Hk, Dk]``, ``v [B, Hv, Dv]``, ``gates`` of those rows, the
     pool's ``ssm [P + 1, Hv, Dk, Dv]``, each row's ``slots [B]`` and whether
-    it continues its slot's state (``continues [B]``, bool; else it starts
-    from zeros) -> ``o [B, Hv, Dv]`` in ``v``'s dtype; each row's slot of
-    ``ssm`` is updated in place."""
+    it continues its slot's state, else starts from zeros: ``continues [B]``
+    bool, or the rows' context lengths (int: a row continues unless its
+    context is its one token, read in the kernel, so a captured step derives
+    nothing from them that a replay would not redo) -> ``o [B, Hv, Dv]`` in
+    ``v``'s dtype; each row's slot of ``ssm`` is updated in place."""
     _check(q, k, v, gates, ssm)
     rows, num_k, dk = q.shape
     num_v, dv = v.shape[1], v.shape[2]
@@ -116,6 +118,6 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates,
         gates.a.stride(0), gates.b.stride(0),
         ssm.stride(0), ssm.stride(1), ssm.stride(2), out.stride(0), out.stride(1), dk**-0.5,
         HV=num_v, GROUP=num_v // num_k, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=BLOCK_V,
-        num_warps=1,
+        FRESH_AT=0 if continues.dtype == torch.bool else 1, num_warps=1,
     )  # fmt: skip
     return out

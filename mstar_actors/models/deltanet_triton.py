@@ -267,10 +267,7 @@ class TritonDeltaNetOps:
             is_padding = torch.arange(o.shape[1], device=o.device) >= cu_seqlens[-1]
             return o[0].to(v.dtype).masked_fill_(is_padding[:, None, None], 0.0)  # rows no sequence wrote
         if _is_pure_decode(meta):  # row i is sequence i: tensors only, graph-safe
-            continues = meta.derived.get("deltanet_continues")
-            if continues is None:  # once a step, for every layer
-                continues = meta.derived["deltanet_continues"] = meta.context_lens > 1
-            return decode_step(q, k, v, gates, pool.ssm, meta.state_slots, continues)
+            return decode_step(q, k, v, gates, pool.ssm, meta.state_slots, meta.context_lens)
         decode, chunks = _step_rows(meta, q.device)
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         if decode is not None:

@@ -87,3 +87,15 @@ def test_decode_step_refuses_what_it_cannot_read():
         decode_step(q, k, v, gates._replace(a=gates.a[:, :2]), ssm, slots, continues)
     with pytest.raises(ValueError, match="contiguous"):
         decode_step(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, gates, ssm, slots, continues)
+
+
+def test_context_lengths_say_which_rows_continue():
+    """Given context lengths instead of flags, a row continues unless its context is its one token."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, gates = layer_inputs(gen, 3, 1, 2, torch.float32)
+    ssm = torch.randn(4, 2, DK, DV, generator=gen)
+    slots = torch.tensor([3, 1, 0])
+    want_o, want_ssm = reference(q, k, v, gates, ssm, slots, torch.tensor([True, False, True]))
+    got_o = decode_step(q, k, v, gates, ssm, slots, torch.tensor([7, 1, 2], dtype=torch.int32))
+    torch.testing.assert_close(got_o, want_o, rtol=0, atol=2e-5)
+    torch.testing.assert_close(ssm, want_ssm, rtol=0, atol=2e-5)
