@@ -23,13 +23,6 @@ graph captures a call and replays it with new slots:
   over (tile, column blocks). The tiles are enumerated on the device
   (``_tile_of``) over a grid bounded by shapes (``num_row_tiles``), so few
   programs exit idle.
-- ``expand_rows``: a fused stack's expand, its shrink done by the base
-  GEMM (``LoraStack.fuse_under``). Below ``MIN_TILED_EXPAND_ROWS`` rows the
-  one-row kernel without its shrink; from there tiles of rows on any mix of
-  slots (``_slots_expand_kernel``): the tile's ``t`` over every slot's
-  columns, each row's own slot's kept and the rest zeroed, times every
-  slot's B in one ``tl.dot``, so B is read once a tile, where the one-row
-  programs read it once a row.
 
 Every variant any of them can launch (``variant_of`` per row count) is
 compiled at startup by ``warm_up``. The module itself is the stacks'
@@ -155,54 +148,6 @@ def _rows_kernel(
         tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask_n)
 
 
-@triton.jit
-def _slots_expand_kernel(
-    t_ptr, b_ptr, scales_ptr, y_ptr, offsets_ptr, slots_ptr,
-    num_rows, R, NUM_GROUPS,
-    stride_tm, stride_tk,
-    stride_wl, stride_wn, stride_wr,
-    stride_ss, stride_sl,
-    stride_ym, stride_yn, stride_slot,
-    NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SR: tl.constexpr,
-    PRECISION: tl.constexpr, GDC: tl.constexpr,
-):  # fmt: skip
-    # y[rows, cols] += (t[rows, this shard's columns of every slot], each row's
-    # own slot's kept, the others zeroed, times their scales) @ B[every slot,
-    # cols, :] as one [BLOCK_M, NUM_SLOTS * R] x [NUM_SLOTS * R, BLOCK_N] dot:
-    # a fused stack's expand for a tile of rows on any mix of slots, B read
-    # once a tile, every load issued at once (at decode sizes the time is the
-    # chain of dependent loads). Grid (row tiles, shards x column groups).
-    pid = tl.program_id(1)
-    shard = pid // NUM_GROUPS
-    n_start, hi = _column_group(offsets_ptr, shard, pid % NUM_GROUPS, BLOCK_N)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = rows < num_rows
-    rows64 = rows.to(tl.int64)
-    row_slot = tl.load(slots_ptr + rows * stride_slot, mask=mask_m, other=0)
-    # k = slot * R + r over every slot (slot 0's B is zeros, its scale 0).
-    offs_k = tl.arange(0, BLOCK_SR)
-    k_slot = offs_k // R
-    mask_k = offs_k < NUM_SLOTS * R
-    scale = tl.load(scales_ptr + shard * stride_ss + k_slot * stride_sl, mask=mask_k, other=0.0)
-    cols = n_start + tl.arange(0, BLOCK_N)
-    mask_n = cols < hi
-    w = tl.load(b_ptr + k_slot[:, None].to(tl.int64) * stride_wl + cols[None, :].to(tl.int64) * stride_wn
-                + (offs_k % R)[:, None] * stride_wr, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-    if GDC:  # t and y are the GEMM's, before this kernel; B and the slots are not (``triton_launch``)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    if n_start >= hi:  # a shorter shard than the widest: its spare groups
-        return
-    own = (k_slot[None, :] == row_slot[:, None]) & mask_m[:, None] & mask_k[None, :]
-    t = tl.load(t_ptr + rows64[:, None] * stride_tm + (shard * NUM_SLOTS * R + offs_k)[None, :] * stride_tk,
-                mask=own, other=0.0)
-    mask = (mask_m & (row_slot != 0))[:, None] & mask_n[None, :]  # base rows are never written
-    y_ptrs = y_ptr + rows64[:, None] * stride_ym + cols[None, :].to(tl.int64) * stride_yn
-    y = tl.load(y_ptrs, mask=mask, other=0.0)
-    # As the grouped expand: t rounded to B's dtype for the dot, the sum in fp32.
-    delta = tl.dot((t.to(tl.float32) * scale[None, :]).to(w.dtype), w, input_precision=PRECISION)
-    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
-
 _NUM_SMS: dict[int, int] = {}
 
 
@@ -306,8 +251,6 @@ def expand_rows(stack: LoraStack, y: torch.Tensor, t: torch.Tensor, row_slots: t
     if t.shape != (num_rows, num_shards * num_slots * max_rank):
         raise ValueError(f"LoRA expand: t is {tuple(t.shape)}; accepted: [{num_rows}, {num_shards * num_slots * max_rank}] "
                          "(rows x shards x slots x max_rank, the fused GEMM's A columns)")
-    if tiles is None and num_warps is None and num_rows >= MIN_TILED_EXPAND_ROWS and t.dtype in _DOT_DTYPES:
-        return _tiled_expand(stack, y, t, row_slots)
     block_r, _, block_n, warps = _rows_blocks(max_rank, k, max_out)
     tiles = tiles or _pick_tiles(num_rows, num_shards, max_out, max_rank, block_n, _num_sms(y.device))
     num_groups = triton.cdiv(max_out, tiles * block_n)
@@ -323,33 +266,6 @@ def expand_rows(stack: LoraStack, y: torch.Tensor, t: torch.Tensor, row_slots: t
         K=max_rank, IS_EMBEDDING=False, T_GIVEN=True, TILES=tiles,
         BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_r,
         num_warps=num_warps or warps, **triton_launch.options(y),
-    )  # fmt: skip
-    return y
-
-
-def _tiled_blocks(num_rows: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) of ``_tiled_expand``: 16-row tiles (``tl.dot``'s
-    least M) below 64 rows, 64 from there; 64 columns a program."""
-    return (16 if num_rows < 64 else 64), 64
-
-
-def _tiled_expand(stack: LoraStack, y: torch.Tensor, t: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
-    """``expand_rows`` by tiles of rows (``_slots_expand_kernel``)."""
-    num_shards, num_slots, max_rank, _ = stack.a.shape
-    num_rows, max_out = y.shape[0], max(stack.output_sizes)
-    block_m, block_n = _tiled_blocks(num_rows)
-    num_groups = triton.cdiv(max_out, block_n)
-    b, scales = stack.b, stack.scales
-    _slots_expand_kernel[(triton.cdiv(num_rows, block_m), num_shards * num_groups)](
-        t, b, scales, y, stack.offsets_on(y.device), row_slots,
-        num_rows, max_rank, num_groups,
-        t.stride(0), t.stride(1),
-        b.stride(0), b.stride(1), b.stride(2),
-        scales.stride(0), scales.stride(1),
-        y.stride(0), y.stride(1), row_slots.stride(0),
-        NUM_SLOTS=num_slots, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_SR=max(16, triton.next_power_of_2(num_slots * max_rank)),
-        PRECISION=_precision(b.dtype), num_warps=4, **triton_launch.options(y),
     )  # fmt: skip
     return y
 
@@ -575,10 +491,6 @@ def shrink_expand_rows(
 # kernel's repeated shrink costs less than grouping the rows by slot
 # (``tools/check_lora_kernels.py --rows-table`` times both).
 MIN_SPLIT_ROWS = 64
-# A fused stack's expand (``expand_rows``) of at least this many rows takes
-# tiles of rows (``_slots_expand_kernel``: B read once a tile), fewer one
-# program per row (``_rows_kernel``: no tile's rows wasted).
-MIN_TILED_EXPAND_ROWS = 16
 # A fused stack's steps of fewer rows take the fused GEMM and one expand
 # (folded into the next kernel where it takes it) instead: at 64 and 128 rows
 # that step measured 3-9% faster on the H200 than the grouped kernels beside
@@ -639,19 +551,16 @@ def warm_up(stack: LoraStack, max_num_rows: int) -> None:
             expand_rows(stack, y, t, torch.zeros(num_rows, dtype=torch.int32, device=device))
 
 
-def expand_variant_of(stack: LoraStack, num_rows: int, num_sms: int) -> tuple:
-    """The compiled variant ``expand_rows`` launches at ``num_rows`` rows:
-    the row kernel's column tiles, or the tiled kernel's blocks."""
+def expand_variant_of(stack: LoraStack, num_rows: int, num_sms: int) -> int:
+    """The compiled variant (its column tiles) ``expand_rows`` launches at ``num_rows`` rows."""
     num_shards, _, max_rank, k = stack.a.shape
     max_out = max(stack.output_sizes)
-    if num_rows >= MIN_TILED_EXPAND_ROWS:
-        return "tiled", *_tiled_blocks(num_rows)
-    return "rows", _pick_tiles(num_rows, num_shards, max_out, max_rank, _rows_blocks(max_rank, k, max_out)[2], num_sms)
+    return _pick_tiles(num_rows, num_shards, max_out, max_rank, _rows_blocks(max_rank, k, max_out)[2], num_sms)
 
 
 def _expand_row_counts(stack: LoraStack, max_num_rows: int, num_sms: int) -> list[int]:
     """The smallest row count of each distinct ``expand_variant_of`` a fused stack takes (``fuses_rows``)."""
-    seen: dict[tuple, int] = {}
+    seen: dict[int, int] = {}
     for num_rows in range(1, max_num_rows + 1):
         if uses_fused_rows(num_rows):
             seen.setdefault(expand_variant_of(stack, num_rows, num_sms), num_rows)
