@@ -23,6 +23,7 @@ launches between CUDA events. Median of ``--repeats``.
 
     python tools/bench_deltanet.py
     python tools/bench_deltanet.py --prefill 512 2048 8192 --decode 1 64 256
+    python tools/bench_deltanet.py --device cpu --decode 1 8   # the torch forms alone, float32, one thread
 """
 
 from __future__ import annotations
@@ -44,18 +45,18 @@ HIDDEN, NUM_K_HEADS, NUM_V_HEADS, HEAD_DIM, KERNEL = 1024, 16, 16, 128, 4
 CONV_DIM = 2 * NUM_K_HEADS * HEAD_DIM + NUM_V_HEADS * HEAD_DIM
 
 
-def make_case(query_lens: list[int], fresh: bool, num_slots: int, seed: int = 0) -> dict:
+def make_case(query_lens: list[int], fresh: bool, num_slots: int, seed: int = 0, device: str = "cuda") -> dict:
     gen = torch.Generator().manual_seed(seed)
     tokens = sum(query_lens)
     context = list(query_lens) if fresh else [n + 100 for n in query_lens]
     slots = torch.randperm(num_slots, generator=gen)[: len(query_lens)].tolist()
     meta = AttentionMetadata.from_lists(slot_mapping=[0] * tokens, block_tables=[[0]] * len(query_lens),
                                         num_blocks=[1] * len(query_lens), query_lens=query_lens, context_lens=context,
-                                        device="cuda")
-    meta.state_slots, meta.state_slots_list = torch.tensor(slots, device="cuda"), slots
+                                        device=device)
+    meta.state_slots, meta.state_slots_list = torch.tensor(slots, device=device), slots
 
     def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).cuda()
+        return (torch.randn(*shape, generator=gen) * scale).to(device)
 
     bf16 = torch.bfloat16
     gates = Gates(rand(tokens, NUM_V_HEADS, scale=2.0).to(bf16), rand(tokens, NUM_V_HEADS, scale=2.0).to(bf16),
@@ -129,15 +130,48 @@ def time_graph(fn, num_calls: int, repeats: int) -> float:
     return cuda_median_us(graph.replay, num_calls, repeats)
 
 
+def cpu_table(args) -> None:
+    """Microseconds a call of the torch forms on CPU (float32, one intra-op
+    thread, as a CPU worker runs), median of ``--repeats`` rounds of ``--calls``."""
+    import statistics
+    import time
+
+    torch.set_num_threads(1)
+    print(f"# CPU, torch {torch.__version__}, one thread; one DeltaNet layer: conv_dim {CONV_DIM}, heads "
+          f"{NUM_K_HEADS}/{NUM_V_HEADS} x {HEAD_DIM}, kernel {KERNEL}, float32")
+    print(f"{'step':<14} {'op':<11} {'torch us':>10}")
+    steps = [(f"prefill {n}", [n], True) for n in args.prefill] + [(f"decode {b}", [1] * b, False) for b in args.decode]
+    for name, lens, fresh in steps:
+        case = make_case(lens, fresh, num_slots=max(64, len(lens)), device="cpu")
+        for key in ("x", "weight", "q", "k", "v"):
+            case[key] = case[key].float()
+        case["gates"] = Gates(*(t.float() for t in case["gates"]))
+        case["pool"] = StatePool(case["pool"].conv.float(), case["pool"].ssm)
+        for op, fn in calls(case, TorchDeltaNetOps(), case["meta"]).items():
+            fn()
+            rounds = []
+            for _ in range(args.repeats):
+                started = time.perf_counter()
+                for _ in range(args.calls):
+                    fn()
+                rounds.append((time.perf_counter() - started) / args.calls * 1e6)
+            print(f"{name:<14} {op:<11} {statistics.median(rounds):>10.1f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prefill", type=int, nargs="*", default=[2048])
     parser.add_argument("--decode", type=int, nargs="*", default=[1, 8, 32, 64])
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: time the torch forms alone (what CPU serving runs), float32, one thread")
     args = parser.parse_args()
+    if args.device == "cpu":
+        return cpu_table(args)
     if not torch.cuda.is_available():
-        raise SystemExit("bench_deltanet: needs a CUDA device (it times the GPU kernels against the reference)")
+        raise SystemExit("bench_deltanet: needs a CUDA device to time the GPU kernels (--device cpu times the "
+                         "torch forms alone)")
     from mstar_actors.models.deltanet_triton import TritonDeltaNetOps
 
     triton_ops, torch_ops = TritonDeltaNetOps(), TorchDeltaNetOps()
