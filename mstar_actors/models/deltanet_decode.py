@@ -81,7 +81,8 @@ def _delta_decode_kernel(
     tl.store(h_ptrs, h, mask=mask_h)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates, ssm: torch.Tensor) -> None:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates, ssm: torch.Tensor,
+           continues: torch.Tensor) -> None:
     rows, num_k, dk = q.shape
     num_v, dv = v.shape[1], v.shape[2]
     if k.shape != q.shape or v.shape[0] != rows or num_v % num_k:
@@ -92,6 +93,12 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates, ssm:
     if gates.a.shape != (rows, num_v) or gates.b.shape != (rows, num_v):
         raise ValueError(f"deltanet decode: gates a {tuple(gates.a.shape)}, b {tuple(gates.b.shape)}; "
                          f"accepted: [{rows}, {num_v}]")
+    if continues.dtype not in (torch.bool, torch.int32):
+        raise ValueError(f"deltanet decode: continues is {continues.dtype}; accepted: bool flags or int32 "
+                         "context lengths")
+    if gates.A_log.shape != (num_v,) or gates.dt_bias.shape != (num_v,):
+        raise ValueError(f"deltanet decode: A_log {tuple(gates.A_log.shape)}, dt_bias {tuple(gates.dt_bias.shape)}; "
+                         f"accepted: [{num_v}] each")
     if ssm.shape[1:] != (num_v, dk, dv) or ssm.dtype != torch.float32 or ssm.stride(-1) != 1:
         raise ValueError(f"deltanet decode: pool.ssm {tuple(ssm.shape)} {ssm.dtype}; accepted: float32 "
                          f"[slots, {num_v}, {dk}, {dv}] with Dv contiguous")
@@ -102,11 +109,11 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates,
     """``q, k [B, Hk, Dk]``, ``v [B, Hv, Dv]``, ``gates`` of those rows, the
     pool's ``ssm [P + 1, Hv, Dk, Dv]``, each row's ``slots [B]`` and whether
     it continues its slot's state, else starts from zeros: ``continues [B]``
-    bool, or the rows' context lengths (int: a row continues unless its
+    bool, or the rows' context lengths (int32: a row continues unless its
     context is its one token, read in the kernel, so a captured step derives
     nothing from them that a replay would not redo) -> ``o [B, Hv, Dv]`` in
     ``v``'s dtype; each row's slot of ``ssm`` is updated in place."""
-    _check(q, k, v, gates, ssm)
+    _check(q, k, v, gates, ssm, continues)
     rows, num_k, dk = q.shape
     num_v, dv = v.shape[1], v.shape[2]
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
