@@ -22,8 +22,9 @@ written once (``tools/bench_deltanet.py`` times both ways).
 
 Program ``(v tile, row * Hv + head)`` holds ``Dk x BLOCK_V`` of one head's
 state (fla's split: ``BLOCK_V`` 8 and one warp, enough programs to fill the
-device at one row). Graph safe: slots and the fresh flags are device
-tensors, the grid follows the shapes. A padded row of a graphed step names
+device at one row; a launch takes at most 65,535 rows x value heads, the
+grid's second axis). Graph safe: the slots and the flags or context
+lengths are device tensors, the grid follows the shapes. A padded row of a graphed step names
 the scratch slot and starts afresh, so it reads no sequence's state and
 writes only the scratch slot.
 """
@@ -93,6 +94,9 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates, ssm:
     if gates.a.shape != (rows, num_v) or gates.b.shape != (rows, num_v):
         raise ValueError(f"deltanet decode: gates a {tuple(gates.a.shape)}, b {tuple(gates.b.shape)}; "
                          f"accepted: [{rows}, {num_v}]")
+    if rows * num_v > 65535:
+        raise ValueError(f"deltanet decode: {rows} rows x {num_v} value heads is past a launch's 65,535 "
+                         "programs a column; accepted: fewer rows a step")
     if continues.dtype not in (torch.bool, torch.int32):
         raise ValueError(f"deltanet decode: continues is {continues.dtype}; accepted: bool flags or int32 "
                          "context lengths")
