@@ -20,8 +20,9 @@ The step's inputs are copied in, and a swap's slot copies queued, before
 its first kernel, which is never one of ours (the embedding lookup comes
 first), so they are complete when ours start. A kernel launched without PDL
 (a cuBLAS GEMM, a torch op) waits for the whole of the one before it, as
-always; CUDA graphs capture the programmatic edges as they are. On other devices and under Triton's interpreter, ``GDC``
-is False and the kernels are what they were.
+always; CUDA graphs capture the programmatic edges as they are. On other
+devices and under Triton's interpreter, ``GDC`` is False and the kernels
+are what they were.
 
 ``tools/profile_gpu_step.py --pdl both`` times the step with and without.
 """
