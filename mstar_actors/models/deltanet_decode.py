@@ -1,4 +1,7 @@
-"""One decode token of the gated delta rule on Triton, in place on the state pool.
+"""One decode token of a Gated DeltaNet layer on Triton, in place on the state pool.
+
+Two kernels: ``conv_step`` (the short causal convolution, with in_proj's
+LoRA expand folded in) and ``decode_step`` (the gated delta rule).
 
 ``decode_step`` runs a step's single-token rows (row ``i`` a sequence on
 state slot ``slots[i]``) in one launch: each program loads its part of the
@@ -35,9 +38,13 @@ import torch
 import triton
 import triton.language as tl
 
+from mstar_actors import triton_launch
+
 from .deltanet_ops import Gates
+from .triton_fused import _b_tile, _row_slot, fold_args, fold_block_r
 
 BLOCK_V = 8
+BLOCK_C = 256  # channels per convolution program (one row each)
 
 
 @triton.jit
@@ -130,5 +137,101 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates,
         ssm.stride(0), ssm.stride(1), ssm.stride(2), out.stride(0), out.stride(1), dk**-0.5,
         HV=num_v, GROUP=num_v // num_k, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=BLOCK_V,
         FRESH_AT=0 if continues.dtype == torch.bool else 1, num_warps=1,
+    )  # fmt: skip
+    return out
+
+
+# -- the convolution ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _conv_step_kernel(
+    x_ptr, w_ptr, out_ptr, prev_ptr, ctx_ptr, slots_ptr, C, N,
+    stride_x, stride_o, stride_wc, stride_wk, stride_ps, stride_pc,
+    t_ptr, stride_t, b_ptr, stride_bs, stride_bn, sc_ptr, stride_ss, stride_sl, lslot_ptr, offs_ptr, num_slots, R,
+    K: tl.constexpr, TAPS: tl.constexpr, BLOCK_C: tl.constexpr, FOLD: tl.constexpr, NUM_SHARDS: tl.constexpr,
+    BLOCK_R: tl.constexpr, GDC: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    chan = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_row = chan < N
+    is_conv = chan < C
+    taps = tl.arange(0, TAPS)
+    w = tl.load(w_ptr + chan[:, None] * stride_wc + taps[None, :] * stride_wk,
+                mask=is_conv[:, None] & (taps < K)[None, :], other=0.0).to(tl.float32)
+    if FOLD:  # in_proj's expand over the whole row: each column's shard, its scale and B (before the wait)
+        lslot, live, offs_r, mask_r = _row_slot(lslot_ptr, row, R, BLOCK_R)
+        shard = tl.zeros([BLOCK_C], tl.int32)
+        for s in tl.static_range(1, NUM_SHARDS):
+            shard += (chan >= tl.load(offs_ptr + s)).to(tl.int32)
+        scale = tl.load(sc_ptr + shard * stride_ss + lslot * stride_sl)
+        b = _b_tile(b_ptr, stride_bs, stride_bn, lslot, 0, chan, in_row, offs_r, mask_r)
+    cont = tl.load(ctx_ptr + row) > 1
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    x = tl.load(x_ptr + row * stride_x + chan, mask=in_row, other=0.0)
+    if FOLD:  # as triton_fused._plus_expand adds it (expand_rows' rounding), the shrink per column's shard
+        t_cols = (shard * num_slots + lslot) * R
+        t = tl.load(t_ptr + row * stride_t + t_cols[:, None] + offs_r[None, :],
+                    mask=in_row[:, None] & mask_r[None, :], other=0.0).to(tl.float32) * scale[:, None]
+        x = tl.where(live, (x.to(tl.float32) + tl.sum(b.to(tl.float32) * t, axis=1)).to(x.dtype), x)
+        tl.store(x_ptr + row * stride_x + chan, x, mask=in_row & ~is_conv)  # z | b | a, for the ops after
+    # The window: the slot's K - 1 saved inputs (zeros for a fresh sequence), then this token's.
+    saved = prev_ptr + slot * stride_ps + chan[:, None] * stride_pc + taps[None, :]
+    conv = (chan < tl.where(cont, C, 0))[:, None]  # nothing saved is read for a fresh sequence
+    window = tl.load(saved, mask=conv & (taps < K - 1)[None, :], other=0.0).to(tl.float32)
+    window = tl.where((taps == K - 1)[None, :], x.to(tl.float32)[:, None], window)
+    acc = tl.sum(window * w, axis=1)
+    tl.store(out_ptr + row * stride_o + chan, (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty), mask=is_conv)
+    # The slot's new inputs: the window shifted by one (read before any is overwritten).
+    shifted = tl.load(saved + 1, mask=conv & (taps < K - 2)[None, :], other=0.0)
+    shifted = tl.where((taps == K - 2)[None, :], x.to(prev_ptr.dtype.element_ty)[:, None], shifted)
+    tl.debug_barrier()
+    tl.store(saved, shifted, mask=is_conv[:, None] & (taps < K - 1)[None, :])
+
+
+def conv_step(proj: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor,
+              context_lens: torch.Tensor, expand=None) -> torch.Tensor | None:
+    """One token a row of the causal depthwise convolution: ``proj [B, N]``
+    in_proj's rows (unit column stride), whose first ``C`` columns are the
+    convolution's input, ``weight [C, K]``, the pool's ``conv [P + 1, C, K - 1]``
+    (each row's slot's last ``K - 1`` inputs, updated in place), ``slots [B]``
+    and ``context_lens [B]`` (int32: a row continues its slot unless its
+    context is its one token) -> ``silu(conv) [B, C]`` in proj's dtype.
+
+    ``expand`` (``lora_layers.PendingExpand`` of in_proj, every shard): its
+    LoRA expand is added as the row loads, as ``expand_rows`` would add it,
+    to the convolution's input and, in place, to proj's other columns (z, b,
+    a: the ops after read them there): no launch of its own. None (nothing
+    done) where it does not fit proj (a tensor delta, other shards)."""
+    rows, channels = proj.shape[0], weight.shape[0]
+    kernel = weight.shape[1]
+    if (proj.dim() != 2 or proj.stride(1) != 1 or proj.shape[1] < channels or conv.shape[1:] != (channels, kernel - 1)
+            or conv.stride(2) != 1 or context_lens.dtype != torch.int32 or kernel < 2):
+        raise ValueError(f"deltanet conv step: proj {tuple(proj.shape)}, weight {tuple(weight.shape)}, pool.conv "
+                         f"{tuple(conv.shape)}, context_lens {context_lens.dtype}; accepted: proj [B, >= C] with unit "
+                         "column stride, weight [C, K >= 2], pool.conv [P + 1, C, K - 1] contiguous in K - 1, "
+                         "int32 context lengths")
+    if expand is None:
+        fold, width, num_shards = fold_args(None, proj, []), channels, 1
+    else:
+        if isinstance(expand, torch.Tensor) or sum(expand.stack.output_sizes) != proj.shape[1]:
+            return None
+        fold = fold_args(expand, proj, list(expand.stack.output_sizes))
+        if fold is None:
+            return None
+        width, num_shards = proj.shape[1], len(expand.stack.output_sizes)
+    out = torch.empty((rows, channels), dtype=proj.dtype, device=proj.device)
+    if rows == 0:
+        return out
+    offsets = proj if expand is None else expand.stack.offsets_on(proj.device)
+    _conv_step_kernel[(rows, triton.cdiv(width, BLOCK_C))](
+        proj, weight, out, conv, context_lens, slots, channels, width,
+        proj.stride(0), out.stride(0), weight.stride(0), weight.stride(1), conv.stride(0), conv.stride(1),
+        *fold[:9], offsets, *fold[9:11],
+        K=kernel, TAPS=triton.next_power_of_2(kernel), BLOCK_C=BLOCK_C, FOLD=expand is not None,
+        NUM_SHARDS=num_shards, BLOCK_R=fold_block_r(expand), num_warps=4, **triton_launch.options(proj),
     )  # fmt: skip
     return out

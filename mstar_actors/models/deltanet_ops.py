@@ -22,12 +22,16 @@ both in float32 with q and k L2-normalised and q scaled by ``Dk ** -0.5``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from .attention import AttentionMetadata
+from .decoder import add_delta
+
+if TYPE_CHECKING:  # made by ``lora_layers``
+    from .lora_layers import PendingExpand
 
 CHUNK = 64  # the chunked form's block of tokens (the reference's and the kernels')
 
@@ -85,10 +89,14 @@ class Gates(NamedTuple):
 
 
 class DeltaNetOps(Protocol):
-    def conv(self, x: torch.Tensor, weight: torch.Tensor, pool: StatePool, meta: AttentionMetadata) -> torch.Tensor:
-        """``x [T, C]`` -> ``silu(causal depthwise conv) [T, C]`` per sequence,
-        continuing from (and updating) each sequence's ``pool.conv`` slot;
-        ``weight [C, K]``."""
+    def conv(self, proj: torch.Tensor, weight: torch.Tensor, pool: StatePool, meta: AttentionMetadata,
+             delta: torch.Tensor | PendingExpand | None = None) -> torch.Tensor:
+        """``proj [T, >= C]`` (in_proj's rows: the convolution's input is their
+        first ``C`` columns) -> ``silu(causal depthwise conv) [T, C]`` per
+        sequence, continuing from (and updating) each sequence's ``pool.conv``
+        slot; ``weight [C, K]``. ``delta``: in_proj's LoRA delta still to add
+        (``LoraLinear.forward_parts``'), added to every column of ``proj``
+        first, in place (the gates and z are read there after)."""
 
     def delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates, pool: StatePool,
                    meta: AttentionMetadata) -> torch.Tensor:
@@ -204,7 +212,10 @@ class TorchDeltaNetOps:
     """The reference: single-token rows of a step batched into one recurrent
     step, each longer chunk on its own through the chunked form."""
 
-    def conv(self, x: torch.Tensor, weight: torch.Tensor, pool: StatePool, meta: AttentionMetadata) -> torch.Tensor:
+    def conv(self, proj: torch.Tensor, weight: torch.Tensor, pool: StatePool, meta: AttentionMetadata,
+             delta: torch.Tensor | PendingExpand | None = None) -> torch.Tensor:
+        add_delta(proj, delta)
+        x = proj[:, :weight.shape[0]]
         decode, chunks = _step_rows(meta, x.device)
         out = torch.empty_like(x)
         if decode is not None:

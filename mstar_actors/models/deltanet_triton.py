@@ -31,8 +31,10 @@ window's first ``K - 1`` inputs before the chunk read from the sequence's
 ``pool.conv`` slot (zeros for a fresh sequence); ``_conv_state_kernel``
 then writes each sequence's last ``K - 1`` inputs back to its slot (a
 second launch: the tiles that read a slot and the one that ends the
-sequence are different programs). In a pure decode step every program
-holds whole sequences (one row each), so one launch does both.
+sequence are different programs). A pure decode step takes
+``deltanet_decode.conv_step`` instead: one launch, one row a program,
+which also adds a fused in_proj's LoRA expand (``PendingExpand``) as the
+row loads, to every column of in_proj's output (no launch of its own).
 
 Graph safety: a pure decode step (``meta.graph_decode``, or every sequence
 one token) reads only ``state_slots`` and ``context_lens`` on the device
@@ -52,6 +54,8 @@ layers took 45-80 ms on the H200 whatever its size.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 try:
@@ -62,8 +66,12 @@ except Exception as err:  # Triton or fla-core missing or broken: the loader fal
     raise ImportError(f"Triton DeltaNet kernels need triton and fla-core: {err}") from err
 
 from .attention import AttentionMetadata, plan_varlen_work
-from .deltanet_decode import decode_step
+from .decoder import add_delta
+from .deltanet_decode import conv_step, decode_step
 from .deltanet_ops import CHUNK, Gates, StatePool, _step_rows
+
+if TYPE_CHECKING:  # made by ``lora_layers``
+    from .lora_layers import PendingExpand
 
 BLOCK_T = 16  # rows of one sequence per convolution program
 BLOCK_C = 128  # channels per convolution program
@@ -101,29 +109,22 @@ def _save_state(x_ptr, prev_ptr, start, n, slot, cont, chan, valid, stride_x, st
 
 
 @triton.jit
-def _conv_kernel(x_ptr, w_ptr, out_ptr, prev_ptr, starts_ptr, ctx_ptr, slots_ptr, items_ptr, num_rows, C,
+def _conv_kernel(x_ptr, w_ptr, out_ptr, prev_ptr, starts_ptr, ctx_ptr, slots_ptr, items_ptr, C,
                  stride_x, stride_o, stride_wc, stride_wk, stride_ps, stride_pc,
-                 K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, ONE_ROW: tl.constexpr):
-    """``ONE_ROW``: rows ``pid * BLOCK_T ..`` are sequences of one token each
-    (row ``i`` = sequence ``i``), and the state is saved here too. Else the
-    program's ``(sequence, first row)`` work item from ``items_ptr``."""
+                 K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The program's ``(sequence, first row)`` work item from ``items_ptr``
+    (-1: padding, does nothing): its rows' outputs; ``_conv_state_kernel``
+    saves the slots after."""
     pid = tl.program_id(0)
     chan = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = chan < C
     rows = tl.arange(0, BLOCK_T)
-    if ONE_ROW:
-        seq = pid * BLOCK_T + rows
-        live = seq < num_rows
-        start = seq
-        n = tl.full([BLOCK_T], 1, tl.int32)
-        pos = tl.zeros([BLOCK_T], tl.int32)
-    else:
-        item = tl.zeros([BLOCK_T], tl.int32) + tl.load(items_ptr + 2 * pid)  # -1: padding, does nothing
-        seq = tl.maximum(item, 0)
-        start = tl.load(starts_ptr + seq)
-        n = tl.load(starts_ptr + seq + 1) - start
-        pos = tl.load(items_ptr + 2 * pid + 1) + rows
-        live = (pos < n) & (item >= 0)
+    item = tl.zeros([BLOCK_T], tl.int32) + tl.load(items_ptr + 2 * pid)
+    seq = tl.maximum(item, 0)
+    start = tl.load(starts_ptr + seq)
+    n = tl.load(starts_ptr + seq + 1) - start
+    pos = tl.load(items_ptr + 2 * pid + 1) + rows
+    live = (pos < n) & (item >= 0)
     cont = tl.load(ctx_ptr + seq, mask=live, other=0) > n
     slot = tl.load(slots_ptr + seq, mask=live, other=0).to(tl.int64)
     valid = live[:, None] & mask_c[None, :]
@@ -136,8 +137,6 @@ def _conv_kernel(x_ptr, w_ptr, out_ptr, prev_ptr, starts_ptr, ctx_ptr, slots_ptr
     y = acc * tl.sigmoid(acc)
     tl.store(out_ptr + (start + pos).to(tl.int64)[:, None] * stride_o + chan[None, :], y.to(out_ptr.dtype.element_ty),
              mask=valid)
-    if ONE_ROW:
-        _save_state(x_ptr, prev_ptr, start, n, slot, cont, chan, valid, stride_x, stride_ps, stride_pc, K)
 
 
 @triton.jit
@@ -218,36 +217,39 @@ def _static_sequences(meta: AttentionMetadata, pool: StatePool) -> tuple[torch.T
 class TritonDeltaNetOps:
     """``DeltaNetOps`` on the GPU: fla-core's delta-rule kernels and our conv."""
 
-    def conv(self, x: torch.Tensor, weight: torch.Tensor, pool: StatePool, meta: AttentionMetadata) -> torch.Tensor:
+    def conv(self, proj: torch.Tensor, weight: torch.Tensor, pool: StatePool, meta: AttentionMetadata,
+             delta: torch.Tensor | PendingExpand | None = None) -> torch.Tensor:
+        x = proj[:, :weight.shape[0]]
         _check_conv(x, weight, pool)
+        if _is_pure_decode(meta):  # row i is sequence i; a fused in_proj's expand is added as the rows load
+            out = None if delta is None else conv_step(proj, weight, pool.conv, meta.state_slots, meta.context_lens,
+                                                       delta)
+            if out is None:
+                add_delta(proj, delta)
+                out = conv_step(proj, weight, pool.conv, meta.state_slots, meta.context_lens)
+            return out
+        add_delta(proj, delta)
         out = torch.empty_like(x)
-        num_rows, channels = x.shape
-        kernel = weight.shape[1]
+        channels, kernel = weight.shape
         strides = (x.stride(0), out.stride(0), weight.stride(0), weight.stride(1), pool.conv.stride(0),
                    pool.conv.stride(1))
         if meta.deltanet_chunks is not None:  # static: attention's tiles, every sequence in the tensors
             out.zero_()  # padding rows, which no tile covers, stay finite
             items, num_seqs = meta.varlen_work, meta.state_slots.shape[0]
             _conv_kernel[(items.shape[0], triton.cdiv(channels, BLOCK_C))](
-                x, weight, out, pool.conv, meta.query_start, meta.context_lens, meta.state_slots, items, num_rows,
-                channels, *strides, K=kernel, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, ONE_ROW=False)
+                x, weight, out, pool.conv, meta.query_start, meta.context_lens, meta.state_slots, items, channels,
+                *strides, K=kernel, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C)
             _conv_state_kernel[(triton.cdiv(num_seqs, BLOCK_T), triton.cdiv(channels, BLOCK_C))](
                 x, pool.conv, meta.query_start, meta.context_lens, meta.state_slots, num_seqs, channels, x.stride(0),
                 pool.conv.stride(0), pool.conv.stride(1), K=kernel, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C)
-            return out
-        if _is_pure_decode(meta):  # row i is sequence i
-            grid = (triton.cdiv(num_rows, BLOCK_T), triton.cdiv(channels, BLOCK_C))
-            _conv_kernel[grid](x, weight, out, pool.conv, meta.context_lens, meta.context_lens, meta.state_slots,
-                               meta.state_slots, num_rows, channels, *strides, K=kernel, BLOCK_T=BLOCK_T,
-                               BLOCK_C=BLOCK_C, ONE_ROW=True)
             return out
         items = meta.derived.get("deltanet_conv_items")
         if items is None:
             work = plan_varlen_work(meta.query_lens_list, block_m=BLOCK_T)
             items = meta.derived["deltanet_conv_items"] = torch.tensor(work, dtype=torch.int32, device=x.device)
         _conv_kernel[(items.shape[0], triton.cdiv(channels, BLOCK_C))](
-            x, weight, out, pool.conv, meta.query_start, meta.context_lens, meta.state_slots, items, num_rows,
-            channels, *strides, K=kernel, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, ONE_ROW=False)
+            x, weight, out, pool.conv, meta.query_start, meta.context_lens, meta.state_slots, items, channels,
+            *strides, K=kernel, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C)
         num_seqs = meta.num_seqs
         _conv_state_kernel[(triton.cdiv(num_seqs, BLOCK_T), triton.cdiv(channels, BLOCK_C))](
             x, pool.conv, meta.query_start, meta.context_lens, meta.state_slots, num_seqs, channels, x.stride(0),

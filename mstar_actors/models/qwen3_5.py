@@ -130,6 +130,18 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """``x [T, H, D]`` (the delta rule's output), ``gate [T, H * D]`` (z,
+        a view of in_proj's output) -> ``[T, H * D]``: one launch on CUDA
+        (``triton_fused.gated_rms_norm``), else the torch ops."""
+        if x.is_cuda:
+            from . import triton_fused  # imported on first CUDA use, as ``decoder.fused_ops`` does
+
+            if triton_fused.takes(x) and (y := triton_fused.gated_rms_norm(x, gate, self.weight, self.eps)) is not None:
+                return y
+        return self.reference(x.reshape(-1, x.shape[-1]), gate.reshape(-1, x.shape[-1])).view(gate.shape)
+
+    def reference(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The torch ops over rows of one head, in the reference's order."""
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -237,16 +249,17 @@ class GatedDeltaNet(nn.Module):
             raise RuntimeError("a Gated DeltaNet step needs state slots: the runner attaches the pools "
                                "and each step names its sequences' slots (AttentionMetadata.state_slots)")
         num_tokens = x.shape[0]
-        qkv, z, b, a = self.in_proj(x).split([sum(self.sizes), *self.in_proj.output_sizes[3:]], dim=-1)
-        mixed = self.ops.conv(qkv, self.conv1d.weight[:, 0], self.pool, meta)  # a view: rows strided, channels not
+        # A fused in_proj's LoRA expand is left to the convolution (``DeltaNetOps.conv``), which adds it to
+        # every column: z, b and a below are views of proj, read after.
+        proj, delta = self.in_proj.forward_parts(x, fold=True)
+        mixed = self.ops.conv(proj, self.conv1d.weight[:, 0], self.pool, meta, delta)
+        z, b, a = proj.split([sum(self.sizes), *self.in_proj.output_sizes[3:]], dim=-1)[1:]
         q, k, v = mixed.split(self.sizes, dim=-1)
         q = q.reshape(num_tokens, -1, self.k_head_dim)
         k = k.reshape(num_tokens, -1, self.k_head_dim)
         v = v.reshape(num_tokens, -1, self.v_head_dim)
         out = self.ops.delta_rule(q, k, v, Gates(a, b, self.A_log, self.dt_bias), self.pool, meta)
-        z = z.reshape(-1, self.v_head_dim)
-        out = self.norm(out.reshape(-1, self.v_head_dim), z).reshape(num_tokens, -1)
-        return self.out_proj.forward_parts(out, residual, fold=True)
+        return self.out_proj.forward_parts(self.norm(out, z), residual, fold=True)
 
 
 class HybridLayer(nn.Module):

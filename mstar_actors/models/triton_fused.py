@@ -21,6 +21,10 @@ so graphs and eager steps agree:
   (equal bit for bit, float32 too: no FMA contraction).
 - ``silu_mul``: ``F.silu(gate) * up`` over the fused ``gate_up`` output
   (the GPU's exp and division are approximate: within 2 ulps).
+- ``gated_rms_norm``: Qwen3.5's DeltaNet output norm, per head, times
+  ``silu(z)`` (``qwen3_5.GatedRMSNorm``: ten torch launches a layer), z
+  read where in_proj wrote it. CUDA only: ``cpu_ops`` has no twin, the CPU
+  runs the torch ops.
 
 ``rope_write_kv`` and ``silu_mul`` also take a LoRA delta computed beside
 the GEMM before them (``LoraLinear.forward_parts``), added as they load and
@@ -130,20 +134,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         return None
     block = triton.next_power_of_2(n)
     if expand is not None and (residual is None or isinstance(expand, torch.Tensor)
-                               or block * _block_r(expand) > MAX_FOLD_TILE):
+                               or block * fold_block_r(expand) > MAX_FOLD_TILE):
         return None
-    fold = _fold_args(expand, x, [n])
+    fold = fold_args(expand, x, [n])
     if fold is None:
         return None
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n0, n1 = x.shape[0], x.shape[1] if x.dim() == 3 else 1
     if out.numel():
         # A folded expand holds B's [N, rank] tile in one program: warps to spread it (at most 64 values a thread).
-        warps = _warps(n) if expand is None else min(16, max(_warps(n), block * _block_r(expand) // 2048))
+        warps = _warps(n) if expand is None else min(16, max(_warps(n), block * fold_block_r(expand) // 2048))
         _rms_norm_kernel[(n0, n1)](x, x.stride(0), x.stride(1) if x.dim() == 3 else 0,
                                    x if residual is None else residual, 0 if residual is None else residual.stride(0),
                                    weight, out, n, eps, *fold[:-2], HAS_RES=residual is not None,
-                                   ZERO_CENTERED=zero_centered, FOLD=expand is not None, BLOCK_R=_block_r(expand),
+                                   ZERO_CENTERED=zero_centered, FOLD=expand is not None, BLOCK_R=fold_block_r(expand),
                                    BLOCK=block, num_warps=warps, **triton_launch.options(x))
     return out
 
@@ -269,7 +273,7 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     delta, expand = _delta_or_expand(delta, expand)
-    fold = _fold_args(expand, q, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim])
+    fold = fold_args(expand, q, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim])
     if fold is None or (delta is not None and expand is not None):
         return False
     if delta is not None:
@@ -291,9 +295,9 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
             q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
             cos, signed_sin, cos.stride(0), kv_cache, slots.stride(0), slots.stride(1), kv_cache[0].numel(),
             slot_mapping, num_heads, *parts, *fold, HAS_DELTA=delta is not None, FOLD=expand is not None,
-            BLOCK_R=_block_r(expand), HALF=head_dim // 2, BLOCK=triton.next_power_of_2(head_dim),
+            BLOCK_R=fold_block_r(expand), HALF=head_dim // 2, BLOCK=triton.next_power_of_2(head_dim),
             # A folded expand holds three [head_dim, rank] tiles of B a program: more warps past rank 16.
-            num_warps=(1 if head_dim <= 128 else 2) * (_block_r(expand) // 16),
+            num_warps=(1 if head_dim <= 128 else 2) * (fold_block_r(expand) // 16),
             enable_fp_fusion=False, **triton_launch.options(q))  # float32: no FMA, torch's two roundings
     return True
 
@@ -363,18 +367,61 @@ def silu_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None, expand=No
     if delta is not None and (delta.shape != rows.shape or not delta.is_contiguous() or delta.dtype != rows.dtype):
         return None
     n = rows.shape[-1] // 2
-    fold = _fold_args(expand, rows, [n, n])
+    fold = fold_args(expand, rows, [n, n])
     if fold is None:
         return None
     out = torch.empty((rows.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
     if rows.shape[0]:
         # A folded expand holds two [BLOCK, rank] tiles of B a program: narrower blocks, the more so past rank 16.
-        block = min(4096 // _block_r(expand) if expand is not None else 1024, triton.next_power_of_2(n))
+        block = min(4096 // fold_block_r(expand) if expand is not None else 1024, triton.next_power_of_2(n))
         _silu_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](
             rows, rows.stride(0), rows if delta is None else delta, out, out.stride(0), n, *fold[:-1],
-            HAS_DELTA=delta is not None, FOLD=expand is not None, BLOCK_R=_block_r(expand), BLOCK=block, num_warps=4,
+            HAS_DELTA=delta is not None, FOLD=expand is not None, BLOCK_R=fold_block_r(expand), BLOCK=block, num_warps=4,
             **triton_launch.options(rows))
     return out.view(*gate_up.shape[:-1], n)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, stride_x, g_ptr, stride_g, w_ptr, out_ptr, H, D, eps,
+                           BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, GDC: tl.constexpr):
+    """Row ``pid``'s ``H`` heads of ``D``: each normalised in float32, cast,
+    scaled by the weight (cast), times ``silu(gate)`` in float32, cast: the
+    reference's roundings."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (tl.arange(0, BLOCK_H) < H)[:, None] & (cols < D)[None, :]
+    at = tl.arange(0, BLOCK_H)[:, None] * D + cols[None, :]
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)  # a weight: before the wait
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + at, mask=mask, other=0.0).to(tl.float32)
+    x64 = x.to(tl.float64)  # the sum of squares in float64, as ``rms_norm``'s: its order does not matter
+    inv = tl.math.rsqrt((tl.sum(x64 * x64, axis=1) / D).to(tl.float32) + eps)
+    scaled = (w[None, :] * (x * inv[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    gate = tl.load(g_ptr + row * stride_g + at, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * H * D + at, (scaled * (gate / (1.0 + tl.exp(-gate)))).to(dtype), mask=mask)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``qwen3_5.GatedRMSNorm`` in one launch: ``x [T, H, D]`` (contiguous
+    heads), ``gate [T, H * D]`` (unit column stride, any row stride: a view
+    of in_proj's output), ``weight [D]`` -> ``[T, H * D]``; None where the
+    tensors don't fit."""
+    if x.dim() != 3 or gate.dim() != 2:
+        return None
+    rows, heads, size = x.shape
+    if (gate.shape != (rows, heads * size) or gate.stride(1) != 1 or gate.dtype != x.dtype or weight.shape != (size,)
+            or weight.dtype != x.dtype or x.stride(2) != 1 or x.stride(1) != size or heads * size > MAX_WIDTH):
+        return None
+    out = torch.empty((rows, heads * size), dtype=x.dtype, device=x.device)
+    if rows:
+        block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(size)
+        _gated_rms_norm_kernel[(rows,)](x, x.stride(0), gate, gate.stride(0), weight, out, heads, size, eps,
+                                        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=_warps(block_h * block_d),
+                                        **triton_launch.options(x))
+    return out
 
 
 def _delta_or_expand(delta, expand) -> tuple:
@@ -385,7 +432,7 @@ def _delta_or_expand(delta, expand) -> tuple:
     return delta, expand
 
 
-def _fold_args(expand, y: torch.Tensor, sizes: list[int]) -> tuple | None:
+def fold_args(expand, y: torch.Tensor, sizes: list[int]) -> tuple | None:
     """``expand``'s kernel arguments (t, its row stride, B and its slot and
     column strides, the scales and theirs, the row slots, the slots, the
     rank, then the B columns where the second and third shards start), zeros
@@ -405,7 +452,7 @@ def _fold_args(expand, y: torch.Tensor, sizes: list[int]) -> tuple | None:
             num_slots, max_rank, offsets[1], offsets[2] if len(offsets) > 3 else 0)
 
 
-def _block_r(expand) -> int:
+def fold_block_r(expand) -> int:
     return 16 if expand is None else max(16, triton.next_power_of_2(expand.stack.max_rank))
 
 

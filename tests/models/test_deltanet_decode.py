@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar_actors.models.deltanet_decode import decode_step
+from mstar_actors.models.deltanet_decode import conv_step, decode_step
 from mstar_actors.models.deltanet_ops import Gates, _prepare, recurrent_delta_step
 
 # CPU tensors run the kernel only in Triton's interpreter (no CUDA device);
@@ -104,3 +104,89 @@ def test_context_lengths_say_which_rows_continue():
     got_o = decode_step(q, k, v, gates, ssm, slots, torch.tensor([7, 1, 2], dtype=torch.int32))
     torch.testing.assert_close(got_o, want_o, rtol=0, atol=2e-5)
     torch.testing.assert_close(ssm, want_ssm, rtol=0, atol=2e-5)
+
+
+# -- the convolution (conv_step) ------------------------------------------------------------
+
+KERNEL = 4
+
+
+def conv_reference(x, weight, conv, slots, context_lens):
+    """Each row's window (its slot's saved inputs, zeros when fresh, then x) in
+    float32: ``(silu(window . weight) in x's dtype, the pool with each slot's
+    window shifted by one)``."""
+    fresh = (context_lens <= 1)[:, None, None]
+    window = torch.cat((conv[slots].float().masked_fill(fresh, 0.0), x.float()[:, :, None]), dim=2)
+    out = conv.clone()
+    out[slots] = window[:, :, 1:].to(conv.dtype)
+    return torch.nn.functional.silu((window * weight.float()[None]).sum(-1)).to(x.dtype), out
+
+
+def conv_case(gen, rows: int, channels: int, extra: int, dtype: torch.dtype):
+    """in_proj's rows (the convolution's channels, then ``extra`` more) and a
+    pool of random saved inputs, NaN in slot 2 (no row continues it)."""
+    proj = torch.randn(rows, channels + extra, generator=gen).to(dtype)
+    weight = (torch.randn(channels, KERNEL, generator=gen) / 2).to(dtype)
+    conv = torch.randn(NUM_SLOTS + 1, channels, KERNEL - 1, generator=gen).to(dtype)
+    conv[2] = float("nan")
+    return proj, weight, conv
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.float16, 2e-3)], ids=["fp32", "fp16"])
+def test_conv_step_matches_the_reference_in_place(dtype, atol):
+    """Rows continuing their slot and fresh ones (slot 2 holds NaN: read as
+    zeros), a view of wider rows; slots no row names stay as they were."""
+    gen = torch.Generator().manual_seed(11)
+    proj, weight, conv = conv_case(gen, 4, 300, 40, dtype)  # two column blocks, the last partial
+    slots = torch.tensor([6, 2, 0, 8])
+    context_lens = torch.tensor([9, 1, 4, 2], dtype=torch.int32)
+    want_out, want_conv = conv_reference(proj[:, :300], weight, conv, slots, context_lens)
+    got_conv = conv.clone()
+    before = proj.clone()
+    got = conv_step(proj, weight, got_conv, slots, context_lens)
+    torch.testing.assert_close(got, want_out, rtol=0, atol=atol)
+    touched = slots.tolist()
+    torch.testing.assert_close(got_conv[touched], want_conv[touched], rtol=0, atol=0)
+    untouched = [s for s in range(NUM_SLOTS + 1) if s not in touched]
+    assert torch.equal(got_conv[untouched].nan_to_num(7.0), conv[untouched].nan_to_num(7.0))
+    assert torch.equal(proj, before)  # without an expand, in_proj's rows are only read
+
+
+def test_conv_step_folds_in_projs_expand_as_expand_rows_would():
+    """in_proj's expand left to the convolution (``PendingExpand`` over its six
+    shards: q, k, v, z, b, a): the convolution of the expanded input, and z,
+    b and a expanded in place, as ``expand_rows`` then the plain step; rows
+    on slots 1, 0 (base: as it was) and 2 (one shard untargeted)."""
+    from .test_triton_fused import pending_expand
+
+    gen = torch.Generator().manual_seed(12)
+    sizes = [96, 96, 128, 128, 4, 4]
+    channels = sum(sizes[:3])
+    proj, weight, conv = conv_case(gen, 3, channels, sum(sizes[3:]), torch.float32)
+    out, expand = pending_expand(proj, sizes, [1, 0, 2])
+    width = proj.shape[1]
+    slots, context_lens = torch.tensor([4, 5, 7]), torch.tensor([3, 8, 1], dtype=torch.int32)
+    want = out.clone()
+    expand._replace(t=want[:, width:]).apply(want[:, :width])
+    want_conv = conv.clone()
+    want_out = conv_step(want[:, :width], weight, want_conv, slots, context_lens)
+    got = conv_step(out[:, :width], weight, conv, slots, context_lens, expand)
+    assert torch.equal(got, want_out) and torch.equal(conv.nan_to_num(7.0), want_conv.nan_to_num(7.0))
+    assert torch.equal(out[:, channels:width], want[:, channels:width])  # z, b, a: expanded in place
+    assert torch.equal(out[1, :width], proj[1])  # the base row
+    assert not torch.equal(want[:, :width], proj)  # the expand changed something
+    two = pending_expand(proj, [channels, width - channels], [1, 0, 2])[1]  # any shards of in_proj's width fit
+    assert conv_step(out[:, :width], weight, conv, slots, context_lens, two._replace(t=two.t[:, :0])) is None  # t too narrow
+    assert conv_step(out[:, :width], weight, conv, slots, context_lens, torch.zeros_like(proj)) is None
+
+
+def test_conv_step_refuses_what_it_cannot_read():
+    gen = torch.Generator().manual_seed(13)
+    proj, weight, conv = conv_case(gen, 2, 64, 0, torch.float32)
+    slots = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="int32 context lengths"):
+        conv_step(proj, weight, conv, slots, torch.tensor([2, 2]))
+    with pytest.raises(ValueError, match=r"pool.conv \[P \+ 1, C, K - 1\]"):
+        conv_step(proj, weight, conv[:, :, :2], slots, torch.tensor([2, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="unit column stride"):
+        conv_step(proj.t().contiguous().t(), weight, conv, slots, torch.tensor([2, 2], dtype=torch.int32))

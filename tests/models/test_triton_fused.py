@@ -15,7 +15,7 @@ from mstar_actors.lora import LoraStack, triton_ops
 from mstar_actors.models import triton_fused
 from mstar_actors.models.lora_layers import PendingExpand
 from mstar_actors.models.decoder import RMSNorm
-from mstar_actors.models.qwen3_5 import ZeroCenteredRMSNorm
+from mstar_actors.models.qwen3_5 import GatedRMSNorm, ZeroCenteredRMSNorm
 from mstar_actors.models.rope import RotaryEmbedding, rotate
 from mstar_actors.models.spec import RopeSpec
 
@@ -277,6 +277,24 @@ def test_silu_mul_equals_torch_to_rounding(dtype, device="cpu"):
     assert_close_to_rounding(out, want)
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_gated_rms_norm_equals_the_layers_torch_ops_to_rounding(dtype, device="cpu"):
+    """Qwen3.5's DeltaNet output norm: heads of the delta rule's output, the
+    gate a strided view of in_proj's wider rows (as the layer hands them)."""
+    gen = torch.Generator().manual_seed(14)
+    x = (2 * torch.randn(3, 5, 24, generator=gen)).to(dtype).to(device)  # five heads of 24: both padded
+    proj = (3 * torch.randn(3, 5 * 24 + 7, generator=gen)).to(dtype).to(device)
+    gate = proj[:, 3:3 + 5 * 24]
+    norm = GatedRMSNorm(24, 1e-6).to(device)
+    norm.weight.data = (1 + torch.randn(24, generator=gen) / 4).to(dtype).to(device)
+    want = norm.reference(x.reshape(-1, 24), gate.reshape(-1, 24)).view(3, -1)
+    got = triton_fused.gated_rms_norm(x, gate, norm.weight, 1e-6)
+    assert got.shape == (3, 5 * 24) and got.dtype == dtype
+    assert_close_to_rounding(got, want)
+    assert triton_fused.gated_rms_norm(x.transpose(0, 1).contiguous().transpose(0, 1), gate, norm.weight, 1e-6) is None
+    assert triton_fused.gated_rms_norm(x, gate[:, :-1], norm.weight, 1e-6) is None
+
+
 # ---- compiled, on the device -------------------------------------------------------
 
 
@@ -289,6 +307,7 @@ def test_kernels_compiled_on_gpu(dtype):
     test_rms_norm_per_head_on_a_projections_view(dtype, "cuda")
     test_rope_write_kv_equals_rotate_and_index_copy_bit_for_bit(dtype, "cuda")
     test_silu_mul_equals_torch_to_rounding(dtype, "cuda")
+    test_gated_rms_norm_equals_the_layers_torch_ops_to_rounding(dtype, "cuda")
     test_rope_write_kv_adds_a_delta_as_add_would(dtype, "cuda")
     test_silu_mul_adds_a_delta_as_add_would(dtype, "cuda")
     test_rope_write_kv_folds_a_fused_expand_as_expand_rows_would(dtype, "cuda")
