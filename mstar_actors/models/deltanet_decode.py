@@ -44,7 +44,9 @@ from .deltanet_ops import Gates
 from .triton_fused import _b_tile, _row_slot, fold_args, fold_block_r
 
 BLOCK_V = 8
+NUM_WARPS = 1
 BLOCK_C = 256  # channels per convolution program (one row each)
+CONV_WARPS = 4
 
 
 @triton.jit
@@ -136,7 +138,7 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates,
         gates.a.stride(0), gates.b.stride(0),
         ssm.stride(0), ssm.stride(1), ssm.stride(2), out.stride(0), out.stride(1), dk**-0.5,
         HV=num_v, GROUP=num_v // num_k, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=BLOCK_V,
-        FRESH_AT=0 if continues.dtype == torch.bool else 1, num_warps=1,
+        FRESH_AT=0 if continues.dtype == torch.bool else 1, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
 
@@ -159,24 +161,31 @@ def _conv_step_kernel(
     taps = tl.arange(0, TAPS)
     w = tl.load(w_ptr + chan[:, None] * stride_wc + taps[None, :] * stride_wk,
                 mask=is_conv[:, None] & (taps < K)[None, :], other=0.0).to(tl.float32)
-    if FOLD:  # in_proj's expand over the whole row: each column's shard, its scale and B (before the wait)
+    if FOLD:  # in_proj's expand over the whole row: B's columns for the row's slot (before the wait)
         lslot, live, offs_r, mask_r = _row_slot(lslot_ptr, row, R, BLOCK_R)
-        shard = tl.zeros([BLOCK_C], tl.int32)
+        b = _b_tile(b_ptr, stride_bs, stride_bn, lslot, 0, chan, in_row, offs_r, mask_r).to(tl.float32)
+        # The shards this block's columns fall in (one, but for narrow ones: b and a).
+        first, last = tl.program_id(1) * BLOCK_C, tl.minimum(tl.program_id(1) * BLOCK_C + BLOCK_C, N) - 1
+        lo, hi = 0, 0
         for s in tl.static_range(1, NUM_SHARDS):
-            shard += (chan >= tl.load(offs_ptr + s)).to(tl.int32)
-        scale = tl.load(sc_ptr + shard * stride_ss + lslot * stride_sl)
-        b = _b_tile(b_ptr, stride_bs, stride_bn, lslot, 0, chan, in_row, offs_r, mask_r)
+            start = tl.load(offs_ptr + s)
+            lo += (first >= start).to(tl.int32)
+            hi += (last >= start).to(tl.int32)
     cont = tl.load(ctx_ptr + row) > 1
     slot = tl.load(slots_ptr + row).to(tl.int64)
     if GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + chan, mask=in_row, other=0.0)
-    if FOLD:  # as triton_fused._plus_expand adds it (expand_rows' rounding), the shrink per column's shard
-        t_cols = (shard * num_slots + lslot) * R
-        t = tl.load(t_ptr + row * stride_t + t_cols[:, None] + offs_r[None, :],
-                    mask=in_row[:, None] & mask_r[None, :], other=0.0).to(tl.float32) * scale[:, None]
-        x = tl.where(live, (x.to(tl.float32) + tl.sum(b.to(tl.float32) * t, axis=1)).to(x.dtype), x)
+    if FOLD:  # as triton_fused._plus_expand adds it (expand_rows' rounding), each shard's shrink on its columns
+        delta = tl.zeros([BLOCK_C], tl.float32)
+        for s in range(lo, hi + 1):
+            scale = tl.load(sc_ptr + s * stride_ss + lslot * stride_sl)
+            t = tl.load(t_ptr + row * stride_t + (s * num_slots + lslot) * R + offs_r, mask=mask_r,
+                        other=0.0).to(tl.float32) * scale
+            ours = (chan >= tl.load(offs_ptr + s)) & (chan < tl.load(offs_ptr + s + 1))
+            delta = tl.where(ours, tl.sum(b * t[None, :], axis=1), delta)
+        x = tl.where(live, (x.to(tl.float32) + delta).to(x.dtype), x)
         tl.store(x_ptr + row * stride_x + chan, x, mask=in_row & ~is_conv)  # z | b | a, for the ops after
     # The window: the slot's K - 1 saved inputs (zeros for a fresh sequence), then this token's.
     saved = prev_ptr + slot * stride_ps + chan[:, None] * stride_pc + taps[None, :]
@@ -227,11 +236,13 @@ def conv_step(proj: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slot
     if rows == 0:
         return out
     offsets = proj if expand is None else expand.stack.offsets_on(proj.device)
-    _conv_step_kernel[(rows, triton.cdiv(width, BLOCK_C))](
+    # A folded expand holds B's [BLOCK_C, rank] tile a program: narrower blocks past rank 16.
+    block_c = BLOCK_C if expand is None else min(BLOCK_C, max(32, 4096 // fold_block_r(expand)))
+    _conv_step_kernel[(rows, triton.cdiv(width, block_c))](
         proj, weight, out, conv, context_lens, slots, channels, width,
         proj.stride(0), out.stride(0), weight.stride(0), weight.stride(1), conv.stride(0), conv.stride(1),
         *fold[:9], offsets, *fold[9:11],
-        K=kernel, TAPS=triton.next_power_of_2(kernel), BLOCK_C=BLOCK_C, FOLD=expand is not None,
-        NUM_SHARDS=num_shards, BLOCK_R=fold_block_r(expand), num_warps=4, **triton_launch.options(proj),
+        K=kernel, TAPS=triton.next_power_of_2(kernel), BLOCK_C=block_c, FOLD=expand is not None,
+        NUM_SHARDS=num_shards, BLOCK_R=fold_block_r(expand), num_warps=CONV_WARPS, **triton_launch.options(proj),
     )  # fmt: skip
     return out
