@@ -24,12 +24,11 @@ rule itself, and the gates' torch ops besides. Here the state is read and
 written once (``tools/bench_deltanet.py`` times both ways).
 
 Program ``(v tile, row * Hv + head)`` holds ``Dk x BLOCK_V`` of one head's
-state (fla's split: ``BLOCK_V`` 8 and one warp, enough programs to fill the
-device at one row; a launch takes at most 65,535 rows x value heads, the
-grid's second axis). Graph safe: the slots and the flags or context
-lengths are device tensors, the grid follows the shapes. A padded row of a graphed step names
-the scratch slot and starts afresh, so it reads no sequence's state and
-writes only the scratch slot.
+state (``NARROW`` / ``WIDE`` by the grid's size; a launch takes at most
+65,535 rows x value heads, the grid's second axis). Graph safe: the slots
+and the flags or context lengths are device tensors, the grid follows the
+shapes. A padded row of a graphed step names the scratch slot and starts
+afresh, so it reads no sequence's state and writes only the scratch slot.
 """
 
 from __future__ import annotations
@@ -43,8 +42,13 @@ from mstar_actors import triton_launch
 from .deltanet_ops import Gates
 from .triton_fused import _b_tile, _row_slot, fold_args, fold_block_r
 
-BLOCK_V = 8
-NUM_WARPS = 1
+# Value columns a program and its warps: narrow tiles while the grid is small
+# (few rows), wider ones past ``WIDE_FROM`` rows x value heads, where fewer,
+# longer reads of each state row pay (swept on the H200 over 8-64 columns and
+# 1-8 warps at 1-128 rows of Qwen3.5-0.8B's heads; ``tools/bench_deltanet.py`` times the pick).
+NARROW = (16, 1)
+WIDE = (32, 2)
+WIDE_FROM = 256
 BLOCK_C = 256  # channels per convolution program (one row each)
 CONV_WARPS = 4
 
@@ -132,13 +136,14 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates,
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if rows == 0:
         return out
-    _delta_decode_kernel[(triton.cdiv(dv, BLOCK_V), rows * num_v)](
+    block_v, warps = WIDE if rows * num_v > WIDE_FROM else NARROW
+    _delta_decode_kernel[(triton.cdiv(dv, block_v), rows * num_v)](
         q, k, v, gates.a, gates.b, gates.A_log, gates.dt_bias, ssm, out, slots, continues,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         gates.a.stride(0), gates.b.stride(0),
         ssm.stride(0), ssm.stride(1), ssm.stride(2), out.stride(0), out.stride(1), dk**-0.5,
-        HV=num_v, GROUP=num_v // num_k, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=BLOCK_V,
-        FRESH_AT=0 if continues.dtype == torch.bool else 1, num_warps=NUM_WARPS,
+        HV=num_v, GROUP=num_v // num_k, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
+        FRESH_AT=0 if continues.dtype == torch.bool else 1, num_warps=warps,
     )  # fmt: skip
     return out
 

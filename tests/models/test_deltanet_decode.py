@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mstar_actors.models import deltanet_decode
 from mstar_actors.models.deltanet_decode import conv_step, decode_step
 from mstar_actors.models.deltanet_ops import Gates, _prepare, recurrent_delta_step
 
@@ -21,7 +22,7 @@ from mstar_actors.models.deltanet_ops import Gates, _prepare, recurrent_delta_st
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="the kernel on CPU tensors needs Triton's interpreter (no CUDA)")
 
-DK, DV = 16, 24  # DV: three of the kernel's 8-wide value tiles, the last one full
+DK, DV = 16, 24  # DV: a 16-wide value tile and half of another (NARROW); one 32-wide, partial (WIDE)
 NUM_SLOTS = 9
 
 
@@ -45,10 +46,13 @@ def reference(q, k, v, gates: Gates, ssm, slots, continues):
     return o.to(v.dtype), out
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
 @pytest.mark.parametrize("dtype, heads, atol", [(torch.float32, (2, 4), 2e-5), (torch.float32, (3, 3), 2e-5),
                                                 (torch.bfloat16, (1, 2), 2e-2)],
                          ids=["fp32-gva", "fp32-equal-heads", "bf16"])
-def test_decode_step_matches_the_recurrent_reference_in_place(dtype, heads, atol):
+def test_decode_step_matches_the_recurrent_reference_in_place(dtype, heads, atol, wide, monkeypatch):
+    if wide:  # the tiles of many rows, here at five
+        monkeypatch.setattr(deltanet_decode, "WIDE_FROM", 0)
     gen = torch.Generator().manual_seed(heads[0] * 10 + heads[1])
     num_k, num_v = heads
     rows = 5
