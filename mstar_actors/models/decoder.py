@@ -36,6 +36,12 @@ def fused_ops(x: torch.Tensor):
     tensor's layout doesn't fit."""
     if cpu_ops.takes(x):
         return cpu_ops
+    return cuda_fused_ops(x)
+
+
+def cuda_fused_ops(x: torch.Tensor):
+    """``triton_fused`` where ``x`` takes it (CUDA activations), else None;
+    also for the CUDA-only kernels ``cpu_ops`` has no twin of."""
     if x.is_cuda:
         from . import triton_fused  # imported on first CUDA use: a CPU server never loads Triton here
 

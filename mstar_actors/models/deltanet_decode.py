@@ -40,12 +40,14 @@ import triton.language as tl
 from mstar_actors import triton_launch
 
 from .deltanet_ops import Gates
-from .triton_fused import _b_tile, _row_slot, fold_args, fold_block_r
+from .triton_fused import _b_tile, _row_slot, _shrunk, fold_args, fold_block_r
 
 # Value columns a program and its warps: narrow tiles while the grid is small
 # (few rows), wider ones past ``WIDE_FROM`` rows x value heads, where fewer,
 # longer reads of each state row pay (swept on the H200 over 8-64 columns and
-# 1-8 warps at 1-128 rows of Qwen3.5-0.8B's heads; ``tools/bench_deltanet.py`` times the pick).
+# 1-8 warps at 1-128 rows of Qwen3.5-0.8B's heads; ``tools/bench_deltanet.py`` times the tiles picked). The
+# two split the sum over Dk differently: a float32 result may differ in its last bit between step sizes on
+# either side of the line, as a GEMM's does between batch sizes.
 NARROW = (16, 1)
 WIDE = (32, 2)
 WIDE_FROM = 256
@@ -185,9 +187,8 @@ def _conv_step_kernel(
     if FOLD:  # as triton_fused._plus_expand adds it (expand_rows' rounding), each shard's shrink on its columns
         delta = tl.zeros([BLOCK_C], tl.float32)
         for s in range(lo, hi + 1):
-            scale = tl.load(sc_ptr + s * stride_ss + lslot * stride_sl)
-            t = tl.load(t_ptr + row * stride_t + (s * num_slots + lslot) * R + offs_r, mask=mask_r,
-                        other=0.0).to(tl.float32) * scale
+            t = _shrunk(t_ptr, row, stride_t, s, num_slots, lslot, R, offs_r, mask_r,
+                        tl.load(sc_ptr + s * stride_ss + lslot * stride_sl))
             ours = (chan >= tl.load(offs_ptr + s)) & (chan < tl.load(offs_ptr + s + 1))
             delta = tl.where(ours, tl.sum(b * t[None, :], axis=1), delta)
         x = tl.where(live, (x.to(tl.float32) + delta).to(x.dtype), x)
@@ -197,6 +198,8 @@ def _conv_step_kernel(
     conv = (chan < tl.where(cont, C, 0))[:, None]  # nothing saved is read for a fresh sequence
     window = tl.load(saved, mask=conv & (taps < K - 1)[None, :], other=0.0).to(tl.float32)
     window = tl.where((taps == K - 1)[None, :], x.to(tl.float32)[:, None], window)
+    # (Summed by ``tl.sum``, where ``_conv_kernel`` adds the taps in order: a row's float32 sum may differ in
+    # its last bit between a pure decode step and a mixed one.)
     acc = tl.sum(window * w, axis=1)
     tl.store(out_ptr + row * stride_o + chan, (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty), mask=is_conv)
     # The slot's new inputs: the window shifted by one (read before any is overwritten).

@@ -95,8 +95,9 @@ class DeltaNetOps(Protocol):
         first ``C`` columns) -> ``silu(causal depthwise conv) [T, C]`` per
         sequence, continuing from (and updating) each sequence's ``pool.conv``
         slot; ``weight [C, K]``. ``delta``: in_proj's LoRA delta still to add
-        (``LoraLinear.forward_parts``'), added to every column of ``proj``
-        first, in place (the gates and z are read there after)."""
+        (``LoraLinear.forward_parts``'), added first: in place to the columns
+        past ``C`` (the gates and z are read there after); the first ``C``
+        may take it on the way in only, so nothing reads them after."""
 
     def delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates, pool: StatePool,
                    meta: AttentionMetadata) -> torch.Tensor:

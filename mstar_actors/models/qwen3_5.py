@@ -32,7 +32,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, PagedAttention, TorchPagedAttention
 from .checkpoint import DECODER_RULES, QK_NORM_RULES, WeightRule
-from .decoder import MLP, CausalLM, LoraEmbedding, LoraLinear, RMSNorm, StackedLinear
+from .decoder import MLP, CausalLM, LoraEmbedding, LoraLinear, RMSNorm, StackedLinear, cuda_fused_ops
 from .deltanet_ops import DeltaNetOps, Gates, StatePool, TorchDeltaNetOps
 from .rope import _rotate_half
 from .sharding import ShardLayout, single_rank_layout
@@ -133,11 +133,9 @@ class GatedRMSNorm(nn.Module):
         """``x [T, H, D]`` (the delta rule's output), ``gate [T, H * D]`` (z,
         a view of in_proj's output) -> ``[T, H * D]``: one launch on CUDA
         (``triton_fused.gated_rms_norm``), else the torch ops."""
-        if x.is_cuda:
-            from . import triton_fused  # imported on first CUDA use, as ``decoder.fused_ops`` does
-
-            if triton_fused.takes(x) and (y := triton_fused.gated_rms_norm(x, gate, self.weight, self.eps)) is not None:
-                return y
+        ops = cuda_fused_ops(x)
+        if ops is not None and (y := ops.gated_rms_norm(x, gate, self.weight, self.eps)) is not None:
+            return y
         return self.reference(x.reshape(-1, x.shape[-1]), gate.reshape(-1, x.shape[-1])).view(gate.shape)
 
     def reference(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -71,6 +71,17 @@ def takes(x: torch.Tensor) -> bool:
 
 
 @triton.jit
+def _inv_rms(x, n, eps, AXIS: tl.constexpr):
+    """``rsqrt(mean(x * x) + eps)`` of float32 ``x`` along ``AXIS`` over ``n``
+    values, the sum of squares in float64 (each product exact): Triton lays a
+    row out by its alignment, so a float32 sum's order, and its last bit,
+    would depend on the row stride, and one token's norm would differ between
+    a step whose rows are views of a wider GEMM output and one whose are not."""
+    x64 = x.to(tl.float64)
+    return tl.math.rsqrt((tl.sum(x64 * x64, axis=AXIS) / n).to(tl.float32) + eps)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, stride_x0, stride_x1, res_ptr, stride_res, w_ptr, out_ptr, n, eps,
                      t_ptr, stride_t, b_ptr, stride_bs, stride_bn, sc_ptr, stride_ss, stride_sl, lslot_ptr,
                      num_slots, R,
@@ -100,12 +111,7 @@ def _rms_norm_kernel(x_ptr, stride_x0, stride_x1, res_ptr, stride_res, w_ptr, ou
         x = (x.to(tl.float32) + y.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(res_ptr + row * stride_res + cols, x, mask=mask)
     x32 = x.to(tl.float32)
-    # The sum of squares in float64 (each product exact): Triton lays a row out
-    # by its alignment, so a float32 sum's order, and its last bit, would
-    # depend on the row stride, and one token's norm would differ between a
-    # step whose rows are views of a wider GEMM output and one whose are not.
-    x64 = x32.to(tl.float64)
-    inv = tl.math.rsqrt((tl.sum(x64 * x64, axis=0) / n).to(tl.float32) + eps)
+    inv = _inv_rms(x32, n, eps, 0)
     if ZERO_CENTERED:  # Qwen3.5's: scaled by 1 + weight in float32, one cast at the end
         out = (x32 * inv) * (1.0 + w)
     else:  # cast, then scaled
@@ -397,8 +403,7 @@ def _gated_rms_norm_kernel(x_ptr, stride_x, g_ptr, stride_g, w_ptr, out_ptr, H, 
         tl.extra.cuda.gdc_launch_dependents()
     dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + at, mask=mask, other=0.0).to(tl.float32)
-    x64 = x.to(tl.float64)  # the sum of squares in float64, as ``rms_norm``'s: its order does not matter
-    inv = tl.math.rsqrt((tl.sum(x64 * x64, axis=1) / D).to(tl.float32) + eps)
+    inv = _inv_rms(x, D, eps, 1)
     scaled = (w[None, :] * (x * inv[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     gate = tl.load(g_ptr + row * stride_g + at, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * H * D + at, (scaled * (gate / (1.0 + tl.exp(-gate)))).to(dtype), mask=mask)

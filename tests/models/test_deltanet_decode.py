@@ -126,22 +126,24 @@ def conv_reference(x, weight, conv, slots, context_lens):
     return torch.nn.functional.silu((window * weight.float()[None]).sum(-1)).to(x.dtype), out
 
 
-def conv_case(gen, rows: int, channels: int, extra: int, dtype: torch.dtype):
+def conv_case(gen, rows: int, channels: int, extra: int, dtype: torch.dtype, kernel: int = KERNEL):
     """in_proj's rows (the convolution's channels, then ``extra`` more) and a
     pool of random saved inputs, NaN in slot 2 (no row continues it)."""
     proj = torch.randn(rows, channels + extra, generator=gen).to(dtype)
-    weight = (torch.randn(channels, KERNEL, generator=gen) / 2).to(dtype)
-    conv = torch.randn(NUM_SLOTS + 1, channels, KERNEL - 1, generator=gen).to(dtype)
+    weight = (torch.randn(channels, kernel, generator=gen) / 2).to(dtype)
+    conv = torch.randn(NUM_SLOTS + 1, channels, kernel - 1, generator=gen).to(dtype)
     conv[2] = float("nan")
     return proj, weight, conv
 
 
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.float16, 2e-3)], ids=["fp32", "fp16"])
-def test_conv_step_matches_the_reference_in_place(dtype, atol):
+@pytest.mark.parametrize("dtype, atol, kernel", [(torch.float32, 1e-5, 4), (torch.float16, 2e-3, 4),
+                                                 (torch.float32, 1e-5, 2), (torch.float32, 1e-5, 3)],
+                         ids=["fp32", "fp16", "fp32-k2", "fp32-k3"])
+def test_conv_step_matches_the_reference_in_place(dtype, atol, kernel):
     """Rows continuing their slot and fresh ones (slot 2 holds NaN: read as
     zeros), a view of wider rows; slots no row names stay as they were."""
     gen = torch.Generator().manual_seed(11)
-    proj, weight, conv = conv_case(gen, 4, 300, 40, dtype)  # two column blocks, the last partial
+    proj, weight, conv = conv_case(gen, 4, 300, 40, dtype, kernel)  # two column blocks, the last partial
     slots = torch.tensor([6, 2, 0, 8])
     context_lens = torch.tensor([9, 1, 4, 2], dtype=torch.int32)
     want_out, want_conv = conv_reference(proj[:, :300], weight, conv, slots, context_lens)
@@ -156,17 +158,19 @@ def test_conv_step_matches_the_reference_in_place(dtype, atol):
     assert torch.equal(proj, before)  # without an expand, in_proj's rows are only read
 
 
-def test_conv_step_folds_in_projs_expand_as_expand_rows_would():
-    """in_proj's expand left to the convolution (``PendingExpand`` over its six
-    shards: q, k, v, z, b, a): the convolution of the expanded input, and z,
-    b and a expanded in place, as ``expand_rows`` then the plain step; rows
-    on slots 1, 0 (base: as it was) and 2 (one shard untargeted)."""
+@pytest.mark.parametrize("sizes, conv_shards", [([96, 96, 128, 128, 4, 4], 3), ([320, 300], 1)],
+                         ids=["qkv-z-b-a", "two-shards"])
+def test_conv_step_folds_in_projs_expand_as_expand_rows_would(sizes, conv_shards):
+    """in_proj's expand left to the convolution (``PendingExpand`` over its
+    shards: Qwen3.5's q, k, v, z, b, a, or any other split of the row): the
+    convolution of the expanded input, and the columns past it expanded in
+    place, as ``expand_rows`` then the plain step; rows on slots 1, 0 (base:
+    as it was) and 2 (one shard untargeted)."""
     from .test_triton_fused import pending_expand
 
     gen = torch.Generator().manual_seed(12)
-    sizes = [96, 96, 128, 128, 4, 4]
-    channels = sum(sizes[:3])
-    proj, weight, conv = conv_case(gen, 3, channels, sum(sizes[3:]), torch.float32)
+    channels = sum(sizes[:conv_shards])
+    proj, weight, conv = conv_case(gen, 3, channels, sum(sizes) - channels, torch.float32)
     out, expand = pending_expand(proj, sizes, [1, 0, 2])
     width = proj.shape[1]
     slots, context_lens = torch.tensor([4, 5, 7]), torch.tensor([3, 8, 1], dtype=torch.int32)
@@ -176,7 +180,7 @@ def test_conv_step_folds_in_projs_expand_as_expand_rows_would():
     want_out = conv_step(want[:, :width], weight, want_conv, slots, context_lens)
     got = conv_step(out[:, :width], weight, conv, slots, context_lens, expand)
     assert torch.equal(got, want_out) and torch.equal(conv.nan_to_num(7.0), want_conv.nan_to_num(7.0))
-    assert torch.equal(out[:, channels:width], want[:, channels:width])  # z, b, a: expanded in place
+    assert torch.equal(out[:, channels:width], want[:, channels:width])  # past the convolution: expanded in place
     assert torch.equal(out[1, :width], proj[1])  # the base row
     assert not torch.equal(want[:, :width], proj)  # the expand changed something
     two = pending_expand(proj, [channels, width - channels], [1, 0, 2])[1]  # any shards of in_proj's width fit
