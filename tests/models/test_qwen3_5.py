@@ -58,7 +58,24 @@ def test_builds_kv_for_attention_layers_and_a_state_slot_per_sequence(world):
 
 
 def test_chunked_prefill_and_mixed_steps_match_transformers(world):
-    folder, hf = world
+    assert_chunked_steps_match_transformers(*world)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the kernels on CPU tensors need Triton's interpreter (no CUDA)")
+def test_its_cuda_only_kernels_keep_the_tokens_in_the_interpreter(world, monkeypatch):
+    """The hybrid layers' kernels that run on CUDA only (``cuda_fused_ops``:
+    the DeltaNet's gated RMSNorm), here on CPU tensors in Triton's
+    interpreter: the same greedy tokens as transformers, prefill in chunks
+    beside decodes."""
+    from mstar_actors.models import qwen3_5, triton_fused
+
+    calls = []
+    monkeypatch.setattr(qwen3_5, "cuda_fused_ops", lambda x: calls.append(x.shape) or triton_fused)
+    assert_chunked_steps_match_transformers(*world)
+    assert calls  # the kernels ran
+
+
+def assert_chunked_steps_match_transformers(folder, hf):
     d = Driver(make_runner(folder))
     ps = prompts()
     # Every prompt in chunks of at most 7 tokens, side by side with the others' decodes.
