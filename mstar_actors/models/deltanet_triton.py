@@ -219,16 +219,15 @@ class TritonDeltaNetOps:
 
     def conv(self, proj: torch.Tensor, weight: torch.Tensor, pool: StatePool, meta: AttentionMetadata,
              delta: torch.Tensor | PendingExpand | None = None) -> torch.Tensor:
+        if _is_pure_decode(meta):  # row i is sequence i; a fused in_proj's expand is added as the rows load
+            step = (proj, weight, pool.conv, meta.state_slots, meta.context_lens)
+            if delta is not None and (out := conv_step(*step, delta)) is not None:
+                return out
+            add_delta(proj, delta)
+            return conv_step(*step)
+        add_delta(proj, delta)
         x = proj[:, :weight.shape[0]]
         _check_conv(x, weight, pool)
-        if _is_pure_decode(meta):  # row i is sequence i; a fused in_proj's expand is added as the rows load
-            out = None if delta is None else conv_step(proj, weight, pool.conv, meta.state_slots, meta.context_lens,
-                                                       delta)
-            if out is None:
-                add_delta(proj, delta)
-                out = conv_step(proj, weight, pool.conv, meta.state_slots, meta.context_lens)
-            return out
-        add_delta(proj, delta)
         out = torch.empty_like(x)
         channels, kernel = weight.shape
         strides = (x.stride(0), out.stride(0), weight.stride(0), weight.stride(1), pool.conv.stride(0),

@@ -247,8 +247,8 @@ class GatedDeltaNet(nn.Module):
             raise RuntimeError("a Gated DeltaNet step needs state slots: the runner attaches the pools "
                                "and each step names its sequences' slots (AttentionMetadata.state_slots)")
         num_tokens = x.shape[0]
-        # A fused in_proj's LoRA expand is left to the convolution (``DeltaNetOps.conv``), which adds it to
-        # every column: z, b and a below are views of proj, read after.
+        # in_proj's LoRA delta is left to the convolution (``DeltaNetOps.conv``), which adds it where z, b
+        # and a below (views of proj) are read after.
         proj, delta = self.in_proj.forward_parts(x, fold=True)
         mixed = self.ops.conv(proj, self.conv1d.weight[:, 0], self.pool, meta, delta)
         z, b, a = proj.split([sum(self.sizes), *self.in_proj.output_sizes[3:]], dim=-1)[1:]
