@@ -162,9 +162,11 @@ class PartialMRotary(nn.Module):
             axis[dim : 3 * section[dim] : 3] = dim
         self.axis = axis
         self.rotary_dim = rotary_dim
-        self.step_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.step_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(cos, sin, signed_sin)`` ``[T, 1, rotary_dim]``; ``signed_sin``
+        has its first half negated (``rope.rotate``'s form, the fused kernel's)."""
         if self.inv_freq.device != positions.device:
             self.inv_freq, self.axis = self.inv_freq.to(positions.device), self.axis.to(positions.device)
         if positions.ndim == 1:
@@ -173,7 +175,9 @@ class PartialMRotary(nn.Module):
             chosen = positions.float().gather(0, self.axis[:, None].expand(-1, positions.shape[1]))
             freqs = chosen.t() * self.inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
+        sin = angles.sin().to(dtype)[:, None, :]
+        half = self.rotary_dim // 2
+        return angles.cos().to(dtype)[:, None, :], sin, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
     def begin_step(self, positions: torch.Tensor, dtype: torch.dtype) -> None:
         self.step_tables = self.tables(positions, dtype)
@@ -182,7 +186,7 @@ class PartialMRotary(nn.Module):
         self.step_tables = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.step_tables if self.step_tables is not None else self.tables(positions, q.dtype)
+        cos, sin, _ = self.step_tables if self.step_tables is not None else self.tables(positions, q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -211,13 +215,34 @@ class GatedAttention(nn.Module):
         num_tokens = x.shape[0]
         q_gate, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         q, gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        self.backend.write_kv(kv_cache, k, v, meta)
+        normed = self._norm_rope_write_kv(positions, q, k, v, kv_cache, meta)
+        if normed is None:
+            q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
+            self.backend.write_kv(kv_cache, k, v, meta)
+        else:
+            q = normed
         out = self.backend.attend(q, kv_cache, meta, self.scale).reshape(num_tokens, -1)
         return self.o_proj.forward_parts(out * torch.sigmoid(gate.reshape(num_tokens, -1)), residual, fold=True)
+
+
+    def _norm_rope_write_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """q's and k's norms, the rotary and the KV write in one launch
+        (``triton_fused.norm_rope_write_kv``) where the step runs the fused
+        CUDA ops and the backend writes as the reference does: q's result;
+        None (nothing done) elsewhere."""
+        if not q.is_cuda or type(self.backend).write_kv is not TorchPagedAttention.write_kv:
+            return None
+        from . import triton_fused  # imported on first CUDA use, as ``decoder.fused_ops`` does
+
+        if not triton_fused.takes(q) or self.q_norm.eps != self.k_norm.eps:
+            return None
+        rotary = self.rotary
+        cos, _, signed_sin = rotary.step_tables if rotary.step_tables is not None else rotary.tables(positions, q.dtype)
+        return triton_fused.norm_rope_write_kv(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos,
+                                               signed_sin, kv_cache, meta.slot_mapping)
 
 
 class GatedDeltaNet(nn.Module):

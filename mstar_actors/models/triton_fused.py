@@ -192,36 +192,46 @@ def _plus_expand(x, w, t, live):
 @triton.jit
 def _rope_write_kv_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh,
                           cos_ptr, sin_ptr, stride_ct, cache_ptr, stride_cs, stride_ch, cache_half, slot_ptr,
-                          num_heads, dq_ptr, dk_ptr, dv_ptr,
+                          num_heads, dq_ptr, dk_ptr, dv_ptr, qo_ptr, stride_qot, stride_qoh, qw_ptr, kw_ptr, eps,
                           t_ptr, stride_t, b_ptr, stride_bs, stride_bn, sc_ptr, stride_ss, stride_sl, lslot_ptr,
                           num_slots, R, k_col, v_col,
-                          HAS_DELTA: tl.constexpr, FOLD: tl.constexpr, BLOCK_R: tl.constexpr,
-                          HALF: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
+                          HAS_DELTA: tl.constexpr, FOLD: tl.constexpr, NORM: tl.constexpr, BLOCK_R: tl.constexpr,
+                          DIM: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    """Program ``(token, head)``: a q head (rotated into ``qo``) or a k head
+    (rotated into the cache, its v beside it). Heads of ``DIM``, the first
+    ``2 HALF`` rotated; ``NORM``: each q and k head first normalised and
+    scaled by ``1 + weight`` (``rms_norm``'s zero-centred arithmetic)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
-    mask = cols < 2 * HALF
-    other = tl.where(cols < HALF, cols + HALF, cols - HALF)  # the rotated half's partner
+    mask = cols < DIM
+    # The rotated half's partner (itself past the rotary dims).
+    other = tl.where(cols < HALF, cols + HALF, tl.where(cols < 2 * HALF, cols - HALF, cols))
+    is_rotated = cols < 2 * HALF
     is_k = h >= num_heads
     kh = tl.maximum(h - num_heads, 0)
-    v_mask = cols < tl.where(is_k, 2 * HALF, 0)
+    v_mask = cols < tl.where(is_k, DIM, 0)
+    if NORM:  # the head's norm weight, at each column and its partner: before the wait (weights)
+        w = tl.where(is_k, tl.load(kw_ptr + cols, mask=mask, other=0.0), tl.load(qw_ptr + cols, mask=mask, other=0.0))
+        wo = tl.where(is_k, tl.load(kw_ptr + other, mask=mask, other=0.0),
+                      tl.load(qw_ptr + other, mask=mask, other=0.0))
     if FOLD:
         # The expand of a fused q|k|v (``expand``): the row's LoRA slot, its
         # scales and B's columns for this head (and v's), before the wait:
         # none is a step's write (``triton_launch``).
         lslot, live, offs_r, mask_r = _row_slot(lslot_ptr, t, R, BLOCK_R)
         shard = tl.where(is_k, 1, 0)
-        first = tl.where(is_k, k_col + kh * 2 * HALF, h * 2 * HALF)
+        first = tl.where(is_k, k_col + kh * DIM, h * DIM)
         scale = tl.load(sc_ptr + shard * stride_ss + lslot * stride_sl)
         v_scale = tl.load(sc_ptr + 2 * stride_ss + lslot * stride_sl)
         bx = _b_tile(b_ptr, stride_bs, stride_bn, lslot, first, cols, mask, offs_r, mask_r)
         bo = _b_tile(b_ptr, stride_bs, stride_bn, lslot, first, other, mask, offs_r, mask_r)
-        bv = _b_tile(b_ptr, stride_bs, stride_bn, lslot, v_col + kh * 2 * HALF, cols, v_mask, offs_r, mask_r)
+        bv = _b_tile(b_ptr, stride_bs, stride_bn, lslot, v_col + kh * DIM, cols, v_mask, offs_r, mask_r)
     if GDC:  # everything below reads the step's own writes (``triton_launch``)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    c = tl.load(cos_ptr + t * stride_ct + cols, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + t * stride_ct + cols, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * stride_ct + cols, mask=is_rotated, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_ct + cols, mask=is_rotated, other=0.0).to(tl.float32)
     # The delta (``rope_write_kv``'s) has q's, k's and v's strides.
     if is_k:
         at = t * stride_kt + kh * stride_kh
@@ -249,17 +259,54 @@ def _rope_write_kv_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_
     dtype = q_ptr.dtype.element_ty
     x = x.to(tl.float32)
     xo = xo.to(tl.float32)
+    if NORM:  # as ``rms_norm`` (zero-centred): the sum of squares in float64, one cast after the scale
+        x64 = x.to(tl.float64)
+        inv = tl.math.rsqrt((tl.sum(x64 * x64, axis=0) / DIM).to(tl.float32) + eps)
+        x = ((x * inv) * (1.0 + w.to(tl.float32))).to(dtype).to(tl.float32)
+        xo = ((xo * inv) * (1.0 + wo.to(tl.float32))).to(dtype).to(tl.float32)
     # torch's rounding: x * cos, swapped * signed_sin, then their sum, each to the dtype.
     rotated = ((x * c).to(dtype).to(tl.float32) + (xo * s).to(dtype).to(tl.float32)).to(dtype)
+    rotated = tl.where(is_rotated, rotated, x.to(dtype))
     if is_k:
         if slot >= 0:  # a negative slot is a padding row: not written
             dst = cache_ptr + slot * stride_cs + kh * stride_ch + cols
             tl.store(dst, rotated, mask=mask)
             tl.store(dst + cache_half, v, mask=mask)
     else:
-        # Every lane read its partner above, before any lane writes.
+        # Every lane read its partner above, before any lane writes (q may be rotated in place).
         tl.debug_barrier()
-        tl.store(base + cols, rotated, mask=mask)
+        tl.store(qo_ptr + t * stride_qot + h * stride_qoh + cols, rotated, mask=mask)
+
+
+def _paged_layout_fits(q, k, v, cos, signed_sin, kv_cache, slot_mapping) -> bool:
+    """Whether q, k, v, the rotary tables and the cache take ``_rope_write_kv_kernel``."""
+    num_tokens, _, head_dim = q.shape
+    return not (head_dim % 2 or head_dim > 1024 or not kv_cache.is_contiguous() or kv_cache.dtype != q.dtype
+                or k.dtype != q.dtype or v.dtype != q.dtype or cos.dtype != q.dtype or signed_sin.dtype != q.dtype
+                or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
+                or cos.shape[0] != num_tokens or cos.stride() != signed_sin.stride() or cos.stride(-1) != 1
+                or cos.shape[-1] % 2 or cos.shape[-1] > head_dim
+                or any(t.stride(-1) != 1 for t in (q, k, v)) or kv_cache.shape[-1] != head_dim
+                or kv_cache.shape[-2] != k.shape[1])
+
+
+def _launch_rope_write_kv(q, k, v, cos, signed_sin, kv_cache, slot_mapping, parts, fold, q_out, norms, *,
+                          has_delta: bool, expand) -> None:
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if not num_tokens:
+        return
+    q_weight, k_weight, eps = norms if norms is not None else (q, q, 0.0)
+    slots = kv_cache[0].view(-1, num_kv_heads, head_dim)
+    _rope_write_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
+        q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
+        cos, signed_sin, cos.stride(0), kv_cache, slots.stride(0), slots.stride(1), kv_cache[0].numel(),
+        slot_mapping, num_heads, *parts, q_out, q_out.stride(0), q_out.stride(1), q_weight, k_weight, eps, *fold,
+        HAS_DELTA=has_delta, FOLD=expand is not None, NORM=norms is not None, BLOCK_R=fold_block_r(expand),
+        DIM=head_dim, HALF=cos.shape[-1] // 2, BLOCK=triton.next_power_of_2(head_dim),
+        # A folded expand holds three [head_dim, rank] tiles of B a program: more warps past rank 16.
+        num_warps=(1 if head_dim <= 128 else 2) * (fold_block_r(expand) // 16),
+        enable_fp_fusion=False, **triton_launch.options(q))  # float32: no FMA, torch's two roundings
 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
@@ -288,24 +335,31 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
             return False
     else:
         parts = (q, k, v)
-    if (head_dim % 2 or head_dim > 1024 or not kv_cache.is_contiguous() or kv_cache.dtype != q.dtype
-            or k.dtype != q.dtype or v.dtype != q.dtype or cos.dtype != q.dtype or signed_sin.dtype != q.dtype
-            or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
-            or cos.shape[0] != num_tokens or cos.stride() != signed_sin.stride() or cos.stride(-1) != 1
-            or any(t.stride(-1) != 1 for t in (q, k, v)) or kv_cache.shape[-1] != head_dim
-            or kv_cache.shape[-2] != num_kv_heads):
+    if not _paged_layout_fits(q, k, v, cos, signed_sin, kv_cache, slot_mapping) or cos.shape[-1] != head_dim:
         return False
-    if num_tokens:
-        slots = kv_cache[0].view(-1, num_kv_heads, head_dim)
-        _rope_write_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
-            q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
-            cos, signed_sin, cos.stride(0), kv_cache, slots.stride(0), slots.stride(1), kv_cache[0].numel(),
-            slot_mapping, num_heads, *parts, *fold, HAS_DELTA=delta is not None, FOLD=expand is not None,
-            BLOCK_R=fold_block_r(expand), HALF=head_dim // 2, BLOCK=triton.next_power_of_2(head_dim),
-            # A folded expand holds three [head_dim, rank] tiles of B a program: more warps past rank 16.
-            num_warps=(1 if head_dim <= 128 else 2) * (fold_block_r(expand) // 16),
-            enable_fp_fusion=False, **triton_launch.options(q))  # float32: no FMA, torch's two roundings
+    _launch_rope_write_kv(q, k, v, cos, signed_sin, kv_cache, slot_mapping, parts, fold, q, None,
+                          has_delta=delta is not None, expand=expand)
     return True
+
+
+def norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                       k_weight: torch.Tensor, eps: float, cos: torch.Tensor, signed_sin: torch.Tensor,
+                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor | None:
+    """Qwen3.5's gated attention before ``attend``, in one launch: each q and k
+    head normalised (``ZeroCenteredRMSNorm``: weights ``q_weight``,
+    ``k_weight [D]``), its first ``R`` dims rotated by ``cos`` and
+    ``signed_sin`` (``[T, 1, R]``), k and v written at ``slot_mapping`` into
+    ``kv_cache`` as ``rope_write_kv`` writes them; returns q's result,
+    ``[T, H, D]`` contiguous (``q``, ``k`` and ``v`` may be strided views:
+    none is written). None where the tensors don't fit."""
+    num_tokens, num_heads, head_dim = q.shape
+    if (not _paged_layout_fits(q, k, v, cos, signed_sin, kv_cache, slot_mapping)
+            or any(w.shape != (head_dim,) or w.dtype != q.dtype or not w.is_contiguous() for w in (q_weight, k_weight))):
+        return None
+    q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    _launch_rope_write_kv(q, k, v, cos, signed_sin, kv_cache, slot_mapping, (q, k, v), fold_args(None, q, []),
+                          q_out, (q_weight, k_weight, eps), has_delta=False, expand=None)
+    return q_out
 
 
 def _delta_heads(delta: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple | None:

@@ -15,7 +15,7 @@ from mstar_actors.lora import LoraStack, triton_ops
 from mstar_actors.models import triton_fused
 from mstar_actors.models.lora_layers import PendingExpand
 from mstar_actors.models.decoder import RMSNorm
-from mstar_actors.models.qwen3_5 import GatedRMSNorm, ZeroCenteredRMSNorm
+from mstar_actors.models.qwen3_5 import GatedRMSNorm, PartialMRotary, ZeroCenteredRMSNorm
 from mstar_actors.models.rope import RotaryEmbedding, rotate
 from mstar_actors.models.spec import RopeSpec
 
@@ -278,6 +278,37 @@ def test_silu_mul_equals_torch_to_rounding(dtype, device="cpu"):
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_norm_rope_write_kv_equals_norms_partial_rotary_and_index_copy(dtype, device="cpu"):
+    """Qwen3.5's gated attention: q heads strided in ``[q_h | gate_h]`` rows,
+    k and v views of the same projection, a rotary over a quarter of each
+    head; the result that of the norm kernel, ``PartialMRotary`` and
+    ``index_copy``, bit for bit (float32 too), q returned, nothing written in place."""
+    gen = torch.Generator().manual_seed(15)
+    tokens, heads, kv_heads, dim = 3, 4, 2, 32
+    proj = (2 * torch.randn(tokens, heads * 2 * dim + 2 * kv_heads * dim, generator=gen)).to(dtype).to(device)
+    q_gate, k, v = proj.split([heads * 2 * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q = q_gate.view(tokens, heads, 2 * dim)[..., :dim]
+    k, v = k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+    q_weight, k_weight = ((torch.randn(2, dim, generator=gen) / 4).to(dtype).to(device)).unbind(0)
+    rotary = PartialMRotary(10000.0, 8, (2, 1, 1))
+    positions = torch.tensor([5, 17, 300], device=device)
+    cos, _, signed_sin = rotary.tables(positions, dtype)
+    cache = torch.zeros(2, 6, 4, kv_heads, dim, dtype=dtype, device=device)
+    slots = torch.tensor([7, 0, 22], device=device)
+    want_q, want_k = rotary(positions, triton_fused.rms_norm(q, q_weight, 1e-6, zero_centered=True),
+                            triton_fused.rms_norm(k, k_weight, 1e-6, zero_centered=True))
+    want_cache = cache.clone()
+    flat = want_cache.view(2, -1, kv_heads, dim)
+    flat[0].index_copy_(0, slots, want_k)
+    flat[1].index_copy_(0, slots, v)
+    before = proj.clone()
+    got = triton_fused.norm_rope_write_kv(q, k, v, q_weight, k_weight, 1e-6, cos, signed_sin, cache, slots)
+    assert got.is_contiguous() and torch.equal(got, want_q) and torch.equal(cache, want_cache)
+    assert torch.equal(proj, before)
+    assert triton_fused.norm_rope_write_kv(q, k, v, q_weight[:8], k_weight, 1e-6, cos, signed_sin, cache, slots) is None
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
 def test_gated_rms_norm_equals_the_layers_torch_ops_to_rounding(dtype, device="cpu"):
     """Qwen3.5's DeltaNet output norm: heads of the delta rule's output, the
     gate a strided view of in_proj's wider rows (as the layer hands them)."""
@@ -308,6 +339,7 @@ def test_kernels_compiled_on_gpu(dtype):
     test_rope_write_kv_equals_rotate_and_index_copy_bit_for_bit(dtype, "cuda")
     test_silu_mul_equals_torch_to_rounding(dtype, "cuda")
     test_gated_rms_norm_equals_the_layers_torch_ops_to_rounding(dtype, "cuda")
+    test_norm_rope_write_kv_equals_norms_partial_rotary_and_index_copy(dtype, "cuda")
     test_rope_write_kv_adds_a_delta_as_add_would(dtype, "cuda")
     test_silu_mul_adds_a_delta_as_add_would(dtype, "cuda")
     test_rope_write_kv_folds_a_fused_expand_as_expand_rows_would(dtype, "cuda")
