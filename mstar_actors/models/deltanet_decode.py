@@ -154,6 +154,12 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates,
 
 
 @triton.jit
+def _tap(tile, taps, j):
+    """Column ``j`` of ``tile [C, TAPS]``, exactly (a sum of it and zeros)."""
+    return tl.sum(tl.where((taps == j)[None, :], tile, 0.0), axis=1)
+
+
+@triton.jit
 def _conv_step_kernel(
     x_ptr, w_ptr, out_ptr, prev_ptr, ctx_ptr, slots_ptr, C, N,
     stride_x, stride_o, stride_wc, stride_wk, stride_ps, stride_pc,
@@ -198,9 +204,10 @@ def _conv_step_kernel(
     conv = (chan < tl.where(cont, C, 0))[:, None]  # nothing saved is read for a fresh sequence
     window = tl.load(saved, mask=conv & (taps < K - 1)[None, :], other=0.0).to(tl.float32)
     window = tl.where((taps == K - 1)[None, :], x.to(tl.float32)[:, None], window)
-    # (Summed by ``tl.sum``, where ``_conv_kernel`` adds the taps in order: a row's float32 sum may differ in
-    # its last bit between a pure decode step and a mixed one.)
-    acc = tl.sum(window * w, axis=1)
+    # Summed tap by tap in order, as ``_conv_kernel`` sums them: a row's result is the same in a mixed step.
+    acc = tl.zeros([BLOCK_C], tl.float32)
+    for j in tl.static_range(K):
+        acc += _tap(window, taps, j) * _tap(w, taps, j)
     tl.store(out_ptr + row * stride_o + chan, (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty), mask=is_conv)
     # The slot's new inputs: the window shifted by one (read before any is overwritten).
     shifted = tl.load(saved + 1, mask=conv & (taps < K - 2)[None, :], other=0.0)

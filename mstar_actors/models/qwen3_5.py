@@ -34,7 +34,7 @@ from .attention import AttentionMetadata, PagedAttention, TorchPagedAttention
 from .checkpoint import DECODER_RULES, QK_NORM_RULES, WeightRule
 from .decoder import MLP, CausalLM, LoraEmbedding, LoraLinear, RMSNorm, StackedLinear, cuda_fused_ops
 from .deltanet_ops import DeltaNetOps, Gates, StatePool, TorchDeltaNetOps
-from .rope import _rotate_half
+from .rope import rotate
 from .sharding import ShardLayout, single_rank_layout
 from .spec import FULL_ATTENTION, ModelLoadError, ModelSpec, default_layer_types
 
@@ -162,11 +162,11 @@ class PartialMRotary(nn.Module):
             axis[dim : 3 * section[dim] : 3] = dim
         self.axis = axis
         self.rotary_dim = rotary_dim
-        self.step_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.step_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(cos, sin, signed_sin)`` ``[T, 1, rotary_dim]``; ``signed_sin``
-        has its first half negated (``rope.rotate``'s form, the fused kernel's)."""
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, signed_sin)`` ``[T, 1, rotary_dim]``, the sine's first half
+        negated (``rope.rotate``'s form, the fused kernel's)."""
         if self.inv_freq.device != positions.device:
             self.inv_freq, self.axis = self.inv_freq.to(positions.device), self.axis.to(positions.device)
         if positions.ndim == 1:
@@ -177,7 +177,7 @@ class PartialMRotary(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         sin = angles.sin().to(dtype)[:, None, :]
         half = self.rotary_dim // 2
-        return angles.cos().to(dtype)[:, None, :], sin, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return angles.cos().to(dtype)[:, None, :], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
     def begin_step(self, positions: torch.Tensor, dtype: torch.dtype) -> None:
         self.step_tables = self.tables(positions, dtype)
@@ -186,12 +186,12 @@ class PartialMRotary(nn.Module):
         self.step_tables = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin, _ = self.step_tables if self.step_tables is not None else self.tables(positions, q.dtype)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        cos, signed_sin = self.step_tables if self.step_tables is not None else self.tables(positions, q.dtype)
+        return self._rotate(q, cos, signed_sin), self._rotate(k, cos, signed_sin)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
+        return torch.cat((rotate(rot, cos, signed_sin), rest), dim=-1)
 
 
 class GatedAttention(nn.Module):
@@ -233,15 +233,13 @@ class GatedAttention(nn.Module):
         (``triton_fused.norm_rope_write_kv``) where the step runs the fused
         CUDA ops and the backend writes as the reference does: q's result;
         None (nothing done) elsewhere."""
-        if not q.is_cuda or type(self.backend).write_kv is not TorchPagedAttention.write_kv:
-            return None
-        from . import triton_fused  # imported on first CUDA use, as ``decoder.fused_ops`` does
-
-        if not triton_fused.takes(q) or self.q_norm.eps != self.k_norm.eps:
+        ops = cuda_fused_ops(q)
+        if (ops is None or type(self.backend).write_kv is not TorchPagedAttention.write_kv
+                or self.q_norm.eps != self.k_norm.eps):
             return None
         rotary = self.rotary
-        cos, _, signed_sin = rotary.step_tables if rotary.step_tables is not None else rotary.tables(positions, q.dtype)
-        return triton_fused.norm_rope_write_kv(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos,
+        cos, signed_sin = rotary.step_tables if rotary.step_tables is not None else rotary.tables(positions, q.dtype)
+        return ops.norm_rope_write_kv(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos,
                                                signed_sin, kv_cache, meta.slot_mapping)
 
 

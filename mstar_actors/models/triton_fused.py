@@ -260,8 +260,7 @@ def _rope_write_kv_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_
     x = x.to(tl.float32)
     xo = xo.to(tl.float32)
     if NORM:  # as ``rms_norm`` (zero-centred): the sum of squares in float64, one cast after the scale
-        x64 = x.to(tl.float64)
-        inv = tl.math.rsqrt((tl.sum(x64 * x64, axis=0) / DIM).to(tl.float32) + eps)
+        inv = _inv_rms(x, DIM, eps, 0)
         x = ((x * inv) * (1.0 + w.to(tl.float32))).to(dtype).to(tl.float32)
         xo = ((xo * inv) * (1.0 + wo.to(tl.float32))).to(dtype).to(tl.float32)
     # torch's rounding: x * cos, swapped * signed_sin, then their sum, each to the dtype.

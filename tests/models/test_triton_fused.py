@@ -292,7 +292,7 @@ def test_norm_rope_write_kv_equals_norms_partial_rotary_and_index_copy(dtype, de
     q_weight, k_weight = ((torch.randn(2, dim, generator=gen) / 4).to(dtype).to(device)).unbind(0)
     rotary = PartialMRotary(10000.0, 8, (2, 1, 1))
     positions = torch.tensor([5, 17, 300], device=device)
-    cos, _, signed_sin = rotary.tables(positions, dtype)
+    cos, signed_sin = rotary.tables(positions, dtype)
     cache = torch.zeros(2, 6, 4, kv_heads, dim, dtype=dtype, device=device)
     slots = torch.tensor([7, 0, 22], device=device)
     want_q, want_k = rotary(positions, triton_fused.rms_norm(q, q_weight, 1e-6, zero_centered=True),
