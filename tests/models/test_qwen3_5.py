@@ -64,9 +64,9 @@ def test_chunked_prefill_and_mixed_steps_match_transformers(world):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the kernels on CPU tensors need Triton's interpreter (no CUDA)")
 def test_its_cuda_only_kernels_keep_the_tokens_in_the_interpreter(world, monkeypatch):
     """The hybrid layers' kernels that run on CUDA only (``cuda_fused_ops``:
-    the DeltaNet's gated RMSNorm), here on CPU tensors in Triton's
-    interpreter: the same greedy tokens as transformers, prefill in chunks
-    beside decodes."""
+    the DeltaNet's gated RMSNorm, the gated attention's norms, rotary and KV
+    write), here on CPU tensors in Triton's interpreter: the same greedy
+    tokens as transformers, prefill in chunks beside decodes."""
     from mstar_actors.models import qwen3_5, triton_fused
 
     calls = []
