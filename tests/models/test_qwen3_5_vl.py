@@ -66,7 +66,17 @@ def reference(hf, preparer, draft) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
-def test_runner_matches_generate_for_image_video_and_text(qwen3_5_model):
+@pytest.mark.parametrize("cuda_kernels", [
+    False,
+    # The layers' CUDA-only kernels (the fused attention with its three-axis rotary positions, the gated
+    # norm) on CPU tensors in Triton's interpreter.
+    pytest.param(True, marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs Triton's interpreter")),
+], ids=["torch", "cuda-kernels-interpreted"])
+def test_runner_matches_generate_for_image_video_and_text(qwen3_5_model, cuda_kernels, monkeypatch):
+    if cuda_kernels:
+        from mstar_actors.models import qwen3_5, triton_fused
+
+        monkeypatch.setattr(qwen3_5, "cuda_fused_ops", lambda x: triton_fused)
     from mstar_actors.model_info import load_model_info
     from mstar_actors.prepare.media import MediaLimits
     from mstar_actors.prepare.preparers import load_preparer, with_media
