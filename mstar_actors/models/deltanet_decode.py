@@ -40,7 +40,7 @@ import triton.language as tl
 from mstar_actors import triton_launch
 
 from .deltanet_ops import Gates
-from .triton_fused import _b_tile, _row_slot, _shrunk, fold_args, fold_block_r
+from .triton_fused import _b_tile, _b_tile_of, _row_slot, _shrunk, fold_args, fold_block_r, fold_rows
 
 # Value columns a program and its warps: narrow tiles while the grid is small
 # (few rows), wider ones past ``WIDE_FROM`` rows x value heads, where fewer,
@@ -161,22 +161,24 @@ def _tap(tile, taps, j):
 
 @triton.jit
 def _conv_step_kernel(
-    x_ptr, w_ptr, out_ptr, prev_ptr, ctx_ptr, slots_ptr, C, N,
+    x_ptr, w_ptr, out_ptr, prev_ptr, ctx_ptr, slots_ptr, M, C, N,
     stride_x, stride_o, stride_wc, stride_wk, stride_ps, stride_pc,
     t_ptr, stride_t, b_ptr, stride_bs, stride_bn, sc_ptr, stride_ss, stride_sl, lslot_ptr, offs_ptr, num_slots, R,
     K: tl.constexpr, TAPS: tl.constexpr, BLOCK_C: tl.constexpr, FOLD: tl.constexpr, NUM_SHARDS: tl.constexpr,
-    BLOCK_R: tl.constexpr, GDC: tl.constexpr,
+    BLOCK_R: tl.constexpr, ROWS: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
+    """``ROWS`` consecutive rows a program (``triton_fused.fold_rows``), a
+    block of channels, each row's arithmetic the same whatever ``ROWS`` is."""
+    first_row = tl.program_id(0).to(tl.int64) * ROWS
     chan = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     in_row = chan < N
     is_conv = chan < C
     taps = tl.arange(0, TAPS)
     w = tl.load(w_ptr + chan[:, None] * stride_wc + taps[None, :] * stride_wk,
                 mask=is_conv[:, None] & (taps < K)[None, :], other=0.0).to(tl.float32)
-    if FOLD:  # in_proj's expand over the whole row: B's columns for the row's slot (before the wait)
-        lslot, live, offs_r, mask_r = _row_slot(lslot_ptr, row, R, BLOCK_R)
-        b = _b_tile(b_ptr, stride_bs, stride_bn, lslot, 0, chan, in_row, offs_r, mask_r).to(tl.float32)
+    if FOLD:  # in_proj's expand over the whole row: B's columns for the first row's slot (before the wait)
+        slot0, _, offs_r, mask_r0 = _row_slot(lslot_ptr, first_row, first_row < M, R, BLOCK_R)
+        b0 = _b_tile(b_ptr, stride_bs, stride_bn, slot0, 0, chan, in_row, offs_r, mask_r0)
         # The shards this block's columns fall in (one, but for narrow ones: b and a).
         first, last = tl.program_id(1) * BLOCK_C, tl.minimum(tl.program_id(1) * BLOCK_C + BLOCK_C, N) - 1
         lo, hi = 0, 0
@@ -184,36 +186,44 @@ def _conv_step_kernel(
             start = tl.load(offs_ptr + s)
             lo += (first >= start).to(tl.int32)
             hi += (last >= start).to(tl.int32)
-    cont = tl.load(ctx_ptr + row) > 1
-    slot = tl.load(slots_ptr + row).to(tl.int64)
     if GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    x = tl.load(x_ptr + row * stride_x + chan, mask=in_row, other=0.0)
-    if FOLD:  # as triton_fused._plus_expand adds it (expand_rows' rounding), each shard's shrink on its columns
-        delta = tl.zeros([BLOCK_C], tl.float32)
-        for s in range(lo, hi + 1):
-            t = _shrunk(t_ptr, row, stride_t, s, num_slots, lslot, R, offs_r, mask_r,
-                        tl.load(sc_ptr + s * stride_ss + lslot * stride_sl))
-            ours = (chan >= tl.load(offs_ptr + s)) & (chan < tl.load(offs_ptr + s + 1))
-            delta = tl.where(ours, tl.sum(b * t[None, :], axis=1), delta)
-        x = tl.where(live, (x.to(tl.float32) + delta).to(x.dtype), x)
-        tl.store(x_ptr + row * stride_x + chan, x, mask=in_row & ~is_conv)  # z | b | a, for the ops after
-    # The window: the slot's K - 1 saved inputs (zeros for a fresh sequence), then this token's.
-    saved = prev_ptr + slot * stride_ps + chan[:, None] * stride_pc + taps[None, :]
-    conv = (chan < tl.where(cont, C, 0))[:, None]  # nothing saved is read for a fresh sequence
-    window = tl.load(saved, mask=conv & (taps < K - 1)[None, :], other=0.0).to(tl.float32)
-    window = tl.where((taps == K - 1)[None, :], x.to(tl.float32)[:, None], window)
-    # Summed tap by tap in order, as ``_conv_kernel`` sums them: a row's result is the same in a mixed step.
-    acc = tl.zeros([BLOCK_C], tl.float32)
-    for j in tl.static_range(K):
-        acc += _tap(window, taps, j) * _tap(w, taps, j)
-    tl.store(out_ptr + row * stride_o + chan, (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty), mask=is_conv)
-    # The slot's new inputs: the window shifted by one (read before any is overwritten).
-    shifted = tl.load(saved + 1, mask=conv & (taps < K - 2)[None, :], other=0.0)
-    shifted = tl.where((taps == K - 2)[None, :], x.to(prev_ptr.dtype.element_ty)[:, None], shifted)
-    tl.debug_barrier()
-    tl.store(saved, shifted, mask=is_conv[:, None] & (taps < K - 1)[None, :])
+    for j in tl.static_range(ROWS):
+        row = first_row + j
+        ok = row < M
+        row_in = chan < tl.where(ok, N, 0)  # in_row and is_conv, nothing past the last row
+        row_conv = chan < tl.where(ok, C, 0)
+        cont = tl.load(ctx_ptr + row, mask=ok, other=0) > 1
+        slot = tl.load(slots_ptr + row, mask=ok, other=0).to(tl.int64)
+        x = tl.load(x_ptr + row * stride_x + chan, mask=row_in, other=0.0)
+        if FOLD:  # as triton_fused._plus_expand adds it (expand_rows' rounding), each shard's shrink on its columns
+            lslot, live, _, mask_r = _row_slot(lslot_ptr, row, ok, R, BLOCK_R)
+            b = _b_tile_of(b_ptr, stride_bs, stride_bn, lslot, slot0, b0, 0, chan, row_in, offs_r,
+                           mask_r).to(tl.float32)
+            delta = tl.zeros([BLOCK_C], tl.float32)
+            for s in range(lo, hi + 1):
+                t = _shrunk(t_ptr, row, stride_t, s, num_slots, lslot, R, offs_r, mask_r,
+                            tl.load(sc_ptr + s * stride_ss + lslot * stride_sl))
+                ours = (chan >= tl.load(offs_ptr + s)) & (chan < tl.load(offs_ptr + s + 1))
+                delta = tl.where(ours, tl.sum(b * t[None, :], axis=1), delta)
+            x = tl.where(live, (x.to(tl.float32) + delta).to(x.dtype), x)
+            tl.store(x_ptr + row * stride_x + chan, x, mask=row_in & ~is_conv)  # z | b | a, for the ops after
+        # The window: the slot's K - 1 saved inputs (zeros for a fresh sequence), then this token's.
+        saved = prev_ptr + slot * stride_ps + chan[:, None] * stride_pc + taps[None, :]
+        conv = (chan < tl.where(cont, C, 0))[:, None]  # nothing saved is read for a fresh sequence (nor past M)
+        window = tl.load(saved, mask=conv & (taps < K - 1)[None, :], other=0.0).to(tl.float32)
+        window = tl.where((taps == K - 1)[None, :], x.to(tl.float32)[:, None], window)
+        # Summed tap by tap in order, as ``_conv_kernel`` sums them: a row's result is the same in a mixed step.
+        acc = tl.zeros([BLOCK_C], tl.float32)
+        for i in tl.static_range(K):
+            acc += _tap(window, taps, i) * _tap(w, taps, i)
+        tl.store(out_ptr + row * stride_o + chan, (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty), mask=row_conv)
+        # The slot's new inputs: the window shifted by one (read before any is overwritten).
+        shifted = tl.load(saved + 1, mask=conv & (taps < K - 2)[None, :], other=0.0)
+        shifted = tl.where((taps == K - 2)[None, :], x.to(prev_ptr.dtype.element_ty)[:, None], shifted)
+        tl.debug_barrier()
+        tl.store(saved, shifted, mask=row_conv[:, None] & (taps < K - 1)[None, :])
 
 
 def conv_step(proj: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor,
@@ -253,11 +263,12 @@ def conv_step(proj: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slot
     offsets = proj if expand is None else expand.stack.offsets_on(proj.device)
     # A folded expand holds B's [BLOCK_C, rank] tile a program: narrower blocks past rank 16.
     block_c = BLOCK_C if expand is None else min(BLOCK_C, max(32, 4096 // fold_block_r(expand)))
-    _conv_step_kernel[(rows, triton.cdiv(width, block_c))](
-        proj, weight, out, conv, context_lens, slots, channels, width,
+    per = fold_rows(rows, expand)
+    _conv_step_kernel[(triton.cdiv(rows, per), triton.cdiv(width, block_c))](
+        proj, weight, out, conv, context_lens, slots, rows, channels, width,
         proj.stride(0), out.stride(0), weight.stride(0), weight.stride(1), conv.stride(0), conv.stride(1),
         *fold[:9], offsets, *fold[9:11],
         K=kernel, TAPS=triton.next_power_of_2(kernel), BLOCK_C=block_c, FOLD=expand is not None,
-        NUM_SHARDS=num_shards, BLOCK_R=fold_block_r(expand), num_warps=CONV_WARPS, **triton_launch.options(proj),
+        NUM_SHARDS=num_shards, BLOCK_R=fold_block_r(expand), ROWS=per, num_warps=CONV_WARPS, **triton_launch.options(proj),
     )  # fmt: skip
     return out

@@ -126,12 +126,13 @@ def conv_reference(x, weight, conv, slots, context_lens):
     return torch.nn.functional.silu((window * weight.float()[None]).sum(-1)).to(x.dtype), out
 
 
-def conv_case(gen, rows: int, channels: int, extra: int, dtype: torch.dtype, kernel: int = KERNEL):
+def conv_case(gen, rows: int, channels: int, extra: int, dtype: torch.dtype, kernel: int = KERNEL,
+              slots: int = NUM_SLOTS):
     """in_proj's rows (the convolution's channels, then ``extra`` more) and a
-    pool of random saved inputs, NaN in slot 2 (no row continues it)."""
+    pool of ``slots`` random saved inputs, NaN in slot 2 (no row continues it)."""
     proj = torch.randn(rows, channels + extra, generator=gen).to(dtype)
     weight = (torch.randn(channels, kernel, generator=gen) / 2).to(dtype)
-    conv = torch.randn(NUM_SLOTS + 1, channels, kernel - 1, generator=gen).to(dtype)
+    conv = torch.randn(slots + 1, channels, kernel - 1, generator=gen).to(dtype)
     conv[2] = float("nan")
     return proj, weight, conv
 
@@ -158,32 +159,45 @@ def test_conv_step_matches_the_reference_in_place(dtype, atol, kernel):
     assert torch.equal(proj, before)  # without an expand, in_proj's rows are only read
 
 
+@pytest.mark.parametrize("rows", ["3-rows", "37-rows"])
 @pytest.mark.parametrize("sizes, conv_shards", [([96, 96, 128, 128, 4, 4], 3), ([320, 300], 1)],
                          ids=["qkv-z-b-a", "two-shards"])
-def test_conv_step_folds_in_projs_expand_as_expand_rows_would(sizes, conv_shards):
+def test_conv_step_folds_in_projs_expand_as_expand_rows_would(sizes, conv_shards, rows, monkeypatch):
     """in_proj's expand left to the convolution (``PendingExpand`` over its
     shards: Qwen3.5's q, k, v, z, b, a, or any other split of the row): the
     convolution of the expanded input, and the columns past it expanded in
     place, as ``expand_rows`` then the plain step; rows on slots 1, 0 (base:
-    as it was) and 2 (one shard untargeted)."""
-    from .test_triton_fused import pending_expand
+    as it was) and 2 (one shard untargeted), several a program past 15 rows
+    with the same result as one a program."""
+    from .test_triton_fused import FOLD_SLOTS, pending_expand, with_one_row_a_program
 
     gen = torch.Generator().manual_seed(12)
+    row_slots = FOLD_SLOTS[rows]
+    num_rows = len(row_slots)
     channels = sum(sizes[:conv_shards])
-    proj, weight, conv = conv_case(gen, 3, channels, sum(sizes) - channels, torch.float32)
-    out, expand = pending_expand(proj, sizes, [1, 0, 2])
+    proj, weight, conv = conv_case(gen, num_rows, channels, sum(sizes) - channels, torch.float32,
+                                   slots=num_rows + NUM_SLOTS)
+    out, expand = pending_expand(proj, sizes, row_slots)
     width = proj.shape[1]
-    slots, context_lens = torch.tensor([4, 5, 7]), torch.tensor([3, 8, 1], dtype=torch.int32)
+    # Each row its own state slot, every fourth fresh (the second, on slot 2: its NaN read as zeros).
+    slots = torch.arange(1, num_rows + 1)
+    context_lens = torch.tensor([1 if i % 4 == 1 else 3 + i for i in range(num_rows)], dtype=torch.int32)
     want = out.clone()
     expand._replace(t=want[:, width:]).apply(want[:, :width])
     want_conv = conv.clone()
     want_out = conv_step(want[:, :width], weight, want_conv, slots, context_lens)
+    again, again_conv = out.clone(), conv.clone()
     got = conv_step(out[:, :width], weight, conv, slots, context_lens, expand)
     assert torch.equal(got, want_out) and torch.equal(conv.nan_to_num(7.0), want_conv.nan_to_num(7.0))
     assert torch.equal(out[:, channels:width], want[:, channels:width])  # past the convolution: expanded in place
-    assert torch.equal(out[1, :width], proj[1])  # the base row
+    base = [i for i, slot in enumerate(row_slots) if slot == 0]
+    assert torch.equal(out[base, :width], proj[base])  # the base rows
     assert not torch.equal(want[:, :width], proj)  # the expand changed something
-    two = pending_expand(proj, [channels, width - channels], [1, 0, 2])[1]  # any shards of in_proj's width fit
+    one = with_one_row_a_program(monkeypatch, lambda: conv_step(again[:, :width], weight, again_conv, slots, context_lens,
+                                                                expand._replace(t=again[:, width:])))
+    assert torch.equal(one, got) and torch.equal(again, out) and torch.equal(again_conv.nan_to_num(7.0),
+                                                                             conv.nan_to_num(7.0))
+    two = pending_expand(proj, [channels, width - channels], row_slots)[1]  # any shards of in_proj's width fit
     assert conv_step(out[:, :width], weight, conv, slots, context_lens, two._replace(t=two.t[:, :0])) is None  # t too narrow
     assert conv_step(out[:, :width], weight, conv, slots, context_lens, torch.zeros_like(proj)) is None
 

@@ -179,6 +179,20 @@ def test_silu_mul_adds_a_delta_as_add_would(dtype, device="cpu"):
     assert triton_fused.silu_mul(gate_up, delta[:, :-2]) is None  # not gate_up's shape
 
 
+# Rows of the fold tests and their LoRA slots: three, one a program; 37,
+# four a program (``triton_fused.fold_rows``): programs of one adapter, of two
+# and of base rows, the last cut short.
+FOLD_SLOTS = {"3-rows": [1, 0, 2], "37-rows": [1] * 9 + [0, 2, 2, 1, 0] + [2] * 8 + [1, 0] * 6 + [0, 1, 1]}
+
+
+def with_one_row_a_program(monkeypatch, fn):
+    """``fn()`` with every fold on one row a program: a row's result must not
+    depend on the rows it shares a program with."""
+    with monkeypatch.context() as patch:
+        patch.setattr(triton_fused, "MAX_FOLD_ROWS", 1)
+        return fn()
+
+
 def pending_expand(y: torch.Tensor, output_sizes: list[int], row_slots: list[int], seed: int = 8, num_slots: int = 3,
                    max_rank: int = 8) -> tuple[torch.Tensor, PendingExpand]:
     """A fused linear's output ``[y | t]`` (``y``'s rows, then every shard and
@@ -225,44 +239,56 @@ def test_rope_write_kv_folds_a_fused_expand_as_expand_rows_would(dtype, device="
     assert not triton_fused.rope_write_kv(fq, fk, fv, cos, sin, cache, slots, expand=other)  # not q|k|v's shards
 
 
+@pytest.mark.parametrize("rows", FOLD_SLOTS)
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
-def test_silu_mul_folds_a_fused_expand_as_expand_rows_would(dtype, device="cpu"):
+def test_silu_mul_folds_a_fused_expand_as_expand_rows_would(dtype, rows, monkeypatch, device="cpu"):
     gen = torch.Generator().manual_seed(9)
-    gate_up = (2 * torch.randn(3, 2 * 600, generator=gen)).to(dtype).to(device)
-    out, expand = pending_expand(gate_up, [600, 600], [2, 1, 0])
+    row_slots = FOLD_SLOTS[rows]
+    gate_up = (2 * torch.randn(len(row_slots), 2 * 600, generator=gen)).to(dtype).to(device)
+    out, expand = pending_expand(gate_up, [600, 600], row_slots)
     want = out.clone()
     expand._replace(t=want[:, 1200:]).apply(want[:, :1200])
     check = torch.equal if device == "cpu" else assert_close_to_expand
     got = triton_fused.silu_mul(out[:, :1200], expand=expand)
     assert check(got, triton_fused.silu_mul(want[:, :1200])) in (True, None)
-    assert torch.equal(got[2], triton_fused.silu_mul(gate_up)[2])  # the base row
+    base = [i for i, slot in enumerate(row_slots) if slot == 0]
+    assert torch.equal(got[base], triton_fused.silu_mul(gate_up)[base])  # the base rows
     assert torch.equal(triton_fused.silu_mul(out[:, :1200], expand), got)  # handed over as the delta
-    assert triton_fused.silu_mul(out[:, :1200], expand=pending_expand(gate_up, [400, 800], [2, 1, 0])[1]) is None
+    assert torch.equal(with_one_row_a_program(monkeypatch, lambda: triton_fused.silu_mul(out[:, :1200], expand)), got)
+    assert triton_fused.silu_mul(out[:, :1200], expand=pending_expand(gate_up, [400, 800], row_slots)[1]) is None
 
 
+@pytest.mark.parametrize("rows", FOLD_SLOTS)
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("zero_centered", [False, True])
-def test_add_rms_norm_folds_a_fused_expand_as_expand_rows_would(dtype, zero_centered, device="cpu"):
+def test_add_rms_norm_folds_a_fused_expand_as_expand_rows_would(dtype, zero_centered, rows, monkeypatch,
+                                                                  device="cpu"):
     """A fused o's or down's expand, added by the residual add's RMSNorm to
     the linear's output as it loads: the result (the sum, in place, and the
-    norm) of ``expand_rows`` then the kernel, rows on slots 1, 0 (base:
-    untouched) and 2, the output a view of the fused GEMM's wider rows."""
+    norm) of ``expand_rows`` then the kernel, rows on slots 1, 2 and 0 (base:
+    untouched), the output a view of the fused GEMM's wider rows."""
     gen = torch.Generator().manual_seed(10)
-    stream = torch.randn(3, 80, generator=gen).to(dtype).to(device)
+    row_slots = FOLD_SLOTS[rows]
+    stream = torch.randn(len(row_slots), 80, generator=gen).to(dtype).to(device)
     weight = torch.randn(80, generator=gen).to(dtype).to(device)
-    out, expand = pending_expand(torch.randn(3, 80, generator=gen).to(dtype).to(device), [80], [1, 0, 2])
+    out, expand = pending_expand(torch.randn(len(row_slots), 80, generator=gen).to(dtype).to(device), [80], row_slots)
     want = out.clone()
     expand._replace(t=want[:, 80:]).apply(want[:, :80])
     want_normed = triton_fused.rms_norm(stream, weight, 1e-5, want[:, :80], zero_centered=zero_centered)
     before = out[:, :80].clone()
     assert not torch.equal(want[:, :80], before)  # the expand changes something
+    again = out.clone()
     got = triton_fused.rms_norm(stream, weight, 1e-5, out[:, :80], zero_centered=zero_centered, expand=expand)
     check = torch.equal if device == "cpu" else assert_close_to_expand
     assert check(out[:, :80], want[:, :80]) in (True, None) and check(got, want_normed) in (True, None)
-    assert torch.equal(out[1, :80], stream[1] + before[1])  # the base row: the plain sum
+    base = [i for i, slot in enumerate(row_slots) if slot == 0]
+    assert torch.equal(out[base, :80], stream[base] + before[base])  # the base rows: the plain sum
+    one = with_one_row_a_program(monkeypatch, lambda: triton_fused.rms_norm(
+        stream, weight, 1e-5, again[:, :80], zero_centered=zero_centered, expand=expand._replace(t=again[:, 80:])))
+    assert torch.equal(one, got) and torch.equal(again, out)
     assert triton_fused.rms_norm(stream, weight, 1e-5, None, expand=expand) is None  # only with a residual
-    assert triton_fused.rms_norm(stream, weight, 1e-5, out[:, :80].clone(), expand=torch.zeros(3, 80)) is None
-    two = pending_expand(torch.zeros(3, 80, dtype=dtype, device=device), [40, 40], [1, 0, 2])[1]
+    assert triton_fused.rms_norm(stream, weight, 1e-5, out[:, :80].clone(), expand=torch.zeros(len(row_slots), 80)) is None
+    two = pending_expand(torch.zeros(len(row_slots), 80, dtype=dtype, device=device), [40, 40], row_slots)[1]
     assert triton_fused.rms_norm(stream, weight, 1e-5, out[:, :80].clone(), expand=two) is None  # one shard only
 
 
@@ -331,7 +357,7 @@ def test_gated_rms_norm_equals_the_layers_torch_ops_to_rounding(dtype, device="c
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_kernels_compiled_on_gpu(dtype):
+def test_kernels_compiled_on_gpu(dtype, monkeypatch):
     test_rms_norm_matches_torch(dtype, "cuda")
     for zero_centered in (False, True):
         test_add_rms_norm_writes_the_sum_and_normalises_it(dtype, zero_centered, "cuda")
@@ -343,6 +369,7 @@ def test_kernels_compiled_on_gpu(dtype):
     test_rope_write_kv_adds_a_delta_as_add_would(dtype, "cuda")
     test_silu_mul_adds_a_delta_as_add_would(dtype, "cuda")
     test_rope_write_kv_folds_a_fused_expand_as_expand_rows_would(dtype, "cuda")
-    test_silu_mul_folds_a_fused_expand_as_expand_rows_would(dtype, "cuda")
-    for zero_centered in (False, True):
-        test_add_rms_norm_folds_a_fused_expand_as_expand_rows_would(dtype, zero_centered, "cuda")
+    for rows in FOLD_SLOTS:
+        test_silu_mul_folds_a_fused_expand_as_expand_rows_would(dtype, rows, monkeypatch, "cuda")
+        for zero_centered in (False, True):
+            test_add_rms_norm_folds_a_fused_expand_as_expand_rows_would(dtype, zero_centered, rows, monkeypatch, "cuda")
