@@ -40,7 +40,7 @@ import triton.language as tl
 from mstar_actors import triton_launch
 
 from .deltanet_ops import Gates
-from .triton_fused import _b_tile, _b_tile_of, _row_slot, _shrunk, fold_args, fold_block_r, fold_rows
+from .triton_fused import _b_tiles, _tile_shrunk, _tile_slots, fold_args, fold_block_r, fold_rows
 
 # Value columns a program and its warps: narrow tiles while the grid is small
 # (few rows), wider ones past ``WIDE_FROM`` rows x value heads, where fewer,
@@ -154,9 +154,9 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates,
 
 
 @triton.jit
-def _tap(tile, taps, j):
-    """Column ``j`` of ``tile [C, TAPS]``, exactly (a sum of it and zeros)."""
-    return tl.sum(tl.where((taps == j)[None, :], tile, 0.0), axis=1)
+def _tap(tile, taps, j, AXIS: tl.constexpr):
+    """Tap ``j`` of ``tile`` (``taps`` along ``AXIS``, broadcast), exactly (a sum of it and zeros)."""
+    return tl.sum(tl.where(taps == j, tile, 0.0), axis=AXIS)
 
 
 @triton.jit
@@ -167,18 +167,22 @@ def _conv_step_kernel(
     K: tl.constexpr, TAPS: tl.constexpr, BLOCK_C: tl.constexpr, FOLD: tl.constexpr, NUM_SHARDS: tl.constexpr,
     BLOCK_R: tl.constexpr, ROWS: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
-    """``ROWS`` consecutive rows a program (``triton_fused.fold_rows``), a
-    block of channels, each row's arithmetic the same whatever ``ROWS`` is."""
-    first_row = tl.program_id(0).to(tl.int64) * ROWS
+    """A tile of ``ROWS`` rows (``triton_fused.fold_rows``) by ``BLOCK_C`` columns a program."""
+    first_row = tl.program_id(0) * ROWS
+    rows = (first_row + tl.arange(0, ROWS)).to(tl.int64)
+    ok = rows < M
     chan = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     in_row = chan < N
     is_conv = chan < C
+    tile = ok[:, None] & in_row[None, :]
+    conv_tile = ok[:, None] & is_conv[None, :]
     taps = tl.arange(0, TAPS)
     w = tl.load(w_ptr + chan[:, None] * stride_wc + taps[None, :] * stride_wk,
                 mask=is_conv[:, None] & (taps < K)[None, :], other=0.0).to(tl.float32)
-    if FOLD:  # in_proj's expand over the whole row: B's columns for the first row's slot (before the wait)
-        slot0, _, offs_r, mask_r0 = _row_slot(lslot_ptr, first_row, first_row < M, R, BLOCK_R)
-        b0 = _b_tile(b_ptr, stride_bs, stride_bn, slot0, 0, chan, in_row, offs_r, mask_r0)
+    if FOLD:  # in_proj's expand over the whole row: B's columns for the rows' slots (before the wait)
+        lslot, live, offs_r, mask_r = _tile_slots(lslot_ptr, rows, ok, R, BLOCK_R)
+        b = _b_tiles(b_ptr, stride_bs, stride_bn, lslot, tl.load(lslot_ptr + first_row).to(tl.int64), 0, chan, in_row,
+                     offs_r, mask_r, R)
         # The shards this block's columns fall in (one, but for narrow ones: b and a).
         first, last = tl.program_id(1) * BLOCK_C, tl.minimum(tl.program_id(1) * BLOCK_C + BLOCK_C, N) - 1
         lo, hi = 0, 0
@@ -186,44 +190,37 @@ def _conv_step_kernel(
             start = tl.load(offs_ptr + s)
             lo += (first >= start).to(tl.int32)
             hi += (last >= start).to(tl.int32)
+    cont = tl.load(ctx_ptr + rows, mask=ok, other=0) > 1
+    slot = tl.load(slots_ptr + rows, mask=ok, other=0).to(tl.int64)
     if GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    for j in tl.static_range(ROWS):
-        row = first_row + j
-        ok = row < M
-        row_in = chan < tl.where(ok, N, 0)  # in_row and is_conv, nothing past the last row
-        row_conv = chan < tl.where(ok, C, 0)
-        cont = tl.load(ctx_ptr + row, mask=ok, other=0) > 1
-        slot = tl.load(slots_ptr + row, mask=ok, other=0).to(tl.int64)
-        x = tl.load(x_ptr + row * stride_x + chan, mask=row_in, other=0.0)
-        if FOLD:  # as triton_fused._plus_expand adds it (expand_rows' rounding), each shard's shrink on its columns
-            lslot, live, _, mask_r = _row_slot(lslot_ptr, row, ok, R, BLOCK_R)
-            b = _b_tile_of(b_ptr, stride_bs, stride_bn, lslot, slot0, b0, 0, chan, row_in, offs_r,
-                           mask_r).to(tl.float32)
-            delta = tl.zeros([BLOCK_C], tl.float32)
-            for s in range(lo, hi + 1):
-                t = _shrunk(t_ptr, row, stride_t, s, num_slots, lslot, R, offs_r, mask_r,
-                            tl.load(sc_ptr + s * stride_ss + lslot * stride_sl))
-                ours = (chan >= tl.load(offs_ptr + s)) & (chan < tl.load(offs_ptr + s + 1))
-                delta = tl.where(ours, tl.sum(b * t[None, :], axis=1), delta)
-            x = tl.where(live, (x.to(tl.float32) + delta).to(x.dtype), x)
-            tl.store(x_ptr + row * stride_x + chan, x, mask=row_in & ~is_conv)  # z | b | a, for the ops after
-        # The window: the slot's K - 1 saved inputs (zeros for a fresh sequence), then this token's.
-        saved = prev_ptr + slot * stride_ps + chan[:, None] * stride_pc + taps[None, :]
-        conv = (chan < tl.where(cont, C, 0))[:, None]  # nothing saved is read for a fresh sequence (nor past M)
-        window = tl.load(saved, mask=conv & (taps < K - 1)[None, :], other=0.0).to(tl.float32)
-        window = tl.where((taps == K - 1)[None, :], x.to(tl.float32)[:, None], window)
-        # Summed tap by tap in order, as ``_conv_kernel`` sums them: a row's result is the same in a mixed step.
-        acc = tl.zeros([BLOCK_C], tl.float32)
-        for i in tl.static_range(K):
-            acc += _tap(window, taps, i) * _tap(w, taps, i)
-        tl.store(out_ptr + row * stride_o + chan, (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty), mask=row_conv)
-        # The slot's new inputs: the window shifted by one (read before any is overwritten).
-        shifted = tl.load(saved + 1, mask=conv & (taps < K - 2)[None, :], other=0.0)
-        shifted = tl.where((taps == K - 2)[None, :], x.to(prev_ptr.dtype.element_ty)[:, None], shifted)
-        tl.debug_barrier()
-        tl.store(saved, shifted, mask=row_conv[:, None] & (taps < K - 1)[None, :])
+    x = tl.load(x_ptr + rows[:, None] * stride_x + chan[None, :], mask=tile, other=0.0)
+    if FOLD:  # as triton_fused._plus_expand adds it (expand_rows' rounding), each shard's shrink on its columns
+        delta = tl.zeros([ROWS, BLOCK_C], tl.float32)
+        for s in range(lo, hi + 1):
+            t = _tile_shrunk(t_ptr, rows, stride_t, s, num_slots, lslot, R, offs_r, mask_r,
+                             tl.load(sc_ptr + s * stride_ss + lslot * stride_sl))
+            ours = (chan >= tl.load(offs_ptr + s)) & (chan < tl.load(offs_ptr + s + 1))
+            delta = tl.where(ours[None, :], tl.sum(b.to(tl.float32) * t[:, None, :], axis=2), delta)
+        x = tl.where(live[:, None], (x.to(tl.float32) + delta).to(x.dtype), x)
+        tl.store(x_ptr + rows[:, None] * stride_x + chan[None, :], x, mask=tile & ~is_conv[None, :])  # z | b | a
+    # The window: the slot's K - 1 saved inputs (zeros for a fresh sequence), then this token's.
+    saved = prev_ptr + slot[:, None, None] * stride_ps + chan[None, :, None] * stride_pc + taps[None, None, :]
+    conv = (conv_tile & cont[:, None])[:, :, None]  # nothing saved is read for a fresh sequence
+    window = tl.load(saved, mask=conv & (taps < K - 1)[None, None, :], other=0.0).to(tl.float32)
+    window = tl.where((taps == K - 1)[None, None, :], x.to(tl.float32)[:, :, None], window)
+    # Summed tap by tap in order, as ``_conv_kernel`` sums them: a row's result is the same in a mixed step.
+    acc = tl.zeros([ROWS, BLOCK_C], tl.float32)
+    for j in tl.static_range(K):
+        acc += _tap(window, taps[None, None, :], j, 2) * _tap(w, taps[None, :], j, 1)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_o + chan[None, :], (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty),
+             mask=conv_tile)
+    # The slot's new inputs: the window shifted by one (read before any is overwritten).
+    shifted = tl.load(saved + 1, mask=conv & (taps < K - 2)[None, None, :], other=0.0)
+    shifted = tl.where((taps == K - 2)[None, None, :], x.to(prev_ptr.dtype.element_ty)[:, :, None], shifted)
+    tl.debug_barrier()
+    tl.store(saved, shifted, mask=conv_tile[:, :, None] & (taps < K - 1)[None, None, :])
 
 
 def conv_step(proj: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor,
@@ -262,8 +259,8 @@ def conv_step(proj: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slot
         return out
     offsets = proj if expand is None else expand.stack.offsets_on(proj.device)
     # A folded expand holds B's [BLOCK_C, rank] tile a program: narrower blocks past rank 16.
-    block_c = BLOCK_C if expand is None else min(BLOCK_C, max(32, 4096 // fold_block_r(expand)))
     per = fold_rows(rows, expand)
+    block_c = BLOCK_C if expand is None else min(BLOCK_C, max(32, 4096 // fold_block_r(expand) // per))
     _conv_step_kernel[(triton.cdiv(rows, per), triton.cdiv(width, block_c))](
         proj, weight, out, conv, context_lens, slots, rows, channels, width,
         proj.stride(0), out.stride(0), weight.stride(0), weight.stride(1), conv.stride(0), conv.stride(1),

@@ -82,50 +82,41 @@ def _inv_rms(x, n, eps, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, stride_x0, stride_x1, res_ptr, stride_res, w_ptr, out_ptr, M, n, eps,
+def _rms_norm_kernel(x_ptr, stride_x0, stride_x1, res_ptr, stride_res, w_ptr, out_ptr, n, eps,
                      t_ptr, stride_t, b_ptr, stride_bs, stride_bn, sc_ptr, stride_ss, stride_sl, lslot_ptr,
                      num_slots, R,
                      HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr, FOLD: tl.constexpr, BLOCK_R: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
-    """Rows ``x[i0]`` (or ``x[i0, i1]``) for ``ROWS`` consecutive ``i0`` a
-    program, each row's arithmetic the same whatever ``ROWS`` is."""
+                     BLOCK: tl.constexpr, GDC: tl.constexpr):
+    i0 = tl.program_id(0).to(tl.int64)
     i1 = tl.program_id(1).to(tl.int64)
-    first = tl.program_id(0).to(tl.int64) * ROWS
+    row = i0 * tl.num_programs(1) + i1
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait (``triton_launch``)
     if FOLD:
         # The expand of a fused o or down (``rms_norm``'s ``expand``), B's
-        # whole row for the first row's slot: before the wait, as the others'.
-        slot0, _, offs_r, mask_r0 = _row_slot(lslot_ptr, first, first < M, R, BLOCK_R)
-        b0 = _b_tile(b_ptr, stride_bs, stride_bn, slot0, 0, cols, mask, offs_r, mask_r0)
+        # whole row for the row's slot: before the wait, as the others'.
+        lslot, live, offs_r, mask_r = _row_slot(lslot_ptr, row, R, BLOCK_R)
+        scale = tl.load(sc_ptr + lslot * stride_sl)
+        b = _b_tile(b_ptr, stride_bs, stride_bn, lslot, 0, cols, mask, offs_r, mask_r)
     if GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    for j in tl.static_range(ROWS):
-        i0 = first + j
-        ok = i0 < M
-        row = i0 * tl.num_programs(1) + i1
-        mask = cols < tl.where(ok, n, 0)  # nothing past the last row
-        x = tl.load(x_ptr + i0 * stride_x0 + i1 * stride_x1 + cols, mask=mask, other=0.0)
-        if HAS_RES:
-            y = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-            if FOLD:  # x is [M, N]: row is i0
-                lslot, live, _, mask_r = _row_slot(lslot_ptr, row, ok, R, BLOCK_R)
-                b = _b_tile_of(b_ptr, stride_bs, stride_bn, lslot, slot0, b0, 0, cols, mask, offs_r, mask_r)
-                scale = tl.load(sc_ptr + lslot * stride_sl)
-                y = _plus_expand(y, b, _shrunk(t_ptr, row, stride_t, 0, num_slots, lslot, R, offs_r, mask_r, scale),
-                                 live)
-            # ``x + residual`` rounded to the dtype, stored back as the new residual.
-            x = (x.to(tl.float32) + y.to(tl.float32)).to(out_ptr.dtype.element_ty)
-            tl.store(res_ptr + row * stride_res + cols, x, mask=mask)
-        x32 = x.to(tl.float32)
-        inv = _inv_rms(x32, n, eps, 0)
-        if ZERO_CENTERED:  # Qwen3.5's: scaled by 1 + weight in float32, one cast at the end
-            out = (x32 * inv) * (1.0 + w)
-        else:  # cast, then scaled
-            out = w * (x32 * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + row * n + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    x = tl.load(x_ptr + i0 * stride_x0 + i1 * stride_x1 + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        y = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        if FOLD:
+            y = _plus_expand(y, b, _shrunk(t_ptr, row, stride_t, 0, num_slots, lslot, R, offs_r, mask_r, scale), live)
+        # ``x + residual`` rounded to the dtype, stored back as the new residual.
+        x = (x.to(tl.float32) + y.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(res_ptr + row * stride_res + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    inv = _inv_rms(x32, n, eps, 0)
+    if ZERO_CENTERED:  # Qwen3.5's: scaled by 1 + weight in float32, one cast at the end
+        out = (x32 * inv) * (1.0 + w)
+    else:  # cast, then scaled
+        out = w * (x32 * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * n + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
@@ -159,22 +150,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if out.numel():
         # A folded expand holds B's [N, rank] tile in one program: warps to spread it (at most 64 values a thread).
         warps = _warps(n) if expand is None else min(16, max(_warps(n), block * fold_block_r(expand) // 2048))
-        rows = fold_rows(n0, expand)
-        _rms_norm_kernel[(triton.cdiv(n0, rows), n1)](
-            x, x.stride(0), x.stride(1) if x.dim() == 3 else 0,
-            x if residual is None else residual, 0 if residual is None else residual.stride(0),
-            weight, out, n0, n, eps, *fold[:-2], HAS_RES=residual is not None,
-            ZERO_CENTERED=zero_centered, FOLD=expand is not None, BLOCK_R=fold_block_r(expand), ROWS=rows,
-            BLOCK=block, num_warps=warps, **triton_launch.options(x))
+        _rms_norm_kernel[(n0, n1)](x, x.stride(0), x.stride(1) if x.dim() == 3 else 0,
+                                   x if residual is None else residual, 0 if residual is None else residual.stride(0),
+                                   weight, out, n, eps, *fold[:-2], HAS_RES=residual is not None,
+                                   ZERO_CENTERED=zero_centered, FOLD=expand is not None, BLOCK_R=fold_block_r(expand),
+                                   BLOCK=block, num_warps=warps, **triton_launch.options(x))
     return out
 
 
 @triton.jit
-def _row_slot(lslot_ptr, row, ok, R, BLOCK_R: tl.constexpr):
+def _row_slot(lslot_ptr, row, R, BLOCK_R: tl.constexpr):
     """A row's LoRA slot for a folded expand: (slot, whether it is an adapter's,
-    the rank's offsets, their mask: none for a base row, which loads nothing,
-    nor for a row past the step's (not ``ok``))."""
-    lslot = tl.load(lslot_ptr + row, mask=ok, other=0).to(tl.int64)
+    the rank's offsets, their mask: none for a base row, which loads nothing)."""
+    lslot = tl.load(lslot_ptr + row).to(tl.int64)
     live = lslot != 0
     offs_r = tl.arange(0, BLOCK_R)
     return lslot, live, offs_r, offs_r < tl.where(live, R, 0)
@@ -188,13 +176,38 @@ def _b_tile(b_ptr, stride_bs, stride_bn, slot, first, cols, mask, offs_r, mask_r
 
 
 @triton.jit
-def _b_tile_of(b_ptr, stride_bs, stride_bn, slot, slot0, b0, first, cols, mask, offs_r, mask_r):
-    """``_b_tile`` for a row on ``slot`` in a program that holds ``b0``, the
-    same tile on ``slot0`` (its first row's): that one, nothing read, where
-    the slots agree. A program of several rows reads B once for all the rows
-    of one adapter; a row's arithmetic is the same either way."""
-    own = _b_tile(b_ptr, stride_bs, stride_bn, slot, first, cols, mask, offs_r, tl.where(slot != slot0, mask_r, False))
-    return tl.where(slot == slot0, b0, own)
+def _tile_slots(lslot_ptr, rows, ok, R, BLOCK_R: tl.constexpr):
+    """``_row_slot`` of a tile of rows (``[ROWS]`` each, the rank's mask ``[ROWS, BLOCK_R]``)."""
+    lslot = tl.load(lslot_ptr + rows, mask=ok, other=0).to(tl.int64)
+    live = lslot != 0
+    offs_r = tl.arange(0, BLOCK_R)
+    return lslot, live, offs_r, offs_r[None, :] < tl.where(live, R, 0)[:, None]
+
+
+@triton.jit
+def _b_tiles(b_ptr, stride_bs, stride_bn, lslot, slot0, first, cols, mask, offs_r, mask_r, R):
+    """``_b_tile`` of each row of a tile, ``[ROWS, BLOCK, BLOCK_R]``: read
+    once for the rows on ``slot0`` (the tile's first row's), once a row for
+    the others. The fold's cost at many rows was B read again for each row
+    (L2's bandwidth); a row's arithmetic is the same either way."""
+    b0 = _b_tile(b_ptr, stride_bs, stride_bn, slot0, first, cols, mask, offs_r, offs_r < tl.where(slot0 != 0, R, 0))
+    same = lslot == slot0
+    own = tl.load(b_ptr + lslot[:, None, None] * stride_bs + (first + cols)[None, :, None].to(tl.int64) * stride_bn
+                  + offs_r[None, None, :], mask=mask[None, :, None] & (mask_r & ~same[:, None])[:, None, :], other=0.0)
+    return tl.where(same[:, None, None], b0[None, :, :], own)
+
+
+@triton.jit
+def _tile_shrunk(t_ptr, rows, stride_t, shard, num_slots, lslot, R, offs_r, mask_r, scale):
+    """``_shrunk`` of each row of a tile, ``[ROWS, BLOCK_R]`` (``scale [ROWS]``)."""
+    at = t_ptr + rows[:, None] * stride_t + (shard * num_slots + lslot[:, None]) * R + offs_r[None, :]
+    return tl.load(at, mask=mask_r, other=0.0).to(tl.float32) * scale[:, None]
+
+
+@triton.jit
+def _tile_plus_expand(x, b, t, live):
+    """``_plus_expand`` of each row of a tile: ``x [ROWS, BLOCK]``, ``b [ROWS, BLOCK, BLOCK_R]``, ``t [ROWS, BLOCK_R]``."""
+    return tl.where(live[:, None], (x.to(tl.float32) + tl.sum(b.to(tl.float32) * t[:, None, :], axis=2)).to(x.dtype), x)
 
 
 @triton.jit
@@ -241,7 +254,7 @@ def _rope_write_kv_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_
         # The expand of a fused q|k|v (``expand``): the row's LoRA slot, its
         # scales and B's columns for this head (and v's), before the wait:
         # none is a step's write (``triton_launch``).
-        lslot, live, offs_r, mask_r = _row_slot(lslot_ptr, t, t >= 0, R, BLOCK_R)
+        lslot, live, offs_r, mask_r = _row_slot(lslot_ptr, t, R, BLOCK_R)
         shard = tl.where(is_k, 1, 0)
         first = tl.where(is_k, k_col + kh * DIM, h * DIM)
         scale = tl.load(sc_ptr + shard * stride_ss + lslot * stride_sl)
@@ -403,48 +416,44 @@ def _silu_mul_kernel(x_ptr, stride_x, d_ptr, out_ptr, stride_out, M, n,
                      num_slots, R, up_col,
                      HAS_DELTA: tl.constexpr, FOLD: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
                      BLOCK: tl.constexpr, GDC: tl.constexpr):
-    """``ROWS`` consecutive rows a program, a block of columns, each row's
-    arithmetic the same whatever ``ROWS`` is."""
-    first = tl.program_id(0).to(tl.int64) * ROWS
+    """A tile of ``ROWS`` rows by ``BLOCK`` columns a program."""
+    first = tl.program_id(0) * ROWS
+    rows = (first + tl.arange(0, ROWS)).to(tl.int64)
+    ok = rows < M
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
+    tile = ok[:, None] & mask[None, :]
     if FOLD:
-        # The expand of a fused gate|up (``silu_mul``'s ``expand``), B's
-        # columns for the first row's slot: before the wait, as
+        # The expand of a fused gate|up (``silu_mul``'s ``expand``): the
+        # rows' LoRA slots, their scales and B's columns, before the wait, as
         # ``_rope_write_kv_kernel``'s.
-        slot0, _, offs_r, mask_r0 = _row_slot(lslot_ptr, first, first < M, R, BLOCK_R)
-        gate_b0 = _b_tile(b_ptr, stride_bs, stride_bn, slot0, 0, cols, mask, offs_r, mask_r0)
-        up_b0 = _b_tile(b_ptr, stride_bs, stride_bn, slot0, up_col, cols, mask, offs_r, mask_r0)
+        lslot, live, offs_r, mask_r = _tile_slots(lslot_ptr, rows, ok, R, BLOCK_R)
+        slot0 = tl.load(lslot_ptr + first).to(tl.int64)
+        gate_scale = tl.load(sc_ptr + lslot * stride_sl)
+        up_scale = tl.load(sc_ptr + stride_ss + lslot * stride_sl)
+        b_gate = _b_tiles(b_ptr, stride_bs, stride_bn, lslot, slot0, 0, cols, mask, offs_r, mask_r, R)
+        b_up = _b_tiles(b_ptr, stride_bs, stride_bn, lslot, slot0, up_col, cols, mask, offs_r, mask_r, R)
     if GDC:  # everything below reads the step's own writes (``triton_launch``)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     dtype = out_ptr.dtype.element_ty
-    for j in tl.static_range(ROWS):
-        row = first + j
-        ok = row < M
-        cols_ok = cols < tl.where(ok, n, 0)  # nothing past the last row
-        gate = tl.load(x_ptr + row * stride_x + cols, mask=cols_ok, other=0.0)
-        up = tl.load(x_ptr + row * stride_x + n + cols, mask=cols_ok, other=0.0)
-        if HAS_DELTA:  # the delta's rows are contiguous [T, 2I]; y.add_(delta)'s rounding
-            gate = (gate.to(tl.float32)
-                    + tl.load(d_ptr + row * 2 * n + cols, mask=cols_ok, other=0.0).to(tl.float32)).to(dtype)
-            up = (up.to(tl.float32)
-                  + tl.load(d_ptr + row * 2 * n + n + cols, mask=cols_ok, other=0.0).to(tl.float32)).to(dtype)
-        if FOLD:
-            lslot, live, _, mask_r = _row_slot(lslot_ptr, row, ok, R, BLOCK_R)
-            b_gate = _b_tile_of(b_ptr, stride_bs, stride_bn, lslot, slot0, gate_b0, 0, cols, mask, offs_r, mask_r)
-            b_up = _b_tile_of(b_ptr, stride_bs, stride_bn, lslot, slot0, up_b0, up_col, cols, mask, offs_r, mask_r)
-            gate_scale = tl.load(sc_ptr + lslot * stride_sl)
-            up_scale = tl.load(sc_ptr + stride_ss + lslot * stride_sl)
-            gate = _plus_expand(gate, b_gate, _shrunk(t_ptr, row, stride_t, 0, num_slots, lslot, R, offs_r, mask_r,
-                                                      gate_scale), live)
-            up = _plus_expand(up, b_up, _shrunk(t_ptr, row, stride_t, 1, num_slots, lslot, R, offs_r, mask_r,
-                                                up_scale), live)
-        gate = gate.to(tl.float32)
-        up = up.to(tl.float32)
-        # torch's rounding: silu in float32, cast, then the product in float32, cast.
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        tl.store(out_ptr + row * stride_out + cols, (act * up).to(dtype), mask=cols_ok)
+    at = rows[:, None] * stride_x + cols[None, :]
+    gate = tl.load(x_ptr + at, mask=tile, other=0.0)
+    up = tl.load(x_ptr + at + n, mask=tile, other=0.0)
+    if HAS_DELTA:  # the delta's rows are contiguous [T, 2I]; y.add_(delta)'s rounding
+        d_at = rows[:, None] * 2 * n + cols[None, :]
+        gate = (gate.to(tl.float32) + tl.load(d_ptr + d_at, mask=tile, other=0.0).to(tl.float32)).to(dtype)
+        up = (up.to(tl.float32) + tl.load(d_ptr + d_at + n, mask=tile, other=0.0).to(tl.float32)).to(dtype)
+    if FOLD:
+        gate = _tile_plus_expand(gate, b_gate, _tile_shrunk(t_ptr, rows, stride_t, 0, num_slots, lslot, R, offs_r,
+                                                            mask_r, gate_scale), live)
+        up = _tile_plus_expand(up, b_up, _tile_shrunk(t_ptr, rows, stride_t, 1, num_slots, lslot, R, offs_r, mask_r,
+                                                      up_scale), live)
+    gate = gate.to(tl.float32)
+    up = up.to(tl.float32)
+    # torch's rounding: silu in float32, cast, then the product in float32, cast.
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], (act * up).to(dtype), mask=tile)
 
 
 def silu_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None, expand=None) -> torch.Tensor | None:
@@ -466,8 +475,8 @@ def silu_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None, expand=No
     out = torch.empty((rows.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
     if rows.shape[0]:
         # A folded expand holds two [BLOCK, rank] tiles of B a program: narrower blocks, the more so past rank 16.
-        block = min(4096 // fold_block_r(expand) if expand is not None else 1024, triton.next_power_of_2(n))
         per = fold_rows(rows.shape[0], expand)
+        block = min(4096 // fold_block_r(expand) // per if expand is not None else 1024, triton.next_power_of_2(n))
         _silu_mul_kernel[(triton.cdiv(rows.shape[0], per), triton.cdiv(n, block))](
             rows, rows.stride(0), rows if delta is None else delta, out, out.stride(0), rows.shape[0], n, *fold[:-1],
             HAS_DELTA=delta is not None, FOLD=expand is not None, BLOCK_R=fold_block_r(expand), ROWS=per,
