@@ -188,8 +188,8 @@ def _tile_slots(lslot_ptr, rows, ok, R, BLOCK_R: tl.constexpr):
 def _b_tiles(b_ptr, stride_bs, stride_bn, lslot, slot0, first, cols, mask, offs_r, mask_r, R):
     """``_b_tile`` of each row of a tile, ``[ROWS, BLOCK, BLOCK_R]``: read
     once for the rows on ``slot0`` (the tile's first row's), once a row for
-    the others. The fold's cost at many rows was B read again for each row
-    (L2's bandwidth); a row's arithmetic is the same either way."""
+    the others (``fold_rows`` says what that saves); a row's arithmetic is
+    the same either way."""
     b0 = _b_tile(b_ptr, stride_bs, stride_bn, slot0, first, cols, mask, offs_r, offs_r < tl.where(slot0 != 0, R, 0))
     same = lslot == slot0
     own = tl.load(b_ptr + lslot[:, None, None] * stride_bs + (first + cols)[None, :, None].to(tl.int64) * stride_bn
@@ -558,16 +558,18 @@ def fold_block_r(expand) -> int:
     return 16 if expand is None else max(16, triton.next_power_of_2(expand.stack.max_rank))
 
 
-# Rows a program of a folded expand takes at most (``fold_rows``).
-MAX_FOLD_ROWS = 8
+# Rows a program of a folded expand takes at most (``fold_rows``): past 4 the
+# convolution's fold slowed (the H200 sweep of 8-256 rows, 1-16 rows a program).
+MAX_FOLD_ROWS = 4
 
 
 def fold_rows(num_rows: int, expand) -> int:
-    """Rows a program takes where it folds ``expand`` (a power of two): a
-    program reads B's tile once for its rows of one adapter, so at 64 rows
-    of one adapter B is read 8 times rather than 64 (read again for each row
-    it was L2's bandwidth: the fold cost as much as the op at 64 rows). One
-    a program up to 15 rows, where programs are few; one without a fold."""
+    """Rows a program of ``silu_mul``'s or ``conv_step``'s fold takes (a
+    power of two): the program reads B's tile once for its rows of one
+    adapter. On the H200 at Qwen3.5-0.8B's widths, 4 rows a program took the
+    gate|up fold from 4.3 to 3.9 us at 64 rows and from 14.5 to 12.2 at 256,
+    the convolution's from 52.6 to 50.3 at 256. One a program up to 15 rows,
+    where programs are few, and without a fold."""
     if expand is None or num_rows < 16:
         return 1
     return min(MAX_FOLD_ROWS, 1 << ((num_rows // 8).bit_length() - 1))
