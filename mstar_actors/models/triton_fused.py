@@ -559,7 +559,7 @@ def fold_block_r(expand) -> int:
 
 
 # Rows a program of a folded expand takes at most (``fold_rows``): past 4 the
-# convolution's fold slowed (the H200 sweep of 8-256 rows, 1-16 rows a program).
+# convolution's fold slowed on the H200 (``tools/check_lora_kernels.py --fold-table``).
 MAX_FOLD_ROWS = 4
 
 
