@@ -225,6 +225,35 @@ def test_queued_outputs_of_two_choices_leave_in_one_event_each(harness):
     run(body)
 
 
+def test_a_backlog_past_one_steps_outputs_still_leaves_in_one_event_a_choice(harness):
+    """More outputs queued than one step of 256 streams sends (the frontend
+    behind the engine): the loop takes the whole backlog in before the
+    stream writes, so each choice's tokens leave in one event."""
+    async def body():
+        async with harness() as h:
+            h.engine.plan = hold
+            streaming = asyncio.create_task(h.stream(CHAT, chat_body(n=2, max_tokens=150)))
+            await h.engine.wait_for(lambda: len(h.engine.requests) == 1)
+            (req,) = h.engine.requests.values()
+            rids = h.engine.choice_ids(req)
+            token_id = h.engine.tokenizer(REPLY).input_ids[0]
+            for i in range(150):  # 300 outputs, interleaved, queued back to back
+                for rid in rids:
+                    tok = SampledToken(request_id=rid, token_id=token_id)
+                    await h.engine.send(TokenDelta(request_id=rid, tokens=[tok], num_prompt_tokens=3 if i == 0 else 0))
+            for rid in rids:
+                await h.engine.send(Finished(request_id=rid, finish_reason="length", num_prompt_tokens=3,
+                                             num_output_tokens=150))
+            status, events = await streaming
+            assert status == 200 and events[-1] == "[DONE]"
+            content = [c["choices"][0] for c in events[:-1] if c["choices"] and c["choices"][0]["delta"].get("content")]
+            assert sorted(c["index"] for c in content) == [0, 1]
+            want = h.engine.tokenizer.decode([token_id] * 150)
+            assert all(c["delta"]["content"] == want and c["finish_reason"] == "length" for c in content)
+
+    run(body)
+
+
 def test_disconnect_mid_stream_aborts_every_choice(harness):
     async def body():
         async with harness() as h:
