@@ -188,8 +188,9 @@ def _check_chunk(chunk, seqs, block_size, num_kv_blocks, max_model_len) -> SeqSt
     num_needed = -(-stop // block_size)
     if len(chunk.block_ids) < num_needed:
         raise PlanError(f"request {rid!r}: {stop} tokens need {num_needed} blocks, block_ids has {len(chunk.block_ids)}", [rid])
-    bad = [b for b in chunk.block_ids[:num_needed] if not 0 <= b < num_kv_blocks]
-    if bad:
+    ids = chunk.block_ids[:num_needed]
+    if ids and (min(ids) < 0 or max(ids) >= num_kv_blocks):  # builtins: every chunk's table, every step
+        bad = [b for b in ids if not 0 <= b < num_kv_blocks]
         raise PlanError(f"request {rid!r}: block ids {bad} are outside [0, {num_kv_blocks})", [rid])
     return seq
 
