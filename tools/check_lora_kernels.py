@@ -616,7 +616,7 @@ def fold_ops(widths: dict, num_rows: int, mix: str, dtype, device: str, gen) -> 
         expand, y = PendingExpand(stack, out[:, width:], slots), out[:, :width]
         if name == "gate_up":
             ops[name] = (lambda y=y, e=expand: [triton_fused.silu_mul(y, expand=e)],
-                         lambda y=y: triton_fused.silu_mul(y), [y])
+                         lambda y=y: triton_fused.silu_mul(y), [])
             continue
         channels = sum(sizes[:3])
         weight = (torch.randn(channels, 4, generator=gen) / 2).to(dtype).to(device)

@@ -51,7 +51,7 @@ from .triton_fused import _b_tiles, _tile_shrunk, _tile_slots, fold_args, fold_b
 NARROW = (16, 1)
 WIDE = (32, 2)
 WIDE_FROM = 256
-BLOCK_C = 256  # channels per convolution program (one row each)
+BLOCK_C = 256  # channels per convolution program (one row each but for a fold's tiles: ``fold_rows``)
 CONV_WARPS = 4
 
 

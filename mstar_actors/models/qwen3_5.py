@@ -226,7 +226,6 @@ class GatedAttention(nn.Module):
         out = self.backend.attend(q, kv_cache, meta, self.scale).reshape(num_tokens, -1)
         return self.o_proj.forward_parts(out * torch.sigmoid(gate.reshape(num_tokens, -1)), residual, fold=True)
 
-
     def _norm_rope_write_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """q's and k's norms, the rotary and the KV write in one launch
@@ -240,7 +239,7 @@ class GatedAttention(nn.Module):
         rotary = self.rotary
         cos, signed_sin = rotary.step_tables if rotary.step_tables is not None else rotary.tables(positions, q.dtype)
         return ops.norm_rope_write_kv(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos,
-                                               signed_sin, kv_cache, meta.slot_mapping)
+                                      signed_sin, kv_cache, meta.slot_mapping)
 
 
 class GatedDeltaNet(nn.Module):

@@ -25,6 +25,9 @@ so graphs and eager steps agree:
   ``silu(z)`` (``qwen3_5.GatedRMSNorm``: ten torch launches a layer), z
   read where in_proj wrote it. CUDA only: ``cpu_ops`` has no twin, the CPU
   runs the torch ops.
+- ``norm_rope_write_kv``: Qwen3.5's gated attention, its q and k
+  zero-centred norms, the partial rotary and the KV write in one launch
+  (``rope_write_kv``'s kernel). CUDA only, as ``gated_rms_norm``.
 
 ``rope_write_kv`` and ``silu_mul`` also take a LoRA delta computed beside
 the GEMM before them (``LoraLinear.forward_parts``), added as they load and
@@ -315,6 +318,9 @@ def _rope_write_kv_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_
 def _paged_layout_fits(q, k, v, cos, signed_sin, kv_cache, slot_mapping) -> bool:
     """Whether q, k, v, the rotary tables and the cache take ``_rope_write_kv_kernel``."""
     num_tokens, _, head_dim = q.shape
+    if (k.dim() != 3 or v.shape != k.shape or k.shape[0] < num_tokens or k.shape[2] != head_dim
+            or slot_mapping.dim() != 1 or slot_mapping.shape[0] < num_tokens):  # a program a token of q
+        return False
     return not (head_dim % 2 or head_dim > 1024 or not kv_cache.is_contiguous() or kv_cache.dtype != q.dtype
                 or k.dtype != q.dtype or v.dtype != q.dtype or cos.dtype != q.dtype or signed_sin.dtype != q.dtype
                 or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
@@ -565,14 +571,17 @@ MAX_FOLD_ROWS = 4
 
 def fold_rows(num_rows: int, expand) -> int:
     """Rows a program of ``silu_mul``'s or ``conv_step``'s fold takes (a
-    power of two): the program reads B's tile once for its rows of one
-    adapter. On the H200 at Qwen3.5-0.8B's widths, 4 rows a program took the
+    power of two, at most ``MAX_FOLD_ROWS``): the program reads B's tile
+    once for its rows of one adapter. On the H200 at Qwen3.5-0.8B's widths, 4 rows a program took the
     gate|up fold from 4.3 to 3.9 us at 64 rows and from 14.5 to 12.2 at 256,
     the convolution's from 52.6 to 50.3 at 256. One a program up to 15 rows,
     where programs are few, and without a fold."""
     if expand is None or num_rows < 16:
         return 1
-    return min(MAX_FOLD_ROWS, 1 << ((num_rows // 8).bit_length() - 1))
+    # B's tiles stay within the 4096 values a program holds at one row a program
+    # (at least 32 columns of the rank a row): fewer rows past rank 32.
+    most = min(MAX_FOLD_ROWS, num_rows // 8, max(1, 4096 // (32 * fold_block_r(expand))))
+    return 1 << (most.bit_length() - 1)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor | None:

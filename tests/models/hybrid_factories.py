@@ -57,3 +57,25 @@ def generate(model, prompt: list[int], num_new: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=num_new, do_sample=False)
     return out[0, len(prompt):].tolist()
+
+
+def interpreted_cuda_ops(monkeypatch) -> list[bool]:
+    """Qwen3.5's CUDA-only kernels (``qwen3_5.cuda_fused_ops``) on CPU tensors,
+    in Triton's interpreter; the list it returns gets, for each call of the
+    fused attention's ``norm_rope_write_kv``, whether it ran (not None: no
+    silent fall back to the torch ops)."""
+    from mstar_actors.models import qwen3_5, triton_fused
+
+    ran: list[bool] = []
+
+    class Ops:
+        def __getattr__(self, name):
+            return getattr(triton_fused, name)
+
+        def norm_rope_write_kv(self, *args, **kwargs):
+            out = triton_fused.norm_rope_write_kv(*args, **kwargs)
+            ran.append(out is not None)
+            return out
+
+    monkeypatch.setattr(qwen3_5, "cuda_fused_ops", lambda x: Ops())
+    return ran

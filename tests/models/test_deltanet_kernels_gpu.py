@@ -192,3 +192,15 @@ def test_pure_decode_step_replays_from_a_cuda_graph(ops):
         torch.testing.assert_close(pool.conv, eager_pool.conv, rtol=0, atol=0)
         got, want = run_both(ops, eager_meta, inputs, copy_pool(ref_pool, dtype), ref_pool)
         check(static_out, want, pool, ref_pool, dtype, f"replay {round_}")
+
+
+@pytest.mark.parametrize("rows", ["3-rows", "37-rows"])
+def test_conv_steps_fold_compiled(rows, monkeypatch):
+    """The convolution's fold of in_proj's expand compiled (the interpreter's
+    test, ``test_deltanet_decode``): several rows a program give each row's
+    result bit for bit as one a program does."""
+    pytest.importorskip("mstar_actors.models.deltanet_triton")
+    from .test_deltanet_decode import test_conv_step_folds_in_projs_expand_as_expand_rows_would as check
+
+    for sizes, conv_shards in ([96, 96, 128, 128, 4, 4], 3), ([320, 300], 1):
+        check(sizes, conv_shards, rows, monkeypatch, device="cuda")

@@ -15,6 +15,7 @@ from mstar_actors.prepare.preparers import video_pixel_constants
 from plan_driver import PlanDriver
 from runner_factories import make_runner
 
+from .hybrid_factories import interpreted_cuda_ops
 from .qwen3_5_factories import make_hf_qwen3_5
 from .test_qwen3_5_vision import chat_request, mp4_url, png_url, video_frames
 
@@ -73,10 +74,7 @@ def reference(hf, preparer, draft) -> list[int]:
     pytest.param(True, marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs Triton's interpreter")),
 ], ids=["torch", "cuda-kernels-interpreted"])
 def test_runner_matches_generate_for_image_video_and_text(qwen3_5_model, cuda_kernels, monkeypatch):
-    if cuda_kernels:
-        from mstar_actors.models import qwen3_5, triton_fused
-
-        monkeypatch.setattr(qwen3_5, "cuda_fused_ops", lambda x: triton_fused)
+    ran = interpreted_cuda_ops(monkeypatch) if cuda_kernels else None
     from mstar_actors.model_info import load_model_info
     from mstar_actors.prepare.media import MediaLimits
     from mstar_actors.prepare.preparers import load_preparer, with_media
@@ -111,3 +109,4 @@ def test_runner_matches_generate_for_image_video_and_text(qwen3_5_model, cuda_ke
     with torch.no_grad():
         text = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_NEW, do_sample=False)
     assert outputs["txt"] == text[0, ids.shape[1]:].tolist()
+    assert ran is None or (ran and all(ran))  # interpreted: the fused attention ran every time

@@ -181,8 +181,10 @@ def test_silu_mul_adds_a_delta_as_add_would(dtype, device="cpu"):
 
 # Rows of the fold tests and their LoRA slots: three, one a program; 37,
 # four a program where the kernel takes tiles of rows (``triton_fused.fold_rows``):
-# tiles of one adapter, of two and of base rows, the last cut short.
-FOLD_SLOTS = {"3-rows": [1, 0, 2], "37-rows": [1] * 9 + [0, 2, 2, 1, 0] + [2] * 8 + [1, 0] * 6 + [0, 1, 1]}
+# tiles of one adapter, of two, of base rows only, tiles whose first row is a
+# base row (B's shared tile empty), the last cut short.
+FOLD_SLOTS = {"3-rows": [1, 0, 2], "37-rows": [1] * 8 + [0, 1, 2, 0] + [0] * 4 + [2, 2, 1, 0, 1, 0, 2, 2] + [2] * 4
+              + [0, 2, 1, 1, 1, 0, 1, 0, 1]}
 
 
 def with_one_row_a_program(monkeypatch, fn):
@@ -264,8 +266,8 @@ def test_silu_mul_folds_a_fused_expand_as_expand_rows_would(dtype, rows, monkeyp
 def test_add_rms_norm_folds_a_fused_expand_as_expand_rows_would(dtype, zero_centered, rows, device="cpu"):
     """A fused o's or down's expand, added by the residual add's RMSNorm to
     the linear's output as it loads: the result (the sum, in place, and the
-    norm) of ``expand_rows`` then the kernel, rows on slots 1, 2 and 0 (base:
-    untouched), the output a view of the fused GEMM's wider rows."""
+    norm) of ``expand_rows`` then the kernel, rows on slots 1, 0 (base:
+    untouched) and 2, the output a view of the fused GEMM's wider rows."""
     gen = torch.Generator().manual_seed(10)
     row_slots = FOLD_SLOTS[rows]
     stream = torch.randn(len(row_slots), 80, generator=gen).to(dtype).to(device)
