@@ -565,7 +565,7 @@ def fold_block_r(expand) -> int:
 
 
 # Rows a program of a folded expand takes at most (``fold_rows``): past 4 the
-# convolution's fold slowed on the H200 (``tools/check_lora_kernels.py --fold-table``).
+# convolution's fold slowed on the H200 (``tools/check_lora_kernels.py --fold-table`` re-measures it).
 MAX_FOLD_ROWS = 4
 
 
