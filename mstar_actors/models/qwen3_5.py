@@ -32,7 +32,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, PagedAttention, TorchPagedAttention
 from .checkpoint import DECODER_RULES, QK_NORM_RULES, WeightRule
-from .decoder import MLP, CausalLM, LoraEmbedding, LoraLinear, RMSNorm, StackedLinear, cuda_fused_ops
+from .decoder import MLP, CausalLM, LoraEmbedding, LoraLinear, RMSNorm, StackedLinear, add_delta, cuda_fused_ops
 from .deltanet_ops import DeltaNetOps, Gates, StatePool, TorchDeltaNetOps
 from .rope import rotate
 from .sharding import ShardLayout, single_rank_layout
@@ -213,12 +213,17 @@ class GatedAttention(nn.Module):
                 meta: AttentionMetadata, residual: torch.Tensor | None = None) -> tuple:
         """``(out, delta)`` and ``residual``: as ``decoder.Attention.forward``'s."""
         num_tokens = x.shape[0]
-        q_gate, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        # A fused q|gate, k, v's expand goes into the fused kernel where that runs (``_norm_rope_write_kv``).
+        qkv, delta = self.qkv_proj.forward_parts(x, fold=self._folds(x))
+        if isinstance(delta, torch.Tensor):  # computed beside the GEMM: added now
+            qkv, delta = qkv.add_(delta), None
+        q_gate, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
         q, gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        normed = self._norm_rope_write_kv(positions, q, k, v, kv_cache, meta)
+        normed = self._norm_rope_write_kv(positions, q, k, v, kv_cache, meta, gate, delta)
         if normed is None:
+            add_delta(qkv, delta)
             q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
             self.backend.write_kv(kv_cache, k, v, meta)
         else:
@@ -227,19 +232,28 @@ class GatedAttention(nn.Module):
         return self.o_proj.forward_parts(out * torch.sigmoid(gate.reshape(num_tokens, -1)), residual, fold=True)
 
     def _norm_rope_write_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+                            kv_cache: torch.Tensor, meta: AttentionMetadata, gate: torch.Tensor,
+                            expand: PendingExpand | None) -> torch.Tensor | None:
         """q's and k's norms, the rotary and the KV write in one launch
-        (``triton_fused.norm_rope_write_kv``) where the step runs the fused
+        (``triton_fused.norm_rope_write_kv``, adding ``expand``, q|gate, k and
+        v's LoRA expand, the gates' in place) where the step runs the fused
         CUDA ops and the backend writes as the reference does: q's result;
         None (nothing done) elsewhere."""
         ops = cuda_fused_ops(q)
-        if (ops is None or type(self.backend).write_kv is not TorchPagedAttention.write_kv
-                or self.q_norm.eps != self.k_norm.eps):
+        if ops is None or not self._fuses():
             return None
         rotary = self.rotary
         cos, signed_sin = rotary.step_tables if rotary.step_tables is not None else rotary.tables(positions, q.dtype)
         return ops.norm_rope_write_kv(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos,
-                                      signed_sin, kv_cache, meta.slot_mapping)
+                                      signed_sin, kv_cache, meta.slot_mapping, gate, expand)
+
+    def _fuses(self) -> bool:
+        """The checks of ``_norm_rope_write_kv`` that need no step tensors."""
+        return type(self.backend).write_kv is TorchPagedAttention.write_kv and self.q_norm.eps == self.k_norm.eps
+
+    def _folds(self, x: torch.Tensor) -> bool:
+        """Whether q|gate, k, v's expand may be left to ``_norm_rope_write_kv``."""
+        return self._fuses() and (ops := cuda_fused_ops(x)) is not None and ops.takes_expand
 
 
 class GatedDeltaNet(nn.Module):

@@ -232,13 +232,16 @@ def _rope_write_kv_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_
                           cos_ptr, sin_ptr, stride_ct, cache_ptr, stride_cs, stride_ch, cache_half, slot_ptr,
                           num_heads, dq_ptr, dk_ptr, dv_ptr, qo_ptr, stride_qot, stride_qoh, qw_ptr, kw_ptr, eps,
                           t_ptr, stride_t, b_ptr, stride_bs, stride_bn, sc_ptr, stride_ss, stride_sl, lslot_ptr,
-                          num_slots, R, k_col, v_col,
-                          HAS_DELTA: tl.constexpr, FOLD: tl.constexpr, NORM: tl.constexpr, BLOCK_R: tl.constexpr,
-                          DIM: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
+                          num_slots, R, k_col, v_col, g_ptr, stride_gt, stride_gh,
+                          HAS_DELTA: tl.constexpr, FOLD: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr,
+                          BLOCK_R: tl.constexpr, DIM: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+                          GDC: tl.constexpr):
     """Program ``(token, head)``: a q head (rotated into ``qo``) or a k head
     (rotated into the cache, its v beside it). Heads of ``DIM``, the first
     ``2 HALF`` rotated; ``NORM``: each q and k head first normalised and
-    scaled by ``1 + weight`` (``rms_norm``'s zero-centred arithmetic)."""
+    scaled by ``1 + weight`` (``rms_norm``'s zero-centred arithmetic).
+    ``GATE`` (with ``FOLD``): q's shard is each head's q then its gate
+    (Qwen3.5's), the gate's expand added in place at ``g_ptr``."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -259,12 +262,15 @@ def _rope_write_kv_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_
         # none is a step's write (``triton_launch``).
         lslot, live, offs_r, mask_r = _row_slot(lslot_ptr, t, R, BLOCK_R)
         shard = tl.where(is_k, 1, 0)
-        first = tl.where(is_k, k_col + kh * DIM, h * DIM)
+        first = tl.where(is_k, k_col + kh * DIM, h * (2 * DIM if GATE else DIM))
         scale = tl.load(sc_ptr + shard * stride_ss + lslot * stride_sl)
         v_scale = tl.load(sc_ptr + 2 * stride_ss + lslot * stride_sl)
         bx = _b_tile(b_ptr, stride_bs, stride_bn, lslot, first, cols, mask, offs_r, mask_r)
         bo = _b_tile(b_ptr, stride_bs, stride_bn, lslot, first, other, mask, offs_r, mask_r)
         bv = _b_tile(b_ptr, stride_bs, stride_bn, lslot, v_col + kh * DIM, cols, v_mask, offs_r, mask_r)
+        if GATE:  # a q head's gate, the DIM columns after its q: written back only where the row has an adapter
+            g_mask = cols < tl.where(live & ~is_k, DIM, 0)
+            bg = _b_tile(b_ptr, stride_bs, stride_bn, lslot, first + DIM, cols, g_mask, offs_r, mask_r)
     if GDC:  # everything below reads the step's own writes (``triton_launch``)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -294,6 +300,9 @@ def _rope_write_kv_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_
         x = _plus_expand(x, bx, tx, live)
         xo = _plus_expand(xo, bo, tx, live)
         v = _plus_expand(v, bv, tv, live)
+        if GATE:
+            g_at = g_ptr + t * stride_gt + h * stride_gh + cols
+            tl.store(g_at, _plus_expand(tl.load(g_at, mask=g_mask, other=0.0), bg, tx, live), mask=g_mask)
     dtype = q_ptr.dtype.element_ty
     x = x.to(tl.float32)
     xo = xo.to(tl.float32)
@@ -331,7 +340,7 @@ def _paged_layout_fits(q, k, v, cos, signed_sin, kv_cache, slot_mapping) -> bool
 
 
 def _launch_rope_write_kv(q, k, v, cos, signed_sin, kv_cache, slot_mapping, parts, fold, q_out, norms, *,
-                          has_delta: bool, expand) -> None:
+                          has_delta: bool, expand, gate=None) -> None:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if not num_tokens:
@@ -342,10 +351,13 @@ def _launch_rope_write_kv(q, k, v, cos, signed_sin, kv_cache, slot_mapping, part
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         cos, signed_sin, cos.stride(0), kv_cache, slots.stride(0), slots.stride(1), kv_cache[0].numel(),
         slot_mapping, num_heads, *parts, q_out, q_out.stride(0), q_out.stride(1), q_weight, k_weight, eps, *fold,
-        HAS_DELTA=has_delta, FOLD=expand is not None, NORM=norms is not None, BLOCK_R=fold_block_r(expand),
-        DIM=head_dim, HALF=cos.shape[-1] // 2, BLOCK=triton.next_power_of_2(head_dim),
-        # A folded expand holds three [head_dim, rank] tiles of B a program: more warps past rank 16.
-        num_warps=(1 if head_dim <= 128 else 2) * (fold_block_r(expand) // 16),
+        q if gate is None else gate, 0 if gate is None else gate.stride(0), 0 if gate is None else gate.stride(1),
+        HAS_DELTA=has_delta, FOLD=expand is not None, NORM=norms is not None, GATE=gate is not None,
+        BLOCK_R=fold_block_r(expand), DIM=head_dim, HALF=cos.shape[-1] // 2, BLOCK=triton.next_power_of_2(head_dim),
+        # A folded expand holds three [head_dim, rank] tiles of B a program: more warps past rank 16; with
+        # a gate four, at most 64 values a thread (rms_norm's fold's budget).
+        num_warps=(1 if head_dim <= 128 else 2) * (fold_block_r(expand) // 16) if gate is None else min(16, max(
+            1, triton.next_power_of_2(4 * triton.next_power_of_2(head_dim) * fold_block_r(expand) // 2048))),
         enable_fp_fusion=False, **triton_launch.options(q))  # float32: no FMA, torch's two roundings
 
 
@@ -384,21 +396,34 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
 
 def norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
                        k_weight: torch.Tensor, eps: float, cos: torch.Tensor, signed_sin: torch.Tensor,
-                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor | None:
+                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor, gate: torch.Tensor | None = None,
+                       expand=None) -> torch.Tensor | None:
     """Qwen3.5's gated attention before ``attend``, in one launch: each q and k
     head normalised (``ZeroCenteredRMSNorm``: weights ``q_weight``,
     ``k_weight [D]``), its first ``R`` dims rotated by ``cos`` and
     ``signed_sin`` (``[T, 1, R]``), k and v written at ``slot_mapping`` into
     ``kv_cache`` as ``rope_write_kv`` writes them; returns q's result,
     ``[T, H, D]`` contiguous (``q``, ``k`` and ``v`` may be strided views:
-    none is written). None where the tensors don't fit."""
+    none is written). ``expand`` (``lora_layers.PendingExpand`` of the fused
+    q|gate, k, v projection, with ``gate [T, H, D]``, the gates beside q):
+    its LoRA expand added first, as ``expand_rows`` would add it, to q, k
+    and v as they load and to ``gate`` in place. None (nothing done) where
+    the tensors don't fit."""
     num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
     if (not _paged_layout_fits(q, k, v, cos, signed_sin, kv_cache, slot_mapping)
             or any(w.shape != (head_dim,) or w.dtype != q.dtype or not w.is_contiguous() for w in (q_weight, k_weight))):
         return None
+    if expand is not None and (isinstance(expand, torch.Tensor) or gate is None or gate.shape != q.shape
+                               or gate.dtype != q.dtype or gate.stride(-1) != 1):
+        return None
+    fold = fold_args(expand, q, [2 * num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim])
+    if fold is None:
+        return None
     q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    _launch_rope_write_kv(q, k, v, cos, signed_sin, kv_cache, slot_mapping, (q, k, v), fold_args(None, q, []),
-                          q_out, (q_weight, k_weight, eps), has_delta=False, expand=None)
+    _launch_rope_write_kv(q, k, v, cos, signed_sin, kv_cache, slot_mapping, (q, k, v), fold, q_out,
+                          (q_weight, k_weight, eps), has_delta=False, expand=expand,
+                          gate=gate if expand is not None else None)
     return q_out
 
 

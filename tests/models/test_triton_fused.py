@@ -332,6 +332,47 @@ def test_norm_rope_write_kv_equals_norms_partial_rotary_and_index_copy(dtype, de
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_norm_rope_write_kv_folds_q_gate_k_vs_expand_as_expand_rows_would(dtype, device="cpu"):
+    """The fused q|gate, k, v projection's expand (``PendingExpand``), added by
+    the gated attention's kernel as it loads: q, the cache and the gates
+    (in place) as ``expand_rows`` then the kernel leave them; rows on slots
+    1, 0 (base: untouched) and 2 (k untargeted)."""
+    gen = torch.Generator().manual_seed(16)
+    tokens, heads, kv_heads, dim = 3, 4, 2, 32
+    sizes = [heads * 2 * dim, kv_heads * dim, kv_heads * dim]
+    out, expand = pending_expand((2 * torch.randn(tokens, sum(sizes), generator=gen)).to(dtype).to(device), sizes,
+                                 [1, 0, 2])
+    n = sum(sizes)
+
+    def views(proj):
+        q_gate, k, v = proj[:, :n].split(sizes, dim=-1)
+        q_gate = q_gate.view(tokens, heads, 2 * dim)
+        return q_gate[..., :dim], q_gate[..., dim:], k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+
+    q_weight, k_weight = ((torch.randn(2, dim, generator=gen) / 4).to(dtype).to(device)).unbind(0)
+    cos, signed_sin = PartialMRotary(10000.0, 8, (2, 1, 1)).tables(torch.tensor([5, 17, 300], device=device), dtype)
+    cache, slots = torch.zeros(2, 6, 4, kv_heads, dim, dtype=dtype, device=device), torch.tensor([7, 0, 22], device=device)
+    want = out.clone()
+    expand._replace(t=want[:, n:]).apply(want[:, :n])
+    wq, wgate, wk, wv = views(want)
+    want_cache = cache.clone()
+    want_q = triton_fused.norm_rope_write_kv(wq, wk, wv, q_weight, k_weight, 1e-6, cos, signed_sin, want_cache, slots)
+    before = out.clone()
+    q, gate, k, v = views(out)
+    got = triton_fused.norm_rope_write_kv(q, k, v, q_weight, k_weight, 1e-6, cos, signed_sin, cache, slots, gate, expand)
+    check = torch.equal if device == "cpu" else assert_close_to_expand
+    assert check(got, want_q) in (True, None) and check(cache, want_cache) in (True, None)
+    assert check(gate, wgate) in (True, None)  # the gates expanded in place
+    assert not torch.equal(wgate, views(before)[1])  # the expand changed them
+    assert torch.equal(out[1], before[1]) and torch.equal(q, views(before)[0]) and torch.equal(k, views(before)[2])
+    assert triton_fused.norm_rope_write_kv(q, k, v, q_weight, k_weight, 1e-6, cos, signed_sin, cache, slots,
+                                           None, expand) is None  # an expand needs the gates
+    other = pending_expand(out[:, :n].clone(), [heads * dim, heads * dim + 2 * kv_heads * dim], [1, 0, 2])[1]
+    assert triton_fused.norm_rope_write_kv(q, k, v, q_weight, k_weight, 1e-6, cos, signed_sin, cache, slots,
+                                           gate, other) is None  # not q|gate, k, v's shards
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
 def test_gated_rms_norm_equals_the_layers_torch_ops_to_rounding(dtype, device="cpu"):
     """Qwen3.5's DeltaNet output norm: heads of the delta rule's output, the
     gate a strided view of in_proj's wider rows (as the layer hands them)."""
@@ -363,6 +404,7 @@ def test_kernels_compiled_on_gpu(dtype, monkeypatch):
     test_silu_mul_equals_torch_to_rounding(dtype, "cuda")
     test_gated_rms_norm_equals_the_layers_torch_ops_to_rounding(dtype, "cuda")
     test_norm_rope_write_kv_equals_norms_partial_rotary_and_index_copy(dtype, "cuda")
+    test_norm_rope_write_kv_folds_q_gate_k_vs_expand_as_expand_rows_would(dtype, "cuda")
     test_rope_write_kv_adds_a_delta_as_add_would(dtype, "cuda")
     test_silu_mul_adds_a_delta_as_add_would(dtype, "cuda")
     test_rope_write_kv_folds_a_fused_expand_as_expand_rows_would(dtype, "cuda")
