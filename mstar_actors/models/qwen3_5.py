@@ -215,7 +215,7 @@ class GatedAttention(nn.Module):
         num_tokens = x.shape[0]
         # A fused q|gate, k, v's expand goes into the fused kernel where that runs (``_norm_rope_write_kv``).
         qkv, delta = self.qkv_proj.forward_parts(x, fold=self._folds(x))
-        if isinstance(delta, torch.Tensor):  # computed beside the GEMM: added now
+        if isinstance(delta, torch.Tensor):  # computed beside the GEMM: added now (the kernel takes no q|gate delta)
             qkv, delta = qkv.add_(delta), None
         q_gate, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
         q, gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)

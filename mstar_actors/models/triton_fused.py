@@ -31,9 +31,9 @@ so graphs and eager steps agree:
 
 ``rope_write_kv`` and ``silu_mul`` also take a LoRA delta computed beside
 the GEMM before them (``LoraLinear.forward_parts``), added as they load and
-rounded as ``y.add_(delta)`` would round it; they and ``rms_norm`` (to the
-residual) take a fused linear's expand still to do, rounded as
-``expand_rows`` rounds it.
+rounded as ``y.add_(delta)`` would round it; they, ``norm_rope_write_kv``
+and ``rms_norm`` (to the residual) take a fused linear's expand still to
+do, rounded as ``expand_rows`` rounds it.
 
 On by default (``enabled``); ``tools/profile_gpu_step.py --fused-ops both``
 times the step with and without them.
@@ -57,7 +57,8 @@ MAX_WIDTH = 16384  # a row a program holds whole (hidden sizes up to 16k)
 # to powers of two) has at most this many values, 64 a thread of 16 warps:
 # hidden 2048 at rank 16 (a wider one needs more than the 128 registers a thread has at 16 warps).
 MAX_FOLD_TILE = 32768
-# ``rms_norm``, ``rope_write_kv`` and ``silu_mul`` add a fused linear's LoRA expand as they load (``cpu_ops``' do not).
+# ``rms_norm``, ``rope_write_kv``, ``norm_rope_write_kv`` and ``silu_mul`` add a fused linear's LoRA expand as
+# they load (``cpu_ops``' do not).
 takes_expand = True
 
 
@@ -355,7 +356,7 @@ def _launch_rope_write_kv(q, k, v, cos, signed_sin, kv_cache, slot_mapping, part
         HAS_DELTA=has_delta, FOLD=expand is not None, NORM=norms is not None, GATE=gate is not None,
         BLOCK_R=fold_block_r(expand), DIM=head_dim, HALF=cos.shape[-1] // 2, BLOCK=triton.next_power_of_2(head_dim),
         # A folded expand holds three [head_dim, rank] tiles of B a program: more warps past rank 16; with
-        # a gate four, at most 64 values a thread (rms_norm's fold's budget).
+        # a gate four, at most 64 values a thread (MAX_FOLD_TILE: rms_norm's fold's budget).
         num_warps=(1 if head_dim <= 128 else 2) * (fold_block_r(expand) // 16) if gate is None else min(16, max(
             1, triton.next_power_of_2(4 * triton.next_power_of_2(head_dim) * fold_block_r(expand) // 2048))),
         enable_fp_fusion=False, **triton_launch.options(q))  # float32: no FMA, torch's two roundings
@@ -415,8 +416,9 @@ def norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
             or any(w.shape != (head_dim,) or w.dtype != q.dtype or not w.is_contiguous() for w in (q_weight, k_weight))):
         return None
     if expand is not None and (isinstance(expand, torch.Tensor) or gate is None or gate.shape != q.shape
-                               or gate.dtype != q.dtype or gate.stride(-1) != 1):
-        return None
+                               or gate.dtype != q.dtype or gate.stride(-1) != 1
+                               or 4 * triton.next_power_of_2(head_dim) * fold_block_r(expand) > MAX_FOLD_TILE):
+        return None  # (four [head_dim, rank] tiles of B past MAX_FOLD_TILE: the expand's own launch does it)
     fold = fold_args(expand, q, [2 * num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim])
     if fold is None:
         return None

@@ -365,8 +365,9 @@ def test_norm_rope_write_kv_folds_q_gate_k_vs_expand_as_expand_rows_would(dtype,
     assert check(gate, wgate) in (True, None)  # the gates expanded in place
     assert not torch.equal(wgate, views(before)[1])  # the expand changed them
     assert torch.equal(out[1], before[1]) and torch.equal(q, views(before)[0]) and torch.equal(k, views(before)[2])
-    assert triton_fused.norm_rope_write_kv(q, k, v, q_weight, k_weight, 1e-6, cos, signed_sin, cache, slots,
-                                           None, expand) is None  # an expand needs the gates
+    for bad_gate in (None, gate[:, :2], gate.float() if dtype != torch.float32 else gate.half()):
+        assert triton_fused.norm_rope_write_kv(q, k, v, q_weight, k_weight, 1e-6, cos, signed_sin, cache, slots,
+                                               bad_gate, expand) is None  # an expand needs q's gates
     other = pending_expand(out[:, :n].clone(), [heads * dim, heads * dim + 2 * kv_heads * dim], [1, 0, 2])[1]
     assert triton_fused.norm_rope_write_kv(q, k, v, q_weight, k_weight, 1e-6, cos, signed_sin, cache, slots,
                                            gate, other) is None  # not q|gate, k, v's shards
