@@ -247,6 +247,26 @@ def profile_step(runner: ModelRunner, slots: list[int]) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60)
 
 
+def profile_mixed(runner: ModelRunner, num_decodes: int) -> str:
+    """torch.profiler's tables of 5 mixed steps (``Decoder.mixed``, base rows,
+    graphed where the runner has mixed-step graphs): the GPU kernels by
+    device time, then the host's ops by their own CPU time (a mixed step's
+    wall time is the larger of the two)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    blocks = list(range(runner.num_kv_blocks - 2, runner.num_kv_blocks))  # past every Decoder's
+    d = Decoder(runner, [0] * num_decodes, "profmix")
+    for _ in range(3):
+        d.mixed(0, blocks)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            d.mixed(0, blocks)
+    d.close()
+    events = prof.key_averages()
+    return (events.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60) + "\n"
+            + events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokenizer", type=Path, default=None,
@@ -260,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--profile-batches", type=int, nargs="+", default=[8],
                    help="rows of the profiled decode steps, each profiled on the base model and on one adapter")
+    p.add_argument("--profile-mixed", type=int, nargs="*", default=[],
+                   help="decodes beside the prefill of each profiled mixed step (base rows; default none)")
     p.add_argument("--lora-paths", nargs="+", choices=["beside", "fused", "unfused"], default=["beside", "fused"],
                    help="decode table runners, side by side: the LoRA delta beside the GEMM on a side stream "
                         "(CUDA's default), after it with A under the weight, or after it unfused "
@@ -303,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = bench_lora.make_random_model(args.model, cache / args.model, args.tokenizer, "bfloat16", "cuda")
     paths = bench_lora.make_adapters(model_dir, cache / "adapters" / f"{args.model}-r16",
                                      [f"lora{i}" for i in range(NUM_ADAPTERS)], 16, "bfloat16", "cuda")
-    max_seqs = max([*args.batches, *args.mixed_decodes, *args.profile_batches, 32])  # the install rows decode 32 beside
+    # the install rows decode 32 beside
+    max_seqs = max([*args.batches, *args.mixed_decodes, *args.profile_batches, *args.profile_mixed, 32])
     runners = {}
     modes = {"on": [True], "off": [False], "both": [True, False]}
     for path, ops, pdl, fold, max_loras, split in itertools.product(
@@ -370,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
             for name, slot in (("base", 0), ("one adapter", 1)):
                 print(f"# torch.profiler, 5 decode steps of {batch} rows, {name}")
                 print(profile_step(runner, [slot] * batch))
+        for num_decodes in args.profile_mixed:
+            print(f"# torch.profiler, 5 mixed steps: one {PREFILL}-token prefill beside {num_decodes} decodes, base")
+            print(profile_mixed(runner, num_decodes))
     return 0
 
 
