@@ -38,7 +38,9 @@ import itertools
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -233,18 +235,24 @@ def time_install(runner: ModelRunner, adapters: list, repeats: int, beside: int 
     return statistics.median(times) * 1e3, statistics.median(again) * 1e3, statistics.median(held) * 1e3, step
 
 
+def _profiled(step: Callable[[], object]) -> Any:
+    """torch.profiler's events over 5 calls of ``step`` (warm already)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+    return prof.key_averages()
+
+
 def profile_step(runner: ModelRunner, slots: list[int]) -> str:
     """torch.profiler's table of 5 decode steps on ``slots``: the GPU kernels
     by device time, and the host's share (an op's CPU time against the step's)."""
-    from torch.profiler import ProfilerActivity, profile
-
     d = Decoder(runner, slots, "prof")
     d.decode()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            d.decode()
+    events = _profiled(d.decode)
     d.close()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60)
+    return events.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60)
 
 
 def profile_mixed(runner: ModelRunner, num_decodes: int) -> str:
@@ -252,17 +260,12 @@ def profile_mixed(runner: ModelRunner, num_decodes: int) -> str:
     graphed where the runner has mixed-step graphs): the GPU kernels by
     device time, then the host's ops by their own CPU time (a mixed step's
     wall time is the larger of the two)."""
-    from torch.profiler import ProfilerActivity, profile
-
     blocks = list(range(runner.num_kv_blocks - 2, runner.num_kv_blocks))  # past every Decoder's
     d = Decoder(runner, [0] * num_decodes, "profmix")
     for _ in range(3):
         d.mixed(0, blocks)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            d.mixed(0, blocks)
+    events = _profiled(lambda: d.mixed(0, blocks))
     d.close()
-    events = prof.key_averages()
     return (events.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60) + "\n"
             + events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
 
