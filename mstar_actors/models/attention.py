@@ -17,10 +17,13 @@ so this module imports none of them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .deltanet_ops import StaticStep
 
 
 @dataclass
@@ -67,12 +70,10 @@ class AttentionMetadata:
     state_slots: torch.Tensor | None = None
     state_slots_list: list[int] | None = None
     # A hybrid model's step in static form (a graphed mixed step, with
-    # ``varlen_work``): int64 ``[NT, 2]`` ``(sequence, chunk)`` of every
-    # 64-token chunk of every sequence's queries, in order, padded with
-    # ``(S, 0)`` (an empty sequence past the last); ``state_slots [S]`` is
-    # then padded with the pools' scratch slot. Every sequence, a decode row
-    # too, goes through the chunked delta rule (``deltanet_triton``).
-    deltanet_chunks: torch.Tensor | None = None
+    # ``varlen_work``; ``state_slots [S]`` is then padded with the pools'
+    # scratch slot): where the delta rule finds its single-token rows and
+    # its longer sequences (``deltanet_ops.StaticStep``).
+    deltanet_static: StaticStep | None = None
 
     @classmethod
     def from_lists(cls, *, slot_mapping: Sequence[int], block_tables: Sequence[Sequence[int]],

@@ -57,22 +57,30 @@ CONV_WARPS = 4
 
 @triton.jit
 def _delta_decode_kernel(
-    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, ssm_ptr, o_ptr, slots_ptr, continues_ptr,
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, ssm_ptr, o_ptr, slots_ptr, continues_ptr, rows_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     stride_ss, stride_sh, stride_sk, stride_ot, stride_oh, scale,
     HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, FRESH_AT: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, FRESH_AT: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):  # fmt: skip
     i_v = tl.program_id(0)
     pid = tl.program_id(1)
-    row, hv = pid // HV, pid % HV
+    entry, hv = pid // HV, pid % HV
     head = hv // GROUP  # value heads share key heads (GVA)
-    row64 = row.to(tl.int64)
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    continues = tl.load(continues_ptr + row) > FRESH_AT
+    slot = tl.load(slots_ptr + entry).to(tl.int64)
+    continues = tl.load(continues_ptr + entry) > FRESH_AT
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask_k, mask_v = offs_k < DK, offs_v < DV
+    if HAS_ROWS:  # entry i is row rows[i] of q, k, v, the gates and o; -1: padding, which reads and writes nothing
+        row64 = tl.load(rows_ptr + entry).to(tl.int64)
+        live = row64 >= 0
+        continues = continues & live
+        row64 = tl.maximum(row64, 0)
+        mask_v = (offs_v < tl.where(live, DV, 0))
+    else:
+        row64 = entry.to(tl.int64)
+        mask_v = offs_v < DV
+    mask_k = offs_k < DK
     mask_h = mask_k[:, None] & mask_v[None, :]
     h_ptrs = ssm_ptr + slot * stride_ss + hv * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
     # A fresh row reads nothing (zeros): its k range is empty.
@@ -109,9 +117,6 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates, ssm:
     if gates.a.shape != (rows, num_v) or gates.b.shape != (rows, num_v):
         raise ValueError(f"deltanet decode: gates a {tuple(gates.a.shape)}, b {tuple(gates.b.shape)}; "
                          f"accepted: [{rows}, {num_v}]")
-    if rows * num_v > 65535:
-        raise ValueError(f"deltanet decode: {rows} rows x {num_v} value heads is past a launch's 65,535 "
-                         "programs a column; accepted: fewer rows a step")
     if continues.dtype not in (torch.bool, torch.int32):
         raise ValueError(f"deltanet decode: continues is {continues.dtype}; accepted: bool flags or int32 "
                          "context lengths")
@@ -124,28 +129,47 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates, ssm:
 
 
 def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates, ssm: torch.Tensor,
-                slots: torch.Tensor, continues: torch.Tensor) -> torch.Tensor:
+                slots: torch.Tensor, continues: torch.Tensor, rows: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """``q, k [B, Hk, Dk]``, ``v [B, Hv, Dv]``, ``gates`` of those rows, the
     pool's ``ssm [P + 1, Hv, Dk, Dv]``, each row's ``slots [B]`` and whether
     it continues its slot's state, else starts from zeros: ``continues [B]``
     bool, or the rows' context lengths (int32: a row continues unless its
     context is its one token, read in the kernel, so a captured step derives
     nothing from them that a replay would not redo) -> ``o [B, Hv, Dv]`` in
-    ``v``'s dtype; each row's slot of ``ssm`` is updated in place."""
+    ``v``'s dtype; each row's slot of ``ssm`` is updated in place.
+
+    ``rows [E]`` (int64): E entries, entry i on row ``rows[i]`` of q, k, v
+    and the gates (-1: none, the entry does nothing), with ``slots`` and
+    ``continues`` per entry; its output goes to that row of ``out`` (q's
+    rows at least), which is returned (a static step's single-token rows
+    among longer ones, ``deltanet_ops.StaticStep``)."""
     _check(q, k, v, gates, ssm, continues)
-    rows, num_k, dk = q.shape
+    num_rows, num_k, dk = q.shape
     num_v, dv = v.shape[1], v.shape[2]
-    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    if rows == 0:
+    if rows is None:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    elif (rows.dtype != torch.long or slots.shape != rows.shape or continues.shape != rows.shape or out is None
+          or out.shape[0] < num_rows or out.shape[1:] != v.shape[1:] or out.stride(-1) != 1):
+        raise ValueError(f"deltanet decode: rows {tuple(rows.shape)} {rows.dtype}, slots {tuple(slots.shape)}, "
+                         f"continues {tuple(continues.shape)}, out {None if out is None else tuple(out.shape)}; "
+                         f"accepted: int64 rows, slots and continues of one length, out [>= {num_rows}, {num_v}, "
+                         f"{dv}] with Dv contiguous")
+    entries = num_rows if rows is None else rows.shape[0]
+    if entries * num_v > 65535:
+        raise ValueError(f"deltanet decode: {entries} rows x {num_v} value heads is past a launch's 65,535 "
+                         "programs a column; accepted: fewer rows a step")
+    if entries == 0:
         return out
-    block_v, warps = WIDE if rows * num_v > WIDE_FROM else NARROW
-    _delta_decode_kernel[(triton.cdiv(dv, block_v), rows * num_v)](
+    block_v, warps = WIDE if entries * num_v > WIDE_FROM else NARROW
+    _delta_decode_kernel[(triton.cdiv(dv, block_v), entries * num_v)](
         q, k, v, gates.a, gates.b, gates.A_log, gates.dt_bias, ssm, out, slots, continues,
+        slots if rows is None else rows,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         gates.a.stride(0), gates.b.stride(0),
         ssm.stride(0), ssm.stride(1), ssm.stride(2), out.stride(0), out.stride(1), dk**-0.5,
         HV=num_v, GROUP=num_v // num_k, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
-        FRESH_AT=0 if continues.dtype == torch.bool else 1, num_warps=warps,
+        FRESH_AT=0 if continues.dtype == torch.bool else 1, HAS_ROWS=rows is not None, num_warps=warps,
     )  # fmt: skip
     return out
 

@@ -21,6 +21,7 @@ both in float32 with q and k L2-normalised and q scaled by ``Dk ** -0.5``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -86,6 +87,86 @@ class Gates(NamedTuple):
     def rows(self, rows) -> Gates:
         """These gates for ``rows`` of the step (an index tensor or a slice)."""
         return self._replace(a=self.a[rows], b=self.b[rows])
+
+
+class StaticStep(NamedTuple):
+    """A hybrid model's step in static form (a graphed mixed step), as the
+    delta rule reads it: device tensors whose shapes follow the graph's
+    bucket, filled per step from ``static_step_plan``'s host lists.
+
+    Single-token sequences (decode rows, and one-token chunks) take the
+    recurrent form in place on their slots, as an eager step's do
+    (``_step_rows``): ``decode_rows [D]`` int64 (-1: padding, nothing
+    done), ``decode_slots [D]`` int64, ``decode_context [D]`` int32 (a row
+    continues its slot's state unless its context is its one token). The
+    longer ones go through one varlen call of the chunked form over their
+    rows gathered: ``chunk_rows [T]`` int64 (each gathered row's row of the
+    step; padding: ``T``, a row past the step's that nothing reads),
+    ``cu_seqlens [P + 2]`` int64 (empty sequences past the last: padding),
+    ``chunk_slots [P + 1]`` int64 (padding: the scratch slot),
+    ``chunk_continues [P + 1]`` bool and ``chunk_indices [NT, 2]`` int64
+    ``(sequence, chunk)`` of their 64-token chunks (padding: ``(P, 0)``,
+    the last, empty, sequence). Padding sequences cost the chunked call a
+    state each: ``P`` is bucketed small (``step_graphs.chunk_seq_buckets``)."""
+
+    decode_rows: torch.Tensor
+    decode_slots: torch.Tensor
+    decode_context: torch.Tensor
+    chunk_rows: torch.Tensor
+    cu_seqlens: torch.Tensor
+    chunk_slots: torch.Tensor
+    chunk_continues: torch.Tensor
+    chunk_indices: torch.Tensor
+
+
+class StaticPlan(NamedTuple):
+    """``StaticStep``'s fields as host lists (``chunk_indices`` flat: sequence, chunk, ...)."""
+
+    decode_rows: list[int]
+    decode_slots: list[int]
+    decode_context: list[int]
+    chunk_rows: list[int]
+    cu_seqlens: list[int]
+    chunk_slots: list[int]
+    chunk_continues: list[int]
+    chunk_indices: list[int]
+
+
+def static_step_plan(query_lens: Sequence[int], context_lens: Sequence[int], state_slots: Sequence[int], *,
+                     num_tokens: int, num_decodes: int, num_chunk_seqs: int, num_chunks: int,
+                     scratch_slot: int) -> StaticPlan:
+    """A step's ``StaticPlan``, padded to a bucket of ``num_tokens`` rows,
+    ``num_decodes`` single-token entries, ``num_chunk_seqs`` longer sequences
+    and ``num_chunks`` 64-token chunks of theirs. Pure; raises ValueError
+    where the step does not fit."""
+    decode_rows, decode_slots, decode_context = [], [], []
+    chunk_rows, cu_seqlens, chunk_slots, chunk_continues, chunk_indices = [], [0], [], [], []
+    start = 0
+    for n, ctx, slot in zip(query_lens, context_lens, state_slots):
+        if n == 1:
+            decode_rows.append(start)
+            decode_slots.append(slot)
+            decode_context.append(ctx)
+        elif n > 1:
+            for j in range(-(-n // CHUNK)):
+                chunk_indices += [len(chunk_slots), j]
+            chunk_rows.extend(range(start, start + n))
+            cu_seqlens.append(cu_seqlens[-1] + n)
+            chunk_slots.append(slot)
+            chunk_continues.append(int(ctx > n))
+        start += n
+    if (start > num_tokens or len(decode_rows) > num_decodes or len(chunk_slots) > num_chunk_seqs
+            or len(chunk_indices) > 2 * num_chunks):
+        raise ValueError(f"static deltanet step: {start} tokens, {len(decode_rows)} single-token and "
+                         f"{len(chunk_slots)} longer sequences ({len(chunk_indices) // 2} chunks); the bucket holds "
+                         f"{num_tokens}, {num_decodes}, {num_chunk_seqs} ({num_chunks})")
+    pad_decodes, pad_seqs = num_decodes - len(decode_rows), num_chunk_seqs + 1 - len(chunk_slots)
+    return StaticPlan(
+        decode_rows + [-1] * pad_decodes, decode_slots + [scratch_slot] * pad_decodes,
+        decode_context + [1] * pad_decodes, chunk_rows + [num_tokens] * (num_tokens - len(chunk_rows)),
+        cu_seqlens + [cu_seqlens[-1]] * pad_seqs, chunk_slots + [scratch_slot] * pad_seqs,
+        chunk_continues + [0] * pad_seqs,
+        chunk_indices + [num_chunk_seqs, 0] * (num_chunks - len(chunk_indices) // 2))
 
 
 class DeltaNetOps(Protocol):

@@ -40,15 +40,20 @@ Graph safety: a pure decode step (``meta.graph_decode``, or every sequence
 one token) reads only ``state_slots`` and ``context_lens`` on the device
 (row ``i`` is sequence ``i``; continues iff ``context_lens > 1``); shapes
 follow the row count; no host synchronisation. A step in static form
-(``meta.deltanet_chunks``: a graphed mixed step) reads only tensors too:
-the convolution takes attention's ``varlen_work`` tiles (the same 16 rows),
-and every sequence, decode rows included, goes through one varlen call of
-the chunked kernel over ``query_start`` plus one empty sequence, which the
-padding entries of ``deltanet_chunks`` name (the kernels skip an empty
-sequence's chunk: every load and store is bounded by its length). Padded
-sequences are empty too, on the scratch slot. Other steps with prefill
-chunks read the host lists and run eagerly: each Triton launch costs tens
-of microseconds of Python, so an eager step of Qwen3.5-0.8B's 18 DeltaNet
+(``meta.deltanet_static``: a graphed mixed step) reads only tensors too:
+the convolution takes attention's ``varlen_work`` tiles (the same 16 rows);
+the delta rule splits the rows as an eager step does, the single-token
+ones through our decode kernel by a row map, in place, the longer
+sequences gathered into one varlen call of the chunked kernel, padded with
+empty sequences on the scratch slot (the kernels skip an empty sequence's
+chunks, but each still costs its state: a gather, the kernel's read and
+write of it, a scatter; 1 MB a layer at Qwen3.5-0.8B's heads). Padding
+every sequence of the graph (256) into that call made a graphed mixed step
+of 38 rows 19.8 ms on the H200 against a 64-row decode step's 2.9: the
+graphs are bucketed by the longer sequences too
+(``step_graphs.chunk_seq_buckets``). Other steps with prefill chunks read
+the host lists and run eagerly: each Triton launch costs tens of
+microseconds of Python, so an eager step of Qwen3.5-0.8B's 18 DeltaNet
 layers took 45-80 ms on the H200 whatever its size.
 """
 
@@ -197,21 +202,7 @@ def _initial_states(pool: StatePool, slots: torch.Tensor, continues: torch.Tenso
 
 
 def _is_pure_decode(meta: AttentionMetadata) -> bool:
-    return meta.graph_decode or (meta.deltanet_chunks is None and all(n == 1 for n in meta.query_lens_list))
-
-
-def _static_sequences(meta: AttentionMetadata, pool: StatePool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A static step's ``cu_seqlens`` (int64 ``[S + 2]``: the last sequence
-    empty), each sequence's slot (the empty one's: scratch) and whether it
-    continues a state; device ops only, made once per step."""
-    if "deltanet_static" in meta.derived:
-        return meta.derived["deltanet_static"]
-    starts = meta.query_start.long()
-    cu = torch.cat((starts, starts[-1:]))
-    slots = torch.nn.functional.pad(meta.state_slots, (0, 1), value=pool.num_slots)  # the scratch slot
-    continues = torch.nn.functional.pad(meta.context_lens > starts.diff(), (0, 1), value=False)
-    meta.derived["deltanet_static"] = plan = (cu, slots, continues)
-    return plan
+    return meta.graph_decode or (meta.deltanet_static is None and all(n == 1 for n in meta.query_lens_list))
 
 
 class TritonDeltaNetOps:
@@ -232,7 +223,7 @@ class TritonDeltaNetOps:
         channels, kernel = weight.shape
         strides = (x.stride(0), out.stride(0), weight.stride(0), weight.stride(1), pool.conv.stride(0),
                    pool.conv.stride(1))
-        if meta.deltanet_chunks is not None:  # static: attention's tiles, every sequence in the tensors
+        if meta.deltanet_static is not None:  # static: attention's tiles, every sequence in the tensors
             out.zero_()  # padding rows, which no tile covers, stay finite
             items, num_seqs = meta.varlen_work, meta.state_slots.shape[0]
             _conv_kernel[(items.shape[0], triton.cdiv(channels, BLOCK_C))](
@@ -257,16 +248,22 @@ class TritonDeltaNetOps:
 
     def delta_rule(self, q, k, v, gates: Gates, pool: StatePool, meta: AttentionMetadata) -> torch.Tensor:
         scale = q.shape[-1] ** -0.5
-        if meta.deltanet_chunks is not None:  # static: every sequence through the chunked kernel
-            cu_seqlens, slots, continues = _static_sequences(meta, pool)
-            g, beta = gates.decay(), gates.beta()
+        if (static := meta.deltanet_static) is not None:  # tensors only: see the module doc
+            num_rows = v.shape[0]
+            out = torch.zeros((num_rows + 1, *v.shape[1:]), dtype=v.dtype, device=v.device)  # row T: padding's
+            decode_step(q, k, v, gates, pool.ssm, static.decode_slots, static.decode_context, static.decode_rows, out)
+            rows = static.chunk_rows
+            taken = rows.clamp(max=num_rows - 1)  # padding rows gather row T - 1, scatter to row T
+            chunk_gates = gates.rows(taken)
             o, final = chunk_gated_delta_rule(
-                q[None], k[None], v[None], g=g[None], beta=beta[None], scale=scale,
-                initial_state=_initial_states(pool, slots, continues), output_final_state=True,
-                use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, chunk_indices=meta.deltanet_chunks)
-            pool.ssm.index_copy_(0, slots, final)
-            is_padding = torch.arange(o.shape[1], device=o.device) >= cu_seqlens[-1]
-            return o[0].to(v.dtype).masked_fill_(is_padding[:, None, None], 0.0)  # rows no sequence wrote
+                q[taken][None], k[taken][None], v[taken][None], g=chunk_gates.decay()[None],
+                beta=chunk_gates.beta()[None], scale=scale,
+                initial_state=_initial_states(pool, static.chunk_slots, static.chunk_continues),
+                output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=static.cu_seqlens,
+                chunk_indices=static.chunk_indices)
+            pool.ssm.index_copy_(0, static.chunk_slots, final)
+            out.index_copy_(0, rows, o[0].to(v.dtype))
+            return out[:num_rows]  # rows of no sequence: zeros
         if _is_pure_decode(meta):  # row i is sequence i: tensors only, graph-safe
             return decode_step(q, k, v, gates, pool.ssm, meta.state_slots, meta.context_lens)
         decode, chunks = _step_rows(meta, q.device)

@@ -68,7 +68,7 @@ import numpy as np
 import torch
 
 from mstar_actors.models.attention import AttentionMetadata, max_varlen_items, plan_varlen_work
-from mstar_actors.models.deltanet_ops import CHUNK
+from mstar_actors.models.deltanet_ops import CHUNK, StaticStep, static_step_plan
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,21 @@ def token_buckets(max_tokens: int) -> list[int]:
         sizes.append(n)
         n *= 2
     return sizes + [max_tokens]
+
+
+def chunk_seq_buckets(num_tokens: int, max_seqs: int) -> list[int]:
+    """Captured counts of a hybrid model's longer sequences (more than one
+    token: the chunked delta rule's) in a mixed step of ``num_tokens``
+    tokens: 1, 4, 16, ... below the most that fit, then that most
+    (``max_seqs``, and no more than ``num_tokens // 2``): each sequence the
+    chunked call holds costs its state whether padding or not
+    (``deltanet_triton``), so a step pays for at most 4x its own."""
+    most = max(1, min(max_seqs, num_tokens // 2))
+    sizes, n = [], 1
+    while n < most:
+        sizes.append(n)
+        n *= 4
+    return sizes + [most]
 
 
 class _Staging:
@@ -224,8 +239,12 @@ class _StepGraphs:
             with torch.inference_mode():
                 self._forward(*key)
 
-    def _forward(self, bucket: int, uses_rows: bool) -> None:
+    def _forward(self, bucket: Any, uses_rows: bool) -> None:
         raise NotImplementedError
+
+    def _bucket_keys(self) -> list:
+        """The graphs' buckets, ascending (a key is ``(bucket, uses_rows)``)."""
+        return list(self.buckets)
 
     def _sizes(self) -> str:
         raise NotImplementedError
@@ -241,7 +260,7 @@ class _StepGraphs:
         start = time.perf_counter()
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         with torch.inference_mode():
-            for bucket in reversed(self.buckets):
+            for bucket in reversed(self._bucket_keys()):
                 for uses_rows in variants:
                     self.graphs[(bucket, uses_rows)] = self._capture_one(bucket, uses_rows, pool)
         torch.cuda.synchronize(self.device)
@@ -396,10 +415,13 @@ class MixedGraphs(_StepGraphs):
     - ``varlen_work [P, 2]`` (``plan_varlen_work``, padded with ``(-1, 0)``;
       a bucket of ``t`` tokens reads its first ``max_varlen_items(t, S)``);
     - a hybrid model's (``scratch_state_slot``): ``state_slots [S]`` (padded
-      with the scratch slot) and ``deltanet_chunks [NT, 2]``, each
-      sequence's 64-token chunks (``AttentionMetadata.deltanet_chunks``,
-      padded with ``(S, 0)``; a bucket reads its first
-      ``max_varlen_items(t, S, CHUNK)``).
+      with the scratch slot, the convolution's) and the delta rule's
+      ``deltanet_ops.StaticPlan`` fields, laid out for ``D = min(S, T)``
+      single-token rows, ``P`` longer sequences (``chunk_seq_buckets(T, S)``'s
+      largest) and their chunks. A hybrid model's graphs are keyed by
+      ``(t, p)``: the step's token bucket and the bucket of its longer
+      sequences, whose first ``min(S, t)``, ``p`` and
+      ``max_varlen_items(t, p, CHUNK)`` entries it reads.
 
     No work item covers a padding token, so attention leaves its output row
     unwritten: the graph zeroes those rows after attention in every layer
@@ -421,6 +443,8 @@ class MixedGraphs(_StepGraphs):
         self.max_seqs = max_seqs
         self.scratch_state_slot = scratch_state_slot  # None: the model keeps no recurrent state
         self.buckets = token_buckets(max_tokens)
+        self.seq_buckets = ({b: chunk_seq_buckets(b, max_seqs) for b in self.buckets}
+                            if scratch_state_slot is not None else {})
         self._make_buffers(model.spec.vocab_size)
         if capture:
             self.capture_all(pool)
@@ -429,14 +453,21 @@ class MixedGraphs(_StepGraphs):
     def max_tokens(self) -> int:
         return self.buckets[-1]
 
+    def _bucket_keys(self) -> list:
+        if self.scratch_state_slot is None:
+            return list(self.buckets)
+        return [(b, p) for b in self.buckets for p in self.seq_buckets[b]]
+
     def _make_buffers(self, vocab_size: int) -> None:
         t, s, dev = self.max_tokens, self.max_seqs, self.device
         self._num_work = {b: max_varlen_items(b, s) for b in self.buckets}
-        self._num_chunks = {b: max_varlen_items(b, s, CHUNK) for b in self.buckets}
         sizes = dict(longs=3 * t, input_src=t, token_slots=t, query_start=s + 1, context_lens=s, sampled_rows=s, sampled_slots=s,
                      work=2 * self._num_work[t])
         if self.scratch_state_slot is not None:
-            sizes.update(state_slots=s, chunks=2 * self._num_chunks[t])
+            p = self.seq_buckets[t][-1]
+            sizes.update(state_slots=s, decode_rows=min(s, t), decode_slots=min(s, t), decode_context=min(s, t),
+                         chunk_rows=t, cu_seqlens=p + 2, chunk_slots=p + 1, chunk_continues=p + 1,
+                         chunk_indices=2 * max_varlen_items(t, p, CHUNK))
         self._at: dict[str, int] = {}
         offset = 0
         for field, size in sizes.items():
@@ -451,16 +482,20 @@ class MixedGraphs(_StepGraphs):
         self.varlen_work = view["work"].view(-1, 2)
         self.longs = torch.zeros(3, t, dtype=torch.long, device=dev)  # input_ids, positions, slot_mapping
         if self.scratch_state_slot is not None:  # int64 in the graph, cast from the staged fields
-            self._stage_states, self._stage_chunks = view["state_slots"], view["chunks"].view(-1, 2)
+            self._stage_states = view["state_slots"]
             self.state_slots = torch.zeros(s, dtype=torch.long, device=dev)
-            self.deltanet_chunks = torch.zeros(self._num_chunks[t], 2, dtype=torch.long, device=dev)
+            self._static_views = {name: view[name] for name in StaticStep._fields}
+            self._static_longs = {name: torch.zeros_like(field, dtype=torch.long) for name, field in
+                                  self._static_views.items() if name not in ("decode_context", "chunk_continues")}
         self._token_index = torch.arange(t, dtype=torch.int32, device=dev)
         self.logits = torch.zeros(s, vocab_size, dtype=torch.float32, device=dev)
-        self._write_header([], [], [], [], [], [], [], t, device_inputs=())
+        self._write_header([], [], [], [], [], [], [], self._bucket_keys()[-1], device_inputs=())
         self._stage.upload(self._tables_start)
 
     def _sizes(self) -> str:
-        return f"token counts {self.buckets}, up to {self.max_seqs} sequences"
+        longer = (f"; longer sequences of a hybrid model's {len(self._bucket_keys())} buckets: "
+                  f"{sorted({p for ps in self.seq_buckets.values() for p in ps})}" if self.seq_buckets else "")
+        return f"token counts {self.buckets}, up to {self.max_seqs} sequences{longer}"
 
     def takes(self, num_tokens: int, num_seqs: int) -> bool:
         """Whether a step of ``num_tokens`` query tokens in ``num_seqs`` chunks fits a bucket."""
@@ -476,9 +511,11 @@ class MixedGraphs(_StepGraphs):
         return next(b for b in self.buckets if b >= num_tokens)
 
     def _write_header(self, input_ids, positions, slot_mapping, token_slots, query_lens, context_lens,
-                      sampled, bucket: int, sampled_slots: Sequence[int] = (), state_slots: Sequence[int] = (), *,
+                      sampled, key: Any, sampled_slots: Sequence[int] = (), state_slots: Sequence[int] = (), *,
                       device_inputs: Sequence[tuple[int, int]]) -> None:
-        """The header's host copy for one step, padded to ``bucket`` tokens and ``max_seqs`` sequences."""
+        """The header's host copy for one step, padded to graph ``key``'s
+        bucket of tokens (and of longer sequences) and ``max_seqs`` sequences."""
+        bucket, chunk_seqs = key if isinstance(key, tuple) else (key, 0)
         put = self._put
         t, s, num_tokens = self.max_tokens, self.max_seqs, len(input_ids)
         longs = self._at["longs"]
@@ -495,9 +532,12 @@ class MixedGraphs(_StepGraphs):
         put(self._at["work"], np.asarray(work, dtype=np.int32).reshape(-1), 2 * len(work), 0)
         if self.scratch_state_slot is not None:
             put(self._at["state_slots"], state_slots, s, self.scratch_state_slot)
-            chunks = [(seq, j) for seq, n in enumerate(query_lens) for j in range(-(-n // CHUNK))]
-            chunks += [(s, 0)] * (self._num_chunks[bucket] - len(chunks))  # the empty sequence past the last
-            put(self._at["chunks"], np.asarray(chunks, dtype=np.int32).reshape(-1), 2 * len(chunks), 0)
+            plan = static_step_plan(query_lens, context_lens, state_slots, num_tokens=bucket,
+                                    num_decodes=min(s, bucket), num_chunk_seqs=chunk_seqs,
+                                    num_chunks=max_varlen_items(bucket, chunk_seqs, CHUNK),
+                                    scratch_slot=self.scratch_state_slot)
+            for name, values in zip(StaticStep._fields, plan):
+                put(self._at[name], values, len(values), 0)
 
     def _put(self, start: int, values: Sequence[int], stop: int, pad: int) -> None:
         """Host field at ``start``: ``values``, then ``pad`` up to ``stop`` entries."""
@@ -505,27 +545,32 @@ class MixedGraphs(_StepGraphs):
         h[start : start + n] = values
         h[start + n : start + stop] = pad
 
-    def _load(self, batch: StepBatch) -> int:
-        """Copy ``batch`` into the static buffers; return its bucket."""
+    def _load(self, batch: StepBatch) -> Any:
+        """Copy ``batch`` into the static buffers; return its graph's bucket
+        (a hybrid model's: ``(tokens, longer sequences)``)."""
         num_seqs = len(batch.query_lens)
-        bucket = self.bucket_for(len(batch.input_ids), num_seqs)
+        key = bucket = self.bucket_for(len(batch.input_ids), num_seqs)
+        if self.scratch_state_slot is not None:
+            longer = sum(n > 1 for n in batch.query_lens)
+            key = (bucket, next(p for p in self.seq_buckets[bucket] if p >= longer))
         self._stage.begin_write()
         token_slots = np.repeat(np.asarray(batch.chunk_slots, dtype=np.int32), batch.query_lens)
         self._write_header(batch.input_ids, batch.positions, batch.slot_mapping, token_slots, batch.query_lens,
-                           batch.context_lens, batch.logits_indices, bucket, batch.sample_slots, batch.state_slots,
+                           batch.context_lens, batch.logits_indices, key, batch.sample_slots, batch.state_slots,
                            device_inputs=batch.device_inputs)
         self._send(self._tables_start, batch.block_tables, num_seqs)
-        return bucket
+        return key
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         """The sampled rows' logits ``[len(batch.logits_indices), vocab]`` float32:
         a view of the static output, valid until the next ``run``."""
-        bucket = self._load(batch)
-        self._replay((bucket, self.lora is not None and any(batch.chunk_slots)))
+        key = self._load(batch)
+        self._replay((key, self.lora is not None and any(batch.chunk_slots)))
         return self.logits[: len(batch.logits_indices)]
 
-    def _forward(self, bucket: int, uses_rows: bool) -> None:
-        """The static-shape step over ``bucket`` tokens: what a graph captures."""
+    def _forward(self, key: Any, uses_rows: bool) -> None:
+        """The static-shape step over the bucket's tokens: what a graph captures."""
+        bucket, chunk_seqs = key if isinstance(key, tuple) else (key, 0)
         self.longs[:, :bucket].copy_(self._stage_longs[:, :bucket])
         input_ids, positions, slot_mapping = self.longs[:, :bucket]
         self._take_device_tokens(input_ids, self.input_src[:bucket])
@@ -540,10 +585,8 @@ class MixedGraphs(_StepGraphs):
             varlen_work=self.varlen_work[: self._num_work[bucket]],
         )
         if self.scratch_state_slot is not None:
-            num_chunks = self._num_chunks[bucket]
             self.state_slots.copy_(self._stage_states)
-            self.deltanet_chunks[:num_chunks].copy_(self._stage_chunks[:num_chunks])
-            meta.state_slots, meta.deltanet_chunks = self.state_slots, self.deltanet_chunks[:num_chunks]
+            meta.state_slots, meta.deltanet_static = self.state_slots, self._static_step(bucket, chunk_seqs)
         is_padding = self._token_index[:bucket] >= self.query_start[-1]
         if uses_rows:
             self.lora.begin_rows_step(self.token_slots[:bucket], self.sampled_slots)
@@ -554,6 +597,26 @@ class MixedGraphs(_StepGraphs):
         finally:
             if self.lora is not None:
                 self.lora.end_step()
+
+
+    def _static_step(self, bucket: int, chunk_seqs: int) -> StaticStep:
+        """The delta rule's ``StaticStep`` of a bucket, cast from the staged fields (in the graph)."""
+        stop = dict(decode_rows=min(self.max_seqs, bucket), decode_slots=min(self.max_seqs, bucket),
+                    decode_context=min(self.max_seqs, bucket), chunk_rows=bucket, cu_seqlens=chunk_seqs + 2,
+                    chunk_slots=chunk_seqs + 1, chunk_continues=chunk_seqs + 1,
+                    chunk_indices=2 * max_varlen_items(bucket, chunk_seqs, CHUNK))
+        fields = {}
+        for name, staged in self._static_views.items():
+            staged = staged[: stop[name]]
+            if name == "decode_context":
+                fields[name] = staged  # int32 context lengths, as the decode kernel reads them
+            elif name == "chunk_continues":
+                fields[name] = staged > 0
+            else:
+                fields[name] = self._static_longs[name][: stop[name]]
+                fields[name].copy_(staged)
+        fields["chunk_indices"] = fields["chunk_indices"].view(-1, 2)
+        return StaticStep(**fields)
 
 
 def _put_sources(field: np.ndarray, num_tokens: int, device_inputs: Sequence[tuple[int, int]]) -> None:

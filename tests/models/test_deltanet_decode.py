@@ -110,6 +110,33 @@ def test_context_lengths_say_which_rows_continue():
     torch.testing.assert_close(ssm, want_ssm, rtol=0, atol=2e-5)
 
 
+def test_a_row_map_decodes_its_rows_in_place_and_padding_does_nothing():
+    """Entries on rows of a wider step (``rows``, a static step's single-token
+    rows): each entry's row of ``out`` gets that row's output, the other rows
+    and the slots no live entry names stay as they were, padding (-1) included
+    though it names a slot."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v, gates = layer_inputs(gen, 6, 2, 4, torch.float32)
+    ssm = torch.randn(NUM_SLOTS + 1, 4, DK, DV, generator=gen)
+    rows = torch.tensor([4, -1, 1, 3, -1])
+    slots = torch.tensor([2, NUM_SLOTS, 7, 0, 5])
+    context = torch.tensor([9, 1, 1, 30, 4], dtype=torch.int32)
+    live = rows >= 0
+    want_o, want_ssm = reference(q[rows[live]], k[rows[live]], v[rows[live]], gates.rows(rows[live]), ssm,
+                                 slots[live], context[live] > 1)
+    out = torch.full((7, 4, DV), 5.0)
+    got_ssm = ssm.clone()
+    assert decode_step(q, k, v, gates, got_ssm, slots, context, rows, out) is out
+    torch.testing.assert_close(out[rows[live]], want_o, rtol=0, atol=2e-5)
+    assert (out[[0, 2, 5, 6]] == 5.0).all()
+    torch.testing.assert_close(got_ssm, want_ssm, rtol=0, atol=2e-5)
+    assert torch.equal(got_ssm[[NUM_SLOTS, 5]], ssm[[NUM_SLOTS, 5]])
+    with pytest.raises(ValueError, match="int64 rows"):
+        decode_step(q, k, v, gates, got_ssm, slots, context, rows.int(), out)
+    with pytest.raises(ValueError, match="out"):
+        decode_step(q, k, v, gates, got_ssm, slots, context, rows, out[:5])
+
+
 # -- the convolution (conv_step) ------------------------------------------------------------
 
 KERNEL = 4

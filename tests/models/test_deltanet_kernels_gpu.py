@@ -17,8 +17,8 @@ import dataclasses
 import pytest
 import torch
 
-from mstar_actors.models.attention import AttentionMetadata
-from mstar_actors.models.deltanet_ops import Gates, StatePool, TorchDeltaNetOps
+from mstar_actors.models.attention import AttentionMetadata, max_varlen_items
+from mstar_actors.models.deltanet_ops import CHUNK, Gates, StatePool, StaticStep, TorchDeltaNetOps, static_step_plan
 
 pytestmark = pytest.mark.gpu
 
@@ -192,6 +192,64 @@ def test_pure_decode_step_replays_from_a_cuda_graph(ops):
         torch.testing.assert_close(pool.conv, eager_pool.conv, rtol=0, atol=0)
         got, want = run_both(ops, eager_meta, inputs, copy_pool(ref_pool, dtype), ref_pool)
         check(static_out, want, pool, ref_pool, dtype, f"replay {round_}")
+
+
+def static_form(meta: AttentionMetadata, num_tokens: int, num_chunk_seqs: int) -> AttentionMetadata:
+    """``meta`` in a graphed mixed step's static form for the delta rule, padded
+    past the step (tokens, single-token entries, longer sequences), as
+    ``step_graphs.MixedGraphs`` stages it."""
+    plan = static_step_plan(meta.query_lens_list, meta.context_lens_list, meta.state_slots_list,
+                            num_tokens=num_tokens, num_decodes=len(meta.query_lens_list) + 3,
+                            num_chunk_seqs=num_chunk_seqs,
+                            num_chunks=max_varlen_items(num_tokens, num_chunk_seqs, CHUNK), scratch_slot=NUM_SLOTS)
+    fields = {name: torch.tensor(values, dtype=torch.long, device="cuda") for name, values in plan._asdict().items()}
+    fields["decode_context"] = fields["decode_context"].int()
+    fields["chunk_continues"] = fields["chunk_continues"].bool()
+    fields["chunk_indices"] = fields["chunk_indices"].view(-1, 2)
+    return dataclasses.replace(meta, derived={}, deltanet_static=StaticStep(**fields))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_static_delta_rule_matches_reference(ops, dtype):
+    """The delta rule of a static step (a graphed mixed step's): the
+    single-token rows by the decode kernel's row map, the longer sequences
+    gathered into the chunked kernel with empty ones after them, on the
+    scratch slot, and padding rows past the step; then captured and replayed.
+    Equal to the reference on the step's rows, zeros on padding rows, every
+    slot but the scratch one as the reference leaves it."""
+    gen = torch.Generator().manual_seed(99)
+    num_k, num_v = 2, 4
+    pool = random_pool(gen, 2 * num_k * DK + num_v * DV, num_v, dtype, "cuda")
+    ref_pool = copy_pool(pool, torch.float32)
+    meta = random_step(gen, *MIXED, "cuda")
+    real = sum(MIXED[0])
+    bucket = real + 20
+    inputs = random_inputs(gen, bucket, num_k, num_v, dtype, "cuda")
+    q, k, v = inputs[2:5]
+    static = static_form(meta, bucket, num_chunk_seqs=8)
+
+    def step():
+        return ops.delta_rule(q, k, v, gates_of(inputs), pool, static)
+
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):  # compile and autotune outside the capture, on copies of the pool
+        saved = copy_pool(pool)
+        step()
+        pool.ssm.copy_(saved.ssm)
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    graph.replay()
+    want = TorchDeltaNetOps().delta_rule(q[:real].float(), k[:real].float(), v[:real].float(),
+                                         Gates(*(t[:real] if t.dim() == 2 else t for t in gates_of(inputs,
+                                                                                              torch.float32))),
+                                         ref_pool, dataclasses.replace(meta, derived={}))
+    assert out.shape == v.shape and out.dtype == dtype
+    assert rel_err(out[:real], want) < TOL[dtype], rel_err(out[:real], want)
+    assert (out[real:] == 0).all()
+    assert rel_err(pool.ssm[:NUM_SLOTS], ref_pool.ssm[:NUM_SLOTS]) < TOL[dtype]
 
 
 @pytest.mark.parametrize("rows", ["3-rows", "37-rows"])
