@@ -262,7 +262,7 @@ class TritonDeltaNetOps:
                 output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=static.cu_seqlens,
                 chunk_indices=static.chunk_indices)
             pool.ssm.index_copy_(0, static.chunk_slots, final)
-            out.index_copy_(0, rows, o[0].to(v.dtype))
+            out.index_copy_(0, rows.clamp(max=num_rows), o[0].to(v.dtype))
             return out[:num_rows]  # rows of no sequence: zeros
         if _is_pure_decode(meta):  # row i is sequence i: tensors only, graph-safe
             return decode_step(q, k, v, gates, pool.ssm, meta.state_slots, meta.context_lens)

@@ -246,6 +246,9 @@ class _StepGraphs:
         """The graphs' buckets, ascending (a key is ``(bucket, uses_rows)``)."""
         return list(self.buckets)
 
+    def _stage_empty(self, bucket: Any) -> None:
+        """Before a bucket's capture: a header its warm-up runs may read (padding laid out for it)."""
+
     def _sizes(self) -> str:
         raise NotImplementedError
 
@@ -261,6 +264,7 @@ class _StepGraphs:
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for bucket in reversed(self._bucket_keys()):
+                self._stage_empty(bucket)
                 for uses_rows in variants:
                     self.graphs[(bucket, uses_rows)] = self._capture_one(bucket, uses_rows, pool)
         torch.cuda.synchronize(self.device)
@@ -457,6 +461,13 @@ class MixedGraphs(_StepGraphs):
         if self.scratch_state_slot is None:
             return list(self.buckets)
         return [(b, p) for b in self.buckets for p in self.seq_buckets[b]]
+
+    def _stage_empty(self, bucket: Any) -> None:
+        """Padding indices depend on the bucket (``static_step_plan``'s)."""
+        if self.scratch_state_slot is not None:
+            self._stage.begin_write()
+            self._write_header([], [], [], [], [], [], [], bucket, device_inputs=())
+            self._stage.upload(self._tables_start)
 
     def _make_buffers(self, vocab_size: int) -> None:
         t, s, dev = self.max_tokens, self.max_seqs, self.device
