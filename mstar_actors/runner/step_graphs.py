@@ -75,6 +75,7 @@ log = logging.getLogger(__name__)
 NUM_WARMUP_RUNS = 2  # torch wants eager runs on the capture stream first; Triton compiles in them
 _NUM_FIELDS = 7  # decode header: input_ids, positions, slot_mapping, context_lens, lora_slots, state_slots, input_src
 MIN_TOKEN_BUCKET = 16
+PROGRESS_EVERY_S = 10.0  # capture logs its progress this often
 
 
 class DecodeBatch(Protocol):
@@ -262,11 +263,15 @@ class _StepGraphs:
         free_before, _ = torch.cuda.mem_get_info(self.device)
         start = time.perf_counter()
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        total, reported = len(self._bucket_keys()) * len(variants), start
         with torch.inference_mode():
             for bucket in reversed(self._bucket_keys()):
                 self._stage_empty(bucket)
                 for uses_rows in variants:
                     self.graphs[(bucket, uses_rows)] = self._capture_one(bucket, uses_rows, pool)
+                if time.perf_counter() - reported > PROGRESS_EVERY_S and len(self.graphs) < total:
+                    reported = time.perf_counter()
+                    log.info("%s: %d of %d captured (%.0f s)", self.name, len(self.graphs), total, reported - start)
         torch.cuda.synchronize(self.device)
         free_after, _ = torch.cuda.mem_get_info(self.device)
         self.is_captured = True
