@@ -339,44 +339,41 @@ class LoraLayers:
         does not target read zero. Every stack's slot is rewritten whole, so a
         reload never keeps an earlier tenant's rows; on any error the slot is
         left cleared. On CUDA it returns once the device holds the copy (it
-        waits for its own stream only: see ``SlotStaging``)."""
+        waits for its own stream only: see ``SlotStaging``). The slot's image
+        is kept for a later ``reinstall`` (``max_slot_images``)."""
         self._check_slot(slot, weights.name)
         try:
-            by_stack = self._by_stack(slot, weights)
-            if self.device.type == "cuda":
-                self._staging.install(slot, by_stack, key=weights.digest)
-            else:
-                for ours, stack in self.stacks.items():
-                    stack.install_slot(slot, by_stack.get(ours, ()))
+            self._staging.install(slot, self._by_stack(slot, weights), key=weights.digest)
         except Exception:
             self.clear(slot)
             raise
 
     def reinstall(self, slot: int, name: str, digest: str) -> bool:
         """Install adapter ``name`` of ``digest`` into ``slot`` again from the
-        image its last ``install`` kept (CUDA); False when none is kept."""
+        image its last ``install`` kept; False when none is kept."""
         self._check_slot(slot, name)
-        return self.device.type == "cuda" and self._staging.reinstall(slot, digest)
+        return self._staging.reinstall(slot, digest)
 
     def clear_slot_images(self) -> None:
         """Drop the kept slot images (the next install of each adapter builds its own again)."""
         if "_staging" in self.__dict__:
             self._staging.clear()
 
-    # Pinned slot images kept for reinstalls: each is one slot of every stack
-    # (~22 MB for a rank-16 all-linear Llama-3.2-1B adapter in bf16).
+    # Slot images kept for reinstalls (pinned on CUDA): each is one slot of every
+    # stack (~22 MB for a rank-16 all-linear Llama-3.2-1B adapter in bf16).
     max_slot_images = 4
 
-    def start_staging(self) -> SlotStaging | None:
-        """On CUDA, the install staging and its device twins now (call before
-        the KV cache is sized, which takes a share of what is free); None on CPU."""
-        return self._staging if self.device.type == "cuda" else None
+    def start_staging(self) -> SlotStaging:
+        """The install staging (on CUDA with its device twins) now: call
+        before the KV cache is sized, which takes a share of what is free."""
+        return self._staging
 
     @functools.cached_property
     def _staging(self) -> SlotStaging:
-        image_bytes = slot_image_bytes(self.stacks)
-        budget = DEVICE_IMAGES_SHARE * torch.cuda.get_device_properties(self.device).total_memory
-        twins = min(self.max_slot_images, int(budget // max(1, image_bytes)))
+        twins = 0
+        if self.device.type == "cuda":
+            budget = DEVICE_IMAGES_SHARE * torch.cuda.get_device_properties(self.device).total_memory
+            twins = min(self.max_slot_images, int(budget // max(1, slot_image_bytes(self.stacks))))
         return SlotStaging(self.stacks, self.device, max_images=self.max_slot_images, device_images=twins)
 
     def clear(self, slot: int) -> None:

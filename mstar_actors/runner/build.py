@@ -123,12 +123,16 @@ def enable_served_lora(model: nn.Module, rules: CheckpointRules, lora: LoraConfi
         return None
     layers = enable_lora(model, rules, num_slots=lora.max_loras + 1, max_rank=lora.max_lora_rank, dtype=dtype,
                          device=device)
-    layers.max_slot_images = lora.max_cpu_loras  # as many pinned slot images as the reader keeps host copies
-    if (staging := layers.start_staging()) is not None:  # its device twins, before the KV cache takes what is free
+    layers.max_slot_images = lora.max_cpu_loras  # as many slot images as the reader keeps host copies
+    staging = layers.start_staging()  # its device twins, before the KV cache takes what is free
+    if device.type == "cuda":
         log.info("LoRA slot images: up to %d kept for swaps (lora.max_cpu_loras), pinned on the host; the %d most "
                  "recently used on %s too (%.1f MiB each, %.1f MiB in all), a swap of those one device copy",
                  staging.max_images, staging.num_device_images, device, staging.image_bytes / 2**20,
                  staging.num_device_images * staging.image_bytes / 2**20)
+    else:
+        log.info("LoRA slot images: up to %d kept for swaps (lora.max_cpu_loras; %.1f MiB each, as used), a swap "
+                 "of those one copy", staging.max_images, staging.image_bytes / 2**20)
     if device.type == "cuda":
         # Fused linears copied their weights into new buffers (``fuse_linear``): hand the
         # old ones back to the driver, or the KV cache sized next would count them as used.

@@ -1,7 +1,7 @@
 """An adapter install through ``SlotStaging`` (one pinned staging copy, one
 host-to-device copy, a stream of its own) writes exactly what the plain
-per-stack ``install_slot`` writes. GPU only: the staging is pinned memory and
-a CUDA stream."""
+per-stack ``install_slot`` writes. Most of it GPU only (pinned memory, a CUDA
+stream); on CPU the kept images' reinstalls, their dense forms included."""
 
 from __future__ import annotations
 
@@ -10,9 +10,6 @@ import torch
 
 from mstar_actors.lora.adapter_file import LoraModule
 from mstar_actors.lora.ops import LoraStack, SlotStaging
-
-pytestmark = pytest.mark.gpu
-
 
 def _stacks(device: str) -> dict[str, LoraStack]:
     kw = dict(num_slots=3, max_rank=8, dtype=torch.bfloat16, device=device)
@@ -29,6 +26,7 @@ def _modules(seed: int) -> dict[str, list[tuple[int | None, LoraModule]]]:
     return {"qkv": [(0, module(8, 64, 64, 2.0)), (2, module(4, 64, 16, 0.5))], "down": [(None, module(6, 128, 64, 1.5))]}
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_staged_install_matches_install_slot_and_clears_what_it_does_not_name():
     staged, plain = _stacks("cuda"), _stacks("cuda")
@@ -46,6 +44,7 @@ def test_staged_install_matches_install_slot_and_clears_what_it_does_not_name():
     assert not staged["qkv"].a[:, 1].any() and not staged["qkv"].scales[:, 1].any()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_module_that_does_not_fit_is_refused_before_any_device_write():
     stacks = _stacks("cuda")
@@ -58,6 +57,7 @@ def test_a_module_that_does_not_fit_is_refused_before_any_device_write():
     assert torch.equal(stacks["qkv"].a, before)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kept_images_reinstall_the_same_weights_and_the_oldest_is_dropped():
     stacks, plain = _stacks("cuda"), _stacks("cuda")
@@ -84,6 +84,7 @@ def _assert_slot(stacks, plain, slot: int) -> None:
             assert torch.equal(got, want), name
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_images_beyond_the_device_twins_reinstall_from_the_host_and_take_the_oldest_twin():
     stacks, plain = _stacks("cuda"), _stacks("cuda")
@@ -102,6 +103,7 @@ def test_images_beyond_the_device_twins_reinstall_from_the_host_and_take_the_old
     assert list(staging.images) == ["one", "two", "three"] and staging.num_device_images == 2
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("path", ["device twin", "host image", "install"])
 def test_a_slot_is_written_after_the_steps_queued_before_and_before_those_queued_after(path):
@@ -129,3 +131,31 @@ def test_a_slot_is_written_after_the_steps_queued_before_and_before_those_queued
     want = [view for stack in plain.values() for view in stack.slot_views(1)]
     assert all(torch.equal(a, b) for a, b in zip(seen_by_old, old))
     assert all(torch.equal(a, b) for a, b in zip(seen_by_next, want))
+
+
+def test_cpu_stacks_keep_images_and_swap_them_back_in_with_their_dense_forms():
+    """CPU stacks (the torch kernels' dense copies of B and the factors beside
+    the stacks): installs keep their images, a reinstall writes the same
+    slot as ``install_slot`` would, the oldest image is dropped past
+    ``max_images``, and a failed fit writes nothing."""
+    stacks, plain = _stacks("cpu"), _stacks("cpu")
+    assert stacks["down"].b_all is not None  # the dense forms a reinstall must refresh
+    staging = SlotStaging(stacks, torch.device("cpu"), max_images=2)
+    assert staging.num_device_images == 0
+    staging.install(1, _modules(1), key="one")
+    staging.install(2, _modules(2), key="two")
+    staging.install(1, _modules(3), key="three")  # "one" is dropped (oldest)
+    assert not staging.reinstall(2, "one")
+    assert staging.reinstall(1, "two") and staging.reinstall(2, "three")
+    for name, stack in plain.items():
+        stack.install_slot(1, _modules(2).get(name, ()))
+        stack.install_slot(2, _modules(3).get(name, ()))
+    for name in stacks:
+        for field in ("a", "b", "scales", "b_all"):
+            got, want = getattr(stacks[name], field), getattr(plain[name], field)
+            assert (got is None and want is None) or torch.equal(got, want), (name, field)
+    before = stacks["qkv"].a.clone()
+    bad = {"qkv": [(0, LoraModule(a=torch.ones(8, 32), b=torch.ones(64, 8), scale=1.0))]}
+    with pytest.raises(ValueError, match="do not fit shard 0"):
+        staging.install(1, bad, key="bad")
+    assert torch.equal(stacks["qkv"].a, before) and list(staging.images) == ["two", "three"]
