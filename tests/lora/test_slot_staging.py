@@ -57,11 +57,14 @@ def test_a_module_that_does_not_fit_is_refused_before_any_device_write():
     assert torch.equal(stacks["qkv"].a, before)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_kept_images_reinstall_the_same_weights_and_the_oldest_is_dropped():
-    stacks, plain = _stacks("cuda"), _stacks("cuda")
-    staging = SlotStaging(stacks, torch.device("cuda"), max_images=2)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_kept_images_reinstall_the_same_weights_and_the_oldest_is_dropped(device):
+    """Installs keep their images; a reinstall writes what ``install_slot``
+    would (on CPU the torch kernels' dense copy of B too); the oldest image is
+    dropped past ``max_images``; a refused install gives none up."""
+    stacks, plain = _stacks(device), _stacks(device)
+    staging = SlotStaging(stacks, torch.device(device), max_images=2)
     staging.install(1, _modules(1), key="one")
     staging.install(2, _modules(2), key="two")
     staging.install(1, _modules(3), key="three")  # slot 1 now holds "three"; "one" is dropped (oldest)
@@ -70,12 +73,18 @@ def test_kept_images_reinstall_the_same_weights_and_the_oldest_is_dropped():
     for name, stack in plain.items():
         stack.install_slot(1, _modules(2).get(name, ()))
         stack.install_slot(2, _modules(3).get(name, ()))
+    assert (stacks["down"].b_all is None) == (device == "cuda")
     for name in stacks:
-        for got, want in zip((stacks[name].a, stacks[name].b, stacks[name].scales),
-                             (plain[name].a, plain[name].b, plain[name].scales)):
-            assert torch.equal(got, want), name
+        for field in ("a", "b", "scales", "b_all"):
+            got, want = getattr(stacks[name], field), getattr(plain[name], field)
+            assert (got is None and want is None) or torch.equal(got, want), (name, field)
     staging.install(1, _modules(4))  # no key: kept images are untouched
     assert staging.reinstall(2, "two") and list(staging.images) == ["three", "two"]
+    before = stacks["qkv"].a.clone()
+    bad = {"qkv": [(0, LoraModule(a=torch.ones(8, 32), b=torch.ones(64, 8), scale=1.0))]}
+    with pytest.raises(ValueError, match="do not fit shard 0"):
+        staging.install(1, bad, key="bad")
+    assert torch.equal(stacks["qkv"].a, before) and list(staging.images) == ["three", "two"]
 
 
 def _assert_slot(stacks, plain, slot: int) -> None:
@@ -132,30 +141,3 @@ def test_a_slot_is_written_after_the_steps_queued_before_and_before_those_queued
     assert all(torch.equal(a, b) for a, b in zip(seen_by_old, old))
     assert all(torch.equal(a, b) for a, b in zip(seen_by_next, want))
 
-
-def test_cpu_stacks_keep_images_and_swap_them_back_in_with_their_dense_forms():
-    """CPU stacks (the torch kernels' dense copies of B and the factors beside
-    the stacks): installs keep their images, a reinstall writes the same
-    slot as ``install_slot`` would, the oldest image is dropped past
-    ``max_images``, and a failed fit writes nothing."""
-    stacks, plain = _stacks("cpu"), _stacks("cpu")
-    assert stacks["down"].b_all is not None  # the dense forms a reinstall must refresh
-    staging = SlotStaging(stacks, torch.device("cpu"), max_images=2)
-    assert staging.num_device_images == 0
-    staging.install(1, _modules(1), key="one")
-    staging.install(2, _modules(2), key="two")
-    staging.install(1, _modules(3), key="three")  # "one" is dropped (oldest)
-    assert not staging.reinstall(2, "one")
-    assert staging.reinstall(1, "two") and staging.reinstall(2, "three")
-    for name, stack in plain.items():
-        stack.install_slot(1, _modules(2).get(name, ()))
-        stack.install_slot(2, _modules(3).get(name, ()))
-    for name in stacks:
-        for field in ("a", "b", "scales", "b_all"):
-            got, want = getattr(stacks[name], field), getattr(plain[name], field)
-            assert (got is None and want is None) or torch.equal(got, want), (name, field)
-    before = stacks["qkv"].a.clone()
-    bad = {"qkv": [(0, LoraModule(a=torch.ones(8, 32), b=torch.ones(64, 8), scale=1.0))]}
-    with pytest.raises(ValueError, match="do not fit shard 0"):
-        staging.install(1, bad, key="bad")
-    assert torch.equal(stacks["qkv"].a, before) and list(staging.images) == ["two", "three"]
