@@ -247,22 +247,15 @@ class TritonDeltaNetOps:
         return out
 
     def delta_rule(self, q, k, v, gates: Gates, pool: StatePool, meta: AttentionMetadata) -> torch.Tensor:
-        scale = q.shape[-1] ** -0.5
         if (static := meta.deltanet_static) is not None:  # tensors only: see the module doc
             num_rows = v.shape[0]
             out = torch.zeros((num_rows + 1, *v.shape[1:]), dtype=v.dtype, device=v.device)  # row T: padding's
             decode_step(q, k, v, gates, pool.ssm, static.decode_slots, static.decode_context, static.decode_rows, out)
             rows = static.chunk_rows
             taken = rows.clamp(max=num_rows - 1)  # padding rows gather row T - 1, scatter to row T
-            chunk_gates = gates.rows(taken)
-            o, final = chunk_gated_delta_rule(
-                q[taken][None], k[taken][None], v[taken][None], g=chunk_gates.decay()[None],
-                beta=chunk_gates.beta()[None], scale=scale,
-                initial_state=_initial_states(pool, static.chunk_slots, static.chunk_continues),
-                output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=static.cu_seqlens,
-                chunk_indices=static.chunk_indices)
-            pool.ssm.index_copy_(0, static.chunk_slots, final)
-            out.index_copy_(0, rows.clamp(max=num_rows), o[0].to(v.dtype))
+            o = self._chunked(q, k, v, gates, pool, taken, static.cu_seqlens, static.chunk_indices, static.chunk_slots,
+                              static.chunk_continues)
+            out.index_copy_(0, rows.clamp(max=num_rows), o)
             return out[:num_rows]  # rows of no sequence: zeros
         if _is_pure_decode(meta):  # row i is sequence i: tensors only, graph-safe
             return decode_step(q, k, v, gates, pool.ssm, meta.state_slots, meta.context_lens)
@@ -273,12 +266,18 @@ class TritonDeltaNetOps:
             out[rows] = decode_step(q[rows], k[rows], v[rows], gates.rows(rows), pool.ssm, slots, continues)
         if chunks:
             rows, cu_seqlens, chunk_indices, slots, continues = _chunk_plan(meta, chunks, q.device)
-            chunk_gates = gates.rows(rows)
-            o, final = chunk_gated_delta_rule(
-                q[rows][None], k[rows][None], v[rows][None], g=chunk_gates.decay()[None],
-                beta=chunk_gates.beta()[None],
-                scale=scale, initial_state=_initial_states(pool, slots, continues), output_final_state=True,
-                use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-            pool.ssm.index_copy_(0, slots, final)
-            out[rows] = o[0].to(v.dtype)
+            out[rows] = self._chunked(q, k, v, gates, pool, rows, cu_seqlens, chunk_indices, slots, continues)
         return out
+
+    @staticmethod
+    def _chunked(q, k, v, gates: Gates, pool: StatePool, rows, cu_seqlens, chunk_indices, slots,
+                 continues) -> torch.Tensor:
+        """The chunked kernel over ``rows`` of the step (the longer sequences),
+        states gathered by slot and scattered back: their output rows."""
+        chunk_gates = gates.rows(rows)
+        o, final = chunk_gated_delta_rule(
+            q[rows][None], k[rows][None], v[rows][None], g=chunk_gates.decay()[None], beta=chunk_gates.beta()[None],
+            scale=q.shape[-1] ** -0.5, initial_state=_initial_states(pool, slots, continues), output_final_state=True,
+            use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+        pool.ssm.index_copy_(0, slots, final)
+        return o[0].to(v.dtype)
