@@ -131,14 +131,33 @@ class StaticPlan(NamedTuple):
     chunk_continues: list[int]
     chunk_indices: list[int]
 
+    def to_step(self, device: torch.device | str) -> StaticStep:
+        """The plan as the delta rule reads it (eager: a test's or a
+        benchmark's; the graphs cast their staged copy in place instead)."""
+        fields = {name: torch.tensor(values, dtype=torch.int32 if name == "decode_context" else torch.long,
+                                     device=device) for name, values in self._asdict().items()}
+        fields["chunk_continues"] = fields["chunk_continues"].bool()
+        fields["chunk_indices"] = fields["chunk_indices"].view(-1, 2)
+        return StaticStep(**fields)
+
+
+def static_sizes(num_tokens: int, num_decodes: int, num_chunk_seqs: int) -> dict[str, int]:
+    """Each ``StaticStep`` field's length (``chunk_indices``: values, two a
+    chunk) in a bucket of ``num_tokens`` rows, ``num_decodes`` single-token
+    entries and ``num_chunk_seqs`` longer sequences, and one empty sequence
+    past them that padding chunks name."""
+    # A sequence of n tokens has at most n // CHUNK + 1 chunks: these, at most tokens // CHUNK + sequences.
+    num_chunks = num_tokens // CHUNK + num_chunk_seqs
+    return dict(decode_rows=num_decodes, decode_slots=num_decodes, decode_context=num_decodes, chunk_rows=num_tokens,
+                cu_seqlens=num_chunk_seqs + 2, chunk_slots=num_chunk_seqs + 1, chunk_continues=num_chunk_seqs + 1,
+                chunk_indices=2 * num_chunks)
+
 
 def static_step_plan(query_lens: Sequence[int], context_lens: Sequence[int], state_slots: Sequence[int], *,
-                     num_tokens: int, num_decodes: int, num_chunk_seqs: int, num_chunks: int,
-                     scratch_slot: int) -> StaticPlan:
-    """A step's ``StaticPlan``, padded to a bucket of ``num_tokens`` rows,
-    ``num_decodes`` single-token entries, ``num_chunk_seqs`` longer sequences
-    and ``num_chunks`` 64-token chunks of theirs. Pure; raises ValueError
-    where the step does not fit."""
+                     num_tokens: int, num_decodes: int, num_chunk_seqs: int, scratch_slot: int) -> StaticPlan:
+    """A step's ``StaticPlan``, padded to ``static_sizes(num_tokens,
+    num_decodes, num_chunk_seqs)``. Pure; raises ValueError where the step
+    does not fit."""
     decode_rows, decode_slots, decode_context = [], [], []
     chunk_rows, cu_seqlens, chunk_slots, chunk_continues, chunk_indices = [], [0], [], [], []
     start = 0
@@ -155,18 +174,19 @@ def static_step_plan(query_lens: Sequence[int], context_lens: Sequence[int], sta
             chunk_slots.append(slot)
             chunk_continues.append(int(ctx > n))
         start += n
+    sizes = static_sizes(num_tokens, num_decodes, num_chunk_seqs)
     if (start > num_tokens or len(decode_rows) > num_decodes or len(chunk_slots) > num_chunk_seqs
-            or len(chunk_indices) > 2 * num_chunks):
+            or len(chunk_indices) > sizes["chunk_indices"]):
         raise ValueError(f"static deltanet step: {start} tokens, {len(decode_rows)} single-token and "
                          f"{len(chunk_slots)} longer sequences ({len(chunk_indices) // 2} chunks); the bucket holds "
-                         f"{num_tokens}, {num_decodes}, {num_chunk_seqs} ({num_chunks})")
-    pad_decodes, pad_seqs = num_decodes - len(decode_rows), num_chunk_seqs + 1 - len(chunk_slots)
+                         f"{num_tokens}, {num_decodes}, {num_chunk_seqs} ({sizes['chunk_indices'] // 2})")
+    pad_decodes, pad_seqs = num_decodes - len(decode_rows), sizes["chunk_slots"] - len(chunk_slots)
     return StaticPlan(
         decode_rows + [-1] * pad_decodes, decode_slots + [scratch_slot] * pad_decodes,
         decode_context + [1] * pad_decodes, chunk_rows + [num_tokens] * (num_tokens - len(chunk_rows)),
         cu_seqlens + [cu_seqlens[-1]] * pad_seqs, chunk_slots + [scratch_slot] * pad_seqs,
         chunk_continues + [0] * pad_seqs,
-        chunk_indices + [num_chunk_seqs, 0] * (num_chunks - len(chunk_indices) // 2))
+        chunk_indices + [num_chunk_seqs, 0] * ((sizes["chunk_indices"] - len(chunk_indices)) // 2))
 
 
 class DeltaNetOps(Protocol):

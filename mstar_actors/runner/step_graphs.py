@@ -68,7 +68,7 @@ import numpy as np
 import torch
 
 from mstar_actors.models.attention import AttentionMetadata, max_varlen_items, plan_varlen_work
-from mstar_actors.models.deltanet_ops import CHUNK, StaticStep, static_step_plan
+from mstar_actors.models.deltanet_ops import StaticStep, static_sizes, static_step_plan
 
 log = logging.getLogger(__name__)
 
@@ -429,8 +429,8 @@ class MixedGraphs(_StepGraphs):
       single-token rows, ``P`` longer sequences (``chunk_seq_buckets(T, S)``'s
       largest) and their chunks. A hybrid model's graphs are keyed by
       ``(t, p)``: the step's token bucket and the bucket of its longer
-      sequences, whose first ``min(S, t)``, ``p`` and
-      ``max_varlen_items(t, p, CHUNK)`` entries it reads.
+      sequences, whose ``deltanet_ops.static_sizes(t, min(S, t), p)``
+      entries it reads.
 
     No work item covers a padding token, so attention leaves its output row
     unwritten: the graph zeroes those rows after attention in every layer
@@ -481,9 +481,7 @@ class MixedGraphs(_StepGraphs):
                      work=2 * self._num_work[t])
         if self.scratch_state_slot is not None:
             p = self.seq_buckets[t][-1]
-            sizes.update(state_slots=s, decode_rows=min(s, t), decode_slots=min(s, t), decode_context=min(s, t),
-                         chunk_rows=t, cu_seqlens=p + 2, chunk_slots=p + 1, chunk_continues=p + 1,
-                         chunk_indices=2 * max_varlen_items(t, p, CHUNK))
+            sizes.update(state_slots=s, **static_sizes(t, min(s, t), p))
         self._at: dict[str, int] = {}
         offset = 0
         for field, size in sizes.items():
@@ -550,7 +548,6 @@ class MixedGraphs(_StepGraphs):
             put(self._at["state_slots"], state_slots, s, self.scratch_state_slot)
             plan = static_step_plan(query_lens, context_lens, state_slots, num_tokens=bucket,
                                     num_decodes=min(s, bucket), num_chunk_seqs=chunk_seqs,
-                                    num_chunks=max_varlen_items(bucket, chunk_seqs, CHUNK),
                                     scratch_slot=self.scratch_state_slot)
             for name, values in zip(StaticStep._fields, plan):
                 put(self._at[name], values, len(values), 0)
@@ -614,13 +611,9 @@ class MixedGraphs(_StepGraphs):
             if self.lora is not None:
                 self.lora.end_step()
 
-
     def _static_step(self, bucket: int, chunk_seqs: int) -> StaticStep:
         """The delta rule's ``StaticStep`` of a bucket, cast from the staged fields (in the graph)."""
-        stop = dict(decode_rows=min(self.max_seqs, bucket), decode_slots=min(self.max_seqs, bucket),
-                    decode_context=min(self.max_seqs, bucket), chunk_rows=bucket, cu_seqlens=chunk_seqs + 2,
-                    chunk_slots=chunk_seqs + 1, chunk_continues=chunk_seqs + 1,
-                    chunk_indices=2 * max_varlen_items(bucket, chunk_seqs, CHUNK))
+        stop = static_sizes(bucket, min(self.max_seqs, bucket), chunk_seqs)
         fields = {}
         for name, staged in self._static_views.items():
             staged = staged[: stop[name]]

@@ -17,8 +17,8 @@ import dataclasses
 import pytest
 import torch
 
-from mstar_actors.models.attention import AttentionMetadata, max_varlen_items
-from mstar_actors.models.deltanet_ops import CHUNK, Gates, StatePool, StaticStep, TorchDeltaNetOps, static_step_plan
+from mstar_actors.models.attention import AttentionMetadata
+from mstar_actors.models.deltanet_ops import Gates, StatePool, TorchDeltaNetOps, static_step_plan
 
 pytestmark = pytest.mark.gpu
 
@@ -200,13 +200,8 @@ def static_form(meta: AttentionMetadata, num_tokens: int, num_chunk_seqs: int) -
     ``step_graphs.MixedGraphs`` stages it."""
     plan = static_step_plan(meta.query_lens_list, meta.context_lens_list, meta.state_slots_list,
                             num_tokens=num_tokens, num_decodes=len(meta.query_lens_list) + 3,
-                            num_chunk_seqs=num_chunk_seqs,
-                            num_chunks=max_varlen_items(num_tokens, num_chunk_seqs, CHUNK), scratch_slot=NUM_SLOTS)
-    fields = {name: torch.tensor(values, dtype=torch.long, device="cuda") for name, values in plan._asdict().items()}
-    fields["decode_context"] = fields["decode_context"].int()
-    fields["chunk_continues"] = fields["chunk_continues"].bool()
-    fields["chunk_indices"] = fields["chunk_indices"].view(-1, 2)
-    return dataclasses.replace(meta, derived={}, deltanet_static=StaticStep(**fields))
+                            num_chunk_seqs=num_chunk_seqs, scratch_slot=NUM_SLOTS)
+    return dataclasses.replace(meta, derived={}, deltanet_static=plan.to_step("cuda"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

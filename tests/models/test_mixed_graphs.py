@@ -19,7 +19,7 @@ import torch
 from lora.lora_factories import make_adapter
 from mstar_actors import messages
 from mstar_actors.config import ConfigError, parse_config
-from mstar_actors.models.deltanet_ops import CHUNK, static_step_plan
+from mstar_actors.models.deltanet_ops import CHUNK, static_sizes, static_step_plan
 from mstar_actors.runner.step_graphs import MixedGraphs, _Staging, chunk_seq_buckets, token_buckets
 from mstar_actors.lora import BaseShapes, read_adapter
 from mstar_actors.runner.model_runner import ModelRunner
@@ -158,20 +158,24 @@ def test_static_step_plan_splits_single_token_rows_from_longer_sequences():
     gathered padding rows past the step, empty sequences on the scratch slot)."""
     query_lens, context_lens, slots = [1, 70, 1, 3, 0], [40, 70, 1, 9, 0], [5, 2, 7, 0, 9]
     plan = static_step_plan(query_lens, context_lens, slots, num_tokens=80, num_decodes=4, num_chunk_seqs=4,
-                            num_chunks=6, scratch_slot=11)
+                            scratch_slot=11)
+    assert {name: len(values) for name, values in plan._asdict().items()} == static_sizes(80, 4, 4)
     assert plan.decode_rows == [0, 71, -1, -1]
     assert plan.decode_slots == [5, 7, 11, 11] and plan.decode_context == [40, 1, 1, 1]
     assert plan.chunk_rows == [*range(1, 71), 72, 73, 74, *[80] * 7]
     assert plan.cu_seqlens == [0, 70, 73, 73, 73, 73]
     assert plan.chunk_slots == [2, 0, 11, 11, 11] and plan.chunk_continues == [0, 1, 0, 0, 0]
-    assert plan.chunk_indices == [0, 0, 0, 1, 1, 0, 4, 0, 4, 0, 4, 0]
+    assert plan.chunk_indices == [0, 0, 0, 1, 1, 0, 4, 0, 4, 0]  # 80 // 64 + 4 chunks at most
     assert -(-70 // CHUNK) == 2
     with pytest.raises(ValueError, match="longer sequences"):
         static_step_plan(query_lens, context_lens, slots, num_tokens=80, num_decodes=4, num_chunk_seqs=1,
-                         num_chunks=6, scratch_slot=11)
+                         scratch_slot=11)
     with pytest.raises(ValueError, match="single-token"):
         static_step_plan(query_lens, context_lens, slots, num_tokens=80, num_decodes=1, num_chunk_seqs=4,
-                         num_chunks=6, scratch_slot=11)
+                         scratch_slot=11)
+    step = plan.to_step("cpu")
+    assert step.decode_context.dtype == torch.int32 and step.chunk_continues.dtype == torch.bool
+    assert step.chunk_indices.shape == (5, 2) and step.decode_rows.tolist() == plan.decode_rows
 
 
 def test_static_mixed_steps_match_eager(hf_models):
