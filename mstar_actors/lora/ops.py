@@ -691,6 +691,7 @@ class SlotStaging:
         self._twins.move_to_end(key)
         step_stream = torch.cuda.current_stream(self.device)
         _copy_parts(self._views(slot), twin.views)
+        self._write_dense(slot)
         twin.read.record(step_stream)
         return True
 
@@ -740,8 +741,7 @@ class SlotStaging:
     def _write(self, slot: int, image: _SlotImage, key: str | None) -> None:
         if self.stream is None:  # CPU stacks: the image straight into the slot, and its dense forms
             _copy_parts(self._views(slot), image.dense)
-            for stack in self.stacks.values():
-                stack.write_dense(slot)
+            self._write_dense(slot)
             return
         step_stream = torch.cuda.current_stream(self.device)
         twin = self._take_twin(key)
@@ -754,7 +754,14 @@ class SlotStaging:
         self.stream.wait_stream(step_stream)
         with torch.cuda.stream(self.stream):
             _copy_parts(self._views(slot), twin.views)
+            self._write_dense(slot)
         self.stream.synchronize()
+
+    def _write_dense(self, slot: int) -> None:
+        """The torch kernels' dense forms of ``slot`` after a write (none under
+        the row kernels: CUDA stacks have them only where Triton is missing)."""
+        for stack in self.stacks.values():
+            stack.write_dense(slot)
 
 
 def slot_image_bytes(stacks: dict[str, LoraStack]) -> int:

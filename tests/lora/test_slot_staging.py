@@ -61,7 +61,7 @@ def test_a_module_that_does_not_fit_is_refused_before_any_device_write():
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
 def test_kept_images_reinstall_the_same_weights_and_the_oldest_is_dropped(device):
     """Installs keep their images; a reinstall writes what ``install_slot``
-    would (on CPU the torch kernels' dense copy of B too); the oldest image is
+    would (the torch kernels' dense copy of B too); the oldest image is
     dropped past ``max_images``; a refused install gives none up."""
     stacks, plain = _stacks(device), _stacks(device)
     staging = SlotStaging(stacks, torch.device(device), max_images=2)
@@ -73,7 +73,7 @@ def test_kept_images_reinstall_the_same_weights_and_the_oldest_is_dropped(device
     for name, stack in plain.items():
         stack.install_slot(1, _modules(2).get(name, ()))
         stack.install_slot(2, _modules(3).get(name, ()))
-    assert (stacks["down"].b_all is None) == (device == "cuda")
+    assert stacks["down"].b_all is not None  # built alone, stacks run the torch kernels, dense copies and all
     for name in stacks:
         for field in ("a", "b", "scales", "b_all"):
             got, want = getattr(stacks[name], field), getattr(plain[name], field)
