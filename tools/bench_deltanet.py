@@ -21,7 +21,16 @@ Decode calls are captured ``--calls`` times in one CUDA graph and replayed
 (what the engine's decode graphs run); prefill calls are timed as plain
 launches between CUDA events. Median of ``--repeats``.
 
+``--short N ...`` adds a table of graphed mixed steps' delta rule (the
+static form ``step_graphs.MixedGraphs`` runs): ``--short-decodes`` decode
+rows beside three fresh chunks of N tokens, the chunks through the
+recurrent kernel with the decode rows (the route for chunks of at most
+``RECURRENT_MAX`` tokens) against the chunked kernels (fla's, their states
+gathered and scattered back), with the recurrent route's relative error
+against the reference: why the line sits where it does.
+
     python tools/bench_deltanet.py
+    python tools/bench_deltanet.py --prefill --decode --short 4 16 37 64 128
     python tools/bench_deltanet.py --prefill 512 2048 8192 --decode 1 64 256
     python tools/bench_deltanet.py --device cpu --decode 1 8   # the torch forms alone, float32, one thread
 """
@@ -39,7 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _gpu_timing import capture_graph, cuda_median_us  # noqa: E402
 from mstar_actors.models.attention import AttentionMetadata  # noqa: E402
-from mstar_actors.models.deltanet_ops import Gates, StatePool, TorchDeltaNetOps  # noqa: E402
+from mstar_actors.models import deltanet_ops  # noqa: E402
+from mstar_actors.models.deltanet_ops import Gates, StatePool, TorchDeltaNetOps, static_step_plan  # noqa: E402
 
 HIDDEN, NUM_K_HEADS, NUM_V_HEADS, HEAD_DIM, KERNEL = 1024, 16, 16, 128, 4
 CONV_DIM = 2 * NUM_K_HEADS * HEAD_DIM + NUM_V_HEADS * HEAD_DIM
@@ -130,6 +140,46 @@ def time_graph(fn, num_calls: int, repeats: int) -> float:
     return cuda_median_us(graph.replay, num_calls, repeats)
 
 
+def static_meta(case: dict, num_slots: int, recurrent_max: int) -> AttentionMetadata:
+    """The case's step in static form, its chunks of at most ``recurrent_max``
+    tokens as recurrent entries and the rest through the chunked kernels."""
+    meta, saved = case["meta"], deltanet_ops.RECURRENT_MAX
+    deltanet_ops.RECURRENT_MAX = recurrent_max
+    try:
+        longer = sum(n > recurrent_max for n in meta.query_lens_list)
+        plan = static_step_plan(meta.query_lens_list, meta.context_lens_list, meta.state_slots_list,
+                                num_tokens=sum(meta.query_lens_list), num_entries=len(meta.query_lens_list),
+                                num_chunk_seqs=longer, scratch_slot=num_slots)
+    finally:
+        deltanet_ops.RECURRENT_MAX = saved
+    return dataclasses.replace(meta, derived={}, deltanet_static=plan.to_step("cuda"))
+
+
+def short_table(args, triton_ops) -> None:
+    decodes = args.short_decodes
+    print(f"\n# graphed mixed steps' delta rule: {decodes} decode rows beside 3 chunks of N tokens continuing "
+          f"their states (RECURRENT_MAX {deltanet_ops.RECURRENT_MAX})")
+    header = f"{'chunks':<10} {'recurrent us':>12} {'chunked us':>11} {'chunked/recurrent':>17} {'rel err':>9}"
+    print(header)
+    print("-" * len(header))
+    torch_ops = TorchDeltaNetOps()
+    for n in args.short:
+        lens = [1] * decodes + [n] * 3
+        num_slots = max(64, len(lens))
+        c = make_case(lens, fresh=False, num_slots=num_slots)
+        pool = c["pool"]
+        recurrent, chunked = (static_meta(c, num_slots, max_tokens) for max_tokens in (max(n, 1), 1))
+        times = [time_graph(lambda m=m: triton_ops.delta_rule(c["q"], c["k"], c["v"], c["gates"], pool, m),
+                            args.calls, args.repeats) for m in (recurrent, chunked)]
+        mine, ref = StatePool(pool.conv, pool.ssm.clone()), StatePool(pool.conv, pool.ssm.clone())
+        got = triton_ops.delta_rule(c["q"], c["k"], c["v"], c["gates"], mine, dataclasses.replace(recurrent, derived={}))
+        want = torch_ops.delta_rule(c["q"].float(), c["k"].float(), c["v"].float(),
+                                    Gates(*(t.float() for t in c["gates"])), ref, dataclasses.replace(c["meta"], derived={}))
+        err = max(rel_err(got, want), rel_err(mine.ssm, ref.ssm))
+        print(f"{f'3 x {n}':<10} {times[0]:>12.1f} {times[1]:>11.1f} {times[1] / times[0]:>16.2f}x {err:>9.2e}",
+              flush=True)
+
+
 def cpu_table(args) -> None:
     """Microseconds a call of the torch forms on CPU (float32, one intra-op
     thread, as a CPU worker runs), median of ``--repeats`` rounds of ``--calls``."""
@@ -162,6 +212,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prefill", type=int, nargs="*", default=[2048])
     parser.add_argument("--decode", type=int, nargs="*", default=[1, 8, 32, 64])
+    parser.add_argument("--short", type=int, nargs="*", default=[],
+                        help="chunk lengths of graphed mixed steps to time both ways (see the module doc)")
+    parser.add_argument("--short-decodes", type=int, default=60, help="decode rows beside the --short chunks")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
@@ -205,6 +258,8 @@ def main() -> None:
                 fla = f"{fla_timer(fla_decode(case, static), args.calls, args.repeats):>8.1f}"
             print(f"{name:<14} {op:<11} {how:<6} {t_mine:>10.1f} {t_ref:>10.1f} "
                   f"{t_ref / t_mine:>6.1f}x {errs[op]:>9.2e} {fla}", flush=True)
+    if args.short:
+        short_table(args, triton_ops)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""One decode token of a Gated DeltaNet layer on Triton, in place on the state pool.
+"""A Gated DeltaNet layer's decode tokens and short chunks on Triton, in place on the state pool.
 
 Two kernels: ``conv_step`` (the short causal convolution, with in_proj's
 LoRA expand folded in) and ``decode_step`` (the gated delta rule).
 
 ``decode_step`` runs a step's single-token rows (row ``i`` a sequence on
-state slot ``slots[i]``) in one launch: each program loads its part of the
+state slot ``slots[i]``), and with a row map its short chunks too (an
+entry's tokens in order, ``counts``), in one launch: each program loads its part of the
 sequence's float32 state straight from ``pool.ssm[slot]`` (zeros where the
 sequence starts afresh), applies the decay and the delta update, writes the
 output and stores the state back over the same slot. The gates come raw
@@ -56,19 +57,49 @@ CONV_WARPS = 4
 
 
 @triton.jit
+def _delta_token(h, row64, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, o_ptr, head, hv, offs_k, offs_v, mask_k, mask_v,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
+                 stride_ot, stride_oh, scale, neg_exp_a, dt_bias):
+    """One token (row ``row64``) through the state tile ``h``: writes its output, returns the new ``h``."""
+    q = tl.load(q_ptr + row64 * stride_qt + head * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + row64 * stride_kt + head * stride_kh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + row64 * stride_vt + hv * stride_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+    q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale  # deltanet_ops.l2norm's eps
+    k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
+    # Gates.decay: -exp(A_log) * softplus(a + dt_bias) (torch's softplus: linear past 20).
+    x = tl.load(a_ptr + row64 * stride_at + hv).to(tl.float32) + dt_bias
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    g = neg_exp_a * softplus
+    # Gates.beta: sigmoid in float32, rounded to b's dtype as torch's op leaves it.
+    b_raw = tl.load(b_ptr + row64 * stride_bt + hv)
+    beta = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32)
+    h = h * tl.exp(g)
+    delta = (v - tl.sum(h * k[:, None], axis=0)) * beta
+    h = h + k[:, None] * delta[None, :]
+    o = tl.sum(h * q[:, None], axis=0)
+    tl.store(o_ptr + row64 * stride_ot + hv * stride_oh + offs_v, o.to(o_ptr.dtype.element_ty), mask=mask_v)
+    return h
+
+
+@triton.jit
 def _delta_decode_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, ssm_ptr, o_ptr, slots_ptr, continues_ptr, rows_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
+    counts_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     stride_ss, stride_sh, stride_sk, stride_ot, stride_oh, scale,
     HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, FRESH_AT: tl.constexpr, HAS_ROWS: tl.constexpr,
+    MULTI: tl.constexpr,
 ):  # fmt: skip
     i_v = tl.program_id(0)
     pid = tl.program_id(1)
     entry, hv = pid // HV, pid % HV
     head = hv // GROUP  # value heads share key heads (GVA)
     slot = tl.load(slots_ptr + entry).to(tl.int64)
-    continues = tl.load(continues_ptr + entry) > FRESH_AT
+    if MULTI:  # entry i: counts[i] tokens from row rows[i] on, in order; continues unless its context is them
+        count = tl.load(counts_ptr + entry)
+        continues = tl.load(continues_ptr + entry).to(tl.int32) > FRESH_AT * count
+    else:
+        continues = tl.load(continues_ptr + entry) > FRESH_AT
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     if HAS_ROWS:  # entry i is row rows[i] of q, k, v, the gates and o; -1: padding, which reads and writes nothing
@@ -85,23 +116,17 @@ def _delta_decode_kernel(
     h_ptrs = ssm_ptr + slot * stride_ss + hv * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
     # A fresh row reads nothing (zeros): its k range is empty.
     h = tl.load(h_ptrs, mask=(offs_k < tl.where(continues, DK, 0))[:, None] & mask_v[None, :], other=0.0)
-    q = tl.load(q_ptr + row64 * stride_qt + head * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + row64 * stride_kt + head * stride_kh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + row64 * stride_vt + hv * stride_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-    q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale  # deltanet_ops.l2norm's eps
-    k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
-    # Gates.decay: -exp(A_log) * softplus(a + dt_bias) (torch's softplus: linear past 20).
-    x = tl.load(a_ptr + row64 * stride_at + hv).to(tl.float32) + tl.load(dt_bias_ptr + hv).to(tl.float32)
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-    g = -tl.exp(tl.load(a_log_ptr + hv).to(tl.float32)) * softplus
-    # Gates.beta: sigmoid in float32, rounded to b's dtype as torch's op leaves it.
-    b_raw = tl.load(b_ptr + row64 * stride_bt + hv)
-    beta = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32)
-    h = h * tl.exp(g)
-    delta = (v - tl.sum(h * k[:, None], axis=0)) * beta
-    h = h + k[:, None] * delta[None, :]
-    o = tl.sum(h * q[:, None], axis=0)
-    tl.store(o_ptr + row64 * stride_ot + hv * stride_oh + offs_v, o.to(o_ptr.dtype.element_ty), mask=mask_v)
+    neg_exp_a = -tl.exp(tl.load(a_log_ptr + hv).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
+    if MULTI:
+        for j in range(0, count):
+            h = _delta_token(h, row64 + j, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, o_ptr, head, hv, offs_k, offs_v, mask_k,
+                             mask_v, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at,
+                             stride_bt, stride_ot, stride_oh, scale, neg_exp_a, dt_bias)
+    else:
+        h = _delta_token(h, row64, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, o_ptr, head, hv, offs_k, offs_v, mask_k, mask_v,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
+                         stride_ot, stride_oh, scale, neg_exp_a, dt_bias)
     tl.store(h_ptrs, h, mask=mask_h)
 
 
@@ -130,7 +155,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates, ssm:
 
 def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates, ssm: torch.Tensor,
                 slots: torch.Tensor, continues: torch.Tensor, rows: torch.Tensor | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
     """``q, k [B, Hk, Dk]``, ``v [B, Hv, Dv]``, ``gates`` of those rows, the
     pool's ``ssm [P + 1, Hv, Dk, Dv]``, each row's ``slots [B]`` and whether
     it continues its slot's state, else starts from zeros: ``continues [B]``
@@ -143,7 +168,14 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates,
     and the gates (-1: none, the entry does nothing), with ``slots`` and
     ``continues`` per entry; its output goes to that row of ``out`` (q's
     rows at least), which is returned (a static step's single-token rows
-    among longer ones, ``deltanet_ops.StaticStep``)."""
+    among longer ones, ``deltanet_ops.StaticStep``).
+
+    ``counts [E]`` (int32, with ``rows``): entry i is a sequence of
+    ``counts[i]`` tokens, rows ``rows[i]`` on, taken one after another by one
+    program (0: nothing done); it continues its slot unless its context is
+    those tokens (``continues`` as context lengths) or its flag is false. A
+    short chunk so costs its tokens in sequence but no launches of its own
+    (``deltanet_ops.RECURRENT_MAX``)."""
     _check(q, k, v, gates, ssm, continues)
     num_rows, num_k, dk = q.shape
     num_v, dv = v.shape[1], v.shape[2]
@@ -155,6 +187,9 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates,
                          f"continues {tuple(continues.shape)}, out {None if out is None else tuple(out.shape)}; "
                          f"accepted: int64 rows, slots and continues of one length, out [>= {num_rows}, {num_v}, "
                          f"{dv}] with Dv contiguous")
+    if counts is not None and (rows is None or counts.dtype != torch.int32 or counts.shape != rows.shape):
+        raise ValueError(f"deltanet decode: counts {tuple(counts.shape)} {counts.dtype}; accepted: int32, one a "
+                         "row-map entry (rows given)")
     entries = num_rows if rows is None else rows.shape[0]
     if entries * num_v > 65535:
         raise ValueError(f"deltanet decode: {entries} rows x {num_v} value heads is past a launch's 65,535 "
@@ -164,12 +199,13 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates,
     block_v, warps = WIDE if entries * num_v > WIDE_FROM else NARROW
     _delta_decode_kernel[(triton.cdiv(dv, block_v), entries * num_v)](
         q, k, v, gates.a, gates.b, gates.A_log, gates.dt_bias, ssm, out, slots, continues,
-        slots if rows is None else rows,
+        slots if rows is None else rows, slots if counts is None else counts,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         gates.a.stride(0), gates.b.stride(0),
         ssm.stride(0), ssm.stride(1), ssm.stride(2), out.stride(0), out.stride(1), dk**-0.5,
         HV=num_v, GROUP=num_v // num_k, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
-        FRESH_AT=0 if continues.dtype == torch.bool else 1, HAS_ROWS=rows is not None, num_warps=warps,
+        FRESH_AT=0 if continues.dtype == torch.bool else 1, HAS_ROWS=rows is not None, MULTI=counts is not None,
+        num_warps=warps,
     )  # fmt: skip
     return out
 

@@ -35,6 +35,11 @@ if TYPE_CHECKING:  # made by ``lora_layers``
     from .lora_layers import PendingExpand
 
 CHUNK = 64  # the chunked form's block of tokens (the reference's and the kernels')
+# On CUDA a sequence of at most this many tokens in a step takes the recurrent
+# kernel, its tokens in order in one program a head, beside the decode rows
+# (no launch of its own); a longer one takes the chunked kernels, whose dozen
+# launches and gathered states a short chunk would not repay.
+RECURRENT_MAX = CHUNK
 
 
 @dataclass(frozen=True)
@@ -92,26 +97,31 @@ class Gates(NamedTuple):
 class StaticStep(NamedTuple):
     """A hybrid model's step in static form (a graphed mixed step), as the
     delta rule reads it: device tensors whose shapes follow the graph's
-    bucket, filled per step from ``static_step_plan``'s host lists.
+    bucket (``static_sizes``), filled per step from ``static_step_plan``'s
+    host lists.
 
-    Single-token sequences (decode rows, and one-token chunks) take the
-    recurrent form in place on their slots, as an eager step's do
-    (``_step_rows``): ``decode_rows [D]`` int64 (-1: padding, nothing
-    done), ``decode_slots [D]`` int64, ``decode_context [D]`` int32 (a row
-    continues its slot's state unless its context is its one token). The
-    longer ones go through one varlen call of the chunked form over their
-    rows gathered: ``chunk_rows [T]`` int64 (each gathered row's row of the
-    step; padding: ``T``, a row past the step's that nothing reads),
-    ``cu_seqlens [P + 2]`` int64 (empty sequences past the last: padding),
-    ``chunk_slots [P + 1]`` int64 (padding: the scratch slot),
-    ``chunk_continues [P + 1]`` bool and ``chunk_indices [NT, 2]`` int64
-    ``(sequence, chunk)`` of their 64-token chunks (padding: ``(P, 0)``,
-    the last, empty, sequence). Padding sequences cost the chunked call a
-    state each: ``P`` is bucketed small (``step_graphs.chunk_seq_buckets``)."""
+    Sequences of at most ``RECURRENT_MAX`` tokens (decode rows, short
+    chunks) take the recurrent form in place on their slots, one entry each
+    (``deltanet_decode.decode_step``'s row map): ``decode_rows [D]`` int64
+    (the first row; -1: padding, nothing done), ``decode_slots [D]`` int64,
+    ``decode_context [D]`` int32 (an entry continues its slot's state unless
+    its context is its own tokens) and ``decode_counts [D]`` int32 (its
+    tokens; padding: 0). The longer ones go through one varlen call of the
+    chunked form over their rows gathered: ``chunk_rows [T]`` int64 (each
+    gathered row's row of the step; padding: ``T``, a row past the step's
+    that nothing reads), ``cu_seqlens [P + 2]`` int64 (empty sequences past
+    the last: padding), ``chunk_slots [P + 1]`` int64 (padding: the scratch
+    slot), ``chunk_continues [P + 1]`` bool and ``chunk_indices [NT, 2]``
+    int64 ``(sequence, chunk)`` of their 64-token chunks (padding: ``(P,
+    0)``, the last, empty, sequence). Padding sequences cost the chunked
+    call a state each: ``P`` is bucketed small (``step_graphs.chunk_seq_buckets``);
+    a bucket of no longer sequence (``P = 0``) has no chunked call, and its
+    chunk fields are empty."""
 
     decode_rows: torch.Tensor
     decode_slots: torch.Tensor
     decode_context: torch.Tensor
+    decode_counts: torch.Tensor
     chunk_rows: torch.Tensor
     cu_seqlens: torch.Tensor
     chunk_slots: torch.Tensor
@@ -125,6 +135,7 @@ class StaticPlan(NamedTuple):
     decode_rows: list[int]
     decode_slots: list[int]
     decode_context: list[int]
+    decode_counts: list[int]
     chunk_rows: list[int]
     cu_seqlens: list[int]
     chunk_slots: list[int]
@@ -134,39 +145,51 @@ class StaticPlan(NamedTuple):
     def to_step(self, device: torch.device | str) -> StaticStep:
         """The plan as the delta rule reads it (eager: a test's or a
         benchmark's; the graphs cast their staged copy in place instead)."""
-        fields = {name: torch.tensor(values, dtype=torch.int32 if name == "decode_context" else torch.long,
-                                     device=device) for name, values in self._asdict().items()}
+        ints = {"decode_context", "decode_counts"}
+        fields = {name: torch.tensor(values, dtype=torch.int32 if name in ints else torch.long, device=device)
+                  for name, values in self._asdict().items()}
         fields["chunk_continues"] = fields["chunk_continues"].bool()
         fields["chunk_indices"] = fields["chunk_indices"].view(-1, 2)
         return StaticStep(**fields)
 
 
-def static_sizes(num_tokens: int, num_decodes: int, num_chunk_seqs: int) -> dict[str, int]:
+def static_sizes(num_tokens: int, num_entries: int, num_chunk_seqs: int) -> dict[str, int]:
     """Each ``StaticStep`` field's length (``chunk_indices``: values, two a
-    chunk) in a bucket of ``num_tokens`` rows, ``num_decodes`` single-token
-    entries and ``num_chunk_seqs`` longer sequences, and one empty sequence
-    past them that padding chunks name."""
-    # A sequence of n tokens has at most n // CHUNK + 1 chunks: these, at most tokens // CHUNK + sequences.
-    num_chunks = num_tokens // CHUNK + num_chunk_seqs
-    return dict(decode_rows=num_decodes, decode_slots=num_decodes, decode_context=num_decodes, chunk_rows=num_tokens,
-                cu_seqlens=num_chunk_seqs + 2, chunk_slots=num_chunk_seqs + 1, chunk_continues=num_chunk_seqs + 1,
-                chunk_indices=2 * num_chunks)
+    chunk) in a bucket of ``num_tokens`` rows, ``num_entries`` recurrent
+    entries and ``num_chunk_seqs`` longer sequences (0: no chunked call)."""
+    chunked = num_chunk_seqs > 0
+    seqs = num_chunk_seqs + 1 if chunked else 0  # and one empty sequence, which padding chunks name
+    # Each longer sequence has more than RECURRENT_MAX >= CHUNK tokens: at most tokens // CHUNK + sequences chunks.
+    num_chunks = num_tokens // CHUNK + num_chunk_seqs if chunked else 0
+    return dict(decode_rows=num_entries, decode_slots=num_entries, decode_context=num_entries,
+                decode_counts=num_entries, chunk_rows=num_tokens if chunked else 0, cu_seqlens=seqs + 1 if chunked else 0,
+                chunk_slots=seqs, chunk_continues=seqs, chunk_indices=2 * num_chunks)
+
+
+def takes_recurrent(num_tokens: int) -> bool:
+    """Whether the Triton ops take a sequence of ``num_tokens`` this step
+    through the recurrent form (one program a head, its tokens in order)
+    rather than the chunked one (``RECURRENT_MAX``)."""
+    return num_tokens <= RECURRENT_MAX
 
 
 def static_step_plan(query_lens: Sequence[int], context_lens: Sequence[int], state_slots: Sequence[int], *,
-                     num_tokens: int, num_decodes: int, num_chunk_seqs: int, scratch_slot: int) -> StaticPlan:
+                     num_tokens: int, num_entries: int, num_chunk_seqs: int, scratch_slot: int) -> StaticPlan:
     """A step's ``StaticPlan``, padded to ``static_sizes(num_tokens,
-    num_decodes, num_chunk_seqs)``. Pure; raises ValueError where the step
+    num_entries, num_chunk_seqs)``. Pure; raises ValueError where the step
     does not fit."""
-    decode_rows, decode_slots, decode_context = [], [], []
+    decode_rows, decode_slots, decode_context, decode_counts = [], [], [], []
     chunk_rows, cu_seqlens, chunk_slots, chunk_continues, chunk_indices = [], [0], [], [], []
     start = 0
     for n, ctx, slot in zip(query_lens, context_lens, state_slots):
-        if n == 1:
+        if n == 0:
+            pass
+        elif takes_recurrent(n):
             decode_rows.append(start)
             decode_slots.append(slot)
             decode_context.append(ctx)
-        elif n > 1:
+            decode_counts.append(n)
+        else:
             for j in range(-(-n // CHUNK)):
                 chunk_indices += [len(chunk_slots), j]
             chunk_rows.extend(range(start, start + n))
@@ -174,19 +197,24 @@ def static_step_plan(query_lens: Sequence[int], context_lens: Sequence[int], sta
             chunk_slots.append(slot)
             chunk_continues.append(int(ctx > n))
         start += n
-    sizes = static_sizes(num_tokens, num_decodes, num_chunk_seqs)
-    if (start > num_tokens or len(decode_rows) > num_decodes or len(chunk_slots) > num_chunk_seqs
+    sizes = static_sizes(num_tokens, num_entries, num_chunk_seqs)
+    if (start > num_tokens or len(decode_rows) > num_entries or len(chunk_slots) > num_chunk_seqs
             or len(chunk_indices) > sizes["chunk_indices"]):
-        raise ValueError(f"static deltanet step: {start} tokens, {len(decode_rows)} single-token and "
-                         f"{len(chunk_slots)} longer sequences ({len(chunk_indices) // 2} chunks); the bucket holds "
-                         f"{num_tokens}, {num_decodes}, {num_chunk_seqs} ({sizes['chunk_indices'] // 2})")
-    pad_decodes, pad_seqs = num_decodes - len(decode_rows), sizes["chunk_slots"] - len(chunk_slots)
+        raise ValueError(f"static deltanet step: {start} tokens, {len(decode_rows)} sequences of at most "
+                         f"{RECURRENT_MAX} tokens and {len(chunk_slots)} longer ones ({len(chunk_indices) // 2} "
+                         f"chunks); the bucket holds {num_tokens}, {num_entries}, {num_chunk_seqs} "
+                         f"({sizes['chunk_indices'] // 2})")
+    pad_entries = num_entries - len(decode_rows)
+    entries = (decode_rows + [-1] * pad_entries, decode_slots + [scratch_slot] * pad_entries,
+               decode_context + [1] * pad_entries, decode_counts + [0] * pad_entries)
+    if num_chunk_seqs == 0:
+        return StaticPlan(*entries, [], [], [], [], [])
+    pad_seqs = sizes["chunk_slots"] - len(chunk_slots)
     return StaticPlan(
-        decode_rows + [-1] * pad_decodes, decode_slots + [scratch_slot] * pad_decodes,
-        decode_context + [1] * pad_decodes, chunk_rows + [num_tokens] * (num_tokens - len(chunk_rows)),
+        *entries, chunk_rows + [num_tokens] * (num_tokens - len(chunk_rows)),
         cu_seqlens + [cu_seqlens[-1]] * pad_seqs, chunk_slots + [scratch_slot] * pad_seqs,
         chunk_continues + [0] * pad_seqs,
-        chunk_indices + [num_chunk_seqs, 0] * ((sizes["chunk_indices"] - len(chunk_indices)) // 2))
+        chunk_indices + [num_chunk_seqs, 0] * (sizes["chunk_indices"] // 2 - len(chunk_indices) // 2))
 
 
 class DeltaNetOps(Protocol):

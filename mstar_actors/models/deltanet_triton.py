@@ -1,16 +1,20 @@
 """Gated DeltaNet's two ops on Triton (CUDA): ``TritonDeltaNetOps``.
 
-The prefill chunks of a step run on flash-linear-attention's chunked kernel
-(the ``fla-core`` package): all of them in one varlen call of
+The prefill chunks of a step longer than ``deltanet_ops.RECURRENT_MAX``
+tokens run on flash-linear-attention's chunked kernels (the ``fla-core``
+package): all of them in one varlen call of
 ``chunk_gated_delta_rule`` (``[1, T, H, D]``, ``cu_seqlens`` over the
 chunks), q and k as they come (L2-normalised in the kernel, ``Dk ** -0.5``
 scale), natural-log decay ``g`` in float32 and ``beta`` after its sigmoid,
 key heads shared across value heads by the kernel (GVA: ``Hv % Hk == 0``).
 Their initial states are gathered from the pool by slot (zeroed for a
 sequence whose chunk starts at token 0) and the float32 final states
-scattered back. The single-token rows take our decode kernel
-(``deltanet_decode``), which updates each row's slot of the pool in place
-and computes the gates itself.
+scattered back. The decode rows and the shorter chunks take our recurrent
+kernel (``deltanet_decode.decode_step``, one entry a sequence, a chunk's
+tokens in order), which updates each sequence's slot of the pool in place
+and computes the gates itself: a short chunk costs no launch, gather or
+scatter of its own, where the chunked call costs a dozen launches a layer
+and its states' traffic.
 
 How the chunked kernel must be called (this broke an earlier use):
 
@@ -42,9 +46,10 @@ one token) reads only ``state_slots`` and ``context_lens`` on the device
 follow the row count; no host synchronisation. A step in static form
 (``meta.deltanet_static``: a graphed mixed step) reads only tensors too:
 the convolution takes attention's ``varlen_work`` tiles (the same 16 rows);
-the delta rule splits the rows as an eager step does, the single-token
-ones through our decode kernel by a row map, in place, the longer
-sequences gathered into one varlen call of the chunked kernel, padded with
+the delta rule splits the sequences as an eager step does, those of at
+most ``RECURRENT_MAX`` tokens through our recurrent kernel by a row map,
+in place, the longer ones gathered into one varlen call of the chunked
+kernel (none in a bucket without them), padded with
 empty sequences on the scratch slot (the kernels skip an empty sequence's
 chunks, but each still costs its state: a gather, the kernel's read and
 write of it, a scatter; 1 MB a layer at Qwen3.5-0.8B's heads). Padding
@@ -73,7 +78,7 @@ except Exception as err:  # Triton or fla-core missing or broken: the loader fal
 from .attention import AttentionMetadata, plan_varlen_work
 from .decoder import add_delta
 from .deltanet_decode import conv_step, decode_step
-from .deltanet_ops import CHUNK, Gates, StatePool, _step_rows
+from .deltanet_ops import CHUNK, Gates, StatePool, takes_recurrent
 
 if TYPE_CHECKING:  # made by ``lora_layers``
     from .lora_layers import PendingExpand
@@ -196,6 +201,29 @@ def _chunk_plan(meta: AttentionMetadata, chunks: list, device: torch.device):
     return plan
 
 
+def _recurrent_entries(meta: AttentionMetadata, device: torch.device):
+    """An eager step's split, once per step: ``(rows, counts, slots,
+    continues)`` of its sequences of at most ``RECURRENT_MAX`` tokens (the
+    recurrent kernel's entries; None if none) and ``(first row, length,
+    slot, continues)`` of each longer one (the chunked kernel's)."""
+    if "deltanet_recurrent" in meta.derived:
+        return meta.derived["deltanet_recurrent"]
+    entries, chunks = [], []
+    for start, n, ctx, slot in zip(meta.query_start_list, meta.query_lens_list, meta.context_lens_list,
+                                   meta.state_slots_list):
+        if n:
+            (entries if takes_recurrent(n) else chunks).append((start, n, slot, ctx > n))
+    tensors = None
+    if entries:
+        rows, counts, slots, continues = zip(*entries)
+        tensors = (torch.tensor(rows, dtype=torch.long, device=device),
+                   torch.tensor(counts, dtype=torch.int32, device=device),
+                   torch.tensor(slots, dtype=torch.long, device=device),
+                   torch.tensor(continues, dtype=torch.bool, device=device))
+    meta.derived["deltanet_recurrent"] = plan = (tensors, chunks)
+    return plan
+
+
 def _initial_states(pool: StatePool, slots: torch.Tensor, continues: torch.Tensor) -> torch.Tensor:
     """``pool.ssm[slots]`` (a copy), zero where a sequence starts afresh."""
     return pool.ssm.index_select(0, slots).masked_fill_(~continues[:, None, None, None], 0.0)
@@ -250,20 +278,22 @@ class TritonDeltaNetOps:
         if (static := meta.deltanet_static) is not None:  # tensors only: see the module doc
             num_rows = v.shape[0]
             out = torch.zeros((num_rows + 1, *v.shape[1:]), dtype=v.dtype, device=v.device)  # row T: padding's
-            decode_step(q, k, v, gates, pool.ssm, static.decode_slots, static.decode_context, static.decode_rows, out)
-            rows = static.chunk_rows
-            taken = rows.clamp(max=num_rows - 1)  # padding rows gather row T - 1, scatter to row T
-            o = self._chunked(q, k, v, gates, pool, taken, static.cu_seqlens, static.chunk_indices, static.chunk_slots,
-                              static.chunk_continues)
-            out.index_copy_(0, rows.clamp(max=num_rows), o)
+            decode_step(q, k, v, gates, pool.ssm, static.decode_slots, static.decode_context, static.decode_rows, out,
+                        static.decode_counts)
+            if static.chunk_slots.shape[0]:  # a bucket with longer sequences
+                rows = static.chunk_rows
+                taken = rows.clamp(max=num_rows - 1)  # padding rows gather row T - 1, scatter to row T
+                o = self._chunked(q, k, v, gates, pool, taken, static.cu_seqlens, static.chunk_indices,
+                                  static.chunk_slots, static.chunk_continues)
+                out.index_copy_(0, rows.clamp(max=num_rows), o)
             return out[:num_rows]  # rows of no sequence: zeros
         if _is_pure_decode(meta):  # row i is sequence i: tensors only, graph-safe
             return decode_step(q, k, v, gates, pool.ssm, meta.state_slots, meta.context_lens)
-        decode, chunks = _step_rows(meta, q.device)
+        entries, chunks = _recurrent_entries(meta, q.device)
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-        if decode is not None:
-            rows, slots, continues = decode
-            out[rows] = decode_step(q[rows], k[rows], v[rows], gates.rows(rows), pool.ssm, slots, continues)
+        if entries is not None:  # decode rows and short chunks, in place on their rows of out
+            rows, counts, slots, continues = entries
+            decode_step(q, k, v, gates, pool.ssm, slots, continues, rows, out, counts)
         if chunks:
             rows, cu_seqlens, chunk_indices, slots, continues = _chunk_plan(meta, chunks, q.device)
             out[rows] = self._chunked(q, k, v, gates, pool, rows, cu_seqlens, chunk_indices, slots, continues)

@@ -68,13 +68,14 @@ import numpy as np
 import torch
 
 from mstar_actors.models.attention import AttentionMetadata, max_varlen_items, plan_varlen_work
-from mstar_actors.models.deltanet_ops import StaticStep, static_sizes, static_step_plan
+from mstar_actors.models.deltanet_ops import RECURRENT_MAX, StaticStep, static_sizes, static_step_plan, takes_recurrent
 
 log = logging.getLogger(__name__)
 
 NUM_WARMUP_RUNS = 2  # torch wants eager runs on the capture stream first; Triton compiles in them
 _NUM_FIELDS = 7  # decode header: input_ids, positions, slot_mapping, context_lens, lora_slots, state_slots, input_src
 MIN_TOKEN_BUCKET = 16
+_INT32_STATIC = ("decode_context", "decode_counts")  # StaticStep fields the graph reads as staged
 PROGRESS_EVERY_S = 10.0  # capture logs its progress this often
 
 
@@ -125,18 +126,19 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 
 def chunk_seq_buckets(num_tokens: int, max_seqs: int) -> list[int]:
-    """Captured counts of a hybrid model's longer sequences (more than one
-    token: the chunked delta rule's) in a mixed step of ``num_tokens``
-    tokens: 1, 4, 16, ... below the most that fit, then that most
-    (``max_seqs``, and no more than ``num_tokens // 2``): each sequence the
+    """Captured counts of a hybrid model's longer sequences (more than
+    ``deltanet_ops.RECURRENT_MAX`` tokens: the chunked delta rule's) in a
+    mixed step of ``num_tokens`` tokens: 0 (no chunked call), then 1, 4,
+    16, ... below the most that fit, then that most (``max_seqs``, and no
+    more than ``num_tokens // (RECURRENT_MAX + 1)``): each sequence the
     chunked call holds costs its state whether padding or not
     (``deltanet_triton``), so a step pays for at most 4x its own."""
-    most = max(1, min(max_seqs, num_tokens // 2))
-    sizes, n = [], 1
+    most = min(max_seqs, num_tokens // (RECURRENT_MAX + 1))
+    sizes, n = [0], 1
     while n < most:
         sizes.append(n)
         n *= 4
-    return sizes + [most]
+    return sizes + [most] if most else sizes
 
 
 class _Staging:
@@ -426,11 +428,11 @@ class MixedGraphs(_StepGraphs):
     - a hybrid model's (``scratch_state_slot``): ``state_slots [S]`` (padded
       with the scratch slot, the convolution's) and the delta rule's
       ``deltanet_ops.StaticPlan`` fields, laid out for ``D = min(S, T)``
-      single-token rows, ``P`` longer sequences (``chunk_seq_buckets(T, S)``'s
-      largest) and their chunks. A hybrid model's graphs are keyed by
-      ``(t, p)``: the step's token bucket and the bucket of its longer
-      sequences, whose ``deltanet_ops.static_sizes(t, min(S, t), p)``
-      entries it reads.
+      recurrent entries (decode rows and short chunks), ``P`` longer
+      sequences (``chunk_seq_buckets(T, S)``'s largest) and their chunks. A
+      hybrid model's graphs are keyed by ``(t, p)``: the step's token bucket
+      and the bucket of its longer sequences (0: none, no chunked call),
+      whose ``deltanet_ops.static_sizes(t, min(S, t), p)`` entries it reads.
 
     No work item covers a padding token, so attention leaves its output row
     unwritten: the graph zeroes those rows after attention in every layer
@@ -500,7 +502,7 @@ class MixedGraphs(_StepGraphs):
             self.state_slots = torch.zeros(s, dtype=torch.long, device=dev)
             self._static_views = {name: view[name] for name in StaticStep._fields}
             self._static_longs = {name: torch.zeros_like(field, dtype=torch.long) for name, field in
-                                  self._static_views.items() if name not in ("decode_context", "chunk_continues")}
+                                  self._static_views.items() if name not in _INT32_STATIC + ("chunk_continues",)}
         self._token_index = torch.arange(t, dtype=torch.int32, device=dev)
         self.logits = torch.zeros(s, vocab_size, dtype=torch.float32, device=dev)
         self._write_header([], [], [], [], [], [], [], self._bucket_keys()[-1], device_inputs=())
@@ -547,7 +549,7 @@ class MixedGraphs(_StepGraphs):
         if self.scratch_state_slot is not None:
             put(self._at["state_slots"], state_slots, s, self.scratch_state_slot)
             plan = static_step_plan(query_lens, context_lens, state_slots, num_tokens=bucket,
-                                    num_decodes=min(s, bucket), num_chunk_seqs=chunk_seqs,
+                                    num_entries=min(s, bucket), num_chunk_seqs=chunk_seqs,
                                     scratch_slot=self.scratch_state_slot)
             for name, values in zip(StaticStep._fields, plan):
                 put(self._at[name], values, len(values), 0)
@@ -564,7 +566,7 @@ class MixedGraphs(_StepGraphs):
         num_seqs = len(batch.query_lens)
         key = bucket = self.bucket_for(len(batch.input_ids), num_seqs)
         if self.scratch_state_slot is not None:
-            longer = sum(n > 1 for n in batch.query_lens)
+            longer = sum(n > 0 and not takes_recurrent(n) for n in batch.query_lens)
             key = (bucket, next(p for p in self.seq_buckets[bucket] if p >= longer))
         self._stage.begin_write()
         token_slots = np.repeat(np.asarray(batch.chunk_slots, dtype=np.int32), batch.query_lens)
@@ -611,14 +613,15 @@ class MixedGraphs(_StepGraphs):
             if self.lora is not None:
                 self.lora.end_step()
 
+
     def _static_step(self, bucket: int, chunk_seqs: int) -> StaticStep:
         """The delta rule's ``StaticStep`` of a bucket, cast from the staged fields (in the graph)."""
         stop = static_sizes(bucket, min(self.max_seqs, bucket), chunk_seqs)
         fields = {}
         for name, staged in self._static_views.items():
             staged = staged[: stop[name]]
-            if name == "decode_context":
-                fields[name] = staged  # int32 context lengths, as the decode kernel reads them
+            if name in _INT32_STATIC:
+                fields[name] = staged  # as the decode kernel reads them
             elif name == "chunk_continues":
                 fields[name] = staged > 0
             else:

@@ -137,6 +137,47 @@ def test_a_row_map_decodes_its_rows_in_place_and_padding_does_nothing():
         decode_step(q, k, v, gates, got_ssm, slots, context, rows, out[:5])
 
 
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_counted_entries_take_their_tokens_in_order(dtype, atol):
+    """Entries of several tokens (``counts``: a static or eager step's short
+    chunks beside its decode rows): each entry's tokens one after another
+    from its slot's state, as the reference's recurrent step takes them;
+    a chunk whose context is its own tokens starts afresh, a later chunk
+    continues; padding (-1, count 0) and rows no entry names stay as they were."""
+    gen = torch.Generator().manual_seed(8)
+    q, k, v, gates = layer_inputs(gen, 12, 2, 4, dtype)
+    ssm = torch.randn(NUM_SLOTS + 1, 4, DK, DV, generator=gen) * 0.3
+    rows = torch.tensor([0, 3, -1, 5, 10])
+    counts = torch.tensor([3, 1, 0, 5, 2], dtype=torch.int32)
+    slots = torch.tensor([6, 2, NUM_SLOTS, 4, 1])
+    context = torch.tensor([3, 9, 1, 12, 2], dtype=torch.int32)  # fresh, continues, padding, continues, fresh
+    want_ssm, want_o = ssm.clone(), {}
+    for row, n, slot, ctx in zip(rows.tolist(), counts.tolist(), slots.tolist(), context.tolist()):
+        if row < 0:
+            continue
+        state = want_ssm[slot : slot + 1] * float(ctx > n)
+        for r in range(row, row + n):
+            o, state = recurrent_delta_step(*_prepare(q[r : r + 1], k[r : r + 1], v[r : r + 1],
+                                                      gates.rows(torch.tensor([r])).decay(),
+                                                      gates.rows(torch.tensor([r])).beta()), state.contiguous())
+            want_o[r] = o[0].to(dtype)
+        want_ssm[slot] = state[0]
+    out = torch.full((13, 4, DV), 5.0, dtype=dtype)
+    got_ssm = ssm.clone()
+    assert decode_step(q, k, v, gates, got_ssm, slots, context, rows, out, counts) is out
+    for r, o in want_o.items():
+        torch.testing.assert_close(out[r].float(), o.float(), rtol=0, atol=atol)
+    assert (out[[4, 12]] == 5.0).all()
+    torch.testing.assert_close(got_ssm, want_ssm, rtol=0, atol=2e-5 if dtype == torch.float32 else 2e-2)
+    assert torch.equal(got_ssm[NUM_SLOTS], ssm[NUM_SLOTS])
+    flags = context > counts  # the same entries with flags instead of context lengths
+    again = out.clone()
+    decode_step(q, k, v, gates, ssm, slots, flags, rows, again, counts)
+    assert torch.equal(again, out) and torch.equal(ssm, got_ssm)
+    with pytest.raises(ValueError, match="counts"):
+        decode_step(q, k, v, gates, ssm, slots, context, rows, out, counts.long())
+
+
 # -- the convolution (conv_step) ------------------------------------------------------------
 
 KERNEL = 4
@@ -242,3 +283,69 @@ def test_conv_step_refuses_what_it_cannot_read():
         conv_step(proj, weight, conv[:, :, :2], slots, torch.tensor([2, 2], dtype=torch.int32))
     with pytest.raises(ValueError, match="unit column stride"):
         conv_step(proj.t().contiguous().t(), weight, conv, slots, torch.tensor([2, 2], dtype=torch.int32))
+
+
+# -- the Triton ops' routing (deltanet_triton), the chunked kernels stood in ---------------------
+
+
+@pytest.fixture
+def triton_ops(monkeypatch):
+    """``TritonDeltaNetOps`` importable without fla-core (a CPU host): its
+    chunked kernel stood in by one that fails, so a test sees that a step of
+    short sequences never calls it."""
+    import importlib
+    import sys
+    import types
+
+    def chunked(*args, **kwargs):
+        raise AssertionError("a sequence of at most RECURRENT_MAX tokens reached the chunked kernel")
+
+    fla = types.ModuleType("fla.ops.gated_delta_rule")
+    fla.chunk_gated_delta_rule = chunked
+    for name in ("fla", "fla.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fla)
+    import mstar_actors.models as models
+
+    name = "mstar_actors.models.deltanet_triton"
+    saved = sys.modules.pop(name, None)
+    try:
+        module = importlib.import_module(name)
+    finally:  # the module built on the stand-in is left nowhere a later import would find it
+        sys.modules.pop(name, None)
+        models.__dict__.pop("deltanet_triton", None)
+        if saved is not None:
+            sys.modules[name] = saved
+    return module.TritonDeltaNetOps()
+
+
+@pytest.mark.parametrize("form", ["eager", "static"])
+def test_short_chunks_take_the_recurrent_kernel_beside_decode_rows(triton_ops, form):
+    """A step of decode rows and chunks of up to RECURRENT_MAX tokens, fresh
+    and continuing, eager and in a graphed step's static form (no longer
+    sequence: no chunked call, padding entries and rows past the step): the
+    reference's outputs and states; padding rows zeros."""
+    from mstar_actors.models.attention import AttentionMetadata
+    from mstar_actors.models.deltanet_ops import RECURRENT_MAX, StatePool, TorchDeltaNetOps, static_step_plan
+
+    gen = torch.Generator().manual_seed(12)
+    query_lens, context_lens, slots = [1, 5, 1, RECURRENT_MAX, 2], [9, 5, 1, 80, 2], [3, 0, 7, 5, 1]
+    rows = sum(query_lens) + (3 if form == "static" else 0)
+    q, k, v, gates = layer_inputs(gen, rows, 2, 4, torch.float32)
+    meta = AttentionMetadata.from_lists(slot_mapping=[0] * sum(query_lens), block_tables=[[0]] * 5, num_blocks=[1] * 5,
+                                        query_lens=query_lens, context_lens=context_lens, device="cpu")
+    meta.state_slots, meta.state_slots_list = torch.tensor(slots), slots
+    ssm = torch.randn(NUM_SLOTS + 1, 4, DK, DV, generator=gen) * 0.3
+    ref = StatePool(torch.zeros(1), ssm.clone())
+    real = sum(query_lens)
+    want = TorchDeltaNetOps().delta_rule(q[:real], k[:real], v[:real], gates.rows(torch.arange(real)), ref, meta)
+    pool = StatePool(torch.zeros(1), ssm.clone())
+    if form == "static":
+        plan = static_step_plan(query_lens, context_lens, slots, num_tokens=rows, num_entries=7, num_chunk_seqs=0,
+                                scratch_slot=NUM_SLOTS)
+        meta.deltanet_static = plan.to_step("cpu")
+    got = triton_ops.delta_rule(q, k, v, gates, pool, meta)
+    assert got.shape == v.shape
+    torch.testing.assert_close(got[:real], want, rtol=0, atol=3e-5)
+    assert (got[real:] == 0).all()
+    torch.testing.assert_close(pool.ssm[:NUM_SLOTS], ref.ssm[:NUM_SLOTS], rtol=0, atol=3e-5)

@@ -196,32 +196,37 @@ def test_pure_decode_step_replays_from_a_cuda_graph(ops):
 
 def static_form(meta: AttentionMetadata, num_tokens: int, num_chunk_seqs: int) -> AttentionMetadata:
     """``meta`` in a graphed mixed step's static form for the delta rule, padded
-    past the step (tokens, single-token entries, longer sequences), as
+    past the step (tokens, recurrent entries, longer sequences), as
     ``step_graphs.MixedGraphs`` stages it."""
     plan = static_step_plan(meta.query_lens_list, meta.context_lens_list, meta.state_slots_list,
-                            num_tokens=num_tokens, num_decodes=len(meta.query_lens_list) + 3,
+                            num_tokens=num_tokens, num_entries=len(meta.query_lens_list) + 3,
                             num_chunk_seqs=num_chunk_seqs, scratch_slot=NUM_SLOTS)
     return dataclasses.replace(meta, derived={}, deltanet_static=plan.to_step("cuda"))
 
 
+SHORT = ([1, 37, 1, 64, 2, 1], [False, True, False, False, True, False])  # no chunked call
+
+
+@pytest.mark.parametrize("case, chunk_seqs", [(MIXED, 8), (SHORT, 0)], ids=["mixed", "short-only"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_static_delta_rule_matches_reference(ops, dtype):
-    """The delta rule of a static step (a graphed mixed step's): the
-    single-token rows by the decode kernel's row map, the longer sequences
-    gathered into the chunked kernel with empty ones after them, on the
-    scratch slot, and padding rows past the step; then captured and replayed.
+def test_static_delta_rule_matches_reference(ops, dtype, case, chunk_seqs):
+    """The delta rule of a static step (a graphed mixed step's): decode rows
+    and chunks of at most RECURRENT_MAX tokens by the decode kernel's row
+    map, the longer sequences gathered into the chunked kernel with empty
+    ones after them, on the scratch slot (none: no chunked call), and
+    padding rows past the step; then captured and replayed.
     Equal to the reference on the step's rows, zeros on padding rows, every
     slot but the scratch one as the reference leaves it."""
     gen = torch.Generator().manual_seed(99)
     num_k, num_v = 2, 4
     pool = random_pool(gen, 2 * num_k * DK + num_v * DV, num_v, dtype, "cuda")
     ref_pool = copy_pool(pool, torch.float32)
-    meta = random_step(gen, *MIXED, "cuda")
-    real = sum(MIXED[0])
+    meta = random_step(gen, *case, "cuda")
+    real = sum(case[0])
     bucket = real + 20
     inputs = random_inputs(gen, bucket, num_k, num_v, dtype, "cuda")
     q, k, v = inputs[2:5]
-    static = static_form(meta, bucket, num_chunk_seqs=8)
+    static = static_form(meta, bucket, num_chunk_seqs=chunk_seqs)
 
     def step():
         return ops.delta_rule(q, k, v, gates_of(inputs), pool, static)

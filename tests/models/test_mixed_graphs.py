@@ -19,7 +19,7 @@ import torch
 from lora.lora_factories import make_adapter
 from mstar_actors import messages
 from mstar_actors.config import ConfigError, parse_config
-from mstar_actors.models.deltanet_ops import CHUNK, static_sizes, static_step_plan
+from mstar_actors.models.deltanet_ops import RECURRENT_MAX, static_sizes, static_step_plan
 from mstar_actors.runner.step_graphs import MixedGraphs, _Staging, chunk_seq_buckets, token_buckets
 from mstar_actors.lora import BaseShapes, read_adapter
 from mstar_actors.runner.model_runner import ModelRunner
@@ -143,39 +143,47 @@ def test_token_buckets():
 
 
 def test_chunk_seq_buckets():
-    """Powers of four, then the most a bucket holds: the sequences, or half its tokens (two a sequence at least)."""
-    assert chunk_seq_buckets(2048, 256) == [1, 4, 16, 64, 256]
-    assert chunk_seq_buckets(512, 100) == [1, 4, 16, 64, 100]
-    assert chunk_seq_buckets(64, 256) == [1, 4, 16, 32]
-    assert chunk_seq_buckets(16, 8) == [1, 4, 8]
-    assert chunk_seq_buckets(2, 8) == [1] and chunk_seq_buckets(16, 1) == [1]
+    """0 (no chunked call), powers of four, then the most a bucket holds: the
+    sequences, or as many as its tokens make longer than RECURRENT_MAX each."""
+    assert RECURRENT_MAX == 64
+    assert chunk_seq_buckets(2048, 256) == [0, 1, 4, 16, 31]
+    assert chunk_seq_buckets(512, 100) == [0, 1, 4, 7]
+    assert chunk_seq_buckets(1024, 3) == [0, 1, 3]
+    assert chunk_seq_buckets(130, 8) == [0, 1, 2]
+    assert chunk_seq_buckets(64, 256) == [0] and chunk_seq_buckets(2048, 0) == [0]
 
 
-def test_static_step_plan_splits_single_token_rows_from_longer_sequences():
-    """Single-token sequences become decode entries on their rows, the longer
-    ones gathered rows with their own varlen layout; every field padded to
-    the bucket (padding decodes -1 on the scratch slot with a fresh context,
-    gathered padding rows past the step, empty sequences on the scratch slot)."""
+def test_static_step_plan_splits_short_sequences_from_longer_ones():
+    """Sequences of at most RECURRENT_MAX tokens become recurrent entries
+    (their first row, slot, context and token count), the longer ones
+    gathered rows with their own varlen layout; every field padded to
+    ``static_sizes`` of the bucket (padding entries -1 on the scratch slot
+    with a fresh context and no tokens, gathered padding rows past the step,
+    empty sequences on the scratch slot)."""
     query_lens, context_lens, slots = [1, 70, 1, 3, 0], [40, 70, 1, 9, 0], [5, 2, 7, 0, 9]
-    plan = static_step_plan(query_lens, context_lens, slots, num_tokens=80, num_decodes=4, num_chunk_seqs=4,
+    plan = static_step_plan(query_lens, context_lens, slots, num_tokens=80, num_entries=4, num_chunk_seqs=4,
                             scratch_slot=11)
     assert {name: len(values) for name, values in plan._asdict().items()} == static_sizes(80, 4, 4)
-    assert plan.decode_rows == [0, 71, -1, -1]
-    assert plan.decode_slots == [5, 7, 11, 11] and plan.decode_context == [40, 1, 1, 1]
-    assert plan.chunk_rows == [*range(1, 71), 72, 73, 74, *[80] * 7]
-    assert plan.cu_seqlens == [0, 70, 73, 73, 73, 73]
-    assert plan.chunk_slots == [2, 0, 11, 11, 11] and plan.chunk_continues == [0, 1, 0, 0, 0]
-    assert plan.chunk_indices == [0, 0, 0, 1, 1, 0, 4, 0, 4, 0]  # 80 // 64 + 4 chunks at most
-    assert -(-70 // CHUNK) == 2
-    with pytest.raises(ValueError, match="longer sequences"):
-        static_step_plan(query_lens, context_lens, slots, num_tokens=80, num_decodes=4, num_chunk_seqs=1,
-                         scratch_slot=11)
-    with pytest.raises(ValueError, match="single-token"):
-        static_step_plan(query_lens, context_lens, slots, num_tokens=80, num_decodes=1, num_chunk_seqs=4,
-                         scratch_slot=11)
+    assert plan.decode_rows == [0, 71, 72, -1] and plan.decode_counts == [1, 1, 3, 0]
+    assert plan.decode_slots == [5, 7, 0, 11] and plan.decode_context == [40, 1, 9, 1]
+    assert plan.chunk_rows == [*range(1, 71), *[80] * 10]
+    assert plan.cu_seqlens == [0, 70, 70, 70, 70, 70]
+    assert plan.chunk_slots == [2, 11, 11, 11, 11] and plan.chunk_continues == [0, 0, 0, 0, 0]
+    assert plan.chunk_indices == [0, 0, 0, 1, *[4, 0] * 3]
     step = plan.to_step("cpu")
-    assert step.decode_context.dtype == torch.int32 and step.chunk_continues.dtype == torch.bool
-    assert step.chunk_indices.shape == (5, 2) and step.decode_rows.tolist() == plan.decode_rows
+    assert step.decode_counts.dtype == step.decode_context.dtype == torch.int32
+    assert step.chunk_continues.dtype == torch.bool and step.chunk_indices.shape == (5, 2)
+    assert step.decode_rows.tolist() == plan.decode_rows and step.chunk_rows.dtype == torch.long
+    short = static_step_plan([1, 3, 64], [5, 3, 70], [1, 2, 3], num_tokens=128, num_entries=4, num_chunk_seqs=0,
+                             scratch_slot=11)
+    assert short.decode_rows == [0, 1, 4, -1] and short.decode_counts == [1, 3, 64, 0]
+    assert short.chunk_rows == short.cu_seqlens == short.chunk_slots == short.chunk_indices == []
+    with pytest.raises(ValueError, match="1 longer ones"):
+        static_step_plan(query_lens, context_lens, slots, num_tokens=80, num_entries=4, num_chunk_seqs=0,
+                         scratch_slot=11)
+    with pytest.raises(ValueError, match="3 sequences of at most 64 tokens"):
+        static_step_plan(query_lens, context_lens, slots, num_tokens=80, num_entries=2, num_chunk_seqs=4,
+                         scratch_slot=11)
 
 
 def test_static_mixed_steps_match_eager(hf_models):
