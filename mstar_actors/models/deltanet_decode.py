@@ -57,27 +57,33 @@ CONV_WARPS = 4
 
 
 @triton.jit
-def _delta_token(h, row64, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, o_ptr, head, hv, offs_k, offs_v, mask_k, mask_v,
-                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
-                 stride_ot, stride_oh, scale, neg_exp_a, dt_bias):
-    """One token (row ``row64``) through the state tile ``h``: writes its output, returns the new ``h``."""
-    q = tl.load(q_ptr + row64 * stride_qt + head * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + row64 * stride_kt + head * stride_kh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + row64 * stride_vt + hv * stride_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+def _token_inputs(row64, live, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, head, hv, offs_k, offs_v, mask_k, mask_v,
+                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt):
+    """Row ``row64``'s q, k, v and raw gates as stored (row 0's unless ``live``: a row every step has)."""
+    row64 = tl.where(live, row64, 0)
+    q = tl.load(q_ptr + row64 * stride_qt + head * stride_qh + offs_k, mask=mask_k, other=0.0)
+    k = tl.load(k_ptr + row64 * stride_kt + head * stride_kh + offs_k, mask=mask_k, other=0.0)
+    v = tl.load(v_ptr + row64 * stride_vt + hv * stride_vh + offs_v, mask=mask_v, other=0.0)
+    return q, k, v, tl.load(a_ptr + row64 * stride_at + hv), tl.load(b_ptr + row64 * stride_bt + hv)
+
+
+@triton.jit
+def _delta_token(h, q, k, v, a, b_raw, o_row_ptr, offs_v, mask_v, scale, neg_exp_a, dt_bias):
+    """One token (``_token_inputs``) through the state tile ``h``: writes its output row, returns the new ``h``."""
+    q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
     q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale  # deltanet_ops.l2norm's eps
     k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
     # Gates.decay: -exp(A_log) * softplus(a + dt_bias) (torch's softplus: linear past 20).
-    x = tl.load(a_ptr + row64 * stride_at + hv).to(tl.float32) + dt_bias
+    x = a.to(tl.float32) + dt_bias
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
     g = neg_exp_a * softplus
     # Gates.beta: sigmoid in float32, rounded to b's dtype as torch's op leaves it.
-    b_raw = tl.load(b_ptr + row64 * stride_bt + hv)
     beta = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32)
     h = h * tl.exp(g)
     delta = (v - tl.sum(h * k[:, None], axis=0)) * beta
     h = h + k[:, None] * delta[None, :]
     o = tl.sum(h * q[:, None], axis=0)
-    tl.store(o_ptr + row64 * stride_ot + hv * stride_oh + offs_v, o.to(o_ptr.dtype.element_ty), mask=mask_v)
+    tl.store(o_row_ptr + offs_v, o.to(o_row_ptr.dtype.element_ty), mask=mask_v)
     return h
 
 
@@ -110,6 +116,7 @@ def _delta_decode_kernel(
         mask_v = (offs_v < tl.where(live, DV, 0))
     else:
         row64 = entry.to(tl.int64)
+        live = row64 >= 0
         mask_v = offs_v < DV
     mask_k = offs_k < DK
     mask_h = mask_k[:, None] & mask_v[None, :]
@@ -118,15 +125,18 @@ def _delta_decode_kernel(
     h = tl.load(h_ptrs, mask=(offs_k < tl.where(continues, DK, 0))[:, None] & mask_v[None, :], other=0.0)
     neg_exp_a = -tl.exp(tl.load(a_log_ptr + hv).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
-    if MULTI:
+    o_ptrs = o_ptr + row64 * stride_ot + hv * stride_oh
+    args = (q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, head, hv, offs_k, offs_v, mask_k, mask_v, stride_qt, stride_qh,
+            stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt)
+    if MULTI:  # each token's inputs read while the one before it computes
+        q, k, v, a, b = _token_inputs(row64, live & (count > 0), *args)
         for j in range(0, count):
-            h = _delta_token(h, row64 + j, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, o_ptr, head, hv, offs_k, offs_v, mask_k,
-                             mask_v, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at,
-                             stride_bt, stride_ot, stride_oh, scale, neg_exp_a, dt_bias)
+            nq, nk, nv, na, nb = _token_inputs(row64 + j + 1, live & (j + 1 < count), *args)
+            h = _delta_token(h, q, k, v, a, b, o_ptrs + j * stride_ot, offs_v, mask_v, scale, neg_exp_a, dt_bias)
+            q, k, v, a, b = nq, nk, nv, na, nb
     else:
-        h = _delta_token(h, row64, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, o_ptr, head, hv, offs_k, offs_v, mask_k, mask_v,
-                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
-                         stride_ot, stride_oh, scale, neg_exp_a, dt_bias)
+        q, k, v, a, b = _token_inputs(row64, live, *args)
+        h = _delta_token(h, q, k, v, a, b, o_ptrs, offs_v, mask_v, scale, neg_exp_a, dt_bias)
     tl.store(h_ptrs, h, mask=mask_h)
 
 
