@@ -71,8 +71,8 @@ class AttentionMetadata:
     state_slots_list: list[int] | None = None
     # A hybrid model's step in static form (a graphed mixed step, with
     # ``varlen_work``; ``state_slots [S]`` is then padded with the pools'
-    # scratch slot): where the delta rule finds its single-token rows and
-    # its longer sequences (``deltanet_ops.StaticStep``).
+    # scratch slot): where the delta rule finds its short sequences (the
+    # recurrent kernel's) and its longer ones (``deltanet_ops.StaticStep``).
     deltanet_static: StaticStep | None = None
 
     @classmethod

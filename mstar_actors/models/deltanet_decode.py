@@ -177,8 +177,8 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates,
     ``rows [E]`` (int64): E entries, entry i on row ``rows[i]`` of q, k, v
     and the gates (-1: none, the entry does nothing), with ``slots`` and
     ``continues`` per entry; its output goes to that row of ``out`` (q's
-    rows at least), which is returned (a static step's single-token rows
-    among longer ones, ``deltanet_ops.StaticStep``).
+    rows at least), which is returned (a mixed step's decode rows among
+    longer ones, ``deltanet_ops.StaticStep``).
 
     ``counts [E]`` (int32, with ``rows``): entry i is a sequence of
     ``counts[i]`` tokens, rows ``rows[i]`` on, taken one after another by one

@@ -159,7 +159,7 @@ def static_sizes(num_tokens: int, num_entries: int, num_chunk_seqs: int) -> dict
     entries and ``num_chunk_seqs`` longer sequences (0: no chunked call)."""
     chunked = num_chunk_seqs > 0
     seqs = num_chunk_seqs + 1 if chunked else 0  # and one empty sequence, which padding chunks name
-    # Each longer sequence has more than RECURRENT_MAX >= CHUNK tokens: at most tokens // CHUNK + sequences chunks.
+    # A sequence of n tokens has at most n // CHUNK + 1 chunks: these, at most tokens // CHUNK + sequences.
     num_chunks = num_tokens // CHUNK + num_chunk_seqs if chunked else 0
     return dict(decode_rows=num_entries, decode_slots=num_entries, decode_context=num_entries,
                 decode_counts=num_entries, chunk_rows=num_tokens if chunked else 0, cu_seqlens=seqs + 1 if chunked else 0,
