@@ -152,7 +152,7 @@ def static_meta(case: dict, num_slots: int, recurrent_max: int) -> AttentionMeta
                                 num_chunk_seqs=longer, scratch_slot=num_slots)
     finally:
         deltanet_ops.RECURRENT_MAX = saved
-    return dataclasses.replace(meta, derived={}, deltanet_static=plan.to_step("cuda"))
+    return dataclasses.replace(meta, derived={}, deltanet_static=plan.to_step(case["q"].device))
 
 
 def short_table(args, triton_ops) -> None:
