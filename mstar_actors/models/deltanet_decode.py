@@ -111,6 +111,8 @@ def _delta_decode_kernel(
     if HAS_ROWS:  # entry i is row rows[i] of q, k, v, the gates and o; -1: padding, which reads and writes nothing
         row64 = tl.load(rows_ptr + entry).to(tl.int64)
         live = row64 >= 0
+        if MULTI:  # an entry of no tokens does nothing either, whatever its context says
+            live = live & (count > 0)
         continues = continues & live
         row64 = tl.maximum(row64, 0)
         mask_v = (offs_v < tl.where(live, DV, 0))

@@ -147,13 +147,14 @@ def test_counted_entries_take_their_tokens_in_order(dtype, atol):
     gen = torch.Generator().manual_seed(8)
     q, k, v, gates = layer_inputs(gen, 12, 2, 4, dtype)
     ssm = torch.randn(NUM_SLOTS + 1, 4, DK, DV, generator=gen) * 0.3
-    rows = torch.tensor([0, 3, -1, 5, 10])
-    counts = torch.tensor([3, 1, 0, 5, 2], dtype=torch.int32)
-    slots = torch.tensor([6, 2, NUM_SLOTS, 4, 1])
-    context = torch.tensor([3, 9, 1, 12, 2], dtype=torch.int32)  # fresh, continues, padding, continues, fresh
+    rows = torch.tensor([0, 3, -1, 5, 10, 4])
+    counts = torch.tensor([3, 1, 0, 5, 2, 0], dtype=torch.int32)
+    slots = torch.tensor([6, 2, NUM_SLOTS, 4, 1, 8])
+    # fresh, continues, padding, continues, fresh, and no tokens on a real row (nothing done, though "fresh")
+    context = torch.tensor([3, 9, 1, 12, 2, 0], dtype=torch.int32)
     want_ssm, want_o = ssm.clone(), {}
     for row, n, slot, ctx in zip(rows.tolist(), counts.tolist(), slots.tolist(), context.tolist()):
-        if row < 0:
+        if row < 0 or n == 0:
             continue
         state = want_ssm[slot : slot + 1] * float(ctx > n)
         for r in range(row, row + n):
@@ -169,7 +170,7 @@ def test_counted_entries_take_their_tokens_in_order(dtype, atol):
         torch.testing.assert_close(out[r].float(), o.float(), rtol=0, atol=atol)
     assert (out[[4, 12]] == 5.0).all()
     torch.testing.assert_close(got_ssm, want_ssm, rtol=0, atol=2e-5 if dtype == torch.float32 else 2e-2)
-    assert torch.equal(got_ssm[NUM_SLOTS], ssm[NUM_SLOTS])
+    assert torch.equal(got_ssm[[8, NUM_SLOTS]], ssm[[8, NUM_SLOTS]])
     flags = context > counts  # the same entries with flags instead of context lengths
     again = out.clone()
     decode_step(q, k, v, gates, ssm, slots, flags, rows, again, counts)
@@ -347,5 +348,6 @@ def test_short_chunks_take_the_recurrent_kernel_beside_decode_rows(triton_ops, f
     got = triton_ops.delta_rule(q, k, v, gates, pool, meta)
     assert got.shape == v.shape
     torch.testing.assert_close(got[:real], want, rtol=0, atol=3e-5)
-    assert (got[real:] == 0).all()
+    if form == "static":  # three padding rows past the step
+        assert got.shape[0] == real + 3 and (got[real:] == 0).all()
     torch.testing.assert_close(pool.ssm[:NUM_SLOTS], ref.ssm[:NUM_SLOTS], rtol=0, atol=3e-5)

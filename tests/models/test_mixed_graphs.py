@@ -186,6 +186,43 @@ def test_static_step_plan_splits_short_sequences_from_longer_ones():
                          scratch_slot=11)
 
 
+def test_a_hybrid_models_steps_pick_their_longer_sequence_bucket(tmp_path):
+    """A hybrid model's mixed-step graphs (laid out on CPU, not run): a step
+    of decode rows and chunks of at most RECURRENT_MAX tokens takes the
+    bucket without a chunked call, one with a longer chunk the smallest
+    that holds it; the delta rule's fields come out as ``static_sizes`` says,
+    context lengths and token counts int32 as the recurrent kernel reads them."""
+    import types
+
+    from .hybrid_factories import make_qwen3_5
+
+    make_qwen3_5(tmp_path)
+    runner = runner_factories.make_runner(tmp_path, dtype="float32", device="cpu", block_size=4, num_blocks=96,
+                                          seed=0, enforce_eager=True)
+    runner.enable_step_graphs(4, 256, capture=False)
+    graphs = runner.mixed_graphs
+    assert graphs.seq_buckets == {16: [0], 32: [0], 64: [0], 128: [0, 1], 256: [0, 1, 3]}
+
+    def batch(query_lens):
+        tokens = sum(query_lens)
+        return types.SimpleNamespace(
+            input_ids=[3] * tokens, positions=list(range(tokens)), slot_mapping=list(range(tokens)),
+            device_inputs=[], query_lens=query_lens, context_lens=[n + 2 for n in query_lens],
+            block_tables=[[1]] * len(query_lens), chunk_slots=[0] * len(query_lens),
+            state_slots=list(range(len(query_lens))), logits_indices=[tokens - 1], sample_slots=[0])
+
+    for query_lens, key in [([1, 1, RECURRENT_MAX], (128, 0)), ([1, RECURRENT_MAX + 1, 2], (128, 1)),
+                            ([70, 70, 1], (256, 3))]:
+        assert graphs._load(batch(query_lens)) == key, query_lens
+        graphs._stage.upload(graphs._tables_start)
+        step = graphs._static_step(*key)
+        assert {name: field.numel() for name, field in step._asdict().items()} == static_sizes(key[0], 4, key[1])
+        assert step.decode_context.dtype == step.decode_counts.dtype == torch.int32
+        assert step.chunk_continues.dtype == torch.bool and step.decode_rows.dtype == torch.long
+        short = [n for n in query_lens if n <= RECURRENT_MAX]
+        assert step.decode_counts.tolist() == short + [0] * (4 - len(short))
+
+
 def test_static_mixed_steps_match_eager(hf_models):
     folder, _ = hf_models("llama")
     paths = check_against_eager(functools.partial(make_runner, folder))
