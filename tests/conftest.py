@@ -16,6 +16,16 @@ except ImportError:  # pragma: no cover
 # kernel: ``triton.jit`` reads it when it decorates.
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        import kernel_launches
+
+        kernel_launches.install()  # for test_kernels_compile, run last
+    except ImportError:  # pragma: no cover - no Triton: its kernels' tests skip
+        pass
+
+# Run last: it compiles the kernel launches the other tests recorded.
+COMPILE_LAST = "test_kernels_compile.py"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -23,6 +33,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+    items.sort(key=lambda item: item.path.name == COMPILE_LAST)  # stable: the others keep their order
 
 
 # The live embedded-model server, shared by every test that needs it (one start per session).
