@@ -556,7 +556,7 @@ class LoraStack:
         self.write_dense(slot)
 
     def write_dense(self, slot: int) -> None:
-        """``slot``'s copies in the CPU kernels' dense forms (none with the row kernels), after a write."""
+        """``slot``'s copies in the torch kernels' dense forms (none with the row kernels), after a write."""
         if self.b_all is not None:
             self.b_all[slot * self.max_rank : (slot + 1) * self.max_rank].copy_(self.b[slot].T)
         if self.factors is not None:

@@ -130,13 +130,12 @@ def enable_served_lora(model: nn.Module, rules: CheckpointRules, lora: LoraConfi
                  "recently used on %s too (%.1f MiB each, %.1f MiB in all), a swap of those one device copy",
                  staging.max_images, staging.num_device_images, device, staging.image_bytes / 2**20,
                  staging.num_device_images * staging.image_bytes / 2**20)
-    else:
-        log.info("LoRA slot images: up to %d kept for swaps (lora.max_cpu_loras; %.1f MiB each, as used), a swap "
-                 "of those one copy", staging.max_images, staging.image_bytes / 2**20)
-    if device.type == "cuda":
         # Fused linears copied their weights into new buffers (``fuse_linear``): hand the
         # old ones back to the driver, or the KV cache sized next would count them as used.
         torch.cuda.empty_cache()
+    else:
+        log.info("LoRA slot images: up to %d kept for swaps (lora.max_cpu_loras; %.1f MiB each, as used), a swap "
+                 "of those one copy", staging.max_images, staging.image_bytes / 2**20)
     return layers
 
 
