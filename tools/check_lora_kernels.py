@@ -42,14 +42,14 @@ interpreter on the CPU, eagerly, to check the tool end to end.
     python tools/check_lora_kernels.py --rows-table --dry-run    # CPU, interpreter, seconds
 
 ``--fold-table`` times the folded expands that take tiles of rows
-(``triton_fused.fold_rows``): ``silu_mul`` over a fused gate|up and
-Qwen3.5's ``conv_step`` over a fused in_proj (Qwen3.5-0.8B's widths, rank
-16), each at 8-256 rows, one adapter and 4 mixed, with 1, 2, 4, 8 and 16
-rows a program (``MAX_FOLD_ROWS``), us per call inside a CUDA graph beside
-the op without its fold; every tiling is first checked equal, bit for bit,
-to one row a program (a row's result must not depend on its neighbours).
-With ``--dry-run`` (or no CUDA device) it runs a few rows in Triton's
-interpreter.
+(``triton_fused.FOLD_ROWS``, a ``tl.dot`` a slot of a tile): ``silu_mul``
+over a fused gate|up and Qwen3.5's ``conv_step`` over a fused in_proj
+(Qwen3.5-0.8B's widths, rank 16), each at 8-256 rows, one adapter and 4
+mixed, us per call inside a CUDA graph beside the op without its fold;
+every fold is first checked to give its rows past the first five the same
+result, bit for bit, without those five (a row's result must not depend on
+its neighbours in a tile). With ``--dry-run`` (or no CUDA device) it runs a
+few rows in Triton's interpreter.
 
     python tools/check_lora_kernels.py --fold-table              # GPU
     python tools/check_lora_kernels.py --fold-table --dry-run    # CPU, interpreter
@@ -223,7 +223,7 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true", help="CPU, torch reference path, a small subset of configs")
     p.add_argument("--decode", action="store_true", help="the decode-step table: GEMM vs rows kernels, eager and graphed")
     p.add_argument("--rows-table", action="store_true", help="bgmv / shrink-expand variants per linear, in graphs")
-    p.add_argument("--fold-table", action="store_true", help="the folded expands by rows a program, in graphs")
+    p.add_argument("--fold-table", action="store_true", help="the folded expands beside their ops alone, in graphs")
     p.add_argument("--rows", nargs="+", type=int, default=None,
                    help="--rows-table's row counts (default 8 16 32 64 128), --fold-table's (default 8 32 64 128 256)")
     p.add_argument("--variants", nargs="+", default=None,
@@ -596,11 +596,13 @@ def run_rows(configs_, check, format_, args, device, dtype, env: dict) -> int:
 FOLD_WIDTHS = {"gate_up": [3584, 3584], "in_proj": [2048, 2048, 2048, 2048, 16, 16]}
 TINY_FOLD_WIDTHS = {"gate_up": [96, 96], "in_proj": [64, 64, 64, 64, 4, 4]}  # the interpreter's
 FOLD_ROWS = (8, 32, 64, 128, 256)
-FOLD_PER_PROGRAM = (1, 2, 4, 8, 16)
+FOLD_SHIFT = 5  # rows dropped for the neighbours check
 
 
-def fold_ops(widths: dict, num_rows: int, mix: str, dtype, device: str, gen) -> dict:
-    """name -> (the op with its fold, the op alone, the tensors it writes), on fresh inputs (the folds write in place)."""
+def fold_ops(widths: dict, num_rows: int, mix: str, dtype, device: str, gen, skip: int = 0) -> dict:
+    """name -> (the op with its fold, the op alone, the tensors it writes with
+    the offset of their first row's entry), on fresh inputs (the folds write
+    in place); with ``skip``, the fold's call leaves the first ``skip`` rows out."""
     from mstar_actors.lora import triton_ops
     from mstar_actors.models import deltanet_decode, triton_fused
     from mstar_actors.models.lora_layers import PendingExpand
@@ -613,10 +615,10 @@ def fold_ops(widths: dict, num_rows: int, mix: str, dtype, device: str, gen) -> 
         stack.scales[:, 1:] = 0.5
         width = sum(sizes)
         out = torch.randn(num_rows, width + len(sizes) * 5 * 16, generator=gen).to(dtype).to(device)
-        expand, y = PendingExpand(stack, out[:, width:], slots), out[:, :width]
+        expand, y = PendingExpand(stack, out[skip:, width:], slots[skip:]), out[:, :width]
         if name == "gate_up":
-            ops[name] = (lambda y=y, e=expand: [triton_fused.silu_mul(y, expand=e)],
-                         lambda y=y: triton_fused.silu_mul(y), [])
+            ops[name] = (lambda y=y, e=expand: [triton_fused.silu_mul(y[skip:], expand=e)],
+                         lambda y=y: triton_fused.silu_mul(y), [(y, 0)])
             continue
         channels = sum(sizes[:3])
         weight = (torch.randn(channels, 4, generator=gen) / 2).to(dtype).to(device)
@@ -624,54 +626,50 @@ def fold_ops(widths: dict, num_rows: int, mix: str, dtype, device: str, gen) -> 
         state, context = torch.arange(1, num_rows + 1, device=device), torch.full((num_rows,), 40, dtype=torch.int32,
                                                                                   device=device)
         ops[name] = (lambda y=y, e=expand, w=weight, p=pool, s=state, c=context:
-                     [deltanet_decode.conv_step(y, w, p, s, c, e)],
+                     [deltanet_decode.conv_step(y[skip:], w, p, s[skip:], c[skip:], e)],
                      lambda y=y, w=weight, p=pool, s=state, c=context: deltanet_decode.conv_step(y, w, p, s, c),
-                     [y, pool])
+                     [(y, 0), (pool, 1)])  # row i's state is slot i + 1
     return ops
 
 
 def fold_table_main(args) -> int:
-    """The ``--fold-table`` run; exit status 1 if a tiling's result differs from one row a program's."""
+    """The ``--fold-table`` run; exit status 1 if a row's result depends on its neighbours."""
     device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from mstar_actors.models import triton_fused
-
     rows = args.rows or ([16, 37] if device == "cpu" else list(FOLD_ROWS))
-    per_program = (1, 2, 4) if device == "cpu" else FOLD_PER_PROGRAM
     widths = TINY_FOLD_WIDTHS if device == "cpu" else FOLD_WIDTHS
     mixes = ["one", "mixed4"] if args.mixes == list(MIXES) else args.mixes
     calls = args.calls or 20
     dtype = getattr(torch, args.dtype)
+    if device == "cpu" and dtype == torch.bfloat16:
+        dtype = torch.float16  # the interpreter's tl.dot takes no bfloat16
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"}
-    print(f"# folded expands  {env}  dtype={args.dtype}  rank=16  calls per graph={calls}")
-    print(f"{'op':<8} {'rows':>4} {'mix':<6} {'alone':>6} " + " ".join(f"{f'x{n}':>6}" for n in per_program))
-    table, failed, keep = [], 0, triton_fused.MAX_FOLD_ROWS
-    try:
-        for num_rows in rows:
-            for mix in mixes:
-                for name in ("gate_up", "in_proj"):
-                    def fresh(seed=zlib.crc32(f"fold/{name}/{num_rows}/{mix}".encode())):
-                        return fold_ops(widths, num_rows, mix, dtype, device, torch.Generator().manual_seed(seed))[name]
+    print(f"# folded expands  {env}  dtype={dtype}  rank=16  calls per graph={calls}")
+    print(f"{'op':<8} {'rows':>4} {'mix':<6} {'alone':>6} {'folded':>6} {'+us':>6}")
+    table, failed = [], 0
+    for num_rows in rows:
+        for mix in mixes:
+            for name in ("gate_up", "in_proj"):
+                def fresh(skip=0, seed=zlib.crc32(f"fold/{name}/{num_rows}/{mix}".encode())):
+                    return fold_ops(widths, num_rows, mix, dtype, device, torch.Generator().manual_seed(seed), skip)[name]
+                fold, _, written = fresh()
+                whole = [t[FOLD_SHIFT:].clone() for t in fold()] + [t[at + FOLD_SHIFT:].clone() for t, at in written]
+                fold, _, written = fresh(FOLD_SHIFT)
+                tail = [t.clone() for t in fold()] + [t[at + FOLD_SHIFT:].clone() for t, at in written]
+                if not all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(tail, whole)):
+                    failed += 1
+                    print(f"# {name} rows={num_rows} {mix}: a row's result depends on its neighbours", file=sys.stderr)
+                if device == "cuda":
                     timing = dict(warmup=args.warmup, iters=args.iters, calls=calls)
-                    time_of = (lambda fn: graph_us(fn, **timing)) if device == "cuda" else (lambda fn: None)
-                    values, want = {"alone": time_of(fresh()[1])}, None
-                    for per in per_program:
-                        triton_fused.MAX_FOLD_ROWS = per
-                        fold, _, written = fresh()
-                        got = [t.clone() for t in fold() + written]
-                        if want is None:
-                            want = got
-                        elif not all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(got, want)):
-                            failed += 1
-                            print(f"# {name} rows={num_rows} {mix} x{per}: differs from one row a program", file=sys.stderr)
-                        values[f"x{per}"] = time_of(fresh()[0])
-                    table.append({"op": name, "rows": num_rows, "mix": mix, "us": values})
-                    cells = " ".join(f"{'-' if v is None else format(v, '.2f'):>6}" for v in values.values())
-                    print(f"{name:<8} {num_rows:>4} {mix:<6} {cells}", flush=True)
-    finally:
-        triton_fused.MAX_FOLD_ROWS = keep
-    print(f"# x N: N rows a program at most (fold_rows picks fewer below 8 N rows); {failed} tilings differed")
+                    alone, folded = graph_us(fresh()[1], **timing), graph_us(fresh()[0], **timing)
+                    cells = f"{alone:>6.2f} {folded:>6.2f} {folded - alone:>6.2f}"
+                else:
+                    alone = folded = None
+                    cells = f"{'-':>6} {'-':>6} {'-':>6}"
+                table.append({"op": name, "rows": num_rows, "mix": mix, "alone_us": alone, "folded_us": folded})
+                print(f"{name:<8} {num_rows:>4} {mix:<6} {cells}", flush=True)
+    print(f"# {failed} folds gave a row another result beside other neighbours")
     if args.output is not None:
         args.output.write_text(json.dumps({"env": env, "rows": table}, indent=1))
     return 1 if failed else 0

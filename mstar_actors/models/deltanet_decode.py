@@ -41,7 +41,7 @@ import triton.language as tl
 from mstar_actors import triton_launch
 
 from .deltanet_ops import Gates
-from .triton_fused import _b_tiles, _tile_shrunk, _tile_slots, fold_args, fold_block_r, fold_rows
+from .triton_fused import FOLD_ROWS, _b_tile, _fold_dot, _next_slot, fold_args, fold_block_r
 
 # Value columns a program and its warps: narrow tiles while the grid is small
 # (few rows), wider ones past ``WIDE_FROM`` rows x value heads, where fewer,
@@ -52,7 +52,7 @@ from .triton_fused import _b_tiles, _tile_shrunk, _tile_slots, fold_args, fold_b
 NARROW = (16, 1)
 WIDE = (32, 2)
 WIDE_FROM = 256
-BLOCK_C = 256  # channels per convolution program (one row each but for a fold's tiles: ``fold_rows``)
+BLOCK_C = 256  # channels per convolution program (one row each but for a fold's tiles: ``FOLD_ROWS``)
 CONV_WARPS = 4
 
 
@@ -237,9 +237,9 @@ def _conv_step_kernel(
     stride_x, stride_o, stride_wc, stride_wk, stride_ps, stride_pc,
     t_ptr, stride_t, b_ptr, stride_bs, stride_bn, sc_ptr, stride_ss, stride_sl, lslot_ptr, offs_ptr, num_slots, R,
     K: tl.constexpr, TAPS: tl.constexpr, BLOCK_C: tl.constexpr, FOLD: tl.constexpr, NUM_SHARDS: tl.constexpr,
-    BLOCK_R: tl.constexpr, ROWS: tl.constexpr, GDC: tl.constexpr,
+    BLOCK_R: tl.constexpr, ROWS: tl.constexpr, F32: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
-    """A tile of ``ROWS`` rows (``triton_fused.fold_rows``) by ``BLOCK_C`` columns a program."""
+    """A tile of ``ROWS`` rows (``triton_fused.FOLD_ROWS`` with a fold, else one) by ``BLOCK_C`` columns a program."""
     first_row = tl.program_id(0) * ROWS
     rows = (first_row + tl.arange(0, ROWS)).to(tl.int64)
     ok = rows < M
@@ -251,34 +251,39 @@ def _conv_step_kernel(
     taps = tl.arange(0, TAPS)
     w = tl.load(w_ptr + chan[:, None] * stride_wc + taps[None, :] * stride_wk,
                 mask=is_conv[:, None] & (taps < K)[None, :], other=0.0).to(tl.float32)
-    if FOLD:  # in_proj's expand over the whole row: B's columns for the rows' slots (before the wait)
-        lslot, live, offs_r, mask_r = _tile_slots(lslot_ptr, rows, ok, R, BLOCK_R)
-        b = _b_tiles(b_ptr, stride_bs, stride_bn, lslot, tl.load(lslot_ptr + first_row).to(tl.int64), 0, chan, in_row,
-                     offs_r, mask_r, R)
+    if FOLD:  # in_proj's expand over the whole row: B's columns for the largest of the rows' slots (before the wait)
+        lslot = tl.load(lslot_ptr + rows, mask=ok, other=0).to(tl.int64)
+        offs_r = tl.arange(0, BLOCK_R)
+        slot, done = _next_slot(lslot, lslot == 0)
+        b = _b_tile(b_ptr, stride_bs, stride_bn, slot, 0, chan, in_row, offs_r, offs_r < R)
         # The shards this block's columns fall in (one, but for narrow ones: b and a).
         first, last = tl.program_id(1) * BLOCK_C, tl.minimum(tl.program_id(1) * BLOCK_C + BLOCK_C, N) - 1
         lo, hi = 0, 0
-        for s in tl.static_range(1, NUM_SHARDS):
-            start = tl.load(offs_ptr + s)
+        for i in tl.static_range(1, NUM_SHARDS):
+            start = tl.load(offs_ptr + i)
             lo += (first >= start).to(tl.int32)
             hi += (last >= start).to(tl.int32)
     cont = tl.load(ctx_ptr + rows, mask=ok, other=0) > 1
-    slot = tl.load(slots_ptr + rows, mask=ok, other=0).to(tl.int64)
+    slot_of_state = tl.load(slots_ptr + rows, mask=ok, other=0).to(tl.int64)
     if GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + rows[:, None] * stride_x + chan[None, :], mask=tile, other=0.0)
-    if FOLD:  # as triton_fused._plus_expand adds it (expand_rows' rounding), each shard's shrink on its columns
+    if FOLD:  # each shard's expand on its columns, one dot a slot of the tile's rows (triton_fused._fold_dot)
         delta = tl.zeros([ROWS, BLOCK_C], tl.float32)
-        for s in range(lo, hi + 1):
-            t = _tile_shrunk(t_ptr, rows, stride_t, s, num_slots, lslot, R, offs_r, mask_r,
-                             tl.load(sc_ptr + s * stride_ss + lslot * stride_sl))
-            ours = (chan >= tl.load(offs_ptr + s)) & (chan < tl.load(offs_ptr + s + 1))
-            delta = tl.where(ours[None, :], tl.sum(b.to(tl.float32) * t[:, None, :], axis=2), delta)
-        x = tl.where(live[:, None], (x.to(tl.float32) + delta).to(x.dtype), x)
+        while slot != 0:
+            for s in range(lo, hi + 1):
+                d = _fold_dot(t_ptr, stride_t, rows, lslot, slot, s, num_slots, offs_r, R, b,
+                              tl.load(sc_ptr + s * stride_ss + slot * stride_sl), F32)
+                ours = (chan >= tl.load(offs_ptr + s)) & (chan < tl.load(offs_ptr + s + 1))
+                delta = tl.where(ours[None, :], delta + d, delta)
+            slot, done = _next_slot(lslot, done)
+            if slot != 0:
+                b = _b_tile(b_ptr, stride_bs, stride_bn, slot, 0, chan, in_row, offs_r, offs_r < R)
+        x = tl.where((lslot != 0)[:, None], (x.to(tl.float32) + delta).to(x.dtype), x)
         tl.store(x_ptr + rows[:, None] * stride_x + chan[None, :], x, mask=tile & ~is_conv[None, :])  # z | b | a
     # The window: the slot's K - 1 saved inputs (zeros for a fresh sequence), then this token's.
-    saved = prev_ptr + slot[:, None, None] * stride_ps + chan[None, :, None] * stride_pc + taps[None, None, :]
+    saved = prev_ptr + slot_of_state[:, None, None] * stride_ps + chan[None, :, None] * stride_pc + taps[None, None, :]
     conv = (conv_tile & cont[:, None])[:, :, None]  # nothing saved is read for a fresh sequence
     window = tl.load(saved, mask=conv & (taps < K - 1)[None, None, :], other=0.0).to(tl.float32)
     window = tl.where((taps == K - 1)[None, None, :], x.to(tl.float32)[:, :, None], window)
@@ -330,14 +335,15 @@ def conv_step(proj: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slot
     if rows == 0:
         return out
     offsets = proj if expand is None else expand.stack.offsets_on(proj.device)
-    # A folded expand holds B's [BLOCK_C, rank] tile a program: narrower blocks past rank 16.
-    per = fold_rows(rows, expand)
-    block_c = BLOCK_C if expand is None else min(BLOCK_C, max(32, 4096 // fold_block_r(expand) // per))
+    # A folded expand: tiles of FOLD_ROWS rows, B's [BLOCK_C, rank] tile a program.
+    per = 1 if expand is None else FOLD_ROWS
+    block_c = BLOCK_C if expand is None else 64
     _conv_step_kernel[(triton.cdiv(rows, per), triton.cdiv(width, block_c))](
         proj, weight, out, conv, context_lens, slots, rows, channels, width,
         proj.stride(0), out.stride(0), weight.stride(0), weight.stride(1), conv.stride(0), conv.stride(1),
         *fold[:9], offsets, *fold[9:11],
         K=kernel, TAPS=triton.next_power_of_2(kernel), BLOCK_C=block_c, FOLD=expand is not None,
-        NUM_SHARDS=num_shards, BLOCK_R=fold_block_r(expand), ROWS=per, num_warps=CONV_WARPS, **triton_launch.options(proj),
+        NUM_SHARDS=num_shards, BLOCK_R=fold_block_r(expand), ROWS=per, F32=proj.dtype == torch.float32,
+        num_warps=CONV_WARPS, **triton_launch.options(proj),
     )  # fmt: skip
     return out

@@ -180,38 +180,27 @@ def _b_tile(b_ptr, stride_bs, stride_bn, slot, first, cols, mask, offs_r, mask_r
 
 
 @triton.jit
-def _tile_slots(lslot_ptr, rows, ok, R, BLOCK_R: tl.constexpr):
-    """``_row_slot`` of a tile of rows (``[ROWS]`` each, the rank's mask ``[ROWS, BLOCK_R]``)."""
-    lslot = tl.load(lslot_ptr + rows, mask=ok, other=0).to(tl.int64)
-    live = lslot != 0
-    offs_r = tl.arange(0, BLOCK_R)
-    return lslot, live, offs_r, offs_r[None, :] < tl.where(live, R, 0)[:, None]
+def _fold_dot(t_ptr, stride_t, rows, lslot, slot, shard, num_slots, offs_r, R, b, scale, F32: tl.constexpr):
+    """The expand of the tile's rows on adapter ``slot`` for one shard, ``[ROWS, BLOCK]`` float32 (zero on
+    the other rows): their shrink ``[ROWS, BLOCK_R]`` (the fused GEMM's A columns) times ``b``
+    (``_b_tile``) transposed, in one ``tl.dot``: the tensor cores in half precision, exact float32
+    products in float32; then ``scale``. On the H200 at Qwen3.5-0.8B's gate|up, 64 / 256 rows of one
+    adapter, silu_mul's fold took 2.1 / 3.3 us against 4.1 / 12.3 as a sum of broadcast products."""
+    mine = (lslot == slot) & (lslot != 0)
+    t = tl.load(t_ptr + rows[:, None] * stride_t + (shard * num_slots + slot) * R + offs_r[None, :],
+                mask=mine[:, None] & (offs_r < R)[None, :], other=0.0)
+    if F32:
+        d = tl.dot(t.to(tl.float32), tl.trans(b).to(tl.float32), input_precision="ieee")
+    else:
+        d = tl.dot(t, tl.trans(b))
+    return d * scale
 
 
 @triton.jit
-def _b_tiles(b_ptr, stride_bs, stride_bn, lslot, slot0, first, cols, mask, offs_r, mask_r, R):
-    """``_b_tile`` of each row of a tile, ``[ROWS, BLOCK, BLOCK_R]``: read
-    once for the rows on ``slot0`` (the tile's first row's), once a row for
-    the others (``fold_rows`` says what that saves); a row's arithmetic is
-    the same either way."""
-    b0 = _b_tile(b_ptr, stride_bs, stride_bn, slot0, first, cols, mask, offs_r, offs_r < tl.where(slot0 != 0, R, 0))
-    same = lslot == slot0
-    own = tl.load(b_ptr + lslot[:, None, None] * stride_bs + (first + cols)[None, :, None].to(tl.int64) * stride_bn
-                  + offs_r[None, None, :], mask=mask[None, :, None] & (mask_r & ~same[:, None])[:, None, :], other=0.0)
-    return tl.where(same[:, None, None], b0[None, :, :], own)
-
-
-@triton.jit
-def _tile_shrunk(t_ptr, rows, stride_t, shard, num_slots, lslot, R, offs_r, mask_r, scale):
-    """``_shrunk`` of each row of a tile, ``[ROWS, BLOCK_R]`` (``scale [ROWS]``)."""
-    at = t_ptr + rows[:, None] * stride_t + (shard * num_slots + lslot[:, None]) * R + offs_r[None, :]
-    return tl.load(at, mask=mask_r, other=0.0).to(tl.float32) * scale[:, None]
-
-
-@triton.jit
-def _tile_plus_expand(x, b, t, live):
-    """``_plus_expand`` of each row of a tile: ``x [ROWS, BLOCK]``, ``b [ROWS, BLOCK, BLOCK_R]``, ``t [ROWS, BLOCK_R]``."""
-    return tl.where(live[:, None], (x.to(tl.float32) + tl.sum(b.to(tl.float32) * t[:, None, :], axis=2)).to(x.dtype), x)
+def _next_slot(lslot, done):
+    """The largest adapter slot among a tile's rows not in ``done`` (0: none left) and ``done`` with it."""
+    slot = tl.max(tl.where(done, 0, lslot), axis=0)
+    return slot, done | (lslot == slot)
 
 
 @triton.jit
@@ -447,25 +436,22 @@ def _delta_heads(delta: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 def _silu_mul_kernel(x_ptr, stride_x, d_ptr, out_ptr, stride_out, M, n,
                      t_ptr, stride_t, b_ptr, stride_bs, stride_bn, sc_ptr, stride_ss, stride_sl, lslot_ptr,
                      num_slots, R, up_col,
-                     HAS_DELTA: tl.constexpr, FOLD: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
-                     BLOCK: tl.constexpr, GDC: tl.constexpr):
+                     HAS_DELTA: tl.constexpr, FOLD: tl.constexpr, F32: tl.constexpr, BLOCK_R: tl.constexpr,
+                     ROWS: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
     """A tile of ``ROWS`` rows by ``BLOCK`` columns a program."""
-    first = tl.program_id(0) * ROWS
-    rows = (first + tl.arange(0, ROWS)).to(tl.int64)
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     ok = rows < M
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
     tile = ok[:, None] & mask[None, :]
     if FOLD:
-        # The expand of a fused gate|up (``silu_mul``'s ``expand``): the
-        # rows' LoRA slots, their scales and B's columns, before the wait, as
-        # ``_rope_write_kv_kernel``'s.
-        lslot, live, offs_r, mask_r = _tile_slots(lslot_ptr, rows, ok, R, BLOCK_R)
-        slot0 = tl.load(lslot_ptr + first).to(tl.int64)
-        gate_scale = tl.load(sc_ptr + lslot * stride_sl)
-        up_scale = tl.load(sc_ptr + stride_ss + lslot * stride_sl)
-        b_gate = _b_tiles(b_ptr, stride_bs, stride_bn, lslot, slot0, 0, cols, mask, offs_r, mask_r, R)
-        b_up = _b_tiles(b_ptr, stride_bs, stride_bn, lslot, slot0, up_col, cols, mask, offs_r, mask_r, R)
+        # The expand of a fused gate|up (``silu_mul``'s ``expand``): the rows'
+        # LoRA slots and B's columns of the largest, before the wait.
+        lslot = tl.load(lslot_ptr + rows, mask=ok, other=0).to(tl.int64)
+        offs_r = tl.arange(0, BLOCK_R)
+        slot, done = _next_slot(lslot, lslot == 0)
+        b_gate = _b_tile(b_ptr, stride_bs, stride_bn, slot, 0, cols, mask, offs_r, offs_r < R)
+        b_up = _b_tile(b_ptr, stride_bs, stride_bn, slot, up_col, cols, mask, offs_r, offs_r < R)
     if GDC:  # everything below reads the step's own writes (``triton_launch``)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -477,11 +463,23 @@ def _silu_mul_kernel(x_ptr, stride_x, d_ptr, out_ptr, stride_out, M, n,
         d_at = rows[:, None] * 2 * n + cols[None, :]
         gate = (gate.to(tl.float32) + tl.load(d_ptr + d_at, mask=tile, other=0.0).to(tl.float32)).to(dtype)
         up = (up.to(tl.float32) + tl.load(d_ptr + d_at + n, mask=tile, other=0.0).to(tl.float32)).to(dtype)
-    if FOLD:
-        gate = _tile_plus_expand(gate, b_gate, _tile_shrunk(t_ptr, rows, stride_t, 0, num_slots, lslot, R, offs_r,
-                                                            mask_r, gate_scale), live)
-        up = _tile_plus_expand(up, b_up, _tile_shrunk(t_ptr, rows, stride_t, 1, num_slots, lslot, R, offs_r, mask_r,
-                                                      up_scale), live)
+    if FOLD:  # one dot a slot of the tile's rows, each row's from its own slot only
+        gate_d = _fold_dot(t_ptr, stride_t, rows, lslot, slot, 0, num_slots, offs_r, R, b_gate,
+                           tl.load(sc_ptr + slot * stride_sl), F32)
+        up_d = _fold_dot(t_ptr, stride_t, rows, lslot, slot, 1, num_slots, offs_r, R, b_up,
+                         tl.load(sc_ptr + stride_ss + slot * stride_sl), F32)
+        slot, done = _next_slot(lslot, done)
+        while slot != 0:
+            b = _b_tile(b_ptr, stride_bs, stride_bn, slot, 0, cols, mask, offs_r, offs_r < R)
+            gate_d += _fold_dot(t_ptr, stride_t, rows, lslot, slot, 0, num_slots, offs_r, R, b,
+                                tl.load(sc_ptr + slot * stride_sl), F32)
+            b = _b_tile(b_ptr, stride_bs, stride_bn, slot, up_col, cols, mask, offs_r, offs_r < R)
+            up_d += _fold_dot(t_ptr, stride_t, rows, lslot, slot, 1, num_slots, offs_r, R, b,
+                              tl.load(sc_ptr + stride_ss + slot * stride_sl), F32)
+            slot, done = _next_slot(lslot, done)
+        live = (lslot != 0)[:, None]
+        gate = tl.where(live, (gate.to(tl.float32) + gate_d).to(dtype), gate)
+        up = tl.where(live, (up.to(tl.float32) + up_d).to(dtype), up)
     gate = gate.to(tl.float32)
     up = up.to(tl.float32)
     # torch's rounding: silu in float32, cast, then the product in float32, cast.
@@ -507,13 +505,13 @@ def silu_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None, expand=No
         return None
     out = torch.empty((rows.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
     if rows.shape[0]:
-        # A folded expand holds two [BLOCK, rank] tiles of B a program: narrower blocks, the more so past rank 16.
-        per = fold_rows(rows.shape[0], expand)
-        block = min(4096 // fold_block_r(expand) // per if expand is not None else 1024, triton.next_power_of_2(n))
+        # A folded expand: tiles of FOLD_ROWS rows, two [BLOCK, rank] tiles of B a program.
+        per = 1 if expand is None else FOLD_ROWS
+        block = min(1024, triton.next_power_of_2(n)) if expand is None else max(16, min(64, triton.next_power_of_2(n)))
         _silu_mul_kernel[(triton.cdiv(rows.shape[0], per), triton.cdiv(n, block))](
             rows, rows.stride(0), rows if delta is None else delta, out, out.stride(0), rows.shape[0], n, *fold[:-1],
-            HAS_DELTA=delta is not None, FOLD=expand is not None, BLOCK_R=fold_block_r(expand), ROWS=per,
-            BLOCK=block, num_warps=4, **triton_launch.options(rows))
+            HAS_DELTA=delta is not None, FOLD=expand is not None, F32=rows.dtype == torch.float32,
+            BLOCK_R=fold_block_r(expand), ROWS=per, BLOCK=block, num_warps=4, **triton_launch.options(rows))
     return out.view(*gate_up.shape[:-1], n)
 
 
@@ -591,24 +589,9 @@ def fold_block_r(expand) -> int:
     return 16 if expand is None else max(16, triton.next_power_of_2(expand.stack.max_rank))
 
 
-# Rows a program of a folded expand takes at most (``fold_rows``): past 4 the
-# convolution's fold slowed on the H200 (``tools/check_lora_kernels.py --fold-table`` re-measures it).
-MAX_FOLD_ROWS = 4
-
-
-def fold_rows(num_rows: int, expand) -> int:
-    """Rows a program of ``silu_mul``'s or ``conv_step``'s fold takes (a
-    power of two, at most ``MAX_FOLD_ROWS``): the program reads B's tile
-    once for its rows of one adapter. On the H200 at Qwen3.5-0.8B's widths, 4 rows a program took the
-    gate|up fold from 4.3 to 3.9 us at 64 rows and from 14.5 to 12.2 at 256,
-    the convolution's from 52.6 to 50.3 at 256. One a program up to 15 rows,
-    where programs are few, and without a fold."""
-    if expand is None or num_rows < 16:
-        return 1
-    # B's tiles stay within the 4096 values a program holds at one row a program
-    # (at least 32 columns of the rank a row): fewer rows past rank 32.
-    most = min(MAX_FOLD_ROWS, num_rows // 8, max(1, 4096 // (32 * fold_block_r(expand))))
-    return 1 << (most.bit_length() - 1)
+# Rows a program of a folded expand (``silu_mul``'s, ``deltanet_decode.conv_step``'s): tl.dot's
+# least, whose products of the rank run on the tensor cores.
+FOLD_ROWS = 16
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor | None:
