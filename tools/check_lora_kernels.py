@@ -46,9 +46,9 @@ interpreter on the CPU, eagerly, to check the tool end to end.
 over a fused gate|up and Qwen3.5's ``conv_step`` over a fused in_proj
 (Qwen3.5-0.8B's widths, rank 16), each at 8-256 rows, one adapter and 4
 mixed, us per call inside a CUDA graph beside the op without its fold;
-every fold is first checked to give its rows past the first five the same
-result, bit for bit, without those five (a row's result must not depend on
-its neighbours in a tile). With ``--dry-run`` (or no CUDA device) it runs a
+every fold is first checked to give its rows the same result, bit for bit,
+in reverse order (a row's result must not depend on its neighbours in a
+tile). With ``--dry-run`` (or no CUDA device) it runs a
 few rows in Triton's interpreter.
 
     python tools/check_lora_kernels.py --fold-table              # GPU
@@ -596,39 +596,39 @@ def run_rows(configs_, check, format_, args, device, dtype, env: dict) -> int:
 FOLD_WIDTHS = {"gate_up": [3584, 3584], "in_proj": [2048, 2048, 2048, 2048, 16, 16]}
 TINY_FOLD_WIDTHS = {"gate_up": [96, 96], "in_proj": [64, 64, 64, 64, 4, 4]}  # the interpreter's
 FOLD_ROWS = (8, 32, 64, 128, 256)
-FOLD_SHIFT = 5  # rows dropped for the neighbours check
 
 
-def fold_ops(widths: dict, num_rows: int, mix: str, dtype, device: str, gen, skip: int = 0) -> dict:
-    """name -> (the op with its fold, the op alone, the tensors it writes with
-    the offset of their first row's entry), on fresh inputs (the folds write
-    in place); with ``skip``, the fold's call leaves the first ``skip`` rows out."""
+def fold_ops(widths: dict, num_rows: int, mix: str, dtype, device: str, gen, flip: bool = False) -> dict:
+    """name -> (the op with its fold, the op alone, what the fold wrote: its
+    result and the tensors it writes in place, given the result), on fresh
+    inputs; with ``flip``, the fold's rows in reverse order (what it wrote
+    flipped back)."""
     from mstar_actors.lora import triton_ops
     from mstar_actors.models import deltanet_decode, triton_fused
     from mstar_actors.models.lora_layers import PendingExpand
 
     slots = torch.tensor(decode_slots(mix, num_rows, None), dtype=torch.int32, device=device)
+    order = torch.arange(num_rows - 1, -1, -1, device=device) if flip else torch.arange(num_rows, device=device)
     ops = {}
     for name, sizes in widths.items():
         stack = LoraStack(64, sizes, num_slots=5, max_rank=16, dtype=dtype, device=device, kernels=triton_ops)
         stack.b[1:] = (torch.randn(stack.b[1:].shape, generator=gen) * 0.1).to(dtype).to(device)
         stack.scales[:, 1:] = 0.5
         width = sum(sizes)
-        out = torch.randn(num_rows, width + len(sizes) * 5 * 16, generator=gen).to(dtype).to(device)
-        expand, y = PendingExpand(stack, out[skip:, width:], slots[skip:]), out[:, :width]
+        out = torch.randn(num_rows, width + len(sizes) * 5 * 16, generator=gen).to(dtype).to(device)[order]
+        expand, y = PendingExpand(stack, out[:, width:], slots[order]), out[:, :width]
         if name == "gate_up":
-            ops[name] = (lambda y=y, e=expand: [triton_fused.silu_mul(y[skip:], expand=e)],
-                         lambda y=y: triton_fused.silu_mul(y), [(y, 0)])
+            ops[name] = (lambda y=y, e=expand: triton_fused.silu_mul(y, expand=e), lambda y=y: triton_fused.silu_mul(y),
+                         lambda got: [got[order]])
             continue
         channels = sum(sizes[:3])
         weight = (torch.randn(channels, 4, generator=gen) / 2).to(dtype).to(device)
         pool = torch.randn(num_rows + 1, channels, 3, generator=gen).to(dtype).to(device)
-        state, context = torch.arange(1, num_rows + 1, device=device), torch.full((num_rows,), 40, dtype=torch.int32,
-                                                                                  device=device)
-        ops[name] = (lambda y=y, e=expand, w=weight, p=pool, s=state, c=context:
-                     [deltanet_decode.conv_step(y[skip:], w, p, s[skip:], c[skip:], e)],
+        state = torch.arange(1, num_rows + 1, device=device)[order]
+        context = torch.full((num_rows,), 40, dtype=torch.int32, device=device)
+        ops[name] = (lambda y=y, e=expand, w=weight, p=pool, s=state, c=context: deltanet_decode.conv_step(y, w, p, s, c, e),
                      lambda y=y, w=weight, p=pool, s=state, c=context: deltanet_decode.conv_step(y, w, p, s, c),
-                     [(y, 0), (pool, 1)])  # row i's state is slot i + 1
+                     lambda got, y=y, p=pool: [got[order], y[order], p])
     return ops
 
 
@@ -651,13 +651,13 @@ def fold_table_main(args) -> int:
     for num_rows in rows:
         for mix in mixes:
             for name in ("gate_up", "in_proj"):
-                def fresh(skip=0, seed=zlib.crc32(f"fold/{name}/{num_rows}/{mix}".encode())):
-                    return fold_ops(widths, num_rows, mix, dtype, device, torch.Generator().manual_seed(seed), skip)[name]
-                fold, _, written = fresh()
-                whole = [t[FOLD_SHIFT:].clone() for t in fold()] + [t[at + FOLD_SHIFT:].clone() for t, at in written]
-                fold, _, written = fresh(FOLD_SHIFT)
-                tail = [t.clone() for t in fold()] + [t[at + FOLD_SHIFT:].clone() for t, at in written]
-                if not all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(tail, whole)):
+                def fresh(flip=False, seed=zlib.crc32(f"fold/{name}/{num_rows}/{mix}".encode())):
+                    return fold_ops(widths, num_rows, mix, dtype, device, torch.Generator().manual_seed(seed), flip)[name]
+                fold, _, wrote = fresh()
+                whole = [t.clone() for t in wrote(fold())]
+                fold, _, wrote = fresh(True)
+                flipped = [t.clone() for t in wrote(fold())]
+                if not all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(flipped, whole)):
                     failed += 1
                     print(f"# {name} rows={num_rows} {mix}: a row's result depends on its neighbours", file=sys.stderr)
                 if device == "cuda":

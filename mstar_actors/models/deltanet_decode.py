@@ -41,7 +41,7 @@ import triton.language as tl
 from mstar_actors import triton_launch
 
 from .deltanet_ops import Gates
-from .triton_fused import FOLD_ROWS, _b_tile, _fold_dot, _next_slot, fold_args, fold_block_r
+from .triton_fused import _b_tile, _fold_dot, _next_slot, fold_args, fold_block_r, fold_rows
 
 # Value columns a program and its warps: narrow tiles while the grid is small
 # (few rows), wider ones past ``WIDE_FROM`` rows x value heads, where fewer,
@@ -52,7 +52,7 @@ from .triton_fused import FOLD_ROWS, _b_tile, _fold_dot, _next_slot, fold_args, 
 NARROW = (16, 1)
 WIDE = (32, 2)
 WIDE_FROM = 256
-BLOCK_C = 256  # channels per convolution program (one row each but for a fold's tiles: ``FOLD_ROWS``)
+BLOCK_C = 256  # channels per convolution program (one row each but for a fold's tiles: ``fold_rows``)
 CONV_WARPS = 4
 
 
@@ -239,7 +239,7 @@ def _conv_step_kernel(
     K: tl.constexpr, TAPS: tl.constexpr, BLOCK_C: tl.constexpr, FOLD: tl.constexpr, NUM_SHARDS: tl.constexpr,
     BLOCK_R: tl.constexpr, ROWS: tl.constexpr, F32: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
-    """A tile of ``ROWS`` rows (``triton_fused.FOLD_ROWS`` with a fold, else one) by ``BLOCK_C`` columns a program."""
+    """A tile of ``ROWS`` rows (``triton_fused.fold_rows``) by ``BLOCK_C`` columns a program."""
     first_row = tl.program_id(0) * ROWS
     rows = (first_row + tl.arange(0, ROWS)).to(tl.int64)
     ok = rows < M
@@ -274,7 +274,7 @@ def _conv_step_kernel(
         while slot != 0:
             for s in range(lo, hi + 1):
                 d = _fold_dot(t_ptr, stride_t, rows, lslot, slot, s, num_slots, offs_r, R, b,
-                              tl.load(sc_ptr + s * stride_ss + slot * stride_sl), F32)
+                              tl.load(sc_ptr + s * stride_ss + slot * stride_sl), F32, ROWS > 1)
                 ours = (chan >= tl.load(offs_ptr + s)) & (chan < tl.load(offs_ptr + s + 1))
                 delta = tl.where(ours[None, :], delta + d, delta)
             slot, done = _next_slot(lslot, done)
@@ -335,9 +335,9 @@ def conv_step(proj: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slot
     if rows == 0:
         return out
     offsets = proj if expand is None else expand.stack.offsets_on(proj.device)
-    # A folded expand: tiles of FOLD_ROWS rows, B's [BLOCK_C, rank] tile a program.
-    per = 1 if expand is None else FOLD_ROWS
-    block_c = BLOCK_C if expand is None else 64
+    # A folded expand (``fold_rows``): B's [BLOCK_C, rank] tile a program.
+    per = fold_rows(rows, expand)
+    block_c = BLOCK_C if expand is None else min(BLOCK_C, max(32, 4096 // fold_block_r(expand))) if per == 1 else 64
     _conv_step_kernel[(triton.cdiv(rows, per), triton.cdiv(width, block_c))](
         proj, weight, out, conv, context_lens, slots, rows, channels, width,
         proj.stride(0), out.stride(0), weight.stride(0), weight.stride(1), conv.stride(0), conv.stride(1),

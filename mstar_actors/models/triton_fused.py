@@ -180,15 +180,20 @@ def _b_tile(b_ptr, stride_bs, stride_bn, slot, first, cols, mask, offs_r, mask_r
 
 
 @triton.jit
-def _fold_dot(t_ptr, stride_t, rows, lslot, slot, shard, num_slots, offs_r, R, b, scale, F32: tl.constexpr):
+def _fold_dot(t_ptr, stride_t, rows, lslot, slot, shard, num_slots, offs_r, R, b, scale, F32: tl.constexpr,
+              DOT: tl.constexpr):
     """The expand of the tile's rows on adapter ``slot`` for one shard, ``[ROWS, BLOCK]`` float32 (zero on
     the other rows): their shrink ``[ROWS, BLOCK_R]`` (the fused GEMM's A columns) times ``b``
-    (``_b_tile``) transposed, in one ``tl.dot``: the tensor cores in half precision, exact float32
-    products in float32; then ``scale``. On the H200 at Qwen3.5-0.8B's gate|up, 64 / 256 rows of one
-    adapter, silu_mul's fold took 2.1 / 3.3 us against 4.1 / 12.3 as a sum of broadcast products."""
+    (``_b_tile``) transposed. ``DOT`` (tiles of ``FOLD_ROWS``): one ``tl.dot``, the tensor cores in half
+    precision, exact float32 products in float32, then ``scale``. On the H200 at Qwen3.5-0.8B's gate|up,
+    64 / 256 rows of one adapter, silu_mul's fold took 2.1 / 3.3 us against 4.1 / 12.3 as a sum of
+    broadcast products; below 16 rows (one a program, ``fold_rows``) the sum, scaled first, took less
+    (1.6 against 1.75 us at 8 rows, 1.8 against 4.6 with 4 adapters)."""
     mine = (lslot == slot) & (lslot != 0)
     t = tl.load(t_ptr + rows[:, None] * stride_t + (shard * num_slots + slot) * R + offs_r[None, :],
                 mask=mine[:, None] & (offs_r < R)[None, :], other=0.0)
+    if not DOT:  # one row: its shrink as a vector (a sum over the one row is itself), as _plus_expand sums
+        return tl.sum(b.to(tl.float32) * (tl.sum(t.to(tl.float32), axis=0) * scale)[None, :], axis=1)[None, :]
     if F32:
         d = tl.dot(t.to(tl.float32), tl.trans(b).to(tl.float32), input_precision="ieee")
     else:
@@ -465,17 +470,17 @@ def _silu_mul_kernel(x_ptr, stride_x, d_ptr, out_ptr, stride_out, M, n,
         up = (up.to(tl.float32) + tl.load(d_ptr + d_at + n, mask=tile, other=0.0).to(tl.float32)).to(dtype)
     if FOLD:  # one dot a slot of the tile's rows, each row's from its own slot only
         gate_d = _fold_dot(t_ptr, stride_t, rows, lslot, slot, 0, num_slots, offs_r, R, b_gate,
-                           tl.load(sc_ptr + slot * stride_sl), F32)
+                           tl.load(sc_ptr + slot * stride_sl), F32, ROWS > 1)
         up_d = _fold_dot(t_ptr, stride_t, rows, lslot, slot, 1, num_slots, offs_r, R, b_up,
-                         tl.load(sc_ptr + stride_ss + slot * stride_sl), F32)
+                         tl.load(sc_ptr + stride_ss + slot * stride_sl), F32, ROWS > 1)
         slot, done = _next_slot(lslot, done)
         while slot != 0:
             b = _b_tile(b_ptr, stride_bs, stride_bn, slot, 0, cols, mask, offs_r, offs_r < R)
             gate_d += _fold_dot(t_ptr, stride_t, rows, lslot, slot, 0, num_slots, offs_r, R, b,
-                                tl.load(sc_ptr + slot * stride_sl), F32)
+                                tl.load(sc_ptr + slot * stride_sl), F32, ROWS > 1)
             b = _b_tile(b_ptr, stride_bs, stride_bn, slot, up_col, cols, mask, offs_r, offs_r < R)
             up_d += _fold_dot(t_ptr, stride_t, rows, lslot, slot, 1, num_slots, offs_r, R, b,
-                              tl.load(sc_ptr + stride_ss + slot * stride_sl), F32)
+                              tl.load(sc_ptr + stride_ss + slot * stride_sl), F32, ROWS > 1)
             slot, done = _next_slot(lslot, done)
         live = (lslot != 0)[:, None]
         gate = tl.where(live, (gate.to(tl.float32) + gate_d).to(dtype), gate)
@@ -505,9 +510,11 @@ def silu_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None, expand=No
         return None
     out = torch.empty((rows.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
     if rows.shape[0]:
-        # A folded expand: tiles of FOLD_ROWS rows, two [BLOCK, rank] tiles of B a program.
-        per = 1 if expand is None else FOLD_ROWS
-        block = min(1024, triton.next_power_of_2(n)) if expand is None else max(16, min(64, triton.next_power_of_2(n)))
+        # A folded expand (``fold_rows``): two [BLOCK, rank] tiles of B a program.
+        per = fold_rows(rows.shape[0], expand)
+        block = (min(1024, triton.next_power_of_2(n)) if expand is None
+                 else min(4096 // fold_block_r(expand), triton.next_power_of_2(n)) if per == 1
+                 else max(16, min(64, triton.next_power_of_2(n))))
         _silu_mul_kernel[(triton.cdiv(rows.shape[0], per), triton.cdiv(n, block))](
             rows, rows.stride(0), rows if delta is None else delta, out, out.stride(0), rows.shape[0], n, *fold[:-1],
             HAS_DELTA=delta is not None, FOLD=expand is not None, F32=rows.dtype == torch.float32,
@@ -589,9 +596,14 @@ def fold_block_r(expand) -> int:
     return 16 if expand is None else max(16, triton.next_power_of_2(expand.stack.max_rank))
 
 
-# Rows a program of a folded expand (``silu_mul``'s, ``deltanet_decode.conv_step``'s): tl.dot's
-# least, whose products of the rank run on the tensor cores.
+# Rows a program of a folded expand (``silu_mul``'s, ``deltanet_decode.conv_step``'s) from as many
+# rows in a step: tl.dot's least, whose products of the rank run on the tensor cores (``_fold_dot``).
 FOLD_ROWS = 16
+
+
+def fold_rows(num_rows: int, expand) -> int:
+    """Rows a program of a folded expand takes: ``FOLD_ROWS`` from that many rows, else one."""
+    return FOLD_ROWS if expand is not None and num_rows >= FOLD_ROWS else 1
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor | None:

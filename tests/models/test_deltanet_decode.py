@@ -240,7 +240,7 @@ def test_conv_step_folds_in_projs_expand_as_expand_rows_would(sizes, conv_shards
     the same, bit for bit, beside other neighbours. (The GPU suite runs
     it compiled, where ``expand_rows`` sums the rank's products in another
     order: there the two agree to float32's rounding.)"""
-    from .test_triton_fused import FOLD_SLOTS, SHIFT, assert_close_to_expand, fold_tail, pending_expand
+    from .test_triton_fused import FOLD_SLOTS, assert_close_to_expand, pending_expand, reversed_rows
 
     gen = torch.Generator().manual_seed(12)
     row_slots = FOLD_SLOTS[rows]
@@ -259,16 +259,16 @@ def test_conv_step_folds_in_projs_expand_as_expand_rows_would(sizes, conv_shards
     want_out = conv_step(want[:, :width], weight, want_conv, slots, context_lens)
     again, again_conv = out.clone(), conv.clone()
     got = conv_step(out[:, :width], weight, conv, slots, context_lens, expand)
-    check = assert_close_to_expand  # a dot of the rank, then the scale: the sums of another order
+    check = assert_close_to_expand  # tiles of rows: a dot of the rank, then the scale (sums of another order)
     assert check(got, want_out) in (True, None) and check(conv.nan_to_num(7.0), want_conv.nan_to_num(7.0)) in (True, None)
     assert check(out[:, channels:width], want[:, channels:width]) in (True, None)  # past the convolution: in place
     base = [i for i, slot in enumerate(row_slots) if slot == 0]
     assert torch.equal(out[base, :width], proj[base])  # the base rows
     assert not torch.equal(want[:, :width], proj)  # the expand changed something
-    tail = conv_step(again[SHIFT:, :width], weight, again_conv, slots[SHIFT:], context_lens[SHIFT:],
-                     fold_tail(expand._replace(t=again[:, width:])))  # the rows beside other neighbours
-    assert torch.equal(tail, got[SHIFT:]) and torch.equal(again[SHIFT:], out[SHIFT:])
-    assert torch.equal(again_conv[slots[SHIFT:]].nan_to_num(7.0), conv[slots[SHIFT:]].nan_to_num(7.0))
+    again, again_expand = reversed_rows(again, expand)  # each row beside other neighbours: the same
+    flipped = conv_step(again[:, :width], weight, again_conv, slots.flip(0), context_lens.flip(0), again_expand)
+    assert torch.equal(flipped.flip(0), got) and torch.equal(again.flip(0), out)
+    assert torch.equal(again_conv.nan_to_num(7.0), conv.nan_to_num(7.0))
     two = pending_expand(proj, [channels, width - channels], row_slots)[1]  # any shards of in_proj's width fit
     assert conv_step(out[:, :width], weight, conv, slots, context_lens, two._replace(t=two.t[:, :0])) is None  # t too narrow
     assert conv_step(out[:, :width], weight, conv, slots, context_lens, torch.zeros_like(proj)) is None

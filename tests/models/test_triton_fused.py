@@ -184,14 +184,12 @@ def test_silu_mul_adds_a_delta_as_add_would(dtype, device="cpu"):
 # of two, base rows, the last tile cut short.
 FOLD_SLOTS = {"3-rows": [1, 0, 2], "37-rows": [1] * 8 + [0, 1, 2, 0] + [0] * 4 + [2, 2, 1, 0, 1, 0, 2, 2] + [2] * 4
               + [0, 2, 1, 1, 1, 0, 1, 0, 1]}
-# Rows dropped from the front for ``fold_tail``: the others fall in other tiles, beside other neighbours.
-SHIFT = 5
-
-
-def fold_tail(expand, rows: slice = slice(SHIFT, None)):
-    """``expand`` on ``rows`` of its rows only: a row's result must not depend
-    on the rows it shares a tile with."""
-    return expand._replace(t=expand.t[rows], row_slots=expand.row_slots[rows])
+def reversed_rows(out: torch.Tensor, expand) -> tuple[torch.Tensor, object]:
+    """A fused linear's output ``[y | t]`` and its expand with the rows in
+    reverse order (a copy): each row beside other neighbours, in another
+    tile, where its result must be the same."""
+    flipped = out.flip(0)
+    return flipped, expand._replace(t=flipped[:, out.shape[1] - expand.t.shape[1]:], row_slots=expand.row_slots.flip(0))
 
 
 def pending_expand(y: torch.Tensor, output_sizes: list[int], row_slots: list[int], seed: int = 8, num_slots: int = 3,
@@ -249,13 +247,14 @@ def test_silu_mul_folds_a_fused_expand_as_expand_rows_would(dtype, rows, device=
     out, expand = pending_expand(gate_up, [600, 600], row_slots)
     want = out.clone()
     expand._replace(t=want[:, 1200:]).apply(want[:, :1200])
-    check = assert_close_to_expand  # a dot of the rank, then the scale: the sums of another order
+    check = assert_close_to_expand  # tiles of rows: a dot of the rank, then the scale (sums of another order)
     got = triton_fused.silu_mul(out[:, :1200], expand=expand)
     assert check(got, triton_fused.silu_mul(want[:, :1200])) in (True, None)
     base = [i for i, slot in enumerate(row_slots) if slot == 0]
     assert torch.equal(got[base], triton_fused.silu_mul(gate_up)[base])  # the base rows
     assert torch.equal(triton_fused.silu_mul(out[:, :1200], expand), got)  # handed over as the delta
-    assert torch.equal(triton_fused.silu_mul(out[SHIFT:, :1200], expand=fold_tail(expand)), got[SHIFT:])
+    flipped, flipped_expand = reversed_rows(out, expand)
+    assert torch.equal(triton_fused.silu_mul(flipped[:, :1200], expand=flipped_expand).flip(0), got)
     assert triton_fused.silu_mul(out[:, :1200], expand=pending_expand(gate_up, [400, 800], row_slots)[1]) is None
 
 
