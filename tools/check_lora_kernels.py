@@ -41,11 +41,13 @@ interpreter on the CPU, eagerly, to check the tool end to end.
     python tools/check_lora_kernels.py --rows-table              # GPU
     python tools/check_lora_kernels.py --rows-table --dry-run    # CPU, interpreter, seconds
 
-``--fold-table`` times the folded expands that take tiles of rows
-(``triton_fused.FOLD_ROWS``, a ``tl.dot`` a slot of a tile): ``silu_mul``
-over a fused gate|up and Qwen3.5's ``conv_step`` over a fused in_proj
-(Qwen3.5-0.8B's widths, rank 16), each at 8-256 rows, one adapter and 4
-mixed, us per call inside a CUDA graph beside the op without its fold;
+``--fold-table`` times the folded expands: ``silu_mul`` over a fused
+gate|up (tiles of ``triton_fused.FOLD_ROWS`` rows, a ``tl.dot`` a slot of
+a tile) and Qwen3.5's ``conv_step`` over a fused in_proj (one row a
+program, up to ``deltanet_decode.CONV_FOLD_MAX_ROWS``; past them ``-``),
+Qwen3.5-0.8B's widths, rank 16, each at 8-256 rows, one adapter and 4
+mixed, us per call inside a CUDA graph beside the op alone and beside
+``expand_rows`` then the op (``split``: what runs without the fold);
 every fold is first checked to give its rows the same result, bit for bit,
 in reverse order (a row's result must not depend on its neighbours in a
 tile). With ``--dry-run`` (or no CUDA device) it runs a
@@ -599,10 +601,10 @@ FOLD_ROWS = (8, 32, 64, 128, 256)
 
 
 def fold_ops(widths: dict, num_rows: int, mix: str, dtype, device: str, gen, flip: bool = False) -> dict:
-    """name -> (the op with its fold, the op alone, what the fold wrote: its
-    result and the tensors it writes in place, given the result), on fresh
-    inputs; with ``flip``, the fold's rows in reverse order (what it wrote
-    flipped back)."""
+    """name -> (the op with its fold (None where it does not fold), the op
+    alone, ``expand_rows`` then the op, what the fold wrote: its result and
+    the tensors it writes in place, given the result), on fresh inputs; with
+    ``flip``, the fold's rows in reverse order (what it wrote flipped back)."""
     from mstar_actors.lora import triton_ops
     from mstar_actors.models import deltanet_decode, triton_fused
     from mstar_actors.models.lora_layers import PendingExpand
@@ -619,15 +621,16 @@ def fold_ops(widths: dict, num_rows: int, mix: str, dtype, device: str, gen, fli
         expand, y = PendingExpand(stack, out[:, width:], slots[order]), out[:, :width]
         if name == "gate_up":
             ops[name] = (lambda y=y, e=expand: triton_fused.silu_mul(y, expand=e), lambda y=y: triton_fused.silu_mul(y),
-                         lambda got: [got[order]])
+                         lambda y=y, e=expand: (e.apply(y), triton_fused.silu_mul(y)), lambda got: [got[order]])
             continue
         channels = sum(sizes[:3])
         weight = (torch.randn(channels, 4, generator=gen) / 2).to(dtype).to(device)
         pool = torch.randn(num_rows + 1, channels, 3, generator=gen).to(dtype).to(device)
         state = torch.arange(1, num_rows + 1, device=device)[order]
         context = torch.full((num_rows,), 40, dtype=torch.int32, device=device)
+        plain = (lambda y=y, w=weight, p=pool, s=state, c=context: deltanet_decode.conv_step(y, w, p, s, c))
         ops[name] = (lambda y=y, e=expand, w=weight, p=pool, s=state, c=context: deltanet_decode.conv_step(y, w, p, s, c, e),
-                     lambda y=y, w=weight, p=pool, s=state, c=context: deltanet_decode.conv_step(y, w, p, s, c),
+                     plain, lambda y=y, e=expand, plain=plain: (e.apply(y), plain()),
                      lambda got, y=y, p=pool: [got[order], y[order], p])
     return ops
 
@@ -646,28 +649,32 @@ def fold_table_main(args) -> int:
         dtype = torch.float16  # the interpreter's tl.dot takes no bfloat16
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"}
     print(f"# folded expands  {env}  dtype={dtype}  rank=16  calls per graph={calls}")
-    print(f"{'op':<8} {'rows':>4} {'mix':<6} {'alone':>6} {'folded':>6} {'+us':>6}")
+    print(f"{'op':<8} {'rows':>4} {'mix':<6} {'alone':>6} {'split':>6} {'folded':>6} {'saved':>6}")
     table, failed = [], 0
     for num_rows in rows:
         for mix in mixes:
             for name in ("gate_up", "in_proj"):
                 def fresh(flip=False, seed=zlib.crc32(f"fold/{name}/{num_rows}/{mix}".encode())):
                     return fold_ops(widths, num_rows, mix, dtype, device, torch.Generator().manual_seed(seed), flip)[name]
-                fold, _, wrote = fresh()
-                whole = [t.clone() for t in wrote(fold())]
-                fold, _, wrote = fresh(True)
-                flipped = [t.clone() for t in wrote(fold())]
-                if not all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(flipped, whole)):
-                    failed += 1
-                    print(f"# {name} rows={num_rows} {mix}: a row's result depends on its neighbours", file=sys.stderr)
+                fold, _, _, wrote = fresh()
+                got = fold()
+                folds = got is not None
+                if folds:
+                    whole = [t.clone() for t in wrote(got)]
+                    fold, _, _, wrote = fresh(True)
+                    flipped = [t.clone() for t in wrote(fold())]
+                    if not all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(flipped, whole)):
+                        failed += 1
+                        print(f"# {name} rows={num_rows} {mix}: a row's result depends on its neighbours", file=sys.stderr)
+                alone = split = folded = None
                 if device == "cuda":
                     timing = dict(warmup=args.warmup, iters=args.iters, calls=calls)
-                    alone, folded = graph_us(fresh()[1], **timing), graph_us(fresh()[0], **timing)
-                    cells = f"{alone:>6.2f} {folded:>6.2f} {folded - alone:>6.2f}"
-                else:
-                    alone = folded = None
-                    cells = f"{'-':>6} {'-':>6} {'-':>6}"
-                table.append({"op": name, "rows": num_rows, "mix": mix, "alone_us": alone, "folded_us": folded})
+                    alone, split = graph_us(fresh()[1], **timing), graph_us(fresh()[2], **timing)
+                    folded = graph_us(fresh()[0], **timing) if folds else None
+                cells = " ".join("-".rjust(6) if v is None else f"{v:>6.2f}"
+                                 for v in (alone, split, folded, None if folded is None else split - folded))
+                table.append({"op": name, "rows": num_rows, "mix": mix, "alone_us": alone, "split_us": split,
+                              "folded_us": folded, "folds": folds})
                 print(f"{name:<8} {num_rows:>4} {mix:<6} {cells}", flush=True)
     print(f"# {failed} folds gave a row another result beside other neighbours")
     if args.output is not None:

@@ -41,7 +41,7 @@ import triton.language as tl
 from mstar_actors import triton_launch
 
 from .deltanet_ops import Gates
-from .triton_fused import _b_tile, _fold_dot, _next_slot, fold_args, fold_block_r, fold_rows
+from .triton_fused import _b_tile, _fold_dot, fold_args, fold_block_r
 
 # Value columns a program and its warps: narrow tiles while the grid is small
 # (few rows), wider ones past ``WIDE_FROM`` rows x value heads, where fewer,
@@ -52,8 +52,12 @@ from .triton_fused import _b_tile, _fold_dot, _next_slot, fold_args, fold_block_
 NARROW = (16, 1)
 WIDE = (32, 2)
 WIDE_FROM = 256
-BLOCK_C = 256  # channels per convolution program (one row each but for a fold's tiles: ``fold_rows``)
+BLOCK_C = 256  # channels per convolution program (one row each)
 CONV_WARPS = 4
+# The most rows whose in_proj expand the convolution folds: past them ``expand_rows`` then the plain step
+# cost less (on the H200 at Qwen3.5-0.8B's in_proj, rank 16: folded 3.1 against 4.3 us at 8 rows, 13.9
+# against 12.0 at 64, 50.3 against 37.0 at 256; a tile of rows a program, one tl.dot a slot, cost more).
+CONV_FOLD_MAX_ROWS = 32
 
 
 @triton.jit
@@ -237,11 +241,10 @@ def _conv_step_kernel(
     stride_x, stride_o, stride_wc, stride_wk, stride_ps, stride_pc,
     t_ptr, stride_t, b_ptr, stride_bs, stride_bn, sc_ptr, stride_ss, stride_sl, lslot_ptr, offs_ptr, num_slots, R,
     K: tl.constexpr, TAPS: tl.constexpr, BLOCK_C: tl.constexpr, FOLD: tl.constexpr, NUM_SHARDS: tl.constexpr,
-    BLOCK_R: tl.constexpr, ROWS: tl.constexpr, F32: tl.constexpr, GDC: tl.constexpr,
+    BLOCK_R: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
-    """A tile of ``ROWS`` rows (``triton_fused.fold_rows``) by ``BLOCK_C`` columns a program."""
-    first_row = tl.program_id(0) * ROWS
-    rows = (first_row + tl.arange(0, ROWS)).to(tl.int64)
+    """One row by ``BLOCK_C`` columns a program (``rows``: that row, as a tile of one)."""
+    rows = (tl.program_id(0) + tl.arange(0, 1)).to(tl.int64)
     ok = rows < M
     chan = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     in_row = chan < N
@@ -251,11 +254,11 @@ def _conv_step_kernel(
     taps = tl.arange(0, TAPS)
     w = tl.load(w_ptr + chan[:, None] * stride_wc + taps[None, :] * stride_wk,
                 mask=is_conv[:, None] & (taps < K)[None, :], other=0.0).to(tl.float32)
-    if FOLD:  # in_proj's expand over the whole row: B's columns for the largest of the rows' slots (before the wait)
+    if FOLD:  # in_proj's expand over the whole row: B's columns for the row's slot (before the wait)
         lslot = tl.load(lslot_ptr + rows, mask=ok, other=0).to(tl.int64)
         offs_r = tl.arange(0, BLOCK_R)
-        slot, done = _next_slot(lslot, lslot == 0)
-        b = _b_tile(b_ptr, stride_bs, stride_bn, slot, 0, chan, in_row, offs_r, offs_r < R)
+        slot = tl.max(lslot, axis=0)
+        b = _b_tile(b_ptr, stride_bs, stride_bn, slot, 0, chan, in_row, offs_r, offs_r < tl.where(slot != 0, R, 0))
         # The shards this block's columns fall in (one, but for narrow ones: b and a).
         first, last = tl.program_id(1) * BLOCK_C, tl.minimum(tl.program_id(1) * BLOCK_C + BLOCK_C, N) - 1
         lo, hi = 0, 0
@@ -269,17 +272,14 @@ def _conv_step_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + rows[:, None] * stride_x + chan[None, :], mask=tile, other=0.0)
-    if FOLD:  # each shard's expand on its columns, one dot a slot of the tile's rows (triton_fused._fold_dot)
-        delta = tl.zeros([ROWS, BLOCK_C], tl.float32)
-        while slot != 0:
+    if FOLD:  # each shard's expand on its columns (triton_fused._fold_dot's sum of the rank's products)
+        delta = tl.zeros([1, BLOCK_C], tl.float32)
+        if slot != 0:
             for s in range(lo, hi + 1):
                 d = _fold_dot(t_ptr, stride_t, rows, lslot, slot, s, num_slots, offs_r, R, b,
-                              tl.load(sc_ptr + s * stride_ss + slot * stride_sl), F32, ROWS > 1)
+                              tl.load(sc_ptr + s * stride_ss + slot * stride_sl), False, False)
                 ours = (chan >= tl.load(offs_ptr + s)) & (chan < tl.load(offs_ptr + s + 1))
-                delta = tl.where(ours[None, :], delta + d, delta)
-            slot, done = _next_slot(lslot, done)
-            if slot != 0:
-                b = _b_tile(b_ptr, stride_bs, stride_bn, slot, 0, chan, in_row, offs_r, offs_r < R)
+                delta = tl.where(ours[None, :], d, delta)
         x = tl.where((lslot != 0)[:, None], (x.to(tl.float32) + delta).to(x.dtype), x)
         tl.store(x_ptr + rows[:, None] * stride_x + chan[None, :], x, mask=tile & ~is_conv[None, :])  # z | b | a
     # The window: the slot's K - 1 saved inputs (zeros for a fresh sequence), then this token's.
@@ -288,7 +288,7 @@ def _conv_step_kernel(
     window = tl.load(saved, mask=conv & (taps < K - 1)[None, None, :], other=0.0).to(tl.float32)
     window = tl.where((taps == K - 1)[None, None, :], x.to(tl.float32)[:, :, None], window)
     # Summed tap by tap in order, as ``_conv_kernel`` sums them: a row's result is the same in a mixed step.
-    acc = tl.zeros([ROWS, BLOCK_C], tl.float32)
+    acc = tl.zeros([1, BLOCK_C], tl.float32)
     for j in tl.static_range(K):
         acc += _tap(window, taps[None, None, :], j, 2) * _tap(w, taps[None, :], j, 1)[None, :]
     tl.store(out_ptr + rows[:, None] * stride_o + chan[None, :], (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty),
@@ -313,7 +313,8 @@ def conv_step(proj: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slot
     LoRA expand is added as the row loads, as ``expand_rows`` would add it,
     to the convolution's input and, in place, to proj's other columns (z, b,
     a: the ops after read them there): no launch of its own. None (nothing
-    done) where it does not fit proj (a tensor delta, other shards)."""
+    done) where it does not fit proj (a tensor delta, other shards) or past
+    ``CONV_FOLD_MAX_ROWS`` rows, where the expand's own launch costs less."""
     rows, channels = proj.shape[0], weight.shape[0]
     kernel = weight.shape[1]
     if (proj.dim() != 2 or proj.stride(1) != 1 or proj.shape[1] < channels or conv.shape[1:] != (channels, kernel - 1)
@@ -325,7 +326,8 @@ def conv_step(proj: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slot
     if expand is None:
         fold, width, num_shards = fold_args(None, proj, []), channels, 1
     else:
-        if isinstance(expand, torch.Tensor) or sum(expand.stack.output_sizes) != proj.shape[1]:
+        if (isinstance(expand, torch.Tensor) or sum(expand.stack.output_sizes) != proj.shape[1]
+                or rows > CONV_FOLD_MAX_ROWS):
             return None
         fold = fold_args(expand, proj, list(expand.stack.output_sizes))
         if fold is None:
@@ -335,15 +337,13 @@ def conv_step(proj: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slot
     if rows == 0:
         return out
     offsets = proj if expand is None else expand.stack.offsets_on(proj.device)
-    # A folded expand (``fold_rows``): B's [BLOCK_C, rank] tile a program.
-    per = fold_rows(rows, expand)
-    block_c = BLOCK_C if expand is None else min(BLOCK_C, max(32, 4096 // fold_block_r(expand))) if per == 1 else 64
-    _conv_step_kernel[(triton.cdiv(rows, per), triton.cdiv(width, block_c))](
+    # A folded expand: B's [BLOCK_C, rank] tile a program.
+    block_c = BLOCK_C if expand is None else min(BLOCK_C, max(32, 4096 // fold_block_r(expand)))
+    _conv_step_kernel[(rows, triton.cdiv(width, block_c))](
         proj, weight, out, conv, context_lens, slots, rows, channels, width,
         proj.stride(0), out.stride(0), weight.stride(0), weight.stride(1), conv.stride(0), conv.stride(1),
         *fold[:9], offsets, *fold[9:11],
         K=kernel, TAPS=triton.next_power_of_2(kernel), BLOCK_C=block_c, FOLD=expand is not None,
-        NUM_SHARDS=num_shards, BLOCK_R=fold_block_r(expand), ROWS=per, F32=proj.dtype == torch.float32,
-        num_warps=CONV_WARPS, **triton_launch.options(proj),
+        NUM_SHARDS=num_shards, BLOCK_R=fold_block_r(expand), num_warps=CONV_WARPS, **triton_launch.options(proj),
     )  # fmt: skip
     return out

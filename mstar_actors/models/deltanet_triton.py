@@ -36,7 +36,7 @@ window's first ``K - 1`` inputs before the chunk read from the sequence's
 then writes each sequence's last ``K - 1`` inputs back to its slot (a
 second launch: the tiles that read a slot and the one that ends the
 sequence are different programs). A pure decode step takes
-``deltanet_decode.conv_step`` instead: one launch, one row a program (tiles of rows with a fold),
+``deltanet_decode.conv_step`` instead: one launch, one row a program,
 which also adds a fused in_proj's LoRA expand (``PendingExpand``) as the
 row loads, to every column of in_proj's output (no launch of its own).
 

@@ -228,7 +228,7 @@ def test_conv_step_matches_the_reference_in_place(dtype, atol, kernel):
     assert torch.equal(proj, before)  # without an expand, in_proj's rows are only read
 
 
-@pytest.mark.parametrize("rows", ["3-rows", "37-rows"])
+@pytest.mark.parametrize("rows", ["3-rows", "most-rows"])
 @pytest.mark.parametrize("sizes, conv_shards", [([96, 96, 128, 128, 4, 4], 3), ([320, 300], 1)],
                          ids=["qkv-z-b-a", "two-shards"])
 def test_conv_step_folds_in_projs_expand_as_expand_rows_would(sizes, conv_shards, rows, device="cpu"):
@@ -236,14 +236,16 @@ def test_conv_step_folds_in_projs_expand_as_expand_rows_would(sizes, conv_shards
     shards: Qwen3.5's q, k, v, z, b, a, or any other split of the row): the
     convolution of the expanded input, and the columns past it expanded in
     place, as ``expand_rows`` then the plain step; rows on slots 1, 0 (base:
-    as it was) and 2 (one shard untargeted), tiles of rows whose result is
-    the same, bit for bit, beside other neighbours. (The GPU suite runs
+    as it was) and 2 (one shard untargeted), up to ``CONV_FOLD_MAX_ROWS``,
+    whose result is the same, bit for bit, beside other neighbours; one row
+    more is left to ``expand_rows`` (None, nothing done). (The GPU suite runs
     it compiled, where ``expand_rows`` sums the rank's products in another
     order: there the two agree to float32's rounding.)"""
     from .test_triton_fused import FOLD_SLOTS, assert_close_to_expand, pending_expand, reversed_rows
 
     gen = torch.Generator().manual_seed(12)
-    row_slots = FOLD_SLOTS[rows]
+    row_slots = (FOLD_SLOTS["3-rows"] if rows == "3-rows"
+                 else (FOLD_SLOTS["37-rows"] * 2)[:deltanet_decode.CONV_FOLD_MAX_ROWS])
     num_rows = len(row_slots)
     channels = sum(sizes[:conv_shards])
     proj, weight, conv = (t.to(device) for t in conv_case(gen, num_rows, channels, sum(sizes) - channels,
@@ -272,6 +274,11 @@ def test_conv_step_folds_in_projs_expand_as_expand_rows_would(sizes, conv_shards
     two = pending_expand(proj, [channels, width - channels], row_slots)[1]  # any shards of in_proj's width fit
     assert conv_step(out[:, :width], weight, conv, slots, context_lens, two._replace(t=two.t[:, :0])) is None  # t too narrow
     assert conv_step(out[:, :width], weight, conv, slots, context_lens, torch.zeros_like(proj)) is None
+    if num_rows == deltanet_decode.CONV_FOLD_MAX_ROWS:  # a row more: past the line, left to expand_rows' launch
+        more, kept = pending_expand(torch.cat([proj, proj[:1]]), sizes, row_slots + [1]), conv.clone()
+        assert conv_step(more[0][:, :width], weight, conv, torch.cat([slots, slots[:1]]),
+                         torch.cat([context_lens, context_lens[:1]]), more[1]) is None
+        assert torch.equal(conv.nan_to_num(7.0), kept.nan_to_num(7.0))
 
 
 def test_conv_step_refuses_what_it_cannot_read():
