@@ -55,9 +55,10 @@ WIDE_FROM = 256
 BLOCK_C = 256  # channels per convolution program (one row each)
 CONV_WARPS = 4
 # The most rows whose in_proj expand the convolution folds: past them ``expand_rows`` then the plain step
-# cost less (on the H200 at Qwen3.5-0.8B's in_proj, rank 16: folded 3.1 against 4.3 us at 8 rows, 13.9
-# against 12.0 at 64, 50.3 against 37.0 at 256; a tile of rows a program, one tl.dot a slot, cost more).
-CONV_FOLD_MAX_ROWS = 32
+# cost less (``tools/check_lora_kernels.py --fold-table`` on the H200, Qwen3.5-0.8B's in_proj, rank 16, us
+# folded / split: 3.1 / 4.4 at 8 rows, 4.3 / 4.9 at 16, 6.6 / 6.1 at 24, 13.9 / 12.0 at 64; tiles of 16
+# rows a program with a tl.dot a slot cost more than both: 18-24 us at 64 rows).
+CONV_FOLD_MAX_ROWS = 16
 
 
 @triton.jit
