@@ -43,8 +43,9 @@ interpreter on the CPU, eagerly, to check the tool end to end.
 
 ``--fold-table`` times the folded expands: ``silu_mul`` over a fused
 gate|up (tiles of ``triton_fused.FOLD_ROWS`` rows, a ``tl.dot`` a slot of
-a tile) and Qwen3.5's ``conv_step`` over a fused in_proj (one row a
-program, up to ``deltanet_decode.CONV_FOLD_MAX_ROWS``; past them ``-``),
+a tile), Qwen3.5's ``conv_step`` over a fused in_proj (one row a
+program, up to ``deltanet_decode.CONV_FOLD_MAX_ROWS``; past them ``-``)
+and the residual's ``rms_norm`` over o's or down's (one row a program),
 Qwen3.5-0.8B's widths, rank 16, each at 8-256 rows, one adapter and 4
 mixed, us per call inside a CUDA graph beside the op alone and beside
 ``expand_rows`` then the op (``split``: what runs without the fold);
@@ -594,9 +595,10 @@ def run_rows(configs_, check, format_, args, device, dtype, env: dict) -> int:
 
 # ---------------------------------------------------------------- fold table
 
-# Qwen3.5-0.8B: intermediate 3584; in_proj q | k | v | z | b | a (the first three convolved, kernel 4).
-FOLD_WIDTHS = {"gate_up": [3584, 3584], "in_proj": [2048, 2048, 2048, 2048, 16, 16]}
-TINY_FOLD_WIDTHS = {"gate_up": [96, 96], "in_proj": [64, 64, 64, 64, 4, 4]}  # the interpreter's
+# Qwen3.5-0.8B: intermediate 3584; in_proj q | k | v | z | b | a (the first three convolved, kernel 4); o's
+# and down's expand into the hidden size, 1024, added by the residual's RMSNorm (zero-centred).
+FOLD_WIDTHS = {"gate_up": [3584, 3584], "in_proj": [2048, 2048, 2048, 2048, 16, 16], "norm": [1024]}
+TINY_FOLD_WIDTHS = {"gate_up": [96, 96], "in_proj": [64, 64, 64, 64, 4, 4], "norm": [96]}  # the interpreter's
 FOLD_ROWS = (8, 32, 64, 128, 256)
 
 
@@ -622,6 +624,15 @@ def fold_ops(widths: dict, num_rows: int, mix: str, dtype, device: str, gen, fli
         if name == "gate_up":
             ops[name] = (lambda y=y, e=expand: triton_fused.silu_mul(y, expand=e), lambda y=y: triton_fused.silu_mul(y),
                          lambda y=y, e=expand: (e.apply(y), triton_fused.silu_mul(y)), lambda got: [got[order]])
+            continue
+        if name == "norm":
+            weight = (torch.randn(width, generator=gen) / 4).to(dtype).to(device)
+            residual = torch.randn(num_rows, width, generator=gen).to(dtype).to(device)[order]
+            plain = (lambda y=y, w=weight, r=residual: triton_fused.rms_norm(y, w, 1e-6, r, zero_centered=True))
+            ops[name] = (lambda y=y, e=expand, w=weight, r=residual:
+                         triton_fused.rms_norm(y, w, 1e-6, r, zero_centered=True, expand=e),
+                         plain, lambda y=y, e=expand, plain=plain: (e.apply(y), plain()),
+                         lambda got, r=residual: [got[order], r[order]])
             continue
         channels = sum(sizes[:3])
         weight = (torch.randn(channels, 4, generator=gen) / 2).to(dtype).to(device)
@@ -653,7 +664,7 @@ def fold_table_main(args) -> int:
     table, failed = [], 0
     for num_rows in rows:
         for mix in mixes:
-            for name in ("gate_up", "in_proj"):
+            for name in widths:
                 def fresh(flip=False, seed=zlib.crc32(f"fold/{name}/{num_rows}/{mix}".encode())):
                     return fold_ops(widths, num_rows, mix, dtype, device, torch.Generator().manual_seed(seed), flip)[name]
                 fold, _, _, wrote = fresh()
