@@ -596,7 +596,8 @@ def fold_block_r(expand) -> int:
     return 16 if expand is None else max(16, triton.next_power_of_2(expand.stack.max_rank))
 
 
-# Rows a program of ``silu_mul``'s folded expand from as many rows in a step: tl.dot's least, whose products of the rank run on the tensor cores (``_fold_dot``).
+# Rows a program of ``silu_mul``'s folded expand from as many rows in a step: tl.dot's least, whose
+# products of the rank run on the tensor cores (``_fold_dot``).
 FOLD_ROWS = 16
 
 
