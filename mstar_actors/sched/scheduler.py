@@ -88,6 +88,12 @@ class _StepBuilder:
         if snapshot is not None:
             self.snapshots[seq.request_id] = snapshot
 
+    def group_by_slot(self) -> None:
+        """The chunks so far ordered by LoRA slot (base first), each slot's in
+        the order they came: a step's rows of one adapter side by side, so the
+        kernels' tiles of rows (``triton_fused.FOLD_ROWS``) mostly hold one."""
+        self.chunks = dict(sorted(self.chunks.items(), key=lambda item: item[1][1].lora_slot))
+
     def drop(self, seq: Sequence) -> tuple[int, bytes] | None:
         """Take back a chunk of a sequence preempted later in the same call;
         returns the snapshot it had reserved, for the caller to release."""
@@ -320,6 +326,7 @@ class Scheduler:
         so a victim is not re-admitted at once). Earlier admitted sequences
         come first everywhere, so the oldest one always progresses; with
         ``max_num_batched_tokens < max_num_seqs`` the newest decodes wait.
+        The plan lists the decodes grouped by LoRA slot (``group_by_slot``).
         """
         if not self.can_schedule():
             raise RuntimeError(
@@ -330,6 +337,7 @@ class Scheduler:
         step = _StepBuilder(self.max_num_batched_tokens)
         num_preemptions = self.num_preemptions
         self._schedule_running(step, decodes=True)
+        step.group_by_slot()
         self._schedule_running(step, decodes=False)
         if self.num_preemptions == num_preemptions or not step.chunks:
             self._admit_waiting(step)

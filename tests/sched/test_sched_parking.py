@@ -66,3 +66,18 @@ def test_an_aborted_parked_sequence_frees_its_blocks_and_ids_of_ended_ones_are_s
     assert [f.request_id for f in finished] == ["a"] and sched.allocator.num_free > free
     sched.set_lora_slot(["a", "gone"], 1)  # ended meanwhile: no-op
     assert not sched.has_work()
+
+
+def test_a_steps_decodes_are_grouped_by_lora_slot_in_arrival_order_within_one():
+    """Decodes come out by LoRA slot, base first, each slot's oldest first, so
+    a step's rows of one adapter sit side by side (the folded expands' tiles
+    of rows mostly hold one adapter); the prefills follow them."""
+    sched = make_scheduler(max_num_batched_tokens=64)  # every prompt in the first step
+    order = [("a", 2), ("b", 0), ("c", 1), ("d", 2), ("e", 0), ("f", 1)]
+    for rid, slot in order:
+        sched.add(make_request(rid), ROOT, lora_slot=slot)
+    run_step(sched)  # the prompts, in arrival order
+    sched.add(make_request("late", num_prompt_tokens=3), ROOT, lora_slot=1)
+    plan, _ = run_step(sched)
+    assert [(c.request_id, c.lora_slot) for c in plan.scheduled] == [
+        ("b", 0), ("e", 0), ("c", 1), ("f", 1), ("a", 2), ("d", 2), ("late", 1)]
