@@ -47,7 +47,7 @@ a tile), Qwen3.5's ``conv_step`` over a fused in_proj (one row a
 program, up to ``deltanet_decode.CONV_FOLD_MAX_ROWS``; past them ``-``)
 and the residual's ``rms_norm`` over o's or down's (one row a program),
 Qwen3.5-0.8B's widths, rank 16, each at 8-256 rows, one adapter and 4
-mixed, us per call inside a CUDA graph beside the op alone and beside
+(interleaved row by row, and grouped as the scheduler orders a step's rows), us per call inside a CUDA graph beside the op alone and beside
 ``expand_rows`` then the op (``split``: what runs without the fold);
 every fold is first checked to give its rows the same result, bit for bit,
 in reverse order (a row's result must not depend on its neighbours in a
@@ -237,7 +237,7 @@ def parse_args(argv=None):
     p.add_argument("--linears", nargs="+", choices=list(LINEARS), default=list(LINEARS))
     p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     p.add_argument("--ranks", nargs="+", type=int, default=list(RANKS))
-    p.add_argument("--mixes", nargs="+", choices=MIXES, default=list(MIXES))
+    p.add_argument("--mixes", nargs="+", choices=(*MIXES, "grouped4"), default=list(MIXES))
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
@@ -277,13 +277,16 @@ class DecodeRow:
 
 
 def decode_slots(mix: str, batch: int, rng: random.Random) -> list[int]:
-    """One slot per row (each row its own sequence); mixed4 interleaves adapters row by row."""
+    """One slot per row (each row its own sequence); mixed4 interleaves adapters row by row, grouped4 puts
+    each one's rows side by side (as the scheduler orders a step's decodes)."""
     if mix == "base":
         return [0] * batch
     if mix == "one":
         return [1] * batch
     if mix == "mixed4":
         return [1 + i % 4 for i in range(batch)]
+    if mix == "grouped4":
+        return sorted(1 + i % 4 for i in range(batch))
     return [rng.randrange(MAX_LORAS + 1) for _ in range(batch)]
 
 
@@ -653,7 +656,7 @@ def fold_table_main(args) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     rows = args.rows or ([16, 37] if device == "cpu" else list(FOLD_ROWS))
     widths = TINY_FOLD_WIDTHS if device == "cpu" else FOLD_WIDTHS
-    mixes = ["one", "mixed4"] if args.mixes == list(MIXES) else args.mixes
+    mixes = ["one", "mixed4", "grouped4"] if args.mixes == list(MIXES) else args.mixes
     calls = args.calls or 20
     dtype = getattr(torch, args.dtype)
     if device == "cpu" and dtype == torch.bfloat16:

@@ -46,7 +46,7 @@ def test_a_failing_config_is_reported_and_the_run_goes_on(tmp_path):
 
 def test_fold_table_dry_run_checks_each_rows_result_without_its_neighbours(tmp_path):
     """``--fold-table`` on its CPU path: the gate|up, in_proj and norm folds at 16 and
-    37 rows, one adapter and 4 mixed, each row's result the same, outputs and
+    37 rows, one adapter and 4 (interleaved, grouped), each row's result the same, outputs and
     in-place writes, with the rows reversed; in_proj's not folded past
     ``CONV_FOLD_MAX_ROWS``."""
     from mstar_actors.models.deltanet_decode import CONV_FOLD_MAX_ROWS
@@ -56,7 +56,7 @@ def test_fold_table_dry_run_checks_each_rows_result_without_its_neighbours(tmp_p
     assert run.returncode == 0, run.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [(r["op"], r["rows"], r["mix"]) for r in rows] == [
-        (op, n, mix) for n in (16, 37) for mix in ("one", "mixed4") for op in ("gate_up", "in_proj", "norm")]
+        (op, n, mix) for n in (16, 37) for mix in ("one", "mixed4", "grouped4") for op in ("gate_up", "in_proj", "norm")]
     assert all(r["alone_us"] is None and r["split_us"] is None and r["folded_us"] is None for r in rows)  # no timing
     assert [r["folds"] for r in rows] == [r["op"] != "in_proj" or r["rows"] <= CONV_FOLD_MAX_ROWS for r in rows]
     assert "# 0 folds gave a row another result" in run.stdout
