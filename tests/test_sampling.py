@@ -10,6 +10,7 @@ from mstar_actors.runner.sampling import (
     MIN_LOGPROB,
     SampleRow,
     apply_min_p,
+    apply_top_k_top_p,
     apply_penalties,
     sample_tokens,
 )
@@ -87,6 +88,44 @@ def test_top_k_and_top_p_keep_the_expected_sets():
     # top_p=0.75: 0.4 + 0.3 = 0.7 < 0.75, so the third token is needed too.
     rows_p = [make_row(str(i), top_p=0.75) for i in range(2000)]
     assert set(token_ids(sample_tokens(logits, rows_p, generator=gen()))) == {0, 1, 2}
+
+
+def reference_kept(logits: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    """The tokens a row keeps, from all of them sorted: the top_k most
+    likely (0 = off), then the smallest set whose probability reaches top_p."""
+    order = logits.argsort(descending=True).tolist()
+    if 0 < top_k < len(order):
+        order = order[:top_k]
+    probs = torch.softmax(logits[order].double(), dim=0).tolist()
+    kept, mass = [], 0.0
+    for token, p in zip(order, probs):
+        if kept and mass >= top_p:
+            break
+        kept.append(token)
+        mass += p
+    return {t for t in kept if logits[t] > float("-inf")} or {order[0]}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_and_top_p_keep_what_a_full_sort_keeps(device):
+    """Rows of 3,000 tokens with top_k and top_p on, off and mixed, nuclei of a
+    few tokens and of more than ``CPU_CANDIDATES`` (flat rows, a large
+    top_k), some tokens already -inf: the kept sets are a full sort's."""
+    from mstar_actors.runner.sampling import CPU_CANDIDATES
+
+    gen_ = torch.Generator().manual_seed(11)
+    vocab = 3000
+    cases = [(0, 0.9), (40, 1.0), (40, 0.5), (0, 1.0), (600, 1.0), (0, 0.99), (1000, 0.95), (5, 0.0), (0, 0.3)]
+    peaked = torch.randn(len(cases), vocab, generator=gen_) * 4
+    flat = torch.randn(len(cases), vocab, generator=gen_) * 0.1
+    for logits in (peaked, flat):
+        logits = logits.clone()
+        logits[2, :50] = float("-inf")
+        got = apply_top_k_top_p(logits.clone().to(device), [k for k, _ in cases], [p for _, p in cases]).cpu()
+        for row, (k, p) in enumerate(cases):
+            want = reference_kept(logits[row], k, p if p < 1.0 else 2.0)
+            assert set(torch.isfinite(got[row]).nonzero().flatten().tolist()) == want, (row, k, p)
+    assert 3 * CPU_CANDIDATES < vocab  # the flat rows' nuclei are wider than the candidates
 
 
 def test_penalties_match_hand_computation():
@@ -246,3 +285,19 @@ def test_cuda_matches_cpu_for_greedy_and_penalised_logprobs():
     on_cpu, on_cuda = sample_tokens(logits, rows), sample_tokens(logits.cuda(), rows)
     assert token_ids(on_cuda) == token_ids(on_cpu)
     assert [s.logprob for s in on_cuda] == pytest.approx([s.logprob for s in on_cpu], abs=1e-4)
+
+
+def test_bench_sampling_prints_a_row_a_case_with_its_ratio():
+    """``tools/bench_sampling.py`` on a small vocabulary: every case timed beside the textbook form."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, str(root / "tools" / "bench_sampling.py"), "--rows", "2", "--vocab", "500",
+                          "--iters", "1", "--threads", "1"], cwd=root, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 0, run.stderr
+    lines = [line for line in run.stdout.splitlines() if line.startswith("   2 ")]
+    assert len(lines) == 5 and all(line.endswith("x") for line in lines)
