@@ -306,9 +306,12 @@ def _choose_tokens(
     plan: _Plan,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids [rows] and the logits they were drawn from (for processed logprobs)."""
+    """Token ids [rows] and the logits they were drawn from (for processed
+    logprobs). ``logits`` is ``sample_pending``'s float32 copy, changed in
+    place: on CPU each fresh [rows, vocab] tensor costs as much as the pass
+    that fills it."""
     # NaN from the model would poison argmax and softmax; treat it as impossible.
-    logits = torch.nan_to_num(logits, nan=float("-inf"))
+    logits = logits.nan_to_num_(nan=float("-inf"))
     greedy = logits.argmax(dim=-1)
     if plan.is_all_greedy:
         return greedy, logits
@@ -316,7 +319,8 @@ def _choose_tokens(
     # Greedy rows get temperature 1 so the batched math stays finite; their
     # random draw is discarded below.
     temps = [1.0 if g else r.params.temperature for g, r in zip(plan.is_greedy, rows)]
-    logits = logits / _row_tensor(temps, device)
+    if any(t != 1.0 for t in temps):
+        logits.div_(_row_tensor(temps, device))
     apply_min_p(logits, [r.params.min_p for r in rows])
     logits = apply_top_k_top_p(logits, [r.params.top_k for r in rows], [r.params.top_p for r in rows])
     probs = _safe_softmax(logits)
@@ -378,7 +382,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[floa
 
 def _safe_softmax(logits: torch.Tensor) -> torch.Tensor:
     """softmax that maps an all -inf (or +inf-poisoned) row to zeros, not NaN."""
-    return torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
+    return torch.softmax(logits, dim=-1).nan_to_num_(nan=0.0)
 
 
 def _draw(probs: torch.Tensor, rows: list[SampleRow], plan: _Plan, generator: torch.Generator | None) -> torch.Tensor:
