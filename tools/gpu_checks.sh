@@ -32,6 +32,8 @@ $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_av
 step gpu_tests $PY -m pytest -q -m gpu -p no:cacheprovider tests    # the two-GPU ones skip on one
 step attention_kernels $PY tools/check_attention_kernels.py
 step lora_kernels $PY tools/check_lora_kernels.py --decode --output "$OUT/lora_decode.json"
+step lora_folds $PY tools/check_lora_kernels.py --fold-table --output "$OUT/lora_folds.json"
+step sampling $PY tools/bench_sampling.py --device cuda --rows 8 64 256
 step gpu_step $PY tools/profile_gpu_step.py --no-profile ${TOKENIZER:+--tokenizer "$TOKENIZER"}
 step bench_lora $PY tools/bench_lora.py --model llama-3.2-1b-random --device cuda \
     ${TOKENIZER:+--tokenizer "$TOKENIZER"} --output "$OUT/bench_lora_table.txt"
