@@ -1,9 +1,11 @@
-"""What the kernel checks and benchmarks share to time GPU work: a CUDA graph
-of back-to-back calls, and the median of CUDA-event timings."""
+"""What the kernel checks and benchmarks share to time work: a CUDA graph of
+back-to-back calls, the median of CUDA-event timings, and the median wall
+time of eager calls (on the CPU too)."""
 
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -34,3 +36,20 @@ def cuda_median_us(run, calls: int, repeats: int) -> float:
         torch.cuda.synchronize()
         times.append(begin.elapsed_time(end) * 1e3 / calls)
     return statistics.median(times)
+
+
+def eager_us(fn, *, device: str, warmup: int, iters: int, calls: int = 1) -> float:
+    """Median wall microseconds per call of ``calls`` back-to-back calls, synchronised at the end."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) * 1e6 / calls)
+    return statistics.median(samples)

@@ -12,13 +12,16 @@ tokens of 49,152 hold about 0.99 of the probability), ms a call (median of
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
 from mstar_actors.messages import SamplingParams
 from mstar_actors.runner.sampling import SampleRow, sample_tokens
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _gpu_timing import eager_us  # noqa: E402
 
 CASES = {"temperature 1": {}, "top_p 0.9": {"top_p": 0.9}, "top_k 40": {"top_k": 40},
          "top_k 50, top_p 0.95": {"top_k": 50, "top_p": 0.95}, "seeded": {"seed": 5}}
@@ -38,20 +41,6 @@ def textbook(logits: torch.Tensor, params: SamplingParams, generator: torch.Gene
     probs = torch.softmax(logits, dim=-1)
     q = torch.empty_like(probs).exponential_(generator=generator)
     return (probs / q).argmax(dim=-1)
-
-
-def median_ms(fn, device: str, iters: int) -> float:
-    fn()
-    samples = []
-    for _ in range(iters):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
 
 
 def main(argv=None) -> int:
@@ -75,8 +64,9 @@ def main(argv=None) -> int:
         for label, params in CASES.items():
             sampling = SamplingParams(**params)
             rows = [SampleRow(f"r{i}", sampling, [1], [2]) for i in range(num_rows)]
-            ours = median_ms(lambda: sample_tokens(logits, rows, generator=shared), args.device, args.iters)
-            book = median_ms(lambda: textbook(logits, sampling, shared).tolist(), args.device, args.iters)
+            timing = dict(device=args.device, warmup=1, iters=args.iters)
+            ours = eager_us(lambda: sample_tokens(logits, rows, generator=shared), **timing) / 1e3
+            book = eager_us(lambda: textbook(logits, sampling, shared).tolist(), **timing) / 1e3
             print(f"{num_rows:>4} {label:<22} {ours:>8.3f} {book:>9.3f} {book / ours:>7.2f}x", flush=True)
     return 0
 

@@ -79,7 +79,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _gpu_timing import capture_graph  # noqa: E402
+from _gpu_timing import capture_graph, eager_us  # noqa: E402
 from mstar_actors.lora import LoraStack, build_segments  # noqa: E402
 from mstar_actors.lora.ops import LoraSegments, expand_ref, shrink_ref  # noqa: E402
 from mstar_actors.models.lora_layers import lora_kernels  # noqa: E402
@@ -288,23 +288,6 @@ def decode_slots(mix: str, batch: int, rng: random.Random) -> list[int]:
     if mix == "grouped4":
         return sorted(1 + i % 4 for i in range(batch))
     return [rng.randrange(MAX_LORAS + 1) for _ in range(batch)]
-
-
-def eager_us(fn, *, device: str, warmup: int, iters: int, calls: int = CALLS_PER_STEP) -> float:
-    """Median wall microseconds per call of ``calls`` back-to-back calls, synchronised at the end."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(iters):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) * 1e6 / calls)
-    return statistics.median(samples)
 
 
 def graph_us(fn, *, warmup: int, iters: int, calls: int = CALLS_PER_STEP) -> float:
