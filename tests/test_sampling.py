@@ -106,26 +106,28 @@ def reference_kept(logits: torch.Tensor, top_k: int, top_p: float) -> set[int]:
     return {t for t in kept if logits[t] > float("-inf")} or {order[0]}
 
 
+@pytest.mark.parametrize("candidates", [8, 256])
 @pytest.mark.parametrize("device", DEVICES)
-def test_top_k_and_top_p_keep_what_a_full_sort_keeps(device):
-    """Rows of 3,000 tokens with top_k and top_p on, off and mixed, nuclei of a
-    few tokens and of more than ``CPU_CANDIDATES`` (flat rows, a large
-    top_k), some tokens already -inf: the kept sets are a full sort's."""
-    from mstar_actors.runner.sampling import CPU_CANDIDATES
+def test_top_k_and_top_p_keep_what_a_full_sort_keeps(device, candidates, monkeypatch):
+    """Batches of rows of 3,000 tokens with top_k and top_p on, off and mixed,
+    nuclei inside the CPU's first candidates and past them (flat rows: those
+    rows sorted whole), a top_k wider than them, some tokens already -inf:
+    the kept sets are a full sort's."""
+    from mstar_actors.runner import sampling
 
+    monkeypatch.setattr(sampling, "CPU_CANDIDATES", candidates)
     gen_ = torch.Generator().manual_seed(11)
     vocab = 3000
-    cases = [(0, 0.9), (40, 1.0), (40, 0.5), (0, 1.0), (600, 1.0), (0, 0.99), (1000, 0.95), (5, 0.0), (0, 0.3)]
-    peaked = torch.randn(len(cases), vocab, generator=gen_) * 4
-    flat = torch.randn(len(cases), vocab, generator=gen_) * 0.1
-    for logits in (peaked, flat):
-        logits = logits.clone()
-        logits[2, :50] = float("-inf")
-        got = apply_top_k_top_p(logits.clone().to(device), [k for k, _ in cases], [p for _, p in cases]).cpu()
-        for row, (k, p) in enumerate(cases):
-            want = reference_kept(logits[row], k, p if p < 1.0 else 2.0)
-            assert set(torch.isfinite(got[row]).nonzero().flatten().tolist()) == want, (row, k, p)
-    assert 3 * CPU_CANDIDATES < vocab  # the flat rows' nuclei are wider than the candidates
+    batches = [[(0, 0.9), (40, 1.0), (40, 0.5), (0, 1.0), (3, 0.5), (0, 0.99), (5, 0.0), (0, 0.3)],
+               [(600, 1.0), (1000, 0.95), (0, 0.9), (0, 0.2)]]
+    for cases in batches:
+        for scale in (4.0, 0.1):  # peaked and flat rows
+            logits = torch.randn(len(cases), vocab, generator=gen_) * scale
+            logits[2, :50] = float("-inf")
+            got = apply_top_k_top_p(logits.clone().to(device), [k for k, _ in cases], [p for _, p in cases]).cpu()
+            for row, (k, p) in enumerate(cases):
+                want = reference_kept(logits[row], k, p if p < 1.0 else 2.0)
+                assert set(torch.isfinite(got[row]).nonzero().flatten().tolist()) == want, (row, k, p, scale)
 
 
 def test_penalties_match_hand_computation():

@@ -311,7 +311,7 @@ def _choose_tokens(
     place: on CPU each fresh [rows, vocab] tensor costs as much as the pass
     that fills it."""
     # NaN from the model would poison argmax and softmax; treat it as impossible.
-    logits = logits.nan_to_num_(nan=float("-inf"))
+    logits = logits.nan_to_num_(nan=float("-inf"), neginf=float("-inf"))
     greedy = logits.argmax(dim=-1)
     if plan.is_all_greedy:
         return greedy, logits
@@ -321,8 +321,10 @@ def _choose_tokens(
     temps = [1.0 if g else r.params.temperature for g, r in zip(plan.is_greedy, rows)]
     if any(t != 1.0 for t in temps):
         logits.div_(_row_tensor(temps, device))
-    apply_min_p(logits, [r.params.min_p for r in rows])
-    logits = apply_top_k_top_p(logits, [r.params.top_k for r in rows], [r.params.top_p for r in rows])
+    # Greedy rows' draws are discarded: their filters are not applied.
+    apply_min_p(logits, [0.0 if g else r.params.min_p for g, r in zip(plan.is_greedy, rows)])
+    logits = apply_top_k_top_p(logits, [0 if g else r.params.top_k for g, r in zip(plan.is_greedy, rows)],
+                               [1.0 if g else r.params.top_p for g, r in zip(plan.is_greedy, rows)])
     probs = _safe_softmax(logits)
     drawn = _draw(probs, rows, plan, generator)
     # A row with no finite logit has all-zero probs: fall back to its argmax.
@@ -348,8 +350,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[floa
 
     Both are read off the row's tokens sorted by logit: on CUDA all of them
     (one sort); on CPU, where sorting 49,152 tokens takes about 1.5 ms a row,
-    the top ``CPU_CANDIDATES`` (``topk``), widened only for the rows whose
-    kept tokens do not fit in them."""
+    the top ``CPU_CANDIDATES`` (``topk``, or the largest top_k), and a whole
+    sort only for the rows whose nucleus spills past them."""
     use_k = any(k > 0 for k in top_ks)
     use_p = any(p < 1.0 for p in top_ps)
     if not use_k and not use_p:
@@ -357,27 +359,32 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[floa
     device, vocab = logits.device, logits.shape[1]
     ks = [min(k, vocab) if k > 0 else 0 for k in top_ks]
     width = vocab if device.type != "cpu" else min(vocab, max(CPU_CANDIDATES, *ks))
-    rows = torch.arange(logits.shape[0], device=device)
-    while True:
-        top = logits.topk(width, dim=-1).values if width < vocab else logits.sort(dim=-1, descending=True).values
-        threshold = torch.full((logits.shape[0], 1), float("-inf"), device=device)
-        if use_k:
-            kth = top[rows, torch.tensor([max(k, 1) - 1 for k in ks], device=device)].unsqueeze(1)
-            threshold = torch.where(torch.tensor(ks, device=device).unsqueeze(1) > 0, kth, threshold)
-        if not use_p:
-            break
-        # The survivors' probabilities over the whole row (its normaliser after top_k).
-        lse = logits.masked_fill(logits < threshold, float("-inf")).logsumexp(dim=-1, keepdim=True)
-        probs = torch.exp(top.masked_fill(top < threshold, float("-inf")) - lse).nan_to_num_(nan=0.0)
-        mass = probs.cumsum(dim=-1)
-        ps = _row_tensor([p if p < 1.0 else float("inf") for p in top_ps], device)
-        if width < vocab and not bool(((mass[:, -1:] >= ps) | (ps > 1.0)).all()):
-            width = vocab if width * 16 >= vocab else width * 16  # a wide nucleus: more candidates
-            continue
-        kept = ((mass - probs) < ps).to(torch.int32).cumprod(dim=-1).sum(dim=-1).clamp_(min=1)
-        threshold = torch.where(ps <= 1.0, torch.maximum(threshold, top[rows, kept - 1].unsqueeze(1)), threshold)
-        break
+    top = logits.topk(width, dim=-1).values if width < vocab else logits.sort(dim=-1, descending=True).values
+    k_col = torch.tensor(ks, device=device).unsqueeze(1)
+    threshold = torch.where(k_col > 0, top.gather(1, k_col.clamp(min=1) - 1), float("-inf"))
+    if not use_p:
+        return logits.masked_fill_(logits < threshold, float("-inf"))
+    ps = _row_tensor([p if p < 1.0 else float("inf") for p in top_ps], device)
+    # top_p's probabilities are over the whole row, after top_k.
+    lse = logits.masked_fill(logits < threshold, float("-inf")).logsumexp(dim=-1, keepdim=True)
+    nucleus, spills = _nucleus(top, threshold, lse, ps)
+    if width < vocab and bool(spills.any()):
+        rows = spills.nonzero()[:, 0]
+        whole = logits.index_select(0, rows).sort(dim=-1, descending=True).values
+        nucleus[rows] = _nucleus(whole, threshold[rows], lse[rows], ps[rows])[0]
+    threshold = torch.where(ps <= 1.0, torch.maximum(threshold, nucleus), threshold)
     return logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+def _nucleus(top: torch.Tensor, threshold: torch.Tensor, lse: torch.Tensor,
+             ps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """top_p's threshold ``[rows, 1]`` for rows whose tokens sorted by logit
+    begin with ``top`` (top_k's ``threshold`` applied, ``lse`` the row's
+    normaliser after it), and which rows' nuclei spill past ``top`` ``[rows]``."""
+    probs = torch.exp(top.masked_fill(top < threshold, float("-inf")) - lse).nan_to_num_(nan=0.0)
+    mass = probs.cumsum(dim=-1)
+    kept = ((mass - probs) < ps).to(torch.int32).cumprod(dim=-1).sum(dim=-1, keepdim=True).clamp_(min=1)
+    return top.gather(1, kept - 1), ((mass[:, -1:] < ps) & (ps <= 1.0)).squeeze(1)
 
 
 def _safe_softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -397,22 +404,22 @@ def _draw(probs: torch.Tensor, rows: list[SampleRow], plan: _Plan, generator: to
         return (probs / q.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(dim=-1)
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     total = cdf[:, -1:]
-    u = _row_draws(rows, plan, (probs.shape[0], 1), probs.device, generator, torch.Tensor.uniform_).to(torch.float64)
+    u = _row_draws(rows, plan, (probs.shape[0], 1), probs.device, generator, torch.Tensor.uniform_, torch.float64)
     # Strictly below the total, so the first cumulative sum past it is a token of non-zero probability.
     at = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, at, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def _row_draws(rows: list[SampleRow], plan: _Plan, shape, device: torch.device, generator: torch.Generator | None,
-               fill) -> torch.Tensor:
-    """``[rows, n]`` float32 filled row by row by ``fill(tensor, generator=...)``;
+               fill, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[rows, n]`` of ``dtype`` filled row by row by ``fill(tensor, generator=...)``;
     seeded rows from their own reseeded generator, the others from the shared
     one; greedy rows draw nothing (ones), so they never advance it."""
-    q = torch.ones(shape, dtype=torch.float32, device=device)
+    q = torch.ones(shape, dtype=dtype, device=device)
     unseeded = [i for i, r in enumerate(rows) if not plan.is_greedy[i] and r.params.seed is None]
     if unseeded:
         shared = generator if generator is not None else shared_generator(device)
-        q[unseeded] = fill(torch.empty((len(unseeded), shape[1]), device=device), generator=shared)
+        q[unseeded] = fill(torch.empty((len(unseeded), shape[1]), dtype=dtype, device=device), generator=shared)
     seeded = [i for i, r in enumerate(rows) if not plan.is_greedy[i] and r.params.seed is not None]
     if seeded:
         # One generator, reseeded per row: on CUDA the seed is read when the
