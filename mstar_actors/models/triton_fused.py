@@ -185,9 +185,10 @@ def _fold_dot(t_ptr, stride_t, rows, lslot, slot, shard, num_slots, offs_r, R, b
     """The expand of the tile's rows on adapter ``slot`` for one shard, ``[ROWS, BLOCK]`` float32 (zero on
     the other rows): their shrink ``[ROWS, BLOCK_R]`` (the fused GEMM's A columns) times ``b``
     (``_b_tile``) transposed. ``DOT`` (tiles of ``FOLD_ROWS``): one ``tl.dot``, the tensor cores in half
-    precision, exact float32 products in float32, then ``scale``. On the H200 at Qwen3.5-0.8B's gate|up,
-    64 / 256 rows of one adapter, silu_mul's fold took 2.1 / 3.3 us against 4.1 / 12.3 as a sum of
-    broadcast products; below 16 rows (one a program, ``fold_rows``) the sum, scaled first, took less
+    precision, exact float32 products in float32, then ``scale`` (so a row's expand may differ in its last
+    bit between steps of fewer and of 16 or more rows, as a GEMM's may between batch sizes). On the H200 at
+    Qwen3.5-0.8B's gate|up, 64 / 256 rows of one adapter, silu_mul's fold took 2.1 / 3.3 us against 4.1 /
+    12.3 as a sum of broadcast products; below 16 rows (one a program, ``fold_rows``) the sum, scaled first, took less
     (1.6 against 1.75 us at 8 rows, 1.8 against 4.6 with 4 adapters)."""
     mine = (lslot == slot) & (lslot != 0)
     t = tl.load(t_ptr + rows[:, None] * stride_t + (shard * num_slots + slot) * R + offs_r[None, :],
@@ -455,8 +456,9 @@ def _silu_mul_kernel(x_ptr, stride_x, d_ptr, out_ptr, stride_out, M, n,
         lslot = tl.load(lslot_ptr + rows, mask=ok, other=0).to(tl.int64)
         offs_r = tl.arange(0, BLOCK_R)
         slot, done = _next_slot(lslot, lslot == 0)
-        b_gate = _b_tile(b_ptr, stride_bs, stride_bn, slot, 0, cols, mask, offs_r, offs_r < R)
-        b_up = _b_tile(b_ptr, stride_bs, stride_bn, slot, up_col, cols, mask, offs_r, offs_r < R)
+        mask_r = offs_r < tl.where(slot != 0, R, 0)  # a tile of base rows reads no B
+        b_gate = _b_tile(b_ptr, stride_bs, stride_bn, slot, 0, cols, mask, offs_r, mask_r)
+        b_up = _b_tile(b_ptr, stride_bs, stride_bn, slot, up_col, cols, mask, offs_r, mask_r)
     if GDC:  # everything below reads the step's own writes (``triton_launch``)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

@@ -184,6 +184,8 @@ def test_silu_mul_adds_a_delta_as_add_would(dtype, device="cpu"):
 # of two, base rows, the last tile cut short.
 FOLD_SLOTS = {"3-rows": [1, 0, 2], "37-rows": [1] * 8 + [0, 1, 2, 0] + [0] * 4 + [2, 2, 1, 0, 1, 0, 2, 2] + [2] * 4
               + [0, 2, 1, 1, 1, 0, 1, 0, 1]}
+
+
 def reversed_rows(out: torch.Tensor, expand) -> tuple[torch.Tensor, object]:
     """A fused linear's output ``[y | t]`` and its expand with the rows in
     reverse order (a copy): each row beside other neighbours, in another
@@ -247,7 +249,8 @@ def test_silu_mul_folds_a_fused_expand_as_expand_rows_would(dtype, rows, device=
     out, expand = pending_expand(gate_up, [600, 600], row_slots)
     want = out.clone()
     expand._replace(t=want[:, 1200:]).apply(want[:, :1200])
-    check = assert_close_to_expand  # tiles of rows: a dot of the rank, then the scale (sums of another order)
+    # One row a program sums as expand_rows does; tiles of rows take a dot of the rank, then the scale.
+    check = torch.equal if device == "cpu" and len(row_slots) < triton_fused.FOLD_ROWS else assert_close_to_expand
     got = triton_fused.silu_mul(out[:, :1200], expand=expand)
     assert check(got, triton_fused.silu_mul(want[:, :1200])) in (True, None)
     base = [i for i, slot in enumerate(row_slots) if slot == 0]
@@ -394,7 +397,7 @@ def test_gated_rms_norm_equals_the_layers_torch_ops_to_rounding(dtype, device="c
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_kernels_compiled_on_gpu(dtype, monkeypatch):
+def test_kernels_compiled_on_gpu(dtype):
     test_rms_norm_matches_torch(dtype, "cuda")
     for zero_centered in (False, True):
         test_add_rms_norm_writes_the_sum_and_normalises_it(dtype, zero_centered, "cuda")
