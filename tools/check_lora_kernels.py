@@ -47,7 +47,8 @@ a tile), Qwen3.5's ``conv_step`` over a fused in_proj (one row a
 program, up to ``deltanet_decode.CONV_FOLD_MAX_ROWS``; past them ``-``)
 and the residual's ``rms_norm`` over o's or down's (one row a program),
 Qwen3.5-0.8B's widths, rank 16, each at 8-256 rows, one adapter and 4
-(interleaved row by row, and grouped as the scheduler orders a step's rows), us per call inside a CUDA graph beside the op alone and beside
+(interleaved row by row, and grouped as the scheduler orders a step's
+rows), us per call inside a CUDA graph beside the op alone and beside
 ``expand_rows`` then the op (``split``: what runs without the fold);
 every fold is first checked to give its rows the same result, bit for bit,
 in reverse order (a row's result must not depend on its neighbours in a
@@ -585,7 +586,7 @@ def run_rows(configs_, check, format_, args, device, dtype, env: dict) -> int:
 # and down's expand into the hidden size, 1024, added by the residual's RMSNorm (zero-centred).
 FOLD_WIDTHS = {"gate_up": [3584, 3584], "in_proj": [2048, 2048, 2048, 2048, 16, 16], "norm": [1024]}
 TINY_FOLD_WIDTHS = {"gate_up": [96, 96], "in_proj": [64, 64, 64, 64, 4, 4], "norm": [96]}  # the interpreter's
-FOLD_ROWS = (8, 32, 64, 128, 256)
+FOLD_TABLE_ROWS = (8, 16, 24, 32, 64, 128, 256)  # around the lines the folds draw
 
 
 def fold_ops(widths: dict, num_rows: int, mix: str, dtype, device: str, gen, flip: bool = False) -> dict:
@@ -637,7 +638,7 @@ def fold_table_main(args) -> int:
     device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    rows = args.rows or ([16, 37] if device == "cpu" else list(FOLD_ROWS))
+    rows = args.rows or ([16, 37] if device == "cpu" else list(FOLD_TABLE_ROWS))
     widths = TINY_FOLD_WIDTHS if device == "cpu" else FOLD_WIDTHS
     mixes = ["one", "mixed4", "grouped4"] if args.mixes == list(MIXES) else args.mixes
     calls = args.calls or 20

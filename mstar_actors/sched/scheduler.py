@@ -324,9 +324,10 @@ class Scheduler:
         Order: decodes of running sequences, then their unfinished prefills,
         then waiting requests in FIFO order (skipped in a step that preempted,
         so a victim is not re-admitted at once). Earlier admitted sequences
-        come first everywhere, so the oldest one always progresses; with
-        ``max_num_batched_tokens < max_num_seqs`` the newest decodes wait.
-        The plan lists the decodes grouped by LoRA slot (``group_by_slot``).
+        are scheduled first everywhere, so the oldest one always progresses;
+        with ``max_num_batched_tokens < max_num_seqs`` the newest decodes
+        wait. The plan lists the decodes grouped by LoRA slot
+        (``group_by_slot``), then the prefills in the order they were scheduled.
         """
         if not self.can_schedule():
             raise RuntimeError(
