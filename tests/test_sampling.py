@@ -277,6 +277,9 @@ def test_all_tokens_penalised_to_minus_inf_is_safe():
     row = make_row(output=[0, 1], repetition_penalty=2.0, frequency_penalty=1.0, top_k=2, seed=1)
     (s,) = sample_tokens(logits, [row])
     assert 0 <= s.token_id < 4
+    # No finite logit at any temperature: the row's argmax (the first token), never a random draw.
+    rows = [make_row(str(i), temperature=t, seed=i) for i, t in enumerate([0.5, 1.0, 1.5, 2.0] * 4)]
+    assert token_ids(sample_tokens(torch.full((16, 64), float("-inf")), rows)) == [0] * 16
 
 
 @pytest.mark.gpu
