@@ -119,7 +119,7 @@ def test_top_k_and_top_p_keep_what_a_full_sort_keeps(device, candidates, monkeyp
     gen_ = torch.Generator().manual_seed(11)
     vocab = 3000
     batches = [[(0, 0.9), (40, 1.0), (40, 0.5), (0, 1.0), (3, 0.5), (0, 0.99), (5, 0.0), (0, 0.3)],
-               [(600, 1.0), (1000, 0.95), (0, 0.9), (0, 0.2)]]
+               [(600, 1.0), (1000, 0.95), (0, 0.9), (0, 0.2)], [(7, 1.0), (0, 1.0), (30, 1.0)]]
     for cases in batches:
         for scale in (4.0, 0.1):  # peaked and flat rows
             logits = torch.randn(len(cases), vocab, generator=gen_) * scale

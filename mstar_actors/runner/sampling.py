@@ -350,15 +350,16 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[floa
 
     Both are read off the row's tokens sorted by logit: on CUDA all of them
     (one sort); on CPU, where sorting 49,152 tokens takes about 1.5 ms a row,
-    the top ``CPU_CANDIDATES`` (``topk``, or the largest top_k), and a whole
-    sort only for the rows whose nucleus spills past them."""
+    the top ``CPU_CANDIDATES`` (``topk``, or the largest top_k; top_k alone
+    takes only that), and a whole sort only for the rows whose nucleus spills
+    past them."""
     use_k = any(k > 0 for k in top_ks)
     use_p = any(p < 1.0 for p in top_ps)
     if not use_k and not use_p:
         return logits
     device, vocab = logits.device, logits.shape[1]
     ks = [min(k, vocab) if k > 0 else 0 for k in top_ks]
-    width = vocab if device.type != "cpu" else min(vocab, max(CPU_CANDIDATES, *ks))
+    width = vocab if device.type != "cpu" else min(vocab, max(CPU_CANDIDATES if use_p else 1, *ks))
     top = logits.topk(width, dim=-1).values if width < vocab else logits.sort(dim=-1, descending=True).values
     k_col = torch.tensor(ks, device=device).unsqueeze(1)
     threshold = torch.where(k_col > 0, top.gather(1, k_col.clamp(min=1) - 1), float("-inf"))
