@@ -492,11 +492,12 @@ def shrink_expand_rows(
 # (``tools/check_lora_kernels.py --rows-table`` times both).
 MIN_SPLIT_ROWS = 64
 # A fused stack's steps of fewer rows take the fused GEMM and one expand
-# (folded into the next kernel where it takes it) instead: at 64 and 128 rows
-# that step measured 3-9% faster on the H200 than the grouped kernels beside
-# the GEMM, on the 1B and Qwen3.5 shapes alike (``tools/profile_gpu_step.py
-# --split-rows 64 256``).
-MIN_SPLIT_FUSED_ROWS = 256
+# (folded into the next kernel where it takes it) instead, every decode bucket
+# up to 256 rows among them: at 256 rows, one adapter, that step took 2.25
+# against 2.71 ms on the H200 on the 1B shape, 5.00 against 5.30 on Qwen3.5's,
+# than the grouped kernels beside the GEMM (``tools/profile_gpu_step.py
+# --split-rows 256 512``).
+MIN_SPLIT_FUSED_ROWS = 512
 
 
 def kernel_for(num_rows: int) -> str:
