@@ -1,6 +1,7 @@
 """sample_tokens: greedy, filters, penalties, per-request seeds, logprobs, NaN safety."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -163,8 +164,22 @@ def test_greedy_uses_penalised_logits():
     assert token_ids(sample_tokens(logits, [row])) == [1]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_seeded_row_independent_of_batch_and_position(device):
+@pytest.fixture
+def race_on_cpu(monkeypatch):
+    """``sample_tokens`` on CPU tensors through the CUDA draw's kernel, in
+    Triton's interpreter (the ``gpu`` tests run it compiled)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernel runs on CPU tensors only in Triton's interpreter")
+    from mstar_actors.runner import sampling
+
+    monkeypatch.setattr(sampling, "_races", lambda logits: True)
+
+
+@pytest.mark.parametrize("device", [*DEVICES, "race"])
+def test_seeded_row_independent_of_batch_and_position(device, request):
+    if device == "race":
+        request.getfixturevalue("race_on_cpu")
+        device = "cpu"
     vocab = 200
     flat = torch.zeros(1, vocab)  # uniform: every draw depends only on the seed
 
@@ -280,6 +295,78 @@ def test_all_tokens_penalised_to_minus_inf_is_safe():
     # No finite logit at any temperature: the row's argmax (the first token), never a random draw.
     rows = [make_row(str(i), temperature=t, seed=i) for i, t in enumerate([0.5, 1.0, 1.5, 2.0] * 4)]
     assert token_ids(sample_tokens(torch.full((16, 64), float("-inf")), rows)) == [0] * 16
+
+
+def _uniforms(seeds: list[int], vocab: int) -> torch.Tensor:
+    """Philox's uniforms ``tl.rand(seed, token)`` a row, as the race kernel draws them."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fill(seed_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        tl.store(out_ptr + row * vocab + cols, tl.rand(tl.load(seed_ptr + row), cols), mask=cols < vocab)
+
+    out = torch.empty(len(seeds), vocab)
+    fill[(len(seeds),)](torch.tensor(seeds), out, vocab, BLOCK=triton.next_power_of_2(vocab))
+    return out
+
+
+def test_race_kernel_takes_the_gumbel_argmax_of_the_kept_tokens(race_on_cpu):
+    """Each random row's token is ``argmax(x / T - log(-log u))`` over its
+    top_k (ties at the floor kept), ``u`` Philox's uniforms under the row's
+    seed (``derive_seed`` for a seeded row, the step's base seed plus the row
+    for the others); greedy rows, and rows with no finite logit, take the
+    first of equal maxima; NaN counts as -inf. Rows wider than the kernel's
+    block of 2,048 tokens."""
+    from mstar_actors.runner import sampling_triton
+    from mstar_actors.runner.sampling import derive_seed
+
+    vocab = 5000
+    logits = make_logits(7, vocab, seed=12)
+    logits[0, [10, 4000]] = 30.0  # equal maxima in two blocks
+    logits[1, :] = float("-inf")
+    logits[2, 100:200] = float("nan")
+    logits[4, 3000] = logits[4, 2999] = logits[4].max() + 1  # tied at top_k=2's floor
+    rows = [make_row("a", temperature=0.0), make_row("b", temperature=0.7), make_row("c", top_k=50, seed=3),
+            make_row("d", temperature=1.5), make_row("e", top_k=2, seed=9, output=[1, 2]),
+            make_row("f", temperature=0.0, seed=4), make_row("g", top_k=1, temperature=2.0)]
+    shared = gen(21)
+    base = torch.randint(0, 1 << 62, (1,), generator=gen(21)).item()  # the draw sample_tokens makes of it
+    got = token_ids(sample_tokens(logits, rows, generator=shared))
+    seeds = [base + i if r.params.seed is None else derive_seed(r.params.seed, len(r.output_token_ids))
+             for i, r in enumerate(rows)]
+    gumbel = -torch.log(-torch.log(_uniforms(seeds, vocab)))
+    clean = logits.nan_to_num(nan=float("-inf"))
+    for i, r in enumerate(rows):
+        if r.params.temperature < 1e-5 or not torch.isfinite(clean[i]).any():
+            assert got[i] == clean[i].argmax().item(), r.request_id
+            continue
+        floor = clean[i].topk(r.params.top_k).values[-1] if r.params.top_k else float("-inf")
+        score = torch.where(clean[i] >= floor, clean[i] * (1.0 / r.params.temperature) + gumbel[i], float("-inf"))
+        assert got[i] == score.argmax().item(), r.request_id
+    assert got[0] == 10 and got[1] == 0 and got[4] in (2999, 3000) and got[6] == clean[6].argmax().item()
+    assert sampling_triton.BLOCK < vocab
+
+
+def test_race_kernel_draws_follow_the_filtered_softmax(race_on_cpu):
+    """Through the kernel, unseeded and seeded: temperature, top_k's floor
+    (raw logits) and top_p (the tempered copy the torch filters leave)."""
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    n = 150
+    logits = probs.log().expand(n, 4)
+    cases = {"seeded": {"seed": 0}, "top_k 2": {"top_k": 2}, "top_p 0.5, T 0.5": {"top_p": 0.5, "temperature": 0.5}}
+    for label, params in cases.items():
+        rows = [make_row(str(i), **{k: (i if k == "seed" else v) for k, v in params.items()}) for i in range(n)]
+        counts = torch.bincount(torch.tensor(token_ids(sample_tokens(logits, rows, generator=gen(5)))), minlength=4)
+        want = torch.softmax(probs.log() / params.get("temperature", 1.0), 0)
+        if label == "top_k 2":
+            want = torch.tensor([0.0, 0.0, 3 / 7, 4 / 7])
+        if label.startswith("top_p"):  # T 0.5: 1/30, 4/30, 9/30, 16/30; the nucleus of 0.5 is token 3 alone
+            want = torch.tensor([0.0, 0.0, 0.0, 1.0])
+        assert ((counts / n - want).abs() < 0.1).all(), (label, counts)
+        assert (counts[want == 0] == 0).all(), label
 
 
 @pytest.mark.gpu

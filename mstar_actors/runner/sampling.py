@@ -30,19 +30,21 @@ OpenAI reports for impossible tokens) so that -inf and NaN never reach JSON.
 Randomness: on CUDA the exponential race ``argmax(probs / q)`` with ``q ~
 Exp(1)`` per token draws exactly from ``Categorical(probs)``. We prefer it to
 ``torch.multinomial`` because (a) it needs no host synchronisation on CUDA,
-(b) ``q`` for different rows can come from different generators and the
-argmax stays one batched op, and (c) a row's draw depends only on its own
-``q`` row, never on its batch position. On CPU, where a vocabulary's
-exponentials cost about 20 ns each (0.9 ms a row of 49,152), a row draws one
-uniform ``u`` instead and takes the first token whose cumulative probability
-passes ``u``: (b) and (c) hold as well. A seeded row reseeds one generator
-from ``(seed, len(output_token_ids))`` and fills its own ``q`` (or ``u``) row: the same
-request draws the same token at the same output length whatever else is in
-the batch, and a preempted request that restarts with its earlier outputs
-reproduces the rest. Unseeded rows share one generator (``generator``, or a
-per-device module generator seeded with ``DEFAULT_SHARED_SEED``); ranks stay
-in lockstep because each samples the same rows in the
-same order.
+(b) ``q`` for different rows can come from different seeds and the argmax
+stays one batched op, and (c) a row's draw depends only on its own ``q``
+row, never on its batch position. It runs as one Triton kernel
+(``sampling_triton``), with temperature and top_k's floor, each ``q`` from
+Philox keyed by the row's seed. On CPU, where a vocabulary's exponentials
+cost about 20 ns each (0.9 ms a row of 49,152), a row draws one uniform
+``u`` instead and takes the first token whose cumulative probability passes
+``u``: (b) and (c) hold as well. A seeded row's seed is ``derive_seed(seed,
+len(output_token_ids))`` (on CPU it reseeds one generator that fills its
+``u``): the same request draws the same token at the same output length
+whatever else is in the batch, and a preempted request that restarts with
+its earlier outputs reproduces the rest. Unseeded rows share one generator
+(``generator``, or a per-device module generator seeded with
+``DEFAULT_SHARED_SEED``; on CUDA one draw of it a step, the base seed);
+ranks stay in lockstep because each samples the same rows in the same order.
 """
 
 from __future__ import annotations
@@ -160,9 +162,13 @@ def sample_pending(
             f"sample_tokens: logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}"
         )
     plan = _Plan.from_rows(rows)
-    if plan.is_all_greedy and not (plan.needs_penalties or plan.needs_logprobs or plan.needs_processors):
+    plain = not (plan.needs_penalties or plan.needs_logprobs or plan.needs_processors)
+    if plan.is_all_greedy and plain:
         # The common case: one argmax, no float32 copy (the cast is exact).
         return PendingSample(rows, logits.argmax(dim=-1))
+    if plain and _races(logits) and not _filters_in_torch(rows, plan):
+        # temperature and top_k in the kernel, off the model's own logits
+        return PendingSample(rows, _race_tokens(logits, rows, plan, generator, raw=True))
     logits = logits.to(torch.float32, copy=True)
     raw_logprobs = _log_softmax(logits) if plan.needs_logprobs and logprobs_mode == "raw" else None
     if plan.needs_processors:
@@ -312,9 +318,10 @@ def _choose_tokens(
     that fills it."""
     # NaN from the model would poison argmax and softmax; treat it as impossible.
     logits = logits.nan_to_num_(nan=float("-inf"), neginf=float("-inf"))
-    greedy = logits.argmax(dim=-1)
     if plan.is_all_greedy:
-        return greedy, logits
+        return logits.argmax(dim=-1), logits
+    races = _races(logits)
+    greedy = None if races else logits.argmax(dim=-1)
     device = logits.device
     # Greedy rows get temperature 1 so the batched math stays finite; their
     # random draw is discarded below.
@@ -325,6 +332,8 @@ def _choose_tokens(
     apply_min_p(logits, [0.0 if g else r.params.min_p for g, r in zip(plan.is_greedy, rows)])
     logits = apply_top_k_top_p(logits, [0 if g else r.params.top_k for g, r in zip(plan.is_greedy, rows)],
                                [1.0 if g else r.params.top_p for g, r in zip(plan.is_greedy, rows)])
+    if races:
+        return _race_tokens(logits, rows, plan, generator, raw=False), logits
     probs = _safe_softmax(logits)
     drawn = _draw(probs, rows, plan, generator)
     # A row with no finite logit has all-zero probs: fall back to its argmax.
@@ -391,6 +400,56 @@ def _nucleus(top: torch.Tensor, threshold: torch.Tensor, lse: torch.Tensor,
 def _safe_softmax(logits: torch.Tensor) -> torch.Tensor:
     """softmax that maps an all -inf (or +inf-poisoned) row to zeros, not NaN."""
     return torch.softmax(logits, dim=-1).nan_to_num_(nan=0.0)
+
+
+def _races(logits: torch.Tensor) -> bool:
+    """Whether the draw is ``sampling_triton.race``'s: on CUDA, where Triton is."""
+    return logits.is_cuda and _race_kernel() is not None
+
+
+def _race_kernel():
+    try:
+        from mstar_actors.runner import sampling_triton
+    except ImportError:  # pragma: no cover - a CUDA build of torch has Triton
+        return None
+    return sampling_triton
+
+
+def _filters_in_torch(rows: list[SampleRow], plan: _Plan) -> bool:
+    """Whether a random row has min_p or top_p, which read the tempered
+    probabilities (torch, before the kernel); top_k is a floor on the logits."""
+    return any(not g and (r.params.min_p > 0.0 or r.params.top_p < 1.0) for g, r in zip(plan.is_greedy, rows))
+
+
+def _race_tokens(logits: torch.Tensor, rows: list[SampleRow], plan: _Plan, generator: torch.Generator | None,
+                 *, raw: bool) -> torch.Tensor:
+    """``sampling_triton.race``'s tokens ``[rows]`` on the logits' device.
+    ``raw``: the model's logits, which the kernel tempers and floors at top_k
+    (else ``_choose_tokens``' tempered and filtered copy). A random row
+    unseeded takes the step's base seed, one draw of the shared generator on
+    the device; a seeded one ``derive_seed``'s, as ``_row_draws``."""
+    kernel = _race_kernel()
+    device = logits.device
+    # A row's 1 / temperature, its floor (+inf: a greedy row keeps no token, so takes its argmax) and top_k.
+    params = [[1.0 if g or not raw else 1.0 / r.params.temperature for g, r in zip(plan.is_greedy, rows)],
+              [float("inf") if g else float("-inf") for g in plan.is_greedy],
+              [float(0 if g or not raw else r.params.top_k) for g, r in zip(plan.is_greedy, rows)]]
+    seeds = [kernel.UNSEEDED if g or r.params.seed is None else derive_seed(r.params.seed, len(r.output_token_ids))
+             for g, r in zip(plan.is_greedy, rows)]
+    pin = device.type == "cuda"
+    scales, floors, ks = torch.tensor(params, dtype=torch.float32, pin_memory=pin).to(device, non_blocking=pin)
+    seeds_dev = torch.tensor(seeds, dtype=torch.int64, pin_memory=pin).to(device, non_blocking=pin)
+    max_k = min(int(max(params[2])), logits.shape[1])
+    if max_k > 0:  # the k-th largest logit, the least a top_k row keeps (ties kept)
+        top = logits.topk(max_k, dim=-1).values
+        at = ks.to(torch.int64).clamp_(min=1, max=max_k) - 1
+        floors = torch.where(ks > 0, top.gather(1, at.unsqueeze(1)).squeeze(1).to(torch.float32), floors)
+    if any(s == kernel.UNSEEDED and not g for s, g in zip(seeds, plan.is_greedy)):
+        shared = generator if generator is not None else shared_generator(device)
+        base = torch.randint(0, 1 << 62, (1,), generator=shared, device=device)
+    else:  # no row reads it: the shared generator does not advance
+        base = seeds_dev[:1]
+    return kernel.race(logits, scales, floors, seeds_dev, base)
 
 
 def _draw(probs: torch.Tensor, rows: list[SampleRow], plan: _Plan, generator: torch.Generator | None) -> torch.Tensor:
