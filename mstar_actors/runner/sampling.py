@@ -233,9 +233,8 @@ def _banned_tokens(row: SampleRow) -> list[int]:
 def _index_put(target: torch.Tensor, pairs: list[tuple[int, int]], values: list, accumulate: bool) -> None:
     if not pairs:
         return
-    index = torch.tensor(pairs, dtype=torch.int64).to(target.device).T
-    target.index_put_((index[0], index[1]), torch.tensor(values, dtype=target.dtype).to(target.device),
-                      accumulate=accumulate)
+    index = _host_to(target.device, pairs, torch.int64).T
+    target.index_put_((index[0], index[1]), _host_to(target.device, values, target.dtype), accumulate=accumulate)
 
 
 # --------------------------------------------------------------------------
@@ -259,7 +258,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
         return logits
     device, vocab = logits.device, logits.shape[1]
     sub_rows = [rows[i] for i in idx]
-    sub = logits[idx]
+    at = _host_to(device, idx, torch.int64)
+    sub = logits.index_select(0, at)
     output_counts = _token_counts([r.output_token_ids for r in sub_rows], vocab, device)
     if any(r.params.repetition_penalty != 1.0 for r in sub_rows):
         rep = _row_tensor([r.params.repetition_penalty for r in sub_rows], device)
@@ -270,8 +270,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     freq = _row_tensor([r.params.frequency_penalty for r in sub_rows], device)
     presence = _row_tensor([r.params.presence_penalty for r in sub_rows], device)
     sub = sub - freq * output_counts - presence * (output_counts > 0).to(sub.dtype)
-    logits[idx] = sub
-    return logits
+    return logits.index_copy_(0, at, sub)
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -287,9 +286,9 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
     num_rows, width = len(token_lists), vocab + 1  # the last column takes out-of-range ids
     counts = torch.zeros(num_rows * width, dtype=torch.float32, device=device)
     if flat:
-        tokens = torch.frombuffer(flat, dtype=torch.int64).to(device)
+        tokens = _host_to(device, torch.frombuffer(flat, dtype=torch.int64))
         tokens = torch.where((tokens >= 0) & (tokens < vocab), tokens, vocab)
-        lengths = torch.tensor([len(t) for t in token_lists], device=device)
+        lengths = _host_to(device, [len(t) for t in token_lists], torch.int64)
         row_starts = torch.arange(num_rows, device=device) * width
         tokens += torch.repeat_interleave(row_starts, lengths, output_size=len(flat))
         counts.index_add_(0, tokens, torch.ones(len(flat), dtype=torch.float32, device=device))
@@ -298,7 +297,17 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
 
 def _row_tensor(values: list[float], device: torch.device) -> torch.Tensor:
     """A [rows, 1] float32 column, broadcastable against [rows, vocab]."""
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+    return _host_to(device, values, torch.float32).unsqueeze(1)
+
+
+def _host_to(device: torch.device, values, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host values (a list, or a CPU tensor) as a tensor on ``device``. On
+    CUDA through pinned memory, queued without waiting: a copy from pageable
+    memory would wait for every kernel queued before it, the step's own."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 # --------------------------------------------------------------------------
@@ -338,7 +347,7 @@ def _choose_tokens(
     drawn = _draw(probs, rows, plan, generator)
     # A row with no finite logit has all-zero probs: fall back to its argmax.
     drawn = torch.where(probs.sum(dim=-1) > 0, drawn, greedy)
-    is_greedy = torch.tensor(plan.is_greedy, device=device)
+    is_greedy = _host_to(device, plan.is_greedy, torch.bool)
     return torch.where(is_greedy, greedy, drawn), logits
 
 
@@ -370,7 +379,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[floa
     ks = [min(k, vocab) if k > 0 else 0 for k in top_ks]
     width = vocab if device.type != "cpu" else min(vocab, max(CPU_CANDIDATES if use_p else 1, *ks))
     top = logits.topk(width, dim=-1).values if width < vocab else logits.sort(dim=-1, descending=True).values
-    k_col = torch.tensor(ks, device=device).unsqueeze(1)
+    k_col = _host_to(device, ks, torch.int64).unsqueeze(1)
     threshold = torch.where(k_col > 0, top.gather(1, k_col.clamp(min=1) - 1), float("-inf"))
     if not use_p:
         return logits.masked_fill_(logits < threshold, float("-inf"))
@@ -436,9 +445,8 @@ def _race_tokens(logits: torch.Tensor, rows: list[SampleRow], plan: _Plan, gener
               [float(0 if g or not raw else r.params.top_k) for g, r in zip(plan.is_greedy, rows)]]
     seeds = [kernel.UNSEEDED if g or r.params.seed is None else derive_seed(r.params.seed, len(r.output_token_ids))
              for g, r in zip(plan.is_greedy, rows)]
-    pin = device.type == "cuda"
-    scales, floors, ks = torch.tensor(params, dtype=torch.float32, pin_memory=pin).to(device, non_blocking=pin)
-    seeds_dev = torch.tensor(seeds, dtype=torch.int64, pin_memory=pin).to(device, non_blocking=pin)
+    scales, floors, ks = _host_to(device, params, torch.float32)
+    seeds_dev = _host_to(device, seeds, torch.int64)
     max_k = min(int(max(params[2])), logits.shape[1])
     if max_k > 0:  # the k-th largest logit, the least a top_k row keeps (ties kept)
         top = logits.topk(max_k, dim=-1).values
