@@ -37,7 +37,6 @@ import asyncio
 import json
 import logging
 import multiprocessing
-import os
 import statistics
 import sys
 import tempfile
@@ -88,13 +87,17 @@ class StandInEngine(Actor):
     while the frontend writes the one before: the frontend always has the
     next step to take, and a stream gets about one event per token; else
     steps queue up in the ring until it is full, and the backlog leaves in
-    fewer, larger events."""
+    fewer, larger events. ``step_s``: besides, a step at most every that many
+    seconds, as a GPU's step takes them (the frontend then writes an event a
+    token while it keeps up)."""
 
-    def __init__(self, token_ids: list[int], logprobs: bool = False, is_paced: bool = True, **kw: Any):
+    def __init__(self, token_ids: list[int], logprobs: bool = False, is_paced: bool = True, step_s: float = 0.0,
+                 **kw: Any):
         super().__init__(**kw)
         self.token_ids = token_ids
         self.logprobs = logprobs
         self.is_paced = is_paced
+        self.step_s = step_s
         self.running: dict[str, list[int]] = {}  # choice id -> [next position, tokens left, tokens sent]
         self.num_running_sent = -1
         self.encode = msgspec.msgpack.Encoder().encode
@@ -118,10 +121,12 @@ class StandInEngine(Actor):
                 await self.dispatch(*await self.mailbox.get())
             while (item := self.mailbox.get_nowait()) is not None:
                 await self.dispatch(*item)
+            due = time.monotonic() + self.step_s
             num_bytes = await self.step(ring)
             if self.is_paced:  # the frontend has read every step before this one
                 await ring.wait_for_room(ring.capacity_bytes - num_bytes)
-            await asyncio.sleep(0)  # the mailbox's pump reads new requests between steps
+            # the mailbox's pump reads new requests between steps; a stand-in GPU step's time passes
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
 
     async def step(self, ring: Any) -> int:
         """Send one step's outputs; return the bytes they take in the ring."""
@@ -334,7 +339,8 @@ class Rig:
         engine = ActorSpec(name="engine", inbox={"frontend": (rings["frontend.prepare"], "FrontendToPrepare"),
                                                  "control": (rings["bench.engine"], "LauncherToActor")},
                            outbox={"frontend": (rings["conductor.frontend"], "ConductorToFrontend")},
-                           params={"token_ids": token_ids, "logprobs": args.logprobs, "is_paced": not args.unpaced},
+                           params={"token_ids": token_ids, "logprobs": args.logprobs, "is_paced": not args.unpaced,
+                                   "step_s": args.step_ms / 1e3},
                            **common)
         target = "bench_frontend:_profiled_frontend" if args.profile else "actors.frontend:FrontendActor"
         self.procs = {"frontend": SPAWN.Process(target=run_actor_process, args=(target, frontend), name="frontend"),
@@ -452,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--logprobs", action="store_true", help="every request asks for logprobs and the top 2")
     parser.add_argument("--unpaced", action="store_true",
                         help="the engine stand-in sends steps until the ring is full, not one per ring read")
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="the engine stand-in's least time a step, as a GPU's (e.g. 1.2 at 64 rows)")
     parser.add_argument("--profile", default="", help="write the frontend's cProfile statistics to this file")
     parser.add_argument("--output", help="also write the table here")
     args = parser.parse_args(argv)
