@@ -177,9 +177,7 @@ def race_on_cpu(monkeypatch):
 
 @pytest.mark.parametrize("device", [*DEVICES, "race"])
 def test_seeded_row_independent_of_batch_and_position(device, request):
-    if device == "race":
-        request.getfixturevalue("race_on_cpu")
-        device = "cpu"
+    device = _on(device, request)
     vocab = 200
     flat = torch.zeros(1, vocab)  # uniform: every draw depends only on the seed
 
@@ -269,8 +267,9 @@ def test_processed_logprobs_follow_penalties_and_filters():
     assert math.exp(out.top_logprobs[0].logprob) + math.exp(out.top_logprobs[1].logprob) == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_nan_and_inf_logits_give_valid_tokens_and_finite_logprobs(device):
+@pytest.mark.parametrize("device", [*DEVICES, "race"])
+def test_nan_and_inf_logits_give_valid_tokens_and_finite_logprobs(device, request):
+    device = _on(device, request)
     logits = torch.zeros(5, VOCAB)
     logits[0, :] = float("nan")
     logits[1, :] = float("-inf")
@@ -287,17 +286,20 @@ def test_nan_and_inf_logits_give_valid_tokens_and_finite_logprobs(device):
         assert all(math.isfinite(t.logprob) for t in s.top_logprobs)
 
 
-def test_all_tokens_penalised_to_minus_inf_is_safe():
-    logits = torch.full((1, 4), float("-inf"))
+@pytest.mark.parametrize("device", [*DEVICES, "race"])
+def test_all_tokens_penalised_to_minus_inf_is_safe(device, request):
+    device = _on(device, request)
+    logits = torch.full((1, 4), float("-inf"), device=device)
     row = make_row(output=[0, 1], repetition_penalty=2.0, frequency_penalty=1.0, top_k=2, seed=1)
     (s,) = sample_tokens(logits, [row])
     assert 0 <= s.token_id < 4
     # No finite logit at any temperature: the row's argmax (the first token), never a random draw.
-    rows = [make_row(str(i), temperature=t, seed=i) for i, t in enumerate([0.5, 1.0, 1.5, 2.0] * 4)]
-    assert token_ids(sample_tokens(torch.full((16, 64), float("-inf")), rows)) == [0] * 16
+    rows = [make_row(str(i), temperature=t, seed=i, top_k=k) for i, (t, k) in enumerate([(0.5, 0), (1.0, 3),
+                                                                                          (1.5, 0), (2.0, 1)] * 4)]
+    assert token_ids(sample_tokens(torch.full((16, 64), float("-inf"), device=device), rows)) == [0] * 16
 
 
-def _uniforms(seeds: list[int], vocab: int) -> torch.Tensor:
+def _uniforms(seeds: list[int], vocab: int, device: str) -> torch.Tensor:
     """Philox's uniforms ``tl.rand(seed, token)`` a row, as the race kernel draws them."""
     import triton
     import triton.language as tl
@@ -308,12 +310,21 @@ def _uniforms(seeds: list[int], vocab: int) -> torch.Tensor:
         cols = tl.arange(0, BLOCK)
         tl.store(out_ptr + row * vocab + cols, tl.rand(tl.load(seed_ptr + row), cols), mask=cols < vocab)
 
-    out = torch.empty(len(seeds), vocab)
-    fill[(len(seeds),)](torch.tensor(seeds), out, vocab, BLOCK=triton.next_power_of_2(vocab))
-    return out
+    out = torch.empty(len(seeds), vocab, device=device)
+    fill[(len(seeds),)](torch.tensor(seeds, device=device), out, vocab, BLOCK=triton.next_power_of_2(vocab))
+    return out.cpu()
 
 
-def test_race_kernel_takes_the_gumbel_argmax_of_the_kept_tokens(race_on_cpu):
+def _on(device: str, request) -> str:
+    """A test's device: "race" is the CPU through the CUDA draw's kernel (``race_on_cpu``)."""
+    if device == "race":
+        request.getfixturevalue("race_on_cpu")
+        return "cpu"
+    return device
+
+
+@pytest.mark.parametrize("device", ["race", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_race_kernel_takes_the_gumbel_argmax_of_the_kept_tokens(device, request):
     """Each random row's token is ``argmax(x / T - log(-log u))`` over its
     top_k (ties at the floor kept), ``u`` Philox's uniforms under the row's
     seed (``derive_seed`` for a seeded row, the step's base seed plus the row
@@ -323,21 +334,25 @@ def test_race_kernel_takes_the_gumbel_argmax_of_the_kept_tokens(race_on_cpu):
     from mstar_actors.runner import sampling_triton
     from mstar_actors.runner.sampling import derive_seed
 
+    device = _on(device, request)
     vocab = 5000
-    logits = make_logits(7, vocab, seed=12)
+    logits = make_logits(8, vocab, seed=12)
     logits[0, [10, 4000]] = 30.0  # equal maxima in two blocks
     logits[1, :] = float("-inf")
     logits[2, 100:200] = float("nan")
     logits[4, 3000] = logits[4, 2999] = logits[4].max() + 1  # tied at top_k=2's floor
+    logits[7] = torch.linspace(0.0, 0.5, vocab)  # nearly flat: top_k decides the draw
+    logits[7, -9:] = float("nan")  # more NaNs than top_k: ranked last, not first
     rows = [make_row("a", temperature=0.0), make_row("b", temperature=0.7), make_row("c", top_k=50, seed=3),
             make_row("d", temperature=1.5), make_row("e", top_k=2, seed=9, output=[1, 2]),
-            make_row("f", temperature=0.0, seed=4), make_row("g", top_k=1, temperature=2.0)]
-    shared = gen(21)
-    base = torch.randint(0, 1 << 62, (1,), generator=gen(21)).item()  # the draw sample_tokens makes of it
-    got = token_ids(sample_tokens(logits, rows, generator=shared))
+            make_row("f", temperature=0.0, seed=4), make_row("g", top_k=1, temperature=2.0),
+            make_row("h", top_k=5, temperature=5.0)]
+    shared = gen(21, device)
+    base = torch.randint(0, 1 << 62, (1,), generator=gen(21, device), device=device).item()  # sample_tokens' draw
+    got = token_ids(sample_tokens(logits.to(device), rows, generator=shared))
     seeds = [base + i if r.params.seed is None else derive_seed(r.params.seed, len(r.output_token_ids))
              for i, r in enumerate(rows)]
-    gumbel = -torch.log(-torch.log(_uniforms(seeds, vocab)))
+    gumbel = -torch.log(-torch.log(_uniforms(seeds, vocab, device)))
     clean = logits.nan_to_num(nan=float("-inf"))
     for i, r in enumerate(rows):
         if r.params.temperature < 1e-5 or not torch.isfinite(clean[i]).any():
@@ -347,7 +362,20 @@ def test_race_kernel_takes_the_gumbel_argmax_of_the_kept_tokens(race_on_cpu):
         score = torch.where(clean[i] >= floor, clean[i] * (1.0 / r.params.temperature) + gumbel[i], float("-inf"))
         assert got[i] == score.argmax().item(), r.request_id
     assert got[0] == 10 and got[1] == 0 and got[4] in (2999, 3000) and got[6] == clean[6].argmax().item()
+    assert vocab - 14 <= got[7] < vocab - 9
     assert sampling_triton.BLOCK < vocab
+
+
+@pytest.mark.parametrize("device", ["race", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_race_kernel_keeps_top_k_of_the_finite_logits(device, request):
+    """Seeded draws of a nearly flat row with more NaNs than top_k: every
+    token among the k largest finite logits, and several of them drawn."""
+    device = _on(device, request)
+    logits = torch.linspace(0.0, 0.3, 300)
+    logits[[3, 50, 299, 298, 297, 296, 295, 100]] = float("nan")
+    rows = [make_row(str(i), top_k=5, temperature=3.0, seed=i) for i in range(40)]
+    drawn = set(token_ids(sample_tokens(logits.expand(40, 300).to(device), rows)))
+    assert drawn <= {290, 291, 292, 293, 294} and len(drawn) >= 3
 
 
 def test_race_kernel_draws_follow_the_filtered_softmax(race_on_cpu):

@@ -216,7 +216,8 @@ def _apply_allowed(logits: torch.Tensor, rows: list[SampleRow], vocab: int) -> N
     allowed = torch.zeros((len(idx), vocab), dtype=torch.bool, device=logits.device)
     pairs = [(j, t) for j, i in enumerate(idx) for t in rows[i].params.allowed_token_ids if 0 <= t < vocab]
     _index_put(allowed, pairs, [True] * len(pairs), accumulate=False)
-    logits[idx] = logits[idx].masked_fill_(~allowed, float("-inf"))
+    at = _host_to(logits.device, idx, torch.int64)
+    logits.index_copy_(0, at, logits.index_select(0, at).masked_fill_(~allowed, float("-inf")))
 
 
 def _banned_tokens(row: SampleRow) -> list[int]:
@@ -448,8 +449,8 @@ def _race_tokens(logits: torch.Tensor, rows: list[SampleRow], plan: _Plan, gener
     scales, floors, ks = _host_to(device, params, torch.float32)
     seeds_dev = _host_to(device, seeds, torch.int64)
     max_k = min(int(max(params[2])), logits.shape[1])
-    if max_k > 0:  # the k-th largest logit, the least a top_k row keeps (ties kept)
-        top = logits.topk(max_k, dim=-1).values
+    if max_k > 0:  # the k-th largest logit, the least a top_k row keeps (ties kept); NaN is -inf (torch ranks it first)
+        top = logits.masked_fill(logits.isnan(), float("-inf")).topk(max_k, dim=-1).values
         at = ks.to(torch.int64).clamp_(min=1, max=max_k) - 1
         floors = torch.where(ks > 0, top.gather(1, at.unsqueeze(1)).squeeze(1).to(torch.float32), floors)
     if any(s == kernel.UNSEEDED and not g for s, g in zip(seeds, plan.is_greedy)):
@@ -462,10 +463,11 @@ def _race_tokens(logits: torch.Tensor, rows: list[SampleRow], plan: _Plan, gener
 
 def _draw(probs: torch.Tensor, rows: list[SampleRow], plan: _Plan, generator: torch.Generator | None) -> torch.Tensor:
     """A token a row from ``probs`` (see "Randomness" in the module doc): on
-    CUDA the exponential race, on CPU the inverse of the row's cumulative
-    distribution at one uniform (float64 sums: the last token's share is
-    exact to its own rounding), which costs a fraction of the vocabulary's
-    exponentials there (0.05 against 0.9 ms a row of 49,152 tokens)."""
+    CUDA without Triton the exponential race (with it, ``_race_tokens``), on
+    CPU the inverse of the row's cumulative distribution at one uniform
+    (float64 sums: the last token's share is exact to its own rounding),
+    which costs a fraction of the vocabulary's exponentials there (0.05
+    against 0.9 ms a row of 49,152 tokens)."""
     if probs.device.type != "cpu":
         q = _row_draws(rows, plan, probs.shape, probs.device, generator, torch.Tensor.exponential_)
         # exponential_ may return exactly 0 in float32; 0 would make probs/q inf or NaN.

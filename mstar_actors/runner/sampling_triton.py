@@ -32,19 +32,19 @@ UNSEEDED = -1  # ``seeds``' mark for a row that takes the step's base seed
 
 @triton.jit
 def _race_chunk_kernel(x_ptr, stride_x, vocab, scale_ptr, floor_ptr, seed_ptr, base_ptr,
-                       best_ptr, best_at_ptr, top_ptr, top_at_ptr, BLOCK: tl.constexpr, GDC: tl.constexpr):
+                       best_ptr, best_at_ptr, top_ptr, top_at_ptr, UNSEEDED: tl.constexpr, BLOCK: tl.constexpr,
+                       GDC: tl.constexpr):
     """A chunk of a row's tokens a program: its raw maximum and its best race
     score, each with its first index, into ``[rows, chunks]``."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    scale = tl.load(scale_ptr + row)  # 1 / temperature
-    floor = tl.load(floor_ptr + row)  # kept: logits from this one up (+inf: none, a greedy row)
-    floor = tl.where(floor == floor, floor, float("-inf"))  # NaN logits made top_k's floor NaN
-    seed = tl.load(seed_ptr + row)
-    if GDC:  # the logits and the base seed are the step's own writes (``triton_launch``)
+    if GDC:  # every input is the sampler's own write, the kernel's before it among them (``triton_launch``)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    seed = tl.where(seed == -1, tl.load(base_ptr) + row, seed)
+    scale = tl.load(scale_ptr + row)  # 1 / temperature
+    floor = tl.load(floor_ptr + row)  # kept: logits from this one up (+inf: none, a greedy row)
+    seed = tl.load(seed_ptr + row)
+    seed = tl.where(seed == UNSEEDED, tl.load(base_ptr) + row, seed)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     ok = cols < vocab
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=float("-inf")).to(tl.float32)
@@ -63,7 +63,7 @@ def _race_pick_kernel(best_ptr, best_at_ptr, top_ptr, top_at_ptr, chunks, out_pt
                       GDC: tl.constexpr):
     """A row a program: the first chunk's of equal best scores, else (no
     finite token kept) of equal maxima."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     if GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -101,7 +101,7 @@ def race(logits: torch.Tensor, scales: torch.Tensor, floors: torch.Tensor, seeds
     options = triton_launch.options(logits)
     _race_chunk_kernel[(num_rows, chunks)](
         logits, logits.stride(0), vocab, scales, floors, seeds, base, best, best_at, top, top_at,
-        BLOCK=block, num_warps=4, **options,
+        UNSEEDED=UNSEEDED, BLOCK=block, num_warps=4, **options,
     )  # fmt: skip
     _race_pick_kernel[(num_rows,)](
         best, best_at, top, top_at, chunks, out, CHUNKS=triton.next_power_of_2(chunks), num_warps=1, **options,
