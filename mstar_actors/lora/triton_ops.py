@@ -492,12 +492,13 @@ def shrink_expand_rows(
 # (``tools/check_lora_kernels.py --rows-table`` times both).
 MIN_SPLIT_ROWS = 64
 # A fused stack's steps of fewer rows take the fused GEMM and one expand
-# (folded into the next kernel where it takes it) instead, every decode bucket
-# up to 256 rows among them: at 256 rows, one adapter, that step took 2.25
-# against 2.71 ms on the H200 on the 1B shape, 5.00 against 5.30 on Qwen3.5's,
-# than the grouped kernels beside the GEMM (``tools/profile_gpu_step.py
-# --split-rows 256 512``).
-MIN_SPLIT_FUSED_ROWS = 512
+# (folded into the next kernel where it takes it) instead, so every decode
+# bucket up to 256 rows (``max_num_seqs``' default on CUDA): at 256 rows, one
+# adapter, that step took 2.25 against 2.71 ms on the H200 on the 1B shape,
+# 5.00 against 5.30 on Qwen3.5's, than the grouped kernels beside the GEMM
+# (``tools/profile_gpu_step.py --split-rows 256 512``). Larger steps (prefill
+# chunks) keep the grouped kernels, which read B once a slot, not a row.
+MIN_SPLIT_FUSED_ROWS = 257
 
 
 def kernel_for(num_rows: int) -> str:
