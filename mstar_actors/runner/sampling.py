@@ -32,7 +32,7 @@ Exp(1)`` per token draws exactly from ``Categorical(probs)``. We prefer it to
 ``torch.multinomial`` because (a) it needs no host synchronisation on CUDA,
 (b) ``q`` for different rows can come from different seeds and the argmax
 stays one batched op, and (c) a row's draw depends only on its own ``q``
-row, never on its batch position. It runs as one Triton kernel
+row, never on its batch position. It runs as Triton kernels
 (``sampling_triton``), with temperature and top_k's floor, each ``q`` from
 Philox keyed by the row's seed. On CPU, where a vocabulary's exponentials
 cost about 20 ns each (0.9 ms a row of 49,152), a row draws one uniform

@@ -1,5 +1,5 @@
-"""``sampling``'s draw on CUDA in one Triton kernel (Triton's interpreter runs
-it on CPU in tests).
+"""``sampling``'s draw on CUDA in two Triton launches (Triton's interpreter
+runs them on CPU in tests).
 
 A row's token is the exponential race of ``sampling`` written in logs:
 ``argmax(x / T - log(E))`` over the tokens the filters kept, ``E = -log(u)``
@@ -12,10 +12,10 @@ synchronisation) plus its row. A row that keeps no finite token takes its
 argmax, the first of equal maxima as ``torch.argmax``: a greedy row keeps
 none (its floor is +inf). NaN logits count as -inf.
 
-In torch the same draw took a dozen launches and, for seeded rows, one
-exponential fill a row; a program a row, looping over its vocabulary, took
-0.26 ms at 8 rows of 49,152 on the H200 (``tools/bench_sampling.py --device
-cuda``): here the row's chunks run side by side.
+In torch the same draw takes a dozen launches and, for seeded rows, one
+exponential fill a row. A row's chunks of the vocabulary run side by side:
+one program a row, looping over them, is bound by its latency (0.26 ms at 8
+rows of 49,152 on the H200, ``tools/bench_sampling.py --device cuda``).
 """
 
 from __future__ import annotations
