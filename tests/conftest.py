@@ -38,3 +38,5 @@ def pytest_collection_modifyitems(config, items):
 
 # The live embedded-model server, shared by every test that needs it (one start per session).
 from live_smollm2 import smollm2_server, smollm2_tokenizer  # noqa: E402,F401
+# The live tiny-Llama server of the openai-client, structured-output and tool-call tests (one start per session).
+from live_tiny import tiny_chat_server  # noqa: E402,F401

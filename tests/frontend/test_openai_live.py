@@ -1,24 +1,19 @@
 """The official ``openai`` client against a real server: every actor in its own
-process, a tiny random Llama on CPU. Skips until the launcher is importable."""
+process, a tiny random Llama on CPU (the session's ``tiny_chat_server``, see
+``tests/live_tiny.py``). Skips until the launcher is importable."""
 
 
 import pytest
-
-from tests.live_tiny import save_tiny_llama, serve_tiny
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def live_server(tmp_path_factory, tokenizer):
+def live_server(tiny_chat_server):
     """``(base_url, api_key)`` of a server started with ``python -m mstar_actors serve``."""
     pytest.importorskip("mstar_actors.launcher")
-    folder = tmp_path_factory.mktemp("live-model")
-    save_tiny_llama(folder, tokenizer)
-    key = "live-key"
-    with serve_tiny(folder, api_key=key) as (base_url, _):
-        yield base_url, key
+    return tiny_chat_server
 
 
 @pytest.fixture

@@ -44,7 +44,3 @@ def make_adapter(folder: Path, model, *, seed: int = 3) -> Path:
     config = LoraConfig(init_lora_weights=False, r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     get_peft_model(model, config).save_pretrained(str(folder))
     return folder
-
-
-# The frontend tests' byte-level BPE (every byte a token: any JSON can be written).
-frontend_kit = _load("frontend_test_kit", _KIT.parent.parent / "frontend" / "conftest.py")

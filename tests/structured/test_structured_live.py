@@ -1,6 +1,7 @@
 """Structured outputs with the official ``openai`` client against a real
-server (every actor its own process) serving a tiny random Llama on CPU. The
-random model alone writes garbage, so output that parses is the mask at work."""
+server (every actor its own process) serving a tiny random Llama on CPU (the
+session's ``tiny_chat_server``, see ``tests/live_tiny.py``). The random model
+alone writes garbage, so output that parses is the mask at work."""
 
 from __future__ import annotations
 
@@ -9,9 +10,7 @@ from typing import Literal
 
 import pytest
 
-from tests.live_tiny import save_tiny_llama, serve_tiny
 from pydantic import BaseModel, Field
-from structured_kit import frontend_kit
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -32,19 +31,10 @@ class Order(BaseModel):
     note: str | None = Field(max_length=6)
 
 
-def _tiny_llama(folder) -> None:
-    from transformers import AutoTokenizer
-
-    frontend_kit.make_tokenizer_dir(folder)
-    save_tiny_llama(folder, AutoTokenizer.from_pretrained(str(folder)), max_position_embeddings=512)
-
-
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("structured-live")
-    _tiny_llama(folder)
-    with serve_tiny(folder, max_model_len=512, num_blocks=128, api_key="k") as (base_url, _):
-        yield openai.OpenAI(base_url=base_url, api_key="k", max_retries=0, timeout=120)
+def client(tiny_chat_server):
+    base_url, key = tiny_chat_server
+    return openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=120)
 
 
 def chat(content: str) -> list[dict]:

@@ -11,12 +11,8 @@ from typing import Literal
 
 import pytest
 
-from tests.live_tiny import save_tiny_llama, serve_tiny
-
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
-
-MAX_MODEL_LEN = 1024
 
 
 class Weather(__import__("pydantic").BaseModel):
@@ -38,12 +34,11 @@ HISTORY = [
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory, hermes_tokenizer):
+def client(tiny_chat_server):
+    """The session's ``tiny_chat_server`` (``tests/live_tiny.py``): the hermes template's model."""
     pytest.importorskip("mstar_actors.launcher")
-    folder = tmp_path_factory.mktemp("live-tools-model")
-    save_tiny_llama(folder, hermes_tokenizer, max_position_embeddings=MAX_MODEL_LEN)
-    with serve_tiny(folder, max_model_len=MAX_MODEL_LEN, num_blocks=256) as (base_url, _):
-        yield openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=60)
+    base_url, key = tiny_chat_server
+    return openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=60)
 
 
 def test_auto_runs_full_and_streamed(client):
