@@ -499,7 +499,7 @@ class Qwen3_5VLPreparer(QwenVLPreparer):
     """Qwen3.5's preparation: images as Qwen2.5-VL's (the same image processor,
     with 16 px patches); a video as the processor writes it, one
     ``<t seconds><vision_start><video_pad>*n<vision_end>`` group per temporal
-    patch inside the template's placeholder, each group its own media item
+    patch in place of the template's placeholder, each group its own media item
     (grid ``(1, h, w)``) so every placeholder run is contiguous. Frames are
     the server's (``limits.video_fps``), resized and patched as Qwen3-VL's
     video processor does. Read-only after construction, like its parent."""
@@ -533,6 +533,11 @@ class Qwen3_5VLPreparer(QwenVLPreparer):
                 out += [self.image_token_id] * item.num_tokens
                 items.append(item)
                 continue
+            # The template's own <vision_start>..<vision_end> around the placeholder goes, every group carrying
+            # its own, as Qwen3-VL's processor writes it (transformers' since 5.25)
+            if out and out[-1] == self.vision_start_id and cursor < len(ids) and ids[cursor] == self.vision_end_id:
+                out.pop()
+                cursor += 1
             t, h, w = item.grid_thw
             per_frame = item.num_tokens // t
             for i, (rows, stamp) in enumerate(zip(item.pixel_values.split(h * w), item.timestamps, strict=True)):
