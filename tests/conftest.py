@@ -40,3 +40,14 @@ def pytest_collection_modifyitems(config, items):
 from live_smollm2 import smollm2_server, smollm2_tokenizer  # noqa: E402,F401
 # The live tiny-Llama server of the openai-client, structured-output and tool-call tests (one start per session).
 from live_tiny import tiny_chat_server  # noqa: E402,F401
+
+
+@pytest.fixture
+def race_on_cpu(monkeypatch):
+    """``sample_tokens`` on CPU tensors through the CUDA draw's kernel, in
+    Triton's interpreter (the ``gpu`` tests run it compiled)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernel runs on CPU tensors only in Triton's interpreter")
+    from mstar_actors.runner import sampling
+
+    monkeypatch.setattr(sampling, "_races", lambda logits: True)

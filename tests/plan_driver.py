@@ -18,13 +18,14 @@ class PlanDriver:
         self.seqs: dict[str, dict] = {}
         self.step_id = 0
 
-    def start(self, rid, prompt, media=(), outputs=(), *, slot=0, shared_blocks=(), num_computed=0) -> messages.SeqStart:
+    def start(self, rid, prompt, media=(), outputs=(), *, slot=0, shared_blocks=(), num_computed=0,
+              sampling: messages.SamplingParams | None = None) -> messages.SeqStart:
         """A new (or restarted, with ``outputs``) sequence; ``shared_blocks`` and
-        ``num_computed`` model a prefix-cache hit."""
+        ``num_computed`` model a prefix-cache hit; ``sampling``: the driver's if None."""
         state = self.free_states.pop() if self.free_states else -1
         self.seqs[rid] = dict(num_prompt=len(prompt), outputs=list(outputs), blocks=list(shared_blocks),
                               done=num_computed, state=state)
-        return messages.SeqStart(rid, list(prompt), self.sampling, list(outputs), media=list(media), lora_slot=slot,
+        return messages.SeqStart(rid, list(prompt), sampling or self.sampling, list(outputs), media=list(media), lora_slot=slot,
                                  state_slot=state)
 
     def chunk(self, rid, num_tokens: int | None = None) -> messages.ScheduledChunk:

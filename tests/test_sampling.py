@@ -1,7 +1,6 @@
 """sample_tokens: greedy, filters, penalties, per-request seeds, logprobs, NaN safety."""
 
 import math
-import os
 
 import pytest
 import torch
@@ -162,17 +161,6 @@ def test_greedy_uses_penalised_logits():
     logits = torch.tensor([[5.0, 4.0, 0.0]])
     row = make_row(output=[0], temperature=0.0, frequency_penalty=2.0)
     assert token_ids(sample_tokens(logits, [row])) == [1]
-
-
-@pytest.fixture
-def race_on_cpu(monkeypatch):
-    """``sample_tokens`` on CPU tensors through the CUDA draw's kernel, in
-    Triton's interpreter (the ``gpu`` tests run it compiled)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the kernel runs on CPU tensors only in Triton's interpreter")
-    from mstar_actors.runner import sampling
-
-    monkeypatch.setattr(sampling, "_races", lambda logits: True)
 
 
 @pytest.mark.parametrize("device", [*DEVICES, "race"])

@@ -4,7 +4,9 @@ Times ``ModelRunner.execute`` for pure decode steps (what the CUDA graphs
 replay) of B sequences at about 100 tokens of context, with every row on
 the base model, on one adapter, or on four adapters round robin; the
 same steps' graphs replayed back to back (the device's time alone,
-steadier than the wall time of ``execute``); then mixed steps (a new
+steadier than the wall time of ``execute``); then decode steps whose rows
+draw at temperature 1, the draw inside the decode graph against
+``sample_pending`` after it; then mixed steps (a new
 request's 30-token prompt beside N decodes: what every new request costs
 the batch), base and one adapter, through the mixed-step
 graphs and eagerly; then the time of ``install_adapter`` (what an adapter
@@ -71,10 +73,11 @@ def load_adapters(runner: ModelRunner, paths: dict[str, Path], model_dir: Path) 
 class Decoder:
     """Prefills B sequences on the given slots, then runs decode steps on them."""
 
-    def __init__(self, runner: ModelRunner, slots: list[int], tag: str):
+    def __init__(self, runner: ModelRunner, slots: list[int], tag: str, temperature: float = 0.0,
+                 seed: int | None = None):
         self.runner, self.block_size = runner, runner.block_size
         self.rids = [f"{tag}{i}" for i in range(len(slots))]
-        self.sampling = messages.SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+        self.sampling = messages.SamplingParams(max_tokens=10_000, temperature=temperature, seed=seed, ignore_eos=True)
         self.blocks = {rid: list(range(1 + i * 64, 1 + (i + 1) * 64)) for i, rid in enumerate(self.rids)}
         self.done = {rid: 0 for rid in self.rids}
         # A model with recurrent state gives each sequence a state slot: the
@@ -119,8 +122,8 @@ class Decoder:
         self.runner.forget(self.rids)
 
 
-def time_steps(runner: ModelRunner, slots: list[int], tag: str, num_steps: int) -> float:
-    d = Decoder(runner, slots, tag)
+def time_steps(runner: ModelRunner, slots: list[int], tag: str, num_steps: int, **sampling) -> float:
+    d = Decoder(runner, slots, tag, **sampling)
     for _ in range(3):
         d.decode()
     times = [d.decode() for _ in range(num_steps)]
@@ -151,6 +154,29 @@ def time_replays(runner: ModelRunner, slots: list[int], tag: str, num_steps: int
         times.append(start.elapsed_time(end) / 10)
     d.close()
     return statistics.median(times)
+
+
+def print_sampled(runner: ModelRunner, batches: list[int], num_steps: int) -> None:
+    """Decode steps of base rows drawing at temperature 1 (unseeded, and
+    seeded), the draw inside the decode graph against the sampler's launches
+    after the replay (``ModelRunner._graph_race``); greedy beside them."""
+    graphs = runner.graphs
+    if graphs is None or not graphs.draws:
+        return print("# sampled rows: the decode graphs draw no tokens here; skipped")
+    print(f"# decode step ms (median of {num_steps}), ModelRunner.execute, base rows: the draw in the decode graph "
+          "against sample_pending after its replay (the graph's draw then unused)")
+    print(f"{'batch':>5} {'rows':>12} {'in graph':>9} {'after':>8} {'after/in':>9}")
+    for batch in batches:
+        for name, sampling in (("greedy", {}), ("temperature", dict(temperature=1.0)),
+                               ("seeded", dict(temperature=1.0, seed=7))):
+            graphs.draws = True
+            inside = time_steps(runner, [0] * batch, "sg", num_steps, **sampling)
+            graphs.draws = False
+            try:
+                after = time_steps(runner, [0] * batch, "sa", num_steps, **sampling)
+            finally:
+                graphs.draws = True
+            print(f"{batch:>5} {name:>12} {inside:>9.3f} {after:>8.3f} {after / inside:>8.2f}x")
 
 
 def time_mixed(runner: ModelRunner, num_decodes: int, slot: int, num_steps: int, *, graphed: bool) -> float | None:
@@ -280,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--mixed-decodes", type=int, nargs="*", default=[7, 31],
                    help="decodes beside each mixed step's prefill (none: skip the mixed steps)")
+    p.add_argument("--sampled-batches", type=int, nargs="*", default=[8, 64],
+                   help="rows of the sampled decode steps: the draw in the graph against after it (none: skip)")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--profile-batches", type=int, nargs="+", default=[8],
                    help="rows of the profiled decode steps, each profiled on the base model and on one adapter")
@@ -329,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     paths = bench_lora.make_adapters(model_dir, cache / "adapters" / f"{args.model}-r16",
                                      [f"lora{i}" for i in range(NUM_ADAPTERS)], 16, "bfloat16", "cuda")
     # the install rows decode 32 beside
-    max_seqs = max([*args.batches, *args.mixed_decodes, *args.profile_batches, *args.profile_mixed, 32])
+    max_seqs = max([*args.batches, *args.mixed_decodes, *args.profile_batches, *args.profile_mixed,
+                    *args.sampled_batches, 32])
     runners = {}
     modes = {"on": [True], "off": [False], "both": [True, False]}
     for path, ops, pdl, fold, max_loras, split in itertools.product(
@@ -382,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{base:>8.3f} {one:>8.3f} {mixed:>8.3f} "
                   f"{base / one:>8.1%} {base / mixed:>9.1%} {gpu_base:>8.3f} {gpu_one:>8.3f} {gpu_base / gpu_one:>8.1%}")
     runner = next(iter(runners.values()))
+    if args.sampled_batches:
+        print_sampled(runner, args.sampled_batches, args.steps)
     if args.mixed_decodes:
         print_mixed(runner, args.mixed_decodes, args.steps)
     print("# adapter installs, ms (median of 8): install_adapter from a bf16 host copy (returns once the device "

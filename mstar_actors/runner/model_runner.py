@@ -52,11 +52,16 @@ startup; any other step of up to that many sequences and
 mixed-step graph; a larger step runs eagerly. The KV cache has one block
 more than ``num_kv_blocks`` reports: the scratch block padded graph rows
 write into, which no plan can name (block ids are checked against
-``num_kv_blocks``).
+``num_kv_blocks``). A decode graph draws its rows' tokens too where they
+need no torch filter (temperature and seeds only: ``sampling.race_rows``;
+no grammar): nothing is launched between the replay and the host copy; the
+unseeded rows' base seed then comes from the host (``graph_seeds``), one a
+step, the same on every rank.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -71,7 +76,7 @@ from mstar_actors.models.lora_layers import LoraLayers
 from mstar_actors.models.media_inputs import MediaInputs
 from mstar_actors.runner.grammar import GrammarError, GrammarMatchers
 from mstar_actors.runner.step_graphs import DecodeGraphs, MixedGraphs
-from mstar_actors.runner.sampling import PendingSample, SampleRow, sample_pending
+from mstar_actors.runner.sampling import PendingSample, RaceRows, SampleRow, race_rows, races_on, sample_pending
 
 # A sampler answers a step's logits with its draws: at once (a list), or on their way to the host.
 Sampler = Callable[..., "list[messages.SampledToken] | PendingSample"]
@@ -241,6 +246,7 @@ class Step:
     logits: torch.Tensor | None  # the sampled rows' (None: the step samples nothing)
     states: list[SeqState]  # the sampled rows' sequences, as the step saw them
     draws: PendingSample | list[messages.SampledToken] | None = None
+    drawn: torch.Tensor | None = None  # the rows' tokens the decode graph drew (None: ``sample`` draws them)
 
     def ready(self) -> bool:
         """Whether ``collect`` would not wait for the device."""
@@ -283,6 +289,7 @@ class ModelRunner:
         self.device, self.dtype = kv.caches[0].device, kv.caches[0].dtype
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        self.graph_seeds = random.Random(seed)  # the decode graphs' draws' base seeds, one a step (host side)
         self.sampler = sampler
         # The last sampling's tokens, where the next step reads those the host has
         # not (a step sampling more rows than this reads its draws at once).
@@ -297,12 +304,18 @@ class ModelRunner:
         ``grammars`` before sampling (after the model, outside any graph)."""
         self.grammars = grammars
 
-    def enable_step_graphs(self, max_batch: int, max_tokens: int = 0, *, capture: bool = True) -> None:
+    def enable_step_graphs(self, max_batch: int, max_tokens: int = 0, *, capture: bool = True,
+                           draws: bool | None = None) -> None:
         """Serve pure decode steps of up to ``max_batch`` sequences through
         ``DecodeGraphs`` and, when ``max_tokens`` > 0, other steps of up to
         ``max_batch`` sequences and ``max_tokens`` tokens through
         ``MixedGraphs``; ``capture=False`` runs their static paths eagerly
-        (tests). Both capture into one memory pool, the larger set first."""
+        (tests). Both capture into one memory pool, the larger set first.
+        ``draws``: the decode graphs draw the tokens too, where the rows
+        allow (``_graph_race``); by default where the sampler is
+        ``sample_pending`` and its draw the race kernel's (CUDA)."""
+        if draws is None:
+            draws = self.sampler is sample_pending and races_on(self.device)
         if self.media is not None:
             raise ValueError(f"step graphs: {self.spec.architecture} is multimodal; its steps run eagerly")
         pool = torch.cuda.graph_pool_handle() if capture else None
@@ -312,7 +325,7 @@ class ModelRunner:
         if max_tokens > 0:
             self.mixed_graphs = MixedGraphs(self.model, self.kv_caches, self.lora, max_seqs=max_batch,
                                             max_tokens=max_tokens, **shared)
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.lora, max_batch=max_batch, **shared)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.lora, max_batch=max_batch, draws=draws, **shared)
 
     # -- protocol ----------------------------------------------------------
 
@@ -343,12 +356,12 @@ class ModelRunner:
         self._move_lora_slots(plan.scheduled)
         batch = build_batch(plan.scheduled, self.seqs, self.block_size, self.num_kv_blocks, self.max_model_len)
         snapshots = self._snapshots_to_take(plan.scheduled)
-        logits = self._run_model(batch)
+        logits, drawn = self._run_model(batch)
         for slot, snapshot in snapshots:
             _copy_state(self.state_pools, slot, self.snapshot_pools, snapshot)
         if not batch.sample_ids:
             return Step(batch, None, [], [])
-        return Step(batch, logits, [self.seqs[rid] for rid in batch.sample_ids])
+        return Step(batch, logits, [self.seqs[rid] for rid in batch.sample_ids], drawn=drawn)
 
     def sample(self, step: Step) -> None:
         """Enqueue ``step``'s draws; every step before must have been collected.
@@ -357,10 +370,13 @@ class ModelRunner:
         if step.draws is not None:
             return
         batch = step.batch
-        if self.grammars is not None:  # on CUDA the masks fill while the device runs the step
-            self.grammars.mask(step.logits, batch.sample_ids)
         rows = [self._sample_row(rid) for rid in batch.sample_ids]
-        draws = self.sampler(step.logits, rows, generator=self.generator)
+        if step.drawn is not None:  # the decode graph drew them
+            draws = PendingSample(rows, step.drawn)
+        else:
+            if self.grammars is not None:  # on CUDA the masks fill while the device runs the step
+                self.grammars.mask(step.logits, batch.sample_ids)
+            draws = self.sampler(step.logits, rows, generator=self.generator)
         if isinstance(draws, PendingSample) and len(rows) <= self.step_tokens.shape[0]:
             self.step_tokens[: len(rows)].copy_(draws.token_ids)
             for row, seq in enumerate(step.states):
@@ -532,22 +548,37 @@ class ModelRunner:
         seq = self.seqs[request_id]
         return SampleRow(request_id, seq.sampling, seq.prompt_token_ids, seq.output_token_ids)
 
-    def _run_model(self, batch: Batch) -> torch.Tensor:
-        """The batch's sampled rows' logits, ``[len(batch.sample_ids), vocab]`` float32."""
+    def _run_model(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The batch's sampled rows' logits, ``[len(batch.sample_ids), vocab]``
+        float32, and their tokens where the decode graph drew them."""
         if self._is_graph_step(batch):
-            return self.graphs.run(batch)
+            race = self._graph_race(batch)
+            logits = self.graphs.run(batch, race, self.graph_seeds.getrandbits(62) if race is not None else 0)
+            return logits, None if race is None else self.graphs.tokens[: len(batch.sample_ids)]
         if self.mixed_graphs is not None and self.mixed_graphs.takes(len(batch.input_ids), len(batch.request_ids)):
-            return self.mixed_graphs.run(batch)
+            return self.mixed_graphs.run(batch), None
         input_ids, positions, meta, logits_indices = self._to_device(batch)
         if self.lora is not None:
             self.lora.begin_step(batch.chunk_slots, batch.query_lens, batch.sample_slots)
         try:
             with torch.inference_mode():
                 hidden = self._forward(batch, input_ids, positions, meta)
-                return self.model.compute_logits(hidden[logits_indices])
+                return self.model.compute_logits(hidden[logits_indices]), None
         finally:
             if self.lora is not None:
                 self.lora.end_step()
+
+    def _graph_race(self, batch: Batch) -> RaceRows | None:
+        """A decode graph step's draw, if the graph takes it: the rows need no
+        torch filter (``sampling.race_rows``) and no grammar."""
+        if not self.graphs.draws:
+            return None
+        states = [self.seqs[rid] for rid in batch.sample_ids]
+        if any(seq.sampling.structured is not None for seq in states):
+            return None
+        rows = [SampleRow(rid, seq.sampling, seq.prompt_token_ids, seq.output_token_ids)
+                for rid, seq in zip(batch.sample_ids, states)]
+        return race_rows(rows, [len(seq.output_token_ids) + (seq.pending >= 0) for seq in states])
 
     def _is_graph_step(self, batch: Batch) -> bool:
         """Pure decode within the captured sizes: one token per chunk, each sampled."""

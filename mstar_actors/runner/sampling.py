@@ -129,7 +129,8 @@ class PendingSample:
         self.token_ids = token_ids
         parts = (token_ids,) if logprobs is None else (token_ids, *_logprob_parts(rows, token_ids, logprobs))
         is_cuda = token_ids.device.type == "cuda"
-        self._host = [t.to("cpu", non_blocking=is_cuda) for t in parts]
+        # A copy on CPU too: ``token_ids`` may be a graph's static output, which the next step rewrites.
+        self._host = [t.to("cpu", non_blocking=is_cuda, copy=True) for t in parts]
         self._copied: torch.cuda.Event | None = None
         if is_cuda:
             self._copied = torch.cuda.Event()
@@ -413,8 +414,12 @@ def _safe_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _races(logits: torch.Tensor) -> bool:
-    """Whether the draw is ``sampling_triton.race``'s: on CUDA, where Triton is."""
-    return logits.is_cuda and _race_kernel() is not None
+    return races_on(logits.device)
+
+
+def races_on(device: torch.device) -> bool:
+    """Whether a draw on ``device`` is ``sampling_triton.race``'s: on CUDA, where Triton is."""
+    return device.type == "cuda" and _race_kernel() is not None
 
 
 def _race_kernel():
@@ -431,6 +436,46 @@ def _filters_in_torch(rows: list[SampleRow], plan: _Plan) -> bool:
     return any(not g and (r.params.min_p > 0.0 or r.params.top_p < 1.0) for g, r in zip(plan.is_greedy, rows))
 
 
+@dataclass
+class RaceRows:
+    """A step's draw as ``sampling_triton.race``'s inputs alone, on the host:
+    per row 1 / temperature, floor (+inf: a greedy row keeps no token, so
+    takes its argmax; -inf: every token) and seed (``UNSEEDED``: the step's
+    base seed). What a captured step's draw reads (``step_graphs``)."""
+
+    scales: list[float]
+    floors: list[float]
+    seeds: list[int]
+
+
+def race_rows(rows: list[SampleRow], num_outputs: list[int]) -> RaceRows | None:
+    """``rows``' draw as ``RaceRows``, or None where a row needs torch first
+    (penalties, logits processors, logprobs, top_k, top_p, min_p).
+    ``num_outputs``: each row's output tokens, counting one the host has
+    not read yet (a seeded row's seed is ``derive_seed(seed, it)``)."""
+    plan = _Plan.from_rows(rows)
+    if plan.needs_penalties or plan.needs_logprobs or plan.needs_processors or _filters_in_torch(rows, plan):
+        return None
+    if any(not g and r.params.top_k > 0 for g, r in zip(plan.is_greedy, rows)):
+        return None
+    scales, floors, _, seeds = _race_params(rows, plan, num_outputs, raw=True)
+    return RaceRows(scales, floors, seeds)
+
+
+def _race_params(rows: list[SampleRow], plan: _Plan, num_outputs: list[int], *,
+                 raw: bool) -> tuple[list[float], list[float], list[float], list[int]]:
+    """Per row: 1 / temperature, floor, top_k (``raw``: the kernel tempers and
+    floors the model's logits; else they come tempered and filtered) and
+    seed (``RaceRows``)."""
+    kernel = _race_kernel()
+    scales = [1.0 if g or not raw else 1.0 / r.params.temperature for g, r in zip(plan.is_greedy, rows)]
+    floors = [float("inf") if g else float("-inf") for g in plan.is_greedy]
+    ks = [float(0 if g or not raw else r.params.top_k) for g, r in zip(plan.is_greedy, rows)]
+    seeds = [kernel.UNSEEDED if g or r.params.seed is None else derive_seed(r.params.seed, n)
+             for g, r, n in zip(plan.is_greedy, rows, num_outputs)]
+    return scales, floors, ks, seeds
+
+
 def _race_tokens(logits: torch.Tensor, rows: list[SampleRow], plan: _Plan, generator: torch.Generator | None,
                  *, raw: bool) -> torch.Tensor:
     """``sampling_triton.race``'s tokens ``[rows]`` on the logits' device.
@@ -440,13 +485,9 @@ def _race_tokens(logits: torch.Tensor, rows: list[SampleRow], plan: _Plan, gener
     the device; a seeded one ``derive_seed``'s, as ``_row_draws``."""
     kernel = _race_kernel()
     device = logits.device
-    # A row's 1 / temperature, its floor (+inf: a greedy row keeps no token, so takes its argmax) and top_k.
-    params = [[1.0 if g or not raw else 1.0 / r.params.temperature for g, r in zip(plan.is_greedy, rows)],
-              [float("inf") if g else float("-inf") for g in plan.is_greedy],
-              [float(0 if g or not raw else r.params.top_k) for g, r in zip(plan.is_greedy, rows)]]
-    seeds = [kernel.UNSEEDED if g or r.params.seed is None else derive_seed(r.params.seed, len(r.output_token_ids))
-             for g, r in zip(plan.is_greedy, rows)]
-    scales, floors, ks = _host_to(device, params, torch.float32)
+    params = _race_params(rows, plan, [len(r.output_token_ids) for r in rows], raw=raw)
+    seeds = params[3]
+    scales, floors, ks = _host_to(device, params[:3], torch.float32)
     seeds_dev = _host_to(device, seeds, torch.int64)
     max_k = min(int(max(params[2])), logits.shape[1])
     if max_k > 0:  # the k-th largest logit, the least a top_k row keeps (ties kept); NaN is -inf (torch ranks it first)

@@ -49,13 +49,16 @@ def _race_chunk_kernel(x_ptr, stride_x, vocab, scale_ptr, floor_ptr, seed_ptr, b
     ok = cols < vocab
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=float("-inf")).to(tl.float32)
     x = tl.where(x == x, x, float("-inf"))  # NaN
-    u = tl.rand(seed, cols)
-    score = tl.where(ok & (x >= floor) & (x > float("-inf")), x * scale - tl.log(-tl.log(u)), float("-inf"))
     at = row * tl.num_programs(1) + chunk
     tl.store(top_ptr + at, tl.max(x, axis=0))
     tl.store(top_at_ptr + at, chunk * BLOCK + tl.argmax(x, axis=0, tie_break_left=True))
-    tl.store(best_ptr + at, tl.max(score, axis=0))
-    tl.store(best_at_ptr + at, chunk * BLOCK + tl.argmax(score, axis=0, tie_break_left=True))
+    if floor < float("inf"):  # a greedy row keeps no token: no uniforms drawn
+        u = tl.rand(seed, cols)
+        score = tl.where(ok & (x >= floor) & (x > float("-inf")), x * scale - tl.log(-tl.log(u)), float("-inf"))
+        tl.store(best_ptr + at, tl.max(score, axis=0))
+        tl.store(best_at_ptr + at, chunk * BLOCK + tl.argmax(score, axis=0, tie_break_left=True))
+    else:
+        tl.store(best_ptr + at, float("-inf"))
 
 
 @triton.jit
@@ -80,16 +83,18 @@ def _race_pick_kernel(best_ptr, best_at_ptr, top_ptr, top_at_ptr, chunks, out_pt
 
 
 def race(logits: torch.Tensor, scales: torch.Tensor, floors: torch.Tensor, seeds: torch.Tensor,
-         base: torch.Tensor) -> torch.Tensor:
+         base: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Token ids ``[rows]`` (int64) for ``logits`` ``[rows, vocab]`` (any float
     dtype, unit stride along the vocabulary): ``scales`` (float32 ``[rows]``,
     1 / temperature), ``floors`` (float32 ``[rows]``, the least logit a row
     keeps: -inf all, +inf none, so its argmax), ``seeds`` (int64 ``[rows]``, a
     row's Philox seed or ``UNSEEDED``) and ``base`` (int64 ``[1]``, the
-    unseeded rows' seed) on the logits' device. Two launches: the chunks of
-    every row side by side, then a row's pick among its chunks."""
+    unseeded rows' seed) on the logits' device; into ``out`` (int64
+    ``[rows]``) if given. Two launches: the chunks of every row side by
+    side, then a row's pick among its chunks."""
     num_rows, vocab = logits.shape
-    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
         return out
     if logits.stride(1) != 1:

@@ -69,6 +69,7 @@ import torch
 
 from mstar_actors.models.attention import AttentionMetadata, max_varlen_items, plan_varlen_work
 from mstar_actors.models.deltanet_ops import RECURRENT_MAX, StaticStep, static_sizes, static_step_plan, takes_recurrent
+from mstar_actors.runner.sampling import RaceRows
 
 log = logging.getLogger(__name__)
 
@@ -313,17 +314,26 @@ class DecodeGraphs(_StepGraphs):
     scratch block and, for a hybrid model (``scratch_state_slot``), on the
     scratch state slot: a context of 1 starts from zero state, so padding
     never reads a sequence's state and writes only the scratch slot.
+
+    ``draws``: each graph ends with the step's draw, ``sampling_triton.race``
+    over its logits into ``tokens``, so a step whose rows need no torch
+    filter (``sampling.race_rows``) launches nothing after the replay. The
+    header then continues with ``scales | floors`` (float32) and ``seeds``
+    (int64) a row and the unseeded rows' base seed (int64); padded rows are
+    greedy (floor +inf).
     """
 
     name = "decode graphs"
 
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], lora: Any, *, max_batch: int,
                  max_blocks_per_seq: int, block_size: int, scratch_block: int, capture: bool = True,
-                 pool: Any = None, scratch_state_slot: int | None = None, step_tokens: torch.Tensor):
+                 pool: Any = None, scratch_state_slot: int | None = None, step_tokens: torch.Tensor,
+                 draws: bool = False):
         super().__init__(model, kv_caches, lora, num_table_rows=max_batch, max_blocks_per_seq=max_blocks_per_seq,
                          block_size=block_size, scratch_block=scratch_block, step_tokens=step_tokens)
         self.max_batch = max_batch
         self.scratch_state_slot = scratch_state_slot  # None: the model keeps no recurrent state
+        self.draws = draws  # the graphs draw each row's token too (see the class doc)
         self.buckets = batch_buckets(max_batch)
         self._make_buffers(model.spec.vocab_size)
         if capture:
@@ -331,9 +341,18 @@ class DecodeGraphs(_StepGraphs):
 
     def _make_buffers(self, vocab_size: int) -> None:
         m, dev = self.max_batch, self.device
-        self._stage = _Staging(_NUM_FIELDS * m + m * self.block_tables.shape[1], dev)
+        # The draw's fields from an even offset: the seeds are int64 (two int32 each).
+        self._draw_at = _NUM_FIELDS * m + (_NUM_FIELDS * m) % 2
+        self._tables_start = self._draw_at + 4 * m + 2 if self.draws else _NUM_FIELDS * m
+        self._stage = _Staging(self._tables_start + m * self.block_tables.shape[1], dev)
         ids32, pos32, slots32, self.context_lens, self.lora_slots, states32, self.input_src = (
             self._stage.view(0, _NUM_FIELDS * m).view(_NUM_FIELDS, m))
+        if self.draws:  # 1 / temperature and floor (float32), seed (int64) a row; the base seed
+            at = self._draw_at
+            self.scales, self.floors = self._stage.view(at, 2 * m).view(torch.float32).view(2, m)
+            self.seeds = self._stage.view(at + 2 * m, 2 * m).view(torch.int64)
+            self.base_seed = self._stage.view(at + 4 * m, 2).view(torch.int64)
+            self.tokens = torch.zeros(m, dtype=torch.long, device=dev)
         self._stage_longs = (ids32, pos32, slots32, states32)
         self.state_slots = torch.zeros(m, dtype=torch.long, device=dev)
         self.input_ids = torch.zeros(m, dtype=torch.long, device=dev)
@@ -342,7 +361,7 @@ class DecodeGraphs(_StepGraphs):
         self.query_start = torch.arange(m + 1, dtype=torch.int32, device=dev)
         self.logits = torch.zeros(m, vocab_size, dtype=torch.float32, device=dev)
         self._fill_padding(0, m)
-        self._stage.upload(_NUM_FIELDS * m)
+        self._stage.upload(self._tables_start)
 
     def _sizes(self) -> str:
         return f"batch sizes {self.buckets}"
@@ -359,9 +378,17 @@ class DecodeGraphs(_StepGraphs):
         scratch_state = -1 if self.scratch_state_slot is None else self.scratch_state_slot
         for field, value in enumerate((0, 0, self.scratch_slot, 1, 0, scratch_state, -1)):
             h[field * m + start : field * m + stop] = value
+        if self.draws:  # greedy: no uniforms drawn
+            self._draw_host()[1][start:stop] = np.inf
 
-    def _load(self, batch: DecodeBatch) -> int:
-        """Copy ``batch`` into the static buffers; return its bucket."""
+    def _draw_host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The host's scales, floors, seeds and base seed fields."""
+        h, at, m = self._stage.host_np, self._draw_at, self.max_batch
+        scales, floors = h[at : at + 2 * m].view(np.float32).reshape(2, m)
+        return scales, floors, h[at + 2 * m : at + 4 * m].view(np.int64), h[at + 4 * m : at + 4 * m + 2].view(np.int64)
+
+    def _load(self, batch: DecodeBatch, race: RaceRows | None, base_seed: int) -> int:
+        """Copy ``batch`` (and its draw's inputs) into the static buffers; return its bucket."""
         num_rows = len(batch.input_ids)
         bucket = self.bucket_for(num_rows)
         self._stage.begin_write()
@@ -373,13 +400,22 @@ class DecodeGraphs(_StepGraphs):
             h[field * m : field * m + num_rows] = values
         _put_sources(h[6 * m : 7 * m], num_rows, batch.device_inputs)
         self._fill_padding(num_rows, bucket)
-        self._send(_NUM_FIELDS * m, batch.block_tables, bucket)
+        if race is not None:
+            scales, floors, seeds, base = self._draw_host()
+            scales[:num_rows], floors[:num_rows], seeds[:num_rows] = race.scales, race.floors, race.seeds
+            base[0] = base_seed
+        self._send(self._tables_start, batch.block_tables, bucket)
         return bucket
 
-    def run(self, batch: DecodeBatch) -> torch.Tensor:
+    def run(self, batch: DecodeBatch, race: RaceRows | None = None, base_seed: int = 0) -> torch.Tensor:
         """The step's logits ``[len(batch.input_ids), vocab]`` float32: a view of
-        the static output, valid until the next ``run``."""
-        bucket = self._load(batch)
+        the static output, valid until the next ``run``. ``race`` (graphs
+        that draw): the rows' draw, whose tokens are then ``tokens[:rows]``
+        (``base_seed``: the unseeded rows'); without it the graph's draw is
+        of no row."""
+        if race is not None and not self.draws:
+            raise ValueError("these decode graphs draw no tokens (DecodeGraphs(draws=True) does)")
+        bucket = self._load(batch, race, base_seed)
         self._replay((bucket, self.lora is not None and any(batch.chunk_slots)))
         return self.logits[: len(batch.input_ids)]
 
@@ -409,6 +445,11 @@ class DecodeGraphs(_StepGraphs):
         finally:
             if self.lora is not None:
                 self.lora.end_step()
+        if self.draws:
+            from mstar_actors.runner import sampling_triton
+
+            sampling_triton.race(self.logits[:bucket], self.scales[:bucket], self.floors[:bucket],
+                                 self.seeds[:bucket], self.base_seed, out=self.tokens[:bucket])
 
 
 class MixedGraphs(_StepGraphs):

@@ -9,6 +9,7 @@ replayed, base and LoRA rows alike, and compared with ``enforce_eager``.
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -71,25 +72,40 @@ def count_graph_steps(runner: ModelRunner) -> list[int]:
     sizes: list[int] = []
     run = runner.graphs.run
 
-    def counted(batch):
+    def counted(batch, *args):
         sizes.append(len(batch.input_ids))
-        return run(batch)
+        return run(batch, *args)
 
     runner.graphs.run = counted
     return sizes
 
 
-def script(runner: ModelRunner, slots: dict[str, int] | None = None) -> dict[str, list[int]]:
+def count_graph_draws(runner: ModelRunner) -> list[bool]:
+    """Wrap the runner's graphs; the returned list gets, for each graph step, whether the graph drew its tokens."""
+    drawn: list[bool] = []
+    run = runner.graphs.run
+
+    def counted(batch, race, base_seed):
+        drawn.append(race is not None)
+        return run(batch, race, base_seed)
+
+    runner.graphs.run = counted
+    return drawn
+
+
+def script(runner: ModelRunner, slots: dict[str, int] | None = None,
+           samplings: dict[str, messages.SamplingParams] | None = None) -> dict[str, list[int]]:
     """Padded buckets, block crossings, a finished sequence replaced, a batch over
-    the graphs' max (4), prefill next to decodes. Outputs by request id."""
-    slots = slots or {}
+    the graphs' max (4), prefill next to decodes. Outputs by request id
+    (``samplings``: a request's own, else greedy)."""
+    slots, samplings = slots or {}, samplings or {}
     gen = torch.Generator().manual_seed(5)
     lens = dict(a=6, b=3, c=9, d=5, e=4, f=7)
     prompts = {rid: torch.randint(3, 300, (n,), generator=gen).tolist() for rid, n in lens.items()}
     d = Driver(runner)
 
     def start(rid):
-        return d.start(rid, prompts[rid], slot=slots.get(rid, 0))
+        return d.start(rid, prompts[rid], slot=slots.get(rid, 0), sampling=samplings.get(rid))
 
     d.step([start("a"), start("b"), start("c")], [d.chunk("a"), d.chunk("b"), d.chunk("c")])
     for _ in range(3):
@@ -125,6 +141,46 @@ def test_static_decode_matches_eager(hf_models):
     assert {1, 2, 3, 4} <= set(sizes) and 5 not in sizes  # padded buckets used; 5 rows ran eagerly
     for step, (a, b) in enumerate(zip(static_rec.logits, eager_rec.logits, strict=True)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+
+
+def _sampled(temperature, seed=None, **more) -> messages.SamplingParams:
+    return messages.SamplingParams(max_tokens=NUM_NEW, temperature=temperature, seed=seed, ignore_eos=True, **more)
+
+
+# b and f greedy, the others seeded; e's top_p draws its steps in the sampler, after the graph.
+DRAWN = dict(a=_sampled(0.9, 1), b=_sampled(0.0), c=_sampled(1.3, 7), d=_sampled(0.7, 3), e=_sampled(1.0, 11, top_p=0.9),
+             f=_sampled(0.0))
+
+
+def test_graphs_that_draw_give_the_samplers_tokens(hf_models, race_on_cpu):
+    """``DecodeGraphs(draws=True)``: the graph's own draw is the sampler's
+    (the same race kernel, here in Triton's interpreter) on the same rows."""
+    folder, _ = hf_models("llama")
+    want = script(make_runner(folder, static=4), samplings=DRAWN)
+    runner = make_runner(folder)
+    runner.enable_step_graphs(4, capture=False, draws=True)
+    drawn = count_graph_draws(runner)
+    assert script(runner, samplings=DRAWN) == want
+    assert any(drawn) and not all(drawn)  # steps with e drew after the graph
+    assert any(len(set(tokens)) > 1 for tokens in want.values())
+
+
+def test_graphs_draw_unseeded_rows_from_the_runners_seed(hf_models):
+    """Unseeded rows take a base seed from the runner's host generator: the
+    same seed draws the same tokens, another seed others."""
+    if not os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the draw runs on CPU tensors only in Triton's interpreter")
+    folder, _ = hf_models("llama")
+    unseeded = {rid: _sampled(1.5) for rid in "abcdef"}
+
+    def outputs(seed):
+        runner = make_runner(folder, seed=seed)
+        runner.enable_step_graphs(4, capture=False, draws=True)
+        return script(runner, samplings=unseeded)
+
+    first = outputs(0)
+    assert outputs(0) == first
+    assert outputs(1) != first
 
 
 def test_scratch_block_is_never_reported_and_takes_the_padding(hf_models):
@@ -279,6 +335,19 @@ def test_captured_graphs_match_eager_on_cuda(hf_models):
     sizes = count_graph_steps(runner)
     assert script(runner) == want
     assert {1, 2, 3, 4} <= set(sizes)
+
+
+@pytest.mark.gpu
+def test_captured_graphs_draw_the_eager_samplers_tokens_on_cuda(hf_models):
+    """On CUDA the decode graphs draw by default: seeded and greedy rows give
+    the eager runner's tokens (float32), a top_p row's steps drawn after the graph."""
+    folder, _ = hf_models("llama")
+    want = script(cuda_runner(folder, enforce_eager=True), samplings=DRAWN)
+    runner = cuda_runner(folder)
+    assert runner.graphs.draws
+    drawn = count_graph_draws(runner)
+    assert script(runner, samplings=DRAWN) == want
+    assert any(drawn) and not all(drawn)
 
 
 @pytest.mark.gpu

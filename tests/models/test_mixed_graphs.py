@@ -80,9 +80,9 @@ def record_paths(runner: ModelRunner) -> list[tuple[str, int]]:
     return paths
 
 
-def _counted(run, kind, paths, batch):
+def _counted(run, kind, paths, batch, *args):
     paths.append((kind, len(batch.input_ids)))
-    return run(batch)
+    return run(batch, *args)
 
 
 def script(runner: ModelRunner, slots: dict[str, int] | None = None) -> dict[str, list[int]]:
