@@ -163,6 +163,29 @@ def test_greedy_uses_penalised_logits():
     assert token_ids(sample_tokens(logits, [row])) == [1]
 
 
+def test_derive_seeds_is_derive_seed_row_by_row():
+    from mstar_actors.runner.sampling import derive_seed, derive_seeds
+
+    seeds = [0, 1, 7, -3, 2**63 - 1, -(2**63), 2**64 + 5, 123456789]
+    counts = [0, 1, 2, 3, 4, 5, 1000, 2**31]
+    assert derive_seeds(seeds, counts).tolist() == [derive_seed(s, n) for s, n in zip(seeds, counts)]
+
+
+def test_race_row_takes_temperature_and_seeds_only():
+    """What a decode graph may draw by itself (``race_row``), and what needs torch first."""
+    from mstar_actors.runner.sampling import race_row
+
+    def row(**kw):
+        return race_row(messages.SamplingParams(**kw))
+
+    assert row(temperature=0.0, top_p=0.5, top_k=3) == (1.0, math.inf, None)  # greedy: filters change nothing
+    assert row(temperature=0.5, seed=4) == (2.0, -math.inf, 4)
+    for refused in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1), dict(logprobs=0), dict(presence_penalty=0.5),
+                    dict(repetition_penalty=1.1), dict(logit_bias=((3, 1.0),)), dict(allowed_token_ids=(1, 2)),
+                    dict(bad_words_token_ids=((4,),)), dict(min_tokens=2, min_token_stop_ids=(0,))):
+        assert row(temperature=1.0, **refused) is None, refused
+
+
 @pytest.mark.parametrize("device", [*DEVICES, "race"])
 def test_seeded_row_independent_of_batch_and_position(device, request):
     device = _on(device, request)

@@ -53,8 +53,8 @@ mixed-step graph; a larger step runs eagerly. The KV cache has one block
 more than ``num_kv_blocks`` reports: the scratch block padded graph rows
 write into, which no plan can name (block ids are checked against
 ``num_kv_blocks``). A decode graph draws its rows' tokens too where they
-need no torch filter (temperature and seeds only: ``sampling.race_rows``;
-no grammar): nothing is launched between the replay and the host copy; the
+need no torch filter (temperature and seeds only, no grammar:
+``sampling.race_row``): nothing is launched between the replay and the host copy; the
 unseeded rows' base seed then comes from the host (``graph_seeds``), one a
 step, the same on every rank.
 """
@@ -76,7 +76,8 @@ from mstar_actors.models.lora_layers import LoraLayers
 from mstar_actors.models.media_inputs import MediaInputs
 from mstar_actors.runner.grammar import GrammarError, GrammarMatchers
 from mstar_actors.runner.step_graphs import DecodeGraphs, MixedGraphs
-from mstar_actors.runner.sampling import PendingSample, RaceRows, SampleRow, race_rows, races_on, sample_pending
+from mstar_actors.runner.sampling import (PendingSample, RaceRow, RaceRows, SampleRow, race_row, race_rows, races_on,
+                                         sample_pending)
 
 # A sampler answers a step's logits with its draws: at once (a list), or on their way to the host.
 Sampler = Callable[..., "list[messages.SampledToken] | PendingSample"]
@@ -99,6 +100,10 @@ class SeqState:
     lora_slot: int = 0  # 0: the base model
     state_slot: int = -1  # a hybrid model's recurrent-state slot (-1: none)
     pending: int = -1  # row of the runner's step_tokens holding a sampled token not yet read (-1: none)
+    race: RaceRow | None = field(init=False)  # the draw as a decode graph takes it (None: it cannot)
+
+    def __post_init__(self) -> None:
+        self.race = race_row(self.sampling)
 
     @property
     def num_known(self) -> int:
@@ -569,15 +574,14 @@ class ModelRunner:
                 self.lora.end_step()
 
     def _graph_race(self, batch: Batch) -> RaceRows | None:
-        """A decode graph step's draw, if the graph takes it: the rows need no
-        torch filter (``sampling.race_rows``) and no grammar."""
+        """A decode graph step's draw, if the graph takes it: no row needs a
+        torch filter or a grammar (``sampling.race_row``)."""
         if not self.graphs.draws:
             return None
         states = [self.seqs[rid] for rid in batch.sample_ids]
-        if any(seq.sampling.structured is not None for seq in states):
+        rows = [seq.race for seq in states]
+        if None in rows:
             return None
-        rows = [SampleRow(rid, seq.sampling, seq.prompt_token_ids, seq.output_token_ids)
-                for rid, seq in zip(batch.sample_ids, states)]
         return race_rows(rows, [len(seq.output_token_ids) + (seq.pending >= 0) for seq in states])
 
     def _is_graph_step(self, batch: Batch) -> bool:

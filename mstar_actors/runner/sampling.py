@@ -53,6 +53,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from mstar_actors import messages
@@ -188,8 +189,12 @@ def sample_pending(
 
 
 def _has_processor(row: SampleRow) -> bool:
-    p = row.params
-    return bool(p.logit_bias or p.allowed_token_ids or p.bad_words_token_ids or _is_below_min_tokens(row))
+    return _has_fixed_processor(row.params) or _is_below_min_tokens(row)
+
+
+def _has_fixed_processor(p: messages.SamplingParams) -> bool:
+    """A processor whatever the outputs (min_tokens' lasts until they are enough)."""
+    return bool(p.logit_bias or p.allowed_token_ids or p.bad_words_token_ids)
 
 
 def _is_below_min_tokens(row: SampleRow) -> bool:
@@ -436,6 +441,10 @@ def _filters_in_torch(rows: list[SampleRow], plan: _Plan) -> bool:
     return any(not g and (r.params.min_p > 0.0 or r.params.top_p < 1.0) for g, r in zip(plan.is_greedy, rows))
 
 
+# A request's draw as the race kernel's inputs: 1 / temperature, floor, seed (None: unseeded).
+RaceRow = tuple[float, float, "int | None"]
+
+
 @dataclass
 class RaceRows:
     """A step's draw as ``sampling_triton.race``'s inputs alone, on the host:
@@ -443,37 +452,37 @@ class RaceRows:
     takes its argmax; -inf: every token) and seed (``UNSEEDED``: the step's
     base seed). What a captured step's draw reads (``step_graphs``)."""
 
-    scales: list[float]
-    floors: list[float]
-    seeds: list[int]
+    scales: np.ndarray  # float32
+    floors: np.ndarray  # float32
+    seeds: np.ndarray  # int64
 
 
-def race_rows(rows: list[SampleRow], num_outputs: list[int]) -> RaceRows | None:
-    """``rows``' draw as ``RaceRows``, or None where a row needs torch first
-    (penalties, logits processors, logprobs, top_k, top_p, min_p).
-    ``num_outputs``: each row's output tokens, counting one the host has
-    not read yet (a seeded row's seed is ``derive_seed(seed, it)``)."""
-    plan = _Plan.from_rows(rows)
-    if plan.needs_penalties or plan.needs_logprobs or plan.needs_processors or _filters_in_torch(rows, plan):
+def race_row(params: messages.SamplingParams) -> RaceRow | None:
+    """A request's draw as the race kernel's inputs alone, or None where it
+    needs torch first: penalties, logits processors, logprobs, top_k, top_p,
+    min_p, a grammar. Fixed for the request's life (a runner keeps it)."""
+    p = params
+    if _has_penalty(p) or p.logprobs is not None or p.structured is not None:
         return None
-    if any(not g and r.params.top_k > 0 for g, r in zip(plan.is_greedy, rows)):
+    if _has_fixed_processor(p) or (p.min_token_stop_ids and p.min_tokens > 0):
         return None
-    scales, floors, _, seeds = _race_params(rows, plan, num_outputs, raw=True)
-    return RaceRows(scales, floors, seeds)
+    if p.temperature < SAMPLING_EPS:
+        return (1.0, float("inf"), None)
+    if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
+        return None
+    return (1.0 / p.temperature, float("-inf"), p.seed)
 
 
-def _race_params(rows: list[SampleRow], plan: _Plan, num_outputs: list[int], *,
-                 raw: bool) -> tuple[list[float], list[float], list[float], list[int]]:
-    """Per row: 1 / temperature, floor, top_k (``raw``: the kernel tempers and
-    floors the model's logits; else they come tempered and filtered) and
-    seed (``RaceRows``)."""
-    kernel = _race_kernel()
-    scales = [1.0 if g or not raw else 1.0 / r.params.temperature for g, r in zip(plan.is_greedy, rows)]
-    floors = [float("inf") if g else float("-inf") for g in plan.is_greedy]
-    ks = [float(0 if g or not raw else r.params.top_k) for g, r in zip(plan.is_greedy, rows)]
-    seeds = [kernel.UNSEEDED if g or r.params.seed is None else derive_seed(r.params.seed, n)
-             for g, r, n in zip(plan.is_greedy, rows, num_outputs)]
-    return scales, floors, ks, seeds
+def race_rows(rows: list[RaceRow], num_outputs: list[int]) -> RaceRows:
+    """A step's ``RaceRows`` from its rows' ``race_row``s; ``num_outputs``:
+    each row's output tokens, counting one the host has not read yet (a
+    seeded row's seed is ``derive_seed(seed, it)``)."""
+    scales, floors, seeds = zip(*rows)
+    seeded = [i for i, seed in enumerate(seeds) if seed is not None]
+    out = np.full(len(rows), _race_kernel().UNSEEDED, dtype=np.int64)
+    if seeded:
+        out[seeded] = derive_seeds([seeds[i] for i in seeded], [num_outputs[i] for i in seeded])
+    return RaceRows(np.array(scales, dtype=np.float32), np.array(floors, dtype=np.float32), out)
 
 
 def _race_tokens(logits: torch.Tensor, rows: list[SampleRow], plan: _Plan, generator: torch.Generator | None,
@@ -485,9 +494,13 @@ def _race_tokens(logits: torch.Tensor, rows: list[SampleRow], plan: _Plan, gener
     the device; a seeded one ``derive_seed``'s, as ``_row_draws``."""
     kernel = _race_kernel()
     device = logits.device
-    params = _race_params(rows, plan, [len(r.output_token_ids) for r in rows], raw=raw)
-    seeds = params[3]
-    scales, floors, ks = _host_to(device, params[:3], torch.float32)
+    # A row's 1 / temperature, its floor (+inf: a greedy row keeps no token, so takes its argmax) and top_k.
+    params = [[1.0 if g or not raw else 1.0 / r.params.temperature for g, r in zip(plan.is_greedy, rows)],
+              [float("inf") if g else float("-inf") for g in plan.is_greedy],
+              [float(0 if g or not raw else r.params.top_k) for g, r in zip(plan.is_greedy, rows)]]
+    seeds = [kernel.UNSEEDED if g or r.params.seed is None else derive_seed(r.params.seed, len(r.output_token_ids))
+             for g, r in zip(plan.is_greedy, rows)]
+    scales, floors, ks = _host_to(device, params, torch.float32)
     seeds_dev = _host_to(device, seeds, torch.int64)
     max_k = min(int(max(params[2])), logits.shape[1])
     if max_k > 0:  # the k-th largest logit, the least a top_k row keeps (ties kept); NaN is -inf (torch ranks it first)
@@ -548,6 +561,16 @@ def derive_seed(seed: int, num_output_tokens: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (x ^ (x >> 31)) >> 1
+
+
+def derive_seeds(seeds: list[int], num_output_tokens: list[int]) -> np.ndarray:
+    """``derive_seed`` of each pair, as int64, in uint64 arithmetic (wrapping: the mask)."""
+    with np.errstate(over="ignore"):
+        x = np.array([seed & _MASK64 for seed in seeds], dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        x += np.array(num_output_tokens, dtype=np.uint64)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return ((x ^ (x >> np.uint64(31))) >> np.uint64(1)).astype(np.int64)
 
 
 def shared_generator(device: torch.device, seed: int | None = None) -> torch.Generator:

@@ -317,7 +317,7 @@ class DecodeGraphs(_StepGraphs):
 
     ``draws``: each graph ends with the step's draw, ``sampling_triton.race``
     over its logits into ``tokens``, so a step whose rows need no torch
-    filter (``sampling.race_rows``) launches nothing after the replay. The
+    filter (``sampling.race_row``) launches nothing after the replay. The
     header then continues with ``scales | floors`` (float32) and ``seeds``
     (int64) a row and the unseeded rows' base seed (int64); padded rows are
     greedy (floor +inf).
