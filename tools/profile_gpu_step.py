@@ -159,24 +159,38 @@ def time_replays(runner: ModelRunner, slots: list[int], tag: str, num_steps: int
 def print_sampled(runner: ModelRunner, batches: list[int], num_steps: int) -> None:
     """Decode steps of base rows drawing at temperature 1 (unseeded, and
     seeded), the draw inside the decode graph against the sampler's launches
-    after the replay (``ModelRunner._graph_race``); greedy beside them."""
+    after the replay (``ModelRunner._graph_race``), step by step in turns on
+    the same sequences; greedy beside them. Host: ``forward`` and ``sample``,
+    what the worker's loop spends before it waits for the device."""
     graphs = runner.graphs
     if graphs is None or not graphs.draws:
         return print("# sampled rows: the decode graphs draw no tokens here; skipped")
-    print(f"# decode step ms (median of {num_steps}), ModelRunner.execute, base rows: the draw in the decode graph "
-          "against sample_pending after its replay (the graph's draw then unused)")
-    print(f"{'batch':>5} {'rows':>12} {'in graph':>9} {'after':>8} {'after/in':>9}")
+    print(f"# decode step ms (median of {num_steps} each, in turns), base rows: the draw in the decode graph against "
+          "sample_pending after its replay (the graph's draw then unused); host: forward + sample, step: until collected")
+    print(f"{'batch':>5} {'rows':>12} {'host in':>8} {'host after':>10} {'step in':>8} {'step after':>10}")
     for batch in batches:
         for name, sampling in (("greedy", {}), ("temperature", dict(temperature=1.0)),
                                ("seeded", dict(temperature=1.0, seed=7))):
-            graphs.draws = True
-            inside = time_steps(runner, [0] * batch, "sg", num_steps, **sampling)
-            graphs.draws = False
+            d = Decoder(runner, [0] * batch, "s", **sampling)
+            times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
             try:
-                after = time_steps(runner, [0] * batch, "sa", num_steps, **sampling)
+                for i in range(2 * (num_steps + 3)):
+                    graphs.draws = i % 2 == 0
+                    d.step_id += 1
+                    plan = messages.StepPlan(d.step_id, [], [d.chunk(rid, 1) for rid in d.rids], [])
+                    started = time.perf_counter()
+                    step = runner.forward(plan)
+                    runner.sample(step)
+                    host = time.perf_counter() - started
+                    runner.collect(step)
+                    if i >= 6:
+                        times[graphs.draws].append((host, time.perf_counter() - started))
             finally:
                 graphs.draws = True
-            print(f"{batch:>5} {name:>12} {inside:>9.3f} {after:>8.3f} {after / inside:>8.2f}x")
+                d.close()
+            (h_in, s_in), (h_after, s_after) = ([statistics.median(t[k] for t in times[v]) * 1e3 for k in (0, 1)]
+                                                for v in (True, False))
+            print(f"{batch:>5} {name:>12} {h_in:>8.3f} {h_after:>10.3f} {s_in:>8.3f} {s_after:>10.3f}")
 
 
 def time_mixed(runner: ModelRunner, num_decodes: int, slot: int, num_steps: int, *, graphed: bool) -> float | None:
