@@ -76,8 +76,8 @@ from mstar_actors.models.lora_layers import LoraLayers
 from mstar_actors.models.media_inputs import MediaInputs
 from mstar_actors.runner.grammar import GrammarError, GrammarMatchers
 from mstar_actors.runner.step_graphs import DecodeGraphs, MixedGraphs
-from mstar_actors.runner.sampling import (PendingSample, RaceRow, RaceRows, SampleRow, race_row, race_rows, races_on,
-                                         sample_pending)
+from mstar_actors.runner.sampling import (GREEDY_ROW, PendingSample, RaceRow, RaceRows, SampleRow, race_row, race_rows,
+                                         races_on, sample_pending)
 
 # A sampler answers a step's logits with its draws: at once (a list), or on their way to the host.
 Sampler = Callable[..., "list[messages.SampledToken] | PendingSample"]
@@ -575,12 +575,15 @@ class ModelRunner:
 
     def _graph_race(self, batch: Batch) -> RaceRows | None:
         """A decode graph step's draw, if the graph takes it: no row needs a
-        torch filter or a grammar (``sampling.race_row``)."""
+        torch filter or a grammar (``sampling.race_row``), and some row
+        draws at random (a greedy step's argmax after the replay is one
+        launch, less host work than the graph's inputs: H200, 256 rows,
+        2.38 against 2.54 ms of forward and sample)."""
         if not self.graphs.draws:
             return None
         states = [self.seqs[rid] for rid in batch.sample_ids]
         rows = [seq.race for seq in states]
-        if None in rows:
+        if None in rows or all(row is GREEDY_ROW for row in rows):  # greedy alone: one argmax after costs the host less
             return None
         return race_rows(rows, [len(seq.output_token_ids) + (seq.pending >= 0) for seq in states])
 

@@ -443,6 +443,7 @@ def _filters_in_torch(rows: list[SampleRow], plan: _Plan) -> bool:
 
 # A request's draw as the race kernel's inputs: 1 / temperature, floor, seed (None: unseeded).
 RaceRow = tuple[float, float, "int | None"]
+GREEDY_ROW: RaceRow = (1.0, float("inf"), None)  # keeps no token: the argmax
 
 
 @dataclass
@@ -467,7 +468,7 @@ def race_row(params: messages.SamplingParams) -> RaceRow | None:
     if _has_fixed_processor(p) or (p.min_token_stop_ids and p.min_tokens > 0):
         return None
     if p.temperature < SAMPLING_EPS:
-        return (1.0, float("inf"), None)
+        return GREEDY_ROW
     if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
         return None
     return (1.0 / p.temperature, float("-inf"), p.seed)

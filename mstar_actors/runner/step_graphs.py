@@ -404,6 +404,8 @@ class DecodeGraphs(_StepGraphs):
             scales, floors, seeds, base = self._draw_host()
             scales[:num_rows], floors[:num_rows], seeds[:num_rows] = race.scales, race.floors, race.seeds
             base[0] = base_seed
+        elif self.draws:  # a draw of no row: greedy, so no uniforms
+            self._draw_host()[1][:num_rows] = np.inf
         self._send(self._tables_start, batch.block_tables, bucket)
         return bucket
 

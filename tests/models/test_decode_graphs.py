@@ -163,6 +163,11 @@ def test_graphs_that_draw_give_the_samplers_tokens(hf_models, race_on_cpu):
     assert script(runner, samplings=DRAWN) == want
     assert any(drawn) and not all(drawn)  # steps with e drew after the graph
     assert any(len(set(tokens)) > 1 for tokens in want.values())
+    greedy = make_runner(folder)
+    greedy.enable_step_graphs(4, capture=False, draws=True)
+    drawn = count_graph_draws(greedy)
+    assert script(greedy) == script(make_runner(folder, static=4))
+    assert drawn and not any(drawn)  # greedy steps take their argmax after the graph
 
 
 def test_graphs_draw_unseeded_rows_from_the_runners_seed(hf_models):
