@@ -114,6 +114,11 @@ class SeqState:
     def num_tokens(self) -> int:
         return self.num_known + (self.pending >= 0)
 
+    def token_at(self, index: int) -> int:
+        """``(prompt + outputs)[index]`` of a known token."""
+        num_prompt = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < num_prompt else self.output_token_ids[index - num_prompt]
+
     def tokens(self, start: int, stop: int) -> list[int]:
         """``(prompt + outputs)[start:stop]`` without concatenating the whole list."""
         num_prompt = len(self.prompt_token_ids)
@@ -159,13 +164,23 @@ def build_batch(
     for chunk in chunks:
         seq = _check_chunk(chunk, seqs, block_size, num_kv_blocks, max_model_len)
         start, stop = chunk.num_computed, chunk.num_computed + chunk.num_tokens
-        batch.input_ids += seq.tokens(start, min(stop, seq.num_known))
-        if stop > seq.num_known:  # the last token: sampled by the step before, not read yet
-            batch.device_inputs.append((len(batch.input_ids), seq.pending))
-            batch.input_ids.append(0)
-        batch.positions += range(start, stop)
         table = chunk.block_ids
-        batch.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, stop)]
+        known = seq.num_known
+        if stop == start + 1:  # a decode: one token, most chunks of a step (no lists made for it)
+            if start < known:
+                batch.input_ids.append(seq.token_at(start))
+            else:  # sampled by the step before, not read yet
+                batch.device_inputs.append((len(batch.input_ids), seq.pending))
+                batch.input_ids.append(0)
+            batch.positions.append(start)
+            batch.slot_mapping.append(table[start // block_size] * block_size + start % block_size)
+        else:
+            batch.input_ids += seq.tokens(start, min(stop, known))
+            if stop > known:  # the last token: sampled by the step before, not read yet
+                batch.device_inputs.append((len(batch.input_ids), seq.pending))
+                batch.input_ids.append(0)
+            batch.positions += range(start, stop)
+            batch.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, stop)]
         batch.block_tables.append(table[: -(-stop // block_size)])
         batch.query_lens.append(chunk.num_tokens)
         batch.context_lens.append(stop)
@@ -185,14 +200,15 @@ def _check_chunk(chunk, seqs, block_size, num_kv_blocks, max_model_len) -> SeqSt
     if seq is None:
         raise PlanError(f"request {rid!r}: scheduled but never started (missing from StepPlan.started)", [rid])
     stop = chunk.num_computed + chunk.num_tokens
-    if chunk.num_tokens < 1 or chunk.num_computed < 0 or stop > seq.num_tokens:
+    num_tokens = seq.num_tokens
+    if chunk.num_tokens < 1 or chunk.num_computed < 0 or stop > num_tokens:
         raise PlanError(
             f"request {rid!r}: chunk [{chunk.num_computed}, {stop}) is outside its "
-            f"{seq.num_tokens} known tokens; need num_tokens >= 1 and num_computed + num_tokens <= known",
+            f"{num_tokens} known tokens; need num_tokens >= 1 and num_computed + num_tokens <= known",
             [rid],
         )
-    if chunk.sample and stop != seq.num_tokens:
-        raise PlanError(f"request {rid!r}: sample=true but the chunk ends at {stop}, not at the last token {seq.num_tokens}", [rid])
+    if chunk.sample and stop != num_tokens:
+        raise PlanError(f"request {rid!r}: sample=true but the chunk ends at {stop}, not at the last token {num_tokens}", [rid])
     if stop > max_model_len:
         raise PlanError(f"request {rid!r}: {stop} tokens exceed max_model_len={max_model_len}", [rid])
     num_needed = -(-stop // block_size)

@@ -58,6 +58,7 @@ has long completed (sampling reads the logits on the host).
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -222,12 +223,15 @@ class _StepGraphs:
         """Pack ``tables`` into ``num_rows`` rows after the header (rows past
         ``len(tables)`` and short tables' tails: the scratch block), move
         header and tables in one copy, spread the tables into ``block_tables``."""
-        width = max(len(t) for t in tables)
+        lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+        width = int(lengths.max())
         stop = tables_start + num_rows * width
         packed = self._stage.host_np[tables_start:stop].reshape(num_rows, width)
         packed.fill(self.scratch_block)
-        for row, table in zip(packed, tables):
-            row[: len(table)] = table
+        # Every table at once: a boolean mask fills in row-major order, the tables' own (a row at a time
+        # costs 0.15 ms a step of 256 rows).
+        flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum()))
+        packed[: len(tables)][np.arange(width) < lengths[:, None]] = flat
         self._stage.upload(stop)
         self.block_tables[:num_rows, :width].copy_(self._stage.view(tables_start, num_rows * width).view(num_rows, width))
 
