@@ -50,3 +50,17 @@ def make_runner(folder: Any, *, sampler: Any = None, resolve_tensor: Any = None,
     if tp is not None:
         extra["tp"] = tp
     return build_runner(config, load_model_info(config), resolve_tensor, **extra)
+
+
+def record_draws(graphs: Any) -> list[bool]:
+    """Wrap a runner's step graphs (``DecodeGraphs`` or ``MixedGraphs``); the
+    returned list gets, for each of their steps, whether the graph drew its tokens."""
+    drawn: list[bool] = []
+    run = graphs.run
+
+    def counted(batch, race, base_seed):
+        drawn.append(race is not None)
+        return run(batch, race, base_seed)
+
+    graphs.run = counted
+    return drawn

@@ -52,11 +52,11 @@ startup; any other step of up to that many sequences and
 mixed-step graph; a larger step runs eagerly. The KV cache has one block
 more than ``num_kv_blocks`` reports: the scratch block padded graph rows
 write into, which no plan can name (block ids are checked against
-``num_kv_blocks``). A decode graph draws its rows' tokens too where they
-need no torch filter (temperature and seeds only, no grammar:
-``sampling.race_row``): nothing is launched between the replay and the host copy; the
-unseeded rows' base seed then comes from the host (``graph_seeds``), one a
-step, the same on every rank.
+``num_kv_blocks``). A graph draws its rows' tokens too where they need no
+torch filter (temperature and seeds only, no grammar: ``sampling.race_row``)
+and some row draws at random: nothing is launched between the replay and
+the host copy; the unseeded rows' base seed then comes from the host
+(``graph_seeds``), one a step, the same on every rank.
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ class Step:
     logits: torch.Tensor | None  # the sampled rows' (None: the step samples nothing)
     states: list[SeqState]  # the sampled rows' sequences, as the step saw them
     draws: PendingSample | list[messages.SampledToken] | None = None
-    drawn: torch.Tensor | None = None  # the rows' tokens the decode graph drew (None: ``sample`` draws them)
+    drawn: torch.Tensor | None = None  # the rows' tokens the step's graph drew (None: ``sample`` draws them)
 
     def ready(self) -> bool:
         """Whether ``collect`` would not wait for the device."""
@@ -332,8 +332,8 @@ class ModelRunner:
         ``max_batch`` sequences and ``max_tokens`` tokens through
         ``MixedGraphs``; ``capture=False`` runs their static paths eagerly
         (tests). Both capture into one memory pool, the larger set first.
-        ``draws``: the decode graphs draw the tokens too, where the rows
-        allow (``_graph_race``); by default where the sampler is
+        ``draws``: the graphs draw the tokens too, where the rows allow
+        (``_graph_race``); by default where the sampler is
         ``sample_pending`` and its draw the race kernel's (CUDA)."""
         if draws is None:
             draws = self.sampler is sample_pending and races_on(self.device)
@@ -341,12 +341,13 @@ class ModelRunner:
             raise ValueError(f"step graphs: {self.spec.architecture} is multimodal; its steps run eagerly")
         pool = torch.cuda.graph_pool_handle() if capture else None
         shared = dict(max_blocks_per_seq=-(-self.max_model_len // self.block_size), block_size=self.block_size,
-                      scratch_block=self.scratch_block, capture=capture, pool=pool, step_tokens=self.step_tokens)
+                      scratch_block=self.scratch_block, capture=capture, pool=pool, step_tokens=self.step_tokens,
+                      draws=draws)
         shared["scratch_state_slot"] = self.num_state_slots if self.num_state_slots else None  # the pools' scratch
         if max_tokens > 0:
             self.mixed_graphs = MixedGraphs(self.model, self.kv_caches, self.lora, max_seqs=max_batch,
                                             max_tokens=max_tokens, **shared)
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.lora, max_batch=max_batch, draws=draws, **shared)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.lora, max_batch=max_batch, **shared)
 
     # -- protocol ----------------------------------------------------------
 
@@ -392,7 +393,7 @@ class ModelRunner:
             return
         batch = step.batch
         rows = [self._sample_row(rid) for rid in batch.sample_ids]
-        if step.drawn is not None:  # the decode graph drew them
+        if step.drawn is not None:  # the step's graph drew them
             draws = PendingSample(rows, step.drawn)
         else:
             if self.grammars is not None:  # on CUDA the masks fill while the device runs the step
@@ -571,13 +572,15 @@ class ModelRunner:
 
     def _run_model(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The batch's sampled rows' logits, ``[len(batch.sample_ids), vocab]``
-        float32, and their tokens where the decode graph drew them."""
-        if self._is_graph_step(batch):
-            race = self._graph_race(batch)
-            logits = self.graphs.run(batch, race, self.graph_seeds.getrandbits(62) if race is not None else 0)
-            return logits, None if race is None else self.graphs.tokens[: len(batch.sample_ids)]
-        if self.mixed_graphs is not None and self.mixed_graphs.takes(len(batch.input_ids), len(batch.request_ids)):
-            return self.mixed_graphs.run(batch), None
+        float32, and their tokens where the step's graph drew them."""
+        graphs = self.graphs if self._is_graph_step(batch) else None
+        if graphs is None and self.mixed_graphs is not None and self.mixed_graphs.takes(len(batch.input_ids),
+                                                                                          len(batch.request_ids)):
+            graphs = self.mixed_graphs
+        if graphs is not None:
+            race = self._graph_race(graphs, batch)
+            logits = graphs.run(batch, race, self.graph_seeds.getrandbits(62) if race is not None else 0)
+            return logits, None if race is None else graphs.tokens[: len(batch.sample_ids)]
         input_ids, positions, meta, logits_indices = self._to_device(batch)
         if self.lora is not None:
             self.lora.begin_step(batch.chunk_slots, batch.query_lens, batch.sample_slots)
@@ -589,13 +592,13 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.end_step()
 
-    def _graph_race(self, batch: Batch) -> RaceRows | None:
-        """A decode graph step's draw, if the graph takes it: no row needs a
+    def _graph_race(self, graphs: DecodeGraphs | MixedGraphs, batch: Batch) -> RaceRows | None:
+        """A graphed step's draw, if its graph takes it: no row needs a
         torch filter or a grammar (``sampling.race_row``), and some row
         draws at random (a greedy step's argmax after the replay is one
         launch, less host work than the graph's inputs: H200, 256 rows,
         2.38 against 2.54 ms of forward and sample)."""
-        if not self.graphs.draws:
+        if not graphs.draws or not batch.sample_ids:
             return None
         states = [self.seqs[rid] for rid in batch.sample_ids]
         rows = [seq.race for seq in states]

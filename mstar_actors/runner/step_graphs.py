@@ -31,6 +31,13 @@ Shared by both (``_StepGraphs``):
   sampling wrote), -1 for a token the host staged; the graph picks one or
   the other per token.
 - ``logits [rows, vocab]`` float32, the graph's output.
+- ``draws``: each graph ends with the step's draw, ``sampling_triton.race``
+  over its logits into ``tokens``, so a step whose rows need no torch
+  filter (``sampling.race_row``) launches nothing after the replay. The
+  header then ends with ``scales | floors`` (float32) and ``seeds`` (int64)
+  a sampled row and the unseeded rows' base seed (int64); padded rows, and
+  every row of a step drawn after the replay, are greedy (floor +inf: no
+  uniforms drawn).
 - Padding goes to the scratch block: a KV block the runner allocates beyond
   the ones it reports, so the scheduler never hands it out and padded writes
   never touch a sequence's cache. Padding rows are on LoRA slot 0.
@@ -203,8 +210,10 @@ class _StepGraphs:
     off_hint = "set model.enforce_eager: true"
 
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], lora: Any, *, num_table_rows: int,
-                 max_blocks_per_seq: int, block_size: int, scratch_block: int, step_tokens: torch.Tensor):
+                 max_blocks_per_seq: int, block_size: int, scratch_block: int, step_tokens: torch.Tensor,
+                 draws: bool = False):
         self.model, self.kv_caches, self.lora = model, kv_caches, lora
+        self.draws = draws  # the graphs draw each sampled row's token too (see the module doc)
         self.block_size, self.scratch_block = block_size, scratch_block
         self.device = kv_caches[0].device
         self.step_tokens = step_tokens  # the runner's: the last sampling's tokens, read by address
@@ -234,6 +243,55 @@ class _StepGraphs:
         packed[: len(tables)][np.arange(width) < lengths[:, None]] = flat
         self._stage.upload(stop)
         self.block_tables[:num_rows, :width].copy_(self._stage.view(tables_start, num_rows * width).view(num_rows, width))
+
+    # -- the draw (``draws``) ---------------------------------------------------
+
+    def _draw_size(self, num_rows: int) -> int:
+        """Staged int32 entries of a draw of ``num_rows`` rows (0 without draws)."""
+        return 4 * num_rows + 2 if self.draws else 0
+
+    def _make_draw(self, at: int, num_rows: int) -> None:
+        """The draw's fields at ``at`` (even: the seeds are int64, two int32
+        each): ``scales | floors`` (float32), ``seeds`` (int64) a row, the
+        base seed (int64); ``tokens``, the graph's draws. Rows start greedy."""
+        self._draw_at, self._draw_rows = at, num_rows
+        if not self.draws:
+            return
+        self.scales, self.floors = self._stage.view(at, 2 * num_rows).view(torch.float32).view(2, num_rows)
+        self.seeds = self._stage.view(at + 2 * num_rows, 2 * num_rows).view(torch.int64)
+        self.base_seed = self._stage.view(at + 4 * num_rows, 2).view(torch.int64)
+        self.tokens = torch.zeros(num_rows, dtype=torch.long, device=self.device)
+        self._draw_host()[1][:] = np.inf
+
+    def _draw_host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The host's scales, floors, seeds and base seed fields."""
+        h, at, m = self._stage.host_np, self._draw_at, self._draw_rows
+        scales, floors = h[at : at + 2 * m].view(np.float32).reshape(2, m)
+        return scales, floors, h[at + 2 * m : at + 4 * m].view(np.int64), h[at + 4 * m : at + 4 * m + 2].view(np.int64)
+
+    def _write_draw(self, race: RaceRows | None, base_seed: int, num_rows: int) -> None:
+        """A step's draw of its ``num_rows`` sampled rows into the host fields
+        (the padded rows greedy: no uniforms drawn); None: a draw of no row."""
+        if race is not None and not self.draws:
+            raise ValueError(f"these {self.name} draw no tokens (made with draws=True they do)")
+        if not self.draws:
+            return
+        scales, floors, seeds, base = self._draw_host()
+        floors[num_rows:] = np.inf
+        if race is None:
+            floors[:num_rows] = np.inf
+            return
+        scales[:num_rows], floors[:num_rows], seeds[:num_rows] = race.scales, race.floors, race.seeds
+        base[0] = base_seed
+
+    def _draw(self, logits: torch.Tensor) -> None:
+        """The captured draw over ``logits`` (the graph's sampled rows) into ``tokens``."""
+        if self.draws:
+            from mstar_actors.runner import sampling_triton
+
+            n = logits.shape[0]
+            sampling_triton.race(logits, self.scales[:n], self.floors[:n], self.seeds[:n], self.base_seed,
+                                 out=self.tokens[:n])
 
     def _take_device_tokens(self, input_ids: torch.Tensor, input_src: torch.Tensor) -> None:
         """``input_ids[i] = step_tokens[input_src[i]]`` where ``input_src[i] >= 0`` (captured)."""
@@ -319,12 +377,6 @@ class DecodeGraphs(_StepGraphs):
     scratch state slot: a context of 1 starts from zero state, so padding
     never reads a sequence's state and writes only the scratch slot.
 
-    ``draws``: each graph ends with the step's draw, ``sampling_triton.race``
-    over its logits into ``tokens``, so a step whose rows need no torch
-    filter (``sampling.race_row``) launches nothing after the replay. The
-    header then continues with ``scales | floors`` (float32) and ``seeds``
-    (int64) a row and the unseeded rows' base seed (int64); padded rows are
-    greedy (floor +inf).
     """
 
     name = "decode graphs"
@@ -334,10 +386,9 @@ class DecodeGraphs(_StepGraphs):
                  pool: Any = None, scratch_state_slot: int | None = None, step_tokens: torch.Tensor,
                  draws: bool = False):
         super().__init__(model, kv_caches, lora, num_table_rows=max_batch, max_blocks_per_seq=max_blocks_per_seq,
-                         block_size=block_size, scratch_block=scratch_block, step_tokens=step_tokens)
+                         block_size=block_size, scratch_block=scratch_block, step_tokens=step_tokens, draws=draws)
         self.max_batch = max_batch
         self.scratch_state_slot = scratch_state_slot  # None: the model keeps no recurrent state
-        self.draws = draws  # the graphs draw each row's token too (see the class doc)
         self.buckets = batch_buckets(max_batch)
         self._make_buffers(model.spec.vocab_size)
         if capture:
@@ -345,18 +396,12 @@ class DecodeGraphs(_StepGraphs):
 
     def _make_buffers(self, vocab_size: int) -> None:
         m, dev = self.max_batch, self.device
-        # The draw's fields from an even offset: the seeds are int64 (two int32 each).
-        self._draw_at = _NUM_FIELDS * m + (_NUM_FIELDS * m) % 2
-        self._tables_start = self._draw_at + 4 * m + 2 if self.draws else _NUM_FIELDS * m
+        draw_at = _NUM_FIELDS * m + (_NUM_FIELDS * m) % 2  # even (``_make_draw``)
+        self._tables_start = draw_at + self._draw_size(m) if self.draws else _NUM_FIELDS * m
         self._stage = _Staging(self._tables_start + m * self.block_tables.shape[1], dev)
         ids32, pos32, slots32, self.context_lens, self.lora_slots, states32, self.input_src = (
             self._stage.view(0, _NUM_FIELDS * m).view(_NUM_FIELDS, m))
-        if self.draws:  # 1 / temperature and floor (float32), seed (int64) a row; the base seed
-            at = self._draw_at
-            self.scales, self.floors = self._stage.view(at, 2 * m).view(torch.float32).view(2, m)
-            self.seeds = self._stage.view(at + 2 * m, 2 * m).view(torch.int64)
-            self.base_seed = self._stage.view(at + 4 * m, 2).view(torch.int64)
-            self.tokens = torch.zeros(m, dtype=torch.long, device=dev)
+        self._make_draw(draw_at, m)
         self._stage_longs = (ids32, pos32, slots32, states32)
         self.state_slots = torch.zeros(m, dtype=torch.long, device=dev)
         self.input_ids = torch.zeros(m, dtype=torch.long, device=dev)
@@ -382,16 +427,8 @@ class DecodeGraphs(_StepGraphs):
         scratch_state = -1 if self.scratch_state_slot is None else self.scratch_state_slot
         for field, value in enumerate((0, 0, self.scratch_slot, 1, 0, scratch_state, -1)):
             h[field * m + start : field * m + stop] = value
-        if self.draws:  # greedy: no uniforms drawn
-            self._draw_host()[1][start:stop] = np.inf
 
-    def _draw_host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The host's scales, floors, seeds and base seed fields."""
-        h, at, m = self._stage.host_np, self._draw_at, self.max_batch
-        scales, floors = h[at : at + 2 * m].view(np.float32).reshape(2, m)
-        return scales, floors, h[at + 2 * m : at + 4 * m].view(np.int64), h[at + 4 * m : at + 4 * m + 2].view(np.int64)
-
-    def _load(self, batch: DecodeBatch, race: RaceRows | None, base_seed: int) -> int:
+    def _load(self, batch: DecodeBatch, race: RaceRows | None = None, base_seed: int = 0) -> int:
         """Copy ``batch`` (and its draw's inputs) into the static buffers; return its bucket."""
         num_rows = len(batch.input_ids)
         bucket = self.bucket_for(num_rows)
@@ -404,12 +441,7 @@ class DecodeGraphs(_StepGraphs):
             h[field * m : field * m + num_rows] = values
         _put_sources(h[6 * m : 7 * m], num_rows, batch.device_inputs)
         self._fill_padding(num_rows, bucket)
-        if race is not None:
-            scales, floors, seeds, base = self._draw_host()
-            scales[:num_rows], floors[:num_rows], seeds[:num_rows] = race.scales, race.floors, race.seeds
-            base[0] = base_seed
-        elif self.draws:  # a draw of no row: greedy, so no uniforms
-            self._draw_host()[1][:num_rows] = np.inf
+        self._write_draw(race, base_seed, num_rows)
         self._send(self._tables_start, batch.block_tables, bucket)
         return bucket
 
@@ -419,8 +451,6 @@ class DecodeGraphs(_StepGraphs):
         that draw): the rows' draw, whose tokens are then ``tokens[:rows]``
         (``base_seed``: the unseeded rows'); without it the graph's draw is
         of no row."""
-        if race is not None and not self.draws:
-            raise ValueError("these decode graphs draw no tokens (DecodeGraphs(draws=True) does)")
         bucket = self._load(batch, race, base_seed)
         self._replay((bucket, self.lora is not None and any(batch.chunk_slots)))
         return self.logits[: len(batch.input_ids)]
@@ -451,11 +481,7 @@ class DecodeGraphs(_StepGraphs):
         finally:
             if self.lora is not None:
                 self.lora.end_step()
-        if self.draws:
-            from mstar_actors.runner import sampling_triton
-
-            sampling_triton.race(self.logits[:bucket], self.scales[:bucket], self.floors[:bucket],
-                                 self.seeds[:bucket], self.base_seed, out=self.tokens[:bucket])
+        self._draw(self.logits[:bucket])
 
 
 class MixedGraphs(_StepGraphs):
@@ -493,11 +519,12 @@ class MixedGraphs(_StepGraphs):
 
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], lora: Any, *, max_seqs: int, max_tokens: int,
                  max_blocks_per_seq: int, block_size: int, scratch_block: int, capture: bool = True,
-                 pool: Any = None, scratch_state_slot: int | None = None, step_tokens: torch.Tensor):
+                 pool: Any = None, scratch_state_slot: int | None = None, step_tokens: torch.Tensor,
+                 draws: bool = False):
         if max_tokens < 1 or max_seqs < 1:
             raise ValueError(f"mixed-step graphs need max_tokens >= 1 and max_seqs >= 1; got {max_tokens}, {max_seqs}")
         super().__init__(model, kv_caches, lora, num_table_rows=max_seqs, max_blocks_per_seq=max_blocks_per_seq,
-                         block_size=block_size, scratch_block=scratch_block, step_tokens=step_tokens)
+                         block_size=block_size, scratch_block=scratch_block, step_tokens=step_tokens, draws=draws)
         self.max_seqs = max_seqs
         self.scratch_state_slot = scratch_state_slot  # None: the model keeps no recurrent state
         self.buckets = token_buckets(max_tokens)
@@ -536,8 +563,9 @@ class MixedGraphs(_StepGraphs):
         for field, size in sizes.items():
             self._at[field] = offset
             offset += size
-        self._tables_start = offset
-        self._stage = _Staging(offset + s * self.block_tables.shape[1], dev)
+        draw_at = offset + offset % 2  # even (``_make_draw``)
+        self._tables_start = draw_at + self._draw_size(s) if self.draws else offset
+        self._stage = _Staging(self._tables_start + s * self.block_tables.shape[1], dev)
         view = {field: self._stage.view(self._at[field], size) for field, size in sizes.items()}
         self._stage_longs, self.input_src = view["longs"].view(3, t), view["input_src"]
         self.token_slots, self.query_start, self.context_lens = view["token_slots"], view["query_start"], view["context_lens"]
@@ -552,6 +580,7 @@ class MixedGraphs(_StepGraphs):
                                   self._static_views.items() if name not in _INT32_STATIC + ("chunk_continues",)}
         self._token_index = torch.arange(t, dtype=torch.int32, device=dev)
         self.logits = torch.zeros(s, vocab_size, dtype=torch.float32, device=dev)
+        self._make_draw(draw_at, s)
         self._write_header([], [], [], [], [], [], [], self._bucket_keys()[-1], device_inputs=())
         self._stage.upload(self._tables_start)
 
@@ -607,9 +636,9 @@ class MixedGraphs(_StepGraphs):
         h[start : start + n] = values
         h[start + n : start + stop] = pad
 
-    def _load(self, batch: StepBatch) -> Any:
-        """Copy ``batch`` into the static buffers; return its graph's bucket
-        (a hybrid model's: ``(tokens, longer sequences)``)."""
+    def _load(self, batch: StepBatch, race: RaceRows | None = None, base_seed: int = 0) -> Any:
+        """Copy ``batch`` (and its draw's inputs) into the static buffers;
+        return its graph's bucket (a hybrid model's: ``(tokens, longer sequences)``)."""
         num_seqs = len(batch.query_lens)
         key = bucket = self.bucket_for(len(batch.input_ids), num_seqs)
         if self.scratch_state_slot is not None:
@@ -620,13 +649,15 @@ class MixedGraphs(_StepGraphs):
         self._write_header(batch.input_ids, batch.positions, batch.slot_mapping, token_slots, batch.query_lens,
                            batch.context_lens, batch.logits_indices, key, batch.sample_slots, batch.state_slots,
                            device_inputs=batch.device_inputs)
+        self._write_draw(race, base_seed, len(batch.logits_indices))
         self._send(self._tables_start, batch.block_tables, num_seqs)
         return key
 
-    def run(self, batch: StepBatch) -> torch.Tensor:
+    def run(self, batch: StepBatch, race: RaceRows | None = None, base_seed: int = 0) -> torch.Tensor:
         """The sampled rows' logits ``[len(batch.logits_indices), vocab]`` float32:
-        a view of the static output, valid until the next ``run``."""
-        key = self._load(batch)
+        a view of the static output, valid until the next ``run``; ``race``:
+        as ``DecodeGraphs.run``'s."""
+        key = self._load(batch, race, base_seed)
         self._replay((key, self.lora is not None and any(batch.chunk_slots)))
         return self.logits[: len(batch.logits_indices)]
 
@@ -659,6 +690,7 @@ class MixedGraphs(_StepGraphs):
         finally:
             if self.lora is not None:
                 self.lora.end_step()
+        self._draw(self.logits)
 
 
     def _static_step(self, bucket: int, chunk_seqs: int) -> StaticStep:

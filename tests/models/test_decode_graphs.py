@@ -80,19 +80,6 @@ def count_graph_steps(runner: ModelRunner) -> list[int]:
     return sizes
 
 
-def count_graph_draws(runner: ModelRunner) -> list[bool]:
-    """Wrap the runner's graphs; the returned list gets, for each graph step, whether the graph drew its tokens."""
-    drawn: list[bool] = []
-    run = runner.graphs.run
-
-    def counted(batch, race, base_seed):
-        drawn.append(race is not None)
-        return run(batch, race, base_seed)
-
-    runner.graphs.run = counted
-    return drawn
-
-
 def script(runner: ModelRunner, slots: dict[str, int] | None = None,
            samplings: dict[str, messages.SamplingParams] | None = None) -> dict[str, list[int]]:
     """Padded buckets, block crossings, a finished sequence replaced, a batch over
@@ -159,13 +146,13 @@ def test_graphs_that_draw_give_the_samplers_tokens(hf_models, race_on_cpu):
     want = script(make_runner(folder, static=4), samplings=DRAWN)
     runner = make_runner(folder)
     runner.enable_step_graphs(4, capture=False, draws=True)
-    drawn = count_graph_draws(runner)
+    drawn = runner_factories.record_draws(runner.graphs)
     assert script(runner, samplings=DRAWN) == want
     assert any(drawn) and not all(drawn)  # steps with e drew after the graph
     assert any(len(set(tokens)) > 1 for tokens in want.values())
     greedy = make_runner(folder)
     greedy.enable_step_graphs(4, capture=False, draws=True)
-    drawn = count_graph_draws(greedy)
+    drawn = runner_factories.record_draws(greedy.graphs)
     assert script(greedy) == script(make_runner(folder, static=4))
     assert drawn and not any(drawn)  # greedy steps take their argmax after the graph
 
@@ -350,7 +337,7 @@ def test_captured_graphs_draw_the_eager_samplers_tokens_on_cuda(hf_models):
     want = script(cuda_runner(folder, enforce_eager=True), samplings=DRAWN)
     runner = cuda_runner(folder)
     assert runner.graphs.draws
-    drawn = count_graph_draws(runner)
+    drawn = runner_factories.record_draws(runner.graphs)
     assert script(runner, samplings=DRAWN) == want
     assert any(drawn) and not all(drawn)
 

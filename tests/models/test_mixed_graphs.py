@@ -85,11 +85,13 @@ def _counted(run, kind, paths, batch, *args):
     return run(batch, *args)
 
 
-def script(runner: ModelRunner, slots: dict[str, int] | None = None) -> dict[str, list[int]]:
+def script(runner: ModelRunner, slots: dict[str, int] | None = None,
+           samplings: dict[str, messages.SamplingParams] | None = None) -> dict[str, list[int]]:
     """Prefill-only and mixed steps in both buckets, chunked prefill, a
     prefix-cache hit, an oversize chunk and a step over max_seqs (both
-    eager), then decodes. Outputs by request id."""
-    slots = slots or {}
+    eager), then decodes. Outputs by request id (``samplings``: a request's
+    own, else greedy)."""
+    slots, samplings = slots or {}, samplings or {}
     gen = torch.Generator().manual_seed(7)
     lens = dict(a=6, b=3, c=9, d=20, e=5, g=40, h=4)
     prompts = {rid: torch.randint(3, 300, (n,), generator=gen).tolist() for rid, n in lens.items()}
@@ -97,7 +99,7 @@ def script(runner: ModelRunner, slots: dict[str, int] | None = None) -> dict[str
     d = Driver(runner)
 
     def start(rid, **kw):
-        return d.start(rid, prompts[rid], slot=slots.get(rid, 0), **kw)
+        return d.start(rid, prompts[rid], slot=slots.get(rid, 0), sampling=samplings.get(rid), **kw)
 
     d.step([start("a"), start("b")], [d.chunk("a"), d.chunk("b")])  # prefill only: 9 tokens, 2 of 4 seqs
     d.step([], d.decodes("a", "b"))  # decode graph
@@ -229,6 +231,28 @@ def test_static_mixed_steps_match_eager(hf_models):
     mixed = [n for kind, n in paths if kind == "mixed"]
     assert mixed[:6] == [9, 11, 14, 16, 13, 22], paths  # 42 tokens and 5 sequences ran eagerly
     assert ("decode", 2) in paths
+
+
+def _sampled(temperature, seed=None, **more) -> messages.SamplingParams:
+    return messages.SamplingParams(max_tokens=NUM_NEW, temperature=temperature, seed=seed, ignore_eos=True, **more)
+
+
+# b and e greedy, the others seeded; h's top_p draws its steps in the sampler, after the graph.
+DRAWN = {rid: _sampled(0.7 + 0.1 * i, seed=i) for i, rid in enumerate("acdfg")}
+DRAWN |= dict(b=_sampled(0.0), e=_sampled(0.0), h=_sampled(1.0, 3, top_p=0.8))
+
+
+def test_mixed_graphs_that_draw_give_the_samplers_tokens(hf_models, race_on_cpu):
+    """``MixedGraphs(draws=True)``: the graph's own draw of its sampled rows
+    is the sampler's (the same race kernel, in Triton's interpreter); h's
+    top_p draws its steps after the graph."""
+    folder, _ = hf_models("llama")
+    want = script(make_runner(folder), samplings=DRAWN)
+    runner = make_runner(folder, graphs=False)
+    runner.enable_step_graphs(MAX_SEQS, MAX_TOKENS, capture=False, draws=True)
+    drawn = runner_factories.record_draws(runner.mixed_graphs)
+    assert script(runner, samplings=DRAWN) == want
+    assert any(drawn) and not all(drawn)
 
 
 def test_bucket_for_names_the_limits(hf_models):
@@ -406,6 +430,19 @@ def test_captured_mixed_graphs_match_eager_on_cuda(hf_models):
     runner = cuda_runner(folder)
     assert set(runner.mixed_graphs.graphs) == {(16, False), (32, False)}
     check_captured(functools.partial(cuda_runner, folder))
+
+
+@pytest.mark.gpu
+def test_captured_mixed_graphs_draw_the_eager_samplers_tokens_on_cuda(hf_models):
+    """On CUDA the graphs draw by default: seeded and greedy rows give the
+    eager runner's tokens (float32)."""
+    folder, _ = hf_models("llama")
+    want = script(cuda_runner(folder, enforce_eager=True), samplings=DRAWN)
+    runner = cuda_runner(folder)
+    assert runner.mixed_graphs.draws
+    drawn = runner_factories.record_draws(runner.mixed_graphs)
+    assert script(runner, samplings=DRAWN) == want
+    assert any(drawn) and not all(drawn)
 
 
 @pytest.mark.gpu
