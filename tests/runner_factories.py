@@ -64,3 +64,13 @@ def record_draws(graphs: Any) -> list[bool]:
 
     graphs.run = counted
     return drawn
+
+
+def check_graph_draws(script: Any, want: Any, runner: ModelRunner, graphs: Any, samplings: dict) -> None:
+    """``script`` on ``runner`` with ``samplings`` gives ``want`` (another
+    runner's outputs, drawn after its steps), ``graphs`` (the runner's decode
+    or mixed-step graphs) drawing some of its steps and not others."""
+    assert graphs.draws
+    drawn = record_draws(graphs)
+    assert script(runner, samplings=samplings) == want
+    assert any(drawn) and not all(drawn)

@@ -146,9 +146,7 @@ def test_graphs_that_draw_give_the_samplers_tokens(hf_models, race_on_cpu):
     want = script(make_runner(folder, static=4), samplings=DRAWN)
     runner = make_runner(folder)
     runner.enable_step_graphs(4, capture=False, draws=True)
-    drawn = runner_factories.record_draws(runner.graphs)
-    assert script(runner, samplings=DRAWN) == want
-    assert any(drawn) and not all(drawn)  # steps with e drew after the graph
+    runner_factories.check_graph_draws(script, want, runner, runner.graphs, DRAWN)  # steps with e drew after
     assert any(len(set(tokens)) > 1 for tokens in want.values())
     greedy = make_runner(folder)
     greedy.enable_step_graphs(4, capture=False, draws=True)
@@ -336,10 +334,7 @@ def test_captured_graphs_draw_the_eager_samplers_tokens_on_cuda(hf_models):
     folder, _ = hf_models("llama")
     want = script(cuda_runner(folder, enforce_eager=True), samplings=DRAWN)
     runner = cuda_runner(folder)
-    assert runner.graphs.draws
-    drawn = runner_factories.record_draws(runner.graphs)
-    assert script(runner, samplings=DRAWN) == want
-    assert any(drawn) and not all(drawn)
+    runner_factories.check_graph_draws(script, want, runner, runner.graphs, DRAWN)
 
 
 @pytest.mark.gpu

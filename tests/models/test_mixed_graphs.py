@@ -250,9 +250,7 @@ def test_mixed_graphs_that_draw_give_the_samplers_tokens(hf_models, race_on_cpu)
     want = script(make_runner(folder), samplings=DRAWN)
     runner = make_runner(folder, graphs=False)
     runner.enable_step_graphs(MAX_SEQS, MAX_TOKENS, capture=False, draws=True)
-    drawn = runner_factories.record_draws(runner.mixed_graphs)
-    assert script(runner, samplings=DRAWN) == want
-    assert any(drawn) and not all(drawn)
+    runner_factories.check_graph_draws(script, want, runner, runner.mixed_graphs, DRAWN)
 
 
 def test_bucket_for_names_the_limits(hf_models):
@@ -439,10 +437,7 @@ def test_captured_mixed_graphs_draw_the_eager_samplers_tokens_on_cuda(hf_models)
     folder, _ = hf_models("llama")
     want = script(cuda_runner(folder, enforce_eager=True), samplings=DRAWN)
     runner = cuda_runner(folder)
-    assert runner.mixed_graphs.draws
-    drawn = runner_factories.record_draws(runner.mixed_graphs)
-    assert script(runner, samplings=DRAWN) == want
-    assert any(drawn) and not all(drawn)
+    runner_factories.check_graph_draws(script, want, runner, runner.mixed_graphs, DRAWN)
 
 
 @pytest.mark.gpu
