@@ -598,7 +598,7 @@ class ModelRunner:
         draws at random (a greedy step's argmax after the replay is one
         launch, less host work than the graph's inputs: H200, 256 rows,
         2.38 against 2.54 ms of forward and sample)."""
-        if not graphs.draws or not batch.sample_ids:
+        if not graphs.draws or self.sampler is not sample_pending or not batch.sample_ids:
             return None
         states = [self.seqs[rid] for rid in batch.sample_ids]
         rows = [seq.race for seq in states]

@@ -37,7 +37,8 @@ Shared by both (``_StepGraphs``):
   header then ends with ``scales | floors`` (float32) and ``seeds`` (int64)
   a sampled row and the unseeded rows' base seed (int64); padded rows, and
   every row of a step drawn after the replay, are greedy (floor +inf: no
-  uniforms drawn).
+  uniforms drawn; the captured draw then only reads the logits once, a few
+  us, and its tokens go unused).
 - Padding goes to the scratch block: a KV block the runner allocates beyond
   the ones it reports, so the scheduler never hands it out and padded writes
   never touch a sequence's cache. Padding rows are on LoRA slot 0.

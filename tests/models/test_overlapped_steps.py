@@ -106,8 +106,11 @@ def test_overlapped_steps_give_the_tokens_of_steps_one_at_a_time(paths, hf_model
     folder, _ = hf_models("llama")
     want, num_restarts = drive(make_runner(folder, paths), overlapped=False)
     runner = make_runner(folder, paths)
+    drawn = [runner_factories.record_draws(g) for g in (runner.graphs, runner.mixed_graphs)
+             if g is not None and g.draws]
     got, _ = drive(runner, overlapped=True)
     assert got == want
+    assert all(any(d) for d in drawn)  # with draws on, each set of graphs drew some steps itself
     assert num_restarts > 0  # the KV cache was small enough
     finished = [o for o in got if isinstance(o, messages.Finished)]
     assert len(finished) == 5 and all(o.finish_reason == "length" for o in finished)
