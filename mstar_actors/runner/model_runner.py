@@ -101,6 +101,7 @@ class SeqState:
     state_slot: int = -1  # a hybrid model's recurrent-state slot (-1: none)
     pending: int = -1  # row of the runner's step_tokens holding a sampled token not yet read (-1: none)
     race: RaceRow | None = field(init=False)  # the draw as a decode graph takes it (None: it cannot)
+    row: SampleRow | None = field(default=None, init=False)  # its sampled row, made once (``_sample_row``)
 
     def __post_init__(self) -> None:
         self.race = race_row(self.sampling)
@@ -568,7 +569,9 @@ class ModelRunner:
 
     def _sample_row(self, request_id: str) -> SampleRow:
         seq = self.seqs[request_id]
-        return SampleRow(request_id, seq.sampling, seq.prompt_token_ids, seq.output_token_ids)
+        if seq.row is None:  # its lists are the sequence's, which grow in place
+            seq.row = SampleRow(request_id, seq.sampling, seq.prompt_token_ids, seq.output_token_ids)
+        return seq.row
 
     def _run_model(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The batch's sampled rows' logits, ``[len(batch.sample_ids), vocab]``

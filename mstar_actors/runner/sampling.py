@@ -50,7 +50,7 @@ ranks stay in lockstep because each samples the same rows in the same order.
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -69,10 +69,17 @@ _shared_generators: dict[torch.device, torch.Generator] = {}
 
 @dataclass
 class SampleRow:
+    """A sampled row: its request, and its prompt and output lists (the
+    sequence's own, so a row kept from step to step stays current)."""
+
     request_id: str
     params: messages.SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    plain: bool = field(init=False)  # no penalty, logprobs or logits processor, whatever the outputs
+
+    def __post_init__(self) -> None:
+        self.plain = _is_plain(self.params)
 
 
 @dataclass
@@ -86,8 +93,11 @@ class _Plan:
 
     @classmethod
     def from_rows(cls, rows: list[SampleRow]) -> _Plan:
+        is_greedy = [r.params.temperature < SAMPLING_EPS for r in rows]
+        if all(r.plain for r in rows):
+            return cls(is_greedy=is_greedy, needs_penalties=False, needs_logprobs=False)
         return cls(
-            is_greedy=[r.params.temperature < SAMPLING_EPS for r in rows],
+            is_greedy=is_greedy,
             needs_penalties=any(_has_penalty(r.params) for r in rows),
             needs_logprobs=any(r.params.logprobs is not None for r in rows),
             needs_processors=any(_has_processor(r) for r in rows),
@@ -195,6 +205,12 @@ def _has_processor(row: SampleRow) -> bool:
 def _has_fixed_processor(p: messages.SamplingParams) -> bool:
     """A processor whatever the outputs (min_tokens' lasts until they are enough)."""
     return bool(p.logit_bias or p.allowed_token_ids or p.bad_words_token_ids)
+
+
+def _is_plain(p: messages.SamplingParams) -> bool:
+    """No penalty, logprobs or logits processor, whatever the outputs."""
+    return not (_has_penalty(p) or p.logprobs is not None or _has_fixed_processor(p)
+                or (p.min_token_stop_ids and p.min_tokens > 0))
 
 
 def _is_below_min_tokens(row: SampleRow) -> bool:
@@ -463,9 +479,7 @@ def race_row(params: messages.SamplingParams) -> RaceRow | None:
     needs torch first: penalties, logits processors, logprobs, top_k, top_p,
     min_p, a grammar. Fixed for the request's life (a runner keeps it)."""
     p = params
-    if _has_penalty(p) or p.logprobs is not None or p.structured is not None:
-        return None
-    if _has_fixed_processor(p) or (p.min_token_stop_ids and p.min_tokens > 0):
+    if not _is_plain(p) or p.structured is not None:
         return None
     if p.temperature < SAMPLING_EPS:
         return GREEDY_ROW
