@@ -6,7 +6,8 @@ the base model, on one adapter, or on four adapters round robin; the
 same steps' graphs replayed back to back (the device's time alone,
 steadier than the wall time of ``execute``); then decode steps whose rows
 draw at temperature 1, the draw inside the decode graph against
-``sample_pending`` after it; then mixed steps (a new
+``sample_pending`` after it (``--host-profile-batches``: the host's side
+of decode steps, timed and under cProfile); then mixed steps (a new
 request's 30-token prompt beside N decodes: what every new request costs
 the batch), base and one adapter, through the mixed-step
 graphs and eagerly; then the time of ``install_adapter`` (what an adapter
@@ -197,6 +198,55 @@ def print_sampled(runner: ModelRunner, batches: list[int], num_steps: int) -> No
             print(f"{batch:>5} {name:>12} {h_in:>8.3f} {h_after:>10.3f} {s_in:>8.3f} {s_after:>10.3f}")
 
 
+def profile_host(runner: ModelRunner, num_rows: int, num_steps: int, temperature: float) -> str:
+    """The host's side of decode steps of ``num_rows`` base rows in the
+    worker's overlapped order (the next ``forward``, then ``collect`` of the
+    step before, then ``sample``): medians of each, ms, then cProfile's
+    functions by their own time over ``num_steps`` steps."""
+    import cProfile
+    import io
+    import pstats
+
+    d = Decoder(runner, [0] * num_rows, f"host{temperature}", temperature=temperature)
+    parts: dict[str, list[float]] = {"forward": [], "collect": [], "sample": []}
+
+    def plan() -> messages.StepPlan:
+        d.step_id += 1
+        return messages.StepPlan(d.step_id, [], [d.chunk(rid, 1) for rid in d.rids], [])
+
+    def steps(n: int, record: bool) -> None:
+        nonlocal before
+        for _ in range(n):
+            t0 = time.perf_counter()
+            step = runner.forward(plan())
+            t1 = time.perf_counter()
+            runner.collect(before)
+            t2 = time.perf_counter()
+            runner.sample(step)
+            t3 = time.perf_counter()
+            before = step
+            if record:
+                for name, t in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
+                    parts[name].append(t)
+
+    before = runner.forward(plan())
+    runner.sample(before)
+    try:
+        steps(5, False)
+        steps(num_steps, True)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        steps(num_steps, False)
+        profiler.disable()
+        runner.collect(before)
+    finally:
+        d.close()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(20)
+    medians = ", ".join(f"{name} {statistics.median(t) * 1e3:.3f}" for name, t in parts.items())
+    return f"# host ms a step (median of {num_steps}): {medians}\n" + out.getvalue()
+
+
 def time_mixed(runner: ModelRunner, num_decodes: int, slot: int, num_steps: int, *, graphed: bool) -> float | None:
     """Median ms of a mixed step (``Decoder.mixed``) with every row on
     ``slot``; ``graphed=False`` hides the mixed-step graphs for the run, so
@@ -326,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="decodes beside each mixed step's prefill (none: skip the mixed steps)")
     p.add_argument("--sampled-batches", type=int, nargs="*", default=[8, 64],
                    help="rows of the sampled decode steps: the draw in the graph against after it (none: skip)")
+    p.add_argument("--host-profile-batches", type=int, nargs="*", default=[],
+                   help="rows of decode steps whose host side (forward, collect, sample in the worker's "
+                        "overlapped order) is timed and profiled with cProfile, greedy and at temperature 1")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--profile-batches", type=int, nargs="+", default=[8],
                    help="rows of the profiled decode steps, each profiled on the base model and on one adapter")
@@ -376,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                                      [f"lora{i}" for i in range(NUM_ADAPTERS)], 16, "bfloat16", "cuda")
     # the install rows decode 32 beside
     max_seqs = max([*args.batches, *args.mixed_decodes, *args.profile_batches, *args.profile_mixed,
+                    *args.host_profile_batches,
                     *args.sampled_batches, 32])
     runners = {}
     modes = {"on": [True], "off": [False], "both": [True, False]}
@@ -440,6 +494,10 @@ def main(argv: list[str] | None = None) -> int:
         install, again, held, step = time_install(runner, adapters, 8, beside)
         where = f"beside a thread decoding {beside} sequences (its steps {step:.2f} ms)" if beside else "alone"
         print(f"#   {where}: install {install:.1f}, reinstall {again:.1f} (held on the device {held:.1f})")
+    for batch in args.host_profile_batches:
+        for temperature in (0.0, 1.0):
+            print(f"# the host's side of decode steps of {batch} base rows, temperature {temperature:g}")
+            print(profile_host(runner, batch, args.steps, temperature))
     if not args.no_profile:
         for batch in args.profile_batches:
             for name, slot in (("base", 0), ("one adapter", 1)):
