@@ -1,0 +1,25 @@
+"""``tools/profile_gpu_step.py``'s host profile on a CPU runner's static
+path: the worker's overlapped order times its three parts, profiles them,
+and leaves no sequence behind."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import runner_factories
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import profile_gpu_step  # noqa: E402
+
+
+def test_host_profile_times_forward_collect_and_sample(hf_models):
+    folder, _ = hf_models("llama")
+    runner = runner_factories.make_runner(folder, dtype="float32", device="cpu", block_size=16, num_blocks=64 * 4 + 8,
+                                          seed=0, enforce_eager=True, max_num_seqs=4)
+    runner.enable_step_graphs(4, capture=False)
+    report = profile_gpu_step.profile_host(runner, 4, 3, 1.0)
+    head, profile = report.split("\n", 1)
+    assert head.startswith("# host ms a step (median of 3): forward ") and ", collect " in head and ", sample " in head
+    assert "build_batch" in profile and "tottime" in profile
+    assert not runner.seqs
