@@ -335,6 +335,30 @@ def _on(device: str, request) -> str:
 
 
 @pytest.mark.parametrize("device", ["race", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_race_kernel_skips_rows_whose_floor_is_nan(device, request):
+    """A step graph's padding: a row with floor NaN is not drawn (its ``out``
+    keeps what it held, even with NaN logits) and changes no other row's token."""
+    from mstar_actors.runner import sampling_triton
+
+    device = _on(device, request)
+    logits = make_logits(6, 3000, seed=4).to(device)
+    logits[3] = float("nan")
+    f32 = dict(dtype=torch.float32, device=device)
+    scales = torch.tensor([1.0, 2.0, 1.0, 1.0, 0.5, 1.0], **f32)
+    floors = torch.tensor([float("-inf"), float("-inf"), float("inf"), float("-inf"), float("-inf"), float("-inf")], **f32)
+    seeds = torch.tensor([5, sampling_triton.UNSEEDED, 6, 7, sampling_triton.UNSEEDED, 8], dtype=torch.int64, device=device)
+    base = torch.tensor([123], dtype=torch.int64, device=device)
+    want = sampling_triton.race(logits, scales, floors, seeds, base)
+    skipped = [1, 3, 5]
+    floors[skipped] = float("nan")
+    out = torch.full((6,), -7, dtype=torch.int64, device=device)
+    got = sampling_triton.race(logits, scales, floors, seeds, base, out=out)
+    assert got is out
+    for i in range(6):
+        assert got[i].item() == (-7 if i in skipped else want[i].item()), i
+
+
+@pytest.mark.parametrize("device", ["race", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_race_kernel_takes_the_gumbel_argmax_of_the_kept_tokens(device, request):
     """Each random row's token is ``argmax(x / T - log(-log u))`` over its
     top_k (ties at the floor kept), ``u`` Philox's uniforms under the row's

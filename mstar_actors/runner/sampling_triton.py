@@ -41,8 +41,10 @@ def _race_chunk_kernel(x_ptr, stride_x, vocab, scale_ptr, floor_ptr, seed_ptr, b
     if GDC:  # every input is the sampler's own write, the kernel's before it among them (``triton_launch``)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    scale = tl.load(scale_ptr + row)  # 1 / temperature
     floor = tl.load(floor_ptr + row)  # kept: logits from this one up (+inf: none, a greedy row)
+    if floor != floor:  # NaN: a row drawn by no one (a graph's padding), nothing read
+        return
+    scale = tl.load(scale_ptr + row)  # 1 / temperature
     seed = tl.load(seed_ptr + row)
     seed = tl.where(seed == UNSEEDED, tl.load(base_ptr) + row, seed)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -62,14 +64,17 @@ def _race_chunk_kernel(x_ptr, stride_x, vocab, scale_ptr, floor_ptr, seed_ptr, b
 
 
 @triton.jit
-def _race_pick_kernel(best_ptr, best_at_ptr, top_ptr, top_at_ptr, chunks, out_ptr, CHUNKS: tl.constexpr,
+def _race_pick_kernel(best_ptr, best_at_ptr, top_ptr, top_at_ptr, floor_ptr, chunks, out_ptr, CHUNKS: tl.constexpr,
                       GDC: tl.constexpr):
     """A row a program: the first chunk's of equal best scores, else (no
-    finite token kept) of equal maxima."""
+    finite token kept) of equal maxima; a skipped row (floor NaN) keeps its ``out``."""
     row = tl.program_id(0).to(tl.int64)
     if GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    floor = tl.load(floor_ptr + row)
+    if floor != floor:
+        return
     offs = tl.arange(0, CHUNKS)
     ok = offs < chunks
     at = row * chunks + offs
@@ -87,7 +92,8 @@ def race(logits: torch.Tensor, scales: torch.Tensor, floors: torch.Tensor, seeds
     """Token ids ``[rows]`` (int64) for ``logits`` ``[rows, vocab]`` (any float
     dtype, unit stride along the vocabulary): ``scales`` (float32 ``[rows]``,
     1 / temperature), ``floors`` (float32 ``[rows]``, the least logit a row
-    keeps: -inf all, +inf none, so its argmax), ``seeds`` (int64 ``[rows]``, a
+    keeps: -inf all, +inf none, so its argmax; NaN: the row is skipped, its
+    logits unread and its ``out`` left as it was), ``seeds`` (int64 ``[rows]``, a
     row's Philox seed or ``UNSEEDED``) and ``base`` (int64 ``[1]``, the
     unseeded rows' seed) on the logits' device; into ``out`` (int64
     ``[rows]``) if given. Two launches: the chunks of every row side by
@@ -109,6 +115,6 @@ def race(logits: torch.Tensor, scales: torch.Tensor, floors: torch.Tensor, seeds
         UNSEEDED=UNSEEDED, BLOCK=block, num_warps=4, **options,
     )  # fmt: skip
     _race_pick_kernel[(num_rows,)](
-        best, best_at, top, top_at, chunks, out, CHUNKS=triton.next_power_of_2(chunks), num_warps=1, **options,
+        best, best_at, top, top_at, floors, chunks, out, CHUNKS=triton.next_power_of_2(chunks), num_warps=1, **options,
     )  # fmt: skip
     return out

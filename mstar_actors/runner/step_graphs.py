@@ -36,9 +36,9 @@ Shared by both (``_StepGraphs``):
   filter (``sampling.race_row``) launches nothing after the replay. The
   header then ends with ``scales | floors`` (float32) and ``seeds`` (int64)
   a sampled row and the unseeded rows' base seed (int64); padded rows, and
-  every row of a step drawn after the replay, are greedy (floor +inf: no
-  uniforms drawn; the captured draw then only reads the logits once, a few
-  us, and its tokens go unused).
+  every row of a step drawn after the replay, are skipped (floor NaN: the
+  captured draw reads none of their logits; a mixed-step graph's
+  ``max_seqs`` rows of Qwen3.5's 248k logits would be 254 MB a step).
 - Padding goes to the scratch block: a KV block the runner allocates beyond
   the ones it reports, so the scheduler never hands it out and padded writes
   never touch a sequence's cache. Padding rows are on LoRA slot 0.
@@ -254,7 +254,7 @@ class _StepGraphs:
     def _make_draw(self, at: int, num_rows: int) -> None:
         """The draw's fields at ``at`` (even: the seeds are int64, two int32
         each): ``scales | floors`` (float32), ``seeds`` (int64) a row, the
-        base seed (int64); ``tokens``, the graph's draws. Rows start greedy."""
+        base seed (int64); ``tokens``, the graph's draws. Rows start skipped (floor NaN)."""
         self._draw_at, self._draw_rows = at, num_rows
         if not self.draws:
             return
@@ -262,7 +262,7 @@ class _StepGraphs:
         self.seeds = self._stage.view(at + 2 * num_rows, 2 * num_rows).view(torch.int64)
         self.base_seed = self._stage.view(at + 4 * num_rows, 2).view(torch.int64)
         self.tokens = torch.zeros(num_rows, dtype=torch.long, device=self.device)
-        self._draw_host()[1][:] = np.inf
+        self._draw_host()[1][:] = np.nan
 
     def _draw_host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The host's scales, floors, seeds and base seed fields."""
@@ -272,15 +272,15 @@ class _StepGraphs:
 
     def _write_draw(self, race: RaceRows | None, base_seed: int, num_rows: int) -> None:
         """A step's draw of its ``num_rows`` sampled rows into the host fields
-        (the padded rows greedy: no uniforms drawn); None: a draw of no row."""
+        (the padded rows skipped); None: a draw of no row (every row skipped)."""
         if race is not None and not self.draws:
             raise ValueError(f"these {self.name} draw no tokens (made with draws=True they do)")
         if not self.draws:
             return
         scales, floors, seeds, base = self._draw_host()
-        floors[num_rows:] = np.inf
+        floors[num_rows:] = np.nan
         if race is None:
-            floors[:num_rows] = np.inf
+            floors[:num_rows] = np.nan
             return
         scales[:num_rows], floors[:num_rows], seeds[:num_rows] = race.scales, race.floors, race.seeds
         base[0] = base_seed
