@@ -238,8 +238,7 @@ class _StepGraphs:
         stop = tables_start + num_rows * width
         packed = self._stage.host_np[tables_start:stop].reshape(num_rows, width)
         packed.fill(self.scratch_block)
-        # Every table at once: a boolean mask fills in row-major order, the tables' own (a row at a time
-        # costs 0.15 ms a step of 256 rows).
+        # Every table at once: a boolean mask fills in row-major order, the tables' own.
         flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum()))
         packed[: len(tables)][np.arange(width) < lengths[:, None]] = flat
         self._stage.upload(stop)
