@@ -376,7 +376,6 @@ class DecodeGraphs(_StepGraphs):
     scratch block and, for a hybrid model (``scratch_state_slot``), on the
     scratch state slot: a context of 1 starts from zero state, so padding
     never reads a sequence's state and writes only the scratch slot.
-
     """
 
     name = "decode graphs"
