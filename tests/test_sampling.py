@@ -163,12 +163,23 @@ def test_greedy_uses_penalised_logits():
     assert token_ids(sample_tokens(logits, [row])) == [1]
 
 
+def _splitmix63(seed: int, n: int) -> int:
+    """The seed mix in Python integers: the reference ``derive_seeds`` must equal."""
+    mask = (1 << 64) - 1
+    x = ((seed & mask) * 0x9E3779B97F4A7C15 + n) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return (x ^ (x >> 31)) >> 1
+
+
 def test_derive_seeds_is_derive_seed_row_by_row():
     from mstar_actors.runner.sampling import derive_seed, derive_seeds
 
     seeds = [0, 1, 7, -3, 2**63 - 1, -(2**63), 2**64 + 5, 123456789]
     counts = [0, 1, 2, 3, 4, 5, 1000, 2**31]
-    assert derive_seeds(seeds, counts).tolist() == [derive_seed(s, n) for s, n in zip(seeds, counts)]
+    want = [_splitmix63(s, n) for s, n in zip(seeds, counts)]
+    assert derive_seeds(seeds, counts).tolist() == want
+    assert [derive_seed(s, n) for s, n in zip(seeds, counts)] == want
 
 
 def test_race_row_takes_temperature_and_seeds_only():

@@ -572,10 +572,7 @@ def _row_draws(rows: list[SampleRow], plan: _Plan, shape, device: torch.device, 
 
 def derive_seed(seed: int, num_output_tokens: int) -> int:
     """A 63-bit generator seed for one step of a seeded request (splitmix64 mix)."""
-    x = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + num_output_tokens) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (x ^ (x >> 31)) >> 1
+    return int(derive_seeds([seed], [num_output_tokens])[0])
 
 
 def derive_seeds(seeds: list[int], num_output_tokens: list[int]) -> np.ndarray:
