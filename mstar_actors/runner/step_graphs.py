@@ -396,7 +396,7 @@ class DecodeGraphs(_StepGraphs):
     def _make_buffers(self, vocab_size: int) -> None:
         m, dev = self.max_batch, self.device
         draw_at = _NUM_FIELDS * m + (_NUM_FIELDS * m) % 2  # even (``_make_draw``)
-        self._tables_start = draw_at + self._draw_size(m) if self.draws else _NUM_FIELDS * m
+        self._tables_start = draw_at + self._draw_size(m)
         self._stage = _Staging(self._tables_start + m * self.block_tables.shape[1], dev)
         ids32, pos32, slots32, self.context_lens, self.lora_slots, states32, self.input_src = (
             self._stage.view(0, _NUM_FIELDS * m).view(_NUM_FIELDS, m))
@@ -563,7 +563,7 @@ class MixedGraphs(_StepGraphs):
             self._at[field] = offset
             offset += size
         draw_at = offset + offset % 2  # even (``_make_draw``)
-        self._tables_start = draw_at + self._draw_size(s) if self.draws else offset
+        self._tables_start = draw_at + self._draw_size(s)
         self._stage = _Staging(self._tables_start + s * self.block_tables.shape[1], dev)
         view = {field: self._stage.view(self._at[field], size) for field, size in sizes.items()}
         self._stage_longs, self.input_src = view["longs"].view(3, t), view["input_src"]
