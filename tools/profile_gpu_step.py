@@ -180,7 +180,7 @@ def print_sampled(runner: ModelRunner, batches: list[int], num_steps: int) -> No
                     if drawn_inside:  # the runner's own choice
                         runner.__dict__.pop("_graph_race", None)
                     else:  # no step drawn in its graph: its captured draw keeps no token, the sampler draws after
-                        runner._graph_race = lambda graphs, batch: None
+                        runner._graph_race = lambda graphs, states: None
                     d.step_id += 1
                     plan = messages.StepPlan(d.step_id, [], [d.chunk(rid, 1) for rid in d.rids], [])
                     started = time.perf_counter()

@@ -115,11 +115,6 @@ class SeqState:
     def num_tokens(self) -> int:
         return self.num_known + (self.pending >= 0)
 
-    def token_at(self, index: int) -> int:
-        """``(prompt + outputs)[index]`` of a known token."""
-        num_prompt = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < num_prompt else self.output_token_ids[index - num_prompt]
-
     def tokens(self, start: int, stop: int) -> list[int]:
         """``(prompt + outputs)[start:stop]`` without concatenating the whole list."""
         num_prompt = len(self.prompt_token_ids)
@@ -165,23 +160,14 @@ def build_batch(
     for chunk in chunks:
         seq = _check_chunk(chunk, seqs, block_size, num_kv_blocks, max_model_len)
         start, stop = chunk.num_computed, chunk.num_computed + chunk.num_tokens
-        table = chunk.block_ids
         known = seq.num_known
-        if stop == start + 1:  # a decode: one token, most chunks of a step (no lists made for it)
-            if start < known:
-                batch.input_ids.append(seq.token_at(start))
-            else:  # sampled by the step before, not read yet
-                batch.device_inputs.append((len(batch.input_ids), seq.pending))
-                batch.input_ids.append(0)
-            batch.positions.append(start)
-            batch.slot_mapping.append(table[start // block_size] * block_size + start % block_size)
-        else:
-            batch.input_ids += seq.tokens(start, min(stop, known))
-            if stop > known:  # the last token: sampled by the step before, not read yet
-                batch.device_inputs.append((len(batch.input_ids), seq.pending))
-                batch.input_ids.append(0)
-            batch.positions += range(start, stop)
-            batch.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, stop)]
+        batch.input_ids += seq.tokens(start, min(stop, known))
+        if stop > known:  # the last token: sampled by the step before, not read yet
+            batch.device_inputs.append((len(batch.input_ids), seq.pending))
+            batch.input_ids.append(0)
+        batch.positions += range(start, stop)
+        table = chunk.block_ids
+        batch.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, stop)]
         batch.block_tables.append(table[: -(-stop // block_size)])
         batch.query_lens.append(chunk.num_tokens)
         batch.context_lens.append(stop)
@@ -379,12 +365,13 @@ class ModelRunner:
         self._move_lora_slots(plan.scheduled)
         batch = build_batch(plan.scheduled, self.seqs, self.block_size, self.num_kv_blocks, self.max_model_len)
         snapshots = self._snapshots_to_take(plan.scheduled)
-        logits, drawn = self._run_model(batch)
+        states = [self.seqs[rid] for rid in batch.sample_ids]
+        logits, drawn = self._run_model(batch, states)
         for slot, snapshot in snapshots:
             _copy_state(self.state_pools, slot, self.snapshot_pools, snapshot)
         if not batch.sample_ids:
             return Step(batch, None, [], [])
-        return Step(batch, logits, [self.seqs[rid] for rid in batch.sample_ids], drawn=drawn)
+        return Step(batch, logits, states, drawn=drawn)
 
     def sample(self, step: Step) -> None:
         """Enqueue ``step``'s draws; every step before must have been collected.
@@ -573,15 +560,16 @@ class ModelRunner:
             seq.row = SampleRow(request_id, seq.sampling, seq.prompt_token_ids, seq.output_token_ids)
         return seq.row
 
-    def _run_model(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run_model(self, batch: Batch, states: list[SeqState]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The batch's sampled rows' logits, ``[len(batch.sample_ids), vocab]``
-        float32, and their tokens where the step's graph drew them."""
+        float32, and their tokens where the step's graph drew them
+        (``states``: the sampled rows' sequences)."""
         graphs = self.graphs if self._is_graph_step(batch) else None
         if graphs is None and self.mixed_graphs is not None and self.mixed_graphs.takes(len(batch.input_ids),
                                                                                           len(batch.request_ids)):
             graphs = self.mixed_graphs
         if graphs is not None:
-            race = self._graph_race(graphs, batch)
+            race = self._graph_race(graphs, states)
             logits = graphs.run(batch, race, self.graph_seeds.getrandbits(62) if race is not None else 0)
             return logits, None if race is None else graphs.tokens[: len(batch.sample_ids)]
         input_ids, positions, meta, logits_indices = self._to_device(batch)
@@ -595,14 +583,13 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.end_step()
 
-    def _graph_race(self, graphs: DecodeGraphs | MixedGraphs, batch: Batch) -> RaceRows | None:
+    def _graph_race(self, graphs: DecodeGraphs | MixedGraphs, states: list[SeqState]) -> RaceRows | None:
         """A graphed step's draw, if its graph takes it: no row needs a
         torch filter or a grammar (``sampling.race_row``), and some row
         draws at random (a greedy step's argmax after the replay is one
         launch: less host work than the graph's inputs)."""
-        if not graphs.draws or self.sampler is not sample_pending or not batch.sample_ids:
+        if not graphs.draws or self.sampler is not sample_pending or not states:
             return None
-        states = [self.seqs[rid] for rid in batch.sample_ids]
         rows = [seq.race for seq in states]
         if None in rows or all(row is GREEDY_ROW for row in rows):
             return None

@@ -318,7 +318,7 @@ def _decode_logits(runner, slots, *, rows: bool, kernel: bool, monkeypatch) -> t
     calls = []
     monkeypatch.setattr(type(runner.lora), "begin_rows_step", _spy(type(runner.lora).begin_rows_step, calls))
     try:
-        logits, _ = runner._run_model(batch)
+        logits, _ = runner._run_model(batch, [runner.seqs[rid] for rid in batch.sample_ids])
     finally:
         runner.forget(rids)
         monkeypatch.undo()
@@ -374,7 +374,7 @@ def _prefill_logits(runner, slots, *, rows: bool, kernel: bool, monkeypatch) -> 
     if kernel:
         use_kernels(runner.lora, monkeypatch)
     try:
-        logits, _ = runner._run_model(batch)
+        logits, _ = runner._run_model(batch, [runner.seqs[rid] for rid in batch.sample_ids])
     finally:
         runner.forget(rids)
         monkeypatch.undo()
