@@ -242,7 +242,7 @@ def profile_host(runner: ModelRunner, num_rows: int, num_steps: int, temperature
     finally:
         d.close()
     out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(20)
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(28)
     medians = ", ".join(f"{name} {statistics.median(t) * 1e3:.3f}" for name, t in parts.items())
     return f"# host ms a step (median of {num_steps}): {medians}\n" + out.getvalue()
 

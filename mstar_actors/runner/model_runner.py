@@ -61,10 +61,13 @@ the host copy; the unseeded rows' base seed then comes from the host
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -156,6 +159,15 @@ def build_batch(
     max_model_len: int,
 ) -> Batch:
     """Flatten the scheduled chunks (ScheduledChunk's semantics, messages.py)."""
+    if chunks and all(map(_IS_DECODE, chunks)):
+        batch = _build_decodes(chunks, seqs, block_size, num_kv_blocks, max_model_len)
+        if batch is not None:
+            return batch
+    return _build_chunks(chunks, seqs, block_size, num_kv_blocks, max_model_len)
+
+
+def _build_chunks(chunks, seqs, block_size, num_kv_blocks, max_model_len) -> Batch:
+    """``build_batch``, a chunk at a time: any chunks, and the errors' words."""
     batch = Batch()
     for chunk in chunks:
         seq = _check_chunk(chunk, seqs, block_size, num_kv_blocks, max_model_len)
@@ -179,6 +191,68 @@ def build_batch(
             batch.sample_ids.append(chunk.request_id)
             batch.sample_slots.append(seq.lora_slot)
     return batch
+
+
+_IS_DECODE = attrgetter("sample")
+_STARTS, _TABLES, _SIZES = attrgetter("num_computed"), attrgetter("block_ids"), attrgetter("num_tokens")
+_PENDING, _LORA, _STATE = attrgetter("pending"), attrgetter("lora_slot"), attrgetter("state_slot")
+_PROMPTS, _OUTPUTS = attrgetter("prompt_token_ids"), attrgetter("output_token_ids")
+
+
+def _build_decodes(chunks, seqs, block_size, num_kv_blocks, max_model_len) -> Batch | None:
+    """``build_batch`` of sampled chunks, one token each (a decode step: most
+    steps, up to hundreds of rows), with numpy over the rows instead of
+    Python a row. None if a chunk is anything else or fails a check: the
+    general path then flattens it, or names the fault."""
+    n = len(chunks)
+    if any(map((1).__ne__, map(_SIZES, chunks))):
+        return None
+    rids = [c.request_id for c in chunks]
+    try:
+        states = [seqs[rid] for rid in rids]
+    except KeyError:
+        return None
+    starts = np.fromiter(map(_STARTS, chunks), np.int64, n)
+    known = (np.fromiter(map(len, map(_PROMPTS, states)), np.int64, n)
+             + np.fromiter(map(len, map(_OUTPUTS, states)), np.int64, n))
+    pending = np.fromiter(map(_PENDING, states), np.int64, n)
+    tables = list(map(_TABLES, chunks))
+    lengths = np.fromiter(map(len, tables), np.int64, n)
+    stops = starts + 1
+    needed = -(-stops // block_size)
+    # _check_chunk's rules (a sampled chunk ends at the last token, so it is inside them)
+    if ((starts < 0) | (stops != known + (pending >= 0)) | (stops > max_model_len) | (lengths < needed)).any():
+        return None
+    # A table longer than its sequence needs (blocks ahead of the tokens) is cut to them.
+    block_tables = tables if (lengths == needed).all() else [t[:k] for t, k in zip(tables, needed.tolist())]
+    flat = np.fromiter(itertools.chain.from_iterable(block_tables), np.int64, int(needed.sum()))
+    if flat.size and (flat.min() < 0 or flat.max() >= num_kv_blocks):
+        return None
+    last = np.cumsum(needed) - 1  # each row's block: the last of its table
+    slot_mapping = flat[last] * block_size + starts % block_size
+    input_ids = [0] * n
+    on_device = starts >= known  # sampled by the step before, not read yet
+    device_rows = np.flatnonzero(on_device)
+    for i in np.flatnonzero(~on_device).tolist():
+        seq, at = states[i], int(starts[i])
+        num_prompt = len(seq.prompt_token_ids)
+        input_ids[i] = seq.prompt_token_ids[at] if at < num_prompt else seq.output_token_ids[at - num_prompt]
+    lora_slots = list(map(_LORA, states))
+    return Batch(
+        input_ids=input_ids,
+        device_inputs=list(zip(device_rows.tolist(), pending[device_rows].tolist())),
+        positions=starts.tolist(),
+        slot_mapping=slot_mapping.tolist(),
+        block_tables=block_tables,
+        query_lens=[1] * n,
+        context_lens=stops.tolist(),
+        logits_indices=list(range(n)),
+        sample_ids=rids,
+        request_ids=list(rids),
+        chunk_slots=lora_slots,
+        state_slots=list(map(_STATE, states)),
+        sample_slots=list(lora_slots),
+    )
 
 
 def _check_chunk(chunk, seqs, block_size, num_kv_blocks, max_model_len) -> SeqState:

@@ -15,6 +15,7 @@ import torch
 from mstar_actors import messages
 from plan_driver import PlanDriver
 import runner_factories
+from mstar_actors.runner import model_runner
 from mstar_actors.runner.model_runner import ModelRunner, PlanError, SeqState, build_batch
 
 from .factories import CONFIGS
@@ -129,6 +130,51 @@ def test_build_batch_rejects_bad_chunks(chunk, message):
     seqs = {"r": SeqState([1, 2, 3], GREEDY, [4])}
     with pytest.raises(PlanError, match=message):
         build_batch([chunk], seqs, block_size=4, num_kv_blocks=8, max_model_len=64)
+
+
+def _decode_seqs() -> dict[str, SeqState]:
+    """Sequences at a decode: "a" read its last token (the host feeds it),
+    "b" and "c" still have one on the device (step_tokens rows 4 and 1)."""
+    seqs = {"a": SeqState([1, 2, 3, 4, 5], GREEDY, [6]), "b": SeqState([9, 8], GREEDY), "c": SeqState([7] * 9, GREEDY, [3])}
+    seqs["a"].lora_slot, seqs["c"].state_slot = 2, 5
+    seqs["b"].pending, seqs["c"].pending = 4, 1
+    return seqs
+
+
+def _decodes() -> list[messages.ScheduledChunk]:
+    return [_chunk(request_id="a", num_computed=5, num_tokens=1, block_ids=[3, 1]),
+            _chunk(request_id="b", num_computed=2, num_tokens=1, block_ids=[2, 6, 7]),
+            _chunk(request_id="c", num_computed=10, num_tokens=1, block_ids=[0, 4, 5])]
+
+
+def test_decode_steps_flatten_as_any_chunks():
+    """A decode step's numpy path gives the chunk-at-a-time batch, field for field."""
+    seqs, chunks = _decode_seqs(), _decodes()
+    batch = model_runner._build_decodes(chunks, seqs, 4, 8, 64)
+    assert batch == model_runner._build_chunks(chunks, seqs, 4, 8, 64) == build_batch(chunks, seqs, 4, 8, 64)
+    assert batch.input_ids == [6, 0, 0] and batch.device_inputs == [(1, 4), (2, 1)]
+    assert batch.slot_mapping == [1 * 4 + 1, 2 * 4 + 2, 5 * 4 + 2] and batch.block_tables == [[3, 1], [2], [0, 4, 5]]
+    assert batch.chunk_slots == batch.sample_slots == [2, 0, 0] and batch.state_slots == [-1, -1, 5]
+
+
+@pytest.mark.parametrize(
+    "row, overrides, message",
+    [
+        (0, dict(num_computed=4), "sample=true but the chunk ends at 5"),
+        (1, dict(num_computed=3), "outside its 3 known tokens"),
+        (2, dict(block_ids=[0, 4]), "need 3 blocks"),
+        (2, dict(block_ids=[0, 8, 5]), r"block ids \[8\] are outside"),
+        (1, dict(request_id="nope"), "'nope'"),
+    ],
+)
+def test_decode_steps_reject_bad_chunks(row, overrides, message):
+    """A bad chunk among decodes is named as the chunk-at-a-time path names it."""
+    chunks = _decodes()
+    chunks[row] = _chunk(**{f: getattr(chunks[row], f) for f in chunks[row].__struct_fields__} | overrides)
+    assert model_runner._build_decodes(chunks, _decode_seqs(), 4, 8, 64) is None
+    with pytest.raises(PlanError, match=message) as err:
+        build_batch(chunks, _decode_seqs(), block_size=4, num_kv_blocks=8, max_model_len=64)
+    assert err.value.request_ids == [chunks[row].request_id]
 
 
 def test_build_batch_flattens_chunks():
