@@ -198,49 +198,77 @@ def print_sampled(runner: ModelRunner, batches: list[int], num_steps: int) -> No
             print(f"{batch:>5} {name:>12} {h_in:>8.3f} {h_after:>10.3f} {s_in:>8.3f} {s_after:>10.3f}")
 
 
+class Overlapped:
+    """Decode steps of a ``Decoder``'s rows in the worker's overlapped order
+    (``actors.worker``: the next ``forward``, then ``collect`` of the step
+    before, then ``sample``), so the host builds step N+1 while the device
+    runs step N."""
+
+    def __init__(self, runner: ModelRunner, d: Decoder):
+        self.runner, self.d = runner, d
+        self.before = runner.forward(self.plan())
+        runner.sample(self.before)
+
+    def plan(self) -> messages.StepPlan:
+        self.d.step_id += 1
+        return messages.StepPlan(self.d.step_id, [], [self.d.chunk(rid, 1) for rid in self.d.rids], [])
+
+    def steps(self, n: int, parts: dict[str, list[float]] | None = None) -> float:
+        """Run ``n`` steps; return seconds a step (``parts``: gets each
+        step's seconds of forward, collect and sample)."""
+        runner = self.runner
+        started = time.perf_counter()
+        for _ in range(n):
+            t0 = time.perf_counter()
+            step = runner.forward(self.plan())
+            t1 = time.perf_counter()
+            runner.collect(self.before)
+            t2 = time.perf_counter()
+            runner.sample(step)
+            t3 = time.perf_counter()
+            self.before = step
+            if parts is not None:
+                for name, t in zip(("forward", "collect", "sample"), (t1 - t0, t2 - t1, t3 - t2)):
+                    parts.setdefault(name, []).append(t)
+        return (time.perf_counter() - started) / n
+
+    def close(self) -> None:
+        self.runner.collect(self.before)
+        self.d.close()
+
+
+def time_overlapped(runner: ModelRunner, slots: list[int], tag: str, num_steps: int) -> float:
+    """Median ms a step of ``slots``' decode steps back to back in the
+    worker's order (``Overlapped``; ``num_steps`` rounds of 10): the step
+    a served batch sees, the host's work hidden behind the device's, or the
+    device's behind the host's."""
+    loop = Overlapped(runner, Decoder(runner, slots, tag))
+    try:
+        loop.steps(5)
+        return statistics.median(loop.steps(10) for _ in range(num_steps)) * 1e3
+    finally:
+        loop.close()
+
+
 def profile_host(runner: ModelRunner, num_rows: int, num_steps: int, temperature: float) -> str:
     """The host's side of decode steps of ``num_rows`` base rows in the
-    worker's overlapped order (the next ``forward``, then ``collect`` of the
-    step before, then ``sample``): medians of each, ms, then cProfile's
-    functions by their own time over ``num_steps`` steps."""
+    worker's overlapped order (``Overlapped``): medians of each part, ms,
+    then cProfile's functions by their cumulative time over ``num_steps`` steps."""
     import cProfile
     import io
     import pstats
 
-    d = Decoder(runner, [0] * num_rows, f"host{temperature}", temperature=temperature)
-    parts: dict[str, list[float]] = {"forward": [], "collect": [], "sample": []}
-
-    def plan() -> messages.StepPlan:
-        d.step_id += 1
-        return messages.StepPlan(d.step_id, [], [d.chunk(rid, 1) for rid in d.rids], [])
-
-    def steps(n: int, record: bool) -> None:
-        nonlocal before
-        for _ in range(n):
-            t0 = time.perf_counter()
-            step = runner.forward(plan())
-            t1 = time.perf_counter()
-            runner.collect(before)
-            t2 = time.perf_counter()
-            runner.sample(step)
-            t3 = time.perf_counter()
-            before = step
-            if record:
-                for name, t in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
-                    parts[name].append(t)
-
-    before = runner.forward(plan())
-    runner.sample(before)
+    loop = Overlapped(runner, Decoder(runner, [0] * num_rows, f"host{temperature}", temperature=temperature))
+    parts: dict[str, list[float]] = {}
     try:
-        steps(5, False)
-        steps(num_steps, True)
+        loop.steps(5)
+        loop.steps(num_steps, parts)
         profiler = cProfile.Profile()
         profiler.enable()
-        steps(num_steps, False)
+        loop.steps(num_steps)
         profiler.disable()
-        runner.collect(before)
     finally:
-        d.close()
+        loop.close()
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(28)
     medians = ", ".join(f"{name} {statistics.median(t) * 1e3:.3f}" for name, t in parts.items())
@@ -467,10 +495,12 @@ def main(argv: list[str] | None = None) -> int:
           f"context ~{CONTEXT}; lora beside: the delta on a side stream during the GEMM; fused: every LoRA linear's "
           f"A under its weight (one GEMM, then the expand); "
           f"ops fused: RMSNorm+add, rotary+KV write, SiLU-and-mul one launch each; gpu: the decode graph "
-          f"replayed back to back (the device's time alone, CUDA events)")
+          f"replayed back to back (the device's time alone, CUDA events); loop: steps back to back in the "
+          f"worker's overlapped order (the next step built while the device runs this one: a served batch's step)")
     print(f"{'batch':>5} {'lora':>8} {'ops':>6} {'pdl':>4} {'fold':>4} {'slots':>5} {'split':>5} "
           f"{'base':>8} {'one':>8} {'mixed':>8} "
-          f"{'one/base':>9} {'mixed/base':>10} {'gpu base':>8} {'gpu one':>8} {'gpu o/b':>8}")
+          f"{'one/base':>9} {'mixed/base':>10} {'gpu base':>8} {'gpu one':>8} {'gpu o/b':>8} "
+          f"{'loop base':>9} {'loop one':>8} {'loop o/b':>8}")
     for batch in args.batches:
         for (linears, ops, pdl, fold, max_loras, split), runner in runners.items():  # side by side at each batch
             base = time_steps(runner, [0] * batch, "b", args.steps)
@@ -479,9 +509,12 @@ def main(argv: list[str] | None = None) -> int:
             mixed = time_steps(runner, [1 + i % held for i in range(batch)], "m", args.steps)
             gpu_base = time_replays(runner, [0] * batch, "gb", args.steps)
             gpu_one = time_replays(runner, [1] * batch, "go", args.steps)
+            loop_base = time_overlapped(runner, [0] * batch, "lb", args.steps)
+            loop_one = time_overlapped(runner, [1] * batch, "lo", args.steps)
             print(f"{batch:>5} {linears:>8} {ops:>6} {pdl:>4} {fold:>4} {max_loras:>5} {split:>5} "
                   f"{base:>8.3f} {one:>8.3f} {mixed:>8.3f} "
-                  f"{base / one:>8.1%} {base / mixed:>9.1%} {gpu_base:>8.3f} {gpu_one:>8.3f} {gpu_base / gpu_one:>8.1%}")
+                  f"{base / one:>8.1%} {base / mixed:>9.1%} {gpu_base:>8.3f} {gpu_one:>8.3f} {gpu_base / gpu_one:>8.1%} "
+                  f"{loop_base:>9.3f} {loop_one:>8.3f} {loop_base / loop_one:>8.1%}")
     runner = next(iter(runners.values()))
     if args.sampled_batches:
         print_sampled(runner, args.sampled_batches, args.steps)
