@@ -34,6 +34,7 @@ chunks beside decode rows, same layer shape):
 
     python tools/check_attention_kernels.py
     python tools/check_attention_kernels.py --batches 1 64 --contexts 2000 --eager
+    python tools/check_attention_kernels.py --sections decode --contexts 100 1000 --table-tokens 4096
     python tools/check_attention_kernels.py --sections varlen --mixes 4x256 2048 --tune
 
 Without CUDA it runs Triton's interpreter on CPU with tiny defaults, as a
@@ -71,12 +72,16 @@ from mstar_actors.models.triton_attention import (  # noqa: E402
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 64, 16
 
 
-def make_case(batch: int, context: int, device: str, dtype: torch.dtype, seed: int = 0) -> dict:
-    """Shuffled, non-contiguous pages; every sequence at ``context`` tokens."""
+def make_case(batch: int, context: int, device: str, dtype: torch.dtype, seed: int = 0, table_tokens: int = 0) -> dict:
+    """Shuffled, non-contiguous pages; every sequence at ``context`` tokens,
+    its table padded to ``table_tokens`` tokens' blocks (a served graph's
+    tables are ``max_model_len`` wide) with a block of its own."""
     gen = torch.Generator().manual_seed(seed)
     per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * per_seq + 1
     tables = torch.randperm(num_blocks, generator=gen)[: batch * per_seq].view(batch, per_seq)
+    width = max(per_seq, -(-table_tokens // BLOCK_SIZE))
+    tables = torch.cat([tables, tables[:, :1].expand(batch, width - per_seq)], dim=1)
     return dict(
         q=torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen).to(device, dtype),
         kv_cache=torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype),
@@ -143,7 +148,7 @@ def run_row(batch: int, context: int, args) -> str:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # bf16 on the GPU; the interpreter's tl.dot misreads bf16, so fp16 there.
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
-    case = make_case(batch, context, device, dtype)
+    case = make_case(batch, context, device, dtype, table_tokens=args.table_tokens)
     k, v = gathered(case)
     expected = reference(case, k, v)
     ours = paged_decode_attention(**case)
@@ -268,6 +273,9 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=20 if cuda else 1, help="calls per timed run")
     parser.add_argument("--repeats", type=int, default=10 if cuda else 1, help="timed runs (median)")
     parser.add_argument("--eager", action="store_true", help="decode section: time plain launches, not graph replays")
+    parser.add_argument("--table-tokens", type=int, default=0,
+                        help="decode section: pad each block table to this many tokens, as a served graph's "
+                             "(max_model_len wide; the split count follows the width); default: the context's own")
     parser.add_argument("--tune", action="store_true", help="varlen section: also time each (BLOCK_N, num_warps) tile")
     args = parser.parse_args()
     device = torch.cuda.get_device_name() if cuda else "CPU (Triton interpreter: smoke test only)"
