@@ -149,6 +149,7 @@ class Batch:
     chunk_slots: list[int] = field(default_factory=list)  # LoRA slot of each chunk (0: base)
     state_slots: list[int] = field(default_factory=list)  # recurrent-state slot of each chunk (-1: none)
     sample_slots: list[int] = field(default_factory=list)  # LoRA slot of each sampled row
+    sample_seqs: list[SeqState] = field(default_factory=list)  # each sampled row's sequence
 
 
 def build_batch(
@@ -159,11 +160,8 @@ def build_batch(
     max_model_len: int,
 ) -> Batch:
     """Flatten the scheduled chunks (ScheduledChunk's semantics, messages.py)."""
-    if chunks and all(map(_IS_DECODE, chunks)):
-        batch = _build_decodes(chunks, seqs, block_size, num_kv_blocks, max_model_len)
-        if batch is not None:
-            return batch
-    return _build_chunks(chunks, seqs, block_size, num_kv_blocks, max_model_len)
+    batch = _build_decodes(chunks, seqs, block_size, num_kv_blocks, max_model_len) if chunks else None
+    return batch if batch is not None else _build_chunks(chunks, seqs, block_size, num_kv_blocks, max_model_len)
 
 
 def _build_chunks(chunks, seqs, block_size, num_kv_blocks, max_model_len) -> Batch:
@@ -190,10 +188,11 @@ def _build_chunks(chunks, seqs, block_size, num_kv_blocks, max_model_len) -> Bat
             batch.logits_indices.append(len(batch.input_ids) - 1)
             batch.sample_ids.append(chunk.request_id)
             batch.sample_slots.append(seq.lora_slot)
+            batch.sample_seqs.append(seq)
     return batch
 
 
-_IS_DECODE = attrgetter("sample")
+_SAMPLES = attrgetter("sample")
 _STARTS, _TABLES, _SIZES = attrgetter("num_computed"), attrgetter("block_ids"), attrgetter("num_tokens")
 _PENDING, _LORA, _STATE = attrgetter("pending"), attrgetter("lora_slot"), attrgetter("state_slot")
 _PROMPTS, _OUTPUTS = attrgetter("prompt_token_ids"), attrgetter("output_token_ids")
@@ -205,7 +204,7 @@ def _build_decodes(chunks, seqs, block_size, num_kv_blocks, max_model_len) -> Ba
     Python a row. None if a chunk is anything else or fails a check: the
     general path then flattens it, or names the fault."""
     n = len(chunks)
-    if any(map((1).__ne__, map(_SIZES, chunks))):
+    if not all(map(_SAMPLES, chunks)) or any(map((1).__ne__, map(_SIZES, chunks))):
         return None
     rids = [c.request_id for c in chunks]
     try:
@@ -252,6 +251,7 @@ def _build_decodes(chunks, seqs, block_size, num_kv_blocks, max_model_len) -> Ba
         chunk_slots=lora_slots,
         state_slots=list(map(_STATE, states)),
         sample_slots=list(lora_slots),
+        sample_seqs=states,
     )
 
 
@@ -439,7 +439,7 @@ class ModelRunner:
         self._move_lora_slots(plan.scheduled)
         batch = build_batch(plan.scheduled, self.seqs, self.block_size, self.num_kv_blocks, self.max_model_len)
         snapshots = self._snapshots_to_take(plan.scheduled)
-        states = [self.seqs[rid] for rid in batch.sample_ids]
+        states = batch.sample_seqs
         logits, drawn = self._run_model(batch, states)
         for slot, snapshot in snapshots:
             _copy_state(self.state_pools, slot, self.snapshot_pools, snapshot)
