@@ -23,7 +23,8 @@ likewise sets the layers' small ops side by side: ``triton_fused``'s one
 launch each (RMSNorm with the residual add, rotary with the KV write,
 SiLU-and-mul; on by default, see ``triton_fused.enabled``) or torch's ops,
 ``--pdl`` our Triton kernels launched with programmatic dependent launch or
-without (``triton_launch``), and
+without (``triton_launch``), ``--gemv`` decode-sized steps on our GEMM or
+cuBLAS's (``triton_linear``), and
 ``--fold`` a fused q|k|v's and gate|up's LoRA expand added by the rotary and
 SiLU-and-mul kernels or launched alone (``lora_layers.FOLD``).
 
@@ -54,7 +55,7 @@ import bench_lora  # noqa: E402
 from mstar_actors import messages, triton_launch  # noqa: E402
 from mstar_actors.lora import BaseShapes, read_adapter, triton_ops  # noqa: E402
 from mstar_actors.config import parse_config  # noqa: E402
-from mstar_actors.models import lora_layers, triton_fused  # noqa: E402
+from mstar_actors.models import lora_layers, triton_fused, triton_linear  # noqa: E402
 from mstar_actors.model_info import load_model_info  # noqa: E402
 from mstar_actors.runner.build import build_runner  # noqa: E402
 from mstar_actors.runner.model_runner import ModelRunner  # noqa: E402
@@ -423,6 +424,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="decode table with our Triton kernels launched with programmatic dependent launch "
                         "(triton_launch), without, or both side by side (default); the rest of the run takes "
                         "the first")
+    p.add_argument("--gemv", choices=["on", "off", "both"], default="on",
+                   help="decode table with the linears of decode-sized steps on our Triton GEMM "
+                        "(triton_linear, the default), on cuBLAS, or both side by side; the rest of the run takes "
+                        "the first")
+    p.add_argument("--gemv-max-rows", type=int, default=None,
+                   help="steps of up to this many rows take our GEMM (triton_linear.MAX_ROWS, at most 32)")
     p.add_argument("--fold", choices=["on", "off", "both"], default="both",
                    help="decode table with a fused q|k|v's and gate|up's LoRA expand added by the rotary and "
                         "SiLU-and-mul kernels (lora_layers.FOLD), as launches of their own, or both side by side "
@@ -438,6 +445,10 @@ def main(argv: list[str] | None = None) -> int:
                         f"(triton_ops.MIN_SPLIT_FUSED_ROWS, default {triton_ops.MIN_SPLIT_FUSED_ROWS}), side by "
                         "side; the rest of the run takes the first")
     args = p.parse_args(argv)
+    if args.gemv_max_rows is not None:
+        if not 1 <= args.gemv_max_rows <= 32:
+            p.error(f"--gemv-max-rows: 1 to 32, got {args.gemv_max_rows}")
+        triton_linear.MAX_ROWS = args.gemv_max_rows
     if min(args.max_loras) < 1:
         p.error(f"--max-loras: at least 1 each, got {args.max_loras}")
     if not torch.cuda.is_available():
@@ -461,9 +472,9 @@ def main(argv: list[str] | None = None) -> int:
                     *args.sampled_batches, 32])
     runners = {}
     modes = {"on": [True], "off": [False], "both": [True, False]}
-    for path, ops, pdl, fold, max_loras, split in itertools.product(
-            args.lora_paths, modes[args.fused_ops], modes[args.pdl], modes[args.fold], args.max_loras,
-            args.split_rows):
+    for path, ops, pdl, gemv, fold, max_loras, split in itertools.product(
+            args.lora_paths, modes[args.fused_ops], modes[args.pdl], modes[args.gemv], modes[args.fold],
+            args.max_loras, args.split_rows):
         fused = path != "unfused"
         config = parse_config({"model": {"path": str(model_dir), "device": "cuda"},
                                "kv": {"num_blocks": 64 * max_seqs + 8},
@@ -473,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         lora_layers.MAX_FUSED_SHARE = share if fused else 0.0  # 0: no linear's A fits under its weight
         triton_fused.enabled = ops  # read as the graphs are captured: each runner replays its own kernels
         triton_launch.enabled = pdl
+        triton_linear.enabled = gemv
         lora_layers.FOLD = fold
         lora_layers.BESIDE = path == "beside"
         triton_ops.MIN_SPLIT_FUSED_ROWS = split  # read as the graphs are captured, like the rest
@@ -483,11 +495,12 @@ def main(argv: list[str] | None = None) -> int:
         adapters = load_adapters(runner, paths, model_dir)
         for slot, weights in enumerate(adapters[:max_loras], start=1):
             runner.install_adapter(slot, weights)
-        runners[(path, "fused" if ops else "torch", "on" if pdl else "off", "on" if fold else "off", max_loras,
-                 split)] = runner
+        runners[(path, "fused" if ops else "torch", "on" if pdl else "off", "on" if gemv else "off",
+                 "on" if fold else "off", max_loras, split)] = runner
     # The eager steps below run as the first runner was built.
     triton_fused.enabled = modes[args.fused_ops][0]
     triton_launch.enabled = modes[args.pdl][0]
+    triton_linear.enabled = modes[args.gemv][0]
     lora_layers.FOLD = modes[args.fold][0]
     lora_layers.BESIDE = args.lora_paths[0] == "beside"
     triton_ops.MIN_SPLIT_FUSED_ROWS = args.split_rows[0]
@@ -497,12 +510,12 @@ def main(argv: list[str] | None = None) -> int:
           f"ops fused: RMSNorm+add, rotary+KV write, SiLU-and-mul one launch each; gpu: the decode graph "
           f"replayed back to back (the device's time alone, CUDA events); loop: steps back to back in the "
           f"worker's overlapped order (the next step built while the device runs this one: a served batch's step)")
-    print(f"{'batch':>5} {'lora':>8} {'ops':>6} {'pdl':>4} {'fold':>4} {'slots':>5} {'split':>5} "
+    print(f"{'batch':>5} {'lora':>8} {'ops':>6} {'pdl':>4} {'gemv':>4} {'fold':>4} {'slots':>5} {'split':>5} "
           f"{'base':>8} {'one':>8} {'mixed':>8} "
           f"{'one/base':>9} {'mixed/base':>10} {'gpu base':>8} {'gpu one':>8} {'gpu o/b':>8} "
           f"{'loop base':>9} {'loop one':>8} {'loop o/b':>8}")
     for batch in args.batches:
-        for (linears, ops, pdl, fold, max_loras, split), runner in runners.items():  # side by side at each batch
+        for (linears, ops, pdl, gemv, fold, max_loras, split), runner in runners.items():  # side by side at each batch
             base = time_steps(runner, [0] * batch, "b", args.steps)
             one = time_steps(runner, [1] * batch, "o", args.steps)
             held = min(max_loras, NUM_ADAPTERS)
@@ -511,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
             gpu_one = time_replays(runner, [1] * batch, "go", args.steps)
             loop_base = time_overlapped(runner, [0] * batch, "lb", args.steps)
             loop_one = time_overlapped(runner, [1] * batch, "lo", args.steps)
-            print(f"{batch:>5} {linears:>8} {ops:>6} {pdl:>4} {fold:>4} {max_loras:>5} {split:>5} "
+            print(f"{batch:>5} {linears:>8} {ops:>6} {pdl:>4} {gemv:>4} {fold:>4} {max_loras:>5} {split:>5} "
                   f"{base:>8.3f} {one:>8.3f} {mixed:>8.3f} "
                   f"{base / one:>8.1%} {base / mixed:>9.1%} {gpu_base:>8.3f} {gpu_one:>8.3f} {gpu_base / gpu_one:>8.1%} "
                   f"{loop_base:>9.3f} {loop_one:>8.3f} {loop_base / loop_one:>8.1%}")

@@ -11,6 +11,8 @@ The forward takes a flat batch of tokens from many sequences plus
 
 from __future__ import annotations
 
+import functools
+
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,6 +50,24 @@ def cuda_fused_ops(x: torch.Tensor):
         if triton_fused.takes(x):
             return triton_fused
     return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; a decode-sized CUDA step's through ``triton_linear`` (where
+    cuBLAS leaves most of the device idle), the same call every time for a
+    given size, so graphs and eager steps agree."""
+    if x.is_cuda:
+        kernel = _triton_linear()
+        if (y := kernel.linear(x, weight, bias)) is not None:
+            return y
+    return F.linear(x, weight, bias)
+
+
+@functools.cache
+def _triton_linear():
+    from . import triton_linear  # imported on first CUDA use: a CPU server never loads Triton here
+
+    return triton_linear
 
 
 def add_delta(y: torch.Tensor, delta: torch.Tensor | PendingExpand | None) -> None:
@@ -148,7 +168,7 @@ class LoraLinear(nn.Linear):
             return y, None if residual is not None else target
         if self.fused_weight is not None and hook.fuses(x.shape[0]):
             # One GEMM: the base output, then each slot's shrink; the delta is the expand alone.
-            out = F.linear(x, self.fused_weight, self.fused_bias)
+            out = linear(x, self.fused_weight, self.fused_bias)
             n = self.out_features
             if fold and hook.folds:
                 return out[:, :n], hook.pending(out[:, n:])
@@ -161,7 +181,7 @@ class LoraLinear(nn.Linear):
             return self.quant.linear(x, self.bias)
         # A device-type and dtype test only: nothing data-dependent, no sync.
         if not is_packable(x, self.weight):
-            return F.linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias)
         if self.packed is None:
             self.packed = PackedWeight()
         return packed_linear(x, self.weight, self.bias, self.packed)
@@ -501,7 +521,7 @@ class CausalLM(nn.Module):
         ``weight`` (one more copy of the head in RAM): the vocabulary-wide
         GEMM is the step's largest, and ``F.linear`` repacks it every call."""
         if not is_packable(hidden, weight):
-            return F.linear(hidden, weight)
+            return linear(hidden, weight)
         if self.lm_head_packed is None:
             self.lm_head_packed = PackedWeight()
         return packed_linear(hidden, weight, None, self.lm_head_packed)
