@@ -55,14 +55,16 @@ _DTYPES = (torch.float16, torch.bfloat16)
 
 def pick(n: int, k: int) -> tuple[int, int, int, int]:
     """``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps)`` for an ``[n, k]`` weight:
-    tiles of 64 x 256 (32 KiB of bf16), split over the inputs while the
-    programs stay within 256 and each takes at least 1,024 inputs. On the
-    H200 (``tools/check_linear_kernels.py --sweep``, one row) the fastest
-    configurations of the Llama-3.2-1B and 3.1-8B linears were mostly of
-    this form."""
+    tiles of 64 x 256 (32 KiB of bf16); a weight of at most 64 such output
+    tiles is split over its inputs as well, while the programs stay within
+    256 and each takes at least 512 inputs. On the H200
+    (``tools/check_linear_kernels.py --sweep``, one row) the fastest
+    configurations of every Llama-3.2-1B and 3.1-8B linear were of this form
+    or within 5% of it; a split of a weight with more tiles (3.1-8B's q|k|v)
+    lost to none, its partials' sum costing more than the programs gained."""
     tiles = triton.cdiv(n, 64)
     split = 1
-    while tiles * split * 2 <= 256 and k // (split * 2) >= 1024 and split < 16:
+    while tiles <= 64 and tiles * split * 2 <= 256 and k // (split * 2) >= 512 and split < 16:
         split *= 2
     return 64, 256, split, 4
 

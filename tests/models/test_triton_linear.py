@@ -64,12 +64,15 @@ def test_linear_takes_only_decode_sized_cuda_half_steps():
 
 
 def test_pick_spreads_small_weights_over_the_device():
-    """``pick``: 64 x 256 tiles, split over the inputs while the programs
-    stay within 256 and each split takes at least 1,024 inputs."""
+    """``pick``: 64 x 256 tiles; a weight of at most 64 tiles split over its
+    inputs while the programs stay within 256 and each split takes at least
+    512 inputs."""
     assert triton_linear.pick(2048, 8192) == (64, 256, 8, 4)   # Llama-3.2-1B's down: 32 tiles x 8
-    assert triton_linear.pick(2048, 2048) == (64, 256, 2, 4)   # its o: 1,024 inputs a split
+    assert triton_linear.pick(2048, 2048) == (64, 256, 4, 4)   # its o: 512 inputs a split
+    assert triton_linear.pick(3072, 2048) == (64, 256, 4, 4)   # its q|k|v: 48 tiles x 4
     assert triton_linear.pick(16384, 2048) == (64, 256, 1, 4)  # gate|up: 256 tiles already
     assert triton_linear.pick(4096, 14336) == (64, 256, 4, 4)  # Llama-3.1-8B's down: 64 x 4
+    assert triton_linear.pick(6144, 4096) == (64, 256, 1, 4)   # its q|k|v: 96 tiles, not split
     assert [triton_linear.block_m(m) for m in (1, 16, 17, 32)] == [16, 16, 32, 32]
 
 
