@@ -31,6 +31,7 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.txt, print the tail
 $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")'
 step gpu_tests $PY -m pytest -q -m gpu -p no:cacheprovider tests    # the two-GPU ones skip on one
 step attention_kernels $PY tools/check_attention_kernels.py
+step linear_kernels $PY tools/check_linear_kernels.py
 step lora_kernels $PY tools/check_lora_kernels.py --decode --output "$OUT/lora_decode.json"
 step lora_folds $PY tools/check_lora_kernels.py --fold-table --output "$OUT/lora_folds.json"
 step sampling $PY tools/bench_sampling.py --device cuda --rows 8 64 256

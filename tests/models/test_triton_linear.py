@@ -7,6 +7,10 @@ in a CUDA graph, beside cuBLAS.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -109,3 +113,13 @@ def check_against_cublas(dtype, gen) -> None:
                 graph.replay()
                 torch.cuda.synchronize()
                 assert torch.equal(out, got)
+
+
+def test_check_tool_runs_as_a_user_runs_it():
+    """``python tools/check_linear_kernels.py`` (its CPU path: the interpreter on tiny shapes) checks every
+    shape, and ``--chain`` runs a decoder's layers on both GEMMs."""
+    root = Path(__file__).resolve().parents[2]
+    for argv, said in (([], "# 0 results with more error"), (["--chain", "--rows", "2"], "tiny")):
+        done = subprocess.run([sys.executable, str(root / "tools" / "check_linear_kernels.py"), *argv], cwd=root,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and said in done.stdout, done.stderr[-2000:]
