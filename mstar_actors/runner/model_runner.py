@@ -150,6 +150,11 @@ class Batch:
     state_slots: list[int] = field(default_factory=list)  # recurrent-state slot of each chunk (-1: none)
     sample_slots: list[int] = field(default_factory=list)  # LoRA slot of each sampled row
     sample_seqs: list[SeqState] = field(default_factory=list)  # each sampled row's sequence
+    # ``block_tables`` row after row and each table's length (int64), where a
+    # decode step's numpy path made them (``_build_decodes``); else None. The
+    # same tables, so batches compare by the lists alone.
+    flat_tables: np.ndarray | None = field(default=None, compare=False)
+    table_lengths: np.ndarray | None = field(default=None, compare=False)
 
 
 def build_batch(
@@ -252,6 +257,8 @@ def _build_decodes(chunks, seqs, block_size, num_kv_blocks, max_model_len) -> Ba
         state_slots=list(map(_STATE, states)),
         sample_slots=list(lora_slots),
         sample_seqs=states,
+        flat_tables=flat,
+        table_lengths=needed,
     )
 
 

@@ -101,6 +101,8 @@ class DecodeBatch(Protocol):
     block_tables: list[list[int]]
     chunk_slots: list[int]
     state_slots: list[int]  # a hybrid model's recurrent-state slots (-1 each otherwise)
+    flat_tables: np.ndarray | None  # block_tables flattened (and table_lengths), or None: flattened here
+    table_lengths: np.ndarray | None
 
 
 class StepBatch(DecodeBatch, Protocol):
@@ -229,17 +231,20 @@ class _StepGraphs:
         """The KV slot padding tokens write (the scratch block's first)."""
         return self.scratch_block * self.block_size
 
-    def _send(self, tables_start: int, tables: Sequence[Sequence[int]], num_rows: int) -> None:
+    def _send(self, tables_start: int, tables: Sequence[Sequence[int]], num_rows: int,
+              flat: np.ndarray | None = None, lengths: np.ndarray | None = None) -> None:
         """Pack ``tables`` into ``num_rows`` rows after the header (rows past
         ``len(tables)`` and short tables' tails: the scratch block), move
-        header and tables in one copy, spread the tables into ``block_tables``."""
-        lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+        header and tables in one copy, spread the tables into ``block_tables``.
+        ``flat`` and ``lengths``: the tables already flattened (a decode batch's)."""
+        if flat is None:
+            lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+            # Every table at once: a boolean mask fills in row-major order, the tables' own.
+            flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum()))
         width = int(lengths.max())
         stop = tables_start + num_rows * width
         packed = self._stage.host_np[tables_start:stop].reshape(num_rows, width)
         packed.fill(self.scratch_block)
-        # Every table at once: a boolean mask fills in row-major order, the tables' own.
-        flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum()))
         packed[: len(tables)][np.arange(width) < lengths[:, None]] = flat
         self._stage.upload(stop)
         self.block_tables[:num_rows, :width].copy_(self._stage.view(tables_start, num_rows * width).view(num_rows, width))
@@ -441,7 +446,7 @@ class DecodeGraphs(_StepGraphs):
         _put_sources(h[6 * m : 7 * m], num_rows, batch.device_inputs)
         self._fill_padding(num_rows, bucket)
         self._write_draw(race, base_seed, num_rows)
-        self._send(self._tables_start, batch.block_tables, bucket)
+        self._send(self._tables_start, batch.block_tables, bucket, batch.flat_tables, batch.table_lengths)
         return bucket
 
     def run(self, batch: DecodeBatch, race: RaceRows | None = None, base_seed: int = 0) -> torch.Tensor:

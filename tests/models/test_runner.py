@@ -155,6 +155,9 @@ def test_decode_steps_flatten_as_any_chunks():
     assert batch.input_ids == [6, 0, 0] and batch.device_inputs == [(1, 4), (2, 1)]
     assert batch.slot_mapping == [1 * 4 + 1, 2 * 4 + 2, 5 * 4 + 2] and batch.block_tables == [[3, 1], [2], [0, 4, 5]]
     assert batch.chunk_slots == batch.sample_slots == [2, 0, 0] and batch.state_slots == [-1, -1, 5]
+    # the tables already flat for the graphs' upload; the general path leaves that to them
+    assert batch.flat_tables.tolist() == [3, 1, 2, 0, 4, 5] and batch.table_lengths.tolist() == [2, 1, 3]
+    assert model_runner._build_chunks(chunks, seqs, 4, 8, 64).flat_tables is None
 
 
 @pytest.mark.parametrize(
