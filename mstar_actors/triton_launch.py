@@ -29,28 +29,33 @@ are what they were.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # Read as each kernel launches (graphs keep what they captured); the GPU
 # tests and ``tools/profile_gpu_step.py --pdl`` run both.
 enabled = True
 
-_CAPABLE: dict[int, bool] = {}
+_SM90: dict[int, bool] = {}
 
 
 def pdl(x: torch.Tensor) -> bool:
     """Whether a kernel over ``x`` launches with PDL (``launch_pdl=`` and
     its ``GDC`` constant): ``x`` on an NVIDIA device of compute capability
     9.0 or newer, a Triton that has it, and ``enabled``."""
-    if not (enabled and x.is_cuda):
-        return False
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABLE:
-        _CAPABLE[index] = (torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
-                           and _triton_has_pdl())
-    return _CAPABLE[index]
+    return enabled and x.is_cuda and is_sm90(x.device) and _triton_has_pdl()
 
 
+def is_sm90(device: torch.device) -> bool:
+    """Whether ``device`` (CUDA) is an NVIDIA device of compute capability 9.0 or newer."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM90:
+        _SM90[index] = torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+    return _SM90[index]
+
+
+@functools.cache
 def _triton_has_pdl() -> bool:
     """Triton's ``gdc_wait`` and ``launch_pdl`` came together (Triton 3.4)."""
     try:

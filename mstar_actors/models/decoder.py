@@ -12,7 +12,6 @@ The forward takes a flat batch of tokens from many sequences plus
 from __future__ import annotations
 
 import functools
-
 from typing import TYPE_CHECKING
 
 import torch

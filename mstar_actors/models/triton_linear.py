@@ -154,20 +154,9 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x @ weight.T`` takes the kernel (see the module's docstring)."""
     return (enabled and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES
             and weight.dtype == x.dtype and weight.dim() == 2 and x.stride(1) == 1 and weight.stride(1) == 1
-            and weight.shape[1] == x.shape[1] and not torch.is_grad_enabled() and _measured_on(x.device))
-
-
-def _measured_on(device: torch.device) -> bool:
-    """An NVIDIA device of compute capability 9.0 or newer, the H200's kind,
-    where the tiles were measured against cuBLAS (elsewhere cuBLAS keeps
-    every call)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABLE:
-        _CAPABLE[index] = torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
-    return _CAPABLE[index]
-
-
-_CAPABLE: dict[int, bool] = {}
+            and weight.shape[1] == x.shape[1] and not torch.is_grad_enabled()
+            # the kind of device the tiles were measured on against cuBLAS; elsewhere cuBLAS keeps every call
+            and triton_launch.is_sm90(x.device))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
