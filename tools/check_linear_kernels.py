@@ -88,7 +88,7 @@ def check_and_time(args, device: str, dtype) -> int:
                 ours, theirs = triton_linear.launch(x, ws[0]), F.linear(x, ws[0])
                 e_ours, e_theirs = rel_err(ours, ref), rel_err(theirs, ref)
                 bad += e_ours > max(2 * e_theirs, 1e-2)
-                row = f"{shape:<8} {name:<8} {m:>4} {e_ours:>9.2e} {e_theirs:>10.2e} {str(triton_linear.pick(n, k)):>16}"
+                row = f"{shape:<8} {name:<8} {m:>4} {e_ours:>9.2e} {e_theirs:>10.2e} {str(triton_linear.pick(n, k, m)):>16}"
                 if device == "cuda":
                     t_cublas = time_calls(lambda w: F.linear(x, w), ws, args.repeats)
                     t_ours = time_calls(lambda w: triton_linear.launch(x, w), ws, args.repeats)
@@ -100,6 +100,12 @@ def check_and_time(args, device: str, dtype) -> int:
     return 1 if bad else 0
 
 
+def fits_shared_memory(m: int, block_n: int, block_k: int) -> bool:
+    """Whether the kernel's buffers, four of an x and a weight tile (bf16) as
+    Triton allots them, fit the H200's 227 KiB a block."""
+    return 4 * (triton_linear.block_m(m) + block_n) * block_k * 2 <= 227 << 10
+
+
 def sweep(args, device: str, dtype) -> int:
     gen = torch.Generator().manual_seed(1)
     for shape in args.shapes:
@@ -109,14 +115,15 @@ def sweep(args, device: str, dtype) -> int:
                 x = torch.randn(m, k, generator=gen).to(dtype).to(device)
                 base = time_calls(lambda w: F.linear(x, w), ws, args.repeats)
                 results = []
-                for block_n, block_k, split, warps in itertools.product((16, 32, 64), (128, 256, 512),
+                for block_n, block_k, split, warps in itertools.product((16, 32, 64, 128), (64, 128, 256, 512),
                                                                         (1, 2, 4, 8, 16), (4, 8)):
-                    if split * block_k > max(k, block_k) or block_n * block_k > 64 * 512:
+                    if (split * block_k > max(k, block_k) or block_n * block_k > 64 * 512
+                            or not fits_shared_memory(m, block_n, block_k)):
                         continue
                     config = (block_n, block_k, split, warps)
                     results.append((time_calls(lambda w: triton_linear.launch(x, w, config=config), ws, 5), config))
                 results.sort()
-                picked = triton_linear.pick(n, k)
+                picked = triton_linear.pick(n, k, m)
                 mine = next((t for t, c in results if c == picked), None)
                 best = ", ".join(f"{c} {t:.2f}" for t, c in results[:4])
                 print(f"{shape} {name} {n}x{k} rows {m}: cuBLAS {base:.2f} us; pick {picked} "

@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(triton_linear, the default), on cuBLAS, or both side by side; the rest of the run takes "
                         "the first")
     p.add_argument("--gemv-max-rows", type=int, default=None,
-                   help="steps of up to this many rows take our GEMM (triton_linear.MAX_ROWS, at most 32)")
+                   help="steps of up to this many rows take our GEMM (triton_linear.MAX_ROWS, at most 64)")
     p.add_argument("--fold", choices=["on", "off", "both"], default="both",
                    help="decode table with a fused q|k|v's and gate|up's LoRA expand added by the rotary and "
                         "SiLU-and-mul kernels (lora_layers.FOLD), as launches of their own, or both side by side "
@@ -446,8 +446,8 @@ def main(argv: list[str] | None = None) -> int:
                         "side; the rest of the run takes the first")
     args = p.parse_args(argv)
     if args.gemv_max_rows is not None:
-        if not 1 <= args.gemv_max_rows <= 32:
-            p.error(f"--gemv-max-rows: 1 to 32, got {args.gemv_max_rows}")
+        if not 1 <= args.gemv_max_rows <= 64:
+            p.error(f"--gemv-max-rows: 1 to 64, got {args.gemv_max_rows}")
         triton_linear.MAX_ROWS = args.gemv_max_rows
     if min(args.max_loras) < 1:
         p.error(f"--max-loras: at least 1 each, got {args.max_loras}")

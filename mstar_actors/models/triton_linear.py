@@ -48,30 +48,34 @@ from mstar_actors import triton_launch
 # Read as each call runs (graphs keep what they captured); the GPU tests and
 # ``tools/profile_gpu_step.py`` run both.
 enabled = True
-# Steps of more rows stay on cuBLAS: on the H200 at 16 and 32 rows Llama-3.2-1B's
-# q|k|v took 1.09x and 1.25x cuBLAS's time here (at 64 rows the tiles pass the shared memory).
+# Steps of more rows stay on cuBLAS: on the H200 (``tools/check_linear_kernels.py
+# --rows 16 32 64``) this kernel took 0.91-1.08x cuBLAS's time at 16 rows,
+# 0.97-1.26x at 32 and 1.2-1.8x at 64, where cuBLAS reads 3.1-3.9 TB/s of
+# Llama-3.1-8B's larger weights.
 MAX_ROWS = 8
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
-def pick(n: int, k: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps)`` for an ``[n, k]`` weight:
-    tiles of 64 x 256 (32 KiB of bf16); a weight of at most 64 such output
-    tiles is split over its inputs as well, while the programs stay within
-    256 and each takes at least 512 inputs. On the H200
-    (``tools/check_linear_kernels.py --sweep``, one row) the fastest
-    configurations of every Llama-3.2-1B and 3.1-8B linear were of this form
-    or within 5% of it; a split of a weight with more tiles (3.1-8B's q|k|v)
-    lost to none, its partials' sum costing more than the programs gained."""
+def pick(n: int, k: int, m: int = 1) -> tuple[int, int, int, int]:
+    """``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps)`` for an ``[n, k]`` weight and
+    ``m`` rows: tiles of 64 x 256 (32 KiB of bf16), 64 x 128 past 32 rows
+    (whose x tiles would not fit the shared memory beside the weight's
+    otherwise); a weight of at most 64 such output tiles is split over its
+    inputs as well, while the programs stay within 256 and each takes at
+    least 512 inputs. On the H200 (``tools/check_linear_kernels.py --sweep``,
+    one row) the fastest configurations of every Llama-3.2-1B and 3.1-8B
+    linear were of this form or within 5% of it; a split of a weight with
+    more tiles (3.1-8B's q|k|v) lost to none, its partials' sum costing more
+    than the programs gained."""
     tiles = triton.cdiv(n, 64)
     split = 1
     while tiles <= 64 and tiles * split * 2 <= 256 and k // (split * 2) >= 512 and split < 16:
         split *= 2
-    return 64, 256, split, 4
+    return 64, 256 if block_m(m) <= 32 else 128, split, 4
 
 
 def block_m(m: int) -> int:
-    """The rows' tile: tl.dot's least (16), or the rows' power of two (at most 32)."""
+    """The rows' tile: tl.dot's least (16), or the rows' power of two."""
     return max(16, triton.next_power_of_2(m))
 
 
@@ -169,13 +173,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """The kernel on ``x [M <= 32, K]`` and ``weight [N, K]`` (unit stride in
+    """The kernel on ``x [M <= 64, K]`` and ``weight [N, K]`` (unit stride in
     K), with ``pick``'s tiles or ``config``'s (``tools/check_linear_kernels.py
     --sweep``); no checks (``linear`` makes them; tests call it on CPU, under
     Triton's interpreter)."""
     m, k = x.shape
     n = weight.shape[0]
-    block_n, block_k, split, warps = config or pick(n, k)
+    block_n, block_k, split, warps = config or pick(n, k, m)
     tiles = triton.cdiv(n, block_n)
     rows = block_m(m)
     parts, counts = _workspace.get(x.device, split * rows, n, tiles)

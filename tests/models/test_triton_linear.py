@@ -28,7 +28,8 @@ def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch
     (8, 33, 128, (32, 64, 1, 4), True),   # one split: no workspace, the bias added at once
     (5, 16, 200, (16, 64, 4, 4), False),  # inputs not a multiple of the tile
     (24, 40, 64, (16, 32, 2, 4), True),   # a tile of 32 rows
-    (32, 20, 64, (16, 32, 2, 4), False),  # the most rows it takes
+    (32, 20, 64, (16, 32, 2, 4), False),  # a tile of 32 rows
+    (64, 24, 96, (16, 32, 2, 4), True),   # the most rows it takes
 ])
 def test_kernel_matches_the_float32_product(rows, n, k, config, bias):
     gen = torch.Generator().manual_seed(rows * 1000 + n)
@@ -77,7 +78,10 @@ def test_pick_spreads_small_weights_over_the_device():
     assert triton_linear.pick(16384, 2048) == (64, 256, 1, 4)  # gate|up: 256 tiles already
     assert triton_linear.pick(4096, 14336) == (64, 256, 4, 4)  # Llama-3.1-8B's down: 64 x 4
     assert triton_linear.pick(6144, 4096) == (64, 256, 1, 4)   # its q|k|v: 96 tiles, not split
-    assert [triton_linear.block_m(m) for m in (1, 16, 17, 32)] == [16, 16, 32, 32]
+    assert [triton_linear.block_m(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
+    # past 32 rows the inputs' tile halves, so both tiles' stages fit the shared memory
+    assert triton_linear.pick(2048, 8192, 64) == (64, 128, 8, 4)
+    assert triton_linear.pick(2048, 8192, 32) == (64, 256, 8, 4)
 
 
 @pytest.mark.gpu
@@ -98,10 +102,12 @@ def check_against_cublas(dtype, gen) -> None:
     for n, k in [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (3312, 2048)]:
         w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).cuda()
         b = torch.randn(n, generator=gen).to(dtype).cuda()
-        for rows in (1, 3, triton_linear.MAX_ROWS):
+        for rows in sorted({1, 3, triton_linear.MAX_ROWS, 64}):
             x = torch.randn(rows, k, generator=gen).to(dtype).cuda()
+            # past MAX_ROWS (cuBLAS's in serving) the tiles of the most rows it takes
+            call = triton_linear.linear if rows <= triton_linear.MAX_ROWS else triton_linear.launch
             for bias in (None, b):
-                got = triton_linear.linear(x, w, bias)
+                got = call(x, w, bias)
                 assert got is not None
                 want = reference(x, w, bias)
                 err = (got.float() - want).norm() / want.norm()
@@ -109,7 +115,7 @@ def check_against_cublas(dtype, gen) -> None:
                 assert err <= max(2 * vendor, 1e-3), (n, k, rows, err, vendor)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    out = triton_linear.linear(x, w, bias)
+                    out = call(x, w, bias)
                 graph.replay()
                 torch.cuda.synchronize()
                 assert torch.equal(out, got)
