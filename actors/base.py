@@ -73,6 +73,13 @@ log = logging.getLogger("mstar_actors.actor")
 CONTROL = "control"
 
 
+def frontend_name(index: int) -> str:
+    """The name of frontend ``index`` of ``server.api_server_count`` (its
+    actor's, and its channels' at the prepare and conductor ends):
+    ``frontend``, then ``frontend1`` ..."""
+    return "frontend" if index == 0 else f"frontend{index}"
+
+
 class ShutdownRequested(Exception):
     """Raised inside ``dispatch`` to end ``serve()``; ``run()`` stops cleanly."""
 

@@ -63,7 +63,7 @@ from typing import Any
 
 import msgspec
 
-from actors.base import Actor
+from actors.base import Actor, frontend_name
 from mstar_actors.lora.adapter_pool import AdapterPool, Admit, MoveRows
 from mstar_actors.messages import (
     Abort,
@@ -83,6 +83,7 @@ from mstar_actors.messages import (
     StepPlan,
     UnloadAdapter,
     WorkerReady,
+    frontend_of,
 )
 
 
@@ -157,7 +158,8 @@ def media_root(root: str, prepared: Prepared) -> str:
 
 class ConductorActor(Actor):
     """inbox: ``prepare``, ``worker0`` .. ``worker{N-1}``, ``adapter_reader``, ``control``;
-    outbox: ``frontend``, ``workers`` (broadcast to every rank), ``adapter_reader``, ``control``."""
+    outbox: ``frontend`` (and ``frontend1`` ... with ``server.api_server_count``), ``workers``
+    (broadcast to every rank), ``adapter_reader``, ``control``."""
 
     def __init__(self, *, num_ranks: int | None = None, **kw: Any):
         super().__init__(**kw)
@@ -167,6 +169,9 @@ class ConductorActor(Actor):
         # Steps sent to the ranks, oldest first, with their answers so far: step id -> rank -> result.
         self.step_results: dict[int, dict[int, StepDone | StepFailed]] = {}
         self.last_stats: Any = None
+        # server.api_server_count frontends: an output goes to the one its request id names (frontend_of).
+        self.frontends = [self.outbox[frontend_name(i)] for i in range(sum(1 for name in self.outbox
+                                                                             if name.startswith("frontend")))]
 
     # ---- start: agreement -------------------------------------------------
 
@@ -187,7 +192,7 @@ class ConductorActor(Actor):
                       self.num_ranks, facts.num_kv_blocks, facts.block_size, facts.max_model_len,
                       f", {facts.num_state_slots} recurrent-state slots" if facts.num_state_slots else "")
         self.info = self.info.with_kv_capacity(facts.num_kv_blocks * facts.block_size)
-        await self.outbox["frontend"].send(ContextAgreed(max_model_len=self.info.max_model_len))
+        await self.tell_frontends(ContextAgreed(max_model_len=self.info.max_model_len))
         for channel, msg in early:
             await self.dispatch(channel, msg)
 
@@ -254,7 +259,7 @@ class ConductorActor(Actor):
                 await self.route(self.adapter_pool.abort(request_id))  # a request still waiting for its adapter
                 await self.send_outputs(self.scheduler.abort(request_id))
             case Failed() if channel == "prepare":
-                await self.outbox["frontend"].send(msg)
+                await self.frontends[frontend_of(msg.request_id)].send(msg)
             case LoadAdapter() if channel == "prepare":
                 await self.route(self.adapter_pool.load(msg))
             case UnloadAdapter() if channel == "prepare":
@@ -305,10 +310,19 @@ class ConductorActor(Actor):
                     await self.send_outputs([out])
 
     async def send_outputs(self, outputs: list[Any]) -> None:
+        """Outputs of a request to its frontend; the rest (``ModelsChanged``) to every one."""
         for out in outputs:
-            await self.outbox["frontend"].send(out)
+            request_id = getattr(out, "request_id", None)
+            if request_id is None:
+                await self.tell_frontends(out)
+                continue
+            await self.frontends[frontend_of(request_id)].send(out)
             if isinstance(out, Finished | Failed):
-                await self.route(self.adapter_pool.end(out.request_id))
+                await self.route(self.adapter_pool.end(request_id))
+
+    async def tell_frontends(self, msg: Any) -> None:
+        for frontend in self.frontends:
+            await frontend.send(msg)
 
     async def send_stats(self) -> None:
         stats = self.scheduler.stats()
@@ -318,4 +332,4 @@ class ConductorActor(Actor):
                                             num_waiting_for_adapter=num_held)
         if stats != self.last_stats:
             self.last_stats = stats
-            await self.outbox["frontend"].send(stats)
+            await self.tell_frontends(stats)

@@ -69,6 +69,7 @@ from mstar_actors.messages import (
     TokenDelta,
     UnloadAdapter,
     choice_ids,
+    new_request_id,
 )
 from mstar_actors.frontend.metrics import Metrics
 from mstar_actors.frontend.openai_api import ApiError, ChoiceOutput, ParsedRequest
@@ -92,10 +93,10 @@ class Exchange:
     each) and its bounded inbound queue. Outputs name a choice; a failure of
     a whole request (prepare's, the adapter pool's) names the request."""
 
-    def __init__(self, parsed: ParsedRequest, model: str, prefix: str):
+    def __init__(self, parsed: ParsedRequest, model: str, prefix: str, frontend: int = 0):
         self.parsed = parsed
         self.model = model
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.id = new_request_id(prefix, frontend)
         self.created = int(time.time())
         self.arrival = time.perf_counter()
         self.requests = parsed.new_requests(self.id, model)
@@ -161,10 +162,12 @@ class Exchange:
 class FrontendActor(Actor):
     """See the module docstring."""
 
-    def __init__(self, **kw: Any):
+    def __init__(self, *, index: int = 0, metrics_dir: str | None = None, **kw: Any):
         super().__init__(**kw)
+        # Of server.api_server_count frontends on one port: its request ids name it (new_request_id).
+        self.index = index
         self.mailbox = Mailbox(self.inbox, max_pending=MAILBOX_SIZE)
-        self.metrics = Metrics()
+        self.metrics = Metrics(metrics_dir)
         self.port: int | None = None  # the bound port, once started
         self._is_started = CONTROL not in self.inbox  # without a launcher: ready when started
         self._failure: str | None = None  # a peer's failure: unhealthy from then on
@@ -222,12 +225,15 @@ class FrontendActor(Actor):
                       max_connections)
         refusal = ApiError(503, f"too many connections: the server takes {max_connections} at once; retry later",
                            code="too_many_connections")
+        # Several frontends bind the one port (SO_REUSEPORT): the kernel spreads the connections.
         site = BoundedSite(self._runner, server.host, server.port, max_connections,
                            refusal_response(503, "Service Unavailable", _json.encode(refusal.envelope())),
-                           _envelope_bytes, server.request_read_timeout_s, handler_kwargs)
+                           _envelope_bytes, server.request_read_timeout_s, handler_kwargs,
+                           reuse_port=server.api_server_count > 1)
         await site.start()
         self.port = self._runner.addresses[0][1]
-        self.log.info("serving %s on http://%s:%d", self.info.served_name, server.host, self.port)
+        self.log.info("serving %s on http://%s:%d%s", self.info.served_name, server.host, self.port,
+                      f" (frontend {self.index + 1} of {server.api_server_count})" if server.api_server_count > 1 else "")
 
     async def stop(self) -> None:
         reason = f"the server is shutting down ({self.stop_reason or 'stopped'})"
@@ -474,7 +480,7 @@ class FrontendActor(Actor):
                            code="runtime_updates_disabled", error_type="permission_error")
         body = api.decode_body(raw)
         name = self._adapter_name(body)
-        rid = f"lora-{uuid.uuid4().hex}"
+        rid = new_request_id("lora", self.index)
         if kind == "load":
             if name in self.adapters and not api.get_bool(body, "load_inplace", False):
                 raise ApiError(400, f"lora_name: the adapter {name!r} is already loaded; send load_inplace: true "
@@ -534,7 +540,8 @@ class FrontendActor(Actor):
         else:
             parsed = api.parse_completion(raw, self.info.max_model_len, self.info.vocab_size)
         parsed.with_token_facts(self.info.eos_token_ids, self._bad_words_token_ids(parsed.bad_words))
-        exchange = Exchange(parsed, self._resolve_model(parsed.model), "chatcmpl" if kind == "chat" else "cmpl")
+        exchange = Exchange(parsed, self._resolve_model(parsed.model), "chatcmpl" if kind == "chat" else "cmpl",
+                            self.index)
         if parsed.output.return_token_ids or parsed.output.echo:
             exchange.prompt_token_ids = await self.run_blocking(self._prompt_token_ids, exchange)
         self._admit(exchange)
@@ -564,7 +571,7 @@ class FrontendActor(Actor):
         sampling = msgspec.structs.replace(speech.sampling, stop_token_ids=(self.speech.tokens.end_of_speech,))
         parsed = ParsedRequest(kind="speech", model=speech.model, sampling=sampling, prompts=[prompt_ids])
         parsed.with_token_facts(self.info.eos_token_ids, [])
-        exchange = Exchange(parsed, model, "speech")
+        exchange = Exchange(parsed, model, "speech", self.index)
         self._admit(exchange)
         try:
             await self._submit(exchange)

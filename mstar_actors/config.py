@@ -163,6 +163,11 @@ class ServerConfig(msgspec.Struct, **_STRICT):
     # On SIGTERM / SIGINT the frontend stops admitting (503) and lets requests
     # in flight finish for at most this long; what is left then fails with a 503.
     shutdown_timeout_s: Annotated[float, msgspec.Meta(ge=0.0)] = 30.0
+    # Frontend processes on the one port (vLLM's --api-server-count; the kernel
+    # spreads connections over them): each parses, detokenizes and streams its
+    # own, which one Python process cannot keep up with for a GPU's hundreds of
+    # streams. More than one needs a fixed port (not 0); max_connections is each one's.
+    api_server_count: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
 
 
 ORPHEUS_VOICES = ["tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe"]
@@ -244,6 +249,10 @@ def parse_config(data: object, source: str = "<config>") -> Config:
         config = msgspec.convert(data, Config)
     except msgspec.ValidationError as err:
         raise ConfigError(f"{source}: {_explain(err)}") from None
+    if config.server.api_server_count > 1 and config.server.port == 0:
+        raise ConfigError(f"{source}: server.port 0 (any free port) with server.api_server_count "
+                          f"{config.server.api_server_count}: each frontend would bind a port of its own; "
+                          "set a fixed port, or api_server_count: 1")
     return with_device_defaults(config)
 
 

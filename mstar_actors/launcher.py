@@ -4,15 +4,20 @@
 make a run directory, create every ring, spawn the actors (``multiprocessing``
 spawn context; each spec carries the model's ``ModelInfo``, read once before),
 wait until each reports ``ActorReady`` (bounded; the message names who did
-not), send ``Started`` to the frontend, then wait for one of:
+not), send ``Started`` to the frontend(s), then wait for one of:
 
-- SIGINT / SIGTERM: a graceful stop (exit code 0): ``Drain`` to the frontend,
-  which refuses new requests with a 503 and lets those in flight finish for
-  up to ``server.shutdown_timeout_s``, fails the rest and answers ``Drained``
-  (a second signal stops at once);
+- SIGINT / SIGTERM: a graceful stop (exit code 0): ``Drain`` to each
+  frontend, which refuses new requests with a 503 and lets those in flight
+  finish for up to ``server.shutdown_timeout_s``, fails the rest and answers
+  ``Drained`` (a second signal stops at once);
 - an actor process exiting: logged with its name and exit code or signal; the
-  frontend gets ``PeerFailed`` so in-flight requests fail clearly; then a
+  frontends get ``PeerFailed`` so in-flight requests fail clearly; then a
   clean stop with exit code 1.
+
+With ``server.api_server_count`` > 1 there are that many frontend processes
+(``frontend``, ``frontend1`` ...) on the one port, each with its own rings
+(``plan_actors``), and their Prometheus values in a folder of the run
+(``plan_metrics``).
 
 The media arena is made with the rings (``create_media_arena``). With
 ``parallel.tp`` > 1 the workers are one ``torch.distributed`` group: the
@@ -30,16 +35,19 @@ watched through their process sentinels on the asyncio loop: nothing polls.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
+import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from actors.base import ActorSpec, run_actor_process
+from actors.base import ActorSpec, frontend_name, run_actor_process
 from mstar_actors import messages, rundir
 from mstar_actors.config import Config
 from mstar_actors.model_info import ModelInfo
@@ -64,27 +72,33 @@ class ActorPlan:
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def plan_actors(num_ranks: int) -> list[ActorPlan]:
+FRONTEND_TARGET = "actors.frontend:FrontendActor"
+
+
+def plan_actors(num_ranks: int, num_frontends: int = 1) -> list[ActorPlan]:
     """The topology: which actor reads and writes which ring (by ring name).
 
     A ring name is ``<writer>.<reader>``; the conductor's broadcast is the list
-    of its per-rank rings.
+    of its per-rank rings. Each of ``num_frontends`` (``server.api_server_count``)
+    has its own pair of rings: to prepare, and from the conductor.
     """
     workers = [f"worker{r}" for r in range(num_ranks)]
+    frontends = [frontend_name(i) for i in range(num_frontends)]
     plans = [
-        ActorPlan("frontend", "actors.frontend:FrontendActor",
-                  inbox={"conductor": ("conductor.frontend", "ConductorToFrontend")},
-                  outbox={"prepare": ("frontend.prepare", "FrontendToPrepare")}),
+        *(ActorPlan(f, FRONTEND_TARGET,
+                    inbox={"conductor": (f"conductor.{f}", "ConductorToFrontend")},
+                    outbox={"prepare": (f"{f}.prepare", "FrontendToPrepare")},
+                    params={"index": i}) for i, f in enumerate(frontends)),
         ActorPlan("prepare", "actors.prepare:PrepareActor",
-                  inbox={"frontend": ("frontend.prepare", "FrontendToPrepare")},
+                  inbox={f: (f"{f}.prepare", "FrontendToPrepare") for f in frontends},
                   outbox={"conductor": ("prepare.conductor", "PrepareToConductor")}),
         ActorPlan("conductor", "actors.conductor:ConductorActor",
                   inbox={"prepare": ("prepare.conductor", "PrepareToConductor")}
                   | {w: (f"{w}.conductor", "WorkerToConductor") for w in workers}
                   | {"adapter_reader": ("adapter_reader.conductor", "AdapterReaderToConductor")},
-                  outbox={"frontend": ("conductor.frontend", "ConductorToFrontend"),
-                          "workers": ([f"conductor.{w}" for w in workers], "ConductorToWorker"),
-                          "adapter_reader": ("conductor.adapter_reader", "ConductorToAdapterReader")},
+                  outbox={f: (f"conductor.{f}", "ConductorToFrontend") for f in frontends}
+                  | {"workers": ([f"conductor.{w}" for w in workers], "ConductorToWorker"),
+                     "adapter_reader": ("conductor.adapter_reader", "ConductorToAdapterReader")},
                   params={"num_ranks": num_ranks}),
         ActorPlan("adapter_reader", "actors.adapter_reader:AdapterReaderActor",
                   inbox={"conductor": ("conductor.adapter_reader", "ConductorToAdapterReader")},
@@ -135,6 +149,24 @@ class Rings:
         return cleanup_run(self.run_id, self.run_dir)
 
 
+@contextlib.contextmanager
+def _environment(**values: str | None) -> Iterator[None]:
+    """``os.environ`` with ``values`` set (None: left as it is) for the block,
+    restored after: what a process started inside it inherits."""
+    before = {key: os.environ.get(key) for key in values}
+    try:
+        for key, value in values.items():
+            if value is not None:
+                os.environ[key] = value
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def exit_description(exitcode: int | None) -> str:
     if exitcode is None:
         return "is still running"
@@ -153,7 +185,8 @@ class Launcher:
                  ready_timeout_s: float = READY_TIMEOUT_S):
         self.config = config
         self.info = info  # None: a launcher that only cleans up (it spawns nothing that needs it)
-        self.plans = plans or plan_actors(config.parallel.tp)
+        self.plans = plans or plan_actors(config.parallel.tp, config.server.api_server_count)
+        self.frontends = [plan.name for plan in self.plans if plan.target == FRONTEND_TARGET]
         self.ready_timeout_s = ready_timeout_s
         self.run_id = rundir.new_run_id()
         for plan in self.plans:
@@ -167,7 +200,8 @@ class Launcher:
         self.from_actor: dict[str, Any] = {}
         self.ready: set[str] = set()
         self.exited: asyncio.Queue[str] = asyncio.Queue()
-        self.drained = asyncio.Event()  # the frontend's Drained came
+        self.drained = asyncio.Event()  # every frontend's Drained came
+        self.num_drained = 0
         self.stopping = False
 
     # ---- set-up -------------------------------------------------------------
@@ -186,6 +220,18 @@ class Launcher:
         self.rings.create_all(self.plans)
         self.create_media_arena()
         self.plan_rendezvous()
+        self.plan_metrics()
+
+    def plan_metrics(self) -> None:
+        """Several frontends answer /metrics for all of them from files in
+        one folder of the run (``frontend.metrics``)."""
+        if len(self.frontends) < 2:
+            return
+        folder = self.run_dir / "metrics"
+        folder.mkdir()
+        for plan in self.plans:
+            if plan.name in self.frontends:
+                plan.params["metrics_dir"] = str(folder)
 
     def plan_rendezvous(self) -> None:
         """Where the tensor-parallel ranks meet: a loopback port free now
@@ -236,7 +282,9 @@ class Launcher:
                              inbox=self.rings.resolve(plan.inbox), outbox=self.rings.resolve(plan.outbox),
                              params=plan.params, log_level=level, info=info)
             proc = ctx.Process(target=run_actor_process, args=(plan.target, spec), name=plan.name)
-            proc.start()
+            # prometheus_client reads its multiprocess folder as it is imported: the child's environment has it.
+            with _environment(PROMETHEUS_MULTIPROC_DIR=plan.params.get("metrics_dir")):
+                proc.start()
             self.procs[plan.name] = proc
         rundir.write_actors(self.run_dir, self.run_id, {n: p.pid for n, p in self.procs.items()})
 
@@ -271,7 +319,8 @@ class Launcher:
         try:
             if not await self.await_ready(stop):
                 return 0 if stop.is_set() and not self._dead() else 1
-            await self.to_actor["frontend"].send(messages.Started())
+            for name in self.frontends:
+                await self.to_actor[name].send(messages.Started())
             host, port = self.config.server.host, self.config.server.port
             log.info("serving %s at http://%s:%d (run dir %s)", self.info.served_name, host, port, self.run_dir)
             code = await self.await_end(stop)
@@ -298,8 +347,10 @@ class Launcher:
                 case messages.ActorError(message=message, traceback=tb):
                     log.error("actor %s reported: %s\n%s", name, message, tb)
                 case messages.Drained(num_failed=num_failed):
-                    log.info("frontend drained (%d requests failed at the timeout)", num_failed)
-                    self.drained.set()
+                    log.info("%s drained (%d requests failed at the timeout)", name, num_failed)
+                    self.num_drained += 1
+                    if self.num_drained == len(self.frontends):
+                        self.drained.set()
 
     def _dead(self) -> list[str]:
         return [n for n, p in self.procs.items() if not p.is_alive()]
@@ -347,7 +398,8 @@ class Launcher:
         timeout_s = self.config.server.shutdown_timeout_s
         stop.clear()  # a second signal stops at once
         log.info("draining: in-flight requests have %g s to finish", timeout_s)
-        await self.to_actor["frontend"].send(messages.Drain(timeout_s=timeout_s, reason="the server is shutting down"))
+        for name in self.frontends:
+            await self.to_actor[name].send(messages.Drain(timeout_s=timeout_s, reason="the server is shutting down"))
         waits = [asyncio.ensure_future(w) for w in (self.drained.wait(), stop.wait(), self.exited.get())]
         done, pending = await asyncio.wait(waits, timeout=timeout_s + DRAIN_MARGIN_S,
                                            return_when=asyncio.FIRST_COMPLETED)
@@ -356,7 +408,7 @@ class Launcher:
         if waits[2] in done:
             await self.report_death(waits[2].result(), starting=False)
         elif not done:
-            log.warning("the frontend did not finish draining within %g s: stopping anyway",
+            log.warning("the frontend(s) did not finish draining within %g s: stopping anyway",
                         timeout_s + DRAIN_MARGIN_S)
 
     async def report_death(self, name: str, starting: bool) -> None:
@@ -365,11 +417,12 @@ class Launcher:
         how = exit_description(proc.exitcode)
         phase = "while starting" if starting else "while serving"
         log.error("actor %s (pid %d) %s %s; shutting down", name, proc.pid, how, phase)
-        if name != "frontend" and self.procs["frontend"].is_alive():
-            try:
-                self.to_actor["frontend"].send_nowait(messages.PeerFailed(actor=name, reason=how))
-            except Exception as err:  # the frontend may already be gone too
-                log.warning("could not tell the frontend: %s", err)
+        for frontend in self.frontends:
+            if frontend != name and self.procs[frontend].is_alive():
+                try:
+                    self.to_actor[frontend].send_nowait(messages.PeerFailed(actor=name, reason=how))
+                except Exception as err:  # it may already be gone too
+                    log.warning("could not tell %s: %s", frontend, err)
 
     # ---- stopping ---------------------------------------------------------------
 

@@ -13,6 +13,10 @@ Channels::
 
     frontend --FrontendToPrepare--> prepare --PrepareToConductor--> conductor
     conductor --ConductorToFrontend--> frontend
+
+(with ``server.api_server_count`` frontends, a pair of rings each: the
+conductor answers the frontend a request id names, ``frontend_of``, and
+sends the rest to all)
     conductor --ConductorToWorker--> worker (broadcast, one ring per rank)
     worker --WorkerToConductor--> conductor (one ring per rank)
     launcher --LauncherToActor--> every actor;  every actor --ActorToLauncher--> launcher
@@ -214,6 +218,25 @@ class NewRequest(Struct, frozen=True, tag=True, omit_defaults=True):
     # opening of a forced tool call, so the model writes only its JSON.
     assistant_prefix: str = ""
     continue_final_message: bool = False  # the template leaves the last (assistant) message open
+
+
+def new_request_id(kind: str, frontend: int = 0) -> str:
+    """A new engine request id, ``{kind}-{32 hex}``; frontend ``k > 0``'s
+    (``server.api_server_count``) ``{kind}-f{k}-{32 hex}``, so the conductor
+    answers the frontend that asked (``frontend_of``). Choice and prompt ids
+    append to it."""
+    import uuid
+
+    return f"{kind}-{uuid.uuid4().hex}" if frontend == 0 else f"{kind}-f{frontend}-{uuid.uuid4().hex}"
+
+
+def frontend_of(request_id: str) -> int:
+    """The frontend a request id names (``new_request_id``): 0 unless its
+    second dash-separated part is ``f{k}``."""
+    parts = request_id.split("-", 2)
+    if len(parts) == 3 and 1 < len(parts[1]) <= 4 and parts[1][0] == "f" and parts[1][1:].isdigit():
+        return int(parts[1][1:])
+    return 0
 
 
 def choice_ids(request_id: str, n: int) -> list[str]:

@@ -138,6 +138,7 @@ class Plan:
     scenarios: tuple[Scenario, ...] = tuple(SCENARIOS)
     server_logs: Path | None = None  # where each server's DEBUG log is saved (None: servers log at INFO)
     async_scheduling: bool | None = None  # None: the device's default (on with CUDA, off on CPU)
+    api_servers: int = 1  # server.api_server_count of every server
 
     def num_requests(self, concurrency: int) -> int:
         """Requests at one concurrency: ``waves`` full waves, at least ``min_requests``."""
@@ -328,7 +329,8 @@ def server_config(plan: Plan, model_dir: Path, spec: ServerSpec, adapters: dict[
         "scheduler": {"max_num_seqs": max(max(plan.levels), 8), "max_num_batched_tokens": 2048,
                       "max_model_len": 2048, "async_scheduling": plan.async_scheduling},
         "kv": {"block_size": 16, "num_blocks": num_kv_blocks(plan), "enable_prefix_caching": plan.prefix_caching},
-        "server": {"host": "127.0.0.1", "port": port, "max_waiting_requests": 4 * max(plan.levels) + 64},
+        "server": {"host": "127.0.0.1", "port": port, "max_waiting_requests": 4 * max(plan.levels) + 64,
+                   "api_server_count": plan.api_servers},
     }
     if spec.max_loras:
         names = ADAPTER_NAMES[:spec.num_adapters]
@@ -589,6 +591,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    f"{REFERENCE!r} always runs): " + ", ".join(repr(s.name) for s in SCENARIOS[1:]))
     p.add_argument("--async-scheduling", choices=["on", "off"], default=None,
                    help="plan the next step while the device runs this one (default: on with cuda, off on cpu)")
+    p.add_argument("--api-servers", type=int, default=1,
+                   help="frontend processes of each server (server.api_server_count, default 1)")
     p.add_argument("--server-logs", type=Path, help="serve at DEBUG and save each server's log in this folder "
                    "(its step, install and agreement lines, with ms timestamps)")
     return p.parse_args(argv)
@@ -610,7 +614,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     except ValueError:
         raise SystemExit(f"--concurrency {args.concurrency!r}: expected comma-separated positive integers") from None
     for flag, value in [("--concurrency", min(levels)), ("--waves", args.waves), ("--min-requests", args.min_requests),
-                        ("--rank", args.rank), ("--rounds", args.rounds), ("--max-tokens", args.max_tokens or 1)]:
+                        ("--rank", args.rank), ("--rounds", args.rounds), ("--max-tokens", args.max_tokens or 1),
+                        ("--api-servers", args.api_servers)]:
         if value < 1:
             raise SystemExit(f"{flag} must be at least 1, got {value}")
     if args.smoke:
@@ -632,7 +637,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 max_tokens=args.max_tokens or (64 if device == "cuda" else 32), waves=args.waves,
                 min_requests=args.min_requests, rank=args.rank, prefix_caching=args.prefix_caching,
                 cache_dir=args.cache_dir, rounds=args.rounds, scenarios=scenarios, server_logs=args.server_logs,
-                async_scheduling=None if args.async_scheduling is None else args.async_scheduling == "on")
+                async_scheduling=None if args.async_scheduling is None else args.async_scheduling == "on",
+                api_servers=args.api_servers)
 
 
 def dry_run(plan: Plan) -> int:

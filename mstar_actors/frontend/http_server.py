@@ -181,8 +181,9 @@ class BoundedSite(web.TCPSite):
     refusal (``response``, a whole HTTP response) instead of the app."""
 
     def __init__(self, runner: web.AppRunner, host: str, port: int, max_connections: int, response: bytes,
-                 envelope: Callable[[int, str], bytes], read_timeout: float, handler_kwargs: dict):
-        super().__init__(runner, host, port)
+                 envelope: Callable[[int, str], bytes], read_timeout: float, handler_kwargs: dict,
+                 reuse_port: bool = False):
+        super().__init__(runner, host, port, reuse_port=reuse_port or None)
         self._read_timeout = read_timeout
         self._max_connections = max_connections
         self._response = response

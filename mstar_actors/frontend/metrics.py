@@ -7,12 +7,22 @@ The two observed once per token delta (tokens generated, inter-token
 latency) are plain counts exposed as ``prometheus_client`` exposes its
 ``Counter`` and ``Histogram``: theirs take a lock and several calls per
 observation, which a stream pays for every token.
+
+With several frontend processes on one port (``server.api_server_count``) a
+scrape reaches any one of them, so each must answer for all:
+``prometheus_client``'s multiprocess mode (the launcher sets
+``PROMETHEUS_MULTIPROC_DIR`` to a folder of the run before it starts them),
+every value in a file of that folder, ``render`` summing them; counters and
+histograms are then ``prometheus_client``'s own, and an engine gauge (which
+every frontend receives alike) is the latest written.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import math
+import os
 import time
 from typing import Iterator
 
@@ -32,27 +42,41 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, multiprocess_dir: str | None = None) -> None:
+        """``multiprocess_dir``: the run's folder of ``PROMETHEUS_MULTIPROC_DIR``
+        (several frontends), which must be set before ``prometheus_client``
+        is imported; None: this process's values alone."""
+        if multiprocess_dir is not None and os.environ.get("PROMETHEUS_MULTIPROC_DIR") != multiprocess_dir:
+            raise RuntimeError(f"multiprocess metrics in {multiprocess_dir}, but PROMETHEUS_MULTIPROC_DIR is "
+                               f"{os.environ.get('PROMETHEUS_MULTIPROC_DIR')!r}: the launcher sets it before "
+                               "starting the frontends")
+        self.multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry()
         reg = self.registry
+        gauge = functools.partial(Gauge, registry=reg, **({"multiprocess_mode": "mostrecent"} if multiprocess_dir else {}))
         self.requests = Counter("mstar_requests", "HTTP requests by route and status code", ["route", "status"], registry=reg)
         self.prompt_tokens = Counter("mstar_prompt_tokens", "Prompt tokens of finished requests", registry=reg)
-        self.generation_tokens = LoopCounter("mstar_generation_tokens", "Tokens generated", reg)
         self.time_to_first_token = Histogram(
             "mstar_time_to_first_token_seconds", "From arrival to the first token", buckets=_TTFT_BUCKETS, registry=reg
         )
-        self.inter_token_latency = LoopHistogram(
-            "mstar_inter_token_latency_seconds", "Between consecutive token deltas", _ITL_BUCKETS, reg
-        )
-        self.num_running = Gauge("mstar_num_requests_running", "Requests running in the engine", registry=reg)
-        self.num_waiting = Gauge("mstar_num_requests_waiting", "Requests waiting in the engine", registry=reg)
-        self.num_kv_blocks_used = Gauge("mstar_kv_blocks_used", "KV-cache blocks in use", registry=reg)
-        self.num_kv_blocks_total = Gauge("mstar_kv_blocks_total", "KV-cache blocks in all", registry=reg)
-        self.num_preemptions = Gauge("mstar_num_preemptions", "Preemptions since start", registry=reg)
-        self.num_waiting_for_adapter = Gauge("mstar_num_requests_waiting_for_adapter",
-                                             "Requests held until their LoRA adapter is in a slot", registry=reg)
-        self.num_state_slots_used = Gauge("mstar_state_slots_used", "Recurrent-state slots in use", registry=reg)
-        self.num_state_slots_total = Gauge("mstar_state_slots_total", "Recurrent-state slots in all", registry=reg)
+        if multiprocess_dir is None:
+            self.generation_tokens = LoopCounter("mstar_generation_tokens", "Tokens generated", reg)
+            self.inter_token_latency = LoopHistogram(
+                "mstar_inter_token_latency_seconds", "Between consecutive token deltas", _ITL_BUCKETS, reg
+            )
+        else:  # values in the shared folder
+            self.generation_tokens = Counter("mstar_generation_tokens", "Tokens generated", registry=reg)
+            self.inter_token_latency = Histogram("mstar_inter_token_latency_seconds", "Between consecutive token deltas",
+                                                 buckets=_ITL_BUCKETS, registry=reg)
+        self.num_running = gauge("mstar_num_requests_running", "Requests running in the engine")
+        self.num_waiting = gauge("mstar_num_requests_waiting", "Requests waiting in the engine")
+        self.num_kv_blocks_used = gauge("mstar_kv_blocks_used", "KV-cache blocks in use")
+        self.num_kv_blocks_total = gauge("mstar_kv_blocks_total", "KV-cache blocks in all")
+        self.num_preemptions = gauge("mstar_num_preemptions", "Preemptions since start")
+        self.num_waiting_for_adapter = gauge("mstar_num_requests_waiting_for_adapter",
+                                             "Requests held until their LoRA adapter is in a slot")
+        self.num_state_slots_used = gauge("mstar_state_slots_used", "Recurrent-state slots in use")
+        self.num_state_slots_total = gauge("mstar_state_slots_total", "Recurrent-state slots in all")
 
     def observe_request(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
@@ -68,7 +92,13 @@ class Metrics:
         self.num_state_slots_total.set(stats.num_state_slots_total)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        every_frontend = CollectorRegistry()
+        MultiProcessCollector(every_frontend, path=self.multiprocess_dir)
+        return generate_latest(every_frontend)
 
 
 class LoopCounter:

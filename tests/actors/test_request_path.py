@@ -9,6 +9,7 @@ import functools
 import pytest
 import torch
 
+from actors.base import frontend_name
 from actors.conductor import ConductorActor
 from actors.prepare import PrepareActor
 from actors.worker import WorkerActor
@@ -29,6 +30,8 @@ from mstar_actors.messages import (
     Shutdown,
     TokenDelta,
     WorkerToConductor,
+    frontend_of,
+    new_request_id,
 )
 from mstar_actors.tokenization import Tokenization
 from transport.memory import MemoryBroadcast, MemoryChannel
@@ -39,20 +42,22 @@ NUM_RANKS = 2
 class Engine:
     """prepare, conductor and the ranks on one loop; ``to_prepare`` / ``from_conductor`` are the frontend's ends."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, num_frontends: int = 1):
         from mstar_actors.model_info import load_model_info
 
-        self.to_prepare = MemoryChannel(FrontendToPrepare, "frontend.prepare")
-        self.from_conductor = MemoryChannel(ConductorToFrontend, "conductor.frontend")
+        names = [frontend_name(i) for i in range(num_frontends)]
+        self.to_prepares = [MemoryChannel(FrontendToPrepare, f"{name}.prepare") for name in names]
+        self.from_conductors = [MemoryChannel(ConductorToFrontend, f"conductor.{name}") for name in names]
+        self.to_prepare, self.from_conductor = self.to_prepares[0], self.from_conductors[0]
         p2c = MemoryChannel(PrepareToConductor, "prepare.conductor")
         c2w = [MemoryChannel(ConductorToWorker, f"conductor.worker{r}") for r in range(NUM_RANKS)]
         w2c = [MemoryChannel(WorkerToConductor, f"worker{r}.conductor") for r in range(NUM_RANKS)]
         common = dict(config=config, info=load_model_info(config))
         self.actors = [
-            PrepareActor(name="prepare", inbox={"frontend": self.to_prepare}, outbox={"conductor": p2c}, **common),
+            PrepareActor(name="prepare", inbox=dict(zip(names, self.to_prepares)), outbox={"conductor": p2c}, **common),
             ConductorActor(name="conductor", inbox={"prepare": p2c} | {f"worker{r}": w2c[r] for r in range(NUM_RANKS)},
-                           outbox={"frontend": self.from_conductor,
-                                   "workers": MemoryBroadcast(c2w, "conductor.workers")}, **common),
+                           outbox=dict(zip(names, self.from_conductors))
+                           | {"workers": MemoryBroadcast(c2w, "conductor.workers")}, **common),
         ] + [
             WorkerActor(name=f"worker{r}", rank=r, inbox={"conductor": c2w[r]}, outbox={"conductor": w2c[r]}, **common)
             for r in range(NUM_RANKS)
@@ -66,13 +71,13 @@ class Engine:
         await self.to_prepare.send(Shutdown(reason="test over"))
         return await asyncio.wait_for(asyncio.gather(*self.tasks), 10)
 
-    async def collect(self, num_ended: int, on_delta=None) -> dict:
+    async def collect(self, num_ended: int, on_delta=None, frontend: int = 0) -> dict:
         """Read until ``num_ended`` requests ended; per request: tokens, end message."""
         out: dict[str, dict] = {}
         self.stats: list[EngineStats] = []
         ended = 0
         while ended < num_ended:
-            msg = await asyncio.wait_for(self.from_conductor.recv(), 10)
+            msg = await asyncio.wait_for(self.from_conductors[frontend].recv(), 10)
             match msg:
                 case TokenDelta():
                     entry = out.setdefault(msg.request_id, {"tokens": [], "end": None})
@@ -252,6 +257,33 @@ async def test_the_frontend_learns_the_context_the_kv_cache_leaves(tiny_model):
     refused = out["long"]["end"]
     assert isinstance(refused, Failed) and refused.status == 400 and refused.code == "context_length_exceeded"
     assert "the whole KV cache holds 64 tokens" in refused.message
+    assert await engine.stop() == [0] * (2 + NUM_RANKS)
+
+
+@async_test
+async def test_each_frontend_gets_its_requests_outputs_and_every_one_the_engines_news(tiny_model):
+    """Two frontends (``server.api_server_count``): a request's tokens and end
+    reach the frontend its id names, a refusal too; the context and the
+    gauges reach both."""
+    model_dir, _ = tiny_model
+    engine = Engine(make_config(model_dir), num_frontends=2)
+    engine.start()
+    ids = [new_request_id("cmpl", 0), new_request_id("cmpl", 1), new_request_id("cmpl", 1)]
+    assert [frontend_of(rid) for rid in ids] == [0, 1, 1]
+    await engine.to_prepares[0].send(make_request(ids[0], prompt_token_ids=[5, 9, 33]))
+    await engine.to_prepares[1].send(make_request(ids[1], prompt_token_ids=[7, 8]))
+    await engine.to_prepares[1].send(make_request(ids[2], prompt_token_ids=[5] * 130))  # refused: too long
+    for frontend in (0, 1):
+        assert await asyncio.wait_for(engine.from_conductors[frontend].recv(), 10) == ContextAgreed(max_model_len=128)
+    first = await engine.collect(num_ended=1, frontend=0)
+    assert engine.stats, "the gauges reach frontend 0"
+    second = await engine.collect(num_ended=2, frontend=1)
+    assert engine.stats, "and frontend 1"
+    assert set(first) == {ids[0]} and set(second) == {ids[1], ids[2]}
+    assert first[ids[0]]["end"].finish_reason == "length" and len(first[ids[0]]["tokens"]) == 6
+    assert second[ids[1]]["end"].finish_reason == "length"
+    assert isinstance(second[ids[2]]["end"], Failed) and second[ids[2]]["end"].status == 400
+    await engine.await_idle()
     assert await engine.stop() == [0] * (2 + NUM_RANKS)
 
 
