@@ -139,6 +139,7 @@ class Plan:
     server_logs: Path | None = None  # where each server's DEBUG log is saved (None: servers log at INFO)
     async_scheduling: bool | None = None  # None: the device's default (on with CUDA, off on CPU)
     api_servers: int = 1  # server.api_server_count of every server
+    client_processes: int = 1  # at most, for the levels of many clients (ClientPool)
 
     def num_requests(self, concurrency: int) -> int:
         """Requests at one concurrency: ``waves`` full waves, at least ``min_requests``."""
@@ -356,7 +357,8 @@ class Measurement:
     num_tokens: int
     wall_s: float
     ttft_s: list[float] = field(default_factory=list)
-    client_cpu_s: float = 0.0  # this process's CPU while it measured (its clients parse every streamed token)
+    client_cpu_s: float = 0.0  # the clients' CPU while they measured (they parse every streamed token)
+    started_at: float = 0.0  # time.perf_counter() as the clients started
     # Each server process's CPU meanwhile, by actor (an actor's loop is one thread; a GPU worker
     # spins while it waits for the device, so it shows near a whole core whatever its load).
     server_cpu_s: dict[str, float] = field(default_factory=dict)
@@ -380,13 +382,15 @@ def model_of(scenario: Scenario, base: str, index: int) -> str:
 
 
 async def run_load(url: str, base: str, scenario: Scenario, prompts: list, max_tokens: int,
-                   concurrency: int) -> Measurement:
-    """``len(prompts)`` requests through ``concurrency`` clients; request i on
-    the scenario's i-th model (round-robin), every one exactly ``max_tokens`` long."""
+                   concurrency: int, indices: list[int] | None = None) -> Measurement:
+    """``len(prompts)`` requests (or those of ``indices``) through ``concurrency``
+    clients; request i on the scenario's i-th model (round-robin), every one
+    exactly ``max_tokens`` long. ``started_at``: ``time.perf_counter()`` as
+    the clients start (one clock for every process on Linux)."""
     import aiohttp
 
-    queue = list(range(len(prompts)))
-    result = Measurement(scenario.name, concurrency, len(prompts), 0, 0.0)
+    queue = list(range(len(prompts))) if indices is None else list(indices)
+    result = Measurement(scenario.name, concurrency, len(queue), 0, 0.0)
 
     async def client(session) -> None:
         while queue:
@@ -401,10 +405,79 @@ async def run_load(url: str, base: str, scenario: Scenario, prompts: list, max_t
     # aiohttp's default connector opens at most 100 connections: more clients would queue in it, not at the server.
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), connector=connector) as session:
-        start = time.perf_counter()
+        result.started_at = time.perf_counter()
         await asyncio.gather(*[client(session) for _ in range(concurrency)])
-        result.wall_s = time.perf_counter() - start
+        result.wall_s = time.perf_counter() - result.started_at
     return result
+
+
+class ClientPool:
+    """Client processes beside this one, for levels whose streams one Python
+    process could not parse as fast as the server sends them (a token an SSE
+    event: about 25-30k events/s a core). A level of ``c`` clients runs in
+    ``min(ceil(c / CLIENTS_A_PROCESS), processes)`` processes, each a share of
+    the clients and of the requests (request i keeps its model), started
+    together; the level's wall time runs from the first start to the last end,
+    its client CPU is theirs."""
+
+    CLIENTS_A_PROCESS = 32
+
+    def __init__(self, processes: int):
+        import multiprocessing
+
+        self.size = processes
+        ctx = multiprocessing.get_context("spawn")
+        self.jobs = [ctx.Queue() for _ in range(processes - 1)]  # this process runs a share too
+        self.results = ctx.Queue()
+        self.procs = [ctx.Process(target=_client_process, args=(jobs, self.results), daemon=True)
+                      for jobs in self.jobs]
+        for proc in self.procs:
+            proc.start()
+
+    def run(self, url: str, base: str, scenario: Scenario, prompts: list, max_tokens: int,
+            concurrency: int) -> Measurement:
+        n = min(self.size, max(1, math.ceil(concurrency / self.CLIENTS_A_PROCESS)))
+        shares = [concurrency // n + (k < concurrency % n) for k in range(n)]
+        indices = [list(range(k, len(prompts), n)) for k in range(n)]
+        for k in range(1, n):
+            self.jobs[k - 1].put((url, base, scenario, prompts, max_tokens, shares[k], indices[k]))
+        cpu = time.process_time()
+        parts = [asyncio.run(run_load(url, base, scenario, prompts, max_tokens, shares[0], indices[0]))]
+        parts[0].client_cpu_s = time.process_time() - cpu
+        for _ in range(1, n):
+            got = self.results.get()
+            if isinstance(got, str):
+                raise SystemExit(got)
+            part = Measurement(scenario.name, concurrency, 0, got["num_tokens"], got["wall_s"])
+            part.ttft_s, part.started_at, part.client_cpu_s = got["ttft_s"], got["started_at"], got["client_cpu_s"]
+            parts.append(part)
+        result = Measurement(scenario.name, concurrency, len(prompts), 0, 0.0)
+        result.wall_s = max(p.started_at + p.wall_s for p in parts) - min(p.started_at for p in parts)
+        for part in parts:
+            result.num_tokens += part.num_tokens
+            result.ttft_s += part.ttft_s
+            result.client_cpu_s += part.client_cpu_s
+        return result
+
+    def close(self) -> None:
+        for jobs in self.jobs:
+            jobs.put(None)
+        for proc in self.procs:
+            proc.join(timeout=10)
+
+
+def _client_process(jobs, results) -> None:
+    """A ``ClientPool`` process: each job a share of a level's clients; its
+    counts back as a dict (or the reason it failed, a string)."""
+    while (job := jobs.get()) is not None:
+        cpu = time.process_time()
+        try:
+            part = asyncio.run(run_load(*job))
+        except BaseException as err:  # the level fails in the parent, with the reason
+            results.put(f"a client process failed: {err!r}")
+            continue
+        results.put({"num_tokens": part.num_tokens, "wall_s": part.wall_s, "ttft_s": part.ttft_s,
+                     "started_at": part.started_at, "client_cpu_s": time.process_time() - cpu})
 
 
 async def warm_up(url: str, models: list[str], prompts: list, levels: tuple[int, ...]) -> None:
@@ -458,6 +531,7 @@ def run_all(plan: Plan, model_dir: Path, adapters: dict[str, Path], tmp: Path) -
     servers = start_servers(plan, model_dir, adapters, tmp)
     prompts = make_messages(max(plan.num_requests(c) for c in plan.levels))
     results: dict[tuple[str, int], Measurement] = {}
+    clients = ClientPool(plan.client_processes)
     try:
         urls = {key: ready_server(plan, key, server, prompts) for key, server in servers.items()}
         for _ in range(plan.rounds):
@@ -466,16 +540,15 @@ def run_all(plan: Plan, model_dir: Path, adapters: dict[str, Path], tmp: Path) -
                     # An untimed one-token request first: the server's first step after idling
                     # (threads waking, caches cold) is not charged to the scenario measured.
                     asyncio.run(warm_up(urls[scenario.server], [model_of(scenario, plan.served_name, 0)], prompts, ()))
-                    load = run_load(urls[scenario.server], plan.served_name, scenario,
-                                    prompts[:plan.num_requests(c)], plan.max_tokens, c)
-                    server, client_cpu = servers[scenario.server], time.process_time()
+                    server = servers[scenario.server]
                     before = server.process_cpu_s()
-                    measured = asyncio.run(load)
+                    measured = clients.run(urls[scenario.server], plan.served_name, scenario,
+                                           prompts[:plan.num_requests(c)], plan.max_tokens, c)
                     after = server.process_cpu_s()
-                    measured.client_cpu_s = time.process_time() - client_cpu
                     measured.server_cpu_s = {name: after[name] - before.get(name, 0.0) for name in after}
                     add_up(results, measured)
     finally:
+        clients.close()
         for key, server in servers.items():
             server.stop()
             if plan.server_logs:
@@ -593,6 +666,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="plan the next step while the device runs this one (default: on with cuda, off on cpu)")
     p.add_argument("--api-servers", type=int, default=1,
                    help="frontend processes of each server (server.api_server_count, default 1)")
+    p.add_argument("--client-processes", type=int, default=None,
+                   help=f"client processes at most, one per {ClientPool.CLIENTS_A_PROCESS} clients of a level "
+                        "(default: a quarter of the cores)")
     p.add_argument("--server-logs", type=Path, help="serve at DEBUG and save each server's log in this folder "
                    "(its step, install and agreement lines, with ms timestamps)")
     return p.parse_args(argv)
@@ -615,7 +691,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise SystemExit(f"--concurrency {args.concurrency!r}: expected comma-separated positive integers") from None
     for flag, value in [("--concurrency", min(levels)), ("--waves", args.waves), ("--min-requests", args.min_requests),
                         ("--rank", args.rank), ("--rounds", args.rounds), ("--max-tokens", args.max_tokens or 1),
-                        ("--api-servers", args.api_servers)]:
+                        ("--api-servers", args.api_servers), ("--client-processes", args.client_processes or 1)]:
         if value < 1:
             raise SystemExit(f"{flag} must be at least 1, got {value}")
     if args.smoke:
@@ -638,7 +714,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 min_requests=args.min_requests, rank=args.rank, prefix_caching=args.prefix_caching,
                 cache_dir=args.cache_dir, rounds=args.rounds, scenarios=scenarios, server_logs=args.server_logs,
                 async_scheduling=None if args.async_scheduling is None else args.async_scheduling == "on",
-                api_servers=args.api_servers)
+                api_servers=args.api_servers,
+                client_processes=args.client_processes or max(1, (os.cpu_count() or 1) // 4))
 
 
 def dry_run(plan: Plan) -> int:
