@@ -97,16 +97,14 @@ def _gemv_kernel(x_ptr, stride_xm, w_ptr, stride_wn, b_ptr, out_ptr, stride_om, 
     mask_m = offs_m < M
     mask_w = mask_n  # the weight's rows read
     if LIVE:
-        if pid_n * BLOCK_N + BLOCK_N > FIRST:
-            # A tile with A rows under the weight's FIRST ([shard, slot, rank]):
-            # only the slots of the step's rows are read (``LiveSlots``); the
-            # weight's own tiles load at once. The rows' slots are the step's
-            # inputs, written before its first kernel: no wait.
-            row_slot = tl.load(slots_ptr + offs_m, mask=mask_m, other=0)
-            col = offs_n - FIRST
-            col_slot = tl.where(col >= 0, (col // RANK) % NUM_SLOTS, 0)
-            used = tl.max(((row_slot[None, :] == col_slot[:, None]) & mask_m[None, :]).to(tl.int32), axis=1)
-            mask_w = mask_n & ((col < 0) | ((used > 0) & (col_slot != 0)))
+        # Under the first FIRST rows, a LoRA stack's A rows ([shard, slot, rank]):
+        # only the slots of the step's rows are read (``LiveSlots``). The rows'
+        # slots are the step's inputs, written before its first kernel: no wait.
+        row_slot = tl.load(slots_ptr + offs_m, mask=mask_m, other=0)
+        col = offs_n - FIRST
+        col_slot = tl.where(col >= 0, (col // RANK) % NUM_SLOTS, 0)
+        used = tl.max(((row_slot[None, :] == col_slot[:, None]) & mask_m[None, :]).to(tl.int32), axis=1)
+        mask_w = mask_n & ((col < 0) | ((used > 0) & (col_slot != 0)))
     k0 = pid_k * K_PER
     offs_k = k0 + tl.arange(0, BLOCK_K)
     w_at = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
