@@ -424,11 +424,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="decode table with our Triton kernels launched with programmatic dependent launch "
                         "(triton_launch), without, or both side by side (default); the rest of the run takes "
                         "the first")
-    p.add_argument("--gemv", choices=["on", "off", "both", "slots"], default="on",
+    p.add_argument("--gemv", choices=["on", "off", "both"], default="on",
                    help="decode table with the linears of decode-sized steps on our Triton GEMM "
-                        "(triton_linear, the default), on cuBLAS, or both side by side; 'slots': ours reading "
-                        "only the A rows of the step's adapters (the default) beside ours reading every slot's "
-                        "(gemv 'all'); the rest of the run takes the first")
+                        "(triton_linear, the default), on cuBLAS, or both side by side; the rest of the run takes "
+                        "the first")
     p.add_argument("--gemv-max-rows", type=int, default=None,
                    help="steps of up to this many rows take our GEMM (triton_linear.MAX_ROWS, at most 64)")
     p.add_argument("--fold", choices=["on", "off", "both"], default="both",
@@ -473,9 +472,8 @@ def main(argv: list[str] | None = None) -> int:
                     *args.sampled_batches, 32])
     runners = {}
     modes = {"on": [True], "off": [False], "both": [True, False]}
-    gemv_modes = {"on": ["on"], "off": ["off"], "both": ["on", "off"], "slots": ["on", "all"]}[args.gemv]
     for path, ops, pdl, gemv, fold, max_loras, split in itertools.product(
-            args.lora_paths, modes[args.fused_ops], modes[args.pdl], gemv_modes, modes[args.fold],
+            args.lora_paths, modes[args.fused_ops], modes[args.pdl], modes[args.gemv], modes[args.fold],
             args.max_loras, args.split_rows):
         fused = path != "unfused"
         config = parse_config({"model": {"path": str(model_dir), "device": "cuda"},
@@ -486,8 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         lora_layers.MAX_FUSED_SHARE = share if fused else 0.0  # 0: no linear's A fits under its weight
         triton_fused.enabled = ops  # read as the graphs are captured: each runner replays its own kernels
         triton_launch.enabled = pdl
-        triton_linear.enabled = gemv != "off"
-        triton_linear.live_slots = gemv == "on"
+        triton_linear.enabled = gemv
         lora_layers.FOLD = fold
         lora_layers.BESIDE = path == "beside"
         triton_ops.MIN_SPLIT_FUSED_ROWS = split  # read as the graphs are captured, like the rest
@@ -498,13 +495,12 @@ def main(argv: list[str] | None = None) -> int:
         adapters = load_adapters(runner, paths, model_dir)
         for slot, weights in enumerate(adapters[:max_loras], start=1):
             runner.install_adapter(slot, weights)
-        runners[(path, "fused" if ops else "torch", "on" if pdl else "off", gemv,
+        runners[(path, "fused" if ops else "torch", "on" if pdl else "off", "on" if gemv else "off",
                  "on" if fold else "off", max_loras, split)] = runner
     # The eager steps below run as the first runner was built.
     triton_fused.enabled = modes[args.fused_ops][0]
     triton_launch.enabled = modes[args.pdl][0]
-    triton_linear.enabled = gemv_modes[0] != "off"
-    triton_linear.live_slots = gemv_modes[0] == "on"
+    triton_linear.enabled = modes[args.gemv][0]
     lora_layers.FOLD = modes[args.fold][0]
     lora_layers.BESIDE = args.lora_paths[0] == "beside"
     triton_ops.MIN_SPLIT_FUSED_ROWS = args.split_rows[0]

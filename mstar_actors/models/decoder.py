@@ -28,7 +28,6 @@ from .spec import ModelSpec
 
 if TYPE_CHECKING:  # the hooks are made by ``lora_layers``, which builds on these modules
     from .lora_layers import LoraHook, PendingExpand
-    from .triton_linear import LiveSlots
 
 
 def fused_ops(x: torch.Tensor):
@@ -52,16 +51,13 @@ def cuda_fused_ops(x: torch.Tensor):
     return None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           live: LiveSlots | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; a decode-sized CUDA step's through ``triton_linear`` (where
     cuBLAS leaves most of the device idle), the same call every time for a
-    given size, so graphs and eager steps agree. ``live``: a fused LoRA
-    weight's ``triton_linear.LiveSlots``, whose unused slots' columns that
-    kernel leaves unread (zeros; F.linear computes them)."""
+    given size, so graphs and eager steps agree."""
     if x.is_cuda:
         kernel = _triton_linear()
-        if (y := kernel.linear(x, weight, bias, live)) is not None:
+        if (y := kernel.linear(x, weight, bias)) is not None:
             return y
     return F.linear(x, weight, bias)
 
@@ -171,8 +167,8 @@ class LoraLinear(nn.Linear):
             return y, None if residual is not None else target
         if self.fused_weight is not None and hook.fuses(x.shape[0]):
             # One GEMM: the base output, then each slot's shrink; the delta is the expand alone.
+            out = linear(x, self.fused_weight, self.fused_bias)
             n = self.out_features
-            out = linear(x, self.fused_weight, self.fused_bias, hook.live_slots(n) if x.is_cuda else None)
             if fold and hook.folds:
                 return out[:, :n], hook.pending(out[:, n:])
             return hook.expand(out[:, :n], out[:, n:]), None

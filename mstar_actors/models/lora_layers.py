@@ -53,7 +53,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -75,9 +75,6 @@ from mstar_actors.lora.ops import (
 from .checkpoint import CheckpointRules
 from .decoder import LoraEmbedding, LoraLinear
 from .sharding import Cut
-
-if TYPE_CHECKING:
-    from .triton_linear import LiveSlots
 
 LM_HEAD = "lm_head"
 # Steps of up to this many rows (decode-sized) also carry a one-hot of their
@@ -175,14 +172,6 @@ class LoraHook:
         ``expand`` (a fused stack in a rows step with adapter rows; shapes and
         the step's kind only, so a captured graph keeps the choice)."""
         return self.step.row_slots is not None and not self.is_sampled and self.stack.fuses_rows(num_rows)
-
-    def live_slots(self, first: int) -> LiveSlots:
-        """The fused GEMM's ``triton_linear.LiveSlots``: A's rows under the
-        weight's ``first``, read only for the slots of this step's rows."""
-        from .triton_linear import LiveSlots  # CUDA steps only: a CPU server never loads Triton here
-
-        _, num_slots, rank, _ = self.stack.a.shape
-        return LiveSlots(self.step.row_slots, first, rank, num_slots)
 
     def expand(self, y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """y += the delta, given its shrink ``t`` from the fused GEMM."""

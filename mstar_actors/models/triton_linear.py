@@ -39,8 +39,6 @@ bit from cuBLAS's, the same in every step of the same size.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -50,9 +48,6 @@ from mstar_actors import triton_launch
 # Read as each call runs (graphs keep what they captured); the GPU tests and
 # ``tools/profile_gpu_step.py`` run both.
 enabled = True
-# A fused LoRA weight's A rows read only for the step's rows' slots (``LiveSlots``);
-# off, every slot's (``tools/profile_gpu_step.py --gemv slots`` times both).
-live_slots = True
 # Steps of more rows stay on cuBLAS: on the H200 (``tools/check_linear_kernels.py
 # --rows 16 32 64``) this kernel took 0.91-1.08x cuBLAS's time at 16 rows,
 # 0.97-1.26x at 32 and 1.2-1.8x at 64, where cuBLAS reads 3.1-3.9 TB/s of
@@ -86,30 +81,19 @@ def block_m(m: int) -> int:
 
 @triton.jit
 def _gemv_kernel(x_ptr, stride_xm, w_ptr, stride_wn, b_ptr, out_ptr, stride_om, part_ptr, count_ptr, M, N, K,
-                 K_PER, slots_ptr, FIRST, RANK, NUM_SLOTS, HAS_BIAS: tl.constexpr, LIVE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 GDC: tl.constexpr):
+                 K_PER, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GDC: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
-    mask_w = mask_n  # the weight's rows read
-    if LIVE:
-        # Under the first FIRST rows, a LoRA stack's A rows ([shard, slot, rank]):
-        # only the slots of the step's rows are read (``LiveSlots``). The rows'
-        # slots are the step's inputs, written before its first kernel: no wait.
-        row_slot = tl.load(slots_ptr + offs_m, mask=mask_m, other=0)
-        col = offs_n - FIRST
-        col_slot = tl.where(col >= 0, (col // RANK) % NUM_SLOTS, 0)
-        used = tl.max(((row_slot[None, :] == col_slot[:, None]) & mask_m[None, :]).to(tl.int32), axis=1)
-        mask_w = mask_n & ((col < 0) | ((used > 0) & (col_slot != 0)))
     k0 = pid_k * K_PER
     offs_k = k0 + tl.arange(0, BLOCK_K)
     w_at = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     # The first weight tile before the wait: a weight is no kernel's output.
-    w = tl.load(w_at, mask=mask_w[:, None] & (offs_k < K)[None, :], other=0.0)
+    w = tl.load(w_at, mask=mask_n[:, None] & (offs_k < K)[None, :], other=0.0)
     if GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -118,7 +102,7 @@ def _gemv_kernel(x_ptr, stride_xm, w_ptr, stride_wn, b_ptr, out_ptr, stride_om, 
     acc = tl.dot(x, tl.trans(w))
     for step in range(BLOCK_K, K_PER, BLOCK_K):
         ks = offs_k + step
-        w = tl.load(w_at + step, mask=mask_w[:, None] & (ks < K)[None, :], other=0.0)
+        w = tl.load(w_at + step, mask=mask_n[:, None] & (ks < K)[None, :], other=0.0)
         x = tl.load(x_at + step, mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w))
     tile = mask_m[:, None] & mask_n[None, :]
@@ -170,19 +154,6 @@ class _Workspace:
 _workspace = _Workspace()
 
 
-class LiveSlots(NamedTuple):
-    """A fused LoRA weight's A rows (``LoraStack.fuse_under``: ``[weight; A[shard,
-    slot, r]]``) and the step's rows' slots: the kernel reads only the A rows of
-    slots some row is on (a base row's slot 0 has none), so a step of one
-    adapter over ``max_loras`` slots reads one slot's A, not all of them. The
-    columns of the others come out zero; no expand reads them."""
-
-    row_slots: torch.Tensor  # int32 [rows], 0 = base
-    first: int  # the weight's own rows, before A's
-    rank: int  # A's rows a slot and shard (the stack's max rank)
-    num_slots: int  # slot 0 (the base's, never written) included
-
-
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x @ weight.T`` takes the kernel (see the module's docstring)."""
     return (enabled and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES
@@ -192,18 +163,16 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and triton_launch.is_sm90(x.device))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           live: LiveSlots | None = None) -> torch.Tensor | None:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """``F.linear(x, weight, bias)`` for a decode-sized ``x``, or None where it
-    does not take it (``takes``); with ``live``, a fused LoRA weight's dead
-    slots' columns are zeros instead (``LiveSlots``)."""
+    does not take it (``takes``)."""
     if not takes(x, weight):
         return None
-    return launch(x, weight, bias, live=live if live_slots else None)
+    return launch(x, weight, bias)
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           config: tuple[int, int, int, int] | None = None, live: LiveSlots | None = None) -> torch.Tensor:
+           config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """The kernel on ``x [M <= 64, K]`` and ``weight [N, K]`` (unit stride in
     K), with ``pick``'s tiles or ``config``'s (``tools/check_linear_kernels.py
     --sweep``); no checks (``linear`` makes them; tests call it on CPU, under
@@ -216,11 +185,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     parts, counts = _workspace.get(x.device, split * rows, n, tiles)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     k_per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    if live is not None and live.row_slots.shape != (m,):
-        raise ValueError(f"live slots for {tuple(live.row_slots.shape)} rows; accepted: one a row of x ({m})")
-    slots, first, rank, num_slots = live if live is not None else (counts, n, 1, 1)
     _gemv_kernel[(tiles, split)](x, x.stride(0), weight, weight.stride(0), weight if bias is None else bias, out,
-                                 out.stride(0), parts, counts, m, n, k, k_per, slots, first, rank, num_slots,
-                                 HAS_BIAS=bias is not None, LIVE=live is not None, BLOCK_M=rows, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+                                 out.stride(0), parts, counts, m, n, k, k_per, HAS_BIAS=bias is not None,
+                                 BLOCK_M=rows, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
                                  num_warps=warps, **triton_launch.options(x))
     return out

@@ -473,34 +473,6 @@ def test_lora_expand_folded_into_the_next_kernel_matches_its_own_launch_on_cuda(
 
 
 @pytest.mark.gpu
-def test_reading_only_the_steps_slots_changes_no_bit_on_cuda(lora_world, monkeypatch):
-    """The fused GEMMs on ``triton_linear`` reading only the A rows of the
-    slots the step's rows are on (``LiveSlots``) against reading every
-    slot's, graphs captured, adapter rows beside base rows: the columns an
-    expand reads are the same sums, so bf16 logits are equal bit for bit."""
-    from mstar_actors.models import lora_layers, triton_linear
-
-    if not triton_linear.takes(torch.empty(1, 8, dtype=torch.bfloat16, device="cuda"),
-                               torch.empty(8, 8, dtype=torch.bfloat16, device="cuda")):
-        pytest.skip("triton_linear takes NVIDIA devices of compute capability 9.0 or newer")
-    monkeypatch.setattr(lora_layers, "MAX_FUSED_SHARE", 100.0)  # this small model's A under every weight
-    launch, lives = triton_linear.launch, []
-    monkeypatch.setattr(triton_linear, "launch", lambda *a, live=None, **kw: lives.append(live) or launch(*a, live=live, **kw))
-    runs = {}
-    for live_slots in (False, True):
-        monkeypatch.setattr(triton_linear, "live_slots", live_slots)
-        lives.clear()
-        rec = Recorder()
-        out = script(lora_runner(lora_world, device="cuda", dtype="bfloat16", enforce_eager=False,
-                                 cuda_graph_max_batch=4, sampler=rec), MIXED_SLOTS)
-        assert any(live is not None for live in lives) is live_slots
-        runs[live_slots] = out, rec.logits
-    assert runs[True][0] == runs[False][0]
-    for step, (live, every) in enumerate(zip(runs[True][1], runs[False][1], strict=True)):
-        assert torch.equal(live, every), f"step {step}: logits differ by {(live - every).abs().max():.3g}"
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("beside", [False, True], ids=["after", "beside"])
 def test_programmatic_launch_changes_no_bit_on_cuda(lora_world, beside, monkeypatch):
     """Our Triton kernels launched with programmatic dependent launch

@@ -47,31 +47,6 @@ def test_kernel_matches_the_float32_product(rows, n, k, config, bias):
     assert not counts.any(), "every tile's last program zeroes its counter"
 
 
-@pytest.mark.parametrize("config", [(16, 32, 1, 4), (16, 32, 2, 4)])
-def test_live_slots_read_only_the_step_rows_adapters(config):
-    """A fused LoRA weight ``[W; A[shard, slot, r]]`` with ``LiveSlots``: W's
-    columns and the A columns of the slots the rows are on come out as
-    without it, bit for bit; every other slot's (slot 0's, the base's,
-    included) are zeros, unread."""
-    gen = torch.Generator().manual_seed(11)
-    n, k, shards, slots, rank = 24, 64, 2, 4, 2
-    x = torch.randn(3, k, generator=gen).half()
-    w = torch.randn(n + shards * slots * rank, k, generator=gen).half()
-    row_slots = torch.tensor([0, 2, 2], dtype=torch.int32)  # a base row and two on slot 2
-    full = triton_linear.launch(x, w, None, config)
-    got = triton_linear.launch(x, w, None, config, live=triton_linear.LiveSlots(row_slots, n, rank, slots))
-    column_slot = torch.tensor([-1] * n + [s for _ in range(shards) for s in range(slots) for _ in range(rank)])
-    read = (column_slot == -1) | (column_slot == 2)
-    assert torch.equal(got[:, read], full[:, read])
-    assert not got[:, ~read].any()
-    two_slots = triton_linear.LiveSlots(torch.tensor([3, 0, 1], dtype=torch.int32), n, rank, slots)
-    got = triton_linear.launch(x, w, None, config, live=two_slots)
-    read = (column_slot == -1) | (column_slot == 1) | (column_slot == 3)
-    assert torch.equal(got[:, read], full[:, read]) and not got[:, ~read].any()
-    with pytest.raises(ValueError, match="one a row of x"):
-        triton_linear.launch(x, w, None, config, live=triton_linear.LiveSlots(row_slots[:2], n, rank, slots))
-
-
 def test_rows_are_independent_of_their_neighbours():
     """A row's result is the same alone as beside other rows (a step's size
     never changes a token's logits)."""
