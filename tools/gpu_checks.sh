@@ -36,7 +36,8 @@ step lora_kernels $PY tools/check_lora_kernels.py --decode --output "$OUT/lora_d
 step lora_folds $PY tools/check_lora_kernels.py --fold-table --output "$OUT/lora_folds.json"
 step sampling $PY tools/bench_sampling.py --device cuda --rows 8 64 256
 step gpu_step $PY tools/profile_gpu_step.py --no-profile ${TOKENIZER:+--tokenizer "$TOKENIZER"}
-step bench_lora $PY tools/bench_lora.py --model llama-3.2-1b-random --device cuda \
+# four frontend processes (server.api_server_count): one would bound c=32-64 on a GPU
+step bench_lora $PY tools/bench_lora.py --model llama-3.2-1b-random --device cuda --api-servers 4 \
     ${TOKENIZER:+--tokenizer "$TOKENIZER"} --output "$OUT/bench_lora_table.txt"
 step bench_prepare $PY tools/bench_prepare.py --output "$OUT/bench_prepare.md"
 exit $status
