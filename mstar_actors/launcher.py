@@ -201,7 +201,7 @@ class Launcher:
         self.ready: set[str] = set()
         self.exited: asyncio.Queue[str] = asyncio.Queue()
         self.drained = asyncio.Event()  # every frontend's Drained came
-        self.num_drained = 0
+        self.drained_frontends: set[str] = set()
         self.stopping = False
 
     # ---- set-up -------------------------------------------------------------
@@ -348,8 +348,8 @@ class Launcher:
                     log.error("actor %s reported: %s\n%s", name, message, tb)
                 case messages.Drained(num_failed=num_failed):
                     log.info("%s drained (%d requests failed at the timeout)", name, num_failed)
-                    self.num_drained += 1
-                    if self.num_drained == len(self.frontends):
+                    self.drained_frontends.add(name)
+                    if self.drained_frontends == set(self.frontends):
                         self.drained.set()
 
     def _dead(self) -> list[str]:

@@ -13,13 +13,13 @@ Channels::
 
     frontend --FrontendToPrepare--> prepare --PrepareToConductor--> conductor
     conductor --ConductorToFrontend--> frontend
-
-(with ``server.api_server_count`` frontends, a pair of rings each: the
-conductor answers the frontend a request id names, ``frontend_of``, and
-sends the rest to all)
     conductor --ConductorToWorker--> worker (broadcast, one ring per rank)
     worker --WorkerToConductor--> conductor (one ring per rank)
     launcher --LauncherToActor--> every actor;  every actor --ActorToLauncher--> launcher
+
+With ``server.api_server_count`` frontends, each has its own pair of frontend
+rings: the conductor answers the frontend a request id names (``frontend_of``)
+and sends the rest to all.
 """
 
 from __future__ import annotations
