@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import importlib
 import logging
 import os
@@ -166,6 +167,7 @@ class Actor:
         self.mailbox = Mailbox(inbox)
         self.log = logging.getLogger(f"mstar_actors.{name}")
         self.stop_reason = ""
+        self.own_process = False  # set by the process entry: the heap is the actor's alone
 
     # ---- hooks for subclasses ------------------------------------------
 
@@ -230,6 +232,8 @@ class Actor:
         code = 0
         try:
             await self.start()
+            if self.own_process:
+                settle_heap(self.log)
             await self.report(ActorReady(actor=self.name, pid=os.getpid()))
             self.log.info("ready")
             await self.serve()
@@ -384,6 +388,31 @@ class StackDumper:
                 log.error("actor %s: stack dump failed: %s", self.actor, err)
 
 
+GC_PAUSE_LOGGED_S = 0.005  # a collection at least this long is logged (DEBUG)
+
+
+def settle_heap(log: logging.Logger) -> None:
+    """After ``start()`` in an actor's own process: move what start-up made
+    (modules, weights' wrappers, tokenizers) out of the collector's reach,
+    so a full collection while serving walks only what serving made (a
+    collection over every start-up object stalls the loop for tens of ms);
+    then log each collection that still takes ``GC_PAUSE_LOGGED_S`` or more."""
+    gc.collect()
+    gc.freeze()
+    started: list[float] = []
+
+    def watch(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started:
+            took = time.perf_counter() - started[0]
+            if took >= GC_PAUSE_LOGGED_S:
+                log.debug("garbage collection of generation %d: %.1f ms, %d freed", info["generation"], took * 1e3,
+                          info["collected"])
+
+    gc.callbacks.append(watch)
+
+
 def _setup_logging(name: str, level: int) -> None:
     logging.basicConfig(
         level=level,
@@ -440,6 +469,7 @@ async def _run_actor(actor_cls: type, spec: ActorSpec, dumper: StackDumper) -> i
 
         info = msgspec.convert(spec.info, ModelInfo)
     actor = actor_cls(name=spec.name, config=spec.config, inbox=inbox, outbox=outbox, info=info, **spec.params)
+    actor.own_process = True
     return await actor.run()
 
 

@@ -154,3 +154,23 @@ async def test_format_stacks_shows_threads_and_tasks_while_loop_blocked():
     assert "thread MainThread" in text and "asyncio task parked-task" in text
     assert "in parked" in text
     task.cancel()
+
+
+def test_settle_heap_freezes_start_up_objects_and_logs_long_collections(monkeypatch, caplog):
+    import gc
+    import logging
+
+    from actors import base
+
+    before = len(gc.callbacks)
+    monkeypatch.setattr(base, "GC_PAUSE_LOGGED_S", 0.0)  # every collection counts as long here
+    try:
+        kept = [[i] for i in range(1000)]  # made "at start-up": frozen, out of later collections' walk
+        base.settle_heap(logging.getLogger("mstar_actors.test"))
+        assert gc.get_freeze_count() >= len(kept)
+        with caplog.at_level(logging.DEBUG, logger="mstar_actors.test"):
+            gc.collect()
+        assert any("garbage collection of generation 2" in r.getMessage() for r in caplog.records)
+    finally:
+        del gc.callbacks[before:]
+        gc.unfreeze()
