@@ -17,7 +17,10 @@ import torch
 from actors.worker import WorkerActor
 from mstar_actors.config import Config, ModelConfig
 from mstar_actors.messages import (
+    AdapterHostRef,
+    AdapterInstalled,
     ConductorToWorker,
+    InstallAdapter,
     SampledToken,
     Shutdown,
     StepDone,
@@ -170,5 +173,35 @@ def test_failures_are_answered_in_plan_order_and_serving_goes_on(where):
         runner.steps[3].released.set()
         third = await asyncio.wait_for(outbox.recv(), 10)
         assert isinstance(third, StepDone) and third.step_id == 3
+
+    _run(runner, script)
+
+
+class SwappingRunner(DeviceRunner):
+    """Keeps every adapter's image: an install is a swap back in, inline."""
+
+    def reinstall_adapter(self, slot, name, digest):
+        self.calls.append(("swap", slot))
+        return True
+
+
+def test_a_swap_behind_a_plan_is_acknowledged_before_the_step_ahead_is_answered():
+    """A turn's end: the conductor sends the plan, then the swap into the
+    slot the plan's rows just left. The worker takes the swap before it
+    answers the step ahead, so the conductor admits the slot's new rows
+    before it plans on that answer; a plan behind the swap keeps its place."""
+    runner = SwappingRunner()
+    swap = InstallAdapter(slot=1, name="b", digest="digest-b", host=AdapterHostRef(segment="unused", nbytes=0))
+
+    async def script(inbox, outbox):
+        await inbox.send(_plan(1))
+        await _until(lambda: ("sample", 1) in runner.calls)
+        for msg in (_plan(2), swap, _plan(3)):  # in the mailbox together, as one burst of the ring
+            inbox.send_nowait(msg)
+        replies = [await asyncio.wait_for(outbox.recv(), 10) for _ in range(3)]
+        assert [type(r) for r in replies] == [AdapterInstalled, StepDone, StepDone]
+        assert (replies[0].slot, replies[0].ok) == (1, True) and [r.step_id for r in replies[1:]] == [1, 2]
+        assert runner.calls == [("forward", 1), ("sample", 1), ("forward", 2), ("swap", 1), ("collect", 1),
+                                ("sample", 2), ("forward", 3), ("collect", 2), ("sample", 3)]
 
     _run(runner, script)
