@@ -36,7 +36,9 @@ waits for which adapter and which slot installs go out; the actor only routes
 what it returns. Requests reach the scheduler only once their slot is
 acknowledged by every rank, and with it (``Admit.slot``); installs travel on
 the same broadcast as the plans, so every rank sees plans and installs in one
-order. A choice's end (any ``Finished`` / ``Failed`` the scheduler emits)
+order (a turn's end inside the plan of its last step, ``install_after``: each
+rank acknowledges it before it answers the step ahead, so the slot's next
+rows join the next plan). A choice's end (any ``Finished`` / ``Failed`` the scheduler emits)
 unpins its slot. Under churn the pool parks a slot's admitted choices when
 their adapter's turn ends (``MoveRows``: the scheduler leaves them out of the
 plans) and moves them to a slot again once their adapter is reinstalled; the
@@ -219,9 +221,16 @@ class ConductorActor(Actor):
             await self.send_stats()  # an abort or arrival while idle changes the gauges
 
     async def send_plan(self, plan: StepPlan) -> None:
+        """Send ``plan``; a LoRA turn that ends with it (``AdapterPool.step``)
+        has its installs ride in it (``install_after``: every rank runs the
+        step first) and the rest of what it moves routed after."""
         self.step_results[plan.step_id] = {}
-        await self.outbox["workers"].send(plan)
-        await self.route(self.adapter_pool.step())  # a turn's end: its swap goes after this plan
+        moved = self.adapter_pool.step()
+        installs = [out for out in moved if isinstance(out, InstallAdapter)]
+        for out in installs:
+            self.log.debug("install %r into slot %d after step %d", out.name, out.slot, plan.step_id)
+        await self.outbox["workers"].send(msgspec.structs.replace(plan, install_after=installs) if installs else plan)
+        await self.route([out for out in moved if not isinstance(out, InstallAdapter)])
 
     async def apply_arrived(self) -> None:
         while (item := self.mailbox.get_nowait()) is not None:

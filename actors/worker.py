@@ -349,8 +349,9 @@ class WorkerActor(Actor):
             step, failed = self.runner.forward(plan), None
         except Exception as err:  # the step fails; the rank keeps serving
             step, failed = None, self._failed(plan, err)
+        for install in plan.install_after:  # behind this step's kernels; acknowledged before the step ahead
+            await self.handle("conductor", install)
         if self.pending is not None:
-            await self._installs_behind()
             await self._answer_pending()
         if failed is None:
             try:
@@ -360,21 +361,6 @@ class WorkerActor(Actor):
             except Exception as err:
                 failed = self._failed(plan, err)
         await self.reply(failed)
-
-    async def _installs_behind(self) -> None:
-        """Take the installs the conductor sent right behind this plan (a
-        turn's end: its swap goes after the plan) before answering the step
-        ahead: a swap back in is a copy queued behind this plan's kernels, so
-        its ack reaches the conductor before the ``StepDone`` that the
-        conductor plans the next step on, and the rows it admits on the slot
-        join that step (else one step runs without them). The first other
-        message stays next in line."""
-        while self._next is None and (item := self.mailbox.get_nowait()) is not None:
-            if not isinstance(item[1], InstallAdapter):
-                self._next = asyncio.get_running_loop().create_future()
-                self._next.set_result(item)
-                return
-            await self.dispatch(*item)
 
     async def _answer_pending(self) -> None:
         pending, self.pending = self.pending, None

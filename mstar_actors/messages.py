@@ -464,6 +464,11 @@ class StepPlan(Struct, frozen=True, tag=True, omit_defaults=True):
     release_media: list[TensorRef] = []
     copy_media: list[MediaCopy] = []
     drop_media: list[int] = []  # keys of MediaCopy
+    # Installs into slots whose rows this step is the last to run (a LoRA
+    # turn's end, ``AdapterPool.step``): each rank queues them behind this
+    # step's kernels and acknowledges them before it answers the step ahead,
+    # so the conductor may plan the slot's new rows into the next step.
+    install_after: list[InstallAdapter] = []
 
 
 class InstallAdapter(Struct, frozen=True, tag=True, omit_defaults=True):

@@ -8,7 +8,7 @@ on that slot and prefix root), ``MoveRows`` (park admitted choices, or resume
 them on a slot: the scheduler's ``set_lora_slot``), ``Failed`` / ``Finished``
 / ``AdapterUpdate`` / ``ModelsChanged`` (to the frontend), ``ReadAdapter`` /
 ``DropAdapter`` (to the adapter-reader), ``InstallAdapter`` (to every rank, on
-the same broadcast as the step plans).
+the same broadcast as the step plans; a turn's end's inside its last plan).
 
 A request on an adapter::
 
@@ -250,9 +250,10 @@ class AdapterPool:
     # ------------------------------------------------------------ requests
 
     def step(self) -> list:
-        """A step was planned (and sent): the clock of the quanta. Returns
-        what a quantum's end moves; sent after the plan, so every rank runs
-        that step before the swap."""
+        """A step was planned: the clock of the quanta. Returns what a
+        quantum's end moves; its installs ride in that plan
+        (``StepPlan.install_after``: every rank runs the step before the
+        swap), the rest is routed after it."""
         self._steps += 1
         return self._settle() if any(self._turn_over(slot) for slot in self._drains) else []
 

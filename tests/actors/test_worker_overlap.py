@@ -185,23 +185,23 @@ class SwappingRunner(DeviceRunner):
         return True
 
 
-def test_a_swap_behind_a_plan_is_acknowledged_before_the_step_ahead_is_answered():
-    """A turn's end: the conductor sends the plan, then the swap into the
-    slot the plan's rows just left. The worker takes the swap before it
-    answers the step ahead, so the conductor admits the slot's new rows
-    before it plans on that answer; a plan behind the swap keeps its place."""
+def test_an_install_after_a_step_is_acknowledged_before_the_step_ahead_is_answered():
+    """A LoRA turn's end: the plan carries the swap into the slot its rows
+    leave. The worker queues it behind the plan's kernels and acknowledges
+    it before it answers the step ahead, so the conductor admits the slot's
+    new rows before it plans on that answer."""
     runner = SwappingRunner()
     swap = InstallAdapter(slot=1, name="b", digest="digest-b", host=AdapterHostRef(segment="unused", nbytes=0))
 
     async def script(inbox, outbox):
         await inbox.send(_plan(1))
         await _until(lambda: ("sample", 1) in runner.calls)
-        for msg in (_plan(2), swap, _plan(3)):  # in the mailbox together, as one burst of the ring
-            inbox.send_nowait(msg)
-        replies = [await asyncio.wait_for(outbox.recv(), 10) for _ in range(3)]
-        assert [type(r) for r in replies] == [AdapterInstalled, StepDone, StepDone]
-        assert (replies[0].slot, replies[0].ok) == (1, True) and [r.step_id for r in replies[1:]] == [1, 2]
+        await inbox.send(StepPlan(step_id=2, started=[], scheduled=[], install_after=[swap]))
+        replies = [await asyncio.wait_for(outbox.recv(), 10) for _ in range(2)]
+        assert [type(r) for r in replies] == [AdapterInstalled, StepDone]
+        assert (replies[0].slot, replies[0].ok, replies[1].step_id) == (1, True, 1)
+        await _until(lambda: ("sample", 2) in runner.calls)
         assert runner.calls == [("forward", 1), ("sample", 1), ("forward", 2), ("swap", 1), ("collect", 1),
-                                ("sample", 2), ("forward", 3), ("collect", 2), ("sample", 3)]
+                                ("sample", 2)]
 
     _run(runner, script)

@@ -78,6 +78,7 @@ class FakeRank:
         self.shared = shared  # "expect": request id -> its adapter's digest; "violations"
         self.fail_names = set(fail_names)
         self.installs: list[tuple[int, str, str]] = []
+        self.installs_after: list[tuple[int, str]] = []  # (step id, adapter) of installs a plan carried
         self.rows: dict[str, int] = {}  # request id -> lora_slot it started on
         self.slots_run: dict[str, list[int]] = {}  # request id -> the slot of each of its chunks
         self.local: dict[int, str | None] = {}  # slot -> the digest this rank holds there (None: failed)
@@ -96,6 +97,9 @@ class FakeRank:
                     await self.outbox.send(self.install(msg))
                 case StepPlan():
                     await self.outbox.send(self.step(msg))
+                    for install in msg.install_after:  # a turn's end: after the step's rows ran
+                        self.installs_after.append((msg.step_id, install.name))
+                        await self.outbox.send(self.install(install))
                 case Shutdown():
                     return
 
@@ -294,6 +298,12 @@ async def test_one_slot_two_adapters_take_turns_every_request_runs_to_its_length
     assert_agreed(cluster)
     installs = [name for _, name, _ in cluster.ranks[0].installs]
     assert installs[:3] == ["a", "b", "a"], installs  # a, then b's turn, then a back before b1 ended
+    # A turn's end rides in the plan of the leaving tenant's last step on the slot.
+    after = cluster.ranks[0].installs_after
+    assert after, "no turn's install rode in a plan"
+    for step, name in after:
+        ran = {digest for at, _, digest in cluster.ranks[0].weights_run if at == step}
+        assert ran and digests[name] not in ran, (step, name, ran)
     runs = cluster.ranks[0].slots_run
     assert len(runs["a1"]) < 40 + 5 and set(runs["a1"]) == {1}
 

@@ -10,6 +10,7 @@ import asyncio
 import multiprocessing
 import threading
 
+import msgspec
 import pytest
 from lora.lora_factories import base_shapes, make_adapter, make_base
 from tp_ranks import run_ranks
@@ -79,17 +80,23 @@ class RelayedRank:
                 return
             if isinstance(msg, Shutdown):
                 return
-            if isinstance(msg, InstallAdapter):
-                self.installs.append((msg.slot, msg.name, msg.digest))
-            elif isinstance(msg, StepPlan):
-                for start in msg.started:
-                    self.rows[start.request_id] = start.lora_slot
-                    self.check_acked(start.request_id, start.lora_slot)
-            self.commands.put(msg)
-            reply = await self.answer()
-            if isinstance(reply, AdapterInstalled):
-                self.shared[self.rank, reply.slot] = reply.digest if reply.ok else None
-            await self.outbox.send(reply)
+            # A plan's installs (a turn's end) go to the rank after its step, as the worker runs them.
+            after = msg.install_after if isinstance(msg, StepPlan) else []
+            for command in [msgspec.structs.replace(msg, install_after=[]) if after else msg, *after]:
+                await self.relay(command)
+
+    async def relay(self, msg) -> None:
+        if isinstance(msg, InstallAdapter):
+            self.installs.append((msg.slot, msg.name, msg.digest))
+        elif isinstance(msg, StepPlan):
+            for start in msg.started:
+                self.rows[start.request_id] = start.lora_slot
+                self.check_acked(start.request_id, start.lora_slot)
+        self.commands.put(msg)
+        reply = await self.answer()
+        if isinstance(reply, AdapterInstalled):
+            self.shared[self.rank, reply.slot] = reply.digest if reply.ok else None
+        await self.outbox.send(reply)
 
     def check_acked(self, request_id: str, slot: int) -> None:
         """A row on an adapter's slot arrives only once every rank acknowledged one digest there."""
