@@ -85,7 +85,6 @@ log = logging.getLogger(__name__)
 NUM_WARMUP_RUNS = 2  # torch wants eager runs on the capture stream first; Triton compiles in them
 _NUM_FIELDS = 7  # decode header: input_ids, positions, slot_mapping, context_lens, lora_slots, state_slots, input_src
 MIN_TOKEN_BUCKET = 16
-FINE_TOKEN_BUCKETS_FROM = 256  # token buckets go in quarter steps from here (``token_buckets``)
 _INT32_STATIC = ("decode_context", "decode_counts")  # StaticStep fields the graph reads as staged
 PROGRESS_EVERY_S = 10.0  # capture logs its progress this often
 
@@ -128,25 +127,14 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """Captured token counts of mixed steps, up to and including ``max_tokens``:
-    each power of two ``p`` from 16, and between it and ``2p`` the midpoint
-    ``1.5p`` below ``FINE_TOKEN_BUCKETS_FROM``, the quarter steps ``1.25p``,
-    ``1.5p``, ``1.75p`` from there on. A step pays for its bucket's tokens:
-    at high concurrency a mixed step is a full batch of decodes and a few
-    short prompts (256 decodes and a 30-token prompt: 320 tokens, not 512)."""
-    sizes, n = set(), MIN_TOKEN_BUCKET
+    """Captured token counts of mixed steps: 16, 32, 64, ... (powers of two)
+    below ``max_tokens``, then ``max_tokens`` itself."""
+    sizes = []
+    n = MIN_TOKEN_BUCKET
     while n < max_tokens:
-        parts = (4, 5, 6, 7) if n >= FINE_TOKEN_BUCKETS_FROM else (2, 3)
-        sizes |= {n * k // parts[0] for k in parts}
+        sizes.append(n)
         n *= 2
-    return sorted(s for s in sizes if s < max_tokens) + [max_tokens]
-
-
-def is_coarse_bucket(bucket: int, max_tokens: int) -> bool:
-    """A power of two or the largest: the token buckets whose graphs take
-    a hybrid model's longer sequences (``MixedGraphs``: the others take
-    decodes and short chunks only, which the crowded steps are)."""
-    return bucket & (bucket - 1) == 0 or bucket == max_tokens
+    return sizes + [max_tokens]
 
 
 def chunk_seq_buckets(num_tokens: int, max_seqs: int) -> list[int]:
@@ -544,8 +532,8 @@ class MixedGraphs(_StepGraphs):
         self.max_seqs = max_seqs
         self.scratch_state_slot = scratch_state_slot  # None: the model keeps no recurrent state
         self.buckets = token_buckets(max_tokens)
-        self.seq_buckets = ({b: chunk_seq_buckets(b, max_seqs) if is_coarse_bucket(b, max_tokens) else [0]
-                             for b in self.buckets} if scratch_state_slot is not None else {})
+        self.seq_buckets = ({b: chunk_seq_buckets(b, max_seqs) for b in self.buckets}
+                            if scratch_state_slot is not None else {})
         self._make_buffers(model.spec.vocab_size)
         if capture:
             self.capture_all(pool)
@@ -657,10 +645,9 @@ class MixedGraphs(_StepGraphs):
         return its graph's bucket (a hybrid model's: ``(tokens, longer sequences)``)."""
         num_seqs = len(batch.query_lens)
         key = bucket = self.bucket_for(len(batch.input_ids), num_seqs)
-        if self.scratch_state_slot is not None:  # the first bucket that also takes its longer sequences
+        if self.scratch_state_slot is not None:
             longer = sum(n > 0 and not takes_recurrent(n) for n in batch.query_lens)
-            key = next((b, p) for b in self.buckets[self.buckets.index(bucket):] for p in self.seq_buckets[b]
-                       if p >= longer)
+            key = (bucket, next(p for p in self.seq_buckets[bucket] if p >= longer))
         self._stage.begin_write()
         token_slots = np.repeat(np.asarray(batch.chunk_slots, dtype=np.int32), batch.query_lens)
         self._write_header(batch.input_ids, batch.positions, batch.slot_mapping, token_slots, batch.query_lens,

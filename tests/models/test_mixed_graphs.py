@@ -138,10 +138,8 @@ def check_against_eager(make, slots=None) -> list[tuple[str, int]]:
 
 
 def test_token_buckets():
-    """Powers of two and their midpoints, then quarter steps from 256."""
-    assert token_buckets(512) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512]
-    assert token_buckets(100) == [16, 24, 32, 48, 64, 96, 100]
-    assert token_buckets(1000)[-4:] == [640, 768, 896, 1000]
+    assert token_buckets(512) == [16, 32, 64, 128, 256, 512]
+    assert token_buckets(100) == [16, 32, 64, 100]
     assert token_buckets(16) == [16]
     assert token_buckets(8) == [8]
 
@@ -193,9 +191,8 @@ def test_static_step_plan_splits_short_sequences_from_longer_ones():
 def test_a_hybrid_models_steps_pick_their_longer_sequence_bucket(tmp_path):
     """A hybrid model's mixed-step graphs (laid out on CPU, not run): a step
     of decode rows and chunks of at most RECURRENT_MAX tokens takes the
-    bucket without a chunked call (midpoint buckets included), one with a
-    longer chunk the smallest that holds it (a power of two: a midpoint
-    bucket takes no chunked call); the delta rule's fields come out as ``static_sizes`` says,
+    bucket without a chunked call, one with a longer chunk the smallest
+    that holds it; the delta rule's fields come out as ``static_sizes`` says,
     context lengths and token counts int32 as the recurrent kernel reads them."""
     import types
 
@@ -206,8 +203,7 @@ def test_a_hybrid_models_steps_pick_their_longer_sequence_bucket(tmp_path):
                                           seed=0, enforce_eager=True)
     runner.enable_step_graphs(4, 256, capture=False)
     graphs = runner.mixed_graphs
-    assert graphs.seq_buckets == {16: [0], 24: [0], 32: [0], 48: [0], 64: [0], 96: [0], 128: [0, 1], 192: [0],
-                                  256: [0, 1, 3]}
+    assert graphs.seq_buckets == {16: [0], 32: [0], 64: [0], 128: [0, 1], 256: [0, 1, 3]}
 
     def batch(query_lens):
         tokens = sum(query_lens)
@@ -217,8 +213,8 @@ def test_a_hybrid_models_steps_pick_their_longer_sequence_bucket(tmp_path):
             block_tables=[[1]] * len(query_lens), chunk_slots=[0] * len(query_lens),
             state_slots=list(range(len(query_lens))), logits_indices=[tokens - 1], sample_slots=[0])
 
-    for query_lens, key in [([1, 1, RECURRENT_MAX], (96, 0)), ([1, RECURRENT_MAX + 1, 2], (128, 1)),
-                            ([50, 50, 50], (192, 0)), ([70, 70, 1], (256, 3))]:
+    for query_lens, key in [([1, 1, RECURRENT_MAX], (128, 0)), ([1, RECURRENT_MAX + 1, 2], (128, 1)),
+                            ([70, 70, 1], (256, 3))]:
         assert graphs._load(batch(query_lens)) == key, query_lens
         graphs._stage.upload(graphs._tables_start)
         step = graphs._static_step(*key)
@@ -259,8 +255,8 @@ def test_mixed_graphs_that_draw_give_the_samplers_tokens(hf_models, race_on_cpu)
 
 def test_bucket_for_names_the_limits(hf_models):
     graphs = make_runner(hf_models("llama")[0]).mixed_graphs
-    assert graphs.buckets == [16, 24, 32]
-    assert [graphs.bucket_for(n, 2) for n in (1, 16, 17, 25, 32)] == [16, 16, 24, 32, 32]
+    assert graphs.buckets == [16, 32]
+    assert [graphs.bucket_for(n, 2) for n in (1, 16, 17, 32)] == [16, 16, 32, 32]
     assert not graphs.takes(33, 1) and not graphs.takes(8, 5)
     with pytest.raises(ValueError, match=r"1\.\.32 tokens \(model.cuda_graph_max_tokens\) in 1\.\.4 sequences "
                                          r"\(model.cuda_graph_max_batch\); got 33 in 2"):
