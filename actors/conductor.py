@@ -31,19 +31,19 @@ plan assumes of the step in flight).
 The plan goes out as ``schedule()`` returns it: the scheduler is its only
 author (KV blocks, LoRA slots, media orders); the conductor routes and steps.
 
-LoRA: ``AdapterPool`` (``mstar_actors.lora.adapter_pool``) decides which request
-waits for which adapter and which slot installs go out; the actor only routes
-what it returns. Requests reach the scheduler only once their slot is
+LoRA: ``AdapterPool`` (``mstar_actors.lora.adapter_pool``) decides which
+request waits for which adapter and which slot installs go out; the actor only
+routes what it returns. Requests reach the scheduler only once their slot is
 acknowledged by every rank, and with it (``Admit.slot``); installs travel on
 the same broadcast as the plans, so every rank sees plans and installs in one
 order (a turn's end inside the plan of its last step, ``install_after``: each
-rank acknowledges it before it answers the step ahead, so the slot's next
-rows join the next plan). A choice's end (any ``Finished`` / ``Failed`` the scheduler emits)
-unpins its slot. Under churn the pool parks a slot's admitted choices when
-their adapter's turn ends (``MoveRows``: the scheduler leaves them out of the
-plans) and moves them to a slot again once their adapter is reinstalled; the
-swap's install goes after the last plan that used the slot, so every rank
-runs that step on the old weights.
+rank acknowledges it before it answers the step ahead, so the slot's next rows
+join the next plan). A choice's end (any ``Finished`` / ``Failed`` the
+scheduler emits) unpins its slot. Under churn the pool parks a slot's admitted
+choices when their adapter's turn ends (``MoveRows``: the scheduler leaves them
+out of the plans) and moves them to a slot again once their adapter is
+reinstalled; the swap's install rides in the last plan that used the slot, so
+every rank runs that step on the old weights.
 
 Choices: a request of ``n`` choices arrives prepared once; the scheduler
 runs it as ``n`` sequences sharing its prompt and media.
