@@ -24,6 +24,7 @@ and sends the rest to all.
 
 from __future__ import annotations
 
+import uuid
 from typing import Literal
 
 import msgspec
@@ -225,9 +226,8 @@ def new_request_id(kind: str, frontend: int = 0) -> str:
     (``server.api_server_count``) ``{kind}-f{k}-{32 hex}``, so the conductor
     answers the frontend that asked (``frontend_of``). Choice and prompt ids
     append to it."""
-    import uuid
-
-    return f"{kind}-{uuid.uuid4().hex}" if frontend == 0 else f"{kind}-f{frontend}-{uuid.uuid4().hex}"
+    tag = f"f{frontend}-" if frontend else ""
+    return f"{kind}-{tag}{uuid.uuid4().hex}"
 
 
 def frontend_of(request_id: str) -> int:
