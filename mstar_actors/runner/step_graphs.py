@@ -85,7 +85,6 @@ log = logging.getLogger(__name__)
 NUM_WARMUP_RUNS = 2  # torch wants eager runs on the capture stream first; Triton compiles in them
 _NUM_FIELDS = 7  # decode header: input_ids, positions, slot_mapping, context_lens, lora_slots, state_slots, input_src
 MIN_TOKEN_BUCKET = 16
-FINE_TOKEN_BUCKETS_FROM = 256  # from here a step's GEMMs pay for its padding (``token_buckets``)
 _INT32_STATIC = ("decode_context", "decode_counts")  # StaticStep fields the graph reads as staged
 PROGRESS_EVERY_S = 10.0  # capture logs its progress this often
 
@@ -127,31 +126,15 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted(s for s in sizes if s < max_batch) + [max_batch]
 
 
-def token_buckets(max_tokens: int, max_seqs: int) -> list[int]:
+def token_buckets(max_tokens: int) -> list[int]:
     """Captured token counts of mixed steps: 16, 32, 64, ... (powers of two)
-    below ``max_tokens``, then ``max_tokens`` itself; and in the octave that
-    a full batch of decodes and a prompt fall in (``p`` to ``2p``, ``p`` the
-    largest power of two up to ``max_seqs``, if at least
-    ``FINE_TOKEN_BUCKETS_FROM``) the quarter steps ``1.25p``, ``1.5p`` and
-    ``1.75p``. A crowded server's mixed step is its full batch of decodes and
-    a short prompt or two (256 decodes and a 30-token prompt: 320 tokens, not
-    512); below ``FINE_TOKEN_BUCKETS_FROM`` tokens a step reads its weights
-    in about the same time whatever its padding."""
-    sizes, n = set(), MIN_TOKEN_BUCKET
+    below ``max_tokens``, then ``max_tokens`` itself."""
+    sizes = []
+    n = MIN_TOKEN_BUCKET
     while n < max_tokens:
-        sizes.add(n)
+        sizes.append(n)
         n *= 2
-    octave = 1 << (max_seqs.bit_length() - 1)
-    if octave >= FINE_TOKEN_BUCKETS_FROM:
-        sizes |= {octave * k // 4 for k in (5, 6, 7)}
-    return sorted(s for s in sizes if s < max_tokens) + [max_tokens]
-
-
-def is_coarse_bucket(bucket: int, max_tokens: int) -> bool:
-    """A power of two or the largest: the token buckets whose graphs take a
-    hybrid model's longer sequences (``MixedGraphs``; the quarter steps take
-    decodes and short chunks only, which a crowded server's mixed steps are)."""
-    return bucket & (bucket - 1) == 0 or bucket == max_tokens
+    return sizes + [max_tokens]
 
 
 def chunk_seq_buckets(num_tokens: int, max_seqs: int) -> list[int]:
@@ -548,9 +531,9 @@ class MixedGraphs(_StepGraphs):
                          block_size=block_size, scratch_block=scratch_block, step_tokens=step_tokens, draws=draws)
         self.max_seqs = max_seqs
         self.scratch_state_slot = scratch_state_slot  # None: the model keeps no recurrent state
-        self.buckets = token_buckets(max_tokens, max_seqs)
-        self.seq_buckets = ({b: chunk_seq_buckets(b, max_seqs) if is_coarse_bucket(b, max_tokens) else [0]
-                             for b in self.buckets} if scratch_state_slot is not None else {})
+        self.buckets = token_buckets(max_tokens)
+        self.seq_buckets = ({b: chunk_seq_buckets(b, max_seqs) for b in self.buckets}
+                            if scratch_state_slot is not None else {})
         self._make_buffers(model.spec.vocab_size)
         if capture:
             self.capture_all(pool)
@@ -662,10 +645,9 @@ class MixedGraphs(_StepGraphs):
         return its graph's bucket (a hybrid model's: ``(tokens, longer sequences)``)."""
         num_seqs = len(batch.query_lens)
         key = bucket = self.bucket_for(len(batch.input_ids), num_seqs)
-        if self.scratch_state_slot is not None:  # the first bucket that also takes its longer sequences
+        if self.scratch_state_slot is not None:
             longer = sum(n > 0 and not takes_recurrent(n) for n in batch.query_lens)
-            key = next((b, p) for b in self.buckets[self.buckets.index(bucket):] for p in self.seq_buckets[b]
-                       if p >= longer)
+            key = (bucket, next(p for p in self.seq_buckets[bucket] if p >= longer))
         self._stage.begin_write()
         token_slots = np.repeat(np.asarray(batch.chunk_slots, dtype=np.int32), batch.query_lens)
         self._write_header(batch.input_ids, batch.positions, batch.slot_mapping, token_slots, batch.query_lens,
