@@ -174,3 +174,20 @@ def test_settle_heap_freezes_start_up_objects_and_logs_long_collections(monkeypa
     finally:
         del gc.callbacks[before:]
         gc.unfreeze()
+
+
+def test_a_named_actor_is_profiled_and_its_statistics_saved(monkeypatch, tmp_path):
+    import pstats
+
+    from actors import base
+
+    monkeypatch.setenv(base.PROFILE_ENV, "prepare, conductor")
+    monkeypatch.setenv(base.PROFILE_DIR_ENV, str(tmp_path))
+    assert base._profiler("worker0") is None
+    profiler = base._profiler("conductor")
+    try:
+        sorted(str(i) for i in range(1000))  # work the profile must name
+    finally:
+        base._save_profile(profiler, "conductor")
+    stats = pstats.Stats(str(tmp_path / "conductor.prof")).stats
+    assert any(func == "<built-in method builtins.sorted>" for _, _, func in stats)
