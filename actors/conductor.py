@@ -19,8 +19,9 @@ The busy loop, each turn:
    used); with nothing in flight and no work, park on the mailbox until a
    message arrives (no polling);
 4. ``update()`` with rank 0's tokens (the others acknowledge, with matching
-   step ids) and send the outputs to the frontend, plus ``EngineStats`` when
-   they changed. A ``StepFailed`` fails its rows (or the whole step) with a
+   step ids), plan the next step and send it (``plan_ahead``), then send the
+   outputs to the frontend, plus ``EngineStats`` when they changed: the
+   ranks wait for the plan, the tokens hold no step back. A ``StepFailed`` fails its rows (or the whole step) with a
    500 and the loop keeps serving the others.
 
 Planning ahead, a rank finds the next plan waiting when its step ends: the
@@ -212,7 +213,10 @@ class ConductorActor(Actor):
                     continue
             if self.step_results:
                 oldest = next(iter(self.step_results))
-                await self.finish_step(oldest, await self.await_step(oldest))  # 3, 4
+                outputs = self.finish_step(oldest, await self.await_step(oldest))  # 3, 4
+                await self.plan_ahead()
+                await self.send_outputs(outputs)
+                await self.send_stats()
                 continue
             if self.scheduler.has_work() and (moved := self.adapter_pool.stalled()):
                 await self.route(moved)  # every live row parked: their turns end now
@@ -245,17 +249,28 @@ class ConductorActor(Actor):
         del self.step_results[step_id]
         return results
 
-    async def finish_step(self, step_id: int, results: dict[int, StepDone | StepFailed]) -> None:
+    def finish_step(self, step_id: int, results: dict[int, StepDone | StepFailed]) -> list[Any]:
+        """The scheduler's outputs of step ``step_id``, which every rank answered."""
         failures = [results[r] for r in sorted(results) if isinstance(results[r], StepFailed)]
         if failures:
             failed = combine_failures(step_id, failures)
             self.log.error("step %d failed (%s): %s", step_id,
                            ", ".join(failed.request_ids) or "every row", failed.message)
             # Rows the failure does not name did not advance: the scheduler runs them again.
-            await self.send_outputs(self.scheduler.fail_step(failed))
-        else:
-            await self.send_outputs(self.scheduler.update(results[0]))
-        await self.send_stats()
+            return self.scheduler.fail_step(failed)
+        return self.scheduler.update(results[0])
+
+    async def plan_ahead(self) -> None:
+        """After a step's update, the next plan, before that step's outputs:
+        the ranks wait for it (the host work of a step, the conductor's and a
+        rank's, follows this answer in turn) while the frontends' tokens do
+        not hold a step back. What arrived meanwhile waits for the loop's
+        next turn: an abort handled here would send its ``Finished`` ahead
+        of the request's last tokens."""
+        if self.scheduler.can_schedule() and self.scheduler.has_work():
+            plan = self.scheduler.schedule()
+            if plan is not None:
+                await self.send_plan(plan)
 
     # ---- reactions ----------------------------------------------------------
 

@@ -1,0 +1,91 @@
+"""The conductor's order of sends after a step: the next plan goes to the
+ranks before that step's tokens go to the frontend (the ranks wait for the
+plan; the tokens hold no step back). The real conductor, a fake rank, and
+channels that record every send in one list."""
+
+from __future__ import annotations
+
+import asyncio
+
+from actors.conductor import ConductorActor
+from mstar_actors.config import Config, KvConfig, ModelConfig, SchedulerConfig
+from mstar_actors.messages import (
+    ConductorToFrontend,
+    ConductorToWorker,
+    Finished,
+    Prepared,
+    PrepareToConductor,
+    SampledToken,
+    SamplingParams,
+    Shutdown,
+    StepDone,
+    StepPlan,
+    TokenDelta,
+    WorkerReady,
+    WorkerToConductor,
+    new_request_id,
+)
+from mstar_actors.model_info import ModelInfo
+from transport.errors import ChannelClosed
+from transport.memory import MemoryBroadcast, MemoryChannel
+
+
+class Recording(MemoryChannel):
+    """A channel that notes each message it is given, in one shared list."""
+
+    def __init__(self, union, name: str, sent: list):
+        super().__init__(union, name)
+        self.sent = sent
+
+    async def send(self, msg) -> None:
+        self.sent.append(msg)
+        await super().send(msg)
+
+
+async def fake_rank(inbox, outbox) -> None:
+    """Answers each plan with token 7 for every sampled row."""
+    await outbox.send(WorkerReady(rank=0, num_kv_blocks=64, block_size=4, max_model_len=64, eos_token_ids=[2]))
+    while True:
+        try:
+            msg = await inbox.recv()
+        except ChannelClosed:  # the conductor stopped
+            return
+        if isinstance(msg, StepPlan):
+            await outbox.send(StepDone(step_id=msg.step_id, rank=0,
+                                       sampled=[SampledToken(c.request_id, 7) for c in msg.scheduled if c.sample]))
+
+
+def test_the_next_plan_leaves_before_the_steps_tokens():
+    async def run() -> list:
+        config = Config(model=ModelConfig(path="unused", name="base"),
+                        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, async_scheduling=True),
+                        kv=KvConfig(block_size=4, num_blocks=64))
+        info = ModelInfo(served_name="base", model_dir="unused", architecture="LlamaForCausalLM", vocab_size=32,
+                         eos_token_ids=(2,), dtype="float32", max_model_len=64)
+        sent: list = []
+        to_conductor = MemoryChannel(PrepareToConductor, "prepare.conductor")
+        to_frontend = Recording(ConductorToFrontend, "conductor.frontend", sent)
+        to_rank = Recording(ConductorToWorker, "conductor.worker0", sent)
+        from_rank = MemoryChannel(WorkerToConductor, "worker0.conductor")
+        conductor = ConductorActor(name="conductor", config=config, info=info,
+                                   inbox={"prepare": to_conductor, "worker0": from_rank},
+                                   outbox={"frontend": to_frontend, "workers": MemoryBroadcast([to_rank], "workers")})
+        tasks = [asyncio.create_task(conductor.run()), asyncio.create_task(fake_rank(to_rank, from_rank))]
+        await to_conductor.send(Prepared(request_id=new_request_id("cmpl"), model="base", prompt_token_ids=[5, 6, 7],
+                                         sampling=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)))
+        while not isinstance(await to_frontend.recv(), Finished):
+            pass
+        await to_conductor.send(Shutdown())
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        return sent
+
+    sent = asyncio.run(asyncio.wait_for(run(), 30))
+    kinds = ["plan" if isinstance(m, StepPlan) else "tokens" if isinstance(m, TokenDelta) else None for m in sent]
+    kinds = [k for k in kinds if k]
+    # Prefill and the first decode planned ahead; then each step's answer
+    # brings the plan after next, sent ahead of that step's tokens, until
+    # the request's last planned step (6 tokens: 6 steps, the 6th planned
+    # before the 4th token goes out).
+    assert kinds[:12] == ["plan", "plan"] + ["plan", "tokens"] * 4 + ["tokens"] * 2, kinds
+    plans = [m for m in sent if isinstance(m, StepPlan)]
+    assert [len(p.scheduled) for p in plans] == [1] * 6 + [0] * (len(plans) - 6)  # then orders alone (the end)
