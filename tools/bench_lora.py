@@ -51,16 +51,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hashlib
 import json
 import math
 import os
+import queue
 import shutil
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package
 from _common import Server, free_port, progress, write_output  # noqa: E402
@@ -70,6 +73,7 @@ LLAMA_1B = "llama-3.2-1b-random"
 LLAMA_8B = "llama-3.1-8b-random"
 QWEN3_5_08B = "qwen3.5-0.8b-random"
 NUM_ADAPTERS = 4
+READY_TIMEOUT_S = 120.0  # a client process's set-up for a level (ClientPool)
 ADAPTER_NAMES = [f"lora{i}" for i in range(NUM_ADAPTERS)]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 # Retention figures quoted in the LoRA issue: their published numbers, not measured here.
@@ -382,11 +386,13 @@ def model_of(scenario: Scenario, base: str, index: int) -> str:
 
 
 async def run_load(url: str, base: str, scenario: Scenario, prompts: list, max_tokens: int,
-                   concurrency: int, indices: list[int] | None = None) -> Measurement:
+                   concurrency: int, indices: list[int] | None = None,
+                   start: Callable[[], None] | None = None) -> Measurement:
     """``len(prompts)`` requests (or those of ``indices``) through ``concurrency``
     clients; request i on the scenario's i-th model (round-robin), every one
     exactly ``max_tokens`` long. ``started_at``: ``time.perf_counter()`` as
-    the clients start (one clock for every process on Linux)."""
+    the clients start (one clock for every process on Linux), after
+    ``start()`` returns (``ClientPool``: every process of the level ready)."""
     import aiohttp
 
     queue = list(range(len(prompts))) if indices is None else list(indices)
@@ -405,6 +411,8 @@ async def run_load(url: str, base: str, scenario: Scenario, prompts: list, max_t
     # aiohttp's default connector opens at most 100 connections: more clients would queue in it, not at the server.
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), connector=connector) as session:
+        if start is not None:
+            start()
         result.started_at = time.perf_counter()
         await asyncio.gather(*[client(session) for _ in range(concurrency)])
         result.wall_s = time.perf_counter() - result.started_at
@@ -418,7 +426,10 @@ class ClientPool:
     ``min(ceil(c / CLIENTS_A_PROCESS), processes)`` processes, each a share of
     the clients and of the requests (request i keeps its model), started
     together; the level's wall time runs from the first start to the last end,
-    its client CPU is theirs."""
+    its client CPU is theirs. The processes start together: each reports
+    ready once it holds its job, and all begin when the last is ready (a
+    process still reading its job would otherwise start its share late,
+    and the level would be measured with fewer clients at its ends)."""
 
     CLIENTS_A_PROCESS = 32
 
@@ -429,7 +440,9 @@ class ClientPool:
         ctx = multiprocessing.get_context("spawn")
         self.jobs = [ctx.Queue() for _ in range(processes - 1)]  # this process runs a share too
         self.results = ctx.Queue()
-        self.procs = [ctx.Process(target=_client_process, args=(jobs, self.results), daemon=True)
+        self.ready = ctx.Queue()  # one message a process a level: True, or why it failed
+        self.go = ctx.Event()  # set once every process of the level is ready
+        self.procs = [ctx.Process(target=_client_process, args=(jobs, self.results, self.ready, self.go), daemon=True)
                       for jobs in self.jobs]
         for proc in self.procs:
             proc.start()
@@ -439,10 +452,12 @@ class ClientPool:
         n = min(self.size, max(1, math.ceil(concurrency / self.CLIENTS_A_PROCESS)))
         shares = [concurrency // n + (k < concurrency % n) for k in range(n)]
         indices = [list(range(k, len(prompts), n)) for k in range(n)]
+        self.go.clear()
         for k in range(1, n):
             self.jobs[k - 1].put((url, base, scenario, prompts, max_tokens, shares[k], indices[k]))
         cpu = time.process_time()
-        parts = [asyncio.run(run_load(url, base, scenario, prompts, max_tokens, shares[0], indices[0]))]
+        parts = [asyncio.run(run_load(url, base, scenario, prompts, max_tokens, shares[0], indices[0],
+                                      start=functools.partial(self._start_together, n - 1)))]
         parts[0].client_cpu_s = time.process_time() - cpu
         for _ in range(1, n):
             got = self.results.get()
@@ -459,6 +474,16 @@ class ClientPool:
             result.client_cpu_s += part.client_cpu_s
         return result
 
+    def _start_together(self, num_others: int) -> None:
+        for _ in range(num_others):
+            try:
+                got = self.ready.get(timeout=READY_TIMEOUT_S)
+            except queue.Empty:
+                raise SystemExit(f"a client process was not ready within {READY_TIMEOUT_S:.0f} s") from None
+            if isinstance(got, str):
+                raise SystemExit(got)
+        self.go.set()
+
     def close(self) -> None:
         for jobs in self.jobs:
             jobs.put(None)
@@ -466,15 +491,23 @@ class ClientPool:
             proc.join(timeout=10)
 
 
-def _client_process(jobs, results) -> None:
-    """A ``ClientPool`` process: each job a share of a level's clients; its
-    counts back as a dict (or the reason it failed, a string)."""
+def _client_process(jobs, results, ready, go) -> None:
+    """A ``ClientPool`` process: each job a share of a level's clients,
+    started once ``go`` is set; its counts back as a dict (or the reason it
+    failed, a string)."""
     while (job := jobs.get()) is not None:
         cpu = time.process_time()
+        started = []
+
+        def start() -> None:
+            started.append(True)
+            ready.put(True)
+            go.wait()
+
         try:
-            part = asyncio.run(run_load(*job))
+            part = asyncio.run(run_load(*job, start=start))
         except BaseException as err:  # the level fails in the parent, with the reason
-            results.put(f"a client process failed: {err!r}")
+            (results if started else ready).put(f"a client process failed: {err!r}")
             continue
         results.put({"num_tokens": part.num_tokens, "wall_s": part.wall_s, "ttft_s": part.ttft_s,
                      "started_at": part.started_at, "client_cpu_s": time.process_time() - cpu})
