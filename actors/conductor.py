@@ -21,8 +21,9 @@ The busy loop, each turn:
 4. ``update()`` with rank 0's tokens (the others acknowledge, with matching
    step ids), plan the next step and send it (``plan_ahead``), then send the
    outputs to the frontend, plus ``EngineStats`` when they changed: the
-   ranks wait for the plan, the tokens hold no step back. A ``StepFailed`` fails its rows (or the whole step) with a
-   500 and the loop keeps serving the others.
+   ranks wait for the plan, the tokens hold no step back. A ``StepFailed``
+   fails its rows (or the whole step) with a 500 and the loop keeps serving
+   the others.
 
 Planning ahead, a rank finds the next plan waiting when its step ends: the
 result's trip here, the update, the plan and its trip back overlap the

@@ -424,12 +424,12 @@ class ClientPool:
     process could not parse as fast as the server sends them (a token an SSE
     event: about 25-30k events/s a core). A level of ``c`` clients runs in
     ``min(ceil(c / CLIENTS_A_PROCESS), processes)`` processes, each a share of
-    the clients and of the requests (request i keeps its model), started
-    together; the level's wall time runs from the first start to the last end,
-    its client CPU is theirs. The processes start together: each reports
-    ready once it holds its job, and all begin when the last is ready (a
-    process still reading its job would otherwise start its share late,
-    and the level would be measured with fewer clients at its ends)."""
+    the clients and of the requests (request i keeps its model); the level's
+    wall time runs from the first start to the last end, its client CPU is
+    theirs. The processes start together: each reports ready once it holds
+    its job, and all begin when the last is ready (a process still reading
+    its job would otherwise start its share late, and the level would be
+    measured with fewer clients at its ends)."""
 
     CLIENTS_A_PROCESS = 32
 
