@@ -1,0 +1,62 @@
+"""tools/bench_lora.py's client pool: the processes of a level begin
+together, once every one is ready, and a process that fails before it is
+ready stops the level with its reason (no wait for a start that never comes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import queue
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def bench_lora():
+    spec = importlib.util.spec_from_file_location("bench_lora_under_test", ROOT / "tools" / "bench_lora.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
+    path = list(sys.path)
+    try:
+        spec.loader.exec_module(module)  # puts tools/ on sys.path for its neighbours
+        yield module
+    finally:
+        sys.path[:] = path
+        del sys.modules[spec.name]
+
+
+def pool(bench_lora, *messages):
+    """A ClientPool's start-up state with no processes: ``messages`` already on its ready queue."""
+    clients = object.__new__(bench_lora.ClientPool)
+    clients.ready, clients.go = queue.Queue(), threading.Event()
+    for message in messages:
+        clients.ready.put(message)
+    return clients
+
+
+def test_the_level_begins_once_every_process_is_ready(bench_lora):
+    clients = pool(bench_lora, True)
+    waiting = threading.Thread(target=clients._start_together, args=(2,))
+    waiting.start()
+    waiting.join(0.2)
+    assert waiting.is_alive() and not clients.go.is_set()  # one of two ready: no start yet
+    clients.ready.put(True)
+    waiting.join(5)
+    assert not waiting.is_alive() and clients.go.is_set()
+
+
+def test_a_process_that_failed_before_it_was_ready_stops_the_level(bench_lora):
+    clients = pool(bench_lora, True, "a client process failed: ConnectionRefusedError()")
+    with pytest.raises(SystemExit, match="ConnectionRefusedError"):
+        clients._start_together(2)
+    assert not clients.go.is_set()
+
+
+def test_a_process_never_ready_is_named_after_the_timeout(bench_lora, monkeypatch):
+    monkeypatch.setattr(bench_lora, "READY_TIMEOUT_S", 0.05)
+    with pytest.raises(SystemExit, match="not ready within"):
+        pool(bench_lora)._start_together(1)
