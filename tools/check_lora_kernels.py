@@ -49,7 +49,8 @@ and the residual's ``rms_norm`` over o's or down's (one row a program),
 Qwen3.5-0.8B's widths, rank 16, each at 8-256 rows, one adapter and 4
 (interleaved row by row, and grouped as the scheduler orders a step's
 rows), us per call inside a CUDA graph beside the op alone and beside
-``expand_rows`` then the op (``split``: what runs without the fold);
+``expand_rows`` then the op (``split``: what runs without the fold; ``s.rows``
+the same with the expand one program a row, where it would take tiles of rows);
 every fold is first checked to give its rows the same result, bit for bit,
 in reverse order (a row's result must not depend on its neighbours in a
 tile). With ``--dry-run`` (or no CUDA device) it runs a
@@ -382,8 +383,9 @@ TINY_LINEARS = {"qkv": (64, (64, 16, 16)), "o": (64, (64,)), "gate_up": (64, (12
 
 
 def rows_variants(triton_ops, stack: LoraStack, num_rows: int, num_sms: int) -> dict:
-    """name -> fn(y, x, row_slots, groups): the rows kernels and the
-    shrink-expand blocks around its default (BLOCK_M, BLOCK_K, SPLIT_K, BLOCK_N, TILES)."""
+    """name -> fn(y, x, row_slots, groups): the rows kernels (``bgmv_rows``, and ``gemm_rows``: the
+    shrink a GEMM of every slot's A, then ``expand_rows``) and the shrink-expand blocks around its
+    default (BLOCK_M, BLOCK_K, SPLIT_K, BLOCK_N, TILES)."""
     num_shards, _, _, k = stack.a.shape
     bm, bk, sk, bn, tiles = triton_ops._split_blocks(num_rows, num_shards, k, max(stack.output_sizes), num_sms)
     blocks = {
@@ -401,6 +403,7 @@ def rows_variants(triton_ops, stack: LoraStack, num_rows: int, num_sms: int) -> 
 
     variants = {
         "bgmv": lambda y, x, slots, groups: triton_ops.bgmv_rows(stack, y, x, slots),
+        "gemm+x": lambda y, x, slots, groups: triton_ops.gemm_rows(stack, y, x, slots),
     }
     return variants | {name: split(b) for name, b in blocks.items()}
 
@@ -410,7 +413,8 @@ def linear_variants(triton_ops, stack: LoraStack, weight: torch.Tensor) -> dict:
     "gemm" the base alone, "g+bgmv" the GEMM then ``bgmv_rows``, "g+fused"
     one GEMM over the weight with every slot's A under it, then
     ``expand_rows`` (``LoraStack.fuse_under``: what CUDA serving runs below
-    ``MIN_SPLIT_ROWS``), with 4 or 8 warps."""
+    ``MIN_SPLIT_ROWS``), with 4 or 8 warps, and "g+f.rows" with the expand one program a row
+    at any row count (``expand_rows`` takes tiles of rows from ``MIN_TILE_ROWS``)."""
     import copy
 
     fused_stack = copy.copy(stack)  # fuse_under replaces its ``a`` only: the original stays unfused
@@ -427,7 +431,7 @@ def linear_variants(triton_ops, stack: LoraStack, weight: torch.Tensor) -> dict:
         return run
 
     return {"gemm": lambda x, slots: F.linear(x, weight), "g+bgmv": gemm_bgmv, "g+fused": gemm_fused(None),
-            "g+f.w4": gemm_fused(4)}
+            "g+f.w4": gemm_fused(4), "g+f.rows": expand_by_rows(gemm_fused(None))}
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -633,11 +637,26 @@ def fold_ops(widths: dict, num_rows: int, mix: str, dtype, device: str, gen, fli
     return ops
 
 
+def expand_by_rows(fn):
+    """``fn`` with ``expand_rows`` one program a row at any row count (its tiles of rows off): the
+    fold table's ``s.rows`` column, and the linear table's ``g+f.rows``."""
+    from mstar_actors.lora import triton_ops
+
+    def run(*args):
+        saved, triton_ops.MIN_TILE_ROWS = triton_ops.MIN_TILE_ROWS, 1 << 30
+        try:
+            return fn(*args)
+        finally:
+            triton_ops.MIN_TILE_ROWS = saved
+    return run
+
+
 def fold_table_main(args) -> int:
     """The ``--fold-table`` run; exit status 1 if a row's result depends on its neighbours."""
     device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    from mstar_actors.lora import triton_ops  # after the interpreter's switch: read as its kernels are made
     rows = args.rows or ([16, 37] if device == "cpu" else list(FOLD_TABLE_ROWS))
     widths = TINY_FOLD_WIDTHS if device == "cpu" else FOLD_WIDTHS
     mixes = ["one", "mixed4", "grouped4"] if args.mixes == list(MIXES) else args.mixes
@@ -647,7 +666,7 @@ def fold_table_main(args) -> int:
         dtype = torch.float16  # the interpreter's tl.dot takes no bfloat16
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"}
     print(f"# folded expands  {env}  dtype={dtype}  rank=16  calls per graph={calls}")
-    print(f"{'op':<8} {'rows':>4} {'mix':<6} {'alone':>6} {'split':>6} {'folded':>6} {'saved':>6}")
+    print(f"{'op':<8} {'rows':>4} {'mix':<6} {'alone':>6} {'split':>6} {'s.rows':>6} {'folded':>6} {'saved':>6}")
     table, failed = [], 0
     for num_rows in rows:
         for mix in mixes:
@@ -664,15 +683,17 @@ def fold_table_main(args) -> int:
                     if not all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(flipped, whole)):
                         failed += 1
                         print(f"# {name} rows={num_rows} {mix}: a row's result depends on its neighbours", file=sys.stderr)
-                alone = split = folded = None
+                alone = split = split_rows = folded = None
                 if device == "cuda":
                     timing = dict(warmup=args.warmup, iters=args.iters, calls=calls)
                     alone, split = graph_us(fresh()[1], **timing), graph_us(fresh()[2], **timing)
+                    if num_rows >= triton_ops.MIN_TILE_ROWS:
+                        split_rows = graph_us(expand_by_rows(fresh()[2]), **timing)
                     folded = graph_us(fresh()[0], **timing) if folds else None
                 cells = " ".join("-".rjust(6) if v is None else f"{v:>6.2f}"
-                                 for v in (alone, split, folded, None if folded is None else split - folded))
+                                 for v in (alone, split, split_rows, folded, None if folded is None else split - folded))
                 table.append({"op": name, "rows": num_rows, "mix": mix, "alone_us": alone, "split_us": split,
-                              "folded_us": folded, "folds": folds})
+                              "split_by_rows_us": split_rows, "folded_us": folded, "folds": folds})
                 print(f"{name:<8} {num_rows:>4} {mix:<6} {cells}", flush=True)
     print(f"# {failed} folds gave a row another result beside other neighbours")
     if args.output is not None:

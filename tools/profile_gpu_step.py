@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         triton_linear.enabled = gemv
         lora_layers.FOLD = fold
         lora_layers.BESIDE = path == "beside"
-        triton_ops.MIN_SPLIT_FUSED_ROWS = split  # read as the graphs are captured, like the rest
+        triton_ops.MIN_SPLIT_FUSED_ROWS = triton_ops.MIN_SPLIT_ROWS = split  # read as graphs are captured
         try:
             runner = build_runner(config, load_model_info(config))
         finally:
@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     triton_linear.enabled = modes[args.gemv][0]
     lora_layers.FOLD = modes[args.fold][0]
     lora_layers.BESIDE = args.lora_paths[0] == "beside"
-    triton_ops.MIN_SPLIT_FUSED_ROWS = args.split_rows[0]
+    triton_ops.MIN_SPLIT_FUSED_ROWS = triton_ops.MIN_SPLIT_ROWS = args.split_rows[0]
     print(f"# {torch.cuda.get_device_name()}: decode step ms (median of {args.steps}), ModelRunner.execute, "
           f"context ~{CONTEXT}; lora beside: the delta on a side stream during the GEMM; fused: every LoRA linear's "
           f"A under its weight (one GEMM, then the expand); "

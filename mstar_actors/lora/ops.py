@@ -345,7 +345,7 @@ class RowKernels(Protocol):
 
     def expand_rows(self, stack: LoraStack, y: torch.Tensor, t: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor: ...
 
-    def uses_single_rows(self, num_rows: int) -> bool: ...
+    def needs_row_groups(self, num_rows: int) -> bool: ...
 
     def uses_fused_rows(self, num_rows: int) -> bool: ...
 
@@ -372,8 +372,8 @@ class TorchRows:
         return delta_rows_ref(y, None, stack.a, stack.b, stack.scales, row_slots, stack.offsets, t=t)
 
     @staticmethod
-    def uses_single_rows(num_rows: int) -> bool:
-        return True
+    def needs_row_groups(num_rows: int) -> bool:
+        return False
 
     @staticmethod
     def uses_fused_rows(num_rows: int) -> bool:
@@ -381,7 +381,7 @@ class TorchRows:
 
     @staticmethod
     def group_rows(row_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, ...]:
-        raise NotImplementedError("the torch rows reference takes no row groups (its uses_single_rows is always true)")
+        raise NotImplementedError("the torch rows reference takes no row groups (its needs_row_groups is always false)")
 
     @staticmethod
     def warm_up(stack: LoraStack, max_num_rows: int) -> None:
@@ -487,7 +487,7 @@ class LoraStack:
         """The rows grouped by slot on the device, for ``add_delta_rows``; None
         where the kernel a batch of this size takes needs none. Device ops only:
         graph-capturable. One step's groups serve every stack of the model."""
-        if self.kernels.uses_single_rows(row_slots.shape[0]):
+        if not self.kernels.needs_row_groups(row_slots.shape[0]):
             return None
         return self.kernels.group_rows(row_slots, self.num_slots)
 

@@ -5,7 +5,7 @@ gate|up in it, rows on any mix of slots (``LoraStack.add_delta_rows``).
 Grids follow from shapes only and slots are read on the device, so a CUDA
 graph captures a call and replays it with new slots:
 
-- ``bgmv_rows`` (fewer than ``MIN_SPLIT_ROWS`` rows: small decode steps,
+- ``bgmv_rows`` (fewer than ``MIN_GEMM_ROWS`` rows: small decode steps,
   and the embedding always): grid (rows, shards x column groups). Each program
   reads its row's slot and returns at once on slot 0 (base rows are left
   bit-identical) or on a module the adapter does not target (scale 0),
@@ -16,8 +16,14 @@ graph captures a call and replays it with new slots:
   price of one launch instead of two and of no intermediate buffer;
   ``_pick_tiles`` balances that redundancy against filling the device. The
   embedding's shrink is a gather of ``A[0, slot, :, token]``.
-- ``shrink_expand_rows`` (from ``MIN_SPLIT_ROWS`` rows: bigger decode
-  steps and prefill chunks): rows grouped by slot on the device
+- ``gemm_rows`` (from ``MIN_GEMM_ROWS`` rows: the LM head's decode steps)
+  and ``expand_rows`` (a stack fused under its weight, below
+  ``MIN_SPLIT_FUSED_ROWS``): the shrink of every slot is a GEMM's columns,
+  and the expand one launch, a program a row, or where the grid is wide
+  enough tiles of 16 rows, one ``tl.dot`` a slot present (``takes_tiles``).
+  No row groups.
+- ``shrink_expand_rows`` (from ``MIN_SPLIT_ROWS`` rows: prefill chunks):
+  rows grouped by slot on the device
   (``group_rows``) into tiles of one slot, and two launches: the shrink
   once per (tile, shard, K split) into an fp32 scratch, then the expand
   over (tile, column blocks). The tiles are enumerated on the device
@@ -68,6 +74,44 @@ def _column_group(offsets_ptr, shard, group, GROUP_COLS: tl.constexpr):
     ``shard`` in the stacked output: the first is past the end for a
     shorter shard's spare groups, whose programs have nothing to do."""
     return tl.load(offsets_ptr + shard) + group * GROUP_COLS, tl.load(offsets_ptr + shard + 1)
+
+
+@triton.jit
+def _b_tile(b_ptr, stride_bs, stride_bn, slot, first, cols, mask, offs_r, mask_r):
+    """``B[slot, first + cols, :]`` of a LoRA stack, ``[BLOCK, BLOCK_R]``, zeros where masked."""
+    return tl.load(b_ptr + slot * stride_bs + (first + cols)[:, None].to(tl.int64) * stride_bn + offs_r[None, :],
+                   mask=mask[:, None] & mask_r[None, :], other=0.0)
+
+
+@triton.jit
+def _fold_dot(t_ptr, stride_t, rows, lslot, slot, shard, num_slots, offs_r, R, b, scale, F32: tl.constexpr,
+              DOT: tl.constexpr):
+    """The expand of the tile's rows on adapter ``slot`` for one shard, ``[ROWS, BLOCK]`` float32 (zero on
+    the other rows): their shrink ``[ROWS, BLOCK_R]`` (the fused GEMM's A columns) times ``b``
+    (``_b_tile``) transposed. ``DOT`` (tiles of ``TILE_ROWS``): one ``tl.dot``, the tensor cores in half
+    precision, exact float32 products in float32, then ``scale`` (so a row's expand may differ in its last
+    bit between steps of fewer and of 16 or more rows, as a GEMM's may between batch sizes). On the H200 at
+    Qwen3.5-0.8B's gate|up, 64 / 256 rows of one adapter, silu_mul's fold took 2.1 / 3.3 us against 4.1 /
+    12.3 as a sum of broadcast products; below 16 rows (one a program, ``triton_fused.fold_rows``) the sum, scaled first, took less
+    (1.6 against 1.75 us at 8 rows, 1.8 against 4.6 with 4 adapters)."""
+    mine = (lslot == slot) & (lslot != 0)
+    t = tl.load(t_ptr + rows[:, None] * stride_t + (shard * num_slots + slot) * R + offs_r[None, :],
+                mask=mine[:, None] & (offs_r < R)[None, :], other=0.0)
+    if not DOT:  # one row: its shrink as a vector (a sum over the one row is itself), as _plus_expand sums
+        return tl.sum(b.to(tl.float32) * (tl.sum(t.to(tl.float32), axis=0) * scale)[None, :], axis=1)[None, :]
+    if F32:
+        d = tl.dot(t.to(tl.float32), tl.trans(b).to(tl.float32), input_precision="ieee")
+    else:
+        d = tl.dot(t, tl.trans(b))
+    return d * scale
+
+
+@triton.jit
+def _next_slot(lslot, done):
+    """The largest adapter slot among a tile's rows not in ``done`` (0: none left) and ``done`` with it."""
+    slot = tl.max(tl.where(done, 0, lslot), axis=0)
+    return slot, done | (lslot == slot)
+
 
 
 @triton.jit
@@ -237,24 +281,33 @@ def bgmv_rows(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: tor
 
 
 def expand_rows(stack: LoraStack, y: torch.Tensor, t: torch.Tensor, row_slots: torch.Tensor, *,
-                tiles: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                tiles: int | None = None, num_warps: int | None = None, block_n: int | None = None) -> torch.Tensor:
     """y[row] += scale * t[row, its slot's columns] @ B[slot].T, every shard,
     one launch, in place: the rows delta of a fused stack (``LoraStack.fuse_under``),
     whose base GEMM wrote ``t = x @ A.T`` for every shard and slot beside
     ``y`` (t's column ``(shard * num_slots + slot) * max_rank + r`` is A's
-    row ``[shard, slot, r]``). ``bgmv_rows`` without its shrink: the same
-    programs, the same early exits (base rows, untargeted shards) and the
-    same column tiles. ``tiles`` / ``num_warps`` override the defaults, for
-    sweeps."""
+    row ``[shard, slot, r]``), or of a stack whose shrink was a GEMM of its
+    own (``gemm_rows``).
+
+    ``bgmv_rows`` without its shrink (the same programs, the same early
+    exits: base rows, untargeted shards; the same column tiles, B read once
+    a row), or where it pays (``takes_tiles``) tiles of ``TILE_ROWS`` rows
+    (``_tiles_kernel``): B read once a tile and slot, the products on the
+    tensor cores (a row's last bit may then differ between steps on either
+    side of the line, as a GEMM's does between batch sizes).
+    ``tiles`` / ``num_warps`` (rows) and ``block_n`` (tiles) override the
+    defaults, for sweeps."""
     num_shards, num_slots, max_rank, k = stack.a.shape
     num_rows, max_out = y.shape[0], max(stack.output_sizes)
     if t.shape != (num_rows, num_shards * num_slots * max_rank):
         raise ValueError(f"LoRA expand: t is {tuple(t.shape)}; accepted: [{num_rows}, {num_shards * num_slots * max_rank}] "
                          "(rows x shards x slots x max_rank, the fused GEMM's A columns)")
-    block_r, _, block_n, warps = _rows_blocks(max_rank, k, max_out)
-    tiles = tiles or _pick_tiles(num_rows, num_shards, max_out, max_rank, block_n, _num_sms(y.device))
-    num_groups = triton.cdiv(max_out, tiles * block_n)
     b, scales = stack.b, stack.scales
+    if t.dtype == b.dtype and t.stride(1) == 1 and takes_tiles(stack, num_rows, _num_sms(y.device)):
+        return _expand_tiles(stack, y, t, row_slots, block_n)
+    block_r, _, cols, warps = _rows_blocks(max_rank, k, max_out)
+    tiles = tiles or _pick_tiles(num_rows, num_shards, max_out, max_rank, cols, _num_sms(y.device))
+    num_groups = triton.cdiv(max_out, tiles * cols)
     _rows_kernel[(num_rows, num_shards * num_groups)](
         t, stack.a, b, scales, y, stack.offsets_on(y.device), row_slots,
         max_rank, num_groups,
@@ -264,10 +317,124 @@ def expand_rows(stack: LoraStack, y: torch.Tensor, t: torch.Tensor, row_slots: t
         scales.stride(0), scales.stride(1),
         y.stride(0), y.stride(1), row_slots.stride(0),
         K=max_rank, IS_EMBEDDING=False, T_GIVEN=True, TILES=tiles,
-        BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_r,
+        BLOCK_N=cols, BLOCK_R=block_r, BLOCK_K=block_r,
         num_warps=num_warps or warps, **triton_launch.options(y),
     )  # fmt: skip
     return y
+
+
+# ---------------------------------------------------------------- tiles of rows, slots read in the tile
+
+# ``tl.dot``'s least M: a tile's rows, each program's.
+TILE_ROWS = 16
+# ``expand_rows`` takes tiles of rows from this many rows, where the tiles
+# make at least ``MIN_TILE_PROGRAMS_PER_SM`` programs of 64 columns an SM:
+# a per-row program reads B once a row, a tile's once a slot present in it,
+# but few tiles leave the device idle and each slot of a tile costs a dot in
+# turn. The H200, Qwen3.5-0.8B's widths, rank 16, us an expand and the op
+# after it (``tools/check_lora_kernels.py --fold-table``: ``split`` tiles,
+# ``s.rows`` per row): in_proj (8,224 columns) at 64 / 256 rows 9.3 / 29.9
+# against 12.0 / 37.0 (4 adapters mixed 10.8 / 34.5 against 12.1 / 37.1), at
+# 16 / 32 rows 4.9 / 6.9 against 4.7 / 7.3 (mixed 6.7 / 9.2 against 4.7 /
+# 7.4); a 1,024-column output 2.8 against 2.4 at 64 rows, 3.3 against 4.4 at
+# 256. The LM head's 128,256 columns at 16 rows: 12.6 against 24.4 (``--rows-table``).
+MIN_TILE_ROWS = 16
+MIN_TILE_PROGRAMS_PER_SM = 3
+
+
+def takes_tiles(stack: LoraStack, num_rows: int, num_sms: int) -> bool:
+    """Whether ``expand_rows`` takes tiles of rows for ``stack`` at ``num_rows`` (shapes only)."""
+    if num_rows < MIN_TILE_ROWS or stack.b.dtype not in _DOT_DTYPES:
+        return False
+    programs = triton.cdiv(num_rows, TILE_ROWS) * sum(triton.cdiv(n, 64) for n in stack.output_sizes)
+    return programs >= MIN_TILE_PROGRAMS_PER_SM * num_sms
+
+
+@triton.jit
+def _tiles_kernel(
+    t_ptr, b_ptr, scales_ptr, y_ptr, offsets_ptr, slots_ptr,
+    M, R, NUM_SLOTS, NUM_GROUPS,
+    stride_tm, stride_wl, stride_wn, stride_ss, stride_sl, stride_ym, stride_yn,
+    F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GDC: tl.constexpr,
+):  # fmt: skip
+    """y[rows, cols] += each row's own slot's expand, for a tile of
+    ``BLOCK_M`` rows and ``BLOCK_N`` columns of one shard: one ``tl.dot``
+    a slot present in the tile (``_next_slot``, largest first), each adding
+    zeros on the rows of other slots. Rows on slot 0, or on an adapter that
+    does not target the shard (scale 0), are not written. Grid (row tiles,
+    shards x column groups)."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    ok = rows < M
+    pid = tl.program_id(1)
+    shard = pid // NUM_GROUPS
+    n_start, hi = _column_group(offsets_ptr, shard, pid % NUM_GROUPS, BLOCK_N)
+    cols = n_start + tl.arange(0, BLOCK_N)
+    mask_n = cols < hi
+    offs_r = tl.arange(0, BLOCK_R)
+    # Everything the step's kernels do not write, before the wait (``triton_launch``): the slots, the
+    # first slot's scale and B.
+    lslot = tl.load(slots_ptr + rows, mask=ok, other=0).to(tl.int64)
+    slot, done = _next_slot(lslot, lslot == 0)
+    scale = tl.load(scales_ptr + shard * stride_ss + slot * stride_sl)
+    b = _b_tile(b_ptr, stride_wl, stride_wn, slot, 0, cols, mask_n, offs_r, offs_r < tl.where(slot != 0, R, 0))
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if slot == 0 or n_start >= hi:  # a tile of base rows, or a shorter shard's spare group
+        return
+    # y beside the first slot's t (both wait on the step's kernels), so the tile pays one round trip for
+    # them; the next slot's scale and B only where there is one.
+    tile = ok[:, None] & mask_n[None, :]
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :].to(tl.int64) * stride_yn
+    y = tl.load(y_ptrs, mask=tile, other=0.0)
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    touched = lslot < 0
+    while slot != 0:
+        delta += _fold_dot(t_ptr, stride_tm, rows, lslot, slot, shard, NUM_SLOTS, offs_r, R, b, scale, F32, True)
+        if scale != 0.0:  # else the adapter leaves this shard alone: its rows are not written
+            touched = touched | (lslot == slot)
+        slot, done = _next_slot(lslot, done)
+        if slot != 0:
+            scale = tl.load(scales_ptr + shard * stride_ss + slot * stride_sl)
+            b = _b_tile(b_ptr, stride_wl, stride_wn, slot, 0, cols, mask_n, offs_r, offs_r < R)
+    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=tile & touched[:, None])
+
+
+@functools.lru_cache(maxsize=4096)
+def _tile_cols(num_rows: int, num_shards: int, max_out: int, num_sms: int) -> int:
+    """Columns a program of ``_tiles_kernel``: 128 where that still gives every SM two programs, else 64."""
+    programs = triton.cdiv(num_rows, TILE_ROWS) * num_shards * triton.cdiv(max_out, 128)
+    return 128 if programs >= 2 * num_sms else 64
+
+
+def _expand_tiles(stack: LoraStack, y: torch.Tensor, t: torch.Tensor, row_slots: torch.Tensor,
+                  block_n: int | None = None) -> torch.Tensor:
+    num_shards, num_slots, max_rank, _ = stack.a.shape
+    num_rows, max_out = y.shape[0], max(stack.output_sizes)
+    block_n = block_n or _tile_cols(num_rows, num_shards, max_out, _num_sms(y.device))
+    num_groups = triton.cdiv(max_out, block_n)
+    b, scales = stack.b, stack.scales
+    _tiles_kernel[(triton.cdiv(num_rows, TILE_ROWS), num_shards * num_groups)](
+        t, b, scales, y, stack.offsets_on(y.device), row_slots,
+        num_rows, max_rank, num_slots, num_groups,
+        t.stride(0), b.stride(0), b.stride(1), scales.stride(0), scales.stride(1), y.stride(0), y.stride(1),
+        F32=b.dtype == torch.float32, BLOCK_M=TILE_ROWS, BLOCK_N=block_n, BLOCK_R=_block_r(max_rank),
+        num_warps=4, **triton_launch.options(y),
+    )  # fmt: skip
+    return y
+
+
+def gemm_rows(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
+    """The rows delta of a stack not fused under its weight (the LM head's)
+    as a fused one's: the shrink of every shard and slot in one GEMM
+    (``t = x @ A.T``, A's rows in t's columns as ``fuse_under`` lays them),
+    then ``expand_rows``. No row groups: from ``MIN_GEMM_ROWS`` rows, where
+    ``bgmv_rows`` would recompute the shrink in every program of a row."""
+    num_shards, num_slots, max_rank, k = stack.a.shape
+    if x.dtype != stack.a.dtype:
+        raise TypeError(f"LoRA rows delta: x is {x.dtype} and A is {stack.a.dtype}; accepted: the same dtype")
+    t = torch.mm(x, stack.a.reshape(num_shards * num_slots * max_rank, k).T)
+    return expand_rows(stack, y, t, row_slots)
 
 
 def group_rows(row_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -486,11 +653,6 @@ def shrink_expand_rows(
     )  # fmt: skip
     return y
 
-# Steps of at least this many rows take ``shrink_expand_rows`` (prefill
-# chunks included), smaller ones ``bgmv_rows``: below it the one-row
-# kernel's repeated shrink costs less than grouping the rows by slot
-# (``tools/check_lora_kernels.py --rows-table`` times both).
-MIN_SPLIT_ROWS = 64
 # A fused stack's steps of fewer rows take the fused GEMM and one expand
 # (folded into the next kernel where it takes it) instead, so every decode
 # bucket up to 256 rows (``max_num_seqs``' default on CUDA): at 256 rows, one
@@ -499,18 +661,32 @@ MIN_SPLIT_ROWS = 64
 # (``tools/profile_gpu_step.py --split-rows 256 512``). Larger steps (prefill
 # chunks) keep the grouped kernels, which read B once a slot, not a row.
 MIN_SPLIT_FUSED_ROWS = 257
+# A stack not fused under a weight (the LM head's; CUDA fuses every decoder
+# linear's) takes the grouped kernels (``shrink_expand_rows``) from as many
+# rows, and below them from ``MIN_GEMM_ROWS`` its shrink as one GEMM of its
+# own then the expand (``gemm_rows``), as a fused stack's: grouping the rows
+# by slot alone took ~20 us of small launches a step, more than the two
+# kernels after it. Below ``MIN_GEMM_ROWS``, ``bgmv_rows``' one launch (the
+# H200, an LM head of 128,256 columns, one adapter, us a call, ``bgmv`` /
+# ``gemm+x`` in ``tools/check_lora_kernels.py --rows-table``: 10.5 / 13.0 at
+# 8 rows, 17.7 / 13.0 at 16, 57.9 / 27.5 at 64).
+MIN_SPLIT_ROWS = MIN_SPLIT_FUSED_ROWS
+MIN_GEMM_ROWS = 16
 
 
 def kernel_for(num_rows: int) -> str:
     """The kernel a linear's step of ``num_rows`` rows takes: "bgmv"
-    (``bgmv_rows``) or "split" (``shrink_expand_rows``). A function of the
-    shape alone, so a captured graph keeps its choice."""
-    return "split" if num_rows >= MIN_SPLIT_ROWS else "bgmv"
+    (``bgmv_rows``), "gemm" (``gemm_rows``) or "split"
+    (``shrink_expand_rows``). A function of the shape alone, so a captured
+    graph keeps its choice."""
+    if num_rows >= MIN_SPLIT_ROWS:
+        return "split"
+    return "gemm" if num_rows >= MIN_GEMM_ROWS else "bgmv"
 
 
-def uses_single_rows(num_rows: int) -> bool:
-    """Whether a batch of ``num_rows`` takes ``bgmv_rows`` (no row groups needed)."""
-    return kernel_for(num_rows) == "bgmv"
+def needs_row_groups(num_rows: int) -> bool:
+    """Whether a batch of ``num_rows`` takes the grouped kernels (``group_rows``' groups)."""
+    return kernel_for(num_rows) == "split"
 
 
 def uses_fused_rows(num_rows: int) -> bool:
@@ -526,6 +702,8 @@ def rows_delta(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: to
     kernel = "bgmv" if stack.is_embedding else kernel_for(y.shape[0])
     if kernel == "bgmv":
         return bgmv_rows(stack, y, x, row_slots)
+    if kernel == "gemm":
+        return gemm_rows(stack, y, x, row_slots)
     groups = groups if groups is not None else group_rows(row_slots, stack.num_slots)
     return shrink_expand_rows(stack, y, x, groups)
 
@@ -553,16 +731,19 @@ def warm_up(stack: LoraStack, max_num_rows: int) -> None:
             expand_rows(stack, y, t, torch.zeros(num_rows, dtype=torch.int32, device=device))
 
 
-def expand_variant_of(stack: LoraStack, num_rows: int, num_sms: int) -> int:
-    """The compiled variant (its column tiles) ``expand_rows`` launches at ``num_rows`` rows."""
+def expand_variant_of(stack: LoraStack, num_rows: int, num_sms: int) -> tuple:
+    """The compiled variant ``expand_rows`` launches at ``num_rows`` rows (of
+    the stack's dtype): its kernel and column tiles or columns."""
     num_shards, _, max_rank, k = stack.a.shape
     max_out = max(stack.output_sizes)
-    return _pick_tiles(num_rows, num_shards, max_out, max_rank, _rows_blocks(max_rank, k, max_out)[2], num_sms)
+    if takes_tiles(stack, num_rows, num_sms):
+        return "tiles", _tile_cols(num_rows, num_shards, max_out, num_sms)
+    return "rows", _pick_tiles(num_rows, num_shards, max_out, max_rank, _rows_blocks(max_rank, k, max_out)[2], num_sms)
 
 
 def _expand_row_counts(stack: LoraStack, max_num_rows: int, num_sms: int) -> list[int]:
     """The smallest row count of each distinct ``expand_variant_of`` a fused stack takes (``fuses_rows``)."""
-    seen: dict[int, int] = {}
+    seen: dict[tuple, int] = {}
     for num_rows in range(1, max_num_rows + 1):
         if uses_fused_rows(num_rows):
             seen.setdefault(expand_variant_of(stack, num_rows, num_sms), num_rows)
@@ -578,13 +759,18 @@ def variant_of(stack: LoraStack, num_rows: int, num_sms: int) -> tuple:
     if kernel == "bgmv":
         block_n = _rows_blocks(max_rank, k, max_out)[2]
         return kernel, _pick_tiles(num_rows, num_shards, max_out, max_rank if stack.is_embedding else k, block_n, num_sms)
+    if kernel == "gemm":
+        return kernel, *expand_variant_of(stack, num_rows, num_sms)
     return kernel, *_split_blocks(num_rows, num_shards, k, max_out, num_sms)
 
 
 def _variant_row_counts(stack: LoraStack, max_num_rows: int, num_sms: int) -> list[int]:
-    """The smallest row count of each distinct ``variant_of`` at 1 to ``max_num_rows`` rows."""
+    """The smallest row count of each distinct ``variant_of`` at 1 to ``max_num_rows`` rows (of those a
+    fused stack takes ``rows_delta`` at: from ``MIN_SPLIT_FUSED_ROWS``)."""
     seen: dict[tuple, int] = {}
     for num_rows in range(1, max_num_rows + 1):
+        if stack.fused and uses_fused_rows(num_rows):
+            continue
         seen.setdefault(variant_of(stack, num_rows, num_sms), num_rows)
     return sorted(seen.values())
 

@@ -39,9 +39,10 @@ import triton
 import triton.language as tl
 
 from mstar_actors import triton_launch
+from mstar_actors.lora.triton_ops import _b_tile, _fold_dot
 
 from .deltanet_ops import Gates
-from .triton_fused import _b_tile, _fold_dot, fold_args, fold_block_r
+from .triton_fused import fold_args, fold_block_r
 
 # Value columns a program and its warps: narrow tiles while the grid is small
 # (few rows), wider ones past ``WIDE_FROM`` rows x value heads, where fewer,

@@ -33,7 +33,8 @@ so graphs and eager steps agree:
 the GEMM before them (``LoraLinear.forward_parts``), added as they load and
 rounded as ``y.add_(delta)`` would round it; they, ``norm_rope_write_kv``
 and ``rms_norm`` (to the residual) take a fused linear's expand still to
-do, rounded as ``expand_rows`` rounds it.
+do, rounded as ``expand_rows`` rounds it: as its one-row programs sum
+(``silu_mul`` from 16 rows: as its tiles of rows' dots).
 
 On by default (``enabled``); ``tools/profile_gpu_step.py --fused-ops both``
 times the step with and without them.
@@ -50,6 +51,7 @@ import triton
 import triton.language as tl
 
 from mstar_actors import triton_launch
+from mstar_actors.lora.triton_ops import _b_tile, _fold_dot, _next_slot
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_WIDTH = 16384  # a row a program holds whole (hidden sizes up to 16k)
@@ -170,43 +172,6 @@ def _row_slot(lslot_ptr, row, R, BLOCK_R: tl.constexpr):
     live = lslot != 0
     offs_r = tl.arange(0, BLOCK_R)
     return lslot, live, offs_r, offs_r < tl.where(live, R, 0)
-
-
-@triton.jit
-def _b_tile(b_ptr, stride_bs, stride_bn, slot, first, cols, mask, offs_r, mask_r):
-    """``B[slot, first + cols, :]`` of a LoRA stack, ``[BLOCK, BLOCK_R]``, zeros where masked."""
-    return tl.load(b_ptr + slot * stride_bs + (first + cols)[:, None].to(tl.int64) * stride_bn + offs_r[None, :],
-                   mask=mask[:, None] & mask_r[None, :], other=0.0)
-
-
-@triton.jit
-def _fold_dot(t_ptr, stride_t, rows, lslot, slot, shard, num_slots, offs_r, R, b, scale, F32: tl.constexpr,
-              DOT: tl.constexpr):
-    """The expand of the tile's rows on adapter ``slot`` for one shard, ``[ROWS, BLOCK]`` float32 (zero on
-    the other rows): their shrink ``[ROWS, BLOCK_R]`` (the fused GEMM's A columns) times ``b``
-    (``_b_tile``) transposed. ``DOT`` (tiles of ``FOLD_ROWS``): one ``tl.dot``, the tensor cores in half
-    precision, exact float32 products in float32, then ``scale`` (so a row's expand may differ in its last
-    bit between steps of fewer and of 16 or more rows, as a GEMM's may between batch sizes). On the H200 at
-    Qwen3.5-0.8B's gate|up, 64 / 256 rows of one adapter, silu_mul's fold took 2.1 / 3.3 us against 4.1 /
-    12.3 as a sum of broadcast products; below 16 rows (one a program, ``fold_rows``) the sum, scaled first, took less
-    (1.6 against 1.75 us at 8 rows, 1.8 against 4.6 with 4 adapters)."""
-    mine = (lslot == slot) & (lslot != 0)
-    t = tl.load(t_ptr + rows[:, None] * stride_t + (shard * num_slots + slot) * R + offs_r[None, :],
-                mask=mine[:, None] & (offs_r < R)[None, :], other=0.0)
-    if not DOT:  # one row: its shrink as a vector (a sum over the one row is itself), as _plus_expand sums
-        return tl.sum(b.to(tl.float32) * (tl.sum(t.to(tl.float32), axis=0) * scale)[None, :], axis=1)[None, :]
-    if F32:
-        d = tl.dot(t.to(tl.float32), tl.trans(b).to(tl.float32), input_precision="ieee")
-    else:
-        d = tl.dot(t, tl.trans(b))
-    return d * scale
-
-
-@triton.jit
-def _next_slot(lslot, done):
-    """The largest adapter slot among a tile's rows not in ``done`` (0: none left) and ``done`` with it."""
-    slot = tl.max(tl.where(done, 0, lslot), axis=0)
-    return slot, done | (lslot == slot)
 
 
 @triton.jit

@@ -159,12 +159,17 @@ def test_split_blocks_cover_k_and_fill_the_device_without_crowding_it(shape):
 
 
 def test_kernel_for_routes_by_row_count(monkeypatch):
-    assert [triton_ops.kernel_for(n) for n in (1, 63, 64, 2048)] == ["bgmv", "bgmv", "split", "split"]
+    gemm, split = triton_ops.MIN_GEMM_ROWS, triton_ops.MIN_SPLIT_ROWS
+    assert [triton_ops.kernel_for(n) for n in (1, gemm - 1, gemm, split - 1, split, 2048)] == [
+        "bgmv", "bgmv", "gemm", "gemm", "split", "split"]
     fused = triton_ops.MIN_SPLIT_FUSED_ROWS  # a fused stack's own threshold
     assert triton_ops.uses_fused_rows(fused - 1) and not triton_ops.uses_fused_rows(fused)
     monkeypatch.setattr(triton_ops, "MIN_SPLIT_ROWS", 16)
     assert [triton_ops.kernel_for(n) for n in (1, 15, 16, 127, 2048)] == ["bgmv", "bgmv", "split", "split", "split"]
-    assert not triton_ops.uses_single_rows(16) and triton_ops.uses_single_rows(15)
+    assert triton_ops.needs_row_groups(16) and not triton_ops.needs_row_groups(15)
+    monkeypatch.setattr(triton_ops, "MIN_SPLIT_ROWS", 64)
+    assert [triton_ops.kernel_for(n) for n in (15, 16, 63, 64)] == ["bgmv", "gemm", "gemm", "split"]
+    assert not triton_ops.needs_row_groups(63)  # the GEMM's shrink takes no groups
 
 
 @interpreted
@@ -398,10 +403,13 @@ def test_fused_linears_decode_through_rows_equals_segments(fused_runner, kernel,
 
 
 @interpreted
-def test_expand_kernel_equals_rows_reference():
+@pytest.mark.parametrize("num_rows", [9, 21, 40])
+def test_expand_kernel_equals_rows_reference(num_rows, monkeypatch):
     """``expand_rows`` over a fused stack's GEMM output: each row's own
     slot's columns of ``t``, every shard, base rows and an untargeted shard
-    left bit-identical."""
+    left bit-identical; by rows below ``MIN_TILE_ROWS``, by tiles of rows
+    from it (several slots in a tile, a partial last tile at 21 and 40)."""
+    monkeypatch.setattr(triton_ops, "MIN_TILE_PROGRAMS_PER_SM", 0)  # tiles at any width (these are narrow)
     seed = random.randrange(2**31)
     print(f"seed={seed}")
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
@@ -410,13 +418,14 @@ def test_expand_kernel_equals_rows_reference():
     weight = torch.randn(144, 72, generator=gen)
     fused, _ = stack.fuse_under(weight, None)
     assert stack.fused and stack.a.data_ptr() == fused[144:].data_ptr()
-    slots = random_slots(rng, 21)
-    x = torch.randn(21, 72, generator=gen)
+    slots = random_slots(rng, num_rows)
+    x = torch.randn(num_rows, 72, generator=gen)
     out = x @ fused.T
     y0 = out[:, :144].clone()
     want = stack.add_delta(x @ weight.T, x, build_segments(slots))
-    for tiles in (None, 2):
-        got = triton_ops.expand_rows(stack, y0.clone(), out[:, 144:], int32(slots), tiles=tiles)
+    assert triton_ops.expand_variant_of(stack, num_rows, 4)[0] == ("tiles" if num_rows >= 16 else "rows")
+    for tiles, block_n in ((None, None), (2, 32)):
+        got = triton_ops.expand_rows(stack, y0.clone(), out[:, 144:], int32(slots), tiles=tiles, block_n=block_n)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         base_rows = [t for t, s in enumerate(slots) if s == 0]
         assert torch.equal(got[base_rows], y0[base_rows])
@@ -424,6 +433,22 @@ def test_expand_kernel_equals_rows_reference():
         assert torch.equal(got[on_two, 96:144], y0[on_two, 96:144])
     ref = stack.add_delta_expand(y0.clone(), out[:, 144:], int32(slots))  # CPU: the torch reference
     torch.testing.assert_close(ref, want, rtol=1e-4, atol=1e-4)
+
+
+@interpreted
+def test_gemm_rows_equals_the_segment_path(monkeypatch):
+    """An unfused stack from ``MIN_GEMM_ROWS`` rows: every slot's shrink in one GEMM, then the tiled
+    expand; base rows bit-identical, the groups never made."""
+    monkeypatch.setattr(triton_ops, "MIN_TILE_PROGRAMS_PER_SM", 0)
+    gen = torch.Generator().manual_seed(5)
+    stack = make_stack(gen, 64, (96,))
+    slots = [[0, 2, 1, 3, 0][i % 5] for i in range(20)]
+    x, y0 = torch.randn(20, 64, generator=gen), torch.randn(20, 96, generator=gen)
+    want = stack.add_delta(y0.clone(), x, build_segments(slots))
+    assert triton_ops.kernel_for(20) == "gemm" and on_kernels(stack).row_groups(int32(slots)) is None
+    got = on_kernels(stack).add_delta_rows(y0.clone(), x, int32(slots))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got[0::5], y0[0::5])
 
 
 @pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=interpreted)])

@@ -226,7 +226,7 @@ def _assert_left_alone(y, y0, slots, untargeted: slice) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("num_rows", [1, 8, 32, 63])
+@pytest.mark.parametrize("num_rows", [1, 8, 16, 32, 63, 256])
 @pytest.mark.parametrize("linear", ["qkv", "o", "gate_up", "down"])
 def test_fused_gemm_and_expand_match_reference(triton_ops, linear, num_rows, dtype):
     """Every slot's A under the weight: the one GEMM's first columns are the
@@ -241,6 +241,21 @@ def test_fused_gemm_and_expand_match_reference(triton_ops, linear, num_rows, dty
     y0 = out[:, :n].clone()
     y = triton_ops.expand_rows(stack, out[:, :n], out[:, n:], slots)
     _assert_delta(y, base, _reference(stack, x, build_segments(slots.tolist())), _TOL[dtype])
+    _assert_left_alone(y, y0, slots, untargeted)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_rows", [16, 64, 256])
+@pytest.mark.parametrize("linear", ["qkv", "lm_head"])
+def test_gemm_rows_match_reference(triton_ops, linear, num_rows, dtype):
+    """An unfused stack (the LM head's) between ``MIN_GEMM_ROWS`` and ``MIN_SPLIT_ROWS`` rows: its own
+    GEMM's shrink, then the expand."""
+    gen, stack, untargeted, slots = _with_an_untargeted_shard(linear, num_rows, dtype)
+    assert triton_ops.kernel_for(num_rows) == "gemm"
+    x = torch.randn(num_rows, stack.in_features, generator=gen).to(dtype).cuda()
+    y0 = torch.randn(num_rows, stack.offsets[-1], generator=gen).to(dtype).cuda()
+    y = triton_ops.rows_delta(stack, y0.clone(), x, slots)
+    _assert_delta(y, y0, _reference(stack, x, build_segments(slots.tolist())), _TOL[dtype])
     _assert_left_alone(y, y0, slots, untargeted)
 
 

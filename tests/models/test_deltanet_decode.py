@@ -241,7 +241,7 @@ def test_conv_step_folds_in_projs_expand_as_expand_rows_would(sizes, conv_shards
     more is left to ``expand_rows`` (None, nothing done). (The GPU suite runs
     it compiled, where ``expand_rows`` sums the rank's products in another
     order: there the two agree to float32's rounding.)"""
-    from .test_triton_fused import FOLD_SLOTS, assert_close_to_expand, pending_expand, reversed_rows
+    from .test_triton_fused import FOLD_SLOTS, assert_close_to_expand, by_rows, pending_expand, reversed_rows
 
     gen = torch.Generator().manual_seed(12)
     row_slots = (FOLD_SLOTS["3-rows"] if rows == "3-rows"
@@ -256,7 +256,8 @@ def test_conv_step_folds_in_projs_expand_as_expand_rows_would(sizes, conv_shards
     slots = torch.arange(1, num_rows + 1, device=device)
     context_lens = torch.tensor([1 if i % 4 == 1 else 3 + i for i in range(num_rows)], dtype=torch.int32, device=device)
     want = out.clone()
-    expand._replace(t=want[:, width:]).apply(want[:, :width])
+    with by_rows():  # one program a row, as the fold sums (tiles of rows' dots round otherwise)
+        expand._replace(t=want[:, width:]).apply(want[:, :width])
     want_conv = conv.clone()
     want_out = conv_step(want[:, :width], weight, want_conv, slots, context_lens)
     again, again_conv = out.clone(), conv.clone()
