@@ -92,8 +92,8 @@ def _fold_dot(t_ptr, stride_t, rows, lslot, slot, shard, num_slots, offs_r, R, b
     precision, exact float32 products in float32, then ``scale`` (so a row's expand may differ in its last
     bit between steps of fewer and of 16 or more rows, as a GEMM's may between batch sizes). On the H200 at
     Qwen3.5-0.8B's gate|up, 64 / 256 rows of one adapter, silu_mul's fold took 2.1 / 3.3 us against 4.1 /
-    12.3 as a sum of broadcast products; below 16 rows (one a program, ``triton_fused.fold_rows``) the sum, scaled first, took less
-    (1.6 against 1.75 us at 8 rows, 1.8 against 4.6 with 4 adapters)."""
+    12.3 as a sum of broadcast products; below 16 rows (one a program, ``triton_fused.fold_rows``) the sum,
+    scaled first, took less (1.6 against 1.75 us at 8 rows, 1.8 against 4.6 with 4 adapters)."""
     mine = (lslot == slot) & (lslot != 0)
     t = tl.load(t_ptr + rows[:, None] * stride_t + (shard * num_slots + slot) * R + offs_r[None, :],
                 mask=mine[:, None] & (offs_r < R)[None, :], other=0.0)
@@ -111,7 +111,6 @@ def _next_slot(lslot, done):
     """The largest adapter slot among a tile's rows not in ``done`` (0: none left) and ``done`` with it."""
     slot = tl.max(tl.where(done, 0, lslot), axis=0)
     return slot, done | (lslot == slot)
-
 
 
 @triton.jit
@@ -350,7 +349,7 @@ def takes_tiles(stack: LoraStack, num_rows: int, num_sms: int) -> bool:
     return programs >= MIN_TILE_PROGRAMS_PER_SM * num_sms
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # any row count one variant: warm_up compiles each at one count
 def _tiles_kernel(
     t_ptr, b_ptr, scales_ptr, y_ptr, offsets_ptr, slots_ptr,
     M, R, NUM_SLOTS, NUM_GROUPS,
