@@ -16,7 +16,8 @@ reported in its row and the run goes on; the exit status is 1 if any failed.
 ``--decode`` prints the decode-step table instead: for batches of 1, 8, 32
 and 64 rows (one per sequence) and each linear, the time per call of the
 base GEMM and of the rows kernels (``add_delta_rows``: one program per row
-below ``MIN_SPLIT_ROWS``, rows grouped by slot from there), eager and inside one
+below ``MIN_GEMM_ROWS``, a GEMM's shrink and one expand below ``MIN_SPLIT_ROWS``,
+rows grouped by slot from there), eager and inside one
 CUDA graph of 66 back-to-back calls (a Llama-3.2-1B decode step makes 66
 LoRA calls: 16 layers x 4 linears, embedding, LM head). Eager times are the
 wall time of 66 back-to-back calls / 66, launch overhead included, as an
