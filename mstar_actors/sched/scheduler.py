@@ -73,13 +73,18 @@ class _StepBuilder:
         self.started: list[SeqStart] = []
         self.snapshots: dict[str, tuple[int, bytes]] = {}  # request id -> (reserved slot, prefix hash)
 
-    def add(self, seq: Sequence, num_tokens: int, snapshot: tuple[int, bytes] | None = None) -> None:
+    def add(self, seq: Sequence, num_tokens: int, snapshot: tuple[int, bytes] | None = None,
+            start: int | None = None, num_left: int | None = None) -> None:
+        """A chunk of ``num_tokens`` of ``seq`` from ``start`` (its ``num_scheduled``), of the
+        ``num_left`` it has ahead: the caller's, where it read them already."""
+        if start is None:
+            start, num_left = seq.num_scheduled, seq.num_tokens_ahead - seq.num_scheduled
         chunk = ScheduledChunk(
             request_id=seq.request_id,
-            num_computed=seq.num_scheduled,
+            num_computed=start,
             num_tokens=num_tokens,
             block_ids=list(seq.block_ids),
-            sample=seq.num_scheduled + num_tokens == seq.num_tokens_ahead,
+            sample=num_tokens == num_left,
             snapshot=-1 if snapshot is None else snapshot[0],
             lora_slot=seq.lora_slot,
         )
@@ -377,32 +382,37 @@ class Scheduler:
         return dict(copy_media=copies, drop_media=drops, release_media=releases)
 
     def _schedule_running(self, step: _StepBuilder, decodes: bool) -> None:
+        # A row at a time over every running sequence, every step: the conductor's
+        # largest cost at hundreds of rows, so each fact is read once a row.
+        chunks, hybrid = step.chunks, self.snapshots is not None
         for seq in list(self.running):
             if step.budget == 0:
                 return
-            if seq.status is not SeqStatus.RUNNING or seq.request_id in step.chunks or seq.lora_slot == PARKED:
+            if seq.status is not SeqStatus.RUNNING or seq.request_id in chunks or seq.lora_slot == PARKED:
                 continue  # preempted, already scheduled this step, or parked
-            if self._ends_in_flight(seq):
+            ahead = seq.num_tokens_ahead
+            if seq.num_samples_in_flight and self._ends_in_flight(seq, ahead):
                 continue
-            num_left = seq.num_tokens_ahead - seq.num_scheduled
+            start = seq.num_scheduled
+            num_left = ahead - start
             if (num_left == 1) != decodes:
                 continue
-            num_new = self._snapshot_point_cut(seq, seq.num_scheduled, min(num_left, step.budget))
-            if self._reserve_blocks(seq, num_new, step):
-                step.add(seq, num_new, self._snapshot_to_take(seq, num_new))
+            num_new = min(num_left, step.budget)
+            if hybrid:
+                num_new = self._snapshot_point_cut(seq, start, num_new)
+            if self._reserve_blocks(seq, start + num_new, step):
+                step.add(seq, num_new, self._snapshot_to_take(seq, num_new) if hybrid else None, start, num_left)
 
-    def _ends_in_flight(self, seq: Sequence) -> bool:
-        """Whether a token being sampled in flight ends ``seq`` whatever it is
-        (its ``max_tokens``, or the context): then no row is planned past it."""
-        if not seq.num_samples_in_flight:
-            return False
-        num_outputs = seq.num_output_tokens + seq.num_samples_in_flight
-        return num_outputs >= seq.max_tokens or seq.num_tokens_ahead >= self.max_model_len
+    def _ends_in_flight(self, seq: Sequence, ahead: int) -> bool:
+        """Whether a token being sampled in flight ends ``seq`` (``ahead``: its
+        ``num_tokens_ahead``) whatever it is (its ``max_tokens``, or the
+        context): then no row is planned past it."""
+        return ahead - seq.num_prompt_tokens >= seq.max_tokens or ahead >= self.max_model_len
 
-    def _reserve_blocks(self, seq: Sequence, num_new: int, step: _StepBuilder) -> bool:
-        """Blocks for ``num_new`` more tokens of a running ``seq``, preempting
+    def _reserve_blocks(self, seq: Sequence, stop: int, step: _StepBuilder) -> bool:
+        """Blocks for a running ``seq``'s tokens up to ``stop``, preempting
         the latest admitted sequences (maybe ``seq`` itself) until they fit."""
-        num_needed = _cdiv(seq.num_scheduled + num_new, self.block_size) - len(seq.block_ids)
+        num_needed = _cdiv(stop, self.block_size) - len(seq.block_ids)
         if num_needed <= 0:
             return True  # most decodes: the last block still has room
         while not self.allocator.can_allocate(num_needed):
@@ -588,20 +598,22 @@ class Scheduler:
 
     def _append_token(self, seq: Sequence, token: SampledToken) -> list[ConductorToFrontend]:
         seq.output_token_ids.append(token.token_id)
-        num_prompt = seq.num_prompt_tokens if seq.num_output_tokens == 1 else 0
+        num_outputs = len(seq.output_token_ids)
+        num_prompt = seq.num_prompt_tokens if num_outputs == 1 else 0
         outputs: list[ConductorToFrontend] = [TokenDelta(seq.request_id, [token], num_prompt)]
-        ending = self._stop_reason(seq, token.token_id)
+        ending = self._stop_reason(seq, token.token_id, num_outputs)
         if ending is not None:
             outputs.append(self._finish(seq, *ending))
         return outputs
 
-    def _stop_reason(self, seq: Sequence, token_id: int) -> tuple[str, int | None] | None:
-        is_stoppable = seq.num_output_tokens >= seq.sampling.min_tokens  # the sampler masks them too
-        if is_stoppable and token_id in self.eos_token_ids and not seq.sampling.ignore_eos:
-            return "stop", token_id
-        if is_stoppable and token_id in seq.sampling.stop_token_ids:
-            return "stop", token_id
-        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+    def _stop_reason(self, seq: Sequence, token_id: int, num_outputs: int) -> tuple[str, int | None] | None:
+        sampling = seq.sampling
+        if num_outputs >= sampling.min_tokens:  # the sampler masks stops before it too
+            if token_id in self.eos_token_ids and not sampling.ignore_eos:
+                return "stop", token_id
+            if token_id in sampling.stop_token_ids:
+                return "stop", token_id
+        if num_outputs >= seq.max_tokens or seq.num_prompt_tokens + num_outputs >= self.max_model_len:
             return "length", None
         return None
 
