@@ -39,6 +39,8 @@ bit from cuBLAS's, the same in every step of the same size.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -56,22 +58,39 @@ MAX_ROWS = 8
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
-def pick(n: int, k: int, m: int = 1) -> tuple[int, int, int, int]:
+# What a split over the inputs costs beyond its share of the weight (its float32
+# partials written, then added by the tile's last program), in inputs a program
+# reads: ``pick``'s one measured constant.
+SPLIT_COST = 256
+
+
+def pick(n: int, k: int, m: int = 1, num_sms: int = 132) -> tuple[int, int, int, int]:
     """``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps)`` for an ``[n, k]`` weight and
-    ``m`` rows: tiles of 64 x 256 (32 KiB of bf16), 64 x 128 past 32 rows
-    (whose x tiles would not fit the shared memory beside the weight's
-    otherwise); a weight of at most 64 such output tiles is split over its
-    inputs as well, while the programs stay within 256 and each takes at
-    least 512 inputs. On the H200 (``tools/check_linear_kernels.py --sweep``,
-    one row) the fastest configurations of every Llama-3.2-1B and 3.1-8B
-    linear were of this form or within 5% of it; a split of a weight with
-    more tiles (3.1-8B's q|k|v) lost to none, its partials' sum costing more
-    than the programs gained."""
+    ``m`` rows on ``num_sms`` multiprocessors: tiles of 64 x 256 (32 KiB of
+    bf16), 64 x 128 past 32 rows (whose x tiles would not fit the shared
+    memory beside the weight's otherwise), and the split over the inputs
+    that ends soonest: a program a multiprocessor at a time, so the inputs
+    each program reads times the programs' waves (``ceil(tiles * split /
+    num_sms)``), plus ``SPLIT_COST`` for any split; at most two waves, at
+    least 512 inputs a split, at most 16; on a tie the more programs. On
+    the H200 (132 multiprocessors; every split of a weight timed, one and 8
+    rows) this picked the fastest split of Llama-3.2-1B's and 3.1-8B's
+    linears or one within 6% of it, with and without every LoRA slot's A
+    under them: 34 tiles, Llama-3.2-1B's down with four slots' A, take 7
+    splits (8.9 us against 11.4 at 4: 136 programs left 4 to a second
+    wave); 65, 8B's o and down with two slots', 4 (8.2 and 30.5 us against
+    11.5 and 37.8 unsplit, which the 64-tile rule before left them); 96,
+    8B's q|k|v, none (14.4 against 17.3 at 2)."""
+    block_k = 256 if block_m(m) <= 32 else 128
     tiles = triton.cdiv(n, 64)
-    split = 1
-    while tiles <= 64 and tiles * split * 2 <= 256 and k // (split * 2) >= 512 and split < 16:
-        split *= 2
-    return 64, 256 if block_m(m) <= 32 else 128, split, 4
+    best = (triton.cdiv(tiles, num_sms) * triton.cdiv(k, block_k) * block_k, 1)
+    split = 2
+    while split <= 16 and k // split >= 512 and tiles * split <= 2 * num_sms:
+        cost = triton.cdiv(tiles * split, num_sms) * triton.cdiv(triton.cdiv(k, split), block_k) * block_k + SPLIT_COST
+        if cost <= best[0]:
+            best = (cost, split)
+        split += 1
+    return 64, block_k, best[1], 4
 
 
 def block_m(m: int) -> int:
@@ -154,6 +173,13 @@ class _Workspace:
 _workspace = _Workspace()
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter's: as on the H200
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x @ weight.T`` takes the kernel (see the module's docstring)."""
     return (enabled and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES
@@ -179,7 +205,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Triton's interpreter)."""
     m, k = x.shape
     n = weight.shape[0]
-    block_n, block_k, split, warps = config or pick(n, k, m)
+    block_n, block_k, split, warps = config or pick(n, k, m, _num_sms(x.device))
     tiles = triton.cdiv(n, block_n)
     rows = block_m(m)
     parts, counts = _workspace.get(x.device, split * rows, n, tiles)

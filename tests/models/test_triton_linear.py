@@ -27,6 +27,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch
     (3, 70, 96, (16, 32, 4, 4), True),    # four splits, the last one reading only padding
     (8, 33, 128, (32, 64, 1, 4), True),   # one split: no workspace, the bias added at once
     (5, 16, 200, (16, 64, 4, 4), False),  # inputs not a multiple of the tile
+    (2, 40, 224, (16, 32, 7, 4), True),   # seven splits (not a power of two), the last one short
     (24, 40, 64, (16, 32, 2, 4), True),   # a tile of 32 rows
     (32, 20, 64, (16, 32, 2, 4), False),  # a tile of 32 rows
     (64, 24, 96, (16, 32, 2, 4), True),   # the most rows it takes
@@ -69,15 +70,21 @@ def test_linear_takes_only_decode_sized_cuda_half_steps():
 
 
 def test_pick_spreads_small_weights_over_the_device():
-    """``pick``: 64 x 256 tiles; a weight of at most 64 tiles split over its
-    inputs while the programs stay within 256 and each split takes at least
-    512 inputs."""
+    """``pick``: 64 x 256 tiles; the split over the inputs whose programs,
+    one a multiprocessor at a time (132), end soonest: at most two waves,
+    at least 512 inputs a split."""
     assert triton_linear.pick(2048, 8192) == (64, 256, 8, 4)   # Llama-3.2-1B's down: 32 tiles x 8
     assert triton_linear.pick(2048, 2048) == (64, 256, 4, 4)   # its o: 512 inputs a split
     assert triton_linear.pick(3072, 2048) == (64, 256, 4, 4)   # its q|k|v: 48 tiles x 4
     assert triton_linear.pick(16384, 2048) == (64, 256, 1, 4)  # gate|up: 256 tiles already
     assert triton_linear.pick(4096, 14336) == (64, 256, 4, 4)  # Llama-3.1-8B's down: 64 x 4
     assert triton_linear.pick(6144, 4096) == (64, 256, 1, 4)   # its q|k|v: 96 tiles, not split
+    # with every LoRA slot's A under the weight: 8B's down with two slots' (65 tiles) still x 4, not
+    # left unsplit; 1B's down with four slots' (34 tiles) x 7, as 136 programs would leave 4 to a second wave
+    assert triton_linear.pick(4096 + 48, 14336) == (64, 256, 4, 4)
+    assert triton_linear.pick(4096 + 48, 4096) == (64, 256, 4, 4)
+    assert triton_linear.pick(2048 + 80, 8192) == (64, 256, 7, 4)
+    assert triton_linear.pick(2048 + 80, 8192, num_sms=144) == (64, 256, 8, 4)  # on 144: two waves of 136
     assert [triton_linear.block_m(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
     # past 32 rows the inputs' tile halves, so both tiles' stages fit the shared memory
     assert triton_linear.pick(2048, 8192, 64) == (64, 128, 8, 4)
