@@ -42,7 +42,7 @@ import random
 import sys
 from dataclasses import dataclass, field
 
-from mstar_actors.lora.adapter_pool import AdapterPool, Admit, MoveRows
+from mstar_actors.lora.adapter_pool import QUANTUM_STEPS, AdapterPool, Admit, MoveRows
 from mstar_actors.messages import (
     AdapterHostRef,
     AdapterInstalled,
@@ -94,9 +94,10 @@ class _Sim:
     a scripted reader, ranks and clients."""
 
     def __init__(self, concurrency, max_loras, num_adapters, max_tokens, num_requests, install_steps, read_steps,
-                 client_steps, client_jitter=0, seed=0):
+                 client_steps, client_jitter=0, seed=0, quantum_steps=QUANTUM_STEPS):
         self.names = [f"lora{i}" for i in range(num_adapters)]
-        self.adapter_pool = AdapterPool("base", max_loras, num_ranks=1, max_cpu_loras=num_adapters + 1)
+        self.adapter_pool = AdapterPool("base", max_loras, num_ranks=1, max_cpu_loras=num_adapters + 1,
+                                        quantum_steps=quantum_steps)
         for name in self.names:
             self.adapter_pool.adapters[name] = _adapter(name)
         self.sched = Scheduler(num_blocks=concurrency * 20 + 64, block_size=16, max_num_seqs=max(concurrency, 8),
@@ -218,11 +219,12 @@ def _digest(name: str) -> str:
 
 def simulate(concurrency: int, *, max_loras: int = 2, num_adapters: int = 3, max_tokens: int = 64,
              num_requests: int | None = None, install_steps: int = 1, read_steps: int = 1,
-             client_steps: int = 1, client_jitter: int = 0, waves: int = 8) -> SimResult:
+             client_steps: int = 1, client_jitter: int = 0, waves: int = 8,
+             quantum_steps: int = QUANTUM_STEPS) -> SimResult:
     """One run; ``num_requests`` defaults to ``waves`` waves of ``concurrency`` (at least 48)."""
     num_requests = num_requests or max(waves * concurrency, 48)
     return _Sim(concurrency, max_loras, num_adapters, max_tokens, num_requests, install_steps, read_steps,
-                client_steps, client_jitter).run()
+                client_steps, client_jitter, quantum_steps=quantum_steps).run()
 
 
 def table(levels: list[int], **kw) -> str:
@@ -259,11 +261,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=None, help="per level (default: --waves waves, at least 48)")
     p.add_argument("--waves", type=int, default=8,
                    help="requests per level = waves x concurrency, at least 48 (default 8; bench_lora runs 3)")
+    p.add_argument("--quantum", type=int, default=QUANTUM_STEPS,
+                   help=f"a tenant's turn in steps, at least (default {QUANTUM_STEPS})")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     print(table(levels, max_loras=args.max_loras, num_adapters=args.adapters, max_tokens=args.max_tokens,
                 install_steps=args.install_steps, read_steps=args.read_steps, num_requests=args.requests,
-                client_steps=args.client_steps, client_jitter=args.client_jitter, waves=args.waves))
+                client_steps=args.client_steps, client_jitter=args.client_jitter, waves=args.waves,
+                quantum_steps=args.quantum))
     return 0
 
 
