@@ -89,7 +89,8 @@ def _fold_dot(t_ptr, stride_t, rows, lslot, slot, shard, num_slots, offs_r, R, b
     """The expand of the tile's rows on adapter ``slot`` for one shard, ``[ROWS, BLOCK]`` float32 (zero on
     the other rows): their shrink ``[ROWS, BLOCK_R]`` (the fused GEMM's A columns) times ``b``
     (``_b_tile``) transposed. ``DOT`` (tiles of ``TILE_ROWS``): one ``tl.dot``, the tensor cores in half
-    precision, exact float32 products in float32, then ``scale`` (so a row's expand may differ in its last
+    precision, exact float32 products where ``F32`` (a float32 stack, or ``gemm_rows``' float32 shrink),
+    then ``scale`` (so a row's expand may differ in its last
     bit between steps of fewer and of 16 or more rows, as a GEMM's may between batch sizes). On the H200 at
     Qwen3.5-0.8B's gate|up, 64 / 256 rows of one adapter, silu_mul's fold took 2.1 / 3.3 us against 4.1 /
     12.3 as a sum of broadcast products; below 16 rows (one a program, ``triton_fused.fold_rows``) the sum,
@@ -286,7 +287,8 @@ def expand_rows(stack: LoraStack, y: torch.Tensor, t: torch.Tensor, row_slots: t
     whose base GEMM wrote ``t = x @ A.T`` for every shard and slot beside
     ``y`` (t's column ``(shard * num_slots + slot) * max_rank + r`` is A's
     row ``[shard, slot, r]``), or of a stack whose shrink was a GEMM of its
-    own (``gemm_rows``).
+    own (``gemm_rows``: ``t`` in float32, whose products the tiles then
+    take in float32 too).
 
     ``bgmv_rows`` without its shrink (the same programs, the same early
     exits: base rows, untargeted shards; the same column tiles, B read once
@@ -302,7 +304,7 @@ def expand_rows(stack: LoraStack, y: torch.Tensor, t: torch.Tensor, row_slots: t
         raise ValueError(f"LoRA expand: t is {tuple(t.shape)}; accepted: [{num_rows}, {num_shards * num_slots * max_rank}] "
                          "(rows x shards x slots x max_rank, the fused GEMM's A columns)")
     b, scales = stack.b, stack.scales
-    if t.dtype == b.dtype and t.stride(1) == 1 and takes_tiles(stack, num_rows, _num_sms(y.device)):
+    if t.dtype in (b.dtype, torch.float32) and t.stride(1) == 1 and takes_tiles(stack, num_rows, _num_sms(y.device)):
         return _expand_tiles(stack, y, t, row_slots, block_n)
     block_r, _, cols, warps = _rows_blocks(max_rank, k, max_out)
     tiles = tiles or _pick_tiles(num_rows, num_shards, max_out, max_rank, cols, _num_sms(y.device))
@@ -417,7 +419,7 @@ def _expand_tiles(stack: LoraStack, y: torch.Tensor, t: torch.Tensor, row_slots:
         t, b, scales, y, stack.offsets_on(y.device), row_slots,
         num_rows, max_rank, num_slots, num_groups,
         t.stride(0), b.stride(0), b.stride(1), scales.stride(0), scales.stride(1), y.stride(0), y.stride(1),
-        F32=b.dtype == torch.float32, BLOCK_M=TILE_ROWS, BLOCK_N=block_n, BLOCK_R=_block_r(max_rank),
+        F32=torch.float32 in (b.dtype, t.dtype), BLOCK_M=TILE_ROWS, BLOCK_N=block_n, BLOCK_R=_block_r(max_rank),
         num_warps=4, **triton_launch.options(y),
     )  # fmt: skip
     return y
@@ -432,7 +434,9 @@ def gemm_rows(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: tor
     num_shards, num_slots, max_rank, k = stack.a.shape
     if x.dtype != stack.a.dtype:
         raise TypeError(f"LoRA rows delta: x is {x.dtype} and A is {stack.a.dtype}; accepted: the same dtype")
-    t = torch.mm(x, stack.a.reshape(num_shards * num_slots * max_rank, k).T)
+    # In float32, as bgmv_rows keeps a row's shrink: rounded to the dtype it would change the row's
+    # logits between steps on either side of MIN_GEMM_ROWS (a graph's padded bucket and the eager step).
+    t = torch.mm(x.float(), stack.a.reshape(num_shards * num_slots * max_rank, k).float().T)
     return expand_rows(stack, y, t, row_slots)
 
 

@@ -451,6 +451,26 @@ def test_gemm_rows_equals_the_segment_path(monkeypatch):
     assert torch.equal(got[0::5], y0[0::5])
 
 
+def test_gemm_rows_keeps_the_shrink_in_float32_as_bgmv_rows(monkeypatch):
+    """In half precision a row's delta from ``MIN_GEMM_ROWS`` rows (one GEMM's
+    shrink, the tiles' expand) is ``bgmv_rows``' below them to within a last
+    bit here and there: both keep the shrink in float32. Rounded to the dtype
+    first, hundreds of its values would move, and a token's logits with
+    them, between a graph's padded bucket and the eager step of its rows."""
+    monkeypatch.setattr(triton_ops, "MIN_TILE_PROGRAMS_PER_SM", 0)  # tiles at this size
+    gen = torch.Generator().manual_seed(5)
+    stack = make_stack(gen, 64, (96,), dtype=torch.float16)
+    slots = int32([[0, 2, 1, 3, 0][i % 5] for i in range(16)])
+    x, y0 = (4 * torch.randn(16, 64, generator=gen)).half(), torch.zeros(16, 96, dtype=torch.float16)
+    assert triton_ops.kernel_for(16) == "gemm" and triton_ops.takes_tiles(stack, 16, triton_ops._num_sms(x.device))
+    got = triton_ops.gemm_rows(stack, y0.clone(), x, slots)
+    want = triton_ops.bgmv_rows(stack, y0.clone(), x, slots)
+    assert (got != want).sum() <= 4 and (got.float() - want.float()).abs().max() < 1e-3
+    t = torch.mm(x.float(), stack.a.reshape(-1, 64).float().T)
+    rounded = triton_ops.expand_rows(stack, y0.clone(), t.half(), slots)
+    assert (rounded != want).sum() > 100
+
+
 @pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=interpreted)])
 def test_prefill_through_rows_equals_segments(runner, kernel, monkeypatch):
     """Every CUDA step takes the rows path, prefill chunks too: a step whose
