@@ -65,6 +65,21 @@ def _triton_has_pdl() -> bool:
     return hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
 
 
+_SM_COUNTS: dict[int, int] = {}
+
+
+def num_sms(device: torch.device, off_cuda: int) -> int:
+    """Streaming multiprocessors of ``device``, read once per device (a graph
+    capture must not query); ``off_cuda`` elsewhere (Triton's interpreter:
+    each caller's own stand-in)."""
+    if device.type != "cuda":
+        return off_cuda
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
 def options(x: torch.Tensor) -> dict:
     """A kernel's launch arguments over ``x``: ``launch_pdl`` and its ``GDC``
     constant, both ``pdl(x)``."""

@@ -402,16 +402,8 @@ def warm_up(q_shape: tuple[int, int, int], kv_cache: torch.Tensor) -> None:
     paged_varlen_attention(q, kv_cache, tables, starts, lens, work, 1.0)
 
 
-_SM_COUNTS: dict[int, int] = {}
-
-
 def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the interpreter: splitting gains nothing
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
+    return triton_launch.num_sms(device, 1)  # the interpreter: splitting gains nothing
 
 
 def is_supported_head_dim(head_dim: int) -> bool:

@@ -39,8 +39,6 @@ bit from cuBLAS's, the same in every step of the same size.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -173,12 +171,6 @@ class _Workspace:
 _workspace = _Workspace()
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter's: as on the H200
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x @ weight.T`` takes the kernel (see the module's docstring)."""
@@ -205,7 +197,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Triton's interpreter)."""
     m, k = x.shape
     n = weight.shape[0]
-    block_n, block_k, split, warps = config or pick(n, k, m, _num_sms(x.device))
+    block_n, block_k, split, warps = config or pick(n, k, m, triton_launch.num_sms(x.device, 132))
     tiles = triton.cdiv(n, block_n)
     rows = block_m(m)
     parts, counts = _workspace.get(x.device, split * rows, n, tiles)
