@@ -12,11 +12,19 @@ Sections:
   a step runs them), ms a pass on cuBLAS and on ours: what a decode step's
   GEMMs cost with the kernels around them;
 - ``--sweep``: every tile configuration on each shape, the fastest first, to
-  check ``triton_linear.pick``.
+  check ``triton_linear.pick``;
+- ``--split-sweep``: ``pick``'s tiles with every split over the inputs (1
+  to 16), to check its split.
+
+``--max-loras N`` widens each decoder linear by its LoRA slots' A rows, as
+a served model with ``lora.max_loras: N`` fuses them under the weight
+(``LoraStack.fuse_under``: the zero slot's too, ``--lora-rank`` rows a slot
+and shard), which moves the tile counts the split rule reads.
 
     python tools/check_linear_kernels.py                      # Llama-3.2-1B and 3.1-8B linears, 1 / 8 rows
     python tools/check_linear_kernels.py --chain --rows 1 4 8
     python tools/check_linear_kernels.py --sweep --shapes 1b --rows 1
+    python tools/check_linear_kernels.py --split-sweep --max-loras 4 --rows 1 8
 
 Without CUDA it runs Triton's interpreter on tiny shapes (a smoke test of
 the script; no timings).
@@ -43,6 +51,8 @@ from mstar_actors.models import triton_linear  # noqa: E402
 from tools._gpu_timing import capture_graph, cuda_median_us  # noqa: E402
 
 # (name, out, in) of each linear of a layer, fused as the engine fuses them, and the head.
+# Shards of each fused linear (its LoRA slots' A rows, ``--max-loras``); the head takes none under it.
+SHARDS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1, "lm_head": 0}
 SHAPES = {
     "1b": {"hidden": 2048, "layers": 16, "linears": [("qkv", 3072, 2048), ("o", 2048, 2048),
                                                      ("gate_up", 16384, 2048), ("down", 2048, 8192),
@@ -54,6 +64,12 @@ SHAPES = {
                                                     ("down", 64, 128), ("lm_head", 200, 64)]},
 }
 L2_BYTES = 256 << 20  # weights in turn past this, so each call reads its weight from memory
+
+
+def linears(args, shape: str) -> list[tuple[str, int, int]]:
+    """``shape``'s linears, each widened by its slots' A rows where ``--max-loras`` is given."""
+    extra = 0 if not args.max_loras else (args.max_loras + 1) * args.lora_rank
+    return [(name, n + SHARDS[name] * extra, k) for name, n, k in SHAPES[shape]["linears"]]
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -79,7 +95,7 @@ def check_and_time(args, device: str, dtype) -> int:
     print(f"{'shape':<8} {'linear':<8} {'rows':>4} {'err ours':>9} {'err cuBLAS':>10} {'config':>16} "
           f"{'cuBLAS us':>9} {'ours us':>8} {'cuBLAS TB/s':>11} {'ours TB/s':>9} {'ours/cuBLAS':>11}")
     for shape in args.shapes:
-        for name, n, k in SHAPES[shape]["linears"]:
+        for name, n, k in linears(args, shape):
             copies = 1 if device == "cpu" else max(2, -(-L2_BYTES // (n * k * 2)))
             ws = weights(n, k, dtype, device, copies, gen)
             for m in args.rows:
@@ -109,7 +125,7 @@ def fits_shared_memory(m: int, block_n: int, block_k: int) -> bool:
 def sweep(args, device: str, dtype) -> int:
     gen = torch.Generator().manual_seed(1)
     for shape in args.shapes:
-        for name, n, k in SHAPES[shape]["linears"]:
+        for name, n, k in linears(args, shape):
             ws = weights(n, k, dtype, device, max(2, -(-L2_BYTES // (n * k * 2))), gen)
             for m in args.rows:
                 x = torch.randn(m, k, generator=gen).to(dtype).to(device)
@@ -129,6 +145,44 @@ def sweep(args, device: str, dtype) -> int:
                 print(f"{shape} {name} {n}x{k} rows {m}: cuBLAS {base:.2f} us; pick {picked} "
                       f"{'-' if mine is None else f'{mine:.2f}'}; fastest {best}", flush=True)
     return 0
+
+
+def split_sweep(args, device: str, dtype) -> int:
+    """``pick``'s tiles with every split from 1 to 16 (each at least a tile
+    of inputs): us a call on CUDA; in Triton's interpreter, splits 1 to 4 of
+    the tiny shapes (some reading only padding), each one's error against
+    the float32 product (and cuBLAS's)."""
+    gen = torch.Generator().manual_seed(2)
+    bad = 0
+    for shape in args.shapes:
+        for name, n, k in linears(args, shape):
+            copies = 1 if device == "cpu" else max(2, -(-L2_BYTES // (n * k * 2)))
+            ws = weights(n, k, dtype, device, copies, gen)
+            for m in args.rows:
+                x = torch.randn(m, k, generator=gen).to(dtype).to(device)
+                block_n, block_k, picked, warps = triton_linear.pick(n, k, m)
+                cells = []
+                for split in range(1, 17 if device == "cuda" else 5):
+                    if device == "cuda" and split > 1 and k // split < block_k:
+                        break
+                    config = (block_n, block_k, split, warps)
+                    if device == "cuda":
+                        cells.append((time_calls(lambda w: triton_linear.launch(x, w, config=config), ws, args.repeats),
+                                      split))
+                    else:
+                        ref = x.float() @ ws[0].float().T
+                        err = rel_err(triton_linear.launch(x, ws[0], config=config), ref)
+                        bad += err > max(2 * rel_err(F.linear(x, ws[0]), ref), 1e-2)
+                        cells.append((err, split))
+                tiles = -(-n // block_n)
+                fastest = min(cells)[1]
+                print(f"{shape} {name} {n}x{k} rows {m} tiles {tiles}: pick {picked}, "
+                      f"{'fastest' if device == 'cuda' else 'least error'} {fastest}; "
+                      + " ".join(f"{split}:{v:.2f}" if device == "cuda" else f"{split}:{v:.1e}" for v, split in cells),
+                      flush=True)
+    if device == "cpu":
+        print(f"# {bad} splits with more error than twice cuBLAS's (or 1e-2)")
+    return 1 if bad else 0
 
 
 def chain(args, device: str, dtype) -> int:
@@ -185,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--chain", action="store_true", help="time a decoder's layers instead")
     p.add_argument("--sweep", action="store_true", help="time every tile configuration instead")
+    p.add_argument("--split-sweep", action="store_true", help="time pick's tiles at every split instead")
+    p.add_argument("--max-loras", type=int, default=0,
+                   help="widen each decoder linear by this many LoRA slots' A rows, as served (default 0: none)")
+    p.add_argument("--lora-rank", type=int, default=16, help="A rows a slot and shard with --max-loras (default 16)")
     p.add_argument("--bandwidth", type=float, default=4.24, help="TB/s of the copy, for --chain's floor")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -196,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{dtype}")
     if args.sweep:
         return sweep(args, device, dtype)
+    if args.split_sweep:
+        return split_sweep(args, device, dtype)
     if args.chain:
         return chain(args, device, dtype)
     return check_and_time(args, device, dtype)

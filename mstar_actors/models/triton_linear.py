@@ -72,7 +72,7 @@ def pick(n: int, k: int, m: int = 1, num_sms: int = 132) -> tuple[int, int, int,
     num_sms)``), plus ``SPLIT_COST`` for any split; at most two waves, at
     least 512 inputs a split, at most 16; on a tie the more programs. On
     the H200 (132 multiprocessors; every split of a weight timed, one and 8
-    rows) this picked the fastest split of Llama-3.2-1B's and 3.1-8B's
+    rows, as ``tools/check_linear_kernels.py --split-sweep`` times them) this picked the fastest split of Llama-3.2-1B's and 3.1-8B's
     linears or one within 6% of it, with and without every LoRA slot's A
     under them: 34 tiles, Llama-3.2-1B's down with four slots' A, take 7
     splits (8.9 us against 11.4 at 4: 136 programs left 4 to a second
