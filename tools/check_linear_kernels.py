@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch.nn.functional as F  # noqa: E402
 
+from mstar_actors import triton_launch  # noqa: E402
 from mstar_actors.models import triton_linear  # noqa: E402
 from tools._gpu_timing import capture_graph, cuda_median_us  # noqa: E402
 
@@ -91,6 +92,7 @@ def time_calls(fn_of, ws: list[torch.Tensor], repeats: int) -> float:
 
 def check_and_time(args, device: str, dtype) -> int:
     gen = torch.Generator().manual_seed(0)
+    sms = triton_launch.num_sms(torch.device(device), 132)  # as ``launch`` picks
     bad = 0
     print(f"{'shape':<8} {'linear':<8} {'rows':>4} {'err ours':>9} {'err cuBLAS':>10} {'config':>16} "
           f"{'cuBLAS us':>9} {'ours us':>8} {'cuBLAS TB/s':>11} {'ours TB/s':>9} {'ours/cuBLAS':>11}")
@@ -104,7 +106,7 @@ def check_and_time(args, device: str, dtype) -> int:
                 ours, theirs = triton_linear.launch(x, ws[0]), F.linear(x, ws[0])
                 e_ours, e_theirs = rel_err(ours, ref), rel_err(theirs, ref)
                 bad += e_ours > max(2 * e_theirs, 1e-2)
-                row = f"{shape:<8} {name:<8} {m:>4} {e_ours:>9.2e} {e_theirs:>10.2e} {str(triton_linear.pick(n, k, m)):>16}"
+                row = f"{shape:<8} {name:<8} {m:>4} {e_ours:>9.2e} {e_theirs:>10.2e} {str(triton_linear.pick(n, k, m, sms)):>16}"
                 if device == "cuda":
                     t_cublas = time_calls(lambda w: F.linear(x, w), ws, args.repeats)
                     t_ours = time_calls(lambda w: triton_linear.launch(x, w), ws, args.repeats)
@@ -124,6 +126,7 @@ def fits_shared_memory(m: int, block_n: int, block_k: int) -> bool:
 
 def sweep(args, device: str, dtype) -> int:
     gen = torch.Generator().manual_seed(1)
+    sms = triton_launch.num_sms(torch.device(device), 132)  # as ``launch`` picks
     for shape in args.shapes:
         for name, n, k in linears(args, shape):
             ws = weights(n, k, dtype, device, max(2, -(-L2_BYTES // (n * k * 2))), gen)
@@ -139,7 +142,7 @@ def sweep(args, device: str, dtype) -> int:
                     config = (block_n, block_k, split, warps)
                     results.append((time_calls(lambda w: triton_linear.launch(x, w, config=config), ws, 5), config))
                 results.sort()
-                picked = triton_linear.pick(n, k, m)
+                picked = triton_linear.pick(n, k, m, sms)
                 mine = next((t for t, c in results if c == picked), None)
                 best = ", ".join(f"{c} {t:.2f}" for t, c in results[:4])
                 print(f"{shape} {name} {n}x{k} rows {m}: cuBLAS {base:.2f} us; pick {picked} "
@@ -154,13 +157,14 @@ def split_sweep(args, device: str, dtype) -> int:
     the float32 product (and cuBLAS's)."""
     gen = torch.Generator().manual_seed(2)
     bad = 0
+    sms = triton_launch.num_sms(torch.device(device), 132)  # as ``launch`` picks
     for shape in args.shapes:
         for name, n, k in linears(args, shape):
             copies = 1 if device == "cpu" else max(2, -(-L2_BYTES // (n * k * 2)))
             ws = weights(n, k, dtype, device, copies, gen)
             for m in args.rows:
                 x = torch.randn(m, k, generator=gen).to(dtype).to(device)
-                block_n, block_k, picked, warps = triton_linear.pick(n, k, m)
+                block_n, block_k, picked, warps = triton_linear.pick(n, k, m, sms)
                 cells = []
                 for split in range(1, 17 if device == "cuda" else 5):
                     if device == "cuda" and split > 1 and k // split < block_k:

@@ -284,7 +284,7 @@ class LoraLayers:
             return
         seen = set()
         for stack in self.stacks.values():
-            shape = (tuple(stack.a.shape), tuple(stack.b.shape), stack.is_embedding)
+            shape = (tuple(stack.a.shape), tuple(stack.b.shape), stack.is_embedding, stack.fused)
             if shape not in seen:
                 seen.add(shape)
                 self.kernels.warm_up(stack, max_num_tokens)

@@ -84,8 +84,10 @@ def pick(n: int, k: int, m: int = 1, num_sms: int = 132) -> tuple[int, int, int,
     best = (triton.cdiv(tiles, num_sms) * triton.cdiv(k, block_k) * block_k, 1)
     split = 2
     while split <= 16 and k // split >= 512 and tiles * split <= 2 * num_sms:
-        cost = triton.cdiv(tiles * split, num_sms) * triton.cdiv(triton.cdiv(k, split), block_k) * block_k + SPLIT_COST
-        if cost <= best[0]:
+        k_per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+        # (a split whose inputs rounded to whole tiles leave its last programs none: a smaller one's cost, more programs)
+        cost = triton.cdiv(tiles * split, num_sms) * k_per + SPLIT_COST
+        if cost <= best[0] and triton.cdiv(k, k_per) == split:
             best = (cost, split)
         split += 1
     return 64, block_k, best[1], 4

@@ -27,7 +27,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch
     (3, 70, 96, (16, 32, 4, 4), True),    # four splits, the last one reading only padding
     (8, 33, 128, (32, 64, 1, 4), True),   # one split: no workspace, the bias added at once
     (5, 16, 200, (16, 64, 4, 4), False),  # inputs not a multiple of the tile
-    (2, 40, 224, (16, 32, 7, 4), True),   # seven splits (not a power of two), the last one short
+    (2, 40, 200, (16, 32, 7, 4), True),   # seven splits (not a power of two), the last one short
     (24, 40, 64, (16, 32, 2, 4), True),   # a tile of 32 rows
     (32, 20, 64, (16, 32, 2, 4), False),  # a tile of 32 rows
     (64, 24, 96, (16, 32, 2, 4), True),   # the most rows it takes
@@ -85,6 +85,11 @@ def test_pick_spreads_small_weights_over_the_device():
     assert triton_linear.pick(4096 + 48, 4096) == (64, 256, 4, 4)
     assert triton_linear.pick(2048 + 80, 8192) == (64, 256, 7, 4)
     assert triton_linear.pick(2048 + 80, 8192, num_sms=144) == (64, 256, 8, 4)  # on 144: two waves of 136
+    # no split whose last programs would read only padding (4,864 inputs in 9: 768 a split, 7 splits' worth)
+    for n, k in [(896, 4864), (1184, 3584), (2128, 6144), (2128, 8192), (4144, 14336)]:
+        split = triton_linear.pick(n, k)[2]
+        per_split = -(-(-(-k // split)) // 256) * 256  # whole tiles of 256 inputs
+        assert -(-k // per_split) == split, (n, k, split)
     assert [triton_linear.block_m(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
     # past 32 rows the inputs' tile halves, so both tiles' stages fit the shared memory
     assert triton_linear.pick(2048, 8192, 64) == (64, 128, 8, 4)
