@@ -82,6 +82,19 @@ def weights(n: int, k: int, dtype, device: str, copies: int, gen) -> list[torch.
     return [w] + [w.clone() for _ in range(copies - 1)]
 
 
+def cases(args, device: str, dtype, seed: int):
+    """``(shape, name, n, k, ws, m, x)`` for every linear of ``--shapes`` and
+    row count of ``--rows``: the weight (on CUDA in copies that together pass
+    the L2, each call then reading its weight from memory) and ``m`` rows."""
+    gen = torch.Generator().manual_seed(seed)
+    for shape in args.shapes:
+        for name, n, k in linears(args, shape):
+            copies = 1 if device == "cpu" else max(2, -(-L2_BYTES // (n * k * 2)))
+            ws = weights(n, k, dtype, device, copies, gen)
+            for m in args.rows:
+                yield shape, name, n, k, ws, m, torch.randn(m, k, generator=gen).to(dtype).to(device)
+
+
 def time_calls(fn_of, ws: list[torch.Tensor], repeats: int) -> float:
     """us a call: ``fn_of(w)`` on each of ``ws`` in turn, in one graph."""
     graph = capture_graph(lambda: [fn_of(w) for w in ws], 1)
@@ -91,29 +104,23 @@ def time_calls(fn_of, ws: list[torch.Tensor], repeats: int) -> float:
 
 
 def check_and_time(args, device: str, dtype) -> int:
-    gen = torch.Generator().manual_seed(0)
     sms = triton_launch.num_sms(torch.device(device), 132)  # as ``launch`` picks
     bad = 0
     print(f"{'shape':<8} {'linear':<8} {'rows':>4} {'err ours':>9} {'err cuBLAS':>10} {'config':>16} "
           f"{'cuBLAS us':>9} {'ours us':>8} {'cuBLAS TB/s':>11} {'ours TB/s':>9} {'ours/cuBLAS':>11}")
-    for shape in args.shapes:
-        for name, n, k in linears(args, shape):
-            copies = 1 if device == "cpu" else max(2, -(-L2_BYTES // (n * k * 2)))
-            ws = weights(n, k, dtype, device, copies, gen)
-            for m in args.rows:
-                x = torch.randn(m, k, generator=gen).to(dtype).to(device)
-                ref = x.float() @ ws[0].float().T
-                ours, theirs = triton_linear.launch(x, ws[0]), F.linear(x, ws[0])
-                e_ours, e_theirs = rel_err(ours, ref), rel_err(theirs, ref)
-                bad += e_ours > max(2 * e_theirs, 1e-2)
-                row = f"{shape:<8} {name:<8} {m:>4} {e_ours:>9.2e} {e_theirs:>10.2e} {str(triton_linear.pick(n, k, m, sms)):>16}"
-                if device == "cuda":
-                    t_cublas = time_calls(lambda w: F.linear(x, w), ws, args.repeats)
-                    t_ours = time_calls(lambda w: triton_linear.launch(x, w), ws, args.repeats)
-                    tb = n * k * 2 / 1e6
-                    row += (f" {t_cublas:>9.2f} {t_ours:>8.2f} {tb / t_cublas:>11.2f} {tb / t_ours:>9.2f}"
-                            f" {t_ours / t_cublas:>11.2f}")
-                print(row, flush=True)
+    for shape, name, n, k, ws, m, x in cases(args, device, dtype, 0):
+        ref = x.float() @ ws[0].float().T
+        ours, theirs = triton_linear.launch(x, ws[0]), F.linear(x, ws[0])
+        e_ours, e_theirs = rel_err(ours, ref), rel_err(theirs, ref)
+        bad += e_ours > max(2 * e_theirs, 1e-2)
+        row = f"{shape:<8} {name:<8} {m:>4} {e_ours:>9.2e} {e_theirs:>10.2e} {str(triton_linear.pick(n, k, m, sms)):>16}"
+        if device == "cuda":
+            t_cublas = time_calls(lambda w: F.linear(x, w), ws, args.repeats)
+            t_ours = time_calls(lambda w: triton_linear.launch(x, w), ws, args.repeats)
+            tb = n * k * 2 / 1e6
+            row += (f" {t_cublas:>9.2f} {t_ours:>8.2f} {tb / t_cublas:>11.2f} {tb / t_ours:>9.2f}"
+                    f" {t_ours / t_cublas:>11.2f}")
+        print(row, flush=True)
     print(f"# {bad} results with more error than twice cuBLAS's (or 1e-2)")
     return 1 if bad else 0
 
@@ -125,28 +132,23 @@ def fits_shared_memory(m: int, block_n: int, block_k: int) -> bool:
 
 
 def sweep(args, device: str, dtype) -> int:
-    gen = torch.Generator().manual_seed(1)
     sms = triton_launch.num_sms(torch.device(device), 132)  # as ``launch`` picks
-    for shape in args.shapes:
-        for name, n, k in linears(args, shape):
-            ws = weights(n, k, dtype, device, max(2, -(-L2_BYTES // (n * k * 2))), gen)
-            for m in args.rows:
-                x = torch.randn(m, k, generator=gen).to(dtype).to(device)
-                base = time_calls(lambda w: F.linear(x, w), ws, args.repeats)
-                results = []
-                for block_n, block_k, split, warps in itertools.product((16, 32, 64, 128), (64, 128, 256, 512),
-                                                                        (1, 2, 4, 8, 16), (4, 8)):
-                    if (split * block_k > max(k, block_k) or block_n * block_k > 64 * 512
-                            or not fits_shared_memory(m, block_n, block_k)):
-                        continue
-                    config = (block_n, block_k, split, warps)
-                    results.append((time_calls(lambda w: triton_linear.launch(x, w, config=config), ws, 5), config))
-                results.sort()
-                picked = triton_linear.pick(n, k, m, sms)
-                mine = next((t for t, c in results if c == picked), None)
-                best = ", ".join(f"{c} {t:.2f}" for t, c in results[:4])
-                print(f"{shape} {name} {n}x{k} rows {m}: cuBLAS {base:.2f} us; pick {picked} "
-                      f"{'-' if mine is None else f'{mine:.2f}'}; fastest {best}", flush=True)
+    for shape, name, n, k, ws, m, x in cases(args, device, dtype, 1):
+        base = time_calls(lambda w: F.linear(x, w), ws, args.repeats)
+        results = []
+        for block_n, block_k, split, warps in itertools.product((16, 32, 64, 128), (64, 128, 256, 512),
+                                                                (1, 2, 4, 8, 16), (4, 8)):
+            if (split * block_k > max(k, block_k) or block_n * block_k > 64 * 512
+                    or not fits_shared_memory(m, block_n, block_k)):
+                continue
+            config = (block_n, block_k, split, warps)
+            results.append((time_calls(lambda w: triton_linear.launch(x, w, config=config), ws, 5), config))
+        results.sort()
+        picked = triton_linear.pick(n, k, m, sms)
+        mine = next((t for t, c in results if c == picked), None)
+        best = ", ".join(f"{c} {t:.2f}" for t, c in results[:4])
+        print(f"{shape} {name} {n}x{k} rows {m}: cuBLAS {base:.2f} us; pick {picked} "
+              f"{'-' if mine is None else f'{mine:.2f}'}; fastest {best}", flush=True)
     return 0
 
 
@@ -155,35 +157,29 @@ def split_sweep(args, device: str, dtype) -> int:
     of inputs): us a call on CUDA; in Triton's interpreter, splits 1 to 4 of
     the tiny shapes (some reading only padding), each one's error against
     the float32 product (and cuBLAS's)."""
-    gen = torch.Generator().manual_seed(2)
     bad = 0
     sms = triton_launch.num_sms(torch.device(device), 132)  # as ``launch`` picks
-    for shape in args.shapes:
-        for name, n, k in linears(args, shape):
-            copies = 1 if device == "cpu" else max(2, -(-L2_BYTES // (n * k * 2)))
-            ws = weights(n, k, dtype, device, copies, gen)
-            for m in args.rows:
-                x = torch.randn(m, k, generator=gen).to(dtype).to(device)
-                block_n, block_k, picked, warps = triton_linear.pick(n, k, m, sms)
-                cells = []
-                for split in range(1, 17 if device == "cuda" else 5):
-                    if device == "cuda" and split > 1 and k // split < block_k:
-                        break
-                    config = (block_n, block_k, split, warps)
-                    if device == "cuda":
-                        cells.append((time_calls(lambda w: triton_linear.launch(x, w, config=config), ws, args.repeats),
-                                      split))
-                    else:
-                        ref = x.float() @ ws[0].float().T
-                        err = rel_err(triton_linear.launch(x, ws[0], config=config), ref)
-                        bad += err > max(2 * rel_err(F.linear(x, ws[0]), ref), 1e-2)
-                        cells.append((err, split))
-                tiles = -(-n // block_n)
-                fastest = min(cells)[1]
-                print(f"{shape} {name} {n}x{k} rows {m} tiles {tiles}: pick {picked}, "
-                      f"{'fastest' if device == 'cuda' else 'least error'} {fastest}; "
-                      + " ".join(f"{split}:{v:.2f}" if device == "cuda" else f"{split}:{v:.1e}" for v, split in cells),
-                      flush=True)
+    for shape, name, n, k, ws, m, x in cases(args, device, dtype, 2):
+        block_n, block_k, picked, warps = triton_linear.pick(n, k, m, sms)
+        cells = []
+        for split in range(1, 17 if device == "cuda" else 5):
+            if device == "cuda" and split > 1 and k // split < block_k:
+                break
+            config = (block_n, block_k, split, warps)
+            if device == "cuda":
+                cells.append((time_calls(lambda w: triton_linear.launch(x, w, config=config), ws, args.repeats),
+                              split))
+            else:
+                ref = x.float() @ ws[0].float().T
+                err = rel_err(triton_linear.launch(x, ws[0], config=config), ref)
+                bad += err > max(2 * rel_err(F.linear(x, ws[0]), ref), 1e-2)
+                cells.append((err, split))
+        tiles = -(-n // block_n)
+        fastest = min(cells)[1]
+        print(f"{shape} {name} {n}x{k} rows {m} tiles {tiles}: pick {picked}, "
+              f"{'fastest' if device == 'cuda' else 'least error'} {fastest}; "
+              + " ".join(f"{split}:{v:.2f}" if device == "cuda" else f"{split}:{v:.1e}" for v, split in cells),
+              flush=True)
     if device == "cpu":
         print(f"# {bad} splits with more error than twice cuBLAS's (or 1e-2)")
     return 1 if bad else 0
