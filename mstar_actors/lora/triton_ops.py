@@ -89,8 +89,9 @@ def _fold_dot(t_ptr, stride_t, rows, lslot, slot, shard, num_slots, offs_r, R, b
     """The expand of the tile's rows on adapter ``slot`` for one shard, ``[ROWS, BLOCK]`` float32 (zero on
     the other rows): their shrink ``[ROWS, BLOCK_R]`` (the fused GEMM's A columns) times ``b``
     (``_b_tile``) transposed. ``DOT`` (tiles of ``TILE_ROWS``): one ``tl.dot``, the tensor cores in half
-    precision, exact float32 products where ``F32`` (a float32 stack, or ``gemm_rows``' float32 shrink),
-    then ``scale`` (so a row's expand may differ in its last
+    precision, exact float32 products for a float32 stack; ``gemm_rows``' float32 shrink (``F32`` on a half
+    B) in two half dots, its rounding then the rest (the emulated float32 dot took 24.6 against 10.1 us for
+    the LM head's expand at 64 rows on the H200), then ``scale`` (so a row's expand may differ in its last
     bit between steps of fewer and of 16 or more rows, as a GEMM's may between batch sizes). On the H200 at
     Qwen3.5-0.8B's gate|up, 64 / 256 rows of one adapter, silu_mul's fold took 2.1 / 3.3 us against 4.1 /
     12.3 as a sum of broadcast products; below 16 rows (one a program, ``triton_fused.fold_rows``) the sum,
@@ -100,8 +101,11 @@ def _fold_dot(t_ptr, stride_t, rows, lslot, slot, shard, num_slots, offs_r, R, b
                 mask=mine[:, None] & (offs_r < R)[None, :], other=0.0)
     if not DOT:  # one row: its shrink as a vector (a sum over the one row is itself), as _plus_expand sums
         return tl.sum(b.to(tl.float32) * (tl.sum(t.to(tl.float32), axis=0) * scale)[None, :], axis=1)[None, :]
-    if F32:
-        d = tl.dot(t.to(tl.float32), tl.trans(b).to(tl.float32), input_precision="ieee")
+    if F32 and b.dtype == tl.float32:
+        d = tl.dot(t.to(tl.float32), tl.trans(b), input_precision="ieee")
+    elif F32:  # a float32 t on a half B: its high half then the rest, two half dots (16 or 22 bits of t)
+        hi = t.to(b.dtype)
+        d = tl.dot((t - hi.to(tl.float32)).to(b.dtype), tl.trans(b), acc=tl.dot(hi, tl.trans(b)))
     else:
         d = tl.dot(t, tl.trans(b))
     return d * scale
@@ -279,8 +283,8 @@ def expand_rows(stack: LoraStack, y: torch.Tensor, t: torch.Tensor, row_slots: t
     whose base GEMM wrote ``t = x @ A.T`` for every shard and slot beside
     ``y`` (t's column ``(shard * num_slots + slot) * max_rank + r`` is A's
     row ``[shard, slot, r]``), or of a stack whose shrink was a GEMM of its
-    own (``gemm_rows``: ``t`` in float32, whose products the tiles then
-    take in float32 too).
+    own (``gemm_rows``: ``t`` in float32, which the tiles then take to
+    within 2^-16 of itself, relatively).
 
     ``bgmv_rows`` without its shrink (the same programs, the same early
     exits: base rows, untargeted shards; the same column tiles, B read once
@@ -428,7 +432,8 @@ def gemm_rows(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: tor
         raise TypeError(f"LoRA rows delta: x is {x.dtype} and A is {stack.a.dtype}; accepted: the same dtype")
     # In float32, as bgmv_rows keeps a row's shrink: rounded to the dtype it would change the row's
     # logits between steps on either side of MIN_GEMM_ROWS (a graph's padded bucket and the eager step).
-    t = torch.mm(x.float(), stack.a.reshape(num_shards * num_slots * max_rank, k).float().T)
+    a = stack.a.reshape(num_shards * num_slots * max_rank, k)
+    t = torch.mm(x, a.T, out_dtype=torch.float32) if x.is_cuda else torch.mm(x.float(), a.float().T)
     return expand_rows(stack, y, t, row_slots)
 
 

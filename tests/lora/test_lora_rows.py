@@ -454,9 +454,11 @@ def test_gemm_rows_equals_the_segment_path(monkeypatch):
 def test_gemm_rows_keeps_the_shrink_in_float32_as_bgmv_rows(monkeypatch):
     """In half precision a row's delta from ``MIN_GEMM_ROWS`` rows (one GEMM's
     shrink, the tiles' expand) is ``bgmv_rows``' below them to within a last
-    bit here and there: both keep the shrink in float32. Rounded to the dtype
+    bit here and there: both keep the shrink in float32 (the tiles' two half
+    dots, its rounding and the rest, to 2^-16 of it). Rounded to the dtype
     first, hundreds of its values would move, and a token's logits with
-    them, between a graph's padded bucket and the eager step of its rows."""
+    them, between a graph's padded bucket and the eager step of its rows.
+    (Float16: the interpreter's bfloat16 dots are wrong; the GPU test has both.)"""
     monkeypatch.setattr(triton_ops, "MIN_TILE_PROGRAMS_PER_SM", 0)  # tiles at this size
     gen = torch.Generator().manual_seed(5)
     stack = make_stack(gen, 64, (96,), dtype=torch.float16)

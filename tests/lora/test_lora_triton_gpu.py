@@ -259,6 +259,25 @@ def test_gemm_rows_match_reference(triton_ops, linear, num_rows, dtype):
     _assert_left_alone(y, y0, slots, untargeted)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_rows", [16, 64])
+def test_gemm_rows_keep_the_shrink_in_float32_as_bgmv_rows(triton_ops, num_rows, dtype):
+    """The LM head's delta from ``MIN_GEMM_ROWS`` rows (cuBLAS's float32 shrink, the tiles' two half dots)
+    is ``bgmv_rows``' (the shrink kept in float32) but for a last bit in rare values: a row's logits do not
+    move with the step's row count. The shrink rounded to the dtype first moves a good share of them."""
+    gen, stack, _, slots = _with_an_untargeted_shard("lm_head", num_rows, dtype)
+    x = torch.randn(num_rows, stack.in_features, generator=gen).to(dtype).cuda()
+    y0 = torch.zeros(num_rows, stack.offsets[-1], dtype=dtype, device="cuda")
+    want = triton_ops.bgmv_rows(stack, y0.clone(), x, slots)
+    got = triton_ops.gemm_rows(stack, y0.clone(), x, slots)
+    a = stack.a.reshape(-1, stack.in_features)
+    rounded = triton_ops.expand_rows(stack, y0.clone(), (x.float() @ a.float().T).to(dtype), slots)
+    moved = [(v != want).float().mean().item() for v in (got, rounded)]
+    assert moved[0] < 0.01 and moved[1] > 10 * moved[0], moved
+    errs = [_rel(v, want.float()) for v in (got, rounded)]
+    assert errs[0] < errs[1] / 4, errs
+
+
 # ---------------------------------------------------------------- shrink, then expand
 
 
