@@ -60,3 +60,13 @@ def test_a_process_never_ready_is_named_after_the_timeout(bench_lora, monkeypatc
     monkeypatch.setattr(bench_lora, "READY_TIMEOUT_S", 0.05)
     with pytest.raises(SystemExit, match="not ready within"):
         pool(bench_lora)._start_together(1)
+
+
+def test_scenarios_named_with_a_comma_parse_whole(bench_lora):
+    """``--scenarios "lora off,base, lora on"``: "base, lora on" is one name, not two unknown ones."""
+    parse_scenarios = bench_lora.parse_scenarios
+    assert parse_scenarios("lora off,base, lora on,churn 3 over 2 slots") == ["lora off", "base, lora on",
+                                                                             "churn 3 over 2 slots"]
+    assert parse_scenarios(" one adapter ") == ["one adapter"]
+    with pytest.raises(SystemExit, match="unknown \\['base'\\]"):
+        parse_scenarios("base,one adapter")

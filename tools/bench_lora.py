@@ -669,6 +669,25 @@ def published_lines(results: list[Measurement], ref: dict[int, float]) -> list[s
 # ---- arguments, dry run, main -----------------------------------------------------
 
 
+def parse_scenarios(text: str) -> list[str]:
+    """The scenario names in ``text``, comma-separated; a name may hold a comma itself ("base, lora on"):
+    the longest run of items that makes a name is taken."""
+    names = [s.name for s in SCENARIOS]
+    items = [item.strip() for item in text.split(",")]
+    wanted, unknown, i = [], [], 0
+    while i < len(items):
+        j = next((j for j in range(len(items), i, -1) if ", ".join(items[i:j]) in names), None)
+        if j is None:
+            unknown.append(items[i])
+            i += 1
+        else:
+            wanted.append(", ".join(items[i:j]))
+            i = j
+    if unknown:
+        raise SystemExit(f"--scenarios: unknown {unknown}; accepted: {'; '.join(names)}")
+    return wanted
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2",
@@ -734,11 +753,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise SystemExit(f"--tokenizer {args.tokenizer!r}: expected a folder with tokenizer files and config.json")
     scenarios = tuple(SCENARIOS)
     if args.scenarios:
-        names = {s.name: s for s in SCENARIOS}
-        wanted = [name.strip() for name in args.scenarios.split(",")]
-        unknown = [name for name in wanted if name not in names]
-        if unknown:
-            raise SystemExit(f"--scenarios: unknown {unknown}; accepted: {', '.join(names)}")
+        wanted = parse_scenarios(args.scenarios)
         scenarios = tuple(s for s in SCENARIOS if s.name == REFERENCE or s.name in wanted)
     if args.server_logs:
         args.server_logs.mkdir(parents=True, exist_ok=True)
