@@ -12,8 +12,8 @@ The busy loop, each turn:
 1. apply what has arrived: aborts and new requests, in channel order
    (an abort is idempotent; ``Failed`` from prepare is relayed);
 2. while the scheduler may plan (``scheduler.async_scheduling``: one step
-   ahead of the ranks, else one step at a time), ``schedule()`` and
-   broadcast the ``StepPlan`` to every rank;
+   ahead of the ranks, or ``steps_ahead`` steps, else one step at a time),
+   ``schedule()`` and broadcast the ``StepPlan`` to every rank;
 3. else await the oldest step's answer from every rank, applying other
    arrivals meanwhile (an abort then lands before the step's results are
    used); with nothing in flight and no work, park on the mailbox until a
@@ -142,7 +142,7 @@ def make_scheduler(config: Any, facts: WorkerReady, log: logging.Logger) -> Any:
         enable_prefix_caching=config.kv.enable_prefix_caching,
         num_state_slots=facts.num_state_slots,
         num_state_snapshots=facts.num_state_snapshots,
-        max_in_flight=2 if sched.async_scheduling else 1,
+        max_in_flight=1 + sched.steps_ahead if sched.async_scheduling else 1,
     )
 
 

@@ -90,6 +90,12 @@ class SchedulerConfig(msgspec.Struct, **_STRICT):
     # None: DEFAULT_ASYNC_SCHEDULING of the device (on a CPU the planning and
     # streaming would take cores from the step's own threads).
     async_scheduling: bool | None = None
+    # With async_scheduling, the plans sent past the step whose result the
+    # conductor awaits: 1, a rank finds the next plan waiting when a step
+    # ends; 2, also the one after, so the conductor's turn (the result's
+    # trip, the update, the plan) is hidden behind a step too, and an EOS or
+    # stop token costs two dropped rows.
+    steps_ahead: Literal[1, 2] = 1
 
 
 class KvConfig(msgspec.Struct, **_STRICT):
@@ -253,7 +259,12 @@ def parse_config(data: object, source: str = "<config>") -> Config:
         raise ConfigError(f"{source}: server.port 0 (any free port) with server.api_server_count "
                           f"{config.server.api_server_count}: each frontend would bind a port of its own; "
                           "set a fixed port, or api_server_count: 1")
-    return with_device_defaults(config)
+    config = with_device_defaults(config)
+    if config.scheduler.steps_ahead > 1 and not config.scheduler.async_scheduling:
+        raise ConfigError(f"{source}: scheduler.steps_ahead {config.scheduler.steps_ahead} needs "
+                          "scheduler.async_scheduling, which is off here (false, or not set on a CPU model); "
+                          "set async_scheduling: true, or steps_ahead: 1")
+    return config
 
 
 def with_device_defaults(config: Config) -> Config:

@@ -70,3 +70,12 @@ def test_scenarios_named_with_a_comma_parse_whole(bench_lora):
     assert parse_scenarios(" one adapter ") == ["one adapter"]
     with pytest.raises(SystemExit, match="unknown \\['base'\\]"):
         parse_scenarios("base,one adapter")
+
+
+def test_steps_ahead_needs_overlapped_scheduling(bench_lora):
+    """``--steps-ahead 2`` on a CPU run (overlapped scheduling off by default there) is refused with the fix."""
+    with pytest.raises(SystemExit, match="--async-scheduling on"):
+        bench_lora.make_plan(bench_lora.parse_args(["--device", "cpu", "--steps-ahead", "2"]))
+    plan = bench_lora.make_plan(bench_lora.parse_args(["--device", "cpu", "--steps-ahead", "2", "--async-scheduling",
+                                                       "on"]))
+    assert plan.steps_ahead == 2 and "2 steps ahead" in plan.describe()[0]

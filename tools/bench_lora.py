@@ -142,6 +142,7 @@ class Plan:
     scenarios: tuple[Scenario, ...] = tuple(SCENARIOS)
     server_logs: Path | None = None  # where each server's DEBUG log is saved (None: servers log at INFO)
     async_scheduling: bool | None = None  # None: the device's default (on with CUDA, off on CPU)
+    steps_ahead: int = 1  # scheduler.steps_ahead: plans sent past the step whose result the conductor awaits
     api_servers: int = 1  # server.api_server_count of every server
     client_processes: int = 1  # at most, for the levels of many clients (ClientPool)
 
@@ -157,7 +158,8 @@ class Plan:
         lines = [f"setup {self.setup} on {self.device} ({self.dtype}), adapters rank {self.rank} all-linear, "
                  f"{self.max_tokens} new tokens per request (ignore_eos), prefix caching "
                  f"{'on' if self.prefix_caching else 'off'}, overlapped scheduling "
-                 f"{'the device default' if self.async_scheduling is None else ('on' if self.async_scheduling else 'off')}"]
+                 f"{'the device default' if self.async_scheduling is None else ('on' if self.async_scheduling else 'off')}"
+                 + (f", {self.steps_ahead} steps ahead" if self.steps_ahead > 1 else "")]
         for key, spec in SERVERS.items():
             lora = (f"max_loras {spec.max_loras}, adapters {', '.join(ADAPTER_NAMES[:spec.num_adapters])}"
                     if spec.max_loras else "no lora section")
@@ -332,7 +334,8 @@ def server_config(plan: Plan, model_dir: Path, spec: ServerSpec, adapters: dict[
     config = {
         "model": {"path": str(model_dir), "name": plan.served_name, "dtype": plan.dtype, "device": plan.device},
         "scheduler": {"max_num_seqs": max(max(plan.levels), 8), "max_num_batched_tokens": 2048,
-                      "max_model_len": 2048, "async_scheduling": plan.async_scheduling},
+                      "max_model_len": 2048, "async_scheduling": plan.async_scheduling,
+                      "steps_ahead": plan.steps_ahead},
         "kv": {"block_size": 16, "num_blocks": num_kv_blocks(plan), "enable_prefix_caching": plan.prefix_caching},
         "server": {"host": "127.0.0.1", "port": port, "max_waiting_requests": 4 * max(plan.levels) + 64,
                    "api_server_count": plan.api_servers},
@@ -716,6 +719,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    f"{REFERENCE!r} always runs): " + ", ".join(repr(s.name) for s in SCENARIOS[1:]))
     p.add_argument("--async-scheduling", choices=["on", "off"], default=None,
                    help="plan the next step while the device runs this one (default: on with cuda, off on cpu)")
+    p.add_argument("--steps-ahead", type=int, choices=[1, 2], default=1,
+                   help="plans the conductor sends past the step whose result it awaits (scheduler.steps_ahead, "
+                        "default 1; 2 needs overlapped scheduling)")
     p.add_argument("--api-servers", type=int, default=1,
                    help="frontend processes of each server (server.api_server_count, default 1)")
     p.add_argument("--client-processes", type=int, default=None,
@@ -746,6 +752,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
                         ("--api-servers", args.api_servers), ("--client-processes", args.client_processes or 1)]:
         if value < 1:
             raise SystemExit(f"{flag} must be at least 1, got {value}")
+    if args.steps_ahead > 1 and (args.async_scheduling or ("on" if device == "cuda" else "off")) == "off":
+        raise SystemExit(f"--steps-ahead {args.steps_ahead}: needs overlapped scheduling, off here "
+                         f"({'--async-scheduling off' if args.async_scheduling else 'the default on ' + device}); "
+                         "add --async-scheduling on, or leave --steps-ahead at 1")
     if args.smoke:
         levels, args.waves, args.min_requests, args.max_tokens = (1,), 1, 2, 4
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
@@ -762,7 +772,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 min_requests=args.min_requests, rank=args.rank, prefix_caching=args.prefix_caching,
                 cache_dir=args.cache_dir, rounds=args.rounds, scenarios=scenarios, server_logs=args.server_logs,
                 async_scheduling=None if args.async_scheduling is None else args.async_scheduling == "on",
-                api_servers=args.api_servers,
+                steps_ahead=args.steps_ahead, api_servers=args.api_servers,
                 client_processes=args.client_processes or max(1, (os.cpu_count() or 1) // 4))
 
 

@@ -17,6 +17,10 @@ further (the ranks append what they sample before they run the next plan),
 unless what is known already ends it (``max_tokens``, the context); an end
 that only the sampled token shows (EOS, a stop token) is applied one step
 late and exactly: the row planned past it computes a token nobody reads.
+``max_in_flight=3`` plans two steps ahead of the results by the same rules
+(a row per sampling step in flight further; an EOS then voids two rows), so
+the conductor's own turn is behind a step as well: a rank finds the plan
+after next waiting when it has answered one.
 """
 
 from __future__ import annotations
@@ -141,8 +145,8 @@ class Scheduler:
 
     Invariants:
 
-    - at most ``max_in_flight`` plans are in flight (1, or 2 when planning
-      ahead): ``schedule()`` refuses to run past that until ``update()`` (or
+    - at most ``max_in_flight`` plans are in flight (1, or 2 or 3 when
+      planning ahead): ``schedule()`` refuses to run past that until ``update()`` (or
       ``fail_step()``) has consumed the oldest result. Ranks run plans in
       order, so a block freed while steps are in flight (an abort, an end,
       a preemption) is handed out only in a later plan: what an in-flight
@@ -199,8 +203,9 @@ class Scheduler:
         num_state_snapshots: int = 0,
         max_in_flight: int = 1,
     ):
-        if max_in_flight not in (1, 2):
-            raise ValueError(f"scheduler: max_in_flight must be 1 or 2 (plan one step ahead), got {max_in_flight}")
+        if max_in_flight not in (1, 2, 3):
+            raise ValueError(f"scheduler: max_in_flight must be 1, 2 or 3 (plan up to two steps ahead), "
+                             f"got {max_in_flight}")
         for name, value in [
             ("num_blocks", num_blocks),
             ("block_size", block_size),

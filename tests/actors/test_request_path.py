@@ -100,12 +100,13 @@ class Engine:
                 return msg
 
 
-def make_config(model_dir, async_scheduling=False, **kv) -> Config:
+def make_config(model_dir, ahead=0, **kv) -> Config:
+    """``ahead``: the steps the conductor plans ahead of the ranks' answers (0: one step at a time)."""
     return Config(
         model=ModelConfig(path=str(model_dir), name="tiny", dtype="float32", device="cpu"),
         parallel=ParallelConfig(tp=NUM_RANKS),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
-                                  async_scheduling=async_scheduling),
+                                  async_scheduling=ahead > 0, steps_ahead=max(ahead, 1)),
         kv=KvConfig(block_size=4, num_blocks=kv.get("num_blocks", 128)),
     )
 
@@ -131,7 +132,7 @@ def async_test(fn):
     return wrapper
 
 
-@pytest.mark.parametrize("ahead", [False, True], ids=["one-step", "planned-ahead"])
+@pytest.mark.parametrize("ahead", [0, 1, 2], ids=["one-step", "planned-ahead", "two-ahead"])
 @async_test
 async def test_greedy_tokens_match_transformers_and_bad_prompt_fails_alone(tiny_model, ahead):
     model_dir, hf_model = tiny_model
@@ -166,7 +167,7 @@ async def test_greedy_tokens_match_transformers_and_bad_prompt_fails_alone(tiny_
         assert out[rid]["tokens"] == greedy_reference(hf_model, prompt, end.num_output_tokens), rid
 
 
-@pytest.mark.parametrize("ahead", [False, True], ids=["one-step", "planned-ahead"])
+@pytest.mark.parametrize("ahead", [0, 1, 2], ids=["one-step", "planned-ahead", "two-ahead"])
 @async_test
 async def test_abort_frees_everything_and_others_continue(tiny_model, ahead):
     model_dir, _ = tiny_model
@@ -195,7 +196,7 @@ async def test_abort_frees_everything_and_others_continue(tiny_model, ahead):
     assert await engine.stop() == [0] * (2 + NUM_RANKS)
 
 
-@pytest.mark.parametrize("ahead", [False, True], ids=["one-step", "planned-ahead"])
+@pytest.mark.parametrize("ahead", [0, 1, 2], ids=["one-step", "planned-ahead", "two-ahead"])
 @async_test
 async def test_n_choices_are_prepared_once_and_each_ends_on_its_own(tiny_model, ahead):
     model_dir, hf_model = tiny_model
@@ -224,7 +225,7 @@ async def test_n_choices_are_prepared_once_and_each_ends_on_its_own(tiny_model, 
     assert await engine.stop() == [0] * (2 + NUM_RANKS)
 
 
-@pytest.mark.parametrize("ahead", [False, True], ids=["one-step", "planned-ahead"])
+@pytest.mark.parametrize("ahead", [0, 1, 2], ids=["one-step", "planned-ahead", "two-ahead"])
 @async_test
 async def test_failed_step_fails_its_rows_with_500_and_serving_continues(tiny_model, ahead):
     model_dir, _ = tiny_model

@@ -59,56 +59,62 @@ def requests(eos: int, drawn: bool = False) -> list[messages.Prepared]:
     return out
 
 
-def drive(runner, overlapped: bool) -> tuple[list, int]:
+def drive(runner, overlapped: bool, ahead: int = 1) -> tuple[list, int]:
     """Every request through ``runner``: the scheduler's outputs in order, and
-    how many sequences restarted after a preemption."""
+    how many sequences restarted after a preemption. The scheduler plans
+    ``ahead`` steps past the result it awaits (the conductor's
+    ``scheduler.steps_ahead``); the runner answers a step when it has begun
+    the next, and a result is applied only when the scheduler must wait for
+    it, so both runners see the same calls in the same order."""
     info = runner.ready_info(0)
     sched = Scheduler(num_blocks=info.num_kv_blocks, block_size=BLOCK_SIZE, max_num_seqs=8, max_num_batched_tokens=16,
                       max_model_len=info.max_model_len, eos_token_ids=tuple(info.eos_token_ids),
-                      enable_prefix_caching=True, max_in_flight=2)
+                      enable_prefix_caching=True, max_in_flight=1 + ahead)
     for req in requests(info.eos_token_ids[0], drawn=runner.graphs is not None and runner.graphs.draws):
         sched.receive(req)
         assert sched.add(req, "root") == []
     outputs: list = []
     num_restarts = 0
-    in_flight: deque = deque()  # (plan, Step or tokens), oldest first
-
-    def answer(plan, sampled):
-        outputs.extend(sched.update(messages.StepDone(step_id=plan.step_id, rank=0, sampled=sampled)))
+    on_runner: deque = deque()  # (plan, Step) forwarded and not yet collected (overlapped), oldest first
+    results: deque = deque()  # (plan, tokens) the runner answered, not yet applied
 
     while True:
         plan = sched.schedule() if sched.can_schedule() else None
-        if plan is None and not in_flight:
-            break
-        num_restarts += plan is not None and sum(bool(s.output_token_ids) for s in plan.started)
         if plan is None:
-            old, step = in_flight.popleft()
-            answer(old, runner.collect(step) if overlapped else step)
-        elif overlapped:  # the worker's order: the next forward, then the answer ahead, then the sampling
+            if results:
+                old, sampled = results.popleft()
+                outputs.extend(sched.update(messages.StepDone(step_id=old.step_id, rank=0, sampled=sampled)))
+            elif on_runner:
+                old, step = on_runner.popleft()
+                results.append((old, runner.collect(step)))
+            else:
+                break
+            continue
+        num_restarts += sum(bool(s.output_token_ids) for s in plan.started)
+        if overlapped:  # the worker's order: the next forward, then the answer ahead, then the sampling
             step = runner.forward(plan)
-            if in_flight:
-                old, older_step = in_flight.popleft()
-                answer(old, runner.collect(older_step))
+            if on_runner:
+                old, older_step = on_runner.popleft()
+                results.append((old, runner.collect(older_step)))
             runner.sample(step)
-            in_flight.append((plan, step))
-        else:  # the plan runs whole; the answer follows the next plan, as when the conductor plans ahead
-            in_flight.append((plan, runner.execute(plan)))
-            if len(in_flight) == 2:
-                answer(*in_flight.popleft())
+            on_runner.append((plan, step))
+        else:  # the plan runs whole
+            results.append((plan, runner.execute(plan)))
     assert not sched.has_work()
     return outputs, num_restarts
 
 
+@pytest.mark.parametrize("ahead", [1, 2])
 @pytest.mark.parametrize("paths", ["eager", "static", "static-draws", pytest.param("cuda-graphs", marks=pytest.mark.gpu)])
-def test_overlapped_steps_give_the_tokens_of_steps_one_at_a_time(paths, hf_models):
+def test_overlapped_steps_give_the_tokens_of_steps_one_at_a_time(paths, ahead, hf_models):
     if paths == "static-draws" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the graphs' draw runs on CPU tensors only in Triton's interpreter")
     folder, _ = hf_models("llama")
-    want, num_restarts = drive(make_runner(folder, paths), overlapped=False)
+    want, num_restarts = drive(make_runner(folder, paths), overlapped=False, ahead=ahead)
     runner = make_runner(folder, paths)
     drawn = [runner_factories.record_draws(g) for g in (runner.graphs, runner.mixed_graphs)
              if g is not None and g.draws]
-    got, _ = drive(runner, overlapped=True)
+    got, _ = drive(runner, overlapped=True, ahead=ahead)
     assert got == want
     assert all(any(d) for d in drawn)  # with draws on, each set of graphs drew some steps itself
     assert num_restarts > 0  # the KV cache was small enough

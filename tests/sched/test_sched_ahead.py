@@ -1,6 +1,7 @@
 """Planning one step ahead (``Scheduler(max_in_flight=2)``): what the next
 plan assumes of the step in flight, ends applied one step late, and a failed
-step with a later one in flight. The randomized trials run this mode too
+step with a later one in flight; two steps ahead (``max_in_flight=3``) by the
+same rules. The randomized trials run this mode too
 (``test_sched_random``)."""
 
 import pytest
@@ -100,9 +101,45 @@ def test_an_abort_while_two_steps_fly_voids_both_rows():
     assert_no_blocks_used(sched)
 
 
-def test_max_in_flight_is_one_or_two():
-    with pytest.raises(ValueError, match="max_in_flight must be 1 or 2"):
-        make_scheduler(max_in_flight=3)
+def test_max_in_flight_is_one_to_three():
+    with pytest.raises(ValueError, match="max_in_flight must be 1, 2 or 3"):
+        make_scheduler(max_in_flight=4)
+
+
+def test_two_steps_ahead_plan_a_token_further_for_each_and_stop_at_max_tokens():
+    """``max_in_flight=3``: the plan after next continues two tokens past the
+    results, in the blocks those positions need, and no row is planned past
+    a known end (``max_tokens``)."""
+    sched = make_scheduler(max_in_flight=3, block_size=4)
+    sched.add(make_request("r0", num_prompt_tokens=7, max_tokens=3), ROOT)
+    plans = [sched.schedule() for _ in range(3)]
+    assert [[(c.num_computed, c.num_tokens) for c in p.scheduled] for p in plans] == [[(0, 7)], [(7, 1)], [(8, 1)]]
+    assert len(plans[2].scheduled[0].block_ids) == 3  # position 8 opens a third block
+    with pytest.raises(RuntimeError, match="at most 3"):
+        sched.schedule()
+    sched.update(make_done(plans[0]))
+    assert sched.schedule() is None  # the two in flight sample tokens 2 and 3: the last
+    sched.update(make_done(plans[1]))
+    outputs = sched.update(make_done(plans[2]))
+    assert isinstance(outputs[-1], Finished) and outputs[-1].num_output_tokens == 3
+    assert not sched.has_work()
+    assert_no_blocks_used(sched)
+
+
+def test_two_steps_ahead_an_eos_voids_two_rows():
+    sched = make_scheduler(max_in_flight=3)
+    for rid in ("r0", "r1"):
+        sched.add(make_request(rid), ROOT)
+    prompts, first, second = sched.schedule(), sched.schedule(), sched.schedule()
+    assert [c.request_id for c in second.scheduled] == ["r0", "r1"]  # planned before r0's EOS is known
+    outputs = sched.update(make_done(prompts, {"r0": EOS}))
+    assert [o.request_id for o in outputs if isinstance(o, Finished)] == ["r0"]
+    after = sched.schedule()
+    assert after.finished == ["r0"] and [c.request_id for c in after.scheduled] == ["r1"]
+    for plan in (first, second):  # r0's rows computed tokens nobody reads
+        outputs = sched.update(make_done(plan, {"r0": 11, "r1": 12}))
+        assert [(o.request_id, [t.token_id for t in o.tokens]) for o in outputs] == [("r1", [12])]
+    check_invariants(sched)
 
 
 @pytest.mark.parametrize("max_in_flight", [1, 2])
@@ -118,3 +155,17 @@ def test_orders_with_no_step_to_carry_them_go_alone(max_in_flight):
     assert sched.schedule_orders() is None  # said once
     assert sched.update(make_done(plan)) == []
     assert_no_blocks_used(sched)
+
+
+def test_steps_ahead_is_a_scheduler_key_that_needs_async_scheduling():
+    """``scheduler.steps_ahead: 2`` (the conductor's ``max_in_flight=3``) is accepted with overlapped scheduling
+    and refused, with the fix, without it; other values name what is accepted."""
+    from mstar_actors.config import ConfigError, parse_config
+
+    config = parse_config({"model": {"device": "cpu"}, "scheduler": {"async_scheduling": True, "steps_ahead": 2}})
+    assert config.scheduler.steps_ahead == 2
+    assert parse_config({"model": {"device": "cuda"}}).scheduler.steps_ahead == 1
+    with pytest.raises(ConfigError, match="set async_scheduling: true, or steps_ahead: 1"):
+        parse_config({"model": {"device": "cpu"}, "scheduler": {"steps_ahead": 2}})
+    with pytest.raises(ConfigError, match="accepted: 1, 2"):
+        parse_config({"scheduler": {"steps_ahead": 3}})

@@ -1,9 +1,9 @@
 """Randomized property test: many requests (some of several choices, some
 with media), aborts of requests and of choices, and random configs through
 schedule / update with a fake worker that checks every plan; invariants are
-checked after every call. Planning ahead (``max_in_flight=2``) runs the same
-trials with the next plan made, and run by the worker, before the last
-result is applied. Set MSTAR_SCHED_SEED to replay a failing seed."""
+checked after every call. Planning ahead (``max_in_flight=2`` or 3) runs the
+same trials with the next plan (or two) made, and run by the worker, before
+the last result is applied. Set MSTAR_SCHED_SEED to replay a failing seed."""
 
 import os
 import random
@@ -164,7 +164,7 @@ class Trial:
                 assert tokens[-1] in (EOS, STOP)
 
 
-@pytest.mark.parametrize("max_in_flight", [1, 2])
+@pytest.mark.parametrize("max_in_flight", [1, 2, 3])
 def test_random_requests_and_aborts_keep_invariants(max_in_flight):
     seed = int(os.environ.get("MSTAR_SCHED_SEED", random.randrange(2**32)))
     print(f"seed={seed}")

@@ -114,7 +114,7 @@ def test_random_schedules_restore_only_their_own_prefix_state():
     num_restored = 0
     for _ in range(40):
         t = Trial(random.Random(rng.randrange(2**32)), num_state_slots=rng.randint(1, 5),
-                  num_state_snapshots=rng.randint(1, 4), enable_prefix_caching=True)
+                  num_state_snapshots=rng.randint(1, 4), enable_prefix_caching=True, max_in_flight=rng.choice([1, 2, 3]))
         t.run(num_steps=60)
         num_restored += t.worker.num_restores
         assert t.sched.snapshots.num_reserved == 0

@@ -239,7 +239,8 @@ def test_random_schedules_keep_every_slot_accounted_for():
     num_preemptions = num_backpressured = 0
     for _ in range(40):
         num_slots = rng.randint(1, 5)
-        t = SlotTrial(random.Random(rng.randrange(2**32)), num_blocks=rng.randint(6, 24), num_state_slots=num_slots)
+        t = SlotTrial(random.Random(rng.randrange(2**32)), num_blocks=rng.randint(6, 24), num_state_slots=num_slots,
+                      max_in_flight=rng.choice([1, 2, 3]))
         t.run(num_steps=60)
         pool = t.sched.state_slots
         assert pool.num_used == 0 and not any(pool.is_used(slot) for slot in range(num_slots))
