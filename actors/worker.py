@@ -110,11 +110,14 @@ class WorkerActor(Actor):
     then ``runner.sample``) and answered once its tokens reach the host
     (``runner.collect``). While the device runs step N, the loop waits for
     whichever comes first, step N's tokens or the next plan (the conductor
-    plans one step ahead, so it is usually waiting already): the next plan's
-    forward is then enqueued behind step N, reading N's tokens on the device,
-    before N is collected and answered. The device never idles for the
-    result's trip, the host's batch building or the next plan's arrival. On
-    a CPU a step is done when it returns, and each is answered at once. The
+    plans one step ahead, or two with ``scheduler.steps_ahead: 2``, so it is
+    usually waiting already): the next plan's forward is then enqueued behind
+    step N, reading N's tokens on the device, before N is collected and
+    answered. One step ahead, the device idles only where the answer's trip,
+    the conductor's turn and this forward outlast a step; two ahead, where
+    the forward alone does, or the conductor's whole turn (no depth helps
+    then). On a CPU a step is done when it returns, and each is answered at
+    once. The
     wait for the device is a thread (``_device_waits``) that blocks on the
     step's event and wakes the loop: no polling.
 

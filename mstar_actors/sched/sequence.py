@@ -24,7 +24,7 @@ class Sequence:
     in ``StepPlan.finished``). ``state_slot`` is its recurrent-state slot while
     it runs, else -1 (always -1 for a model without recurrent state).
 
-    With steps planned ahead (``Scheduler(max_in_flight=2)``), the chunks of
+    With steps planned ahead (``Scheduler(max_in_flight=2)`` or 3), the chunks of
     steps in flight count in ``num_in_flight`` (their tokens) and
     ``num_samples_in_flight`` (the tokens they will sample): the next plan
     continues from ``num_scheduled`` and ``num_tokens_ahead``. ``epoch``
