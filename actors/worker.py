@@ -117,9 +117,8 @@ class WorkerActor(Actor):
     the conductor's turn and this forward outlast a step; two ahead, where
     the forward alone does, or the conductor's whole turn (no depth helps
     then). On a CPU a step is done when it returns, and each is answered at
-    once. The
-    wait for the device is a thread (``_device_waits``) that blocks on the
-    step's event and wakes the loop: no polling.
+    once. The wait for the device is a thread (``_device_waits``) that
+    blocks on the step's event and wakes the loop: no polling.
 
     Installs run beside the steps, one at a time in arrival order, on a
     thread (``_install_loop``): reading the host copy and staging it is tens
