@@ -30,21 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from actors.conductor import ConductorActor  # noqa: E402
 from actors.base import frontend_name  # noqa: E402
 from mstar_actors.config import Config, KvConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from mstar_actors.messages import (  # noqa: E402
-    ConductorToFrontend,
-    ConductorToWorker,
-    Finished,
-    Prepared,
-    PrepareToConductor,
-    SampledToken,
-    SamplingParams,
-    Shutdown,
-    StepDone,
-    StepPlan,
-    WorkerReady,
-    WorkerToConductor,
-    new_request_id,
-)
+from mstar_actors import messages as m  # noqa: E402
 from mstar_actors.model_info import ModelInfo  # noqa: E402
 from mstar_actors.sched import Scheduler  # noqa: E402
 from transport.errors import ChannelClosed  # noqa: E402
@@ -54,9 +40,9 @@ BLOCK_SIZE = 16
 PROMPT_TOKENS = 128
 
 
-def _requests(num_rows: int, num_frontends: int, max_tokens: int) -> list[Prepared]:
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return [Prepared(request_id=new_request_id("cmpl", i % num_frontends), model="base",
+def _requests(num_rows: int, num_frontends: int, max_tokens: int) -> list[m.Prepared]:
+    sampling = m.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [m.Prepared(request_id=m.new_request_id("cmpl", i % num_frontends), model="base",
                      prompt_token_ids=[10 + (i + j) % 1000 for j in range(PROMPT_TOKENS)], sampling=sampling)
             for i in range(num_rows)]
 
@@ -67,7 +53,7 @@ def _num_blocks(num_rows: int, max_tokens: int) -> int:
 
 async def _rank(inbox: MemoryChannel, outbox: MemoryChannel, num_blocks: int) -> None:
     """Answers a plan when the next arrives (as a rank that overlaps its steps), or after 2 ms without one."""
-    await outbox.send(WorkerReady(rank=0, num_kv_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=4096,
+    await outbox.send(m.WorkerReady(rank=0, num_kv_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=4096,
                                   eos_token_ids=[2]))
     pending = None
     while True:
@@ -80,19 +66,19 @@ async def _rank(inbox: MemoryChannel, outbox: MemoryChannel, num_blocks: int) ->
             continue
         except ChannelClosed:
             return
-        if not isinstance(msg, StepPlan):
+        if not isinstance(msg, m.StepPlan):
             continue
         if pending is not None:
             await outbox.send(pending)
-        pending = StepDone(step_id=msg.step_id, rank=0,
-                           sampled=[SampledToken(c.request_id, 7) for c in msg.scheduled if c.sample])
+        pending = m.StepDone(step_id=msg.step_id, rank=0,
+                             sampled=[m.SampledToken(c.request_id, 7) for c in msg.scheduled if c.sample])
 
 
 async def _frontend(inbox: MemoryChannel, num_requests: int, done: asyncio.Future) -> None:
     ended = 0
     while ended < num_requests:
         msg = await inbox.recv()
-        ended += isinstance(msg, Finished)
+        ended += isinstance(msg, m.Finished)
     done.set_result(None)
 
 
@@ -106,7 +92,7 @@ class _TimedConductor(ConductorActor):
 
     async def await_step(self, step_id: int):
         results = await super().await_step(step_id)
-        self._began = (len(results[0].sampled) if isinstance(results[0], StepDone) else 0, time.perf_counter())
+        self._began = (len(results[0].sampled) if isinstance(results[0], m.StepDone) else 0, time.perf_counter())
         return results
 
     async def send_stats(self) -> None:
@@ -125,10 +111,10 @@ async def _turns(num_rows: int, num_frontends: int, max_tokens: int, steps_ahead
                     kv=KvConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks))
     info = ModelInfo(served_name="base", model_dir="unused", architecture="LlamaForCausalLM", vocab_size=49152,
                      eos_token_ids=(2,), dtype="bfloat16", max_model_len=4096)
-    to_conductor = MemoryChannel(PrepareToConductor, "prepare.conductor")
-    to_rank = MemoryChannel(ConductorToWorker, "conductor.worker0", capacity_bytes=1 << 24)
-    from_rank = MemoryChannel(WorkerToConductor, "worker0.conductor", capacity_bytes=1 << 24)
-    to_frontends = [MemoryChannel(ConductorToFrontend, f"conductor.{frontend_name(i)}", capacity_bytes=1 << 24)
+    to_conductor = MemoryChannel(m.PrepareToConductor, "prepare.conductor")
+    to_rank = MemoryChannel(m.ConductorToWorker, "conductor.worker0", capacity_bytes=1 << 24)
+    from_rank = MemoryChannel(m.WorkerToConductor, "worker0.conductor", capacity_bytes=1 << 24)
+    to_frontends = [MemoryChannel(m.ConductorToFrontend, f"conductor.{frontend_name(i)}", capacity_bytes=1 << 24)
                     for i in range(num_frontends)]
     conductor = _TimedConductor(name="conductor", config=config, info=info,
                                inbox={"prepare": to_conductor, "worker0": from_rank},
@@ -143,7 +129,7 @@ async def _turns(num_rows: int, num_frontends: int, max_tokens: int, steps_ahead
     for req in requests:
         await to_conductor.send(req)
     await asyncio.gather(*done)
-    await to_conductor.send(Shutdown())
+    await to_conductor.send(m.Shutdown())
     await asyncio.wait_for(asyncio.gather(*tasks), 30)
     for reader in readers:
         reader.cancel()
@@ -165,8 +151,8 @@ def _scheduler_alone(num_rows: int, max_tokens: int) -> list[float]:
             in_flight.append(plan)
         if plan is None or not sched.can_schedule():
             old = in_flight.pop(0)
-            sched.update(StepDone(step_id=old.step_id, rank=0,
-                                  sampled=[SampledToken(c.request_id, 7) for c in old.scheduled if c.sample]))
+            sched.update(m.StepDone(step_id=old.step_id, rank=0,
+                                  sampled=[m.SampledToken(c.request_id, 7) for c in old.scheduled if c.sample]))
         if plan is not None and len(plan.scheduled) == num_rows:
             times.append(time.perf_counter() - start)
     return times
