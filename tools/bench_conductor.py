@@ -152,7 +152,7 @@ def _scheduler_alone(num_rows: int, max_tokens: int) -> list[float]:
         if plan is None or not sched.can_schedule():
             old = in_flight.pop(0)
             sched.update(m.StepDone(step_id=old.step_id, rank=0,
-                                  sampled=[m.SampledToken(c.request_id, 7) for c in old.scheduled if c.sample]))
+                                    sampled=[m.SampledToken(c.request_id, 7) for c in old.scheduled if c.sample]))
         if plan is not None and len(plan.scheduled) == num_rows:
             times.append(time.perf_counter() - start)
     return times
