@@ -670,7 +670,8 @@ MIN_SPLIT_FUSED_ROWS = 257
 # H200, an LM head of 128,256 columns, one adapter, us a call, ``bgmv`` /
 # ``gemm+x`` in ``tools/check_lora_kernels.py --rows-table``: 10.5 / 13.0 at
 # 8 rows, 17.7 / 13.0 at 16, 57.9 / 27.5 at 64, measured with the shrink in
-# the activations' dtype; the float32 one adds two casts).
+# the activations' dtype; in float32, straight out of cuBLAS, the served
+# step took the same: ``profile_gpu_step.py --batches 16 64 256``).
 MIN_SPLIT_ROWS = MIN_SPLIT_FUSED_ROWS
 MIN_GEMM_ROWS = 16
 

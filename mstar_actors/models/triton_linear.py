@@ -71,13 +71,13 @@ def pick(n: int, k: int, m: int = 1, num_sms: int = 132) -> tuple[int, int, int,
     each program reads times the programs' waves (``ceil(tiles * split /
     num_sms)``), plus ``SPLIT_COST`` for any split; at most two waves, at
     least 512 inputs a split, at most 16; on a tie the more programs. On
-    the H200 (132 multiprocessors; every split of a weight timed, one and 8
-    rows, as ``tools/check_linear_kernels.py --split-sweep`` times them) this picked the fastest split of Llama-3.2-1B's and 3.1-8B's
-    linears or one within 6% of it, with and without every LoRA slot's A
-    under them: 34 tiles, Llama-3.2-1B's down with four slots' A, take 7
-    splits (8.9 us against 11.4 at 4: 136 programs left 4 to a second
-    wave); 65, 8B's o and down with two slots', 4 (8.2 and 30.5 us against
-    11.5 and 37.8 unsplit, which the 64-tile rule before left them); 96,
+    the H200 (132 multiprocessors; every split of a weight timed at one and
+    8 rows, ``tools/check_linear_kernels.py --split-sweep``) this picked the
+    fastest split of Llama-3.2-1B's and 3.1-8B's linears or one within 6%
+    of it, with and without every LoRA slot's A under them: 34 tiles,
+    Llama-3.2-1B's down with four slots' A, take 7 splits (8.9 us against
+    11.4 at 4: 136 programs left 4 to a second wave); 65, 8B's o and down
+    with two slots', 4 (8.2 and 30.5 us against 11.5 and 37.8 unsplit); 96,
     8B's q|k|v, none (14.4 against 17.3 at 2)."""
     block_k = 256 if block_m(m) <= 32 else 128
     tiles = triton.cdiv(n, 64)
@@ -171,7 +171,6 @@ class _Workspace:
 
 
 _workspace = _Workspace()
-
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
