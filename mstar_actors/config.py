@@ -94,8 +94,10 @@ class SchedulerConfig(msgspec.Struct, **_STRICT):
     # conductor awaits: 1, a rank finds the next plan waiting when a step
     # ends; 2, also the one after, so the conductor's turn (the result's
     # trip, the update, the plan) is hidden behind a step too, and an EOS or
-    # stop token costs two dropped rows.
-    steps_ahead: Literal[1, 2] = 1
+    # stop token costs two dropped rows. None: 2 with async_scheduling (on
+    # an H200, tools/bench_lora.py: LoRA off +5% tok/s at c=1, +10% at 32,
+    # +20% at 64 and 256, against 1), else 1.
+    steps_ahead: Literal[1, 2] | None = None
 
 
 class KvConfig(msgspec.Struct, **_STRICT):
@@ -241,10 +243,17 @@ def _explain(err: msgspec.ValidationError) -> str:
     elif "unknown field" in text:
         text += f"; accepted top-level keys: {', '.join(_fields_at('$'))}"
     elif "Invalid enum value" in text and " - at `" in text:
-        choices = typing.get_args(_type_at(text.rsplit(" - at `", 1)[1].rstrip("`")))
+        choices = _choices(_type_at(text.rsplit(" - at `", 1)[1].rstrip("`")))
         if choices:
-            text += f"; accepted: {', '.join(map(str, choices))}"
+            text += f"; accepted: {', '.join(choices)}"
     return text
+
+
+def _choices(tp: object) -> list[str]:
+    """A Literal's values, an optional one's with null (not set: the default)."""
+    if typing.get_origin(tp) is typing.Literal:
+        return [str(v) for v in typing.get_args(tp)]
+    return [c for arg in typing.get_args(tp) for c in (["null"] if arg is type(None) else _choices(arg))]
 
 
 def parse_config(data: object, source: str = "<config>") -> Config:
@@ -260,7 +269,7 @@ def parse_config(data: object, source: str = "<config>") -> Config:
                           f"{config.server.api_server_count}: each frontend would bind a port of its own; "
                           "set a fixed port, or api_server_count: 1")
     config = with_device_defaults(config)
-    if config.scheduler.steps_ahead > 1 and not config.scheduler.async_scheduling:
+    if config.scheduler.steps_ahead > 1 and not config.scheduler.async_scheduling:  # set so, not defaulted
         raise ConfigError(f"{source}: scheduler.steps_ahead {config.scheduler.steps_ahead} needs "
                           "scheduler.async_scheduling, which is off here (false, or not set on a CPU model); "
                           "set async_scheduling: true, or steps_ahead: 1")
@@ -269,20 +278,22 @@ def parse_config(data: object, source: str = "<config>") -> Config:
 
 def with_device_defaults(config: Config) -> Config:
     """``config`` with the keys whose default depends on the device filled in
-    (``scheduler.max_num_seqs``, ``scheduler.async_scheduling``), so every
-    actor reads one settled value."""
+    (``scheduler.max_num_seqs``, ``async_scheduling``, ``steps_ahead``), so
+    every actor reads one settled value."""
     sched = config.scheduler
-    if sched.max_num_seqs is not None and sched.async_scheduling is not None:
+    if sched.max_num_seqs is not None and sched.async_scheduling is not None and sched.steps_ahead is not None:
         return config
     device = config.model.device
     if device == "auto":
         from mstar_actors.runner.device import resolve_device  # torch only where the device must be probed
 
         device = resolve_device(device).type
+    async_scheduling = DEFAULT_ASYNC_SCHEDULING[device] if sched.async_scheduling is None else sched.async_scheduling
     scheduler = msgspec.structs.replace(
         sched,
         max_num_seqs=DEFAULT_MAX_NUM_SEQS[device] if sched.max_num_seqs is None else sched.max_num_seqs,
-        async_scheduling=DEFAULT_ASYNC_SCHEDULING[device] if sched.async_scheduling is None else sched.async_scheduling,
+        async_scheduling=async_scheduling,
+        steps_ahead=(2 if async_scheduling else 1) if sched.steps_ahead is None else sched.steps_ahead,
     )
     return msgspec.structs.replace(config, scheduler=scheduler)
 

@@ -142,7 +142,7 @@ class Plan:
     scenarios: tuple[Scenario, ...] = tuple(SCENARIOS)
     server_logs: Path | None = None  # where each server's DEBUG log is saved (None: servers log at INFO)
     async_scheduling: bool | None = None  # None: the device's default (on with CUDA, off on CPU)
-    steps_ahead: int = 1  # scheduler.steps_ahead: plans sent past the step whose result the conductor awaits
+    steps_ahead: int | None = None  # scheduler.steps_ahead (None: the server's default, 2 with overlapped steps)
     api_servers: int = 1  # server.api_server_count of every server
     client_processes: int = 1  # at most, for the levels of many clients (ClientPool)
 
@@ -159,7 +159,7 @@ class Plan:
                  f"{self.max_tokens} new tokens per request (ignore_eos), prefix caching "
                  f"{'on' if self.prefix_caching else 'off'}, overlapped scheduling "
                  f"{'the device default' if self.async_scheduling is None else ('on' if self.async_scheduling else 'off')}"
-                 + (f", {self.steps_ahead} steps ahead" if self.steps_ahead > 1 else "")]
+                 + ("" if self.steps_ahead is None else f", {self.steps_ahead} steps ahead")]
         for key, spec in SERVERS.items():
             lora = (f"max_loras {spec.max_loras}, adapters {', '.join(ADAPTER_NAMES[:spec.num_adapters])}"
                     if spec.max_loras else "no lora section")
@@ -719,9 +719,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    f"{REFERENCE!r} always runs): " + ", ".join(repr(s.name) for s in SCENARIOS[1:]))
     p.add_argument("--async-scheduling", choices=["on", "off"], default=None,
                    help="plan the next step while the device runs this one (default: on with cuda, off on cpu)")
-    p.add_argument("--steps-ahead", type=int, choices=[1, 2], default=1,
-                   help="plans the conductor sends past the step whose result it awaits (scheduler.steps_ahead, "
-                        "default 1; 2 needs overlapped scheduling)")
+    p.add_argument("--steps-ahead", type=int, choices=[1, 2], default=None,
+                   help="plans the conductor sends past the step whose result it awaits (scheduler.steps_ahead; "
+                        "default: the server's, 2 with overlapped scheduling, else 1; 2 needs it on)")
     p.add_argument("--api-servers", type=int, default=1,
                    help="frontend processes of each server (server.api_server_count, default 1)")
     p.add_argument("--client-processes", type=int, default=None,
@@ -752,7 +752,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
                         ("--api-servers", args.api_servers), ("--client-processes", args.client_processes or 1)]:
         if value < 1:
             raise SystemExit(f"{flag} must be at least 1, got {value}")
-    if args.steps_ahead > 1 and (args.async_scheduling or ("on" if device == "cuda" else "off")) == "off":
+    if (args.steps_ahead or 1) > 1 and (args.async_scheduling or ("on" if device == "cuda" else "off")) == "off":
         raise SystemExit(f"--steps-ahead {args.steps_ahead}: needs overlapped scheduling, off here "
                          f"({'--async-scheduling off' if args.async_scheduling else 'the default on ' + device}); "
                          "add --async-scheduling on, or leave --steps-ahead at 1")

@@ -58,7 +58,8 @@ async def fake_rank(inbox, outbox) -> None:
 def test_the_next_plan_leaves_before_the_steps_tokens():
     async def run() -> list:
         config = Config(model=ModelConfig(path="unused", name="base"),
-                        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, async_scheduling=True),
+                        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, async_scheduling=True,
+                                                  steps_ahead=1),
                         kv=KvConfig(block_size=4, num_blocks=64))
         info = ModelInfo(served_name="base", model_dir="unused", architecture="LlamaForCausalLM", vocab_size=32,
                          eos_token_ids=(2,), dtype="float32", max_model_len=64)
