@@ -93,10 +93,11 @@ class SchedulerConfig(msgspec.Struct, **_STRICT):
     # With async_scheduling, the plans sent past the step whose result the
     # conductor awaits: 1, a rank finds the next plan waiting when a step
     # ends; 2, also the one after, so the conductor's turn (the result's
-    # trip, the update, the plan) is hidden behind a step too, and an EOS or
-    # stop token costs two dropped rows. None: 2 with async_scheduling (on
-    # an H200, tools/bench_lora.py: LoRA off +5% tok/s at c=1, +10% at 32,
-    # +20% at 64 and 256, against 1), else 1.
+    # trip, the update, the plan) is hidden behind a step too; an EOS or
+    # stop token costs two dropped rows, and a new request's prefill runs
+    # a step later. None: 2 with async_scheduling (on an H200,
+    # tools/bench_lora.py: LoRA off +5% tok/s at c=1, +10% at 32, +20% at
+    # 64 and 256, TTFT p50 +2-4 ms at 64-256, against 1), else 1.
     steps_ahead: Literal[1, 2] | None = None
 
 
