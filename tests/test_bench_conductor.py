@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_bench_conductor_prints_a_row_per_size():
     out = subprocess.run([sys.executable, "tools/bench_conductor.py", "--rows", "4", "16", "--frontends", "2",
-                          "--max-tokens", "8", "--steps-ahead", "2"], cwd=ROOT, capture_output=True, text=True,
+                          "--max-tokens", "8", "--steps-ahead", "1"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, check=True).stdout
     rows = [line.split() for line in out.splitlines() if line and not line.startswith(("#", " rows"))]
     assert [int(r[0]) for r in rows] == [4, 16], out

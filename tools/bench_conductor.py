@@ -13,7 +13,7 @@ A GPU step of a few ms leaves the conductor that much time a step; where the
 turn takes longer, the served steps wait for it whatever the device does.
 
     python tools/bench_conductor.py                    # 64 and 256 rows, 4 frontends
-    python tools/bench_conductor.py --rows 32 64 256 --frontends 1 --steps-ahead 2
+    python tools/bench_conductor.py --rows 32 64 256 --frontends 1 --steps-ahead 1
 """
 
 from __future__ import annotations
@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, nargs="+", default=[64, 256])
     p.add_argument("--frontends", type=int, default=4, help="frontend processes' channels (server.api_server_count)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens each request decodes")
-    p.add_argument("--steps-ahead", type=int, choices=[1, 2], default=1, help="scheduler.steps_ahead")
+    p.add_argument("--steps-ahead", type=int, choices=[1, 2], default=2,
+                   help="scheduler.steps_ahead (default 2: a GPU server's, overlapped steps being on there)")
     args = p.parse_args(argv)
     if min(args.rows) < 1 or args.frontends < 1 or args.max_tokens < 4:
         p.error("--rows and --frontends must be at least 1, --max-tokens at least 4")
