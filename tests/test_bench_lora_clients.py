@@ -1,6 +1,7 @@
-"""tools/bench_lora.py's client pool: the processes of a level begin
+"""tools/bench_lora.py's client pool and plan: the processes of a level begin
 together, once every one is ready, and a process that fails before it is
-ready stops the level with its reason (no wait for a start that never comes)."""
+ready stops the level with its reason (no wait for a start that never comes);
+the arguments' checks; the scenarios' order, rotated a level."""
 
 from __future__ import annotations
 
@@ -79,3 +80,15 @@ def test_steps_ahead_needs_overlapped_scheduling(bench_lora):
     plan = bench_lora.make_plan(bench_lora.parse_args(["--device", "cpu", "--steps-ahead", "2", "--async-scheduling",
                                                        "on"]))
     assert plan.steps_ahead == 2 and "2 steps ahead" in plan.describe()[0]
+
+
+def test_each_level_rotates_the_scenarios_order(bench_lora):
+    """Over as many levels as scenarios, each scenario is measured once in each
+    position: none is always first after a level change."""
+    scenarios = tuple(bench_lora.SCENARIOS)
+    orders = [bench_lora.scenario_order(scenarios, turn) for turn in range(len(scenarios))]
+    for order in orders:
+        assert sorted(s.name for s in order) == sorted(s.name for s in scenarios)
+    for position in range(len(scenarios)):
+        assert {order[position].name for order in orders} == {s.name for s in scenarios}
+    assert bench_lora.scenario_order(scenarios, len(scenarios)) == scenarios

@@ -5,8 +5,8 @@ Retention is output tokens/s with adapters divided by output tokens/s of the
 same engine with LoRA off (a server started with no ``lora:`` section), at
 each ``--concurrency``. Three servers run side by side, on the same weights,
 prompts and number of new tokens, and are measured in turn (level by level,
-scenario by scenario, ``--rounds`` times), so a drift in machine load hits
-every scenario alike:
+scenario by scenario in an order rotated a level, ``--rounds`` times), so a
+drift in machine load hits every scenario alike:
 
 - ``off``:   no ``lora:`` section                       -> "lora off" (the reference)
 - ``on``:    ``max_loras: 4``, adapters lora0..lora3     -> "base, lora on", "one adapter",
@@ -560,19 +560,29 @@ def ready_server(plan: Plan, key: str, server: Server, prompts: list) -> str:
     return url
 
 
+def scenario_order(scenarios: tuple[Scenario, ...], turn: int) -> tuple[Scenario, ...]:
+    """The scenarios of the ``turn``-th level measured (counting over the rounds),
+    rotated by one a turn: none is always first after the level changes, or always
+    the one after another server's, so what a position costs (a server idle longest,
+    the first clients of a level) is spread over them all."""
+    k = turn % len(scenarios)
+    return scenarios[k:] + scenarios[:k]
+
+
 def run_all(plan: Plan, model_dir: Path, adapters: dict[str, Path], tmp: Path) -> list[Measurement]:
     """Measure every scenario at every level, interleaved: round by round, level by
-    level, every scenario in turn (the servers idle while another one is measured), so
-    a change of machine load hits each scenario alike. Rounds add up per scenario."""
+    level, every scenario in turn (the servers idle while another one is measured;
+    ``scenario_order``), so a change of machine load hits each scenario alike. Rounds
+    add up per scenario."""
     servers = start_servers(plan, model_dir, adapters, tmp)
     prompts = make_messages(max(plan.num_requests(c) for c in plan.levels))
     results: dict[tuple[str, int], Measurement] = {}
     clients = ClientPool(plan.client_processes)
     try:
         urls = {key: ready_server(plan, key, server, prompts) for key, server in servers.items()}
-        for _ in range(plan.rounds):
-            for c in plan.levels:
-                for scenario in plan.scenarios:
+        for r in range(plan.rounds):
+            for i, c in enumerate(plan.levels):
+                for scenario in scenario_order(plan.scenarios, r * len(plan.levels) + i):
                     # An untimed one-token request first: the server's first step after idling
                     # (threads waking, caches cold) is not charged to the scenario measured.
                     asyncio.run(warm_up(urls[scenario.server], [model_of(scenario, plan.served_name, 0)], prompts, ()))
