@@ -13,14 +13,20 @@ The C here (``KERNEL_SOURCE``) orchestrates and computes nothing itself:
 it calls the same compiled kernels the Python path calls (``cpu_ops``,
 ``cpu_linear``, ``cpu_quant``, ``cpu_attention``), through their addresses,
 with the same arguments, so a step's hidden states and KV cache equal the
-Python path's bit for bit, decode rows and prefill chunks alike.
+Python path's bit for bit, decode rows and prefill chunks alike. Adapter
+rows are its own work: each linear's LoRA delta (``lora_delta``) is added
+in C, the rows of one slot together, within float32 rounding of the
+Python path's GEMMs. Why: there a decode step's deltas are a few torch
+calls a linear, about 5 ms a SmolLM2 step, a third of a one-row step
+(``tools/bench_lora.py``, CPU: one adapter at c=1 67% of LoRA off's
+tokens/s on the Python path, 96% here).
 
 Taken by ``CausalLM``s of the shared decoder (Llama, Qwen2; not per-head
 q/k norms), one rank, every linear on our float32 blocks or quantized
-codes, and base-only steps (no LoRA rows) of CPU float32 rows with 1-D
-positions; everything else, decided per step by a few attribute tests,
-runs the Python path (``CausalLM.run_layers``). ``install`` puts it in
-front of a model's ``run_layers``.
+codes, CPU float32 rows with 1-D positions, base-only or with at most
+``MAX_LORA_ROWS`` token rows on adapters; everything else, decided per step
+by a few attribute tests, runs the Python path (``CausalLM.run_layers``).
+``install`` puts it in front of a model's ``run_layers``.
 """
 
 from __future__ import annotations
@@ -59,11 +65,16 @@ typedef void (*decode_attention_fn)(const float *, int64_t, int64_t, int64_t, in
 
 /* One linear: bits 0 is a float32 weight in cpu_linear's blocks (weight),
    8 or 4 cpu_quant's codes (weight), scales and mins; dot: int4 codes in
-   the integer-dot layout. bias may be null. */
+   the integer-dot layout. bias may be null. Its LoRA stack (ops.LoraStack;
+   lora_a null: none): a [shards][slots][rank][in], bt [slots][rank][out] (B transposed),
+   scales [shards][slots], shard i's outputs [offsets[i], offsets[i + 1]). */
 typedef struct {
     int64_t bits, dot, in_features, out_features;
     const void *weight;
     const float *scale, *minv, *bias;
+    const float *lora_a, *lora_bt, *lora_scales;
+    const int64_t *lora_offsets;
+    int64_t lora_shards, lora_slots, lora_rank;
 } linear_desc;
 
 typedef struct {
@@ -96,6 +107,52 @@ static void linear(const stack_desc *s, const linear_desc *l, const float *x, in
                         l->scale, l->minv, l->out_features, l->bias, y, num_threads);
 }
 
+/* y[m] += the LoRA delta of row m's adapter (row_slots[m]; 0: the base, none),
+   as LoraStack's: per shard i, scale[i][s] * (x[m] . A[i][s][r] for each r) times
+   B[s][n] for n in the shard's outputs. The rows of one slot together: each A
+   and B row is read once for all of them. work: M * rank floats, M indices. */
+#define LORA_PARALLEL 8192  /* multiply-adds from which a delta's loop takes the threads */
+#define LORA_COLS 256  /* outputs an expand's chunk: its rows of y stay in the first cache */
+static void lora_delta(const linear_desc *l, const float *x, int64_t M, float *y, const int64_t *row_slots,
+                       float *work, int64_t *rows, int num_threads) {
+    const int64_t in = l->in_features, out = l->out_features, R = l->lora_rank, S = l->lora_slots;
+    if (!row_slots || !l->lora_a) return;
+    for (int64_t s = 1; s < S; s++) {
+        int64_t G = 0;
+        for (int64_t m = 0; m < M; m++)
+            if (row_slots[m] == s) rows[G++] = m;
+        if (!G) continue;
+        const float *bt = l->lora_bt + s * R * out;
+        for (int64_t i = 0; i < l->lora_shards; i++) {
+            const float scale = l->lora_scales[i * S + s];
+            const float *a = l->lora_a + (i * S + s) * R * in;
+            #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && R * G * in >= LORA_PARALLEL)
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t g = 0; g < G; g++) {
+                    const float *xr = x + rows[g] * in, *ar = a + r * in;
+                    float acc = 0.0f;
+                    #pragma omp simd reduction(+:acc)
+                    for (int64_t k = 0; k < in; k++) acc += xr[k] * ar[k];
+                    work[g * R + r] = acc * scale;
+                }
+            const int64_t lo = l->lora_offsets[i], hi = l->lora_offsets[i + 1];
+            /* B transposed, [rank][out]: each rank's row scaled into every output, out contiguous */
+            #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && (hi - lo) * G * R >= LORA_PARALLEL)
+            for (int64_t c = lo; c < hi; c += LORA_COLS) {
+                const int64_t end = c + LORA_COLS < hi ? c + LORA_COLS : hi;
+                for (int64_t g = 0; g < G; g++) {
+                    float *yr = y + rows[g] * out;
+                    for (int64_t r = 0; r < R; r++) {
+                        const float coef = work[g * R + r], *br = bt + r * out;
+                        #pragma omp simd
+                        for (int64_t n = c; n < end; n++) yr[n] += coef * br[n];
+                    }
+                }
+            }
+        }
+    }
+}
+
 /* The decoder's layers and final norm on T rows x [T][hidden] (the
    embedded tokens; not written): out [T][hidden] = norm(the residual
    stream after the last layer). Row t is at rotary tables cos, ssin
@@ -103,15 +160,25 @@ static void linear(const stack_desc *s, const linear_desc *l, const float *x, in
    cache (caches[l]: [2][num_cache_blocks][block_size][KH][D]) and attends
    to the first lens[t] tokens of its sequence's blocks tables[t]
    ([T][max_nb]; cpu_attention.row_contexts). Each step is the Python path's call, in its order, on
-   the same arguments: residual sums land in the sublayers' outputs.
+   the same arguments: residual sums land in the sublayers' outputs. row_slots [T] (null: a
+   base-only step): each row's LoRA slot, whose delta each linear adds (lora_delta) where the
+   Python path adds its own, in another order of sums.
    Returns 0, or -1 where its buffers could not be allocated. */
 int decoder_stack(const stack_desc *s, const float *x, int64_t T, const float *cos, const float *ssin,
                    const int64_t *slots, float *const *caches, int64_t num_cache_blocks, int64_t block_size,
-                   const int64_t *tables, int64_t max_nb, const int64_t *lens, float *out, int num_threads) {
+                   const int64_t *tables, int64_t max_nb, const int64_t *lens, const int64_t *row_slots,
+                   int64_t max_rank, float *out, int num_threads) {
     const int64_t H = s->hidden, D = s->head_dim, NH = s->num_heads, KH = s->num_kv_heads, I = s->intermediate;
     const int64_t qkv_n = (NH + 2 * KH) * D, attn_n = NH * D;
     float *buffer = (float *)malloc(sizeof(float) * T * (3 * H + qkv_n + attn_n + 3 * I));
-    if (!buffer) return -1;
+    float *work = row_slots ? (float *)malloc(sizeof(float) * T * max_rank) : 0;  /* lora_delta's */
+    int64_t *rows = row_slots ? (int64_t *)malloc(sizeof(int64_t) * T) : 0;
+    if (!buffer || (row_slots && (!work || !rows))) {
+        free(buffer);
+        free(work);
+        free(rows);
+        return -1;
+    }
     float *normed = buffer, *sums[2] = {buffer + T * H, buffer + 2 * T * H};
     float *qkv = buffer + 3 * T * H, *attn = qkv + T * qkv_n, *gate_up = attn + T * attn_n, *act = gate_up + 2 * T * I;
     const float *residual = x;
@@ -126,6 +193,7 @@ int decoder_stack(const stack_desc *s, const float *x, int64_t T, const float *c
             residual = sublayer;
         }
         linear(s, &layer->qkv, normed, T, qkv, num_threads);
+        lora_delta(&layer->qkv, normed, T, qkv, row_slots, work, rows, num_threads);
         s->rope_write_kv(qkv, qkv_n, NH, qkv + NH * D, qkv_n, qkv + (NH + KH) * D, qkv_n, KH, D, T, cos, ssin,
                          caches[l], num_cache_blocks * block_size, slots);
         s->decode_attention(qkv, qkv_n, T, NH, D, caches[l], num_cache_blocks, block_size, KH, tables, max_nb, lens,
@@ -133,16 +201,21 @@ int decoder_stack(const stack_desc *s, const float *x, int64_t T, const float *c
         sublayer = sums[next];
         next ^= 1;
         linear(s, &layer->o, attn, T, sublayer, num_threads);
+        lora_delta(&layer->o, attn, T, sublayer, row_slots, work, rows, num_threads);
         s->add_rms_norm(residual, H, sublayer, H, layer->post_norm, normed, H, T, H, s->eps);
         residual = sublayer;
         linear(s, &layer->gate_up, normed, T, gate_up, num_threads);
+        lora_delta(&layer->gate_up, normed, T, gate_up, row_slots, work, rows, num_threads);
         s->silu_mul(gate_up, 2 * I, act, I, T, I);
         sublayer = sums[next];
         next ^= 1;
         linear(s, &layer->down, act, T, sublayer, num_threads);
+        lora_delta(&layer->down, act, T, sublayer, row_slots, work, rows, num_threads);
     }
     s->add_rms_norm(residual, H, sublayer, H, s->final_norm, out, H, T, H, s->eps);
     free(buffer);
+    free(work);
+    free(rows);
     return 0;
 }
 """
@@ -151,7 +224,9 @@ int decoder_stack(const stack_desc *s, const float *x, int64_t T, const float *c
 class LinearDesc(ctypes.Structure):
     _fields_ = [("bits", ctypes.c_int64), ("dot", ctypes.c_int64), ("in_features", ctypes.c_int64),
                 ("out_features", ctypes.c_int64), ("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p),
-                ("minv", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+                ("minv", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("lora_a", ctypes.c_void_p),
+                ("lora_bt", ctypes.c_void_p), ("lora_scales", ctypes.c_void_p), ("lora_offsets", ctypes.c_void_p),
+                ("lora_shards", ctypes.c_int64), ("lora_slots", ctypes.c_int64), ("lora_rank", ctypes.c_int64)]
 
 
 class LayerDesc(ctypes.Structure):
@@ -180,7 +255,8 @@ def kernel() -> ctypes.CDLL | None:
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.stack_desc_size.argtypes, lib.stack_desc_size.restype = [], i64
-    lib.decoder_stack.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.decoder_stack.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i64, ptr,
+                                  ctypes.c_int]
     lib.decoder_stack.restype = ctypes.c_int
 
 
@@ -191,6 +267,12 @@ def _check(lib: ctypes.CDLL) -> None:
 
 def _address(lib: ctypes.CDLL, name: str) -> int:
     return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+
+# Steps of adapter rows of up to this many token rows run in the call, their
+# LoRA deltas in it too (``lora_delta``); larger ones (prompts) take the Python
+# path, whose deltas are GEMMs over each adapter's rows.
+MAX_LORA_ROWS = 64
 
 
 class PlanRefused(ValueError):
@@ -219,11 +301,13 @@ class StackPlan:
         if len(eps) != 1 or any(type(n) is not RMSNorm or n.zero_centered for n in norms):
             raise PlanRefused("its norms are not plain RMSNorms of one eps")
         self.hook = attn.qkv_proj.lora
+        self.lora_a = None if self.hook is None else self.hook.stack.a.data_ptr()  # where the first stack's A was
         linears = [m for layer in layers for m in layer.modules() if isinstance(m, LoraLinear)]
         if any(m.fused_weight is not None or (m.lora is None) != (self.hook is None)
                or (m.lora is not None and m.lora.step is not self.hook.step) for m in linears):
             raise PlanRefused("its linears' LoRA hooks do not share one step, or a stack is fused into a weight")
         self.has_float = self.has_quant = False  # which linear kernels the layers take (``_linear``)
+        self.max_rank = 0  # of the LoRA stacks (``_lora``; 0: none)
         with torch.no_grad():
             self.layers = (LayerDesc * len(layers))(*(self._layer(layer) for layer in layers))
         self.desc = StackDesc(
@@ -263,7 +347,7 @@ class StackPlan:
             raise PlanRefused(f"a linear is {module.in_features} -> {module.out_features}, not the layers' "
                               f"{in_features} -> {out_features}")
         bias = self._keep(module.bias.detach()) if module.bias is not None else None
-        shape = dict(in_features=in_features, out_features=out_features, bias=bias)
+        shape = dict(in_features=in_features, out_features=out_features, bias=bias, **self._lora(module))
         if (quant := module.quant) is not None:
             if cpu_quant.kernel() is None:
                 raise PlanRefused("the quantized linears' kernel did not build")
@@ -280,14 +364,31 @@ class StackPlan:
         return LinearDesc(bits=0, dot=0, weight=self._keep(blocks), **shape)
 
 
+    def _lora(self, module: LoraLinear) -> dict:
+        """The linear's LoRA stack for ``lora_delta`` (none: no fields)."""
+        if module.lora is None:
+            return {}
+        stack = module.lora.stack
+        if stack.fused or stack.is_embedding or stack.b_all is None:
+            raise PlanRefused("a LoRA stack is fused into its weight, an embedding's, or without its B transposed")
+        self.max_rank = max(self.max_rank, stack.max_rank)
+        offsets = torch.tensor(stack.offsets, dtype=torch.int64)
+        self.kept.append(offsets)
+        return dict(lora_a=self._keep(stack.a), lora_bt=self._keep(stack.b_all), lora_scales=self._keep(stack.scales),
+                    lora_offsets=offsets.data_ptr(), lora_shards=len(stack.output_sizes), lora_slots=stack.num_slots,
+                    lora_rank=stack.max_rank)
+
+
 class CpuDecoderStack:
     """``CausalLM.run_layers`` in one C call where a step fits (see the
     module docstring), else the model's own ``run_layers`` (``fallback``).
 
     LoRA: ``enable_lora`` gives every linear a hook, all sharing one step;
-    the plan checked that, and a step with adapter rows (segments or row
-    slots set) takes the fallback. A hook set on the first layer's qkv
-    after the plan was made remakes the plan, which checks them again."""
+    the plan checked that and took each stack's factors. A step with adapter
+    rows (segments set) passes each token row's slot (``LoraStep.token_slots``);
+    one by device slots (row slots set) or of more than ``MAX_LORA_ROWS`` rows
+    takes the fallback. A hook set on the first layer's qkv after the plan
+    was made, or its stack's A moved, remakes the plan, which checks them again."""
 
     def __init__(self, model: CausalLM, plan: StackPlan, fallback):
         self.model = model
@@ -306,14 +407,29 @@ class CpuDecoderStack:
 
     def takes(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step fits one call: CPU float32 rows without autograd,
-        1-D positions, an eager step (no static graph form), no LoRA rows."""
+        1-D positions, an eager step (no static graph form), LoRA rows that
+        ``_row_slots`` takes."""
         hook = self.qkv.lora
         if self.plan is None or hook is not self.plan.hook and not self._replan():
             return False
-        if hook is not None and (hook.step.segments is not None or hook.step.row_slots is not None):
-            return False
+        if hook is not None and (hook.stack.a.data_ptr() != self.plan.lora_a and not self._replan()
+                                 or self._row_slots(hook, x.shape[0]) is False):
+            return False  # (the stacks' A moved since the plan: fused under a weight, which the plan refuses)
         return (x.dtype is torch.float32 and x.is_cpu and x.dim() == 2 and positions.dim() == 1
                 and not torch.is_grad_enabled() and meta.varlen_work is None and not meta.graph_decode)
+
+    @staticmethod
+    def _row_slots(hook, num_rows: int) -> torch.Tensor | None | bool:
+        """The step's rows' LoRA slots for ``lora_delta``: None in a base-only
+        step, False where the call does not take the step (rows by device
+        slots, or more than ``MAX_LORA_ROWS`` token rows with adapters)."""
+        step = hook.step
+        if step.row_slots is not None:
+            return False
+        if step.segments is None:
+            return None
+        slots = step.token_slots
+        return slots if slots is not None and slots.shape[0] == num_rows <= MAX_LORA_ROWS else False
 
     def _replan(self) -> bool:
         try:
@@ -332,11 +448,14 @@ class CpuDecoderStack:
         if slots.dtype is not torch.int64 or not slots.is_contiguous():
             slots = slots.long().contiguous()
         _, _, pointers, num_cache_blocks, block_size = self._caches
+        hook = self.qkv.lora
+        row_slots = None if hook is None else self._row_slots(hook, num_rows)
         out = torch.empty(num_rows, self.plan.hidden, dtype=torch.float32)
         if self.plan.lib.decoder_stack(ctypes.byref(self.plan.desc), x.data_ptr(), num_rows, cos.data_ptr(),
                                        signed_sin.data_ptr(), slots.data_ptr(), pointers, num_cache_blocks, block_size,
-                                       tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(),
-                                       torch.get_num_threads()):
+                                       tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+                                       None if row_slots is None else row_slots.data_ptr(), self.plan.max_rank,
+                                       out.data_ptr(), torch.get_num_threads()):
             raise MemoryError(f"decoder stack: no memory for the buffers of a step of {num_rows} rows")
         return out
 
@@ -387,5 +506,5 @@ def install(model: nn.Module) -> bool:
     if isinstance(fallback, CpuDecoderStack):  # installed before: the plan is remade, the stack replaced
         fallback = fallback.fallback
     model.run_layers = CpuDecoderStack(model, plan, fallback)
-    log.info("decoder stack: base-only CPU steps run all %d layers in one C call", plan.num_layers)
+    log.info("decoder stack: CPU steps run all %d layers in one C call (adapter rows' deltas too)", plan.num_layers)
     return True

@@ -112,7 +112,7 @@ class LoraStep:
     kernel's batch sizes, else None.
     """
 
-    __slots__ = ("segments", "sampled_segments", "dense", "sampled_dense", "row_slots", "row_groups",
+    __slots__ = ("segments", "sampled_segments", "dense", "sampled_dense", "token_slots", "row_slots", "row_groups",
                  "sampled_row_slots", "sampled_row_groups", "side")
 
     def __init__(self) -> None:
@@ -121,6 +121,9 @@ class LoraStep:
         # The same rows as a one-hot, for steps of up to MAX_DENSE_ROWS rows (CPU).
         self.dense: DenseRows | None = None
         self.sampled_dense: DenseRows | None = None
+        # Beside segments: each token row's slot (int64 [T] on the host), for the
+        # CPU's layer stack in one C call (``cpu_stack``), which adds the deltas itself.
+        self.token_slots: torch.Tensor | None = None
         self.row_slots: torch.Tensor | None = None
         self.row_groups: tuple[torch.Tensor, ...] | None = None
         self.sampled_row_slots: torch.Tensor | None = None
@@ -264,6 +267,7 @@ class LoraLayers:
         self.step.row_slots = None
         self.step.row_groups = None
         token_slots = _token_slots(chunk_slots, query_lens)
+        self.step.token_slots = torch.tensor(token_slots, dtype=torch.int64)
         self.step.segments = build_segments(token_slots)
         self.step.sampled_segments = build_segments(sampled_slots) if any(sampled_slots) else None
         self.step.dense = self._dense(token_slots)
@@ -306,6 +310,7 @@ class LoraLayers:
         self.step.segments = None
         self.step.sampled_segments = None
         self.step.dense = self.step.sampled_dense = None
+        self.step.token_slots = None
         self.step.row_slots = row_slots
         self.step.row_groups = self._row_groups(row_slots)
         if sampled_row_slots is None:
@@ -328,6 +333,7 @@ class LoraLayers:
     def end_step(self) -> None:
         self.step.segments = None
         self.step.sampled_segments = None
+        self.step.token_slots = None
         self.step.dense = self.step.sampled_dense = None
         self.step.row_slots = self.step.sampled_row_slots = None
         self.step.row_groups = self.step.sampled_row_groups = None

@@ -1,10 +1,12 @@
 """The decoder's layers in one C call (``cpu_stack``) against the Python path
 they replace, on one model and paged caches: hidden states and every
 layer's cache equal bit for bit for float32, int4 and int4_a8 weights, in
-decode steps of one row and several and in steps with prefill chunks; and
+decode steps of one row and several and in steps with prefill chunks; with
+adapter rows (LoRA deltas added in C), equal within float32 rounding; and
 the steps and models it leaves to the Python path. Through the runner against
-``transformers``: ``test_runner``'s and ``test_cpu_quant``'s scripted plans
-run it, and the last test here checks that they do."""
+``transformers`` (and ``peft``): ``test_runner``'s, ``test_cpu_quant``'s and
+the LoRA parity tests' scripted plans run it, and the last test here checks
+that the runner takes it."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from mstar_actors.models import cpu_attention, cpu_linear, cpu_ops, cpu_quant, c
 from mstar_actors.models.attention import AttentionMetadata, allocate_kv_cache
 from mstar_actors.models.cpu_attention import CpuPagedAttention
 from mstar_actors.models.decoder import CausalLM
+from mstar_actors.models.lora_layers import enable_lora
 
 from .factories import make_hf_model
 from .test_cpu_fast_paths import make_spec
@@ -70,10 +73,10 @@ class Sequences:
         return ids, torch.tensor(positions), meta
 
 
-def run_both(model: CausalLM, steps: list[list[int]], seed: int):
+def run_both(model: CausalLM, steps: list[list[int]], seed: int, before_step=None):
     """Each step through the stack and through the Python path, from the same
     cache (the Python path's, copied): yields (stack's hidden, Python's,
-    stack's caches, Python's)."""
+    stack's caches, Python's). ``before_step(query_lens)`` runs first (a LoRA step's rows)."""
     assert cpu_stack.install(model)
     stack = model.run_layers
     spec = model.spec
@@ -84,6 +87,8 @@ def run_both(model: CausalLM, steps: list[list[int]], seed: int):
     stack.run = lambda *args, run=stack.run: calls.append(1) or run(*args)
     with torch.inference_mode():
         for query_lens in steps:
+            if before_step is not None:
+                before_step(query_lens)
             ids, positions, meta = seqs.step(query_lens)
             x = model.model.embed_tokens(ids)
             for mine, theirs in zip(*caches):
@@ -131,38 +136,104 @@ def test_steps_it_cannot_take_run_the_python_path():
     assert not stack.takes(x, positions, meta)  # autograd on
 
 
-class Step:
-    """A stand-in for ``lora_layers.LoraStep``: adapter rows where ``segments`` is set."""
+def random_adapters(model: CausalLM, num_slots: int = 4, rank: int = 4, seed: int = 0):
+    """LoRA stacks on every linear (``enable_lora``) with random factors in slots
+    1..num_slots-2 (the last left empty), rank ``rank`` of ``rank + 2``."""
+    layers = enable_lora(model, None, num_slots=num_slots, max_rank=rank + 2, dtype=torch.float32, device="cpu")
+    gen = torch.Generator().manual_seed(seed)
+    for stack in layers.stacks.values():
+        for slot in range(1, num_slots - 1):
+            stack.a[:, slot, :rank].copy_(torch.randn(stack.a[:, slot, :rank].shape, generator=gen) * 0.2)
+            stack.b[slot, :, :rank].copy_(torch.randn(stack.b[slot, :, :rank].shape, generator=gen) * 0.2)
+            stack.scales[:, slot] = 0.5 + slot
+            stack.write_dense(slot)
+    return layers
 
-    segments = row_slots = None
 
-
-class Hook:
-    def __init__(self, step: Step):
-        self.step = step
+LORA_STEPS = {
+    # (query lens, each sequence's slot): decode rows of one adapter, of two beside a base row, and prompts
+    "decode, one adapter": ([[6]] + [[1]] * 4, [1]),
+    "decode, mixed": ([[6, 7, 5]] + [[1, 1, 1]] * 4, [1, 0, 2]),
+    "prefill chunks, mixed": ([[7, 5, 3], [1, 1, 6], [1, 3, 1]], [2, 1, 0]),
+    "an empty slot": ([[4, 4]] + [[1, 1]] * 2, [3, 1]),
+}
 
 
 @needs_kernels
-def test_lora_hooks_keep_base_steps_on_the_stack_and_adapter_steps_off_it():
-    """Hooks set after the plan remake it; a step with adapter rows, or
-    hooks that do not share one step, leave the stack."""
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+@pytest.mark.parametrize("case", list(LORA_STEPS.values()), ids=list(LORA_STEPS))
+def test_adapter_steps_add_the_python_paths_deltas(quantization, case):
+    """Steps with adapter rows take the call too, each linear's LoRA delta added
+    in it (``lora_delta``): hidden states and caches as the Python path's, whose
+    deltas are GEMMs over the rows (float32 sums in another order)."""
+    steps, slots = case
+    model = make_model(quantization)
+    layers = random_adapters(model)
+    assert cpu_stack.install(model) and model.run_layers.plan.max_rank == 6
+    delta = 0.0
+    with torch.inference_mode():
+        for i, (got, want, got_caches, want_caches) in enumerate(
+                run_both(model, steps, seed=3, before_step=lambda q: begin(layers, q, slots))):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            for a, b in zip(got_caches, want_caches, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    layers.end_step()
+    # the deltas are there: the same steps without adapters differ
+    base = make_model(quantization)
+    with torch.inference_mode():
+        for (got, _, _, _), (plain, _, _, _) in zip(run_both(model, steps, seed=3,
+                                                             before_step=lambda q: begin(layers, q, slots)),
+                                                    run_both(base, steps, seed=3)):
+            delta = max(delta, (got - plain).abs().max().item())
+    assert delta > 1e-2 or all(s in (0, 3) for s in slots)
+
+
+def begin(layers, query_lens: list[int], slots: list[int]) -> None:
+    """``begin_step`` as the runner calls it: the chunks of this step, each on its sequence's slot."""
+    chunk_slots = [slot for n, slot in zip(query_lens, slots) if n]
+    lens = [n for n in query_lens if n]
+    layers.begin_step(chunk_slots, lens, chunk_slots)
+
+
+@needs_kernels
+def test_adapter_steps_it_cannot_take_run_the_python_path():
+    """Rows by device slots (CUDA's form), or more token rows with adapters
+    than ``MAX_LORA_ROWS``, leave the call; base-only steps stay."""
     model = make_model("none")
+    layers = random_adapters(model)
     assert cpu_stack.install(model)
     stack = model.run_layers
     ids, positions, meta = Sequences([5], seed=0).step([5])
-    step = Step()
+    with torch.inference_mode():
+        x = model.model.embed_tokens(ids)
+        layers.begin_step([0], [5], [0])  # base rows only
+        assert stack.takes(x, positions, meta)
+        layers.begin_step([1], [5], [1])
+        assert stack.takes(x, positions, meta)
+        layers.begin_rows_step(torch.ones(5, dtype=torch.int32))
+        assert not stack.takes(x, positions, meta)
+        layers.end_step()
+        many = torch.zeros(cpu_stack.MAX_LORA_ROWS + 1, x.shape[1])
+        layers.begin_step([1], [many.shape[0]], [1])
+        assert not stack.takes(many, torch.arange(many.shape[0]), meta)
+        layers.end_step()
+
+
+@needs_kernels
+def test_hooks_of_different_steps_are_refused():
+    """Hooks set after the plan remake it; hooks that do not share one step
+    leave the stack for good."""
+    model = make_model("none")
+    layers = random_adapters(model)
+    assert cpu_stack.install(model)
+    stack = model.run_layers
+    ids, positions, meta = Sequences([5], seed=0).step([5])
     linears = [m for m in model.model.layers.modules() if hasattr(m, "lora") and hasattr(m, "in_features")]
     assert len(linears) == 4 * model.spec.num_layers
     with torch.inference_mode():
         x = model.model.embed_tokens(ids)
-        for module in linears:
-            module.lora = Hook(step)
         assert stack.takes(x, positions, meta) and stack.plan.hook is linears[0].lora
-        step.segments = "adapter rows"
-        assert not stack.takes(x, positions, meta)
-        step.segments = None
-        assert stack.takes(x, positions, meta)
-        linears[0].lora = Hook(Step())  # a step of its own: the plan refuses, for good
+        linears[0].lora = type(linears[1].lora)(linears[0].lora.stack, type(layers.step)())  # a step of its own
         assert not stack.takes(x, positions, meta) and stack.plan is None
         linears[0].lora = linears[1].lora
         assert not stack.takes(x, positions, meta)
