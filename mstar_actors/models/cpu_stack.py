@@ -363,7 +363,6 @@ class StackPlan:
         self.has_float = True
         return LinearDesc(bits=0, dot=0, weight=self._keep(blocks), **shape)
 
-
     def _lora(self, module: LoraLinear) -> dict:
         """The linear's LoRA stack for ``lora_delta`` (none: no fields)."""
         if module.lora is None:
@@ -412,9 +411,10 @@ class CpuDecoderStack:
         hook = self.qkv.lora
         if self.plan is None or hook is not self.plan.hook and not self._replan():
             return False
+        # A stack's A that moved since the plan (fused under its weight) remakes it, which refuses that.
         if hook is not None and (hook.stack.a.data_ptr() != self.plan.lora_a and not self._replan()
                                  or self._row_slots(hook, x.shape[0]) is False):
-            return False  # (the stacks' A moved since the plan: fused under a weight, which the plan refuses)
+            return False
         return (x.dtype is torch.float32 and x.is_cpu and x.dim() == 2 and positions.dim() == 1
                 and not torch.is_grad_enabled() and meta.varlen_work is None and not meta.graph_decode)
 
