@@ -110,12 +110,15 @@ static void linear(const stack_desc *s, const linear_desc *l, const float *x, in
 /* y[m] += the LoRA delta of row m's adapter (row_slots[m]; 0: the base, none),
    as LoraStack's: per shard i, scale[i][s] * (x[m] . A[i][s][r] for each r) times
    B[s][n] for n in the shard's outputs. The rows of one slot together: each A
-   and B row is read once for all of them. work: M * rank floats, M indices. */
-#define LORA_PARALLEL 8192  /* multiply-adds from which a delta's loop takes the threads */
+   and B row is read once for all of them; one parallel region a slot, its
+   shrink over (shard, rank) pairs, then its expand over chunks of outputs.
+   work: M * shards * rank floats, M indices. */
+#define LORA_PARALLEL 8192  /* multiply-adds from which a delta takes the threads */
 #define LORA_COLS 256  /* outputs an expand's chunk: its rows of y stay in the first cache */
 static void lora_delta(const linear_desc *l, const float *x, int64_t M, float *y, const int64_t *row_slots,
                        float *work, int64_t *rows, int num_threads) {
     const int64_t in = l->in_features, out = l->out_features, R = l->lora_rank, S = l->lora_slots;
+    const int64_t NS = l->lora_shards, W = NS * R;
     if (!row_slots || !l->lora_a) return;
     for (int64_t s = 1; s < S; s++) {
         int64_t G = 0;
@@ -123,29 +126,34 @@ static void lora_delta(const linear_desc *l, const float *x, int64_t M, float *y
             if (row_slots[m] == s) rows[G++] = m;
         if (!G) continue;
         const float *bt = l->lora_bt + s * R * out;
-        for (int64_t i = 0; i < l->lora_shards; i++) {
-            const float scale = l->lora_scales[i * S + s];
-            const float *a = l->lora_a + (i * S + s) * R * in;
-            #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && R * G * in >= LORA_PARALLEL)
-            for (int64_t r = 0; r < R; r++)
+        #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && G * (W * in + R * out) >= LORA_PARALLEL)
+        {
+            #pragma omp for schedule(static)
+            for (int64_t ir = 0; ir < W; ir++) {
+                const int64_t i = ir / R, r = ir % R;
+                const float scale = l->lora_scales[i * S + s], *ar = l->lora_a + ((i * S + s) * R + r) * in;
                 for (int64_t g = 0; g < G; g++) {
-                    const float *xr = x + rows[g] * in, *ar = a + r * in;
+                    const float *xr = x + rows[g] * in;
                     float acc = 0.0f;
                     #pragma omp simd reduction(+:acc)
                     for (int64_t k = 0; k < in; k++) acc += xr[k] * ar[k];
-                    work[g * R + r] = acc * scale;
+                    work[g * W + ir] = acc * scale;
                 }
-            const int64_t lo = l->lora_offsets[i], hi = l->lora_offsets[i + 1];
-            /* B transposed, [rank][out]: each rank's row scaled into every output, out contiguous */
-            #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && (hi - lo) * G * R >= LORA_PARALLEL)
-            for (int64_t c = lo; c < hi; c += LORA_COLS) {
-                const int64_t end = c + LORA_COLS < hi ? c + LORA_COLS : hi;
-                for (int64_t g = 0; g < G; g++) {
-                    float *yr = y + rows[g] * out;
-                    for (int64_t r = 0; r < R; r++) {
-                        const float coef = work[g * R + r], *br = bt + r * out;
-                        #pragma omp simd
-                        for (int64_t n = c; n < end; n++) yr[n] += coef * br[n];
+            }
+            /* B transposed, [rank][out]: each rank's row scaled into its shard's outputs, out contiguous */
+            #pragma omp for schedule(static)
+            for (int64_t c = 0; c < out; c += LORA_COLS) {
+                const int64_t end = c + LORA_COLS < out ? c + LORA_COLS : out;
+                for (int64_t i = 0; i < NS; i++) {
+                    const int64_t lo = l->lora_offsets[i] > c ? l->lora_offsets[i] : c;
+                    const int64_t hi = l->lora_offsets[i + 1] < end ? l->lora_offsets[i + 1] : end;
+                    for (int64_t g = 0; g < G && lo < hi; g++) {
+                        float *yr = y + rows[g] * out;
+                        for (int64_t r = 0; r < R; r++) {
+                            const float coef = work[g * W + i * R + r], *br = bt + r * out;
+                            #pragma omp simd
+                            for (int64_t n = lo; n < hi; n++) yr[n] += coef * br[n];
+                        }
                     }
                 }
             }
@@ -167,11 +175,11 @@ static void lora_delta(const linear_desc *l, const float *x, int64_t M, float *y
 int decoder_stack(const stack_desc *s, const float *x, int64_t T, const float *cos, const float *ssin,
                    const int64_t *slots, float *const *caches, int64_t num_cache_blocks, int64_t block_size,
                    const int64_t *tables, int64_t max_nb, const int64_t *lens, const int64_t *row_slots,
-                   int64_t max_rank, float *out, int num_threads) {
+                   int64_t max_width, float *out, int num_threads) {
     const int64_t H = s->hidden, D = s->head_dim, NH = s->num_heads, KH = s->num_kv_heads, I = s->intermediate;
     const int64_t qkv_n = (NH + 2 * KH) * D, attn_n = NH * D;
     float *buffer = (float *)malloc(sizeof(float) * T * (3 * H + qkv_n + attn_n + 3 * I));
-    float *work = row_slots ? (float *)malloc(sizeof(float) * T * max_rank) : 0;  /* lora_delta's */
+    float *work = row_slots ? (float *)malloc(sizeof(float) * T * max_width) : 0;  /* lora_delta's */
     int64_t *rows = row_slots ? (int64_t *)malloc(sizeof(int64_t) * T) : 0;
     if (!buffer || (row_slots && (!work || !rows))) {
         free(buffer);
@@ -307,7 +315,7 @@ class StackPlan:
                or (m.lora is not None and m.lora.step is not self.hook.step) for m in linears):
             raise PlanRefused("its linears' LoRA hooks do not share one step, or a stack is fused into a weight")
         self.has_float = self.has_quant = False  # which linear kernels the layers take (``_linear``)
-        self.max_rank = 0  # of the LoRA stacks (``_lora``; 0: none)
+        self.max_width = 0  # shards x rank, the widest LoRA stack's (``_lora``; 0: none)
         with torch.no_grad():
             self.layers = (LayerDesc * len(layers))(*(self._layer(layer) for layer in layers))
         self.desc = StackDesc(
@@ -370,7 +378,7 @@ class StackPlan:
         stack = module.lora.stack
         if stack.fused or stack.is_embedding or stack.b_all is None:
             raise PlanRefused("a LoRA stack is fused into its weight, an embedding's, or without its B transposed")
-        self.max_rank = max(self.max_rank, stack.max_rank)
+        self.max_width = max(self.max_width, len(stack.output_sizes) * stack.max_rank)
         offsets = torch.tensor(stack.offsets, dtype=torch.int64)
         self.kept.append(offsets)
         return dict(lora_a=self._keep(stack.a), lora_bt=self._keep(stack.b_all), lora_scales=self._keep(stack.scales),
@@ -454,7 +462,7 @@ class CpuDecoderStack:
         if self.plan.lib.decoder_stack(ctypes.byref(self.plan.desc), x.data_ptr(), num_rows, cos.data_ptr(),
                                        signed_sin.data_ptr(), slots.data_ptr(), pointers, num_cache_blocks, block_size,
                                        tables.data_ptr(), tables.shape[1], lens.data_ptr(),
-                                       None if row_slots is None else row_slots.data_ptr(), self.plan.max_rank,
+                                       None if row_slots is None else row_slots.data_ptr(), self.plan.max_width,
                                        out.data_ptr(), torch.get_num_threads()):
             raise MemoryError(f"decoder stack: no memory for the buffers of a step of {num_rows} rows")
         return out
