@@ -19,7 +19,7 @@ in C, the rows of one slot together, within float32 rounding of the
 Python path's GEMMs. Why: there a decode step's deltas are a few torch
 calls a linear, about 5 ms a SmolLM2 step, a third of a one-row step
 (``tools/bench_lora.py`` on 2 cores: one adapter at c=1 62% of LoRA off's
-tokens/s on the Python path, 93% here).
+tokens/s on the Python path, 93-95% here).
 
 Taken by ``CausalLM``s of the shared decoder (Llama, Qwen2; not per-head
 q/k norms), one rank, every linear on our float32 blocks or quantized
