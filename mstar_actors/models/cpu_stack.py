@@ -16,10 +16,11 @@ with the same arguments, so a step's hidden states and KV cache equal the
 Python path's bit for bit, decode rows and prefill chunks alike. Adapter
 rows are its own work: each linear's LoRA delta (``lora_delta``) is added
 in C, the rows of one slot together, within float32 rounding of the
-Python path's GEMMs. Why: there a decode step's deltas are a few torch
-calls a linear, about 5 ms a SmolLM2 step, a third of a one-row step
-(``tools/bench_lora.py`` on 2 cores: one adapter at c=1 62% of LoRA off's
-tokens/s on the Python path, 93-95% here).
+Python path's GEMMs. Why: there a step with adapter rows runs every layer
+through Python and each delta as a few torch calls a linear, about 12 ms
+more than the base's 22 of a one-row SmolLM2 step (``tools/bench_lora.py``
+on 2 cores: one adapter at c=1 62% of LoRA off's tokens/s that way, 93-95%
+here).
 
 Taken by ``CausalLM``s of the shared decoder (Llama, Qwen2; not per-head
 q/k norms), one rank, every linear on our float32 blocks or quantized
