@@ -762,10 +762,16 @@ def make_plan(args: argparse.Namespace) -> Plan:
                         ("--api-servers", args.api_servers), ("--client-processes", args.client_processes or 1)]:
         if value < 1:
             raise SystemExit(f"{flag} must be at least 1, got {value}")
-    if (args.steps_ahead or 1) > 1 and (args.async_scheduling or ("on" if device == "cuda" else "off")) == "off":
-        raise SystemExit(f"--steps-ahead {args.steps_ahead}: needs overlapped scheduling, off here "
-                         f"({'--async-scheduling off' if args.async_scheduling else 'the default on ' + device}); "
-                         "add --async-scheduling on, or leave --steps-ahead at 1")
+    if args.steps_ahead is not None:  # the servers' own rule, checked before any server starts
+        from mstar_actors.config import ConfigError, parse_config
+
+        scheduler = {"steps_ahead": args.steps_ahead}
+        if args.async_scheduling is not None:
+            scheduler["async_scheduling"] = args.async_scheduling == "on"
+        try:
+            parse_config({"model": {"device": device}, "scheduler": scheduler}, "--steps-ahead")
+        except ConfigError as err:
+            raise SystemExit(f"{err} (here: add --async-scheduling on, or leave --steps-ahead at 1)") from None
     if args.smoke:
         levels, args.waves, args.min_requests, args.max_tokens = (1,), 1, 2, 4
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
