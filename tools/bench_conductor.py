@@ -136,10 +136,11 @@ async def _turns(num_rows: int, num_frontends: int, max_tokens: int, steps_ahead
     return [seconds for rows, seconds in conductor.turns if rows == num_rows]
 
 
-def _scheduler_alone(num_rows: int, max_tokens: int) -> list[float]:
-    """``schedule`` + ``update`` a step of ``num_rows`` decodes, the scheduler in a loop of its own."""
+def _scheduler_alone(num_rows: int, max_tokens: int, steps_ahead: int) -> list[float]:
+    """``schedule`` + ``update`` a step of ``num_rows`` decodes, the scheduler in a loop of its own, as many
+    plans in flight as the conductor's."""
     sched = Scheduler(num_blocks=_num_blocks(num_rows, max_tokens), block_size=BLOCK_SIZE, max_num_seqs=num_rows,
-                      max_num_batched_tokens=8192, max_model_len=4096, eos_token_ids=[2], max_in_flight=2)
+                      max_num_batched_tokens=8192, max_model_len=4096, eos_token_ids=[2], max_in_flight=1 + steps_ahead)
     for req in _requests(num_rows, 1, max_tokens):
         sched.receive(req)
         sched.add(req, "base")
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     for num_rows in args.rows:
         print(f"# {num_rows} rows ...", file=sys.stderr, flush=True)
         turn = statistics.median(asyncio.run(_turns(num_rows, args.frontends, args.max_tokens, args.steps_ahead)))
-        alone = statistics.median(_scheduler_alone(num_rows, args.max_tokens))
+        alone = statistics.median(_scheduler_alone(num_rows, args.max_tokens, args.steps_ahead))
         print(f"{num_rows:>5} {turn * 1e3:>8.3f} {alone * 1e3:>10.3f} {turn / alone:>14.2f}x")
     return 0
 
