@@ -170,22 +170,18 @@ def test_adapter_steps_add_the_python_paths_deltas(quantization, case):
     model = make_model(quantization)
     layers = random_adapters(model)
     assert cpu_stack.install(model) and model.run_layers.plan.max_width == 3 * 6  # q|k|v: three shards of rank 6
-    delta = 0.0
+    outputs = []
     with torch.inference_mode():
-        for i, (got, want, got_caches, want_caches) in enumerate(
-                run_both(model, steps, seed=3, before_step=lambda q: begin(layers, q, slots))):
+        for got, want, got_caches, want_caches in run_both(model, steps, seed=3,
+                                                           before_step=lambda q: begin(layers, q, slots)):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
             for a, b in zip(got_caches, want_caches, strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    layers.end_step()
-    # the deltas are there: the same steps without adapters differ
-    base = make_model(quantization)
-    with torch.inference_mode():
-        for (got, _, _, _), (plain, _, _, _) in zip(run_both(model, steps, seed=3,
-                                                             before_step=lambda q: begin(layers, q, slots)),
-                                                    run_both(base, steps, seed=3)):
-            delta = max(delta, (got - plain).abs().max().item())
-    assert delta > 1e-2 or all(s in (0, 3) for s in slots)
+            outputs.append(got)
+        layers.end_step()
+        # the deltas are there: the same steps without adapters differ (every case has rows on slot 1 or 2)
+        plain = [got for got, _, _, _ in run_both(make_model(quantization), steps, seed=3)]
+    assert max((a - b).abs().max().item() for a, b in zip(outputs, plain, strict=True)) > 1e-2
 
 
 def begin(layers, query_lens: list[int], slots: list[int]) -> None:
