@@ -439,6 +439,7 @@ class LoraStack:
         # and a linear's DenseFactors for steps on one.
         self.fused = False  # ``a`` lives under the targeted linear's weight (``fuse_under``)
         self.b_all = self.factors = None
+        self._stale_factors: set[int] = set()  # slots whose ``factors`` block waits for its first step (``_factors``)
         if not kernels.uses_rows:
             self.b_all = expand_matrix(self.b)
             if not is_embedding:
@@ -555,12 +556,29 @@ class LoraStack:
         self.scales[:, slot] = 0.0
         self.write_dense(slot)
 
-    def write_dense(self, slot: int) -> None:
-        """``slot``'s copies in the torch kernels' dense forms (none with the row kernels), after a write."""
+    def write_dense(self, slot: int, b_rows: torch.Tensor | None = None) -> None:
+        """``slot``'s copies in the torch kernels' dense forms (none with the row kernels), after a write:
+        ``b_all``'s now (the CPU's layer stack reads it; ``b_rows``: what ``b_rows`` held for the same
+        factors), ``factors``' at the first step that takes them (``_factors``): a prompt's rows past the
+        layer stack's. They took half of a CPU swap (SmolLM2, rank 16: 11 of 21 ms), whose requests' decode
+        steps never read them."""
         if self.b_all is not None:
-            self.b_all[slot * self.max_rank : (slot + 1) * self.max_rank].copy_(self.b[slot].T)
+            self.b_rows(slot).copy_(self.b[slot].T if b_rows is None else b_rows)
         if self.factors is not None:
+            self._stale_factors.add(slot)
+
+    def b_rows(self, slot: int) -> torch.Tensor:
+        """``slot``'s rows of ``b_all`` (its B transposed), a view."""
+        return self.b_all[slot * self.max_rank : (slot + 1) * self.max_rank]
+
+    def _factors(self, slot: int) -> DenseFactors:
+        """``factors`` with ``slot``'s block as the slot now holds it. Steps and
+        installs never share a slot (the conductor installs only into slots no
+        running row uses), so the step that writes the block is its only reader."""
+        if slot in self._stale_factors:
             self.factors.write(slot, self.a, self.b, self.scales)
+            self._stale_factors.discard(slot)
+        return self.factors
 
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, segments: LoraSegments,
                   dense: DenseRows | None = None) -> torch.Tensor:
@@ -576,7 +594,7 @@ class LoraStack:
             return y
         if dense is not None and dense.num_rows * self.num_slots * self.offsets[-1] <= MAX_DENSE_ELEMENTS:
             if self.factors is not None and dense.only_slot != ZERO_SLOT:
-                return delta_one_slot(y, x, self.factors, dense.only_slot, dense.on_only_slot)
+                return delta_one_slot(y, x, self._factors(dense.only_slot), dense.only_slot, dense.on_only_slot)
             if self.b_all is not None:
                 return delta_dense_ref(y, x, self.a, self.b_all, self.scales, dense, self.offsets,
                                        is_embedding=self.is_embedding)
@@ -741,7 +759,14 @@ class SlotStaging:
     def _write(self, slot: int, image: _SlotImage, key: str | None) -> None:
         if self.stream is None:  # CPU stacks: the image straight into the slot, and its dense forms
             _copy_parts(self._views(slot), image.dense)
-            self._write_dense(slot)
+            if image.b_rows is None:
+                self._write_dense(slot)
+                if key is not None:  # B transposed, kept: a swap back copies it (5 of a SmolLM2 swap's 9 ms)
+                    image.b_rows = {name: stack.b_rows(slot).clone() for name, stack in self.stacks.items()
+                                    if stack.b_all is not None}
+            else:
+                for name, stack in self.stacks.items():
+                    stack.write_dense(slot, image.b_rows.get(name))
             return
         step_stream = torch.cuda.current_stream(self.device)
         twin = self._take_twin(key)
@@ -790,10 +815,12 @@ class _SlotImage:
         self.scales = torch.empty(num_scales, dtype=torch.float32, pin_memory=pin)
         self.views = _slot_regions(layouts, self.flat, self.scales)
         self.dense = _dense_parts(self.views[name] for name in order)
+        self.b_rows: dict[str, torch.Tensor] | None = None  # CPU: each stack's B transposed (``LoraStack.b_rows``)
 
     def fill(self, stacks: dict[str, LoraStack], slot: int,
              by_stack: dict[str, Sequence[tuple[int | None, LoraModule]]]) -> None:
         copies, values = [], []
+        self.b_rows = None
         for name, stack in stacks.items():
             a, b, _ = self.views[name]
             stack_copies, stack_values = stack.staged_copies(slot, by_stack.get(name, ()), a, b)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mstar_actors.lora.adapter_file import LoraModule
-from mstar_actors.lora.ops import LoraStack, SlotStaging
+from mstar_actors.lora.ops import DenseFactors, LoraStack, SlotStaging
 
 def _stacks(device: str) -> dict[str, LoraStack]:
     kw = dict(num_slots=3, max_rank=8, dtype=torch.bfloat16, device=device)
@@ -78,6 +78,13 @@ def test_kept_images_reinstall_the_same_weights_and_the_oldest_is_dropped(device
         for field in ("a", "b", "scales", "b_all"):
             got, want = getattr(stacks[name], field), getattr(plain[name], field)
             assert (got is None and want is None) or torch.equal(got, want), (name, field)
+        stack = stacks[name]
+        if stack.factors is not None:  # the one-slot GEMMs' forms, as the first step on each slot writes them
+            want = DenseFactors(stack.a, stack.b, stack.scales, stack.offsets)
+            for slot in (1, 2):
+                got = stack._factors(slot)
+            for field in ("a_t", "b", "scales"):
+                assert torch.equal(getattr(got, field), getattr(want, field)), (name, field)
     staging.install(1, _modules(4))  # no key: kept images are untouched
     assert staging.reinstall(2, "two") and list(staging.images) == ["three", "two"]
     before = stacks["qkv"].a.clone()
