@@ -440,6 +440,7 @@ class LoraStack:
         self.fused = False  # ``a`` lives under the targeted linear's weight (``fuse_under``)
         self.b_all = self.factors = None
         self._stale_factors: set[int] = set()  # slots whose ``factors`` block waits for its first step (``_factors``)
+        self._untargeted: set[int] = set()  # slots an install left with scales of 0 here (``set_targeted``)
         if not kernels.uses_rows:
             self.b_all = expand_matrix(self.b)
             if not is_embedding:
@@ -511,6 +512,7 @@ class LoraStack:
         for dst, src in zip(self.slot_views(slot), (a, b, scales)):
             dst.copy_(src)
         self.write_dense(slot)
+        self.set_targeted(slot, any(values))
 
     def slot_layout(self) -> tuple[tuple[torch.Size, torch.dtype], ...]:
         """Shapes and dtypes of one slot's ``a``, ``b`` and ``scales``."""
@@ -555,6 +557,20 @@ class LoraStack:
         self.b[slot].zero_()
         self.scales[:, slot] = 0.0
         self.write_dense(slot)
+        self.set_targeted(slot, False)
+
+    def set_targeted(self, slot: int, targeted: bool) -> None:
+        """Whether ``slot``'s adapter targets this linear (a scale not 0), as an
+        install just wrote it: host facts, no read of the scales. A slot not
+        known untargeted is taken as targeted (``write_dense`` forgets it)."""
+        if targeted:
+            self._untargeted.discard(slot)
+        else:
+            self._untargeted.add(slot)
+
+    def targets(self, slot: int) -> bool:
+        """Whether ``slot``'s delta here is computed (``set_targeted``)."""
+        return slot not in self._untargeted
 
     def write_dense(self, slot: int, b_rows: torch.Tensor | None = None) -> None:
         """``slot``'s copies in the torch kernels' dense forms (none with the row kernels), after a write:
@@ -562,6 +578,7 @@ class LoraStack:
         factors), ``factors``' at the first step that takes them (``_factors``): a prompt's rows past the
         layer stack's. They took half of a CPU swap (SmolLM2, rank 16: 11 of 21 ms), whose requests' decode
         steps never read them."""
+        self._untargeted.discard(slot)
         if self.b_all is not None:
             self.b_rows(slot).copy_(self.b[slot].T if b_rows is None else b_rows)
         if self.factors is not None:
@@ -590,8 +607,8 @@ class LoraStack:
         small enough (``MAX_DENSE_ELEMENTS``): over that one slot's columns
         when the rows have one adapter, else over every slot's.
         """
-        if segments.num_segments == 0:
-            return y
+        if segments.num_segments == 0 or self._untargeted.issuperset(segments.seg_slots):
+            return y  # no row's adapter targets this linear (e.g. an all-linear adapter's LM head): zeros
         if dense is not None and dense.num_rows * self.num_slots * self.offsets[-1] <= MAX_DENSE_ELEMENTS:
             if self.factors is not None and dense.only_slot != ZERO_SLOT:
                 return delta_one_slot(y, x, self._factors(dense.only_slot), dense.only_slot, dense.on_only_slot)
@@ -709,7 +726,7 @@ class SlotStaging:
         self._twins.move_to_end(key)
         step_stream = torch.cuda.current_stream(self.device)
         _copy_parts(self._views(slot), twin.views)
-        self._write_dense(slot)
+        self._write_dense(slot, image, key)
         twin.read.record(step_stream)
         return True
 
@@ -759,14 +776,7 @@ class SlotStaging:
     def _write(self, slot: int, image: _SlotImage, key: str | None) -> None:
         if self.stream is None:  # CPU stacks: the image straight into the slot, and its dense forms
             _copy_parts(self._views(slot), image.dense)
-            if image.b_rows is None:
-                self._write_dense(slot)
-                if key is not None:  # B transposed, kept: a swap back copies it (5 of a SmolLM2 swap's 9 ms)
-                    image.b_rows = {name: stack.b_rows(slot).clone() for name, stack in self.stacks.items()
-                                    if stack.b_all is not None}
-            else:
-                for name, stack in self.stacks.items():
-                    stack.write_dense(slot, image.b_rows.get(name))
+            self._write_dense(slot, image, key)
             return
         step_stream = torch.cuda.current_stream(self.device)
         twin = self._take_twin(key)
@@ -779,14 +789,23 @@ class SlotStaging:
         self.stream.wait_stream(step_stream)
         with torch.cuda.stream(self.stream):
             _copy_parts(self._views(slot), twin.views)
-            self._write_dense(slot)
+            self._write_dense(slot, image, key)
         self.stream.synchronize()
 
-    def _write_dense(self, slot: int) -> None:
-        """The torch kernels' dense forms of ``slot`` after a write (none under
-        the row kernels: CUDA stacks have them only where Triton is missing)."""
-        for stack in self.stacks.values():
-            stack.write_dense(slot)
+    def _write_dense(self, slot: int, image: _SlotImage, key: str | None) -> None:
+        """After ``image`` is written into ``slot``: the torch kernels' dense
+        forms (``LoraStack.write_dense``; none under the row kernels: CUDA
+        stacks have them only where Triton is missing), B's transpose from
+        the image where it kept it (kept after its first write: a CPU swap
+        back copies it, 5 of a SmolLM2 swap's 9 ms), and which stacks the
+        slot's adapter targets."""
+        kept = image.b_rows
+        for name, stack in self.stacks.items():
+            stack.write_dense(slot, None if kept is None else kept.get(name))
+            stack.set_targeted(slot, image.targets[name])
+        if kept is None and key is not None:
+            image.b_rows = {name: stack.b_rows(slot).clone() for name, stack in self.stacks.items()
+                            if stack.b_all is not None}
 
 
 def slot_image_bytes(stacks: dict[str, LoraStack]) -> int:
@@ -815,7 +834,8 @@ class _SlotImage:
         self.scales = torch.empty(num_scales, dtype=torch.float32, pin_memory=pin)
         self.views = _slot_regions(layouts, self.flat, self.scales)
         self.dense = _dense_parts(self.views[name] for name in order)
-        self.b_rows: dict[str, torch.Tensor] | None = None  # CPU: each stack's B transposed (``LoraStack.b_rows``)
+        self.b_rows: dict[str, torch.Tensor] | None = None  # each stack's B transposed (``LoraStack.b_rows``)
+        self.targets: dict[str, bool] = {name: False for name in order}  # the stacks whose scales are not all 0
 
     def fill(self, stacks: dict[str, LoraStack], slot: int,
              by_stack: dict[str, Sequence[tuple[int | None, LoraModule]]]) -> None:
@@ -826,6 +846,7 @@ class _SlotImage:
             stack_copies, stack_values = stack.staged_copies(slot, by_stack.get(name, ()), a, b)
             copies += stack_copies
             values += stack_values
+            self.targets[name] = any(stack_values)
         self.flat.zero_()
         copy_all(copies)
         self.scales.copy_(torch.tensor(values, dtype=torch.float32))

@@ -225,5 +225,34 @@ def test_no_adapter_rows_is_a_no_op():
     assert stack.add_delta(y.clone(), torch.randn(3, 16), build_segments([0, 0, 0])).equal(y)
 
 
+def test_rows_of_adapters_that_leave_a_linear_alone_compute_nothing_there(monkeypatch):
+    """An all-linear adapter leaves the LM head alone: its rows' delta there is
+    zeros, so a step whose adapters all leave a linear alone skips it (as an
+    install wrote it: no read of the scales); a slot written otherwise counts
+    as targeted again."""
+    from mstar_actors.lora import LoraModule, ops
+
+    gen = torch.Generator().manual_seed(5)
+    stack = LoraStack(16, [8], num_slots=3, max_rank=4)
+    stack.install_slot(1, [])  # its adapter does not target this linear
+    stack.install_slot(2, [(None, LoraModule(a=torch.randn(4, 16, generator=gen), b=torch.randn(8, 4, generator=gen),
+                                             scale=1.0))])
+    x, y = torch.randn(4, 16, generator=gen), torch.randn(4, 8, generator=gen)
+    want = stack.add_delta(y.clone(), x, build_segments([2, 1, 0, 2]), build_dense_rows([2, 1, 0, 2], 3))
+    assert not torch.equal(want, y)
+
+    def computed(*args, **kwargs):
+        raise AssertionError("a delta computed for rows no adapter of which targets the linear")
+
+    for name in ("delta_one_slot", "delta_dense_ref", "shrink_ref", "expand_ref"):
+        monkeypatch.setattr(ops, name, computed)
+    for rows in ([1, 0, 1], [0, 1]):
+        assert stack.add_delta(y[:len(rows)].clone(), x[:len(rows)], build_segments(rows),
+                               build_dense_rows(rows, 3)).equal(y[:len(rows)])
+    stack.write_dense(1)  # written by other means than an install: computed again
+    with pytest.raises(AssertionError, match="a delta computed"):
+        stack.add_delta(y[:2].clone(), x[:2], build_segments([1, 1]))
+
+
 def test_layer_module_names_match_base_shapes():
     assert set(LAYER_MODULES) == set(base_shapes(make_base()[1]).layer_modules)

@@ -74,6 +74,7 @@ def test_kept_images_reinstall_the_same_weights_and_the_oldest_is_dropped(device
         stack.install_slot(1, _modules(2).get(name, ()))
         stack.install_slot(2, _modules(3).get(name, ()))
     assert stacks["down"].b_all is not None  # built alone, stacks run the torch kernels, dense copies and all
+    assert stacks["down"].targets(1) and not stacks["embed"].targets(1)  # no embedding module: nothing computed there
     for name in stacks:
         for field in ("a", "b", "scales", "b_all"):
             got, want = getattr(stacks[name], field), getattr(plain[name], field)
