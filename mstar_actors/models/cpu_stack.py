@@ -116,6 +116,30 @@ static void linear(const stack_desc *s, const linear_desc *l, const float *x, in
    work: M * shards * rank floats, M indices. */
 #define LORA_PARALLEL 8192  /* multiply-adds from which a delta takes the threads */
 #define LORA_COLS 256  /* outputs an expand's chunk: its rows of y stay in the first cache */
+#define LORA_NB 32  /* outputs a block of the expand holds while it adds every rank's */
+
+/* yr[n] += sum over r of coef[r] * bt[r * out + n], for n in [lo, hi): blocks of LORA_NB outputs,
+   each rank's product added in rank order (the sums of the rank loop over each output). */
+static inline void lora_expand_row(float *yr, const float *coef, const float *bt, int64_t out, int64_t R,
+                                   int64_t lo, int64_t hi) {
+    int64_t n = lo;
+    for (; n + LORA_NB <= hi; n += LORA_NB) {
+        float acc[LORA_NB];
+        #pragma omp simd
+        for (int j = 0; j < LORA_NB; j++) acc[j] = yr[n + j];
+        for (int64_t r = 0; r < R; r++) {
+            const float cr = coef[r], *br = bt + r * out + n;
+            #pragma omp simd
+            for (int j = 0; j < LORA_NB; j++) acc[j] += cr * br[j];
+        }
+        #pragma omp simd
+        for (int j = 0; j < LORA_NB; j++) yr[n + j] = acc[j];
+    }
+    for (int64_t r = 0; r < R && n < hi; r++) {
+        const float cr = coef[r], *br = bt + r * out;
+        for (int64_t k = n; k < hi; k++) yr[k] += cr * br[k];
+    }
+}
 static void lora_delta(const linear_desc *l, const float *x, int64_t M, float *y, const int64_t *row_slots,
                        float *work, int64_t *rows, int num_threads) {
     const int64_t in = l->in_features, out = l->out_features, R = l->lora_rank, S = l->lora_slots;
@@ -125,7 +149,9 @@ static void lora_delta(const linear_desc *l, const float *x, int64_t M, float *y
         int64_t G = 0;
         for (int64_t m = 0; m < M; m++)
             if (row_slots[m] == s) rows[G++] = m;
-        if (!G) continue;
+        int targeted = 0;  /* an adapter that leaves this linear alone (every scale 0) adds nothing */
+        for (int64_t i = 0; i < NS; i++) targeted |= l->lora_scales[i * S + s] != 0.0f;
+        if (!G || !targeted) continue;
         const float *bt = l->lora_bt + s * R * out;
         #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && G * (W * in + R * out) >= LORA_PARALLEL)
         {
@@ -159,21 +185,16 @@ static void lora_delta(const linear_desc *l, const float *x, int64_t M, float *y
                     work[g * W + ir] = acc * scale;
                 }
             }
-            /* B transposed, [rank][out]: each rank's row scaled into its shard's outputs, out contiguous */
+            /* B transposed, [rank][out]: a row's block of LORA_NB outputs held while every rank's row
+               is scaled into it (y read and written once, not once a rank) */
             #pragma omp for schedule(static)
             for (int64_t c = 0; c < out; c += LORA_COLS) {
                 const int64_t end = c + LORA_COLS < out ? c + LORA_COLS : out;
                 for (int64_t i = 0; i < NS; i++) {
                     const int64_t lo = l->lora_offsets[i] > c ? l->lora_offsets[i] : c;
                     const int64_t hi = l->lora_offsets[i + 1] < end ? l->lora_offsets[i + 1] : end;
-                    for (int64_t g = 0; g < G && lo < hi; g++) {
-                        float *yr = y + rows[g] * out;
-                        for (int64_t r = 0; r < R; r++) {
-                            const float coef = work[g * W + i * R + r], *br = bt + r * out;
-                            #pragma omp simd
-                            for (int64_t n = lo; n < hi; n++) yr[n] += coef * br[n];
-                        }
-                    }
+                    for (int64_t g = 0; g < G && lo < hi; g++)
+                        lora_expand_row(y + rows[g] * out, work + g * W + i * R, bt, out, R, lo, hi);
                 }
             }
         }
