@@ -693,6 +693,12 @@ class SlotStaging:
         return slot_image_bytes(self.stacks)
 
     @property
+    def kept_image_bytes(self) -> int:
+        """A kept image's bytes once written: ``image_bytes`` and B's transpose where the stacks have one."""
+        return self.image_bytes + sum(stack.b_rows(1).numel() * stack.b_all.element_size()
+                                      for stack in self.stacks.values() if stack.b_all is not None)
+
+    @property
     def num_device_images(self) -> int:
         return len(self._free_twins) + len(self._twins)
 

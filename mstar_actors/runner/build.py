@@ -135,7 +135,7 @@ def enable_served_lora(model: nn.Module, rules: CheckpointRules, lora: LoraConfi
         torch.cuda.empty_cache()
     else:
         log.info("LoRA slot images: up to %d kept for swaps (lora.max_cpu_loras; %.1f MiB each, as used), a swap "
-                 "of those one copy", staging.max_images, staging.image_bytes / 2**20)
+                 "of those one copy", staging.max_images, staging.kept_image_bytes / 2**20)
     return layers
 
 

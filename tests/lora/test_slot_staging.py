@@ -75,6 +75,9 @@ def test_kept_images_reinstall_the_same_weights_and_the_oldest_is_dropped(device
         stack.install_slot(2, _modules(3).get(name, ()))
     assert stacks["down"].b_all is not None  # built alone, stacks run the torch kernels, dense copies and all
     assert stacks["down"].targets(1) and not stacks["embed"].targets(1)  # no embedding module: nothing computed there
+    image = staging.images["three"]  # what the log line counts for a kept image, B's transpose with it
+    assert staging.kept_image_bytes == sum(t.numel() * t.element_size()
+                                           for t in (image.flat, image.scales, *image.b_rows.values()))
     for name in stacks:
         for field in ("a", "b", "scales", "b_all"):
             got, want = getattr(stacks[name], field), getattr(plain[name], field)
