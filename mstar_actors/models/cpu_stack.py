@@ -113,8 +113,9 @@ static void linear(const stack_desc *s, const linear_desc *l, const float *x, in
 /* y[m] += the LoRA delta of row m's adapter (row_slots[m]; 0: the base, none),
    as LoraStack's: per shard i, scale[i][s] * (x[m] . A[i][s][r] for each r) times
    B[s][n] for n in the shard's outputs. The rows of one slot together: each A
-   and B row is read once for all of them; one parallel region a slot, its
-   shrink over (shard, rank) pairs, then its expand over chunks of outputs.
+   row is read once for a block of LORA_ROW_BLOCK of them, each B row once for
+   all; one parallel region a slot, its shrink over (shard, rank) pairs, then
+   its expand over chunks of outputs.
    work: M * shards * rank floats, M indices. */
 #define LORA_PARALLEL 8192  /* multiply-adds from which a delta takes the threads */
 #define LORA_COLS 256  /* outputs an expand's chunk: its rows of y stay in the first cache */
