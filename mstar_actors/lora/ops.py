@@ -575,9 +575,8 @@ class LoraStack:
     def write_dense(self, slot: int, b_rows: torch.Tensor | None = None) -> None:
         """``slot``'s copies in the torch kernels' dense forms (none with the row kernels), after a write:
         ``b_all``'s now (the CPU's layer stack reads it; ``b_rows``: what ``b_rows`` held for the same
-        factors), ``factors``' at the first step that takes them (``_factors``): a prompt's rows past the
-        layer stack's. They took half of a CPU swap (SmolLM2, rank 16: 11 of 21 ms), whose requests' decode
-        steps never read them."""
+        factors), ``factors``' at the first step that takes them (``_factors``), which a swap's requests
+        may never run: rewriting them is strided transposes, a stack at a time, inline on the worker."""
         self._untargeted.discard(slot)
         if self.b_all is not None:
             self.b_rows(slot).copy_(self.b[slot].T if b_rows is None else b_rows)
@@ -802,8 +801,8 @@ class SlotStaging:
         """After ``image`` is written into ``slot``: the torch kernels' dense
         forms (``LoraStack.write_dense``; none under the row kernels: CUDA
         stacks have them only where Triton is missing), B's transpose from
-        the image where it kept it (kept after its first write: a CPU swap
-        back copies it, 5 of a SmolLM2 swap's 9 ms), and which stacks the
+        the image where it kept it (kept after its first write, so a swap
+        back copies it instead of transposing again), and which stacks the
         slot's adapter targets."""
         kept = image.b_rows
         for name, stack in self.stacks.items():

@@ -434,8 +434,9 @@ class CpuDecoderStack:
     LoRA: ``enable_lora`` gives every linear a hook, all sharing one step;
     the plan checked that and took each stack's factors. A step with adapter
     rows (segments set) passes each token row's slot (``LoraStep.token_slots``);
-    one by device slots (row slots set) takes the fallback. A hook set on the first layer's qkv after the plan
-    was made, or its stack's A moved, remakes the plan, which checks them again."""
+    one by device slots (row slots set) takes the fallback. A hook set on the
+    first layer's qkv after the plan was made, or its stack's A moved, remakes
+    the plan, which checks them again."""
 
     def __init__(self, model: CausalLM, plan: StackPlan, fallback):
         self.model = model
