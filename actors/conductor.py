@@ -36,7 +36,9 @@ author (KV blocks, LoRA slots, media orders); the conductor routes and steps.
 LoRA: ``AdapterPool`` (``mstar_actors.lora.adapter_pool``) decides which
 request waits for which adapter and which slot installs go out; the actor only
 routes what it returns. Requests reach the scheduler only once their slot is
-acknowledged by every rank, and with it (``Admit.slot``); installs travel on
+acknowledged by every rank, or at once where the install is a swap every
+rank finishes before its next plan (``InstallAdapter.rows_follow``), and
+with their slot (``Admit.slot``); installs travel on
 the same broadcast as the plans, so every rank sees plans and installs in one
 order (a turn's end inside the plan of its last step, ``install_after``: each
 rank acknowledges it before it answers the step ahead, so the slot's next rows

@@ -62,8 +62,13 @@ def install_from_host(runner: Any, rank: int, msg: InstallAdapter) -> AdapterIns
         error = f"{type(err).__name__}: {err}"
     if error is not None:
         error = f"rank {rank}: adapter {msg.name!r} into slot {msg.slot}: {error}"
-        return AdapterInstalled(rank=rank, slot=msg.slot, digest=msg.digest, ok=False, error=error)
-    return AdapterInstalled(rank=rank, slot=msg.slot, digest=msg.digest, ok=True)
+    return installed(runner, rank, msg, error)
+
+
+def installed(runner: Any, rank: int, msg: InstallAdapter, error: str | None = None) -> AdapterInstalled:
+    """The answer to ``msg``: ok unless ``error``, with the images the rank keeps now."""
+    return AdapterInstalled(rank=rank, slot=msg.slot, digest=msg.digest, ok=error is None, error=error or "",
+                            kept=runner.kept_adapters())
 
 
 def _install_blob(runner: Any, msg: InstallAdapter, blob: memoryview) -> str | None:
@@ -135,7 +140,12 @@ class WorkerActor(Actor):
     steps, when no install is on the thread. Beside a decoding step loop the
     same copies took 35-85 ms on the thread (and an install from the host
     copy 400-700 ms, ``tools/profile_gpu_step.py``), which kept the slot out
-    of service that long: under churn that cost more than the stall.
+    of service that long: under churn that cost more than the stall. Every
+    answer names the images this rank keeps (``AdapterInstalled.kept``), so
+    the conductor knows which installs will be swaps: those it sends with
+    ``rows_follow``, planning the slot's rows without waiting for the
+    acknowledgement; such an install always finishes before the next message
+    is read (should the swap fail, from the host copy, stalling the steps).
     """
 
     def __init__(self, *, rank: int = 0, runner: Any = None, arena_spec: Any = None,
@@ -286,7 +296,16 @@ class WorkerActor(Actor):
                 await self.run_step(msg)
             case InstallAdapter():
                 if self.num_installing == 0 and self._swap_in(msg):
-                    return await self.reply(AdapterInstalled(rank=self.rank, slot=msg.slot, digest=msg.digest, ok=True))
+                    return await self.reply(installed(self.runner, self.rank, msg))
+                if msg.rows_follow:  # the next plan may read the slot: install it before reading on
+                    if self.num_installing:
+                        raise RuntimeError(
+                            f"rank {self.rank}: install of {msg.name!r} into slot {msg.slot} with its rows following "
+                            f"while {self.num_installing} install(s) are outstanding: the conductor sends those only "
+                            "with none in flight")
+                    self.log.warning("rank %d: %r is not kept for a swap into slot %d; installing it from its host "
+                                     "copy before the next step", self.rank, msg.name, msg.slot)
+                    return await self.reply(await self.run_blocking(self.install, msg))
                 try:
                     self.installs.put_nowait(msg)
                     self.num_installing += 1

@@ -407,7 +407,7 @@ class SeqStart(Struct, frozen=True, **_HOT):
     # Prepared.media with each pixel_values naming the rank's copy
     # (``RANK_MEMORY``); vision rows are computed by the worker.
     media: list[MediaItem] = []
-    lora_slot: int = 0  # 0: the base model; else a slot every rank acknowledged
+    lora_slot: int = 0  # 0: the base model; else a slot every rank acknowledged, or installs first (rows_follow)
     # The recurrent-state slot the scheduler gave it (``WorkerReady.num_state_slots``);
     # -1: the model keeps no recurrent state. The slot may have held another
     # sequence's state: ranks build this one's from its first token.
@@ -473,12 +473,18 @@ class StepPlan(Struct, frozen=True, tag=True, omit_defaults=True):
 
 class InstallAdapter(Struct, frozen=True, tag=True, omit_defaults=True):
     """Load an adapter into a device slot on every rank. The conductor alone
-    picks the slot; rows use it only after every rank's AdapterInstalled."""
+    picks the slot; rows use it only after every rank's AdapterInstalled,
+    unless ``rows_follow``: every rank reported keeping this adapter's image
+    and no other install is in flight, so the install is a swap each rank
+    finishes before it reads its next message, and the slot's rows may be in
+    the very next plan (a rank that cannot swap installs from the host copy
+    first, there and then)."""
 
     slot: int
     name: str
     digest: str
     host: AdapterHostRef
+    rows_follow: bool = False
 
 
 ConductorToWorker = StepPlan | InstallAdapter | Shutdown
@@ -522,13 +528,16 @@ class StepFailed(Struct, frozen=True, tag=True, omit_defaults=True):
 
 
 class AdapterInstalled(Struct, frozen=True, tag=True, omit_defaults=True):
-    """One rank's answer to InstallAdapter (``error`` set when not ``ok``)."""
+    """One rank's answer to InstallAdapter (``error`` set when not ``ok``).
+    ``kept``: the digests whose slot images the rank keeps after it, each a
+    swap when installed again (``InstallAdapter.rows_follow``)."""
 
     rank: int
     slot: int
     digest: str
     ok: bool
     error: str = ""
+    kept: list[str] = []
 
 
 WorkerToConductor = WorkerReady | StepDone | StepFailed | AdapterInstalled

@@ -13,7 +13,8 @@ the same broadcast as the step plans; a turn's end's inside its last plan).
 A request on an adapter::
 
     waiting --host copy held, slot acquired--> installing --every rank ok--> admitted
-       \\--slot already ready with its digest---------------------------->/
+       |\\--slot already ready with its digest---------------------------->/
+       \\--slot acquired, a swap on every rank (rows_follow)-------------->/
     pool full: stays waiting (backpressure; never failed for it, never run on slot 0)
                and reserves a slot, whose rows are parked once it had its turn
     admitted --its slot taken for another adapter--> parked --a slot again--> admitted
@@ -21,9 +22,14 @@ A request on an adapter::
 Invariants:
 
 - A request is admitted only on a slot every rank acknowledged with the
-  adapter's digest; ``Admit.slot`` is that slot, and the scheduler puts it
-  in the ``SeqStart`` of each choice; a parked choice resumes only on a slot
-  every rank acknowledged with the digest it ran on. Each admitted choice
+  adapter's digest, or whose install every rank finishes before it reads
+  its next plan (``InstallAdapter.rows_follow``: sent only with no other
+  install in flight, of an image every rank's last answer says it keeps, so
+  it is a swap; a failure there fails the choices admitted on the slot
+  before any of their results is used, ``_fail_followed``); ``Admit.slot``
+  is that slot, and the scheduler puts it in the ``SeqStart`` of each
+  choice; a parked choice resumes under the same rule, with the digest it
+  ran on. Each admitted choice
   (an installing request: the request) holds one pin on its slot, released
   exactly once: at its end (``end``), on a failed install, or when it is
   parked (a parked choice holds none until it resumes; while its reinstall
@@ -46,7 +52,7 @@ Invariants:
   choices are parked (``MoveRows(..., PARKED)``: they keep their KV and state
   and leave the plans), the slot is free, and the waiter's install takes it.
   The parked choices wait like a request, in the order they were parked, and
-  resume (``MoveRows`` to the new slot, after every rank acknowledged) where
+  resume (``MoveRows`` to the new slot, as a request is admitted) where
   their adapter is installed next. So a waiter waits at most for the turns of
   the tenants before it, a quantum each, never for requests to end: with a
   swap back in costing a copy (the ranks keep each adapter's image), the
@@ -204,6 +210,8 @@ class AdapterPool:
         self._slot_of: dict[str, int] = {}  # admitted choice id -> slot (0: base)
         self._slot_digest: dict[int, str] = {}  # the digest each install put in a slot
         self._installing: dict[int, tuple[str, str]] = {}  # slot -> (name, digest) whose acks are not all in
+        self._follows: set[int] = set()  # installing slots sent with rows_follow: their rows are admitted already
+        self._kept: dict[int, frozenset[str]] = {}  # rank -> the digests its last answer says it keeps images of
         self._reads: collections.deque[_Read] = collections.deque()
         self._hosts: dict[tuple[str, str], _Host] = {}  # (name, digest) -> held host copy
         self._drains: dict[int, str] = {}  # slot -> adapter whose waiter it is reserved for
@@ -343,15 +351,18 @@ class AdapterPool:
     # ------------------------------------------------------------ rank acks
 
     def on_installed(self, msg: AdapterInstalled) -> list:
+        self._kept[msg.rank] = frozenset(msg.kept)
         settled = self.table.ack(msg.rank, msg.slot, msg.digest, msg.ok, msg.error)
         if settled is None:
             return []
         self._installing.pop(settled.slot, None)
+        followed = settled.slot in self._follows
+        self._follows.discard(settled.slot)
         sent = self._install_sent.pop(settled.slot, self._steps)
         if settled.ok:
             self._tenancy[settled.slot] = self._steps
             self.install_steps = 0.5 * self.install_steps + 0.5 * max(1, self._steps - sent)
-        outs = []
+        outs = [] if settled.ok or not followed else self._fail_followed(settled)
         for w in [w for w in self._waiting if w.slot == settled.slot]:
             self._waiting.remove(w)
             if w.parked:
@@ -364,6 +375,17 @@ class AdapterPool:
                 outs.append(self._fail(w, 500, f"adapter {w.adapter.name!r} could not be installed "
                                                f"(refused on every rank): {reason}"))
         return [*outs, *self._settle()]
+
+    def _fail_followed(self, settled) -> list:
+        """An install sent with ``rows_follow`` failed on some rank: the choices
+        admitted onto its slot meanwhile end as failed, before the results of
+        any step they ran in are used (each rank answers the install before
+        those steps), so nothing they computed reaches a client or the prefix
+        cache. Their pins go with their ends (``end``)."""
+        reason = "; ".join(f"rank {r}: {e}" for r, e in sorted(settled.errors.items()))
+        return [Failed(request_id=rid, status=500, error_type="server_error", param="model",
+                       message=f"request {rid}: adapter {settled.name!r} could not be installed: {reason}")
+                for rid, slot in self._slot_of.items() if slot == settled.slot]
 
     # ------------------------------------------------------------ runtime updates
 
@@ -440,7 +462,11 @@ class AdapterPool:
         w.slot = slot
         self._drains = {s: name for s, name in self._drains.items() if name != adapter.name}
         self._hosts[adapter.name, adapter.digest].last_used = self._next_tick()
-        return self._take_installs()
+        installs = self._take_installs()
+        if any(install.slot == slot and install.rows_follow for install in installs):
+            self._waiting.remove(w)  # a swap every rank makes before its next plan: the rows may be in it
+            return [*installs, self._admit(w, slot)]
+        return installs
 
     def _resident_slot(self, adapter: _Adapter, digest: str | None = None) -> int | None:
         """The slot holding (or installing) this version of the adapter (``digest``: that one)."""
@@ -502,8 +528,8 @@ class AdapterPool:
             return self._reserve_drain(name)
         self._drains = {s: target for s, target in self._drains.items() if target != name}
         self._hosts[name, digest].last_used = self._next_tick()
-        outs = self._pin_parked(w, slot)
-        return [*outs, *self._take_installs()]
+        installs = self._take_installs()  # first: whether its rows may follow at once
+        return [*installs, *self._pin_parked(w, slot)]
 
     def _pin_parked(self, w: _Waiting, slot: int) -> list:
         """The parked choices pin ``slot`` (acquired once: one pin more each
@@ -511,11 +537,11 @@ class AdapterPool:
         for _ in w.parked[1:]:
             self.table.pin(slot)
         state = self.table.state(slot)
-        if state is SlotState.INSTALLING:
+        if state is SlotState.INSTALLING and slot not in self._follows:
             w.slot = slot  # resumed when every rank has answered
             return []
         self._waiting.remove(w)
-        if state is SlotState.READY:
+        if state is not SlotState.FAILED:  # ready, or a swap its rows may follow
             return self._resume(w, slot)
         w.slot = slot  # failed on some rank (every ack in): the parked choices end
         return self._fail_parked(w, None, self.table.error(slot))
@@ -541,11 +567,23 @@ class AdapterPool:
         outs = []
         for install in self.table.take_installs():
             host = self._hosts[install.name, install.digest].ref
+            follows = self._is_swap(install.digest)
+            if follows:
+                self._follows.add(install.slot)
             self._slot_digest[install.slot] = install.digest
             self._installing[install.slot] = (install.name, install.digest)
             self._install_sent[install.slot] = self._steps
-            outs.append(InstallAdapter(slot=install.slot, name=install.name, digest=install.digest, host=host))
+            outs.append(InstallAdapter(slot=install.slot, name=install.name, digest=install.digest, host=host,
+                                       rows_follow=follows))
         return outs
+
+    def _is_swap(self, digest: str) -> bool:
+        """Whether an install of ``digest`` sent now is a swap on every rank,
+        done before the rank reads its next message: each rank's last answer
+        says it keeps the image, and with no install in flight nothing has
+        changed what a rank keeps since (only installs do)."""
+        return (not self._installing and len(self._kept) == self.num_ranks
+                and all(digest in kept for kept in self._kept.values()))
 
     # ------------------------------------------------------------ drains
 
@@ -580,7 +618,7 @@ class AdapterPool:
     def _pin_existing(self, w: _Waiting, adapter: _Adapter) -> list:
         slot = self.table.acquire(adapter.name, adapter.digest)
         state = self.table.state(slot)
-        if state is SlotState.READY:
+        if state is SlotState.READY or slot in self._follows:  # ready, or a swap its rows may follow
             self._waiting.remove(w)
             return [self._admit(w, slot)]
         if state is SlotState.FAILED:

@@ -3,7 +3,8 @@
 Pure: no torch, no I/O, no clock. The conductor owns one table; every rank
 holds the same slots because the table's decisions travel as
 ``InstallAdapter(slot, name, digest)`` messages, and rows use a slot only once
-every rank has acknowledged it.
+every rank has acknowledged it, or where every rank installs it before its
+next plan (a swap: the pool's ``rows_follow``).
 
 Slots: ``0`` is the zero adapter (base rows), never handed out; slots
 ``1..max_loras`` hold adapters, so the device stacks need ``num_slots =

@@ -360,6 +360,10 @@ class LoraLayers:
         self._check_slot(slot, name)
         return self._staging.reinstall(slot, digest)
 
+    def kept_images(self) -> list[str]:
+        """The digests of the slot images kept for ``reinstall``, oldest use first."""
+        return list(self._staging.images) if "_staging" in self.__dict__ else []
+
     def clear_slot_images(self) -> None:
         """Drop the kept slot images (the next install of each adapter builds its own again)."""
         if "_staging" in self.__dict__:

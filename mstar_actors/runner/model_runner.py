@@ -568,6 +568,11 @@ class ModelRunner:
         self.lora_names[slot] = name
         return True
 
+    def kept_adapters(self) -> list[str]:
+        """The digests whose slot images this rank keeps: installing one of
+        them again is ``reinstall_adapter``, a copy."""
+        return [] if self.lora is None else self.lora.kept_images()
+
     def _lora_hint(self) -> str:
         if self.lora is None:
             return "LoRA is off on this rank (lora.max_loras = 0), so only slot 0 (base) is accepted"

@@ -10,6 +10,7 @@ import threading
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 
+import msgspec
 import torch
 
 from actors.worker import WorkerActor
@@ -65,6 +66,9 @@ class SlowInstallRunner:
 
     def reinstall_adapter(self, slot, name, digest):
         return False  # keeps no images: every install reads the host copy
+
+    def kept_adapters(self):
+        return []
 
     def install_adapter(self, slot, weights):
         if not self.go.wait(10):
@@ -135,6 +139,33 @@ def test_steps_run_while_an_install_is_in_flight():
         _free(shm)
 
 
+def test_an_install_its_rows_follow_finishes_before_the_next_plan_even_from_the_host_copy():
+    """``rows_follow``: the conductor planned the slot's rows right behind
+    the install, expecting a swap. This rank kept no image, so it installs
+    from the host copy there and then: the next plan waits for it, and the
+    answer (naming what the rank keeps) comes before the step's."""
+    runner = SlowInstallRunner()
+    shm, install = _host_copy("a")
+    install = msgspec.structs.replace(install, rows_follow=True)
+
+    async def script(inbox, outbox):
+        await inbox.send(install)
+        await inbox.send(StepPlan(step_id=1, started=[], scheduled=[]))
+        await asyncio.sleep(0.3)  # the install waits for go
+        assert runner.steps == 0, "the step ran before the install it follows"
+        runner.go.set()
+        first = await asyncio.wait_for(outbox.recv(), 10)
+        second = await asyncio.wait_for(outbox.recv(), 10)
+        assert isinstance(first, AdapterInstalled) and first.ok and first.kept == [], first
+        assert isinstance(second, StepDone) and second.step_id == 1
+        assert runner.installed == [(1, "a")]
+
+    try:
+        asyncio.run(_run(runner, script))
+    finally:
+        _free(shm)
+
+
 def test_installs_complete_in_arrival_order_and_failures_are_answered():
     runner = SlowInstallRunner()
     runner.go.set()
@@ -191,6 +222,9 @@ class KeptImageRunner(SlowInstallRunner):
             return False
         self.swapped.append((slot, name))
         return True
+
+    def kept_adapters(self):
+        return sorted(self.kept)
 
 
 def test_a_kept_image_swaps_in_inline_unless_an_install_is_on_the_thread():

@@ -184,6 +184,9 @@ class SwappingRunner(DeviceRunner):
         self.calls.append(("swap", slot))
         return True
 
+    def kept_adapters(self):
+        return []
+
 
 def test_an_install_after_a_step_is_acknowledged_before_the_step_ahead_is_answered():
     """A LoRA turn's end: the plan carries the swap into the slot its rows

@@ -84,6 +84,9 @@ class _Runner:
     def reinstall_adapter(self, slot, name, digest):
         return False  # keeps no images: every install reads the host copy
 
+    def kept_adapters(self):
+        return []
+
     def install_adapter(self, slot, weights):
         """As the real runner does, copy: the weights are views of the mapped segment."""
         if self.error:

@@ -73,10 +73,16 @@ def adapters(tmp_path_factory):
 class FakeRank:
     """Answers plans and installs; records what it saw and any rule broken."""
 
-    def __init__(self, rank: int, inbox, outbox, shared: dict, fail_names=()):
+    def __init__(self, rank: int, inbox, outbox, shared: dict, fail_names=(), fail_swaps=(), max_images=4):
         self.rank, self.inbox, self.outbox = rank, inbox, outbox
         self.shared = shared  # "expect": request id -> its adapter's digest; "violations"
         self.fail_names = set(fail_names)
+        self.fail_swaps = set(fail_swaps)  # adapters whose install fails here once it would be a swap
+        self.max_images = max_images
+        self.kept: list[str] = []  # digests of the images kept for swaps, oldest use first (as SlotStaging)
+        self.swaps_followed: list[str] = []  # adapters installed with rows_follow
+        self.defer_swap_acks = False  # hold a rows_follow install's answer until the next plan has come
+        self.deferred: list[AdapterInstalled] = []
         self.installs: list[tuple[int, str, str]] = []
         self.installs_after: list[tuple[int, str]] = []  # (step id, adapter) of installs a plan carried
         self.rows: dict[str, int] = {}  # request id -> lora_slot it started on
@@ -93,9 +99,13 @@ class FakeRank:
             except ChannelClosed:  # the conductor stopped
                 return
             match msg:
+                case InstallAdapter() if msg.rows_follow and self.defer_swap_acks:
+                    self.deferred.append(self.install(msg))  # answered with the next plan: the rows must not wait
                 case InstallAdapter():
                     await self.outbox.send(self.install(msg))
                 case StepPlan():
+                    while self.deferred:  # before the step's answer, as a worker answers every install
+                        await self.outbox.send(self.deferred.pop(0))
                     await self.outbox.send(self.step(msg))
                     for install in msg.install_after:  # a turn's end: after the step's rows ran
                         self.installs_after.append((msg.step_id, install.name))
@@ -111,10 +121,21 @@ class FakeRank:
         finally:
             segment.close()
         assert weights.digest == msg.digest
-        ok = msg.name not in self.fail_names
+        is_swap = msg.digest in self.kept
+        if msg.rows_follow:
+            self.swaps_followed.append(msg.name)
+            if not is_swap:
+                self.shared["violations"].append(f"rank {self.rank}: {msg.name} came with its rows following, "
+                                                 "but this rank keeps no image of it")
+        ok = msg.name not in self.fail_names and not (is_swap and msg.name in self.fail_swaps)
         self.local[msg.slot] = msg.digest if ok else None
+        if msg.digest in self.kept:
+            self.kept.remove(msg.digest)
+        if ok:
+            self.kept = [*self.kept, msg.digest][-self.max_images:]
         error = "" if ok else f"scripted failure of {msg.name!r} on rank {self.rank}"
-        return AdapterInstalled(rank=self.rank, slot=msg.slot, digest=msg.digest, ok=ok, error=error)
+        return AdapterInstalled(rank=self.rank, slot=msg.slot, digest=msg.digest, ok=ok, error=error,
+                                kept=list(self.kept))
 
     def step(self, plan: StepPlan) -> StepDone:
         for start in plan.started:
@@ -137,7 +158,8 @@ class FakeRank:
 class Cluster:
     """The conductor, the adapter-reader and four fake ranks on one loop."""
 
-    def __init__(self, adapters, *, max_loras=2, fail_on=None, runtime_dirs=None, max_cpu_loras=8):
+    def __init__(self, adapters, *, max_loras=2, fail_on=None, fail_swaps_on=None, runtime_dirs=None,
+                 max_cpu_loras=8):
         folders, shapes = adapters
         self.config = Config(
             model=ModelConfig(path="unused", name="base"),
@@ -159,8 +181,9 @@ class Cluster:
                               vocab_size=shapes.global_modules["embed_tokens"][0], eos_token_ids=(2,),
                               dtype="float32", max_model_len=64, lora_base=shapes)
         self.shared = {"violations": [], "expect": {}}
-        fail_on = fail_on or {}
-        self.ranks = [FakeRank(r, c2w[r], w2c[r], self.shared, fail_on.get(r, ())) for r in range(NUM_RANKS)]
+        fail_on, fail_swaps_on = fail_on or {}, fail_swaps_on or {}
+        self.ranks = [FakeRank(r, c2w[r], w2c[r], self.shared, fail_on.get(r, ()), fail_swaps_on.get(r, ()))
+                      for r in range(NUM_RANKS)]
         self.conductor = ConductorActor(
             name="conductor", config=self.config, info=self.info,
             inbox={"prepare": self.to_conductor, "adapter_reader": r2c} | {f"worker{r}": w2c[r] for r in range(NUM_RANKS)},
@@ -247,6 +270,51 @@ async def test_churn_three_adapters_over_two_slots_agree_on_every_rank(adapters)
 
 
 @run_async
+async def test_a_swap_back_in_has_its_rows_planned_before_any_rank_answers_it(adapters):
+    """One request at a time, three adapters over two slots: every adapter
+    after the first two is swapped back in (each rank keeps its image). Its
+    rows follow in the next plan; the ranks hold their answers to those
+    installs until that plan has come, so a conductor waiting for them would
+    never plan it (the test times out)."""
+    async with Cluster(adapters, max_loras=2) as cluster:
+        digests = {n: cluster.digest(n) for n in "abc"}
+        for rank in cluster.ranks:
+            rank.defer_swap_acks = True
+        names = ["a", "b", "c", "a", "b", "c", "a"]
+        for i, name in enumerate(names):
+            await cluster.send(f"r{i}", name, max_tokens=3, digest=digests[name])
+            ended = await cluster.collect(1)
+    assert all(isinstance(m, Finished) and m.num_output_tokens == 3 for m in ended.values()), ended
+    assert_agreed(cluster)
+    assert cluster.ranks[0].swaps_followed == names[3:]  # the first three read their host copies
+
+
+@run_async
+async def test_a_swap_failing_on_one_rank_fails_the_requests_it_admitted_before_any_token(adapters):
+    """Rank 2's swap of "a" fails after its rows were planned: those requests
+    end with a 500 naming the rank, no token of theirs reaches the client
+    (the rank answers the install before the step), and the next request on
+    "a" installs it afresh and completes."""
+    async with Cluster(adapters, max_loras=2, fail_swaps_on={2: {"a"}}) as cluster:
+        digests = {n: cluster.digest(n) for n in "abc"}
+        for i, name in enumerate("abc"):
+            await cluster.send(f"r{i}", name, max_tokens=3, digest=digests[name])
+            await cluster.collect(1)
+        await cluster.send("bad", "a", max_tokens=3, digest=digests["a"])  # a swap, its rows following
+        ended = await cluster.collect(1)
+        await cluster.send("again", "a", max_tokens=3, digest=digests["a"])
+        ended = await cluster.collect(1)
+    failed = ended["bad"]
+    assert isinstance(failed, Failed) and failed.status == 500, failed
+    assert "'a'" in failed.message and "rank 2" in failed.message and "scripted failure" in failed.message
+    assert not [m for m in cluster.others if isinstance(m, TokenDelta) and m.request_id == "bad"]
+    assert isinstance(ended["again"], Finished) and ended["again"].num_output_tokens == 3
+    assert cluster.ranks[0].swaps_followed == ["a"]
+    # Only the failed request ran on rank 2's failed slot; every other row on its adapter everywhere.
+    assert all(v.startswith("rank 2: bad ran on") for v in cluster.shared["violations"]), cluster.shared["violations"]
+
+
+@run_async
 async def test_one_rank_failing_an_install_refuses_it_everywhere_and_fails_only_its_requests(adapters):
     async with Cluster(adapters, max_loras=2, fail_on={2: {"b"}}) as cluster:  # only rank 2 refuses "b"
         digest_a = cluster.digest("a")
@@ -298,6 +366,7 @@ async def test_one_slot_two_adapters_take_turns_every_request_runs_to_its_length
     assert_agreed(cluster)
     installs = [name for _, name, _ in cluster.ranks[0].installs]
     assert installs[:3] == ["a", "b", "a"], installs  # a, then b's turn, then a back before b1 ended
+    assert cluster.ranks[0].swaps_followed[:1] == ["a"], "a's parked rows waited for the swap back's answers"
     # A turn's end rides in the plan of the leaving tenant's last step on the slot.
     after = cluster.ranks[0].installs_after
     assert after, "no turn's install rode in a plan"

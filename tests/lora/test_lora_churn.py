@@ -343,3 +343,48 @@ def test_an_unloaded_adapters_parked_rows_still_resume_and_finish():
     assert "a1" in d.admitted and "a1" not in d.parked  # resumed on its own version, read nowhere again
     d.send("a9", "a")
     assert "a9" not in d.admitted  # new requests naming it are refused (404)
+
+
+def test_a_swap_is_sent_with_its_rows_only_when_every_rank_said_it_keeps_the_image_and_nothing_is_in_flight():
+    """``rows_follow``: the request is admitted with the install, not after
+    its answers, only where the install is a swap on every rank (each rank's
+    last answer names the digest in ``kept``) and no other install is in
+    flight (one could change what a rank keeps); otherwise it waits."""
+
+    def ack(pool: AdapterPool, install: InstallAdapter, rank: int, kept: list[str]) -> list:
+        return pool.on_installed(AdapterInstalled(rank=rank, slot=install.slot, digest=install.digest, ok=True,
+                                                  kept=kept))
+
+    d = Driver(max_loras=1, names="ab", max_cpu_loras=4)  # host copies held: a swap back needs no read
+    d.adapter_pool.num_ranks = 2
+    d.adapter_pool.table.num_ranks = 2
+    d.send("a1", "a")
+    d.answer_reads()
+    (install,) = d.unacked
+    assert not install.rows_follow and "a1" not in d.admitted  # no rank has said what it keeps yet
+    d.handle(ack(d.adapter_pool, install, 0, ["d-a"]))
+    assert "a1" not in d.admitted
+    d.handle(ack(d.adapter_pool, install, 1, ["d-a"]))
+    assert d.admitted["a1"] == install.slot
+    d.unacked.clear()
+    d.end("a1")
+    d.send("b1", "b")  # no rank keeps b: an install from the host copy, its rows wait
+    d.answer_reads()
+    (install,) = d.unacked
+    assert not install.rows_follow and "b1" not in d.admitted
+    d.handle(ack(d.adapter_pool, install, 0, ["d-a", "d-b"]))
+    d.handle(ack(d.adapter_pool, install, 1, ["d-b"]))  # rank 1 let a's image go
+    d.unacked.clear()
+    d.end("b1")
+    d.send("a2", "a")  # rank 1 keeps no image of a: its rows wait
+    (install,) = d.unacked
+    assert not install.rows_follow and "a2" not in d.admitted
+    d.handle(ack(d.adapter_pool, install, 0, ["d-b", "d-a"]))
+    d.handle(ack(d.adapter_pool, install, 1, ["d-b", "d-a"]))
+    d.unacked.clear()
+    d.end("a2")
+    d.send("b2", "b")  # kept everywhere, nothing in flight: a swap, admitted with it
+    (install,) = d.unacked
+    assert install.rows_follow and d.admitted["b2"] == install.slot
+    d.send("b3", "b")  # joins the same swap at once
+    assert d.admitted["b3"] == install.slot
