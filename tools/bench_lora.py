@@ -712,7 +712,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, help="new tokens per request, exactly (default: 64 cuda, 32 cpu)")
     p.add_argument("--waves", type=int, default=8,
                    help="requests per level = waves x concurrency (default 8: see docs/benchmarks.md on why not 3)")
-    p.add_argument("--min-requests", type=int, default=4, help="at least this many requests per level (default 4)")
+    p.add_argument("--min-requests", type=int, default=None,
+                   help="at least this many requests per level (default: 48 on cuda, where a c=1 request takes "
+                        "~70 ms and a dozen of them left c=1 retention a point or two apart run to run; 4 on cpu)")
     p.add_argument("--tokenizer", help="the random models: a folder with tokenizer files and a config.json naming "
                                       "vocab_size (default: the embedded SmolLM2, fetched if needed)")
     p.add_argument("--rounds", type=int, default=1,
@@ -757,6 +759,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         levels = tuple(int(c) for c in args.concurrency.split(","))
     except ValueError:
         raise SystemExit(f"--concurrency {args.concurrency!r}: expected comma-separated positive integers") from None
+    if args.min_requests is None:
+        args.min_requests = 48 if device == "cuda" else 4
     for flag, value in [("--concurrency", min(levels)), ("--waves", args.waves), ("--min-requests", args.min_requests),
                         ("--rank", args.rank), ("--rounds", args.rounds), ("--max-tokens", args.max_tokens or 1),
                         ("--api-servers", args.api_servers), ("--client-processes", args.client_processes or 1)]:
