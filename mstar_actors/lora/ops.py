@@ -42,7 +42,7 @@ from __future__ import annotations
 import collections
 import functools
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -353,6 +353,11 @@ class RowKernels(Protocol):
 
     def warm_up(self, stack: LoraStack, max_num_rows: int) -> None: ...
 
+    def piece_copies(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> Callable[[], None]:
+        """``dst[i].copy_(src[i])`` for every i, each a dense piece of the same
+        bytes on one device, as a call made once and run for every swap."""
+        ...
+
 
 class TorchRows:
     """``RowKernels`` by the torch reference (``delta_rows_ref``): the CPU,
@@ -386,6 +391,20 @@ class TorchRows:
     @staticmethod
     def warm_up(stack: LoraStack, max_num_rows: int) -> None:
         return None
+
+    @staticmethod
+    def piece_copies(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> Callable[[], None]:
+        """One ``_foreach_copy_`` a dtype (it batches dense pieces of one dtype into few launches)."""
+        by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for d, s in zip(dst, src, strict=True):
+            by_dtype.setdefault(d.dtype, []).append((d, s))
+        groups = list(by_dtype.values())
+
+        def run() -> None:
+            for pairs in groups:
+                copy_all(pairs)
+
+        return run
 
 
 TORCH_ROWS = TorchRows()
@@ -668,8 +687,10 @@ class SlotStaging:
     """
 
     def __init__(self, stacks: dict[str, LoraStack], device: torch.device, max_images: int = 0,
-                 device_images: int = 1):
+                 device_images: int = 1, kernels: RowKernels = TORCH_ROWS):
         self.stacks = stacks
+        self.kernels = kernels  # the stacks' (``piece_copies``: a twin into a slot)
+        self._twin_copies: dict[tuple[int, int], Callable[[], None]] = {}  # (slot, twin index) -> its copies
         self.layouts = {name: stack.slot_layout() for name, stack in stacks.items()}
         dtypes = {dtype for layout in self.layouts.values() for _, dtype in layout[:2]}
         if len(dtypes) != 1:
@@ -683,7 +704,7 @@ class SlotStaging:
         self.images: collections.OrderedDict[str, _SlotImage] = collections.OrderedDict()  # by key, oldest first
         self._scratch: _SlotImage | None = None  # the image of installs that keep none
         self._slot_views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        self._free_twins = [_DeviceTwin(self, device) for _ in range(max(1, device_images))] if self.stream else []
+        self._free_twins = [_DeviceTwin(self, device, i) for i in range(max(1, device_images))] if self.stream else []
         self._twins: collections.OrderedDict[str, _DeviceTwin] = collections.OrderedDict()  # by key, oldest use first
 
     @property
@@ -730,7 +751,7 @@ class SlotStaging:
             return True
         self._twins.move_to_end(key)
         step_stream = torch.cuda.current_stream(self.device)
-        _copy_parts(self._views(slot), twin.views)
+        self._copy_twin(slot, twin)
         self._write_dense(slot, image, key)
         twin.read.record(step_stream)
         return True
@@ -763,6 +784,14 @@ class SlotStaging:
         return _SlotImage(self.layouts, self.size, self.num_scales, self.dtype, list(self.stacks),
                           pin=self.stream is not None)
 
+    def _copy_twin(self, slot: int, twin: _DeviceTwin) -> None:
+        """``twin`` into ``slot`` of every stack, queued on the current stream."""
+        key = (slot, twin.index)
+        if key not in self._twin_copies:
+            (factors, scales), (twin_factors, twin_scales) = self._views(slot), twin.views
+            self._twin_copies[key] = self.kernels.piece_copies([*factors, *scales], [*twin_factors, *twin_scales])
+        self._twin_copies[key]()
+
     def _views(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if slot not in self._slot_views:
             self._slot_views[slot] = _dense_parts(stack.slot_views(slot) for stack in self.stacks.values())
@@ -793,7 +822,7 @@ class SlotStaging:
         # The steps queued so far may read the slot's earlier tenant: the slot is written after them.
         self.stream.wait_stream(step_stream)
         with torch.cuda.stream(self.stream):
-            _copy_parts(self._views(slot), twin.views)
+            self._copy_twin(slot, twin)
             self._write_dense(slot, image, key)
         self.stream.synchronize()
 
@@ -822,7 +851,8 @@ class _DeviceTwin:
     """One image on the device (``SlotStaging``'s layout), and the event after
     the last copy that read it on the step stream."""
 
-    def __init__(self, staging: SlotStaging, device: torch.device):
+    def __init__(self, staging: SlotStaging, device: torch.device, index: int):
+        self.index = index  # its place in the fixed pool (the key of its copies into each slot)
         self.flat = torch.empty(staging.size, dtype=staging.dtype, device=device)
         self.scales = torch.empty(staging.num_scales, dtype=torch.float32, device=device)
         regions = _slot_regions(staging.layouts, self.flat, self.scales)

@@ -776,3 +776,55 @@ def _variant_row_counts(stack: LoraStack, max_num_rows: int, num_sms: int) -> li
         seen.setdefault(variant_of(stack, num_rows, num_sms), num_rows)
     return sorted(seen.values())
 
+
+
+# ---------------------------------------------------------------- swaps
+
+# A program copies a chunk of at most COPY_CHUNK 2-byte units (32 KB), in blocks of _COPY_BLOCK.
+COPY_CHUNK = 16384
+_COPY_BLOCK = 2048
+
+
+@triton.jit
+def _copy_chunks_kernel(table_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Program ``i`` copies row ``i`` of the table: ``count`` 2-byte units
+    from byte address ``src`` to byte address ``dst``."""
+    i = tl.program_id(0).to(tl.int64)
+    src = tl.load(table_ptr + 3 * i).to(tl.pointer_type(tl.int16))
+    dst = tl.load(table_ptr + 3 * i + 1).to(tl.pointer_type(tl.int16))
+    count = tl.load(table_ptr + 3 * i + 2)
+    for start in tl.static_range(0, CHUNK, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < count
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+def piece_copies(dst, src):
+    """``ops.RowKernels.piece_copies``: every piece in one launch, from a
+    table of (source, destination, count) chunks built here once, on the
+    caller's stream when run. A swap back in copies several hundred pieces
+    (each stack's slot: A a shard, B, the scales); ``_foreach_copy_`` took
+    about 1 ms of the worker's time for those of a Qwen3.5-0.8B adapter,
+    every swap, where a launch takes tens of microseconds. Pieces of any
+    dtype whose bytes are even (2-byte units: fp32 scales and bf16 factors
+    alike); the pieces must outlive the call (it holds them)."""
+    rows = []
+    for d, s in zip(dst, src, strict=True):
+        if not (d.is_contiguous() and s.is_contiguous()) or d.nbytes != s.nbytes or d.device != s.device:
+            raise ValueError(f"piece copies take dense pieces of equal bytes on one device; got {tuple(d.shape)} "
+                             f"{d.dtype} on {d.device} from {tuple(s.shape)} {s.dtype} on {s.device}")
+        if d.nbytes % 2:
+            raise ValueError(f"piece copies move 2-byte units; a piece of {d.nbytes} bytes ({d.dtype}) has an odd count")
+        units = d.nbytes // 2
+        rows += [(s.data_ptr() + 2 * at, d.data_ptr() + 2 * at, min(COPY_CHUNK, units - at))
+                 for at in range(0, units, COPY_CHUNK)]
+    if not rows:
+        return lambda: None
+    table = torch.tensor(rows, dtype=torch.int64, device=dst[0].device)
+    pieces = (list(dst), list(src))  # the addresses in the table are theirs
+
+    def run() -> None:
+        _copy_chunks_kernel[(len(rows),)](table, CHUNK=COPY_CHUNK, BLOCK=_COPY_BLOCK)
+
+    run.pieces = pieces
+    return run

@@ -283,7 +283,8 @@ class LoraLayers:
         """Compile every kernel variant a step of up to ``max_num_tokens`` rows
         can launch, now: a Triton compile takes about a second, which in the
         middle of serving would stall every request in the batch. Runs each
-        variant once on scratch tensors (slot rows of zeros: nothing changes)."""
+        variant once on scratch tensors (slot rows of zeros: nothing changes),
+        and a swap's piece copies on two scratch units."""
         if not self.uses_rows:
             return
         seen = set()
@@ -292,6 +293,8 @@ class LoraLayers:
             if shape not in seen:
                 seen.add(shape)
                 self.kernels.warm_up(stack, max_num_tokens)
+        scratch = torch.zeros(2, dtype=torch.int16, device=self.device)
+        self.kernels.piece_copies([scratch[:1]], [scratch[1:]])()
         torch.cuda.synchronize(self.device)
 
     def begin_rows_step(self, row_slots: torch.Tensor, sampled_row_slots: torch.Tensor | None = None) -> None:
@@ -384,7 +387,8 @@ class LoraLayers:
         if self.device.type == "cuda":
             budget = DEVICE_IMAGES_SHARE * torch.cuda.get_device_properties(self.device).total_memory
             twins = min(self.max_slot_images, int(budget // max(1, slot_image_bytes(self.stacks))))
-        return SlotStaging(self.stacks, self.device, max_images=self.max_slot_images, device_images=twins)
+        return SlotStaging(self.stacks, self.device, max_images=self.max_slot_images, device_images=twins,
+                           kernels=self.kernels)
 
     def clear(self, slot: int) -> None:
         for stack in self.stacks.values():

@@ -65,6 +65,32 @@ def use_kernels(lora, monkeypatch) -> None:
         monkeypatch.setattr(stack, "kernels", triton_ops)
 
 
+# ---------------------------------------------------------------- swaps
+
+
+@interpreted
+def test_piece_copies_move_every_piece_of_any_dtype_and_size_in_one_launch():
+    """A swap's copies: pieces of bf16 factors (some past a chunk) and fp32
+    scales, each into its own destination; nothing beside them is written."""
+    gen = torch.Generator().manual_seed(0)
+    sizes = [(3, 5), (triton_ops.COPY_CHUNK + 7,), (1,), (2 * triton_ops.COPY_CHUNK,)]
+    src = [torch.randn(s, generator=gen).to(torch.bfloat16) for s in sizes] + [torch.randn(3, generator=gen)]
+    arena = torch.full((sum(t.numel() * t.element_size() for t in src) + 64,), 7, dtype=torch.uint8)
+    dst, at = [], 2  # views of one buffer, at 2-byte offsets (not 16-byte aligned)
+    for t in src:
+        n = t.numel() * t.element_size()
+        dst.append(arena[at : at + n].view(t.dtype).view(t.shape))
+        at += n
+    copies = triton_ops.piece_copies(dst, src)
+    copies()
+    assert all(torch.equal(d, s) for d, s in zip(dst, src))
+    assert (arena[:2] == 7).all() and (arena[at:] == 7).all()
+    with pytest.raises(ValueError, match="dense pieces of equal bytes"):
+        triton_ops.piece_copies([dst[0]], [src[1]])
+    with pytest.raises(ValueError, match="odd count"):
+        triton_ops.piece_copies([torch.zeros(3, dtype=torch.uint8)], [torch.ones(3, dtype=torch.uint8)])
+
+
 # ---------------------------------------------------------------- linears and embedding
 
 

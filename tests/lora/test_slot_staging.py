@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from mstar_actors.lora.adapter_file import LoraModule
-from mstar_actors.lora.ops import DenseFactors, LoraStack, SlotStaging
+from mstar_actors.lora.ops import TORCH_ROWS, DenseFactors, LoraStack, SlotStaging
+
+
+def _kernels(name: str):
+    """What copies a device twin into a slot: ``_foreach_copy_`` ("torch") or one Triton launch."""
+    return TORCH_ROWS if name == "torch" else pytest.importorskip("mstar_actors.lora.triton_ops")
 
 def _stacks(device: str) -> dict[str, LoraStack]:
     kw = dict(num_slots=3, max_rank=8, dtype=torch.bfloat16, device=device)
@@ -106,9 +111,10 @@ def _assert_slot(stacks, plain, slot: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_images_beyond_the_device_twins_reinstall_from_the_host_and_take_the_oldest_twin():
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_images_beyond_the_device_twins_reinstall_from_the_host_and_take_the_oldest_twin(kernels):
     stacks, plain = _stacks("cuda"), _stacks("cuda")
-    staging = SlotStaging(stacks, torch.device("cuda"), max_images=3, device_images=2)
+    staging = SlotStaging(stacks, torch.device("cuda"), max_images=3, device_images=2, kernels=_kernels(kernels))
     assert staging.num_device_images == 2
     for seed, key in ((1, "one"), (2, "two"), (3, "three")):
         staging.install(1, _modules(seed), key=key)  # "three" took "one"'s twin; "one" is kept on the host only
@@ -126,12 +132,14 @@ def test_images_beyond_the_device_twins_reinstall_from_the_host_and_take_the_old
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("path", ["device twin", "host image", "install"])
-def test_a_slot_is_written_after_the_steps_queued_before_and_before_those_queued_after(path):
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_a_slot_is_written_after_the_steps_queued_before_and_before_those_queued_after(path, kernels):
     """The last steps of a slot's earlier tenant may still be queued on the
     step stream (overlapped scheduling): they must read its weights, and the
     next step the new tenant's, whichever path writes the slot."""
     stacks, plain = _stacks("cuda"), _stacks("cuda")
-    staging = SlotStaging(stacks, torch.device("cuda"), max_images=2, device_images=1 if path == "host image" else 2)
+    staging = SlotStaging(stacks, torch.device("cuda"), max_images=2, device_images=1 if path == "host image" else 2,
+                          kernels=_kernels(kernels))
     staging.install(1, _modules(1), key="old")
     staging.install(2, _modules(2), key="new")
     if path == "host image":
