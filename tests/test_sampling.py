@@ -467,3 +467,16 @@ def test_bench_sampling_prints_a_row_a_case_with_its_ratio():
     assert run.returncode == 0, run.stderr
     lines = [line for line in run.stdout.splitlines() if line.startswith("   2 ")]
     assert len(lines) == 5 and all(line.endswith("x") for line in lines)
+
+
+def test_greedy_tokens_are_argmax_first_largest_and_nan_alike():
+    """``greedy_tokens`` runs ``max``'s kernel on CPU: the same indices as
+    ``argmax`` where logits tie (the first) or hold NaN (taken as largest)."""
+    from mstar_actors.runner.sampling import greedy_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randint(-3, 3, (6, 1000), generator=gen).to(dtype)  # many ties
+        x[1, 17] = x[1, 900] = float("nan")
+        x[2] = float("-inf")
+        assert torch.equal(greedy_tokens(x), x.argmax(dim=-1))

@@ -177,7 +177,7 @@ def sample_pending(
     plain = not (plan.needs_penalties or plan.needs_logprobs or plan.needs_processors)
     if plan.is_all_greedy and plain:
         # The common case: one argmax, no float32 copy (the cast is exact).
-        return PendingSample(rows, logits.argmax(dim=-1))
+        return PendingSample(rows, greedy_tokens(logits))
     if plain and _races(logits) and not _filters_in_torch(rows, plan):
         # temperature and top_k in the kernel, off the model's own logits
         return PendingSample(rows, _race_tokens(logits, rows, plan, generator, raw=True))
@@ -338,6 +338,14 @@ def _host_to(device: torch.device, values, dtype: torch.dtype | None = None) -> 
 # --------------------------------------------------------------------------
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest logit (a NaN counts as largest), as ``argmax``.
+    On CPU by ``max``'s kernel: ``argmax``'s took three times as long over
+    SmolLM2's 49,152 logits (0.51 against 0.17 ms at 8 rows, 2.05 against
+    0.73 at 32, one thread), ~1-2% of a decode step; the same indices."""
+    return logits.max(dim=-1).indices if logits.device.type == "cpu" else logits.argmax(dim=-1)
+
+
 def _choose_tokens(
     logits: torch.Tensor,
     rows: list[SampleRow],
@@ -351,9 +359,9 @@ def _choose_tokens(
     # NaN from the model would poison argmax and softmax; treat it as impossible.
     logits = logits.nan_to_num_(nan=float("-inf"), neginf=float("-inf"))
     if plan.is_all_greedy:
-        return logits.argmax(dim=-1), logits
+        return greedy_tokens(logits), logits
     races = _races(logits)
-    greedy = None if races else logits.argmax(dim=-1)
+    greedy = None if races else greedy_tokens(logits)
     device = logits.device
     # Greedy rows get temperature 1 so the batched math stays finite; their
     # random draw is discarded below.
