@@ -777,7 +777,6 @@ def _variant_row_counts(stack: LoraStack, max_num_rows: int, num_sms: int) -> li
     return sorted(seen.values())
 
 
-
 # ---------------------------------------------------------------- swaps
 
 # A program copies a chunk of at most COPY_CHUNK 2-byte units (32 KB), in blocks of _COPY_BLOCK.
@@ -803,9 +802,10 @@ def piece_copies(dst, src):
     """``ops.RowKernels.piece_copies``: every piece in one launch, from a
     table of (source, destination, count) chunks built here once, on the
     caller's stream when run. A swap back in copies several hundred pieces
-    (each stack's slot: A a shard, B, the scales); ``_foreach_copy_`` took
-    about 1 ms of the worker's time for those of a Qwen3.5-0.8B adapter,
-    every swap, where a launch takes tens of microseconds. Pieces of any
+    (each stack's slot: A a shard, B, the scales: 546 for a Qwen3.5-0.8B
+    adapter) and took 1.0 ms of the worker's time on the H200, inline
+    between two steps; ``_foreach_copy_`` works a piece at a time on the
+    host (0.7 ms for the same pieces of CPU tensors), a launch once. Pieces of any
     dtype whose bytes are even (2-byte units: fp32 scales and bf16 factors
     alike); the pieces must outlive the call (it holds them)."""
     rows = []
