@@ -145,6 +145,7 @@ class Plan:
     steps_ahead: int | None = None  # scheduler.steps_ahead (None: the server's default, 2 with overlapped steps)
     api_servers: int = 1  # server.api_server_count of every server
     client_processes: int = 1  # at most, for the levels of many clients (ClientPool)
+    quantization: str | None = None  # model.quantization of every server (None: the config's default)
 
     def num_requests(self, concurrency: int) -> int:
         """Requests at one concurrency: ``waves`` full waves, at least ``min_requests``."""
@@ -155,7 +156,8 @@ class Plan:
         return self.setup if self.setup in NAMED_SETUPS else Path(self.setup).name
 
     def describe(self) -> list[str]:
-        lines = [f"setup {self.setup} on {self.device} ({self.dtype}), adapters rank {self.rank} all-linear, "
+        weights = f"{self.dtype}, {self.quantization} linears" if self.quantization else self.dtype
+        lines = [f"setup {self.setup} on {self.device} ({weights}), adapters rank {self.rank} all-linear, "
                  f"{self.max_tokens} new tokens per request (ignore_eos), prefix caching "
                  f"{'on' if self.prefix_caching else 'off'}, overlapped scheduling "
                  f"{'the device default' if self.async_scheduling is None else ('on' if self.async_scheduling else 'off')}"
@@ -332,7 +334,8 @@ def prepare_model(plan: Plan) -> tuple[Path, dict[str, Path]]:
 def server_config(plan: Plan, model_dir: Path, spec: ServerSpec, adapters: dict[str, Path], port: int) -> dict:
     """One served config; only the ``lora`` section differs between the servers."""
     config = {
-        "model": {"path": str(model_dir), "name": plan.served_name, "dtype": plan.dtype, "device": plan.device},
+        "model": {"path": str(model_dir), "name": plan.served_name, "dtype": plan.dtype, "device": plan.device,
+                  **({"quantization": plan.quantization} if plan.quantization else {})},
         "scheduler": {"max_num_seqs": max(max(plan.levels), 8), "max_num_batched_tokens": 2048,
                       "max_model_len": 2048, "async_scheduling": plan.async_scheduling,
                       "steps_ahead": plan.steps_ahead},
@@ -721,6 +724,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="measure every scenario this many times, interleaved, and add up (default 1)")
     p.add_argument("--rank", type=int, default=16, help="adapter rank (default 16)")
     p.add_argument("--prefix-caching", action="store_true", help="leave prefix caching on (default off)")
+    p.add_argument("--quantization", choices=["none", "int8", "int4", "int4_a8"],
+                   help="model.quantization of every server, CPU only (default: none for a model folder; "
+                        "int4 is what `serve configs/smollm2.yaml` runs)")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where models and adapters are made")
     p.add_argument("--output", type=Path, default=None, help="write the table here too")
     p.add_argument("--dry-run", action="store_true",
@@ -759,6 +765,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
         levels = tuple(int(c) for c in args.concurrency.split(","))
     except ValueError:
         raise SystemExit(f"--concurrency {args.concurrency!r}: expected comma-separated positive integers") from None
+    if args.quantization and device != "cpu":
+        raise SystemExit(f"--quantization {args.quantization}: the quantized linears run on CPU only; "
+                         "leave it out with --device cuda")
     if args.min_requests is None:
         args.min_requests = 48 if device == "cuda" else 4
     for flag, value in [("--concurrency", min(levels)), ("--waves", args.waves), ("--min-requests", args.min_requests),
@@ -792,7 +801,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 min_requests=args.min_requests, rank=args.rank, prefix_caching=args.prefix_caching,
                 cache_dir=args.cache_dir, rounds=args.rounds, scenarios=scenarios, server_logs=args.server_logs,
                 async_scheduling=None if args.async_scheduling is None else args.async_scheduling == "on",
-                steps_ahead=args.steps_ahead, api_servers=args.api_servers,
+                steps_ahead=args.steps_ahead, api_servers=args.api_servers, quantization=args.quantization,
                 client_processes=args.client_processes or max(1, (os.cpu_count() or 1) // 4))
 
 
