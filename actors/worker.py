@@ -130,10 +130,11 @@ class WorkerActor(Actor):
     of milliseconds of host work, and every running row would otherwise
     stall for it. That is safe because of the agreement: the conductor
     installs only into a slot no running row uses, and sends rows on it only
-    after every rank acknowledged; this rank acknowledges once the copy is
-    done (on CUDA the copies are on the steps' stream, so a later step is
-    ordered after them). A step sent before the install never sees the new
-    weights, one sent after the acknowledgement always does.
+    after every rank acknowledged (but see ``rows_follow`` below); this rank
+    acknowledges once the copy is done (on CUDA the copies are on the steps'
+    stream, so a later step is ordered after them). A step sent before the
+    install never sees the new weights, one sent after the acknowledgement
+    always does.
 
     A swap back in (this rank kept the adapter's pinned image: adapter
     churn) is only the copies, about 2 ms on the H200; it runs inline, between
@@ -145,7 +146,10 @@ class WorkerActor(Actor):
     the conductor knows which installs will be swaps: those it sends with
     ``rows_follow``, planning the slot's rows without waiting for the
     acknowledgement; such an install always finishes before the next message
-    is read (should the swap fail, from the host copy, stalling the steps).
+    is read (should the swap fail, from the host copy, stalling the steps),
+    and should it fail outright the slot still takes the rows planned on it,
+    on zeros (``void_slot``): every rank runs the same batch, and the
+    conductor fails those rows before it uses their results.
     """
 
     def __init__(self, *, rank: int = 0, runner: Any = None, arena_spec: Any = None,
@@ -305,7 +309,10 @@ class WorkerActor(Actor):
                             "with none in flight")
                     self.log.warning("rank %d: %r is not kept for a swap into slot %d; installing it from its host "
                                      "copy before the next step", self.rank, msg.name, msg.slot)
-                    return await self.reply(await self.run_blocking(self.install, msg))
+                    reply = await self.run_blocking(self.install, msg)
+                    if not reply.ok:  # the rows planned behind it still run here, on zeros, as on every rank
+                        self.runner.void_slot(msg.slot, msg.name)
+                    return await self.reply(reply)
                 try:
                     self.installs.put_nowait(msg)
                     self.num_installing += 1

@@ -249,8 +249,9 @@ class AdapterPool:
 
     @property
     def num_out_of_service(self) -> int:
-        """Slots taken for a swap: reserved for a waiter, or installing."""
-        return len(self._drains) + len(self._installing)
+        """Slots taken for a swap: reserved for a waiter, or installing (a
+        swap whose rows follow it serves already)."""
+        return len(self._drains) + len(self._installing.keys() - self._follows)
 
     def served(self) -> list[AdapterInfo]:
         return [AdapterInfo(a.name, a.path, a.digest) for a in sorted(self.adapters.values(), key=lambda a: a.name)]
@@ -381,7 +382,9 @@ class AdapterPool:
         admitted onto its slot meanwhile end as failed, before the results of
         any step they ran in are used (each rank answers the install before
         those steps), so nothing they computed reaches a client or the prefix
-        cache. Their pins go with their ends (``end``)."""
+        cache. The failing rank ran them on a zeroed slot, as the others ran
+        them (the worker's ``void_slot``: every rank runs the same batch).
+        Their pins go with their ends (``end``)."""
         reason = "; ".join(f"rank {r}: {e}" for r, e in sorted(settled.errors.items()))
         return [Failed(request_id=rid, status=500, error_type="server_error", param="model",
                        message=f"request {rid}: adapter {settled.name!r} could not be installed: {reason}")
@@ -533,7 +536,8 @@ class AdapterPool:
 
     def _pin_parked(self, w: _Waiting, slot: int) -> list:
         """The parked choices pin ``slot`` (acquired once: one pin more each
-        after the first); resumed at once where it is ready."""
+        after the first); resumed at once where it is ready or its swap's
+        rows may follow (``rows_follow``)."""
         for _ in w.parked[1:]:
             self.table.pin(slot)
         state = self.table.state(slot)
@@ -618,7 +622,7 @@ class AdapterPool:
     def _pin_existing(self, w: _Waiting, adapter: _Adapter) -> list:
         slot = self.table.acquire(adapter.name, adapter.digest)
         state = self.table.state(slot)
-        if state is SlotState.READY or slot in self._follows:  # ready, or a swap its rows may follow
+        if state is SlotState.READY or (state is SlotState.INSTALLING and slot in self._follows):  # or a swap its rows follow
             self._waiting.remove(w)
             return [self._admit(w, slot)]
         if state is SlotState.FAILED:

@@ -153,7 +153,8 @@ class SlotTable:
         says; a new install never takes a slot in ``exclude``.
         A newly picked slot is in ``installing`` and its install is queued
         for ``take_installs``; the caller checks ``is_ready`` before running
-        rows on it.
+        rows on it, or sends the install so every rank makes it before its
+        next plan (the pool's ``rows_follow``).
         """
         found = self._by_name.get(name)
         if found is not None:

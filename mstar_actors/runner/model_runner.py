@@ -568,6 +568,17 @@ class ModelRunner:
         self.lora_names[slot] = name
         return True
 
+    def void_slot(self, slot: int, name: str) -> None:
+        """An install of ``name`` into ``slot`` failed here after the conductor
+        planned rows behind it (``InstallAdapter.rows_follow``): the slot
+        holds zeros and takes those rows all the same, so every rank runs the
+        same batch (the tensor-parallel collectives pair up step by step);
+        the conductor fails them before it uses any result of theirs."""
+        if self.lora is None:
+            return
+        self.lora.clear(slot)
+        self.lora_names[slot] = f"{name} (its install failed: rows on it are void)"
+
     def kept_adapters(self) -> list[str]:
         """The digests whose slot images this rank keeps: installing one of
         them again is ``reinstall_adapter``, a copy."""

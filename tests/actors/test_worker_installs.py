@@ -49,6 +49,8 @@ class SlowInstallRunner:
     def __init__(self):
         self.go = threading.Event()
         self.installed: list[tuple[int, str]] = []
+        self.voided: list[tuple[int, str]] = []
+        self.refuse = False  # install_adapter raises
         self.steps = 0
 
     def ready_info(self, rank):
@@ -70,7 +72,12 @@ class SlowInstallRunner:
     def kept_adapters(self):
         return []
 
+    def void_slot(self, slot, name):
+        self.voided.append((slot, name))
+
     def install_adapter(self, slot, weights):
+        if self.refuse:
+            raise ValueError(f"scripted refusal of {weights.name!r}")
         if not self.go.wait(10):
             raise TimeoutError("the test never let the install finish")
         self.installed.append((slot, weights.name))
@@ -159,6 +166,27 @@ def test_an_install_its_rows_follow_finishes_before_the_next_plan_even_from_the_
         assert isinstance(first, AdapterInstalled) and first.ok and first.kept == [], first
         assert isinstance(second, StepDone) and second.step_id == 1
         assert runner.installed == [(1, "a")]
+
+    try:
+        asyncio.run(_run(runner, script))
+    finally:
+        _free(shm)
+
+
+def test_a_failed_install_its_rows_follow_leaves_the_slot_taking_them_on_zeros():
+    """Its rows are in the next plan on every rank: this rank voids the slot
+    (zeros that still take rows) rather than refuse that plan, or it would
+    fall out of step with the ranks whose install went well."""
+    runner = SlowInstallRunner()
+    runner.refuse = True
+    shm, install = _host_copy("a")
+    install = msgspec.structs.replace(install, rows_follow=True)
+
+    async def script(inbox, outbox):
+        await inbox.send(install)
+        reply = await asyncio.wait_for(outbox.recv(), 10)
+        assert isinstance(reply, AdapterInstalled) and not reply.ok and "scripted refusal" in reply.error, reply
+        assert runner.voided == [(1, "a")]
 
     try:
         asyncio.run(_run(runner, script))

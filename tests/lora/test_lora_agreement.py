@@ -82,6 +82,7 @@ class FakeRank:
         self.kept: list[str] = []  # digests of the images kept for swaps, oldest use first (as SlotStaging)
         self.swaps_followed: list[str] = []  # adapters installed with rows_follow
         self.defer_swap_acks = False  # hold a rows_follow install's answer until the next plan has come
+        self.void: set[int] = set()  # slots whose rows_follow install failed here: they take rows, on zeros (a worker's)
         self.deferred: list[AdapterInstalled] = []
         self.installs: list[tuple[int, str, str]] = []
         self.installs_after: list[tuple[int, str]] = []  # (step id, adapter) of installs a plan carried
@@ -129,6 +130,10 @@ class FakeRank:
                                                  "but this rank keeps no image of it")
         ok = msg.name not in self.fail_names and not (is_swap and msg.name in self.fail_swaps)
         self.local[msg.slot] = msg.digest if ok else None
+        if ok or not msg.rows_follow:
+            self.void.discard(msg.slot)
+        else:  # the rows planned behind it run here too, on zeros (the worker's void_slot)
+            self.void.add(msg.slot)
         if msg.digest in self.kept:
             self.kept.remove(msg.digest)
         if ok:
@@ -147,6 +152,9 @@ class FakeRank:
         return StepDone(step_id=plan.step_id, rank=self.rank, sampled=sampled)
 
     def check_slot(self, step_id: int, request_id: str, slot: int) -> None:
+        if slot != 0 and self.local.get(slot) is None and slot not in self.void:
+            # A worker refuses the step's rows on it (PlanError) while the other ranks run them: out of step.
+            self.shared["violations"].append(f"rank {self.rank}: refused {request_id} on slot {slot}, which holds nothing")
         digest = None if slot == 0 else self.local.get(slot)
         self.weights_run.append((step_id, request_id, digest))
         expected = self.shared["expect"].get(request_id)
@@ -310,7 +318,8 @@ async def test_a_swap_failing_on_one_rank_fails_the_requests_it_admitted_before_
     assert not [m for m in cluster.others if isinstance(m, TokenDelta) and m.request_id == "bad"]
     assert isinstance(ended["again"], Finished) and ended["again"].num_output_tokens == 3
     assert cluster.ranks[0].swaps_followed == ["a"]
-    # Only the failed request ran on rank 2's failed slot; every other row on its adapter everywhere.
+    # Only the failed request ran on rank 2's failed slot (zeroed, so the ranks stayed in step); every other
+    # row on its adapter everywhere.
     assert all(v.startswith("rank 2: bad ran on") for v in cluster.shared["violations"]), cluster.shared["violations"]
 
 

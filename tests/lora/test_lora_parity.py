@@ -192,6 +192,21 @@ def test_reload_into_a_slot_leaves_no_stale_rows(world):
     assert len({tuple(o) for o in outs}) == 3
 
 
+def test_a_voided_slot_takes_its_rows_on_zeros(world):
+    """After an install whose rows were already planned failed (the worker's
+    ``void_slot``), the slot takes those rows rather than refusing the step
+    (every rank must run the same batch) and adds nothing: the base model's
+    tokens, to be discarded by the conductor."""
+    base_folder, base, adapters = world
+    runner = make_runner(base_folder, max_loras=1)
+    runner.install_adapter(1, load_weights(adapters["all"][0], base_folder, "all"))
+    runner.void_slot(1, "all")
+    prompt = list(range(5, 17))
+    d = Driver(runner)
+    d.step([d.start("v", prompt, slot=1)], [d.chunk("v")])
+    assert d.run_to_end()["v"] == generate(base, prompt)
+
+
 def test_base_rows_in_a_mixed_batch_equal_the_base_batch(world):
     """Same batch twice: once with a row on an adapter, once all on the base;
     the base rows' logits must be bit-identical (LoRA touches only its rows)."""
