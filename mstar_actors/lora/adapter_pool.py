@@ -622,7 +622,8 @@ class AdapterPool:
     def _pin_existing(self, w: _Waiting, adapter: _Adapter) -> list:
         slot = self.table.acquire(adapter.name, adapter.digest)
         state = self.table.state(slot)
-        if state is SlotState.READY or (state is SlotState.INSTALLING and slot in self._follows):  # or a swap its rows follow
+        follows = state is SlotState.INSTALLING and slot in self._follows  # a swap its rows may follow
+        if state is SlotState.READY or follows:
             self._waiting.remove(w)
             return [self._admit(w, slot)]
         if state is SlotState.FAILED:

@@ -114,6 +114,14 @@ async def _start(runner):
     return inbox, outbox, task
 
 
+def _serve(runner, script, *shms: SharedMemory) -> None:
+    """``script`` against a worker on ``runner``, then the host copies freed."""
+    try:
+        asyncio.run(_run(runner, script))
+    finally:
+        _free(*shms)
+
+
 async def _run(runner, script):
     inbox, outbox, task = await _start(runner)
     try:
@@ -140,10 +148,7 @@ def test_steps_run_while_an_install_is_in_flight():
         assert (reply.slot, reply.digest) == (1, install.digest)
         assert runner.installed == [(1, "a")]
 
-    try:
-        asyncio.run(_run(runner, script))
-    finally:
-        _free(shm)
+    _serve(runner, script, shm)
 
 
 def test_an_install_its_rows_follow_finishes_before_the_next_plan_even_from_the_host_copy():
@@ -167,10 +172,7 @@ def test_an_install_its_rows_follow_finishes_before_the_next_plan_even_from_the_
         assert isinstance(second, StepDone) and second.step_id == 1
         assert runner.installed == [(1, "a")]
 
-    try:
-        asyncio.run(_run(runner, script))
-    finally:
-        _free(shm)
+    _serve(runner, script, shm)
 
 
 def test_a_failed_install_its_rows_follow_leaves_the_slot_taking_them_on_zeros():
@@ -188,10 +190,7 @@ def test_a_failed_install_its_rows_follow_leaves_the_slot_taking_them_on_zeros()
         assert isinstance(reply, AdapterInstalled) and not reply.ok and "scripted refusal" in reply.error, reply
         assert runner.voided == [(1, "a")]
 
-    try:
-        asyncio.run(_run(runner, script))
-    finally:
-        _free(shm)
+    _serve(runner, script, shm)
 
 
 def test_installs_complete_in_arrival_order_and_failures_are_answered():
@@ -212,10 +211,7 @@ def test_installs_complete_in_arrival_order_and_failures_are_answered():
         assert "no-such-segment" in replies[2].error and "'c'" in replies[2].error
         assert runner.installed == [(1, "a"), (2, "b")]
 
-    try:
-        asyncio.run(_run(runner, script))
-    finally:
-        _free(shm_a, shm_b)
+    _serve(runner, script, shm_a, shm_b)
 
 
 def test_more_installs_than_slots_is_a_protocol_error():
@@ -277,7 +273,4 @@ def test_a_kept_image_swaps_in_inline_unless_an_install_is_on_the_thread():
         assert [(r.slot, r.ok) for r in replies] == [(1, True), (2, True)]
         assert runner.installed == [(1, "a")] and runner.swapped == [(2, "b"), (2, "b")]
 
-    try:
-        asyncio.run(_run(runner, script))
-    finally:
-        _free(shm_a, shm_b)
+    _serve(runner, script, shm_a, shm_b)
