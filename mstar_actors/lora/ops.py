@@ -458,6 +458,7 @@ class LoraStack:
         # and a linear's DenseFactors for steps on one.
         self.fused = False  # ``a`` lives under the targeted linear's weight (``fuse_under``)
         self.b_all = self.factors = None
+        self.half: tuple[torch.Tensor, torch.Tensor] | None = None  # bfloat16 ``a`` and ``b_all`` (``keep_half``)
         self._stale_factors: set[int] = set()  # slots whose ``factors`` block waits for its first step (``_factors``)
         self._untargeted: set[int] = set()  # slots an install left with scales of 0 here (``set_targeted``)
         if not kernels.uses_rows:
@@ -594,13 +595,46 @@ class LoraStack:
     def write_dense(self, slot: int, b_rows: torch.Tensor | None = None) -> None:
         """``slot``'s copies in the torch kernels' dense forms (none with the row kernels), after a write:
         ``b_all``'s now (the CPU's layer stack reads it; ``b_rows``: what ``b_rows`` held for the same
-        factors), ``factors``' at the first step that takes them (``_factors``), which a swap's requests
+        factors) and the bfloat16 halves where kept (``keep_half``), ``factors``' at the first step that takes them (``_factors``), which a swap's requests
         may never run: rewriting them is strided transposes, a stack at a time, inline on the worker."""
         self._untargeted.discard(slot)
+        self._write_forms(slot, b_rows)
+
+    def _write_forms(self, slot: int, b_rows: torch.Tensor | None = None) -> None:
+        if self.half is not None:  # the float32 factors rounded through the halves: one set of values
+            a_half, bt_half = self.half
+            a_half[:, slot].copy_(self.a[:, slot])
+            self.a[:, slot].copy_(a_half[:, slot])
+            self.b[slot].copy_(self.b[slot].to(torch.bfloat16))
         if self.b_all is not None:
-            self.b_rows(slot).copy_(self.b[slot].T if b_rows is None else b_rows)
+            rows = self.b_rows(slot)
+            source = self.b[slot].T if b_rows is None else b_rows
+            if self.half is None:
+                rows.copy_(source)
+            else:  # through the half (a kept image's ``b_rows`` may predate ``keep_half``)
+                half_rows = self.half[1][slot * self.max_rank : (slot + 1) * self.max_rank]
+                half_rows.copy_(source)
+                rows.copy_(half_rows)
         if self.factors is not None:
             self._stale_factors.add(slot)
+
+    def keep_half(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``a`` and ``b_all`` in bfloat16, every slot, from now on (each
+        ``write_dense`` keeps them), for the CPU layer stack's quantized
+        linears (``cpu_stack``): a step reads every factor of its adapters
+        once, and under int4 codes a SmolLM2 adapter's float32 factors were a
+        quarter of the step's bytes. The float32 factors are rounded to the
+        same values (every slot now, each write after), so the Python path's
+        deltas and the layer stack's agree within float32 sums; bfloat16 is
+        what most adapters are trained and saved in, and its rounding (2^-9)
+        is far below what int4 or int8 weights give up."""
+        if self.b_all is None or self.is_embedding:
+            raise ValueError("bfloat16 factors are the CPU layer stack's: a linear's stack with B transposed")
+        if self.half is None:
+            self.half = (torch.empty_like(self.a, dtype=torch.bfloat16), torch.empty_like(self.b_all, dtype=torch.bfloat16))
+            for slot in range(self.num_slots):
+                self._write_forms(slot)
+        return self.half
 
     def b_rows(self, slot: int) -> torch.Tensor:
         """``slot``'s rows of ``b_all`` (its B transposed), a view."""

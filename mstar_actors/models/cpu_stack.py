@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 KERNEL_SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* The kernels' signatures (cpu_linear, cpu_quant, cpu_ops, cpu_attention). */
 typedef void (*linear_f32_fn)(const float *, int64_t, int64_t, int64_t, const float *, int64_t, const float *,
@@ -70,14 +71,16 @@ typedef void (*decode_attention_fn)(const float *, int64_t, int64_t, int64_t, in
    8 or 4 cpu_quant's codes (weight), scales and mins; dot: int4 codes in
    the integer-dot layout. bias may be null. Its LoRA stack (ops.LoraStack;
    lora_a null: none): a [shards][slots][rank][in], bt [slots][rank][out] (B transposed),
-   scales [shards][slots], shard i's outputs [offsets[i], offsets[i + 1]). */
+   float32, or bfloat16 where lora_half (LoraStack.keep_half), scales [shards][slots],
+   shard i's outputs [offsets[i], offsets[i + 1]). */
 typedef struct {
     int64_t bits, dot, in_features, out_features;
     const void *weight;
     const float *scale, *minv, *bias;
-    const float *lora_a, *lora_bt, *lora_scales;
+    const void *lora_a, *lora_bt;
+    const float *lora_scales;
     const int64_t *lora_offsets;
-    int64_t lora_shards, lora_slots, lora_rank;
+    int64_t lora_shards, lora_slots, lora_rank, lora_half;
 } linear_desc;
 
 typedef struct {
@@ -110,6 +113,82 @@ static void linear(const stack_desc *s, const linear_desc *l, const float *x, in
                         l->scale, l->minv, l->out_features, l->bias, y, num_threads);
 }
 
+#define LORA_PARALLEL 8192  /* multiply-adds from which a delta takes the threads */
+#define LORA_COLS 256  /* outputs an expand's chunk: its rows of y stay in the first cache */
+#define LORA_NB 32  /* outputs a block of the expand holds while it adds every rank's */
+#define LORA_ROW_BLOCK 64  /* rows a block of the shrink: its inputs stay in the second cache over A's rows */
+#define INLINE static inline __attribute__((always_inline))
+
+/* Factor k of an array of float32, or of bfloat16 where half (a bfloat16's bits are its float's upper
+   half). The two functions after it take half as a constant at each call (both branches of each call
+   site in lora_delta), so each is inlined twice, its loops vectorized for the one type: a variable
+   there (a parallel region's) would leave them scalar. */
+INLINE float factor(const void *p, int64_t k, int half) {
+    if (!half) return ((const float *)p)[k];
+    const uint32_t bits = (uint32_t)((const uint16_t *)p)[k] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+INLINE const void *factor_row(const void *p, int64_t index, int half) {
+    return (const char *)p + index * (half ? 2 : 4);
+}
+
+/* work[g * W + ir] = scale * (x[rows[g]] . ar), g in [g0, g1): four rows a pass, A's row loaded once for them. */
+INLINE void lora_shrink_rows(const float *x, int64_t in, const int64_t *rows, int64_t g0, int64_t g1, const void *ar,
+                             float scale, float *work, int64_t W, int64_t ir, int half) {
+    int64_t g = g0;
+    for (; g + 4 <= g1; g += 4) {
+        const float *x0 = x + rows[g] * in, *x1 = x + rows[g + 1] * in, *x2 = x + rows[g + 2] * in,
+                    *x3 = x + rows[g + 3] * in;
+        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+        #pragma omp simd reduction(+:a0, a1, a2, a3)
+        for (int64_t k = 0; k < in; k++) {
+            const float ak = factor(ar, k, half);
+            a0 += x0[k] * ak;
+            a1 += x1[k] * ak;
+            a2 += x2[k] * ak;
+            a3 += x3[k] * ak;
+        }
+        work[g * W + ir] = a0 * scale;
+        work[(g + 1) * W + ir] = a1 * scale;
+        work[(g + 2) * W + ir] = a2 * scale;
+        work[(g + 3) * W + ir] = a3 * scale;
+    }
+    for (; g < g1; g++) {
+        const float *xr = x + rows[g] * in;
+        float acc = 0.0f;
+        #pragma omp simd reduction(+:acc)
+        for (int64_t k = 0; k < in; k++) acc += xr[k] * factor(ar, k, half);
+        work[g * W + ir] = acc * scale;
+    }
+}
+
+/* yr[n] += sum over r of coef[r] * bt[r * out + n], for n in [lo, hi): blocks of LORA_NB outputs,
+   each rank's product added in rank order (the sums of the rank loop over each output). */
+INLINE void lora_expand_row(float *yr, const float *coef, const void *bt, int64_t out, int64_t R, int64_t lo,
+                            int64_t hi, int half) {
+    int64_t n = lo;
+    for (; n + LORA_NB <= hi; n += LORA_NB) {
+        float acc[LORA_NB];
+        #pragma omp simd
+        for (int j = 0; j < LORA_NB; j++) acc[j] = yr[n + j];
+        for (int64_t r = 0; r < R; r++) {
+            const float cr = coef[r];
+            const void *br = factor_row(bt, r * out + n, half);
+            #pragma omp simd
+            for (int j = 0; j < LORA_NB; j++) acc[j] += cr * factor(br, j, half);
+        }
+        #pragma omp simd
+        for (int j = 0; j < LORA_NB; j++) yr[n + j] = acc[j];
+    }
+    for (int64_t r = 0; r < R && n < hi; r++) {
+        const float cr = coef[r];
+        const void *br = factor_row(bt, r * out, half);
+        for (int64_t k = n; k < hi; k++) yr[k] += cr * factor(br, k, half);
+    }
+}
+
 /* y[m] += the LoRA delta of row m's adapter (row_slots[m]; 0: the base, none),
    as LoraStack's: per shard i, scale[i][s] * (x[m] . A[i][s][r] for each r) times
    B[s][n] for n in the shard's outputs. The rows of one slot together: each A
@@ -117,37 +196,11 @@ static void linear(const stack_desc *s, const linear_desc *l, const float *x, in
    all; one parallel region a slot, its shrink over (shard, rank) pairs, then
    its expand over chunks of outputs.
    work: M * shards * rank floats, M indices. */
-#define LORA_PARALLEL 8192  /* multiply-adds from which a delta takes the threads */
-#define LORA_COLS 256  /* outputs an expand's chunk: its rows of y stay in the first cache */
-#define LORA_NB 32  /* outputs a block of the expand holds while it adds every rank's */
-#define LORA_ROW_BLOCK 64  /* rows a block of the shrink: its inputs stay in the second cache over A's rows */
-
-/* yr[n] += sum over r of coef[r] * bt[r * out + n], for n in [lo, hi): blocks of LORA_NB outputs,
-   each rank's product added in rank order (the sums of the rank loop over each output). */
-static inline void lora_expand_row(float *yr, const float *coef, const float *bt, int64_t out, int64_t R,
-                                   int64_t lo, int64_t hi) {
-    int64_t n = lo;
-    for (; n + LORA_NB <= hi; n += LORA_NB) {
-        float acc[LORA_NB];
-        #pragma omp simd
-        for (int j = 0; j < LORA_NB; j++) acc[j] = yr[n + j];
-        for (int64_t r = 0; r < R; r++) {
-            const float cr = coef[r], *br = bt + r * out + n;
-            #pragma omp simd
-            for (int j = 0; j < LORA_NB; j++) acc[j] += cr * br[j];
-        }
-        #pragma omp simd
-        for (int j = 0; j < LORA_NB; j++) yr[n + j] = acc[j];
-    }
-    for (int64_t r = 0; r < R && n < hi; r++) {
-        const float cr = coef[r], *br = bt + r * out;
-        for (int64_t k = n; k < hi; k++) yr[k] += cr * br[k];
-    }
-}
 static void lora_delta(const linear_desc *l, const float *x, int64_t M, float *y, const int64_t *row_slots,
                        float *work, int64_t *rows, int num_threads) {
     const int64_t in = l->in_features, out = l->out_features, R = l->lora_rank, S = l->lora_slots;
     const int64_t NS = l->lora_shards, W = NS * R;
+    const int half = l->lora_half != 0;
     if (!row_slots || !l->lora_a) return;
     for (int64_t s = 1; s < S; s++) {
         int64_t G = 0;
@@ -156,7 +209,7 @@ static void lora_delta(const linear_desc *l, const float *x, int64_t M, float *y
         int targeted = 0;  /* an adapter that leaves this linear alone (every scale 0) adds nothing */
         for (int64_t i = 0; i < NS; i++) targeted |= l->lora_scales[i * S + s] != 0.0f;
         if (!G || !targeted) continue;
-        const float *bt = l->lora_bt + s * R * out;
+        const void *bt = factor_row(l->lora_bt, s * R * out, half);
         #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && G * (W * in + R * out) >= LORA_PARALLEL)
         {
             for (int64_t g0 = 0; g0 < G; g0 += LORA_ROW_BLOCK) {  /* a block of rows at a time: its x stays cached */
@@ -164,32 +217,12 @@ static void lora_delta(const linear_desc *l, const float *x, int64_t M, float *y
                 #pragma omp for schedule(static)
                 for (int64_t ir = 0; ir < W; ir++) {
                     const int64_t i = ir / R, r = ir % R;
-                    const float scale = l->lora_scales[i * S + s], *ar = l->lora_a + ((i * S + s) * R + r) * in;
-                    int64_t g = g0;
-                    for (; g + 4 <= g1; g += 4) {  /* four rows a pass: A's row loaded once for them */
-                        const float *x0 = x + rows[g] * in, *x1 = x + rows[g + 1] * in, *x2 = x + rows[g + 2] * in,
-                                    *x3 = x + rows[g + 3] * in;
-                        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-                        #pragma omp simd reduction(+:a0, a1, a2, a3)
-                        for (int64_t k = 0; k < in; k++) {
-                            const float ak = ar[k];
-                            a0 += x0[k] * ak;
-                            a1 += x1[k] * ak;
-                            a2 += x2[k] * ak;
-                            a3 += x3[k] * ak;
-                        }
-                        work[g * W + ir] = a0 * scale;
-                        work[(g + 1) * W + ir] = a1 * scale;
-                        work[(g + 2) * W + ir] = a2 * scale;
-                        work[(g + 3) * W + ir] = a3 * scale;
-                    }
-                    for (; g < g1; g++) {
-                        const float *xr = x + rows[g] * in;
-                        float acc = 0.0f;
-                        #pragma omp simd reduction(+:acc)
-                        for (int64_t k = 0; k < in; k++) acc += xr[k] * ar[k];
-                        work[g * W + ir] = acc * scale;
-                    }
+                    const float scale = l->lora_scales[i * S + s];
+                    const void *ar = factor_row(l->lora_a, ((i * S + s) * R + r) * in, half);
+                    if (half)
+                        lora_shrink_rows(x, in, rows, g0, g1, ar, scale, work, W, ir, 1);
+                    else
+                        lora_shrink_rows(x, in, rows, g0, g1, ar, scale, work, W, ir, 0);
                 }
             }
             /* B transposed, [rank][out]: a row's block of LORA_NB outputs held while every rank's row
@@ -200,8 +233,14 @@ static void lora_delta(const linear_desc *l, const float *x, int64_t M, float *y
                 for (int64_t i = 0; i < NS; i++) {
                     const int64_t lo = l->lora_offsets[i] > c ? l->lora_offsets[i] : c;
                     const int64_t hi = l->lora_offsets[i + 1] < end ? l->lora_offsets[i + 1] : end;
-                    for (int64_t g = 0; g < G && lo < hi; g++)
-                        lora_expand_row(y + rows[g] * out, work + g * W + i * R, bt, out, R, lo, hi);
+                    for (int64_t g = 0; g < G && lo < hi; g++) {
+                        float *yr = y + rows[g] * out;
+                        const float *coef = work + g * W + i * R;
+                        if (half)
+                            lora_expand_row(yr, coef, bt, out, R, lo, hi, 1);
+                        else
+                            lora_expand_row(yr, coef, bt, out, R, lo, hi, 0);
+                    }
                 }
             }
         }
@@ -281,7 +320,8 @@ class LinearDesc(ctypes.Structure):
                 ("out_features", ctypes.c_int64), ("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p),
                 ("minv", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("lora_a", ctypes.c_void_p),
                 ("lora_bt", ctypes.c_void_p), ("lora_scales", ctypes.c_void_p), ("lora_offsets", ctypes.c_void_p),
-                ("lora_shards", ctypes.c_int64), ("lora_slots", ctypes.c_int64), ("lora_rank", ctypes.c_int64)]
+                ("lora_shards", ctypes.c_int64), ("lora_slots", ctypes.c_int64), ("lora_rank", ctypes.c_int64),
+                ("lora_half", ctypes.c_int64)]
 
 
 class LayerDesc(ctypes.Structure):
@@ -372,7 +412,7 @@ class StackPlan:
     def _keep(self, tensor: torch.Tensor | None) -> int | None:
         if tensor is None:
             return None
-        if not tensor.is_contiguous() or tensor.dtype not in (torch.float32, torch.uint8) or not tensor.is_cpu:
+        if not tensor.is_contiguous() or tensor.dtype not in (torch.float32, torch.uint8, torch.bfloat16) or not tensor.is_cpu:
             raise PlanRefused(f"a weight is {tensor.dtype} on {tensor.device}, contiguous {tensor.is_contiguous()}")
         self.kept.append(tensor)
         return tensor.data_ptr()
@@ -422,9 +462,12 @@ class StackPlan:
         self.max_width = max(self.max_width, len(stack.output_sizes) * stack.max_rank)
         offsets = torch.tensor(stack.offsets, dtype=torch.int64)
         self.kept.append(offsets)
-        return dict(lora_a=self._keep(stack.a), lora_bt=self._keep(stack.b_all), lora_scales=self._keep(stack.scales),
+        # A quantized linear's factors in bfloat16 (``LoraStack.keep_half``): half the bytes a step reads.
+        half = module.quant is not None
+        a, bt = stack.keep_half() if half else (stack.a, stack.b_all)
+        return dict(lora_a=self._keep(a), lora_bt=self._keep(bt), lora_scales=self._keep(stack.scales),
                     lora_offsets=offsets.data_ptr(), lora_shards=len(stack.output_sizes), lora_slots=stack.num_slots,
-                    lora_rank=stack.max_rank)
+                    lora_rank=stack.max_rank, lora_half=int(half))
 
 
 class CpuDecoderStack:

@@ -160,3 +160,48 @@ def test_a_slot_is_written_after_the_steps_queued_before_and_before_those_queued
     assert all(torch.equal(a, b) for a, b in zip(seen_by_old, old))
     assert all(torch.equal(a, b) for a, b in zip(seen_by_next, want))
 
+
+
+def test_bfloat16_halves_follow_every_write_and_the_float_factors_hold_their_values():
+    """``keep_half`` (the CPU layer stack's quantized linears): the float32
+    factors are rounded to bfloat16 values, slots already written included,
+    and the halves hold the same values after installs, a kept image's swap
+    back in and a clear; which slots an adapter targets is kept."""
+    def float_stacks() -> dict[str, LoraStack]:
+        kw = dict(num_slots=3, max_rank=8, dtype=torch.float32, device="cpu")
+        return {"qkv": LoraStack(64, [64, 16, 16], **kw), "down": LoraStack(128, [64], **kw)}
+
+    stacks, plain = float_stacks(), float_stacks()
+    staging = SlotStaging(stacks, torch.device("cpu"), max_images=2)
+    staging.install(1, _modules(1), key="one")
+    stacks["qkv"].set_targeted(2, False)
+    halves = {name: stack.keep_half() for name, stack in stacks.items()}
+    staging.install(2, _modules(2), key="two")
+    assert staging.reinstall(1, "two") and staging.reinstall(2, "one")  # both swapped, each from its image
+    stacks["down"].clear(1)
+    for stack in plain.values():
+        stack.install_slot(2, ())
+    for name, stack in plain.items():
+        stack.install_slot(1, _modules(2).get(name, ()))
+        stack.install_slot(2, _modules(1).get(name, ()))
+    plain["down"].clear(1)
+    for name, stack in stacks.items():
+        a_half, bt_half = halves[name]
+        assert stack.half is halves[name] and a_half.dtype == bt_half.dtype == torch.bfloat16
+        want = plain[name]
+        for got, ref in ((stack.a, want.a), (stack.b, want.b), (stack.b_all, want.b_all)):
+            assert torch.equal(got, ref.to(torch.bfloat16).float()), name  # the values of the halves ...
+        assert torch.equal(a_half.float(), stack.a) and torch.equal(bt_half.float(), stack.b_all), name
+        assert torch.equal(stack.scales, want.scales), name  # ... the scales as installed
+        assert stack.a[:, 2].any(), name
+    assert not stacks["down"].a[:, 1].any() and not halves["down"][1][8:16].any()  # the clear reached the halves
+    assert stacks["qkv"].targets(1) and stacks["qkv"].targets(2)
+    with pytest.raises(ValueError, match="CPU layer stack"):
+        _stacks("cpu")["embed"].keep_half()
+
+
+def test_keep_half_keeps_what_an_install_said_a_slot_targets():
+    stack = LoraStack(64, [64], num_slots=3, max_rank=8)
+    stack.set_targeted(2, False)
+    stack.keep_half()
+    assert stack.targets(1) and not stack.targets(2)

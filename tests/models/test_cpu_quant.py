@@ -242,14 +242,24 @@ def assert_greedy_near_ties(hf, prompt: list[int], tokens: list[int], tie: float
 @pytest.mark.parametrize("quantization", ["int4", pytest.param("int4_a8", marks=needs_dot_kernel)])
 def test_lora_on_a_quantized_base_matches_peft(quantization, tmp_path):
     """Adapters on every linear, the head and the embedding: the delta is
-    added to the quantized base's output as PEFT adds it to the float one."""
+    added to the quantized base's output as PEFT adds it to the float one.
+    The base's weights are int4-exact and the adapters' factors
+    bfloat16-exact (what quantized linears hold them in: ``LoraStack.keep_half``),
+    so the reference computes on the values served."""
     from lora import test_lora_parity as parity  # tests/ is on the path (plan_driver)
 
     base = parity.make_base("qwen2-tied", tmp_path / "float")
     round_through(base, 4)
     base.save_pretrained(tmp_path / "base")
-    adapters = {name: (tmp_path / name, parity.make_peft(tmp_path / "base", tmp_path / name, seed=10 + i, **kwargs))
-                for i, (name, kwargs) in enumerate(parity.ADAPTERS.items())}
+    adapters = {}
+    for i, (name, kwargs) in enumerate(parity.ADAPTERS.items()):
+        peft = parity.make_peft(tmp_path / "base", tmp_path / name, seed=10 + i, **kwargs)
+        with torch.no_grad():
+            for key, p in peft.named_parameters():
+                if "lora_" in key:
+                    p.copy_(p.to(torch.bfloat16))
+        peft.save_pretrained(str(tmp_path / name))
+        adapters[name] = (tmp_path / name, peft)
     world = (tmp_path / "base", AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval(), adapters)
     outputs, prompts, on = parity.run_mixed(world, quantization=quantization)
     if quantization == "int4_a8":  # near-ties may go the other way: the same check as above, per request

@@ -167,11 +167,16 @@ LORA_STEPS = {
 def test_adapter_steps_add_the_python_paths_deltas(quantization, case):
     """Steps with adapter rows take the call too, each linear's LoRA delta added
     in it (``lora_delta``): hidden states and caches as the Python path's, whose
-    deltas are GEMMs over the rows (float32 sums in another order)."""
+    deltas are GEMMs over the rows (float32 sums in another order). Quantized
+    linears read their factors in bfloat16, which the Python path's hold the
+    values of (``LoraStack.keep_half``)."""
     steps, slots = case
     model = make_model(quantization)
     layers = random_adapters(model)
     assert cpu_stack.install(model) and model.run_layers.plan.max_width == 3 * 6  # q|k|v: three shards of rank 6
+    halves = [getattr(layer, name).lora_half for layer in model.run_layers.plan.desc.layers[:model.spec.num_layers]
+              for name in ("qkv", "o", "gate_up", "down")]
+    assert halves == [int(quantization != "none")] * len(halves)
     outputs = []
     with torch.inference_mode():
         for got, want, got_caches, want_caches in run_both(model, steps, seed=3,
