@@ -35,8 +35,6 @@ KERNEL_SOURCE = cpu_ops.VECTORS + r"""
 #define MAX_GROUP 16  /* query heads per K/V head in one pass over the keys */
 #define MIN_PARALLEL_WORK (1 << 16)  /* multiply-adds below which a fork and join cost about what a second thread saves */
 
-static inline float sum8(v8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
-
 /* s[j] = q . k[j] over D floats for 4 keys: 4 independent chains, q loaded once for all. */
 static inline void dot4(const float *q, const float *const *k, int64_t D, float *s) {
     v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};

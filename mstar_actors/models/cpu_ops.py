@@ -48,6 +48,7 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
 static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
 static inline v8 select8(v8i mask, v8 a, v8 b) { return (v8)((mask & (v8i)a) | (~mask & (v8i)b)); }
+static inline float sum8(v8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
 
 /* e^x of 8 floats within about an ulp of expf: x = n ln2 + r (ln2 in two
    parts, so r is exact), e^r by Cephes' degree-5 polynomial on

@@ -41,6 +41,8 @@ import logging
 import torch
 from torch import nn
 
+from mstar_actors.lora.ops import LoraStack, delta_rows_ref
+
 from . import cpu_attention, cpu_linear, cpu_ops, cpu_quant
 from .attention import AttentionMetadata
 from .decoder import CausalLM, DecoderLayer, DecoderModel, LoraLinear, RMSNorm
@@ -48,10 +50,9 @@ from .rope import RotaryEmbedding
 
 log = logging.getLogger(__name__)
 
-KERNEL_SOURCE = r"""
-#include <stdint.h>
+KERNEL_SOURCE = cpu_ops.VECTORS + r"""
+#include <immintrin.h>
 #include <stdlib.h>
-#include <string.h>
 
 /* The kernels' signatures (cpu_linear, cpu_quant, cpu_ops, cpu_attention). */
 typedef void (*linear_f32_fn)(const float *, int64_t, int64_t, int64_t, const float *, int64_t, const float *,
@@ -115,14 +116,19 @@ static void linear(const stack_desc *s, const linear_desc *l, const float *x, in
 
 #define LORA_PARALLEL 8192  /* multiply-adds from which a delta takes the threads */
 #define LORA_COLS 256  /* outputs an expand's chunk: its rows of y stay in the first cache */
-#define LORA_NB 32  /* outputs a block of the expand holds while it adds every rank's */
 #define LORA_ROW_BLOCK 64  /* rows a block of the shrink: its inputs stay in the second cache over A's rows */
 #define INLINE static inline __attribute__((always_inline))
 
-/* Factor k of an array of float32, or of bfloat16 where half (a bfloat16's bits are its float's upper
-   half). The two functions after it take half as a constant at each call (both branches of each call
-   site in lora_delta), so each is inlined twice, its loops vectorized for the one type: a variable
-   there (a parallel region's) would leave them scalar. */
+/* Factors k..k+7 of an array of float32, or of bfloat16 where half (a bfloat16's bits are its
+   float's upper half). The functions after it take half, and their tile's row count, as constants
+   at each call (the branches of each call site in lora_delta), so each is inlined once per case,
+   its loops for the one type and its accumulators in registers: a variable there (a parallel
+   region's) would leave them scalar. */
+INLINE v8 factor8(const void *p, int64_t k, int half) {
+    if (!half) return load8((const float *)p + k);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + k));  /* one widening move */
+    return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+}
 INLINE float factor(const void *p, int64_t k, int half) {
     if (!half) return ((const float *)p)[k];
     const uint32_t bits = (uint32_t)((const uint16_t *)p)[k] << 16;
@@ -134,67 +140,79 @@ INLINE const void *factor_row(const void *p, int64_t index, int half) {
     return (const char *)p + index * (half ? 2 : 4);
 }
 
-/* work[g * W + ir] = scale * (x[rows[g]] . ar), g in [g0, g1): four rows a pass, A's row loaded once for them. */
-INLINE void lora_shrink_rows(const float *x, int64_t in, const int64_t *rows, int64_t g0, int64_t g1, const void *ar,
-                             float scale, float *work, int64_t W, int64_t ir, int half) {
-    int64_t g = g0;
-    for (; g + 4 <= g1; g += 4) {
-        const float *x0 = x + rows[g] * in, *x1 = x + rows[g + 1] * in, *x2 = x + rows[g + 2] * in,
-                    *x3 = x + rows[g + 3] * in;
-        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-        #pragma omp simd reduction(+:a0, a1, a2, a3)
-        for (int64_t k = 0; k < in; k++) {
-            const float ak = factor(ar, k, half);
-            a0 += x0[k] * ak;
-            a1 += x1[k] * ak;
-            a2 += x2[k] * ak;
-            a3 += x3[k] * ak;
+/* The shrink of NG <= 2 rows (xs) on four rows of A (ar, A's rows ir..ir + 3; past W, nr < 4, the
+   last repeated and not stored): work[g * W + ir + j] = scale[j] * (x[g] . A[ir + j]). Each A
+   vector is loaded once for the tile's rows, each x vector once for its four rows of A. */
+INLINE void lora_shrink_tile(const float *const *xs, int64_t in, const void *const *ar, const float *scale,
+                             float *const *out, int nr, int NG, int half) {
+    v8 acc[2][4] = {{{0}}};
+    int64_t k = 0;
+    for (; k + 8 <= in; k += 8) {
+        const v8 f0 = factor8(ar[0], k, half), f1 = factor8(ar[1], k, half), f2 = factor8(ar[2], k, half),
+                 f3 = factor8(ar[3], k, half);
+        for (int g = 0; g < NG; g++) {
+            const v8 xv = load8(xs[g] + k);
+            acc[g][0] += xv * f0;
+            acc[g][1] += xv * f1;
+            acc[g][2] += xv * f2;
+            acc[g][3] += xv * f3;
         }
-        work[g * W + ir] = a0 * scale;
-        work[(g + 1) * W + ir] = a1 * scale;
-        work[(g + 2) * W + ir] = a2 * scale;
-        work[(g + 3) * W + ir] = a3 * scale;
     }
-    for (; g < g1; g++) {
-        const float *xr = x + rows[g] * in;
-        float acc = 0.0f;
-        #pragma omp simd reduction(+:acc)
-        for (int64_t k = 0; k < in; k++) acc += xr[k] * factor(ar, k, half);
-        work[g * W + ir] = acc * scale;
-    }
+    for (int g = 0; g < NG; g++)
+        for (int j = 0; j < nr; j++) {
+            float t = sum8(acc[g][j]);
+            for (int64_t kk = k; kk < in; kk++) t += xs[g][kk] * factor(ar[j], kk, half);
+            out[g][j] = t * scale[j];
+        }
 }
 
-/* yr[n] += sum over r of coef[r] * bt[r * out + n], for n in [lo, hi): blocks of LORA_NB outputs,
-   each rank's product added in rank order (the sums of the rank loop over each output). */
-INLINE void lora_expand_row(float *yr, const float *coef, const void *bt, int64_t out, int64_t R, int64_t lo,
-                            int64_t hi, int half) {
+/* yr[g][n] += sum over r of coef[g][r] * bt[r * out + n] for n in [lo, hi), NG <= 4 rows: blocks of
+   16 outputs of every row held in registers while every rank's product is added, in rank order
+   (each B vector loaded once for the rows); then 8 at a time, then the tail. */
+INLINE void lora_expand_tile(float *const *yr, const float *const *coef, const void *bt, int64_t out, int64_t R,
+                             int64_t lo, int64_t hi, int NG, int half) {
     int64_t n = lo;
-    for (; n + LORA_NB <= hi; n += LORA_NB) {
-        float acc[LORA_NB];
-        #pragma omp simd
-        for (int j = 0; j < LORA_NB; j++) acc[j] = yr[n + j];
-        for (int64_t r = 0; r < R; r++) {
-            const float cr = coef[r];
-            const void *br = factor_row(bt, r * out + n, half);
-            #pragma omp simd
-            for (int j = 0; j < LORA_NB; j++) acc[j] += cr * factor(br, j, half);
+    for (; n + 16 <= hi; n += 16) {
+        v8 acc[4][2];
+        for (int g = 0; g < NG; g++) {
+            acc[g][0] = load8(yr[g] + n);
+            acc[g][1] = load8(yr[g] + n + 8);
         }
-        #pragma omp simd
-        for (int j = 0; j < LORA_NB; j++) yr[n + j] = acc[j];
+        for (int64_t r = 0; r < R; r++) {
+            const void *br = factor_row(bt, r * out + n, half);
+            const v8 b0 = factor8(br, 0, half), b1 = factor8(br, 8, half);
+            for (int g = 0; g < NG; g++) {
+                const v8 c = broadcast8(coef[g][r]);
+                acc[g][0] += c * b0;
+                acc[g][1] += c * b1;
+            }
+        }
+        for (int g = 0; g < NG; g++) {
+            store8(yr[g] + n, acc[g][0]);
+            store8(yr[g] + n + 8, acc[g][1]);
+        }
     }
-    for (int64_t r = 0; r < R && n < hi; r++) {
-        const float cr = coef[r];
-        const void *br = factor_row(bt, r * out, half);
-        for (int64_t k = n; k < hi; k++) yr[k] += cr * factor(br, k, half);
+    for (int g = 0; g < NG; g++) {
+        int64_t m = n;
+        for (; m + 8 <= hi; m += 8) {
+            v8 a = load8(yr[g] + m);
+            for (int64_t r = 0; r < R; r++) a += broadcast8(coef[g][r]) * factor8(factor_row(bt, r * out + m, half), 0, half);
+            store8(yr[g] + m, a);
+        }
+        for (; m < hi; m++) {
+            float a = yr[g][m];
+            for (int64_t r = 0; r < R; r++) a += coef[g][r] * factor(bt, r * out + m, half);
+            yr[g][m] = a;
+        }
     }
 }
 
 /* y[m] += the LoRA delta of row m's adapter (row_slots[m]; 0: the base, none),
    as LoraStack's: per shard i, scale[i][s] * (x[m] . A[i][s][r] for each r) times
-   B[s][n] for n in the shard's outputs. The rows of one slot together: each A
-   row is read once for a block of LORA_ROW_BLOCK of them, each B row once for
-   all; one parallel region a slot, its shrink over (shard, rank) pairs, then
-   its expand over chunks of outputs.
+   B[s][n] for n in the shard's outputs. The rows of one slot together, in
+   register tiles (lora_shrink_tile, lora_expand_tile); one parallel region a
+   slot, its shrink over groups of four rows of A, then its expand over chunks
+   of outputs.
    work: M * shards * rank floats, M indices. */
 static void lora_delta(const linear_desc *l, const float *x, int64_t M, float *y, const int64_t *row_slots,
                        float *work, int64_t *rows, int num_threads) {
@@ -215,36 +233,65 @@ static void lora_delta(const linear_desc *l, const float *x, int64_t M, float *y
             for (int64_t g0 = 0; g0 < G; g0 += LORA_ROW_BLOCK) {  /* a block of rows at a time: its x stays cached */
                 const int64_t g1 = g0 + LORA_ROW_BLOCK < G ? g0 + LORA_ROW_BLOCK : G;
                 #pragma omp for schedule(static)
-                for (int64_t ir = 0; ir < W; ir++) {
-                    const int64_t i = ir / R, r = ir % R;
-                    const float scale = l->lora_scales[i * S + s];
-                    const void *ar = factor_row(l->lora_a, ((i * S + s) * R + r) * in, half);
-                    if (half)
-                        lora_shrink_rows(x, in, rows, g0, g1, ar, scale, work, W, ir, 1);
-                    else
-                        lora_shrink_rows(x, in, rows, g0, g1, ar, scale, work, W, ir, 0);
+                for (int64_t ir = 0; ir < W; ir += 4) {
+                    const int nr = W - ir < 4 ? (int)(W - ir) : 4;
+                    const void *ar[4];
+                    float scale[4];
+                    for (int j = 0; j < 4; j++) {
+                        const int64_t a_row = ir + (j < nr ? j : nr - 1), i = a_row / R;
+                        ar[j] = factor_row(l->lora_a, ((i * S + s) * R + a_row % R) * in, half);
+                        scale[j] = l->lora_scales[i * S + s];
+                    }
+                    for (int64_t g = g0; g < g1; g += 2) {
+                        const float *xs[2] = {x + rows[g] * in, x + rows[g + (g + 1 < g1)] * in};
+                        float *dst[2] = {work + g * W + ir, work + (g + 1) * W + ir};
+                        if (g + 1 < g1) {
+                            if (half) lora_shrink_tile(xs, in, ar, scale, dst, nr, 2, 1);
+                            else lora_shrink_tile(xs, in, ar, scale, dst, nr, 2, 0);
+                        } else {
+                            if (half) lora_shrink_tile(xs, in, ar, scale, dst, nr, 1, 1);
+                            else lora_shrink_tile(xs, in, ar, scale, dst, nr, 1, 0);
+                        }
+                    }
                 }
             }
-            /* B transposed, [rank][out]: a row's block of LORA_NB outputs held while every rank's row
-               is scaled into it (y read and written once, not once a rank) */
+            /* B transposed, [rank][out]: a block of outputs of up to four rows held while every rank's
+               row is scaled into it (y read and written once, not once a rank) */
             #pragma omp for schedule(static)
             for (int64_t c = 0; c < out; c += LORA_COLS) {
                 const int64_t end = c + LORA_COLS < out ? c + LORA_COLS : out;
                 for (int64_t i = 0; i < NS; i++) {
                     const int64_t lo = l->lora_offsets[i] > c ? l->lora_offsets[i] : c;
                     const int64_t hi = l->lora_offsets[i + 1] < end ? l->lora_offsets[i + 1] : end;
-                    for (int64_t g = 0; g < G && lo < hi; g++) {
-                        float *yr = y + rows[g] * out;
-                        const float *coef = work + g * W + i * R;
-                        if (half)
-                            lora_expand_row(yr, coef, bt, out, R, lo, hi, 1);
-                        else
-                            lora_expand_row(yr, coef, bt, out, R, lo, hi, 0);
+                    for (int64_t g = 0; g < G && lo < hi; g += 4) {
+                        float *yr[4];
+                        const float *coef[4];
+                        const int ng = G - g < 4 ? (int)(G - g) : 4;
+                        for (int j = 0; j < ng; j++) {
+                            yr[j] = y + rows[g + j] * out;
+                            coef[j] = work + (g + j) * W + i * R;
+                        }
+                        #define LORA_EXPAND(NG) \
+                            (half ? lora_expand_tile(yr, coef, bt, out, R, lo, hi, NG, 1) \
+                                  : lora_expand_tile(yr, coef, bt, out, R, lo, hi, NG, 0))
+                        switch (ng) {
+                            case 4: LORA_EXPAND(4); break;
+                            case 3: LORA_EXPAND(3); break;
+                            case 2: LORA_EXPAND(2); break;
+                            default: LORA_EXPAND(1);
+                        }
+                        #undef LORA_EXPAND
                     }
                 }
             }
         }
     }
+}
+
+/* lora_delta alone, for the self-check and tests. */
+void linear_lora_delta(const linear_desc *l, const float *x, int64_t M, float *y, const int64_t *row_slots,
+                       float *work, int64_t *rows, int num_threads) {
+    lora_delta(l, x, M, y, row_slots, work, rows, num_threads);
 }
 
 /* The decoder's layers and final norm on T rows x [T][hidden] (the
@@ -353,11 +400,53 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.decoder_stack.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i64, ptr,
                                   ctypes.c_int]
     lib.decoder_stack.restype = ctypes.c_int
+    lib.linear_lora_delta.argtypes = [ctypes.POINTER(LinearDesc), ptr, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
+    lib.linear_lora_delta.restype = None
 
 
 def _check(lib: ctypes.CDLL) -> None:
     if lib.stack_desc_size() != ctypes.sizeof(StackDesc):
         raise cpu_linear.KernelUnavailable("its struct layout differs from the one Python writes")
+    for half in (False, True):  # widths off the vector tiles, rows on two adapters and the base
+        got, want = lora_delta(lib, *lora_case(13, [7, 19], 5, num_rows=7, half=half, seed=int(half)))
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+            raise cpu_linear.KernelUnavailable(f"its LoRA delta ({'bfloat16' if half else 'float32'} factors) "
+                                               f"is off the reference by {(got - want).abs().max().item():.3g}")
+
+
+def lora_case(in_features: int, output_sizes: list[int], rank: int, *, num_rows: int, half: bool, seed: int):
+    """A random ``LoraStack`` of three slots (two adapters), rows ``x`` and their
+    slots (0, 1, 2 in turn), for ``lora_delta``: (stack, x, row_slots)."""
+    gen = torch.Generator().manual_seed(seed)
+    stack = LoraStack(in_features, output_sizes, num_slots=3, max_rank=rank)
+    for slot in (1, 2):  # slot 0 is the base's: zero
+        stack.a[:, slot].normal_(generator=gen)
+        stack.b[slot].normal_(generator=gen)
+        stack.scales[:, slot].uniform_(0.5, 2.0, generator=gen)
+        stack.write_dense(slot)
+    if half:
+        stack.keep_half()
+    x = torch.randn(num_rows, in_features, generator=gen)
+    return stack, x, torch.arange(num_rows, dtype=torch.int64) % 3
+
+
+def lora_delta(lib: ctypes.CDLL, stack: LoraStack, x: torch.Tensor, row_slots: torch.Tensor,
+               num_threads: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the C delta of ``row_slots``' adapters added to zeros, the torch reference's) for ``x``'s rows."""
+    half = stack.half is not None
+    a, bt = stack.half if half else (stack.a, stack.b_all)
+    offsets = torch.tensor(stack.offsets, dtype=torch.int64)
+    desc = LinearDesc(in_features=stack.in_features, out_features=stack.offsets[-1], lora_a=a.data_ptr(),
+                      lora_bt=bt.data_ptr(), lora_scales=stack.scales.data_ptr(), lora_offsets=offsets.data_ptr(),
+                      lora_shards=len(stack.output_sizes), lora_slots=stack.num_slots, lora_rank=stack.max_rank,
+                      lora_half=int(half))
+    num_rows = x.shape[0]
+    got = torch.zeros(num_rows, stack.offsets[-1])
+    work = torch.empty(num_rows, len(stack.output_sizes) * stack.max_rank)
+    rows = torch.empty(num_rows, dtype=torch.int64)
+    lib.linear_lora_delta(ctypes.byref(desc), x.data_ptr(), num_rows, got.data_ptr(), row_slots.data_ptr(),
+                          work.data_ptr(), rows.data_ptr(), num_threads)
+    return got, delta_rows_ref(torch.zeros_like(got), x, stack.a, stack.b, stack.scales, row_slots, stack.offsets)
 
 
 def _address(lib: ctypes.CDLL, name: str) -> int:

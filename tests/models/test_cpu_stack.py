@@ -161,22 +161,30 @@ LORA_STEPS = {
 }
 
 
+# Widths past the delta's vector tiles (``lora_shrink_tile``, ``lora_expand_tile``): inputs not a
+# multiple of 8, shards' outputs not of 16 nor 8 (float32 linears: int4 codes take multiples of 32).
+ODD_WIDTHS = dict(hidden_size=72, num_heads=4, num_kv_heads=2, head_dim=18, intermediate_size=100)
+
+
 @needs_kernels
-@pytest.mark.parametrize("quantization", ["none", "int4"])
+@pytest.mark.parametrize("quantization, widths", [("none", {}), ("int4", {}), ("none", ODD_WIDTHS)],
+                         ids=["none", "int4", "none, odd widths"])
 @pytest.mark.parametrize("case", list(LORA_STEPS.values()), ids=list(LORA_STEPS))
-def test_adapter_steps_add_the_python_paths_deltas(quantization, case):
+def test_adapter_steps_add_the_python_paths_deltas(quantization, widths, case):
     """Steps with adapter rows take the call too, each linear's LoRA delta added
     in it (``lora_delta``): hidden states and caches as the Python path's, whose
     deltas are GEMMs over the rows (float32 sums in another order). Quantized
     linears read their factors in bfloat16, which the Python path's hold the
     values of (``LoraStack.keep_half``)."""
     steps, slots = case
-    model = make_model(quantization)
+    model = make_model(quantization, **widths)
     layers = random_adapters(model)
     assert cpu_stack.install(model) and model.run_layers.plan.max_width == 3 * 6  # q|k|v: three shards of rank 6
-    halves = [getattr(layer, name).lora_half for layer in model.run_layers.plan.desc.layers[:model.spec.num_layers]
-              for name in ("qkv", "o", "gate_up", "down")]
-    assert halves == [int(quantization != "none")] * len(halves)
+    descs = model.run_layers.plan.desc.layers[:model.spec.num_layers]
+    halves = [getattr(desc, name).lora_half for desc in descs for name in ("qkv", "o", "gate_up", "down")]
+    quantized = [m.quant is not None for layer in model.model.layers
+                 for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    assert halves == quantized and any(quantized) == (quantization != "none")
     outputs = []
     with torch.inference_mode():
         for got, want, got_caches, want_caches in run_both(model, steps, seed=3,
@@ -187,7 +195,7 @@ def test_adapter_steps_add_the_python_paths_deltas(quantization, case):
             outputs.append(got)
         layers.end_step()
         # the deltas are there: the same steps without adapters differ (every case has rows on slot 1 or 2)
-        plain = [got for got, _, _, _ in run_both(make_model(quantization), steps, seed=3)]
+        plain = [got for got, _, _, _ in run_both(make_model(quantization, **widths), steps, seed=3)]
     assert max((a - b).abs().max().item() for a, b in zip(outputs, plain, strict=True)) > 1e-2
 
 
@@ -270,3 +278,19 @@ def test_the_runner_takes_it_and_matches_generate(kind, quantization, tmp_path):
     assert len(calls) > 10
     for rid, prompt in prompts.items():
         assert outputs[rid] == reference(hf, prompt), f"sequence {rid} diverged"
+
+
+@needs_kernels
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 9, 70])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_the_delta_matches_the_reference_at_widths_and_row_counts_off_its_tiles(half, num_rows, num_threads):
+    """``lora_delta`` alone: inputs and shard widths off its vector tiles (8 inputs, 16 and 8 outputs),
+    ranks off its groups of four A rows, row counts off its tiles of two and four rows; every row
+    on an adapter, one slot's rows or both slots' in turn, float32 or bfloat16 factors."""
+    lib = cpu_stack.kernel()
+    stack, x, _ = cpu_stack.lora_case(37, [7, 19, 40], 6, num_rows=num_rows, half=half, seed=num_rows)
+    for row_slots in (torch.ones(num_rows, dtype=torch.int64), torch.arange(num_rows, dtype=torch.int64) % 2 + 1):
+        got, want = cpu_stack.lora_delta(lib, stack, x, row_slots, num_threads=num_threads)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        assert want.abs().max() > 1.0
