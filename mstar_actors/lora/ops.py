@@ -42,7 +42,7 @@ from __future__ import annotations
 import collections
 import functools
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -413,6 +413,14 @@ TORCH_ROWS = TorchRows()
 # ---------------------------------------------------------------- device stacks
 
 
+class KeptForms(NamedTuple):
+    """A slot's forms besides its factors, kept with a slot image (``LoraStack.kept_forms``): B
+    transposed, and the bfloat16 halves of A and of B transposed where the stack keeps them."""
+
+    b_rows: torch.Tensor
+    halves: tuple[torch.Tensor, torch.Tensor] | None
+
+
 class LoraStack:
     """Every slot's factors for one targeted linear (or embedding), on the device.
 
@@ -592,31 +600,56 @@ class LoraStack:
         """Whether ``slot``'s delta here is computed (``set_targeted``)."""
         return slot not in self._untargeted
 
-    def write_dense(self, slot: int, b_rows: torch.Tensor | None = None) -> None:
+    def write_dense(self, slot: int, kept: KeptForms | None = None,
+                    copies: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         """``slot``'s copies in the torch kernels' dense forms (none with the row kernels), after a write:
-        ``b_all``'s now (the CPU's layer stack reads it; ``b_rows``: what ``b_rows`` held for the same
-        factors) and the bfloat16 halves where kept (``keep_half``), ``factors``' at the first step that takes them (``_factors``), which a swap's requests
-        may never run: rewriting them is strided transposes, a stack at a time, inline on the worker."""
+        ``b_all``'s now (the CPU's layer stack reads it) and the bfloat16 halves where kept
+        (``keep_half``); ``kept``: what ``kept_forms`` gave after an earlier write of the same factors
+        (a kept image's), copied rather than remade: into ``copies`` where given (the caller makes
+        every stack's in one call, as ``staged_copies``' caller does), else here. ``factors``' at the
+        first step that takes them (``_factors``), which a swap's requests may never run: rewriting
+        them is strided transposes, a stack at a time, inline on the worker."""
         self._untargeted.discard(slot)
-        self._write_forms(slot, b_rows)
-
-    def _write_forms(self, slot: int, b_rows: torch.Tensor | None = None) -> None:
-        if self.half is not None:  # the float32 factors rounded through the halves: one set of values
-            a_half, bt_half = self.half
-            a_half[:, slot].copy_(self.a[:, slot])
-            self.a[:, slot].copy_(a_half[:, slot])
-            self.b[slot].copy_(self.b[slot].to(torch.bfloat16))
-        if self.b_all is not None:
-            rows = self.b_rows(slot)
-            source = self.b[slot].T if b_rows is None else b_rows
-            if self.half is None:
-                rows.copy_(source)
-            else:  # through the half (a kept image's ``b_rows`` may predate ``keep_half``)
-                half_rows = self.half[1][slot * self.max_rank : (slot + 1) * self.max_rank]
-                half_rows.copy_(source)
-                rows.copy_(half_rows)
+        if kept is None or (self.half is not None and kept.halves is None):  # none, or kept before keep_half
+            self._write_forms(slot)
+        else:
+            pairs = [] if self.b_all is None else [(self.b_rows(slot), kept.b_rows)]
+            if self.half is not None:
+                pairs += zip(self.slot_halves(slot), kept.halves)
+            if copies is None:
+                copy_all(pairs)
+            else:
+                copies += pairs
         if self.factors is not None:
             self._stale_factors.add(slot)
+
+    def kept_forms(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> KeptForms | None:
+        """After a write of ``slot`` from an image whose regions of this stack are ``a`` and ``b``: the
+        slot's forms for the image to keep (None: this stack has none), the image's factors made the
+        slot's (rounded, where the stack keeps halves), so a swap back copies all of them as they are."""
+        if self.b_all is None:
+            return None
+        if self.half is not None:
+            a.copy_(self.a[:, slot])
+            b.copy_(self.b[slot])
+        halves = None if self.half is None else tuple(half.clone() for half in self.slot_halves(slot))
+        return KeptForms(self.b_rows(slot).clone(), halves)
+
+    def _write_forms(self, slot: int) -> None:
+        if self.half is not None:  # the float32 factors rounded through the halves: one set of values
+            a_half, bt_half = self.slot_halves(slot)
+            a_half.copy_(self.a[:, slot])
+            self.a[:, slot].copy_(a_half)
+            self.b[slot].copy_(self.b[slot].to(torch.bfloat16))
+            self.b_rows(slot).copy_(self.b[slot].T)
+            bt_half.copy_(self.b_rows(slot))
+        elif self.b_all is not None:
+            self.b_rows(slot).copy_(self.b[slot].T)
+
+    def slot_halves(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``slot``'s views of the halves (``keep_half``): A's, B transposed's."""
+        a_half, bt_half = self.half
+        return a_half[:, slot], bt_half[slot * self.max_rank : (slot + 1) * self.max_rank]
 
     def keep_half(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``a`` and ``b_all`` in bfloat16, every slot, from now on (each
@@ -634,6 +667,8 @@ class LoraStack:
             self.half = (torch.empty_like(self.a, dtype=torch.bfloat16), torch.empty_like(self.b_all, dtype=torch.bfloat16))
             for slot in range(self.num_slots):
                 self._write_forms(slot)
+                if self.factors is not None:
+                    self._stale_factors.add(slot)
         return self.half
 
     def b_rows(self, slot: int) -> torch.Tensor:
@@ -748,9 +783,11 @@ class SlotStaging:
 
     @property
     def kept_image_bytes(self) -> int:
-        """A kept image's bytes once written: ``image_bytes`` and B's transpose where the stacks have one."""
-        return self.image_bytes + sum(stack.b_rows(1).numel() * stack.b_all.element_size()
-                                      for stack in self.stacks.values() if stack.b_all is not None)
+        """A kept image's bytes once written: ``image_bytes``, B's transpose where the stacks have one
+        and the bfloat16 halves where they keep them (``LoraStack.kept_forms``)."""
+        return self.image_bytes + sum(view.numel() * view.element_size() for stack in self.stacks.values()
+                                      if stack.b_all is not None
+                                      for view in (stack.b_rows(1), *(stack.slot_halves(1) if stack.half else ())))
 
     @property
     def num_device_images(self) -> int:
@@ -867,13 +904,14 @@ class SlotStaging:
         the image where it kept it (kept after its first write, so a swap
         back copies it instead of transposing again), and which stacks the
         slot's adapter targets."""
-        kept = image.b_rows
+        kept, copies = image.kept, []
         for name, stack in self.stacks.items():
-            stack.write_dense(slot, None if kept is None else kept.get(name))
+            stack.write_dense(slot, None if kept is None else kept.get(name), copies)
             stack.set_targeted(slot, image.targets[name])
+        copy_all(copies)
         if kept is None and key is not None:
-            image.b_rows = {name: stack.b_rows(slot).clone() for name, stack in self.stacks.items()
-                            if stack.b_all is not None}
+            image.kept = {name: forms for name, stack in self.stacks.items()
+                          if (forms := stack.kept_forms(slot, *image.views[name][:2])) is not None}
 
 
 def slot_image_bytes(stacks: dict[str, LoraStack]) -> int:
@@ -903,13 +941,13 @@ class _SlotImage:
         self.scales = torch.empty(num_scales, dtype=torch.float32, pin_memory=pin)
         self.views = _slot_regions(layouts, self.flat, self.scales)
         self.dense = _dense_parts(self.views[name] for name in order)
-        self.b_rows: dict[str, torch.Tensor] | None = None  # each stack's B transposed (``LoraStack.b_rows``)
+        self.kept: dict[str, KeptForms] | None = None  # each stack's other forms (``LoraStack.kept_forms``)
         self.targets: dict[str, bool] = {name: False for name in order}  # the stacks whose scales are not all 0
 
     def fill(self, stacks: dict[str, LoraStack], slot: int,
              by_stack: dict[str, Sequence[tuple[int | None, LoraModule]]]) -> None:
         copies, values = [], []
-        self.b_rows = None
+        self.kept = None
         for name, stack in stacks.items():
             a, b, _ = self.views[name]
             stack_copies, stack_values = stack.staged_copies(slot, by_stack.get(name, ()), a, b)

@@ -82,7 +82,7 @@ def test_kept_images_reinstall_the_same_weights_and_the_oldest_is_dropped(device
     assert stacks["down"].targets(1) and not stacks["embed"].targets(1)  # no embedding module: nothing computed there
     image = staging.images["three"]  # what the log line counts for a kept image, B's transpose with it
     assert staging.kept_image_bytes == sum(t.numel() * t.element_size()
-                                           for t in (image.flat, image.scales, *image.b_rows.values()))
+                                           for t in (image.flat, image.scales, *(f.b_rows for f in image.kept.values())))
     for name in stacks:
         for field in ("a", "b", "scales", "b_all"):
             got, want = getattr(stacks[name], field), getattr(plain[name], field)
