@@ -151,6 +151,16 @@ def test_run_dir_lists_every_actor(server):
     assert (server.run_dir / "launcher.pid").read_text().strip() == str(server.proc.pid)
 
 
+def test_actors_take_a_short_openmp_spin_unless_the_user_set_one(server):
+    from mstar_actors.launcher import OPENMP_SPIN_COUNT, openmp_spin_count
+
+    environ = Path(f"/proc/{server.actors()['worker0']}/environ").read_bytes().split(b"\0")
+    child = dict(item.decode().split("=", 1) for item in environ if b"=" in item)
+    assert child.get("GOMP_SPINCOUNT") == (openmp_spin_count(server.env) or server.env.get("GOMP_SPINCOUNT"))
+    assert openmp_spin_count({}) == OPENMP_SPIN_COUNT
+    assert openmp_spin_count({"GOMP_SPINCOUNT": "5"}) is None and openmp_spin_count({"OMP_WAIT_POLICY": "passive"}) is None
+
+
 def test_dump_stacks_shows_every_actor(server):
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "dump_stacks"), "--timeout", "30"],
                          env=server.env, capture_output=True, text=True, timeout=60)
