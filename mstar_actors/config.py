@@ -71,11 +71,14 @@ class ParallelConfig(msgspec.Struct, **_STRICT):
 # vLLM's 256 (a decode step's cost grows slowly with its rows there); on CPU
 # a step's cost grows with every row, so fewer keep each stream's pace.
 DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
-# scheduler.async_scheduling when not set: a GPU step leaves the host's cores
-# free to plan the next; a CPU step wants every core (2-core VM, int4 SmolLM2,
-# concurrency 1: planning ahead cut the gap between steps from about 2.4 to
-# 1.2 ms, but the steps, sharing the cores with it, grew by as much or more).
-DEFAULT_ASYNC_SCHEDULING = {"cuda": True, "cpu": False}
+# scheduler.async_scheduling and steps_ahead when not set. A GPU step leaves the
+# host's cores free to plan the next. A CPU step wants every core, but once idle
+# OpenMP threads sleep soon (``launcher.OPENMP_SPIN_COUNT``) the conductor's turn
+# beside it costs less than waiting for it: 2-core VM, int4 SmolLM2, paired runs of
+# served requests, one plan ahead against none 1.10x tokens/s one at a time, level
+# at 8 and 32; two ahead level with one, so one (fewer dropped rows at a stop).
+DEFAULT_ASYNC_SCHEDULING = {"cuda": True, "cpu": True}
+DEFAULT_STEPS_AHEAD = {"cuda": 2, "cpu": 1}
 
 
 class SchedulerConfig(msgspec.Struct, **_STRICT):
@@ -87,17 +90,16 @@ class SchedulerConfig(msgspec.Struct, **_STRICT):
     # ranks never wait for a result's round trip and the next plan. A row is
     # then planned past a token that may end its request (EOS, a stop token):
     # that row's token is computed and dropped. false: one step at a time.
-    # None: DEFAULT_ASYNC_SCHEDULING of the device (on a CPU the planning and
-    # streaming would take cores from the step's own threads).
+    # None: DEFAULT_ASYNC_SCHEDULING of the device.
     async_scheduling: bool | None = None
     # With async_scheduling, the plans sent past the step whose result the
     # conductor awaits: 1, a rank finds the next plan waiting when a step
     # ends; 2, also the one after, so the conductor's turn (the result's
     # trip, the update, the plan) is hidden behind a step too; an EOS or
     # stop token costs two dropped rows, and a new request's prefill runs
-    # a step later. None: 2 with async_scheduling (on an H200,
-    # tools/bench_lora.py: LoRA off +5% tok/s at c=1, +10% at 32, +20% at
-    # 64 and 256, TTFT p50 +2-4 ms at 64-256, against 1), else 1.
+    # a step later. None: with async_scheduling DEFAULT_STEPS_AHEAD of the
+    # device (on an H200, tools/bench_lora.py, 2 against 1: LoRA off +5% tok/s
+    # at c=1, +10% at 32, +20% at 64 and 256, TTFT p50 +2-4 ms at 64-256), else 1.
     steps_ahead: Literal[1, 2] | None = None
 
 
@@ -294,7 +296,8 @@ def with_device_defaults(config: Config) -> Config:
         sched,
         max_num_seqs=DEFAULT_MAX_NUM_SEQS[device] if sched.max_num_seqs is None else sched.max_num_seqs,
         async_scheduling=async_scheduling,
-        steps_ahead=(2 if async_scheduling else 1) if sched.steps_ahead is None else sched.steps_ahead,
+        steps_ahead=(DEFAULT_STEPS_AHEAD[device] if async_scheduling else 1) if sched.steps_ahead is None
+        else sched.steps_ahead,
     )
     return msgspec.structs.replace(config, scheduler=scheduler)
 

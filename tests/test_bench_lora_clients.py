@@ -74,12 +74,13 @@ def test_scenarios_named_with_a_comma_parse_whole(bench_lora):
 
 
 def test_steps_ahead_needs_overlapped_scheduling(bench_lora):
-    """``--steps-ahead 2`` on a CPU run (overlapped scheduling off by default there) is refused with the fix."""
+    """``--steps-ahead 2`` with overlapped scheduling off is refused with the fix."""
     with pytest.raises(SystemExit, match="--async-scheduling on"):
-        bench_lora.make_plan(bench_lora.parse_args(["--device", "cpu", "--steps-ahead", "2"]))
-    plan = bench_lora.make_plan(bench_lora.parse_args(["--device", "cpu", "--steps-ahead", "2", "--async-scheduling",
-                                                       "on"]))
-    assert plan.steps_ahead == 2 and "2 steps ahead" in plan.describe()[0]
+        bench_lora.make_plan(bench_lora.parse_args(["--device", "cpu", "--steps-ahead", "2", "--async-scheduling",
+                                                    "off"]))
+    for extra in ([], ["--async-scheduling", "on"]):  # on by default
+        plan = bench_lora.make_plan(bench_lora.parse_args(["--device", "cpu", "--steps-ahead", "2", *extra]))
+        assert plan.steps_ahead == 2 and "2 steps ahead" in plan.describe()[0]
 
 
 def test_each_level_rotates_the_scenarios_order(bench_lora):

@@ -141,8 +141,8 @@ class Plan:
     rounds: int = 1
     scenarios: tuple[Scenario, ...] = tuple(SCENARIOS)
     server_logs: Path | None = None  # where each server's DEBUG log is saved (None: servers log at INFO)
-    async_scheduling: bool | None = None  # None: the device's default (on with CUDA, off on CPU)
-    steps_ahead: int | None = None  # scheduler.steps_ahead (None: the server's default, 2 with overlapped steps)
+    async_scheduling: bool | None = None  # None: the device's default (on)
+    steps_ahead: int | None = None  # scheduler.steps_ahead (None: the server's default, 2 on CUDA, 1 on CPU)
     api_servers: int = 1  # server.api_server_count of every server
     client_processes: int = 1  # at most, for the levels of many clients (ClientPool)
     quantization: str | None = None  # model.quantization of every server (None: the config's default)
@@ -739,7 +739,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="plan the next step while the device runs this one (default: on with cuda, off on cpu)")
     p.add_argument("--steps-ahead", type=int, choices=[1, 2], default=None,
                    help="plans the conductor sends past the step whose result it awaits (scheduler.steps_ahead; "
-                        "default: the server's, 2 with overlapped scheduling, else 1; 2 needs it on)")
+                        "default: the server's, 2 on CUDA and 1 on CPU with overlapped scheduling, else 1; "
+                        "2 needs it on)")
     p.add_argument("--api-servers", type=int, default=1,
                    help="frontend processes of each server (server.api_server_count, default 1)")
     p.add_argument("--client-processes", type=int, default=None,

@@ -325,7 +325,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "float32 against an F32 GGUF and int4 against the embedded Q4_1 GGUF, fixed workload")
     p.add_argument("--rounds", type=int, default=2, help="--peer: rounds, each server alone, interleaved (default 2)")
     p.add_argument("--async-scheduling", choices=["on", "off"], default=None,
-                   help="our server's scheduler.async_scheduling (default: the config's, off on CPU)")
+                   help="our server's scheduler.async_scheduling (default: the config's, on)")
     p.add_argument("--output", default=None, help="write the tables to this file too")
     return p.parse_args(argv)
 

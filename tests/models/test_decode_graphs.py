@@ -292,8 +292,10 @@ def test_config_keys_and_the_build_reads_them():
     cpu, on_cuda = parse_config({"model": {"device": "cpu"}}), parse_config({"model": {"device": "cuda"}})
     assert graph_limits(on_cuda)[0] == on_cuda.scheduler.max_num_seqs == 256  # no cliff: every batch is graphed
     assert cpu.scheduler.max_num_seqs == 64
-    assert on_cuda.scheduler.async_scheduling is True and cpu.scheduler.async_scheduling is False
-    assert parse_config({"model": {"device": "cpu"}, "scheduler": {"async_scheduling": True}}).scheduler.async_scheduling
+    assert on_cuda.scheduler.async_scheduling is True and on_cuda.scheduler.steps_ahead == 2
+    assert cpu.scheduler.async_scheduling is True and cpu.scheduler.steps_ahead == 1
+    one_at_a_time = parse_config({"model": {"device": "cpu"}, "scheduler": {"async_scheduling": False}}).scheduler
+    assert one_at_a_time.async_scheduling is False and one_at_a_time.steps_ahead == 1
     assert graph_limits(parse_config({"model": {"device": "cuda", "cuda_graph_max_batch": 96}}))[0] == 96
     if not torch.cuda.is_available():
         assert parse_config({}).scheduler.max_num_seqs == 64  # auto resolves to this host's device

@@ -166,8 +166,9 @@ def test_steps_ahead_is_a_scheduler_key_that_needs_async_scheduling():
     assert config.scheduler.steps_ahead == 2
     assert parse_config({"model": {"device": "cuda"}}).scheduler.steps_ahead == 2, "the default with overlapped steps"
     assert parse_config({"model": {"device": "cuda"}, "scheduler": {"steps_ahead": 1}}).scheduler.steps_ahead == 1
-    assert parse_config({"model": {"device": "cpu"}}).scheduler.steps_ahead == 1, "one step at a time: none ahead"
+    assert parse_config({"model": {"device": "cpu"}}).scheduler.steps_ahead == 1, "one plan ahead on CPU"
+    assert parse_config({"model": {"device": "cpu"}, "scheduler": {"steps_ahead": 2}}).scheduler.steps_ahead == 2
     with pytest.raises(ConfigError, match="set async_scheduling: true, or steps_ahead: 1"):
-        parse_config({"model": {"device": "cpu"}, "scheduler": {"steps_ahead": 2}})
+        parse_config({"model": {"device": "cpu"}, "scheduler": {"async_scheduling": False, "steps_ahead": 2}})
     with pytest.raises(ConfigError, match="accepted: 1, 2"):
         parse_config({"scheduler": {"steps_ahead": 3}})
