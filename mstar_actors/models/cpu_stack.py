@@ -23,6 +23,10 @@ on 2 cores: one adapter at c=1 62% of LoRA off's tokens/s that way, 93-95%
 here). Prompts too: a SmolLM2 prefill of 7 x 37 prompt rows on four adapters
 took 241 ms here against 387 there (base 205), of 7 x 292 rows 2.39 s against
 2.94 (base 2.05 s; the Python path's deltas gather each adapter's rows).
+Under quantized linears the delta reads its factors in bfloat16
+(``LoraStack.keep_half``, which rounds the Python path's to the same values):
+a step reads all of each adapter's factors, and in float32 a SmolLM2
+adapter's were a quarter of an int4 step's bytes.
 
 Taken by ``CausalLM``s of the shared decoder (Llama, Qwen2; not per-head
 q/k norms), one rank, every linear on our float32 blocks or quantized
