@@ -72,6 +72,10 @@ def build_runner(config: Config, info: ModelInfo, resolve_tensor: TensorResolver
     lora = enable_served_lora(model, rules, config.lora, dtype, device)
     if device.type == "cpu":
         cpu_stack.install(model)  # step 3, on the final weights
+        if lora is not None:  # after the stack's plan: its quantized linears' stacks keep bfloat16 halves too
+            staging = lora.start_staging()
+            log.info("LoRA slot images: up to %d kept for swaps (lora.max_cpu_loras; %.1f MiB each, as used), a "
+                     "swap of those one copy", staging.max_images, staging.kept_image_bytes / 2**20)
     pools, snapshots = size_state_pools(model.spec, config.scheduler.max_num_seqs, num_state_snapshots(config), dtype,
                                         device)
     kv = size_kv_cache(model.spec, config.kv, dtype, device, model.layout.num_kv_heads, pools, snapshots)
@@ -133,9 +137,6 @@ def enable_served_lora(model: nn.Module, rules: CheckpointRules, lora: LoraConfi
         # Fused linears copied their weights into new buffers (``fuse_linear``): hand the
         # old ones back to the driver, or the KV cache sized next would count them as used.
         torch.cuda.empty_cache()
-    else:
-        log.info("LoRA slot images: up to %d kept for swaps (lora.max_cpu_loras; %.1f MiB each, as used), a swap "
-                 "of those one copy", staging.max_images, staging.kept_image_bytes / 2**20)
     return layers
 
 

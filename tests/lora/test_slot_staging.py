@@ -196,6 +196,9 @@ def test_bfloat16_halves_follow_every_write_and_the_float_factors_hold_their_val
         assert stack.a[:, 2].any(), name
     assert not stacks["down"].a[:, 1].any() and not halves["down"][1][8:16].any()  # the clear reached the halves
     assert stacks["qkv"].targets(1) and stacks["qkv"].targets(2)
+    image = staging.images["two"]  # kept after keep_half: what the start-up log counts, the halves with it
+    assert staging.kept_image_bytes == sum(t.numel() * t.element_size() for t in (
+        image.flat, image.scales, *(t for forms in image.kept.values() for t in (forms.b_rows, *forms.halves))))
     with pytest.raises(ValueError, match="CPU layer stack"):
         _stacks("cpu")["embed"].keep_half()
 
