@@ -74,9 +74,8 @@ DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
 # scheduler.async_scheduling and steps_ahead when not set. A GPU step leaves the
 # host's cores free to plan the next. A CPU step wants every core, but once idle
 # OpenMP threads sleep soon (``launcher.OPENMP_SPIN_COUNT``) the conductor's turn
-# beside it costs less than waiting for it: 2-core VM, int4 SmolLM2, paired runs of
-# served requests, one plan ahead against none 1.10x tokens/s one at a time, level
-# at 8 and 32; two ahead level with one, so one (fewer dropped rows at a stop).
+# beside it costs less than waiting for it (docs/benchmarks.md, against llama.cpp);
+# two plans ahead were level with one there, so one (fewer dropped rows at a stop).
 DEFAULT_ASYNC_SCHEDULING = {"cuda": True, "cpu": True}
 DEFAULT_STEPS_AHEAD = {"cuda": 2, "cpu": 1}
 

@@ -64,8 +64,8 @@ DRAIN_MARGIN_S = 5.0  # past shutdown_timeout_s: the frontend fails what is left
 # frontend need a core: a worker whose idle threads held both of a 2-core VM's took
 # their turns only at the scheduler's 4 ms ticks, and one request's tokens came 8 ms
 # apart for a 4.4 ms step. 10,000 still bridges the gaps between a step's parallel
-# regions. Served SmolLM2 int4, one request at a time: 1.14x tokens/s (1.04x on an
-# adapter), eight at a time level. A user's own GOMP_SPINCOUNT or OMP_WAIT_POLICY wins.
+# regions (figures in docs/benchmarks.md, against llama.cpp). A user's own
+# GOMP_SPINCOUNT or OMP_WAIT_POLICY wins.
 OPENMP_SPIN_COUNT = "10000"
 
 
