@@ -144,7 +144,8 @@ def time_replays(runner: ModelRunner, slots: list[int], tag: str, num_steps: int
         return float("nan")  # no graph to replay: the step runs eagerly (``time_steps`` times it)
     d = Decoder(runner, slots, tag)
     d.decode()  # the graph's static inputs now hold this batch
-    graph = graphs.graphs[(graphs.bucket_for(len(slots)), any(slots))]
+    bucket = graphs.bucket_for(len(slots))
+    graph = graphs.graphs[(bucket, graphs.width_for(bucket, slots))]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(num_steps):

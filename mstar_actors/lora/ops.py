@@ -293,16 +293,16 @@ def delta_rows_ref(
 ) -> torch.Tensor:
     """``lora_delta_ref`` with one slot per row (``row_slots`` [T] on ``y``'s
     device) instead of segments, in place on ``y``, fp32 math. ``t``: the
-    shrink already made by a fused stack's GEMM ([T, shards x slots x R],
-    ``LoraStack.fuse_under``); ``x`` is then unused.
+    shrink already made by a fused stack's GEMM ([T, slots x shards x R],
+    the first slots', ``LoraStack.fuse_under``); ``x`` is then unused.
 
     Gathers every row's factors (no host sync, no data-dependent shape, so it
     is graph-capturable too); base rows add an exact zero (slot 0 is zero)."""
     slots = row_slots.long()
     if t is not None:  # row i's own slot's columns of every shard
-        num_shards, num_slots, max_rank = a.shape[:3]
+        num_shards, _, max_rank = a.shape[:3]
         rows = torch.arange(t.shape[0], device=t.device)
-        shrink = t.reshape(t.shape[0], num_shards, num_slots, max_rank)[rows, :, slots].float().transpose(0, 1)
+        shrink = t.reshape(t.shape[0], -1, num_shards, max_rank)[rows, slots].float().transpose(0, 1)
     elif is_embedding:  # the shrink is a gather of A's columns at the token ids
         shrink = a[0][slots, :, x.long()].float().unsqueeze(0)  # [1, T, R]
     else:
@@ -454,7 +454,10 @@ class LoraStack:
         self.is_embedding = is_embedding
         self.kernels = kernels  # fixed for the stack's life: no step chooses again
         num_shards = len(self.output_sizes)
-        self.a = torch.zeros(num_shards, num_slots, max_rank, in_features, dtype=dtype, device=device)
+        if kernels.uses_rows:  # slot by slot in memory, as ``fuse_under`` lays A (a slot's rows, every shard's, in a run)
+            self.a = torch.zeros(num_slots, num_shards, max_rank, in_features, dtype=dtype, device=device).transpose(0, 1)
+        else:
+            self.a = torch.zeros(num_shards, num_slots, max_rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, self.offsets[-1], max_rank, dtype=dtype, device=device)
         self.scales = torch.zeros(num_shards, num_slots, dtype=torch.float32, device=device)
         # Made here, not at first use: a first use inside CUDA-graph capture
@@ -480,24 +483,44 @@ class LoraStack:
 
     def fuse_under(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Move ``a`` under the targeted linear's ``weight`` ([sum(output_sizes),
-        in]) in one buffer, rows ``[weight; a[shard, slot, r] in order]``, and
-        return it with ``bias`` padded by zeros for A's rows. One GEMM of a
-        step's input with the buffer gives the base output and every slot's
-        shrink ``t = x @ A.T`` beside it, so the delta is an expand alone
-        (``add_delta_expand``): one launch a linear instead of a kernel that
-        recomputes the shrink in each of its programs. ``a`` becomes a view of
-        the buffer, so installs and the other kernels use it as before. The
-        caller serves the base output from the buffer's first rows."""
+        in]) in one buffer, rows ``[weight; a[shard, slot, r] slot by slot]``
+        (``slot_rows`` a slot, every shard's), and return it with ``bias``
+        padded by zeros for A's rows. One GEMM of a step's input with the
+        buffer gives the base output and each slot's shrink ``t = x @ A.T``
+        beside it, so the delta is an expand alone (``add_delta_expand``): one
+        launch a linear instead of a kernel that recomputes the shrink in each
+        of its programs. A step whose rows use slots below ``k`` only runs the
+        buffer's first ``out + k * slot_rows`` rows (``LoraStep.width``): the
+        other slots' A is not read. ``a`` becomes a view of the buffer, so
+        installs and the other kernels use it as before. The caller serves
+        the base output from the buffer's first rows."""
         n = self.offsets[-1]
         if self.is_embedding or weight.shape != (n, self.in_features) or weight.dtype != self.a.dtype or weight.device != self.a.device:
             raise ValueError(f"fusing LoRA A under a weight {tuple(weight.shape)} {weight.dtype} on {weight.device}; "
                              f"accepted: a linear's weight [{n}, {self.in_features}] {self.a.dtype} on {self.a.device}")
-        num_a_rows = self.a.numel() // self.in_features
-        fused = torch.cat([weight.detach(), self.a.reshape(num_a_rows, self.in_features)])
-        self.a = fused[n:].view(self.a.shape)
+        by_slot = self.a.transpose(0, 1)
+        fused = torch.cat([weight.detach(), by_slot.reshape(-1, self.in_features)])
+        self.a = fused[n:].view(by_slot.shape).transpose(0, 1)
         self.fused = True
-        fused_bias = None if bias is None else torch.cat([bias.detach(), bias.new_zeros(num_a_rows)])
+        fused_bias = None if bias is None else torch.cat([bias.detach(), bias.new_zeros(fused.shape[0] - n)])
         return fused, fused_bias
+
+    @property
+    def slot_rows(self) -> int:
+        """Rows of A a slot (every shard's): a fused GEMM's columns a slot (``fuse_under``)."""
+        return len(self.output_sizes) * self.max_rank
+
+    def shrink_fits(self, t: torch.Tensor, num_rows: int) -> bool:
+        """Whether ``t`` is a shrink of ``num_rows`` rows as a fused GEMM gives it: the columns of the
+        first one or more slots (``fuse_under``), at most all of them."""
+        cols = t.shape[1] if t.dim() == 2 else -1
+        return t.shape[0] == num_rows and cols > 0 and cols % self.slot_rows == 0 and cols <= self.a.numel() // self.in_features
+
+    def check_shrink(self, t: torch.Tensor, num_rows: int) -> None:
+        """Raise unless ``shrink_fits``."""
+        if not self.shrink_fits(t, num_rows):
+            raise ValueError(f"LoRA expand: t is {tuple(t.shape)}; accepted: [{num_rows}, k * {self.slot_rows}] for "
+                             f"k of 1..{self.num_slots} (rows x the first k slots' shards x max_rank, the fused GEMM's A columns)")
 
     def fuses_rows(self, num_rows: int) -> bool:
         """Whether a rows step of ``num_rows`` rows takes ``add_delta_expand``:

@@ -84,7 +84,7 @@ def _b_tile(b_ptr, stride_bs, stride_bn, slot, first, cols, mask, offs_r, mask_r
 
 
 @triton.jit
-def _fold_dot(t_ptr, stride_t, rows, lslot, slot, shard, num_slots, offs_r, R, b, scale, F32: tl.constexpr,
+def _fold_dot(t_ptr, stride_t, rows, lslot, slot, shard, num_shards, offs_r, R, b, scale, F32: tl.constexpr,
               DOT: tl.constexpr):
     """The expand of the tile's rows on adapter ``slot`` for one shard, ``[ROWS, BLOCK]`` float32 (zero on
     the other rows): their shrink ``[ROWS, BLOCK_R]`` (the fused GEMM's A columns) times ``b``
@@ -97,7 +97,7 @@ def _fold_dot(t_ptr, stride_t, rows, lslot, slot, shard, num_slots, offs_r, R, b
     12.3 as a sum of broadcast products; below 16 rows (one a program, ``triton_fused.fold_rows``) the sum,
     scaled first, took less (1.6 against 1.75 us at 8 rows, 1.8 against 4.6 with 4 adapters)."""
     mine = (lslot == slot) & (lslot != 0)
-    t = tl.load(t_ptr + rows[:, None] * stride_t + (shard * num_slots + slot) * R + offs_r[None, :],
+    t = tl.load(t_ptr + rows[:, None] * stride_t + (slot * num_shards + shard) * R + offs_r[None, :],
                 mask=mine[:, None] & (offs_r < R)[None, :], other=0.0)
     if not DOT:  # one row: its shrink as a vector (a sum over the one row is itself), as _plus_expand sums
         return tl.sum(b.to(tl.float32) * (tl.sum(t.to(tl.float32), axis=0) * scale)[None, :], axis=1)[None, :]
@@ -281,8 +281,8 @@ def expand_rows(stack: LoraStack, y: torch.Tensor, t: torch.Tensor, row_slots: t
     """y[row] += scale * t[row, its slot's columns] @ B[slot].T, every shard,
     one launch, in place: the rows delta of a fused stack (``LoraStack.fuse_under``),
     whose base GEMM wrote ``t = x @ A.T`` for every shard and slot beside
-    ``y`` (t's column ``(shard * num_slots + slot) * max_rank + r`` is A's
-    row ``[shard, slot, r]``), or of a stack whose shrink was a GEMM of its
+    ``y`` (t's column ``(slot * num_shards + shard) * max_rank + r`` is A's
+    row ``[shard, slot, r]``; the columns of the step's slots' span, ``LoraStack.check_shrink``), or of a stack whose shrink was a GEMM of its
     own (``gemm_rows``: ``t`` in float32, which the tiles then take to
     within 2^-16 of itself, relatively).
 
@@ -294,11 +294,9 @@ def expand_rows(stack: LoraStack, y: torch.Tensor, t: torch.Tensor, row_slots: t
     side of the line, as a GEMM's does between batch sizes).
     ``tiles`` / ``num_warps`` (rows) and ``block_n`` (tiles) override the
     defaults, for sweeps."""
-    num_shards, num_slots, max_rank, k = stack.a.shape
+    num_shards, _, max_rank, k = stack.a.shape
     num_rows, max_out = y.shape[0], max(stack.output_sizes)
-    if t.shape != (num_rows, num_shards * num_slots * max_rank):
-        raise ValueError(f"LoRA expand: t is {tuple(t.shape)}; accepted: [{num_rows}, {num_shards * num_slots * max_rank}] "
-                         "(rows x shards x slots x max_rank, the fused GEMM's A columns)")
+    stack.check_shrink(t, num_rows)
     b, scales = stack.b, stack.scales
     if t.dtype in (b.dtype, torch.float32) and t.stride(1) == 1 and takes_tiles(stack, num_rows, _num_sms(y.device)):
         return _expand_tiles(stack, y, t, row_slots, block_n)
@@ -309,7 +307,7 @@ def expand_rows(stack: LoraStack, y: torch.Tensor, t: torch.Tensor, row_slots: t
         t, stack.a, b, scales, y, stack.offsets_on(y.device), row_slots,
         max_rank, num_groups,
         t.stride(0), t.stride(1),
-        num_slots * max_rank, max_rank, 1, 0,
+        max_rank, num_shards * max_rank, 1, 0,
         b.stride(0), b.stride(1), b.stride(2),
         scales.stride(0), scales.stride(1),
         y.stride(0), y.stride(1), row_slots.stride(0),
@@ -350,7 +348,7 @@ def takes_tiles(stack: LoraStack, num_rows: int, num_sms: int) -> bool:
 @triton.jit(do_not_specialize=["M"])  # any row count one variant: warm_up compiles each at one count
 def _tiles_kernel(
     t_ptr, b_ptr, scales_ptr, y_ptr, offsets_ptr, slots_ptr,
-    M, R, NUM_SLOTS, NUM_GROUPS,
+    M, R, NUM_SHARDS, NUM_GROUPS,
     stride_tm, stride_wl, stride_wn, stride_ss, stride_sl, stride_ym, stride_yn,
     F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
@@ -387,7 +385,7 @@ def _tiles_kernel(
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     touched = lslot < 0
     while slot != 0:
-        delta += _fold_dot(t_ptr, stride_tm, rows, lslot, slot, shard, NUM_SLOTS, offs_r, R, b, scale, F32, True)
+        delta += _fold_dot(t_ptr, stride_tm, rows, lslot, slot, shard, NUM_SHARDS, offs_r, R, b, scale, F32, True)
         if scale != 0.0:  # else the adapter leaves this shard alone: its rows are not written
             touched = touched | (lslot == slot)
         slot, done = _next_slot(lslot, done)
@@ -406,14 +404,14 @@ def _tile_cols(num_rows: int, num_shards: int, max_out: int, num_sms: int) -> in
 
 def _expand_tiles(stack: LoraStack, y: torch.Tensor, t: torch.Tensor, row_slots: torch.Tensor,
                   block_n: int | None = None) -> torch.Tensor:
-    num_shards, num_slots, max_rank, _ = stack.a.shape
+    num_shards, _, max_rank, _ = stack.a.shape
     num_rows, max_out = y.shape[0], max(stack.output_sizes)
     block_n = block_n or _tile_cols(num_rows, num_shards, max_out, _num_sms(y.device))
     num_groups = triton.cdiv(max_out, block_n)
     b, scales = stack.b, stack.scales
     _tiles_kernel[(triton.cdiv(num_rows, TILE_ROWS), num_shards * num_groups)](
         t, b, scales, y, stack.offsets_on(y.device), row_slots,
-        num_rows, max_rank, num_slots, num_groups,
+        num_rows, max_rank, num_shards, num_groups,
         t.stride(0), b.stride(0), b.stride(1), scales.stride(0), scales.stride(1), y.stride(0), y.stride(1),
         F32=torch.float32 in (b.dtype, t.dtype), BLOCK_M=TILE_ROWS, BLOCK_N=block_n, BLOCK_R=_block_r(max_rank),
         num_warps=4, **triton_launch.options(y),
@@ -424,7 +422,7 @@ def _expand_tiles(stack: LoraStack, y: torch.Tensor, t: torch.Tensor, row_slots:
 def gemm_rows(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
     """The rows delta of a stack not fused under its weight (the LM head's)
     as a fused one's: the shrink of every shard and slot in one GEMM
-    (``t = x @ A.T``, A's rows in t's columns as ``fuse_under`` lays them),
+    (``t = x @ A.T``, A's rows in t's columns as ``fuse_under`` lays them: slot by slot),
     then ``expand_rows``. No row groups: from ``MIN_GEMM_ROWS`` rows, where
     ``bgmv_rows`` would recompute the shrink in every program of a row."""
     num_shards, num_slots, max_rank, k = stack.a.shape
@@ -432,7 +430,7 @@ def gemm_rows(stack: LoraStack, y: torch.Tensor, x: torch.Tensor, row_slots: tor
         raise TypeError(f"LoRA rows delta: x is {x.dtype} and A is {stack.a.dtype}; accepted: the same dtype")
     # In float32, as bgmv_rows keeps a row's shrink: rounded to the dtype it would change the row's
     # logits between steps on either side of MIN_GEMM_ROWS (a graph's padded bucket and the eager step).
-    a = stack.a.reshape(num_shards * num_slots * max_rank, k)
+    a = stack.a.transpose(0, 1).reshape(num_slots * num_shards * max_rank, k)
     t = torch.mm(x, a.T, out_dtype=torch.float32) if x.is_cuda else torch.mm(x.float(), a.float().T)
     return expand_rows(stack, y, t, row_slots)
 

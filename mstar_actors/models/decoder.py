@@ -139,6 +139,7 @@ class LoraLinear(nn.Linear):
     # ``weight`` being its first rows.
     fused_weight: torch.Tensor | None = None
     fused_bias: torch.Tensor | None = None
+    fused_views: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # ``_fused``'s, a dict of its own when fused
     # Where this rank's weight sits in the checkpoint tensor, per shard
     # (``sharding``); empty: the whole tensor.
     tp_slices: dict[int | None, Cut] = {}
@@ -166,14 +167,23 @@ class LoraLinear(nn.Linear):
             hook.join()
             return y, None if residual is not None else target
         if self.fused_weight is not None and hook.fuses(x.shape[0]):
-            # One GEMM: the base output, then each slot's shrink; the delta is the expand alone.
-            out = linear(x, self.fused_weight, self.fused_bias)
+            # One GEMM: the base output, then the shrink of each slot the step's rows may use; the
+            # delta is the expand alone.
+            out = linear(x, *self._fused(self.out_features + hook.fused_rows()))
             n = self.out_features
             if fold and hook.folds:
                 return out[:, :n], hook.pending(out[:, n:])
             return hook.expand(out[:, :n], out[:, n:]), None
         y = self._base(x)
         return (y if hook is None else hook.apply(y, x)), None
+
+    def _fused(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fused buffer's first ``rows`` rows and its bias's, as views made once."""
+        views = self.fused_views.get(rows)
+        if views is None:
+            bias = None if self.fused_bias is None else self.fused_bias[:rows]
+            views = self.fused_views[rows] = (self.fused_weight[:rows], bias)
+        return views
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:

@@ -23,7 +23,9 @@ and what runs the rows delta (``ops.RowKernels``), is fixed per device when
 Where the kernels run, each decoder linear's stack is also fused
 (``fuse_linear``): every slot's A sits under the weight in one buffer, so a
 rows step of fewer than ``MIN_SPLIT_FUSED_ROWS`` rows with adapter rows runs
-one GEMM that yields the base output and each slot's shrink; the kernel
+one GEMM that yields the base output and each slot's shrink (the slots below
+the step's ``LoraStep.width`` only: the rows' slots, rounded up to a width
+captured for that size, ``LoraLayers.widths``); the kernel
 after the GEMM adds the expand as it loads (``FOLD``, ``PendingExpand``: the
 rotary kernel q|k|v's, SiLU-and-mul gate|up's, the residual add's RMSNorm
 o's and down's), else the hook's ``expand`` in one launch. Steps without
@@ -90,6 +92,10 @@ BESIDE = True
 # add's RMSNorm) instead of a launch of its own. Read likewise
 # (``tools/profile_gpu_step.py --fold``).
 FOLD = True
+# Steps of up to this many rows also come in narrower widths (``LoraLayers.widths``): a fused GEMM's A rows of
+# slots no row uses are most of a small step's LoRA cost (``tools/profile_gpu_step.py --max-loras``: one adapter's
+# step over the base's, 1B shape, 98.7 / 96.8% with one / four slots at 1 row, 96.7 / 95.2% at 8, level at 64).
+NARROW_MAX_ROWS = 16
 EMBED_TOKENS = "model.embed_tokens"
 
 
@@ -109,11 +115,12 @@ class LoraStep:
     one of ``row_slots`` and ``segments`` is set. ``row_groups`` /
     ``sampled_row_groups``: those rows grouped by slot on the device
     (``LoraStack.row_groups``), made once per step for the grouped
-    kernel's batch sizes, else None.
+    kernel's batch sizes, else None. ``width``: with ``row_slots``, the
+    slots ``0..width-1`` a fused GEMM reads the A of (``LoraHook.fused_rows``).
     """
 
     __slots__ = ("segments", "sampled_segments", "dense", "sampled_dense", "token_slots", "row_slots", "row_groups",
-                 "sampled_row_slots", "sampled_row_groups", "side")
+                 "sampled_row_slots", "sampled_row_groups", "width", "side")
 
     def __init__(self) -> None:
         self.segments: LoraSegments | None = None
@@ -128,6 +135,8 @@ class LoraStep:
         self.row_groups: tuple[torch.Tensor, ...] | None = None
         self.sampled_row_slots: torch.Tensor | None = None
         self.sampled_row_groups: tuple[torch.Tensor, ...] | None = None
+        # A rows step's fused GEMMs read the A of slots below this (every row's slot is), not all.
+        self.width = 0
         # Where the kernels run on CUDA: the stream the decoder linears' deltas
         # run on, beside their base GEMMs (``LoraHook.runs_beside``).
         self.side: torch.cuda.Stream | None = None
@@ -175,6 +184,10 @@ class LoraHook:
         ``expand`` (a fused stack in a rows step with adapter rows; shapes and
         the step's kind only, so a captured graph keeps the choice)."""
         return self.step.row_slots is not None and not self.is_sampled and self.stack.fuses_rows(num_rows)
+
+    def fused_rows(self) -> int:
+        """The A rows this step's fused GEMM reads below the weight's: those of the slots below its width."""
+        return self.stack.slot_rows * self.step.width
 
     def expand(self, y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """y += the delta, given its shrink ``t`` from the fused GEMM."""
@@ -241,6 +254,11 @@ class LoraLayers:
         return next(iter(self.stacks.values())).a.device
 
     @property
+    def fuses(self) -> bool:
+        """Whether a decoder linear's A sits under its weight (``fuse_linear``)."""
+        return any(stack.fused for stack in self.stacks.values())
+
+    @property
     def max_rank(self) -> int:
         return next(iter(self.stacks.values())).max_rank
 
@@ -256,11 +274,12 @@ class LoraLayers:
             self.end_step()
             return
         if self.uses_rows:
+            width = self.width_for(chunk_slots, sum(query_lens))
             if _is_pure_decode(query_lens, chunk_slots, sampled_slots):
-                self.begin_rows_step(self._on_device(chunk_slots))
+                self.begin_rows_step(self._on_device(chunk_slots), width=width)
                 return
             sampled = self._on_device(sampled_slots) if any(sampled_slots) else None
-            self.begin_rows_step(self._on_device(_token_slots(chunk_slots, query_lens)), sampled)
+            self.begin_rows_step(self._on_device(_token_slots(chunk_slots, query_lens)), sampled, width=width)
             if sampled is None:  # no sampled row has an adapter: the LM head skips its delta
                 self.step.sampled_row_slots = self.step.sampled_row_groups = None
             return
@@ -297,7 +316,21 @@ class LoraLayers:
         self.kernels.piece_copies([scratch[:1]], [scratch[1:]])()
         torch.cuda.synchronize(self.device)
 
-    def begin_rows_step(self, row_slots: torch.Tensor, sampled_row_slots: torch.Tensor | None = None) -> None:
+    def widths(self, num_rows: int) -> tuple[int, ...]:
+        """The widths (``LoraStep.width``) a rows step of ``num_rows`` rows takes, ascending: where a fused
+        GEMM runs and up to ``NARROW_MAX_ROWS`` rows, the slots below 2, 3, 5, 9, ... (one adapter slot, two,
+        four, ...) and all of them; else all. A graph is captured for each (``step_graphs``)."""
+        if num_rows > NARROW_MAX_ROWS or not self.fuses:
+            return (self.num_slots,)
+        return _narrow_widths(self.num_slots)
+
+    def width_for(self, slots: Sequence[int], num_rows: int) -> int:
+        """The narrowest of ``widths(num_rows)`` above every slot of ``slots`` (host ints: the step's)."""
+        top = max(slots, default=0)
+        return next(w for w in self.widths(num_rows) if w > top)
+
+    def begin_rows_step(self, row_slots: torch.Tensor, sampled_row_slots: torch.Tensor | None = None, *,
+                        width: int | None = None) -> None:
         """A step by rows: token row ``t`` runs on slot ``row_slots[t]`` (int32
         [T] on this model's device, 0 = base), the LM head's sampled row ``i``
         on ``sampled_row_slots[i]`` (int32 [S]; default: ``row_slots`` itself,
@@ -305,7 +338,8 @@ class LoraLayers:
 
         The tensors are kept, not copied, and never read on the host: a caller
         capturing a CUDA graph passes its static slots buffers and rewrites
-        them before each replay. Call it inside the captured region: with the
+        them before each replay. ``width``: every row's slot is below it (default: all
+        slots), the fused GEMMs read only those slots' A (``widths``). Call it inside the captured region: with the
         kernels it also groups the rows by slot on the device (a few small
         ops, once per step), which the replay must redo. Slots must be
         installed ones (not checked here: checking would read the device)."""
@@ -314,7 +348,11 @@ class LoraLayers:
         self.step.sampled_segments = None
         self.step.dense = self.step.sampled_dense = None
         self.step.token_slots = None
+        width = self.num_slots if width is None else width
+        if not 1 <= width <= self.num_slots:
+            raise ValueError(f"a rows step's width is {width}; accepted: 1..{self.num_slots} (its rows' slots are below it)")
         self.step.row_slots = row_slots
+        self.step.width = width
         self.step.row_groups = self._row_groups(row_slots)
         if sampled_row_slots is None:
             self.step.sampled_row_slots, self.step.sampled_row_groups = row_slots, self.step.row_groups
@@ -468,6 +506,16 @@ def _token_slots(chunk_slots: Sequence[int], query_lens: Sequence[int]) -> list[
     return [slot for slot, n in zip(chunk_slots, query_lens, strict=True) for _ in range(n)]
 
 
+@functools.cache
+def _narrow_widths(num_slots: int) -> tuple[int, ...]:
+    """The slots below 2, 3, 5, 9, ... (the zero slot and one adapter slot, two, four, ...), then all of them."""
+    widths, adapters = [], 1
+    while adapters + 1 < num_slots:
+        widths.append(adapters + 1)
+        adapters *= 2
+    return (*widths, num_slots)
+
+
 def _is_pure_decode(query_lens: Sequence[int], chunk_slots: Sequence[int], sampled_slots: Sequence[int]) -> bool:
     """One row per chunk and every chunk sampled: the sampled rows are the
     token rows in the same order, so one slot per row serves every hook."""
@@ -555,6 +603,7 @@ def fuse_linear(module: nn.Linear, stack: LoraStack) -> bool:
     if module.bias is not None:
         module.bias = nn.Parameter(fused_bias[: module.out_features], requires_grad=False)
     module.fused_weight, module.fused_bias = fused, fused_bias
+    module.fused_views = {}
     return True
 
 

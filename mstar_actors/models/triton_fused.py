@@ -93,7 +93,7 @@ def _inv_rms(x, n, eps, AXIS: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(x_ptr, stride_x0, stride_x1, res_ptr, stride_res, w_ptr, out_ptr, n, eps,
                      t_ptr, stride_t, b_ptr, stride_bs, stride_bn, sc_ptr, stride_ss, stride_sl, lslot_ptr,
-                     num_slots, R,
+                     num_shards, R,
                      HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr, FOLD: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK: tl.constexpr, GDC: tl.constexpr):
     i0 = tl.program_id(0).to(tl.int64)
@@ -115,7 +115,7 @@ def _rms_norm_kernel(x_ptr, stride_x0, stride_x1, res_ptr, stride_res, w_ptr, ou
     if HAS_RES:
         y = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         if FOLD:
-            y = _plus_expand(y, b, _shrunk(t_ptr, row, stride_t, 0, num_slots, lslot, R, offs_r, mask_r, scale), live)
+            y = _plus_expand(y, b, _shrunk(t_ptr, row, stride_t, 0, num_shards, lslot, R, offs_r, mask_r, scale), live)
         # ``x + residual`` rounded to the dtype, stored back as the new residual.
         x = (x.to(tl.float32) + y.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(res_ptr + row * stride_res + cols, x, mask=mask)
@@ -178,9 +178,9 @@ def _row_slot(lslot_ptr, row, R, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _shrunk(t_ptr, row, stride_t, shard, num_slots, slot, R, offs_r, mask, scale):
+def _shrunk(t_ptr, row, stride_t, shard, num_shards, slot, R, offs_r, mask, scale):
     """A row's shrink for one shard from the fused GEMM's A columns, scaled (``lora.triton_ops.expand_rows``'s)."""
-    at = t_ptr + row * stride_t + (shard * num_slots + slot) * R + offs_r
+    at = t_ptr + row * stride_t + (slot * num_shards + shard) * R + offs_r
     return tl.load(at, mask=mask, other=0.0).to(tl.float32) * scale
 
 
@@ -196,7 +196,7 @@ def _rope_write_kv_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_
                           cos_ptr, sin_ptr, stride_ct, cache_ptr, stride_cs, stride_ch, cache_half, slot_ptr,
                           num_heads, dq_ptr, dk_ptr, dv_ptr, qo_ptr, stride_qot, stride_qoh, qw_ptr, kw_ptr, eps,
                           t_ptr, stride_t, b_ptr, stride_bs, stride_bn, sc_ptr, stride_ss, stride_sl, lslot_ptr,
-                          num_slots, R, k_col, v_col, g_ptr, stride_gt, stride_gh,
+                          num_shards, R, k_col, v_col, g_ptr, stride_gt, stride_gh,
                           HAS_DELTA: tl.constexpr, FOLD: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr,
                           BLOCK_R: tl.constexpr, DIM: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
                           GDC: tl.constexpr):
@@ -259,8 +259,8 @@ def _rope_write_kv_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_
         x = (x.to(tl.float32) + tl.load(dbase + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
         xo = (xo.to(tl.float32) + tl.load(dbase + other, mask=mask, other=0.0).to(tl.float32)).to(xo.dtype)
     if FOLD:
-        tx = _shrunk(t_ptr, t, stride_t, shard, num_slots, lslot, R, offs_r, mask_r, scale)
-        tv = _shrunk(t_ptr, t, stride_t, 2, num_slots, lslot, R, offs_r, offs_r < tl.where(live & is_k, R, 0), v_scale)
+        tx = _shrunk(t_ptr, t, stride_t, shard, num_shards, lslot, R, offs_r, mask_r, scale)
+        tv = _shrunk(t_ptr, t, stride_t, 2, num_shards, lslot, R, offs_r, offs_r < tl.where(live & is_k, R, 0), v_scale)
         x = _plus_expand(x, bx, tx, live)
         xo = _plus_expand(xo, bo, tx, live)
         v = _plus_expand(v, bv, tv, live)
@@ -409,7 +409,7 @@ def _delta_heads(delta: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 @triton.jit
 def _silu_mul_kernel(x_ptr, stride_x, d_ptr, out_ptr, stride_out, M, n,
                      t_ptr, stride_t, b_ptr, stride_bs, stride_bn, sc_ptr, stride_ss, stride_sl, lslot_ptr,
-                     num_slots, R, up_col,
+                     num_shards, R, up_col,
                      HAS_DELTA: tl.constexpr, FOLD: tl.constexpr, F32: tl.constexpr, BLOCK_R: tl.constexpr,
                      ROWS: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
     """A tile of ``ROWS`` rows by ``BLOCK`` columns a program."""
@@ -439,17 +439,17 @@ def _silu_mul_kernel(x_ptr, stride_x, d_ptr, out_ptr, stride_out, M, n,
         gate = (gate.to(tl.float32) + tl.load(d_ptr + d_at, mask=tile, other=0.0).to(tl.float32)).to(dtype)
         up = (up.to(tl.float32) + tl.load(d_ptr + d_at + n, mask=tile, other=0.0).to(tl.float32)).to(dtype)
     if FOLD:  # one dot a slot of the tile's rows, each row's from its own slot only
-        gate_d = _fold_dot(t_ptr, stride_t, rows, lslot, slot, 0, num_slots, offs_r, R, b_gate,
+        gate_d = _fold_dot(t_ptr, stride_t, rows, lslot, slot, 0, num_shards, offs_r, R, b_gate,
                            tl.load(sc_ptr + slot * stride_sl), F32, ROWS > 1)
-        up_d = _fold_dot(t_ptr, stride_t, rows, lslot, slot, 1, num_slots, offs_r, R, b_up,
+        up_d = _fold_dot(t_ptr, stride_t, rows, lslot, slot, 1, num_shards, offs_r, R, b_up,
                          tl.load(sc_ptr + stride_ss + slot * stride_sl), F32, ROWS > 1)
         slot, done = _next_slot(lslot, done)
         while slot != 0:
             b = _b_tile(b_ptr, stride_bs, stride_bn, slot, 0, cols, mask, offs_r, offs_r < R)
-            gate_d += _fold_dot(t_ptr, stride_t, rows, lslot, slot, 0, num_slots, offs_r, R, b,
+            gate_d += _fold_dot(t_ptr, stride_t, rows, lslot, slot, 0, num_shards, offs_r, R, b,
                                 tl.load(sc_ptr + slot * stride_sl), F32, ROWS > 1)
             b = _b_tile(b_ptr, stride_bs, stride_bn, slot, up_col, cols, mask, offs_r, offs_r < R)
-            up_d += _fold_dot(t_ptr, stride_t, rows, lslot, slot, 1, num_slots, offs_r, R, b,
+            up_d += _fold_dot(t_ptr, stride_t, rows, lslot, slot, 1, num_shards, offs_r, R, b,
                               tl.load(sc_ptr + stride_ss + slot * stride_sl), F32, ROWS > 1)
             slot, done = _next_slot(lslot, done)
         live = (lslot != 0)[:, None]
@@ -544,7 +544,7 @@ def _delta_or_expand(delta, expand) -> tuple:
 
 def fold_args(expand, y: torch.Tensor, sizes: list[int]) -> tuple | None:
     """``expand``'s kernel arguments (t, its row stride, B and its slot and
-    column strides, the scales and theirs, the row slots, the slots, the
+    column strides, the scales and theirs, the row slots, the shards, the
     rank, then the B columns where the second and third shards start), zeros
     without one; None where it does not fit ``y``'s dtype or its shards are
     not ``sizes``."""
@@ -552,14 +552,14 @@ def fold_args(expand, y: torch.Tensor, sizes: list[int]) -> tuple | None:
         return (y, 0, y, 0, 0, y, 0, 0, y, 0, 0, 0, 0)
     stack, t, row_slots = expand.stack, expand.t, expand.row_slots
     b, scales = stack.b, stack.scales
-    num_shards, num_slots, max_rank, _ = stack.a.shape
+    num_shards, _, max_rank, _ = stack.a.shape
     if (list(stack.output_sizes) != sizes or b.dtype != y.dtype or t.dtype != y.dtype or b.stride(2) != 1
-            or t.stride(1) != 1 or t.shape != (y.shape[0], num_shards * num_slots * max_rank)
+            or t.stride(1) != 1 or not stack.shrink_fits(t, y.shape[0])
             or row_slots.shape != (y.shape[0],) or row_slots.stride(0) != 1 or scales.dtype != torch.float32):
         return None
     offsets = stack.offsets
     return (t, t.stride(0), b, b.stride(0), b.stride(1), scales, scales.stride(0), scales.stride(1), row_slots,
-            num_slots, max_rank, offsets[1], offsets[2] if len(offsets) > 3 else 0)
+            num_shards, max_rank, offsets[1], offsets[2] if len(offsets) > 3 else 0)
 
 
 def fold_block_r(expand) -> int:

@@ -43,9 +43,11 @@ Shared by both (``_StepGraphs``):
   the ones it reports, so the scheduler never hands it out and padded writes
   never touch a sequence's cache. Padding rows are on LoRA slot 0.
 - LoRA: each bucket has a base graph (no LoRA step: every hook is a no-op,
-  so base requests on a LoRA server keep base speed) and a rows graph
-  (``LoraLayers.begin_rows_step`` over the static slots), picked per step
-  by whether any row has an adapter. The graphs read the LoRA stacks'
+  so base requests on a LoRA server keep base speed) and a rows graph per
+  width (``LoraLayers.begin_rows_step`` over the static slots; a small
+  bucket's narrower widths read fewer slots' A, ``LoraLayers.widths``),
+  picked per step by its rows' slots (``width_for``; 0, the base graph,
+  where no row has an adapter). The graphs read the LoRA stacks'
   tensors by address: adapter installs must write into them in place
   (``LoraStack.install_slot`` does), which ``check_lora_in_place`` asserts
   after each install.
@@ -204,7 +206,7 @@ def _capture(forward: Callable[[], None], pool: Any, device: torch.device) -> to
 
 class _StepGraphs:
     """What both sets share: the model, the staging and table buffers, capture
-    and replay by key ``(bucket, uses_rows)``, the LoRA address check.
+    and replay by key ``(bucket, width)`` (``width`` 0: the base graph), the LoRA address check.
 
     Owned by the runner, used on its thread only, one step at a time.
     """
@@ -221,7 +223,7 @@ class _StepGraphs:
         self.device = kv_caches[0].device
         self.step_tokens = step_tokens  # the runner's: the last sampling's tokens, read by address
         self.is_captured = False
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[Any, int], torch.cuda.CUDAGraph] = {}
         self.block_tables = torch.full((num_table_rows, max_blocks_per_seq), scratch_block, dtype=torch.int32,
                                        device=self.device)
         self._lora_addresses = _lora_addresses(lora)
@@ -303,19 +305,34 @@ class _StepGraphs:
         from_device = self.step_tokens.index_select(0, input_src.clamp(min=0))
         input_ids.copy_(torch.where(input_src >= 0, from_device, input_ids))
 
-    def _replay(self, key: tuple[int, bool]) -> None:
+    def _replay(self, key: tuple[Any, int]) -> None:
         if self.is_captured:
             self.graphs[key].replay()
         else:
             with torch.inference_mode():
                 self._forward(*key)
 
-    def _forward(self, bucket: Any, uses_rows: bool) -> None:
+    def _forward(self, bucket: Any, width: int) -> None:
         raise NotImplementedError
 
     def _bucket_keys(self) -> list:
-        """The graphs' buckets, ascending (a key is ``(bucket, uses_rows)``)."""
+        """The graphs' buckets, ascending (a key is ``(bucket, width)``)."""
         return list(self.buckets)
+
+    @staticmethod
+    def _rows_of(bucket: Any) -> int:
+        """A bucket's token rows (a hybrid model's mixed buckets are ``(tokens, longer sequences)``)."""
+        return bucket[0] if isinstance(bucket, tuple) else bucket
+
+    def _widths(self, bucket: Any) -> tuple[int, ...]:
+        """The bucket's graphs' widths: 0 (base), then each LoRA rows width (``LoraLayers.widths``)."""
+        return (0,) if self.lora is None else (0, *self.lora.widths(self._rows_of(bucket)))
+
+    def width_for(self, bucket: Any, chunk_slots: Sequence[int]) -> int:
+        """The width of a step whose chunks are on ``chunk_slots``: 0 where none has an adapter."""
+        if self.lora is None or not any(chunk_slots):
+            return 0
+        return self.lora.width_for(chunk_slots, self._rows_of(bucket))
 
     def _stage_empty(self, bucket: Any) -> None:
         """Before a bucket's capture: a header its warm-up runs may read (padding laid out for it)."""
@@ -326,19 +343,18 @@ class _StepGraphs:
     # -- capture -----------------------------------------------------------
 
     def capture_all(self, pool: Any = None) -> None:
-        """Capture every (bucket, variant), largest bucket first, into ``pool``
+        """Capture every (bucket, width), largest bucket first, into ``pool``
         (a fresh one when None; see the module doc)."""
-        variants = (False, True) if self.lora is not None else (False,)
         torch.cuda.synchronize(self.device)
         free_before, _ = torch.cuda.mem_get_info(self.device)
         start = time.perf_counter()
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        total, reported = len(self._bucket_keys()) * len(variants), start
+        total, reported = sum(len(self._widths(bucket)) for bucket in self._bucket_keys()), start
         with torch.inference_mode():
             for bucket in reversed(self._bucket_keys()):
                 self._stage_empty(bucket)
-                for uses_rows in variants:
-                    self.graphs[(bucket, uses_rows)] = self._capture_one(bucket, uses_rows, pool)
+                for width in self._widths(bucket):
+                    self.graphs[(bucket, width)] = self._capture_one(bucket, width, pool)
                 if time.perf_counter() - reported > PROGRESS_EVERY_S and len(self.graphs) < total:
                     reported = time.perf_counter()
                     log.info("%s: %d of %d captured (%.0f s)", self.name, len(self.graphs), total, reported - start)
@@ -347,16 +363,22 @@ class _StepGraphs:
         self.is_captured = True
         log.info(
             "%s: %d captured (%s%s) in %.1f s, %.1f MiB of device memory",
-            self.name, len(self.graphs), self._sizes(), ", base and LoRA rows each" if len(variants) == 2 else "",
+            self.name, len(self.graphs), self._sizes(), self._variants(),
             time.perf_counter() - start, (free_before - free_after) / 2**20,
         )
 
-    def _capture_one(self, bucket: int, uses_rows: bool, pool: Any) -> torch.cuda.CUDAGraph:
+    def _variants(self) -> str:
+        if self.lora is None:
+            return ""
+        narrow = sum(0 < width < self.lora.num_slots for _, width in self.graphs)
+        return ", base and LoRA rows each" + (f", and {narrow} of the small buckets' narrower LoRA widths" if narrow else "")
+
+    def _capture_one(self, bucket: Any, width: int, pool: Any) -> torch.cuda.CUDAGraph:
         try:
-            return _capture(lambda: self._forward(bucket, uses_rows), pool, self.device)
+            return _capture(lambda: self._forward(bucket, width), pool, self.device)
         except Exception as err:
             raise RuntimeError(
-                f"{self.name}: capturing bucket {bucket} ({'LoRA rows' if uses_rows else 'base'}) failed: {err}; "
+                f"{self.name}: capturing bucket {bucket} ({f'LoRA rows, width {width}' if width else 'base'}) failed: {err}; "
                 f"to serve without these graphs, {self.off_hint}"
             ) from err
 
@@ -456,10 +478,10 @@ class DecodeGraphs(_StepGraphs):
         (``base_seed``: the unseeded rows'); without it the graph's draw is
         of no row."""
         bucket = self._load(batch, race, base_seed)
-        self._replay((bucket, self.lora is not None and any(batch.chunk_slots)))
+        self._replay((bucket, self.width_for(bucket, batch.chunk_slots)))
         return self.logits[: len(batch.input_ids)]
 
-    def _forward(self, bucket: int, uses_rows: bool) -> None:
+    def _forward(self, bucket: int, width: int) -> None:
         """The static-shape step over rows ``:bucket``: what a graph captures."""
         for static, staged in zip((self.input_ids, self.positions, self.slot_mapping, self.state_slots),
                                   self._stage_longs):
@@ -477,8 +499,8 @@ class DecodeGraphs(_StepGraphs):
             graph_decode=True,
             state_slots=self.state_slots[:bucket] if is_hybrid else None,
         )
-        if uses_rows:
-            self.lora.begin_rows_step(self.lora_slots[:bucket])
+        if width:
+            self.lora.begin_rows_step(self.lora_slots[:bucket], width=width)
         try:
             hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, meta)
             self.logits[:bucket].copy_(self.model.compute_logits(hidden))
@@ -662,10 +684,10 @@ class MixedGraphs(_StepGraphs):
         a view of the static output, valid until the next ``run``; ``race``:
         as ``DecodeGraphs.run``'s."""
         key = self._load(batch, race, base_seed)
-        self._replay((key, self.lora is not None and any(batch.chunk_slots)))
+        self._replay((key, self.width_for(key, batch.chunk_slots)))
         return self.logits[: len(batch.logits_indices)]
 
-    def _forward(self, key: Any, uses_rows: bool) -> None:
+    def _forward(self, key: Any, width: int) -> None:
         """The static-shape step over the bucket's tokens: what a graph captures."""
         bucket, chunk_seqs = key if isinstance(key, tuple) else (key, 0)
         self.longs[:, :bucket].copy_(self._stage_longs[:, :bucket])
@@ -685,8 +707,8 @@ class MixedGraphs(_StepGraphs):
             self.state_slots.copy_(self._stage_states)
             meta.state_slots, meta.deltanet_static = self.state_slots, self._static_step(bucket, chunk_seqs)
         is_padding = self._token_index[:bucket] >= self.query_start[-1]
-        if uses_rows:
-            self.lora.begin_rows_step(self.token_slots[:bucket], self.sampled_slots)
+        if width:
+            self.lora.begin_rows_step(self.token_slots[:bucket], self.sampled_slots, width=width)
         try:
             with _padding_rows_zeroed(self.model, is_padding):
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)

@@ -15,6 +15,7 @@ from lora_factories import make_adapter, make_base
 
 from mstar_actors.lora import LoraModule, LoraStack, build_segments
 from mstar_actors.lora.ops import delta_rows_ref
+from mstar_actors.models import lora_layers
 
 triton_ops = pytest.importorskip("mstar_actors.lora.triton_ops")
 
@@ -358,9 +359,9 @@ def _decode_logits(runner, slots, *, rows: bool, kernel: bool, monkeypatch) -> t
 
 
 def _spy(method, calls):
-    def spied(self, row_slots):
+    def spied(self, row_slots, *args, **kwargs):
         calls.append(row_slots.tolist())
-        return method(self, row_slots)
+        return method(self, row_slots, *args, **kwargs)
 
     return spied
 
@@ -426,6 +427,26 @@ def test_fused_linears_decode_through_rows_equals_segments(fused_runner, kernel,
     got = _decode_logits(fused_runner, slots, rows=True, kernel=kernel, monkeypatch=monkeypatch)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert len(expands) == 4 * fused_runner.model.spec.num_layers
+
+
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=interpreted)])
+@pytest.mark.parametrize("slots,width", [([1, 0, 1], 2), ([0, 2, 1, 0], 3), ([3, 1], 4)])
+def test_fused_steps_read_the_a_of_their_slots_only(fused_runner, kernel, slots, width, monkeypatch):
+    """A small step's fused GEMMs read the buffer's weight and the A of the slots below its width (the
+    narrowest of ``widths`` above its rows' slots), not every slot's: the same logits as the segment path."""
+    from mstar_actors.models import decoder
+    from mstar_actors.models.decoder import LoraLinear
+
+    lora = fused_runner.lora
+    assert lora.widths(len(slots)) == (2, 3, 4) and lora.widths(lora_layers.NARROW_MAX_ROWS + 1) == (4,)
+    assert lora.width_for(slots, len(slots)) == width
+    want = _decode_logits(fused_runner, slots, rows=False, kernel=False, monkeypatch=monkeypatch)
+    rows, linear = [], decoder.linear
+    monkeypatch.setattr(decoder, "linear", lambda x, w, b=None: rows.append(w.shape[0]) or linear(x, w, b))
+    got = _decode_logits(fused_runner, slots, rows=True, kernel=kernel, monkeypatch=monkeypatch)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    fused = [m for m in fused_runner.model.modules() if isinstance(m, LoraLinear) and m.fused_weight is not None]
+    assert sorted(rows) == sorted(m.out_features + width * m.lora.stack.slot_rows for m in fused)
 
 
 @interpreted

@@ -256,7 +256,7 @@ def test_static_base_rows_on_a_lora_runner_skip_the_delta(lora_world, monkeypatc
     """A step with no adapter row runs the base variant: no LoRA step at all."""
     runner = lora_runner(lora_world, static=4)
     calls = []
-    monkeypatch.setattr(runner.lora, "begin_rows_step", lambda slots: calls.append(slots))
+    monkeypatch.setattr(runner.lora, "begin_rows_step", lambda slots, **kw: calls.append(slots))
     base = script(runner)
     assert base == script(make_runner(lora_world[0]))
     assert calls == []
@@ -323,7 +323,7 @@ def test_captured_graphs_match_eager_on_cuda(hf_models):
     want = script(eager)
     runner = cuda_runner(folder)
     assert runner.graphs is not None and runner.graphs.is_captured
-    assert set(runner.graphs.graphs) == {(b, False) for b in (1, 2, 4)}
+    assert set(runner.graphs.graphs) == {(b, 0) for b in (1, 2, 4)}
     sizes = count_graph_steps(runner)
     assert script(runner) == want
     assert {1, 2, 3, 4} <= set(sizes)
@@ -373,15 +373,21 @@ def test_fused_kernels_match_the_torch_ops_on_cuda(hf_models, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused_ops", [False, True], ids=["torch_ops", "fused"])
 def test_captured_lora_graphs_match_eager_on_cuda(lora_world, fused_ops, monkeypatch):
-    from mstar_actors.models import triton_fused
+    """Every linear's A under its weight (the tiny model's A rows outweigh its weights, so the share rule is
+    lifted): the graphs of each width, a narrow one among them, give the eager steps' tokens."""
+    from mstar_actors.models import lora_layers, triton_fused
 
     monkeypatch.setattr(triton_fused, "enabled", fused_ops)
+    monkeypatch.setattr(lora_layers, "MAX_FUSED_SHARE", 100.0)
     want = script(lora_runner(lora_world, device="cuda"), MIXED_SLOTS)
     runner = lora_runner(lora_world, device="cuda", enforce_eager=False, cuda_graph_max_batch=4)
-    assert set(runner.graphs.graphs) == {(b, rows) for b in (1, 2, 4) for rows in (False, True)}
+    assert runner.lora.widths(4) == (2, 3) == (2, runner.lora.num_slots)
+    assert set(runner.graphs.graphs) == {(b, w) for b in (1, 2, 4) for w in (0, 2, 3)}
+    replayed, replay = [], runner.graphs._replay
+    runner.graphs._replay = lambda key: replayed.append(key[1]) or replay(key)
     sizes = count_graph_steps(runner)
     assert script(runner, MIXED_SLOTS) == want
-    assert sizes
+    assert sizes and {0, 2, 3} <= set(replayed)
     # bf16: teacher-forced eager against the graphs, logits within tolerance.
     graph_rec = Recorder()
     graph_out = script(lora_runner(lora_world, device="cuda", dtype="bfloat16", enforce_eager=False,

@@ -350,8 +350,8 @@ def test_static_lora_sampled_rows_have_their_own_slots(lora_world, monkeypatch):
     calls = []
     begin = type(runner.lora).begin_rows_step
     monkeypatch.setattr(type(runner.lora), "begin_rows_step",
-                        lambda self, rows, sampled=None: (calls.append((rows.tolist(), sampled.tolist())),
-                                                          begin(self, rows, sampled)))
+                        lambda self, rows, sampled=None, **kw: (calls.append((rows.tolist(), sampled.tolist())),
+                                                                begin(self, rows, sampled, **kw)))
     d = Driver(runner)
     d.step([d.start("a", [5, 6, 7], slot=1), d.start("b", [3, 4], slot=0), d.start("c", [8, 9, 10, 11], slot=2)],
            [d.chunk("a"), d.chunk("b"), d.chunk("c", 2)])
@@ -361,7 +361,7 @@ def test_static_lora_sampled_rows_have_their_own_slots(lora_world, monkeypatch):
 def test_static_base_steps_on_a_lora_runner_skip_the_delta(lora_world, monkeypatch):
     runner = lora_runner(lora_world)
     calls = []
-    monkeypatch.setattr(runner.lora, "begin_rows_step", lambda *args: calls.append(args))
+    monkeypatch.setattr(runner.lora, "begin_rows_step", lambda *args, **kw: calls.append(args))
     assert script(runner) == script(make_runner(lora_world[0], graphs=False))
     assert calls == []
 
