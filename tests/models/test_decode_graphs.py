@@ -387,7 +387,7 @@ def test_captured_lora_graphs_match_eager_on_cuda(lora_world, fused_ops, monkeyp
     runner.graphs._replay = lambda key: replayed.append(key[1]) or replay(key)
     sizes = count_graph_steps(runner)
     assert script(runner, MIXED_SLOTS) == want
-    assert sizes and {0, 2, 3} <= set(replayed)
+    assert sizes and set(replayed) == {2, 3}  # every step of the script has an adapter row
     # bf16: teacher-forced eager against the graphs, logits within tolerance.
     graph_rec = Recorder()
     graph_out = script(lora_runner(lora_world, device="cuda", dtype="bfloat16", enforce_eager=False,
