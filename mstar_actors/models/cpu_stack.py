@@ -260,8 +260,9 @@ static void lora_delta(const linear_desc *l, const float *x, int64_t M, float *y
                 }
             }
             /* B transposed, [rank][out]: a block of outputs of up to four rows held while every rank's
-               row is scaled into it (y read and written once, not once a rank) */
-            #pragma omp for schedule(static)
+               row is scaled into it (y read and written once, not once a rank); no barrier at its end,
+               the region's own joins the threads */
+            #pragma omp for schedule(static) nowait
             for (int64_t c = 0; c < out; c += LORA_COLS) {
                 const int64_t end = c + LORA_COLS < out ? c + LORA_COLS : out;
                 for (int64_t i = 0; i < NS; i++) {
