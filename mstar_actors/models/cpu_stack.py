@@ -214,9 +214,10 @@ INLINE void lora_expand_tile(float *const *yr, const float *const *coef, const v
 /* y[m] += the LoRA delta of row m's adapter (row_slots[m]; 0: the base, none),
    as LoraStack's: per shard i, scale[i][s] * (x[m] . A[i][s][r] for each r) times
    B[s][n] for n in the shard's outputs. The rows of one slot together, in
-   register tiles (lora_shrink_tile, lora_expand_tile); one parallel region a
-   slot, its shrink over groups of four rows of A, then its expand over chunks
-   of outputs.
+   register tiles (lora_shrink_tile, lora_expand_tile); one parallel region,
+   a slot at a time: its shrink over groups of four rows of A, then its expand
+   over chunks of outputs, which the next slot's shrink does not wait for (the
+   slots' rows, and their rows of work, are apart).
    work: M * shards * rank floats, M indices. */
 static void lora_delta(const linear_desc *l, const float *x, int64_t M, float *y, const int64_t *row_slots,
                        float *work, int64_t *rows, int num_threads) {
@@ -224,69 +225,77 @@ static void lora_delta(const linear_desc *l, const float *x, int64_t M, float *y
     const int64_t NS = l->lora_shards, W = NS * R;
     const int half = l->lora_half != 0;
     if (!row_slots || !l->lora_a) return;
-    for (int64_t s = 1; s < S; s++) {
-        int64_t G = 0;
-        for (int64_t m = 0; m < M; m++)
-            if (row_slots[m] == s) rows[G++] = m;
+    int64_t starts[S + 1];  /* slot s's rows: rows[starts[s] .. starts[s + 1]), in order */
+    int64_t total = 0;
+    for (int64_t s = 0; s < S; s++) {
+        starts[s] = total;
         int targeted = 0;  /* an adapter that leaves this linear alone (every scale 0) adds nothing */
         for (int64_t i = 0; i < NS; i++) targeted |= l->lora_scales[i * S + s] != 0.0f;
-        if (!G || !targeted) continue;
+        if (s == 0 || !targeted) continue;
+        for (int64_t m = 0; m < M; m++)
+            if (row_slots[m] == s) rows[total++] = m;
+    }
+    starts[S] = total;
+    if (!total) return;
+    #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && total * (W * in + R * out) >= LORA_PARALLEL)
+    for (int64_t s = 1; s < S; s++) {
+        const int64_t G = starts[s + 1] - starts[s];
+        if (!G) continue;  /* every thread alike: the same loops meet the same worksharing */
+        const int64_t *const srows = rows + starts[s];
+        float *const swork = work + starts[s] * W;
         const void *bt = factor_row(l->lora_bt, s * R * out, half);
-        #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && G * (W * in + R * out) >= LORA_PARALLEL)
-        {
-            for (int64_t g0 = 0; g0 < G; g0 += LORA_ROW_BLOCK) {  /* a block of rows at a time: its x stays cached */
-                const int64_t g1 = g0 + LORA_ROW_BLOCK < G ? g0 + LORA_ROW_BLOCK : G;
-                #pragma omp for schedule(static)
-                for (int64_t ir = 0; ir < W; ir += 4) {
-                    const int nr = W - ir < 4 ? (int)(W - ir) : 4;
-                    const void *ar[4];
-                    float scale[4];
-                    for (int j = 0; j < 4; j++) {
-                        const int64_t a_row = ir + (j < nr ? j : nr - 1), i = a_row / R;
-                        ar[j] = factor_row(l->lora_a, ((i * S + s) * R + a_row % R) * in, half);
-                        scale[j] = l->lora_scales[i * S + s];
-                    }
-                    for (int64_t g = g0; g < g1; g += 2) {
-                        const float *xs[2] = {x + rows[g] * in, x + rows[g + (g + 1 < g1)] * in};
-                        float *dst[2] = {work + g * W + ir, work + (g + 1) * W + ir};
-                        if (g + 1 < g1) {
-                            if (half) lora_shrink_tile(xs, in, ar, scale, dst, nr, 2, 1);
-                            else lora_shrink_tile(xs, in, ar, scale, dst, nr, 2, 0);
-                        } else {
-                            if (half) lora_shrink_tile(xs, in, ar, scale, dst, nr, 1, 1);
-                            else lora_shrink_tile(xs, in, ar, scale, dst, nr, 1, 0);
-                        }
+        for (int64_t g0 = 0; g0 < G; g0 += LORA_ROW_BLOCK) {  /* a block of rows at a time: its x stays cached */
+            const int64_t g1 = g0 + LORA_ROW_BLOCK < G ? g0 + LORA_ROW_BLOCK : G;
+            #pragma omp for schedule(static)
+            for (int64_t ir = 0; ir < W; ir += 4) {
+                const int nr = W - ir < 4 ? (int)(W - ir) : 4;
+                const void *ar[4];
+                float scale[4];
+                for (int j = 0; j < 4; j++) {
+                    const int64_t a_row = ir + (j < nr ? j : nr - 1), i = a_row / R;
+                    ar[j] = factor_row(l->lora_a, ((i * S + s) * R + a_row % R) * in, half);
+                    scale[j] = l->lora_scales[i * S + s];
+                }
+                for (int64_t g = g0; g < g1; g += 2) {
+                    const float *xs[2] = {x + srows[g] * in, x + srows[g + (g + 1 < g1)] * in};
+                    float *dst[2] = {swork + g * W + ir, swork + (g + 1) * W + ir};
+                    if (g + 1 < g1) {
+                        if (half) lora_shrink_tile(xs, in, ar, scale, dst, nr, 2, 1);
+                        else lora_shrink_tile(xs, in, ar, scale, dst, nr, 2, 0);
+                    } else {
+                        if (half) lora_shrink_tile(xs, in, ar, scale, dst, nr, 1, 1);
+                        else lora_shrink_tile(xs, in, ar, scale, dst, nr, 1, 0);
                     }
                 }
             }
-            /* B transposed, [rank][out]: a block of outputs of up to four rows held while every rank's
-               row is scaled into it (y read and written once, not once a rank); no barrier at its end,
-               the region's own joins the threads */
-            #pragma omp for schedule(static) nowait
-            for (int64_t c = 0; c < out; c += LORA_COLS) {
-                const int64_t end = c + LORA_COLS < out ? c + LORA_COLS : out;
-                for (int64_t i = 0; i < NS; i++) {
-                    const int64_t lo = l->lora_offsets[i] > c ? l->lora_offsets[i] : c;
-                    const int64_t hi = l->lora_offsets[i + 1] < end ? l->lora_offsets[i + 1] : end;
-                    for (int64_t g = 0; g < G && lo < hi; g += 4) {
-                        float *yr[4];
-                        const float *coef[4];
-                        const int ng = G - g < 4 ? (int)(G - g) : 4;
-                        for (int j = 0; j < ng; j++) {
-                            yr[j] = y + rows[g + j] * out;
-                            coef[j] = work + (g + j) * W + i * R;
-                        }
-                        #define LORA_EXPAND(NG) \
-                            (half ? lora_expand_tile(yr, coef, bt, out, R, lo, hi, NG, 1) \
-                                  : lora_expand_tile(yr, coef, bt, out, R, lo, hi, NG, 0))
-                        switch (ng) {
-                            case 4: LORA_EXPAND(4); break;
-                            case 3: LORA_EXPAND(3); break;
-                            case 2: LORA_EXPAND(2); break;
-                            default: LORA_EXPAND(1);
-                        }
-                        #undef LORA_EXPAND
+        }
+        /* B transposed, [rank][out]: a block of outputs of up to four rows held while every rank's
+           row is scaled into it (y read and written once, not once a rank); no barrier at its end,
+           the region's own joins the threads */
+        #pragma omp for schedule(static) nowait
+        for (int64_t c = 0; c < out; c += LORA_COLS) {
+            const int64_t end = c + LORA_COLS < out ? c + LORA_COLS : out;
+            for (int64_t i = 0; i < NS; i++) {
+                const int64_t lo = l->lora_offsets[i] > c ? l->lora_offsets[i] : c;
+                const int64_t hi = l->lora_offsets[i + 1] < end ? l->lora_offsets[i + 1] : end;
+                for (int64_t g = 0; g < G && lo < hi; g += 4) {
+                    float *yr[4];
+                    const float *coef[4];
+                    const int ng = G - g < 4 ? (int)(G - g) : 4;
+                    for (int j = 0; j < ng; j++) {
+                        yr[j] = y + srows[g + j] * out;
+                        coef[j] = swork + (g + j) * W + i * R;
                     }
+                    #define LORA_EXPAND(NG) \
+                        (half ? lora_expand_tile(yr, coef, bt, out, R, lo, hi, NG, 1) \
+                              : lora_expand_tile(yr, coef, bt, out, R, lo, hi, NG, 0))
+                    switch (ng) {
+                        case 4: LORA_EXPAND(4); break;
+                        case 3: LORA_EXPAND(3); break;
+                        case 2: LORA_EXPAND(2); break;
+                        default: LORA_EXPAND(1);
+                    }
+                    #undef LORA_EXPAND
                 }
             }
         }
