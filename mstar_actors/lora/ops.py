@@ -708,17 +708,20 @@ class LoraStack:
         return self.factors
 
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, segments: LoraSegments,
-                  dense: DenseRows | None = None) -> torch.Tensor:
+                  dense: DenseRows | Callable[[], DenseRows] | None = None) -> torch.Tensor:
         """y += this linear's LoRA delta for the step's rows, in place; returns y.
 
         ``x`` is the linear's input [T, in] (token ids [T] for an embedding),
         ``y`` its output [T, sum(output_sizes)]. No-op when no row has an adapter.
         ``dense``: the same rows as a one-hot, taken when its product is
         small enough (``MAX_DENSE_ELEMENTS``): over that one slot's columns
-        when the rows have one adapter, else over every slot's.
+        when the rows have one adapter, else over every slot's; or a call that makes it
+        (``lora_layers.LazyDense``), made only past the early return.
         """
         if segments.num_segments == 0 or self._untargeted.issuperset(segments.seg_slots):
             return y  # no row's adapter targets this linear (e.g. an all-linear adapter's LM head): zeros
+        if callable(dense):
+            dense = dense()
         if dense is not None and dense.num_rows * self.num_slots * self.offsets[-1] <= MAX_DENSE_ELEMENTS:
             if self.factors is not None and dense.only_slot != ZERO_SLOT:
                 return delta_one_slot(y, x, self._factors(dense.only_slot), dense.only_slot, dense.on_only_slot)

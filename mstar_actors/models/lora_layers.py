@@ -125,9 +125,10 @@ class LoraStep:
     def __init__(self) -> None:
         self.segments: LoraSegments | None = None
         self.sampled_segments: LoraSegments | None = None
-        # The same rows as a one-hot, for steps of up to MAX_DENSE_ROWS rows (CPU).
-        self.dense: DenseRows | None = None
-        self.sampled_dense: DenseRows | None = None
+        # The same rows as a one-hot, for steps of up to MAX_DENSE_ROWS rows (CPU), made
+        # at the first hook that takes them (``LazyDense``).
+        self.dense: LazyDense | None = None
+        self.sampled_dense: LazyDense | None = None
         # Beside segments: each token row's slot (int64 [T] on the host), for the
         # CPU's layer stack in one C call (``cpu_stack``), which adds the deltas itself.
         self.token_slots: torch.Tensor | None = None
@@ -140,6 +141,24 @@ class LoraStep:
         # Where the kernels run on CUDA: the stream the decoder linears' deltas
         # run on, beside their base GEMMs (``LoraHook.runs_beside``).
         self.side: torch.cuda.Stream | None = None
+
+
+class LazyDense:
+    """A step's rows as a one-hot (``build_dense_rows``), made when a hook first takes them
+    (``LoraStack.add_delta`` calls it past its early returns): where the CPU's layer stack adds the
+    decoder linears' deltas itself, the embedding's and the LM head's hooks are often all that is
+    left, and an all-linear adapter targets neither."""
+
+    __slots__ = ("slots", "num_slots", "device", "rows")
+
+    def __init__(self, slots: Sequence[int], num_slots: int, device: torch.device):
+        self.slots, self.num_slots, self.device = slots, num_slots, device
+        self.rows: DenseRows | None = None
+
+    def __call__(self) -> DenseRows:
+        if self.rows is None:
+            self.rows = build_dense_rows(self.slots, self.num_slots, self.device)
+        return self.rows
 
 
 class PendingExpand(NamedTuple):
@@ -292,8 +311,8 @@ class LoraLayers:
         self.step.dense = self._dense(token_slots)
         self.step.sampled_dense = self._dense(sampled_slots) if any(sampled_slots) else None
 
-    def _dense(self, slots: Sequence[int]) -> DenseRows | None:
-        return build_dense_rows(slots, self.num_slots, self.device) if len(slots) <= MAX_DENSE_ROWS else None
+    def _dense(self, slots: Sequence[int]) -> LazyDense | None:
+        return LazyDense(slots, self.num_slots, self.device) if len(slots) <= MAX_DENSE_ROWS else None
 
     def _on_device(self, slots: Sequence[int]) -> torch.Tensor:
         return torch.tensor(slots, dtype=torch.int32).to(self.device, non_blocking=True)
