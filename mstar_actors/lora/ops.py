@@ -988,7 +988,8 @@ class _SlotImage:
 def _dense_parts(slot_views) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Each stack's one-slot ``(a, b, scales)`` as dense pieces, factors and
     scales apart: ``a[shard]``, ``b``, ``scales[shard:shard + 1]``. A stack's
-    slot is strided across its shards (``a[:, slot]``), and the copies take
+    slot may be strided across its shards (``a[:, slot]``, where A is laid
+    shard by shard: the torch reference's stacks), and the copies take
     dense pieces (``_foreach_copy_`` batches them into a few launches where
     strided ones took a copy kernel each, ~200 launches, ~2 ms, for a
     Llama-3.2-1B adapter; ``RowKernels.piece_copies`` into one)."""
