@@ -49,6 +49,30 @@ def test_staged_install_matches_install_slot_and_clears_what_it_does_not_name():
     assert not staged["qkv"].a[:, 1].any() and not staged["qkv"].scales[:, 1].any()
 
 
+def test_stacks_laid_slot_by_slot_stage_and_fuse_the_same_factors():
+    """Where the row kernels run, A is laid slot by slot (``fuse_under``'s order, a prefix of slots
+    a prefix of the buffer): a staged install and a swap back write the values ``install_slot``
+    writes into a stack laid shard by shard, and the fused buffer holds them slot by slot."""
+    triton_ops = _kernels("triton")
+    kw = dict(num_slots=3, max_rank=8, dtype=torch.float32, device="cpu")
+    by_slot = {"qkv": LoraStack(64, [64, 16, 16], kernels=triton_ops, **kw), "down": LoraStack(128, [64], kernels=triton_ops, **kw)}
+    plain = {"qkv": LoraStack(64, [64, 16, 16], **kw), "down": LoraStack(128, [64], **kw)}
+    assert by_slot["qkv"].a.transpose(0, 1).is_contiguous() and plain["qkv"].a.is_contiguous()
+    fused, _ = by_slot["qkv"].fuse_under(torch.zeros(96, 64), None)
+    staging = SlotStaging(by_slot, torch.device("cpu"), max_images=2, kernels=triton_ops)
+    staging.install(1, _modules(1), key="one")
+    staging.install(2, _modules(3), key="three")
+    assert staging.reinstall(1, "three") and staging.reinstall(2, "one")
+    for name, stack in plain.items():
+        stack.install_slot(1, _modules(3).get(name, ()))
+        stack.install_slot(2, _modules(1).get(name, ()))
+        for got, want in zip(by_slot[name].slot_views(1) + by_slot[name].slot_views(2),
+                             stack.slot_views(1) + stack.slot_views(2)):
+            assert torch.equal(got, want), name
+    slot_rows = by_slot["qkv"].slot_rows
+    assert torch.equal(fused[96 + 2 * slot_rows : 96 + 3 * slot_rows], plain["qkv"].a[:, 2].reshape(slot_rows, 64))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_module_that_does_not_fit_is_refused_before_any_device_write():
