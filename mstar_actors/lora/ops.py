@@ -514,7 +514,7 @@ class LoraStack:
         """Whether ``t`` is a shrink of ``num_rows`` rows as a fused GEMM gives it: the columns of the
         first one or more slots (``fuse_under``), at most all of them."""
         cols = t.shape[1] if t.dim() == 2 else -1
-        return t.shape[0] == num_rows and cols > 0 and cols % self.slot_rows == 0 and cols <= self.a.numel() // self.in_features
+        return t.shape[0] == num_rows and cols > 0 and cols % self.slot_rows == 0 and cols <= self.num_slots * self.slot_rows
 
     def check_shrink(self, t: torch.Tensor, num_rows: int) -> None:
         """Raise unless ``shrink_fits``."""
