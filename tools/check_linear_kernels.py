@@ -18,8 +18,8 @@ Sections:
 
 ``--max-loras N`` widens each decoder linear by its LoRA slots' A rows, as
 a served model with ``lora.max_loras: N`` fuses them under the weight
-(``LoraStack.fuse_under``: the zero slot's too, ``--lora-rank`` rows a slot
-and shard), which moves the tile counts the split rule reads.
+(``LoraStack.fuse_under``: ``--lora-rank`` rows an adapter slot and shard),
+which moves the tile counts the split rule reads.
 
     python tools/check_linear_kernels.py                      # Llama-3.2-1B and 3.1-8B linears, 1 / 8 rows
     python tools/check_linear_kernels.py --chain --rows 1 4 8
@@ -69,7 +69,7 @@ L2_BYTES = 256 << 20  # weights in turn past this, so each call reads its weight
 
 def linears(args, shape: str) -> list[tuple[str, int, int]]:
     """``shape``'s linears, each widened by its slots' A rows where ``--max-loras`` is given."""
-    extra = 0 if not args.max_loras else (args.max_loras + 1) * args.lora_rank
+    extra = 0 if not args.max_loras else args.max_loras * args.lora_rank
     return [(name, n + SHARDS[name] * extra, k) for name, n, k in SHAPES[shape]["linears"]]
 
 

@@ -412,7 +412,7 @@ def rows_variants(triton_ops, stack: LoraStack, num_rows: int, num_sms: int) -> 
 def linear_variants(triton_ops, stack: LoraStack, weight: torch.Tensor) -> dict:
     """name -> fn(x, row_slots): the whole LoRA linear, base GEMM included:
     "gemm" the base alone, "g+bgmv" the GEMM then ``bgmv_rows``, "g+fused"
-    one GEMM over the weight with every slot's A under it, then
+    one GEMM over the weight with every adapter slot's A under it, then
     ``expand_rows`` (``LoraStack.fuse_under``: what CUDA serving runs below
     ``MIN_SPLIT_ROWS``), with 4 or 8 warps, and "g+f.rows" with the expand one program a row
     at any row count (``expand_rows`` takes tiles of rows from ``MIN_TILE_ROWS``)."""
@@ -428,7 +428,7 @@ def linear_variants(triton_ops, stack: LoraStack, weight: torch.Tensor) -> dict:
     def gemm_fused(num_warps):
         def run(x, slots):
             out = F.linear(x, fused)
-            return triton_ops.expand_rows(fused_stack, out[:, :n], out[:, n:], slots, num_warps=num_warps)
+            return triton_ops.expand_rows(fused_stack, out[:, :n], fused_stack.fused_shrink(out), slots, num_warps=num_warps)
         return run
 
     return {"gemm": lambda x, slots: F.linear(x, weight), "g+bgmv": gemm_bgmv, "g+fused": gemm_fused(None),

@@ -484,26 +484,38 @@ class LoraStack:
     def fuse_under(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Move ``a`` under the targeted linear's ``weight`` ([sum(output_sizes),
         in]) in one buffer, rows ``[weight; a[shard, slot, r] slot by slot]``
-        (``slot_rows`` a slot, every shard's), and return it with ``bias``
-        padded by zeros for A's rows. One GEMM of a step's input with the
-        buffer gives the base output and each slot's shrink ``t = x @ A.T``
-        beside it, so the delta is an expand alone (``add_delta_expand``): one
-        launch a linear instead of a kernel that recomputes the shrink in each
-        of its programs. A step whose rows use slots below ``k`` only runs the
-        buffer's first ``out + k * slot_rows`` rows (``LoraStep.width``): the
-        other slots' A is not read. ``a`` becomes a view of the buffer, so
-        installs and the other kernels use it as before. The caller serves
-        the base output from the buffer's first rows."""
+        (``slot_rows`` a slot, every shard's) from slot 1, and return it with
+        ``bias`` padded by zeros for A's rows. One GEMM of a step's input with
+        the buffer gives the base output and each adapter slot's shrink
+        ``t = x @ A.T`` beside it, so the delta is an expand alone
+        (``add_delta_expand``): one launch a linear instead of a kernel that
+        recomputes the shrink in each of its programs. A step whose rows use
+        slots below ``k`` only runs the buffer's first ``out + (k - 1) *
+        slot_rows`` rows (``LoraStep.width``): the other slots' A is not read.
+        ``a`` becomes a view of the buffer, so installs and the other kernels
+        use it as before; its slot 0, the zero adapter's, is the weight's last
+        ``slot_rows`` rows (``fused_shrink``: the base rows' shrink is never
+        read, so no GEMM reads a zero A). Nothing writes slot 0 (``check``,
+        ``clear``). The caller serves the base output from the buffer's first
+        rows."""
         n = self.offsets[-1]
         if self.is_embedding or weight.shape != (n, self.in_features) or weight.dtype != self.a.dtype or weight.device != self.a.device:
             raise ValueError(f"fusing LoRA A under a weight {tuple(weight.shape)} {weight.dtype} on {weight.device}; "
                              f"accepted: a linear's weight [{n}, {self.in_features}] {self.a.dtype} on {self.a.device}")
+        if n < self.slot_rows:
+            raise ValueError(f"fusing LoRA A under a weight of {n} rows; accepted: at least a slot's {self.slot_rows}")
         by_slot = self.a.transpose(0, 1)
-        fused = torch.cat([weight.detach(), by_slot.reshape(-1, self.in_features)])
-        self.a = fused[n:].view(by_slot.shape).transpose(0, 1)
+        fused = torch.cat([weight.detach(), by_slot[1:].reshape(-1, self.in_features)])
+        self.a = fused[n - self.slot_rows:].view(by_slot.shape).transpose(0, 1)
         self.fused = True
         fused_bias = None if bias is None else torch.cat([bias.detach(), bias.new_zeros(fused.shape[0] - n)])
         return fused, fused_bias
+
+    def fused_shrink(self, out: torch.Tensor) -> torch.Tensor:
+        """The shrink ``t`` in a fused GEMM's output ``out`` (``fuse_under``): its columns from one slot's
+        before the base output's end, so slot ``s``'s sit where the expands look for them, at ``s *
+        slot_rows``; slot 0's are the base output's last (base rows read no shrink)."""
+        return out[:, self.offsets[-1] - self.slot_rows:]
 
     @property
     def slot_rows(self) -> int:
@@ -604,6 +616,8 @@ class LoraStack:
             )
 
     def clear(self, slot: int) -> None:
+        if slot == ZERO_SLOT:
+            raise ValueError("slot 0 is the zero adapter and is never cleared")
         self.a[:, slot].zero_()
         self.b[slot].zero_()
         self.scales[:, slot] = 0.0

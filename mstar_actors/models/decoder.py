@@ -135,7 +135,7 @@ class LoraLinear(nn.Linear):
     lora: LoraHook | None = None
     quant: QuantizedWeight | None = None  # set by CausalLM.quantize_cpu_weights (``weight`` is then on meta)
     packed: PackedWeight | None = None  # made on the first CPU float32 call
-    # [weight; every slot's LoRA A] where the stack is fused (``lora_layers.fuse_linear``),
+    # [weight; every adapter slot's LoRA A] where the stack is fused (``lora_layers.fuse_linear``),
     # ``weight`` being its first rows.
     fused_weight: torch.Tensor | None = None
     fused_bias: torch.Tensor | None = None
@@ -170,10 +170,10 @@ class LoraLinear(nn.Linear):
             # One GEMM: the base output, then the shrink of each slot the step's rows may use; the
             # delta is the expand alone.
             out = linear(x, *self._fused(self.out_features + hook.fused_rows()))
-            n = self.out_features
+            y, t = out[:, : self.out_features], hook.stack.fused_shrink(out)
             if fold and hook.folds:
-                return out[:, :n], hook.pending(out[:, n:])
-            return hook.expand(out[:, :n], out[:, n:]), None
+                return y, hook.pending(t)
+            return hook.expand(y, t), None
         y = self._base(x)
         return (y if hook is None else hook.apply(y, x)), None
 

@@ -21,7 +21,7 @@ and what runs the rows delta (``ops.RowKernels``), is fixed per device when
 ``enable_lora`` builds the stacks (``lora_kernels``), not chosen per step.
 
 Where the kernels run, each decoder linear's stack is also fused
-(``fuse_linear``): every slot's A sits under the weight in one buffer, so a
+(``fuse_linear``): every adapter slot's A sits under the weight in one buffer, so a
 rows step of fewer than ``MIN_SPLIT_FUSED_ROWS`` rows with adapter rows runs
 one GEMM that yields the base output and each slot's shrink (the slots below
 the step's ``LoraStep.width`` only: the rows' slots, rounded up to a width
@@ -116,7 +116,8 @@ class LoraStep:
     ``sampled_row_groups``: those rows grouped by slot on the device
     (``LoraStack.row_groups``), made once per step for the grouped
     kernel's batch sizes, else None. ``width``: with ``row_slots``, the
-    slots ``0..width-1`` a fused GEMM reads the A of (``LoraHook.fused_rows``).
+    slots ``0..width-1`` a fused GEMM covers, reading the A of ``1..width-1``
+    (``LoraHook.fused_rows``).
     """
 
     __slots__ = ("segments", "sampled_segments", "dense", "sampled_dense", "token_slots", "row_slots", "row_groups",
@@ -205,8 +206,9 @@ class LoraHook:
         return self.step.row_slots is not None and not self.is_sampled and self.stack.fuses_rows(num_rows)
 
     def fused_rows(self) -> int:
-        """The A rows this step's fused GEMM reads below the weight's: those of the slots below its width."""
-        return self.stack.slot_rows * self.step.width
+        """The A rows this step's fused GEMM reads below the weight's: those of the adapter slots below its
+        width (the zero slot has none, ``LoraStack.fuse_under``)."""
+        return self.stack.slot_rows * max(self.step.width - 1, 0)
 
     def expand(self, y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """y += the delta, given its shrink ``t`` from the fused GEMM."""

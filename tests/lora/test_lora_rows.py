@@ -432,7 +432,7 @@ def test_fused_linears_decode_through_rows_equals_segments(fused_runner, kernel,
 @pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=interpreted)])
 @pytest.mark.parametrize("slots,width", [([1, 0, 1], 2), ([0, 2, 1, 0], 3), ([3, 1], 4)])
 def test_fused_steps_read_the_a_of_their_slots_only(fused_runner, kernel, slots, width, monkeypatch):
-    """A small step's fused GEMMs read the buffer's weight and the A of the slots below its width (the
+    """A small step's fused GEMMs read the buffer's weight and the A of the adapter slots below its width (the
     narrowest of ``widths`` above its rows' slots), not every slot's: the same logits as the segment path."""
     from mstar_actors.models import decoder
     from mstar_actors.models.decoder import LoraLinear
@@ -446,7 +446,7 @@ def test_fused_steps_read_the_a_of_their_slots_only(fused_runner, kernel, slots,
     got = _decode_logits(fused_runner, slots, rows=True, kernel=kernel, monkeypatch=monkeypatch)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     fused = [m for m in fused_runner.model.modules() if isinstance(m, LoraLinear) and m.fused_weight is not None]
-    assert sorted(rows) == sorted(m.out_features + width * m.lora.stack.slot_rows for m in fused)
+    assert sorted(rows) == sorted(m.out_features + (width - 1) * m.lora.stack.slot_rows for m in fused)
 
 
 @interpreted
@@ -464,7 +464,7 @@ def test_expand_kernel_equals_rows_reference(num_rows, monkeypatch):
     stack.a[2, 2], stack.b[2, 96:144], stack.scales[2, 2] = 0, 0, 0.0  # slot 2 leaves the last shard alone
     weight = torch.randn(144, 72, generator=gen)
     fused, _ = stack.fuse_under(weight, None)
-    assert stack.fused and stack.a.data_ptr() == fused[144:].data_ptr()
+    assert stack.fused and stack.a[:, 1].data_ptr() == fused[144:].data_ptr() and fused.shape[0] == 144 + 3 * stack.slot_rows
     slots = random_slots(rng, num_rows)
     x = torch.randn(num_rows, 72, generator=gen)
     out = x @ fused.T
@@ -472,13 +472,13 @@ def test_expand_kernel_equals_rows_reference(num_rows, monkeypatch):
     want = stack.add_delta(x @ weight.T, x, build_segments(slots))
     assert triton_ops.expand_variant_of(stack, num_rows, 4)[0] == ("tiles" if num_rows >= 16 else "rows")
     for tiles, block_n in ((None, None), (2, 32)):
-        got = triton_ops.expand_rows(stack, y0.clone(), out[:, 144:], int32(slots), tiles=tiles, block_n=block_n)
+        got = triton_ops.expand_rows(stack, y0.clone(), stack.fused_shrink(out), int32(slots), tiles=tiles, block_n=block_n)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         base_rows = [t for t, s in enumerate(slots) if s == 0]
         assert torch.equal(got[base_rows], y0[base_rows])
         on_two = [t for t, s in enumerate(slots) if s == 2]
         assert torch.equal(got[on_two, 96:144], y0[on_two, 96:144])
-    ref = stack.add_delta_expand(y0.clone(), out[:, 144:], int32(slots))  # CPU: the torch reference
+    ref = stack.add_delta_expand(y0.clone(), stack.fused_shrink(out), int32(slots))  # CPU: the torch reference
     torch.testing.assert_close(ref, want, rtol=1e-4, atol=1e-4)
 
 

@@ -229,8 +229,8 @@ def _assert_left_alone(y, y0, slots, untargeted: slice) -> None:
 @pytest.mark.parametrize("num_rows", [1, 8, 16, 32, 63, 256])
 @pytest.mark.parametrize("linear", ["qkv", "o", "gate_up", "down"])
 def test_fused_gemm_and_expand_match_reference(triton_ops, linear, num_rows, dtype):
-    """Every slot's A under the weight: the one GEMM's first columns are the
-    base output, and the expand of its A columns adds each row's delta."""
+    """Every adapter slot's A under the weight: the one GEMM's first columns
+    are the base output, and the expand of its A columns adds each row's delta."""
     gen, stack, untargeted, slots = _with_an_untargeted_shard(linear, num_rows, dtype)
     weight = (torch.randn(stack.offsets[-1], stack.in_features, generator=gen) / stack.in_features**0.5).to(dtype).cuda()
     fused, _ = stack.fuse_under(weight, None)
@@ -239,7 +239,7 @@ def test_fused_gemm_and_expand_match_reference(triton_ops, linear, num_rows, dty
     out = torch.nn.functional.linear(x, fused)
     base = torch.nn.functional.linear(x, weight)
     y0 = out[:, :n].clone()
-    y = triton_ops.expand_rows(stack, out[:, :n], out[:, n:], slots)
+    y = triton_ops.expand_rows(stack, out[:, :n], stack.fused_shrink(out), slots)
     _assert_delta(y, base, _reference(stack, x, build_segments(slots.tolist())), _TOL[dtype])
     _assert_left_alone(y, y0, slots, untargeted)
 

@@ -70,8 +70,34 @@ def test_stacks_laid_slot_by_slot_stage_and_fuse_the_same_factors():
                              stack.slot_views(1) + stack.slot_views(2)):
             assert torch.equal(got, want), name
     slot_rows = by_slot["qkv"].slot_rows
-    assert torch.equal(fused[96 + 2 * slot_rows : 96 + 3 * slot_rows], plain["qkv"].a[:, 2].reshape(slot_rows, 64))
+    # Slot 1's A first, right under the weight (slot 0, the zero adapter's, reads no A)
+    assert fused.shape[0] == 96 + 2 * slot_rows
+    assert torch.equal(fused[96 + slot_rows :], plain["qkv"].a[:, 2].reshape(slot_rows, 64))
 
+
+
+def test_fusing_leaves_the_zero_slot_no_rows_and_installs_never_touch_the_weight():
+    """The fused buffer holds the weight, then the adapter slots' A (slot 0, the zero adapter, reads
+    none: its view is the weight's last rows, which installs, clears and swaps never write)."""
+    triton_ops = _kernels("triton")
+    stack = LoraStack(64, [64, 16, 16], num_slots=3, max_rank=8, dtype=torch.float32, device="cpu", kernels=triton_ops)
+    weight = torch.randn(96, 64, generator=torch.Generator().manual_seed(5))
+    fused, _ = stack.fuse_under(weight.clone(), None)
+    assert fused.shape[0] == 96 + 2 * stack.slot_rows and stack.a[:, 1].data_ptr() == fused[96:].data_ptr()
+    staging = SlotStaging({"qkv": stack}, torch.device("cpu"), max_images=2, kernels=triton_ops)
+    staging.install(1, _modules(1), key="one")
+    staging.install(2, _modules(3), key="three")
+    stack.clear(1)
+    assert staging.reinstall(1, "three") and staging.reinstall(2, "one")
+    assert torch.equal(fused[:96], weight)
+    for refused in (lambda: stack.clear(0), lambda: stack.install_slot(0, _modules(1)["qkv"])):
+        with pytest.raises(ValueError, match="slot 0 is the zero adapter"):
+            refused()
+    assert torch.equal(fused[:96], weight)
+    out = torch.randn(5, 64) @ fused.T
+    assert stack.shrink_fits(stack.fused_shrink(out), 5) and stack.fused_shrink(out).shape[1] == 3 * stack.slot_rows
+    with pytest.raises(ValueError, match="at least a slot's"):
+        LoraStack(64, [8], num_slots=3, max_rank=16, kernels=triton_ops).fuse_under(torch.zeros(8, 64), None)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
