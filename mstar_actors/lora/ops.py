@@ -51,6 +51,13 @@ from mstar_actors.lora.adapter_file import LoraModule
 ZERO_SLOT = 0
 
 
+def refuse_zero_slot(slot: int, what: str) -> None:
+    """Raise unless ``slot`` is an adapter's: slot 0 is the zero adapter, written by nothing (a fused
+    stack's slot 0 of A is its weight's last rows, ``LoraStack.fuse_under``)."""
+    if slot == ZERO_SLOT:
+        raise ValueError(f"slot 0 is the zero adapter and is never {what}; accepted: slots 1 and up")
+
+
 # ---------------------------------------------------------------- segments
 
 
@@ -297,7 +304,8 @@ def delta_rows_ref(
     the first slots', ``LoraStack.fuse_under``); ``x`` is then unused.
 
     Gathers every row's factors (no host sync, no data-dependent shape, so it
-    is graph-capturable too); base rows add an exact zero (slot 0 is zero)."""
+    is graph-capturable too); base rows add an exact zero, whatever slot 0's
+    A holds (a fused stack's is its weight's last rows: ``fuse_under``)."""
     slots = row_slots.long()
     if t is not None:  # row i's own slot's columns of every shard
         num_shards, _, max_rank = a.shape[:3]
@@ -311,6 +319,7 @@ def delta_rows_ref(
     for i in range(len(offsets) - 1):
         lo, hi = offsets[i], offsets[i + 1]
         delta = torch.bmm(b[slots, lo:hi].float(), shrink[i].unsqueeze(-1)).squeeze(-1) * row_scales[i, :, None]
+        delta = torch.where((slots != ZERO_SLOT)[:, None], delta, 0.0)
         y[:, lo:hi] = (y[:, lo:hi].float() + delta).to(y.dtype)
     return y
 
@@ -568,6 +577,7 @@ class LoraStack:
         host and written with one copy per tensor. ``SlotStaging`` does the
         same for every stack of a model at once (what a worker's install runs
         on a GPU)."""
+        refuse_zero_slot(slot, "installed")
         a, b, scales = (torch.zeros(shape, dtype=dtype) for shape, dtype in self.slot_layout())
         copies, values = self.staged_copies(slot, modules, a, b)
         copy_all(copies)
@@ -605,8 +615,7 @@ class LoraStack:
 
     def check(self, slot: int, shard: int, module: LoraModule) -> None:
         """Raise ValueError, naming what fits, unless ``module`` fits ``shard`` of a non-zero ``slot``."""
-        if slot == ZERO_SLOT:
-            raise ValueError("slot 0 is the zero adapter and is never installed")
+        refuse_zero_slot(slot, "installed")
         rank = module.rank
         lo, hi = self.offsets[shard], self.offsets[shard + 1]
         if module.a.shape != (rank, self.in_features) or module.b.shape != (hi - lo, rank) or rank > self.max_rank:
@@ -616,8 +625,7 @@ class LoraStack:
             )
 
     def clear(self, slot: int) -> None:
-        if slot == ZERO_SLOT:
-            raise ValueError("slot 0 is the zero adapter and is never cleared")
+        refuse_zero_slot(slot, "cleared")
         self.a[:, slot].zero_()
         self.b[slot].zero_()
         self.scales[:, slot] = 0.0
@@ -698,8 +706,9 @@ class LoraStack:
         deltas and the layer stack's agree within float32 sums; bfloat16 is
         what most adapters are trained and saved in, and its rounding (2^-9)
         is far below what int4 or int8 weights give up."""
-        if self.b_all is None or self.is_embedding:
-            raise ValueError("bfloat16 factors are the CPU layer stack's: a linear's stack with B transposed")
+        if self.b_all is None or self.is_embedding or self.fused:
+            raise ValueError("bfloat16 factors are the CPU layer stack's: a linear's stack with B transposed, "
+                             "A not fused under a weight")
         if self.half is None:
             self.half = (torch.empty_like(self.a, dtype=torch.bfloat16), torch.empty_like(self.b_all, dtype=torch.bfloat16))
             for slot in range(self.num_slots):
@@ -838,6 +847,7 @@ class SlotStaging:
         """Replace ``slot`` of every stack: ``by_stack[name]`` its modules (stacks
         not named read zero); keep the image under ``key`` when given. Raises
         ValueError before writing any device memory if a module does not fit."""
+        refuse_zero_slot(slot, "installed")
         for name, stack in self.stacks.items():  # a refusal before any kept image gives its buffers up
             for shard, module in by_stack.get(name, ()):
                 stack.check(slot, shard or 0, module)
@@ -852,6 +862,7 @@ class SlotStaging:
     def reinstall(self, slot: int, key: str) -> bool:
         """Write the kept image ``key`` into ``slot``; False when none is kept.
         With its device twin: one device copy queued on the step stream, no wait."""
+        refuse_zero_slot(slot, "installed")
         image = self.images.get(key)
         if image is None:
             return False

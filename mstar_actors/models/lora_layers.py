@@ -616,7 +616,7 @@ def fuse_linear(module: nn.Linear, stack: LoraStack) -> bool:
     ``MAX_FUSED_SHARE`` of the weight's and the dtypes agree; True if fused.
     The weight becomes a view of the buffer, so base-only steps run the same
     GEMM as before and the memory is the weight's plus A's, as unfused."""
-    num_a_rows = stack.a.numel() // stack.in_features
+    num_a_rows = (stack.num_slots - 1) * stack.slot_rows  # the adapter slots' (the zero slot has none)
     if num_a_rows > MAX_FUSED_SHARE * module.out_features or module.weight.dtype != stack.a.dtype:
         return False
     fused, fused_bias = stack.fuse_under(module.weight, module.bias)

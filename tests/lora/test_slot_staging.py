@@ -90,8 +90,10 @@ def test_fusing_leaves_the_zero_slot_no_rows_and_installs_never_touch_the_weight
     stack.clear(1)
     assert staging.reinstall(1, "three") and staging.reinstall(2, "one")
     assert torch.equal(fused[:96], weight)
-    for refused in (lambda: stack.clear(0), lambda: stack.install_slot(0, _modules(1)["qkv"])):
-        with pytest.raises(ValueError, match="slot 0 is the zero adapter"):
+    for refused in (lambda: stack.clear(0), lambda: stack.install_slot(0, _modules(1)["qkv"]),
+                    lambda: stack.install_slot(0, ()), lambda: staging.install(0, {}),
+                    lambda: staging.reinstall(0, "one"), stack.keep_half):
+        with pytest.raises(ValueError, match="slot 0 is the zero adapter|not fused"):
             refused()
     assert torch.equal(fused[:96], weight)
     out = torch.randn(5, 64) @ fused.T
