@@ -93,3 +93,20 @@ def test_each_level_rotates_the_scenarios_order(bench_lora):
     for position in range(len(scenarios)):
         assert {order[position].name for order in orders} == {s.name for s in scenarios}
     assert bench_lora.scenario_order(scenarios, len(scenarios)) == scenarios
+
+
+def test_rounds_add_up_and_each_rounds_retention_is_listed(bench_lora):
+    """Rounds sum into the table's row; each round's retention is its tokens/s over the same round's
+    LoRA off at that level (no list for one round)."""
+    results = {}
+    for scenario, walls in (("lora off", (1.0, 2.0)), ("one adapter", (1.25, 2.0))):
+        for wall in walls:
+            bench_lora.add_up(results, bench_lora.Measurement(scenario, 8, 4, 100, wall, [0.01]))
+    rows = sorted(results.values(), key=lambda m: m.scenario != "lora off")
+    assert rows[1].num_tokens == 200 and rows[1].wall_s == 3.25
+    assert bench_lora.round_lines(rows) == ["retention round by round:",
+                                            "  one adapter            c=8    80.0 / 100.0%"]
+    one = {}
+    for scenario in ("lora off", "one adapter"):
+        bench_lora.add_up(one, bench_lora.Measurement(scenario, 8, 4, 100, 1.0, [0.01]))
+    assert bench_lora.round_lines(list(one.values())) == []

@@ -372,6 +372,7 @@ class Measurement:
     # Each server process's CPU meanwhile, by actor (an actor's loop is one thread; a GPU worker
     # spins while it waits for the device, so it shows near a whole core whatever its load).
     server_cpu_s: dict[str, float] = field(default_factory=dict)
+    round_tokens_per_s: list[float] = field(default_factory=list)  # each round's, in order (``add_up``)
 
     @property
     def tokens_per_s(self) -> float:
@@ -610,6 +611,7 @@ def run_all(plan: Plan, model_dir: Path, adapters: dict[str, Path], tmp: Path) -
 def add_up(results: dict[tuple[str, int], Measurement], m: Measurement) -> None:
     """Fold one round's measurement into its scenario's and level's total."""
     total = results.setdefault((m.scenario, m.concurrency), Measurement(m.scenario, m.concurrency, 0, 0, 0.0))
+    total.round_tokens_per_s.append(m.tokens_per_s)
     total.num_requests += m.num_requests
     total.num_tokens += m.num_tokens
     total.wall_s += m.wall_s
@@ -625,6 +627,7 @@ def add_up(results: dict[tuple[str, int], Measurement], m: Measurement) -> None:
 def format_table(plan: Plan, results: list[Measurement], header: list[str]) -> str:
     """The results table, the TTFT churn comparison and the published context."""
     ref = {m.concurrency: m.tokens_per_s for m in results if m.scenario == REFERENCE}
+    by_round = round_lines(results)
     lines = [*header, "",
              f"{'scenario':<22} {'conc':>4} {'reqs':>5} {'tokens':>7} {'wall s':>7} {'tok/s':>9} "
              f"{'retention':>9} {'TTFT p50 ms':>11} {'p90 ms':>8} {'CPU client':>10}  server's busiest"]
@@ -635,8 +638,23 @@ def format_table(plan: Plan, results: list[Measurement], header: list[str]) -> s
                      f"{100 * m.client_cpu_s / m.wall_s:>9.0f}%  {busiest(m)}")
     lines += ["CPU: % of one core over the level's wall time: this benchmark's clients, and the server's three "
               "busiest processes (a GPU worker spins while it waits; another near 100% is the limit)",
-              "", *ttft_lines(results), "", *published_lines(results, ref)]
+              *(["", *by_round] if by_round else []), "", *ttft_lines(results), "", *published_lines(results, ref)]
     return "\n".join(lines)
+
+
+def round_lines(results: list[Measurement]) -> list[str]:
+    """Each round's retention (that round's tokens/s over the same round's LoRA off at the level), where
+    there were rounds: how far apart runs of the same servers fall, beside the table's sums."""
+    ref = {m.concurrency: m.round_tokens_per_s for m in results if m.scenario == REFERENCE}
+    rows = [(m, ref[m.concurrency]) for m in results if m.scenario != REFERENCE and m.concurrency in ref
+            and len(m.round_tokens_per_s) == len(ref[m.concurrency]) > 1]
+    if not rows:
+        return []
+    lines = ["retention round by round:"]
+    for m, off in rows:
+        each = " / ".join(f"{100 * on / base:.1f}" for on, base in zip(m.round_tokens_per_s, off))
+        lines.append(f"  {m.scenario:<22} c={m.concurrency:<4} {each}%")
+    return lines
 
 
 def busiest(m: Measurement) -> str:
