@@ -504,9 +504,9 @@ class LoraStack:
         ``a`` becomes a view of the buffer, so installs and the other kernels
         use it as before; its slot 0, the zero adapter's, is the weight's last
         ``slot_rows`` rows (``fused_shrink``: the base rows' shrink is never
-        read, so no GEMM reads a zero A). Nothing writes slot 0 (``check``,
-        ``clear``). The caller serves the base output from the buffer's first
-        rows."""
+        read, so no GEMM reads a zero A). Nothing writes slot 0
+        (``refuse_zero_slot``). The caller serves the base output from the
+        buffer's first rows."""
         n = self.offsets[-1]
         if self.is_embedding or weight.shape != (n, self.in_features) or weight.dtype != self.a.dtype or weight.device != self.a.device:
             raise ValueError(f"fusing LoRA A under a weight {tuple(weight.shape)} {weight.dtype} on {weight.device}; "
