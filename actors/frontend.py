@@ -482,10 +482,11 @@ class FrontendActor(Actor):
         name = self._adapter_name(body)
         rid = new_request_id("lora", self.index)
         if kind == "load":
-            if name in self.adapters and not api.get_bool(body, "load_inplace", False):
+            replace = api.get_bool(body, "load_inplace", False)
+            if name in self.adapters and not replace:
                 raise ApiError(400, f"lora_name: the adapter {name!r} is already loaded; send load_inplace: true "
                                "to replace it", param="lora_name", code="adapter_already_loaded")
-            msg = LoadAdapter(request_id=rid, name=name, path=self._runtime_path(body))
+            msg = LoadAdapter(request_id=rid, name=name, path=self._runtime_path(body), replace=replace)
         else:
             msg = UnloadAdapter(request_id=rid, name=name)
         future = self._updates[rid] = asyncio.get_running_loop().create_future()
@@ -496,7 +497,8 @@ class FrontendActor(Actor):
             self._updates.pop(rid, None)
             self._idle.set()
         if update.status != 200:
-            raise ApiError(update.status, update.message, param="lora_path" if kind == "load" else "lora_name",
+            about_path = kind == "load" and update.code != "adapter_already_loaded"
+            raise ApiError(update.status, update.message, param="lora_path" if about_path else "lora_name",
                            code=update.code)
         return web.Response(text=update.message)
 

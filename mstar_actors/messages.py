@@ -258,11 +258,13 @@ class Shutdown(Struct, frozen=True, tag=True, omit_defaults=True):
 
 class LoadAdapter(Struct, frozen=True, tag=True, omit_defaults=True):
     """Runtime load (``POST /v1/load_lora_adapter``); answered by AdapterUpdate.
-    A load under a served name replaces it (checked as its new file)."""
+    A load under a served (or loading) name is refused unless ``replace``
+    (vLLM's ``load_inplace``): then it replaces it, checked as its new file."""
 
     request_id: str
     name: str
     path: str
+    replace: bool = False
 
 
 class UnloadAdapter(Struct, frozen=True, tag=True, omit_defaults=True):

@@ -195,6 +195,9 @@ def _read_config(folder: Path, name: str, allowed_dirs: Sequence[str] | None = N
         with open_inside(path, allowed_dirs, name) as fd, os.fdopen(os.dup(fd), "rb") as f:
             config = json.loads(f.read())
     except FileNotFoundError:
+        if not folder.is_dir():
+            raise AdapterError(f"adapter {name!r}: there is no folder {folder}; give the path of a PEFT adapter "
+                               f"folder (its {CONFIG_FILE} and {WEIGHTS_FILE})") from None
         raise AdapterError(f"adapter {name!r}: {CONFIG_FILE} is missing from {folder}; a PEFT adapter folder needs it") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise AdapterError(f"adapter {name!r}: {CONFIG_FILE} is not valid JSON ({err})") from None
@@ -281,9 +284,25 @@ def _check_config(config: dict, name: str) -> None:
             "served; accepted: modules_to_save=null (adapt those modules with LoRA instead)"
         )
     for key in ("r", "lora_alpha"):
-        value = config.get(key, 8)
-        if not isinstance(value, (int, float)) or value <= 0:
-            raise AdapterError(f"adapter {name!r}: {CONFIG_FILE} field {key!r} must be a positive number, got {value!r}")
+        _check_positive(config.get(key, 8), f"{CONFIG_FILE} field {key!r}", name)
+    for key in ("rank_pattern", "alpha_pattern"):
+        pattern = config.get(key) or {}
+        if not isinstance(pattern, dict):
+            raise AdapterError(f"adapter {name!r}: {CONFIG_FILE} field {key!r} must be an object of module name "
+                               f"patterns to numbers, like {{\"q_proj\": 8}}, got {type(pattern).__name__}")
+        for module, value in pattern.items():
+            try:
+                re.compile(module)
+            except re.error as err:
+                raise AdapterError(f"adapter {name!r}: {CONFIG_FILE} field {key!r}: {module!r} is not a regular "
+                                   f"expression ({err}); accepted: module names or patterns of them") from None
+            _check_positive(value, f"{CONFIG_FILE} field {key!r}[{module!r}]", name)
+
+
+def _check_positive(value, field: str, name: str) -> None:
+    """A rank or alpha: a finite positive number (true is not one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise AdapterError(f"adapter {name!r}: {field} must be a finite positive number, got {value!r}")
 
 
 def pattern_key(pattern_keys, module_path: str) -> str:

@@ -36,8 +36,10 @@ Invariants:
   is in flight it holds one on that slot).
 - Host copies are reference counted by the reader: each ``AdapterRead`` is
   one hold, each ``DropAdapter`` releases one. Copies an install in flight
-  or a waiting or parked request needs stay held (a held copy is never
-  evicted: a rank may still be mapping it). Of the rest, the most recently used copies of
+  or a waiting or parked request needs stay held, and those of versions
+  unloaded or reloaded while requests still run on them (a park would need
+  them back, and no file has them any more); a held copy is never
+  evicted: a rank may still be mapping it. Of the rest, the most recently used copies of
   served versions stay held while all held copies fit ``max_cpu_loras`` (the
   reader's tier), so swapping an adapter back in costs no read; every other
   hold is dropped at once, so the tier may evict it. Unloaded and stale
@@ -387,7 +389,7 @@ class AdapterPool:
         Their pins go with their ends (``end``)."""
         reason = "; ".join(f"rank {r}: {e}" for r, e in sorted(settled.errors.items()))
         return [Failed(request_id=rid, status=500, error_type="server_error", param="model",
-                       message=f"request {rid}: adapter {settled.name!r} could not be installed: {reason}")
+                       message=f"adapter {settled.name!r} could not be installed: {reason}")
                 for rid, slot in self._slot_of.items() if slot == settled.slot]
 
     # ------------------------------------------------------------ runtime updates
@@ -396,6 +398,10 @@ class AdapterPool:
         refusal = self._check_update(msg.request_id, msg.name)
         if refusal is not None:
             return [refusal]
+        if not msg.replace and (msg.name in self.adapters or any(r.name == msg.name and r.load_id for r in self._reads)):
+            return [AdapterUpdate(request_id=msg.request_id, status=400, code="adapter_already_loaded",
+                                  message=f"lora_name: the adapter {msg.name!r} is already loaded (or being loaded); "
+                                          "send load_inplace: true to replace it")]
         try:
             path = resolve_runtime_path(msg.path, self.adapter_dirs)
         except AdapterPathError as err:
@@ -564,7 +570,7 @@ class AdapterPool:
             reason = "; ".join(f"rank {r}: {e}" for r, e in sorted(settled.errors.items()))
         reason = reason or "that version is no longer served"
         return [Failed(request_id=rid, status=500, error_type="server_error", param="model",
-                       message=f"request {rid}: adapter {w.adapter.name!r} could not be installed again after its "
+                       message=f"adapter {w.adapter.name!r} could not be installed again after its "
                                f"slot was lent to another adapter: {reason}") for rid in w.parked]
 
     def _take_installs(self) -> list:
@@ -656,7 +662,7 @@ class AdapterPool:
     def _fail(w: _Waiting, status: int, message: str) -> Failed:
         error_type = "server_error" if status >= 500 else "invalid_request_error"
         return Failed(request_id=w.prepared.request_id, status=status, error_type=error_type, param="model",
-                      message=f"request {w.prepared.request_id}: {message}")
+                      message=message)
 
     # ------------------------------------------------------------ host copies
 
@@ -687,6 +693,11 @@ class AdapterPool:
         needed = set(self._installing.values())
         needed.update((w.adapter.name, w.digest or w.adapter.digest) for w in self._waiting if w.slot is None)
         served = {(a.name, a.digest) for a in self.adapters.values() if a.digest}
+        # admitted rows of a version unloaded or reloaded since: parked, they install it again, and no file
+        # can give it back (a served version's can: ``_place_parked`` reads it again)
+        needed.update(key for key in ((self.table.name_of(slot), self._slot_digest[slot])
+                                      for slot in set(self._slot_of.values()) if slot in self._slot_digest)
+                      if key not in served)
         spare = [key for key in self._hosts if key not in needed]
         warm = sorted((key for key in spare if key in served), key=lambda key: -self._hosts[key].last_used)
         keep = set(warm[:max(0, self.max_cpu_loras - len(self._hosts) + len(spare))])

@@ -205,6 +205,11 @@ def test_reloading_a_served_adapter_needs_load_inplace(harness, tmp_path):
                          {"lora_name": "new", "lora_path": "/elsewhere"}):
                 status, r = await h.post("/v1/load_lora_adapter", body)
                 assert status == 403, r
+            # a wrong type is refused whether the name is new or not
+            for name in ("tiny-lora", "new"):
+                status, r = await h.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": "/elsewhere",
+                                                                   "load_inplace": "yes"})
+                assert status == 400 and r["error"]["param"] == "load_inplace", r
 
     run(body)
 

@@ -187,6 +187,22 @@ def test_refuses_bias_in_config(saved, config, match):
     _refused(folder, base, match)
 
 
+@pytest.mark.parametrize("config, match", [
+    ({"lora_alpha": float("nan")}, r"field 'lora_alpha' must be a finite positive number, got nan"),
+    ({"lora_alpha": float("inf")}, r"field 'lora_alpha' must be a finite positive number"),
+    ({"r": True}, r"field 'r' must be a finite positive number"),
+    ({"rank_pattern": "x"}, r"field 'rank_pattern' must be an object of module name patterns to numbers"),
+    ({"alpha_pattern": [1]}, r"field 'alpha_pattern' must be an object"),
+    ({"rank_pattern": {"[": 8}}, r"'\[' is not a regular expression"),
+    ({"rank_pattern": {"q_proj": "8"}}, r"field 'rank_pattern'\['q_proj'\] must be a finite positive number, got '8'"),
+    ({"alpha_pattern": {"q_proj": float("nan")}}, r"field 'alpha_pattern'\['q_proj'\] must be a finite positive"),
+])
+def test_refuses_ranks_and_alphas_that_are_no_finite_positive_numbers(saved, config, match):
+    folder, base = saved
+    edit_adapter(folder, config=config)
+    _refused(folder, base, match)
+
+
 def test_refuses_bias_tensors(saved):
     folder, base = saved
     edit_adapter(folder, tensors={"base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias": torch.zeros(64)})

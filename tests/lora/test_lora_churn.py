@@ -16,8 +16,10 @@ from mstar_actors.messages import (
     AdapterInstalled,
     AdapterRead,
     DropAdapter,
+    Failed,
     Finished,
     InstallAdapter,
+    LoadAdapter,
     Prepared,
     ReadAdapter,
     SamplingParams,
@@ -44,6 +46,7 @@ class Driver:
         self.drops: list[str] = []
         self.holds: dict[str, int] = {}
         self.finished: list[str] = []
+        self.failed: list[str] = []
 
     def handle(self, outs: list) -> None:
         for out in outs:
@@ -71,6 +74,8 @@ class Driver:
                     assert self.holds[name] >= 0, f"{name}: dropped more holds than it had"
                 case Finished(request_id=request_id):
                     self.finished.append(request_id)
+                case Failed(request_id=request_id):
+                    self.failed.append(request_id)
 
     def send(self, request_id: str, model: str, *, same_step: bool = False) -> None:
         """A request of 4 tokens; a step after the last one (so it would hold a
@@ -343,6 +348,47 @@ def test_an_unloaded_adapters_parked_rows_still_resume_and_finish():
     assert "a1" in d.admitted and "a1" not in d.parked  # resumed on its own version, read nowhere again
     d.send("a9", "a")
     assert "a9" not in d.admitted  # new requests naming it are refused (404)
+
+
+@pytest.mark.parametrize("update", ["unload", "reload"])
+def test_an_adapter_unloaded_or_reloaded_while_its_rows_run_keeps_their_copy_until_they_end(update):
+    """The unload (or a reload under the name) comes while a's rows are on
+    their slot, before any park; a waiter then takes the slot and parks them:
+    the host copy of their version stays held, so they install it again,
+    resume and finish, and only then is it dropped."""
+    d = running("ab", max_cpu_loras=4)
+    if update == "unload":
+        d.handle(d.adapter_pool.unload(UnloadAdapter(request_id="u", name="a")))
+    else:
+        d.handle(d.adapter_pool.load(LoadAdapter(request_id="l", name="a", path="/adapters/a2", replace=True)))
+        name = d.unanswered.pop(0)
+        d.holds[name] += 1
+        d.handle(d.adapter_pool.on_read(AdapterRead(name="a", path="/adapters/a2", digest="d-a2",
+                                                    host=AdapterHostRef(segment="seg-a2", nbytes=1), max_rank=8)))
+    assert "a" not in d.drops  # a1 still runs on that version
+    d.send("c1", "c")
+    d.step(int(d.adapter_pool.quantum))
+    d.settle()
+    assert d.parked == {"a1"}
+    d.step(int(d.adapter_pool.quantum) // 2)
+    d.settle()
+    assert "a1" in d.admitted and not d.failed  # resumed on its own version
+    d.end("a1")
+    d.step()
+    d.settle()
+    assert d.drops.count("a") >= 1  # gone once nothing needs that version
+
+
+def test_a_second_load_under_a_name_being_loaded_is_refused_unless_it_replaces():
+    d = Driver(names="ab")
+    load = d.adapter_pool.load(LoadAdapter(request_id="l1", name="z", path="/adapters/z1"))
+    assert [type(out) for out in load] == [ReadAdapter]
+    (refused,) = d.adapter_pool.load(LoadAdapter(request_id="l2", name="z", path="/adapters/z2"))
+    assert (refused.status, refused.code) == (400, "adapter_already_loaded") and "load_inplace" in refused.message
+    (refused,) = d.adapter_pool.load(LoadAdapter(request_id="l3", name="a", path="/adapters/a2"))  # served already
+    assert refused.code == "adapter_already_loaded"
+    assert [type(out) for out in d.adapter_pool.load(LoadAdapter(request_id="l4", name="z", path="/adapters/z2",
+                                                                 replace=True))] == [ReadAdapter]
 
 
 def test_a_swap_is_sent_with_its_rows_only_when_every_rank_said_it_keeps_the_image_and_nothing_is_in_flight():
