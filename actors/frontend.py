@@ -96,7 +96,9 @@ class Exchange:
     def __init__(self, parsed: ParsedRequest, model: str, prefix: str, frontend: int = 0):
         self.parsed = parsed
         self.model = model
-        self.id = new_request_id(prefix, frontend)
+        self.id = new_request_id(prefix, frontend)  # the engine's
+        # the response's: the client's request_id where it sent one (vLLM's ``chatcmpl-{request_id}``)
+        self.response_id = f"{prefix}-{parsed.request_id}" if parsed.request_id else self.id
         self.created = int(time.time())
         self.arrival = time.perf_counter()
         self.requests = parsed.new_requests(self.id, model)
@@ -725,7 +727,7 @@ class FrontendActor(Actor):
         choice = exchange.choices.get(msg.request_id)
         if choice is None or choice.is_done:  # a whole request's, or stopped here
             if isinstance(msg, Failed) and choice is None:
-                raise ApiError(msg.status, f"request {exchange.id}: {msg.message}", param=msg.param, code=msg.code,
+                raise ApiError(msg.status, f"request {exchange.response_id}: {msg.message}", param=msg.param, code=msg.code,
                                error_type=msg.error_type)
             return None
         match msg:
@@ -736,7 +738,7 @@ class FrontendActor(Actor):
                                      msg.num_cached_tokens)
                 return choice, text, []
             case Failed():
-                raise ApiError(msg.status, f"request {exchange.id}: {msg.message}", param=msg.param, code=msg.code,
+                raise ApiError(msg.status, f"request {exchange.response_id}: {msg.message}", param=msg.param, code=msg.code,
                                error_type=msg.error_type)
         raise AssertionError(f"unroutable {type(msg).__name__}")
 
@@ -764,7 +766,7 @@ class FrontendActor(Actor):
         while exchange.is_waiting():
             self._apply(exchange, await exchange.pop())
         choices = sorted(exchange.choices.values(), key=lambda c: c.index)
-        args = (exchange.id, exchange.model, exchange.created)
+        args = (exchange.response_id, exchange.model, exchange.created)
         if exchange.parsed.kind == "chat":
             out = [api.chat_choice(c.index, c.text, c.finish_reason, c.chat_logprobs()) for c in choices]
             out = [_with_tool_calls(exchange.parsed, choice) for choice in out]
@@ -923,7 +925,7 @@ class _Stream:
             await self.response.write(head + body + tail)
             return
         ex = self.exchange
-        await _write_event(self.response, self.build(ex.id, ex.model, ex.created, choices) | self._usage_field()
+        await _write_event(self.response, self.build(ex.response_id, ex.model, ex.created, choices) | self._usage_field()
                            | (extra or {}))
 
     def _usage_field(self) -> dict:
@@ -934,7 +936,7 @@ class _Stream:
 
     async def write_usage(self, usage: dict) -> None:
         ex = self.exchange
-        await _write_event(self.response, self.build(ex.id, ex.model, ex.created, [], usage))
+        await _write_event(self.response, self.build(ex.response_id, ex.model, ex.created, [], usage))
 
     async def write_done(self) -> None:
         await self.response.write(b"data: [DONE]\n\n")
@@ -953,7 +955,7 @@ def _chunk_envelope(build: Any, exchange: Exchange, usage: dict) -> tuple[bytes,
     ``_write_event`` would write, without building and encoding the
     envelope per event."""
     marker = uuid.uuid4().hex  # a string no id or model name holds
-    data = b"data: " + _json.encode(build(exchange.id, exchange.model, exchange.created, [marker]) | usage) + b"\n\n"
+    data = b"data: " + _json.encode(build(exchange.response_id, exchange.model, exchange.created, [marker]) | usage) + b"\n\n"
     head, tail = data.split(_json.encode(marker))
     return head, tail
 

@@ -130,9 +130,16 @@ class SamplingParams(Struct, frozen=True, **_HOT):
     holds ``min_tokens`` tokens. ``truncate_prompt_tokens`` keeps the prompt's
     last N tokens (prepare applies it). ``structured`` constrains the output
     to a grammar (None: unconstrained).
+
+    ``max_tokens`` is the client's cap on the output: a prompt that leaves
+    less room in ``max_model_len`` (or the KV cache) is refused, as OpenAI and
+    vLLM refuse it, unless ``cut_to_context``: the cap is a default the client
+    did not send (a chat request's is the whole context), cut to what the
+    prompt leaves.
     """
 
     max_tokens: int = 16
+    cut_to_context: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -176,6 +183,7 @@ class ChatMessage(Struct, frozen=True, omit_defaults=True):
     tool_calls: tuple[ToolCall, ...] = ()  # assistant: the calls it made
     tool_call_id: str | None = None  # tool: the call this message answers
     name: str | None = None
+    reasoning_content: str | None = None  # assistant: its reasoning, for templates that show it again
 
 
 class TopLogprob(Struct, frozen=True, **_HOT):

@@ -30,8 +30,8 @@ def arena(tmp_path):
 
 def _request(rid: str, ref, n: int = 1) -> Prepared:
     item = MediaItem(kind="image", pixel_values=ref, grid_thw=(1, 2, 2), token_offset=0, num_tokens=1)
-    return Prepared(request_id=rid, model="m", prompt_token_ids=[300] * 4, sampling=SamplingParams(max_tokens=50),
-                    media=[item], n=n)
+    return Prepared(request_id=rid, model="m", prompt_token_ids=[300] * 4,
+                    sampling=SamplingParams(max_tokens=50, cut_to_context=True), media=[item], n=n)
 
 
 def _run(sched: Scheduler, copies: MediaCopies) -> StepPlan:
@@ -69,6 +69,6 @@ def test_copy_out_release_keep_across_preemption_drop_at_end(arena):
     # b ends unstarted: the plan names its ref; a ends for good with its last choice
     sched.abort("b")
     sched.abort("a")
-    sched.add(Prepared(request_id="c", model="m", prompt_token_ids=[5], sampling=SamplingParams()), "root")
+    sched.add(Prepared(request_id="c", model="m", prompt_token_ids=[5], sampling=SamplingParams(max_tokens=4)), "root")
     _run(sched, copies)
     assert copies.num_copies == 0 and producer.reclaim() > 0 and producer.num_bytes_in_use == 0

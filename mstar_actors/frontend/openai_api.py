@@ -40,6 +40,13 @@ MAX_PROMPTS = 64
 MAX_SEED = (1 << 63) - 1 - MAX_N  # seed + choice index stays an int64
 MIN_SEED = -(1 << 63)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+# A message's fields: every role's, a role's own, and the fields of an
+# assistant message as the API returned it, sent back as history: read by no
+# chat template, ignored. Any other (non-null) field is refused by name.
+MESSAGE_ECHOED_KEYS = frozenset({"refusal", "annotations"})
+MESSAGE_KEYS = frozenset({"role", "content", "name"})
+MESSAGE_ROLE_KEYS = {"assistant": frozenset({"tool_calls", "reasoning_content"}) | MESSAGE_ECHOED_KEYS,
+                     "tool": frozenset({"tool_call_id"})}
 
 
 class ApiError(Exception):
@@ -105,11 +112,14 @@ STRUCTURED_FIELDS = frozenset({
 TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
 OWNED_FIELDS = {"chat": STRUCTURED_FIELDS | TOOL_FIELDS, "completion": STRUCTURED_FIELDS}
 
-# Change nothing in the output: accepted and ignored, as OpenAI's server does.
+# Change nothing in the output: accepted (their types checked, ``_check_ignored``)
+# and ignored, as OpenAI's server does; ``request_id`` names the response.
 IGNORED_FIELDS = frozenset({
     "user", "metadata", "store", "service_tier", "request_id", "priority", "prompt_cache_key",
     "safety_identifier", "cache_salt",
 })
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE, MAX_REQUEST_ID = 16, 64, 512, 128
 
 # Would change the output and are not implemented: refused unless their value is
 # the neutral one (then they change nothing either). Name -> neutral values.
@@ -137,8 +147,8 @@ def check_fields(body: dict, kind: str) -> None:
         if name in accepted or value is None:
             continue
         if name in UNSUPPORTED_FIELDS:
-            if value in UNSUPPORTED_FIELDS[name]:
-                continue
+            if any(type(value) is type(neutral) and value == neutral for neutral in UNSUPPORTED_FIELDS[name]):
+                continue  # (of the neutral value's type: true is not 1)
             raise _bad(name, "not supported by this server (it would change the output); remove it")
         endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         raise _bad(name, f"unknown field for {endpoint}; accepted: {', '.join(sorted(accepted - IGNORED_FIELDS))}")
@@ -242,6 +252,7 @@ class ParsedRequest:
     kind: str  # "chat" | "completion"
     model: str | None
     sampling: SamplingParams
+    request_id: str | None = None  # the client's, for the response's id (``_parse_request_id``)
     n: int = 1
     stream: bool = False
     include_usage: bool = False
@@ -310,6 +321,13 @@ def get_token_ids(body: dict, name: str, max_len: int, vocab_size: int | None) -
     return tuple(value)
 
 
+def _parse_allowed_token_ids(body: dict, vocab_size: int | None) -> tuple[int, ...]:
+    """vLLM's ``allowed_token_ids``: a non-empty list (an empty one would allow nothing)."""
+    if body.get("allowed_token_ids") == []:
+        raise _bad("allowed_token_ids", "expected at least one token id (leave the field out to allow every token)")
+    return get_token_ids(body, "allowed_token_ids", MAX_ALLOWED_TOKEN_IDS, vocab_size)
+
+
 def parse_logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
     """OpenAI's ``{"token id": bias}``: keys are decimal token ids inside the
     vocabulary, biases numbers in [-100, 100]."""
@@ -339,12 +357,15 @@ def parse_bad_words(body: dict) -> list[str]:
     return value
 
 
-def _parse_sampling(body: dict, max_tokens: int, logprobs: int | None, vocab_size: int | None) -> SamplingParams:
+def _parse_sampling(body: dict, cap: tuple[int, bool], logprobs: int | None,
+                    vocab_size: int | None) -> SamplingParams:
+    max_tokens, cut_to_context = cap  # from ``_parse_max_tokens``
     top_k = get_int(body, "top_k", 0, -1, 1 << 31)
     stop_token_ids = get_token_ids(body, "stop_token_ids", 64, vocab_size)
     min_tokens = get_int(body, "min_tokens", 0, 0, max_tokens)
     return SamplingParams(
         max_tokens=max_tokens,
+        cut_to_context=cut_to_context,
         temperature=get_float(body, "temperature", 1.0, 0.0, 2.0),
         top_p=get_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=max(top_k, 0),  # -1 and 0 both mean off
@@ -358,19 +379,52 @@ def _parse_sampling(body: dict, max_tokens: int, logprobs: int | None, vocab_siz
         logprobs=logprobs,
         structured=parse_structured(body),
         logit_bias=parse_logit_bias(body, vocab_size),
-        allowed_token_ids=get_token_ids(body, "allowed_token_ids", MAX_ALLOWED_TOKEN_IDS, vocab_size),
+        allowed_token_ids=_parse_allowed_token_ids(body, vocab_size),
         min_tokens=min_tokens,
         truncate_prompt_tokens=get_int(body, "truncate_prompt_tokens", None, 1, 1 << 31),
     )
 
 
-def _parse_max_tokens(body: dict, default: int | None, max_model_len: int | None) -> int:
+def _check_ignored(body: dict) -> None:
+    """The ignored fields (``IGNORED_FIELDS``) change nothing, but a wrong
+    type or value is still the client's error, as OpenAI answers it."""
+    for name in ("user", "prompt_cache_key", "safety_identifier", "cache_salt"):
+        get_str(body, name, None)
+    get_bool(body, "store", False)
+    get_int(body, "priority", 0, -(1 << 31), 1 << 31)  # vLLM's (its priority scheduling is not ours)
+    tier = body.get("service_tier")
+    if tier is not None and tier not in SERVICE_TIERS:
+        raise _bad("service_tier", f"expected one of {', '.join(SERVICE_TIERS)}, got {_show(tier)}")
+    metadata = body.get("metadata")
+    if metadata is not None and not (
+            isinstance(metadata, dict) and len(metadata) <= MAX_METADATA_PAIRS
+            and all(len(k) <= MAX_METADATA_KEY and isinstance(v, str) and len(v) <= MAX_METADATA_VALUE
+                    for k, v in metadata.items())):
+        raise _bad("metadata", f"expected an object of at most {MAX_METADATA_PAIRS} string values, keys of at most "
+                               f"{MAX_METADATA_KEY} characters and values of at most {MAX_METADATA_VALUE}")
+
+
+def _parse_request_id(body: dict) -> str | None:
+    """vLLM's ``request_id``: the response's id is ``chatcmpl-{request_id}``
+    (``cmpl-`` for completions); the engine keeps ids of its own."""
+    value = get_str(body, "request_id", None)
+    if value is not None and not (0 < len(value) <= MAX_REQUEST_ID and value.isprintable()):
+        raise _bad("request_id", f"expected 1 to {MAX_REQUEST_ID} printable characters")
+    return value
+
+
+def _parse_max_tokens(body: dict, default: int | None, max_model_len: int | None) -> tuple[int, bool]:
+    """(the output's cap, whether it may be cut to what the prompt leaves):
+    the client's ``max_completion_tokens`` or ``max_tokens``, a prompt leaving
+    less room being refused (``SamplingParams.cut_to_context``); else the
+    endpoint's ``default`` (counted as sent, as OpenAI's 16 for completions),
+    or with none the whole context, cut."""
     hi = max_model_len or (1 << 31)
     value = get_int(body, "max_tokens", None, 1, hi)
     value = get_int(body, "max_completion_tokens", value, 1, hi)
     if value is None:
-        value = default if default is not None else hi
-    return min(value, hi)
+        return (default, False) if default is not None else (hi, True)
+    return value, False
 
 
 def _parse_stop(body: dict) -> list[str]:
@@ -420,16 +474,16 @@ def _parse_output(body: dict, continuous_usage_stats: bool) -> OutputOptions:
     )
 
 
-def _parse_common(body: dict, kind: str, max_tokens: int, logprobs: int | None,
+def _parse_common(body: dict, kind: str, cap: tuple[int, bool], logprobs: int | None,
                   vocab_size: int | None) -> ParsedRequest:
     check_fields(body, kind)
     stream, include_usage, continuous = _parse_stream(body)
-    for name in ("user", "request_id", "prompt_cache_key", "safety_identifier", "cache_salt"):
-        get_str(body, name, None)  # ignored, but a wrong type is still the client's error
+    _check_ignored(body)
     return ParsedRequest(
         kind=kind,
+        request_id=_parse_request_id(body),
         model=get_str(body, "model", None),
-        sampling=_parse_sampling(body, max_tokens, logprobs, vocab_size),
+        sampling=_parse_sampling(body, cap, logprobs, vocab_size),
         n=get_int(body, "n", 1, 1, MAX_N),
         stream=stream,
         include_usage=include_usage,
@@ -560,12 +614,12 @@ def parse_chat(raw: bytes, max_model_len: int | None = None, vocab_size: int | N
     """Validate a chat-completions body (raises ApiError). ``tool_parser``: the
     model's tool-call format (``tool_calls.choose_parser``), None for none."""
     body = decode_body(raw)
-    max_tokens = _parse_max_tokens(body, None, max_model_len)
+    cap = _parse_max_tokens(body, None, max_model_len)
     want_logprobs = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top is not None and not want_logprobs:
         raise _bad("top_logprobs", "requires logprobs: true")
-    parsed = _parse_common(body, "chat", max_tokens, (top or 0) if want_logprobs else None, vocab_size)
+    parsed = _parse_common(body, "chat", cap, (top or 0) if want_logprobs else None, vocab_size)
     parsed.messages = parse_messages(body.get("messages"))
     parsed.continue_final_message = get_bool(body, "continue_final_message", False)
     parsed.add_generation_prompt = get_bool(body, "add_generation_prompt", not parsed.continue_final_message)
@@ -626,6 +680,11 @@ def _parse_message(i: int, message: Any) -> ChatMessage:
     role = message.get("role")
     if role not in ROLES:
         raise _bad(f"{where}.role", f"expected one of {', '.join(ROLES)}, got {_show(role)}")
+    accepted = MESSAGE_KEYS | MESSAGE_ROLE_KEYS.get(role, frozenset())
+    unknown = next((key for key, value in message.items() if key not in accepted and value is not None), None)
+    if unknown is not None:
+        raise _bad(f"{where}.{unknown}", f"not a field of a {role} message here; accepted: "
+                                         f"{', '.join(sorted(accepted - MESSAGE_ECHOED_KEYS))}")
     content = message.get("content")
     if content is None and role == "assistant":
         content = ""
@@ -633,6 +692,12 @@ def _parse_message(i: int, message: Any) -> ChatMessage:
         extra = tool_calls.parse_message_tool_fields(where, role, message)
     except ToolError as err:
         raise _bad(err.param, err.message) from None
+    for key in ("name", "reasoning_content"):  # to the chat template, as vLLM hands them on
+        value = message.get(key)
+        if value is not None and not isinstance(value, str):
+            raise _bad(f"{where}.{key}", f"expected a string, got {_show(value)}")
+        if value is not None:
+            extra[key] = value
     if isinstance(content, str):
         return ChatMessage(role=ROLES[role], content=content, **extra)
     if not isinstance(content, list):
@@ -691,9 +756,9 @@ def _parse_media_url(where: str, value: Any) -> str:
 def parse_completion(raw: bytes, max_model_len: int | None = None, vocab_size: int | None = None) -> ParsedRequest:
     """Validate a (legacy) completions body (raises ApiError)."""
     body = decode_body(raw)
-    max_tokens = _parse_max_tokens(body, 16, max_model_len)
+    cap = _parse_max_tokens(body, 16, max_model_len)
     logprobs = get_int(body, "logprobs", None, 0, MAX_LEGACY_LOGPROBS)
-    parsed = _parse_common(body, "completion", max_tokens, logprobs, vocab_size)
+    parsed = _parse_common(body, "completion", cap, logprobs, vocab_size)
     echo = get_bool(body, "echo", False)
     if echo and logprobs is not None:
         raise _bad("echo", "echo with logprobs (the prompt's logprobs) is not supported; send one of them")

@@ -118,8 +118,10 @@ def _choice(body: dict, name: str, default: str, accepted: tuple[str, ...]) -> s
 
 def _sampling(body: dict, config: SpeechConfig, max_model_len: int | None) -> SamplingParams:
     hi = max_model_len or 1 << 31
+    asked = get_int(body, "max_tokens", None, 1, hi)
     return SamplingParams(
-        max_tokens=min(get_int(body, "max_tokens", config.max_tokens, 1, hi), hi),
+        max_tokens=min(config.max_tokens if asked is None else asked, hi),
+        cut_to_context=asked is None,  # speech.max_tokens, a default: cut to what the prompt leaves
         temperature=get_float(body, "temperature", config.temperature, 0.0, 2.0),
         top_p=get_float(body, "top_p", config.top_p, 0.0, 1.0, lo_open=True),
         top_k=max(get_int(body, "top_k", 0, -1, 1 << 31), 0),

@@ -203,20 +203,17 @@ def forced_call_schema(request: ToolRequest) -> str:
 
 def parse_message_tool_fields(where: str, role: str, message: dict) -> dict:
     """ChatMessage's tool fields of one history message (raises ToolError):
-    an assistant's ``tool_calls``, a tool message's ``tool_call_id``/``name``."""
+    an assistant's ``tool_calls``, a tool message's ``tool_call_id``."""
     fields: dict = {}
     if role == "assistant" and message.get("tool_calls") is not None:
         calls = message["tool_calls"]
         if not isinstance(calls, list):
             raise ToolError(f"{where}.tool_calls", "expected a list of calls")
         fields["tool_calls"] = tuple(_parse_history_call(f"{where}.tool_calls[{j}]", c) for j, c in enumerate(calls))
-    if role == "tool":
-        for key in ("tool_call_id", "name"):
-            value = message.get(key)
-            if value is not None and not isinstance(value, str):
-                raise ToolError(f"{where}.{key}", "expected a string")
-            if value is not None:
-                fields[key] = value
+    if role == "tool" and message.get("tool_call_id") is not None:
+        if not isinstance(message["tool_call_id"], str):
+            raise ToolError(f"{where}.tool_call_id", "expected a string")
+        fields["tool_call_id"] = message["tool_call_id"]
     return fields
 
 
@@ -239,7 +236,8 @@ def _parse_history_call(where: str, call: Any) -> ToolCall:
 def template_tool_fields(message: ChatMessage) -> dict:
     """A message's tool fields as Hugging Face chat templates read them:
     ``tool_calls`` with ``arguments`` decoded to a dict (templates ``tojson``
-    it; OpenAI sends a JSON string), ``tool_call_id`` and ``name``. Absent
+    it; OpenAI sends a JSON string), ``tool_call_id``, ``name`` and an
+    assistant's ``reasoning_content`` (Qwen3's template reads it). Absent
     fields are left out: templates test ``message.tool_calls`` for presence."""
     fields: dict = {}
     if message.tool_calls:
@@ -252,6 +250,8 @@ def template_tool_fields(message: ChatMessage) -> dict:
         fields["tool_call_id"] = message.tool_call_id
     if message.name is not None:
         fields["name"] = message.name
+    if message.reasoning_content is not None:
+        fields["reasoning_content"] = message.reasoning_content
     return fields
 
 

@@ -266,6 +266,7 @@ class Scheduler:
             return [msgspec.structs.replace(refusal, request_id=rid) for rid in ids]
         num_prompt = len(req.prompt_token_ids)
         max_tokens = min(req.sampling.max_tokens, self.max_model_len - num_prompt, self.max_kv_tokens - num_prompt)
+        # a client's cap fits (``_check_prompt``); a default is cut to the room the prompt leaves
         self.choices[req.request_id] = list(ids)
         for index, rid in enumerate(ids):
             seq = Sequence(rid, req, choice_sampling(req.sampling, index), root=root, lora_slot=lora_slot,
@@ -302,24 +303,33 @@ class Scheduler:
         return req.request_id in self.choices or any(rid in self.requests for rid in ids)
 
     def _check_prompt(self, req: Prepared) -> Failed | None:
-        num_prompt = len(req.prompt_token_ids)
+        num_prompt, max_tokens = len(req.prompt_token_ids), req.sampling.max_tokens
         if num_prompt == 0:
-            message = f"request {req.request_id}: the prompt is empty; send at least one token"
-            return self._refuse(req.request_id, req.prompt_param, message)
+            return self._refuse(req.request_id, req.prompt_param, "the prompt is empty; send at least one token")
         if num_prompt >= self.max_model_len:
             message = (
-                f"request {req.request_id}: the prompt has {num_prompt} tokens, but max_model_len is "
-                f"{self.max_model_len} tokens for prompt and output together; shorten the prompt "
-                f"to at most {self.max_model_len - 1} tokens"
+                f"the prompt has {num_prompt} tokens, but max_model_len is {self.max_model_len} tokens for prompt "
+                f"and output together; shorten the prompt to at most {self.max_model_len - 1} tokens"
             )
             return self._refuse(req.request_id, req.prompt_param, message, code="context_length_exceeded")
         if num_prompt >= self.max_kv_tokens:
             message = (
-                f"request {req.request_id}: the prompt has {num_prompt} tokens, but the whole KV cache holds "
-                f"{self.max_kv_tokens} tokens (max_model_len is {self.max_model_len}); shorten the prompt "
-                f"to at most {self.max_kv_tokens - 1} tokens or give the server more KV blocks"
+                f"the prompt has {num_prompt} tokens, but the whole KV cache holds {self.max_kv_tokens} tokens "
+                f"(max_model_len is {self.max_model_len}); shorten the prompt to at most {self.max_kv_tokens - 1} "
+                f"tokens or give the server more KV blocks"
             )
             return self._refuse(req.request_id, req.prompt_param, message, code="context_length_exceeded")
+        room = min(self.max_model_len, self.max_kv_tokens) - num_prompt
+        if max_tokens > room and not req.sampling.cut_to_context:
+            limit = (f"max_model_len is {self.max_model_len} tokens for prompt and output together"
+                     if self.max_model_len <= self.max_kv_tokens else
+                     f"the whole KV cache holds {self.max_kv_tokens} tokens (max_model_len is {self.max_model_len})")
+            message = (
+                f"max_tokens (or max_completion_tokens) is {max_tokens}, but the prompt has {num_prompt} tokens and "
+                f"{limit}: {max_tokens} > {num_prompt + room} - {num_prompt}; ask for at most {room} tokens or "
+                f"shorten the prompt"
+            )
+            return self._refuse(req.request_id, "max_tokens", message, code="context_length_exceeded")
         return None
 
     @staticmethod
@@ -565,7 +575,7 @@ class Scheduler:
             in_flight.land(seq, chunk)
             if not names or seq.request_id in names:
                 self._finish(seq, "abort")
-                message = f"request {seq.request_id}: the engine failed its step on rank {failed.rank}: {failed.message}"
+                message = f"the engine failed its step on rank {failed.rank}: {failed.message}"
                 outputs.append(Failed(seq.request_id, status=500, message=message, error_type="server_error"))
             else:
                 kept.append(seq)

@@ -34,14 +34,16 @@ def test_fields_that_change_nothing_are_accepted(name):
 @pytest.mark.parametrize("name,value", [("use_beam_search", True), ("suffix", "tail"), ("prompt_logprobs", 1),
                                         ("audio", {"voice": "x"}), ("modalities", ["text", "audio"]),
                                         ("prediction", {"type": "content", "content": "x"}),
-                                        ("length_penalty", 0.5), ("spaces_between_special_tokens", False)])
+                                        ("length_penalty", 0.5), ("spaces_between_special_tokens", False),
+                                        ("spaces_between_special_tokens", 1), ("early_stopping", 0)])
 def test_fields_that_would_change_the_output_are_refused_by_name(name, value):
     err = refused(chat(**{name: value}))
     assert err.param == name and "not supported" in err.message
 
 
 @pytest.mark.parametrize("name,value", [("use_beam_search", False), ("suffix", ""), ("modalities", ["text"]),
-                                        ("spaces_between_special_tokens", True), ("prompt_logprobs", None)])
+                                        ("spaces_between_special_tokens", True), ("prompt_logprobs", None),
+                                        ("length_penalty", 1), ("length_penalty", 1.0)])
 def test_refused_fields_at_their_neutral_value_change_nothing_and_pass(name, value):
     api.parse_chat(chat(**{name: value}), 256, 400)
 

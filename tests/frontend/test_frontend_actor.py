@@ -63,6 +63,19 @@ def test_chat_streaming_with_usage(harness):
     run(body)
 
 
+def test_a_client_request_id_names_the_response_as_vllms(harness):
+    async def body():
+        async with harness() as h:
+            status, r = await h.post(CHAT, chat_body(request_id="my-req-1"))
+            assert status == 200 and r["id"] == "chatcmpl-my-req-1", r
+            status, events = await h.stream(CHAT, chat_body(request_id="my-req-2"))
+            assert status == 200 and {c["id"] for c in events[:-1]} == {"chatcmpl-my-req-2"}
+            ids = [req.request_id for req in h.engine.requests.values()]
+            assert len(ids) == 2 and not any("my-req" in rid for rid in ids)  # the engine's ids stay its own
+
+    run(body)
+
+
 def test_completions_plain_streaming_and_length(harness):
     async def body():
         async with harness() as h:

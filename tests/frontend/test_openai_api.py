@@ -129,6 +129,21 @@ BAD = [
     ("completion", comp(max_tokens=-3), "max_tokens"),
     ("completion", comp(max_tokens=257), "max_tokens"),
     ("completion", comp(prompt=["a"] * 20, n=16), "n"),
+    ("chat", chat(metadata={"a": 1}), "metadata"),
+    ("chat", chat(metadata="x"), "metadata"),
+    ("chat", chat(store="yes"), "store"),
+    ("chat", chat(service_tier=5), "service_tier"),
+    ("completion", comp(priority="x"), "priority"),
+    ("chat", chat(request_id=7), "request_id"),
+    ("chat", chat(request_id=""), "request_id"),
+    ("chat", chat(allowed_token_ids=[]), "allowed_token_ids"),
+    ("chat", chat(length_penalty=True), "length_penalty"),
+    ("chat", chat(use_beam_search=0), "use_beam_search"),
+    ("chat", chat(messages=[{"role": "user", "content": "x", "foo": 1}]), "messages[0].foo"),
+    ("chat", chat(messages=[{"role": "user", "content": "x", "tool_calls": []}]), "messages[0].tool_calls"),
+    ("chat", chat(messages=[{"role": "user", "content": "x", "name": 3}]), "messages[0].name"),
+    ("chat", chat(messages=[{"role": "assistant", "content": "x", "reasoning_content": 3}]),
+     "messages[0].reasoning_content"),
 ]
 
 
@@ -156,7 +171,7 @@ def test_bad_body_is_a_400_naming_the_param(kind, raw, param):
 
 def test_chat_defaults_and_fields():
     parsed = api.parse_chat(chat(max_tokens=7, temperature=0, top_k=-1, stop="END", seed=3, n=2,
-                                 logprobs=True, top_logprobs=2, user="u", metadata={"x": 1}), max_model_len=256)
+                                 logprobs=True, top_logprobs=2, user="u", metadata={"x": "1"}), max_model_len=256)
     assert parsed.sampling == SamplingParams(max_tokens=7, temperature=0.0, top_k=0, seed=3, logprobs=2)
     assert parsed.stop == ["END"] and parsed.n == 2 and parsed.logprobs == 2
     (req,) = parsed.new_requests("chatcmpl-x", "tiny", now=1.0)  # prepared once for both choices
@@ -166,8 +181,25 @@ def test_chat_defaults_and_fields():
 
 
 def test_chat_max_tokens_defaults_to_the_context_and_prefers_max_completion_tokens():
-    assert api.parse_chat(chat(), max_model_len=256).sampling.max_tokens == 256
-    assert api.parse_chat(chat(max_tokens=9, max_completion_tokens=5), 256).sampling.max_tokens == 5
+    default = api.parse_chat(chat(), max_model_len=256).sampling
+    assert (default.max_tokens, default.cut_to_context) == (256, True)  # cut to what the prompt leaves
+    asked = api.parse_chat(chat(max_tokens=9, max_completion_tokens=5), 256).sampling
+    assert (asked.max_tokens, asked.cut_to_context) == (5, False)  # the scheduler refuses it where it can't fit
+    # completions' default of 16 counts as asked, as OpenAI's and vLLM's
+    assert not api.parse_completion(comp(), 256).sampling.cut_to_context
+
+
+def test_request_id_names_the_response_and_message_fields_reach_the_template():
+    assert api.parse_chat(chat(request_id="my-req-1")).request_id == "my-req-1"
+    msgs = [{"role": "user", "content": "hi", "name": "ann"},
+            {"role": "assistant", "content": "yo", "reasoning_content": "think", "refusal": None,
+             "annotations": [], "audio": None, "function_call": None}]
+    user, assistant = api.parse_chat(chat(messages=msgs)).messages
+    assert user.name == "ann" and assistant.reasoning_content == "think"
+    from mstar_actors.frontend.tool_calls import template_tool_fields
+
+    assert template_tool_fields(user) == {"name": "ann"}
+    assert template_tool_fields(assistant) == {"reasoning_content": "think"}
 
 
 def test_chat_roles_and_text_parts():

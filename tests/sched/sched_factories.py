@@ -48,7 +48,10 @@ def make_request(
     **sampling,
 ) -> Prepared:
     """``num_media`` items, each with an arena ref of its own (segment named
-    for the request), on the prompt's first tokens (the scheduler never reads them)."""
+    for the request), on the prompt's first tokens (the scheduler never reads them).
+    ``max_tokens`` is cut to the room the prompt leaves (``cut_to_context``)
+    unless a test says otherwise."""
+    sampling.setdefault("cut_to_context", True)
     if prompt is None:  # distinct per request id, so requests share a prefix only when a test says so
         rng = random.Random(request_id)
         prompt = [rng.randrange(10, 1000) for _ in range(num_prompt_tokens)]

@@ -261,20 +261,28 @@ def test_stop_conditions(sampling, tokens, reason, stop_token_id, num_outputs):
     assert_no_blocks_used(sched)
 
 
-def test_max_model_len_caps_max_tokens():
+def test_max_tokens_past_max_model_len_is_refused_and_a_default_is_cut():
     sched = make_scheduler(max_model_len=10)
-    sched.add(make_request("r0", num_prompt_tokens=8, max_tokens=100), ROOT)
+    (failed,) = sched.add(make_request("r0", num_prompt_tokens=8, max_tokens=3, cut_to_context=False), ROOT)
+    assert (failed.request_id, failed.status, failed.param, failed.code) == ("r0", 400, "max_tokens",
+                                                                             "context_length_exceeded")
+    assert "the prompt has 8 tokens" in failed.message and "at most 2" in failed.message
+    assert not sched.has_work()
+    assert sched.add(make_request("r1", num_prompt_tokens=8, max_tokens=2, cut_to_context=False), ROOT) == []
+    sched.add(make_request("r2", num_prompt_tokens=8, max_tokens=100), ROOT)
     run_step(sched)
     _, outputs = run_step(sched)
-    assert finished_of(outputs)["r0"].finish_reason == "length"
-    assert finished_of(outputs)["r0"].num_output_tokens == 2
+    assert finished_of(outputs)["r2"].finish_reason == "length"
+    assert finished_of(outputs)["r2"].num_output_tokens == 2
 
 
-def test_kv_capacity_caps_max_tokens():
+def test_max_tokens_past_the_kv_cache_is_refused_and_a_default_is_cut():
     sched = make_scheduler(num_blocks=2, max_model_len=100)
-    sched.add(make_request("r0", num_prompt_tokens=7, max_tokens=100), ROOT)
+    (failed,) = sched.add(make_request("r0", num_prompt_tokens=7, max_tokens=100, cut_to_context=False), ROOT)
+    assert failed.param == "max_tokens" and "KV cache holds 8 tokens" in failed.message and "at most 1" in failed.message
+    sched.add(make_request("r1", num_prompt_tokens=7, max_tokens=100), ROOT)
     _, outputs = run_step(sched)
-    assert finished_of(outputs)["r0"].num_output_tokens == 1
+    assert finished_of(outputs)["r1"].num_output_tokens == 1
 
 
 @pytest.mark.parametrize("param", ["prompt", "messages"])
@@ -282,7 +290,7 @@ def test_too_long_prompt_is_refused(param):
     sched = make_scheduler(max_model_len=16)
     (failed,) = sched.add(make_request("long-1", num_prompt_tokens=16, prompt_param=param), ROOT)
     assert isinstance(failed, Failed) and failed.status == 400 and failed.param == param
-    assert "long-1" in failed.message and "16 tokens" in failed.message and "max_model_len" in failed.message
+    assert failed.request_id == "long-1" and "16 tokens" in failed.message and "max_model_len" in failed.message
     assert "at most 15" in failed.message
     assert sched.add(make_request("ok", num_prompt_tokens=15), ROOT) == []
     assert sched.num_waiting == 1
@@ -298,7 +306,7 @@ def test_empty_prompt_is_refused():
 def test_prompt_larger_than_the_whole_kv_cache_is_refused():
     sched = make_scheduler(num_blocks=2, block_size=4, max_model_len=100)
     (failed,) = sched.add(make_request("big", num_prompt_tokens=8), ROOT)
-    assert failed.status == 400 and "KV cache holds 8 tokens" in failed.message and "big" in failed.message
+    assert failed.status == 400 and "KV cache holds 8 tokens" in failed.message and failed.request_id == "big"
     assert not sched.has_work()
 
 

@@ -20,7 +20,8 @@ LONG = r"hello(w1|w2|w3|w4){8,10}world"
 
 def request(rid: str, prompt: list[int], *, max_tokens: int = 20, spec: StructuredSpec | None = None,
             ignore_eos: bool = False) -> NewRequest:
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos, structured=spec)
+    sampling = SamplingParams(max_tokens=max_tokens, cut_to_context=True, temperature=0.0, ignore_eos=ignore_eos,
+                              structured=spec)
     return NewRequest(request_id=rid, model="tiny", sampling=sampling, prompt_token_ids=prompt)
 
 
