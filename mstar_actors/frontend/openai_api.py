@@ -391,7 +391,8 @@ def _check_ignored(body: dict) -> None:
     for name in ("user", "prompt_cache_key", "safety_identifier", "cache_salt"):
         get_str(body, name, None)
     get_bool(body, "store", False)
-    get_int(body, "priority", 0, -(1 << 31), 1 << 31)  # vLLM's (its priority scheduling is not ours)
+    if get_int(body, "priority", 0, -(1 << 31), 1 << 31) != 0:  # vLLM's, as vLLM without priority scheduling
+        raise _bad("priority", "requests are served first come, first served here; send 0 or leave it out")
     tier = body.get("service_tier")
     if tier is not None and tier not in SERVICE_TIERS:
         raise _bad("service_tier", f"expected one of {', '.join(SERVICE_TIERS)}, got {_show(tier)}")

@@ -134,6 +134,7 @@ BAD = [
     ("chat", chat(store="yes"), "store"),
     ("chat", chat(service_tier=5), "service_tier"),
     ("completion", comp(priority="x"), "priority"),
+    ("completion", comp(priority=1), "priority"),
     ("chat", chat(request_id=7), "request_id"),
     ("chat", chat(request_id=""), "request_id"),
     ("chat", chat(allowed_token_ids=[]), "allowed_token_ids"),
