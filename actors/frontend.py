@@ -74,7 +74,7 @@ from mstar_actors.messages import (
 from mstar_actors.frontend.metrics import Metrics
 from mstar_actors.frontend.openai_api import ApiError, ChoiceOutput, ParsedRequest
 from mstar_actors.frontend.tool_calls import choose_parser, finish_reason, make_reader, marker_problem, read_calls
-from transport.errors import ChannelFull
+from transport.errors import ChannelFull, MessageTooLarge
 
 _json = msgspec.json.Encoder()
 # Engine messages the loop takes in before the streams write (a backlog: the
@@ -680,7 +680,12 @@ class FrontendActor(Actor):
                 self._exchanges[cid] = exchange
         for req in exchange.requests:
             self._unacked.update(exchange.choice_ids[req.request_id])
-            await self.outbox["prepare"].send(req)
+            try:
+                await self.outbox["prepare"].send(req)
+            except MessageTooLarge:  # the launcher sizes this ring for server.max_body_bytes: a config out of step
+                raise ApiError(413, f"request {exchange.response_id}: too large for the engine's rings to carry; "
+                               "send less (fewer or smaller media) or raise transport.ring_bytes",
+                               code="request_too_large") from None
 
     def _new_choice(self, index: int, exchange: Exchange, req: NewRequest) -> ChoiceOutput:
         from mstar_actors.tokenization import StopStrings

@@ -83,6 +83,19 @@ class ActorPlan:
 FRONTEND_TARGET = "actors.frontend:FrontendActor"
 
 
+def ring_bytes(name: str, config) -> int:
+    """A ring's size: ``transport.ring_bytes``, the launcher's control rings
+    less; a frontend's ring to prepare carries whole request bodies (their
+    media as data: URLs), so it holds the largest ``server.max_body_bytes``
+    allows, its encoding's overhead and a few more in flight."""
+    if "launcher" in name:
+        return CONTROL_RING_BYTES
+    if name.endswith(".prepare") and name.startswith("frontend"):
+        body = config.server.max_body_bytes
+        return max(config.transport.ring_bytes, body + body // 4 + (1 << 20))
+    return config.transport.ring_bytes
+
+
 def plan_actors(num_ranks: int, num_frontends: int = 1) -> list[ActorPlan]:
     """The topology: which actor reads and writes which ring (by ring name).
 
@@ -140,7 +153,7 @@ class Rings:
                 for name in names if isinstance(names, list) else [names]:
                     if name in self.specs:
                         continue  # each ring appears at both of its ends
-                    size = CONTROL_RING_BYTES if "launcher" in name else self.config.transport.ring_bytes
+                    size = ring_bytes(name, self.config)
                     self.specs[name] = create_ring(self.run_dir, self.run_id, name, size)
 
     def resolve(self, channels: dict[str, tuple[Any, str]]) -> dict[str, tuple[Any, str]]:

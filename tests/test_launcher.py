@@ -224,6 +224,16 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
+def test_a_frontends_ring_to_prepare_carries_the_largest_body_the_server_takes():
+    from mstar_actors.config import Config, ServerConfig
+    from mstar_actors.launcher import ring_bytes
+
+    config = Config(server=ServerConfig(max_body_bytes=32 << 20))
+    assert ring_bytes("frontend.prepare", config) >= (32 << 20) * 5 // 4
+    assert ring_bytes("frontend1.prepare", config) == ring_bytes("frontend.prepare", config)
+    assert ring_bytes("prepare.conductor", config) == config.transport.ring_bytes  # small messages: media go by arena
+
+
 def test_bad_config_is_one_line_and_exit_2(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text("model: {pth: x}\n")

@@ -11,7 +11,7 @@ large tensors by reference (``TensorRef``). ``cleanup_run`` /
 from transport.broadcast import BroadcastChannel
 from transport.channel import Channel, ChannelStats
 from transport.codec import Codec
-from transport.errors import ChannelBroken, ChannelClosed, ChannelError, ChannelFull, DecodeError
+from transport.errors import ChannelBroken, ChannelClosed, ChannelError, ChannelFull, DecodeError, MessageTooLarge
 from transport.memory import MemoryChannel
 from transport.ring import RingSpec, ShmRing, create_ring, open_ring, unlink_ring
 from transport.shm import cleanup_orphans, cleanup_run, cleanup_stale, register_run

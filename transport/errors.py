@@ -20,3 +20,7 @@ class ChannelFull(ChannelError):
 
 class DecodeError(ChannelError):
     """Bytes that are not a message of the channel's union."""
+
+
+class MessageTooLarge(ChannelError, ValueError):
+    """A message larger than the ring could ever hold (a sizing error, not backpressure)."""

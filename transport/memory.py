@@ -15,7 +15,7 @@ from typing import Any
 
 from transport.channel import Channel, ChannelStats
 from transport.codec import Codec
-from transport.errors import ChannelClosed, ChannelFull, DecodeError
+from transport.errors import ChannelClosed, ChannelFull, DecodeError, MessageTooLarge
 
 RECORD_OVERHEAD = 8  # the ring's per-record header, so capacities match
 
@@ -50,7 +50,7 @@ class MemoryChannel(Channel):
         if self._reader_closed:
             raise ChannelClosed(f"channel {self.name!r}: the reader has closed")
         if self._size(data) > self._capacity:
-            raise ValueError(
+            raise MessageTooLarge(
                 f"channel {self.name!r}: a {len(data)}-byte message exceeds the "
                 f"{self._capacity}-byte buffer; send large tensors through the arena"
             )

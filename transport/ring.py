@@ -22,7 +22,7 @@ import msgspec
 from transport import shm
 from transport.channel import Channel, ChannelStats
 from transport.codec import Codec
-from transport.errors import ChannelBroken, ChannelClosed, ChannelFull, DecodeError
+from transport.errors import ChannelBroken, ChannelClosed, ChannelFull, DecodeError, MessageTooLarge
 
 MAGIC = 0x3152_5253_5453_4D  # "MSTSRR1", little-endian
 RECORD_HEADER = 8
@@ -397,7 +397,7 @@ class ShmRing(Channel):
             raise ChannelClosed(f"channel {self.name!r}: send after close")
         need = _footprint(len(data))
         if need > self._capacity:
-            raise ValueError(
+            raise MessageTooLarge(
                 f"channel {self.name!r}: a {len(data)}-byte message exceeds the {self._capacity}-byte "
                 f"ring (at most {self._capacity - RECORD_HEADER}); send large tensors through the arena"
             )

@@ -76,6 +76,22 @@ def test_a_client_request_id_names_the_response_as_vllms(harness):
     run(body)
 
 
+def test_a_request_larger_than_the_ring_to_prepare_is_a_413_and_the_next_one_goes_on(harness):
+    """The launcher sizes that ring for server.max_body_bytes; a config out of
+    step with it (here the harness's 1 MiB ring under a 4 MiB body limit)
+    answers the client, never a 500."""
+    async def body():
+        async with harness() as h:
+            big = chat_body(messages=[{"role": "user", "content": "x" * (3 << 19)}])
+            status, r = await h.post(CHAT, big)
+            assert status == 413 and r["error"]["code"] == "request_too_large", r
+            assert "transport.ring_bytes" in r["error"]["message"]
+            status, r = await h.post(CHAT, chat_body())
+            assert status == 200, r
+
+    run(body)
+
+
 def test_completions_plain_streaming_and_length(harness):
     async def body():
         async with harness() as h:
