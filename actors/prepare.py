@@ -71,6 +71,7 @@ from mstar_actors.prepare.media import FetchError, MediaError, MediaLimits, coll
 from mstar_actors.messages import Abort, Failed, LoadAdapter, NewRequest, Prepared, UnloadAdapter
 from mstar_actors.prepare import PendingRequest, PendingRequests
 from mstar_actors.prepare.preparers import Draft, Preparer, failed, load_preparer, with_media
+from transport.arena import ArenaFull, TensorTooLarge
 
 __all__ = ["PrepareActor", "Preparer", "load_preparer"]
 
@@ -313,11 +314,23 @@ class PrepareActor(Actor):
         try:
             for item in draft.media:
                 refs.append(await self.arena.put(item.pixel_values, num_readers=self.config.parallel.tp))
-        except Exception as err:  # ArenaFull: the workers hold too much media; this request fails
-            # Refs already stored stay until the arena reclaims them; the producer end has no discard.
-            return Failed(request_id=req.request_id, status=503, error_type="server_error",
-                          message=f"no room for the request's media tensors: {err}; retry later")
+        except TensorTooLarge as err:  # no wait can help: the client's to shrink, or the config's to grow
+            return self._unstored(req, refs, Failed(
+                request_id=req.request_id, status=413, code="media_too_large", param="messages",
+                message=f"a media item of this request makes a tensor larger than the whole tensor arena ({err}); "
+                        "send smaller media (fewer pixels, frames or seconds)"))
+        except ArenaFull as err:  # the workers hold too much media for now
+            return self._unstored(req, refs, Failed(
+                request_id=req.request_id, status=503, error_type="server_error",
+                message=f"no room for the request's media tensors: {err}; retry later"))
         return with_media(draft, refs)
+
+    def _unstored(self, req: NewRequest, refs: list, failed: Failed) -> Failed:
+        """The tensors stored before one failed are handed to no worker: give them back."""
+        for ref in refs:
+            self.arena.discard(ref)
+        self.log.info("request %s: media not stored: %s", req.request_id, failed.message)
+        return failed
 
 
 def read_cpu_cores(cpus: list[int], root: Path = Path("/sys/devices/system/cpu")) -> dict[int, tuple[int, int]]:

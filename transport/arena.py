@@ -33,6 +33,10 @@ class ArenaFull(ChannelError):
     """``put`` found no room in time: consumers hold too many tensors."""
 
 
+class TensorTooLarge(ChannelError, ValueError):
+    """``put`` of a tensor larger than the whole arena: no wait can make room."""
+
+
 class ArenaSpec(msgspec.Struct, frozen=True):
     name: str
     segment: str
@@ -142,7 +146,7 @@ class TensorArena:
             raise ValueError(f"arena {self.name!r}: num_readers {num_readers}; use 1..{MAX_READERS}")
         nbytes = tensor.numel() * tensor.element_size()
         if _block_size(nbytes) > self.capacity_bytes:
-            raise ValueError(
+            raise TensorTooLarge(
                 f"arena {self.name!r}: a {nbytes}-byte tensor can never fit the {self.capacity_bytes}-byte "
                 f"arena; raise transport.arena_bytes or split the tensor"
             )
@@ -191,6 +195,18 @@ class TensorArena:
         self._words[base >> 3] = size
         self._words[(base >> 3) + 1] = num_readers
         self._seg.buf[base + 16 : base + BLOCK_HEADER] = bytes(MAX_READERS)
+
+    def discard(self, ref: TensorRef) -> None:
+        """Give back a block ``put`` stored that no consumer was ever handed
+        (the request it was for failed before it was sent): released for every
+        reader, so ``reclaim`` frees it in its turn."""
+        if self.role != "producer":
+            raise ValueError(f"arena {self.name!r}: discard on a consumer end")
+        self._check_ref(ref)
+        base = ref.offset - BLOCK_HEADER
+        num_readers = self._words[(base >> 3) + 1]
+        self._seg.buf[base + 16 : base + 16 + num_readers] = b"\x01" * num_readers
+        self.reclaim()
 
     def reclaim(self) -> int:
         """Free the oldest blocks whose readers have all released; returns

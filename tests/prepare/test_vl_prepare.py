@@ -196,3 +196,31 @@ async def test_actor_sends_media_through_the_arena_in_order(preparer):
         assert "could not decode the image" in b.message
         assert isinstance(c, Prepared) and not c.media
         assert len(arena.tensors) == 1  # the failed request stored nothing
+
+
+async def test_media_that_cannot_all_be_stored_are_a_413_and_give_back_what_was_stored(preparer, tmp_path):
+    """A request of two images, the second's tensor larger than the whole
+    arena: a 413 naming the limit, and the first's block, stored already and
+    handed to no worker, freed (it used to stay, and the arena, freeing
+    oldest first, filled up behind it for good)."""
+    import os
+
+    from transport import cleanup_run
+    from transport.arena import TensorArena, create_arena
+
+    run_id = f"t{os.getpid()}xprep"
+    spec = create_arena(tmp_path, run_id, "media", 256 << 10)
+    producer = TensorArena(spec, "producer")
+    try:
+        small, big = png_url(np.zeros((40, 40, 3), dtype=np.uint8)), png_url(np.zeros((224, 224, 3), dtype=np.uint8))
+        async with running_prepare_actor(preparer, arena=producer, inbox_bytes=1 << 22) as (inbox, out):
+            await inbox.send(chat("a", image_part(small), image_part(big)))
+            failed = await out.recv()
+            assert isinstance(failed, Failed) and failed.status == 413 and failed.code == "media_too_large", failed
+            assert "transport.arena_bytes" in failed.message
+            assert producer.num_bytes_in_use == 0  # the small image's block was given back
+            await inbox.send(chat("b", image_part(small)))
+            assert isinstance(await out.recv(), Prepared)
+    finally:
+        producer.close()
+        cleanup_run(run_id, tmp_path)

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from transport.arena import ArenaFull, TensorArena, create_arena
+from transport.arena import ArenaFull, TensorArena, TensorTooLarge, create_arena
 
 SPAWN = multiprocessing.get_context("spawn")
 
@@ -106,9 +106,27 @@ def test_full_arena_waits_then_errors(run):
     close_all(run, producer, consumer)
 
 
+def test_discarded_blocks_are_freed_in_their_turn(run):
+    """A request whose later tensor failed gives its stored ones back
+    (``discard``): no consumer ever sees them, and the arena does not stay
+    full behind them."""
+    _, producer, consumer = make_arena(run, capacity_bytes=4096)
+    block = torch.zeros(1024 - 64, dtype=torch.uint8)
+    held = producer.put_nowait(block)
+    stored = [producer.put_nowait(block) for _ in range(3)]
+    for ref in stored:
+        producer.discard(ref)
+    assert producer.num_bytes_in_use == 4096  # behind a block a consumer still holds: FIFO
+    consumer.release(held)
+    assert producer.reclaim() == 4096 and producer.num_bytes_in_use == 0
+    with pytest.raises(ValueError, match="discard on a consumer end"):
+        consumer.discard(held)
+    close_all(run, producer, consumer)
+
+
 def test_too_big_for_the_arena_says_so(run):
     _, producer, consumer = make_arena(run, capacity_bytes=4096)
-    with pytest.raises(ValueError, match="'host'.*can never fit the 4096-byte arena"):
+    with pytest.raises(TensorTooLarge, match="'host'.*can never fit the 4096-byte arena"):
         producer.put_nowait(torch.zeros(4096, dtype=torch.uint8))
     close_all(run, producer, consumer)
 
