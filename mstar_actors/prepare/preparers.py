@@ -123,7 +123,7 @@ class Preparer:
         return result.prepared if isinstance(result, Draft) else result
 
     def draft(self, req: NewRequest, fetched: dict[str, bytes] | None = None) -> Draft | Failed:
-        if (refusal := self.check_structured(req)) is not None:
+        if (refusal := self.check_structured(req) or _media_refused(req)) is not None:
             return refusal
         try:
             token_ids, param = self._token_ids(req)
@@ -261,6 +261,16 @@ class MediaPreparer:
     def _process(self, ref: MediaRef, fetched: dict[str, bytes]) -> MediaDraft:
         raise NotImplementedError
 
+    def _processed(self, ref: MediaRef, fetched: dict[str, bytes]) -> MediaDraft:
+        """``_process``; a processor's refusal of the item (Qwen's aspect ratio
+        past 200, say) is the item's 400, named by its part."""
+        try:
+            return self._process(ref, fetched)
+        except MediaError:
+            raise
+        except ValueError as err:
+            raise MediaError(ref.param, f"this {ref.kind} can't be prepared for the model: {err}") from None
+
     # ---- the one entry point -----------------------------------------------
 
     def draft(self, req: NewRequest, fetched: dict[str, bytes]) -> Draft | Failed:
@@ -270,7 +280,7 @@ class MediaPreparer:
             refs = collect_media(req, self.limits, self.MEDIA_KINDS)
             if not refs:
                 return self.text.draft(req, fetched)  # text only: the plain path
-            media = [self._process(ref, fetched) for ref in refs]
+            media = [self._processed(ref, fetched) for ref in refs]
             token_ids, media = self._expand(self._template_ids(req), media, refs)
         except MediaError as err:
             return failed(req, str(err), err.param)
@@ -357,6 +367,17 @@ class QwenVLPreparer(MediaPreparer):
         t, h, w = grid
         return MediaDraft("video", pixel_values, grid, 0, t * h * w // self.merge_size**2,
                           second_per_grid_t=self.temporal_patch_size / fps)
+
+
+def _media_refused(req: NewRequest) -> Failed | None:
+    """A media part sent to the text path (a text-only model), named by its part."""
+    for i, message in enumerate(req.messages or []):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+            if part.type != "text":
+                return failed(req, f"this model reads text only; {part.type} parts are for the image, video and "
+                                   f"audio models (Qwen2.5-VL, Qwen3.5, Qwen2-Audio)",
+                              f"messages[{i}].content[{j}].{part.type}")
+    return None
 
 
 def media_digest(media: list[MediaDraft]) -> str:

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from mstar_actors.messages import ChatMessage, NewRequest, SamplingParams
+from mstar_actors.messages import ChatMessage, ContentPart, NewRequest, SamplingParams
 from mstar_actors.prepare.preparers import Preparer
 from mstar_actors.prepare.prompt_bound import CUT_SLACK
 from mstar_actors.tokenization import Tokenization
@@ -86,3 +86,12 @@ def test_the_character_bound_holds_on_the_vocabulary(model_dir, tokenizer):
     bound = Tokenization(model_dir).max_chars_per_token
     for entry, token_id in tokenizer.get_vocab().items():
         assert len(tokenizer.decode([token_id])) <= bound, entry
+
+
+@pytest.mark.parametrize("part", [ContentPart(type="image_url", url="data:image/png;base64,AA"),
+                                  ContentPart(type="input_audio", url="data:audio/wav;base64,AA")])
+def test_media_on_a_text_only_model_is_a_400_naming_the_part(counted, part):
+    preparer, _ = counted
+    out = preparer.prepare(request(messages=[ChatMessage("user", [ContentPart(type="text", text="look"), part])]))
+    assert out.status == 400 and out.param == f"messages[0].content[1].{part.type}", out
+    assert "reads text only" in out.message

@@ -224,3 +224,11 @@ async def test_media_that_cannot_all_be_stored_are_a_413_and_give_back_what_was_
     finally:
         producer.close()
         cleanup_run(run_id, tmp_path)
+
+
+@pytest.mark.parametrize("shape", [(1, 4000, 3), (4000, 1, 3)])
+def test_an_image_the_processor_refuses_is_a_400_naming_its_part(preparer, shape):
+    """Qwen's resize refuses an aspect ratio past 200: the item's 400, named by its part."""
+    out = preparer.draft(chat("r", image_part(png_url(np.zeros(shape, dtype=np.uint8)))), {})
+    assert isinstance(out, Failed) and out.status == 400 and out.param == "messages[0].content[1].image_url", out
+    assert "aspect ratio" in out.message and "can't be prepared" in out.message
