@@ -155,6 +155,8 @@ class ServerConfig(msgspec.Struct, **_STRICT):
     max_image_pixels: Pos = 4096 * 4096  # width x height, checked from the header before decoding
     max_video_frames: Pos = 64  # frames kept after sampling at video_fps
     max_video_seconds: Annotated[float, msgspec.Meta(gt=0.0)] = 120.0
+    # pixels of all the frames a video keeps, decoded (3 bytes each): 1080p at max_video_frames, 4K at 16
+    max_video_pixels: Pos = 64 * 1920 * 1080
     max_media_items: NonNeg = 8  # per request; 0 refuses media
     video_fps: Annotated[float, msgspec.Meta(gt=0.0)] = 2.0  # frames sampled per second of video
     # Seconds of one audio clip; the model's feature extractor may hear fewer (Qwen2-Audio: 30).

@@ -64,6 +64,7 @@ class MediaLimits:
     max_image_pixels: int = 4096 * 4096
     max_video_frames: int = 64
     max_video_seconds: float = 120.0
+    max_video_pixels: int = 64 * 1920 * 1080
     max_items: int = 8
     video_fps: float = 2.0
     max_audio_seconds: float = 30.0
@@ -82,6 +83,7 @@ class MediaLimits:
             max_image_pixels=server.max_image_pixels,
             max_video_frames=server.max_video_frames,
             max_video_seconds=server.max_video_seconds,
+            max_video_pixels=server.max_video_pixels,
             max_items=server.max_media_items,
             video_fps=server.video_fps,
             max_audio_seconds=server.max_audio_seconds,
@@ -406,9 +408,13 @@ def decode_image(data: bytes, ref: MediaRef, limits: MediaLimits):
         return image.convert("RGB")
     except MediaError:
         raise
-    except Image.DecompressionBombError as err:
-        raise MediaError(ref.param, f"the image is too large to decode ({err}) (server.max_image_pixels)") from None
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+    except Image.DecompressionBombError:  # Pillow's guard at open(), past twice the limit
+        raise MediaError(ref.param, f"the image has over {2 * limits.max_image_pixels} pixels; this server accepts "
+                                    f"at most {limits.max_image_pixels} (server.max_image_pixels)") from None
+    except UnidentifiedImageError:
+        raise MediaError(ref.param, "could not decode the image: not a format this server reads (PNG, JPEG, WebP, "
+                                    "GIF, BMP, TIFF...)") from None
+    except (OSError, SyntaxError, ValueError) as err:
         raise MediaError(ref.param, f"could not decode the image: {type(err).__name__}: {err}") from None
 
 
@@ -436,17 +442,7 @@ def decode_video(data: bytes, ref: MediaRef, limits: MediaLimits, num_threads: i
         raise
     except (av.error.FFmpegError, OSError, ValueError) as err:
         raise MediaError(ref.param, f"could not decode the video: {type(err).__name__}: {err}") from None
-    if not frames:
-        raise MediaError(ref.param, "the video has no frames")
-    return VideoFrames(stack_frames(frames), limits.video_fps)
-
-
-def stack_frames(frames: list) -> Any:
-    """``np.stack(frames)``, copied by torch: numpy's copy holds the GIL for
-    the whole tens-of-MB copy, torch's releases it. Same array, same bytes."""
-    import torch
-
-    return torch.stack([torch.from_numpy(f) for f in frames]).numpy()
+    return VideoFrames(frames, limits.video_fps)
 
 
 def _duration_s(container: Any, stream: Any) -> float | None:
@@ -475,26 +471,49 @@ def _too_many_frames(ref: MediaRef, num_frames: int | str, limits: MediaLimits) 
     )
 
 
-def _sample_frames(container: Any, stream: Any, ref: MediaRef, limits: MediaLimits) -> list:
-    """One frame per 1/fps seconds: the first frame at or after each sample time."""
-    frames: list = []
+def _sample_frames(container: Any, stream: Any, ref: MediaRef, limits: MediaLimits) -> Any:
+    """One frame per 1/fps seconds (the first frame at or after each sample
+    time) as a uint8 (T, H, W, 3) array, each written into one buffer as it
+    is decoded: no list of frames and stacked copy of it, and a video whose
+    sampled frames would hold more than ``max_video_pixels`` is refused at
+    the frame that passes it (a small file of large flat frames decodes to
+    gigabytes)."""
+    import torch
+
+    buffer, num = None, 0
     next_t = 0.0
     for frame in container.decode(stream):
-        t = frame.time if frame.time is not None else len(frames) / limits.video_fps
+        t = frame.time if frame.time is not None else num / limits.video_fps
         if t > limits.max_video_seconds:
             raise MediaError(ref.param, f"the video runs past {limits.max_video_seconds} s (server.max_video_seconds)")
         if t + 1e-6 < next_t:
             continue
-        if frame.width * frame.height > limits.max_image_pixels:
+        pixels = frame.width * frame.height
+        if pixels > limits.max_image_pixels:
             raise MediaError(ref.param, f"video frames are {frame.width}x{frame.height}; this server accepts at "
                                         f"most {limits.max_image_pixels} pixels (server.max_image_pixels)")
-        if len(frames) == limits.max_video_frames:
+        if num == limits.max_video_frames:
             raise _too_many_frames(ref, f"over {limits.max_video_frames}", limits)
-        frames.append(frame.to_ndarray(format="rgb24"))
+        if (num + 1) * pixels > limits.max_video_pixels:
+            raise MediaError(ref.param, f"the video's sampled frames hold over {limits.max_video_pixels} pixels "
+                                        f"({num + 1} frames of {frame.width}x{frame.height} so far); this server "
+                                        f"accepts at most that (server.max_video_pixels): send a shorter or smaller "
+                                        f"video")
+        if buffer is None:  # pages are committed as frames land in them
+            cap = min(limits.max_video_frames, limits.max_video_pixels // pixels)
+            buffer = torch.empty((cap, frame.height, frame.width, 3), dtype=torch.uint8)
+        elif buffer.shape[1:3] != (frame.height, frame.width):
+            raise MediaError(ref.param, f"the video's frame size changes from {buffer.shape[2]}x{buffer.shape[1]} "
+                                        f"to {frame.width}x{frame.height}; send a video of one frame size")
+        # torch's copy releases the GIL for the frame's MBs, numpy's would not
+        buffer[num].copy_(torch.from_numpy(frame.to_ndarray(format="rgb24")))
+        num += 1
         next_t += 1.0 / limits.video_fps
         while next_t + 1e-6 < t:  # a gap in the stream: don't emit a burst for it
             next_t += 1.0 / limits.video_fps
-    return frames
+    if buffer is None:
+        raise MediaError(ref.param, "the video has no frames")
+    return buffer[:num].numpy()
 
 
 _AUDIO_PROBE = {"probesize": "32768"}

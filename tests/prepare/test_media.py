@@ -182,6 +182,15 @@ def test_video_frame_and_second_limits(video3s):
         decode_video(video3s, ref("", "video"), MediaLimits(max_video_seconds=2.0))
 
 
+def test_a_videos_decoded_pixels_are_bounded_as_it_decodes(video3s):
+    """6 sampled 64x64 frames hold 24,576 pixels: a bound of 5 frames' refuses
+    it at the sixth, one of 6 keeps them all (in one buffer, no stacked copy)."""
+    with pytest.raises(MediaError, match=r"over 20480 pixels \(6 frames of 64x64 so far\).*server.max_video_pixels"):
+        decode_video(video3s, ref("", "video"), MediaLimits(video_fps=2.0, max_video_pixels=5 * 64 * 64))
+    got = decode_video(video3s, ref("", "video"), MediaLimits(video_fps=2.0, max_video_pixels=6 * 64 * 64))
+    assert got.frames.shape == (6, 64, 64, 3) and got.frames.flags["C_CONTIGUOUS"]
+
+
 # ---- http(s) ------------------------------------------------------------------------
 
 
