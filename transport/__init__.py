@@ -41,6 +41,7 @@ __all__ = [
     "ChannelError",
     "ChannelFull",
     "ChannelStats",
+    "MessageTooLarge",
     "Codec",
     "DecodeError",
     "MemoryChannel",
