@@ -179,7 +179,7 @@ class FrontendActor(Actor):
         self._updates: dict[str, asyncio.Future] = {}  # runtime load/unload id -> its AdapterUpdate
         self.adapters: dict[str, str] = {}  # served adapter name -> path (set in start)
         self._unacked: set[str] = set()
-        self._num_engine_waiting = 0
+        self._num_engine_waiting = self._num_engine_running = 0  # the conductor's last EngineStats
         self._background: set[asyncio.Task] = set()
         self._idle = asyncio.Event()  # set when an exchange closes (the drain waits on it)
         self._runner: web.AppRunner | None = None
@@ -268,7 +268,7 @@ class FrontendActor(Actor):
                 if exchange is not None:  # else: aborted earlier; late outputs are expected
                     exchange.push(msg)
             case EngineStats():
-                self._num_engine_waiting = msg.num_waiting
+                self._num_engine_waiting, self._num_engine_running = msg.num_waiting, msg.num_running
                 self.metrics.observe_engine(msg)
             case ModelsChanged(adapters=adapters):
                 self.adapters = {a.name: a.path for a in adapters}
@@ -665,7 +665,12 @@ class FrontendActor(Actor):
                        code="model_not_found")
 
     def _admit(self, exchange: Exchange) -> None:
-        num_waiting = max(self._num_engine_waiting, len(self._unacked))
+        """A 503 past ``server.max_waiting_requests`` choices waiting: the
+        engine's count, or between its reports this frontend's own estimate,
+        the choices sent that have no output yet less the sequences the engine
+        can still start (a burst at an idle server runs at once)."""
+        free = max(0, self.config.scheduler.max_num_seqs - self._num_engine_running)
+        num_waiting = max(self._num_engine_waiting, len(self._unacked) - free)
         limit = self.config.server.max_waiting_requests
         if num_waiting + exchange.num_choices > limit:
             raise ApiError(503, f"server overloaded: {num_waiting} requests waiting (limit {limit}); retry later",

@@ -4,6 +4,7 @@ import asyncio
 import json
 
 import aiohttp
+import msgspec
 
 from mstar_actors.messages import ContextAgreed, EngineStats, Failed, Finished, PeerFailed, SampledToken, TokenDelta
 from tests.frontend.conftest import REPLY
@@ -366,6 +367,8 @@ def test_backpressure_is_503_over_max_waiting(harness):
     async def body():
         async with harness(max_waiting_requests=2) as h:
             h.engine.plan = hold
+            full = h.actor.config.scheduler.max_num_seqs  # every sequence taken: what comes now waits
+            await h.engine.send(EngineStats(num_running=full, num_waiting=0, num_kv_blocks_used=3, num_kv_blocks_total=10))
             held = [asyncio.create_task(h.post(CHAT, chat_body())) for _ in range(2)]
             await h.engine.wait_for(lambda: len(h.engine.requests) == 2)
             status, r = await h.post(CHAT, chat_body())
@@ -381,6 +384,27 @@ def test_backpressure_is_503_over_max_waiting(harness):
             h.engine.plan = h.engine.reply
             status, _ = await h.post(CHAT, chat_body())
             assert status == 200
+
+    run(body)
+
+
+def test_a_burst_at_an_idle_server_is_admitted_up_to_its_sequences_plus_max_waiting(harness):
+    """Choices with no output yet count as waiting only past the sequences the
+    engine can still start: with 2 sequences free and room for 2 waiting, 4
+    of a burst go in (they were refused past 2 before)."""
+    async def body():
+        async with harness(max_waiting_requests=2) as h:
+            scheduler = msgspec.structs.replace(h.actor.config.scheduler, max_num_seqs=2)
+            h.actor.config = msgspec.structs.replace(h.actor.config, scheduler=scheduler)
+            h.engine.plan = hold
+            held = [asyncio.create_task(h.post(CHAT, chat_body())) for _ in range(4)]
+            await h.engine.wait_for(lambda: len(h.engine.requests) == 4)
+            status, r = await h.post(CHAT, chat_body())
+            assert status == 503 and r["error"]["code"] == "overloaded", r
+            for req in list(h.engine.requests.values()):
+                for msg in h.engine.reply(req):
+                    await h.engine.send(msg)
+            assert [s for s, _ in await asyncio.gather(*held)] == [200] * 4
 
     run(body)
 
