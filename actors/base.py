@@ -481,7 +481,11 @@ def run_actor_process(target: str, spec: ActorSpec) -> None:
     only be taken by the stack-dumper thread's ``sigwait``.
     """
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher coordinates shutdown
+    # The launcher coordinates shutdown: a Ctrl-C, systemd's stop or ``kill -TERM
+    # -PGID`` signals the whole group, and the actors drain on its word (their
+    # processes, clip processes too, inherit the ignoring); it kills stragglers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent()
     _setup_logging(spec.name, spec.log_level)
     dumper = StackDumper(spec.name, spec.run_dir)

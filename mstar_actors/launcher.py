@@ -353,7 +353,7 @@ class Launcher:
             log.info("serving %s at http://%s:%d (run dir %s)", self.info.served_name, host, port, self.run_dir)
             code = await self.await_end(stop)
             if code == 0:
-                await self.drain(stop)
+                code = await self.drain(stop)
             return code
         finally:
             for task in listeners:
@@ -419,10 +419,11 @@ class Launcher:
         log.info("stopping on signal")
         return 0
 
-    async def drain(self, stop: asyncio.Event) -> None:
+    async def drain(self, stop: asyncio.Event) -> int:
         """Graceful stop: the frontend refuses new requests and lets those in
         flight finish (``server.shutdown_timeout_s``); a second signal, an
-        actor's death or a frontend that never answers cuts it short."""
+        actor's death or a frontend that never answers cuts it short. The
+        exit code: 1 where an actor died meanwhile."""
         timeout_s = self.config.server.shutdown_timeout_s
         stop.clear()  # a second signal stops at once
         log.info("draining: in-flight requests have %g s to finish", timeout_s)
@@ -435,9 +436,11 @@ class Launcher:
             task.cancel()
         if waits[2] in done:
             await self.report_death(waits[2].result(), starting=False)
-        elif not done:
+            return 1
+        if not done:
             log.warning("the frontend(s) did not finish draining within %g s: stopping anyway",
                         timeout_s + DRAIN_MARGIN_S)
+        return 0
 
     async def report_death(self, name: str, starting: bool) -> None:
         proc = self.procs[name]

@@ -54,7 +54,7 @@ def runtime_dir(tmp_path_factory) -> Path:
 class Server:
     """One `serve` subprocess; ``lines`` collects its log (stderr)."""
 
-    def __init__(self, model_dir: Path, runtime_dir: Path, tmp: Path, extra_config: str = ""):
+    def __init__(self, model_dir: Path, runtime_dir: Path, tmp: Path, extra_config: str = "", session: bool = False):
         self.port = free_port()
         self.config = tmp / f"serve-{self.port}.yaml"
         self.config.write_text(
@@ -69,6 +69,7 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mstar_actors", "serve", str(self.config), "--port", str(self.port)],
             cwd=ROOT, env=self.env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+            start_new_session=session,  # a process group of its own, as a service manager starts it
         )
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -180,6 +181,17 @@ def test_sigterm_stops_cleanly_without_leftovers(server):
     assert our_segments(run_id) == []
     assert not run_dir.exists()
     assert not any(_alive(pid) for pid in pids)
+
+
+def test_sigterm_to_the_whole_group_drains_as_one_to_the_launcher(model_dir, runtime_dir, tmp_path):
+    """systemd's stop, ``timeout`` and ``kill -TERM -PGID`` signal every
+    process of the group: the actors leave it to the launcher, which drains."""
+    with Server(model_dir, runtime_dir, tmp_path, session=True).running() as srv:
+        run_id, pids = srv.run_dir.name, srv.actors().values()
+        os.killpg(srv.proc.pid, signal.SIGTERM)
+        assert srv.wait_exit() == 0, srv.log
+        assert "draining" in srv.log and "killed by" not in srv.log, srv.log
+        assert our_segments(run_id) == [] and not any(_alive(pid) for pid in pids)
 
 
 def test_kill_9_of_an_actor_stops_the_launcher_naming_it(model_dir, runtime_dir, tmp_path):
