@@ -530,11 +530,34 @@ def check_adapter_names(config: Config, info: ModelInfo) -> None:
             raise AdapterError(f"lora.adapters: {problem}")
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why the frontend could not listen on ``host:port`` (taken, or not this
+    host's address), found before any actor loads the model; None when it can.
+    A plain bind: a port another server holds with SO_REUSEPORT is taken too."""
+    import socket
+
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        return f"server.host {host!r} is not an address of this host ({err}); use 127.0.0.1, 0.0.0.0 or a local name"
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is free
+            try:
+                probe.bind(address)
+            except OSError as err:
+                return (f"cannot listen on {host}:{port} ({err.strerror}); stop what holds the port or choose "
+                        f"another (server.port, --port)")
+    return None
+
+
 def serve(config: Config, info: ModelInfo) -> int:
     """Run the server until a signal or an actor's death; the exit code
     (2: a configured adapter can't be served, ``parallel.tp`` does not split
-    the model, or the grammar engine is missing or broken; one line on stderr
-    says which)."""
+    the model, the grammar engine is missing or broken, or the port can't be
+    listened on; one line on stderr says which)."""
     import sys
 
     import uvloop
@@ -554,6 +577,9 @@ def serve(config: Config, info: ModelInfo) -> int:
         validate_adapters(config, info)
     except AdapterError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    if (problem := port_problem(config.server.host, config.server.port)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(Launcher(config, info).run())

@@ -254,3 +254,18 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path):
     assert out.returncode == 2
     (line,) = out.stderr.strip().splitlines()
     assert "pth" in line and "accepted keys there: path" in line
+
+
+def test_a_port_in_use_is_one_line_and_exit_2_before_the_model_loads(model_dir, tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        config = tmp_path / "taken.yaml"
+        config.write_text(f"model: {{path: {model_dir}, name: tiny, device: cpu}}\nserver: {{port: {port}}}\n")
+        out = subprocess.run([sys.executable, "-m", "mstar_actors", "serve", str(config)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    (line,) = [ln for ln in out.stderr.strip().splitlines() if "error" in ln.lower()]
+    assert f"cannot listen on 127.0.0.1:{port}" in line and "server.port" in line, out.stderr
+    assert "Traceback" not in out.stderr
