@@ -48,9 +48,11 @@ class ModelInfo(msgspec.Struct, frozen=True):
 def load_model_info(config: Config) -> ModelInfo:
     """Read the model folder ``config.model.path`` names (never the network).
 
-    Raises ``FetchError`` for a folder that is not there and ``ModelLoadError``
-    for a ``config.json`` the ranks could not serve, naming the field.
+    Raises ``FetchError`` for a folder that is not there, ``ModelLoadError``
+    for a ``config.json`` the ranks could not serve, naming the field, and
+    ``ConfigError`` for a ``scheduler.max_model_len`` past the model's context.
     """
+    from mstar_actors.config import ConfigError
     from mstar_actors.fetch import resolve_model
     from mstar_actors.models.loader import load_spec
     from mstar_actors.models.sharding import tp_refusal
@@ -61,15 +63,22 @@ def load_model_info(config: Config) -> ModelInfo:
     arch, spec = load_spec(model_dir, cfg)
     media = arch.media_token_ids(cfg, str(Path(model_dir) / "config.json")) if arch.is_multimodal else {}
     lora_base, lora_refusal = lora_base_of(cfg)
+    dtype = _serving_dtype(config.model.dtype, config.model.device, spec.torch_dtype)
+    if (problem := _quantization_problem(config, dtype)) is not None:
+        raise ConfigError(problem)
+    asked, positions = config.scheduler.max_model_len, spec.max_position_embeddings
+    if asked is not None and asked > positions:  # as vLLM refuses it: past its positions the model is untrained
+        raise ConfigError(f"scheduler.max_model_len {asked} is past the model's context ({positions} positions: "
+                          f"max_position_embeddings in {Path(model_dir) / 'config.json'}); set at most {positions}, "
+                          "or leave it out to serve the whole context")
     return ModelInfo(
         served_name=served_name(config.model.name, config.model.path, model_dir),
         model_dir=str(model_dir),
         architecture=arch.name,
         vocab_size=spec.vocab_size,
         eos_token_ids=tuple(spec.eos_token_ids),
-        dtype=_serving_dtype(config.model.dtype, config.model.device, spec.torch_dtype),
-        max_model_len=min(config.scheduler.max_model_len or spec.max_position_embeddings,
-                          spec.max_position_embeddings),
+        dtype=dtype,
+        max_model_len=asked or positions,
         is_multimodal=bool(media),
         media_token_ids=media,
         lora_base=lora_base,
@@ -94,6 +103,17 @@ def lora_base_of(cfg: dict) -> tuple[BaseShapes | None, str]:
         return BaseShapes.from_hf_config(cfg), ""
     except BaseShapesError as err:
         return None, str(err)
+
+
+def _quantization_problem(config: Config, dtype: str) -> str | None:
+    """The ranks' refusal of ``model.quantization`` for the device and dtype, at start."""
+    import torch
+
+    from mstar_actors.models.cpu_quant import quantization_problem
+    from mstar_actors.runner.device import resolve_device
+
+    return quantization_problem(config.model.quantization, resolve_device(config.model.device).type,
+                                getattr(torch, dtype))
 
 
 def _serving_dtype(dtype: str, device: str, checkpoint_dtype: str | None) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from mstar_actors.config import parse_config
+from mstar_actors.config import ConfigError, parse_config
 from mstar_actors.lora.base_shapes import BaseShapes
 from mstar_actors.model_info import ModelInfo, load_model_info, served_name
 from mstar_actors.models.spec import ModelLoadError
@@ -57,8 +57,9 @@ def test_max_model_len_is_capped_by_the_model_and_narrowed_by_the_kv_cache(tmp_p
     folder = model_folder(tmp_path)
     assert info_of(folder).max_model_len == 256  # unset: the model's own context
     assert info_of(folder, scheduler={"max_model_len": 100}).max_model_len == 100
-    info = info_of(folder, scheduler={"max_model_len": 10_000})
-    assert info.max_model_len == 256  # never past the position embeddings, as the ranks clamp it
+    with pytest.raises(ConfigError, match=r"scheduler.max_model_len 10000 is past the model's context \(256 positions"):
+        info_of(folder, scheduler={"max_model_len": 10_000})  # as vLLM refuses it
+    info = info_of(folder)
     assert info.with_kv_capacity(64).max_model_len == 64 and info.with_kv_capacity(1000) == info
 
 

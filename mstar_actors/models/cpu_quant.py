@@ -724,6 +724,20 @@ def bits_of(quantization: str) -> int | None:
     return {"none": None, "int8": 8, "int4": 4, "int4_a8": 4}[quantization]
 
 
+def quantization_problem(quantization: str, device: str, dtype: torch.dtype) -> str | None:
+    """Why an explicit ``model.quantization`` can't serve on ``device`` in
+    ``dtype`` (None: it can; "auto" always can); the launcher asks before any actor starts."""
+    if quantization == "auto" or bits_of(quantization) is None:
+        return None
+    if device != "cpu":
+        return (f"model.quantization: {quantization} runs on CPU only (this model is on {device}); "
+                "set model.quantization: none (or model.device: cpu)")
+    if dtype != torch.float32:
+        return (f"model.quantization: {quantization} takes model.dtype float32 on CPU, got {dtype}; "
+                "set model.dtype: float32 (or model.quantization: none)")
+    return None
+
+
 def has_dot_kernel() -> bool:
     """Whether ``int4_a8`` can run here: the AVX2 kernel, built and checked
     (an AVX-512 CPU takes the AVX-512 kernel, which reads float activations)."""

@@ -34,7 +34,7 @@ from mstar_actors.model_info import ModelInfo
 from mstar_actors.models import cpu_stack
 from mstar_actors.models.attention import allocate_kv_cache, kv_bytes_per_block
 from mstar_actors.models.checkpoint import CheckpointRules
-from mstar_actors.models.cpu_quant import bits_of, has_dot_kernel
+from mstar_actors.models.cpu_quant import bits_of, has_dot_kernel, quantization_problem
 from mstar_actors.models.deltanet_ops import StatePool, allocate_state_pools, state_bytes_per_slot
 from mstar_actors.models.loader import load_model
 from mstar_actors.models.registry import ARCHITECTURES
@@ -99,13 +99,9 @@ def quantization_bits(quantization: str, model_path: str, device: torch.device, 
         shipped = EMBEDDED[model_path].quantization if model_path in EMBEDDED else "none"
         is_float_cpu = device.type == "cpu" and dtype == torch.float32
         return bits_of(shipped) if is_float_cpu else None
+    if (problem := quantization_problem(quantization, device.type, dtype)) is not None:
+        raise ConfigError(problem)
     bits = bits_of(quantization)
-    if bits is not None and device.type != "cpu":
-        raise ConfigError(f"model.quantization: {quantization} runs on CPU only (this model is on {device}); "
-                          "set model.quantization: none (or model.device: cpu)")
-    if bits is not None and dtype != torch.float32:
-        raise ConfigError(f"model.quantization: {quantization} takes model.dtype float32 on CPU, got {dtype}; "
-                          "set model.dtype: float32 (or model.quantization: none)")
     if quantization == "int4_a8" and not has_dot_kernel():
         raise ConfigError("model.quantization: int4_a8 runs on our AVX2 integer-dot kernel, which this CPU does not "
                           "take (an AVX-512 CPU runs the AVX-512 kernel, or no kernel built: see the log's warning); "
