@@ -198,7 +198,13 @@ class ConductorActor(Actor):
                       self.num_ranks, facts.num_kv_blocks, facts.block_size, facts.max_model_len,
                       f", {facts.num_state_slots} recurrent-state slots" if facts.num_state_slots else "")
         self.info = self.info.with_kv_capacity(facts.num_kv_blocks * facts.block_size)
+        if self.info.max_model_len < facts.max_model_len:
+            self.log.warning("the KV cache holds %d tokens, fewer than the context (%d): a request's prompt and "
+                             "output get at most %d (/v1/models says so); give it more blocks (kv.num_blocks, "
+                             "kv.memory_fraction) or lower scheduler.max_model_len",
+                             facts.num_kv_blocks * facts.block_size, facts.max_model_len, self.info.max_model_len)
         await self.tell_frontends(ContextAgreed(max_model_len=self.info.max_model_len))
+        await self.send_stats()  # the gauges (KV blocks in all) from the start, not from the first step
         for channel, msg in early:
             await self.dispatch(channel, msg)
 

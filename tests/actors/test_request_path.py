@@ -253,6 +253,8 @@ async def test_the_frontend_learns_the_context_the_kv_cache_leaves(tiny_model):
     engine = Engine(make_config(model_dir, num_blocks=16))  # 64 KV tokens: less than max_model_len 128
     engine.start()
     assert await asyncio.wait_for(engine.from_conductor.recv(), 10) == ContextAgreed(max_model_len=64)
+    stats = await asyncio.wait_for(engine.from_conductor.recv(), 10)  # the gauges before any request
+    assert isinstance(stats, EngineStats) and (stats.num_kv_blocks_total, stats.num_running) == (16, 0), stats
     await engine.to_prepare.send(make_request("long", max_tokens=3, prompt_token_ids=[5] * 70))
     out = await engine.collect(num_ended=1)
     refused = out["long"]["end"]
