@@ -500,7 +500,18 @@ def run_actor_process(target: str, spec: ActorSpec) -> None:
     finally:
         if profiler is not None:
             _save_profile(profiler, spec.name)
-    sys.exit(code)
+    _leave(code)
+
+
+def _leave(code: int) -> None:
+    """Exit without the interpreter's teardown: the actor has stopped, closed
+    its channels and given back what it held (the launcher unlinks the shared
+    memory); the teardown would only print extension modules' leak notices
+    (some 60 lines of Triton's nanobind objects a process, every stop)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 PROFILE_ENV = "MSTAR_ACTORS_PROFILE"  # actor names, comma-separated: "conductor,worker0"
