@@ -333,11 +333,12 @@ def prepare_model(plan: Plan) -> tuple[Path, dict[str, Path]]:
 
 def server_config(plan: Plan, model_dir: Path, spec: ServerSpec, adapters: dict[str, Path], port: int) -> dict:
     """One served config; only the ``lora`` section differs between the servers."""
+    positions = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", 2048)
     config = {
         "model": {"path": str(model_dir), "name": plan.served_name, "dtype": plan.dtype, "device": plan.device,
                   **({"quantization": plan.quantization} if plan.quantization else {})},
         "scheduler": {"max_num_seqs": max(max(plan.levels), 8), "max_num_batched_tokens": 2048,
-                      "max_model_len": 2048, "async_scheduling": plan.async_scheduling,
+                      "max_model_len": min(2048, positions), "async_scheduling": plan.async_scheduling,
                       "steps_ahead": plan.steps_ahead},
         "kv": {"block_size": 16, "num_blocks": num_kv_blocks(plan), "enable_prefix_caching": plan.prefix_caching},
         "server": {"host": "127.0.0.1", "port": port, "max_waiting_requests": 4 * max(plan.levels) + 64,

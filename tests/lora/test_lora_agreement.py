@@ -411,10 +411,10 @@ async def test_reload_under_one_name_serves_the_new_digest_and_never_the_stale_s
     v2 = shutil.copytree(folders["b"], tmp_path / "v2")  # other weights, loaded under the name "a"
     async with Cluster(adapters, max_loras=2, runtime_dirs=[str(tmp_path)]) as cluster:
         old, new = cluster.digest("a"), cluster.digest("b")
-        await cluster.to_conductor.send(LoadAdapter(request_id="load1", name="a", path=str(v1)))
+        await cluster.to_conductor.send(LoadAdapter(request_id="load1", name="a", path=str(v1), replace=True))
         await cluster.send("old", "a", max_tokens=20, digest=old)
         await cluster.await_other(TokenDelta, "old")  # it runs on v1's slot
-        await cluster.to_conductor.send(LoadAdapter(request_id="load2", name="a", path=str(v2)))
+        await cluster.to_conductor.send(LoadAdapter(request_id="load2", name="a", path=str(v2), replace=True))
         await cluster.await_other(AdapterUpdate, "load2")  # as a client waits for the 200
         await cluster.send("new", "a", max_tokens=2, digest=new)
         ended = await cluster.collect(2)
