@@ -21,6 +21,7 @@ calls.
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -161,7 +162,11 @@ def _parse_tool(where: str, tool: Any) -> dict:
     parameters = function.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
         raise ToolError(f"{where}.function.parameters", "expected a JSON schema object")
-    spec["parameters"] = parameters if parameters is not None else {"type": "object", "properties": {}}
+    if parameters is not None and parameters.get("type", "object") != "object":
+        raise ToolError(f"{where}.function.parameters", "a call's arguments are a JSON object: expected a schema "
+                                                        f'of "type": "object", got {parameters["type"]!r}')
+    # A schema without a type ({} included) takes any JSON; the arguments are an object all the same.
+    spec["parameters"] = {"type": "object", **(parameters or {"properties": {}})}
     return {"type": "function", "function": spec}
 
 
@@ -297,10 +302,23 @@ def _call_of(obj: Any) -> ParsedCall | None:
 
 
 def _loads_or_none(text: str) -> Any:
+    """JSON that encodes back to JSON: NaN, Infinity and a number past a
+    double's range (9e999 reads as inf) are none."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except ValueError:
         return None
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is past a double's range")
+    return value
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -128,7 +128,9 @@ class GrammarCompiler:
     def _compile(self, spec: messages.StructuredSpec) -> Any:
         match spec.kind:
             case "json":
-                json.loads(spec.spec)  # a clearer error than the engine's for text that is not JSON
+                problem = unenforced_keyword(json.loads(spec.spec))  # json.loads: clearer than the engine's
+                if problem is not None:
+                    raise GrammarError("json", problem)
                 return self.compiler.compile_grammar(_json_grammar_text(spec.spec))
             case "json_object":
                 return self.compiler.compile_grammar(_json_grammar_text(ANY_OBJECT_SCHEMA))
@@ -139,6 +141,55 @@ class GrammarCompiler:
             case "grammar":
                 return self.compiler.compile_grammar(spec.spec)
         raise GrammarError(spec.kind, "unknown kind; accepted are json, json_object, regex, choice, grammar")
+
+
+# JSON Schema keywords the engine drops without a word (its grammar would let
+# output through that breaks them): a schema naming one is refused. ``allOf``
+# of one branch, ``uniqueItems: false`` and "#..." references are enforced.
+UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
+                       "unevaluatedProperties", "unevaluatedItems", "contains", "minContains", "maxContains",
+                       "multipleOf")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames", "additionalItems")
+
+
+def unenforced_keyword(schema: Any, where: str = "the schema") -> str | None:
+    """Why the engine could not enforce ``schema`` (a keyword it would drop,
+    named with where it stands), or None when it can."""
+    if not isinstance(schema, dict):
+        return None
+    for key in UNENFORCED_KEYWORDS:
+        if key in schema:
+            return f"{where} uses {key!r}, which is not enforced here; accepted keywords: type, properties, required, " \
+                   "additionalProperties, items, prefixItems, enum, const, anyOf, oneOf, $ref/$defs, pattern, " \
+                   "format, lengths, bounds and counts"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return f"{where} uses 'allOf' of {len(schema['allOf'])} schemas, which is not enforced here; merge them into one"
+    if schema.get("uniqueItems") is True:
+        return f"{where} uses 'uniqueItems', which is not enforced here"
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        return f"{where} refers to {ref!r}; only references inside the schema (\"#/$defs/...\") are resolved here"
+    required, properties = schema.get("required"), schema.get("properties")
+    if isinstance(required, list) and not schema.get("patternProperties"):
+        missing = [name for name in required if not isinstance(properties, dict) or name not in properties]
+        if missing:
+            return f"{where} requires {missing!r}, which its 'properties' does not define; define each required one"
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                if (problem := unenforced_keyword(sub, f"{where}'s {key}[{name!r}]")) is not None:
+                    return problem
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                if (problem := unenforced_keyword(sub, f"{where}'s {key}[{i}]")) is not None:
+                    return problem
+    for key in _SCHEMA_VALUES:
+        if (problem := unenforced_keyword(schema.get(key), f"{where}'s {key}")) is not None:
+            return problem
+    return None
 
 
 @functools.lru_cache(maxsize=MAX_SCHEMA_TEXTS)

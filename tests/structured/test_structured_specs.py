@@ -146,3 +146,37 @@ def test_the_server_refuses_to_start_without_the_engine_in_one_line(monkeypatch,
     assert serve(parse_config({"model": {"path": "unused"}}), None) == 2  # before anything is spawned
     err = capsys.readouterr().err
     assert err.startswith("error: structured outputs need xgrammar") and err.count("\n") == 1
+
+
+OBJ = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(("schema", "reason"), [
+    ({"allOf": [OBJ, {"type": "object", "properties": {"b": {"type": "string"}}}]}, "'allOf' of 2 schemas"),
+    ({"type": "object", "properties": {"m": {"type": "integer", "multipleOf": 5}}},
+     "the schema's properties['m'] uses 'multipleOf'"),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 7}}, "uses 'contains'"),
+    ({"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True}, "uses 'uniqueItems'"),
+    ({"if": {"const": "a"}, "then": {"const": "b"}, "else": {"const": "c"}}, "uses 'if'"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zzz"]}, "requires ['zzz']"),
+    ({"$ref": "http://example.com/s.json"}, "only references inside the schema"),
+    ({"type": "object", "properties": {"x": {"anyOf": [{"not": {"type": "null"}}]}}},
+     "the schema's properties['x']'s anyOf[0] uses 'not'"),
+    ({"type": "object", "$defs": {"D": {"type": "object", "dependentRequired": {"a": ["b"]}}}},
+     "$defs['D'] uses 'dependentRequired'"),
+])
+def test_a_keyword_the_engine_would_drop_is_refused_naming_it(compiler, schema, reason):
+    """The engine ignores these without a word: its output would break them."""
+    with pytest.raises(GrammarError) as err:
+        compiler.compile(StructuredSpec("json", json.dumps(schema)))
+    assert reason in err.value.reason, err.value.reason
+
+
+@pytest.mark.parametrize("schema", [
+    {"allOf": [OBJ]},
+    {"type": "array", "items": {"type": "integer"}, "uniqueItems": False},
+    {"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}}, "required": ["not"]},
+    {"$defs": {"O": OBJ}, "$ref": "#/$defs/O"},
+])
+def test_what_the_engine_enforces_still_compiles(compiler, schema):
+    compiler.compile(StructuredSpec("json", json.dumps(schema)))  # properties named like keywords are names

@@ -165,6 +165,8 @@ def test_tool_choice_forms():
     ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice.function.name"),
     ([WEATHER], {"type": "function"}, "tool_choice"),
     (None, "required", "tool_choice"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], None,
+     "tools[0].function.parameters"),
 ])
 def test_bad_tools_name_the_field(tools, choice, param):
     with pytest.raises(ToolError) as info:
@@ -188,6 +190,22 @@ def test_forced_schema_pins_the_name_and_the_parameters():
                                   "llama3_json")
     schema = json.loads(tc.forced_call_schema(named))
     assert schema["required"] == ["name", "parameters"] and schema["properties"]["name"] == {"enum": ["get_weather"]}
+
+
+def test_a_schema_without_a_type_still_forces_an_object():
+    """``"parameters": {}`` takes any JSON; a call's arguments are an object all the same."""
+    request = tc.parse_tool_request([{"type": "function", "function": {"name": "f", "parameters": {}}}], "required",
+                                    "hermes")
+    assert json.loads(tc.forced_call_schema(request))["properties"]["arguments"]["type"] == "object"
+
+
+def test_arguments_that_do_not_encode_back_to_json_are_no_call():
+    """9e999 is JSON text but reads as inf, which json.dumps would write as Infinity."""
+    for text in ('{"name": "f", "arguments": {"x": 9e999}}', '{"name": "f", "arguments": {"x": NaN}}'):
+        content, calls = _stream(HermesReader(is_forced=True), text, 3)
+        assert calls == [] and content == text
+    content, calls = _stream(HermesReader(is_forced=True), '{"name": "f", "arguments": {"x": 1e8}}', 3)
+    assert _calls(calls) == [("f", {"x": 1e8})]
 
 
 def test_finish_reason():
