@@ -198,6 +198,9 @@ class SampledToken(Struct, frozen=True, **_HOT):
     token_id: int
     logprob: float | None = None
     top_logprobs: tuple[TopLogprob, ...] = ()
+    # The row's own logits processors (allowed_token_ids, bad words, min_tokens'
+    # stop ban, on top of its grammar) left no token: ``token_id`` stands in, the request fails.
+    dead: bool = False
 
 
 # --------------------------------------------------------------------------

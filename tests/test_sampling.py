@@ -480,3 +480,15 @@ def test_greedy_tokens_are_argmax_first_largest_and_nan_alike():
         x[1, 17] = x[1, 900] = float("nan")
         x[2] = float("-inf")
         assert torch.equal(greedy_tokens(x), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_row_its_processors_leave_no_token_is_marked_dead_and_the_others_are_not(temperature):
+    """allowed_token_ids [2] with min_tokens' ban of 2: nothing is left. The
+    draw is a stand-in; the row says so (the scheduler fails the request)."""
+    rows = [make_row("dead", allowed_token_ids=(2,), min_tokens=5, min_token_stop_ids=(2,), temperature=temperature),
+            make_row("live", allowed_token_ids=(2, 3), min_tokens=5, min_token_stop_ids=(2,), temperature=temperature),
+            make_row("free", temperature=temperature)]
+    dead, live, free = sample_tokens(make_logits(3), rows, generator=gen())
+    assert dead.dead and not live.dead and not free.dead
+    assert live.token_id == 3

@@ -490,8 +490,9 @@ class ModelRunner:
         for seq, token in zip(step.states, step.draws):
             seq.output_token_ids.append(token.token_id)
             seq.pending = -1
-        if self.grammars is not None:
-            self.grammars.advance([t for seq, t in zip(step.states, step.draws) if self.seqs.get(t.request_id) is seq])
+        if self.grammars is not None:  # a dead row's stand-in is no token of its grammar: the request fails
+            self.grammars.advance([t for seq, t in zip(step.states, step.draws)
+                                   if self.seqs.get(t.request_id) is seq and not t.dead])
 
     def _move_lora_slots(self, chunks: list[messages.ScheduledChunk]) -> None:
         """Each chunk's rows on the LoRA slot it names (-1: where they were);

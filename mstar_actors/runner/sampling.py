@@ -53,6 +53,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Literal
 
+import msgspec
 import numpy as np
 import torch
 
@@ -135,13 +136,16 @@ class PendingSample:
     it would not (another thread may call it: it holds no lock of ours).
     """
 
-    def __init__(self, rows: list[SampleRow], token_ids: torch.Tensor, logprobs: torch.Tensor | None = None):
+    def __init__(self, rows: list[SampleRow], token_ids: torch.Tensor, logprobs: torch.Tensor | None = None,
+                 dead: torch.Tensor | None = None):
         self.rows = rows
         self.token_ids = token_ids
         parts = (token_ids,) if logprobs is None else (token_ids, *_logprob_parts(rows, token_ids, logprobs))
         is_cuda = token_ids.device.type == "cuda"
         # A copy on CPU too: ``token_ids`` may be a graph's static output, which the next step rewrites.
         self._host = [t.to("cpu", non_blocking=is_cuda, copy=True) for t in parts]
+        # rows whose processors left no token (``_dead_rows``), None when no row has a processor
+        self._dead = None if dead is None else dead.to("cpu", non_blocking=is_cuda, copy=True)
         self._copied: torch.cuda.Event | None = None
         if is_cuda:
             self._copied = torch.cuda.Event()
@@ -157,8 +161,12 @@ class PendingSample:
     def result(self) -> list[messages.SampledToken]:
         self.wait()
         if len(self._host) == 1:
-            return _to_sampled(self.rows, self._host[0].tolist())
-        return _to_sampled_with_logprobs(self.rows, *(t.tolist() for t in self._host))
+            tokens = _to_sampled(self.rows, self._host[0].tolist())
+        else:
+            tokens = _to_sampled_with_logprobs(self.rows, *(t.tolist() for t in self._host))
+        if self._dead is not None and self._dead.any():
+            tokens = [msgspec.structs.replace(t, dead=True) if dead else t for t, dead in zip(tokens, self._dead.tolist())]
+        return tokens
 
 
 def sample_pending(
@@ -183,14 +191,17 @@ def sample_pending(
         return PendingSample(rows, _race_tokens(logits, rows, plan, generator, raw=True))
     logits = logits.to(torch.float32, copy=True)
     raw_logprobs = _log_softmax(logits) if plan.needs_logprobs and logprobs_mode == "raw" else None
+    dead = None
     if plan.needs_processors:
         apply_logits_processors(logits, rows)
+        dead = _dead_rows(logits)
     if plan.needs_penalties:
         apply_penalties(logits, rows)
     token_ids, final_logits = _choose_tokens(logits, rows, plan, generator)
     if not plan.needs_logprobs:
-        return PendingSample(rows, token_ids)
-    return PendingSample(rows, token_ids, raw_logprobs if raw_logprobs is not None else _log_softmax(final_logits))
+        return PendingSample(rows, token_ids, dead=dead)
+    return PendingSample(rows, token_ids, raw_logprobs if raw_logprobs is not None else _log_softmax(final_logits),
+                         dead=dead)
 
 
 # --------------------------------------------------------------------------
@@ -229,6 +240,13 @@ def apply_logits_processors(logits: torch.Tensor, rows: list[SampleRow]) -> torc
     bias = [((i, t), b) for i, r in enumerate(rows) for t, b in r.params.logit_bias if 0 <= t < vocab]
     _index_put(logits, [ix for ix, _ in bias], [b for _, b in bias], accumulate=True)
     return logits
+
+
+def _dead_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Rows no token is left in (every logit -inf): their processors, on top of
+    a grammar's mask, exclude each other. Only a processor's -inf can do it
+    (a grammar always allows its stop tokens); the row's draw is a stand-in."""
+    return logits.amax(dim=-1) == float("-inf")
 
 
 def _apply_allowed(logits: torch.Tensor, rows: list[SampleRow], vocab: int) -> None:

@@ -612,6 +612,12 @@ class Scheduler:
             self.allocator.cache(seq.block_ids[index], seq.block_hash(index))
 
     def _append_token(self, seq: Sequence, token: SampledToken) -> list[ConductorToFrontend]:
+        if token.dead:  # the request's constraints exclude every token: it can't go on
+            self._finish(seq, "abort")
+            message = (f"no token is left to sample at output token {len(seq.output_token_ids) + 1}: the request's "
+                       "own constraints (allowed_token_ids, bad_words, min_tokens' stop tokens, its structured "
+                       "output) exclude every token; loosen them")
+            return [Failed(seq.request_id, status=400, message=message)]
         seq.output_token_ids.append(token.token_id)
         num_outputs = len(seq.output_token_ids)
         num_prompt = seq.num_prompt_tokens if num_outputs == 1 else 0

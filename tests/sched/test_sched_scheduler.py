@@ -417,3 +417,18 @@ def test_stats():
 def test_bad_construction_names_the_field():
     with pytest.raises(ValueError, match="max_num_seqs must be >= 1"):
         make_scheduler(max_num_seqs=0)
+
+
+def test_a_dead_draw_fails_its_request_alone_and_frees_it():
+    """The sampler found no token its processors allow (``SampledToken.dead``)."""
+    from mstar_actors.messages import SampledToken
+
+    sched = make_scheduler()
+    sched.add(make_request("dead"), ROOT)
+    sched.add(make_request("live"), ROOT)
+    plan = sched.schedule()
+    sampled = [SampledToken(c.request_id, 0, dead=c.request_id == "dead") for c in plan.scheduled if c.sample]
+    outputs = sched.update(StepDone(step_id=plan.step_id, rank=0, sampled=sampled))
+    (failed,) = [o for o in outputs if isinstance(o, Failed)]
+    assert (failed.request_id, failed.status) == ("dead", 400) and "no token is left to sample" in failed.message
+    assert tokens_of(outputs) == {"live": [0]} and set(sched.requests) == {"live"}
