@@ -49,6 +49,12 @@ out of the plans) and moves them to a slot again once their adapter is
 reinstalled; the swap's install rides in the last plan that used the slot, so
 every rank runs that step on the old weights.
 
+Structured outputs: a constrained request waits in ``GrammarGate``
+(``mstar_actors.sched.grammar_gate``) while every rank compiles its grammar
+beside its steps (``CompileGrammar`` on the broadcast, ``GrammarCompiled``
+back), then goes on as any other; a slow schema holds its own request, never
+the batch.
+
 Choices: a request of ``n`` choices arrives prepared once; the scheduler
 runs it as ``n`` sequences sharing its prompt and media.
 
@@ -71,6 +77,7 @@ import msgspec
 
 from actors.base import Actor, frontend_name
 from mstar_actors.lora.adapter_pool import AdapterPool, Admit, MoveRows
+from mstar_actors.sched.grammar_gate import GrammarGate
 from mstar_actors.messages import (
     Abort,
     AdapterInstalled,
@@ -80,6 +87,7 @@ from mstar_actors.messages import (
     DropAdapter,
     Failed,
     Finished,
+    GrammarCompiled,
     InstallAdapter,
     LoadAdapter,
     Prepared,
@@ -171,6 +179,7 @@ class ConductorActor(Actor):
         super().__init__(**kw)
         self.num_ranks = num_ranks or self.config.parallel.tp
         self.adapter_pool = AdapterPool.from_config(self.config, self.info.served_name, self.num_ranks)
+        self.grammar_gate = GrammarGate(self.num_ranks)
         self.scheduler: Any = None
         # Steps sent to the ranks, oldest first, with their answers so far: step id -> rank -> result.
         self.step_results: dict[int, dict[int, StepDone | StepFailed]] = {}
@@ -287,8 +296,19 @@ class ConductorActor(Actor):
         match msg:
             case Prepared():
                 self.scheduler.receive(msg)  # it owns the media from here, admitted or not
-                await self.route(self.adapter_pool.add(msg))
+                if msg.sampling.structured is not None:  # its grammar compiles on the ranks first
+                    await self.outbox["workers"].send(self.grammar_gate.hold(msg))
+                else:
+                    await self.route(self.adapter_pool.add(msg))
+            case GrammarCompiled() if channel.startswith("worker"):
+                match self.grammar_gate.on_compiled(msg):
+                    case Prepared() as prepared:
+                        await self.route(self.adapter_pool.add(prepared))
+                    case Failed() as refused:  # a spec the ranks' engine refuses: its media goes
+                        self.scheduler.abort(refused.request_id)
+                        await self.send_outputs([refused])
             case Abort(request_id=request_id):
+                await self.send_outputs(self.grammar_gate.drop(request_id))  # a request still waiting for its grammar
                 await self.route(self.adapter_pool.abort(request_id))  # a request still waiting for its adapter
                 await self.send_outputs(self.scheduler.abort(request_id))
             case Failed() if channel == "prepare":
@@ -359,7 +379,7 @@ class ConductorActor(Actor):
 
     async def send_stats(self) -> None:
         stats = self.scheduler.stats()
-        num_held = self.adapter_pool.num_waiting
+        num_held = self.adapter_pool.num_waiting + self.grammar_gate.num_waiting
         if num_held:
             stats = msgspec.structs.replace(stats, num_waiting=stats.num_waiting + num_held,
                                             num_waiting_for_adapter=num_held)

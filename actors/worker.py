@@ -25,7 +25,11 @@ from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 from actors.base import Actor
-from mstar_actors.messages import AdapterInstalled, InstallAdapter, StepDone, StepFailed, StepPlan
+from mstar_actors.messages import (AdapterInstalled, CompileGrammar, GrammarCompiled, InstallAdapter, StepDone,
+                                   StepFailed, StepPlan)
+
+# Grammars a rank compiles at once beside its steps (the conductor sends one a constrained request).
+MAX_COMPILES = 2
 
 
 def worker_torch_threads(config: Any, device_type: str, num_cpus: int) -> int:
@@ -164,6 +168,9 @@ class WorkerActor(Actor):
         # Bounded by the protocol: at most one install per slot is ever outstanding.
         self.installs: asyncio.Queue[InstallAdapter] = asyncio.Queue(maxsize=max(1, self.config.lora.max_loras))
         self.num_installing = 0  # queued for the install thread or on it
+        # Grammars compiling beside the steps (``CompileGrammar``), a few at a time: a thread and its memory each.
+        self._compiles: set[asyncio.Task] = set()
+        self._compile_slots = asyncio.Semaphore(MAX_COMPILES)
         self.pending: _Pending | None = None  # the step sampled on the device, not yet answered
         self._next: asyncio.Future | None = None  # a mailbox read begun while a step ran (its result is the next message)
         self._device_waits: queue.SimpleQueue | None = None  # (step, future) for the waiting thread
@@ -298,6 +305,10 @@ class WorkerActor(Actor):
         match msg:
             case StepPlan():
                 await self.run_step(msg)
+            case CompileGrammar():
+                task = asyncio.create_task(self._compile(msg), name=f"worker:grammar:{msg.request_id}")
+                self._compiles.add(task)
+                task.add_done_callback(self._compiles.discard)
             case InstallAdapter():
                 if self.num_installing == 0 and self._swap_in(msg):
                     return await self.reply(installed(self.runner, self.rank, msg))
@@ -331,6 +342,26 @@ class WorkerActor(Actor):
         # The next queued message may run synchronously (a step) without
         # yielding to the loop: publish this reply before it starts.
         out.flush()
+
+    async def _compile(self, msg: CompileGrammar) -> None:
+        """The request's grammar compiled on a thread of its own (the engine
+        lets go of the GIL: the steps go on), kept in the engine's cache for
+        the request's start; then the answer."""
+        from mstar_actors.runner.grammar import GrammarError
+
+        grammars = getattr(self.runner, "grammars", None)
+        async with self._compile_slots:
+            started = time.perf_counter()
+            try:
+                if grammars is None:
+                    raise GrammarError(msg.spec.kind, "structured outputs are off on this rank")
+                await self.run_blocking(grammars.compiler.compile, msg.spec)
+            except GrammarError as err:
+                reply = GrammarCompiled(rank=self.rank, request_id=msg.request_id, ok=False, error=str(err))
+            else:
+                reply = GrammarCompiled(rank=self.rank, request_id=msg.request_id, ok=True)
+        self.log.debug("grammar of %s: %.1f ms", msg.request_id, (time.perf_counter() - started) * 1e3)
+        await self.reply(reply)
 
     def _swap_in(self, msg: InstallAdapter) -> bool:
         """Install ``msg`` inline from the image this rank kept; False when it

@@ -500,7 +500,16 @@ class InstallAdapter(Struct, frozen=True, tag=True, omit_defaults=True):
     rows_follow: bool = False
 
 
-ConductorToWorker = StepPlan | InstallAdapter | Shutdown
+class CompileGrammar(Struct, frozen=True, tag=True, omit_defaults=True):
+    """Compile a constrained request's grammar beside the steps, on every
+    rank, before the request is scheduled: the rank answers GrammarCompiled
+    and keeps it (its engine's cache) for the request's start."""
+
+    request_id: str
+    spec: StructuredSpec
+
+
+ConductorToWorker = StepPlan | InstallAdapter | CompileGrammar | Shutdown
 
 
 # --------------------------------------------------------------------------
@@ -553,7 +562,16 @@ class AdapterInstalled(Struct, frozen=True, tag=True, omit_defaults=True):
     kept: list[str] = []
 
 
-WorkerToConductor = WorkerReady | StepDone | StepFailed | AdapterInstalled
+class GrammarCompiled(Struct, frozen=True, tag=True, omit_defaults=True):
+    """One rank's answer to CompileGrammar (``error``: the engine's reason, when not ``ok``)."""
+
+    rank: int
+    request_id: str
+    ok: bool
+    error: str = ""
+
+
+WorkerToConductor = WorkerReady | StepDone | StepFailed | AdapterInstalled | GrammarCompiled
 
 
 # --------------------------------------------------------------------------

@@ -163,8 +163,9 @@ class Preparer:
         raise ValueError("none of prompt, prompt_token_ids or messages is set")
 
     def check_structured(self, req: NewRequest) -> Failed | None:
-        """Compile the request's grammar (the engine caches it): a bad spec is
-        its 400 here, before anything reaches the conductor or the ranks."""
+        """Check the request's grammar (its rules, not the token masks the
+        ranks compile beside their steps): a bad spec is its 400 here, before
+        anything reaches the conductor or the ranks."""
         spec = req.sampling.structured
         if spec is None:
             return None
@@ -174,7 +175,7 @@ class Preparer:
         from mstar_actors.runner.grammar import GrammarError
 
         try:
-            self.grammars.compile(spec)
+            self.grammars.check(spec)
         except GrammarError as err:
             return failed(req, f"{param}: {err}", param)
         return None

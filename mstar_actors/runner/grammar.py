@@ -125,6 +125,35 @@ class GrammarCompiler:
         except Exception as err:  # the engine's errors are RuntimeError / ValueError with its reason
             raise GrammarError(spec.kind, _reason(err)) from None
 
+    def check(self, spec: messages.StructuredSpec) -> None:
+        """GrammarError where ``compile`` would refuse ``spec``, found from its
+        grammar alone (tens of ms for a schema whose compile takes seconds):
+        the token masks over the vocabulary are the compile's cost, and the
+        ranks pay it beside their steps (``CompileGrammar``)."""
+        try:
+            self._grammar(spec)
+        except GrammarError:
+            raise
+        except Exception as err:
+            raise GrammarError(spec.kind, _reason(err)) from None
+
+    def _grammar(self, spec: messages.StructuredSpec) -> Any:
+        match spec.kind:
+            case "json":
+                problem = unenforced_keyword(json.loads(spec.spec))
+                if problem is not None:
+                    raise GrammarError("json", problem)
+                return _json_grammar_text(spec.spec)
+            case "json_object":
+                return None
+            case "regex":
+                return _xgr().Grammar.from_regex(spec.spec)
+            case "choice":
+                return _xgr().Grammar.from_regex("|".join(_escape_regex(c) for c in parse_choices(spec.spec)))
+            case "grammar":
+                return _xgr().Grammar.from_ebnf(spec.spec)
+        raise GrammarError(spec.kind, "unknown kind; accepted are json, json_object, regex, choice, grammar")
+
     def _compile(self, spec: messages.StructuredSpec) -> Any:
         match spec.kind:
             case "json":
