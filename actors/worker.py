@@ -30,6 +30,15 @@ from mstar_actors.messages import (AdapterInstalled, CompileGrammar, GrammarComp
 
 # Grammars a rank compiles at once beside its steps (the conductor sends one a constrained request).
 MAX_COMPILES = 2
+COMPILE_NICENESS = 10  # a compile's thread yields the CPU to the step's threads (a CPU rank has few cores)
+
+
+def _compile_below_steps(compiler: Any, spec: Any) -> Any:
+    """``compiler.compile(spec)`` on this thread at a lower priority than the
+    steps' (Linux schedules threads by their own niceness; elsewhere as is)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
+    return compiler.compile(spec)
 
 
 def worker_torch_threads(config: Any, device_type: str, num_cpus: int) -> int:
@@ -355,7 +364,7 @@ class WorkerActor(Actor):
             try:
                 if grammars is None:
                     raise GrammarError(msg.spec.kind, "structured outputs are off on this rank")
-                await self.run_blocking(grammars.compiler.compile, msg.spec)
+                await self.run_blocking(_compile_below_steps, grammars.compiler, msg.spec)
             except GrammarError as err:
                 reply = GrammarCompiled(rank=self.rank, request_id=msg.request_id, ok=False, error=str(err))
             else:

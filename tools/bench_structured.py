@@ -13,9 +13,15 @@ grammar is still open when the request ends and every step fills a mask.
     python tools/bench_structured.py                         # embedded SmolLM2, CPU, concurrency 1, 8, 32
     python tools/bench_structured.py --device cuda           # the same on a GPU (bfloat16)
     python tools/bench_structured.py --model DIR --concurrency 1,4 --max-tokens 128
+    python tools/bench_structured.py --compile-stall              # a slow schema's compile beside a stream
 
 Prints one table: tok/s of each kind per concurrency and their ratio (target:
-constrained >= 0.95x unconstrained).
+constrained >= 0.95x unconstrained). ``--compile-stall`` instead streams one
+free request, sends a schema whose grammar takes seconds to compile a second
+in, and a plain request a second after that: the stream's median and largest
+gap between tokens and the two requests' latencies (target: no stall, the
+largest gap under 10x the median and the plain request under 1 s: the ranks
+compile beside their steps).
 """
 
 from __future__ import annotations
@@ -112,6 +118,48 @@ def measure(url: str, model: str, levels: list[int], args: argparse.Namespace) -
     return rows
 
 
+# A long bounded-repeat pattern: its token masks take seconds to compile over a 49k vocabulary, its rules milliseconds.
+SLOW_SCHEMA = {"type": "object", "required": ["u"],
+               "properties": {"u": {"type": "string", "pattern": "^([a-z0-9]{1,100}\\.){1,100}[a-z]{2,8}$"}}}
+
+
+async def compile_stall(url: str, model: str, max_tokens: int) -> str:
+    """A free stream, the slow schema's request a second in, a plain one a second later: the stream's gaps, their latencies."""
+    import aiohttp
+
+    async def stream(session) -> list[float]:
+        times = []
+        request = {**body(model, 0, max_tokens, False), "stream": True}
+        async with session.post(url + "/chat/completions", json=request) as response:
+            async for line in response.content:
+                if line.startswith(b"data: {"):
+                    times.append(time.perf_counter())
+        return sorted(b - a for a, b in zip(times, times[1:]))
+
+    async def timed(session, request: dict, delay: float) -> tuple[int, float]:
+        await asyncio.sleep(delay)
+        start = time.perf_counter()
+        async with session.post(url + "/chat/completions", json=request) as response:
+            await response.read()
+            return response.status, time.perf_counter() - start
+
+    slow = {"model": model, "messages": [{"role": "user", "content": "A web address, as JSON."}], "max_tokens": 16,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "url", "schema": SLOW_SCHEMA}}}
+    plain = {"model": model, "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 4}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        gaps, (slow_status, slow_s), (plain_status, plain_s) = await asyncio.gather(
+            stream(session), timed(session, slow, 1.0), timed(session, plain, 2.0))
+    median, largest = statistics.median(gaps), gaps[-1]
+    verdict = "met" if largest < 10 * median and plain_s < 1.0 else "NOT met"
+    return "\n".join([
+        f"a free stream of {max_tokens} tokens; a schema compiling for seconds sent 1 s in, a plain request 2 s in",
+        f"stream gap between tokens: median {median * 1e3:.1f} ms, largest {largest * 1e3:.1f} ms "
+        f"({largest / median:.1f}x the median)",
+        f"the schema's request: {slow_s:.2f} s (status {slow_status}); the plain request: {plain_s:.2f} s "
+        f"(status {plain_status})",
+        f"target: largest gap < 10x the median, plain request < 1 s: {verdict}"])
+
+
 def report(rows: list[tuple[int, float, float, float]], args: argparse.Namespace) -> str:
     lines = [f"{args.device}, {args.max_tokens} tokens per request (ignore_eos), {args.repeats} round(s)",
              f"{'concurrency':>11} {'free tok/s':>11} {'json_schema tok/s':>18} {'ratio':>6} {'median round ratio':>19}"]
@@ -145,6 +193,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="rounds of both kinds per concurrency (default 1)")
     p.add_argument("--threads", type=int, default=None, help="parallel.worker_torch_threads (default: the server's)")
     p.add_argument("--output", default=None, help="write the table to this file too")
+    p.add_argument("--compile-stall", action="store_true",
+                   help="measure a slow schema's compile beside a stream instead of the throughput table")
     return p.parse_args(argv)
 
 
@@ -165,11 +215,13 @@ def main(argv: list[str] | None = None) -> int:
                 progress("starting the server")
                 server = Server(server_config(model_dir, name, max(levels), args), Path(tmp))
                 url = server.wait()
-            rows = measure(url, name, levels, args)
+            if args.compile_stall:
+                table = asyncio.run(compile_stall(url, name, max(args.max_tokens, 300)))
+            else:
+                table = report(measure(url, name, levels, args), args)
     finally:
         if server:
             server.stop()
-    table = report(rows, args)
     print(table)
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
     write_output(table, args.output)
