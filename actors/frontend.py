@@ -759,7 +759,8 @@ class FrontendActor(Actor):
         elif delta.tokens:
             self.metrics.inter_token_latency.observe((now - choice.last_token_at) / len(delta.tokens))
         choice.last_token_at = now
-        choice.num_prompt_tokens = delta.num_prompt_tokens or choice.num_prompt_tokens
+        if delta.num_prompt_tokens:  # the first delta: the prompt's usage, for a choice a stop string ends here
+            choice.num_prompt_tokens, choice.num_cached_tokens = delta.num_prompt_tokens, delta.num_cached_tokens
         self.metrics.generation_tokens.inc(len(delta.tokens))
         text, entries = choice.add(delta.tokens)
         if choice.is_done:  # a stop string matched: free the engine's blocks now
@@ -794,7 +795,7 @@ class FrontendActor(Actor):
     async def _stream(self, request: web.Request, exchange: Exchange) -> web.StreamResponse:
         """SSE. The response is prepared at the first engine output, so a request
         refused before that (prepare's or the scheduler's 4xx) keeps its status."""
-        stream = _Stream(request, exchange, functools.partial(self._usage, exchange))
+        stream = _Stream(request, exchange)
         try:
             while exchange.is_waiting():
                 msgs = await exchange.pop_all()
@@ -861,17 +862,18 @@ def _add_token_ids(body: dict, exchange: Exchange, choices: list[ChoiceOutput]) 
 class _Stream:
     """Writes one exchange's chunks in OpenAI's SSE format."""
 
-    def __init__(self, request: web.Request, exchange: Exchange, usage: Any = None):
+    def __init__(self, request: web.Request, exchange: Exchange):
         self.request = request
         self.exchange = exchange
-        self.usage = usage  # () -> the usage so far, for continuous_usage_stats
+        # vLLM's continuous_usage_stats: with include_usage, each chunk's own choice's usage so far
+        self.continuous = exchange.parsed.output.continuous_usage_stats and exchange.parsed.include_usage
+        self._by_index = {c.index: c for c in exchange.choices.values()}
         self.is_chat = exchange.parsed.kind == "chat"
         self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         self.tool_readers = _tool_readers(exchange) if self.is_chat else {}
         self.build = api.chat_chunk if self.is_chat else api.completion_chunk
         # Every chunk's bytes around its choices, encoded once (None: the usage changes per chunk)
-        is_constant = not (exchange.parsed.output.continuous_usage_stats and usage is not None)
-        self._envelope = _chunk_envelope(self.build, exchange, self._usage_field()) if is_constant else None
+        self._envelope = None if self.continuous else _chunk_envelope(self.build, exchange, self._usage_field())
 
     @property
     def is_prepared(self) -> bool:
@@ -885,7 +887,7 @@ class _Stream:
                 # return_token_ids: the prompt's ids once, on the first chunk (as vLLM)
                 extra = {"prompt_token_ids": ex.prompt_token_ids[0]} if ex.parsed.output.return_token_ids and not index else {}
                 await self._write_choices([api.chat_chunk_choice(index, {"role": "assistant", "content": ""}, None, None)],
-                                          extra)
+                                          extra, self._by_index.get(index))
 
     async def write_choice(self, choice: ChoiceOutput, text: str, entries: list) -> None:
         if not (text or entries or choice.is_done):
@@ -912,7 +914,7 @@ class _Stream:
                 choice.is_prompt_sent = True
             out["token_ids"] = choice.token_ids[choice.num_streamed_ids:]
             choice.num_streamed_ids = len(choice.token_ids)
-        await self._write_choices([out])
+        await self._write_choices([out], choice=choice)
 
     def _tool_delta(self, choice: ChoiceOutput, text: str) -> tuple[dict, str | None]:
         """The chunk's delta with markup of tool calls held back, each call sent
@@ -928,20 +930,24 @@ class _Stream:
             delta["tool_calls"] = [call.as_delta(first_index + k) for k, call in enumerate(calls)]
         return delta, finish_reason(choice.finish_reason, reader.num_calls)
 
-    async def _write_choices(self, choices: list[dict], extra: dict | None = None) -> None:
+    async def _write_choices(self, choices: list[dict], extra: dict | None = None,
+                             choice: ChoiceOutput | None = None) -> None:
         if self._envelope is not None and not extra:
             head, tail = self._envelope
             body = _json.encode(choices[0]) if len(choices) == 1 else b",".join([_json.encode(c) for c in choices])
             await self.response.write(head + body + tail)
             return
         ex = self.exchange
-        await _write_event(self.response, self.build(ex.response_id, ex.model, ex.created, choices) | self._usage_field()
-                           | (extra or {}))
+        await _write_event(self.response, self.build(ex.response_id, ex.model, ex.created, choices)
+                           | self._usage_field(choice) | (extra or {}))
 
-    def _usage_field(self) -> dict:
-        """What a chunk with choices says of usage: nothing, null (include_usage), or the usage so far."""
-        if self.exchange.parsed.output.continuous_usage_stats and self.usage is not None:
-            return {"usage": self.usage()}
+    def _usage_field(self, choice: ChoiceOutput | None = None) -> dict:
+        """What a chunk with choices says of usage: nothing, null (include_usage),
+        or (continuous) its choice's so far: its prompt's tokens and its own
+        outputs, as vLLM's."""
+        if self.continuous and choice is not None:
+            return {"usage": api.usage_dict(choice.num_prompt_tokens, choice.num_output_tokens,
+                                            choice.num_cached_tokens)}
         return {"usage": None} if self.exchange.parsed.include_usage else {}
 
     async def write_usage(self, usage: dict) -> None:

@@ -337,10 +337,11 @@ class TokenDelta(Struct, frozen=True, tag=True, omit_defaults=True):
 
     request_id: str
     tokens: list[SampledToken]
-    # The prompt's length on a choice's first delta (0 on later ones): the
-    # frontend reports usage for a choice it ended itself (stop string)
-    # without waiting for a Finished.
+    # The prompt's length and the prefix cache's hit on a choice's first delta
+    # (0 on later ones): the frontend reports usage for a choice it ended
+    # itself (stop string) without waiting for a Finished.
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 class Finished(Struct, frozen=True, tag=True, omit_defaults=True):

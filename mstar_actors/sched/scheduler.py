@@ -620,8 +620,9 @@ class Scheduler:
             return [Failed(seq.request_id, status=400, message=message)]
         seq.output_token_ids.append(token.token_id)
         num_outputs = len(seq.output_token_ids)
-        num_prompt = seq.num_prompt_tokens if num_outputs == 1 else 0
-        outputs: list[ConductorToFrontend] = [TokenDelta(seq.request_id, [token], num_prompt)]
+        first = num_outputs == 1
+        outputs: list[ConductorToFrontend] = [TokenDelta(seq.request_id, [token], seq.num_prompt_tokens if first else 0,
+                                                         (seq.num_cached_tokens or 0) if first else 0)]
         ending = self._stop_reason(seq, token.token_id, num_outputs)
         if ending is not None:
             outputs.append(self._finish(seq, *ending))

@@ -137,6 +137,30 @@ def test_continuous_usage_stats_puts_usage_in_every_chunk(harness):
     run(body)
 
 
+def test_continuous_usage_is_each_chunks_own_choices_and_needs_include_usage(harness):
+    """As vLLM's: a chunk's usage is its choice's prompt and outputs so far,
+    and continuous_usage_stats without include_usage adds none."""
+    async def body():
+        async with harness() as h:
+            options = {"include_usage": True, "continuous_usage_stats": True}
+            _, events = await h.stream(CHAT, chat_body(n=2, stream_options=options))
+            chunks = [e for e in events[:-1] if e["choices"]]
+            (req,) = list(h.engine.requests.values())[-1:]
+            n_prompt = h.engine.prompt_len(req)
+            seen = {0: 0, 1: 0}
+            for chunk in chunks:
+                (choice,) = chunk["choices"]
+                usage = chunk["usage"]
+                assert usage["prompt_tokens"] == n_prompt  # its prompt, not the request's sum
+                assert usage["completion_tokens"] >= seen[choice["index"]]  # its own count, growing
+                seen[choice["index"]] = usage["completion_tokens"]
+            assert seen[0] == seen[1] == events[-2]["usage"]["completion_tokens"] // 2
+            _, events = await h.stream(CHAT, chat_body(stream_options={"continuous_usage_stats": True}))
+            assert all("usage" not in e for e in events[:-1])
+
+    run(body)
+
+
 def test_cached_tokens_come_from_the_engine(harness):
     async def body():
         async with harness() as h:

@@ -164,14 +164,16 @@ def test_stop_string_usage_needs_no_finished(harness):
     delta (its prompt length) without waiting for a Finished."""
     async def body():
         async with harness() as h:
-            def without_finished(req):
-                return [m for m in h.engine.reply(req) if isinstance(m, TokenDelta)]
+            def without_finished(req):  # the first deltas say the prefix cache held 5 tokens
+                return [msgspec.structs.replace(m, num_cached_tokens=5) if m.num_prompt_tokens else m
+                        for m in h.engine.reply(req) if isinstance(m, TokenDelta)]
             h.engine.plan = without_finished
             status, r = await h.post(CHAT, chat_body(stop="!", n=2))
             assert status == 200 and [c["message"]["content"] for c in r["choices"]] == ["Hello world"] * 2
             (req,) = h.engine.requests.values()
             n_prompt = h.engine.prompt_len(req)
             assert r["usage"]["prompt_tokens"] == n_prompt  # the prompt once, for both choices
+            assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 5  # and its prefix hit
             await h.engine.wait_for(lambda: sorted(h.engine.aborts) == h.engine.choice_ids(req))  # each choice alone
             assert r["usage"]["completion_tokens"] == 2 * len(h.engine.tokenizer("Hello world!").input_ids)
             _, events = await h.stream(CHAT, chat_body(stop="!", stream_options={"include_usage": True}))

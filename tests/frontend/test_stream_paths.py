@@ -87,13 +87,13 @@ def test_choice_add_hides_a_final_stop_token_and_keeps_its_id():
     assert choice.token_ids == [0, 3, 1, EOS] and choice.num_output_tokens == 4
 
 
-def run_stream(parsed, extra=None, usage=None) -> tuple[bytes, bytes]:
+def run_stream(parsed, extra=None) -> tuple[bytes, bytes]:
     """(bytes ``_write_choices`` writes, bytes of the general path) for one chunk."""
     from actors.frontend import Exchange, _Stream
 
     async def body():
         exchange = Exchange(parsed, "tiny", "chatcmpl" if parsed.kind == "chat" else "cmpl")
-        stream = _Stream(None, exchange, usage)
+        stream = _Stream(None, exchange)
         written = []
 
         class Response:
@@ -105,8 +105,7 @@ def run_stream(parsed, extra=None, usage=None) -> tuple[bytes, bytes]:
                    api.chat_chunk_choice(1, {}, "stop", None)]
         await stream._write_choices(choices, extra)
         build = api.chat_chunk if parsed.kind == "chat" else api.completion_chunk
-        fields = {"usage": usage()} if parsed.output.continuous_usage_stats and usage else (
-            {"usage": None} if parsed.include_usage else {})
+        fields = {"usage": None} if parsed.include_usage else {}  # continuous: no choice named, none of its own
         general = build(exchange.id, exchange.model, exchange.created, choices) | fields | (extra or {})
         return written[0], b"data: " + msgspec.json.encode(general) + b"\n\n"
 
@@ -123,6 +122,6 @@ def test_chunk_bytes_equal_the_general_encoding(kind, options, extra):
         parsed = api.parse_chat(json.dumps(body | {"messages": [{"role": "user", "content": "hi"}]}).encode())
     else:
         parsed = api.parse_completion(json.dumps(body | {"prompt": "hi"}).encode())
-    fast, general = run_stream(parsed, extra, usage=lambda: api.usage_dict(3, 4, 0))
+    fast, general = run_stream(parsed, extra)
     assert fast == general
     assert json.loads(fast[len(b"data: "):])["choices"][0]["index"] == 0

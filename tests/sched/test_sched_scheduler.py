@@ -432,3 +432,16 @@ def test_a_dead_draw_fails_its_request_alone_and_frees_it():
     (failed,) = [o for o in outputs if isinstance(o, Failed)]
     assert (failed.request_id, failed.status) == ("dead", 400) and "no token is left to sample" in failed.message
     assert tokens_of(outputs) == {"live": [0]} and set(sched.requests) == {"live"}
+
+
+def test_the_first_delta_carries_the_prompt_and_its_prefix_hit():
+    """What the frontend reports for a choice a stop string ends (no Finished waited for)."""
+    prompt = list(range(10, 30))
+    sched = make_scheduler(enable_prefix_caching=True)
+    sched.add(make_request("a", prompt=prompt, max_tokens=2), ROOT)
+    while sched.has_work():
+        run_step(sched)
+    sched.add(make_request("b", prompt=prompt, max_tokens=2), ROOT)
+    _, outputs = run_step(sched)
+    first = next(o for o in outputs if isinstance(o, TokenDelta))
+    assert (first.num_prompt_tokens, first.num_cached_tokens) == (20, 16)  # whole blocks of the prompt
