@@ -27,8 +27,10 @@ run directory (``rendezvous.json``) and hands it to every rank
 the others are stopped (killed if a collective holds them), so none waits
 on its dead peer past the stop timeout.
 
-Stopping: ``Shutdown`` to every live actor, join with a timeout, kill the
-stragglers, unlink every segment and remove the run directory. Child exits are
+Stopping: an actor still starting is killed (it serves nothing yet: a stop
+need not wait for its model to load), ``Shutdown`` to every other live actor,
+join with a timeout, kill the stragglers, unlink every segment and remove the
+run directory. Child exits are
 watched through their process sentinels on the asyncio loop: nothing polls.
 """
 
@@ -459,6 +461,10 @@ class Launcher:
 
     async def stop_all(self) -> None:
         self.stopping = True
+        for name, proc in self.procs.items():
+            if proc.is_alive() and name not in self.ready:  # still starting: no request to finish, nothing of its own
+                log.info("actor %s (pid %d) is still starting: stopping it at once", name, proc.pid)
+                proc.kill()
         for name, channel in self.to_actor.items():
             if name in self.procs and self.procs[name].is_alive():
                 try:

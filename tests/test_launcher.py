@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -66,6 +67,7 @@ class Server:
         self.runtime_dir = runtime_dir
         self.lines: list[str] = []
         self.serving = threading.Event()
+        self.first_ready = threading.Event()  # an actor said "ready" (others may still be loading)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mstar_actors", "serve", str(self.config), "--port", str(self.port)],
             cwd=ROOT, env=self.env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
@@ -77,9 +79,12 @@ class Server:
     def _read(self):
         for line in self.proc.stderr:
             self.lines.append(line)
+            if line.rstrip().endswith(": ready"):
+                self.first_ready.set()
             if "serving tiny at http://" in line:
                 self.serving.set()
         self.serving.set()  # ended: wake a waiter, which then sees the exit
+        self.first_ready.set()
 
     def wait_serving(self):
         assert self.serving.wait(START_TIMEOUT_S), "no 'serving' line:\n" + self.log
@@ -269,3 +274,18 @@ def test_a_port_in_use_is_one_line_and_exit_2_before_the_model_loads(model_dir, 
     (line,) = [ln for ln in out.stderr.strip().splitlines() if "error" in ln.lower()]
     assert f"cannot listen on 127.0.0.1:{port}" in line and "server.port" in line, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_stop_while_actors_start_does_not_wait_for_their_models(model_dir, runtime_dir, tmp_path):
+    """SIGTERM once the first actor is ready, the workers still loading: the
+    starting actors are killed at once (it waited out their stop timeout,
+    ~10 s, while they loaded)."""
+    srv = Server(model_dir, runtime_dir, tmp_path)
+    try:
+        assert srv.first_ready.wait(START_TIMEOUT_S), srv.log
+        started = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.wait_exit()
+        assert time.monotonic() - started < 5 and "did not stop within" not in srv.log, srv.log
+    finally:
+        srv.kill()
