@@ -167,6 +167,7 @@ class Actor:
         self.mailbox = Mailbox(inbox)
         self.log = logging.getLogger(f"mstar_actors.{name}")
         self.stop_reason = ""
+        self.failure = ""  # what ended ``run`` with an error ("Type: message"), for ``stop`` to tell
         self.own_process = False  # set by the process entry: the heap is the actor's alone
 
     # ---- hooks for subclasses ------------------------------------------
@@ -242,6 +243,7 @@ class Actor:
             self.log.info("shutting down: %s", stop.reason)
         except Exception as err:  # reported, then the process exits non-zero
             code = 1
+            self.failure = f"{type(err).__name__}: {err}"
             await self._report_error(err)
         finally:
             self.mailbox.close()

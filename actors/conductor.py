@@ -217,6 +217,19 @@ class ConductorActor(Actor):
         for channel, msg in early:
             await self.dispatch(channel, msg)
 
+    async def stop(self) -> None:
+        """On a failure (a rank's channel broke, say) every live request is told
+        why before the channels close: its frontend would only see them end."""
+        if not self.failure or self.scheduler is None:
+            return
+        message = f"the engine stopped: {self.failure}; the server must be restarted"
+        for request_id in list(self.scheduler.requests):
+            out = Failed(request_id=request_id, status=503, error_type="service_unavailable_error", message=message)
+            try:
+                self.frontends[frontend_of(request_id)].send_nowait(out)
+            except Exception as err:  # full or gone: the frontend fails it on the channel's end
+                self.log.debug("could not tell %s: %s", request_id, err)
+
     # ---- the busy loop ----------------------------------------------------
 
     async def serve(self) -> None:

@@ -296,3 +296,25 @@ def _fail_once(worker, real, plan):
         return real(plan)
     worker.runner.forward = real
     raise RuntimeError("injected failure")
+
+
+@async_test
+async def test_a_failing_conductor_tells_each_live_request_why(tiny_model):
+    """The conductor fails (here: a message it has no handler for, from a
+    rank): each running request gets a 503 naming the cause before the
+    channel ends, not an anonymous end."""
+    model_dir, _ = tiny_model
+    engine = Engine(make_config(model_dir))
+    engine.start()
+    await engine.to_prepare.send(make_request("live", max_tokens=100, prompt_token_ids=[5, 6]))
+    while not isinstance(msg := await asyncio.wait_for(engine.from_conductor.recv(), 10), TokenDelta):
+        pass
+    worker0 = engine.actors[2]
+    await worker0.outbox["conductor"].send(worker0.runner.ready_info(0))  # WorkerReady again: no handler
+    while not isinstance(msg := await asyncio.wait_for(engine.from_conductor.recv(), 10), Failed):
+        pass
+    assert msg.request_id.startswith("live") and msg.status == 503, msg
+    assert "the engine stopped: UnknownMessage" in msg.message and "worker0" in msg.message, msg.message
+    await engine.to_prepare.send(Shutdown(reason="test over"))  # the launcher's part: stop the others
+    codes = await asyncio.wait_for(asyncio.gather(*engine.tasks), 10)
+    assert codes[1] == 1  # the conductor's
