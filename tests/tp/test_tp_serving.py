@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 
@@ -22,7 +21,7 @@ import pytest
 import torch
 
 from tests.hostile.test_resilience import KILL_BOUND_S, _runs, error_of, in_flight_until_killed
-from tests.test_launcher import ROOT, Server, _load_kit, free_port, our_segments
+from tests.test_launcher import ROOT, Server, _load_kit, our_segments
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,33 +30,8 @@ PROMPT = "hello world w3"
 
 def start_tp_server(folder, tmp_path_factory, tp: int = 2) -> Server:
     """Server's start, with ``parallel.tp`` in its config file."""
-    cfg_dir = tmp_path_factory.mktemp("cfg")
-    server = Server.__new__(Server)
-    port = free_port()
-    server.port = port
-    server.config = cfg_dir / f"serve-{port}.yaml"
-    server.config.write_text(
-        f"model: {{path: {folder}, name: tiny, dtype: float32, device: cpu}}\n"
-        "kv: {block_size: 4, num_blocks: 64}\n"
-        "scheduler: {max_model_len: 128}\n"
-        f"parallel: {{tp: {tp}}}\n"
-    )
-    _start(server, tmp_path_factory.mktemp("runtime"))
-    return server
-
-
-def _start(server: Server, runtime_dir) -> None:
-    """What ``Server.__init__`` does after writing its config."""
-    server.env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime_dir), PYTHONUNBUFFERED="1")
-    server.runtime_dir = runtime_dir
-    server.lines = []
-    server.serving = threading.Event()
-    server.proc = subprocess.Popen(
-        [sys.executable, "-m", "mstar_actors", "serve", str(server.config), "--port", str(server.port)],
-        cwd=ROOT, env=server.env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-    )
-    server.reader = threading.Thread(target=server._read, daemon=True)
-    server.reader.start()
+    return Server(folder, tmp_path_factory.mktemp("runtime"), tmp_path_factory.mktemp("cfg"),
+                  extra_config=f"parallel: {{tp: {tp}}}\n")
 
 
 @pytest.fixture(scope="module")
