@@ -224,7 +224,7 @@ class ConductorActor(Actor):
             return
         message = f"the engine stopped: {self.failure}; the server must be restarted"
         for request_id in list(self.scheduler.requests):
-            out = Failed(request_id=request_id, status=503, error_type="service_unavailable_error", message=message)
+            out = Failed(request_id=request_id, status=503, error_type="server_error", message=message)
             try:
                 self.frontends[frontend_of(request_id)].send_nowait(out)
             except Exception as err:  # full or gone: the frontend fails it on the channel's end
