@@ -737,8 +737,8 @@ class FrontendActor(Actor):
         choice = exchange.choices.get(msg.request_id)
         if choice is None or choice.is_done:  # a whole request's, or stopped here
             if isinstance(msg, Failed) and choice is None:
-                raise ApiError(msg.status, f"request {exchange.response_id}: {msg.message}", param=msg.param, code=msg.code,
-                               error_type=msg.error_type)
+                raise ApiError(msg.status, f"request {exchange.response_id}: {msg.message}", param=msg.param,
+                               code=msg.code, error_type=msg.error_type)
             return None
         match msg:
             case TokenDelta():
@@ -748,8 +748,8 @@ class FrontendActor(Actor):
                                      msg.num_cached_tokens)
                 return choice, text, []
             case Failed():
-                raise ApiError(msg.status, f"request {exchange.response_id}: {msg.message}", param=msg.param, code=msg.code,
-                               error_type=msg.error_type)
+                raise ApiError(msg.status, f"request {exchange.response_id}: {msg.message}", param=msg.param,
+                               code=msg.code, error_type=msg.error_type)
         raise AssertionError(f"unroutable {type(msg).__name__}")
 
     def _apply_delta(self, exchange: Exchange, choice: ChoiceOutput, delta: TokenDelta) -> tuple[str, list]:
@@ -971,7 +971,8 @@ def _chunk_envelope(build: Any, exchange: Exchange, usage: dict) -> tuple[bytes,
     ``_write_event`` would write, without building and encoding the
     envelope per event."""
     marker = uuid.uuid4().hex  # a string no id or model name holds
-    data = b"data: " + _json.encode(build(exchange.response_id, exchange.model, exchange.created, [marker]) | usage) + b"\n\n"
+    chunk = build(exchange.response_id, exchange.model, exchange.created, [marker]) | usage
+    data = b"data: " + _json.encode(chunk) + b"\n\n"
     head, tail = data.split(_json.encode(marker))
     return head, tail
 

@@ -124,7 +124,8 @@ SLOW_SCHEMA = {"type": "object", "required": ["u"],
 
 
 async def compile_stall(url: str, model: str, max_tokens: int) -> str:
-    """A free stream, the slow schema's request a second in, a plain one a second later: the stream's gaps, their latencies."""
+    """A free stream, the slow schema's request a second in, a plain one a second
+    later: the stream's gaps between tokens, the two requests' latencies."""
     import aiohttp
 
     async def stream(session) -> list[float]:

@@ -398,7 +398,8 @@ class AdapterPool:
         refusal = self._check_update(msg.request_id, msg.name)
         if refusal is not None:
             return [refusal]
-        if not msg.replace and (msg.name in self.adapters or any(r.name == msg.name and r.load_id for r in self._reads)):
+        loading = any(r.name == msg.name and r.load_id for r in self._reads)
+        if not msg.replace and (msg.name in self.adapters or loading):
             return [AdapterUpdate(request_id=msg.request_id, status=400, code="adapter_already_loaded",
                                   message=f"lora_name: the adapter {msg.name!r} is already loaded (or being loaded); "
                                           "send load_inplace: true to replace it")]

@@ -190,11 +190,12 @@ def unenforced_keyword(schema: Any, where: str = "the schema") -> str | None:
         return None
     for key in UNENFORCED_KEYWORDS:
         if key in schema:
-            return f"{where} uses {key!r}, which is not enforced here; accepted keywords: type, properties, required, " \
-                   "additionalProperties, items, prefixItems, enum, const, anyOf, oneOf, $ref/$defs, pattern, " \
-                   "format, lengths, bounds and counts"
+            return (f"{where} uses {key!r}, which is not enforced here; accepted keywords: type, properties, "
+                    "required, additionalProperties, items, prefixItems, enum, const, anyOf, oneOf, $ref/$defs, "
+                    "pattern, format, lengths, bounds and counts")
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
-        return f"{where} uses 'allOf' of {len(schema['allOf'])} schemas, which is not enforced here; merge them into one"
+        return (f"{where} uses 'allOf' of {len(schema['allOf'])} schemas, which is not enforced here; "
+                "merge them into one")
     if schema.get("uniqueItems") is True:
         return f"{where} uses 'uniqueItems', which is not enforced here"
     ref = schema.get("$ref")

@@ -165,7 +165,8 @@ class PendingSample:
         else:
             tokens = _to_sampled_with_logprobs(self.rows, *(t.tolist() for t in self._host))
         if self._dead is not None and self._dead.any():
-            tokens = [msgspec.structs.replace(t, dead=True) if dead else t for t, dead in zip(tokens, self._dead.tolist())]
+            tokens = [msgspec.structs.replace(t, dead=True) if dead else t
+                      for t, dead in zip(tokens, self._dead.tolist())]
         return tokens
 
 

@@ -370,7 +370,8 @@ def test_backpressure_is_503_over_max_waiting(harness):
         async with harness(max_waiting_requests=2) as h:
             h.engine.plan = hold
             full = h.actor.config.scheduler.max_num_seqs  # every sequence taken: what comes now waits
-            await h.engine.send(EngineStats(num_running=full, num_waiting=0, num_kv_blocks_used=3, num_kv_blocks_total=10))
+            await h.engine.send(EngineStats(num_running=full, num_waiting=0, num_kv_blocks_used=3,
+                                            num_kv_blocks_total=10))
             held = [asyncio.create_task(h.post(CHAT, chat_body())) for _ in range(2)]
             await h.engine.wait_for(lambda: len(h.engine.requests) == 2)
             status, r = await h.post(CHAT, chat_body())

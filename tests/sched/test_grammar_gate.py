@@ -8,7 +8,8 @@ from mstar_actors.sched.grammar_gate import GrammarGate
 
 def prepared(rid: str, n: int = 1) -> Prepared:
     spec = StructuredSpec("regex", "a+", "structured_outputs.regex")
-    return Prepared(request_id=rid, model="m", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(structured=spec), n=n)
+    return Prepared(request_id=rid, model="m", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(structured=spec),
+                    n=n)
 
 
 def compiled(rank: int, rid: str, ok: bool = True, error: str = "") -> GrammarCompiled:

@@ -67,7 +67,8 @@ class Trial:
             if refusals:
                 assert [f.request_id for f in refusals] == ids
                 for refusal in refusals:
-                    assert isinstance(refusal, Failed) and refusal.status == 400 and refusal.request_id.startswith(request_id)
+                    assert isinstance(refusal, Failed) and refusal.status == 400
+                    assert refusal.request_id.startswith(request_id)
                     self.end(refusal.request_id, "refused")
 
     def abort_some(self) -> None:
