@@ -866,7 +866,7 @@ class _Stream:
         self.request = request
         self.exchange = exchange
         # vLLM's continuous_usage_stats: with include_usage, each chunk's own choice's usage so far
-        self.continuous = exchange.parsed.output.continuous_usage_stats and exchange.parsed.include_usage
+        self.continuous = exchange.parsed.output.continuous_usage_stats  # with include_usage (``_parse_stream``)
         self._by_index = {c.index: c for c in exchange.choices.values()}
         self.is_chat = exchange.parsed.kind == "chat"
         self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

@@ -463,7 +463,10 @@ def _parse_stream(body: dict) -> tuple[bool, bool, bool]:
             flags.append(get_bool(options, name, False))
         except ApiError:
             raise _bad(f"stream_options.{name}", "expected true or false") from None
-    return stream, *flags
+    include_usage, continuous = flags
+    if continuous and not include_usage:  # vLLM reads it only with include_usage; alone it would change nothing
+        raise _bad("stream_options.continuous_usage_stats", "takes effect with include_usage: true; send both")
+    return stream, include_usage, continuous
 
 
 def _parse_output(body: dict, continuous_usage_stats: bool) -> OutputOptions:
