@@ -118,34 +118,26 @@ class GrammarCompiler:
 
     def compile(self, spec: messages.StructuredSpec) -> Any:
         """The compiled grammar of ``spec``; GrammarError naming the reason when it is invalid."""
-        try:
-            return self._compile(spec)
-        except GrammarError:
-            raise
-        except Exception as err:  # the engine's errors are RuntimeError / ValueError with its reason
-            raise GrammarError(spec.kind, _reason(err)) from None
+        return _engine_reasons(spec, lambda: self.compiler.compile_grammar(self._grammar(spec)))
 
     def check(self, spec: messages.StructuredSpec) -> None:
         """GrammarError where ``compile`` would refuse ``spec``, found from its
         grammar alone (tens of ms for a schema whose compile takes seconds):
         the token masks over the vocabulary are the compile's cost, and the
         ranks pay it beside their steps (``CompileGrammar``)."""
-        try:
-            self._grammar(spec)
-        except GrammarError:
-            raise
-        except Exception as err:
-            raise GrammarError(spec.kind, _reason(err)) from None
+        _engine_reasons(spec, lambda: self._grammar(spec))
 
-    def _grammar(self, spec: messages.StructuredSpec) -> Any:
+    @staticmethod
+    def _grammar(spec: messages.StructuredSpec) -> Any:
+        """``spec``'s rules, as the engine's grammar (or its text)."""
         match spec.kind:
             case "json":
-                problem = unenforced_keyword(json.loads(spec.spec))
+                problem = unenforced_keyword(json.loads(spec.spec))  # json.loads: clearer than the engine's
                 if problem is not None:
                     raise GrammarError("json", problem)
                 return _json_grammar_text(spec.spec)
             case "json_object":
-                return None
+                return _json_grammar_text(ANY_OBJECT_SCHEMA)
             case "regex":
                 return _xgr().Grammar.from_regex(spec.spec)
             case "choice":
@@ -154,22 +146,15 @@ class GrammarCompiler:
                 return _xgr().Grammar.from_ebnf(spec.spec)
         raise GrammarError(spec.kind, "unknown kind; accepted are json, json_object, regex, choice, grammar")
 
-    def _compile(self, spec: messages.StructuredSpec) -> Any:
-        match spec.kind:
-            case "json":
-                problem = unenforced_keyword(json.loads(spec.spec))  # json.loads: clearer than the engine's
-                if problem is not None:
-                    raise GrammarError("json", problem)
-                return self.compiler.compile_grammar(_json_grammar_text(spec.spec))
-            case "json_object":
-                return self.compiler.compile_grammar(_json_grammar_text(ANY_OBJECT_SCHEMA))
-            case "regex":
-                return self.compiler.compile_regex(spec.spec)
-            case "choice":
-                return self.compiler.compile_regex("|".join(_escape_regex(c) for c in parse_choices(spec.spec)))
-            case "grammar":
-                return self.compiler.compile_grammar(spec.spec)
-        raise GrammarError(spec.kind, "unknown kind; accepted are json, json_object, regex, choice, grammar")
+
+def _engine_reasons(spec: messages.StructuredSpec, work: Any) -> Any:
+    """``work()``, the engine's errors (RuntimeError / ValueError with its reason) as GrammarError."""
+    try:
+        return work()
+    except GrammarError:
+        raise
+    except Exception as err:
+        raise GrammarError(spec.kind, _reason(err)) from None
 
 
 # JSON Schema keywords the engine drops without a word (its grammar would let
