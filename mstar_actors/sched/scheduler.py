@@ -265,8 +265,8 @@ class Scheduler:
             self.media.end(req.request_id)
             return [msgspec.structs.replace(refusal, request_id=rid) for rid in ids]
         num_prompt = len(req.prompt_token_ids)
-        max_tokens = min(req.sampling.max_tokens, self.max_model_len - num_prompt, self.max_kv_tokens - num_prompt)
         # a client's cap fits (``_check_prompt``); a default is cut to the room the prompt leaves
+        max_tokens = min(req.sampling.max_tokens, self._room(num_prompt))
         self.choices[req.request_id] = list(ids)
         for index, rid in enumerate(ids):
             seq = Sequence(rid, req, choice_sampling(req.sampling, index), root=root, lora_slot=lora_slot,
@@ -319,7 +319,7 @@ class Scheduler:
                 f"tokens or give the server more KV blocks"
             )
             return self._refuse(req.request_id, req.prompt_param, message, code="context_length_exceeded")
-        room = min(self.max_model_len, self.max_kv_tokens) - num_prompt
+        room = self._room(num_prompt)
         if max_tokens > room and not req.sampling.cut_to_context:
             limit = (f"max_model_len is {self.max_model_len} tokens for prompt and output together"
                      if self.max_model_len <= self.max_kv_tokens else
@@ -331,6 +331,10 @@ class Scheduler:
             )
             return self._refuse(req.request_id, "max_tokens", message, code="context_length_exceeded")
         return None
+
+    def _room(self, num_prompt: int) -> int:
+        """The output tokens a prompt of ``num_prompt`` leaves: in the context and in the whole KV cache."""
+        return min(self.max_model_len, self.max_kv_tokens) - num_prompt
 
     @staticmethod
     def _refuse(request_id: str, param: str, message: str, code: str | None = None) -> Failed:
