@@ -428,7 +428,8 @@ def linear_variants(triton_ops, stack: LoraStack, weight: torch.Tensor) -> dict:
     def gemm_fused(num_warps):
         def run(x, slots):
             out = F.linear(x, fused)
-            return triton_ops.expand_rows(fused_stack, out[:, :n], fused_stack.fused_shrink(out), slots, num_warps=num_warps)
+            return triton_ops.expand_rows(fused_stack, out[:, :n], fused_stack.fused_shrink(out), slots,
+                                          num_warps=num_warps)
         return run
 
     return {"gemm": lambda x, slots: F.linear(x, weight), "g+bgmv": gemm_bgmv, "g+fused": gemm_fused(None),
