@@ -699,14 +699,15 @@ class FrontendActor(Actor):
         output = exchange.parsed.output
         detokenizer = self.tokenization.make_detokenizer(prompt_ids, output.skip_special_tokens)
         choice = ChoiceOutput(index, detokenizer, StopStrings(exchange.parsed.stop, output.include_stop_str_in_output),
-                              self.token_text, exchange.parsed.logprobs is not None,
+                              api.token_id_text if output.return_tokens_as_token_ids else self.token_text,
+                              exchange.parsed.logprobs is not None,
                               api.hidden_stop_ids(exchange.parsed, self.info.eos_token_ids))
         choice.num_prompt_tokens = len(prompt_ids)
         choice.min_tokens = req.sampling.min_tokens
         if output.echo:  # the prompt's text, as sent or as its ids decode
             ids = exchange.prompt_token_ids[exchange.requests.index(req)]
             choice.echo_text = req.prompt if req.prompt is not None else self.tokenizer.decode(
-                ids, skip_special_tokens=output.skip_special_tokens)
+                ids, skip_special_tokens=False)  # the prompt the model was given, as its text would be
         return choice
 
     def _close(self, exchange: Exchange) -> None:

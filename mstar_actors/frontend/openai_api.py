@@ -99,6 +99,7 @@ COMMON_FIELDS = frozenset({
     "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "logprobs",
     "stop_token_ids", "ignore_eos", "logit_bias", "min_tokens", "bad_words", "allowed_token_ids",
     "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens", "return_token_ids",
+    "return_tokens_as_token_ids",
 })
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs", "add_generation_prompt", "continue_final_message"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of"}
@@ -128,7 +129,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "prompt_logprobs": (), "audio": (), "modalities": (["text"],), "prediction": (), "functions": (),
     "function_call": (), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
     "chat_template": (), "chat_template_kwargs": ({},), "documents": (), "mm_processor_kwargs": ({},),
-    "logits_processors": (), "vllm_xargs": (), "add_special_tokens": (), "return_tokens_as_token_ids": (False,),
+    "logits_processors": (), "vllm_xargs": (), "add_special_tokens": (),
     "prompt_embeds": (), "kv_transfer_params": (), "echo": (False,),
     # fast tokenizers never put spaces between special tokens: only the default is honoured
     "spaces_between_special_tokens": (True,),
@@ -241,6 +242,9 @@ class OutputOptions:
     skip_special_tokens: bool = True
     echo: bool = False  # completions: the prompt text before the output
     return_token_ids: bool = False  # vLLM: prompt_token_ids and each choice's token_ids
+    # vLLM: logprobs name tokens "token_id:{id}" (tokens whose text is no whole
+    # character, "\ufffd" for several, stay apart)
+    return_tokens_as_token_ids: bool = False
     continuous_usage_stats: bool = False  # usage in every streamed chunk
 
 
@@ -474,6 +478,7 @@ def _parse_output(body: dict, continuous_usage_stats: bool) -> OutputOptions:
         include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
         skip_special_tokens=get_bool(body, "skip_special_tokens", True),
         return_token_ids=get_bool(body, "return_token_ids", False),
+        return_tokens_as_token_ids=get_bool(body, "return_tokens_as_token_ids", False),
         continuous_usage_stats=continuous_usage_stats,
     )
 
@@ -920,6 +925,11 @@ def chat_logprob(token: str, logprob: float, top: list[tuple[str, float]]) -> di
     }
 
 
+def token_id_text(token_id: int) -> str:
+    """A token's name in logprobs under ``return_tokens_as_token_ids``."""
+    return f"token_id:{token_id}"
+
+
 def completion_response(rid: str, model: str, created: int, choices: list[dict], usage: dict) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices, "usage": usage}
 
@@ -936,11 +946,13 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
 
 
 def legacy_logprobs(entries: list[tuple[str, float, list[tuple[str, float]], int]]) -> dict:
-    """OpenAI's legacy completions logprobs from (token, logprob, top, text_offset)."""
+    """OpenAI's legacy completions logprobs from (token, logprob, top, text_offset).
+    Each ``top_logprobs`` holds the sampled token too, as OpenAI's does (up to
+    ``logprobs + 1`` entries): ``top_logprobs[i][tokens[i]]`` is always there."""
     return {
         "tokens": [e[0] for e in entries],
         "token_logprobs": [e[1] for e in entries],
-        "top_logprobs": [dict(e[2]) for e in entries],
+        "top_logprobs": [{**dict(e[2]), e[0]: e[1]} for e in entries],
         "text_offset": [e[3] for e in entries],
     }
 
@@ -997,7 +1009,9 @@ class ChoiceOutput:
         self.token_text = token_text
         self.want_logprobs = want_logprobs
         self.text_parts: list[str] = []
-        self.num_chars = 0
+        # characters the detokenizer has given, held back for a stop string or not:
+        # where the next token's text starts (legacy logprobs' text_offset)
+        self.num_decoded_chars = 0
         self.logprobs: list[tuple[str, float, list[tuple[str, float]], int]] = []
         self.finish_reason: str | None = None
         self.num_prompt_tokens = 0
@@ -1034,6 +1048,7 @@ class ChoiceOutput:
                 self._add_logprob(token)
             ids = [] if token.token_id in self.hidden_stop_ids else [token.token_id]
             text = self.detokenizer.add(ids)
+            self.num_decoded_chars += len(text)
             # as vLLM: stop strings are looked for once the output has min_tokens tokens
             emit, matched = (text, False) if self.num_output_tokens < self.min_tokens else self.stops.feed(text)
             self._append(emit, emitted)
@@ -1049,10 +1064,10 @@ class ChoiceOutput:
         self.num_output_tokens += len(ids)
         self.token_ids += ids
         text = self.detokenizer.add(ids[:-1] if ids[-1] in self.hidden_stop_ids else ids)
+        self.num_decoded_chars += len(text)
         emit, matched = self.stops.feed(text)
         if emit:
             self.text_parts.append(emit)
-            self.num_chars += len(emit)
         if matched:
             self.finish_reason = "stop"
         return emit
@@ -1073,12 +1088,11 @@ class ChoiceOutput:
         if text:
             self.text_parts.append(text)
             emitted.append(text)
-            self.num_chars += len(text)
 
     def _add_logprob(self, token: Any) -> None:
         top = [(self.token_text(t.token_id), t.logprob) for t in token.top_logprobs]
         logprob = token.logprob if token.logprob is not None else 0.0
-        self.logprobs.append((self.token_text(token.token_id), logprob, top, self.num_chars))
+        self.logprobs.append((self.token_text(token.token_id), logprob, top, self.num_decoded_chars))
 
     def chat_logprobs(self, entries: list | None = None) -> list[dict] | None:
         if not self.want_logprobs:

@@ -69,7 +69,14 @@ def test_truncate_echo_logprobs_zero_and_cached_tokens(server, tokenizer):
     out = client.completions.create(prompt="Hello world", max_tokens=2, echo=True, model="tiny", temperature=0)
     assert out.choices[0].text.startswith("Hello world")
     out = client.completions.create(prompt="Hello", max_tokens=3, logprobs=0, model="tiny", temperature=0)
-    assert len(out.choices[0].logprobs.token_logprobs) == 3 and all(t == {} for t in out.choices[0].logprobs.top_logprobs)
+    lp = out.choices[0].logprobs  # logprobs=0: the sampled token's alone, as OpenAI's
+    assert len(lp.token_logprobs) == 3 and lp.top_logprobs == [{t: v} for t, v in zip(lp.tokens, lp.token_logprobs)]
+    ids = tokenizer("<|im_start|>user\nHi<|im_end|>\n", add_special_tokens=False).input_ids
+    out = client.completions.create(prompt=ids, max_tokens=2, echo=True, model="tiny", temperature=0)
+    assert out.choices[0].text.startswith(tokenizer.decode(ids, skip_special_tokens=False))  # special tokens too
+    extra = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+    out = client.completions.create(prompt=ids, max_tokens=2, logprobs=1, model="tiny", temperature=0, extra_body=extra)
+    assert out.choices[0].logprobs.tokens == [f"token_id:{i}" for i in ids_of(out.choices[0])]
     client.completions.create(prompt=prompt, max_tokens=1, model="tiny")
     again = client.completions.create(prompt=prompt, max_tokens=1, model="tiny")
     assert again.usage.prompt_tokens_details.cached_tokens >= 16  # a full KV block hit the prefix cache

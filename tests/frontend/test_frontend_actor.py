@@ -198,7 +198,9 @@ def test_logprobs_chat_and_legacy_formats(harness):
             assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
             assert "".join(lp["tokens"]) == r["choices"][0]["text"]
             assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
-            assert all(len(top) == 1 for top in lp["top_logprobs"])
+            # the top one, and the sampled token (OpenAI's up to logprobs + 1)
+            assert all(len(top) in (1, 2) and top[t] == v for top, t, v in zip(lp["top_logprobs"], lp["tokens"],
+                                                                               lp["token_logprobs"]))
 
     run(body)
 

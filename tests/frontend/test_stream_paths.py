@@ -11,7 +11,7 @@ import pytest
 
 from mstar_actors.frontend import openai_api as api
 from mstar_actors.frontend.openai_api import ChoiceOutput
-from mstar_actors.messages import SampledToken
+from mstar_actors.messages import SampledToken, TopLogprob
 from mstar_actors.tokenization import StopStrings
 
 WORDS = {i: w for i, w in enumerate(["a", "b", "ab", " ", "x", "y", "STOP", "S", "TOP", "<eos>"])}
@@ -46,6 +46,7 @@ def reference_add(choice: ChoiceOutput, tokens: list) -> tuple[str, list]:
         if ids[-1] in choice.hidden_stop_ids:
             ids.pop()
         text = choice.detokenizer.add(ids)
+        choice.num_decoded_chars += len(text)
         emit, matched = (text, False) if choice.num_output_tokens < choice.min_tokens else choice.stops.feed(text)
         choice._append(emit, emitted)
         if matched:
@@ -62,7 +63,7 @@ def make_choice(stops: list[str], want_logprobs: bool, min_tokens: int, include_
 
 
 def state(choice: ChoiceOutput) -> tuple:
-    return (choice.text, choice.token_ids, choice.num_output_tokens, choice.num_chars, choice.finish_reason,
+    return (choice.text, choice.token_ids, choice.num_output_tokens, choice.num_decoded_chars, choice.finish_reason,
             choice.logprobs)
 
 
@@ -85,6 +86,31 @@ def test_choice_add_hides_a_final_stop_token_and_keeps_its_id():
     tokens = [SampledToken(request_id="r", token_id=i) for i in (0, 3, 1, EOS)]
     assert choice.add(tokens) == ("a b", [])
     assert choice.token_ids == [0, 3, 1, EOS] and choice.num_output_tokens == 4
+
+
+def test_text_offsets_count_text_held_back_for_a_stop_string():
+    """A token's text_offset is where its text starts in the output, whether the
+    stop-string matcher let it out yet or not ("x a b" holds back "x ", "a "...)."""
+    choice = make_choice(["x a b"], True, 0, False)
+    tokens = [SampledToken(request_id="r", token_id=i, logprob=-0.5) for i in (0, 3, 4, 3, 0, 3, 1)]  # "a x a b"
+    choice.add(tokens[:4])
+    assert choice.text == "a "  # "x " held back
+    choice.add(tokens[4:])
+    assert [entry[3] for entry in choice.logprobs] == [0, 1, 2, 3, 4, 5, 6]
+    assert choice.text == "a " and choice.finish_reason == "stop"
+
+
+def test_legacy_top_logprobs_always_hold_the_sampled_token():
+    """OpenAI's legacy logprobs: up to logprobs + 1 entries, the sampled token's among them."""
+    choice = make_choice([], True, 0, False)
+    top = (TopLogprob(token_id=1, logprob=-0.1),)
+    choice.add([SampledToken(request_id="r", token_id=0, logprob=-3.0, top_logprobs=top),
+                SampledToken(request_id="r", token_id=1, logprob=-0.1, top_logprobs=top),
+                SampledToken(request_id="r", token_id=4, logprob=-2.0)])
+    legacy = choice.legacy_logprobs()
+    assert legacy["top_logprobs"] == [{"b": -0.1, "a": -3.0}, {"b": -0.1}, {"x": -2.0}]
+    assert all(top[token] == lp for token, lp, top in zip(legacy["tokens"], legacy["token_logprobs"],
+                                                         legacy["top_logprobs"]))
 
 
 def run_stream(parsed, extra=None) -> tuple[bytes, bytes]:
