@@ -870,7 +870,8 @@ class _Stream:
         self.continuous = exchange.parsed.output.continuous_usage_stats  # with include_usage (``_parse_stream``)
         self._by_index = {c.index: c for c in exchange.choices.values()}
         self.is_chat = exchange.parsed.kind == "chat"
-        self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                                   "Cache-Control": "no-cache"})
         self.tool_readers = _tool_readers(exchange) if self.is_chat else {}
         self.build = api.chat_chunk if self.is_chat else api.completion_chunk
         # Every chunk's bytes around its choices, encoded once (None: the usage changes per chunk)
@@ -887,8 +888,11 @@ class _Stream:
             for index in range(ex.num_choices):
                 # return_token_ids: the prompt's ids once, on the first chunk (as vLLM)
                 extra = {"prompt_token_ids": ex.prompt_token_ids[0]} if ex.parsed.output.return_token_ids and not index else {}
+                choice = self._by_index.get(index)
+                if self.continuous and choice is not None:  # the role chunk delivers no output token yet
+                    extra["usage"] = api.usage_dict(choice.num_prompt_tokens, 0, choice.num_cached_tokens)
                 await self._write_choices([api.chat_chunk_choice(index, {"role": "assistant", "content": ""}, None, None)],
-                                          extra, self._by_index.get(index))
+                                          extra, choice)
 
     async def write_choice(self, choice: ChoiceOutput, text: str, entries: list) -> None:
         if not (text or entries or choice.is_done):
@@ -901,14 +905,19 @@ class _Stream:
         if self.is_chat:
             delta = {"content": text} if text else {}
             if choice.index in self.tool_readers:
-                delta, reason = self._tool_delta(choice, text)
-                if not (delta or entries or choice.is_done):
+                deltas, reason = self._tool_deltas(choice, text)
+                if not (deltas or entries or choice.is_done):
                     return
+                await self._write_tool_chunks(choice, deltas, reason, choice.chat_logprobs(entries))
+                return
             logprobs = choice.chat_logprobs(entries)
             out = api.chat_chunk_choice(choice.index, delta, reason, logprobs)
         else:
             logprobs = choice.legacy_logprobs(entries)
             out = api.completion_choice(choice.index, text, reason, logprobs)
+        await self._write_choice(choice, out)
+
+    async def _write_choice(self, choice: ChoiceOutput, out: dict) -> None:
         if self.exchange.parsed.output.return_token_ids:
             if not self.is_chat and not choice.is_prompt_sent:  # completions: per choice, on its first chunk
                 out["prompt_token_ids"] = self.exchange.prompt_token_ids[choice.index // self.exchange.parsed.n]
@@ -917,19 +926,33 @@ class _Stream:
             choice.num_streamed_ids = len(choice.token_ids)
         await self._write_choices([out], choice=choice)
 
-    def _tool_delta(self, choice: ChoiceOutput, text: str) -> tuple[dict, str | None]:
-        """The chunk's delta with markup of tool calls held back, each call sent
-        whole (id, name, arguments) once it is complete; and its finish reason."""
+    def _tool_deltas(self, choice: ChoiceOutput, text: str) -> tuple[list[dict], str | None]:
+        """The chunks' deltas with markup of tool calls held back: the content,
+        then each call once it is complete (its head, then its arguments); and
+        the choice's finish reason."""
         reader = self.tool_readers[choice.index]
         first_index = reader.num_calls
         content, calls = reader.feed(text)
         if choice.is_done:
             tail, more = reader.flush()
             content, calls = content + tail, calls + more
-        delta: dict = {"content": content} if content else {}
-        if calls:
-            delta["tool_calls"] = [call.as_delta(first_index + k) for k, call in enumerate(calls)]
-        return delta, finish_reason(choice.finish_reason, reader.num_calls)
+        deltas = [{"content": content}] if content else []
+        for k, call in enumerate(calls):
+            deltas += [{"tool_calls": [part]} for part in call.as_deltas(first_index + k)]
+        return deltas, finish_reason(choice.finish_reason, reader.num_calls)
+
+    async def _write_tool_chunks(self, choice: ChoiceOutput, deltas: list[dict], reason: str | None,
+                                 logprobs: list[dict] | None) -> None:
+        """A chunk a delta (the logprobs on the first); the finish reason on the
+        last, or on a chunk of its own after calls (as OpenAI's: clients close a
+        call they streamed when the finish comes after it)."""
+        if reason is not None and deltas and "tool_calls" in deltas[-1]:
+            deltas = deltas + [{}]
+        deltas = deltas or [{}]
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            await self._write_choice(choice, api.chat_chunk_choice(choice.index, delta, reason if last else None,
+                                                                   logprobs if k == 0 else None))
 
     async def _write_choices(self, choices: list[dict], extra: dict | None = None,
                              choice: ChoiceOutput | None = None) -> None:
@@ -988,7 +1011,7 @@ class _SpeechOut:
         self.api = speech_api
         self.request = request
         self.is_sse = stream_format == "sse"
-        content_type = "text/event-stream" if self.is_sse else speech_api.CONTENT_TYPES[response_format]
+        content_type = "text/event-stream; charset=utf-8" if self.is_sse else speech_api.CONTENT_TYPES[response_format]
         self.response = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
         self._head = speech_api.wav_header(sample_rate) if response_format == "wav" else b""
 

@@ -280,8 +280,11 @@ class ParsedCall:
     def as_dict(self) -> dict:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
-    def as_delta(self, index: int) -> dict:
-        return {"index": index} | self.as_dict()
+    def as_deltas(self, index: int) -> list[dict]:
+        """A streamed call as OpenAI's and vLLM's streams send it: its id, type and
+        name with empty arguments first, then its arguments (two chunks' deltas)."""
+        head = {"index": index, "id": self.id, "type": "function", "function": {"name": self.name, "arguments": ""}}
+        return [head, {"index": index, "function": {"arguments": self.arguments}}]
 
 
 def parse_call(text: str) -> ParsedCall | None:

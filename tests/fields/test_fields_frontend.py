@@ -133,6 +133,8 @@ def test_continuous_usage_stats_puts_usage_in_every_chunk(harness):
             assert all(c["usage"] is not None for c in chunks)
             counts = [c["usage"]["completion_tokens"] for c in chunks]
             assert counts == sorted(counts) and counts[-1] == len(ids) and counts[1] == 1
+            assert chunks[0]["choices"][0]["delta"]["role"] == "assistant" and counts[0] == 0  # no output yet
+            assert response.headers["Content-Type"] == "text/event-stream; charset=utf-8"  # decoded as UTF-8
 
     run(body)
 

@@ -116,6 +116,15 @@ async def test_forced_call_is_constrained_and_read_bare(tool_harness, tool_choic
         _, events = await h.stream("/v1/chat/completions", _body(tool_choice=tool_choice))
         streamed = _assemble(events)
         assert streamed["content"] == "" and streamed["calls"][0]["name"] == "get_weather"
+        # as OpenAI's stream: the call's id, type and name first, its arguments next, the finish on its own chunk
+        # (the openai client's stream helper closes a call only when the finish comes after it)
+        choices = [e["choices"][0] for e in events if e != "[DONE]" and e["choices"]]
+        head, arguments, end = choices[-3:]
+        assert head["delta"]["tool_calls"] == [{"index": 0, "id": streamed["calls"][0]["id"], "type": "function",
+                                                "function": {"name": "get_weather", "arguments": ""}}]
+        assert arguments["delta"]["tool_calls"] == [{"index": 0, "function": {"arguments": streamed["calls"][0]["arguments"]}}]
+        assert head["finish_reason"] is None and arguments["finish_reason"] is None
+        assert end["delta"] == {} and end["finish_reason"] == "tool_calls"
 
 
 @asynctest
@@ -124,7 +133,7 @@ async def test_each_choice_reads_its_own_calls(tool_harness):
         h.engine.reply_text = CALL_REPLY
         status, events = await h.stream("/v1/chat/completions", _body(n=2))
         calls = [p for e in events if e != "[DONE]" for c in e["choices"] for p in c["delta"].get("tool_calls", [])]
-        assert sorted(p["index"] for p in calls) == [0, 0]  # each choice's first call
+        assert sorted(p["index"] for p in calls) == [0, 0, 0, 0]  # each choice's first call: its head, its arguments
         reasons = [c["finish_reason"] for e in events if e != "[DONE]" for c in e["choices"] if c["finish_reason"]]
         assert reasons == ["tool_calls", "tool_calls"]
 

@@ -217,8 +217,8 @@ def test_finish_reason():
 def test_call_ids_and_shapes():
     call = tc.parse_call('{"name": "f", "arguments": {"é": 1}}')
     assert call.id.startswith("call_") and len(call.id) > 10 and call.id != tc.parse_call('{"name": "f"}').id
-    assert call.as_delta(3) == {"index": 3, "id": call.id, "type": "function",
-                                "function": {"name": "f", "arguments": '{"é": 1}'}}
+    assert call.as_deltas(3) == [{"index": 3, "id": call.id, "type": "function", "function": {"name": "f", "arguments": ""}},
+                                 {"index": 3, "function": {"arguments": '{"é": 1}'}}]
 
 
 @pytest.mark.parametrize("parser, reply", [
