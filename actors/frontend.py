@@ -198,6 +198,7 @@ class FrontendActor(Actor):
         self.tokenization = await self.run_blocking(_load_tokenization, Path(self.info.model_dir))
         self.tokenizer = self.tokenization.tokenizer
         self.token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
+        self.token_bytes = functools.lru_cache(maxsize=65536)(self.tokenization.token_bytes)
         self.tool_parser = choose_parser(self.tokenizer.chat_template, self.config.model.tool_call_parser)
         self.log.info("tool calls read as %s", self.tool_parser or "none (forced calls only: bare JSON)")
         problem = marker_problem(self.tool_parser, set(self.tokenizer.all_special_tokens))
@@ -701,7 +702,7 @@ class FrontendActor(Actor):
         choice = ChoiceOutput(index, detokenizer, StopStrings(exchange.parsed.stop, output.include_stop_str_in_output),
                               api.token_id_text if output.return_tokens_as_token_ids else self.token_text,
                               exchange.parsed.logprobs is not None,
-                              api.hidden_stop_ids(exchange.parsed, self.info.eos_token_ids))
+                              api.hidden_stop_ids(exchange.parsed, self.info.eos_token_ids), self.token_bytes)
         choice.num_prompt_tokens = len(prompt_ids)
         choice.min_tokens = req.sampling.min_tokens
         if output.echo:  # the prompt's text, as sent or as its ids decode

@@ -11,11 +11,13 @@ machines the frontend feeds as ``TokenDelta``s arrive.
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 from typing import Any
 
 import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from mstar_actors import messages
 from mstar_actors.frontend.tool_calls import template_tool_fields
@@ -25,6 +27,7 @@ REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens the detokenizer decodes before the first output token, so the
 # first output gets the right leading space (SentencePiece) and merges (vLLM: 5).
 NUM_PREFIX_TOKENS = 5
+_BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}  # byte-level BPE's alphabet
 
 
 class Tokenization:
@@ -104,6 +107,20 @@ class Tokenization:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own UTF-8 bytes: part of a character for a token whose text
+        alone decodes to U+FFFD (a byte-level BPE piece, a ``<0xNN>`` fallback)."""
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode("utf-8", "surrogatepass")
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        fallback = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        if fallback:
+            return bytes([int(fallback[1], 16)])
+        if all(c in _BYTE_OF_CHAR for c in piece):  # GPT-2's byte-level alphabet
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return text.encode("utf-8")
 
     def make_detokenizer(
         self, prompt_token_ids: list[int], skip_special_tokens: bool = True

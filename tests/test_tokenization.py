@@ -75,6 +75,14 @@ def test_encode_decode_and_vocab(tokenization):
     assert tokenization.vocab_size == len(hf)  # EOS ids: one rule, the ranks' (tests/test_model_info.py)
 
 
+def test_token_bytes_rebuild_characters_split_across_tokens(tokenization):
+    """Chat logprobs' ``bytes``: a token's own bytes, so an emoji split over
+    tokens whose texts each read U+FFFD joins back together."""
+    ids = tokenization.encode_text(MIXED_TEXT, add_special_tokens=False)
+    assert any(tokenization.decode([i]) == "\ufffd" for i in ids)  # the case: pieces of a character
+    assert b"".join(tokenization.token_bytes(i) for i in ids).decode() == MIXED_TEXT
+
+
 def test_chat_template_multi_turn_matches_transformers(tokenization):
     chat = [
         ChatMessage("system", "You are terse."),

@@ -915,13 +915,19 @@ def chat_chunk_choice(index: int, delta: dict, finish_reason: str | None, logpro
     }
 
 
-def chat_logprob(token: str, logprob: float, top: list[tuple[str, float]]) -> dict:
-    """One entry of ``choices[].logprobs.content``."""
+def chat_logprob(token: str, logprob: float, top: list[tuple[str, float]], token_bytes: bytes | None = None,
+                 top_bytes: list[bytes] | None = None) -> dict:
+    """One entry of ``choices[].logprobs.content``; ``bytes`` are a token's own
+    (part of a character for some), else its text's."""
+    def raw(text: str, given: bytes | None) -> list[int]:
+        return list(given if given is not None else text.encode("utf-8", "surrogatepass"))
+
     return {
         "token": token,
         "logprob": logprob,
-        "bytes": list(token.encode("utf-8", "surrogatepass")),
-        "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "surrogatepass"))} for t, lp in top],
+        "bytes": raw(token, token_bytes),
+        "top_logprobs": [{"token": t, "logprob": lp, "bytes": raw(t, top_bytes[k] if top_bytes else None)}
+                         for k, (t, lp) in enumerate(top)],
     }
 
 
@@ -945,7 +951,7 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def legacy_logprobs(entries: list[tuple[str, float, list[tuple[str, float]], int]]) -> dict:
+def legacy_logprobs(entries: list[tuple]) -> dict:
     """OpenAI's legacy completions logprobs from (token, logprob, top, text_offset).
     Each ``top_logprobs`` holds the sampled token too, as OpenAI's does (up to
     ``logprobs + 1`` entries): ``top_logprobs[i][tokens[i]]`` is always there."""
@@ -998,7 +1004,7 @@ class ChoiceOutput:
     """
 
     def __init__(self, index: int, detokenizer: Any, stops: Any, token_text: Any, want_logprobs: bool,
-                 hidden_stop_ids: frozenset[int] = frozenset()):
+                 hidden_stop_ids: frozenset[int] = frozenset(), token_bytes: Any = None):
         self.index = index
         self.detokenizer = detokenizer
         # the engine ends the choice on these tokens; their text is not output (vLLM's
@@ -1007,12 +1013,14 @@ class ChoiceOutput:
         self.min_tokens = 0
         self.stops = stops
         self.token_text = token_text
+        self.token_bytes = token_bytes  # id -> the token's UTF-8 bytes (chat logprobs' bytes); None: its text's
         self.want_logprobs = want_logprobs
         self.text_parts: list[str] = []
         # characters the detokenizer has given, held back for a stop string or not:
         # where the next token's text starts (legacy logprobs' text_offset)
         self.num_decoded_chars = 0
-        self.logprobs: list[tuple[str, float, list[tuple[str, float]], int]] = []
+        # (token, logprob, top, text_offset, (token id, top ids))
+        self.logprobs: list[tuple[str, float, list[tuple[str, float]], int, tuple]] = []
         self.finish_reason: str | None = None
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
@@ -1092,12 +1100,19 @@ class ChoiceOutput:
     def _add_logprob(self, token: Any) -> None:
         top = [(self.token_text(t.token_id), t.logprob) for t in token.top_logprobs]
         logprob = token.logprob if token.logprob is not None else 0.0
-        self.logprobs.append((self.token_text(token.token_id), logprob, top, self.num_decoded_chars))
+        ids = (token.token_id, tuple(t.token_id for t in token.top_logprobs))
+        self.logprobs.append((self.token_text(token.token_id), logprob, top, self.num_decoded_chars, ids))
 
     def chat_logprobs(self, entries: list | None = None) -> list[dict] | None:
         if not self.want_logprobs:
             return None
-        return [chat_logprob(tok, lp, top) for tok, lp, top, _ in (self.logprobs if entries is None else entries)]
+        out = []
+        for tok, lp, top, _, (token_id, top_ids) in (self.logprobs if entries is None else entries):
+            if self.token_bytes is None:
+                out.append(chat_logprob(tok, lp, top))
+            else:
+                out.append(chat_logprob(tok, lp, top, self.token_bytes(token_id), [self.token_bytes(i) for i in top_ids]))
+        return out
 
     def legacy_logprobs(self, entries: list | None = None) -> dict | None:
         if not self.want_logprobs:

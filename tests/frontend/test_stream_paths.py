@@ -151,3 +151,12 @@ def test_chunk_bytes_equal_the_general_encoding(kind, options, extra):
     fast, general = run_stream(parsed, extra)
     assert fast == general
     assert json.loads(fast[len(b"data: "):])["choices"][0]["index"] == 0
+
+
+def test_chat_logprobs_bytes_are_the_tokens_own():
+    """Where the frontend knows a token's bytes (part of a character), ``bytes`` are those, not its text's."""
+    choice = ChoiceOutput(0, WordDetokenizer(), StopStrings([], False), WORDS.get, True,
+                          token_bytes={0: b"\xf0\x9f", 1: b"\x8d\x95"}.get)
+    choice.add([SampledToken(request_id="r", token_id=0, logprob=-1.0, top_logprobs=(TopLogprob(token_id=1, logprob=-2.0),))])
+    (entry,) = choice.chat_logprobs()
+    assert entry["bytes"] == [0xF0, 0x9F] and entry["top_logprobs"][0]["bytes"] == [0x8D, 0x95]
