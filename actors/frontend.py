@@ -709,7 +709,18 @@ class FrontendActor(Actor):
             ids = exchange.prompt_token_ids[exchange.requests.index(req)]
             choice.echo_text = req.prompt if req.prompt is not None else self.tokenizer.decode(
                 ids, skip_special_tokens=False)  # the prompt the model was given, as its text would be
+            choice.num_decoded_chars = len(choice.echo_text)  # the output's text_offsets follow it
+            if exchange.parsed.logprobs is not None:  # and its tokens' logprobs (prompt_logprobs) come first
+                choice.echo_prompt = (ids, self._text_offsets(ids))
         return choice
+
+    def _text_offsets(self, token_ids: list[int]) -> list[int]:
+        """Where each token's text starts in the text of them all."""
+        detokenizer, offsets, num_chars = self.tokenization.make_detokenizer([], skip_special_tokens=False), [], 0
+        for token_id in token_ids:
+            offsets.append(num_chars)
+            num_chars += len(detokenizer.add([token_id]))
+        return offsets
 
     def _close(self, exchange: Exchange) -> None:
         """Abort what has not finished and forget the exchange (every exit path)."""

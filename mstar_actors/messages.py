@@ -129,7 +129,11 @@ class SamplingParams(Struct, frozen=True, **_HOT):
     and ``stop_token_ids``, filled by the frontend) are masked until the output
     holds ``min_tokens`` tokens. ``truncate_prompt_tokens`` keeps the prompt's
     last N tokens (prepare applies it). ``structured`` constrains the output
-    to a grammar (None: unconstrained).
+    to a grammar (None: unconstrained). ``prompt_logprobs`` (None: none) asks
+    for each prompt token's logprob given the tokens before it, with that many
+    top alternatives: they come with the first sampled token
+    (``SampledToken.prompt_logprobs``), and such a prompt takes no prefix-cache
+    hit (a cached position's logits are never computed).
 
     ``max_tokens`` is the client's cap on the output: a prompt that leaves
     less room in ``max_model_len`` (or the KV cache) is refused, as OpenAI and
@@ -158,6 +162,7 @@ class SamplingParams(Struct, frozen=True, **_HOT):
     min_tokens: int = 0
     min_token_stop_ids: tuple[int, ...] = ()
     truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
 
 
 class ContentPart(Struct, frozen=True, omit_defaults=True):
@@ -191,8 +196,19 @@ class TopLogprob(Struct, frozen=True, **_HOT):
     logprob: float
 
 
+class PromptLogprob(Struct, frozen=True, **_HOT):
+    """A prompt token's logprob given the tokens before it (raw, as sampled
+    logprobs are), and the top alternatives there."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[TopLogprob, ...] = ()
+
+
 class SampledToken(Struct, frozen=True, **_HOT):
-    """One token sampled for one request in one step."""
+    """One token sampled for one request in one step. The first of a request
+    that asked for ``SamplingParams.prompt_logprobs`` carries them, for its
+    prompt's tokens after the first."""
 
     request_id: str
     token_id: int
@@ -201,6 +217,7 @@ class SampledToken(Struct, frozen=True, **_HOT):
     # The row's own logits processors (allowed_token_ids, bad words, min_tokens'
     # stop ban, on top of its grammar) left no token: ``token_id`` stands in, the request fails.
     dead: bool = False
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()
 
 
 # --------------------------------------------------------------------------

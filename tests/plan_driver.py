@@ -16,6 +16,7 @@ class PlanDriver:
         # A hybrid model's recurrent-state slots, handed out at start like the scheduler does.
         self.free_states = list(range(getattr(runner, "num_state_slots", 0) - 1, -1, -1))
         self.seqs: dict[str, dict] = {}
+        self.firsts: dict[str, messages.SampledToken] = {}  # each request's first sampled token
         self.step_id = 0
 
     def start(self, rid, prompt, media=(), outputs=(), *, slot=0, shared_blocks=(), num_computed=0,
@@ -50,7 +51,10 @@ class PlanDriver:
         plan = messages.StepPlan(self.step_id, list(started), list(chunks), list(finished))
         self.step_id += 1
         for token in self.runner.execute(plan):
-            self.seqs[token.request_id]["outputs"].append(token.token_id)
+            outputs = self.seqs[token.request_id]["outputs"]
+            if not outputs:
+                self.firsts[token.request_id] = token  # (a request's first carries its prompt logprobs)
+            outputs.append(token.token_id)
 
     def decodes(self, *rids) -> list[messages.ScheduledChunk]:
         """One decode chunk for each still-running sequence that wants more tokens."""

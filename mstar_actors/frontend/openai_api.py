@@ -769,8 +769,8 @@ def parse_completion(raw: bytes, max_model_len: int | None = None, vocab_size: i
     logprobs = get_int(body, "logprobs", None, 0, MAX_LEGACY_LOGPROBS)
     parsed = _parse_common(body, "completion", cap, logprobs, vocab_size)
     echo = get_bool(body, "echo", False)
-    if echo and logprobs is not None:
-        raise _bad("echo", "echo with logprobs (the prompt's logprobs) is not supported; send one of them")
+    if echo and logprobs is not None:  # the prompt's tokens' logprobs too, as OpenAI's (a prompt's score)
+        parsed.sampling = msgspec.structs.replace(parsed.sampling, prompt_logprobs=logprobs)
     parsed.output = dataclasses.replace(parsed.output, echo=echo)
     best_of = get_int(body, "best_of", None, 1, MAX_N)
     if best_of is not None and best_of != parsed.n:
@@ -958,7 +958,7 @@ def legacy_logprobs(entries: list[tuple]) -> dict:
     return {
         "tokens": [e[0] for e in entries],
         "token_logprobs": [e[1] for e in entries],
-        "top_logprobs": [{**dict(e[2]), e[0]: e[1]} for e in entries],
+        "top_logprobs": [None if e[1] is None else {**dict(e[2]), e[0]: e[1]} for e in entries],
         "text_offset": [e[3] for e in entries],
     }
 
@@ -1029,6 +1029,9 @@ class ChoiceOutput:
         self.num_streamed_ids = 0  # of token_ids, already sent in chunks
         self.is_prompt_sent = False  # streamed completions: prompt_token_ids went out
         self.echo_text = ""  # completions echo: the prompt before the output
+        # echo with logprobs: the prompt's ids and where each one's text starts, for
+        # the entries the first token's prompt_logprobs fill (then None)
+        self.echo_prompt: tuple[list[int], list[int]] | None = None
         self.is_echoed = False  # streamed: the echo went out with the first chunk
         self.last_token_at: float | None = None  # perf_counter of the last delta, for inter-token latency
 
@@ -1048,6 +1051,8 @@ class ChoiceOutput:
         if not (self.want_logprobs or self.num_output_tokens < self.min_tokens):
             return self._add_group(tokens), []
         first_entry = len(self.logprobs)
+        if self.echo_prompt is not None and tokens:
+            self._add_prompt_logprobs(tokens[0].prompt_logprobs)
         emitted = []
         for token in tokens:  # one by one: a logprob entry each, or min_tokens is reached mid-delta
             self.num_output_tokens += 1
@@ -1102,6 +1107,17 @@ class ChoiceOutput:
         logprob = token.logprob if token.logprob is not None else 0.0
         ids = (token.token_id, tuple(t.token_id for t in token.top_logprobs))
         self.logprobs.append((self.token_text(token.token_id), logprob, top, self.num_decoded_chars, ids))
+
+    def _add_prompt_logprobs(self, given: tuple) -> None:
+        """The echoed prompt's entries: its first token has no logprob (nothing
+        before it), each later one the logprob it had given those before it."""
+        ids, offsets = self.echo_prompt
+        self.echo_prompt = None
+        self.logprobs.append((self.token_text(ids[0]), None, [], offsets[0], (ids[0], ())))
+        for token, offset in zip(given, offsets[1:]):
+            top = [(self.token_text(t.token_id), t.logprob) for t in token.top_logprobs]
+            ids_of = (token.token_id, tuple(t.token_id for t in token.top_logprobs))
+            self.logprobs.append((self.token_text(token.token_id), token.logprob, top, offset, ids_of))
 
     def chat_logprobs(self, entries: list | None = None) -> list[dict] | None:
         if not self.want_logprobs:

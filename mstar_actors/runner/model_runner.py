@@ -67,6 +67,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from operator import attrgetter
 
+import msgspec
 import numpy as np
 import torch
 from torch import nn
@@ -105,9 +106,14 @@ class SeqState:
     pending: int = -1  # row of the runner's step_tokens holding a sampled token not yet read (-1: none)
     race: RaceRow | None = field(init=False)  # the draw as a step graph takes it (None: it cannot)
     row: SampleRow | None = field(default=None, init=False)  # its sampled row, made once (``_sample_row``)
+    # SamplingParams.prompt_logprobs: those of its prompt's tokens so far (until
+    # the first sampled token carries them; None: none asked, or sent already)
+    prompt_logprobs: list[messages.PromptLogprob] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.race = race_row(self.sampling)
+        if self.sampling.prompt_logprobs is not None and not self.output_token_ids:
+            self.prompt_logprobs = []
 
     @property
     def num_known(self) -> int:
@@ -287,6 +293,27 @@ def _check_chunk(chunk, seqs, block_size, num_kv_blocks, max_model_len) -> SeqSt
         bad = [b for b in ids if not 0 <= b < num_kv_blocks]
         raise PlanError(f"request {rid!r}: block ids {bad} are outside [0, {num_kv_blocks})", [rid])
     return seq
+
+
+PROMPT_LOGPROB_PIECE = 256  # rows a log-softmax at a time: a piece's copy of [rows, vocab] float32
+
+
+def _take_prompt_logprobs(logits: torch.Tensor, targets: tuple[int, ...], seqs: tuple[SeqState, ...]) -> None:
+    """Each row's log-softmax at the prompt token it predicts, and its top
+    ``prompt_logprobs`` alternatives, appended to its sequence's list (rows
+    of a sequence in position order)."""
+    targets_on_device = torch.tensor(targets, dtype=torch.long, device=logits.device)
+    k = max(seq.sampling.prompt_logprobs for seq in seqs)
+    for at in range(0, len(targets), PROMPT_LOGPROB_PIECE):
+        piece = torch.log_softmax(logits[at : at + PROMPT_LOGPROB_PIECE].float(), dim=-1)
+        chosen = piece.gather(1, targets_on_device[at : at + PROMPT_LOGPROB_PIECE, None])[:, 0].tolist()
+        top_values, top_ids = piece.topk(k, dim=-1) if k else (piece[:, :0], piece[:, :0].long())
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        for i, logprob in enumerate(chosen):
+            seq = seqs[at + i]
+            n = seq.sampling.prompt_logprobs
+            top = tuple(messages.TopLogprob(t, v) for t, v in zip(top_ids[i][:n], top_values[i][:n]))
+            seq.prompt_logprobs.append(messages.PromptLogprob(targets[at + i], logprob, top))
 
 
 def _copy_state(src: list[StatePool], src_slot: int, dst: list[StatePool], dst_slot: int) -> None:
@@ -486,10 +513,14 @@ class ModelRunner:
 
     def _take_tokens(self, step: Step) -> None:
         """Append each sampled token to its sequence as the step saw it, and
-        feed the grammars of those still running as that state."""
-        for seq, token in zip(step.states, step.draws):
+        feed the grammars of those still running as that state. A sequence's
+        first token carries its prompt logprobs, where asked for."""
+        for row, (seq, token) in enumerate(zip(step.states, step.draws)):
             seq.output_token_ids.append(token.token_id)
             seq.pending = -1
+            if seq.prompt_logprobs is not None:
+                step.draws[row] = msgspec.structs.replace(token, prompt_logprobs=tuple(seq.prompt_logprobs))
+                seq.prompt_logprobs = None
         if self.grammars is not None:  # a dead row's stand-in is no token of its grammar: the request fails
             self.grammars.advance([t for seq, t in zip(step.states, step.draws)
                                    if self.seqs.get(t.request_id) is seq and not t.dead])
@@ -662,24 +693,51 @@ class ModelRunner:
         """The batch's sampled rows' logits, ``[len(batch.sample_ids), vocab]``
         float32, and their tokens where the step's graph drew them
         (``states``: the sampled rows' sequences)."""
+        prompt_rows = self._prompt_logprob_rows(batch)
         graphs = self.graphs if self._is_graph_step(batch) else None
         if graphs is None and self.mixed_graphs is not None and self.mixed_graphs.takes(len(batch.input_ids),
                                                                                           len(batch.request_ids)):
             graphs = self.mixed_graphs
-        if graphs is not None:
+        if graphs is not None and not prompt_rows:  # (a graph computes the sampled rows' logits only)
             race = self._graph_race(graphs, states)
             logits = graphs.run(batch, race, self.graph_seeds.getrandbits(62) if race is not None else 0)
             return logits, None if race is None else graphs.tokens[: len(batch.sample_ids)]
         input_ids, positions, meta, logits_indices = self._to_device(batch)
+        # prompt positions whose logprobs are asked for go through the LM head beside the sampled rows
+        rows, targets, seqs = zip(*prompt_rows) if prompt_rows else ((), (), ())
         if self.lora is not None:
-            self.lora.begin_step(batch.chunk_slots, batch.query_lens, batch.sample_slots)
+            self.lora.begin_step(batch.chunk_slots, batch.query_lens,
+                                 batch.sample_slots + [seq.lora_slot for seq in seqs])
         try:
             with torch.inference_mode():
                 hidden = self._forward(batch, input_ids, positions, meta)
-                return self.model.compute_logits(hidden[logits_indices]), None
+                if rows:
+                    logits_indices = torch.cat([logits_indices, logits_indices.new_tensor(rows)])
+                logits = self.model.compute_logits(hidden[logits_indices])
+                if rows:
+                    num_sampled = len(batch.logits_indices)
+                    _take_prompt_logprobs(logits[num_sampled:], targets, seqs)
+                    logits = logits[:num_sampled]
+                return logits, None
         finally:
             if self.lora is not None:
                 self.lora.end_step()
+
+    def _prompt_logprob_rows(self, batch: Batch) -> list[tuple[int, int, SeqState]]:
+        """(flat row, the prompt token it predicts, its sequence) of each
+        position in the batch whose next token is a prompt token of a
+        sequence that asked for prompt logprobs."""
+        found: list[tuple[int, int, SeqState]] = []
+        if not any(seq.prompt_logprobs is not None for seq in self.seqs.values()):
+            return found
+        row = 0
+        for rid, start, stop in batch.spans():
+            seq = self.seqs[rid]
+            if seq.prompt_logprobs is not None:
+                prompt = seq.prompt_token_ids
+                found += [(row + p - start, prompt[p + 1], seq) for p in range(start, min(stop, len(prompt) - 1))]
+            row += stop - start
+        return found
 
     def _graph_race(self, graphs: DecodeGraphs | MixedGraphs, states: list[SeqState]) -> RaceRows | None:
         """A graphed step's draw, if its graph takes it: no row needs a

@@ -497,8 +497,9 @@ class Scheduler:
         """Cached blocks of the longest known prefix, leaving at least the last
         token to compute so there is a position to sample from; with recurrent
         state, the longest whose state after it is snapshotted, and that
-        snapshot's slot (-1: none)."""
-        if not self.enable_prefix_caching:
+        snapshot's slot (-1: none). A prompt whose logprobs are asked for takes
+        none until they are out (a cached position's logits are never computed)."""
+        if not self.enable_prefix_caching or (seq.sampling.prompt_logprobs is not None and not seq.output_token_ids):
             return [], -1
         max_hit_blocks = (seq.num_tokens - 1) // self.block_size
         hits = self.prefix_index.lookup(seq.block_hash(i) for i in range(max_hit_blocks))

@@ -98,10 +98,11 @@ def test_invalid_values_are_a_400_naming_the_field(body, param):
     assert refused(body).param == param
 
 
-def test_best_of_equal_to_n_is_accepted_and_echo_without_logprobs_too():
+def test_best_of_equal_to_n_is_accepted_and_echo_with_logprobs_asks_the_prompts():
     parsed = api.parse_completion(comp(best_of=2, n=2, echo=True), 256, 400)
-    assert parsed.output.echo and parsed.n == 2
-    assert refused(comp(echo=True, logprobs=0), "completion").param == "echo"
+    assert parsed.output.echo and parsed.n == 2 and parsed.sampling.prompt_logprobs is None
+    assert api.parse_completion(comp(echo=True, logprobs=3), 256, 400).sampling.prompt_logprobs == 3
+    assert api.parse_completion(comp(logprobs=3), 256, 400).sampling.prompt_logprobs is None
 
 
 def test_continue_final_message_leaves_the_assistant_message_open():

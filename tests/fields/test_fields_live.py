@@ -82,6 +82,33 @@ def test_truncate_echo_logprobs_zero_and_cached_tokens(server, tokenizer):
     assert again.usage.prompt_tokens_details.cached_tokens >= 16  # a full KV block hit the prefix cache
 
 
+def test_echo_with_logprobs_scores_the_prompt(server, tokenizer):
+    """lm-eval's loglikelihood request: echo, logprobs and one new token. The
+    prompt's tokens come first (the first without a logprob), with text
+    offsets into the echoed text; a token scored as the prompt's last has the
+    logprob it had when it was sampled."""
+    client, _ = server
+    prompt = "The quick brown fox"
+    ids = tokenizer(prompt).input_ids
+    out = client.completions.create(prompt=prompt, max_tokens=1, echo=True, logprobs=2, model="tiny", temperature=0,
+                                    extra_body={"return_token_ids": True})
+    choice, lp = out.choices[0], out.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(lp.top_logprobs[i][t] == lp.token_logprobs[i]
+                                                              for i, t in enumerate(lp.tokens) if i)
+    assert all(choice.text.startswith(token, offset) for token, offset in zip(lp.tokens, lp.text_offset))
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] == len(prompt)
+    assert "".join(lp.tokens) == choice.text
+    (sampled,) = ids_of(choice)
+    again = client.completions.create(prompt=ids + [sampled], max_tokens=1, echo=True, logprobs=0, model="tiny",
+                                      temperature=0)
+    assert again.choices[0].logprobs.token_logprobs[len(ids)] == pytest.approx(lp.token_logprobs[-1], abs=1e-4)
+    streamed = client.completions.create(prompt=prompt, max_tokens=1, echo=True, logprobs=2, model="tiny",
+                                         temperature=0, stream=True)
+    tokens = [t for chunk in streamed for t in (chunk.choices[0].logprobs.tokens if chunk.choices[0].logprobs else [])]
+    assert tokens == lp.tokens
+
+
 def test_invalid_or_unsupported_fields_are_a_400_naming_them(server):
     client, _ = server
     msgs = [{"role": "user", "content": "x"}]

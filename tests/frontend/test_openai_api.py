@@ -113,7 +113,6 @@ BAD = [
     ("completion", comp(prompt=[True, False]), "prompt"),
     ("completion", comp(logprobs=6), "logprobs"),
     ("completion", comp(logprobs=True), "logprobs"),
-    ("completion", comp(echo=True, logprobs=1), "echo"),  # echo of the prompt's logprobs is refused
     ("completion", comp(best_of=3), "best_of"),
     ("chat", chat(use_beam_search=True), "use_beam_search"),
     ("chat", chat(unknown_field={"x": 1}), "unknown_field"),

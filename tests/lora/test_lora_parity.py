@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 
+import msgspec
+
 import pytest
 import torch
 from lora.lora_factories import make_saved_peft
@@ -165,6 +167,29 @@ def test_mixed_adapters_match_peft_on_cuda(world):
     assert_matches_peft(world, outputs, prompts, on)
     half, _, _ = run_mixed(world, device="cuda", dtype="bfloat16")
     assert all(len(out) == NUM_NEW for out in half.values())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_prompt_logprobs_go_through_each_rows_adapter(world, device):
+    """A prompt's logprobs (echo with logprobs) on an adapter with an lm_head
+    target are PEFT's, beside the same prompt on the base in the same steps
+    (the LM head's delta is each row's own), over two chunks."""
+    base_folder, base, adapters = world
+    runner = make_runner(base_folder, device=device)
+    runner.install_adapter(1, load_weights(adapters["all"][0], base_folder, "all"))
+    prompt = list(range(5, 27))
+    scored = msgspec.structs.replace(GREEDY, max_tokens=2, prompt_logprobs=2)
+    d = Driver(runner)
+    d.step([d.start("on", prompt, slot=1, sampling=scored), d.start("off", prompt, sampling=scored)],
+           [d.chunk("on", 10), d.chunk("off", 10)])
+    d.step([], [d.chunk("on"), d.chunk("off")])
+    for rid, model in (("on", adapters["all"][1]), ("off", base)):
+        with torch.no_grad():
+            want = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+        got = d.firsts[rid].prompt_logprobs
+        assert [p.logprob for p in got] == pytest.approx(want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist(),
+                                                         abs=1e-4), rid
+        assert [[t.token_id for t in p.top_logprobs] for p in got] == want.topk(2, dim=-1).indices.tolist(), rid
 
 
 def _fresh_peft(world):
