@@ -42,10 +42,12 @@ def expected(hf, prompt: list[int]) -> tuple[list[float], list[list[int]]]:
     return chosen.tolist(), logprobs[:-1].topk(TOP, dim=-1).indices.tolist()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_prompt_logprobs_match_transformers_through_chunks(kind, hf_models):
+@pytest.mark.parametrize("kind, device", [("llama", "cpu"), ("qwen2", "cpu"),
+                                          pytest.param("llama", "cuda", marks=pytest.mark.gpu)])
+def test_prompt_logprobs_match_transformers_through_chunks(kind, device, hf_models):
+    """On CUDA the steps that score prompt positions leave the step graphs for eager runs."""
     folder, hf = hf_models(kind)
-    runner = runner_factories.make_runner(folder, dtype="float32", device="cpu", block_size=4, num_blocks=96, seed=0)
+    runner = runner_factories.make_runner(folder, dtype="float32", device=device, block_size=4, num_blocks=96, seed=0)
     long = [(7 * i + 3) % 90 + 5 for i in range(30)]
     scored = messages.SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=TOP)
     plain = messages.SamplingParams(max_tokens=2, temperature=0.0)
@@ -57,7 +59,7 @@ def test_prompt_logprobs_match_transformers_through_chunks(kind, hf_models):
         got = firsts[rid].prompt_logprobs
         logprobs, tops = expected(hf, prompts[rid])
         assert [p.token_id for p in got] == prompts[rid][1:]  # 30 tokens over chunks of 12
-        assert [p.logprob for p in got] == pytest.approx(logprobs, abs=1e-4)
+        assert [p.logprob for p in got] == pytest.approx(logprobs, abs=1e-3 if device == "cuda" else 1e-4)
         assert [[t.token_id for t in p.top_logprobs] for p in got] == tops
         assert all(p.top_logprobs[0].logprob >= p.logprob - 1e-5 for p in got)
     # the same prompt again: its positions' logits are computed, not skipped; without logprobs it is a hit
