@@ -46,8 +46,8 @@ def server(model, tmp_path_factory):
         yield srv
 
 
-def complete(port: int, max_tokens: int) -> dict:
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+def complete(port: int, max_tokens: int, **fields) -> dict:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True} | fields
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as resp:
@@ -71,6 +71,12 @@ def test_tp2_server_serves_transformers_tokens_and_records_its_group(server, mod
     for rank in (0, 1):
         assert re.search(rf"rank {rank} of 2 holds [\d.]+M of [\d.]+M parameters", server.log), server.log
     assert "torch intra-op threads: 1" in server.log  # two ranks on two cores: one each
+    # the prompt's logprobs (echo with logprobs) through both ranks' halves of the LM head
+    scored = complete(server.port, 1, echo=True, logprobs=1)["choices"][0]["logprobs"]
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    want = logprobs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    assert scored["token_logprobs"][1:len(ids)] == pytest.approx(want, abs=1e-4)
 
 
 def test_sigkill_of_one_rank_under_load_fails_requests_fast_and_leaves_nothing(server):
