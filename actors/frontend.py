@@ -799,6 +799,13 @@ class FrontendActor(Actor):
             out = [api.completion_choice(c.index, c.echo_text + c.text, c.finish_reason, c.legacy_logprobs())
                    for c in choices]
             body = api.completion_response(*args, out, self._usage(exchange))
+        if exchange.parsed.output.prompt_logprobs is not None:  # vLLM's: once for chat's one prompt, else a choice's own
+            scores = [api.vllm_prompt_logprobs(c.prompt_scores, self.token_text) for c in choices]
+            if exchange.parsed.kind == "chat":
+                body["prompt_logprobs"] = scores[0]
+            else:
+                for choice, own in zip(out, scores):
+                    choice["prompt_logprobs"] = own
         if exchange.parsed.output.return_token_ids:
             _add_token_ids(body, exchange, choices)
         return web.Response(body=_json.encode(body), content_type="application/json")

@@ -203,6 +203,7 @@ class PromptLogprob(Struct, frozen=True, **_HOT):
     token_id: int
     logprob: float
     top_logprobs: tuple[TopLogprob, ...] = ()
+    rank: int = 0  # 1 + the tokens more likely there (vLLM's prompt_logprobs show it)
 
 
 class SampledToken(Struct, frozen=True, **_HOT):

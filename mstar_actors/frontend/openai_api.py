@@ -99,7 +99,7 @@ COMMON_FIELDS = frozenset({
     "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "logprobs",
     "stop_token_ids", "ignore_eos", "logit_bias", "min_tokens", "bad_words", "allowed_token_ids",
     "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens", "return_token_ids",
-    "return_tokens_as_token_ids",
+    "return_tokens_as_token_ids", "prompt_logprobs",
 })
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs", "add_generation_prompt", "continue_final_message"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of"}
@@ -126,7 +126,7 @@ MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE, MAX_REQUEST_ID = 16, 6
 # the neutral one (then they change nothing either). Name -> neutral values.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "use_beam_search": (False,), "length_penalty": (1, 1.0), "early_stopping": (False,), "suffix": ("",),
-    "prompt_logprobs": (), "audio": (), "modalities": (["text"],), "prediction": (), "functions": (),
+    "audio": (), "modalities": (["text"],), "prediction": (), "functions": (),
     "function_call": (), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
     "chat_template": (), "chat_template_kwargs": ({},), "documents": (), "mm_processor_kwargs": ({},),
     "logits_processors": (), "vllm_xargs": (), "add_special_tokens": (),
@@ -245,6 +245,9 @@ class OutputOptions:
     # vLLM: logprobs name tokens "token_id:{id}" (tokens whose text is no whole
     # character, "\ufffd" for several, stay apart)
     return_tokens_as_token_ids: bool = False
+    # vLLM: each prompt token's logprob, rank and top alternatives (this many),
+    # per choice (completions) or once (chat); None: not asked
+    prompt_logprobs: int | None = None
     continuous_usage_stats: bool = False  # usage in every streamed chunk
 
 
@@ -479,6 +482,7 @@ def _parse_output(body: dict, continuous_usage_stats: bool) -> OutputOptions:
         skip_special_tokens=get_bool(body, "skip_special_tokens", True),
         return_token_ids=get_bool(body, "return_token_ids", False),
         return_tokens_as_token_ids=get_bool(body, "return_tokens_as_token_ids", False),
+        prompt_logprobs=get_int(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS),
         continuous_usage_stats=continuous_usage_stats,
     )
 
@@ -488,17 +492,23 @@ def _parse_common(body: dict, kind: str, cap: tuple[int, bool], logprobs: int | 
     check_fields(body, kind)
     stream, include_usage, continuous = _parse_stream(body)
     _check_ignored(body)
+    output = _parse_output(body, continuous)
+    sampling = _parse_sampling(body, cap, logprobs, vocab_size)
+    if output.prompt_logprobs is not None:
+        if stream:  # as vLLM: its responses carry them, its chunks don't
+            raise _bad("prompt_logprobs", "not with stream: true; send stream: false to get the prompt's logprobs")
+        sampling = msgspec.structs.replace(sampling, prompt_logprobs=output.prompt_logprobs)
     return ParsedRequest(
         kind=kind,
         request_id=_parse_request_id(body),
         model=get_str(body, "model", None),
-        sampling=_parse_sampling(body, cap, logprobs, vocab_size),
+        sampling=sampling,
         n=get_int(body, "n", 1, 1, MAX_N),
         stream=stream,
         include_usage=include_usage,
         stop=_parse_stop(body),
         logprobs=logprobs,
-        output=_parse_output(body, continuous),
+        output=output,
         bad_words=parse_bad_words(body),
     )
 
@@ -770,7 +780,8 @@ def parse_completion(raw: bytes, max_model_len: int | None = None, vocab_size: i
     parsed = _parse_common(body, "completion", cap, logprobs, vocab_size)
     echo = get_bool(body, "echo", False)
     if echo and logprobs is not None:  # the prompt's tokens' logprobs too, as OpenAI's (a prompt's score)
-        parsed.sampling = msgspec.structs.replace(parsed.sampling, prompt_logprobs=logprobs)
+        parsed.sampling = msgspec.structs.replace(
+            parsed.sampling, prompt_logprobs=max(logprobs, parsed.sampling.prompt_logprobs or 0))
     parsed.output = dataclasses.replace(parsed.output, echo=echo)
     best_of = get_int(body, "best_of", None, 1, MAX_N)
     if best_of is not None and best_of != parsed.n:
@@ -931,6 +942,21 @@ def chat_logprob(token: str, logprob: float, top: list[tuple[str, float]], token
     }
 
 
+def vllm_prompt_logprobs(scores: tuple, token_text: Any) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then each
+    one's ``{token id: {logprob, rank, decoded_token}}``, the prompt token's
+    own first, then the top alternatives (rank 1, 2, ...)."""
+    out: list[dict | None] = [None]
+    for score in scores:
+        entry = {str(score.token_id): {"logprob": score.logprob, "rank": score.rank,
+                                       "decoded_token": token_text(score.token_id)}}
+        for rank, top in enumerate(score.top_logprobs, start=1):
+            entry.setdefault(str(top.token_id), {"logprob": top.logprob, "rank": rank,
+                                                 "decoded_token": token_text(top.token_id)})
+        out.append(entry)
+    return out
+
+
 def token_id_text(token_id: int) -> str:
     """A token's name in logprobs under ``return_tokens_as_token_ids``."""
     return f"token_id:{token_id}"
@@ -1032,6 +1058,7 @@ class ChoiceOutput:
         # echo with logprobs: the prompt's ids and where each one's text starts, for
         # the entries the first token's prompt_logprobs fill (then None)
         self.echo_prompt: tuple[list[int], list[int]] | None = None
+        self.prompt_scores: tuple = ()  # SampledToken.prompt_logprobs of the first token, where asked for
         self.is_echoed = False  # streamed: the echo went out with the first chunk
         self.last_token_at: float | None = None  # perf_counter of the last delta, for inter-token latency
 
@@ -1048,11 +1075,13 @@ class ChoiceOutput:
         Sets ``finish_reason = "stop"`` when a stop string matched."""
         if self.is_done:
             return "", []
+        if tokens and tokens[0].prompt_logprobs:  # the first token, of a request that asked for them
+            self.prompt_scores = tokens[0].prompt_logprobs
         if not (self.want_logprobs or self.num_output_tokens < self.min_tokens):
             return self._add_group(tokens), []
         first_entry = len(self.logprobs)
         if self.echo_prompt is not None and tokens:
-            self._add_prompt_logprobs(tokens[0].prompt_logprobs)
+            self._add_prompt_logprobs(self.prompt_scores)
         emitted = []
         for token in tokens:  # one by one: a logprob entry each, or min_tokens is reached mid-delta
             self.num_output_tokens += 1

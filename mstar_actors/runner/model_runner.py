@@ -306,14 +306,15 @@ def _take_prompt_logprobs(logits: torch.Tensor, targets: tuple[int, ...], seqs: 
     k = max(seq.sampling.prompt_logprobs for seq in seqs)
     for at in range(0, len(targets), PROMPT_LOGPROB_PIECE):
         piece = torch.log_softmax(logits[at : at + PROMPT_LOGPROB_PIECE].float(), dim=-1)
-        chosen = piece.gather(1, targets_on_device[at : at + PROMPT_LOGPROB_PIECE, None])[:, 0].tolist()
+        chosen = piece.gather(1, targets_on_device[at : at + PROMPT_LOGPROB_PIECE, None])
+        ranks = ((piece > chosen).sum(dim=-1) + 1).tolist()
         top_values, top_ids = piece.topk(k, dim=-1) if k else (piece[:, :0], piece[:, :0].long())
         top_values, top_ids = top_values.tolist(), top_ids.tolist()
-        for i, logprob in enumerate(chosen):
+        for i, logprob in enumerate(chosen[:, 0].tolist()):
             seq = seqs[at + i]
             n = seq.sampling.prompt_logprobs
             top = tuple(messages.TopLogprob(t, v) for t, v in zip(top_ids[i][:n], top_values[i][:n]))
-            seq.prompt_logprobs.append(messages.PromptLogprob(targets[at + i], logprob, top))
+            seq.prompt_logprobs.append(messages.PromptLogprob(targets[at + i], logprob, top, ranks[i]))
 
 
 def _copy_state(src: list[StatePool], src_slot: int, dst: list[StatePool], dst_slot: int) -> None:

@@ -31,7 +31,7 @@ def test_fields_that_change_nothing_are_accepted(name):
     api.parse_completion(comp(**{name: value}), 256, 400)
 
 
-@pytest.mark.parametrize("name,value", [("use_beam_search", True), ("suffix", "tail"), ("prompt_logprobs", 1),
+@pytest.mark.parametrize("name,value", [("use_beam_search", True), ("suffix", "tail"),
                                         ("audio", {"voice": "x"}), ("modalities", ["text", "audio"]),
                                         ("prediction", {"type": "content", "content": "x"}),
                                         ("length_penalty", 0.5), ("spaces_between_special_tokens", False),
@@ -103,6 +103,11 @@ def test_best_of_equal_to_n_is_accepted_and_echo_with_logprobs_asks_the_prompts(
     assert parsed.output.echo and parsed.n == 2 and parsed.sampling.prompt_logprobs is None
     assert api.parse_completion(comp(echo=True, logprobs=3), 256, 400).sampling.prompt_logprobs == 3
     assert api.parse_completion(comp(logprobs=3), 256, 400).sampling.prompt_logprobs is None
+    # vLLM's prompt_logprobs: asked of the engine, the larger of the two where echo asks too
+    assert api.parse_completion(comp(echo=True, logprobs=1, prompt_logprobs=4), 256, 400).sampling.prompt_logprobs == 4
+    assert api.parse_chat(chat(prompt_logprobs=0), 256, 400).sampling.prompt_logprobs == 0
+    assert refused(chat(prompt_logprobs=21)).param == "prompt_logprobs"
+    assert refused(chat(prompt_logprobs=2, stream=True)).param == "prompt_logprobs"
 
 
 def test_continue_final_message_leaves_the_assistant_message_open():

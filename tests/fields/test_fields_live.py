@@ -109,6 +109,29 @@ def test_echo_with_logprobs_scores_the_prompt(server, tokenizer):
     assert tokens == lp.tokens
 
 
+def test_prompt_logprobs_as_vllm_gives_them(server, tokenizer):
+    """vLLM's prompt_logprobs: per completion choice, once for a chat; each
+    position's prompt token with its logprob and rank, and the top ones."""
+    client, _ = server
+    prompt = "The quick brown fox"
+    ids = tokenizer(prompt).input_ids
+    echoed = client.completions.create(prompt=prompt, max_tokens=1, echo=True, logprobs=0, model="tiny", temperature=0)
+    out = client.completions.create(prompt=prompt, max_tokens=1, model="tiny", temperature=0,
+                                    extra_body={"prompt_logprobs": 2})
+    scores = out.choices[0].model_extra["prompt_logprobs"]
+    assert len(scores) == len(ids) and scores[0] is None
+    for position, (token_id, entry) in enumerate(zip(ids[1:], scores[1:]), start=1):
+        own = entry[str(token_id)]
+        assert own["logprob"] == pytest.approx(echoed.choices[0].logprobs.token_logprobs[position], abs=1e-5)
+        assert own["rank"] >= 1 and own["decoded_token"] == tokenizer.decode([token_id])
+        ranked = sorted(v["rank"] for k, v in entry.items() if k != str(token_id) or v["rank"] <= 2)
+        assert ranked[:2] == [1, 2] and len(entry) in (2, 3)
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], max_tokens=1, model="tiny",
+                                          extra_body={"prompt_logprobs": 0})
+    scores = chat.model_extra["prompt_logprobs"]
+    assert scores[0] is None and len(scores) == chat.usage.prompt_tokens and all(len(e) == 1 for e in scores[1:])
+
+
 def test_invalid_or_unsupported_fields_are_a_400_naming_them(server):
     client, _ = server
     msgs = [{"role": "user", "content": "x"}]

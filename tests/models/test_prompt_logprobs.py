@@ -35,11 +35,12 @@ def serve(runner, waves: list[dict[str, tuple[list[int], messages.SamplingParams
     return firsts, cached
 
 
-def expected(hf, prompt: list[int]) -> tuple[list[float], list[list[int]]]:
+def expected(hf, prompt: list[int]) -> tuple[list[float], list[list[int]], list[int]]:
     with torch.no_grad():
-        logprobs = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
-    chosen = logprobs[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
-    return chosen.tolist(), logprobs[:-1].topk(TOP, dim=-1).indices.tolist()
+        logprobs = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)[:-1]
+    chosen = logprobs.gather(1, torch.tensor(prompt[1:])[:, None])
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    return chosen[:, 0].tolist(), logprobs.topk(TOP, dim=-1).indices.tolist(), ranks.tolist()
 
 
 @pytest.mark.parametrize("kind, device", [("llama", "cpu"), ("qwen2", "cpu"),
@@ -57,10 +58,12 @@ def test_prompt_logprobs_match_transformers_through_chunks(kind, device, hf_mode
     assert firsts["plain"].prompt_logprobs == ()
     for rid in ("scored", "again"):
         got = firsts[rid].prompt_logprobs
-        logprobs, tops = expected(hf, prompts[rid])
+        logprobs, tops, ranks = expected(hf, prompts[rid])
         assert [p.token_id for p in got] == prompts[rid][1:]  # 30 tokens over chunks of 12
         assert [p.logprob for p in got] == pytest.approx(logprobs, abs=1e-3 if device == "cuda" else 1e-4)
         assert [[t.token_id for t in p.top_logprobs] for p in got] == tops
         assert all(p.top_logprobs[0].logprob >= p.logprob - 1e-5 for p in got)
+        if device == "cpu":  # (on CUDA near ties may order apart)
+            assert [p.rank for p in got] == ranks and max(ranks) > TOP  # random weights: most far down
     # the same prompt again: its positions' logits are computed, not skipped; without logprobs it is a hit
     assert cached["again"] == 0 and cached["unscored"] == 28
