@@ -412,6 +412,7 @@ class ModelRunner:
         # not (a step sampling more rows than this reads its draws at once).
         self.step_tokens = torch.zeros(max_sampled_rows, dtype=torch.long, device=self.device)
         self.seqs: dict[str, SeqState] = {}
+        self.scoring: set[str] = set()  # requests whose prompt logprobs are still being computed
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         self.grammars: GrammarMatchers | None = None  # structured outputs: see enable_grammars
@@ -522,6 +523,7 @@ class ModelRunner:
             if seq.prompt_logprobs is not None:
                 step.draws[row] = msgspec.structs.replace(token, prompt_logprobs=tuple(seq.prompt_logprobs))
                 seq.prompt_logprobs = None
+                self.scoring.discard(token.request_id)
         if self.grammars is not None:  # a dead row's stand-in is no token of its grammar: the request fails
             self.grammars.advance([t for seq, t in zip(step.states, step.draws)
                                    if self.seqs.get(t.request_id) is seq and not t.dead])
@@ -556,8 +558,9 @@ class ModelRunner:
             if (error := self._state_slot_error(s)) is not None:
                 errors.append(error)
                 continue
-            self.seqs[s.request_id] = SeqState(list(s.prompt_token_ids), s.sampling, list(s.output_token_ids), s.lora_slot,
-                                               s.state_slot)
+            seq = self.seqs[s.request_id] = SeqState(list(s.prompt_token_ids), s.sampling, list(s.output_token_ids),
+                                                     s.lora_slot, s.state_slot)
+            (self.scoring.add if seq.prompt_logprobs is not None else self.scoring.discard)(s.request_id)
             if (error := self._start_media(s) or self._start_grammar(s)) is not None:
                 self.forget([s.request_id])
                 errors.append(error)
@@ -626,6 +629,7 @@ class ModelRunner:
         """Drop finished sequences; an unknown id is a no-op (aborts are idempotent)."""
         for rid in request_ids:
             self.seqs.pop(rid, None)
+            self.scoring.discard(rid)
             if self.grammars is not None:
                 self.grammars.forget(rid)
             if self.media is not None:
@@ -729,7 +733,7 @@ class ModelRunner:
         position in the batch whose next token is a prompt token of a
         sequence that asked for prompt logprobs."""
         found: list[tuple[int, int, SeqState]] = []
-        if not any(seq.prompt_logprobs is not None for seq in self.seqs.values()):
+        if not self.scoring:
             return found
         row = 0
         for rid, start, stop in batch.spans():
