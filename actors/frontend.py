@@ -446,19 +446,13 @@ class FrontendActor(Actor):
                                   "token_strs": None})
 
     def _tokenize_ids(self, parsed: api.TokenizeRequest) -> list[int]:
-        from mstar_actors.prepare.prompt_bound import PromptTooLong
-
-        # bounded as prepare bounds a prompt: the tokenizer's time stays proportional to what can be served
-        limit = self.info.max_model_len
+        # the whole text, as vLLM's: a client measures a text past the context to cut it
+        # (server.max_body_bytes bounds it)
         try:
             if parsed.messages is None:
-                return self.tokenization.encode_text(parsed.prompt, parsed.add_special_tokens, limit)
-            ids = self.tokenization.apply_chat_template(parsed.messages, parsed.add_generation_prompt, limit,
+                return self.tokenization.encode_text(parsed.prompt, parsed.add_special_tokens)
+            ids = self.tokenization.apply_chat_template(parsed.messages, parsed.add_generation_prompt, None,
                                                         parsed.continue_final_message)
-        except PromptTooLong as err:
-            raise ApiError(400, f"{'prompt' if parsed.messages is None else 'messages'}: {err}",
-                           param="prompt" if parsed.messages is None else "messages",
-                           code="context_length_exceeded") from None
         except ValueError as err:  # no chat template, or the template refused the messages
             raise ApiError(400, f"messages: {err}", param="messages") from None
         if parsed.add_special_tokens and self.tokenizer.bos_token_id is not None and ids[:1] != [self.tokenizer.bos_token_id]:

@@ -129,10 +129,17 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "audio": (), "modalities": (["text"],), "prediction": (), "functions": (),
     "function_call": (), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
     "chat_template": (), "chat_template_kwargs": ({},), "documents": (), "mm_processor_kwargs": ({},),
-    "logits_processors": (), "vllm_xargs": (), "add_special_tokens": (),
+    "logits_processors": (), "vllm_xargs": (),
     "prompt_embeds": (), "kv_transfer_params": (), "echo": (False,),
     # fast tokenizers never put spaces between special tokens: only the default is honoured
     "spaces_between_special_tokens": (True,),
+}
+
+
+# Refused unless neutral, their neutral value the endpoint's own (vLLM's defaults):
+# a chat prompt is the template's text, a completion prompt gets the tokenizer's BOS.
+UNSUPPORTED_BY_KIND: dict[str, dict[str, tuple]] = {
+    "chat": {"add_special_tokens": (False,)}, "completion": {"add_special_tokens": (True,)},
 }
 
 
@@ -147,8 +154,9 @@ def check_fields(body: dict, kind: str) -> None:
     for name, value in body.items():
         if name in accepted or value is None:
             continue
-        if name in UNSUPPORTED_FIELDS:
-            if any(type(value) is type(neutral) and value == neutral for neutral in UNSUPPORTED_FIELDS[name]):
+        neutrals = UNSUPPORTED_BY_KIND[kind].get(name, UNSUPPORTED_FIELDS.get(name))
+        if neutrals is not None:
+            if any(type(value) is type(neutral) and value == neutral for neutral in neutrals):
                 continue  # (of the neutral value's type: true is not 1)
             raise _bad(name, "not supported by this server (it would change the output); remove it")
         endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
@@ -640,15 +648,21 @@ def parse_chat(raw: bytes, max_model_len: int | None = None, vocab_size: int | N
         raise _bad("top_logprobs", "requires logprobs: true")
     parsed = _parse_common(body, "chat", cap, (top or 0) if want_logprobs else None, vocab_size)
     parsed.messages = parse_messages(body.get("messages"))
-    parsed.continue_final_message = get_bool(body, "continue_final_message", False)
-    parsed.add_generation_prompt = get_bool(body, "add_generation_prompt", not parsed.continue_final_message)
-    if parsed.continue_final_message and parsed.add_generation_prompt:
-        raise _bad("continue_final_message", "cannot be true together with add_generation_prompt: true")
-    if parsed.continue_final_message and parsed.messages[-1].role != "assistant":
-        raise _bad("continue_final_message", "the last message must be the assistant's, to be continued")
+    parsed.continue_final_message, parsed.add_generation_prompt = _parse_turn_flags(body, parsed.messages)
     _check_media_fields(parsed)
     _parse_tools(parsed, body, tool_parser)
     return parsed
+
+
+def _parse_turn_flags(body: dict, chat: list[ChatMessage]) -> tuple[bool, bool]:
+    """(continue_final_message, add_generation_prompt), checked against the messages."""
+    continue_final = get_bool(body, "continue_final_message", False)
+    add_generation_prompt = get_bool(body, "add_generation_prompt", not continue_final)
+    if continue_final and add_generation_prompt:
+        raise _bad("continue_final_message", "cannot be true together with add_generation_prompt: true")
+    if continue_final and chat[-1].role != "assistant":
+        raise _bad("continue_final_message", "the last message must be the assistant's, to be continued")
+    return continue_final, add_generation_prompt
 
 
 def _parse_tools(parsed: ParsedRequest, body: dict, tool_parser: str | None) -> None:
@@ -721,21 +735,27 @@ def _parse_message(i: int, message: Any) -> ChatMessage:
         return ChatMessage(role=ROLES[role], content=content, **extra)
     if not isinstance(content, list):
         raise _bad(f"{where}.content", f"expected a string or an array of text parts, got {_show(content)}")
-    parts = [_parse_part(f"{where}.content[{j}]", p) for j, p in enumerate(content)]
+    parts = [_parse_part(f"{where}.content[{j}]", p, role) for j, p in enumerate(content)]
     return ChatMessage(role=ROLES[role], content=parts, **extra)
 
 
-def _parse_part(where: str, part: Any) -> ContentPart:
+def _parse_part(where: str, part: Any, role: str) -> ContentPart:
     if not isinstance(part, dict):
         raise _bad(where, f"expected an object like {{\"type\": \"text\", \"text\": ...}}, got {_show(part)}")
     kind = part.get("type")
+    if kind == "refusal" and role == "assistant":  # OpenAI's assistant part: its text, as vLLM renders it
+        refusal = part.get("refusal")
+        if not isinstance(refusal, str):
+            raise _bad(f"{where}.refusal", f"expected a string, got {_show(refusal)}")
+        return ContentPart(type="text", text=refusal)
     if kind in ("image_url", "video_url", "audio_url"):
         return ContentPart(type=kind, url=_parse_media_url(f"{where}.{kind}", part.get(kind)))
     if kind == "input_audio":
         return ContentPart(type=kind, url=_parse_input_audio(f"{where}.input_audio", part.get(kind)))
     if kind != "text":
         raise _bad(f"{where}.type", "accepted content part types are \"text\", \"image_url\", \"video_url\", "
-                                    f"\"audio_url\" and \"input_audio\", got {_show(kind)}")
+                                    "\"audio_url\" and \"input_audio\" (and an assistant's \"refusal\"), "
+                                    f"got {_show(kind)}")
     text = part.get("text")
     if not isinstance(text, str):
         raise _bad(f"{where}.text", f"expected a string, got {_show(text)}")
@@ -858,11 +878,10 @@ def parse_tokenize(raw: bytes) -> TokenizeRequest:
         if prompt is None:
             raise _bad("prompt", "expected a string")
         return TokenizeRequest(model, prompt=prompt, add_special_tokens=get_bool(body, "add_special_tokens", True))
-    continue_final = get_bool(body, "continue_final_message", False)
-    return TokenizeRequest(model, messages=parse_messages(body.get("messages")),
-                           add_special_tokens=get_bool(body, "add_special_tokens", False),
-                           add_generation_prompt=get_bool(body, "add_generation_prompt", not continue_final),
-                           continue_final_message=continue_final)
+    chat = parse_messages(body.get("messages"))
+    continue_final, add_generation_prompt = _parse_turn_flags(body, chat)  # as a chat request reads them
+    return TokenizeRequest(model, messages=chat, add_special_tokens=get_bool(body, "add_special_tokens", False),
+                           add_generation_prompt=add_generation_prompt, continue_final_message=continue_final)
 
 
 def parse_detokenize(raw: bytes, vocab_size: int | None) -> tuple[str | None, list[int]]:

@@ -48,6 +48,21 @@ def test_refused_fields_at_their_neutral_value_change_nothing_and_pass(name, val
     api.parse_chat(chat(**{name: value}), 256, 400)
 
 
+def test_add_special_tokens_passes_at_each_endpoints_own_default():
+    """vLLM's defaults: a chat prompt is the template's text as it is, a completion prompt gets the BOS."""
+    api.parse_chat(chat(add_special_tokens=False), 256, 400)
+    api.parse_completion(comp(add_special_tokens=True), 256, 400)
+    assert refused(chat(add_special_tokens=True)).param == "add_special_tokens"
+    assert refused(comp(add_special_tokens=False), "completion").param == "add_special_tokens"
+
+
+def test_an_assistant_refusal_part_is_its_text():
+    msgs = MSG + [{"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]}] + MSG
+    assert api.parse_chat(chat(messages=msgs), 256, 400).messages[1].content[0].text == "I can't."
+    user_refusal = [{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}]
+    assert refused(chat(messages=user_refusal)).param == "messages[0].content[0].type"
+
+
 def test_an_unknown_field_is_refused_naming_it_and_the_accepted_ones():
     err = refused(chat(temprature=0.5))
     assert err.param == "temprature" and "accepted:" in err.message and "temperature" in err.message

@@ -199,6 +199,15 @@ def test_tokenize_detokenize_version_ping_and_model_by_id(harness):
             status, r = await h.post("/tokenize", {"model": "tiny", "messages": MSGS})
             text = tok.apply_chat_template(MSGS, tokenize=False, add_generation_prompt=True)
             assert r["tokens"] == tok(text, add_special_tokens=False).input_ids
+            # the whole text's count, past the context too (a client measures a text to cut it), as vLLM's
+            long = "hello " * 400
+            status, r = await h.post("/tokenize", {"model": "tiny", "prompt": long})
+            assert status == 200 and r["tokens"] == tok(long).input_ids and r["count"] > r["max_model_len"]
+            status, r = await h.post("/tokenize", {"model": "tiny", "messages": [{"role": "user", "content": long}]})
+            assert status == 200 and r["count"] > r["max_model_len"]
+            # the turn flags read as a chat request reads them
+            status, r = await h.post("/tokenize", {"model": "tiny", "messages": MSGS, "continue_final_message": True})
+            assert status == 400 and r["error"]["param"] == "continue_final_message"
             status, r = await h.post("/detokenize", {"model": "tiny", "tokens": tok("Hello world").input_ids})
             assert status == 200 and r == {"prompt": "Hello world"}
             status, r = await h.post("/tokenize", {"model": "nope", "prompt": "x"})
