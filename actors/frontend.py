@@ -85,6 +85,10 @@ _json = msgspec.json.Encoder()
 # 61,538 / 36,948 tok/s at 256, 77,908 / 67,737 at 2048 (events a 64-token
 # request: 17.7 / 63.1 -> 5.6 / 10.9).
 MAILBOX_SIZE = 2048
+# With server.api_key, /v1/* and these need the key (as vLLM's); /health, /ping,
+# /metrics and /version stay open for probes and scrapers.
+GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})
+CLIENT_CLOSED = 499  # mstar_requests_total's status for a request whose client went away (nginx's code)
 DRAIN_FAILURE_WRITE_S = 2.0  # after the drain's timeout: time for handlers to send their 503
 
 
@@ -332,7 +336,9 @@ class FrontendActor(Actor):
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.server.max_body_bytes,
-                              middlewares=[self._errors_middleware, self._auth_middleware, self._body_middleware])
+                              middlewares=[self._preflight_middleware, self._errors_middleware, self._auth_middleware,
+                                           self._body_middleware])
+        app.on_response_prepare.append(self._cors_headers)
         app.router.add_post("/v1/chat/completions", functools.partial(self._generate, kind="chat"))
         app.router.add_post("/v1/completions", functools.partial(self._generate, kind="completion"))
         app.router.add_post("/v1/audio/speech", self._speech)
@@ -349,6 +355,33 @@ class FrontendActor(Actor):
         app.router.add_get("/metrics", self._metrics)
         return app
 
+    def _allowed_origin(self, request: web.Request) -> str | None:
+        """The Access-Control-Allow-Origin a browser's request gets (None: no CORS)."""
+        origin, allowed = request.headers.get("Origin"), self.config.server.allowed_origins
+        if origin is None:
+            return None
+        return "*" if "*" in allowed else origin if origin in allowed else None
+
+    @web.middleware
+    async def _preflight_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """A browser's CORS preflight from an allowed origin: answered here, before
+        the API key (a preflight carries none)."""
+        if (request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers
+                and self._allowed_origin(request) is not None):
+            return web.Response(headers={
+                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers", "*"),
+                "Access-Control-Max-Age": "600",
+            })
+        return await handler(request)
+
+    async def _cors_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        origin = self._allowed_origin(request)
+        if origin is not None:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            if origin != "*":
+                response.headers["Vary"] = "Origin"
+
     @web.middleware
     async def _errors_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """Every error leaves in OpenAI's envelope; every status is counted."""
@@ -360,7 +393,10 @@ class FrontendActor(Actor):
             if err.status < 400:
                 raise
             response = _error_response(ApiError(err.status, _http_message(err, request), code=_http_code(err)))
+            if "Allow" in err.headers:  # a 405 names the methods the route takes
+                response.headers["Allow"] = err.headers["Allow"]
         except (asyncio.CancelledError, ConnectionError):
+            self.metrics.observe_request(_route(request), CLIENT_CLOSED)
             raise  # the client went away: nobody to answer
         except Exception as err:  # a bug of ours: this request fails alone, in the envelope
             self.log.exception("request %s %s failed", request.method, request.path)
@@ -371,10 +407,11 @@ class FrontendActor(Actor):
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
         key = self.config.server.api_key
-        if key and request.path.startswith("/v1/"):
-            given = request.headers.get("Authorization", "")
+        if key and (request.path.startswith("/v1/") or request.path in GUARDED_PATHS):
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
             # header bytes that aren't UTF-8 arrive as surrogate escapes: compare them as sent
-            if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {key}".encode()):
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
+                                                                      key.encode()):
                 raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                                code="invalid_api_key")
         return await handler(request)
@@ -442,8 +479,9 @@ class FrontendActor(Actor):
         parsed = api.parse_tokenize(await request.read())
         self._resolve_model(parsed.model)
         tokens = await self.run_blocking(self._tokenize_ids, parsed)
+        strs = self.tokenizer.convert_ids_to_tokens(tokens) if parsed.return_token_strs else None
         return web.json_response({"count": len(tokens), "max_model_len": self.info.max_model_len, "tokens": tokens,
-                                  "token_strs": None})
+                                  "token_strs": strs})
 
     def _tokenize_ids(self, parsed: api.TokenizeRequest) -> list[int]:
         # the whole text, as vLLM's: a client measures a text past the context to cut it
@@ -452,7 +490,7 @@ class FrontendActor(Actor):
             if parsed.messages is None:
                 return self.tokenization.encode_text(parsed.prompt, parsed.add_special_tokens)
             ids = self.tokenization.apply_chat_template(parsed.messages, parsed.add_generation_prompt, None,
-                                                        parsed.continue_final_message)
+                                                        parsed.continue_final_message, tools=parsed.tools)
         except ValueError as err:  # no chat template, or the template refused the messages
             raise ApiError(400, f"messages: {err}", param="messages") from None
         if parsed.add_special_tokens and self.tokenizer.bos_token_id is not None and ids[:1] != [self.tokenizer.bos_token_id]:

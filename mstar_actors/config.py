@@ -139,6 +139,9 @@ class ServerConfig(msgspec.Struct, **_STRICT):
     host: str = "127.0.0.1"
     port: Port = 8000
     api_key: str | None = None
+    # CORS, as vLLM's --allowed-origins: browsers' pages from these origins may call
+    # the server ("*": any, the default; []: none). Preflights need no API key.
+    allowed_origins: list[str] = msgspec.field(default_factory=lambda: ["*"])
     max_body_bytes: Pos = 4 * 1024 * 1024
     max_waiting_requests: Pos = 1024
     allowed_media_dir: str | None = None

@@ -859,17 +859,18 @@ class TokenizeRequest:
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[dict] | None = None  # messages: the tools the template renders, as a chat request's
+    return_token_strs: bool = False  # each token's vocabulary string too
 
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-                             "continue_final_message", "return_token_strs"})
+                             "continue_final_message", "return_token_strs", "tools"})
 
 
 def parse_tokenize(raw: bytes) -> TokenizeRequest:
     body = decode_body(raw)
     _check_known(body, TOKENIZE_FIELDS, "/tokenize")
-    if get_bool(body, "return_token_strs", False):
-        raise _bad("return_token_strs", "not supported by this server")
+    strs = get_bool(body, "return_token_strs", False)
     model = get_str(body, "model", None)
     if ("prompt" in body) == ("messages" in body):
         raise _bad("prompt", "send exactly one of prompt (a string) and messages")
@@ -877,11 +878,19 @@ def parse_tokenize(raw: bytes) -> TokenizeRequest:
         prompt = get_str(body, "prompt", None)
         if prompt is None:
             raise _bad("prompt", "expected a string")
-        return TokenizeRequest(model, prompt=prompt, add_special_tokens=get_bool(body, "add_special_tokens", True))
+        if body.get("tools") is not None:
+            raise _bad("tools", "renders with messages only; send messages")
+        return TokenizeRequest(model, prompt=prompt, add_special_tokens=get_bool(body, "add_special_tokens", True),
+                               return_token_strs=strs)
     chat = parse_messages(body.get("messages"))
     continue_final, add_generation_prompt = _parse_turn_flags(body, chat)  # as a chat request reads them
+    try:
+        tools = tool_calls.parse_tool_request(body.get("tools"), "none", None)
+    except ToolError as err:
+        raise _bad(err.param, err.message) from None
     return TokenizeRequest(model, messages=chat, add_special_tokens=get_bool(body, "add_special_tokens", False),
-                           add_generation_prompt=add_generation_prompt, continue_final_message=continue_final)
+                           add_generation_prompt=add_generation_prompt, continue_final_message=continue_final,
+                           tools=None if tools is None else tools.tools, return_token_strs=strs)
 
 
 def parse_detokenize(raw: bytes, vocab_size: int | None) -> tuple[str | None, list[int]]:

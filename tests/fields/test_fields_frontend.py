@@ -205,6 +205,13 @@ def test_tokenize_detokenize_version_ping_and_model_by_id(harness):
             assert status == 200 and r["tokens"] == tok(long).input_ids and r["count"] > r["max_model_len"]
             status, r = await h.post("/tokenize", {"model": "tiny", "messages": [{"role": "user", "content": long}]})
             assert status == 200 and r["count"] > r["max_model_len"]
+            # tools rendered as a chat request's are; each token's vocabulary string on request
+            tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+            status, r = await h.post("/tokenize", {"model": "tiny", "messages": MSGS, "tools": tools,
+                                                   "return_token_strs": True})
+            text = tok.apply_chat_template(MSGS, tools=tools, tokenize=False, add_generation_prompt=True)
+            assert status == 200 and r["tokens"] == tok(text, add_special_tokens=False).input_ids
+            assert r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
             # the turn flags read as a chat request reads them
             status, r = await h.post("/tokenize", {"model": "tiny", "messages": MSGS, "continue_final_message": True})
             assert status == 400 and r["error"]["param"] == "continue_final_message"

@@ -5,6 +5,7 @@ import json
 
 import aiohttp
 import msgspec
+import pytest
 
 from mstar_actors.messages import ContextAgreed, EngineStats, Failed, Finished, PeerFailed, SampledToken, TokenDelta
 from tests.frontend.conftest import REPLY
@@ -437,6 +438,37 @@ def test_auth_model_size_and_route_errors(harness):
                 models = await resp.json()
             assert [m["id"] for m in models["data"]] == ["tiny", "tiny-lora"]
             assert models["data"][0]["max_model_len"] == 256
+            # the scheme's case is free (RFC 7235); /tokenize takes the key too, as vLLM's
+            status, r = await h.post(CHAT, chat_body(), {"Authorization": "bearer sekret"})
+            assert status == 200
+            status, r = await h.post("/tokenize", {"model": "tiny", "prompt": "x"})
+            assert status == 401
+            # a 405 names the methods the route takes
+            async with h.session.get(h.url + "/tokenize", headers=ok) as resp:
+                assert resp.status == 405 and "POST" in resp.headers["Allow"]
+
+    run(body)
+
+
+@pytest.mark.parametrize("allowed, origin, expected", [(["*"], "http://a.example", "*"),
+                                                       (["http://a.example"], "http://a.example", "http://a.example"),
+                                                       (["http://a.example"], "http://b.example", None),
+                                                       ([], "http://a.example", None)])
+def test_cors_preflights_need_no_key_and_responses_name_the_origin(harness, allowed, origin, expected):
+    async def body():
+        async with harness(api_key="sekret", allowed_origins=allowed) as h:
+            preflight = {"Origin": origin, "Access-Control-Request-Method": "POST",
+                         "Access-Control-Request-Headers": "authorization, content-type"}
+            async with h.session.options(h.url + CHAT, headers=preflight) as resp:
+                assert (resp.status == 200) == (expected is not None)
+                if expected is not None:
+                    assert "POST" in resp.headers["Access-Control-Allow-Methods"]
+                    assert resp.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+            headers = {"Origin": origin, "Authorization": "Bearer sekret"}
+            for stream in (False, True):
+                async with h.session.post(h.url + CHAT, json=chat_body(stream=stream), headers=headers) as resp:
+                    await resp.read()
+                    assert resp.status == 200 and resp.headers.get("Access-Control-Allow-Origin") == expected
 
     run(body)
 
@@ -507,5 +539,17 @@ def test_metrics(harness):
             assert "mstar_time_to_first_token_seconds_count 2.0" in text
             assert "mstar_inter_token_latency_seconds_count" in text
             assert "mstar_kv_blocks_used 7.0" in text and "mstar_num_requests_running 2.0" in text
+            # a request whose client went away is counted too, as 499 (it was left out)
+            h.engine.plan = lambda req: None  # held: no reply comes
+            posting = asyncio.create_task(h.post(CHAT, chat_body()))
+            await h.engine.wait_for(lambda: len(h.engine.requests) == 3)
+            posting.cancel()
+            async with h.session.get(h.url + "/metrics") as resp:
+                text = await resp.text()
+            while 'status="499"' not in text:  # the server sees the connection close a moment later
+                await asyncio.sleep(0.02)
+                async with h.session.get(h.url + "/metrics") as resp:
+                    text = await resp.text()
+            assert 'mstar_requests_total{route="/v1/chat/completions",status="499"} 1.0' in text
 
     run(body)
