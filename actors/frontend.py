@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from aiohttp import web
+from aiohttp import web, web_urldispatcher
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
@@ -339,18 +339,19 @@ class FrontendActor(Actor):
                               middlewares=[self._preflight_middleware, self._errors_middleware, self._auth_middleware,
                                            self._body_middleware])
         app.on_response_prepare.append(self._cors_headers)
-        app.router.add_post("/v1/chat/completions", functools.partial(self._generate, kind="chat"))
-        app.router.add_post("/v1/completions", functools.partial(self._generate, kind="completion"))
-        app.router.add_post("/v1/audio/speech", self._speech)
+        post = functools.partial(app.router.add_post, expect_handler=self._expect)
+        post("/v1/chat/completions", functools.partial(self._generate, kind="chat"))
+        post("/v1/completions", functools.partial(self._generate, kind="completion"))
+        post("/v1/audio/speech", self._speech)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model_id:.+}", self._model)
-        app.router.add_post("/tokenize", self._tokenize)
-        app.router.add_post("/detokenize", self._detokenize)
+        post("/tokenize", self._tokenize)
+        post("/detokenize", self._detokenize)
         app.router.add_get("/version", self._version)
         app.router.add_get("/ping", self._health)
-        app.router.add_post("/ping", self._health)
-        app.router.add_post("/v1/load_lora_adapter", functools.partial(self._update_adapter, kind="load"))
-        app.router.add_post("/v1/unload_lora_adapter", functools.partial(self._update_adapter, kind="unload"))
+        post("/ping", self._health)
+        post("/v1/load_lora_adapter", functools.partial(self._update_adapter, kind="load"))
+        post("/v1/unload_lora_adapter", functools.partial(self._update_adapter, kind="unload"))
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         return app
@@ -406,15 +407,36 @@ class FrontendActor(Actor):
 
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        refusal = self._auth_refusal(request)
+        if refusal is not None:
+            raise refusal
+        return await handler(request)
+
+    def _auth_refusal(self, request: web.Request) -> ApiError | None:
         key = self.config.server.api_key
         if key and (request.path.startswith("/v1/") or request.path in GUARDED_PATHS):
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
             # header bytes that aren't UTF-8 arrive as surrogate escapes: compare them as sent
             if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
                                                                       key.encode()):
-                raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                               code="invalid_api_key")
-        return await handler(request)
+                return ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                                code="invalid_api_key")
+        return None
+
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue``: a body the request would be refused for (no
+        key, a declared size past the limit) is refused before the client sends it."""
+        limit = self.config.server.max_body_bytes
+        refusal = self._auth_refusal(request)
+        if refusal is None and (request.content_length or 0) > limit:
+            refusal = ApiError(413, f"request body too large: {request.content_length} bytes declared; the limit is "
+                                    f"server.max_body_bytes ({limit})", param="body", code="request_too_large")
+        if refusal is None:
+            return await web_urldispatcher._default_expect_handler(request)
+        self.metrics.observe_request(_route(request), refusal.status)
+        response = _error_response(refusal)
+        response.force_close()  # the body it declared is not read
+        return response
 
     @web.middleware
     async def _body_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:

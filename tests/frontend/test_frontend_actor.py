@@ -443,6 +443,15 @@ def test_auth_model_size_and_route_errors(harness):
             assert status == 200
             status, r = await h.post("/tokenize", {"model": "tiny", "prompt": "x"})
             assert status == 401
+            # Expect: 100-continue: a refused body is refused before the client sends it
+            for headers, status in (("", 401), ("Authorization: Bearer sekret\r\n", 413)):
+                host, port = h.url.removeprefix("http://").split(":")
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{headers}"
+                             f"Content-Length: {8 << 20}\r\nExpect: 100-continue\r\n\r\n".encode())
+                answer = await reader.readline()
+                writer.close()
+                assert answer.split()[1] == str(status).encode(), answer  # no "100 Continue" first
             # a 405 names the methods the route takes
             async with h.session.get(h.url + "/tokenize", headers=ok) as resp:
                 assert resp.status == 405 and "POST" in resp.headers["Allow"]
