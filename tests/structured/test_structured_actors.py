@@ -94,7 +94,8 @@ async def test_a_preempted_constrained_request_resumes_with_its_grammar_state(wo
     tokens each (4 blocks): whichever started later is preempted when the
     other needs its block, and restarts after it ends with the outputs it had.
     Both are constrained, so the preempted one is, whatever order the ranks'
-    compiles let them in (``GrammarGate``)."""
+    compiles let them in (``GrammarGate``). On a loaded host the second may
+    be admitted only after the first ended (no preemption): up to three tries."""
     folder, _ = word_model
     spec = StructuredSpec("regex", LONG)
     prompts = {"a": [5, 9, 33], "b": [7, 8, 9]}
@@ -103,11 +104,14 @@ async def test_a_preempted_constrained_request_resumes_with_its_grammar_state(wo
         out, engine = await serve(folder, [request(rid, prompt, spec=spec)])
         assert await engine.stop() == [0] * 4
         alone[rid] = out[rid]["tokens"]
-    out, engine = await serve(folder, [request(rid, prompt, spec=spec) for rid, prompt in prompts.items()],
-                              num_blocks=4)
-    assert await engine.stop() == [0] * 4
+    for _ in range(3):
+        out, engine = await serve(folder, [request(rid, prompt, spec=spec) for rid, prompt in prompts.items()],
+                                  num_blocks=4)
+        assert await engine.stop() == [0] * 4
+        for rid in prompts:
+            tokens = out[rid]["tokens"]
+            assert out[rid]["end"].finish_reason == "stop" and re.fullmatch(LONG, token_text(tokens)), tokens
+            assert tokens == alone[rid] and tokens[0] == word_id("hello")
+        if max(s.num_preemptions for s in engine.stats) >= 1:
+            break
     assert max(s.num_preemptions for s in engine.stats) >= 1
-    for rid in prompts:
-        tokens = out[rid]["tokens"]
-        assert out[rid]["end"].finish_reason == "stop" and re.fullmatch(LONG, token_text(tokens)), tokens
-        assert tokens == alone[rid] and tokens[0] == word_id("hello")
