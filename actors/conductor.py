@@ -132,6 +132,9 @@ def combine_ready(ready: list[WorkerReady]) -> WorkerReady:
     )
 
 
+PROMPT_LOGPROB_ENTRY_BYTES = 20  # a prompt logprob entry's encoded size, with room (its encoding takes 13-17)
+
+
 def make_scheduler(config: Any, facts: WorkerReady, log: logging.Logger) -> Any:
     from mstar_actors.sched import Scheduler
 
@@ -153,6 +156,8 @@ def make_scheduler(config: Any, facts: WorkerReady, log: logging.Logger) -> Any:
         num_state_slots=facts.num_state_slots,
         num_state_snapshots=facts.num_state_snapshots,
         max_in_flight=1 + sched.steps_ahead if sched.async_scheduling else 1,
+        # a step's prompt logprobs within a quarter of a rank's ring to the conductor (at most ~17 bytes an entry)
+        max_prompt_logprob_entries=config.transport.ring_bytes // 4 // PROMPT_LOGPROB_ENTRY_BYTES,
     )
 
 

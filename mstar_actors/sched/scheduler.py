@@ -68,11 +68,17 @@ def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     return msgspec.structs.replace(sampling, seed=sampling.seed + index)
 
 
+def _score_entries(num_prompt: int, prompt_logprobs: int | None) -> int:
+    """Entries of a prompt's logprobs: each token after the first, and its alternatives."""
+    return 0 if prompt_logprobs is None else (num_prompt - 1) * (1 + prompt_logprobs)
+
+
 class _StepBuilder:
     """The plan being built by one ``schedule()`` call."""
 
     def __init__(self, budget: int):
         self.budget = budget
+        self.score_entries = 0  # prompt logprobs (entries: a position's token and its alternatives) this step carries
         self.chunks: dict[str, tuple[Sequence, ScheduledChunk]] = {}
         self.started: list[SeqStart] = []
         self.snapshots: dict[str, tuple[int, bytes]] = {}  # request id -> (reserved slot, prefix hash)
@@ -202,6 +208,7 @@ class Scheduler:
         num_state_slots: int = 0,
         num_state_snapshots: int = 0,
         max_in_flight: int = 1,
+        max_prompt_logprob_entries: int = 1 << 16,
     ):
         if max_in_flight not in (1, 2, 3):
             raise ValueError(f"scheduler: max_in_flight must be 1, 2 or 3 (plan up to two steps ahead), "
@@ -240,6 +247,10 @@ class Scheduler:
         self._num_arrivals = 0
         self._next_step_id = 0
         self.max_in_flight = max_in_flight
+        # Prompt logprobs leave with a request's first token, in its step's result:
+        # one request's, and one step's, at most this many entries (a position's
+        # token, or one of its alternatives), so the ranks' results fit their rings.
+        self.max_prompt_logprob_entries = max_prompt_logprob_entries
         self._in_flight: deque[_InFlight] = deque()  # oldest first
         self._finished_ids: list[str] = []  # for the next plan's ``finished``
 
@@ -319,6 +330,14 @@ class Scheduler:
                 f"tokens or give the server more KV blocks"
             )
             return self._refuse(req.request_id, req.prompt_param, message, code="context_length_exceeded")
+        entries = _score_entries(num_prompt, req.sampling.prompt_logprobs)
+        if entries > self.max_prompt_logprob_entries:
+            message = (
+                f"the prompt's logprobs ({num_prompt} tokens with {req.sampling.prompt_logprobs} alternatives each: "
+                f"{entries} entries; echo with logprobs, or prompt_logprobs) are more than one step's result carries ({self.max_prompt_logprob_entries}, "
+                "from transport.ring_bytes); ask for fewer alternatives or send a shorter prompt"
+            )
+            return self._refuse(req.request_id, "prompt_logprobs", message)
         room = self._room(num_prompt)
         if max_tokens > room and not req.sampling.cut_to_context:
             limit = (f"max_model_len is {self.max_model_len} tokens for prompt and output together"
@@ -419,6 +438,10 @@ class Scheduler:
             num_new = min(num_left, step.budget)
             if hybrid:
                 num_new = self._snapshot_point_cut(seq, start, num_new)
+            if not decodes:
+                num_new = self._score_cut(seq, step, num_new, num_left)
+                if num_new == 0:
+                    continue
             if self._reserve_blocks(seq, start + num_new, step):
                 step.add(seq, num_new, self._snapshot_to_take(seq, num_new) if hybrid else None, start, num_left)
 
@@ -470,6 +493,9 @@ class Scheduler:
         hits, restore = self._lookup_prefix(seq)
         num_computed = len(hits) * self.block_size
         num_new = self._snapshot_point_cut(seq, num_computed, min(seq.num_tokens - num_computed, step.budget))
+        num_new = self._score_cut(seq, step, num_new, seq.num_tokens - num_computed)
+        if num_new == 0:
+            return False  # its prompt logprobs leave with the next step's result
         num_needed = _cdiv(num_computed + num_new, self.block_size) - len(hits)
         # Hits that are cached-free leave the free pool when shared.
         num_revived = sum(1 for block_id in hits if self.allocator.ref_count(block_id) == 0)
@@ -492,6 +518,18 @@ class Scheduler:
                                      state_slot=seq.state_slot, restore_snapshot=restore))
         step.add(seq, num_new, self._snapshot_to_take(seq, num_new))
         return True
+
+    def _score_cut(self, seq: Sequence, step: _StepBuilder, num_new: int, num_left: int) -> int:
+        """``num_new`` tokens of ``seq``, or one fewer where that chunk would sample
+        its first token with prompt logprobs past what this step's result has room
+        for (it samples a step later); counts them where it samples."""
+        if num_new < num_left or seq.sampling.prompt_logprobs is None or seq.output_token_ids:
+            return num_new
+        entries = _score_entries(seq.num_prompt_tokens, seq.sampling.prompt_logprobs)
+        if step.score_entries and step.score_entries + entries > self.max_prompt_logprob_entries:
+            return num_new - 1
+        step.score_entries += entries
+        return num_new
 
     def _lookup_prefix(self, seq: Sequence) -> tuple[list[int], int]:
         """Cached blocks of the longest known prefix, leaving at least the last

@@ -446,3 +446,21 @@ def test_the_first_delta_carries_the_prompt_and_its_prefix_hit():
     _, outputs = run_step(sched)
     first = next(o for o in outputs if isinstance(o, TokenDelta))
     assert (first.num_prompt_tokens, first.num_cached_tokens) == (20, 16)  # whole blocks of the prompt
+
+
+def test_prompt_logprobs_fit_one_steps_result():
+    """A prompt's logprobs leave with its first token: a request whose own are
+    more than a step's result carries is a 400 naming them; two whose prompts
+    end in one step and together are more, sample a step apart."""
+    sched = make_scheduler(max_prompt_logprob_entries=20)
+    (refused,) = sched.add(make_request("big", num_prompt_tokens=12, prompt_logprobs=1), ROOT)  # 11 x 2 = 22
+    assert isinstance(refused, Failed) and refused.status == 400 and refused.param == "prompt_logprobs"
+    assert "22 entries" in refused.message and "transport.ring_bytes" in refused.message
+    for rid in ("a", "b"):  # 7 x 2 = 14 entries each
+        assert sched.add(make_request(rid, num_prompt_tokens=8, prompt_logprobs=1), ROOT) == []
+    sched.add(make_request("plain", num_prompt_tokens=8), ROOT)
+    plan, _ = run_step(sched)
+    assert chunks_of(plan) == {"a": (0, 8, True), "b": (0, 7, False), "plain": (0, 8, True)}
+    plan, _ = run_step(sched)
+    assert chunks_of(plan)["b"] == (7, 1, True)
+    check_invariants(sched)
