@@ -192,13 +192,36 @@ def forced_call_schema(request: ToolRequest) -> str:
     name is one of the allowed functions and whose arguments match that
     function's parameter schema (one ``anyOf`` branch per function)."""
     key = ARGUMENTS_KEY[request.parser]
-    branches = [
-        {"type": "object", "properties": {"name": {"enum": [f["name"]]}, key: f["parameters"]},
-         "required": ["name", key], "additionalProperties": False}
-        for f in (t["function"] for t in request.tools)
-        if request.choice == "required" or f["name"] == request.function
-    ]
-    return json.dumps(branches[0] if len(branches) == 1 else {"anyOf": branches})
+    functions = [f for f in (t["function"] for t in request.tools)
+                 if request.choice == "required" or f["name"] == request.function]
+    defs: dict = {}
+    branches = []
+    for i, f in enumerate(functions):
+        parameters = f["parameters"]
+        if _has_ref(parameters):  # its "#..." references point into it: it moves to the root's $defs, where they reach
+            defs[f"call{i}"] = _rebase_refs(parameters, f"#/$defs/call{i}")
+            parameters = {"$ref": f"#/$defs/call{i}"}
+        branches.append({"type": "object", "properties": {"name": {"enum": [f["name"]]}, key: parameters},
+                         "required": ["name", key], "additionalProperties": False})
+    schema = branches[0] if len(branches) == 1 else {"anyOf": branches}
+    return json.dumps(schema | {"$defs": defs} if defs else schema)
+
+
+def _has_ref(schema: Any) -> bool:
+    if isinstance(schema, dict):
+        return isinstance(schema.get("$ref"), str) or any(_has_ref(v) for v in schema.values())
+    return isinstance(schema, list) and any(_has_ref(v) for v in schema)
+
+
+def _rebase_refs(schema: Any, base: str) -> Any:
+    """``schema`` with each reference inside it ("#", "#/...") made to point at
+    the same place under ``base``."""
+    if isinstance(schema, dict):
+        return {k: base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebase_refs(v, base)
+                for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rebase_refs(v, base) for v in schema]
+    return schema
 
 
 # --------------------------------------------------------------------------

@@ -168,11 +168,43 @@ _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames", "additionalItems")
 
 
-def unenforced_keyword(schema: Any, where: str = "the schema") -> str | None:
+# Keywords that only describe: beside a keyword that replaces the rest of its
+# schema ($ref, enum, const, anyOf, oneOf, allOf), the engine dropping them changes nothing.
+ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+                         "writeOnly", "$schema", "$id", "discriminator", "$defs", "definitions"})
+_REPLACING = ("$ref", "enum", "const", "anyOf", "oneOf", "allOf")  # the engine reads only these where they stand
+_LOOKAROUND = re.compile(r"\(\?<?[=!]")
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+_TYPE_OF = {"string": str, "boolean": bool, "null": type(None), "object": dict, "array": list}
+
+
+def unenforced_keyword(schema: Any, where: str = "the schema", root: Any = None) -> str | None:
     """Why the engine could not enforce ``schema`` (a keyword it would drop,
     named with where it stands), or None when it can."""
     if not isinstance(schema, dict):
         return None
+    root = schema if root is None else root
+    problem = _own_problem(schema, where, root)
+    if problem is not None:
+        return problem
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                if (problem := unenforced_keyword(sub, f"{where}'s {key}[{name!r}]", root)) is not None:
+                    return problem
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                if (problem := unenforced_keyword(sub, f"{where}'s {key}[{i}]", root)) is not None:
+                    return problem
+    for key in _SCHEMA_VALUES:
+        if (problem := unenforced_keyword(schema.get(key), f"{where}'s {key}", root)) is not None:
+            return problem
+    return None
+
+
+def _own_problem(schema: dict, where: str, root: dict) -> str | None:
+    """``unenforced_keyword`` of the keywords of ``schema`` itself."""
     for key in UNENFORCED_KEYWORDS:
         if key in schema:
             return (f"{where} uses {key!r}, which is not enforced here; accepted keywords: type, properties, "
@@ -184,27 +216,113 @@ def unenforced_keyword(schema: Any, where: str = "the schema") -> str | None:
     if schema.get("uniqueItems") is True:
         return f"{where} uses 'uniqueItems', which is not enforced here"
     ref = schema.get("$ref")
-    if isinstance(ref, str) and not ref.startswith("#"):
-        return f"{where} refers to {ref!r}; only references inside the schema (\"#/$defs/...\") are resolved here"
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        return (f"{where} refers to {ref!r}; only JSON-pointer references inside the schema (\"#/$defs/...\") "
+                "are resolved here")
+    if (problem := _replaced_siblings(schema, where)) is not None:
+        return problem
+    if isinstance(schema.get("oneOf"), list) and not _exclusive(schema["oneOf"], root):
+        return (f"{where} uses 'oneOf' whose branches can match the same value: it is enforced as anyOf here; "
+                "use anyOf, or tell the branches apart (each a different type, or a required property whose "
+                "const / enum values differ)")
+    for key in ("exclusiveMinimum", "exclusiveMaximum"):
+        if isinstance(schema.get(key), bool):
+            return f"{where} has {key}: {schema[key]} (draft 4's form); give the bound itself, as {key}: <number>"
+    for key in _COUNTS:
+        value = schema.get(key)
+        if key in schema and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            return f"{where} has {key}: {value!r}; expected a non-negative integer"
+    if (problem := _pattern_problem(schema, where)) is not None:
+        return problem
     required, properties = schema.get("required"), schema.get("properties")
-    if isinstance(required, list) and not schema.get("patternProperties"):
+    if isinstance(required, list) and required and schema.get("patternProperties"):
+        return (f"{where} has 'required' beside 'patternProperties', which drops it here; name the required "
+                "properties under 'properties'")
+    if isinstance(required, list):
         missing = [name for name in required if not isinstance(properties, dict) or name not in properties]
         if missing:
             return f"{where} requires {missing!r}, which its 'properties' does not define; define each required one"
-    for key in _SCHEMA_MAPS:
-        if isinstance(schema.get(key), dict):
-            for name, sub in schema[key].items():
-                if (problem := unenforced_keyword(sub, f"{where}'s {key}[{name!r}]")) is not None:
-                    return problem
-    for key in _SCHEMA_LISTS:
-        if isinstance(schema.get(key), list):
-            for i, sub in enumerate(schema[key]):
-                if (problem := unenforced_keyword(sub, f"{where}'s {key}[{i}]")) is not None:
-                    return problem
-    for key in _SCHEMA_VALUES:
-        if (problem := unenforced_keyword(schema.get(key), f"{where}'s {key}")) is not None:
-            return problem
     return None
+
+
+def _replaced_siblings(schema: dict, where: str) -> str | None:
+    """A keyword beside one the engine reads alone ($ref, enum, ...), where it would be dropped."""
+    replacing = next((k for k in _REPLACING if k in schema), None)
+    if replacing is None:
+        return None
+    dropped = [k for k in schema if k not in _REPLACING and k not in ANNOTATIONS and k != "type"]
+    values = schema.get("enum") if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None
+    if "type" in schema and not (values is not None and all(_has_type(v, schema["type"]) for v in values)):
+        dropped.insert(0, "type")  # beside enum / const, a type every value has already changes nothing
+    others = [k for k in _REPLACING if k in schema and k != replacing]
+    if dropped or others:
+        return (f"{where} has {', '.join(repr(k) for k in others + dropped)} beside {replacing!r}, which the engine "
+                f"reads alone there (the rest would be dropped); move them into the schema it refers to or lists")
+    return None
+
+
+def _has_type(value: Any, types: Any) -> bool:
+    for name in types if isinstance(types, list) else [types]:
+        if name in ("integer", "number"):
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and (
+                    name == "number" or float(value).is_integer()):
+                return True
+        elif name in _TYPE_OF and isinstance(value, _TYPE_OF[name]):
+            return True
+    return False
+
+
+def _pattern_problem(schema: dict, where: str) -> str | None:
+    patterns = [("pattern", schema["pattern"])] if isinstance(schema.get("pattern"), str) else []
+    if isinstance(schema.get("patternProperties"), dict):
+        patterns += [("patternProperties", p) for p in schema["patternProperties"]]
+    for key, pattern in patterns:
+        if _LOOKAROUND.search(pattern):
+            return f"{where}'s {key} {pattern!r} has a lookaround, which is not enforced here"
+        if '"' in pattern or "\\\\" in pattern:
+            return (f"{where}'s {key} {pattern!r} matches a quote or a backslash, which is not enforced correctly "
+                    "here (the output would not be valid JSON)")
+    if ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema):
+        kind = "pattern" if "pattern" in schema else "format"
+        return f"{where} has minLength / maxLength beside {kind!r}, which drops them here; put the lengths in the pattern"
+    return None
+
+
+def _exclusive(branches: list, root: dict) -> bool:
+    """Whether no value can match two of ``branches``: each a different type, or
+    all objects telling themselves apart by a required property's const / enum."""
+    resolved = [_resolve(b, root) for b in branches]
+    if not all(isinstance(b, dict) for b in resolved):
+        return False
+    types = [b.get("type") for b in resolved]
+    if all(isinstance(t, str) for t in types) and len(set(types)) == len(types) and not {"integer", "number"} <= set(types):
+        return True
+    for name in set.intersection(*(set(b.get("required") or ()) for b in resolved)) if resolved else ():
+        seen: set = set()
+        for b in resolved:
+            prop = _resolve((b.get("properties") or {}).get(name), root)
+            values = [prop["const"]] if isinstance(prop, dict) and "const" in prop else (
+                prop.get("enum") if isinstance(prop, dict) and isinstance(prop.get("enum"), list) else None)
+            keys = None if values is None else {json.dumps(v, sort_keys=True) for v in values}
+            if keys is None or keys & seen:
+                break
+            seen |= keys
+        else:
+            return True
+    return False
+
+
+def _resolve(schema: Any, root: dict) -> Any:
+    """``schema``, its "#/..." reference followed (a few times at most)."""
+    for _ in range(8):
+        if not isinstance(schema, dict) or not isinstance(schema.get("$ref"), str):
+            return schema
+        node: Any = root
+        for part in schema["$ref"].removeprefix("#").strip("/").split("/") if schema["$ref"] != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            node = node.get(part) if isinstance(node, dict) else None
+        schema = node
+    return schema
 
 
 @functools.lru_cache(maxsize=MAX_SCHEMA_TEXTS)

@@ -159,7 +159,27 @@ OBJ = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": [
     ({"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True}, "uses 'uniqueItems'"),
     ({"if": {"const": "a"}, "then": {"const": "b"}, "else": {"const": "c"}}, "uses 'if'"),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zzz"]}, "requires ['zzz']"),
-    ({"$ref": "http://example.com/s.json"}, "only references inside the schema"),
+    ({"$ref": "http://example.com/s.json"}, "only JSON-pointer references inside the schema"),
+    ({"$defs": {"n": {"$anchor": "num", "type": "integer"}}, "$ref": "#num"}, "only JSON-pointer references"),
+    # beside a keyword the engine reads alone, a keyword is dropped
+    ({"$defs": {"n": {"type": "integer"}}, "$ref": "#/$defs/n", "minimum": 1000}, "'minimum' beside '$ref'"),
+    ({"anyOf": [{"type": "integer"}], "minimum": 1000}, "'minimum' beside 'anyOf'"),
+    ({"enum": ["a", "b", "cc"], "minLength": 2}, "'minLength' beside 'enum'"),
+    ({"const": 1, "type": "string"}, "'type' beside 'const'"),
+    ({"allOf": [OBJ], "properties": {"b": {"type": "string"}}, "required": ["b"]}, "beside 'allOf'"),
+    # oneOf is anyOf here: refused where branches can overlap
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "'oneOf' whose branches can match the same value"),
+    ({"oneOf": [OBJ, OBJ]}, "'oneOf' whose branches"),
+    # strings: lengths beside a pattern or format, lookarounds, quotes and backslashes
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 2}, "minLength / maxLength beside 'pattern'"),
+    ({"type": "string", "format": "email", "maxLength": 20}, "minLength / maxLength beside 'format'"),
+    ({"type": "string", "pattern": "^(?!abc)[a-c]{3}$"}, "has a lookaround"),
+    ({"type": "string", "pattern": '^say "hi"$'}, "matches a quote or a backslash"),
+    ({"type": "string", "pattern": "^a\\\\b$"}, "matches a quote or a backslash"),
+    ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "required": ["xa"]},
+     "'required' beside 'patternProperties'"),
+    ({"type": "number", "minimum": 0, "exclusiveMinimum": True}, "exclusiveMinimum: True (draft 4's form)"),
+    ({"type": "array", "minItems": -1}, "minItems: -1; expected a non-negative integer"),
     ({"type": "object", "properties": {"x": {"anyOf": [{"not": {"type": "null"}}]}}},
      "the schema's properties['x']'s anyOf[0] uses 'not'"),
     ({"type": "object", "$defs": {"D": {"type": "object", "dependentRequired": {"a": ["b"]}}}},
@@ -177,6 +197,38 @@ def test_a_keyword_the_engine_would_drop_is_refused_naming_it(compiler, schema, 
     {"type": "array", "items": {"type": "integer"}, "uniqueItems": False},
     {"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}}, "required": ["not"]},
     {"$defs": {"O": OBJ}, "$ref": "#/$defs/O"},
+    {"type": "string", "enum": ["a", "b"], "title": "Letter", "description": "d"},  # a type every value has
+    {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "title": "Optional"},
+    {"oneOf": [{"type": "string"}, {"type": "integer"}]},  # different types: exclusive
+    {"$defs": {"Cat": {"type": "object", "properties": {"kind": {"const": "cat"}}, "required": ["kind"]},
+               "Dog": {"type": "object", "properties": {"kind": {"enum": ["dog"]}}, "required": ["kind"]}},
+     "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}], "discriminator": {"propertyName": "kind"}},
+    {"type": "string", "pattern": "^\\d{3}-[a-z]+$"},
 ])
 def test_what_the_engine_enforces_still_compiles(compiler, schema):
     compiler.compile(StructuredSpec("json", json.dumps(schema)))  # properties named like keywords are names
+
+
+def test_a_forced_calls_parameters_keep_their_own_references():
+    """Parameters with $defs and a "#" reference (pydantic's recursive models) are
+    forced as they read: their references point into them, not at the call's
+    wrapper (a 400 "Cannot find field '$defs'", and "#" took the whole call)."""
+    import xgrammar
+
+    from mstar_actors.frontend import tool_calls as tc
+
+    parameters = {"type": "object", "$defs": {"When": {"type": "string", "enum": ["now", "later"]}},
+                  "properties": {"when": {"$ref": "#/$defs/When"}, "child": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}},
+                  "required": ["when", "child"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    spec = StructuredSpec("json", tc.forced_call_schema(tc.parse_tool_request(tools, "required", "hermes")))
+    chars = GrammarCompiler(raw_tokenizer_info(["<eos>"] + [chr(c) for c in range(32, 127)], [0]))
+    matcher = xgrammar.GrammarMatcher(chars.compile(spec))
+
+    def accepted(arguments) -> bool:
+        matcher.reset()
+        return matcher.accept_string(json.dumps({"name": "f", "arguments": arguments}))
+
+    assert accepted({"when": "now", "child": {"when": "later", "child": None}})
+    assert not accepted({"when": "soon", "child": None})
+    assert not accepted({"when": "now", "child": {"name": "f", "arguments": {"when": "now", "child": None}}})
