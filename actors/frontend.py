@@ -761,11 +761,13 @@ class FrontendActor(Actor):
         choice.min_tokens = req.sampling.min_tokens
         if output.echo:  # the prompt's text, as sent or as its ids decode
             ids = exchange.prompt_token_ids[exchange.requests.index(req)]
-            choice.echo_text = req.prompt if req.prompt is not None else self.tokenizer.decode(
-                ids, skip_special_tokens=False)  # the prompt the model was given, as its text would be
+            # the prompt the model was given: as sent, or as its ids (cut by truncate_prompt_tokens) read
+            cut = req.sampling.truncate_prompt_tokens is not None
+            choice.echo_text = req.prompt if req.prompt is not None and not cut else self.tokenizer.decode(
+                ids, skip_special_tokens=False)
             choice.num_decoded_chars = len(choice.echo_text)  # the output's text_offsets follow it
             if exchange.parsed.logprobs is not None:  # and its tokens' logprobs (prompt_logprobs) come first
-                choice.echo_prompt = (ids, self._text_offsets(ids))
+                choice.echo_prompt = (ids, self._text_offsets(ids), exchange.parsed.logprobs)
         return choice
 
     def _text_offsets(self, token_ids: list[int]) -> list[int]:
@@ -854,7 +856,8 @@ class FrontendActor(Actor):
                    for c in choices]
             body = api.completion_response(*args, out, self._usage(exchange))
         if exchange.parsed.output.prompt_logprobs is not None:  # vLLM's: once for chat's one prompt, else a choice's own
-            scores = [api.vllm_prompt_logprobs(c.prompt_scores, self.token_text) for c in choices]
+            scores = [api.vllm_prompt_logprobs(c.prompt_scores, self.token_text, exchange.parsed.output.prompt_logprobs)
+                      for c in choices]
             if exchange.parsed.kind == "chat":
                 body["prompt_logprobs"] = scores[0]
             else:

@@ -970,15 +970,15 @@ def chat_logprob(token: str, logprob: float, top: list[tuple[str, float]], token
     }
 
 
-def vllm_prompt_logprobs(scores: tuple, token_text: Any) -> list[dict | None]:
+def vllm_prompt_logprobs(scores: tuple, token_text: Any, num_top: int) -> list[dict | None]:
     """vLLM's ``prompt_logprobs``: None for the first prompt token, then each
     one's ``{token id: {logprob, rank, decoded_token}}``, the prompt token's
-    own first, then the top alternatives (rank 1, 2, ...)."""
+    own first, then the ``num_top`` top alternatives (rank 1, 2, ...)."""
     out: list[dict | None] = [None]
     for score in scores:
         entry = {str(score.token_id): {"logprob": score.logprob, "rank": score.rank,
                                        "decoded_token": token_text(score.token_id)}}
-        for rank, top in enumerate(score.top_logprobs, start=1):
+        for rank, top in enumerate(score.top_logprobs[:num_top], start=1):
             entry.setdefault(str(top.token_id), {"logprob": top.logprob, "rank": rank,
                                                  "decoded_token": token_text(top.token_id)})
         out.append(entry)
@@ -1085,7 +1085,7 @@ class ChoiceOutput:
         self.echo_text = ""  # completions echo: the prompt before the output
         # echo with logprobs: the prompt's ids and where each one's text starts, for
         # the entries the first token's prompt_logprobs fill (then None)
-        self.echo_prompt: tuple[list[int], list[int]] | None = None
+        self.echo_prompt: tuple[list[int], list[int], int] | None = None  # (ids, offsets, top alternatives)
         self.prompt_scores: tuple = ()  # SampledToken.prompt_logprobs of the first token, where asked for
         self.is_echoed = False  # streamed: the echo went out with the first chunk
         self.last_token_at: float | None = None  # perf_counter of the last delta, for inter-token latency
@@ -1168,12 +1168,13 @@ class ChoiceOutput:
     def _add_prompt_logprobs(self, given: tuple) -> None:
         """The echoed prompt's entries: its first token has no logprob (nothing
         before it), each later one the logprob it had given those before it."""
-        ids, offsets = self.echo_prompt
+        ids, offsets, num_top = self.echo_prompt
         self.echo_prompt = None
         self.logprobs.append((self.token_text(ids[0]), None, [], offsets[0], (ids[0], ())))
         for token, offset in zip(given, offsets[1:]):
-            top = [(self.token_text(t.token_id), t.logprob) for t in token.top_logprobs]
-            ids_of = (token.token_id, tuple(t.token_id for t in token.top_logprobs))
+            tops = token.top_logprobs[:num_top]  # (prompt_logprobs may have asked for more)
+            top = [(self.token_text(t.token_id), t.logprob) for t in tops]
+            ids_of = (token.token_id, tuple(t.token_id for t in tops))
             self.logprobs.append((self.token_text(token.token_id), token.logprob, top, offset, ids_of))
 
     def chat_logprobs(self, entries: list | None = None) -> list[dict] | None:

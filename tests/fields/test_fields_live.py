@@ -126,6 +126,13 @@ def test_prompt_logprobs_as_vllm_gives_them(server, tokenizer):
         assert own["rank"] >= 1 and own["decoded_token"] == tokenizer.decode([token_id])
         ranked = sorted(v["rank"] for k, v in entry.items() if k != str(token_id) or v["rank"] <= 2)
         assert ranked[:2] == [1, 2] and len(entry) in (2, 3)
+    # both asked, each with its own count; a cut prompt echoes as the model saw it, offsets into that
+    both = client.completions.create(prompt="one two three four five", max_tokens=1, echo=True, logprobs=3, model="tiny",
+                                     temperature=0, extra_body={"prompt_logprobs": 0, "truncate_prompt_tokens": 3})
+    choice = both.choices[0]
+    assert all(len(entry) == 1 for entry in choice.model_extra["prompt_logprobs"][1:])
+    assert all(len(top) <= 4 for top in choice.logprobs.top_logprobs[1:]) and len(choice.logprobs.tokens) == 4
+    assert all(choice.text.startswith(t, o) for t, o in zip(choice.logprobs.tokens, choice.logprobs.text_offset))
     chat = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], max_tokens=1, model="tiny",
                                           extra_body={"prompt_logprobs": 0})
     scores = chat.model_extra["prompt_logprobs"]
