@@ -813,8 +813,9 @@ class FrontendActor(Actor):
             case TokenDelta():
                 return choice, *self._apply_delta(exchange, choice, msg)
             case Finished():
+                stop_token = None if msg.stop_token_id in self.info.eos_token_ids else msg.stop_token_id
                 text = choice.finish(msg.finish_reason, msg.num_prompt_tokens, msg.num_output_tokens,
-                                     msg.num_cached_tokens)
+                                     msg.num_cached_tokens, stop_token)
                 return choice, text, []
             case Failed():
                 raise ApiError(msg.status, f"request {exchange.response_id}: {msg.message}", param=msg.param,
@@ -855,6 +856,8 @@ class FrontendActor(Actor):
             out = [api.completion_choice(c.index, c.echo_text + c.text, c.finish_reason, c.legacy_logprobs())
                    for c in choices]
             body = api.completion_response(*args, out, self._usage(exchange))
+        for choice, own in zip(out, choices):
+            choice["stop_reason"] = own.stop_reason
         if exchange.parsed.output.prompt_logprobs is not None:  # vLLM's: once for chat's one prompt, else a choice's own
             scores = [api.vllm_prompt_logprobs(c.prompt_scores, self.token_text, exchange.parsed.output.prompt_logprobs)
                       for c in choices]
@@ -994,6 +997,8 @@ class _Stream:
         await self._write_choice(choice, out)
 
     async def _write_choice(self, choice: ChoiceOutput, out: dict) -> None:
+        if out["finish_reason"] is not None:
+            out["stop_reason"] = choice.stop_reason
         if self.exchange.parsed.output.return_token_ids:
             if not self.is_chat and not choice.is_prompt_sent:  # completions: per choice, on its first chunk
                 out["prompt_token_ids"] = self.exchange.prompt_token_ids[choice.index // self.exchange.parsed.n]

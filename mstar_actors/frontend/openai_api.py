@@ -1076,6 +1076,7 @@ class ChoiceOutput:
         # (token, logprob, top, text_offset, (token id, top ids))
         self.logprobs: list[tuple[str, float, list[tuple[str, float]], int, tuple]] = []
         self.finish_reason: str | None = None
+        self.stop_token_id: int | None = None  # the stop token of stop_token_ids the engine ended it on
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens the prefix cache held
@@ -1142,10 +1143,18 @@ class ChoiceOutput:
             self.finish_reason = "stop"
         return emit
 
+    @property
+    def stop_reason(self) -> str | int | None:
+        """vLLM's ``stop_reason``: the stop string or stop token that ended the
+        choice; None for EOS, a length cut, or a grammar's end."""
+        return self.stops.matched if getattr(self.stops, "matched", None) is not None else self.stop_token_id
+
     def finish(self, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int,
-               num_cached_tokens: int = 0) -> str:
-        """The engine finished this choice (not done here); return the held-back tail text."""
+               num_cached_tokens: int = 0, stop_token_id: int | None = None) -> str:
+        """The engine finished this choice (not done here); return the held-back tail text.
+        ``stop_token_id``: the stop token (of ``stop_token_ids``) it ended on, if any."""
         self.num_cached_tokens = num_cached_tokens
+        self.stop_token_id = stop_token_id
         emitted: list[str] = []
         emit, matched = self.stops.feed(self.detokenizer.flush())
         self._append(emit if matched else emit + self.stops.flush(), emitted)

@@ -48,6 +48,14 @@ def test_allowed_token_ids_restrict_and_stop_token_ids_stop(server):
     stopped = client.completions.create(prompt="The quick", max_tokens=8, **GREEDY | {"extra_body": extra})
     cut = plain.index(plain[2]) + 1
     assert ids_of(stopped.choices[0]) == plain[:cut] and stopped.choices[0].finish_reason == "stop"
+    # vLLM's stop_reason: the stop token, the stop string, or null (a length cut, EOS)
+    assert stopped.choices[0].model_extra["stop_reason"] == plain[2]
+    text = client.completions.create(prompt="The quick", max_tokens=8, **GREEDY).choices[0]
+    assert text.model_extra["stop_reason"] is None and text.finish_reason == "length"
+    word = text.text.split()[1] if len(text.text.split()) > 1 else text.text.strip()[-2:]
+    cut = client.completions.create(prompt="The quick", max_tokens=8, stop=[word], stream=True, **GREEDY)
+    last = [chunk.choices[0] for chunk in cut][-1]
+    assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == word
 
 
 def test_min_tokens_delays_a_forced_eos(server, tokenizer):
