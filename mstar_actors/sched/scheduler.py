@@ -79,6 +79,7 @@ class _StepBuilder:
     def __init__(self, budget: int):
         self.budget = budget
         self.score_entries = 0  # prompt logprobs (entries: a position's token and its alternatives) this step carries
+        self.scored_tokens = 0  # prompt positions this step puts through the LM head for their logprobs
         self.chunks: dict[str, tuple[Sequence, ScheduledChunk]] = {}
         self.started: list[SeqStart] = []
         self.snapshots: dict[str, tuple[int, bytes]] = {}  # request id -> (reserved slot, prefix hash)
@@ -209,6 +210,7 @@ class Scheduler:
         num_state_snapshots: int = 0,
         max_in_flight: int = 1,
         max_prompt_logprob_entries: int = 1 << 16,
+        max_scored_tokens: int = 512,
     ):
         if max_in_flight not in (1, 2, 3):
             raise ValueError(f"scheduler: max_in_flight must be 1, 2 or 3 (plan up to two steps ahead), "
@@ -251,6 +253,8 @@ class Scheduler:
         # one request's, and one step's, at most this many entries (a position's
         # token, or one of its alternatives), so the ranks' results fit their rings.
         self.max_prompt_logprob_entries = max_prompt_logprob_entries
+        # and a step computes the logits of at most this many prompt positions ([positions, vocab] float32 at once)
+        self.max_scored_tokens = max_scored_tokens
         self._in_flight: deque[_InFlight] = deque()  # oldest first
         self._finished_ids: list[str] = []  # for the next plan's ``finished``
 
@@ -520,15 +524,22 @@ class Scheduler:
         return True
 
     def _score_cut(self, seq: Sequence, step: _StepBuilder, num_new: int, num_left: int) -> int:
-        """``num_new`` tokens of ``seq``, or one fewer where that chunk would sample
-        its first token with prompt logprobs past what this step's result has room
-        for (it samples a step later); counts them where it samples."""
-        if num_new < num_left or seq.sampling.prompt_logprobs is None or seq.output_token_ids:
+        """``num_new`` tokens of ``seq``, fewer for a prompt whose logprobs are asked:
+        at most the prompt positions this step has left to score, and one fewer
+        where that chunk would sample its first token (which carries them) past
+        what this step's result has room for (it samples a step later)."""
+        if seq.sampling.prompt_logprobs is None or seq.output_token_ids:
             return num_new
-        entries = _score_entries(seq.num_prompt_tokens, seq.sampling.prompt_logprobs)
-        if step.score_entries and step.score_entries + entries > self.max_prompt_logprob_entries:
-            return num_new - 1
-        step.score_entries += entries
+        num_new = min(num_new, self.max_scored_tokens - step.scored_tokens)
+        if num_new <= 0:
+            return 0
+        if num_new == num_left:
+            entries = _score_entries(seq.num_prompt_tokens, seq.sampling.prompt_logprobs)
+            if step.score_entries and step.score_entries + entries > self.max_prompt_logprob_entries:
+                num_new -= 1
+            else:
+                step.score_entries += entries
+        step.scored_tokens += num_new
         return num_new
 
     def _lookup_prefix(self, seq: Sequence) -> tuple[list[int], int]:
