@@ -274,7 +274,7 @@ class FrontendActor(Actor):
                     exchange.push(msg)
             case EngineStats():
                 self._num_engine_waiting, self._num_engine_running = msg.num_waiting, msg.num_running
-                self.metrics.observe_engine(msg)
+                self.metrics.observe_engine(msg, counts_events=self.index == 0)
             case ModelsChanged(adapters=adapters):
                 self.adapters = {a.name: a.path for a in adapters}
             case ContextAgreed(max_model_len=max_model_len):

@@ -72,7 +72,10 @@ class Metrics:
         self.num_waiting = gauge("mstar_num_requests_waiting", "Requests waiting in the engine")
         self.num_kv_blocks_used = gauge("mstar_kv_blocks_used", "KV-cache blocks in use")
         self.num_kv_blocks_total = gauge("mstar_kv_blocks_total", "KV-cache blocks in all")
-        self.num_preemptions = gauge("mstar_num_preemptions", "Preemptions since start")
+        # a counter (rate() and increase() read it across restarts); with several frontends
+        # only the first counts, the sum over their files being the engine's
+        self.num_preemptions = Counter("mstar_num_preemptions", "Preemptions since start", registry=reg)
+        self._preemptions_seen = 0
         self.num_waiting_for_adapter = gauge("mstar_num_requests_waiting_for_adapter",
                                              "Requests held until their LoRA adapter is in a slot")
         self.num_state_slots_used = gauge("mstar_state_slots_used", "Recurrent-state slots in use")
@@ -81,12 +84,15 @@ class Metrics:
     def observe_request(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
 
-    def observe_engine(self, stats: EngineStats) -> None:
+    def observe_engine(self, stats: EngineStats, counts_events: bool = True) -> None:
+        """``counts_events``: this frontend adds the engine's new events to the counters."""
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.num_kv_blocks_used.set(stats.num_kv_blocks_used)
         self.num_kv_blocks_total.set(stats.num_kv_blocks_total)
-        self.num_preemptions.set(stats.num_preemptions)
+        if counts_events and stats.num_preemptions > self._preemptions_seen:
+            self.num_preemptions.inc(stats.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = max(self._preemptions_seen, stats.num_preemptions)
         self.num_waiting_for_adapter.set(stats.num_waiting_for_adapter)
         self.num_state_slots_used.set(stats.num_state_slots_used)
         self.num_state_slots_total.set(stats.num_state_slots_total)

@@ -538,7 +538,8 @@ def test_metrics(harness):
         async with harness() as h:
             await h.post(CHAT, chat_body())
             await h.post(CHAT, chat_body(n=0))
-            await h.engine.send(EngineStats(num_running=2, num_waiting=1, num_kv_blocks_used=7, num_kv_blocks_total=10))
+            await h.engine.send(EngineStats(num_running=2, num_waiting=1, num_kv_blocks_used=7, num_kv_blocks_total=10,
+                                            num_preemptions=3))
             await h.post(CHAT, chat_body())  # the stats are applied before this reply is
             async with h.session.get(h.url + "/metrics") as resp:
                 text = await resp.text()
@@ -548,6 +549,7 @@ def test_metrics(harness):
             assert "mstar_time_to_first_token_seconds_count 2.0" in text
             assert "mstar_inter_token_latency_seconds_count" in text
             assert "mstar_kv_blocks_used 7.0" in text and "mstar_num_requests_running 2.0" in text
+            assert "# TYPE mstar_num_preemptions_total counter" in text and "mstar_num_preemptions_total 3.0" in text
             # a request whose client went away is counted too, as 499 (it was left out)
             h.engine.plan = lambda req: None  # held: no reply comes
             posting = asyncio.create_task(h.post(CHAT, chat_body()))
