@@ -268,6 +268,17 @@ def _check_safetensors_size(path: Path, name: str) -> None:
 # ---------------------------------------------------------------- config
 
 
+# PEFT LoraConfig options that change what an adapter computes and are not served:
+# refused by name (read as plain LoRA they would give other tokens without a word).
+UNSERVED_OPTIONS = {
+    "alora_invocation_tokens": "activated LoRA: on only after these tokens",
+    "layer_replication": "a stack of replicated base layers",
+    "use_qalora": "QALoRA's pooled inputs",
+    "arrow_config": "Arrow routing over several adapters",
+    "fan_in_fan_out": "weights stored transposed, as GPT-2's Conv1D",
+}
+
+
 def _check_config(config: dict, name: str) -> None:
     peft_type = config.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
@@ -283,6 +294,10 @@ def _check_config(config: dict, name: str) -> None:
             f"adapter {name!r}: modules_to_save={config['modules_to_save']} replaces base weights, which is not "
             "served; accepted: modules_to_save=null (adapt those modules with LoRA instead)"
         )
+    for key, what in UNSERVED_OPTIONS.items():
+        if config.get(key):
+            raise AdapterError(f"adapter {name!r}: {key}={config[key]!r} ({what}) is not served; accepted: plain "
+                               f"LoRA ({key} unset)")
     for key in ("r", "lora_alpha"):
         _check_positive(config.get(key, 8), f"{CONFIG_FILE} field {key!r}", name)
     for key in ("rank_pattern", "alpha_pattern"):

@@ -138,6 +138,16 @@ def test_refuses_peft_dora(tmp_path):
     _refused(folder, base_shapes(cfg), r"lora_magnitude_vector.*DoRA magnitude")
 
 
+@pytest.mark.parametrize("option, value", [("alora_invocation_tokens", [330, 42]), ("layer_replication", [[0, 1], [0, 1]]),
+                                           ("use_qalora", True), ("fan_in_fan_out", True)])
+def test_refuses_peft_options_that_change_what_it_computes(saved, option, value):
+    """Read as plain LoRA, an activated LoRA or a replicated stack gave other
+    tokens than PEFT's without a word."""
+    folder, base = saved
+    edit_adapter(folder, config={option: value})
+    _refused(folder, base, rf"{option}=.* is not served")
+
+
 def test_refuses_kohya_dora_scale(saved):
     folder, base = saved
     edit_adapter(folder, tensors={"base_model.model.model.layers.0.self_attn.q_proj.dora_scale": torch.ones(1, 64)})
