@@ -683,8 +683,9 @@ class FrontendActor(Actor):
         echo): only computed here when the client asks."""
         from mstar_actors.prepare.prompt_bound import PromptTooLong
 
-        out, limit = [], self.info.max_model_len  # bounded as prepare bounds it
+        out = []
         for req in exchange.requests:
+            limit = self.info.max_model_len if req.sampling.truncate_prompt_tokens is None else None  # as prepare
             try:
                 if req.prompt_token_ids is not None:
                     ids = list(req.prompt_token_ids)

@@ -151,15 +151,18 @@ class Preparer:
         return (ids[-keep:] if keep is not None else ids), param
 
     def _full_token_ids(self, req: NewRequest) -> tuple[list[int], str]:
+        # a prompt past the context is refused early, unless truncate_prompt_tokens keeps only its end
+        # (the whole text is read then: server.max_body_bytes bounds it)
+        limit = self.prompt_limit if req.sampling.truncate_prompt_tokens is None else None
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids), "prompt"
         if req.messages is not None:
-            ids = self.tokenization.apply_chat_template(req.messages, req.add_generation_prompt, self.prompt_limit,
+            ids = self.tokenization.apply_chat_template(req.messages, req.add_generation_prompt, limit,
                                                         req.continue_final_message, tools=req.tools,
                                                         assistant_prefix=req.assistant_prefix)
             return list(ids), "messages"
         if req.prompt is not None:
-            return list(self.tokenization.encode_prompt(req.prompt, self.prompt_limit)), "prompt"
+            return list(self.tokenization.encode_prompt(req.prompt, limit)), "prompt"
         raise ValueError("none of prompt, prompt_token_ids or messages is set")
 
     def check_structured(self, req: NewRequest) -> Failed | None:

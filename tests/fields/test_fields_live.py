@@ -74,6 +74,12 @@ def test_truncate_echo_logprobs_zero_and_cached_tokens(server, tokenizer):
     prompt = "The quick brown fox jumps over the lazy dog. " * 4
     out = client.completions.create(prompt=prompt, max_tokens=2, model="tiny", extra_body={"truncate_prompt_tokens": 5})
     assert out.usage.prompt_tokens == 5
+    # a text past the context, cut to its end: kept (it was refused as too long before the cut)
+    for send in (client.completions.create, client.chat.completions.create):
+        body = {"prompt": prompt * 200} if send == client.completions.create else {
+            "messages": [{"role": "user", "content": prompt * 200}]}
+        out = send(**body, max_tokens=2, model="tiny", extra_body={"truncate_prompt_tokens": 20})
+        assert out.usage.prompt_tokens == 20
     out = client.completions.create(prompt="Hello world", max_tokens=2, echo=True, model="tiny", temperature=0)
     assert out.choices[0].text.startswith("Hello world")
     out = client.completions.create(prompt="Hello", max_tokens=3, logprobs=0, model="tiny", temperature=0)
