@@ -83,6 +83,7 @@ from mstar_actors.messages import (
     AdapterInstalled,
     AdapterRead,
     AdapterReadFailed,
+    CancelCompile,
     ContextAgreed,
     DropAdapter,
     Failed,
@@ -326,7 +327,9 @@ class ConductorActor(Actor):
                         self.scheduler.abort(refused.request_id)
                         await self.send_outputs([refused])
             case Abort(request_id=request_id):
-                await self.send_outputs(self.grammar_gate.drop(request_id))  # a request still waiting for its grammar
+                if self.grammar_gate.holds(request_id):  # a request still waiting for its grammar: the ranks drop
+                    await self.outbox["workers"].send(CancelCompile(request_id))  # its compile if not begun
+                    await self.send_outputs(self.grammar_gate.drop(request_id))
                 await self.route(self.adapter_pool.abort(request_id))  # a request still waiting for its adapter
                 await self.send_outputs(self.scheduler.abort(request_id))
             case Failed() if channel == "prepare":

@@ -25,7 +25,7 @@ from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 from actors.base import Actor
-from mstar_actors.messages import (AdapterInstalled, CompileGrammar, GrammarCompiled, InstallAdapter, StepDone,
+from mstar_actors.messages import (AdapterInstalled, CancelCompile, CompileGrammar, GrammarCompiled, InstallAdapter, StepDone,
                                    StepFailed, StepPlan)
 
 # Grammars a rank compiles at once beside its steps (the conductor sends one a constrained request).
@@ -178,8 +178,9 @@ class WorkerActor(Actor):
         self.installs: asyncio.Queue[InstallAdapter] = asyncio.Queue(maxsize=max(1, self.config.lora.max_loras))
         self.num_installing = 0  # queued for the install thread or on it
         # Grammars compiling beside the steps (``CompileGrammar``), a few at a time: a thread and its memory each.
-        self._compiles: set[asyncio.Task] = set()
+        self._compiles: dict[str, asyncio.Task] = {}  # by request id
         self._compile_slots = asyncio.Semaphore(MAX_COMPILES)
+        self._compiling_now: set[str] = set()  # request ids whose compile holds a slot (runs on its thread)
         self.pending: _Pending | None = None  # the step sampled on the device, not yet answered
         self._next: asyncio.Future | None = None  # a mailbox read begun while a step ran (its result is the next message)
         self._device_waits: queue.SimpleQueue | None = None  # (step, future) for the waiting thread
@@ -316,8 +317,12 @@ class WorkerActor(Actor):
                 await self.run_step(msg)
             case CompileGrammar():
                 task = asyncio.create_task(self._compile(msg), name=f"worker:grammar:{msg.request_id}")
-                self._compiles.add(task)
-                task.add_done_callback(self._compiles.discard)
+                self._compiles[msg.request_id] = task
+                task.add_done_callback(lambda _, rid=msg.request_id: self._compiles.pop(rid, None))
+            case CancelCompile(request_id=request_id):
+                task = self._compiles.get(request_id)
+                if task is not None and request_id not in self._compiling_now:  # waiting for a slot: no thread
+                    task.cancel()
             case InstallAdapter():
                 if self.num_installing == 0 and self._swap_in(msg):
                     return await self.reply(installed(self.runner, self.rank, msg))
@@ -360,6 +365,7 @@ class WorkerActor(Actor):
 
         grammars = getattr(self.runner, "grammars", None)
         async with self._compile_slots:
+            self._compiling_now.add(msg.request_id)
             started = time.perf_counter()
             try:
                 if grammars is None:
@@ -369,6 +375,8 @@ class WorkerActor(Actor):
                 reply = GrammarCompiled(rank=self.rank, request_id=msg.request_id, ok=False, error=str(err))
             else:
                 reply = GrammarCompiled(rank=self.rank, request_id=msg.request_id, ok=True)
+            finally:
+                self._compiling_now.discard(msg.request_id)
         self.log.debug("grammar of %s: %.1f ms", msg.request_id, (time.perf_counter() - started) * 1e3)
         await self.reply(reply)
 

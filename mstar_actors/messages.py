@@ -528,7 +528,14 @@ class CompileGrammar(Struct, frozen=True, tag=True, omit_defaults=True):
     spec: StructuredSpec
 
 
-ConductorToWorker = StepPlan | InstallAdapter | CompileGrammar | Shutdown
+class CancelCompile(Struct, frozen=True, tag=True, omit_defaults=True):
+    """The request of a ``CompileGrammar`` ended before its grammar was in: a
+    rank drops the compile if it is still waiting for its turn."""
+
+    request_id: str
+
+
+ConductorToWorker = StepPlan | InstallAdapter | CompileGrammar | CancelCompile | Shutdown
 
 
 # --------------------------------------------------------------------------
