@@ -99,6 +99,7 @@ class PrepareActor(Actor):
         self.threads: concurrent.futures.ThreadPoolExecutor | None = None
         self.pending = PendingRequests(max_preparing=1, max_unreleased=1)  # sized with the pool in start
         self._tasks: dict[PendingRequest, asyncio.Task] = {}  # preparing, abandoned ones included
+        self._aside: dict[str, asyncio.Task] = {}  # inline: constrained requests drafting on a thread, by id
         self._changed = asyncio.Event()  # a preparation ended
         self._http: Any = None  # media.FetchSession, made on first http(s) media
 
@@ -182,7 +183,7 @@ class PrepareActor(Actor):
                                        self.config.prepare.preprocess_workers, is_parallel)
 
     async def stop(self) -> None:
-        for task in list(self._tasks.values()):
+        for task in [*self._tasks.values(), *self._aside.values()]:
             task.cancel()
         if self.threads is not None:
             self.threads.shutdown(wait=False, cancel_futures=True)
@@ -197,10 +198,15 @@ class PrepareActor(Actor):
         match msg:
             case NewRequest() if self.threads is not None:
                 self._start(msg)
+            case NewRequest() if msg.sampling.structured is not None:  # inline, its rules checked on a thread
+                self._check_aside(msg)
             case NewRequest():  # inline: never in the release order
                 await self._send_result(msg, await self._prepare(PendingRequest(msg)))
             case Abort() if msg.request_id in self.pending:
                 self._abandon(msg.request_id)
+            case Abort() if msg.request_id in self._aside:  # its check's result is dropped
+                self._aside.pop(msg.request_id).cancel()
+                await self.outbox["conductor"].send(msg)
             case Abort() | LoadAdapter() | UnloadAdapter():  # the conductor decides adapters
                 await self.outbox["conductor"].send(msg)
             case _:
@@ -259,11 +265,23 @@ class PrepareActor(Actor):
 
     # ---- both paths -----------------------------------------------------------
 
-    async def _prepare(self, pending: PendingRequest) -> Draft | Failed:
-        """Fetch remote media here, then draft on the pool (or inline)."""
+    def _check_aside(self, req: NewRequest) -> None:
+        """Inline, a constrained request drafts on a thread of its own (a large
+        schema's rules take up to a second to check): the requests behind it go on."""
+        async def prepare() -> None:
+            result = await self._prepare(PendingRequest(req), aside=True)
+            del self._aside[req.request_id]
+            await self._send_result(req, result)
+
+        self._aside[req.request_id] = asyncio.create_task(prepare(), name=f"prepare:{req.request_id}")
+
+    async def _prepare(self, pending: PendingRequest, aside: bool = False) -> Draft | Failed:
+        """Fetch remote media here, then draft on the pool (or inline; ``aside``: on a thread)."""
         req = pending.req
         try:
             fetched = await self._fetch(req)
+            if aside:
+                return await self.run_blocking(self._draft, pending, fetched)
             if self.threads is None:
                 return self._draft(pending, fetched)
             self.pending.hand_over(pending)

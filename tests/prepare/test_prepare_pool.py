@@ -19,6 +19,7 @@ from mstar_actors.messages import (
     PrepareToConductor,
     SamplingParams,
     Shutdown,
+    StructuredSpec,
 )
 from mstar_actors.prepare.preparers import Draft
 from transport.errors import ChannelClosed
@@ -285,6 +286,31 @@ async def test_inline_fallbacks(preparer_cls, num_workers):
     assert h.actor.threads is None
     assert not any(t.startswith("prepare") for t in preparer.threads)  # ran on the loop's thread
     await h.close()
+
+
+async def test_inline_a_constrained_request_checks_aside_and_the_rest_go_on():
+    """Inline (no pool), a constrained request's rules (up to a second for a large
+    schema) are checked on a thread: a plain request behind it goes first, and
+    an abort drops its result."""
+    preparer = GatedPreparer(asyncio.get_running_loop())
+    preparer.PREPROCESS_PARALLEL = False
+    preparer.expect("slow", "plain", "gone")
+    preparer.gates["plain"].set()
+    h = Harness(preparer, num_workers=1)
+    constrained = SamplingParams(structured=StructuredSpec("json", "{}"))
+    await h.inbox.send(NewRequest(request_id="slow", model="m", sampling=constrained, prompt="ok"))
+    await preparer.started["slow"].wait()
+    await h.send("plain")
+    assert await h.recv_id() == ("Prepared", "plain")  # while "slow" is still checking
+    await h.inbox.send(NewRequest(request_id="gone", model="m", sampling=constrained, prompt="ok"))
+    await preparer.started["gone"].wait()
+    await h.inbox.send(Abort(request_id="gone"))
+    assert await h.recv_id() == ("Abort", "gone")
+    preparer.gates["gone"].set()
+    preparer.gates["slow"].set()
+    assert await h.recv_id() == ("Prepared", "slow")
+    await preparer.ended["gone"].wait()
+    assert await h.close() == []  # "gone" was never sent
 
 
 @pytest.mark.parametrize("num_workers", [1, 2], ids=["inline", "pool"])
