@@ -725,10 +725,15 @@ class FrontendActor(Actor):
         engine's count, or between its reports this frontend's own estimate,
         the choices sent that have no output yet less the sequences the engine
         can still start (a burst at an idle server runs at once)."""
-        free = max(0, self.config.scheduler.max_num_seqs - self._num_engine_running)
+        max_seqs, limit = self.config.scheduler.max_num_seqs, self.config.server.max_waiting_requests
+        if exchange.num_choices > max_seqs + limit:  # it would never fit: no retry helps
+            raise ApiError(400, f"{exchange.num_choices} choices (prompts x n) are more than this server holds at "
+                                f"once: scheduler.max_num_seqs ({max_seqs}) running and server.max_waiting_requests "
+                                f"({limit}) waiting; send fewer", param="n")
+        free = max(0, max_seqs - self._num_engine_running)
         num_waiting = max(self._num_engine_waiting, len(self._unacked) - free)
-        limit = self.config.server.max_waiting_requests
-        if num_waiting + exchange.num_choices > limit:
+        seats = max(0, free - len(self._unacked))  # sequences still free once those sent start
+        if num_waiting + max(0, exchange.num_choices - seats) > limit:
             raise ApiError(503, f"server overloaded: {num_waiting} requests waiting (limit {limit}); retry later",
                            code="overloaded")
 

@@ -411,6 +411,16 @@ def test_a_burst_at_an_idle_server_is_admitted_up_to_its_sequences_plus_max_wait
                 for msg in h.engine.reply(req):
                     await h.engine.send(msg)
             assert [s for s, _ in await asyncio.gather(*held)] == [200] * 4
+            # one request of several choices fills the free sequences too; more than can ever fit is a 400
+            before = set(h.engine.requests)
+            held = asyncio.create_task(h.post(CHAT, chat_body(n=4)))
+            await h.engine.wait_for(lambda: set(h.engine.requests) - before)
+            (rid,) = set(h.engine.requests) - before
+            for msg in h.engine.reply(h.engine.requests[rid]):
+                await h.engine.send(msg)
+            assert (await held)[0] == 200
+            status, r = await h.post(CHAT, chat_body(n=5))
+            assert status == 400 and r["error"]["param"] == "n" and "max_waiting_requests" in r["error"]["message"]
 
     run(body)
 
