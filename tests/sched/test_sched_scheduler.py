@@ -448,33 +448,27 @@ def test_the_first_delta_carries_the_prompt_and_its_prefix_hit():
     assert (first.num_prompt_tokens, first.num_cached_tokens) == (20, 16)  # whole blocks of the prompt
 
 
-def test_prompt_logprobs_fit_one_steps_result():
-    """A prompt's logprobs leave with its first token: a request whose own are
-    more than a step's result carries is a 400 naming them; two whose prompts
-    end in one step and together are more, sample a step apart."""
-    sched = make_scheduler(max_prompt_logprob_entries=20, max_scored_tokens=64)
+def test_prompt_logprobs_past_one_steps_result_are_refused():
+    sched = make_scheduler(max_prompt_logprob_entries=20)
     (refused,) = sched.add(make_request("big", num_prompt_tokens=12, prompt_logprobs=1), ROOT)  # 11 x 2 = 22
     assert isinstance(refused, Failed) and refused.status == 400 and refused.param == "prompt_logprobs"
     assert "22 entries" in refused.message and "transport.ring_bytes" in refused.message
-    for rid in ("a", "b"):  # 7 x 2 = 14 entries each
-        assert sched.add(make_request(rid, num_prompt_tokens=8, prompt_logprobs=1), ROOT) == []
-    sched.add(make_request("plain", num_prompt_tokens=8), ROOT)
-    plan, _ = run_step(sched)
-    assert chunks_of(plan) == {"a": (0, 8, True), "b": (0, 7, False), "plain": (0, 8, True)}
-    plan, _ = run_step(sched)
-    assert chunks_of(plan)["b"] == (7, 1, True)
-    check_invariants(sched)
 
 
-def test_a_step_scores_at_most_max_scored_tokens_prompt_positions():
-    """Their logits are [positions, vocab] at once: a scored prompt's chunks are
-    cut to what the step has left, beside unscored prompts that are not."""
-    sched = make_scheduler(max_num_batched_tokens=32, max_scored_tokens=10)
-    sched.add(make_request("a", num_prompt_tokens=8, prompt_logprobs=0), ROOT)
-    sched.add(make_request("b", num_prompt_tokens=8, prompt_logprobs=0), ROOT)
+@pytest.mark.parametrize("limits, k, first, second", [
+    # two whose logprobs together are more than a step's result (14 entries each): one samples a step later
+    (dict(max_prompt_logprob_entries=20, max_scored_tokens=64), 1, (0, 7, False), (7, 1, True)),
+    # their logits are [positions, vocab] at once: a scored prompt's chunk is cut to what the step has left
+    (dict(max_num_batched_tokens=32, max_scored_tokens=10), 0, (0, 2, False), (2, 6, True)),
+])
+def test_scored_prompts_share_a_steps_limits(limits, k, first, second):
+    """Unscored prompts beside them are not cut."""
+    sched = make_scheduler(**limits)
+    for rid in ("a", "b"):
+        assert sched.add(make_request(rid, num_prompt_tokens=8, prompt_logprobs=k), ROOT) == []
     sched.add(make_request("plain", num_prompt_tokens=8), ROOT)
     plan, _ = run_step(sched)
-    assert chunks_of(plan) == {"a": (0, 8, True), "b": (0, 2, False), "plain": (0, 8, True)}
+    assert chunks_of(plan) == {"a": (0, 8, True), "b": first, "plain": (0, 8, True)}
     plan, _ = run_step(sched)
-    assert chunks_of(plan)["b"] == (2, 6, True)
+    assert chunks_of(plan)["b"] == second
     check_invariants(sched)
