@@ -442,7 +442,7 @@ class Scheduler:
             num_new = min(num_left, step.budget)
             if hybrid:
                 num_new = self._snapshot_point_cut(seq, start, num_new)
-            if not decodes:
+            if seq.sampling.prompt_logprobs is not None:  # its prompt's last token may be the decode pass's
                 num_new = self._score_cut(seq, step, num_new, num_left)
                 if num_new == 0:
                     continue

@@ -472,3 +472,17 @@ def test_scored_prompts_share_a_steps_limits(limits, k, first, second):
     plan, _ = run_step(sched)
     assert chunks_of(plan)["b"] == second
     check_invariants(sched)
+
+
+def test_a_scored_prompts_last_token_alone_still_counts_against_the_steps_result():
+    """Cut by one, two scored prompts each have one token left: the pass over
+    one-token chunks (decodes) samples them a step apart too."""
+    sched = make_scheduler(max_prompt_logprob_entries=20)
+    for rid in ("x", "a", "b"):  # x takes the first step's room: a and b are cut by one
+        assert sched.add(make_request(rid, num_prompt_tokens=8, prompt_logprobs=1), ROOT) == []
+    plan, _ = run_step(sched)
+    assert chunks_of(plan) == {"x": (0, 8, True), "a": (0, 7, False), "b": (0, 7, False)}
+    plan, _ = run_step(sched)
+    assert chunks_of(plan)["a"] == (7, 1, True) and "b" not in chunks_of(plan)
+    plan, _ = run_step(sched)
+    assert chunks_of(plan)["b"] == (7, 1, True)
