@@ -681,26 +681,18 @@ class FrontendActor(Actor):
     def _prompt_token_ids(self, exchange: Exchange) -> list[list[int]]:
         """Each prompt's ids as prepare makes them (for return_token_ids and
         echo): only computed here when the client asks."""
+        from mstar_actors.prepare.preparers import prompt_token_ids
         from mstar_actors.prepare.prompt_bound import PromptTooLong
 
         out = []
         for req in exchange.requests:
-            limit = self.info.max_model_len if req.sampling.truncate_prompt_tokens is None else None  # as prepare
             try:
-                if req.prompt_token_ids is not None:
-                    ids = list(req.prompt_token_ids)
-                elif req.messages is not None:
-                    ids = self.tokenization.apply_chat_template(req.messages, req.add_generation_prompt, limit,
-                                                                req.continue_final_message)
-                else:
-                    ids = self.tokenization.encode_prompt(req.prompt or "", limit)
+                out.append(prompt_token_ids(self.tokenization, req, self.info.max_model_len)[0])
             except PromptTooLong as err:
                 param = "messages" if req.messages is not None else "prompt"
                 raise ApiError(400, f"{param}: {err}", param=param, code="context_length_exceeded") from None
             except ValueError as err:  # no chat template, or the template refused the messages
                 raise ApiError(400, f"messages: {err}", param="messages") from None
-            keep = req.sampling.truncate_prompt_tokens
-            out.append(ids[-keep:] if keep is not None else ids)
         return out
 
     def _check_available(self) -> None:

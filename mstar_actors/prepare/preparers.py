@@ -126,7 +126,7 @@ class Preparer:
         if (refusal := self.check_structured(req) or _media_refused(req)) is not None:
             return refusal
         try:
-            token_ids, param = self._token_ids(req)
+            token_ids, param = prompt_token_ids(self.tokenization, req, self.prompt_limit)
         except PromptTooLong as err:
             return failed(req, too_long(err.min_tokens, err.limit, is_lower_bound=True), _param_of(req),
                           code="context_length_exceeded")
@@ -144,26 +144,6 @@ class Preparer:
             prompt_param=param,
             n=req.n,
         ))
-
-    def _token_ids(self, req: NewRequest) -> tuple[list[int], str]:
-        ids, param = self._full_token_ids(req)
-        keep = req.sampling.truncate_prompt_tokens  # vLLM's: the prompt's last N tokens
-        return (ids[-keep:] if keep is not None else ids), param
-
-    def _full_token_ids(self, req: NewRequest) -> tuple[list[int], str]:
-        # a prompt past the context is refused early, unless truncate_prompt_tokens keeps only its end
-        # (the whole text is read then: server.max_body_bytes bounds it)
-        limit = self.prompt_limit if req.sampling.truncate_prompt_tokens is None else None
-        if req.prompt_token_ids is not None:
-            return list(req.prompt_token_ids), "prompt"
-        if req.messages is not None:
-            ids = self.tokenization.apply_chat_template(req.messages, req.add_generation_prompt, limit,
-                                                        req.continue_final_message, tools=req.tools,
-                                                        assistant_prefix=req.assistant_prefix)
-            return list(ids), "messages"
-        if req.prompt is not None:
-            return list(self.tokenization.encode_prompt(req.prompt, limit)), "prompt"
-        raise ValueError("none of prompt, prompt_token_ids or messages is set")
 
     def check_structured(self, req: NewRequest) -> Failed | None:
         """Check the request's grammar (its rules, not the token masks the
@@ -190,6 +170,29 @@ class Preparer:
             return "the prompt is empty: send at least one token"
         return None
 
+
+
+def prompt_token_ids(tokenization: Any, req: NewRequest, prompt_limit: int | None) -> tuple[list[int], str]:
+    """A text request's prompt ids and the field they came from, as the engine
+    serves them: its chat template's (tools and a forced call's opening
+    included), its prompt's, or as sent; cut to the last
+    ``truncate_prompt_tokens``. Past ``prompt_limit`` tokens PromptTooLong
+    (without reading the rest), unless truncate_prompt_tokens keeps only the
+    end: then the whole text is read (server.max_body_bytes bounds it)."""
+    keep = req.sampling.truncate_prompt_tokens  # vLLM's: the prompt's last N tokens
+    limit = prompt_limit if keep is None else None
+    if req.prompt_token_ids is not None:
+        ids, param = list(req.prompt_token_ids), "prompt"
+    elif req.messages is not None:
+        ids = tokenization.apply_chat_template(req.messages, req.add_generation_prompt, limit,
+                                               req.continue_final_message, tools=req.tools,
+                                               assistant_prefix=req.assistant_prefix)
+        ids, param = list(ids), "messages"
+    elif req.prompt is not None:
+        ids, param = list(tokenization.encode_prompt(req.prompt, limit)), "prompt"
+    else:
+        raise ValueError("none of prompt, prompt_token_ids or messages is set")
+    return (ids[-keep:] if keep is not None else ids), param
 
 def too_long(num_tokens: int, limit: int, is_lower_bound: bool = False) -> str:
     """The refusal of a prompt of ``num_tokens`` (at least, when counting stopped early)."""

@@ -8,6 +8,7 @@ import asyncio
 import functools
 import json
 
+import msgspec
 import pytest
 
 from tests.tool_calls.templates import TIME, WEATHER
@@ -148,3 +149,17 @@ async def test_bad_tools_are_a_400_naming_the_field(tool_harness, extra, param):
     async with tool_harness() as h:
         status, body = await h.post("/v1/chat/completions", _body(**extra))
         assert status == 400 and body["error"]["param"] == param, body
+
+
+@asynctest
+async def test_return_token_ids_are_the_prompt_with_its_tools_and_a_forced_calls_opening(tool_harness, hermes_tokenizer):
+    """prompt_token_ids are the engine's prompt: they left out the tools and the forced call's opening."""
+    async with tool_harness() as h:
+        h.actor.info = msgspec.structs.replace(h.actor.info, max_model_len=4096)  # the tools' text is long
+        h.engine.reply_text = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+        status, body = await h.post("/v1/chat/completions", _body(tools=[WEATHER], tool_choice="required",
+                                                                  return_token_ids=True))
+        assert status == 200, body
+        text = hermes_tokenizer.apply_chat_template(USER, tools=[WEATHER], tokenize=False,
+                                                    add_generation_prompt=True)
+        assert body["prompt_token_ids"] == hermes_tokenizer(text + "<tool_call>\n", add_special_tokens=False).input_ids
