@@ -856,7 +856,7 @@ class FrontendActor(Actor):
             body = api.completion_response(*args, out, self._usage(exchange))
         for choice, own in zip(out, choices):
             choice["stop_reason"] = own.stop_reason
-        if exchange.parsed.output.prompt_logprobs is not None:  # vLLM's: once for chat's one prompt, else a choice's own
+        if exchange.parsed.output.prompt_logprobs is not None:  # vLLM's: once for chat's one prompt, else per choice
             scores = [api.vllm_prompt_logprobs(c.prompt_scores, self.token_text, exchange.parsed.output.prompt_logprobs)
                       for c in choices]
             if exchange.parsed.kind == "chat":

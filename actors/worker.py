@@ -25,8 +25,8 @@ from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 from actors.base import Actor
-from mstar_actors.messages import (AdapterInstalled, CancelCompile, CompileGrammar, GrammarCompiled, InstallAdapter, StepDone,
-                                   StepFailed, StepPlan)
+from mstar_actors.messages import (AdapterInstalled, CancelCompile, CompileGrammar, GrammarCompiled, InstallAdapter,
+                                   StepDone, StepFailed, StepPlan)
 
 # Grammars a rank compiles at once beside its steps (the conductor sends one a constrained request).
 MAX_COMPILES = 2

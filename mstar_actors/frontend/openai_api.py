@@ -1147,7 +1147,7 @@ class ChoiceOutput:
     def stop_reason(self) -> str | int | None:
         """vLLM's ``stop_reason``: the stop string or stop token that ended the
         choice; None for EOS, a length cut, or a grammar's end."""
-        return self.stops.matched if getattr(self.stops, "matched", None) is not None else self.stop_token_id
+        return self.stops.matched if self.stops.matched is not None else self.stop_token_id
 
     def finish(self, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int,
                num_cached_tokens: int = 0, stop_token_id: int | None = None) -> str:
@@ -1169,22 +1169,22 @@ class ChoiceOutput:
             emitted.append(text)
 
     def _add_logprob(self, token: Any) -> None:
-        top = [(self.token_text(t.token_id), t.logprob) for t in token.top_logprobs]
         logprob = token.logprob if token.logprob is not None else 0.0
-        ids = (token.token_id, tuple(t.token_id for t in token.top_logprobs))
-        self.logprobs.append((self.token_text(token.token_id), logprob, top, self.num_decoded_chars, ids))
+        self._add_entry(token.token_id, logprob, token.top_logprobs, self.num_decoded_chars)
 
     def _add_prompt_logprobs(self, given: tuple) -> None:
         """The echoed prompt's entries: its first token has no logprob (nothing
         before it), each later one the logprob it had given those before it."""
         ids, offsets, num_top = self.echo_prompt
         self.echo_prompt = None
-        self.logprobs.append((self.token_text(ids[0]), None, [], offsets[0], (ids[0], ())))
-        for token, offset in zip(given, offsets[1:]):
-            tops = token.top_logprobs[:num_top]  # (prompt_logprobs may have asked for more)
-            top = [(self.token_text(t.token_id), t.logprob) for t in tops]
-            ids_of = (token.token_id, tuple(t.token_id for t in tops))
-            self.logprobs.append((self.token_text(token.token_id), token.logprob, top, offset, ids_of))
+        self._add_entry(ids[0], None, (), offsets[0])
+        for token, offset in zip(given, offsets[1:]):  # (prompt_logprobs may have asked for more alternatives)
+            self._add_entry(token.token_id, token.logprob, token.top_logprobs[:num_top], offset)
+
+    def _add_entry(self, token_id: int, logprob: float | None, tops: tuple, offset: int) -> None:
+        top = [(self.token_text(t.token_id), t.logprob) for t in tops]
+        ids = (token_id, tuple(t.token_id for t in tops))
+        self.logprobs.append((self.token_text(token_id), logprob, top, offset, ids))
 
     def chat_logprobs(self, entries: list | None = None) -> list[dict] | None:
         if not self.want_logprobs:
@@ -1194,7 +1194,8 @@ class ChoiceOutput:
             if self.token_bytes is None:
                 out.append(chat_logprob(tok, lp, top))
             else:
-                out.append(chat_logprob(tok, lp, top, self.token_bytes(token_id), [self.token_bytes(i) for i in top_ids]))
+                out.append(chat_logprob(tok, lp, top, self.token_bytes(token_id),
+                                        [self.token_bytes(i) for i in top_ids]))
         return out
 
     def legacy_logprobs(self, entries: list | None = None) -> dict | None:

@@ -251,7 +251,8 @@ def _replaced_siblings(schema: dict, where: str) -> str | None:
     if replacing is None:
         return None
     dropped = [k for k in schema if k not in _REPLACING and k not in ANNOTATIONS and k != "type"]
-    values = schema.get("enum") if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None
+    values = (schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema
+              else None)
     if "type" in schema and not (values is not None and all(_has_type(v, schema["type"]) for v in values)):
         dropped.insert(0, "type")  # beside enum / const, a type every value has already changes nothing
     others = [k for k in _REPLACING if k in schema and k != replacing]
@@ -284,7 +285,8 @@ def _pattern_problem(schema: dict, where: str) -> str | None:
                     "here (the output would not be valid JSON)")
     if ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema):
         kind = "pattern" if "pattern" in schema else "format"
-        return f"{where} has minLength / maxLength beside {kind!r}, which drops them here; put the lengths in the pattern"
+        return (f"{where} has minLength / maxLength beside {kind!r}, which drops them here; put the lengths in "
+                "the pattern")
     return None
 
 
@@ -295,7 +297,8 @@ def _exclusive(branches: list, root: dict) -> bool:
     if not all(isinstance(b, dict) for b in resolved):
         return False
     types = [b.get("type") for b in resolved]
-    if all(isinstance(t, str) for t in types) and len(set(types)) == len(types) and not {"integer", "number"} <= set(types):
+    distinct = all(isinstance(t, str) for t in types) and len(set(types)) == len(types)
+    if distinct and not {"integer", "number"} <= set(types):
         return True
     for name in set.intersection(*(set(b.get("required") or ()) for b in resolved)) if resolved else ():
         seen: set = set()

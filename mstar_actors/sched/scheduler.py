@@ -338,7 +338,8 @@ class Scheduler:
         if entries > self.max_prompt_logprob_entries:
             message = (
                 f"the prompt's logprobs ({num_prompt} tokens with {req.sampling.prompt_logprobs} alternatives each: "
-                f"{entries} entries; echo with logprobs, or prompt_logprobs) are more than one step's result carries ({self.max_prompt_logprob_entries}, "
+                f"{entries} entries; echo with logprobs, or prompt_logprobs) are more than one step's result "
+                f"carries ({self.max_prompt_logprob_entries}, "
                 "from transport.ring_bytes); ask for fewer alternatives or send a shorter prompt"
             )
             return self._refuse(req.request_id, "prompt_logprobs", message)
