@@ -47,9 +47,14 @@ read-only preparer.
   ``Failed(400)``; an unexpected exception is its ``Failed(500)``; an arena
   that stays full is its ``Failed(503)``.
 
-Media fetched over http(s) is async I/O: it runs on this loop (aiohttp)
-inside the request's task, before the request takes a thread, so a slow
-server never holds a pool thread. The request counts as preparing meanwhile.
+**Fetching, both paths.** Media fetched over http(s) is async I/O on this
+loop (aiohttp), in a task of the request's own, before the request takes its
+turn: a slow or silent server holds neither a pool thread, nor the mailbox,
+nor the requests behind it. A fetching request is outside the release order
+(arrival order counts from the end of its fetch), at most ``max_fetching`` at
+once (past that nothing more is read: backpressure); an ``Abort`` cancels its
+fetch at once and is not forwarded (the conductor never saw the request). A
+fetch that fails is that request's ``Failed(400)``, sent when it fails.
 
 At DEBUG, each request sent logs one line: its id and what was sent.
 """
@@ -57,6 +62,7 @@ At DEBUG, each request sent logs one line: its id and what was sent.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import functools
 import itertools
@@ -74,6 +80,10 @@ from mstar_actors.prepare.preparers import Draft, Preparer, failed, load_prepare
 from transport.arena import ArenaFull, TensorTooLarge
 
 __all__ = ["PrepareActor", "Preparer", "load_preparer"]
+
+# Requests fetching http(s) media at once, at least (4 a pool worker past that): each holds its
+# bytes until drafted, at most ``server.max_media_bytes`` an item.
+MIN_FETCHING = 16
 
 
 class PrepareActor(Actor):
@@ -100,6 +110,9 @@ class PrepareActor(Actor):
         self.pending = PendingRequests(max_preparing=1, max_unreleased=1)  # sized with the pool in start
         self._tasks: dict[PendingRequest, asyncio.Task] = {}  # preparing, abandoned ones included
         self._aside: dict[str, asyncio.Task] = {}  # inline: constrained requests drafting on a thread, by id
+        self._fetching: dict[str, asyncio.Task] = {}  # fetching http(s) media, by id: outside the release order
+        self._fetched: collections.OrderedDict[str, tuple[NewRequest, dict[str, bytes]]] = collections.OrderedDict()
+        self.max_fetching = MIN_FETCHING  # sized with the pool in start
         self._changed = asyncio.Event()  # a preparation ended
         self._http: Any = None  # media.FetchSession, made on first http(s) media
 
@@ -124,6 +137,7 @@ class PrepareActor(Actor):
             self.arena = TensorArena(spec, "producer")
         self.num_workers = self._size_pool()
         self.pending = PendingRequests(max_preparing=2 * self.num_workers, max_unreleased=2 * self.num_workers)
+        self.max_fetching = max(MIN_FETCHING, 4 * self.num_workers)
         if self.num_workers > 1:
             # A preparer whose heavy part holds the GIL runs it in processes of
             # its own (``start_processes``: audio clips), one a worker. Its
@@ -183,7 +197,7 @@ class PrepareActor(Actor):
                                        self.config.prepare.preprocess_workers, is_parallel)
 
     async def stop(self) -> None:
-        for task in [*self._tasks.values(), *self._aside.values()]:
+        for task in [*self._tasks.values(), *self._aside.values(), *self._fetching.values()]:
             task.cancel()
         if self.threads is not None:
             self.threads.shutdown(wait=False, cancel_futures=True)
@@ -196,12 +210,14 @@ class PrepareActor(Actor):
 
     async def handle(self, channel: str, msg: Any) -> None:
         match msg:
-            case NewRequest() if self.threads is not None:
-                self._start(msg)
-            case NewRequest() if msg.sampling.structured is not None:  # inline, its rules checked on a thread
-                self._check_aside(msg)
-            case NewRequest():  # inline: never in the release order
-                await self._send_result(msg, await self._prepare(PendingRequest(msg)))
+            case NewRequest() if self._fetches(msg):
+                await self._start_fetch(msg)
+            case NewRequest():
+                await self._prepare_fetched(msg, {})
+            case Abort() if msg.request_id in self._fetching:  # its fetch stops now; the conductor never saw it
+                self._fetching.pop(msg.request_id).cancel()
+            case Abort() if msg.request_id in self._fetched:  # fetched, waiting for room in the pool
+                del self._fetched[msg.request_id]
             case Abort() if msg.request_id in self.pending:
                 self._abandon(msg.request_id)
             case Abort() if msg.request_id in self._aside:  # its check's result is dropped
@@ -222,7 +238,10 @@ class PrepareActor(Actor):
             while True:
                 self._changed.clear()  # before looking, so no completion is missed
                 await self._release_ready()
-                if self.pending.can_start() and reading is None:
+                while self._fetched and self.pending.can_start():  # fetched first: they were read first
+                    self._start(*self._fetched.popitem(last=False)[1])
+                if (self.pending.can_start() and not self._fetched and len(self._fetching) < self.max_fetching
+                        and reading is None):
                     reading = asyncio.create_task(self.mailbox.get(), name="prepare:read")
                 changed = asyncio.create_task(self._changed.wait())
                 await asyncio.wait({changed} | ({reading} if reading else set()),
@@ -236,9 +255,9 @@ class PrepareActor(Actor):
             if reading is not None:
                 reading.cancel()
 
-    def _start(self, req: NewRequest) -> None:
+    def _start(self, req: NewRequest, fetched: dict[str, bytes]) -> None:
         pending = self.pending.start(req)
-        task = asyncio.create_task(self._prepare(pending), name=f"prepare:{req.request_id}")
+        task = asyncio.create_task(self._prepare(pending, fetched), name=f"prepare:{req.request_id}")
         self._tasks[pending] = task
         task.add_done_callback(functools.partial(self._on_done, pending))
 
@@ -254,7 +273,7 @@ class PrepareActor(Actor):
         """Take a request out of the release order; its thread's result is dropped."""
         pending = self.pending.abandon(request_id)
         if pending.is_cancellable:
-            self._tasks[pending].cancel()  # still fetching on this loop: stop now
+            self._tasks[pending].cancel()  # not yet handed to a thread: stop now
         self._changed.set()
         self.log.debug("request %s abandoned before its release: dropped unsent", request_id)
 
@@ -265,21 +284,70 @@ class PrepareActor(Actor):
 
     # ---- both paths -----------------------------------------------------------
 
-    def _check_aside(self, req: NewRequest) -> None:
+    async def _prepare_fetched(self, req: NewRequest, fetched: dict[str, bytes]) -> None:
+        """A request whose media bytes are at hand (``fetched``: its http(s)
+        parts'): into the pool's order, or prepared inline."""
+        if self.threads is not None:
+            self._start(req, fetched)
+        elif req.sampling.structured is not None:  # inline, its rules checked on a thread
+            self._check_aside(req, fetched)
+        else:  # inline: never in the release order
+            await self._send_result(req, await self._prepare(PendingRequest(req), fetched))
+
+    def _fetches(self, req: NewRequest) -> bool:
+        """Whether the request has http(s) media to fetch first (a part this
+        server refuses: no, its draft refuses it in its turn)."""
+        if not getattr(self.preparer, "PREPARES_MEDIA", False) or not req.messages:
+            return False
+        try:
+            refs = collect_media(req, self.limits, getattr(self.preparer, "MEDIA_KINDS", None))
+        except MediaError:
+            return False
+        return any(r.scheme in ("http", "https") for r in refs)
+
+    async def _start_fetch(self, req: NewRequest) -> None:
+        """Fetch the request's http(s) media in a task of its own, then go on
+        as ``_prepare_fetched`` (the pool: into the order at the loop's next
+        turn). Inline, with ``max_fetching`` fetching, first wait for one to end."""
+        while len(self._fetching) >= self.max_fetching:
+            self._changed.clear()
+            await self._changed.wait()
+
+        async def fetch() -> None:
+            try:
+                fetched = await self._fetch(req)
+            except MediaError as err:
+                fetched = failed(req, str(err), err.param)
+            except Exception as err:  # a bug fails its request alone
+                fetched = self._unexpected(req, err)
+            finally:
+                self._fetching.pop(req.request_id, None)  # an Abort took it out already
+                self._changed.set()
+            if isinstance(fetched, Failed):
+                await self._send_result(req, fetched)
+            elif self.threads is not None:
+                self._fetched[req.request_id] = (req, fetched)
+                self._changed.set()
+            else:
+                await self._prepare_fetched(req, fetched)
+
+        self._fetching[req.request_id] = asyncio.create_task(fetch(), name=f"fetch:{req.request_id}")
+
+    def _check_aside(self, req: NewRequest, fetched: dict[str, bytes]) -> None:
         """Inline, a constrained request drafts on a thread of its own (a large
         schema's rules take up to a second to check): the requests behind it go on."""
         async def prepare() -> None:
-            result = await self._prepare(PendingRequest(req), aside=True)
+            result = await self._prepare(PendingRequest(req), fetched, aside=True)
             del self._aside[req.request_id]
             await self._send_result(req, result)
 
         self._aside[req.request_id] = asyncio.create_task(prepare(), name=f"prepare:{req.request_id}")
 
-    async def _prepare(self, pending: PendingRequest, aside: bool = False) -> Draft | Failed:
-        """Fetch remote media here, then draft on the pool (or inline; ``aside``: on a thread)."""
+    async def _prepare(self, pending: PendingRequest, fetched: dict[str, bytes],
+                       aside: bool = False) -> Draft | Failed:
+        """Draft on the pool (or inline; ``aside``: on a thread of its own)."""
         req = pending.req
         try:
-            fetched = await self._fetch(req)
             if aside:
                 return await self.run_blocking(self._draft, pending, fetched)
             if self.threads is None:
@@ -292,9 +360,12 @@ class PrepareActor(Actor):
         except asyncio.CancelledError:
             raise
         except Exception as err:  # a bug in preparation fails its request alone
-            self.log.exception("preparing request %s failed", req.request_id)
-            return Failed(request_id=req.request_id, status=500, error_type="server_error",
-                          message=f"preparing the request failed: {type(err).__name__}: {err}")
+            return self._unexpected(req, err)
+
+    def _unexpected(self, req: NewRequest, err: Exception) -> Failed:
+        self.log.exception("preparing request %s failed", req.request_id, exc_info=err)
+        return Failed(request_id=req.request_id, status=500, error_type="server_error",
+                      message=f"preparing the request failed: {type(err).__name__}: {err}")
 
     def _draft(self, pending: PendingRequest, fetched: dict[str, bytes]) -> Draft | Failed:
         """The preparer's draft (on a pool thread, or inline)."""
@@ -303,11 +374,7 @@ class PrepareActor(Actor):
         return self.preparer.draft(pending.req, fetched)
 
     async def _fetch(self, req: NewRequest) -> dict[str, bytes]:
-        if not getattr(self.preparer, "PREPARES_MEDIA", False) or not req.messages:
-            return {}
-        refs = collect_media(req, self.limits, getattr(self.preparer, "MEDIA_KINDS", None))  # a kind refused: before any fetch
-        if not any(r.scheme in ("http", "https") for r in refs):
-            return {}
+        refs = collect_media(req, self.limits, getattr(self.preparer, "MEDIA_KINDS", None))
         if self._http is None:
             self._http = make_fetch_session(self.limits)
         try:

@@ -7,8 +7,11 @@ the preparations (tasks, a thread pool) and reports how each ends.
 A request's life::
 
     start --hand_over--> in the pool --finish(result)--> done --pop_releasable--> released
-      |  fetching: may finish (a media error) or be dropped (cancelled) before hand_over
+      |  before hand_over: may be dropped (cancelled)
       \\-- abandon, any time before its release: out of the order, its result dropped
+
+(A request with http(s) media starts once its bytes are fetched: the actor
+fetches outside this order, so a slow server holds no request behind it.)
 
 Invariants:
 
@@ -41,7 +44,7 @@ class PendingRequest:
     """One request between its start and its release."""
 
     req: NewRequest
-    is_in_pool: bool = False  # handed to a pool thread: its fetch is over, it can no longer be cancelled
+    is_in_pool: bool = False  # handed to a pool thread: it can no longer be cancelled
     is_abandoned: bool = False  # read by the pool thread before it drafts
     is_done: bool = False
     result: Any = None  # Draft | Failed, once done
@@ -52,7 +55,7 @@ class PendingRequest:
 
     @property
     def is_cancellable(self) -> bool:
-        """Still preparing on the actor's loop (fetching media): its task may be cancelled."""
+        """Not yet handed to a pool thread: its task may be cancelled."""
         return not self.is_in_pool and not self.is_done
 
 

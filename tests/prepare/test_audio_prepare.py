@@ -299,7 +299,9 @@ async def test_actor_fetches_an_audio_url_over_http_under_the_media_rules(prepar
                 await inbox.send(request(audio_url(f"{base}/clip.mp3"), rid="url"))
                 await inbox.send(request(input_audio(clip, "mp3"), rid="inline"))
                 await inbox.send(request(audio_url(f"{base}/missing.mp3"), rid="404"))
-                fetched, inline, missing = [await out.recv() for _ in range(3)]
+                # each in its turn once its bytes are at hand: fetches end in any order
+                results = {msg.request_id: msg for msg in [await out.recv() for _ in range(3)]}
+                fetched, inline, missing = results["url"], results["inline"], results["404"]
             assert isinstance(inline, Prepared) and isinstance(missing, Failed) and missing.status == 400
             assert missing.param == "messages[0].content[1].audio_url"
             if not allowed:  # the server is on loopback: refused (the client is not told why: the log says)

@@ -4,6 +4,7 @@ per-request duration the test controls with events (no sleeps)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 import pytest
@@ -229,46 +230,67 @@ async def test_abandoned_request_is_dropped_unsent_and_the_others_continue():
     assert await h.close() == []
 
 
-async def test_a_request_abandoned_while_fetching_is_cancelled_on_the_loop():
-    """Its http fetch is cancelled at once (the server never answers), it
-    never takes a thread, and the requests behind it go."""
+@contextlib.asynccontextmanager
+async def slow_media_server():
+    """``(base URL, asked, answer)``: ``/slow.png`` sets ``asked`` and answers
+    (an empty body) only once ``answer`` is set."""
     from aiohttp import web
 
-    from mstar_actors.messages import ChatMessage, ContentPart
     from tests.loopback import serving
 
-    asked, never = asyncio.Event(), asyncio.Event()
+    asked, answer = asyncio.Event(), asyncio.Event()
 
     async def slow(request: web.Request) -> web.Response:
         asked.set()
-        await never.wait()
+        await answer.wait()
         return web.Response(body=b"")
-
-    class FetchingPreparer(GatedPreparer):
-        PREPARES_MEDIA = True
 
     app = web.Application()
     app.router.add_get("/slow.png", slow)
     async with serving(app) as base:
         try:
-            h = Harness(FetchingPreparer(asyncio.get_running_loop()), num_workers=2)
-            h.preparer.expect("r1", "r2")
-            parts = [ContentPart(type="image_url", url=f"{base}/slow.png")]
-            await h.inbox.send(NewRequest(request_id="r1", model="m", sampling=SamplingParams(),
-                                          messages=[ChatMessage("user", parts)]))
-            await h.send("r2")
-            await asked.wait()
-            await h.preparer.started["r2"].wait()
-            assert h.actor.pending.request_ids() == ["r1", "r2"]
-            await h.inbox.send(Abort(request_id="r1"))
-            h.preparer.gates["r2"].set()
-            assert await h.recv_id() == ("Prepared", "r2")
-            await settle()
-            assert h.actor.pending.num_preparing == 0 and not h.actor._tasks  # r1's fetch ended, cancelled
-            assert not h.preparer.started["r1"].is_set()
-            assert await h.close() == []
+            yield base, asked, answer
         finally:
-            never.set()  # the server's handler ends, so the server stops at once
+            answer.set()  # the server's handler ends, so the server stops at once
+
+
+def media_request(rid: str, url: str) -> NewRequest:
+    from mstar_actors.messages import ChatMessage, ContentPart
+
+    return NewRequest(request_id=rid, model="m", sampling=SamplingParams(),
+                      messages=[ChatMessage("user", [ContentPart(type="image_url", url=url)])])
+
+
+class FetchingPreparer(GatedPreparer):
+    PREPARES_MEDIA = True
+
+
+@pytest.mark.parametrize("num_workers", [1, 2], ids=["inline", "pool"])
+async def test_a_slow_media_server_holds_back_no_other_request(num_workers):
+    """A request fetching http(s) media (its server silent) is outside the
+    release order and the mailbox: requests behind it are prepared and sent
+    meanwhile, an abort of it stops its fetch at once, unforwarded, and it
+    never takes a thread; one whose server answers late goes once fetched."""
+    async with slow_media_server() as (base, asked, answer):
+        h = Harness(FetchingPreparer(asyncio.get_running_loop()), num_workers=num_workers)
+        h.preparer.expect("r1", "r2", "r3")
+        h.preparer.gates["r2"].set()
+        h.preparer.gates["r3"].set()
+        await h.inbox.send(media_request("r1", f"{base}/slow.png"))
+        await asked.wait()
+        await h.send("r2")
+        assert await h.recv_id() == ("Prepared", "r2")  # while r1 still waits for its server
+        assert list(h.actor._fetching) == ["r1"] and "r1" not in h.actor.pending
+        await h.inbox.send(Abort(request_id="r1"))
+        await settle()
+        assert not h.actor._fetching and h.actor.pending.num_preparing == 0
+        assert not h.preparer.started["r1"].is_set()
+        asked.clear()
+        await h.inbox.send(media_request("r3", f"{base}/slow.png"))
+        await asked.wait()
+        answer.set()
+        assert await h.recv_id() == ("Prepared", "r3")
+        assert await h.close() == []
 
 
 @pytest.mark.parametrize("preparer_cls, num_workers", [(InlinePreparer, 4), (GatedPreparer, 1)],
