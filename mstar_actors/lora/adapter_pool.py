@@ -342,9 +342,15 @@ class AdapterPool:
             return [AdapterUpdate(request_id=read.load_id, status=400, code="invalid_adapter",
                                   message=f"adapter {read.name!r} at {read.path} was refused: {msg.message}")]
         outs = []
-        for w in [w for w in self._waiting if w.adapter.name == read.name and w.slot is None and not w.parked]:
-            if w.adapter.path == read.path:
-                self._waiting.remove(w)
+        # Its waiters end: new requests, and parked choices whose copy was dropped (read again for them: asked
+        # again, the read would fail again, and their streams would wait for ever).
+        for w in [w for w in self._waiting if w.adapter.name == read.name and w.slot is None]:
+            if w.adapter.path != read.path:
+                continue
+            self._waiting.remove(w)
+            if w.parked:
+                outs.extend(self._fail_parked(w, None, f"its files could not be read again: {msg.message}"))
+            else:
                 outs.append(self._fail(w, 500, f"adapter {read.name!r} could not be read: {msg.message}"))
         adapter = self._waiting_adapter(read.name) or self.adapters.get(read.name)
         if adapter is not None:

@@ -336,6 +336,28 @@ def test_parked_rows_whose_reinstall_fails_end_as_failed_with_the_reason():
     assert "the disk is gone" in failed[0].message and "'a'" in failed[0].message
 
 
+def test_parked_rows_whose_dropped_copy_cannot_be_read_again_end_as_failed_once():
+    """With one host copy kept, b's is dropped once b1 is parked; its files
+    gone, the read for its resume fails: b1 ends as failed with the reason,
+    and b is not read again (asked again, the read would fail again)."""
+    from mstar_actors.messages import AdapterReadFailed
+
+    d = running("ab", max_cpu_loras=1)
+    d.send("c1", "c")
+    d.step(int(d.adapter_pool.quantum))
+    d.settle()
+    d.step(int(d.adapter_pool.quantum) // 2)
+    assert "b1" in d.parked and d.unanswered == ["b"]
+    reads = len(d.reads)
+    d.unanswered.clear()
+    d.handle(d.adapter_pool.on_read_failed(AdapterReadFailed(name="b", path="/adapters/b",
+                                                             message="adapter 'b': there is no folder")))
+    d.step(3)
+    d.settle()
+    assert d.failed == ["b1"]
+    assert len(d.reads) == reads and not d.unanswered
+
+
 def test_an_unloaded_adapters_parked_rows_still_resume_and_finish():
     d = running("ab", max_cpu_loras=4)
     d.send("c1", "c")
