@@ -276,7 +276,16 @@ UNSERVED_OPTIONS = {
     "use_qalora": "QALoRA's pooled inputs",
     "arrow_config": "Arrow routing over several adapters",
     "fan_in_fan_out": "weights stored transposed, as GPT-2's Conv1D",
+    "trainable_token_indices": "trained rows of the token embedding beside the LoRA factors",
+    "use_bdlora": "block-diagonal LoRA factors",
+    "kasa_config": "KaSA's singular values between the factors",
+    "monteclora_config": "MonteCLoRA's sampled mixture of factors",
+    "target_parameters": "LoRA on bare parameters (such as MoE experts)",
 }
+# Initialisations that change the base weights as they make the factors (the adapter is then a delta on the
+# changed base, not on the published one) unless saved with PEFT's conversion, which writes
+# init_lora_weights=true.
+RESIDUAL_INITS = ("pissa", "olora", "corda", "loftq")
 
 
 def _check_config(config: dict, name: str) -> None:
@@ -298,6 +307,12 @@ def _check_config(config: dict, name: str) -> None:
         if config.get(key):
             raise AdapterError(f"adapter {name!r}: {key}={config[key]!r} ({what}) is not served; accepted: plain "
                                f"LoRA ({key} unset)")
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(RESIDUAL_INITS):
+        raise AdapterError(f"adapter {name!r}: init_lora_weights={init!r} trains against base weights PEFT changed "
+                           "(a residual or quantised base), not this base model's; accepted: an adapter saved with "
+                           "PEFT's save_pretrained(..., path_initial_model_for_weight_conversion=...), which makes "
+                           "it a delta on the original weights")
     for key in ("r", "lora_alpha"):
         _check_positive(config.get(key, 8), f"{CONFIG_FILE} field {key!r}", name)
     for key in ("rank_pattern", "alpha_pattern"):

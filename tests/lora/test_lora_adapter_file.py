@@ -139,13 +139,41 @@ def test_refuses_peft_dora(tmp_path):
 
 
 @pytest.mark.parametrize("option, value", [("alora_invocation_tokens", [330, 42]), ("layer_replication", [[0, 1], [0, 1]]),
-                                           ("use_qalora", True), ("fan_in_fan_out", True)])
+                                           ("use_qalora", True), ("fan_in_fan_out", True),
+                                           ("monteclora_config", {"n_experts": 4}),
+                                           ("target_parameters", ["mlp.experts.gate_up_proj"])])
 def test_refuses_peft_options_that_change_what_it_computes(saved, option, value):
     """Read as plain LoRA, an activated LoRA or a replicated stack gave other
     tokens than PEFT's without a word."""
     folder, base = saved
     edit_adapter(folder, config={option: value})
     _refused(folder, base, rf"{option}=.* is not served")
+
+
+@pytest.mark.parametrize("option", ["trainable_token_indices", "kasa_config", "use_bdlora"])
+def test_refuses_peft_variants_by_their_option_as_peft_writes_them(tmp_path, option):
+    """Trained embedding rows, KaSA's singular values, block-diagonal factors:
+    each named, not a puzzle over a tensor or a shape it left."""
+    from peft.tuners.lora.config import BdLoraConfig, KasaConfig
+
+    model, cfg = make_base()
+    kwargs = {"trainable_token_indices": dict(trainable_token_indices=[1, 2]),
+              "kasa_config": dict(kasa_config=KasaConfig()),
+              "use_bdlora": dict(use_bdlora=BdLoraConfig(target_modules_bd_a=["q_proj", "k_proj"],
+                                                         target_modules_bd_b=["v_proj", "o_proj"], nblocks=2))}[option]
+    folder, _ = make_adapter(tmp_path, model, **kwargs)
+    _refused(folder, base_shapes(cfg), rf"{option}=.* is not served")
+
+
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora", "corda", "loftq"])
+def test_refuses_an_unconverted_residual_init(saved, init):
+    """Its factors are a delta on base weights PEFT changed; converted, PEFT writes init_lora_weights=true."""
+    folder, base = saved
+    edit_adapter(folder, config={"init_lora_weights": init})
+    msg = _refused(folder, base, rf"init_lora_weights='{init}'")
+    assert "path_initial_model_for_weight_conversion" in msg
+    edit_adapter(folder, config={"init_lora_weights": "gaussian"})
+    read_adapter(folder, base=base, max_rank=8)
 
 
 def test_refuses_kohya_dora_scale(saved):
