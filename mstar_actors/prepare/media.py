@@ -446,10 +446,14 @@ def decode_video(data: bytes, ref: MediaRef, limits: MediaLimits, num_threads: i
 
 
 def _duration_s(container: Any, stream: Any) -> float | None:
+    """The stream's length as the container states it. A container's figure
+    may count from 0 rather than from its first timestamp (Matroska cut from
+    a stream): that start is taken off, and where it was not counted the
+    figure is short, which the frame-by-frame check while decoding makes up."""
     if stream.duration is not None and stream.time_base is not None:
         return float(stream.duration * stream.time_base)
     if container.duration is not None:
-        return container.duration / 1_000_000  # av.time_base
+        return max(0, container.duration - max(0, container.start_time or 0)) / 1_000_000  # av.time_base
     return None
 
 
@@ -473,7 +477,9 @@ def _too_many_frames(ref: MediaRef, num_frames: int | str, limits: MediaLimits) 
 
 def _sample_frames(container: Any, stream: Any, ref: MediaRef, limits: MediaLimits) -> Any:
     """One frame per 1/fps seconds (the first frame at or after each sample
-    time) as a uint8 (T, H, W, 3) array, each written into one buffer as it
+    time, counted from the first frame's: a clip whose timestamps start past 0
+    is sampled as the same clip from 0; a gap's sample times without a frame
+    of their own are skipped) as a uint8 (T, H, W, 3) array, each written into one buffer as it
     is decoded: no list of frames and stacked copy of it, and a video whose
     sampled frames would hold more than ``max_video_pixels`` is refused at
     the frame that passes it (a small file of large flat frames decodes to
@@ -481,9 +487,11 @@ def _sample_frames(container: Any, stream: Any, ref: MediaRef, limits: MediaLimi
     import torch
 
     buffer, num = None, 0
-    next_t = 0.0
+    next_t, start = 0.0, None
     for frame in container.decode(stream):
         t = frame.time if frame.time is not None else num / limits.video_fps
+        start = t if start is None else start
+        t -= start
         if t > limits.max_video_seconds:
             raise MediaError(ref.param, f"the video runs past {limits.max_video_seconds} s (server.max_video_seconds)")
         if t + 1e-6 < next_t:
@@ -509,7 +517,7 @@ def _sample_frames(container: Any, stream: Any, ref: MediaRef, limits: MediaLimi
         buffer[num].copy_(torch.from_numpy(frame.to_ndarray(format="rgb24")))
         num += 1
         next_t += 1.0 / limits.video_fps
-        while next_t + 1e-6 < t:  # a gap in the stream: don't emit a burst for it
+        while next_t <= t + 1e-6:  # a gap in the stream: this frame was each missed time's, no burst after it
             next_t += 1.0 / limits.video_fps
     if buffer is None:
         raise MediaError(ref.param, "the video has no frames")

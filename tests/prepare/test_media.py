@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import fractions
 import io
 import struct
 import zlib
@@ -45,17 +46,21 @@ def bomb_png(width=100_000, height=100_000) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
 
 
-def video_bytes(seconds: float = 3.0, fps: int = 10, size: int = 64) -> bytes:
+def video_bytes(seconds: float = 3.0, fps: int = 10, size: int = 64, start_s: float = 0.0, fmt: str = "mp4") -> bytes:
+    """A clip of one grey a frame; ``start_s``: its first frame's timestamp
+    (an MPEG-TS cut from a stream starts past 0; ffmpeg's own start at 1.4 s)."""
     import av
 
     out = io.BytesIO()
-    with av.open(out, mode="w", format="mp4") as container:
+    with av.open(out, mode="w", format=fmt) as container:
         stream = container.add_stream("mpeg4", rate=fps)
         stream.width = stream.height = size
         stream.pix_fmt = "yuv420p"
         for i in range(int(seconds * fps)):
             img = np.full((size, size, 3), (i * 7) % 255, dtype=np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+            frame = av.VideoFrame.from_ndarray(img, format="rgb24")
+            frame.pts, frame.time_base = round(start_s * fps) + i, fractions.Fraction(1, fps)
+            for packet in stream.encode(frame):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
@@ -180,6 +185,39 @@ def test_video_frame_and_second_limits(video3s):
         decode_video(video3s, ref("", "video"), MediaLimits(video_fps=2.0, max_video_frames=5))
     with pytest.raises(MediaError, match=r"3.0 s long.*server.max_video_seconds"):
         decode_video(video3s, ref("", "video"), MediaLimits(max_video_seconds=2.0))
+
+
+@pytest.mark.parametrize("fmt", ["mpegts", "matroska"])
+@pytest.mark.parametrize("start_s", [1.4, 60.0])
+def test_a_videos_first_timestamp_changes_neither_its_frames_nor_its_limits(fmt, start_s):
+    """Sampled from its first frame: a 4 s clip whose timestamps start at
+    ``start_s`` gives the frames of the same clip from 0, evenly spaced, and
+    passes the same limits (8 frames, 10 s)."""
+    limits = MediaLimits(video_fps=2.0, max_video_frames=8, max_video_seconds=10.0)
+    at_zero = decode_video(video_bytes(4.0, fps=20, fmt=fmt), ref("", "video"), limits)
+    late = decode_video(video_bytes(4.0, fps=20, start_s=start_s, fmt=fmt), ref("", "video"), limits)
+    assert at_zero.frames.shape[0] == 8 and np.array_equal(late.frames, at_zero.frames)
+
+
+def test_a_gap_in_a_video_gives_no_burst_of_frames():
+    """Frames at 0-0.95 s, then 3-3.95 s at 20 fps, sampled at 2 fps: 0, 0.5,
+    then 3.0 and 3.5 (the gap's sample times have no frames of their own)."""
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="matroska") as container:
+        stream = container.add_stream("mpeg4", rate=20)
+        stream.width = stream.height = 32
+        stream.pix_fmt = "yuv420p"
+        for i in [*range(20), *range(60, 80)]:
+            frame = av.VideoFrame.from_ndarray(np.full((32, 32, 3), i, dtype=np.uint8), format="rgb24")
+            frame.pts, frame.time_base = i, fractions.Fraction(1, 20)
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    got = decode_video(out.getvalue(), ref("", "video"), MediaLimits(video_fps=2.0))
+    assert [round(float(f.mean())) for f in got.frames] == pytest.approx([0, 10, 60, 70], abs=2)
 
 
 def test_a_videos_decoded_pixels_are_bounded_as_it_decodes(video3s):
