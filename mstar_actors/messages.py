@@ -171,6 +171,7 @@ class ContentPart(Struct, frozen=True, omit_defaults=True):
     type: str  # "text" | "image_url" | "video_url" | "audio_url" | "input_audio" (its data as a data: URL)
     text: str | None = None
     url: str | None = None
+    detail: str | None = None  # an image_url's "low" (a 512 x 512 version, fewer tokens) or "high" / "auto"
 
 
 class ToolCall(Struct, frozen=True, omit_defaults=True):

@@ -749,7 +749,7 @@ def _parse_part(where: str, part: Any, role: str) -> ContentPart:
             raise _bad(f"{where}.refusal", f"expected a string, got {_show(refusal)}")
         return ContentPart(type="text", text=refusal)
     if kind in ("image_url", "video_url", "audio_url"):
-        return ContentPart(type=kind, url=_parse_media_url(f"{where}.{kind}", part.get(kind)))
+        return _parse_media_part(f"{where}.{kind}", kind, part.get(kind))
     if kind == "input_audio":
         return ContentPart(type=kind, url=_parse_input_audio(f"{where}.input_audio", part.get(kind)))
     if kind != "text":
@@ -778,13 +778,28 @@ def _parse_input_audio(where: str, value: Any) -> str:
     return f"data:{INPUT_AUDIO_FORMATS[fmt]};base64,{data}"
 
 
-def _parse_media_url(where: str, value: Any) -> str:
-    """OpenAI's ``{"url": ...}`` object, or vLLM's bare string. Whether the
-    model takes media, and the URL's scheme and limits, are checked by prepare."""
-    url = value.get("url") if isinstance(value, dict) else value
-    if not isinstance(url, str) or not url:
+IMAGE_DETAILS = ("auto", "low", "high")
+
+
+def _parse_media_part(where: str, kind: str, value: Any) -> ContentPart:
+    """OpenAI's ``{"url": ..., "detail": ...}`` object (``detail`` an image's
+    only), or vLLM's bare URL string. Whether the model takes media, and the
+    URL's scheme and limits, are checked by prepare."""
+    keys = ("url", "detail") if kind == "image_url" else ("url",)
+    if isinstance(value, dict):
+        unknown = next((k for k in value if k not in keys), None)
+        if unknown is not None:
+            raise _bad(f"{where}.{unknown}", f"not a key of {kind}; accepted: {', '.join(keys)}")
+        url, detail = value.get("url"), value.get("detail")
+        if not isinstance(url, str) or not url:
+            raise _bad(f"{where}.url", f"expected the {kind[:-4]}'s URL as a non-empty string (data:, http(s):// or "
+                                       f"file://), got {_show(url)}")
+        if detail is not None and detail not in IMAGE_DETAILS:
+            raise _bad(f"{where}.detail", f"accepted: {', '.join(map(repr, IMAGE_DETAILS))}, got {_show(detail)}")
+        return ContentPart(type=kind, url=url, detail=detail if detail in ("low", "high") else None)
+    if not isinstance(value, str) or not value:
         raise _bad(where, f"expected an object like {{\"url\": \"data:...\"}} or a URL string, got {_show(value)}")
-    return url
+    return ContentPart(type=kind, url=value)
 
 
 # --------------------------------------------------------------------------

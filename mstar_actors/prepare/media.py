@@ -103,6 +103,7 @@ class MediaRef:
     kind: str  # "image" | "video" | "audio"
     url: str
     param: str  # "messages[i].content[j].image_url" (or video_url, audio_url, input_audio)
+    detail: str | None = None  # an image's "low": a version within LOW_DETAIL_SIZE square
 
     @property
     def scheme(self) -> str:
@@ -192,7 +193,7 @@ def _iter_media(chat: list[ChatMessage]):
         for j, part in enumerate(message.content):
             kind = MEDIA_PART_TYPES.get(part.type)
             if kind is not None:
-                yield MediaRef(kind, part.url or "", f"messages[{i}].content[{j}].{part.type}")
+                yield MediaRef(kind, part.url or "", f"messages[{i}].content[{j}].{part.type}", part.detail)
 
 
 # --------------------------------------------------------------------------
@@ -390,8 +391,12 @@ async def _read_bounded(resp: Any, ref: MediaRef, limits: MediaLimits) -> bytes:
 # --------------------------------------------------------------------------
 
 
+LOW_DETAIL_SIZE = 512  # OpenAI's "low" detail: the model sees a 512 x 512 version of the image
+
+
 def decode_image(data: bytes, ref: MediaRef, limits: MediaLimits):
-    """An RGB ``PIL.Image``; the pixel limit is checked from the header first."""
+    """An RGB ``PIL.Image``; the pixel limit is checked from the header first.
+    With ``detail: "low"``, shrunk (its aspect kept) to fit ``LOW_DETAIL_SIZE`` square."""
     from PIL import Image, UnidentifiedImageError
 
     # Pillow's own guard as a second line: it refuses past twice this at open(); ours is below.
@@ -405,7 +410,10 @@ def decode_image(data: bytes, ref: MediaRef, limits: MediaLimits):
                 f"at most {limits.max_image_pixels} (server.max_image_pixels)",
             )
         image.load()
-        return image.convert("RGB")
+        image = image.convert("RGB")
+        if ref.detail == "low":
+            image.thumbnail((LOW_DETAIL_SIZE, LOW_DETAIL_SIZE))
+        return image
     except MediaError:
         raise
     except Image.DecompressionBombError:  # Pillow's guard at open(), past twice the limit

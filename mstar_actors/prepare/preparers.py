@@ -360,7 +360,7 @@ class QwenVLPreparer(MediaPreparer):
         else:
             video = decode_video(data, ref, self.limits)
             item = self._video(video.frames, video.fps)
-        item.source_digest = source_digest(data)
+        item.source_digest = source_digest(data) + (b"low" if ref.detail == "low" else b"")  # other pixels
         return item
 
     def _image(self, image: Any) -> MediaDraft:

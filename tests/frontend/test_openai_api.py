@@ -50,7 +50,15 @@ BAD = [
     ("chat", chat(messages=[{"role": "user", "content": [{"type": "audio", "audio": {"url": "x"}}]}]),
      "messages[0].content[0].type"),
     ("chat", chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"uri": "x"}}]}]),
-     "messages[0].content[0].image_url"),
+     "messages[0].content[0].image_url.uri"),
+    ("chat", chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": ""}}]}]),
+     "messages[0].content[0].image_url.url"),
+    ("chat", chat(messages=[{"role": "user", "content": [{"type": "image_url",
+                                                          "image_url": {"url": "x", "detail": "bogus"}}]}]),
+     "messages[0].content[0].image_url.detail"),
+    ("chat", chat(messages=[{"role": "user", "content": [{"type": "video_url",
+                                                          "video_url": {"url": "x", "detail": "low"}}]}]),
+     "messages[0].content[0].video_url.detail"),
     ("chat", chat(messages=[{"role": "user", "content": [{"type": "video_url", "video_url": 5}]}]),
      "messages[0].content[0].video_url"),
     ("chat", chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
@@ -217,6 +225,9 @@ def test_chat_media_parts_pass_through_as_urls():
     parsed = api.parse_chat(chat(messages=[{"role": "user", "content": parts}]))
     assert [(p.type, p.url) for p in parsed.messages[0].content[1:]] == [
         ("image_url", "data:image/png;base64,AA"), ("video_url", "file:///media/clip.mp4")]
+    details = [{"type": "image_url", "image_url": {"url": "data:,", "detail": d}} for d in ("low", "high", "auto")]
+    parsed = api.parse_chat(chat(messages=[{"role": "user", "content": details}]))
+    assert [p.detail for p in parsed.messages[0].content] == ["low", "high", None]  # auto: the server's choice
 
 
 def test_completion_prompts_and_choice_order():

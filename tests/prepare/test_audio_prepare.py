@@ -86,7 +86,7 @@ def test_parts_become_data_urls_and_bad_ones_name_the_field():
          "accepted formats are 'wav', 'mp3'"),
         ({"type": "input_audio", "input_audio": {"format": "wav"}}, "input_audio.data", "non-empty base64 string"),
         ({"type": "input_audio", "input_audio": "AA"}, "input_audio", "expected an object like"),
-        ({"type": "audio_url", "audio_url": {}}, "audio_url", "expected an object like"),
+        ({"type": "audio_url", "audio_url": {}}, "audio_url.url", "expected the audio's URL as a non-empty string"),
         ({"type": "audio"}, "type", '"audio_url" and "input_audio"'),
     ]:
         with pytest.raises(api.ApiError, match=message) as err:

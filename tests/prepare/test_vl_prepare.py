@@ -5,6 +5,7 @@ through the arena in arrival order."""
 from __future__ import annotations
 
 import base64
+import copy
 import io
 
 import numpy as np
@@ -174,6 +175,29 @@ def test_media_digest_follows_the_source_bytes_and_the_place(preparer):
     assert a1.media[0].source_digest and a1.prepared.media_digest == a2.prepared.media_digest
     assert b.prepared.media_digest != a1.prepared.media_digest  # one pixel apart
     assert moved.prepared.media_digest != a1.prepared.media_digest  # same image, later in the prompt
+
+
+def test_low_detail_sees_a_512_square_version_and_keys_its_own_prefix(preparer):
+    """OpenAI's ``detail: "low"``: the image shrunk (aspect kept) to fit 512 x
+    512 before the processor, so fewer tokens for a large one, nothing changed
+    for a small one; its pixels differ, so its media digest does too."""
+    from PIL import Image
+
+    big = copy.copy(preparer)  # a processor that keeps large images large
+    big.image_processor = type(preparer.image_processor)(min_pixels=56 * 56, max_pixels=2048 * 2048)
+    array = np.random.default_rng(5).integers(0, 255, (600, 1200, 3), dtype=np.uint8)
+    url = png_url(array)
+    high = big.draft(chat("h", ContentPart(type="image_url", url=url, detail="high")), {})
+    low = big.draft(chat("l", ContentPart(type="image_url", url=url, detail="low")), {})
+    shrunk = Image.fromarray(array).resize((512, 256), Image.Resampling.BICUBIC)
+    expected = big.image_processor(images=[shrunk], return_tensors="pt")
+    assert low.media[0].grid_thw == tuple(int(x) for x in expected["image_grid_thw"][0])
+    assert low.media[0].num_tokens < high.media[0].num_tokens
+    assert low.prepared.media_digest != high.prepared.media_digest
+    small = png_url(array[:40, :40])
+    a, b = (big.draft(chat(r, ContentPart(type="image_url", url=small, detail=d)), {}) for r, d in (("a", None),
+                                                                                                   ("b", "low")))
+    assert torch.equal(a.media[0].pixel_values, b.media[0].pixel_values)
 
 
 def test_text_only_request_takes_the_plain_path(preparer):
