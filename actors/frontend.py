@@ -511,6 +511,7 @@ class FrontendActor(Actor):
         try:
             if parsed.messages is None:
                 return self.tokenization.encode_text(parsed.prompt, parsed.add_special_tokens)
+            self._check_text_only(parsed.messages)
             ids = self.tokenization.apply_chat_template(parsed.messages, parsed.add_generation_prompt, None,
                                                         parsed.continue_final_message, tools=parsed.tools)
         except ValueError as err:  # no chat template, or the template refused the messages
@@ -518,6 +519,19 @@ class FrontendActor(Actor):
         if parsed.add_special_tokens and self.tokenizer.bos_token_id is not None and ids[:1] != [self.tokenizer.bos_token_id]:
             ids = [self.tokenizer.bos_token_id, *ids]
         return ids
+
+    def _check_text_only(self, chat: list) -> None:
+        """/tokenize counts text: a media part's tokens follow its decoded size,
+        which preparation finds; refused by its part, saying where to count it."""
+        for i, message in enumerate(chat):
+            for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+                if part.type == "text":
+                    continue
+                where = f"messages[{i}].content[{j}].{part.type}"
+                why = ("/tokenize counts text only: a media part's tokens follow its decoded size, found as the "
+                       "request is prepared; send the chat to /v1/chat/completions with max_tokens 1 and read "
+                       "usage.prompt_tokens" if self.info.is_multimodal else "this model reads text only")
+                raise ApiError(400, f"{where}: {why}", param=where)
 
     async def _detokenize(self, request: web.Request) -> web.Response:
         model, tokens = api.parse_detokenize(await request.read(), self.info.vocab_size)

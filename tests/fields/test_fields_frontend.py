@@ -215,6 +215,12 @@ def test_tokenize_detokenize_version_ping_and_model_by_id(harness):
             # the turn flags read as a chat request reads them
             status, r = await h.post("/tokenize", {"model": "tiny", "messages": MSGS, "continue_final_message": True})
             assert status == 400 and r["error"]["param"] == "continue_final_message"
+            # a media part: refused by its part (its tokens follow its decoded size), not by the template
+            media = [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                  {"type": "image_url", "image_url": {"url": "data:,"}}]}]
+            status, r = await h.post("/tokenize", {"model": "tiny", "messages": media})
+            assert status == 400 and r["error"]["param"] == "messages[0].content[1].image_url"
+            assert "reads text only" in r["error"]["message"]
             status, r = await h.post("/detokenize", {"model": "tiny", "tokens": tok("Hello world").input_ids})
             assert status == 200 and r == {"prompt": "Hello world"}
             status, r = await h.post("/tokenize", {"model": "nope", "prompt": "x"})
