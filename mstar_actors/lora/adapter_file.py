@@ -218,6 +218,9 @@ def _weights_path(folder: Path, name: str) -> Path:
                 f"adapter {name!r}: {pickled} is a pickle, which is not loaded (it can run code); "
                 f"save the adapter as {WEIGHTS_FILE} (PEFT: save_pretrained(..., safe_serialization=True))"
             )
+    if path.exists() or path.is_symlink():  # a FIFO, a folder, a dangling link: no file to read
+        raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} in {folder} is not a regular file; accepted: the "
+                           "safetensors file PEFT's save_pretrained writes")
     raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} is missing from {folder}")
 
 

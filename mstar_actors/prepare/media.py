@@ -248,7 +248,7 @@ def _read_file_url(ref: MediaRef, limits: MediaLimits) -> bytes:
     allowed = Path(limits.allowed_dir).resolve()
     try:  # resolve symlinks and '..' first, then check where it landed
         path = Path(urllib.parse.unquote(parsed.path)).resolve(strict=True)
-    except (OSError, RuntimeError):
+    except (OSError, RuntimeError, ValueError):  # ValueError: a NUL byte in the path
         raise MediaError(ref.param, "no such file inside server.allowed_media_dir") from None
     if not path.is_relative_to(allowed) or not path.is_file():
         raise MediaError(ref.param, "the file is outside server.allowed_media_dir (or not a regular file)")

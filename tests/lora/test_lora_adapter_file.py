@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import shutil
 
 import pytest
@@ -268,6 +269,9 @@ def test_refuses_missing_files(saved):
     _refused(folder, base, r"adapter_model.bin is a pickle.*save the adapter as adapter_model.safetensors")
     (folder / "adapter_model.bin").unlink()
     _refused(folder, base, "adapter_model.safetensors is missing")
+    os.mkfifo(weights)  # never opened: a FIFO with no writer would block the read
+    _refused(folder, base, "adapter_model.safetensors in .* is not a regular file")
+    weights.unlink()
     (folder / "adapter_config.json").unlink()
     _refused(folder, base, "adapter_config.json is missing")
 

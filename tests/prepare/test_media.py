@@ -110,8 +110,9 @@ def test_file_url_outside_the_allowed_dir_is_refused(tmp_path):
     for url in (f"file://{tmp_path}/secret.png", f"file://{allowed}/../secret.png", f"file://{allowed}/link.png"):
         with pytest.raises(MediaError, match="outside server.allowed_media_dir"):
             read_local(ref(url), limits)
-    with pytest.raises(MediaError, match="no such file"):
-        read_local(ref(f"file://{allowed}/missing.png"), limits)
+    for missing in ("missing.png", "a%00.png"):  # a NUL byte names no file either
+        with pytest.raises(MediaError, match="no such file"):
+            read_local(ref(f"file://{allowed}/{missing}"), limits)
     with pytest.raises(MediaError, match="allowed_media_dir is not set"):
         read_local(ref(f"file://{allowed}/link.png"), MediaLimits())
 
