@@ -662,6 +662,12 @@ def _parse_turn_flags(body: dict, chat: list[ChatMessage]) -> tuple[bool, bool]:
         raise _bad("continue_final_message", "cannot be true together with add_generation_prompt: true")
     if continue_final and chat[-1].role != "assistant":
         raise _bad("continue_final_message", "the last message must be the assistant's, to be continued")
+    last = chat[-1].content
+    if continue_final and isinstance(last, list) and last and last[-1].type != "text":
+        # the template's render is cut after the message's final text: a media part past it would be lost
+        where = f"messages[{len(chat) - 1}].content[{len(last) - 1}].{last[-1].type}"
+        raise _bad(where, "the message continued (continue_final_message) must end with a text part; its last "
+                          f"part is {last[-1].type}")
     return continue_final, add_generation_prompt
 
 
