@@ -20,13 +20,12 @@ import os
 import queue
 import threading
 import time
-from multiprocessing import resource_tracker
-from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 from actors.base import Actor
 from mstar_actors.messages import (AdapterInstalled, CancelCompile, CompileGrammar, GrammarCompiled, InstallAdapter,
                                    StepDone, StepFailed, StepPlan)
+from transport.shm import attach_segment
 
 # Grammars a rank compiles at once beside its steps (the conductor sends one a constrained request).
 MAX_COMPILES = 2
@@ -58,9 +57,8 @@ def install_from_host(runner: Any, rank: int, msg: InstallAdapter) -> AdapterIns
     place (the copy goes straight into the device staging), then unmapped,
     so ``runner.install_adapter`` must copy the weights before it returns
     and keep no reference to them (``ModelRunner``'s does: its stacks are
-    device tensors);
-    it is unregistered from this process's resource tracker, so our exit
-    never unlinks it. Any failure (missing segment, torn blob, digest
+    device tensors); no process's exit unlinks it (the run's cleanup does).
+    Any failure (missing segment, torn blob, digest
     mismatch, a module this model has no stack for) is an ``ok=False``
     answer with the reason; the conductor then refuses the adapter on every
     rank.
@@ -101,20 +99,20 @@ def _install_blob(runner: Any, msg: InstallAdapter, blob: memoryview) -> str | N
 
 @contextlib.contextmanager
 def _mapped_segment(name: str, nbytes: int):
-    """The first ``nbytes`` of shared memory segment ``name``, mapped while the block runs."""
-    shm = SharedMemory(name=name, create=False)
+    """The first ``nbytes`` of shared memory segment ``name``, mapped while the
+    block runs (``transport.shm``'s attach: no resource tracker, which ranks
+    attaching one segment at once would confuse)."""
+    segment = attach_segment(name)
     try:
-        # Python 3.11 registers attached segments too; the reader owns this one.
-        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
-        if nbytes > shm.size:
-            raise ValueError(f"shared memory segment {name!r} has {shm.size} bytes, the install names {nbytes}")
-        blob = shm.buf[:nbytes]
+        if nbytes > segment.size:
+            raise ValueError(f"shared memory segment {name!r} has {segment.size} bytes, the install names {nbytes}")
+        blob = segment.buf[:nbytes]
         try:
             yield blob
         finally:
             blob.release()
     finally:
-        shm.close()
+        segment.close()
 
 
 class WorkerActor(Actor):

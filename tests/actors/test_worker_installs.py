@@ -6,14 +6,15 @@ install waits for the test's go), over in-memory channels, no model."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
 import threading
 from multiprocessing import resource_tracker
-from multiprocessing.shared_memory import SharedMemory
 
 import msgspec
 import torch
 
-from actors.worker import WorkerActor
+from actors.worker import WorkerActor, _mapped_segment
 from mstar_actors.config import Config, LoraConfig, ModelConfig
 from mstar_actors.lora.adapter_file import AdapterWeights, LoraModule
 from mstar_actors.lora.host_copy import adapter_to_bytes
@@ -28,6 +29,7 @@ from mstar_actors.messages import (
     WorkerReady,
     WorkerToConductor,
 )
+from transport import shm as segments
 from transport.memory import MemoryChannel
 
 
@@ -83,23 +85,42 @@ class SlowInstallRunner:
         self.installed.append((slot, weights.name))
 
 
-def _host_copy(name: str) -> tuple[SharedMemory, InstallAdapter]:
+_COPIES = itertools.count()
+
+
+def _host_copy(name: str) -> tuple[str, InstallAdapter]:
+    """The adapter's host copy in a segment of its own, as the adapter-reader writes it."""
     module = LoraModule(torch.ones(2, 4), torch.ones(3, 2), 1.0)
     weights = AdapterWeights(name=name, digest=f"digest-{name}", max_rank=2,
                              layers=({"self_attn.q_proj": module},), global_modules={})
     blob = adapter_to_bytes(weights)
-    shm = SharedMemory(create=True, size=len(blob))
-    shm.buf[: len(blob)] = blob
-    ref = AdapterHostRef(segment=shm.name, nbytes=len(blob))
-    return shm, InstallAdapter(slot=1, name=name, digest=weights.digest, host=ref)
+    segment_name = segments.segment_name(f"t{os.getpid()}", f"adapter{next(_COPIES)}")
+    segment = segments.create_segment(segment_name, len(blob))
+    segment.buf[: len(blob)] = blob
+    segment.close()
+    ref = AdapterHostRef(segment=segment_name, nbytes=len(blob))
+    return segment_name, InstallAdapter(slot=1, name=name, digest=weights.digest, host=ref)
 
 
-def _free(*shms: SharedMemory) -> None:
-    for shm in shms:
-        # The worker unregistered the name from this (shared) tracker; re-register so unlink balances.
-        resource_tracker.register(shm._name, "shared_memory")  # noqa: SLF001
-        shm.close()
-        shm.unlink()
+def _free(*names: str) -> None:
+    for name in names:
+        segments.unlink_segment(name)
+
+
+def test_an_install_maps_its_host_copy_without_the_resource_tracker(monkeypatch):
+    """The ranks attach one segment at once: a tracker's register / unregister
+    per rank printed KeyError tracebacks (its names are a set shared by the
+    spawned processes); the segment is the run's, no process's."""
+    calls = []
+    monkeypatch.setattr(resource_tracker, "register", lambda *args: calls.append(args))
+    monkeypatch.setattr(resource_tracker, "unregister", lambda *args: calls.append(args))
+    name, install = _host_copy("a")
+    try:
+        with _mapped_segment(name, install.host.nbytes) as blob:
+            assert len(blob) == install.host.nbytes
+        assert not calls
+    finally:
+        _free(name)
 
 
 async def _start(runner):
@@ -114,7 +135,7 @@ async def _start(runner):
     return inbox, outbox, task
 
 
-def _serve(runner, script, *shms: SharedMemory) -> None:
+def _serve(runner, script, *shms: str) -> None:
     """``script`` against a worker on ``runner``, then the host copies freed."""
     try:
         asyncio.run(_run(runner, script))
@@ -229,9 +250,7 @@ def test_more_installs_than_slots_is_a_protocol_error():
     try:
         assert asyncio.run(main()) == 1  # the actor fails, naming the rule
     finally:
-        _free(*shms[:3])  # the fourth was never read
-        shms[3].close()
-        shms[3].unlink()
+        _free(*shms)
 
 
 class KeptImageRunner(SlowInstallRunner):
