@@ -117,8 +117,21 @@ class GrammarCompiler:
                                                cache_limit_bytes=cache_bytes)
 
     def compile(self, spec: messages.StructuredSpec) -> Any:
-        """The compiled grammar of ``spec``; GrammarError naming the reason when it is invalid."""
-        return _engine_reasons(spec, lambda: self.compiler.compile_grammar(self._grammar(spec)))
+        """The compiled grammar of ``spec``; GrammarError naming the reason when
+        it is invalid, or when no output can satisfy it (no token, nor the
+        end, may come first: a language with no text, or none this
+        vocabulary spells), which sampling would otherwise meet with every
+        token masked."""
+        compiled = _engine_reasons(spec, lambda: self.compiler.compile_grammar(self._grammar(spec)))
+        bitmask = _xgr().allocate_token_bitmask(1, self.vocab_size)
+        _xgr().GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+        logits = torch.zeros((1, self.vocab_size))
+        _xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size)
+        if not bool((logits[0] == 0).any()):
+            raise GrammarError(spec.kind, "no output satisfies it: no token of this model's vocabulary, nor the "
+                                          "end of the output, may come first (a pattern no text matches, or only "
+                                          "text this vocabulary cannot spell)")
+        return compiled
 
     def check(self, spec: messages.StructuredSpec) -> None:
         """GrammarError where ``compile`` would refuse ``spec``, found from its
