@@ -642,7 +642,8 @@ class FrontendActor(Actor):
         model = self._resolve_model(speech.model)
         prompt_ids = await self.run_blocking(self._speech_prompt_ids, speech)
         sampling = msgspec.structs.replace(speech.sampling, stop_token_ids=(self.speech.tokens.end_of_speech,))
-        parsed = ParsedRequest(kind="speech", model=speech.model, sampling=sampling, prompts=[prompt_ids])
+        parsed = ParsedRequest(kind="speech", model=speech.model, sampling=sampling, prompts=[prompt_ids],
+                               prompt_param="input")
         parsed.with_token_facts(self.info.eos_token_ids, [])
         exchange = Exchange(parsed, model, "speech", self.index)
         self._admit(exchange)

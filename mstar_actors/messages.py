@@ -249,6 +249,7 @@ class NewRequest(Struct, frozen=True, tag=True, omit_defaults=True):
     # opening of a forced tool call, so the model writes only its JSON.
     assistant_prefix: str = ""
     continue_final_message: bool = False  # the template leaves the last (assistant) message open
+    prompt_param: str = ""  # the body field a refused prompt is named by ("input" for speech); "": prompt / messages
 
 
 def new_request_id(kind: str, frontend: int = 0) -> str:

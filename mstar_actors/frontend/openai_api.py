@@ -280,6 +280,7 @@ class ParsedRequest:
     tools: ToolRequest | None = None
     output: OutputOptions = field(default_factory=lambda: OutputOptions())
     bad_words: list[str] = field(default_factory=list)  # tokenized by the frontend (``with_token_facts``)
+    prompt_param: str = ""  # the body field the prompt came from, when not prompt / messages (speech: "input")
 
     def with_token_facts(self, eos_token_ids: tuple[int, ...], bad_words_token_ids: list[list[int]]) -> None:
         """Fill the sampling fields that need the tokenizer: the ids ``min_tokens``
@@ -315,6 +316,7 @@ class ParsedRequest:
                     n=self.n,
                     tools=self.tools.tools if self.tools else None,
                     assistant_prefix=self.tools.assistant_prefix if self.tools else "",
+                    prompt_param=self.prompt_param,
                 )
             )
         return out
@@ -776,6 +778,9 @@ def _parse_input_audio(where: str, value: Any) -> str:
     prepare reads (the base64 itself is checked there, with the size limit)."""
     if not isinstance(value, dict):
         raise _bad(where, f"expected an object like {{\"data\": \"<base64>\", \"format\": \"wav\"}}, got {_show(value)}")
+    unknown = next((k for k in value if k not in ("data", "format")), None)
+    if unknown is not None:  # the clip is read as its bytes say (a rate, channels): a key can't change it
+        raise _bad(f"{where}.{unknown}", "not a key of input_audio; accepted: data, format")
     data, fmt = value.get("data"), value.get("format")
     if not isinstance(data, str) or not data:
         raise _bad(f"{where}.data", f"expected the audio file as a non-empty base64 string, got {_show(data)}")

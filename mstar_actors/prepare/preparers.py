@@ -192,7 +192,7 @@ def prompt_token_ids(tokenization: Any, req: NewRequest, prompt_limit: int | Non
         ids, param = list(tokenization.encode_prompt(req.prompt, limit)), "prompt"
     else:
         raise ValueError("none of prompt, prompt_token_ids or messages is set")
-    return (ids[-keep:] if keep is not None else ids), param
+    return (ids[-keep:] if keep is not None else ids), req.prompt_param or param
 
 def too_long(num_tokens: int, limit: int, is_lower_bound: bool = False) -> str:
     """The refusal of a prompt of ``num_tokens`` (at least, when counting stopped early)."""
@@ -201,7 +201,7 @@ def too_long(num_tokens: int, limit: int, is_lower_bound: bool = False) -> str:
 
 
 def _param_of(req: NewRequest) -> str:
-    return "messages" if req.messages is not None else "prompt"
+    return req.prompt_param or ("messages" if req.messages is not None else "prompt")
 
 
 def failed(req: NewRequest, message: str, param: str | None, code: str | None = None) -> Failed:

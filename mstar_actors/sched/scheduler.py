@@ -349,7 +349,8 @@ class Scheduler:
                      if self.max_model_len <= self.max_kv_tokens else
                      f"the whole KV cache holds {self.max_kv_tokens} tokens (max_model_len is {self.max_model_len})")
             message = (
-                f"max_tokens (or max_completion_tokens) is {max_tokens}, but the prompt has {num_prompt} tokens and "
+                f"max_tokens{' (or max_completion_tokens)' if req.prompt_param == 'messages' else ''} is "
+                f"{max_tokens}, but the prompt has {num_prompt} tokens and "
                 f"{limit}: {max_tokens} > {num_prompt + room} - {num_prompt}; ask for at most {room} tokens or "
                 f"shorten the prompt"
             )

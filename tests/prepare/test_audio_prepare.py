@@ -87,6 +87,8 @@ def test_parts_become_data_urls_and_bad_ones_name_the_field():
         ({"type": "input_audio", "input_audio": {"format": "wav"}}, "input_audio.data", "non-empty base64 string"),
         ({"type": "input_audio", "input_audio": "AA"}, "input_audio", "expected an object like"),
         ({"type": "audio_url", "audio_url": {}}, "audio_url.url", "expected the audio's URL as a non-empty string"),
+        ({"type": "input_audio", "input_audio": {"data": "AA", "format": "wav", "sample_rate": 8000}},
+         "input_audio.sample_rate", "not a key of input_audio; accepted: data, format"),
         ({"type": "audio"}, "type", '"audio_url" and "input_audio"'),
     ]:
         with pytest.raises(api.ApiError, match=message) as err:
