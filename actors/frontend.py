@@ -655,14 +655,21 @@ class FrontendActor(Actor):
 
     def _speech_prompt_ids(self, speech: Any) -> list[int]:
         from mstar_actors.prepare.prompt_bound import PromptTooLong
-        from mstar_actors.speech.orpheus import speech_text
+        from mstar_actors.speech.orpheus import FRAME_TOKENS, speech_text
 
         try:  # bounded as prepare bounds a prompt; the 6 framing tokens are counted by the scheduler
             text_ids = self.tokenization.encode_text(speech_text(speech.voice, speech.text), True,
                                                      self.info.max_model_len)
         except PromptTooLong as err:
             raise ApiError(400, f"input: {err}", param="input", code="context_length_exceeded") from None
-        return self.speech.tokens.prompt_ids(text_ids)
+        ids = self.speech.tokens.prompt_ids(text_ids)
+        room = self.info.max_model_len - len(ids)
+        if 0 < room < FRAME_TOKENS:  # (none: the scheduler's refusal names the prompt's length)
+            raise ApiError(400, f"input: the voice's prompt takes {len(ids)} of the {self.info.max_model_len} tokens "
+                                f"of the context (max_model_len), leaving {room} for audio, less than one frame "
+                                f"({FRAME_TOKENS} codec tokens); shorten the input", param="input",
+                           code="context_length_exceeded")
+        return ids
 
     async def _speak(self, request: web.Request, exchange: Exchange, speech: Any) -> web.StreamResponse:
         """Feed each delta's tokens to the request's speech stream and write

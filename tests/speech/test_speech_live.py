@@ -122,6 +122,7 @@ def test_adapter_voice_matches_peft_and_differs_from_base(client, served):
     ({"instructions": "Speak slowly."}, "instructions", "not supported"),
     ({"input": ""}, "input", "non-empty"),
     ({"input": "ab " * 123}, "input", "max_model_len is 256"),  # past the context with the voice's framing
+    ({"input": "ab " * 121}, "input", "less than one frame"),  # room for no audio
     ({"pitch": 2}, "pitch", "unknown field"),
     ({"temperature": 3}, "temperature", "[0.0, 2.0]"),
 ])
