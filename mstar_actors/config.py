@@ -311,16 +311,24 @@ def load_config(path: str | os.PathLike, **overrides: dict) -> Config:
     (the CLI's --host/--port), applied before validation."""
     p = Path(path)
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
     except FileNotFoundError:
         raise ConfigError(f"{p}: no such config file; see configs/ for examples") from None
+    except (OSError, UnicodeDecodeError) as err:  # a folder, unreadable, not UTF-8 text
+        raise ConfigError(f"{p}: cannot read it as a YAML file ({type(err).__name__}: {err}); give the path of a "
+                          "UTF-8 YAML config, like those in configs/") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{p}: not valid YAML: {err}".replace("\n", " ")) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: expected a mapping of sections (model, server, ...), got {type(data).__name__}")
     for section, values in overrides.items():
-        if values:
-            merged = dict(data.get(section) or {})
-            merged.update(values)
-            data[section] = merged
-    return parse_config(data, str(p))
+        if values and (data.get(section) is None or isinstance(data[section], dict)):  # else refused below
+            data[section] = {**(data.get(section) or {}), **values}
+    try:
+        return parse_config(data, str(p))
+    except ConfigError as err:  # a flag's value is the flag's fault, not the file's
+        for section, values in overrides.items():
+            for key, value in (values or {}).items():
+                if f"`$.{section}.{key}`" in str(err):
+                    raise ConfigError(str(err).replace(f"{p}: ", f"--{key} {value}: ", 1)) from None
+        raise

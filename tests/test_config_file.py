@@ -1,0 +1,38 @@
+"""Reading a config file and the CLI's overrides: every mistake one line
+naming the file or the flag, never a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from mstar_actors.config import ConfigError, load_config
+
+
+def test_a_file_that_is_not_utf8_text_or_is_a_folder_is_one_line(tmp_path):
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00model")
+    with pytest.raises(ConfigError, match=r"binary.yaml: cannot read it as a YAML file \(UnicodeDecodeError"):
+        load_config(binary)
+    with pytest.raises(ConfigError, match=r"cannot read it as a YAML file \(IsADirectoryError"):
+        load_config(tmp_path)
+
+
+@pytest.mark.parametrize("section", ["5", '"abc"', "[]"])
+def test_a_malformed_section_is_refused_with_or_without_a_flag(tmp_path, section):
+    """``--port`` merged into ``server: 5`` raised a TypeError; into ``server: []`` it hid the mistake."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"server: {section}\n")
+    for overrides in ({}, {"server": {"port": 8000}}):
+        with pytest.raises(ConfigError, match=r"c.yaml: Expected `object`, got .* at `\$.server`"):
+            load_config(path, **overrides)
+
+
+def test_a_flags_bad_value_is_blamed_on_the_flag(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("server: {port: 8000}\n")
+    with pytest.raises(ConfigError, match=r"^--port 70000: Expected `int` <= 65535 - at `\$.server.port`"):
+        load_config(path, server={"port": 70000})
+    path.write_text("server: {port: 70000}\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: Expected `int` <= 65535"):
+        load_config(path)
+    assert load_config(path, server={"port": 8001}).server.port == 8001  # the flag wins
