@@ -79,6 +79,9 @@ def resolve_model(path_or_name: str) -> Path:
     folder, and raises ``FetchError`` saying how to fetch it when it is not
     there yet. Never downloads.
     """
+    if not path_or_name.strip():  # Path("") is the working directory
+        raise FetchError(f"model.path is empty; give a model folder (Hugging Face layout) or an embedded model name "
+                         f"({', '.join(sorted(EMBEDDED))})")
     path = Path(path_or_name).expanduser()
     if path.is_dir():
         return path
@@ -131,9 +134,11 @@ def _embedded(name: str) -> EmbeddedModel:
 
 
 def _say(progress: bool, line: str) -> None:
-    log.info(line)
+    """A progress line on stderr (the command's own), else to the log: once either way."""
     if progress:
         print(line, file=sys.stderr, flush=True)
+    else:
+        log.info(line)
 
 
 def _install_package(spec: EmbeddedModel, progress: bool) -> Path:

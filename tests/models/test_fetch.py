@@ -24,6 +24,8 @@ def test_resolve_model_returns_folders_and_explains_unfetched(tmp_path, monkeypa
         resolve_model("smollm2")
     with pytest.raises(FetchError, match="accepted embedded names: smollm2"):
         resolve_model("no-such-model")
+    with pytest.raises(FetchError, match=r"model.path is empty; give a model folder"):  # not the working directory
+        resolve_model("")
 
 
 def _can_fetch() -> bool:
