@@ -52,6 +52,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from actors.base import CONTROL, Actor, Mailbox
+from mstar_actors.config import server_url
 from mstar_actors.frontend import openai_api as api
 from mstar_actors.messages import (
     Abort,
@@ -239,7 +240,7 @@ class FrontendActor(Actor):
                            reuse_port=server.api_server_count > 1)
         await site.start()
         self.port = self._runner.addresses[0][1]
-        self.log.info("serving %s on http://%s:%d%s", self.info.served_name, server.host, self.port,
+        self.log.info("serving %s on %s%s", self.info.served_name, server_url(server.host, self.port),
                       f" (frontend {self.index + 1} of {server.api_server_count})" if server.api_server_count > 1 else "")
 
     async def stop(self) -> None:

@@ -306,6 +306,12 @@ def with_device_defaults(config: Config) -> Config:
     return msgspec.structs.replace(config, scheduler=scheduler)
 
 
+def server_url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 address in brackets (an empty host: every address, as 0.0.0.0)."""
+    host = host or "0.0.0.0"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def load_config(path: str | os.PathLike, **overrides: dict) -> Config:
     """Read and validate a YAML config. ``overrides`` maps section -> {key: value}
     (the CLI's --host/--port), applied before validation."""

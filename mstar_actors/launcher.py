@@ -37,6 +37,7 @@ watched through their process sentinels on the asyncio loop: nothing polls.
 from __future__ import annotations
 
 import asyncio
+import errno
 import contextlib
 import dataclasses
 import logging
@@ -51,7 +52,7 @@ import msgspec
 
 from actors.base import ActorSpec, frontend_name, run_actor_process
 from mstar_actors import messages, rundir
-from mstar_actors.config import Config
+from mstar_actors.config import Config, server_url
 from mstar_actors.model_info import ModelInfo
 
 log = logging.getLogger("mstar_actors.launcher")
@@ -352,7 +353,7 @@ class Launcher:
             for name in self.frontends:
                 await self.to_actor[name].send(messages.Started())
             host, port = self.config.server.host, self.config.server.port
-            log.info("serving %s at http://%s:%d (run dir %s)", self.info.served_name, host, port, self.run_dir)
+            log.info("serving %s at %s (run dir %s)", self.info.served_name, server_url(host, port), self.run_dir)
             code = await self.await_end(stop)
             if code == 0:
                 code = await self.drain(stop)
@@ -554,6 +555,9 @@ def port_problem(host: str, port: int) -> str | None:
             try:
                 probe.bind(address)
             except OSError as err:
+                if err.errno == errno.EADDRNOTAVAIL:
+                    return (f"cannot listen on {host}:{port} ({err.strerror}): server.host {host!r} is not an "
+                            "address of this host; use 127.0.0.1, 0.0.0.0 or one of its own (server.host, --host)")
                 return (f"cannot listen on {host}:{port} ({err.strerror}); stop what holds the port or choose "
                         f"another (server.port, --port)")
     return None

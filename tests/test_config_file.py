@@ -36,3 +36,11 @@ def test_a_flags_bad_value_is_blamed_on_the_flag(tmp_path):
     with pytest.raises(ConfigError, match=r"c.yaml: Expected `int` <= 65535"):
         load_config(path)
     assert load_config(path, server={"port": 8001}).server.port == 8001  # the flag wins
+
+
+def test_a_server_url_brackets_an_ipv6_host():
+    from mstar_actors.config import server_url
+
+    assert server_url("::1", 8000) == "http://[::1]:8000"
+    assert server_url("127.0.0.1", 80) == "http://127.0.0.1:80"
+    assert server_url("", 8000) == "http://0.0.0.0:8000"

@@ -289,3 +289,10 @@ def test_a_stop_while_actors_start_does_not_wait_for_their_models(model_dir, run
         assert time.monotonic() - started < 5 and "did not stop within" not in srv.log, srv.log
     finally:
         srv.kill()
+
+
+def test_a_host_that_is_not_this_hosts_address_is_named_as_such():
+    from mstar_actors.launcher import port_problem
+
+    problem = port_problem("192.0.2.7", 8347)  # TEST-NET-1: no host's own address
+    assert "server.host '192.0.2.7' is not an address of this host" in problem and "--host" in problem
