@@ -252,10 +252,15 @@ class Actor:
         return code
 
     async def _report_error(self, err: Exception) -> None:
-        text = "".join(traceback.format_exception(err))
-        self.log.error("actor %s failed: %s\n%s", self.name, err, text)
+        user = _is_user_error(err)
+        text = "" if user else "".join(traceback.format_exception(err))
+        if user:  # the operator's to mend, and the message says how: no traceback
+            self.log.error("actor %s failed: %s", self.name, err)
+        else:
+            self.log.error("actor %s failed: %s\n%s", self.name, err, text)
         try:
-            msg = ActorError(actor=self.name, message=f"{type(err).__name__}: {err}", traceback=text)
+            msg = ActorError(actor=self.name, message=str(err) if user else f"{type(err).__name__}: {err}",
+                             traceback=text, user_error=user)
             if CONTROL in self.outbox:
                 self.outbox[CONTROL].send_nowait(msg)
         except Exception as send_err:  # the launcher still sees the exit code
@@ -275,6 +280,16 @@ class Actor:
                 channel.close()
             except Exception as err:  # closing is best effort at exit
                 self.log.debug("closing %s: %s", getattr(channel, "name", "?"), err)
+
+
+def _is_user_error(err: Exception) -> bool:
+    """A config key, the model folder or the machine refused with a message
+    naming what to change (``ConfigError``, ``ModelLoadError``, ``FetchError``)."""
+    from mstar_actors.config import ConfigError
+    from mstar_actors.fetch import FetchError
+    from mstar_actors.models.spec import ModelLoadError
+
+    return isinstance(err, (ConfigError, ModelLoadError, FetchError))
 
 
 # --------------------------------------------------------------------------

@@ -52,7 +52,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from actors.base import CONTROL, Actor, Mailbox
-from mstar_actors.config import server_url
+from mstar_actors.config import ConfigError, server_url
 from mstar_actors.frontend import openai_api as api
 from mstar_actors.messages import (
     Abort,
@@ -238,7 +238,11 @@ class FrontendActor(Actor):
                            refusal_response(503, "Service Unavailable", _json.encode(refusal.envelope())),
                            _envelope_bytes, server.request_read_timeout_s, handler_kwargs,
                            reuse_port=server.api_server_count > 1)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as err:  # taken since the launcher's check (another server started meanwhile)
+            raise ConfigError(f"cannot listen on {server.host}:{server.port} ({err.strerror}); stop what holds the "
+                              "port or choose another (server.port, --port)") from None
         self.port = self._runner.addresses[0][1]
         self.log.info("serving %s on %s%s", self.info.served_name, server_url(server.host, self.port),
                       f" (frontend {self.index + 1} of {server.api_server_count})" if server.api_server_count > 1 else "")

@@ -28,13 +28,14 @@ def _serve(args: argparse.Namespace) -> int:
     from mstar_actors import launcher
     from mstar_actors.config import ConfigError, load_config
     from mstar_actors.fetch import FetchError
-    from mstar_actors.model_info import load_model_info
+    from mstar_actors.model_info import check_model_files, load_model_info
     from mstar_actors.models.spec import ModelLoadError
 
     server = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     try:
         config = load_config(args.config, server=server)
         info = load_model_info(config)
+        check_model_files(info.model_dir)
     except (ConfigError, FetchError, ModelLoadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -37,13 +37,14 @@ watched through their process sentinels on the asyncio loop: nothing polls.
 from __future__ import annotations
 
 import asyncio
-import errno
 import contextlib
 import dataclasses
+import errno
 import logging
 import multiprocessing
 import os
 import signal
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,8 @@ log = logging.getLogger("mstar_actors.launcher")
 CONTROL_RING_BYTES = 1 << 18  # tracebacks travel here
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 10.0
+# How long a clean exit waits for a peer's error report (its cause), before it is reported itself.
+REPORT_WAIT_S = 1.0
 RENDEZVOUS_FILE = "rendezvous.json"  # the tensor-parallel group's address, in the run directory
 DRAIN_MARGIN_S = 5.0  # past shutdown_timeout_s: the frontend fails what is left, then answers
 # How long an idle OpenMP thread spins before it sleeps (GNU OpenMP's count; its own
@@ -232,6 +235,8 @@ class Launcher:
         self.drained = asyncio.Event()  # every frontend's Drained came
         self.drained_frontends: set[str] = set()
         self.stopping = False
+        self.failures: dict[str, messages.ActorError] = {}  # the errors actors reported, first first
+        self._failed = asyncio.Event()  # one was reported
 
     # ---- set-up -------------------------------------------------------------
 
@@ -340,6 +345,9 @@ class Launcher:
         finally:
             await self.stop_all()
             self.release()
+            user = next((f for f in self.failures.values() if f.user_error), None)
+            if user is not None and not self.ready.issuperset(self.procs):  # the last line, as the CLI's refusals
+                print(f"error: {user.message}", file=sys.stderr)
 
     async def supervise(self) -> int:
         stop = asyncio.Event()
@@ -349,7 +357,10 @@ class Launcher:
         listeners = [asyncio.create_task(self.listen(n, ch)) for n, ch in self.from_actor.items()]
         try:
             if not await self.await_ready(stop):
-                return 0 if stop.is_set() and not self._dead() else 1
+                if stop.is_set() and not self._dead():
+                    return 0
+                user = next((f for f in self.failures.values() if f.user_error), None)
+                return 1 if user is None else 2  # the operator's to mend: ``run`` ends with its one line
             for name in self.frontends:
                 await self.to_actor[name].send(messages.Started())
             host, port = self.config.server.host, self.config.server.port
@@ -375,8 +386,11 @@ class Launcher:
                 case messages.ActorReady():
                     self.ready.add(name)
                     self._ready_changed.set()
-                case messages.ActorError(message=message, traceback=tb):
-                    log.error("actor %s reported: %s\n%s", name, message, tb)
+                case messages.ActorError(message=message, traceback=tb):  # its own log has the traceback
+                    log.error("actor %s failed: %s", name, message)
+                    log.debug("actor %s's traceback:\n%s", name, tb)
+                    self.failures.setdefault(name, msg)
+                    self._failed.set()
                 case messages.Drained(num_failed=num_failed):
                     log.info("%s drained (%d requests failed at the timeout)", name, num_failed)
                     self.drained_frontends.add(name)
@@ -450,7 +464,17 @@ class Launcher:
         proc.join(timeout=1.0)  # its sentinel fired: the exit status is there
         how = exit_description(proc.exitcode)
         phase = "while starting" if starting else "while serving"
-        log.error("actor %s (pid %d) %s %s; shutting down", name, proc.pid, how, phase)
+        if proc.exitcode == 0 and not self.failures:  # a clean exit follows a peer's failure: wait for its report
+            try:
+                await asyncio.wait_for(self._failed.wait(), REPORT_WAIT_S)
+            except asyncio.TimeoutError:
+                pass
+        culprit = next(iter(self.failures), None)
+        if culprit is not None and culprit != name and proc.exitcode == 0:  # it ended because the culprit did
+            log.info("actor %s (pid %d) %s", name, proc.pid, how)
+            log.error("actor %s failed %s: %s; shutting down", culprit, phase, self.failures[culprit].message)
+        else:
+            log.error("actor %s (pid %d) %s %s; shutting down", name, proc.pid, how, phase)
         for frontend in self.frontends:
             if frontend != name and self.procs[frontend].is_alive():
                 try:
@@ -567,9 +591,8 @@ def serve(config: Config, info: ModelInfo) -> int:
     """Run the server until a signal or an actor's death; the exit code
     (2: a configured adapter can't be served, ``parallel.tp`` does not split
     the model, the grammar engine is missing or broken, or the port can't be
-    listened on; one line on stderr says which)."""
-    import sys
-
+    listened on, or an actor found a config key or the model folder it
+    cannot start with; one line on stderr says which)."""
     import uvloop
 
     from mstar_actors.lora import AdapterError

@@ -685,6 +685,7 @@ class ActorError(Struct, frozen=True, tag=True, omit_defaults=True):
     actor: str
     message: str
     traceback: str = ""
+    user_error: bool = False  # the operator's to mend (a config key, the model folder, the port): one line, exit 2
 
 
 class Drained(Struct, frozen=True, tag=True, omit_defaults=True):

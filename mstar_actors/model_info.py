@@ -45,6 +45,23 @@ class ModelInfo(msgspec.Struct, frozen=True):
         return msgspec.structs.replace(self, max_model_len=min(self.max_model_len, num_kv_tokens))
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def check_model_files(model_dir: str | Path) -> None:
+    """``ModelLoadError`` naming what a served folder lacks (weights, a
+    tokenizer), found before any actor starts: an actor's load would fail
+    on it inside a library, with a message that names neither."""
+    from mstar_actors.models.loader import safetensors_files
+    from mstar_actors.models.spec import ModelLoadError
+
+    folder = Path(model_dir)
+    safetensors_files(folder)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES) and not any(folder.glob("*.tiktoken")):
+        raise ModelLoadError(f"{folder}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)}, with "
+                             "tokenizer_config.json); copy them from the model's repository into the folder")
+
+
 def load_model_info(config: Config) -> ModelInfo:
     """Read the model folder ``config.model.path`` names (never the network).
 

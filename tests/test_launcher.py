@@ -296,3 +296,17 @@ def test_a_host_that_is_not_this_hosts_address_is_named_as_such():
 
     problem = port_problem("192.0.2.7", 8347)  # TEST-NET-1: no host's own address
     assert "server.host '192.0.2.7' is not an address of this host" in problem and "--host" in problem
+
+
+def test_an_actors_start_refusal_of_a_config_key_is_one_line_and_exit_2(model_dir, tmp_path):
+    """A worker finds kv.num_blocks past free memory: the launcher names the
+    key in one line (not the allocator's error, nor a peer that ended after it)."""
+    config = tmp_path / "huge.yaml"
+    config.write_text(f"model: {{path: {model_dir}, name: tiny, device: cpu}}\nserver: {{port: 0}}\n"
+                      "kv: {num_blocks: 100000000000}\n")
+    out = subprocess.run([sys.executable, "-m", "mstar_actors", "serve", str(config)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: kv.num_blocks 100000000000"), out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    assert "actor worker0 failed while starting: kv.num_blocks" in out.stderr, out.stderr  # not a peer ending after it

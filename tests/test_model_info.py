@@ -94,3 +94,17 @@ def test_unpickling_a_spec_with_info_imports_no_torch(tmp_path):
     code = (f"import pickle, sys; pickle.loads(open({str(tmp_path / 'spec.pickle')!r}, 'rb').read()); "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={"PYTHONPATH": str(ROOT)}).returncode == 0
+
+
+def test_a_folder_without_weights_or_a_tokenizer_is_refused_naming_what_it_lacks(tmp_path):
+    from mstar_actors.model_info import check_model_files
+    from mstar_actors.models.spec import ModelLoadError
+
+    folder = model_folder(tmp_path)
+    with pytest.raises(ModelLoadError, match=r"no \*.safetensors weights found"):
+        check_model_files(folder)
+    (folder / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match=r"no tokenizer files \(one of tokenizer.json, .*copy them"):
+        check_model_files(folder)
+    (folder / "tokenizer.json").write_text("{}")
+    check_model_files(folder)

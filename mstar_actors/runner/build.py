@@ -172,6 +172,15 @@ def size_kv_cache(spec: ModelSpec, kv: KvConfig, dtype: torch.dtype, device: tor
     num_kv_heads = num_kv_heads or spec.num_kv_heads
     num_blocks = kv.num_blocks or blocks_from_memory(spec, kv.block_size, kv.memory_fraction, dtype, device,
                                                      num_kv_heads)
+    if kv.num_blocks:  # set by hand: it must fit what is free, or the allocation's own error names no key
+        per_block = kv_bytes_per_block(len(spec.kv_layers), kv.block_size, num_kv_heads, spec.head_dim, dtype)
+        free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
+                else psutil.virtual_memory().available)
+        if (num_blocks + 1) * per_block > free:
+            raise ConfigError(f"kv.num_blocks {num_blocks} of kv.block_size {kv.block_size} tokens take "
+                              f"{(num_blocks + 1) * per_block / 2**30:.1f} GiB; {free / 2**30:.1f} GiB is free on "
+                              f"{device}: set fewer blocks (or smaller ones), or leave kv.num_blocks out to size the "
+                              "cache from kv.memory_fraction")
     caches = allocate_kv_cache(len(spec.kv_layers), num_blocks + 1, kv.block_size, num_kv_heads, spec.head_dim,
                                dtype, device)
     return KvCache(caches, kv.block_size, num_blocks, state_pools or [], snapshot_pools or [])
@@ -190,7 +199,7 @@ def blocks_from_memory(spec: ModelSpec, block_size: int, memory_fraction: float,
         budget = min(int(psutil.virtual_memory().available * memory_fraction), MAX_CPU_KV_BYTES)
     num_blocks = budget // per_block - 1  # less the scratch block
     if num_blocks < 1:
-        raise RuntimeError(
+        raise ConfigError(
             f"kv: no room for two KV blocks (one is scratch) of {per_block} bytes on {device} "
             f"(budget {budget} bytes); raise kv.memory_fraction or set kv.num_blocks"
         )
