@@ -248,7 +248,10 @@ class FrontendActor(Actor):
                       f" (frontend {self.index + 1} of {server.api_server_count})" if server.api_server_count > 1 else "")
 
     async def stop(self) -> None:
-        reason = f"the server is shutting down ({self.stop_reason or 'stopped'})"
+        if self.failure:  # a channel from a peer broke (it died before the launcher could say so): why, not "stopped"
+            reason = f"the server failed ({self.failure}); the server must be restarted"
+        else:
+            reason = f"the server is shutting down ({self.stop_reason or 'stopped'})"
         self._draining = self._draining or reason  # a request arriving from here on gets a 503 at once
         self._fail_all(503, reason)
         # Their handlers write the error (a stream's last event) before the connections close.

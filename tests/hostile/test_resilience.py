@@ -3,7 +3,8 @@ tiny random model (every actor in its own process).
 
 - Clients that disconnect mid-stream lose no one else's request, and every
   engine gauge (running, waiting, KV blocks used) is back to 0 after.
-- A SIGKILL of an actor under load fails every request in flight within a
+- A SIGKILL of an actor under load (a worker; the conductor, on a second
+  server) fails every request in flight within a
   short bound with an error naming the actor, and leaves no shared memory
   of the run and no process behind.
 
@@ -212,3 +213,26 @@ def _runs(proc: psutil.Process) -> bool:
         return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+@pytest.fixture(scope="module")
+def second_server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama-2")
+    _load_kit().make_model_dir(folder)
+    with Server(folder, tmp_path_factory.mktemp("runtime"), tmp_path_factory.mktemp("cfg")).running() as srv:
+        yield srv
+
+
+def test_sigkill_of_the_conductor_fails_requests_in_flight_naming_it(second_server):
+    """The frontend may learn of it first from its channel from the conductor
+    breaking: the requests it fails then still say why (they said "the server
+    is shutting down (stopped)")."""
+    victim = second_server.actors()["conductor"]
+    ends, last_end_s = asyncio.run(in_flight_until_killed(f"http://127.0.0.1:{second_server.port}", victim, 12, 4))
+    assert last_end_s < KILL_BOUND_S, last_end_s
+    failed = [(kind, what) for kind, _, what in ends if not (kind == "stream" and completed(what))]
+    assert sum(kind == "plain" for kind, _ in failed) == 4, failed
+    for kind, what in failed:
+        error = error_of(kind, what)
+        assert error["type"] == "server_error" and "conductor" in error["message"], (kind, error)
+    assert second_server.wait_exit(60) != 0
