@@ -4,11 +4,11 @@ tiny random model (every actor in its own process).
 - Clients that disconnect mid-stream lose no one else's request, and every
   engine gauge (running, waiting, KV blocks used) is back to 0 after.
 - A SIGKILL of an actor under load (a worker; the conductor, on a second
-  server) fails every request in flight within a
-  short bound with an error naming the actor, and leaves no shared memory
-  of the run and no process behind.
+  server) fails every request in flight within a short bound with an error
+  naming the actor, and leaves no shared memory of the run and no process
+  behind.
 
-One server serves both: the kill ends it, so it comes last.
+One server serves the first two: the kill ends it, so it comes after the other.
 """
 
 from __future__ import annotations
