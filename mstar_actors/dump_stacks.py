@@ -24,7 +24,8 @@ POLL_S = 0.05  # this CLI waits for files another process writes; a short bounde
 
 
 def request_dumps(run_dir: Path, actors: dict[str, int]) -> dict[str, Path]:
-    """Signal every actor; the dump file each one will write, by name."""
+    """Signal every actor; the dump file each one will write, by name (an
+    actor that no longer runs is said so, and has none)."""
     stacks = run_dir / "stacks"
     stacks.mkdir(exist_ok=True)
     pending = {}
@@ -66,10 +67,14 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    missing = collect(request_dumps(run_dir, actors), args.timeout)
+    pending = request_dumps(run_dir, actors)
+    gone = sorted(set(actors) - set(pending))
+    missing = collect(pending, args.timeout)
     for name in missing:
         print(f"error: actor {name} did not dump its stacks within {args.timeout:.0f} s", file=sys.stderr)
-    return 1 if missing else 0
+    for name in gone:
+        print(f"error: actor {name} is not running", file=sys.stderr)
+    return 1 if missing or gone else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -119,7 +119,12 @@ def find_run(arg: str | None, root: Path | None = None) -> Path:
             raise FileNotFoundError(f"no live run under {root or runs_root()}: is a server running?")
         return runs[-1]
     if Path(arg).is_dir():
-        return Path(arg)
+        run_dir = Path(arg)
+        pid = read_actors(run_dir).get("launcher_pid")
+        if not isinstance(pid, int) or not is_alive(pid) or run_is_dead(run_dir.name):
+            # its actors' pids may be other processes' by now: none is signalled
+            raise FileNotFoundError(f"{arg}: its launcher (pid {pid}) is not running: the run is over")
+        return run_dir
     if arg.isdigit():
         for run_dir in live_runs(root):
             if read_actors(run_dir).get("launcher_pid") == int(arg):

@@ -116,3 +116,16 @@ def test_without_an_environment_the_launcher_says_how_to_make_one(tmp_path):
     out = subprocess.run(["env", "-i", f"PATH={PLAIN_PATH}", str(tmp_path / "tools" / "dump_stacks")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "make install" in out.stderr and "psutil" in out.stderr
+
+
+def test_a_run_whose_launcher_is_gone_is_refused_and_no_pid_of_it_signalled(tmp_path, monkeypatch):
+    """Its actors' pids may be other processes' now (SIGUSR1 ends a process that does not catch it)."""
+    from mstar_actors import dump_stacks
+
+    run_dir = tmp_path / "20261201000000p999999"
+    run_dir.mkdir()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (run_dir / rundir.ACTORS_FILE).write_text(
+        f'{{"run_id": "x", "launcher_pid": {int(gone.stdout)}, "actors": {{"worker0": {os.getpid()}}}}}')
+    monkeypatch.setattr(os, "kill", lambda *args: pytest.fail(f"signalled {args}"))
+    assert dump_stacks.main([str(run_dir)]) == 2
