@@ -464,14 +464,15 @@ class Launcher:
         proc.join(timeout=1.0)  # its sentinel fired: the exit status is there
         how = exit_description(proc.exitcode)
         phase = "while starting" if starting else "while serving"
-        if proc.exitcode == 0 and not self.failures:  # a clean exit follows a peer's failure: wait for its report
+        if not self.failures and (proc.exitcode or 0) >= 0:  # an exit, not a signal: its report (or a peer's) is due
             try:
                 await asyncio.wait_for(self._failed.wait(), REPORT_WAIT_S)
             except asyncio.TimeoutError:
                 pass
         culprit = next(iter(self.failures), None)
-        if culprit is not None and culprit != name and proc.exitcode == 0:  # it ended because the culprit did
-            log.info("actor %s (pid %d) %s", name, proc.pid, how)
+        if culprit is not None and (culprit == name or proc.exitcode == 0):  # the reported failure is the cause
+            if culprit != name:
+                log.info("actor %s (pid %d) %s", name, proc.pid, how)
             log.error("actor %s failed %s: %s; shutting down", culprit, phase, self.failures[culprit].message)
         else:
             log.error("actor %s (pid %d) %s %s; shutting down", name, proc.pid, how, phase)
