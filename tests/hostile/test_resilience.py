@@ -38,12 +38,17 @@ KILL_BOUND_S = 3.0
 SETTLE_BOUND_S = 2.0  # from the last client's end to every gauge at 0  # from the SIGKILL to the last in-flight request's end, on 2 busy cores
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def _tiny_server(tmp_path_factory):
+    """A module fixture's body: the launcher serving a tiny random Llama of its own."""
     folder = tmp_path_factory.mktemp("tiny-llama")
     _load_kit().make_model_dir(folder)
     with Server(folder, tmp_path_factory.mktemp("runtime"), tmp_path_factory.mktemp("cfg")).running() as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from _tiny_server(tmp_path_factory)
 
 
 def body(max_tokens: int, stream: bool) -> dict:
@@ -217,10 +222,7 @@ def _runs(proc: psutil.Process) -> bool:
 
 @pytest.fixture(scope="module")
 def second_server(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-llama-2")
-    _load_kit().make_model_dir(folder)
-    with Server(folder, tmp_path_factory.mktemp("runtime"), tmp_path_factory.mktemp("cfg")).running() as srv:
-        yield srv
+    yield from _tiny_server(tmp_path_factory)
 
 
 def test_sigkill_of_the_conductor_fails_requests_in_flight_naming_it(second_server):
