@@ -52,9 +52,11 @@ loop (aiohttp), in a task of the request's own, before the request takes its
 turn: a slow or silent server holds neither a pool thread, nor the mailbox,
 nor the requests behind it. A fetching request is outside the release order
 (arrival order counts from the end of its fetch), at most ``max_fetching`` at
-once (past that nothing more is read: backpressure); an ``Abort`` cancels its
-fetch at once and is not forwarded (the conductor never saw the request). A
-fetch that fails is that request's ``Failed(400)``, sent when it fails.
+once; more wait their turn to fetch (up to ``MAX_WAITING_TO_FETCH``, past which
+nothing more is read: backpressure), while requests without http(s) media go
+on. An ``Abort`` cancels its fetch (or its turn) at once and is not forwarded
+(the conductor never saw the request). A fetch that fails is that request's
+``Failed(400)``, sent when it fails.
 
 At DEBUG, each request sent logs one line: its id and what was sent.
 """
@@ -84,6 +86,8 @@ __all__ = ["PrepareActor", "Preparer", "load_preparer"]
 # Requests fetching http(s) media at once, at least (4 a pool worker past that): each holds its
 # bytes until drafted, at most ``server.max_media_bytes`` an item.
 MIN_FETCHING = 16
+# Requests with http(s) media read while ``max_fetching`` fetch, waiting their turn (a NewRequest each: small).
+MAX_WAITING_TO_FETCH = 64
 
 
 class PrepareActor(Actor):
@@ -112,6 +116,7 @@ class PrepareActor(Actor):
         self._aside: dict[str, asyncio.Task] = {}  # inline: constrained requests drafting on a thread, by id
         self._fetching: dict[str, asyncio.Task] = {}  # fetching http(s) media, by id: outside the release order
         self._fetched: collections.OrderedDict[str, tuple[NewRequest, dict[str, bytes]]] = collections.OrderedDict()
+        self._to_fetch: collections.OrderedDict[str, NewRequest] = collections.OrderedDict()  # waiting to fetch
         self.max_fetching = MIN_FETCHING  # sized with the pool in start
         self._changed = asyncio.Event()  # a preparation ended
         self._http: Any = None  # media.FetchSession, made on first http(s) media
@@ -218,6 +223,8 @@ class PrepareActor(Actor):
                 self._fetching.pop(msg.request_id).cancel()
             case Abort() if msg.request_id in self._fetched:  # fetched, waiting for room in the pool
                 del self._fetched[msg.request_id]
+            case Abort() if msg.request_id in self._to_fetch:  # waiting for its turn to fetch
+                del self._to_fetch[msg.request_id]
             case Abort() if msg.request_id in self.pending:
                 self._abandon(msg.request_id)
             case Abort() if msg.request_id in self._aside:  # its check's result is dropped
@@ -240,7 +247,7 @@ class PrepareActor(Actor):
                 await self._release_ready()
                 while self._fetched and self.pending.can_start():  # fetched first: they were read first
                     self._start(*self._fetched.popitem(last=False)[1])
-                if (self.pending.can_start() and not self._fetched and len(self._fetching) < self.max_fetching
+                if (self.pending.can_start() and not self._fetched and len(self._to_fetch) < MAX_WAITING_TO_FETCH
                         and reading is None):
                     reading = asyncio.create_task(self.mailbox.get(), name="prepare:read")
                 changed = asyncio.create_task(self._changed.wait())
@@ -308,11 +315,20 @@ class PrepareActor(Actor):
     async def _start_fetch(self, req: NewRequest) -> None:
         """Fetch the request's http(s) media in a task of its own, then go on
         as ``_prepare_fetched`` (the pool: into the order at the loop's next
-        turn). Inline, with ``max_fetching`` fetching, first wait for one to end."""
-        while len(self._fetching) >= self.max_fetching:
+        turn); with ``max_fetching`` fetching, it waits its turn. Inline, with
+        ``MAX_WAITING_TO_FETCH`` waiting too, first wait for one to end."""
+        while len(self._to_fetch) >= MAX_WAITING_TO_FETCH:
             self._changed.clear()
             await self._changed.wait()
+        self._to_fetch[req.request_id] = req
+        self._next_fetches()
 
+    def _next_fetches(self) -> None:
+        """Start the requests waiting to fetch, oldest first, while fewer than ``max_fetching`` fetch."""
+        while self._to_fetch and len(self._fetching) < self.max_fetching:
+            self._fetch_now(self._to_fetch.popitem(last=False)[1])
+
+    def _fetch_now(self, req: NewRequest) -> None:
         async def fetch() -> None:
             try:
                 fetched = await self._fetch(req)
@@ -322,6 +338,7 @@ class PrepareActor(Actor):
                 fetched = self._unexpected(req, err)
             finally:
                 self._fetching.pop(req.request_id, None)  # an Abort took it out already
+                self._next_fetches()
                 self._changed.set()
             if isinstance(fetched, Failed):
                 await self._send_result(req, fetched)

@@ -293,6 +293,34 @@ async def test_a_slow_media_server_holds_back_no_other_request(num_workers):
         assert await h.close() == []
 
 
+@pytest.mark.parametrize("num_workers", [1, 2], ids=["inline", "pool"])
+async def test_requests_past_the_fetch_bound_wait_their_turn_and_hold_no_other_back(num_workers):
+    """With ``max_fetching`` fetches hanging, a further media request waits its
+    turn (an abort takes it out) while a plain one is prepared at once; when a
+    fetch ends, the next waiting one starts."""
+    async with slow_media_server() as (base, asked, answer):
+        h = Harness(FetchingPreparer(asyncio.get_running_loop()), num_workers=num_workers)
+        h.preparer.expect("t0", "m1", "m2", "m3", "t1")
+        for rid in ("t0", "m1", "m3", "t1"):
+            h.preparer.gates[rid].set()
+        await h.send("t0")
+        assert await h.recv_id() == ("Prepared", "t0")  # started: its bound is set
+        h.actor.max_fetching = 1
+        for rid in ("m1", "m2", "m3"):
+            await h.inbox.send(media_request(rid, f"{base}/slow.png"))
+        await asked.wait()
+        await h.send("t1")
+        assert await h.recv_id() == ("Prepared", "t1")
+        assert list(h.actor._fetching) == ["m1"] and list(h.actor._to_fetch) == ["m2", "m3"]
+        await h.inbox.send(Abort(request_id="m2"))
+        await settle()
+        assert list(h.actor._to_fetch) == ["m3"]
+        answer.set()
+        assert {await h.recv_id(), await h.recv_id()} == {("Prepared", "m1"), ("Prepared", "m3")}
+        assert not h.preparer.started["m2"].is_set()
+        assert await h.close() == []
+
+
 @pytest.mark.parametrize("preparer_cls, num_workers", [(InlinePreparer, 4), (GatedPreparer, 1)],
                          ids=["no-declaration", "one-worker"])
 async def test_inline_fallbacks(preparer_cls, num_workers):
