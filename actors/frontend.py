@@ -531,15 +531,14 @@ class FrontendActor(Actor):
     def _check_text_only(self, chat: list) -> None:
         """/tokenize counts text: a media part's tokens follow its decoded size,
         which preparation finds; refused by its part, saying where to count it."""
-        for i, message in enumerate(chat):
-            for j, part in enumerate(message.content if isinstance(message.content, list) else []):
-                if part.type == "text":
-                    continue
-                where = f"messages[{i}].content[{j}].{part.type}"
-                why = ("/tokenize counts text only: a media part's tokens follow its decoded size, found as the "
-                       "request is prepared; send the chat to /v1/chat/completions with max_tokens 1 and read "
-                       "usage.prompt_tokens" if self.info.is_multimodal else "this model reads text only")
-                raise ApiError(400, f"{where}: {why}", param=where)
+        from mstar_actors.prepare.preparers import first_media_part
+
+        if (media := first_media_part(chat)) is None:
+            return
+        why = ("/tokenize counts text only: a media part's tokens follow its decoded size, found as the request is "
+               "prepared; send the chat to /v1/chat/completions with max_tokens 1 and read usage.prompt_tokens"
+               if self.info.is_multimodal else "this model reads text only")
+        raise ApiError(400, f"{media[0]}: {why}", param=media[0])
 
     async def _detokenize(self, request: web.Request) -> web.Response:
         model, tokens = api.parse_detokenize(await request.read(), self.info.vocab_size)

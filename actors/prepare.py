@@ -75,7 +75,8 @@ from typing import Any
 
 from actors.base import Actor, Mailbox
 from mstar_actors.prepare.cpu_plan import CpuPlan, resolve_prepare_workers
-from mstar_actors.prepare.media import FetchError, MediaError, MediaLimits, collect_media, fetch_remote, make_fetch_session
+from mstar_actors.prepare.media import (FetchError, MediaError, MediaLimits, MediaRef, collect_media, fetch_remote,
+                                        make_fetch_session)
 from mstar_actors.messages import Abort, Failed, LoadAdapter, NewRequest, Prepared, UnloadAdapter
 from mstar_actors.prepare import PendingRequest, PendingRequests
 from mstar_actors.prepare.preparers import Draft, Preparer, failed, load_preparer, with_media
@@ -116,7 +117,8 @@ class PrepareActor(Actor):
         self._aside: dict[str, asyncio.Task] = {}  # inline: constrained requests drafting on a thread, by id
         self._fetching: dict[str, asyncio.Task] = {}  # fetching http(s) media, by id: outside the release order
         self._fetched: collections.OrderedDict[str, tuple[NewRequest, dict[str, bytes]]] = collections.OrderedDict()
-        self._to_fetch: collections.OrderedDict[str, NewRequest] = collections.OrderedDict()  # waiting to fetch
+        # waiting to fetch, with their http(s) parts
+        self._to_fetch: collections.OrderedDict[str, tuple[NewRequest, list[MediaRef]]] = collections.OrderedDict()
         self.max_fetching = MIN_FETCHING  # sized with the pool in start
         self._changed = asyncio.Event()  # a preparation ended
         self._http: Any = None  # media.FetchSession, made on first http(s) media
@@ -215,8 +217,8 @@ class PrepareActor(Actor):
 
     async def handle(self, channel: str, msg: Any) -> None:
         match msg:
-            case NewRequest() if self._fetches(msg):
-                await self._start_fetch(msg)
+            case NewRequest() if refs := self._remote_refs(msg):
+                await self._start_fetch(msg, refs)
             case NewRequest():
                 await self._prepare_fetched(msg, {})
             case Abort() if msg.request_id in self._fetching:  # its fetch stops now; the conductor never saw it
@@ -301,18 +303,18 @@ class PrepareActor(Actor):
         else:  # inline: never in the release order
             await self._send_result(req, await self._prepare(PendingRequest(req), fetched))
 
-    def _fetches(self, req: NewRequest) -> bool:
-        """Whether the request has http(s) media to fetch first (a part this
-        server refuses: no, its draft refuses it in its turn)."""
+    def _remote_refs(self, req: NewRequest) -> list[MediaRef]:
+        """The request's http(s) media parts, to fetch first (none where a part
+        is refused: its draft refuses it in its turn)."""
         if not getattr(self.preparer, "PREPARES_MEDIA", False) or not req.messages:
-            return False
+            return []
         try:
             refs = collect_media(req, self.limits, getattr(self.preparer, "MEDIA_KINDS", None))
         except MediaError:
-            return False
-        return any(r.scheme in ("http", "https") for r in refs)
+            return []
+        return [r for r in refs if r.scheme in ("http", "https")]
 
-    async def _start_fetch(self, req: NewRequest) -> None:
+    async def _start_fetch(self, req: NewRequest, refs: list[MediaRef]) -> None:
         """Fetch the request's http(s) media in a task of its own, then go on
         as ``_prepare_fetched`` (the pool: into the order at the loop's next
         turn); with ``max_fetching`` fetching, it waits its turn. Inline, with
@@ -320,18 +322,18 @@ class PrepareActor(Actor):
         while len(self._to_fetch) >= MAX_WAITING_TO_FETCH:
             self._changed.clear()
             await self._changed.wait()
-        self._to_fetch[req.request_id] = req
+        self._to_fetch[req.request_id] = (req, refs)
         self._next_fetches()
 
     def _next_fetches(self) -> None:
         """Start the requests waiting to fetch, oldest first, while fewer than ``max_fetching`` fetch."""
         while self._to_fetch and len(self._fetching) < self.max_fetching:
-            self._fetch_now(self._to_fetch.popitem(last=False)[1])
+            self._fetch_now(*self._to_fetch.popitem(last=False)[1])
 
-    def _fetch_now(self, req: NewRequest) -> None:
+    def _fetch_now(self, req: NewRequest, refs: list[MediaRef]) -> None:
         async def fetch() -> None:
             try:
-                fetched = await self._fetch(req)
+                fetched = await self._fetch(req, refs)
             except MediaError as err:
                 fetched = failed(req, str(err), err.param)
             except Exception as err:  # a bug fails its request alone
@@ -390,8 +392,7 @@ class PrepareActor(Actor):
             return Failed(request_id=pending.request_id, status=400, message="abandoned before its draft began")
         return self.preparer.draft(pending.req, fetched)
 
-    async def _fetch(self, req: NewRequest) -> dict[str, bytes]:
-        refs = collect_media(req, self.limits, getattr(self.preparer, "MEDIA_KINDS", None))
+    async def _fetch(self, req: NewRequest, refs: list[MediaRef]) -> dict[str, bytes]:
         if self._http is None:
             self._http = make_fetch_session(self.limits)
         try:

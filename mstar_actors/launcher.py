@@ -345,7 +345,7 @@ class Launcher:
         finally:
             await self.stop_all()
             self.release()
-            user = next((f for f in self.failures.values() if f.user_error), None)
+            user = self._user_failure()
             if user is not None and not self.ready.issuperset(self.procs):  # the last line, as the CLI's refusals
                 print(f"error: {user.message}", file=sys.stderr)
 
@@ -359,8 +359,7 @@ class Launcher:
             if not await self.await_ready(stop):
                 if stop.is_set() and not self._dead():
                     return 0
-                user = next((f for f in self.failures.values() if f.user_error), None)
-                return 1 if user is None else 2  # the operator's to mend: ``run`` ends with its one line
+                return 1 if self._user_failure() is None else 2  # the operator's to mend: ``run`` ends with its line
             for name in self.frontends:
                 await self.to_actor[name].send(messages.Started())
             host, port = self.config.server.host, self.config.server.port
@@ -396,6 +395,10 @@ class Launcher:
                     self.drained_frontends.add(name)
                     if self.drained_frontends == set(self.frontends):
                         self.drained.set()
+
+    def _user_failure(self) -> messages.ActorError | None:
+        """The first failure an actor reported as the operator's to mend (a config key, the model folder)."""
+        return next((f for f in self.failures.values() if f.user_error), None)
 
     def _dead(self) -> list[str]:
         return [n for n, p in self.procs.items() if not p.is_alive()]

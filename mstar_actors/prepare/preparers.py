@@ -376,15 +376,23 @@ class QwenVLPreparer(MediaPreparer):
                           second_per_grid_t=self.temporal_patch_size / fps)
 
 
-def _media_refused(req: NewRequest) -> Failed | None:
-    """A media part sent to the text path (a text-only model), named by its part."""
-    for i, message in enumerate(req.messages or []):
+def first_media_part(messages: list[ChatMessage] | None) -> tuple[str, str] | None:
+    """``(param, type)`` of the first content part that is not text, e.g.
+    ``("messages[0].content[1].image_url", "image_url")``; None for text only."""
+    for i, message in enumerate(messages or []):
         for j, part in enumerate(message.content if isinstance(message.content, list) else []):
             if part.type != "text":
-                return failed(req, f"this model reads text only; {part.type} parts are for the image, video and "
-                                   f"audio models (Qwen2.5-VL, Qwen3.5, Qwen2-Audio)",
-                              f"messages[{i}].content[{j}].{part.type}")
+                return f"messages[{i}].content[{j}].{part.type}", part.type
     return None
+
+
+def _media_refused(req: NewRequest) -> Failed | None:
+    """A media part sent to the text path (a text-only model), named by its part."""
+    if (media := first_media_part(req.messages)) is None:
+        return None
+    param, kind = media
+    return failed(req, f"this model reads text only; {kind} parts are for the image, video and audio models "
+                       "(Qwen2.5-VL, Qwen3.5, Qwen2-Audio)", param)
 
 
 def media_digest(media: list[MediaDraft]) -> str:
