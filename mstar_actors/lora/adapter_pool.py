@@ -70,7 +70,10 @@ Invariants:
   slot table detaches it). The prefix root names the digest, so no KV block
   is shared across versions or adapters.
 - An unloaded adapter's waiting, running and parked requests finish; new
-  requests naming it get 404.
+  requests naming it get 404. A served adapter whose files can no longer be
+  read (its host copy dropped, then the read for an install failed) is
+  unloaded so: its waiters get that 404 with the reader's reason, its
+  parked choices fail, its running ones finish.
 """
 
 from __future__ import annotations
@@ -281,7 +284,7 @@ class AdapterPool:
         if adapter is None:
             served = ", ".join([self.base, *sorted(self.adapters)])
             return [Failed(request_id=req.request_id, status=404, param="model", code="model_not_found",
-                           message=f"the model {req.model!r} does not exist; served models: {served}")]
+                           error_type="not_found_error", message=f"the model {req.model!r} does not exist; served models: {served}")]
         self._waiting.append(_Waiting(req, adapter))
         return self._settle()
 
@@ -342,8 +345,17 @@ class AdapterPool:
             return [AdapterUpdate(request_id=read.load_id, status=400, code="invalid_adapter",
                                   message=f"adapter {read.name!r} at {read.path} was refused: {msg.message}")]
         outs = []
-        # Its waiters end: new requests, and parked choices whose copy was dropped (read again for them: asked
-        # again, the read would fail again, and their streams would wait for ever).
+        # A served adapter whose files no longer give it is unloaded (asked again, the read would fail again):
+        # /v1/models stops listing it, and an operator loads it again once its files are back.
+        served = self.adapters.get(read.name)
+        if served is not None and served.path == read.path:
+            del self.adapters[read.name]
+            outs.append(ModelsChanged(adapters=self.served()))
+        gone = (f"the model {read.name!r} was unloaded: its files could not be read again ({msg.message}); "
+                f"served models: {', '.join([self.base, *sorted(self.adapters)])}; load it again with "
+                "POST /v1/load_lora_adapter once its files are back")
+        # Its waiters end: new requests, and parked choices whose copy was dropped (their streams would
+        # otherwise wait for ever).
         for w in [w for w in self._waiting if w.adapter.name == read.name and w.slot is None]:
             if w.adapter.path != read.path:
                 continue
@@ -351,7 +363,8 @@ class AdapterPool:
             if w.parked:
                 outs.extend(self._fail_parked(w, None, f"its files could not be read again: {msg.message}"))
             else:
-                outs.append(self._fail(w, 500, f"adapter {read.name!r} could not be read: {msg.message}"))
+                outs.append(Failed(request_id=w.prepared.request_id, status=404, param="model",
+                                   code="model_not_found", error_type="not_found_error", message=gone))
         adapter = self._waiting_adapter(read.name) or self.adapters.get(read.name)
         if adapter is not None:
             adapter.is_reading = False

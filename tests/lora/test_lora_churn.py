@@ -358,6 +358,37 @@ def test_parked_rows_whose_dropped_copy_cannot_be_read_again_end_as_failed_once(
     assert len(d.reads) == reads and not d.unanswered
 
 
+def test_a_served_adapter_whose_files_are_gone_is_unloaded_with_a_404_naming_the_reason():
+    """c's first read (no host copy yet) fails: its files are gone. c1 gets a
+    404 with the reader's reason (not a 500: nothing is wrong with the
+    server, the model is no longer there), /v1/models stops listing c, a
+    later request is refused at once without a read, and a load brings it
+    back."""
+    from mstar_actors.messages import AdapterReadFailed, ModelsChanged
+
+    d = Driver()
+    d.send("c1", "c")
+    assert d.unanswered == ["c"]
+    d.unanswered.clear()
+    outs = d.adapter_pool.on_read_failed(AdapterReadFailed(name="c", path="/adapters/c",
+                                                           message="adapter 'c': there is no folder /adapters/c"))
+    failed = [out for out in outs if isinstance(out, Failed)]
+    assert [(f.request_id, f.status, f.code, f.param, f.error_type) for f in failed] == [
+        ("c1", 404, "model_not_found", "model", "not_found_error")]
+    assert "was unloaded" in failed[0].message and "there is no folder /adapters/c" in failed[0].message
+    changed = [out for out in outs if isinstance(out, ModelsChanged)]
+    assert [[a.name for a in m.adapters] for m in changed] == [["a", "b"]]
+    reads = len(d.reads)
+    outs = d.adapter_pool.add(Prepared(request_id="c2", model="c", prompt_token_ids=[1], sampling=SamplingParams()))
+    assert [(o.status, o.code) for o in outs if isinstance(o, Failed)] == [(404, "model_not_found")]
+    assert len(d.reads) == reads
+    d.handle(d.adapter_pool.load(LoadAdapter(request_id="l", name="c", path="/adapters/c")))
+    d.answer_reads()
+    d.send("c3", "c")
+    d.settle()
+    assert d.admitted.get("c3") is not None
+
+
 def test_an_unloaded_adapters_parked_rows_still_resume_and_finish():
     d = running("ab", max_cpu_loras=4)
     d.send("c1", "c")
