@@ -223,6 +223,9 @@ def _own_problem(schema: dict, where: str, root: dict) -> str | None:
             return (f"{where} uses {key!r}, which is not enforced here; accepted keywords: type, properties, "
                     "required, additionalProperties, items, prefixItems, enum, const, anyOf, oneOf, $ref/$defs, "
                     "pattern, format, lengths, bounds and counts")
+    for key in ("anyOf", "oneOf", "allOf", "type", "enum"):
+        if schema.get(key) == []:
+            return f"{where} has an empty {key!r}: no value satisfies it; list at least one"
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         return (f"{where} uses 'allOf' of {len(schema['allOf'])} schemas, which is not enforced here; "
                 "merge them into one")
@@ -247,6 +250,8 @@ def _own_problem(schema: dict, where: str, root: dict) -> str | None:
             return f"{where} has {key}: {value!r}; expected a non-negative integer"
     if (problem := _pattern_problem(schema, where)) is not None:
         return problem
+    if (problem := _count_problem(schema, where)) is not None:
+        return problem
     required, properties = schema.get("required"), schema.get("properties")
     if isinstance(required, list) and required and schema.get("patternProperties"):
         return (f"{where} has 'required' beside 'patternProperties', which drops it here; name the required "
@@ -255,6 +260,29 @@ def _own_problem(schema: dict, where: str, root: dict) -> str | None:
         missing = [name for name in required if not isinstance(properties, dict) or name not in properties]
         if missing:
             return f"{where} requires {missing!r}, which its 'properties' does not define; define each required one"
+    return None
+
+
+def _count_problem(schema: dict, where: str) -> str | None:
+    """Property and item counts the engine cannot keep: keys it may repeat, or
+    more than the schema generates (``additionalProperties`` and ``items``
+    are false unless given, as in OpenAI's strict mode)."""
+    counted = [k for k in ("minProperties", "maxProperties") if k in schema]
+    extra = schema.get("additionalProperties", False)
+    if counted and ("patternProperties" in schema or "propertyNames" in schema or extra is not False):
+        return (f"{where} has {counted[0]!r} over keys beside 'properties' (patternProperties, propertyNames or "
+                "additionalProperties), which may repeat a key here and so is not enforced; name the properties "
+                "under 'properties' with additionalProperties: false")
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    if isinstance(schema.get("minProperties"), int) and schema["minProperties"] > len(properties):
+        return (f"{where} has minProperties: {schema['minProperties']} but its 'properties' define "
+                f"{len(properties)}: only those are generated here (additionalProperties is false unless given, and "
+                "a count is not enforced over additional ones); define enough properties")
+    prefix = schema.get("prefixItems")
+    if (isinstance(prefix, list) and "items" not in schema and isinstance(schema.get("minItems"), int)
+            and schema["minItems"] > len(prefix)):
+        return (f"{where} has minItems: {schema['minItems']} but {len(prefix)} prefixItems and no 'items': items past "
+                "prefixItems are not generated unless 'items' gives their schema; give one")
     return None
 
 

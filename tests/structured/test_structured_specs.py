@@ -59,6 +59,11 @@ def test_completions_take_the_same_fields():
     ({"response_format": {"type": "json_schema", "json_schema": {"name": 3, "schema": SCHEMA}}}, "response_format.json_schema.name"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "strict": "yes"}}}, "response_format.json_schema.strict"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, "response_format.json_schema.schema"),
+    # a key the type does not read would be dropped
+    ({"response_format": {"type": "json_object", "schema": SCHEMA}}, "response_format.schema"),
+    ({"response_format": {"type": "text", "json_schema": {"schema": SCHEMA}}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "strcit": True}}},
+     "response_format.json_schema.strcit"),
     ({"structured_outputs": ["regex"]}, "structured_outputs"),
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
     ({"structured_outputs": {"regex": 5}}, "structured_outputs.regex"),
@@ -186,6 +191,17 @@ OBJ = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": [
      "the schema's properties['x']'s anyOf[0] uses 'not'"),
     ({"type": "object", "$defs": {"D": {"type": "object", "dependentRequired": {"a": ["b"]}}}},
      "$defs['D'] uses 'dependentRequired'"),
+    # no value satisfies an empty list of branches or types (the engine let the empty output through)
+    ({"anyOf": []}, "has an empty 'anyOf'"),
+    ({"type": "object", "properties": {"a": {"oneOf": []}}, "required": ["a"]}, "properties['a'] has an empty 'oneOf'"),
+    ({"allOf": [{"anyOf": []}]}, "allOf[0] has an empty 'anyOf'"),
+    ({"type": []}, "has an empty 'type'"),
+    # counts of keys the engine may repeat, or more than it generates
+    ({"type": "object", "patternProperties": {"^[ab]$": {"type": "integer"}}, "additionalProperties": False,
+      "minProperties": 3}, "'minProperties' over keys beside 'properties'"),
+    ({"type": "object", "propertyNames": {"enum": ["a", "b"]}, "maxProperties": 2}, "'maxProperties' over keys"),
+    ({"type": "object", "minProperties": 2}, "minProperties: 2 but its 'properties' define 0"),
+    ({"type": "array", "prefixItems": [{"type": "integer"}], "minItems": 2}, "unless 'items' gives their schema"),
 ])
 def test_a_keyword_the_engine_would_drop_is_refused_naming_it(compiler, schema, reason):
     """The engine ignores these without a word: its output would break them."""
@@ -206,6 +222,9 @@ def test_a_keyword_the_engine_would_drop_is_refused_naming_it(compiler, schema, 
                "Dog": {"type": "object", "properties": {"kind": {"enum": ["dog"]}}, "required": ["kind"]}},
      "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}], "discriminator": {"propertyName": "kind"}},
     {"type": "string", "pattern": "^\\d{3}-[a-z]+$"},
+    {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "minProperties": 1,
+     "maxProperties": 2, "additionalProperties": False},
+    {"type": "array", "prefixItems": [{"type": "integer"}], "items": {"type": "string"}, "minItems": 2},
 ])
 def test_what_the_engine_enforces_still_compiles(compiler, schema):
     compiler.compile(StructuredSpec("json", json.dumps(schema)))  # properties named like keywords are names
