@@ -31,6 +31,7 @@ requests may be drafted at once on the pool's threads.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,7 +52,7 @@ from mstar_actors.prepare.media import (
     read_local,
     source_digest,
 )
-from mstar_actors.messages import ChatMessage, Failed, MediaItem, NewRequest, Prepared, TensorRef
+from mstar_actors.messages import ChatMessage, Failed, MediaItem, NewRequest, Prepared, StructuredSpec, TensorRef
 from mstar_actors.prepare.prompt_bound import PromptTooLong
 
 if TYPE_CHECKING:
@@ -150,17 +151,22 @@ class Preparer:
         ranks compile beside their steps): a bad spec is its 400 here, before
         anything reaches the conductor or the ranks."""
         spec = req.sampling.structured
-        if spec is None:
+        if spec is None and not (req.tools and self.grammars is not None):
             return None
-        param = spec.param or "structured_outputs"
         if self.grammars is None:
-            return failed(req, "structured outputs are off on this server", param)
+            return failed(req, "structured outputs are off on this server", spec.param or "structured_outputs")
         from mstar_actors.runner.grammar import GrammarError
 
-        try:
-            self.grammars.check(spec)
-        except GrammarError as err:
-            return failed(req, f"{param}: {err}", param)
+        # Each tool's parameters, called or not (as OpenAI checks them), named by the tool: a forced call's
+        # schema joins them all.
+        tools = [StructuredSpec("json", json.dumps(tool["function"]["parameters"]),
+                                f"tools[{i}].function.parameters") for i, tool in enumerate(req.tools or ())]
+        for check in [*tools, *([] if spec is None else [spec])]:
+            param = check.param or "structured_outputs"
+            try:
+                self.grammars.check(check)
+            except GrammarError as err:
+                return failed(req, f"{param}: {err}", param)
         return None
 
     def check(self, token_ids: list[int]) -> str | None:

@@ -66,6 +66,34 @@ async def test_a_bad_spec_is_prepares_400_naming_its_field(word_model):
     assert out["ok"]["end"].finish_reason == "length"
 
 
+def tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", **parameters}}}
+
+
+@async_test
+async def test_each_tools_parameters_are_checked_called_or_not_and_named_by_the_tool(word_model):
+    """OpenAI refuses a tool whose parameters are no valid schema whether or
+    not it is called; a forced call's joined schema named only tool_choice."""
+    folder, _ = word_model
+    good = tool("good", {"properties": {"a": {"type": "integer"}}})
+    bad_type = tool("bad", {"properties": {"a": {"type": "bogus"}}})
+    no_value = tool("never", {"properties": {"a": {"anyOf": []}}, "required": ["a"]})
+    forced = StructuredSpec("json", '{"type": "object"}', "tool_choice")  # stands in for the joined schema
+    unforced, called = request("unforced", [5, 9]), request("called", [5, 9], spec=forced)
+    out, engine = await serve(folder, [
+        msgspec.structs.replace(unforced, tools=[good, bad_type]),
+        msgspec.structs.replace(called, tools=[no_value, good]),
+        msgspec.structs.replace(request("ok", [5, 9], max_tokens=3, ignore_eos=True), tools=[good]),
+    ])
+    assert await engine.stop() == [0] * 4
+    for rid, param, reason in (("unforced", "tools[1].function.parameters", "bogus"),
+                               ("called", "tools[0].function.parameters", "empty 'anyOf'")):
+        end = out[rid]["end"]
+        assert isinstance(end, Failed) and end.status == 400 and end.param == param, end
+        assert end.message.startswith(param) and reason in end.message, end.message
+    assert out["ok"]["end"].finish_reason == "length"
+
+
 @async_test
 async def test_abort_frees_the_grammar_state_on_every_rank(word_model):
     folder, _ = word_model
