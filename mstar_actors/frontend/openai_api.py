@@ -560,12 +560,19 @@ def _from_response_format(body: dict) -> StructuredSpec | None:
     if not isinstance(fmt, dict):
         raise _bad("response_format", f'expected an object like {{"type": "json_object"}}, got {_show(fmt)}')
     kind = fmt.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise _bad("response_format.type", f'expected "text", "json_object" or "json_schema", got {_show(kind)}')
+    # A key another type reads (a schema beside json_object, say) would be dropped: refused, naming it.
+    extra = next((key for key, v in fmt.items() if v is not None and key != "type"
+                  and not (kind == "json_schema" and key == "json_schema")), None)
+    if extra is not None:
+        takes = '"json_schema": {"name": ..., "schema": {...}}' if kind == "json_schema" else "nothing but its type"
+        raise _bad(f"response_format.{extra}", f'not read with "type": "{kind}", which takes {takes}; a schema '
+                                               'goes in {"type": "json_schema", "json_schema": {"schema": ...}}')
     if kind == "text":
         return None
     if kind == "json_object":
         return StructuredSpec("json_object", "", "response_format")
-    if kind != "json_schema":
-        raise _bad("response_format.type", f'expected "text", "json_object" or "json_schema", got {_show(kind)}')
     return _json_schema_spec(fmt.get("json_schema"))
 
 
@@ -573,6 +580,10 @@ def _json_schema_spec(value: Any) -> StructuredSpec:
     where = "response_format.json_schema"
     if not isinstance(value, dict):
         raise _bad(where, f'expected an object like {{"name": ..., "schema": {{...}}}}, got {_show(value)}')
+    extra = next((key for key, v in value.items()
+                  if v is not None and key not in ("name", "description", "schema", "strict")), None)
+    if extra is not None:
+        raise _bad(f"{where}.{extra}", "not a key of json_schema; accepted: name, description, schema, strict")
     for key in ("name", "description"):
         if value.get(key) is not None and not isinstance(value[key], str):
             raise _bad(f"{where}.{key}", f"expected a string, got {_show(value[key])}")
@@ -651,6 +662,10 @@ def parse_chat(raw: bytes, max_model_len: int | None = None, vocab_size: int | N
     parsed = _parse_common(body, "chat", cap, (top or 0) if want_logprobs else None, vocab_size)
     parsed.messages = parse_messages(body.get("messages"))
     parsed.continue_final_message, parsed.add_generation_prompt = _parse_turn_flags(body, parsed.messages)
+    given = parsed.sampling.structured
+    if parsed.continue_final_message and given is not None:
+        raise _bad(given.param, "an output constraint shapes a whole new reply; it cannot continue the final "
+                                "message (continue_final_message), whose text would come before it")
     _check_media_fields(parsed)
     _parse_tools(parsed, body, tool_parser)
     return parsed

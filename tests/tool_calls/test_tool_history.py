@@ -78,6 +78,16 @@ def test_forced_call_cannot_continue_the_final_message():
     assert info.value.param == "tool_choice"
 
 
+@pytest.mark.parametrize("constraint, param", [({"response_format": {"type": "json_object"}}, "response_format"),
+                                               ({"guided_regex": "[0-9]+"}, "guided_regex")])
+def test_an_output_constraint_cannot_continue_the_final_message(constraint, param):
+    """The grammar would start over after the continued text: the turn as a whole would break it."""
+    messages = HISTORY[:1] + [{"role": "assistant", "content": '{"name": "'}]
+    with pytest.raises(api.ApiError) as info:
+        _parse(messages, continue_final_message=True, add_generation_prompt=False, **constraint)
+    assert info.value.status == 400 and info.value.param == param and "continue_final_message" in info.value.message
+
+
 def test_forced_call_with_another_constraint_is_refused():
     pytest.importorskip("mstar_actors.runner.grammar")  # response_format is parsed where the engine is
     with pytest.raises(api.ApiError) as info:
