@@ -73,6 +73,17 @@ def _score_entries(num_prompt: int, prompt_logprobs: int | None) -> int:
     return 0 if prompt_logprobs is None else (num_prompt - 1) * (1 + prompt_logprobs)
 
 
+def _constraint_fields(sampling: SamplingParams) -> list[str]:
+    """The request fields whose token masks may leave no token to sample, as the client named them."""
+    fields = [name for name, given in (("allowed_token_ids", sampling.allowed_token_ids),
+                                       ("bad_words", sampling.bad_words_token_ids)) if given]
+    if sampling.structured is not None:
+        fields.append(sampling.structured.param or "structured_outputs")
+    if sampling.min_tokens:  # its stop tokens are masked until it is reached
+        fields.append("min_tokens")
+    return fields
+
+
 class _StepBuilder:
     """The plan being built by one ``schedule()`` call."""
 
@@ -344,17 +355,21 @@ class Scheduler:
             )
             return self._refuse(req.request_id, "prompt_logprobs", message)
         room = self._room(num_prompt)
-        if max_tokens > room and not req.sampling.cut_to_context:
+        # The cap the client sent must fit; a default cap is cut to the room, which min_tokens must fit then.
+        cut = req.sampling.cut_to_context
+        asked, param = (req.sampling.min_tokens, "min_tokens") if cut else (max_tokens, "max_tokens")
+        if asked > room:
             limit = (f"max_model_len is {self.max_model_len} tokens for prompt and output together"
                      if self.max_model_len <= self.max_kv_tokens else
                      f"the whole KV cache holds {self.max_kv_tokens} tokens (max_model_len is {self.max_model_len})")
+            name = "min_tokens" if cut else (
+                f"max_tokens{' (or max_completion_tokens)' if req.prompt_param == 'messages' else ''}")
             message = (
-                f"max_tokens{' (or max_completion_tokens)' if req.prompt_param == 'messages' else ''} is "
-                f"{max_tokens}, but the prompt has {num_prompt} tokens and "
-                f"{limit}: {max_tokens} > {num_prompt + room} - {num_prompt}; ask for at most {room} tokens or "
+                f"{name} is {asked}, but the prompt has {num_prompt} tokens and "
+                f"{limit}: {asked} > {num_prompt + room} - {num_prompt}; ask for at most {room} tokens or "
                 f"shorten the prompt"
             )
-            return self._refuse(req.request_id, "max_tokens", message, code="context_length_exceeded")
+            return self._refuse(req.request_id, param, message, code="context_length_exceeded")
         return None
 
     def _room(self, num_prompt: int) -> int:
@@ -670,10 +685,11 @@ class Scheduler:
     def _append_token(self, seq: Sequence, token: SampledToken) -> list[ConductorToFrontend]:
         if token.dead:  # the request's constraints exclude every token: it can't go on
             self._finish(seq, "abort")
+            fields = _constraint_fields(seq.sampling)
             message = (f"no token is left to sample at output token {len(seq.output_token_ids) + 1}: the request's "
-                       "own constraints (allowed_token_ids, bad_words, min_tokens' stop tokens, its structured "
-                       "output) exclude every token; loosen them")
-            return [Failed(seq.request_id, status=400, message=message)]
+                       f"own constraints ({' and '.join(fields) or 'its token masks'}) exclude every token; "
+                       "loosen them")
+            return [Failed(seq.request_id, status=400, message=message, param=fields[0] if fields else None)]
         seq.output_token_ids.append(token.token_id)
         num_outputs = len(seq.output_token_ids)
         first = num_outputs == 1

@@ -280,6 +280,16 @@ def test_max_tokens_past_max_model_len_is_refused_and_a_default_is_cut():
     assert finished_of(outputs)["r2"].num_output_tokens == 2
 
 
+def test_min_tokens_past_the_room_a_default_cap_is_cut_to_is_refused():
+    """A chat request with no cap: the whole context, cut to what the prompt
+    leaves; min_tokens beyond that was cut with it, silently."""
+    sched = make_scheduler(max_model_len=10)
+    (failed,) = sched.add(make_request("r0", num_prompt_tokens=8, max_tokens=100, min_tokens=3), ROOT)
+    assert (failed.status, failed.param, failed.code) == (400, "min_tokens", "context_length_exceeded")
+    assert "min_tokens is 3" in failed.message and "at most 2" in failed.message
+    assert sched.add(make_request("r1", num_prompt_tokens=8, max_tokens=100, min_tokens=2), ROOT) == []
+
+
 def test_max_tokens_past_the_kv_cache_is_refused_and_a_default_is_cut():
     sched = make_scheduler(num_blocks=2, max_model_len=100)
     (failed,) = sched.add(make_request("r0", num_prompt_tokens=7, max_tokens=100, cut_to_context=False), ROOT)
@@ -437,6 +447,20 @@ def test_a_dead_draw_fails_its_request_alone_and_frees_it():
     (failed,) = [o for o in outputs if isinstance(o, Failed)]
     assert (failed.request_id, failed.status) == ("dead", 400) and "no token is left to sample" in failed.message
     assert tokens_of(outputs) == {"live": [0]} and set(sched.requests) == {"live"}
+
+
+def test_a_dead_draw_names_the_constraints_the_request_gave():
+    from mstar_actors.messages import SampledToken, StructuredSpec
+
+    sched = make_scheduler()
+    regex = StructuredSpec("regex", "[0-9]{2}[a-z]+", "structured_outputs.regex")
+    sched.add(make_request("dead", allowed_token_ids=(3, 4), structured=regex), ROOT)
+    plan = sched.schedule()
+    sampled = [SampledToken(c.request_id, 0, dead=True) for c in plan.scheduled if c.sample]
+    (failed,) = [o for o in sched.update(StepDone(step_id=plan.step_id, rank=0, sampled=sampled))
+                 if isinstance(o, Failed)]
+    assert failed.param == "allowed_token_ids"
+    assert "(allowed_token_ids and structured_outputs.regex)" in failed.message and "min_tokens" not in failed.message
 
 
 def test_the_first_delta_carries_the_prompt_and_its_prefix_hit():
