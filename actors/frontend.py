@@ -833,20 +833,19 @@ class FrontendActor(Actor):
         choice = exchange.choices.get(msg.request_id)
         if choice is None or choice.is_done:  # a whole request's, or stopped here
             if isinstance(msg, Failed) and choice is None:
-                raise ApiError(msg.status, f"request {exchange.response_id}: {msg.message}", param=msg.param,
-                               code=msg.code, error_type=msg.error_type)
+                raise _failure(exchange, msg)
             return None
         match msg:
             case TokenDelta():
                 return choice, *self._apply_delta(exchange, choice, msg)
             case Finished():
-                stop_token = None if msg.stop_token_id in self.info.eos_token_ids else msg.stop_token_id
+                # stop_reason: a stop_token_ids entry, not an EOS ending (one that ignore_eos passed stops as listed)
+                is_eos = msg.stop_token_id in self.info.eos_token_ids and not exchange.parsed.sampling.ignore_eos
                 text = choice.finish(msg.finish_reason, msg.num_prompt_tokens, msg.num_output_tokens,
-                                     msg.num_cached_tokens, stop_token)
+                                     msg.num_cached_tokens, None if is_eos else msg.stop_token_id)
                 return choice, text, []
             case Failed():
-                raise ApiError(msg.status, f"request {exchange.response_id}: {msg.message}", param=msg.param,
-                               code=msg.code, error_type=msg.error_type)
+                raise _failure(exchange, msg)
         raise AssertionError(f"unroutable {type(msg).__name__}")
 
     def _apply_delta(self, exchange: Exchange, choice: ChoiceOutput, delta: TokenDelta) -> tuple[str, list]:
@@ -952,6 +951,13 @@ class FrontendActor(Actor):
 async def _write_runs(stream: _Stream, runs: dict[int, list]) -> None:
     for run in runs.values():
         await stream.write_choice(*run)
+
+
+def _failure(exchange: Exchange, msg: Failed) -> ApiError:
+    """The engine's refusal as the client's error, the cap named by the field the client sent."""
+    param = exchange.parsed.cap_param if msg.param == "max_tokens" else msg.param
+    return ApiError(msg.status, f"request {exchange.response_id}: {msg.message}", param=param, code=msg.code,
+                    error_type=msg.error_type)
 
 
 def _add_token_ids(body: dict, exchange: Exchange, choices: list[ChoiceOutput]) -> None:

@@ -281,6 +281,7 @@ class ParsedRequest:
     output: OutputOptions = field(default_factory=lambda: OutputOptions())
     bad_words: list[str] = field(default_factory=list)  # tokenized by the frontend (``with_token_facts``)
     prompt_param: str = ""  # the body field the prompt came from, when not prompt / messages (speech: "input")
+    cap_param: str = "max_tokens"  # the body field of the output's cap: a refusal of "max_tokens" names this
 
     def with_token_facts(self, eos_token_ids: tuple[int, ...], bad_words_token_ids: list[list[int]]) -> None:
         """Fill the sampling fields that need the tokenizer: the ids ``min_tokens``
@@ -520,6 +521,7 @@ def _parse_common(body: dict, kind: str, cap: tuple[int, bool], logprobs: int | 
         logprobs=logprobs,
         output=output,
         bad_words=parse_bad_words(body),
+        cap_param="max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens",
     )
 
 
@@ -657,7 +659,7 @@ def parse_chat(raw: bytes, max_model_len: int | None = None, vocab_size: int | N
     cap = _parse_max_tokens(body, None, max_model_len)
     want_logprobs = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
-    if top is not None and not want_logprobs:
+    if top and not want_logprobs:  # 0 asks for nothing: taken without logprobs, as vLLM takes it
         raise _bad("top_logprobs", "requires logprobs: true")
     parsed = _parse_common(body, "chat", cap, (top or 0) if want_logprobs else None, vocab_size)
     parsed.messages = parse_messages(body.get("messages"))

@@ -368,6 +368,43 @@ def test_engine_refusal_before_output_keeps_its_status(harness):
     run(body)
 
 
+def test_a_refused_cap_is_named_by_the_field_the_client_sent(harness):
+    """The engine names the output's cap max_tokens; a client that sent max_completion_tokens reads that."""
+    async def body():
+        async with harness() as h:
+            for field in ("max_tokens", "max_completion_tokens"):
+                status, r = await h.post(CHAT, chat_body(**{field: 255}))
+                assert status == 400 and r["error"]["param"] == field, r
+                assert r["error"]["code"] == "context_length_exceeded"
+
+    run(body)
+
+
+def test_stop_reason_names_a_listed_stop_token_that_ignore_eos_passed(harness, tokenizer):
+    """As vLLM: an EOS ending has no stop_reason; under ignore_eos, EOS listed in stop_token_ids stops as listed."""
+    eos = tokenizer.eos_token_id
+
+    async def body():
+        async with harness() as h:
+            _, r = await h.post(CHAT, chat_body(stop_token_ids=[eos]))
+            assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["stop_reason"] is None
+            _, r = await h.post(CHAT, chat_body(stop_token_ids=[eos], ignore_eos=True))
+            assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["stop_reason"] == eos, r
+
+    run(body)
+
+
+def test_top_logprobs_zero_asks_for_nothing_and_needs_no_logprobs(harness):
+    async def body():
+        async with harness() as h:
+            status, r = await h.post(CHAT, chat_body(top_logprobs=0))
+            assert status == 200 and r["choices"][0]["logprobs"] is None, r
+            status, r = await h.post(CHAT, chat_body(top_logprobs=1))
+            assert status == 400 and r["error"]["param"] == "top_logprobs"
+
+    run(body)
+
+
 def test_backpressure_is_503_over_max_waiting(harness):
     async def body():
         async with harness(max_waiting_requests=2) as h:
