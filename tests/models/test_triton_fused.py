@@ -8,6 +8,7 @@ and the decoder with them against the decoder without them.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -54,15 +55,16 @@ def assert_close_to_rounding(actual: torch.Tensor, expected: torch.Tensor) -> No
     assert_within_ulps(actual, expected, 16 if expected.dtype == torch.float32 else 2)
 
 
-def assert_close_to_expand(actual: torch.Tensor, expected: torch.Tensor) -> None:
+def assert_close_to_expand(actual: torch.Tensor, expected: torch.Tensor, ulps: int = 2) -> None:
     """A folded expand against ``expand_rows``, compiled: the two sum the
     rank's products in other orders, so a float32 result is off by the
     rounding of that sum (its terms' size, not the result's: absolute); in
-    half precision by a rounding of the dtype (two ulps)."""
+    half precision by a rounding of the dtype (two ulps; three for a product
+    of two expanded operands, each a rounding apart: SiLU-and-mul's)."""
     if expected.dtype == torch.float32:
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=3e-5)
     else:
-        assert_within_ulps(actual, expected, 2)
+        assert_within_ulps(actual, expected, ulps)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
@@ -262,7 +264,10 @@ def test_silu_mul_folds_a_fused_expand_as_expand_rows_would(dtype, rows, device=
     want = out.clone()
     expand._replace(t=want[:, 1200:]).apply(want[:, :1200])
     # One row a program sums as expand_rows does; tiles of rows take a dot of the rank, then the scale.
-    check = torch.equal if device == "cpu" and len(row_slots) < triton_fused.FOLD_ROWS else assert_close_to_expand
+    # gate and up each take their expand: each may round a ulp apart, and the product once more (one float16
+    # element of 22,200 was past two ulps on an H100).
+    check = (torch.equal if device == "cpu" and len(row_slots) < triton_fused.FOLD_ROWS
+             else functools.partial(assert_close_to_expand, ulps=3))
     got = triton_fused.silu_mul(out[:, :1200], expand=expand)
     assert check(got, triton_fused.silu_mul(want[:, :1200])) in (True, None)
     base = [i for i, slot in enumerate(row_slots) if slot == 0]
