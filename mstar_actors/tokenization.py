@@ -20,7 +20,12 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from mstar_actors import messages
-from mstar_actors.frontend.tool_calls import template_tool_fields
+from mstar_actors.frontend.tool_calls import (
+    TemplateToolCaps,
+    template_tool_caps,
+    template_tool_fields,
+    with_tool_polyfills,
+)
 from mstar_actors.prepare.prompt_bound import encode_bounded, max_chars_per_token
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -85,7 +90,9 @@ class Tokenization:
         """Token ids of a conversation rendered by the model's own chat template.
 
         ``tools`` (OpenAI's list) are rendered by the template as it documents
-        them; ``assistant_prefix`` is appended after the generation prompt
+        them (or, where it writes none, described in the system message, and
+        an assistant's calls in its content: ``with_tool_polyfills``);
+        ``assistant_prefix`` is appended after the generation prompt
         (the opening of a forced tool call). The rendered text is tokenized
         without adding special tokens again (the template writes them), as
         ``tokenizer.apply_chat_template`` does.
@@ -96,6 +103,8 @@ class Tokenization:
                 "'messages'; send a plain 'prompt' to /v1/completions instead"
             )
         conversation = [_to_template_message(i, m) for i, m in enumerate(chat)]
+        if tools or any(m.tool_calls for m in chat):
+            conversation, tools = with_tool_polyfills(conversation, tools, self.tool_caps)
         try:
             text = self.tokenizer.apply_chat_template(
                 conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -104,6 +113,12 @@ class Tokenization:
         except jinja2.TemplateError as exc:
             raise ValueError(f"the model's chat template refused 'messages': {exc}") from exc
         return self.encode_text(text + assistant_prefix, False, max_tokens)
+
+    @functools.cached_property
+    def tool_caps(self) -> TemplateToolCaps:
+        """Which tool fields the chat template writes (the rest are polyfilled)."""
+        return template_tool_caps(lambda conversation, tools: self.tokenizer.apply_chat_template(
+            conversation, tools=tools, tokenize=False, add_generation_prompt=False))
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -284,6 +284,77 @@ def template_tool_fields(message: ChatMessage) -> dict:
 
 
 # --------------------------------------------------------------------------
+# Templates that write no tools: llama.cpp's polyfills
+# --------------------------------------------------------------------------
+
+_PROBE = "probe_fn_7d3e1a"  # a name no template writes unless it renders the field holding it
+TOOLS_PREAMBLE = ("You can call these tools:\n{tools}\nTo call one, reply with only a JSON object: "
+                  '{{"name": <the tool\'s name>, "parameters": <its arguments as an object>}}.')
+
+
+@dataclass(frozen=True)
+class TemplateToolCaps:
+    """Which of a request's tool fields a chat template writes (``template_tool_caps``)."""
+
+    tools: bool
+    tool_calls: bool
+
+
+def template_tool_caps(render: Any) -> TemplateToolCaps:
+    """Probe a template once: ``render(conversation, tools) -> text``. A
+    template that raises on a probe counts as not writing that field."""
+    def writes(conversation: list[dict], tools: list[dict] | None = None) -> bool:
+        try:
+            return _PROBE in render(conversation, tools)
+        except Exception:
+            return False
+
+    user = {"role": "user", "content": "hi"}
+    tool = {"type": "function", "function": {"name": _PROBE, "description": "", "parameters": {"type": "object"}}}
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_0", "type": "function", "function": {"name": _PROBE, "arguments": {}}}]}
+    return TemplateToolCaps(tools=writes([user], [tool]), tool_calls=writes([user, call, user]))
+
+
+def with_tool_polyfills(conversation: list[dict], tools: list[dict] | None,
+                        caps: TemplateToolCaps) -> tuple[list[dict], list[dict] | None]:
+    """``(conversation, tools)`` for a template that would drop what it does
+    not write (as llama.cpp polyfills them): the tools described in the
+    system message, an assistant's calls written into its content, both in
+    the JSON a forced call of a model with no format takes
+    (``LLAMA3_JSON``). Without this the model would see neither, and a
+    client's history would silently lose its calls."""
+    if tools and not caps.tools:
+        listed = json.dumps([t["function"] for t in tools], ensure_ascii=False)
+        conversation = _with_system_text(conversation, TOOLS_PREAMBLE.format(tools=listed))
+        tools = None
+    if not caps.tool_calls:
+        conversation = [_calls_as_content(m) if m.get("tool_calls") else m for m in conversation]
+    return conversation, tools
+
+
+def _with_system_text(conversation: list[dict], text: str) -> list[dict]:
+    if conversation and conversation[0]["role"] == "system":
+        return [_with_text(conversation[0], text, "\n\n"), *conversation[1:]]
+    return [{"role": "system", "content": text}, *conversation]
+
+
+def _calls_as_content(message: dict) -> dict:
+    key = ARGUMENTS_KEY[LLAMA3_JSON]
+    calls = "\n".join(json.dumps({"name": c["function"]["name"], key: c["function"]["arguments"]},
+                                 ensure_ascii=False) for c in message["tool_calls"])
+    return _with_text({k: v for k, v in message.items() if k != "tool_calls"}, calls, "\n")
+
+
+def _with_text(message: dict, text: str, sep: str) -> dict:
+    """``message`` with ``text`` after its content (a string, or a list of parts)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        return message | {"content": [*content, {"type": "text", "text": text}]}
+    return message | {"content": f"{content}{sep}{text}" if content else text}
+
+
+# --------------------------------------------------------------------------
 # The output: calls read back
 # --------------------------------------------------------------------------
 

@@ -71,6 +71,13 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 
 
+# SmolLM2's template: every message's role and content, nothing else (no tools, no calls).
+PLAIN_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
 def make_tool_model_dir(folder: Path, template: str) -> Path:
     """The frontend tests' tiny tokenizer folder with ``template`` as its chat template."""
     from transformers import AutoTokenizer

@@ -105,6 +105,32 @@ def test_the_template_gets_decoded_arguments(hermes_dir):
     assert '<tool_response>\n{"temp_c": 21}\n</tool_response>' in text
 
 
+def test_a_template_that_writes_no_tools_gets_them_in_the_system_message_and_calls_in_content(plain_dir, hermes_dir):
+    """SmolLM2's template writes role and content only: the tools and the
+    history's calls were dropped without a word. As llama.cpp's polyfills:
+    the tools described in the system message, a call as the JSON a forced
+    call answers with; a template that writes them is left as it is."""
+    from mstar_actors.tokenization import Tokenization
+
+    plain = Tokenization(plain_dir)
+    assert (plain.tool_caps.tools, plain.tool_caps.tool_calls) == (False, False)
+    messages = [{"role": "system", "content": "Be brief."}, *HISTORY]
+    text = plain.decode(plain.apply_chat_template(_parse(messages).messages, True, tools=[WEATHER]),
+                        skip_special_tokens=False)
+    system, user, assistant, tool = text.split("<|im_end|>")[:4]
+    assert system.startswith("<|im_start|>system\nBe brief.\n\nYou can call these tools:\n")
+    assert json.dumps(WEATHER["function"]) in system and '"parameters": <its arguments' in system
+    assert assistant.strip() == '<|im_start|>assistant\n{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    assert '{"temp_c": 21}' in tool
+    no_system = plain.decode(plain.apply_chat_template(_parse(HISTORY[:1]).messages, True, tools=[WEATHER]),
+                             skip_special_tokens=False)
+    assert no_system.startswith("<|im_start|>system\nYou can call these tools:")
+    hermes = Tokenization(hermes_dir)
+    assert (hermes.tool_caps.tools, hermes.tool_caps.tool_calls) == (True, True)
+    assert "You can call these tools" not in hermes.decode(
+        hermes.apply_chat_template(_parse(HISTORY).messages, True, tools=[WEATHER]), skip_special_tokens=False)
+
+
 def test_prepare_renders_the_tools_and_a_forced_opening(hermes_dir):
     from mstar_actors.prepare.preparers import Preparer
     from mstar_actors.tokenization import Tokenization
