@@ -154,6 +154,13 @@ def _reason(err: Exception) -> str:
 
 
 def _code(err: Exception) -> str:
+    """``AdapterReadFailed.code``: outside the allowed folders, the files no
+    adapter (missing, invalid), or this machine failing the read (no room in
+    shared memory, an I/O error: it may pass)."""
     from mstar_actors.lora.adapter_file import AdapterFileOutside
 
-    return "adapter_path_not_allowed" if isinstance(err, AdapterFileOutside) else "invalid_adapter"
+    if isinstance(err, AdapterFileOutside):
+        return "adapter_path_not_allowed"
+    if isinstance(err, (MemoryError, OSError)) and not isinstance(err, (FileNotFoundError, NotADirectoryError)):
+        return "adapter_read_error"
+    return "invalid_adapter"

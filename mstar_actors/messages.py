@@ -641,7 +641,9 @@ class AdapterReadFailed(Struct, frozen=True, tag=True, omit_defaults=True):
     name: str
     path: str
     message: str
-    code: str = "invalid_adapter"  # adapter_path_not_allowed: a file resolves outside lora.adapter_dirs (a 403)
+    # adapter_path_not_allowed: a file resolves outside lora.adapter_dirs (a 403); adapter_read_error: the
+    # machine failed the read (shared memory full, an I/O error), not the files
+    code: str = "invalid_adapter"
 
 
 AdapterReaderToConductor = AdapterRead | AdapterReadFailed

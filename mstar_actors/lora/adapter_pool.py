@@ -70,10 +70,13 @@ Invariants:
   slot table detaches it). The prefix root names the digest, so no KV block
   is shared across versions or adapters.
 - An unloaded adapter's waiting, running and parked requests finish; new
-  requests naming it get 404. A served adapter whose files can no longer be
-  read (its host copy dropped, then the read for an install failed) is
-  unloaded so: its waiters get that 404 with the reader's reason, its
-  parked choices fail, its running ones finish.
+  requests naming it get 404. Where runtime updates are on, a served
+  adapter whose files no longer give a valid one (its host copy dropped,
+  then the read for an install failed) is unloaded so: its waiters get that
+  404 with the reader's reason, its parked choices fail, its running ones
+  finish. A read the machine failed, or one with no way to load the adapter
+  again, fails its waiters (500) and keeps it; a load queued under its name
+  takes its waiters.
 """
 
 from __future__ import annotations
@@ -345,10 +348,19 @@ class AdapterPool:
             return [AdapterUpdate(request_id=read.load_id, status=400, code="invalid_adapter",
                                   message=f"adapter {read.name!r} at {read.path} was refused: {msg.message}")]
         outs = []
-        # A served adapter whose files no longer give it is unloaded (asked again, the read would fail again):
-        # /v1/models stops listing it, and an operator loads it again once its files are back.
+        reloading = any(r.name == read.name and r.load_id for r in self._reads)
+        if reloading:  # a load of the name is queued: its waiters go with it (``_loaded`` updates their adapter)
+            adapter = self.adapters.get(read.name) or self._waiting_adapter(read.name)
+            if adapter is not None:
+                adapter.is_reading = False
+            return self._settle()
+        # Where runtime updates are on, a served adapter whose files no longer give one is unloaded (read
+        # again, they would fail again): /v1/models stops listing it, and an operator loads it again. A
+        # failed read of the machine's (no room in shared memory), or with no way to load it again, keeps it.
         served = self.adapters.get(read.name)
-        if served is not None and served.path == read.path:
+        unload = (served is not None and served.path == read.path and msg.code == "invalid_adapter"
+                  and self.allow_runtime_updates)
+        if unload:
             del self.adapters[read.name]
             outs.append(ModelsChanged(adapters=self.served()))
         gone = (f"the model {read.name!r} was unloaded: its files could not be read again ({msg.message}); "
@@ -362,9 +374,11 @@ class AdapterPool:
             self._waiting.remove(w)
             if w.parked:
                 outs.extend(self._fail_parked(w, None, f"its files could not be read again: {msg.message}"))
-            else:
+            elif unload:
                 outs.append(Failed(request_id=w.prepared.request_id, status=404, param="model",
                                    code="model_not_found", error_type="not_found_error", message=gone))
+            else:
+                outs.append(self._fail(w, 500, f"adapter {read.name!r} could not be read: {msg.message}"))
         adapter = self._waiting_adapter(read.name) or self.adapters.get(read.name)
         if adapter is not None:
             adapter.is_reading = False

@@ -147,3 +147,19 @@ def test_worker_answers_every_failure_with_its_reason(segment):
     gone = InstallAdapter(slot=1, name="gone", digest="d", host=AdapterHostRef(segment="mstar_no_such_segment", nbytes=8))
     reply = install_from_host(_Runner(), 0, gone)
     assert not reply.ok and "FileNotFoundError" in reply.error
+
+
+def test_the_reader_tells_the_machines_failure_from_the_files():
+    """The pool unloads an adapter only for ``invalid_adapter``: its files give no adapter."""
+    import errno
+
+    from actors.adapter_reader import _code
+    from mstar_actors.lora import AdapterError
+    from mstar_actors.lora.adapter_file import AdapterFileOutside
+
+    assert _code(OSError(errno.ENOSPC, "No space left on device")) == "adapter_read_error"
+    assert _code(MemoryError()) == "adapter_read_error"
+    assert _code(FileNotFoundError("gone")) == "invalid_adapter"
+    assert _code(AdapterError("adapter 'a': there is no folder")) == "invalid_adapter"
+    assert _code(ValueError("not a safetensors file")) == "invalid_adapter"
+    assert _code(AdapterFileOutside("outside")) == "adapter_path_not_allowed"

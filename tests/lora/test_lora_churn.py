@@ -389,6 +389,43 @@ def test_a_served_adapter_whose_files_are_gone_is_unloaded_with_a_404_naming_the
     assert d.admitted.get("c3") is not None
 
 
+@pytest.mark.parametrize("case", ["machine", "no_runtime_updates"])
+def test_a_failed_read_keeps_the_adapter_where_it_may_pass_or_could_not_be_loaded_again(case):
+    """Shared memory full is the machine's failure, not the files': c stays
+    served (a later read may pass). With runtime updates off nothing could
+    load c again: it stays too. Either way its waiter fails with the reason."""
+    from mstar_actors.messages import AdapterReadFailed, ModelsChanged
+
+    d = Driver()
+    d.adapter_pool.allow_runtime_updates = case == "machine"
+    d.send("c1", "c")
+    d.unanswered.clear()
+    code = "adapter_read_error" if case == "machine" else "invalid_adapter"
+    outs = d.adapter_pool.on_read_failed(AdapterReadFailed(name="c", path="/adapters/c", code=code,
+                                                           message="OSError: [Errno 28] No space left on device"))
+    assert [(o.request_id, o.status) for o in outs if isinstance(o, Failed)] == [("c1", 500)]
+    assert not [o for o in outs if isinstance(o, ModelsChanged)] and "c" in d.adapter_pool.adapters
+    d.send("c2", "c")
+    assert d.unanswered == ["c"]  # read again
+    d.settle()
+    assert "c2" in d.admitted
+
+
+def test_a_failed_read_with_a_load_of_the_name_queued_leaves_its_waiter_to_the_load():
+    from mstar_actors.messages import AdapterReadFailed
+
+    d = Driver()
+    d.send("c1", "c")
+    d.handle(d.adapter_pool.load(LoadAdapter(request_id="l", name="c", path="/adapters/c", replace=True)))
+    assert d.unanswered == ["c", "c"]
+    d.unanswered.pop(0)
+    outs = d.adapter_pool.on_read_failed(AdapterReadFailed(name="c", path="/adapters/c", message="replaced"))
+    d.handle(outs)
+    assert not d.failed and "c" in d.adapter_pool.adapters
+    d.settle()
+    assert "c1" in d.admitted
+
+
 def test_an_unloaded_adapters_parked_rows_still_resume_and_finish():
     d = running("ab", max_cpu_loras=4)
     d.send("c1", "c")
