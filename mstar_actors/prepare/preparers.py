@@ -157,22 +157,36 @@ class Preparer:
         ranks compile beside their steps): a bad spec is its 400 here, before
         anything reaches the conductor or the ranks."""
         spec = req.sampling.structured
-        if spec is None and not (req.tools and self.grammars is not None):
+        if spec is None:
             return None
+        param = spec.param or "structured_outputs"
         if self.grammars is None:
-            return failed(req, "structured outputs are off on this server", spec.param or "structured_outputs")
+            return failed(req, "structured outputs are off on this server", param)
         from mstar_actors.runner.grammar import GrammarError
 
-        # Each tool's parameters, called or not (as OpenAI checks them), named by the tool: a forced call's
-        # schema joins them all.
-        tools = [StructuredSpec("json", json.dumps(tool["function"]["parameters"]),
-                                f"tools[{i}].function.parameters") for i, tool in enumerate(req.tools or ())]
-        for check in [*tools, *([] if spec is None else [spec])]:
-            param = check.param or "structured_outputs"
-            try:
-                self.grammars.check(check)
-            except GrammarError as err:
-                return failed(req, f"{param}: {err}", param)
+        try:
+            self.grammars.check(spec)
+        except GrammarError as err:
+            param, err = self._blame_tool(req, spec) or (param, err)
+            return failed(req, f"{param}: {err}", param)
+        return None
+
+    def _blame_tool(self, req: NewRequest, spec: StructuredSpec) -> tuple[str, Exception] | None:
+        """A forced call's schema joins its tools' parameters: the first of them
+        refused alone, as ``(tools[i].function.parameters, its reason)``."""
+        from mstar_actors.runner.grammar import GrammarError
+
+        if spec.param != "tool_choice" or not req.tools:
+            return None
+        forced = json.loads(spec.spec)
+        names = {branch["properties"]["name"]["enum"][0] for branch in forced.get("anyOf", [forced])}
+        for i, tool in enumerate(req.tools):
+            if tool["function"]["name"] in names:
+                param = f"tools[{i}].function.parameters"
+                try:
+                    self.grammars.check(StructuredSpec("json", json.dumps(tool["function"]["parameters"]), param))
+                except GrammarError as err:
+                    return param, err
         return None
 
     def check(self, token_ids: list[int]) -> str | None:
