@@ -264,25 +264,28 @@ def _own_problem(schema: dict, where: str, root: dict) -> str | None:
 
 
 def _count_problem(schema: dict, where: str) -> str | None:
-    """Property and item counts the engine cannot keep: keys it may repeat, or
-    more than the schema generates (``additionalProperties`` and ``items``
-    are false unless given, as in OpenAI's strict mode)."""
-    counted = [k for k in ("minProperties", "maxProperties") if k in schema]
+    """Property and item counts the engine cannot keep. It counts the keys it
+    writes, and may repeat one it does not name (patternProperties,
+    propertyNames, additionalProperties): a maxProperties holds, a
+    minProperties past 1 may not. ``additionalProperties`` and ``items`` are
+    false unless given (as OpenAI's strict mode), which the engine's own
+    refusal of a count past them does not say."""
+    minimum = schema.get("minProperties")
     extra = schema.get("additionalProperties", False)
-    if counted and ("patternProperties" in schema or "propertyNames" in schema or extra is not False):
-        return (f"{where} has {counted[0]!r} over keys beside 'properties' (patternProperties, propertyNames or "
-                "additionalProperties), which may repeat a key here and so is not enforced; name the properties "
-                "under 'properties' with additionalProperties: false")
+    free_keys = "patternProperties" in schema or "propertyNames" in schema or extra is not False
+    if isinstance(minimum, int) and minimum > 1 and free_keys:
+        return (f"{where} has minProperties: {minimum} over keys beside 'properties' (patternProperties, "
+                "propertyNames or additionalProperties), which may repeat a key here and so is not enforced; "
+                "name the properties under 'properties'")
     properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    if isinstance(schema.get("minProperties"), int) and schema["minProperties"] > len(properties):
-        return (f"{where} has minProperties: {schema['minProperties']} but its 'properties' define "
-                f"{len(properties)}: only those are generated here (additionalProperties is false unless given, and "
-                "a count is not enforced over additional ones); define enough properties")
+    if isinstance(minimum, int) and minimum > len(properties) and not free_keys:
+        return (f"{where} has minProperties: {minimum} but its 'properties' define {len(properties)}, and no "
+                "other key is written (additionalProperties is false unless given); define enough properties")
     prefix = schema.get("prefixItems")
     if (isinstance(prefix, list) and "items" not in schema and isinstance(schema.get("minItems"), int)
             and schema["minItems"] > len(prefix)):
         return (f"{where} has minItems: {schema['minItems']} but {len(prefix)} prefixItems and no 'items': items past "
-                "prefixItems are not generated unless 'items' gives their schema; give one")
+                "prefixItems are not written unless 'items' gives their schema; give one")
     return None
 
 

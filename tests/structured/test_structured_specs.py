@@ -30,6 +30,8 @@ def refusal(parse=chat, **fields) -> ApiError:
     ({}, None),
     ({"response_format": {"type": "text"}}, None),
     ({"response_format": {"type": "json_object"}}, StructuredSpec("json_object", "", "response_format")),
+    ({"response_format": {"type": "json_object", "schema": SCHEMA}},  # llama.cpp's server's form
+     StructuredSpec("json", json.dumps(SCHEMA, separators=(",", ":")), "response_format.schema")),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, "strict": True}}},
      StructuredSpec("json", json.dumps(SCHEMA, separators=(",", ":")), "response_format.json_schema.schema")),
     ({"structured_outputs": {"json": SCHEMA}}, StructuredSpec("json", json.dumps(SCHEMA, separators=(",", ":")), "structured_outputs.json")),
@@ -60,7 +62,7 @@ def test_completions_take_the_same_fields():
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "strict": "yes"}}}, "response_format.json_schema.strict"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, "response_format.json_schema.schema"),
     # a key the type does not read would be dropped
-    ({"response_format": {"type": "json_object", "schema": SCHEMA}}, "response_format.schema"),
+    ({"response_format": {"type": "json_object", "shema": SCHEMA}}, "response_format.shema"),
     ({"response_format": {"type": "text", "json_schema": {"schema": SCHEMA}}}, "response_format.json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "strcit": True}}},
      "response_format.json_schema.strcit"),
@@ -198,8 +200,8 @@ OBJ = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": [
     ({"type": []}, "has an empty 'type'"),
     # counts of keys the engine may repeat, or more than it generates
     ({"type": "object", "patternProperties": {"^[ab]$": {"type": "integer"}}, "additionalProperties": False,
-      "minProperties": 3}, "'minProperties' over keys beside 'properties'"),
-    ({"type": "object", "propertyNames": {"enum": ["a", "b"]}, "maxProperties": 2}, "'maxProperties' over keys"),
+      "minProperties": 3}, "minProperties: 3 over keys beside 'properties'"),
+    ({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2}, "may repeat a key"),
     ({"type": "object", "minProperties": 2}, "minProperties: 2 but its 'properties' define 0"),
     ({"type": "array", "prefixItems": [{"type": "integer"}], "minItems": 2}, "unless 'items' gives their schema"),
 ])
@@ -224,6 +226,9 @@ def test_a_keyword_the_engine_would_drop_is_refused_naming_it(compiler, schema, 
     {"type": "string", "pattern": "^\\d{3}-[a-z]+$"},
     {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "minProperties": 1,
      "maxProperties": 2, "additionalProperties": False},
+    # a count of keys the engine writes holds though it may repeat one: pydantic's dict[str, int] with lengths
+    {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1, "maxProperties": 3},
+    {"type": "object", "propertyNames": {"enum": ["a", "b"]}, "maxProperties": 2},
     {"type": "array", "prefixItems": [{"type": "integer"}], "items": {"type": "string"}, "minItems": 2},
 ])
 def test_what_the_engine_enforces_still_compiles(compiler, schema):
