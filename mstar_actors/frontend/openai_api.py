@@ -564,16 +564,18 @@ def _from_response_format(body: dict) -> StructuredSpec | None:
     kind = fmt.get("type")
     if kind not in ("text", "json_object", "json_schema"):
         raise _bad("response_format.type", f'expected "text", "json_object" or "json_schema", got {_show(kind)}')
-    # A key another type reads (a schema beside json_object, say) would be dropped: refused, naming it.
-    extra = next((key for key, v in fmt.items() if v is not None and key != "type"
-                  and not (kind == "json_schema" and key == "json_schema")), None)
+    # A key its type does not read would be dropped: refused, naming it. json_object takes a "schema" as
+    # llama.cpp's server does.
+    reads = {"text": (), "json_object": ("schema",), "json_schema": ("json_schema",)}[kind]
+    extra = next((key for key, v in fmt.items() if v is not None and key != "type" and key not in reads), None)
     if extra is not None:
-        takes = '"json_schema": {"name": ..., "schema": {...}}' if kind == "json_schema" else "nothing but its type"
-        raise _bad(f"response_format.{extra}", f'not read with "type": "{kind}", which takes {takes}; a schema '
-                                               'goes in {"type": "json_schema", "json_schema": {"schema": ...}}')
+        raise _bad(f"response_format.{extra}", f'not read with "type": "{kind}"; a schema goes in {{"type": '
+                                               '"json_schema", "json_schema": {"name": ..., "schema": {...}}}')
     if kind == "text":
         return None
     if kind == "json_object":
+        if fmt.get("schema") is not None:
+            return _schema_spec(fmt["schema"], "response_format.schema")
         return StructuredSpec("json_object", "", "response_format")
     return _json_schema_spec(fmt.get("json_schema"))
 
@@ -664,12 +666,13 @@ def parse_chat(raw: bytes, max_model_len: int | None = None, vocab_size: int | N
     parsed = _parse_common(body, "chat", cap, (top or 0) if want_logprobs else None, vocab_size)
     parsed.messages = parse_messages(body.get("messages"))
     parsed.continue_final_message, parsed.add_generation_prompt = _parse_turn_flags(body, parsed.messages)
-    given = parsed.sampling.structured
-    if parsed.continue_final_message and given is not None:
-        raise _bad(given.param, "an output constraint shapes a whole new reply; it cannot continue the final "
-                                "message (continue_final_message), whose text would come before it")
     _check_media_fields(parsed)
     _parse_tools(parsed, body, tool_parser)
+    given = parsed.sampling.structured
+    if parsed.continue_final_message and given is not None:  # a forced tool call's included
+        raise _bad(given.param, "an output constraint (a forced tool call's too) shapes a whole new reply; it "
+                                "cannot continue the final message (continue_final_message), whose text would "
+                                "come before it")
     return parsed
 
 
@@ -700,9 +703,6 @@ def _parse_tools(parsed: ParsedRequest, body: dict, tool_parser: str | None) -> 
         raise _bad(err.param, err.message) from None
     if parsed.tools is None or not parsed.tools.is_forced:
         return
-    if get_bool(body, "continue_final_message", False):
-        raise _bad("tool_choice", "a required or named tool call starts a new assistant turn; "
-                                  "it cannot continue the final message (continue_final_message)")
     given = parsed.sampling.structured
     if given is not None:
         raise _bad("tool_choice", f"a required or named tool call is already constrained; it cannot be combined "
