@@ -74,7 +74,14 @@ from mstar_actors.messages import (
 )
 from mstar_actors.frontend.metrics import Metrics
 from mstar_actors.frontend.openai_api import ApiError, ChoiceOutput, ParsedRequest
-from mstar_actors.frontend.tool_calls import choose_parser, finish_reason, make_reader, marker_problem, read_calls
+from mstar_actors.frontend.tool_calls import (
+    LLAMA3_JSON,
+    choose_parser,
+    finish_reason,
+    make_reader,
+    marker_problem,
+    read_calls,
+)
 from transport.errors import ChannelFull, MessageTooLarge
 
 _json = msgspec.json.Encoder()
@@ -521,7 +528,8 @@ class FrontendActor(Actor):
                 return self.tokenization.encode_text(parsed.prompt, parsed.add_special_tokens)
             self._check_text_only(parsed.messages)
             ids = self.tokenization.apply_chat_template(parsed.messages, parsed.add_generation_prompt, None,
-                                                        parsed.continue_final_message, tools=parsed.tools)
+                                                        parsed.continue_final_message, tools=parsed.tools,
+                                                        tool_format=self.tool_parser or LLAMA3_JSON)
         except ValueError as err:  # no chat template, or the template refused the messages
             raise ApiError(400, f"messages: {err}", param="messages") from None
         if parsed.add_special_tokens and self.tokenizer.bos_token_id is not None and ids[:1] != [self.tokenizer.bos_token_id]:

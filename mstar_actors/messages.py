@@ -248,6 +248,9 @@ class NewRequest(Struct, frozen=True, tag=True, omit_defaults=True):
     # Text the assistant turn starts with, after the generation prompt: the
     # opening of a forced tool call, so the model writes only its JSON.
     assistant_prefix: str = ""
+    # The format tool calls are read back in (``tool_calls.PARSERS``): a template that writes no tools or calls
+    # gets them written in it (``tool_calls.with_tool_polyfills``).
+    tool_format: str = "llama3_json"
     continue_final_message: bool = False  # the template leaves the last (assistant) message open
     prompt_param: str = ""  # the body field a refused prompt is named by ("input" for speech); "": prompt / messages
 

@@ -86,12 +86,14 @@ class Tokenization:
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         assistant_prefix: str = "",
+        tool_format: str = "llama3_json",
     ) -> list[int]:
         """Token ids of a conversation rendered by the model's own chat template.
 
         ``tools`` (OpenAI's list) are rendered by the template as it documents
         them (or, where it writes none, described in the system message, and
-        an assistant's calls in its content: ``with_tool_polyfills``);
+        an assistant's calls in its content, in ``tool_format``:
+        ``with_tool_polyfills``);
         ``assistant_prefix`` is appended after the generation prompt
         (the opening of a forced tool call). The rendered text is tokenized
         without adding special tokens again (the template writes them), as
@@ -104,7 +106,7 @@ class Tokenization:
             )
         conversation = [_to_template_message(i, m) for i, m in enumerate(chat)]
         if tools or any(m.tool_calls for m in chat):
-            conversation, tools = with_tool_polyfills(conversation, tools, self.tool_caps)
+            conversation, tools = with_tool_polyfills(conversation, tools, self.tool_caps, tool_format)
         try:
             text = self.tokenizer.apply_chat_template(
                 conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,

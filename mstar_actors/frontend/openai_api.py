@@ -282,6 +282,7 @@ class ParsedRequest:
     bad_words: list[str] = field(default_factory=list)  # tokenized by the frontend (``with_token_facts``)
     prompt_param: str = ""  # the body field the prompt came from, when not prompt / messages (speech: "input")
     cap_param: str = "max_tokens"  # the body field of the output's cap: a refusal of "max_tokens" names this
+    tool_format: str = tool_calls.LLAMA3_JSON  # the model's tool-call format (``NewRequest.tool_format``)
 
     def with_token_facts(self, eos_token_ids: tuple[int, ...], bad_words_token_ids: list[list[int]]) -> None:
         """Fill the sampling fields that need the tokenizer: the ids ``min_tokens``
@@ -317,6 +318,7 @@ class ParsedRequest:
                     n=self.n,
                     tools=self.tools.tools if self.tools else None,
                     assistant_prefix=self.tools.assistant_prefix if self.tools else "",
+                    tool_format=self.tool_format,
                     prompt_param=self.prompt_param,
                 )
             )
@@ -668,6 +670,7 @@ def parse_chat(raw: bytes, max_model_len: int | None = None, vocab_size: int | N
     parsed.continue_final_message, parsed.add_generation_prompt = _parse_turn_flags(body, parsed.messages)
     _check_media_fields(parsed)
     _parse_tools(parsed, body, tool_parser)
+    parsed.tool_format = parsed.tools.parser if parsed.tools else tool_parser or tool_calls.LLAMA3_JSON
     given = parsed.sampling.structured
     if parsed.continue_final_message and given is not None:  # a forced tool call's included
         raise _bad(given.param, "an output constraint (a forced tool call's too) shapes a whole new reply; it "

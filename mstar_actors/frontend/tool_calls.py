@@ -287,71 +287,95 @@ def template_tool_fields(message: ChatMessage) -> dict:
 # Templates that write no tools: llama.cpp's polyfills
 # --------------------------------------------------------------------------
 
-_PROBE = "probe_fn_7d3e1a"  # a name no template writes unless it renders the field holding it
-TOOLS_PREAMBLE = ("You can call these tools:\n{tools}\nTo call one, reply with only a JSON object: "
-                  '{{"name": <the tool\'s name>, "parameters": <its arguments as an object>}}.')
+_PROBE = "probe7d3e1a"  # a name no template writes unless it renders the field holding it
+_PROBE_ID = "a1b2c3d4e"  # nine letters and digits: Mistral's templates refuse other call ids
+TOOLS_PREAMBLE = "You can call these tools:\n{tools}\nTo call one, reply with only: {call}"
 
 
 @dataclass(frozen=True)
 class TemplateToolCaps:
-    """Which of a request's tool fields a chat template writes (``template_tool_caps``)."""
+    """Which tool fields a chat template writes (``template_tool_caps``), and
+    whether it takes a system message."""
 
     tools: bool
     tool_calls: bool
+    system: bool
 
 
 def template_tool_caps(render: Any) -> TemplateToolCaps:
-    """Probe a template once: ``render(conversation, tools) -> text``. A
-    template that raises on a probe counts as not writing that field."""
-    def writes(conversation: list[dict], tools: list[dict] | None = None) -> bool:
+    """Probe a template once: ``render(conversation, tools) -> text``. Only a
+    render that leaves a probe out counts as not writing it: one that raises
+    (a template checking what it is given) is left as it is."""
+    def writes(conversation: list[dict], tools: list[dict] | None = None, raised: bool = True) -> bool:
         try:
             return _PROBE in render(conversation, tools)
         except Exception:
-            return False
+            return raised
 
     user = {"role": "user", "content": "hi"}
+    system = {"role": "system", "content": _PROBE}
     tool = {"type": "function", "function": {"name": _PROBE, "description": "", "parameters": {"type": "object"}}}
     call = {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_0", "type": "function", "function": {"name": _PROBE, "arguments": {}}}]}
-    return TemplateToolCaps(tools=writes([user], [tool]), tool_calls=writes([user, call, user]))
+        {"id": _PROBE_ID, "type": "function", "function": {"name": _PROBE, "arguments": {}}}]}
+    beside_system = writes([{**system, "content": "s"}, user], [tool], raised=False)  # some write them only there
+    return TemplateToolCaps(tools=writes([user], [tool]) or beside_system,
+                            tool_calls=writes([user, call, user]), system=writes([system, user], raised=False))
 
 
-def with_tool_polyfills(conversation: list[dict], tools: list[dict] | None,
-                        caps: TemplateToolCaps) -> tuple[list[dict], list[dict] | None]:
+def with_tool_polyfills(conversation: list[dict], tools: list[dict] | None, caps: TemplateToolCaps,
+                        parser: str = LLAMA3_JSON) -> tuple[list[dict], list[dict] | None]:
     """``(conversation, tools)`` for a template that would drop what it does
     not write (as llama.cpp polyfills them): the tools described in the
-    system message, an assistant's calls written into its content, both in
-    the JSON a forced call of a model with no format takes
-    (``LLAMA3_JSON``). Without this the model would see neither, and a
-    client's history would silently lose its calls."""
+    system message (the first user message's start where the template takes
+    no system message), an assistant's calls written into its content, in the
+    format calls are read back in (``parser``). Without this the model would
+    see neither, and a client's history would silently lose its calls."""
     if tools and not caps.tools:
         listed = json.dumps([t["function"] for t in tools], ensure_ascii=False)
-        conversation = _with_system_text(conversation, TOOLS_PREAMBLE.format(tools=listed))
+        example = _written_calls(parser, [("<the tool's name>", "<its arguments as an object>")], quoted=False)
+        conversation = _with_preamble(conversation, TOOLS_PREAMBLE.format(tools=listed, call=example), caps.system)
         tools = None
     if not caps.tool_calls:
-        conversation = [_calls_as_content(m) if m.get("tool_calls") else m for m in conversation]
+        conversation = [_calls_as_content(m, parser) if m.get("tool_calls") else m for m in conversation]
     return conversation, tools
 
 
-def _with_system_text(conversation: list[dict], text: str) -> list[dict]:
-    if conversation and conversation[0]["role"] == "system":
-        return [_with_text(conversation[0], text, "\n\n"), *conversation[1:]]
-    return [{"role": "system", "content": text}, *conversation]
+def _with_preamble(conversation: list[dict], text: str, system: bool) -> list[dict]:
+    if system and conversation and conversation[0]["role"] == "system":
+        return [_with_text(conversation[0], text, after=True), *conversation[1:]]
+    if system:
+        return [{"role": "system", "content": text}, *conversation]
+    first = next((i for i, m in enumerate(conversation) if m["role"] == "user"), None)
+    if first is None:
+        return conversation
+    return [*conversation[:first], _with_text(conversation[first], text, after=False), *conversation[first + 1:]]
 
 
-def _calls_as_content(message: dict) -> dict:
-    key = ARGUMENTS_KEY[LLAMA3_JSON]
-    calls = "\n".join(json.dumps({"name": c["function"]["name"], key: c["function"]["arguments"]},
-                                 ensure_ascii=False) for c in message["tool_calls"])
-    return _with_text({k: v for k, v in message.items() if k != "tool_calls"}, calls, "\n")
+def _calls_as_content(message: dict, parser: str) -> dict:
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+    return _with_text({k: v for k, v in message.items() if k != "tool_calls"}, _written_calls(parser, calls),
+                      after=True, sep="\n")
 
 
-def _with_text(message: dict, text: str, sep: str) -> dict:
-    """``message`` with ``text`` after its content (a string, or a list of parts)."""
+def _written_calls(parser: str, calls: list[tuple[str, Any]], quoted: bool = True) -> str:
+    """``calls`` (name, arguments) as a reply of ``parser``'s format writes them."""
+    key = ARGUMENTS_KEY[parser]
+    objects = [json.dumps({"name": name, key: arguments}, ensure_ascii=False) if quoted
+               else f'{{"name": {name}, "{key}": {arguments}}}' for name, arguments in calls]
+    if parser == HERMES:
+        return "\n".join(f"{HERMES_OPEN}\n{o}\n{HERMES_CLOSE}" for o in objects)
+    return "; ".join(objects)
+
+
+def _with_text(message: dict, text: str, after: bool, sep: str = "\n\n") -> dict:
+    """``message`` with ``text`` after (or before) its content (a string, or a list of parts)."""
     content = message.get("content")
     if isinstance(content, list):
-        return message | {"content": [*content, {"type": "text", "text": text}]}
-    return message | {"content": f"{content}{sep}{text}" if content else text}
+        part = {"type": "text", "text": text}
+        return message | {"content": [*content, part] if after else [part, *content]}
+    if not content:
+        return message | {"content": text}
+    return message | {"content": f"{content}{sep}{text}" if after else f"{text}{sep}{content}"}
 
 
 # --------------------------------------------------------------------------

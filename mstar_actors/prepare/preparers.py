@@ -212,7 +212,7 @@ def prompt_token_ids(tokenization: Any, req: NewRequest, prompt_limit: int | Non
     elif req.messages is not None:
         ids = tokenization.apply_chat_template(req.messages, req.add_generation_prompt, limit,
                                                req.continue_final_message, tools=req.tools,
-                                               assistant_prefix=req.assistant_prefix)
+                                               assistant_prefix=req.assistant_prefix, tool_format=req.tool_format)
         ids, param = list(ids), "messages"
     elif req.prompt is not None:
         ids, param = list(tokenization.encode_prompt(req.prompt, limit)), "prompt"
@@ -336,7 +336,7 @@ class MediaPreparer:
         tokenizer = self.tokenization.tokenizer
         conversation, tools = [_template_message(m) for m in req.messages or []], req.tools
         if tools or any(m.tool_calls for m in req.messages or []):
-            conversation, tools = with_tool_polyfills(conversation, tools, self._tool_caps)
+            conversation, tools = with_tool_polyfills(conversation, tools, self._tool_caps, req.tool_format)
         text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
                                              add_generation_prompt=req.add_generation_prompt,
                                              continue_final_message=req.continue_final_message,

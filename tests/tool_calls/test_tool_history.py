@@ -131,6 +131,52 @@ def test_a_template_that_writes_no_tools_gets_them_in_the_system_message_and_cal
         hermes.apply_chat_template(_parse(HISTORY).messages, True, tools=[WEATHER]), skip_special_tokens=False)
 
 
+def _caps(template: str):
+    import jinja2
+
+    from mstar_actors.frontend.tool_calls import template_tool_caps
+
+    def raise_exception(message):
+        raise jinja2.TemplateError(message)
+
+    env = jinja2.Environment()
+    env.globals["raise_exception"] = raise_exception
+    compiled = env.from_string(template)
+    return template_tool_caps(lambda conversation, tools: compiled.render(messages=conversation, tools=tools))
+
+
+LOOP = "{% for m in messages %}[{{ m.role }}]{{ m.content }}"
+NO_SYSTEM = ("{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+             + LOOP + "{% endfor %}")
+MISTRAL_CALLS = (LOOP + "{% for c in m.tool_calls or [] %}{% if c.id|length != 9 %}"
+                 "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+                 "[TOOL_CALLS]{{ c.function.name }}{% endfor %}{% endfor %}")
+TOOLS_WITH_SYSTEM = ("{% for m in messages %}{% if m.role == 'system' and tools %}{% for t in tools %}"
+                     "{{ t.function.name }}{% endfor %}{% endif %}[{{ m.role }}]{{ m.content }}{% endfor %}")
+
+
+def test_the_probe_tells_what_a_template_writes_and_leaves_a_refusing_one_alone():
+    assert _caps(NO_SYSTEM) == type(_caps(NO_SYSTEM))(tools=False, tool_calls=False, system=False)
+    mistral = _caps(MISTRAL_CALLS)  # its calls written once the probe's id has nine characters
+    assert mistral.tool_calls and not mistral.tools and mistral.system
+    assert _caps(TOOLS_WITH_SYSTEM).tools  # written only beside a system message: still written
+    assert _caps("{{ raise_exception('no tools here') }}").tool_calls  # raising: left as it is
+
+
+def test_polyfilled_tools_go_to_the_first_user_message_where_the_template_takes_no_system_and_in_its_format():
+    from mstar_actors.frontend.tool_calls import HERMES, with_tool_polyfills
+
+    conversation = [{"role": "user", "content": "weather?"},
+                    {"role": "assistant", "content": "", "tool_calls": [
+                        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": {"c": 1}}}]}]
+    out, tools = with_tool_polyfills(conversation, [WEATHER], _caps(NO_SYSTEM), HERMES)
+    assert tools is None and [m["role"] for m in out] == ["user", "assistant"]
+    assert out[0]["content"].startswith("You can call these tools:\n") and out[0]["content"].endswith("\n\nweather?")
+    assert "reply with only: <tool_call>\n{\"name\": <the tool's name>, \"arguments\":" in out[0]["content"]
+    assert out[1] == {"role": "assistant",
+                      "content": '<tool_call>\n{"name": "get_weather", "arguments": {"c": 1}}\n</tool_call>'}
+
+
 def test_prepare_renders_the_tools_and_a_forced_opening(hermes_dir):
     from mstar_actors.prepare.preparers import Preparer
     from mstar_actors.tokenization import Tokenization
