@@ -73,13 +73,14 @@ def _score_entries(num_prompt: int, prompt_logprobs: int | None) -> int:
     return 0 if prompt_logprobs is None else (num_prompt - 1) * (1 + prompt_logprobs)
 
 
-def _constraint_fields(sampling: SamplingParams) -> list[str]:
-    """The request fields whose token masks may leave no token to sample, as the client named them."""
+def _constraint_fields(sampling: SamplingParams, num_outputs: int) -> list[str]:
+    """The request fields whose token masks may have left no token to sample
+    for output token ``num_outputs`` (from 0), as the client named them."""
     fields = [name for name, given in (("allowed_token_ids", sampling.allowed_token_ids),
                                        ("bad_words", sampling.bad_words_token_ids)) if given]
     if sampling.structured is not None:
         fields.append(sampling.structured.param or "structured_outputs")
-    if sampling.min_tokens:  # its stop tokens are masked until it is reached
+    if num_outputs < sampling.min_tokens:  # its stop tokens are masked until it is reached
         fields.append("min_tokens")
     return fields
 
@@ -685,7 +686,7 @@ class Scheduler:
     def _append_token(self, seq: Sequence, token: SampledToken) -> list[ConductorToFrontend]:
         if token.dead:  # the request's constraints exclude every token: it can't go on
             self._finish(seq, "abort")
-            fields = _constraint_fields(seq.sampling)
+            fields = _constraint_fields(seq.sampling, len(seq.output_token_ids))
             message = (f"no token is left to sample at output token {len(seq.output_token_ids) + 1}: the request's "
                        f"own constraints ({' and '.join(fields) or 'its token masks'}) exclude every token; "
                        "loosen them")

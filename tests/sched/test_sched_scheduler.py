@@ -455,12 +455,19 @@ def test_a_dead_draw_names_the_constraints_the_request_gave():
     sched = make_scheduler()
     regex = StructuredSpec("regex", "[0-9]{2}[a-z]+", "structured_outputs.regex")
     sched.add(make_request("dead", allowed_token_ids=(3, 4), structured=regex), ROOT)
-    plan = sched.schedule()
-    sampled = [SampledToken(c.request_id, 0, dead=True) for c in plan.scheduled if c.sample]
-    (failed,) = [o for o in sched.update(StepDone(step_id=plan.step_id, rank=0, sampled=sampled))
-                 if isinstance(o, Failed)]
-    assert failed.param == "allowed_token_ids"
-    assert "(allowed_token_ids and structured_outputs.regex)" in failed.message and "min_tokens" not in failed.message
+    sched.add(make_request("late", structured=regex, min_tokens=1), ROOT)  # past min_tokens: its mask is off
+    sched.add(make_request("early", min_tokens=3), ROOT)
+    failed = {}
+    for step in range(2):
+        plan = sched.schedule()
+        sampled = [SampledToken(c.request_id, 0, dead=c.request_id != "late" or step == 1)
+                   for c in plan.scheduled if c.sample]
+        failed |= {o.request_id: o for o in sched.update(StepDone(step_id=plan.step_id, rank=0, sampled=sampled))
+                   if isinstance(o, Failed)}
+    assert {rid: f.param for rid, f in failed.items()} == {
+        "dead": "allowed_token_ids", "late": "structured_outputs.regex", "early": "min_tokens"}
+    assert "(allowed_token_ids and structured_outputs.regex)" in failed["dead"].message
+    assert "(structured_outputs.regex)" in failed["late"].message
 
 
 def test_the_first_delta_carries_the_prompt_and_its_prefix_hit():
