@@ -181,7 +181,7 @@ class FrontendActor(Actor):
         # Of server.api_server_count frontends on one port: its request ids name it (new_request_id).
         self.index = index
         self.mailbox = Mailbox(self.inbox, max_pending=MAILBOX_SIZE)
-        self.metrics = Metrics(metrics_dir)
+        self.metrics = Metrics(metrics_dir, self.info.served_name)
         self.port: int | None = None  # the bound port, once started
         self._is_started = CONTROL not in self.inbox  # without a launcher: ready when started
         self._failure: str | None = None  # a peer's failure: unhealthy from then on
@@ -818,6 +818,9 @@ class FrontendActor(Actor):
         for rid in exchange.abort_ids():
             self._abort(rid)
         self.metrics.prompt_tokens.inc(sum(c.num_prompt_tokens for c in exchange.choices.values()))
+        seconds = time.perf_counter() - exchange.arrival
+        for choice in exchange.choices.values():
+            self.metrics.observe_end(choice.finish_reason, seconds)
         for rid in [*exchange.choice_ids, *exchange.choices]:
             self._exchanges.pop(rid, None)
             self._unacked.discard(rid)

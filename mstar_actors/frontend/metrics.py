@@ -35,14 +35,21 @@ from mstar_actors.messages import EngineStats
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class Metrics:
-    """Counters, histograms and engine gauges; ``render`` gives the text format."""
+    """Counters, histograms and engine gauges; ``render`` gives the text format.
+
+    The engine's and the requests' metrics carry vLLM's names (``vllm:...``,
+    a ``model_name`` label: the served base model), so dashboards, alerts
+    and autoscalers made for vLLM read them; what vLLM has no name for (HTTP
+    requests by route, KV blocks, adapter waits, recurrent-state slots) is
+    ``mstar_...``."""
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, multiprocess_dir: str | None = None) -> None:
+    def __init__(self, multiprocess_dir: str | None = None, model_name: str = "") -> None:
         """``multiprocess_dir``: the run's folder of ``PROMETHEUS_MULTIPROC_DIR``
         (several frontends), which must be set before ``prometheus_client``
         is imported; None: this process's values alone."""
@@ -53,33 +60,55 @@ class Metrics:
         self.multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry()
         reg = self.registry
+        model = {"model_name": model_name}
         gauge = functools.partial(Gauge, registry=reg, **({"multiprocess_mode": "mostrecent"} if multiprocess_dir else {}))
+
+        def vllm_gauge(name: str, documentation: str):
+            return gauge(name, documentation, ["model_name"]).labels(**model)
+
+        def vllm_histogram(name: str, documentation: str, buckets: tuple[float, ...]):
+            return Histogram(name, documentation, ["model_name"], buckets=buckets, registry=reg).labels(**model)
+
         self.requests = Counter("mstar_requests", "HTTP requests by route and status code", ["route", "status"], registry=reg)
-        self.prompt_tokens = Counter("mstar_prompt_tokens", "Prompt tokens of finished requests", registry=reg)
-        self.time_to_first_token = Histogram(
-            "mstar_time_to_first_token_seconds", "From arrival to the first token", buckets=_TTFT_BUCKETS, registry=reg
-        )
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests", ["model_name"],
+                                     registry=reg).labels(**model)
+        self.time_to_first_token = vllm_histogram("vllm:time_to_first_token_seconds", "From arrival to the first token",
+                                                  _TTFT_BUCKETS)
+        self.e2e_latency = vllm_histogram("vllm:e2e_request_latency_seconds", "From arrival to a choice's end",
+                                          _E2E_BUCKETS)
+        self._success = Counter("vllm:request_success", "Choices ended, by finish reason (abort: not finished)",
+                                ["model_name", "finished_reason"], registry=reg)
+        self.model = model
         if multiprocess_dir is None:
-            self.generation_tokens = LoopCounter("mstar_generation_tokens", "Tokens generated", reg)
+            self.generation_tokens = LoopCounter("vllm:generation_tokens", "Tokens generated", reg, model)
             self.inter_token_latency = LoopHistogram(
-                "mstar_inter_token_latency_seconds", "Between consecutive token deltas", _ITL_BUCKETS, reg
+                "vllm:inter_token_latency_seconds", "Between consecutive token deltas", _ITL_BUCKETS, reg, model
             )
         else:  # values in the shared folder
-            self.generation_tokens = Counter("mstar_generation_tokens", "Tokens generated", registry=reg)
-            self.inter_token_latency = Histogram("mstar_inter_token_latency_seconds", "Between consecutive token deltas",
-                                                 buckets=_ITL_BUCKETS, registry=reg)
-        self.num_running = gauge("mstar_num_requests_running", "Requests running in the engine")
-        self.num_waiting = gauge("mstar_num_requests_waiting", "Requests waiting in the engine")
+            self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", ["model_name"],
+                                             registry=reg).labels(**model)
+            self.inter_token_latency = vllm_histogram("vllm:inter_token_latency_seconds",
+                                                      "Between consecutive token deltas", _ITL_BUCKETS)
+        self.num_running = vllm_gauge("vllm:num_requests_running", "Requests running in the engine")
+        self.num_waiting = vllm_gauge("vllm:num_requests_waiting", "Requests waiting in the engine")
+        self.kv_cache_usage = vllm_gauge("vllm:kv_cache_usage_perc", "KV-cache blocks in use, a fraction (1: all)")
         self.num_kv_blocks_used = gauge("mstar_kv_blocks_used", "KV-cache blocks in use")
         self.num_kv_blocks_total = gauge("mstar_kv_blocks_total", "KV-cache blocks in all")
         # a counter (rate() and increase() read it across restarts); with several frontends
         # only the first counts, the sum over their files being the engine's
-        self.num_preemptions = Counter("mstar_num_preemptions", "Preemptions since start", registry=reg)
+        self.num_preemptions = Counter("vllm:num_preemptions", "Preemptions since start", ["model_name"],
+                                       registry=reg).labels(**model)
         self._preemptions_seen = 0
         self.num_waiting_for_adapter = gauge("mstar_num_requests_waiting_for_adapter",
                                              "Requests held until their LoRA adapter is in a slot")
         self.num_state_slots_used = gauge("mstar_state_slots_used", "Recurrent-state slots in use")
         self.num_state_slots_total = gauge("mstar_state_slots_total", "Recurrent-state slots in all")
+
+    def observe_end(self, finish_reason: str | None, seconds: float) -> None:
+        """A choice ended: ``finish_reason`` None when it did not finish (its client left, it failed)."""
+        self._success.labels(**self.model, finished_reason=finish_reason or "abort").inc()
+        if finish_reason is not None:
+            self.e2e_latency.observe(seconds)
 
     def observe_request(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
@@ -90,6 +119,7 @@ class Metrics:
         self.num_waiting.set(stats.num_waiting)
         self.num_kv_blocks_used.set(stats.num_kv_blocks_used)
         self.num_kv_blocks_total.set(stats.num_kv_blocks_total)
+        self.kv_cache_usage.set(stats.num_kv_blocks_used / stats.num_kv_blocks_total if stats.num_kv_blocks_total else 0.0)
         if counts_events and stats.num_preemptions > self._preemptions_seen:
             self.num_preemptions.inc(stats.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = max(self._preemptions_seen, stats.num_preemptions)
@@ -112,8 +142,8 @@ class LoopCounter:
     renders it), exposed as ``prometheus_client.Counter``: ``NAME_total``
     and ``NAME_created``."""
 
-    def __init__(self, name: str, documentation: str, registry: CollectorRegistry):
-        self.name, self.documentation = name, documentation
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry, labels: dict | None = None):
+        self.name, self.documentation, self.labels = name, documentation, labels or {}
         self.value = 0.0
         self.created = time.time()
         registry.register(self)
@@ -126,8 +156,8 @@ class LoopCounter:
 
     def collect(self) -> Iterator[Metric]:
         metric = Metric(self.name, self.documentation, "counter")
-        metric.add_sample(f"{self.name}_total", {}, float(self.value))
-        metric.add_sample(f"{self.name}_created", {}, self.created)
+        metric.add_sample(f"{self.name}_total", self.labels, float(self.value))
+        metric.add_sample(f"{self.name}_created", self.labels, self.created)
         yield metric
 
 
@@ -137,8 +167,9 @@ class LoopHistogram:
     ``NAME_bucket{le=...}`` up to ``+Inf``, ``NAME_count``, ``NAME_sum``,
     ``NAME_created``. A value equal to a bound counts in that bound's bucket."""
 
-    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], registry: CollectorRegistry):
-        self.name, self.documentation = name, documentation
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], registry: CollectorRegistry,
+                 labels: dict | None = None):
+        self.name, self.documentation, self.labels = name, documentation, labels or {}
         self.bounds = [float(b) for b in buckets]
         self.counts = [0] * (len(self.bounds) + 1)  # per bucket, the last +Inf
         self.sum = 0.0
@@ -157,8 +188,8 @@ class LoopHistogram:
         total = 0
         for bound, count in zip([*self.bounds, math.inf], self.counts):
             total += count
-            metric.add_sample(f"{self.name}_bucket", {"le": floatToGoString(bound)}, float(total))
-        metric.add_sample(f"{self.name}_count", {}, float(total))
-        metric.add_sample(f"{self.name}_sum", {}, self.sum)
-        metric.add_sample(f"{self.name}_created", {}, self.created)
+            metric.add_sample(f"{self.name}_bucket", {**self.labels, "le": floatToGoString(bound)}, float(total))
+        metric.add_sample(f"{self.name}_count", self.labels, float(total))
+        metric.add_sample(f"{self.name}_sum", self.labels, self.sum)
+        metric.add_sample(f"{self.name}_created", self.labels, self.created)
         yield metric

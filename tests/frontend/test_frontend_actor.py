@@ -592,11 +592,17 @@ def test_metrics(harness):
                 text = await resp.text()
             assert 'mstar_requests_total{route="/v1/chat/completions",status="200"} 2.0' in text
             assert 'mstar_requests_total{route="/v1/chat/completions",status="400"} 1.0' in text
-            assert "mstar_generation_tokens_total 18.0" in text
-            assert "mstar_time_to_first_token_seconds_count 2.0" in text
-            assert "mstar_inter_token_latency_seconds_count" in text
-            assert "mstar_kv_blocks_used 7.0" in text and "mstar_num_requests_running 2.0" in text
-            assert "# TYPE mstar_num_preemptions_total counter" in text and "mstar_num_preemptions_total 3.0" in text
+            # vLLM's names, labelled by the served model, for dashboards made for vLLM
+            model = '{model_name="tiny"}'
+            assert f"vllm:generation_tokens_total{model} 18.0" in text
+            assert f"vllm:time_to_first_token_seconds_count{model} 2.0" in text
+            assert f"vllm:inter_token_latency_seconds_count{model}" in text
+            assert f"vllm:e2e_request_latency_seconds_count{model} 2.0" in text
+            assert 'vllm:request_success_total{finished_reason="stop",model_name="tiny"} 2.0' in text
+            assert f"vllm:prompt_tokens_total{model} " in text
+            assert "mstar_kv_blocks_used 7.0" in text and f"vllm:num_requests_running{model} 2.0" in text
+            assert f"vllm:kv_cache_usage_perc{model} 0.7" in text
+            assert "# TYPE vllm:num_preemptions_total counter" in text and f"vllm:num_preemptions_total{model} 3.0" in text
             # a request whose client went away is counted too, as 499 (it was left out)
             h.engine.plan = lambda req: None  # held: no reply comes
             posting = asyncio.create_task(h.post(CHAT, chat_body()))

@@ -7,7 +7,7 @@ from mstar_actors.messages import EngineStats
 def gauges(metrics: Metrics) -> dict[str, float]:
     lines = metrics.render().decode().splitlines()
     return {name: float(value) for name, value in (line.split(" ") for line in lines if not line.startswith("#"))
-            if name.startswith("mstar_") and "{" not in name}
+            if name.startswith(("mstar_", "vllm:")) and "le=" not in name}
 
 
 def test_engine_gauges_follow_the_last_stats():
@@ -20,7 +20,7 @@ def test_engine_gauges_follow_the_last_stats():
     metrics.observe_engine(EngineStats(num_running=0, num_waiting=0, num_kv_blocks_used=0, num_kv_blocks_total=10))
     seen = gauges(metrics)  # a model without recurrent state reports none
     assert seen["mstar_state_slots_used"] == 0 and seen["mstar_state_slots_total"] == 0
-    assert seen["mstar_num_requests_running"] == 0
+    assert seen['vllm:num_requests_running{model_name=""}'] == 0 and seen['vllm:kv_cache_usage_perc{model_name=""}'] == 0
 
 
 def test_loop_counter_and_histogram_render_as_prometheus_client_does():

@@ -77,10 +77,11 @@ async def stream_one(session: aiohttp.ClientSession, url: str, disconnect: bool)
 
 
 async def gauges(session: aiohttp.ClientSession, base: str) -> dict[str, float]:
-    names = ("mstar_num_requests_running", "mstar_num_requests_waiting", "mstar_kv_blocks_used")
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "mstar_kv_blocks_used")
     async with session.get(f"{base}/metrics") as resp:
         text = await resp.text()
-    return {n: float(line.split()[1]) for line in text.splitlines() for n in names if line.startswith(n + " ")}
+    return {n: float(line.split()[1]) for line in text.splitlines() for n in names
+            if line.startswith((n + " ", n + "{"))}
 
 
 async def settled_gauges(session, base: str, bound_s: float = 5.0) -> dict[str, float]:
@@ -116,7 +117,7 @@ def test_clients_disconnecting_mid_stream_lose_nothing_and_gauges_return_to_zero
     outcomes, elapsed, after, (status, reply) = asyncio.run(run())
     print(f"{NUM_REQUESTS} streams at concurrency {CONCURRENCY}, {len(leaving)} hung up: {elapsed:.2f} s")
     assert [i for i, o in enumerate(outcomes) if o != ("left" if i in leaving else "done")] == [], outcomes
-    assert after == {"mstar_num_requests_running": 0, "mstar_num_requests_waiting": 0, "mstar_kv_blocks_used": 0}
+    assert after == {"vllm:num_requests_running": 0, "vllm:num_requests_waiting": 0, "mstar_kv_blocks_used": 0}
     assert status == 200 and reply["usage"]["completion_tokens"] == 4
 
 
