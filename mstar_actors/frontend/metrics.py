@@ -119,7 +119,8 @@ class Metrics:
         self.num_waiting.set(stats.num_waiting)
         self.num_kv_blocks_used.set(stats.num_kv_blocks_used)
         self.num_kv_blocks_total.set(stats.num_kv_blocks_total)
-        self.kv_cache_usage.set(stats.num_kv_blocks_used / stats.num_kv_blocks_total if stats.num_kv_blocks_total else 0.0)
+        total = stats.num_kv_blocks_total
+        self.kv_cache_usage.set(stats.num_kv_blocks_used / total if total else 0.0)
         if counts_events and stats.num_preemptions > self._preemptions_seen:
             self.num_preemptions.inc(stats.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = max(self._preemptions_seen, stats.num_preemptions)
