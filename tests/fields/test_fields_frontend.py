@@ -209,7 +209,13 @@ def test_tokenize_detokenize_version_ping_and_model_by_id(harness):
             tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
             status, r = await h.post("/tokenize", {"model": "tiny", "messages": MSGS, "tools": tools,
                                                    "return_token_strs": True})
-            text = tok.apply_chat_template(MSGS, tools=tools, tokenize=False, add_generation_prompt=True)
+            # (this template writes no tools: they are described in a system message, as a chat request's)
+            from mstar_actors.frontend.tool_calls import TOOLS_PREAMBLE
+
+            preamble = TOOLS_PREAMBLE.format(tools='[{"name": "f", "parameters": {"type": "object"}}]',
+                                             call='{"name": <the tool\'s name>, "parameters": <its arguments as an object>}')
+            text = tok.apply_chat_template([{"role": "system", "content": preamble}, *MSGS], tokenize=False,
+                                           add_generation_prompt=True)
             assert status == 200 and r["tokens"] == tok(text, add_special_tokens=False).input_ids
             assert r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
             # the turn flags read as a chat request reads them
