@@ -1084,7 +1084,15 @@ def models_list(name: str, created: int, max_model_len: int | None, adapters: di
             "parent": None, "max_model_len": max_model_len}
     pairs = sorted(adapters.items()) if isinstance(adapters, dict) else [(a, a) for a in adapters]
     data = [base] + [dict(base, id=a, root=path, parent=name) for a, path in pairs]
-    return {"object": "list", "data": data}
+    return {"object": "list", "data": [card | {"permission": [_permission(card["id"], created)]} for card in data]}
+
+
+def _permission(model: str, created: int) -> dict:
+    """vLLM's model card's one permission (clients that parse its card read it): sampling, logprobs, viewing."""
+    return {"id": f"modelperm-{model}", "object": "model_permission", "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False}
 
 
 # --------------------------------------------------------------------------

@@ -265,6 +265,11 @@ def test_models_list_shape():
     listed = api.models_list("tiny", 5, 256, ["lora-a"])
     assert listed["object"] == "list"
     base, lora = listed["data"]
+    (permission,) = base.pop("permission")
     assert base == {"id": "tiny", "object": "model", "created": 5, "owned_by": "mstar-actors", "root": "tiny",
                     "parent": None, "max_model_len": 256}
     assert lora["id"] == "lora-a" and lora["parent"] == "tiny"
+    # vLLM's card's permission, which clients that parse the card as vLLM's read
+    assert permission["object"] == "model_permission" and permission["id"] == "modelperm-tiny"
+    assert permission["allow_sampling"] and permission["allow_logprobs"] and not permission["allow_fine_tuning"]
+    assert lora["permission"][0]["id"] == "modelperm-lora-a"
