@@ -350,9 +350,12 @@ class FrontendActor(Actor):
     # ---- HTTP app -------------------------------------------------------
 
     def make_app(self) -> web.Application:
+        # A path with a trailing slash is redirected to the route without it (308: the method and body kept),
+        # as vLLM's server redirects it: clients whose base URL ends in a slash keep working.
+        slash = web.normalize_path_middleware(append_slash=False, remove_slash=True)
         app = web.Application(client_max_size=self.config.server.max_body_bytes,
-                              middlewares=[self._preflight_middleware, self._errors_middleware, self._auth_middleware,
-                                           self._body_middleware])
+                              middlewares=[slash, self._preflight_middleware, self._errors_middleware,
+                                           self._auth_middleware, self._body_middleware])
         app.on_response_prepare.append(self._cors_headers)
         post = functools.partial(app.router.add_post, expect_handler=self._expect)
         post("/v1/chat/completions", functools.partial(self._generate, kind="chat"))
