@@ -710,7 +710,7 @@ def _parse_tools(parsed: ParsedRequest, body: dict, tool_parser: str | None) -> 
     if given is not None:
         raise _bad("tool_choice", f"a required or named tool call is already constrained; it cannot be combined "
                                   f"with {given.param or 'another output constraint'}")
-    spec = StructuredSpec("json", tool_calls.forced_call_schema(parsed.tools), "tool_choice")
+    spec = StructuredSpec(*tool_calls.forced_calls_spec(parsed.tools), "tool_choice")
     parsed.sampling = msgspec.structs.replace(parsed.sampling, structured=spec)
 
 

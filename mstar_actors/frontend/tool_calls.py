@@ -42,6 +42,8 @@ PYTHON_TAG = "<|python_tag|>"
 FORCED_PREFIX = {HERMES: HERMES_OPEN + "\n", LLAMA3_JSON: ""}
 # The key the format names the arguments by.
 ARGUMENTS_KEY = {HERMES: "arguments", LLAMA3_JSON: "parameters"}
+# What the format writes between two calls of one reply (the readers read it back).
+CALL_SEPARATOR = {HERMES: f"\n{HERMES_CLOSE}\n{HERMES_OPEN}\n", LLAMA3_JSON: "; "}
 
 
 class ToolError(ValueError):
@@ -185,6 +187,17 @@ def _parse_tool_choice(value: Any, names: set[str]) -> tuple[str, str | None]:
     if name not in names:
         raise ToolError("tool_choice.function.name", f"{name!r} is not among the tools ({', '.join(sorted(names))})")
     return "function", name
+
+
+def forced_calls_spec(request: ToolRequest) -> tuple[str, str]:
+    """``(kind, spec)`` of a forced reply's ``StructuredSpec``: one call of
+    ``forced_call_schema``, or with ``tool_choice: "required"`` and parallel
+    calls allowed one or more, joined as the format joins them ("json_calls"),
+    as vLLM's required choice takes a list of calls."""
+    schema = forced_call_schema(request)
+    if request.choice != "required" or request.max_calls == 1:
+        return "json", schema
+    return "json_calls", json.dumps({"schema": json.loads(schema), "separator": CALL_SEPARATOR[request.parser]})
 
 
 def forced_call_schema(request: ToolRequest) -> str:
@@ -364,7 +377,7 @@ def _written_calls(parser: str, calls: list[tuple[str, Any]], quoted: bool = Tru
                else f'{{"name": {name}, "{key}": {arguments}}}' for name, arguments in calls]
     if parser == HERMES:
         return "\n".join(f"{HERMES_OPEN}\n{o}\n{HERMES_CLOSE}" for o in objects)
-    return "; ".join(objects)
+    return CALL_SEPARATOR[LLAMA3_JSON].join(objects)
 
 
 def _with_text(message: dict, text: str, after: bool, sep: str = "\n\n") -> dict:

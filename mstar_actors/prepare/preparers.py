@@ -179,6 +179,7 @@ class Preparer:
         if spec.param != "tool_choice" or not req.tools:
             return None
         forced = json.loads(spec.spec)
+        forced = forced["schema"] if spec.kind == "json_calls" else forced  # parallel calls: one call's schema
         names = {branch["properties"]["name"]["enum"][0] for branch in forced.get("anyOf", [forced])}
         for i, tool in enumerate(req.tools):
             if tool["function"]["name"] in names:

@@ -151,6 +151,12 @@ class GrammarCompiler:
                 return _json_grammar_text(spec.spec)
             case "json_object":
                 return _json_grammar_text(ANY_OBJECT_SCHEMA)
+            case "json_calls":
+                calls = json.loads(spec.spec)
+                problem = unenforced_keyword(calls["schema"])
+                if problem is not None:
+                    raise GrammarError("json", problem)
+                return _repeated(_json_grammar_text(json.dumps(calls["schema"])), calls["separator"])
             case "regex":
                 return _xgr().Grammar.from_regex(spec.spec)
             case "choice":
@@ -378,6 +384,14 @@ def _json_grammar_text(schema: str) -> str:
     would fill it), with its length-bounded strings made valid JSON."""
     text = str(_xgr().Grammar.from_json_schema(schema, any_whitespace=False))
     return text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+
+
+def _repeated(grammar: str, separator: str) -> str:
+    """``grammar``'s language one or more times, ``separator`` between: its
+    root rule renamed (references to it too: a recursive schema's), a new
+    root repeating it."""
+    renamed = re.sub(r"(?<![\w-])root(?![\w-])", "one_value", grammar)
+    return f"{renamed}\nroot ::= one_value ({json.dumps(separator)} one_value)*\n"
 
 
 def _reason(err: Exception) -> str:

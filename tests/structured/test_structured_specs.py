@@ -258,3 +258,40 @@ def test_a_forced_calls_parameters_keep_their_own_references():
     assert accepted({"when": "now", "child": {"when": "later", "child": None}})
     assert not accepted({"when": "soon", "child": None})
     assert not accepted({"when": "now", "child": {"name": "f", "arguments": {"when": "now", "child": None}}})
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_required_takes_one_or_more_calls_joined_as_the_format_joins_them(parser):
+    """vLLM's required choice is a list of calls: the grammar repeats the
+    call (recursive references included) with the format's separator, which
+    the reader reads back; parallel_tool_calls false and a named function
+    keep one."""
+    import xgrammar
+
+    from mstar_actors.frontend import tool_calls as tc
+
+    key = tc.ARGUMENTS_KEY[parser]
+    parameters = {"type": "object", "properties": {"n": {"type": "integer"},
+                                                   "next": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}},
+                  "required": ["n", "next"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}},
+             {"type": "function", "function": {"name": "g"}}]
+    request = tc.parse_tool_request(tools, "required", parser)
+    spec = StructuredSpec(*tc.forced_calls_spec(request))
+    chars = GrammarCompiler(raw_tokenizer_info(["<eos>"] + [chr(c) for c in range(10, 127)], [0]))
+    matcher = xgrammar.GrammarMatcher(chars.compile(spec))
+    calls = [json.dumps({"name": "f", key: {"n": 1, "next": {"n": 2, "next": None}}}),
+             json.dumps({"name": "g", key: {}})]
+
+    def accepted(text: str) -> bool:
+        matcher.reset()
+        return matcher.accept_string(text) and matcher.is_terminated() is False and matcher.accept_token(0)
+
+    separator = tc.CALL_SEPARATOR[parser]
+    assert accepted(calls[0]) and accepted(separator.join(calls)) and accepted(separator.join(calls * 2))
+    assert not accepted(calls[0] + separator) and not accepted(json.dumps({"name": "h", key: {}}))
+    assert [c.name for c in tc.read_calls(request, separator.join(calls))[1]] == ["f", "g"]
+    single = tc.parse_tool_request(tools, "required", parser, parallel_tool_calls=False)
+    assert tc.forced_calls_spec(single)[0] == "json"
+    named = tc.parse_tool_request(tools, {"type": "function", "function": {"name": "f"}}, parser)
+    assert tc.forced_calls_spec(named)[0] == "json"

@@ -107,8 +107,13 @@ async def test_forced_call_is_constrained_and_read_bare(tool_harness, tool_choic
         request = next(iter(h.engine.requests.values()))
         assert request.assistant_prefix == "<tool_call>\n"
         spec = request.sampling.structured
-        assert (spec.kind, spec.param) == ("json", "tool_choice")
+        # required: one or more calls, as the format joins them (vLLM's list); a named function: one call
+        parallel = tool_choice == "required"
+        assert (spec.kind, spec.param) == ("json_calls" if parallel else "json", "tool_choice")
         schema = json.loads(spec.spec)
+        if parallel:
+            assert schema["separator"] == "\n</tool_call>\n<tool_call>\n"
+            schema = schema["schema"]
         names = [b["properties"]["name"]["enum"] for b in schema.get("anyOf", [schema])]
         assert names == ([["get_weather"], ["get_time"]] if tool_choice == "required" else [["get_weather"]])
         choice = body["choices"][0]

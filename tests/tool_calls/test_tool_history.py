@@ -67,7 +67,7 @@ def test_auto_on_a_template_with_no_format_is_refused():
         api.parse_chat(json.dumps(body).encode(), None, tool_parser=None)
     assert info.value.param == "tool_choice" and "tool_call_parser" in info.value.message
     forced = api.parse_chat(json.dumps(body | {"tool_choice": "required"}).encode(), None, tool_parser=None)
-    assert forced.sampling.structured.kind == "json"
+    assert forced.sampling.structured.kind == "json_calls"  # one or more calls
 
 
 def test_forced_call_cannot_continue_the_final_message():

@@ -73,10 +73,13 @@ def test_forced_calls_are_always_valid(client, tool_choice):
                                              max_tokens=256, temperature=1.0, seed=seed)
         choice = out.choices[0]
         assert choice.finish_reason == "tool_calls", choice
-        [call] = choice.message.tool_calls
-        assert call.id.startswith("call_") and call.type == "function"
-        if isinstance(tool_choice, dict) or call.function.name == "get_weather":
-            assert call.function.name == "get_weather"
-            Weather.model_validate_json(call.function.arguments)
-        else:
-            assert call.function.name == "get_time" and json.loads(call.function.arguments) == {}
+        calls = choice.message.tool_calls  # required: one or more (parallel calls); a named function: one
+        assert len(calls) == 1 or tool_choice == "required", calls
+        assert len({call.id for call in calls}) == len(calls)
+        for call in calls:
+            assert call.id.startswith("call_") and call.type == "function"
+            if isinstance(tool_choice, dict) or call.function.name == "get_weather":
+                assert call.function.name == "get_weather"
+                Weather.model_validate_json(call.function.arguments)
+            else:
+                assert call.function.name == "get_time" and json.loads(call.function.arguments) == {}
