@@ -388,7 +388,8 @@ class Scheduler:
 
         Order: decodes of running sequences, then their unfinished prefills,
         then waiting requests in FIFO order (skipped in a step that preempted,
-        so a victim is not re-admitted at once). Earlier admitted sequences
+        so a victim is not re-admitted at once; one is admitted only where
+        its whole prompt fits beside the running). Earlier admitted sequences
         are scheduled first everywhere, so the oldest one always progresses;
         with ``max_num_batched_tokens < max_num_seqs`` the newest decodes
         wait. The plan lists the decodes grouped by LoRA slot
@@ -521,7 +522,11 @@ class Scheduler:
         num_needed = _cdiv(num_computed + num_new, self.block_size) - len(hits)
         # Hits that are cached-free leave the free pool when shared.
         num_revived = sum(1 for block_id in hits if self.allocator.ref_count(block_id) == 0)
-        if not self.allocator.can_allocate(num_needed + num_revived):
+        # Its whole prompt must fit beside the running, not only this chunk: admitted on a first chunk, its
+        # next one would preempt it (the newest), its chunk in flight uncached, and it would come straight
+        # back: a wasted prefill every other step while the others crawl. It waits for the room instead.
+        num_whole = _cdiv(seq.num_tokens, self.block_size) - len(hits)
+        if not self.allocator.can_allocate(max(num_needed, num_whole) + num_revived):
             return False
         self.allocator.share(hits)  # before allocate(), which could evict them
         seq.block_ids = hits + self.allocator.allocate(num_needed)

@@ -172,3 +172,35 @@ def test_steps_ahead_is_a_scheduler_key_that_needs_async_scheduling():
         parse_config({"model": {"device": "cpu"}, "scheduler": {"async_scheduling": False, "steps_ahead": 2}})
     with pytest.raises(ConfigError, match="accepted: 1, 2"):
         parse_config({"scheduler": {"steps_ahead": 3}})
+
+
+def test_a_prompt_that_cannot_fit_beside_the_running_waits_instead_of_being_admitted_and_preempted_again():
+    """16 blocks of 4 tokens; r0 decodes on 5 of them. r1's 48-token prompt
+    (12 blocks) does not fit beside it, but its first chunk (16 tokens)
+    does: admitted, its second chunk then preempted r1 itself, its first
+    chunk still in flight, so nothing of it was cached, and it was admitted
+    again at once: every other step a wasted prefill, r0 crawling. r1 waits
+    for the room instead, and r0 decodes every step."""
+    sched = ahead(num_blocks=16, block_size=4, max_num_batched_tokens=16, max_model_len=64)
+    sched.add(make_request("r0", num_prompt_tokens=4, max_tokens=40), ROOT)
+    pending, outputs = [], []
+    for _ in range(16):  # r0: its prompt and decodes, one step ahead (5 blocks by the end)
+        pending.append(sched.schedule())
+        if len(pending) == 2:
+            outputs += sched.update(make_done(pending.pop(0)))
+    sched.add(make_request("r1", num_prompt_tokens=48, max_tokens=2), ROOT)
+    for _ in range(12):
+        plan = sched.schedule()
+        assert [c.request_id for c in plan.scheduled] == ["r0"], plan.scheduled  # r1 waits; r0 never stalls
+        pending.append(plan)
+        outputs += sched.update(make_done(pending.pop(0)))
+    assert sched.num_preemptions == 0 and sched.requests["r1"] in sched.waiting
+    while sched.has_work():  # r0 ends (max_tokens): r1's whole prompt fits, and it runs
+        if sched.can_schedule() and (plan := sched.schedule()) is not None:
+            pending.append(plan)
+        if pending:
+            outputs += sched.update(make_done(pending.pop(0)))
+    assert {o.request_id: o.finish_reason for o in outputs if isinstance(o, Finished)} == {"r0": "length",
+                                                                                        "r1": "length"}
+    assert sched.num_preemptions == 0
+    assert_no_blocks_used(sched) if not sched.enable_prefix_caching else check_invariants(sched)
