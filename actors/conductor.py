@@ -400,10 +400,12 @@ class ConductorActor(Actor):
 
     async def send_stats(self) -> None:
         stats = self.scheduler.stats()
-        num_held = self.adapter_pool.num_waiting + self.grammar_gate.num_waiting
+        # Held before the scheduler: for an adapter's slot, or a grammar's compile (waiting, not for an adapter).
+        for_adapter = self.adapter_pool.num_waiting
+        num_held = for_adapter + self.grammar_gate.num_waiting
         if num_held:
             stats = msgspec.structs.replace(stats, num_waiting=stats.num_waiting + num_held,
-                                            num_waiting_for_adapter=num_held)
+                                            num_waiting_for_adapter=for_adapter)
         if stats != self.last_stats:
             self.last_stats = stats
             await self.tell_frontends(stats)

@@ -50,6 +50,9 @@ async def test_a_grammar_that_ends_finishes_with_stop_beside_free_rows(word_mode
         assert isinstance(end, Finished) and end.finish_reason == "stop" and end.stop_token_id == EOS, (rid, end)
         assert tokens[-1] == EOS and re.fullmatch(pattern, token_text(tokens)), (rid, tokens)
     assert out["free"]["end"].finish_reason == "length" and len(out["free"]["tokens"]) == 6
+    # held for their grammars' compiles: waiting, but not for an adapter (this server has none)
+    assert max(s.num_waiting for s in engine.stats) >= 1
+    assert not any(s.num_waiting_for_adapter for s in engine.stats)
 
 
 @async_test
