@@ -762,7 +762,8 @@ class FrontendActor(Actor):
             raise ApiError(400, f"{exchange.num_choices} choices (prompts x n) are more than this server holds at "
                                 f"once: scheduler.max_num_seqs ({max_seqs}) running and server.max_waiting_requests "
                                 f"({limit}) waiting; send fewer", param="n")
-        free = max(0, max_seqs - self._num_engine_running)
+        # sequences the engine can still start: none while it has a queue (its own waiting take them first)
+        free = 0 if self._num_engine_waiting else max(0, max_seqs - self._num_engine_running)
         num_waiting = max(self._num_engine_waiting, len(self._unacked) - free)
         seats = max(0, free - len(self._unacked))  # sequences still free once those sent start
         if num_waiting + max(0, exchange.num_choices - seats) > limit:

@@ -423,6 +423,12 @@ def test_backpressure_is_503_over_max_waiting(harness):
             await h.engine.send(EngineStats(num_running=0, num_waiting=5, num_kv_blocks_used=3, num_kv_blocks_total=10))
             status, _ = await h.post(CHAT, chat_body())
             assert status == 503
+            # sequences free while the engine has a queue (preempted ones, prompts waiting for KV room) are the
+            # queue's: two waiting and one free seat leave no room for a third waiting
+            await h.engine.send(EngineStats(num_running=full - 1, num_waiting=2, num_kv_blocks_used=9,
+                                            num_kv_blocks_total=10))
+            status, _ = await h.post(CHAT, chat_body())
+            assert status == 503
             await h.engine.send(EngineStats(num_running=0, num_waiting=0, num_kv_blocks_used=0, num_kv_blocks_total=10))
             h.engine.plan = h.engine.reply
             status, _ = await h.post(CHAT, chat_body())
