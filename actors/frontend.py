@@ -350,12 +350,9 @@ class FrontendActor(Actor):
     # ---- HTTP app -------------------------------------------------------
 
     def make_app(self) -> web.Application:
-        # A path with a trailing slash is redirected to the route without it (308: the method and body kept),
-        # as vLLM's server redirects it: clients whose base URL ends in a slash keep working.
-        slash = web.normalize_path_middleware(append_slash=False, remove_slash=True)
         app = web.Application(client_max_size=self.config.server.max_body_bytes,
-                              middlewares=[slash, self._preflight_middleware, self._errors_middleware,
-                                           self._auth_middleware, self._body_middleware])
+                              middlewares=[self._preflight_middleware, self._errors_middleware, self._auth_middleware,
+                                           self._body_middleware])
         app.on_response_prepare.append(self._cors_headers)
         post = functools.partial(app.router.add_post, expect_handler=self._expect)
         post("/v1/chat/completions", functools.partial(self._generate, kind="chat"))
@@ -372,6 +369,12 @@ class FrontendActor(Actor):
         post("/v1/unload_lora_adapter", functools.partial(self._update_adapter, kind="unload"))
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        # Each route with a trailing slash too, as vLLM's server takes it (it redirects): clients whose base URL
+        # ends in a slash keep working. Served, not redirected: a redirect would send the body twice.
+        for route in list(app.router.routes()):
+            path = route.resource.canonical if route.resource is not None else ""
+            if route.method != "HEAD" and path.startswith("/") and not path.endswith("/") and "{" not in path:
+                app.router.add_route(route.method, path + "/", route.handler, expect_handler=self._expect)
         return app
 
     def _allowed_origin(self, request: web.Request) -> str | None:
