@@ -163,7 +163,8 @@ class GrammarCompiler:
                 return _xgr().Grammar.from_regex("|".join(_escape_regex(c) for c in parse_choices(spec.spec)))
             case "grammar":
                 return _xgr().Grammar.from_ebnf(spec.spec)
-        raise GrammarError(spec.kind, "unknown kind; accepted are json, json_object, regex, choice, grammar")
+        raise GrammarError(spec.kind, "unknown kind; accepted are json, json_object, regex, choice, grammar, "
+                                      "json_calls")
 
 
 def _engine_reasons(spec: messages.StructuredSpec, work: Any) -> Any:
@@ -386,12 +387,15 @@ def _json_grammar_text(schema: str) -> str:
     return text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
 
 
-def _repeated(grammar: str, separator: str) -> str:
-    """``grammar``'s language one or more times, ``separator`` between: its
-    root rule renamed (references to it too: a recursive schema's), a new
-    root repeating it."""
-    renamed = re.sub(r"(?<![\w-])root(?![\w-])", "one_value", grammar)
-    return f"{renamed}\nroot ::= one_value ({json.dumps(separator)} one_value)*\n"
+def _repeated(grammar: str, separator: str) -> Any:
+    """``grammar``'s language one or more times, ``separator`` between: a new
+    rule repeating its root, made the grammar's root (no rule renamed: the
+    text's string literals may hold any word)."""
+    text = f"{grammar}\n{_REPEATED_ROOT} ::= root ({json.dumps(separator)} root)*\n"
+    return _xgr().Grammar.from_ebnf(text, root_rule_name=_REPEATED_ROOT)
+
+
+_REPEATED_ROOT = "repeated_root"
 
 
 def _reason(err: Exception) -> str:

@@ -274,14 +274,16 @@ def test_required_takes_one_or_more_calls_joined_as_the_format_joins_them(parser
     parameters = {"type": "object", "properties": {"n": {"type": "integer"},
                                                    "next": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}},
                   "required": ["n", "next"]}
+    root = {"type": "object", "properties": {"user": {"enum": ["root", "guest"]}}, "required": ["user"]}
     tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}},
-             {"type": "function", "function": {"name": "g"}}]
+             {"type": "function", "function": {"name": "g"}},
+             {"type": "function", "function": {"name": "root", "parameters": root}}]  # the grammar's word, as text
     request = tc.parse_tool_request(tools, "required", parser)
     spec = StructuredSpec(*tc.forced_calls_spec(request))
     chars = GrammarCompiler(raw_tokenizer_info(["<eos>"] + [chr(c) for c in range(10, 127)], [0]))
     matcher = xgrammar.GrammarMatcher(chars.compile(spec))
     calls = [json.dumps({"name": "f", key: {"n": 1, "next": {"n": 2, "next": None}}}),
-             json.dumps({"name": "g", key: {}})]
+             json.dumps({"name": "g", key: {}}), json.dumps({"name": "root", key: {"user": "root"}})]
 
     def accepted(text: str) -> bool:
         matcher.reset()
@@ -290,7 +292,7 @@ def test_required_takes_one_or_more_calls_joined_as_the_format_joins_them(parser
     separator = tc.CALL_SEPARATOR[parser]
     assert accepted(calls[0]) and accepted(separator.join(calls)) and accepted(separator.join(calls * 2))
     assert not accepted(calls[0] + separator) and not accepted(json.dumps({"name": "h", key: {}}))
-    assert [c.name for c in tc.read_calls(request, separator.join(calls))[1]] == ["f", "g"]
+    assert [c.name for c in tc.read_calls(request, separator.join(calls))[1]] == ["f", "g", "root"]
     single = tc.parse_tool_request(tools, "required", parser, parallel_tool_calls=False)
     assert tc.forced_calls_spec(single)[0] == "json"
     named = tc.parse_tool_request(tools, {"type": "function", "function": {"name": "f"}}, parser)
