@@ -374,7 +374,9 @@ class FrontendActor(Actor):
         for route in list(app.router.routes()):
             path = route.resource.canonical if route.resource is not None else ""
             if route.method != "HEAD" and path.startswith("/") and not path.endswith("/") and "{" not in path:
-                app.router.add_route(route.method, path + "/", route.handler, expect_handler=self._expect)
+                add = app.router.add_get if route.method == "GET" else functools.partial(app.router.add_route,
+                                                                                         route.method)
+                add(path + "/", route.handler, expect_handler=self._expect)  # a GET's HEAD too
         return app
 
     def _allowed_origin(self, request: web.Request) -> str | None:
@@ -435,7 +437,8 @@ class FrontendActor(Actor):
 
     def _auth_refusal(self, request: web.Request) -> ApiError | None:
         key = self.config.server.api_key
-        if key and (request.path.startswith("/v1/") or request.path in GUARDED_PATHS):
+        path = request.path.rstrip("/")  # a route's trailing-slash alias is the route
+        if key and (path.startswith("/v1/") or path in GUARDED_PATHS):
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
             # header bytes that aren't UTF-8 arrive as surrogate escapes: compare them as sent
             if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode("utf-8", "surrogateescape"),

@@ -478,6 +478,9 @@ def test_auth_model_size_and_route_errors(harness):
             ok = {"Authorization": "Bearer sekret"}
             async with h.session.get(h.url + "/health") as resp:
                 assert resp.status == 200  # open without the key
+            for path in ("/tokenize", "/tokenize/", "/detokenize/", "/v1/models/"):  # a trailing slash is the route
+                async with h.session.post(h.url + path, json={"prompt": "x"}) as resp:
+                    assert resp.status == 401, path
             status, r = await h.post(CHAT, chat_body(model="nope"), ok)
             assert status == 404 and r["error"]["code"] == "model_not_found" and r["error"]["param"] == "model"
             status, r = await h.post(CHAT, chat_body(model="tiny-lora"), ok)
@@ -589,7 +592,7 @@ def test_bad_inputs_over_http_then_a_good_request(harness):
 def test_a_trailing_slash_is_the_route_without_it(harness):
     async def body():
         async with harness() as h:
-            for method, path in (("GET", "/health/"), ("GET", "/v1/models/")):
+            for method, path in (("GET", "/health/"), ("GET", "/v1/models/"), ("HEAD", "/health/")):
                 async with h.session.request(method, h.url + path) as resp:
                     assert resp.status == 200, (path, resp.status)
             async with h.session.post(h.url + "/v1/chat/completions/", json=chat_body()) as resp:
