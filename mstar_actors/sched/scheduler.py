@@ -525,8 +525,11 @@ class Scheduler:
         # Its whole prompt must fit beside the running, not only this chunk: admitted on a first chunk, its
         # next one would preempt it (the newest), its chunk in flight uncached, and it would come straight
         # back: a wasted prefill every other step while the others crawl. It waits for the room instead.
+        # The running's own prompts come first: a prefill cut short of the budget (prompt logprobs, a
+        # snapshot point) still needs the blocks of its rest.
         num_whole = _cdiv(seq.num_tokens, self.block_size) - len(hits)
-        if not self.allocator.can_allocate(max(num_needed, num_whole) + num_revived):
+        num_owed = sum(max(0, _cdiv(s.num_tokens, self.block_size) - len(s.block_ids)) for s in self.running)
+        if not self.allocator.can_allocate(max(num_needed, num_whole) + num_revived + num_owed):
             return False
         self.allocator.share(hits)  # before allocate(), which could evict them
         seq.block_ids = hits + self.allocator.allocate(num_needed)

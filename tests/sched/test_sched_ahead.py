@@ -204,3 +204,21 @@ def test_a_prompt_that_cannot_fit_beside_the_running_waits_instead_of_being_admi
                                                                                         "r1": "length"}
     assert sched.num_preemptions == 0
     assert_no_blocks_used(sched) if not sched.enable_prefix_caching else check_invariants(sched)
+
+
+def test_the_rest_of_a_running_prompt_cut_short_of_the_budget_is_room_a_waiting_prompt_cannot_take():
+    """r0's prompt asks for its logprobs: its chunks are cut to 8 scored
+    tokens though the budget is 16, and r1 (3 blocks) was admitted beside its
+    first chunk on what was free then (6 of 8 blocks); r0's third chunk then
+    preempted r1 (6 + 3 > 8). r1 waits for the rest of r0's prompt instead."""
+    sched = ahead(num_blocks=8, block_size=4, max_num_batched_tokens=16, max_model_len=32, max_scored_tokens=8)
+    sched.add(make_request("r0", num_prompt_tokens=24, max_tokens=2, prompt_logprobs=1), ROOT)
+    sched.add(make_request("r1", num_prompt_tokens=12, max_tokens=2), ROOT)
+    pending, outputs = [], []
+    while sched.has_work():
+        if sched.can_schedule() and (plan := sched.schedule()) is not None:
+            pending.append(plan)
+        if pending:
+            outputs += sched.update(make_done(pending.pop(0)))
+    assert sched.num_preemptions == 0
+    assert sorted(o.request_id for o in outputs if isinstance(o, Finished)) == ["r0", "r1"]
