@@ -161,6 +161,7 @@ def _code(err: Exception) -> str:
 
     if isinstance(err, AdapterFileOutside):
         return "adapter_path_not_allowed"
-    if isinstance(err, (MemoryError, OSError)) and not isinstance(err, (FileNotFoundError, NotADirectoryError)):
+    unreadable_files = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+    if isinstance(err, (MemoryError, OSError)) and not isinstance(err, unreadable_files):
         return "adapter_read_error"
     return "invalid_adapter"

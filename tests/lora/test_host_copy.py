@@ -160,6 +160,7 @@ def test_the_reader_tells_the_machines_failure_from_the_files():
     assert _code(OSError(errno.ENOSPC, "No space left on device")) == "adapter_read_error"
     assert _code(MemoryError()) == "adapter_read_error"
     assert _code(FileNotFoundError("gone")) == "invalid_adapter"
+    assert _code(PermissionError(errno.EACCES, "Permission denied")) == "invalid_adapter"  # the files' fault too
     assert _code(AdapterError("adapter 'a': there is no folder")) == "invalid_adapter"
     assert _code(ValueError("not a safetensors file")) == "invalid_adapter"
     assert _code(AdapterFileOutside("outside")) == "adapter_path_not_allowed"

@@ -71,7 +71,7 @@ def assert_close_to_expand(actual: torch.Tensor, expected: torch.Tensor) -> None
 
 def assert_close_to_silu_mul_of_expands(actual: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
     """SiLU-and-mul whose gate and up each took a folded expand, against the
-    op on ``expand_rows``' gate and up: each operand may sit a rounding apart
+    op on ``expand_rows``' gate and up: each operand may sit two ulps apart
     (``assert_close_to_expand``), which moves the result by SiLU's slope
     times up (``1 + |gate|`` times its relative size where the gate is far
     below 0) and by silu(gate), plus two ulps of the result itself."""
@@ -82,7 +82,7 @@ def assert_close_to_silu_mul_of_expands(actual: torch.Tensor, gate: torch.Tensor
     g, u = gate.float(), up.float()
     sig = torch.sigmoid(g)
     slope = sig * (1 + g * (1 - sig))
-    slack = (u * slope).abs() * ulp_of(gate) + (g * sig).abs() * ulp_of(up) + 2 * ulp_of(expected)
+    slack = 2 * ((u * slope).abs() * ulp_of(gate) + (g * sig).abs() * ulp_of(up) + ulp_of(expected))
     excess = (actual.float() - expected.float()).abs() - slack
     assert excess.max() <= 0, f"{int((excess > 0).sum())} of {excess.numel()} elements past a rounding of an operand"
 
