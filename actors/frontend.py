@@ -76,6 +76,7 @@ from mstar_actors.frontend.metrics import Metrics
 from mstar_actors.frontend.openai_api import ApiError, ChoiceOutput, ParsedRequest
 from mstar_actors.frontend.tool_calls import (
     LLAMA3_JSON,
+    ForcedCallStream,
     choose_parser,
     finish_reason,
     make_reader,
@@ -1063,9 +1064,13 @@ class _Stream:
 
     def _tool_deltas(self, choice: ChoiceOutput, text: str) -> tuple[list[dict], str | None]:
         """The chunks' deltas with markup of tool calls held back: the content,
-        then each call once it is complete (its head, then its arguments); and
-        the choice's finish reason."""
+        then each call once it is complete (its head, then its arguments), a
+        forced reply's calls as they are written; and the choice's finish reason."""
         reader = self.tool_readers[choice.index]
+        if isinstance(reader, ForcedCallStream):  # a forced reply's calls, streamed as they are written
+            deltas = [{"tool_calls": [part]} for part in reader.feed(text)]
+            tail = reader.flush() if choice.is_done else ""
+            return [{"content": tail}] * bool(tail) + deltas, finish_reason(choice.finish_reason, reader.num_calls)
         first_index = reader.num_calls
         content, calls = reader.feed(text)
         if choice.is_done:
@@ -1186,7 +1191,8 @@ def _tool_readers(exchange: Exchange) -> dict[int, Any]:
     tools = exchange.parsed.tools
     if tools is None or not tools.reads_calls:
         return {}
-    return {index: make_reader(tools) for index in range(exchange.num_choices)}
+    make = ForcedCallStream if tools.is_forced else make_reader
+    return {index: make(tools) for index in range(exchange.num_choices)}
 
 
 def _with_tool_calls(parsed: ParsedRequest, choice: dict) -> dict:

@@ -596,6 +596,91 @@ def _within(calls: list[ParsedCall], num_read: int, max_calls: int | None) -> li
     return calls[: max(0, max_calls - first)]
 
 
+def _past_separator(text: str) -> str:
+    """``text`` past the whitespace, ``;`` and hermes tags between two calls."""
+    while True:
+        rest = text.lstrip(" \n;").removeprefix(HERMES_CLOSE).removeprefix(HERMES_OPEN)
+        if rest == text:
+            return rest
+        text = rest
+
+
+class ForcedCallStream:
+    """A forced reply's calls streamed as they are written, as OpenAI's and
+    vLLM's streams send them: a call's id, type and name (arguments "") once
+    its name is complete, then its arguments in pieces as they come. The
+    grammar holds the reply to ``{"name": ..., KEY: {...}}`` calls joined by
+    the format's separator, so each piece is known to be the arguments'.
+    Concatenated, a call's pieces are the arguments' JSON as the model wrote
+    it; ``read_calls`` (a response) re-serialises the same object."""
+
+    def __init__(self, request: ToolRequest):
+        self.max_calls = request.max_calls
+        self._head = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"'
+                                + re.escape(ARGUMENTS_KEY[request.parser]) + r'"\s*:\s*')
+        self._held = ""  # text not yet read: a head being written, or what follows a call
+        self._depth = 0  # inside a call's arguments: their open objects and arrays
+        self._in_string = self._escaped = False
+        self._closing = False  # a call's arguments ended: its own closing brace next
+        self.num_calls = 0
+
+    def feed(self, text: str) -> list[dict]:
+        """The ``delta.tool_calls`` entries ``text`` completes."""
+        self._held += text
+        deltas: list[dict] = []
+        while self._held:
+            if self._depth:
+                deltas += self._arguments()
+                continue
+            if self._closing:
+                rest = self._held.lstrip()
+                self._held, self._closing = (rest[1:], False) if rest else ("", True)
+                continue
+            rest = _past_separator(self._held)
+            match = self._head.match(rest)
+            if match is None:
+                break  # a head or a separator still being written (or a cut reply's end)
+            self._held = rest[match.end():]
+            self.num_calls += 1
+            if self._is_kept():
+                deltas.append({"index": self.num_calls - 1, "id": new_call_id(), "type": "function",
+                               "function": {"name": json.loads(f'"{match.group(1)}"'), "arguments": ""}})
+            self._depth = -1  # the arguments' opening next
+        return deltas
+
+    def flush(self) -> str:
+        """The end of the reply: the content it is when no call was read (a reply
+        cut before its first call's arguments: as ``read_calls`` gives it back);
+        else what is held is a call's closing and separators, or a cut head."""
+        held, self._held = self._held, ""
+        return held if not self.num_calls else ""
+
+    def _arguments(self) -> list[dict]:
+        """The arguments' text held, up to their end where it is held: one piece."""
+        end = None
+        for i, char in enumerate(self._held):
+            if self._in_string:
+                self._escaped, self._in_string = (False, True) if self._escaped else (char == "\\", char != '"')
+                continue
+            if char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth = 1 if self._depth < 0 else self._depth + 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    end = i + 1
+                    break
+        piece, self._held = (self._held[:end], self._held[end:]) if end is not None else (self._held, "")
+        self._closing = end is not None
+        if not piece or not self._is_kept():
+            return []
+        return [{"index": self.num_calls - 1, "function": {"arguments": piece}}]
+
+    def _is_kept(self) -> bool:
+        return self.max_calls is None or self.num_calls <= self.max_calls
+
+
 def make_reader(request: ToolRequest) -> HermesReader | Llama3JsonReader:
     reader = HermesReader if request.parser == HERMES else Llama3JsonReader
     return reader(is_forced=request.is_forced, max_calls=request.max_calls)

@@ -241,3 +241,28 @@ def test_a_special_opening_marker_is_reported():
     assert "special token" in tc.marker_problem("hermes", {"<tool_call>", "<|im_end|>"})
     assert tc.marker_problem("hermes", {"<|im_end|>"}) is None
     assert tc.marker_problem("llama3_json", {"<|python_tag|>"}) is None  # read with or without it
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+def test_a_forced_reply_streams_each_calls_arguments_as_they_are_written(parser, piece):
+    """As OpenAI's and vLLM's streams: a call's id and name once its name is
+    written (arguments ""), then its arguments in pieces; the pieces of a
+    call join to the arguments read_calls reads from the whole reply."""
+    request = tc.parse_tool_request([WEATHER, TIME], "required", parser)
+    key = tc.ARGUMENTS_KEY[parser]
+    calls = [{"name": "get_weather", key: {"city": "Oslo \"N\" {x}", "unit": "c"}}, {"name": "get_time", key: {}}]
+    text = tc.CALL_SEPARATOR[parser].join(json.dumps(c) for c in calls)
+    stream = tc.ForcedCallStream(request)
+    deltas = [d for i in range(0, len(text), piece) for d in stream.feed(text[i:i + piece])]
+    assert stream.flush() == "" and stream.num_calls == 2
+    heads = [d for d in deltas if "id" in d]
+    assert [(h["index"], h["function"]) for h in heads] == [(0, {"name": "get_weather", "arguments": ""}),
+                                                             (1, {"name": "get_time", "arguments": ""})]
+    assert all(h["id"].startswith("call_") and h["type"] == "function" for h in heads)
+    joined = ["".join(d["function"]["arguments"] for d in deltas if d["index"] == i and "id" not in d) for i in (0, 1)]
+    assert [json.loads(j) for j in joined] == [json.loads(c.arguments) for c in tc.read_calls(request, text)[1]]
+    if piece == 1:  # each piece leaves as it comes: never held to the call's end
+        assert len([d for d in deltas if d["index"] == 0 and "id" not in d]) > 10
+    cut = tc.ForcedCallStream(request)
+    assert cut.feed('{"name": "get_wea') == [] and cut.flush() == '{"name": "get_wea'  # as read_calls gives it back
