@@ -657,6 +657,8 @@ class ForcedCallStream:
 
     def _arguments(self) -> list[dict]:
         """The arguments' text held, up to their end where it is held: one piece."""
+        if self._depth < 0:  # the space before their opening is the call's, not theirs
+            self._held = self._held.lstrip()
         end = None
         for i, char in enumerate(self._held):
             if self._in_string:

@@ -262,6 +262,7 @@ def test_a_forced_reply_streams_each_calls_arguments_as_they_are_written(parser,
     assert all(h["id"].startswith("call_") and h["type"] == "function" for h in heads)
     joined = ["".join(d["function"]["arguments"] for d in deltas if d["index"] == i and "id" not in d) for i in (0, 1)]
     assert [json.loads(j) for j in joined] == [json.loads(c.arguments) for c in tc.read_calls(request, text)[1]]
+    assert all(j.startswith("{") for j in joined)  # the space before them is the call's
     if piece == 1:  # each piece leaves as it comes: never held to the call's end
         assert len([d for d in deltas if d["index"] == 0 and "id" not in d]) > 10
     cut = tc.ForcedCallStream(request)
