@@ -37,8 +37,9 @@ Invariants:
 - Host copies are reference counted by the reader: each ``AdapterRead`` is
   one hold, each ``DropAdapter`` releases one. Copies an install in flight
   or a waiting or parked request needs stay held, and those of versions
-  unloaded or reloaded while requests still run on them (a park would need
-  them back, and no file has them any more); a held copy is never
+  requests run on (a park would need them back, and once the name is
+  unloaded or reloaded, which may come while they run, no file has them);
+  a held copy is never
   evicted: a rank may still be mapping it. Of the rest, the most recently used copies of
   served versions stay held while all held copies fit ``max_cpu_loras`` (the
   reader's tier), so swapping an adapter back in costs no read; every other
@@ -358,8 +359,8 @@ class AdapterPool:
         # again, they would fail again): /v1/models stops listing it, and an operator loads it again. A
         # failed read of the machine's (no room in shared memory), or with no way to load it again, keeps it.
         served = self.adapters.get(read.name)
-        unload = (served is not None and served.path == read.path and msg.code == "invalid_adapter"
-                  and self.allow_runtime_updates)
+        unload = (served is not None and served.path == read.path and self.allow_runtime_updates
+                  and msg.code in ("invalid_adapter", "adapter_path_not_allowed"))  # the files' fault
         if unload:
             del self.adapters[read.name]
             outs.append(ModelsChanged(adapters=self.served()))
@@ -727,11 +728,10 @@ class AdapterPool:
         needed = set(self._installing.values())
         needed.update((w.adapter.name, w.digest or w.adapter.digest) for w in self._waiting if w.slot is None)
         served = {(a.name, a.digest) for a in self.adapters.values() if a.digest}
-        # admitted rows of a version unloaded or reloaded since: parked, they install it again, and no file
-        # can give it back (a served version's can: ``_place_parked`` reads it again)
-        needed.update(key for key in ((self.table.name_of(slot), self._slot_digest[slot])
-                                      for slot in set(self._slot_of.values()) if slot in self._slot_digest)
-                      if key not in served)
+        # the versions admitted rows run on: parked, they install it again, and once the name is unloaded or
+        # reloaded (which may come while they run) no file gives it back
+        needed.update((self.table.name_of(slot), self._slot_digest[slot])
+                      for slot in set(self._slot_of.values()) if slot in self._slot_digest)
         spare = [key for key in self._hosts if key not in needed]
         warm = sorted((key for key in spare if key in served), key=lambda key: -self._hosts[key].last_used)
         keep = set(warm[:max(0, self.max_cpu_loras - len(self._hosts) + len(spare))])

@@ -256,6 +256,8 @@ def test_held_copies_fit_the_readers_tier_and_unloaded_ones_are_dropped():
 def test_without_a_tier_every_unneeded_hold_is_dropped():
     d = running("ab", max_cpu_loras=0)
     d.end("a1")
+    assert d.drops == ["a"]  # b1 runs on b's: held (a park would need it)
+    d.end("b1")
     assert d.drops == ["a", "b"]
 
 
@@ -336,29 +338,26 @@ def test_parked_rows_whose_reinstall_fails_end_as_failed_with_the_reason():
     assert "the disk is gone" in failed[0].message and "'a'" in failed[0].message
 
 
-def test_parked_rows_whose_dropped_copy_cannot_be_read_again_end_as_failed_once():
-    """With one host copy kept, b's is dropped once b1 is parked; its files
-    gone, the read for its resume fails: b1 ends as failed with the reason,
-    and b is not read again (asked again, the read would fail again)."""
-    from mstar_actors.messages import AdapterReadFailed
-
+def test_parked_rows_resume_from_their_held_copy_with_no_read_though_one_copy_is_kept():
+    """With one host copy kept, b's copy (b1 running, its file there) was
+    dropped, and b1's resume read its files again, which might be gone by
+    then. The copy of a version rows run on is held: the resume reads
+    nothing."""
     d = running("ab", max_cpu_loras=1)
+    reads = len(d.reads)
     d.send("c1", "c")
     d.step(int(d.adapter_pool.quantum))
     d.settle()
     d.step(int(d.adapter_pool.quantum) // 2)
-    assert "b1" in d.parked and d.unanswered == ["b"]
-    reads = len(d.reads)
-    d.unanswered.clear()
-    d.handle(d.adapter_pool.on_read_failed(AdapterReadFailed(name="b", path="/adapters/b",
-                                                             message="adapter 'b': there is no folder")))
-    d.step(3)
     d.settle()
-    assert d.failed == ["b1"]
-    assert len(d.reads) == reads and not d.unanswered
+    d.step(int(d.adapter_pool.quantum))
+    d.settle()
+    assert not d.failed and {"a1", "b1", "c1"} <= set(d.admitted) | d.parked
+    assert d.reads[reads:] == ["c"]  # only c's, never a's or b's again
 
 
-def test_a_served_adapter_whose_files_are_gone_is_unloaded_with_a_404_naming_the_reason():
+@pytest.mark.parametrize("code", ["invalid_adapter", "adapter_path_not_allowed"])
+def test_a_served_adapter_whose_files_are_gone_is_unloaded_with_a_404_naming_the_reason(code):
     """c's first read (no host copy yet) fails: its files are gone. c1 gets a
     404 with the reader's reason (not a 500: nothing is wrong with the
     server, the model is no longer there), /v1/models stops listing c, a
@@ -370,7 +369,7 @@ def test_a_served_adapter_whose_files_are_gone_is_unloaded_with_a_404_naming_the
     d.send("c1", "c")
     assert d.unanswered == ["c"]
     d.unanswered.clear()
-    outs = d.adapter_pool.on_read_failed(AdapterReadFailed(name="c", path="/adapters/c",
+    outs = d.adapter_pool.on_read_failed(AdapterReadFailed(name="c", path="/adapters/c", code=code,
                                                            message="adapter 'c': there is no folder /adapters/c"))
     failed = [out for out in outs if isinstance(out, Failed)]
     assert [(f.request_id, f.status, f.code, f.param, f.error_type) for f in failed] == [
@@ -424,6 +423,23 @@ def test_a_failed_read_with_a_load_of_the_name_queued_leaves_its_waiter_to_the_l
     assert not d.failed and "c" in d.adapter_pool.adapters
     d.settle()
     assert "c1" in d.admitted
+
+
+@pytest.mark.parametrize("max_cpu_loras", [4, 1])
+def test_an_adapter_unloaded_while_its_rows_run_resumes_them_after_a_park(max_cpu_loras):
+    """With one host copy kept, a's copy (its rows running, its file there to
+    read again) was dropped; unloaded, then its rows parked for c's turn,
+    nothing could install it again and they failed mid-stream. The copy of a
+    version with rows on a slot is held."""
+    d = running("ab", max_cpu_loras=max_cpu_loras)
+    d.handle(d.adapter_pool.unload(UnloadAdapter(request_id="u", name="a")))
+    d.send("c1", "c")
+    d.step(int(d.adapter_pool.quantum))
+    d.settle()
+    assert d.parked == {"a1"}
+    d.step(int(d.adapter_pool.quantum) // 2)
+    d.settle()
+    assert "a1" in d.admitted and not d.failed
 
 
 def test_an_unloaded_adapters_parked_rows_still_resume_and_finish():
