@@ -83,6 +83,7 @@ from mstar_actors.messages import (
     AdapterInstalled,
     AdapterRead,
     AdapterReadFailed,
+    AdapterUpdate,
     CancelCompile,
     ContextAgreed,
     DropAdapter,
@@ -341,7 +342,11 @@ class ConductorActor(Actor):
             case AdapterRead() if channel == "adapter_reader":
                 await self.route(self.adapter_pool.on_read(msg))
             case AdapterReadFailed() if channel == "adapter_reader":
+                served = msg.name in self.adapter_pool.adapters
                 await self.route(self.adapter_pool.on_read_failed(msg))
+                if served and msg.name not in self.adapter_pool.adapters:
+                    self.log.warning("adapter %r unloaded: its files no longer give an adapter (%s); load it again "
+                                     "with POST /v1/load_lora_adapter once they do", msg.name, msg.message)
             case AdapterInstalled() if channel.startswith("worker"):
                 self.log.debug("rank %d: slot %d %s", msg.rank, msg.slot, "installed" if msg.ok else "failed")
                 await self.route(self.adapter_pool.on_installed(msg))
@@ -377,6 +382,9 @@ class ConductorActor(Actor):
                     await self.outbox["workers"].send(out)
                 case ReadAdapter() | DropAdapter():
                     await self.outbox["adapter_reader"].send(out)
+                case AdapterUpdate():  # a runtime load or unload's answer: the operator's record
+                    self.log.log(logging.INFO if out.status == 200 else logging.WARNING, "%s", out.message)
+                    await self.send_outputs([out])
                 case Failed():  # the pool refused a request it never admitted: its media goes
                     self.scheduler.abort(out.request_id)
                     await self.send_outputs([out])

@@ -505,7 +505,7 @@ class FrontendActor(Actor):
                                                  self.adapters))
 
     async def _model(self, request: web.Request) -> web.Response:
-        model_id = request.match_info["model_id"]
+        model_id = request.match_info["model_id"].removesuffix("/")  # a trailing slash is the card's route
         listing = api.models_list(self.info.served_name, self.started_at, self.info.max_model_len, self.adapters)
         card = api.model_card(listing, model_id)
         if card is None:
@@ -828,7 +828,6 @@ class FrontendActor(Actor):
         """Abort what has not finished and forget the exchange (every exit path)."""
         for rid in exchange.abort_ids():
             self._abort(rid)
-        self.metrics.prompt_tokens.inc(sum(c.num_prompt_tokens for c in exchange.choices.values()))
         seconds = time.perf_counter() - exchange.arrival
         for choice in exchange.choices.values():
             self.metrics.observe_end(choice.finish_reason, seconds)
@@ -878,6 +877,7 @@ class FrontendActor(Actor):
             self.metrics.inter_token_latency.observe((now - choice.last_token_at) / len(delta.tokens))
         choice.last_token_at = now
         if delta.num_prompt_tokens:  # the first delta: the prompt's usage, for a choice a stop string ends here
+            self.metrics.prompt_tokens.inc(delta.num_prompt_tokens)  # counted once prefilled, as vLLM counts it
             choice.num_prompt_tokens, choice.num_cached_tokens = delta.num_prompt_tokens, delta.num_cached_tokens
         self.metrics.generation_tokens.inc(len(delta.tokens))
         text, entries = choice.add(delta.tokens)
@@ -1260,7 +1260,7 @@ def _http_code(err: web.HTTPException) -> str | None:
 
 def _route(request: web.Request) -> str:
     info = request.match_info.route.resource
-    return info.canonical if info is not None else "unmatched"
+    return (info.canonical.rstrip("/") or "/") if info is not None else "unmatched"  # an alias counts as its route
 
 
 def _load_speech(config: Any, tokenizer: Any, vocab_size: int) -> Any:

@@ -12,7 +12,7 @@ import re
 MAX_NAME_CHARS = 128
 _NAME_CHARS = re.compile(r"[A-Za-z0-9._/-]+")
 RULE = (f"an adapter name is 1 to {MAX_NAME_CHARS} characters of A-Z a-z 0-9 . _ / -, "
-        "with no empty or '..' segment between slashes, and differs from the base model's name")
+        "with no empty, '.' or '..' segment between slashes, and differs from the base model's name")
 
 
 def name_problem(name: str, base_name: str) -> str | None:
@@ -21,8 +21,8 @@ def name_problem(name: str, base_name: str) -> str | None:
         return f"{_show(name)} has {len(name)} characters; {RULE}"
     if not _NAME_CHARS.fullmatch(name):
         return f"{_show(name)} has a character outside the allowed set; {RULE}"
-    if any(segment in ("", "..") for segment in name.split("/")):
-        return f"{_show(name)} has an empty or '..' segment; {RULE}"
+    if any(segment in ("", ".", "..") for segment in name.split("/")):  # URLs drop or fold them
+        return f"{_show(name)} has an empty, '.' or '..' segment; {RULE}"
     if name == base_name:
         return f"{_show(name)} is the base model's name; {RULE}"
     return None

@@ -592,9 +592,13 @@ def test_bad_inputs_over_http_then_a_good_request(harness):
 def test_a_trailing_slash_is_the_route_without_it(harness):
     async def body():
         async with harness() as h:
-            for method, path in (("GET", "/health/"), ("GET", "/v1/models/"), ("HEAD", "/health/")):
+            for method, path in (("GET", "/health/"), ("GET", "/v1/models/"), ("HEAD", "/health/"),
+                                 ("GET", "/v1/models/tiny/")):
                 async with h.session.request(method, h.url + path) as resp:
                     assert resp.status == 200, (path, resp.status)
+            async with h.session.get(h.url + "/metrics/") as resp:  # an alias counts as its route
+                text = await resp.text()
+            assert 'route="/health",status="200"} 2.0' in text and 'route="/v1/models/"' not in text
             async with h.session.post(h.url + "/v1/chat/completions/", json=chat_body()) as resp:
                 assert resp.status == 200 and (await resp.json())["object"] == "chat.completion"
             async with h.session.get(h.url + "/v1/chat/completions/") as resp:

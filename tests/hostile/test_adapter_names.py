@@ -5,7 +5,7 @@ import pytest
 from mstar_actors.lora.names import MAX_NAME_CHARS, name_problem
 from tests.hostile.conftest import run
 
-BAD = ["a/../b\nc", "\x00", "../../etc/passwd", "evil\u202etxt", "x" * 100_000, "", "a//b", "/a", "a/", "..",
+BAD = ["a/../b\nc", "\x00", "../../etc/passwd", "evil\u202etxt", "x" * 100_000, "", "a//b", "/a", "a/", "..", ".", "a/./b",
        "a b", "naïve", "tiny", "x" * (MAX_NAME_CHARS + 1)]
 GOOD = ["org/name", "my-lora_v1.2", "a", "x" * MAX_NAME_CHARS, "a/b/c", "v.1", "org/name.v2"]
 
