@@ -595,7 +595,7 @@ class FrontendActor(Actor):
         if update.status != 200:
             about_path = kind == "load" and update.code != "adapter_already_loaded"
             raise ApiError(update.status, update.message, param="lora_path" if about_path else "lora_name",
-                           code=update.code)
+                           code=update.code, error_type="permission_error" if update.status == 403 else None)
         return web.Response(text=update.message)
 
     def _adapter_name(self, body: dict) -> str:

@@ -150,6 +150,7 @@ async def test_runtime_loads_through_links_are_403s_that_echo_no_path(adapters, 
         for name, folder in (("linked", linked), ("secret", secret), ("escape", root / "escape")):
             status, body = await served.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
             assert status == 403 and body["error"]["code"] == "adapter_path_not_allowed", (name, body)
+            assert body["error"]["type"] == "permission_error"  # as a folder outside is refused
             message = error(body)
             assert str(tmp) not in message and SECRET not in message, (name, message)
         assert not {"linked", "secret", "escape"} & set(await served.models())
