@@ -50,6 +50,7 @@ class Tokenization:
                 "it needs tokenizer.json or the tokenizer files of a Hugging Face model"
             ) from exc
         self._text_decoders: dict[bool, TextDecoder] = {}
+        self._tool_caps: dict[str | None, TemplateToolCaps] = {}  # per chat template, probed once
 
     @property
     def vocab_size(self) -> int:
@@ -104,9 +105,8 @@ class Tokenization:
                 f"model {self.model_dir.name!r} has no chat template, so it cannot take "
                 "'messages'; send a plain 'prompt' to /v1/completions instead"
             )
-        conversation = [_to_template_message(i, m) for i, m in enumerate(chat)]
-        if tools or any(m.tool_calls for m in chat):
-            conversation, tools = with_tool_polyfills(conversation, tools, self.tool_caps, tool_format)
+        conversation, tools = self.tool_polyfills(chat, [_to_template_message(i, m) for i, m in enumerate(chat)],
+                                                  tools, tool_format)
         try:
             text = self.tokenizer.apply_chat_template(
                 conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -116,11 +116,28 @@ class Tokenization:
             raise ValueError(f"the model's chat template refused 'messages': {exc}") from exc
         return self.encode_text(text + assistant_prefix, False, max_tokens)
 
-    @functools.cached_property
+    def tool_polyfills(self, chat: list[messages.ChatMessage], conversation: list[dict], tools: list[dict] | None,
+                       tool_format: str, chat_template: str | None = None) -> tuple[list[dict], list[dict] | None]:
+        """``(conversation, tools)`` of ``chat`` (its template messages) as
+        ``with_tool_polyfills`` makes them for the chat template (None: the
+        tokenizer's), whose tool fields are probed once."""
+        if not (tools or any(m.tool_calls for m in chat)):
+            return conversation, tools
+        return with_tool_polyfills(conversation, tools, self._caps_of(chat_template), tool_format)
+
+    @property
     def tool_caps(self) -> TemplateToolCaps:
-        """Which tool fields the chat template writes (the rest are polyfilled)."""
-        return template_tool_caps(lambda conversation, tools: self.tokenizer.apply_chat_template(
-            conversation, tools=tools, tokenize=False, add_generation_prompt=False))
+        """Which tool fields the tokenizer's chat template writes (the rest are polyfilled)."""
+        return self._caps_of(None)
+
+    def _caps_of(self, chat_template: str | None) -> TemplateToolCaps:
+        caps = self._tool_caps.get(chat_template)
+        if caps is None:
+            caps = self._tool_caps[chat_template] = template_tool_caps(
+                lambda conversation, tools: self.tokenizer.apply_chat_template(
+                    conversation, tools=tools, tokenize=False, add_generation_prompt=False,
+                    chat_template=chat_template))
+        return caps
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -31,7 +31,6 @@ requests may be drafted at once on the pool's threads.
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,12 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from mstar_actors.frontend.tool_calls import (
-    TemplateToolCaps,
-    template_tool_caps,
-    template_tool_fields,
-    with_tool_polyfills,
-)
+from mstar_actors.frontend.tool_calls import template_tool_fields
 from mstar_actors.prepare.audio_features import load_feature_extractor, prepare_clip
 from mstar_actors.prepare.media import (
     AUDIO_KINDS,
@@ -335,19 +329,14 @@ class MediaPreparer:
 
     def _template_ids(self, req: NewRequest) -> list[int]:
         tokenizer = self.tokenization.tokenizer
-        conversation, tools = [_template_message(m) for m in req.messages or []], req.tools
-        if tools or any(m.tool_calls for m in req.messages or []):
-            conversation, tools = with_tool_polyfills(conversation, tools, self._tool_caps, req.tool_format)
+        chat = req.messages or []
+        conversation, tools = self.tokenization.tool_polyfills(chat, [_template_message(m) for m in chat], req.tools,
+                                                               req.tool_format, self.chat_template)
         text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
                                              add_generation_prompt=req.add_generation_prompt,
                                              continue_final_message=req.continue_final_message,
                                              chat_template=self.chat_template)
         return self.tokenization.encode_text(text + req.assistant_prefix, False, self.text.prompt_limit)
-
-    @functools.cached_property
-    def _tool_caps(self) -> TemplateToolCaps:
-        return template_tool_caps(lambda conversation, tools: self.tokenization.tokenizer.apply_chat_template(
-            conversation, tools=tools, tokenize=False, chat_template=self.chat_template))
 
     def _expand(self, ids: list[int], media: list[MediaDraft], refs: list[MediaRef]) -> tuple[list[int], list[MediaDraft]]:
         """Replace each placeholder token by its item's ``num_tokens`` copies and
