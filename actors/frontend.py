@@ -1069,8 +1069,9 @@ class _Stream:
         reader = self.tool_readers[choice.index]
         if isinstance(reader, ForcedCallStream):  # a forced reply's calls, streamed as they are written
             deltas = [{"tool_calls": [part]} for part in reader.feed(text)]
-            tail = reader.flush() if choice.is_done else ""
-            return [{"content": tail}] * bool(tail) + deltas, finish_reason(choice.finish_reason, reader.num_calls)
+            if choice.is_done and (content := reader.flush()):  # a reply cut before its first call: content
+                deltas.insert(0, {"content": content})
+            return deltas, finish_reason(choice.finish_reason, reader.num_calls)
         first_index = reader.num_calls
         content, calls = reader.feed(text)
         if choice.is_done:

@@ -69,9 +69,11 @@ class Metrics:
         def vllm_histogram(name: str, documentation: str, buckets: tuple[float, ...]):
             return Histogram(name, documentation, ["model_name"], buckets=buckets, registry=reg).labels(**model)
 
+        def vllm_counter(name: str, documentation: str):
+            return Counter(name, documentation, ["model_name"], registry=reg).labels(**model)
+
         self.requests = Counter("mstar_requests", "HTTP requests by route and status code", ["route", "status"], registry=reg)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests", ["model_name"],
-                                     registry=reg).labels(**model)
+        self.prompt_tokens = vllm_counter("vllm:prompt_tokens", "Prompt tokens, counted once prefilled")
         self.time_to_first_token = vllm_histogram("vllm:time_to_first_token_seconds", "From arrival to the first token",
                                                   _TTFT_BUCKETS)
         self.e2e_latency = vllm_histogram("vllm:e2e_request_latency_seconds", "From arrival to a choice's end",
@@ -85,8 +87,7 @@ class Metrics:
                 "vllm:inter_token_latency_seconds", "Between consecutive token deltas", _ITL_BUCKETS, reg, model
             )
         else:  # values in the shared folder
-            self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", ["model_name"],
-                                             registry=reg).labels(**model)
+            self.generation_tokens = vllm_counter("vllm:generation_tokens", "Tokens generated")
             self.inter_token_latency = vllm_histogram("vllm:inter_token_latency_seconds",
                                                       "Between consecutive token deltas", _ITL_BUCKETS)
         self.num_running = vllm_gauge("vllm:num_requests_running", "Requests running in the engine")
@@ -96,8 +97,7 @@ class Metrics:
         self.num_kv_blocks_total = gauge("mstar_kv_blocks_total", "KV-cache blocks in all")
         # a counter (rate() and increase() read it across restarts); with several frontends
         # only the first counts, the sum over their files being the engine's
-        self.num_preemptions = Counter("vllm:num_preemptions", "Preemptions since start", ["model_name"],
-                                       registry=reg).labels(**model)
+        self.num_preemptions = vllm_counter("vllm:num_preemptions", "Preemptions since start")
         self._preemptions_seen = 0
         self.num_waiting_for_adapter = gauge("mstar_num_requests_waiting_for_adapter",
                                              "Requests held until their LoRA adapter is in a slot")

@@ -615,7 +615,6 @@ class ForcedCallStream:
     it; ``read_calls`` (a response) re-serialises the same object."""
 
     def __init__(self, request: ToolRequest):
-        self.max_calls = request.max_calls
         self._head = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"'
                                 + re.escape(ARGUMENTS_KEY[request.parser]) + r'"\s*:\s*')
         self._held = ""  # text not yet read: a head being written, or what follows a call
@@ -641,10 +640,9 @@ class ForcedCallStream:
             if match is None:
                 break  # a head or a separator still being written (or a cut reply's end)
             self._held = rest[match.end():]
-            self.num_calls += 1
-            if self._is_kept():
-                deltas.append({"index": self.num_calls - 1, "id": new_call_id(), "type": "function",
-                               "function": {"name": json.loads(f'"{match.group(1)}"'), "arguments": ""}})
+            self.num_calls += 1  # as many as the grammar lets through (one without parallel calls)
+            deltas.append({"index": self.num_calls - 1, "id": new_call_id(), "type": "function",
+                           "function": {"name": json.loads(f'"{match.group(1)}"'), "arguments": ""}})
             self._depth = -1  # the arguments' opening next
         return deltas
 
@@ -675,12 +673,7 @@ class ForcedCallStream:
                     break
         piece, self._held = (self._held[:end], self._held[end:]) if end is not None else (self._held, "")
         self._closing = end is not None
-        if not piece or not self._is_kept():
-            return []
-        return [{"index": self.num_calls - 1, "function": {"arguments": piece}}]
-
-    def _is_kept(self) -> bool:
-        return self.max_calls is None or self.num_calls <= self.max_calls
+        return [{"index": self.num_calls - 1, "function": {"arguments": piece}}] if piece else []
 
 
 def make_reader(request: ToolRequest) -> HermesReader | Llama3JsonReader:

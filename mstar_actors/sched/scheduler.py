@@ -529,7 +529,7 @@ class Scheduler:
         # snapshot point) still needs the blocks of its rest.
         num_whole = _cdiv(seq.num_tokens, self.block_size) - len(hits)
         num_owed = sum(max(0, _cdiv(s.num_tokens, self.block_size) - len(s.block_ids)) for s in self.running)
-        if not self.allocator.can_allocate(max(num_needed, num_whole) + num_revived + num_owed):
+        if not self.allocator.can_allocate(num_whole + num_revived + num_owed):  # (num_whole >= num_needed)
             return False
         self.allocator.share(hits)  # before allocate(), which could evict them
         seq.block_ids = hits + self.allocator.allocate(num_needed)
