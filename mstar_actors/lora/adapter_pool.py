@@ -74,8 +74,8 @@ Invariants:
   requests naming it get 404. Where runtime updates are on, a served
   adapter whose files no longer give a valid one (its host copy dropped,
   then the read for an install failed) is unloaded so: its waiters get that
-  404 with the reader's reason, its parked choices fail, its running ones
-  finish. A read the machine failed, or one with no way to load the adapter
+  404 with the reader's reason, its running and parked choices finish on
+  their held copy. A read the machine failed, or one with no way to load the adapter
   again, fails its waiters (500) and keeps it; a load queued under its name
   takes its waiters.
 """
@@ -288,7 +288,8 @@ class AdapterPool:
         if adapter is None:
             served = ", ".join([self.base, *sorted(self.adapters)])
             return [Failed(request_id=req.request_id, status=404, param="model", code="model_not_found",
-                           error_type="not_found_error", message=f"the model {req.model!r} does not exist; served models: {served}")]
+                           error_type="not_found_error",
+                           message=f"the model {req.model!r} does not exist; served models: {served}")]
         self._waiting.append(_Waiting(req, adapter))
         return self._settle()
 
