@@ -805,12 +805,12 @@ class FrontendActor(Actor):
                               api.hidden_stop_ids(exchange.parsed, self.info.eos_token_ids), self.token_bytes)
         choice.num_prompt_tokens = len(prompt_ids)
         choice.min_tokens = req.sampling.min_tokens
+        choice.echo_only = output.echo_only
         if output.echo:  # the prompt's text, as sent or as its ids decode
             ids = exchange.prompt_token_ids[exchange.requests.index(req)]
             # the prompt the model was given: as sent, or as its ids (cut by truncate_prompt_tokens) read
             cut = req.sampling.truncate_prompt_tokens is not None
-            choice.echo_text = req.prompt if req.prompt is not None and not cut else self.tokenizer.decode(
-                ids, skip_special_tokens=False)
+            choice.echo_text = req.prompt if req.prompt is not None and not cut else self.tokenization.prompt_text(ids)
             choice.num_decoded_chars = len(choice.echo_text)  # the output's text_offsets follow it
             if exchange.parsed.logprobs is not None:  # and its tokens' logprobs (prompt_logprobs) come first
                 choice.echo_prompt = (ids, self._text_offsets(ids), exchange.parsed.logprobs)

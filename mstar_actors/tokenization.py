@@ -10,9 +10,11 @@ machines the frontend feeds as ``TokenDelta``s arrive.
 
 from __future__ import annotations
 
+import codecs
 import functools
 import re
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import jinja2
@@ -142,6 +144,12 @@ class Tokenization:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def prompt_text(self, token_ids: list[int]) -> str:
+        """A prompt of ids as text, less a character its end leaves unfinished
+        (its output's text starts with that character: ``IncrementalDetokenizer``)."""
+        return less_unfinished_character(self.decode(token_ids, skip_special_tokens=False), token_ids,
+                                         self.token_bytes)
+
     def token_bytes(self, token_id: int) -> bytes:
         """A token's own UTF-8 bytes: part of a character for a token whose text
         alone decodes to U+FFFD (a byte-level BPE piece, a ``<0xNN>`` fallback)."""
@@ -160,7 +168,7 @@ class Tokenization:
         self, prompt_token_ids: list[int], skip_special_tokens: bool = True
     ) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens,
-                                      self.text_decoder(skip_special_tokens))
+                                      self.text_decoder(skip_special_tokens), self.token_bytes)
 
     def text_decoder(self, skip_special_tokens: bool = True) -> TextDecoder:
         """This tokenizer's ``TextDecoder`` for the flag, one per setting."""
@@ -225,6 +233,18 @@ def _backend_decode(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: boo
     return functools.partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=skip_special_tokens)
 
 
+def less_unfinished_character(text: str, token_ids: list[int], token_bytes: Callable[[int], bytes]) -> str:
+    """``text``, the decode of ``token_ids``, less the U+FFFD its end decodes
+    to where the ids' bytes end with the first bytes of a character (ones
+    that more bytes would finish, not invalid ones): a prompt of ids cut
+    inside a character, whose output's first tokens finish it."""
+    if not text.endswith(REPLACEMENT_CHAR):
+        return text
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(b"".join(token_bytes(t) for t in token_ids[-4:]), final=False)  # a character has <= 4 bytes
+    return text[:-1] if decoder.getstate()[0] else text  # Python decodes an unfinished character to one U+FFFD
+
+
 class IncrementalDetokenizer:
     """Turns a request's output tokens into text deltas as they arrive.
 
@@ -248,6 +268,13 @@ class IncrementalDetokenizer:
     ``decoder``: a ``TextDecoder`` of ``tokenizer`` with the same
     ``skip_special_tokens``, shared by the requests of one process (its
     cache of single tokens' texts is then warm); made here when not given.
+
+    A prompt of token ids may end inside a character (its last bytes a
+    character's first): the prompt's text then ends in U+FFFD, which the
+    output's first tokens replace with the whole character. With
+    ``token_bytes`` (``Tokenization.token_bytes``) that unfinished character
+    is left unread, so the output's text starts with it (as a decode of
+    prompt and output together reads); without, it would be lost.
     """
 
     def __init__(
@@ -256,6 +283,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         skip_special_tokens: bool = True,
         decoder: TextDecoder | None = None,
+        token_bytes: Callable[[int], bytes] | None = None,
     ):
         if decoder is not None and decoder.skip_special_tokens != skip_special_tokens:
             raise ValueError("the decoder's skip_special_tokens differs from the detokenizer's")
@@ -263,6 +291,7 @@ class IncrementalDetokenizer:
         self._window: list[int] = list(prompt_token_ids[-NUM_PREFIX_TOKENS:])
         self._num_read = len(self._window)
         self._prefix_text: str | None = None  # decode(_window[:_num_read]), once needed
+        self._token_bytes = token_bytes  # until the prompt's prefix is decoded
 
     def add(self, token_ids: list[int]) -> str:
         """The new text that ``token_ids`` complete (possibly "")."""
@@ -272,9 +301,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """What is still held back at the end of the request (an unfinished
-        character decodes as U+FFFD, as a full decode would)."""
-        if len(self._window) == self._num_read:
-            return ""
+        character decodes as U+FFFD, as a full decode would; the prompt's
+        too, where no output token finished it)."""
         prefix_text = self._prefix()
         text = self._decode(self._window)
         self._advance()
@@ -291,7 +319,12 @@ class IncrementalDetokenizer:
 
     def _prefix(self) -> str:
         if self._prefix_text is None:
-            self._prefix_text = self._decode(self._window[: self._num_read])
+            read = self._window[: self._num_read]
+            text = self._decode(read)
+            if self._token_bytes is not None:
+                text = less_unfinished_character(text, read, self._token_bytes)
+                self._token_bytes = None
+            self._prefix_text = text
         return self._prefix_text
 
     def _advance(self) -> None:

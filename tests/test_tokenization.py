@@ -171,26 +171,69 @@ def test_detokenizer_sentencepiece_leading_spaces(metaspace_tokenization):
     assert deltas[1].startswith(" ")
 
 
-def reference_deltas(hf, prompt_ids, chunks, skip):
+def reference_deltas(tok, prompt_ids, chunks, skip):
     """The detokenizer's algorithm with two full ``hf.decode`` calls per token
     and no caching: what the fast paths must reproduce delta for delta."""
     def decode(ids):
-        return hf.decode(ids, skip_special_tokens=skip) if ids else ""
+        return tok.tokenizer.decode(ids, skip_special_tokens=skip) if ids else ""
 
     window, out = list(prompt_ids[-5:]), []
     num_read = len(window)
+    unfinished = ends_inside_a_character(tok, window)  # the prompt's last character: left to the output
     for chunk in chunks:
         parts = []
         for token_id in chunk:
             window.append(token_id)
             prefix, text = decode(window[:num_read]), decode(window)
+            if unfinished:
+                prefix = prefix[:-1]
             if len(text) > len(prefix) and not text.endswith("\ufffd"):
                 parts.append(text[len(prefix):])
                 del window[:num_read]
-                num_read = len(window)
+                num_read, unfinished = len(window), False
         out.append("".join(parts))
-    tail = decode(window)[len(decode(window[:num_read])):] if len(window) > num_read else ""
-    return out + [tail]
+    prefix = decode(window[:num_read])
+    return out + [decode(window)[len(prefix) - unfinished:]]
+
+
+def ends_inside_a_character(tok, token_ids) -> bool:
+    """Whether the ids' bytes end with a character's first bytes: a lead
+    byte and fewer continuation bytes than it announces, which some
+    continuation bytes would make a valid character."""
+    data = b"".join(tok.token_bytes(t) for t in token_ids)
+    for back in range(1, min(3, len(data)) + 1):
+        if data[-back] & 0xC0 != 0x80:  # not a continuation: a lead byte or ASCII
+            for size in range(back + 1, 5):
+                for second in range(0x80, 0xC0):  # only a lead's next byte has a narrower range
+                    try:
+                        (data[-back:] + bytes([second] + [0x80] * (size - back - 1)))[:size].decode("utf-8")
+                        return True
+                    except UnicodeDecodeError:
+                        pass
+            return False
+    return False
+
+
+def test_a_prompt_of_ids_cut_inside_a_character_leaves_it_to_the_output(tokenization):
+    """A prompt of ids may end with a character's first bytes: the output's
+    first text is that whole character (as a decode of prompt and output
+    together reads), the echoed prompt stops before it; an output that never
+    finishes it ends in U+FFFD, as a full decode would."""
+    text = "日本語のメモ 你好 😀!"
+    ids = tokenization.encode_prompt(text)
+    cuts = [k for k in range(1, len(ids)) if ends_inside_a_character(tokenization, ids[:k])]
+    assert cuts, "the tokenizer splits no character: pick another text"
+    for k in cuts:
+        prompt, output = ids[:k], ids[k:]
+        echoed = tokenization.prompt_text(prompt)
+        assert echoed == tokenization.decode(prompt, skip_special_tokens=False)[:-1] and text.startswith(echoed)
+        for chunk_size in (1, 2):
+            deltas = stream(tokenization.make_detokenizer(prompt), output, chunk_size)
+            assert echoed + "".join(deltas) == text, (k, deltas)
+        unfinished = tokenization.make_detokenizer(prompt)
+        assert unfinished.flush() == "\ufffd"
+    hello = tokenization.encode_prompt("Hello \ufffd")  # a U+FFFD sent as such is whole: read
+    assert tokenization.prompt_text(hello) == "Hello \ufffd" and tokenization.make_detokenizer(hello).flush() == ""
 
 
 @pytest.mark.parametrize("kind", ["byte_level", "metaspace"])
@@ -209,7 +252,7 @@ def test_detokenizer_matches_the_plain_algorithm_on_random_ids(kind, tokenizatio
         for skip in (True, False):
             detok = tok.make_detokenizer(prompt, skip)  # the shared decoder: its cache fills across requests
             got = [detok.add(c) for c in chunks] + [detok.flush()]
-            assert got == reference_deltas(hf, prompt, chunks, skip), f"seed {seed}, ids {ids}, prompt {prompt}"
+            assert got == reference_deltas(tok, prompt, chunks, skip), f"seed {seed}, ids {ids}, prompt {prompt}"
 
 
 def test_text_decoder_uses_the_backend_only_where_decode_is_exactly_it(tokenization, tmp_path):

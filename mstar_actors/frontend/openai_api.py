@@ -249,6 +249,9 @@ class OutputOptions:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     echo: bool = False  # completions: the prompt text before the output
+    # completions, echo with a cap of 0: the prompt alone (and its logprobs), as
+    # OpenAI's; the engine samples one token, which is not the client's
+    echo_only: bool = False
     return_token_ids: bool = False  # vLLM: prompt_token_ids and each choice's token_ids
     # vLLM: logprobs name tokens "token_id:{id}" (tokens whose text is no whole
     # character, "\ufffd" for several, stay apart)
@@ -434,15 +437,16 @@ def _parse_request_id(body: dict) -> str | None:
     return value
 
 
-def _parse_max_tokens(body: dict, default: int | None, max_model_len: int | None) -> tuple[int, bool]:
+def _parse_max_tokens(body: dict, default: int | None, max_model_len: int | None, lo: int = 1) -> tuple[int, bool]:
     """(the output's cap, whether it may be cut to what the prompt leaves):
-    the client's ``max_completion_tokens`` or ``max_tokens``, a prompt leaving
-    less room being refused (``SamplingParams.cut_to_context``); else the
-    endpoint's ``default`` (counted as sent, as OpenAI's 16 for completions),
-    or with none the whole context, cut."""
+    the client's ``max_completion_tokens`` or ``max_tokens`` (at least
+    ``lo``), a prompt leaving less room being refused
+    (``SamplingParams.cut_to_context``); else the endpoint's ``default``
+    (counted as sent, as OpenAI's 16 for completions), or with none the
+    whole context, cut."""
     hi = max_model_len or (1 << 31)
-    value = get_int(body, "max_tokens", None, 1, hi)
-    value = get_int(body, "max_completion_tokens", value, 1, hi)
+    value = get_int(body, "max_tokens", None, lo, hi)
+    value = get_int(body, "max_completion_tokens", value, lo, hi)
     if value is None:
         return (default, False) if default is not None else (hi, True)
     return value, False
@@ -841,14 +845,20 @@ def _parse_media_part(where: str, kind: str, value: Any) -> ContentPart:
 def parse_completion(raw: bytes, max_model_len: int | None = None, vocab_size: int | None = None) -> ParsedRequest:
     """Validate a (legacy) completions body (raises ApiError)."""
     body = decode_body(raw)
-    cap = _parse_max_tokens(body, 16, max_model_len)
+    echo = get_bool(body, "echo", False)
+    for name in ("max_tokens", "max_completion_tokens"):
+        if body.get(name) == 0 and not echo:
+            raise _bad(name, "expected an integer of at least 1, got 0 (0 only with \"echo\": true, which returns "
+                             "the prompt alone)")
+    cap = _parse_max_tokens(body, 16, max_model_len, lo=0 if echo else 1)  # 0: echo the prompt alone
     logprobs = get_int(body, "logprobs", None, 0, MAX_LEGACY_LOGPROBS)
     parsed = _parse_common(body, "completion", cap, logprobs, vocab_size)
-    echo = get_bool(body, "echo", False)
     if echo and logprobs is not None:  # the prompt's tokens' logprobs too, as OpenAI's (a prompt's score)
         parsed.sampling = msgspec.structs.replace(
             parsed.sampling, prompt_logprobs=max(logprobs, parsed.sampling.prompt_logprobs or 0))
-    parsed.output = dataclasses.replace(parsed.output, echo=echo)
+    if cap[0] == 0:  # the engine runs the prompt and samples one token, not output
+        parsed.sampling = msgspec.structs.replace(parsed.sampling, max_tokens=1)
+    parsed.output = dataclasses.replace(parsed.output, echo=echo, echo_only=cap[0] == 0)
     best_of = get_int(body, "best_of", None, 1, MAX_N)
     if best_of is not None and best_of != parsed.n:
         raise _bad("best_of", f"only best_of equal to n ({parsed.n}) is supported: choices are not ranked")
@@ -1143,6 +1153,7 @@ class ChoiceOutput:
         self.echo_prompt: tuple[list[int], list[int], int] | None = None  # (ids, offsets, top alternatives)
         self.prompt_scores: tuple = ()  # SampledToken.prompt_logprobs of the first token, where asked for
         self.is_echoed = False  # streamed: the echo went out with the first chunk
+        self.echo_only = False  # OutputOptions.echo_only: the engine's one token is not output
         self.last_token_at: float | None = None  # perf_counter of the last delta, for inter-token latency
 
     @property
@@ -1160,6 +1171,11 @@ class ChoiceOutput:
             return "", []
         if tokens and tokens[0].prompt_logprobs:  # the first token, of a request that asked for them
             self.prompt_scores = tokens[0].prompt_logprobs
+        if self.echo_only:  # the prompt alone: its entries, none of the token
+            if self.echo_prompt is None or not tokens:
+                return "", []
+            self._add_prompt_logprobs(self.prompt_scores)
+            return "", self.logprobs[:]  # the first delta's: only the prompt's
         if not (self.want_logprobs or self.num_output_tokens < self.min_tokens):
             return self._add_group(tokens), []
         first_entry = len(self.logprobs)
@@ -1213,8 +1229,10 @@ class ChoiceOutput:
         emit, matched = self.stops.feed(self.detokenizer.flush())
         self._append(emit if matched else emit + self.stops.flush(), emitted)
         self.finish_reason = "stop" if matched or finish_reason != "length" else "length"
+        if self.echo_only:  # nothing was generated for the client: the cap of 0 ended it (OpenAI's)
+            self.finish_reason, self.stop_token_id = "length", None
         self.num_prompt_tokens = num_prompt_tokens or self.num_prompt_tokens
-        self.num_output_tokens = max(self.num_output_tokens, num_output_tokens)
+        self.num_output_tokens = 0 if self.echo_only else max(self.num_output_tokens, num_output_tokens)
         return "".join(emitted)
 
     def _append(self, text: str, emitted: list[str]) -> None:

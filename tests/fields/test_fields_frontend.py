@@ -74,6 +74,59 @@ def test_echo_prepends_the_prompt_text_streamed_or_not(harness):
     run(body)
 
 
+def test_a_prompt_of_ids_cut_inside_a_character_gets_it_whole_in_the_output(harness):
+    """A prompt of ids ending with a character's first bytes: the output's
+    text starts with the character its tokens finish (a decode of prompt and
+    output together reads so), and the echo stops before it."""
+    async def body():
+        async with harness() as h:
+            tok = h.engine.tokenizer
+            ids = tok("日本語").input_ids
+            cut = next(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
+            read = tok.decode(ids[:cut])[:-1]
+            assert "日本語".startswith(read) and len(read) < 3
+            h.engine.plan = lambda req: h.engine.reply(req, ids=ids[cut:])
+            _, r = await h.post(COMP, {"model": "tiny", "prompt": ids[:cut], "max_tokens": 50})
+            assert r["choices"][0]["text"] == "日本語"[len(read):]
+            _, events = await h.stream(COMP, {"model": "tiny", "prompt": ids[:cut], "echo": True, "max_tokens": 50})
+            assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "日本語"
+            # the prompt alone: as it decodes, the unfinished character a U+FFFD
+            _, r = await h.post(COMP, {"model": "tiny", "prompt": ids[:cut], "echo": True, "max_tokens": 0})
+            assert r["choices"][0]["text"] == tok.decode(ids[:cut])
+
+    run(body)
+
+
+def test_echo_with_a_cap_of_0_gives_the_prompt_alone(harness):
+    """OpenAI's prompt scoring: ``echo`` with ``max_tokens: 0`` answers the
+    prompt and its logprobs, no token of output; 0 without echo is refused."""
+    async def body():
+        async with harness() as h:
+            prompt = "The quick brown"
+            num_ids = len(h.engine.tokenizer(prompt).input_ids)
+            for field in ("max_tokens", "max_completion_tokens"):
+                status, r = await h.post(COMP, {"model": "tiny", "prompt": prompt, "echo": True, field: 0,
+                                                "logprobs": 1})
+                choice = r["choices"][0]
+                assert status == 200 and choice["text"] == prompt and choice["finish_reason"] == "length"
+                assert r["usage"]["completion_tokens"] == 0 and r["usage"]["prompt_tokens"] == num_ids
+                # the prompt's entries only (this engine scores no prompt: its first, unscored, alone)
+                assert choice["logprobs"]["token_logprobs"] == [None] and choice["logprobs"]["text_offset"] == [0]
+            req = list(h.engine.requests.values())[-1]
+            assert req.sampling.max_tokens == 1  # the engine samples one token, not the client's
+            _, events = await h.stream(COMP, {"model": "tiny", "prompt": prompt, "echo": True, "max_tokens": 0,
+                                              "logprobs": 0, "stream_options": {"include_usage": True}})
+            chunks = [e for e in events[:-1] if e["choices"]]  # the last: [DONE]
+            assert "".join(e["choices"][0]["text"] for e in chunks) == prompt
+            assert [t for e in chunks if e["choices"][0]["logprobs"]
+                    for t in e["choices"][0]["logprobs"]["token_logprobs"]] == [None]
+            assert events[-2]["usage"]["completion_tokens"] == 0
+            status, r = await h.post(COMP, {"model": "tiny", "prompt": prompt, "max_tokens": 0})
+            assert status == 400 and r["error"]["param"] == "max_tokens" and "echo" in r["error"]["message"]
+
+    run(body)
+
+
 def test_return_token_ids_gives_the_prompt_and_the_sampled_ids(harness):
     async def body():
         async with harness() as h:

@@ -121,6 +121,12 @@ def test_echo_with_logprobs_scores_the_prompt(server, tokenizer):
                                          temperature=0, stream=True)
     tokens = [t for chunk in streamed for t in (chunk.choices[0].logprobs.tokens if chunk.choices[0].logprobs else [])]
     assert tokens == lp.tokens
+    # a cap of 0: the prompt alone, scored as above (OpenAI's way to score a prompt)
+    alone = client.completions.create(prompt=prompt, max_tokens=0, echo=True, logprobs=2, model="tiny", temperature=0)
+    assert alone.choices[0].text == prompt and alone.usage.completion_tokens == 0
+    got = alone.choices[0].logprobs
+    assert got.tokens == lp.tokens[:-1] and got.text_offset == lp.text_offset[:-1]
+    assert got.token_logprobs[0] is None and got.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:-1], abs=1e-5)
 
 
 def test_prompt_logprobs_as_vllm_gives_them(server, tokenizer):

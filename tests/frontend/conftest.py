@@ -138,8 +138,9 @@ class Engine:
     def prompt_len(self, req) -> int:
         return len(self.prompt_ids(req))
 
-    def reply(self, req, text: str | None = None) -> list:
-        """Every output of ``req``'s choices, run to their end by a scheduler of their own."""
+    def reply(self, req, text: str | None = None, ids: list[int] | None = None) -> list:
+        """Every output of ``req``'s choices, run to their end by a scheduler of
+        their own: ``text``'s tokens (or ``ids``), then EOS."""
         from mstar_actors.messages import Prepared, StepDone
         from mstar_actors.sched import Scheduler
 
@@ -148,7 +149,8 @@ class Engine:
         prepared = Prepared(request_id=req.request_id, model=req.model, prompt_token_ids=self.prompt_ids(req),
                             sampling=req.sampling, n=req.n)
         out = list(sched.add(prepared, "base"))
-        rank = _ScriptedRank(self.tokenizer(text or self.reply_text).input_ids + [self.tokenizer.eos_token_id])
+        ids = self.tokenizer(text or self.reply_text).input_ids if ids is None else ids
+        rank = _ScriptedRank(ids + [self.tokenizer.eos_token_id])
         while (plan := sched.schedule()) is not None:
             self.started += plan.started
             out += sched.update(StepDone(step_id=plan.step_id, rank=0, sampled=rank.run(plan)))
