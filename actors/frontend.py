@@ -77,11 +77,12 @@ from mstar_actors.frontend.openai_api import ApiError, ChoiceOutput, ParsedReque
 from mstar_actors.frontend.tool_calls import (
     LLAMA3_JSON,
     ForcedCallStream,
+    HermesCallStream,
     choose_parser,
     finish_reason,
-    make_reader,
     marker_problem,
     read_calls,
+    stream_reader,
 )
 from transport.errors import ChannelFull, MessageTooLarge
 
@@ -1072,6 +1073,9 @@ class _Stream:
             if choice.is_done and (content := reader.flush()):  # a reply cut before its first call: content
                 deltas.insert(0, {"content": content})
             return deltas, finish_reason(choice.finish_reason, reader.num_calls)
+        if isinstance(reader, HermesCallStream):  # content and calls in order, arguments as they are written
+            deltas = reader.feed(text) + (reader.flush() if choice.is_done else [])
+            return deltas, finish_reason(choice.finish_reason, reader.num_calls)
         first_index = reader.num_calls
         content, calls = reader.feed(text)
         if choice.is_done:
@@ -1192,8 +1196,7 @@ def _tool_readers(exchange: Exchange) -> dict[int, Any]:
     tools = exchange.parsed.tools
     if tools is None or not tools.reads_calls:
         return {}
-    make = ForcedCallStream if tools.is_forced else make_reader
-    return {index: make(tools) for index in range(exchange.num_choices)}
+    return {index: stream_reader(tools) for index in range(exchange.num_choices)}
 
 
 def _with_tool_calls(parsed: ParsedRequest, choice: dict) -> dict:

@@ -467,9 +467,10 @@ class HermesReader:
     """Splits a streamed reply into content and ``<tool_call>`` calls.
 
     Text that may be the start of ``<tool_call>`` is held back, and so is a
-    call until its ``</tool_call>``, so no markup reaches the content. A
-    block that is not a valid call is given back as content, markup
-    included. Whitespace after a call is held: it only separates calls.
+    call until its ``</tool_call>`` (a later one where the call's strings
+    hold the tag), so no markup reaches the content. A block that is not a
+    valid call is given back as content, markup included. Whitespace after a
+    call is held: it only separates calls.
     """
 
     def __init__(self, is_forced: bool = False, max_calls: int | None = None):
@@ -507,9 +508,12 @@ class HermesReader:
             at = self._held.find(HERMES_CLOSE)
             if at < 0:
                 return False
-            body, self._held = self._held[:at], self._held[at + len(HERMES_CLOSE):]
+            call, end = parse_call(self._held[:at]), at
+            while call is None and (end := self._held.find(HERMES_CLOSE, end + 1)) >= 0:
+                call = parse_call(self._held[:end])  # the tag inside the call's strings: a later one ends it
+            end = at if call is None else end
+            body, self._held = self._held[:end], self._held[end + len(HERMES_CLOSE):]
             self._is_inside = False
-            call = parse_call(body)
             if call is None:
                 content.append(HERMES_OPEN + body + HERMES_CLOSE)
             else:
@@ -605,6 +609,47 @@ def _past_separator(text: str) -> str:
         text = rest
 
 
+class _ValueEnd:
+    """A JSON object or array streamed in pieces: where it ends (its nesting,
+    strings and escapes followed across pieces)."""
+
+    def __init__(self) -> None:
+        self._depth = -1  # its opening not read yet
+        self._in_string = self._escaped = False
+
+    def take(self, text: str) -> tuple[str, str, bool]:
+        """(the value's part of ``text``, the text after its end, whether it
+        ended); space before its opening is not the value's."""
+        if self._depth < 0:
+            text = text.lstrip()
+        for i, char in enumerate(text):
+            if self._in_string:
+                self._escaped, self._in_string = (False, True) if self._escaped else (char == "\\", char != '"')
+                continue
+            if char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth = 1 if self._depth < 0 else self._depth + 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return text[: i + 1], text[i + 1:], True
+        return text, "", False
+
+
+def _head_pattern(parser: str, lookahead: str = "") -> re.Pattern:
+    """A call's head as the grammar and the formats write it: ``{"name":
+    "...", KEY: `` (the name the first group, JSON-escaped)."""
+    return re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + re.escape(ARGUMENTS_KEY[parser])
+                      + r'"\s*:\s*' + lookahead)
+
+
+def _head_delta(index: int, name: str) -> dict:
+    """A streamed call's first entry: its id, type and name, arguments ""."""
+    return {"index": index, "id": new_call_id(), "type": "function",
+            "function": {"name": json.loads(f'"{name}"'), "arguments": ""}}
+
+
 class ForcedCallStream:
     """A forced reply's calls streamed as they are written, as OpenAI's and
     vLLM's streams send them: a call's id, type and name (arguments "") once
@@ -615,11 +660,9 @@ class ForcedCallStream:
     it; ``read_calls`` (a response) re-serialises the same object."""
 
     def __init__(self, request: ToolRequest):
-        self._head = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"'
-                                + re.escape(ARGUMENTS_KEY[request.parser]) + r'"\s*:\s*')
+        self._head = _head_pattern(request.parser)
         self._held = ""  # text not yet read: a head being written, or what follows a call
-        self._depth = 0  # inside a call's arguments: their open objects and arrays
-        self._in_string = self._escaped = False
+        self._value: _ValueEnd | None = None  # inside a call's arguments
         self._closing = False  # a call's arguments ended: its own closing brace next
         self.num_calls = 0
 
@@ -628,8 +671,12 @@ class ForcedCallStream:
         self._held += text
         deltas: list[dict] = []
         while self._held:
-            if self._depth:
-                deltas += self._arguments()
+            if self._value is not None:
+                piece, self._held, ended = self._value.take(self._held)
+                if piece:
+                    deltas.append({"index": self.num_calls - 1, "function": {"arguments": piece}})
+                if ended:
+                    self._value, self._closing = None, True
                 continue
             if self._closing:
                 rest = self._held.lstrip()
@@ -641,9 +688,8 @@ class ForcedCallStream:
                 break  # a head or a separator still being written (or a cut reply's end)
             self._held = rest[match.end():]
             self.num_calls += 1  # as many as the grammar lets through (one without parallel calls)
-            deltas.append({"index": self.num_calls - 1, "id": new_call_id(), "type": "function",
-                           "function": {"name": json.loads(f'"{match.group(1)}"'), "arguments": ""}})
-            self._depth = -1  # the arguments' opening next
+            deltas.append(_head_delta(self.num_calls - 1, match.group(1)))
+            self._value = _ValueEnd()
         return deltas
 
     def flush(self) -> str:
@@ -653,32 +699,140 @@ class ForcedCallStream:
         held, self._held = self._held, ""
         return held if not self.num_calls else ""
 
-    def _arguments(self) -> list[dict]:
-        """The arguments' text held, up to their end where it is held: one piece."""
-        if self._depth < 0:  # the space before their opening is the call's, not theirs
-            self._held = self._held.lstrip()
-        end = None
-        for i, char in enumerate(self._held):
-            if self._in_string:
-                self._escaped, self._in_string = (False, True) if self._escaped else (char == "\\", char != '"')
-                continue
-            if char == '"':
-                self._in_string = True
-            elif char in "{[":
-                self._depth = 1 if self._depth < 0 else self._depth + 1
-            elif char in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    end = i + 1
-                    break
-        piece, self._held = (self._held[:end], self._held[end:]) if end is not None else (self._held, "")
-        self._closing = end is not None
-        return [{"index": self.num_calls - 1, "function": {"arguments": piece}}] if piece else []
+
+class HermesCallStream:
+    """A streamed reply of the ``hermes`` format (``tool_choice: "auto"``):
+    chunk deltas of content and calls in the order they are written, each
+    call's arguments as they come (as vLLM's hermes parser streams them).
+
+    Outside ``<tool_call>`` blocks as ``HermesReader``: text that may open one
+    is held, whitespace between calls is dropped. A block whose text starts
+    with a call's head and an object (``{"name": "...", "arguments": {``) is
+    a call at once: its id, type and name, then its arguments' JSON in
+    pieces as written, the rest of the block (its closing brace) read up to
+    ``</tool_call>``. Any other block is held to its end and read whole as
+    ``HermesReader`` reads it: a call (head and arguments in two deltas), or
+    content with its markup. So a stream and a response (``read_calls``) read
+    the same calls, except where a block that began as a call's head and
+    object does not end as valid JSON: its pieces went out, the response
+    reads it as content (vLLM streams such a call as well). Calls past
+    ``max_calls`` are read and dropped."""
+
+    def __init__(self, max_calls: int | None = None):
+        self.max_calls = max_calls
+        self._head = _head_pattern(HERMES, r"(?=\{)")
+        self._held = ""
+        self._state = "out"  # "out" | "block": a block's head not read | "arguments" | "tail": to its closing tag
+        self._value = _ValueEnd()
+        self._shown = False  # the block's call is within max_calls
+        self._after_call = False  # nothing but whitespace since a call: it only separates calls
+        self.num_calls = 0  # calls read, those past max_calls included
+
+    def feed(self, text: str) -> list[dict]:
+        """The chunk deltas (``{"content": ...}`` / ``{"tool_calls": [...]}``) ``text`` completes."""
+        self._held += text
+        deltas: list[dict] = []
+        while self._step(deltas):
+            pass
+        return _joined(deltas)
+
+    def flush(self) -> list[dict]:
+        """The end of the reply: held content, or an unclosed block read whole
+        (a model may stop at EOS before ``</tool_call>``)."""
+        held, self._held = self._held, ""
+        state, self._state = self._state, "out"
+        if state == "out":
+            return [{"content": held}] if held and (held.strip() or not self._after_call) else []
+        if state == "block":
+            return self._whole_block(held.removesuffix(HERMES_CLOSE), closed=False)
+        return []  # a call's arguments (cut: as far as they went) or its closing
+
+    def _step(self, deltas: list[dict]) -> bool:
+        """Read one piece of the held text; False when the rest must wait."""
+        if self._state == "out":
+            at = self._held.find(HERMES_OPEN)
+            if at >= 0:
+                before = self._held[:at]
+                if before.strip() or not self._after_call:
+                    self._content(before, deltas)
+                self._held, self._state = self._held[at + len(HERMES_OPEN):], "block"
+                return True
+            emit = self._held[: len(self._held) - _partial_suffix(self._held, HERMES_OPEN)]
+            if emit and (emit.strip() or not self._after_call):  # whitespace after a call: held, it may separate
+                self._content(emit, deltas)
+                self._held = self._held[len(emit):]
+            return False
+        if self._state == "block":
+            match = self._head.match(self._held)
+            if match is not None:
+                self.num_calls += 1
+                self._shown = self.max_calls is None or self.num_calls <= self.max_calls
+                if self._shown:
+                    deltas.append({"tool_calls": [_head_delta(self.num_calls - 1, match.group(1))]})
+                self._held, self._state, self._value = self._held[match.end():], "arguments", _ValueEnd()
+                return True
+            at = self._held.find(HERMES_CLOSE)
+            if at < 0:
+                return False
+            body, self._held, self._state = self._held[:at], self._held[at + len(HERMES_CLOSE):], "out"
+            deltas += self._whole_block(body, closed=True)
+            return True
+        if self._state == "arguments":
+            piece, self._held, ended = self._value.take(self._held)
+            if piece and self._shown:
+                deltas.append({"tool_calls": [{"index": self.num_calls - 1, "function": {"arguments": piece}}]})
+            if ended:
+                self._state = "tail"
+            return ended
+        at = self._held.find(HERMES_CLOSE)  # "tail": the call's closing brace, then the tag
+        if at < 0:
+            self._held = self._held[-len(HERMES_CLOSE):]  # all but what may start the tag is the call's
+            return False
+        self._held, self._state, self._after_call = self._held[at + len(HERMES_CLOSE):], "out", True
+        return True
+
+    def _content(self, text: str, deltas: list[dict]) -> None:
+        deltas.append({"content": text})
+        self._after_call = False
+
+    def _whole_block(self, body: str, closed: bool) -> list[dict]:
+        call = parse_call(body)
+        if call is None:
+            deltas: list[dict] = []
+            self._content(HERMES_OPEN + body + (HERMES_CLOSE if closed else ""), deltas)
+            return deltas
+        self.num_calls += 1
+        self._after_call = True
+        if self.max_calls is not None and self.num_calls > self.max_calls:
+            return []
+        return [{"tool_calls": [part]} for part in call.as_deltas(self.num_calls - 1)]
+
+
+def _joined(deltas: list[dict]) -> list[dict]:
+    """Adjacent content deltas as one."""
+    out: list[dict] = []
+    for delta in deltas:
+        if "content" in delta and out and "content" in out[-1]:
+            out[-1] = {"content": out[-1]["content"] + delta["content"]}
+        elif delta.get("content", True):
+            out.append(delta)
+    return out
 
 
 def make_reader(request: ToolRequest) -> HermesReader | Llama3JsonReader:
     reader = HermesReader if request.parser == HERMES else Llama3JsonReader
     return reader(is_forced=request.is_forced, max_calls=request.max_calls)
+
+
+def stream_reader(request: ToolRequest) -> ForcedCallStream | HermesCallStream | Llama3JsonReader:
+    """A streamed reply's reader: a forced call's arguments and a hermes
+    reply's calls as they are written; Llama 3's calls once the reply ends
+    (a reply is calls only if all of it parses as calls)."""
+    if request.is_forced:
+        return ForcedCallStream(request)
+    if request.parser == HERMES:
+        return HermesCallStream(request.max_calls)
+    return make_reader(request)
 
 
 def read_calls(request: ToolRequest, text: str) -> tuple[str | None, list[ParsedCall]]:

@@ -113,6 +113,61 @@ def test_hermes_forced_reads_the_bare_json():
     assert (content, calls) == ("not a call", [])
 
 
+def _stream_deltas(stream, text: str, size: int) -> list[dict]:
+    deltas = [d for at in range(0, len(text), size) for d in stream.feed(text[at:at + size])]
+    return deltas + stream.flush()
+
+
+def _read_back(deltas: list[dict]) -> tuple[str, list[tuple[str, dict]], int]:
+    """(content, calls, the most argument pieces one call took) from chunk deltas."""
+    content = "".join(d.get("content", "") for d in deltas)
+    parts = [p for d in deltas for p in d.get("tool_calls", [])]
+    names = {p["index"]: p["function"]["name"] for p in parts if "id" in p}
+    pieces = {i: [p["function"]["arguments"] for p in parts if p["index"] == i and "id" not in p] for i in names}
+    calls = [(names[i], json.loads("".join(pieces[i]))) for i in sorted(names)]
+    return content, calls, max((len(v) for v in pieces.values()), default=0)
+
+
+HERMES_STREAM_CASES = [
+    HERMES_REPLY,
+    'Sure. <tool_call>{"name": "f", "arguments": {"s": "a } ] \\" </tool_call> {", "n": [1, {"x": 2}]}}</tool_call> '
+    'and then some text <tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>\n\n',
+    "<tool_call>\n{not json}\n</tool_call> after",  # not a call: content, markup included
+    'x <tool_call>{"arguments": {}, "name": "late"}</tool_call> y',  # the name not first: read whole
+    '<tool_call>\n{"name": "f", "arguments": "{\\"a\\": 1}"}',  # string arguments, cut at EOS: read whole
+    '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}',  # cut at EOS before its closing tag
+    "No tools needed: <b>ok</b> <tool",
+]
+
+
+@pytest.mark.parametrize("text", HERMES_STREAM_CASES)
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+def test_hermes_streams_arguments_as_written_and_reads_what_a_response_reads(text, size):
+    """``tool_choice: "auto"`` streamed (as vLLM's hermes parser): content and
+    calls in order, a call's head once its name is written, its arguments in
+    pieces; joined, the same content and calls as the whole reply's."""
+    request = tc.parse_tool_request([WEATHER, TIME], "auto", "hermes")
+    stream = tc.stream_reader(request)
+    assert isinstance(stream, tc.HermesCallStream)
+    content, calls, most_pieces = _read_back(_stream_deltas(stream, text, size))
+    whole_content, whole_calls = tc.read_calls(request, text)
+    assert content == (whole_content or "") and calls == _calls(whole_calls)
+    assert stream.num_calls == len(whole_calls)
+    if size == 1 and '"s": "a }' in text:
+        assert most_pieces > 10  # never held to the call's end
+
+
+def test_hermes_stream_keeps_the_order_of_content_and_calls_and_drops_calls_past_the_limit():
+    text = 'one <tool_call>{"name": "a", "arguments": {"k": 1}}</tool_call> two <tool_call>{"name": "b", ' \
+           '"arguments": {}}</tool_call>'
+    deltas = _stream_deltas(tc.HermesCallStream(), text, 1000)
+    assert [next(iter(d)) for d in deltas] == ["content", "tool_calls", "tool_calls", "content", "tool_calls",
+                                                "tool_calls"]
+    limited = tc.HermesCallStream(max_calls=1)  # parallel_tool_calls: false
+    content, calls, _ = _read_back(_stream_deltas(limited, text, 3))
+    assert calls == [("a", {"k": 1})] and content == "one  two " and limited.num_calls == 2
+
+
 def test_plain_text_streams_unchanged():
     text = "No tools needed: it is sunny. <b>ok</b>"
     for reader in (HermesReader(), Llama3JsonReader()):
