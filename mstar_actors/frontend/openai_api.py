@@ -45,7 +45,8 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 # chat template, ignored. Any other (non-null) field is refused by name.
 MESSAGE_ECHOED_KEYS = frozenset({"refusal", "annotations"})
 MESSAGE_KEYS = frozenset({"role", "content", "name"})
-MESSAGE_ROLE_KEYS = {"assistant": frozenset({"tool_calls", "reasoning_content"}) | MESSAGE_ECHOED_KEYS,
+# an assistant's reasoning: ``reasoning`` as vLLM's responses name it now, ``reasoning_content`` as before
+MESSAGE_ROLE_KEYS = {"assistant": frozenset({"tool_calls", "reasoning_content", "reasoning"}) | MESSAGE_ECHOED_KEYS,
                      "tool": frozenset({"tool_call_id"})}
 
 
@@ -743,7 +744,7 @@ def _parse_message(i: int, message: Any) -> ChatMessage:
     if not isinstance(message, dict):
         raise _bad(where, f"expected an object with role and content, got {_show(message)}")
     role = message.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise _bad(f"{where}.role", f"expected one of {', '.join(ROLES)}, got {_show(role)}")
     accepted = MESSAGE_KEYS | MESSAGE_ROLE_KEYS.get(role, frozenset())
     unknown = next((key for key, value in message.items() if key not in accepted and value is not None), None)
@@ -757,12 +758,18 @@ def _parse_message(i: int, message: Any) -> ChatMessage:
         extra = tool_calls.parse_message_tool_fields(where, role, message)
     except ToolError as err:
         raise _bad(err.param, err.message) from None
-    for key in ("name", "reasoning_content"):  # to the chat template, as vLLM hands them on
+    for key in ("name", "reasoning_content", "reasoning"):  # to the chat template, as vLLM hands them on
         value = message.get(key)
         if value is not None and not isinstance(value, str):
             raise _bad(f"{where}.{key}", f"expected a string, got {_show(value)}")
-        if value is not None:
-            extra[key] = value
+        if value is None:
+            continue
+        if key == "reasoning":  # templates read reasoning_content
+            if extra.get("reasoning_content", value) != value:
+                raise _bad(f"{where}.reasoning", "differs from reasoning_content, the same field's older name: "
+                                                 "send one of them")
+            key = "reasoning_content"
+        extra[key] = value
     if isinstance(content, str):
         return ChatMessage(role=ROLES[role], content=content, **extra)
     if not isinstance(content, list):
@@ -808,7 +815,7 @@ def _parse_input_audio(where: str, value: Any) -> str:
     data, fmt = value.get("data"), value.get("format")
     if not isinstance(data, str) or not data:
         raise _bad(f"{where}.data", f"expected the audio file as a non-empty base64 string, got {_show(data)}")
-    if fmt not in INPUT_AUDIO_FORMATS:
+    if not isinstance(fmt, str) or fmt not in INPUT_AUDIO_FORMATS:
         raise _bad(f"{where}.format", f"accepted formats are {', '.join(map(repr, INPUT_AUDIO_FORMATS))}, got {_show(fmt)}")
     return f"data:{INPUT_AUDIO_FORMATS[fmt]};base64,{data}"
 

@@ -270,8 +270,11 @@ def _parse_history_call(where: str, call: Any) -> ToolCall:
         raise ToolError(f"{where}.function.arguments",
                         "expected a JSON object as a string, like '{\"city\": \"Paris\"}'")
     call_id = call.get("id")
-    return ToolCall(id=call_id if isinstance(call_id, str) else new_call_id(), name=function["name"],
-                    arguments=arguments)
+    if call_id is not None and not isinstance(call_id, str):
+        raise ToolError(f"{where}.id", f"expected the call's id as a string, got {type(call_id).__name__}")
+    if call.get("type", "function") != "function":
+        raise ToolError(f"{where}.type", 'expected "function", the only type of call')
+    return ToolCall(id=call_id if call_id is not None else new_call_id(), name=function["name"], arguments=arguments)
 
 
 def template_tool_fields(message: ChatMessage) -> dict:

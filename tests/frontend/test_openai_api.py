@@ -214,6 +214,34 @@ def test_request_id_names_the_response_and_message_fields_reach_the_template():
     assert template_tool_fields(assistant) == {"reasoning_content": "think"}
 
 
+def test_reasoning_in_history_is_reasoning_content_under_vllm_s_new_name():
+    """vLLM's responses name an assistant's reasoning ``reasoning`` now: a
+    client sending such a message back as history gets it to the template."""
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "Sunny", "reasoning": "think"}]
+    assert api.parse_chat(chat(messages=msgs)).messages[1].reasoning_content == "think"
+    msgs[1]["reasoning_content"] = "think"  # both, the same: one
+    assert api.parse_chat(chat(messages=msgs)).messages[1].reasoning_content == "think"
+    msgs[1]["reasoning_content"] = "other"
+    with pytest.raises(api.ApiError) as info:
+        api.parse_chat(chat(messages=msgs))
+    assert info.value.param == "messages[1].reasoning"
+
+
+@pytest.mark.parametrize("message, param", [
+    ({"role": ["user"], "content": "x"}, "messages[0].role"),
+    ({"role": {"a": 1}, "content": "x"}, "messages[0].role"),
+    ({"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": ["wav"]}}]},
+     "messages[0].content[0].input_audio.format"),
+    ({"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": {}}}]},
+     "messages[0].content[0].input_audio.format"),
+])
+def test_a_role_or_format_of_the_wrong_type_is_a_400_naming_it(message, param):
+    """Was a 500 (an unhashable value looked up among the accepted ones)."""
+    with pytest.raises(api.ApiError) as info:
+        api.parse_chat(chat(messages=[message]))
+    assert info.value.status == 400 and info.value.param == param
+
+
 def test_chat_roles_and_text_parts():
     msgs = [{"role": "system", "content": "s"}, {"role": "developer", "content": "d"},
             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},

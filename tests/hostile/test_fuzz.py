@@ -67,9 +67,10 @@ class Fuzzer:
                                 {"type": "image_url", "image_url": {"url": self.rng.choice(
                                     ["data:image/png;base64,AAAA", "file:///etc/passwd", "data:,", "x"])}},
                                 {"type": "video_url", "video_url": "data:video/mp4;base64,"},
+                                {"type": "input_audio", "input_audio": {"data": "AAAA", "format": self.value()}},
                                 {"type": self.value()}, self.value()])
         content = self.rng.choice([self.rng.choice(STRINGS), [part], part, None, self.value()])
-        return {"role": self.rng.choice(["user", "system", "assistant", "developer", "tool", "", None]),
+        return {"role": self.rng.choice(["user", "system", "assistant", "developer", "tool", "", None, self.value()]),
                 "content": content}
 
     def valid(self, path: str) -> dict:

@@ -53,6 +53,10 @@ def msgspec_roundtrip(req: NewRequest) -> NewRequest:
     ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
      "messages[0].tool_calls[0].function.arguments"),
     ({"role": "tool", "content": "x", "tool_call_id": 7}, "messages[0].tool_call_id"),
+    ({"role": "assistant", "tool_calls": [{"id": ["c"], "function": {"name": "f", "arguments": "{}"}}]},
+     "messages[0].tool_calls[0].id"),  # was replaced by a made-up id
+    ({"role": "assistant", "tool_calls": [{"type": "bogus", "function": {"name": "f", "arguments": "{}"}}]},
+     "messages[0].tool_calls[0].type"),
     ({"role": "tool", "content": None}, "messages[0].content"),
 ])
 def test_bad_tool_messages_name_the_field(message, param):
