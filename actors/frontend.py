@@ -635,7 +635,8 @@ class FrontendActor(Actor):
         # The one vocabulary check is here (the embedding's rows); the prompt's length
         # is the scheduler's to check, its 400 comes back as Failed.
         if kind == "chat":
-            parsed = api.parse_chat(raw, self.info.max_model_len, self.info.vocab_size, tool_parser=self.tool_parser)
+            parsed = api.parse_chat(raw, self.info.max_model_len, self.info.vocab_size, tool_parser=self.tool_parser,
+                                    takes_media=self.info.is_multimodal)
         else:
             parsed = api.parse_completion(raw, self.info.max_model_len, self.info.vocab_size)
         parsed.with_token_facts(self.info.eos_token_ids, self._bad_words_token_ids(parsed.bad_words))
@@ -734,6 +735,8 @@ class FrontendActor(Actor):
 
         out = []
         for req in exchange.requests:
+            if req.messages is not None:  # media reach here on a text-only model only: refused by the part
+                self._check_text_only(req.messages)
             try:
                 out.append(prompt_token_ids(self.tokenization, req, self.info.max_model_len)[0])
             except PromptTooLong as err:
@@ -977,10 +980,11 @@ async def _write_runs(stream: _Stream, runs: dict[int, list]) -> None:
 
 
 def _failure(exchange: Exchange, msg: Failed) -> ApiError:
-    """The engine's refusal as the client's error, the cap named by the field the client sent."""
+    """The engine's refusal as the client's error, the cap named by the field the client sent; a
+    server's failure names the response's id, which the server's log names too."""
     param = exchange.parsed.cap_param if msg.param == "max_tokens" else msg.param
-    return ApiError(msg.status, f"request {exchange.response_id}: {msg.message}", param=param, code=msg.code,
-                    error_type=msg.error_type)
+    message = msg.message if msg.status < 500 else f"request {exchange.response_id}: {msg.message}"
+    return ApiError(msg.status, message, param=param, code=msg.code, error_type=msg.error_type)
 
 
 def _add_token_ids(body: dict, exchange: Exchange, choices: list[ChoiceOutput]) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,6 +170,11 @@ def check_fields(body: dict, kind: str) -> None:
 # --------------------------------------------------------------------------
 
 
+# a high surrogate escape not followed by a low one, or a low one not after a high one
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                             rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+
 def decode_body(raw: bytes) -> dict:
     """The JSON object in ``raw`` (400 for anything else)."""
     try:
@@ -176,6 +182,10 @@ def decode_body(raw: bytes) -> dict:
     except RecursionError:
         raise ApiError(400, "body: JSON nested too deeply", param="body") from None
     except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        if _LONE_SURROGATE.search(raw):  # msgspec says "truncated" of it
+            raise ApiError(400, "body: a string holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without "
+                                "its pair), which is no character; send the character itself or its whole pair",
+                           param="body") from None
         raise ApiError(400, f"body: not valid JSON ({err})", param="body") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"body: expected a JSON object, got {_kind(body)}", param="body")
@@ -661,9 +671,11 @@ def _field_spec(kind: str, value: Any, param: str) -> StructuredSpec:
 
 
 def parse_chat(raw: bytes, max_model_len: int | None = None, vocab_size: int | None = None, *,
-               tool_parser: str | None = None) -> ParsedRequest:
+               tool_parser: str | None = None, takes_media: bool = True) -> ParsedRequest:
     """Validate a chat-completions body (raises ApiError). ``tool_parser``: the
-    model's tool-call format (``tool_calls.choose_parser``), None for none."""
+    model's tool-call format (``tool_calls.choose_parser``), None for none;
+    ``takes_media``: the model reads media parts (a text-only one's prepare
+    refuses them, naming the part)."""
     body = decode_body(raw)
     cap = _parse_max_tokens(body, None, max_model_len)
     want_logprobs = get_bool(body, "logprobs", False)
@@ -673,7 +685,8 @@ def parse_chat(raw: bytes, max_model_len: int | None = None, vocab_size: int | N
     parsed = _parse_common(body, "chat", cap, (top or 0) if want_logprobs else None, vocab_size)
     parsed.messages = parse_messages(body.get("messages"))
     parsed.continue_final_message, parsed.add_generation_prompt = _parse_turn_flags(body, parsed.messages)
-    _check_media_fields(parsed)
+    if takes_media:
+        _check_media_fields(parsed)
     _parse_tools(parsed, body, tool_parser)
     parsed.tool_format = parsed.tools.parser if parsed.tools else tool_parser or tool_calls.LLAMA3_JSON
     given = parsed.sampling.structured

@@ -301,3 +301,16 @@ def test_models_list_shape():
     assert permission["object"] == "model_permission" and permission["id"] == "modelperm-tiny"
     assert permission["allow_sampling"] and permission["allow_logprobs"] and not permission["allow_fine_tuning"]
     assert lora["permission"][0]["id"] == "modelperm-lora-a"
+
+
+@pytest.mark.parametrize("raw, lone", [
+    (rb'{"a": "x\ud800y"}', True), (rb'{"a": "x\ude00"}', True), (rb'{"a": "12\udc00"}', True),
+    (rb'{"a": "\ud83d\ude00"', False),  # a pair, in a body cut short: truncated, as it is
+])
+def test_a_lone_surrogate_escape_is_named_as_such(raw, lone):
+    """msgspec calls a lone surrogate escape "truncated": the 400 says what it is."""
+    with pytest.raises(api.ApiError) as info:
+        api.decode_body(raw)
+    assert info.value.status == 400 and info.value.param == "body"
+    assert ("lone UTF-16 surrogate" in str(info.value)) == lone
+    assert api.decode_body(rb'{"a": "\ud83d\ude00"}') == {"a": "\U0001f600"}

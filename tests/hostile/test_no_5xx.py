@@ -93,3 +93,26 @@ def test_an_api_key_header_that_is_not_utf8_is_a_401(hostile):
             status, out = await h.post(CHAT, BODY, headers={"Authorization": "Bearer sekret"})
             assert status == 200, out
     run(go)
+
+
+def test_media_on_a_text_only_model_is_refused_by_its_part_first(hostile, model_dir):
+    """Fields refused beside media (they work on text tokens) are not what a
+    text-only model names: the media part is (prepare's refusal), so the
+    client fixes the real problem first."""
+    from mstar_actors.prepare.preparers import Preparer
+    from mstar_actors.tokenization import Tokenization
+
+    preparer = Preparer(Tokenization(model_dir), 256)
+
+    async def go():
+        async with hostile() as h:
+            h.engine.plan = lambda req: [preparer.prepare(req)]
+            media = [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                  {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]
+            for extra in ({}, {"return_token_ids": True}, {"truncate_prompt_tokens": 3}):
+                status, body = await h.post(CHAT, {**BODY, "messages": media, **extra})
+                assert_envelope(status, body)
+                assert body["error"]["param"] == "messages[0].content[1].image_url", (extra, body)
+                message = body["error"]["message"]
+                assert "reads text only" in message and not message.startswith("request ")  # no internal id
+    run(go)
