@@ -169,6 +169,7 @@ class Actor:
         self.stop_reason = ""
         self.failure = ""  # what ended ``run`` with an error ("Type: message"), for ``stop`` to tell
         self.own_process = False  # set by the process entry: the heap is the actor's alone
+        self.address = ""  # where it serves clients once started (a frontend's URL), for the launcher's line
 
     # ---- hooks for subclasses ------------------------------------------
 
@@ -235,7 +236,7 @@ class Actor:
             await self.start()
             if self.own_process:
                 settle_heap(self.log)
-            await self.report(ActorReady(actor=self.name, pid=os.getpid()))
+            await self.report(ActorReady(actor=self.name, pid=os.getpid(), address=self.address))
             self.log.info("ready")
             await self.serve()
         except ShutdownRequested as stop:

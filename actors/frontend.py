@@ -253,7 +253,8 @@ class FrontendActor(Actor):
             raise ConfigError(f"cannot listen on {server.host}:{server.port} ({err.strerror}); stop what holds the "
                               "port or choose another (server.port, --port)") from None
         self.port = self._runner.addresses[0][1]
-        self.log.info("serving %s on %s%s", self.info.served_name, server_url(server.host, self.port),
+        self.address = server_url(server.host, self.port)
+        self.log.info("serving %s on %s%s", self.info.served_name, self.address,
                       f" (frontend {self.index + 1} of {server.api_server_count})" if server.api_server_count > 1 else "")
 
     async def stop(self) -> None:

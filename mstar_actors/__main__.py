@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from mstar_actors import dump_stacks
+from mstar_actors import dump_stacks, early_stop
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,11 +51,16 @@ def _fetch(args: argparse.Namespace) -> int:
     except FetchError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # what it had made is removed on the way out
+        print(f"interrupted: {args.name} is not fetched; run the command again", file=sys.stderr)
+        return 130
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "serve":
+        early_stop.catch()  # before the slow imports: a signal there stops the start quietly
     level = getattr(args, "log_level", "INFO")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s [launcher] %(name)s: %(message)s")
     if args.command == "dump-stacks":

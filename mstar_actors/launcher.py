@@ -52,7 +52,7 @@ from typing import Any
 import msgspec
 
 from actors.base import ActorSpec, frontend_name, run_actor_process
-from mstar_actors import messages, rundir
+from mstar_actors import early_stop, messages, rundir
 from mstar_actors.config import Config, server_url
 from mstar_actors.model_info import ModelInfo
 
@@ -231,6 +231,7 @@ class Launcher:
         self.to_actor: dict[str, Any] = {}
         self.from_actor: dict[str, Any] = {}
         self.ready: set[str] = set()
+        self.addresses: dict[str, str] = {}  # where each actor serving clients listens (its ActorReady)
         self.exited: asyncio.Queue[str] = asyncio.Queue()
         self.drained = asyncio.Event()  # every frontend's Drained came
         self.drained_frontends: set[str] = set()
@@ -354,6 +355,8 @@ class Launcher:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        if early_stop.requested():  # a signal while the run was made and the actors spawned
+            stop.set()
         listeners = [asyncio.create_task(self.listen(n, ch)) for n, ch in self.from_actor.items()]
         try:
             if not await self.await_ready(stop):
@@ -362,8 +365,9 @@ class Launcher:
                 return 1 if self._user_failure() is None else 2  # the operator's to mend: ``run`` ends with its line
             for name in self.frontends:
                 await self.to_actor[name].send(messages.Started())
-            host, port = self.config.server.host, self.config.server.port
-            log.info("serving %s at %s (run dir %s)", self.info.served_name, server_url(host, port), self.run_dir)
+            host, port = self.config.server.host, self.config.server.port  # the bound port where it was 0
+            url = next(iter(self.addresses.values()), None) or server_url(host, port)
+            log.info("serving %s at %s (run dir %s)", self.info.served_name, url, self.run_dir)
             code = await self.await_end(stop)
             if code == 0:
                 code = await self.drain(stop)
@@ -382,8 +386,10 @@ class Launcher:
             except ChannelClosed:
                 return
             match msg:
-                case messages.ActorReady():
+                case messages.ActorReady(address=address):
                     self.ready.add(name)
+                    if address:
+                        self.addresses[name] = address
                     self._ready_changed.set()
                 case messages.ActorError(message=message, traceback=tb):  # its own log has the traceback
                     log.error("actor %s failed: %s", name, message)
@@ -618,5 +624,8 @@ def serve(config: Config, info: ModelInfo) -> int:
     if (problem := port_problem(config.server.host, config.server.port)) is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    if early_stop.requested():
+        log.info("stopped while starting")
+        return 0
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(Launcher(config, info).run())

@@ -685,6 +685,7 @@ LauncherToActor = Started | PeerFailed | Drain | Shutdown
 class ActorReady(Struct, frozen=True, tag=True, omit_defaults=True):
     actor: str
     pid: int
+    address: str = ""  # where it serves clients (a frontend's URL, its bound port), if anywhere
 
 
 class ActorError(Struct, frozen=True, tag=True, omit_defaults=True):

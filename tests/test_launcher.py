@@ -55,8 +55,9 @@ def runtime_dir(tmp_path_factory) -> Path:
 class Server:
     """One `serve` subprocess; ``lines`` collects its log (stderr)."""
 
-    def __init__(self, model_dir: Path, runtime_dir: Path, tmp: Path, extra_config: str = "", session: bool = False):
-        self.port = free_port()
+    def __init__(self, model_dir: Path, runtime_dir: Path, tmp: Path, extra_config: str = "", session: bool = False,
+                 port: int | None = None):
+        self.port = free_port() if port is None else port
         self.config = tmp / f"serve-{self.port}.yaml"
         self.config.write_text(
             f"model: {{path: {model_dir}, name: tiny, dtype: float32, device: cpu}}\n"
@@ -289,6 +290,28 @@ def test_a_stop_while_actors_start_does_not_wait_for_their_models(model_dir, run
         assert time.monotonic() - started < 5 and "did not stop within" not in srv.log, srv.log
     finally:
         srv.kill()
+
+
+@pytest.mark.parametrize("delay_s", [0.3, 1.0, 2.0])
+def test_a_signal_while_the_command_starts_stops_it_quietly(model_dir, runtime_dir, tmp_path, delay_s):
+    """SIGINT amid the imports, the model's checks or the spawn: exit 0, no
+    traceback (it was a KeyboardInterrupt's, or lost to a library that
+    caught it, the server then serving on)."""
+    srv = Server(model_dir, runtime_dir, tmp_path)
+    try:
+        time.sleep(delay_s)
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.wait_exit() == 0, srv.log
+        assert "Traceback" not in srv.log and "KeyboardInterrupt" not in srv.log, srv.log
+    finally:
+        srv.kill()
+
+
+def test_port_0_is_served_and_named_at_the_port_it_bound(model_dir, runtime_dir, tmp_path):
+    with Server(model_dir, runtime_dir, tmp_path, port=0).running() as srv:
+        line = next(line for line in srv.lines if "serving tiny at http://" in line)
+        port = int(line.split("serving tiny at http://127.0.0.1:")[1].split()[0].rstrip("/"))
+        assert port != 0 and http(port, "/health")[0] == 200
 
 
 def test_a_host_that_is_not_this_hosts_address_is_named_as_such():
