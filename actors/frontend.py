@@ -1273,9 +1273,21 @@ def _route(request: web.Request) -> str:
 
 
 def _load_speech(config: Any, tokenizer: Any, vocab_size: int) -> Any:
+    """The codec and the model's codec tokens; what does not fit is the
+    operator's to mend (``ConfigError``: one line, exit 2)."""
+    from mstar_actors.speech.orpheus import OrpheusFormatError
+    from mstar_actors.speech.snac_codec import CodecLoadError
     from mstar_actors.speech.stream import load_speech
 
-    return load_speech(config, tokenizer.get_vocab(), vocab_size)
+    try:
+        return load_speech(config, tokenizer.get_vocab(), vocab_size)
+    except CodecLoadError as err:
+        raise ConfigError(str(err)) from None
+    except OrpheusFormatError as err:
+        raise ConfigError(f"speech.snac_path is set, but the served model does not write Orpheus's codec tokens "
+                          f"({err}); serve an Orpheus model or leave speech out") from None
+    except ImportError as err:
+        raise ConfigError(f"speech.snac_path: the SNAC decoder needs the snac package ({err}); pip install snac") from None
 
 
 def _load_tokenization(folder: Path) -> Any:

@@ -30,13 +30,16 @@ def _serve(args: argparse.Namespace) -> int:
     from mstar_actors.fetch import FetchError
     from mstar_actors.model_info import check_model_files, load_model_info
     from mstar_actors.models.spec import ModelLoadError
+    from mstar_actors.speech.snac_codec import CodecLoadError, check_folder
 
     server = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     try:
         config = load_config(args.config, server=server)
         info = load_model_info(config)
         check_model_files(info.model_dir)
-    except (ConfigError, FetchError, ModelLoadError) as err:
+        if config.speech.snac_path:
+            check_folder(config.speech.snac_path)
+    except (ConfigError, FetchError, ModelLoadError, CodecLoadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     logging.getLogger("mstar_actors").info("model folder: %s", info.model_dir)

@@ -49,14 +49,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 
 
 def check_model_files(model_dir: str | Path) -> None:
-    """``ModelLoadError`` naming what a served folder lacks (weights, a
-    tokenizer), found before any actor starts: an actor's load would fail
+    """``ModelLoadError`` naming what a served folder lacks (weights, whole
+    ones, a tokenizer), found before any actor starts: an actor's load would fail
     on it inside a library, with a message that names neither."""
-    from mstar_actors.models.loader import safetensors_files
+    from mstar_actors.models.loader import check_safetensors, safetensors_files
     from mstar_actors.models.spec import ModelLoadError
 
     folder = Path(model_dir)
-    safetensors_files(folder)
+    for path in safetensors_files(folder):
+        check_safetensors(path)
     if not any((folder / name).is_file() for name in TOKENIZER_FILES) and not any(folder.glob("*.tiktoken")):
         raise ModelLoadError(f"{folder}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)}, with "
                              "tokenizer_config.json); copy them from the model's repository into the folder")

@@ -277,6 +277,17 @@ def test_a_port_in_use_is_one_line_and_exit_2_before_the_model_loads(model_dir, 
     assert "Traceback" not in out.stderr
 
 
+def test_a_codec_folder_that_is_not_there_is_one_line_and_exit_2_before_the_actors(model_dir, tmp_path):
+    config = tmp_path / "speech.yaml"
+    config.write_text(f"model: {{path: {model_dir}, name: tiny, device: cpu}}\n"
+                      f"speech: {{snac_path: {tmp_path / 'no-snac'}}}\n")
+    out = subprocess.run([sys.executable, "-m", "mstar_actors", "serve", str(config)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    (line,) = [ln for ln in out.stderr.strip().splitlines() if "error" in ln.lower()]
+    assert "speech.snac_path" in line and "is not a folder" in line, out.stderr
+
+
 def test_a_stop_while_actors_start_does_not_wait_for_their_models(model_dir, runtime_dir, tmp_path):
     """SIGTERM once the first actor is ready, the workers still loading: the
     starting actors are killed at once (it waited out their stop timeout,

@@ -100,11 +100,23 @@ def test_a_folder_without_weights_or_a_tokenizer_is_refused_naming_what_it_lacks
     from mstar_actors.model_info import check_model_files
     from mstar_actors.models.spec import ModelLoadError
 
+    import torch
+    from safetensors.torch import save_file
+
     folder = model_folder(tmp_path)
     with pytest.raises(ModelLoadError, match=r"no \*.safetensors weights found"):
         check_model_files(folder)
-    (folder / "model.safetensors").write_bytes(b"")
+    weights = folder / "model.safetensors"
+    save_file({"a": torch.zeros(3, 5), "b": torch.ones(7)}, str(weights))
+    whole = weights.read_bytes()
     with pytest.raises(ModelLoadError, match=r"no tokenizer files \(one of tokenizer.json, .*copy them"):
         check_model_files(folder)
     (folder / "tokenizer.json").write_text("{}")
     check_model_files(folder)
+    # a weights file cut short, or not safetensors: named with what to do, before any actor loads it
+    for data, why in [(whole[:-4], "cut short"), (whole[:20], "cut short"), (b"", "cut short"),
+                      (b"\x10" + bytes(7) + b"not json at all!", "header is not valid"), (whole + b"x", "longer")]:
+        weights.write_bytes(data)
+        with pytest.raises(ModelLoadError, match=why) as info:
+            check_model_files(folder)
+        assert str(weights) in str(info.value) and "download it again" in str(info.value)

@@ -173,6 +173,28 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def check_safetensors(path: Path) -> None:
+    """``ModelLoadError`` naming a weights file that is cut short or not
+    safetensors at all, read from its header alone (the format: a little-endian
+    u64 header size, the JSON header, then the tensors' bytes, which end where
+    the file does)."""
+    size = path.stat().st_size
+    redo = "download it again (or run `python -m mstar_actors fetch` for the embedded model)"
+    with open(path, "rb") as f:
+        head = f.read(8)
+        num = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if num < 2 or 8 + num > size:
+            raise ModelLoadError(f"{path}: not a safetensors file, or cut short ({size} bytes); {redo}")
+        try:
+            header = json.loads(f.read(num))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError):
+            raise ModelLoadError(f"{path}: its safetensors header is not valid; {redo}") from None
+    if 8 + num + end != size:
+        raise ModelLoadError(f"{path}: holds {size} bytes, its header says {8 + num + end}: the file is "
+                             f"{'cut short' if 8 + num + end > size else 'longer than its tensors'}; {redo}")
+
+
 def _fill_weights(model_dir: Path, targets: dict[str, Target], arch: Architecture, spec: ModelSpec) -> int:
     """Fill every target from the checkpoint; returns the checkpoint's parameter count."""
     loaded: set[str] = set()

@@ -81,6 +81,18 @@ class SnacCodec:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
+def check_folder(folder: str | Path) -> None:
+    """``CodecLoadError`` naming what the SNAC folder lacks (its config, its
+    weights), found before any actor starts (no torch, no weights read)."""
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise CodecLoadError(f"speech.snac_path: {folder} is not a folder; it needs SNAC's config.json and "
+                             "pytorch_model.bin (see configs/orpheus.yaml)")
+    _read_config(folder)
+    if not any((folder / name).is_file() for name in ("model.safetensors", "pytorch_model.bin")):
+        raise CodecLoadError(f"speech.snac_path: {folder} has neither pytorch_model.bin nor model.safetensors")
+
+
 def _read_config(folder: Path) -> dict:
     path = folder / "config.json"
     try:

@@ -155,3 +155,37 @@ def test_codec_folders_that_cannot_decode_orpheus_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vq_strides": [4, 2, 1]}))
     with pytest.raises(CodecLoadError, match="pytorch_model.bin"):
         SnacCodec.load(tmp_path)
+
+
+def test_a_codec_folder_is_checked_before_the_actors_and_a_misfit_is_the_operators_one_line(tmp_path):
+    """The command checks the SNAC folder before any actor starts (it failed
+    13 s in, inside the frontend, with a traceback); what only the frontend
+    can find (the served model writes no Orpheus tokens) is a ConfigError:
+    one line, exit 2."""
+    from actors.frontend import _load_speech
+    from mstar_actors.config import ConfigError
+    from mstar_actors.speech.snac_codec import CodecLoadError, check_folder
+    from tests.speech.speech_factories import save_tiny_snac
+
+    with pytest.raises(CodecLoadError, match="is not a folder"):
+        check_folder(tmp_path / "absent")
+    with pytest.raises(CodecLoadError, match="config.json"):
+        check_folder(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"vq_strides": [4, 2, 1]}))
+    with pytest.raises(CodecLoadError, match="pytorch_model.bin"):
+        check_folder(tmp_path)
+    pytest.importorskip("snac")
+
+    class PlainTokenizer:
+        def get_vocab(self):
+            return {"a": 0, "b": 1}
+
+    with pytest.raises(ConfigError, match="speech.snac_path"):
+        _load_speech(parse_config({"speech": {"snac_path": str(tmp_path)}}).speech, PlainTokenizer(), 100)
+    snac_dir = tmp_path / "snac"
+    save_tiny_snac(snac_dir)
+    check_folder(snac_dir)
+
+    with pytest.raises(ConfigError, match="does not write Orpheus's codec tokens"):
+        _load_speech(parse_config({"speech": {"snac_path": str(snac_dir), "codec_device": "cpu"}}).speech,
+                     PlainTokenizer(), 100)
