@@ -542,12 +542,18 @@ class Launcher:
             rundir.remove_run_dir(self.run_dir)
 
 
+DEMO_ADAPTERS = "~/.cache/mstar-actors/adapters"  # where tools/make_demo_adapters.py writes pirate/ and shout/
+
+
 def validate_adapters(config: Config, info: ModelInfo) -> None:
     """Read and validate every configured adapter against the base model, before
     anything is spawned. Raises AdapterError naming the first bad one and why."""
     from mstar_actors.lora import AdapterError, read_adapter
     from mstar_actors.lora.adapter_pool import expand_path
 
+    for folder in config.lora.adapter_dirs if config.lora.allow_runtime_updates else ():
+        if not Path(expand_path(folder)).is_dir():  # a load from it is refused, naming it; say so now too
+            log.warning("lora.adapter_dirs: %s is not a folder (yet); runtime loads from it fail until it is", folder)
     if not config.lora.adapters:
         return
     check_adapter_names(config, info)
@@ -557,7 +563,10 @@ def validate_adapters(config: Config, info: ModelInfo) -> None:
         try:
             read_adapter(expand_path(path), base=info.lora_base, max_rank=config.lora.max_lora_rank, name=name)
         except AdapterError as err:
-            raise AdapterError(f"lora.adapters.{name} ({path}): {err}".replace("\n", " ")) from None
+            folder = Path(expand_path(path))
+            demo = folder.parent == Path(expand_path(DEMO_ADAPTERS)) and not folder.exists()
+            hint = "; the demo adapters are made once by python tools/make_demo_adapters.py" if demo else ""
+            raise AdapterError(f"lora.adapters.{name} ({path}): {err}{hint}".replace("\n", " ")) from None
 
 
 def check_adapter_names(config: Config, info: ModelInfo) -> None:

@@ -153,3 +153,25 @@ def test_launcher_accepts_a_text_stack_adapter_and_refuses_a_model_without_rules
     without_rules = msgspec.structs.replace(info, lora_base=None, lora_refusal=refusal)
     with pytest.raises(AdapterError, match=r"lora.adapters: the base model .* takes no adapters: .*GPT2LMHeadModel.*no LoRA shape rules"):
         validate_adapters(config, without_rules)
+
+
+def test_launcher_says_how_the_demo_adapters_are_made_and_warns_of_an_adapter_dir_not_there(world, tmp_path,
+                                                                                            monkeypatch, caplog):
+    from mstar_actors.config import parse_config
+    from mstar_actors.launcher import validate_adapters
+
+    base_folder = world[0]
+    monkeypatch.setenv("HOME", str(tmp_path))  # ~ is this test's
+    lora = {"max_loras": 1, "adapters": {"pirate": "~/.cache/mstar-actors/adapters/pirate"},
+            "allow_runtime_updates": True, "adapter_dirs": ["~/nowhere"]}
+    config = parse_config({"model": {"path": str(base_folder)}, "lora": lora})
+    with caplog.at_level("WARNING", logger="mstar_actors.launcher"):
+        with pytest.raises(AdapterError, match=r"there is no folder .*; the demo adapters are made once by "
+                                               r"python tools/make_demo_adapters.py"):
+            validate_adapters(config, load_model_info(config))
+    assert "lora.adapter_dirs: ~/nowhere is not a folder" in caplog.text
+    other = parse_config({"model": {"path": str(base_folder)},
+                          "lora": {"max_loras": 1, "adapters": {"mine": str(tmp_path / "mine")}}})
+    with pytest.raises(AdapterError, match="there is no folder") as info:
+        validate_adapters(other, load_model_info(other))
+    assert "make_demo_adapters" not in str(info.value)  # only the demo's folders
