@@ -452,7 +452,7 @@ class Launcher:
         exit code: 1 where an actor died meanwhile."""
         timeout_s = self.config.server.shutdown_timeout_s
         stop.clear()  # a second signal stops at once
-        log.info("draining: in-flight requests have %g s to finish", timeout_s)
+        log.info("draining: in-flight requests have %g s to finish (a second signal stops at once)", timeout_s)
         for name in self.frontends:
             await self.to_actor[name].send(messages.Drain(timeout_s=timeout_s, reason="the server is shutting down"))
         waits = [asyncio.ensure_future(w) for w in (self.drained.wait(), stop.wait(), self.exited.get())]
@@ -463,6 +463,8 @@ class Launcher:
         if waits[2] in done:
             await self.report_death(waits[2].result(), starting=False)
             return 1
+        if waits[1] in done:
+            log.info("a second signal: stopping now")
         if not done:
             log.warning("the frontend(s) did not finish draining within %g s: stopping anyway",
                         timeout_s + DRAIN_MARGIN_S)
