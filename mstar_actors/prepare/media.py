@@ -394,6 +394,20 @@ async def _read_bounded(resp: Any, ref: MediaRef, limits: MediaLimits) -> bytes:
 LOW_DETAIL_SIZE = 512  # OpenAI's "low" detail: the model sees a 512 x 512 version of the image
 
 
+def _to_rgb(image: Any) -> Any:
+    """RGB as the models' image processors make it (transformers'
+    ``convert_to_rgb``, vLLM's loader for RGBA): transparent pixels over
+    white, not their hidden colour."""
+    from PIL import Image
+
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
 def decode_image(data: bytes, ref: MediaRef, limits: MediaLimits):
     """An RGB ``PIL.Image``; the pixel limit is checked from the header first.
     With ``detail: "low"``, shrunk (its aspect kept) to fit ``LOW_DETAIL_SIZE`` square."""
@@ -410,7 +424,7 @@ def decode_image(data: bytes, ref: MediaRef, limits: MediaLimits):
                 f"at most {limits.max_image_pixels} (server.max_image_pixels)",
             )
         image.load()
-        image = image.convert("RGB")
+        image = _to_rgb(image)
         if ref.detail == "low":
             image.thumbnail((LOW_DETAIL_SIZE, LOW_DETAIL_SIZE))
         return image
@@ -444,7 +458,7 @@ def decode_video(data: bytes, ref: MediaRef, limits: MediaLimits, num_threads: i
             stream.codec_context.thread_count = num_threads
             if num_threads > 1:
                 stream.thread_type = "AUTO"
-            _check_duration(_duration_s(container, stream), ref, limits)
+            _check_duration(_duration_s(container, stream), stream.frames, ref, limits)
             frames = _sample_frames(container, stream, ref, limits)
     except MediaError:
         raise
@@ -465,13 +479,19 @@ def _duration_s(container: Any, stream: Any) -> float | None:
     return None
 
 
-def _check_duration(seconds: float | None, ref: MediaRef, limits: MediaLimits) -> None:
+def _check_duration(seconds: float | None, stream_frames: int, ref: MediaRef, limits: MediaLimits) -> None:
+    """The container's length against the limits before any frame is
+    decoded; the frames sampled are one per 1/fps seconds, and no more than
+    the stream has (``stream_frames``, 0 where the container does not say:
+    a clip slower than the sampling rate gives each of its frames once)."""
     if seconds is None:
         return  # checked frame by frame while decoding
     if seconds > limits.max_video_seconds:
         raise MediaError(ref.param, f"the video is {seconds:.1f} s long; this server accepts at most "
                                     f"{limits.max_video_seconds} s (server.max_video_seconds)")
     num_frames = math.ceil(seconds * limits.video_fps - 1e-6)
+    if stream_frames > 0:
+        num_frames = min(num_frames, stream_frames)
     if num_frames > limits.max_video_frames:
         raise _too_many_frames(ref, num_frames, limits)
 

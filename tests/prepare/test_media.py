@@ -292,3 +292,36 @@ def test_keep_freed_buffers_answers_without_raising():
     from mstar_actors.prepare.media import keep_freed_buffers
 
     assert keep_freed_buffers() in (True, False)  # glibc: True; elsewhere a no-op
+
+
+def test_a_video_slower_than_the_sampling_rate_is_held_to_the_frames_it_has():
+    """17 frames at 1 fps sampled at 2 fps give each frame once (17, under a
+    limit of 32): its 17 s times 2 fps was refused as 34 frames before any
+    was decoded."""
+    clip = video_bytes(seconds=17.0, fps=1)
+    got = decode_video(clip, ref("", "video"), MediaLimits(video_fps=2.0, max_video_frames=32, max_video_seconds=60))
+    assert got.frames.shape[0] == 17
+    with pytest.raises(MediaError, match="server.max_video_frames"):  # the frames it has still count
+        decode_video(clip, ref("", "video"), MediaLimits(video_fps=2.0, max_video_frames=16, max_video_seconds=60))
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P", "L", "CMYK"])
+def test_an_image_is_made_rgb_as_the_models_processors_make_it(mode):
+    """Transparent pixels over white, as transformers' ``convert_to_rgb``
+    (and vLLM's loader for RGBA) give them: dropping the alpha showed the
+    model the hidden colours."""
+    from PIL import Image
+    from transformers.image_transforms import convert_to_rgb
+
+    rng = np.random.default_rng(1)
+    rgba = Image.fromarray(rng.integers(0, 255, (24, 32, 4), dtype=np.uint8), "RGBA")
+    image = rgba.convert(mode) if mode != "P" else rgba.convert("RGB").quantize(16)
+    if mode == "P":
+        image.info["transparency"] = 3  # one palette entry transparent
+    out = io.BytesIO()
+    image.save(out, format="PNG" if mode != "CMYK" else "JPEG")
+    got = decode_image(out.getvalue(), ref(""), MediaLimits())
+    expected = convert_to_rgb(Image.open(io.BytesIO(out.getvalue())))
+    assert got.mode == "RGB" and np.array_equal(np.asarray(got), np.asarray(expected))
+    if mode in ("RGBA", "LA"):
+        assert not np.array_equal(np.asarray(got), np.asarray(Image.open(io.BytesIO(out.getvalue())).convert("RGB")))
