@@ -305,6 +305,7 @@ class MediaPreparer:
         if (refusal := self.text.check_structured(req)) is not None:  # the engine's compiler is thread-safe
             return refusal
         try:
+            self._check_no_placeholder_text(req)
             refs = collect_media(req, self.limits, self.MEDIA_KINDS)
             if not refs:
                 return self.text.draft(req, fetched)  # text only: the plain path
@@ -326,6 +327,18 @@ class MediaPreparer:
         return Draft(prepared, media)
 
     # ---- tokens --------------------------------------------------------------
+
+    def _check_no_placeholder_text(self, req: NewRequest) -> None:
+        """A media placeholder written as text would read as a media item's
+        place with no item (or another's): refused by the part that holds it."""
+        tokens = self.tokenization.tokenizer.convert_ids_to_tokens(sorted(set(self.placeholders.values())))
+        for i, message in enumerate(req.messages or []):
+            parts = [(f"messages[{i}].content", message.content)] if isinstance(message.content, str) else [
+                (f"messages[{i}].content[{j}].text", p.text) for j, p in enumerate(message.content) if p.type == "text"]
+            for param, text in parts:
+                if text and (token := next((t for t in tokens if t in text), None)) is not None:
+                    raise MediaError(param, f"holds {token}, the model's media placeholder; send media as "
+                                            "image_url / video_url parts, not as that text")
 
     def _template_ids(self, req: NewRequest) -> list[int]:
         tokenizer = self.tokenization.tokenizer

@@ -206,6 +206,23 @@ def test_text_only_request_takes_the_plain_path(preparer):
     assert isinstance(draft, Draft) and not draft.media and draft.prepared.prompt_param == "prompt"
 
 
+def test_a_media_placeholder_written_as_text_is_refused_by_its_part(preparer):
+    """Was blamed on the chat template ("wrote 6 placeholders for 1 media
+    parts"), and with no media part went on with a placeholder and no item."""
+    from mstar_actors.messages import Failed
+
+    token = preparer.tokenization.tokenizer.convert_ids_to_tokens(preparer.placeholders["image"])
+    good = png_url(np.zeros((40, 40, 3), dtype=np.uint8))
+    req = chat("p", ContentPart(type="text", text=f"look {token}{token}"), image_part(good))
+    refused = preparer.draft(req, {})
+    assert isinstance(refused, Failed) and refused.status == 400 and refused.param == "messages[0].content[1].text"
+    assert token in refused.message and "image_url" in refused.message
+    plain = NewRequest(request_id="q", model="vl", sampling=SamplingParams(),
+                       messages=[ChatMessage("user", f"what is {token}?")])
+    refused = preparer.draft(plain, {})
+    assert isinstance(refused, Failed) and refused.param == "messages[0].content"
+
+
 async def test_actor_sends_media_through_the_arena_in_order(preparer):
     arena = vl_fixtures.HeapArena()
     async with running_prepare_actor(preparer, arena=arena, inbox_bytes=1 << 22) as (inbox, out):
