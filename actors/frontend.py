@@ -541,7 +541,8 @@ class FrontendActor(Actor):
             self._check_text_only(parsed.messages)
             ids = self.tokenization.apply_chat_template(parsed.messages, parsed.add_generation_prompt, None,
                                                         parsed.continue_final_message, tools=parsed.tools,
-                                                        tool_format=self.tool_parser or LLAMA3_JSON)
+                                                        tool_format=self.tool_parser or LLAMA3_JSON,
+                                                        template_kwargs=parsed.chat_template_kwargs)
         except ValueError as err:  # no chat template, or the template refused the messages
             raise ApiError(400, f"messages: {err}", param="messages") from None
         if parsed.add_special_tokens and self.tokenizer.bos_token_id is not None and ids[:1] != [self.tokenizer.bos_token_id]:

@@ -255,6 +255,7 @@ class NewRequest(Struct, frozen=True, tag=True, omit_defaults=True):
     # gets them written in it (``tool_calls.with_tool_polyfills``).
     tool_format: str = "llama3_json"
     continue_final_message: bool = False  # the template leaves the last (assistant) message open
+    chat_template_kwargs: dict | None = None  # more variables for the chat template (vLLM's field)
     prompt_param: str = ""  # the body field a refused prompt is named by ("input" for speech); "": prompt / messages
 
 

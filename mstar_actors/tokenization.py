@@ -90,6 +90,7 @@ class Tokenization:
         tools: list[dict] | None = None,
         assistant_prefix: str = "",
         tool_format: str = "llama3_json",
+        template_kwargs: dict | None = None,
     ) -> list[int]:
         """Token ids of a conversation rendered by the model's own chat template.
 
@@ -100,7 +101,8 @@ class Tokenization:
         ``assistant_prefix`` is appended after the generation prompt
         (the opening of a forced tool call). The rendered text is tokenized
         without adding special tokens again (the template writes them), as
-        ``tokenizer.apply_chat_template`` does.
+        ``tokenizer.apply_chat_template`` does. ``template_kwargs``: more
+        variables for the template (a request's ``chat_template_kwargs``).
         """
         if not self.has_chat_template:
             raise ValueError(
@@ -112,10 +114,13 @@ class Tokenization:
         try:
             text = self.tokenizer.apply_chat_template(
                 conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
+                continue_final_message=continue_final_message, **(template_kwargs or {}),
             )
         except jinja2.TemplateError as exc:
             raise ValueError(f"the model's chat template refused 'messages': {exc}") from exc
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:  # a value it can't render
+            raise ValueError(f"the model's chat template could not render 'messages' or chat_template_kwargs: "
+                             f"{type(exc).__name__}: {exc}") from exc
         return self.encode_text(text + assistant_prefix, False, max_tokens)
 
     def tool_polyfills(self, chat: list[messages.ChatMessage], conversation: list[dict], tools: list[dict] | None,

@@ -106,6 +106,37 @@ def test_chat_template_multi_turn_matches_transformers(tokenization):
     assert text.count("<|im_start|>") == 5 and text.endswith("<|im_start|>assistant\n")
 
 
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(tmp_path, byte_level_dir):
+    """vLLM's ``chat_template_kwargs`` (Qwen3's ``enable_thinking``): the
+    same ids as transformers' apply_chat_template with those kwargs, on the
+    frontend's path and prepare's."""
+    from mstar_actors.messages import NewRequest, SamplingParams
+    from mstar_actors.prepare.preparers import Preparer
+
+    tok = Tokenizer.from_file(str(byte_level_dir / "tokenizer.json"))
+    tokenization = Tokenization(save_model_dir(tmp_path / "thinking", tok, chat_template=THINKING_TEMPLATE))
+    chat = [ChatMessage("user", "the cat")]
+    hf = tokenization.tokenizer
+    plain = tokenization.apply_chat_template(chat)
+    off = tokenization.apply_chat_template(chat, template_kwargs={"enable_thinking": False})
+    expected = hf.apply_chat_template([{"role": "user", "content": "the cat"}], add_generation_prompt=True,
+                                      enable_thinking=False, tokenize=True, return_dict=False)
+    assert off == list(expected) and off != plain and "</think>" in tokenization.decode(off, False)
+    req = NewRequest(request_id="r", model="m", sampling=SamplingParams(), messages=chat,
+                     chat_template_kwargs={"enable_thinking": False})
+    assert list(Preparer(tokenization, 256).prepare(req).prompt_token_ids) == off
+    adding = Tokenization(save_model_dir(tmp_path / "adding", tok, chat_template="{{ messages[0]['content'] + offset }}"))
+    with pytest.raises(ValueError, match="could not render .*TypeError"):  # a value the template can't use: a 400
+        adding.apply_chat_template(chat, template_kwargs={"offset": 1})
+
+
 def test_non_text_content_part_is_refused_by_name(tokenization):
     chat = [ChatMessage("user", "hi"), ChatMessage("user", [ContentPart("image_url", url="http://x/a.png")])]
     with pytest.raises(ValueError, match=r"messages\[1\]\.content\[0\].*'image_url'"):

@@ -103,7 +103,8 @@ COMMON_FIELDS = frozenset({
     "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens", "return_token_ids",
     "return_tokens_as_token_ids", "prompt_logprobs",
 })
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs", "add_generation_prompt", "continue_final_message"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs", "add_generation_prompt", "continue_final_message",
+                               "chat_template_kwargs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of"}
 
 # Implemented, and parsed by the structured-output and tool-calling parts of
@@ -130,7 +131,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "use_beam_search": (False,), "length_penalty": (1, 1.0), "early_stopping": (False,), "suffix": ("",),
     "audio": (), "modalities": (["text"],), "prediction": (), "functions": (),
     "function_call": (), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
-    "chat_template": (), "chat_template_kwargs": ({},), "documents": (), "mm_processor_kwargs": ({},),
+    "chat_template": (), "documents": (), "mm_processor_kwargs": ({},),
     "logits_processors": (), "vllm_xargs": (),
     "prompt_embeds": (), "kv_transfer_params": (), "echo": (False,),
     # fast tokenizers never put spaces between special tokens: only the default is honoured
@@ -290,6 +291,7 @@ class ParsedRequest:
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None  # vLLM's: more variables for the chat template
     prompts: list[str | list[int]] = field(default_factory=list)
     tools: ToolRequest | None = None
     output: OutputOptions = field(default_factory=lambda: OutputOptions())
@@ -328,6 +330,7 @@ class ParsedRequest:
                     messages=self.messages,
                     add_generation_prompt=self.add_generation_prompt,
                     continue_final_message=self.continue_final_message,
+                    chat_template_kwargs=self.chat_template_kwargs,
                     arrival_time=now,
                     n=self.n,
                     tools=self.tools.tools if self.tools else None,
@@ -685,6 +688,7 @@ def parse_chat(raw: bytes, max_model_len: int | None = None, vocab_size: int | N
     parsed = _parse_common(body, "chat", cap, (top or 0) if want_logprobs else None, vocab_size)
     parsed.messages = parse_messages(body.get("messages"))
     parsed.continue_final_message, parsed.add_generation_prompt = _parse_turn_flags(body, parsed.messages)
+    parsed.chat_template_kwargs = parse_template_kwargs(body)
     if takes_media:
         _check_media_fields(parsed)
     _parse_tools(parsed, body, tool_parser)
@@ -695,6 +699,33 @@ def parse_chat(raw: bytes, max_model_len: int | None = None, vocab_size: int | N
                                 "cannot continue the final message (continue_final_message), whose text would "
                                 "come before it")
     return parsed
+
+
+# Names the template call itself takes (Hugging Face's apply_chat_template and
+# its render): set by the request's own fields, never by chat_template_kwargs.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
+})
+MAX_TEMPLATE_KWARGS = 32
+
+
+def parse_template_kwargs(body: dict) -> dict | None:
+    """vLLM's ``chat_template_kwargs``: an object of more variables the chat
+    template reads (``enable_thinking`` for Qwen3's); None when absent or
+    empty. The names the template call takes itself are refused."""
+    value = body.get("chat_template_kwargs")
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, dict) or len(value) > MAX_TEMPLATE_KWARGS:
+        raise _bad("chat_template_kwargs", f"expected an object of at most {MAX_TEMPLATE_KWARGS} variables for the "
+                                           f"chat template, like {{\"enable_thinking\": false}}, got {_show(value)}")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & value.keys())
+    if reserved:
+        raise _bad(f"chat_template_kwargs.{reserved[0]}", "is set by the request itself (messages, tools, "
+                                                          "add_generation_prompt, continue_final_message), not here")
+    return value
 
 
 def _parse_turn_flags(body: dict, chat: list[ChatMessage]) -> tuple[bool, bool]:
@@ -935,12 +966,13 @@ class TokenizeRequest:
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None  # messages: more variables for the template, as a chat request's
     tools: list[dict] | None = None  # messages: the tools the template renders, as a chat request's
     return_token_strs: bool = False  # each token's vocabulary string too
 
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-                             "continue_final_message", "return_token_strs", "tools"})
+                             "continue_final_message", "return_token_strs", "tools", "chat_template_kwargs"})
 
 
 def parse_tokenize(raw: bytes) -> TokenizeRequest:
@@ -954,8 +986,9 @@ def parse_tokenize(raw: bytes) -> TokenizeRequest:
         prompt = get_str(body, "prompt", None)
         if prompt is None:
             raise _bad("prompt", "expected a string")
-        if body.get("tools") is not None:
-            raise _bad("tools", "renders with messages only; send messages")
+        for name in ("tools", "chat_template_kwargs"):
+            if body.get(name) is not None:
+                raise _bad(name, "renders with messages only; send messages")
         return TokenizeRequest(model, prompt=prompt, add_special_tokens=get_bool(body, "add_special_tokens", True),
                                return_token_strs=strs)
     chat = parse_messages(body.get("messages"))
@@ -966,6 +999,7 @@ def parse_tokenize(raw: bytes) -> TokenizeRequest:
         raise _bad(err.param, err.message) from None
     return TokenizeRequest(model, messages=chat, add_special_tokens=get_bool(body, "add_special_tokens", False),
                            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final,
+                           chat_template_kwargs=parse_template_kwargs(body),
                            tools=None if tools is None else tools.tools, return_token_strs=strs)
 
 

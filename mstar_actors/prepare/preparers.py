@@ -207,7 +207,8 @@ def prompt_token_ids(tokenization: Any, req: NewRequest, prompt_limit: int | Non
     elif req.messages is not None:
         ids = tokenization.apply_chat_template(req.messages, req.add_generation_prompt, limit,
                                                req.continue_final_message, tools=req.tools,
-                                               assistant_prefix=req.assistant_prefix, tool_format=req.tool_format)
+                                               assistant_prefix=req.assistant_prefix, tool_format=req.tool_format,
+                                               template_kwargs=req.chat_template_kwargs)
         ids, param = list(ids), "messages"
     elif req.prompt is not None:
         ids, param = list(tokenization.encode_prompt(req.prompt, limit)), "prompt"
@@ -348,7 +349,7 @@ class MediaPreparer:
         text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
                                              add_generation_prompt=req.add_generation_prompt,
                                              continue_final_message=req.continue_final_message,
-                                             chat_template=self.chat_template)
+                                             chat_template=self.chat_template, **(req.chat_template_kwargs or {}))
         return self.tokenization.encode_text(text + req.assistant_prefix, False, self.text.prompt_limit)
 
     def _expand(self, ids: list[int], media: list[MediaDraft], refs: list[MediaRef]) -> tuple[list[int], list[MediaDraft]]:

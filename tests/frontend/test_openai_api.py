@@ -314,3 +314,19 @@ def test_a_lone_surrogate_escape_is_named_as_such(raw, lone):
     assert info.value.status == 400 and info.value.param == "body"
     assert ("lone UTF-16 surrogate" in str(info.value)) == lone
     assert api.decode_body(rb'{"a": "\ud83d\ude00"}') == {"a": "\U0001f600"}
+
+
+def test_chat_template_kwargs_are_taken_and_the_template_call_s_own_names_refused():
+    """vLLM's field (many clients send ``enable_thinking`` to every model):
+    was refused unless empty."""
+    assert api.parse_chat(chat(chat_template_kwargs={"enable_thinking": False})).chat_template_kwargs == {
+        "enable_thinking": False}
+    assert api.parse_chat(chat(chat_template_kwargs={})).chat_template_kwargs is None
+    req = api.parse_chat(chat(chat_template_kwargs={"x": [1]})).new_requests("c", "m")[0]
+    assert req.chat_template_kwargs == {"x": [1]}
+    for value, param in [({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt"),
+                         ({"tools": []}, "chat_template_kwargs.tools"), ([1], "chat_template_kwargs"),
+                         ("x", "chat_template_kwargs")]:
+        with pytest.raises(api.ApiError) as info:
+            api.parse_chat(chat(chat_template_kwargs=value))
+        assert info.value.status == 400 and info.value.param == param
