@@ -152,8 +152,8 @@ class Tokenization:
     def prompt_text(self, token_ids: list[int]) -> str:
         """A prompt of ids as text, less a character its end leaves unfinished
         (its output's text starts with that character: ``IncrementalDetokenizer``)."""
-        return less_unfinished_character(self.decode(token_ids, skip_special_tokens=False), token_ids,
-                                         self.token_bytes)
+        return less_unfinished_character(token_ids, lambda ids: self.decode(ids, skip_special_tokens=False),
+                                         self.token_bytes)[1]
 
     def token_bytes(self, token_id: int) -> bytes:
         """A token's own UTF-8 bytes: part of a character for a token whose text
@@ -238,16 +238,34 @@ def _backend_decode(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: boo
     return functools.partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=skip_special_tokens)
 
 
-def less_unfinished_character(text: str, token_ids: list[int], token_bytes: Callable[[int], bytes]) -> str:
-    """``text``, the decode of ``token_ids``, less the U+FFFD its end decodes
-    to where the ids' bytes end with the first bytes of a character (ones
-    that more bytes would finish, not invalid ones): a prompt of ids cut
-    inside a character, whose output's first tokens finish it."""
-    if not text.endswith(REPLACEMENT_CHAR):
-        return text
+def unfinished_tail(token_ids: list[int], token_bytes: Callable[[int], bytes]) -> tuple[int, bool]:
+    """Where ``token_ids``' bytes end with the first bytes of a character
+    (ones that more bytes would finish, not invalid ones), as a prompt of
+    ids cut inside a character ends: ``(n, False)`` where its last ``n``
+    tokens are that character's bytes alone (leave them unread: a
+    SentencePiece byte fallback decodes each to a U+FFFD), ``(0, True)`` where
+    a token also holds what comes before it (strip the one U+FFFD a byte-level
+    decode ends in), ``(0, False)`` where the ids end at a character's end."""
+    tail = token_ids[-4:]  # a character has <= 4 bytes
+    pieces = [token_bytes(t) for t in tail]
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    decoder.decode(b"".join(token_bytes(t) for t in token_ids[-4:]), final=False)  # a character has <= 4 bytes
-    return text[:-1] if decoder.getstate()[0] else text  # Python decodes an unfinished character to one U+FFFD
+    decoder.decode(b"".join(pieces), final=False)
+    pending = len(decoder.getstate()[0])
+    num, covered = 0, 0
+    while pending and covered < pending:
+        num += 1
+        covered += len(pieces[-num])
+    return (num, False) if pending and covered == pending else (0, bool(pending))
+
+
+def less_unfinished_character(token_ids: list[int], decode: Callable[[list[int]], str],
+                              token_bytes: Callable[[int], bytes]) -> tuple[int, str]:
+    """``(ids read, their text)`` of a prompt of ids: all but a character its
+    end leaves unfinished (``unfinished_tail``), which its output finishes."""
+    num, strip = unfinished_tail(token_ids, token_bytes)
+    read = len(token_ids) - num
+    text = decode(token_ids[:read])
+    return read, text[:-1] if strip and text.endswith(REPLACEMENT_CHAR) else text
 
 
 class IncrementalDetokenizer:
@@ -259,8 +277,9 @@ class IncrementalDetokenizer:
     keeps SentencePiece leading spaces and byte-level merges right, and costs
     O(window) per token instead of O(output).
 
-    Invariants: ``_window[:_num_read]`` decodes to text that does not end in
-    U+FFFD (it stops at a character boundary); text is emitted only when the
+    Invariants: the prefix text (``_window[:_num_read]``'s) does not end in
+    U+FFFD (it stops at a character boundary; a prompt's unfinished last
+    character is unread, or, inside a token, cut from it); text is emitted only when the
     whole window decodes to more text that does not end in U+FFFD, so half a
     UTF-8 character is held back until its last byte arrives. The prefix's
     text changes only when the read ids advance, so it is decoded once then.
@@ -324,11 +343,12 @@ class IncrementalDetokenizer:
 
     def _prefix(self) -> str:
         if self._prefix_text is None:
-            read = self._window[: self._num_read]
-            text = self._decode(read)
-            if self._token_bytes is not None:
-                text = less_unfinished_character(text, read, self._token_bytes)
+            if self._token_bytes is not None:  # the prompt's: its unfinished character left unread
+                self._num_read, text = less_unfinished_character(self._window[: self._num_read], self._decode,
+                                                                 self._token_bytes)
                 self._token_bytes = None
+            else:
+                text = self._decode(self._window[: self._num_read])
             self._prefix_text = text
         return self._prefix_text
 

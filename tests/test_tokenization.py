@@ -245,7 +245,26 @@ def ends_inside_a_character(tok, token_ids) -> bool:
     return False
 
 
-def test_a_prompt_of_ids_cut_inside_a_character_leaves_it_to_the_output(tokenization):
+@pytest.fixture(scope="module")
+def byte_fallback_tokenization(tmp_path_factory):
+    """SentencePiece-style byte fallback: a character outside the vocabulary
+    is its UTF-8 bytes as ``<0xNN>`` tokens, each an unfinished one decoding
+    to a U+FFFD of its own."""
+    from tokenizers import normalizers
+
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for w in ["\u2581", "a", "b", "\u2581a", "x"]:
+        vocab[w] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("\u2581", "a")], byte_fallback=True, unk_token=None))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens(SPECIALS)
+    return Tokenization(save_model_dir(tmp_path_factory.mktemp("bytefallback"), tok))
+
+
+def test_a_prompt_of_ids_cut_inside_a_character_leaves_it_to_the_output(tokenization, byte_fallback_tokenization):
     """A prompt of ids may end with a character's first bytes: the output's
     first text is that whole character (as a decode of prompt and output
     together reads), the echoed prompt stops before it; an output that never
@@ -263,6 +282,13 @@ def test_a_prompt_of_ids_cut_inside_a_character_leaves_it_to_the_output(tokeniza
             assert echoed + "".join(deltas) == text, (k, deltas)
         unfinished = tokenization.make_detokenizer(prompt)
         assert unfinished.flush() == "\ufffd"
+    fallback = byte_fallback_tokenization
+    ids = fallback.tokenizer("a日x a", add_special_tokens=False).input_ids
+    assert len(ids) == 6  # a, its three bytes, x, ' a'
+    for k in range(1, len(ids)):
+        prompt, output = ids[:k], ids[k:]
+        deltas = stream(fallback.make_detokenizer(prompt), output)
+        assert fallback.prompt_text(prompt) + "".join(deltas) == "a日x a", (k, deltas)
     hello = tokenization.encode_prompt("Hello \ufffd")  # a U+FFFD sent as such is whole: read
     assert tokenization.prompt_text(hello) == "Hello \ufffd" and tokenization.make_detokenizer(hello).flush() == ""
 

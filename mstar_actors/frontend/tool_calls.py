@@ -466,21 +466,60 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
+class _BlockEnd:
+    """Where a hermes block's closing tag is, in its text (past its opening
+    tag) as it streams in: a block that starts with a JSON object ends at
+    the first ``</tool_call>`` past the object (a tag inside its strings is
+    the object's); any other block, or, once the reply has ended, one whose
+    object never closed, at its first tag. Each character is read once."""
+
+    def __init__(self) -> None:
+        self._value = _ValueEnd()  # the block's object, where it has one
+        self._mode = "start"  # -> "object" | "after": past the object | "plain": no object
+        self._at = 0  # what is read of the text: the object's, or where the tag search goes on
+
+    def find(self, text: str, final: bool) -> int | None:
+        """The tag's index in ``text`` (the block's text so far, only ever
+        growing), or None while the block goes on."""
+        if self._mode == "start":
+            body = text.lstrip()
+            if not body:
+                return None
+            self._mode, self._at = ("object", len(text) - len(body)) if body[0] == "{" else ("plain", 0)
+        if self._mode == "object":
+            _, rest, ended = self._value.take(text[self._at:])
+            self._at = len(text) - len(rest)
+            if ended:
+                self._mode = "after"
+            elif not final:
+                return None
+            else:
+                self._mode, self._at = "plain", 0  # never closed: its first tag ends it
+        at = text.find(HERMES_CLOSE, self._at)
+        if at < 0:
+            self._at = max(self._at, len(text) - len(HERMES_CLOSE) + 1)
+            return None
+        return at
+
+
 class HermesReader:
     """Splits a streamed reply into content and ``<tool_call>`` calls.
 
     Text that may be the start of ``<tool_call>`` is held back, and so is a
-    call until its ``</tool_call>`` (a later one where the call's strings
-    hold the tag), so no markup reaches the content. A block that is not a
-    valid call is given back as content, markup included. Whitespace after a
-    call is held: it only separates calls.
+    call until its ``</tool_call>`` (``_BlockEnd``: the tag past its JSON
+    object), so no markup reaches the content. A block that is not a valid
+    call is given back as content, markup included. Whitespace after a call
+    is held: it only separates calls. ``read_calls`` reads a whole reply
+    with it (a stream reads hermes calls with ``HermesCallStream``).
     """
 
     def __init__(self, is_forced: bool = False, max_calls: int | None = None):
         self.is_forced = is_forced
         self.max_calls = max_calls
-        self._is_inside = is_forced  # a forced call's opening is in the prompt
+        # inside a block (a forced call's opening is in the prompt): where it ends
+        self._end: _BlockEnd | None = _BlockEnd() if is_forced else None
         self._held = ""
+        self._final = False  # the reply ended: a block whose object never closed ends at its first tag
         self.num_calls = 0  # calls read, those past max_calls included
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
@@ -495,28 +534,27 @@ class HermesReader:
     def flush(self) -> tuple[str, list[ParsedCall]]:
         """What is held at the end of the reply: an unclosed call is read as one
         (a model may stop at EOS before ``</tool_call>``)."""
+        self._final = True
+        first, before = self.feed("")
         held, self._held = self._held, ""
-        if not self._is_inside:
-            return ("" if self.num_calls and not held.strip() else held), []
-        self._is_inside = False
+        if self._end is None:
+            return first + ("" if self.num_calls and not held.strip() else held), before
+        self._end = None
         call = parse_call(held.removesuffix(HERMES_CLOSE))
         if call is None:
-            return ("" if self.is_forced and not self.num_calls else HERMES_OPEN) + held, []
+            return first + ("" if self.is_forced and not self.num_calls else HERMES_OPEN) + held, before
         self.num_calls += 1
-        return "", _within([call], self.num_calls, self.max_calls)
+        return first, before + _within([call], self.num_calls, self.max_calls)
 
     def _step(self, content: list[str], calls: list[ParsedCall]) -> bool:
         """Consume one piece of the held text; False when the rest must wait."""
-        if self._is_inside:
-            at = self._held.find(HERMES_CLOSE)
-            if at < 0:
+        if self._end is not None:
+            end = self._end.find(self._held, self._final)
+            if end is None:
                 return False
-            call, end = parse_call(self._held[:at]), at
-            while call is None and (end := self._held.find(HERMES_CLOSE, end + 1)) >= 0:
-                call = parse_call(self._held[:end])  # the tag inside the call's strings: a later one ends it
-            end = at if call is None else end
             body, self._held = self._held[:end], self._held[end + len(HERMES_CLOSE):]
-            self._is_inside = False
+            self._end = None
+            call = parse_call(body)
             if call is None:
                 content.append(HERMES_OPEN + body + HERMES_CLOSE)
             else:
@@ -527,7 +565,7 @@ class HermesReader:
         if at >= 0:
             before = self._held[:at]
             content.append("" if self.num_calls and not before.strip() else before)
-            self._held, self._is_inside = self._held[at + len(HERMES_OPEN):], True
+            self._held, self._end = self._held[at + len(HERMES_OPEN):], _BlockEnd()
             return True
         num_held = _partial_suffix(self._held, HERMES_OPEN)
         emit = self._held[: len(self._held) - num_held]
@@ -616,8 +654,8 @@ class _ValueEnd:
     """A JSON object or array streamed in pieces: where it ends (its nesting,
     strings and escapes followed across pieces)."""
 
-    def __init__(self) -> None:
-        self._depth = -1  # its opening not read yet
+    def __init__(self, depth: int = -1) -> None:
+        self._depth = depth  # -1: its opening not read yet; 1: read from inside it (past its opening)
         self._in_string = self._escaped = False
 
     def take(self, text: str) -> tuple[str, str, bool]:
@@ -642,9 +680,10 @@ class _ValueEnd:
 
 def _head_pattern(parser: str, lookahead: str = "") -> re.Pattern:
     """A call's head as the grammar and the formats write it: ``{"name":
-    "...", KEY: `` (the name the first group, JSON-escaped)."""
-    return re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + re.escape(ARGUMENTS_KEY[parser])
-                      + r'"\s*:\s*' + lookahead)
+    "...", KEY: `` (the name the first group, a JSON string's text: a name
+    that would not decode is no head)."""
+    return re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*)"\s*,\s*"'
+                      + re.escape(ARGUMENTS_KEY[parser]) + r'"\s*:\s*' + lookahead)
 
 
 def _head_delta(index: int, name: str) -> dict:
@@ -712,8 +751,8 @@ class HermesCallStream:
     is held, whitespace between calls is dropped. A block whose text starts
     with a call's head and an object (``{"name": "...", "arguments": {``) is
     a call at once: its id, type and name, then its arguments' JSON in
-    pieces as written, the rest of the block (its closing brace) read up to
-    ``</tool_call>``. Any other block is held to its end and read whole as
+    pieces as written, the rest of the block (the object's closing brace,
+    any tag inside its strings) read up to ``</tool_call>``. Any other block is held to its end and read whole as
     ``HermesReader`` reads it: a call (head and arguments in two deltas), or
     content with its markup. So a stream and a response (``read_calls``) read
     the same calls, except where a block that began as a call's head and
@@ -725,8 +764,12 @@ class HermesCallStream:
         self.max_calls = max_calls
         self._head = _head_pattern(HERMES, r"(?=\{)")
         self._held = ""
-        self._state = "out"  # "out" | "block": a block's head not read | "arguments" | "tail": to its closing tag
-        self._value = _ValueEnd()
+        # "out" | "block": a block's head not read | "arguments" | "rest": the call's object past its arguments
+        # | "tag": to the block's closing tag
+        self._state = "out"
+        self._value = _ValueEnd()  # a call's arguments
+        self._end = _BlockEnd()  # where a block read whole ends
+        self._final = False  # the reply ended
         self._shown = False  # the block's call is within max_calls
         self._after_call = False  # nothing but whitespace since a call: it only separates calls
         self.num_calls = 0  # calls read, those past max_calls included
@@ -742,13 +785,17 @@ class HermesCallStream:
     def flush(self) -> list[dict]:
         """The end of the reply: held content, or an unclosed block read whole
         (a model may stop at EOS before ``</tool_call>``)."""
+        self._final = True
+        deltas = self.feed("")
         held, self._held = self._held, ""
         state, self._state = self._state, "out"
         if state == "out":
-            return [{"content": held}] if held and (held.strip() or not self._after_call) else []
-        if state == "block":
-            return self._whole_block(held.removesuffix(HERMES_CLOSE), closed=False)
-        return []  # a call's arguments (cut: as far as they went) or its closing
+            last = [{"content": held}] if held and (held.strip() or not self._after_call) else []
+        elif state == "block":
+            last = self._whole_block(held.removesuffix(HERMES_CLOSE), closed=False)
+        else:
+            last = []  # a call's arguments (cut: as far as they went) or its closing
+        return _joined(deltas + last)
 
     def _step(self, deltas: list[dict]) -> bool:
         """Read one piece of the held text; False when the rest must wait."""
@@ -758,7 +805,7 @@ class HermesCallStream:
                 before = self._held[:at]
                 if before.strip() or not self._after_call:
                     self._content(before, deltas)
-                self._held, self._state = self._held[at + len(HERMES_OPEN):], "block"
+                self._held, self._state, self._end = self._held[at + len(HERMES_OPEN):], "block", _BlockEnd()
                 return True
             emit = self._held[: len(self._held) - _partial_suffix(self._held, HERMES_OPEN)]
             if emit and (emit.strip() or not self._after_call):  # whitespace after a call: held, it may separate
@@ -774,8 +821,8 @@ class HermesCallStream:
                     deltas.append({"tool_calls": [_head_delta(self.num_calls - 1, match.group(1))]})
                 self._held, self._state, self._value = self._held[match.end():], "arguments", _ValueEnd()
                 return True
-            at = self._held.find(HERMES_CLOSE)
-            if at < 0:
+            at = self._end.find(self._held, self._final)
+            if at is None:
                 return False
             body, self._held, self._state = self._held[:at], self._held[at + len(HERMES_CLOSE):], "out"
             deltas += self._whole_block(body, closed=True)
@@ -785,11 +832,16 @@ class HermesCallStream:
             if piece and self._shown:
                 deltas.append({"tool_calls": [{"index": self.num_calls - 1, "function": {"arguments": piece}}]})
             if ended:
-                self._state = "tail"
+                self._state, self._value = "rest", _ValueEnd(depth=1)
             return ended
-        at = self._held.find(HERMES_CLOSE)  # "tail": the call's closing brace, then the tag
+        if self._state == "rest":  # more keys, its closing brace: the call's, not output
+            _, self._held, ended = self._value.take(self._held)
+            if ended:
+                self._state = "tag"
+            return ended
+        at = self._held.find(HERMES_CLOSE)  # "tag"
         if at < 0:
-            self._held = self._held[-len(HERMES_CLOSE):]  # all but what may start the tag is the call's
+            self._held = self._held[-len(HERMES_CLOSE):]  # all but what may start the tag is the block's
             return False
         self._held, self._state, self._after_call = self._held[at + len(HERMES_CLOSE):], "out", True
         return True

@@ -137,6 +137,11 @@ HERMES_STREAM_CASES = [
     '<tool_call>\n{"name": "f", "arguments": "{\\"a\\": 1}"}',  # string arguments, cut at EOS: read whole
     '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}',  # cut at EOS before its closing tag
     "No tools needed: <b>ok</b> <tool",
+    '<tool_call>{"name": "f\\x", "arguments": {"a": 1}}</tool_call>',  # a name that is no JSON string: content
+    '<tool_call>{"name": "f\ng", "arguments": {"a": 1}}</tool_call> ok',
+    '<tool_call>{"arguments": {"a": "</tool_call>"}, "name": "f"}</tool_call> then',  # the tag in a string
+    '<tool_call>\n{"name": "g", "arguments": {"s": "x</tool_call>y"}}\n',  # ... and cut at EOS
+    'a <tool_call>{"name": "f", "arguments": {"k": 1}, "x": "</tool_call>"}</tool_call> b',
 ]
 
 
