@@ -303,17 +303,24 @@ def test_a_stop_while_actors_start_does_not_wait_for_their_models(model_dir, run
         srv.kill()
 
 
-@pytest.mark.parametrize("delay_s", [0.3, 1.0, 2.0])
-def test_a_signal_while_the_command_starts_stops_it_quietly(model_dir, runtime_dir, tmp_path, delay_s):
-    """SIGINT amid the imports, the model's checks or the spawn: exit 0, no
-    traceback (it was a KeyboardInterrupt's, or lost to a library that
-    caught it, the server then serving on)."""
+@pytest.mark.parametrize("when", [0.3, 1.0, "model folder:"])
+def test_a_signal_while_the_command_starts_stops_it_quietly(model_dir, runtime_dir, tmp_path, when):
+    """SIGINT amid the imports, the model's checks or the spawn (a time, or
+    the log line of the checks' end): exit 0, no traceback (it was a
+    KeyboardInterrupt's, or lost to a library that caught it, the server
+    then serving on), the start stopped."""
     srv = Server(model_dir, runtime_dir, tmp_path)
     try:
-        time.sleep(delay_s)
+        if isinstance(when, str):
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not any(when in line for line in srv.lines) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        else:
+            time.sleep(when)
         srv.proc.send_signal(signal.SIGINT)
         assert srv.wait_exit() == 0, srv.log
         assert "Traceback" not in srv.log and "KeyboardInterrupt" not in srv.log, srv.log
+        assert "stopped while starting" in srv.log and "serving tiny at" not in srv.log, srv.log
     finally:
         srv.kill()
 

@@ -115,7 +115,9 @@ def test_a_folder_without_weights_or_a_tokenizer_is_refused_naming_what_it_lacks
     check_model_files(folder)
     # a weights file cut short, or not safetensors: named with what to do, before any actor loads it
     for data, why in [(whole[:-4], "cut short"), (whole[:20], "cut short"), (b"", "cut short"),
-                      (b"\x10" + bytes(7) + b"not json at all!", "header is not valid"), (whole + b"x", "longer")]:
+                      (b"\x10" + bytes(7) + b"not json at all!", "header is not valid"), (whole + b"x", "longer"),
+                      (b"\x05" + bytes(7) + b"[1,2]", "header is not valid"),
+                      (b"\x22" + bytes(7) + b'{"a": {"data_offsets": [0, "xy"]}}', "header is not valid")]:
         weights.write_bytes(data)
         with pytest.raises(ModelLoadError, match=why) as info:
             check_model_files(folder)

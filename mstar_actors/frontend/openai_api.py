@@ -171,9 +171,10 @@ def check_fields(body: dict, kind: str) -> None:
 # --------------------------------------------------------------------------
 
 
-# a high surrogate escape not followed by a low one, or a low one not after a high one
-_LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
-                             rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+# a high surrogate escape not followed by a low one, or a low one not after a high one (an escape: its
+# backslash not itself escaped, an odd run of them)
+_LONE_SURROGATE = re.compile(rb"(?<!\\)(?:\\\\)*(?:\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                             rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2})")
 
 
 def decode_body(raw: bytes) -> dict:
@@ -898,7 +899,8 @@ def parse_completion(raw: bytes, max_model_len: int | None = None, vocab_size: i
     body = decode_body(raw)
     echo = get_bool(body, "echo", False)
     for name in ("max_tokens", "max_completion_tokens"):
-        if body.get(name) == 0 and not echo:
+        value = body.get(name)
+        if value == 0 and not isinstance(value, bool) and not echo:
             raise _bad(name, "expected an integer of at least 1, got 0 (0 only with \"echo\": true, which returns "
                              "the prompt alone)")
     cap = _parse_max_tokens(body, 16, max_model_len, lo=0 if echo else 1)  # 0: echo the prompt alone

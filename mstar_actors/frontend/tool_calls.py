@@ -272,7 +272,7 @@ def _parse_history_call(where: str, call: Any) -> ToolCall:
     call_id = call.get("id")
     if call_id is not None and not isinstance(call_id, str):
         raise ToolError(f"{where}.id", f"expected the call's id as a string, got {type(call_id).__name__}")
-    if call.get("type", "function") != "function":
+    if call.get("type") not in (None, "function"):
         raise ToolError(f"{where}.type", 'expected "function", the only type of call')
     return ToolCall(id=call_id if call_id is not None else new_call_id(), name=function["name"], arguments=arguments)
 

@@ -173,6 +173,9 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors library's own limit
+
+
 def check_safetensors(path: Path) -> None:
     """``ModelLoadError`` naming a weights file that is cut short or not
     safetensors at all, read from its header alone (the format: a little-endian
@@ -183,13 +186,16 @@ def check_safetensors(path: Path) -> None:
     with open(path, "rb") as f:
         head = f.read(8)
         num = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if num < 2 or 8 + num > size:
+        if num < 2 or 8 + num > size or num > MAX_SAFETENSORS_HEADER:
             raise ModelLoadError(f"{path}: not a safetensors file, or cut short ({size} bytes); {redo}")
         try:
             header = json.loads(f.read(num))
-            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-        except (ValueError, TypeError, KeyError, IndexError):
+            ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+            if not all(isinstance(e, int) and not isinstance(e, bool) for e in ends):
+                raise TypeError("data_offsets")
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
             raise ModelLoadError(f"{path}: its safetensors header is not valid; {redo}") from None
+        end = max(ends, default=0)
     if 8 + num + end != size:
         raise ModelLoadError(f"{path}: holds {size} bytes, its header says {8 + num + end}: the file is "
                              f"{'cut short' if 8 + num + end > size else 'longer than its tensors'}; {redo}")

@@ -330,9 +330,17 @@ class MediaPreparer:
     # ---- tokens --------------------------------------------------------------
 
     def _check_no_placeholder_text(self, req: NewRequest) -> None:
-        """A media placeholder written as text would read as a media item's
-        place with no item (or another's): refused by the part that holds it."""
-        tokens = self.tokenization.tokenizer.convert_ids_to_tokens(sorted(set(self.placeholders.values())))
+        """A media placeholder written as text (or sent as its id) would read
+        as a media item's place with no item (or another's): refused by the
+        part that holds it."""
+        ids = sorted(set(self.placeholders.values()))
+        tokens = self.tokenization.tokenizer.convert_ids_to_tokens(ids)
+        if req.prompt_token_ids is not None and (hit := set(ids) & set(req.prompt_token_ids)):
+            raise MediaError("prompt", f"holds token id {min(hit)}, the model's media placeholder; media go in chat "
+                                       "image_url / video_url parts")
+        if req.prompt is not None and (token := next((t for t in tokens if t in req.prompt), None)) is not None:
+            raise MediaError("prompt", f"holds {token}, the model's media placeholder; media go in chat "
+                                       "image_url / video_url parts")
         for i, message in enumerate(req.messages or []):
             parts = [(f"messages[{i}].content", message.content)] if isinstance(message.content, str) else [
                 (f"messages[{i}].content[{j}].text", p.text) for j, p in enumerate(message.content) if p.type == "text"]

@@ -123,6 +123,8 @@ def test_echo_with_a_cap_of_0_gives_the_prompt_alone(harness):
             assert events[-2]["usage"]["completion_tokens"] == 0
             status, r = await h.post(COMP, {"model": "tiny", "prompt": prompt, "max_tokens": 0})
             assert status == 400 and r["error"]["param"] == "max_tokens" and "echo" in r["error"]["message"]
+            status, r = await h.post(COMP, {"model": "tiny", "prompt": prompt, "max_tokens": False})
+            assert status == 400 and "echo" not in r["error"]["message"]  # no integer: the usual refusal
 
     run(body)
 

@@ -306,6 +306,7 @@ def test_models_list_shape():
 @pytest.mark.parametrize("raw, lone", [
     (rb'{"a": "x\ud800y"}', True), (rb'{"a": "x\ude00"}', True), (rb'{"a": "12\udc00"}', True),
     (rb'{"a": "\ud83d\ude00"', False),  # a pair, in a body cut short: truncated, as it is
+    (rb'{"a": "write \\ud800 in JSON",}', False),  # an escaped backslash, then text: the comma is the fault
 ])
 def test_a_lone_surrogate_escape_is_named_as_such(raw, lone):
     """msgspec calls a lone surrogate escape "truncated": the 400 says what it is."""

@@ -221,6 +221,9 @@ def test_a_media_placeholder_written_as_text_is_refused_by_its_part(preparer):
                        messages=[ChatMessage("user", f"what is {token}?")])
     refused = preparer.draft(plain, {})
     assert isinstance(refused, Failed) and refused.param == "messages[0].content"
+    for prompt in ({"prompt": f"what is {token}?"}, {"prompt_token_ids": [1, preparer.placeholders["image"], 2]}):
+        refused = preparer.draft(NewRequest(request_id="c", model="vl", sampling=SamplingParams(), **prompt), {})
+        assert isinstance(refused, Failed) and refused.status == 400 and refused.param == "prompt", prompt
 
 
 async def test_actor_sends_media_through_the_arena_in_order(preparer):

@@ -60,9 +60,16 @@ def msgspec_roundtrip(req: NewRequest) -> NewRequest:
     ({"role": "tool", "content": None}, "messages[0].content"),
 ])
 def test_bad_tool_messages_name_the_field(message, param):
+    """A wrong field of a history call or tool message is named (null ones are absent)."""
     with pytest.raises(api.ApiError) as info:
         _parse([message])
     assert info.value.status == 400 and info.value.param == param
+
+
+def test_a_history_call_s_null_fields_are_absent():
+    (assistant,) = _parse([{"role": "assistant", "tool_calls": [
+        {"id": None, "type": None, "function": {"name": "f", "arguments": "{}"}}]}]).messages
+    assert assistant.tool_calls[0].name == "f" and assistant.tool_calls[0].id.startswith("call_")
 
 
 def test_auto_on_a_template_with_no_format_is_refused():
