@@ -748,7 +748,8 @@ class HermesCallStream:
     call's arguments as they come (as vLLM's hermes parser streams them).
 
     Outside ``<tool_call>`` blocks as ``HermesReader``: text that may open one
-    is held, whitespace between calls is dropped. A block whose text starts
+    is held, whitespace between calls is dropped, whitespace goes out only
+    with text (calls with whitespace alone around them: no content). A block whose text starts
     with a call's head and an object (``{"name": "...", "arguments": {``) is
     a call at once: its id, type and name, then its arguments' JSON in
     pieces as written, the rest of the block (the object's closing brace,
@@ -771,7 +772,10 @@ class HermesCallStream:
         self._end = _BlockEnd()  # where a block read whole ends
         self._final = False  # the reply ended
         self._shown = False  # the block's call is within max_calls
-        self._after_call = False  # nothing but whitespace since a call: it only separates calls
+        # whitespace not sent yet: content once text follows, else it only separates (``_content``)
+        self._space = ""
+        self._lead = ""  # whitespace before the first call with nothing before it: content only if text follows
+        self._said = False  # content with text in it since the last call (or the reply's start)
         self.num_calls = 0  # calls read, those past max_calls included
 
     def feed(self, text: str) -> list[dict]:
@@ -790,7 +794,11 @@ class HermesCallStream:
         held, self._held = self._held, ""
         state, self._state = self._state, "out"
         if state == "out":
-            last = [{"content": held}] if held and (held.strip() or not self._after_call) else []
+            last = []
+            self._content(held, last)
+            if self._space and (self._said or not self.num_calls):  # after text, or a reply of whitespace alone
+                last.append({"content": self._lead + self._space})
+            self._space = self._lead = ""
         elif state == "block":
             last = self._whole_block(held.removesuffix(HERMES_CLOSE), closed=False)
         else:
@@ -802,20 +810,23 @@ class HermesCallStream:
         if self._state == "out":
             at = self._held.find(HERMES_OPEN)
             if at >= 0:
-                before = self._held[:at]
-                if before.strip() or not self._after_call:
-                    self._content(before, deltas)
+                self._content(self._held[:at], deltas)
+                if self._said and self._space:  # after text: that text's
+                    deltas.append({"content": self._space})
+                elif not self.num_calls:  # before the first call: content, if any text follows
+                    self._lead += self._space
+                self._space = ""  # (between calls, it only separates them)
                 self._held, self._state, self._end = self._held[at + len(HERMES_OPEN):], "block", _BlockEnd()
                 return True
             emit = self._held[: len(self._held) - _partial_suffix(self._held, HERMES_OPEN)]
-            if emit and (emit.strip() or not self._after_call):  # whitespace after a call: held, it may separate
-                self._content(emit, deltas)
-                self._held = self._held[len(emit):]
+            self._content(emit, deltas)
+            self._held = self._held[len(emit):]
             return False
         if self._state == "block":
             match = self._head.match(self._held)
             if match is not None:
                 self.num_calls += 1
+                self._said = False
                 self._shown = self.max_calls is None or self.num_calls <= self.max_calls
                 if self._shown:
                     deltas.append({"tool_calls": [_head_delta(self.num_calls - 1, match.group(1))]})
@@ -843,12 +854,19 @@ class HermesCallStream:
         if at < 0:
             self._held = self._held[-len(HERMES_CLOSE):]  # all but what may start the tag is the block's
             return False
-        self._held, self._state, self._after_call = self._held[at + len(HERMES_CLOSE):], "out", True
+        self._held, self._state = self._held[at + len(HERMES_CLOSE):], "out"
         return True
 
     def _content(self, text: str, deltas: list[dict]) -> None:
-        deltas.append({"content": text})
-        self._after_call = False
+        """``text`` as content, the whitespace before it with it; whitespace
+        alone waits (``_space``): a reply's calls with only whitespace around
+        them have no content, as ``read_calls`` reads them."""
+        if not text.strip():
+            self._space += text
+            return
+        deltas.append({"content": self._lead + self._space + text})
+        self._lead = self._space = ""
+        self._said = True
 
     def _whole_block(self, body: str, closed: bool) -> list[dict]:
         call = parse_call(body)
@@ -857,7 +875,7 @@ class HermesCallStream:
             self._content(HERMES_OPEN + body + (HERMES_CLOSE if closed else ""), deltas)
             return deltas
         self.num_calls += 1
-        self._after_call = True
+        self._said = False
         if self.max_calls is not None and self.num_calls > self.max_calls:
             return []
         return [{"tool_calls": [part]} for part in call.as_deltas(self.num_calls - 1)]

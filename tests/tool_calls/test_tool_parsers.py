@@ -142,6 +142,10 @@ HERMES_STREAM_CASES = [
     '<tool_call>{"arguments": {"a": "</tool_call>"}, "name": "f"}</tool_call> then',  # the tag in a string
     '<tool_call>\n{"name": "g", "arguments": {"s": "x</tool_call>y"}}\n',  # ... and cut at EOS
     'a <tool_call>{"name": "f", "arguments": {"k": 1}, "x": "</tool_call>"}</tool_call> b',
+    '\n <tool_call>{"name": "f", "arguments": {}}</tool_call>\n\n<tool_call>{"name": "g", "arguments": {}}</tool_call>\n',
+    '<tool_call>{"name": "f", "arguments": {}}</tool_call> \n text \n<tool_call>{"name": "g", "arguments": {}}'
+    '</tool_call> \n',
+    " \n\t ",  # whitespace alone: content
 ]
 
 
@@ -154,9 +158,11 @@ def test_hermes_streams_arguments_as_written_and_reads_what_a_response_reads(tex
     request = tc.parse_tool_request([WEATHER, TIME], "auto", "hermes")
     stream = tc.stream_reader(request)
     assert isinstance(stream, tc.HermesCallStream)
-    content, calls, most_pieces = _read_back(_stream_deltas(stream, text, size))
+    deltas = _stream_deltas(stream, text, size)
+    content, calls, most_pieces = _read_back(deltas)
     whole_content, whole_calls = tc.read_calls(request, text)
     assert content == (whole_content or "") and calls == _calls(whole_calls)
+    assert whole_content is not None or not any("content" in d for d in deltas)  # null content: none streamed
     assert stream.num_calls == len(whole_calls)
     if size == 1 and '"s": "a }' in text:
         assert most_pieces > 10  # never held to the call's end
