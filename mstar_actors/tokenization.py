@@ -238,31 +238,33 @@ def _backend_decode(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: boo
     return functools.partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=skip_special_tokens)
 
 
-def unfinished_tail(token_ids: list[int], token_bytes: Callable[[int], bytes]) -> tuple[int, bool]:
+def unfinished_tail(token_ids: list[int], token_bytes: Callable[[int], bytes]) -> tuple[int, bool, bytes]:
     """Where ``token_ids``' bytes end with the first bytes of a character
     (ones that more bytes would finish, not invalid ones), as a prompt of
     ids cut inside a character ends: ``(n, False)`` where its last ``n``
     tokens are that character's bytes alone (leave them unread: a
     SentencePiece byte fallback decodes each to a U+FFFD), ``(0, True)`` where
     a token also holds what comes before it (strip the one U+FFFD a byte-level
-    decode ends in), ``(0, False)`` where the ids end at a character's end."""
+    decode ends in), ``(0, False)`` where the ids end at a character's end;
+    and the unfinished character's bytes (b"" for none)."""
     tail = token_ids[-4:]  # a character has <= 4 bytes
     pieces = [token_bytes(t) for t in tail]
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     decoder.decode(b"".join(pieces), final=False)
-    pending = len(decoder.getstate()[0])
+    tail_bytes = decoder.getstate()[0]
+    pending = len(tail_bytes)
     num, covered = 0, 0
     while pending and covered < pending:
         num += 1
         covered += len(pieces[-num])
-    return (num, False) if pending and covered == pending else (0, bool(pending))
+    return ((num, False) if pending and covered == pending else (0, bool(pending))) + (tail_bytes,)
 
 
 def less_unfinished_character(token_ids: list[int], decode: Callable[[list[int]], str],
                               token_bytes: Callable[[int], bytes]) -> tuple[int, str]:
     """``(ids read, their text)`` of a prompt of ids: all but a character its
     end leaves unfinished (``unfinished_tail``), which its output finishes."""
-    num, strip = unfinished_tail(token_ids, token_bytes)
+    num, strip, _ = unfinished_tail(token_ids, token_bytes)
     read = len(token_ids) - num
     text = decode(token_ids[:read])
     return read, text[:-1] if strip and text.endswith(REPLACEMENT_CHAR) else text
@@ -295,10 +297,12 @@ class IncrementalDetokenizer:
 
     A prompt of token ids may end inside a character (its last bytes a
     character's first): the prompt's text then ends in U+FFFD, which the
-    output's first tokens replace with the whole character. With
+    output's first tokens may replace with the whole character. With
     ``token_bytes`` (``Tokenization.token_bytes``) that unfinished character
-    is left unread, so the output's text starts with it (as a decode of
-    prompt and output together reads); without, it would be lost.
+    is left unread until the output's first byte says whose it is
+    (``settle``): one that continues it makes the character the output's
+    (its text starts with it, as a decode of prompt and output together
+    reads); any other leaves it the prompt's U+FFFD, out of the output.
     """
 
     def __init__(
@@ -315,7 +319,9 @@ class IncrementalDetokenizer:
         self._window: list[int] = list(prompt_token_ids[-NUM_PREFIX_TOKENS:])
         self._num_read = len(self._window)
         self._prefix_text: str | None = None  # decode(_window[:_num_read]), once needed
-        self._token_bytes = token_bytes  # until the prompt's prefix is decoded
+        self._token_bytes = token_bytes  # until the prompt's unfinished character is settled
+        self._tail: tuple[int, bytes] | None = None  # that character: (its tokens left unread, its bytes)
+        self.gave_back_tail = False  # it stayed the prompt's (``settle``)
 
     def add(self, token_ids: list[int]) -> str:
         """The new text that ``token_ids`` complete (possibly "")."""
@@ -332,7 +338,27 @@ class IncrementalDetokenizer:
         self._advance()
         return text[len(prefix_text) :]
 
+    def settle(self, token_id: int) -> bool:
+        """Whose the prompt's unfinished character is, once ``token_id`` is
+        the output's first token: True where it stays the prompt's (its first
+        byte does not continue it: the character is broken, its U+FFFD the
+        prompt's text), False where the output takes it or there is none."""
+        self._prefix()
+        if self._tail is not None and (first := self._token_bytes(token_id)[:1]):
+            num, tail_bytes = self._tail
+            self._tail, self._token_bytes = None, None
+            decoder = codecs.getincrementaldecoder("utf-8")("replace")
+            if decoder.decode(tail_bytes + first, final=False).startswith(REPLACEMENT_CHAR):
+                self._num_read += num
+                self._prefix_text = self._decode(self._window[: self._num_read])
+                self.gave_back_tail = True
+        return self.gave_back_tail
+
     def _add_one(self, token_id: int) -> str:
+        if self._prefix_text is None:
+            self._prefix()  # (the prompt's unfinished character found)
+        if self._tail is not None:
+            self.settle(token_id)
         self._window.append(token_id)
         prefix_text = self._prefix()
         text = self._decode(self._window)
@@ -343,10 +369,16 @@ class IncrementalDetokenizer:
 
     def _prefix(self) -> str:
         if self._prefix_text is None:
-            if self._token_bytes is not None:  # the prompt's: its unfinished character left unread
-                self._num_read, text = less_unfinished_character(self._window[: self._num_read], self._decode,
-                                                                 self._token_bytes)
-                self._token_bytes = None
+            if self._token_bytes is not None and self._tail is None:  # the prompt's unfinished character unread
+                read = self._window[: self._num_read]
+                num, strip, tail_bytes = unfinished_tail(read, self._token_bytes)
+                self._num_read -= num
+                text = self._decode(self._window[: self._num_read])
+                text = text[:-1] if strip and text.endswith(REPLACEMENT_CHAR) else text
+                if tail_bytes:
+                    self._tail = (num, tail_bytes)
+                else:
+                    self._token_bytes = None
             else:
                 text = self._decode(self._window[: self._num_read])
             self._prefix_text = text

@@ -210,39 +210,56 @@ def reference_deltas(tok, prompt_ids, chunks, skip):
 
     window, out = list(prompt_ids[-5:]), []
     num_read = len(window)
-    unfinished = ends_inside_a_character(tok, window)  # the prompt's last character: left to the output
+    tail = unfinished_bytes(tok, window)  # the prompt's last character, unfinished: whose is it?
+    unread = bool(tail)  # the output's, until its first byte says otherwise: out of the prompt's text
     for chunk in chunks:
         parts = []
         for token_id in chunk:
+            if tail and (first := tok.token_bytes(token_id)[:1]):
+                unread, tail = still_a_character(tail + first), b""  # broken: the prompt's U+FFFD
             window.append(token_id)
             prefix, text = decode(window[:num_read]), decode(window)
-            if unfinished:
+            if unread:
                 prefix = prefix[:-1]
             if len(text) > len(prefix) and not text.endswith("\ufffd"):
                 parts.append(text[len(prefix):])
                 del window[:num_read]
-                num_read, unfinished = len(window), False
+                num_read, unread = len(window), False
         out.append("".join(parts))
     prefix = decode(window[:num_read])
-    return out + [decode(window)[len(prefix) - unfinished:]]
+    return out + [decode(window)[len(prefix) - unread:]]
 
 
-def ends_inside_a_character(tok, token_ids) -> bool:
-    """Whether the ids' bytes end with a character's first bytes: a lead
-    byte and fewer continuation bytes than it announces, which some
-    continuation bytes would make a valid character."""
+def still_a_character(data: bytes) -> bool:
+    """Whether ``data`` is a character's bytes, or its first ones (some
+    continuation bytes would finish it)."""
+    for size in range(len(data), 5):
+        for extra in range(0x80, 0xC0):  # only a lead's next byte has a narrower range
+            try:
+                (data + bytes([extra] + [0x80] * 3)[: size - len(data)]).decode("utf-8")
+                return True
+            except UnicodeDecodeError:
+                pass
+    return False
+
+
+def unfinished_bytes(tok, token_ids) -> bytes:
+    """The first bytes of a character the ids' bytes end with (b"" where
+    they end at a character's end, or with invalid bytes)."""
     data = b"".join(tok.token_bytes(t) for t in token_ids)
     for back in range(1, min(3, len(data)) + 1):
         if data[-back] & 0xC0 != 0x80:  # not a continuation: a lead byte or ASCII
-            for size in range(back + 1, 5):
-                for second in range(0x80, 0xC0):  # only a lead's next byte has a narrower range
-                    try:
-                        (data[-back:] + bytes([second] + [0x80] * (size - back - 1)))[:size].decode("utf-8")
-                        return True
-                    except UnicodeDecodeError:
-                        pass
-            return False
-    return False
+            tail = data[-back:]
+            try:
+                tail.decode("utf-8")
+                return b""  # a whole character
+            except UnicodeDecodeError:
+                return tail if still_a_character(tail) else b""
+    return b""
+
+
+def ends_inside_a_character(tok, token_ids) -> bool:
+    return bool(unfinished_bytes(tok, token_ids))
 
 
 @pytest.fixture(scope="module")

@@ -93,6 +93,19 @@ def test_a_prompt_of_ids_cut_inside_a_character_gets_it_whole_in_the_output(harn
             # the prompt alone: as it decodes, the unfinished character a U+FFFD
             _, r = await h.post(COMP, {"model": "tiny", "prompt": ids[:cut], "echo": True, "max_tokens": 0})
             assert r["choices"][0]["text"] == tok.decode(ids[:cut])
+            # an output that does not go on with it: the prompt's U+FFFD stays the prompt's (a JSON reply stays JSON)
+            other = tok("{}").input_ids
+            h.engine.plan = lambda req: h.engine.reply(req, ids=other)
+            _, r = await h.post(COMP, {"model": "tiny", "prompt": ids[:cut], "max_tokens": 50})
+            assert r["choices"][0]["text"] == "{}"
+            for stream in (False, True):
+                body = {"model": "tiny", "prompt": ids[:cut], "echo": True, "max_tokens": 50, "logprobs": 0}
+                if stream:
+                    _, events = await h.stream(COMP, body | {"stream": True})
+                    text = "".join(e["choices"][0]["text"] for e in events[:-1])
+                else:
+                    text = (await h.post(COMP, body))[1]["choices"][0]["text"]
+                assert text == tok.decode(ids[:cut] + other), stream
 
     run(body)
 
