@@ -629,6 +629,13 @@ def test_metrics(harness):
             assert f"vllm:e2e_request_latency_seconds_count{model} 2.0" in text
             assert 'vllm:request_success_total{finished_reason="stop",model_name="tiny"} 2.0' in text
             assert f"vllm:prompt_tokens_total{model} " in text
+
+            def value(name: str) -> float:
+                return float(next(ln for ln in text.splitlines() if ln.startswith(f"{name}{model} ")).split()[-1])
+
+            # the prefix cache's hit rate as vLLM's dashboards read it (this engine's scheduler caches nothing)
+            assert value("vllm:prefix_cache_queries_total") == value("vllm:prompt_tokens_total") > 0
+            assert value("vllm:prefix_cache_hits_total") == 0
             assert "mstar_kv_blocks_used 7.0" in text and f"vllm:num_requests_running{model} 2.0" in text
             assert f"vllm:kv_cache_usage_perc{model} 0.7" in text
             assert "# TYPE vllm:num_preemptions_total counter" in text and f"vllm:num_preemptions_total{model} 3.0" in text
