@@ -503,10 +503,12 @@ class FrontendActor(Actor):
         return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})
 
     async def _models(self, request: web.Request) -> web.Response:
+        self._check_started()
         return web.json_response(api.models_list(self.info.served_name, self.started_at, self.info.max_model_len,
                                                  self.adapters))
 
     async def _model(self, request: web.Request) -> web.Response:
+        self._check_started()
         model_id = request.match_info["model_id"].removesuffix("/")  # a trailing slash is the card's route
         listing = api.models_list(self.info.served_name, self.started_at, self.info.max_model_len, self.adapters)
         card = api.model_card(listing, model_id)
@@ -754,6 +756,11 @@ class FrontendActor(Actor):
         if self._draining:
             raise ApiError(503, f"{self._draining}: no new requests; retry on another replica",
                            code="shutting_down")
+        self._check_started()
+
+    def _check_started(self) -> None:
+        """Until every actor is up nothing is served (a readiness probe on
+        /v1/models, as on vLLM's, waits for the model)."""
         if not self._is_started:
             raise ApiError(503, "the server is starting; retry when GET /health answers 200")
 

@@ -561,7 +561,12 @@ def test_starting_and_peer_failure(harness):
                 assert resp.status == 503
             status, r = await h.post(CHAT, chat_body())
             assert status == 503 and "starting" in r["error"]["message"]
+            for path in ("/v1/models", "/v1/models/tiny"):  # a readiness probe on the model list waits too
+                async with h.session.get(h.url + path) as resp:
+                    assert resp.status == 503 and "starting" in (await resp.json())["error"]["message"], path
             await h.start()
+            async with h.session.get(h.url + "/v1/models") as resp:
+                assert resp.status == 200
             h.engine.plan = hold
             pending = asyncio.create_task(h.post(CHAT, chat_body()))
             await h.engine.wait_for(lambda: len(h.engine.requests) == 1)
