@@ -811,7 +811,9 @@ class FrontendActor(Actor):
 
         prompt_ids = req.prompt_token_ids or []
         output = exchange.parsed.output
-        detokenizer = self.tokenization.make_detokenizer(prompt_ids, output.skip_special_tokens)
+        # an echo shows a prompt of ids less a character its end leaves unfinished: the output always takes it
+        detokenizer = self.tokenization.make_detokenizer(prompt_ids, output.skip_special_tokens,
+                                                         give_back_tail=not output.echo)
         choice = ChoiceOutput(index, detokenizer, StopStrings(exchange.parsed.stop, output.include_stop_str_in_output),
                               api.token_id_text if output.return_tokens_as_token_ids else self.token_text,
                               exchange.parsed.logprobs is not None,
@@ -824,9 +826,6 @@ class FrontendActor(Actor):
             # the prompt the model was given: as sent, or as its ids (cut by truncate_prompt_tokens) read
             cut = req.sampling.truncate_prompt_tokens is not None
             choice.echo_text = req.prompt if req.prompt is not None and not cut else self.tokenization.prompt_text(ids)
-            if req.prompt is None or cut:  # ids: their last character may be left to the output
-                full = self.tokenization.decode(ids, skip_special_tokens=False)
-                choice.echo_full = full if full != choice.echo_text else None
             choice.num_decoded_chars = len(choice.echo_text)  # the output's text_offsets follow it
             if exchange.parsed.logprobs is not None:  # and its tokens' logprobs (prompt_logprobs) come first
                 choice.echo_prompt = (ids, self._text_offsets(ids), exchange.parsed.logprobs)

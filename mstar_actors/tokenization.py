@@ -170,10 +170,12 @@ class Tokenization:
         return text.encode("utf-8")
 
     def make_detokenizer(
-        self, prompt_token_ids: list[int], skip_special_tokens: bool = True
+        self, prompt_token_ids: list[int], skip_special_tokens: bool = True, give_back_tail: bool = True
     ) -> IncrementalDetokenizer:
+        """``give_back_tail``: off where the prompt is echoed less its unfinished last character
+        (``prompt_text``), which the output then always starts with."""
         return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens,
-                                      self.text_decoder(skip_special_tokens), self.token_bytes)
+                                      self.text_decoder(skip_special_tokens), self.token_bytes, give_back_tail)
 
     def text_decoder(self, skip_special_tokens: bool = True) -> TextDecoder:
         """This tokenizer's ``TextDecoder`` for the flag, one per setting."""
@@ -299,10 +301,13 @@ class IncrementalDetokenizer:
     character's first): the prompt's text then ends in U+FFFD, which the
     output's first tokens may replace with the whole character. With
     ``token_bytes`` (``Tokenization.token_bytes``) that unfinished character
-    is left unread until the output's first byte says whose it is
-    (``settle``): one that continues it makes the character the output's
-    (its text starts with it, as a decode of prompt and output together
-    reads); any other leaves it the prompt's U+FFFD, out of the output.
+    is left unread, so an output that goes on with it starts with the whole
+    character (as a decode of prompt and output together reads). With
+    ``give_back_tail`` an output whose first visible text does not go on
+    with it (the prompt's whole decode is what that text starts with)
+    leaves it the prompt's U+FFFD, out of the output; without (an echo that
+    shows the prompt less that character), the output starts with it
+    whatever comes.
     """
 
     def __init__(
@@ -312,6 +317,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         decoder: TextDecoder | None = None,
         token_bytes: Callable[[int], bytes] | None = None,
+        give_back_tail: bool = True,
     ):
         if decoder is not None and decoder.skip_special_tokens != skip_special_tokens:
             raise ValueError("the decoder's skip_special_tokens differs from the detokenizer's")
@@ -319,9 +325,10 @@ class IncrementalDetokenizer:
         self._window: list[int] = list(prompt_token_ids[-NUM_PREFIX_TOKENS:])
         self._num_read = len(self._window)
         self._prefix_text: str | None = None  # decode(_window[:_num_read]), once needed
-        self._token_bytes = token_bytes  # until the prompt's unfinished character is settled
-        self._tail: tuple[int, bytes] | None = None  # that character: (its tokens left unread, its bytes)
-        self.gave_back_tail = False  # it stayed the prompt's (``settle``)
+        self._token_bytes = token_bytes  # until the prompt's prefix is decoded
+        self._give_back_tail = give_back_tail
+        # the prompt's unfinished character while its owner is open: (its tokens unread, the prompt's whole text)
+        self._tail: tuple[int, str] | None = None
 
     def add(self, token_ids: list[int]) -> str:
         """The new text that ``token_ids`` complete (possibly "")."""
@@ -331,54 +338,47 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """What is still held back at the end of the request (an unfinished
-        character decodes as U+FFFD, as a full decode would; the prompt's
-        too, where no output token finished it)."""
+        character decodes as U+FFFD, as a full decode would)."""
         prefix_text = self._prefix()
         text = self._decode(self._window)
+        if self._tail is not None:  # nothing visible went on with the prompt's character: the prompt's
+            prefix_text = self._give_back()
         self._advance()
         return text[len(prefix_text) :]
 
-    def settle(self, token_id: int) -> bool:
-        """Whose the prompt's unfinished character is, once ``token_id`` is
-        the output's first token: True where it stays the prompt's (its first
-        byte does not continue it: the character is broken, its U+FFFD the
-        prompt's text), False where the output takes it or there is none."""
-        self._prefix()
-        if self._tail is not None and (first := self._token_bytes(token_id)[:1]):
-            num, tail_bytes = self._tail
-            self._tail, self._token_bytes = None, None
-            decoder = codecs.getincrementaldecoder("utf-8")("replace")
-            if decoder.decode(tail_bytes + first, final=False).startswith(REPLACEMENT_CHAR):
-                self._num_read += num
-                self._prefix_text = self._decode(self._window[: self._num_read])
-                self.gave_back_tail = True
-        return self.gave_back_tail
-
     def _add_one(self, token_id: int) -> str:
-        if self._prefix_text is None:
-            self._prefix()  # (the prompt's unfinished character found)
-        if self._tail is not None:
-            self.settle(token_id)
         self._window.append(token_id)
         prefix_text = self._prefix()
         text = self._decode(self._window)
         if len(text) <= len(prefix_text) or text.endswith(REPLACEMENT_CHAR):
             return ""  # a special token skipped, or a character still incomplete
+        if self._tail is not None:  # the first visible text: whose the prompt's character is
+            if text.startswith(self._tail[1]):  # not gone on with: its U+FFFD the prompt's
+                prefix_text = self._give_back()
+                if len(text) <= len(prefix_text):
+                    return ""
+            self._tail = None
         self._advance()
         return text[len(prefix_text) :]
 
+    def _give_back(self) -> str:
+        num, whole = self._tail
+        self._tail = None
+        self._num_read += num
+        self._prefix_text = whole
+        return whole
+
     def _prefix(self) -> str:
         if self._prefix_text is None:
-            if self._token_bytes is not None and self._tail is None:  # the prompt's unfinished character unread
+            if self._token_bytes is not None:  # the prompt's: its unfinished character left unread
                 read = self._window[: self._num_read]
                 num, strip, tail_bytes = unfinished_tail(read, self._token_bytes)
+                self._token_bytes = None
                 self._num_read -= num
                 text = self._decode(self._window[: self._num_read])
                 text = text[:-1] if strip and text.endswith(REPLACEMENT_CHAR) else text
-                if tail_bytes:
-                    self._tail = (num, tail_bytes)
-                else:
-                    self._token_bytes = None
+                if tail_bytes and self._give_back_tail:
+                    self._tail = (num, self._decode(read))
             else:
                 text = self._decode(self._window[: self._num_read])
             self._prefix_text = text

@@ -210,24 +210,28 @@ def reference_deltas(tok, prompt_ids, chunks, skip):
 
     window, out = list(prompt_ids[-5:]), []
     num_read = len(window)
-    tail = unfinished_bytes(tok, window)  # the prompt's last character, unfinished: whose is it?
-    unread = bool(tail)  # the output's, until its first byte says otherwise: out of the prompt's text
+    unread = bool(unfinished_bytes(tok, window))  # the prompt's last character, unfinished: out of its text
+    whole = decode(window) if unread else None  # ... until the first visible text says whose it is
     for chunk in chunks:
         parts = []
         for token_id in chunk:
-            if tail and (first := tok.token_bytes(token_id)[:1]):
-                unread, tail = still_a_character(tail + first), b""  # broken: the prompt's U+FFFD
             window.append(token_id)
             prefix, text = decode(window[:num_read]), decode(window)
             if unread:
                 prefix = prefix[:-1]
             if len(text) > len(prefix) and not text.endswith("\ufffd"):
-                parts.append(text[len(prefix):])
-                del window[:num_read]
-                num_read, unread = len(window), False
+                if whole is not None and text.startswith(whole):  # not gone on with: the prompt's U+FFFD
+                    prefix, unread = whole, False
+                whole = None
+                if len(text) > len(prefix):
+                    parts.append(text[len(prefix):])
+                    del window[:num_read]
+                    num_read, unread = len(window), False
         out.append("".join(parts))
     prefix = decode(window[:num_read])
-    return out + [decode(window)[len(prefix) - unread:]]
+    if unread and whole is None:
+        prefix = prefix[:-1]
+    return out + [decode(window)[len(prefix):]]
 
 
 def still_a_character(data: bytes) -> bool:
@@ -284,8 +288,10 @@ def byte_fallback_tokenization(tmp_path_factory):
 def test_a_prompt_of_ids_cut_inside_a_character_leaves_it_to_the_output(tokenization, byte_fallback_tokenization):
     """A prompt of ids may end with a character's first bytes: the output's
     first text is that whole character (as a decode of prompt and output
-    together reads), the echoed prompt stops before it; an output that never
-    finishes it ends in U+FFFD, as a full decode would."""
+    together reads), the echoed prompt stops before it. An output that does
+    not go on with it leaves the prompt its U+FFFD (a JSON reply stays JSON);
+    with an echo (``give_back_tail`` off) the output starts with it whatever
+    comes, so echo and output read as the whole decode."""
     text = "日本語のメモ 你好 😀!"
     ids = tokenization.encode_prompt(text)
     cuts = [k for k in range(1, len(ids)) if ends_inside_a_character(tokenization, ids[:k])]
@@ -297,15 +303,27 @@ def test_a_prompt_of_ids_cut_inside_a_character_leaves_it_to_the_output(tokeniza
         for chunk_size in (1, 2):
             deltas = stream(tokenization.make_detokenizer(prompt), output, chunk_size)
             assert echoed + "".join(deltas) == text, (k, deltas)
-        unfinished = tokenization.make_detokenizer(prompt)
-        assert unfinished.flush() == "\ufffd"
+        assert tokenization.make_detokenizer(prompt).flush() == ""  # nothing went on with it: the prompt's
+        assert tokenization.make_detokenizer(prompt, give_back_tail=False).flush() == "\ufffd"
+        other = tokenization.encode_prompt('{"a": 1}')
+        for special in ([], [tokenization.tokenizer.eos_token_id]):  # a skipped special token first: not visible
+            assert "".join(stream(tokenization.make_detokenizer(prompt), special + other)) == '{"a": 1}'
+            echoed_deltas = stream(tokenization.make_detokenizer(prompt, give_back_tail=False), special + other)
+            assert echoed + "".join(echoed_deltas) == tokenization.decode(prompt + special + other)
+            assert "".join(stream(tokenization.make_detokenizer(prompt), special + output)) == text[len(echoed):]
     fallback = byte_fallback_tokenization
     ids = fallback.tokenizer("a日x a", add_special_tokens=False).input_ids
     assert len(ids) == 6  # a, its three bytes, x, ' a'
     for k in range(1, len(ids)):
         prompt, output = ids[:k], ids[k:]
-        deltas = stream(fallback.make_detokenizer(prompt), output)
-        assert fallback.prompt_text(prompt) + "".join(deltas) == "a日x a", (k, deltas)
+        for give_back in (True, False):
+            deltas = stream(fallback.make_detokenizer(prompt, give_back_tail=give_back), output)
+            assert fallback.prompt_text(prompt) + "".join(deltas) == "a日x a", (k, deltas)
+        x = fallback.tokenizer("x", add_special_tokens=False).input_ids
+        if fallback.prompt_text(prompt) != fallback.decode(prompt):  # cut inside 日: one U+FFFD a byte
+            assert "".join(stream(fallback.make_detokenizer(prompt), x)) == "x"
+            echoed_deltas = stream(fallback.make_detokenizer(prompt, give_back_tail=False), x)
+            assert fallback.prompt_text(prompt) + "".join(echoed_deltas) == fallback.decode(prompt + x)
     hello = tokenization.encode_prompt("Hello \ufffd")  # a U+FFFD sent as such is whole: read
     assert tokenization.prompt_text(hello) == "Hello \ufffd" and tokenization.make_detokenizer(hello).flush() == ""
 

@@ -1204,9 +1204,6 @@ class ChoiceOutput:
         self.num_streamed_ids = 0  # of token_ids, already sent in chunks
         self.is_prompt_sent = False  # streamed completions: prompt_token_ids went out
         self.echo_text = ""  # completions echo: the prompt before the output
-        # a prompt of ids cut inside a character: its whole text, the echo where the output's first
-        # byte leaves that character the prompt's (IncrementalDetokenizer.settle); else echo_text
-        self.echo_full: str | None = None
         # echo with logprobs: the prompt's ids and where each one's text starts, for
         # the entries the first token's prompt_logprobs fill (then None)
         self.echo_prompt: tuple[list[int], list[int], int] | None = None  # (ids, offsets, top alternatives)
@@ -1230,11 +1227,6 @@ class ChoiceOutput:
             return "", []
         if tokens and tokens[0].prompt_logprobs:  # the first token, of a request that asked for them
             self.prompt_scores = tokens[0].prompt_logprobs
-        if self.echo_full is not None and tokens and not self.echo_only:  # whose the prompt's last character is
-            if self.detokenizer.settle(tokens[0].token_id):
-                self.num_decoded_chars += len(self.echo_full) - len(self.echo_text)
-                self.echo_text = self.echo_full
-            self.echo_full = None
         if self.echo_only:  # the prompt alone: its entries, none of the token
             if self.echo_prompt is None or not tokens:
                 return "", []
