@@ -521,6 +521,7 @@ class HermesReader:
         self._held = ""
         self._final = False  # the reply ended: a block whose object never closed ends at its first tag
         self.num_calls = 0  # calls read, those past max_calls included
+        self._said = False  # content with text in it since the last call: whitespace after it is its
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
         """(content safe to emit now, calls completed by ``text``)."""
@@ -538,7 +539,7 @@ class HermesReader:
         first, before = self.feed("")
         held, self._held = self._held, ""
         if self._end is None:
-            return first + ("" if self.num_calls and not held.strip() else held), before
+            return first + ("" if self._separates(held) else held), before
         self._end = None
         call = parse_call(held.removesuffix(HERMES_CLOSE))
         if call is None:
@@ -557,23 +558,31 @@ class HermesReader:
             call = parse_call(body)
             if call is None:
                 content.append(HERMES_OPEN + body + HERMES_CLOSE)
+                self._said = True
             else:
                 self.num_calls += 1
                 calls.append(call)
+                self._said = False
             return True
         at = self._held.find(HERMES_OPEN)
         if at >= 0:
             before = self._held[:at]
-            content.append("" if self.num_calls and not before.strip() else before)
+            content.append("" if self._separates(before) else before)
+            self._said = self._said or bool(before.strip())
             self._held, self._end = self._held[at + len(HERMES_OPEN):], _BlockEnd()
             return True
         num_held = _partial_suffix(self._held, HERMES_OPEN)
         emit = self._held[: len(self._held) - num_held]
-        if self.num_calls and not emit.strip():
+        if self._separates(emit):
             return False  # whitespace between calls: content only if more text follows
         content.append(emit)
+        self._said = self._said or bool(emit.strip())
         self._held = self._held[len(emit):]
         return False
+
+    def _separates(self, text: str) -> bool:
+        """Whitespace alone after a call, no text since: it only separates calls."""
+        return bool(self.num_calls) and not self._said and not text.strip()
 
 
 class Llama3JsonReader:

@@ -146,6 +146,8 @@ HERMES_STREAM_CASES = [
     '<tool_call>{"name": "f", "arguments": {}}</tool_call> \n text \n<tool_call>{"name": "g", "arguments": {}}'
     '</tool_call> \n',
     " \n\t ",  # whitespace alone: content
+    '<tool_call>{"name":"f","arguments":{}}</tool_call><tool_call>not json\n</tool_call>\n\n',  # after a block's text
+    '<tool_call>{"name":"f","arguments":{}}</tool_call> hi  ',
 ]
 
 
@@ -333,3 +335,28 @@ def test_a_forced_reply_streams_each_calls_arguments_as_they_are_written(parser,
         assert len([d for d in deltas if d["index"] == 0 and "id" not in d]) > 10
     cut = tc.ForcedCallStream(request)
     assert cut.feed('{"name": "get_wea') == [] and cut.flush() == '{"name": "get_wea'  # as read_calls gives it back
+
+
+def test_hermes_stream_and_whole_reply_agree_on_random_replies():
+    """Replies of text, whitespace, calls (a tag or braces inside their
+    strings) and blocks that are no call, split at random: the stream's
+    content and calls are the whole reply's (every block closed, every
+    object whole: where a call's object breaks off, the stream has sent it)."""
+    import random
+
+    request = tc.parse_tool_request([WEATHER, TIME], "auto", "hermes")
+    pieces = ["Hello.", " ", "\n", "\n\n", "a b", "<b>x</b>", "{}", "<tool",
+              '<tool_call>{"name": "f", "arguments": {"s": "x </tool_call> }"}}</tool_call>',
+              '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>',
+              '<tool_call>{"arguments": {"k": [1, 2]}, "name": "h"}</tool_call>',
+              "<tool_call>not json</tool_call>", "<tool_call>\n</tool_call>"]
+    rng = random.Random(7)
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 7)))
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(0, 12))))
+        stream = tc.stream_reader(request)
+        parts = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        deltas = [d for part in parts for d in stream.feed(part)] + stream.flush()
+        content, calls, _ = _read_back(deltas)
+        whole_content, whole_calls = tc.read_calls(request, text)
+        assert (content, calls) == (whole_content or "", _calls(whole_calls)), (text, cuts)
