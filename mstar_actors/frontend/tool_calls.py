@@ -466,6 +466,15 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
+def _object_end(text: str) -> int | None:
+    """Where the JSON object ``text`` starts with (after space) ends, if it does."""
+    body = text.lstrip()
+    if not body.startswith("{"):
+        return None
+    _, rest, ended = _ValueEnd().take(body)
+    return len(text) - len(rest) if ended else None
+
+
 class _BlockEnd:
     """Where a hermes block's closing tag is, in its text (past its opening
     tag) as it streams in: a block that starts with a JSON object ends at
@@ -541,11 +550,16 @@ class HermesReader:
         if self._end is None:
             return first + ("" if self._separates(held) else held), before
         self._end = None
-        call = parse_call(held.removesuffix(HERMES_CLOSE))
+        body = held.removesuffix(HERMES_CLOSE)
+        call, rest = parse_call(body), ""
+        if call is None and (end := _object_end(body)) is not None:  # the call, then text: its block never closed
+            call, rest = parse_call(body[:end]), body[end:]
         if call is None:
             return first + ("" if self.is_forced and not self.num_calls else HERMES_OPEN) + held, before
         self.num_calls += 1
-        return first, before + _within([call], self.num_calls, self.max_calls)
+        self._said = False
+        return first + ("" if self._separates(rest) else rest), before + _within([call], self.num_calls,
+                                                                                  self.max_calls)
 
     def _step(self, content: list[str], calls: list[ParsedCall]) -> bool:
         """Consume one piece of the held text; False when the rest must wait."""
@@ -762,7 +776,8 @@ class HermesCallStream:
     with a call's head and an object (``{"name": "...", "arguments": {``) is
     a call at once: its id, type and name, then its arguments' JSON in
     pieces as written, the rest of the block (the object's closing brace,
-    any tag inside its strings) read up to ``</tool_call>``. Any other block is held to its end and read whole as
+    any tag inside its strings) read up to ``</tool_call>`` (text after the
+    call in a block that never closes is content, at the reply's end). Any other block is held to its end and read whole as
     ``HermesReader`` reads it: a call (head and arguments in two deltas), or
     content with its markup. So a stream and a response (``read_calls``) read
     the same calls, except where a block that began as a call's head and
@@ -802,7 +817,7 @@ class HermesCallStream:
         deltas = self.feed("")
         held, self._held = self._held, ""
         state, self._state = self._state, "out"
-        if state == "out":
+        if state in ("out", "tag"):  # ("tag": text after a call whose block never closed is content)
             last = []
             self._content(held, last)
             if self._space and (self._said or not self.num_calls):  # after text, or a reply of whitespace alone
@@ -861,8 +876,7 @@ class HermesCallStream:
             return ended
         at = self._held.find(HERMES_CLOSE)  # "tag"
         if at < 0:
-            self._held = self._held[-len(HERMES_CLOSE):]  # all but what may start the tag is the block's
-            return False
+            return False  # (held: content if the block never closes)
         self._held, self._state = self._held[at + len(HERMES_CLOSE):], "out"
         return True
 

@@ -148,6 +148,7 @@ HERMES_STREAM_CASES = [
     " \n\t ",  # whitespace alone: content
     '<tool_call>{"name":"f","arguments":{}}</tool_call><tool_call>not json\n</tool_call>\n\n',  # after a block's text
     '<tool_call>{"name":"f","arguments":{}}</tool_call> hi  ',
+    '<tool_call>{"name":"get","arguments":{"a":1}}\nok.a b',  # a call's block never closed, text after it
 ]
 
 
