@@ -118,7 +118,7 @@ class Tokenization:
             )
         except jinja2.TemplateError as exc:
             raise ValueError(f"the model's chat template refused 'messages': {exc}") from exc
-        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:  # a value it can't render
+        except Exception as exc:  # a value it can't render (the request's: the template is the model's)
             raise ValueError(f"the model's chat template could not render 'messages' or chat_template_kwargs: "
                              f"{type(exc).__name__}: {exc}") from exc
         return self.encode_text(text + assistant_prefix, False, max_tokens)

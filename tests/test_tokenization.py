@@ -135,6 +135,9 @@ def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(tmp
     adding = Tokenization(save_model_dir(tmp_path / "adding", tok, chat_template="{{ messages[0]['content'] + offset }}"))
     with pytest.raises(ValueError, match="could not render .*TypeError"):  # a value the template can't use: a 400
         adding.apply_chat_template(chat, template_kwargs={"offset": 1})
+    dividing = Tokenization(save_model_dir(tmp_path / "dividing", tok, chat_template="{{ 1 // by }}"))
+    with pytest.raises(ValueError, match="could not render .*ZeroDivisionError"):
+        dividing.apply_chat_template(chat, template_kwargs={"by": 0})
 
 
 def test_non_text_content_part_is_refused_by_name(tokenization):

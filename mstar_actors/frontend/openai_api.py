@@ -707,7 +707,8 @@ def parse_chat(raw: bytes, max_model_len: int | None = None, vocab_size: int | N
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs", "sanitize_control_tokens",
+    "conversations",
 })
 MAX_TEMPLATE_KWARGS = 32
 
