@@ -719,6 +719,12 @@ class FrontendActor(Actor):
                 await out.write(await stream.feed(new))
             await out.write(await stream.finish())
             choice = next(iter(exchange.choices.values()))
+            if not out.is_prepared:  # not one frame: a silent file would pass for audio
+                dropped = stream.reader.num_dropped_frames
+                raise ApiError(500, f"the model wrote no audio: {choice.num_output_tokens} tokens made no whole codec "
+                                    f"frame ({dropped} frames had codes out of range); the served model or adapter "
+                                    "does not write Orpheus's codec tokens for this voice and text",
+                               error_type="server_error")
             await out.finish(choice.num_prompt_tokens, choice.num_output_tokens)
         except ApiError as err:
             if not out.is_prepared:

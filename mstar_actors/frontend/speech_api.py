@@ -34,6 +34,7 @@ from mstar_actors.frontend.openai_api import (
     get_str,
 )
 from mstar_actors.messages import SamplingParams
+from mstar_actors.speech.orpheus import FRAME_TOKENS
 
 if TYPE_CHECKING:
     from mstar_actors.config import SpeechConfig
@@ -118,7 +119,7 @@ def _choice(body: dict, name: str, default: str, accepted: tuple[str, ...]) -> s
 
 def _sampling(body: dict, config: SpeechConfig, max_model_len: int | None) -> SamplingParams:
     hi = max_model_len or 1 << 31
-    asked = get_int(body, "max_tokens", None, 1, hi)
+    asked = get_int(body, "max_tokens", None, FRAME_TOKENS, hi)  # fewer write no frame of audio
     return SamplingParams(
         max_tokens=min(config.max_tokens if asked is None else asked, hi),
         cut_to_context=asked is None,  # speech.max_tokens, a default: cut to what the prompt leaves

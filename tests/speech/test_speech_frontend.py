@@ -163,3 +163,28 @@ async def _failure_after_raw_bytes(orpheus):
         await h.engine.send(Failed(request_id=req.request_id, status=500, message="rank lost", error_type="server_error"))
         with pytest.raises(aiohttp.ClientPayloadError):  # no end of the chunked body: the client knows
             await client
+
+
+def test_a_reply_of_no_whole_frame_is_an_error_not_a_silent_file(orpheus):
+    """The model wrote tokens but no whole codec frame (junk, or frames with
+    codes out of range): a 500 saying so (it was a 200 of a bare WAV header);
+    a cap under one frame's 7 codes is refused up front."""
+    run(_no_frame, orpheus)
+
+
+async def _no_frame(orpheus):
+    folder, tok, _, _ = orpheus
+    async with speech_harness(orpheus) as h:
+        for stream_format in ("audio", "sse"):
+            h.engine.requests.clear()
+            body = {"voice": "tara", "input": TEXT, "stream_format": stream_format}
+            client = asyncio.create_task(h.post("/v1/audio/speech", body))
+            await h.engine.wait_for(lambda: h.engine.requests)
+            req = next(iter(h.engine.requests.values()))
+            await deltas(h, req, frame_tokens(tok, 1)[:5] + ids(tok, "<|eot_id|>"))
+            await h.engine.send(Finished(request_id=req.request_id, finish_reason="stop", num_prompt_tokens=3,
+                                         num_output_tokens=6))
+            status, error = await client
+            assert status == 500 and "no whole codec frame" in error["error"]["message"], (stream_format, error)
+        status, body = await h.post("/v1/audio/speech", {"voice": "tara", "input": TEXT, "max_tokens": 6})
+        assert status == 400 and body["error"]["param"] == "max_tokens"
