@@ -32,7 +32,7 @@ against the reference: why the line sits where it does.
     python tools/bench_deltanet.py
     python tools/bench_deltanet.py --prefill --decode --short 4 16 37 64 128
     python tools/bench_deltanet.py --prefill 512 2048 8192 --decode 1 64 256
-    python tools/bench_deltanet.py --device cpu --decode 1 8   # the torch forms alone, float32, one thread
+    python tools/bench_deltanet.py --device cpu --prefill --decode 1 8   # the torch forms alone (no prefill: minutes)
 """
 
 from __future__ import annotations
