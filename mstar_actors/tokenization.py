@@ -341,8 +341,10 @@ class IncrementalDetokenizer:
         character decodes as U+FFFD, as a full decode would)."""
         prefix_text = self._prefix()
         text = self._decode(self._window)
-        if self._tail is not None:  # nothing visible went on with the prompt's character: the prompt's
-            prefix_text = self._give_back()
+        if self._tail is not None:  # no visible text yet: whose the prompt's character is, by the whole
+            if text.startswith(self._tail[1]):
+                prefix_text = self._give_back()
+            self._tail = None
         self._advance()
         return text[len(prefix_text) :]
 

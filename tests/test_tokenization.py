@@ -232,7 +232,7 @@ def reference_deltas(tok, prompt_ids, chunks, skip):
                     num_read, unread = len(window), False
         out.append("".join(parts))
     prefix = decode(window[:num_read])
-    if unread and whole is None:
+    if unread and (whole is None or not decode(window).startswith(whole)):  # the output went on with it
         prefix = prefix[:-1]
     return out + [decode(window)[len(prefix):]]
 
@@ -432,3 +432,18 @@ def test_holds_only_what_could_still_match():
     stops = StopStrings(["abcd", "cx"])
     assert stops.feed("zzabc") == ("zz", False)  # "abc" could become "abcd", "c" could become "cx"
     assert stops.feed("x") == ("ab", True)  # "cx" matched inside the held text
+
+
+def test_an_output_cut_anywhere_reads_as_the_whole_decode(tokenization):
+    """Every prompt cut and output end over a text of multi-byte characters:
+    the output's text is the whole decode past the prompt's, the prompt's
+    unfinished character the output's where the output went on with it (one
+    finished, then cut inside the next: it reached neither text before)."""
+    ids = tokenization.encode_prompt("んん日本語のメモ 🚀x")
+    for k in range(1, len(ids)):
+        prompt = ids[:k]
+        read, full = tokenization.prompt_text(prompt), tokenization.decode(prompt)
+        for j in range(k + 1, len(ids) + 1):
+            whole = tokenization.decode(ids[:j])
+            expected = whole[len(full):] if whole.startswith(full) else whole[len(read):]
+            assert "".join(stream(tokenization.make_detokenizer(prompt), ids[k:j])) == expected, (k, j)

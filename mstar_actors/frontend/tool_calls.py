@@ -479,13 +479,16 @@ class _BlockEnd:
     """Where a hermes block's closing tag is, in its text (past its opening
     tag) as it streams in: a block that starts with a JSON object ends at
     the first ``</tool_call>`` past the object (a tag inside its strings is
-    the object's); any other block, or, once the reply has ended, one whose
-    object never closed, at its first tag. Each character is read once."""
+    the object's), or, where a ``<tool_call>`` comes first, there, untagged
+    (``tagged`` False: a call whose block was never closed); any other
+    block, or, once the reply has ended, one whose object never closed, at
+    its first tag. Each character is read once."""
 
     def __init__(self) -> None:
         self._value = _ValueEnd()  # the block's object, where it has one
         self._mode = "start"  # -> "object" | "after": past the object | "plain": no object
         self._at = 0  # what is read of the text: the object's, or where the tag search goes on
+        self.tagged = True  # the end found is a closing tag (else the next block's opening)
 
     def find(self, text: str, final: bool) -> int | None:
         """The tag's index in ``text`` (the block's text so far, only ever
@@ -505,10 +508,26 @@ class _BlockEnd:
             else:
                 self._mode, self._at = "plain", 0  # never closed: its first tag ends it
         at = text.find(HERMES_CLOSE, self._at)
+        if self._mode == "after" and 0 <= (opening := text.find(HERMES_OPEN, self._at)) and (at < 0 or opening < at):
+            self.tagged = False
+            return opening
         if at < 0:
             self._at = max(self._at, len(text) - len(HERMES_CLOSE) + 1)
             return None
         return at
+
+
+def _read_block(body: str, tagged: bool) -> tuple[ParsedCall | None, str]:
+    """A block's (call, text after it): its whole text a call; or, where the
+    block was never closed (``tagged`` False), the call its object makes
+    and the text after that object (content)."""
+    call = parse_call(body)
+    if call is not None or tagged:
+        return call, ""
+    end = _object_end(body)
+    if end is not None and (call := parse_call(body[:end])) is not None:
+        return call, body[end:]
+    return None, ""
 
 
 class HermesReader:
@@ -551,9 +570,7 @@ class HermesReader:
             return first + ("" if self._separates(held) else held), before
         self._end = None
         body = held.removesuffix(HERMES_CLOSE)
-        call, rest = parse_call(body), ""
-        if call is None and (end := _object_end(body)) is not None:  # the call, then text: its block never closed
-            call, rest = parse_call(body[:end]), body[end:]
+        call, rest = _read_block(body, tagged=held.endswith(HERMES_CLOSE))  # never closed: the call, then text
         if call is None:
             return first + ("" if self.is_forced and not self.num_calls else HERMES_OPEN) + held, before
         self.num_calls += 1
@@ -567,16 +584,20 @@ class HermesReader:
             end = self._end.find(self._held, self._final)
             if end is None:
                 return False
-            body, self._held = self._held[:end], self._held[end + len(HERMES_CLOSE):]
+            tagged = self._end.tagged
+            body, self._held = self._held[:end], self._held[end + (len(HERMES_CLOSE) if tagged else 0):]
             self._end = None
-            call = parse_call(body)
+            call, rest = _read_block(body, tagged)
             if call is None:
-                content.append(HERMES_OPEN + body + HERMES_CLOSE)
+                content.append(HERMES_OPEN + body + (HERMES_CLOSE if tagged else ""))
                 self._said = True
             else:
                 self.num_calls += 1
                 calls.append(call)
                 self._said = False
+                if not self._separates(rest):
+                    content.append(rest)
+                    self._said = bool(rest.strip())
             return True
         at = self._held.find(HERMES_OPEN)
         if at >= 0:
@@ -859,8 +880,10 @@ class HermesCallStream:
             at = self._end.find(self._held, self._final)
             if at is None:
                 return False
-            body, self._held, self._state = self._held[:at], self._held[at + len(HERMES_CLOSE):], "out"
-            deltas += self._whole_block(body, closed=True)
+            tagged = self._end.tagged
+            body, self._state = self._held[:at], "out"
+            self._held = self._held[at + (len(HERMES_CLOSE) if tagged else 0):]
+            deltas += self._whole_block(body, closed=tagged)
             return True
         if self._state == "arguments":
             piece, self._held, ended = self._value.take(self._held)
@@ -875,6 +898,11 @@ class HermesCallStream:
                 self._state = "tag"
             return ended
         at = self._held.find(HERMES_CLOSE)  # "tag"
+        opening = self._held.find(HERMES_OPEN)
+        if opening >= 0 and (at < 0 or opening < at):  # the next block: this one was never closed, text between
+            self._content(self._held[:opening], deltas)
+            self._held, self._state = self._held[opening:], "out"
+            return True
         if at < 0:
             return False  # (held: content if the block never closes)
         self._held, self._state = self._held[at + len(HERMES_CLOSE):], "out"
@@ -892,16 +920,17 @@ class HermesCallStream:
         self._said = True
 
     def _whole_block(self, body: str, closed: bool) -> list[dict]:
-        call = parse_call(body)
+        call, rest = _read_block(body, closed)
+        deltas: list[dict] = []
         if call is None:
-            deltas: list[dict] = []
             self._content(HERMES_OPEN + body + (HERMES_CLOSE if closed else ""), deltas)
             return deltas
         self.num_calls += 1
         self._said = False
-        if self.max_calls is not None and self.num_calls > self.max_calls:
-            return []
-        return [{"tool_calls": [part]} for part in call.as_deltas(self.num_calls - 1)]
+        if self.max_calls is None or self.num_calls <= self.max_calls:
+            deltas += [{"tool_calls": [part]} for part in call.as_deltas(self.num_calls - 1)]
+        self._content(rest, deltas)
+        return deltas
 
 
 def _joined(deltas: list[dict]) -> list[dict]:

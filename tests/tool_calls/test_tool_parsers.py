@@ -149,6 +149,10 @@ HERMES_STREAM_CASES = [
     '<tool_call>{"name":"f","arguments":{}}</tool_call><tool_call>not json\n</tool_call>\n\n',  # after a block's text
     '<tool_call>{"name":"f","arguments":{}}</tool_call> hi  ',
     '<tool_call>{"name":"get","arguments":{"a":1}}\nok.a b',  # a call's block never closed, text after it
+    '<tool_call>{"arguments": {}, "name": "v"} ok',  # ... its name not first
+    '<tool_call>{"name": "u", "arguments": {}} ok <tool_call>{"name": "h", "arguments": {}}</tool_call>',  # ... then
+    '<tool_call>{"arguments": {}, "name": "u"} <tool_call>{"name": "h", "arguments": {"s": "</tool_call> }"}}'
+    '</tool_call> end',  # another block, a tag in its string
 ]
 
 
@@ -347,6 +351,7 @@ def test_hermes_stream_and_whole_reply_agree_on_random_replies():
 
     request = tc.parse_tool_request([WEATHER, TIME], "auto", "hermes")
     pieces = ["Hello.", " ", "\n", "\n\n", "a b", "<b>x</b>", "{}", "<tool",
+              '<tool_call>{"name": "u", "arguments": {"a": 1}}',  # a block never closed
               '<tool_call>{"name": "f", "arguments": {"s": "x </tool_call> }"}}</tool_call>',
               '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>',
               '<tool_call>{"arguments": {"k": [1, 2]}, "name": "h"}</tool_call>',
