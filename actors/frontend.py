@@ -719,6 +719,10 @@ class FrontendActor(Actor):
                 await out.write(await stream.feed(new))
             await out.write(await stream.finish())
             choice = next(iter(exchange.choices.values()))
+            if not out.is_prepared and choice.finish_reason == "length":  # the cap came before a whole frame
+                raise ApiError(400, f"max_tokens: the reply reached its cap of {choice.num_output_tokens} tokens "
+                                    "before a whole frame of audio (7 codec tokens, after the tokens that open the "
+                                    "speech); raise it", param="max_tokens")
             if not out.is_prepared:  # not one frame: a silent file would pass for audio
                 dropped = stream.reader.num_dropped_frames
                 raise ApiError(500, f"the model wrote no audio: {choice.num_output_tokens} tokens made no whole codec "

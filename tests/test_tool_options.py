@@ -51,7 +51,7 @@ def test_a_server_started_by_a_tool_stops_when_the_tool_dies():
     parent = subprocess.Popen([sys.executable, "-c", (
         "import subprocess, sys, time; sys.path.insert(0, sys.argv[1]); import _common; "
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
-        "preexec_fn=_common._stop_with_parent); print(child.pid, flush=True); time.sleep(60)"),
+        "preexec_fn=_common.stop_with_parent()); print(child.pid, flush=True); time.sleep(60)"),
         str(ROOT / "tools")], stdout=subprocess.PIPE, text=True)
     child_pid = int(parent.stdout.readline())
     parent.send_signal(signal.SIGKILL)

@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,6 +60,11 @@ def model_dir_of(arg: str | None) -> Path:
     name (fetched once; none: SmolLM2). SystemExit of one line otherwise."""
     from mstar_actors.fetch import EMBEDDED, FetchError, fetch_embedded
 
+    if arg and Path(arg).expanduser().is_dir():
+        if not (Path(arg).expanduser() / "config.json").is_file():
+            raise SystemExit(f"--model {arg!r}: no config.json there; give a Hugging Face model folder or an "
+                             f"embedded name ({', '.join(sorted(EMBEDDED))})")
+        return Path(arg).expanduser()
     if not arg or arg in EMBEDDED:
         try:
             return Path(fetch_embedded(arg or "smollm2"))
@@ -90,12 +96,23 @@ def write_output(text: str, path: Path | str | None, *, append: bool = False) ->
         f.write(text + "\n")
 
 
-def _stop_with_parent() -> None:
-    """In the server's process before it runs: SIGTERM (its graceful stop)
-    when the tool that started it dies, however it dies (Linux's
-    PR_SET_PDEATHSIG; elsewhere the tool's own exit stops it)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+# libc's prctl, found here: the child between fork and exec may only call it
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
+def stop_with_parent() -> Callable[[], None]:
+    """A ``preexec_fn``: the server gets SIGTERM (its graceful stop) when the
+    tool that started it dies, however it dies (Linux's PR_SET_PDEATHSIG;
+    elsewhere the tool's own exit stops it). A tool that died before the
+    call: the server stops at once."""
+    parent = os.getpid()
+
+    def in_child() -> None:
+        if _PRCTL is not None:
+            _PRCTL(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+            if os.getppid() != parent:
+                os.kill(os.getpid(), signal.SIGTERM)
+    return in_child
 
 
 class Server:
@@ -113,7 +130,7 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mstar_actors", "serve", str(path), "--log-level", log_level], cwd=ROOT,
             env=dict(os.environ, PYTHONPATH=pythonpath, **(env or {})), stderr=subprocess.PIPE,
-            stdout=subprocess.DEVNULL, text=True, preexec_fn=_stop_with_parent)
+            stdout=subprocess.DEVNULL, text=True, preexec_fn=stop_with_parent())
         threading.Thread(target=self.log.extend, args=(self.proc.stderr,), daemon=True).start()
 
     @property

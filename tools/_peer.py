@@ -28,7 +28,7 @@ import urllib.request
 from pathlib import Path
 
 import _llama_cpp
-from _common import READY_POLL_S, READY_TIMEOUT_S, free_port, progress, write_output
+from _common import READY_POLL_S, READY_TIMEOUT_S, free_port, progress, stop_with_parent, write_output
 
 TARGETS = {1: 1.0, 8: 1.5}  # ours / llama.cpp tokens per second, at that concurrency
 
@@ -40,7 +40,8 @@ class LlamaServer:
         self.port = free_port()
         self.log: list[str] = []
         cmd = _llama_cpp.server_command(_llama_cpp.server_binary(), gguf, self.port, threads, num_slots, 1024)
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     preexec_fn=stop_with_parent())
         threading.Thread(target=self.log.extend, args=(self.proc.stderr,), daemon=True).start()
 
     def wait(self) -> str:

@@ -48,7 +48,7 @@ import msgspec
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package
-from _common import ROOT, free_port, model_dir_of, positive_ints, progress, write_output  # noqa: E402
+from _common import ROOT, free_port, positive_ints, progress, write_output  # noqa: E402
 from actors.base import Actor, ActorSpec, run_actor_process  # noqa: E402
 from mstar_actors.messages import (  # noqa: E402
     Abort,
@@ -466,7 +466,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         args.profile = str(Path(args.profile).resolve())
 
-    tokenizer, token_ids = corpus_ids(str(model_dir_of(args.model)))
+    from mstar_actors.fetch import FetchError, resolve_model
+
+    try:  # only its tokenizer is read: a tokenizer's folder will do
+        folder = resolve_model(args.model)
+    except FetchError as err:
+        raise SystemExit(f"--model: {err}") from None
+    tokenizer, token_ids = corpus_ids(str(folder))
     rig = Rig(args, token_ids)
     try:
         procs = rig.start()

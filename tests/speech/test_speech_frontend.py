@@ -188,3 +188,12 @@ async def _no_frame(orpheus):
             assert status == 500 and "no whole codec frame" in error["error"]["message"], (stream_format, error)
         status, body = await h.post("/v1/audio/speech", {"voice": "tara", "input": TEXT, "max_tokens": 6})
         assert status == 400 and body["error"]["param"] == "max_tokens"
+        h.engine.requests.clear()  # a cap the reply reached before a whole frame: the client's to raise
+        client = asyncio.create_task(h.post("/v1/audio/speech", {"voice": "tara", "input": TEXT, "max_tokens": 8}))
+        await h.engine.wait_for(lambda: h.engine.requests)
+        req = next(iter(h.engine.requests.values()))
+        await deltas(h, req, ids(tok, "<custom_token_1>", "<custom_token_1>") + frame_tokens(tok, 1)[:6])
+        await h.engine.send(Finished(request_id=req.request_id, finish_reason="length", num_prompt_tokens=3,
+                                     num_output_tokens=8))
+        status, body = await client
+        assert status == 400 and body["error"]["param"] == "max_tokens" and "raise it" in body["error"]["message"]
