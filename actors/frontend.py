@@ -719,7 +719,8 @@ class FrontendActor(Actor):
                 await out.write(await stream.feed(new))
             await out.write(await stream.finish())
             choice = next(iter(exchange.choices.values()))
-            if not out.is_prepared and choice.finish_reason == "length":  # the cap came before a whole frame
+            asked_cap = not exchange.parsed.sampling.cut_to_context  # the client's max_tokens, not the default
+            if not out.is_prepared and choice.finish_reason == "length" and asked_cap:  # before a whole frame
                 raise ApiError(400, f"max_tokens: the reply reached its cap of {choice.num_output_tokens} tokens "
                                     "before a whole frame of audio (7 codec tokens, after the tokens that open the "
                                     "speech); raise it", param="max_tokens")
