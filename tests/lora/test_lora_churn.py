@@ -425,44 +425,38 @@ def test_a_failed_read_with_a_load_of_the_name_queued_leaves_its_waiter_to_the_l
     assert "c1" in d.admitted
 
 
-@pytest.mark.parametrize("max_cpu_loras", [4, 1])
-def test_an_adapter_unloaded_while_its_rows_run_resumes_them_after_a_park(max_cpu_loras):
-    """With one host copy kept, a's copy (its rows running, its file there to
-    read again) was dropped; unloaded, then its rows parked for c's turn,
-    nothing could install it again and they failed mid-stream. The copy of a
-    version with rows on a slot is held."""
-    d = running("ab", max_cpu_loras=max_cpu_loras)
-    d.handle(d.adapter_pool.unload(UnloadAdapter(request_id="u", name="a")))
+def park_a_for_c(d) -> None:
+    """c's request comes; a's rows run out their turn and are parked for it."""
     d.send("c1", "c")
     d.step(int(d.adapter_pool.quantum))
     d.settle()
     assert d.parked == {"a1"}
+
+
+def let_a_resume(d) -> None:
+    """Half a turn more: a's rows are installed again and resume."""
     d.step(int(d.adapter_pool.quantum) // 2)
     d.settle()
-    assert "a1" in d.admitted and not d.failed
 
 
 def test_an_unloaded_adapters_parked_rows_still_resume_and_finish():
     d = running("ab", max_cpu_loras=4)
-    d.send("c1", "c")
-    d.step(int(d.adapter_pool.quantum))
-    d.settle()
-    assert d.parked == {"a1"}
+    park_a_for_c(d)
     d.handle(d.adapter_pool.unload(UnloadAdapter(request_id="u", name="a")))
-    d.step(int(d.adapter_pool.quantum) // 2)
-    d.settle()
+    let_a_resume(d)
     assert "a1" in d.admitted and "a1" not in d.parked  # resumed on its own version, read nowhere again
     d.send("a9", "a")
     assert "a9" not in d.admitted  # new requests naming it are refused (404)
 
 
-@pytest.mark.parametrize("update", ["unload", "reload"])
-def test_an_adapter_unloaded_or_reloaded_while_its_rows_run_keeps_their_copy_until_they_end(update):
+@pytest.mark.parametrize("update, max_cpu_loras", [("unload", 4), ("unload", 1), ("reload", 4)])
+def test_an_adapter_unloaded_or_reloaded_while_its_rows_run_keeps_their_copy_until_they_end(update, max_cpu_loras):
     """The unload (or a reload under the name) comes while a's rows are on
     their slot, before any park; a waiter then takes the slot and parks them:
     the host copy of their version stays held, so they install it again,
-    resume and finish, and only then is it dropped."""
-    d = running("ab", max_cpu_loras=4)
+    resume and finish, and only then is it dropped. With one host copy kept,
+    a's was dropped, and the parked rows failed mid-stream."""
+    d = running("ab", max_cpu_loras=max_cpu_loras)
     if update == "unload":
         d.handle(d.adapter_pool.unload(UnloadAdapter(request_id="u", name="a")))
     else:
@@ -472,12 +466,8 @@ def test_an_adapter_unloaded_or_reloaded_while_its_rows_run_keeps_their_copy_unt
         d.handle(d.adapter_pool.on_read(AdapterRead(name="a", path="/adapters/a2", digest="d-a2",
                                                     host=AdapterHostRef(segment="seg-a2", nbytes=1), max_rank=8)))
     assert "a" not in d.drops  # a1 still runs on that version
-    d.send("c1", "c")
-    d.step(int(d.adapter_pool.quantum))
-    d.settle()
-    assert d.parked == {"a1"}
-    d.step(int(d.adapter_pool.quantum) // 2)
-    d.settle()
+    park_a_for_c(d)
+    let_a_resume(d)
     assert "a1" in d.admitted and not d.failed  # resumed on its own version
     d.end("a1")
     d.step()
