@@ -240,36 +240,35 @@ def _backend_decode(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: boo
     return functools.partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=skip_special_tokens)
 
 
-def unfinished_tail(token_ids: list[int], token_bytes: Callable[[int], bytes]) -> tuple[int, bool, bytes]:
+def unfinished_tail(token_ids: list[int], token_bytes: Callable[[int], bytes]) -> tuple[int, bool]:
     """Where ``token_ids``' bytes end with the first bytes of a character
     (ones that more bytes would finish, not invalid ones), as a prompt of
     ids cut inside a character ends: ``(n, False)`` where its last ``n``
     tokens are that character's bytes alone (leave them unread: a
     SentencePiece byte fallback decodes each to a U+FFFD), ``(0, True)`` where
     a token also holds what comes before it (strip the one U+FFFD a byte-level
-    decode ends in), ``(0, False)`` where the ids end at a character's end;
-    and the unfinished character's bytes (b"" for none)."""
+    decode ends in), ``(0, False)`` where the ids end at a character's end."""
     tail = token_ids[-4:]  # a character has <= 4 bytes
     pieces = [token_bytes(t) for t in tail]
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     decoder.decode(b"".join(pieces), final=False)
-    tail_bytes = decoder.getstate()[0]
-    pending = len(tail_bytes)
+    pending = len(decoder.getstate()[0])
     num, covered = 0, 0
     while pending and covered < pending:
         num += 1
         covered += len(pieces[-num])
-    return ((num, False) if pending and covered == pending else (0, bool(pending))) + (tail_bytes,)
+    return (num, False) if pending and covered == pending else (0, bool(pending))
 
 
 def less_unfinished_character(token_ids: list[int], decode: Callable[[list[int]], str],
-                              token_bytes: Callable[[int], bytes]) -> tuple[int, str]:
-    """``(ids read, their text)`` of a prompt of ids: all but a character its
-    end leaves unfinished (``unfinished_tail``), which its output finishes."""
-    num, strip, _ = unfinished_tail(token_ids, token_bytes)
+                              token_bytes: Callable[[int], bytes]) -> tuple[int, str, bool]:
+    """``(ids read, their text, whether a character was left out)`` of a
+    prompt of ids: all but a character its end leaves unfinished
+    (``unfinished_tail``), which its output may finish."""
+    num, strip = unfinished_tail(token_ids, token_bytes)
     read = len(token_ids) - num
     text = decode(token_ids[:read])
-    return read, text[:-1] if strip and text.endswith(REPLACEMENT_CHAR) else text
+    return read, text[:-1] if strip and text.endswith(REPLACEMENT_CHAR) else text, bool(num or strip)
 
 
 class IncrementalDetokenizer:
@@ -373,14 +372,11 @@ class IncrementalDetokenizer:
     def _prefix(self) -> str:
         if self._prefix_text is None:
             if self._token_bytes is not None:  # the prompt's: its unfinished character left unread
-                read = self._window[: self._num_read]
-                num, strip, tail_bytes = unfinished_tail(read, self._token_bytes)
+                prompt = self._window[: self._num_read]
+                self._num_read, text, left_out = less_unfinished_character(prompt, self._decode, self._token_bytes)
                 self._token_bytes = None
-                self._num_read -= num
-                text = self._decode(self._window[: self._num_read])
-                text = text[:-1] if strip and text.endswith(REPLACEMENT_CHAR) else text
-                if tail_bytes and self._give_back_tail:
-                    self._tail = (num, self._decode(read))
+                if left_out and self._give_back_tail:
+                    self._tail = (len(prompt) - self._num_read, self._decode(prompt))
             else:
                 text = self._decode(self._window[: self._num_read])
             self._prefix_text = text
