@@ -265,10 +265,13 @@ def less_unfinished_character(token_ids: list[int], decode: Callable[[list[int]]
     """``(ids read, their text, whether a character was left out)`` of a
     prompt of ids: all but a character its end leaves unfinished
     (``unfinished_tail``), which its output may finish."""
+    text = decode(token_ids)
+    if not text.endswith(REPLACEMENT_CHAR):  # whole (the usual prompt: no byte of it is looked at)
+        return len(token_ids), text, False
     num, strip = unfinished_tail(token_ids, token_bytes)
     read = len(token_ids) - num
-    text = decode(token_ids[:read])
-    return read, text[:-1] if strip and text.endswith(REPLACEMENT_CHAR) else text, bool(num or strip)
+    text = decode(token_ids[:read]) if num else text[:-1] if strip else text
+    return read, text, bool(num or strip)
 
 
 class IncrementalDetokenizer:
