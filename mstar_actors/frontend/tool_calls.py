@@ -21,7 +21,6 @@ calls.
 from __future__ import annotations
 
 import json
-import math
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -423,39 +422,51 @@ class ParsedCall:
 
 def parse_call(text: str) -> ParsedCall | None:
     """The call in ``text`` (one JSON object), or None when it is not one."""
-    obj = _loads_or_none(text.strip())
-    return _call_of(obj)
+    return _call_of(_loads_or_none(text.strip()), text)
 
 
-def _call_of(obj: Any) -> ParsedCall | None:
+def _call_of(obj: Any, text: str) -> ParsedCall | None:
+    """The call ``obj`` is (``text``: the JSON it was read from). Its
+    arguments as written: the object after its name (``_written_arguments``,
+    as a stream sends it) or the JSON text of a string; else re-encoded."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):
-        arguments = _loads_or_none(arguments)
+        return ParsedCall(obj["name"], arguments) if isinstance(_loads_or_none(arguments), dict) else None
     if not isinstance(arguments, dict):
         return None
-    return ParsedCall(name=obj["name"], arguments=json.dumps(arguments, ensure_ascii=False))
+    written = _written_arguments(text)
+    if written is not None:
+        return ParsedCall(obj["name"], written)
+    try:  # a number past a double's range reads as inf, which JSON cannot write back
+        return ParsedCall(obj["name"], json.dumps(arguments, ensure_ascii=False, allow_nan=False))
+    except ValueError:
+        return None
+
+
+def _written_arguments(text: str) -> str | None:
+    """The arguments object of a call's JSON ``text`` as written, where the
+    name comes first (as the formats and the grammar write a call), else None."""
+    head = next((m for parser in ARGUMENTS_KEY if (m := _head_pattern(parser, r"(?=\{)").match(text))), None)
+    if head is None:
+        return None
+    value, _, ended = _ValueEnd().take(text[head.end():])
+    return value if ended else None
 
 
 def _loads_or_none(text: str) -> Any:
-    """JSON that encodes back to JSON: NaN, Infinity and a number past a
-    double's range (9e999 reads as inf) are none."""
+    """JSON, or None: NaN and Infinity are no JSON (Python reads them). A
+    number past a double's range is JSON (it reads as inf): a call keeps
+    its arguments as written."""
     try:
-        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+        return json.loads(text, parse_constant=_refuse_constant)
     except ValueError:
         return None
 
 
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text} is past a double's range")
-    return value
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -541,11 +552,9 @@ class HermesReader:
     with it (a stream reads hermes calls with ``HermesCallStream``).
     """
 
-    def __init__(self, is_forced: bool = False, max_calls: int | None = None):
-        self.is_forced = is_forced
+    def __init__(self, max_calls: int | None = None):
         self.max_calls = max_calls
-        # inside a block (a forced call's opening is in the prompt): where it ends
-        self._end: _BlockEnd | None = _BlockEnd() if is_forced else None
+        self._end: _BlockEnd | None = None  # inside a block: where it ends
         self._held = ""
         self._final = False  # the reply ended: a block whose object never closed ends at its first tag
         self.num_calls = 0  # calls read, those past max_calls included
@@ -572,7 +581,7 @@ class HermesReader:
         body = held.removesuffix(HERMES_CLOSE)
         call, rest = _read_block(body, tagged=held.endswith(HERMES_CLOSE))  # never closed: the call, then text
         if call is None:
-            return first + ("" if self.is_forced and not self.num_calls else HERMES_OPEN) + held, before
+            return first + HERMES_OPEN + held, before
         self.num_calls += 1
         self._said = False
         return first + ("" if self._separates(rest) else rest), before + _within([call], self.num_calls,
@@ -626,9 +635,9 @@ class Llama3JsonReader:
     reply is content, streamed as it comes. A reply that starts like a call
     but does not parse as calls is given back whole as content."""
 
-    def __init__(self, is_forced: bool = False, max_calls: int | None = None):
+    def __init__(self, max_calls: int | None = None):
         self.max_calls = max_calls
-        self._mode = "call" if is_forced else "undecided"  # -> "call" | "content"
+        self._mode = "undecided"  # -> "call" | "content"
         self._held = ""
         self.num_calls = 0
 
@@ -659,7 +668,7 @@ def parse_llama3_calls(text: str) -> list[ParsedCall] | None:
     """Every call of ``text`` (JSON objects joined by ``;``), or None unless
     the whole text is calls."""
     text = text.strip().removeprefix(PYTHON_TAG)
-    decoder = json.JSONDecoder()
+    decoder = json.JSONDecoder(parse_constant=_refuse_constant)
     calls, at = [], 0
     while True:
         while at < len(text) and (text[at].isspace() or (text[at] == ";" and calls)):
@@ -667,10 +676,10 @@ def parse_llama3_calls(text: str) -> list[ParsedCall] | None:
         if at == len(text):
             return calls or None
         try:
-            obj, at = decoder.raw_decode(text, at)
+            obj, end = decoder.raw_decode(text, at)
         except ValueError:
             return None
-        call = _call_of(obj)
+        call, at = _call_of(obj, text[at:end]), end
         if call is None:
             return None
         calls.append(call)
@@ -945,8 +954,9 @@ def _joined(deltas: list[dict]) -> list[dict]:
 
 
 def make_reader(request: ToolRequest) -> HermesReader | Llama3JsonReader:
+    """A ``tool_choice: "auto"`` reply's reader (a forced one's is ``ForcedCallStream``)."""
     reader = HermesReader if request.parser == HERMES else Llama3JsonReader
-    return reader(is_forced=request.is_forced, max_calls=request.max_calls)
+    return reader(max_calls=request.max_calls)
 
 
 def stream_reader(request: ToolRequest) -> ForcedCallStream | HermesCallStream | Llama3JsonReader:
@@ -961,13 +971,33 @@ def stream_reader(request: ToolRequest) -> ForcedCallStream | HermesCallStream |
 
 
 def read_calls(request: ToolRequest, text: str) -> tuple[str | None, list[ParsedCall]]:
-    """A whole reply's (content or None, calls): the streamed reader fed once,
-    so a stream and a full response read the same calls."""
+    """A whole reply's (content or None, calls), read as a stream reads it.
+    A forced reply's calls are ``ForcedCallStream``'s: each call's
+    arguments as written, and a reply cut by ``max_tokens`` still a call
+    whose arguments go as far as they were written (as vLLM's named call);
+    content only where no call's name was written."""
+    if request.is_forced:
+        stream = ForcedCallStream(request)
+        calls = _calls_of(stream.feed(text))
+        rest = stream.flush()
+        return (None if calls else rest), calls
     reader = make_reader(request)
     content, calls = reader.feed(text)
     tail, more = reader.flush()
     content, calls = content + tail, calls + more
     return (None if calls and not content.strip() else content), calls
+
+
+def _calls_of(entries: list[dict]) -> list[ParsedCall]:
+    """The calls that streamed ``delta.tool_calls`` entries make, joined."""
+    calls: list[ParsedCall] = []
+    for entry in entries:
+        if "id" in entry:
+            calls.append(ParsedCall(entry["function"]["name"], "", entry["id"]))
+        else:
+            call = calls[entry["index"]]
+            calls[entry["index"]] = ParsedCall(call.name, call.arguments + entry["function"]["arguments"], call.id)
+    return calls
 
 
 def finish_reason(engine_reason: str | None, num_calls: int) -> str | None:

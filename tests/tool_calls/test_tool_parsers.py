@@ -105,12 +105,29 @@ def test_hermes_reads_a_call_cut_at_eos_and_string_arguments():
     assert content == "" and _calls(calls) == [("f", {"a": 1})]
 
 
-def test_hermes_forced_reads_the_bare_json():
+def test_a_forced_reply_reads_the_bare_json():
     """The opening is in the prompt: the output is the call's JSON alone."""
-    content, calls = _stream(HermesReader(is_forced=True), '{"name": "f", "arguments": {"x": [1, 2]}}', 3)
-    assert content == "" and _calls(calls) == [("f", {"x": [1, 2]})]
-    content, calls = _stream(HermesReader(is_forced=True), "not a call", 3)
-    assert (content, calls) == ("not a call", [])
+    request = tc.parse_tool_request([WEATHER, TIME], "required", "hermes")
+    content, calls = tc.read_calls(request, '{"name": "f", "arguments": {"x": [1, 2]}}')
+    assert content is None and _calls(calls) == [("f", {"x": [1, 2]})]
+    assert tc.read_calls(request, "not a call") == ("not a call", [])
+
+
+def test_a_forced_reply_cut_short_is_a_call_as_its_stream_sends_it():
+    """max_tokens cut the arguments: the call's arguments go as far as they
+    were written, in a response as in a stream (as vLLM's named call), never
+    the format's wrapper as content; a reply cut in its head has no call."""
+    for parser in ("hermes", "llama3_json"):
+        request = tc.parse_tool_request([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}},
+                                        parser)
+        key = tc.ARGUMENTS_KEY[parser]
+        text = f'{{"name": "get_weather", "{key}": {{"cit'
+        content, calls = tc.read_calls(request, text)
+        assert content is None and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"cit')]
+        stream = tc.ForcedCallStream(request)
+        deltas = stream.feed(text)
+        assert stream.flush() == "" and "".join(d["function"]["arguments"] for d in deltas) == '{"cit'
+        assert tc.read_calls(request, '{"name": "get_wea') == ('{"name": "get_wea', [])
 
 
 def _stream_deltas(stream, text: str, size: int) -> list[dict]:
@@ -272,13 +289,25 @@ def test_a_schema_without_a_type_still_forces_an_object():
     assert json.loads(tc.forced_call_schema(request))["properties"]["arguments"]["type"] == "object"
 
 
-def test_arguments_that_do_not_encode_back_to_json_are_no_call():
-    """9e999 is JSON text but reads as inf, which json.dumps would write as Infinity."""
-    for text in ('{"name": "f", "arguments": {"x": 9e999}}', '{"name": "f", "arguments": {"x": NaN}}'):
-        content, calls = _stream(HermesReader(is_forced=True), text, 3)
-        assert calls == [] and content == text
-    content, calls = _stream(HermesReader(is_forced=True), '{"name": "f", "arguments": {"x": 1e8}}', 3)
-    assert _calls(calls) == [("f", {"x": 1e8})]
+def test_arguments_keep_a_number_past_a_doubles_range_as_written():
+    """9e999 is JSON text (it reads as inf, which json.dumps would write as
+    Infinity): a call keeps its arguments as written, whole or streamed, in
+    every format; NaN is no JSON, so no call."""
+    big = '{"name": "f", "arguments": {"x": 9e999, "y": "é"}}'
+    for request in (tc.parse_tool_request([WEATHER], "required", "hermes"),
+                    tc.parse_tool_request([WEATHER], "auto", "hermes")):
+        text = big if request.is_forced else f"<tool_call>{big}</tool_call>"
+        content, calls = tc.read_calls(request, text)
+        assert content is None and [(c.name, c.arguments) for c in calls] == [("f", '{"x": 9e999, "y": "é"}')]
+    llama = tc.parse_tool_request([WEATHER], "auto", "llama3_json")
+    assert [c.arguments for c in tc.read_calls(llama, '{"name": "f", "parameters": {"x": 1E400}}')[1]] == ['{"x": 1E400}']
+    nan = '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>'
+    assert tc.read_calls(tc.parse_tool_request([WEATHER], "auto", "hermes"), nan) == (nan, [])
+    assert tc.read_calls(llama, '{"name": "f", "parameters": {"x": NaN}}')[1] == []
+    # arguments a JSON string holds are that text; written before the name, re-encoded (as JSON allows)
+    assert tc.parse_call('{"name": "f", "arguments": "{\\"a\\":1}"}').arguments == '{"a":1}'
+    assert tc.parse_call('{"arguments": {"a":1}, "name": "f"}').arguments == '{"a": 1}'
+    assert tc.parse_call('{"arguments": {"a": 1e999}, "name": "f"}') is None
 
 
 def test_finish_reason():
