@@ -381,6 +381,12 @@ def test_stop_strings_wait_for_min_tokens(harness):
             assert r["choices"][0]["message"]["content"] == ""
             _, r = await h.post(CHAT, chat_body(stop=["Hello", " is"], min_tokens=2))
             assert r["choices"][0]["message"]["content"] == "Hello world! This"  # " is" comes later
+            # as vLLM's: the text of the first min_tokens tokens is not searched, a stop its last token ends included
+            at = len(h.engine.tokenizer("Hello world").input_ids)
+            _, r = await h.post(CHAT, chat_body(stop=[" world"], min_tokens=at))
+            assert r["choices"][0]["message"]["content"].startswith("Hello world! This")
+            _, r = await h.post(CHAT, chat_body(stop=[" world"], min_tokens=at - 1))
+            assert r["choices"][0]["message"]["content"] == "Hello"
 
     run(body)
 
