@@ -144,8 +144,13 @@ def read_adapter(path: str | Path, *, base: BaseShapes, max_rank: int, name: str
     pairs = _pair_tensors(tensors, base, name)
     layers = [dict() for _ in range(base.num_layers)]
     global_modules: dict[str, LoraModule] = {}
+    placed: dict[tuple[str, int | None], str] = {}  # (module, layer) -> the path placed there
     for module_path, (a, b) in sorted(pairs.items()):
         slot_key, layer = _place(module_path, base, name)
+        if (other := placed.setdefault((slot_key, layer), module_path)) != module_path:
+            raise AdapterError(f"adapter {name!r}: {other!r} and {module_path!r} are the same module of this model "
+                               f"(two spellings of its path), each with its own LoRA factors; accepted: one per "
+                               "module (PEFT's save_pretrained writes one)")
         shape = base.shape_of(slot_key)
         _check_factors(a, b, shape, module_path, max_rank, name)
         module = LoraModule(a=a, b=b, scale=_scale(config, module_path, a.shape[0], name))
@@ -288,7 +293,7 @@ UNSERVED_OPTIONS = {
 # Initialisations that change the base weights as they make the factors (the adapter is then a delta on the
 # changed base, not on the published one) unless saved with PEFT's conversion, which writes
 # init_lora_weights=true.
-RESIDUAL_INITS = ("pissa", "olora", "corda", "loftq")
+RESIDUAL_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
 
 def _check_config(config: dict, name: str) -> None:
@@ -377,6 +382,12 @@ def _split_key(key: str, name: str) -> tuple[str, str]:
     for suffix, kind in _KINDS.items():
         if path.endswith("." + suffix):
             return path[: -len(suffix) - 1], kind
+    if m := re.search(r"\.(lora_[AB]|lora_embedding_[AB])\.([^.]+)(\.weight)?$", path):
+        raise AdapterError(
+            f"adapter {name!r}: tensor {key!r} carries PEFT's adapter name {m.group(2)!r} (a state_dict saved as "
+            f"it is); accepted keys end in lora_A.weight / lora_B.weight / lora_embedding_A / lora_embedding_B, as "
+            "PEFT's save_pretrained writes them"
+        )
     if path.endswith(".weight"):
         raise AdapterError(
             f"adapter {name!r}: tensor {key!r} is a full module weight (PEFT saves modules_to_save that way), "
@@ -390,6 +401,7 @@ def _split_key(key: str, name: str) -> tuple[str, str]:
 
 def _pair_tensors(tensors: dict, base: BaseShapes, name: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     found: dict[str, dict[str, torch.Tensor]] = {}
+    keys: dict[tuple[str, str], str] = {}  # (module path, factor) -> its tensor's key
     for key, tensor in tensors.items():
         if isinstance(tensor, tuple):
             _check_base_copy(key, tensor, base, name)
@@ -402,6 +414,10 @@ def _pair_tensors(tensors: dict, base: BaseShapes, name: str) -> dict[str, tuple
             # on the CPU's one-hot path, where a row keeps its own slot by multiplying by 0.
             raise AdapterError(f"adapter {name!r}: tensor {key!r} holds NaN or infinite values; accepted: finite "
                                "weights (the adapter's training diverged or its file is damaged)")
+        if (other := keys.setdefault((module_path, kind), key)) != key:
+            raise AdapterError(f"adapter {name!r}: tensors {other!r} and {key!r} are the same factor of module "
+                               f"{module_path!r} (with and without PEFT's 'base_model.model.' prefix); accepted: "
+                               "one tensor per factor (PEFT's save_pretrained writes one)")
         found.setdefault(module_path, {})[kind] = tensor
     for module_path, kinds in found.items():
         missing = {"A", "B"} - kinds.keys()

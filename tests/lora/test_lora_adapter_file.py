@@ -166,7 +166,7 @@ def test_refuses_peft_variants_by_their_option_as_peft_writes_them(tmp_path, opt
     _refused(folder, base_shapes(cfg), rf"{option}=.* is not served")
 
 
-@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora", "corda", "loftq"])
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora", "corda", "loftq", "lora_ga"])
 def test_refuses_an_unconverted_residual_init(saved, init):
     """Its factors are a delta on base weights PEFT changed; converted, PEFT writes init_lora_weights=true."""
     folder, base = saved
@@ -187,6 +187,32 @@ def test_refuses_rank_over_max(saved):
     folder, base = saved
     msg = _refused(folder, base, r"has rank 4, over max_lora_rank=2", max_rank=2)
     assert "model.layers.0.self_attn" in msg and "raise lora.max_lora_rank" in msg
+
+
+def test_refuses_two_tensors_of_one_factor(saved):
+    """Two spellings of one module's path, each with its own factors: which
+    one PEFT would load is not what a server should guess (PEFT takes the
+    prefixed key; the unprefixed one, a VL spelling, alias the same module)."""
+    folder, base = saved
+    key = "model.layers.0.self_attn.q_proj.lora_A.weight"
+    a = read_adapter(folder, base=base, max_rank=8).layers[0]["self_attn.q_proj"].a
+    edit_adapter(folder, tensors={key: a + 1})
+    msg = _refused(folder, base, r"tensors '.*q_proj.lora_A.weight' and '.*q_proj.lora_A.weight' are the same factor")
+    assert "base_model.model.model.layers.0" in msg and f"'{key}'" in msg
+    edit_adapter(folder, drop=(key,), tensors={
+        "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight": a,
+        "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 4)})
+    _refused(folder, base, r"'model.language_model.layers.0.self_attn.q_proj' and 'model.layers.0.self_attn.q_proj' "
+                           r"are the same module")
+
+
+def test_refuses_keys_with_peft_adapter_names(saved):
+    """An unfiltered state_dict keeps PEFT's adapter name in each key: named as such."""
+    folder, base = saved
+    edit_adapter(folder, tensors={"base_model.model.model.layers.0.self_attn.k_proj.lora_A.default.weight":
+                                  torch.zeros(4, 64)})
+    msg = _refused(folder, base, r"carries PEFT's adapter name 'default'")
+    assert "lora_A.weight" in msg and "full module weight" not in msg
 
 
 def test_refuses_unknown_target(saved):
