@@ -471,18 +471,25 @@ class GrammarMatchers:
         self.matchers.pop(request_id, None)
         self.refused.discard(request_id)
 
-    def mask(self, logits: torch.Tensor, sample_ids: list[str]) -> None:
-        """Mask disallowed tokens of the constrained rows of ``logits`` [len(sample_ids), vocab] in place."""
+    def mask(self, logits: torch.Tensor, sample_ids: list[str]) -> list[int]:
+        """Mask disallowed tokens of the constrained rows of ``logits``
+        [len(sample_ids), vocab] in place. Returns the rows whose grammar
+        allows no token, not even the end (a pattern that cannot be completed
+        from here, such as ``a[^\\s\\S]``): their request fails (each is given its
+        stop tokens, so the draw is defined; the token stands in)."""
         rows = [i for i, rid in enumerate(sample_ids) if rid in self.matchers]
         if not rows:
-            return
+            return []
         if self.bitmask.shape[0] < len(sample_ids):
             self._allocate(len(sample_ids))
         bitmask = self.bitmask[: len(sample_ids)]
         live = [i for i in rows if not self._is_done(sample_ids[i])]
+        dead = []
         if live:
             self.batch.batch_fill_next_token_bitmask([self.matchers[sample_ids[i]] for i in live], bitmask, indices=live)
-        for i in set(rows).difference(live):
+            empty = (bitmask[live] == 0).all(dim=1).tolist()
+            dead = [i for i, is_empty in zip(live, empty) if is_empty]
+        for i in set(rows).difference(live).union(dead):
             bitmask[i] = self.stop_row
         if self.device_bitmask is not None and logits.device.type == "cuda":
             # The pinned copy is not overwritten before it lands: the next fill follows this step's sampling.
@@ -491,6 +498,7 @@ class GrammarMatchers:
         else:
             on_device = bitmask.to(logits.device)
         _xgr().apply_token_bitmask_inplace(logits, on_device, vocab_size=self.compiler.vocab_size, indices=rows)
+        return dead
 
     def advance(self, sampled: list[messages.SampledToken]) -> None:
         """Feed each constrained row its sampled token."""

@@ -81,7 +81,7 @@ from mstar_actors.models.media_inputs import MediaInputs
 from mstar_actors.runner.grammar import GrammarError, GrammarMatchers
 from mstar_actors.runner.step_graphs import DecodeGraphs, MixedGraphs
 from mstar_actors.runner.sampling import (GREEDY_ROW, PendingSample, RaceRow, RaceRows, SampleRow, race_row, race_rows,
-                                         races_on, sample_pending)
+                                         races_on, sample_pending, with_dead_rows)
 
 # A sampler answers a step's logits with its draws: at once (a list), or on their way to the host.
 Sampler = Callable[..., "list[messages.SampledToken] | PendingSample"]
@@ -494,9 +494,11 @@ class ModelRunner:
         if step.drawn is not None:  # the step's graph drew them
             draws = PendingSample(rows, step.drawn)
         else:
-            if self.grammars is not None:  # on CUDA the masks fill while the device runs the step
-                self.grammars.mask(step.logits, batch.sample_ids)
+            # on CUDA the masks fill while the device runs the step
+            dead = self.grammars.mask(step.logits, batch.sample_ids) if self.grammars is not None else []
             draws = self.sampler(step.logits, rows, generator=self.generator)
+            if dead:  # rows whose grammar allows no token: their requests fail (``SampledToken.dead``)
+                draws = with_dead_rows(draws, dead)
         if isinstance(draws, PendingSample) and len(rows) <= self.step_tokens.shape[0]:
             self.step_tokens[: len(rows)].copy_(draws.token_ids)
             for row, seq in enumerate(step.states):

@@ -146,6 +146,7 @@ class PendingSample:
         self._host = [t.to("cpu", non_blocking=is_cuda, copy=True) for t in parts]
         # rows whose processors left no token (``_dead_rows``), None when no row has a processor
         self._dead = None if dead is None else dead.to("cpu", non_blocking=is_cuda, copy=True)
+        self.dead_rows: set[int] = set()  # rows whose grammar allowed no token (``with_dead_rows``)
         self._copied: torch.cuda.Event | None = None
         if is_cuda:
             self._copied = torch.cuda.Event()
@@ -164,10 +165,23 @@ class PendingSample:
             tokens = _to_sampled(self.rows, self._host[0].tolist())
         else:
             tokens = _to_sampled_with_logprobs(self.rows, *(t.tolist() for t in self._host))
-        if self._dead is not None and self._dead.any():
-            tokens = [msgspec.structs.replace(t, dead=True) if dead else t
-                      for t, dead in zip(tokens, self._dead.tolist())]
-        return tokens
+        dead = self.dead_rows.union(i for i, d in enumerate(self._dead.tolist()) if d) if self._dead is not None \
+            else self.dead_rows
+        return _marked_dead(tokens, dead) if dead else tokens
+
+
+def with_dead_rows(draws: list[messages.SampledToken] | PendingSample,
+                   rows: list[int]) -> list[messages.SampledToken] | PendingSample:
+    """``draws`` with ``rows`` marked dead (their grammar allows no token:
+    ``SampledToken.dead``), beside any their processors left dead."""
+    if isinstance(draws, PendingSample):
+        draws.dead_rows.update(rows)
+        return draws
+    return _marked_dead(draws, set(rows))
+
+
+def _marked_dead(tokens: list[messages.SampledToken], rows: set[int]) -> list[messages.SampledToken]:
+    return [msgspec.structs.replace(t, dead=True) if i in rows else t for i, t in enumerate(tokens)]
 
 
 def sample_pending(

@@ -695,9 +695,14 @@ class Scheduler:
         if token.dead:  # the request's constraints exclude every token: it can't go on
             self._finish(seq, "abort")
             fields = _constraint_fields(seq.sampling, len(seq.output_token_ids))
-            message = (f"no token is left to sample at output token {len(seq.output_token_ids) + 1}: the request's "
-                       f"own constraints ({' and '.join(fields) or 'its token masks'}) exclude every token; "
-                       "loosen them")
+            at = len(seq.output_token_ids) + 1
+            if seq.sampling.structured is not None and fields == [fields[-1]]:  # its grammar alone
+                message = (f"no token is left to sample at output token {at}: the output so far cannot be "
+                           f"continued within {fields[0]} (no token, nor the end, is allowed next: a pattern that "
+                           "cannot be completed from there, such as an empty character class); fix the constraint")
+            else:
+                message = (f"no token is left to sample at output token {at}: the request's own constraints "
+                           f"({' and '.join(fields) or 'its token masks'}) exclude every token; loosen them")
             return [Failed(seq.request_id, status=400, message=message, param=fields[0] if fields else None)]
         seq.output_token_ids.append(token.token_id)
         num_outputs = len(seq.output_token_ids)

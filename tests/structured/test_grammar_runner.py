@@ -139,6 +139,27 @@ def test_a_token_outside_the_grammar_ends_the_row_and_never_passes_unconstrained
     assert not matchers.refused
 
 
+def test_a_grammar_that_allows_nothing_next_reports_its_row(world):
+    """Past "hello" the pattern allows no token, nor the end: the row is
+    reported dead (its request fails) and given its stop tokens, so the
+    draw is defined; rows with a way on are not."""
+    from mstar_actors.runner.sampling import PendingSample, with_dead_rows
+
+    matchers = make_runner(world).grammars
+    matchers.start("x", messages.StructuredSpec("regex", r"hello[^\s\S]"), [])
+    matchers.start("y", messages.StructuredSpec("regex", REGEX), [])
+    logits = torch.zeros(3, 512)
+    assert matchers.mask(logits, ["x", "free", "y"]) == []
+    matchers.advance([messages.SampledToken("x", word_id("hello")), messages.SampledToken("y", word_id("hello"))])
+    logits = torch.zeros(3, 512)
+    assert matchers.mask(logits, ["x", "free", "y"]) == [0]
+    assert (logits[0] > float("-inf")).nonzero().flatten().tolist() == [EOS]
+    assert (logits[1] == 0).all() and (logits[2] > float("-inf")).sum() > 1
+    draws = with_dead_rows(PendingSample([None] * 3, torch.tensor([EOS, 3, 4])), [0])
+    assert [t.dead for t in with_dead_rows([messages.SampledToken(r, 1) for r in "xfy"], [0])] == [True, False, False]
+    assert draws.dead_rows == {0}
+
+
 def test_mask_leaves_unconstrained_rows_bit_identical(world):
     matchers = make_runner(world).grammars
     matchers.start("c", messages.StructuredSpec("choice", '["w7"]'), [])

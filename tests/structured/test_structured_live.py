@@ -76,6 +76,24 @@ def test_regex_and_choice_outputs_match(client):
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) in choices
 
 
+def test_a_pattern_that_cannot_be_completed_fails_at_that_token(client):
+    """Its first tokens are allowed (no 400 up front); past "ab" nothing is,
+    not even the end: a 400 naming the field, never a "stop" with output
+    that does not match; streamed, the error ends the stream."""
+    body = {"structured_outputs": {"regex": r"ab[^\s\S]"}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=chat("x"), max_tokens=10, extra_body=body)
+    error = err.value.body
+    assert error["param"] == "structured_outputs.regex" and "cannot be continued" in error["message"], error
+    with pytest.raises(openai.APIError, match="cannot be continued"):
+        for _ in client.chat.completions.create(model="tiny", messages=chat("x"), max_tokens=10, stream=True,
+                                                extra_body=body):
+            pass
+    out = client.chat.completions.create(model="tiny", messages=chat("x"), max_tokens=10,
+                                         extra_body={"structured_outputs": {"regex": "ab"}})
+    assert out.choices[0].message.content == "ab"  # the server goes on
+
+
 @pytest.mark.parametrize(("body", "param", "reason"), [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}},
      "response_format.json_schema.schema", "wat"),
