@@ -25,6 +25,7 @@ from typing import Any
 from actors.base import Actor
 from mstar_actors.messages import (AdapterInstalled, CancelCompile, CompileGrammar, GrammarCompiled, InstallAdapter,
                                    StepDone, StepFailed, StepPlan)
+from mstar_actors.runner.parallel import CollectiveError
 from transport.shm import attach_segment
 
 # Grammars a rank compiles at once beside its steps (the conductor sends one a constrained request).
@@ -421,6 +422,8 @@ class WorkerActor(Actor):
             if self.media is not None:  # the plan's media orders: copies out of the arena, releases
                 self.media.apply(plan)
             step, failed = self.runner.forward(plan), None
+        except CollectiveError:  # the group is broken: this rank exits, which stops the server
+            raise
         except Exception as err:  # the step fails; the rank keeps serving
             step, failed = None, self._failed(plan, err)
         for install in plan.install_after:  # behind this step's kernels; acknowledged before the step ahead

@@ -24,6 +24,12 @@ import torch
 DEFAULT_TIMEOUT_S = 120.0  # a collective waiting longer for a peer fails rather than hangs
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed (a peer stopped, hung past the timeout or died):
+    the group is broken for good, so the rank cannot serve on, and its
+    actor exits, which stops the server as any actor's death does."""
+
+
 @dataclass(frozen=True)
 class Rendezvous:
     """Where the ranks meet: a loopback TCP address the launcher chose, and how many come."""
@@ -62,7 +68,7 @@ class TensorParallel:
             import torch.distributed as dist
 
             x = x.contiguous()  # a fused GEMM's output may be a column view
-            dist.all_reduce(x)
+            self._collective("all_reduce", dist.all_reduce, x)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,12 +80,21 @@ class TensorParallel:
         x = x.contiguous()
         if self.backend == "nccl":  # one output buffer: capturable in a CUDA graph
             out = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
-            dist.all_gather_into_tensor(out, x)
+            self._collective("all_gather", dist.all_gather_into_tensor, out, x)
             parts = out.unbind(0)
         else:
             parts = [torch.empty_like(x) for _ in range(self.world_size)]
-            dist.all_gather(parts, x)
+            self._collective("all_gather", dist.all_gather, parts, x)
         return torch.cat(parts, dim=-1)
+
+    def _collective(self, name: str, op, *args) -> None:
+        try:
+            op(*args)
+        except Exception as err:
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise CollectiveError(f"rank {self.rank}: {name} across the {self.world_size} ranks failed ({reason}): "
+                                  "a peer rank stopped, hung or died, and the group cannot be used again; "
+                                  "restart the server") from err
 
     def __repr__(self) -> str:
         return f"TensorParallel(rank={self.rank}, world_size={self.world_size}, backend={self.backend})"

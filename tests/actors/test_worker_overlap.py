@@ -29,6 +29,7 @@ from mstar_actors.messages import (
     WorkerReady,
     WorkerToConductor,
 )
+from transport.errors import ChannelClosed
 from transport.memory import MemoryChannel
 
 
@@ -175,6 +176,38 @@ def test_failures_are_answered_in_plan_order_and_serving_goes_on(where):
         assert isinstance(third, StepDone) and third.step_id == 3
 
     _run(runner, script)
+
+
+def test_a_failed_collective_stops_the_rank():
+    """A collective that failed (a peer stopped or hung past the timeout)
+    leaves the group broken: the rank exits, so the server stops (the
+    launcher sees an actor die), instead of failing every later step; and
+    a collective's failure is one, whichever op and backend it was."""
+    from mstar_actors.runner.parallel import CollectiveError, TensorParallel
+
+    with pytest.raises(CollectiveError, match=r"rank 1: all_reduce across the 2 ranks failed .*restart the server"):
+        TensorParallel(1, 2, "gloo").all_reduce(torch.ones(2))  # no group joined: the op raises
+    with pytest.raises(CollectiveError, match="all_gather"):
+        TensorParallel(0, 2, "gloo").all_gather(torch.ones(1, 2))
+
+    class BrokenGroup(DeviceRunner):
+        def forward(self, plan):
+            if plan.step_id == 2:
+                raise CollectiveError("rank 0: all_reduce across the 2 ranks failed (timed out)")
+            return super().forward(plan)
+
+    async def main():
+        inbox, outbox, task = await _started(BrokenGroup())
+        await inbox.send(_plan(1))
+        await inbox.send(_plan(2))
+        assert await asyncio.wait_for(task, 10) == 1  # exited, without a Shutdown
+        answers = []
+        with pytest.raises(ChannelClosed):  # the worker's outbox closed as it exited
+            while True:
+                answers += await asyncio.wait_for(outbox.recv_batch(), 10)
+        assert not [m for m in answers if isinstance(m, StepFailed)]
+
+    asyncio.run(main())
 
 
 class SwappingRunner(DeviceRunner):
