@@ -30,7 +30,7 @@ import functools
 import json
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -182,7 +182,7 @@ def _engine_reasons(spec: messages.StructuredSpec, work: Any) -> Any:
 # of one branch, ``uniqueItems: false`` and "#..." references are enforced.
 UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
                        "unevaluatedProperties", "unevaluatedItems", "contains", "minContains", "maxContains",
-                       "multipleOf")
+                       "multipleOf", "$dynamicRef", "$recursiveRef")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames", "additionalItems")
@@ -198,29 +198,81 @@ _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "m
 _TYPE_OF = {"string": str, "boolean": bool, "null": type(None), "object": dict, "array": list}
 
 
-def unenforced_keyword(schema: Any, where: str = "the schema", root: Any = None) -> str | None:
+def unenforced_keyword(schema: Any, where: str = "the schema", root: Any = None, names: bool = False) -> str | None:
     """Why the engine could not enforce ``schema`` (a keyword it would drop,
-    named with where it stands), or None when it can."""
+    named with where it stands), or None when it can. ``names``: a
+    ``propertyNames`` schema, which the engine reads as a string's."""
     if not isinstance(schema, dict):
         return None
     root = schema if root is None else root
-    problem = _own_problem(schema, where, root)
+    problem = _names_problem(schema, where, root) if names else _typeless_problem(schema, where)
     if problem is not None:
         return problem
+    if (problem := _own_problem(schema, where, root)) is not None:
+        return problem
+    for key, sub_where, sub in _subschemas(schema, where):
+        if (problem := unenforced_keyword(sub, sub_where, root, names=key == "propertyNames")) is not None:
+            return problem
+    return None
+
+
+def _subschemas(schema: dict, where: str) -> Iterator[tuple[str, str, Any]]:
+    """(keyword, where, schema) of each schema ``schema`` holds (not its
+    enum / const values, which are data)."""
     for key in _SCHEMA_MAPS:
         if isinstance(schema.get(key), dict):
             for name, sub in schema[key].items():
-                if (problem := unenforced_keyword(sub, f"{where}'s {key}[{name!r}]", root)) is not None:
-                    return problem
+                yield key, f"{where}'s {key}[{name!r}]", sub
     for key in _SCHEMA_LISTS:
         if isinstance(schema.get(key), list):
             for i, sub in enumerate(schema[key]):
-                if (problem := unenforced_keyword(sub, f"{where}'s {key}[{i}]", root)) is not None:
-                    return problem
+                yield key, f"{where}'s {key}[{i}]", sub
     for key in _SCHEMA_VALUES:
-        if (problem := unenforced_keyword(schema.get(key), f"{where}'s {key}", root)) is not None:
-            return problem
+        if key in schema:
+            yield key, f"{where}'s {key}", schema[key]
+
+
+# Keywords of one type's values: the engine applies them beside a "type" only
+# (without one, any JSON value passes); beside "properties" / "items" it infers
+# an object / array itself.
+_TYPED_KEYWORDS = {"string": ("pattern", "format", "minLength", "maxLength"),
+                   "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")}
+
+
+def _typeless_problem(schema: dict, where: str) -> str | None:
+    if "type" in schema or any(k in schema for k in _REPLACING):
+        return None
+    for kind, keys in _TYPED_KEYWORDS.items():
+        if found := [k for k in keys if k in schema]:
+            wanted = '"string"' if kind == "string" else '"number" or "integer"'
+            return (f"{where} has {found[0]!r} but no 'type', which the engine needs to apply it (any JSON value "
+                    f"would pass); add \"type\": {wanted}")
     return None
+
+
+def _names_problem(schema: dict, where: str, root: dict) -> str | None:
+    """A ``propertyNames`` schema: the engine writes a key as its own schema
+    reads, so each choice it lists (enum, const, anyOf / oneOf / allOf
+    branches, a $ref) must be a string's."""
+    choices = [schema] if any(k in schema for k in ("enum", "const", "$ref")) else []
+    for key in ("anyOf", "oneOf", "allOf"):
+        if isinstance(schema.get(key), list):
+            choices += schema[key]
+    for choice in choices:
+        if not _is_string_schema(_resolve(choice, root)):
+            return (f"{where} lists {json.dumps(choice)[:80]}, which allows values that are not strings, and a "
+                    "property name is one; give each choice \"type\": \"string\" (or string const / enum values)")
+    return None
+
+
+def _is_string_schema(schema: Any) -> bool:
+    if not isinstance(schema, dict):
+        return False
+    if "const" in schema:
+        return isinstance(schema["const"], str)
+    if "enum" in schema:
+        return isinstance(schema["enum"], list) and all(isinstance(v, str) for v in schema["enum"])
+    return schema.get("type") == "string"
 
 
 def _own_problem(schema: dict, where: str, root: dict) -> str | None:
@@ -379,10 +431,40 @@ def _resolve(schema: Any, root: dict) -> Any:
     return schema
 
 
+# Formats whose engine rule lets through what the format forbids, as patterns:
+# the engine's ipv4 takes an octet's leading zeros ("010", read as octal by some).
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+FORMAT_PATTERNS = {"ipv4": rf"^({_OCTET}\.){{3}}{_OCTET}$"}
+
+
+def _with_format_patterns(schema: Any, where: str = "") -> Any:
+    """``schema`` with each ``FORMAT_PATTERNS`` format as its pattern (a copy
+    where one is; the rest of the schema as it is)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if out.get("format") in FORMAT_PATTERNS and "pattern" not in out:
+        out["pattern"] = FORMAT_PATTERNS[out.pop("format")]
+    for key, _, sub in _subschemas(schema, where):
+        if key in _SCHEMA_MAPS:
+            continue
+        if key in _SCHEMA_LISTS:
+            out[key] = [_with_format_patterns(b) for b in schema[key]]
+        else:
+            out[key] = _with_format_patterns(sub)
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: _with_format_patterns(sub) for name, sub in schema[key].items()}
+    return out
+
+
 @functools.lru_cache(maxsize=MAX_SCHEMA_TEXTS)
 def _json_grammar_text(schema: str) -> str:
     """The engine's grammar of ``schema`` (no free whitespace: a small model
-    would fill it), with its length-bounded strings made valid JSON."""
+    would fill it, formats ``FORMAT_PATTERNS`` names as their patterns), with
+    its length-bounded strings made valid JSON."""
+    if "ipv4" in schema:
+        schema = json.dumps(_with_format_patterns(json.loads(schema)))
     text = str(_xgr().Grammar.from_json_schema(schema, any_whitespace=False))
     return text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
 

@@ -85,7 +85,7 @@ def test_two_constraints_are_a_400_naming_both():
 
 # ---------------------------------------------------------------- the engine
 
-VOCAB = ["<eos>", "{", "}", "[", "]", '"', ":", ",", " ", "a", "b", "1", "2", "\x08", "a.b", "(x)", "."]
+VOCAB = ["<eos>", "{", "}", "[", "]", '"', ":", ",", " ", "a", "b", "1", "2", "\x08", "a.b", "(x)", ".", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +112,16 @@ def test_a_length_bounded_string_stays_valid_json(compiler):
     assert accepts(compiler, spec, ['"', "a", "b", '"'])
     assert not accepts(compiler, spec, ['"', "\x08", '"'])
     assert not accepts(compiler, spec, ['"', "a", "a", "a", "a", '"'])
+
+
+def test_an_ipv4_format_takes_no_leading_zero(compiler):
+    """The engine's own ipv4 rule writes octets like 010 (which JSON Schema's
+    format refuses, as some read them as octal); the format is its pattern here."""
+    spec = StructuredSpec("json", '{"type": "array", "items": {"type": "string", "format": "ipv4"}}')
+    dotted = ["[", '"'] + [*"1.2.1.2"] + ['"', "]"]
+    assert accepts(compiler, spec, dotted)
+    assert not accepts(compiler, spec, ["[", '"'] + [*"1.2.1.012"] + ['"', "]"])
+    assert not accepts(compiler, spec, ["[", '"'] + [*"1.2.1"] + ['"', "]"])
 
 
 def test_choices_are_literal_strings(compiler):
@@ -204,6 +214,16 @@ OBJ = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": [
     ({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2}, "may repeat a key"),
     ({"type": "object", "minProperties": 2}, "minProperties: 2 but its 'properties' define 0"),
     ({"type": "array", "prefixItems": [{"type": "integer"}], "minItems": 2}, "unless 'items' gives their schema"),
+    # a type's keywords without a type: the engine lets any value through
+    ({"minimum": 5, "maximum": 6}, "has 'minimum' but no 'type'"),
+    ({"type": "object", "properties": {"n": {"minLength": 2}}}, "properties['n'] has 'minLength' but no 'type'"),
+    # a property name is a string: each choice of propertyNames must be one (the engine wrote {true: true})
+    ({"type": "object", "propertyNames": {"anyOf": [{"const": "a"}, {"pattern": "^z[0-9]$"}]}},
+     "propertyNames lists {\"pattern\": \"^z[0-9]$\"}, which allows values that are not strings"),
+    ({"type": "object", "propertyNames": {"anyOf": [{"const": "a"}, {}]}}, "lists {}, which allows values"),
+    ({"type": "object", "propertyNames": {"enum": ["a", 1]}}, "which allows values that are not strings"),
+    ({"$defs": {"n": {"$dynamicAnchor": "x", "type": "boolean"}}, "$dynamicRef": "#x"}, "uses '$dynamicRef'"),
+    ({"$recursiveRef": "#"}, "uses '$recursiveRef'"),
 ])
 def test_a_keyword_the_engine_would_drop_is_refused_naming_it(compiler, schema, reason):
     """The engine ignores these without a word: its output would break them."""
@@ -230,6 +250,9 @@ def test_a_keyword_the_engine_would_drop_is_refused_naming_it(compiler, schema, 
     {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1, "maxProperties": 3},
     {"type": "object", "propertyNames": {"enum": ["a", "b"]}, "maxProperties": 2},
     {"type": "array", "prefixItems": [{"type": "integer"}], "items": {"type": "string"}, "minItems": 2},
+    {"properties": {"a": {"type": "integer"}}, "required": ["a"]},  # an object: the engine infers it
+    {"type": "object", "propertyNames": {"pattern": "^[ab]$"}},  # read as a string's
+    {"type": "object", "propertyNames": {"anyOf": [{"const": "a"}, {"type": "string", "pattern": "^b$"}]}},
 ])
 def test_what_the_engine_enforces_still_compiles(compiler, schema):
     compiler.compile(StructuredSpec("json", json.dumps(schema)))  # properties named like keywords are names
