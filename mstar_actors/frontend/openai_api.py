@@ -620,6 +620,13 @@ def _json_schema_spec(value: Any) -> StructuredSpec:
 
 def _schema_spec(schema: Any, param: str) -> StructuredSpec:
     if isinstance(schema, str):  # vLLM accepts a schema as JSON text
+        try:
+            decoded = msgspec.json.decode(schema)
+        except msgspec.DecodeError as err:
+            raise _bad(param, f"a schema given as text must be JSON text of a schema object, got {_show(schema)} "
+                              f"({err})") from None
+        if not isinstance(decoded, (dict, bool)):
+            raise _bad(param, f"a schema given as text must be JSON text of a schema object, got {_show(schema)}")
         return StructuredSpec("json", schema, param)
     if not isinstance(schema, (dict, bool)):
         raise _bad(param, f"expected a JSON schema object, got {_show(schema)}")
@@ -661,8 +668,12 @@ def _field_spec(kind: str, value: Any, param: str) -> StructuredSpec:
     if kind == "json":
         return _schema_spec(value, param)
     if kind == "choice":
-        if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+        if not (isinstance(value, list) and value):
             raise _bad(param, f"expected a non-empty list of non-empty strings, got {_show(value)}")
+        bad = next((i for i, c in enumerate(value) if not (isinstance(c, str) and c)), None)
+        if bad is not None:
+            raise _bad(param, f"expected a non-empty list of non-empty strings; {param}[{bad}] is "
+                              f"{_show(value[bad])}")
         return StructuredSpec("choice", msgspec.json.encode(value).decode(), param)
     if not isinstance(value, str) or not value:
         raise _bad(param, f"expected a non-empty string, got {_show(value)}")

@@ -399,6 +399,9 @@ def _exclusive(branches: list, root: dict) -> bool:
     resolved = [_resolve(b, root) for b in branches]
     if not all(isinstance(b, dict) for b in resolved):
         return False
+    values = [_listed_values(b) for b in resolved]
+    if all(v is not None for v in values) and len(set().union(*values)) == sum(len(v) for v in values):
+        return True  # each a const or enum, none sharing a value
     types = [b.get("type") for b in resolved]
     distinct = all(isinstance(t, str) for t in types) and len(set(types)) == len(types)
     if distinct and not {"integer", "number"} <= set(types):
@@ -406,16 +409,25 @@ def _exclusive(branches: list, root: dict) -> bool:
     for name in set.intersection(*(set(b.get("required") or ()) for b in resolved)) if resolved else ():
         seen: set = set()
         for b in resolved:
-            prop = _resolve((b.get("properties") or {}).get(name), root)
-            values = [prop["const"]] if isinstance(prop, dict) and "const" in prop else (
-                prop.get("enum") if isinstance(prop, dict) and isinstance(prop.get("enum"), list) else None)
-            keys = None if values is None else {json.dumps(v, sort_keys=True) for v in values}
+            keys = _listed_values(_resolve((b.get("properties") or {}).get(name), root))
             if keys is None or keys & seen:
                 break
             seen |= keys
         else:
             return True
     return False
+
+
+def _listed_values(schema: Any) -> set[str] | None:
+    """The values a const / enum schema lists (as JSON text; a number as its
+    value: 1 and 1.0 are one), or None for any other schema."""
+    if not isinstance(schema, dict):
+        return None
+    values = [schema["const"]] if "const" in schema else schema.get("enum")
+    if not isinstance(values, list):
+        return None
+    return {repr(float(v)) if isinstance(v, (int, float)) and not isinstance(v, bool) else json.dumps(v, sort_keys=True)
+            for v in values}
 
 
 def _resolve(schema: Any, root: dict) -> Any:

@@ -77,6 +77,14 @@ def test_a_bad_shape_is_a_400_naming_the_field(fields, param):
     assert err.param == param and err.message.startswith(param)
 
 
+def test_a_bad_value_is_named_in_the_message():
+    """A schema as text that is no JSON schema, a choice that is no string: named, not the parser's words alone."""
+    err = refusal(guided_json="hello")
+    assert err.param == "guided_json" and "a schema given as text must be JSON text of a schema object" in err.message
+    assert "JSON text of a schema object, got '[1]'" in refusal(structured_outputs={"json": "[1]"}).message
+    assert "structured_outputs.choice[1] is ''" in refusal(structured_outputs={"choice": ["a", ""]}).message
+
+
 def test_two_constraints_are_a_400_naming_both():
     err = refusal(response_format={"type": "json_object"}, structured_outputs={"regex": "a", "choice": ["b"]})
     assert err.param == "response_format"
@@ -189,6 +197,7 @@ OBJ = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": [
     # oneOf is anyOf here: refused where branches can overlap
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "'oneOf' whose branches can match the same value"),
     ({"oneOf": [OBJ, OBJ]}, "'oneOf' whose branches"),
+    ({"oneOf": [{"enum": [1, "a"]}, {"const": 1.0}]}, "'oneOf' whose branches"),  # 1 and 1.0 are one value
     # strings: lengths beside a pattern or format, lookarounds, quotes and backslashes
     ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 2}, "minLength / maxLength beside 'pattern'"),
     ({"type": "string", "format": "email", "maxLength": 20}, "minLength / maxLength beside 'format'"),
@@ -251,6 +260,7 @@ def test_a_keyword_the_engine_would_drop_is_refused_naming_it(compiler, schema, 
     {"type": "object", "propertyNames": {"enum": ["a", "b"]}, "maxProperties": 2},
     {"type": "array", "prefixItems": [{"type": "integer"}], "items": {"type": "string"}, "minItems": 2},
     {"properties": {"a": {"type": "integer"}}, "required": ["a"]},  # an object: the engine infers it
+    {"oneOf": [{"const": "a"}, {"enum": ["b", 1]}, {"const": True}]},  # no value listed twice: exclusive
     {"type": "object", "propertyNames": {"pattern": "^[ab]$"}},  # read as a string's
     {"type": "object", "propertyNames": {"anyOf": [{"const": "a"}, {"type": "string", "pattern": "^b$"}]}},
 ])
