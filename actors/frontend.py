@@ -422,9 +422,12 @@ class FrontendActor(Actor):
             response = _error_response(ApiError(err.status, _http_message(err, request), code=_http_code(err)))
             if "Allow" in err.headers:  # a 405 names the methods the route takes
                 response.headers["Allow"] = err.headers["Allow"]
-        except (asyncio.CancelledError, ConnectionError):
+        except asyncio.CancelledError:
             self.metrics.observe_request(_route(request), CLIENT_CLOSED)
             raise  # the client went away: nobody to answer
+        except ConnectionError:  # a write met the closed connection before aiohttp cancelled the handler
+            self.metrics.observe_request(_route(request), CLIENT_CLOSED)
+            return web.Response(status=CLIENT_CLOSED)  # aiohttp's write of it fails quietly (raised, it logs a traceback)
         except Exception as err:  # a bug of ours: this request fails alone, in the envelope
             self.log.exception("request %s %s failed", request.method, request.path)
             response = _error_response(ApiError(500, f"internal error: {type(err).__name__}: {err}"))

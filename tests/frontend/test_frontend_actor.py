@@ -312,6 +312,27 @@ def test_disconnect_mid_stream_aborts_every_choice(harness):
     run(body)
 
 
+def test_a_write_to_a_client_gone_is_a_499_without_a_traceback(harness):
+    """A write that meets the closed connection (before aiohttp cancels the
+    handler) ends the request as a 499, answered to aiohttp, which finishes
+    quietly: raised, aiohttp logs it as "Error handling request" with a traceback."""
+    from aiohttp import ClientConnectionResetError
+    from aiohttp.test_utils import make_mocked_request
+
+    async def body():
+        async with harness() as h:
+            async def handler(request):
+                raise ClientConnectionResetError("Cannot write to closing transport")
+
+            request = make_mocked_request("POST", CHAT)
+            response = await h.actor._errors_middleware(request, handler)
+            assert response.status == 499
+            async with h.session.get(h.url + "/metrics") as metrics:
+                assert 'status="499"} 1.0' in await metrics.text()  # (a mocked request matches no route)
+
+    run(body)
+
+
 def test_disconnect_while_waiting_aborts(harness):
     async def body():
         async with harness() as h:
