@@ -70,7 +70,9 @@ request's arena refs from here on (``mstar_actors.sched.media``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import Any
 
 import msgspec
@@ -105,6 +107,10 @@ from mstar_actors.messages import (
 
 class AgreementError(RuntimeError):
     """Ranks reported facts that cannot be combined (a configuration bug)."""
+
+
+class StepTimeout(RuntimeError):
+    """A step some rank never answered (``scheduler.step_timeout_s``)."""
 
 
 def combine_ready(ready: list[WorkerReady]) -> WorkerReady:
@@ -279,10 +285,20 @@ class ConductorActor(Actor):
             await self.dispatch(*item)
 
     async def await_step(self, step_id: int) -> dict[int, StepDone | StepFailed]:
-        """Every rank's answer to step ``step_id`` (the oldest in flight)."""
+        """Every rank's answer to step ``step_id`` (the oldest in flight);
+        StepTimeout, which stops the server, when one has not come within
+        ``scheduler.step_timeout_s`` of the wait's start."""
         results = self.step_results[step_id]
+        timeout_s = self.config.scheduler.step_timeout_s
+        deadline = time.monotonic() + timeout_s
         while len(results) < self.num_ranks:
-            channel, msg = await self.mailbox.get()
+            try:
+                channel, msg = await asyncio.wait_for(self.mailbox.get(), deadline - time.monotonic())
+            except TimeoutError:
+                silent = [rank for rank in range(self.num_ranks) if rank not in results]
+                raise StepTimeout(f"step {step_id}: no answer from rank(s) {silent} in {timeout_s:g} s "
+                                  "(scheduler.step_timeout_s): a rank hung (stopped, or stuck in a kernel); the "
+                                  "server stops so its requests fail instead of waiting; restart it") from None
             await self.dispatch(channel, msg)
         del self.step_results[step_id]
         return results

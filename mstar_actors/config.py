@@ -100,6 +100,10 @@ class SchedulerConfig(msgspec.Struct, **_STRICT):
     # device (on an H200, tools/bench_lora.py, 2 against 1: LoRA off +5% tok/s
     # at c=1, +10% at 32, +20% at 64 and 256, TTFT p50 +2-4 ms at 64-256), else 1.
     steps_ahead: Literal[1, 2] | None = None
+    # A step not answered by every rank in this long stops the server: a rank
+    # hung (stopped, or stuck in a kernel), and its requests fail with the
+    # reason instead of waiting for ever (as vLLM's execute-model timeout, 300 s).
+    step_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 300.0
 
 
 class KvConfig(msgspec.Struct, **_STRICT):

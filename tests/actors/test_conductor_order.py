@@ -90,3 +90,32 @@ def test_the_next_plan_leaves_before_the_steps_tokens():
     assert kinds[:12] == ["plan", "plan"] + ["plan", "tokens"] * 4 + ["tokens"] * 2, kinds
     plans = [m for m in sent if isinstance(m, StepPlan)]
     assert [len(p.scheduled) for p in plans] == [1] * 6 + [0] * (len(plans) - 6)  # then orders alone (the end)
+
+
+def test_a_step_a_rank_never_answers_stops_the_conductor():
+    """A hung rank (stopped, stuck in a kernel): past scheduler.step_timeout_s
+    the conductor exits naming the step and the rank, which stops the server
+    and fails the requests with the reason, instead of their waiting for ever."""
+    async def run() -> tuple[int, str]:
+        config = Config(model=ModelConfig(path="unused", name="base"),
+                        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, step_timeout_s=0.2),
+                        kv=KvConfig(block_size=4, num_blocks=64))
+        info = ModelInfo(served_name="base", model_dir="unused", architecture="LlamaForCausalLM", vocab_size=32,
+                         eos_token_ids=(2,), dtype="float32", max_model_len=64)
+        to_conductor = MemoryChannel(PrepareToConductor, "prepare.conductor")
+        to_rank = MemoryChannel(ConductorToWorker, "conductor.worker0")
+        from_rank = MemoryChannel(WorkerToConductor, "worker0.conductor")
+        conductor = ConductorActor(name="conductor", config=config, info=info,
+                                   inbox={"prepare": to_conductor, "worker0": from_rank},
+                                   outbox={"frontend": MemoryChannel(ConductorToFrontend, "conductor.frontend"),
+                                           "workers": MemoryBroadcast([to_rank], "workers")})
+        task = asyncio.create_task(conductor.run())
+        await from_rank.send(WorkerReady(rank=0, num_kv_blocks=64, block_size=4, max_model_len=64, eos_token_ids=[2]))
+        await to_conductor.send(Prepared(request_id=new_request_id("cmpl"), model="base", prompt_token_ids=[5, 6, 7],
+                                         sampling=SamplingParams(max_tokens=6)))
+        assert isinstance(await asyncio.wait_for(to_rank.recv(), 10), StepPlan)  # and the rank never answers
+        return await asyncio.wait_for(task, 10), conductor.failure
+
+    code, failure = asyncio.run(run())
+    assert code == 1
+    assert "StepTimeout: step 0: no answer from rank(s) [0] in 0.2 s (scheduler.step_timeout_s)" in failure
