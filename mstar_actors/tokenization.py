@@ -408,35 +408,43 @@ class StopStrings:
         self.include_stop = include_stop
         self.matched: str | None = None
         self._held = ""
+        self._unsearched = 0  # leading characters of the held text fed with search=False
 
     @property
     def is_stopped(self) -> bool:
         return self.matched is not None
 
-    def feed(self, new_text: str) -> tuple[str, bool]:
-        """(text safe to emit now, whether a stop string matched)."""
+    def feed(self, new_text: str, search: bool = True) -> tuple[str, bool]:
+        """(text safe to emit now, whether a stop string matched). With
+        ``search`` False (the text of the first ``min_tokens`` tokens, as
+        vLLM's) no match ends in ``new_text``, but one may begin there and
+        end in text fed later."""
         if not self.stops:  # nothing to look for, nothing held
             return new_text, False
         if self.is_stopped:
             return "", True
         text = self._held + new_text
-        match_at, match = self._find_first_match(text)
-        if match is not None:
-            self.matched, self._held = match, ""
-            return text[: match_at + (len(match) if self.include_stop else 0)], True
+        if search:
+            match_at, match = self._find_first_match(text, self._unsearched)
+            if match is not None:
+                self.matched, self._held = match, ""
+                return text[: match_at + (len(match) if self.include_stop else 0)], True
         num_held = self._num_partial_suffix(text)
-        self._held = text[len(text) - num_held :]
-        return text[: len(text) - num_held], False
+        num_emitted = len(text) - num_held
+        self._unsearched = max(0, (self._unsearched if search else len(text)) - num_emitted)
+        self._held = text[num_emitted:]
+        return text[:num_emitted], False
 
     def flush(self) -> str:
         """The held-back text, when the request ends without a match."""
         held, self._held = self._held, ""
         return "" if self.is_stopped else held
 
-    def _find_first_match(self, text: str) -> tuple[int, str | None]:
+    def _find_first_match(self, text: str, min_end: int = 0) -> tuple[int, str | None]:
+        """The earliest stop in ``text`` that ends past its first ``min_end`` characters."""
         best_at, best = len(text), None
         for stop in self.stops:
-            at = text.find(stop)
+            at = text.find(stop, max(0, min_end - len(stop) + 1))
             if at != -1 and at < best_at:
                 best_at, best = at, stop
         return best_at, best

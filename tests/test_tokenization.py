@@ -447,3 +447,17 @@ def test_an_output_cut_anywhere_reads_as_the_whole_decode(tokenization):
             whole = tokenization.decode(ids[:j])
             expected = whole[len(full):] if whole.startswith(full) else whole[len(read):]
             assert "".join(stream(tokenization.make_detokenizer(prompt), ids[k:j])) == expected, (k, j)
+
+
+def test_a_stop_may_begin_in_unsearched_text_and_end_after_it():
+    """vLLM's min_tokens: the text of those tokens is not searched, but a stop
+    that begins there and ends in later text matches (its start held back)."""
+    stops = StopStrings(["lo wor", "ll"])
+    assert stops.feed("Hello", search=False) == ("Hel", False)  # "lo" may begin "lo wor"; "ll" ends in it: no match
+    assert stops.feed(" world") == ("", True) and stops.matched == "lo wor"
+    stops = StopStrings(["ll", "xyz"])
+    assert stops.feed("Hell", search=False) == ("Hel", False)
+    assert stops.feed("ll") == ("", True)  # "l" + "l" ends past it: "Hel" as vLLM's
+    stops = StopStrings(["abc"], include_stop=True)
+    assert stops.feed("xab", search=False) == ("x", False)
+    assert stops.feed("c!") == ("abc", True)

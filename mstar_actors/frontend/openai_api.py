@@ -1258,8 +1258,8 @@ class ChoiceOutput:
             ids = [] if token.token_id in self.hidden_stop_ids else [token.token_id]
             text = self.detokenizer.add(ids)
             self.num_decoded_chars += len(text)
-            # as vLLM: stop strings are looked for in the text of the tokens after the first min_tokens
-            emit, matched = (text, False) if self.num_output_tokens <= self.min_tokens else self.stops.feed(text)
+            # as vLLM: a stop string ends past the text of the first min_tokens tokens (it may begin in it)
+            emit, matched = self.stops.feed(text, search=self.num_output_tokens > self.min_tokens)
             self._append(emit, emitted)
             if matched:
                 self.finish_reason = "stop"

@@ -387,6 +387,11 @@ def test_stop_strings_wait_for_min_tokens(harness):
             assert r["choices"][0]["message"]["content"].startswith("Hello world! This")
             _, r = await h.post(CHAT, chat_body(stop=[" world"], min_tokens=at - 1))
             assert r["choices"][0]["message"]["content"] == "Hello"
+            # one that begins in that text and ends past it stops the output there
+            _, r = await h.post(CHAT, chat_body(stop=["lo wor"], min_tokens=1))
+            assert r["choices"][0]["message"]["content"] == "Hel"
+            _, r = await h.post(CHAT, chat_body(stop=["lo wor", "ll"], min_tokens=at))  # "ll" ends in it: passed
+            assert r["choices"][0]["message"]["content"].startswith("Hello world! This")
 
     run(body)
 

@@ -47,7 +47,7 @@ def reference_add(choice: ChoiceOutput, tokens: list) -> tuple[str, list]:
             ids.pop()
         text = choice.detokenizer.add(ids)
         choice.num_decoded_chars += len(text)
-        emit, matched = (text, False) if choice.num_output_tokens < choice.min_tokens else choice.stops.feed(text)
+        emit, matched = choice.stops.feed(text, search=choice.num_output_tokens > choice.min_tokens)
         choice._append(emit, emitted)
         if matched:
             choice.finish_reason = "stop"
