@@ -752,7 +752,7 @@ class ForcedCallStream:
     grammar holds the reply to ``{"name": ..., KEY: {...}}`` calls joined by
     the format's separator, so each piece is known to be the arguments'.
     Concatenated, a call's pieces are the arguments' JSON as the model wrote
-    it; ``read_calls`` (a response) re-serialises the same object."""
+    it, which ``read_calls`` (a response) reads through this same class."""
 
     def __init__(self, request: ToolRequest):
         self._head = _head_pattern(request.parser)
@@ -975,7 +975,7 @@ def read_calls(request: ToolRequest, text: str) -> tuple[str | None, list[Parsed
     A forced reply's calls are ``ForcedCallStream``'s: each call's
     arguments as written, and a reply cut by ``max_tokens`` still a call
     whose arguments go as far as they were written (as vLLM's named call);
-    content only where no call's name was written."""
+    content only where no call's head (its name and the arguments' key) was written."""
     if request.is_forced:
         stream = ForcedCallStream(request)
         calls = _calls_of(stream.feed(text))

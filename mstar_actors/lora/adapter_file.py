@@ -382,13 +382,13 @@ def _split_key(key: str, name: str) -> tuple[str, str]:
     for suffix, kind in _KINDS.items():
         if path.endswith("." + suffix):
             return path[: -len(suffix) - 1], kind
-    if m := re.search(r"\.(lora_[AB]|lora_embedding_[AB])\.([^.]+)(\.weight)?$", path):
+    if m := re.search(r"\.(lora_[AB])\.([^.]+)\.weight$|\.(lora_embedding_[AB])\.(?!weight$)([^.]+)$", path):
         raise AdapterError(
-            f"adapter {name!r}: tensor {key!r} carries PEFT's adapter name {m.group(2)!r} (a state_dict saved as "
+            f"adapter {name!r}: tensor {key!r} carries PEFT's adapter name {m.group(2) or m.group(4)!r} (a state_dict saved as "
             f"it is); accepted keys end in lora_A.weight / lora_B.weight / lora_embedding_A / lora_embedding_B, as "
             "PEFT's save_pretrained writes them"
         )
-    if path.endswith(".weight"):
+    if path.endswith(".weight") and ".lora_" not in path:
         raise AdapterError(
             f"adapter {name!r}: tensor {key!r} is a full module weight (PEFT saves modules_to_save that way), "
             "which would replace a base weight and is not served; accepted: LoRA factors only"
@@ -416,8 +416,8 @@ def _pair_tensors(tensors: dict, base: BaseShapes, name: str) -> dict[str, tuple
                                "weights (the adapter's training diverged or its file is damaged)")
         if (other := keys.setdefault((module_path, kind), key)) != key:
             raise AdapterError(f"adapter {name!r}: tensors {other!r} and {key!r} are the same factor of module "
-                               f"{module_path!r} (with and without PEFT's 'base_model.model.' prefix); accepted: "
-                               "one tensor per factor (PEFT's save_pretrained writes one)")
+                               f"{module_path!r} (two spellings of one key); accepted: one tensor per factor "
+                               "(PEFT's save_pretrained writes one)")
         found.setdefault(module_path, {})[kind] = tensor
     for module_path, kinds in found.items():
         missing = {"A", "B"} - kinds.keys()

@@ -232,19 +232,24 @@ def _subschemas(schema: dict, where: str) -> Iterator[tuple[str, str, Any]]:
             yield key, f"{where}'s {key}", schema[key]
 
 
-# Keywords of one type's values: the engine applies them beside a "type" only
-# (without one, any JSON value passes); beside "properties" / "items" it infers
-# an object / array itself.
-_TYPED_KEYWORDS = {"string": ("pattern", "format", "minLength", "maxLength"),
-                   "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")}
+# Keywords of one type's values, the type as a schema names it, and the keywords
+# beside which the engine infers that type itself: without a "type" or one of
+# those, it applies none of them (any JSON value passes).
+_TYPED_KEYWORDS = (
+    ('"string"', ("pattern", "format", "minLength", "maxLength"), ()),
+    ('"number" or "integer"', ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"), ()),
+    ('"array"', ("minItems", "maxItems"), ("items", "prefixItems")),
+    ('"object"', ("minProperties", "maxProperties", "patternProperties", "propertyNames"),
+     ("properties", "additionalProperties")),
+)
 
 
 def _typeless_problem(schema: dict, where: str) -> str | None:
     if "type" in schema or any(k in schema for k in _REPLACING):
         return None
-    for kind, keys in _TYPED_KEYWORDS.items():
-        if found := [k for k in keys if k in schema]:
-            wanted = '"string"' if kind == "string" else '"number" or "integer"'
+    for wanted, keys, inferred_from in _TYPED_KEYWORDS:
+        found = [k for k in keys if k in schema]
+        if found and not any(k in schema for k in inferred_from):
             return (f"{where} has {found[0]!r} but no 'type', which the engine needs to apply it (any JSON value "
                     f"would pass); add \"type\": {wanted}")
     return None
@@ -259,19 +264,24 @@ def _names_problem(schema: dict, where: str, root: dict) -> str | None:
         if isinstance(schema.get(key), list):
             choices += schema[key]
     for choice in choices:
-        if not _is_string_schema(_resolve(choice, root)):
+        if not _is_string_schema(choice, root):
             return (f"{where} lists {json.dumps(choice)[:80]}, which allows values that are not strings, and a "
                     "property name is one; give each choice \"type\": \"string\" (or string const / enum values)")
     return None
 
 
-def _is_string_schema(schema: Any) -> bool:
+def _is_string_schema(schema: Any, root: dict) -> bool:
+    """Whether ``schema`` (its "#..." reference followed) allows strings alone."""
+    schema = _resolve(schema, root)
     if not isinstance(schema, dict):
         return False
     if "const" in schema:
         return isinstance(schema["const"], str)
     if "enum" in schema:
         return isinstance(schema["enum"], list) and all(isinstance(v, str) for v in schema["enum"])
+    branches = [b for key in ("anyOf", "oneOf", "allOf") if isinstance(schema.get(key), list) for b in schema[key]]
+    if branches:
+        return all(_is_string_schema(b, root) for b in branches)
     return schema.get("type") == "string"
 
 
@@ -426,8 +436,24 @@ def _listed_values(schema: Any) -> set[str] | None:
     values = [schema["const"]] if "const" in schema else schema.get("enum")
     if not isinstance(values, list):
         return None
-    return {repr(float(v)) if isinstance(v, (int, float)) and not isinstance(v, bool) else json.dumps(v, sort_keys=True)
-            for v in values}
+    return {_value_key(v) for v in values}
+
+
+def _value_key(value: Any) -> str:
+    """A JSON value as a key that JSON Schema's equality keeps: 1, 1.0 and
+    -0.0 / 0 alike, in lists and objects too."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (int, float)):
+        try:
+            return repr(float(value) + 0.0)
+        except OverflowError:  # an integer past a double: no float equals it
+            return str(value)
+    if isinstance(value, list):
+        return "[" + ",".join(_value_key(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{json.dumps(k)}:{_value_key(v)}" for k, v in sorted(value.items())) + "}"
+    return repr(value)
 
 
 def _resolve(schema: Any, root: dict) -> Any:
@@ -449,24 +475,23 @@ _OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 FORMAT_PATTERNS = {"ipv4": rf"^({_OCTET}\.){{3}}{_OCTET}$"}
 
 
-def _with_format_patterns(schema: Any, where: str = "") -> Any:
-    """``schema`` with each ``FORMAT_PATTERNS`` format as its pattern (a copy
-    where one is; the rest of the schema as it is)."""
+def _with_format_patterns(schema: Any) -> Any:
+    """``schema`` with each ``FORMAT_PATTERNS`` format as its pattern (a copy;
+    the rest of the schema as it is)."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     if out.get("format") in FORMAT_PATTERNS and "pattern" not in out:
         out["pattern"] = FORMAT_PATTERNS[out.pop("format")]
-    for key, _, sub in _subschemas(schema, where):
-        if key in _SCHEMA_MAPS:
-            continue
-        if key in _SCHEMA_LISTS:
-            out[key] = [_with_format_patterns(b) for b in schema[key]]
-        else:
-            out[key] = _with_format_patterns(sub)
     for key in _SCHEMA_MAPS:
         if isinstance(schema.get(key), dict):
             out[key] = {name: _with_format_patterns(sub) for name, sub in schema[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            out[key] = [_with_format_patterns(sub) for sub in schema[key]]
+    for key in _SCHEMA_VALUES:
+        if key in schema:
+            out[key] = _with_format_patterns(schema[key])
     return out
 
 

@@ -197,7 +197,8 @@ def test_refuses_two_tensors_of_one_factor(saved):
     key = "model.layers.0.self_attn.q_proj.lora_A.weight"
     a = read_adapter(folder, base=base, max_rank=8).layers[0]["self_attn.q_proj"].a
     edit_adapter(folder, tensors={key: a + 1})
-    msg = _refused(folder, base, r"tensors '.*q_proj.lora_A.weight' and '.*q_proj.lora_A.weight' are the same factor")
+    msg = _refused(folder, base, r"tensors '.*q_proj.lora_A.weight' and '.*q_proj.lora_A.weight' are the same factor "
+                                 r"of module 'model.layers.0.self_attn.q_proj' \(two spellings of one key\)")
     assert "base_model.model.model.layers.0" in msg and f"'{key}'" in msg
     edit_adapter(folder, drop=(key,), tensors={
         "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight": a,
@@ -213,6 +214,9 @@ def test_refuses_keys_with_peft_adapter_names(saved):
                                   torch.zeros(4, 64)})
     msg = _refused(folder, base, r"carries PEFT's adapter name 'default'")
     assert "lora_A.weight" in msg and "full module weight" not in msg
+    edit_adapter(folder, drop=("base_model.model.model.layers.0.self_attn.k_proj.lora_A.default.weight",),
+                 tensors={"base_model.model.model.embed_tokens.lora_embedding_A.weight": torch.zeros(4, 64)})
+    msg = _refused(folder, base, r"lora_embedding_A.weight' is not a LoRA factor; accepted keys end in")
 
 
 def test_refuses_unknown_target(saved):

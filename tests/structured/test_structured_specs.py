@@ -198,6 +198,7 @@ OBJ = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": [
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "'oneOf' whose branches can match the same value"),
     ({"oneOf": [OBJ, OBJ]}, "'oneOf' whose branches"),
     ({"oneOf": [{"enum": [1, "a"]}, {"const": 1.0}]}, "'oneOf' whose branches"),  # 1 and 1.0 are one value
+    ({"oneOf": [{"const": [0, {"a": 1}]}, {"const": [-0.0, {"a": 1.0}]}]}, "'oneOf' whose branches"),
     # strings: lengths beside a pattern or format, lookarounds, quotes and backslashes
     ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 2}, "minLength / maxLength beside 'pattern'"),
     ({"type": "string", "format": "email", "maxLength": 20}, "minLength / maxLength beside 'format'"),
@@ -226,6 +227,8 @@ OBJ = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": [
     # a type's keywords without a type: the engine lets any value through
     ({"minimum": 5, "maximum": 6}, "has 'minimum' but no 'type'"),
     ({"type": "object", "properties": {"n": {"minLength": 2}}}, "properties['n'] has 'minLength' but no 'type'"),
+    ({"maxItems": 1}, "has 'maxItems' but no 'type'"),
+    ({"patternProperties": {"^a": {"type": "integer"}}}, "has 'patternProperties' but no 'type'"),
     # a property name is a string: each choice of propertyNames must be one (the engine wrote {true: true})
     ({"type": "object", "propertyNames": {"anyOf": [{"const": "a"}, {"pattern": "^z[0-9]$"}]}},
      "propertyNames lists {\"pattern\": \"^z[0-9]$\"}, which allows values that are not strings"),
@@ -261,6 +264,9 @@ def test_a_keyword_the_engine_would_drop_is_refused_naming_it(compiler, schema, 
     {"type": "array", "prefixItems": [{"type": "integer"}], "items": {"type": "string"}, "minItems": 2},
     {"properties": {"a": {"type": "integer"}}, "required": ["a"]},  # an object: the engine infers it
     {"oneOf": [{"const": "a"}, {"enum": ["b", 1]}, {"const": True}]},  # no value listed twice: exclusive
+    {"items": {"type": "integer"}, "minItems": 1},  # an array: the engine infers it
+    {"type": "object", "propertyNames": {"anyOf": [{"anyOf": [{"const": "a"}]}, {"$ref": "#/$defs/k"}]},
+     "$defs": {"k": {"type": "string", "pattern": "^k$"}}},
     {"type": "object", "propertyNames": {"pattern": "^[ab]$"}},  # read as a string's
     {"type": "object", "propertyNames": {"anyOf": [{"const": "a"}, {"type": "string", "pattern": "^b$"}]}},
 ])
