@@ -929,7 +929,7 @@ class FrontendActor(Actor):
         args = (exchange.response_id, exchange.model, exchange.created)
         if exchange.parsed.kind == "chat":
             out = [api.chat_choice(c.index, c.text, c.finish_reason, c.chat_logprobs()) for c in choices]
-            out = [_with_tool_calls(exchange.parsed, choice) for choice in out]
+            out = [_with_tool_calls(exchange.parsed, choice, own.stop_reason) for choice, own in zip(out, choices)]
             body = api.chat_response(*args, out, self._usage(exchange))
         else:
             out = [api.completion_choice(c.index, c.echo_text + c.text, c.finish_reason, c.legacy_logprobs())
@@ -1103,10 +1103,10 @@ class _Stream:
             deltas = [{"tool_calls": [part]} for part in reader.feed(text)]
             if choice.is_done and (content := reader.flush()):  # a reply cut before its first call: content
                 deltas.insert(0, {"content": content})
-            return deltas, finish_reason(choice.finish_reason, reader.num_calls)
+            return deltas, finish_reason(choice.finish_reason, reader.num_calls, choice.stop_reason)
         if isinstance(reader, HermesCallStream):  # content and calls in order, arguments as they are written
             deltas = reader.feed(text) + (reader.flush() if choice.is_done else [])
-            return deltas, finish_reason(choice.finish_reason, reader.num_calls)
+            return deltas, finish_reason(choice.finish_reason, reader.num_calls, choice.stop_reason)
         first_index = reader.num_calls
         content, calls = reader.feed(text)
         if choice.is_done:
@@ -1115,7 +1115,7 @@ class _Stream:
         deltas = [{"content": content}] if content else []
         for k, call in enumerate(calls):
             deltas += [{"tool_calls": [part]} for part in call.as_deltas(first_index + k)]
-        return deltas, finish_reason(choice.finish_reason, reader.num_calls)
+        return deltas, finish_reason(choice.finish_reason, reader.num_calls, choice.stop_reason)
 
     async def _write_tool_chunks(self, choice: ChoiceOutput, deltas: list[dict], reason: str | None,
                                  logprobs: list[dict] | None) -> None:
@@ -1230,7 +1230,7 @@ def _tool_readers(exchange: Exchange) -> dict[int, Any]:
     return {index: stream_reader(tools) for index in range(exchange.num_choices)}
 
 
-def _with_tool_calls(parsed: ParsedRequest, choice: dict) -> dict:
+def _with_tool_calls(parsed: ParsedRequest, choice: dict, stop_reason: str | int | None) -> dict:
     """A full chat choice with the calls its text made (content: the text
     around them, or null), when the request reads tool calls."""
     if parsed.tools is None or not parsed.tools.reads_calls:
@@ -1240,7 +1240,7 @@ def _with_tool_calls(parsed: ParsedRequest, choice: dict) -> dict:
     message["content"] = content
     if calls:
         message["tool_calls"] = [call.as_dict() for call in calls]
-    choice["finish_reason"] = finish_reason(choice["finish_reason"], len(calls))
+    choice["finish_reason"] = finish_reason(choice["finish_reason"], len(calls), stop_reason)
     return choice
 
 

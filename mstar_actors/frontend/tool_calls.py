@@ -1000,6 +1000,8 @@ def _calls_of(entries: list[dict]) -> list[ParsedCall]:
     return calls
 
 
-def finish_reason(engine_reason: str | None, num_calls: int) -> str | None:
-    """``tool_calls`` when a reply that ended by itself made calls (a cut one stays ``length``)."""
-    return "tool_calls" if num_calls and engine_reason == "stop" else engine_reason
+def finish_reason(engine_reason: str | None, num_calls: int, stop_reason: str | int | None = None) -> str | None:
+    """``tool_calls`` when a reply that ended by itself made calls: a cut one
+    stays ``length``, and one a client's stop string or token ended stays
+    ``stop`` (``stop_reason``: its last call may be cut short)."""
+    return "tool_calls" if num_calls and engine_reason == "stop" and stop_reason is None else engine_reason

@@ -134,6 +134,23 @@ async def test_forced_call_is_constrained_and_read_bare(tool_harness, tool_choic
 
 
 @asynctest
+async def test_a_forced_call_a_stop_string_cuts_is_a_call_that_finished_on_stop(tool_harness):
+    """The client's stop string ended the reply, maybe inside the arguments:
+    its call as far as it was written, finish "stop" with the stop_reason
+    (not "tool_calls", which says the model finished its calls)."""
+    async with tool_harness() as h:
+        h.engine.reply_text = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}'
+        forced = _body(tool_choice="required", stop=["Oslo"])
+        status, body = await h.post("/v1/chat/completions", forced)
+        choice = body["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", "Oslo")
+        assert choice["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "'
+        _, events = await h.stream("/v1/chat/completions", forced)
+        streamed = _assemble(events)
+        assert streamed["finish_reason"] == "stop" and streamed["calls"][0]["arguments"] == '{"city": "'
+
+
+@asynctest
 async def test_each_choice_reads_its_own_calls(tool_harness):
     async with tool_harness() as h:
         h.engine.reply_text = CALL_REPLY

@@ -314,6 +314,7 @@ def test_finish_reason():
     assert tc.finish_reason("stop", 1) == "tool_calls"
     assert tc.finish_reason("stop", 0) == "stop"
     assert tc.finish_reason("length", 2) == "length"  # a cut reply says so
+    assert tc.finish_reason("stop", 1, "STOP") == tc.finish_reason("stop", 1, 7) == "stop"  # the client's stop
 
 
 def test_call_ids_and_shapes():
