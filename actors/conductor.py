@@ -246,6 +246,7 @@ class ConductorActor(Actor):
     # ---- the busy loop ----------------------------------------------------
 
     async def serve(self) -> None:
+        stats_due = False  # an arrival or abort while idle: the gauges once its plan (if any) is sent
         while True:
             await self.apply_arrived()  # 1
             if self.scheduler.can_schedule():
@@ -254,7 +255,13 @@ class ConductorActor(Actor):
                     plan = self.scheduler.schedule_orders()
                 if plan is not None:
                     await self.send_plan(plan)  # 2
+                    if stats_due:  # an arrival planned at once runs: not reported as waiting first
+                        stats_due = False
+                        await self.send_stats()
                     continue
+            if stats_due:
+                stats_due = False
+                await self.send_stats()
             if self.step_results:
                 oldest = next(iter(self.step_results))
                 outputs = self.finish_step(oldest, await self.await_step(oldest))  # 3, 4
@@ -266,7 +273,7 @@ class ConductorActor(Actor):
                 await self.route(moved)  # every live row parked: their turns end now
                 continue
             await self.dispatch(*await self.mailbox.get())  # park until something arrives
-            await self.send_stats()  # an abort or arrival while idle changes the gauges
+            stats_due = True  # an abort or arrival while idle changes the gauges
 
     async def send_plan(self, plan: StepPlan) -> None:
         """Send ``plan``; a LoRA turn that ends with it (``AdapterPool.step``)

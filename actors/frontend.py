@@ -193,7 +193,7 @@ class FrontendActor(Actor):
         self._updates: dict[str, asyncio.Future] = {}  # runtime load/unload id -> its AdapterUpdate
         self.adapters: dict[str, str] = {}  # served adapter name -> path (set in start)
         self._unacked: set[str] = set()
-        self._num_engine_waiting = self._num_engine_running = 0  # the conductor's last EngineStats
+        self._num_engine_waiting = self._num_engine_running = self._num_engine_starting = 0  # its last EngineStats
         self._background: set[asyncio.Task] = set()
         self._idle = asyncio.Event()  # set when an exchange closes (the drain waits on it)
         self._runner: web.AppRunner | None = None
@@ -292,6 +292,7 @@ class FrontendActor(Actor):
                     exchange.push(msg)
             case EngineStats():
                 self._num_engine_waiting, self._num_engine_running = msg.num_waiting, msg.num_running
+                self._num_engine_starting = msg.num_starting
                 self.metrics.observe_engine(msg, counts_events=self.index == 0)
             case ModelsChanged(adapters=adapters):
                 self.adapters = {a.name: a.path for a in adapters}
@@ -789,8 +790,11 @@ class FrontendActor(Actor):
     def _admit(self, exchange: Exchange) -> None:
         """A 503 past ``server.max_waiting_requests`` choices waiting: the
         engine's count, or between its reports this frontend's own estimate,
-        the choices sent that have no output yet less the sequences the engine
-        can still start (a burst at an idle server runs at once)."""
+        the choices sent that have no output yet and are not starting (their
+        prefill in flight) less the sequences the engine can still start (a
+        burst at an idle server runs at once). Each frontend estimates its own:
+        between two of the engine's reports (a step apart), N frontends may
+        each let a burst in."""
         max_seqs, limit = self.config.scheduler.max_num_seqs, self.config.server.max_waiting_requests
         if exchange.num_choices > max_seqs + limit:  # it would never fit: no retry helps
             raise ApiError(400, f"{exchange.num_choices} choices (prompts x n) are more than this server holds at "
@@ -798,8 +802,9 @@ class FrontendActor(Actor):
                                 f"({limit}) waiting; send fewer", param="n")
         # sequences the engine can still start: none while it has a queue (its own waiting take them first)
         free = 0 if self._num_engine_waiting else max(0, max_seqs - self._num_engine_running)
-        num_waiting = max(self._num_engine_waiting, len(self._unacked) - free)
-        seats = max(0, free - len(self._unacked))  # sequences still free once those sent start
+        unstarted = max(0, len(self._unacked) - self._num_engine_starting)  # (running with no token yet: not waiting)
+        num_waiting = max(self._num_engine_waiting, unstarted - free)
+        seats = max(0, free - unstarted)  # sequences still free once those sent start
         if num_waiting + max(0, exchange.num_choices - seats) > limit:
             raise ApiError(503, f"server overloaded: {num_waiting} requests waiting (limit {limit}); retry later",
                            code="overloaded")

@@ -147,6 +147,10 @@ class ServerConfig(msgspec.Struct, **_STRICT):
     # the server ("*": any, the default; []: none). Preflights need no API key.
     allowed_origins: list[str] = msgspec.field(default_factory=lambda: ["*"])
     max_body_bytes: Pos = 4 * 1024 * 1024
+    # Choices (prompts x n) waiting past the running sequences before a new
+    # request is a 503: the engine's count, and between its reports (a step
+    # apart) each frontend's own estimate, so with api_server_count N a burst
+    # may pass it by up to N times until the next report.
     max_waiting_requests: Pos = 1024
     allowed_media_dir: str | None = None
     # http(s) media may reach only public addresses (mstar_actors.prepare.media_guard).

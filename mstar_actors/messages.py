@@ -394,6 +394,9 @@ class EngineStats(Struct, frozen=True, tag=True, omit_defaults=True):
     num_kv_blocks_used: int
     num_kv_blocks_total: int
     num_preemptions: int = 0
+    # Running sequences with no output token yet (their prefill in flight): a
+    # frontend's choices sent with no output, less these, wait or are on their way.
+    num_starting: int = 0
     # Requests held until their adapter is installed on every rank (included
     # in num_waiting): a full adapter pool is backpressure, visible here.
     num_waiting_for_adapter: int = 0

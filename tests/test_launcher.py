@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from mstar_actors.launcher import STOP_TIMEOUT_S
+
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 180
 
@@ -298,7 +300,8 @@ def test_a_stop_while_actors_start_does_not_wait_for_their_models(model_dir, run
         started = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         srv.wait_exit()
-        assert time.monotonic() - started < 5 and "did not stop within" not in srv.log, srv.log
+        # (well under the stop timeout it used to wait out, with room for a loaded machine)
+        assert time.monotonic() - started < STOP_TIMEOUT_S * 0.8 and "did not stop within" not in srv.log, srv.log
     finally:
         srv.kill()
 

@@ -787,6 +787,7 @@ class Scheduler:
             num_kv_blocks_used=self.allocator.num_used,
             num_kv_blocks_total=self.allocator.num_blocks,
             num_preemptions=self.num_preemptions,
+            num_starting=sum(1 for seq in self.running if not seq.output_token_ids),
             num_state_slots_used=self.state_slots.num_used if self.state_slots else 0,
             num_state_slots_total=self.state_slots.num_slots if self.state_slots else 0,
         )

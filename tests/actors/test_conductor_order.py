@@ -12,6 +12,7 @@ from mstar_actors.config import Config, KvConfig, ModelConfig, SchedulerConfig
 from mstar_actors.messages import (
     ConductorToFrontend,
     ConductorToWorker,
+    EngineStats,
     Finished,
     Prepared,
     PrepareToConductor,
@@ -72,6 +73,10 @@ def test_the_next_plan_leaves_before_the_steps_tokens():
                                    inbox={"prepare": to_conductor, "worker0": from_rank},
                                    outbox={"frontend": to_frontend, "workers": MemoryBroadcast([to_rank], "workers")})
         tasks = [asyncio.create_task(conductor.run()), asyncio.create_task(fake_rank(to_rank, from_rank))]
+        while not isinstance(await to_frontend.recv(), EngineStats):  # started: the request comes to it idle
+            pass
+        for _ in range(10):
+            await asyncio.sleep(0)
         await to_conductor.send(Prepared(request_id=new_request_id("cmpl"), model="base", prompt_token_ids=[5, 6, 7],
                                          sampling=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)))
         while not isinstance(await to_frontend.recv(), Finished):
@@ -90,6 +95,10 @@ def test_the_next_plan_leaves_before_the_steps_tokens():
     assert kinds[:12] == ["plan", "plan"] + ["plan", "tokens"] * 4 + ["tokens"] * 2, kinds
     plans = [m for m in sent if isinstance(m, StepPlan)]
     assert [len(p.scheduled) for p in plans] == [1] * 6 + [0] * (len(plans) - 6)  # then orders alone (the end)
+    # the arrival at an idle conductor is reported once planned: running (its prefill in flight), not waiting
+    # (frontends counted it against max_waiting_requests: a burst at an idle server had 503s)
+    reports = [(m.num_running, m.num_waiting, m.num_starting) for m in sent if isinstance(m, EngineStats)]
+    assert reports[:2] == [(0, 0, 0), (1, 0, 1)], reports
 
 
 def test_a_step_a_rank_never_answers_stops_the_conductor():

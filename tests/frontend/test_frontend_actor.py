@@ -489,6 +489,34 @@ def test_a_burst_at_an_idle_server_is_admitted_up_to_its_sequences_plus_max_wait
     run(body)
 
 
+def test_a_burst_the_engine_reports_in_the_middle_of_is_admitted_as_one_it_does_not(harness):
+    """The engine's report after it planned the first of the burst (one
+    running, its prefill in flight, no token yet) leaves the room the burst
+    had: 2 sequences and 3 waiting take 5 (the running one was counted as
+    waiting too: 4 went in)."""
+    async def body():
+        async with harness(max_waiting_requests=3) as h:
+            scheduler = msgspec.structs.replace(h.actor.config.scheduler, max_num_seqs=2)
+            h.actor.config = msgspec.structs.replace(h.actor.config, scheduler=scheduler)
+            h.engine.plan = hold
+            first = asyncio.create_task(h.post(CHAT, chat_body()))
+            await h.engine.wait_for(lambda: len(h.engine.requests) == 1)
+            await h.engine.send(EngineStats(num_running=1, num_waiting=0, num_starting=1, num_kv_blocks_used=1,
+                                            num_kv_blocks_total=10))
+            while h.actor._num_engine_starting != 1:
+                await asyncio.sleep(0)
+            held = [asyncio.create_task(h.post(CHAT, chat_body())) for _ in range(4)]
+            await h.engine.wait_for(lambda: len(h.engine.requests) == 5)
+            status, r = await h.post(CHAT, chat_body())
+            assert status == 503 and "3 requests waiting (limit 3)" in r["error"]["message"], r
+            for req in list(h.engine.requests.values()):
+                for msg in h.engine.reply(req):
+                    await h.engine.send(msg)
+            assert [s for s, _ in await asyncio.gather(first, *held)] == [200] * 5
+
+    run(body)
+
+
 def test_auth_model_size_and_route_errors(harness):
     async def body():
         async with harness(api_key="sekret", max_body_bytes=1 << 20) as h:

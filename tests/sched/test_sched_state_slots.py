@@ -217,7 +217,7 @@ def test_stats_carry_the_slot_gauges():
     sched.add(make_request("r0"), ROOT)
     sched.schedule()
     assert sched.stats() == EngineStats(num_running=1, num_waiting=0, num_kv_blocks_used=2, num_kv_blocks_total=64,
-                                        num_state_slots_used=1, num_state_slots_total=2)
+                                        num_state_slots_used=1, num_state_slots_total=2, num_starting=1)
 
 
 class SlotTrial(Trial):
