@@ -122,6 +122,7 @@ class Exchange:
         self._pending: collections.deque = collections.deque()
         self._waiter: asyncio.Future | None = None  # the handler's, while it waits for an output
         self.is_overflowed = False
+        self.is_refused = False  # the engine refused it with a 4xx (the client's input): no choice of it ran to an end
         self.prompt_token_ids: list[list[int]] = []  # per request, when return_token_ids or echo asks
 
     def push(self, msg: Any) -> None:
@@ -864,7 +865,8 @@ class FrontendActor(Actor):
             self._abort(rid)
         seconds = time.perf_counter() - exchange.arrival
         for choice in exchange.choices.values():
-            self.metrics.observe_end(choice.finish_reason, seconds)
+            if choice.finish_reason is not None or not exchange.is_refused:  # a 4xx is no request's end (vLLM's)
+                self.metrics.observe_end(choice.finish_reason, seconds)
         for rid in [*exchange.choice_ids, *exchange.choices]:
             self._exchanges.pop(rid, None)
             self._unacked.discard(rid)
@@ -1016,6 +1018,7 @@ def _failure(exchange: Exchange, msg: Failed) -> ApiError:
     server's failure names the response's id, which the server's log names too."""
     param = exchange.parsed.cap_param if msg.param == "max_tokens" else msg.param
     message = msg.message if msg.status < 500 else f"request {exchange.response_id}: {msg.message}"
+    exchange.is_refused = exchange.is_refused or msg.status < 500
     return ApiError(msg.status, message, param=param, code=msg.code, error_type=msg.error_type)
 
 

@@ -385,6 +385,9 @@ def test_engine_refusal_before_output_keeps_its_status(harness):
             assert status == 400 and r["error"]["param"] == "messages"
             status, (r,) = await h.stream(CHAT, chat_body())
             assert status == 400 and "max_model_len" in r["error"]["message"]
+            # the client's mistake is no request's end in vLLM's request_success (it read as aborts)
+            async with h.session.get(h.url + "/metrics") as resp:
+                assert 'finished_reason="abort"' not in await resp.text()
 
     run(body)
 
