@@ -1108,10 +1108,8 @@ class _Stream:
         forced reply's calls as they are written; and the choice's finish reason."""
         reader = self.tool_readers[choice.index]
         if isinstance(reader, ForcedCallStream):  # a forced reply's calls, streamed as they are written
-            deltas = [{"tool_calls": [part]} for part in reader.feed(text)]
-            if choice.is_done and (content := reader.flush()):  # a reply cut before its first call: content
-                deltas.insert(0, {"content": content})
-            return deltas, finish_reason(choice.finish_reason, reader.num_calls, choice.stop_reason)
+            parts = reader.feed(text) + (reader.flush() if choice.is_done else [])
+            return [{"tool_calls": [part]} for part in parts], choice.finish_reason  # (a forced call's: as vLLM's)
         if isinstance(reader, HermesCallStream):  # content and calls in order, arguments as they are written
             deltas = reader.feed(text) + (reader.flush() if choice.is_done else [])
             return deltas, finish_reason(choice.finish_reason, reader.num_calls, choice.stop_reason)
@@ -1248,7 +1246,8 @@ def _with_tool_calls(parsed: ParsedRequest, choice: dict, stop_reason: str | int
     message["content"] = content
     if calls:
         message["tool_calls"] = [call.as_dict() for call in calls]
-    choice["finish_reason"] = finish_reason(choice["finish_reason"], len(calls), stop_reason)
+    if not parsed.tools.is_forced:  # a forced reply keeps the engine's reason, as vLLM's and OpenAI's
+        choice["finish_reason"] = finish_reason(choice["finish_reason"], len(calls), stop_reason)
     return choice
 
 

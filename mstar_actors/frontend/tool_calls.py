@@ -731,18 +731,27 @@ class _ValueEnd:
         return text, "", False
 
 
+# A call's opening through its name (the first group, a JSON string's text: a name that would not decode is none).
+_NAME_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*)"')
+
+
 def _head_pattern(parser: str, lookahead: str = "") -> re.Pattern:
     """A call's head as the grammar and the formats write it: ``{"name":
     "...", KEY: `` (the name the first group, a JSON string's text: a name
     that would not decode is no head)."""
-    return re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*)"\s*,\s*"'
-                      + re.escape(ARGUMENTS_KEY[parser]) + r'"\s*:\s*' + lookahead)
+    return re.compile(_NAME_HEAD.pattern + r'\s*,\s*"' + re.escape(ARGUMENTS_KEY[parser]) + r'"\s*:\s*' + lookahead)
+
+
+def _name_in(head: re.Match) -> str:
+    """The name a matched head (``_NAME_HEAD``, ``_head_pattern``) wrote, decoded."""
+    return json.loads(f'"{head.group(1)}"')
 
 
 def _head_delta(index: int, name: str) -> dict:
     """A streamed call's first entry: its id, type and name, arguments ""."""
-    return {"index": index, "id": new_call_id(), "type": "function",
-            "function": {"name": json.loads(f'"{name}"'), "arguments": ""}}
+    return {"index": index, "id": new_call_id(), "type": "function", "function": {"name": name, "arguments": ""}}
+
+
 
 
 class ForcedCallStream:
@@ -756,6 +765,7 @@ class ForcedCallStream:
 
     def __init__(self, request: ToolRequest):
         self._head = _head_pattern(request.parser)
+        self._function = request.function  # a named tool_choice's: the call's name whatever was written
         self._held = ""  # text not yet read: a head being written, or what follows a call
         self._value: _ValueEnd | None = None  # inside a call's arguments
         self._closing = False  # a call's arguments ended: its own closing brace next
@@ -783,16 +793,25 @@ class ForcedCallStream:
                 break  # a head or a separator still being written (or a cut reply's end)
             self._held = rest[match.end():]
             self.num_calls += 1  # as many as the grammar lets through (one without parallel calls)
-            deltas.append(_head_delta(self.num_calls - 1, match.group(1)))
+            deltas.append(_head_delta(self.num_calls - 1, _name_in(match)))
             self._value = _ValueEnd()
         return deltas
 
-    def flush(self) -> str:
-        """The end of the reply: the content it is when no call was read (a reply
-        cut before its first call's arguments: as ``read_calls`` gives it back);
-        else what is held is a call's closing and separators, or a cut head."""
+    def flush(self) -> list[dict]:
+        """The end of the reply: what is held is a call's closing and
+        separators, or a head ``max_tokens`` cut. A cut head whose name was
+        written (or a named tool_choice's, never yet read) is a call of empty
+        arguments, as vLLM's named call; the rest is the format's markup,
+        never content."""
         held, self._held = self._held, ""
-        return held if not self.num_calls else ""
+        if self._value is not None or self._closing:
+            return []
+        written = _NAME_HEAD.match(_past_separator(held))
+        name = _name_in(written) if written else self._function if not self.num_calls else None
+        if name is None:
+            return []
+        self.num_calls += 1
+        return [_head_delta(self.num_calls - 1, name)]
 
 
 class HermesCallStream:
@@ -883,7 +902,7 @@ class HermesCallStream:
                 self._said = False
                 self._shown = self.max_calls is None or self.num_calls <= self.max_calls
                 if self._shown:
-                    deltas.append({"tool_calls": [_head_delta(self.num_calls - 1, match.group(1))]})
+                    deltas.append({"tool_calls": [_head_delta(self.num_calls - 1, _name_in(match))]})
                 self._held, self._state, self._value = self._held[match.end():], "arguments", _ValueEnd()
                 return True
             at = self._end.find(self._held, self._final)
@@ -974,13 +993,12 @@ def read_calls(request: ToolRequest, text: str) -> tuple[str | None, list[Parsed
     """A whole reply's (content or None, calls), read as a stream reads it.
     A forced reply's calls are ``ForcedCallStream``'s: each call's
     arguments as written, and a reply cut by ``max_tokens`` still a call
-    whose arguments go as far as they were written (as vLLM's named call);
-    content only where no call's head (its name and the arguments' key) was written."""
+    whose arguments go as far as they were written (as vLLM's named call: a
+    named tool_choice's call whatever was written, a required one's once its
+    name is; the format's markup is never content)."""
     if request.is_forced:
         stream = ForcedCallStream(request)
-        calls = _calls_of(stream.feed(text))
-        rest = stream.flush()
-        return (None if calls else rest), calls
+        return None, _calls_of(stream.feed(text) + stream.flush())
     reader = make_reader(request)
     content, calls = reader.feed(text)
     tail, more = reader.flush()

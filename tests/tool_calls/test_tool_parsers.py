@@ -110,7 +110,7 @@ def test_a_forced_reply_reads_the_bare_json():
     request = tc.parse_tool_request([WEATHER, TIME], "required", "hermes")
     content, calls = tc.read_calls(request, '{"name": "f", "arguments": {"x": [1, 2]}}')
     assert content is None and _calls(calls) == [("f", {"x": [1, 2]})]
-    assert tc.read_calls(request, "not a call") == ("not a call", [])
+    assert tc.read_calls(request, "not a call") == (None, [])  # (the grammar writes calls only)
 
 
 def test_a_forced_reply_cut_short_is_a_call_as_its_stream_sends_it():
@@ -126,8 +126,14 @@ def test_a_forced_reply_cut_short_is_a_call_as_its_stream_sends_it():
         assert content is None and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"cit')]
         stream = tc.ForcedCallStream(request)
         deltas = stream.feed(text)
-        assert stream.flush() == "" and "".join(d["function"]["arguments"] for d in deltas) == '{"cit'
-        assert tc.read_calls(request, '{"name": "get_wea') == ('{"name": "get_wea', [])
+        assert stream.flush() == [] and "".join(d["function"]["arguments"] for d in deltas) == '{"cit'
+        cut = [(c.name, c.arguments) for c in tc.read_calls(request, '{"name": "get_wea')[1]]
+        assert cut == [("get_weather", "")]  # named: the call whatever was written
+        assert [(c.name, c.arguments) for c in tc.read_calls(request, f'{{"name": "get_weather", "{key[:3]}')[1]] \
+            == [("get_weather", "")]
+        required = tc.parse_tool_request([WEATHER, TIME], "required", parser)
+        assert tc.read_calls(required, '{"name": "get_wea') == (None, [])  # no name yet: no call, no markup
+        assert [c.name for c in tc.read_calls(required, '{"name": "get_time", "')[1]] == ["get_time"]
 
 
 def _stream_deltas(stream, text: str, size: int) -> list[dict]:
@@ -358,7 +364,7 @@ def test_a_forced_reply_streams_each_calls_arguments_as_they_are_written(parser,
     text = tc.CALL_SEPARATOR[parser].join(json.dumps(c) for c in calls)
     stream = tc.ForcedCallStream(request)
     deltas = [d for i in range(0, len(text), piece) for d in stream.feed(text[i:i + piece])]
-    assert stream.flush() == "" and stream.num_calls == 2
+    assert stream.flush() == [] and stream.num_calls == 2
     heads = [d for d in deltas if "id" in d]
     assert [(h["index"], h["function"]) for h in heads] == [(0, {"name": "get_weather", "arguments": ""}),
                                                              (1, {"name": "get_time", "arguments": ""})]
@@ -369,7 +375,7 @@ def test_a_forced_reply_streams_each_calls_arguments_as_they_are_written(parser,
     if piece == 1:  # each piece leaves as it comes: never held to the call's end
         assert len([d for d in deltas if d["index"] == 0 and "id" not in d]) > 10
     cut = tc.ForcedCallStream(request)
-    assert cut.feed('{"name": "get_wea') == [] and cut.flush() == '{"name": "get_wea'  # as read_calls gives it back
+    assert cut.feed('{"name": "get_wea') == [] and cut.flush() == []  # no name yet: no call, no markup as content
 
 
 def test_hermes_stream_and_whole_reply_agree_on_random_replies():
