@@ -977,7 +977,8 @@ class FrontendActor(Actor):
         except ApiError as err:
             if not stream.is_prepared:
                 raise
-            await stream.write_error(err)  # and no [DONE]: the client sees the failure
+            await stream.write_error(err)  # the client sees the failure, then the stream's end (as vLLM's)
+            await stream.write_done()
         return stream.response
 
 

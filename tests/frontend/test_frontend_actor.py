@@ -346,7 +346,8 @@ def test_disconnect_while_waiting_aborts(harness):
     run(body)
 
 
-def test_error_mid_stream_is_an_error_event_without_done(harness):
+def test_error_mid_stream_is_an_error_event_then_done(harness):
+    """As vLLM's stream: the error's event, then [DONE] (a client reading to it does not wait on)."""
     async def body():
         async with harness() as h:
             def fail_after_one(req):
@@ -356,9 +357,9 @@ def test_error_mid_stream_is_an_error_event_without_done(harness):
             h.engine.plan = fail_after_one
             status, events = await h.stream(CHAT, chat_body())
             assert status == 200
-            assert "[DONE]" not in events
-            assert events[-1]["error"]["message"].endswith("device lost")
-            assert events[-1]["error"]["type"] == "server_error"
+            assert events[-1] == "[DONE]"
+            assert events[-2]["error"]["message"].endswith("device lost")
+            assert events[-2]["error"]["type"] == "server_error"
 
     run(body)
 
