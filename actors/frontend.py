@@ -476,8 +476,13 @@ class FrontendActor(Actor):
         returns it), so a body the client can't deliver is the client's error
         on every route: undecodable (a 400), or not received in time (a 408;
         the clock started at the request's first byte)."""
-        from mstar_actors.frontend.http_server import take_request_start
+        from mstar_actors.frontend.http_server import encoding_problem, take_request_start
 
+        if (problem := encoding_problem(request.headers.get("Content-Encoding"))) is not None:
+            request.content.feed_eof()
+            response = _error_response(ApiError(415, problem, param="Content-Encoding", code="unsupported_encoding"))
+            response.force_close()
+            return response
         timeout = self.config.server.request_read_timeout_s
         started = take_request_start(request)
         deadline = (started if started is not None else asyncio.get_running_loop().time()) + timeout

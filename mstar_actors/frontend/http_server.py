@@ -160,9 +160,23 @@ class EnvelopeHandler(web.RequestHandler):
         self.log_debug("malformed request from %s: %s", request.remote, message or exc)
         lines = str(message or exc or "").strip().splitlines() or ["bad request"]
         text = f"malformed HTTP request: {lines[0][:200].rstrip(':')}"  # later lines quote the bytes
+        if "content-encoding" in lines[0].lower():  # a coding aiohttp could decode with a package it lacks
+            status, text = 415, f"{UNACCEPTED_ENCODING} (aiohttp: {lines[0][:100].split('. ')[0]})"
         response = web.Response(status=status, body=self._envelope(status, text), content_type="application/json")
         response.force_close()
         return response
+
+
+ACCEPTED_ENCODINGS = ("gzip", "deflate", "identity")
+UNACCEPTED_ENCODING = "the body's Content-Encoding is not accepted; accepted: one of gzip, deflate or identity (or none)"
+
+
+def encoding_problem(value: str | None) -> str | None:
+    """Why a request's Content-Encoding header is refused (aiohttp reads a
+    coding it does not know, or several, as none), or None."""
+    if value is None or value.strip().lower() in ("", *ACCEPTED_ENCODINGS):
+        return None
+    return f"{UNACCEPTED_ENCODING}, got {value[:60]!r}"
 
 
 def take_request_start(request: web.BaseRequest) -> float | None:

@@ -54,6 +54,26 @@ def test_gzip_header_over_plain_json_is_a_400(hostile):
     run(go)
 
 
+def test_a_content_encoding_not_decoded_is_a_415_naming_the_accepted(hostile):
+    """br / zstd (aiohttp would need a package), a coding it does not know
+    or several (it read those bodies as plain): a 415 listing gzip, deflate,
+    identity, not a 400 telling the client to install a Python package."""
+    async def go():
+        async with hostile() as h:
+            raw = json.dumps(BODY).encode()
+            for encoding in ["br", "zstd", "x-gzip", "bogus", "gzip, br"]:
+                status, body = await h.post(CHAT, raw, headers={"Content-Encoding": encoding,
+                                                                "Content-Type": "application/json"})
+                assert_envelope(status, body, 415)
+                message = body["error"]["message"]
+                assert "accepted: one of gzip, deflate or identity" in message and "install" not in message, body
+            for encoding in ["identity", "", "GZIP"]:
+                body_bytes = gzip.compress(raw) if encoding == "GZIP" else raw
+                status, body = await h.post(CHAT, body_bytes, headers={"Content-Encoding": encoding})
+                assert status == 200, (encoding, body)
+    run(go)
+
+
 def test_a_body_that_fails_to_decode_at_its_end_is_answered_at_once(hostile):
     """The header first, then a deflate body cut short: aiohttp noticed only
     at the body's end and the route waited for the body for ever."""
