@@ -393,10 +393,15 @@ class FrontendActor(Actor):
 
     @web.middleware
     async def _preflight_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """A browser's CORS preflight from an allowed origin: answered here, before
-        the API key (a preflight carries none)."""
+        """A browser's CORS preflight: answered here, before the API key (a
+        preflight carries none); from an origin not allowed, a 400 naming it
+        (as vLLM's CORS layer)."""
         if (request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers
-                and self._allowed_origin(request) is not None):
+                and "Origin" in request.headers):
+            if self._allowed_origin(request) is None:
+                origin = request.headers["Origin"][:200]
+                return _error_response(ApiError(400, f"disallowed CORS origin {origin!r}: not in "
+                                                     "server.allowed_origins", param="Origin", code="disallowed_origin"))
             return web.Response(headers={
                 "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
                 "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers", "*"),
@@ -786,8 +791,9 @@ class FrontendActor(Actor):
             raise ApiError(503, "the server is starting; retry when GET /health answers 200")
 
     def _resolve_model(self, model: str | None) -> str:
+        """The served model a request names: none, or "" (as vLLM's), is the base."""
         base = self.info.served_name
-        if model is None or model == base or model in self.adapters:
+        if not model or model == base or model in self.adapters:
             return model or base
         served = ", ".join([base, *sorted(self.adapters)])
         raise ApiError(404, f"the model {model!r} does not exist; served models: {served}", param="model",
