@@ -595,6 +595,7 @@ class FrontendActor(Actor):
             raise ApiError(403, "runtime LoRA updates are off; set lora.allow_runtime_updates: true in the config",
                            code="runtime_updates_disabled", error_type="permission_error")
         body = api.decode_body(raw)
+        api.check_adapter_fields(body, kind)
         name = self._adapter_name(body)
         rid = new_request_id("lora", self.index)
         if kind == "load":

@@ -1027,6 +1027,16 @@ def parse_detokenize(raw: bytes, vocab_size: int | None) -> tuple[str | None, li
     return get_str(body, "model", None), list(tokens)
 
 
+# vLLM's runtime LoRA routes' fields (an unload's lora_int_id names nothing the name does not).
+ADAPTER_FIELDS = {"load": frozenset({"lora_name", "lora_path", "load_inplace"}),
+                  "unload": frozenset({"lora_name", "lora_int_id"})}
+
+
+def check_adapter_fields(body: dict, kind: str) -> None:
+    """400 for a field /v1/{kind}_lora_adapter does not read (a typo such as load_in_place was dropped)."""
+    _check_known(body, ADAPTER_FIELDS[kind], f"/v1/{kind}_lora_adapter")
+
+
 def _check_known(body: dict, accepted: frozenset | set, route: str) -> None:
     unknown = next((k for k in body if k not in accepted), None)
     if unknown is not None:

@@ -330,6 +330,13 @@ def test_reloading_a_served_adapter_needs_load_inplace(harness, tmp_path):
                 status, r = await h.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": "/elsewhere",
                                                                    "load_inplace": "yes"})
                 assert status == 400 and r["error"]["param"] == "load_inplace", r
+            # a field the route does not read is named (a typo of load_inplace was dropped: a 200 that did not replace)
+            status, r = await h.post("/v1/load_lora_adapter", {"lora_name": "tiny-lora", "lora_path": "/elsewhere",
+                                                               "load_in_place": True})
+            assert status == 400 and r["error"]["param"] == "load_in_place", r
+            assert "accepted: load_inplace, lora_name, lora_path" in r["error"]["message"], r
+            status, r = await h.post("/v1/unload_lora_adapter", {"lora_name": "tiny-lora", "lora_path": "/x"})
+            assert status == 400 and r["error"]["param"] == "lora_path", r
 
     run(body)
 
