@@ -121,8 +121,13 @@ def main(argv: list[str] | None = None) -> int:
             adapter = Path(tmp) / "random"
             model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True)
             save_random_adapter(model, adapter, args.lora_rank, seed=1)
-        float_runner = make_runner(model_dir, "none", num_blocks, adapter, args.lora_rank)
-        quant_runner = make_runner(model_dir, args.quantization, num_blocks, adapter, args.lora_rank)
+        from mstar_actors.config import ConfigError
+
+        try:
+            float_runner = make_runner(model_dir, "none", num_blocks, adapter, args.lora_rank)
+            quant_runner = make_runner(model_dir, args.quantization, num_blocks, adapter, args.lora_rank)
+        except ConfigError as err:  # (int4_a8 on an AVX-512 CPU): what the server would say at start, one line
+            p.error(f"--quantization {args.quantization}: {err}")
     slot = int(adapter is not None)
     num_same, firsts, worst_abs, worst_rel = 0, [], 0.0, 0.0
     with torch.inference_mode():
