@@ -1,6 +1,7 @@
 # Two commands for a fresh machine: `make serve` and `make test`.
 # TORCH_SPEC pins the CPU build that lies on disk on the project's machines;
-# on a CUDA host run e.g. `make serve TORCH_SPEC=torch`.
+# on a CUDA host run e.g. `make serve TORCH_SPEC=torch` (pip's arguments: an
+# --index-url may follow the requirement).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -13,7 +14,7 @@ PYTEST_ARGS ?=
 $(VENV)/.installed: pyproject.toml Makefile
 	@echo "==> creating $(VENV) and installing (torch: $(TORCH_SPEC))"
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --progress-bar on "$(TORCH_SPEC)"
+	$(PY) -m pip install --progress-bar on $(TORCH_SPEC)
 	$(PY) -m pip install --progress-bar on -e ".[test]"
 	touch $@
 

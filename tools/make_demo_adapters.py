@@ -48,6 +48,8 @@ PIRATE_WORDS = {
 }
 
 
+DEFAULT_OUT = "~/.cache/mstar-actors/adapters"  # where configs/smollm2_lora.yaml reads them
+
 def to_pirate(text: str) -> str:
     def swap(match: re.Match) -> str:
         word = match.group(0)
@@ -145,7 +147,7 @@ def train_adapter(model_dir: Path, tokenizer, pairs, out: Path, steps: int, seed
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="~/.cache/mstar-actors/adapters", help="folder for pirate/ and shout/")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="folder for pirate/ and shout/")
     parser.add_argument("--steps", type=int, default=60, help="training steps per adapter (batch 4)")
     parser.add_argument("--max-answer-tokens", type=int, default=32)
     args = parser.parse_args()
@@ -166,8 +168,11 @@ def main() -> None:
     for seed, (name, style) in enumerate(STYLES.items()):
         pairs = [(q, style(a)) for q, a in zip(QUESTIONS, answers)]
         train_adapter(model_dir, tokenizer, pairs, out / name, args.steps, seed)
-    print(f"adapters written to {out}/{{{','.join(STYLES)}}} in {time.perf_counter() - start:.0f} s; "
-          f"serve them with: python -m mstar_actors serve configs/smollm2_lora.yaml")
+    serve = ("serve them with: .venv/bin/python -m mstar_actors serve configs/smollm2_lora.yaml"
+             if out == Path(DEFAULT_OUT).expanduser() else
+             f"configs/smollm2_lora.yaml names {DEFAULT_OUT}: serve a copy whose lora.adapters name "
+             + " and ".join(f"{name}: {out / name}" for name in STYLES))
+    print(f"adapters written to {out}/{{{','.join(STYLES)}}} in {time.perf_counter() - start:.0f} s; {serve}")
 
 
 if __name__ == "__main__":
