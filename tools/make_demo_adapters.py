@@ -50,6 +50,7 @@ PIRATE_WORDS = {
 
 DEFAULT_OUT = "~/.cache/mstar-actors/adapters"  # where configs/smollm2_lora.yaml reads them
 
+
 def to_pirate(text: str) -> str:
     def swap(match: re.Match) -> str:
         word = match.group(0)
