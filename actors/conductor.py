@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
 import msgspec
@@ -297,10 +296,11 @@ class ConductorActor(Actor):
         ``scheduler.step_timeout_s`` of the wait's start."""
         results = self.step_results[step_id]
         timeout_s = self.config.scheduler.step_timeout_s
-        deadline = time.monotonic() + timeout_s
+        deadline = asyncio.get_running_loop().time() + timeout_s
         while len(results) < self.num_ranks:
             try:
-                channel, msg = await asyncio.wait_for(self.mailbox.get(), deadline - time.monotonic())
+                async with asyncio.timeout_at(deadline):  # (no task a message, as wait_for would make)
+                    channel, msg = await self.mailbox.get()
             except TimeoutError:
                 silent = [rank for rank in range(self.num_ranks) if rank not in results]
                 raise StepTimeout(f"step {step_id}: no answer from rank(s) {silent} in {timeout_s:g} s "

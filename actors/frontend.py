@@ -426,7 +426,8 @@ class FrontendActor(Actor):
         except web.HTTPException as err:  # 404 route, 405, 413 body too large
             if err.status < 400:
                 raise
-            response = _error_response(ApiError(err.status, _http_message(err, request), code=_http_code(err)))
+            response = _error_response(ApiError(err.status, _http_message(err, request), code=_http_code(err),
+                                                param="body" if err.status == 413 else None))
             if "Allow" in err.headers:  # a 405 names the methods the route takes
                 response.headers["Allow"] = err.headers["Allow"]
         except asyncio.CancelledError:
@@ -812,7 +813,7 @@ class FrontendActor(Actor):
         if exchange.num_choices > max_seqs + limit:  # it would never fit: no retry helps
             raise ApiError(400, f"{exchange.num_choices} choices (prompts x n) are more than this server holds at "
                                 f"once: scheduler.max_num_seqs ({max_seqs}) running and server.max_waiting_requests "
-                                f"({limit}) waiting; send fewer", param="n")
+                                f"({limit}) waiting; send fewer", param="n" if exchange.parsed.n > 1 else "prompt")
         # sequences the engine can still start: none while it has a queue (its own waiting take them first)
         free = 0 if self._num_engine_waiting else max(0, max_seqs - self._num_engine_running)
         unstarted = max(0, len(self._unacked) - self._num_engine_starting)  # (running with no token yet: not waiting)
@@ -1303,7 +1304,8 @@ def _error_response(err: ApiError) -> web.Response:
 
 def _http_message(err: web.HTTPException, request: web.Request) -> str:
     if err.status == 413:
-        return f"request body too large: {err.text}; the limit is server.max_body_bytes"
+        return (f"request body too large: {err.text.rstrip('.')} (server.max_body_bytes); send less, or raise the "
+                "limit in the config")
     if err.status == 404:
         return f"no route {request.method} {request.path}; see /v1/chat/completions, /v1/completions, /v1/models"
     return f"{err.reason}: {request.method} {request.path}"

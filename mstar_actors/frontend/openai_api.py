@@ -659,7 +659,7 @@ def _from_structured_outputs(body: dict) -> list[StructuredSpec]:
 def _from_guided(body: dict) -> list[StructuredSpec]:
     for name in REFUSED_GUIDED_FIELDS:
         if body.get(name) is not None:
-            raise _bad(name, "not supported: JSON is generated without free whitespace")
+            raise _bad(name, "not supported: JSON is generated without free whitespace; remove it")
     return [_field_spec(kind, body[name], name) for name, kind in GUIDED_FIELDS.items() if body.get(name) is not None]
 
 
@@ -954,7 +954,7 @@ def parse_prompts(prompt: Any, vocab_size: int | None) -> list[str | list[int]]:
 def _check_prompt(i: int, prompt: Any, vocab_size: int | None, accepted: str) -> None:
     if isinstance(prompt, str):
         if not prompt:
-            raise _bad("prompt", f"prompt {i} is empty")
+            raise _bad("prompt", f"prompt {i} is empty; send at least one character (or token id)")
         return
     if not isinstance(prompt, list) or not prompt or not all(_is_int(t) for t in prompt):
         raise _bad("prompt", f"prompt {i}: expected {accepted}, non-empty")

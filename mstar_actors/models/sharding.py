@@ -45,7 +45,16 @@ class Cut:
 
 
 def tp_refusal(spec: ModelSpec, tp: int) -> str | None:
-    """Why ``tp`` ranks cannot split this model, in one line naming the numbers; None if they can."""
+    """Why ``tp`` ranks cannot split this model, in one line naming the numbers
+    and the values that would; None if they can."""
+    problem = _tp_problem(spec, tp)
+    if problem is None:
+        return None
+    works = [n for n in range(2, 17) if _tp_problem(spec, n) is None]
+    return f"{problem}; parallel.tp values that split it: {', '.join(map(str, [1, *works]))}"
+
+
+def _tp_problem(spec: ModelSpec, tp: int) -> str | None:
     if tp == 1:
         return None
     if spec.is_hybrid:

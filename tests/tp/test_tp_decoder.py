@@ -100,9 +100,10 @@ def test_tp_that_does_not_split_the_model_is_refused_by_number(tmp_path):
     make_hf_model("llama", tmp_path)
     _, spec = load_spec(tmp_path)
     assert tp_refusal(spec, 1) is None and tp_refusal(spec, 2) is None and tp_refusal(spec, 4) is None
-    assert tp_refusal(spec, 3) == "parallel.tp=3 does not divide LlamaForCausalLM's num_attention_heads=4"
+    assert tp_refusal(spec, 3) == ("parallel.tp=3 does not divide LlamaForCausalLM's num_attention_heads=4; "
+                                   "parallel.tp values that split it: 1, 2, 4")
     assert "intermediate_size=100" in tp_refusal(dataclasses.replace(spec, intermediate_size=100, num_heads=8), 8)
     assert "vocab_size=510" in tp_refusal(dataclasses.replace(spec, vocab_size=510), 4)
     odd_kv = tp_refusal(dataclasses.replace(spec, num_heads=12, num_kv_heads=3, intermediate_size=120,
                                             vocab_size=516), 2)
-    assert "num_key_value_heads=3" in odd_kv
+    assert "num_key_value_heads=3" in odd_kv and odd_kv.endswith("values that split it: 1, 3, 6, 12")
