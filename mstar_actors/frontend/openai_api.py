@@ -396,7 +396,7 @@ def parse_bad_words(body: dict) -> list[str]:
 
 
 def _parse_sampling(body: dict, cap: tuple[int, bool], logprobs: int | None,
-                    vocab_size: int | None) -> SamplingParams:
+                    vocab_size: int | None, max_model_len: int | None = None) -> SamplingParams:
     max_tokens, cut_to_context = cap  # from ``_parse_max_tokens``
     top_k = get_int(body, "top_k", 0, -1, 1 << 31)
     stop_token_ids = get_token_ids(body, "stop_token_ids", 64, vocab_size)
@@ -419,8 +419,17 @@ def _parse_sampling(body: dict, cap: tuple[int, bool], logprobs: int | None,
         logit_bias=parse_logit_bias(body, vocab_size),
         allowed_token_ids=_parse_allowed_token_ids(body, vocab_size),
         min_tokens=min_tokens,
-        truncate_prompt_tokens=get_int(body, "truncate_prompt_tokens", None, 1, 1 << 31),
+        truncate_prompt_tokens=_parse_truncation(body, max_model_len),
     )
+
+
+def _parse_truncation(body: dict, max_model_len: int | None) -> int | None:
+    """vLLM's truncate_prompt_tokens: keep the prompt's last N tokens; -1, the model's context."""
+    value = get_int(body, "truncate_prompt_tokens", None, -1, 1 << 31)
+    if value == 0:
+        raise _bad("truncate_prompt_tokens", "expected -1 (the model's context, max_model_len) or a positive "
+                                             "integer, got 0")
+    return (max_model_len or None) if value == -1 else value
 
 
 def _check_ignored(body: dict) -> None:
@@ -520,12 +529,12 @@ def _parse_output(body: dict, continuous_usage_stats: bool) -> OutputOptions:
 
 
 def _parse_common(body: dict, kind: str, cap: tuple[int, bool], logprobs: int | None,
-                  vocab_size: int | None) -> ParsedRequest:
+                  vocab_size: int | None, max_model_len: int | None = None) -> ParsedRequest:
     check_fields(body, kind)
     stream, include_usage, continuous = _parse_stream(body)
     _check_ignored(body)
     output = _parse_output(body, continuous)
-    sampling = _parse_sampling(body, cap, logprobs, vocab_size)
+    sampling = _parse_sampling(body, cap, logprobs, vocab_size, max_model_len)
     if output.prompt_logprobs is not None:
         if stream:  # as vLLM: its responses carry them, its chunks don't
             raise _bad("prompt_logprobs", "not with stream: true; send stream: false to get the prompt's logprobs")
@@ -697,7 +706,7 @@ def parse_chat(raw: bytes, max_model_len: int | None = None, vocab_size: int | N
     top = get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top and not want_logprobs:  # 0 asks for nothing: taken without logprobs, as vLLM takes it
         raise _bad("top_logprobs", "requires logprobs: true")
-    parsed = _parse_common(body, "chat", cap, (top or 0) if want_logprobs else None, vocab_size)
+    parsed = _parse_common(body, "chat", cap, (top or 0) if want_logprobs else None, vocab_size, max_model_len)
     parsed.messages = parse_messages(body.get("messages"))
     parsed.continue_final_message, parsed.add_generation_prompt = _parse_turn_flags(body, parsed.messages)
     parsed.chat_template_kwargs = parse_template_kwargs(body)
@@ -917,7 +926,7 @@ def parse_completion(raw: bytes, max_model_len: int | None = None, vocab_size: i
                              "the prompt alone)")
     cap = _parse_max_tokens(body, 16, max_model_len, lo=0 if echo else 1)  # 0: echo the prompt alone
     logprobs = get_int(body, "logprobs", None, 0, MAX_LEGACY_LOGPROBS)
-    parsed = _parse_common(body, "completion", cap, logprobs, vocab_size)
+    parsed = _parse_common(body, "completion", cap, logprobs, vocab_size, max_model_len)
     if echo and logprobs is not None:  # the prompt's tokens' logprobs too, as OpenAI's (a prompt's score)
         parsed.sampling = msgspec.structs.replace(
             parsed.sampling, prompt_logprobs=max(logprobs, parsed.sampling.prompt_logprobs or 0))

@@ -87,6 +87,10 @@ def test_sampling_fields_reach_sampling_params():
     assert s.min_tokens == 4 and s.truncate_prompt_tokens == 8 and parsed.bad_words == ["foo"]
     parsed.with_token_facts((7,), [[11, 12]])
     assert parsed.sampling.min_token_stop_ids == (7, 9) and parsed.sampling.bad_words_token_ids == ((11, 12),)
+    # vLLM's -1: the model's context
+    assert api.parse_chat(chat(truncate_prompt_tokens=-1), 256, 400).sampling.truncate_prompt_tokens == 256
+    assert api.parse_completion(b'{"prompt": "hi", "truncate_prompt_tokens": -1}', 300).sampling \
+        .truncate_prompt_tokens == 300
 
 
 def test_min_tokens_with_ignore_eos_masks_only_the_stop_tokens():
