@@ -10,13 +10,14 @@ from mstar_actors import dump_stacks, early_stop
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mstar_actors", description=__doc__)
+    parser = argparse.ArgumentParser(prog="mstar_actors", description=__doc__.replace("``", ""))
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve the model and adapters a config names")
     serve.add_argument("config", help="a serving YAML, e.g. configs/smollm2.yaml")
     serve.add_argument("--host", help="overrides server.host")
     serve.add_argument("--port", type=int, help="overrides server.port")
-    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                       help="every actor's log level (default INFO; DEBUG adds a line a step)")
     fetch = commands.add_parser("fetch", help="fetch and convert an embedded model once")
     fetch.add_argument("name", help="an embedded model name, e.g. smollm2")
     dump = commands.add_parser("dump-stacks", help="print every actor's thread and task stacks of a running server")
