@@ -1031,6 +1031,8 @@ def _failure(exchange: Exchange, msg: Failed) -> ApiError:
     """The engine's refusal as the client's error, the cap named by the field the client sent; a
     server's failure names the response's id, which the server's log names too."""
     param = exchange.parsed.cap_param if msg.param == "max_tokens" else msg.param
+    if param == "prompt_logprobs" and exchange.parsed.output.prompt_logprobs is None:  # an echo's, of logprobs
+        param = "logprobs"
     message = msg.message if msg.status < 500 else f"request {exchange.response_id}: {msg.message}"
     exchange.is_refused = exchange.is_refused or msg.status < 500
     return ApiError(msg.status, message, param=param, code=msg.code, error_type=msg.error_type)

@@ -412,6 +412,13 @@ def test_a_refused_cap_is_named_by_the_field_the_client_sent(harness):
                 status, r = await h.post(CHAT, chat_body(**{field: 255}))
                 assert status == 400 and r["error"]["param"] == field, r
                 assert r["error"]["code"] == "context_length_exceeded"
+            # the prompt's logprobs an echo with logprobs asks for are named by logprobs, the field it sent
+            h.engine.plan = lambda req: [Failed(request_id=req.request_id, status=400, param="prompt_logprobs",
+                                                message="too many entries")]
+            status, r = await h.post(COMP, {"model": "tiny", "prompt": "hi", "echo": True, "logprobs": 2})
+            assert status == 400 and r["error"]["param"] == "logprobs", r
+            status, r = await h.post(COMP, {"model": "tiny", "prompt": "hi", "prompt_logprobs": 2})
+            assert status == 400 and r["error"]["param"] == "prompt_logprobs", r
 
     run(body)
 
