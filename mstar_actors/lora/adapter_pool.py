@@ -455,7 +455,9 @@ class AdapterPool:
                                           f"served adapters: {', '.join(sorted(self.adapters)) or 'none'}")]
         done = AdapterUpdate(request_id=msg.request_id, status=200,
                              message=f"Success: LoRA adapter '{msg.name}' removed successfully.")
-        return [done, ModelsChanged(adapters=self.served()), *self._settle()]
+        # every frontend hears of the change before the client its answer: a request through another one
+        # right after the 200 finds the model list changed
+        return [ModelsChanged(adapters=self.served()), done, *self._settle()]
 
     def _check_update(self, request_id: str, name: str) -> AdapterUpdate | None:
         if not self.allow_runtime_updates:
@@ -473,7 +475,7 @@ class AdapterPool:
         adapter.path, adapter.digest = read.path, msg.digest
         done = AdapterUpdate(request_id=read.load_id, status=200,
                              message=f"Success: LoRA adapter '{read.name}' added successfully.")
-        return [done, ModelsChanged(adapters=self.served())]
+        return [ModelsChanged(adapters=self.served()), done]  # the frontends first (see ``unload``)
 
     # ------------------------------------------------------------ placing waiting requests
 

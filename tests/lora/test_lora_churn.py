@@ -253,6 +253,16 @@ def test_held_copies_fit_the_readers_tier_and_unloaded_ones_are_dropped():
     assert d.holds == {"a": 0, "b": 0, "c": 1}
 
 
+def test_the_frontends_hear_of_an_unload_before_its_answer():
+    """A client's next request, through another frontend, comes after the 200: that frontend must know."""
+    from mstar_actors.messages import AdapterUpdate, ModelsChanged
+
+    d = running("ab")
+    outs = d.adapter_pool.unload(UnloadAdapter(request_id="u", name="b"))
+    kinds = [type(out) for out in outs if isinstance(out, (AdapterUpdate, ModelsChanged))]
+    assert kinds == [ModelsChanged, AdapterUpdate], outs
+
+
 def test_without_a_tier_every_unneeded_hold_is_dropped():
     d = running("ab", max_cpu_loras=0)
     d.end("a1")
