@@ -1123,12 +1123,14 @@ class _Stream:
         then each call once it is complete (its head, then its arguments), a
         forced reply's calls as they are written; and the choice's finish reason."""
         reader = self.tool_readers[choice.index]
+        reason = functools.partial(finish_reason, self.exchange.parsed.tools, choice.finish_reason,
+                                   stop_reason=choice.stop_reason)
         if isinstance(reader, ForcedCallStream):  # a forced reply's calls, streamed as they are written
             parts = reader.feed(text) + (reader.flush() if choice.is_done else [])
-            return [{"tool_calls": [part]} for part in parts], choice.finish_reason  # (a forced call's: as vLLM's)
+            return [{"tool_calls": [part]} for part in parts], reason(reader.num_calls)
         if isinstance(reader, HermesCallStream):  # content and calls in order, arguments as they are written
             deltas = reader.feed(text) + (reader.flush() if choice.is_done else [])
-            return deltas, finish_reason(choice.finish_reason, reader.num_calls, choice.stop_reason)
+            return deltas, reason(reader.num_calls)
         first_index = reader.num_calls
         content, calls = reader.feed(text)
         if choice.is_done:
@@ -1137,7 +1139,7 @@ class _Stream:
         deltas = [{"content": content}] if content else []
         for k, call in enumerate(calls):
             deltas += [{"tool_calls": [part]} for part in call.as_deltas(first_index + k)]
-        return deltas, finish_reason(choice.finish_reason, reader.num_calls, choice.stop_reason)
+        return deltas, reason(reader.num_calls)
 
     async def _write_tool_chunks(self, choice: ChoiceOutput, deltas: list[dict], reason: str | None,
                                  logprobs: list[dict] | None) -> None:
@@ -1262,8 +1264,7 @@ def _with_tool_calls(parsed: ParsedRequest, choice: dict, stop_reason: str | int
     message["content"] = content
     if calls:
         message["tool_calls"] = [call.as_dict() for call in calls]
-    if not parsed.tools.is_forced:  # a forced reply keeps the engine's reason, as vLLM's and OpenAI's
-        choice["finish_reason"] = finish_reason(choice["finish_reason"], len(calls), stop_reason)
+    choice["finish_reason"] = finish_reason(parsed.tools, choice["finish_reason"], len(calls), stop_reason)
     return choice
 
 

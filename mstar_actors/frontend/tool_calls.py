@@ -752,8 +752,6 @@ def _head_delta(index: int, name: str) -> dict:
     return {"index": index, "id": new_call_id(), "type": "function", "function": {"name": name, "arguments": ""}}
 
 
-
-
 class ForcedCallStream:
     """A forced reply's calls streamed as they are written, as OpenAI's and
     vLLM's streams send them: a call's id, type and name (arguments "") once
@@ -1018,8 +1016,12 @@ def _calls_of(entries: list[dict]) -> list[ParsedCall]:
     return calls
 
 
-def finish_reason(engine_reason: str | None, num_calls: int, stop_reason: str | int | None = None) -> str | None:
-    """``tool_calls`` when a reply that ended by itself made calls: a cut one
-    stays ``length``, and one a client's stop string or token ended stays
-    ``stop`` (``stop_reason``: its last call may be cut short)."""
-    return "tool_calls" if num_calls and engine_reason == "stop" and stop_reason is None else engine_reason
+def finish_reason(request: ToolRequest, engine_reason: str | None, num_calls: int,
+                  stop_reason: str | int | None = None) -> str | None:
+    """``tool_calls`` when a reply that ended by itself made calls, as vLLM's:
+    an ``"auto"`` or ``"required"`` one (a named function's keeps the engine's
+    reason, as vLLM's and OpenAI's); a cut one stays ``length``, and one a
+    client's stop string or token ended stays ``stop`` (``stop_reason``: its
+    last call may be cut short)."""
+    ended = num_calls and engine_reason == "stop" and stop_reason is None
+    return "tool_calls" if ended and request.choice != "function" else engine_reason

@@ -117,8 +117,9 @@ async def test_forced_call_is_constrained_and_read_bare(tool_harness, tool_choic
         names = [b["properties"]["name"]["enum"] for b in schema.get("anyOf", [schema])]
         assert names == ([["get_weather"], ["get_time"]] if tool_choice == "required" else [["get_weather"]])
         choice = body["choices"][0]
-        # a forced call's finish is the engine's, as vLLM's and OpenAI's ("tool_calls" is an "auto" reply's)
-        assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
+        # as vLLM's: "tool_calls" for required calls (and "auto" ones), a named function's the engine's reason
+        finish = "tool_calls" if tool_choice == "required" else "stop"
+        assert choice["finish_reason"] == finish and choice["message"]["content"] is None
         assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo", "unit": "c"}
         _, events = await h.stream("/v1/chat/completions", _body(tool_choice=tool_choice))
         streamed = _assemble(events)
@@ -131,7 +132,7 @@ async def test_forced_call_is_constrained_and_read_bare(tool_harness, tool_choic
                                                 "function": {"name": "get_weather", "arguments": ""}}]
         assert arguments["delta"]["tool_calls"] == [{"index": 0, "function": {"arguments": streamed["calls"][0]["arguments"]}}]
         assert head["finish_reason"] is None and arguments["finish_reason"] is None
-        assert end["delta"] == {} and end["finish_reason"] == "stop"
+        assert end["delta"] == {} and end["finish_reason"] == finish
 
 
 @asynctest

@@ -317,10 +317,13 @@ def test_arguments_keep_a_number_past_a_doubles_range_as_written():
 
 
 def test_finish_reason():
-    assert tc.finish_reason("stop", 1) == "tool_calls"
-    assert tc.finish_reason("stop", 0) == "stop"
-    assert tc.finish_reason("length", 2) == "length"  # a cut reply says so
-    assert tc.finish_reason("stop", 1, "STOP") == tc.finish_reason("stop", 1, 7) == "stop"  # the client's stop
+    auto, required = (tc.parse_tool_request([WEATHER], choice, "hermes") for choice in ("auto", "required"))
+    named = tc.parse_tool_request([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, "hermes")
+    assert tc.finish_reason(auto, "stop", 1) == tc.finish_reason(required, "stop", 1) == "tool_calls"
+    assert tc.finish_reason(named, "stop", 1) == "stop"  # as vLLM's and OpenAI's
+    assert tc.finish_reason(auto, "stop", 0) == "stop"
+    assert tc.finish_reason(auto, "length", 2) == "length"  # a cut reply says so
+    assert tc.finish_reason(auto, "stop", 1, "STOP") == tc.finish_reason(required, "stop", 1, 7) == "stop"
 
 
 def test_call_ids_and_shapes():
