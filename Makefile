@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 $(VENV)/.installed: pyproject.toml Makefile
 	@echo "==> creating $(VENV) and installing (torch: $(TORCH_SPEC))"
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --progress-bar on $(TORCH_SPEC)
+	$(PY) -m pip install --progress-bar on $(foreach w,$(TORCH_SPEC),'$(w)')
 	$(PY) -m pip install --progress-bar on -e ".[test]"
 	touch $@
 

@@ -400,6 +400,7 @@ class FrontendActor(Actor):
                 and "Origin" in request.headers):
             if self._allowed_origin(request) is None:
                 origin = request.headers["Origin"][:200]
+                self.metrics.observe_request(_route(request), 400)
                 return _error_response(ApiError(400, f"disallowed CORS origin {origin!r}: not in "
                                                      "server.allowed_origins", param="Origin", code="disallowed_origin"))
             return web.Response(headers={
@@ -484,7 +485,7 @@ class FrontendActor(Actor):
         the clock started at the request's first byte)."""
         from mstar_actors.frontend.http_server import encoding_problem, take_request_start
 
-        if (problem := encoding_problem(request.headers.get("Content-Encoding"))) is not None:
+        if request.can_read_body and (problem := encoding_problem(request.headers.get("Content-Encoding"))):
             request.content.feed_eof()
             response = _error_response(ApiError(415, problem, param="Content-Encoding", code="unsupported_encoding"))
             response.force_close()
@@ -901,6 +902,8 @@ class FrontendActor(Actor):
         """Feed one engine message to its choice; raise ApiError for Failed.
         None when the choice was already done (nothing for the client)."""
         choice = exchange.choices.get(msg.request_id)
+        if isinstance(msg, Failed) and msg.status < 500 and (choice is None or not choice.is_done):
+            exchange.is_refused = True  # the client's input: no end in request_success (see _close)
         if choice is None or choice.is_done:  # a whole request's, or stopped here
             if isinstance(msg, Failed) and choice is None:
                 raise _failure(exchange, msg)
@@ -1034,7 +1037,6 @@ def _failure(exchange: Exchange, msg: Failed) -> ApiError:
     if param == "prompt_logprobs" and exchange.parsed.output.prompt_logprobs is None:  # an echo's, of logprobs
         param = "logprobs"
     message = msg.message if msg.status < 500 else f"request {exchange.response_id}: {msg.message}"
-    exchange.is_refused = exchange.is_refused or msg.status < 500
     return ApiError(msg.status, message, param=param, code=msg.code, error_type=msg.error_type)
 
 

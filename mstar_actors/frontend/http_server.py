@@ -161,7 +161,8 @@ class EnvelopeHandler(web.RequestHandler):
         lines = str(message or exc or "").strip().splitlines() or ["bad request"]
         text = f"malformed HTTP request: {lines[0][:200].rstrip(':')}"  # later lines quote the bytes
         if "content-encoding" in lines[0].lower():  # a coding aiohttp could decode with a package it lacks
-            status, text = 415, f"{UNACCEPTED_ENCODING} (aiohttp: {lines[0][:100].split('. ')[0]})"
+            status = 415
+            text = encoding_problem(request.headers.get("Content-Encoding", "?")) or UNACCEPTED_ENCODING
         response = web.Response(status=status, body=self._envelope(status, text), content_type="application/json")
         response.force_close()
         return response

@@ -51,7 +51,7 @@ def tp_refusal(spec: ModelSpec, tp: int) -> str | None:
     if problem is None:
         return None
     works = [n for n in range(2, 17) if _tp_problem(spec, n) is None]
-    return f"{problem}; parallel.tp values that split it: {', '.join(map(str, [1, *works]))}"
+    return f"{problem}; parallel.tp values that split it: {', '.join(map(str, [1, *works]))}" if works else problem
 
 
 def _tp_problem(spec: ModelSpec, tp: int) -> str | None:

@@ -266,7 +266,8 @@ def _names_problem(schema: dict, where: str, root: dict) -> str | None:
     for choice in choices:
         if not _is_string_schema(choice, root):
             return (f"{where} lists {json.dumps(choice)[:80]}, which allows values that are not strings, and a "
-                    "property name is one; give each choice \"type\": \"string\" (or string const / enum values)")
+                    "property name is one; give each choice \"type\": \"string\" and no other values (or only "
+                    "string const / enum values)")
     return None
 
 
@@ -444,11 +445,8 @@ def _value_key(value: Any) -> str:
     -0.0 / 0 alike, in lists and objects too."""
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return json.dumps(value)
-    if isinstance(value, (int, float)):
-        try:
-            return repr(float(value) + 0.0)
-        except OverflowError:  # an integer past a double: no float equals it
-            return str(value)
+    if isinstance(value, (int, float)):  # exact: an integral float as its integer (1.0 is 1, -0.0 is 0)
+        return str(int(value)) if isinstance(value, int) or value.is_integer() else repr(value)
     if isinstance(value, list):
         return "[" + ",".join(_value_key(v) for v in value) + "]"
     if isinstance(value, dict):
