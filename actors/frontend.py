@@ -809,7 +809,9 @@ class FrontendActor(Actor):
         prefill in flight) less the sequences the engine can still start (a
         burst at an idle server runs at once). Each frontend estimates its own:
         between two of the engine's reports (a step apart), N frontends may
-        each let a burst in."""
+        each let a burst in (and the starting count is the engine's, all
+        frontends': with several, a frontend may count fewer of its own as
+        waiting, until the report after)."""
         max_seqs, limit = self.config.scheduler.max_num_seqs, self.config.server.max_waiting_requests
         if exchange.num_choices > max_seqs + limit:  # it would never fit: no retry helps
             raise ApiError(400, f"{exchange.num_choices} choices (prompts x n) are more than this server holds at "
