@@ -35,12 +35,8 @@ def test_gzip_header_over_plain_json_is_a_400(hostile):
     async def go():
         async with hostile() as h:
             raw = json.dumps(BODY).encode()
-            for encoding in ["gzip", "deflate", "br", "zstd", "x-unknown"]:
-                status, body = await h.post(CHAT, raw, headers={"Content-Encoding": encoding,
-                                                                "Content-Type": "application/json"})
-                assert status < 500, (encoding, status, body)
-                if status != 200:
-                    assert_envelope(status, body, status)
+            status, body = await h.post(CHAT, raw, headers={"Content-Encoding": "deflate"})
+            assert_envelope(status, body)  # (codings it does not decode: the 415 test below)
             status, body = await h.post(CHAT, gzip.compress(raw), headers={"Content-Encoding": "gzip"})
             assert status == 200, body  # a real gzip body still works
             broken = gzip.compress(raw)[:12] + b"\xff" * 64
