@@ -527,10 +527,10 @@ class Launcher:
                 waits.append((proc, done))
         if waits:
             await asyncio.wait([f for _, f in waits], timeout=timeout_s)
-        for proc, _ in waits:
+        for proc, done in waits:
             loop.remove_reader(proc.sentinel)
-            if not proc.is_alive():
-                proc.join()
+            if done.done():  # its sentinel closed as it exits: reaped here, where it may become waitable a moment
+                proc.join(1.0)  # after (it was then "alive", and was said not to have stopped within 10 s)
 
     def release(self) -> None:
         for channel in [*self.to_actor.values(), *self.from_actor.values()]:
