@@ -307,9 +307,15 @@ class AdapterPool:
         return [*finished, *self._settle()]
 
     def end(self, request_id: str) -> list:
-        """The scheduler ended (finished or failed) an admitted choice: unpin its slot."""
+        """The scheduler ended (finished or failed) an admitted choice: unpin
+        its slot; or a whole request of several choices (its refusal, such as
+        a prompt past max_model_len): each of them."""
         slot = self._slot_of.pop(request_id, None)
         if slot is None:
+            choices = [rid for rid in self._slot_of if rid.startswith(f"{request_id}-")
+                       and rid[len(request_id) + 1:].isdigit()]
+            if choices:  # (their pins were kept, and the ids, for ever: an adapter's slot stayed taken)
+                return [out for rid in choices for out in self.end(rid)]
             return self._end_parked(request_id)
         if not slot:
             return []

@@ -253,6 +253,25 @@ def test_held_copies_fit_the_readers_tier_and_unloaded_ones_are_dropped():
     assert d.holds == {"a": 0, "b": 0, "c": 1}
 
 
+def test_a_refused_request_of_several_choices_frees_each_choices_pin():
+    """The scheduler refuses a whole request (a prompt past max_model_len) by
+    its own id: every admitted choice's pin and slot record go (they were kept
+    for ever: the slot could never be swapped; a base request's ids piled up)."""
+    d = Driver(max_loras=1)
+    for model, rid in (("a", "r"), ("base", "s")):
+        d.handle(d.adapter_pool.add(Prepared(request_id=rid, model=model, prompt_token_ids=[1, 2],
+                                             sampling=SamplingParams(max_tokens=4), n=3)))
+        d.settle()
+    slot = d.slot_of_adapter("a")
+    assert d.adapter_pool.table.num_pins(slot) == 3
+    d.end("r")
+    d.end("s")
+    assert d.adapter_pool.table.num_pins(slot) == 0 and d.adapter_pool._slot_of == {}
+    d.send("b1", "b")  # the slot can be taken by another adapter now
+    d.settle()
+    assert "b1" in d.admitted
+
+
 def test_the_frontends_hear_of_an_unload_before_its_answer():
     """A client's next request, through another frontend, comes after the 200: that frontend must know."""
     from mstar_actors.messages import AdapterUpdate, ModelsChanged
