@@ -477,7 +477,8 @@ class CausalLM(nn.Module):
                     owner.packed.get(weight, arena)
         return sum(weight.nbytes for weight in weights)
 
-    def quantize_cpu_weights(self, bits: int, head_bits: int = 8, int8_activations: bool = False) -> tuple[int, int]:
+    def quantize_cpu_weights(self, bits: int, head_bits: int = 8,
+                             int8_activations: bool = False) -> tuple[int, int, list[str]]:
         """Quantize every ``LoraLinear`` to ``bits`` (8 or 4; with
         ``int8_activations`` the int4 ones take the integer-dot kernel,
         ``int4_a8``) and the LM head
@@ -488,15 +489,18 @@ class CausalLM(nn.Module):
         quantized weight also serves the embedding's lookups. Layers whose
         input size is not a multiple of 32 stay float. Call after loading
         and before ``pack_cpu_weights``; returns (float bytes dropped, bytes
-        the quantized weights take)."""
+        the quantized weights take, the names of those left float)."""
         dropped = kept = 0
         placed: list[QuantizedWeight] = []
+        left_float: list[str] = []
         with torch.no_grad():
-            owners = [m for m in self.modules() if isinstance(m, LoraLinear) and m.in_features % GROUP == 0]
             tied = self.spec.tie_word_embeddings
             head = self.model.embed_tokens if tied else self.lm_head
+            names = {module: name for name, module in self.named_modules()}
+            owners = [m for m in self.modules() if isinstance(m, LoraLinear)]
             for module, num_bits in [(m, bits) for m in owners] + [(head, head_bits)]:
                 if module.weight.shape[1] % GROUP:
+                    left_float.append(names[module])
                     continue
                 quant = quantize(module.weight, num_bits, dot_layout=int8_activations)
                 if module is head:
@@ -513,7 +517,7 @@ class CausalLM(nn.Module):
                 arena = PackArena(sum(q.arena_floats() for q in placed))
                 for quant in placed:
                     quant.move_into(arena)
-        return dropped, kept
+        return dropped, kept, left_float
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head_quant is not None:

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 import psutil
@@ -34,7 +35,7 @@ from mstar_actors.model_info import ModelInfo
 from mstar_actors.models import cpu_stack
 from mstar_actors.models.attention import allocate_kv_cache, kv_bytes_per_block
 from mstar_actors.models.checkpoint import CheckpointRules
-from mstar_actors.models.cpu_quant import bits_of, has_dot_kernel, quantization_problem
+from mstar_actors.models.cpu_quant import GROUP, bits_of, has_dot_kernel, quantization_problem
 from mstar_actors.models.deltanet_ops import StatePool, allocate_state_pools, state_bytes_per_slot
 from mstar_actors.models.loader import load_model
 from mstar_actors.models.registry import ARCHITECTURES
@@ -51,6 +52,15 @@ log = logging.getLogger(__name__)
 MAX_CPU_KV_BYTES = 2 << 30  # CPU cache cap: RAM is shared with every other actor
 
 
+
+def _by_kind(names: list[str]) -> str:
+    """Module names as kinds and counts: "mlp.down_proj in 2 layers, lm_head"."""
+    kinds: dict[str, int] = {}
+    for name in names:
+        kind = re.sub(r"^.*\blayers\.\d+\.", "", name)
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return ", ".join(f"{kind} in {n} layers" if n > 1 else kind for kind, n in kinds.items())
+
 def build_runner(config: Config, info: ModelInfo, resolve_tensor: TensorResolver | None = None, *,
                  sampler: Sampler = sample_pending, tp: TensorParallel = SINGLE_RANK) -> ModelRunner:
     """The rank's runner (blocking: loads weights). ``resolve_tensor`` reads
@@ -63,9 +73,14 @@ def build_runner(config: Config, info: ModelInfo, resolve_tensor: TensorResolver
     model = load_model(info.model_dir, dtype, device, tp)
     if bits is not None:
         int8_activations = config.model.quantization == "int4_a8"
-        dropped, kept = model.quantize_cpu_weights(bits, int8_activations=int8_activations)
-        log.info("weights: int%d linears%s (int8 head) take %.1f MiB in place of %.1f MiB of float32",
-                 bits, ", int8 activations" if int8_activations else "", kept / 2**20, dropped / 2**20)
+        dropped, kept, left_float = model.quantize_cpu_weights(bits, int8_activations=int8_activations)
+        head = model.spec.tie_word_embeddings and "model.embed_tokens" or "lm_head"
+        log.info("weights: int%d linears%s%s take %.1f MiB in place of %.1f MiB of float32", bits,
+                 ", int8 activations" if int8_activations else "", "" if head in left_float else " (int8 head)",
+                 kept / 2**20, dropped / 2**20)
+        if left_float:
+            log.warning("weights: %d of the linears stay float32, their input size (this rank's share) not a "
+                        "multiple of %d: %s", len(left_float), GROUP, _by_kind(left_float))
     if device.type == "cpu":
         model.pack_cpu_weights()  # step 2
     rules = ARCHITECTURES[info.architecture].rules  # where adapters' modules land: the loader's own table

@@ -222,6 +222,27 @@ def test_quantized_runner_matches_generate_on_the_dequantized_weights(kind, quan
         assert outputs[rid] == reference(hf, prompt), f"sequence {rid} diverged"
 
 
+@needs_kernel
+def test_linears_left_float_are_named_in_the_log(tmp_path, caplog):
+    """An input size that is no multiple of 32 (here the MLP's down, 80) keeps
+    a linear float32: the log says which (it claimed every linear quantized)."""
+    import logging
+
+    hf = make_hf_model("llama-bias", tmp_path / "float")
+    hf.config.intermediate_size = 80
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(hf.config, dtype=torch.float32).save_pretrained(tmp_path / "odd")
+    with caplog.at_level(logging.INFO, logger="mstar_actors.runner.build"):
+        runner_factories.make_runner(tmp_path / "odd", dtype="float32", device="cpu", block_size=4, num_blocks=16,
+                                     quantization="int4")
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("weights: int4 linears (int8 head) take") for line in lines), lines
+    left = [line for line in lines if "stay float32" in line]
+    assert left and left[0].endswith("not a multiple of 32: mlp.down_proj in 2 layers"), lines
+
+
 # The integer-dot kernel rounds each activation to int8: a float32-rounding
 # difference upstream can move one code a step, so a served token may take
 # the other side of a near-tie. Teacher-forced on the served tokens, each
