@@ -52,7 +52,6 @@ log = logging.getLogger(__name__)
 MAX_CPU_KV_BYTES = 2 << 30  # CPU cache cap: RAM is shared with every other actor
 
 
-
 def _by_kind(names: list[str]) -> str:
     """Module names as kinds and counts: "mlp.down_proj in 2 layers, lm_head"."""
     kinds: dict[str, int] = {}
@@ -60,6 +59,7 @@ def _by_kind(names: list[str]) -> str:
         kind = re.sub(r"^.*\blayers\.\d+\.", "", name)
         kinds[kind] = kinds.get(kind, 0) + 1
     return ", ".join(f"{kind} in {n} layers" if n > 1 else kind for kind, n in kinds.items())
+
 
 def build_runner(config: Config, info: ModelInfo, resolve_tensor: TensorResolver | None = None, *,
                  sampler: Sampler = sample_pending, tp: TensorParallel = SINGLE_RANK) -> ModelRunner:
@@ -74,9 +74,9 @@ def build_runner(config: Config, info: ModelInfo, resolve_tensor: TensorResolver
     if bits is not None:
         int8_activations = config.model.quantization == "int4_a8"
         dropped, kept, left_float = model.quantize_cpu_weights(bits, int8_activations=int8_activations)
-        head = model.spec.tie_word_embeddings and "model.embed_tokens" or "lm_head"
         log.info("weights: int%d linears%s%s take %.1f MiB in place of %.1f MiB of float32", bits,
-                 ", int8 activations" if int8_activations else "", "" if head in left_float else " (int8 head)",
+                 ", int8 activations" if int8_activations else "",
+                 " (int8 head)" if model.lm_head_quant is not None else "",
                  kept / 2**20, dropped / 2**20)
         if left_float:
             log.warning("weights: %d of the linears stay float32, their input size (this rank's share) not a "

@@ -165,8 +165,9 @@ class PendingSample:
             tokens = _to_sampled(self.rows, self._host[0].tolist())
         else:
             tokens = _to_sampled_with_logprobs(self.rows, *(t.tolist() for t in self._host))
-        dead = self.dead_rows.union(i for i, d in enumerate(self._dead.tolist()) if d) if self._dead is not None \
-            else self.dead_rows
+        dead = set(self.dead_rows)
+        if self._dead is not None:
+            dead.update(i for i, is_dead in enumerate(self._dead.tolist()) if is_dead)
         return _marked_dead(tokens, dead) if dead else tokens
 
 

@@ -696,7 +696,7 @@ class Scheduler:
             self._finish(seq, "abort")
             fields = _constraint_fields(seq.sampling, len(seq.output_token_ids))
             at = len(seq.output_token_ids) + 1
-            if seq.sampling.structured is not None and fields == [fields[-1]]:  # its grammar alone
+            if seq.sampling.structured is not None and len(fields) == 1:  # its grammar alone
                 message = (f"no token is left to sample at output token {at}: the output so far cannot be "
                            f"continued within {fields[0]} (no token, nor the end, is allowed next: a pattern that "
                            "cannot be completed from there, such as an empty character class); fix the constraint")
