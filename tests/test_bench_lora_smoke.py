@@ -70,6 +70,8 @@ def test_dry_run_prints_the_plan_and_checks_a_tiny_random_llama(kit_model):
     assert "setup llama-3.2-1b-random on cuda (bfloat16)" in out and "64 new tokens per request" in out
     assert "c=1: 3 requests, c=8: 16 requests, c=32: 64 requests" in out
     assert "server off  : no lora section" in out and "server churn: max_loras 2, adapters lora0, lora1, lora2" in out
+    assert "server unmerged: max_loras 4, adapters lora0, lora1, lora2, lora3, merge_after_steps 0; " \
+           "scenarios: one adapter unmerged" in out  # the LoRA kernels' cost beside the merged steps (CUDA)
     # Llama-3.2-1B's published shape, with SmolLM2's vocabulary.
     assert "16 layers, hidden 2048, intermediate 8192, heads 32/8, vocab 49152" in out
     assert "rope llama3, tied embeddings" in out

@@ -3,7 +3,7 @@ first token under adapter churn.
 
 Retention is output tokens/s with adapters divided by output tokens/s of the
 same engine with LoRA off (a server started with no ``lora:`` section), at
-each ``--concurrency``. Three servers run side by side, on the same weights,
+each ``--concurrency``. The servers run side by side, on the same weights,
 prompts and number of new tokens, and are measured in turn (level by level,
 scenario by scenario in an order rotated a level, ``--rounds`` times), so a
 drift in machine load hits every scenario alike:
@@ -12,6 +12,8 @@ drift in machine load hits every scenario alike:
 - ``on``:    ``max_loras: 4``, adapters lora0..lora3     -> "base, lora on", "one adapter",
                                                            "mixed 4 adapters" (round-robin)
 - ``churn``: ``max_loras: 2``, adapters lora0..lora2     -> "churn 3 over 2 slots" (round-robin)
+- ``unmerged`` (CUDA): as ``on``, ``merge_after_steps: 0`` -> "one adapter unmerged": the LoRA
+  kernels' own cost, where "one adapter" runs on merged weights after a few steps
 
 Time to first token (p50/p90) under churn is set against "mixed 4 adapters",
 whose adapters all stay in their slots (no churn).
@@ -110,16 +112,19 @@ class Scenario:
 class ServerSpec:
     max_loras: int  # 0: no lora section
     num_adapters: int
+    merge_after_steps: int | None = None  # None: the config's default
 
 
-SERVERS = {"off": ServerSpec(0, 0), "on": ServerSpec(4, 4), "churn": ServerSpec(2, 3)}
+SERVERS = {"off": ServerSpec(0, 0), "on": ServerSpec(4, 4), "churn": ServerSpec(2, 3), "unmerged": ServerSpec(4, 4, 0)}
 SCENARIOS = [
     Scenario("lora off", "off", ("",)),
     Scenario("base, lora on", "on", ("",)),
     Scenario("one adapter", "on", ("lora0",)),
     Scenario("mixed 4 adapters", "on", tuple(ADAPTER_NAMES)),
     Scenario("churn 3 over 2 slots", "churn", tuple(ADAPTER_NAMES[:3])),
+    Scenario("one adapter unmerged", "unmerged", ("lora0",)),
 ]
+UNMERGED = "one adapter unmerged"  # the same as "one adapter" off CUDA (no merge there): by default on CUDA only
 REFERENCE, NO_CHURN, CHURN = "lora off", "mixed 4 adapters", "churn 3 over 2 slots"
 
 
@@ -165,7 +170,11 @@ class Plan:
         for key, spec in SERVERS.items():
             lora = (f"max_loras {spec.max_loras}, adapters {', '.join(ADAPTER_NAMES[:spec.num_adapters])}"
                     if spec.max_loras else "no lora section")
+            if spec.merge_after_steps is not None:
+                lora += f", merge_after_steps {spec.merge_after_steps}"
             names = [s.name for s in self.scenarios if s.server == key]
+            if not names:
+                continue
             lines.append(f"server {key:<5}: {lora}; scenarios: {'; '.join(names)}")
         counts = ", ".join(f"c={c}: {self.num_requests(c)} requests" for c in self.levels)
         total = sum(self.num_requests(c) for c in self.levels) * len(self.scenarios) * self.max_tokens * self.rounds
@@ -348,6 +357,8 @@ def server_config(plan: Plan, model_dir: Path, spec: ServerSpec, adapters: dict[
         names = ADAPTER_NAMES[:spec.num_adapters]
         config["lora"] = {"max_loras": spec.max_loras, "max_lora_rank": plan.rank, "max_cpu_loras": NUM_ADAPTERS,
                           "adapters": {n: str(adapters[n]) for n in names}}
+        if spec.merge_after_steps is not None:
+            config["lora"]["merge_after_steps"] = spec.merge_after_steps
     return config
 
 
@@ -810,7 +821,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     if args.tokenizer and not (Path(args.tokenizer) / "config.json").exists():
         raise SystemExit(f"--tokenizer {args.tokenizer!r}: expected a folder with tokenizer files and config.json")
-    scenarios = tuple(SCENARIOS)
+    scenarios = tuple(s for s in SCENARIOS if s.name != UNMERGED or device == "cuda")
     if args.scenarios:
         wanted = parse_scenarios(args.scenarios)
         scenarios = tuple(s for s in SCENARIOS if s.name == REFERENCE or s.name in wanted)

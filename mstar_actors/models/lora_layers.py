@@ -61,6 +61,7 @@ import torch
 from torch import nn
 
 from mstar_actors.lora.adapter_file import AdapterWeights, LoraModule
+from mstar_actors.lora.merge import MergedWeights
 from mstar_actors.lora.ops import (
     TORCH_ROWS,
     ZERO_SLOT,
@@ -257,8 +258,10 @@ class LoraLayers:
     """
 
     def __init__(self, stacks: dict[str, LoraStack], rules: CheckpointRules, step: LoraStep,
-                 kernels: RowKernels = TORCH_ROWS, cuts: dict[str, dict[int | None, Cut]] | None = None):
+                 kernels: RowKernels = TORCH_ROWS, cuts: dict[str, dict[int | None, Cut]] | None = None,
+                 linears: dict[str, LoraLinear] | None = None):
         self.stacks = stacks
+        self.linears = linears or {}  # the decoder linears by stack name (the stacks' modules, bar the embedding)
         self.rules = rules
         # Stack -> {shard: where this rank's part of the module sits} (tensor parallelism; else empty).
         self.cuts = cuts or {}
@@ -399,6 +402,12 @@ class LoraLayers:
         self.step.dense = self.step.sampled_dense = None
         self.step.row_slots = self.step.sampled_row_slots = None
         self.step.row_groups = self.step.sampled_row_groups = None
+
+    def merged_weights(self) -> MergedWeights:
+        """The decoder linears' weights with a copy of each as loaded, for steps of one adapter on
+        merged weights (``lora.merge``): the copy's memory is taken now."""
+        others = [stack for name, stack in self.stacks.items() if name not in self.linears]
+        return MergedWeights([(module, self.stacks[name]) for name, module in self.linears.items()], others)
 
     # -- slots -------------------------------------------------------------
 
@@ -584,6 +593,7 @@ def enable_lora(
     step = LoraStep()
     stacks: dict[str, LoraStack] = {}
     cuts: dict[str, dict[int | None, Cut]] = {}
+    linears: dict[str, LoraLinear] = {}
     kernels = lora_kernels(device)
     if kernels.uses_rows and torch.device(device).type == "cuda":
         step.side = torch.cuda.Stream(torch.device(device))
@@ -594,6 +604,7 @@ def enable_lora(
             sizes = getattr(module, "output_sizes", [module.out_features])
             stacks[name] = LoraStack(module.in_features, sizes, **kwargs)
             cuts[name] = module.tp_slices
+            linears[name] = module
             module.lora = LoraHook(stacks[name], step)
             if kernels.uses_rows:
                 fuse_linear(module, stacks[name])
@@ -607,7 +618,7 @@ def enable_lora(
     stacks[LM_HEAD] = LoraStack(spec.hidden_size, [model.layout.vocab_size], **kwargs)  # this rank's vocabulary
     cuts[LM_HEAD] = model.layout.vocab_cuts()
     model.lm_head_lora = LoraHook(stacks[LM_HEAD], step, is_sampled=True)
-    return LoraLayers(stacks, rules, step, kernels, cuts)
+    return LoraLayers(stacks, rules, step, kernels, cuts, linears)
 
 
 def fuse_linear(module: nn.Linear, stack: LoraStack) -> bool:

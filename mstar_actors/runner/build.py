@@ -9,7 +9,9 @@
 3. ``enable_served_lora``: the LoRA stacks, where an adapter can ever be
    served; before the KV cache, whose size is the memory that is left.
    On CPU, ``cpu_stack.install`` then gathers the final weights' addresses
-   for base-only steps' one-call layer stack.
+   for base-only steps' one-call layer stack. On CUDA, ``merged_weights``
+   keeps a copy of the decoder's weights for steps of one adapter on merged
+   weights (``lora.merge``).
 4. ``size_kv_cache``: the blocks that fit (or ``kv.num_blocks``), plus the
    scratch block.
 5. ``warm_kernels`` (CUDA): every Triton variant a step can launch, compiled
@@ -31,6 +33,7 @@ from torch import nn
 
 from mstar_actors.config import Config, ConfigError, KvConfig, LoraConfig
 from mstar_actors.fetch import EMBEDDED
+from mstar_actors.lora.merge import MergedWeights
 from mstar_actors.model_info import ModelInfo
 from mstar_actors.models import cpu_stack
 from mstar_actors.models.attention import allocate_kv_cache, kv_bytes_per_block
@@ -91,12 +94,15 @@ def build_runner(config: Config, info: ModelInfo, resolve_tensor: TensorResolver
             staging = lora.start_staging()
             log.info("LoRA slot images: up to %d kept for swaps (lora.max_cpu_loras; %.1f MiB each, as used), a "
                      "swap of those one copy", staging.max_images, staging.kept_image_bytes / 2**20)
+    merged = merged_weights(lora, config.lora, device)
     pools, snapshots = size_state_pools(model.spec, config.scheduler.max_num_seqs, num_state_snapshots(config), dtype,
                                         device)
     kv = size_kv_cache(model.spec, config.kv, dtype, device, model.layout.num_kv_heads, pools, snapshots)
     media = MediaInputs(model, resolve_tensor) if getattr(model, "is_multimodal", False) else None
     runner = ModelRunner(model, kv, max_model_len=info.max_model_len, lora=lora, media=media, sampler=sampler,
                          seed=config.model.seed, max_sampled_rows=config.scheduler.max_num_seqs)
+    if merged is not None:
+        runner.merge_one_adapter_steps(merged, config.lora.merge_after_steps)
     max_batch, max_tokens = graph_limits(config)
     if device.type == "cuda":
         # Graph buckets (a decode batch, a mixed step's sampled rows) are row counts too.
@@ -175,6 +181,19 @@ def num_state_snapshots(config: Config) -> int:
     if not config.kv.enable_prefix_caching:
         return 0
     return config.scheduler.max_num_seqs if config.kv.state_snapshots is None else config.kv.state_snapshots
+
+
+def merged_weights(lora: LoraLayers | None, config: LoraConfig, device: torch.device) -> MergedWeights | None:
+    """The copy of the decoder's weights that steps of one adapter on merged weights restore from
+    (``lora.merge``), taken before the KV cache is sized; None where LoRA is off, on CPU (its layer
+    stack reads packed copies of the weights) or with ``lora.merge_after_steps: 0``."""
+    if lora is None or device.type != "cuda" or not config.merge_after_steps:
+        return None
+    merged = lora.merged_weights()
+    log.info("LoRA: a step whose rows are all on one adapter runs on its merged weights after %d such steps in a row "
+             "(lora.merge_after_steps; 0 turns it off); the decoder's weights as loaded are kept to restore: %.1f MiB",
+             config.merge_after_steps, merged.num_bytes / 2**20)
+    return merged
 
 
 def size_kv_cache(spec: ModelSpec, kv: KvConfig, dtype: torch.dtype, device: torch.device,

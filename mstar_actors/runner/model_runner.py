@@ -27,7 +27,10 @@ LoRA (``lora`` given): each sequence runs on its ``SeqStart.lora_slot``
 (0: the base model), or the slot a chunk names (``ScheduledChunk.lora_slot``,
 a sequence the adapter pool parked and resumed elsewhere);
 ``install_adapter`` fills a slot between steps. With
-LoRA off no stack exists and the model runs its base path only.
+LoRA off no stack exists and the model runs its base path only. Where
+``merge_one_adapter_steps`` was called (a GPU's runner, by default), a run
+of steps whose rows are all on one adapter goes on that adapter merged into
+the weights, as the base model's steps (``lora.merge``).
 
 The runner is built, not configured: ``build.build_runner`` loads the model,
 enables LoRA, sizes the KV cache and hands the parts to the constructor,
@@ -74,7 +77,9 @@ from torch import nn
 
 from mstar_actors import messages
 from mstar_actors.lora.adapter_file import AdapterWeights
+from mstar_actors.lora.merge import MergedWeights, MergePolicy
 from mstar_actors.models.attention import AttentionMetadata
+from mstar_actors.models.cpu_stack import CpuDecoderStack
 from mstar_actors.models.deltanet_ops import StatePool
 from mstar_actors.models.lora_layers import LoraLayers
 from mstar_actors.models.media_inputs import MediaInputs
@@ -400,6 +405,9 @@ class ModelRunner:
             model.attach_state_pools(kv.state_pools)
         self.lora = lora
         self.lora_names: dict[int, str] = {}  # slot -> installed adapter's name
+        self.num_installs: dict[int, int] = {}  # slot -> installs into it so far (a merged adapter's key: ``lora.merge``)
+        self.merged: MergedWeights | None = None  # steps of one adapter on merged weights (``merge_one_adapter_steps``)
+        self.merge_policy: MergePolicy | None = None
         self.max_model_len = min(max_model_len, self.spec.max_position_embeddings)
         # Multimodal models: per-sequence positions and vision rows (``MediaInputs``).
         self.media = media
@@ -416,6 +424,15 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         self.grammars: GrammarMatchers | None = None  # structured outputs: see enable_grammars
+
+    def merge_one_adapter_steps(self, merged: MergedWeights, after_steps: int) -> None:
+        """From now on a step whose rows are all on one adapter, after ``after_steps`` such steps in a
+        row, runs on that adapter merged into ``merged``'s weights (``lora.merge``), as the base model's
+        step. Not where the CPU layer stack runs the steps: it reads packed copies of the weights."""
+        if isinstance(self.model.run_layers, CpuDecoderStack):
+            raise ValueError("merged LoRA steps: the CPU layer stack reads packed copies of the weights, which a "
+                             "merge would leave stale; merge only where each layer runs through Python")
+        self.merged, self.merge_policy = merged, MergePolicy(after_steps)
 
     def enable_grammars(self, grammars: GrammarMatchers) -> None:
         """Serve ``SamplingParams.structured``: its rows' logits are masked by
@@ -474,6 +491,8 @@ class ModelRunner:
             return Step(Batch(), None, [], [])
         self._move_lora_slots(plan.scheduled)
         batch = build_batch(plan.scheduled, self.seqs, self.block_size, self.num_kv_blocks, self.max_model_len)
+        if self.merged is not None:
+            self._hold_merged(batch)
         snapshots = self._snapshots_to_take(plan.scheduled)
         states = batch.sample_seqs
         logits, drawn = self._run_model(batch, states)
@@ -530,6 +549,24 @@ class ModelRunner:
             self.grammars.advance([t for seq, t in zip(step.states, step.draws)
                                    if self.seqs.get(t.request_id) is seq and not t.dead])
 
+    def _hold_merged(self, batch: Batch) -> None:
+        """The weights as this step needs them (``lora.merge``): its one adapter merged, where the
+        policy says so, and then its rows run as the base's; else as loaded."""
+        slots = set(batch.chunk_slots)
+        slot = slots.pop() if len(slots) == 1 else 0
+        tenant = (slot, self.num_installs.get(slot, 0)) if slot and self.merged.can_merge(slot) else None
+        tenant = self.merge_policy.choose(tenant)
+        self.merged.hold(slot, tenant)
+        if tenant is not None:
+            batch.chunk_slots = [0] * len(batch.chunk_slots)
+            batch.sample_slots = [0] * len(batch.sample_slots)
+
+    def _count_install(self, slot: int) -> None:
+        """Before ``slot`` is written: a merge of its earlier tenant is not this one's (the install
+        thread counts; the step thread reads, and only merges a slot its rows are on, which no
+        install writes meanwhile)."""
+        self.num_installs[slot] = self.num_installs.get(slot, 0) + 1
+
     def _move_lora_slots(self, chunks: list[messages.ScheduledChunk]) -> None:
         """Each chunk's rows on the LoRA slot it names (-1: where they were);
         a slot this rank holds no adapter in fails the step's rows on it."""
@@ -583,6 +620,7 @@ class ModelRunner:
         if self.lora is None:
             raise ValueError(f"adapter {weights.name!r}: LoRA is off on this rank (lora.max_loras = 0); enable it to install adapters")
         self.lora_names.pop(slot, None)  # on failure the slot is cleared and holds nothing
+        self._count_install(slot)
         self.lora.install(slot, weights)  # returns once the device holds the copy
         for graphs in (self.graphs, self.mixed_graphs):  # the graphs read the stacks by address
             if graphs is not None:
@@ -598,6 +636,7 @@ class ModelRunner:
         if self.lora is None:
             return False
         self.lora_names.pop(slot, None)
+        self._count_install(slot)
         if not self.lora.reinstall(slot, name, digest):
             return False
         for graphs in (self.graphs, self.mixed_graphs):
@@ -614,6 +653,7 @@ class ModelRunner:
         the conductor fails them before it uses any result of theirs."""
         if self.lora is None:
             return
+        self._count_install(slot)
         self.lora.clear(slot)
         self.lora_names[slot] = f"{name} (its install failed: rows on it are void)"
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from lora.test_lora_parity import ADAPTERS, MAX_RANK, generate, make_base, make_peft
 from tp_ranks import run_ranks
-from tp_scenarios import lora_scenario
+from tp_scenarios import lora_scenario, merged_scenario
 
 from mstar_actors.lora import BaseShapes, LoraModule, read_adapter
 from mstar_actors.lora.host_copy import adapter_from_bytes, adapter_to_bytes
@@ -73,6 +73,19 @@ def test_adapters_at_tp2_match_peft_token_for_token(world):
     base, peft, (rank0, rank1) = world
     assert rank0["replies"] == rank1["replies"] == [(True, "")] * 3
     assert rank0["outputs"] == rank1["outputs"]
+    assert_matches_peft(rank0, base, peft)
+
+
+def test_each_rank_merges_its_shards_of_one_adapter_and_matches_peft(tmp_path):
+    """Steps of one adapter on merged weights (``lora.merge``) at tp=2: each rank merges its own
+    shard of each factor, column- and row-parallel alike, and the tokens are PEFT's."""
+    base, peft = make_world(tmp_path, "llama")
+    with host_copies(tmp_path, base) as installs:
+        ranks = run_ranks(merged_scenario, 2, tmp_path / "base", [m for m in installs if m.name != "all"], MAX_RANK)
+    (rank0, _), (rank1, _) = ranks
+    assert rank0["replies"] == [(True, "")] * 2 and rank0["outputs"] == rank1["outputs"]
+    assert rank0["held"] == rank1["held"]
+    assert {t[0] for t in rank0["held"] if t is not None} == {2, 3}  # attn's slot, then mlp's
     assert_matches_peft(rank0, base, peft)
 
 

@@ -122,6 +122,32 @@ def lora_scenario(tp, base_folder, installs: list, max_rank: int, device: str = 
                 stack_rows={name: tuple(stack.b.shape) for name, stack in runner.lora.stacks.items()})
 
 
+def merged_scenario(tp, base_folder, installs: list, max_rank: int) -> dict:
+    """The adapters without an LM head or embedding target, each rank merging after two steps on
+    one adapter (``lora.merge``): two requests on one adapter, then one on another. Returns the
+    outputs and what the weights held at each step."""
+    from actors.worker import install_from_host
+
+    runner = runner_factories.make_runner(base_folder, tp=tp, dtype="float32", device="cpu", block_size=BLOCK_SIZE,
+                                          num_blocks=96, seed=0, max_loras=max(m.slot for m in installs),
+                                          max_lora_rank=max_rank)
+    replies = [install_from_host(runner, tp.rank, msg) for msg in installs]
+    runner.merge_one_adapter_steps(runner.lora.merged_weights(), 2)
+    held, hold = [], runner.merged.hold
+    runner.merged.hold = lambda slot, tenant: (hold(slot, tenant), held.append(runner.merged.tenant))
+    slots = {msg.name: msg.slot for msg in installs}
+    gen = torch.Generator().manual_seed(4)
+    prompts = {rid: torch.randint(3, 320, (n,), generator=gen).tolist() for rid, n in [("t1", 9), ("t2", 13), ("m1", 7)]}
+    on = {"t1": "attn", "t2": "attn", "m1": "mlp"}
+    d = PlanDriver(runner, block_size=BLOCK_SIZE, num_new=16, sampling=GREEDY)
+    d.step([d.start(r, prompts[r], slot=slots[on[r]]) for r in ("t1", "t2")], [d.chunk("t1"), d.chunk("t2")])
+    outputs = d.run_to_end()
+    d = PlanDriver(runner, block_size=BLOCK_SIZE, num_new=16, sampling=GREEDY)
+    d.step([d.start("m1", prompts["m1"], slot=slots["mlp"])], [d.chunk("m1")])
+    outputs |= d.run_to_end()
+    return dict(outputs=outputs, prompts=prompts, on=on, replies=[(r.ok, r.error) for r in replies], held=held)
+
+
 def serve_rank(tp, base_folder, commands, replies, fail_names: tuple[str, ...], max_loras: int) -> int:
     """A worker's work on a real sharded runner, driven through queues: the
     parent relays the conductor's ``InstallAdapter`` and ``StepPlan`` here and

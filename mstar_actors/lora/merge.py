@@ -1,0 +1,143 @@
+"""Steps of one adapter on merged weights (dLoRA's merge, OSDI '24).
+
+While every row of a run of steps is on one adapter, each decoder linear's
+weight can hold ``W + s * B @ A`` of that adapter, as PEFT's
+``merge_and_unload`` makes it: those steps then run as the base model's
+(the base step graphs, no LoRA kernel at all), so a server whose traffic is
+one adapter at a time serves it at the base model's speed. The first step
+with a row on another slot (or on the base) restores every weight from a
+copy kept as loaded, exactly: no subtraction, no drift however often it
+merges.
+
+Two parts: ``MergePolicy`` (pure: which adapter the weights should hold
+for a step, with hysteresis, so steps that alternate between one adapter
+and a mix do not copy the weights each time) and ``MergedWeights`` (the
+device work: the copy, the merge, the restore, enqueued on the step's
+stream before the step, so they are ordered after the steps before it).
+
+Which slot the weights hold is this rank's own choice, made from the plans
+alone, and no other rank needs it: a merged shard's output ``(W + sBA) x``
+equals its unmerged ``Wx + s B(Ax)`` up to rounding, under tensor
+parallelism too (each rank merges its own shard of each factor, as it
+installs them). The merge rounds ``W + sBA`` once into the weight's dtype,
+as PEFT's merge does: in bfloat16 a step's outputs move by about the
+rounding of the outputs themselves; in float32 by far less.
+
+An adapter on the token embedding or the LM head is never merged (the
+embedding may be the head, tied), nor a slot installed again since the
+weights took it: the policy keys an adapter by (slot, install count).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from .ops import LoraStack
+
+class MergePolicy:
+    """Which adapter the weights should hold for each step (pure host state).
+
+    ``choose(tenant)``: ``tenant`` is the step's one adapter (any hashable
+    key that changes when its slot is installed again), or None for a step
+    with base rows, with rows of several adapters, or of an adapter that
+    cannot be merged. Returns the tenant the weights must hold for the
+    step, or None (the weights as loaded). A tenant is merged once it has
+    been the only one for ``after_steps`` steps in a row, and held while
+    every step stays on it: a merge or a restore reads and writes every
+    decoder weight once, so steps that alternate between one adapter and a
+    mix pay for it at most once every ``after_steps`` steps."""
+
+    def __init__(self, after_steps: int):
+        if after_steps < 1:
+            raise ValueError(f"merge after_steps is {after_steps}; accepted: 1 or more")
+        self.after_steps = after_steps
+        self.merged: Hashable | None = None
+        self._candidate: Hashable | None = None
+        self._run = 0  # steps in a row on ``_candidate``
+
+    def choose(self, tenant: Hashable | None) -> Hashable | None:
+        if tenant is None:
+            self.merged, self._candidate, self._run = None, None, 0
+            return None
+        if tenant == self.merged:
+            return tenant
+        if tenant != self._candidate:
+            self._candidate, self._run = tenant, 0
+        self._run += 1
+        self.merged = tenant if self._run >= self.after_steps else None
+        return self.merged
+
+
+class MergedWeights:
+    """Every decoder linear's weight, a copy of it as loaded, and the slot merged into it.
+
+    ``linears``: ``(module, stack)`` pairs, the module's ``weight`` being
+    the rows its stack's shards cover (a fused stack's weight is a view of
+    its buffer: ``LoraStack.fuse_under``); ``others``: the stacks that are
+    not a decoder linear's (the embedding's, the LM head's). The copy costs
+    the linears' weight bytes once more (``num_bytes``): made here, before
+    the KV cache is sized from what is left."""
+
+    def __init__(self, linears: Sequence[tuple[Any, LoraStack]], others: Sequence[LoraStack]):
+        for module, stack in linears:
+            weight = module.weight
+            if weight.is_meta or not weight.is_floating_point() or tuple(weight.shape) != (stack.offsets[-1], stack.in_features):
+                raise ValueError(f"merged LoRA steps need each linear's float weight [out, in] as its stack covers "
+                                 f"it; found {tuple(weight.shape)} {weight.dtype} on {weight.device} "
+                                 "(quantized linears cannot be merged)")
+        self.linears = list(linears)
+        self.others = list(others)
+        with torch.no_grad():
+            self.loaded = [module.weight.detach().clone() for module, _ in self.linears]
+        self.tenant: Hashable | None = None  # what the weights hold (None: as loaded)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(weight.nbytes for weight in self.loaded)
+
+    def can_merge(self, slot: int) -> bool:
+        """Whether ``slot``'s adapter targets decoder linears only (as its install left the stacks)."""
+        return not any(stack.targets(slot) for stack in self.others)
+
+    def hold(self, slot: int, tenant: Hashable | None) -> None:
+        """Make the weights hold ``tenant`` (on ``slot``), or, with None, the weights as loaded; a
+        no-op when they already do. Device work on the current stream, ordered after the steps
+        enqueued before it and before those after."""
+        if tenant == self.tenant:
+            return
+        with torch.inference_mode():
+            if self.tenant is not None:
+                self._restore()
+            self.tenant = None
+            if tenant is not None:
+                self._merge(slot)
+        self.tenant = tenant
+
+    def _restore(self) -> None:
+        for (module, _), loaded in zip(self.linears, self.loaded):
+            module.weight.copy_(loaded)
+            _changed(module)
+
+    def _merge(self, slot: int) -> None:
+        for module, stack in self.linears:
+            if not stack.targets(slot):
+                continue
+            weight = module.weight
+            for shard in range(len(stack.output_sizes)):  # a shard its adapter leaves out has scale 0: adds zero
+                rows = slice(stack.offsets[shard], stack.offsets[shard + 1])
+                b = (stack.b[slot, rows] * stack.scales[shard, slot]).to(weight.dtype)  # on the device: no sync
+                weight[rows].addmm_(b, stack.a[shard, slot])
+            _changed(module)
+
+
+def _changed(module: Any) -> None:
+    """A CPU linear's packed copy of its weight is stale once the weight changes in place."""
+    packed = getattr(module, "packed", None)
+    if packed is not None:
+        packed.release()
+
+
+__all__ = ["MergePolicy", "MergedWeights"]
