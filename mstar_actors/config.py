@@ -126,10 +126,11 @@ class LoraConfig(msgspec.Struct, **_STRICT):
     # in is one copy, not a new read and staging.
     max_cpu_loras: Pos = 8
     adapters: dict[str, str] = {}
-    # On CUDA, a step whose rows are all on one adapter, after this many such steps in a row, runs
-    # on that adapter merged into the decoder's weights (the base model's step, at its speed);
-    # the first step with other rows restores them from a copy kept as loaded, which costs the
-    # decoder linears' weight bytes once more. 0: never (no copy). Not on CPU.
+    # On CUDA, from the this-many-th step in a row whose rows are all on one adapter, steps on it
+    # run on it merged into the decoder's weights (the base model's steps, at its speed); the
+    # first step with other rows restores them from a copy kept as loaded, which costs the
+    # decoder linears' weight bytes once more. Merges that did not last make the next wait
+    # longer. Adapters on the embedding or LM head are never merged. 0: never (no copy). Not on CPU.
     merge_after_steps: NonNeg = 16
     allow_runtime_updates: bool = False
     adapter_dirs: list[str] = []

@@ -363,7 +363,7 @@ def server_config(plan: Plan, model_dir: Path, spec: ServerSpec, adapters: dict[
 
 
 def num_kv_blocks(plan: Plan, max_prompt_tokens: int = 256, block_size: int = 16) -> int:
-    """Enough KV blocks for every level's requests at once, and no more: the three
+    """Enough KV blocks for every level's requests at once, and no more: the
     servers hold theirs side by side."""
     return max(plan.levels) * math.ceil((max_prompt_tokens + plan.max_tokens) / block_size) + 16
 

@@ -426,12 +426,15 @@ class ModelRunner:
         self.grammars: GrammarMatchers | None = None  # structured outputs: see enable_grammars
 
     def merge_one_adapter_steps(self, merged: MergedWeights, after_steps: int) -> None:
-        """From now on a step whose rows are all on one adapter, after ``after_steps`` such steps in a
-        row, runs on that adapter merged into ``merged``'s weights (``lora.merge``), as the base model's
-        step. Not where the CPU layer stack runs the steps: it reads packed copies of the weights."""
+        """From now on the ``after_steps``-th step in a row whose rows are all on one adapter, and
+        those after it on that adapter, run on it merged into ``merged``'s weights, as the base
+        model's steps (``lora.merge``: ``MergePolicy`` waits longer after merges that did not last;
+        on CUDA the merge and the restore are graphs, captured here). Not where the CPU layer stack
+        runs the steps: it reads packed copies of the weights."""
         if isinstance(self.model.run_layers, CpuDecoderStack):
             raise ValueError("merged LoRA steps: the CPU layer stack reads packed copies of the weights, which a "
                              "merge would leave stale; merge only where each layer runs through Python")
+        merged.capture(self.lora.num_slots)
         self.merged, self.merge_policy = merged, MergePolicy(after_steps)
 
     def enable_grammars(self, grammars: GrammarMatchers) -> None:

@@ -18,6 +18,7 @@ from lora.lora_factories import make_saved_peft
 from lora.test_lora_parity import BLOCK_SIZE, GREEDY, MAX_RANK, NUM_NEW, _spread, generate, load_weights
 from mstar_actors.lora.merge import MergePolicy
 from mstar_actors.models.cpu_stack import CpuDecoderStack
+from mstar_actors.runner.build import merged_weights
 from plan_driver import PlanDriver
 
 Driver = functools.partial(PlanDriver, block_size=BLOCK_SIZE, num_new=NUM_NEW, sampling=GREEDY)
@@ -27,6 +28,7 @@ ADAPTERS = {
     "attn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
     "mlp": dict(r=6, lora_alpha=12, rank_pattern={"down_proj": 2}, target_modules=["gate_proj", "up_proj", "down_proj"]),
     "head": dict(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"]),  # an LM head: never merged
+    "embed": dict(r=4, lora_alpha=8, target_modules=["v_proj", "embed_tokens"]),  # nor an embedding
 }
 AFTER = 3  # steps in a row on one adapter before the merge
 
@@ -73,19 +75,30 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 # ---------------------------------------------------------------- the policy
 
 
-def test_policy_merges_after_a_run_and_restores_at_once():
+def test_policy_merges_at_the_nth_step_of_a_run_and_restores_at_once():
     policy = MergePolicy(3)
     assert [policy.choose(t) for t in ["a", "a", "a", "a"]] == [None, None, "a", "a"]
     assert policy.choose(None) is None  # a step with base rows or a mix: as loaded, at once
-    assert [policy.choose(t) for t in ["a", "a", "b", "b", "b"]] == [None, None, None, None, "b"]  # runs restart
+    assert policy.after_steps == 6  # that merge lasted 2 steps: the next waits twice as long
+    assert [policy.choose(t) for t in ["a", "a", "b", "b", "b", "b", "b", "b"]] == [None] * 7 + ["b"]  # runs restart
     assert policy.choose("a") is None  # another adapter: as loaded until its own run is long enough
     with pytest.raises(ValueError, match="accepted: 1 or more"):
         MergePolicy(0)
 
 
-def test_a_policy_of_one_step_merges_at_the_first():
-    policy = MergePolicy(1)
-    assert [policy.choose(t) for t in ["a", "b", None, "b"]] == ["a", "b", None, "b"]
+def test_short_merges_make_the_next_wait_longer_and_a_long_one_resets_it():
+    """One request at a time, each on another adapter: runs of 8 steps. Merging at the 2nd step
+    of each and restoring at the next request's first would copy the weights twice a request;
+    the wait doubles after each merge held under 4 x 2 steps, until no such run merges."""
+    policy = MergePolicy(2)
+    merged_steps = []
+    for request in range(6):
+        merged_steps.append(sum(policy.choose(("slot", request)) is not None for _ in range(8)))
+    assert merged_steps == [7, 5, 1, 0, 0, 0]
+    assert policy.after_steps == 16
+    assert sum(policy.choose("long") is not None for _ in range(16 + 4 * 2)) == 9  # held 9 steps: paid
+    policy.choose(None)
+    assert policy.after_steps == 2  # back to the configured wait
 
 
 # ---------------------------------------------------------------- the weights
@@ -119,16 +132,53 @@ def test_merge_is_peft_merge_and_restore_is_exact(world):
 
 def test_an_adapter_on_the_head_or_embedding_is_never_merged(world):
     base_folder, _, adapters = world
-    runner = make_runner(base_folder)
-    runner.install_adapter(1, load_weights(adapters["head"][0], base_folder, "head"))
-    runner.install_adapter(2, load_weights(adapters["attn"][0], base_folder, "attn"))
-    assert not runner.merged.can_merge(1) and runner.merged.can_merge(2)
+    runner = make_runner(base_folder, max_loras=3)
+    for slot, name in enumerate(["head", "attn", "embed"], start=1):
+        runner.install_adapter(slot, load_weights(adapters[name][0], base_folder, name))
+    assert [runner.merged.can_merge(slot) for slot in (1, 2, 3)] == [False, True, False]
     seen = held(runner)
     prompt = prompts(1, 4)[0]
     d = Driver(runner)
     d.step([d.start("h", prompt, slot=1)], [d.chunk("h")])
     assert d.run_to_end()["h"] == generate(adapters["head"][1], prompt)
     assert set(seen) == {None}
+
+
+def test_a_merge_that_fails_halfway_is_restored_before_the_next(world, monkeypatch):
+    """A merge that raises after some linears (an out-of-memory, say) fails its step; the weights
+    then hold neither the adapter nor the loaded values, and the next hold, base or adapter,
+    restores every linear first (never a second merge on top of the first)."""
+    base_folder, _, adapters = world
+    runner = make_runner(base_folder, merge=False)
+    runner.install_adapter(1, load_weights(adapters["attn"][0], base_folder, "attn"))
+    merged = runner.lora.merged_weights()
+    before = {n: m.weight.clone() for n, m in runner.lora.linears.items()}
+    merged.hold(1, "attn")
+    want = {n: m.weight.clone() for n, m in runner.lora.linears.items()}
+    merged.hold(0, None)
+    calls = []
+    addmm = torch.Tensor.addmm_
+
+    def failing(self, *args, **kw):
+        calls.append(1)
+        if len(calls) == 4:
+            raise torch.OutOfMemoryError("scripted")
+        return addmm(self, *args, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "addmm_", failing)
+    with pytest.raises(torch.OutOfMemoryError):
+        merged.hold(1, "attn")
+    monkeypatch.undo()
+    merged.hold(1, "attn")
+    for name, module in runner.lora.linears.items():
+        assert torch.equal(module.weight, want[name]), f"{name} merged twice after the failure"
+    with pytest.raises(torch.OutOfMemoryError):
+        monkeypatch.setattr(torch.Tensor, "addmm_", lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("x")))
+        merged.hold(2, "other")
+    monkeypatch.undo()
+    merged.hold(0, None)
+    for name, module in runner.lora.linears.items():
+        assert torch.equal(module.weight, before[name]), f"{name} not restored after a failed merge"
 
 
 def test_merged_weights_refuse_quantized_linears(world):
@@ -201,10 +251,11 @@ def test_the_layer_stack_refuses_merged_steps(tmp_path):
 
 def test_a_cpu_runner_keeps_no_copy_and_zero_turns_it_off(world):
     base_folder, _, _ = world
-    assert make_runner(base_folder, merge=False, merge_after_steps=4).merged is None  # CPU: off
-    cuda = pytest.importorskip("torch").cuda.is_available()
-    if cuda:
-        assert make_runner(base_folder, merge=False, device="cuda", merge_after_steps=0).merged is None
+    runner = make_runner(base_folder, merge=False, merge_after_steps=4)
+    assert runner.merged is None  # CPU: off
+    zero = runner_factories.runner_config(base_folder, max_loras=2, merge_after_steps=0).lora
+    assert merged_weights(runner.lora, zero, torch.device("cuda")) is None  # 0: no copy, on any device
+    assert merged_weights(None, runner_factories.runner_config(base_folder).lora, torch.device("cuda")) is None
 
 
 @pytest.mark.gpu
