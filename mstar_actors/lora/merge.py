@@ -33,12 +33,15 @@ weights took it: the policy keys an adapter by (slot, install count).
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
 
 from .ops import LoraStack
+
+log = logging.getLogger(__name__)
 
 class MergePolicy:
     """Which adapter the weights should hold for each step (pure host state).
@@ -145,21 +148,27 @@ class MergedWeights:
         """On CUDA, one graph that restores every weight and one that merges each adapter slot
         ``1 .. num_slots - 1`` (the stacks are written in place, so a graph reads what the slot
         holds when it runs; an untargeted linear's slot is zeros, scale 0, and adds zero): a merge
-        is one launch, not a few hundred small ones from the step's thread."""
+        is one launch, not a few hundred small ones from the step's thread. Should a capture
+        fail, merges run eagerly (logged): slower to switch, the same weights."""
         if not self.loaded or not self.loaded[0].is_cuda:
             return
         with torch.inference_mode():
             self._merge(1, every_linear=True)  # once eagerly (the GEMMs' first use), then back
             self._restore()
-            torch.cuda.synchronize()
-            for slot in range(num_slots):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    if slot == 0:
-                        self._restore()
-                    else:
-                        self._merge(slot, every_linear=True)
-                self._graphs[slot] = graph
+            try:
+                torch.cuda.synchronize()
+                for slot in range(num_slots):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        if slot == 0:
+                            self._restore()
+                        else:
+                            self._merge(slot, every_linear=True)
+                    self._graphs[slot] = graph
+            except Exception as err:  # noqa: BLE001 - an optimisation: the eager path is the same work
+                self._graphs.clear()
+                log.warning("merged LoRA steps: capturing the merge and restore graphs failed (%s: %s); they run "
+                            "eagerly, a few hundred launches a switch", type(err).__name__, err)
 
     def _run(self, slot: int, eager: Callable[[], None]) -> None:
         graph = self._graphs.get(slot)

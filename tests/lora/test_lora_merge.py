@@ -181,6 +181,27 @@ def test_a_merge_that_fails_halfway_is_restored_before_the_next(world, monkeypat
         assert torch.equal(module.weight, before[name]), f"{name} not restored after a failed merge"
 
 
+def test_a_failed_capture_leaves_eager_merges(world, monkeypatch, caplog):
+    """Where the merge graphs cannot be captured, merges run eagerly (logged) and still merge."""
+    base_folder, _, adapters = world
+    runner = make_runner(base_folder, merge=False)
+    runner.install_adapter(1, load_weights(adapters["attn"][0], base_folder, "attn"))
+    merged = runner.lora.merged_weights()
+    monkeypatch.setattr(torch.Tensor, "is_cuda", True)  # so capture tries
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: (_ for _ in ()).throw(RuntimeError("scripted: no capture")))
+    with caplog.at_level("WARNING", logger="mstar_actors.lora.merge"):
+        merged.capture(3)
+    monkeypatch.undo()
+    assert merged._graphs == {} and "scripted: no capture" in caplog.text and "run eagerly" in caplog.text
+    module = runner.model.model.layers[0].self_attn.o_proj
+    before = module.weight.clone()
+    merged.hold(1, "attn")
+    assert not torch.equal(module.weight, before)
+    merged.hold(0, None)
+    assert torch.equal(module.weight, before)
+
+
 def test_merged_weights_refuse_quantized_linears(world):
     base_folder, _, _ = world
     runner = make_runner(base_folder, merge=False)
