@@ -43,6 +43,7 @@ from .ops import LoraStack
 
 log = logging.getLogger(__name__)
 
+
 class MergePolicy:
     """Which adapter the weights should hold for each step (pure host state).
 
@@ -108,8 +109,8 @@ class MergedWeights:
 
     def __init__(self, linears: Sequence[tuple[Any, LoraStack]], others: Sequence[LoraStack]):
         for module, stack in linears:
-            weight = module.weight
-            if weight.is_meta or not weight.is_floating_point() or tuple(weight.shape) != (stack.offsets[-1], stack.in_features):
+            weight, shape = module.weight, (stack.offsets[-1], stack.in_features)
+            if weight.is_meta or not weight.is_floating_point() or tuple(weight.shape) != shape:
                 raise ValueError(f"merged LoRA steps need each linear's float weight [out, in] as its stack covers "
                                  f"it; found {tuple(weight.shape)} {weight.dtype} on {weight.device} "
                                  "(quantized linears cannot be merged)")

@@ -190,9 +190,9 @@ def merged_weights(lora: LoraLayers | None, config: LoraConfig, device: torch.de
     if lora is None or device.type != "cuda" or not config.merge_after_steps:
         return None
     merged = lora.merged_weights()
-    log.info("LoRA: a step whose rows are all on one adapter runs on its merged weights after %d such steps in a row "
-             "(lora.merge_after_steps; 0 turns it off); the decoder's weights as loaded are kept to restore: %.1f MiB",
-             config.merge_after_steps, merged.num_bytes / 2**20)
+    log.info("LoRA: from the %dth step in a row whose rows are all on one adapter, steps run on it merged into the "
+             "weights (lora.merge_after_steps; 0 turns it off); the decoder's weights as loaded are kept to restore "
+             "them: %.1f MiB", config.merge_after_steps, merged.num_bytes / 2**20)
     return merged
 
 

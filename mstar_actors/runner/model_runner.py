@@ -405,7 +405,7 @@ class ModelRunner:
             model.attach_state_pools(kv.state_pools)
         self.lora = lora
         self.lora_names: dict[int, str] = {}  # slot -> installed adapter's name
-        self.num_installs: dict[int, int] = {}  # slot -> installs into it so far (a merged adapter's key: ``lora.merge``)
+        self.num_installs: dict[int, int] = {}  # slot -> installs into it so far (a merge's key: ``lora.merge``)
         self.merged: MergedWeights | None = None  # steps of one adapter on merged weights (``merge_one_adapter_steps``)
         self.merge_policy: MergePolicy | None = None
         self.max_model_len = min(max_model_len, self.spec.max_position_embeddings)
