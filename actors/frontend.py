@@ -423,12 +423,12 @@ class FrontendActor(Actor):
         try:
             response = await handler(request)
         except ApiError as err:
-            response = _error_response(err)
+            response = self._refused(request, err)
         except web.HTTPException as err:  # 404 route, 405, 413 body too large
             if err.status < 400:
                 raise
-            response = _error_response(ApiError(err.status, _http_message(err, request), code=_http_code(err),
-                                                param="body" if err.status == 413 else None))
+            response = self._refused(request, ApiError(err.status, _http_message(err, request), code=_http_code(err),
+                                                       param="body" if err.status == 413 else None))
             if "Allow" in err.headers:  # a 405 names the methods the route takes
                 response.headers["Allow"] = err.headers["Allow"]
         except asyncio.CancelledError:
@@ -442,6 +442,14 @@ class FrontendActor(Actor):
             response = _error_response(ApiError(500, f"internal error: {type(err).__name__}: {err}"))
         self.metrics.observe_request(_route(request), response.status)
         return response
+
+    def _refused(self, request: web.Request, err: ApiError) -> web.Response:
+        """The error's response, and a line in the log (as vLLM's access log and its validation errors
+        give): an operator sees why a client's requests fail. Successes leave no line (per request
+        at thousands a second, the log would be the bottleneck)."""
+        message = err.message if len(err.message) <= 300 else err.message[:300] + "..."
+        self.log.info("%s %s: %d %s", request.method, request.path, err.status, message)
+        return _error_response(err)
 
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -564,9 +572,7 @@ class FrontendActor(Actor):
                                                         template_kwargs=parsed.chat_template_kwargs)
         except ValueError as err:  # no chat template, or the template refused the messages
             raise ApiError(400, f"messages: {err}", param="messages") from None
-        if parsed.add_special_tokens and self.tokenizer.bos_token_id is not None and ids[:1] != [self.tokenizer.bos_token_id]:
-            ids = [self.tokenizer.bos_token_id, *ids]
-        return ids
+        return self.tokenization.with_special_tokens(ids) if parsed.add_special_tokens else ids
 
     def _check_text_only(self, chat: list) -> None:
         """/tokenize counts text: a media part's tokens follow its decoded size,
@@ -935,7 +941,8 @@ class FrontendActor(Actor):
             self.metrics.prefix_cache_queries.inc(delta.num_prompt_tokens)
             self.metrics.prefix_cache_hits.inc(delta.num_cached_tokens)
             choice.num_prompt_tokens, choice.num_cached_tokens = delta.num_prompt_tokens, delta.num_cached_tokens
-        self.metrics.generation_tokens.inc(len(delta.tokens))
+        if not choice.echo_only:  # (an echo's cap of 0: the engine's one token is not the client's)
+            self.metrics.generation_tokens.inc(len(delta.tokens))
         text, entries = choice.add(delta.tokens)
         if choice.is_done:  # a stop string matched: free the engine's blocks now
             self._abort(delta.request_id)

@@ -76,6 +76,27 @@ class Tokenization:
 
         return encode_bounded(encode, text, max_tokens, self.max_chars_per_token)
 
+    def with_special_tokens(self, ids: list[int]) -> list[int]:
+        """``ids`` with the special tokens the tokenizer adds around a text (its post-processor's:
+        Llama 3's BOS, none for SmolLM2), each end's unless ``ids`` already has them there (a chat
+        template that writes the BOS itself)."""
+        prefix, suffix = self._special_ends
+        if prefix and ids[: len(prefix)] != prefix:
+            ids = prefix + ids
+        if suffix and ids[len(ids) - len(suffix):] != suffix:
+            ids = ids + suffix
+        return ids
+
+    @functools.cached_property
+    def _special_ends(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer puts before and after a text's own when it adds special tokens."""
+        plain = self.tokenizer("a", add_special_tokens=False).input_ids
+        full = self.tokenizer("a", add_special_tokens=True).input_ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start : start + len(plain)] == plain:
+                return full[:start], full[start + len(plain):]
+        return [], []
+
     def encode_prompt(self, text: str, max_tokens: int | None = None) -> list[int]:
         """Token ids of a completion prompt, with the model's BOS rules
         (``max_tokens``: see ``encode_text``)."""

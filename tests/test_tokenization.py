@@ -75,6 +75,26 @@ def test_encode_decode_and_vocab(tokenization):
     assert tokenization.vocab_size == len(hf)  # EOS ids: one rule, the ranks' (tests/test_model_info.py)
 
 
+def test_special_tokens_are_the_tokenizers_own(tokenization, tmp_path):
+    """``with_special_tokens``: what the tokenizer's post-processor puts around a text (none for this
+    ChatML one, whose ``bos_token`` is no rule of its encoding), never a BOS of our own."""
+    from tokenizers import processors
+
+    ids = tokenization.encode_text("Hello world", add_special_tokens=False)
+    assert tokenization.with_special_tokens(ids) == ids == tokenization.encode_text("Hello world", True)
+    tok = Tokenizer.from_str(tokenization.tokenizer.backend_tokenizer.to_str())
+    named = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tok.to_str()), bos_token="<|im_start|>")
+    named.save_pretrained(tmp_path / "named")  # a bos_token (SmolLM2's) that its encoding never adds
+    assert Tokenization(tmp_path / "named").with_special_tokens(ids) == ids
+    bos, eos = tok.token_to_id("<|im_start|>"), tok.token_to_id("<|endoftext|>")
+    tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A <|endoftext|>",
+                                                       special_tokens=[("<|im_start|>", bos), ("<|endoftext|>", eos)])
+    framed = Tokenization(save_model_dir(tmp_path / "framed", tok))
+    assert framed.encode_text("Hello world", True) == [bos, *ids, eos]
+    assert framed.with_special_tokens(ids) == [bos, *ids, eos]
+    assert framed.with_special_tokens([bos, *ids]) == [bos, *ids, eos]  # a template's own BOS is not doubled
+
+
 def test_token_bytes_rebuild_characters_split_across_tokens(tokenization):
     """Chat logprobs' ``bytes``: a token's own bytes, so an emoji split over
     tokens whose texts each read U+FFFD joins back together."""

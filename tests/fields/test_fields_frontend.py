@@ -267,6 +267,9 @@ def test_tokenize_detokenize_version_ping_and_model_by_id(harness):
             status, r = await h.post("/tokenize", {"model": "tiny", "messages": MSGS})
             text = tok.apply_chat_template(MSGS, tokenize=False, add_generation_prompt=True)
             assert r["tokens"] == tok(text, add_special_tokens=False).input_ids
+            # specials on request are the tokenizer's own (this one adds none; its bos_token is no rule)
+            status, r = await h.post("/tokenize", {"model": "tiny", "messages": MSGS, "add_special_tokens": True})
+            assert r["tokens"] == tok(text, add_special_tokens=True).input_ids
             # the whole text's count, past the context too (a client measures a text to cut it), as vLLM's
             long = "hello " * 400
             status, r = await h.post("/tokenize", {"model": "tiny", "prompt": long})

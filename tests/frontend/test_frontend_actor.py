@@ -687,6 +687,35 @@ def test_a_trailing_slash_is_the_route_without_it(harness):
     run(body)
 
 
+def test_a_refused_request_leaves_a_line_in_the_log(harness, caplog):
+    """vLLM's access log and validation errors say why a client's requests fail; so does ours, one line each."""
+    async def body():
+        async with harness() as h:
+            with caplog.at_level("INFO"):
+                status, _ = await h.post(CHAT, chat_body(max_tokens=-1))
+                assert status == 400
+                status, _ = await h.post("/v1/nope", {})
+                assert status == 404
+            lines = [r.getMessage() for r in caplog.records]
+            assert any(ln.startswith("POST /v1/chat/completions: 400 ") and "max_tokens" in ln for ln in lines), lines
+            assert any(ln.startswith("POST /v1/nope: 404 ") for ln in lines), lines
+
+    run(body)
+
+
+def test_an_echo_with_a_cap_of_zero_generates_nothing_in_the_metrics(harness):
+    """``echo`` with ``max_tokens: 0``: the engine's one token is not the client's, in usage and metrics alike."""
+    async def body():
+        async with harness() as h:
+            status, r = await h.post(COMP, {"model": "tiny", "prompt": "hi there", "echo": True, "max_tokens": 0})
+            assert status == 200 and r["usage"]["completion_tokens"] == 0
+            async with h.session.get(h.url + "/metrics") as resp:
+                text = await resp.text()
+            assert 'vllm:generation_tokens_total{model_name="tiny"} 0.0' in text
+
+    run(body)
+
+
 def test_metrics(harness):
     async def body():
         async with harness() as h:
