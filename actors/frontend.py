@@ -74,6 +74,7 @@ from mstar_actors.messages import (
 )
 from mstar_actors.frontend.metrics import Metrics
 from mstar_actors.frontend.openai_api import ApiError, ChoiceOutput, ParsedRequest
+from mstar_actors.frontend.reasoning import ReasoningStream, prompt_opens_reasoning, split_reasoning
 from mstar_actors.frontend.tool_calls import (
     LLAMA3_JSON,
     ForcedCallStream,
@@ -124,6 +125,7 @@ class Exchange:
         self.is_overflowed = False
         self.is_refused = False  # the engine refused it with a 4xx (the client's input): no choice of it ran to an end
         self.prompt_token_ids: list[list[int]] = []  # per request, when return_token_ids or echo asks
+        self.reasoning: tuple[str, bool] | None = None  # (parser, the prompt opened it): model.reasoning_parser
 
     def push(self, msg: Any) -> None:
         """Never blocks (the mailbox reader calls it); see the module docstring."""
@@ -219,6 +221,10 @@ class FrontendActor(Actor):
         problem = marker_problem(self.tool_parser, set(self.tokenizer.all_special_tokens))
         if problem:
             self.log.warning("%s", problem)
+        self.reasoning_parser = self.config.model.reasoning_parser
+        self._opening: dict[str, bool] = {}  # chat_template_kwargs -> whether the generation prompt opens <think>
+        if self.reasoning_parser:
+            self.log.info("chat replies' reasoning read as %s (model.reasoning_parser)", self.reasoning_parser)
         self.speech = None  # the speech route's codec and tokens (speech.snac_path)
         if self.config.speech.snac_path:
             self.speech = await self.run_blocking(_load_speech, self.config.speech, self.tokenizer, self.info.vocab_size)
@@ -672,6 +678,9 @@ class FrontendActor(Actor):
                             self.index)
         if parsed.output.return_token_ids or parsed.output.echo:
             exchange.prompt_token_ids = await self.run_blocking(self._prompt_token_ids, exchange)
+        if kind == "chat" and self.reasoning_parser and parsed.sampling.structured is None:
+            # (a constrained reply, a forced tool call's too, is held to it from its first token: no reasoning)
+            exchange.reasoning = (self.reasoning_parser, self._opens_reasoning(parsed))
         self._admit(exchange)
         try:
             await self._submit(exchange)
@@ -680,6 +689,20 @@ class FrontendActor(Actor):
             return await self._collect(exchange)
         finally:
             self._close(exchange)
+
+    def _opens_reasoning(self, parsed: ParsedRequest) -> bool:
+        """Whether the chat's generation prompt opens the reasoning itself (a template that ends it with
+        ``<think>``, as Qwen3.5's thinking one does): the template rendered once per set of
+        chat_template_kwargs (``enable_thinking`` changes it), a few hundred sets kept."""
+        if parsed.continue_final_message or not parsed.add_generation_prompt:
+            return False
+        key = _json.encode(parsed.chat_template_kwargs or {}).decode()
+        opened = self._opening.get(key)
+        if opened is None:
+            opened = prompt_opens_reasoning(self.tokenization.generation_prompt(parsed.chat_template_kwargs))
+            if len(self._opening) < 256:
+                self._opening[key] = opened
+        return opened
 
     # ---- text to speech -----------------------------------------------
 
@@ -961,6 +984,7 @@ class FrontendActor(Actor):
         args = (exchange.response_id, exchange.model, exchange.created)
         if exchange.parsed.kind == "chat":
             out = [api.chat_choice(c.index, c.text, c.finish_reason, c.chat_logprobs()) for c in choices]
+            out = [_with_reasoning(exchange, choice) for choice in out]
             out = [_with_tool_calls(exchange.parsed, choice, own.stop_reason) for choice, own in zip(out, choices)]
             body = api.chat_response(*args, out, self._usage(exchange))
         else:
@@ -1074,6 +1098,8 @@ class _Stream:
         self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                                    "Cache-Control": "no-cache"})
         self.tool_readers = _tool_readers(exchange) if self.is_chat else {}
+        self.reasoning = ({i: ReasoningStream(*exchange.reasoning) for i in range(exchange.num_choices)}
+                          if exchange.reasoning is not None else {})
         self.build = api.chat_chunk if self.is_chat else api.completion_chunk
         # Every chunk's bytes around its choices, encoded once (None: the usage changes per chunk)
         self._envelope = None if self.continuous else _chunk_envelope(self.build, exchange, self._usage_field())
@@ -1104,6 +1130,10 @@ class _Stream:
         if choice.echo_text and not choice.is_echoed:
             text, choice.is_echoed = choice.echo_text + text, True
         if self.is_chat:
+            if choice.index in self.reasoning:
+                text, entries = await self._write_reasoning(choice, text, entries)
+                if not (text or entries or choice.is_done):
+                    return
             delta = {"content": text} if text else {}
             if choice.index in self.tool_readers:
                 deltas, reason = self._tool_deltas(choice, text)
@@ -1117,6 +1147,20 @@ class _Stream:
             logprobs = choice.legacy_logprobs(entries)
             out = api.completion_choice(choice.index, text, reason, logprobs)
         await self._write_choice(choice, out)
+
+    async def _write_reasoning(self, choice: ChoiceOutput, text: str, entries: list) -> tuple[str, list]:
+        """Write the reasoning in ``text`` (``model.reasoning_parser``) as ``delta.reasoning`` chunks, the
+        logprobs on the first; return the answer's part and the entries not yet written."""
+        stream = self.reasoning[choice.index]
+        thought, text = stream.feed(text)
+        if choice.is_done:
+            more_thought, more_text = stream.flush()
+            thought, text = thought + more_thought, text + more_text
+        if thought and self.exchange.parsed.include_reasoning:
+            out = api.chat_chunk_choice(choice.index, {"reasoning": thought}, None, choice.chat_logprobs(entries))
+            await self._write_choice(choice, out)
+            return text, []
+        return text, entries
 
     async def _write_choice(self, choice: ChoiceOutput, out: dict) -> None:
         if out["finish_reason"] is not None:
@@ -1265,13 +1309,27 @@ def _tool_readers(exchange: Exchange) -> dict[int, Any]:
     return {index: stream_reader(tools) for index in range(exchange.num_choices)}
 
 
+def _with_reasoning(exchange: Exchange, choice: dict) -> dict:
+    """A full chat choice with its reasoning apart (``model.reasoning_parser``): ``reasoning``, and the
+    answer in content (null when the reply is all reasoning, as vLLM's)."""
+    if exchange.reasoning is None:
+        return choice
+    message = choice["message"]
+    parser, opened = exchange.reasoning
+    reasoning, content = split_reasoning(parser, message["content"], opened)
+    message["content"] = content if content or reasoning is None else None
+    if reasoning is not None and exchange.parsed.include_reasoning:
+        message["reasoning"] = reasoning
+    return choice
+
+
 def _with_tool_calls(parsed: ParsedRequest, choice: dict, stop_reason: str | int | None) -> dict:
     """A full chat choice with the calls its text made (content: the text
     around them, or null), when the request reads tool calls."""
     if parsed.tools is None or not parsed.tools.reads_calls:
         return choice
     message = choice["message"]
-    content, calls = read_calls(parsed.tools, message["content"])
+    content, calls = read_calls(parsed.tools, message["content"] or "")
     message["content"] = content
     if calls:
         message["tool_calls"] = [call.as_dict() for call in calls]

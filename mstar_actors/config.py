@@ -58,6 +58,11 @@ class ModelConfig(msgspec.Struct, **_STRICT):
     # How tool calls are read from the output: "auto" picks the format the
     # chat template asks for (see ``mstar_actors.frontend.tool_calls``).
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = "auto"
+    # vLLM's --reasoning-parser: a chat reply's <think> ... </think> leaves in the message's
+    # ``reasoning`` (streamed as delta.reasoning), the answer in content, and tool calls are read
+    # from the answer only (``mstar_actors.frontend.reasoning``). "qwen3": Qwen3, Qwen3.5;
+    # "deepseek_r1": replies that start inside the reasoning. None: the reply is all content.
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
 
 
 class ParallelConfig(msgspec.Struct, **_STRICT):

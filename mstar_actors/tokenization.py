@@ -144,6 +144,19 @@ class Tokenization:
                              f"{type(exc).__name__}: {exc}") from exc
         return self.encode_text(text + assistant_prefix, False, max_tokens)
 
+    def generation_prompt(self, template_kwargs: dict | None = None) -> str:
+        """The chat template's text after a user turn with the generation prompt (what a reply follows):
+        whether it opens a ``<think>`` block, say. Empty where there is no template or it fails."""
+        if not self.has_chat_template:
+            return ""
+        probe = [{"role": "user", "content": "x"}]
+        try:
+            text = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True,
+                                                      **(template_kwargs or {}))
+        except Exception:  # noqa: BLE001 - the request's own render reports its error; here: no opening
+            return ""
+        return text[text.rfind("x") + 1:]
+
     def tool_polyfills(self, chat: list[messages.ChatMessage], conversation: list[dict], tools: list[dict] | None,
                        tool_format: str, chat_template: str | None = None) -> tuple[list[dict], list[dict] | None]:
         """``(conversation, tools)`` of ``chat`` (its template messages) as

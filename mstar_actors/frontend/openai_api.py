@@ -104,7 +104,7 @@ COMMON_FIELDS = frozenset({
     "return_tokens_as_token_ids", "prompt_logprobs",
 })
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs", "add_generation_prompt", "continue_final_message",
-                               "chat_template_kwargs"}
+                               "chat_template_kwargs", "include_reasoning"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of"}
 
 # Implemented, and parsed by the structured-output and tool-calling parts of
@@ -293,6 +293,7 @@ class ParsedRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None  # vLLM's: more variables for the chat template
+    include_reasoning: bool = True  # vLLM's: false drops the reply's reasoning (model.reasoning_parser)
     prompts: list[str | list[int]] = field(default_factory=list)
     tools: ToolRequest | None = None
     output: OutputOptions = field(default_factory=lambda: OutputOptions())
@@ -710,6 +711,7 @@ def parse_chat(raw: bytes, max_model_len: int | None = None, vocab_size: int | N
     parsed.messages = parse_messages(body.get("messages"))
     parsed.continue_final_message, parsed.add_generation_prompt = _parse_turn_flags(body, parsed.messages)
     parsed.chat_template_kwargs = parse_template_kwargs(body)
+    parsed.include_reasoning = get_bool(body, "include_reasoning", True)
     if takes_media:
         _check_media_fields(parsed)
     _parse_tools(parsed, body, tool_parser)

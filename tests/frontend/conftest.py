@@ -190,14 +190,14 @@ class _ScriptedRank:
 
 
 class Harness:
-    def __init__(self, model_dir: Path, tokenizer, started: bool = True, **server: Any):
+    def __init__(self, model_dir: Path, tokenizer, started: bool = True, model_keys: dict | None = None, **server: Any):
         from mstar_actors.config import Config, parse_config
         from mstar_actors.messages import (ActorToLauncher, ConductorToFrontend, FrontendToPrepare,
                                            LauncherToActor)
         from transport.memory import MemoryChannel
 
         self.config: Config = parse_config({
-            "model": {"path": str(model_dir), "name": "tiny"},
+            "model": {"path": str(model_dir), "name": "tiny"} | (model_keys or {}),
             "server": {"port": 0} | server,
             "lora": {"adapters": {"tiny-lora": str(model_dir)}},
         })

@@ -1,0 +1,104 @@
+"""A reply's reasoning apart from its answer, as vLLM's ``--reasoning-parser`` gives it (``model.reasoning_parser``).
+
+Qwen3, Qwen3.5 and DeepSeek-R1-style models think first, inside
+``<think> ... </think>``, then answer. With a parser set, a chat reply's
+thinking leaves in the message's ``reasoning`` field (streamed as
+``delta.reasoning``), the answer in ``content``, and tool calls are read from
+the answer only (a call the model only thought about is not made). Pure: no
+I/O, no tokenizer; text in, text out.
+
+- ``qwen3``: reasoning is what a ``<think>`` opens, up to ``</think>``; a
+  reply that opens none is all answer (``enable_thinking: false``), unless the
+  prompt already opened it (templates that end the generation prompt with
+  ``<think>``: ``opened``).
+- ``deepseek_r1``: the reply starts inside the reasoning (the template opened
+  it); a ``<think>`` it writes anyway is dropped; all reasoning until
+  ``</think>``.
+
+A reply cut before ``</think>`` (``max_tokens``) is reasoning to its end, with
+no content, as vLLM's parsers leave it.
+"""
+
+from __future__ import annotations
+
+PARSERS = ("qwen3", "deepseek_r1")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def prompt_opens_reasoning(prompt_text: str) -> bool:
+    """Whether a rendered prompt ends inside a ``<think>`` block (its generation prompt opened it)."""
+    return prompt_text.rfind(THINK_OPEN) > prompt_text.rfind(THINK_CLOSE)
+
+
+class ReasoningStream:
+    """One reply's text, fed as it streams, split into ``(reasoning, content)`` pieces.
+
+    Text that may still be the start of a tag is held back until the next
+    piece shows what it is (``flush`` gives it at the end)."""
+
+    def __init__(self, parser: str, opened: bool = False):
+        if parser not in PARSERS:
+            raise ValueError(f"reasoning parser {parser!r}; accepted: {', '.join(PARSERS)}")
+        self.parser = parser
+        self.state = "thinking" if opened or parser == "deepseek_r1" else "start"
+        self.has_reasoning = self.state == "thinking"  # the reply had a reasoning part (perhaps empty)
+        self._may_open = True  # a leading <think> is dropped (deepseek_r1: written anyway)
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        text, self._held = self._held + text, ""
+        reasoning, content = [], []
+        while text:
+            if self.state == "answer":
+                content.append(text)
+                break
+            if self._may_open:
+                stripped = text.lstrip()
+                if THINK_OPEN.startswith(stripped):  # all of it may still be a <think>
+                    self._held = text
+                    break
+                self._may_open = False
+                if stripped.startswith(THINK_OPEN):
+                    text, self.state, self.has_reasoning = stripped[len(THINK_OPEN):], "thinking", True
+                    continue
+                if self.state == "start":  # qwen3, nothing opened: an answer with no reasoning
+                    self.state = "answer"
+                    continue
+            end = text.find(THINK_CLOSE)
+            if end >= 0:
+                reasoning.append(text[:end])
+                text, self.state = text[end + len(THINK_CLOSE):], "answer"
+                continue
+            keep = _partial_tail(text, THINK_CLOSE)
+            reasoning.append(text[: len(text) - keep])
+            self._held = text[len(text) - keep:]
+            break
+        return "".join(reasoning), "".join(content)
+
+    def flush(self) -> tuple[str, str]:
+        """What was held back, at the reply's end: a tag's start that never finished is text."""
+        held, self._held = self._held, ""
+        if not held:
+            return "", ""
+        if self.state == "thinking":
+            return held, ""
+        return "", held  # qwen3's start: an answer that looked like an opening <think>
+
+
+def split_reasoning(parser: str, text: str, opened: bool = False) -> tuple[str | None, str]:
+    """A whole reply's ``(reasoning, content)``; reasoning None where the reply has no reasoning part."""
+    stream = ReasoningStream(parser, opened)
+    pieces = stream.feed(text), stream.flush()
+    reasoning, content = "".join(p[0] for p in pieces), "".join(p[1] for p in pieces)
+    return (reasoning if stream.has_reasoning else None), content
+
+
+def _partial_tail(text: str, tag: str) -> int:
+    """The length of ``text``'s longest end that is a proper start of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+__all__ = ["PARSERS", "ReasoningStream", "prompt_opens_reasoning", "split_reasoning"]

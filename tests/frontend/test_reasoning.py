@@ -1,0 +1,145 @@
+"""A reply's reasoning apart from its answer (``model.reasoning_parser``): the pure splitter, then the
+frontend's chat responses, whole and streamed, against vLLM's ``--reasoning-parser`` fields."""
+
+import asyncio
+
+import pytest
+
+from mstar_actors.frontend.reasoning import ReasoningStream, prompt_opens_reasoning, split_reasoning
+
+CASES = [  # parser, reply, the prompt opened <think>, (reasoning, content)
+    ("qwen3", "<think>\nI think.\n</think>\n\nThe answer is 4.", False, ("\nI think.\n", "\n\nThe answer is 4.")),
+    ("qwen3", "The answer is 4.", False, (None, "The answer is 4.")),  # enable_thinking: false
+    ("qwen3", "I think.\n</think>\n\nThe answer.", True, ("I think.\n", "\n\nThe answer.")),  # the template opened it
+    ("qwen3", "  <think>cut off by max_tokens", False, ("cut off by max_tokens", "")),
+    ("qwen3", "<thinking is not a tag", False, (None, "<thinking is not a tag")),
+    ("qwen3", "<thi", False, (None, "<thi")),  # a tag's start that never finished is text
+    ("qwen3", "a </think> b", False, (None, "a </think> b")),  # nothing opened: all answer
+    ("deepseek_r1", "I think.</think>Answer", False, ("I think.", "Answer")),
+    ("deepseek_r1", "<think>I think.</think>Answer", False, ("I think.", "Answer")),
+    ("deepseek_r1", "no end", False, ("no end", "")),
+    ("deepseek_r1", "x </thi", False, ("x </thi", "")),
+]
+
+
+@pytest.mark.parametrize("parser,text,opened,want", CASES)
+def test_whole_and_streamed_replies_split_alike(parser, text, opened, want):
+    assert split_reasoning(parser, text, opened) == want
+    for size in (1, 2, 5):  # any cut of the stream gives the same split
+        stream, thought, answer = ReasoningStream(parser, opened), "", ""
+        for i in range(0, len(text), size):
+            r, c = stream.feed(text[i : i + size])
+            thought, answer = thought + r, answer + c
+        r, c = stream.flush()
+        assert (thought + r, answer + c) == (want[0] or "", want[1])
+
+
+def test_a_prompt_that_ends_inside_think_opens_the_reasoning():
+    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking: false
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="accepted: qwen3, deepseek_r1"):
+        ReasoningStream("granite")
+
+
+# ---------------------------------------------------------------- served
+
+CHAT = "/v1/chat/completions"
+MSGS = [{"role": "user", "content": "hi"}]
+THOUGHT = "<think>\nsay hello\n</think>\n\nHello world!"
+
+
+def run(fn):
+    asyncio.run(asyncio.wait_for(fn(), 15))
+
+
+def test_a_chat_reply_has_its_reasoning_apart(harness):
+    async def body():
+        async with harness(model_keys={"reasoning_parser": "qwen3"}) as h:
+            h.engine.reply_text = THOUGHT
+            status, r = await h.post(CHAT, {"model": "tiny", "messages": MSGS})
+            assert status == 200, r
+            message = r["choices"][0]["message"]
+            assert message["reasoning"] == "\nsay hello\n" and message["content"] == "\n\nHello world!"
+            status, events = await h.stream(CHAT, {"model": "tiny", "messages": MSGS})
+            deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+            assert "".join(d.get("reasoning", "") for d in deltas) == "\nsay hello\n"
+            assert "".join(d.get("content") or "" for d in deltas) == "\n\nHello world!"
+            first_answer = next(i for i, d in enumerate(deltas) if d.get("content"))
+            assert all("reasoning" not in d for d in deltas[first_answer:])  # reasoning first, then the answer
+            # include_reasoning: false (vLLM's) drops it, whole and streamed
+            status, r = await h.post(CHAT, {"model": "tiny", "messages": MSGS, "include_reasoning": False})
+            assert "reasoning" not in r["choices"][0]["message"]
+            assert r["choices"][0]["message"]["content"] == "\n\nHello world!"
+            status, events = await h.stream(CHAT, {"model": "tiny", "messages": MSGS, "include_reasoning": False})
+            deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+            assert all("reasoning" not in d for d in deltas)
+            assert "".join(d.get("content") or "" for d in deltas) == "\n\nHello world!"
+            status, r = await h.post(CHAT, {"model": "tiny", "messages": MSGS, "include_reasoning": "no"})
+            assert status == 400 and r["error"]["param"] == "include_reasoning"
+            # a reply cut inside its reasoning: all reasoning, content null (vLLM's)
+            h.engine.reply_text = "<think>\nstill thinking"
+            status, r = await h.post(CHAT, {"model": "tiny", "messages": MSGS})
+            message = r["choices"][0]["message"]
+            assert message["content"] is None and message["reasoning"] == "\nstill thinking"
+
+    run(body)
+
+
+def test_without_a_parser_the_reply_is_all_content(harness):
+    async def body():
+        async with harness() as h:
+            h.engine.reply_text = THOUGHT
+            status, r = await h.post(CHAT, {"model": "tiny", "messages": MSGS, "include_reasoning": True})
+            assert status == 200 and r["choices"][0]["message"]["content"] == THOUGHT
+            assert "reasoning" not in r["choices"][0]["message"]
+
+    run(body)
+
+
+def test_a_tool_call_only_thought_about_is_not_made(harness):
+    """With hermes calls, a ``<tool_call>`` inside the reasoning stays reasoning; one in the answer is made."""
+    call = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+    async def body():
+        async with harness(model_keys={"reasoning_parser": "qwen3", "tool_call_parser": "hermes"}) as h:
+            h.engine.reply_text = f"<think>\nI could write {call} but no.\n</think>\n\nNo call."
+            for stream in (False, True):
+                request = {"model": "tiny", "messages": MSGS, "tools": tools}
+                if stream:
+                    _, events = await h.stream(CHAT, request)
+                    deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+                    reasoning = "".join(d.get("reasoning", "") for d in deltas)
+                    calls = [d for d in deltas if d.get("tool_calls")]
+                    finish = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]][-1]
+                else:
+                    _, r = await h.post(CHAT, request)
+                    reasoning, calls = r["choices"][0]["message"]["reasoning"], r["choices"][0]["message"].get("tool_calls")
+                    finish = r["choices"][0]["finish_reason"]
+                assert call in reasoning and not calls and finish == "stop", (stream, reasoning, calls, finish)
+            h.engine.reply_text = f"<think>\nneeds f\n</think>\n\n{call}"
+            _, r = await h.post(CHAT, {"model": "tiny", "messages": MSGS, "tools": tools})
+            message = r["choices"][0]["message"]
+            assert message["reasoning"] == "\nneeds f\n" and message["tool_calls"][0]["function"]["name"] == "f"
+            assert r["choices"][0]["finish_reason"] == "tool_calls"
+
+    run(body)
+
+
+def test_a_template_that_opens_think_in_its_generation_prompt(tmp_path):
+    """Qwen3.5-style: the generation prompt ends with ``<think>`` unless enable_thinking is false."""
+    from transformers import AutoTokenizer
+
+    from mstar_actors.tokenization import Tokenization
+    from tests.frontend.conftest import make_tokenizer_dir
+
+    folder = make_tokenizer_dir(tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+                         "not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}")
+    tok.save_pretrained(str(folder))
+    tokenization = Tokenization(folder)
+    assert prompt_opens_reasoning(tokenization.generation_prompt(None))
+    assert not prompt_opens_reasoning(tokenization.generation_prompt({"enable_thinking": False}))
