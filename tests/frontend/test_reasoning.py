@@ -115,8 +115,8 @@ def test_a_tool_call_only_thought_about_is_not_made(harness):
                     finish = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]][-1]
                 else:
                     _, r = await h.post(CHAT, request)
-                    reasoning, calls = r["choices"][0]["message"]["reasoning"], r["choices"][0]["message"].get("tool_calls")
-                    finish = r["choices"][0]["finish_reason"]
+                    message, finish = r["choices"][0]["message"], r["choices"][0]["finish_reason"]
+                    reasoning, calls = message["reasoning"], message.get("tool_calls")
                 assert call in reasoning and not calls and finish == "stop", (stream, reasoning, calls, finish)
             h.engine.reply_text = f"<think>\nneeds f\n</think>\n\n{call}"
             _, r = await h.post(CHAT, {"model": "tiny", "messages": MSGS, "tools": tools})
@@ -136,8 +136,8 @@ def test_a_template_that_opens_think_in_its_generation_prompt(tmp_path):
 
     folder = make_tokenizer_dir(tmp_path / "tok")
     tok = AutoTokenizer.from_pretrained(str(folder))
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
                          "not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}")
     tok.save_pretrained(str(folder))
     tokenization = Tokenization(folder)
