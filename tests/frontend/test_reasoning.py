@@ -138,7 +138,8 @@ def test_a_template_that_opens_think_in_its_generation_prompt(tmp_path):
     tok = AutoTokenizer.from_pretrained(str(folder))
     tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-                         "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}")
+                         "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+                         "{% else %}<think>\n{% endif %}{% endif %}")
     tok.save_pretrained(str(folder))
     tokenization = Tokenization(folder)
     assert prompt_opens_reasoning(tokenization.generation_prompt(None))
