@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import functools
 import hmac
 import time
@@ -453,8 +454,8 @@ class FrontendActor(Actor):
         """The error's response, and a line in the log (as vLLM's access log and its validation errors
         give): an operator sees why a client's requests fail. Successes leave no line (per request
         at thousands a second, the log would be the bottleneck)."""
-        message = err.message if len(err.message) <= 300 else err.message[:300] + "..."
-        self.log.info("%s %s: %d %s", request.method, request.path, err.status, message)
+        self.log.info("%s %s: %d %s", request.method, _loggable(request.path, 200), err.status,
+                      _loggable(err.message, 300))
         return _error_response(err)
 
     @web.middleware
@@ -700,7 +701,9 @@ class FrontendActor(Actor):
         opened = self._opening.get(key)
         if opened is None:
             opened = prompt_opens_reasoning(self.tokenization.generation_prompt(parsed.chat_template_kwargs))
-            if len(self._opening) < 256:
+            if len(key) <= 256:  # (sets of flags; a kwarg holding a document is rendered each time, not kept)
+                if len(self._opening) >= 256:
+                    self._opening.pop(next(iter(self._opening)))  # the oldest set
                 self._opening[key] = opened
         return opened
 
@@ -1017,7 +1020,7 @@ class FrontendActor(Actor):
                 if len(msgs) == 1:  # a stream that keeps up: one output, one event
                     applied = self._apply(exchange, msgs[0])
                     if applied is not None:
-                        await stream.write_choice(*applied)
+                        await stream.write_choice(stream.take(*applied))
                 else:
                     await self._write_outputs(stream, exchange, msgs)
             if exchange.parsed.include_usage:
@@ -1039,28 +1042,48 @@ class FrontendActor(Actor):
         stream, about 20k events/s on the H200's host), the queued ones leave
         together, so the cost per token falls as the load rises instead of
         the backlog growing."""
-        runs: dict[int, list] = {}  # choice index -> [choice, text, entries] not yet written
+        runs: dict[int, _Output] = {}  # choice index -> its outputs not yet written
         try:
             for msg in msgs:
                 applied = self._apply(exchange, msg)
                 if applied is None:
                     continue
-                choice, text, entries = applied
-                run = runs.get(choice.index)
+                out = stream.take(*applied)
+                run = runs.get(out.choice.index)
                 if run is None:
-                    runs[choice.index] = [choice, text, entries]
+                    runs[out.choice.index] = out
                 else:
-                    run[1] += text
-                    run[2] = [*run[2], *entries]
+                    run.extend(out)
         except ApiError:  # a later output failed the exchange: what came before it still goes out first
             await _write_runs(stream, runs)
             raise
         await _write_runs(stream, runs)
 
 
-async def _write_runs(stream: _Stream, runs: dict[int, list]) -> None:
+async def _write_runs(stream: _Stream, runs: dict[int, _Output]) -> None:
     for run in runs.values():
-        await stream.write_choice(*run)
+        await stream.write_choice(run)
+
+
+@dataclasses.dataclass
+class _Output:
+    """A choice's text to stream, with its logprob entries; with a reasoning parser, the reasoning
+    before it apart (``_Stream.take``), with its entries and the end of its token ids. Outputs of
+    one choice merge in order (a reply's reasoning always comes before its answer)."""
+
+    choice: ChoiceOutput
+    text: str
+    entries: list
+    thought: str = ""
+    thought_entries: list = dataclasses.field(default_factory=list)
+    thought_ids_end: int = 0
+
+    def extend(self, later: "_Output") -> None:
+        self.thought += later.thought
+        self.thought_entries = [*self.thought_entries, *later.thought_entries]
+        self.thought_ids_end = max(self.thought_ids_end, later.thought_ids_end)
+        self.text += later.text
+        self.entries = [*self.entries, *later.entries]
 
 
 def _failure(exchange: Exchange, msg: Failed) -> ApiError:
@@ -1100,6 +1123,8 @@ class _Stream:
         self.tool_readers = _tool_readers(exchange) if self.is_chat else {}
         self.reasoning = ({i: ReasoningStream(*exchange.reasoning) for i in range(exchange.num_choices)}
                           if exchange.reasoning is not None else {})
+        self._held_entries: dict[int, list] = {}  # choice -> entries of text a reasoning stream holds back
+        self._ids_seen: dict[int, int] = {}  # choice -> its token ids at its last output taken
         self.build = api.chat_chunk if self.is_chat else api.completion_chunk
         # Every chunk's bytes around its choices, encoded once (None: the usage changes per chunk)
         self._envelope = None if self.continuous else _chunk_envelope(self.build, exchange, self._usage_field())
@@ -1121,7 +1146,38 @@ class _Stream:
                 await self._write_choices([api.chat_chunk_choice(index, {"role": "assistant", "content": ""}, None, None)],
                                           extra, choice)
 
-    async def write_choice(self, choice: ChoiceOutput, text: str, entries: list) -> None:
+    def take(self, choice: ChoiceOutput, text: str, entries: list) -> _Output:
+        """One applied output of ``choice``, its reasoning apart where a parser reads it
+        (``model.reasoning_parser``): the entries and token ids of text held back as a possible tag
+        wait with it; an output that ends the reasoning and starts the answer gives its own to the
+        answer."""
+        stream = self.reasoning.get(choice.index)
+        if stream is None:
+            return _Output(choice, text, entries)
+        thought, text = stream.feed(text)
+        if choice.is_done:
+            more_thought, more_text = stream.flush()
+            thought, text = thought + more_thought, text + more_text
+        entries = self._held_entries.pop(choice.index, []) + entries
+        before, now = self._ids_seen.get(choice.index, 0), len(choice.token_ids)
+        self._ids_seen[choice.index] = now
+        if not (thought or text):
+            if not choice.is_done:  # all held back
+                self._held_entries[choice.index] = entries
+                return _Output(choice, "", [])
+            return _Output(choice, "", entries)  # the end (an EOS's entry): on the last chunk
+        if not text:
+            return _Output(choice, "", [], thought, entries, now)
+        return _Output(choice, text, entries, thought, [], before if thought else 0)
+
+    async def write_choice(self, out: _Output) -> None:
+        choice, text, entries = out.choice, out.text, out.entries
+        if out.thought and self.exchange.parsed.include_reasoning:
+            if not self.is_prepared:
+                await self._prepare()
+            logprobs = choice.chat_logprobs(out.thought_entries)
+            await self._write_choice(choice, api.chat_chunk_choice(choice.index, {"reasoning": out.thought}, None,
+                                                                   logprobs), ids_end=out.thought_ids_end)
         if not (text or entries or choice.is_done):
             return  # e.g. held back by the detokenizer or a possible stop string
         if not self.is_prepared:
@@ -1130,10 +1186,6 @@ class _Stream:
         if choice.echo_text and not choice.is_echoed:
             text, choice.is_echoed = choice.echo_text + text, True
         if self.is_chat:
-            if choice.index in self.reasoning:
-                text, entries = await self._write_reasoning(choice, text, entries)
-                if not (text or entries or choice.is_done):
-                    return
             delta = {"content": text} if text else {}
             if choice.index in self.tool_readers:
                 deltas, reason = self._tool_deltas(choice, text)
@@ -1148,29 +1200,17 @@ class _Stream:
             out = api.completion_choice(choice.index, text, reason, logprobs)
         await self._write_choice(choice, out)
 
-    async def _write_reasoning(self, choice: ChoiceOutput, text: str, entries: list) -> tuple[str, list]:
-        """Write the reasoning in ``text`` (``model.reasoning_parser``) as ``delta.reasoning`` chunks, the
-        logprobs on the first; return the answer's part and the entries not yet written."""
-        stream = self.reasoning[choice.index]
-        thought, text = stream.feed(text)
-        if choice.is_done:
-            more_thought, more_text = stream.flush()
-            thought, text = thought + more_thought, text + more_text
-        if thought and self.exchange.parsed.include_reasoning:
-            out = api.chat_chunk_choice(choice.index, {"reasoning": thought}, None, choice.chat_logprobs(entries))
-            await self._write_choice(choice, out)
-            return text, []
-        return text, entries
-
-    async def _write_choice(self, choice: ChoiceOutput, out: dict) -> None:
+    async def _write_choice(self, choice: ChoiceOutput, out: dict, ids_end: int | None = None) -> None:
+        """``ids_end``: the chunk's token ids end there (a reasoning chunk's), else at the last."""
         if out["finish_reason"] is not None:
             out["stop_reason"] = choice.stop_reason
         if self.exchange.parsed.output.return_token_ids:
             if not self.is_chat and not choice.is_prompt_sent:  # completions: per choice, on its first chunk
                 out["prompt_token_ids"] = self.exchange.prompt_token_ids[choice.index // self.exchange.parsed.n]
                 choice.is_prompt_sent = True
-            out["token_ids"] = choice.token_ids[choice.num_streamed_ids:]
-            choice.num_streamed_ids = len(choice.token_ids)
+            end = len(choice.token_ids) if ids_end is None else max(ids_end, choice.num_streamed_ids)
+            out["token_ids"] = choice.token_ids[choice.num_streamed_ids:end]
+            choice.num_streamed_ids = end
         await self._write_choices([out], choice=choice)
 
     def _tool_deltas(self, choice: ChoiceOutput, text: str) -> tuple[list[dict], str | None]:
@@ -1309,6 +1349,13 @@ def _tool_readers(exchange: Exchange) -> dict[int, Any]:
     return {index: stream_reader(tools) for index in range(exchange.num_choices)}
 
 
+def _loggable(text: str, limit: int) -> str:
+    """``text`` for one log line: control characters escaped (a client's newline forges no line), cut at ``limit``."""
+    if not text.isprintable():
+        text = text.encode("unicode_escape").decode("ascii")
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _with_reasoning(exchange: Exchange, choice: dict) -> dict:
     """A full chat choice with its reasoning apart (``model.reasoning_parser``): ``reasoning``, and the
     answer in content (null when the reply is all reasoning, as vLLM's)."""
@@ -1330,7 +1377,7 @@ def _with_tool_calls(parsed: ParsedRequest, choice: dict, stop_reason: str | int
         return choice
     message = choice["message"]
     content, calls = read_calls(parsed.tools, message["content"] or "")
-    message["content"] = content
+    message["content"] = content if message["content"] is not None else None
     if calls:
         message["tool_calls"] = [call.as_dict() for call in calls]
     choice["finish_reason"] = finish_reason(parsed.tools, choice["finish_reason"], len(calls), stop_reason)

@@ -16,7 +16,9 @@ I/O, no tokenizer; text in, text out.
   ``</think>``.
 
 A reply cut before ``</think>`` (``max_tokens``) is reasoning to its end, with
-no content, as vLLM's parsers leave it.
+no content, as vLLM's ``deepseek_r1`` leaves it (its ``qwen3`` gives such a
+reply as content, ``<think>`` and all; here what a reply opened as reasoning
+stays reasoning).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class ReasoningStream:
                 break
             if self._may_open:
                 stripped = text.lstrip()
-                if THINK_OPEN.startswith(stripped):  # all of it may still be a <think>
+                if len(stripped) < len(THINK_OPEN) and THINK_OPEN.startswith(stripped):  # may still be a <think>
                     self._held = text
                     break
                 self._may_open = False

@@ -696,7 +696,11 @@ def test_a_refused_request_leaves_a_line_in_the_log(harness, caplog):
                 assert status == 400
                 status, _ = await h.post("/v1/nope", {})
                 assert status == 404
+                status, _ = await h.post("/v1/no%0A2026-12-05 ERROR forged" + "a" * 3000, {})
+                assert status == 404
             lines = [r.getMessage() for r in caplog.records]
+            forged = [ln for ln in lines if "forged" in ln]
+            assert forged and all("\n" not in ln and len(ln) < 600 for ln in forged), forged  # no forged line
             assert any(ln.startswith("POST /v1/chat/completions: 400 ") and "max_tokens" in ln for ln in lines), lines
             assert any(ln.startswith("POST /v1/nope: 404 ") for ln in lines), lines
 

@@ -15,6 +15,8 @@ CASES = [  # parser, reply, the prompt opened <think>, (reasoning, content)
     ("qwen3", "<thinking is not a tag", False, (None, "<thinking is not a tag")),
     ("qwen3", "<thi", False, (None, "<thi")),  # a tag's start that never finished is text
     ("qwen3", "a </think> b", False, (None, "a </think> b")),  # nothing opened: all answer
+    ("qwen3", "\n<think>", False, ("", "")),  # cut right after its opening: reasoning, empty
+    ("deepseek_r1", "<think>", False, ("", "")),  # a tag written anyway is no reasoning text
     ("deepseek_r1", "I think.</think>Answer", False, ("I think.", "Answer")),
     ("deepseek_r1", "<think>I think.</think>Answer", False, ("I think.", "Answer")),
     ("deepseek_r1", "no end", False, ("no end", "")),
@@ -144,3 +146,56 @@ def test_a_template_that_opens_think_in_its_generation_prompt(tmp_path):
     tokenization = Tokenization(folder)
     assert prompt_opens_reasoning(tokenization.generation_prompt(None))
     assert not prompt_opens_reasoning(tokenization.generation_prompt({"enable_thinking": False}))
+
+
+def test_streamed_logprobs_and_token_ids_go_with_their_part(harness):
+    """Outputs queued together leave in one event a choice; the reasoning's logprobs and token ids go on its
+    chunk, the answer's on the answer's, for each of n choices."""
+    async def body():
+        async with harness(model_keys={"reasoning_parser": "qwen3"}) as h:
+            h.engine.reply_text = THOUGHT
+            request = {"model": "tiny", "messages": MSGS, "logprobs": True, "n": 2, "return_token_ids": True}
+            status, events = await h.stream(CHAT, request)
+            tok = h.engine.tokenizer
+            for index in (0, 1):
+                chunks = [c for e in events[:-1] for c in e["choices"] if c["index"] == index]
+                thought = [c for c in chunks if "reasoning" in c["delta"]]
+                answer = [c for c in chunks if c["delta"].get("content")]
+                assert thought and answer
+                ids = [i for c in chunks for i in c.get("token_ids", [])]
+                assert ids == tok(THOUGHT).input_ids + [tok.eos_token_id]
+                answer_ids = [i for c in answer for i in c["token_ids"]]
+                assert "Hello world!" in tok.decode(answer_ids) and "say hello" not in tok.decode(answer_ids)
+                words = "".join(e["token"] for c in answer for e in c["logprobs"]["content"])
+                assert "world" in words and "say" not in words
+                words = "".join(e["token"] for c in thought for e in c["logprobs"]["content"])
+                assert "say" in words and "world" not in words
+
+    run(body)
+
+
+def test_a_reply_of_its_opening_alone_and_tool_parsing_keep_content_null(harness):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+    async def body():
+        async with harness(model_keys={"reasoning_parser": "qwen3", "tool_call_parser": "hermes"}) as h:
+            for reply in ("<think>", "<think>\nstill"):
+                h.engine.reply_text = reply
+                for extra in ({}, {"tools": tools}):
+                    status, r = await h.post(CHAT, {"model": "tiny", "messages": MSGS} | extra)
+                    message = r["choices"][0]["message"]
+                    assert message["content"] is None and "<think>" not in message["reasoning"], (reply, extra, r)
+
+    run(body)
+
+
+def test_the_template_probe_keeps_flag_sets_not_documents(harness):
+    """The generation prompt is rendered once per set of chat_template_kwargs; a kwarg holding a large value
+    is rendered each time, not kept."""
+    async def body():
+        async with harness(model_keys={"reasoning_parser": "qwen3"}) as h:
+            for kwargs in ({"enable_thinking": False}, {"doc": "x" * 100_000}):
+                await h.post(CHAT, {"model": "tiny", "messages": MSGS, "chat_template_kwargs": kwargs})
+            assert list(h.actor._opening) == ['{"enable_thinking":false}']
+
+    run(body)
