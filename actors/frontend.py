@@ -408,8 +408,9 @@ class FrontendActor(Actor):
             if self._allowed_origin(request) is None:
                 origin = request.headers["Origin"][:200]
                 self.metrics.observe_request(_route(request), 400)
-                return _error_response(ApiError(400, f"disallowed CORS origin {origin!r}: not in "
-                                                     "server.allowed_origins", param="Origin", code="disallowed_origin"))
+                return self._refused(request, ApiError(400, f"disallowed CORS origin {origin!r}: not in "
+                                                            "server.allowed_origins", param="Origin",
+                                                            code="disallowed_origin"))
             return web.Response(headers={
                 "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
                 "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers", "*"),
@@ -488,7 +489,7 @@ class FrontendActor(Actor):
         if refusal is None:
             return await web_urldispatcher._default_expect_handler(request)
         self.metrics.observe_request(_route(request), refusal.status)
-        response = _error_response(refusal)
+        response = self._refused(request, refusal)
         response.force_close()  # the body it declared is not read
         return response
 
@@ -502,7 +503,8 @@ class FrontendActor(Actor):
 
         if request.can_read_body and (problem := encoding_problem(request.headers.get("Content-Encoding"))):
             request.content.feed_eof()
-            response = _error_response(ApiError(415, problem, param="Content-Encoding", code="unsupported_encoding"))
+            response = self._refused(request, ApiError(415, problem, param="Content-Encoding",
+                                                       code="unsupported_encoding"))
             response.force_close()
             return response
         timeout = self.config.server.request_read_timeout_s
@@ -522,7 +524,7 @@ class FrontendActor(Actor):
         # The rest of the body is never read: answer, then close the connection
         # (marking the body ended keeps aiohttp from reading on after the answer).
         request.content.feed_eof()
-        response = _error_response(err)
+        response = self._refused(request, err)
         response.force_close()
         return response
 
