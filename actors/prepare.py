@@ -80,7 +80,7 @@ from mstar_actors.prepare.media import (FetchError, MediaError, MediaLimits, Med
 from mstar_actors.messages import Abort, Failed, LoadAdapter, NewRequest, Prepared, UnloadAdapter
 from mstar_actors.prepare import PendingRequest, PendingRequests
 from mstar_actors.prepare.preparers import Draft, Preparer, failed, load_preparer, with_media
-from transport.arena import ArenaFull, TensorTooLarge
+from transport.arena import ArenaFull
 
 __all__ = ["PrepareActor", "Preparer", "load_preparer"]
 
@@ -413,15 +413,17 @@ class PrepareActor(Actor):
         if self.arena is None:
             return Failed(request_id=req.request_id, status=503, error_type="server_error",
                           message="this server has no tensor arena for media inputs")
+        sizes = [item.pixel_values.numel() * item.pixel_values.element_size() for item in draft.media]
+        if not self.arena.can_ever_hold(sizes):  # its own tensors would wait on each other: no wait can help
+            return self._unstored(req, [], Failed(
+                request_id=req.request_id, status=413, code="media_too_large", param="messages",
+                message=f"this request's {len(sizes)} media items make {sum(sizes)} bytes of tensors, more than the "
+                        f"whole tensor arena holds at once ({self.arena.capacity_bytes} bytes, "
+                        "transport.arena_bytes); send fewer or smaller media (fewer pixels, frames or seconds)"))
         refs = []
         try:
             for item in draft.media:
                 refs.append(await self.arena.put(item.pixel_values, num_readers=self.config.parallel.tp))
-        except TensorTooLarge as err:  # no wait can help: the client's to shrink, or the config's to grow
-            return self._unstored(req, refs, Failed(
-                request_id=req.request_id, status=413, code="media_too_large", param="messages",
-                message=f"a media item of this request makes a tensor larger than the whole tensor arena ({err}); "
-                        "send smaller media (fewer pixels, frames or seconds)"))
         except ArenaFull as err:  # the workers hold too much media for now
             return self._unstored(req, refs, Failed(
                 request_id=req.request_id, status=503, error_type="server_error",

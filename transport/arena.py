@@ -11,6 +11,7 @@ import asyncio
 import os
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
@@ -120,6 +121,10 @@ class TensorArena:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- producer ----------------------------------------------------------
+
+    def can_ever_hold(self, nbytes: Sequence[int]) -> bool:
+        """Whether tensors of these sizes fit the arena together (an empty one: blocks laid from 0)."""
+        return sum(_block_size(n) for n in nbytes) <= self.capacity_bytes
 
     def put_nowait(self, tensor: torch.Tensor, num_readers: int = 1) -> TensorRef:
         """Copy ``tensor`` into the arena now, or raise ArenaFull."""

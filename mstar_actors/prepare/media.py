@@ -261,9 +261,19 @@ def _read_file_url(ref: MediaRef, limits: MediaLimits) -> bytes:
 class FetchError(MediaError):
     """An http(s) part that could not be fetched. ``str()`` is the detail, for
     the server log; the client is told only ``public()``, the same whatever
-    went wrong, so answers cannot map what the server can reach."""
+    went wrong, so answers cannot map what the server can reach, except where
+    the client's own URL is refused before any connection or lookup (its
+    scheme, a host not in ``server.allowed_media_domains``, an IP literal
+    refused: ``is_public``), which tells it nothing it did not send, as vLLM
+    names the allowed domains."""
+
+    def __init__(self, param: str, message: str, is_public: bool = False):
+        super().__init__(param, message)
+        self.is_public = is_public
 
     def public(self) -> MediaError:
+        if self.is_public:
+            return MediaError(self.param, f"not fetched: {self.reason}")
         return FetchFailed(self.param)
 
 
@@ -358,10 +368,10 @@ async def _follow(session: FetchSession, ref: MediaRef, limits: MediaLimits) -> 
     from mstar_actors.prepare.media_guard import url_refusal
 
     url = URL(ref.url)
-    for _ in range(limits.max_redirects + 1):
+    for hop in range(limits.max_redirects + 1):
         refusal = url_refusal(url.scheme, url.host, url.port, session.policy)
-        if refusal is not None:
-            raise FetchError(ref.param, f"{url.host}: {refusal}")
+        if refusal is not None:  # the client's own URL (hop 0): it may read why; a redirect's target: not
+            raise FetchError(ref.param, f"{url.host}: {refusal}" if url.host else refusal, is_public=hop == 0)
         async with session.http.get(url, allow_redirects=False) as resp:
             location = resp.headers.get("Location")
             if resp.status in _REDIRECTS and location:

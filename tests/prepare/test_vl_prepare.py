@@ -270,6 +270,38 @@ async def test_media_that_cannot_all_be_stored_are_a_413_and_give_back_what_was_
         cleanup_run(run_id, tmp_path)
 
 
+async def test_media_that_fit_the_arena_alone_but_not_together_are_a_413_at_once(preparer, tmp_path):
+    """Items each smaller than the arena but together larger would wait on each other (a request's tensors
+    are freed only once a worker has read them all): a 413 naming the limit at once, not a 30 s wait and a
+    503 asking to retry; the next request goes on."""
+    import os
+    import time
+
+    from transport import cleanup_run
+    from transport.arena import TensorArena, create_arena
+
+    run_id = f"t{os.getpid()}yprep"
+    spec = create_arena(tmp_path, run_id, "media", 256 << 10)
+    producer = TensorArena(spec, "producer")
+    try:
+        image = png_url(np.zeros((64, 64, 3), dtype=np.uint8))
+        async with running_prepare_actor(preparer, arena=producer, inbox_bytes=1 << 22) as (inbox, out):
+            await inbox.send(chat("one", image_part(image)))
+            one = await out.recv()
+            assert isinstance(one, Prepared), one
+            size = one.media[0].pixel_values.nbytes
+            copies = spec.capacity_bytes // size + 1
+            assert 1 < copies <= 8, copies  # within the request's media items
+            started = time.perf_counter()
+            await inbox.send(chat("many", *[image_part(image)] * copies))
+            failed = await out.recv()
+            assert isinstance(failed, Failed) and failed.status == 413 and failed.code == "media_too_large", failed
+            assert "transport.arena_bytes" in failed.message and time.perf_counter() - started < 5
+    finally:
+        producer.close()
+        cleanup_run(run_id, tmp_path)
+
+
 @pytest.mark.parametrize("shape", [(1, 4000, 3), (4000, 1, 3)])
 def test_an_image_the_processor_refuses_is_a_400_naming_its_part(preparer, shape):
     """Qwen's resize refuses an aspect ratio past 200: the item's 400, named by its part."""
