@@ -71,6 +71,7 @@ request's arena refs from here on (``mstar_actors.sched.media``).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from typing import Any
 
@@ -178,7 +179,10 @@ def combine_failures(step_id: int, failures: list[StepFailed]) -> StepFailed:
 
 
 def media_root(root: str, prepared: Prepared) -> str:
-    """The prefix-cache root of a request: its weights', plus its media's digest."""
+    """The prefix-cache root of a request: its weights', plus its media's digest and its ``cache_salt``
+    (hashed: the salt itself is a client's secret)."""
+    if prepared.cache_salt:
+        root = f"{root}|salt:{hashlib.sha256(prepared.cache_salt.encode()).hexdigest()}"
     return f"{root}|media:{prepared.media_digest}" if prepared.media_digest else root
 
 

@@ -257,6 +257,7 @@ class NewRequest(Struct, frozen=True, tag=True, omit_defaults=True):
     continue_final_message: bool = False  # the template leaves the last (assistant) message open
     chat_template_kwargs: dict | None = None  # more variables for the chat template (vLLM's field)
     prompt_param: str = ""  # the body field a refused prompt is named by ("input" for speech); "": prompt / messages
+    cache_salt: str = ""  # vLLM's: prefix-cache blocks are shared only between requests of the same salt
 
 
 def new_request_id(kind: str, frontend: int = 0) -> str:
@@ -337,6 +338,7 @@ class Prepared(Struct, frozen=True, tag=True, omit_defaults=True):
     # one image are never reused for another. Empty for text.
     media_digest: str = ""
     n: int = 1  # NewRequest.n: choices that share this prompt and its media
+    cache_salt: str = ""  # NewRequest.cache_salt: the conductor keys the prefix cache by it too
 
 
 class Failed(Struct, frozen=True, tag=True, omit_defaults=True):

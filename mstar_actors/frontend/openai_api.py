@@ -101,7 +101,7 @@ COMMON_FIELDS = frozenset({
     "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "logprobs",
     "stop_token_ids", "ignore_eos", "logit_bias", "min_tokens", "bad_words", "allowed_token_ids",
     "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens", "return_token_ids",
-    "return_tokens_as_token_ids", "prompt_logprobs",
+    "return_tokens_as_token_ids", "prompt_logprobs", "cache_salt",
 })
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs", "add_generation_prompt", "continue_final_message",
                                "chat_template_kwargs", "include_reasoning"}
@@ -120,7 +120,7 @@ OWNED_FIELDS = {"chat": STRUCTURED_FIELDS | TOOL_FIELDS, "completion": STRUCTURE
 # and ignored, as OpenAI's server does; ``request_id`` names the response.
 IGNORED_FIELDS = frozenset({
     "user", "metadata", "store", "service_tier", "request_id", "priority", "prompt_cache_key",
-    "safety_identifier", "cache_salt",
+    "safety_identifier",
 })
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE, MAX_REQUEST_ID = 16, 64, 512, 128
@@ -284,6 +284,7 @@ class ParsedRequest:
     model: str | None
     sampling: SamplingParams
     request_id: str | None = None  # the client's, for the response's id (``_parse_request_id``)
+    cache_salt: str = ""  # vLLM's: the prefix cache is shared only between requests of the same salt
     n: int = 1
     stream: bool = False
     include_usage: bool = False
@@ -339,6 +340,7 @@ class ParsedRequest:
                     assistant_prefix=self.tools.assistant_prefix if self.tools else "",
                     tool_format=self.tool_format,
                     prompt_param=self.prompt_param,
+                    cache_salt=self.cache_salt,
                 )
             )
         return out
@@ -433,10 +435,19 @@ def _parse_truncation(body: dict, max_model_len: int | None) -> int | None:
     return (max_model_len or None) if value == -1 else value
 
 
+def _parse_cache_salt(body: dict) -> str:
+    """vLLM's ``cache_salt``: a non-empty string; requests share prefix-cache blocks only with the same salt
+    (none: with every unsalted request), so one tenant's prompts cannot be probed by another's timing."""
+    salt = get_str(body, "cache_salt", None)
+    if salt is not None and not salt:
+        raise _bad("cache_salt", "expected a non-empty string (leave it out for no salt)")
+    return salt or ""
+
+
 def _check_ignored(body: dict) -> None:
     """The ignored fields (``IGNORED_FIELDS``) change nothing, but a wrong
     type or value is still the client's error, as OpenAI answers it."""
-    for name in ("user", "prompt_cache_key", "safety_identifier", "cache_salt"):
+    for name in ("user", "prompt_cache_key", "safety_identifier"):
         get_str(body, name, None)
     get_bool(body, "store", False)
     if get_int(body, "priority", 0, -(1 << 31), 1 << 31) != 0:  # vLLM's, as vLLM without priority scheduling
@@ -543,6 +554,7 @@ def _parse_common(body: dict, kind: str, cap: tuple[int, bool], logprobs: int | 
     return ParsedRequest(
         kind=kind,
         request_id=_parse_request_id(body),
+        cache_salt=_parse_cache_salt(body),
         model=get_str(body, "model", None),
         sampling=sampling,
         n=get_int(body, "n", 1, 1, MAX_N),

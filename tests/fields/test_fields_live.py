@@ -94,6 +94,14 @@ def test_truncate_echo_logprobs_zero_and_cached_tokens(server, tokenizer):
     client.completions.create(prompt=prompt, max_tokens=1, model="tiny")
     again = client.completions.create(prompt=prompt, max_tokens=1, model="tiny")
     assert again.usage.prompt_tokens_details.cached_tokens >= 16  # a full KV block hit the prefix cache
+    # vLLM's cache_salt: blocks are shared only between requests of the same salt
+    def cached(salt: str | None) -> int:
+        body = {} if salt is None else {"cache_salt": salt}
+        out = client.completions.create(prompt=prompt, max_tokens=1, model="tiny", extra_body=body)
+        return out.usage.prompt_tokens_details.cached_tokens
+    assert cached("tenant-a") == 0 and cached("tenant-a") >= 16 and cached("tenant-b") == 0 and cached(None) >= 16
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        client.completions.create(prompt=prompt, max_tokens=1, model="tiny", extra_body={"cache_salt": ""})
 
 
 def test_echo_with_logprobs_scores_the_prompt(server, tokenizer):
