@@ -34,6 +34,7 @@ failed fetch (``FetchError``) tells the client only ``could not fetch
 from __future__ import annotations
 
 import binascii
+import dataclasses
 import io
 import math
 import urllib.parse
@@ -368,10 +369,16 @@ async def _follow(session: FetchSession, ref: MediaRef, limits: MediaLimits) -> 
     from mstar_actors.prepare.media_guard import url_refusal
 
     url = URL(ref.url)
+    blind = dataclasses.replace(session.policy, own_addresses=frozenset(), own_port=0)
     for hop in range(limits.max_redirects + 1):
         refusal = url_refusal(url.scheme, url.host, url.port, session.policy)
-        if refusal is not None:  # the client's own URL (hop 0): it may read why; a redirect's target: not
-            raise FetchError(ref.param, f"{url.host}: {refusal}" if url.host else refusal, is_public=hop == 0)
+        if refusal is not None:
+            # The client may read why its own URL (hop 0, not a redirect's) is refused, in the words of a policy
+            # blind to this server's addresses and port: "an address of this server" would map them.
+            said = url_refusal(url.scheme, url.host, url.port, blind) if hop == 0 else None
+            if said is not None:
+                raise FetchError(ref.param, f"{url.host}: {said}" if url.host else said, is_public=True)
+            raise FetchError(ref.param, f"{url.host}: {refusal}" if url.host else refusal)
         async with session.http.get(url, allow_redirects=False) as resp:
             location = resp.headers.get("Location")
             if resp.status in _REDIRECTS and location:

@@ -161,6 +161,28 @@ async def test_resolved_private_addresses_are_refused_before_any_connection():
     assert "link-local" in metadata  # opting in to private addresses never opens link-local ones
 
 
+@run_async
+async def test_a_named_refusal_never_tells_this_servers_addresses_or_port():
+    """Refusals a client reads are those of a policy blind to this server's own addresses and port: a
+    literal that is refused only for being this server's answers as any failed fetch does."""
+    import dataclasses
+
+    limits = MediaLimits(own_port=8000)
+    for allow_private, url, said in [(False, "http://8.8.8.8/x", None),  # one of this server's public addresses
+                                     (False, "http://127.0.0.1:8000/x", "127.0.0.1: a loopback address"),
+                                     (True, "http://127.0.0.1:8000/x", None),  # this server itself
+                                     (False, "http://10.1.2.3/x", "10.1.2.3: a private address")]:
+        session = make_fetch_session(dataclasses.replace(limits, allow_private_addresses=allow_private))
+        session.policy = dataclasses.replace(session.policy, own_addresses=frozenset({ipaddress.ip_address("8.8.8.8")}))
+        try:
+            with pytest.raises(FetchError) as err:
+                await fetch_remote([ref(url)], limits, session)
+        finally:
+            await session.close()
+        public = str(err.value.public())
+        assert public == GENERIC if said is None else public.startswith(f"{PARAM}: not fetched: {said}"), (url, public)
+
+
 # ---- against the canary -----------------------------------------------------------
 
 
