@@ -82,7 +82,7 @@ from mstar_actors.prepare.media import (FetchError, MediaError, MediaLimits, Med
 from mstar_actors.messages import Abort, Failed, LoadAdapter, NewRequest, Prepared, UnloadAdapter
 from mstar_actors.prepare import PendingRequest, PendingRequests
 from mstar_actors.prepare.preparers import Draft, Preparer, failed, load_preparer, with_media
-from transport.arena import ArenaFull
+from transport.arena import ArenaFull, TensorTooLarge
 
 __all__ = ["PrepareActor", "Preparer", "load_preparer"]
 
@@ -98,7 +98,7 @@ class PrepareActor(Actor):
 
     ``preparer``, ``arena`` and ``num_workers`` may be injected (tests);
     otherwise ``start`` builds them from the config. ``arena`` is the producer
-    end of the media tensor arena (``async put(tensor, num_readers)``).
+    end of the media tensor arena (``async put_all(tensors, num_readers)``: all or none).
     """
 
     def __init__(self, *, preparer: Any = None, arena: Any = None, num_workers: int | None = None,
@@ -417,27 +417,22 @@ class PrepareActor(Actor):
         if self.arena is None:
             return Failed(request_id=req.request_id, status=503, error_type="server_error",
                           message="this server has no tensor arena for media inputs")
-        sizes = [item.pixel_values.numel() * item.pixel_values.element_size() for item in draft.media]
-        if not self.arena.can_ever_hold(sizes):  # its own tensors would wait on each other: no wait can help
-            return self._unstored(req, [], Failed(
+        try:  # all or none: one at a time, its first tensors could leave no room for its next
+            refs = await self.arena.put_all([item.pixel_values for item in draft.media],
+                                            num_readers=self.config.parallel.tp)
+        except TensorTooLarge as err:  # no wait can help: the client's to shrink, or the config's to grow
+            return self._unstored(req, Failed(
                 request_id=req.request_id, status=413, code="media_too_large", param="messages",
-                message=f"this request's {len(sizes)} media items make {sum(sizes)} bytes of tensors, more than the "
-                        f"whole tensor arena holds at once ({self.arena.capacity_bytes} bytes, "
-                        "transport.arena_bytes); send fewer or smaller media (fewer pixels, frames or seconds)"))
-        refs = []
-        try:
-            for item in draft.media:
-                refs.append(await self.arena.put(item.pixel_values, num_readers=self.config.parallel.tp))
+                message=f"this request's media make more tensor bytes than the whole tensor arena holds ({err}); "
+                        "send fewer or smaller media (fewer pixels, frames or seconds)"))
         except ArenaFull as err:  # the workers hold too much media for now
-            return self._unstored(req, refs, Failed(
+            return self._unstored(req, Failed(
                 request_id=req.request_id, status=503, error_type="server_error",
                 message=f"no room for the request's media tensors: {err}; retry later"))
         return with_media(draft, refs)
 
-    def _unstored(self, req: NewRequest, refs: list, failed: Failed) -> Failed:
-        """The tensors stored before one failed are handed to no worker: give them back."""
-        for ref in refs:
-            self.arena.discard(ref)
+    def _unstored(self, req: NewRequest, failed: Failed) -> Failed:
+        """The request's media were not stored (``put_all`` stores all or none)."""
         self.log.info("request %s: media not stored: %s", req.request_id, failed.message)
         return failed
 

@@ -137,10 +137,8 @@ class HeapArena:
         self.tensors: dict[int, object] = {}
         self._offset = 0
 
-    capacity_bytes = 1 << 62  # it grows: any request's media fit
-
-    def can_ever_hold(self, nbytes) -> bool:
-        return True
+    async def put_all(self, tensors, num_readers: int = 1):
+        return [await self.put(tensor, num_readers) for tensor in tensors]
 
     async def put(self, tensor, num_readers: int = 1):
         import torch

@@ -122,9 +122,52 @@ class TensorArena:
 
     # -- producer ----------------------------------------------------------
 
-    def can_ever_hold(self, nbytes: Sequence[int]) -> bool:
-        """Whether tensors of these sizes fit the arena together (an empty one: blocks laid from 0)."""
-        return sum(_block_size(n) for n in nbytes) <= self.capacity_bytes
+    async def put_all(self, tensors: Sequence[torch.Tensor], num_readers: int = 1,
+                      max_wait_s: float = 30.0) -> list[TensorRef]:
+        """Copy every tensor of ``tensors`` into the arena, all or none: wait (up to ``max_wait_s``) until
+        they fit together, in order, where the blocks before them leave room. Put one at a time, a
+        request's first tensors could be all that is left outstanding and still leave no room for the
+        next one (a block never wraps: the free bytes may lie on both sides of them), so they would
+        wait on each other. TensorTooLarge when they cannot fit together even an empty arena."""
+        sizes = [_block_size(t.numel() * t.element_size()) for t in tensors]
+        if sum(sizes) > self.capacity_bytes:
+            raise TensorTooLarge(
+                f"arena {self.name!r}: {len(sizes)} tensors of {sum(sizes)} bytes in all (blocks) can never fit "
+                f"the {self.capacity_bytes}-byte arena together; raise transport.arena_bytes or send fewer or "
+                "smaller ones"
+            )
+        start = time.perf_counter()
+        while True:
+            self.reclaim()
+            if self._fits_all(sizes):
+                return [self.put_nowait(tensor, num_readers) for tensor in tensors]
+            remaining = max_wait_s - (time.perf_counter() - start)
+            if remaining <= 0 or not await self._wait_for_space(remaining):
+                raise ArenaFull(
+                    f"arena {self.name!r} ({self.capacity_bytes} bytes, {self._fill} in use by "
+                    f"{self._num_outstanding} tensors) has no room for {len(sizes)} tensors of {sum(sizes)} bytes "
+                    f"after waiting {time.perf_counter() - start:.1f} s; consumers must release their "
+                    "TensorRefs (or raise transport.arena_bytes)"
+                )
+
+    def _fits_all(self, sizes: Sequence[int]) -> bool:
+        """Whether ``_allocate`` would place blocks of ``sizes`` one after another now (it is run on copies)."""
+        head, tail, fill, capacity = self._head, self._tail, self._fill, self.capacity_bytes
+        if fill == 0:
+            head = tail = 0
+        for size in sizes:
+            if tail >= head and fill < capacity:
+                if tail + size <= capacity:
+                    tail, fill = tail + size, fill + size
+                    continue
+                if size > head:
+                    return False
+                fill += capacity - tail  # the skip block at the end
+                tail = 0
+            if tail + size > head:
+                return False
+            tail, fill = tail + size, fill + size
+        return True
 
     def put_nowait(self, tensor: torch.Tensor, num_readers: int = 1) -> TensorRef:
         """Copy ``tensor`` into the arena now, or raise ArenaFull."""

@@ -244,9 +244,10 @@ async def test_actor_sends_media_through_the_arena_in_order(preparer):
 
 async def test_media_that_cannot_all_be_stored_are_a_413_and_give_back_what_was_stored(preparer, tmp_path):
     """A request of two images, the second's tensor larger than the whole
-    arena: a 413 naming the limit, and the first's block, stored already and
-    handed to no worker, freed (it used to stay, and the arena, freeing
-    oldest first, filled up behind it for good)."""
+    arena: a 413 naming the limit, and nothing of it left in the arena (a
+    request's tensors are stored all or none; a first block stored and handed
+    to no worker used to stay, and the arena, freeing oldest first, filled up
+    behind it for good)."""
     import os
 
     from transport import cleanup_run

@@ -124,6 +124,31 @@ def test_discarded_blocks_are_freed_in_their_turn(run):
     close_all(run, producer, consumer)
 
 
+def test_put_all_stores_together_or_waits_never_on_its_own_blocks(run):
+    """A request's tensors go in all or none: one at a time, its first could be all that is left
+    outstanding and still leave no room for its next (blocks never wrap), waiting on itself."""
+    _, producer, consumer = make_arena(run, capacity_bytes=6400)
+    other = producer.put_nowait(torch.zeros(1920 - 64, dtype=torch.uint8))  # another request's, at 0
+    a, b = torch.ones(2560 - 64, dtype=torch.uint8), torch.full((3200 - 64,), 2, dtype=torch.uint8)
+
+    async def main():
+        pending = asyncio.create_task(producer.put_all([a, b]))
+        await asyncio.sleep(0)  # one turn: it parks, holding nothing
+        assert not pending.done() and producer.num_bytes_in_use == 1920
+        consumer.release(other)
+        refs = await asyncio.wait_for(pending, 1.0)  # the emptied arena: both from 0
+        assert [torch.equal(consumer.view(r), t) for r, t in zip(refs, (a, b))] == [True, True]
+        too_many = r"2 tensors of \d+ bytes in all .*can never fit the 6400-byte arena"
+        with pytest.raises(TensorTooLarge, match=too_many):
+            await producer.put_all([a, torch.zeros(3904 - 64 + 1, dtype=torch.uint8)])
+        with pytest.raises(ArenaFull, match="no room for 2 tensors"):
+            await producer.put_all([a, b], max_wait_s=0.02)  # refs still held: a timely refusal, nothing stored
+        assert producer.num_bytes_in_use == 5760
+
+    asyncio.run(main())
+    close_all(run, producer, consumer)
+
+
 def test_too_big_for_the_arena_says_so(run):
     _, producer, consumer = make_arena(run, capacity_bytes=4096)
     with pytest.raises(TensorTooLarge, match="'host'.*can never fit the 4096-byte arena"):
