@@ -37,6 +37,9 @@ NUM_PREFIX_TOKENS = 5
 _BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}  # byte-level BPE's alphabet
 
 
+_PROBE = "\u241fprobe\u241f"  # a user turn's text no template writes itself (``generation_prompt``)
+
+
 class Tokenization:
     """One model's tokenizer with the calls the engine needs."""
 
@@ -149,13 +152,13 @@ class Tokenization:
         whether it opens a ``<think>`` block, say. Empty where there is no template or it fails."""
         if not self.has_chat_template:
             return ""
-        probe = [{"role": "user", "content": "x"}]
+        probe = [{"role": "user", "content": _PROBE}]
         try:
             text = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True,
                                                       **(template_kwargs or {}))
         except Exception:  # noqa: BLE001 - the request's own render reports its error; here: no opening
             return ""
-        return text[text.rfind("x") + 1:]
+        return text[text.rfind(_PROBE) + len(_PROBE):]
 
     def tool_polyfills(self, chat: list[messages.ChatMessage], conversation: list[dict], tools: list[dict] | None,
                        tool_format: str, chat_template: str | None = None) -> tuple[list[dict], list[dict] | None]:

@@ -70,6 +70,22 @@ def _block_size(nbytes: int) -> int:
     return BLOCK_HEADER + (nbytes + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _said(nbytes: Sequence[int]) -> str:
+    return f"a {nbytes[0]}-byte tensor" if len(nbytes) == 1 else f"{len(nbytes)} tensors of {sum(nbytes)} bytes in all"
+
+
+def _placement(head: int, tail: int, fill: int, capacity: int, size: int) -> tuple[int, int] | None:
+    """Where the producer's next block of ``size`` starts, and the bytes skipped before it at the
+    data area's end (a block never wraps), given its positions; None: no room now."""
+    if tail >= head and fill < capacity:
+        if tail + size <= capacity:
+            return tail, 0
+        if size > head:  # would not fit after wrapping either
+            return None
+        return 0, capacity - tail
+    return (tail, 0) if tail + size <= head else None
+
+
 class TensorArena:
     """One end of an arena: the producer (``put``) or a consumer (``view``,
     ``release``).
@@ -129,13 +145,11 @@ class TensorArena:
         request's first tensors could be all that is left outstanding and still leave no room for the
         next one (a block never wraps: the free bytes may lie on both sides of them), so they would
         wait on each other. TensorTooLarge when they cannot fit together even an empty arena."""
-        sizes = [_block_size(t.numel() * t.element_size()) for t in tensors]
+        nbytes = [t.numel() * t.element_size() for t in tensors]
+        sizes = [_block_size(n) for n in nbytes]
         if sum(sizes) > self.capacity_bytes:
-            raise TensorTooLarge(
-                f"arena {self.name!r}: {len(sizes)} tensors of {sum(sizes)} bytes in all (blocks) can never fit "
-                f"the {self.capacity_bytes}-byte arena together; raise transport.arena_bytes or send fewer or "
-                "smaller ones"
-            )
+            raise TensorTooLarge(f"arena {self.name!r}: {_said(nbytes)} can never fit the {self.capacity_bytes}-byte "
+                                 "arena; raise transport.arena_bytes, or send fewer or smaller tensors")
         start = time.perf_counter()
         while True:
             self.reclaim()
@@ -143,49 +157,31 @@ class TensorArena:
                 return [self.put_nowait(tensor, num_readers) for tensor in tensors]
             remaining = max_wait_s - (time.perf_counter() - start)
             if remaining <= 0 or not await self._wait_for_space(remaining):
-                raise ArenaFull(
-                    f"arena {self.name!r} ({self.capacity_bytes} bytes, {self._fill} in use by "
-                    f"{self._num_outstanding} tensors) has no room for {len(sizes)} tensors of {sum(sizes)} bytes "
-                    f"after waiting {time.perf_counter() - start:.1f} s; consumers must release their "
-                    "TensorRefs (or raise transport.arena_bytes)"
-                )
+                raise ArenaFull(self._full_message(nbytes, time.perf_counter() - start))
 
     def _fits_all(self, sizes: Sequence[int]) -> bool:
-        """Whether ``_allocate`` would place blocks of ``sizes`` one after another now (it is run on copies)."""
-        head, tail, fill, capacity = self._head, self._tail, self._fill, self.capacity_bytes
-        if fill == 0:
-            head = tail = 0
+        """Whether ``_allocate`` would place blocks of ``sizes`` one after another now."""
+        head, tail, fill = (self._head, self._tail, self._fill) if self._fill else (0, 0, 0)
         for size in sizes:
-            if tail >= head and fill < capacity:
-                if tail + size <= capacity:
-                    tail, fill = tail + size, fill + size
-                    continue
-                if size > head:
-                    return False
-                fill += capacity - tail  # the skip block at the end
-                tail = 0
-            if tail + size > head:
+            spot = _placement(head, tail, fill, self.capacity_bytes, size)
+            if spot is None:
                 return False
-            tail, fill = tail + size, fill + size
+            offset, skip = spot
+            tail, fill = offset + size, fill + skip + size
         return True
 
     def put_nowait(self, tensor: torch.Tensor, num_readers: int = 1) -> TensorRef:
         """Copy ``tensor`` into the arena now, or raise ArenaFull."""
         ref = self._try_put(tensor, num_readers)
         if ref is None:
-            raise ArenaFull(self._full_message(tensor, 0.0))
+            raise ArenaFull(self._full_message([tensor.numel() * tensor.element_size()], 0.0))
         return ref
 
     async def put(self, tensor: torch.Tensor, num_readers: int = 1, max_wait_s: float = 30.0) -> TensorRef:
         """Copy ``tensor`` into the arena, waiting up to ``max_wait_s`` for
         consumers to release room. ``num_readers`` consumers (distinct
         reader indexes) must each release the ref."""
-        start = time.perf_counter()
-        while (ref := self._try_put(tensor, num_readers)) is None:
-            remaining = max_wait_s - (time.perf_counter() - start)
-            if remaining <= 0 or not await self._wait_for_space(remaining):
-                raise ArenaFull(self._full_message(tensor, time.perf_counter() - start))
-        return ref
+        return (await self.put_all([tensor], num_readers, max_wait_s))[0]
 
     def _try_put(self, tensor: torch.Tensor, num_readers: int) -> TensorRef | None:
         if self.role != "producer":
@@ -214,17 +210,14 @@ class TensorArena:
         """Offset (in the data area) of a new block of ``size``, or None."""
         if self._fill == 0:
             self._head = self._tail = 0
-        if self._tail >= self._head and self._fill < self.capacity_bytes:
-            if self._tail + size <= self.capacity_bytes:
-                return self._take(size)
-            if size > self._head:  # would not fit after wrapping either
-                return None
-            if self._tail < self.capacity_bytes:
-                self._write_skip(self._tail, self.capacity_bytes - self._tail)
-            self._tail = 0
-        if self._tail + size <= self._head:
-            return self._take(size)
-        return None
+        spot = _placement(self._head, self._tail, self._fill, self.capacity_bytes, size)
+        if spot is None:
+            return None
+        offset, skip = spot
+        if skip:
+            self._write_skip(self._tail, skip)
+        self._tail = offset
+        return self._take(size)
 
     def _take(self, size: int) -> int:
         offset = self._tail
@@ -303,11 +296,10 @@ class TensorArena:
         shm.drain(self._fifo)
         self._space.set()
 
-    def _full_message(self, tensor: torch.Tensor, waited_s: float) -> str:
-        nbytes = tensor.numel() * tensor.element_size()
+    def _full_message(self, nbytes: Sequence[int], waited_s: float) -> str:
         return (
             f"arena {self.name!r} ({self.capacity_bytes} bytes, {self._fill} in use by "
-            f"{self._num_outstanding} tensors) has no room for a {nbytes}-byte tensor after "
+            f"{self._num_outstanding} tensors) has no room for {_said(nbytes)} after "
             f"waiting {waited_s:.1f} s; consumers must release their TensorRefs (or raise transport.arena_bytes)"
         )
 
