@@ -75,7 +75,13 @@ from mstar_actors.messages import (
 )
 from mstar_actors.frontend.metrics import Metrics
 from mstar_actors.frontend.openai_api import ApiError, ChoiceOutput, ParsedRequest
-from mstar_actors.frontend.reasoning import ReasoningStream, prompt_opens_reasoning, split_reasoning
+from mstar_actors.frontend.reasoning import (
+    THINK_CLOSE,
+    THINK_OPEN,
+    ReasoningStream,
+    prompt_opens_reasoning,
+    split_reasoning,
+)
 from mstar_actors.frontend.tool_calls import (
     LLAMA3_JSON,
     ForcedCallStream,
@@ -224,8 +230,14 @@ class FrontendActor(Actor):
             self.log.warning("%s", problem)
         self.reasoning_parser = self.config.model.reasoning_parser
         self._opening: dict[str, bool] = {}  # chat_template_kwargs -> whether the generation prompt opens <think>
+        self.think_ids: tuple[int, int] | None = None  # <think>, </think>: structured outputs hold after the reasoning
         if self.reasoning_parser:
-            self.log.info("chat replies' reasoning read as %s (model.reasoning_parser)", self.reasoning_parser)
+            ids = tuple(self.tokenization.single_token_id(tag) for tag in (THINK_OPEN, THINK_CLOSE))
+            if None not in ids and max(ids) < self.info.vocab_size:
+                self.think_ids = ids
+            self.log.info("chat replies' reasoning read as %s (model.reasoning_parser); structured outputs hold %s",
+                          self.reasoning_parser, "after </think>" if self.think_ids else
+                          "from a reply's first token (no reasoning): <think> and </think> are not tokens of its own")
         self.speech = None  # the speech route's codec and tokens (speech.snac_path)
         if self.config.speech.snac_path:
             self.speech = await self.run_blocking(_load_speech, self.config.speech, self.tokenizer, self.info.vocab_size)
@@ -677,13 +689,12 @@ class FrontendActor(Actor):
         else:
             parsed = api.parse_completion(raw, self.info.max_model_len, self.info.vocab_size)
         parsed.with_token_facts(self.info.eos_token_ids, self._bad_words_token_ids(parsed.bad_words))
+        reasoning = self._with_reasoning_parser(parsed) if kind == "chat" and self.reasoning_parser else None
         exchange = Exchange(parsed, self._resolve_model(parsed.model), "chatcmpl" if kind == "chat" else "cmpl",
                             self.index)
+        exchange.reasoning = reasoning
         if parsed.output.return_token_ids or parsed.output.echo:
             exchange.prompt_token_ids = await self.run_blocking(self._prompt_token_ids, exchange)
-        if kind == "chat" and self.reasoning_parser and parsed.sampling.structured is None:
-            # (a constrained reply, a forced tool call's too, is held to it from its first token: no reasoning)
-            exchange.reasoning = (self.reasoning_parser, self._opens_reasoning(parsed))
         self._admit(exchange)
         try:
             await self._submit(exchange)
@@ -692,6 +703,21 @@ class FrontendActor(Actor):
             return await self._collect(exchange)
         finally:
             self._close(exchange)
+
+    def _with_reasoning_parser(self, parsed: ParsedRequest) -> tuple[str, bool] | None:
+        """How a chat reply is read with ``model.reasoning_parser``: ``(parser, the prompt opened the
+        reasoning)``, or None where it has none. A structured output's constraint is set to hold from
+        the token after ``</think>``, as vLLM's; a forced tool call's reply is held to the call from its
+        first token (its prompt ends inside the call): no reasoning."""
+        spec = parsed.sampling.structured
+        if spec is not None and (self.think_ids is None or (parsed.tools is not None and parsed.tools.is_forced)):
+            return None
+        opened = self._opens_reasoning(parsed)
+        if spec is not None:
+            spec = msgspec.structs.replace(spec, reasoning=self.think_ids,
+                                           opened=opened or self.reasoning_parser == "deepseek_r1")
+            parsed.sampling = msgspec.structs.replace(parsed.sampling, structured=spec)
+        return self.reasoning_parser, opened
 
     def _opens_reasoning(self, parsed: ParsedRequest) -> bool:
         """Whether the chat's generation prompt opens the reasoning itself (a template that ends it with

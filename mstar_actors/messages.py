@@ -110,11 +110,20 @@ class StructuredSpec(Struct, frozen=True, **_HOT):
     ``{"schema": ..., "separator": ...}``, a forced reply's parallel tool
     calls). ``param``: the body field it came from, which a refusal of the
     spec names.
+
+    ``reasoning``: the ``(<think>, </think>)`` token ids of a model whose chat
+    replies reason first (``model.reasoning_parser``): the constraint holds
+    from the token after ``</think>``; before it the reply is free. A reply
+    ``opened`` inside its reasoning (its prompt opened ``<think>``) waits for
+    ``</think>``; else its first token may be ``<think>`` (then it waits) or
+    the constraint's own. Empty: constrained from the first token.
     """
 
     kind: Literal["json", "json_object", "regex", "choice", "grammar", "json_calls"]
     spec: str = ""
     param: str = ""
+    reasoning: tuple[int, ...] = ()
+    opened: bool = False
 
 
 class SamplingParams(Struct, frozen=True, **_HOT):

@@ -147,6 +147,13 @@ class Tokenization:
                              f"{type(exc).__name__}: {exc}") from exc
         return self.encode_text(text + assistant_prefix, False, max_tokens)
 
+    def single_token_id(self, text: str) -> int | None:
+        """The id of the one token that spells ``text`` (``</think>``, say), or None where it takes more."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) != 1 or self.tokenizer.decode(ids, skip_special_tokens=False) != text:
+            return None
+        return ids[0]
+
     def generation_prompt(self, template_kwargs: dict | None = None) -> str:
         """The chat template's text after a user turn with the generation prompt (what a reply follows):
         whether it opens a ``<think>`` block, say. Empty where there is no template or it fails."""

@@ -103,4 +103,4 @@ def _partial_tail(text: str, tag: str) -> int:
     return 0
 
 
-__all__ = ["PARSERS", "ReasoningStream", "prompt_opens_reasoning", "split_reasoning"]
+__all__ = ["PARSERS", "THINK_CLOSE", "THINK_OPEN", "ReasoningStream", "prompt_opens_reasoning", "split_reasoning"]

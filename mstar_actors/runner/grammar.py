@@ -22,6 +22,12 @@ agree; it is dropped when the sequence is forgotten (finish or abort).
 
 A grammar that is complete allows only the stop tokens (EOS), so the model
 samples one and the scheduler ends the request with ``finish_reason: "stop"``.
+
+A reply that reasons first (``StructuredSpec.reasoning``, vLLM's structured
+outputs with a reasoning parser) is free while it thinks: its matcher waits
+for ``</think>`` and takes the tokens after it; one not opened in its prompt
+may open ``<think>`` as its first token (the mask allows it beside the
+grammar's own), else the grammar holds from that token.
 """
 
 from __future__ import annotations
@@ -545,10 +551,13 @@ class GrammarMatchers:
         self.compiler = compiler
         self.matchers: dict[str, Any] = {}
         self.refused: set[str] = set()  # rows whose sampled token their grammar refused: only EOS from then on
+        # rows whose grammar waits for their reasoning: "start" (may open <think> first), "thinking" (free until </think>)
+        self.waiting: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self._open_rows: dict[int, torch.Tensor] = {}  # <think> id -> a bitmask row allowing it alone
         self.batch = _xgr().BatchGrammarMatcher(max_threads=max_threads)
         self.device = torch.device(device)
         self._allocate(max_rows)
-        self.stop_row = _stop_row(self.bitmask[0], compiler.info.stop_token_ids)  # a terminated grammar's mask
+        self.stop_row = _row_allowing(self.bitmask[0], compiler.info.stop_token_ids)  # a terminated grammar's mask
 
     def _allocate(self, num_rows: int) -> None:
         """The host bitmask (pinned on CUDA, so its copy is asynchronous) and its device twin."""
@@ -581,12 +590,15 @@ class GrammarMatchers:
             return
         matcher = _xgr().GrammarMatcher(self.compiler.compile(spec))
         self.matchers[request_id] = matcher
+        if spec.reasoning:
+            self.waiting[request_id] = ("thinking" if spec.opened else "start", spec.reasoning)
         for token in output_token_ids:
-            self._accept(request_id, matcher, token)
+            self._feed(request_id, matcher, token)
 
     def forget(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
         self.refused.discard(request_id)
+        self.waiting.pop(request_id, None)
 
     def mask(self, logits: torch.Tensor, sample_ids: list[str]) -> list[int]:
         """Mask disallowed tokens of the constrained rows of ``logits``
@@ -594,7 +606,8 @@ class GrammarMatchers:
         allows no token, not even the end (a pattern that cannot be completed
         from here, such as ``a[^\\s\\S]``): their request fails (each is given its
         stop tokens, so the draw is defined; the token stands in)."""
-        rows = [i for i, rid in enumerate(sample_ids) if rid in self.matchers]
+        rows = [i for i, rid in enumerate(sample_ids)
+                if rid in self.matchers and self.waiting.get(rid, ("",))[0] != "thinking"]
         if not rows:
             return []
         if self.bitmask.shape[0] < len(sample_ids):
@@ -604,6 +617,9 @@ class GrammarMatchers:
         dead = []
         if live:
             self.batch.batch_fill_next_token_bitmask([self.matchers[sample_ids[i]] for i in live], bitmask, indices=live)
+            for i in live:
+                if sample_ids[i] in self.waiting:  # "start": its first token may open the reasoning
+                    bitmask[i] |= self._open_row(self.waiting[sample_ids[i]][1][0])
             empty = (bitmask[live] == 0).all(dim=1).tolist()
             dead = [i for i, is_empty in zip(live, empty) if is_empty]
         for i in set(rows).difference(live).union(dead):
@@ -622,7 +638,28 @@ class GrammarMatchers:
         for token in sampled:
             matcher = self.matchers.get(token.request_id)
             if matcher is not None:
-                self._accept(token.request_id, matcher, token.token_id)
+                self._feed(token.request_id, matcher, token.token_id)
+
+    def _open_row(self, token_id: int) -> torch.Tensor:
+        row = self._open_rows.get(token_id)
+        if row is None:
+            row = self._open_rows[token_id] = _row_allowing(self.bitmask[0], [token_id])
+        return row
+
+    def _feed(self, request_id: str, matcher: Any, token_id: int) -> None:
+        """One output token: the reasoning's while the grammar waits for it to end, else the grammar's."""
+        waiting = self.waiting.get(request_id)
+        if waiting is not None:
+            state, (think_open, think_close) = waiting
+            if state == "thinking":
+                if token_id == think_close:
+                    del self.waiting[request_id]  # the grammar holds from the next token
+                return
+            del self.waiting[request_id]
+            if token_id == think_open:
+                self.waiting[request_id] = ("thinking", waiting[1])
+                return
+        self._accept(request_id, matcher, token_id)
 
     def _is_done(self, request_id: str) -> bool:
         return request_id in self.refused or self.matchers[request_id].is_terminated()
@@ -640,9 +677,9 @@ class GrammarMatchers:
             self.refused.add(request_id)
 
 
-def _stop_row(row: torch.Tensor, stop_token_ids: Iterable[int]) -> torch.Tensor:
-    """A bitmask row (int32 words, bit ``t % 32`` of word ``t // 32``) allowing only ``stop_token_ids``."""
+def _row_allowing(row: torch.Tensor, token_ids: Iterable[int]) -> torch.Tensor:
+    """A bitmask row (int32 words, bit ``t % 32`` of word ``t // 32``) allowing only ``token_ids``."""
     words = [0] * row.numel()
-    for token in stop_token_ids:
+    for token in token_ids:
         words[token // 32] |= 1 << (token % 32)
     return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)

@@ -199,3 +199,46 @@ def test_the_template_probe_keeps_flag_sets_not_documents(harness):
             assert list(h.actor._opening) == ['{"enable_thinking":false}']
 
     run(body)
+
+
+def test_structured_outputs_hold_after_the_reasoning(tmp_path):
+    """With <think> and </think> tokens of its own, a constrained chat reply is sent with them
+    (``StructuredSpec.reasoning``: the ranks hold it to its grammar after </think>) and read with its
+    reasoning apart; a forced tool call and a tokenizer without such tokens are held from the first token."""
+    from transformers import AutoTokenizer
+
+    from tests.frontend.conftest import Harness, make_tokenizer_dir
+
+    plain = make_tokenizer_dir(tmp_path / "plain")
+    folder = make_tokenizer_dir(tmp_path / "think")
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok.add_tokens(["<think>", "</think>"])
+    tok.save_pretrained(str(folder))
+    think = tuple(tok.convert_tokens_to_ids(["<think>", "</think>"]))
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+    async def body():
+        async with Harness(folder, tok, model_keys={"reasoning_parser": "qwen3"}) as h:
+            h.engine.reply_text = '<think>\nplan\n</think>\n\n{"a": 1}'
+            status, r = await h.post(CHAT, {"model": "tiny", "messages": MSGS, "response_format": schema})
+            assert status == 200, r
+            message = r["choices"][0]["message"]
+            assert message["reasoning"] == "\nplan\n" and message["content"] == '\n\n{"a": 1}'
+            spec = next(iter(h.engine.requests.values())).sampling.structured
+            assert spec.kind == "json" and spec.reasoning == think and not spec.opened
+            h.engine.requests.clear()
+            h.engine.reply_text = '{"name": "f", "arguments": {}}'
+            status, r = await h.post(CHAT, {"model": "tiny", "messages": MSGS, "tools": tools,
+                                             "tool_choice": "required"})
+            assert status == 200 and r["choices"][0]["message"]["tool_calls"], r
+            assert next(iter(h.engine.requests.values())).sampling.structured.reasoning == ()
+        plain_tok = AutoTokenizer.from_pretrained(str(plain))
+        async with Harness(plain, plain_tok, model_keys={"reasoning_parser": "deepseek_r1"}) as h:
+            h.engine.reply_text = '{"a": 1}'
+            status, r = await h.post(CHAT, {"model": "tiny", "messages": MSGS, "response_format": schema})
+            assert status == 200 and r["choices"][0]["message"]["content"] == '{"a": 1}', r
+            assert "reasoning" not in r["choices"][0]["message"]
+            assert next(iter(h.engine.requests.values())).sampling.structured.reasoning == ()
+
+    run(body)

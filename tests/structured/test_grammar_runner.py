@@ -168,3 +168,57 @@ def test_mask_leaves_unconstrained_rows_bit_identical(world):
     matchers.mask(masked, ["a", "c", "b"])
     assert torch.equal(masked[[0, 2]], logits[[0, 2]])
     assert (masked[1] > float("-inf")).nonzero().flatten().tolist() == [word_id("w7")]
+
+
+THINK = (word_id("w8"), word_id("w9"))  # the model's <think>, </think> in these tests
+
+
+def allowed(matchers, rid: str) -> list[int]:
+    logits = torch.zeros(1, 512)
+    matchers.mask(logits, [rid])
+    return (logits[0] > float("-inf")).nonzero().flatten().tolist()
+
+
+def test_a_reply_that_reasons_first_is_held_to_its_grammar_after_the_reasoning(world):
+    """``StructuredSpec.reasoning``: free until </think>, the grammar from the token after it; a reply whose
+    prompt opened no <think> may open one as its first token, else its grammar holds from there."""
+    matchers = make_runner(world).grammars
+    spec = messages.StructuredSpec("regex", REGEX, reasoning=THINK, opened=True)
+    hello, digits = [word_id("hello")], sorted(word_id(f"w{i}") for i in range(1, 5))
+    matchers.start("x", spec, [])
+    assert len(allowed(matchers, "x")) == 512  # thinking: free
+    for token in (word_id("w7"), THINK[0], THINK[1]):  # a <think> inside the reasoning changes nothing
+        assert len(allowed(matchers, "x")) == 512
+        matchers.advance([messages.SampledToken("x", token)])
+    assert allowed(matchers, "x") == hello
+    matchers.advance([messages.SampledToken("x", hello[0])])
+    assert allowed(matchers, "x") == digits
+    matchers.start("x", spec, [word_id("w7"), THINK[1], hello[0]])  # a restart replays to the same state
+    assert allowed(matchers, "x") == digits
+
+    unopened = msgspec.structs.replace(spec, opened=False)
+    matchers.start("y", unopened, [])
+    assert allowed(matchers, "y") == sorted(hello + [THINK[0]])
+    matchers.advance([messages.SampledToken("y", THINK[0])])
+    assert len(allowed(matchers, "y")) == 512
+    matchers.start("z", unopened, hello)  # no <think> first: held from its first token, <think> never again
+    assert allowed(matchers, "z") == digits
+    matchers.forget("y")
+    assert "y" not in matchers.waiting
+
+
+def test_served_reasoning_runs_as_an_unconstrained_row_then_follows_its_grammar(world):
+    """Greedy rows: while it thinks, a constrained row samples what an unconstrained one samples; a </think>
+    pushed first by logit_bias (its grammar alone never allows it) starts the grammar on the next token."""
+    reference = run_all(make_runner(world, grammars=False), constrained=False)["re"]
+    assert THINK[1] not in reference
+    spec = messages.StructuredSpec("regex", REGEX, reasoning=THINK, opened=True)
+    outputs = {}
+    for name, bias in (("free", ()), ("closed", ((THINK[1], 100.0),))):
+        driver = PlanDriver(make_runner(world), block_size=BLOCK_SIZE, num_new=NUM_NEW, sampling=FREE)
+        sampling = msgspec.structs.replace(FREE, structured=spec, logit_bias=bias)
+        driver.step([driver.start("re", PROMPTS["re"], sampling=sampling)], [driver.chunk("re")])
+        outputs[name] = driver.run_to_end()["re"]
+    assert outputs["free"] == reference
+    assert outputs["closed"][0] == THINK[1]
+    assert_follows(outputs["closed"][1:], REGEX)
