@@ -406,16 +406,18 @@ def model_of(scenario: Scenario, base: str, index: int) -> str:
 
 async def run_load(url: str, base: str, scenario: Scenario, prompts: list, max_tokens: int,
                    concurrency: int, indices: list[int] | None = None,
-                   start: Callable[[], None] | None = None) -> Measurement:
+                   start: Callable[[], None] | None = None, level: int | None = None) -> Measurement:
     """``len(prompts)`` requests (or those of ``indices``) through ``concurrency``
     clients; request i on the scenario's i-th model (round-robin), every one
     exactly ``max_tokens`` long. ``started_at``: ``time.perf_counter()`` as
     the clients start (one clock for every process on Linux), after
-    ``start()`` returns (``ClientPool``: every process of the level ready)."""
+    ``start()`` returns (``ClientPool``: every process of the level ready).
+    ``level``: the level's concurrency where these clients are a share of it."""
     import aiohttp
 
     queue = list(range(len(prompts))) if indices is None else list(indices)
     result = Measurement(scenario.name, concurrency, len(queue), 0, 0.0)
+    share = "" if level in (None, concurrency) else f" (a share: {concurrency} clients, {len(queue)} requests)"
 
     async def client(session) -> None:
         while queue:
@@ -425,7 +427,8 @@ async def run_load(url: str, base: str, scenario: Scenario, prompts: list, max_t
                 raise SystemExit(f"{scenario.name}, request {i}: {n} tokens, expected {max_tokens} (ignore_eos)")
             result.ttft_s.append(ttft)
             result.num_tokens += n
-        progress(f"{scenario.name}, concurrency {concurrency}: {len(result.ttft_s)}/{len(prompts)} done")
+        progress(f"{scenario.name}, concurrency {level or concurrency}{share}: {len(result.ttft_s)}/{result.num_requests} "
+                 "done")
 
     # aiohttp's default connector opens at most 100 connections: more clients would queue in it, not at the server.
     connector = aiohttp.TCPConnector(limit=concurrency)
@@ -473,10 +476,10 @@ class ClientPool:
         indices = [list(range(k, len(prompts), n)) for k in range(n)]
         self.go.clear()
         for k in range(1, n):
-            self.jobs[k - 1].put((url, base, scenario, prompts, max_tokens, shares[k], indices[k]))
+            self.jobs[k - 1].put((url, base, scenario, prompts, max_tokens, shares[k], indices[k], concurrency))
         cpu = time.process_time()
         parts = [asyncio.run(run_load(url, base, scenario, prompts, max_tokens, shares[0], indices[0],
-                                      start=functools.partial(self._start_together, n - 1)))]
+                                      start=functools.partial(self._start_together, n - 1), level=concurrency))]
         parts[0].client_cpu_s = time.process_time() - cpu
         for _ in range(1, n):
             got = self.results.get()
@@ -524,7 +527,7 @@ def _client_process(jobs, results, ready, go) -> None:
             go.wait()
 
         try:
-            part = asyncio.run(run_load(*job, start=start))
+            part = asyncio.run(run_load(*job[:7], start=start, level=job[7]))
         except BaseException as err:  # the level fails in the parent, with the reason
             (results if started else ready).put(f"a client process failed: {err!r}")
             continue
