@@ -571,7 +571,14 @@ def start_servers(plan: Plan, model_dir: Path, adapters: dict[str, Path], tmp: P
 
 def ready_server(plan: Plan, key: str, server: Server, prompts: list) -> str:
     """Wait for one server, check what it serves, warm it up; its URL."""
-    url = server.wait()
+    try:
+        url = server.wait()
+    except SystemExit as err:
+        if "OutOfMemoryError" not in str(err):
+            raise
+        raise SystemExit(f"{err}\nserver {key} ran out of device memory: the plan's servers share one device, each "
+                         "with its own weights (a merging server keeps a copy of its linears too); measure fewer "
+                         "servers at once with --scenarios (the server of each scenario is listed above)") from None
     models = [plan.served_name, *ADAPTER_NAMES[:SERVERS[key].num_adapters]]
     asyncio.run(check_models(url, models))
     asyncio.run(warm_up(url, models, prompts, plan.levels))
