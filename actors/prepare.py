@@ -7,12 +7,15 @@ only schedules it.
 
 Two paths:
 
-- **Inline** (the preparer does not declare ``PREPROCESS_PARALLEL``, or the
-  pool would have one worker): one message, one reaction, in mailbox order,
-  as the default ``Actor.serve`` does. ``Abort`` is forwarded in order.
-- **Pool**: each request's preparation runs on a ``ThreadPoolExecutor``
-  while this loop only starts requests and finishes them (stores tensors in
-  the arena, sends). ``serve`` below is the loop. Each pool thread is
+- **Inline** (the preparer does not declare ``PREPROCESS_PARALLEL``: text,
+  milliseconds a request): one message, one reaction, in mailbox order, as
+  the default ``Actor.serve`` does. ``Abort`` is forwarded in order.
+- **Pool** (a media preparer, one worker or more): each request's
+  preparation runs on a ``ThreadPoolExecutor`` while this loop only starts
+  requests and finishes them (stores tensors in the arena, sends), so a long
+  video's draft holds neither the loop (its fetches, the aborts it reads)
+  nor, once its client left, the requests behind it. ``serve`` below is the
+  loop. Each pool thread is
   pinned to CPUs of its own when the CPU plan has them
   (``CpuPlan.pool_cpus``; ``prepare.pin_pool_threads``); for a preparer
   that prepares in processes (audio clips: ``start_processes``), each
@@ -30,9 +33,11 @@ read-only preparer.
   ``2 * num_workers`` are preparing (drafting, or queued for a thread: each
   thread has its next request waiting, so a thread that finishes starts it
   at once instead of after this loop's turn, which shares the GIL with the
-  drafts) and fewer than ``2 * num_workers`` wait for release; otherwise the
-  loop waits for one to finish and new requests wait undecoded in the
-  mailbox and the ring behind it (the frontend sees backpressure).
+  drafts) and fewer than ``2 * num_workers`` wait for release. Past that,
+  up to ``MAX_READ_AHEAD`` more are read and wait their turn (an ``Abort``
+  read meanwhile drops its request unprepared); then the loop waits for one
+  to finish and new requests wait undecoded in the mailbox and the ring
+  behind it (the frontend sees backpressure).
 - **Bounded outbox.** A release awaits ``send``: while the conductor's ring
   is full nothing else is read, and nothing is dropped.
 - **Abandoned requests.** An ``Abort`` for a request not yet released takes
@@ -91,6 +96,8 @@ __all__ = ["PrepareActor", "Preparer", "load_preparer"]
 MIN_FETCHING = 16
 # Requests with http(s) media read while ``max_fetching`` fetch, waiting their turn (a NewRequest each: small).
 MAX_WAITING_TO_FETCH = 64
+# Requests read while the pool is full, waiting for room (their inline media with them): an abort behind them is read.
+MAX_READ_AHEAD = 8
 
 
 class PrepareActor(Actor):
@@ -147,14 +154,14 @@ class PrepareActor(Actor):
         self.num_workers = self._size_pool()
         self.pending = PendingRequests(max_preparing=2 * self.num_workers, max_unreleased=2 * self.num_workers)
         self.max_fetching = max(MIN_FETCHING, 4 * self.num_workers)
-        if self.num_workers > 1:
+        if self.num_workers > 1 or getattr(self.preparer, "PREPROCESS_PARALLEL", False):
             # A preparer whose heavy part holds the GIL runs it in processes of
             # its own (``start_processes``: audio clips), one a worker. Its
             # threads then only hand clips over and wait, so there are two a
             # process (a lane each, ``clip_processes``), unpinned: each process
             # finds its next clip queued when it finishes one. The processes
             # take the CPUs the threads would have taken.
-            in_processes = hasattr(self.preparer, "start_processes")
+            in_processes = hasattr(self.preparer, "start_processes") and self.num_workers > 1
             num_threads = 2 * self.num_workers if in_processes else self.num_workers
             # Each pool thread sets its intra-op count too (with some OpenMP
             # runtimes it is per thread), so N workers never fan out over
@@ -225,7 +232,7 @@ class PrepareActor(Actor):
                 await self._prepare_fetched(msg, {})
             case Abort() if msg.request_id in self._fetching:  # its fetch stops now; the conductor never saw it
                 self._fetching.pop(msg.request_id).cancel()
-            case Abort() if msg.request_id in self._fetched:  # fetched, waiting for room in the pool
+            case Abort() if msg.request_id in self._fetched:  # read (and fetched), waiting for room in the pool
                 del self._fetched[msg.request_id]
             case Abort() if msg.request_id in self._to_fetch:  # waiting for its turn to fetch
                 del self._to_fetch[msg.request_id]
@@ -249,10 +256,9 @@ class PrepareActor(Actor):
             while True:
                 self._changed.clear()  # before looking, so no completion is missed
                 await self._release_ready()
-                while self._fetched and self.pending.can_start():  # fetched first: they were read first
+                while self._fetched and self.pending.can_start():  # waiting first: they were read first
                     self._start(*self._fetched.popitem(last=False)[1])
-                if (self.pending.can_start() and not self._fetched and len(self._to_fetch) < MAX_WAITING_TO_FETCH
-                        and reading is None):
+                if reading is None and len(self._fetched) < MAX_READ_AHEAD and len(self._to_fetch) < MAX_WAITING_TO_FETCH:
                     reading = asyncio.create_task(self.mailbox.get(), name="prepare:read")
                 changed = asyncio.create_task(self._changed.wait())
                 await asyncio.wait({changed} | ({reading} if reading else set()),
@@ -299,7 +305,10 @@ class PrepareActor(Actor):
         """A request whose media bytes are at hand (``fetched``: its http(s)
         parts'): into the pool's order, or prepared inline."""
         if self.threads is not None:
-            self._start(req, fetched)
+            if self.pending.can_start() and not self._fetched:
+                self._start(req, fetched)
+            else:  # its turn comes when the pool has room
+                self._fetched[req.request_id] = (req, fetched)
         elif req.sampling.structured is not None:  # inline, its rules checked on a thread
             self._check_aside(req, fetched)
         else:  # inline: never in the release order

@@ -1,6 +1,6 @@
 """Preparation of image, video and audio requests: throughput of the prepare
 actor's pool at 1, 2, 4 and 8 workers, and time to first token of video
-requests at concurrency 4 with the pool (4 workers) against inline (1).
+requests at concurrency 4 with the pool (4 workers) against one worker (1).
 
     python tools/bench_prepare.py                          # both parts, default clips
     python tools/bench_prepare.py --ttft-only --ttft-rounds 10
@@ -17,7 +17,7 @@ preparation the same way (``av`` decode and resample of a 44.1 kHz stereo
 clip to 16 kHz mono, the Whisper feature extractor's 128 mel bins over a 30
 s chunk, the placeholder expansion) on a folder with no weights; with 2 or
 more workers the actor prepares each clip in a process of its own. Each row
-is measured through the actor (1 worker is the inline path) and, as the
+is measured through the actor (1 worker: one pool thread) and, as the
 reference, on a bare thread pool pinned the same way ("plain": threads
 only). Per cell: requests a second
 in the batch's steady middle, CPU ms per request (this process's and its
@@ -33,7 +33,7 @@ turns, on a tiny random Qwen2.5-VL with Qwen2.5-VL's own processor
 from the client: sent to its first content chunk. Two workloads: bursts of 4
 sent at once (``--ttft-rounds`` of them), and a closed loop of 4 clients
 each sending its next request when its last one has answered. The ratio
-inline / pool is printed for each, per clip, and in a last table for all.
+one / pool is printed for each, per clip, and in a last table for all.
 
 ``--output PATH`` appends the tables to PATH too.
 """
@@ -112,7 +112,7 @@ class ActorUnderTest:
 
         self.num_workers = num_workers
         # A preparer with clip processes gets them from its actor: a copy of its own, so
-        # a 1-worker actor prepares inline as a 1-worker server does.
+        # a 1-worker actor prepares in-thread as a 1-worker server does.
         self.preparer = TimedPreparer(copy.copy(preparer) if hasattr(preparer, "start_processes") else preparer)
         self.inbox = MemoryChannel(FrontendToPrepare, "frontend.prepare", capacity_bytes=64 << 20)
         self.out = MemoryChannel(PrepareToConductor, "prepare.conductor", capacity_bytes=16 << 20)
@@ -319,7 +319,7 @@ def throughput_rows(label: str, num_requests: int, rounds: dict[tuple[str, int],
 
 def throughput(report, args, preparer, media: dict[str, Media]) -> None:
     report(f"\nMedian of {args.throughput_rounds} rounds (sizes and pools interleaved); \"actor\": through "
-           "the prepare actor (1 worker: inline); \"plain\": the same drafts on a bare thread pool")
+           "the prepare actor (1 worker: one thread); \"plain\": the same drafts on a bare thread pool")
     report("\n| media | pool | workers | requests | req/s | ms/req | CPU ms/req | threads drafting | "
            "draft CPU / wall | speed-up (rounds' range) | whole batch |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for label, m in media.items():
@@ -460,10 +460,10 @@ class TtftRun(NamedTuple):
 
 def measure_ttft(model_dir: Path, video: str, tmp: Path, rounds: int, clip: Clip, max_model_len: int | None,
                  pin: bool) -> tuple[dict[int, TtftRun], int]:
-    """Pool (4 workers) and inline (1) side by side, each idle while the other
+    """Pool (4 workers) and one worker (1) side by side, each idle while the other
     is measured, taking turns, so a change in the host's speed hits both
     alike: ``rounds`` bursts each, alternating, then the closed loop twice
-    per server, pool, inline, inline, pool (a linear drift cancels). Returns
+    per server, pool, one, one, pool (a linear drift cancels). Returns
     each server's requests and the video prompt's token count."""
     servers: dict[int, Server] = {}
     try:
@@ -502,7 +502,7 @@ def percentile_ms(values: list[float], q: float) -> float:
 
 def report_ttft(report, runs: dict[int, TtftRun], num_prompt_tokens: int,
                 max_model_len: int | None) -> tuple[float, float]:
-    """The clip's TTFT tables; returns inline / pool in bursts and in the closed loop."""
+    """The clip's TTFT tables; returns one / pool in bursts and in the closed loop."""
     p50 = {(n, mode): percentile_ms(getattr(runs[n], mode), 50) for n in (4, 1) for mode in ("burst", "closed")}
     rate = {n: len(runs[n].closed) / runs[n].closed_span for n in (4, 1)}
     ratios = p50[1, "burst"] / p50[4, "burst"], p50[1, "closed"] / p50[4, "closed"]
@@ -511,10 +511,10 @@ def report_ttft(report, runs: dict[int, TtftRun], num_prompt_tokens: int,
            f"in a closed loop of {CONCURRENCY} clients (each sends its next request when its last one has answered)")
     report("| video TTFT, concurrency 4, p50 ms | bursts | closed loop | closed loop req/s |\n|---|---|---|---|")
     report(f"| pool (4 workers) | {p50[4, 'burst']:.0f} | {p50[4, 'closed']:.0f} | {rate[4]:.2f} |")
-    report(f"| inline (1) | {p50[1, 'burst']:.0f} | {p50[1, 'closed']:.0f} | {rate[1]:.2f} |")
-    report(f"| inline / pool | {ratios[0]:.2f}x | {ratios[1]:.2f}x | {rate[4] / rate[1]:.2f}x |")
+    report(f"| one worker (1) | {p50[1, 'burst']:.0f} | {p50[1, 'closed']:.0f} | {rate[1]:.2f} |")
+    report(f"| one / pool | {ratios[0]:.2f}x | {ratios[1]:.2f}x | {rate[4] / rate[1]:.2f}x |")
     report("\n| TTFT ms, sent to first chunk | p50 | p90 | max |\n|---|---|---|---|")
-    for n, name in ((4, "pool"), (1, "inline")):
+    for n, name in ((4, "pool"), (1, "one worker")):
         for mode, label in (("burst", "bursts"), ("closed", "closed loop")):
             values = getattr(runs[n], mode)
             report(f"| {name}, {label} | {percentile_ms(values, 50):.0f} | {percentile_ms(values, 90):.0f} | "
@@ -523,7 +523,7 @@ def report_ttft(report, runs: dict[int, TtftRun], num_prompt_tokens: int,
 
 
 def run_ttft(report, args, clip: Clip, video: str, tmp: Path) -> tuple[float, float]:
-    """Time to first token of ``clip``, pool against inline; returns inline / pool in bursts and closed loop."""
+    """Time to first token of ``clip``, pool against one worker; returns one / pool in bursts and closed loop."""
     # Qwen2.5-VL's own processor on a tiny model: the server decodes, resizes and patches the clip as
     # for a real model, so TTFT is mostly that.
     max_model_len = None if args.model else context_for(clip)
@@ -615,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in dict.fromkeys([clip, *extras]):
             progress(f"TTFT with a {c.label} clip")
             ratios[c] = run_ttft(report, args, c, videos.get(c) or c.data_url(), Path(tmp))
-        report(f"\n| video TTFT at concurrency {CONCURRENCY}, clip | inline / pool, bursts | inline / pool, closed loop |"
+        report(f"\n| video TTFT at concurrency {CONCURRENCY}, clip | one / pool, bursts | one / pool, closed loop |"
                "\n|---|---|---|")
         for c, (in_bursts, in_loop) in ratios.items():
             report(f"| {c.label} ({c.num_frames} frames) | {in_bursts:.2f}x | {in_loop:.2f}x |")

@@ -15,7 +15,7 @@ The split, in order of need:
   buffer only grows).
 
 A higher ``prepare.preprocess_torch_threads`` therefore shrinks the pool:
-with 8 CPUs left and 8 threads per worker the pool is 1, i.e. inline.
+with 8 CPUs left and 8 threads per worker the pool is 1 (one thread).
 
 Each pool thread is then pinned to CPUs of its own (``pool_cpus``), taken
 from the top of the allowed set, one per physical core before any core's
@@ -57,7 +57,7 @@ class CpuPlan:
 
     def prepare_workers(self, prepare_torch_threads: int) -> int:
         """Pool size for a prepare process running ``prepare_torch_threads``
-        intra-op threads: ``min(8, cpus left // threads)``, at least 1 (inline)."""
+        intra-op threads: ``min(8, cpus left // threads)``, at least 1."""
         if prepare_torch_threads < 1:
             raise ValueError(f"prepare_torch_threads must be at least 1, got {prepare_torch_threads}")
         return max(1, min(MAX_PREPARE_WORKERS, self.num_cpus_left // prepare_torch_threads))
@@ -93,9 +93,9 @@ class CpuPlan:
 def resolve_prepare_workers(
     plan: CpuPlan, prepare_torch_threads: int, configured: int | None, is_parallel: bool
 ) -> int:
-    """The pool size the prepare actor runs: 1 (inline) unless the model's
+    """The pool size the prepare actor runs: 1 unless the model's
     preparation is declared parallel; else the config's
-    ``prepare.preprocess_workers`` when set (1 turns the pool off), else the plan's."""
+    ``prepare.preprocess_workers`` when set (1: one thread), else the plan's."""
     if not is_parallel:
         return 1
     if configured is not None:

@@ -1,7 +1,7 @@
 """tools/bench_prepare.py and tools/profile_vl_step.py run as a user runs
 them, on small clips: the throughput table through the prepare actor and a
 bare thread pool, time to first token of two served engines (pool against
-inline) timed from the client, and the clip arguments' checks."""
+one worker) timed from the client, and the clip arguments' checks."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def test_throughput_table_through_the_actor_and_a_plain_pool(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_ttft_of_the_pool_against_inline_from_the_client():
+def test_ttft_of_the_pool_against_one_worker_from_the_client():
     run = run_tool("bench_prepare.py", "--ttft-only", "--ttft-rounds", "2", *SMALL_CLIP, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout
@@ -51,9 +51,9 @@ def test_ttft_of_the_pool_against_inline_from_the_client():
     # 2 bursts of 4 per server; the closed loop twice per server, one counted request per client each time.
     assert "8 requests per mode in bursts of 4 sent at once, 8 in a closed loop of 4 clients" in out
     assert re.search(rf"\| pool \(4 workers\) \| \d+ \| \d+ \| {NUMBER} \|", out)
-    assert re.search(rf"\| inline \(1\) \| \d+ \| \d+ \| {NUMBER} \|", out)
-    assert re.search(rf"\| inline / pool \| {NUMBER}x \| {NUMBER}x \| {NUMBER}x \|", out)
-    for row in ("pool, bursts", "pool, closed loop", "inline, bursts", "inline, closed loop"):
+    assert re.search(rf"\| one worker \(1\) \| \d+ \| \d+ \| {NUMBER} \|", out)
+    assert re.search(rf"\| one / pool \| {NUMBER}x \| {NUMBER}x \| {NUMBER}x \|", out)
+    for row in ("pool, bursts", "pool, closed loop", "one worker, bursts", "one worker, closed loop"):
         assert re.search(rf"\| {row} \| \d+ \| \d+ \| \d+ \|", out), row
     assert re.search(rf"\| 64x48 1 s \(2 frames\) \| {NUMBER}x \| {NUMBER}x \|", out)
 

@@ -134,16 +134,19 @@ async def test_arrival_order_kept_when_later_requests_finish_first():
 
 
 async def test_full_pool_reads_nothing_more_until_a_slot_frees():
+    from actors.prepare import MAX_READ_AHEAD
+
     h = Harness(GatedPreparer(asyncio.get_running_loop()), num_workers=2)
-    ids = [f"r{i}" for i in range(1, 8)]
+    ids = [f"r{i}" for i in range(1, 4 + MAX_READ_AHEAD + 5)]  # (the mailbox holds two more)
     h.preparer.expect(*ids)
     for rid in ids:
         await h.send(rid)
     await h.preparer.started["r1"].wait()
     await h.preparer.started["r2"].wait()
     await settle()
-    # Two drafting and one queued behind each thread; r5.. wait undecoded.
+    # Two drafting and one queued behind each thread; MAX_READ_AHEAD more read, waiting; the rest undecoded.
     assert h.actor.pending.request_ids() == ["r1", "r2", "r3", "r4"]
+    assert list(h.actor._fetched) == ids[4 : 4 + MAX_READ_AHEAD]
     assert not h.preparer.started["r3"].is_set()
     assert h.inbox._records, "the pool is full: the rest stays in the frontend's channel"
     h.preparer.gates["r2"].set()  # its thread takes the queued r3 at once
@@ -321,14 +324,37 @@ async def test_requests_past_the_fetch_bound_wait_their_turn_and_hold_no_other_b
         assert await h.close() == []
 
 
-@pytest.mark.parametrize("preparer_cls, num_workers", [(InlinePreparer, 4), (GatedPreparer, 1)],
-                         ids=["no-declaration", "one-worker"])
-async def test_inline_fallbacks(preparer_cls, num_workers):
-    preparer = preparer_cls(asyncio.get_running_loop())
+async def test_one_worker_drafts_on_a_thread_and_drops_requests_aborted_behind_a_long_draft():
+    """A media preparer of one worker drafts on a thread of its own: while a long draft runs, the loop
+    reads on, and requests whose clients left while they waited behind it are dropped unprepared (on the
+    loop's thread, each was prepared in its turn and the requests after it waited for them)."""
+    preparer = GatedPreparer(asyncio.get_running_loop())
+    preparer.expect("long", "queued", "ahead1", "ahead2", "next")
+    h = Harness(preparer, num_workers=1)
+    for rid in ("long", "queued", "ahead1", "ahead2"):
+        await h.send(rid)
+    await preparer.started["long"].wait()
+    await settle()
+    assert list(h.actor._fetched) == ["ahead1", "ahead2"]  # read while the pool is full
+    for rid in ("queued", "ahead1", "ahead2"):
+        await h.inbox.send(Abort(request_id=rid))
+    await h.send("next")
+    preparer.gates["next"].set()
+    await settle()
+    assert list(h.actor._fetched) == ["next"]  # the one thread is long's: next waits for it, alone
+    preparer.gates["long"].set()
+    assert [await h.recv_id() for _ in range(2)] == [("Prepared", "long"), ("Prepared", "next")]
+    assert not any(preparer.started[rid].is_set() for rid in ("queued", "ahead1", "ahead2"))
+    assert h.actor.threads is not None and all(t.startswith("prepare") for t in preparer.threads)
+    assert await h.close() == []  # no Abort forwarded: the conductor never saw them
+
+
+async def test_inline_fallback_without_a_declaration():
+    preparer = InlinePreparer(asyncio.get_running_loop())
     preparer.expect("r1", "r2")
     preparer.gates["r1"].set()
     preparer.gates["r2"].set()
-    h = Harness(preparer, num_workers=num_workers)
+    h = Harness(preparer, num_workers=4)
     await h.send("r1")
     await h.inbox.send(Abort(request_id="r1"))
     await h.send("r2")
