@@ -35,13 +35,18 @@ stays one batched op, and (c) a row's draw depends only on its own ``q``
 row, never on its batch position. It runs as Triton kernels
 (``sampling_triton``), with temperature and top_k's floor, each ``q`` from
 Philox keyed by the row's seed. On CPU, where a vocabulary's exponentials
-cost about 20 ns each (0.9 ms a row of 49,152), a row draws one uniform
-``u`` instead and takes the first token whose cumulative probability passes
-``u``: (b) and (c) hold as well. A seeded row's seed is ``derive_seed(seed,
-len(output_token_ids))`` (on CPU it reseeds one generator that fills its
-``u``): the same request draws the same token at the same output length
-whatever else is in the batch, and a preempted request that restarts with
-its earlier outputs reproduces the rest. Unseeded rows share one generator
+cost about 20 ns each (0.9 ms a row of 49,152), an unseeded row draws one
+uniform ``u`` instead and takes the first token whose cumulative
+probability passes ``u``: (b) and (c) hold as well. A seeded row races on
+CPU too: a batch's logits differ from a lone row's in their last bits, and
+the inverse distribution turns such a difference into another token
+whenever ``u`` falls among unlikely tokens (a percent or two of steps),
+where the race changes its pick only between near-equal ``probs / q``. A
+seeded row's seed is ``derive_seed(seed, len(output_token_ids))`` (on CPU
+it reseeds one generator that fills its ``q``): the same request draws the
+same token at the same output length whatever else is in the batch, and a
+preempted request that restarts with its earlier outputs reproduces the
+rest. Unseeded rows share one generator
 (``generator``, or a per-device module generator seeded with
 ``DEFAULT_SHARED_SEED``; on CUDA one draw of it a step, the base seed);
 ranks stay in lockstep because each samples the same rows in the same order.
@@ -574,34 +579,51 @@ def _race_tokens(logits: torch.Tensor, rows: list[SampleRow], plan: _Plan, gener
 
 def _draw(probs: torch.Tensor, rows: list[SampleRow], plan: _Plan, generator: torch.Generator | None) -> torch.Tensor:
     """A token a row from ``probs`` (see "Randomness" in the module doc): on
-    CUDA without Triton the exponential race (with it, ``_race_tokens``), on
-    CPU the inverse of the row's cumulative distribution at one uniform
-    (float64 sums: the last token's share is exact to its own rounding),
-    which costs a fraction of the vocabulary's exponentials there (0.05
-    against 0.9 ms a row of 49,152 tokens)."""
+    CUDA without Triton the exponential race (with it, ``_race_tokens``); on
+    CPU the race for seeded rows, and for the others the inverse of the
+    row's cumulative distribution at one uniform (float64 sums: the last
+    token's share is exact to its own rounding), which costs a fraction of
+    the vocabulary's exponentials there (0.05 against 0.9 ms a row of 49,152
+    tokens)."""
     if probs.device.type != "cpu":
-        q = _row_draws(rows, plan, probs.shape, probs.device, generator, torch.Tensor.exponential_)
-        # exponential_ may return exactly 0 in float32; 0 would make probs/q inf or NaN.
-        return (probs / q.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+        return _race(probs, _row_draws(rows, plan.is_greedy, probs.shape, probs.device, generator,
+                                       torch.Tensor.exponential_))
+    seeded = [i for i, r in enumerate(rows) if not plan.is_greedy[i] and r.params.seed is not None]
+    if len(seeded) == len(rows):
+        return _race(probs, _row_draws(rows, plan.is_greedy, probs.shape, probs.device, generator,
+                                       torch.Tensor.exponential_))
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     total = cdf[:, -1:]
-    u = _row_draws(rows, plan, (probs.shape[0], 1), probs.device, generator, torch.Tensor.uniform_, torch.float64)
+    is_drawn = [greedy or i in seeded for i, greedy in enumerate(plan.is_greedy)]  # none from the shared generator
+    u = _row_draws(rows, is_drawn, (len(rows), 1), probs.device, generator, torch.Tensor.uniform_, torch.float64)
     # Strictly below the total, so the first cumulative sum past it is a token of non-zero probability.
     at = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, at, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    tokens = torch.searchsorted(cdf, at, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    if seeded:
+        part = [rows[i] for i in seeded]
+        q = _row_draws(part, [False] * len(part), (len(part), probs.shape[1]), probs.device, generator,
+                       torch.Tensor.exponential_)
+        tokens[seeded] = _race(probs[seeded], q)
+    return tokens
 
 
-def _row_draws(rows: list[SampleRow], plan: _Plan, shape, device: torch.device, generator: torch.Generator | None,
-               fill, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _race(probs: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``argmax(probs / q)`` a row: with ``q ~ Exp(1)`` a token, drawn from ``probs``."""
+    # exponential_ may return exactly 0 in float32; 0 would make probs/q inf or NaN.
+    return (probs / q.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+
+
+def _row_draws(rows: list[SampleRow], skip: list[bool], shape, device: torch.device,
+               generator: torch.Generator | None, fill, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``[rows, n]`` of ``dtype`` filled row by row by ``fill(tensor, generator=...)``;
     seeded rows from their own reseeded generator, the others from the shared
-    one; greedy rows draw nothing (ones), so they never advance it."""
+    one; rows to ``skip`` (greedy ones) draw nothing (ones), so they never advance it."""
     q = torch.ones(shape, dtype=dtype, device=device)
-    unseeded = [i for i, r in enumerate(rows) if not plan.is_greedy[i] and r.params.seed is None]
+    unseeded = [i for i, r in enumerate(rows) if not skip[i] and r.params.seed is None]
     if unseeded:
         shared = generator if generator is not None else shared_generator(device)
         q[unseeded] = fill(torch.empty((len(unseeded), shape[1]), dtype=dtype, device=device), generator=shared)
-    seeded = [i for i, r in enumerate(rows) if not plan.is_greedy[i] and r.params.seed is not None]
+    seeded = [i for i, r in enumerate(rows) if not skip[i] and r.params.seed is not None]
     if seeded:
         # One generator, reseeded per row: on CUDA the seed is read when the
         # kernel is launched, so reseeding for the next row is safe.
