@@ -130,9 +130,13 @@ def resolve_runtime_path(path: str, adapter_dirs: list[str]) -> str:
     allowed = [Path(expand_path(d)).resolve() for d in adapter_dirs]
     if any(real == d or d in real.parents for d in allowed):
         return str(real)
-    raise AdapterPathError(  # the folders as configured: where the path resolved stays unsaid
-        f"lora_path {path!r} is outside the allowed adapter folders: "
-        f"{', '.join(adapter_dirs)}; copy the adapter there or extend lora.adapter_dirs"
+    written = Path(os.path.abspath(expand_path(path)))
+    as_written = [Path(os.path.abspath(expand_path(d))) for d in adapter_dirs]
+    # the folders as configured: where the path resolved stays unsaid
+    where = ("leads outside the allowed adapter folders through a link" if any(
+        written == d or d in written.parents for d in allowed + as_written) else "is outside the allowed adapter folders")
+    raise AdapterPathError(
+        f"lora_path {path!r} {where}: {', '.join(adapter_dirs)}; copy the adapter there or extend lora.adapter_dirs"
     )
 
 

@@ -154,3 +154,19 @@ async def test_runtime_loads_through_links_are_403s_that_echo_no_path(adapters, 
             message = error(body)
             assert str(tmp) not in message and SECRET not in message, (name, message)
         assert not {"linked", "secret", "escape"} & set(await served.models())
+
+
+def test_a_folder_link_out_of_the_allowed_folder_says_it_leads_out(layout, tmp_path):
+    """The path as written sits inside the allowed folder: the refusal says a link leads out (not that the path
+    is outside, which it visibly is not), and never where to."""
+    from mstar_actors.lora.adapter_pool import AdapterPathError
+
+    tmp, _shapes = layout
+    allowed = tmp / "allowed"
+    (allowed / "link").symlink_to(tmp / "outside" / "good", target_is_directory=True)
+    with pytest.raises(AdapterPathError) as err:
+        resolve_runtime_path(str(allowed / "link"), [str(allowed)])
+    assert "leads outside the allowed adapter folders through a link" in str(err.value)
+    assert "outside" + os.sep not in str(err.value)
+    with pytest.raises(AdapterPathError, match="is outside the allowed adapter folders"):
+        resolve_runtime_path(str(tmp / "outside" / "good"), [str(allowed)])
