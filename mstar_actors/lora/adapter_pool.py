@@ -133,8 +133,9 @@ def resolve_runtime_path(path: str, adapter_dirs: list[str]) -> str:
     written = Path(os.path.abspath(expand_path(path)))
     as_written = [Path(os.path.abspath(expand_path(d))) for d in adapter_dirs]
     # the folders as configured: where the path resolved stays unsaid
-    where = ("leads outside the allowed adapter folders through a link" if any(
-        written == d or d in written.parents for d in allowed + as_written) else "is outside the allowed adapter folders")
+    inside_as_written = any(written == d or d in written.parents for d in allowed + as_written)
+    where = ("leads outside the allowed adapter folders through a link" if inside_as_written
+             else "is outside the allowed adapter folders")
     raise AdapterPathError(
         f"lora_path {path!r} {where}: {', '.join(adapter_dirs)}; copy the adapter there or extend lora.adapter_dirs"
     )
