@@ -1121,6 +1121,9 @@ def _failure(exchange: Exchange, msg: Failed) -> ApiError:
     if param == "prompt_logprobs" and exchange.parsed.output.prompt_logprobs is None:  # an echo's, of logprobs
         param = "logprobs"
     message = msg.message if msg.status < 500 else f"request {exchange.response_id}: {msg.message}"
+    if msg.status < 500 and len(exchange.requests) > 1:  # a list of prompts: which one
+        index = next((i for i, r in enumerate(exchange.requests) if r.request_id == msg.request_id), None)
+        message = message if index is None else f"prompt[{index}]: {message}"
     return ApiError(msg.status, message, param=param, code=msg.code, error_type=msg.error_type)
 
 

@@ -404,6 +404,19 @@ def test_engine_refusal_before_output_keeps_its_status(harness):
     run(body)
 
 
+def test_a_refused_prompt_of_a_list_is_named_by_its_index(harness):
+    """A completion of several prompts refused for one of them says which (vLLM's batch prompts)."""
+    async def body():
+        async with harness() as h:
+            status, r = await h.post(COMP, {"model": "tiny", "prompt": ["a b", "hello " * 300], "max_tokens": 2})
+            assert status == 400 and r["error"]["code"] == "context_length_exceeded", r
+            assert r["error"]["message"].startswith("prompt[1]: the prompt has "), r
+            status, r = await h.post(COMP, {"model": "tiny", "prompt": "hello " * 300, "max_tokens": 2})
+            assert status == 400 and r["error"]["message"].startswith("the prompt has "), r
+
+    run(body)
+
+
 def test_a_refused_cap_is_named_by_the_field_the_client_sent(harness):
     """The engine names the output's cap max_tokens; a client that sent max_completion_tokens reads that."""
     async def body():
