@@ -1121,6 +1121,8 @@ def _failure(exchange: Exchange, msg: Failed) -> ApiError:
     if param == "prompt_logprobs" and exchange.parsed.output.prompt_logprobs is None:  # an echo's, of logprobs
         param = "logprobs"
     message = msg.message if msg.status < 500 else f"request {exchange.response_id}: {msg.message}"
+    if msg.param == "max_tokens" and not exchange.parsed.cap_sent:
+        message += f" (no max_tokens was sent: a completion's is {exchange.parsed.sampling.max_tokens} then)"
     if msg.status < 500 and len(exchange.requests) > 1:  # a list of prompts: which one
         index = next((i for i, r in enumerate(exchange.requests) if r.request_id == msg.request_id), None)
         message = message if index is None else f"prompt[{index}]: {message}"

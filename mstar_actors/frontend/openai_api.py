@@ -301,6 +301,7 @@ class ParsedRequest:
     bad_words: list[str] = field(default_factory=list)  # tokenized by the frontend (``with_token_facts``)
     prompt_param: str = ""  # the body field the prompt came from, when not prompt / messages (speech: "input")
     cap_param: str = "max_tokens"  # the body field of the output's cap: a refusal of "max_tokens" names this
+    cap_sent: bool = True  # the client sent the cap (else a completion's is vLLM's default, 16)
     tool_format: str = tool_calls.LLAMA3_JSON  # the model's tool-call format (``NewRequest.tool_format``)
 
     def with_token_facts(self, eos_token_ids: tuple[int, ...], bad_words_token_ids: list[list[int]]) -> None:
@@ -565,6 +566,7 @@ def _parse_common(body: dict, kind: str, cap: tuple[int, bool], logprobs: int | 
         output=output,
         bad_words=parse_bad_words(body),
         cap_param="max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens",
+        cap_sent=any(body.get(name) is not None for name in ("max_tokens", "max_completion_tokens")),
     )
 
 

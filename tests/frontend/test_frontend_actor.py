@@ -413,6 +413,9 @@ def test_a_refused_prompt_of_a_list_is_named_by_its_index(harness):
             assert r["error"]["message"].startswith("prompt[1]: the prompt has "), r
             status, r = await h.post(COMP, {"model": "tiny", "prompt": "hello " * 300, "max_tokens": 2})
             assert status == 400 and r["error"]["message"].startswith("the prompt has "), r
+            status, r = await h.post(COMP, {"model": "tiny", "prompt": "hello " * 120})  # no cap sent: 16
+            assert status == 400 and r["error"]["param"] == "max_tokens", r
+            assert r["error"]["message"].endswith("(no max_tokens was sent: a completion's is 16 then)"), r
 
     run(body)
 
