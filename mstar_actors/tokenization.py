@@ -148,9 +148,10 @@ class Tokenization:
         return self.encode_text(text + assistant_prefix, False, max_tokens)
 
     def single_token_id(self, text: str) -> int | None:
-        """The id of the one token that spells ``text`` (``</think>``, say), or None where it takes more."""
+        """The id of the one token that spells ``text`` (``</think>``, say), or None where it takes more, or
+        where a decode that skips special tokens (a reply's, by default) drops it."""
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) != 1 or self.tokenizer.decode(ids, skip_special_tokens=False) != text:
+        if len(ids) != 1 or any(self.tokenizer.decode(ids, skip_special_tokens=skip) != text for skip in (False, True)):
             return None
         return ids[0]
 

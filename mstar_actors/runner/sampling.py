@@ -594,7 +594,8 @@ def _draw(probs: torch.Tensor, rows: list[SampleRow], plan: _Plan, generator: to
                                        torch.Tensor.exponential_))
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     total = cdf[:, -1:]
-    is_drawn = [greedy or i in seeded for i, greedy in enumerate(plan.is_greedy)]  # none from the shared generator
+    is_seeded = set(seeded)
+    is_drawn = [greedy or i in is_seeded for i, greedy in enumerate(plan.is_greedy)]  # none from the shared one
     u = _row_draws(rows, is_drawn, (len(rows), 1), probs.device, generator, torch.Tensor.uniform_, torch.float64)
     # Strictly below the total, so the first cumulative sum past it is a token of non-zero probability.
     at = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))

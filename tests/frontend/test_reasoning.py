@@ -209,6 +209,13 @@ def test_structured_outputs_hold_after_the_reasoning(tmp_path):
 
     from tests.frontend.conftest import Harness, make_tokenizer_dir
 
+    from mstar_actors.tokenization import Tokenization
+
+    special = make_tokenizer_dir(tmp_path / "special")  # tags a reply's decode drops: no token-level gate
+    tok = AutoTokenizer.from_pretrained(str(special))
+    tok.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    tok.save_pretrained(str(special))
+    assert Tokenization(special).single_token_id("</think>") is None
     plain = make_tokenizer_dir(tmp_path / "plain")
     folder = make_tokenizer_dir(tmp_path / "think")
     tok = AutoTokenizer.from_pretrained(str(folder))
