@@ -237,7 +237,8 @@ class FrontendActor(Actor):
                 self.think_ids = ids
             self.log.info("chat replies' reasoning read as %s (model.reasoning_parser); structured outputs hold %s",
                           self.reasoning_parser, "after </think>" if self.think_ids else
-                          "from a reply's first token (no reasoning): <think> and </think> are not plain tokens of its own")
+                          "from a reply's first token (no reasoning): <think> and </think> are not plain tokens "
+                          "of its own")
         self.speech = None  # the speech route's codec and tokens (speech.snac_path)
         if self.config.speech.snac_path:
             self.speech = await self.run_blocking(_load_speech, self.config.speech, self.tokenizer, self.info.vocab_size)
