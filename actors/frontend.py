@@ -79,7 +79,7 @@ from mstar_actors.frontend.reasoning import (
     THINK_CLOSE,
     THINK_OPEN,
     ReasoningStream,
-    prompt_opens_reasoning,
+    prompt_reasoning,
     split_reasoning,
 )
 from mstar_actors.frontend.tool_calls import (
@@ -229,7 +229,7 @@ class FrontendActor(Actor):
         if problem:
             self.log.warning("%s", problem)
         self.reasoning_parser = self.config.model.reasoning_parser
-        self._opening: dict[str, bool] = {}  # chat_template_kwargs -> whether the generation prompt opens <think>
+        self._opening: dict[str, str | None] = {}  # chat_template_kwargs -> prompt_reasoning of the generation prompt
         self.think_ids: tuple[int, int] | None = None  # <think>, </think>: structured outputs hold after the reasoning
         if self.reasoning_parser:
             ids = tuple(self.tokenization.single_token_id(tag) for tag in (THINK_OPEN, THINK_CLOSE))
@@ -707,34 +707,43 @@ class FrontendActor(Actor):
 
     def _with_reasoning_parser(self, parsed: ParsedRequest) -> tuple[str, bool] | None:
         """How a chat reply is read with ``model.reasoning_parser``: ``(parser, the prompt opened the
-        reasoning)``, or None where it has none. A structured output's constraint is set to hold from
-        the token after ``</think>``, as vLLM's; a forced tool call's reply is held to the call from its
-        first token (its prompt ends inside the call): no reasoning."""
+        reasoning)``, or None where it has none (its prompt closed it: all answer, as vLLM reads it). A
+        structured output's constraint is set to hold from the token after ``</think>``, as vLLM's; a
+        forced tool call's reply is held to the call from its first token (its prompt ends inside the
+        call): no reasoning."""
         spec = parsed.sampling.structured
         if spec is not None and (self.think_ids is None or (parsed.tools is not None and parsed.tools.is_forced)):
             return None
-        opened = self._opens_reasoning(parsed)
+        state = self._prompt_reasoning(parsed)
+        if state == "closed":
+            return None
+        opened = state == "open"
         if spec is not None:
             spec = msgspec.structs.replace(spec, reasoning=self.think_ids,
                                            opened=opened or self.reasoning_parser == "deepseek_r1")
             parsed.sampling = msgspec.structs.replace(parsed.sampling, structured=spec)
         return self.reasoning_parser, opened
 
-    def _opens_reasoning(self, parsed: ParsedRequest) -> bool:
-        """Whether the chat's generation prompt opens the reasoning itself (a template that ends it with
-        ``<think>``, as Qwen3.5's thinking one does): the template rendered once per set of
-        chat_template_kwargs (``enable_thinking`` changes it), a few hundred sets kept."""
-        if parsed.continue_final_message or not parsed.add_generation_prompt:
-            return False
+    def _prompt_reasoning(self, parsed: ParsedRequest) -> str | None:
+        """``prompt_reasoning`` of what the reply follows: the message it continues
+        (``continue_final_message``), else the generation prompt (a template that ends it with
+        ``<think>``, as Qwen3.5's thinking one does, or with ``<think></think>`` when thinking is off):
+        the template rendered once per set of chat_template_kwargs, a few hundred sets kept."""
+        if parsed.continue_final_message:
+            content = parsed.messages[-1].content
+            return prompt_reasoning(content if isinstance(content, str) else
+                                    "".join(part.text or "" for part in content if part.type == "text"))
+        if not parsed.add_generation_prompt:
+            return None
         key = _json.encode(parsed.chat_template_kwargs or {}).decode()
-        opened = self._opening.get(key)
-        if opened is None:
-            opened = prompt_opens_reasoning(self.tokenization.generation_prompt(parsed.chat_template_kwargs))
-            if len(key) <= 256:  # (sets of flags; a kwarg holding a document is rendered each time, not kept)
-                if len(self._opening) >= 256:
-                    self._opening.pop(next(iter(self._opening)))  # the oldest set
-                self._opening[key] = opened
-        return opened
+        if key in self._opening:
+            return self._opening[key]
+        state = prompt_reasoning(self.tokenization.generation_prompt(parsed.chat_template_kwargs))
+        if len(key) <= 256:  # (sets of flags; a kwarg holding a document is rendered each time, not kept)
+            if len(self._opening) >= 256:
+                self._opening.pop(next(iter(self._opening)))  # the oldest set
+            self._opening[key] = state
+        return state
 
     # ---- text to speech -----------------------------------------------
 

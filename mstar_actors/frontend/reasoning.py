@@ -27,9 +27,15 @@ PARSERS = ("qwen3", "deepseek_r1")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
-def prompt_opens_reasoning(prompt_text: str) -> bool:
-    """Whether a rendered prompt ends inside a ``<think>`` block (its generation prompt opened it)."""
-    return prompt_text.rfind(THINK_OPEN) > prompt_text.rfind(THINK_CLOSE)
+def prompt_reasoning(prompt_text: str) -> str | None:
+    """Where the end of a prompt's text (a generation prompt, a message the reply continues) leaves the
+    reply: "open" inside a ``<think>`` block (the template opened it), "closed" past one (a template's
+    ``<think></think>`` with ``enable_thinking: false``: the reply is all answer, as vLLM reads it),
+    None where it names neither (the reply may open one)."""
+    opened, closed = prompt_text.rfind(THINK_OPEN), prompt_text.rfind(THINK_CLOSE)
+    if opened > closed:
+        return "open"
+    return "closed" if closed >= 0 else None
 
 
 class ReasoningStream:
@@ -103,4 +109,4 @@ def _partial_tail(text: str, tag: str) -> int:
     return 0
 
 
-__all__ = ["PARSERS", "THINK_CLOSE", "THINK_OPEN", "ReasoningStream", "prompt_opens_reasoning", "split_reasoning"]
+__all__ = ["PARSERS", "THINK_CLOSE", "THINK_OPEN", "ReasoningStream", "prompt_reasoning", "split_reasoning"]

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from mstar_actors.frontend.reasoning import ReasoningStream, prompt_opens_reasoning, split_reasoning
+from mstar_actors.frontend.reasoning import ReasoningStream, prompt_reasoning, split_reasoning
 
 CASES = [  # parser, reply, the prompt opened <think>, (reasoning, content)
     ("qwen3", "<think>\nI think.\n</think>\n\nThe answer is 4.", False, ("\nI think.\n", "\n\nThe answer is 4.")),
@@ -37,9 +37,9 @@ def test_whole_and_streamed_replies_split_alike(parser, text, opened, want):
 
 
 def test_a_prompt_that_ends_inside_think_opens_the_reasoning():
-    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
-    assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking: false
-    assert not prompt_opens_reasoning("<|im_start|>assistant\n")
+    assert prompt_reasoning("<|im_start|>assistant\n<think>\n") == "open"
+    assert prompt_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n") == "closed"  # enable_thinking: false
+    assert prompt_reasoning("<|im_start|>assistant\n") is None
     with pytest.raises(ValueError, match="accepted: qwen3, deepseek_r1"):
         ReasoningStream("granite")
 
@@ -144,8 +144,8 @@ def test_a_template_that_opens_think_in_its_generation_prompt(tmp_path):
                          "{% else %}<think>\n{% endif %}{% endif %}")
     tok.save_pretrained(str(folder))
     tokenization = Tokenization(folder)
-    assert prompt_opens_reasoning(tokenization.generation_prompt(None))
-    assert not prompt_opens_reasoning(tokenization.generation_prompt({"enable_thinking": False}))
+    assert prompt_reasoning(tokenization.generation_prompt(None)) == "open"
+    assert prompt_reasoning(tokenization.generation_prompt({"enable_thinking": False})) == "closed"
 
 
 def test_streamed_logprobs_and_token_ids_go_with_their_part(harness):
@@ -247,5 +247,49 @@ def test_structured_outputs_hold_after_the_reasoning(tmp_path):
             assert status == 200 and r["choices"][0]["message"]["content"] == '{"a": 1}', r
             assert "reasoning" not in r["choices"][0]["message"]
             assert next(iter(h.engine.requests.values())).sampling.structured.reasoning == ()
+
+    run(body)
+
+
+def test_a_prompt_that_closed_or_opened_the_reasoning_decides_the_reply(tmp_path):
+    """``enable_thinking: false`` (the template writes ``<think></think>``): the reply is all answer and a
+    constraint holds from its first token, no <think> let through (vLLM reads reasoning as ended in the
+    prompt); a continued final message inside ``<think>`` is read as reasoning until ``</think>``."""
+    from transformers import AutoTokenizer
+
+    from tests.frontend.conftest import Harness, make_tokenizer_dir
+
+    folder = make_tokenizer_dir(tmp_path / "think")
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                         "{% if not (loop.last and m['role'] == 'assistant') %}<|im_end|>\n{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n"
+                         "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+                         "{% else %}<think>\n{% endif %}{% endif %}")
+    tok.save_pretrained(str(folder))
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    off = {"enable_thinking": False}
+
+    async def body():
+        async with Harness(folder, tok, model_keys={"reasoning_parser": "qwen3"}) as h:
+            h.engine.reply_text = '{"a": 1}'
+            for extra in ({"response_format": schema}, {}):
+                request = {"model": "tiny", "messages": MSGS, "chat_template_kwargs": off} | extra
+                status, r = await h.post(CHAT, request)
+                assert status == 200 and r["choices"][0]["message"]["content"] == '{"a": 1}', r
+                assert "reasoning" not in r["choices"][0]["message"]
+            spec = next(iter(h.engine.requests.values())).sampling.structured
+            assert spec.reasoning == () and not spec.opened  # held from the first token: no <think> let through
+            h.engine.requests.clear()
+            status, r = await h.post(CHAT, {"model": "tiny", "messages": MSGS, "response_format": schema})
+            assert next(iter(h.engine.requests.values())).sampling.structured.opened  # the template opened it
+            h.engine.reply_text = " more</think>\n\nDone."
+            continued = MSGS + [{"role": "assistant", "content": "<think>\nLet me think"}]
+            status, r = await h.post(CHAT, {"model": "tiny", "messages": continued, "add_generation_prompt": False,
+                                             "continue_final_message": True})
+            assert status == 200, r
+            message = r["choices"][0]["message"]
+            assert message["reasoning"] == " more" and message["content"] == "\n\nDone.", message
 
     run(body)
