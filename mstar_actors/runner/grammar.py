@@ -554,6 +554,8 @@ class GrammarMatchers:
         # rows whose grammar waits for their reasoning: "start" (may open <think> first), "thinking" (free until </think>)
         self.waiting: dict[str, tuple[str, tuple[int, ...]]] = {}
         self._open_rows: dict[int, torch.Tensor] = {}  # <think> id -> a bitmask row allowing it alone
+        self._tails: dict[str, bytes] = {}  # a thinking row's last output bytes: a </think> spelled in pieces
+        self._vocab: list[bytes] | None = None  # each token's bytes, once a reasoning row needs them
         self.batch = _xgr().BatchGrammarMatcher(max_threads=max_threads)
         self.device = torch.device(device)
         self._allocate(max_rows)
@@ -599,6 +601,7 @@ class GrammarMatchers:
         self.matchers.pop(request_id, None)
         self.refused.discard(request_id)
         self.waiting.pop(request_id, None)
+        self._tails.pop(request_id, None)
 
     def mask(self, logits: torch.Tensor, sample_ids: list[str]) -> list[int]:
         """Mask disallowed tokens of the constrained rows of ``logits``
@@ -646,14 +649,29 @@ class GrammarMatchers:
             row = self._open_rows[token_id] = _row_allowing(self.bitmask[0], [token_id])
         return row
 
+    def _closes(self, request_id: str, token_id: int, think_close: int) -> bool:
+        """Whether a thinking row's token ends its reasoning: the ``</think>`` token, or the last piece of
+        its text written in several tokens (the reply's text reads the reasoning as ended there too)."""
+        if token_id == think_close:
+            return True
+        if self._vocab is None:
+            self._vocab = self.compiler.info.decoded_vocab
+        tag = self._vocab[think_close]
+        tail = self._tails.get(request_id, b"") + (self._vocab[token_id] if token_id < len(self._vocab) else b"")
+        if tag in tail:
+            return True
+        self._tails[request_id] = tail[-len(tag):]
+        return False
+
     def _feed(self, request_id: str, matcher: Any, token_id: int) -> None:
         """One output token: the reasoning's while the grammar waits for it to end, else the grammar's."""
         waiting = self.waiting.get(request_id)
         if waiting is not None:
             state, (think_open, think_close) = waiting
             if state == "thinking":
-                if token_id == think_close:
+                if self._closes(request_id, token_id, think_close):
                     del self.waiting[request_id]  # the grammar holds from the next token
+                    self._tails.pop(request_id, None)
                 return
             del self.waiting[request_id]
             if token_id == think_open:

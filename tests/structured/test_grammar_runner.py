@@ -222,3 +222,26 @@ def test_served_reasoning_runs_as_an_unconstrained_row_then_follows_its_grammar(
     assert outputs["free"] == reference
     assert outputs["closed"][0] == THINK[1]
     assert_follows(outputs["closed"][1:], REGEX)
+
+
+def test_a_close_spelled_in_pieces_ends_the_reasoning_too():
+    """The reply's text reads the reasoning as ended at a "</think>" written in several tokens: the
+    grammar holds from there as well (else that answer would go unconstrained)."""
+    from mstar_actors.runner.grammar import GrammarCompiler, GrammarMatchers, raw_tokenizer_info
+
+    vocab = ["<eos>", "<think>", "</think>", "</", "think", ">", "x", "{", "}"]
+    matchers = GrammarMatchers(GrammarCompiler(raw_tokenizer_info(vocab, [0])), max_rows=1)
+    spec = messages.StructuredSpec("regex", r"\{\}", reasoning=(1, 2), opened=True)
+    for pieces in (["</", "think", ">"], ["x", "</", "think", ">"], ["</think>"]):
+        matchers.start("r", spec, [vocab.index(p) for p in pieces[:-1]])
+        logits = torch.zeros(1, len(vocab))
+        matchers.mask(logits, ["r"])
+        assert bool((logits > float("-inf")).all()), pieces  # still thinking
+        matchers.advance([messages.SampledToken("r", vocab.index(pieces[-1]))])
+        logits = torch.zeros(1, len(vocab))
+        matchers.mask(logits, ["r"])
+        assert (logits[0] > float("-inf")).nonzero().flatten().tolist() == [vocab.index("{")], pieces
+    matchers.start("r", spec, [vocab.index(p) for p in ["</", "x", "think", ">"]])  # not the tag: still thinking
+    logits = torch.zeros(1, len(vocab))
+    matchers.mask(logits, ["r"])
+    assert bool((logits > float("-inf")).all())
