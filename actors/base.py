@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from mstar_actors.config import Config
+from mstar_actors.early_stop import STOP_SIGNALS
 from mstar_actors.messages import (
     ActorError,
     ActorReady,
@@ -499,11 +500,11 @@ def run_actor_process(target: str, spec: ActorSpec) -> None:
     only be taken by the stack-dumper thread's ``sigwait``.
     """
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
-    # The launcher coordinates shutdown: a Ctrl-C, systemd's stop or ``kill -TERM
-    # -PGID`` signals the whole group, and the actors drain on its word (their
-    # processes, clip processes too, inherit the ignoring); it kills stragglers.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The launcher coordinates shutdown: a Ctrl-C, systemd's stop, a closed terminal
+    # or ``kill -TERM -PGID`` signals the whole group, and the actors drain on its
+    # word (their processes, clip processes too, inherit the ignoring); it kills stragglers.
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     _die_with_parent()
     _setup_logging(spec.name, spec.log_level)
     dumper = StackDumper(spec.name, spec.run_dir)

@@ -2,7 +2,8 @@
 checks, the actors' spawn): marked, not raised.
 
 ``catch()`` runs first thing in the command, before the slow imports, so a
-SIGINT or SIGTERM there is neither a ``KeyboardInterrupt`` traceback nor an
+stop signal there (SIGINT, SIGTERM, or SIGHUP: the terminal or session that
+started the server went away) is neither a ``KeyboardInterrupt`` traceback nor an
 exception some library catches and drops; the launcher asks ``requested()``
 at its next step and its loop's own handlers take over from there
 ("stopped while starting")."""
@@ -13,10 +14,11 @@ import signal
 import threading
 
 _requested = threading.Event()
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each a graceful stop
 
 
 def catch() -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, lambda signum, frame: _requested.set())
 
 

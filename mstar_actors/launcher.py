@@ -6,7 +6,7 @@ spawn context; each spec carries the model's ``ModelInfo``, read once before),
 wait until each reports ``ActorReady`` (bounded; the message names who did
 not), send ``Started`` to the frontend(s), then wait for one of:
 
-- SIGINT / SIGTERM: a graceful stop (exit code 0): ``Drain`` to each
+- SIGINT / SIGTERM / SIGHUP: a graceful stop (exit code 0): ``Drain`` to each
   frontend, which refuses new requests with a 503 and lets those in flight
   finish for up to ``server.shutdown_timeout_s``, fails the rest and answers
   ``Drained`` (a second signal stops at once);
@@ -220,6 +220,7 @@ class Launcher:
         self.plans = plans or plan_actors(config.parallel.tp, config.server.api_server_count)
         self.frontends = [plan.name for plan in self.plans if plan.target == FRONTEND_TARGET]
         self.ready_timeout_s = ready_timeout_s
+        self.stop_signal = "that came while starting"  # the one that stops the server, for its log line
         self.run_id = rundir.new_run_id()
         for plan in self.plans:
             # The adapter reader's host copies and the prepare actor's clip slots are segments of this run.
@@ -353,8 +354,8 @@ class Launcher:
     async def supervise(self) -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        for sig in early_stop.STOP_SIGNALS:
+            loop.add_signal_handler(sig, self._stop_on, sig, stop)
         if early_stop.requested():  # a signal while the run was made and the actors spawned
             stop.set()
         listeners = [asyncio.create_task(self.listen(n, ch)) for n, ch in self.from_actor.items()]
@@ -433,6 +434,10 @@ class Launcher:
                 return False
         return True
 
+    def _stop_on(self, sig: signal.Signals, stop: asyncio.Event) -> None:
+        self.stop_signal = sig.name
+        stop.set()
+
     async def await_end(self, stop: asyncio.Event) -> int:
         stop_task = asyncio.ensure_future(stop.wait())
         exit_task = asyncio.ensure_future(self.exited.get())
@@ -442,7 +447,7 @@ class Launcher:
             await self.report_death(exit_task.result(), starting=False)
             return 1
         exit_task.cancel()
-        log.info("stopping on signal")
+        log.info("stopping on signal %s", self.stop_signal)
         return 0
 
     async def drain(self, stop: asyncio.Event) -> int:

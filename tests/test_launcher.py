@@ -191,14 +191,17 @@ def test_sigterm_stops_cleanly_without_leftovers(server):
     assert not any(_alive(pid) for pid in pids)
 
 
-def test_sigterm_to_the_whole_group_drains_as_one_to_the_launcher(model_dir, runtime_dir, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["term", "hup"])
+def test_a_stop_signal_to_the_whole_group_drains_as_one_to_the_launcher(model_dir, runtime_dir, tmp_path, sig):
     """systemd's stop, ``timeout`` and ``kill -TERM -PGID`` signal every
-    process of the group: the actors leave it to the launcher, which drains."""
+    process of the group, as a closed terminal sends SIGHUP: the actors leave
+    it to the launcher, which drains."""
     with Server(model_dir, runtime_dir, tmp_path, session=True).running() as srv:
         run_id, pids = srv.run_dir.name, srv.actors().values()
-        os.killpg(srv.proc.pid, signal.SIGTERM)
+        os.killpg(srv.proc.pid, sig)
         assert srv.wait_exit() == 0, srv.log
         assert "draining" in srv.log and "killed by" not in srv.log, srv.log
+        assert f"stopping on signal {sig.name}" in srv.log, srv.log
         assert our_segments(run_id) == [] and not any(_alive(pid) for pid in pids)
 
 
