@@ -90,6 +90,15 @@ class ShutdownRequested(Exception):
         self.reason = reason
 
 
+class PeerGone(ChannelBroken):
+    """An inbound channel broke: the actor writing it died. The launcher names
+    which and how; this actor stops with one line, no traceback of its own."""
+
+    def __init__(self, actor: str, channel: str, err: BaseException):
+        super().__init__(f"actor {actor!r}: inbound channel {channel!r} broke: {err}")
+        self.failure = f"the {channel} actor died (its channel {channel!r} broke)"
+
+
 class UnknownMessage(RuntimeError):
     """A message this actor has no handler for: a protocol bug, never ignored."""
 
@@ -204,7 +213,7 @@ class Actor:
         """Route one mailbox item: control and end-of-channel here, the rest to ``handle``."""
         match msg:
             case _EndOfChannel(error=ChannelBroken() as err):
-                raise ChannelBroken(f"actor {self.name!r}: inbound channel {channel!r} broke: {err}")
+                raise PeerGone(self.name, channel, err)
             case _EndOfChannel(error=DecodeError() as err):
                 raise DecodeError(f"actor {self.name!r}: inbound channel {channel!r}: {err}")
             case _EndOfChannel():
@@ -245,7 +254,7 @@ class Actor:
             self.log.info("shutting down: %s", stop.reason)
         except Exception as err:  # reported, then the process exits non-zero
             code = 1
-            self.failure = f"{type(err).__name__}: {err}"
+            self.failure = err.failure if isinstance(err, PeerGone) else f"{type(err).__name__}: {err}"
             await self._report_error(err)
         finally:
             self.mailbox.close()
@@ -255,8 +264,10 @@ class Actor:
 
     async def _report_error(self, err: Exception) -> None:
         user = _is_user_error(err)
-        text = "" if user else "".join(traceback.format_exception(err))
-        if user:  # the operator's to mend, and the message says how: no traceback
+        text = "" if user or isinstance(err, PeerGone) else "".join(traceback.format_exception(err))
+        if isinstance(err, PeerGone):  # a consequence: the launcher logs the death itself
+            self.log.error("actor %s stops: %s", self.name, err.failure)
+        elif user:  # the operator's to mend, and the message says how: no traceback
             self.log.error("actor %s failed: %s", self.name, err)
         else:
             self.log.error("actor %s failed: %s\n%s", self.name, err, text)

@@ -280,7 +280,7 @@ class FrontendActor(Actor):
 
     async def stop(self) -> None:
         if self.failure:  # a channel from a peer broke (it died before the launcher could say so): why, not "stopped"
-            reason = f"the server failed ({self.failure}); the server must be restarted"
+            reason = f"the server failed: {self.failure}; the server must be restarted"
         else:
             reason = f"the server is shutting down ({self.stop_reason or 'stopped'})"
         self._draining = self._draining or reason  # a request arriving from here on gets a 503 at once
