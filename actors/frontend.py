@@ -861,7 +861,7 @@ class FrontendActor(Actor):
         """Until every actor is up nothing is served (a readiness probe on
         /v1/models, as on vLLM's, waits for the model)."""
         if not self._is_started:
-            raise ApiError(503, "the server is starting; retry when GET /health answers 200")
+            raise ApiError(503, "the server is starting; retry when GET /health answers 200", retry_after_s=5)
 
     def _resolve_model(self, model: str | None) -> str:
         """The served model a request names: none, or "" (as vLLM's), is the base."""
@@ -893,8 +893,8 @@ class FrontendActor(Actor):
         num_waiting = max(self._num_engine_waiting, unstarted - free)
         seats = max(0, free - unstarted)  # sequences still free once those sent start
         if num_waiting + max(0, exchange.num_choices - seats) > limit:
-            raise ApiError(503, f"server overloaded: {num_waiting} requests waiting (limit {limit}); retry later",
-                           code="overloaded")
+            raise ApiError(503, f"server overloaded: {num_waiting} requests waiting (limit {limit}, "
+                                f"server.max_waiting_requests); retry later", code="overloaded", retry_after_s=1)
 
     async def _submit(self, exchange: Exchange) -> None:
         """Register every choice before sending, so no output can arrive unrouted."""
@@ -1461,7 +1461,9 @@ def _envelope_bytes(status: int, message: str) -> bytes:
 
 
 def _error_response(err: ApiError) -> web.Response:
-    return web.Response(status=err.status, body=_json.encode(err.envelope()), content_type="application/json")
+    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
+    return web.Response(status=err.status, body=_json.encode(err.envelope()), content_type="application/json",
+                        headers=headers)
 
 
 def _http_message(err: web.HTTPException, request: web.Request) -> str:

@@ -61,6 +61,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         error_type: str | None = None,
+        retry_after_s: int | None = None,
     ):
         super().__init__(message)
         self.status = status
@@ -68,6 +69,7 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.error_type = error_type or _default_type(status)
+        self.retry_after_s = retry_after_s  # a retryable refusal's Retry-After header (seconds)
 
     def envelope(self) -> dict:
         return error_envelope(self.message, self.error_type, self.param, self.code)

@@ -473,8 +473,10 @@ def test_backpressure_is_503_over_max_waiting(harness):
                                             num_kv_blocks_total=10))
             held = [asyncio.create_task(h.post(CHAT, chat_body())) for _ in range(2)]
             await h.engine.wait_for(lambda: len(h.engine.requests) == 2)
-            status, r = await h.post(CHAT, chat_body())
-            assert status == 503 and r["error"]["code"] == "overloaded"
+            async with h.session.post(h.url + CHAT, data=json.dumps(chat_body()).encode()) as resp:
+                r = await resp.json()
+                assert resp.status == 503 and r["error"]["code"] == "overloaded", r
+                assert resp.headers["Retry-After"] == "1" and "server.max_waiting_requests" in r["error"]["message"]
             for req in list(h.engine.requests.values()):
                 for msg in h.engine.reply(req):
                     await h.engine.send(msg)
@@ -648,8 +650,9 @@ def test_starting_and_peer_failure(harness):
         async with harness(started=False) as h:
             async with h.session.get(h.url + "/health") as resp:
                 assert resp.status == 503
-            status, r = await h.post(CHAT, chat_body())
-            assert status == 503 and "starting" in r["error"]["message"]
+            async with h.session.post(h.url + CHAT, data=json.dumps(chat_body()).encode()) as resp:
+                r = await resp.json()
+                assert resp.status == 503 and "starting" in r["error"]["message"] and resp.headers["Retry-After"] == "5"
             for path in ("/v1/models", "/v1/models/tiny"):  # a readiness probe on the model list waits too
                 async with h.session.get(h.url + path) as resp:
                     assert resp.status == 503 and "starting" in (await resp.json())["error"]["message"], path
