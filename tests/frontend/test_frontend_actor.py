@@ -755,6 +755,7 @@ def test_metrics(harness):
             model = '{model_name="tiny"}'
             assert f"vllm:generation_tokens_total{model} 18.0" in text
             assert f"vllm:time_to_first_token_seconds_count{model} 2.0" in text
+            assert 'vllm:time_to_first_token_seconds_bucket{le="2560.0",' in text  # vLLM's buckets, a long queue's
             assert f"vllm:inter_token_latency_seconds_count{model}" in text
             assert f"vllm:e2e_request_latency_seconds_count{model} 2.0" in text
             assert 'vllm:request_success_total{finished_reason="stop",model_name="tiny"} 2.0' in text
