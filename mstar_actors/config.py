@@ -331,6 +331,20 @@ def server_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """The parser's complaint by the file's own lines: "line 4, column 7: expected ',' or ']', but got ':'
+    (while parsing a flow sequence from line 3, column 9)"."""
+    def at(mark: typing.Any) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    problem, mark = getattr(err, "problem", None), getattr(err, "problem_mark", None)
+    if not problem or mark is None:
+        return " ".join(str(err).split())
+    context, context_mark = getattr(err, "context", None), getattr(err, "context_mark", None)
+    where = f" ({context} from {at(context_mark)})" if context and context_mark is not None else ""
+    return f"{at(mark)}: {problem}{where}"
+
+
 def load_config(path: str | os.PathLike, **overrides: dict) -> Config:
     """Read and validate a YAML config. ``overrides`` maps section -> {key: value}
     (the CLI's --host/--port), applied before validation."""
@@ -343,7 +357,7 @@ def load_config(path: str | os.PathLike, **overrides: dict) -> Config:
         raise ConfigError(f"{p}: cannot read it as a YAML file ({type(err).__name__}: {err}); give the path of a "
                           "UTF-8 YAML config, like those in configs/") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"{p}: not valid YAML: {err}".replace("\n", " ")) from None
+        raise ConfigError(f"{p}: not valid YAML: {_yaml_problem(err)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: expected a mapping of sections (model, server, ...), got {type(data).__name__}")
     for section, values in overrides.items():

@@ -44,3 +44,15 @@ def test_a_server_url_brackets_an_ipv6_host():
     assert server_url("::1", 8000) == "http://[::1]:8000"
     assert server_url("127.0.0.1", 80) == "http://127.0.0.1:80"
     assert server_url("", 8000) == "http://0.0.0.0:8000"
+
+
+def test_a_yaml_syntax_error_names_the_files_line_and_column(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  path: x\n  name: [oops\nserver:\n  port: 1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == (f"{path}: not valid YAML: line 4, column 7: expected ',' or ']', but got ':' "
+                              "(while parsing a flow sequence from line 3, column 9)")
+    path.write_text("model:\n\tpath: x\n")
+    with pytest.raises(ConfigError, match="line 2, column 1: found character '\\\\t' that cannot start any token$"):
+        load_config(path)
