@@ -96,7 +96,8 @@ class PeerGone(ChannelBroken):
 
     def __init__(self, actor: str, channel: str, err: BaseException):
         super().__init__(f"actor {actor!r}: inbound channel {channel!r} broke: {err}")
-        self.failure = f"the {channel} actor died (its channel {channel!r} broke)"
+        writer = "the launcher" if channel == CONTROL else f"the {channel} actor"
+        self.failure = f"{writer} died (its channel {channel!r} broke)"
 
 
 class UnknownMessage(RuntimeError):
@@ -177,7 +178,8 @@ class Actor:
         self.mailbox = Mailbox(inbox)
         self.log = logging.getLogger(f"mstar_actors.{name}")
         self.stop_reason = ""
-        self.failure = ""  # what ended ``run`` with an error ("Type: message"), for ``stop`` to tell
+        # what ended ``run`` with an error ("Type: message", or a dead peer's PeerGone.failure), for ``stop`` to tell
+        self.failure = ""
         self.own_process = False  # set by the process entry: the heap is the actor's alone
         self.address = ""  # where it serves clients once started (a frontend's URL), for the launcher's line
 
@@ -272,7 +274,8 @@ class Actor:
         else:
             self.log.error("actor %s failed: %s\n%s", self.name, err, text)
         try:
-            msg = ActorError(actor=self.name, message=str(err) if user else f"{type(err).__name__}: {err}",
+            message = err.failure if isinstance(err, PeerGone) else str(err) if user else f"{type(err).__name__}: {err}"
+            msg = ActorError(actor=self.name, message=message,
                              traceback=text, user_error=user)
             if CONTROL in self.outbox:
                 self.outbox[CONTROL].send_nowait(msg)

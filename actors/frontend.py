@@ -265,7 +265,7 @@ class FrontendActor(Actor):
                            code="too_many_connections")
         # Several frontends bind the one port (SO_REUSEPORT): the kernel spreads the connections.
         site = BoundedSite(self._runner, server.host, server.port, max_connections,
-                           refusal_response(503, "Service Unavailable", _json.encode(refusal.envelope())),
+                           refusal_response(503, "Service Unavailable", _json.encode(refusal.envelope()), 1),
                            _envelope_bytes, server.request_read_timeout_s, handler_kwargs,
                            reuse_port=server.api_server_count > 1)
         try:
@@ -729,10 +729,10 @@ class FrontendActor(Actor):
         (``continue_final_message``), else the generation prompt (a template that ends it with
         ``<think>``, as Qwen3.5's thinking one does, or with ``<think></think>`` when thinking is off):
         the template rendered once per set of chat_template_kwargs, a few hundred sets kept."""
-        if parsed.continue_final_message:
+        if parsed.continue_final_message:  # a message with no tag goes on as an answer (templates close the rest)
             content = parsed.messages[-1].content
             return prompt_reasoning(content if isinstance(content, str) else
-                                    "".join(part.text or "" for part in content if part.type == "text"))
+                                    "".join(part.text or "" for part in content if part.type == "text")) or "closed"
         if not parsed.add_generation_prompt:
             return None
         key = _json.encode(parsed.chat_template_kwargs or {}).decode()

@@ -194,7 +194,7 @@ class ServerConfig(msgspec.Struct, **_STRICT):
     keepalive_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0
     request_read_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 30.0
     max_connections: Pos = 1000
-    # On SIGTERM / SIGINT the frontend stops admitting (503) and lets requests
+    # On SIGTERM / SIGINT / SIGHUP the frontend stops admitting (503) and lets requests
     # in flight finish for at most this long; what is left then fails with a 503.
     shutdown_timeout_s: Annotated[float, msgspec.Meta(ge=0.0)] = 30.0
     # Frontend processes on the one port (vLLM's --api-server-count; the kernel

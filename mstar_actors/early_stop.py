@@ -14,11 +14,18 @@ import signal
 import threading
 
 _requested = threading.Event()
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each a graceful stop
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each a graceful stop, SIGHUP unless ignored
+# ``nohup`` (or a service manager) started the server with SIGHUP ignored: it outlives the terminal, as it did.
+_HUP_IGNORED = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+
+
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """The signals that stop this server gracefully: SIGHUP only where it was not ignored at start."""
+    return tuple(s for s in STOP_SIGNALS if not (s == signal.SIGHUP and _HUP_IGNORED))
 
 
 def catch() -> None:
-    for sig in STOP_SIGNALS:
+    for sig in stop_signals():
         signal.signal(sig, lambda signum, frame: _requested.set())
 
 

@@ -6,7 +6,7 @@ spawn context; each spec carries the model's ``ModelInfo``, read once before),
 wait until each reports ``ActorReady`` (bounded; the message names who did
 not), send ``Started`` to the frontend(s), then wait for one of:
 
-- SIGINT / SIGTERM / SIGHUP: a graceful stop (exit code 0): ``Drain`` to each
+- SIGINT / SIGTERM / SIGHUP (unless ``nohup`` ignores it): a graceful stop (exit code 0): ``Drain`` to each
   frontend, which refuses new requests with a 503 and lets those in flight
   finish for up to ``server.shutdown_timeout_s``, fails the rest and answers
   ``Drained`` (a second signal stops at once);
@@ -354,7 +354,7 @@ class Launcher:
     async def supervise(self) -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in early_stop.STOP_SIGNALS:
+        for sig in early_stop.stop_signals():
             loop.add_signal_handler(sig, self._stop_on, sig, stop)
         if early_stop.requested():  # a signal while the run was made and the actors spawned
             stop.set()

@@ -191,6 +191,15 @@ def test_sigterm_stops_cleanly_without_leftovers(server):
     assert not any(_alive(pid) for pid in pids)
 
 
+def test_a_server_started_under_nohup_outlives_the_terminal():
+    """SIGHUP ignored at start (``nohup``, a service manager) stays ignored: only INT and TERM stop the server."""
+    probe = "from mstar_actors import early_stop; print(' '.join(s.name for s in early_stop.stop_signals()))"
+    for ignored, want in ((True, "SIGINT SIGTERM"), (False, "SIGINT SIGTERM SIGHUP")):
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                             preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if ignored else None)
+        assert out.stdout.split() == want.split(), out
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["term", "hup"])
 def test_a_stop_signal_to_the_whole_group_drains_as_one_to_the_launcher(model_dir, runtime_dir, tmp_path, sig):
     """systemd's stop, ``timeout`` and ``kill -TERM -PGID`` signal every

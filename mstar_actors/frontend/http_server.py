@@ -76,10 +76,11 @@ class _Refusal(asyncio.Protocol):
         self.transport = None
 
 
-def refusal_response(status: int, reason: str, body: bytes) -> bytes:
+def refusal_response(status: int, reason: str, body: bytes, retry_after_s: int | None = None) -> bytes:
     """A whole HTTP/1.1 response that closes the connection."""
+    retry = f"Retry-After: {retry_after_s}\r\n" if retry_after_s is not None else ""
     head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+            f"Content-Length: {len(body)}\r\n{retry}Connection: close\r\n\r\n")
     return head.encode() + body
 
 

@@ -33,11 +33,15 @@ from prometheus_client.utils import floatToGoString
 
 from mstar_actors.messages import EngineStats
 
-# vLLM's TTFT buckets (a dashboard made for it reads ours), up to the 43 minutes a long queue can take
+# vLLM's TTFT buckets (a dashboard made for vLLM reads ours), up to the 43 minutes a long queue can take
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                  80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+# vLLM's inter-token buckets, and finer ones below its 10 ms (a GPU's decode steps take 1-5 ms)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+# vLLM's end-to-end buckets, and finer ones below its 0.3 s
+_E2E_BUCKETS = (0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 class Metrics:

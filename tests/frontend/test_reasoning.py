@@ -291,5 +291,11 @@ def test_a_prompt_that_closed_or_opened_the_reasoning_decides_the_reply(tmp_path
             assert status == 200, r
             message = r["choices"][0]["message"]
             assert message["reasoning"] == " more" and message["content"] == "\n\nDone.", message
+            h.engine.reply_text = " <think>no</think> yes"  # a continued answer (no tag: templates close the rest)
+            answer = MSGS + [{"role": "assistant", "content": "Sure,"}]
+            status, r = await h.post(CHAT, {"model": "tiny", "messages": answer, "add_generation_prompt": False,
+                                             "continue_final_message": True})
+            assert status == 200 and r["choices"][0]["message"]["content"] == " <think>no</think> yes", r
+            assert "reasoning" not in r["choices"][0]["message"], r
 
     run(body)

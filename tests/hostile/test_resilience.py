@@ -242,3 +242,4 @@ def test_sigkill_of_the_conductor_fails_requests_in_flight_naming_it(second_serv
     assert second_server.wait_exit(60) != 0
     # The peers whose channels broke stop with one line each; the launcher names the death: no tracebacks.
     assert "Traceback" not in second_server.log and "the conductor actor died" in second_server.log, second_server.log
+    assert "writer process" not in second_server.log, second_server.log

@@ -145,6 +145,7 @@ def test_connections_beyond_the_bound_get_a_fast_503(hostile, caplog):
             writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             data, took = await read_until_closed(reader, 2)
             assert data.startswith(b"HTTP/1.1 503") and took < 1, (took, data)
+            assert b"\r\nRetry-After: 1\r\n" in data.split(b"\r\n\r\n")[0], data
             error = envelope_of(data)
             assert error["code"] == "too_many_connections" and set(error) == {"message", "type", "param", "code"}
             for _, w in held:
