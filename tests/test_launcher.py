@@ -54,6 +54,10 @@ def runtime_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("runtime")
 
 
+def _hup_default() -> None:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 class Server:
     """One `serve` subprocess; ``lines`` collects its log (stderr)."""
 
@@ -75,6 +79,7 @@ class Server:
             [sys.executable, "-m", "mstar_actors", "serve", str(self.config), "--port", str(self.port)],
             cwd=ROOT, env=self.env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
             start_new_session=session,  # a process group of its own, as a service manager starts it
+            restore_signals=True, preexec_fn=_hup_default,  # from a terminal, whatever ignores it in this run
         )
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -196,7 +201,8 @@ def test_a_server_started_under_nohup_outlives_the_terminal():
     probe = "from mstar_actors import early_stop; print(' '.join(s.name for s in early_stop.stop_signals()))"
     for ignored, want in ((True, "SIGINT SIGTERM"), (False, "SIGINT SIGTERM SIGHUP")):
         out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
-                             preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if ignored else None)
+                             preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if ignored
+                             else _hup_default)
         assert out.stdout.split() == want.split(), out
 
 
