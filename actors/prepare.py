@@ -258,7 +258,8 @@ class PrepareActor(Actor):
                 await self._release_ready()
                 while self._fetched and self.pending.can_start():  # waiting first: they were read first
                     self._start(*self._fetched.popitem(last=False)[1])
-                if reading is None and len(self._fetched) < MAX_READ_AHEAD and len(self._to_fetch) < MAX_WAITING_TO_FETCH:
+                has_room = len(self._fetched) < MAX_READ_AHEAD and len(self._to_fetch) < MAX_WAITING_TO_FETCH
+                if reading is None and has_room:
                     reading = asyncio.create_task(self.mailbox.get(), name="prepare:read")
                 changed = asyncio.create_task(self._changed.wait())
                 await asyncio.wait({changed} | ({reading} if reading else set()),

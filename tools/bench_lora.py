@@ -427,8 +427,8 @@ async def run_load(url: str, base: str, scenario: Scenario, prompts: list, max_t
                 raise SystemExit(f"{scenario.name}, request {i}: {n} tokens, expected {max_tokens} (ignore_eos)")
             result.ttft_s.append(ttft)
             result.num_tokens += n
-        progress(f"{scenario.name}, concurrency {level or concurrency}{share}: {len(result.ttft_s)}/{result.num_requests} "
-                 "done")
+        done = f"{len(result.ttft_s)}/{result.num_requests}"
+        progress(f"{scenario.name}, concurrency {level or concurrency}{share}: {done} done")
 
     # aiohttp's default connector opens at most 100 connections: more clients would queue in it, not at the server.
     connector = aiohttp.TCPConnector(limit=concurrency)

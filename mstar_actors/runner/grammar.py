@@ -551,7 +551,8 @@ class GrammarMatchers:
         self.compiler = compiler
         self.matchers: dict[str, Any] = {}
         self.refused: set[str] = set()  # rows whose sampled token their grammar refused: only EOS from then on
-        # rows whose grammar waits for their reasoning: "start" (may open <think> first), "thinking" (free until </think>)
+        # rows whose grammar waits for their reasoning: "start" (may open <think> first), "thinking" (free until
+        # </think>)
         self.waiting: dict[str, tuple[str, tuple[int, ...]]] = {}
         self._open_rows: dict[int, torch.Tensor] = {}  # <think> id -> a bitmask row allowing it alone
         self._tails: dict[str, bytes] = {}  # a thinking row's last output bytes: a </think> spelled in pieces
