@@ -299,3 +299,24 @@ def test_a_prompt_that_closed_or_opened_the_reasoning_decides_the_reply(tmp_path
             assert "reasoning" not in r["choices"][0]["message"], r
 
     run(body)
+
+
+def test_a_dropped_reasoning_keeps_its_logprobs_and_ids_whole_and_streamed_alike(harness):
+    """``include_reasoning: false``: a whole reply's logprobs and token ids cover every output token (vLLM's);
+    a stream's carry the dropped reasoning's with the answer's, the same entries."""
+    async def body():
+        async with harness(model_keys={"reasoning_parser": "qwen3"}) as h:
+            h.engine.reply_text = THOUGHT
+            request = {"model": "tiny", "messages": MSGS, "logprobs": True, "return_token_ids": True,
+                       "include_reasoning": False}
+            status, r = await h.post(CHAT, request)
+            whole = [e["token"] for e in r["choices"][0]["logprobs"]["content"]]
+            status, events = await h.stream(CHAT, request)
+            chunks = [c for e in events[:-1] for c in e["choices"]]
+            assert all("reasoning" not in c["delta"] for c in chunks)
+            streamed = [e["token"] for c in chunks if c.get("logprobs") for e in c["logprobs"]["content"]]
+            assert streamed == whole and len(whole) == len(r["choices"][0]["token_ids"])
+            assert [i for c in chunks for i in c.get("token_ids", [])] == r["choices"][0]["token_ids"]
+            assert "".join(c["delta"].get("content") or "" for c in chunks) == r["choices"][0]["message"]["content"]
+
+    run(body)
