@@ -266,17 +266,17 @@ class Actor:
 
     async def _report_error(self, err: Exception) -> None:
         user = _is_user_error(err)
-        text = "" if user or isinstance(err, PeerGone) else "".join(traceback.format_exception(err))
         if isinstance(err, PeerGone):  # a consequence: the launcher logs the death itself
-            self.log.error("actor %s stops: %s", self.name, err.failure)
+            text, message = "", err.failure
+            self.log.error("actor %s stops: %s", self.name, message)
         elif user:  # the operator's to mend, and the message says how: no traceback
-            self.log.error("actor %s failed: %s", self.name, err)
+            text, message = "", str(err)
+            self.log.error("actor %s failed: %s", self.name, message)
         else:
+            text, message = "".join(traceback.format_exception(err)), f"{type(err).__name__}: {err}"
             self.log.error("actor %s failed: %s\n%s", self.name, err, text)
         try:
-            message = err.failure if isinstance(err, PeerGone) else str(err) if user else f"{type(err).__name__}: {err}"
-            msg = ActorError(actor=self.name, message=message,
-                             traceback=text, user_error=user)
+            msg = ActorError(actor=self.name, message=message, traceback=text, user_error=user)
             if CONTROL in self.outbox:
                 self.outbox[CONTROL].send_nowait(msg)
         except Exception as send_err:  # the launcher still sees the exit code

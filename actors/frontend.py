@@ -1201,23 +1201,23 @@ class _Stream:
         if choice.is_done:
             more_thought, more_text = stream.flush()
             thought, text = thought + more_thought, text + more_text
+        if not self.exchange.parsed.include_reasoning:  # dropped: its entries and ids go with the answer's
+            thought = ""
         entries = self._held_entries.pop(choice.index, []) + entries
         before, now = self._ids_seen.get(choice.index, 0), len(choice.token_ids)
         self._ids_seen[choice.index] = now
-        if not (thought or text) or (thought and not text and not self.exchange.parsed.include_reasoning):
-            if not choice.is_done:  # all held back (a dropped reasoning's entries and ids go with the answer's)
+        if not (thought or text):
+            if not choice.is_done:  # all held back
                 self._held_entries[choice.index] = entries
                 return _Output(choice, "", [])
             return _Output(choice, "", entries)  # the end (an EOS's entry): on the last chunk
-        if not self.exchange.parsed.include_reasoning:  # as a whole reply: every entry and id, the answer's text
-            return _Output(choice, text, entries)
         if not text:
             return _Output(choice, "", [], thought, entries, now)
         return _Output(choice, text, entries, thought, [], before if thought else 0)
 
     async def write_choice(self, out: _Output) -> None:
         choice, text, entries = out.choice, out.text, out.entries
-        if out.thought and self.exchange.parsed.include_reasoning:
+        if out.thought:
             if not self.is_prepared:
                 await self._prepare()
             logprobs = choice.chat_logprobs(out.thought_entries)

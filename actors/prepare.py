@@ -154,7 +154,7 @@ class PrepareActor(Actor):
         self.num_workers = self._size_pool()
         self.pending = PendingRequests(max_preparing=2 * self.num_workers, max_unreleased=2 * self.num_workers)
         self.max_fetching = max(MIN_FETCHING, 4 * self.num_workers)
-        if self.num_workers > 1 or getattr(self.preparer, "PREPROCESS_PARALLEL", False):
+        if getattr(self.preparer, "PREPROCESS_PARALLEL", False):  # a pool, of one thread at the least
             # A preparer whose heavy part holds the GIL runs it in processes of
             # its own (``start_processes``: audio clips), one a worker. Its
             # threads then only hand clips over and wait, so there are two a
