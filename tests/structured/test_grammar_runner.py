@@ -48,10 +48,10 @@ def world(word_model, tmp_path_factory):
     return folder, weights
 
 
-def make_runner(world, *, grammars: bool = True):
+def make_runner(world, *, grammars: bool = True, device: str = "cpu"):
     """A runner with the adapter in slot 1 and, unless ``grammars`` is False, the matchers a worker gives it."""
     folder, weights = world
-    keys = dict(dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_blocks=64, seed=0, max_loras=1, max_lora_rank=8)
+    keys = dict(dtype="float32", device=device, block_size=BLOCK_SIZE, num_blocks=64, seed=0, max_loras=1, max_lora_rank=8)
     runner = runner_factories.make_runner(folder, **keys)
     runner.install_adapter(1, weights)
     if grammars:
@@ -64,9 +64,16 @@ def start(driver: PlanDriver, rid: str, outputs=(), *, constrained: bool = True)
     return msgspec.structs.replace(seq, sampling=SAMPLING.get(rid, FREE) if constrained else FREE)
 
 
-def run_all(runner, *, constrained: bool = True) -> dict[str, list[int]]:
+def run_all(runner, *, constrained: bool = True, reasoning: bool = False) -> dict[str, list[int]]:
+    """Every prompt's greedy output, in one batch; ``reasoning``: the constrained rows think first (``THINK``),
+    a logit bias closing their reasoning at once."""
     driver = PlanDriver(runner, block_size=BLOCK_SIZE, num_new=NUM_NEW, sampling=FREE)
-    driver.step([start(driver, rid, constrained=constrained) for rid in PROMPTS], [driver.chunk(rid) for rid in PROMPTS])
+    seqs = [start(driver, rid, constrained=constrained) for rid in PROMPTS]
+    if reasoning:
+        seqs = [seq if seq.sampling.structured is None else msgspec.structs.replace(seq, sampling=msgspec.structs.replace(
+            seq.sampling, logit_bias=((THINK[1], 100.0),), structured=msgspec.structs.replace(
+                seq.sampling.structured, reasoning=THINK, opened=True))) for seq in seqs]
+    driver.step(seqs, [driver.chunk(rid) for rid in PROMPTS])
     return driver.run_to_end()
 
 
@@ -88,6 +95,22 @@ def test_constrained_free_base_and_adapter_rows_in_one_step(world):
     for rid in ("re", "re-ad", "choice"):  # the random model alone does not write the grammar
         assert not re.fullmatch(REGEX, token_text(reference[rid])), rid
     assert outputs["re"] != outputs["re-ad"] or reference["re"] != reference["re-ad"]  # the adapter row ran on its slot
+
+
+@pytest.mark.gpu
+def test_constrained_rows_on_cuda_follow_their_grammar_beside_untouched_rows(world):
+    """The CUDA path: the pinned bitmask copied to the device, rows that reason first, base and adapter rows."""
+    reference = run_all(make_runner(world, grammars=False, device="cuda"), constrained=False)
+    for reasoning in (False, True):
+        outputs = run_all(make_runner(world, device="cuda"), reasoning=reasoning)
+        if reasoning:
+            assert all(outputs[rid][0] == THINK[1] for rid in ("re", "re-ad", "choice")), outputs
+            outputs = {rid: tokens[1:] if rid in SAMPLING else tokens for rid, tokens in outputs.items()}
+        assert_follows(outputs["re"], REGEX)
+        assert_follows(outputs["re-ad"], REGEX)
+        assert_follows(outputs["choice"], "|".join(CHOICES))
+        for rid in ("free", "free-ad"):
+            assert outputs[rid] == reference[rid], (reasoning, rid)
 
 
 def test_restarted_sequence_resumes_with_its_grammar_state(world):
