@@ -43,6 +43,8 @@ FORCED_PREFIX = {HERMES: HERMES_OPEN + "\n", LLAMA3_JSON: ""}
 ARGUMENTS_KEY = {HERMES: "arguments", LLAMA3_JSON: "parameters"}
 # What the format writes between two calls of one reply (the readers read it back).
 CALL_SEPARATOR = {HERMES: f"\n{HERMES_CLOSE}\n{HERMES_OPEN}\n", LLAMA3_JSON: "; "}
+# what may close the last of several forced calls (the separator's start, so a model that writes it may stop there)
+CALLS_END = {HERMES: f"\n{HERMES_CLOSE}", LLAMA3_JSON: ""}
 
 
 class ToolError(ValueError):
@@ -192,11 +194,15 @@ def forced_calls_spec(request: ToolRequest) -> tuple[str, str]:
     """``(kind, spec)`` of a forced reply's ``StructuredSpec``: one call of
     ``forced_call_schema``, or with ``tool_choice: "required"`` and parallel
     calls allowed one or more, joined as the format joins them ("json_calls"),
-    as vLLM's required choice takes a list of calls."""
+    as vLLM's required choice takes a list of calls; the last may be closed
+    as the format closes a call (hermes' ``</tool_call>``: without it a model
+    that writes the separator's first newline would be held to another
+    call)."""
     schema = forced_call_schema(request)
     if request.choice != "required" or request.max_calls == 1:
         return "json", schema
-    return "json_calls", json.dumps({"schema": json.loads(schema), "separator": CALL_SEPARATOR[request.parser]})
+    return "json_calls", json.dumps({"schema": json.loads(schema), "separator": CALL_SEPARATOR[request.parser],
+                                     "end": CALLS_END[request.parser]})
 
 
 def forced_call_schema(request: ToolRequest) -> str:

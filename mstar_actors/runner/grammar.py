@@ -162,7 +162,7 @@ class GrammarCompiler:
                 problem = unenforced_keyword(calls["schema"])
                 if problem is not None:
                     raise GrammarError("json", problem)
-                return _repeated(_json_grammar_text(json.dumps(calls["schema"])), calls["separator"])
+                return _repeated(_json_grammar_text(json.dumps(calls["schema"])), calls["separator"], calls.get("end", ""))
             case "regex":
                 return _xgr().Grammar.from_regex(spec.spec)
             case "choice":
@@ -510,11 +510,13 @@ def _json_grammar_text(schema: str) -> str:
     return text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
 
 
-def _repeated(grammar: str, separator: str) -> Any:
-    """``grammar``'s language one or more times, ``separator`` between: a new
-    rule repeating its root, made the grammar's root (no rule renamed: the
-    text's string literals may hold any word)."""
-    text = f"{grammar}\n{_REPEATED_ROOT} ::= root ({json.dumps(separator)} root)*\n"
+def _repeated(grammar: str, separator: str, end: str = "") -> Any:
+    """``grammar``'s language one or more times, ``separator`` between and
+    ``end`` optional after the last: a new rule repeating its root, made the
+    grammar's root (no rule renamed: the text's string literals may hold any
+    word)."""
+    tail = f" {json.dumps(end)}?" if end else ""
+    text = f"{grammar}\n{_REPEATED_ROOT} ::= root ({json.dumps(separator)} root)*{tail}\n"
     return _xgr().Grammar.from_ebnf(text, root_rule_name=_REPEATED_ROOT)
 
 

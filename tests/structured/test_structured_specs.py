@@ -332,6 +332,12 @@ def test_required_takes_one_or_more_calls_joined_as_the_format_joins_them(parser
     assert accepted(calls[0]) and accepted(separator.join(calls)) and accepted(separator.join(calls * 2))
     assert not accepted(calls[0] + separator) and not accepted(json.dumps({"name": "h", key: {}}))
     assert [c.name for c in tc.read_calls(request, separator.join(calls))[1]] == ["f", "g", "root"]
+    end = tc.CALLS_END[parser]  # the last call closed as the format closes one: a stop may follow
+    assert accepted(separator.join(calls) + end) and (not end or not accepted(separator.join(calls) + end + end))
+    assert [c.name for c in tc.read_calls(request, separator.join(calls) + end)[1]] == ["f", "g", "root"]
+    stream = tc.stream_reader(request)
+    deltas = [d for piece in (separator.join(calls[:2]), end) for d in stream.feed(piece)] + stream.flush()
+    assert [d["function"]["name"] for d in deltas if "id" in d] == ["f", "g"]
     single = tc.parse_tool_request(tools, "required", parser, parallel_tool_calls=False)
     assert tc.forced_calls_spec(single)[0] == "json"
     named = tc.parse_tool_request(tools, {"type": "function", "function": {"name": "f"}}, parser)
