@@ -268,12 +268,12 @@ def _parse_history_call(where: str, call: Any) -> ToolCall:
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise ToolError(where, 'expected {"id": ..., "type": "function", '
                                '"function": {"name": ..., "arguments": "{...}"}}')
-    arguments = function.get("arguments", "{}")
+    arguments = function.get("arguments") or "{}"  # vLLM's: none, null or "" (a call cut at its name) are {}
     if isinstance(arguments, dict):  # vLLM takes the decoded object too
         arguments = json.dumps(arguments, ensure_ascii=False)
     if not isinstance(arguments, str) or not isinstance(_loads_or_none(arguments), dict):
-        raise ToolError(f"{where}.function.arguments",
-                        "expected a JSON object as a string, like '{\"city\": \"Paris\"}'")
+        raise ToolError(f"{where}.function.arguments", "expected a JSON object as a string, like "
+                        "'{\"city\": \"Paris\"}' (an empty string or null reads as {})")
     call_id = call.get("id")
     if call_id is not None and not isinstance(call_id, str):
         raise ToolError(f"{where}.id", f"expected the call's id as a string, got {type(call_id).__name__}")

@@ -72,6 +72,14 @@ def test_a_history_call_s_null_fields_are_absent():
     assert assistant.tool_calls[0].name == "f" and assistant.tool_calls[0].id.startswith("call_")
 
 
+@pytest.mark.parametrize("arguments", ["", None])
+def test_a_history_call_of_no_arguments_reads_as_an_empty_object(arguments):
+    """vLLM's reading: what a reply cut at its call's name returns ("") goes back as {}."""
+    (assistant,) = _parse([{"role": "assistant", "tool_calls": [
+        {"id": "c", "function": {"name": "f", "arguments": arguments}}]}]).messages
+    assert assistant.tool_calls[0].arguments == "{}"
+
+
 def test_auto_on_a_template_with_no_format_is_refused():
     body = {"model": "tiny", "messages": HISTORY[:1], "tools": [WEATHER]}
     with pytest.raises(api.ApiError) as info:
