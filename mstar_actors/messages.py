@@ -106,9 +106,9 @@ class StructuredSpec(Struct, frozen=True, **_HOT):
     ``kind``: "json" (``spec`` is a JSON schema), "json_object" (any JSON
     object; ``spec`` unused), "regex", "choice" (a JSON list of strings),
     "grammar" (EBNF/GBNF as the grammar engine reads it), "json_calls" (one
-    or more values of a schema joined by a separator: ``spec`` is
-    ``{"schema": ..., "separator": ...}``, a forced reply's parallel tool
-    calls). ``param``: the body field it came from, which a refusal of the
+    or more values of a schema joined by a separator, an optional end after
+    the last: ``spec`` is ``{"schema": ..., "separator": ..., "end": ...}``,
+    a forced reply's parallel tool calls). ``param``: the body field it came from, which a refusal of the
     spec names.
 
     ``reasoning``: the ``(<think>, </think>)`` token ids of a model whose chat
