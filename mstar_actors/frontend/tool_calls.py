@@ -535,15 +535,17 @@ class _BlockEnd:
 
 
 def _read_block(body: str, tagged: bool) -> tuple[ParsedCall | None, str]:
-    """A block's (call, text after it): its whole text a call; or, where the
-    block was never closed (``tagged`` False), the call its object makes
-    and the text after that object (content)."""
+    """A block's (call, text after it): its whole text a call; or the call
+    its object makes and the text after that object (content, as a stream
+    sends it), less a closing tag ``max_tokens`` cut short where the block
+    was never closed (``tagged`` False)."""
     call = parse_call(body)
-    if call is not None or tagged:
+    if call is not None:
         return call, ""
     end = _object_end(body)
     if end is not None and (call := parse_call(body[:end])) is not None:
-        return call, body[end:]
+        rest = body[end:]
+        return call, rest if tagged else rest[: len(rest) - _partial_suffix(rest, HERMES_CLOSE)]
     return None, ""
 
 
@@ -552,8 +554,10 @@ class HermesReader:
 
     Text that may be the start of ``<tool_call>`` is held back, and so is a
     call until its ``</tool_call>`` (``_BlockEnd``: the tag past its JSON
-    object), so no markup reaches the content. A block that is not a valid
-    call is given back as content, markup included. Whitespace after a call
+    object), so no markup reaches the content. A block whose object is a
+    call and text follows it in the block is that call and that text as
+    content (``_read_block``); one with no call is given back as content,
+    markup included. Whitespace after a call
     is held: it only separates calls. ``read_calls`` reads a whole reply
     with it (a stream reads hermes calls with ``HermesCallStream``).
     """
@@ -828,9 +832,10 @@ class HermesCallStream:
     with text (calls with whitespace alone around them: no content). A block whose text starts
     with a call's head and an object (``{"name": "...", "arguments": {``) is
     a call at once: its id, type and name, then its arguments' JSON in
-    pieces as written, the rest of the block (the object's closing brace,
-    any tag inside its strings) read up to ``</tool_call>`` (text after the
-    call in a block that never closes is content, at the reply's end). Any other block is held to its end and read whole as
+    pieces as written, the rest of its object (its closing brace, any tag
+    inside its strings) read, then text up to ``</tool_call>`` content (in a
+    block that never closes, at the reply's end, less a closing tag cut
+    short). Any other block is held to its end and read whole as
     ``HermesReader`` reads it: a call (head and arguments in two deltas), or
     content with its markup. So a stream and a response (``read_calls``) read
     the same calls, except where a block that began as a call's head and
@@ -872,6 +877,8 @@ class HermesCallStream:
         state, self._state = self._state, "out"
         if state in ("out", "tag"):  # ("tag": text after a call whose block never closed is content)
             last = []
+            if state == "tag":  # less its closing tag, cut short
+                held = held[: len(held) - _partial_suffix(held, HERMES_CLOSE)]
             self._content(held, last)
             if self._space and (self._said or not self.num_calls):  # after text, or a reply of whitespace alone
                 last.append({"content": self._lead + self._space})
@@ -937,6 +944,8 @@ class HermesCallStream:
             return True
         if at < 0:
             return False  # (held: content if the block never closes)
+        if self._held[:at].strip():  # text after the call in its block: content, as a response reads it
+            self._content(self._held[:at], deltas)
         self._held, self._state = self._held[at + len(HERMES_CLOSE):], "out"
         return True
 

@@ -176,6 +176,10 @@ HERMES_STREAM_CASES = [
     '<tool_call>{"name": "u", "arguments": {}} ok <tool_call>{"name": "h", "arguments": {}}</tool_call>',  # ... then
     '<tool_call>{"arguments": {}, "name": "u"} <tool_call>{"name": "h", "arguments": {"s": "</tool_call> }"}}'
     '</tool_call> end',  # another block, a tag in its string
+    'a <tool_call>{"name": "f", "arguments": {"c": "P"}} junk\n</tool_call> b',  # text after the call in its block
+    '<tool_call>{"name": "f", "arguments": {}}\n{"name": "g", "arguments": {}}</tool_call>',  # two objects, one block
+    'Sure. <tool_call>{"name": "f", "arguments": {"t": "U"}}\n</',  # cut inside its closing tag
+    'Sure. <tool_call>{"arguments": {}, "name": "f"} ok\n</tool_cal',  # ... read whole, text before the cut tag
 ]
 
 
@@ -394,7 +398,8 @@ def test_hermes_stream_and_whole_reply_agree_on_random_replies():
               '<tool_call>{"name": "f", "arguments": {"s": "x </tool_call> }"}}</tool_call>',
               '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>',
               '<tool_call>{"arguments": {"k": [1, 2]}, "name": "h"}</tool_call>',
-              "<tool_call>not json</tool_call>", "<tool_call>\n</tool_call>"]
+              "<tool_call>not json</tool_call>", "<tool_call>\n</tool_call>",
+              '<tool_call>{"name": "g", "arguments": {"b": 2}} tail</tool_call>']  # text after the call's object
     rng = random.Random(7)
     for _ in range(300):
         text = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 7)))
