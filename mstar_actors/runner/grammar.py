@@ -162,13 +162,18 @@ class GrammarCompiler:
                 problem = unenforced_keyword(calls["schema"])
                 if problem is not None:
                     raise GrammarError("json", problem)
-                return _repeated(_json_grammar_text(json.dumps(calls["schema"])), calls["separator"], calls.get("end", ""))
+                schema = _json_grammar_text(json.dumps(calls["schema"]))
+                return _repeated(schema, calls["separator"], calls.get("end", ""))
             case "regex":
                 return _xgr().Grammar.from_regex(spec.spec)
             case "choice":
                 return _xgr().Grammar.from_regex("|".join(_escape_regex(c) for c in parse_choices(spec.spec)))
             case "grammar":
-                return _xgr().Grammar.from_ebnf(spec.spec)
+                try:
+                    return _xgr().Grammar.from_ebnf(spec.spec)
+                except Exception as err:
+                    hint = _LARK_HINT if _LARK_RULE.search(spec.spec) else ""
+                    raise GrammarError("grammar", _reason(err) + hint) from None
         raise GrammarError(spec.kind, "unknown kind; accepted are json, json_object, regex, choice, grammar, "
                                       "json_calls")
 
@@ -521,6 +526,10 @@ def _repeated(grammar: str, separator: str, end: str = "") -> Any:
 
 
 _REPEATED_ROOT = "repeated_root"
+# a Lark rule (``start: ...``, ``?expr: ...``), which the engine's EBNF does not read
+_LARK_RULE = re.compile(r"^\s*[?!]?[A-Za-z_][A-Za-z0-9_.]*\s*:(?!:=)", re.MULTILINE)
+_LARK_HINT = ('; this reads as a Lark grammar ("name: ..."), and grammars are EBNF (GBNF) here: rules written '
+              '"name ::= ...", the start rule named root, e.g. root ::= "yes" | "no"')
 
 
 def _reason(err: Exception) -> str:

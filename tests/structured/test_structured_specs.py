@@ -146,6 +146,7 @@ def test_choices_are_literal_strings(compiler):
     (StructuredSpec("choice", "[]"), "non-empty list"),
     (StructuredSpec("regex", "[^\\x00-\\U0010FFFF]"), "no output satisfies it"),  # no text at all
     (StructuredSpec("grammar", 'root ::= "zz"'), "no output satisfies it"),  # text the vocabulary can't spell
+    (StructuredSpec("grammar", 'start: "a" | "b"'), 'rules written "name ::= ...", the start rule'),  # Lark's
 ])
 def test_an_invalid_spec_names_the_engines_reason(compiler, spec, reason):
     with pytest.raises(GrammarError) as err:
