@@ -1027,9 +1027,9 @@ def parse_tokenize(raw: bytes) -> TokenizeRequest:
         prompt = get_str(body, "prompt", None)
         if prompt is None:
             raise _bad("prompt", "expected a string")
-        for name in ("tools", "chat_template_kwargs"):
-            if body.get(name) is not None:
-                raise _bad(name, "renders with messages only; send messages")
+        for name in ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"):
+            if body.get(name) is not None:  # the chat template's: a prompt is not rendered
+                raise _bad(name, "renders with messages only; send messages, or leave it out with a prompt")
         return TokenizeRequest(model, prompt=prompt, add_special_tokens=get_bool(body, "add_special_tokens", True),
                                return_token_strs=strs)
     chat = parse_messages(body.get("messages"))

@@ -292,6 +292,9 @@ def test_tokenize_detokenize_version_ping_and_model_by_id(harness):
             # the turn flags read as a chat request reads them
             status, r = await h.post("/tokenize", {"model": "tiny", "messages": MSGS, "continue_final_message": True})
             assert status == 400 and r["error"]["param"] == "continue_final_message"
+            for name in ("add_generation_prompt", "continue_final_message", "tools"):  # the template's: not a prompt's
+                status, r = await h.post("/tokenize", {"model": "tiny", "prompt": "x", name: False})
+                assert status == 400 and r["error"]["param"] == name and "messages only" in r["error"]["message"]
             # a media part: refused by its part (its tokens follow its decoded size), not by the template
             media = [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                   {"type": "image_url", "image_url": {"url": "data:,"}}]}]
