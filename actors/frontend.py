@@ -1482,8 +1482,17 @@ def _http_code(err: web.HTTPException) -> str | None:
 
 
 def _route(request: web.Request) -> str:
+    """The route's path as registered (an alias counts as its route); a 405's is the route its path names."""
     info = request.match_info.route.resource
-    return (info.canonical.rstrip("/") or "/") if info is not None else "unmatched"  # an alias counts as its route
+    if info is None and getattr(request.match_info.http_exception, "status", None) == 405:
+        info = next((r for r in request.app.router.resources() if _names(r, request.path)), None)
+    return (info.canonical.rstrip("/") or "/") if info is not None else "unmatched"
+
+
+def _names(resource: Any, path: str) -> bool:
+    """Whether ``resource`` (plain, or with variables) is the route of ``path``."""
+    info = resource.get_info()
+    return info.get("path") == path or ("pattern" in info and info["pattern"].fullmatch(path) is not None)
 
 
 def _load_speech(config: Any, tokenizer: Any, vocab_size: int) -> Any:

@@ -748,10 +748,16 @@ def test_metrics(harness):
             await h.engine.send(EngineStats(num_running=2, num_waiting=1, num_kv_blocks_used=7, num_kv_blocks_total=10,
                                             num_preemptions=3))
             await h.post(CHAT, chat_body())  # the stats are applied before this reply is
+            async with h.session.get(h.url + CHAT) as resp:
+                assert resp.status == 405
+            async with h.session.delete(h.url + "/v1/models/tiny") as resp:
+                assert resp.status == 405
             async with h.session.get(h.url + "/metrics") as resp:
                 text = await resp.text()
             assert 'mstar_requests_total{route="/v1/chat/completions",status="200"} 2.0' in text
             assert 'mstar_requests_total{route="/v1/chat/completions",status="400"} 1.0' in text
+            assert 'mstar_requests_total{route="/v1/chat/completions",status="405"} 1.0' in text  # its route's
+            assert 'mstar_requests_total{route="/v1/models/{model_id}",status="405"} 1.0' in text
             # vLLM's names, labelled by the served model, for dashboards made for vLLM
             model = '{model_name="tiny"}'
             assert f"vllm:generation_tokens_total{model} 18.0" in text
