@@ -58,13 +58,11 @@ the batch.
 Choices: a request of ``n`` choices arrives prepared once; the scheduler
 runs it as ``n`` sequences sharing its prompt and media.
 
-Media: a media request's prefix root adds its ``media_digest``
-(``media_root``), so KV of placeholder blocks is shared only between
-requests with the same images in the same places; text-only requests keep
-sharing under the plain root. This also forgoes sharing a text prefix
-(e.g. a system prompt) before the first image, which per-block keys (vLLM
-hashes each block's media ranges) would keep; acceptable while media
-prompts are short next to their vision rows. The scheduler owns the
+Media: a media request's blocks from its first media token on are keyed by
+its ``media_digest`` as well (``Sequence.block_hash``), so KV of placeholder
+blocks is shared only between requests with the same images in the same
+places, while the text before them (a system prompt) is shared with any
+request under the same root, text-only ones too. The scheduler owns the
 request's arena refs from here on (``mstar_actors.sched.media``).
 """
 
@@ -178,12 +176,12 @@ def combine_failures(step_id: int, failures: list[StepFailed]) -> StepFailed:
                       request_ids=ids)
 
 
-def media_root(root: str, prepared: Prepared) -> str:
-    """The prefix-cache root of a request: its weights', plus its media's digest and its ``cache_salt``
-    (hashed: the salt itself is a client's secret)."""
+def salted_root(root: str, prepared: Prepared) -> str:
+    """The prefix-cache root of a request: its weights', plus its ``cache_salt`` (hashed: the salt itself
+    is a client's secret); its media enter the chain at their first block."""
     if prepared.cache_salt:
         root = f"{root}|salt:{hashlib.sha256(prepared.cache_salt.encode()).hexdigest()}"
-    return f"{root}|media:{prepared.media_digest}" if prepared.media_digest else root
+    return root
 
 
 class ConductorActor(Actor):
@@ -401,7 +399,7 @@ class ConductorActor(Actor):
             match out:
                 case Admit(prepared=prepared, slot=slot, root=root):
                     # KV is keyed by the weights that computed it: the base name or the adapter's digest.
-                    await self.send_outputs(self.scheduler.add(prepared, media_root(root, prepared), slot))
+                    await self.send_outputs(self.scheduler.add(prepared, salted_root(root, prepared), slot))
                 case MoveRows(request_ids=request_ids, slot=slot):
                     self.scheduler.set_lora_slot(request_ids, slot)
                 case InstallAdapter():

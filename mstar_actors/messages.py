@@ -342,9 +342,9 @@ class Prepared(Struct, frozen=True, tag=True, omit_defaults=True):
     # refusal (e.g. by the scheduler) names it as the OpenAI error's ``param``.
     prompt_param: str = "prompt"
     media: list[MediaItem] = []  # in prompt order; empty for text
-    # Digest of the media's content (pixel rows, grids): the conductor keys the
-    # prefix cache of a media request by it, so placeholder blocks computed for
-    # one image are never reused for another. Empty for text.
+    # Digest of the media's content (pixel rows, grids): the scheduler keys a
+    # media request's blocks from its first media token on by it, so placeholder
+    # blocks computed for one image are never reused for another. Empty for text.
     media_digest: str = ""
     n: int = 1  # NewRequest.n: choices that share this prompt and its media
     cache_salt: str = ""  # NewRequest.cache_salt: the conductor keys the prefix cache by it too

@@ -129,6 +129,21 @@ def test_another_image_of_the_same_size_does_not_reuse_the_first_ones_kv(vl_serv
     assert tokens[2] == _tokens(vl_dir, messages_with("image", png_url(12)))
 
 
+def test_text_before_an_image_is_shared_with_requests_of_other_images(vl_server, vl_dir):
+    """The blocks before a request's first media token are keyed by its text alone: another image after
+    the same text reuses them (cached_tokens), its reply still its own."""
+    text = " ".join(f"rule {i}: answer briefly and precisely." for i in range(12))  # several blocks
+
+    def with_text(seed: int) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "text", "text": text},
+                                             {"type": "image_url", "image_url": {"url": png_url(seed)}}]}]
+
+    first, other = (asyncio.run(ask_all(vl_server.port, {"r": with_text(seed)}))["r"] for seed in (21, 22))
+    assert first.usage.prompt_tokens == other.usage.prompt_tokens
+    assert 16 <= other.usage.prompt_tokens_details.cached_tokens < other.usage.prompt_tokens - 4  # the text's
+    assert [t.token for t in other.choices[0].logprobs.content] == _tokens(vl_dir, with_text(22))
+
+
 def _tokens(vl_dir: Path, messages: list[dict]) -> list[str]:
     from transformers import AutoTokenizer
 

@@ -443,9 +443,9 @@ def _media_refused(req: NewRequest) -> Failed | None:
 def media_digest(media: list[MediaDraft]) -> str:
     """blake2b over every item's kind, grid, place in the prompt, frame timing and
     source bytes (its pixel rows when it has no ``source_digest``): equal only
-    for the same media in the same places. The conductor keys a media
-    request's prefix cache by it (placeholder tokens are equal for any image,
-    their KV is not). Runs on the pool's thread."""
+    for the same media in the same places. The scheduler keys a media
+    request's blocks from its first media token on by it (placeholder tokens
+    are equal for any image, their KV is not). Runs on the pool's thread."""
     import hashlib
 
     h = hashlib.blake2b(digest_size=16)

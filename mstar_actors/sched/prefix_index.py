@@ -34,6 +34,14 @@ def chain_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
     return digest.digest()
 
 
+def media_hash(parent: bytes, media_digest: str) -> bytes:
+    """``parent`` with a request's media digest mixed in: the parent of its
+    first block that holds a media token, so blocks from there on are shared
+    only by requests with the same media in the same places, and the text
+    before it under its root alone (vLLM keys a block by the media it holds)."""
+    return hashlib.blake2b(parent + media_digest.encode(), digest_size=HASH_SIZE, person=b"mstar-media").digest()
+
+
 class PrefixIndex:
     """Hash of a computed full block -> the KV block that holds it.
 

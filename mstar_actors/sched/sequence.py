@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 
 from mstar_actors.messages import Prepared, SamplingParams
-from mstar_actors.sched.prefix_index import chain_hash, root_hash
+from mstar_actors.sched.prefix_index import chain_hash, media_hash, root_hash
 
 
 class SeqStatus(enum.Enum):
@@ -55,6 +55,10 @@ class Sequence:
         self.num_cached_tokens: int | None = None  # prefix hit at first admission
         self._block_hashes: list[bytes] = []  # chain hashes of full blocks, computed lazily
         self._root_hash = root_hash(root)
+        # the block the first media token is in: the chain takes the media's digest there (``media_hash``)
+        first_media = min((item.token_offset for item in req.media), default=None)
+        self._media_block = None if first_media is None else first_media // block_size
+        self._media_digest = req.media_digest
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -97,6 +101,8 @@ class Sequence:
         while len(self._block_hashes) <= index:
             i = len(self._block_hashes)
             parent = self._block_hashes[-1] if self._block_hashes else self._root_hash
+            if i == self._media_block:
+                parent = media_hash(parent, self._media_digest)
             self._block_hashes.append(chain_hash(parent, self.block_token_ids(i)))
         return self._block_hashes[index]
 

@@ -16,7 +16,7 @@ from sched_factories import (
     tokens_of,
 )
 
-from mstar_actors.messages import Failed, Finished, StepDone, StepFailed, TokenDelta
+from mstar_actors.messages import Failed, Finished, Prepared, StepDone, StepFailed, TokenDelta
 from mstar_actors.sched import chain_hash, root_hash
 
 
@@ -202,6 +202,30 @@ def test_different_roots_never_share_blocks():
     sched.add(make_request("a2", prompt=prompt, max_tokens=1), "adapter-digest-a")
     plan, _ = run_step(sched)
     assert chunks_of(plan) == {"a2": (8, 2, True)}
+
+
+def test_media_requests_share_the_text_before_their_first_media_block_only():
+    """A system prompt before the images is shared whatever the images (with text-only requests too);
+    blocks from the first media token on only with the same media in the same places."""
+    sched = make_scheduler()
+    prompt = list(range(100, 114))  # blocks of 4: [0-3] [4-7] [8-11], the image at tokens 9-10
+
+    def request(rid: str, digest: str) -> Prepared:
+        base = make_request(rid, prompt=prompt, max_tokens=1, num_media=1)
+        image = msgspec.structs.replace(base.media[0], token_offset=9, num_tokens=2)
+        return msgspec.structs.replace(base, media=[image], media_digest=digest)
+
+    sched.add(request("a", "image-a"), ROOT)
+    run_step(sched)
+    sched.add(request("b", "image-b"), ROOT)
+    assert chunks_of(run_step(sched)[0]) == {"b": (8, 6, True)}  # the two blocks before the image's
+    sched.add(request("a2", "image-a"), ROOT)
+    assert chunks_of(run_step(sched)[0]) == {"a2": (12, 2, True)}  # the image's block too
+    sched.add(make_request("text", prompt=prompt, max_tokens=1), ROOT)
+    assert chunks_of(run_step(sched)[0]) == {"text": (8, 6, True)}
+    sched.add(request("salted", "image-a"), ROOT + "|salt:x")
+    assert chunks_of(run_step(sched)[0]) == {"salted": (0, 14, True)}
+    check_invariants(sched)
 
 
 def test_prefix_cache_disabled_never_hits():
