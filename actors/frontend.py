@@ -710,9 +710,16 @@ class FrontendActor(Actor):
         reasoning)``, or None where it has none (its prompt closed it: all answer, as vLLM reads it). A
         structured output's constraint is set to hold from the token after ``</think>``, as vLLM's; a
         forced tool call's reply is held to the call from its first token (its prompt ends inside the
-        call): no reasoning."""
+        call): no reasoning, its prompt's thinking closed before the call as a template closes it when
+        thinking is off (``<think>\n\n</think>\n\n``; one the prompt opened, ``</think>\n\n``)."""
         spec = parsed.sampling.structured
-        if spec is not None and (self.think_ids is None or (parsed.tools is not None and parsed.tools.is_forced)):
+        if parsed.tools is not None and parsed.tools.is_forced:
+            state = self._prompt_reasoning(parsed)
+            end = {"open": f"{THINK_CLOSE}\n\n", None: f"{THINK_OPEN}\n\n{THINK_CLOSE}\n\n"}.get(state, "")
+            if parsed.add_generation_prompt or state == "open":
+                parsed.tools = dataclasses.replace(parsed.tools, reasoning_end=end)
+            return None
+        if spec is not None and self.think_ids is None:
             return None
         state = self._prompt_reasoning(parsed)
         if state == "closed":

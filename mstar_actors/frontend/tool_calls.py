@@ -101,6 +101,8 @@ class ToolRequest:
     parser: str
     function: str | None = None
     max_calls: int | None = None  # 1 for ``parallel_tool_calls: false``; None: any number
+    # a forced reply's text before the call's opening: what ends (or skips) a reasoning model's thinking
+    reasoning_end: str = ""
 
     @property
     def is_forced(self) -> bool:
@@ -112,7 +114,7 @@ class ToolRequest:
 
     @property
     def assistant_prefix(self) -> str:
-        return FORCED_PREFIX[self.parser] if self.is_forced else ""
+        return self.reasoning_end + FORCED_PREFIX[self.parser] if self.is_forced else ""
 
 
 def parse_tool_request(tools: Any, tool_choice: Any, parser: str | None,

@@ -239,7 +239,9 @@ def test_structured_outputs_hold_after_the_reasoning(tmp_path):
             status, r = await h.post(CHAT, {"model": "tiny", "messages": MSGS, "tools": tools,
                                              "tool_choice": "required"})
             assert status == 200 and r["choices"][0]["message"]["tool_calls"], r
-            assert next(iter(h.engine.requests.values())).sampling.structured.reasoning == ()
+            forced = next(iter(h.engine.requests.values()))
+            assert forced.sampling.structured.reasoning == ()
+            assert forced.assistant_prefix == "<think>\n\n</think>\n\n"  # thinking skipped as the template skips it
         plain_tok = AutoTokenizer.from_pretrained(str(plain))
         async with Harness(plain, plain_tok, model_keys={"reasoning_parser": "deepseek_r1"}) as h:
             h.engine.reply_text = '{"a": 1}'
@@ -284,6 +286,15 @@ def test_a_prompt_that_closed_or_opened_the_reasoning_decides_the_reply(tmp_path
             h.engine.requests.clear()
             status, r = await h.post(CHAT, {"model": "tiny", "messages": MSGS, "response_format": schema})
             assert next(iter(h.engine.requests.values())).sampling.structured.opened  # the template opened it
+            tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+            for kwargs, prefix in (({}, "</think>\n\n"), (off, "")):  # a forced call: never inside <think>
+                h.engine.requests.clear()
+                h.engine.reply_text = '{"name": "f", "parameters": {}}'
+                status, r = await h.post(CHAT, {"model": "tiny", "messages": MSGS, "tools": tools,
+                                                 "tool_choice": "required", "chat_template_kwargs": kwargs})
+                assert status == 200 and r["choices"][0]["message"]["tool_calls"], r
+                assert next(iter(h.engine.requests.values())).assistant_prefix == prefix
+            h.engine.requests.clear()
             h.engine.reply_text = " more</think>\n\nDone."
             continued = MSGS + [{"role": "assistant", "content": "<think>\nLet me think"}]
             status, r = await h.post(CHAT, {"model": "tiny", "messages": continued, "add_generation_prompt": False,
