@@ -57,7 +57,7 @@ class ModelConfig(msgspec.Struct, **_STRICT):
     cuda_graph_max_tokens: NonNeg = 2048
     # How tool calls are read from the output: "auto" picks the format the
     # chat template asks for (see ``mstar_actors.frontend.tool_calls``).
-    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = "auto"
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "qwen3_coder"] = "auto"
     # vLLM's --reasoning-parser: a chat reply's <think> ... </think> leaves in the message's
     # ``reasoning`` (streamed as delta.reasoning), the answer in content, and tool calls are read
     # from the answer only (``mstar_actors.frontend.reasoning``). "qwen3": Qwen3, Qwen3.5;

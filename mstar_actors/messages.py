@@ -108,8 +108,11 @@ class StructuredSpec(Struct, frozen=True, **_HOT):
     "grammar" (EBNF/GBNF as the grammar engine reads it), "json_calls" (one
     or more values of a schema joined by a separator, an optional end after
     the last: ``spec`` is ``{"schema": ..., "separator": ..., "end": ...}``,
-    a forced reply's parallel tool calls). ``param``: the body field it came from, which a refusal of the
-    spec names.
+    a forced reply's parallel tool calls), "xml_calls" (a forced reply's
+    calls of the ``qwen3_coder`` format: ``{"functions": [{"name": ...,
+    "parameters": ...}], "separator": ..., "end": ..., "repeat": ...}``).
+    ``param``: the body field it came from, which a refusal of the spec
+    names.
 
     ``reasoning``: the ``(<think>, </think>)`` token ids of a model whose chat
     replies reason first (``model.reasoning_parser``): the constraint holds
@@ -119,7 +122,7 @@ class StructuredSpec(Struct, frozen=True, **_HOT):
     the constraint's own. Empty: constrained from the first token.
     """
 
-    kind: Literal["json", "json_object", "regex", "choice", "grammar", "json_calls"]
+    kind: Literal["json", "json_object", "regex", "choice", "grammar", "json_calls", "xml_calls"]
     spec: str = ""
     param: str = ""
     reasoning: tuple[int, ...] = ()

@@ -8,6 +8,9 @@ A parser per format the served families' chat templates ask for:
 - ``llama3_json`` (Llama 3.1 / 3.2): the whole reply is ``{"name": ...,
   "parameters": {...}}`` (several joined by ``;``), possibly after
   ``<|python_tag|>`` (a special token the detokenizer already drops).
+- ``qwen3_coder`` (Qwen3.5, Qwen3-Coder): ``<tool_call>\n<function=NAME>\n
+  <parameter=KEY>\nVALUE\n</parameter>\n...</function>\n</tool_call>``
+  (``xml_calls``).
 
 ``tool_choice: "required"`` or a named function is forced: the assistant turn
 starts with the format's opening (``assistant_prefix``) and the output is
@@ -30,7 +33,8 @@ from mstar_actors.messages import ChatMessage, ToolCall
 
 HERMES = "hermes"
 LLAMA3_JSON = "llama3_json"
-PARSERS = (HERMES, LLAMA3_JSON)
+QWEN3_CODER = "qwen3_coder"
+PARSERS = (HERMES, LLAMA3_JSON, QWEN3_CODER)
 TOOL_CHOICES = ("none", "auto", "required")
 MAX_TOOLS = 128
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -38,13 +42,14 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for functio
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 # What a forced call's assistant turn starts with, per format.
-FORCED_PREFIX = {HERMES: HERMES_OPEN + "\n", LLAMA3_JSON: ""}
+FORCED_PREFIX = {HERMES: HERMES_OPEN + "\n", LLAMA3_JSON: "", QWEN3_CODER: HERMES_OPEN + "\n"}
 # The key the format names the arguments by.
-ARGUMENTS_KEY = {HERMES: "arguments", LLAMA3_JSON: "parameters"}
+ARGUMENTS_KEY = {HERMES: "arguments", LLAMA3_JSON: "parameters"}  # the JSON formats' key of a call's arguments
 # What the format writes between two calls of one reply (the readers read it back).
-CALL_SEPARATOR = {HERMES: f"\n{HERMES_CLOSE}\n{HERMES_OPEN}\n", LLAMA3_JSON: "; "}
+CALL_SEPARATOR = {HERMES: f"\n{HERMES_CLOSE}\n{HERMES_OPEN}\n", LLAMA3_JSON: "; ",
+                  QWEN3_CODER: f"\n{HERMES_CLOSE}\n{HERMES_OPEN}\n"}
 # what may close the last of several forced calls (the separator's start, so a model that writes it may stop there)
-CALLS_END = {HERMES: f"\n{HERMES_CLOSE}", LLAMA3_JSON: ""}
+CALLS_END = {HERMES: f"\n{HERMES_CLOSE}", LLAMA3_JSON: "", QWEN3_CODER: f"\n{HERMES_CLOSE}"}
 
 
 class ToolError(ValueError):
@@ -69,6 +74,8 @@ def choose_parser(chat_template: Any, setting: str = "auto") -> str | None:
     if isinstance(chat_template, dict):  # named templates: any of them
         chat_template = "\n".join(str(t) for t in chat_template.values())
     text = (chat_template or "").replace('\\"', '"')
+    if HERMES_OPEN in text and "<function=" in text:  # Qwen3.5's calls of XML tags
+        return QWEN3_CODER
     if HERMES_OPEN in text:
         return HERMES
     if PYTHON_TAG in text or '"parameters"' in text:
@@ -81,7 +88,7 @@ def marker_problem(parser: str | None, special_tokens: set[str]) -> str | None:
     None. The frontend decodes without special tokens, so a ``<tool_call>``
     that is one would vanish (Qwen's are plain added tokens; Llama's
     ``<|python_tag|>`` is special, and the reader does without it)."""
-    if parser == HERMES and HERMES_OPEN in special_tokens:
+    if parser in (HERMES, QWEN3_CODER) and HERMES_OPEN in special_tokens:
         return f"{HERMES_OPEN} is a special token of this tokenizer, dropped when decoding: tool calls won't be read"
     return None
 
@@ -200,8 +207,13 @@ def forced_calls_spec(request: ToolRequest) -> tuple[str, str]:
     as the format closes a call (hermes' ``</tool_call>``: without it a model
     that writes the separator's first newline would be held to another
     call)."""
+    repeat = request.choice == "required" and request.max_calls != 1
+    if request.parser == QWEN3_CODER:  # its own calls of XML tags (``xml_calls``), not JSON
+        functions = [{"name": f["name"], "parameters": f["parameters"]} for f in _forced_functions(request)]
+        return "xml_calls", json.dumps({"functions": functions, "separator": CALL_SEPARATOR[QWEN3_CODER],
+                                        "end": CALLS_END[QWEN3_CODER], "repeat": repeat})
     schema = forced_call_schema(request)
-    if request.choice != "required" or request.max_calls == 1:
+    if not repeat:
         return "json", schema
     return "json_calls", json.dumps({"schema": json.loads(schema), "separator": CALL_SEPARATOR[request.parser],
                                      "end": CALLS_END[request.parser]})
@@ -212,8 +224,7 @@ def forced_call_schema(request: ToolRequest) -> str:
     name is one of the allowed functions and whose arguments match that
     function's parameter schema (one ``anyOf`` branch per function)."""
     key = ARGUMENTS_KEY[request.parser]
-    functions = [f for f in (t["function"] for t in request.tools)
-                 if request.choice == "required" or f["name"] == request.function]
+    functions = _forced_functions(request)
     defs: dict = {}
     branches = []
     for i, f in enumerate(functions):
@@ -225,6 +236,12 @@ def forced_call_schema(request: ToolRequest) -> str:
                          "required": ["name", key], "additionalProperties": False})
     schema = branches[0] if len(branches) == 1 else {"anyOf": branches}
     return json.dumps(schema | {"$defs": defs} if defs else schema)
+
+
+def _forced_functions(request: ToolRequest) -> list[dict]:
+    """The functions a forced reply may call: every tool's (``required``) or the named one's."""
+    return [f for f in (t["function"] for t in request.tools)
+            if request.choice == "required" or f["name"] == request.function]
 
 
 def _has_ref(schema: Any) -> bool:
@@ -382,6 +399,10 @@ def _calls_as_content(message: dict, parser: str) -> dict:
 
 def _written_calls(parser: str, calls: list[tuple[str, Any]], quoted: bool = True) -> str:
     """``calls`` (name, arguments) as a reply of ``parser``'s format writes them."""
+    if parser == QWEN3_CODER:
+        from mstar_actors.frontend import xml_calls
+
+        return xml_calls.written_calls(calls) if quoted else xml_calls.written_example()
     key = ARGUMENTS_KEY[parser]
     objects = [json.dumps({"name": name, key: arguments}, ensure_ascii=False) if quoted
                else f'{{"name": {name}, "{key}": {arguments}}}' for name, arguments in calls]
@@ -997,6 +1018,10 @@ def stream_reader(request: ToolRequest) -> ForcedCallStream | HermesCallStream |
     """A streamed reply's reader: a forced call's arguments and a hermes
     reply's calls as they are written; Llama 3's calls once the reply ends
     (a reply is calls only if all of it parses as calls)."""
+    if request.parser == QWEN3_CODER:
+        from mstar_actors.frontend.xml_calls import XmlCallStream
+
+        return XmlCallStream(request, forced=request.is_forced)
     if request.is_forced:
         return ForcedCallStream(request)
     if request.parser == HERMES:
@@ -1011,6 +1036,12 @@ def read_calls(request: ToolRequest, text: str) -> tuple[str | None, list[Parsed
     whose arguments go as far as they were written (as vLLM's named call: a
     named tool_choice's call whatever was written, a required one's once its
     name is; the format's markup is never content)."""
+    if request.parser == QWEN3_CODER:  # read as it streams
+        stream = stream_reader(request)
+        deltas = stream.feed(text) + stream.flush()
+        content = "".join(d.get("content", "") for d in deltas)
+        calls = _calls_of([entry for d in deltas for entry in d.get("tool_calls", [])])
+        return (None if request.is_forced or (calls and not content.strip()) else content), calls
     if request.is_forced:
         stream = ForcedCallStream(request)
         return None, _calls_of(stream.feed(text) + stream.flush())

@@ -173,15 +173,20 @@ class Preparer:
         if spec.param != "tool_choice" or not req.tools:
             return None
         forced = json.loads(spec.spec)
-        forced = forced["schema"] if spec.kind == "json_calls" else forced  # parallel calls: one call's schema
-        names = {branch["properties"]["name"]["enum"][0] for branch in forced.get("anyOf", [forced])}
-        for i, tool in enumerate(req.tools):
-            if tool["function"]["name"] in names:
-                param = f"tools[{i}].function.parameters"
-                try:
-                    self.grammars.check(StructuredSpec("json", json.dumps(tool["function"]["parameters"]), param))
-                except GrammarError as err:
-                    return param, err
+        if spec.kind == "xml_calls":  # each function's call alone
+            alone = [(f["name"], StructuredSpec("xml_calls", json.dumps(forced | {"functions": [f], "repeat": False})))
+                     for f in forced["functions"]]
+        else:
+            forced = forced["schema"] if spec.kind == "json_calls" else forced  # parallel calls: one call's schema
+            names = {branch["properties"]["name"]["enum"][0] for branch in forced.get("anyOf", [forced])}
+            alone = [(t["function"]["name"], StructuredSpec("json", json.dumps(t["function"]["parameters"])))
+                     for t in req.tools if t["function"]["name"] in names]
+        where = {tool["function"]["name"]: i for i, tool in enumerate(req.tools)}
+        for name, one in alone:
+            try:
+                self.grammars.check(one)
+            except GrammarError as err:
+                return f"tools[{where[name]}].function.parameters", err
         return None
 
     def check(self, token_ids: list[int]) -> str | None:

@@ -164,6 +164,10 @@ class GrammarCompiler:
                     raise GrammarError("json", problem)
                 schema = _json_grammar_text(json.dumps(calls["schema"]))
                 return _repeated(schema, calls["separator"], calls.get("end", ""))
+            case "xml_calls":
+                calls = json.loads(spec.spec)
+                grammar = _union([_xml_call(f["name"], f["parameters"]) for f in calls["functions"]])
+                return _repeated(str(grammar), calls["separator"], calls["end"]) if calls["repeat"] else grammar
             case "regex":
                 return _xgr().Grammar.from_regex(spec.spec)
             case "choice":
@@ -172,10 +176,14 @@ class GrammarCompiler:
                 try:
                     return _xgr().Grammar.from_ebnf(spec.spec)
                 except Exception as err:
-                    hint = _LARK_HINT if _LARK_RULE.search(spec.spec) else ""
-                    raise GrammarError("grammar", _reason(err) + hint) from None
+                    if not _LARK_RULE.search(spec.spec):
+                        raise GrammarError("grammar", _reason(err)) from None
+                    try:  # a Lark grammar (vLLM reads both)
+                        return _xgr().Grammar.from_lark(spec.spec)
+                    except Exception as lark_err:
+                        raise GrammarError("grammar", _reason(lark_err) + _LARK_HINT) from None
         raise GrammarError(spec.kind, "unknown kind; accepted are json, json_object, regex, choice, grammar, "
-                                      "json_calls")
+                                      "json_calls, xml_calls")
 
 
 def _engine_reasons(spec: messages.StructuredSpec, work: Any) -> Any:
@@ -515,6 +523,64 @@ def _json_grammar_text(schema: str) -> str:
     return text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
 
 
+def _union(grammars: list[Any]) -> Any:
+    return grammars[0] if len(grammars) == 1 else _xgr().Grammar.union(*grammars)
+
+
+def _literal(text: str) -> Any:
+    return _xgr().Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
+
+
+# A qwen3_coder value's text: anything but "</" (which would close the parameter) or "<<" (the reader's tag search)
+_XML_TEXT = 'root ::= ([^<] | "<" [^/<])*'
+_XML_REF = re.compile(r"^#/(\$defs|definitions)/")
+
+
+def _xml_call(name: str, parameters: Any) -> Any:
+    """One ``qwen3_coder`` call of function ``name`` (``frontend.xml_calls``): ``<function=NAME>``, then
+    each of its schema's properties in order as ``<parameter=KEY>\\nVALUE\\n</parameter>\\n`` (a required one
+    always, the others optional), then ``</function>``. A string's value is its text (its enum, const,
+    pattern or lengths kept), any other value its schema's JSON, as the reader reads them back."""
+    if not isinstance(parameters, dict):
+        parameters = {}
+    problem = unenforced_keyword(parameters)
+    if problem is not None:
+        raise GrammarError("json", problem)
+    refs = set(re.findall(r'"\$ref":\s*"([^"]*)"', json.dumps(parameters)))
+    if any(not _XML_REF.match(ref) for ref in refs):
+        raise GrammarError("json", "a $ref other than into #/$defs or #/definitions is not enforced in the "
+                                   "qwen3_coder format's calls")
+    defs = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
+    required = set(parameters.get("required") or ())
+    pieces = [_literal(f"<function={name}>\n")]
+    for key, schema in (parameters.get("properties") or {}).items():
+        value = _xml_value(schema if isinstance(schema, dict) else {}, defs, key)
+        param = _xgr().Grammar.concat(_literal(f"<parameter={key}>\n"), value, _literal("\n</parameter>\n"))
+        pieces.append(param if key in required else _xgr().Grammar.union(param, _literal("")))
+    pieces.append(_literal("</function>"))
+    return _xgr().Grammar.concat(*pieces)
+
+
+def _xml_value(schema: dict, defs: dict, key: str) -> Any:
+    """A parameter's value: a string's text, or the JSON of any other schema (with the tool's definitions)."""
+    kind = schema.get("type")
+    texts = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if texts is not None and all(isinstance(t, str) for t in texts):
+        return _xgr().Grammar.from_regex("|".join(_escape_regex(t) for t in texts) or "[^\\s\\S]")
+    if kind != "string" and not (isinstance(kind, list) and "string" in kind):
+        return _xgr().Grammar.from_ebnf(_json_grammar_text(json.dumps(schema | defs)))
+    if "format" in schema and schema["format"] not in FORMAT_PATTERNS:
+        raise GrammarError("json", f"properties[{key!r}]: a string's format is not enforced in the qwen3_coder "
+                                   f"format's calls (its value is the text itself); use a pattern")
+    pattern = schema.get("pattern", FORMAT_PATTERNS.get(schema.get("format", "")))
+    if pattern is not None:
+        return _xgr().Grammar.from_regex(pattern.removeprefix("^").removesuffix("$"))
+    if "minLength" in schema or "maxLength" in schema:
+        low, high = schema.get("minLength", 0), schema.get("maxLength", "")
+        return _xgr().Grammar.from_regex(f"[^<]{{{low},{high}}}")
+    return _xgr().Grammar.from_ebnf(_XML_TEXT)
+
+
 def _repeated(grammar: str, separator: str, end: str = "") -> Any:
     """``grammar``'s language one or more times, ``separator`` between and
     ``end`` optional after the last: a new rule repeating its root, made the
@@ -528,8 +594,8 @@ def _repeated(grammar: str, separator: str, end: str = "") -> Any:
 _REPEATED_ROOT = "repeated_root"
 # a Lark rule (``start: ...``, ``?expr: ...``), which the engine's EBNF does not read
 _LARK_RULE = re.compile(r"^\s*[?!]?[A-Za-z_][A-Za-z0-9_.]*\s*:(?!:=)", re.MULTILINE)
-_LARK_HINT = ('; this reads as a Lark grammar ("name: ..."), and grammars are EBNF (GBNF) here: rules written '
-              '"name ::= ...", the start rule named root, e.g. root ::= "yes" | "no"')
+_LARK_HINT = ('; read as a Lark grammar ("name: ..."); an EBNF (GBNF) one writes its rules "name ::= ...", '
+              'the start rule named root, e.g. root ::= "yes" | "no"')
 
 
 def _reason(err: Exception) -> str:

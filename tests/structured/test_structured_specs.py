@@ -108,6 +108,13 @@ def accepts(compiler, spec: StructuredSpec, tokens: list[str]) -> bool:
     return all(matcher.accept_token(VOCAB.index(t)) for t in tokens) and matcher.accept_token(0)
 
 
+def test_a_lark_grammar_is_read_as_well(compiler):
+    """vLLM takes Lark grammars beside EBNF ones."""
+    spec = StructuredSpec("grammar", 'start: "a" | pair\npair: "b" "1"')
+    assert accepts(compiler, spec, ["a"]) and accepts(compiler, spec, ["b", "1"])
+    assert not accepts(compiler, spec, ["b"])
+
+
 def test_json_object_takes_objects_only(compiler):
     spec = StructuredSpec("json_object")
     assert accepts(compiler, spec, ["{", '"', "a", '"', ":", " ", "1", "}"])
@@ -146,7 +153,7 @@ def test_choices_are_literal_strings(compiler):
     (StructuredSpec("choice", "[]"), "non-empty list"),
     (StructuredSpec("regex", "[^\\x00-\\U0010FFFF]"), "no output satisfies it"),  # no text at all
     (StructuredSpec("grammar", 'root ::= "zz"'), "no output satisfies it"),  # text the vocabulary can't spell
-    (StructuredSpec("grammar", 'start: "a" | "b"'), 'rules written "name ::= ...", the start rule'),  # Lark's
+    (StructuredSpec("grammar", 'start: "a" | ('), "expected ')' after group; read as a Lark grammar"),
 ])
 def test_an_invalid_spec_names_the_engines_reason(compiler, spec, reason):
     with pytest.raises(GrammarError) as err:

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tool_calls.templates import HERMES_TEMPLATE, LLAMA3_JSON_TEMPLATE, PLAIN_TEMPLATE, make_tool_model_dir
+from tests.tool_calls.templates import (
+    HERMES_TEMPLATE,
+    LLAMA3_JSON_TEMPLATE,
+    PLAIN_TEMPLATE,
+    QWEN3_CODER_TEMPLATE,
+    make_tool_model_dir,
+)
 
 
 @pytest.fixture(scope="session")
@@ -16,6 +22,11 @@ def hermes_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama3_dir(tmp_path_factory):
     return make_tool_model_dir(tmp_path_factory.mktemp("llama3-model"), LLAMA3_JSON_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def qwen3_coder_dir(tmp_path_factory):
+    return make_tool_model_dir(tmp_path_factory.mktemp("qwen3-coder-model"), QWEN3_CODER_TEMPLATE)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
-"""Chat templates in the two tool-call formats the served families use,
+"""Chat templates in the tool-call formats the served families use,
 written for these tests (the families' own templates render the same
-shapes): a Qwen-style (hermes) one and a Llama-3.1-style (JSON) one."""
+shapes): a Qwen-style (hermes) one, a Llama-3.1-style (JSON) one and a
+Qwen3.5-style (XML tags, ``qwen3_coder``) one."""
 
 from __future__ import annotations
 
@@ -59,6 +60,33 @@ LLAMA3_JSON_TEMPLATE = (
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+QWEN3_CODER_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n# Tools\n\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\n</tools>\n\nTo call a function reply with:\n<tool_call>\n<function=example_function_name>\n"
+    "<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n</tool_call><|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}"
+    "{{- '<|im_start|>assistant\n' + (m.content or '') }}"
+    "{%- for c in m.tool_calls %}"
+    "{{- '\n<tool_call>\n<function=' + c.function.name + '>\n' }}"
+    "{%- for k, v in c.function.arguments | items %}"
+    "{{- '<parameter=' + k + '>\n' + (v if v is string else v | tojson) + '\n</parameter>\n' }}"
+    "{%- endfor %}"
+    "{{- '</function>\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + m.content + '\n</tool_response><|im_end|>\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 
 WEATHER_PARAMETERS = {

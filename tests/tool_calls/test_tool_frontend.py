@@ -187,3 +187,38 @@ async def test_return_token_ids_are_the_prompt_with_its_tools_and_a_forced_calls
         text = hermes_tokenizer.apply_chat_template(USER, tools=[WEATHER], tokenize=False,
                                                     add_generation_prompt=True)
         assert body["prompt_token_ids"] == hermes_tokenizer(text + "<tool_call>\n", add_special_tokens=False).input_ids
+
+
+@asynctest
+async def test_qwen3_5_s_xml_calls_are_read_whole_and_streamed_and_forced_in_their_format(qwen3_coder_dir):
+    """A template that writes ``<function=...>`` calls is read as ``qwen3_coder`` (vLLM's parser for
+    Qwen3.5): auto calls come back typed by their schema, streamed alike; a forced reply is held to the
+    format by an ``xml_calls`` grammar; history calls go back through the template."""
+    from transformers import AutoTokenizer
+
+    from tests.frontend.conftest import Harness
+
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen3_coder_dir), local_files_only=True)
+    reply = "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n" \
+            "</function>\n</tool_call>"
+    async with Harness(qwen3_coder_dir, tokenizer) as h:
+        h.engine.reply_text = reply
+        status, body = await h.post("/v1/chat/completions", _body())
+        assert status == 200, body
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Checking.\n"
+        [call] = choice["message"]["tool_calls"]
+        assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == ("get_weather",
+                                                                                       {"city": "Paris"})
+        status, events = await h.stream("/v1/chat/completions", _body())
+        streamed = _assemble(events)
+        assert streamed["finish_reason"] == "tool_calls" and streamed["content"] == "Checking.\n"
+        assert [(c["name"], c["arguments"]) for c in streamed["calls"]] == [("get_weather", '{"city": "Paris"}')]
+
+        h.engine.requests.clear()
+        h.engine.reply_text = "<function=get_time>\n</function>"
+        status, body = await h.post("/v1/chat/completions", _body(tool_choice="required"))
+        assert status == 200 and body["choices"][0]["message"]["tool_calls"][0]["function"] == {
+            "name": "get_time", "arguments": "{}"}, body
+        request = next(iter(h.engine.requests.values()))
+        assert request.assistant_prefix == "<tool_call>\n" and request.sampling.structured.kind == "xml_calls"

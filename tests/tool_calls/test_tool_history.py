@@ -124,6 +124,14 @@ def test_the_template_gets_decoded_arguments(hermes_dir):
     assert '<tool_response>\n{"temp_c": 21}\n</tool_response>' in text
 
 
+def test_a_qwen3_coder_template_writes_history_calls_in_its_own_tags(qwen3_coder_dir):
+    from mstar_actors.tokenization import Tokenization
+
+    tokenization = Tokenization(qwen3_coder_dir)
+    text = tokenization.decode(tokenization.apply_chat_template(_parse(HISTORY).messages, True), False)
+    assert "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>" in text
+
+
 def test_a_template_that_writes_no_tools_gets_them_in_the_system_message_and_calls_in_content(plain_dir, hermes_dir):
     """SmolLM2's template writes role and content only: the tools and the
     history's calls were dropped without a word. As llama.cpp's polyfills:

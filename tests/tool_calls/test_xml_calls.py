@@ -1,0 +1,151 @@
+"""The ``qwen3_coder`` tool-call format (Qwen3.5): values read by their schema's type, a reply's calls
+streamed and read whole alike, forced calls held to the format by their grammar, history written in it."""
+
+import json
+import random
+
+import pytest
+
+from mstar_actors.frontend import tool_calls as tc
+from mstar_actors.frontend import xml_calls as xc
+from mstar_actors.messages import StructuredSpec
+from mstar_actors.runner.grammar import GrammarCompiler, GrammarError, raw_tokenizer_info
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                     "hot": {"type": "boolean"}, "where": {"type": "object"},
+                                     "unit": {"enum": ["c", "f"]}},
+    "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+def call(name: str, **params: str) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("raw,schema,value", [
+    ("\nParis\n", {"type": "string"}, "Paris"),
+    ("\n 5 \n", {"type": "string"}, " 5 "),  # a string's text is its own, spaces and all
+    ("\n5\n", {"type": "integer"}, 5),
+    ("\nfive\n", {"type": "integer"}, "five"),  # not its type: the text
+    ("\n10000\n", {"type": "number"}, 10000),
+    ("\n2.5\n", {"type": "number"}, 2.5),
+    ("\nTrue\n", {"type": "boolean"}, True),
+    ("\n{\"a\": [1]}\n", {"type": "object"}, {"a": [1]}),
+    ("\nnull\n", {"type": "integer"}, None),
+    ("\n7\n", {"anyOf": [{"type": "integer"}, {"type": "string"}]}, 7),  # no one type: JSON
+    ("\n7\n", None, "7"),  # a key the schema does not name: its text (vLLM's)
+    ("\n7\n", {"enum": ["7", "8"]}, "7"),
+])
+def test_a_value_reads_as_its_schema_s_type(raw, schema, value):
+    assert xc.read_value(raw, schema) == value
+
+
+def auto() -> tc.ToolRequest:
+    return tc.parse_tool_request([WEATHER, TIME], "auto", tc.QWEN3_CODER)
+
+
+def streamed(request: tc.ToolRequest, text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]]]:
+    stream = tc.stream_reader(request)
+    parts = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    deltas = [d for part in parts for d in stream.feed(part)] + stream.flush()
+    content = "".join(d.get("content", "") for d in deltas)
+    calls = tc._calls_of([e for d in deltas for e in d.get("tool_calls", [])])
+    return content, [(c.name, c.arguments) for c in calls]
+
+
+CASES = [
+    ("Let me check. " + call("get_weather", city="Paris", days="3", hot="false") + "\n",
+     "Let me check. ", [("get_weather", '{"city": "Paris", "days": 3, "hot": false}')]),
+    (call("get_time") + "\n" + call("get_weather", city="a < b", where='{"x": 1}'),
+     None, [("get_time", "{}"), ("get_weather", '{"city": "a < b", "where": {"x": 1}}')]),
+    ("no tools here <b>x</b>", "no tools here <b>x</b>", []),
+    ("<tool_call>\nnot a call\n</tool_call> after", "<tool_call>\nnot a call\n</tool_call> after", []),
+    ("ok " + call("get_weather", city="Rome")[:-len("</function>\n</tool_call>")] + "</fun",  # cut at the end
+     "ok ", [("get_weather", '{"city": "Rome"}')]),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nOs", None, [("get_weather", '{"city": "Os"}')]),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n<parameter=days>\n2\n</function>",  # tags left out
+     None, [("get_weather", '{"city": "Oslo", "days": 2}')]),
+    ("x <tool_call>\n<function=get_weather>\n<parameter=unit>\nc\n</parameter>\n</function>\n</tool", "x ",
+     [("get_weather", '{"unit": "c"}')]),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", CASES)
+def test_a_reply_reads_alike_whole_and_streamed_in_any_split(text, content, calls):
+    whole_content, whole_calls = tc.read_calls(auto(), text)
+    assert (whole_content, [(c.name, c.arguments) for c in whole_calls]) == (content, calls)
+    for arguments in (c.arguments for c in whole_calls):
+        json.loads(arguments)
+    rng = random.Random(len(text))
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(0, 15))))
+        assert streamed(auto(), text, cuts) == (content or "", calls), cuts
+
+
+def test_a_streamed_call_sends_its_name_first_then_its_arguments_a_parameter_at_a_time():
+    stream = tc.stream_reader(auto())
+    assert isinstance(stream, xc.XmlCallStream)
+    text = call("get_weather", city="Paris", days="3")
+    pieces = [stream.feed(text[:i + 1][-1:]) for i in range(len(text))] + [stream.flush()]
+    entries = [e for piece in pieces for d in piece for e in d.get("tool_calls", [])]
+    assert entries[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert [e["function"]["arguments"] for e in entries[1:]] == ['{"city": "Paris"', ', "days": 3', "}"]
+    limited = tc.parse_tool_request([WEATHER, TIME], "auto", tc.QWEN3_CODER, parallel_tool_calls=False)
+    assert streamed(limited, call("get_time") + call("get_weather", city="x"), [])[1] == [("get_time", "{}")]
+
+
+def test_the_template_s_format_is_chosen_and_history_is_written_in_it():
+    template = "{{ '<tool_call>\\n<function=' + name + '>\\n<parameter=' }}"
+    assert tc.choose_parser(template) == tc.QWEN3_CODER
+    assert tc.choose_parser("{{ '<tool_call>\\n' + call | tojson }}") == tc.HERMES
+    written = xc.written_calls([("get_weather", '{"city": "Paris", "days": 3}'), ("get_time", {})])
+    assert written == call("get_weather", city="Paris", days="3") + "\n" + call("get_time")
+    assert [(c.name, c.arguments) for c in tc.read_calls(auto(), written)[1]] == [
+        ("get_weather", '{"city": "Paris", "days": 3}'), ("get_time", "{}")]
+
+
+@pytest.fixture(scope="module")
+def chars():
+    return GrammarCompiler(raw_tokenizer_info(["<eos>"] + [chr(c) for c in range(10, 127)], [0]))
+
+
+def test_forced_calls_are_held_to_the_format_and_their_parameters_types(chars):
+    import xgrammar
+
+    request = tc.parse_tool_request([WEATHER, TIME], "required", tc.QWEN3_CODER)
+    assert request.assistant_prefix == "<tool_call>\n"
+    spec = StructuredSpec(*tc.forced_calls_spec(request))
+    assert spec.kind == "xml_calls"
+    matcher = xgrammar.GrammarMatcher(chars.compile(spec))
+
+    def accepted(text: str) -> bool:
+        matcher.reset()
+        return matcher.accept_string(text) and matcher.accept_token(0)
+
+    weather = call("get_weather", city="Paris", days="3", unit="c").removeprefix("<tool_call>\n")
+    weather = weather.removesuffix("\n</tool_call>")
+    time = call("get_time").removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")
+    sep, end = tc.CALL_SEPARATOR[tc.QWEN3_CODER], tc.CALLS_END[tc.QWEN3_CODER]
+    assert accepted(weather) and accepted(time) and accepted(weather + sep + time + end)
+    assert not accepted(weather.replace("\n3\n", "\nthree\n"))  # an integer's value
+    assert not accepted(weather.replace("\nc\n", "\nk\n"))  # not in its enum
+    assert not accepted(time.replace("get_time", "get_date"))  # no such function
+    assert not accepted(call("get_weather", days="3").removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
+    assert not accepted(weather.replace("Paris", "Pa</ris"))  # a string's text never closes its tag
+    assert [(c.name, c.arguments) for c in tc.read_calls(request, weather + sep + time + end)[1]] == [
+        ("get_weather", '{"city": "Paris", "days": 3, "unit": "c"}'), ("get_time", "{}")]
+    named = tc.parse_tool_request([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}},
+                                  tc.QWEN3_CODER)
+    assert json.loads(tc.forced_calls_spec(named)[1])["repeat"] is False
+    assert tc.read_calls(named, "")[1][0].name == "get_time"  # cut before anything: the named call
+    assert tc.read_calls(named, "")[0] is None
+
+
+def test_a_parameter_the_format_cannot_hold_to_its_schema_is_refused(chars):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"when": {"type": "string", "format": "date-time"}}}}}
+    request = tc.parse_tool_request([tool], "required", tc.QWEN3_CODER)
+    with pytest.raises(GrammarError, match="format is not enforced in the qwen3_coder"):
+        chars.check(StructuredSpec(*tc.forced_calls_spec(request)))
