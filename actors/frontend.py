@@ -83,7 +83,10 @@ from mstar_actors.frontend.reasoning import (
     split_reasoning,
 )
 from mstar_actors.frontend.tool_calls import (
+    HERMES,
+    HERMES_OPEN,
     LLAMA3_JSON,
+    QWEN3_CODER,
     ForcedCallStream,
     HermesCallStream,
     choose_parser,
@@ -132,7 +135,7 @@ class Exchange:
         self.is_overflowed = False
         self.is_refused = False  # the engine refused it with a 4xx (the client's input): no choice of it ran to an end
         self.prompt_token_ids: list[list[int]] = []  # per request, when return_token_ids or echo asks
-        self.reasoning: tuple[str, bool] | None = None  # (parser, the prompt opened it): model.reasoning_parser
+        self.reasoning: tuple[str, bool, str | None] | None = None  # (parser, opened, call opening): reasoning_parser
 
     def push(self, msg: Any) -> None:
         """Never blocks (the mailbox reader calls it); see the module docstring."""
@@ -705,9 +708,9 @@ class FrontendActor(Actor):
         finally:
             self._close(exchange)
 
-    def _with_reasoning_parser(self, parsed: ParsedRequest) -> tuple[str, bool] | None:
+    def _with_reasoning_parser(self, parsed: ParsedRequest) -> tuple[str, bool, str | None] | None:
         """How a chat reply is read with ``model.reasoning_parser``: ``(parser, the prompt opened the
-        reasoning)``, or None where it has none (its prompt closed it: all answer, as vLLM reads it). A
+        reasoning, what else ends it: a qwen3 reply's call opening where it reads calls)``, or None where it has none (its prompt closed it: all answer, as vLLM reads it). A
         structured output's constraint is set to hold from the token after ``</think>``, as vLLM's; a
         forced tool call's reply is held to the call from its first token (its prompt ends inside the
         call): no reasoning, its prompt's thinking closed before the call as a template closes it when
@@ -729,7 +732,10 @@ class FrontendActor(Actor):
             spec = msgspec.structs.replace(spec, reasoning=self.think_ids,
                                            opened=opened or self.reasoning_parser == "deepseek_r1")
             parsed.sampling = msgspec.structs.replace(parsed.sampling, structured=spec)
-        return self.reasoning_parser, opened
+        tools = parsed.tools
+        calls_open = self.reasoning_parser == "qwen3" and tools is not None and tools.reads_calls and \
+            tools.parser in (HERMES, QWEN3_CODER)
+        return self.reasoning_parser, opened, HERMES_OPEN if calls_open else None
 
     def _prompt_reasoning(self, parsed: ParsedRequest) -> str | None:
         """``prompt_reasoning`` of what the reply follows: the message it continues
@@ -1414,8 +1420,8 @@ def _with_reasoning(exchange: Exchange, choice: dict) -> dict:
     if exchange.reasoning is None:
         return choice
     message = choice["message"]
-    parser, opened = exchange.reasoning
-    reasoning, content = split_reasoning(parser, message["content"], opened)
+    parser, opened, call_opening = exchange.reasoning
+    reasoning, content = split_reasoning(parser, message["content"], opened, call_opening)
     message["content"] = content if content or reasoning is None else None
     if reasoning is not None and exchange.parsed.include_reasoning:
         message["reasoning"] = reasoning

@@ -4,7 +4,7 @@ Qwen3, Qwen3.5 and DeepSeek-R1-style models think first, inside
 ``<think> ... </think>``, then answer. With a parser set, a chat reply's
 thinking leaves in the message's ``reasoning`` field (streamed as
 ``delta.reasoning``), the answer in ``content``, and tool calls are read from
-the answer only (a call the model only thought about is not made). Pure: no
+the answer only. Pure: no
 I/O, no tokenizer; text in, text out.
 
 - ``qwen3``: reasoning is what a ``<think>`` opens, up to ``</think>``; a
@@ -14,6 +14,11 @@ I/O, no tokenizer; text in, text out.
 - ``deepseek_r1``: the reply starts inside the reasoning (the template opened
   it); a ``<think>`` it writes anyway is dropped; all reasoning until
   ``</think>``.
+
+With ``call_opening`` (``<tool_call>``, for a ``qwen3`` reply that may call
+tools), a call opened inside the reasoning ends it and is the answer's, as
+vLLM's ``qwen3`` parser reads Qwen3.5's replies that call without closing
+their thinking first.
 
 A reply cut before ``</think>`` (``max_tokens``) is reasoning to its end, with
 no content, as vLLM's ``deepseek_r1`` leaves it (its ``qwen3`` gives such a
@@ -44,10 +49,11 @@ class ReasoningStream:
     Text that may still be the start of a tag is held back until the next
     piece shows what it is (``flush`` gives it at the end)."""
 
-    def __init__(self, parser: str, opened: bool = False):
+    def __init__(self, parser: str, opened: bool = False, call_opening: str | None = None):
         if parser not in PARSERS:
             raise ValueError(f"reasoning parser {parser!r}; accepted: {', '.join(PARSERS)}")
         self.parser = parser
+        self._ends = (THINK_CLOSE, call_opening) if call_opening else (THINK_CLOSE,)
         self.state = "thinking" if opened or parser == "deepseek_r1" else "start"
         self.has_reasoning = self.state == "thinking"  # the reply had a reasoning part (perhaps empty)
         self._may_open = True  # a leading <think> is dropped (deepseek_r1: written anyway)
@@ -72,12 +78,12 @@ class ReasoningStream:
                 if self.state == "start":  # qwen3, nothing opened: an answer with no reasoning
                     self.state = "answer"
                     continue
-            end = text.find(THINK_CLOSE)
-            if end >= 0:
+            end, tag = min(((at, tag) for tag in self._ends if (at := text.find(tag)) >= 0), default=(-1, ""))
+            if end >= 0:  # (a call's opening is the answer's)
                 reasoning.append(text[:end])
-                text, self.state = text[end + len(THINK_CLOSE):], "answer"
+                text, self.state = text[end + len(tag) if tag == THINK_CLOSE else end:], "answer"
                 continue
-            keep = _partial_tail(text, THINK_CLOSE)
+            keep = max(_partial_tail(text, tag) for tag in self._ends)
             reasoning.append(text[: len(text) - keep])
             self._held = text[len(text) - keep:]
             break
@@ -93,9 +99,10 @@ class ReasoningStream:
         return "", held  # qwen3's start: an answer that looked like an opening <think>
 
 
-def split_reasoning(parser: str, text: str, opened: bool = False) -> tuple[str | None, str]:
+def split_reasoning(parser: str, text: str, opened: bool = False,
+                    call_opening: str | None = None) -> tuple[str | None, str]:
     """A whole reply's ``(reasoning, content)``; reasoning None where the reply has no reasoning part."""
-    stream = ReasoningStream(parser, opened)
+    stream = ReasoningStream(parser, opened, call_opening)
     pieces = stream.feed(text), stream.flush()
     reasoning, content = "".join(p[0] for p in pieces), "".join(p[1] for p in pieces)
     return (reasoning if stream.has_reasoning else None), content

@@ -24,11 +24,19 @@ CASES = [  # parser, reply, the prompt opened <think>, (reasoning, content)
 ]
 
 
-@pytest.mark.parametrize("parser,text,opened,want", CASES)
+CALL_CASES = [  # a reply that reads calls: <tool_call> ends the reasoning and opens the answer (vLLM's qwen3)
+    ("qwen3", "plan<tool_call>\n<function=f>", True, ("plan", "<tool_call>\n<function=f>")),
+    ("qwen3", "<think>a</think>b<tool_call>", False, ("a", "b<tool_call>")),
+    ("qwen3", "<think>a <tool_ca", False, ("a <tool_ca", "")),  # a tag's start that never finished
+]
+
+
+@pytest.mark.parametrize("parser,text,opened,want", CASES + CALL_CASES)
 def test_whole_and_streamed_replies_split_alike(parser, text, opened, want):
-    assert split_reasoning(parser, text, opened) == want
+    calls = "<tool_call>" if (parser, text, opened, want) in CALL_CASES else None
+    assert split_reasoning(parser, text, opened, calls) == want
     for size in (1, 2, 5):  # any cut of the stream gives the same split
-        stream, thought, answer = ReasoningStream(parser, opened), "", ""
+        stream, thought, answer = ReasoningStream(parser, opened, calls), "", ""
         for i in range(0, len(text), size):
             r, c = stream.feed(text[i : i + size])
             thought, answer = thought + r, answer + c
@@ -99,27 +107,30 @@ def test_without_a_parser_the_reply_is_all_content(harness):
     run(body)
 
 
-def test_a_tool_call_only_thought_about_is_not_made(harness):
-    """With hermes calls, a ``<tool_call>`` inside the reasoning stays reasoning; one in the answer is made."""
+def test_a_tool_call_opened_inside_the_reasoning_ends_it(harness):
+    """With hermes calls, a ``<tool_call>`` ends the reasoning and is the answer's (vLLM's qwen3 parser:
+    Qwen3.5 calls without closing its thinking first), whole and streamed; without tools it is text."""
     call = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
     async def body():
         async with harness(model_keys={"reasoning_parser": "qwen3", "tool_call_parser": "hermes"}) as h:
-            h.engine.reply_text = f"<think>\nI could write {call} but no.\n</think>\n\nNo call."
+            h.engine.reply_text = f"<think>\nI need f.\n{call}"
             for stream in (False, True):
                 request = {"model": "tiny", "messages": MSGS, "tools": tools}
                 if stream:
                     _, events = await h.stream(CHAT, request)
                     deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
                     reasoning = "".join(d.get("reasoning", "") for d in deltas)
-                    calls = [d for d in deltas if d.get("tool_calls")]
+                    calls = [c for d in deltas for c in d.get("tool_calls") or [] if "id" in c]
                     finish = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]][-1]
                 else:
                     _, r = await h.post(CHAT, request)
                     message, finish = r["choices"][0]["message"], r["choices"][0]["finish_reason"]
                     reasoning, calls = message["reasoning"], message.get("tool_calls")
-                assert call in reasoning and not calls and finish == "stop", (stream, reasoning, calls, finish)
+                assert reasoning == "\nI need f.\n" and len(calls) == 1 and finish == "tool_calls", (stream, calls)
+            _, r = await h.post(CHAT, {"model": "tiny", "messages": MSGS})  # no tools: the tag is reasoning's text
+            assert r["choices"][0]["message"]["reasoning"] == f"\nI need f.\n{call}"
             h.engine.reply_text = f"<think>\nneeds f\n</think>\n\n{call}"
             _, r = await h.post(CHAT, {"model": "tiny", "messages": MSGS, "tools": tools})
             message = r["choices"][0]["message"]
