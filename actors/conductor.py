@@ -306,8 +306,9 @@ class ConductorActor(Actor):
             except TimeoutError:
                 silent = [rank for rank in range(self.num_ranks) if rank not in results]
                 raise StepTimeout(f"step {step_id}: no answer from rank(s) {silent} in {timeout_s:g} s "
-                                  "(scheduler.step_timeout_s): a rank hung (stopped, or stuck in a kernel); the "
-                                  "server stops so its requests fail instead of waiting; restart it") from None
+                                  "(scheduler.step_timeout_s): a rank hung (stopped, or stuck in a kernel; one hung "
+                                  "rank holds the others in their collectives); the server stops so its requests "
+                                  "fail instead of waiting") from None
             await self.dispatch(channel, msg)
         del self.step_results[step_id]
         return results

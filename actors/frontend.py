@@ -373,7 +373,8 @@ class FrontendActor(Actor):
             if not future.done():
                 future.set_result(AdapterUpdate(request_id=rid, status=status, message=message))
         for rid, exchange in list(self._exchanges.items()):
-            exchange.push(Failed(request_id=rid, status=status, message=message, error_type="server_error"))
+            exchange.push(Failed(request_id=rid, status=status, message=message,  # (the type a new one's 503 has)
+                                 error_type=ApiError(status, message).error_type))
 
     # ---- HTTP app -------------------------------------------------------
 

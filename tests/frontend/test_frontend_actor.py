@@ -668,8 +668,8 @@ def test_starting_and_peer_failure(harness):
             assert status == 503 and "worker0" in r["error"]["message"]
             async with h.session.get(h.url + "/health") as resp:
                 assert resp.status == 503
-            status, _ = await h.post(CHAT, chat_body())
-            assert status == 503
+            status, later = await h.post(CHAT, chat_body())
+            assert status == 503 and later["error"]["type"] == r["error"]["type"] == "service_unavailable_error"
 
     run(body)
 
