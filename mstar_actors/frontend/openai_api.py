@@ -106,7 +106,7 @@ COMMON_FIELDS = frozenset({
     "return_tokens_as_token_ids", "prompt_logprobs", "cache_salt",
 })
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs", "add_generation_prompt", "continue_final_message",
-                               "chat_template_kwargs", "include_reasoning"}
+                               "chat_template_kwargs", "include_reasoning", "reasoning_effort"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of"}
 
 # Implemented, and parsed by the structured-output and tool-calling parts of
@@ -726,7 +726,7 @@ def parse_chat(raw: bytes, max_model_len: int | None = None, vocab_size: int | N
     parsed = _parse_common(body, "chat", cap, (top or 0) if want_logprobs else None, vocab_size, max_model_len)
     parsed.messages = parse_messages(body.get("messages"))
     parsed.continue_final_message, parsed.add_generation_prompt = _parse_turn_flags(body, parsed.messages)
-    parsed.chat_template_kwargs = parse_template_kwargs(body)
+    parsed.chat_template_kwargs = _with_reasoning_effort(body, parse_template_kwargs(body))
     parsed.include_reasoning = get_bool(body, "include_reasoning", True)
     if takes_media:
         _check_media_fields(parsed)
@@ -766,6 +766,20 @@ def parse_template_kwargs(body: dict) -> dict | None:
         raise _bad(f"chat_template_kwargs.{reserved[0]}", "is set by the request itself (messages, tools, "
                                                           "add_generation_prompt, continue_final_message), not here")
     return value
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+def _with_reasoning_effort(body: dict, kwargs: dict | None) -> dict | None:
+    """``reasoning_effort`` as the chat template reads it (vLLM's: a template variable of that name, which a
+    template that does not read it leaves its prompt as it was); ``chat_template_kwargs``' own wins."""
+    effort = get_str(body, "reasoning_effort", None)
+    if effort is None:
+        return kwargs
+    if effort not in REASONING_EFFORTS:
+        raise _bad("reasoning_effort", f"expected one of {', '.join(REASONING_EFFORTS)}, got {_show(effort)}")
+    return {"reasoning_effort": effort} | (kwargs or {})
 
 
 def _parse_turn_flags(body: dict, chat: list[ChatMessage]) -> tuple[bool, bool]:

@@ -317,6 +317,18 @@ def test_a_lone_surrogate_escape_is_named_as_such(raw, lone):
     assert api.decode_body(rb'{"a": "\ud83d\ude00"}') == {"a": "\U0001f600"}
 
 
+def test_reasoning_effort_is_a_template_variable_as_vllm_passes_it():
+    assert api.parse_chat(chat(reasoning_effort="high")).chat_template_kwargs == {"reasoning_effort": "high"}
+    both = chat(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high", "x": 1})
+    assert api.parse_chat(both).chat_template_kwargs == {"reasoning_effort": "high", "x": 1}  # the kwargs' own
+    with pytest.raises(api.ApiError) as info:
+        api.parse_chat(chat(reasoning_effort="extreme"))
+    assert info.value.param == "reasoning_effort" and "low, medium, high" in info.value.message
+    with pytest.raises(api.ApiError) as info:  # a completion has no template to read it
+        api.parse_completion(json.dumps({"model": "m", "prompt": "x", "reasoning_effort": "low"}).encode())
+    assert info.value.param == "reasoning_effort"
+
+
 def test_chat_template_kwargs_are_taken_and_the_template_call_s_own_names_refused():
     """vLLM's field (many clients send ``enable_thinking`` to every model):
     was refused unless empty."""
