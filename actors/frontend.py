@@ -83,8 +83,6 @@ from mstar_actors.frontend.reasoning import (
     split_reasoning,
 )
 from mstar_actors.frontend.tool_calls import (
-    HERMES,
-    HERMES_OPEN,
     LLAMA3_JSON,
     QWEN3_CODER,
     ForcedCallStream,
@@ -95,6 +93,7 @@ from mstar_actors.frontend.tool_calls import (
     read_calls,
     stream_reader,
 )
+from mstar_actors.frontend.xml_calls import CALL_OPENING as XML_CALL_OPENING
 from transport.errors import ChannelFull, MessageTooLarge
 
 _json = msgspec.json.Encoder()
@@ -735,8 +734,8 @@ class FrontendActor(Actor):
             parsed.sampling = msgspec.structs.replace(parsed.sampling, structured=spec)
         tools = parsed.tools
         calls_open = self.reasoning_parser == "qwen3" and tools is not None and tools.reads_calls and \
-            tools.parser in (HERMES, QWEN3_CODER)
-        return self.reasoning_parser, opened, HERMES_OPEN if calls_open else None
+            tools.parser == QWEN3_CODER
+        return self.reasoning_parser, opened, XML_CALL_OPENING if calls_open else None
 
     def _prompt_reasoning(self, parsed: ParsedRequest) -> str | None:
         """``prompt_reasoning`` of what the reply follows: the message it continues

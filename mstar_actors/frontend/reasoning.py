@@ -15,10 +15,11 @@ I/O, no tokenizer; text in, text out.
   it); a ``<think>`` it writes anyway is dropped; all reasoning until
   ``</think>``.
 
-With ``call_opening`` (``<tool_call>``, for a ``qwen3`` reply that may call
-tools), a call opened inside the reasoning ends it and is the answer's, as
-vLLM's ``qwen3`` parser reads Qwen3.5's replies that call without closing
-their thinking first.
+With ``call_opening`` (``<tool_call>\n<function=``, for a ``qwen3`` reply
+that may call tools in Qwen3.5's format), a call opened inside the reasoning
+ends it and is the answer's, as vLLM's ``qwen3`` parser reads Qwen3.5's
+replies that call without closing their thinking first (a ``<tool_call>``
+not followed by a function is the reasoning's text).
 
 A reply cut before ``</think>`` (``max_tokens``) is reasoning to its end, with
 no content, as vLLM's ``deepseek_r1`` leaves it (its ``qwen3`` gives such a

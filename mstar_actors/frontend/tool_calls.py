@@ -29,6 +29,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from mstar_actors.frontend import xml_calls
+from mstar_actors.frontend.xml_calls import FUNCTION_CLOSE, FUNCTION_OPEN, PARAM_CLOSE, PARAM_OPEN
 from mstar_actors.messages import ChatMessage, ToolCall
 
 HERMES = "hermes"
@@ -74,7 +76,7 @@ def choose_parser(chat_template: Any, setting: str = "auto") -> str | None:
     if isinstance(chat_template, dict):  # named templates: any of them
         chat_template = "\n".join(str(t) for t in chat_template.values())
     text = (chat_template or "").replace('\\"', '"')
-    if HERMES_OPEN in text and "<function=" in text:  # Qwen3.5's calls of XML tags
+    if HERMES_OPEN in text and FUNCTION_OPEN in text:  # Qwen3.5's calls of XML tags
         return QWEN3_CODER
     if HERMES_OPEN in text:
         return HERMES
@@ -400,8 +402,6 @@ def _calls_as_content(message: dict, parser: str) -> dict:
 def _written_calls(parser: str, calls: list[tuple[str, Any]], quoted: bool = True) -> str:
     """``calls`` (name, arguments) as a reply of ``parser``'s format writes them."""
     if parser == QWEN3_CODER:
-        from mstar_actors.frontend import xml_calls
-
         return xml_calls.written_calls(calls) if quoted else xml_calls.written_example()
     key = ARGUMENTS_KEY[parser]
     objects = [json.dumps({"name": name, key: arguments}, ensure_ascii=False) if quoted
@@ -997,6 +997,146 @@ class HermesCallStream:
         return deltas
 
 
+class XmlCallStream(HermesCallStream):
+    """A ``qwen3_coder`` reply (``xml_calls``), streamed in the deltas
+    ``HermesCallStream`` sends: a call's id and name once ``<function=NAME>``
+    is written, then its arguments' JSON a parameter at a time; a whole
+    reply is read through it (``read_calls``). States past
+    ``HermesCallStream``'s: "block" waits for ``<function=NAME>`` (a block
+    that opens otherwise is read whole at its end: content with its markup),
+    "params" reads the call's parameters to ``</function>`` (or, left out,
+    to the block's end or the next call), then "tag" as hermes reads to
+    ``</tool_call>``, another ``<function=`` in the block a call too.
+    ``forced``: the reply starts inside a block (its prompt ended with the
+    opening) and no text is content. A key written twice keeps its first
+    value (the arguments stay one JSON object as they stream)."""
+
+    def __init__(self, request: ToolRequest, forced: bool = False):
+        super().__init__(request.max_calls)
+        self._schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in request.tools}
+        self._forced = forced
+        self._value_end = xml_calls.FORCED_VALUE_END if forced else xml_calls.VALUE_END
+        self._function = request.function  # a named tool_choice's: its call whatever was written
+        self._name = ""  # the call being read
+        self._keys: set[str] = set()  # its parameters read
+        if forced:
+            self._state = "block"
+
+    def flush(self) -> list[dict]:
+        if self._state == "params":  # cut: the parameters as far as they went, a value cut as far as written
+            self._final = True
+            deltas = self.feed("")
+            held = self._held.lstrip()
+            if self._state == "params" and held.startswith(PARAM_OPEN) and ">" in held:
+                name, _, value = held[len(PARAM_OPEN):].partition(">")
+                deltas += self._parameter(name, value[: len(value) - _partial_suffix(value, PARAM_CLOSE)])
+            if self._state == "params":
+                self._held, self._state = "", "out"
+                deltas += self._arguments(self._close())
+            return _joined(deltas + super().flush())
+        if self._forced and self.num_calls == 0 and self._function is not None:  # nothing read: the named call
+            self._held, self.num_calls = "", 1
+            return [{"tool_calls": [_head_delta(0, self._function)]}, {"tool_calls": [self._piece("{}")]}]
+        return super().flush()
+
+    def _step(self, deltas: list[dict]) -> bool:
+        if self._state == "block":
+            return self._block(deltas)
+        if self._state == "params":
+            return self._params(deltas)
+        if self._state == "tag":  # another call in the same block
+            body = self._held.lstrip()
+            if body.startswith(FUNCTION_OPEN):
+                self._held, self._state = body, "block"
+                return True
+            if body and FUNCTION_OPEN.startswith(body) and not self._final:
+                return False
+        return super()._step(deltas)
+
+    def _block(self, deltas: list[dict]) -> bool:
+        """A block's start: ``<function=NAME>`` is a call; any other opening, the block read whole."""
+        body = self._held.lstrip()
+        if body.startswith(FUNCTION_OPEN) and ">" in body:
+            name, _, self._held = body[len(FUNCTION_OPEN):].partition(">")
+            self.num_calls += 1
+            self._said = False
+            self._shown = self.max_calls is None or self.num_calls <= self.max_calls
+            self._name, self._keys, self._state = name.strip(), set(), "params"
+            if self._shown:
+                deltas.append({"tool_calls": [_head_delta(self.num_calls - 1, self._name)]})
+            return True
+        if FUNCTION_OPEN.startswith(body[: len(FUNCTION_OPEN)]) and not self._final:
+            return False  # its opening still being written
+        if self._forced:  # (the grammar writes the opening: only a cut reply gets here)
+            self._held = ""
+            return False
+        at = self._end.find(self._held, self._final)  # no call: to its end, then content with its markup
+        if at is None:
+            return False
+        tagged = self._end.tagged
+        body, self._state = self._held[:at], "out"
+        self._held = self._held[at + (len(HERMES_CLOSE) if tagged else 0):]
+        deltas += self._whole_block(body, closed=tagged)
+        return True
+
+    def _whole_block(self, body: str, closed: bool) -> list[dict]:
+        """A block that holds no call (hermes JSON included: not this format's), as content."""
+        deltas: list[dict] = []
+        self._content(HERMES_OPEN + body + (HERMES_CLOSE if closed else ""), deltas)
+        return deltas
+
+    def _params(self, deltas: list[dict]) -> bool:
+        body = self._held.lstrip()
+        ends = ((FUNCTION_CLOSE, "tag", True), (HERMES_CLOSE, "out", True), (HERMES_OPEN, "out", False),
+                (FUNCTION_OPEN, "block", False))  # the call's end as written, or its closing tags left out
+        for tag, state, consumed in ends:
+            if body.startswith(tag):
+                self._held, self._state = body[len(tag):] if consumed else body, state
+                deltas += self._arguments(self._close())
+                return True
+        if body.startswith(PARAM_OPEN) and ">" in body:
+            name, _, rest = body[len(PARAM_OPEN):].partition(">")
+            end = self._value_end.search(rest)
+            if end is None:
+                return False  # its value still being written
+            self._held = rest[end.end() if end.group() == PARAM_CLOSE else end.start():]
+            deltas += self._parameter(name, rest[: end.start()])
+            return True
+        if any(tag.startswith(body[: len(tag)]) for tag in (PARAM_OPEN, *(t for t, _, _ in ends))) \
+                and not self._final:
+            return False  # a tag still being written
+        at = body.find("<", 1)  # text between parameters is none of the call's
+        if at < 0:
+            self._held = ""
+            return False
+        self._held = body[at:]
+        return True
+
+    def _parameter(self, name: str, raw: str) -> list[dict]:
+        key = name.strip()
+        if key in self._keys:
+            return []
+        schema = self._schemas.get(self._name, {})
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        value = xml_calls.read_value(raw, (properties or {}).get(key))  # (None: a key the schema does not name)
+        self._keys.add(key)
+        piece = ("{" if len(self._keys) == 1 else ", ") + json.dumps(key, ensure_ascii=False) + ": "
+        return self._arguments(piece + json.dumps(value, ensure_ascii=False))
+
+    def _close(self) -> str:
+        return "}" if self._keys else "{}"
+
+    def _arguments(self, piece: str) -> list[dict]:
+        return [{"tool_calls": [self._piece(piece)]}] if self._shown else []
+
+    def _piece(self, text: str) -> dict:
+        return {"index": self.num_calls - 1, "function": {"arguments": text}}
+
+    def _content(self, text: str, deltas: list[dict]) -> None:
+        if not self._forced:
+            super()._content(text, deltas)
+
+
 def _joined(deltas: list[dict]) -> list[dict]:
     """Adjacent content deltas as one."""
     out: list[dict] = []
@@ -1019,8 +1159,6 @@ def stream_reader(request: ToolRequest) -> ForcedCallStream | HermesCallStream |
     reply's calls as they are written; Llama 3's calls once the reply ends
     (a reply is calls only if all of it parses as calls)."""
     if request.parser == QWEN3_CODER:
-        from mstar_actors.frontend.xml_calls import XmlCallStream
-
         return XmlCallStream(request, forced=request.is_forced)
     if request.is_forced:
         return ForcedCallStream(request)

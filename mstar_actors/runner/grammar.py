@@ -531,16 +531,38 @@ def _literal(text: str) -> Any:
     return _xgr().Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
 
 
-# A qwen3_coder value's text: anything but "</" (which would close the parameter) or "<<" (the reader's tag search)
-_XML_TEXT = 'root ::= ([^<] | "<" [^/<])*'
+def _text_without(word: str) -> str:
+    """EBNF of any text in which ``word`` (its first character found nowhere else in it) never occurs: the
+    states of a search for it, by how much of it was just read."""
+    first, n = word[0], len(word)
+    assert first not in word[1:]
+    rules = [f'xt0 ::= "" | [^{_class_char(first)}] xt0 | {json.dumps(first)} xt1']
+    for k in range(1, n):
+        on = f" | {json.dumps(word[k])} xt{k + 1}" if k + 1 < n else ""  # (all of it: no way on)
+        rules.append(f'xt{k} ::= "" | {json.dumps(first)} xt1{on} | [^{_class_char(first)}{_class_char(word[k])}] xt0')
+    return "root ::= xt0\n" + "\n".join(rules)
+
+
+def _class_char(char: str) -> str:
+    return "\\" + char if char in "\\]^-[" else char
+
+
+# A qwen3_coder value's text: anything its closing tag is not in (a forced call's reader ends a value at it alone)
+_XML_TEXT = _text_without("</parameter>")
 _XML_REF = re.compile(r"^#/(\$defs|definitions)/")
+_XML_KEY = re.compile(r"[^\s<>](?:[^<>\n]*[^\s<>])?")  # a key the reader reads back as written
+_XML_OBJECT_KEYWORDS = ("minProperties", "maxProperties", "patternProperties", "propertyNames")
 
 
 def _xml_call(name: str, parameters: Any) -> Any:
     """One ``qwen3_coder`` call of function ``name`` (``frontend.xml_calls``): ``<function=NAME>``, then
     each of its schema's properties in order as ``<parameter=KEY>\\nVALUE\\n</parameter>\\n`` (a required one
-    always, the others optional), then ``</function>``. A string's value is its text (its enum, const,
-    pattern or lengths kept), any other value its schema's JSON, as the reader reads them back."""
+    always, the others optional; a schema of no properties that takes any, any number of keys), then
+    ``</function>``. A value is what the reader types it back to (``xml_calls.read_value``): a string's
+    its text (its enum, const, pattern or lengths kept), another type's its schema's JSON; a schema the
+    format cannot hold to is refused, named."""
+    from mstar_actors.frontend.xml_calls import value_type
+
     if not isinstance(parameters, dict):
         parameters = {}
     problem = unenforced_keyword(parameters)
@@ -550,24 +572,40 @@ def _xml_call(name: str, parameters: Any) -> Any:
     if any(not _XML_REF.match(ref) for ref in refs):
         raise GrammarError("json", "a $ref other than into #/$defs or #/definitions is not enforced in the "
                                    "qwen3_coder format's calls")
+    if (keyword := next((k for k in _XML_OBJECT_KEYWORDS if k in parameters), None)) is not None:
+        raise GrammarError("json", f"{keyword} is not enforced in the qwen3_coder format's calls (a call writes "
+                                   f"its schema's properties)")
     defs = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
     required = set(parameters.get("required") or ())
+    properties = parameters.get("properties") or {}
     pieces = [_literal(f"<function={name}>\n")]
-    for key, schema in (parameters.get("properties") or {}).items():
-        value = _xml_value(schema if isinstance(schema, dict) else {}, defs, key)
+    for key, schema in properties.items():
+        if not _XML_KEY.fullmatch(key):
+            raise GrammarError("json", f"properties[{key!r}]: a key with '<', '>', a line break or space at its "
+                                       f"ends cannot be written in the qwen3_coder format's calls")
+        value = _xml_value(schema if isinstance(schema, dict) else {}, defs, key, value_type)
         param = _xgr().Grammar.concat(_literal(f"<parameter={key}>\n"), value, _literal("\n</parameter>\n"))
         pieces.append(param if key in required else _xgr().Grammar.union(param, _literal("")))
+    if not properties and parameters.get("additionalProperties", True) is not False:
+        any_keys = 'root ::= ("<parameter=" [A-Za-z_] [A-Za-z0-9_.\\-]* ">\\n" text "\\n</parameter>\\n")*\n'
+        pieces.append(_xgr().Grammar.from_ebnf(any_keys + _XML_TEXT.replace("root ::= xt0", "text ::= xt0")))
     pieces.append(_literal("</function>"))
     return _xgr().Grammar.concat(*pieces)
 
 
-def _xml_value(schema: dict, defs: dict, key: str) -> Any:
-    """A parameter's value: a string's text, or the JSON of any other schema (with the tool's definitions)."""
-    kind = schema.get("type")
+def _xml_value(schema: dict, defs: dict, key: str, value_type: Any) -> Any:
+    """A parameter's value: a string's text, or the JSON of any other type's schema (with the tool's
+    definitions); a schema of no one type, which the reader reads as text, only where text is its value."""
+    kind = value_type(schema)
     texts = schema.get("enum", [schema["const"]] if "const" in schema else None)
-    if texts is not None and all(isinstance(t, str) for t in texts):
+    if kind == "enum":
         return _xgr().Grammar.from_regex("|".join(_escape_regex(t) for t in texts) or "[^\\s\\S]")
-    if kind != "string" and not (isinstance(kind, list) and "string" in kind):
+    if kind is None:
+        if any(k not in ANNOTATIONS for k in schema):
+            raise GrammarError("json", f"properties[{key!r}]: a value of no one type reads back as its text in the "
+                                       f"qwen3_coder format's calls; give its schema one type")
+        return _xgr().Grammar.from_ebnf(_XML_TEXT)
+    if kind != "string":
         return _xgr().Grammar.from_ebnf(_json_grammar_text(json.dumps(schema | defs)))
     if "format" in schema and schema["format"] not in FORMAT_PATTERNS:
         raise GrammarError("json", f"properties[{key!r}]: a string's format is not enforced in the qwen3_coder "

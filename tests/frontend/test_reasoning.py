@@ -24,16 +24,17 @@ CASES = [  # parser, reply, the prompt opened <think>, (reasoning, content)
 ]
 
 
-CALL_CASES = [  # a reply that reads calls: <tool_call> ends the reasoning and opens the answer (vLLM's qwen3)
+CALL_CASES = [  # a reply that reads Qwen3.5's calls: one opened ends the reasoning and is the answer's (vLLM's)
     ("qwen3", "plan<tool_call>\n<function=f>", True, ("plan", "<tool_call>\n<function=f>")),
     ("qwen3", "<think>a</think>b<tool_call>", False, ("a", "b<tool_call>")),
-    ("qwen3", "<think>a <tool_ca", False, ("a <tool_ca", "")),  # a tag's start that never finished
+    ("qwen3", "<think>a <tool_call>\n<func", False, ("a <tool_call>\n<func", "")),  # never finished
+    ("qwen3", "<think>a <tool_call> tags</think>b", False, ("a <tool_call> tags", "b")),  # no function: text
 ]
 
 
 @pytest.mark.parametrize("parser,text,opened,want", CASES + CALL_CASES)
 def test_whole_and_streamed_replies_split_alike(parser, text, opened, want):
-    calls = "<tool_call>" if (parser, text, opened, want) in CALL_CASES else None
+    calls = "<tool_call>\n<function=" if (parser, text, opened, want) in CALL_CASES else None
     assert split_reasoning(parser, text, opened, calls) == want
     for size in (1, 2, 5):  # any cut of the stream gives the same split
         stream, thought, answer = ReasoningStream(parser, opened, calls), "", ""
@@ -107,30 +108,40 @@ def test_without_a_parser_the_reply_is_all_content(harness):
     run(body)
 
 
-def test_a_tool_call_opened_inside_the_reasoning_ends_it(harness):
-    """With hermes calls, a ``<tool_call>`` ends the reasoning and is the answer's (vLLM's qwen3 parser:
-    Qwen3.5 calls without closing its thinking first), whole and streamed; without tools it is text."""
+def test_a_tool_call_opened_inside_the_reasoning(harness):
+    """A hermes ``<tool_call>`` inside the reasoning stays reasoning (a call only thought about is not
+    made); a Qwen3.5 (``qwen3_coder``) call opened there ends it and is the answer's, as vLLM's qwen3
+    parser reads Qwen3.5 calling without closing its thinking; whole and streamed alike."""
     call = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    xml_call = "<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>"
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
+    async def replies(h) -> list[tuple[str, list, str]]:
+        out = []
+        for stream in (False, True):
+            request = {"model": "tiny", "messages": MSGS, "tools": tools}
+            if stream:
+                _, events = await h.stream(CHAT, request)
+                deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+                reasoning = "".join(d.get("reasoning", "") for d in deltas)
+                calls = [c for d in deltas for c in d.get("tool_calls") or [] if "id" in c]
+                finish = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]][-1]
+            else:
+                _, r = await h.post(CHAT, request)
+                message, finish = r["choices"][0]["message"], r["choices"][0]["finish_reason"]
+                reasoning, calls = message["reasoning"], message.get("tool_calls") or []
+            out.append((reasoning, len(calls), finish))
+        return out
+
     async def body():
+        async with harness(model_keys={"reasoning_parser": "qwen3", "tool_call_parser": "qwen3_coder"}) as h:
+            h.engine.reply_text = f"<think>\nI need f.\n{xml_call}"
+            assert await replies(h) == [("\nI need f.\n", 1, "tool_calls")] * 2
+            h.engine.reply_text = "<think>\nwrap it in <tool_call> tags? no.\n</think>\n\nDone."  # no function
+            assert await replies(h) == [("\nwrap it in <tool_call> tags? no.\n", 0, "stop")] * 2
         async with harness(model_keys={"reasoning_parser": "qwen3", "tool_call_parser": "hermes"}) as h:
-            h.engine.reply_text = f"<think>\nI need f.\n{call}"
-            for stream in (False, True):
-                request = {"model": "tiny", "messages": MSGS, "tools": tools}
-                if stream:
-                    _, events = await h.stream(CHAT, request)
-                    deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
-                    reasoning = "".join(d.get("reasoning", "") for d in deltas)
-                    calls = [c for d in deltas for c in d.get("tool_calls") or [] if "id" in c]
-                    finish = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]][-1]
-                else:
-                    _, r = await h.post(CHAT, request)
-                    message, finish = r["choices"][0]["message"], r["choices"][0]["finish_reason"]
-                    reasoning, calls = message["reasoning"], message.get("tool_calls")
-                assert reasoning == "\nI need f.\n" and len(calls) == 1 and finish == "tool_calls", (stream, calls)
-            _, r = await h.post(CHAT, {"model": "tiny", "messages": MSGS})  # no tools: the tag is reasoning's text
-            assert r["choices"][0]["message"]["reasoning"] == f"\nI need f.\n{call}"
+            h.engine.reply_text = f"<think>\nI could write {call} but no.\n</think>\n\nNo call."
+            assert await replies(h) == [(f"\nI could write {call} but no.\n", 0, "stop")] * 2
             h.engine.reply_text = f"<think>\nneeds f\n</think>\n\n{call}"
             _, r = await h.post(CHAT, {"model": "tiny", "messages": MSGS, "tools": tools})
             message = r["choices"][0]["message"]

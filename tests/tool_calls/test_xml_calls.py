@@ -34,7 +34,13 @@ def call(name: str, **params: str) -> str:
     ("\nTrue\n", {"type": "boolean"}, True),
     ("\n{\"a\": [1]}\n", {"type": "object"}, {"a": [1]}),
     ("\nnull\n", {"type": "integer"}, None),
-    ("\n7\n", {"anyOf": [{"type": "integer"}, {"type": "string"}]}, 7),  # no one type: JSON
+    ("\n7\n", {"anyOf": [{"type": "integer"}, {"type": "string"}]}, "7"),  # no one type: its text (vLLM's)
+    ("\n7\n", {"anyOf": [{"type": "integer"}, {"type": "null"}]}, 7),  # Optional[int]: the integer
+    ("\nnull\n", {"anyOf": [{"type": "integer"}, {"type": "null"}]}, None),
+    ("\nnull\n", {"type": "string"}, "null"),  # a string that takes no null: its text
+    ("\nnull\n", {"type": ["string", "null"]}, None),
+    ("\n[1, 2]\n", {"description": "no type"}, "[1, 2]"),  # no type: its text (vLLM's)
+    ("\n5.0\n", {"type": "number"}, 5),  # a whole number: an integer (vLLM's)
     ("\n7\n", None, "7"),  # a key the schema does not name: its text (vLLM's)
     ("\n7\n", {"enum": ["7", "8"]}, "7"),
 ])
@@ -69,6 +75,14 @@ CASES = [
      None, [("get_weather", '{"city": "Oslo", "days": 2}')]),
     ("x <tool_call>\n<function=get_weather>\n<parameter=unit>\nc\n</parameter>\n</function>\n</tool", "x ",
      [("get_weather", '{"unit": "c"}')]),
+    ('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',  # hermes JSON: not this format's
+     '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', []),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</tool_call>\n"  # no </function>
+     + call("get_time"), None, [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
+    ("<tool_call>\n<function=get_time>\n</function>\n<function=get_weather>\n<parameter=city>\nA\n</parameter>\n"
+     "</function>\n</tool_call>", None, [("get_time", "{}"), ("get_weather", '{"city": "A"}')]),  # two in a block
+    (call("get_weather", city="A").replace("</function>", "<parameter=city>\nB\n</parameter>\n</function>"),
+     None, [("get_weather", '{"city": "A"}')]),  # a key written twice: its first value
 ]
 
 
@@ -86,7 +100,7 @@ def test_a_reply_reads_alike_whole_and_streamed_in_any_split(text, content, call
 
 def test_a_streamed_call_sends_its_name_first_then_its_arguments_a_parameter_at_a_time():
     stream = tc.stream_reader(auto())
-    assert isinstance(stream, xc.XmlCallStream)
+    assert isinstance(stream, tc.XmlCallStream)
     text = call("get_weather", city="Paris", days="3")
     pieces = [stream.feed(text[:i + 1][-1:]) for i in range(len(text))] + [stream.flush()]
     entries = [e for piece in pieces for d in piece for e in d.get("tool_calls", [])]
@@ -133,7 +147,10 @@ def test_forced_calls_are_held_to_the_format_and_their_parameters_types(chars):
     assert not accepted(weather.replace("\nc\n", "\nk\n"))  # not in its enum
     assert not accepted(time.replace("get_time", "get_date"))  # no such function
     assert not accepted(call("get_weather", days="3").removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
-    assert not accepted(weather.replace("Paris", "Pa</ris"))  # a string's text never closes its tag
+    assert not accepted(weather.replace("Paris", "Pa</parameter>ris"))  # a string's text never closes its tag
+    odd = weather.replace("Paris", "a</b> << <parameter=x>\n")  # any other text: read back as written
+    assert accepted(odd)
+    assert json.loads(tc.read_calls(request, odd)[1][0].arguments)["city"] == "a</b> << <parameter=x>\n"
     assert [(c.name, c.arguments) for c in tc.read_calls(request, weather + sep + time + end)[1]] == [
         ("get_weather", '{"city": "Paris", "days": 3, "unit": "c"}'), ("get_time", "{}")]
     named = tc.parse_tool_request([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}},
@@ -143,9 +160,33 @@ def test_forced_calls_are_held_to_the_format_and_their_parameters_types(chars):
     assert tc.read_calls(named, "")[0] is None
 
 
-def test_a_parameter_the_format_cannot_hold_to_its_schema_is_refused(chars):
-    tool = {"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"when": {"type": "string", "format": "date-time"}}}}}
+@pytest.mark.parametrize("parameters,reason", [
+    ({"type": "object", "properties": {"when": {"type": "string", "format": "date-time"}}}, "format is not enforced"),
+    ({"type": "object", "properties": {"a>b": {"type": "integer"}}}, "a key with '<', '>'"),
+    ({"type": "object", "properties": {" x": {"type": "integer"}}}, "space at its ends"),
+    ({"type": "object", "properties": {"v": {"anyOf": [{"type": "integer"}, {"type": "boolean"}]}}}, "no one type"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "minProperties": 1}, "minProperties is not"),
+])
+def test_a_parameter_the_format_cannot_hold_to_its_schema_is_refused(chars, parameters, reason):
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
     request = tc.parse_tool_request([tool], "required", tc.QWEN3_CODER)
-    with pytest.raises(GrammarError, match="format is not enforced in the qwen3_coder"):
+    with pytest.raises(GrammarError, match=reason):
         chars.check(StructuredSpec(*tc.forced_calls_spec(request)))
+
+
+def test_a_forced_call_of_any_object_takes_any_keys_and_optional_types(chars):
+    import xgrammar
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {
+                 "n": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}, "required": ["n"]}}}]
+    request = tc.parse_tool_request(tools, "required", tc.QWEN3_CODER, parallel_tool_calls=False)
+    matcher = xgrammar.GrammarMatcher(chars.compile(StructuredSpec(*tc.forced_calls_spec(request))))
+    for text, arguments in ((call("f", a="x", b_2="7"), '{"a": "x", "b_2": "7"}'), (call("f"), "{}"),
+                            (call("g", n="5"), '{"n": 5}'), (call("g", n="null"), '{"n": null}')):
+        body = text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")
+        matcher.reset()
+        assert matcher.accept_string(body) and matcher.accept_token(0), body
+        assert tc.read_calls(request, body)[1][0].arguments == arguments
+    matcher.reset()
+    assert not matcher.accept_string(call("g", n="five").removeprefix("<tool_call>\n"))
