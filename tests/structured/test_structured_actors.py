@@ -98,6 +98,23 @@ async def test_a_forced_calls_refusal_names_the_tool_whose_parameters_it_is(word
 
 
 @async_test
+async def test_a_forced_qwen3_coder_calls_refusal_names_its_tool(word_model):
+    """The format's own grammar (``xml_calls``): a tool whose schema it cannot hold is named."""
+    from mstar_actors.frontend.tool_calls import ToolRequest, forced_calls_spec
+
+    folder, _ = word_model
+    good = tool("good", {"properties": {"a": {"type": "integer"}}})
+    odd = tool("odd", {"properties": {"a>b": {"type": "integer"}}})
+    spec = StructuredSpec(*forced_calls_spec(ToolRequest([good, odd], "required", "qwen3_coder")), "tool_choice")
+    out, engine = await serve(folder, [msgspec.structs.replace(request("called", [5, 9], spec=spec), tools=[good, odd]),
+                                       request("ok", [5, 9], max_tokens=3, ignore_eos=True)])
+    assert await engine.stop() == [0] * 4
+    end = out["called"]["end"]
+    assert isinstance(end, Failed) and end.status == 400 and end.param == "tools[1].function.parameters", end
+    assert "a key with '<', '>'" in end.message, end.message
+
+
+@async_test
 async def test_abort_frees_the_grammar_state_on_every_rank(word_model):
     folder, _ = word_model
     engine = Engine(make_config(folder))
