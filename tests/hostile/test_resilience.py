@@ -36,6 +36,7 @@ MAX_TOKENS = 8
 LONG_TOKENS = 120  # the prompt's 5 tokens and these fit max_model_len 128: in flight when the kill comes
 KILL_BOUND_S = 3.0
 SETTLE_BOUND_S = 2.0  # from the last client's end to every gauge at 0  # from the SIGKILL to the last in-flight request's end, on 2 busy cores
+SERVER_ERRORS = ("server_error", "service_unavailable_error")  # the failure's: a 500's or a 503's
 
 
 def _tiny_server(tmp_path_factory):
@@ -177,7 +178,7 @@ def test_sigkill_of_an_actor_under_load_fails_every_request_fast_and_leaves_noth
         f"only {len(failed)} of 16 requests were still in flight at the kill")
     for kind, what in failed:
         error = error_of(kind, what)
-        assert error["type"] == "server_error" and CLEAR_ERROR.search(error["message"]), (kind, what)
+        assert error["type"] in SERVER_ERRORS and CLEAR_ERROR.search(error["message"]), (kind, what)
     assert server.wait_exit(60) != 0
     assert "actor worker0" in server.log and "SIGKILL" in server.log
     assert our_segments(run_id) == []
@@ -237,7 +238,7 @@ def test_sigkill_of_the_conductor_fails_requests_in_flight_naming_it(second_serv
     assert sum(kind == "plain" for kind, _ in failed) == 4, failed
     for kind, what in failed:
         error = error_of(kind, what)
-        assert error["type"] == "server_error" and "conductor" in error["message"], (kind, error)
+        assert error["type"] in SERVER_ERRORS and "conductor" in error["message"], (kind, error)
         assert "ChannelBroken" not in error["message"] and "writer process" not in error["message"], error
     assert second_server.wait_exit(60) != 0
     # The peers whose channels broke stop with one line each; the launcher names the death: no tracebacks.
