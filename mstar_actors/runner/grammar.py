@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from mstar_actors import messages
+from mstar_actors.frontend.xml_calls import FUNCTION_CLOSE, FUNCTION_OPEN, PARAM_CLOSE, PARAM_OPEN, value_type
 
 log = logging.getLogger(__name__)
 COMPILER_CACHE_BYTES = 64 << 20  # compiled grammars kept per process (LRU)
@@ -548,7 +549,7 @@ def _class_char(char: str) -> str:
 
 
 # A qwen3_coder value's text: anything its closing tag is not in (a forced call's reader ends a value at it alone)
-_XML_TEXT = _text_without("</parameter>")
+_XML_TEXT = _text_without(PARAM_CLOSE)
 _XML_REF = re.compile(r"^#/(\$defs|definitions)/")
 _XML_KEY = re.compile(r"[^\s<>](?:[^<>\n]*[^\s<>])?")  # a key the reader reads back as written
 _XML_OBJECT_KEYWORDS = ("minProperties", "maxProperties", "patternProperties", "propertyNames")
@@ -561,8 +562,6 @@ def _xml_call(name: str, parameters: Any) -> Any:
     ``</function>``. A value is what the reader types it back to (``xml_calls.read_value``): a string's
     its text (its enum, const, pattern or lengths kept), another type's its schema's JSON; a schema the
     format cannot hold to is refused, named."""
-    from mstar_actors.frontend.xml_calls import value_type
-
     if not isinstance(parameters, dict):
         parameters = {}
     problem = unenforced_keyword(parameters)
@@ -578,22 +577,22 @@ def _xml_call(name: str, parameters: Any) -> Any:
     defs = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
     required = set(parameters.get("required") or ())
     properties = parameters.get("properties") or {}
-    pieces = [_literal(f"<function={name}>\n")]
+    pieces = [_literal(f"{FUNCTION_OPEN}{name}>\n")]
     for key, schema in properties.items():
         if not _XML_KEY.fullmatch(key):
             raise GrammarError("json", f"properties[{key!r}]: a key with '<', '>', a line break or space at its "
                                        f"ends cannot be written in the qwen3_coder format's calls")
-        value = _xml_value(schema if isinstance(schema, dict) else {}, defs, key, value_type)
-        param = _xgr().Grammar.concat(_literal(f"<parameter={key}>\n"), value, _literal("\n</parameter>\n"))
+        value = _xml_value(schema if isinstance(schema, dict) else {}, defs, key)
+        param = _xgr().Grammar.concat(_literal(f"{PARAM_OPEN}{key}>\n"), value, _literal(f"\n{PARAM_CLOSE}\n"))
         pieces.append(param if key in required else _xgr().Grammar.union(param, _literal("")))
     if not properties and parameters.get("additionalProperties", True) is not False:
-        any_keys = 'root ::= ("<parameter=" [A-Za-z_] [A-Za-z0-9_.\\-]* ">\\n" text "\\n</parameter>\\n")*\n'
+        any_keys = f'root ::= ("{PARAM_OPEN}" [A-Za-z_] [A-Za-z0-9_.\\-]* ">\\n" text "\\n{PARAM_CLOSE}\\n")*\n'
         pieces.append(_xgr().Grammar.from_ebnf(any_keys + _XML_TEXT.replace("root ::= xt0", "text ::= xt0")))
-    pieces.append(_literal("</function>"))
+    pieces.append(_literal(FUNCTION_CLOSE))
     return _xgr().Grammar.concat(*pieces)
 
 
-def _xml_value(schema: dict, defs: dict, key: str, value_type: Any) -> Any:
+def _xml_value(schema: dict, defs: dict, key: str) -> Any:
     """A parameter's value: a string's text, or the JSON of any other type's schema (with the tool's
     definitions); a schema of no one type, which the reader reads as text, only where text is its value."""
     kind = value_type(schema)
