@@ -7,6 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/smollm2.yaml
+PORT ?=
 PYTEST_ARGS ?=
 
 .PHONY: install serve fetch test bench clean
@@ -24,7 +25,7 @@ fetch: install
 	$(PY) -m mstar_actors fetch smollm2
 
 serve: fetch
-	$(PY) -m mstar_actors serve $(CONFIG)
+	$(PY) -m mstar_actors serve $(CONFIG) $(if $(PORT),--port $(PORT))
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)

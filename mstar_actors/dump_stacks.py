@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    print(f"=== run {run_dir} ===\n")  # (the newest live run is the machine's: which one this is)
     pending = request_dumps(run_dir, actors)
     gone = sorted(set(actors) - set(pending))
     missing = collect(pending, args.timeout)

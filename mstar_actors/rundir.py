@@ -129,7 +129,8 @@ def find_run(arg: str | None, root: Path | None = None) -> Path:
         for run_dir in live_runs(root):
             if read_actors(run_dir).get("launcher_pid") == int(arg):
                 return run_dir
-        raise FileNotFoundError(f"no live run has launcher pid {arg}; pass the run directory instead")
+        raise FileNotFoundError(f"no live run has launcher pid {arg}; pass the run directory instead (under "
+                                f"{runs_root()}; the launcher's start-up line names it)")
     raise FileNotFoundError(f"{arg}: neither a run directory nor a launcher pid")
 
 

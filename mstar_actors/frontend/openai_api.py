@@ -165,7 +165,8 @@ def check_fields(body: dict, kind: str) -> None:
                 continue  # (of the neutral value's type: true is not 1)
             raise _bad(name, "not supported by this server (it would change the output); remove it")
         endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-        raise _bad(name, f"unknown field for {endpoint}; accepted: {', '.join(sorted(accepted - IGNORED_FIELDS))}")
+        raise _bad(name, f"unknown field for {endpoint}; accepted: {', '.join(sorted(accepted - IGNORED_FIELDS))}; "
+                         f"taken and ignored (they change no output): {', '.join(sorted(IGNORED_FIELDS))}")
 
 
 # --------------------------------------------------------------------------
@@ -484,6 +485,12 @@ def _parse_max_tokens(body: dict, default: int | None, max_model_len: int | None
     (counted as sent, as OpenAI's 16 for completions), or with none the
     whole context, cut."""
     hi = max_model_len or (1 << 31)
+    for name in ("max_tokens", "max_completion_tokens"):  # past the whole context: no prompt leaves it room
+        value = body.get(name)
+        if _is_int(value) and value > hi:
+            raise ApiError(400, f"{name}: {value} is more than the model's whole context ({hi} tokens, "
+                                f"max_model_len), before any prompt; ask for at most {hi} less the prompt's tokens",
+                           param=name, code="context_length_exceeded")
     value = get_int(body, "max_tokens", None, lo, hi)
     value = get_int(body, "max_completion_tokens", value, lo, hi)
     if value is None:

@@ -317,6 +317,17 @@ def test_a_lone_surrogate_escape_is_named_as_such(raw, lone):
     assert api.decode_body(rb'{"a": "\ud83d\ude00"}') == {"a": "\U0001f600"}
 
 
+def test_a_cap_past_the_whole_context_is_context_length_exceeded():
+    for name in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(api.ApiError) as info:
+            api.parse_chat(chat(**{name: 5000}), 2048)
+        assert (info.value.param, info.value.code) == (name, "context_length_exceeded")
+        assert "2048" in info.value.message and "max_model_len" in info.value.message
+    with pytest.raises(api.ApiError) as info:
+        api.parse_chat(chat(bogus=1))
+    assert "taken and ignored" in info.value.message and "request_id" in info.value.message
+
+
 def test_reasoning_effort_is_a_template_variable_as_vllm_passes_it():
     assert api.parse_chat(chat(reasoning_effort="high")).chat_template_kwargs == {"reasoning_effort": "high"}
     both = chat(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high", "x": 1})
