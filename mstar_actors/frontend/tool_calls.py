@@ -939,14 +939,7 @@ class HermesCallStream:
                     deltas.append({"tool_calls": [_head_delta(self.num_calls - 1, _name_in(match))]})
                 self._held, self._state, self._value = self._held[match.end():], "arguments", _ValueEnd()
                 return True
-            at = self._end.find(self._held, self._final)
-            if at is None:
-                return False
-            tagged = self._end.tagged
-            body, self._state = self._held[:at], "out"
-            self._held = self._held[at + (len(HERMES_CLOSE) if tagged else 0):]
-            deltas += self._whole_block(body, closed=tagged)
-            return True
+            return self._block_to_its_end(deltas)
         if self._state == "arguments":
             piece, self._held, ended = self._value.take(self._held)
             if piece and self._shown:
@@ -970,6 +963,17 @@ class HermesCallStream:
         if self._held[:at].strip():  # text after the call in its block: content, as a response reads it
             self._content(self._held[:at], deltas)
         self._held, self._state = self._held[at + len(HERMES_CLOSE):], "out"
+        return True
+
+    def _block_to_its_end(self, deltas: list[dict]) -> bool:
+        """A block read whole once its end is written (``_whole_block``); False while it goes on."""
+        at = self._end.find(self._held, self._final)
+        if at is None:
+            return False
+        tagged = self._end.tagged
+        body, self._state = self._held[:at], "out"
+        self._held = self._held[at + (len(HERMES_CLOSE) if tagged else 0):]
+        deltas += self._whole_block(body, closed=tagged)
         return True
 
     def _content(self, text: str, deltas: list[dict]) -> None:
@@ -1070,14 +1074,7 @@ class XmlCallStream(HermesCallStream):
         if self._forced:  # (the grammar writes the opening: only a cut reply gets here)
             self._held = ""
             return False
-        at = self._end.find(self._held, self._final)  # no call: to its end, then content with its markup
-        if at is None:
-            return False
-        tagged = self._end.tagged
-        body, self._state = self._held[:at], "out"
-        self._held = self._held[at + (len(HERMES_CLOSE) if tagged else 0):]
-        deltas += self._whole_block(body, closed=tagged)
-        return True
+        return self._block_to_its_end(deltas)  # no call: to its end, then content with its markup
 
     def _whole_block(self, body: str, closed: bool) -> list[dict]:
         """A block that holds no call (hermes JSON included: not this format's), as content."""
