@@ -74,7 +74,7 @@ from mstar_actors.messages import (
     new_request_id,
 )
 from mstar_actors.frontend.metrics import Metrics
-from mstar_actors.frontend.openai_api import ApiError, ChoiceOutput, ParsedRequest
+from mstar_actors.frontend.openai_api import ApiError, ChoiceOutput, ParsedRequest, error_type_of
 from mstar_actors.frontend.reasoning import (
     THINK_CLOSE,
     THINK_OPEN,
@@ -372,8 +372,7 @@ class FrontendActor(Actor):
             if not future.done():
                 future.set_result(AdapterUpdate(request_id=rid, status=status, message=message))
         for rid, exchange in list(self._exchanges.items()):
-            exchange.push(Failed(request_id=rid, status=status, message=message,  # (the type a new one's 503 has)
-                                 error_type=ApiError(status, message).error_type))
+            exchange.push(Failed(request_id=rid, status=status, message=message, error_type=error_type_of(status)))
 
     # ---- HTTP app -------------------------------------------------------
 
@@ -710,11 +709,12 @@ class FrontendActor(Actor):
 
     def _with_reasoning_parser(self, parsed: ParsedRequest) -> tuple[str, bool, str | None] | None:
         """How a chat reply is read with ``model.reasoning_parser``: ``(parser, the prompt opened the
-        reasoning, what else ends it: a qwen3 reply's call opening where it reads calls)``, or None where it has none (its prompt closed it: all answer, as vLLM reads it). A
-        structured output's constraint is set to hold from the token after ``</think>``, as vLLM's; a
-        forced tool call's reply is held to the call from its first token (its prompt ends inside the
-        call): no reasoning, its prompt's thinking closed before the call as a template closes it when
-        thinking is off (``<think>\n\n</think>\n\n``; one the prompt opened, ``</think>\n\n``)."""
+        reasoning, what else ends it: a qwen3 reply's call opening where it reads calls)``, or None where it
+        has none (its prompt closed it: all answer, as vLLM reads it). A structured output's constraint
+        is set to hold from the token after ``</think>``, as vLLM's; a forced tool call's reply is held to
+        the call from its first token (its prompt ends inside the call): no reasoning, its prompt's
+        thinking closed before the call as a template closes it when thinking is off
+        (``<think>\n\n</think>\n\n``; one the prompt opened, ``</think>\n\n``)."""
         spec = parsed.sampling.structured
         if parsed.tools is not None and parsed.tools.is_forced:
             state = self._prompt_reasoning(parsed)

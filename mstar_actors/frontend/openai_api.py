@@ -68,14 +68,15 @@ class ApiError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.error_type = error_type or _default_type(status)
+        self.error_type = error_type or error_type_of(status)
         self.retry_after_s = retry_after_s  # a retryable refusal's Retry-After header (seconds)
 
     def envelope(self) -> dict:
         return error_envelope(self.message, self.error_type, self.param, self.code)
 
 
-def _default_type(status: int) -> str:
+def error_type_of(status: int) -> str:
+    """OpenAI's error type of an HTTP status (a refusal's default)."""
     if status == 401:
         return "authentication_error"
     if status == 404:

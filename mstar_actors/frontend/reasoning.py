@@ -4,8 +4,7 @@ Qwen3, Qwen3.5 and DeepSeek-R1-style models think first, inside
 ``<think> ... </think>``, then answer. With a parser set, a chat reply's
 thinking leaves in the message's ``reasoning`` field (streamed as
 ``delta.reasoning``), the answer in ``content``, and tool calls are read from
-the answer only. Pure: no
-I/O, no tokenizer; text in, text out.
+the answer only. Pure: no I/O, no tokenizer; text in, text out.
 
 - ``qwen3``: reasoning is what a ``<think>`` opens, up to ``</think>``; a
   reply that opens none is all answer (``enable_thinking: false``), unless the
