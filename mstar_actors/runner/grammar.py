@@ -321,6 +321,9 @@ def _own_problem(schema: dict, where: str, root: dict) -> str | None:
                 "merge them into one")
     if schema.get("uniqueItems") is True:
         return f"{where} uses 'uniqueItems', which is not enforced here"
+    if schema.get("format") in UNENFORCED_FORMATS:
+        return (f"{where} has format {schema['format']!r}, which is not enforced here; enforced formats: "
+                f"{', '.join(ENFORCED_FORMATS)} (or give a pattern)")
     ref = schema.get("$ref")
     if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
         return (f"{where} refers to {ref!r}; only JSON-pointer references inside the schema (\"#/$defs/...\") "
@@ -491,6 +494,11 @@ def _resolve(schema: Any, root: dict) -> Any:
 # the engine's ipv4 takes an octet's leading zeros ("010", read as octal by some).
 _OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 FORMAT_PATTERNS = {"ipv4": rf"^({_OCTET}\.){{3}}{_OCTET}$"}
+# JSON Schema's formats the engine lets any string through for (refused, named); a format outside the
+# vocabulary is an annotation, as the specification reads it, and passes as one.
+ENFORCED_FORMATS = ("date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri",
+                    "uri-reference", "uri-template", "json-pointer", "relative-json-pointer")
+UNENFORCED_FORMATS = ("idn-email", "idn-hostname", "iri", "iri-reference", "regex")
 
 
 def _with_format_patterns(schema: Any) -> Any:
@@ -606,16 +614,39 @@ def _xml_value(schema: dict, defs: dict, key: str) -> Any:
         return _xgr().Grammar.from_ebnf(_XML_TEXT)
     if kind != "string":
         return _xgr().Grammar.from_ebnf(_json_grammar_text(json.dumps(schema | defs)))
-    if "format" in schema and schema["format"] not in FORMAT_PATTERNS:
-        raise GrammarError("json", f"properties[{key!r}]: a string's format is not enforced in the qwen3_coder "
-                                   f"format's calls (its value is the text itself); use a pattern")
-    pattern = schema.get("pattern", FORMAT_PATTERNS.get(schema.get("format", "")))
+    pattern = schema.get("pattern", _TEXT_FORMAT_PATTERNS.get(schema.get("format", "")))
     if pattern is not None:
         return _xgr().Grammar.from_regex(pattern.removeprefix("^").removesuffix("$"))
+    if schema.get("format") in ENFORCED_FORMATS:
+        text = _format_text(schema["format"])
+        if text is None:
+            raise GrammarError("json", f"properties[{key!r}]: format {schema['format']!r} is not enforced in the "
+                                       f"qwen3_coder format's calls (its JSON form escapes characters the text "
+                                       f"would write as they are); use a pattern")
+        return _xgr().Grammar.from_ebnf(text)
     if "minLength" in schema or "maxLength" in schema:
         low, high = schema.get("minLength", 0), schema.get("maxLength", "")
         return _xgr().Grammar.from_regex(f"[^<]{{{low},{high}}}")
     return _xgr().Grammar.from_ebnf(_XML_TEXT)
+
+
+# A format's text where the engine's JSON rule escapes: an email's local part unquoted (the dot-atom form)
+_DOT_ATOM = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"
+_TEXT_FORMAT_PATTERNS = FORMAT_PATTERNS | {"email": rf"{_DOT_ATOM}(\.{_DOT_ATOM})*@{_LABEL}(\.{_LABEL})*"}
+_QUOTED_ROOT = 'root ::= (("\\"" root_1 "\\""))'
+
+
+@functools.lru_cache(maxsize=len(ENFORCED_FORMATS))
+def _format_text(name: str) -> str | None:
+    """EBNF of the text of a string of format ``name`` (the engine's rule for its JSON string, less the
+    quotes), or None where that rule writes an escape (its text and its JSON form would differ)."""
+    text = str(_xgr().Grammar.from_json_schema(json.dumps({"type": "string", "format": name}),
+                                               any_whitespace=False))
+    own = [line for line in text.splitlines() if not line.startswith("basic_")]
+    if own[0] != _QUOTED_ROOT or any("\\\\" in line or '\\"' in line for line in own[1:]):
+        return None
+    return text.replace(_QUOTED_ROOT, "root ::= root_1", 1)
 
 
 def _repeated(grammar: str, separator: str, end: str = "") -> Any:

@@ -210,6 +210,9 @@ OBJ = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": [
     # strings: lengths beside a pattern or format, lookarounds, quotes and backslashes
     ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 2}, "minLength / maxLength beside 'pattern'"),
     ({"type": "string", "format": "email", "maxLength": 20}, "minLength / maxLength beside 'format'"),
+    # a format of the vocabulary the engine passes any string for
+    ({"type": "string", "format": "idn-email"}, "has format 'idn-email', which is not enforced here; enforced"),
+    ({"type": "object", "properties": {"r": {"type": "string", "format": "regex"}}}, "properties['r'] has format"),
     ({"type": "string", "pattern": "^(?!abc)[a-c]{3}$"}, "has a lookaround"),
     ({"type": "string", "pattern": '^say "hi"$'}, "matches a quote or a backslash"),
     ({"type": "string", "pattern": "^a\\\\b$"}, "matches a quote or a backslash"),
@@ -264,6 +267,7 @@ def test_a_keyword_the_engine_would_drop_is_refused_naming_it(compiler, schema, 
                "Dog": {"type": "object", "properties": {"kind": {"enum": ["dog"]}}, "required": ["kind"]}},
      "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}], "discriminator": {"propertyName": "kind"}},
     {"type": "string", "pattern": "^\\d{3}-[a-z]+$"},
+    {"type": "string", "format": "password"},  # outside the vocabulary: an annotation (pydantic's SecretStr)
     {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "minProperties": 1,
      "maxProperties": 2, "additionalProperties": False},
     # a count of keys the engine writes holds though it may repeat one: pydantic's dict[str, int] with lengths

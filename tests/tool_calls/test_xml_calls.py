@@ -160,8 +160,38 @@ def test_forced_calls_are_held_to_the_format_and_their_parameters_types(chars):
     assert tc.read_calls(named, "")[0] is None
 
 
+@pytest.mark.parametrize("fmt,good,bad", [
+    ("date-time", "2026-12-06T05:47:30Z", "2026-12-06 05:47"),
+    ("date", "2026-12-06", "06/12/2026"),
+    ("uuid", "123e4567-e89b-12d3-a456-426614174000", "123e4567"),
+    ("email", "a.b+c@example.com", '"a b"@example.com'),  # the dot-atom form: its text as the reader reads it
+    ("uri", "https://example.com/a?b=c#d", "not a uri"),
+    ("ipv4", "10.0.0.1", "010.0.0.1"),
+    ("hostname", "example.com", "exa mple.com"),
+])
+def test_a_string_s_format_is_held_in_forced_calls(chars, fmt, good, bad):
+    import xgrammar
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"v": {"type": "string", "format": fmt}}, "required": ["v"]}}}
+    request = tc.parse_tool_request([tool], "required", tc.QWEN3_CODER)
+    matcher = xgrammar.GrammarMatcher(chars.compile(StructuredSpec(*tc.forced_calls_spec(request))))
+
+    def written(value: str) -> str:  # after the block's opening, which the prompt holds
+        return call("f", v=value).removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")
+
+    def accepted(value: str) -> bool:
+        matcher.reset()
+        return matcher.accept_string(written(value)) and matcher.accept_token(0)
+
+    assert accepted(good) and not accepted(bad)
+    assert json.loads(tc.read_calls(request, written(good))[1][0].arguments) == {"v": good}
+
+
 @pytest.mark.parametrize("parameters,reason", [
-    ({"type": "object", "properties": {"when": {"type": "string", "format": "date-time"}}}, "format is not enforced"),
+    ({"type": "object", "properties": {"p": {"type": "string", "format": "json-pointer"}}},
+     "format 'json-pointer' is not enforced"),
+    ({"type": "object", "properties": {"p": {"type": "string", "format": "iri"}}}, "format 'iri', which is not"),
     ({"type": "object", "properties": {"a>b": {"type": "integer"}}}, "a key with '<', '>'"),
     ({"type": "object", "properties": {" x": {"type": "integer"}}}, "space at its ends"),
     ({"type": "object", "properties": {"v": {"anyOf": [{"type": "integer"}, {"type": "boolean"}]}}}, "no one type"),
