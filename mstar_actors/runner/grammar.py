@@ -612,8 +612,9 @@ def _xml_value(schema: dict, defs: dict, key: str) -> Any:
             raise GrammarError("json", f"properties[{key!r}]: a value of no one type reads back as its text in the "
                                        f"qwen3_coder format's calls; give its schema one type")
         return _xgr().Grammar.from_ebnf(_XML_TEXT)
-    if kind != "string":
-        return _xgr().Grammar.from_ebnf(_json_grammar_text(json.dumps(schema | defs)))
+    if kind != "string":  # its strings' "<" escaped: the reader ends a value at the first closing tag
+        text = _json_grammar_text(json.dumps(schema | defs))
+        return _xgr().Grammar.from_ebnf(text.replace(_JSON_STRING_CHAR, _JSON_STRING_CHAR[:-1] + "<]"))
     pattern = schema.get("pattern", _TEXT_FORMAT_PATTERNS.get(schema.get("format", "")))
     if pattern is not None:
         return _xgr().Grammar.from_regex(pattern.removeprefix("^").removesuffix("$"))

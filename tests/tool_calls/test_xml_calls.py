@@ -148,6 +148,15 @@ def test_forced_calls_are_held_to_the_format_and_their_parameters_types(chars):
     assert not accepted(time.replace("get_time", "get_date"))  # no such function
     assert not accepted(call("get_weather", days="3").removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
     assert not accepted(weather.replace("Paris", "Pa</parameter>ris"))  # a string's text never closes its tag
+    tagged = {"a": "x</parameter>"}  # an object's string: its "<" escaped, so the value reads back whole
+    with_tag = tc.parse_tool_request([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"o": {"type": "object"}}, "required": ["o"]}}}], "required", tc.QWEN3_CODER)
+    tagged_matcher = xgrammar.GrammarMatcher(chars.compile(StructuredSpec(*tc.forced_calls_spec(with_tag))))
+    escaped = call("f", o=json.dumps(tagged).replace("<", "\\u003c")).removeprefix("<tool_call>\n")
+    assert not tagged_matcher.accept_string(call("f", o=json.dumps(tagged)).removeprefix("<tool_call>\n"))
+    tagged_matcher.reset()
+    assert tagged_matcher.accept_string(escaped.removesuffix("\n</tool_call>")) and tagged_matcher.accept_token(0)
+    assert json.loads(tc.read_calls(with_tag, escaped)[1][0].arguments) == {"o": tagged}
     odd = weather.replace("Paris", "a</b> << <parameter=x>\n")  # any other text: read back as written
     assert accepted(odd)
     assert json.loads(tc.read_calls(request, odd)[1][0].arguments)["city"] == "a</b> << <parameter=x>\n"
