@@ -120,10 +120,12 @@ TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
 OWNED_FIELDS = {"chat": STRUCTURED_FIELDS | TOOL_FIELDS, "completion": STRUCTURED_FIELDS}
 
 # Change nothing in the output: accepted (their types checked, ``_check_ignored``)
-# and ignored, as OpenAI's server does; ``request_id`` names the response.
+# and ignored, as OpenAI's server does; ``request_id`` names the response. A
+# ``prediction`` (OpenAI's predicted outputs) only speeds a reply up; fast
+# tokenizers put no spaces between special tokens either way (vLLM's reading).
 IGNORED_FIELDS = frozenset({
     "user", "metadata", "store", "service_tier", "request_id", "priority", "prompt_cache_key",
-    "safety_identifier",
+    "safety_identifier", "prediction", "spaces_between_special_tokens",
 })
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE, MAX_REQUEST_ID = 16, 64, 512, 128
@@ -132,13 +134,11 @@ MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE, MAX_REQUEST_ID = 16, 6
 # the neutral one (then they change nothing either). Name -> neutral values.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "use_beam_search": (False,), "length_penalty": (1, 1.0), "early_stopping": (False,), "suffix": ("",),
-    "audio": (), "modalities": (["text"],), "prediction": (), "functions": (),
+    "audio": (), "modalities": (["text"],), "functions": (),
     "function_call": (), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
     "chat_template": (), "documents": (), "mm_processor_kwargs": ({},),
     "logits_processors": (), "vllm_xargs": (),
     "prompt_embeds": (), "kv_transfer_params": (), "echo": (False,),
-    # fast tokenizers never put spaces between special tokens: only the default is honoured
-    "spaces_between_special_tokens": (True,),
 }
 
 
@@ -385,7 +385,7 @@ def parse_logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, flo
     hi = vocab_size or 1 << 31
     pairs = []
     for key, bias in value.items():
-        if not (key.isascii() and key.isdigit() and int(key) < hi):
+        if not (key.isascii() and key.isdigit() and len(key) <= len(str(hi)) and int(key) < hi):
             raise _bad("logit_bias", f"key {_show(key)} is not a token id in [0, {hi})")
         if not ((_is_int(bias) or isinstance(bias, float)) and math.isfinite(bias) and -100 <= bias <= 100):
             raise _bad("logit_bias", f"the bias of {key} must be a number in [-100, 100], got {_show(bias)}")
@@ -408,6 +408,11 @@ def _parse_sampling(body: dict, cap: tuple[int, bool], logprobs: int | None,
     max_tokens, cut_to_context = cap  # from ``_parse_max_tokens``
     top_k = get_int(body, "top_k", 0, -1, 1 << 31)
     stop_token_ids = get_token_ids(body, "stop_token_ids", 64, vocab_size)
+    min_tokens = body.get("min_tokens")
+    if _is_int(min_tokens) and min_tokens > max_tokens:
+        sent = next((f"{name}={body[name]}" for name in ("max_tokens", "max_completion_tokens")
+                     if body.get(name) is not None), f"max_tokens={max_tokens}, the default")
+        raise _bad("min_tokens", f"must be at most the output's cap ({sent}), got {min_tokens}")
     min_tokens = get_int(body, "min_tokens", 0, 0, max_tokens)
     return SamplingParams(
         max_tokens=max_tokens,
@@ -449,12 +454,24 @@ def _parse_cache_salt(body: dict) -> str:
     return salt or ""
 
 
+def _text_parts(content: Any) -> bool:
+    return isinstance(content, list) and bool(content) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
+
+
 def _check_ignored(body: dict) -> None:
     """The ignored fields (``IGNORED_FIELDS``) change nothing, but a wrong
     type or value is still the client's error, as OpenAI answers it."""
     for name in ("user", "prompt_cache_key", "safety_identifier"):
         get_str(body, name, None)
     get_bool(body, "store", False)
+    get_bool(body, "spaces_between_special_tokens", True)
+    prediction = body.get("prediction")
+    if prediction is not None and not (
+            isinstance(prediction, dict) and prediction.get("type") == "content"
+            and set(prediction) <= {"type", "content"}
+            and (isinstance(prediction.get("content"), str) or _text_parts(prediction.get("content")))):
+        raise _bad("prediction", 'expected {"type": "content", "content": a string or an array of text parts}')
     if get_int(body, "priority", 0, -(1 << 31), 1 << 31) != 0:  # vLLM's, as vLLM without priority scheduling
         raise _bad("priority", "requests are served first come, first served here; send 0 or leave it out")
     tier = body.get("service_tier")

@@ -26,26 +26,38 @@ def refused(raw: bytes, kind: str = "chat") -> api.ApiError:
 
 @pytest.mark.parametrize("name", sorted(api.IGNORED_FIELDS))
 def test_fields_that_change_nothing_are_accepted(name):
-    value = {"metadata": {"k": "v"}, "store": False, "service_tier": "auto", "priority": 0}.get(name, "x")
+    value = {"metadata": {"k": "v"}, "store": False, "service_tier": "auto", "priority": 0,
+             "prediction": {"type": "content", "content": [{"type": "text", "text": "x"}]},
+             "spaces_between_special_tokens": False}.get(name, "x")
     api.parse_chat(chat(**{name: value}), 256, 400)
     api.parse_completion(comp(**{name: value}), 256, 400)
 
 
 @pytest.mark.parametrize("name,value", [("use_beam_search", True), ("suffix", "tail"),
                                         ("audio", {"voice": "x"}), ("modalities", ["text", "audio"]),
-                                        ("prediction", {"type": "content", "content": "x"}),
-                                        ("length_penalty", 0.5), ("spaces_between_special_tokens", False),
-                                        ("spaces_between_special_tokens", 1), ("early_stopping", 0)])
+                                        ("length_penalty", 0.5), ("early_stopping", 0)])
 def test_fields_that_would_change_the_output_are_refused_by_name(name, value):
     err = refused(chat(**{name: value}))
     assert err.param == name and "not supported" in err.message
 
 
 @pytest.mark.parametrize("name,value", [("use_beam_search", False), ("suffix", ""), ("modalities", ["text"]),
-                                        ("spaces_between_special_tokens", True), ("prompt_logprobs", None),
+                                        ("prompt_logprobs", None),
                                         ("length_penalty", 1), ("length_penalty", 1.0)])
 def test_refused_fields_at_their_neutral_value_change_nothing_and_pass(name, value):
     api.parse_chat(chat(**{name: value}), 256, 400)
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("prediction", {"type": "content"}, 'expected {"type": "content"'),
+    ("prediction", "x", 'expected {"type": "content"'),
+    ("spaces_between_special_tokens", 1, "expected true or false"),
+    ("logit_bias", {"9" * 5000: 1}, "is not a token id in [0, 400)"),  # its length first: int() takes 4300 digits
+    ("min_tokens", 20, "at most the output's cap (max_tokens=16, the default), got 20"),
+])
+def test_a_wrong_value_of_a_field_is_a_400_naming_it(name, value, message):
+    err = refused(comp(**{name: value}), "completion")
+    assert err.param == name and message in err.message, err.message
 
 
 def test_add_special_tokens_passes_at_each_endpoints_own_default():
