@@ -1115,7 +1115,8 @@ class XmlCallStream(HermesCallStream):
             return []
         schema = self._schemas.get(self._name, {})
         properties = schema.get("properties") if isinstance(schema, dict) else None
-        value = xml_calls.read_value(raw, (properties or {}).get(key))  # (None: a key the schema does not name)
+        named = (properties or {}).get(key)  # (None: a key the schema does not name)
+        value = xml_calls.read_value(raw, xml_calls.resolved(named, schema))
         self._keys.add(key)
         piece = ("{" if len(self._keys) == 1 else ", ") + json.dumps(key, ensure_ascii=False) + ": "
         return self._arguments(piece + json.dumps(value, ensure_ascii=False))

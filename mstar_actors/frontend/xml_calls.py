@@ -20,6 +20,7 @@ are written. ``tool_calls.XmlCallStream`` reads a reply with them.
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -32,20 +33,48 @@ PARAM_OPEN, PARAM_CLOSE = "<parameter=", "</parameter>"
 VALUE_END = re.compile("|".join(re.escape(t) for t in (PARAM_CLOSE, PARAM_OPEN, FUNCTION_CLOSE, BLOCK_CLOSE)))
 FORCED_VALUE_END = re.compile(re.escape(PARAM_CLOSE))
 _INTEGER = re.compile(r"[+-]?[0-9]+")
+MAX_INTEGER_DIGITS = 4300  # int()'s limit on a string's digits
 _STRING_TYPES = ("string", "str", "text", "varchar", "char", "enum")
 
 
+MAX_REF_DEPTH = 16  # references followed in a row (a definition that names itself ends there)
+
+
+def resolved(schema: Any, root: Any, depth: int = 0) -> Any:
+    """``schema`` with its ``$ref`` into ``root``'s ``$defs`` / ``definitions`` followed, and its
+    ``anyOf`` / ``oneOf`` branches' (a parameter typed by a definition: pydantic's nested models and
+    optionals); a reference that leads nowhere is left as it is."""
+    if not isinstance(schema, dict) or depth > MAX_REF_DEPTH:
+        return schema
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and isinstance(root, dict):
+        section, _, name = ref.removeprefix("#/").partition("/")
+        target = root.get(section, {}).get(name) if section in ("$defs", "definitions") else None
+        if isinstance(target, dict):
+            return resolved(target | {k: v for k, v in schema.items() if k != "$ref"}, root, depth + 1)
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):
+            schema = schema | {key: [resolved(b, root, depth + 1) for b in schema[key]]}
+    return schema
+
+
+def choices(schema: dict) -> list | None:
+    """The values an ``enum`` or ``const`` lists (None: neither)."""
+    return schema.get("enum", [schema["const"]] if "const" in schema else None)
+
+
 def value_type(schema: Any) -> str | None:
-    """The type a parameter's schema gives its values: its ``type`` (a list's first besides null), the one
-    type of all its ``anyOf`` / ``oneOf`` branches besides null, "enum" for string choices; None for any
-    other (read as text, as vLLM reads a schema with no type)."""
+    """The type a parameter's schema (``resolved``) gives its values: its ``type`` (a list's first besides
+    null), the one type of all its ``anyOf`` / ``oneOf`` branches besides null, "enum" for string choices
+    (null among them or not); None for any other (read as text, as vLLM reads a schema with no type)."""
     if not isinstance(schema, dict):
         return None
     kind = schema.get("type")
     if isinstance(kind, list):
         kind = "string" if "string" in kind else next((k for k in kind if k != "null"), None)
-    texts = schema.get("enum", [schema["const"]] if "const" in schema else None)
-    if texts is not None and all(isinstance(t, str) for t in texts):
+    texts = choices(schema)
+    if isinstance(texts, list) and any(t is not None for t in texts) and all(
+            t is None or isinstance(t, str) for t in texts):
         return "enum"
     branches = schema.get("anyOf") or schema.get("oneOf")
     if kind is None and isinstance(branches, list):
@@ -56,16 +85,20 @@ def value_type(schema: Any) -> str | None:
 
 def nullable(schema: Any) -> bool:
     """Whether ``null`` written as a value is None: a key the schema does not name, a schema with no type
-    (vLLM's), or one that lets null through (its type, or a branch's); else it is the value's own text."""
+    (vLLM's), or one that lets null through (its type, a choice, or a branch's); else it is the value's own
+    text."""
     if not isinstance(schema, dict):
+        return True
+    texts = choices(schema)
+    if isinstance(texts, list) and None in texts:
         return True
     kind = schema.get("type")
     if kind is not None:
         return kind == "null" or (isinstance(kind, list) and "null" in kind)
     branches = schema.get("anyOf") or schema.get("oneOf")
     if isinstance(branches, list):
-        return any(nullable(b) for b in branches if isinstance(b, dict) and "type" in b)
-    return "enum" not in schema and "const" not in schema
+        return any(nullable(b) for b in branches if isinstance(b, dict) and ("type" in b or choices(b)))
+    return texts is None
 
 
 def read_value(raw: str, schema: Any) -> Any:
@@ -82,21 +115,31 @@ def read_value(raw: str, schema: Any) -> Any:
     if kind is None or kind in _STRING_TYPES:
         return text
     if kind.startswith(("int", "uint", "long", "short")):
-        return int(word) if _INTEGER.fullmatch(word) else text
+        return int(word) if _INTEGER.fullmatch(word) and len(word) <= MAX_INTEGER_DIGITS else text
     if kind.startswith(("num", "float", "double")):
         try:
-            number = float(word)
+            number = _finite(word)
         except ValueError:
-            return text
-        if number != number or abs(number) == float("inf"):
             return text
         return int(number) if number.is_integer() and kind.startswith("num") else number
     if kind in ("boolean", "bool"):
         return {"true": True, "false": False}.get(word.lower(), text)
     try:
-        return json.loads(word)
+        return json.loads(word, parse_float=_finite, parse_constant=_no_constant)
     except ValueError:
         return text
+
+
+def _finite(text: str) -> float:
+    """A number's text as a float; ValueError where it is none a JSON reply can hold (past float's range, NaN)."""
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"{text[:20]} is past a float's range")
+    return number
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"{text} is not JSON")
 
 
 def written_calls(calls: list[tuple[str, Any]]) -> str:

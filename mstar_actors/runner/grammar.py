@@ -42,7 +42,8 @@ from typing import Any
 import torch
 
 from mstar_actors import messages
-from mstar_actors.frontend.xml_calls import FUNCTION_CLOSE, FUNCTION_OPEN, PARAM_CLOSE, PARAM_OPEN, value_type
+from mstar_actors.frontend.xml_calls import (FUNCTION_CLOSE, FUNCTION_OPEN, PARAM_CLOSE, PARAM_OPEN, choices, nullable,
+                                             resolved, value_type)
 
 log = logging.getLogger(__name__)
 COMPILER_CACHE_BYTES = 64 << 20  # compiled grammars kept per process (LRU)
@@ -575,6 +576,7 @@ def _xml_call(name: str, parameters: Any) -> Any:
     problem = unenforced_keyword(parameters)
     if problem is not None:
         raise GrammarError("json", problem)
+    _json_grammar_text(json.dumps(parameters))  # the engine's reading of the schema: its errors, as JSON calls get
     refs = set(re.findall(r'"\$ref":\s*"([^"]*)"', json.dumps(parameters)))
     if any(not _XML_REF.match(ref) for ref in refs):
         raise GrammarError("json", "a $ref other than into #/$defs or #/definitions is not enforced in the "
@@ -601,20 +603,34 @@ def _xml_call(name: str, parameters: Any) -> Any:
 
 
 def _xml_value(schema: dict, defs: dict, key: str) -> Any:
-    """A parameter's value: a string's text, or the JSON of any other type's schema (with the tool's
-    definitions); a schema of no one type, which the reader reads as text, only where text is its value."""
+    """A parameter's value: a string's text (its choices, pattern, format or lengths), or the JSON of any
+    other type's schema (with the tool's definitions); ``null`` beside a string's where the schema takes
+    it; a schema of no one type, which the reader reads as text, only where text is its value. References
+    and branches are followed as the reader follows them (``xml_calls.resolved``)."""
+    schema = resolved(schema, defs)
     kind = value_type(schema)
-    texts = schema.get("enum", [schema["const"]] if "const" in schema else None)
-    if kind == "enum":
-        return _xgr().Grammar.from_regex("|".join(_escape_regex(t) for t in texts) or "[^\\s\\S]")
     if kind is None:
         if any(k not in ANNOTATIONS for k in schema):
             raise GrammarError("json", f"properties[{key!r}]: a value of no one type reads back as its text in the "
                                        f"qwen3_coder format's calls; give its schema one type")
         return _xgr().Grammar.from_ebnf(_XML_TEXT)
-    if kind != "string":  # its strings' "<" escaped: the reader ends a value at the first closing tag
+    if kind not in ("string", "enum"):  # its strings' "<" escaped: the reader ends a value at the first closing tag
         text = _json_grammar_text(json.dumps(schema | defs))
         return _xgr().Grammar.from_ebnf(text.replace(_JSON_STRING_CHAR, _JSON_STRING_CHAR[:-1] + "<]"))
+    branches = [b for b in schema.get("anyOf") or schema.get("oneOf") or []
+                if not (isinstance(b, dict) and b.get("type") == "null")]
+    if branches and "type" not in schema and choices(schema) is None:
+        values = [_xml_value(b, defs, key) for b in branches]
+    else:
+        values = [_xml_text(schema, key)]
+    return _union(values + [_literal("null")] if nullable(schema) else values)
+
+
+def _xml_text(schema: dict, key: str) -> Any:
+    """A string's text (or its choices') as the reader keeps it."""
+    texts = choices(schema)
+    if value_type(schema) == "enum":
+        return _xgr().Grammar.from_regex("|".join(_escape_regex(t) for t in texts if t is not None))
     pattern = schema.get("pattern", _TEXT_FORMAT_PATTERNS.get(schema.get("format", "")))
     if pattern is not None:
         return _xgr().Grammar.from_regex(pattern.removeprefix("^").removesuffix("$"))

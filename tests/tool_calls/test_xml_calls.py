@@ -229,3 +229,68 @@ def test_a_forced_call_of_any_object_takes_any_keys_and_optional_types(chars):
         assert tc.read_calls(request, body)[1][0].arguments == arguments
     matcher.reset()
     assert not matcher.accept_string(call("g", n="five").removeprefix("<tool_call>\n"))
+
+
+def _forced(chars, parameters: dict):
+    """(request, matcher) of a forced call of tool ``f`` with ``parameters``."""
+    import xgrammar
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    request = tc.parse_tool_request([tool], "required", tc.QWEN3_CODER)
+    return request, xgrammar.GrammarMatcher(chars.compile(StructuredSpec(*tc.forced_calls_spec(request))))
+
+
+def _held(request, matcher, **values: str):
+    """The arguments read back from the forced call of ``values``, None where the grammar refuses it."""
+    text = call("f", **values).removeprefix("<tool_call>\n")
+    matcher.reset()
+    if not (matcher.accept_string(text.removesuffix("\n</tool_call>")) and matcher.accept_token(0)):
+        return None
+    return json.loads(tc.read_calls(request, text)[1][0].arguments)
+
+
+OPTIONAL_SHORT = {"anyOf": [{"type": "string", "maxLength": 2}, {"type": "null"}]}
+OPTIONAL_CHOICE = {"anyOf": [{"enum": ["c", "f"], "type": "string"}, {"type": "null"}]}  # Optional[Literal]
+PLACE = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("schema,good,bad", [
+    (OPTIONAL_SHORT, [("ab", "ab"), ("null", None)], ["abc"]),
+    (OPTIONAL_CHOICE, [("c", "c"), ("null", None)], ["k"]),
+    ({"anyOf": [{"const": "a"}, {"type": "null"}]}, [("a", "a"), ("null", None)], ["b"]),
+    ({"type": ["string", "null"], "enum": ["a", "b", None]}, [("b", "b"), ("null", None)], ["x"]),
+    ({"anyOf": [{"type": "string", "pattern": "^[0-9]+$"}, {"type": "null"}]}, [("12", "12")], ["1a"]),
+    ({"$ref": "#/$defs/Place"}, [('{"a": 1}', {"a": 1})], ['{"a": "x"}', "text"]),
+    ({"anyOf": [{"$ref": "#/$defs/Place"}, {"type": "null"}]}, [('{"a": 2}', {"a": 2}), ("null", None)], ["{}"]),
+])
+def test_a_parameter_s_branches_and_references_are_held_and_read_as_written(chars, schema, good, bad):
+    """pydantic's optionals, literals and nested models: the branch's own constraints hold, null reads as None."""
+    request, matcher = _forced(chars, {"type": "object", "properties": {"v": schema}, "required": ["v"],
+                                       "$defs": {"Place": PLACE}})
+    for written, value in good:
+        assert _held(request, matcher, v=written) == {"v": value}, written
+    for written in bad:
+        assert _held(request, matcher, v=written) is None, written
+
+
+def test_a_number_past_a_float_s_range_never_makes_arguments_that_are_not_json():
+    """``json.loads`` reads 1e999 as inf, which ``json.dumps`` writes as Infinity: it stays the text written."""
+    number = {"type": "object", "properties": {"x": {"type": "number"}, "o": {"type": "object"},
+                                                "n": {"type": "integer"}}}
+    request = tc.parse_tool_request([{"type": "function", "function": {"name": "f", "parameters": number}}],
+                                    "auto", tc.QWEN3_CODER)
+    reply = call("f", x="841.5E1589988444", o='{"y": 24e91038294294, "z": NaN}', n="9" * 5000)
+    arguments = tc.read_calls(request, reply)[1][0].arguments
+    strict = json.loads(arguments, parse_constant=lambda c: pytest.fail(f"{c} in {arguments[:80]}"))
+    assert strict == {"x": "841.5E1589988444", "o": '{"y": 24e91038294294, "z": NaN}', "n": "9" * 5000}
+
+
+@pytest.mark.parametrize("parameters,reason", [
+    ({"type": "object", "properties": [1, 2]}, "properties must be an object"),
+    ({"type": "object", "properties": {"city": {"type": "string"}}, "required": "city"}, "required must be an array"),
+    ({"type": "object", "properties": {"s": {"type": "string", "minLength": 5, "maxLength": 2}}},
+     "minLength 5 is greater than maxLength 2"),
+])
+def test_a_malformed_parameters_schema_gets_the_engine_s_reason(chars, parameters, reason):
+    with pytest.raises(GrammarError, match=reason):
+        _forced(chars, parameters)
