@@ -80,6 +80,7 @@ from mstar_actors.frontend.reasoning import (
     THINK_OPEN,
     ReasoningStream,
     prompt_reasoning,
+    reasoning_end,
     split_reasoning,
 )
 from mstar_actors.frontend.tool_calls import (
@@ -231,7 +232,7 @@ class FrontendActor(Actor):
         if problem:
             self.log.warning("%s", problem)
         self.reasoning_parser = self.config.model.reasoning_parser
-        self._opening: dict[str, str | None] = {}  # chat_template_kwargs -> prompt_reasoning of the generation prompt
+        self._opening: dict[str, str] = {}  # chat_template_kwargs -> the generation prompt's text
         self.think_ids: tuple[int, int] | None = None  # <think>, </think>: structured outputs hold after the reasoning
         if self.reasoning_parser:
             ids = tuple(self.tokenization.single_token_id(tag) for tag in (THINK_OPEN, THINK_CLOSE))
@@ -713,13 +714,12 @@ class FrontendActor(Actor):
         has none (its prompt closed it: all answer, as vLLM reads it). A structured output's constraint
         is set to hold from the token after ``</think>``, as vLLM's; a forced tool call's reply is held to
         the call from its first token (its prompt ends inside the call): no reasoning, its prompt's
-        thinking closed before the call as a template closes it when thinking is off
-        (``<think>\n\n</think>\n\n``; one the prompt opened, ``</think>\n\n``)."""
+        thinking closed before the call as a template closes it when thinking is off (``reasoning_end``)."""
         spec = parsed.sampling.structured
         if parsed.tools is not None and parsed.tools.is_forced:
             state = self._prompt_reasoning(parsed)
-            end = {"open": f"{THINK_CLOSE}\n\n", None: f"{THINK_OPEN}\n\n{THINK_CLOSE}\n\n"}.get(state, "")
             if parsed.add_generation_prompt or state == "open":
+                end = reasoning_end(self._followed_text(parsed) or "") if state != "closed" else ""
                 parsed.tools = dataclasses.replace(parsed.tools, reasoning_end=end)
             return None
         if spec is not None and self.think_ids is None:
@@ -738,25 +738,33 @@ class FrontendActor(Actor):
         return self.reasoning_parser, opened, XML_CALL_OPENING if calls_open else None
 
     def _prompt_reasoning(self, parsed: ParsedRequest) -> str | None:
-        """``prompt_reasoning`` of what the reply follows: the message it continues
-        (``continue_final_message``), else the generation prompt (a template that ends it with
-        ``<think>``, as Qwen3.5's thinking one does, or with ``<think></think>`` when thinking is off):
-        the template rendered once per set of chat_template_kwargs, a few hundred sets kept."""
-        if parsed.continue_final_message:  # a message with no tag goes on as an answer (templates close the rest)
+        """``prompt_reasoning`` of what the reply follows (``_followed_text``); a continued message with
+        no tag goes on as an answer (templates close the rest)."""
+        text = self._followed_text(parsed)
+        if parsed.continue_final_message:
+            return prompt_reasoning(text or "") or "closed"
+        return None if text is None else prompt_reasoning(text)
+
+    def _followed_text(self, parsed: ParsedRequest) -> str | None:
+        """The text the reply follows: the message it continues (``continue_final_message``), else the
+        generation prompt (a template that ends it with ``<think>``, as Qwen3.5's thinking one does, or
+        with ``<think></think>`` when thinking is off), None with neither: the template rendered once per
+        set of chat_template_kwargs, a few hundred sets kept."""
+        if parsed.continue_final_message:
             content = parsed.messages[-1].content
-            return prompt_reasoning(content if isinstance(content, str) else
-                                    "".join(part.text or "" for part in content if part.type == "text")) or "closed"
+            return content if isinstance(content, str) else "".join(
+                part.text or "" for part in content if part.type == "text")
         if not parsed.add_generation_prompt:
             return None
         key = _json.encode(parsed.chat_template_kwargs or {}).decode()
         if key in self._opening:
             return self._opening[key]
-        state = prompt_reasoning(self.tokenization.generation_prompt(parsed.chat_template_kwargs))
+        text = self.tokenization.generation_prompt(parsed.chat_template_kwargs)
         if len(key) <= 256:  # (sets of flags; a kwarg holding a document is rendered each time, not kept)
             if len(self._opening) >= 256:
                 self._opening.pop(next(iter(self._opening)))  # the oldest set
-            self._opening[key] = state
-        return state
+            self._opening[key] = text
+        return text
 
     # ---- text to speech -----------------------------------------------
 

@@ -43,6 +43,24 @@ def prompt_reasoning(prompt_text: str) -> str | None:
     return "closed" if closed >= 0 else None
 
 
+# a template's thinking when it is off (Qwen3's, Qwen3.5's ``enable_thinking: false``)
+EMPTY_THINKING = f"{THINK_OPEN}\n\n{THINK_CLOSE}\n\n"
+
+
+def reasoning_end(prompt_text: str) -> str:
+    """What closes a prompt's reasoning before a reply that gives none (a forced tool call) as a template
+    closes it with thinking off (``EMPTY_THINKING``): the rest of that form after the ``<think>`` (and its
+    whitespace) the prompt opened, ``</think>`` after thoughts of its own, all of it where the prompt opened
+    none; nothing where it closed its own."""
+    state = prompt_reasoning(prompt_text)
+    if state is None:
+        return EMPTY_THINKING
+    if state == "closed":
+        return ""
+    tail = prompt_text[prompt_text.rfind(THINK_OPEN):]
+    return EMPTY_THINKING[len(tail):] if EMPTY_THINKING.startswith(tail) else f"{THINK_CLOSE}\n\n"
+
+
 class ReasoningStream:
     """One reply's text, fed as it streams, split into ``(reasoning, content)`` pieces.
 

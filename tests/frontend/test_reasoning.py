@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from mstar_actors.frontend.reasoning import ReasoningStream, prompt_reasoning, split_reasoning
+from mstar_actors.frontend.reasoning import ReasoningStream, prompt_reasoning, reasoning_end, split_reasoning
 
 CASES = [  # parser, reply, the prompt opened <think>, (reasoning, content)
     ("qwen3", "<think>\nI think.\n</think>\n\nThe answer is 4.", False, ("\nI think.\n", "\n\nThe answer is 4.")),
@@ -48,6 +48,17 @@ def test_whole_and_streamed_replies_split_alike(parser, text, opened, want):
 def test_a_prompt_that_ends_inside_think_opens_the_reasoning():
     assert prompt_reasoning("<|im_start|>assistant\n<think>\n") == "open"
     assert prompt_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n") == "closed"  # enable_thinking: false
+
+
+@pytest.mark.parametrize("prompt,end", [
+    ("<|im_start|>assistant\n<think>\n", "\n</think>\n\n"),  # Qwen3.5's: the off form, "<think>\n\n</think>\n\n"
+    ("<|im_start|>assistant\n<think>", "\n\n</think>\n\n"),
+    ("<|im_start|>assistant\n<think>\nLet me see", "</think>\n\n"),  # thoughts of its own
+    ("<|im_start|>assistant\n", "<think>\n\n</think>\n\n"),  # none opened: the whole off form
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", ""),
+])
+def test_a_reply_that_gives_no_reasoning_follows_it_closed_as_the_template_closes_it(prompt, end):
+    assert reasoning_end(prompt) == end
     assert prompt_reasoning("<|im_start|>assistant\n") is None
     with pytest.raises(ValueError, match="accepted: qwen3, deepseek_r1"):
         ReasoningStream("granite")
@@ -309,7 +320,8 @@ def test_a_prompt_that_closed_or_opened_the_reasoning_decides_the_reply(tmp_path
             status, r = await h.post(CHAT, {"model": "tiny", "messages": MSGS, "response_format": schema})
             assert next(iter(h.engine.requests.values())).sampling.structured.opened  # the template opened it
             tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-            for kwargs, prefix in (({}, "</think>\n\n"), (off, "")):  # a forced call: never inside <think>
+            # a forced call: never inside <think>, the prompt's "<think>\n" closed as the template's off form
+            for kwargs, prefix in (({}, "\n</think>\n\n"), (off, "")):
                 h.engine.requests.clear()
                 h.engine.reply_text = '{"name": "f", "parameters": {}}'
                 status, r = await h.post(CHAT, {"model": "tiny", "messages": MSGS, "tools": tools,
