@@ -67,6 +67,13 @@ class AdapterReaderActor(Actor):
         # is half the bytes each install maps and copies, and the install converts nothing.
         self.host_dtype = getattr(torch, self.info.dtype)
 
+    def base_weights(self, module: str) -> Any:
+        """The served model's weight of a global module, as its files hold it (``read_adapter``'s check of
+        the embedding and head copies PEFT saves)."""
+        from mstar_actors.models.loader import stored_weight
+
+        return stored_weight(self.info.model_dir, module)
+
     async def start(self) -> None:
         if self.info.lora_base is None:
             # An architecture without LoRA shape rules still serves its base weights
@@ -112,7 +119,7 @@ class AdapterReaderActor(Actor):
 
             raise AdapterError(f"adapter {msg.name!r}: this base model takes no adapters ({self.info.lora_refusal})")
         weights = read_adapter(msg.path, base=self.info.lora_base, max_rank=self.config.lora.max_lora_rank,
-                               name=msg.name)
+                               name=msg.name, base_weights=self.base_weights)
         weights = weights.to_dtype(self.host_dtype)
         known = self.tier.find(msg.name, weights.digest)
         if known is not None:  # the same weights again: share the copy

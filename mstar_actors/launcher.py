@@ -557,6 +557,7 @@ def validate_adapters(config: Config, info: ModelInfo) -> None:
     anything is spawned. Raises AdapterError naming the first bad one and why."""
     from mstar_actors.lora import AdapterError, read_adapter
     from mstar_actors.lora.adapter_pool import expand_path
+    from mstar_actors.models.loader import stored_weight
 
     for folder in config.lora.adapter_dirs if config.lora.allow_runtime_updates else ():
         if not Path(expand_path(folder)).is_dir():  # a load from it is refused, naming it; say so now too
@@ -568,7 +569,8 @@ def validate_adapters(config: Config, info: ModelInfo) -> None:
         raise AdapterError(f"lora.adapters: the base model {config.model.path} takes no adapters: {info.lora_refusal}")
     for name, path in config.lora.adapters.items():
         try:
-            read_adapter(expand_path(path), base=info.lora_base, max_rank=config.lora.max_lora_rank, name=name)
+            read_adapter(expand_path(path), base=info.lora_base, max_rank=config.lora.max_lora_rank, name=name,
+                         base_weights=lambda module: stored_weight(info.model_dir, module))
         except AdapterError as err:
             folder = Path(expand_path(path))
             demo = folder.parent == Path(expand_path(DEMO_ADAPTERS)) and not folder.exists()

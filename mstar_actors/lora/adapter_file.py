@@ -29,10 +29,11 @@ import os
 import re
 import stat
 import struct
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -128,19 +129,34 @@ class AdapterWeights:
         return dataclasses.replace(self, layers=layers, global_modules=global_modules)
 
 
+# A module's weight as the served model's files hold it (``models.loader.stored_weight``): a context
+# manager giving its lazy slice, or None
+BaseWeights = Callable[[str], AbstractContextManager[Any]]
+
+
 def read_adapter(path: str | Path, *, base: BaseShapes, max_rank: int, name: str | None = None,
-                 allowed_dirs: Sequence[str] | None = None) -> AdapterWeights:
+                 allowed_dirs: Sequence[str] | None = None, base_weights: BaseWeights | None = None) -> AdapterWeights:
     """Read and validate the PEFT adapter folder at ``path`` against ``base``.
 
     With ``allowed_dirs`` (real paths), every file read must resolve inside
     one of them (AdapterFileOutside otherwise); None reads where links lead.
+    With ``base_weights``, the copies of the embedding and head PEFT saves
+    beside their factors are checked against the served ones (``_check_copy_values``).
     Raises AdapterError for anything that can't be served exactly.
     """
     folder = Path(path)
     name = name or folder.name
     config = _read_config(folder, name, allowed_dirs)
     _check_config(config, name)
-    tensors = _read_tensors(_weights_path(folder, name), name, allowed_dirs)
+
+    def check_copy(key: str, copy: Any) -> None:
+        module = _check_base_copy(key, tuple(copy.get_shape()), base, name)
+        if base_weights is not None:
+            with base_weights(module) as served:
+                if served is not None:
+                    _check_copy_values(key, copy, served, module, name)
+
+    tensors = _read_tensors(_weights_path(folder, name), name, allowed_dirs, check_copy)
     pairs = _pair_tensors(tensors, base, name)
     layers = [dict() for _ in range(base.num_layers)]
     global_modules: dict[str, LoraModule] = {}
@@ -229,26 +245,29 @@ def _weights_path(folder: Path, name: str) -> Path:
     raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} is missing from {folder}")
 
 
-def _read_tensors(path: Path, name: str, allowed_dirs: Sequence[str] | None = None) -> dict[str, torch.Tensor | tuple[int, ...]]:
-    """Every tensor, except that the base-layer copies PEFT saves next to
-    embedding / lm_head adapters (``*.base_layer.weight``) are not read: they
-    are the base model's own weights; only their shape is kept, to check."""
+def _read_tensors(path: Path, name: str, allowed_dirs: Sequence[str] | None,
+                  check_copy: Callable[[str, Any], None]) -> dict[str, torch.Tensor]:
+    """Every tensor but the base-layer copies PEFT saves next to embedding /
+    lm_head adapters (``*.base_layer.weight``), which are the base model's
+    weights (the served ones are kept): ``check_copy`` takes each's lazy slice."""
     try:
         with open_inside(path, allowed_dirs, name) as fd:
             # The checked descriptor's own file, whatever the name points at by now.
-            return _read_checked_tensors(Path(f"/proc/self/fd/{fd}"), name)
+            return _read_checked_tensors(Path(f"/proc/self/fd/{fd}"), name, check_copy)
     except OSError as err:
         raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} could not be opened ({err.strerror})") from None
 
 
-def _read_checked_tensors(path: Path, name: str) -> dict[str, torch.Tensor | tuple[int, ...]]:
+def _read_checked_tensors(path: Path, name: str, check_copy: Callable[[str, Any], None]) -> dict[str, torch.Tensor]:
     _check_safetensors_size(path, name)
-    out: dict[str, torch.Tensor | tuple[int, ...]] = {}
+    out: dict[str, torch.Tensor] = {}
     try:
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
-                is_copy = key.endswith(".base_layer.weight")
-                out[key] = tuple(f.get_slice(key).get_shape()) if is_copy else f.get_tensor(key)
+                if key.endswith(".base_layer.weight"):
+                    check_copy(key, f.get_slice(key))
+                else:
+                    out[key] = f.get_tensor(key)
     except (SafetensorError, OSError, RuntimeError) as err:
         raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} is corrupt or truncated ({err})") from None
     return out
@@ -403,9 +422,6 @@ def _pair_tensors(tensors: dict, base: BaseShapes, name: str) -> dict[str, tuple
     found: dict[str, dict[str, torch.Tensor]] = {}
     keys: dict[tuple[str, str], str] = {}  # (module path, factor) -> its tensor's key
     for key, tensor in tensors.items():
-        if isinstance(tensor, tuple):
-            _check_base_copy(key, tensor, base, name)
-            continue
         module_path, kind = _split_key(key, name)
         if tensor.dtype not in _FLOAT_DTYPES:
             raise AdapterError(f"adapter {name!r}: tensor {key!r} has dtype {tensor.dtype}; accepted: float32, float16, bfloat16")
@@ -426,9 +442,9 @@ def _pair_tensors(tensors: dict, base: BaseShapes, name: str) -> dict[str, tuple
     return {path: (kinds["A"], kinds["B"]) for path, kinds in found.items()}
 
 
-def _check_base_copy(key: str, shape: tuple[int, ...], base: BaseShapes, name: str) -> None:
-    """A saved base-layer copy must have the base model's shape: a resized
-    vocabulary means the adapter was trained on another embedding table."""
+def _check_base_copy(key: str, shape: tuple[int, ...], base: BaseShapes, name: str) -> str:
+    """The global module (``embed_tokens`` / ``lm_head``) of a saved base-layer copy, which must have the
+    base model's shape: a resized vocabulary means the adapter was trained on another embedding table."""
     module_path = key.removeprefix("base_model.model.").removesuffix(".base_layer.weight")
     module, _ = _place(module_path, base, name)
     in_features, out_features = base.shape_of(module)
@@ -438,6 +454,35 @@ def _check_base_copy(key: str, shape: tuple[int, ...], base: BaseShapes, name: s
             f"adapter {name!r}: tensor {key!r} has shape {list(shape)} but the base model's {module} is "
             f"{list(expected)}; the adapter was trained with a resized vocabulary, which is not served"
         )
+    return module
+
+
+# A saved copy's row may differ from the served row by this share of its norm: a base's own rounding (a
+# dtype, a GGUF's 8-bit table dequantized) stays far below it, a row the adapter trained or set does not.
+MAX_COPY_CHANGE = 0.25
+_COPY_ROWS = 4096  # rows compared at a time (a 128k x 4096 table: 64 MiB a block in float32)
+
+
+def _check_copy_values(key: str, copy: Any, served: Any, module: str, name: str) -> None:
+    """A saved base-layer copy must hold the served model's rows (to rounding): PEFT loads it over the
+    base, so an adapter that trained its table (or was saved from other base weights) would answer with
+    it, and only its LoRA factors are served."""
+    rows = copy.get_shape()[0]
+    if tuple(served.get_shape()) != tuple(copy.get_shape()):
+        raise AdapterError(f"adapter {name!r}: tensor {key!r} has shape {copy.get_shape()} but the served model's "
+                           f"{module} is {served.get_shape()}; accepted: an adapter trained on this base model")
+    for start in range(0, rows, _COPY_ROWS):
+        mine = copy[start : start + _COPY_ROWS].to(torch.float32)
+        theirs = served[start : start + _COPY_ROWS].to(torch.float32)
+        change = (mine - theirs).norm(dim=1) / theirs.norm(dim=1).clamp_min(1e-6)
+        worst = int(change.argmax())
+        if not change[worst] <= MAX_COPY_CHANGE:  # (NaN too)
+            raise AdapterError(
+                f"adapter {name!r}: its saved copy of the base model's {module} ({key!r}) differs from the served "
+                f"model's: row {start + worst} by {float(change[worst]):.0%} of its norm (at most "
+                f"{MAX_COPY_CHANGE:.0%} is rounding). The adapter trained or replaced that table, which is not "
+                f"served (only LoRA factors are); accepted: an adapter trained on this base model with the table "
+                f"frozen")
 
 
 def _place(module_path: str, base: BaseShapes, name: str) -> tuple[str, int | None]:

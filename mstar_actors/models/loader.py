@@ -8,12 +8,14 @@ unexpected or mis-shaped tensor.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -21,6 +23,7 @@ from safetensors import safe_open
 from .attention import PagedAttention, TorchPagedAttention
 from .decoder import CausalLM, StackedLinear
 from .deltanet_ops import DeltaNetOps, TorchDeltaNetOps
+from .lora_layers import EMBED_TOKENS
 from .registry import ARCHITECTURES, REFUSED, Architecture
 from .sharding import Cut, ShardLayout, single_rank_layout
 from .spec import ModelLoadError, ModelSpec, parse_spec, read_config
@@ -233,6 +236,24 @@ def _fill_weights(model_dir: Path, targets: dict[str, Target], arch: Architectur
                 num_full += math.prod(shape)
     _check_complete(model_dir, targets, loaded, unexpected, spec)
     return num_full
+
+
+@contextlib.contextmanager
+def stored_weight(model_dir: str | Path, module: str) -> Iterator[Any]:
+    """The checkpoint's lazy slice (``safe_open``'s ``get_slice``) of global module ``module``'s weight
+    (``embed_tokens`` or ``lm_head``, as ``BaseShapes`` names them; a tied head's is the embedding's), None
+    where no file holds it."""
+    model_dir = Path(model_dir)
+    arch, spec = load_spec(model_dir)
+    module = EMBED_TOKENS if module == "embed_tokens" or spec.tie_word_embeddings else module
+    wanted = {f"{hf}.weight" for hf, _, _ in arch.rules.checkpoint_parts(module)}
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            stored = next((k for k in f.keys() if arch.rules.canonical(k) in wanted), None)
+            if stored is not None:
+                yield f.get_slice(stored)
+                return
+    yield None
 
 
 def _check_complete(model_dir, targets, loaded, unexpected, spec) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from lora_factories import base_shapes, edit_adapter, lora_layer, make_adapter, make_base, write_adapter
 
 from mstar_actors.lora import AdapterError, BaseShapes, read_adapter
@@ -374,3 +376,31 @@ def test_refuses_resized_vocabulary_copy(tmp_path):
     folder, _ = make_adapter(tmp_path, model, target_modules=["embed_tokens"])
     edit_adapter(folder, tensors={"base_model.model.model.embed_tokens.base_layer.weight": torch.zeros(330, 64)})
     _refused(folder, base_shapes(cfg), "trained with a resized vocabulary")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_embedding_and_head_copies_peft_saves_must_be_the_served_ones(tmp_path, tied):
+    """PEFT loads an adapter's saved ``base_layer`` copies over the base: a table the adapter changed would
+    answer other tokens than the served one (only LoRA factors are served); a dtype's rounding is the same table."""
+    from mstar_actors.models.loader import stored_weight
+
+    model, cfg = make_base(tie_word_embeddings=tied)
+    model.save_pretrained(str(tmp_path / "base"))
+    served = functools.partial(stored_weight, tmp_path / "base")
+    folder, _ = make_adapter(tmp_path, model, target_modules=["q_proj", "embed_tokens", "lm_head"])
+    read = functools.partial(read_adapter, base=base_shapes(cfg), max_rank=8, base_weights=served)
+    assert set(read(folder).global_modules) == {"embed_tokens", "lm_head"}
+    copies = [k for k in load_file(str(folder / "adapter_model.safetensors")) if k.endswith(".base_layer.weight")]
+    assert {k.split(".")[-3] for k in copies} == {"embed_tokens", "lm_head"}
+    for key in copies:
+        halved = load_file(str(folder / "adapter_model.safetensors"))[key].half()  # saved in another dtype
+        edit_adapter(folder, tensors={key: halved})
+        read(folder)
+        changed = halved.float()
+        changed[7] = torch.randn(changed.shape[1])  # a token's row set anew
+        edit_adapter(folder, tensors={key: changed})
+        with pytest.raises(AdapterError, match=rf"saved copy of the base model's {key.split('.')[-3]} .* row 7 by"):
+            read(folder)
+        edit_adapter(folder, tensors={key: halved})
+    read(folder)
+    read_adapter(folder, base=base_shapes(cfg), max_rank=8)  # (no served weights given: shapes alone)
