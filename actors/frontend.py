@@ -287,7 +287,7 @@ class FrontendActor(Actor):
         else:
             reason = f"the server is shutting down ({self.stop_reason or 'stopped'})"
         self._draining = self._draining or reason  # a request arriving from here on gets a 503 at once
-        self._fail_all(503, reason)
+        self._fail_all(503, reason, None if self.failure else "shutting_down")
         # Their handlers write the error (a stream's last event) before the connections close.
         await self._await_idle(DRAIN_FAILURE_WRITE_S)
         if self._runner is not None:
@@ -352,7 +352,7 @@ class FrontendActor(Actor):
             self.log.warning("%d requests still running after server.shutdown_timeout_s (%g s): failing them",
                              num_failed, timeout_s)
             self._fail_all(503, f"the server shut down before this request finished "
-                                f"(server.shutdown_timeout_s = {timeout_s:g} s)")
+                                f"(server.shutdown_timeout_s = {timeout_s:g} s)", "shutting_down")
             await self._await_idle(DRAIN_FAILURE_WRITE_S)  # their handlers write the error
         await self.report(Drained(num_failed=num_failed))
 
@@ -368,12 +368,15 @@ class FrontendActor(Actor):
                 await asyncio.wait_for(self._idle.wait(), remaining)
         return True
 
-    def _fail_all(self, status: int, message: str) -> None:
+    def _fail_all(self, status: int, message: str, code: str | None = None) -> None:
+        """Every open request and adapter update fails with ``message`` (``code``: as a new request's
+        503 says the same, ``_check_available``)."""
         for rid, future in list(self._updates.items()):
             if not future.done():
                 future.set_result(AdapterUpdate(request_id=rid, status=status, message=message))
         for rid, exchange in list(self._exchanges.items()):
-            exchange.push(Failed(request_id=rid, status=status, message=message, error_type=error_type_of(status)))
+            exchange.push(Failed(request_id=rid, status=status, message=message, error_type=error_type_of(status),
+                                 code=code))
 
     # ---- HTTP app -------------------------------------------------------
 
@@ -913,9 +916,11 @@ class FrontendActor(Actor):
         unstarted = max(0, len(self._unacked) - self._num_engine_starting)  # (running with no token yet: not waiting)
         num_waiting = max(self._num_engine_waiting, unstarted - free)
         seats = max(0, free - unstarted)  # sequences still free once those sent start
-        if num_waiting + max(0, exchange.num_choices - seats) > limit:
-            raise ApiError(503, f"server overloaded: {num_waiting} requests waiting (limit {limit}, "
-                                f"server.max_waiting_requests); retry later", code="overloaded", retry_after_s=1)
+        wanted = max(0, exchange.num_choices - seats)
+        if num_waiting + wanted > limit:
+            raise ApiError(503, f"server overloaded: {num_waiting} sequences waiting and this request's {wanted} "
+                                f"more would pass the limit of {limit} (server.max_waiting_requests; a sequence is "
+                                f"one choice of one prompt); retry later", code="overloaded", retry_after_s=1)
 
     async def _submit(self, exchange: Exchange) -> None:
         """Register every choice before sending, so no output can arrive unrouted."""

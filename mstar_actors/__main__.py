@@ -40,7 +40,10 @@ def _serve(args: argparse.Namespace) -> int:
         check_model_files(info.model_dir)
         if config.speech.snac_path:
             check_folder(config.speech.snac_path)
-    except (ConfigError, FetchError, ModelLoadError, CodecLoadError) as err:
+    except ModelLoadError as err:  # the folder model.path names
+        print(f"error: model.path {config.model.path}: {err}", file=sys.stderr)
+        return 2
+    except (ConfigError, FetchError, CodecLoadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     logging.getLogger("mstar_actors").info("model folder: %s", info.model_dir)

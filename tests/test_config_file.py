@@ -56,3 +56,15 @@ def test_a_yaml_syntax_error_names_the_files_line_and_column(tmp_path):
     path.write_text("model:\n\tpath: x\n")
     with pytest.raises(ConfigError, match="line 2, column 1: found character '\\\\t' that cannot start any token$"):
         load_config(path)
+
+
+def test_a_model_folder_the_server_cannot_read_is_one_line_naming_model_path(tmp_path, capsys):
+    from mstar_actors.__main__ import main
+
+    (tmp_path / "empty").mkdir()
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model:\n  path: {tmp_path / 'empty'}\n")
+    assert main(["serve", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: model.path {tmp_path / 'empty'}: ") and "config.json: missing" in err
+    assert err.count("\n") == 1

@@ -381,6 +381,7 @@ def test_drain_timeout_fails_what_is_left_with_a_clear_error(harness):
             await h.control(Drain(timeout_s=0.2))
             status, events = await streaming
             assert events[-1] == "[DONE]" and "shutdown_timeout_s" in events[-2]["error"]["message"]
+            assert events[-2]["error"]["code"] == "shutting_down"  # as a new request's 503 says it
             assert await h.control_out.recv() == Drained(num_failed=1)
             assert h.engine.aborts == [req.request_id]  # the engine frees its blocks
 

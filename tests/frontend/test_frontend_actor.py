@@ -549,7 +549,7 @@ def test_a_burst_the_engine_reports_in_the_middle_of_is_admitted_as_one_it_does_
             await h.engine.wait_for(lambda: len(h.engine.requests) == 5)
             status, r = await h.post(CHAT, chat_body())
             assert status == 503, r
-            assert "3 requests waiting (limit 3, server.max_waiting_requests)" in r["error"]["message"], r
+            assert "3 sequences waiting and this request's 1 more would pass the limit of 3" in r["error"]["message"], r
             for req in list(h.engine.requests.values()):
                 for msg in h.engine.reply(req):
                     await h.engine.send(msg)
