@@ -71,6 +71,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from typing import Any
 
 import msgspec
@@ -97,8 +98,10 @@ from mstar_actors.messages import (
     StepDone,
     StepFailed,
     StepPlan,
+    TokenDelta,
     UnloadAdapter,
     WorkerReady,
+    choice_ids,
     frontend_of,
 )
 
@@ -198,6 +201,9 @@ class ConductorActor(Actor):
         # Steps sent to the ranks, oldest first, with their answers so far: step id -> rank -> result.
         self.step_results: dict[int, dict[int, StepDone | StepFailed]] = {}
         self.last_stats: Any = None
+        # request id -> (monotonic time its Prepared came, that of the plan that first started it): vLLM's
+        # queue and prefill times, sent on its first delta (``timed``)
+        self.arrived: dict[str, tuple[float, float | None]] = {}
         # server.api_server_count frontends: an output goes to the one its request id names (frontend_of).
         self.frontends = [self.outbox[frontend_name(i)] for i in range(sum(1 for name in self.outbox
                                                                              if name.startswith("frontend")))]
@@ -281,6 +287,11 @@ class ConductorActor(Actor):
         has its installs ride in it (``install_after``: every rank runs the
         step first) and the rest of what it moves routed after."""
         self.step_results[plan.step_id] = {}
+        if plan.started:
+            now = time.monotonic()
+            for start in plan.started:  # (a restart after a preemption is not a first schedule)
+                if (arrived := self.arrived.get(start.request_id)) is not None and arrived[1] is None:
+                    self.arrived[start.request_id] = (arrived[0], now)
         moved = self.adapter_pool.step()
         installs = [out for out in moved if isinstance(out, InstallAdapter)]
         for out in installs:
@@ -341,6 +352,8 @@ class ConductorActor(Actor):
     async def handle(self, channel: str, msg: Any) -> None:
         match msg:
             case Prepared():
+                now = time.monotonic()
+                self.arrived.update((rid, (now, None)) for rid in choice_ids(msg.request_id, msg.n))
                 self.scheduler.receive(msg)  # it owns the media from here, admitted or not
                 if msg.sampling.structured is not None:  # its grammar compiles on the ranks first
                     await self.outbox["workers"].send(self.grammar_gate.hold(msg))
@@ -424,9 +437,27 @@ class ConductorActor(Actor):
             if request_id is None:
                 await self.tell_frontends(out)
                 continue
+            if isinstance(out, TokenDelta) and out.num_prompt_tokens:  # its first
+                out = self.timed(out)
             await self.frontends[frontend_of(request_id)].send(out)
             if isinstance(out, Finished | Failed):
+                self.forget_arrival(request_id)
                 await self.route(self.adapter_pool.end(request_id))
+
+    def forget_arrival(self, request_id: str) -> None:
+        """A choice ended, or a whole request of several choices (a refusal): each of its."""
+        if self.arrived.pop(request_id, None) is None:
+            prefix = f"{request_id}-"
+            for rid in [r for r in self.arrived if r.startswith(prefix) and r[len(prefix):].isdigit()]:
+                del self.arrived[rid]
+
+    def timed(self, delta: TokenDelta) -> TokenDelta:
+        """A choice's first delta with its queue and prefill times (``arrived``: when its Prepared came and
+        when a plan first started it)."""
+        arrived, scheduled = self.arrived.get(delta.request_id, (None, None))
+        if scheduled is None:
+            return delta
+        return msgspec.structs.replace(delta, queued_s=scheduled - arrived, prefill_s=time.monotonic() - scheduled)
 
     async def tell_frontends(self, msg: Any) -> None:
         for frontend in self.frontends:

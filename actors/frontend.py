@@ -196,7 +196,7 @@ class FrontendActor(Actor):
         # Of server.api_server_count frontends on one port: its request ids name it (new_request_id).
         self.index = index
         self.mailbox = Mailbox(self.inbox, max_pending=MAILBOX_SIZE)
-        self.metrics = Metrics(metrics_dir, self.info.served_name)
+        self.metrics = Metrics(metrics_dir, self.info.served_name, self.info.max_model_len)
         self.port: int | None = None  # the bound port, once started
         self._is_started = CONTROL not in self.inbox  # without a launcher: ready when started
         self._failure: str | None = None  # a peer's failure: unhealthy from then on
@@ -975,10 +975,12 @@ class FrontendActor(Actor):
         """Abort what has not finished and forget the exchange (every exit path)."""
         for rid in exchange.abort_ids():
             self._abort(rid)
-        seconds = time.perf_counter() - exchange.arrival
+        now = time.perf_counter()
         for choice in exchange.choices.values():
             if choice.finish_reason is not None or not exchange.is_refused:  # a 4xx is no request's end (vLLM's)
-                self.metrics.observe_end(choice.finish_reason, seconds)
+                phases = None if choice.first_token_at is None else (*choice.phases, now - choice.first_token_at)
+                self.metrics.observe_end(choice.finish_reason, now - exchange.arrival,
+                                         (choice.num_prompt_tokens, choice.num_output_tokens), phases)
         for rid in [*exchange.choice_ids, *exchange.choices]:
             self._exchanges.pop(rid, None)
             self._unacked.discard(rid)
@@ -1023,6 +1025,7 @@ class FrontendActor(Actor):
         now = time.perf_counter()
         if choice.last_token_at is None:
             self.metrics.time_to_first_token.observe(now - exchange.arrival)
+            choice.first_token_at, choice.phases = now, (delta.queued_s, delta.prefill_s)
         elif delta.tokens:
             self.metrics.inter_token_latency.observe((now - choice.last_token_at) / len(delta.tokens))
         choice.last_token_at = now

@@ -383,6 +383,10 @@ class TokenDelta(Struct, frozen=True, tag=True, omit_defaults=True):
     # itself (stop string) without waiting for a Finished.
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # On a choice's first delta, the conductor's clock: from its arrival to its first scheduled step, and
+    # from there to this token (vLLM's queue and prefill times).
+    queued_s: float = 0.0
+    prefill_s: float = 0.0
 
 
 class Finished(Struct, frozen=True, tag=True, omit_defaults=True):

@@ -44,6 +44,17 @@ _E2E_BUCKETS = (0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20
                 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+def _one_two_five(limit: int) -> tuple[int, ...]:
+    """vLLM's buckets of token counts: 1, 2, 5, 10, 20, 50, ... up to ``limit``."""
+    buckets, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(buckets)
+            buckets.append(m * scale)
+        scale *= 10
+
+
 class Metrics:
     """Counters, histograms and engine gauges; ``render`` gives the text format.
 
@@ -55,7 +66,7 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, multiprocess_dir: str | None = None, model_name: str = "") -> None:
+    def __init__(self, multiprocess_dir: str | None = None, model_name: str = "", max_model_len: int = 1 << 20) -> None:
         """``multiprocess_dir``: the run's folder of ``PROMETHEUS_MULTIPROC_DIR``
         (several frontends), which must be set before ``prometheus_client``
         is imported; None: this process's values alone."""
@@ -90,6 +101,20 @@ class Metrics:
                                           _E2E_BUCKETS)
         self._success = Counter("vllm:request_success", "Choices ended, by finish reason (abort: not finished)",
                                 ["model_name", "finished_reason"], registry=reg)
+        # a finished choice's phases, as vLLM's dashboard plots them (the engine's clock for the first two)
+        self.queue_time = vllm_histogram("vllm:request_queue_time_seconds", "From the engine's receipt to the "
+                                         "choice's first scheduled step", _E2E_BUCKETS)
+        self.prefill_time = vllm_histogram("vllm:request_prefill_time_seconds", "From the first scheduled step to "
+                                           "the first token", _E2E_BUCKETS)
+        self.decode_time = vllm_histogram("vllm:request_decode_time_seconds", "From the first token to the last",
+                                          _E2E_BUCKETS)
+        self.inference_time = vllm_histogram("vllm:request_inference_time_seconds", "From the first scheduled step "
+                                             "to the last token (prefill and decode)", _E2E_BUCKETS)
+        lengths = _one_two_five(max_model_len)
+        self.request_prompt_tokens = vllm_histogram("vllm:request_prompt_tokens", "A finished choice's prompt "
+                                                    "tokens", lengths)
+        self.request_generation_tokens = vllm_histogram("vllm:request_generation_tokens", "A finished choice's "
+                                                        "generated tokens", lengths)
         self.model = model
         if multiprocess_dir is None:
             self.generation_tokens = LoopCounter("vllm:generation_tokens", "Tokens generated", reg, model)
@@ -114,11 +139,23 @@ class Metrics:
         self.num_state_slots_used = gauge("mstar_state_slots_used", "Recurrent-state slots in use")
         self.num_state_slots_total = gauge("mstar_state_slots_total", "Recurrent-state slots in all")
 
-    def observe_end(self, finish_reason: str | None, seconds: float) -> None:
-        """A choice ended: ``finish_reason`` None when it did not finish (its client left, it failed)."""
+    def observe_end(self, finish_reason: str | None, seconds: float, lengths: tuple[int, int] = (0, 0),
+                    phases: tuple[float, float, float] | None = None) -> None:
+        """A choice ended: ``finish_reason`` None when it did not finish (its client left, it failed);
+        ``lengths``: its prompt and generated tokens; ``phases``: its queue, prefill and decode seconds
+        (None: it made no token)."""
         self._success.labels(**self.model, finished_reason=finish_reason or "abort").inc()
-        if finish_reason is not None:
-            self.e2e_latency.observe(seconds)
+        if finish_reason is None:
+            return
+        self.e2e_latency.observe(seconds)
+        self.request_prompt_tokens.observe(lengths[0])
+        self.request_generation_tokens.observe(lengths[1])
+        if phases is not None:
+            queued, prefill, decode = phases
+            self.queue_time.observe(queued)
+            self.prefill_time.observe(prefill)
+            self.decode_time.observe(decode)
+            self.inference_time.observe(prefill + decode)
 
     def observe_request(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()

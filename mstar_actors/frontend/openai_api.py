@@ -1299,6 +1299,8 @@ class ChoiceOutput:
         self.is_echoed = False  # streamed: the echo went out with the first chunk
         self.echo_only = False  # OutputOptions.echo_only: the engine's one token is not output
         self.last_token_at: float | None = None  # perf_counter of the last delta, for inter-token latency
+        self.first_token_at: float | None = None  # perf_counter of the first, for the decode time
+        self.phases = (0.0, 0.0)  # the engine's queue and prefill seconds (TokenDelta's, on the first)
 
     @property
     def is_done(self) -> bool:

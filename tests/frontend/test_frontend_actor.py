@@ -765,6 +765,10 @@ def test_metrics(harness):
             assert 'vllm:time_to_first_token_seconds_bucket{le="2560.0",' in text  # vLLM's buckets, a long queue's
             assert f"vllm:inter_token_latency_seconds_count{model}" in text
             assert f"vllm:e2e_request_latency_seconds_count{model} 2.0" in text
+            for phase in ("queue", "prefill", "decode", "inference"):  # vLLM's dashboard's phases of a request
+                assert f"vllm:request_{phase}_time_seconds_count{model} 2.0" in text
+            assert f"vllm:request_generation_tokens_sum{model} 18.0" in text
+            assert 'vllm:request_prompt_tokens_bucket{le="5.0",' in text  # vLLM's 1-2-5 buckets
             assert 'vllm:request_success_total{finished_reason="stop",model_name="tiny"} 2.0' in text
             assert f"vllm:prompt_tokens_total{model} " in text
 

@@ -213,6 +213,8 @@ class Cluster:
         await self.to_conductor.send(Shutdown(reason="test over"))
         await asyncio.gather(*self.tasks)
         assert not shm.cleanup_run(self.reader.run_id), "the reader left host copies behind"
+        if not exc[0] and all(rid in self.ended for rid in self.shared["expect"]):  # every request ended
+            assert not self.conductor.arrived, f"arrival times kept for {sorted(self.conductor.arrived)}"
 
     async def send(self, request_id: str, model: str, max_tokens: int = 4, digest: str | None = None) -> None:
         self.shared["expect"][request_id] = digest
@@ -358,6 +360,10 @@ async def test_full_pool_holds_requests_until_a_slot_frees_then_they_complete(ad
     assert cluster.stats[-1].num_waiting_for_adapter == 0
     assert {slot for slot, _, _ in cluster.ranks[0].installs} == {1}
     assert_agreed(cluster)
+    # each first delta carries the engine's queue and prefill times: the held one queued behind a1's steps
+    first = {m.request_id: m for m in cluster.others if isinstance(m, TokenDelta) and m.num_prompt_tokens}
+    assert sorted(first) == ["a1", "a2", "b1"] and all(m.prefill_s > 0 and m.queued_s >= 0 for m in first.values())
+    assert first["b1"].queued_s > first["a1"].queued_s
 
 
 @run_async
