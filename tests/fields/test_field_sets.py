@@ -60,6 +60,12 @@ def test_a_wrong_value_of_a_field_is_a_400_naming_it(name, value, message):
     assert err.param == name and message in err.message, err.message
 
 
+def test_a_repetition_penalty_takes_any_positive_number_as_vllm_does():
+    assert api.parse_chat(chat(repetition_penalty=2.5), 256, 400).sampling.repetition_penalty == 2.5
+    for bad in (0, -1, "2"):
+        assert refused(chat(repetition_penalty=bad)).param == "repetition_penalty"
+
+
 def test_add_special_tokens_passes_at_each_endpoints_own_default():
     """vLLM's defaults: a chat prompt is the template's text as it is, a completion prompt gets the BOS."""
     api.parse_chat(chat(add_special_tokens=False), 256, 400)
