@@ -41,7 +41,7 @@ def _serve(args: argparse.Namespace) -> int:
         if config.speech.snac_path:
             check_folder(config.speech.snac_path)
     except ModelLoadError as err:  # the folder model.path names
-        print(f"error: model.path {config.model.path}: {err}", file=sys.stderr)
+        print(f"error: model.path: {err}", file=sys.stderr)  # (the message names the folder)
         return 2
     except (ConfigError, FetchError, CodecLoadError) as err:
         print(f"error: {err}", file=sys.stderr)

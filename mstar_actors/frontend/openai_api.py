@@ -385,7 +385,7 @@ def parse_logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, flo
     hi = vocab_size or 1 << 31
     pairs = []
     for key, bias in value.items():
-        if not (key.isascii() and key.isdigit() and len(key) <= len(str(hi)) and int(key) < hi):
+        if not (key.isascii() and key.isdigit() and len(key.lstrip("0")) <= len(str(hi)) and int(key) < hi):
             raise _bad("logit_bias", f"key {_show(key)} is not a token id in [0, {hi})")
         if not ((_is_int(bias) or isinstance(bias, float)) and math.isfinite(bias) and -100 <= bias <= 100):
             raise _bad("logit_bias", f"the bias of {key} must be a number in [-100, 100], got {_show(bias)}")
@@ -410,7 +410,7 @@ def _parse_sampling(body: dict, cap: tuple[int, bool], logprobs: int | None,
     stop_token_ids = get_token_ids(body, "stop_token_ids", 64, vocab_size)
     min_tokens = body.get("min_tokens")
     if _is_int(min_tokens) and min_tokens > max_tokens:
-        sent = next((f"{name}={body[name]}" for name in ("max_tokens", "max_completion_tokens")
+        sent = next((f"{name}={body[name]}" for name in ("max_completion_tokens", "max_tokens")  # the first rules
                      if body.get(name) is not None), f"max_tokens={max_tokens}, the default")
         raise _bad("min_tokens", f"must be at most the output's cap ({sent}), got {min_tokens}")
     min_tokens = get_int(body, "min_tokens", 0, 0, max_tokens)

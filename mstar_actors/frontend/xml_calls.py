@@ -40,21 +40,29 @@ _STRING_TYPES = ("string", "str", "text", "varchar", "char", "enum")
 MAX_REF_DEPTH = 16  # references followed in a row (a definition that names itself ends there)
 
 
-def resolved(schema: Any, root: Any, depth: int = 0) -> Any:
+def resolved(schema: Any, root: Any) -> Any:
     """``schema`` with its ``$ref`` into ``root``'s ``$defs`` / ``definitions`` followed, and its
     ``anyOf`` / ``oneOf`` branches' (a parameter typed by a definition: pydantic's nested models and
-    optionals); a reference that leads nowhere is left as it is."""
-    if not isinstance(schema, dict) or depth > MAX_REF_DEPTH:
-        return schema
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and isinstance(root, dict):
-        section, _, name = ref.removeprefix("#/").partition("/")
-        target = root.get(section, {}).get(name) if section in ("$defs", "definitions") else None
-        if isinstance(target, dict):
-            return resolved(target | {k: v for k, v in schema.items() if k != "$ref"}, root, depth + 1)
+    optionals), one level: a reference that leads nowhere is left as it is."""
+    schema = _followed(schema, root)
     for key in ("anyOf", "oneOf"):
-        if isinstance(schema.get(key), list):
-            schema = schema | {key: [resolved(b, root, depth + 1) for b in schema[key]]}
+        if isinstance(schema, dict) and isinstance(schema.get(key), list):
+            schema = schema | {key: [_followed(b, root) for b in schema[key]]}
+    return schema
+
+
+def _followed(schema: Any, root: Any) -> Any:
+    """``schema``'s chain of references, at most ``MAX_REF_DEPTH`` links (a definition naming itself ends there)."""
+    for _ in range(MAX_REF_DEPTH):
+        ref = schema.get("$ref") if isinstance(schema, dict) else None
+        if not isinstance(ref, str) or not isinstance(root, dict):
+            return schema
+        section, _, name = ref.removeprefix("#/").partition("/")
+        defs = root.get(section) if section in ("$defs", "definitions") else None
+        target = defs.get(name) if isinstance(defs, dict) else None
+        if not isinstance(target, dict):
+            return schema
+        schema = target | {k: v for k, v in schema.items() if k != "$ref"}
     return schema
 
 
@@ -79,6 +87,8 @@ def value_type(schema: Any) -> str | None:
     branches = schema.get("anyOf") or schema.get("oneOf")
     if kind is None and isinstance(branches, list):
         kinds = {value_type(b) for b in branches if not (isinstance(b, dict) and b.get("type") == "null")}
+        if len(kinds) > 1 and kinds <= {"string", "enum"}:  # texts all (a format's or a choice's): read as text
+            kinds = {"string"}
         kind = kinds.pop() if len(kinds) == 1 else None
     return kind if isinstance(kind, str) else None
 
@@ -90,15 +100,15 @@ def nullable(schema: Any) -> bool:
     if not isinstance(schema, dict):
         return True
     texts = choices(schema)
-    if isinstance(texts, list) and None in texts:
-        return True
+    if isinstance(texts, list):  # the values it lists, whatever its type allows
+        return None in texts
     kind = schema.get("type")
     if kind is not None:
         return kind == "null" or (isinstance(kind, list) and "null" in kind)
     branches = schema.get("anyOf") or schema.get("oneOf")
     if isinstance(branches, list):
         return any(nullable(b) for b in branches if isinstance(b, dict) and ("type" in b or choices(b)))
-    return texts is None
+    return True
 
 
 def read_value(raw: str, schema: Any) -> Any:

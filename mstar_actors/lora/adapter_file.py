@@ -151,10 +151,17 @@ def read_adapter(path: str | Path, *, base: BaseShapes, max_rank: int, name: str
 
     def check_copy(key: str, copy: Any) -> None:
         module = _check_base_copy(key, tuple(copy.get_shape()), base, name)
-        if base_weights is not None:
+        if base_weights is None:
+            return
+        try:
             with base_weights(module) as served:
                 if served is not None:
                     _check_copy_values(key, copy, served, module, name)
+        except AdapterError:
+            raise
+        except (SafetensorError, OSError, RuntimeError, ValueError) as err:  # the served model's files, not its
+            raise AdapterError(f"adapter {name!r}: the served model's {module} could not be read to check the "
+                               f"adapter's copy of it ({err})") from None
 
     tensors = _read_tensors(_weights_path(folder, name), name, allowed_dirs, check_copy)
     pairs = _pair_tensors(tensors, base, name)

@@ -559,6 +559,8 @@ def _class_char(char: str) -> str:
 
 # A qwen3_coder value's text: anything its closing tag is not in (a forced call's reader ends a value at it alone)
 _XML_TEXT = _text_without(PARAM_CLOSE)
+# A JSON string's character inside a value: "<" as its escape (one character of a length-bounded string too)
+_XML_JSON_STRING_CHAR = '([^\\0-\\x1f\\"\\\\\\r\\n<] | "\\\\u003c")'
 _XML_REF = re.compile(r"^#/(\$defs|definitions)/")
 _XML_KEY = re.compile(r"[^\s<>](?:[^<>\n]*[^\s<>])?")  # a key the reader reads back as written
 _XML_OBJECT_KEYWORDS = ("minProperties", "maxProperties", "patternProperties", "propertyNames")
@@ -581,6 +583,9 @@ def _xml_call(name: str, parameters: Any) -> Any:
     if any(not _XML_REF.match(ref) for ref in refs):
         raise GrammarError("json", "a $ref other than into #/$defs or #/definitions is not enforced in the "
                                    "qwen3_coder format's calls")
+    if _lists_closing_tag(parameters):
+        raise GrammarError("json", f"an enum or const value holds {PARAM_CLOSE}, which ends a value in the "
+                                   f"qwen3_coder format's calls: the value would be read back cut there")
     if (keyword := next((k for k in _XML_OBJECT_KEYWORDS if k in parameters), None)) is not None:
         raise GrammarError("json", f"{keyword} is not enforced in the qwen3_coder format's calls (a call writes "
                                    f"its schema's properties)")
@@ -602,6 +607,17 @@ def _xml_call(name: str, parameters: Any) -> Any:
     return _xgr().Grammar.concat(*pieces)
 
 
+def _lists_closing_tag(schema: Any) -> bool:
+    """Whether an ``enum`` or ``const`` anywhere in ``schema`` writes ``</parameter>``."""
+    if isinstance(schema, list):
+        return any(_lists_closing_tag(item) for item in schema)
+    if not isinstance(schema, dict):
+        return False
+    listed = [schema[k] for k in ("enum", "const") if k in schema]
+    return PARAM_CLOSE in json.dumps(listed) or any(_lists_closing_tag(v) for k, v in schema.items()
+                                                    if k not in ("enum", "const"))
+
+
 def _xml_value(schema: dict, defs: dict, key: str) -> Any:
     """A parameter's value: a string's text (its choices, pattern, format or lengths), or the JSON of any
     other type's schema (with the tool's definitions); ``null`` beside a string's where the schema takes
@@ -616,7 +632,7 @@ def _xml_value(schema: dict, defs: dict, key: str) -> Any:
         return _xgr().Grammar.from_ebnf(_XML_TEXT)
     if kind not in ("string", "enum"):  # its strings' "<" escaped: the reader ends a value at the first closing tag
         text = _json_grammar_text(json.dumps(schema | defs))
-        return _xgr().Grammar.from_ebnf(text.replace(_JSON_STRING_CHAR, _JSON_STRING_CHAR[:-1] + "<]"))
+        return _xgr().Grammar.from_ebnf(text.replace(_JSON_STRING_CHAR, _XML_JSON_STRING_CHAR))
     branches = [b for b in schema.get("anyOf") or schema.get("oneOf") or []
                 if not (isinstance(b, dict) and b.get("type") == "null")]
     if branches and "type" not in schema and choices(schema) is None:

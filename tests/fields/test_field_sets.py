@@ -60,6 +60,12 @@ def test_a_wrong_value_of_a_field_is_a_400_naming_it(name, value, message):
     assert err.param == name and message in err.message, err.message
 
 
+def test_a_logit_bias_key_may_have_leading_zeros_and_min_tokens_names_the_cap_that_rules():
+    assert api.parse_chat(chat(logit_bias={"0000000001": 5}), 256, 400).sampling.logit_bias == ((1, 5.0),)
+    err = refused(chat(max_tokens=100, max_completion_tokens=10, min_tokens=50))
+    assert "(max_completion_tokens=10)" in err.message, err.message
+
+
 def test_a_repetition_penalty_takes_any_positive_number_as_vllm_does():
     assert api.parse_chat(chat(repetition_penalty=2.5), 256, 400).sampling.repetition_penalty == 2.5
     for bad in (0, -1, "2"):

@@ -294,3 +294,36 @@ def test_a_number_past_a_float_s_range_never_makes_arguments_that_are_not_json()
 def test_a_malformed_parameters_schema_gets_the_engine_s_reason(chars, parameters, reason):
     with pytest.raises(GrammarError, match=reason):
         _forced(chars, parameters)
+
+
+def test_schemas_that_reach_far_or_nowhere_are_read_in_linear_time_and_never_fail():
+    """A self-referencing anyOf (each branch followed once, not again and again), a $defs that is no object."""
+    import time
+
+    wide = {"type": "object", "properties": {"x": {"$ref": "#/$defs/A"}},
+            "$defs": {"A": {"anyOf": [{"$ref": "#/$defs/A"}] * 12}}}
+    broken = {"type": "object", "properties": {"x": {"$ref": "#/$defs/A"}}, "$defs": ["A"]}
+    for parameters in (wide, broken):
+        request = tc.parse_tool_request([{"type": "function", "function": {"name": "f", "parameters": parameters}}],
+                                        "auto", tc.QWEN3_CODER)
+        started = time.perf_counter()
+        assert json.loads(tc.read_calls(request, call("f", x="1"))[1][0].arguments) == {"x": "1"}
+        assert time.perf_counter() - started < 5  # (exponential: minutes)
+
+
+def test_choices_and_bounded_strings_inside_a_json_value_keep_their_rules(chars):
+    """An enum limits null away whatever its type allows; a length-bounded string writes "<" as its escape; a
+    choice that writes the closing tag is refused; texts of several branches (a format's, a literal's) are text."""
+    request, matcher = _forced(chars, {"type": "object", "properties": {
+        "v": {"type": ["string", "null"], "enum": ["a", "b"]},
+        "w": {"type": "array", "items": {"type": "object", "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 5}}, "required": ["name"]}},
+        "d": {"anyOf": [{"type": "string", "format": "date"}, {"const": "today", "type": "string"}]}},
+        "required": ["v", "w", "d"]})
+    assert _held(request, matcher, v="null", w='[{"name": "x"}]', d="today") is None
+    assert _held(request, matcher, v="a", w='[{"name": "a<b"}]', d="today") is None
+    held = _held(request, matcher, v="a", w='[{"name": "a\\u003cb"}]', d="2026-12-06")
+    assert held == {"v": "a", "w": [{"name": "a<b"}], "d": "2026-12-06"}
+    with pytest.raises(GrammarError, match="an enum or const value holds </parameter>"):
+        _forced(chars, {"type": "object", "properties": {"o": {"type": "object", "properties": {
+            "s": {"enum": ["a</parameter>b", "c"]}}}}})
