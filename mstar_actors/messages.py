@@ -110,7 +110,9 @@ class StructuredSpec(Struct, frozen=True, **_HOT):
     the last: ``spec`` is ``{"schema": ..., "separator": ..., "end": ...}``,
     a forced reply's parallel tool calls), "xml_calls" (a forced reply's
     calls of the ``qwen3_coder`` format: ``{"functions": [{"name": ...,
-    "parameters": ...}], "separator": ..., "end": ..., "repeat": ...}``).
+    "parameters": ...}], "separator": ..., "end": ..., "repeat": ...}``),
+    "tagged_calls" (an ``auto`` reply's calls of strict tools, free text
+    between: ``tool_calls.strict_calls_spec``).
     ``param``: the body field it came from, which a refusal of the spec
     names.
 
@@ -122,7 +124,7 @@ class StructuredSpec(Struct, frozen=True, **_HOT):
     the constraint's own. Empty: constrained from the first token.
     """
 
-    kind: Literal["json", "json_object", "regex", "choice", "grammar", "json_calls", "xml_calls"]
+    kind: Literal["json", "json_object", "regex", "choice", "grammar", "json_calls", "xml_calls", "tagged_calls"]
     spec: str = ""
     param: str = ""
     reasoning: tuple[int, ...] = ()

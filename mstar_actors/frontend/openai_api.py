@@ -827,15 +827,26 @@ def _parse_turn_flags(body: dict, chat: list[ChatMessage]) -> tuple[bool, bool]:
 
 def _parse_tools(parsed: ParsedRequest, body: dict, tool_parser: str | None) -> None:
     """``tools`` / ``tool_choice`` / ``parallel_tool_calls``; a forced call (``required``, a named
-    function) is constrained to the call's JSON by structured outputs."""
+    function) is constrained to the call's JSON by structured outputs, an ``auto`` reply's calls of a
+    strict tool too (``tool_calls.strict_calls_spec``)."""
     try:
         parsed.tools = tool_calls.parse_tool_request(body.get("tools"), body.get("tool_choice"), tool_parser,
                                                      body.get("parallel_tool_calls"))
     except ToolError as err:
         raise _bad(err.param, err.message) from None
-    if parsed.tools is None or not parsed.tools.is_forced:
+    if parsed.tools is None:
         return
     given = parsed.sampling.structured
+    if not parsed.tools.is_forced:
+        strict = tool_calls.strict_calls_spec(parsed.tools)
+        if strict is None:
+            return
+        if given is not None:
+            raise _bad("tools", f"a strict tool's calls are held to its schema by a grammar; it cannot be combined "
+                                f"with {given.param or 'another output constraint'} (send strict: false, or "
+                                f"drop {given.param or 'the constraint'})")
+        parsed.sampling = msgspec.structs.replace(parsed.sampling, structured=StructuredSpec(*strict, "tools"))
+        return
     if given is not None:
         raise _bad("tool_choice", f"a required or named tool call is already constrained; it cannot be combined "
                                   f"with {given.param or 'another output constraint'}")

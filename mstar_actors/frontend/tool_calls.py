@@ -125,6 +125,11 @@ class ToolRequest:
     def assistant_prefix(self) -> str:
         return self.reasoning_end + FORCED_PREFIX[self.parser] if self.is_forced else ""
 
+    @property
+    def is_strict(self) -> bool:
+        """A tool asks for its calls' arguments held to its schema (OpenAI's ``strict``)."""
+        return any(t["function"].get("strict") is True for t in self.tools)
+
 
 def parse_tool_request(tools: Any, tool_choice: Any, parser: str | None,
                        parallel_tool_calls: Any = None) -> ToolRequest | None:
@@ -168,20 +173,24 @@ def _parse_tool(where: str, tool: Any) -> dict:
     name = function.get("name")
     if not isinstance(name, str) or not NAME_PATTERN.match(name):
         raise ToolError(f"{where}.function.name", "expected 1 to 64 letters, digits, '_' or '-'")
-    spec: dict = {"name": name}
-    if function.get("description") is not None:
-        if not isinstance(function["description"], str):
-            raise ToolError(f"{where}.function.description", "expected a string")
-        spec["description"] = function["description"]
+    if function.get("description") is not None and not isinstance(function["description"], str):
+        raise ToolError(f"{where}.function.description", "expected a string")
     parameters = function.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
         raise ToolError(f"{where}.function.parameters", "expected a JSON schema object")
     if parameters is not None and parameters.get("type", "object") != "object":
         raise ToolError(f"{where}.function.parameters", "a call's arguments are a JSON object: expected a schema "
                                                         f'of "type": "object", got {parameters["type"]!r}')
-    # A schema without a type ({} included) takes any JSON; the arguments are an object all the same.
-    spec["parameters"] = {"type": "object", **(parameters or {"properties": {}})}
-    return {"type": "function", "function": spec}
+    if function.get("strict") is not None and not isinstance(function["strict"], bool):
+        raise ToolError(f"{where}.function.strict", f"expected true or false, got {function['strict']!r}")
+    # The template sees the function as the client sent it (vLLM's): its keys, in their order.
+    return {"type": "function", "function": dict(function)}
+
+
+def call_parameters(function: dict) -> dict:
+    """The schema a call of ``function`` (a parsed tool's) holds its arguments to: its parameters', an
+    object (a schema without a type, {} or none, takes any JSON; the arguments are an object all the same)."""
+    return {"type": "object", **(function.get("parameters") or {"properties": {}})}
 
 
 def _parse_tool_choice(value: Any, names: set[str]) -> tuple[str, str | None]:
@@ -211,7 +220,7 @@ def forced_calls_spec(request: ToolRequest) -> tuple[str, str]:
     call)."""
     repeat = request.choice == "required" and request.max_calls != 1
     if request.parser == QWEN3_CODER:  # its own calls of XML tags (``xml_calls``), not JSON
-        functions = [{"name": f["name"], "parameters": f["parameters"]} for f in _forced_functions(request)]
+        functions = [{"name": f["name"], "parameters": call_parameters(f)} for f in _forced_functions(request)]
         return "xml_calls", json.dumps({"functions": functions, "separator": CALL_SEPARATOR[QWEN3_CODER],
                                         "end": CALLS_END[QWEN3_CODER], "repeat": repeat})
     schema = forced_call_schema(request)
@@ -221,12 +230,43 @@ def forced_calls_spec(request: ToolRequest) -> tuple[str, str]:
                                      "end": CALLS_END[request.parser]})
 
 
+def strict_calls_spec(request: ToolRequest) -> tuple[str, str] | None:
+    """``(kind, spec)`` of an ``auto`` reply with a strict tool ("tagged_calls"): free text, but a call,
+    from the format's opening on, held to the format and its tool's schema (a tool not strict: to any
+    object of arguments) to its end; None where no tool is strict (or the choice is not auto). With
+    ``parallel_tool_calls: false`` the reply ends with its first call. ``spec``: ``{"trigger": the text
+    that opens a call, "tags": [{"begin", "end", and "schema" (a JSON call's) or "functions" (an XML
+    call's, ``xml_calls``')}], "one": ...}``."""
+    if request.choice != "auto" or not request.is_strict:
+        return None
+    functions = [f | {"parameters": call_parameters(f) if f.get("strict") is True else {"type": "object"}}
+                 for f in (t["function"] for t in request.tools)]
+    if request.parser == QWEN3_CODER:
+        tags = [{"begin": FORCED_PREFIX[QWEN3_CODER], "end": CALLS_END[QWEN3_CODER],
+                 "functions": [{"name": f["name"], "parameters": f["parameters"]} for f in functions]}]
+        trigger = HERMES_OPEN
+    elif request.parser == HERMES:
+        tags = [{"begin": FORCED_PREFIX[HERMES], "end": CALLS_END[HERMES],
+                 "schema": json.loads(_call_schema(functions, ARGUMENTS_KEY[HERMES]))}]
+        trigger = HERMES_OPEN
+    else:  # a bare object, its name first: a tag a function, its arguments the content
+        key = ARGUMENTS_KEY[LLAMA3_JSON]
+        tags = [{"begin": f'{{"name": {json.dumps(f["name"])}, "{key}": ', "end": "}",
+                 "schema": f["parameters"]} for f in functions]
+        trigger = '{"name": '
+    return "tagged_calls", json.dumps({"trigger": trigger, "tags": tags, "one": request.max_calls == 1})
+
+
 def forced_call_schema(request: ToolRequest) -> str:
     """The JSON schema of a forced call's text: the format's object whose
     name is one of the allowed functions and whose arguments match that
     function's parameter schema (one ``anyOf`` branch per function)."""
-    key = ARGUMENTS_KEY[request.parser]
-    functions = _forced_functions(request)
+    return _call_schema([f | {"parameters": call_parameters(f)} for f in _forced_functions(request)],
+                        ARGUMENTS_KEY[request.parser])
+
+
+def _call_schema(functions: list[dict], key: str) -> str:
+    """The JSON schema of a call of one of ``functions`` (each's ``parameters`` its arguments')."""
     defs: dict = {}
     branches = []
     for i, f in enumerate(functions):

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from mstar_actors.frontend.tool_calls import template_tool_fields
+from mstar_actors.frontend.tool_calls import call_parameters, template_tool_fields
 from mstar_actors.prepare.audio_features import load_feature_extractor, prepare_clip
 from mstar_actors.prepare.media import (
     AUDIO_KINDS,
@@ -170,16 +170,22 @@ class Preparer:
         refused alone, as ``(tools[i].function.parameters, its reason)``."""
         from mstar_actors.runner.grammar import GrammarError
 
-        if spec.param != "tool_choice" or not req.tools:
+        if spec.param not in ("tool_choice", "tools") or not req.tools:
             return None
         forced = json.loads(spec.spec)
-        if spec.kind == "xml_calls":  # each function's call alone
+        if spec.kind == "tagged_calls":  # an auto reply's strict tools, each alone
+            xml = any("functions" in tag for tag in forced["tags"])
+            alone = [(f["name"], StructuredSpec("xml_calls", json.dumps({
+                "functions": [{"name": f["name"], "parameters": call_parameters(f)}], "separator": "", "end": "",
+                "repeat": False})) if xml else StructuredSpec("json", json.dumps(call_parameters(f))))
+                     for f in (t["function"] for t in req.tools) if f.get("strict") is True]
+        elif spec.kind == "xml_calls":  # each function's call alone
             alone = [(f["name"], StructuredSpec("xml_calls", json.dumps(forced | {"functions": [f], "repeat": False})))
                      for f in forced["functions"]]
         else:
             forced = forced["schema"] if spec.kind == "json_calls" else forced  # parallel calls: one call's schema
             names = {branch["properties"]["name"]["enum"][0] for branch in forced.get("anyOf", [forced])}
-            alone = [(t["function"]["name"], StructuredSpec("json", json.dumps(t["function"]["parameters"])))
+            alone = [(t["function"]["name"], StructuredSpec("json", json.dumps(call_parameters(t["function"]))))
                      for t in req.tools if t["function"]["name"] in names]
         where = {tool["function"]["name"]: i for i, tool in enumerate(req.tools)}
         for name, one in alone:

@@ -170,6 +170,8 @@ class GrammarCompiler:
                 calls = json.loads(spec.spec)
                 grammar = _union([_xml_call(f["name"], f["parameters"]) for f in calls["functions"]])
                 return _repeated(str(grammar), calls["separator"], calls["end"]) if calls["repeat"] else grammar
+            case "tagged_calls":
+                return _tagged_calls(json.loads(spec.spec))
             case "regex":
                 return _xgr().Grammar.from_regex(spec.spec)
             case "choice":
@@ -185,7 +187,7 @@ class GrammarCompiler:
                     except Exception as lark_err:
                         raise GrammarError("grammar", _reason(lark_err) + _LARK_HINT) from None
         raise GrammarError(spec.kind, "unknown kind; accepted are json, json_object, regex, choice, grammar, "
-                                      "json_calls, xml_calls")
+                                      "json_calls, xml_calls, tagged_calls")
 
 
 def _engine_reasons(spec: messages.StructuredSpec, work: Any) -> Any:
@@ -531,6 +533,25 @@ def _json_grammar_text(schema: str) -> str:
         schema = json.dumps(_with_format_patterns(json.loads(schema)))
     text = str(_xgr().Grammar.from_json_schema(schema, any_whitespace=False))
     return text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+
+
+def _tagged_calls(calls: dict) -> Any:
+    """Any text, but from ``trigger`` on a tag's call to its end (the engine's triggered tags): a JSON
+    call's schema (``_json_grammar_text``'s rules, as a forced call's) or an XML call's (``_xml_call``)."""
+    tags = []
+    for tag in calls["tags"]:
+        if "functions" in tag:
+            content = str(_union([_xml_call(f["name"], f["parameters"]) for f in tag["functions"]]))
+        else:
+            problem = unenforced_keyword(tag["schema"])
+            if problem is not None:
+                raise GrammarError("json", problem)
+            content = _json_grammar_text(json.dumps(tag["schema"]))
+        tags.append({"type": "tag", "begin": tag["begin"], "end": tag["end"],
+                     "content": {"type": "grammar", "grammar": content}})
+    return _xgr().Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": [calls["trigger"]], "tags": tags, "at_least_one": False,
+        "stop_after_first": calls["one"]}}))
 
 
 def _union(grammars: list[Any]) -> Any:

@@ -1,0 +1,98 @@
+"""OpenAI's ``strict`` tools: under ``tool_choice: "auto"`` a reply is free text, but a call it writes is held
+to the format and its tool's schema from the format's opening to its end (the engine's triggered tags); the
+template sees every tool as the client sent it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mstar_actors.frontend import openai_api as api
+from mstar_actors.frontend import tool_calls as tc
+from mstar_actors.messages import StructuredSpec
+from tests.tool_calls.templates import TIME
+
+pytest.importorskip("xgrammar")
+from mstar_actors.runner.grammar import GrammarCompiler, GrammarError, raw_tokenizer_info  # noqa: E402
+
+STRICT_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "strict": True, "parameters": {
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}, "days": {"type": "integer"}},
+        "required": ["city", "days"], "additionalProperties": False, "type": "object"}}}
+CALLS = {  # a valid call of each tool, a call breaking get_weather's schema, as each format writes them
+    tc.HERMES: ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
+                '<tool_call>\n{"name": "get_time", "arguments": {"any": ["thing"]}}\n</tool_call>',
+                '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 3}}\n</tool_call>'),
+    tc.QWEN3_CODER: ("<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n2"
+                     "\n</parameter>\n</function>\n</tool_call>",
+                     "<tool_call>\n<function=get_time>\n<parameter=any>\nthing\n</parameter>\n</function>\n"
+                     "</tool_call>",
+                     "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n"
+                     "two\n</parameter>\n</function>\n</tool_call>"),
+    tc.LLAMA3_JSON: ('{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}',
+                     '{"name": "get_time", "parameters": {"any": 1}}',
+                     '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
+}
+
+
+@pytest.fixture(scope="module")
+def chars():
+    return GrammarCompiler(raw_tokenizer_info(["<eos>"] + [chr(c) for c in range(10, 127)], [0]))
+
+
+@pytest.mark.parametrize("parser", list(CALLS))
+def test_an_auto_reply_s_calls_of_a_strict_tool_hold_to_its_schema_and_text_stays_free(chars, parser):
+    import xgrammar
+
+    request = tc.parse_tool_request([STRICT_WEATHER, TIME], "auto", parser)
+    spec = StructuredSpec(*tc.strict_calls_spec(request))
+    assert spec.kind == "tagged_calls"
+    matcher = xgrammar.GrammarMatcher(chars.compile(spec))
+
+    def accepted(text: str) -> bool:
+        matcher.reset()
+        return matcher.accept_string(text) and matcher.accept_token(0)
+
+    good, other, bad = CALLS[parser]
+    assert accepted("Any text at all, {braces} and <tags> too.")
+    assert accepted(f"Let me look. {good}") and accepted(good + " " + other)  # a tool not strict: any arguments
+    assert not accepted(f"Let me look. {bad}")
+    assert [c.name for c in tc.read_calls(request, good)[1]] == ["get_weather"]
+    one = tc.parse_tool_request([STRICT_WEATHER, TIME], "auto", parser, parallel_tool_calls=False)
+    matcher = xgrammar.GrammarMatcher(chars.compile(StructuredSpec(*tc.strict_calls_spec(one))))
+    assert accepted(good) and not accepted(good + " " + other)  # the reply ends with its one call
+
+
+def test_no_strict_tool_or_a_forced_choice_takes_no_tagged_calls():
+    assert tc.strict_calls_spec(tc.parse_tool_request([TIME], "auto", tc.HERMES)) is None
+    assert tc.strict_calls_spec(tc.parse_tool_request([STRICT_WEATHER], "required", tc.HERMES)) is None
+
+
+def test_a_strict_tool_whose_schema_the_engine_cannot_hold_is_named(chars):
+    bad = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}}}}
+    with pytest.raises(GrammarError, match="multipleOf"):
+        chars.check(StructuredSpec(*tc.strict_calls_spec(tc.parse_tool_request([bad], "auto", tc.HERMES))))
+
+
+def _chat(**kw) -> bytes:
+    return json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]} | kw).encode()
+
+
+def test_the_request_takes_strict_tools_as_sent_and_refuses_what_it_cannot_hold():
+    parsed = api.parse_chat(_chat(tools=[STRICT_WEATHER, TIME]), 256, 400, tool_parser=tc.HERMES)
+    assert parsed.sampling.structured.kind == "tagged_calls" and parsed.sampling.structured.param == "tools"
+    # the template sees each function as sent: its keys in their order, strict among them, nothing added
+    assert [t["function"] for t in parsed.tools.tools] == [STRICT_WEATHER["function"], TIME["function"]]
+    assert list(parsed.tools.tools[0]["function"]["parameters"])[-1] == "type"
+    bare = {"type": "function", "function": {"name": "ping"}}
+    assert api.parse_chat(_chat(tools=[bare]), 256, 400, tool_parser=tc.HERMES).tools.tools == [bare]
+    with pytest.raises(api.ApiError) as err:
+        api.parse_chat(_chat(tools=[STRICT_WEATHER], response_format={"type": "json_object"}), 256, 400,
+                       tool_parser=tc.HERMES)
+    assert err.value.status == 400 and err.value.param == "tools" and "response_format" in err.value.message
+    with pytest.raises(api.ApiError) as err:
+        yes = {"type": "function", "function": {"name": "f", "strict": "yes"}}
+        api.parse_chat(_chat(tools=[yes]), 256, 400, tool_parser=tc.HERMES)
+    assert err.value.param == "tools[0].function.strict"
