@@ -31,6 +31,10 @@ from mstar_actors.frontend.tool_calls import (
 from mstar_actors.prepare.prompt_bound import encode_bounded, max_chars_per_token
 
 REPLACEMENT_CHAR = "\ufffd"
+
+
+class TemplateRefused(ValueError):
+    """A request's messages the chat template does not render (or a model without one): the client's."""
 # Prompt tokens the detokenizer decodes before the first output token, so the
 # first output gets the right leading space (SentencePiece) and merges (vLLM: 5).
 NUM_PREFIX_TOKENS = 5
@@ -129,7 +133,7 @@ class Tokenization:
         variables for the template (a request's ``chat_template_kwargs``).
         """
         if not self.has_chat_template:
-            raise ValueError(
+            raise TemplateRefused(
                 f"model {self.model_dir.name!r} has no chat template, so it cannot take "
                 "'messages'; send a plain 'prompt' to /v1/completions instead"
             )
@@ -141,9 +145,9 @@ class Tokenization:
                 continue_final_message=continue_final_message, **(template_kwargs or {}),
             )
         except jinja2.TemplateError as exc:
-            raise ValueError(f"the model's chat template refused 'messages': {exc}") from exc
+            raise TemplateRefused(f"the model's chat template refused 'messages': {exc}") from exc
         except Exception as exc:  # a value it can't render (the request's: the template is the model's)
-            raise ValueError(f"the model's chat template could not render 'messages' or chat_template_kwargs: "
+            raise TemplateRefused(f"the model's chat template could not render 'messages' or chat_template_kwargs: "
                              f"{type(exc).__name__}: {exc}") from exc
         return self.encode_text(text + assistant_prefix, False, max_tokens)
 

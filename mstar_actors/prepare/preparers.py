@@ -54,6 +54,7 @@ from mstar_actors.prepare.media import (
 )
 from mstar_actors.messages import ChatMessage, Failed, MediaItem, NewRequest, Prepared, StructuredSpec, TensorRef
 from mstar_actors.prepare.prompt_bound import PromptTooLong
+from mstar_actors.tokenization import TemplateRefused
 
 if TYPE_CHECKING:
     from mstar_actors.model_info import ModelInfo
@@ -131,6 +132,8 @@ class Preparer:
         except PromptTooLong as err:
             return failed(req, too_long(err.min_tokens, err.limit, is_lower_bound=True), _param_of(req),
                           code="context_length_exceeded")
+        except TemplateRefused as err:  # as the frontend's /tokenize says it
+            return failed(req, f"{_param_of(req)}: {err}", _param_of(req))
         except Exception as err:  # the client's input broke tokenization: its request alone fails
             return failed(req, f"could not prepare the request: {type(err).__name__}: {err}", _param_of(req))
         problem = self.check(token_ids)
@@ -328,6 +331,8 @@ class MediaPreparer:
         except PromptTooLong as err:
             return failed(req, too_long(err.min_tokens, err.limit, is_lower_bound=True), "messages",
                           code="context_length_exceeded")
+        except TemplateRefused as err:
+            return failed(req, f"messages: {err}", "messages")
         except Exception as err:  # the client's input broke a processor: its request alone fails
             return failed(req, f"could not prepare the request: {type(err).__name__}: {err}", "messages")
         problem = self.text.check(token_ids)

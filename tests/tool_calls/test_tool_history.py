@@ -11,7 +11,7 @@ import pytest
 
 from mstar_actors.frontend import openai_api as api
 from mstar_actors.messages import ChatMessage, NewRequest, SamplingParams, ToolCall
-from tests.tool_calls.templates import WEATHER
+from tests.tool_calls.templates import WEATHER, make_tool_model_dir
 
 ARGS = '{"city": "Paris"}'
 HISTORY = [
@@ -221,3 +221,18 @@ def test_prepare_renders_the_tools_and_a_forced_opening(hermes_dir):
     plain = Preparer(tokenization).prepare(NewRequest(request_id="p", model="tiny", sampling=SamplingParams(),
                                                       messages=parsed.messages))
     assert "# Tools" not in tokenization.decode(plain.prompt_token_ids, skip_special_tokens=False)
+
+
+def test_a_template_s_refusal_on_the_chat_path_reads_as_the_tokenize_route_s(tmp_path):
+    """The template's own words, under the field, as ``/tokenize`` says them (not a Python error's name)."""
+    from mstar_actors.messages import Failed
+    from mstar_actors.prepare.preparers import Preparer
+    from mstar_actors.tokenization import Tokenization
+
+    folder = make_tool_model_dir(tmp_path / "nosys", "{% if messages[0].role == 'system' %}"
+                                 "{{ raise_exception('System role not supported') }}{% endif %}" + LOOP + "{% endfor %}")
+    failed = Preparer(Tokenization(folder)).prepare(NewRequest(
+        request_id="r", model="tiny", sampling=SamplingParams(),
+        messages=_parse([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]).messages))
+    assert isinstance(failed, Failed) and failed.status == 400 and failed.param == "messages"
+    assert failed.message == "messages: the model's chat template refused 'messages': System role not supported"
