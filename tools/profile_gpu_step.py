@@ -445,6 +445,10 @@ def main(argv: list[str] | None = None) -> int:
                         "the grouped shrink and expand (beside the GEMM), fewer the fused GEMM and its expand "
                         f"(triton_ops.MIN_SPLIT_FUSED_ROWS, default {triton_ops.MIN_SPLIT_FUSED_ROWS}), side by "
                         "side; the rest of the run takes the first")
+    p.add_argument("--fold-cols", type=int, nargs="+", default=[triton_fused.FOLD_COLS],
+                   help="decode table runners whose SiLU-and-mul folded expand takes this many columns a program "
+                        f"by tiles of {triton_fused.FOLD_ROWS} rows (triton_fused.FOLD_COLS, default "
+                        f"{triton_fused.FOLD_COLS}), side by side; the rest of the run takes the first")
     args = p.parse_args(argv)
     if args.gemv_max_rows is not None:
         if not 1 <= args.gemv_max_rows <= 64:
@@ -473,9 +477,9 @@ def main(argv: list[str] | None = None) -> int:
                     *args.sampled_batches, 32])
     runners = {}
     modes = {"on": [True], "off": [False], "both": [True, False]}
-    for path, ops, pdl, gemv, fold, max_loras, split in itertools.product(
+    for path, ops, pdl, gemv, fold, max_loras, split, fold_cols in itertools.product(
             args.lora_paths, modes[args.fused_ops], modes[args.pdl], modes[args.gemv], modes[args.fold],
-            args.max_loras, args.split_rows):
+            args.max_loras, args.split_rows, args.fold_cols):
         fused = path != "unfused"
         config = parse_config({"model": {"path": str(model_dir), "device": "cuda"},
                                "kv": {"num_blocks": 64 * max_seqs + 8},
@@ -489,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         lora_layers.FOLD = fold
         lora_layers.BESIDE = path == "beside"
         triton_ops.MIN_SPLIT_FUSED_ROWS = triton_ops.MIN_SPLIT_ROWS = split  # read as graphs are captured
+        triton_fused.FOLD_COLS = fold_cols
         try:
             runner = build_runner(config, load_model_info(config))
         finally:
@@ -497,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         for slot, weights in enumerate(adapters[:max_loras], start=1):
             runner.install_adapter(slot, weights)
         runners[(path, "fused" if ops else "torch", "on" if pdl else "off", "on" if gemv else "off",
-                 "on" if fold else "off", max_loras, split)] = runner
+                 "on" if fold else "off", max_loras, split, fold_cols)] = runner
     # The eager steps below run as the first runner was built.
     triton_fused.enabled = modes[args.fused_ops][0]
     triton_launch.enabled = modes[args.pdl][0]
@@ -505,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     lora_layers.FOLD = modes[args.fold][0]
     lora_layers.BESIDE = args.lora_paths[0] == "beside"
     triton_ops.MIN_SPLIT_FUSED_ROWS = triton_ops.MIN_SPLIT_ROWS = args.split_rows[0]
+    triton_fused.FOLD_COLS = args.fold_cols[0]
     print(f"# {torch.cuda.get_device_name()}: decode step ms (median of {args.steps}), ModelRunner.execute, "
           f"context ~{CONTEXT}; lora beside: the delta on a side stream during the GEMM; fused: every LoRA linear's "
           f"A under its weight (one GEMM, then the expand); "
@@ -512,11 +518,12 @@ def main(argv: list[str] | None = None) -> int:
           f"replayed back to back (the device's time alone, CUDA events); loop: steps back to back in the "
           f"worker's overlapped order (the next step built while the device runs this one: a served batch's step)")
     print(f"{'batch':>5} {'lora':>8} {'ops':>6} {'pdl':>4} {'gemv':>4} {'fold':>4} {'slots':>5} {'split':>5} "
+          f"{'cols':>4} "
           f"{'base':>8} {'one':>8} {'mixed':>8} "
           f"{'one/base':>9} {'mixed/base':>10} {'gpu base':>8} {'gpu one':>8} {'gpu o/b':>8} "
           f"{'loop base':>9} {'loop one':>8} {'loop o/b':>8}")
     for batch in args.batches:
-        for (linears, ops, pdl, gemv, fold, max_loras, split), runner in runners.items():  # side by side at each batch
+        for (linears, ops, pdl, gemv, fold, max_loras, split, cols), runner in runners.items():  # side by side
             base = time_steps(runner, [0] * batch, "b", args.steps)
             one = time_steps(runner, [1] * batch, "o", args.steps)
             held = min(max_loras, NUM_ADAPTERS)
@@ -525,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
             gpu_one = time_replays(runner, [1] * batch, "go", args.steps)
             loop_base = time_overlapped(runner, [0] * batch, "lb", args.steps)
             loop_one = time_overlapped(runner, [1] * batch, "lo", args.steps)
-            print(f"{batch:>5} {linears:>8} {ops:>6} {pdl:>4} {gemv:>4} {fold:>4} {max_loras:>5} {split:>5} "
+            print(f"{batch:>5} {linears:>8} {ops:>6} {pdl:>4} {gemv:>4} {fold:>4} {max_loras:>5} {split:>5} {cols:>4} "
                   f"{base:>8.3f} {one:>8.3f} {mixed:>8.3f} "
                   f"{base / one:>8.1%} {base / mixed:>9.1%} {gpu_base:>8.3f} {gpu_one:>8.3f} {gpu_base / gpu_one:>8.1%} "
                   f"{loop_base:>9.3f} {loop_one:>8.3f} {loop_base / loop_one:>8.1%}")

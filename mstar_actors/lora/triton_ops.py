@@ -377,6 +377,13 @@ def _tiles_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     if slot == 0 or n_start >= hi:  # a tile of base rows, or a shorter shard's spare group
         return
+    live = scale != 0.0  # some slot of the tile's rows targets the shard (an adapter on every linear and not
+    other, others = _next_slot(lslot, done)  # the LM head: the head's tiles all leave, y unread)
+    while other != 0:
+        live = live | (tl.load(scales_ptr + shard * stride_ss + other * stride_sl) != 0.0)
+        other, others = _next_slot(lslot, others)
+    if not live:
+        return
     # y beside the first slot's t (both wait on the step's kernels), so the tile pays one round trip for
     # them; the next slot's scale and B only where there is one.
     tile = ok[:, None] & mask_n[None, :]

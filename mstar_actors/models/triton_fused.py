@@ -484,7 +484,7 @@ def silu_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None, expand=No
         per = fold_rows(rows.shape[0], expand)
         block = (min(1024, triton.next_power_of_2(n)) if expand is None
                  else min(4096 // fold_block_r(expand), triton.next_power_of_2(n)) if per == 1
-                 else max(16, min(64, triton.next_power_of_2(n))))
+                 else max(16, min(FOLD_COLS, triton.next_power_of_2(n))))
         _silu_mul_kernel[(triton.cdiv(rows.shape[0], per), triton.cdiv(n, block))](
             rows, rows.stride(0), rows if delta is None else delta, out, out.stride(0), rows.shape[0], n, *fold[:-1],
             HAS_DELTA=delta is not None, FOLD=expand is not None, F32=rows.dtype == torch.float32,
@@ -569,6 +569,8 @@ def fold_block_r(expand) -> int:
 # Rows a program of ``silu_mul``'s folded expand from as many rows in a step: tl.dot's least, whose
 # products of the rank run on the tensor cores (``_fold_dot``).
 FOLD_ROWS = 16
+# Columns a program of ``silu_mul``'s folded expand takes by tiles of ``FOLD_ROWS`` rows (read as graphs are captured)
+FOLD_COLS = 64
 
 
 def fold_rows(num_rows: int, expand) -> int:
