@@ -837,15 +837,11 @@ def _parse_tools(parsed: ParsedRequest, body: dict, tool_parser: str | None) -> 
     if parsed.tools is None:
         return
     given = parsed.sampling.structured
-    if not parsed.tools.is_forced:
-        strict = tool_calls.strict_calls_spec(parsed.tools)
-        if strict is None:
-            return
-        if given is not None:
-            raise _bad("tools", f"a strict tool's calls are held to its schema by a grammar; it cannot be combined "
-                                f"with {given.param or 'another output constraint'} (send strict: false, or "
-                                f"drop {given.param or 'the constraint'})")
-        parsed.sampling = msgspec.structs.replace(parsed.sampling, structured=StructuredSpec(*strict, "tools"))
+    if not parsed.tools.is_forced:  # a strict tool's calls, and an answer held to response_format's rule
+        answer = None if given is None else {"kind": given.kind, "spec": given.spec, "param": given.param}
+        strict = tool_calls.strict_calls_spec(parsed.tools, answer)
+        if strict is not None:
+            parsed.sampling = msgspec.structs.replace(parsed.sampling, structured=StructuredSpec(*strict, "tools"))
         return
     if given is not None:
         raise _bad("tool_choice", f"a required or named tool call is already constrained; it cannot be combined "

@@ -183,8 +183,11 @@ def _parse_tool(where: str, tool: Any) -> dict:
                                                         f'of "type": "object", got {parameters["type"]!r}')
     if function.get("strict") is not None and not isinstance(function["strict"], bool):
         raise ToolError(f"{where}.function.strict", f"expected true or false, got {function['strict']!r}")
-    # The template sees the function as the client sent it (vLLM's): its keys, in their order.
-    return {"type": "function", "function": dict(function)}
+    # The template sees the function as the client sent it (its keys and their order, strict among them), as a
+    # template applied to the client's tools renders them; without parameters, a schema of none (a template
+    # reading parameters.properties finds it).
+    return {"type": "function", "function": function if parameters is not None else
+            function | {"parameters": {"type": "object", "properties": {}}}}
 
 
 def call_parameters(function: dict) -> dict:
@@ -230,13 +233,14 @@ def forced_calls_spec(request: ToolRequest) -> tuple[str, str]:
                                      "end": CALLS_END[request.parser]})
 
 
-def strict_calls_spec(request: ToolRequest) -> tuple[str, str] | None:
+def strict_calls_spec(request: ToolRequest, answer: dict | None = None) -> tuple[str, str] | None:
     """``(kind, spec)`` of an ``auto`` reply with a strict tool ("tagged_calls"): free text, but a call,
     from the format's opening on, held to the format and its tool's schema (a tool not strict: to any
     object of arguments) to its end; None where no tool is strict (or the choice is not auto). With
-    ``parallel_tool_calls: false`` the reply ends with its first call. ``spec``: ``{"trigger": the text
-    that opens a call, "tags": [{"begin", "end", and "schema" (a JSON call's) or "functions" (an XML
-    call's, ``xml_calls``')}], "one": ...}``."""
+    ``parallel_tool_calls: false`` the reply ends with its first call. ``answer`` (another constraint's
+    ``{"kind", "spec", "param"}``: ``response_format``'s): the reply is that answer, or starts with a call.
+    ``spec``: ``{"trigger": the text that opens a call, "tags": [{"begin", "end", and "schema" (a JSON
+    call's) or "functions" (an XML call's, ``xml_calls``')}], "one": ..., "answer": ...}``."""
     if request.choice != "auto" or not request.is_strict:
         return None
     functions = [f | {"parameters": call_parameters(f) if f.get("strict") is True else {"type": "object"}}
@@ -254,7 +258,8 @@ def strict_calls_spec(request: ToolRequest) -> tuple[str, str] | None:
         tags = [{"begin": f'{{"name": {json.dumps(f["name"])}, "{key}": ', "end": "}",
                  "schema": f["parameters"]} for f in functions]
         trigger = '{"name": '
-    return "tagged_calls", json.dumps({"trigger": trigger, "tags": tags, "one": request.max_calls == 1})
+    return "tagged_calls", json.dumps({"trigger": trigger, "tags": tags, "one": request.max_calls == 1}
+                                      | ({"answer": answer} if answer else {}))
 
 
 def forced_call_schema(request: ToolRequest) -> str:

@@ -176,7 +176,13 @@ class Preparer:
         if spec.param not in ("tool_choice", "tools") or not req.tools:
             return None
         forced = json.loads(spec.spec)
-        if spec.kind == "tagged_calls":  # an auto reply's strict tools, each alone
+        if spec.kind == "tagged_calls":  # an auto reply's strict tools, each alone, and its answer's rule
+            answer = forced.get("answer")
+            if answer is not None:
+                try:
+                    self.grammars.check(StructuredSpec(answer["kind"], answer["spec"]))
+                except GrammarError as err:
+                    return answer["param"] or "response_format", err
             xml = any("functions" in tag for tag in forced["tags"])
             alone = [(f["name"], StructuredSpec("xml_calls", json.dumps({
                 "functions": [{"name": f["name"], "parameters": call_parameters(f)}], "separator": "", "end": "",

@@ -537,7 +537,8 @@ def _json_grammar_text(schema: str) -> str:
 
 def _tagged_calls(calls: dict) -> Any:
     """Any text, but from ``trigger`` on a tag's call to its end (the engine's triggered tags): a JSON
-    call's schema (``_json_grammar_text``'s rules, as a forced call's) or an XML call's (``_xml_call``)."""
+    call's schema (``_json_grammar_text``'s rules, as a forced call's) or an XML call's (``_xml_call``);
+    with an ``answer``, that answer's rule or calls from the reply's start."""
     tags = []
     for tag in calls["tags"]:
         if "functions" in tag:
@@ -549,9 +550,13 @@ def _tagged_calls(calls: dict) -> Any:
             content = _json_grammar_text(json.dumps(tag["schema"]))
         tags.append({"type": "tag", "begin": tag["begin"], "end": tag["end"],
                      "content": {"type": "grammar", "grammar": content}})
-    return _xgr().Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": {
-        "type": "triggered_tags", "triggers": [calls["trigger"]], "tags": tags, "at_least_one": False,
-        "stop_after_first": calls["one"]}}))
+    answer = calls.get("answer")
+    triggered = {"type": "triggered_tags", "triggers": [calls["trigger"]], "tags": tags,
+                 "at_least_one": answer is not None, "stop_after_first": calls["one"]}
+    if answer is not None:  # the answer's own rule, or calls from the reply's start (text may follow them)
+        rule = str(GrammarCompiler._grammar(messages.StructuredSpec(answer["kind"], answer["spec"])))
+        triggered = {"type": "or", "elements": [triggered, {"type": "grammar", "grammar": rule}]}
+    return _xgr().Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": triggered}))
 
 
 def _union(grammars: list[Any]) -> Any:

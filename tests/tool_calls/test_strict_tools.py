@@ -64,6 +64,26 @@ def test_an_auto_reply_s_calls_of_a_strict_tool_hold_to_its_schema_and_text_stay
     assert accepted(good) and not accepted(good + " " + other)  # the reply ends with its one call
 
 
+def test_with_response_format_a_reply_is_its_answer_or_starts_with_a_strict_call(chars):
+    """OpenAI takes both (the Agents SDK sends both): an answer held to response_format's rule, or calls."""
+    import xgrammar
+
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    parsed = api.parse_chat(_chat(tools=[STRICT_WEATHER, TIME], response_format={
+        "type": "json_schema", "json_schema": {"name": "a", "schema": schema}}), 256, 400, tool_parser=tc.HERMES)
+    spec = parsed.sampling.structured
+    assert spec.kind == "tagged_calls" and json.loads(spec.spec)["answer"]["kind"] == "json"
+    matcher = xgrammar.GrammarMatcher(chars.compile(spec))
+
+    def accepted(text: str) -> bool:
+        matcher.reset()
+        return matcher.accept_string(text) and matcher.accept_token(0)
+
+    good, _, bad = CALLS[tc.HERMES]
+    assert accepted('{"x": 1}') and accepted(good) and accepted(good + " done")
+    assert not accepted('{"x": "one"}') and not accepted("free text") and not accepted(bad)
+
+
 def test_no_strict_tool_or_a_forced_choice_takes_no_tagged_calls():
     assert tc.strict_calls_spec(tc.parse_tool_request([TIME], "auto", tc.HERMES)) is None
     assert tc.strict_calls_spec(tc.parse_tool_request([STRICT_WEATHER], "required", tc.HERMES)) is None
@@ -83,15 +103,14 @@ def _chat(**kw) -> bytes:
 def test_the_request_takes_strict_tools_as_sent_and_refuses_what_it_cannot_hold():
     parsed = api.parse_chat(_chat(tools=[STRICT_WEATHER, TIME]), 256, 400, tool_parser=tc.HERMES)
     assert parsed.sampling.structured.kind == "tagged_calls" and parsed.sampling.structured.param == "tools"
-    # the template sees each function as sent: its keys in their order, strict among them, nothing added
+    # the template sees each function as sent: its keys in their order, strict among them; without parameters,
+    # a schema of none (a template reading parameters.properties finds it)
     assert [t["function"] for t in parsed.tools.tools] == [STRICT_WEATHER["function"], TIME["function"]]
     assert list(parsed.tools.tools[0]["function"]["parameters"])[-1] == "type"
-    bare = {"type": "function", "function": {"name": "ping"}}
-    assert api.parse_chat(_chat(tools=[bare]), 256, 400, tool_parser=tc.HERMES).tools.tools == [bare]
-    with pytest.raises(api.ApiError) as err:
-        api.parse_chat(_chat(tools=[STRICT_WEATHER], response_format={"type": "json_object"}), 256, 400,
-                       tool_parser=tc.HERMES)
-    assert err.value.status == 400 and err.value.param == "tools" and "response_format" in err.value.message
+    bare = api.parse_chat(_chat(tools=[{"type": "function", "function": {"name": "ping"}}]), 256, 400,
+                          tool_parser=tc.HERMES).tools.tools
+    assert bare == [{"type": "function", "function": {"name": "ping", "parameters": {"type": "object",
+                                                                                      "properties": {}}}}]
     with pytest.raises(api.ApiError) as err:
         yes = {"type": "function", "function": {"name": "f", "strict": "yes"}}
         api.parse_chat(_chat(tools=[yes]), 256, 400, tool_parser=tc.HERMES)
