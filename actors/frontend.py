@@ -978,8 +978,9 @@ class FrontendActor(Actor):
         now = time.perf_counter()
         for choice in exchange.choices.values():
             if choice.finish_reason is not None or not exchange.is_refused:  # a 4xx is no request's end (vLLM's)
-                phases = None if choice.first_token_at is None else (*choice.phases, now - choice.first_token_at)
-                self.metrics.observe_end(choice.finish_reason, now - exchange.arrival,
+                end = now if choice.last_token_at is None else choice.last_token_at  # each choice's own (n > 1)
+                phases = None if choice.first_token_at is None else (*choice.phases, end - choice.first_token_at)
+                self.metrics.observe_end(choice.finish_reason, end - exchange.arrival,
                                          (choice.num_prompt_tokens, choice.num_output_tokens), phases)
         for rid in [*exchange.choice_ids, *exchange.choices]:
             self._exchanges.pop(rid, None)
