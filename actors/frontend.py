@@ -725,13 +725,17 @@ class FrontendActor(Actor):
                 end = reasoning_end(self._followed_text(parsed) or "") if state != "closed" else ""
                 parsed.tools = dataclasses.replace(parsed.tools, reasoning_end=end)
             return None
-        if spec is not None and self.think_ids is None:
+        # held after the reasoning; a strict tool's calls with no answer's rule hold from the first token (any
+        # other text, the reasoning's too, is free: a call a Qwen3.5 reply opens while thinking is held as well)
+        gated = spec is not None and not (spec.kind == "tagged_calls"
+                                          and "answer" not in msgspec.json.decode(spec.spec))
+        if gated and self.think_ids is None:
             return None
         state = self._prompt_reasoning(parsed)
         if state == "closed":
             return None
         opened = state == "open"
-        if spec is not None:
+        if gated:
             spec = msgspec.structs.replace(spec, reasoning=self.think_ids,
                                            opened=opened or self.reasoning_parser == "deepseek_r1")
             parsed.sampling = msgspec.structs.replace(parsed.sampling, structured=spec)

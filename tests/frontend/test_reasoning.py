@@ -365,3 +365,21 @@ def test_a_dropped_reasoning_keeps_its_logprobs_and_ids_whole_and_streamed_alike
             assert "".join(c["delta"].get("content") or "" for c in chunks) == r["choices"][0]["message"]["content"]
 
     run(body)
+
+
+def test_a_strict_tool_s_calls_hold_from_the_first_token_and_the_reply_still_reasons(harness):
+    """Its rule lets any text through between calls, so it is not held back to after </think>: a call a reply
+    opens while thinking is held too, and the reply's reasoning is read apart (it was not, on a model whose
+    think tags are several tokens)."""
+    strict = [{"type": "function", "function": {"name": "f", "strict": True,
+                                                "parameters": {"type": "object", "properties": {}}}}]
+
+    async def body():
+        async with harness(model_keys={"reasoning_parser": "qwen3", "tool_call_parser": "hermes"}) as h:
+            h.engine.reply_text = "<think>\nhm</think>\n\nfine"
+            status, r = await h.post(CHAT, {"model": "tiny", "messages": MSGS, "tools": strict})
+            assert status == 200 and r["choices"][0]["message"]["reasoning"] == "\nhm", r
+            spec = next(iter(h.engine.requests.values())).sampling.structured
+            assert spec.kind == "tagged_calls" and spec.reasoning == ()
+
+    run(body)
