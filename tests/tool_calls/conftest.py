@@ -47,3 +47,25 @@ def tool_harness(hermes_dir, hermes_tokenizer):
     from tests.frontend.conftest import Harness
 
     return lambda **kw: Harness(hermes_dir, hermes_tokenizer, **kw)
+
+
+@pytest.fixture(scope="session")
+def chars():
+    """A grammar compiler over a vocabulary of one token a printable character (and EOS): any text is spelled."""
+    pytest.importorskip("xgrammar")
+    from mstar_actors.runner.grammar import GrammarCompiler, raw_tokenizer_info
+
+    return GrammarCompiler(raw_tokenizer_info(["<eos>"] + [chr(c) for c in range(10, 127)], [0]))
+
+
+def accepter(compiler, spec):
+    """Whether a whole reply, then EOS, is one ``spec``'s grammar takes."""
+    import xgrammar
+
+    matcher = xgrammar.GrammarMatcher(compiler.compile(spec))
+
+    def accepted(text: str) -> bool:
+        matcher.reset()
+        return matcher.accept_string(text) and matcher.accept_token(0)
+
+    return accepted

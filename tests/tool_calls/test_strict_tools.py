@@ -14,7 +14,8 @@ from mstar_actors.messages import StructuredSpec
 from tests.tool_calls.templates import TIME
 
 pytest.importorskip("xgrammar")
-from mstar_actors.runner.grammar import GrammarCompiler, GrammarError, raw_tokenizer_info  # noqa: E402
+from mstar_actors.runner.grammar import GrammarError  # noqa: E402
+from tests.tool_calls.conftest import accepter  # noqa: E402
 
 STRICT_WEATHER = {"type": "function", "function": {
     "name": "get_weather", "strict": True, "parameters": {
@@ -36,49 +37,30 @@ CALLS = {  # a valid call of each tool, a call breaking get_weather's schema, as
 }
 
 
-@pytest.fixture(scope="module")
-def chars():
-    return GrammarCompiler(raw_tokenizer_info(["<eos>"] + [chr(c) for c in range(10, 127)], [0]))
-
-
 @pytest.mark.parametrize("parser", list(CALLS))
 def test_an_auto_reply_s_calls_of_a_strict_tool_hold_to_its_schema_and_text_stays_free(chars, parser):
-    import xgrammar
-
     request = tc.parse_tool_request([STRICT_WEATHER, TIME], "auto", parser)
     spec = StructuredSpec(*tc.strict_calls_spec(request))
     assert spec.kind == "tagged_calls"
-    matcher = xgrammar.GrammarMatcher(chars.compile(spec))
-
-    def accepted(text: str) -> bool:
-        matcher.reset()
-        return matcher.accept_string(text) and matcher.accept_token(0)
-
+    accepted = accepter(chars, spec)
     good, other, bad = CALLS[parser]
     assert accepted("Any text at all, {braces} and <tags> too.")
     assert accepted(f"Let me look. {good}") and accepted(good + " " + other)  # a tool not strict: any arguments
     assert not accepted(f"Let me look. {bad}")
     assert [c.name for c in tc.read_calls(request, good)[1]] == ["get_weather"]
     one = tc.parse_tool_request([STRICT_WEATHER, TIME], "auto", parser, parallel_tool_calls=False)
-    matcher = xgrammar.GrammarMatcher(chars.compile(StructuredSpec(*tc.strict_calls_spec(one))))
+    accepted = accepter(chars, StructuredSpec(*tc.strict_calls_spec(one)))
     assert accepted(good) and not accepted(good + " " + other)  # the reply ends with its one call
 
 
 def test_with_response_format_a_reply_is_its_answer_or_starts_with_a_strict_call(chars):
     """OpenAI takes both (the Agents SDK sends both): an answer held to response_format's rule, or calls."""
-    import xgrammar
-
     schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
     parsed = api.parse_chat(_chat(tools=[STRICT_WEATHER, TIME], response_format={
         "type": "json_schema", "json_schema": {"name": "a", "schema": schema}}), 256, 400, tool_parser=tc.HERMES)
     spec = parsed.sampling.structured
     assert spec.kind == "tagged_calls" and json.loads(spec.spec)["answer"]["kind"] == "json"
-    matcher = xgrammar.GrammarMatcher(chars.compile(spec))
-
-    def accepted(text: str) -> bool:
-        matcher.reset()
-        return matcher.accept_string(text) and matcher.accept_token(0)
-
+    accepted = accepter(chars, spec)
     good, _, bad = CALLS[tc.HERMES]
     assert accepted('{"x": 1}') and accepted(good) and accepted(good + " done")
     assert not accepted('{"x": "one"}') and not accepted("free text") and not accepted(bad)

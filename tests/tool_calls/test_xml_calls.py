@@ -9,7 +9,8 @@ import pytest
 from mstar_actors.frontend import tool_calls as tc
 from mstar_actors.frontend import xml_calls as xc
 from mstar_actors.messages import StructuredSpec
-from mstar_actors.runner.grammar import GrammarCompiler, GrammarError, raw_tokenizer_info
+from mstar_actors.runner.grammar import GrammarError
+from tests.tool_calls.conftest import accepter
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
@@ -120,11 +121,6 @@ def test_the_template_s_format_is_chosen_and_history_is_written_in_it():
         ("get_weather", '{"city": "Paris", "days": 3}'), ("get_time", "{}")]
 
 
-@pytest.fixture(scope="module")
-def chars():
-    return GrammarCompiler(raw_tokenizer_info(["<eos>"] + [chr(c) for c in range(10, 127)], [0]))
-
-
 def test_forced_calls_are_held_to_the_format_and_their_parameters_types(chars):
     import xgrammar
 
@@ -132,11 +128,7 @@ def test_forced_calls_are_held_to_the_format_and_their_parameters_types(chars):
     assert request.assistant_prefix == "<tool_call>\n"
     spec = StructuredSpec(*tc.forced_calls_spec(request))
     assert spec.kind == "xml_calls"
-    matcher = xgrammar.GrammarMatcher(chars.compile(spec))
-
-    def accepted(text: str) -> bool:
-        matcher.reset()
-        return matcher.accept_string(text) and matcher.accept_token(0)
+    accepted = accepter(chars, spec)
 
     weather = call("get_weather", city="Paris", days="3", unit="c").removeprefix("<tool_call>\n")
     weather = weather.removesuffix("\n</tool_call>")
@@ -179,22 +171,9 @@ def test_forced_calls_are_held_to_the_format_and_their_parameters_types(chars):
     ("hostname", "example.com", "exa mple.com"),
 ])
 def test_a_string_s_format_is_held_in_forced_calls(chars, fmt, good, bad):
-    import xgrammar
-
-    tool = {"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"v": {"type": "string", "format": fmt}}, "required": ["v"]}}}
-    request = tc.parse_tool_request([tool], "required", tc.QWEN3_CODER)
-    matcher = xgrammar.GrammarMatcher(chars.compile(StructuredSpec(*tc.forced_calls_spec(request))))
-
-    def written(value: str) -> str:  # after the block's opening, which the prompt holds
-        return call("f", v=value).removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")
-
-    def accepted(value: str) -> bool:
-        matcher.reset()
-        return matcher.accept_string(written(value)) and matcher.accept_token(0)
-
-    assert accepted(good) and not accepted(bad)
-    assert json.loads(tc.read_calls(request, written(good))[1][0].arguments) == {"v": good}
+    request, matcher = _forced(chars, {"type": "object", "properties": {"v": {"type": "string", "format": fmt}},
+                                       "required": ["v"]})
+    assert _held(request, matcher, v=good) == {"v": good} and _held(request, matcher, v=bad) is None
 
 
 @pytest.mark.parametrize("parameters,reason", [
