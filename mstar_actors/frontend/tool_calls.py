@@ -238,7 +238,7 @@ def strict_calls_spec(request: ToolRequest, answer: dict | None = None) -> tuple
     from the format's opening on, held to the format and its tool's schema (a tool not strict: to any
     object of arguments) to its end; None where no tool is strict (or the choice is not auto). With
     ``parallel_tool_calls: false`` the reply ends with its first call. ``answer`` (another constraint's
-    ``{"kind", "spec", "param"}``: ``response_format``'s): the reply is that answer, or starts with a call.
+    ``{"kind", "spec", "param"}``: ``response_format``'s): the reply is that answer, or text with a call.
     ``spec``: ``{"trigger": the text that opens a call, "tags": [{"begin", "end", and "schema" (a JSON
     call's) or "functions" (an XML call's, ``xml_calls``')}], "one": ..., "answer": ...}``."""
     if request.choice != "auto" or not request.is_strict:

@@ -538,7 +538,7 @@ def _json_grammar_text(schema: str) -> str:
 def _tagged_calls(calls: dict) -> Any:
     """Any text, but from ``trigger`` on a tag's call to its end (the engine's triggered tags): a JSON
     call's schema (``_json_grammar_text``'s rules, as a forced call's) or an XML call's (``_xml_call``);
-    with an ``answer``, that answer's rule or calls from the reply's start."""
+    with an ``answer``, that answer's rule or text with at least one call."""
     tags = []
     for tag in calls["tags"]:
         if "functions" in tag:
@@ -553,9 +553,11 @@ def _tagged_calls(calls: dict) -> Any:
     answer = calls.get("answer")
     triggered = {"type": "triggered_tags", "triggers": [calls["trigger"]], "tags": tags,
                  "at_least_one": answer is not None, "stop_after_first": calls["one"]}
-    if answer is not None:  # the answer's own rule, or calls from the reply's start (text may follow them)
+    if answer is not None:  # the answer's own rule, or text with a call in it (the engine's tags take none first)
         rule = str(GrammarCompiler._grammar(messages.StructuredSpec(answer["kind"], answer["spec"])))
-        triggered = {"type": "or", "elements": [triggered, {"type": "grammar", "grammar": rule}]}
+        with_calls = {"type": "sequence", "elements": [{"type": "any_text", "excludes": [calls["trigger"]]},
+                                                       triggered]}
+        triggered = {"type": "or", "elements": [with_calls, {"type": "grammar", "grammar": rule}]}
     return _xgr().Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": triggered}))
 
 
