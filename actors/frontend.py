@@ -740,8 +740,10 @@ class FrontendActor(Actor):
                                            opened=opened or self.reasoning_parser == "deepseek_r1")
             parsed.sampling = msgspec.structs.replace(parsed.sampling, structured=spec)
         tools = parsed.tools
+        # (not where strict calls are held after the reasoning, beside an answer's rule: the grammar never saw
+        # one opened inside it, which stays reasoning)
         calls_open = self.reasoning_parser == "qwen3" and tools is not None and tools.reads_calls and \
-            tools.parser == QWEN3_CODER
+            tools.parser == QWEN3_CODER and not (gated and spec.kind == "tagged_calls")
         return self.reasoning_parser, opened, XML_CALL_OPENING if calls_open else None
 
     def _prompt_reasoning(self, parsed: ParsedRequest) -> str | None:

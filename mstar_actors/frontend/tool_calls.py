@@ -658,6 +658,10 @@ class HermesReader:
         self._end = None
         body = held.removesuffix(HERMES_CLOSE)
         call, rest = _read_block(body, tagged=held.endswith(HERMES_CLOSE))  # never closed: the call, then text
+        if call is None and not held.endswith(HERMES_CLOSE) and (head := _CUT_HEAD.match(body)) is not None:
+            # cut inside its arguments (max_tokens): a call as far as it was written, as a stream sent it
+            args = body[head.end():]
+            call, rest = ParsedCall(_name_in(head), args[: len(args) - _partial_suffix(args, HERMES_CLOSE)]), ""
         if call is None:
             return first + HERMES_OPEN + held, before
         self.num_calls += 1
@@ -825,6 +829,9 @@ def _name_in(head: re.Match) -> str:
     return json.loads(f'"{head.group(1)}"')
 
 
+_CUT_HEAD = _head_pattern(HERMES, r"(?=\{)")  # a block's call head and object: a call from there on
+
+
 def _head_delta(index: int, name: str) -> dict:
     """A streamed call's first entry: its id, type and name, arguments ""."""
     return {"index": index, "id": new_call_id(), "type": "function", "function": {"name": name, "arguments": ""}}
@@ -906,9 +913,10 @@ class HermesCallStream:
     short). Any other block is held to its end and read whole as
     ``HermesReader`` reads it: a call (head and arguments in two deltas), or
     content with its markup. So a stream and a response (``read_calls``) read
-    the same calls, except where a block that began as a call's head and
-    object does not end as valid JSON: its pieces went out, the response
-    reads it as content (vLLM streams such a call as well). Calls past
+    the same calls (a block cut by max_tokens inside its arguments a call as
+    far as it was written in both), except where a block that began as a
+    call's head and object closes without valid JSON: its pieces went out,
+    the response reads it as content (vLLM streams such a call as well). Calls past
     ``max_calls`` are read and dropped."""
 
     def __init__(self, max_calls: int | None = None):

@@ -383,3 +383,33 @@ def test_a_strict_tool_s_calls_hold_from_the_first_token_and_the_reply_still_rea
             assert spec.kind == "tagged_calls" and spec.reasoning == ()
 
     run(body)
+
+
+def test_a_strict_call_opened_while_thinking_beside_an_answer_s_rule_stays_reasoning(tmp_path):
+    """With response_format the rule holds after </think>: a Qwen3.5 call opened inside the reasoning was never
+    held to its schema, so it is not read as a call (it was: arguments breaking the strict schema)."""
+    from transformers import AutoTokenizer
+
+    from tests.frontend.conftest import Harness, make_tokenizer_dir
+
+    folder = make_tokenizer_dir(tmp_path / "think")
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok.add_tokens(["<think>", "</think>"])
+    tok.save_pretrained(str(folder))
+    strict = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}]
+    answer = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    opened = "<tool_call>\n<function=f>\n</function>\n</tool_call>"
+
+    async def body():
+        async with Harness(folder, tok, model_keys={"reasoning_parser": "qwen3",
+                                                    "tool_call_parser": "qwen3_coder"}) as h:
+            h.engine.reply_text = f"<think>\nI need f.\n{opened}"
+            for extra in ({"response_format": answer}, {}):
+                status, r = await h.post(CHAT, {"model": "tiny", "messages": MSGS, "tools": strict} | extra)
+                message = r["choices"][0]["message"]
+                # beside the answer's rule: reasoning; alone, the strict rule held it from the first token (a
+                # call, as the reader reads it)
+                assert bool(message.get("tool_calls")) == ("response_format" not in extra), (extra, r)
+
+    run(body)
