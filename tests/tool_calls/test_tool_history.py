@@ -229,8 +229,7 @@ def test_a_template_s_refusal_on_the_chat_path_reads_as_the_tokenize_route_s(tmp
     from mstar_actors.prepare.preparers import Preparer
     from mstar_actors.tokenization import Tokenization
 
-    folder = make_tool_model_dir(tmp_path / "nosys", "{% if messages[0].role == 'system' %}"
-                                 "{{ raise_exception('System role not supported') }}{% endif %}" + LOOP + "{% endfor %}")
+    folder = make_tool_model_dir(tmp_path / "nosys", NO_SYSTEM)
     failed = Preparer(Tokenization(folder)).prepare(NewRequest(
         request_id="r", model="tiny", sampling=SamplingParams(),
         messages=_parse([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]).messages))

@@ -188,7 +188,8 @@ HERMES_STREAM_CASES = [
     '<tool_call>{"name": "f", "arguments": {}}\n{"name": "g", "arguments": {}}</tool_call>',  # two objects, one block
     'Sure. <tool_call>{"name": "f", "arguments": {"t": "U"}}\n</',  # cut inside its closing tag
     'Sure. <tool_call>{"arguments": {}, "name": "f"} ok\n</tool_cal',  # ... read whole, text before the cut tag
-    'Xm<tool_call>\n{"name": "f", "arguments": {"c": "P"}}\n</tool_call><tool_call>\n{"name": "g", "arguments": {"q": "a',
+    'Xm<tool_call>\n{"name": "f", "arguments": {"c": "P"}}\n</tool_call>'
+    '<tool_call>\n{"name": "g", "arguments": {"q": "a',
     # ... cut inside a call's arguments: a call as far as it was written
 ]
 
