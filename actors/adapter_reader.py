@@ -29,6 +29,7 @@ and after a crash the launcher's ``cleanup_run`` (or the next start's
 
 from __future__ import annotations
 
+import functools
 import itertools
 from pathlib import Path
 from typing import Any
@@ -66,13 +67,6 @@ class AdapterReaderActor(Actor):
         # Host copies are kept in the ranks' dtype: a bf16 copy of a float32 file
         # is half the bytes each install maps and copies, and the install converts nothing.
         self.host_dtype = getattr(torch, self.info.dtype)
-
-    def base_weights(self, module: str) -> Any:
-        """The served model's weight of a global module, as its files hold it (``read_adapter``'s check of
-        the embedding and head copies PEFT saves)."""
-        from mstar_actors.models.loader import stored_weight
-
-        return stored_weight(self.info.model_dir, module)
 
     async def start(self) -> None:
         if self.info.lora_base is None:
@@ -113,13 +107,14 @@ class AdapterReaderActor(Actor):
         """In a thread: read, validate, serialise, write one segment."""
         read_adapter = self.confined_reader(msg.path)
         from mstar_actors.lora.host_copy import adapter_to_bytes
+        from mstar_actors.models.loader import stored_weight
 
         if self.info.lora_base is None:
             from mstar_actors.lora import AdapterError
 
             raise AdapterError(f"adapter {msg.name!r}: this base model takes no adapters ({self.info.lora_refusal})")
         weights = read_adapter(msg.path, base=self.info.lora_base, max_rank=self.config.lora.max_lora_rank,
-                               name=msg.name, base_weights=self.base_weights)
+                               name=msg.name, base_weights=functools.partial(stored_weight, self.info.model_dir))
         weights = weights.to_dtype(self.host_dtype)
         known = self.tier.find(msg.name, weights.digest)
         if known is not None:  # the same weights again: share the copy
@@ -142,7 +137,6 @@ class AdapterReaderActor(Actor):
         """``read_adapter`` for a read of ``path``: a runtime load's opens only
         files inside ``lora.adapter_dirs``; a configured adapter's (the path
         as the pool sends it) are read where their links lead."""
-        import functools
         import os
 
         from mstar_actors.lora import read_adapter

@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
+import functools
 import logging
 import multiprocessing
 import os
@@ -570,7 +571,7 @@ def validate_adapters(config: Config, info: ModelInfo) -> None:
     for name, path in config.lora.adapters.items():
         try:
             read_adapter(expand_path(path), base=info.lora_base, max_rank=config.lora.max_lora_rank, name=name,
-                         base_weights=lambda module: stored_weight(info.model_dir, module))
+                         base_weights=functools.partial(stored_weight, info.model_dir))
         except AdapterError as err:
             folder = Path(expand_path(path))
             demo = folder.parent == Path(expand_path(DEMO_ADAPTERS)) and not folder.exists()

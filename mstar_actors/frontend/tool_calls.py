@@ -543,6 +543,11 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _less_cut_close(text: str) -> str:
+    """``text`` less a ``</tool_call>`` that ``max_tokens`` cut short at its end."""
+    return text[: len(text) - _partial_suffix(text, HERMES_CLOSE)]
+
+
 def _partial_suffix(text: str, marker: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -613,7 +618,7 @@ def _read_block(body: str, tagged: bool) -> tuple[ParsedCall | None, str]:
     end = _object_end(body)
     if end is not None and (call := parse_call(body[:end])) is not None:
         rest = body[end:]
-        return call, rest if tagged else rest[: len(rest) - _partial_suffix(rest, HERMES_CLOSE)]
+        return call, rest if tagged else _less_cut_close(rest)
     return None, ""
 
 
@@ -660,8 +665,7 @@ class HermesReader:
         call, rest = _read_block(body, tagged=held.endswith(HERMES_CLOSE))  # never closed: the call, then text
         if call is None and not held.endswith(HERMES_CLOSE) and (head := _CUT_HEAD.match(body)) is not None:
             # cut inside its arguments (max_tokens): a call as far as it was written, as a stream sent it
-            args = body[head.end():]
-            call, rest = ParsedCall(_name_in(head), args[: len(args) - _partial_suffix(args, HERMES_CLOSE)]), ""
+            call, rest = ParsedCall(_name_in(head), _less_cut_close(body[head.end():])), ""
         if call is None:
             return first + HERMES_OPEN + held, before
         self.num_calls += 1
@@ -954,7 +958,7 @@ class HermesCallStream:
         if state in ("out", "tag"):  # ("tag": text after a call whose block never closed is content)
             last = []
             if state == "tag":  # less its closing tag, cut short
-                held = held[: len(held) - _partial_suffix(held, HERMES_CLOSE)]
+                held = _less_cut_close(held)
             self._content(held, last)
             if self._space and (self._said or not self.num_calls):  # after text, or a reply of whitespace alone
                 last.append({"content": self._lead + self._space})

@@ -153,19 +153,12 @@ class GrammarCompiler:
         """``spec``'s rules, as the engine's grammar (or its text)."""
         match spec.kind:
             case "json":
-                problem = unenforced_keyword(json.loads(spec.spec))  # json.loads: clearer than the engine's
-                if problem is not None:
-                    raise GrammarError("json", problem)
-                return _json_grammar_text(spec.spec)
+                return _schema_rules(json.loads(spec.spec), spec.spec)
             case "json_object":
                 return _json_grammar_text(ANY_OBJECT_SCHEMA)
             case "json_calls":
                 calls = json.loads(spec.spec)
-                problem = unenforced_keyword(calls["schema"])
-                if problem is not None:
-                    raise GrammarError("json", problem)
-                schema = _json_grammar_text(json.dumps(calls["schema"]))
-                return _repeated(schema, calls["separator"], calls.get("end", ""))
+                return _repeated(_schema_rules(calls["schema"]), calls["separator"], calls.get("end", ""))
             case "xml_calls":
                 calls = json.loads(spec.spec)
                 grammar = _union([_xml_call(f["name"], f["parameters"]) for f in calls["functions"]])
@@ -544,10 +537,7 @@ def _tagged_calls(calls: dict) -> Any:
         if "functions" in tag:
             content = str(_union([_xml_call(f["name"], f["parameters"]) for f in tag["functions"]]))
         else:
-            problem = unenforced_keyword(tag["schema"])
-            if problem is not None:
-                raise GrammarError("json", problem)
-            content = _json_grammar_text(json.dumps(tag["schema"]))
+            content = _schema_rules(tag["schema"])
         tags.append({"type": "tag", "begin": tag["begin"], "end": tag["end"],
                      "content": {"type": "grammar", "grammar": content}})
     answer = calls.get("answer")
@@ -559,6 +549,15 @@ def _tagged_calls(calls: dict) -> Any:
                                                        triggered]}
         triggered = {"type": "or", "elements": [with_calls, {"type": "grammar", "grammar": rule}]}
     return _xgr().Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": triggered}))
+
+
+def _schema_rules(schema: Any, text: str | None = None) -> str:
+    """The engine's rules of a JSON schema (``_json_grammar_text``; ``text``: its JSON as sent), a keyword
+    it would drop refused by name first (clearer than the engine's own errors)."""
+    problem = unenforced_keyword(schema)
+    if problem is not None:
+        raise GrammarError("json", problem)
+    return _json_grammar_text(json.dumps(schema) if text is None else text)
 
 
 def _union(grammars: list[Any]) -> Any:
@@ -603,10 +602,7 @@ def _xml_call(name: str, parameters: Any) -> Any:
     format cannot hold to is refused, named."""
     if not isinstance(parameters, dict):
         parameters = {}
-    problem = unenforced_keyword(parameters)
-    if problem is not None:
-        raise GrammarError("json", problem)
-    _json_grammar_text(json.dumps(parameters))  # the engine's reading of the schema: its errors, as JSON calls get
+    _schema_rules(parameters)  # the keywords refused and the engine's reading of the schema, as JSON calls get
     refs = set(re.findall(r'"\$ref":\s*"([^"]*)"', json.dumps(parameters)))
     if any(not _XML_REF.match(ref) for ref in refs):
         raise GrammarError("json", "a $ref other than into #/$defs or #/definitions is not enforced in the "
