@@ -4,20 +4,19 @@ Channels (see ``actors.base``): inbox ``"conductor"`` (``ConductorToFrontend``)
 and ``"control"``; outbox ``"prepare"`` (``FrontendToPrepare``) and
 ``"control"``. ``start()`` loads the tokenizer and opens the aiohttp site
 (uvloop in the actor process); ``handle`` routes engine messages to the HTTP
-exchange that waits for them. The served name, the vocabulary and the context
+exchange that waits for them; what the client receives is built by
+``mstar_actors.frontend.responses``, errors outside a route by
+``mstar_actors.frontend.http_server``. The served name, the vocabulary and the context
 are the launcher's ``ModelInfo``; the conductor's ``ContextAgreed`` narrows the
 context to what the ranks' KV cache holds.
 
 Concurrency invariants (one asyncio loop, no threads touch this state):
 
 - The mailbox's single reader never blocks on a client. Each HTTP exchange has
-  its own queue, and ``handle`` only ever ``push``es into it without waiting.
-  The queue is bounded by what the exchange can legitimately receive: every
-  ``TokenDelta`` carries at least one token, so a choice gets at most
-  ``max_tokens`` deltas plus one ``Finished``/``Failed`` (plus one failure
-  from the frontend itself). A slow client therefore holds at most its own
-  tokens in memory and never makes the frontend drop or stall anyone's. A
-  message beyond the bound is an engine bug: the exchange fails, others go on.
+  its own queue (``mstar_actors.frontend.exchange``: bounded by what it can
+  legitimately receive), and ``handle`` only ever ``push``es into it without
+  waiting. A slow client therefore holds at most its own tokens in memory and
+  never makes the frontend drop or stall anyone's.
 - A stream writes what its queue holds at once: the outputs of each choice
   that queued while the last event was written leave in one event (their
   text, logprobs and token ids together), so under load the events per token
@@ -37,13 +36,11 @@ Concurrency invariants (one asyncio loop, no threads touch this state):
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import functools
 import hmac
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +51,9 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from actors.base import CONTROL, Actor, Mailbox
 from mstar_actors.config import ConfigError, server_url
+from mstar_actors.frontend import http_server as http
 from mstar_actors.frontend import openai_api as api
+from mstar_actors.frontend import responses
 from mstar_actors.messages import (
     Abort,
     AdapterUpdate,
@@ -70,29 +69,22 @@ from mstar_actors.messages import (
     PeerFailed,
     TokenDelta,
     UnloadAdapter,
-    choice_ids,
     new_request_id,
 )
+from mstar_actors.frontend.exchange import Exchange, failure
 from mstar_actors.frontend.metrics import Metrics
 from mstar_actors.frontend.openai_api import ApiError, ChoiceOutput, ParsedRequest, error_type_of
 from mstar_actors.frontend.reasoning import (
     THINK_CLOSE,
     THINK_OPEN,
-    ReasoningStream,
     prompt_reasoning,
     reasoning_end,
-    split_reasoning,
 )
 from mstar_actors.frontend.tool_calls import (
     LLAMA3_JSON,
     QWEN3_CODER,
-    ForcedCallStream,
-    HermesCallStream,
     choose_parser,
-    finish_reason,
     marker_problem,
-    read_calls,
-    stream_reader,
 )
 from mstar_actors.frontend.xml_calls import CALL_OPENING as XML_CALL_OPENING
 from transport.errors import ChannelFull, MessageTooLarge
@@ -111,81 +103,6 @@ MAILBOX_SIZE = 2048
 GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})
 CLIENT_CLOSED = 499  # mstar_requests_total's status for a request whose client went away (nginx's code)
 DRAIN_FAILURE_WRITE_S = 2.0  # after the drain's timeout: time for handlers to send their 503
-
-
-class Exchange:
-    """One HTTP request's engine requests (one per prompt, of ``n`` choices
-    each) and its bounded inbound queue. Outputs name a choice; a failure of
-    a whole request (prepare's, the adapter pool's) names the request."""
-
-    def __init__(self, parsed: ParsedRequest, model: str, prefix: str, frontend: int = 0):
-        self.parsed = parsed
-        self.model = model
-        self.id = new_request_id(prefix, frontend)  # the engine's
-        # the response's: the client's request_id where it sent one (vLLM's ``chatcmpl-{request_id}``)
-        self.response_id = f"{prefix}-{parsed.request_id}" if parsed.request_id else self.id
-        self.created = int(time.time())
-        self.arrival = time.perf_counter()
-        self.requests = parsed.new_requests(self.id, model)
-        self.choice_ids = {r.request_id: choice_ids(r.request_id, r.n) for r in self.requests}
-        self.choices: dict[str, ChoiceOutput] = {}
-        self.max_pending = sum((r.sampling.max_tokens + 2) * r.n for r in self.requests)
-        self._pending: collections.deque = collections.deque()
-        self._waiter: asyncio.Future | None = None  # the handler's, while it waits for an output
-        self.is_overflowed = False
-        self.is_refused = False  # the engine refused it with a 4xx (the client's input): no choice of it ran to an end
-        self.prompt_token_ids: list[list[int]] = []  # per request, when return_token_ids or echo asks
-        self.reasoning: tuple[str, bool, str | None] | None = None  # (parser, opened, call opening): reasoning_parser
-
-    def push(self, msg: Any) -> None:
-        """Never blocks (the mailbox reader calls it); see the module docstring."""
-        if self.is_overflowed:
-            return
-        if len(self._pending) >= self.max_pending:
-            self.is_overflowed = True
-            msg = Failed(request_id=msg.request_id, status=500, error_type="server_error",
-                         message=f"request {self.id}: the engine sent more outputs than max_tokens allows")
-        self._pending.append(msg)
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():  # done: its handler was cancelled
-            waiter.set_result(None)
-
-    async def _wait(self) -> None:
-        while not self._pending:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-
-    async def pop(self) -> Any:
-        """The oldest output, waiting for one."""
-        await self._wait()
-        return self._pending.popleft()
-
-    async def pop_all(self) -> list[Any]:
-        """Every output queued, oldest first, waiting for one if none is."""
-        await self._wait()
-        out = list(self._pending)
-        self._pending.clear()
-        return out
-
-    @property
-    def num_choices(self) -> int:
-        return sum(len(ids) for ids in self.choice_ids.values())
-
-    def abort_ids(self) -> list[str]:
-        """What to abort: a request none of whose choices is done (so prepare
-        can drop it unsent), else each choice not done."""
-        out = []
-        for rid, ids in self.choice_ids.items():
-            open_ids = [cid for cid in ids if not self.choices[cid].is_done]
-            out += [rid] if len(open_ids) == len(ids) else open_ids
-        return out
-
-    def is_waiting(self) -> bool:
-        """Some choice has output still to come."""
-        for choice in self.choices.values():  # a loop, not any(): called once per event
-            if choice.finish_reason is None:
-                return True
-        return False
 
 
 class FrontendActor(Actor):
@@ -254,23 +171,21 @@ class FrontendActor(Actor):
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def _open_site(self) -> None:
-        from mstar_actors.frontend.http_server import BoundedSite, connection_bound, raise_descriptor_limit, refusal_response
-
         server = self.config.server
         handler_kwargs = dict(access_log=None, keepalive_timeout=server.keepalive_timeout_s)
         self._runner = web.AppRunner(self.make_app(), handler_cancellation=True, shutdown_timeout=2.0, **handler_kwargs)
         await self._runner.setup()
-        before, fd_limit = raise_descriptor_limit()
-        max_connections = connection_bound(server.max_connections, fd_limit)
+        before, fd_limit = http.raise_descriptor_limit()
+        max_connections = http.connection_bound(server.max_connections, fd_limit)
         self.log.info("descriptor limit %d (was %d): at most %d client connections at once", fd_limit, before,
                       max_connections)
         refusal = ApiError(503, f"too many connections: the server takes {max_connections} at once; retry later",
                            code="too_many_connections")
         # Several frontends bind the one port (SO_REUSEPORT): the kernel spreads the connections.
-        site = BoundedSite(self._runner, server.host, server.port, max_connections,
-                           refusal_response(503, "Service Unavailable", _json.encode(refusal.envelope()), 1),
-                           _envelope_bytes, server.request_read_timeout_s, handler_kwargs,
-                           reuse_port=server.api_server_count > 1)
+        site = http.BoundedSite(self._runner, server.host, server.port, max_connections,
+                                http.refusal_response(503, "Service Unavailable", _json.encode(refusal.envelope()), 1),
+                                http.envelope_bytes, server.request_read_timeout_s, handler_kwargs,
+                                reuse_port=server.api_server_count > 1)
         try:
             await site.start()
         except OSError as err:  # taken since the launcher's check (another server started meanwhile)
@@ -426,7 +341,7 @@ class FrontendActor(Actor):
                 and "Origin" in request.headers):
             if self._allowed_origin(request) is None:
                 origin = request.headers["Origin"][:200]
-                self.metrics.observe_request(_route(request), 400)
+                self.metrics.observe_request(http.route_of(request), 400)
                 return self._refused(request, ApiError(400, f"disallowed CORS origin {origin!r}: not in "
                                                             "server.allowed_origins", param="Origin",
                                                             code="disallowed_origin"))
@@ -454,29 +369,30 @@ class FrontendActor(Actor):
         except web.HTTPException as err:  # 404 route, 405, 413 body too large
             if err.status < 400:
                 raise
-            response = self._refused(request, ApiError(err.status, _http_message(err, request), code=_http_code(err),
+            response = self._refused(request, ApiError(err.status, http.http_message(err, request),
+                                                       code=http.http_code(err),
                                                        param="body" if err.status == 413 else None))
             if "Allow" in err.headers:  # a 405 names the methods the route takes
                 response.headers["Allow"] = err.headers["Allow"]
         except asyncio.CancelledError:
-            self.metrics.observe_request(_route(request), CLIENT_CLOSED)
+            self.metrics.observe_request(http.route_of(request), CLIENT_CLOSED)
             raise  # the client went away: nobody to answer
         except ConnectionError:  # a write met the closed connection before aiohttp cancelled the handler
-            self.metrics.observe_request(_route(request), CLIENT_CLOSED)
+            self.metrics.observe_request(http.route_of(request), CLIENT_CLOSED)
             return web.Response(status=CLIENT_CLOSED)  # aiohttp's write of it fails quietly (raised, it logs a traceback)
         except Exception as err:  # a bug of ours: this request fails alone, in the envelope
             self.log.exception("request %s %s failed", request.method, request.path)
-            response = _error_response(ApiError(500, f"internal error: {type(err).__name__}: {err}"))
-        self.metrics.observe_request(_route(request), response.status)
+            response = http.error_response(ApiError(500, f"internal error: {type(err).__name__}: {err}"))
+        self.metrics.observe_request(http.route_of(request), response.status)
         return response
 
     def _refused(self, request: web.Request, err: ApiError) -> web.Response:
         """The error's response, and a line in the log (as vLLM's access log and its validation errors
         give): an operator sees why a client's requests fail. Successes leave no line (per request
         at thousands a second, the log would be the bottleneck)."""
-        self.log.info("%s %s: %d %s", request.method, _loggable(request.path, 200), err.status,
-                      _loggable(err.message, 300))
-        return _error_response(err)
+        self.log.info("%s %s: %d %s", request.method, http.loggable(request.path, 200), err.status,
+                      http.loggable(err.message, 300))
+        return http.error_response(err)
 
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -507,7 +423,7 @@ class FrontendActor(Actor):
                                     f"server.max_body_bytes ({limit})", param="body", code="request_too_large")
         if refusal is None:
             return await web_urldispatcher._default_expect_handler(request)
-        self.metrics.observe_request(_route(request), refusal.status)
+        self.metrics.observe_request(http.route_of(request), refusal.status)
         response = self._refused(request, refusal)
         response.force_close()  # the body it declared is not read
         return response
@@ -518,16 +434,15 @@ class FrontendActor(Actor):
         returns it), so a body the client can't deliver is the client's error
         on every route: undecodable (a 400), or not received in time (a 408;
         the clock started at the request's first byte)."""
-        from mstar_actors.frontend.http_server import encoding_problem, take_request_start
 
-        if request.can_read_body and (problem := encoding_problem(request.headers.get("Content-Encoding"))):
+        if request.can_read_body and (problem := http.encoding_problem(request.headers.get("Content-Encoding"))):
             request.content.feed_eof()
             response = self._refused(request, ApiError(415, problem, param="Content-Encoding",
                                                        code="unsupported_encoding"))
             response.force_close()
             return response
         timeout = self.config.server.request_read_timeout_s
-        started = take_request_start(request)
+        started = http.take_request_start(request)
         deadline = (started if started is not None else asyncio.get_running_loop().time()) + timeout
         try:
             async with asyncio.timeout_at(deadline):
@@ -536,7 +451,7 @@ class FrontendActor(Actor):
             err = ApiError(408, f"request not received within server.request_read_timeout_s ({timeout:g} s)",
                            param="body", code="request_timeout")
         except (RequestPayloadError, HttpProcessingError) as exc:
-            err = ApiError(400, f"body: could not be read as sent ({_payload_reason(exc, request)})",
+            err = ApiError(400, f"body: could not be read as sent ({http.payload_reason(exc, request)})",
                            param="body", code="invalid_body")
         else:
             return await handler(request)
@@ -674,7 +589,7 @@ class FrontendActor(Actor):
         if not path:
             raise ApiError(400, "lora_path is required: a PEFT adapter folder inside lora.adapter_dirs",
                            param="lora_path")
-        problem = path_problem(path)
+        problem = http.path_problem(path)
         if problem:
             raise ApiError(400, f"lora_path: {problem}", param="lora_path", code="invalid_adapter_path")
         try:
@@ -825,7 +740,7 @@ class FrontendActor(Actor):
         the PCM they complete; the response is prepared at the first bytes, so
         a refusal before them keeps its status."""
         stream = self.speech.stream()
-        out = _SpeechOut(request, speech.response_format, speech.stream_format, self.speech.codec.sample_rate)
+        out = responses.SpeechOut(request, speech.response_format, speech.stream_format, self.speech.codec.sample_rate)
         num_fed = 0
         try:
             while exchange.is_waiting():
@@ -1013,7 +928,7 @@ class FrontendActor(Actor):
             exchange.is_refused = True  # the client's input: no end in request_success (see _close)
         if choice is None or choice.is_done:  # a whole request's, or stopped here
             if isinstance(msg, Failed) and choice is None:
-                raise _failure(exchange, msg)
+                raise failure(exchange, msg)
             return None
         match msg:
             case TokenDelta():
@@ -1025,7 +940,7 @@ class FrontendActor(Actor):
                                      msg.num_cached_tokens, None if is_eos else msg.stop_token_id)
                 return choice, text, []
             case Failed():
-                raise _failure(exchange, msg)
+                raise failure(exchange, msg)
         raise AssertionError(f"unroutable {type(msg).__name__}")
 
     def _apply_delta(self, exchange: Exchange, choice: ChoiceOutput, delta: TokenDelta) -> tuple[str, list]:
@@ -1048,38 +963,10 @@ class FrontendActor(Actor):
             self._abort(delta.request_id)
         return text, entries
 
-    def _usage(self, exchange: Exchange) -> dict:
-        choices = [c for c in exchange.choices.values() if c.index % exchange.parsed.n == 0]
-        prompt = sum(c.num_prompt_tokens for c in choices)
-        cached = sum(c.num_cached_tokens for c in choices)
-        return api.usage_dict(prompt, sum(c.num_output_tokens for c in exchange.choices.values()), cached)
-
     async def _collect(self, exchange: Exchange) -> web.Response:
         while exchange.is_waiting():
             self._apply(exchange, await exchange.pop())
-        choices = sorted(exchange.choices.values(), key=lambda c: c.index)
-        args = (exchange.response_id, exchange.model, exchange.created)
-        if exchange.parsed.kind == "chat":
-            out = [api.chat_choice(c.index, c.text, c.finish_reason, c.chat_logprobs()) for c in choices]
-            out = [_with_reasoning(exchange, choice) for choice in out]
-            out = [_with_tool_calls(exchange.parsed, choice, own.stop_reason) for choice, own in zip(out, choices)]
-            body = api.chat_response(*args, out, self._usage(exchange))
-        else:
-            out = [api.completion_choice(c.index, c.echo_text + c.text, c.finish_reason, c.legacy_logprobs())
-                   for c in choices]
-            body = api.completion_response(*args, out, self._usage(exchange))
-        for choice, own in zip(out, choices):
-            choice["stop_reason"] = own.stop_reason
-        if exchange.parsed.output.prompt_logprobs is not None:  # vLLM's: once for chat's one prompt, else per choice
-            scores = [api.vllm_prompt_logprobs(c.prompt_scores, self.token_text, exchange.parsed.output.prompt_logprobs)
-                      for c in choices]
-            if exchange.parsed.kind == "chat":
-                body["prompt_logprobs"] = scores[0]
-            else:
-                for choice, own in zip(out, scores):
-                    choice["prompt_logprobs"] = own
-        if exchange.parsed.output.return_token_ids:
-            _add_token_ids(body, exchange, choices)
+        body = responses.full_body(exchange, self.token_text)
         return web.Response(body=_json.encode(body), content_type="application/json")
 
     # ---- streaming ------------------------------------------------------
@@ -1087,7 +974,7 @@ class FrontendActor(Actor):
     async def _stream(self, request: web.Request, exchange: Exchange) -> web.StreamResponse:
         """SSE. The response is prepared at the first engine output, so a request
         refused before that (prepare's or the scheduler's 4xx) keeps its status."""
-        stream = _Stream(request, exchange)
+        stream = responses.Stream(request, exchange)
         try:
             while exchange.is_waiting():
                 msgs = await exchange.pop_all()
@@ -1098,7 +985,7 @@ class FrontendActor(Actor):
                 else:
                     await self._write_outputs(stream, exchange, msgs)
             if exchange.parsed.include_usage:
-                await stream.write_usage(self._usage(exchange))
+                await stream.write_usage(responses.usage(exchange))
             await stream.write_done()
         except ApiError as err:
             if not stream.is_prepared:
@@ -1108,7 +995,7 @@ class FrontendActor(Actor):
         return stream.response
 
 
-    async def _write_outputs(self, stream: _Stream, exchange: Exchange, msgs: list[Any]) -> None:
+    async def _write_outputs(self, stream: responses.Stream, exchange: Exchange, msgs: list[Any]) -> None:
         """Apply ``msgs`` in order and write them, one event per choice (in
         the order choices first appear; each choice's outputs keep theirs).
         While the stream keeps up an event carries one token; when outputs
@@ -1116,7 +1003,7 @@ class FrontendActor(Actor):
         stream, about 20k events/s on the H200's host), the queued ones leave
         together, so the cost per token falls as the load rises instead of
         the backlog growing."""
-        runs: dict[int, _Output] = {}  # choice index -> its outputs not yet written
+        runs: dict[int, responses.Output] = {}  # choice index -> its outputs not yet written
         try:
             for msg in msgs:
                 applied = self._apply(exchange, msg)
@@ -1129,406 +1016,9 @@ class FrontendActor(Actor):
                 else:
                     run.extend(out)
         except ApiError:  # a later output failed the exchange: what came before it still goes out first
-            await _write_runs(stream, runs)
+            await responses.write_runs(stream, runs)
             raise
-        await _write_runs(stream, runs)
-
-
-async def _write_runs(stream: _Stream, runs: dict[int, _Output]) -> None:
-    for run in runs.values():
-        await stream.write_choice(run)
-
-
-@dataclasses.dataclass
-class _Output:
-    """A choice's text to stream, with its logprob entries; with a reasoning parser, the reasoning
-    before it apart (``_Stream.take``), with its entries and the end of its token ids. Outputs of
-    one choice merge in order (a reply's reasoning always comes before its answer)."""
-
-    choice: ChoiceOutput
-    text: str
-    entries: list
-    thought: str = ""
-    thought_entries: list = dataclasses.field(default_factory=list)
-    thought_ids_end: int = 0
-
-    def extend(self, later: "_Output") -> None:
-        self.thought += later.thought
-        self.thought_entries = [*self.thought_entries, *later.thought_entries]
-        self.thought_ids_end = max(self.thought_ids_end, later.thought_ids_end)
-        self.text += later.text
-        self.entries = [*self.entries, *later.entries]
-
-
-def _failure(exchange: Exchange, msg: Failed) -> ApiError:
-    """The engine's refusal as the client's error, the cap named by the field the client sent; a
-    server's failure names the response's id, which the server's log names too."""
-    param = exchange.parsed.cap_param if msg.param == "max_tokens" else msg.param
-    if param == "prompt_logprobs" and exchange.parsed.output.prompt_logprobs is None:  # an echo's, of logprobs
-        param = "logprobs"
-    message = msg.message if msg.status < 500 else f"request {exchange.response_id}: {msg.message}"
-    if msg.param == "max_tokens" and not exchange.parsed.cap_sent:
-        message += f" (no max_tokens was sent: a completion's is {exchange.parsed.sampling.max_tokens} then)"
-    if msg.status < 500 and len(exchange.requests) > 1:  # a list of prompts: which one
-        index = next((i for i, r in enumerate(exchange.requests) if r.request_id == msg.request_id), None)
-        message = message if index is None else f"prompt[{index}]: {message}"
-    return ApiError(msg.status, message, param=param, code=msg.code, error_type=msg.error_type)
-
-
-def _add_token_ids(body: dict, exchange: Exchange, choices: list[ChoiceOutput]) -> None:
-    """vLLM's return_token_ids: the prompt's ids (chat: once; completions: per
-    choice) and each choice's sampled ids."""
-    n = exchange.parsed.n
-    if exchange.parsed.kind == "chat":
-        body["prompt_token_ids"] = exchange.prompt_token_ids[0]
-    for c, out in zip(choices, body["choices"]):
-        out["token_ids"] = c.token_ids
-        if exchange.parsed.kind != "chat":
-            out["prompt_token_ids"] = exchange.prompt_token_ids[c.index // n]
-
-
-class _Stream:
-    """Writes one exchange's chunks in OpenAI's SSE format."""
-
-    def __init__(self, request: web.Request, exchange: Exchange):
-        self.request = request
-        self.exchange = exchange
-        # vLLM's continuous_usage_stats: with include_usage, each chunk's own choice's usage so far
-        self.continuous = exchange.parsed.output.continuous_usage_stats  # with include_usage (``_parse_stream``)
-        self._by_index = {c.index: c for c in exchange.choices.values()}
-        self.is_chat = exchange.parsed.kind == "chat"
-        self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
-                                                   "Cache-Control": "no-cache"})
-        self.tool_readers = _tool_readers(exchange) if self.is_chat else {}
-        self.reasoning = ({i: ReasoningStream(*exchange.reasoning) for i in range(exchange.num_choices)}
-                          if exchange.reasoning is not None else {})
-        self._held_entries: dict[int, list] = {}  # choice -> entries of text a reasoning stream holds back
-        self._ids_seen: dict[int, int] = {}  # choice -> its token ids at its last output taken
-        self.build = api.chat_chunk if self.is_chat else api.completion_chunk
-        # Every chunk's bytes around its choices, encoded once (None: the usage changes per chunk)
-        self._envelope = None if self.continuous else _chunk_envelope(self.build, exchange, self._usage_field())
-
-    @property
-    def is_prepared(self) -> bool:
-        return self.response.prepared
-
-    async def _prepare(self) -> None:
-        await self.response.prepare(self.request)
-        if self.is_chat:  # the first chunk of each choice carries the role
-            ex = self.exchange
-            for index in range(ex.num_choices):
-                # return_token_ids: the prompt's ids once, on the first chunk (as vLLM)
-                extra = {"prompt_token_ids": ex.prompt_token_ids[0]} if ex.parsed.output.return_token_ids and not index else {}
-                choice = self._by_index.get(index)
-                if self.continuous and choice is not None:  # the role chunk delivers no output token yet
-                    extra["usage"] = api.usage_dict(choice.num_prompt_tokens, 0, choice.num_cached_tokens)
-                await self._write_choices([api.chat_chunk_choice(index, {"role": "assistant", "content": ""}, None, None)],
-                                          extra, choice)
-
-    def take(self, choice: ChoiceOutput, text: str, entries: list) -> _Output:
-        """One applied output of ``choice``, its reasoning apart where a parser reads it
-        (``model.reasoning_parser``): the entries and token ids of text held back as a possible tag
-        wait with it; an output that ends the reasoning and starts the answer gives its own to the
-        answer."""
-        stream = self.reasoning.get(choice.index)
-        if stream is None:
-            return _Output(choice, text, entries)
-        thought, text = stream.feed(text)
-        if choice.is_done:
-            more_thought, more_text = stream.flush()
-            thought, text = thought + more_thought, text + more_text
-        if not self.exchange.parsed.include_reasoning:  # dropped: its entries and ids go with the answer's
-            thought = ""
-        entries = self._held_entries.pop(choice.index, []) + entries
-        before, now = self._ids_seen.get(choice.index, 0), len(choice.token_ids)
-        self._ids_seen[choice.index] = now
-        if not (thought or text):
-            if not choice.is_done:  # all held back
-                self._held_entries[choice.index] = entries
-                return _Output(choice, "", [])
-            return _Output(choice, "", entries)  # the end (an EOS's entry): on the last chunk
-        if not text:
-            return _Output(choice, "", [], thought, entries, now)
-        return _Output(choice, text, entries, thought, [], before if thought else 0)
-
-    async def write_choice(self, out: _Output) -> None:
-        choice, text, entries = out.choice, out.text, out.entries
-        if out.thought:
-            if not self.is_prepared:
-                await self._prepare()
-            logprobs = choice.chat_logprobs(out.thought_entries)
-            await self._write_choice(choice, api.chat_chunk_choice(choice.index, {"reasoning": out.thought}, None,
-                                                                   logprobs), ids_end=out.thought_ids_end)
-        if not (text or entries or choice.is_done):
-            return  # e.g. held back by the detokenizer or a possible stop string
-        if not self.is_prepared:
-            await self._prepare()
-        reason = choice.finish_reason
-        if choice.echo_text and not choice.is_echoed:
-            text, choice.is_echoed = choice.echo_text + text, True
-        if self.is_chat:
-            delta = {"content": text} if text else {}
-            if choice.index in self.tool_readers:
-                deltas, reason = self._tool_deltas(choice, text)
-                if not (deltas or entries or choice.is_done):
-                    return
-                await self._write_tool_chunks(choice, deltas, reason, choice.chat_logprobs(entries))
-                return
-            logprobs = choice.chat_logprobs(entries)
-            out = api.chat_chunk_choice(choice.index, delta, reason, logprobs)
-        else:
-            logprobs = choice.legacy_logprobs(entries)
-            out = api.completion_choice(choice.index, text, reason, logprobs)
-        await self._write_choice(choice, out)
-
-    async def _write_choice(self, choice: ChoiceOutput, out: dict, ids_end: int | None = None) -> None:
-        """``ids_end``: the chunk's token ids end there (a reasoning chunk's), else at the last."""
-        if out["finish_reason"] is not None:
-            out["stop_reason"] = choice.stop_reason
-        if self.exchange.parsed.output.return_token_ids:
-            if not self.is_chat and not choice.is_prompt_sent:  # completions: per choice, on its first chunk
-                out["prompt_token_ids"] = self.exchange.prompt_token_ids[choice.index // self.exchange.parsed.n]
-                choice.is_prompt_sent = True
-            end = len(choice.token_ids) if ids_end is None else max(ids_end, choice.num_streamed_ids)
-            out["token_ids"] = choice.token_ids[choice.num_streamed_ids:end]
-            choice.num_streamed_ids = end
-        await self._write_choices([out], choice=choice)
-
-    def _tool_deltas(self, choice: ChoiceOutput, text: str) -> tuple[list[dict], str | None]:
-        """The chunks' deltas with markup of tool calls held back: the content,
-        then each call once it is complete (its head, then its arguments), a
-        forced reply's calls as they are written; and the choice's finish reason."""
-        reader = self.tool_readers[choice.index]
-        reason = functools.partial(finish_reason, self.exchange.parsed.tools, choice.finish_reason,
-                                   stop_reason=choice.stop_reason)
-        if isinstance(reader, ForcedCallStream):  # a forced reply's calls, streamed as they are written
-            parts = reader.feed(text) + (reader.flush() if choice.is_done else [])
-            return [{"tool_calls": [part]} for part in parts], reason(reader.num_calls)
-        if isinstance(reader, HermesCallStream):  # content and calls in order, arguments as they are written
-            deltas = reader.feed(text) + (reader.flush() if choice.is_done else [])
-            return deltas, reason(reader.num_calls)
-        first_index = reader.num_calls
-        content, calls = reader.feed(text)
-        if choice.is_done:
-            tail, more = reader.flush()
-            content, calls = content + tail, calls + more
-        deltas = [{"content": content}] if content else []
-        for k, call in enumerate(calls):
-            deltas += [{"tool_calls": [part]} for part in call.as_deltas(first_index + k)]
-        return deltas, reason(reader.num_calls)
-
-    async def _write_tool_chunks(self, choice: ChoiceOutput, deltas: list[dict], reason: str | None,
-                                 logprobs: list[dict] | None) -> None:
-        """A chunk a delta (the logprobs on the first); the finish reason on the
-        last, or on a chunk of its own after calls (as OpenAI's: clients close a
-        call they streamed when the finish comes after it)."""
-        if reason is not None and deltas and "tool_calls" in deltas[-1]:
-            deltas = deltas + [{}]
-        deltas = deltas or [{}]
-        for k, delta in enumerate(deltas):
-            last = k == len(deltas) - 1
-            await self._write_choice(choice, api.chat_chunk_choice(choice.index, delta, reason if last else None,
-                                                                   logprobs if k == 0 else None))
-
-    async def _write_choices(self, choices: list[dict], extra: dict | None = None,
-                             choice: ChoiceOutput | None = None) -> None:
-        if self._envelope is not None and not extra:
-            head, tail = self._envelope
-            body = _json.encode(choices[0]) if len(choices) == 1 else b",".join([_json.encode(c) for c in choices])
-            await self.response.write(head + body + tail)
-            return
-        ex = self.exchange
-        await _write_event(self.response, self.build(ex.response_id, ex.model, ex.created, choices)
-                           | self._usage_field(choice) | (extra or {}))
-
-    def _usage_field(self, choice: ChoiceOutput | None = None) -> dict:
-        """What a chunk with choices says of usage: nothing, null (include_usage),
-        or (continuous) its choice's so far: its prompt's tokens and its own
-        outputs, as vLLM's."""
-        if self.continuous and choice is not None:
-            return {"usage": api.usage_dict(choice.num_prompt_tokens, choice.num_output_tokens,
-                                            choice.num_cached_tokens)}
-        return {"usage": None} if self.exchange.parsed.include_usage else {}
-
-    async def write_usage(self, usage: dict) -> None:
-        ex = self.exchange
-        await _write_event(self.response, self.build(ex.response_id, ex.model, ex.created, [], usage))
-
-    async def write_done(self) -> None:
-        await self.response.write(b"data: [DONE]\n\n")
-
-    async def write_error(self, err: ApiError) -> None:
-        await _write_event(self.response, err.envelope())
-
-
-async def _write_event(response: web.StreamResponse, payload: dict) -> None:
-    await response.write(b"data: " + _json.encode(payload) + b"\n\n")
-
-
-def _chunk_envelope(build: Any, exchange: Exchange, usage: dict) -> tuple[bytes, bytes]:
-    """The SSE bytes of ``build``'s chunk (with ``usage``) before and after
-    its list of choices: a chunk is then ``head + choices + tail``, the bytes
-    ``_write_event`` would write, without building and encoding the
-    envelope per event."""
-    marker = uuid.uuid4().hex  # a string no id or model name holds
-    chunk = build(exchange.response_id, exchange.model, exchange.created, [marker]) | usage
-    data = b"data: " + _json.encode(chunk) + b"\n\n"
-    head, tail = data.split(_json.encode(marker))
-    return head, tail
-
-
-class _SpeechOut:
-    """Writes a speech response: the file's bytes as they come (``audio``), or
-    OpenAI's ``speech.audio.delta`` / ``speech.audio.done`` events (``sse``)."""
-
-    def __init__(self, request: web.Request, response_format: str, stream_format: str, sample_rate: int):
-        from mstar_actors.frontend import speech_api
-
-        self.api = speech_api
-        self.request = request
-        self.is_sse = stream_format == "sse"
-        content_type = "text/event-stream; charset=utf-8" if self.is_sse else speech_api.CONTENT_TYPES[response_format]
-        self.response = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
-        self._head = speech_api.wav_header(sample_rate) if response_format == "wav" else b""
-
-    @property
-    def is_prepared(self) -> bool:
-        return self.response.prepared
-
-    async def write(self, pcm: bytes) -> None:
-        if not pcm:
-            return
-        if not self.is_prepared:
-            await self.response.prepare(self.request)
-            pcm, self._head = self._head + pcm, b""
-        await self.response.write(self.api.sse_delta(pcm) if self.is_sse else pcm)
-
-    async def finish(self, num_input_tokens: int, num_output_tokens: int) -> None:
-        if not self.is_prepared:  # no audio at all: the bare header
-            await self.response.prepare(self.request)
-            if self._head:
-                await self.response.write(self.api.sse_delta(self._head) if self.is_sse else self._head)
-        if self.is_sse:
-            await self.response.write(self.api.sse_done(num_input_tokens, num_output_tokens))
-        await self.response.write_eof()
-
-    async def fail(self, err: ApiError) -> None:
-        """After bytes left: an error event, or (raw audio) the connection cut
-        before the body's end, so the client sees a truncated transfer."""
-        if self.is_sse:
-            await self.response.write(self.api.sse_error(err))
-        elif self.request.transport is not None:
-            self.request.transport.close()
-
-
-def _tool_readers(exchange: Exchange) -> dict[int, Any]:
-    """Choice index -> its tool-call reader (content and calls split as text
-    streams in), when the request reads tool calls."""
-    tools = exchange.parsed.tools
-    if tools is None or not tools.reads_calls:
-        return {}
-    return {index: stream_reader(tools) for index in range(exchange.num_choices)}
-
-
-def _loggable(text: str, limit: int) -> str:
-    """``text`` for one log line: control characters escaped (a client's newline forges no line), cut at ``limit``."""
-    if not text.isprintable():
-        text = text.encode("unicode_escape").decode("ascii")
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _with_reasoning(exchange: Exchange, choice: dict) -> dict:
-    """A full chat choice with its reasoning apart (``model.reasoning_parser``): ``reasoning``, and the
-    answer in content (null when the reply is all reasoning, as vLLM's)."""
-    if exchange.reasoning is None:
-        return choice
-    message = choice["message"]
-    parser, opened, call_opening = exchange.reasoning
-    reasoning, content = split_reasoning(parser, message["content"], opened, call_opening)
-    message["content"] = content if content or reasoning is None else None
-    if reasoning is not None and exchange.parsed.include_reasoning:
-        message["reasoning"] = reasoning
-    return choice
-
-
-def _with_tool_calls(parsed: ParsedRequest, choice: dict, stop_reason: str | int | None) -> dict:
-    """A full chat choice with the calls its text made (content: the text
-    around them, or null), when the request reads tool calls."""
-    if parsed.tools is None or not parsed.tools.reads_calls:
-        return choice
-    message = choice["message"]
-    content, calls = read_calls(parsed.tools, message["content"] or "")
-    message["content"] = content if message["content"] is not None else None
-    if calls:
-        message["tool_calls"] = [call.as_dict() for call in calls]
-    choice["finish_reason"] = finish_reason(parsed.tools, choice["finish_reason"], len(calls), stop_reason)
-    return choice
-
-
-MAX_PATH_CHARS = 4096  # Linux's PATH_MAX
-
-
-def path_problem(path: str) -> str | None:
-    """Why ``path`` can't be a file-system path at all (None: it can). Checked
-    before any file-system call: those raise on NULs and unencodable text."""
-    if len(path) > MAX_PATH_CHARS:
-        return f"{len(path)} characters; a path has at most {MAX_PATH_CHARS}"
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
-        return "contains a NUL or another control character; a path may not"
-    try:
-        path.encode("utf-8")
-    except UnicodeEncodeError:
-        return "is not valid UTF-8 (a lone surrogate); a path must be"
-    return None
-
-
-def _payload_reason(err: Exception, request: web.Request) -> str:
-    """What the client sent wrong, in a line: aiohttp's payload errors wrap the cause."""
-    cause = err.__cause__ if isinstance(err, RequestPayloadError) and err.__cause__ else err
-    encoding = request.headers.get("Content-Encoding")
-    text = str(getattr(cause, "message", "") or cause)
-    # parser errors quote the bytes on later lines
-    detail = (text.strip().splitlines() or [type(cause).__name__])[0][:200].rstrip(":")
-    if encoding:
-        return f"Content-Encoding {encoding!r} does not match the body: {detail}".rstrip(": ")
-    return detail
-
-
-def _envelope_bytes(status: int, message: str) -> bytes:
-    return _json.encode(ApiError(status, message).envelope())
-
-
-def _error_response(err: ApiError) -> web.Response:
-    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
-    return web.Response(status=err.status, body=_json.encode(err.envelope()), content_type="application/json",
-                        headers=headers)
-
-
-def _http_message(err: web.HTTPException, request: web.Request) -> str:
-    if err.status == 413:
-        return (f"request body too large: {err.text.rstrip('.')} (server.max_body_bytes); send less, or raise the "
-                "limit in the config")
-    if err.status == 404:
-        return f"no route {request.method} {request.path}; see /v1/chat/completions, /v1/completions, /v1/models"
-    return f"{err.reason}: {request.method} {request.path}"
-
-
-def _http_code(err: web.HTTPException) -> str | None:
-    return {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(err.status)
-
-
-def _route(request: web.Request) -> str:
-    """The route's path as registered (an alias counts as its route); a 405's is the route its path names."""
-    info = request.match_info.route.resource
-    if info is None and getattr(request.match_info.http_exception, "status", None) == 405:
-        info = next((r for r in request.app.router.resources() if _names(r, request.path)), None)
-    return (info.canonical.rstrip("/") or "/") if info is not None else "unmatched"
-
-
-def _names(resource: Any, path: str) -> bool:
-    """Whether ``resource`` (plain, or with variables) is the route of ``path``."""
-    info = resource.get_info()
-    return info.get("path") == path or ("pattern" in info and info["pattern"].fullmatch(path) is not None)
+        await responses.write_runs(stream, runs)
 
 
 def _load_speech(config: Any, tokenizer: Any, vocab_size: int) -> Any:

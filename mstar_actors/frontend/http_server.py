@@ -1,4 +1,5 @@
-"""The HTTP server's connection layer: limits and aiohttp's own answers.
+"""The HTTP server's connection layer: limits, aiohttp's own answers, and
+the JSON error envelope of what no route answers.
 
 A client that opens connections and sends nothing must not starve others:
 the soft descriptor limit is raised to the hard one at start, and the
@@ -16,13 +17,17 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from mstar_actors.frontend.openai_api import ApiError
+
 # Descriptors kept for everything but client connections: shared-memory
 # rings, the tokenizer's files, logs, the listening socket.
 NUM_RESERVED_FDS = 64
+_json = msgspec.json.Encoder()
 
 
 def raise_descriptor_limit() -> tuple[int, int]:
@@ -220,3 +225,77 @@ class BoundedSite(web.TCPSite):
                                                 reuse_address=self._reuse_address, reuse_port=self._reuse_port)
         sockets = self._server.sockets
         self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
+
+
+def loggable(text: str, limit: int) -> str:
+    """``text`` for one log line: control characters escaped (a client's newline forges no line), cut at ``limit``."""
+    if not text.isprintable():
+        text = text.encode("unicode_escape").decode("ascii")
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+
+MAX_PATH_CHARS = 4096  # Linux's PATH_MAX
+
+
+def path_problem(path: str) -> str | None:
+    """Why ``path`` can't be a file-system path at all (None: it can). Checked
+    before any file-system call: those raise on NULs and unencodable text."""
+    if len(path) > MAX_PATH_CHARS:
+        return f"{len(path)} characters; a path has at most {MAX_PATH_CHARS}"
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
+        return "contains a NUL or another control character; a path may not"
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return "is not valid UTF-8 (a lone surrogate); a path must be"
+    return None
+
+
+def payload_reason(err: Exception, request: web.Request) -> str:
+    """What the client sent wrong, in a line: aiohttp's payload errors wrap the cause."""
+    cause = err.__cause__ if isinstance(err, RequestPayloadError) and err.__cause__ else err
+    encoding = request.headers.get("Content-Encoding")
+    text = str(getattr(cause, "message", "") or cause)
+    # parser errors quote the bytes on later lines
+    detail = (text.strip().splitlines() or [type(cause).__name__])[0][:200].rstrip(":")
+    if encoding:
+        return f"Content-Encoding {encoding!r} does not match the body: {detail}".rstrip(": ")
+    return detail
+
+
+def envelope_bytes(status: int, message: str) -> bytes:
+    return _json.encode(ApiError(status, message).envelope())
+
+
+def error_response(err: ApiError) -> web.Response:
+    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
+    return web.Response(status=err.status, body=_json.encode(err.envelope()), content_type="application/json",
+                        headers=headers)
+
+
+def http_message(err: web.HTTPException, request: web.Request) -> str:
+    if err.status == 413:
+        return (f"request body too large: {err.text.rstrip('.')} (server.max_body_bytes); send less, or raise the "
+                "limit in the config")
+    if err.status == 404:
+        return f"no route {request.method} {request.path}; see /v1/chat/completions, /v1/completions, /v1/models"
+    return f"{err.reason}: {request.method} {request.path}"
+
+
+def http_code(err: web.HTTPException) -> str | None:
+    return {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(err.status)
+
+
+def route_of(request: web.Request) -> str:
+    """The route's path as registered (an alias counts as its route); a 405's is the route its path names."""
+    info = request.match_info.route.resource
+    if info is None and getattr(request.match_info.http_exception, "status", None) == 405:
+        info = next((r for r in request.app.router.resources() if _names(r, request.path)), None)
+    return (info.canonical.rstrip("/") or "/") if info is not None else "unmatched"
+
+
+def _names(resource: Any, path: str) -> bool:
+    """Whether ``resource`` (plain, or with variables) is the route of ``path``."""
+    info = resource.get_info()
+    return info.get("path") == path or ("pattern" in info and info["pattern"].fullmatch(path) is not None)

@@ -115,11 +115,12 @@ def test_legacy_top_logprobs_always_hold_the_sampled_token():
 
 def run_stream(parsed, extra=None) -> tuple[bytes, bytes]:
     """(bytes ``_write_choices`` writes, bytes of the general path) for one chunk."""
-    from actors.frontend import Exchange, _Stream
+    from mstar_actors.frontend.exchange import Exchange
+    from mstar_actors.frontend.responses import Stream
 
     async def body():
         exchange = Exchange(parsed, "tiny", "chatcmpl" if parsed.kind == "chat" else "cmpl")
-        stream = _Stream(None, exchange)
+        stream = Stream(None, exchange)
         written = []
 
         class Response:
