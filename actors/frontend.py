@@ -615,7 +615,7 @@ class FrontendActor(Actor):
         exchange = Exchange(parsed, self._resolve_model(parsed.model), "chatcmpl" if kind == "chat" else "cmpl",
                             self.index)
         exchange.reasoning = reasoning
-        if parsed.output.return_token_ids or parsed.output.echo:
+        if parsed.output.echo:
             exchange.prompt_token_ids = await self.run_blocking(self._prompt_token_ids, exchange)
         self._admit(exchange)
         try:
@@ -776,8 +776,8 @@ class FrontendActor(Actor):
         return [ids for word in words for ids in {tuple(encode(word)), tuple(encode(" " + word.lstrip()))}]
 
     def _prompt_token_ids(self, exchange: Exchange) -> list[list[int]]:
-        """Each prompt's ids as prepare makes them (for return_token_ids and
-        echo): only computed here when the client asks."""
+        """Each prompt's ids as prepare makes them, for an echo (completions: its text and
+        logprobs are the choice's first output); only computed here when the client asks."""
         from mstar_actors.prepare.preparers import prompt_token_ids
         from mstar_actors.prepare.prompt_bound import PromptTooLong
 
@@ -956,6 +956,8 @@ class FrontendActor(Actor):
             self.metrics.prefix_cache_queries.inc(delta.num_prompt_tokens)
             self.metrics.prefix_cache_hits.inc(delta.num_cached_tokens)
             choice.num_prompt_tokens, choice.num_cached_tokens = delta.num_prompt_tokens, delta.num_cached_tokens
+        if delta.prompt_token_ids is not None:
+            choice.prompt_token_ids = delta.prompt_token_ids
         if not choice.echo_only:  # (an echo's cap of 0: the engine's one token is not the client's)
             self.metrics.generation_tokens.inc(len(delta.tokens))
         text, entries = choice.add(delta.tokens)

@@ -78,7 +78,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import msgspec
 
 from actors.base import Actor, Mailbox
 from mstar_actors.prepare.cpu_plan import CpuPlan, resolve_prepare_workers
@@ -415,8 +414,6 @@ class PrepareActor(Actor):
 
     async def _send_result(self, req: NewRequest, result: Draft | Failed) -> None:
         msg = result if isinstance(result, Failed) else await self._finish(req, result)
-        if req.cache_salt and isinstance(msg, Prepared):
-            msg = msgspec.structs.replace(msg, cache_salt=req.cache_salt)
         await self.outbox["conductor"].send(msg)
         self.log.debug("prepared %s: %s sent", req.request_id, type(msg).__name__)
 

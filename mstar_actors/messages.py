@@ -272,6 +272,7 @@ class NewRequest(Struct, frozen=True, tag=True, omit_defaults=True):
     chat_template_kwargs: dict | None = None  # more variables for the chat template (vLLM's field)
     prompt_param: str = ""  # the body field a refused prompt is named by ("input" for speech); "": prompt / messages
     cache_salt: str = ""  # vLLM's: prefix-cache blocks are shared only between requests of the same salt
+    return_prompt_ids: bool = False  # vLLM's return_token_ids: each choice's first delta carries the prompt's ids
 
 
 def new_request_id(kind: str, frontend: int = 0) -> str:
@@ -353,6 +354,7 @@ class Prepared(Struct, frozen=True, tag=True, omit_defaults=True):
     media_digest: str = ""
     n: int = 1  # NewRequest.n: choices that share this prompt and its media
     cache_salt: str = ""  # NewRequest.cache_salt: the conductor keys the prefix cache by it too
+    return_prompt_ids: bool = False  # NewRequest.return_prompt_ids
 
 
 class Failed(Struct, frozen=True, tag=True, omit_defaults=True):
@@ -389,6 +391,9 @@ class TokenDelta(Struct, frozen=True, tag=True, omit_defaults=True):
     # from there to this token (vLLM's queue and prefill times).
     queued_s: float = 0.0
     prefill_s: float = 0.0
+    # On a choice's first delta where the request asked (``return_prompt_ids``): the ids the model was given, as
+    # prepare made them (a chat template's rendering, media placeholders expanded, truncate_prompt_tokens' cut).
+    prompt_token_ids: list[int] | None = None
 
 
 class Finished(Struct, frozen=True, tag=True, omit_defaults=True):

@@ -21,6 +21,7 @@ from media_serving import MAX_TOKENS, ask_all, assert_replies_are_references, hf
 from test_launcher import our_segments
 
 from tests import vl_fixtures
+from tests.models import vl_factories as vf
 
 
 
@@ -168,6 +169,44 @@ def test_n_choices_of_one_image_each_equal_transformers(vl_server, vl_dir):
     expected = _tokens(vl_dir, messages_with("image", png_url(3)))
     assert [[t.token for t in c.logprobs.content] for c in reply.choices] == [expected] * 3
     assert reply.usage.completion_tokens == 3 * MAX_TOKENS
+
+
+def _prepared_ids(vl_dir: Path, messages: list[dict]) -> list[int]:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from mstar_actors.messages import ChatMessage, ContentPart, NewRequest, SamplingParams
+
+    content = [ContentPart(type="text", text=p["text"]) if p["type"] == "text" else
+               ContentPart(type=p["type"], url=p[p["type"]]["url"]) for p in messages[0]["content"]]
+    req = NewRequest(request_id="ref", model="tiny", sampling=SamplingParams(), messages=[ChatMessage("user", content)])
+    return hf_and_preparer(Qwen2_5_VLForConditionalGeneration, vl_dir)[1].draft(req, {}).prepared.prompt_token_ids
+
+
+def test_return_token_ids_gives_the_prompt_the_model_was_given_media_expanded(vl_server, vl_dir):
+    """vLLM's return_token_ids with an image: the prompt's ids as prepared (the image's placeholder run expanded
+    to its patches), in the response and on a stream's first chunk, and the reply's own ids."""
+    import json
+    import urllib.request
+
+    messages = messages_with("image", png_url(4))
+    expected = _prepared_ids(vl_dir, messages)
+    assert expected.count(vf.IMAGE_TOKEN) > 1
+    body = {"model": "tiny", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+
+    def post(payload: dict) -> bytes:
+        request = urllib.request.Request(f"http://127.0.0.1:{vl_server.port}/v1/chat/completions",
+                                         data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.read()
+
+    reply = json.loads(post(body))
+    assert reply["prompt_token_ids"] == expected
+    assert len(expected) == reply["usage"]["prompt_tokens"]
+    assert len(reply["choices"][0]["token_ids"]) == reply["usage"]["completion_tokens"]
+    events = [json.loads(line[6:]) for line in post(body | {"stream": True}).decode().splitlines()
+              if line.startswith("data: {")]
+    assert events[0]["prompt_token_ids"] == expected
+    assert [t for e in events for c in e["choices"] for t in c.get("token_ids") or []] == reply["choices"][0]["token_ids"]
 
 
 def test_shutdown_leaves_no_shared_memory(vl_server):

@@ -42,7 +42,7 @@ class Exchange:
         self._waiter: asyncio.Future | None = None  # the handler's, while it waits for an output
         self.is_overflowed = False
         self.is_refused = False  # the engine refused it with a 4xx (the client's input): no choice of it ran to an end
-        self.prompt_token_ids: list[list[int]] = []  # per request, when return_token_ids or echo asks
+        self.prompt_token_ids: list[list[int]] = []  # per request, when echo asks
         self.reasoning: tuple[str, bool, str | None] | None = None  # (parser, opened, call opening): reasoning_parser
 
     def push(self, msg: Any) -> None:

@@ -346,6 +346,7 @@ class ParsedRequest:
                     tool_format=self.tool_format,
                     prompt_param=self.prompt_param,
                     cache_salt=self.cache_salt,
+                    return_prompt_ids=self.output.return_token_ids,
                 )
             )
         return out
@@ -851,17 +852,14 @@ def _parse_tools(parsed: ParsedRequest, body: dict, tool_parser: str | None) -> 
 
 
 def _check_media_fields(parsed: ParsedRequest) -> None:
-    """Fields that work on the prompt's text tokens are refused with media:
-    truncating could cut a media item's placeholder run, and the frontend's own
-    tokenizing (return_token_ids) does not expand them."""
+    """A field that works on the prompt's text tokens is refused with media:
+    truncating could cut a media item's placeholder run."""
     has_media = any(not isinstance(m.content, str) and any(p.type != "text" for p in m.content)
                     for m in parsed.messages or [])
     if not has_media:
         return
     if parsed.sampling.truncate_prompt_tokens is not None:
         raise _bad("truncate_prompt_tokens", "not supported with image, video or audio parts")
-    if parsed.output.return_token_ids:
-        raise _bad("return_token_ids", "not supported with image, video or audio parts")
 
 
 def parse_messages(messages: Any) -> list[ChatMessage]:
@@ -1299,6 +1297,7 @@ class ChoiceOutput:
         self.token_ids: list[int] = []  # for return_token_ids
         self.num_streamed_ids = 0  # of token_ids, already sent in chunks
         self.is_prompt_sent = False  # streamed completions: prompt_token_ids went out
+        self.prompt_token_ids: list[int] | None = None  # return_token_ids: the engine's, on the first delta
         self.echo_text = ""  # completions echo: the prompt before the output
         # echo with logprobs: the prompt's ids and where each one's text starts, for
         # the entries the first token's prompt_logprobs fill (then None)

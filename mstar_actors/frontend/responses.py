@@ -96,13 +96,18 @@ class Output:
 def add_token_ids(body: dict, exchange: Exchange, choices: list[ChoiceOutput]) -> None:
     """vLLM's return_token_ids: the prompt's ids (chat: once; completions: per
     choice) and each choice's sampled ids."""
-    n = exchange.parsed.n
     if exchange.parsed.kind == "chat":
-        body["prompt_token_ids"] = exchange.prompt_token_ids[0]
+        body["prompt_token_ids"] = prompt_ids(choices)
     for c, out in zip(choices, body["choices"]):
         out["token_ids"] = c.token_ids
         if exchange.parsed.kind != "chat":
-            out["prompt_token_ids"] = exchange.prompt_token_ids[c.index // n]
+            out["prompt_token_ids"] = c.prompt_token_ids
+
+
+def prompt_ids(choices: Any) -> list[int] | None:
+    """The prompt's ids as the engine sent them with a choice's first delta (a chat request's choices share
+    one prompt); None where no choice got one (each ended before its first token: an abort)."""
+    return next((c.prompt_token_ids for c in choices if c.prompt_token_ids is not None), None)
 
 
 class Stream:
@@ -136,7 +141,8 @@ class Stream:
             ex = self.exchange
             for index in range(ex.num_choices):
                 # return_token_ids: the prompt's ids once, on the first chunk (as vLLM)
-                extra = {"prompt_token_ids": ex.prompt_token_ids[0]} if ex.parsed.output.return_token_ids and not index else {}
+                returns_ids = ex.parsed.output.return_token_ids and not index
+                extra = {"prompt_token_ids": prompt_ids(ex.choices.values())} if returns_ids else {}
                 choice = self._by_index.get(index)
                 if self.continuous and choice is not None:  # the role chunk delivers no output token yet
                     extra["usage"] = api.usage_dict(choice.num_prompt_tokens, 0, choice.num_cached_tokens)
@@ -205,7 +211,7 @@ class Stream:
             out["stop_reason"] = choice.stop_reason
         if self.exchange.parsed.output.return_token_ids:
             if not self.is_chat and not choice.is_prompt_sent:  # completions: per choice, on its first chunk
-                out["prompt_token_ids"] = self.exchange.prompt_token_ids[choice.index // self.exchange.parsed.n]
+                out["prompt_token_ids"] = choice.prompt_token_ids
                 choice.is_prompt_sent = True
             end = len(choice.token_ids) if ids_end is None else max(ids_end, choice.num_streamed_ids)
             out["token_ids"] = choice.token_ids[choice.num_streamed_ids:end]

@@ -147,6 +147,8 @@ class Preparer:
             arrival_time=req.arrival_time,
             prompt_param=param,
             n=req.n,
+            cache_salt=req.cache_salt,
+            return_prompt_ids=req.return_prompt_ids,
         ))
 
     def check_structured(self, req: NewRequest) -> Failed | None:
@@ -346,7 +348,8 @@ class MediaPreparer:
             return failed(req, problem, "messages")
         prepared = Prepared(request_id=req.request_id, model=req.model, prompt_token_ids=token_ids,
                             sampling=req.sampling, arrival_time=req.arrival_time, prompt_param="messages",
-                            media_digest=media_digest(media), n=req.n)
+                            media_digest=media_digest(media), n=req.n, cache_salt=req.cache_salt,
+                            return_prompt_ids=req.return_prompt_ids)
         return Draft(prepared, media)
 
     # ---- tokens --------------------------------------------------------------

@@ -39,6 +39,7 @@ class Sequence:
         self.root = root
         self.lora_slot = lora_slot
         self.prompt_token_ids = list(req.prompt_token_ids)
+        self.returns_prompt_ids = req.return_prompt_ids  # its first delta carries them
         self.sampling = sampling
         self.max_tokens = max_tokens
         self.arrival = arrival

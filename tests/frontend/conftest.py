@@ -147,7 +147,7 @@ class Engine:
         sched = Scheduler(num_blocks=256, block_size=16, max_num_seqs=8, max_num_batched_tokens=2048,
                           max_model_len=self.max_model_len, eos_token_ids=[self.tokenizer.eos_token_id])
         prepared = Prepared(request_id=req.request_id, model=req.model, prompt_token_ids=self.prompt_ids(req),
-                            sampling=req.sampling, n=req.n)
+                            sampling=req.sampling, n=req.n, return_prompt_ids=req.return_prompt_ids)
         out = list(sched.add(prepared, "base"))
         ids = self.tokenizer(text or self.reply_text).input_ids if ids is None else ids
         rank = _ScriptedRank(ids + [self.tokenizer.eos_token_id])

@@ -8,7 +8,6 @@ import asyncio
 import functools
 import json
 
-import msgspec
 import pytest
 
 from tests.tool_calls.templates import TIME, WEATHER
@@ -176,17 +175,24 @@ async def test_bad_tools_are_a_400_naming_the_field(tool_harness, extra, param):
 
 
 @asynctest
-async def test_return_token_ids_are_the_prompt_with_its_tools_and_a_forced_calls_opening(tool_harness, hermes_tokenizer):
-    """prompt_token_ids are the engine's prompt: they left out the tools and the forced call's opening."""
+async def test_return_token_ids_are_the_prompt_with_its_tools_and_a_forced_calls_opening(tool_harness, hermes_tokenizer,
+                                                                                        hermes_dir):
+    """prompt_token_ids are the engine's prompt, sent back with the first delta (not the frontend's own rendering),
+    and the request the frontend sends has prepare render the tools and the forced call's opening."""
+    from mstar_actors.prepare.preparers import prompt_token_ids
+    from mstar_actors.tokenization import Tokenization
+
     async with tool_harness() as h:
-        h.actor.info = msgspec.structs.replace(h.actor.info, max_model_len=4096)  # the tools' text is long
         h.engine.reply_text = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
         status, body = await h.post("/v1/chat/completions", _body(tools=[WEATHER], tool_choice="required",
                                                                   return_token_ids=True))
         assert status == 200, body
+        req = next(iter(h.engine.requests.values()))
+        assert req.return_prompt_ids and body["prompt_token_ids"] == h.engine.prompt_ids(req)
         text = hermes_tokenizer.apply_chat_template(USER, tools=[WEATHER], tokenize=False,
                                                     add_generation_prompt=True)
-        assert body["prompt_token_ids"] == hermes_tokenizer(text + "<tool_call>\n", add_special_tokens=False).input_ids
+        expected = hermes_tokenizer(text + "<tool_call>\n", add_special_tokens=False).input_ids
+        assert prompt_token_ids(Tokenization(hermes_dir), req, None)[0] == expected
 
 
 @asynctest
