@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mstar_actors.frontend import xml_calls
-from mstar_actors.frontend.xml_calls import FUNCTION_CLOSE, FUNCTION_OPEN, PARAM_CLOSE, PARAM_OPEN
+from mstar_actors.frontend.xml_calls import FUNCTION_CLOSE, FUNCTION_OPEN, PARAM_CLOSE, PARAM_OPEN, resolved
 from mstar_actors.messages import ChatMessage, ToolCall
 
 HERMES = "hermes"
@@ -192,8 +192,15 @@ def _parse_tool(where: str, tool: Any) -> dict:
 
 def call_parameters(function: dict) -> dict:
     """The schema a call of ``function`` (a parsed tool's) holds its arguments to: its parameters', an
-    object (a schema without a type, {} or none, takes any JSON; the arguments are an object all the same)."""
-    return {"type": "object", **(function.get("parameters") or {"properties": {}})}
+    object (a schema without a type, {} or none, takes any JSON; the arguments are an object all the same).
+    A schema that is a ``$ref`` into its own definitions (pydantic's recursive models) is that definition,
+    its definitions beside it; one that leads nowhere is left for the grammar's check to name."""
+    parameters = function.get("parameters") or {"properties": {}}
+    if "$ref" in parameters:
+        parameters = resolved(parameters, parameters)
+        if "$ref" in parameters:
+            return parameters
+    return {"type": "object", **parameters}
 
 
 def _parse_tool_choice(value: Any, names: set[str]) -> tuple[str, str | None]:
@@ -1074,7 +1081,7 @@ class XmlCallStream(HermesCallStream):
 
     def __init__(self, request: ToolRequest, forced: bool = False):
         super().__init__(request.max_calls)
-        self._schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in request.tools}
+        self._schemas = {t["function"]["name"]: call_parameters(t["function"]) for t in request.tools}  # as held
         self._forced = forced
         self._value_end = xml_calls.FORCED_VALUE_END if forced else xml_calls.VALUE_END
         self._function = request.function  # a named tool_choice's: its call whatever was written

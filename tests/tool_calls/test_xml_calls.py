@@ -306,3 +306,33 @@ def test_choices_and_bounded_strings_inside_a_json_value_keep_their_rules(chars)
     with pytest.raises(GrammarError, match="an enum or const value holds </parameter>"):
         _forced(chars, {"type": "object", "properties": {"o": {"type": "object", "properties": {
             "s": {"enum": ["a</parameter>b", "c"]}}}}})
+
+
+NODE = {"$defs": {"Node": {"type": "object", "properties": {
+    "label": {"type": "string"}, "child": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]}},
+    "required": ["label"]}}, "$ref": "#/$defs/Node"}  # pydantic's schema of a recursive model
+
+
+@pytest.mark.parametrize("parser", [tc.HERMES, tc.QWEN3_CODER])
+def test_parameters_that_are_a_ref_to_their_own_definition_are_that_definition(chars, parser):
+    """A tool whose parameters are a ``$ref`` into their ``$defs`` is forced to the definition, read back typed by it
+    (it was refused, naming a 'type' beside '$ref' the client never sent); a reference that leads nowhere is named."""
+    import xgrammar
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": NODE}}
+    request = tc.parse_tool_request([tool], "required", parser, parallel_tool_calls=False)
+    matcher = xgrammar.GrammarMatcher(chars.compile(StructuredSpec(*tc.forced_calls_spec(request))))
+    arguments = {"label": "a", "child": {"label": "b", "child": None}}
+    if parser == tc.HERMES:
+        good = json.dumps({"name": "f", "arguments": arguments})
+        bad = '{"name": "f", "arguments": {"child": null}}'
+    else:
+        good = call("f", label="a", child=json.dumps(arguments["child"])).removeprefix("<tool_call>\n")
+        bad = call("f", child="null").removeprefix("<tool_call>\n")
+        assert json.loads(tc.read_calls(request, good)[1][0].arguments) == arguments
+    assert matcher.accept_string(good.removesuffix("\n</tool_call>")), good
+    matcher.reset()
+    assert not matcher.accept_string(bad.removesuffix("\n</tool_call>"))
+    nowhere = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/Nowhere"}}}
+    with pytest.raises(GrammarError, match="Nowhere"):
+        chars.check(StructuredSpec(*tc.forced_calls_spec(tc.parse_tool_request([nowhere], "required", parser))))
