@@ -86,8 +86,18 @@ def error_type_of(status: int) -> str:
     return "server_error" if status != 503 else "service_unavailable_error"
 
 
+# An error body's message and param at most (a refusal quotes what the client sent: a 100 KB field name or
+# model would come back twice over)
+MAX_ERROR_MESSAGE_CHARS, MAX_ERROR_PARAM_CHARS = 2000, 200
+
+
 def error_envelope(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    return {"error": {"message": _cut(message, MAX_ERROR_MESSAGE_CHARS), "type": error_type,
+                      "param": None if param is None else _cut(param, MAX_ERROR_PARAM_CHARS), "code": code}}
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit - 40]}... ({len(text)} characters in all)"
 
 
 def _bad(param: str, message: str) -> ApiError:

@@ -134,3 +134,21 @@ def test_media_on_a_text_only_model_is_refused_by_its_part_first(hostile, model_
                 message = body["error"]["message"]
                 assert "reads text only" in message and not message.startswith("request ")  # no internal id
     run(go)
+
+
+def test_a_refusal_quotes_at_most_a_bounded_part_of_what_was_sent(hostile):
+    """A 100 KB field name, model or tool_choice comes back cut: the error body stays small, and still names it."""
+    async def go():
+        async with hostile() as h:
+            huge = "k" * 100_000
+            tools = [{"type": "function", "function": {"name": "f"}}]
+            for route, body, status in [(CHAT, BODY | {huge: 1}, 400), (CHAT, BODY | {"model": huge}, 404),
+                                        (CHAT, BODY | {"tool_choice": huge, "tools": tools}, 400),
+                                        ("/v1/completions", {"model": huge, "prompt": "hi"}, 404)]:
+                got, answer = await h.post(route, body)
+                assert_envelope(got, answer, status)
+                assert len(json.dumps(answer)) < 3_000, (route, len(json.dumps(answer)))
+                assert "kkkk" in answer["error"]["message"] and "100" in answer["error"]["message"]
+            status, body = await h.post(CHAT, BODY)
+            assert status == 200, body
+    run(go)
