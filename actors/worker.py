@@ -28,8 +28,11 @@ from mstar_actors.messages import (AdapterInstalled, CancelCompile, CompileGramm
 from mstar_actors.runner.parallel import CollectiveError
 from transport.shm import attach_segment
 
-# Grammars a rank compiles at once beside its steps (the conductor sends one a constrained request).
+# Grammars a rank compiles at once beside its steps for requests waiting on them (the conductor sends one a
+# constrained request), and its compile threads: a compile whose request ended or ran out of time
+# (``scheduler.grammar_compile_timeout_s``) runs out on its thread, which can't be stopped, without its slot.
 MAX_COMPILES = 2
+MAX_COMPILE_THREADS = 4
 COMPILE_NICENESS = 10  # a compile's thread yields the CPU to the step's threads (a CPU rank has few cores)
 
 
@@ -179,7 +182,7 @@ class WorkerActor(Actor):
         # Grammars compiling beside the steps (``CompileGrammar``), a few at a time: a thread and its memory each.
         self._compiles: dict[str, asyncio.Task] = {}  # by request id
         self._compile_slots = asyncio.Semaphore(MAX_COMPILES)
-        self._compiling_now: set[str] = set()  # request ids whose compile holds a slot (runs on its thread)
+        self._compile_threads = asyncio.Semaphore(MAX_COMPILE_THREADS)  # released as a thread ends
         self.pending: _Pending | None = None  # the step sampled on the device, not yet answered
         self._next: asyncio.Future | None = None  # a mailbox read begun while a step ran (its result is the next message)
         self._device_waits: queue.SimpleQueue | None = None  # (step, future) for the waiting thread
@@ -233,6 +236,10 @@ class WorkerActor(Actor):
         that thread lives; a kept executor thread's idle team makes the step
         thread's parallel regions wait (on 2 cores the CPU decode step took
         twice as long: ``tools/profile_step.py`` against the served step)."""
+        return await self.start_blocking(fn, *args)
+
+    def start_blocking(self, fn: Any, *args: Any) -> asyncio.Future:
+        """``fn(*args)`` begun on a thread of its own (``run_blocking``'s); its future."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
 
@@ -249,7 +256,7 @@ class WorkerActor(Actor):
                 loop.call_soon_threadsafe(settle, result, None)
 
         threading.Thread(target=run, name=f"{self.name}:blocking", daemon=True).start()
-        return await done
+        return done
 
     def set_torch_threads(self) -> None:
         """On the loop's thread, which runs every step: OpenMP's thread count
@@ -320,7 +327,7 @@ class WorkerActor(Actor):
                 task.add_done_callback(lambda _, rid=msg.request_id: self._compiles.pop(rid, None))
             case CancelCompile(request_id=request_id):
                 task = self._compiles.get(request_id)
-                if task is not None and request_id not in self._compiling_now:  # waiting for a slot: no thread
+                if task is not None:  # its slot goes to the next (a compile begun runs out on its thread)
                     task.cancel()
             case InstallAdapter():
                 if self.num_installing == 0 and self._swap_in(msg):
@@ -357,27 +364,41 @@ class WorkerActor(Actor):
         out.flush()
 
     async def _compile(self, msg: CompileGrammar) -> None:
-        """The request's grammar compiled on a thread of its own (the engine
-        lets go of the GIL: the steps go on), kept in the engine's cache for
-        the request's start; then the answer."""
+        """The request's grammar compiled on a thread (the engine lets go of
+        the GIL: the steps go on), kept in the engine's cache for the
+        request's start; then the answer: a refusal where it is not compiled
+        within ``scheduler.grammar_compile_timeout_s`` (the thread runs out
+        without the slot, so one slow grammar holds no other request's)."""
         from mstar_actors.runner.grammar import GrammarError
 
         grammars = getattr(self.runner, "grammars", None)
+        timeout_s = self.config.scheduler.grammar_compile_timeout_s
         async with self._compile_slots:
-            self._compiling_now.add(msg.request_id)
             started = time.perf_counter()
             try:
                 if grammars is None:
                     raise GrammarError(msg.spec.kind, "structured outputs are off on this rank")
-                await self.run_blocking(_compile_below_steps, grammars.compiler, msg.spec)
+                async with asyncio.timeout(timeout_s):
+                    await self._compile_threads.acquire()
+                    future = self.start_blocking(_compile_below_steps, grammars.compiler, msg.spec)
+                    future.add_done_callback(self._compile_ended)
+                    await asyncio.shield(future)
             except GrammarError as err:
                 reply = GrammarCompiled(rank=self.rank, request_id=msg.request_id, ok=False, error=str(err))
+            except TimeoutError:
+                reply = GrammarCompiled(rank=self.rank, request_id=msg.request_id, ok=False, error=(
+                    f"not compiled within {timeout_s:g} s (scheduler.grammar_compile_timeout_s): the grammar is too "
+                    "costly to build over this vocabulary (a long pattern of nested repeats, a choice of very long "
+                    "strings); simplify it, or retry if other slow grammars were compiling"))
             else:
                 reply = GrammarCompiled(rank=self.rank, request_id=msg.request_id, ok=True)
-            finally:
-                self._compiling_now.discard(msg.request_id)
         self.log.debug("grammar of %s: %.1f ms", msg.request_id, (time.perf_counter() - started) * 1e3)
         await self.reply(reply)
+
+    def _compile_ended(self, future: asyncio.Future) -> None:
+        self._compile_threads.release()
+        if not future.cancelled():
+            future.exception()  # retrieved: a compile left to run out has nobody to refuse
 
     def _swap_in(self, msg: InstallAdapter) -> bool:
         """Install ``msg`` inline from the image this rank kept; False when it

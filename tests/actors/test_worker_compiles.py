@@ -1,7 +1,7 @@
-"""A rank compiles grammars a few at a time beside its steps; a compile whose
-request ended before its turn is dropped (a client sending slow schemas and
-hanging up held every later constrained request behind the compiles of the
-departed), one already on its thread runs out and answers."""
+"""A rank compiles grammars a few at a time beside its steps. A compile whose request ended gives its slot to the
+next at once, begun or not (a client sending slow schemas and hanging up held every later constrained request
+behind the compiles of the departed); one not done within ``scheduler.grammar_compile_timeout_s`` is refused with
+the reason and runs out on its thread without its slot."""
 
 from __future__ import annotations
 
@@ -9,42 +9,90 @@ import asyncio
 import functools
 import logging
 import threading
+import time
 from types import SimpleNamespace
 
-from actors.worker import MAX_COMPILES, WorkerActor
+from actors.worker import MAX_COMPILE_THREADS, MAX_COMPILES, WorkerActor
 from mstar_actors.messages import CancelCompile, CompileGrammar, StructuredSpec
 
 
-def test_a_cancelled_compile_still_waiting_for_its_turn_is_dropped():
-    release, compiled = threading.Event(), []
+class _Compiler:
+    """Compiles a spec at once, or one named ``slow*`` once released."""
 
-    class Compiler:
-        def compile(self, spec):
-            release.wait(10)
-            compiled.append(spec.spec)
+    def __init__(self):
+        self.release, self.compiled = threading.Event(), []
+
+    def compile(self, spec):
+        if spec.spec.startswith("slow"):
+            self.release.wait(20)
+        self.compiled.append(spec.spec)
+
+
+def _rank(compiler, timeout_s: float = 30.0):
+    replies = []
+
+    async def reply(msg):
+        replies.append((msg.request_id, msg.ok, msg.error))
+
+    rank = SimpleNamespace(runner=SimpleNamespace(grammars=SimpleNamespace(compiler=compiler)), rank=0,
+                           log=logging.getLogger("test"), reply=reply, name="worker0", _compiles={},
+                           _compile_slots=asyncio.Semaphore(MAX_COMPILES),
+                           _compile_threads=asyncio.Semaphore(MAX_COMPILE_THREADS),
+                           config=SimpleNamespace(scheduler=SimpleNamespace(grammar_compile_timeout_s=timeout_s)))
+    for name in ("start_blocking", "_compile", "_compile_ended"):
+        setattr(rank, name, functools.partial(getattr(WorkerActor, name), rank))
+    return rank, replies
+
+
+async def _send(rank, msg):
+    await WorkerActor.handle(rank, "conductor", msg)
+
+
+async def _until(predicate, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+
+
+def test_a_cancelled_compile_gives_its_slot_to_the_next_at_once():
+    compiler = _Compiler()
 
     async def body():
-        replies = []
-
-        async def reply(msg):
-            replies.append(msg.request_id)
-
-        rank = SimpleNamespace(runner=SimpleNamespace(grammars=SimpleNamespace(compiler=Compiler())), rank=0,
-                               log=logging.getLogger("test"), reply=reply, name="worker0", _compiles={},
-                               _compile_slots=asyncio.Semaphore(MAX_COMPILES), _compiling_now=set())
-        rank.run_blocking = functools.partial(WorkerActor.run_blocking, rank)
-        rank._compile = functools.partial(WorkerActor._compile, rank)
-        names = [f"r{i}" for i in range(MAX_COMPILES + 2)]
-        for rid in names:
-            await WorkerActor.handle(rank, "conductor", CompileGrammar(rid, StructuredSpec("regex", rid)))
-        while len(rank._compiling_now) < MAX_COMPILES:  # the first ones take the slots, on their threads
-            await asyncio.sleep(0.01)
-        for rid in (names[0], names[-1]):  # one compiling, one waiting
-            await WorkerActor.handle(rank, "conductor", CancelCompile(rid))
-        release.set()
-        while rank._compiles:
-            await asyncio.sleep(0.01)
+        rank, replies = _rank(compiler)
+        slow = [f"slow{i}" for i in range(MAX_COMPILES)]
+        for rid in slow + ["fast", "dropped"]:
+            await _send(rank, CompileGrammar(rid, StructuredSpec("regex", rid)))
+        await asyncio.sleep(0.2)
+        assert replies == []  # the slow ones hold every slot
+        await _send(rank, CancelCompile("dropped"))  # waiting: never compiled
+        await _send(rank, CancelCompile(slow[0]))  # compiling: its slot goes, its thread runs out
+        await _until(lambda: replies)
+        assert replies == [("fast", True, "")]
+        compiler.release.set()
+        await _until(lambda: not rank._compiles and len(compiler.compiled) == MAX_COMPILES + 1)
         return replies
 
     replies = asyncio.run(body())
-    assert sorted(replies) == ["r0", "r1", "r2"] and sorted(compiled) == ["r0", "r1", "r2"]  # r3 never compiled
+    assert sorted(r[0] for r in replies) == sorted(["fast"] + [f"slow{i}" for i in range(1, MAX_COMPILES)])
+    assert "dropped" not in compiler.compiled
+
+
+def test_a_compile_past_its_time_is_refused_naming_the_setting_and_holds_no_slot():
+    compiler = _Compiler()
+
+    async def body():
+        rank, replies = _rank(compiler, timeout_s=0.3)
+        for rid in [f"slow{i}" for i in range(MAX_COMPILES)] + ["fast"]:
+            await _send(rank, CompileGrammar(rid, StructuredSpec("regex", rid)))
+        await _until(lambda: len(replies) == MAX_COMPILES + 1)
+        compiler.release.set()
+        await _until(lambda: len(compiler.compiled) == MAX_COMPILES + 1)
+        await asyncio.sleep(0.05)
+        assert rank._compile_threads._value == MAX_COMPILE_THREADS  # every thread ended and gave its place back
+        return replies
+
+    replies = asyncio.run(body())
+    assert replies[-1] == ("fast", True, "")  # compiled before the slow ones ended: their slots went at the time
+    for rid, ok, error in replies[:-1]:
+        assert rid.startswith("slow") and not ok and "scheduler.grammar_compile_timeout_s" in error
