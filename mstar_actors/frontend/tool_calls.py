@@ -629,99 +629,6 @@ def _read_block(body: str, tagged: bool) -> tuple[ParsedCall | None, str]:
     return None, ""
 
 
-class HermesReader:
-    """Splits a streamed reply into content and ``<tool_call>`` calls.
-
-    Text that may be the start of ``<tool_call>`` is held back, and so is a
-    call until its ``</tool_call>`` (``_BlockEnd``: the tag past its JSON
-    object), so no markup reaches the content. A block whose object is a
-    call and text follows it in the block is that call and that text as
-    content (``_read_block``); one with no call is given back as content,
-    markup included. Whitespace after a call
-    is held: it only separates calls. ``read_calls`` reads a whole reply
-    with it (a stream reads hermes calls with ``HermesCallStream``).
-    """
-
-    def __init__(self, max_calls: int | None = None):
-        self.max_calls = max_calls
-        self._end: _BlockEnd | None = None  # inside a block: where it ends
-        self._held = ""
-        self._final = False  # the reply ended: a block whose object never closed ends at its first tag
-        self.num_calls = 0  # calls read, those past max_calls included
-        self._said = False  # content with text in it since the last call: whitespace after it is its
-
-    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
-        """(content safe to emit now, calls completed by ``text``)."""
-        self._held += text
-        content: list[str] = []
-        calls: list[ParsedCall] = []
-        while self._step(content, calls):
-            pass
-        return "".join(content), _within(calls, self.num_calls, self.max_calls)
-
-    def flush(self) -> tuple[str, list[ParsedCall]]:
-        """What is held at the end of the reply: an unclosed call is read as one
-        (a model may stop at EOS before ``</tool_call>``)."""
-        self._final = True
-        first, before = self.feed("")
-        held, self._held = self._held, ""
-        if self._end is None:
-            return first + ("" if self._separates(held) else held), before
-        self._end = None
-        body = held.removesuffix(HERMES_CLOSE)
-        call, rest = _read_block(body, tagged=held.endswith(HERMES_CLOSE))  # never closed: the call, then text
-        if call is None and not held.endswith(HERMES_CLOSE) and (head := _CUT_HEAD.match(body)) is not None:
-            # cut inside its arguments (max_tokens): a call as far as it was written, as a stream sent it
-            call, rest = ParsedCall(_name_in(head), _less_cut_close(body[head.end():])), ""
-        if call is None:
-            return first + HERMES_OPEN + held, before
-        self.num_calls += 1
-        self._said = False
-        return first + ("" if self._separates(rest) else rest), before + _within([call], self.num_calls,
-                                                                                  self.max_calls)
-
-    def _step(self, content: list[str], calls: list[ParsedCall]) -> bool:
-        """Consume one piece of the held text; False when the rest must wait."""
-        if self._end is not None:
-            end = self._end.find(self._held, self._final)
-            if end is None:
-                return False
-            tagged = self._end.tagged
-            body, self._held = self._held[:end], self._held[end + (len(HERMES_CLOSE) if tagged else 0):]
-            self._end = None
-            call, rest = _read_block(body, tagged)
-            if call is None:
-                content.append(HERMES_OPEN + body + (HERMES_CLOSE if tagged else ""))
-                self._said = True
-            else:
-                self.num_calls += 1
-                calls.append(call)
-                self._said = False
-                if not self._separates(rest):
-                    content.append(rest)
-                    self._said = bool(rest.strip())
-            return True
-        at = self._held.find(HERMES_OPEN)
-        if at >= 0:
-            before = self._held[:at]
-            content.append("" if self._separates(before) else before)
-            self._said = self._said or bool(before.strip())
-            self._held, self._end = self._held[at + len(HERMES_OPEN):], _BlockEnd()
-            return True
-        num_held = _partial_suffix(self._held, HERMES_OPEN)
-        emit = self._held[: len(self._held) - num_held]
-        if self._separates(emit):
-            return False  # whitespace between calls: content only if more text follows
-        content.append(emit)
-        self._said = self._said or bool(emit.strip())
-        self._held = self._held[len(emit):]
-        return False
-
-    def _separates(self, text: str) -> bool:
-        """Whitespace alone after a call, no text since: it only separates calls."""
-        return bool(self.num_calls) and not self._said and not text.strip()
-
-
 class Llama3JsonReader:
     """Llama 3's format: a reply that starts with ``{`` (after whitespace and an
     optional ``<|python_tag|>``) is read as calls once it ends; any other
@@ -840,9 +747,6 @@ def _name_in(head: re.Match) -> str:
     return json.loads(f'"{head.group(1)}"')
 
 
-_CUT_HEAD = _head_pattern(HERMES, r"(?=\{)")  # a block's call head and object: a call from there on
-
-
 def _head_delta(index: int, name: str) -> dict:
     """A streamed call's first entry: its id, type and name, arguments ""."""
     return {"index": index, "id": new_call_id(), "type": "function", "function": {"name": name, "arguments": ""}}
@@ -913,22 +817,23 @@ class HermesCallStream:
     chunk deltas of content and calls in the order they are written, each
     call's arguments as they come (as vLLM's hermes parser streams them).
 
-    Outside ``<tool_call>`` blocks as ``HermesReader``: text that may open one
-    is held, whitespace between calls is dropped, whitespace goes out only
-    with text (calls with whitespace alone around them: no content). A block whose text starts
+    Outside ``<tool_call>`` blocks text that may open one is held, whitespace
+    between calls is dropped, whitespace goes out only with text (calls with
+    whitespace alone around them: no content). A block whose text starts
     with a call's head and an object (``{"name": "...", "arguments": {``) is
     a call at once: its id, type and name, then its arguments' JSON in
     pieces as written, the rest of its object (its closing brace, any tag
     inside its strings) read, then text up to ``</tool_call>`` content (in a
     block that never closes, at the reply's end, less a closing tag cut
-    short). Any other block is held to its end and read whole as
-    ``HermesReader`` reads it: a call (head and arguments in two deltas), or
-    content with its markup. So a stream and a response (``read_calls``) read
-    the same calls (a block cut by max_tokens inside its arguments a call as
-    far as it was written in both), except where a block that began as a
-    call's head and object closes without valid JSON: its pieces went out,
-    the response reads it as content (vLLM streams such a call as well). Calls past
-    ``max_calls`` are read and dropped."""
+    short). Any other block is held to its end (``_BlockEnd``: the tag past
+    its JSON object) and read whole (``_read_block``): a call (head and
+    arguments in two deltas), or content with its markup. A whole reply is
+    read by this reader too (``read_calls``), so a response and a stream give
+    the same calls: a block cut by max_tokens inside its arguments a call as
+    far as it was written, and one that began as a call's head and object and
+    closes without valid JSON a call of the arguments as written (its pieces
+    were streamed as a call, as vLLM's hermes parser streams them). Calls
+    past ``max_calls`` are read and dropped."""
 
     def __init__(self, max_calls: int | None = None):
         self.max_calls = max_calls
@@ -1210,12 +1115,6 @@ def _joined(deltas: list[dict]) -> list[dict]:
     return out
 
 
-def make_reader(request: ToolRequest) -> HermesReader | Llama3JsonReader:
-    """A ``tool_choice: "auto"`` reply's reader (a forced one's is ``ForcedCallStream``)."""
-    reader = HermesReader if request.parser == HERMES else Llama3JsonReader
-    return reader(max_calls=request.max_calls)
-
-
 def stream_reader(request: ToolRequest) -> ForcedCallStream | HermesCallStream | Llama3JsonReader:
     """A streamed reply's reader: a forced call's arguments and a hermes
     reply's calls as they are written; Llama 3's calls once the reply ends
@@ -1226,7 +1125,7 @@ def stream_reader(request: ToolRequest) -> ForcedCallStream | HermesCallStream |
         return ForcedCallStream(request)
     if request.parser == HERMES:
         return HermesCallStream(request.max_calls)
-    return make_reader(request)
+    return Llama3JsonReader(max_calls=request.max_calls)
 
 
 def read_calls(request: ToolRequest, text: str) -> tuple[str | None, list[ParsedCall]]:
@@ -1236,20 +1135,20 @@ def read_calls(request: ToolRequest, text: str) -> tuple[str | None, list[Parsed
     whose arguments go as far as they were written (as vLLM's named call: a
     named tool_choice's call whatever was written, a required one's once its
     name is; the format's markup is never content)."""
-    if request.parser == QWEN3_CODER:  # read as it streams
-        stream = stream_reader(request)
-        deltas = stream.feed(text) + stream.flush()
-        content = "".join(d.get("content", "") for d in deltas)
-        calls = _calls_of([entry for d in deltas for entry in d.get("tool_calls", [])])
-        return (None if request.is_forced or (calls and not content.strip()) else content), calls
-    if request.is_forced:
-        stream = ForcedCallStream(request)
-        return None, _calls_of(stream.feed(text) + stream.flush())
-    reader = make_reader(request)
-    content, calls = reader.feed(text)
-    tail, more = reader.flush()
-    content, calls = content + tail, calls + more
-    return (None if calls and not content.strip() else content), calls
+    if request.is_forced and request.parser != QWEN3_CODER:
+        forced = ForcedCallStream(request)
+        return None, _calls_of(forced.feed(text) + forced.flush())
+    if request.parser == LLAMA3_JSON:
+        reader = Llama3JsonReader(max_calls=request.max_calls)
+        content, calls = reader.feed(text)
+        tail, more = reader.flush()
+        content, calls = content + tail, calls + more
+        return (None if calls and not content.strip() else content), calls
+    stream = stream_reader(request)  # hermes and qwen3_coder: the reply read as it streams
+    deltas = stream.feed(text) + stream.flush()
+    content = "".join(d.get("content", "") for d in deltas)
+    calls = _calls_of([entry for d in deltas for entry in d.get("tool_calls", [])])
+    return (None if request.is_forced or (calls and not content.strip()) else content), calls
 
 
 def _calls_of(entries: list[dict]) -> list[ParsedCall]:

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from mstar_actors.frontend import tool_calls as tc
-from mstar_actors.frontend.tool_calls import HermesReader, Llama3JsonReader, ToolError
+from mstar_actors.frontend.tool_calls import HermesCallStream, Llama3JsonReader, ToolError
 from tests.frontend.conftest import CHATML
 from tests.tool_calls.templates import HERMES_TEMPLATE, LLAMA3_JSON_TEMPLATE, TIME, WEATHER, make_tool_model_dir
 
@@ -34,6 +34,11 @@ def _stream(reader, text: str, size: int) -> tuple[str, list]:
         content, calls = content + piece, calls + more
     piece, more = reader.flush()
     return content + piece, calls + more
+
+
+def _hermes(text: str, size: int, max_calls: int | None = None) -> tuple[str, list]:
+    """A hermes reply streamed in pieces of ``size`` characters: (content, calls as (name, arguments))."""
+    return _read_back(_stream_deltas(HermesCallStream(max_calls), text, size))[:2]
 
 
 # ---- the format ----------------------------------------------------------
@@ -89,28 +94,27 @@ HERMES_REPLY = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments"
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 7, 11, 1000])
 def test_hermes_streamed_in_any_split_reads_the_same(size):
-    content, calls = _stream(HermesReader(), HERMES_REPLY, size)
+    content, calls = _hermes(HERMES_REPLY, size)
     assert content == "Let me check.\n"
-    assert _calls(calls) == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert calls == [("get_weather", {"city": "Paris"}), ("get_time", {})]
 
 
 def test_hermes_holds_back_a_possible_opening_only():
-    reader = HermesReader()
-    assert reader.feed("a <tool") == ("a ", [])  # may become <tool_call>
-    assert reader.feed("s are fun") == ("<tools are fun", [])  # did not
-    assert reader.flush() == ("", [])
+    reader = HermesCallStream()
+    assert reader.feed("a <tool") == [{"content": "a "}]  # may become <tool_call>
+    assert reader.feed("s are fun") == [{"content": "<tools are fun"}]  # did not
+    assert reader.flush() == []
 
 
 def test_hermes_gives_back_what_is_not_a_call():
     bad = "<tool_call>\n{not json}\n</tool_call> after"
-    assert _stream(HermesReader(), bad, 3) == (bad, [])
-    assert _stream(HermesReader(), 'x <tool_call>{"arguments": {}}', 4) == ('x <tool_call>{"arguments": {}}', [])
+    assert _hermes(bad, 3) == (bad, [])
+    assert _hermes('x <tool_call>{"arguments": {}}', 4) == ('x <tool_call>{"arguments": {}}', [])
 
 
 def test_hermes_reads_a_call_cut_at_eos_and_string_arguments():
     text = '<tool_call>\n{"name": "f", "arguments": "{\\"a\\": 1}"}'
-    content, calls = _stream(HermesReader(), text, 4)
-    assert content == "" and _calls(calls) == [("f", {"a": 1})]
+    assert _hermes(text, 4) == ("", [("f", {"a": 1})])
 
 
 def test_a_forced_reply_reads_the_bare_json():
@@ -191,6 +195,8 @@ HERMES_STREAM_CASES = [
     'Xm<tool_call>\n{"name": "f", "arguments": {"c": "P"}}\n</tool_call>'
     '<tool_call>\n{"name": "g", "arguments": {"q": "a',
     # ... cut inside a call's arguments: a call as far as it was written
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>',  # its object never closes
+    '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call> ok',  # arguments no JSON: as written
 ]
 
 
@@ -226,8 +232,8 @@ def test_hermes_stream_keeps_the_order_of_content_and_calls_and_drops_calls_past
 
 def test_plain_text_streams_unchanged():
     text = "No tools needed: it is sunny. <b>ok</b>"
-    for reader in (HermesReader(), Llama3JsonReader()):
-        assert _stream(reader, text, 2) == (text, [])
+    assert _hermes(text, 2) == (text, [])
+    assert _stream(Llama3JsonReader(), text, 2) == (text, [])
 
 
 # ---- llama 3 JSON --------------------------------------------------------------
@@ -313,7 +319,8 @@ def test_a_schema_without_a_type_still_forces_an_object():
 def test_arguments_keep_a_number_past_a_doubles_range_as_written():
     """9e999 is JSON text (it reads as inf, which json.dumps would write as
     Infinity): a call keeps its arguments as written, whole or streamed, in
-    every format; NaN is no JSON, so no call."""
+    every format. NaN is no JSON: a llama3_json reply is then no call; a hermes block that opened as a call's
+    head and object was streamed as that call, its arguments as written, and a response reads it the same."""
     big = '{"name": "f", "arguments": {"x": 9e999, "y": "é"}}'
     for request in (tc.parse_tool_request([WEATHER], "required", "hermes"),
                     tc.parse_tool_request([WEATHER], "auto", "hermes")):
@@ -323,7 +330,8 @@ def test_arguments_keep_a_number_past_a_doubles_range_as_written():
     llama = tc.parse_tool_request([WEATHER], "auto", "llama3_json")
     assert [c.arguments for c in tc.read_calls(llama, '{"name": "f", "parameters": {"x": 1E400}}')[1]] == ['{"x": 1E400}']
     nan = '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>'
-    assert tc.read_calls(tc.parse_tool_request([WEATHER], "auto", "hermes"), nan) == (nan, [])
+    content, calls = tc.read_calls(tc.parse_tool_request([WEATHER], "auto", "hermes"), nan)
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("f", '{"x": NaN}')]
     assert tc.read_calls(llama, '{"name": "f", "parameters": {"x": NaN}}')[1] == []
     # arguments a JSON string holds are that text; written before the name, re-encoded (as JSON allows)
     assert tc.parse_call('{"name": "f", "arguments": "{\\"a\\":1}"}').arguments == '{"a":1}'
@@ -356,7 +364,10 @@ def test_parallel_tool_calls_false_keeps_the_first_call(parser, reply):
     request = tc.parse_tool_request([WEATHER, TIME], "auto", parser, parallel_tool_calls=False)
     assert _calls(tc.read_calls(request, reply)[1]) == [("get_weather", {"city": "Paris"})]
     for size in (1, 3, 1000):
-        assert _calls(_stream(tc.make_reader(request), reply, size)[1]) == [("get_weather", {"city": "Paris"})]
+        reader = tc.stream_reader(request)
+        calls = _read_back(_stream_deltas(reader, reply, size))[1] if parser == "hermes" else _calls(
+            _stream(reader, reply, size)[1])
+        assert calls == [("get_weather", {"city": "Paris"})]
     both = tc.parse_tool_request([WEATHER, TIME], "auto", parser, parallel_tool_calls=True)
     assert len(tc.read_calls(both, reply)[1]) == 2
     with pytest.raises(ToolError) as info:
