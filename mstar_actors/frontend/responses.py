@@ -363,7 +363,7 @@ def with_reasoning(exchange: Exchange, choice: dict) -> dict:
     parser, opened, call_opening = exchange.reasoning
     reasoning, content = split_reasoning(parser, message["content"], opened, call_opening)
     message["content"] = content if content or reasoning is None else None
-    if reasoning is not None and exchange.parsed.include_reasoning:
+    if reasoning and exchange.parsed.include_reasoning:  # (an empty one, as a stream sends none: absent)
         message["reasoning"] = reasoning
     return choice
 
