@@ -199,10 +199,8 @@ class PrepareActor(Actor):
         torch.set_num_threads(torch_threads)
 
     def _cpu_plan(self) -> CpuPlan:
-        # worker_torch_threads: the workers' intra-op threads when the config fixes them (else 1, a GPU's)
-        worker_threads = getattr(self.config.parallel, "worker_torch_threads", None) or 1
         return CpuPlan(num_cpus=len(os.sched_getaffinity(0)), num_ranks=self.config.parallel.tp,
-                       torch_threads_per_worker=worker_threads)
+                       torch_threads_per_worker=self.config.parallel.worker_torch_threads or 1)
 
     def _size_pool(self) -> int:
         is_parallel = bool(getattr(self.preparer, "PREPROCESS_PARALLEL", False))

@@ -44,16 +44,6 @@ def _compile_below_steps(compiler: Any, spec: Any) -> Any:
     return compiler.compile(spec)
 
 
-def worker_torch_threads(config: Any, device_type: str, num_cpus: int) -> int:
-    """The rank's torch intra-op threads: ``parallel.worker_torch_threads``, else
-    on CPU the ``num_cpus`` this server may use split between the ranks (the
-    step's GEMMs are the server's work; the other actors are single-threaded
-    loops), else 1: a GPU does the work and spare threads only spin."""
-    if config.parallel.worker_torch_threads is not None:
-        return config.parallel.worker_torch_threads
-    return max(1, num_cpus // config.parallel.tp) if device_type == "cpu" else 1
-
-
 def install_from_host(runner: Any, rank: int, msg: InstallAdapter) -> AdapterInstalled:
     """Install the adapter-reader's host copy named by ``msg`` into ``msg.slot``.
 
@@ -263,10 +253,7 @@ class WorkerActor(Actor):
         is per calling thread, so setting it inside run_blocking would not stick."""
         import torch
 
-        from mstar_actors.runner.device import resolve_device
-
-        device_type = resolve_device(self.config.model.device).type
-        num_threads = worker_torch_threads(self.config, device_type, len(os.sched_getaffinity(0)))
+        num_threads = self.config.parallel.worker_torch_threads or 1  # settled at parse (``with_device_defaults``)
         torch.set_num_threads(num_threads)
         self.log.info("torch intra-op threads: %d", num_threads)
 

@@ -68,7 +68,10 @@ class ModelConfig(msgspec.Struct, **_STRICT):
 class ParallelConfig(msgspec.Struct, **_STRICT):
     tp: Pos = 1
     # Each worker's torch intra-op threads. Default: on CPU the cores this
-    # server may use, split between the ranks; on a GPU 1 (the device works).
+    # server may use, split between the ranks (the step's GEMMs are the
+    # server's work; the other actors are single-threaded loops); on a GPU 1
+    # (the device works, spare threads only spin). Settled at parse
+    # (``with_device_defaults``): the workers and prepare's CPU plan read it.
     worker_torch_threads: Pos | None = None
 
 
@@ -308,10 +311,11 @@ def parse_config(data: object, source: str = "<config>") -> Config:
 
 def with_device_defaults(config: Config) -> Config:
     """``config`` with the keys whose default depends on the device filled in
-    (``scheduler.max_num_seqs``, ``async_scheduling``, ``steps_ahead``), so
-    every actor reads one settled value."""
+    (``scheduler.max_num_seqs``, ``async_scheduling``, ``steps_ahead``,
+    ``parallel.worker_torch_threads``), so every actor reads one settled value."""
     sched = config.scheduler
-    if sched.max_num_seqs is not None and sched.async_scheduling is not None and sched.steps_ahead is not None:
+    if (sched.max_num_seqs is not None and sched.async_scheduling is not None and sched.steps_ahead is not None
+            and config.parallel.worker_torch_threads is not None):
         return config
     device = config.model.device
     if device == "auto":
@@ -326,7 +330,15 @@ def with_device_defaults(config: Config) -> Config:
         steps_ahead=(DEFAULT_STEPS_AHEAD[device] if async_scheduling else 1) if sched.steps_ahead is None
         else sched.steps_ahead,
     )
-    return msgspec.structs.replace(config, scheduler=scheduler)
+    threads = config.parallel.worker_torch_threads or default_worker_threads(device, len(os.sched_getaffinity(0)),
+                                                                             config.parallel.tp)
+    return msgspec.structs.replace(config, scheduler=scheduler,
+                                   parallel=msgspec.structs.replace(config.parallel, worker_torch_threads=threads))
+
+
+def default_worker_threads(device_type: str, num_cpus: int, tp: int) -> int:
+    """A rank's torch intra-op threads when the config sets none (``ParallelConfig``)."""
+    return max(1, num_cpus // tp) if device_type == "cpu" else 1
 
 
 def server_url(host: str, port: int) -> str:

@@ -4,7 +4,8 @@ oversubscribed. Pure: no I/O, no torch; the actors pass in what they read.
 The split, in order of need:
 
 - every tensor-parallel worker runs ``torch_threads_per_worker`` intra-op
-  threads (on a GPU host one or two: the device does the work);
+  threads (``parallel.worker_torch_threads``: on a GPU host one, the device
+  does the work; on CPU the cores split between the ranks);
 - the frontend and conductor loops keep ``num_reserved`` cores so that
   streaming and scheduling never wait behind preparation;
 - what is left goes to the prepare pool. Each pool worker decodes on its own

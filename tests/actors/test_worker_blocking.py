@@ -5,6 +5,7 @@ parallel regions); results and errors still come back to the awaiting task."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from types import SimpleNamespace
 
@@ -14,7 +15,9 @@ from actors.worker import WorkerActor
 
 
 def run_blocking(fn, *args):
-    return asyncio.run(WorkerActor.run_blocking(SimpleNamespace(name="worker0"), fn, *args))
+    worker = SimpleNamespace(name="worker0")
+    worker.start_blocking = functools.partial(WorkerActor.start_blocking, worker)
+    return asyncio.run(WorkerActor.run_blocking(worker, fn, *args))
 
 
 def test_result_comes_back_from_a_thread_that_then_ends():

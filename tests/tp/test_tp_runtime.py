@@ -3,12 +3,13 @@ nothing, two gloo ranks reduce and gather, the ranks' threads on 2 cores."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from tp_ranks import run_ranks
 
-from actors.worker import worker_torch_threads
-from mstar_actors.config import parse_config
+from mstar_actors.config import default_worker_threads, parse_config
 from mstar_actors.runner.parallel import SINGLE_RANK, TensorParallel, pick_loopback_port, rank_device
 
 
@@ -33,10 +34,12 @@ def test_two_gloo_ranks_sum_and_gather_in_rank_order():
 
 
 def test_two_ranks_on_two_cores_take_one_thread_each():
-    config = parse_config({"parallel": {"tp": 2}})
-    assert worker_torch_threads(config, "cpu", 2) == 1
-    assert worker_torch_threads(parse_config({"parallel": {"tp": 2}}), "cpu", 16) == 8
-    assert worker_torch_threads(config, "cuda", 16) == 1
+    assert default_worker_threads("cpu", 2, 2) == 1
+    assert default_worker_threads("cpu", 16, 2) == 8
+    assert default_worker_threads("cuda", 16, 2) == 1
+    config = parse_config({"parallel": {"tp": 2}, "model": {"device": "cpu"}})  # settled: workers and prepare read it
+    assert config.parallel.worker_torch_threads == default_worker_threads("cpu", len(os.sched_getaffinity(0)), 2)
+    assert parse_config({"parallel": {"worker_torch_threads": 3}}).parallel.worker_torch_threads == 3
 
 
 def test_rendezvous_port_is_free_and_cuda_ranks_get_their_device():
