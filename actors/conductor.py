@@ -30,8 +30,11 @@ result's trip here, the update, the plan and its trip back overlap the
 step instead of following it (``Scheduler``'s module doc says what the
 plan assumes of the step in flight).
 
-The plan goes out as ``schedule()`` returns it: the scheduler is its only
-author (KV blocks, LoRA slots, media orders); the conductor routes and steps.
+A plan's rows go out as ``schedule()`` returns them: the scheduler is their
+only author (KV blocks, LoRA slots, media orders); the conductor routes and
+steps. The one field it adds is ``install_after``, the installs of a LoRA
+turn that ends with that step (``AdapterPool.step``, which counts the steps
+planned, so it runs once the plan exists).
 
 LoRA: ``AdapterPool`` (``mstar_actors.lora.adapter_pool``) decides which
 request waits for which adapter and which slot installs go out; the actor only

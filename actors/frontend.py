@@ -93,10 +93,8 @@ _json = msgspec.json.Encoder()
 # Engine messages the loop takes in before the streams write (a backlog: the
 # loop takes what has arrived). Streams write between batches, so batches of
 # one step's outputs (256 at 256 running requests) would send an event a token
-# however far behind they fall; at 2048 the queued tokens leave together.
-# ``tools/bench_frontend.py --concurrency 64,256`` on 2 cores, c=64 / c=256:
-# 61,538 / 36,948 tok/s at 256, 77,908 / 67,737 at 2048 (events a 64-token
-# request: 17.7 / 63.1 -> 5.6 / 10.9).
+# however far behind they fall; at 2048 the queued tokens leave together, and
+# the events a request fall as the load rises (``tools/bench_frontend.py``).
 MAILBOX_SIZE = 2048
 # With server.api_key, /v1/* and these need the key (as vLLM's); /health, /ping,
 # /metrics and /version stay open for probes and scrapers.

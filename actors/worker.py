@@ -142,11 +142,10 @@ class WorkerActor(Actor):
     always does.
 
     A swap back in (this rank kept the adapter's pinned image: adapter
-    churn) is only the copies, about 2 ms on the H200; it runs inline, between
-    steps, when no install is on the thread. Beside a decoding step loop the
-    same copies took 35-85 ms on the thread (and an install from the host
-    copy 400-700 ms, ``tools/profile_gpu_step.py``), which kept the slot out
-    of service that long: under churn that cost more than the stall. Every
+    churn) is only the copies, a few ms; it runs inline, between steps, when
+    no install is on the thread: beside a decoding step loop the same copies
+    took over ten times as long on the thread (``tools/profile_gpu_step.py``),
+    which kept the slot out of service that long. Every
     answer names the images this rank keeps (``AdapterInstalled.kept``), so
     the conductor knows which installs will be swaps: those it sends with
     ``rows_follow``, planning the slot's rows without waiting for the
@@ -224,8 +223,8 @@ class WorkerActor(Actor):
         with the call, not the loop's executor. Why: OpenMP keeps a team of
         helper threads per thread that ran a parallel region, for as long as
         that thread lives; a kept executor thread's idle team makes the step
-        thread's parallel regions wait (on 2 cores the CPU decode step took
-        twice as long: ``tools/profile_step.py`` against the served step)."""
+        thread's parallel regions wait (``tools/profile_step.py`` against the
+        served step shows it)."""
         return await self.start_blocking(fn, *args)
 
     def start_blocking(self, fn: Any, *args: Any) -> asyncio.Future:

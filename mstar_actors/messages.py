@@ -441,7 +441,8 @@ class AdapterUpdate(Struct, frozen=True, tag=True, omit_defaults=True):
 
 
 class ModelsChanged(Struct, frozen=True, tag=True, omit_defaults=True):
-    """Every adapter now served; sent at start and after each change."""
+    """Every adapter now served, after each change (a load, an unload, an adapter whose files went); the
+    frontend starts from the config's adapters."""
 
     adapters: list[AdapterInfo]
 

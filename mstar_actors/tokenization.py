@@ -62,12 +62,6 @@ class Tokenization:
         self._tool_caps: dict[str | None, TemplateToolCaps] = {}  # per chat template, probed once
 
     @property
-    def vocab_size(self) -> int:
-        """Token ids the tokenizer knows, added tokens included. The model's
-        embedding may be larger (padded); ids beyond this decode to nothing."""
-        return len(self.tokenizer)
-
-    @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 

@@ -620,7 +620,6 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 # Options that change nothing here: no fallback engine exists, and JSON is always
 # generated without free whitespace (what disable_any_whitespace asks for).
 IGNORED_STRUCTURED_KEYS = {"disable_fallback", "disable_any_whitespace"}
-IGNORED_GUIDED_FIELDS = {"guided_decoding_backend"}
 REFUSED_GUIDED_FIELDS = {"guided_whitespace_pattern"}
 
 

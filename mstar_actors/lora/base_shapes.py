@@ -21,7 +21,6 @@ LAYER_MODULES = (
     "mlp.up_proj",
     "mlp.down_proj",
 )
-GLOBAL_MODULES = ("lm_head", "embed_tokens")
 EMBEDDING_MODULES = frozenset({"embed_tokens"})
 
 _SUPPORTED_ARCHITECTURES = (
@@ -35,17 +34,6 @@ _SUPPORTED_ARCHITECTURES = (
     "Qwen2AudioForConditionalGeneration",
     "Qwen3_5ForCausalLM",
     "Qwen3_5ForConditionalGeneration",
-)
-# A hybrid decoder's (Qwen3.5) modules, by the kind of layer that has them.
-LINEAR_ATTENTION_MODULES = (
-    "linear_attn.in_proj_qkv",
-    "linear_attn.in_proj_q",  # split q / k / v adapters: shards of in_proj_qkv
-    "linear_attn.in_proj_k",
-    "linear_attn.in_proj_v",
-    "linear_attn.in_proj_z",
-    "linear_attn.in_proj_b",
-    "linear_attn.in_proj_a",
-    "linear_attn.out_proj",
 )
 
 
