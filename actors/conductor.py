@@ -1,10 +1,11 @@
 """The conductor actor: the only decider. A thin busy loop around the Scheduler.
 
-Start-up is an agreement: every rank reports ``WorkerReady`` (its local
-facts) and the conductor combines them (the minimum of ``num_kv_blocks``,
-``max_model_len`` and ``num_state_slots``; block size and EOS ids must match,
-and either every rank keeps recurrent state or none) into one ``Scheduler``,
-and tells the frontend the context that KV capacity leaves (``ContextAgreed``).
+Start-up is an agreement: every rank reports ``WorkerReady`` (its capacity)
+and the conductor combines them (the minimum of ``num_kv_blocks`` and
+``num_state_slots``; either every rank keeps recurrent state or none) into one
+``Scheduler`` of the model's facts (``ModelInfo``: EOS ids, context; the
+config's block size), and tells the frontend the context that KV capacity
+leaves (``ContextAgreed``).
 Only then does it report ready.
 
 The busy loop, each turn:
@@ -118,15 +119,9 @@ class StepTimeout(RuntimeError):
 
 
 def combine_ready(ready: list[WorkerReady]) -> WorkerReady:
-    """One set of facts for every rank: the minimum of capacities; equal constants."""
+    """One capacity for every rank: the minimum of each."""
     first = ready[0]
     for other in ready[1:]:
-        if other.block_size != first.block_size or list(other.eos_token_ids) != list(first.eos_token_ids):
-            raise AgreementError(
-                f"rank {other.rank} reports block_size={other.block_size}, eos={other.eos_token_ids}; "
-                f"rank {first.rank} reports block_size={first.block_size}, eos={first.eos_token_ids}: "
-                f"every rank must load the same model with the same kv.block_size"
-            )
         if (other.num_state_slots > 0) != (first.num_state_slots > 0):
             raise AgreementError(
                 f"rank {other.rank} reports num_state_slots={other.num_state_slots}; "
@@ -136,9 +131,6 @@ def combine_ready(ready: list[WorkerReady]) -> WorkerReady:
     return WorkerReady(
         rank=0,
         num_kv_blocks=min(r.num_kv_blocks for r in ready),
-        block_size=first.block_size,
-        max_model_len=min(r.max_model_len for r in ready),
-        eos_token_ids=list(first.eos_token_ids),
         num_state_slots=min(r.num_state_slots for r in ready),
         num_state_snapshots=min(r.num_state_snapshots for r in ready),
     )
@@ -147,7 +139,8 @@ def combine_ready(ready: list[WorkerReady]) -> WorkerReady:
 PROMPT_LOGPROB_ENTRY_BYTES = 20  # a prompt logprob entry's encoded size, with room (its encoding takes 13-17)
 
 
-def make_scheduler(config: Any, facts: WorkerReady, log: logging.Logger) -> Any:
+def make_scheduler(config: Any, info: Any, facts: WorkerReady, log: logging.Logger) -> Any:
+    """The scheduler of the model ``info`` describes, on the ranks' capacity ``facts``."""
     from mstar_actors.sched import Scheduler
 
     sched = config.scheduler
@@ -159,11 +152,11 @@ def make_scheduler(config: Any, facts: WorkerReady, log: logging.Logger) -> Any:
             log.info("prefix caching is off for this model: no recurrent-state snapshots (kv.state_snapshots: 0)")
     return Scheduler(
         num_blocks=facts.num_kv_blocks,
-        block_size=facts.block_size,
+        block_size=config.kv.block_size,
         max_num_seqs=sched.max_num_seqs,
         max_num_batched_tokens=sched.max_num_batched_tokens,
-        max_model_len=facts.max_model_len,
-        eos_token_ids=list(facts.eos_token_ids),
+        max_model_len=info.max_model_len,
+        eos_token_ids=list(info.eos_token_ids),
         enable_prefix_caching=config.kv.enable_prefix_caching,
         num_state_slots=facts.num_state_slots,
         num_state_snapshots=facts.num_state_snapshots,
@@ -225,16 +218,17 @@ class ConductorActor(Actor):
             else:
                 early.append((channel, msg))  # nothing should come before Started; keep order anyway
         facts = combine_ready([ready[r] for r in sorted(ready)])
-        self.scheduler = make_scheduler(self.config, facts, self.log)
+        self.scheduler = make_scheduler(self.config, self.info, facts, self.log)
+        block_size, context = self.config.kv.block_size, self.info.max_model_len
         self.log.info("%d rank(s) agree: %d KV blocks of %d tokens, context %d%s",
-                      self.num_ranks, facts.num_kv_blocks, facts.block_size, facts.max_model_len,
+                      self.num_ranks, facts.num_kv_blocks, block_size, context,
                       f", {facts.num_state_slots} recurrent-state slots" if facts.num_state_slots else "")
-        self.info = self.info.with_kv_capacity(facts.num_kv_blocks * facts.block_size)
-        if self.info.max_model_len < facts.max_model_len:
+        self.info = self.info.with_kv_capacity(facts.num_kv_blocks * block_size)
+        if self.info.max_model_len < context:
             self.log.warning("the KV cache holds %d tokens, fewer than the context (%d): a request's prompt and "
                              "output get at most %d (/v1/models says so); give it more blocks (kv.num_blocks, "
                              "kv.memory_fraction) or lower scheduler.max_model_len",
-                             facts.num_kv_blocks * facts.block_size, facts.max_model_len, self.info.max_model_len)
+                             facts.num_kv_blocks * block_size, context, self.info.max_model_len)
         await self.tell_frontends(ContextAgreed(max_model_len=self.info.max_model_len))
         await self.send_stats()  # the gauges (KV blocks in all) from the start, not from the first step
         for channel, msg in early:

@@ -582,13 +582,11 @@ ConductorToWorker = StepPlan | InstallAdapter | CompileGrammar | CancelCompile |
 
 
 class WorkerReady(Struct, frozen=True, tag=True, omit_defaults=True):
-    """A rank's local facts; the conductor combines them (minimum)."""
+    """What only a rank learns, its capacity (what fits its device's memory); the conductor takes the minimum.
+    The model's facts (EOS ids, context) are the launcher's ``ModelInfo``, the block size the config's."""
 
     rank: int
     num_kv_blocks: int
-    block_size: int
-    max_model_len: int
-    eos_token_ids: list[int] = []
     num_state_slots: int = 0  # sequences the recurrent-state pool holds; 0: no recurrent state
     num_state_snapshots: int = 0  # recurrent-state snapshots for prefix hits; 0: none (no prefix caching)
 

@@ -53,8 +53,7 @@ def _num_blocks(num_rows: int, max_tokens: int) -> int:
 
 async def _rank(inbox: MemoryChannel, outbox: MemoryChannel, num_blocks: int) -> None:
     """Answers a plan when the next arrives (as a rank that overlaps its steps), or after 2 ms without one."""
-    await outbox.send(m.WorkerReady(rank=0, num_kv_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=4096,
-                                  eos_token_ids=[2]))
+    await outbox.send(m.WorkerReady(rank=0, num_kv_blocks=num_blocks))
     pending = None
     while True:
         try:

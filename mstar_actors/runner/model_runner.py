@@ -472,9 +472,6 @@ class ModelRunner:
         return messages.WorkerReady(
             rank=rank,
             num_kv_blocks=self.num_kv_blocks,
-            block_size=self.block_size,
-            max_model_len=self.max_model_len,
-            eos_token_ids=list(self.spec.eos_token_ids),
             num_state_slots=self.num_state_slots,
             num_state_snapshots=self.num_state_snapshots,
         )

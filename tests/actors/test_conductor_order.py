@@ -45,7 +45,7 @@ class Recording(MemoryChannel):
 
 async def fake_rank(inbox, outbox) -> None:
     """Answers each plan with token 7 for every sampled row."""
-    await outbox.send(WorkerReady(rank=0, num_kv_blocks=64, block_size=4, max_model_len=64, eos_token_ids=[2]))
+    await outbox.send(WorkerReady(rank=0, num_kv_blocks=64))
     while True:
         try:
             msg = await inbox.recv()
@@ -119,7 +119,7 @@ def test_a_step_a_rank_never_answers_stops_the_conductor():
                                    outbox={"frontend": MemoryChannel(ConductorToFrontend, "conductor.frontend"),
                                            "workers": MemoryBroadcast([to_rank], "workers")})
         task = asyncio.create_task(conductor.run())
-        await from_rank.send(WorkerReady(rank=0, num_kv_blocks=64, block_size=4, max_model_len=64, eos_token_ids=[2]))
+        await from_rank.send(WorkerReady(rank=0, num_kv_blocks=64))
         await to_conductor.send(Prepared(request_id=new_request_id("cmpl"), model="base", prompt_token_ids=[5, 6, 7],
                                          sampling=SamplingParams(max_tokens=6)))
         assert isinstance(await asyncio.wait_for(to_rank.recv(), 10), StepPlan)  # and the rank never answers

@@ -56,7 +56,7 @@ class SlowInstallRunner:
         self.steps = 0
 
     def ready_info(self, rank):
-        return WorkerReady(rank=rank, num_kv_blocks=8, block_size=16, max_model_len=128)
+        return WorkerReady(rank=rank, num_kv_blocks=8)
 
     def forward(self, plan):
         self.steps += 1

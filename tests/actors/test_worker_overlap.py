@@ -60,7 +60,7 @@ class DeviceRunner:
         self.fail_forward, self.fail_collect = fail_forward, fail_collect
 
     def ready_info(self, rank):
-        return WorkerReady(rank=rank, num_kv_blocks=8, block_size=16, max_model_len=128)
+        return WorkerReady(rank=rank, num_kv_blocks=8)
 
     def forward(self, plan):
         self.calls.append(("forward", plan.step_id))

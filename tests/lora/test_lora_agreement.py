@@ -92,8 +92,7 @@ class FakeRank:
         self.weights_run: list[tuple[int, str, str | None]] = []  # (step, request id, digest it ran on)
 
     async def run(self) -> None:
-        await self.outbox.send(WorkerReady(rank=self.rank, num_kv_blocks=64, block_size=4, max_model_len=64,
-                                           eos_token_ids=[2]))
+        await self.outbox.send(WorkerReady(rank=self.rank, num_kv_blocks=64))
         while True:
             try:
                 msg = await self.inbox.recv()
