@@ -105,7 +105,7 @@ class AdapterReaderActor(Actor):
 
     def _read_into_segment(self, msg: ReadAdapter, signature: tuple) -> HostEntry:
         """In a thread: read, validate, serialise, write one segment."""
-        read_adapter = self.confined_reader(msg.path)
+        read_adapter = self.confined_reader(msg)
         from mstar_actors.lora.host_copy import adapter_to_bytes
         from mstar_actors.models.loader import stored_weight
 
@@ -133,18 +133,16 @@ class AdapterReaderActor(Actor):
             shm.unlink_segment(entry.segment)
             self.log.info("host copy of adapter %r (%s) evicted", entry.name, entry.digest[:12])
 
-    def confined_reader(self, path: str) -> Any:
-        """``read_adapter`` for a read of ``path``: a runtime load's opens only
-        files inside ``lora.adapter_dirs``; a configured adapter's (the path
-        as the pool sends it) are read where their links lead."""
+    def confined_reader(self, msg: ReadAdapter) -> Any:
+        """``read_adapter`` for ``msg``: a runtime load's opens only files inside
+        ``lora.adapter_dirs``; a configured adapter's are read where their links lead."""
         import os
 
         from mstar_actors.lora import read_adapter
-        from mstar_actors.lora.adapter_pool import expand_path
 
-        if path in {expand_path(p) for p in self.config.lora.adapters.values()}:
+        if not msg.confined:
             return read_adapter
-        allowed = [os.path.realpath(expand_path(d)) for d in self.config.lora.adapter_dirs]
+        allowed = [os.path.realpath(d) for d in self.config.lora.adapter_dirs]
         return functools.partial(read_adapter, allowed_dirs=allowed)
 
 

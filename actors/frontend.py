@@ -133,10 +133,8 @@ class FrontendActor(Actor):
 
         keep_freed_buffers()  # request bodies of megabytes, one after another: see there
 
-        from mstar_actors.lora.adapter_pool import expand_path
-
         # name -> path; the conductor's ModelsChanged replaces it after each runtime load / unload
-        self.adapters = {n: expand_path(p) for n, p in self.config.lora.adapters.items()}
+        self.adapters = dict(self.config.lora.adapters)
         self.tokenization = await self.run_blocking(_load_tokenization, Path(self.info.model_dir))
         self.tokenizer = self.tokenization.tokenizer
         self.token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
@@ -581,7 +579,7 @@ class FrontendActor(Actor):
         return name
 
     def _runtime_path(self, body: dict) -> str:
-        from mstar_actors.lora.adapter_pool import AdapterPathError, resolve_runtime_path
+        from mstar_actors.lora.paths import AdapterPathError, resolve_runtime_path
 
         path = api.get_str(body, "lora_path", None)
         if not path:

@@ -301,12 +301,23 @@ def parse_config(data: object, source: str = "<config>") -> Config:
         raise ConfigError(f"{source}: server.port 0 (any free port) with server.api_server_count "
                           f"{config.server.api_server_count}: each frontend would bind a port of its own; "
                           "set a fixed port, or api_server_count: 1")
-    config = with_device_defaults(config)
+    config = with_device_defaults(with_expanded_paths(config))
     if config.scheduler.steps_ahead > 1 and not config.scheduler.async_scheduling:  # set so, not defaulted
         raise ConfigError(f"{source}: scheduler.steps_ahead {config.scheduler.steps_ahead} needs "
                           "scheduler.async_scheduling, which is off here (false, or not set on a CPU model); "
                           "set async_scheduling: true, or steps_ahead: 1")
     return config
+
+
+def with_expanded_paths(config: Config) -> Config:
+    """``config`` with ``~`` expanded in the adapters' paths and folders (``lora.adapters``,
+    ``lora.adapter_dirs``), so configs may point at the user's cache folder and every actor reads one path."""
+    lora = config.lora
+    adapters = {name: os.path.expanduser(path) for name, path in lora.adapters.items()}
+    dirs = [os.path.expanduser(d) for d in lora.adapter_dirs]
+    if adapters == lora.adapters and dirs == lora.adapter_dirs:
+        return config
+    return msgspec.structs.replace(config, lora=msgspec.structs.replace(lora, adapters=adapters, adapter_dirs=dirs))
 
 
 def with_device_defaults(config: Config) -> Config:

@@ -557,11 +557,10 @@ def validate_adapters(config: Config, info: ModelInfo) -> None:
     """Read and validate every configured adapter against the base model, before
     anything is spawned. Raises AdapterError naming the first bad one and why."""
     from mstar_actors.lora import AdapterError, read_adapter
-    from mstar_actors.lora.adapter_pool import expand_path
     from mstar_actors.models.loader import stored_weight
 
     for folder in config.lora.adapter_dirs if config.lora.allow_runtime_updates else ():
-        if not Path(expand_path(folder)).is_dir():  # a load from it is refused, naming it; say so now too
+        if not Path(folder).is_dir():  # a load from it is refused, naming it; say so now too
             log.warning("lora.adapter_dirs: %s is not a folder (yet); runtime loads from it fail until it is", folder)
     if not config.lora.adapters:
         return
@@ -570,11 +569,11 @@ def validate_adapters(config: Config, info: ModelInfo) -> None:
         raise AdapterError(f"lora.adapters: the base model {config.model.path} takes no adapters: {info.lora_refusal}")
     for name, path in config.lora.adapters.items():
         try:
-            read_adapter(expand_path(path), base=info.lora_base, max_rank=config.lora.max_lora_rank, name=name,
+            read_adapter(path, base=info.lora_base, max_rank=config.lora.max_lora_rank, name=name,
                          base_weights=functools.partial(stored_weight, info.model_dir))
         except AdapterError as err:
-            folder = Path(expand_path(path))
-            demo = folder.parent == Path(expand_path(DEMO_ADAPTERS)) and not folder.exists()
+            folder = Path(path)  # (``~`` expanded at parse)
+            demo = folder.parent == Path(DEMO_ADAPTERS).expanduser() and not folder.exists()
             hint = "; the demo adapters are made once by python tools/make_demo_adapters.py" if demo else ""
             raise AdapterError(f"lora.adapters.{name} ({path}): {err}{hint}".replace("\n", " ")) from None
 

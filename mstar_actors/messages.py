@@ -649,6 +649,9 @@ class ReadAdapter(Struct, frozen=True, tag=True, omit_defaults=True):
     # Read the files again even if a host copy of this name and path is
     # cached: a runtime (re)load is checked as its new file.
     refresh: bool = False
+    # A runtime load's: its files are opened only inside lora.adapter_dirs (a configured adapter's are read
+    # where their links lead).
+    confined: bool = False
 
 
 class DropAdapter(Struct, frozen=True, tag=True, omit_defaults=True):

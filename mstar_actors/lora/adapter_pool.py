@@ -83,9 +83,7 @@ Invariants:
 from __future__ import annotations
 
 import collections
-import os
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 from mstar_actors.lora.slot_table import SlotState, SlotTable
 from mstar_actors.sched.scheduler import PARKED
@@ -107,38 +105,6 @@ from mstar_actors.messages import (
     UnloadAdapter,
     choice_ids,
 )
-
-
-class AdapterPathError(ValueError):
-    """A runtime load path outside ``lora.adapter_dirs``; the message names both."""
-
-
-def expand_path(path: str) -> str:
-    """``~`` expanded, so configs may point at the user's cache folder."""
-    return os.path.expanduser(path)
-
-
-def resolve_runtime_path(path: str, adapter_dirs: list[str]) -> str:
-    """The real path of a runtime load, if it lies inside an allowed folder
-    (symlinks resolved on both sides). Raises AdapterPathError otherwise."""
-    if not adapter_dirs:
-        raise AdapterPathError(
-            f"lora_path {path!r}: runtime loads may read only folders inside lora.adapter_dirs, "
-            f"and the config lists none; add the folder to lora.adapter_dirs"
-        )
-    real = Path(expand_path(path)).resolve()
-    allowed = [Path(expand_path(d)).resolve() for d in adapter_dirs]
-    if any(real == d or d in real.parents for d in allowed):
-        return str(real)
-    written = Path(os.path.abspath(expand_path(path)))
-    as_written = [Path(os.path.abspath(expand_path(d))) for d in adapter_dirs]
-    # the folders as configured: where the path resolved stays unsaid
-    inside_as_written = any(written == d or d in written.parents for d in allowed + as_written)
-    where = ("leads outside the allowed adapter folders through a link" if inside_as_written
-             else "is outside the allowed adapter folders")
-    raise AdapterPathError(
-        f"lora_path {path!r} {where}: {', '.join(adapter_dirs)}; copy the adapter there or extend lora.adapter_dirs"
-    )
 
 
 def lora_root(base: str, digest: str) -> str:
@@ -168,6 +134,7 @@ class _Adapter:
     name: str
     path: str
     digest: str = ""  # known after the first read; a reload changes it
+    confined: bool = False  # loaded at runtime: every read of it stays inside lora.adapter_dirs
     is_reading: bool = False  # a read for an install is in flight
 
 
@@ -188,6 +155,7 @@ class _Read:
     name: str
     path: str
     load_id: str | None  # the LoadAdapter's request id; None: a read for an install
+    confined: bool  # a runtime load's: its files only inside lora.adapter_dirs (``ReadAdapter.confined``)
 
 
 @dataclass
@@ -213,7 +181,6 @@ class AdapterPool:
     max_loras: int
     num_ranks: int = 1
     allow_runtime_updates: bool = False
-    adapter_dirs: list[str] = field(default_factory=list)
     max_cpu_loras: int = 0  # the reader's host tier; copies kept held for a quick reinstall
     quantum_steps: int = QUANTUM_STEPS
 
@@ -242,10 +209,9 @@ class AdapterPool:
     @classmethod
     def from_config(cls, config, base: str, num_ranks: int) -> AdapterPool:
         lora = config.lora
-        pool = cls(base, lora.max_loras, num_ranks, lora.allow_runtime_updates, list(lora.adapter_dirs),
-                   lora.max_cpu_loras)
+        pool = cls(base, lora.max_loras, num_ranks, lora.allow_runtime_updates, lora.max_cpu_loras)
         for name, path in lora.adapters.items():
-            pool.adapters[name] = _Adapter(name, expand_path(path))
+            pool.adapters[name] = _Adapter(name, path)
         return pool
 
     # ------------------------------------------------------------ queries
@@ -449,12 +415,7 @@ class AdapterPool:
             return [AdapterUpdate(request_id=msg.request_id, status=400, code="adapter_already_loaded",
                                   message=f"lora_name: the adapter {msg.name!r} is already loaded (or being loaded); "
                                           "send load_inplace: true to replace it")]
-        try:
-            path = resolve_runtime_path(msg.path, self.adapter_dirs)
-        except AdapterPathError as err:
-            return [AdapterUpdate(request_id=msg.request_id, status=403, code="adapter_path_not_allowed",
-                                  message=str(err))]
-        return [self._read(msg.name, path, load_id=msg.request_id)]
+        return [self._read(msg.name, msg.path, msg.request_id, confined=True)]  # the frontend resolved it (lora.paths)
 
     def unload(self, msg: UnloadAdapter) -> list:
         refusal = self._check_update(msg.request_id, msg.name)
@@ -482,8 +443,8 @@ class AdapterPool:
     def _loaded(self, read: _Read, msg: AdapterRead) -> list:
         adapter = self.adapters.get(read.name)
         if adapter is None:
-            adapter = self.adapters[read.name] = _Adapter(read.name, read.path)
-        adapter.path, adapter.digest = read.path, msg.digest
+            adapter = self.adapters[read.name] = _Adapter(read.name, read.path, confined=read.confined)
+        adapter.path, adapter.digest, adapter.confined = read.path, msg.digest, read.confined
         done = AdapterUpdate(request_id=read.load_id, status=200,
                              message=f"Success: LoRA adapter '{read.name}' added successfully.")
         return [ModelsChanged(adapters=self.served()), done]  # the frontends first (see ``unload``)
@@ -693,11 +654,11 @@ class AdapterPool:
         if adapter.is_reading:
             return []
         adapter.is_reading = True
-        return [self._read(adapter.name, adapter.path, load_id=None)]
+        return [self._read(adapter.name, adapter.path, None, adapter.confined)]
 
-    def _read(self, name: str, path: str, load_id: str | None) -> ReadAdapter:
-        self._reads.append(_Read(name, path, load_id))
-        return ReadAdapter(name=name, path=path, refresh=load_id is not None)
+    def _read(self, name: str, path: str, load_id: str | None, confined: bool) -> ReadAdapter:
+        self._reads.append(_Read(name, path, load_id, confined))
+        return ReadAdapter(name=name, path=path, refresh=load_id is not None, confined=confined)
 
     def _admit(self, w: _Waiting, slot: int) -> Admit:
         """The request's pin becomes its first choice's; each other choice pins once more."""

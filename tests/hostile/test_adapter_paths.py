@@ -21,7 +21,7 @@ from test_lora_serving import Served, error  # noqa: E402
 
 from mstar_actors.lora import AdapterError, read_adapter  # noqa: E402
 from mstar_actors.lora.adapter_file import CONFIG_FILE, WEIGHTS_FILE, AdapterFileOutside  # noqa: E402
-from mstar_actors.lora.adapter_pool import resolve_runtime_path  # noqa: E402
+from mstar_actors.lora.paths import resolve_runtime_path  # noqa: E402
 from mstar_actors.messages import AdapterRead, AdapterReadFailed, ReadAdapter  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
@@ -123,7 +123,7 @@ def test_a_fifo_in_the_folder_is_refused_without_hanging(layout, tmp_path):
 async def test_the_reader_confines_runtime_reads_and_trusts_configured_adapters(layout, tmp_path):
     """The real adapter-reader (in the LoRA tests' cluster): a configured
     adapter whose files link out of every allowed folder is read; a runtime
-    read of the same links is refused with the 403's code."""
+    read of the same links (the pool sends a runtime load's confined) is refused with the 403's code."""
     tmp, shapes = layout
     allowed = tmp_path / "allowed"
     allowed.mkdir()
@@ -132,7 +132,7 @@ async def test_the_reader_confines_runtime_reads_and_trusts_configured_adapters(
     async with Cluster(({"conf": configured}, shapes), runtime_dirs=[str(allowed)]) as cluster:
         read = await cluster.reader.read(ReadAdapter(name="conf", path=str(configured)))
         assert isinstance(read, AdapterRead), read
-        failed = await cluster.reader.read(ReadAdapter(name="x", path=str(runtime), refresh=True))
+        failed = await cluster.reader.read(ReadAdapter(name="x", path=str(runtime), refresh=True, confined=True))
         assert isinstance(failed, AdapterReadFailed) and failed.code == "adapter_path_not_allowed", failed
         assert str(tmp) not in failed.message
 
@@ -159,7 +159,7 @@ async def test_runtime_loads_through_links_are_403s_that_echo_no_path(adapters, 
 def test_a_folder_link_out_of_the_allowed_folder_says_it_leads_out(layout, tmp_path):
     """The path as written sits inside the allowed folder: the refusal says a link leads out (not that the path
     is outside, which it visibly is not), and never where to."""
-    from mstar_actors.lora.adapter_pool import AdapterPathError
+    from mstar_actors.lora.paths import AdapterPathError
 
     tmp, _shapes = layout
     allowed = tmp / "allowed"

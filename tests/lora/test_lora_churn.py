@@ -559,3 +559,22 @@ def test_a_swap_is_sent_with_its_rows_only_when_every_rank_said_it_keeps_the_ima
     assert install.rows_follow and d.admitted["b2"] == install.slot
     d.send("b3", "b")  # joins the same swap at once
     assert d.admitted["b3"] == install.slot
+
+
+def test_a_runtime_loaded_adapter_is_read_confined_every_time_and_a_configured_one_is_not():
+    """The pool tells the reader which reads stay inside lora.adapter_dirs (``ReadAdapter.confined``): a runtime
+    load's, its first read and every later one (a host copy evicted, read again for an install); never a configured
+    adapter's, whose files are read where their links lead."""
+    from mstar_actors.messages import AdapterHostRef, AdapterRead, LoadAdapter, ReadAdapter
+
+    pool = Driver(names="a").adapter_pool
+    configured = pool._ensure_read(pool.adapters["a"])
+    assert [(r.name, r.confined) for r in configured] == [("a", False)]
+    pool.on_read(AdapterRead(name="a", path="/adapters/a", digest="d0", host=AdapterHostRef(segment="s0", nbytes=1),
+                             max_rank=8))
+    [load] = pool.load(LoadAdapter(request_id="l1", name="b", path="/adapters/b", replace=False))
+    assert isinstance(load, ReadAdapter) and load.confined and load.refresh
+    pool.on_read(AdapterRead(name="b", path="/adapters/b", digest="d1", host=AdapterHostRef(segment="s", nbytes=1),
+                             max_rank=8))
+    again = pool._ensure_read(pool.adapters["b"])
+    assert [(r.name, r.path, r.confined) for r in again] == [("b", "/adapters/b", True)]
