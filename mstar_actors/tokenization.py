@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import json
 import re
 from pathlib import Path
 from collections.abc import Callable
@@ -58,8 +59,10 @@ class Tokenization:
                 f"cannot load a tokenizer from model directory {self.model_dir.name!r}: {exc}; "
                 "it needs tokenizer.json or the tokenizer files of a Hugging Face model"
             ) from exc
+        if (template := processor_chat_template(self.model_dir)) is not None:
+            self.tokenizer.chat_template = template
         self._text_decoders: dict[bool, TextDecoder] = {}
-        self._tool_caps: dict[str | None, TemplateToolCaps] = {}  # per chat template, probed once
+        self._tool_caps: TemplateToolCaps | None = None  # the template's tool fields, probed once
 
     @property
     def has_chat_template(self) -> bool:
@@ -113,8 +116,10 @@ class Tokenization:
         assistant_prefix: str = "",
         tool_format: str = "llama3_json",
         template_kwargs: dict | None = None,
+        media_parts: bool = False,
     ) -> list[int]:
-        """Token ids of a conversation rendered by the model's own chat template.
+        """Token ids of a conversation rendered by the model's own chat template
+        (``processor_chat_template``'s where the folder has one).
 
         ``tools`` (OpenAI's list) are rendered by the template as it documents
         them (or, where it writes none, described in the system message, and
@@ -125,14 +130,18 @@ class Tokenization:
         without adding special tokens again (the template writes them), as
         ``tokenizer.apply_chat_template`` does. ``template_kwargs``: more
         variables for the template (a request's ``chat_template_kwargs``).
+        ``media_parts``: image, video and audio parts go to the template as
+        Qwen's templates read them (a multimodal model's preparer expands
+        their placeholders); else a message is its text parts joined.
         """
         if not self.has_chat_template:
             raise TemplateRefused(
                 f"model {self.model_dir.name!r} has no chat template, so it cannot take "
                 "'messages'; send a plain 'prompt' to /v1/completions instead"
             )
-        conversation, tools = self.tool_polyfills(chat, [_to_template_message(i, m) for i, m in enumerate(chat)],
-                                                  tools, tool_format)
+        to_dict = _media_template_message if media_parts else _to_template_message
+        conversation, tools = self.tool_polyfills(chat, [to_dict(i, m) for i, m in enumerate(chat)], tools,
+                                                  tool_format)
         try:
             text = self.tokenizer.apply_chat_template(
                 conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -167,27 +176,21 @@ class Tokenization:
         return text[text.rfind(_PROBE) + len(_PROBE):]
 
     def tool_polyfills(self, chat: list[messages.ChatMessage], conversation: list[dict], tools: list[dict] | None,
-                       tool_format: str, chat_template: str | None = None) -> tuple[list[dict], list[dict] | None]:
+                       tool_format: str) -> tuple[list[dict], list[dict] | None]:
         """``(conversation, tools)`` of ``chat`` (its template messages) as
-        ``with_tool_polyfills`` makes them for the chat template (None: the
-        tokenizer's), whose tool fields are probed once."""
+        ``with_tool_polyfills`` makes them for the chat template, whose tool
+        fields are probed once."""
         if not (tools or any(m.tool_calls for m in chat)):
             return conversation, tools
-        return with_tool_polyfills(conversation, tools, self._caps_of(chat_template), tool_format)
+        return with_tool_polyfills(conversation, tools, self.tool_caps, tool_format)
 
     @property
     def tool_caps(self) -> TemplateToolCaps:
-        """Which tool fields the tokenizer's chat template writes (the rest are polyfilled)."""
-        return self._caps_of(None)
-
-    def _caps_of(self, chat_template: str | None) -> TemplateToolCaps:
-        caps = self._tool_caps.get(chat_template)
-        if caps is None:
-            caps = self._tool_caps[chat_template] = template_tool_caps(
-                lambda conversation, tools: self.tokenizer.apply_chat_template(
-                    conversation, tools=tools, tokenize=False, add_generation_prompt=False,
-                    chat_template=chat_template))
-        return caps
+        """Which tool fields the chat template writes (the rest are polyfilled)."""
+        if self._tool_caps is None:
+            self._tool_caps = template_tool_caps(lambda conversation, tools: self.tokenizer.apply_chat_template(
+                conversation, tools=tools, tokenize=False, add_generation_prompt=False))
+        return self._tool_caps
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -243,6 +246,40 @@ def _to_template_message(index: int, message: messages.ChatMessage) -> dict[str,
             )
         texts.append(part.text or "")
     return {"role": message.role, "content": "\n".join(texts)} | template_tool_fields(message)
+
+
+def _media_template_message(index: int, message: messages.ChatMessage) -> dict[str, Any]:
+    """Content parts as Qwen's chat templates read them: text, image, video,
+    audio (Qwen2-Audio's template tests for an ``audio_url`` key)."""
+    if isinstance(message.content, str):
+        return {"role": message.role, "content": message.content} | template_tool_fields(message)
+    parts = []
+    for part in message.content:
+        if part.type == "text":
+            parts.append({"type": "text", "text": part.text or ""})
+        elif part.type == "image_url":
+            parts.append({"type": "image"})
+        elif part.type == "video_url":
+            parts.append({"type": "video"})
+        elif part.type in ("audio_url", "input_audio"):
+            parts.append({"type": "audio", "audio_url": ""})
+        else:
+            raise ValueError(f"messages[{index}]: content part type {part.type!r}: accepted are text, image_url, "
+                             "video_url, audio_url, input_audio")
+    return {"role": message.role, "content": parts} | template_tool_fields(message)
+
+
+def processor_chat_template(model_dir: Path) -> str | None:
+    """The processor's chat template (``chat_template.json``), where the folder
+    has one: a multimodal model's card renders prompts with it
+    (``processor.apply_chat_template``; Qwen2-Audio's writes the audio
+    placeholders, its tokenizer's does not), so every prompt of the model
+    does. None: the tokenizer's."""
+    path = model_dir / "chat_template.json"
+    if not path.is_file():
+        return None
+    template = json.loads(path.read_text()).get("chat_template")
+    return template if isinstance(template, str) and template else None
 
 
 class TextDecoder:

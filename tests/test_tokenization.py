@@ -172,6 +172,27 @@ def test_model_without_chat_template_says_to_use_completions(tmp_path, byte_leve
         plain.apply_chat_template([ChatMessage("user", "hi")])
 
 
+def test_the_processors_chat_template_renders_every_prompt_of_the_model(tmp_path, byte_level_dir):
+    """A folder's chat_template.json (a multimodal processor's: Qwen2-Audio's writes the audio placeholders, its
+    tokenizer's does not) renders text chats as it renders media ones (the generation prompt too);
+    media parts reach it as Qwen's templates read them."""
+    import json
+
+    tok = Tokenizer.from_file(str(byte_level_dir / "tokenizer.json"))
+    folder = save_model_dir(tmp_path, tok)  # the tokenizer's own: ChatML
+    processor = "{% for m in messages %}[{{ m.role }}]{% if m.content is string %}{{ m.content }}{% else %}" \
+                "{% for p in m.content %}{{ p.text if p.type == 'text' else '<' ~ p.type ~ '>' }}{% endfor %}" \
+                "{% endif %}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": processor}))
+    tokenization = Tokenization(folder)
+    text = tokenization.decode(tokenization.apply_chat_template([ChatMessage("user", "hi")]))
+    assert text == "[user]hi[assistant]"
+    parts = [ContentPart("text", text="hear "), ContentPart("audio_url", url="data:audio/wav;base64,AA")]
+    ids = tokenization.apply_chat_template([ChatMessage("user", parts)], media_parts=True)
+    assert tokenization.decode(ids) == "[user]hear <audio>[assistant]"
+    assert tokenization.generation_prompt() == "[assistant]"
+
+
 def test_missing_tokenizer_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="cannot load a tokenizer"):
         Tokenization(tmp_path)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from mstar_actors.frontend.tool_calls import call_parameters, template_tool_fields
+from mstar_actors.frontend.tool_calls import call_parameters
 from mstar_actors.prepare.audio_features import load_feature_extractor, prepare_clip
 from mstar_actors.prepare.media import (
     AUDIO_KINDS,
@@ -307,7 +307,6 @@ class MediaPreparer:
         self.text = Preparer(tokenization, prompt_limit, grammars)  # text-only requests, and the checks
         self.limits = limits
         self.placeholders = dict(placeholders)
-        self.chat_template: str | None = None  # None: the tokenizer's
 
     def _process(self, ref: MediaRef, fetched: dict[str, bytes]) -> MediaDraft:
         raise NotImplementedError
@@ -375,15 +374,10 @@ class MediaPreparer:
                                             "image_url / video_url parts, not as that text")
 
     def _template_ids(self, req: NewRequest) -> list[int]:
-        tokenizer = self.tokenization.tokenizer
-        chat = req.messages or []
-        conversation, tools = self.tokenization.tool_polyfills(chat, [_template_message(m) for m in chat], req.tools,
-                                                               req.tool_format, self.chat_template)
-        text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
-                                             add_generation_prompt=req.add_generation_prompt,
-                                             continue_final_message=req.continue_final_message,
-                                             chat_template=self.chat_template, **(req.chat_template_kwargs or {}))
-        return self.tokenization.encode_text(text + req.assistant_prefix, False, self.text.prompt_limit)
+        return self.tokenization.apply_chat_template(
+            req.messages or [], req.add_generation_prompt, self.text.prompt_limit, req.continue_final_message,
+            tools=req.tools, assistant_prefix=req.assistant_prefix, tool_format=req.tool_format,
+            template_kwargs=req.chat_template_kwargs, media_parts=True)
 
     def _expand(self, ids: list[int], media: list[MediaDraft], refs: list[MediaRef]) -> tuple[list[int], list[MediaDraft]]:
         """Replace each placeholder token by its item's ``num_tokens`` copies and
@@ -481,27 +475,6 @@ def media_digest(media: list[MediaDraft]) -> str:
         else:
             h.update(item.pixel_values.contiguous().numpy())  # no copy; hashlib releases the GIL on large buffers
     return h.hexdigest()
-
-
-def _template_message(message: ChatMessage) -> dict[str, Any]:
-    """Content parts as Qwen's chat templates read them: text, image, video,
-    audio (Qwen2-Audio's template tests for an ``audio_url`` key)."""
-    if isinstance(message.content, str):
-        return {"role": message.role, "content": message.content} | template_tool_fields(message)
-    parts = []
-    for part in message.content:
-        if part.type == "text":
-            parts.append({"type": "text", "text": part.text or ""})
-        elif part.type == "image_url":
-            parts.append({"type": "image"})
-        elif part.type == "video_url":
-            parts.append({"type": "video"})
-        elif part.type in ("audio_url", "input_audio"):
-            parts.append({"type": "audio", "audio_url": ""})
-        else:
-            raise ValueError(f"content part type {part.type!r}: accepted are text, image_url, video_url, audio_url, "
-                             "input_audio")
-    return {"role": message.role, "content": parts} | template_tool_fields(message)
 
 
 def video_patches(frames: Any, image_processor: Any, min_pixels: int, max_pixels: int) -> tuple[Any, tuple[int, int, int]]:
@@ -663,19 +636,6 @@ class Qwen3_5VLPreparer(QwenVLPreparer):
 QWEN2_AUDIO_ARCHITECTURE = "Qwen2AudioForConditionalGeneration"
 
 
-def processor_chat_template(model_dir: Path) -> str | None:
-    """The processor's chat template (``chat_template.json``), which writes the
-    audio placeholders, where the folder has one: the model card renders
-    prompts with it (``processor.apply_chat_template``). None: the tokenizer's."""
-    import json
-
-    path = Path(model_dir) / "chat_template.json"
-    if not path.is_file():
-        return None
-    template = json.loads(path.read_text()).get("chat_template")
-    return template if isinstance(template, str) and template else None
-
-
 class AudioPreparer(MediaPreparer):
     """Qwen2-Audio's preparation: each ``audio_url`` / ``input_audio`` part
     decoded and resampled to the feature extractor's rate (``decode_audio``),
@@ -695,7 +655,6 @@ class AudioPreparer(MediaPreparer):
         fe = self.feature_extractor
         self.sampling_rate, self.max_frames = fe.sampling_rate, fe.nb_max_frames
         self.max_seconds = min(limits.max_audio_seconds, fe.n_samples / fe.sampling_rate)
-        self.chat_template = processor_chat_template(model_dir)
 
     processes: Any = None  # ``clip_processes.ClipProcesses`` once ``start_processes`` ran
 

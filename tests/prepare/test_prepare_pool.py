@@ -431,7 +431,8 @@ async def test_pool_threads_are_pinned_to_cpus_of_their_own(monkeypatch, pin):
     preparer.draft = draft_and_note
     preparer.expect("a", "b")
     h = Harness(preparer, num_workers=2)
-    h.actor.config = parse_config({"model": {"path": "m"}, "prepare": {"pin_pool_threads": pin}})
+    h.actor.config = parse_config({"model": {"path": "m"}, "prepare": {"pin_pool_threads": pin},
+                                   "parallel": {"worker_torch_threads": 1}})  # a GPU rank's: CPUs to spare
     await h.send("a")
     await h.send("b")
     await preparer.started["a"].wait()
