@@ -71,6 +71,7 @@ from mstar_actors.messages import (
     UnloadAdapter,
     new_request_id,
 )
+from mstar_actors.frontend.admission import EngineLoad, admission_refusal
 from mstar_actors.frontend.exchange import Exchange, failure
 from mstar_actors.frontend.metrics import Metrics
 from mstar_actors.frontend.openai_api import ApiError, ChoiceOutput, ParsedRequest, error_type_of
@@ -814,30 +815,13 @@ class FrontendActor(Actor):
                        code="model_not_found")
 
     def _admit(self, exchange: Exchange) -> None:
-        """A 503 past ``server.max_waiting_requests`` choices waiting: the
-        engine's count, or between its reports this frontend's own estimate,
-        the choices sent that have no output yet and are not starting (their
-        prefill in flight) less the sequences the engine can still start (a
-        burst at an idle server runs at once). Each frontend estimates its own:
-        between two of the engine's reports (a step apart), N frontends may
-        each let a burst in (and the starting count is the engine's, all
-        frontends': with several, a frontend may count fewer of its own as
-        waiting, until the report after)."""
-        max_seqs, limit = self.config.scheduler.max_num_seqs, self.config.server.max_waiting_requests
-        if exchange.num_choices > max_seqs + limit:  # it would never fit: no retry helps
-            raise ApiError(400, f"{exchange.num_choices} choices (prompts x n) are more than this server holds at "
-                                f"once: scheduler.max_num_seqs ({max_seqs}) running and server.max_waiting_requests "
-                                f"({limit}) waiting; send fewer", param="n" if exchange.parsed.n > 1 else "prompt")
-        # sequences the engine can still start: none while it has a queue (its own waiting take them first)
-        free = 0 if self._num_engine_waiting else max(0, max_seqs - self._num_engine_running)
-        unstarted = max(0, len(self._unacked) - self._num_engine_starting)  # (running with no token yet: not waiting)
-        num_waiting = max(self._num_engine_waiting, unstarted - free)
-        seats = max(0, free - unstarted)  # sequences still free once those sent start
-        wanted = max(0, exchange.num_choices - seats)
-        if num_waiting + wanted > limit:
-            raise ApiError(503, f"server overloaded: {num_waiting} sequences waiting and this request's {wanted} "
-                                f"more would pass the limit of {limit} (server.max_waiting_requests; a sequence is "
-                                f"one choice of one prompt); retry later", code="overloaded", retry_after_s=1)
+        """Raise the request's refusal where it would pass ``server.max_waiting_requests`` (``admission``)."""
+        load = EngineLoad(self._num_engine_waiting, self._num_engine_running, self._num_engine_starting,
+                          len(self._unacked))
+        refusal = admission_refusal(exchange.num_choices, exchange.parsed.n, load, self.config.scheduler.max_num_seqs,
+                                    self.config.server.max_waiting_requests)
+        if refusal is not None:
+            raise refusal
 
     async def _submit(self, exchange: Exchange) -> None:
         """Register every choice before sending, so no output can arrive unrouted."""

@@ -795,3 +795,21 @@ def test_metrics(harness):
             assert 'mstar_requests_total{route="/v1/chat/completions",status="499"} 1.0' in text
 
     run(body)
+
+
+def test_admission_counts_what_the_engine_can_still_start():
+    """The pure rule: an idle engine's free sequences take a burst; a queue takes none; one request too large
+    for the server at all is a 400 naming n (no retry helps)."""
+    from mstar_actors.frontend.admission import EngineLoad, admission_refusal
+
+    idle = EngineLoad()
+    assert admission_refusal(12, 1, idle, max_num_seqs=8, max_waiting=4) is None  # 8 start, 4 wait
+    assert admission_refusal(13, 1, idle, max_num_seqs=8, max_waiting=4).param == "prompt"  # never fits: a 400
+    queued = EngineLoad(num_waiting=3, num_running=8)
+    assert admission_refusal(1, 1, queued, max_num_seqs=8, max_waiting=4) is None
+    assert admission_refusal(2, 1, queued, max_num_seqs=8, max_waiting=4).code == "overloaded"
+    sent = EngineLoad(num_running=2, num_starting=1, num_unacked=7)  # 6 sent, not started: 6 free seats take them
+    assert admission_refusal(4, 1, sent, max_num_seqs=8, max_waiting=4) is None
+    assert admission_refusal(5, 1, sent, max_num_seqs=8, max_waiting=4).status == 503
+    too_many = admission_refusal(13, 13, idle, max_num_seqs=8, max_waiting=4)
+    assert too_many.status == 400 and too_many.param == "n"

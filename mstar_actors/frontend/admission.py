@@ -1,0 +1,45 @@
+"""The frontend's admission: a request past ``server.max_waiting_requests`` waiting choices is a 503.
+
+Pure: the frontend passes the engine's last report (``EngineStats``) and its own count of choices sent with no
+output yet. Between two of the engine's reports (a step apart) the frontend estimates: the choices sent that have
+no output yet and are not starting (their prefill in flight), less the sequences the engine can still start (a
+burst at an idle server runs at once). Each frontend estimates its own: N frontends may each let a burst in
+between two reports (and the starting count is the engine's, all frontends': with several, a frontend may count
+fewer of its own as waiting, until the report after).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mstar_actors.frontend.openai_api import ApiError
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """The engine's last report, and this frontend's choices sent with no output yet."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_starting: int = 0
+    num_unacked: int = 0
+
+
+def admission_refusal(num_choices: int, n: int, load: EngineLoad, max_num_seqs: int,
+                      max_waiting: int) -> ApiError | None:
+    """The refusal of a request of ``num_choices`` choices (prompts x ``n``), or None: it may go in."""
+    if num_choices > max_num_seqs + max_waiting:  # it would never fit: no retry helps
+        return ApiError(400, f"{num_choices} choices (prompts x n) are more than this server holds at once: "
+                             f"scheduler.max_num_seqs ({max_num_seqs}) running and server.max_waiting_requests "
+                             f"({max_waiting}) waiting; send fewer", param="n" if n > 1 else "prompt")
+    # sequences the engine can still start: none while it has a queue (its own waiting take them first)
+    free = 0 if load.num_waiting else max(0, max_num_seqs - load.num_running)
+    unstarted = max(0, load.num_unacked - load.num_starting)  # (running with no token yet: not waiting)
+    num_waiting = max(load.num_waiting, unstarted - free)
+    seats = max(0, free - unstarted)  # sequences still free once those sent start
+    wanted = max(0, num_choices - seats)
+    if num_waiting + wanted > max_waiting:
+        return ApiError(503, f"server overloaded: {num_waiting} sequences waiting and this request's {wanted} more "
+                             f"would pass the limit of {max_waiting} (server.max_waiting_requests; a sequence is one "
+                             "choice of one prompt); retry later", code="overloaded", retry_after_s=1)
+    return None
