@@ -51,7 +51,7 @@ def test_fetch_converts_and_runner_matches_transformers(tmp_path, monkeypatch):
     expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :].tolist()
 
     runner = make_runner(folder, dtype="float32", device="cpu", block_size=16, num_blocks=8)
-    assert runner.ready_info(0).eos_token_ids == [2]
+    assert list(runner.spec.eos_token_ids) == [2]
     greedy = messages.SamplingParams(max_tokens=8, temperature=0.0)
     blocks = list(range(1, 8))
     got = [t.token_id for t in runner.execute(messages.StepPlan(0, [messages.SeqStart("r", prompt, greedy)], [messages.ScheduledChunk("r", 0, len(prompt), blocks, True)]))]

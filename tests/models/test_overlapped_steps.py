@@ -66,11 +66,11 @@ def drive(runner, overlapped: bool, ahead: int = 1) -> tuple[list, int]:
     ``scheduler.steps_ahead``); the runner answers a step when it has begun
     the next, and a result is applied only when the scheduler must wait for
     it, so both runners see the same calls in the same order."""
-    info = runner.ready_info(0)
-    sched = Scheduler(num_blocks=info.num_kv_blocks, block_size=BLOCK_SIZE, max_num_seqs=8, max_num_batched_tokens=16,
-                      max_model_len=info.max_model_len, eos_token_ids=tuple(info.eos_token_ids),
+    eos = tuple(runner.spec.eos_token_ids)  # (the conductor's are ModelInfo's, read by the same function)
+    sched = Scheduler(num_blocks=runner.num_kv_blocks, block_size=BLOCK_SIZE, max_num_seqs=8,
+                      max_num_batched_tokens=16, max_model_len=runner.max_model_len, eos_token_ids=eos,
                       enable_prefix_caching=True, max_in_flight=1 + ahead)
-    for req in requests(info.eos_token_ids[0], drawn=runner.graphs is not None and runner.graphs.draws):
+    for req in requests(eos[0], drawn=runner.graphs is not None and runner.graphs.draws):
         sched.receive(req)
         assert sched.add(req, "root") == []
     outputs: list = []
