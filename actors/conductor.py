@@ -365,7 +365,7 @@ class ConductorActor(Actor):
                         await self.send_outputs([refused])
             case Abort(request_id=request_id):
                 if self.grammar_gate.holds(request_id):  # a request still waiting for its grammar: the ranks drop
-                    await self.outbox["workers"].send(CancelCompile(request_id))  # its compile if not begun
+                    await self.outbox["workers"].send(CancelCompile(request_id))  # its compile
                     await self.send_outputs(self.grammar_gate.drop(request_id))
                 await self.route(self.adapter_pool.abort(request_id))  # a request still waiting for its adapter
                 await self.send_outputs(self.scheduler.abort(request_id))

@@ -238,11 +238,11 @@ class WorkerActor(Actor):
 
         def run() -> None:
             try:
-                result = fn(*args)
+                result, error = fn(*args), None
             except BaseException as err:  # handed to the awaiting task, raised there
-                loop.call_soon_threadsafe(settle, None, err)
-            else:
-                loop.call_soon_threadsafe(settle, result, None)
+                result, error = None, err
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (a compile left to run out)
+                loop.call_soon_threadsafe(settle, result, error)
 
         threading.Thread(target=run, name=f"{self.name}:blocking", daemon=True).start()
         return done
@@ -364,18 +364,17 @@ class WorkerActor(Actor):
             try:
                 if grammars is None:
                     raise GrammarError(msg.spec.kind, "structured outputs are off on this rank")
-                async with asyncio.timeout(timeout_s):
-                    await self._compile_threads.acquire()
-                    future = self.start_blocking(_compile_below_steps, grammars.compiler, msg.spec)
-                    future.add_done_callback(self._compile_ended)
-                    await asyncio.shield(future)
+                await self._compile_threads.acquire()  # (a wait for a thread a left compile holds: not its time)
+                future = self.start_blocking(_compile_below_steps, grammars.compiler, msg.spec)
+                future.add_done_callback(self._compile_ended)
+                await asyncio.wait_for(asyncio.shield(future), timeout_s)
             except GrammarError as err:
                 reply = GrammarCompiled(rank=self.rank, request_id=msg.request_id, ok=False, error=str(err))
             except TimeoutError:
                 reply = GrammarCompiled(rank=self.rank, request_id=msg.request_id, ok=False, error=(
                     f"not compiled within {timeout_s:g} s (scheduler.grammar_compile_timeout_s): the grammar is too "
                     "costly to build over this vocabulary (a long pattern of nested repeats, a choice of very long "
-                    "strings); simplify it, or retry if other slow grammars were compiling"))
+                    "strings); simplify it"))
             else:
                 reply = GrammarCompiled(rank=self.rank, request_id=msg.request_id, ok=True)
         self.log.debug("grammar of %s: %.1f ms", msg.request_id, (time.perf_counter() - started) * 1e3)

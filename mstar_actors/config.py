@@ -112,9 +112,9 @@ class SchedulerConfig(msgspec.Struct, **_STRICT):
     # hung (stopped, or stuck in a kernel), and its requests fail with the
     # reason instead of waiting for ever (as vLLM's execute-model timeout, 300 s).
     step_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 300.0
-    # A constrained request whose grammar some rank has not compiled in this long fails with a 400 naming its
-    # field (as SGLang's grammar timeout): a pathological pattern holds neither the batch nor other requests'
-    # compiles, and its compile runs out on a thread of its own.
+    # A constrained request whose grammar some rank has not compiled in this long (from the compile's start)
+    # fails with a 400 naming its field (as SGLang's grammar timeout): a pathological pattern holds neither the
+    # batch nor other requests' compiles, and its compile runs out on a thread of its own.
     grammar_compile_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 60.0
 
 

@@ -568,7 +568,8 @@ class CompileGrammar(Struct, frozen=True, tag=True, omit_defaults=True):
 
 class CancelCompile(Struct, frozen=True, tag=True, omit_defaults=True):
     """The request of a ``CompileGrammar`` ended before its grammar was in: a
-    rank drops the compile if it is still waiting for its turn."""
+    rank drops the compile if it is still waiting for its turn, and gives a
+    running one's slot to the next (its thread runs out)."""
 
     request_id: str
 

@@ -195,7 +195,8 @@ def test_return_token_ids_gives_the_prompt_the_model_was_given_media_expanded(vl
 
     def post(payload: dict) -> bytes:
         request = urllib.request.Request(f"http://127.0.0.1:{vl_server.port}/v1/chat/completions",
-                                         data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+                                         data=json.dumps(payload).encode(),
+                                         headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=120) as response:
             return response.read()
 
@@ -206,7 +207,8 @@ def test_return_token_ids_gives_the_prompt_the_model_was_given_media_expanded(vl
     events = [json.loads(line[6:]) for line in post(body | {"stream": True}).decode().splitlines()
               if line.startswith("data: {")]
     assert events[0]["prompt_token_ids"] == expected
-    assert [t for e in events for c in e["choices"] for t in c.get("token_ids") or []] == reply["choices"][0]["token_ids"]
+    streamed = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
+    assert streamed == reply["choices"][0]["token_ids"]
 
 
 def test_shutdown_leaves_no_shared_memory(vl_server):

@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("profile_gpu_step needs CUDA", file=sys.stderr)
         return 2
-    # As a GPU worker runs (actors.worker.worker_torch_threads): one intra-op
+    # As a GPU worker runs (parallel.worker_torch_threads on CUDA): one intra-op
     # thread, so host work beside the steps (an install's staging) does not
     # fan out over every core.
     torch.set_num_threads(1)

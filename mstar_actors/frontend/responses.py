@@ -146,8 +146,8 @@ class Stream:
                 choice = self._by_index.get(index)
                 if self.continuous and choice is not None:  # the role chunk delivers no output token yet
                     extra["usage"] = api.usage_dict(choice.num_prompt_tokens, 0, choice.num_cached_tokens)
-                await self._write_choices([api.chat_chunk_choice(index, {"role": "assistant", "content": ""}, None, None)],
-                                          extra, choice)
+                role = api.chat_chunk_choice(index, {"role": "assistant", "content": ""}, None, None)
+                await self._write_choices([role], extra, choice)
 
     def take(self, choice: ChoiceOutput, text: str, entries: list) -> Output:
         """One applied output of ``choice``, its reasoning apart where a parser reads it

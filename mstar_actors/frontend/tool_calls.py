@@ -705,11 +705,14 @@ def _past_separator(text: str) -> str:
 
 class _ValueEnd:
     """A JSON object or array streamed in pieces: where it ends (its nesting,
-    strings and escapes followed across pieces)."""
+    strings and escapes followed across pieces). With ``tags``, one of them
+    outside a string ends it too, cut (a model that left a brace out: the
+    block's closing tag is not the value's); text that may begin one waits."""
 
-    def __init__(self, depth: int = -1) -> None:
+    def __init__(self, depth: int = -1, tags: tuple[str, ...] = ()) -> None:
         self._depth = depth  # -1: its opening not read yet; 1: read from inside it (past its opening)
         self._in_string = self._escaped = False
+        self._tags = tags
 
     def take(self, text: str) -> tuple[str, str, bool]:
         """(the value's part of ``text``, the text after its end, whether it
@@ -720,6 +723,11 @@ class _ValueEnd:
             if self._in_string:
                 self._escaped, self._in_string = (False, True) if self._escaped else (char == "\\", char != '"')
                 continue
+            if char == "<" and self._tags:
+                if any(text.startswith(tag, i) for tag in self._tags):
+                    return text[:i], text[i:], True
+                if any(tag.startswith(text[i:]) for tag in self._tags):
+                    return text[:i], text[i:], False  # (may be a tag: waits for the next piece)
             if char == '"':
                 self._in_string = True
             elif char in "{[":
@@ -810,6 +818,9 @@ class ForcedCallStream:
             return []
         self.num_calls += 1
         return [_head_delta(self.num_calls - 1, name)]
+
+
+_TAGS = (HERMES_OPEN, HERMES_CLOSE)  # where a call's object ends at the latest, its closing brace left out
 
 
 class HermesCallStream:
@@ -906,15 +917,16 @@ class HermesCallStream:
                 self._shown = self.max_calls is None or self.num_calls <= self.max_calls
                 if self._shown:
                     deltas.append({"tool_calls": [_head_delta(self.num_calls - 1, _name_in(match))]})
-                self._held, self._state, self._value = self._held[match.end():], "arguments", _ValueEnd()
+                self._held, self._state, self._value = self._held[match.end():], "arguments", _ValueEnd(tags=_TAGS)
                 return True
             return self._block_to_its_end(deltas)
         if self._state == "arguments":
             piece, self._held, ended = self._value.take(self._held)
             if piece and self._shown:
                 deltas.append({"tool_calls": [{"index": self.num_calls - 1, "function": {"arguments": piece}}]})
-            if ended:
-                self._state, self._value = "rest", _ValueEnd(depth=1)
+            if ended:  # (cut at a tag: the block's end is next)
+                cut = self._held.startswith(_TAGS)
+                self._state, self._value = ("tag" if cut else "rest"), _ValueEnd(depth=1, tags=_TAGS)
             return ended
         if self._state == "rest":  # more keys, its closing brace: the call's, not output
             _, self._held, ended = self._value.take(self._held)

@@ -708,7 +708,8 @@ class Scheduler:
         num_outputs = len(seq.output_token_ids)
         first = num_outputs == 1
         outputs: list[ConductorToFrontend] = [TokenDelta(
-            seq.request_id, [token], seq.num_prompt_tokens if first else 0, (seq.num_cached_tokens or 0) if first else 0,
+            seq.request_id, [token], seq.num_prompt_tokens if first else 0,
+            (seq.num_cached_tokens or 0) if first else 0,
             prompt_token_ids=seq.prompt_token_ids if first and seq.returns_prompt_ids else None)]
         ending = self._stop_reason(seq, token.token_id, num_outputs)
         if ending is not None:

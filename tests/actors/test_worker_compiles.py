@@ -96,3 +96,26 @@ def test_a_compile_past_its_time_is_refused_naming_the_setting_and_holds_no_slot
     assert replies[-1] == ("fast", True, "")  # compiled before the slow ones ended: their slots went at the time
     for rid, ok, error in replies[:-1]:
         assert rid.startswith("slow") and not ok and "scheduler.grammar_compile_timeout_s" in error
+
+
+def test_a_compile_waiting_for_a_thread_left_compiles_hold_is_not_timed_out():
+    """Compiles left to run out on every thread: the next request waits for one to end, then compiles (its wait
+    for a thread is not its compile's time: a cheap grammar is never blamed for others' slow ones)."""
+    compiler = _Compiler()
+
+    async def body():
+        rank, replies = _rank(compiler, timeout_s=0.2)
+        slow = [f"slow{i}" for i in range(MAX_COMPILE_THREADS)]
+        for rid in slow:
+            await _send(rank, CompileGrammar(rid, StructuredSpec("regex", rid)))
+        await _until(lambda: len(replies) == len(slow))  # each timed out; every thread still busy
+        await _send(rank, CompileGrammar("fast", StructuredSpec("regex", "fast")))
+        await asyncio.sleep(0.5)
+        assert len(replies) == len(slow)  # waiting for a thread, past its timeout: not refused
+        compiler.release.set()
+        await _until(lambda: len(replies) == len(slow) + 1)
+        return replies
+
+    replies = asyncio.run(body())
+    assert replies[-1] == ("fast", True, "")
+    assert all(not ok for _, ok, _ in replies[:-1])

@@ -545,3 +545,19 @@ def test_a_scored_prompts_last_token_alone_still_counts_against_the_steps_result
     assert chunks_of(plan)["a"] == (7, 1, True) and "b" not in chunks_of(plan)
     plan, _ = run_step(sched)
     assert chunks_of(plan)["b"] == (7, 1, True)
+
+
+def test_the_prompts_ids_ride_on_each_choices_first_delta_only_when_asked():
+    """vLLM's return_token_ids: each choice's first TokenDelta carries the prompt the model was given; later
+    deltas, and every delta of a request that did not ask, carry none."""
+    sched = make_scheduler()
+    asked = msgspec.structs.replace(make_request("a", prompt=[11, 12, 13], n=2), return_prompt_ids=True)
+    for req in (asked, make_request("b", prompt=[21, 22])):
+        sched.receive(req)
+        sched.add(req, ROOT)
+    deltas = []
+    for _ in range(3):
+        deltas += [out for out in run_step(sched)[1] if isinstance(out, TokenDelta)]
+    firsts = {d.request_id: d.prompt_token_ids for d in deltas if d.num_prompt_tokens}
+    assert firsts == {"a-0": [11, 12, 13], "a-1": [11, 12, 13], "b": None}
+    assert all(d.prompt_token_ids is None for d in deltas if not d.num_prompt_tokens)

@@ -197,6 +197,9 @@ HERMES_STREAM_CASES = [
     # ... cut inside a call's arguments: a call as far as it was written
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>',  # its object never closes
     '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call> ok',  # arguments no JSON: as written
+    '<tool_call>\n{"name": "f", "arguments": {"a": 1}\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": {"b": 2}}'
+    '\n</tool_call>\nDone: both looked up.',  # a call's object never closed: its block's tag ends it, then more
+    '<tool_call>{"name": "f", "arguments": {"a": "x</tool_call>", "b": [1</tool_call> after',  # arguments cut at a tag
 ]
 
 
