@@ -526,13 +526,13 @@ def run_actor_process(target: str, spec: ActorSpec) -> None:
     actor_cls = _import_class(target)  # may import torch: after the mask
     import uvloop
 
-    profiler = _profiler(spec.name)
+    profiler = _profiler(spec.name, spec.config.debug)
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             code = runner.run(_run_actor(actor_cls, spec, dumper))
     finally:
         if profiler is not None:
-            _save_profile(profiler, spec.name)
+            _save_profile(profiler, spec.name, spec.config.debug.profile_dir)
     _leave(code)
 
 
@@ -547,17 +547,11 @@ def _leave(code: int) -> None:
     os._exit(code)
 
 
-PROFILE_ENV = "MSTAR_ACTORS_PROFILE"  # actor names, comma-separated: "conductor,worker0"
-PROFILE_DIR_ENV = "MSTAR_ACTORS_PROFILE_DIR"  # where NAME.prof goes (default: the working directory)
-
-
-def _profiler(name: str) -> Any:
+def _profiler(name: str, debug: Any) -> Any:
     """A running ``cProfile.Profile`` of this process's event-loop thread when
-    ``$MSTAR_ACTORS_PROFILE`` names the actor, else None. Its statistics are
-    written when the actor's loop ends (``_save_profile``); cProfile about
-    doubles the time of Python calls, so it shows where an actor's time goes,
-    not how fast it serves."""
-    if name not in {n.strip() for n in os.environ.get(PROFILE_ENV, "").split(",")}:
+    ``debug.profile_actors`` names the actor, else None. Its statistics are
+    written when the actor's loop ends (``_save_profile``)."""
+    if name not in debug.profile_actors:
         return None
     import cProfile
 
@@ -566,13 +560,13 @@ def _profiler(name: str) -> Any:
     return profiler
 
 
-def _save_profile(profiler: Any, name: str) -> None:
+def _save_profile(profiler: Any, name: str, folder: str) -> None:
     profiler.disable()
-    path = Path(os.environ.get(PROFILE_DIR_ENV) or ".") / f"{name}.prof"
+    path = Path(folder) / f"{name}.prof"
     try:
         profiler.dump_stats(path)
     except OSError as err:
-        log.error("%s: could not write its profile to %s: %s; set %s to a writable folder", name, path, err,
-                  PROFILE_DIR_ENV)
+        log.error("%s: could not write its profile to %s: %s; set debug.profile_dir to a writable folder", name,
+                  path, err)
         return
     log.info("%s: profile written to %s (python -m pstats %s)", name, path, path)

@@ -235,6 +235,14 @@ class TransportConfig(msgspec.Struct, **_STRICT):
     arena_bytes: Annotated[int, msgspec.Meta(ge=1 << 16)] = 64 * 1024 * 1024
 
 
+class DebugConfig(msgspec.Struct, **_STRICT):
+    # Actors to run under cProfile ("conductor", "worker0", "frontend", ...): each writes NAME.prof into
+    # profile_dir when the server stops (``python -m pstats NAME.prof``). cProfile about doubles the time of
+    # Python calls: it shows where an actor's time goes, not how fast it serves.
+    profile_actors: list[str] = []
+    profile_dir: str = "."
+
+
 class Config(msgspec.Struct, **_STRICT):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
@@ -245,6 +253,7 @@ class Config(msgspec.Struct, **_STRICT):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
     speech: SpeechConfig = msgspec.field(default_factory=SpeechConfig)
+    debug: DebugConfig = msgspec.field(default_factory=DebugConfig)
 
 
 def _type_at(path: str) -> object:

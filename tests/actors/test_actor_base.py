@@ -176,18 +176,18 @@ def test_settle_heap_freezes_start_up_objects_and_logs_long_collections(monkeypa
         gc.unfreeze()
 
 
-def test_a_named_actor_is_profiled_and_its_statistics_saved(monkeypatch, tmp_path):
+def test_a_named_actor_is_profiled_and_its_statistics_saved(tmp_path):
     import pstats
 
     from actors import base
+    from mstar_actors.config import parse_config
 
-    monkeypatch.setenv(base.PROFILE_ENV, "prepare, conductor")
-    monkeypatch.setenv(base.PROFILE_DIR_ENV, str(tmp_path))
-    assert base._profiler("worker0") is None
-    profiler = base._profiler("conductor")
+    debug = parse_config({"debug": {"profile_actors": ["prepare", "conductor"], "profile_dir": str(tmp_path)}}).debug
+    assert base._profiler("worker0", debug) is None
+    profiler = base._profiler("conductor", debug)
     try:
         sorted(str(i) for i in range(1000))  # work the profile must name
     finally:
-        base._save_profile(profiler, "conductor")
+        base._save_profile(profiler, "conductor", debug.profile_dir)
     stats = pstats.Stats(str(tmp_path / "conductor.prof")).stats
     assert any(func == "<built-in method builtins.sorted>" for _, _, func in stats)
