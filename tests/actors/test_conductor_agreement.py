@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from actors.conductor import AgreementError, combine_ready, make_scheduler
+from mstar_actors.sched.agreement import AgreementError, combine_ready, make_scheduler
 from mstar_actors.config import Config, KvConfig, SchedulerConfig
 from mstar_actors.messages import WorkerReady
 from mstar_actors.model_info import ModelInfo
