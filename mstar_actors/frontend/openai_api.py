@@ -97,7 +97,14 @@ def error_envelope(message: str, error_type: str, param: str | None = None, code
 
 
 def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else f"{text[:limit - 40]}... ({len(text)} characters in all)"
+    """``text`` in at most ``limit`` bytes of UTF-8: its middle cut (a quoted value), its ends kept (the field
+    and what is accepted)."""
+    if len(text.encode()) <= limit:
+        return text
+    half = (limit - 60) // 2
+    head = text.encode()[:half].decode(errors="ignore")
+    tail = text.encode()[-half:].decode(errors="ignore")
+    return f"{head} ... ({len(text)} characters, cut) ... {tail}"
 
 
 def _bad(param: str, message: str) -> ApiError:

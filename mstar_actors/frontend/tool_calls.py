@@ -178,9 +178,11 @@ def _parse_tool(where: str, tool: Any) -> dict:
     parameters = function.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
         raise ToolError(f"{where}.function.parameters", "expected a JSON schema object")
-    if parameters is not None and parameters.get("type", "object") != "object":
+    held = call_parameters(function) if parameters is not None else {}  # (a $ref followed; one leading nowhere is
+    kind = held.get("type", "object")                                     # the grammar check's to name)
+    if kind != "object":
         raise ToolError(f"{where}.function.parameters", "a call's arguments are a JSON object: expected a schema "
-                                                        f'of "type": "object", got {parameters["type"]!r}')
+                                                        f'of "type": "object", got {_show_value(kind)}')
     if function.get("strict") is not None and not isinstance(function["strict"], bool):
         raise ToolError(f"{where}.function.strict", f"expected true or false, got {function['strict']!r}")
     # The template sees the function as the client sent it (its keys and their order, strict among them), as a
@@ -188,6 +190,11 @@ def _parse_tool(where: str, tool: Any) -> dict:
     # reading parameters.properties finds it).
     return {"type": "function", "function": function if parameters is not None else
             function | {"parameters": {"type": "object", "properties": {}}}}
+
+
+def _show_value(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def call_parameters(function: dict) -> dict:
@@ -200,7 +207,7 @@ def call_parameters(function: dict) -> dict:
         parameters = resolved(parameters, parameters)
         if "$ref" in parameters:
             return parameters
-    return {"type": "object", **parameters}
+    return {"type": "object"} | parameters
 
 
 def _parse_tool_choice(value: Any, names: set[str]) -> tuple[str, str | None]:

@@ -333,6 +333,10 @@ def test_parameters_that_are_a_ref_to_their_own_definition_are_that_definition(c
     assert matcher.accept_string(good.removesuffix("\n</tool_call>")), good
     matcher.reset()
     assert not matcher.accept_string(bad.removesuffix("\n</tool_call>"))
+    text = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/S",
+                                                                          "$defs": {"S": {"type": "string"}}}}}
+    with pytest.raises(tc.ToolError, match="arguments are a JSON object.*'string'"):  # an object once followed
+        tc.parse_tool_request([text], "required", parser)
     nowhere = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/Nowhere"}}}
     with pytest.raises(GrammarError, match="Nowhere"):
         chars.check(StructuredSpec(*tc.forced_calls_spec(tc.parse_tool_request([nowhere], "required", parser))))
