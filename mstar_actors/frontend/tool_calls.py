@@ -720,6 +720,7 @@ class _ValueEnd:
         self._depth = depth  # -1: its opening not read yet; 1: read from inside it (past its opening)
         self._in_string = self._escaped = False
         self._tags = tags
+        self.is_closed = False  # ended at its closing bracket (not cut at a tag)
 
     def take(self, text: str) -> tuple[str, str, bool]:
         """(the value's part of ``text``, the text after its end, whether it
@@ -742,6 +743,7 @@ class _ValueEnd:
             elif char in "}]":
                 self._depth -= 1
                 if self._depth == 0:
+                    self.is_closed = True
                     return text[: i + 1], text[i + 1:], True
         return text, "", False
 
@@ -861,6 +863,7 @@ class HermesCallStream:
         # | "tag": to the block's closing tag
         self._state = "out"
         self._value = _ValueEnd()  # a call's arguments
+        self._rest = ""  # read past a call's arguments, its object not closed yet
         self._end = _BlockEnd()  # where a block read whole ends
         self._final = False  # the reply ended
         self._shown = False  # the block's call is within max_calls
@@ -895,8 +898,14 @@ class HermesCallStream:
             self._space = self._lead = ""
         elif state == "block":
             last = self._whole_block(held.removesuffix(HERMES_CLOSE), closed=False)
+        elif state == "rest":  # the call's object never closed: what followed its arguments is text
+            last = []
+            self._content(_less_cut_close(self._rest + held), last)
+            if self._space and self._said:
+                last.append({"content": self._space})
+            self._space = ""
         else:
-            last = []  # a call's arguments (cut: as far as they went) or its closing
+            last = []  # a call's arguments, cut: as far as they went
         return _joined(deltas + last)
 
     def _step(self, deltas: list[dict]) -> bool:
@@ -932,13 +941,17 @@ class HermesCallStream:
             if piece and self._shown:
                 deltas.append({"tool_calls": [{"index": self.num_calls - 1, "function": {"arguments": piece}}]})
             if ended:  # (cut at a tag: the block's end is next)
-                cut = self._held.startswith(_TAGS)
+                cut = not self._value.is_closed
                 self._state, self._value = ("tag" if cut else "rest"), _ValueEnd(depth=1, tags=_TAGS)
+                self._rest = ""
             return ended
         if self._state == "rest":  # more keys, its closing brace: the call's, not output
-            _, self._held, ended = self._value.take(self._held)
+            taken, self._held, ended = self._value.take(self._held)
+            self._rest += taken
             if ended:
                 self._state = "tag"
+                if not self._value.is_closed and self._rest.strip():  # the object never closed: text after
+                    self._content(self._rest, deltas)                  # its arguments is content
             return ended
         at = self._held.find(HERMES_CLOSE)  # "tag"
         opening = self._held.find(HERMES_OPEN)

@@ -112,6 +112,14 @@ def test_hermes_gives_back_what_is_not_a_call():
     assert _hermes('x <tool_call>{"arguments": {}}', 4) == ('x <tool_call>{"arguments": {}}', [])
 
 
+def test_hermes_keeps_the_text_after_a_call_whose_object_never_closed():
+    """Nothing the model wrote is dropped: text past a call's arguments, its object never closed, is content."""
+    assert _hermes('<tool_call>\n{"name": "f", "arguments": {"c": "P"}\nAfter text', 3) == (
+        "\nAfter text", [("f", {"c": "P"})])
+    assert _hermes('<tool_call>\n{"name": "f", "arguments": {"c": "P"}\nSo {x}.\n</tool_call> ok', 2) == (
+        "\nSo {x}.\n ok", [("f", {"c": "P"})])
+
+
 def test_hermes_reads_a_call_cut_at_eos_and_string_arguments():
     text = '<tool_call>\n{"name": "f", "arguments": "{\\"a\\": 1}"}'
     assert _hermes(text, 4) == ("", [("f", {"a": 1})])
@@ -200,6 +208,9 @@ HERMES_STREAM_CASES = [
     '<tool_call>\n{"name": "f", "arguments": {"a": 1}\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": {"b": 2}}'
     '\n</tool_call>\nDone: both looked up.',  # a call's object never closed: its block's tag ends it, then more
     '<tool_call>{"name": "f", "arguments": {"a": "x</tool_call>", "b": [1</tool_call> after',  # arguments cut at a tag
+    '<tool_call>\n{"name": "f", "arguments": {"city": "Paris"}\nAfter text',  # ... never closed: the text after it
+    '<tool_call>\n{"name": "f", "arguments": {"c": "P"}\nHmm, also.\n<tool_call>\n{"name": "g", "arguments": {}}'
+    '\n</tool_call>\nDone',  # ... and text before the next block
 ]
 
 
