@@ -33,6 +33,7 @@ from transport.shm import attach_segment
 # (``scheduler.grammar_compile_timeout_s``) runs out on its thread, which can't be stopped, without its slot.
 MAX_COMPILES = 2
 MAX_COMPILE_THREADS = 4
+COMPILE_THREAD_WAIT_S = 1.0  # past this with no thread free, the request is a 503 (busy), not a wait for minutes
 COMPILE_NICENESS = 10  # a compile's thread yields the CPU to the step's threads (a CPU rank has few cores)
 
 
@@ -364,7 +365,14 @@ class WorkerActor(Actor):
             try:
                 if grammars is None:
                     raise GrammarError(msg.spec.kind, "structured outputs are off on this rank")
-                await self._compile_threads.acquire()  # (a wait for a thread a left compile holds: not its time)
+                try:  # every thread held by compiles whose requests ended or timed out: none is free soon
+                    await asyncio.wait_for(self._compile_threads.acquire(), COMPILE_THREAD_WAIT_S)
+                except TimeoutError:
+                    await self.reply(GrammarCompiled(rank=self.rank, request_id=msg.request_id, ok=False, busy=True,
+                                                     error=f"every grammar compile thread of rank {self.rank} is "
+                                                           "running grammars whose requests ended or ran out of "
+                                                           "time; retry shortly"))
+                    return
                 future = self.start_blocking(_compile_below_steps, grammars.compiler, msg.spec)
                 future.add_done_callback(self._compile_ended)
                 await asyncio.wait_for(asyncio.shield(future), timeout_s)

@@ -626,12 +626,14 @@ class AdapterInstalled(Struct, frozen=True, tag=True, omit_defaults=True):
 
 
 class GrammarCompiled(Struct, frozen=True, tag=True, omit_defaults=True):
-    """One rank's answer to CompileGrammar (``error``: the engine's reason, when not ``ok``)."""
+    """One rank's answer to CompileGrammar (``error``: the engine's reason, when not ``ok``; ``busy``: the rank
+    had no compile thread free, the request's input not at fault)."""
 
     rank: int
     request_id: str
     ok: bool
     error: str = ""
+    busy: bool = False
 
 
 WorkerToConductor = WorkerReady | StepDone | StepFailed | AdapterInstalled | GrammarCompiled

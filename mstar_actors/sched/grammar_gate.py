@@ -46,6 +46,9 @@ class GrammarGate:
         if not msg.ok:
             del self._held[msg.request_id]
             param = prepared.sampling.structured.param or "structured_outputs"
+            if msg.busy:
+                return Failed(request_id=msg.request_id, status=503, error_type="service_unavailable_error",
+                              code="grammar_compiler_busy", message=msg.error)
             return Failed(request_id=msg.request_id, status=400, param=param, message=f"{param}: {msg.error}")
         answered.add(msg.rank)
         if len(answered) < self.num_ranks:

@@ -12,7 +12,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-from actors.worker import MAX_COMPILE_THREADS, MAX_COMPILES, WorkerActor
+from actors.worker import COMPILE_THREAD_WAIT_S, MAX_COMPILE_THREADS, MAX_COMPILES, WorkerActor
 from mstar_actors.messages import CancelCompile, CompileGrammar, StructuredSpec
 
 
@@ -98,9 +98,10 @@ def test_a_compile_past_its_time_is_refused_naming_the_setting_and_holds_no_slot
         assert rid.startswith("slow") and not ok and "scheduler.grammar_compile_timeout_s" in error
 
 
-def test_a_compile_waiting_for_a_thread_left_compiles_hold_is_not_timed_out():
-    """Compiles left to run out on every thread: the next request waits for one to end, then compiles (its wait
-    for a thread is not its compile's time: a cheap grammar is never blamed for others' slow ones)."""
+def test_with_every_thread_held_by_left_compiles_a_request_is_told_the_rank_is_busy():
+    """Compiles left to run out on every thread: the next request is answered busy at once (a 503 to retry, its
+    input not at fault: a cheap grammar is never blamed for others' slow ones, nor held for minutes behind them);
+    once a thread is free, requests compile again."""
     compiler = _Compiler()
 
     async def body():
@@ -109,13 +110,17 @@ def test_a_compile_waiting_for_a_thread_left_compiles_hold_is_not_timed_out():
         for rid in slow:
             await _send(rank, CompileGrammar(rid, StructuredSpec("regex", rid)))
         await _until(lambda: len(replies) == len(slow))  # each timed out; every thread still busy
-        await _send(rank, CompileGrammar("fast", StructuredSpec("regex", "fast")))
-        await asyncio.sleep(0.5)
-        assert len(replies) == len(slow)  # waiting for a thread, past its timeout: not refused
-        compiler.release.set()
+        started = time.monotonic()
+        await _send(rank, CompileGrammar("cheap", StructuredSpec("regex", "cheap")))
         await _until(lambda: len(replies) == len(slow) + 1)
-        return replies
+        waited = time.monotonic() - started
+        compiler.release.set()
+        await _until(lambda: rank._compile_threads._value == MAX_COMPILE_THREADS)
+        await _send(rank, CompileGrammar("again", StructuredSpec("regex", "again")))
+        await _until(lambda: len(replies) == len(slow) + 2)
+        return replies, waited
 
-    replies = asyncio.run(body())
-    assert replies[-1] == ("fast", True, "")
-    assert all(not ok for _, ok, _ in replies[:-1])
+    replies, waited = asyncio.run(body())
+    rid, ok, error = replies[-2]
+    assert rid == "cheap" and not ok and "retry shortly" in error and waited < COMPILE_THREAD_WAIT_S + 1
+    assert replies[-1] == ("again", True, "")

@@ -43,3 +43,12 @@ def test_an_abort_ends_each_choice_and_leaves_nothing_held():
                                                                                     ("r-1", "abort", 3)]
     assert all(isinstance(f, Finished) for f in ended) and gate.drop("r") == []
     assert gate.on_compiled(compiled(0, "r")) is None  # the rank's answer after the abort
+
+
+def test_a_rank_with_no_compile_thread_free_fails_the_request_as_busy_not_as_the_clients_fault():
+    gate = GrammarGate(num_ranks=2)
+    gate.hold(prepared("r"))
+    busy = GrammarCompiled(rank=1, request_id="r", ok=False, busy=True, error="every thread busy; retry shortly")
+    failed = gate.on_compiled(busy)
+    assert isinstance(failed, Failed) and (failed.status, failed.code) == (503, "grammar_compiler_busy")
+    assert failed.error_type == "service_unavailable_error" and failed.param is None and not gate.holds("r")
