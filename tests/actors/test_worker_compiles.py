@@ -124,3 +124,15 @@ def test_with_every_thread_held_by_left_compiles_a_request_is_told_the_rank_is_b
     rid, ok, error = replies[-2]
     assert rid == "cheap" and not ok and "retry shortly" in error and waited < COMPILE_THREAD_WAIT_S + 1
     assert replies[-1] == ("again", True, "")
+
+
+def test_a_long_compiles_freed_memory_goes_back_to_the_system(monkeypatch):
+    import actors.worker as worker
+
+    trims = []
+    monkeypatch.setattr(worker, "_trim_heap", lambda: trims.append(1))
+    compiler = SimpleNamespace(compile=lambda spec: time.sleep(0.05) or "compiled")
+    monkeypatch.setattr(worker, "TRIM_AFTER_COMPILE_S", 10.0)
+    assert worker._compile_below_steps(compiler, None) == "compiled" and trims == []  # a short one: left as is
+    monkeypatch.setattr(worker, "TRIM_AFTER_COMPILE_S", 0.01)
+    assert worker._compile_below_steps(compiler, None) == "compiled" and trims == [1]
