@@ -14,6 +14,8 @@ in the same JSON envelope as the app's errors.
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +30,7 @@ from mstar_actors.frontend.openai_api import ApiError
 # rings, the tokenizer's files, logs, the listening socket.
 NUM_RESERVED_FDS = 64
 _json = msgspec.json.Encoder()
+_log = logging.getLogger("mstar_actors.frontend.http")  # refusals of what no route answers, one line each
 
 
 def raise_descriptor_limit() -> tuple[int, int]:
@@ -95,7 +98,7 @@ class EnvelopeHandler(web.RequestHandler):
     bounding the time from a request's first byte to its whole header by
     ``read_timeout`` (a 408; the app bounds the body, see ``take_request_start``)."""
 
-    def __init__(self, manager: Any, envelope: Callable[[int, str], bytes], read_timeout: float, **kw: Any):
+    def __init__(self, manager: Any, envelope: Callable[..., bytes], read_timeout: float, **kw: Any):
         super().__init__(manager, **kw)
         self._envelope = envelope
         self._read_timeout = read_timeout
@@ -166,12 +169,25 @@ class EnvelopeHandler(web.RequestHandler):
         self.log_debug("malformed request from %s: %s", request.remote, message or exc)
         lines = str(message or exc or "").strip().splitlines() or ["bad request"]
         text = f"malformed HTTP request: {lines[0][:200].rstrip(':')}"  # later lines quote the bytes
+        param = code = None
         if "content-encoding" in lines[0].lower():  # a coding aiohttp could decode with a package it lacks
-            status = 415
-            text = encoding_problem(request.headers.get("Content-Encoding", "?")) or UNACCEPTED_ENCODING
-        response = web.Response(status=status, body=self._envelope(status, text), content_type="application/json")
+            status, param, code = 415, "Content-Encoding", "unsupported_encoding"
+            text = encoding_problem(_coding_sent(request, lines[0])) or UNACCEPTED_ENCODING
+        _log.info("%s: %d %s", getattr(request, "path", "?"), status, text)
+        response = web.Response(status=status, body=self._envelope(status, text, param, code),
+                                content_type="application/json")
         response.force_close()
         return response
+
+
+def _coding_sent(request: Any, reason: str) -> str:
+    """The Content-Encoding a refused request sent: its header where aiohttp kept the request's headers, else the
+    coding aiohttp's reason names ("Can not decode content-encoding: brotli (br)")."""
+    sent = request.headers.get("Content-Encoding") if getattr(request, "headers", None) else None
+    if sent:
+        return sent
+    named = re.search(r"\(([\w-]+)\)", reason) or re.search(r"content-encoding:\s*([\w-]+)", reason, re.IGNORECASE)
+    return named.group(1) if named else "?"
 
 
 ACCEPTED_ENCODINGS = ("gzip", "deflate", "identity")
@@ -264,8 +280,8 @@ def payload_reason(err: Exception, request: web.Request) -> str:
     return detail
 
 
-def envelope_bytes(status: int, message: str) -> bytes:
-    return _json.encode(ApiError(status, message).envelope())
+def envelope_bytes(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
+    return _json.encode(ApiError(status, message, param=param, code=code).envelope())
 
 
 def error_response(err: ApiError) -> web.Response:

@@ -63,6 +63,8 @@ def test_a_content_encoding_not_decoded_is_a_415_naming_the_accepted(hostile):
                 assert_envelope(status, body, 415)
                 message = body["error"]["message"]
                 assert "accepted: one of gzip, deflate or identity" in message and "install" not in message, body
+                assert f"got {encoding!r}" in message, body  # the coding sent, named
+                assert (body["error"]["param"], body["error"]["code"]) == ("Content-Encoding", "unsupported_encoding")
             for encoding in ["identity", "", "GZIP"]:
                 body_bytes = gzip.compress(raw) if encoding == "GZIP" else raw
                 status, body = await h.post(CHAT, body_bytes, headers={"Content-Encoding": encoding})
