@@ -139,9 +139,8 @@ class Tokenization:
                 f"model {self.model_dir.name!r} has no chat template, so it cannot take "
                 "'messages'; send a plain 'prompt' to /v1/completions instead"
             )
-        to_dict = _media_template_message if media_parts else _to_template_message
-        conversation, tools = self.tool_polyfills(chat, [to_dict(i, m) for i, m in enumerate(chat)], tools,
-                                                  tool_format)
+        conversation = [_template_message(i, m, media_parts) for i, m in enumerate(chat)]
+        conversation, tools = self.tool_polyfills(chat, conversation, tools, tool_format)
         try:
             text = self.tokenizer.apply_chat_template(
                 conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -231,42 +230,24 @@ class Tokenization:
         return decoder
 
 
-def _to_template_message(index: int, message: messages.ChatMessage) -> dict[str, str]:
-    """A ChatMessage as the dict chat templates expect; text parts joined by
-    newlines (as vLLM does for string-content templates)."""
+# A media part as Qwen's chat templates read it (Qwen2-Audio's template tests for an ``audio_url`` key)
+_MEDIA_PARTS = {"image_url": {"type": "image"}, "video_url": {"type": "video"},
+                "audio_url": {"type": "audio", "audio_url": ""}, "input_audio": {"type": "audio", "audio_url": ""}}
+
+
+def _template_message(index: int, message: messages.ChatMessage, media_parts: bool) -> dict[str, Any]:
+    """A ChatMessage as the dict chat templates expect: its text parts joined by
+    newlines (as vLLM does for string-content templates); with ``media_parts``,
+    its parts as Qwen's templates read them, media ones as placeholders."""
     content = message.content
-    if isinstance(content, str):
-        return {"role": message.role, "content": content} | template_tool_fields(message)
-    texts = []
-    for part_index, part in enumerate(content):
-        if part.type != "text":
-            raise ValueError(
-                f"messages[{index}].content[{part_index}] has type {part.type!r}; "
-                "only 'text' content parts are supported for this model so far"
-            )
-        texts.append(part.text or "")
-    return {"role": message.role, "content": "\n".join(texts)} | template_tool_fields(message)
-
-
-def _media_template_message(index: int, message: messages.ChatMessage) -> dict[str, Any]:
-    """Content parts as Qwen's chat templates read them: text, image, video,
-    audio (Qwen2-Audio's template tests for an ``audio_url`` key)."""
-    if isinstance(message.content, str):
-        return {"role": message.role, "content": message.content} | template_tool_fields(message)
-    parts = []
-    for part in message.content:
-        if part.type == "text":
-            parts.append({"type": "text", "text": part.text or ""})
-        elif part.type == "image_url":
-            parts.append({"type": "image"})
-        elif part.type == "video_url":
-            parts.append({"type": "video"})
-        elif part.type in ("audio_url", "input_audio"):
-            parts.append({"type": "audio", "audio_url": ""})
-        else:
-            raise ValueError(f"messages[{index}]: content part type {part.type!r}: accepted are text, image_url, "
-                             "video_url, audio_url, input_audio")
-    return {"role": message.role, "content": parts} | template_tool_fields(message)
+    if not isinstance(content, str):
+        for part_index, part in enumerate(content):
+            if part.type != "text" and not (media_parts and part.type in _MEDIA_PARTS):
+                raise ValueError(f"messages[{index}].content[{part_index}] has type {part.type!r}; "
+                                 "only 'text' content parts are supported for this model so far")
+        content = ([{"type": "text", "text": p.text or ""} if p.type == "text" else dict(_MEDIA_PARTS[p.type])
+                    for p in content] if media_parts else "\n".join(p.text or "" for p in content))
+    return {"role": message.role, "content": content} | template_tool_fields(message)
 
 
 def processor_chat_template(model_dir: Path) -> str | None:
