@@ -86,24 +86,24 @@ def error_type_of(status: int) -> str:
     return "server_error" if status != 503 else "service_unavailable_error"
 
 
-# An error body's message and param at most (a refusal quotes what the client sent: a 100 KB field name or
-# model would come back twice over)
-MAX_ERROR_MESSAGE_CHARS, MAX_ERROR_PARAM_CHARS = 2000, 200
+# An error body's message and param at most, in bytes of UTF-8 (a refusal quotes what the client sent: a 100 KB
+# field name or model would come back twice over)
+MAX_ERROR_MESSAGE_BYTES, MAX_ERROR_PARAM_BYTES = 2000, 200
 
 
 def error_envelope(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": _cut(message, MAX_ERROR_MESSAGE_CHARS), "type": error_type,
-                      "param": None if param is None else _cut(param, MAX_ERROR_PARAM_CHARS), "code": code}}
+    return {"error": {"message": _cut(message, MAX_ERROR_MESSAGE_BYTES), "type": error_type,
+                      "param": None if param is None else _cut(param, MAX_ERROR_PARAM_BYTES), "code": code}}
 
 
 def _cut(text: str, limit: int) -> str:
     """``text`` in at most ``limit`` bytes of UTF-8: its middle cut (a quoted value), its ends kept (the field
     and what is accepted)."""
-    if len(text.encode()) <= limit:
+    encoded = text.encode()
+    if len(encoded) <= limit:
         return text
     half = (limit - 60) // 2
-    head = text.encode()[:half].decode(errors="ignore")
-    tail = text.encode()[-half:].decode(errors="ignore")
+    head, tail = encoded[:half].decode(errors="ignore"), encoded[-half:].decode(errors="ignore")
     return f"{head} ... ({len(text)} characters, cut) ... {tail}"
 
 

@@ -182,7 +182,7 @@ def _parse_tool(where: str, tool: Any) -> dict:
     kind = held.get("type", "object")                                     # the grammar check's to name)
     if kind != "object":
         raise ToolError(f"{where}.function.parameters", "a call's arguments are a JSON object: expected a schema "
-                                                        f'of "type": "object", got {_show_value(kind)}')
+                                                        f'of "type": "object", got {kind!r}')
     if function.get("strict") is not None and not isinstance(function["strict"], bool):
         raise ToolError(f"{where}.function.strict", f"expected true or false, got {function['strict']!r}")
     # The template sees the function as the client sent it (its keys and their order, strict among them), as a
@@ -190,11 +190,6 @@ def _parse_tool(where: str, tool: Any) -> dict:
     # reading parameters.properties finds it).
     return {"type": "function", "function": function if parameters is not None else
             function | {"parameters": {"type": "object", "properties": {}}}}
-
-
-def _show_value(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def call_parameters(function: dict) -> dict:
