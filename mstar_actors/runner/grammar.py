@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from mstar_actors import messages
+from mstar_actors.runner import ebnf_text
 from mstar_actors.frontend.xml_calls import (FUNCTION_CLOSE, FUNCTION_OPEN, PARAM_CLOSE, PARAM_OPEN, choices, nullable,
                                              resolved, value_type)
 
@@ -654,9 +655,8 @@ def _xml_value(schema: dict, defs: dict, key: str) -> Any:
             raise GrammarError("json", f"properties[{key!r}]: a value of no one type reads back as its text in the "
                                        f"qwen3_coder format's calls; give its schema one type")
         return _xgr().Grammar.from_ebnf(_XML_TEXT)
-    if kind not in ("string", "enum"):  # its strings' "<" escaped: the reader ends a value at the first closing tag
-        text = _json_grammar_text(json.dumps(schema | defs))
-        return _xgr().Grammar.from_ebnf(text.replace(_JSON_STRING_CHAR, _XML_JSON_STRING_CHAR))
+    if kind not in ("string", "enum"):
+        return _xgr().Grammar.from_ebnf(_xml_json(_json_grammar_text(json.dumps(schema | defs)), schema | defs, key))
     branches = [b for b in schema.get("anyOf") or schema.get("oneOf") or []
                 if not (isinstance(b, dict) and b.get("type") == "null")]
     if branches and "type" not in schema and choices(schema) is None:
@@ -673,18 +673,80 @@ def _xml_text(schema: dict, key: str) -> Any:
         return _xgr().Grammar.from_regex("|".join(_escape_regex(t) for t in texts if t is not None))
     pattern = schema.get("pattern", _TEXT_FORMAT_PATTERNS.get(schema.get("format", "")))
     if pattern is not None:
-        return _xgr().Grammar.from_regex(pattern.removeprefix("^").removesuffix("$"))
+        return _xgr().Grammar.from_ebnf(_xml_pattern(pattern.removeprefix("^").removesuffix("$"), key))
     if schema.get("format") in ENFORCED_FORMATS:
         text = _format_text(schema["format"])
         if text is None:
             raise GrammarError("json", f"properties[{key!r}]: format {schema['format']!r} is not enforced in the "
                                        f"qwen3_coder format's calls (its JSON form escapes characters the text "
                                        f"would write as they are); use a pattern")
-        return _xgr().Grammar.from_ebnf(text)
+        return _xgr().Grammar.from_ebnf(_without(text, _LT, key))
     if "minLength" in schema or "maxLength" in schema:
         low, high = schema.get("minLength", 0), schema.get("maxLength", "")
         return _xgr().Grammar.from_regex(f"[^<]{{{low},{high}}}")
     return _xgr().Grammar.from_ebnf(_XML_TEXT)
+
+
+# The reader ends a value at its first </parameter>: where a pattern or a format lets a value write "<", it
+# writes none (its texts without one, each still the schema's); a pattern that must write one is refused.
+# Inside a JSON value, a pattern's string writes no quote, backslash or control character either (the
+# engine's rule of a pattern's JSON string escapes them; its text, now ours, would write them raw).
+_LT = [(ord("<"), ord("<"))]
+_JSON_ESCAPED = [(0, 0x1F), (ord('"'), ord('"')), (ord("\\"), ord("\\"))]
+
+
+def _xml_pattern(pattern: str, key: str, json_string: bool = False) -> str:
+    """The rules of ``pattern``'s texts that write no "<" (GrammarError, named, where it has one of its own);
+    as a JSON string's content (``json_string``), its characters escaped or (a class's) left out as JSON needs."""
+    text = _without(str(_xgr().Grammar.from_regex(pattern)), _LT + _JSON_ESCAPED if json_string else _LT, key)
+    if any("<" in literal for literal in ebnf_text.literals(text)):
+        raise _must_write(key)
+    return ebnf_text.map_literals(text, lambda t: json.dumps(t)[1:-1]) if json_string else text
+
+
+def _xml_json(text: str, schema: dict, key: str) -> str:
+    """A JSON value's rules (``text``, of ``schema``) that write no "<": its strings' as their escape, its
+    formats' and patterns' texts without one."""
+    for pattern in _patterns(schema):  # (the engine writes some patterns' rules, others as its own call)
+        _xml_pattern(pattern, key)
+    rules: list[str] = []
+
+    def pattern_rule(args: list[str]) -> str:
+        if args[1:] != ["json_string=true"]:
+            raise GrammarError("json", f"properties[{key!r}]: a pattern the engine reads outside a string")
+        prefix = f"xml_pattern_{len(rules)}_"
+        rules.append(ebnf_text.renamed(_xml_pattern(ebnf_text.literal_text(args[0]), key, json_string=True), prefix))
+        return prefix + "root"
+
+    text = ebnf_text.map_calls(text.replace(_JSON_STRING_CHAR, _XML_JSON_STRING_CHAR), "Regex", pattern_rule)
+    return _without("\n".join([text, *rules]), _LT, key)
+
+
+def _patterns(schema: Any) -> Iterator[str]:
+    """Every pattern in ``schema``: its ``pattern`` values and ``patternProperties`` keys, at any depth."""
+    if isinstance(schema, list):
+        for item in schema:
+            yield from _patterns(item)
+    elif isinstance(schema, dict):
+        if isinstance(schema.get("pattern"), str):
+            yield schema["pattern"]
+        if isinstance(schema.get("patternProperties"), dict):
+            yield from schema["patternProperties"]
+        for value in schema.values():
+            yield from _patterns(value)
+
+
+def _without(text: str, taken: ebnf_text.Ranges, key: str) -> str:
+    try:
+        return ebnf_text.without_chars(text, taken)
+    except ebnf_text.ClassEmptied:
+        raise _must_write(key) from None
+
+
+def _must_write(key: str) -> GrammarError:
+    return GrammarError("json", f"properties[{key!r}]: a pattern in its schema has a '<' of its own, which the "
+                                f"qwen3_coder format's calls cannot hold to (a value ends at its first {PARAM_CLOSE}, "
+                                f"and a pattern's characters are written as they are); give a pattern without one")
 
 
 # A format's text where the engine's JSON rule escapes: an email's local part unquoted (the dot-atom form)

@@ -308,6 +308,38 @@ def test_choices_and_bounded_strings_inside_a_json_value_keep_their_rules(chars)
             "s": {"enum": ["a</parameter>b", "c"]}}}}})
 
 
+ANY_BUT_AT = {"type": "string", "pattern": "^[^@]+$"}
+
+
+@pytest.mark.parametrize("schema,good,bad", [
+    (ANY_BUT_AT, [("a b", "a b")], ["x</parameter>y", "a<b", "a@b"]),
+    ({"type": "object", "properties": {"s": ANY_BUT_AT}, "required": ["s"]},
+     [('{"s": "ab"}', {"s": "ab"})], ['{"s": "x</parameter>"}', '{"s": "a<b"}', '{"s": "a@b"}']),
+    ({"type": "object", "properties": {"s": {"type": "string", "pattern": "^[ -~]+q$"}}, "required": ["s"]},
+     [('{"s": "a(b)q"}', {"s": "a(b)q"})], ['{"s": "x</parameter>q"}', '{"s": "x\\"q"}']),  # (the engine's own call)
+    ({"type": "object", "properties": {"p": {"type": "string", "format": "json-pointer"}}, "required": ["p"]},
+     [('{"p": "/a/b"}', {"p": "/a/b"})], ['{"p": "/x</parameter>"}']),
+])
+def test_a_pattern_or_format_never_writes_the_closing_tag(chars, schema, good, bad):
+    """The reader ends a value at its first ``</parameter>``: where a pattern or format would let a value write
+    one (its own text, or a string inside a JSON value), it writes no "<" (a value read cut short before)."""
+    request, matcher = _forced(chars, {"type": "object", "properties": {"v": schema}, "required": ["v"]})
+    for written, value in good:
+        assert _held(request, matcher, v=written) == {"v": value}, written
+    for written in bad:
+        assert _held(request, matcher, v=written) is None, written
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "pattern": "^<[a-z]+>$"},
+    {"type": "string", "pattern": "[<]"},
+    {"type": "array", "items": {"type": "string", "pattern": "<.*"}},  # inside a JSON value
+])
+def test_a_pattern_with_a_closing_tag_s_first_character_of_its_own_is_refused(chars, schema):
+    with pytest.raises(GrammarError, match=r"properties\['v'\]: a pattern in its schema has a '<' of its own"):
+        _forced(chars, {"type": "object", "properties": {"v": schema}, "required": ["v"]})
+
+
 NODE = {"$defs": {"Node": {"type": "object", "properties": {
     "label": {"type": "string"}, "child": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]}},
     "required": ["label"]}}, "$ref": "#/$defs/Node"}  # pydantic's schema of a recursive model
