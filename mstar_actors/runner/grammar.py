@@ -522,11 +522,18 @@ def _with_format_patterns(schema: Any) -> Any:
 def _json_grammar_text(schema: str) -> str:
     """The engine's grammar of ``schema`` (no free whitespace: a small model
     would fill it, formats ``FORMAT_PATTERNS`` names as their patterns), with
-    its length-bounded strings made valid JSON."""
+    its length-bounded strings made valid JSON, and a pattern's control
+    characters written as their escapes (the engine writes a pattern all
+    literal, such as ``^a\\nb$``, as its raw characters)."""
     if "ipv4" in schema:
         schema = json.dumps(_with_format_patterns(json.loads(schema)))
     text = str(_xgr().Grammar.from_json_schema(schema, any_whitespace=False))
+    if any(_CONTROL.search(literal) for literal in ebnf_text.literals(text)):
+        text = ebnf_text.map_literals(text, lambda t: _CONTROL.sub(lambda m: json.dumps(m[0])[1:-1], t))
     return text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+
+
+_CONTROL = re.compile("[\x00-\x1f]")
 
 
 def _tagged_calls(calls: dict) -> Any:

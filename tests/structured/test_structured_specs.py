@@ -129,6 +129,19 @@ def test_a_length_bounded_string_stays_valid_json(compiler):
     assert not accepts(compiler, spec, ['"', "a", "a", "a", "a", '"'])
 
 
+def test_a_literal_pattern_s_control_character_is_written_as_its_escape():
+    """The engine writes a pattern of literals alone as its raw characters: a raw line break is no JSON."""
+    import xgrammar
+
+    every_char = GrammarCompiler(raw_tokenizer_info(["<eos>"] + [chr(c) for c in range(1, 127)], [0]))
+    matcher = xgrammar.GrammarMatcher(every_char.compile(StructuredSpec("json", json.dumps(
+        {"type": "object", "properties": {"s": {"type": "string", "pattern": "^a\\nb$"}}, "required": ["s"]}))))
+    for text, valid in (('{"s": "a\\nb"}', True), ('{"s": "a\nb"}', False)):
+        matcher.reset()
+        assert (matcher.accept_string(text) and matcher.accept_token(0)) is valid, text
+    assert json.loads('{"s": "a\\nb"}') == {"s": "a\nb"}
+
+
 def test_an_ipv4_format_takes_no_leading_zero(compiler):
     """The engine's own ipv4 rule writes octets like 010 (which JSON Schema's
     format refuses, as some read them as octal); the format is its pattern here."""
