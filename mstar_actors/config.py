@@ -231,6 +231,7 @@ class SpeechConfig(msgspec.Struct, **_STRICT):
 
 
 class TransportConfig(msgspec.Struct, **_STRICT):
+    # Each ring's size; raised where one sequence of max_model_len tokens needs more (``ring_sizes``).
     ring_bytes: Annotated[int, msgspec.Meta(ge=4096)] = 4 * 1024 * 1024
     arena_bytes: Annotated[int, msgspec.Meta(ge=1 << 16)] = 64 * 1024 * 1024
 

@@ -56,10 +56,10 @@ from actors.base import ActorSpec, frontend_name, run_actor_process
 from mstar_actors import early_stop, messages, rundir
 from mstar_actors.config import Config, server_url
 from mstar_actors.model_info import ModelInfo
+from mstar_actors.ring_sizes import ring_bytes
 
 log = logging.getLogger("mstar_actors.launcher")
 
-CONTROL_RING_BYTES = 1 << 18  # tracebacks travel here
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 10.0
 # How long a clean exit waits for a peer's error report (its cause), before it is reported itself.
@@ -88,19 +88,6 @@ class ActorPlan:
 
 
 FRONTEND_TARGET = "actors.frontend:FrontendActor"
-
-
-def ring_bytes(name: str, config) -> int:
-    """A ring's size: ``transport.ring_bytes``, the launcher's control rings
-    less; a frontend's ring to prepare carries whole request bodies (their
-    media as data: URLs), so it holds the largest ``server.max_body_bytes``
-    allows, its encoding's overhead and a few more in flight."""
-    if "launcher" in name:
-        return CONTROL_RING_BYTES
-    if name.endswith(".prepare") and name.startswith("frontend"):
-        body = config.server.max_body_bytes
-        return max(config.transport.ring_bytes, body + body // 4 + (1 << 20))
-    return config.transport.ring_bytes
 
 
 def plan_actors(num_ranks: int, num_frontends: int = 1) -> list[ActorPlan]:
@@ -146,10 +133,11 @@ def plan_actors(num_ranks: int, num_frontends: int = 1) -> list[ActorPlan]:
 class Rings:
     """Every ring of one run, by name; creates them and unlinks them all."""
 
-    def __init__(self, run_id: str, run_dir: Path, config: Config):
+    def __init__(self, run_id: str, run_dir: Path, config: Config, max_model_len: int):
         self.run_id = run_id
         self.run_dir = run_dir
         self.config = config
+        self.max_model_len = max_model_len
         self.specs: dict[str, Any] = {}
 
     def create_all(self, plans: list[ActorPlan]) -> None:
@@ -160,7 +148,7 @@ class Rings:
                 for name in names if isinstance(names, list) else [names]:
                     if name in self.specs:
                         continue  # each ring appears at both of its ends
-                    size = ring_bytes(name, self.config)
+                    size = ring_bytes(name, self.config, self.max_model_len)
                     self.specs[name] = create_ring(self.run_dir, self.run_id, name, size)
 
     def resolve(self, channels: dict[str, tuple[Any, str]]) -> dict[str, tuple[Any, str]]:
@@ -253,7 +241,7 @@ class Launcher:
         rundir.remove_dead_run_dirs(root)
         self.run_dir = rundir.create_run_dir(self.run_id, root)
         register_run(self.run_dir, self.run_id)
-        self.rings = Rings(self.run_id, self.run_dir, self.config)
+        self.rings = Rings(self.run_id, self.run_dir, self.config, self.info.max_model_len)
         self.rings.create_all(self.plans)
         self.create_media_arena()
         self.plan_rendezvous()

@@ -264,12 +264,26 @@ def _alive(pid: int) -> bool:
 
 def test_a_frontends_ring_to_prepare_carries_the_largest_body_the_server_takes():
     from mstar_actors.config import Config, ServerConfig
-    from mstar_actors.launcher import ring_bytes
+    from mstar_actors.ring_sizes import ring_bytes
 
     config = Config(server=ServerConfig(max_body_bytes=32 << 20))
-    assert ring_bytes("frontend.prepare", config) >= (32 << 20) * 5 // 4
-    assert ring_bytes("frontend1.prepare", config) == ring_bytes("frontend.prepare", config)
-    assert ring_bytes("prepare.conductor", config) == config.transport.ring_bytes  # small messages: media go by arena
+    assert ring_bytes("frontend.prepare", config, 2048) >= (32 << 20) * 5 // 4
+    assert ring_bytes("frontend1.prepare", config, 2048) == ring_bytes("frontend.prepare", config, 2048)
+    assert ring_bytes("prepare.conductor", config, 2048) == config.transport.ring_bytes  # media go by arena
+
+
+def test_every_ring_holds_a_sequence_of_the_whole_context():
+    """A plan's start, a Prepared and a first delta with its prompt's ids: a million-token context's take
+    ~5 MB (the configured 4 MiB ring stopped the server); a plan fills the ring but its headroom."""
+    from mstar_actors.config import Config
+    from mstar_actors.ring_sizes import ID_BYTES, PLAN_HEADROOM, plan_bytes, ring_bytes, sequence_ids
+
+    config = Config()
+    one = ID_BYTES * sequence_ids(1 << 20, config.kv.block_size)
+    for name in ("conductor.workers", "prepare.conductor", "conductor.frontend", "frontend.prepare"):
+        assert ring_bytes(name, config, 1 << 20) > one + PLAN_HEADROOM
+    assert plan_bytes(config, 1 << 20) == ring_bytes("conductor.workers", config, 1 << 20) - PLAN_HEADROOM > one
+    assert ring_bytes("launcher.conductor", config, 1 << 20) < one
 
 
 def test_bad_config_is_one_line_and_exit_2(tmp_path):

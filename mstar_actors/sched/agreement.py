@@ -43,6 +43,7 @@ PROMPT_LOGPROB_ENTRY_BYTES = 20  # a prompt logprob entry's encoded size, with r
 
 def make_scheduler(config: Any, info: Any, facts: WorkerReady, log: logging.Logger) -> Any:
     """The scheduler of the model ``info`` describes, on the ranks' capacity ``facts``."""
+    from mstar_actors.ring_sizes import plan_bytes
     from mstar_actors.sched.scheduler import Scheduler
 
     sched = config.scheduler
@@ -65,6 +66,7 @@ def make_scheduler(config: Any, info: Any, facts: WorkerReady, log: logging.Logg
         max_in_flight=1 + sched.steps_ahead if sched.async_scheduling else 1,
         # a step's prompt logprobs within a quarter of a rank's ring to the conductor (at most ~17 bytes an entry)
         max_prompt_logprob_entries=config.transport.ring_bytes // 4 // PROMPT_LOGPROB_ENTRY_BYTES,
+        max_plan_bytes=plan_bytes(config, info.max_model_len),
     )
 
 

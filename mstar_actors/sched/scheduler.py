@@ -46,6 +46,7 @@ from mstar_actors.messages import (
     TokenDelta,
     choice_ids,
 )
+from mstar_actors.ring_sizes import ID_BYTES, sequence_ids
 from mstar_actors.sched.block_allocator import BlockAllocator
 from mstar_actors.sched.media import MediaLedger
 from mstar_actors.sched.prefix_index import PrefixIndex
@@ -54,6 +55,7 @@ from mstar_actors.sched.state_slots import StateSlotAllocator
 from mstar_actors.sched.state_snapshots import SnapshotIndex
 
 PARKED = -1  # a sequence's lora_slot while its adapter has no slot (``set_lora_slot``)
+ROW_BYTES = 96  # a row's fields in a plan beside its block table, encoded, with room
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -66,6 +68,19 @@ def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     if sampling.seed is None or index == 0:
         return sampling
     return msgspec.structs.replace(sampling, seed=sampling.seed + index)
+
+
+def _start_bytes(num_tokens: int, block_size: int, fields_bytes: int) -> int:
+    """What a sequence of ``num_tokens`` starting takes in a plan at most: its ids, its row's table, its fields."""
+    return ID_BYTES * sequence_ids(num_tokens, block_size) + ROW_BYTES + fields_bytes
+
+
+def _fields_bytes(req: Prepared) -> int:
+    """A request's sampling fields and media, encoded (once a request)."""
+    return len(_ENCODER.encode(req.sampling)) + len(_ENCODER.encode(req.media))
+
+
+_ENCODER = msgspec.msgpack.Encoder()
 
 
 def _score_entries(num_prompt: int, prompt_logprobs: int | None) -> int:
@@ -90,6 +105,7 @@ class _StepBuilder:
 
     def __init__(self, budget: int):
         self.budget = budget
+        self.plan_bytes = 0  # what the plan's rows and starts take encoded, at most (``Scheduler.max_plan_bytes``)
         self.score_entries = 0  # prompt logprobs (entries: a position's token and its alternatives) this step carries
         self.scored_tokens = 0  # prompt positions this step puts through the LM head for their logprobs
         self.chunks: dict[str, tuple[Sequence, ScheduledChunk]] = {}
@@ -113,6 +129,7 @@ class _StepBuilder:
         )
         self.chunks[seq.request_id] = (seq, chunk)
         self.budget -= num_tokens
+        self.plan_bytes += ID_BYTES * len(chunk.block_ids) + ROW_BYTES
         if snapshot is not None:
             self.snapshots[seq.request_id] = snapshot
 
@@ -128,6 +145,7 @@ class _StepBuilder:
         entry = self.chunks.pop(seq.request_id, None)
         if entry is not None:
             self.budget += entry[1].num_tokens
+            self.plan_bytes -= ID_BYTES * len(entry[1].block_ids) + ROW_BYTES
         return self.snapshots.pop(seq.request_id, None)
 
 
@@ -223,6 +241,7 @@ class Scheduler:
         max_in_flight: int = 1,
         max_prompt_logprob_entries: int = 1 << 16,
         max_scored_tokens: int = 512,
+        max_plan_bytes: int = 1 << 62,
     ):
         if max_in_flight not in (1, 2, 3):
             raise ValueError(f"scheduler: max_in_flight must be 1, 2 or 3 (plan up to two steps ahead), "
@@ -267,6 +286,9 @@ class Scheduler:
         self.max_prompt_logprob_entries = max_prompt_logprob_entries
         # and a step computes the logits of at most this many prompt positions ([positions, vocab] float32 at once)
         self.max_scored_tokens = max_scored_tokens
+        # A plan's starts (their ids) and rows (their tables), encoded, at most this many bytes (the ring to the
+        # ranks holds it: ``ring_sizes``): the rest wait for the next step; a sequence too large alone is refused.
+        self.max_plan_bytes = max_plan_bytes
         self._in_flight: deque[_InFlight] = deque()  # oldest first
         self._finished_ids: list[str] = []  # for the next plan's ``finished``
 
@@ -287,7 +309,8 @@ class Scheduler:
             message = f"request id {req.request_id!r} is already in use; send a unique id"
             return [self._refuse(rid, "request_id", message) for rid in ids]
         self.media.add(req.request_id, req.media)
-        refusal = self._check_prompt(req)
+        fields_bytes = _fields_bytes(req)
+        refusal = self._check_prompt(req, fields_bytes)
         if refusal is not None:
             self.media.end(req.request_id)
             return [msgspec.structs.replace(refusal, request_id=rid) for rid in ids]
@@ -297,7 +320,8 @@ class Scheduler:
         self.choices[req.request_id] = list(ids)
         for index, rid in enumerate(ids):
             seq = Sequence(rid, req, choice_sampling(req.sampling, index), root=root, lora_slot=lora_slot,
-                           max_tokens=max_tokens, arrival=self._num_arrivals, block_size=self.block_size)
+                           max_tokens=max_tokens, arrival=self._num_arrivals, block_size=self.block_size,
+                           fields_bytes=fields_bytes)
             self._num_arrivals += 1
             self.requests[rid] = seq
             self.waiting.append(seq)
@@ -329,7 +353,7 @@ class Scheduler:
     def _is_in_use(self, req: Prepared, ids: list[str]) -> bool:
         return req.request_id in self.choices or any(rid in self.requests for rid in ids)
 
-    def _check_prompt(self, req: Prepared) -> Failed | None:
+    def _check_prompt(self, req: Prepared, fields_bytes: int) -> Failed | None:
         num_prompt, max_tokens = len(req.prompt_token_ids), req.sampling.max_tokens
         if num_prompt == 0:
             return self._refuse(req.request_id, req.prompt_param, "the prompt is empty; send at least one token")
@@ -346,6 +370,15 @@ class Scheduler:
                 f"tokens or give the server more KV blocks"
             )
             return self._refuse(req.request_id, req.prompt_param, message, code="context_length_exceeded")
+        longest = num_prompt + min(max_tokens, self._room(num_prompt))  # (restarted, a start carries its outputs)
+        if (need := _start_bytes(longest, self.block_size, fields_bytes)) > self.max_plan_bytes:
+            message = (
+                f"the request's prompt of {num_prompt} tokens, its output and its other fields take up to {need} "
+                f"bytes in a step's plan, more than one carries ({self.max_plan_bytes}, from transport.ring_bytes); "
+                f"send a shorter prompt, a smaller max_tokens or smaller fields (a schema, stop strings, logit_bias), "
+                f"or raise transport.ring_bytes"
+            )
+            return self._refuse(req.request_id, req.prompt_param, message)
         entries = _score_entries(num_prompt, req.sampling.prompt_logprobs)
         if entries > self.max_prompt_logprob_entries:
             message = (
@@ -465,6 +498,8 @@ class Scheduler:
                 num_new = self._score_cut(seq, step, num_new, num_left)
                 if num_new == 0:
                     continue
+            if chunks and step.plan_bytes + ID_BYTES * _cdiv(start + num_new, self.block_size) > self.max_plan_bytes:
+                return  # the rest of the rows: the next plan (a shared prefix's tables, at hundreds of rows)
             if self._reserve_blocks(seq, start + num_new, step):
                 step.add(seq, num_new, self._snapshot_to_take(seq, num_new) if hybrid else None, start, num_left)
 
@@ -513,6 +548,9 @@ class Scheduler:
     def _try_admit(self, seq: Sequence, step: _StepBuilder) -> bool:
         if self.state_slots is not None and not self.state_slots.can_allocate():
             return False  # backpressure: a running sequence's end or preemption frees one
+        start_bytes = _start_bytes(seq.num_tokens, self.block_size, seq.fields_bytes)
+        if step.chunks and step.plan_bytes + start_bytes > self.max_plan_bytes:
+            return False  # the next plan carries it
         hits, restore = self._lookup_prefix(seq)
         num_computed = len(hits) * self.block_size
         num_new = self._snapshot_point_cut(seq, num_computed, min(seq.num_tokens - num_computed, step.budget))
@@ -546,6 +584,7 @@ class Scheduler:
         outputs = list(seq.output_token_ids)
         step.started.append(SeqStart(seq.request_id, seq.prompt_token_ids, seq.sampling, outputs, media, seq.lora_slot,
                                      state_slot=seq.state_slot, restore_snapshot=restore))
+        step.plan_bytes += start_bytes - ID_BYTES * _cdiv(seq.num_tokens, self.block_size) - ROW_BYTES  # (its row's)
         step.add(seq, num_new, self._snapshot_to_take(seq, num_new))
         return True
 

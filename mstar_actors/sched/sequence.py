@@ -33,7 +33,7 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, req: Prepared, sampling: SamplingParams, *, root: str, lora_slot: int,
-                 max_tokens: int, arrival: int, block_size: int):
+                 max_tokens: int, arrival: int, block_size: int, fields_bytes: int = 0):
         self.request_id = request_id
         self.parent_id = req.request_id  # the request whose choice this is
         self.root = root
@@ -44,6 +44,7 @@ class Sequence:
         self.max_tokens = max_tokens
         self.arrival = arrival
         self.block_size = block_size
+        self.fields_bytes = fields_bytes  # its sampling fields and media, encoded: what its start carries beside ids
         self.output_token_ids: list[int] = []
         self.num_computed = 0
         self.block_ids: list[int] = []

@@ -561,3 +561,39 @@ def test_the_prompts_ids_ride_on_each_choices_first_delta_only_when_asked():
     firsts = {d.request_id: d.prompt_token_ids for d in deltas if d.num_prompt_tokens}
     assert firsts == {"a-0": [11, 12, 13], "a-1": [11, 12, 13], "b": None}
     assert all(d.prompt_token_ids is None for d in deltas if not d.num_prompt_tokens)
+
+
+def test_a_plan_carries_no_more_starts_and_tables_than_its_ring_holds():
+    """Sequences sharing a long cached prefix start a few tokens each: without a bound, as many start in one plan
+    as the budget takes, each with its whole prompt and table (past the ring to the ranks, which stopped the
+    server); the rest wait for the next plan, and every plan fits."""
+    prompt = list(range(70_000, 70_100))  # (ids of a large vocabulary: msgpack's widest)
+    limit = 1500  # one such start with its row, and the rows already running
+    sched = make_scheduler(num_blocks=256, max_plan_bytes=limit)
+    sched.add(make_request("a", prompt=prompt, max_tokens=2), ROOT)
+    while sched.has_work():
+        run_step(sched)
+    for rid in "bcd":
+        sched.add(make_request(rid, prompt=prompt + [7], max_tokens=3), ROOT)
+    starts = []
+    while sched.has_work():
+        plan, _ = run_step(sched)
+        assert len(msgspec.msgpack.encode(plan)) <= limit
+        starts.append([s.request_id for s in plan.started])
+    assert [s for s in starts if s] == [["b"], ["c"], ["d"]]
+    unbounded = make_scheduler(num_blocks=256)
+    unbounded.add(make_request("a", prompt=prompt, max_tokens=2), ROOT)
+    while unbounded.has_work():
+        run_step(unbounded)
+    for rid in "bcd":
+        unbounded.add(make_request(rid, prompt=prompt + [7], max_tokens=3), ROOT)
+    plan, _ = run_step(unbounded)
+    assert [s.request_id for s in plan.started] == ["b", "c", "d"] and len(msgspec.msgpack.encode(plan)) > limit
+
+
+def test_a_sequence_past_what_a_plan_carries_is_refused_naming_the_ring():
+    sched = make_scheduler(max_plan_bytes=500)
+    (refused,) = sched.add(make_request("big", num_prompt_tokens=100, max_tokens=4), ROOT)
+    assert isinstance(refused, Failed) and refused.status == 400 and refused.param == "prompt"
+    assert "transport.ring_bytes" in refused.message and "100 tokens" in refused.message
+    assert sched.add(make_request("small", num_prompt_tokens=10, max_tokens=4), ROOT) == []
