@@ -461,6 +461,9 @@ def _parse_truncation(body: dict, max_model_len: int | None) -> int | None:
     if value == 0:
         raise _bad("truncate_prompt_tokens", "expected -1 (the model's context, max_model_len) or a positive "
                                              "integer, got 0")
+    if max_model_len and value is not None and value > max_model_len:  # (vLLM's refusal too)
+        raise _bad("truncate_prompt_tokens", f"{value} is more than max_model_len ({max_model_len}); keep at most "
+                                             f"{max_model_len} tokens, or -1 for the model's context")
     return (max_model_len or None) if value == -1 else value
 
 

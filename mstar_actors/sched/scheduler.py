@@ -479,6 +479,7 @@ class Scheduler:
         # A row at a time over every running sequence, every step: the conductor's
         # largest cost at hundreds of rows, so each fact is read once a row.
         chunks, hybrid = step.chunks, self.snapshots is not None
+        near_full = self.max_plan_bytes - ID_BYTES * _cdiv(self.max_model_len, self.block_size)  # (a row's at most)
         for seq in list(self.running):
             if step.budget == 0:
                 return
@@ -498,7 +499,8 @@ class Scheduler:
                 num_new = self._score_cut(seq, step, num_new, num_left)
                 if num_new == 0:
                     continue
-            if chunks and step.plan_bytes + ID_BYTES * _cdiv(start + num_new, self.block_size) > self.max_plan_bytes:
+            if step.plan_bytes > near_full and chunks and (
+                    step.plan_bytes + ID_BYTES * _cdiv(start + num_new, self.block_size) > self.max_plan_bytes):
                 return  # the rest of the rows: the next plan (a shared prefix's tables, at hundreds of rows)
             if self._reserve_blocks(seq, start + num_new, step):
                 step.add(seq, num_new, self._snapshot_to_take(seq, num_new) if hybrid else None, start, num_left)

@@ -132,6 +132,7 @@ def test_min_tokens_with_ignore_eos_masks_only_the_stop_tokens():
     (chat(logit_bias=[1]), "logit_bias"), (chat(allowed_token_ids=[-1]), "allowed_token_ids"),
     (chat(allowed_token_ids="1"), "allowed_token_ids"), (chat(min_tokens=30, max_tokens=20), "min_tokens"),
     (chat(bad_words="foo"), "bad_words"), (chat(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    (chat(truncate_prompt_tokens=401), "truncate_prompt_tokens"),  # past max_model_len (vLLM's refusal)
     (chat(skip_special_tokens="no"), "skip_special_tokens"), (chat(return_token_ids=1), "return_token_ids"),
     (chat(include_stop_str_in_output="y"), "include_stop_str_in_output"),
     (chat(stream=True, stream_options={"bogus": True}), "stream_options.bogus"),
