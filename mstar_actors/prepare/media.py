@@ -226,15 +226,17 @@ def _read_data_url(ref: MediaRef, limits: MediaLimits) -> bytes:
     num_chars = len(url) - comma - 1
     if num_chars * 3 // 4 > limits.max_bytes + 2:  # decoded size, known before decoding
         raise _too_big(ref, f"about {num_chars * 3 // 4}", limits)
+    # an input_audio part's data is sent as base64 alone (its data: URL is ours): told of what the client sent
+    what, offset = ("its data", comma + 1) if ref.param.endswith(".input_audio") else ("the data: URL", 0)
     try:
         text = url.encode("ascii")  # one copy; pybase64 reads the payload in place
     except UnicodeEncodeError as err:
-        raise MediaError(ref.param, f"the data: URL is not valid base64: a non-ASCII character at position "
-                                    f"{err.start}") from None
+        raise MediaError(ref.param, f"{what} is not valid base64: a non-ASCII character at position "
+                                    f"{err.start - offset}") from None
     try:
         data = pybase64.b64decode(memoryview(text)[comma + 1:], validate=True)
     except (binascii.Error, ValueError) as err:
-        raise MediaError(ref.param, f"the data: URL is not valid base64: {err}") from None
+        raise MediaError(ref.param, f"{what} is not valid base64: {err}") from None
     if len(data) > limits.max_bytes:
         raise _too_big(ref, len(data), limits)
     return data

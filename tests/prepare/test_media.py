@@ -95,6 +95,17 @@ def test_data_url_must_be_base64():
         read_local(ref("data:image/png;base64,@@@@"), MediaLimits())
 
 
+def test_an_input_audio_s_bad_base64_is_told_of_its_data_not_a_data_url():
+    """The client sent base64 alone (``input_audio.data``): the data: URL prepare reads is the frontend's."""
+    audio = MediaRef("audio", "data:audio/wav;base64,QUJ@é", "messages[0].content[0].input_audio")
+    non_ascii = r"input_audio: its data is not valid base64: a non-ASCII character at position 4$"
+    with pytest.raises(MediaError, match=non_ascii):
+        read_local(audio, MediaLimits())
+    with pytest.raises(MediaError, match="its data is not valid base64") as err:
+        read_local(MediaRef("audio", "data:audio/wav;base64,@@@!!", audio.param), MediaLimits())
+    assert "data: URL" not in str(err.value) and err.value.param == audio.param
+
+
 def test_file_url_inside_the_allowed_dir(tmp_path):
     (tmp_path / "a.png").write_bytes(png_bytes())
     limits = MediaLimits(allowed_dir=str(tmp_path))
