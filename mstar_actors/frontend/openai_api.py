@@ -38,7 +38,7 @@ MAX_STOP_CHARS = 512
 MAX_TOP_LOGPROBS = 20  # chat
 MAX_LEGACY_LOGPROBS = 5  # completions
 MAX_PROMPTS = 64
-MAX_SEED = (1 << 63) - 1 - MAX_N  # seed + choice index stays an int64
+MAX_SEED = (1 << 63) - 1  # any int64, as vLLM (a choice's seed + index wraps within int64: ``choice_sampling``)
 MIN_SEED = -(1 << 63)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # A message's fields: every role's, a role's own, and the fields of an

@@ -63,11 +63,11 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
-    """Choice ``index`` of a request: with a seed, it samples with seed + index,
-    so choices differ and each reproduces."""
+    """Choice ``index`` of a request: with a seed, it samples with seed + index
+    (wrapped within int64), so choices differ and each reproduces."""
     if sampling.seed is None or index == 0:
         return sampling
-    return msgspec.structs.replace(sampling, seed=sampling.seed + index)
+    return msgspec.structs.replace(sampling, seed=(sampling.seed + index + (1 << 63)) % (1 << 64) - (1 << 63))
 
 
 def _start_bytes(num_tokens: int, block_size: int, fields_bytes: int) -> int:

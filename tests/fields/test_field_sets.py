@@ -181,3 +181,14 @@ def test_truncating_is_refused_with_media_parts():
     assert refused(chat(messages=image, truncate_prompt_tokens=4)).param == "truncate_prompt_tokens"
     api.parse_chat(chat(messages=image, return_token_ids=True), 256, 400)  # the engine's ids come back (expanded)
     api.parse_chat(chat(messages=image, min_tokens=1), 256, 400)
+
+
+def test_any_int64_seed_is_taken_and_each_choice_s_stays_one():
+    """vLLM and OpenAI take any int64 (sys.maxsize among them); choice i samples with seed + i, wrapped."""
+    from mstar_actors.sched.scheduler import choice_sampling
+
+    top = (1 << 63) - 1
+    sampling = api.parse_completion(comp(seed=top, n=3), 256, 400).sampling
+    seeds = [choice_sampling(sampling, i).seed for i in range(3)]
+    assert seeds == [top, -(1 << 63), -(1 << 63) + 1]
+    assert refused(comp(seed=1 << 63), "completion").param == "seed"
