@@ -43,7 +43,7 @@ read-only preparer.
 - **Abandoned requests.** An ``Abort`` for a request not yet released takes
   it out of the release order at once (the requests behind it don't wait for
   it); a thread that has not begun its draft skips it, one that has
-  finishes, and the result is dropped unsent. Its tensors never reach the
+  stops before its next media item, and the result is dropped unsent. Its tensors never reach the
   arena, since storing happens only at release. The Abort itself is not
   forwarded: the conductor never saw the request, and the frontend expects no
   ``Finished`` for a request that produced no token. An ``Abort`` for a
@@ -399,7 +399,7 @@ class PrepareActor(Actor):
         """The preparer's draft (on a pool thread, or inline)."""
         if pending.is_abandoned:  # aborted while queued for a thread: its result would be dropped
             return Failed(request_id=pending.request_id, status=400, message="abandoned before its draft began")
-        return self.preparer.draft(pending.req, fetched)
+        return self.preparer.draft(pending.req, fetched, abandoned=lambda: pending.is_abandoned)
 
     async def _fetch(self, req: NewRequest, refs: list[MediaRef]) -> dict[str, bytes]:
         if self._http is None:

@@ -91,10 +91,10 @@ class TimedPreparer:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def draft(self, req, fetched=None):
+    def draft(self, req, fetched=None, **kw):
         start, cpu = time.perf_counter(), time.thread_time()
         try:
-            return self.inner.draft(req, fetched)
+            return self.inner.draft(req, fetched, **kw)
         finally:
             self.drafts.append((time.perf_counter() - start, time.thread_time() - cpu))
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -124,7 +125,9 @@ class Preparer:
         result = self.draft(req, {})
         return result.prepared if isinstance(result, Draft) else result
 
-    def draft(self, req: NewRequest, fetched: dict[str, bytes] | None = None) -> Draft | Failed:
+    def draft(self, req: NewRequest, fetched: dict[str, bytes] | None = None, *,
+              abandoned: Callable[[], bool] = lambda: False) -> Draft | Failed:
+        """``req``'s prompt (``abandoned``: a media draft's question between its items, whether its client left)."""
         if (refusal := self.check_structured(req) or _media_refused(req)) is not None:
             return refusal
         try:
@@ -323,7 +326,10 @@ class MediaPreparer:
 
     # ---- the one entry point -----------------------------------------------
 
-    def draft(self, req: NewRequest, fetched: dict[str, bytes]) -> Draft | Failed:
+    def draft(self, req: NewRequest, fetched: dict[str, bytes], *,
+              abandoned: Callable[[], bool] = lambda: False) -> Draft | Failed:
+        """``req``'s prompt and media; ``abandoned`` is asked before each item (a request whose client left
+        stops at the item it is on: six large images, a long video, held the pool's thread seconds for nothing)."""
         if (refusal := self.text.check_structured(req)) is not None:  # the engine's compiler is thread-safe
             return refusal
         try:
@@ -331,7 +337,11 @@ class MediaPreparer:
             refs = collect_media(req, self.limits, self.MEDIA_KINDS)
             if not refs:
                 return self.text.draft(req, fetched)  # text only: the plain path
-            media = [self._processed(ref, fetched) for ref in refs]
+            media = []
+            for ref in refs:
+                if abandoned():
+                    return failed(req, "abandoned during its draft: its client left", None)
+                media.append(self._processed(ref, fetched))
             token_ids, media = self._expand(self._template_ids(req), media, refs)
         except MediaError as err:
             return failed(req, str(err), err.param)

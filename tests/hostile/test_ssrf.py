@@ -293,7 +293,7 @@ class MediaPreparer:
 
     PREPARES_MEDIA = True
 
-    def draft(self, req, fetched):
+    def draft(self, req, fetched, *, abandoned=None):
         return Draft(Prepared(request_id=req.request_id, model="m", prompt_token_ids=[len(fetched[PARAM])],
                               sampling=SamplingParams()))
 

@@ -47,7 +47,7 @@ class GatedPreparer:
             self.started[rid] = asyncio.Event()
             self.ended[rid] = asyncio.Event()
 
-    def draft(self, req: NewRequest, fetched: dict) -> Draft | Failed:
+    def draft(self, req: NewRequest, fetched: dict, *, abandoned=None) -> Draft | Failed:
         self.threads.add(threading.current_thread().name)
         self.loop.call_soon_threadsafe(self.started[req.request_id].set)
         assert self.gates[req.request_id].wait(20), f"gate {req.request_id} never opened"
@@ -63,7 +63,7 @@ class GatedPreparer:
 class InlinePreparer(GatedPreparer):
     PREPROCESS_PARALLEL = False
 
-    def draft(self, req, fetched):
+    def draft(self, req, fetched, *, abandoned=None):
         self.threads.add(threading.current_thread().name)
         return Draft(Prepared(request_id=req.request_id, model="m", prompt_token_ids=[1], sampling=SamplingParams()))
 
@@ -424,9 +424,9 @@ async def test_pool_threads_are_pinned_to_cpus_of_their_own(monkeypatch, pin):
     drafted_on: set[int] = set()
     draft = preparer.draft
 
-    def draft_and_note(req, fetched):
+    def draft_and_note(req, fetched, *, abandoned=None):
         drafted_on.add(threading.get_native_id())
-        return draft(req, fetched)
+        return draft(req, fetched, abandoned=abandoned)
 
     preparer.draft = draft_and_note
     preparer.expect("a", "b")

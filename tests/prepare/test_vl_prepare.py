@@ -309,3 +309,14 @@ def test_an_image_the_processor_refuses_is_a_400_naming_its_part(preparer, shape
     out = preparer.draft(chat("r", image_part(png_url(np.zeros(shape, dtype=np.uint8)))), {})
     assert isinstance(out, Failed) and out.status == 400 and out.param == "messages[0].content[1].image_url", out
     assert "aspect ratio" in out.message and "can't be prepared" in out.message
+
+
+def test_a_draft_whose_client_left_stops_before_its_next_item(preparer):
+    """The pool's thread asks between items: a request abandoned while its first image is prepared prepares no
+    other (six large images held the only thread seconds after their client had gone)."""
+    frame = np.random.default_rng(3).integers(0, 255, (40, 40, 3), dtype=np.uint8)
+    req = chat("gone", *[image_part(png_url(frame))] * 3)
+    asked = []
+    result = preparer.draft(req, {}, abandoned=lambda: asked.append(1) or len(asked) > 1)
+    assert isinstance(result, Failed) and "abandoned" in result.message and len(asked) == 2
+    assert isinstance(preparer.draft(req, {}, abandoned=lambda: False), Draft)
