@@ -167,12 +167,15 @@ class ConductorActor(Actor):
 
     async def stop(self) -> None:
         """On a failure (a rank's channel broke, say) every live request is told
-        why before the channels close: its frontend would only see them end."""
+        why before the channels close: its frontend would only see them end.
+        Live: every choice that arrived and has not ended (``arrived``), the
+        ones the adapter pool or the grammar gate holds as well as the
+        scheduler's."""
         if not self.failure or self.scheduler is None:
             return
         message = f"the engine stopped: {self.failure}; the server must be restarted"
-        for request_id in list(self.scheduler.requests):
-            out = Failed(request_id=request_id, status=503, error_type="server_error", message=message)
+        for request_id in dict.fromkeys([*self.scheduler.requests, *self.arrived]):
+            out = Failed(request_id=request_id, status=503, error_type="service_unavailable_error", message=message)
             try:
                 self.frontends[frontend_of(request_id)].send_nowait(out)
             except Exception as err:  # full or gone: the frontend fails it on the channel's end

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 
+import msgspec
 import pytest
 import torch
 
@@ -28,6 +29,7 @@ from mstar_actors.messages import (
     PrepareToConductor,
     SamplingParams,
     Shutdown,
+    StructuredSpec,
     TokenDelta,
     WorkerToConductor,
     frontend_of,
@@ -305,16 +307,33 @@ async def test_a_failing_conductor_tells_each_live_request_why(tiny_model):
     channel ends, not an anonymous end."""
     model_dir, _ = tiny_model
     engine = Engine(make_config(model_dir))
+    for worker in engine.actors[2:]:  # a grammar no rank answers for: its request waits in the gate
+        worker._compile = lambda msg: asyncio.sleep(3600)
     engine.start()
     await engine.to_prepare.send(make_request("live", max_tokens=100, prompt_token_ids=[5, 6]))
     while not isinstance(msg := await asyncio.wait_for(engine.from_conductor.recv(), 10), TokenDelta):
         pass
+    held = make_request("held", prompt_token_ids=[5, 6])
+    held = msgspec.structs.replace(held, sampling=msgspec.structs.replace(
+        held.sampling, structured=StructuredSpec("regex", "a+")))
+    await engine.to_prepare.send(held)
+    conductor = engine.actors[1]
+
+    async def held_arrives():
+        while "held" not in conductor.arrived:
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(held_arrives(), 10)
     worker0 = engine.actors[2]
     await worker0.outbox["conductor"].send(worker0.runner.ready_info(0))  # WorkerReady again: no handler
-    while not isinstance(msg := await asyncio.wait_for(engine.from_conductor.recv(), 10), Failed):
-        pass
-    assert msg.request_id.startswith("live") and msg.status == 503, msg
-    assert "the engine stopped: UnknownMessage" in msg.message and "worker0" in msg.message, msg.message
+    failed = {}
+    while len(failed) < 2:
+        if isinstance(msg := await asyncio.wait_for(engine.from_conductor.recv(), 10), Failed):
+            failed[msg.request_id] = msg
+    for msg in failed.values():  # the one the gate held as well: told why, not "shutting down"
+        assert msg.status == 503 and msg.error_type == "service_unavailable_error", msg
+        assert "the engine stopped: UnknownMessage" in msg.message and "worker0" in msg.message, msg.message
+    assert sorted(failed) == ["held", "live"]
     await engine.to_prepare.send(Shutdown(reason="test over"))  # the launcher's part: stop the others
     codes = await asyncio.wait_for(asyncio.gather(*engine.tasks), 10)
     assert codes[1] == 1  # the conductor's
