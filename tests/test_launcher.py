@@ -160,9 +160,15 @@ def test_health_and_a_completion(server):
 
 
 def test_run_dir_lists_every_actor(server):
+    from actors.base import process_name
+
     actors = server.actors()
     assert sorted(actors) == ["adapter_reader", "conductor", "frontend", "prepare", "worker0"]
     assert (server.run_dir / "launcher.pid").read_text().strip() == str(server.proc.pid)
+    # each process is named for its actor (pgrep worker0, top): not python, all alike
+    assert {name: Path(f"/proc/{pid}/comm").read_text().strip() for name, pid in actors.items()} == {
+        name: process_name(name) for name in actors}
+    assert process_name("worker0") == "mstar-worker0" and process_name("adapter_reader") == "mstar-adapter_r"
 
 
 def test_actors_take_a_short_openmp_spin_unless_the_user_set_one(server):
