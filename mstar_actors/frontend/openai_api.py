@@ -32,7 +32,7 @@ from mstar_actors.frontend import tool_calls
 from mstar_actors.frontend.tool_calls import ToolError, ToolRequest
 from mstar_actors.messages import ChatMessage, ContentPart, NewRequest, SamplingParams, StructuredSpec
 
-MAX_N = 16
+MAX_N = 128  # OpenAI's limit (the server's own bounds: max_num_seqs + max_waiting_requests)
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 512
 MAX_TOP_LOGPROBS = 20  # chat

@@ -192,3 +192,9 @@ def test_any_int64_seed_is_taken_and_each_choice_s_stays_one():
     seeds = [choice_sampling(sampling, i).seed for i in range(3)]
     assert seeds == [top, -(1 << 63), -(1 << 63) + 1]
     assert refused(comp(seed=1 << 63), "completion").param == "seed"
+
+
+def test_n_goes_to_openai_s_limit():
+    assert api.parse_chat(chat(n=128), 256, 400).n == 128
+    err = refused(chat(n=129))
+    assert err.param == "n" and "[1, 128]" in err.message

@@ -139,7 +139,7 @@ BAD = [
     ("completion", comp(suffix="tail"), "suffix"),
     ("completion", comp(max_tokens=-3), "max_tokens"),
     ("completion", comp(max_tokens=257), "max_tokens"),
-    ("completion", comp(prompt=["a"] * 20, n=16), "n"),
+    ("completion", comp(prompt=["a"] * 20, n=26), "n"),  # 520 choices: past 4 x MAX_N
     ("chat", chat(metadata={"a": 1}), "metadata"),
     ("chat", chat(metadata="x"), "metadata"),
     ("chat", chat(store="yes"), "store"),
