@@ -329,7 +329,7 @@ class MediaPreparer:
     def draft(self, req: NewRequest, fetched: dict[str, bytes], *,
               abandoned: Callable[[], bool] = lambda: False) -> Draft | Failed:
         """``req``'s prompt and media; ``abandoned`` is asked before each item (a request whose client left
-        stops at the item it is on: six large images, a long video, held the pool's thread seconds for nothing)."""
+        stops after the item it is on: six large images held the pool's thread seconds for nothing)."""
         if (refusal := self.text.check_structured(req)) is not None:  # the engine's compiler is thread-safe
             return refusal
         try:
