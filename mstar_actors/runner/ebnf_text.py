@@ -18,7 +18,6 @@ _RULE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*) ::=", re.MULTILINE)
 _NAMED = {"n": 10, "r": 13, "t": 9, "f": 12, "v": 11, "b": 8, "a": 7, "e": 27, "0": 0}
 _WIDTH = {"x": 2, "u": 4, "U": 8}
 _CLASS_ESCAPED = set("\\]^-[\"")
-MAX_CODE_POINT = 0x10FFFF
 
 
 class ClassEmptied(ValueError):
