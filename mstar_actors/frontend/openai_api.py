@@ -741,7 +741,8 @@ def _field_spec(kind: str, value: Any, param: str) -> StructuredSpec:
         return _schema_spec(value, param)
     if kind == "choice":
         if not (isinstance(value, list) and value):
-            raise _bad(param, f"expected a non-empty list of non-empty strings, got {_show(value)}")
+            got = "an empty list" if value == [] else _show(value)
+            raise _bad(param, f"expected a non-empty list of non-empty strings, got {got}")
         bad = next((i for i, c in enumerate(value) if not (isinstance(c, str) and c)), None)
         if bad is not None:
             raise _bad(param, f"expected a non-empty list of non-empty strings; {param}[{bad}] is "

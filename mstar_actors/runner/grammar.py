@@ -316,6 +316,9 @@ def _own_problem(schema: dict, where: str, root: dict) -> str | None:
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         return (f"{where} uses 'allOf' of {len(schema['allOf'])} schemas, which is not enforced here; "
                 "merge them into one")
+    if isinstance(schema.get("items"), list):
+        return (f"{where} has 'items' as an array (draft 7's tuple form), which is not read here; give "
+                "'prefixItems' (and 'items': false for 'additionalItems': false)")
     if schema.get("uniqueItems") is True:
         return f"{where} uses 'uniqueItems', which is not enforced here"
     if schema.get("format") in UNENFORCED_FORMATS:
@@ -342,6 +345,8 @@ def _own_problem(schema: dict, where: str, root: dict) -> str | None:
         return problem
     if (problem := _count_problem(schema, where)) is not None:
         return problem
+    if (problem := _overlap_problem(schema, where)) is not None:
+        return problem
     required, properties = schema.get("required"), schema.get("properties")
     if isinstance(required, list) and required and schema.get("patternProperties"):
         return (f"{where} has 'required' beside 'patternProperties', which drops it here; name the required "
@@ -350,6 +355,31 @@ def _own_problem(schema: dict, where: str, root: dict) -> str | None:
         missing = [name for name in required if not isinstance(properties, dict) or name not in properties]
         if missing:
             return f"{where} requires {missing!r}, which its 'properties' does not define; define each required one"
+    return None
+
+
+def _overlap_problem(schema: dict, where: str) -> str | None:
+    """A property ``properties`` names whose key ``patternProperties`` or ``propertyNames`` also matches: the
+    engine may write that key as one of the pattern's (JSON Schema holds its value to both schemas; the engine
+    to the pattern's alone)."""
+    properties = schema.get("properties")
+    if not isinstance(properties, dict) or not properties:
+        return None
+    patterns = [("patternProperties", p) for p in schema.get("patternProperties") or {}
+                if isinstance(schema.get("patternProperties"), dict)]
+    names = schema.get("propertyNames")
+    if isinstance(names, dict) and isinstance(names.get("pattern"), str) and schema.get("additionalProperties",
+                                                                                           True) is not False:
+        patterns.append(("propertyNames", names["pattern"]))
+    for key, pattern in patterns:
+        try:
+            compiled = re.compile(pattern)
+        except re.error:
+            continue  # the engine names it
+        if (name := next((n for n in properties if compiled.search(n)), None)) is not None:
+            return (f"{where}'s properties[{name!r}] also matches {key} {pattern!r}: the engine may write it as "
+                    f"one of those keys, its value held to their schema alone (JSON Schema holds it to both); "
+                    f"narrow the pattern to leave out the named properties, or rename them")
     return None
 
 
@@ -417,6 +447,9 @@ def _pattern_problem(schema: dict, where: str) -> str | None:
         if '"' in pattern or "\\\\" in pattern:
             return (f"{where}'s {key} {pattern!r} matches a quote or a backslash, which is not enforced correctly "
                     "here (the output would not be valid JSON)")
+    if "pattern" in schema and schema.get("format") in ENFORCED_FORMATS:
+        return (f"{where} has a pattern beside format {schema['format']!r}: the format's rule is enforced here "
+                "and the pattern dropped; give one of them (a pattern may spell the format's shape too)")
     if ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema):
         kind = "pattern" if "pattern" in schema else "format"
         return (f"{where} has minLength / maxLength beside {kind!r}, which drops them here; put the lengths in "

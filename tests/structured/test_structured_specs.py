@@ -223,6 +223,16 @@ OBJ = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": [
     # strings: lengths beside a pattern or format, lookarounds, quotes and backslashes
     ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 2}, "minLength / maxLength beside 'pattern'"),
     ({"type": "string", "format": "email", "maxLength": 20}, "minLength / maxLength beside 'format'"),
+    # a pattern beside a format: the format's rule alone was written
+    ({"type": "string", "format": "date", "pattern": "^[0-9]{4}$"}, "a pattern beside format 'date'"),
+    # a named property a pattern's keys also take: written as one of those, held to their schema alone
+    ({"type": "object", "properties": {"name": {"type": "boolean"}},
+      "patternProperties": {"^[a-z]+$": {"type": "integer"}}, "additionalProperties": False},
+     "properties['name'] also matches patternProperties '^[a-z]+$'"),
+    ({"type": "object", "properties": {"name": {"type": "boolean"}},
+      "propertyNames": {"type": "string", "pattern": "^[a-z]+$"}, "additionalProperties": {"type": "integer"}},
+     "properties['name'] also matches propertyNames"),
+    ({"type": "array", "items": [{"type": "integer"}], "additionalItems": False}, "draft 7's tuple form"),
     # a format of the vocabulary the engine passes any string for
     ({"type": "string", "format": "idn-email"}, "has format 'idn-email', which is not enforced here; enforced"),
     ({"type": "object", "properties": {"r": {"type": "string", "format": "regex"}}}, "properties['r'] has format"),
