@@ -38,6 +38,7 @@ import dataclasses
 import io
 import math
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,10 @@ class MediaError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(f"{param}: {message}")
         self.param, self.reason = param, message
+
+
+class Abandoned(Exception):
+    """The request's client left while its media was prepared: the rest is not worth preparing."""
 
 
 @dataclass(frozen=True)
@@ -459,14 +464,17 @@ def decode_image(data: bytes, ref: MediaRef, limits: MediaLimits):
         raise MediaError(ref.param, f"could not decode the image: {type(err).__name__}: {err}") from None
 
 
-def decode_video(data: bytes, ref: MediaRef, limits: MediaLimits, num_threads: int = 1) -> VideoFrames:
+def decode_video(data: bytes, ref: MediaRef, limits: MediaLimits, num_threads: int = 1,
+                 abandoned: Callable[[], bool] = lambda: False) -> VideoFrames:
     """Frames sampled at ``limits.video_fps`` as a uint8 (T, H, W, 3) array.
 
     ``num_threads`` is ffmpeg's decoder threads for this one video: 1 (the
     default) decodes on the calling thread. The prepare pool is the
     parallelism: ffmpeg's automatic threading starts one frame thread per
     core for every decode, so N videos at once oversubscribe the host, and on
-    a short clip its frame threads cost more CPU and wall time than they save."""
+    a short clip its frame threads cost more CPU and wall time than they save.
+    ``abandoned`` is asked at each decoded frame (``Abandoned``: a long clip
+    of a client that left held its thread to its end)."""
     import av
 
     try:
@@ -478,7 +486,7 @@ def decode_video(data: bytes, ref: MediaRef, limits: MediaLimits, num_threads: i
             if num_threads > 1:
                 stream.thread_type = "AUTO"
             _check_duration(_duration_s(container, stream), stream.frames, ref, limits)
-            frames = _sample_frames(container, stream, ref, limits)
+            frames = _sample_frames(container, stream, ref, limits, abandoned)
     except MediaError:
         raise
     except (av.error.FFmpegError, OSError, ValueError) as err:
@@ -522,7 +530,8 @@ def _too_many_frames(ref: MediaRef, num_frames: int | str, limits: MediaLimits) 
     )
 
 
-def _sample_frames(container: Any, stream: Any, ref: MediaRef, limits: MediaLimits) -> Any:
+def _sample_frames(container: Any, stream: Any, ref: MediaRef, limits: MediaLimits,
+                   abandoned: Callable[[], bool]) -> Any:
     """One frame per 1/fps seconds (the first frame at or after each sample
     time, counted from the first frame's: a clip whose timestamps start past 0
     is sampled as the same clip from 0; a gap's sample times without a frame
@@ -536,6 +545,8 @@ def _sample_frames(container: Any, stream: Any, ref: MediaRef, limits: MediaLimi
     buffer, num = None, 0
     next_t, start = 0.0, None
     for frame in container.decode(stream):
+        if abandoned():
+            raise Abandoned()
         t = frame.time if frame.time is not None else num / limits.video_fps
         start = t if start is None else start
         t -= start

@@ -44,6 +44,7 @@ from mstar_actors.prepare.audio_features import load_feature_extractor, prepare_
 from mstar_actors.prepare.media import (
     AUDIO_KINDS,
     VISION_KINDS,
+    Abandoned,
     MediaError,
     MediaLimits,
     MediaRef,
@@ -311,14 +312,14 @@ class MediaPreparer:
         self.limits = limits
         self.placeholders = dict(placeholders)
 
-    def _process(self, ref: MediaRef, fetched: dict[str, bytes]) -> MediaDraft:
+    def _process(self, ref: MediaRef, fetched: dict[str, bytes], abandoned: Callable[[], bool]) -> MediaDraft:
         raise NotImplementedError
 
-    def _processed(self, ref: MediaRef, fetched: dict[str, bytes]) -> MediaDraft:
+    def _processed(self, ref: MediaRef, fetched: dict[str, bytes], abandoned: Callable[[], bool]) -> MediaDraft:
         """``_process``; a processor's refusal of the item (Qwen's aspect ratio
         past 200, say) is the item's 400, named by its part."""
         try:
-            return self._process(ref, fetched)
+            return self._process(ref, fetched, abandoned)
         except MediaError:
             raise
         except ValueError as err:
@@ -328,8 +329,8 @@ class MediaPreparer:
 
     def draft(self, req: NewRequest, fetched: dict[str, bytes], *,
               abandoned: Callable[[], bool] = lambda: False) -> Draft | Failed:
-        """``req``'s prompt and media; ``abandoned`` is asked before each item (a request whose client left
-        stops after the item it is on: six large images held the pool's thread seconds for nothing)."""
+        """``req``'s prompt and media; ``abandoned`` is asked before each item and at each frame of a video (a
+        request whose client left stops there: six large images, a long clip, held the pool's thread seconds)."""
         if (refusal := self.text.check_structured(req)) is not None:  # the engine's compiler is thread-safe
             return refusal
         try:
@@ -340,11 +341,13 @@ class MediaPreparer:
             media = []
             for ref in refs:
                 if abandoned():
-                    return failed(req, "abandoned during its draft: its client left", None)
-                media.append(self._processed(ref, fetched))
+                    raise Abandoned()
+                media.append(self._processed(ref, fetched, abandoned))
             token_ids, media = self._expand(self._template_ids(req), media, refs)
         except MediaError as err:
             return failed(req, str(err), err.param)
+        except Abandoned:
+            return failed(req, "abandoned during its draft: its client left", None)
         except PromptTooLong as err:
             return failed(req, too_long(err.min_tokens, err.limit, is_lower_bound=True), "messages",
                           code="context_length_exceeded")
@@ -427,12 +430,12 @@ class QwenVLPreparer(MediaPreparer):
 
     # ---- media ---------------------------------------------------------------
 
-    def _process(self, ref: MediaRef, fetched: dict[str, bytes]) -> MediaDraft:
+    def _process(self, ref: MediaRef, fetched: dict[str, bytes], abandoned: Callable[[], bool]) -> MediaDraft:
         data = fetched[ref.param] if ref.param in fetched else read_local(ref, self.limits)
         if ref.kind == "image":
             item = self._image(decode_image(data, ref, self.limits))
         else:
-            video = decode_video(data, ref, self.limits)
+            video = decode_video(data, ref, self.limits, abandoned=abandoned)
             item = self._video(video.frames, video.fps)
         item.source_digest = source_digest(data) + (b"low" if ref.detail == "low" else b"")  # other pixels
         return item
@@ -685,7 +688,7 @@ class AudioPreparer(MediaPreparer):
             self.processes.close()
             self.processes = None
 
-    def _process(self, ref: MediaRef, fetched: dict[str, bytes]) -> MediaDraft:
+    def _process(self, ref: MediaRef, fetched: dict[str, bytes], abandoned: Callable[[], bool]) -> MediaDraft:
         data = fetched[ref.param] if ref.param in fetched else read_local(ref, self.limits)
         args = (data, ref.param, self.limits, self.sampling_rate, self.max_seconds)
         if self.processes is None:

@@ -320,3 +320,8 @@ def test_a_draft_whose_client_left_stops_before_its_next_item(preparer):
     result = preparer.draft(req, {}, abandoned=lambda: asked.append(1) or len(asked) > 1)
     assert isinstance(result, Failed) and "abandoned" in result.message and len(asked) == 2
     assert isinstance(preparer.draft(req, {}, abandoned=lambda: False), Draft)
+    # inside a clip: asked at each decoded frame, it stops where its client left
+    clip = chat("clip", ContentPart(type="video_url", url=still_video_url(frame, seconds=4, fps=4)))
+    asked.clear()
+    result = preparer.draft(clip, {}, abandoned=lambda: asked.append(1) or len(asked) > 3)
+    assert isinstance(result, Failed) and "abandoned" in result.message and len(asked) == 4  # of 1 + 16
