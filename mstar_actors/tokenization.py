@@ -69,6 +69,12 @@ class Tokenization:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
     @functools.cached_property
+    def content_format(self) -> str:
+        """How the chat template reads a message's content: ``"openai"`` where it loops over its parts, else
+        ``"string"`` (``content_format``)."""
+        return content_format(getattr(self.tokenizer, "chat_template", None) or "")
+
+    @functools.cached_property
     def max_chars_per_token(self) -> int | None:
         return max_chars_per_token(self.tokenizer)
 
@@ -139,7 +145,8 @@ class Tokenization:
                 f"model {self.model_dir.name!r} has no chat template, so it cannot take "
                 "'messages'; send a plain 'prompt' to /v1/completions instead"
             )
-        conversation = [_template_message(i, m, media_parts) for i, m in enumerate(chat)]
+        as_parts = media_parts or self.content_format == "openai"
+        conversation = [_template_message(i, m, media_parts, as_parts) for i, m in enumerate(chat)]
         conversation, tools = self.tool_polyfills(chat, conversation, tools, tool_format)
         try:
             text = self.tokenizer.apply_chat_template(
@@ -235,10 +242,12 @@ _MEDIA_PARTS = {"image_url": {"type": "image"}, "video_url": {"type": "video"},
                 "audio_url": {"type": "audio", "audio_url": ""}, "input_audio": {"type": "audio", "audio_url": ""}}
 
 
-def _template_message(index: int, message: messages.ChatMessage, media_parts: bool) -> dict[str, Any]:
-    """A ChatMessage as the dict chat templates expect: its text parts joined by
-    newlines (as vLLM does for string-content templates); with ``media_parts``,
-    its parts as Qwen's templates read them, media ones as placeholders."""
+def _template_message(index: int, message: messages.ChatMessage, media_parts: bool,
+                      as_parts: bool) -> dict[str, Any]:
+    """A ChatMessage as the dict chat templates expect: its parts as a list
+    (``as_parts``: a template that loops over them, or ``media_parts``, media
+    ones as the placeholders Qwen's templates read), else its text parts
+    joined by newlines (as vLLM does for a template that reads a string)."""
     content = message.content
     if not isinstance(content, str):
         for part_index, part in enumerate(content):
@@ -246,8 +255,58 @@ def _template_message(index: int, message: messages.ChatMessage, media_parts: bo
                 raise ValueError(f"messages[{index}].content[{part_index}] has type {part.type!r}; "
                                  "only 'text' content parts are supported for this model so far")
         content = ([{"type": "text", "text": p.text or ""} if p.type == "text" else dict(_MEDIA_PARTS[p.type])
-                    for p in content] if media_parts else "\n".join(p.text or "" for p in content))
+                    for p in content] if as_parts else "\n".join(p.text or "" for p in content))
     return {"role": message.role, "content": content} | template_tool_fields(message)
+
+
+def content_format(template: str) -> str:
+    """``"openai"`` where ``template`` loops over a message's content (its parts, as a list: a Gemma-style
+    template writes them one after another), else ``"string"`` (Llama's, Qwen's, SmolLM2's: they print the
+    content, and a list would print as one); vLLM tells the two apart the same way. Read from the template's
+    syntax tree: the names a message goes by (a loop over ``messages``, a ``set`` from one), the names its
+    content goes by, and a ``for`` over one of those."""
+    try:
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateError:
+        return "string"
+    loops, sets = list(tree.find_all(jinja2.nodes.For)), list(tree.find_all(jinja2.nodes.Assign))
+    message_names = _names_bound(loops, sets, lambda node: _reads(node, {"messages"}), {"messages"})
+    content_names = _names_bound([], sets, lambda node: _reads(node, message_names, "content"), set())
+
+    def over_content(node: Any) -> bool:
+        return _reads(node, message_names, "content") or _reads(node, content_names)
+
+    return "openai" if any(over_content(loop.iter) for loop in loops) else "string"
+
+
+def _names_bound(loops: list, sets: list, reads: Callable[[Any], bool], names: set[str]) -> set[str]:
+    """``names`` and every name a loop or a ``set`` binds to what ``reads`` says comes from them, to a fixpoint."""
+    names = set(names)
+    while True:
+        found = {loop.target.name for loop in loops if isinstance(loop.target, jinja2.nodes.Name) and reads(loop.iter)}
+        found |= {a.target.name for a in sets if isinstance(a.target, jinja2.nodes.Name) and reads(a.node)}
+        if found <= names:
+            return names
+        names |= found
+
+
+def _reads(node: Any, names: set[str], key: str | None = None) -> bool:
+    """Whether ``node`` is one of ``names`` (with ``key``: its ``key``), through filters, tests, slices and
+    indexes (``messages[1:]``, ``messages[0]``, ``message.content | list``)."""
+    while isinstance(node, jinja2.nodes.Filter | jinja2.nodes.Test) or (
+            isinstance(node, jinja2.nodes.Getitem) and not _is_key(node.arg)):  # (an item, a slice: not a field)
+        node = node.node
+    if key is not None:
+        if isinstance(node, jinja2.nodes.Getattr) and node.attr == key:
+            return _reads(node.node, names)
+        if isinstance(node, jinja2.nodes.Getitem) and _is_key(node.arg) and node.arg.value == key:
+            return _reads(node.node, names)
+        return False
+    return isinstance(node, jinja2.nodes.Name) and node.name in names
+
+
+def _is_key(node: Any) -> bool:
+    return isinstance(node, jinja2.nodes.Const) and isinstance(node.value, str)
 
 
 def processor_chat_template(model_dir: Path) -> str | None:

@@ -125,6 +125,41 @@ def test_chat_template_multi_turn_matches_transformers(tokenization):
     assert text.count("<|im_start|>") == 5 and text.endswith("<|im_start|>assistant\n")
 
 
+PARTS_TEMPLATE = (  # Gemma's way: a list's text parts written one after another
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for item in message['content'] %}{{ item['text'] }}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("template,expected_format", [
+    (PARTS_TEMPLATE, "openai"),
+    ("{% set first = messages[0]['content'] %}{% for p in first %}{{ p.text }}{% endfor %}", "openai"),
+    ("{% for m in messages[1:] %}{% set c = m.content %}{% for p in c | list %}{{ p.text }}{% endfor %}{% endfor %}",
+     "openai"),
+    ("{% for m in messages %}{% for call in m['tool_calls'] %}{{ call.name }}{% endfor %}{{ m.content }}{% endfor %}",
+     "string"),
+    ("{{ (", "string"),  # not a template: rendering says why
+])
+def test_a_template_that_loops_over_its_parts_gets_them_as_a_list(tmp_path, byte_level_dir, template,
+                                                                   expected_format):
+    """vLLM's content format: a template that loops over a message's parts gets the list (transformers' own
+    rendering; joined by newlines, its text differed); one that prints the content gets the parts joined."""
+    from mstar_actors.tokenization import content_format
+
+    assert content_format(template) == expected_format
+    if template is not PARTS_TEMPLATE:
+        return
+    tok = Tokenizer.from_file(str(byte_level_dir / "tokenizer.json"))
+    tokenization = Tokenization(save_model_dir(tmp_path / "parts", tok, chat_template=PARTS_TEMPLATE))
+    chat = [ChatMessage("user", [ContentPart("text", text="Hello"), ContentPart("text", text="world")])]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}]
+    expected = tokenization.tokenizer.apply_chat_template(parts, tokenize=True, add_generation_prompt=False,
+                                                          return_dict=False)
+    ids = tokenization.apply_chat_template(chat, add_generation_prompt=False)
+    assert ids == list(expected) and "Helloworld" in tokenization.decode(ids, skip_special_tokens=False)
+
+
 THINKING_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
