@@ -430,12 +430,19 @@ class FrontendActor(Actor):
         """The whole body is read before any route runs (routes' ``read()`` then
         returns it), so a body the client can't deliver is the client's error
         on every route: undecodable (a 400), or not received in time (a 408;
-        the clock started at the request's first byte)."""
+        the clock started at the request's first byte). A coding not taken, or
+        a body sent as a form or text (``media_type_problem``), is a 415 unread."""
 
         if request.can_read_body and (problem := http.encoding_problem(request.headers.get("Content-Encoding"))):
             request.content.feed_eof()
             response = self._refused(request, ApiError(415, problem, param="Content-Encoding",
                                                        code="unsupported_encoding"))
+            response.force_close()
+            return response
+        if request.can_read_body and (problem := http.media_type_problem(request.headers.get("Content-Type"))):
+            request.content.feed_eof()
+            response = self._refused(request, ApiError(415, problem, param="Content-Type",
+                                                       code="unsupported_media_type"))
             response.force_close()
             return response
         timeout = self.config.server.request_read_timeout_s

@@ -202,6 +202,21 @@ def encoding_problem(value: str | None) -> str | None:
     return f"{UNACCEPTED_ENCODING}, got {value[:60]!r}"
 
 
+# The media types a browser posts from any page without asking the server first (CORS's "simple" requests):
+# a body sent as one is no JSON a client meant, and read as JSON it would let any site's page load adapters or
+# spend the engine (FastAPI, under vLLM, reads such a body as no JSON either).
+SIMPLE_FORM_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
+
+
+def media_type_problem(value: str | None) -> str | None:
+    """Why a request body's Content-Type is refused, or None (JSON, or none said)."""
+    media_type = (value or "").split(";", 1)[0].strip().lower()
+    if media_type not in SIMPLE_FORM_TYPES:
+        return None
+    return (f"the body is read as JSON, but its Content-Type is {value[:80]!r} (a form or text, as a browser page "
+            "posts it); send Content-Type: application/json")
+
+
 def take_request_start(request: web.BaseRequest) -> float | None:
     """The loop time of the request's first byte (None if unknown), once:
     the next request on the connection starts its own clock."""

@@ -74,6 +74,27 @@ def test_a_content_encoding_not_decoded_is_a_415_naming_the_accepted(hostile):
     run(go)
 
 
+def test_a_body_sent_as_a_form_or_text_is_a_415_unread(hostile):
+    """A browser page of any origin posts text/plain, form and multipart bodies without asking the server
+    first (CORS's simple requests): read as JSON, such a body loaded and unloaded adapters and ran generations
+    for any site. JSON, no Content-Type or another type (a preflight's) is read."""
+    async def go():
+        async with hostile() as h:
+            raw = json.dumps(BODY).encode()
+            for media_type in ["text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
+                               "multipart/form-data; boundary=x", "Text/Plain"]:
+                for path in (CHAT, "/v1/load_lora_adapter", "/tokenize"):
+                    status, body = await h.post(path, raw, headers={"Content-Type": media_type})
+                    assert_envelope(status, body, 415)
+                    assert (body["error"]["param"], body["error"]["code"]) == ("Content-Type",
+                                                                              "unsupported_media_type"), body
+                    assert "application/json" in body["error"]["message"] and media_type in body["error"]["message"]
+            for media_type in ["application/json", "application/json; charset=utf-8", "application/octet-stream"]:
+                status, body = await h.post(CHAT, raw, headers={"Content-Type": media_type})
+                assert status == 200, (media_type, body)
+    run(go)
+
+
 def test_a_body_that_fails_to_decode_at_its_end_is_answered_at_once(hostile):
     """The header first, then a deflate body cut short: aiohttp noticed only
     at the body's end and the route waited for the body for ever."""
