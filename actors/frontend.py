@@ -433,18 +433,14 @@ class FrontendActor(Actor):
         the clock started at the request's first byte). A coding not taken, or
         a body sent as a form or text (``media_type_problem``), is a 415 unread."""
 
-        if request.can_read_body and (problem := http.encoding_problem(request.headers.get("Content-Encoding"))):
-            request.content.feed_eof()
-            response = self._refused(request, ApiError(415, problem, param="Content-Encoding",
-                                                       code="unsupported_encoding"))
-            response.force_close()
-            return response
-        if request.can_read_body and (problem := http.media_type_problem(request.headers.get("Content-Type"))):
-            request.content.feed_eof()
-            response = self._refused(request, ApiError(415, problem, param="Content-Type",
-                                                       code="unsupported_media_type"))
-            response.force_close()
-            return response
+        if request.can_read_body:
+            for header, problem_of, code in (("Content-Encoding", http.encoding_problem, "unsupported_encoding"),
+                                             ("Content-Type", http.media_type_problem, "unsupported_media_type")):
+                if (problem := problem_of(request.headers.get(header))) is not None:
+                    request.content.feed_eof()
+                    response = self._refused(request, ApiError(415, problem, param=header, code=code))
+                    response.force_close()
+                    return response
         timeout = self.config.server.request_read_timeout_s
         started = http.take_request_start(request)
         deadline = (started if started is not None else asyncio.get_running_loop().time()) + timeout
