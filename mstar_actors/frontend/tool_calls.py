@@ -508,11 +508,16 @@ def parse_call(text: str) -> ParsedCall | None:
     return _call_of(_loads_or_none(text.strip()), text)
 
 
-def _call_of(obj: Any, text: str) -> ParsedCall | None:
+def _call_of(obj: Any, text: str, untagged: bool = False) -> ParsedCall | None:
     """The call ``obj`` is (``text``: the JSON it was read from). Its
     arguments as written: the object after its name (``_written_arguments``,
-    as a stream sends it) or the JSON text of a string; else re-encoded."""
+    as a stream sends it) or the JSON text of a string; else re-encoded.
+    ``untagged`` (a format whose calls are bare JSON, Llama 3's): an object
+    without its arguments' key is no call (a JSON answer with a "name" key is
+    content, as vLLM's parser reads it), where a tag says a call begins."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    if untagged and "arguments" not in obj and "parameters" not in obj:
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):
@@ -681,7 +686,7 @@ def parse_llama3_calls(text: str) -> list[ParsedCall] | None:
             obj, end = decoder.raw_decode(text, at)
         except ValueError:
             return None
-        call, at = _call_of(obj, text[at:end]), end
+        call, at = _call_of(obj, text[at:end], untagged=True), end
         if call is None:
             return None
         calls.append(call)

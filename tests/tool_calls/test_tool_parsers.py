@@ -267,7 +267,10 @@ def test_llama3_reads_one_call(text, size):
 def test_llama3_reads_calls_joined_and_gives_back_the_rest():
     text = '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"k": 1}}'
     assert _calls(_stream(Llama3JsonReader(), text, 3)[1]) == [("a", {}), ("b", {"k": 1})]
-    for not_calls in ('{"name": "a", "parameters": {}} and more', '{"city": "Paris"}', "{broken"):
+    for not_calls in ('{"name": "a", "parameters": {}} and more', '{"city": "Paris"}', "{broken",
+                      # a JSON answer with a "name" key (a response_format's, say): content, as vLLM reads it; it
+                      # was a call of the name's value, its other keys dropped
+                      '{"name": "Paris", "country": "France"}', '{"name": "a", "parameters": {}}; {"name": "b"}'):
         assert _stream(Llama3JsonReader(), not_calls, 3) == (not_calls, [])
 
 
