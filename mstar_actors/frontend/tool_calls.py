@@ -249,7 +249,10 @@ def strict_calls_spec(request: ToolRequest, answer: dict | None = None) -> tuple
     ``parallel_tool_calls: false`` the reply ends with its first call. ``answer`` (another constraint's
     ``{"kind", "spec", "param"}``: ``response_format``'s): the reply is that answer, or text with a call.
     ``spec``: ``{"trigger": the text that opens a call, "tags": [{"begin", "end", and "schema" (a JSON
-    call's) or "functions" (an XML call's, ``xml_calls``')}], "one": ..., "answer": ...}``."""
+    call's) or "functions" (an XML call's, ``xml_calls``')}], "one": ..., "answer": ...}``; Llama 3's
+    bare calls, which its reader takes only as a whole reply (``parse_llama3_calls``), ``{"bare": {"schema":
+    a call's, "separator"}, "one", "answer"}``: the reply is its calls, or text that does not open with one
+    (that answer, with ``answer``)."""
     if request.choice != "auto" or not request.is_strict:
         return None
     functions = [f | {"parameters": call_parameters(f) if f.get("strict") is True else {"type": "object"}}
@@ -262,11 +265,11 @@ def strict_calls_spec(request: ToolRequest, answer: dict | None = None) -> tuple
         tags = [{"begin": FORCED_PREFIX[HERMES], "end": CALLS_END[HERMES],
                  "schema": json.loads(_call_schema(functions, ARGUMENTS_KEY[HERMES]))}]
         trigger = HERMES_OPEN
-    else:  # a bare object, its name first: a tag a function, its arguments the content
-        key = ARGUMENTS_KEY[LLAMA3_JSON]
-        tags = [{"begin": f'{{"name": {json.dumps(f["name"])}, "{key}": ', "end": "}",
-                 "schema": f["parameters"]} for f in functions]
-        trigger = '{"name": '
+    else:  # bare objects, the whole reply (however spaced: the reader reads any object that opens it)
+        bare = {"schema": json.loads(_call_schema(functions, ARGUMENTS_KEY[LLAMA3_JSON])),
+                "separator": CALL_SEPARATOR[LLAMA3_JSON]}
+        return "tagged_calls", json.dumps({"bare": bare, "one": request.max_calls == 1}
+                                          | ({"answer": answer} if answer else {}))
     return "tagged_calls", json.dumps({"trigger": trigger, "tags": tags, "one": request.max_calls == 1}
                                       | ({"answer": answer} if answer else {}))
 

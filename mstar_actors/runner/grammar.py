@@ -572,7 +572,10 @@ _CONTROL = re.compile("[\x00-\x1f]")
 def _tagged_calls(calls: dict) -> Any:
     """Any text, but from ``trigger`` on a tag's call to its end (the engine's triggered tags): a JSON
     call's schema (``_json_grammar_text``'s rules, as a forced call's) or an XML call's (``_xml_call``);
-    with an ``answer``, that answer's rule or text with at least one call."""
+    with an ``answer``, that answer's rule or text with at least one call. ``bare`` calls (Llama 3's):
+    the reply is its calls, or text that opens with no ``{`` (with an ``answer``, that answer)."""
+    if "bare" in calls:
+        return _bare_calls(calls)
     tags = []
     for tag in calls["tags"]:
         if "functions" in tag:
@@ -590,6 +593,25 @@ def _tagged_calls(calls: dict) -> Any:
                                                        triggered]}
         triggered = {"type": "or", "elements": [with_calls, {"type": "grammar", "grammar": rule}]}
     return _xgr().Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": triggered}))
+
+
+def _bare_calls(calls: dict) -> Any:
+    bare = calls["bare"]
+    call = _schema_rules(bare["schema"])
+    calls_rule = _xgr().Grammar.concat(
+        _xgr().Grammar.from_ebnf(_SPACE), _xgr().Grammar.from_ebnf(call) if calls["one"] else _repeated(
+            call, bare["separator"]))
+    if "answer" in calls:
+        other = GrammarCompiler._grammar(messages.StructuredSpec(calls["answer"]["kind"], calls["answer"]["spec"]))
+        other = other if not isinstance(other, str) else _xgr().Grammar.from_ebnf(other)
+    else:
+        other = _xgr().Grammar.from_ebnf(_TEXT_NOT_A_CALL)
+    return _union([calls_rule, other])
+
+
+_SPACE = r'root ::= [ \t\n\r]*'
+# a reply Llama 3's reader takes as text: none, or one whose first character past its spaces is no "{"
+_TEXT_NOT_A_CALL = r'root ::= "" | [ \t\n\r]* [^{ \t\n\r] [\0-\U0010ffff]*'
 
 
 def _schema_rules(schema: Any, text: str | None = None) -> str:
