@@ -102,6 +102,7 @@ MAILBOX_SIZE = 2048
 GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})
 CLIENT_CLOSED = 499  # mstar_requests_total's status for a request whose client went away (nginx's code)
 DRAIN_FAILURE_WRITE_S = 2.0  # after the drain's timeout: time for handlers to send their 503
+REQUEST_STARTED = web.RequestKey("request_started", object)  # the loop time of a request's first byte (or None)
 
 
 class FrontendActor(Actor):
@@ -294,8 +295,8 @@ class FrontendActor(Actor):
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.server.max_body_bytes,
-                              middlewares=[self._preflight_middleware, self._errors_middleware, self._auth_middleware,
-                                           self._body_middleware])
+                              middlewares=[self._clock_middleware, self._preflight_middleware, self._errors_middleware,
+                                           self._auth_middleware, self._body_middleware])
         app.on_response_prepare.append(self._cors_headers)
         post = functools.partial(app.router.add_post, expect_handler=self._expect)
         post("/v1/chat/completions", functools.partial(self._generate, kind="chat"))
@@ -328,6 +329,14 @@ class FrontendActor(Actor):
         if origin is None:
             return None
         return "*" if "*" in allowed else origin if origin in allowed else None
+
+    @web.middleware
+    async def _clock_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """The loop time of this request's first byte, taken from its connection for every request (the
+        body's deadline counts from it): one answered before the body's read (a preflight, a 401) left it
+        there, and the connection's next request, seconds later, was a 408 at once."""
+        request[REQUEST_STARTED] = http.take_request_start(request)
+        return await handler(request)
 
     @web.middleware
     async def _preflight_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -369,6 +378,9 @@ class FrontendActor(Actor):
             response = self._refused(request, ApiError(err.status, http.http_message(err, request),
                                                        code=http.http_code(err),
                                                        param="body" if err.status == 413 else None))
+            if err.status == 413:  # the rest of the body is never read: answer, then close
+                request.content.feed_eof()
+                response.force_close()
             if "Allow" in err.headers:  # a 405 names the methods the route takes
                 response.headers["Allow"] = err.headers["Allow"]
         except asyncio.CancelledError:
@@ -442,7 +454,7 @@ class FrontendActor(Actor):
                     response.force_close()
                     return response
         timeout = self.config.server.request_read_timeout_s
-        started = http.take_request_start(request)
+        started = request.get(REQUEST_STARTED)
         deadline = (started if started is not None else asyncio.get_running_loop().time()) + timeout
         try:
             async with asyncio.timeout_at(deadline):

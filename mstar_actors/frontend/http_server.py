@@ -227,6 +227,10 @@ def take_request_start(request: web.BaseRequest) -> float | None:
     return started
 
 
+LISTEN_BACKLOG = 2048  # connections the kernel queues before the accept (uvicorn's, under vLLM; aiohttp's 128
+# dropped a burst's connection requests, each retried by its client a second later)
+
+
 class BoundedSite(web.TCPSite):
     """A TCP site whose connections get an ``EnvelopeHandler`` (made with
     ``handler_kwargs``, the runner's), and beyond ``max_connections`` a
@@ -235,7 +239,7 @@ class BoundedSite(web.TCPSite):
     def __init__(self, runner: web.AppRunner, host: str, port: int, max_connections: int, response: bytes,
                  envelope: Callable[[int, str], bytes], read_timeout: float, handler_kwargs: dict,
                  reuse_port: bool = False):
-        super().__init__(runner, host, port, reuse_port=reuse_port or None)
+        super().__init__(runner, host, port, reuse_port=reuse_port or None, backlog=LISTEN_BACKLOG)
         self._read_timeout = read_timeout
         self._max_connections = max_connections
         self._response = response

@@ -167,3 +167,53 @@ def test_connection_bound_keeps_descriptors_in_reserve():
     assert connection_bound(1000, 65536) == 1000
     assert connection_bound(1000, 1024) == 1024 - NUM_RESERVED_FDS
     assert connection_bound(1000, 10) == 1
+
+
+def test_a_request_answered_before_its_body_leaves_no_clock_to_the_next(hostile):
+    """A preflight (or a 401) is answered before the body's read took the connection's clock: the next request
+    on that connection, seconds later, was a 408 at once, its deadline counted from the preflight's first byte."""
+    async def go():
+        async with hostile(keepalive_timeout_s=5, request_read_timeout_s=0.6) as h:
+            reader, writer = await connect(h)
+            writer.write(b"OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: x\r\nOrigin: http://a.example\r\n"
+                         b"Access-Control-Request-Method: POST\r\n\r\n")
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 3)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            if (length := int(dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:-2]).get(
+                    b"Content-Length", b"0"))):
+                await reader.readexactly(length)
+            await asyncio.sleep(1.0)  # past the read bound, within the keep-alive
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(BODY))
+            await writer.drain()
+            await asyncio.sleep(0.1)  # the body in a packet of its own, after the header
+            writer.write(BODY)
+            data, _ = await read_until_closed(reader, 10)
+            assert data.startswith(b"HTTP/1.1 200"), data[:300]
+    run(go)
+
+
+def test_a_body_past_the_limit_is_refused_and_its_rest_never_read(hostile):
+    """A 413 closes the connection (aiohttp kept it open, reading on the hundreds of megabytes it had refused)."""
+    async def go():
+        async with hostile(max_body_bytes=1 << 16) as h:
+            reader, writer = await connect(h)
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % (64 << 20))
+
+            async def send_on():
+                for _ in range(1024):  # 64 MiB, far past what the server takes
+                    writer.write(b"x" * (64 << 10))
+                    await writer.drain()
+
+            sending = asyncio.create_task(send_on())
+            try:
+                data, took = await read_until_closed(reader, 10)
+            finally:
+                sending.cancel()
+            assert data == RESET or (data.startswith(b"HTTP/1.1 413") and b"Connection: close" in data), data[:300]
+            assert took < 5, took  # closed: not after all 64 MiB
+            status, body = await h.post(CHAT, BODY)
+            assert status == 200, body
+    run(go)
