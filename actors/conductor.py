@@ -62,11 +62,12 @@ the batch.
 Choices: a request of ``n`` choices arrives prepared once; the scheduler
 runs it as ``n`` sequences sharing its prompt and media.
 
-Media: a media request's blocks from its first media token on are keyed by
-its ``media_digest`` as well (``Sequence.block_hash``), so KV of placeholder
-blocks is shared only between requests with the same images in the same
-places, while the text before them (a system prompt) is shared with any
-request under the same root, text-only ones too. The scheduler owns the
+Media: a media request's blocks from each item's first token on are keyed by
+that item's digest as well (``Prepared.media_digests``, ``Sequence.block_hash``),
+so KV of placeholder blocks is shared only between requests with the same
+images in the same places, while the text before them (a system prompt, an
+earlier turn's images) is shared with any request under the same root that
+has it, text-only ones too. The scheduler owns the
 request's arena refs from here on (``mstar_actors.sched.media``).
 """
 

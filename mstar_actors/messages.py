@@ -348,10 +348,11 @@ class Prepared(Struct, frozen=True, tag=True, omit_defaults=True):
     # refusal (e.g. by the scheduler) names it as the OpenAI error's ``param``.
     prompt_param: str = "prompt"
     media: list[MediaItem] = []  # in prompt order; empty for text
-    # Digest of the media's content (pixel rows, grids): the scheduler keys a
-    # media request's blocks from its first media token on by it, so placeholder
-    # blocks computed for one image are never reused for another. Empty for text.
-    media_digest: str = ""
+    # Each media item's digest (its source or pixel rows, grid, place): the
+    # scheduler keys the blocks from an item's first token on by it, so
+    # placeholder blocks computed for one image are never reused for another,
+    # and those before it are keyed by the items before it alone.
+    media_digests: tuple[str, ...] = ()
     n: int = 1  # NewRequest.n: choices that share this prompt and its media
     cache_salt: str = ""  # NewRequest.cache_salt: the conductor keys the prefix cache by it too
     return_prompt_ids: bool = False  # NewRequest.return_prompt_ids

@@ -360,7 +360,7 @@ class MediaPreparer:
             return failed(req, problem, "messages")
         prepared = Prepared(request_id=req.request_id, model=req.model, prompt_token_ids=token_ids,
                             sampling=req.sampling, arrival_time=req.arrival_time, prompt_param="messages",
-                            media_digest=media_digest(media), n=req.n, cache_salt=req.cache_salt,
+                            media_digests=media_digests(media), n=req.n, cache_salt=req.cache_salt,
                             return_prompt_ids=req.return_prompt_ids)
         return Draft(prepared, media)
 
@@ -472,22 +472,26 @@ def _media_refused(req: NewRequest) -> Failed | None:
                        "(Qwen2.5-VL, Qwen3.5, Qwen2-Audio)", param)
 
 
-def media_digest(media: list[MediaDraft]) -> str:
-    """blake2b over every item's kind, grid, place in the prompt, frame timing and
-    source bytes (its pixel rows when it has no ``source_digest``): equal only
-    for the same media in the same places. The scheduler keys a media
-    request's blocks from its first media token on by it (placeholder tokens
-    are equal for any image, their KV is not). Runs on the pool's thread."""
+def media_digests(media: list[MediaDraft]) -> tuple[str, ...]:
+    """Each item's blake2b over its kind, grid, place in the prompt, frame timing
+    and source bytes (its pixel rows when it has no ``source_digest``): equal
+    only for the same media in the same place. The scheduler keys the blocks
+    from an item's first token on by it (placeholder tokens are equal for any
+    image, their KV is not), the blocks before it by the items before it alone:
+    a turn that adds an image keeps the earlier turns' hits. Runs on the pool's
+    thread."""
     import hashlib
 
-    h = hashlib.blake2b(digest_size=16)
+    digests = []
     for item in media:
+        h = hashlib.blake2b(digest_size=16)
         h.update(f"{item.kind}|{item.grid_thw}|{item.token_offset}|{item.num_tokens}|{item.second_per_grid_t!r}|".encode())
         if item.source_digest:
             h.update(b"bytes:" + item.source_digest)
         else:
             h.update(item.pixel_values.contiguous().numpy())  # no copy; hashlib releases the GIL on large buffers
-    return h.hexdigest()
+        digests.append(h.hexdigest())
+    return tuple(digests)
 
 
 def video_patches(frames: Any, image_processor: Any, min_pixels: int, max_pixels: int) -> tuple[Any, tuple[int, int, int]]:

@@ -57,10 +57,11 @@ class Sequence:
         self.num_cached_tokens: int | None = None  # prefix hit at first admission
         self._block_hashes: list[bytes] = []  # chain hashes of full blocks, computed lazily
         self._root_hash = root_hash(root)
-        # the block the first media token is in: the chain takes the media's digest there (``media_hash``)
-        first_media = min((item.token_offset for item in req.media), default=None)
-        self._media_block = None if first_media is None else first_media // block_size
-        self._media_digest = req.media_digest
+        # block -> the digests of the media items whose first token is in it: the chain takes each there
+        # (``media_hash``), so the blocks before an item are keyed by the items before it alone
+        self._media_at: dict[int, list[str]] = {}
+        for item, digest in zip(req.media, req.media_digests):
+            self._media_at.setdefault(item.token_offset // block_size, []).append(digest)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -103,8 +104,8 @@ class Sequence:
         while len(self._block_hashes) <= index:
             i = len(self._block_hashes)
             parent = self._block_hashes[-1] if self._block_hashes else self._root_hash
-            if i == self._media_block:
-                parent = media_hash(parent, self._media_digest)
+            for digest in self._media_at.get(i, ()):
+                parent = media_hash(parent, digest)
             self._block_hashes.append(chain_hash(parent, self.block_token_ids(i)))
         return self._block_hashes[index]
 

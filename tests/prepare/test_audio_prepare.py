@@ -274,7 +274,7 @@ async def test_actor_on_a_pool_sends_audio_in_arrival_order(preparer):
         assert tuple(arena.tensors[a.media[0].pixel_values.offset].shape) == a.media[0].pixel_values.shape == (801, 128)
         assert isinstance(b, Failed) and b.status == 400 and b.param == "messages[0].content[1].input_audio"
         assert isinstance(c, Prepared) and isinstance(d, Prepared) and not d.media
-        assert a.media_digest != c.media_digest
+        assert a.media_digests != c.media_digests
 
 
 async def test_actor_fetches_an_audio_url_over_http_under_the_media_rules(preparer, caplog):

@@ -165,16 +165,16 @@ def test_video_rows_equal_transformers_video_resize_and_layout_bit_for_bit(prepa
     assert torch.equal(_normalize(rows, ip), _patches_normalized_first(frames, ip, preparer.min_pixels, preparer.max_pixels))
 
 
-def test_media_digest_follows_the_source_bytes_and_the_place(preparer):
+def test_media_digests_follow_the_source_bytes_and_the_place(preparer):
     frame = np.random.default_rng(3).integers(0, 255, (40, 40, 3), dtype=np.uint8)
     other = frame.copy()
     other[0, 0] ^= 1
     a1, a2 = (preparer.draft(chat(r, image_part(png_url(frame))), {}) for r in ("a1", "a2"))
     b = preparer.draft(chat("b", image_part(png_url(other))), {})
     moved = preparer.draft(chat("m", ContentPart(type="text", text="and"), image_part(png_url(frame))), {})
-    assert a1.media[0].source_digest and a1.prepared.media_digest == a2.prepared.media_digest
-    assert b.prepared.media_digest != a1.prepared.media_digest  # one pixel apart
-    assert moved.prepared.media_digest != a1.prepared.media_digest  # same image, later in the prompt
+    assert a1.media[0].source_digest and a1.prepared.media_digests == a2.prepared.media_digests
+    assert b.prepared.media_digests != a1.prepared.media_digests  # one pixel apart
+    assert moved.prepared.media_digests != a1.prepared.media_digests  # same image, later in the prompt
 
 
 def test_low_detail_sees_a_512_square_version_and_keys_its_own_prefix(preparer):
@@ -193,7 +193,7 @@ def test_low_detail_sees_a_512_square_version_and_keys_its_own_prefix(preparer):
     expected = big.image_processor(images=[shrunk], return_tensors="pt")
     assert low.media[0].grid_thw == tuple(int(x) for x in expected["image_grid_thw"][0])
     assert low.media[0].num_tokens < high.media[0].num_tokens
-    assert low.prepared.media_digest != high.prepared.media_digest
+    assert low.prepared.media_digests != high.prepared.media_digests
     small = png_url(array[:40, :40])
     a, b = (big.draft(chat(r, ContentPart(type="image_url", url=small, detail=d)), {}) for r, d in (("a", None),
                                                                                                    ("b", "low")))

@@ -64,7 +64,7 @@ def make_request(
         sampling=SamplingParams(max_tokens=max_tokens, **sampling),
         prompt_param=prompt_param,
         media=media,
-        media_digest=f"digest-{request_id}" if media else "",
+        media_digests=tuple(f"digest-{request_id}-{i}" for i in range(num_media)),
         n=n,
     )
 

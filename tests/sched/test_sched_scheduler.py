@@ -213,7 +213,7 @@ def test_media_requests_share_the_text_before_their_first_media_block_only():
     def request(rid: str, digest: str) -> Prepared:
         base = make_request(rid, prompt=prompt, max_tokens=1, num_media=1)
         image = msgspec.structs.replace(base.media[0], token_offset=9, num_tokens=2)
-        return msgspec.structs.replace(base, media=[image], media_digest=digest)
+        return msgspec.structs.replace(base, media=[image], media_digests=(digest,))
 
     sched.add(request("a", "image-a"), ROOT)
     run_step(sched)
@@ -225,6 +225,28 @@ def test_media_requests_share_the_text_before_their_first_media_block_only():
     assert chunks_of(run_step(sched)[0]) == {"text": (8, 6, True)}
     sched.add(request("salted", "image-a"), ROOT + "|salt:x")
     assert chunks_of(run_step(sched)[0]) == {"salted": (0, 14, True)}
+    check_invariants(sched)
+
+
+def test_a_turn_that_adds_an_image_keeps_the_hits_before_it():
+    """Each item keys the blocks from its first token on: a second turn's image after the first turn's leaves
+    the blocks before it shared (one digest of all the items keyed them all from the first image on: a
+    multi-turn chat with images hit its system prompt only)."""
+    sched = make_scheduler()
+    prompt = list(range(100, 122))  # blocks of 4; image a at tokens 5-6 (block 1), image b at 17-18 (block 4)
+
+    def request(rid: str, *images: tuple[int, str]) -> Prepared:
+        base = make_request(rid, prompt=prompt, max_tokens=1, num_media=len(images))
+        media = [msgspec.structs.replace(item, token_offset=at, num_tokens=2) for item, (at, _) in
+                 zip(base.media, images)]
+        return msgspec.structs.replace(base, media=media, media_digests=tuple(d for _, d in images))
+
+    sched.add(request("first", (5, "image-a"), (17, "image-b")), ROOT)
+    run_step(sched)
+    sched.add(request("other b", (5, "image-a"), (17, "image-c")), ROOT)
+    assert chunks_of(run_step(sched)[0]) == {"other b": (16, 6, True)}  # blocks 0-3: text and image a
+    sched.add(request("other a", (5, "image-c"), (17, "image-b")), ROOT)
+    assert chunks_of(run_step(sched)[0]) == {"other a": (4, 18, True)}  # block 0 alone: a differs in block 1
     check_invariants(sched)
 
 
