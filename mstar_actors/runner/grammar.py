@@ -365,8 +365,7 @@ def _overlap_problem(schema: dict, where: str) -> str | None:
     properties = schema.get("properties")
     if not isinstance(properties, dict) or not properties:
         return None
-    patterns = [("patternProperties", p) for p in schema.get("patternProperties") or {}
-                if isinstance(schema.get("patternProperties"), dict)]
+    patterns = [(key, p) for key, p in _own_patterns(schema) if key == "patternProperties"]
     names = schema.get("propertyNames")
     if isinstance(names, dict) and isinstance(names.get("pattern"), str) and schema.get("additionalProperties",
                                                                                            True) is not False:
@@ -437,11 +436,16 @@ def _has_type(value: Any, types: Any) -> bool:
     return False
 
 
-def _pattern_problem(schema: dict, where: str) -> str | None:
+def _own_patterns(schema: dict) -> list[tuple[str, str]]:
+    """(keyword, pattern) of ``schema``'s own patterns: its ``pattern``, its ``patternProperties`` keys."""
     patterns = [("pattern", schema["pattern"])] if isinstance(schema.get("pattern"), str) else []
     if isinstance(schema.get("patternProperties"), dict):
         patterns += [("patternProperties", p) for p in schema["patternProperties"]]
-    for key, pattern in patterns:
+    return patterns
+
+
+def _pattern_problem(schema: dict, where: str) -> str | None:
+    for key, pattern in _own_patterns(schema):
         if _LOOKAROUND.search(pattern):
             return f"{where}'s {key} {pattern!r} has a lookaround, which is not enforced here"
         if '"' in pattern or "\\\\" in pattern:
@@ -601,12 +605,10 @@ def _bare_calls(calls: dict) -> Any:
     calls_rule = _xgr().Grammar.concat(
         _xgr().Grammar.from_ebnf(_SPACE), _xgr().Grammar.from_ebnf(call) if calls["one"] else _repeated(
             call, bare["separator"]))
-    if "answer" in calls:
-        other = GrammarCompiler._grammar(messages.StructuredSpec(calls["answer"]["kind"], calls["answer"]["spec"]))
-        other = other if not isinstance(other, str) else _xgr().Grammar.from_ebnf(other)
-    else:
-        other = _xgr().Grammar.from_ebnf(_TEXT_NOT_A_CALL)
-    return _union([calls_rule, other])
+    answer = calls.get("answer")
+    other = str(GrammarCompiler._grammar(messages.StructuredSpec(answer["kind"], answer["spec"]))) if answer \
+        else _TEXT_NOT_A_CALL
+    return _union([calls_rule, _xgr().Grammar.from_ebnf(other)])
 
 
 _SPACE = r'root ::= [ \t\n\r]*'
@@ -785,17 +787,11 @@ def _xml_json(text: str, schema: dict, key: str) -> str:
 
 
 def _patterns(schema: Any) -> Iterator[str]:
-    """Every pattern in ``schema``: its ``pattern`` values and ``patternProperties`` keys, at any depth."""
-    if isinstance(schema, list):
-        for item in schema:
-            yield from _patterns(item)
-    elif isinstance(schema, dict):
-        if isinstance(schema.get("pattern"), str):
-            yield schema["pattern"]
-        if isinstance(schema.get("patternProperties"), dict):
-            yield from schema["patternProperties"]
-        for value in schema.values():
-            yield from _patterns(value)
+    """Every pattern in ``schema`` and the schemas it holds (``_own_patterns``)."""
+    if isinstance(schema, dict):
+        yield from (pattern for _, pattern in _own_patterns(schema))
+        for _, _, sub in _subschemas(schema, ""):
+            yield from _patterns(sub)
 
 
 def _without(text: str, taken: ebnf_text.Ranges, key: str) -> str:
