@@ -458,12 +458,7 @@ def _setup_logging(name: str, level: int) -> None:
 def _die_with_parent() -> None:
     """Ask the kernel to SIGKILL this process when the launcher dies (Linux), so a
     ``kill -9`` of the launcher leaves no actor behind holding its segments."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
+    if not _prctl(1, signal.SIGKILL):  # PR_SET_PDEATHSIG
         return  # not Linux: the launcher's next start still cleans up
     if os.getppid() == 1:  # the launcher died before the prctl took effect
         os._exit(1)
@@ -477,12 +472,18 @@ def process_name(actor: str) -> str:
 def _name_process(actor: str) -> None:
     """Name this process (and the threads it starts) for its actor: each is ``python`` otherwise, a worker
     not told from the frontend without the run dir's actors.json (Linux; elsewhere unnamed)."""
+    _prctl(15, process_name(actor).encode())  # PR_SET_NAME
+
+
+def _prctl(option: int, value: Any) -> bool:
+    """Linux's ``prctl(option, value)``; False where there is none."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(15, process_name(actor).encode())  # PR_SET_NAME
+        ctypes.CDLL(None, use_errno=True).prctl(option, value)
     except (OSError, AttributeError):
-        return
+        return False
+    return True
 
 
 def _import_class(target: str) -> type:

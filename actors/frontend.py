@@ -378,9 +378,8 @@ class FrontendActor(Actor):
             response = self._refused(request, ApiError(err.status, http.http_message(err, request),
                                                        code=http.http_code(err),
                                                        param="body" if err.status == 413 else None))
-            if err.status == 413:  # the rest of the body is never read: answer, then close
-                request.content.feed_eof()
-                response.force_close()
+            if err.status == 413:  # the rest of the body is never read
+                response = self._unread(request, response)
             if "Allow" in err.headers:  # a 405 names the methods the route takes
                 response.headers["Allow"] = err.headers["Allow"]
         except asyncio.CancelledError:
@@ -449,10 +448,8 @@ class FrontendActor(Actor):
             for header, problem_of, code in (("Content-Encoding", http.encoding_problem, "unsupported_encoding"),
                                              ("Content-Type", http.media_type_problem, "unsupported_media_type")):
                 if (problem := problem_of(request.headers.get(header))) is not None:
-                    request.content.feed_eof()
-                    response = self._refused(request, ApiError(415, problem, param=header, code=code))
-                    response.force_close()
-                    return response
+                    return self._unread(request, self._refused(request, ApiError(415, problem, param=header,
+                                                                                 code=code)))
         timeout = self.config.server.request_read_timeout_s
         started = request.get(REQUEST_STARTED)
         deadline = (started if started is not None else asyncio.get_running_loop().time()) + timeout
@@ -467,10 +464,13 @@ class FrontendActor(Actor):
                            param="body", code="invalid_body")
         else:
             return await handler(request)
-        # The rest of the body is never read: answer, then close the connection
-        # (marking the body ended keeps aiohttp from reading on after the answer).
+        return self._unread(request, self._refused(request, err))
+
+    @staticmethod
+    def _unread(request: web.Request, response: web.Response) -> web.Response:
+        """``response`` to a request whose body's rest is never read: answered, then its connection closed
+        (the body marked ended keeps aiohttp from reading on after the answer)."""
         request.content.feed_eof()
-        response = self._refused(request, err)
         response.force_close()
         return response
 
