@@ -17,7 +17,7 @@ _PIECE = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[A-Za-z_][A-Za-z0-9
 _RULE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*) ::=", re.MULTILINE)
 _NAMED = {"n": 10, "r": 13, "t": 9, "f": 12, "v": 11, "b": 8, "a": 7, "e": 27, "0": 0}
 _WIDTH = {"x": 2, "u": 4, "U": 8}
-_CLASS_ESCAPED = set("\\]^-[\"")
+_CLASS_ESCAPED = set("\\]-[\"")
 
 
 class ClassEmptied(ValueError):
@@ -79,17 +79,38 @@ def _minus(ranges: Ranges, taken: Ranges) -> Ranges:
 
 
 def _char(code: int) -> str:
+    """``code`` as the engine reads it in a class or a literal (its ``\\x`` takes every hex digit that follows:
+    ``\\u`` and ``\\U`` take four and eight)."""
     char = chr(code)
     if char in _CLASS_ESCAPED:
         return "\\" + char
     if 0x20 <= code < 0x7F:
         return char
-    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
 
 
 def class_text(negated: bool, ranges: Ranges) -> str:
-    parts = (_char(lo) if lo == hi else f"{_char(lo)}-{_char(hi)}" for lo, hi in _merged(ranges))
+    """A class of ``ranges`` (their complement where ``negated``). A "^" is never its first character, however
+    written: the engine reads the escapes first, and a class that opens with one as negated."""
+    merged = _merged(ranges)
+    caret = ord("^")
+    if merged and merged[0][0] == caret:
+        if merged[0][1] == caret and len(merged) == 1 and not negated:
+            return '"^"'
+        merged = ([(caret + 1, merged[0][1])] if merged[0][1] > caret else []) + merged[1:] + [(caret, caret)]
+    parts = (_char(lo) if lo == hi else f"{_char(lo)}-{_char(hi)}" for lo, hi in merged)
     return "[" + ("^" if negated else "") + "".join(parts) + "]"
+
+
+def classes_meet(text: str, chars: Ranges) -> bool:
+    """Whether some class of ``text`` takes one of ``chars``."""
+    for piece in _PIECE.findall(text):
+        if piece.startswith("[") and len(piece) > 1:
+            negated, ranges = class_ranges(piece)
+            left = _minus(chars, ranges)  # ``chars`` the class does not list
+            if left if negated else left != _merged(chars):
+                return True
+    return False
 
 
 def without_chars(text: str, taken: Ranges) -> str:
@@ -117,11 +138,12 @@ def literals(text: str) -> list[str]:
 
 def map_literals(text: str, change: Callable[[str], str]) -> str:
     """``text`` with each literal's text ``t`` written ``change(t)``."""
-    return "".join(_literal(change(literal_text(p))) if p.startswith('"') and len(p) > 1 else p
+    return "".join(literal(change(literal_text(p))) if p.startswith('"') and len(p) > 1 else p
                    for p in _PIECE.findall(text))
 
 
-def _literal(text: str) -> str:
+def literal(text: str) -> str:
+    """``text`` as a literal."""
     return '"' + "".join(_char(ord(c)) if c in '"\\' or not 0x20 <= ord(c) < 0x7F else c for c in text) + '"'
 
 
