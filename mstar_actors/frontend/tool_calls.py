@@ -251,8 +251,8 @@ def strict_calls_spec(request: ToolRequest, answer: dict | None = None) -> tuple
     ``spec``: ``{"trigger": the text that opens a call, "tags": [{"begin", "end", and "schema" (a JSON
     call's) or "functions" (an XML call's, ``xml_calls``')}], "one": ..., "answer": ...}``; Llama 3's
     bare calls, which its reader takes only as a whole reply (``parse_llama3_calls``), ``{"bare": {"schema":
-    a call's, "separator"}, "one", "answer"}``: the reply is its calls, or text that does not open with one
-    (that answer, with ``answer``)."""
+    a call's, "separator", "tag": the one the reader skips}, "one", "answer"}``: the reply is its calls, or
+    text that does not open with one (that answer, with ``answer``)."""
     if request.choice != "auto" or not request.is_strict:
         return None
     functions = [f | {"parameters": call_parameters(f) if f.get("strict") is True else {"type": "object"}}
@@ -267,7 +267,7 @@ def strict_calls_spec(request: ToolRequest, answer: dict | None = None) -> tuple
         trigger = HERMES_OPEN
     else:  # bare objects, the whole reply (however spaced: the reader reads any object that opens it)
         bare = {"schema": json.loads(_call_schema(functions, ARGUMENTS_KEY[LLAMA3_JSON])),
-                "separator": CALL_SEPARATOR[LLAMA3_JSON]}
+                "separator": CALL_SEPARATOR[LLAMA3_JSON], "tag": PYTHON_TAG}
         return "tagged_calls", json.dumps({"bare": bare, "one": request.max_calls == 1}
                                           | ({"answer": answer} if answer else {}))
     return "tagged_calls", json.dumps({"trigger": trigger, "tags": tags, "one": request.max_calls == 1}

@@ -448,9 +448,10 @@ def _pattern_problem(schema: dict, where: str) -> str | None:
     for key, pattern in _own_patterns(schema):
         if _LOOKAROUND.search(pattern):
             return f"{where}'s {key} {pattern!r} has a lookaround, which is not enforced here"
-        if '"' in pattern or "\\\\" in pattern:
-            return (f"{where}'s {key} {pattern!r} matches a quote or a backslash, which is not enforced correctly "
-                    "here (the output would not be valid JSON)")
+        if _writes_raw(pattern):
+            return (f"{where}'s {key} {pattern!r} matches only strings with a quote, a backslash or a control "
+                    "character of a class, which is not enforced correctly here (the output would not be valid "
+                    "JSON); leave them out (a control character outside a class, such as \\n, is enforced)")
     if "pattern" in schema and schema.get("format") in ENFORCED_FORMATS:
         return (f"{where} has a pattern beside format {schema['format']!r}: the format's rule is enforced here "
                 "and the pattern dropped; give one of them (a pattern may spell the format's shape too)")
@@ -459,6 +460,23 @@ def _pattern_problem(schema: dict, where: str) -> str | None:
         return (f"{where} has minLength / maxLength beside {kind!r}, which drops them here; put the lengths in "
                 "the pattern")
     return None
+
+
+@functools.lru_cache(maxsize=256)
+def _writes_raw(pattern: str) -> bool:
+    """Whether the engine's rules of a JSON string of ``pattern`` may write a quote, a backslash or a class's
+    control character as itself. Its automaton of a pattern leaves them out; a pattern that matches nothing
+    without one is written as rules of its own classes and literals, as they are (``_json_grammar_text``
+    writes a literal's control characters as their escapes)."""
+    string = json.dumps({"type": "string", "pattern": pattern})
+    try:
+        if "Regex(" in str(_xgr().Grammar.from_json_schema(string, any_whitespace=False)):
+            return False
+        text = str(_xgr().Grammar.from_regex(pattern))
+    except RuntimeError:  # a pattern the engine refuses: its own error, where the schema is compiled
+        return False
+    return ebnf_text.classes_meet(text, _JSON_ESCAPED) or any(
+        '"' in literal or "\\" in literal for literal in ebnf_text.literals(text))
 
 
 def _exclusive(branches: list, root: dict) -> bool:
@@ -607,13 +625,33 @@ def _bare_calls(calls: dict) -> Any:
             call, bare["separator"]))
     answer = calls.get("answer")
     other = str(GrammarCompiler._grammar(messages.StructuredSpec(answer["kind"], answer["spec"]))) if answer \
-        else _TEXT_NOT_A_CALL
+        else _text_not_a_call(bare["tag"])
     return _union([calls_rule, _xgr().Grammar.from_ebnf(other)])
 
 
 _SPACE = r'root ::= [ \t\n\r]*'
-# a reply Llama 3's reader takes as text: none, or one whose first character past its spaces is no "{"
-_TEXT_NOT_A_CALL = r'root ::= "" | [ \t\n\r]* [^{ \t\n\r] [\0-\U0010ffff]*'
+
+
+@functools.cache
+def _python_spaces() -> ebnf_text.Ranges:
+    """The characters ``str.isspace`` takes (those ``str.strip`` strips)."""
+    return [(c, c) for c in range(0x110000) if chr(c).isspace()]
+
+
+def _text_not_a_call(tag: str) -> str:
+    """A reply Llama 3's reader takes as text (``tool_calls.parse_llama3_calls``): none, or one whose first
+    character past its spaces (Python's, as the reader strips them) is no "{", nor ``tag`` then spaces, "{"."""
+    spaces = _python_spaces()
+
+    def but(chars: str, also: ebnf_text.Ranges = ()) -> str:  # a character not in ``chars`` (nor ``also``)
+        return ebnf_text.class_text(True, [*also, *((ord(c), ord(c)) for c in chars)])
+
+    partial = [f'{ebnf_text.literal(tag[:k])} ("" | {but(tag[k])} rest)' for k in range(1, len(tag))]
+    return "\n".join([
+        f"root ::= {ebnf_text.class_text(False, spaces)}* (\"\" | {but('{' + tag[0], spaces)} rest | tagged)",
+        "rest ::= [\\0-\\U0010ffff]*",
+        f"tagged ::= {' | '.join(partial)} | {ebnf_text.literal(tag)} {ebnf_text.class_text(False, spaces)}* "
+        f"(\"\" | {but('{', spaces)} rest)"])
 
 
 def _schema_rules(schema: Any, text: str | None = None) -> str:
@@ -638,15 +676,14 @@ def _text_without(word: str) -> str:
     states of a search for it, by how much of it was just read."""
     first, n = word[0], len(word)
     assert first not in word[1:]
-    rules = [f'xt0 ::= "" | [^{_class_char(first)}] xt0 | {json.dumps(first)} xt1']
+    def but(*chars: str) -> str:
+        return ebnf_text.class_text(True, [(ord(c), ord(c)) for c in chars])
+
+    rules = [f'xt0 ::= "" | {but(first)} xt0 | {json.dumps(first)} xt1']
     for k in range(1, n):
         on = f" | {json.dumps(word[k])} xt{k + 1}" if k + 1 < n else ""  # (all of it: no way on)
-        rules.append(f'xt{k} ::= "" | {json.dumps(first)} xt1{on} | [^{_class_char(first)}{_class_char(word[k])}] xt0')
+        rules.append(f'xt{k} ::= "" | {json.dumps(first)} xt1{on} | {but(first, word[k])} xt0')
     return "root ::= xt0\n" + "\n".join(rules)
-
-
-def _class_char(char: str) -> str:
-    return "\\" + char if char in "\\]^-[" else char
 
 
 # A qwen3_coder value's text: anything its closing tag is not in (a forced call's reader ends a value at it alone)

@@ -142,6 +142,23 @@ def test_a_literal_pattern_s_control_character_is_written_as_its_escape():
     assert json.loads('{"s": "a\\nb"}') == {"s": "a\nb"}
 
 
+@pytest.mark.parametrize("pattern,value", [('^[^"]+$', "a b"), ("^[ -~]+$", "x y"), ('^[^\\\\]*"?$', "ab"),
+                                           ("^a\\tb$", "a\tb")])
+def test_a_pattern_that_mentions_a_quote_or_a_backslash_is_held_as_json(pattern, value):
+    """A pattern that matches without a quote, a backslash or a raw control character is the engine's
+    automaton, which leaves those out (or, of a literal's control character, its escape): taken, and every
+    string it allows is JSON."""
+    import xgrammar
+
+    every_char = GrammarCompiler(raw_tokenizer_info(["<eos>"] + [chr(c) for c in range(1, 127)], [0]))
+    matcher = xgrammar.GrammarMatcher(every_char.compile(StructuredSpec("json", json.dumps(
+        {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}, "required": ["s"]}))))
+    assert matcher.accept_string(json.dumps({"s": value})) and matcher.accept_token(0)
+    for raw in ('"', "\\", "\t"):
+        matcher.reset()
+        assert not (matcher.accept_string('{"s": "a' + raw + 'b"}') and matcher.accept_token(0)), raw
+
+
 def test_an_ipv4_format_takes_no_leading_zero(compiler):
     """The engine's own ipv4 rule writes octets like 010 (which JSON Schema's
     format refuses, as some read them as octal); the format is its pattern here."""
@@ -237,8 +254,13 @@ OBJ = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": [
     ({"type": "string", "format": "idn-email"}, "has format 'idn-email', which is not enforced here; enforced"),
     ({"type": "object", "properties": {"r": {"type": "string", "format": "regex"}}}, "properties['r'] has format"),
     ({"type": "string", "pattern": "^(?!abc)[a-c]{3}$"}, "has a lookaround"),
-    ({"type": "string", "pattern": '^say "hi"$'}, "matches a quote or a backslash"),
-    ({"type": "string", "pattern": "^a\\\\b$"}, "matches a quote or a backslash"),
+    # a pattern only a quote, a backslash or a class's control character matches: written raw, not JSON
+    ({"type": "string", "pattern": '^say "hi"$'}, "matches only strings with a quote, a backslash"),
+    ({"type": "string", "pattern": "^a\\\\b$"}, "matches only strings with a quote, a backslash"),
+    ({"type": "string", "pattern": "^a\\u0022b$"}, "matches only strings with a quote, a backslash"),
+    ({"type": "string", "pattern": "^a[\\x22]b$"}, "matches only strings with a quote, a backslash"),
+    ({"type": "string", "pattern": "^[\\t\\n]+$"}, "matches only strings with a quote, a backslash"),
+    ({"type": "object", "patternProperties": {"^[a\\t]\\t$": {"type": "integer"}}}, "patternProperties '^[a\\\\t]"),
     ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "required": ["xa"]},
      "'required' beside 'patternProperties'"),
     ({"type": "number", "minimum": 0, "exclusiveMinimum": True}, "exclusiveMinimum: True (draft 4's form)"),

@@ -76,6 +76,20 @@ def test_llama3_s_bare_calls_of_a_strict_tool_hold_however_they_are_spaced(chars
     assert accepted('{"x": 1}') and accepted(good) and not accepted("free text") and not accepted(bad)
 
 
+@pytest.mark.parametrize("opening", ["\x0b", "\x0c", "\x1c", "\xa0", "\u2003", "\u3000", tc.PYTHON_TAG,
+                                     f" {tc.PYTHON_TAG}\xa0"])
+def test_llama3_s_free_text_is_what_its_reader_keeps_as_text(chars, opening):
+    """The reader strips Python's spaces and Llama 3's <|python_tag|> before it looks for a "{": a reply that
+    opens with them is calls (held to their schema), and free text opens otherwise."""
+    request = tc.parse_tool_request([STRICT_WEATHER, TIME], "auto", tc.LLAMA3_JSON)
+    accepted = accepter(chars, StructuredSpec(*tc.strict_calls_spec(request)))
+    good, _, bad = CALLS[tc.LLAMA3_JSON]
+    assert tc.read_calls(request, opening + bad)[1] and not accepted(opening + bad)
+    for text in (opening + "Sure.", opening, "<|python", "<|python_tag|", f"<|python_tag|> hi {bad}", "<b>{",
+                 "\xa0Fine {", f"{tc.PYTHON_TAG}<|python_tag|>{bad}", "\u2003"):
+        assert accepted(text) and not tc.read_calls(request, text)[1], text
+
+
 def test_with_response_format_a_reply_is_its_answer_or_text_with_a_strict_call(chars):
     """OpenAI takes both (the Agents SDK sends both): an answer held to response_format's rule, or calls."""
     schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
