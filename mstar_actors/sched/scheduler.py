@@ -289,6 +289,7 @@ class Scheduler:
         # A plan's starts (their ids) and rows (their tables), encoded, at most this many bytes (the ring to the
         # ranks holds it: ``ring_sizes``): the rest wait for the next step; a sequence too large alone is refused.
         self.max_plan_bytes = max_plan_bytes
+        self._left_out: Sequence | None = None  # the first running row a plan's bound left out: the next starts there
         self._in_flight: deque[_InFlight] = deque()  # oldest first
         self._finished_ids: list[str] = []  # for the next plan's ``finished``
 
@@ -425,8 +426,10 @@ class Scheduler:
         its whole prompt fits beside the running). Earlier admitted sequences
         are scheduled first everywhere, so the oldest one always progresses;
         with ``max_num_batched_tokens < max_num_seqs`` the newest decodes
-        wait. The plan lists the decodes grouped by LoRA slot
-        (``group_by_slot``), then the prefills in the order they were scheduled.
+        wait. Rows a plan's size left out (``max_plan_bytes``) come first in
+        the next, which walks on from the first of them. The plan lists the
+        decodes grouped by LoRA slot (``group_by_slot``), then the prefills
+        in the order they were scheduled.
         """
         if not self.can_schedule():
             raise RuntimeError(
@@ -436,9 +439,10 @@ class Scheduler:
             )
         step = _StepBuilder(self.max_num_batched_tokens)
         num_preemptions = self.num_preemptions
-        self._schedule_running(step, decodes=True)
+        first, self._left_out = self._left_out, None
+        self._schedule_running(step, True, first)
         step.group_by_slot()
-        self._schedule_running(step, decodes=False)
+        self._schedule_running(step, False, first)
         if self.num_preemptions == num_preemptions or not step.chunks:
             self._admit_waiting(step)
         if not step.chunks:
@@ -475,12 +479,16 @@ class Scheduler:
         copies, drops, releases = self.media.take()
         return dict(copy_media=copies, drop_media=drops, release_media=releases)
 
-    def _schedule_running(self, step: _StepBuilder, decodes: bool) -> None:
+    def _schedule_running(self, step: _StepBuilder, decodes: bool, first: Sequence | None) -> None:
         # A row at a time over every running sequence, every step: the conductor's
         # largest cost at hundreds of rows, so each fact is read once a row.
         chunks, hybrid = step.chunks, self.snapshots is not None
         near_full = self.max_plan_bytes - ID_BYTES * _cdiv(self.max_model_len, self.block_size)  # (a row's at most)
-        for seq in list(self.running):
+        rows = list(self.running)
+        if first is not None:  # the last plan's bound left rows out from ``first`` on: they go first
+            at = next((i for i, seq in enumerate(rows) if seq is first), 0)
+            rows = rows[at:] + rows[:at]
+        for seq in rows:
             if step.budget == 0:
                 return
             if seq.status is not SeqStatus.RUNNING or seq.request_id in chunks or seq.lora_slot == PARKED:
@@ -501,6 +509,8 @@ class Scheduler:
                     continue
             if step.plan_bytes > near_full and chunks and (
                     step.plan_bytes + ID_BYTES * _cdiv(start + num_new, self.block_size) > self.max_plan_bytes):
+                if self._left_out is None:
+                    self._left_out = seq
                 return  # the rest of the rows: the next plan (a shared prefix's tables, at hundreds of rows)
             if self._reserve_blocks(seq, start + num_new, step):
                 step.add(seq, num_new, self._snapshot_to_take(seq, num_new) if hybrid else None, start, num_left)

@@ -17,6 +17,7 @@ from sched_factories import (
 )
 
 from mstar_actors.messages import Failed, Finished, Prepared, StepDone, StepFailed, TokenDelta
+from mstar_actors.ring_sizes import ID_BYTES, sequence_ids
 from mstar_actors.sched import chain_hash, root_hash
 
 
@@ -611,6 +612,25 @@ def test_a_plan_carries_no_more_starts_and_tables_than_its_ring_holds():
         unbounded.add(make_request(rid, prompt=prompt + [7], max_tokens=3), ROOT)
     plan, _ = run_step(unbounded)
     assert [s.request_id for s in plan.started] == ["b", "c", "d"] and len(msgspec.msgpack.encode(plan)) > limit
+
+
+def test_rows_a_plan_s_size_leaves_out_go_first_in_the_next():
+    """Every plan walked the running rows in one order and stopped at its bound at the same row: the rows past
+    it got none until those ahead of them ended (hundreds of steps); each now waits a step at most."""
+    limit = ID_BYTES * sequence_ids(1024, 16) + 200  # a whole-context row's, as a small ring sizes it
+    sched = make_scheduler(num_blocks=2048, block_size=16, max_num_seqs=32, max_num_batched_tokens=2048,
+                           max_model_len=1024, max_plan_bytes=limit)
+    for i in range(20):
+        sched.add(make_request(f"r{i}", num_prompt_tokens=10, max_tokens=800, ignore_eos=True), ROOT)
+    last, longest, step, cut = {}, 0, 0, False
+    while sched.has_work():
+        plan, _ = run_step(sched)
+        step += 1
+        cut |= len(plan.scheduled) < len(sched.running)
+        for chunk in plan.scheduled:
+            longest = max(longest, step - last.get(chunk.request_id, step - 1) - 1)
+            last[chunk.request_id] = step
+    assert cut and longest <= 1
 
 
 def test_a_sequence_past_what_a_plan_carries_is_refused_naming_the_ring():
