@@ -269,6 +269,9 @@ class NewRequest(Struct, frozen=True, tag=True, omit_defaults=True):
     # gets them written in it (``tool_calls.with_tool_polyfills``).
     tool_format: str = "llama3_json"
     continue_final_message: bool = False  # the template leaves the last (assistant) message open
+    # The tokenizer's special tokens (its BOS) on a text prompt, or (vLLM's, off by default there) on the chat
+    # template's; None: a text prompt's only. A prompt of token ids is taken as sent.
+    add_special_tokens: bool | None = None
     chat_template_kwargs: dict | None = None  # more variables for the chat template (vLLM's field)
     prompt_param: str = ""  # the body field a refused prompt is named by ("input" for speech); "": prompt / messages
     cache_salt: str = ""  # vLLM's: prefix-cache blocks are shared only between requests of the same salt

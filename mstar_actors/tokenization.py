@@ -21,6 +21,7 @@ from typing import Any
 import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from mstar_actors import messages
 from mstar_actors.frontend.tool_calls import (
@@ -265,8 +266,8 @@ def content_format(template: str) -> str:
     content, and a list would print as one); vLLM tells the two apart the same way. Read from the template's
     syntax tree: the names a message goes by (a loop over ``messages``, a ``set`` from one), the names its
     content goes by, and a ``for`` over one of those."""
-    try:
-        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    try:  # (transformers' environment: its ``{% generation %}`` tag, which marks an assistant's turn)
+        tree = _compile_jinja_template(template).environment.parse(template)
     except jinja2.TemplateError:
         return "string"
     loops, sets = list(tree.find_all(jinja2.nodes.For)), list(tree.find_all(jinja2.nodes.Assign))

@@ -1,5 +1,7 @@
 """Tokenization on a tiny trained tokenizer; incremental detokenizer; stop strings."""
 
+import json
+
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -92,6 +94,22 @@ def test_special_tokens_are_the_tokenizers_own(tokenization, tmp_path):
     assert framed.encode_text("Hello world", True) == [bos, *ids, eos]
     assert framed.with_special_tokens(ids) == [bos, *ids, eos]
     assert framed.with_special_tokens([bos, *ids]) == [bos, *ids, eos]  # a template's own BOS is not doubled
+    # a request's add_special_tokens (vLLM's): a text prompt's by default, a chat template's where asked
+    from mstar_actors.frontend import openai_api as api
+    from mstar_actors.prepare.preparers import prompt_token_ids
+
+    def served(body: dict) -> list[int]:
+        parse = api.parse_chat if "messages" in body else api.parse_completion
+        (req,) = parse(json.dumps({"model": "m"} | body).encode(), 256).new_requests("r", "m")
+        return prompt_token_ids(framed, req, None)[0]
+
+    assert served({"prompt": "Hello world"}) == [bos, *ids, eos]
+    assert served({"prompt": "Hello world", "add_special_tokens": False}) == ids
+    assert served({"prompt": ids, "add_special_tokens": True}) == ids  # token ids: as sent
+    chat = [{"role": "user", "content": "Hello world"}]
+    templated = framed.apply_chat_template([ChatMessage("user", "Hello world")], True)
+    assert served({"messages": chat}) == templated
+    assert served({"messages": chat, "add_special_tokens": True}) == framed.with_special_tokens(templated) != templated
 
 
 def test_token_bytes_rebuild_characters_split_across_tokens(tokenization):
@@ -140,6 +158,9 @@ PARTS_TEMPLATE = (  # Gemma's way: a list's text parts written one after another
     ("{% for m in messages %}{% for call in m['tool_calls'] %}{{ call.name }}{% endfor %}{{ m.content }}{% endfor %}",
      "string"),
     ("{{ (", "string"),  # not a template: rendering says why
+    # transformers' tag around an assistant's turn (the environment it renders templates in reads it)
+    (PARTS_TEMPLATE.replace("{% for message in messages %}", "{% for message in messages %}{% generation %}")
+     .replace("<|im_end|>\n{% endfor %}", "<|im_end|>\n{% endgeneration %}{% endfor %}"), "openai"),
 ])
 def test_a_template_that_loops_over_its_parts_gets_them_as_a_list(tmp_path, byte_level_dir, template,
                                                                    expected_format):

@@ -121,7 +121,7 @@ COMMON_FIELDS = frozenset({
     "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "logprobs",
     "stop_token_ids", "ignore_eos", "logit_bias", "min_tokens", "bad_words", "allowed_token_ids",
     "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens", "return_token_ids",
-    "return_tokens_as_token_ids", "prompt_logprobs", "cache_salt",
+    "return_tokens_as_token_ids", "prompt_logprobs", "cache_salt", "add_special_tokens",
 })
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs", "add_generation_prompt", "continue_final_message",
                                "chat_template_kwargs", "include_reasoning", "reasoning_effort"}
@@ -161,11 +161,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
 
 # Refused unless neutral, their neutral value the endpoint's own (vLLM's defaults):
 # a chat prompt is the template's text, a completion prompt gets the tokenizer's BOS.
-UNSUPPORTED_BY_KIND: dict[str, dict[str, tuple]] = {
-    "chat": {"add_special_tokens": (False,)}, "completion": {"add_special_tokens": (True,)},
-}
-
-
 def accepted_fields(kind: str) -> frozenset[str]:
     own = CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS
     return own | OWNED_FIELDS[kind] | IGNORED_FIELDS
@@ -177,7 +172,7 @@ def check_fields(body: dict, kind: str) -> None:
     for name, value in body.items():
         if name in accepted or value is None:
             continue
-        neutrals = UNSUPPORTED_BY_KIND[kind].get(name, UNSUPPORTED_FIELDS.get(name))
+        neutrals = UNSUPPORTED_FIELDS.get(name)
         if neutrals is not None:
             if any(type(value) is type(neutral) and value == neutral for neutral in neutrals):
                 continue  # (of the neutral value's type: true is not 1)
@@ -314,6 +309,7 @@ class ParsedRequest:
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (its BOS) on the prompt (chat: false)
     chat_template_kwargs: dict | None = None  # vLLM's: more variables for the chat template
     include_reasoning: bool = True  # vLLM's: false drops the reply's reasoning (model.reasoning_parser)
     prompts: list[str | list[int]] = field(default_factory=list)
@@ -355,6 +351,7 @@ class ParsedRequest:
                     messages=self.messages,
                     add_generation_prompt=self.add_generation_prompt,
                     continue_final_message=self.continue_final_message,
+                    add_special_tokens=self.add_special_tokens,
                     chat_template_kwargs=self.chat_template_kwargs,
                     arrival_time=now,
                     n=self.n,
@@ -614,6 +611,7 @@ def _parse_common(body: dict, kind: str, cap: tuple[int, bool], logprobs: int | 
         logprobs=logprobs,
         output=output,
         bad_words=parse_bad_words(body),
+        add_special_tokens=get_bool(body, "add_special_tokens", kind == "completion"),  # (vLLM's defaults)
         cap_param="max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens",
         cap_sent=any(body.get(name) is not None for name in ("max_tokens", "max_completion_tokens")),
     )

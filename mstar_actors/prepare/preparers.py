@@ -106,8 +106,9 @@ def with_media(draft: Draft, refs: list[TensorRef]) -> Prepared:
 class Preparer:
     """Turns one text request into token ids. No I/O after construction.
 
-    ``tokenization`` provides ``encode_prompt(text, max_tokens) -> list[int]``
-    and ``apply_chat_template(messages, add_generation_prompt, max_tokens) ->
+    ``tokenization`` provides ``encode_text(text, add_special_tokens,
+    max_tokens) -> list[int]``, ``with_special_tokens(ids)`` and
+    ``apply_chat_template(messages, add_generation_prompt, max_tokens) ->
     list[int]``, raising PromptTooLong for a text of ``max_tokens`` or more
     before tokenizing all of it. ``prompt_limit`` (the launcher's
     ``max_model_len``) bounds that work; the scheduler's length check is the
@@ -235,9 +236,9 @@ def prompt_token_ids(tokenization: Any, req: NewRequest, prompt_limit: int | Non
                                                req.continue_final_message, tools=req.tools,
                                                assistant_prefix=req.assistant_prefix, tool_format=req.tool_format,
                                                template_kwargs=req.chat_template_kwargs)
-        ids, param = list(ids), "messages"
+        ids, param = list(tokenization.with_special_tokens(ids) if req.add_special_tokens else ids), "messages"
     elif req.prompt is not None:
-        ids, param = list(tokenization.encode_prompt(req.prompt, limit)), "prompt"
+        ids, param = list(tokenization.encode_text(req.prompt, req.add_special_tokens is not False, limit)), "prompt"
     else:
         raise ValueError("none of prompt, prompt_token_ids or messages is set")
     return (ids[-keep:] if keep is not None else ids), req.prompt_param or param
@@ -387,10 +388,11 @@ class MediaPreparer:
                                             "image_url / video_url parts, not as that text")
 
     def _template_ids(self, req: NewRequest) -> list[int]:
-        return self.tokenization.apply_chat_template(
+        ids = self.tokenization.apply_chat_template(
             req.messages or [], req.add_generation_prompt, self.text.prompt_limit, req.continue_final_message,
             tools=req.tools, assistant_prefix=req.assistant_prefix, tool_format=req.tool_format,
             template_kwargs=req.chat_template_kwargs, media_parts=True)
+        return self.tokenization.with_special_tokens(ids) if req.add_special_tokens else ids
 
     def _expand(self, ids: list[int], media: list[MediaDraft], refs: list[MediaRef]) -> tuple[list[int], list[MediaDraft]]:
         """Replace each placeholder token by its item's ``num_tokens`` copies and

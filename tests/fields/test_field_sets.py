@@ -72,12 +72,15 @@ def test_a_repetition_penalty_takes_any_positive_number_as_vllm_does():
         assert refused(chat(repetition_penalty=bad)).param == "repetition_penalty"
 
 
-def test_add_special_tokens_passes_at_each_endpoints_own_default():
-    """vLLM's defaults: a chat prompt is the template's text as it is, a completion prompt gets the BOS."""
-    api.parse_chat(chat(add_special_tokens=False), 256, 400)
-    api.parse_completion(comp(add_special_tokens=True), 256, 400)
-    assert refused(chat(add_special_tokens=True)).param == "add_special_tokens"
-    assert refused(comp(add_special_tokens=False), "completion").param == "add_special_tokens"
+def test_add_special_tokens_defaults_to_each_endpoints_own_and_is_taken():
+    """vLLM's defaults: a chat prompt is the template's text as it is, a completion prompt gets the BOS; either
+    may ask otherwise (a templated text sent as a completion prompt, a template that writes no BOS)."""
+    assert not api.parse_chat(chat(), 256, 400).add_special_tokens
+    assert api.parse_completion(comp(), 256, 400).add_special_tokens
+    assert api.parse_chat(chat(add_special_tokens=True), 256, 400).new_requests("r", "m")[0].add_special_tokens
+    assert api.parse_completion(comp(add_special_tokens=False), 256, 400).new_requests("r", "m")[0] \
+        .add_special_tokens is False
+    assert refused(comp(add_special_tokens="no"), "completion").param == "add_special_tokens"
 
 
 def test_an_assistant_refusal_part_is_its_text():
