@@ -35,8 +35,7 @@ from mstar_actors.messages import ChatMessage, ContentPart, NewRequest, Sampling
 MAX_N = 128  # OpenAI's limit (the server's own bounds: max_num_seqs + max_waiting_requests)
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 512
-MAX_TOP_LOGPROBS = 20  # chat
-MAX_LEGACY_LOGPROBS = 5  # completions
+MAX_TOP_LOGPROBS = 20  # chat (OpenAI's), completions and prompt_logprobs too (vLLM's max_logprobs; OpenAI's legacy 5)
 MAX_PROMPTS = 64
 MAX_SEED = (1 << 63) - 1  # any int64, as vLLM (a choice's seed + index wraps within int64: ``choice_sampling``)
 MIN_SEED = -(1 << 63)
@@ -1006,7 +1005,7 @@ def parse_completion(raw: bytes, max_model_len: int | None = None, vocab_size: i
             raise _bad(name, "expected an integer of at least 1, got 0 (0 only with \"echo\": true, which returns "
                              "the prompt alone)")
     cap = _parse_max_tokens(body, 16, max_model_len, lo=0 if echo else 1)  # 0: echo the prompt alone
-    logprobs = get_int(body, "logprobs", None, 0, MAX_LEGACY_LOGPROBS)
+    logprobs = get_int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     parsed = _parse_common(body, "completion", cap, logprobs, vocab_size, max_model_len)
     if echo and logprobs is not None:  # the prompt's tokens' logprobs too, as OpenAI's (a prompt's score)
         parsed.sampling = msgspec.structs.replace(

@@ -123,7 +123,7 @@ BAD = [
     ("completion", comp(prompt=[10**6]), "prompt"),
     ("completion", comp(prompt=["x"] * 1000), "prompt"),
     ("completion", comp(prompt=[True, False]), "prompt"),
-    ("completion", comp(logprobs=6), "logprobs"),
+    ("completion", comp(logprobs=21), "logprobs"),  # (vLLM's max_logprobs: 20)
     ("completion", comp(logprobs=True), "logprobs"),
     ("completion", comp(best_of=3), "best_of"),
     ("chat", chat(use_beam_search=True), "use_beam_search"),
@@ -271,6 +271,7 @@ def test_completion_prompts_and_choice_order():
     assert [r.prompt_token_ids for r in ids] == [[1, 2], [3]]
     assert api.parse_completion(comp(prompt=[5, 6])).prompts == [[5, 6]]
     assert api.parse_completion(comp()).sampling.max_tokens == 16
+    assert api.parse_completion(comp(logprobs=20)).logprobs == 20  # vLLM's max_logprobs (OpenAI's legacy: 5)
 
 
 def test_nulls_mean_absent_and_integral_floats_are_ints():
