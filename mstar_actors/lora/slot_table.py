@@ -25,9 +25,10 @@ Invariants:
 - Idle slots (unpinned, every ack in) keep their adapter, so a later
   request reuses it without an install; when a slot is needed, the idle
   one released longest ago is evicted (LRU).
-- A name reloaded with a new digest never reuses the old slot: the old slot
-  is detached (its running requests finish on the old weights) and freed
-  once unpinned.
+- A slot is found by its adapter's name and digest: a name reloaded with a
+  new digest never reuses the old slot, whose requests finish on the old
+  weights (and choices parked on that version find it again); unpinned, it
+  is evicted as any idle slot.
 - A failed install refuses the adapter everywhere: the slot stays failed
   (``acquire`` of that name and digest returns it, so the caller fails the
   request at once) until unpinned with every ack in, then it is freed and
@@ -80,7 +81,6 @@ class _Slot:
     digest: str = ""
     num_pins: int = 0
     acks: dict[int, str | None] = field(default_factory=dict)  # rank -> None (ok) or error
-    detached: bool = False  # no longer found by name (reloaded or failed-and-retried)
     last_used: int = 0
 
 
@@ -91,7 +91,7 @@ class SlotTable:
         self.max_loras = max_loras
         self.num_ranks = num_ranks
         self._slots = [_Slot(i) for i in range(max_loras + 1)]
-        self._by_name: dict[str, int] = {}
+        self._by_key: dict[tuple[str, str], int] = {}  # (name, digest) -> the slot holding or installing it
         self._installs: list[SlotInstall] = []
         self._tick = 0
 
@@ -102,9 +102,9 @@ class SlotTable:
 
     # ------------------------------------------------------------ queries
 
-    def lookup(self, name: str) -> int | None:
-        """The slot currently holding ``name`` (any state), or None."""
-        return self._by_name.get(name)
+    def lookup(self, name: str, digest: str) -> int | None:
+        """The slot holding ``name`` with weights ``digest`` (any state), or None."""
+        return self._by_key.get((name, digest))
 
     def state(self, slot: int) -> SlotState:
         return self._slot(slot).state
@@ -131,7 +131,7 @@ class SlotTable:
         (default: fewest pins, then the least recently used). None when no
         ready slot is left."""
         ready = [s for s in self._adapter_slots()
-                 if s.index not in exclude and s.state is SlotState.READY and not s.detached]
+                 if s.index not in exclude and s.state is SlotState.READY]
         if not ready:
             return None
         if key is None:
@@ -156,13 +156,10 @@ class SlotTable:
         rows on it, or sends the install so every rank makes it before its
         next plan (the pool's ``rows_follow``).
         """
-        found = self._by_name.get(name)
+        found = self._by_key.get((name, digest))
         if found is not None:
-            slot = self._slots[found]
-            if slot.digest == digest:
-                self._pin(slot)
-                return slot.index
-            self._detach(slot)  # reloaded: running requests keep the old weights
+            self._pin(self._slots[found])
+            return found
         victim = self._pick_victim(exclude)
         if victim is None:
             return None
@@ -244,26 +241,21 @@ class SlotTable:
         return min(takeable, key=lambda s: (s.state is not SlotState.FREE, s.last_used))
 
     def _start_install(self, s: _Slot, name: str, digest: str) -> None:
-        if not s.detached and self._by_name.get(s.name) == s.index:
-            del self._by_name[s.name]
-        s.state, s.name, s.digest, s.acks, s.detached = SlotState.INSTALLING, name, digest, {}, False
-        self._by_name[name] = s.index
+        self._forget(s)
+        s.state, s.name, s.digest, s.acks = SlotState.INSTALLING, name, digest, {}
+        self._by_key[name, digest] = s.index
         self._installs.append(SlotInstall(s.index, name, digest))
 
-    def _detach(self, s: _Slot) -> None:
-        if self._by_name.get(s.name) == s.index:
-            del self._by_name[s.name]
-        s.detached = True
-        self._free_if_done(s)
-
     def _free_if_done(self, s: _Slot) -> None:
-        """A detached or failed slot with no pins and every ack in goes back to free."""
-        if s.num_pins or len(s.acks) < self.num_ranks:
+        """A failed slot with no pins and every ack in goes back to free (the next acquire retries)."""
+        if s.num_pins or len(s.acks) < self.num_ranks or s.state is not SlotState.FAILED:
             return
-        if s.detached or s.state is SlotState.FAILED:
-            if self._by_name.get(s.name) == s.index:
-                del self._by_name[s.name]
-            self._slots[s.index] = _Slot(s.index)
+        self._forget(s)
+        self._slots[s.index] = _Slot(s.index)
+
+    def _forget(self, s: _Slot) -> None:
+        if self._by_key.get((s.name, s.digest)) == s.index:
+            del self._by_key[s.name, s.digest]
 
     @staticmethod
     def _errors(s: _Slot) -> dict[int, str]:

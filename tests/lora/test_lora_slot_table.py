@@ -67,7 +67,7 @@ def test_one_rank_failing_refuses_the_adapter_on_every_rank():
     table.unpin(slot)
     table.unpin(slot)
     assert table.state(slot) is SlotState.FREE  # freed once unpinned: a later acquire retries
-    assert table.lookup("a") is None
+    assert table.lookup("a", "d1") is None
     assert table.acquire("a", "d1") == slot
     assert table.take_installs() == [SlotInstall(slot, "a", "d1")]
 
@@ -81,8 +81,8 @@ def test_full_pool_is_backpressure_until_an_unpin():
     assert table.acquire("a", "d") == a  # resident: a new request shares it
     table.unpin(b)
     assert table.acquire("c", "d") == b
-    assert table.lookup("b") is None and table.lookup("c") == b
-    assert table.lookup("a") == a
+    assert table.lookup("b", "d") is None and table.lookup("c", "d") == b
+    assert table.lookup("a", "d") == a
 
 
 def test_idle_slots_keep_their_adapter_and_are_evicted_lru():
@@ -94,7 +94,7 @@ def test_idle_slots_keep_their_adapter_and_are_evicted_lru():
     assert table.acquire("a", "d") == a and table.take_installs() == []
     table.unpin(a)  # now "b" is the least recently released
     assert table.acquire("c", "d") == b
-    assert table.lookup("a") == a
+    assert table.lookup("a", "d") == a
 
 
 def test_free_slots_are_taken_before_evicting_an_idle_adapter():
@@ -102,7 +102,7 @@ def test_free_slots_are_taken_before_evicting_an_idle_adapter():
     a = ready(table, "a")
     table.unpin(a)
     assert table.acquire("b", "d") != a
-    assert table.lookup("a") == a
+    assert table.lookup("a", "d") == a
 
 
 def test_slot_mid_install_is_never_reused_even_unpinned():
@@ -121,10 +121,23 @@ def test_reload_with_new_digest_never_reuses_the_stale_slot():
     new = table.acquire("a", "v2")
     assert new is not None and new != old
     assert table.take_installs() == [SlotInstall(new, "a", "v2")]
-    assert table.lookup("a") == new
+    assert table.lookup("a", "v2") == new and table.lookup("a", "v1") == old
     assert table.num_pins(old) == 1  # its request finishes on the old weights
     table.unpin(old)
-    assert table.state(old) is SlotState.FREE  # detached: freed, not cached
+    assert table.acquire("b", "d") == old  # idle: evicted as any other
+
+
+def test_a_slot_is_found_by_its_version_and_an_old_one_never_takes_the_new():
+    """Choices parked before a reload ask for the old version: that found the name's slot, holding the new
+    one, and detached it under its pins (no request found it again, none drained it: everything waited)."""
+    table = make_table(max_loras=2)
+    new = ready(table, "a", "v2")
+    old = table.acquire("a", "v1")  # the parked choices' version: installed beside it
+    assert old not in (None, new) and table.take_installs() == [SlotInstall(old, "a", "v1")]
+    assert table.lookup("a", "v2") == new and table.acquire("a", "v2") == new and table.num_pins(new) == 2
+    assert table.pick_drain(exclude=frozenset({old})) == new
+    table.ack(0, old, "v1", ok=True)
+    assert table.acquire("a", "v1") == old and table.num_pins(old) == 2  # shared by the version's choices
 
 
 def test_reload_of_an_idle_adapter_frees_its_slot_for_the_new_one():
@@ -185,4 +198,4 @@ def test_pick_drain_prefers_the_ready_slot_with_fewest_pins_and_never_an_install
     assert table.pick_drain() == b
     assert table.pick_drain(exclude=frozenset({b})) == a
     assert table.pick_drain(exclude=frozenset({a, b})) is None  # "c" is still installing
-    assert table.lookup("c") == installing
+    assert table.lookup("c", "d") == installing
