@@ -156,6 +156,8 @@ class _Read:
     path: str
     load_id: str | None  # the LoadAdapter's request id; None: a read for an install
     confined: bool  # a runtime load's: its files only inside lora.adapter_dirs (``ReadAdapter.confined``)
+    adapter: _Adapter | None = None  # an install's: the adapter that asked (an unload and a load of the name
+    # may come before the answer: its waiters then are the new adapter's, and the read is this one's)
 
 
 @dataclass
@@ -311,11 +313,9 @@ class AdapterPool:
         self._hold(msg)
         if read.load_id is not None:
             return [*self._loaded(read, msg), *self._settle()]
-        adapter = self.adapters.get(read.name) or self._waiting_adapter(read.name)
-        if adapter is not None:
-            adapter.is_reading = False
-            if adapter.path == read.path:  # else a reload overtook this read: keep the reload's digest
-                adapter.digest = msg.digest
+        read.adapter.is_reading = False
+        if read.adapter.path == read.path:  # else a reload overtook this read: keep the reload's digest
+            read.adapter.digest = msg.digest
         return self._settle()
 
     def on_read_failed(self, msg: AdapterReadFailed) -> list:
@@ -327,12 +327,9 @@ class AdapterPool:
             return [AdapterUpdate(request_id=read.load_id, status=400, code="invalid_adapter",
                                   message=f"adapter {read.name!r} at {read.path} was refused: {msg.message}")]
         outs = []
-        reloading = any(r.name == read.name and r.load_id for r in self._reads)
-        if reloading:  # a load of the name is queued: its waiters go with it (``_loaded`` updates their adapter)
-            adapter = self.adapters.get(read.name) or self._waiting_adapter(read.name)
-            if adapter is not None:
-                adapter.is_reading = False
-            return self._settle()
+        read.adapter.is_reading = False
+        if any(r.name == read.name and r.load_id for r in self._reads):
+            return self._settle()  # a load of the name is queued: its waiters go with it (``_loaded``)
         # Where runtime updates are on, a served adapter whose files no longer give one is unloaded (read
         # again, they would fail again): /v1/models stops listing it, and an operator loads it again. A
         # failed read of the machine's (no room in shared memory), or with no way to load it again, keeps it.
@@ -347,9 +344,7 @@ class AdapterPool:
                 "POST /v1/load_lora_adapter once its files are back")
         # Its waiters end: new requests, and parked choices whose copy was dropped (their streams would
         # otherwise wait for ever).
-        for w in [w for w in self._waiting if w.adapter.name == read.name and w.slot is None]:
-            if w.adapter.path != read.path:
-                continue
+        for w in [w for w in self._waiting if w.adapter is read.adapter and w.slot is None]:
             self._waiting.remove(w)
             if w.parked:
                 outs.extend(self._fail_parked(w, None, f"its files could not be read again: {msg.message}"))
@@ -358,9 +353,6 @@ class AdapterPool:
                                    code="model_not_found", error_type="not_found_error", message=gone))
             else:
                 outs.append(self._fail(w, 500, f"adapter {read.name!r} could not be read: {msg.message}"))
-        adapter = self._waiting_adapter(read.name) or self.adapters.get(read.name)
-        if adapter is not None:
-            adapter.is_reading = False
         return [*outs, *self._settle()]
 
     # ------------------------------------------------------------ rank acks
@@ -442,8 +434,11 @@ class AdapterPool:
 
     def _loaded(self, read: _Read, msg: AdapterRead) -> list:
         adapter = self.adapters.get(read.name)
-        if adapter is None:
+        if adapter is None:  # (unloaded meanwhile, or new): requests still waiting on the name take this one
             adapter = self.adapters[read.name] = _Adapter(read.name, read.path, confined=read.confined)
+            for w in self._waiting:
+                if w.prepared is not None and w.adapter.name == read.name:
+                    w.adapter = adapter
         adapter.path, adapter.digest, adapter.confined = read.path, msg.digest, read.confined
         done = AdapterUpdate(request_id=read.load_id, status=200,
                              message=f"Success: LoRA adapter '{read.name}' added successfully.")
@@ -490,10 +485,7 @@ class AdapterPool:
     def _resident_slot(self, adapter: _Adapter, digest: str | None = None) -> int | None:
         """The slot holding (or installing) this version of the adapter (``digest``: that one)."""
         digest = adapter.digest if digest is None else digest
-        slot = self.table.lookup(adapter.name)
-        if digest and slot is not None and self._slot_digest.get(slot) == digest:
-            return slot
-        return None
+        return self.table.lookup(adapter.name, digest) if digest else None
 
     # ------------------------------------------------------------ parking
 
@@ -619,21 +611,31 @@ class AdapterPool:
             return []
         if self.table.num_free(exclude=self._reserved_for_others(name)) > 0:
             return []  # a slot is takeable already; only the host copy is missing
-        slot = self.table.pick_drain(exclude=frozenset(self._drains), key=lambda s: self._tenancy.get(s, 0))
+        kept = frozenset(s for s in range(1, self.max_loras + 1) if not self._parkable(s))
+        slot = self.table.pick_drain(exclude=kept | frozenset(self._drains), key=lambda s: self._tenancy.get(s, 0))
         if slot is not None:
             self._drains[slot] = name
         return []
+
+    def _parkable(self, slot: int) -> bool:
+        """Whether the version on ``slot`` could be installed again for its rows, parked: its host copy is
+        held, or it is still served (read again). An unloaded or reloaded one whose copy is gone (admitted on
+        its resident slot, none was held) runs on until its rows end."""
+        name, digest = self.table.name_of(slot), self._slot_digest.get(slot)
+        adapter = self.adapters.get(name)
+        return (name, digest) in self._hosts or (adapter is not None and adapter.digest == digest)
 
     def _reserved_for_others(self, name: str) -> frozenset[int]:
         return frozenset(slot for slot, target in self._drains.items() if target != name)
 
     def _forget_drains(self) -> None:
         """Drop drains whose reason is gone: no waiter of the target needs a
-        slot any more (admitted, installing, aborted, failed, or unloaded), or
-        the slot left the ready state (reloaded, freed)."""
+        slot any more (admitted, installing, aborted, failed, or unloaded),
+        the slot left the ready state (reloaded, freed), or its rows could no
+        longer come back once parked (``_parkable``)."""
         needy = {w.adapter.name for w in self._waiting if w.slot is None}
         self._drains = {slot: name for slot, name in self._drains.items()
-                        if name in needy and self.table.state(slot) is SlotState.READY}
+                        if name in needy and self.table.state(slot) is SlotState.READY and self._parkable(slot)}
 
     def _pin_existing(self, w: _Waiting, adapter: _Adapter) -> list:
         slot = self.table.acquire(adapter.name, adapter.digest)
@@ -654,10 +656,11 @@ class AdapterPool:
         if adapter.is_reading:
             return []
         adapter.is_reading = True
-        return [self._read(adapter.name, adapter.path, None, adapter.confined)]
+        return [self._read(adapter.name, adapter.path, None, adapter.confined, adapter)]
 
-    def _read(self, name: str, path: str, load_id: str | None, confined: bool) -> ReadAdapter:
-        self._reads.append(_Read(name, path, load_id, confined))
+    def _read(self, name: str, path: str, load_id: str | None, confined: bool,
+              adapter: _Adapter | None = None) -> ReadAdapter:
+        self._reads.append(_Read(name, path, load_id, confined, adapter))
         return ReadAdapter(name=name, path=path, refresh=load_id is not None, confined=confined)
 
     def _admit(self, w: _Waiting, slot: int) -> Admit:
@@ -682,10 +685,6 @@ class AdapterPool:
             raise RuntimeError(f"adapter-reader answered {name!r} while {expected!r} was due: "
                                f"the reader must answer reads in order")
         return self._reads.popleft()
-
-    def _waiting_adapter(self, name: str) -> _Adapter | None:
-        """An unloaded adapter still needed by waiting requests."""
-        return next((w.adapter for w in self._waiting if w.adapter.name == name), None)
 
     def _hold(self, msg: AdapterRead) -> None:
         host = self._hosts.setdefault((msg.name, msg.digest), _Host(msg.host))

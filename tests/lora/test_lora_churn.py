@@ -15,6 +15,7 @@ from mstar_actors.messages import (
     AdapterHostRef,
     AdapterInstalled,
     AdapterRead,
+    AdapterReadFailed,
     DropAdapter,
     Failed,
     Finished,
@@ -114,7 +115,8 @@ class Driver:
         self.handle(self.adapter_pool.end(request_id))
 
     def slot_of_adapter(self, name: str) -> int | None:
-        return self.adapter_pool.table.lookup(name)
+        """The slot holding the served version of ``name``."""
+        return self.adapter_pool.table.lookup(name, self.adapter_pool.adapters[name].digest)
 
 
 def running(resident: str, max_loras: int = 2, **kw) -> Driver:
@@ -578,3 +580,71 @@ def test_a_runtime_loaded_adapter_is_read_confined_every_time_and_a_configured_o
                              max_rank=8))
     again = pool._ensure_read(pool.adapters["b"])
     assert [(r.name, r.path, r.confined) for r in again] == [("b", "/adapters/b", True)]
+
+
+def reload_a(d) -> None:
+    """A runtime reload of ``a`` from new files (digest ``d-a2``), answered at once."""
+    d.handle(d.adapter_pool.load(LoadAdapter(request_id="l", name="a", path="/adapters/a2", replace=True)))
+    d.holds[d.unanswered.pop(0)] += 1
+    d.handle(d.adapter_pool.on_read(AdapterRead(name="a", path="/adapters/a2", digest="d-a2",
+                                                host=AdapterHostRef(segment="seg-a2", nbytes=1), max_rank=8)))
+
+
+def test_choices_parked_before_a_reload_never_take_the_new_versions_slot():
+    """A request on the reloaded version takes a's slot at its turn's end, a1 (the old version) parked: a1
+    looking for its version found the name's slot, holding the new one, and took it from under its rows
+    (no request found it again, so the new version's requests all waited for an install)."""
+    d = running("ab", max_cpu_loras=4)
+    reload_a(d)
+    d.send("a5", "a")  # the new version: it reserves a's slot, whose rows (the old version's) park at the turn's end
+    d.step(int(d.adapter_pool.quantum))
+    d.settle()
+    assert d.parked == {"a1"} and "a5" in d.admitted
+    d.send("a6", "a", same_step=True)
+    assert d.admitted.get("a6") == d.admitted["a5"]  # the new version's slot, found and shared
+    for rid in ("a5", "a6", "b1"):
+        d.end(rid)
+    d.step(int(d.adapter_pool.quantum))
+    d.settle()
+    assert "a1" in d.admitted and not d.failed  # resumed on its own version
+
+
+def test_a_waiter_of_an_adapter_unloaded_and_loaded_again_takes_the_loaded_one():
+    """A read answer was given to the adapter of its name: after an unload and a load of that name, the
+    answer to the waiter's own read reached the loaded adapter, the waiter's stayed reading for ever."""
+    d = Driver(max_loras=1, names="ab")
+    d.send("r1", "a")
+    assert d.unanswered == ["a"]
+    d.handle(d.adapter_pool.unload(UnloadAdapter(request_id="u", name="a")))
+    d.handle(d.adapter_pool.load(LoadAdapter(request_id="l", name="a", path="/adapters/a2")))
+    d.unanswered.pop(0)  # the waiter's read fails (a load is queued: the waiter goes with it)
+    d.handle(d.adapter_pool.on_read_failed(AdapterReadFailed(name="a", path="/adapters/a", message="EIO",
+                                                             code="adapter_read_error")))
+    d.unanswered.remove("a")  # the load's read
+    d.holds["a"] = d.holds.get("a", 0) + 1
+    d.handle(d.adapter_pool.on_read(AdapterRead(name="a", path="/adapters/a2", digest="d-a2",
+                                                host=AdapterHostRef(segment="seg-a2", nbytes=1), max_rank=8)))
+    d.settle()
+    assert "r1" in d.admitted and not d.failed
+
+
+def test_rows_of_an_unloaded_version_whose_copy_is_gone_run_on_rather_than_park():
+    """Admitted on its resident slot after its host copy was dropped, then unloaded: parked for a waiter,
+    nothing could install it again and its rows failed mid-stream (500); they now keep the slot until
+    they end, and the waiter takes it then."""
+    d = Driver(max_loras=1, names="ab")
+    d.send("r0", "a")
+    d.answer_reads()
+    d.handle(d.adapter_pool.abort("r0"))  # gone before its install's answer: nothing holds a's copy
+    d.ack_installs()
+    assert d.drops == ["a"]
+    d.send("r1", "a")
+    assert "r1" in d.admitted
+    d.handle(d.adapter_pool.unload(UnloadAdapter(request_id="u", name="a")))
+    d.send("r2", "b")
+    d.step(4 * int(d.adapter_pool.quantum))
+    d.settle()
+    assert not d.failed and not d.parked and "r2" not in d.admitted
+    d.end("r1")
+    d.settle()
+    assert "r2" in d.admitted
