@@ -363,11 +363,15 @@ class ConductorActor(Actor):
                     await self.send_outputs([out])
 
     async def send_outputs(self, outputs: list[Any]) -> None:
-        """Outputs of a request to its frontend; the rest (``ModelsChanged``) to every one."""
+        """Outputs of a request to its frontend; the rest (``ModelsChanged``) to every one. A choice's
+        outputs after its end are dropped: a step's, sent after the plan ahead, whose adapter pool
+        failed the choice meanwhile (``send_plan``)."""
         for out in outputs:
             request_id = getattr(out, "request_id", None)
             if request_id is None:
                 await self.tell_frontends(out)
+                continue
+            if isinstance(out, TokenDelta | Finished | Failed) and not self.is_live(request_id):
                 continue
             if isinstance(out, TokenDelta) and out.num_prompt_tokens:  # its first
                 out = self.timed(out)
@@ -375,6 +379,13 @@ class ConductorActor(Actor):
             if isinstance(out, Finished | Failed):
                 self.forget_arrival(request_id)
                 await self.route(self.adapter_pool.end(request_id))
+
+    def is_live(self, request_id: str) -> bool:
+        """Whether a request (any of its choices) or a choice has not ended yet."""
+        if request_id in self.arrived:
+            return True
+        prefix = f"{request_id}-"
+        return any(rid.startswith(prefix) and rid[len(prefix):].isdigit() for rid in self.arrived)
 
     def forget_arrival(self, request_id: str) -> None:
         """A choice ended, or a whole request of several choices (a refusal): each of its."""

@@ -13,6 +13,7 @@ from mstar_actors.messages import (
     ConductorToFrontend,
     ConductorToWorker,
     EngineStats,
+    Failed,
     Finished,
     Prepared,
     PrepareToConductor,
@@ -128,3 +129,29 @@ def test_a_step_a_rank_never_answers_stops_the_conductor():
     code, failure = asyncio.run(run())
     assert code == 1
     assert "StepTimeout: step 0: no answer from rank(s) [0] in 0.2 s (scheduler.step_timeout_s)" in failure
+
+
+def test_a_choices_outputs_after_its_end_are_dropped():
+    """The adapter pool may fail a choice while the plan ahead goes out (a parked choice it cannot install
+    again), before the last step's outputs are sent: that step's tokens and end then followed its Failed,
+    and the client was answered twice."""
+    async def run() -> list:
+        config = Config(model=ModelConfig(path="unused", name="base"))
+        info = ModelInfo(served_name="base", model_dir="unused", architecture="LlamaForCausalLM", vocab_size=32,
+                         eos_token_ids=(2,), dtype="float32", max_model_len=64)
+        sent: list = []
+        to_frontend = Recording(ConductorToFrontend, "conductor.frontend", sent)
+        to_rank = MemoryChannel(ConductorToWorker, "conductor.worker0")
+        conductor = ConductorActor(name="conductor", config=config, info=info, inbox={},
+                                   outbox={"frontend": to_frontend, "workers": MemoryBroadcast([to_rank], "workers")})
+        request_id = new_request_id("cmpl")
+        live, ended = f"{request_id}-0", f"{request_id}-1"
+        conductor.arrived.update({live: (0.0, None), ended: (0.0, None)})
+        await conductor.send_outputs([Failed(request_id=ended, status=500, message="no longer served")])
+        end = Finished(request_id=ended, finish_reason="length", num_prompt_tokens=3, num_output_tokens=1)
+        await conductor.send_outputs([TokenDelta(request_id=rid, tokens=[SampledToken(rid, 7)])
+                                      for rid in (ended, live)] + [end])
+        return sent
+
+    sent = asyncio.run(run())
+    assert [(type(m).__name__, m.request_id[-1]) for m in sent] == [("Failed", "1"), ("TokenDelta", "0")]
