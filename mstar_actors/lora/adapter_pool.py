@@ -68,7 +68,7 @@ Invariants:
   answers are matched to ``_reads`` first in, first out.
 - A reload under a served name changes the adapter's digest: new and still
   waiting requests use the new version; admitted ones keep their slot (the
-  slot table detaches it). The prefix root names the digest, so no KV block
+  slot table finds a slot by name and digest). The prefix root names the digest, so no KV block
   is shared across versions or adapters.
 - An unloaded adapter's waiting, running and parked requests finish; new
   requests naming it get 404. Where runtime updates are on, a served
