@@ -652,9 +652,16 @@ class FrontendActor(Actor):
                 end = reasoning_end(self._followed_text(parsed) or "") if state != "closed" else ""
                 parsed.tools = dataclasses.replace(parsed.tools, reasoning_end=end)
             return None
-        # held after the reasoning; a strict tool's calls with no answer's rule hold from the first token (any
-        # other text, the reasoning's too, is free: a call a Qwen3.5 reply opens while thinking is held as well)
-        gated = spec is not None and not (spec.kind == "tagged_calls"
+        tools = parsed.tools
+        # a call a qwen3 reply opens ends its reasoning where it reads qwen3_coder calls (Qwen3.5 opens them while
+        # thinking); strict calls with no answer's rule are then held from the first token, the rest of the
+        # reasoning free (so too where the think tags are no single tokens to hold a rule back after). Any other
+        # constraint holds after the reasoning, the calls' of another format (whose reader keeps a call opened
+        # inside the reasoning as reasoning) included, and then no call opened inside it ends the reasoning: the
+        # grammar never saw one.
+        calls_open = (self.reasoning_parser == "qwen3" and tools is not None and tools.reads_calls
+                      and tools.parser == QWEN3_CODER)
+        gated = spec is not None and not ((calls_open or self.think_ids is None) and spec.kind == "tagged_calls"
                                           and "answer" not in msgspec.json.decode(spec.spec))
         if gated and self.think_ids is None:
             return None
@@ -666,11 +673,7 @@ class FrontendActor(Actor):
             spec = msgspec.structs.replace(spec, reasoning=self.think_ids,
                                            opened=opened or self.reasoning_parser == "deepseek_r1")
             parsed.sampling = msgspec.structs.replace(parsed.sampling, structured=spec)
-        tools = parsed.tools
-        # (not where strict calls are held after the reasoning, beside an answer's rule: the grammar never saw
-        # one opened inside it, which stays reasoning)
-        calls_open = self.reasoning_parser == "qwen3" and tools is not None and tools.reads_calls and \
-            tools.parser == QWEN3_CODER and not (gated and spec.kind == "tagged_calls")
+        calls_open = calls_open and not gated
         return self.reasoning_parser, opened, XML_CALL_OPENING if calls_open else None
 
     def _prompt_reasoning(self, parsed: ParsedRequest) -> str | None:

@@ -414,3 +414,74 @@ def test_a_strict_call_opened_while_thinking_beside_an_answer_s_rule_stays_reaso
                 assert bool(message.get("tool_calls")) == ("response_format" not in extra), (extra, r)
 
     run(body)
+
+
+def _think_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    from tests.frontend.conftest import make_tokenizer_dir
+
+    folder = make_tokenizer_dir(tmp_path / "think")
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok.add_tokens(["<think>", "</think>"])
+    tok.save_pretrained(str(folder))
+    return folder, tok
+
+
+def test_hermes_strict_calls_hold_after_the_reasoning_whose_calls_stay_reasoning(tmp_path):
+    """hermes' reader keeps a call written inside the reasoning as reasoning, but the strict calls' rule held
+    from the first token, counting it: with parallel_tool_calls false the reply ended at that call, all of it
+    reasoning. The rule now holds after </think>, as any other constraint."""
+    from tests.frontend.conftest import Harness
+
+    folder, tok = _think_tokenizer(tmp_path)
+    strict = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}]
+    thought = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+
+    async def body():
+        async with Harness(folder, tok, model_keys={"reasoning_parser": "qwen3", "tool_call_parser": "hermes"}) as h:
+            h.engine.reply_text = f"<think>\nI will {thought}</think>\n\nfine"
+            status, r = await h.post(CHAT, {"model": "tiny", "messages": MSGS, "tools": strict,
+                                            "parallel_tool_calls": False})
+            message = r["choices"][0]["message"]
+            assert status == 200 and thought in message["reasoning"] and not message.get("tool_calls"), r
+            assert message["content"].strip() == "fine"
+            spec = next(iter(h.engine.requests.values())).sampling.structured
+            assert spec.kind == "tagged_calls" and spec.reasoning == tuple(tok.convert_tokens_to_ids(["<think>",
+                                                                                                      "</think>"]))
+
+    run(body)
+
+
+def test_a_qwen3_coder_call_opened_while_thinking_stays_reasoning_beside_a_response_format(tmp_path):
+    """response_format holds after </think>, where the grammar sees the reasoning end; the reader ended it at a
+    call opened inside it instead, so the rest of the reasoning and </think> came out as the answer (no JSON)."""
+    from tests.frontend.conftest import Harness
+
+    folder, tok = _think_tokenizer(tmp_path)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}}}}]
+    answer = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+    opened = "<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>"
+
+    async def body():
+        async with Harness(folder, tok, model_keys={"reasoning_parser": "qwen3",
+                                                    "tool_call_parser": "qwen3_coder"}) as h:
+            h.engine.reply_text = f'<think>\nplan {opened}\nok</think>{{"x": 2}}'
+            for stream in (False, True):
+                body = {"model": "tiny", "messages": MSGS, "tools": tools, "response_format": answer}
+                if stream:
+                    _, chunks = await h.stream(CHAT, body)
+                    deltas = [c["choices"][0]["delta"] for c in chunks if c != "[DONE]" and c["choices"]]
+                    content = "".join(d.get("content") or "" for d in deltas)
+                    reasoning = "".join(d.get("reasoning") or "" for d in deltas)
+                    calls = [d for d in deltas if d.get("tool_calls")]
+                else:
+                    status, r = await h.post(CHAT, body)
+                    message = r["choices"][0]["message"]
+                    content, reasoning, calls = message["content"], message["reasoning"], message.get("tool_calls")
+                assert content == '{"x": 2}' and opened in reasoning and not calls, (stream, content, reasoning)
+
+    run(body)
