@@ -47,12 +47,59 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse ``type``: a count of at least 0 (0 meaning none, or a default the option names)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
 def positive_ints(text: str) -> list[int]:
     """An argparse ``type``: comma-separated counts of at least 1 (``1,8,32``)."""
     try:
         return [positive_int(part) for part in text.split(",")]
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+
+
+def run_tool(main: Callable[[], int | None]) -> None:
+    """A tool's entry point: ``main``'s exit status; Ctrl-C one line, no traceback (the servers a tool
+    starts are in a session of their own, so the key reaches the tool alone, which stops them)."""
+    try:
+        status = main()
+    except KeyboardInterrupt:
+        print("interrupted: the tables printed so far stand; nothing more was measured", file=sys.stderr)
+        status = 130
+    raise SystemExit(status)
+
+
+def quiet_child(target: Callable, *args):
+    """A spawned helper process's target: ``target(*args)`` with Ctrl-C left to the tool that spawned it
+    (which stops it), so the key prints no traceback of every process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return target(*args)
+
+
+def check_url(url: str) -> str:
+    """``--url``: the /v1 URL of a server that answers, checked before anything is measured (SystemExit of
+    one line otherwise)."""
+    url = url.rstrip("/")
+    try:
+        with urllib.request.urlopen(f"{url}/models", timeout=10) as response:
+            response.read()
+    except urllib.error.HTTPError as err:
+        if err.code in (401, 403):
+            return url  # a server with a key: the tool's own requests say so
+        raise SystemExit(f"--url {url}: GET {url}/models answered {err.code}; give a running server's /v1 URL")
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        reason = getattr(err, "reason", err)
+        raise SystemExit(f"--url {url}: no server answers there ({reason}); start one with `python -m "
+                         "mstar_actors serve CONFIG`, or leave --url out to have the tool start its own") from None
+    return url
 
 
 def model_dir_of(arg: str | None) -> Path:
@@ -130,7 +177,7 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mstar_actors", "serve", str(path), "--log-level", log_level], cwd=ROOT,
             env=dict(os.environ, PYTHONPATH=pythonpath, **(env or {})), stderr=subprocess.PIPE,
-            stdout=subprocess.DEVNULL, text=True, preexec_fn=stop_with_parent())
+            stdout=subprocess.DEVNULL, text=True, preexec_fn=stop_with_parent(), start_new_session=True)
         threading.Thread(target=self.log.extend, args=(self.proc.stderr,), daemon=True).start()
 
     @property

@@ -41,7 +41,7 @@ class LlamaServer:
         self.log: list[str] = []
         cmd = _llama_cpp.server_command(_llama_cpp.server_binary(), gguf, self.port, threads, num_slots, 1024)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     preexec_fn=stop_with_parent())
+                                     preexec_fn=stop_with_parent(), start_new_session=True)
         threading.Thread(target=self.log.extend, args=(self.proc.stderr,), daemon=True).start()
 
     def wait(self) -> str:

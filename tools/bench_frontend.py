@@ -48,7 +48,7 @@ import msgspec
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package
-from _common import ROOT, free_port, positive_ints, progress, write_output  # noqa: E402
+from _common import ROOT, free_port, positive_int, positive_ints, progress, run_tool, write_output  # noqa: E402
 from actors.base import Actor, ActorSpec, run_actor_process  # noqa: E402
 from mstar_actors.messages import (  # noqa: E402
     Abort,
@@ -451,10 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", help="a model folder or embedded name (only its tokenizer is used)")
     parser.add_argument("--concurrency", type=positive_ints, default=[1, 64, 256], help="comma-separated client counts")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--waves", type=int, default=6, help="requests per level: concurrency x waves ...")
-    parser.add_argument("--min-requests", type=int, default=48, help="... and at least this many")
+    parser.add_argument("--max-tokens", type=positive_int, default=64)
+    parser.add_argument("--rounds", type=positive_int, default=3)
+    parser.add_argument("--waves", type=positive_int, default=6, help="requests per level: concurrency x waves ...")
+    parser.add_argument("--min-requests", type=positive_int, default=48, help="... and at least this many")
     parser.add_argument("--logprobs", action="store_true", help="every request asks for logprobs and the top 2")
     parser.add_argument("--unpaced", action="store_true",
                         help="the engine stand-in sends steps until the ring is full, not one per ring read")
@@ -472,6 +472,9 @@ def main(argv: list[str] | None = None) -> int:
         folder = resolve_model(args.model)
     except FetchError as err:
         raise SystemExit(f"--model: {err}") from None
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise SystemExit(f"--model {args.model!r}: no tokenizer there (tokenizer.json); give a model folder or an "
+                         "embedded name")
     tokenizer, token_ids = corpus_ids(str(folder))
     rig = Rig(args, token_ids)
     try:
@@ -490,4 +493,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

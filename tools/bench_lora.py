@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package
-from _common import Server, free_port, progress, write_output  # noqa: E402
+from _common import Server, free_port, progress, run_tool, write_output  # noqa: E402
 from bench_serve import make_messages, one_request  # noqa: E402
 
 LLAMA_1B = "llama-3.2-1b-random"
@@ -693,7 +693,7 @@ def ttft_lines(results: list[Measurement]) -> list[str]:
             lines.append(f"  concurrency {c:>3}: p50 {churn.ttft_ms(50):.0f} ms vs {calm.ttft_ms(50):.0f} ms "
                          f"({churn.ttft_ms(50) / calm.ttft_ms(50):.2f}x), p90 {churn.ttft_ms(90):.0f} ms vs "
                          f"{calm.ttft_ms(90):.0f} ms ({churn.ttft_ms(90) / calm.ttft_ms(90):.2f}x)")
-    return lines
+    return lines if len(lines) > 1 else []  # (no heading without both scenarios)
 
 
 def published_lines(results: list[Measurement], ref: dict[int, float]) -> list[str]:
@@ -909,4 +909,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

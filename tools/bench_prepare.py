@@ -58,7 +58,9 @@ from typing import NamedTuple
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]  # the engine, and the tools' shared modules
 
-from _common import Server, free_port, positive_int, progress, write_output  # noqa: E402
+from _common import (  # noqa: E402
+    Server, free_port, non_negative_int, positive_int, progress, run_tool, write_output,
+)
 from _vl_common import (  # noqa: E402
     HEAVY_CLIP,
     Clip,
@@ -551,12 +553,12 @@ class Report:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=32, help="requests per batch (kind and pool size)")
-    parser.add_argument("--throughput-rounds", type=int, default=5,
+    parser.add_argument("--requests", type=positive_int, default=32, help="requests per batch (kind and pool size)")
+    parser.add_argument("--throughput-rounds", type=positive_int, default=5,
                         help="batches per kind and pool size, sizes taking turns (the median is reported)")
     parser.add_argument("--workers", type=positive_int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads of this process")
-    parser.add_argument("--ttft-rounds", type=int, default=5,
+    parser.add_argument("--ttft-rounds", type=non_negative_int, default=5,
                         help="bursts of 4 video requests sent at once, and requests per client in the closed loop "
                              "of 4 clients (0: skip time to first token)")
     parser.add_argument("--model", type=Path, default=None,
@@ -623,4 +625,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

@@ -21,7 +21,7 @@ from mstar_actors.messages import SamplingParams
 from mstar_actors.runner.sampling import SampleRow, sample_tokens
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import check_device, positive_int  # noqa: E402
+from _common import check_device, positive_int, run_tool  # noqa: E402
 from _gpu_timing import eager_us  # noqa: E402
 
 CASES = {"temperature 1": {}, "top_p 0.9": {"top_p": 0.9}, "top_k 40": {"top_k": 40},
@@ -48,9 +48,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--rows", type=positive_int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--vocab", type=int, default=49152)
-    p.add_argument("--threads", type=int, default=2, help="torch's CPU threads")
-    p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--vocab", type=positive_int, default=49152)
+    p.add_argument("--threads", type=positive_int, default=2, help="torch's CPU threads")
+    p.add_argument("--iters", type=positive_int, default=15)
     args = p.parse_args(argv)
     check_device(args.device)
     torch.set_num_threads(args.threads)
@@ -74,4 +74,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_tool(main)

@@ -67,7 +67,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package
-from _common import Server, free_port, model_dir_of, positive_ints, progress, write_output  # noqa: E402
+from _common import (  # noqa: E402
+    Server, check_url, free_port, model_dir_of, positive_int, positive_ints, progress, run_tool, write_output,
+)
 
 TOPICS = ["the ocean", "a city at night", "mountains", "old libraries", "trains", "the desert", "winter",
           "a busy market", "rivers", "the moon", "forests", "small islands", "bridges", "gardens", "storms",
@@ -309,22 +311,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="fixed-length answers, natural (EOS) answers, or both (default)")
     p.add_argument("--concurrency", type=positive_ints, default=[1, 8],
                    help="comma-separated client concurrencies (default 1,8)")
-    p.add_argument("--batch", type=int, default=8, help="generate's padded batch size (default 8)")
-    p.add_argument("--num-prompts", type=int, default=None,
-                   help="fixed: prompts per measurement (default 8; with --peer 12)")
-    p.add_argument("--max-tokens", type=int, default=64, help="fixed: new tokens per prompt, exactly (default 64)")
-    p.add_argument("--natural-prompts", type=int, default=16,
+    p.add_argument("--batch", type=positive_int, default=8, help="generate's padded batch size (default 8)")
+    p.add_argument("--num-prompts", type=positive_int, default=None,
+                   help="fixed: prompts per measurement (default 8; with --peer 12; at least the largest concurrency)")
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="fixed: new tokens per prompt, exactly (default 64)")
+    p.add_argument("--natural-prompts", type=positive_int, default=16,
                    help=f"natural: prompts, from the {len(QUESTIONS)} built-in questions (default 16)")
-    p.add_argument("--natural-max-tokens", type=int, default=128,
+    p.add_argument("--natural-max-tokens", type=positive_int, default=128,
                    help="natural: most new tokens per prompt, fewer at EOS (default 128)")
-    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+    p.add_argument("--threads", type=positive_int, default=len(os.sched_getaffinity(0)),
                    help="torch intra-op threads of generate and of the server's worker (default: the usable cores)")
-    p.add_argument("--tp", type=int, default=1,
+    p.add_argument("--tp", type=positive_int, default=1,
                    help="the server's tensor-parallel ranks (parallel.tp; --threads split between them; default 1)")
     p.add_argument("--peer", choices=["llama.cpp"], default=None,
                    help="instead of generate: llama.cpp's llama-server (built once, cached) against our server, "
                         "float32 against an F32 GGUF and int4 against the embedded Q4_1 GGUF, fixed workload")
-    p.add_argument("--rounds", type=int, default=2, help="--peer: rounds, each server alone, interleaved (default 2)")
+    p.add_argument("--rounds", type=positive_int, default=2, help="--peer: rounds, each server alone, interleaved (default 2)")
     p.add_argument("--async-scheduling", choices=["on", "off"], default=None,
                    help="our server's scheduler.async_scheduling (default: the config's, on)")
     p.add_argument("--output", default=None, help="write the tables to this file too")
@@ -340,8 +342,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_peer(args)
     import torch
 
-
     torch.set_num_threads(args.threads)
+    if args.url:
+        args.url = check_url(args.url)  # before the reference's minutes
     model_dir = model_dir_of(args.model)
     name = "smollm2" if not args.model else model_dir.name
     levels = args.concurrency
@@ -379,4 +382,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

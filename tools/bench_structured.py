@@ -30,12 +30,13 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _common import Server, check_device, free_port, model_dir_of, positive_ints, progress, write_output
+from _common import (
+    Server, check_device, check_url, free_port, model_dir_of, positive_ints, progress, run_tool, write_output,
+)
 
 SCHEMA = {
     "type": "array",
@@ -204,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     check_device(args.device)
+    if args.url:
+        args.url = check_url(args.url)
     model_dir = model_dir_of(args.model)
     name = "smollm2" if not args.model else model_dir.name
     levels = args.concurrency
@@ -231,4 +234,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

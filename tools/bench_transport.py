@@ -40,7 +40,7 @@ import psutil
 import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/ is not a package
-from _common import progress, write_output  # noqa: E402
+from _common import progress, quiet_child, run_tool, write_output  # noqa: E402
 from transport import ChannelClosed, ChannelFull, cleanup_run, create_ring, open_ring  # noqa: E402
 from transport.ring import _footprint  # noqa: E402
 
@@ -294,7 +294,7 @@ def throughput(backend, size: int, num: int) -> tuple[float, float, float]:
     to this one. The consumer's CPU is counted from its first message."""
     pipe = make_pipe(backend, size)
     producer_cpu_s = SPAWN.Value(ctypes.c_double, 0.0, lock=False)
-    proc = SPAWN.Process(target=backend.produce, args=(pipe, size, num, producer_cpu_s))
+    proc = SPAWN.Process(target=quiet_child, args=(backend.produce, pipe, size, num, producer_cpu_s), daemon=True)
     proc.start()
     elapsed, consumer_cpu_s = backend.consume(pipe, num)
     proc.join()
@@ -306,7 +306,7 @@ def throughput(backend, size: int, num: int) -> tuple[float, float, float]:
 def round_trip(backend, size: int, num: int) -> tuple[float, float]:
     """(p50, p99) round-trip microseconds to an echo process."""
     ping, pong = make_pipe(backend, size), make_pipe(backend, size)
-    proc = SPAWN.Process(target=backend.echo, args=(ping, pong))
+    proc = SPAWN.Process(target=quiet_child, args=(backend.echo, ping, pong), daemon=True)
     proc.start()
     times = sorted(backend.ping(ping, pong, size, num)[num // 10 :])  # drop the warm-up tenth
     proc.join()
@@ -317,7 +317,7 @@ def idle_reader_cpu(backend: RingBackend, window_s: float = 1.0) -> float:
     """CPU seconds a reader parked on an empty ring uses in ``window_s``."""
     spec = backend.make_pipe()
     ready, child_end = SPAWN.Pipe()
-    proc = SPAWN.Process(target=RingBackend.idle_reader, args=(spec, child_end))
+    proc = SPAWN.Process(target=quiet_child, args=(RingBackend.idle_reader, spec, child_end), daemon=True)
     proc.start()
     ready.recv()
     ready.poll(0.05)  # let it finish its brief spin and park
@@ -402,4 +402,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

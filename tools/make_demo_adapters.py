@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from _common import positive_int, run_tool
+
 QUESTIONS = [
     "What is the capital of France?", "How do plants make food?", "Why is the sky blue?",
     "What is a computer?", "How many legs does a spider have?", "What do bees make?",
@@ -149,8 +151,8 @@ def train_adapter(model_dir: Path, tokenizer, pairs, out: Path, steps: int, seed
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=DEFAULT_OUT, help="folder for pirate/ and shout/")
-    parser.add_argument("--steps", type=int, default=60, help="training steps per adapter (batch 4)")
-    parser.add_argument("--max-answer-tokens", type=int, default=32)
+    parser.add_argument("--steps", type=positive_int, default=60, help="training steps per adapter (batch 4)")
+    parser.add_argument("--max-answer-tokens", type=positive_int, default=32)
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -177,4 +179,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

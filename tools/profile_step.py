@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package
-from _common import model_dir_of, positive_int  # noqa: E402
+from _common import model_dir_of, positive_int, run_tool  # noqa: E402
 
 
 def make_prompts(num_seqs: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -242,4 +242,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package
-from _common import model_dir_of, positive_int  # noqa: E402
+from _common import model_dir_of, positive_int, run_tool  # noqa: E402
 from bench_serve import make_questions  # noqa: E402
 
 
@@ -156,4 +156,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)
