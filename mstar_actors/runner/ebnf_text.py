@@ -131,6 +131,20 @@ def without_chars(text: str, taken: Ranges) -> str:
     return "".join(out)
 
 
+def normalized(text: str) -> str:
+    """``text`` (a grammar as the engine prints it) with every literal and class written as ``literal`` and
+    ``class_text`` write them, for the engine to read back: it prints a character up to U+00FF as ``\\xHH``,
+    which its parser reads with every hex digit that follows ("\\xe9e", an "é" then an "e", read as U+0E9E)."""
+    out = []
+    for piece in _PIECE.findall(text):
+        if piece.startswith('"') and len(piece) > 1:
+            piece = literal(literal_text(piece))
+        elif piece.startswith("[") and len(piece) > 1:
+            piece = class_text(*class_ranges(piece))
+        out.append(piece)
+    return "".join(out)
+
+
 def literals(text: str) -> list[str]:
     """The texts of ``text``'s literals."""
     return [literal_text(p) for p in _PIECE.findall(text) if p.startswith('"') and len(p) > 1]

@@ -53,8 +53,8 @@ MAX_SCHEMA_TEXTS = 256  # JSON schemas whose grammar text is kept (_json_grammar
 # The engine writes the characters of a string with a length bound as this
 # class, which lets raw control characters (invalid JSON) through; its plain
 # strings exclude them, as JSON requires.
-_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+_LOOSE_STRING_CHAR = ebnf_text.normalized(r'[^\"\\\r\n]')
+_JSON_STRING_CHAR = ebnf_text.normalized(r'[^\0-\x1f\"\\\r\n]')
 _ENGINE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[13:34:24] /project/cpp/x.cc:94: " of the engine's errors
 
 
@@ -131,7 +131,9 @@ class GrammarCompiler:
         end, may come first: a language with no text, or none this
         vocabulary spells), which sampling would otherwise meet with every
         token masked."""
-        compiled = _engine_reasons(spec, lambda: self.compiler.compile_grammar(self._grammar(spec)))
+        # (as our text: the engine's cache keys a grammar by its printed text and compiles that, whose \xHH
+        # escapes its own parser misreads before a hex digit, "ü" then "b" as U+FCB)
+        compiled = _engine_reasons(spec, lambda: self.compiler.compile_grammar(_text_of(self._grammar(spec))))
         bitmask = _xgr().allocate_token_bitmask(1, self.vocab_size)
         _xgr().GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
         logits = torch.zeros((1, self.vocab_size))
@@ -582,10 +584,9 @@ def _json_grammar_text(schema: str) -> str:
     literal, such as ``^a\\nb$``, as its raw characters)."""
     if "ipv4" in schema:
         schema = json.dumps(_with_format_patterns(json.loads(schema)))
-    text = str(_xgr().Grammar.from_json_schema(schema, any_whitespace=False))
-    if any(_CONTROL.search(literal) for literal in ebnf_text.literals(text)):
-        text = ebnf_text.map_literals(text, lambda t: _CONTROL.sub(lambda m: json.dumps(m[0])[1:-1], t))
-    return text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+    text = _printed(_xgr().Grammar.from_json_schema(schema, any_whitespace=False))
+    return ebnf_text.map_literals(text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR),
+                                  lambda t: _CONTROL.sub(lambda m: json.dumps(m[0])[1:-1], t))
 
 
 _CONTROL = re.compile("[\x00-\x1f]")
@@ -610,7 +611,7 @@ def _tagged_calls(calls: dict) -> Any:
     triggered = {"type": "triggered_tags", "triggers": [calls["trigger"]], "tags": tags,
                  "at_least_one": answer is not None, "stop_after_first": calls["one"]}
     if answer is not None:  # the answer's own rule, or text with a call in it (the engine's tags take none first)
-        rule = str(GrammarCompiler._grammar(messages.StructuredSpec(answer["kind"], answer["spec"])))
+        rule = _printed(GrammarCompiler._grammar(messages.StructuredSpec(answer["kind"], answer["spec"])))
         with_calls = {"type": "sequence", "elements": [{"type": "any_text", "excludes": [calls["trigger"]]},
                                                        triggered]}
         triggered = {"type": "or", "elements": [with_calls, {"type": "grammar", "grammar": rule}]}
@@ -624,7 +625,7 @@ def _bare_calls(calls: dict) -> Any:
         _xgr().Grammar.from_ebnf(_SPACE), _xgr().Grammar.from_ebnf(call) if calls["one"] else _repeated(
             call, bare["separator"]))
     answer = calls.get("answer")
-    other = str(GrammarCompiler._grammar(messages.StructuredSpec(answer["kind"], answer["spec"]))) if answer \
+    other = _printed(GrammarCompiler._grammar(messages.StructuredSpec(answer["kind"], answer["spec"]))) if answer \
         else _text_not_a_call(bare["tag"])
     return _union([calls_rule, _xgr().Grammar.from_ebnf(other)])
 
@@ -668,7 +669,16 @@ def _union(grammars: list[Any]) -> Any:
 
 
 def _literal(text: str) -> Any:
-    return _xgr().Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
+    return _xgr().Grammar.from_ebnf(f"root ::= {ebnf_text.literal(text)}")
+
+
+def _printed(grammar: Any) -> str:
+    """An engine grammar's text, to be read back by the engine (``ebnf_text.normalized``)."""
+    return ebnf_text.normalized(str(grammar))
+
+
+def _text_of(grammar: Any) -> str:
+    return grammar if isinstance(grammar, str) else _printed(grammar)
 
 
 def _text_without(word: str) -> str:
@@ -799,7 +809,7 @@ _JSON_ESCAPED = [(0, 0x1F), (ord('"'), ord('"')), (ord("\\"), ord("\\"))]
 def _xml_pattern(pattern: str, key: str, json_string: bool = False) -> str:
     """The rules of ``pattern``'s texts that write no "<" (GrammarError, named, where it has one of its own);
     as a JSON string's content (``json_string``), its characters escaped or (a class's) left out as JSON needs."""
-    text = _without(str(_xgr().Grammar.from_regex(pattern)), _LT + _JSON_ESCAPED if json_string else _LT, key)
+    text = _without(_printed(_xgr().Grammar.from_regex(pattern)), _LT + _JSON_ESCAPED if json_string else _LT, key)
     if any("<" in literal for literal in ebnf_text.literals(text)):
         raise _must_write(key)
     return ebnf_text.map_literals(text, lambda t: json.dumps(t)[1:-1]) if json_string else text

@@ -399,3 +399,32 @@ def test_required_takes_one_or_more_calls_joined_as_the_format_joins_them(parser
     assert tc.forced_calls_spec(single)[0] == "json"
     named = tc.parse_tool_request(tools, {"type": "function", "function": {"name": "f"}}, parser)
     assert tc.forced_calls_spec(named)[0] == "json"
+
+
+@pytest.mark.parametrize("parser", ["json", "hermes", "llama3_json", "qwen3_coder"])
+def test_latin_letters_before_a_hex_digit_are_held_as_written(parser):
+    """The engine prints a character up to U+00FF as \\xHH and its parser reads every hex digit after the x
+    ("ü" then "b" read as U+FCB): an enum of "über" took "\\u0fcber" and refused itself, in a schema's rules read
+    back and in every grammar its compile cache keys by its printed text."""
+    import xgrammar
+
+    from mstar_actors.frontend import tool_calls as tc
+
+    letters = ["ü", "é", "\u0fcb", "\u0e9e"]
+    every_char = GrammarCompiler(raw_tokenizer_info(["<eos>"] + [chr(c) for c in range(1, 127)] + letters, [0]))
+    schema = {"type": "object", "properties": {"w": {"type": "string", "enum": ["über", "née"]}}, "required": ["w"],
+              "additionalProperties": False}
+    if parser == "json":
+        spec, write = StructuredSpec("json", json.dumps(schema)), lambda w: json.dumps({"w": w}, ensure_ascii=False)
+    else:
+        tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": schema}}
+        spec = StructuredSpec(*tc.strict_calls_spec(tc.parse_tool_request([tool], "auto", parser)))
+        write = {"hermes": lambda w: '<tool_call>\n{"name": "f", "arguments": %s}\n</tool_call>' % json.dumps(
+                     {"w": w}, ensure_ascii=False),
+                 "llama3_json": lambda w: '{"name": "f", "parameters": %s}' % json.dumps({"w": w}, ensure_ascii=False),
+                 "qwen3_coder": lambda w: f"<tool_call>\n<function=f>\n<parameter=w>\n{w}\n</parameter>\n</function>\n"
+                                          "</tool_call>"}[parser]
+    matcher = xgrammar.GrammarMatcher(every_char.compile(spec))
+    for value, taken in (("über", True), ("née", True), ("\u0fcber", False), ("n\u0e9e", False)):
+        matcher.reset()
+        assert (matcher.accept_string(write(value)) and matcher.accept_token(0)) is taken, value
