@@ -39,7 +39,7 @@ QWEN3_CODER = "qwen3_coder"
 PARSERS = (HERMES, LLAMA3_JSON, QWEN3_CODER)
 TOOL_CHOICES = ("none", "auto", "required")
 MAX_TOOLS = 128
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")  # (whole: fullmatch) OpenAI's rule for function names
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -171,7 +171,7 @@ def _parse_tool(where: str, tool: Any) -> dict:
     if not isinstance(function, dict):
         raise ToolError(f"{where}.function", 'expected an object like {"name": ..., "parameters": {...}}')
     name = function.get("name")
-    if not isinstance(name, str) or not NAME_PATTERN.match(name):
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise ToolError(f"{where}.function.name", "expected 1 to 64 letters, digits, '_' or '-'")
     if function.get("description") is not None and not isinstance(function["description"], str):
         raise ToolError(f"{where}.function.description", "expected a string")

@@ -169,10 +169,12 @@ class GrammarCompiler:
             case "tagged_calls":
                 return _tagged_calls(json.loads(spec.spec))
             case "regex":
-                return _xgr().Grammar.from_regex(spec.spec)
+                return _xgr().Grammar.from_regex(_user_regex(spec.spec, "the regex"))
             case "choice":
                 return _xgr().Grammar.from_regex("|".join(_escape_regex(c) for c in parse_choices(spec.spec)))
             case "grammar":
+                if (problem := _escape_problem(spec.spec, "the grammar")) is not None:
+                    raise GrammarError("grammar", problem)
                 try:
                     return _xgr().Grammar.from_ebnf(spec.spec)
                 except Exception as err:
@@ -450,6 +452,8 @@ def _pattern_problem(schema: dict, where: str) -> str | None:
     for key, pattern in _own_patterns(schema):
         if _LOOKAROUND.search(pattern):
             return f"{where}'s {key} {pattern!r} has a lookaround, which is not enforced here"
+        if (problem := _escape_problem(pattern, f"{where}'s {key} {pattern!r}")) is not None:
+            return problem
         if _writes_raw(pattern):
             return (f"{where}'s {key} {pattern!r} matches only strings with a quote, a backslash or a control "
                     "character of a class, which is not enforced correctly here (the output would not be valid "
@@ -902,8 +906,38 @@ def parse_choices(text: str) -> list[str]:
     return choices
 
 
-def _escape_regex(text: str) -> str:
-    return "".join("\\" + c if c in r"\^$.|?*+()[]{}/" else c for c in text)
+# an escape of a code point in a regex or EBNF text (its backslash not itself escaped: an odd run of them)
+_CODE_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|0(?![0-7]))")
+
+
+def _escape_problem(text: str, what: str) -> str | None:
+    """Why the engine would not hold ``text`` (a regex or EBNF) to what it writes: a NUL (it drops one, or
+    ends a literal there), or a UTF-16 surrogate escape (half of a character: it writes its invalid bytes)."""
+    for match in _CODE_ESCAPE.finditer(text):
+        escape = match[2]
+        code = 0 if escape == "0" else int(escape[1:], 16)
+        ends_range = text[match.end(1) - 1:match.end(1)] == "-" or text[match.end():match.end() + 1] == "-"
+        if code == 0 and not ends_range:  # (a range from NUL is a class's bound, not a NUL written)
+            return f"{what} holds \\{escape}, a NUL character, which is not enforced here (the engine drops it)"
+        if 0xD800 <= code <= 0xDFFF:
+            return (f"{what} holds \\{escape}, half of a UTF-16 surrogate pair, which is no character; write the "
+                    f"character itself or its \\U escape (\\U0001F600)")
+    return None
+
+
+def _user_regex(regex: str, what: str) -> str:
+    """A client's regex as the engine reads what the client meant: a code point's escape (``\\xHH``,
+    ``\\uHHHH``, ``\\UHHHHHHHH``) is its character, as Python, JavaScript and the engine's own JSON-schema
+    patterns read it (its regex reader takes every hex digit after the x, and after the u in a class: "\\xe9b"
+    was U+0E9B); GrammarError for a NUL or a surrogate escape (``_escape_problem``)."""
+    if (problem := _escape_problem(regex, what)) is not None:
+        raise GrammarError("regex", problem)
+    return _CODE_ESCAPE.sub(lambda m: m[0] if m[2] == "0" or not int(m[2][1:], 16) else
+                            m[1] + _escape_regex(chr(int(m[2][1:], 16)), "-"), regex)
+
+
+def _escape_regex(text: str, also: str = "") -> str:
+    return "".join("\\" + c if c in r"\^$.|?*+()[]{}/" or c in also else c for c in text)
 
 
 class GrammarMatchers:

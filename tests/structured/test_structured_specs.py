@@ -4,6 +4,7 @@ makes of each spec: pure, no server."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -428,3 +429,31 @@ def test_latin_letters_before_a_hex_digit_are_held_as_written(parser):
     for value, taken in (("über", True), ("née", True), ("\u0fcber", False), ("n\u0e9e", False)):
         matcher.reset()
         assert (matcher.accept_string(write(value)) and matcher.accept_token(0)) is taken, value
+
+
+@pytest.mark.parametrize("regex,value", [(r"\xe9b", "éb"), (r"[\xe9b]{2}", "bé"), (r"[\u00e9b]+", "béé"),
+                                         (r"[\x41-\x43]+", "CAB"), (r"a\x2db", "a-b"), (r"\x5d\x5c", "]\\"),
+                                         (r"\\xe9", "\\xe9")])
+def test_a_regex_s_code_point_escape_is_its_character(regex, value):
+    """The engine's regex reader takes every hex digit after \\x (and after \\u in a class): "\\xe9b" held the
+    output to U+0E9B, where Python, JavaScript and a JSON schema's pattern read "éb"."""
+    import xgrammar
+
+    vocab = ["<eos>"] + [chr(c) for c in range(1, 127)] + ["é", "\u0e9b"]
+    matcher = xgrammar.GrammarMatcher(GrammarCompiler(raw_tokenizer_info(vocab, [0])).compile(
+        StructuredSpec("regex", regex)))
+    assert matcher.accept_string(value) and matcher.accept_token(0)
+
+
+@pytest.mark.parametrize("kind,text,shown", [
+    ("regex", r"nul\x00x", r"\x00, a NUL character"), ("regex", r"a\0b", r"\0, a NUL character"),
+    ("grammar", 'root ::= "nul\\x00x"', r"\x00, a NUL character"),
+    ("regex", r"\ud83d\ude00", r"\ud83d, half of a UTF-16 surrogate pair"),
+    ("grammar", 'root ::= "\\ud83d\\ude00"', r"\ud83d, half of a UTF-16 surrogate pair"),
+    ("json", json.dumps({"type": "string", "pattern": "^\\ud83d\\ude00$"}), r"\ud83d, half of a UTF-16"),
+])
+def test_a_nul_or_a_surrogate_escape_is_refused_by_name(compiler, kind, text, shown):
+    """The engine drops a NUL (or ends a literal at it) and writes a surrogate's invalid bytes: served, the
+    output broke the constraint with finish_reason stop (mojibake, or "nulx")."""
+    with pytest.raises(GrammarError, match=re.escape(shown)):
+        compiler.compile(StructuredSpec(kind, text))

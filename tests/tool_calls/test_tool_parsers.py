@@ -293,6 +293,7 @@ def test_tool_choice_forms():
     ({"type": "function"}, None, "tools"),
     ([{"type": "retrieval"}], None, "tools[0].type"),
     ([{"type": "function", "function": {"name": "has space"}}], None, "tools[0].function.name"),
+    ([{"type": "function", "function": {"name": "get\n"}}], None, "tools[0].function.name"),  # (not before its end)
     ([{"type": "function", "function": {"name": "f", "parameters": "{}"}}], None, "tools[0].function.parameters"),
     ([WEATHER, WEATHER], None, "tools"),
     ([WEATHER], "always", "tool_choice"),
