@@ -690,13 +690,15 @@ def _text_without(word: str) -> str:
     states of a search for it, by how much of it was just read."""
     first, n = word[0], len(word)
     assert first not in word[1:]
+
     def but(*chars: str) -> str:
         return ebnf_text.class_text(True, [(ord(c), ord(c)) for c in chars])
 
-    rules = [f'xt0 ::= "" | {but(first)} xt0 | {json.dumps(first)} xt1']
+    literal = ebnf_text.literal
+    rules = [f'xt0 ::= "" | {but(first)} xt0 | {literal(first)} xt1']
     for k in range(1, n):
-        on = f" | {json.dumps(word[k])} xt{k + 1}" if k + 1 < n else ""  # (all of it: no way on)
-        rules.append(f'xt{k} ::= "" | {json.dumps(first)} xt1{on} | {but(first, word[k])} xt0')
+        on = f" | {literal(word[k])} xt{k + 1}" if k + 1 < n else ""  # (all of it: no way on)
+        rules.append(f'xt{k} ::= "" | {literal(first)} xt1{on} | {but(first, word[k])} xt0')
     return "root ::= xt0\n" + "\n".join(rules)
 
 
@@ -932,8 +934,12 @@ def _user_regex(regex: str, what: str) -> str:
     was U+0E9B); GrammarError for a NUL or a surrogate escape (``_escape_problem``)."""
     if (problem := _escape_problem(regex, what)) is not None:
         raise GrammarError("regex", problem)
-    return _CODE_ESCAPE.sub(lambda m: m[0] if m[2] == "0" or not int(m[2][1:], 16) else
-                            m[1] + _escape_regex(chr(int(m[2][1:], 16)), "-"), regex)
+
+    def character(match: re.Match) -> str:  # (a NUL left is a class's bound: the engine reads its escape)
+        code = 0 if match[2] == "0" else int(match[2][1:], 16)
+        return match[0] if code == 0 else match[1] + _escape_regex(chr(code), "-")
+
+    return _CODE_ESCAPE.sub(character, regex)
 
 
 def _escape_regex(text: str, also: str = "") -> str:
