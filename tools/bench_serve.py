@@ -314,7 +314,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=positive_int, default=8, help="generate's padded batch size (default 8)")
     p.add_argument("--num-prompts", type=positive_int, default=None,
                    help="fixed: prompts per measurement (default 8; with --peer 12; at least the largest concurrency)")
-    p.add_argument("--max-tokens", type=positive_int, default=64, help="fixed: new tokens per prompt, exactly (default 64)")
+    p.add_argument("--max-tokens", type=positive_int, default=64,
+                   help="fixed: new tokens per prompt, exactly (default 64)")
     p.add_argument("--natural-prompts", type=positive_int, default=16,
                    help=f"natural: prompts, from the {len(QUESTIONS)} built-in questions (default 16)")
     p.add_argument("--natural-max-tokens", type=positive_int, default=128,
@@ -326,7 +327,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peer", choices=["llama.cpp"], default=None,
                    help="instead of generate: llama.cpp's llama-server (built once, cached) against our server, "
                         "float32 against an F32 GGUF and int4 against the embedded Q4_1 GGUF, fixed workload")
-    p.add_argument("--rounds", type=positive_int, default=2, help="--peer: rounds, each server alone, interleaved (default 2)")
+    p.add_argument("--rounds", type=positive_int, default=2,
+                   help="--peer: rounds, each server alone, interleaved (default 2)")
     p.add_argument("--async-scheduling", choices=["on", "off"], default=None,
                    help="our server's scheduler.async_scheduling (default: the config's, on)")
     p.add_argument("--output", default=None, help="write the tables to this file too")

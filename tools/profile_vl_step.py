@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fps", type=float, default=2.0, help="frames sampled per second of clip")
     parser.add_argument("--requests", type=positive_int, default=4, help="videos prefilled together in one step")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed steps (after one warm-up)")
-    parser.add_argument("--threads", type=non_negative_int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--threads", type=non_negative_int, default=0,
+                        help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--no-profiler", action="store_true", help="skip the torch.profiler table")
     args = parser.parse_args(argv)
     check_device(args.device)
