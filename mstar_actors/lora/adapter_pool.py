@@ -150,6 +150,11 @@ class _Waiting:
     digest: str = ""
 
 
+def _version(w: _Waiting) -> tuple[str, str]:
+    """The (name, digest) a waiter needs: its parked choices' own, or its adapter's served one."""
+    return w.adapter.name, w.digest or w.adapter.digest
+
+
 @dataclass(frozen=True)
 class _Read:
     name: str
@@ -197,7 +202,9 @@ class AdapterPool:
         self._kept: dict[int, frozenset[str]] = {}  # rank -> the digests its last answer says it keeps images of
         self._reads: collections.deque[_Read] = collections.deque()
         self._hosts: dict[tuple[str, str], _Host] = {}  # (name, digest) -> held host copy
-        self._drains: dict[int, str] = {}  # slot -> adapter whose waiter it is reserved for
+        # slot -> the version (name, digest) whose waiter it is reserved for (a name's versions may wait apart:
+        # choices parked before a reload, new requests after it)
+        self._drains: dict[int, tuple[str, str]] = {}
         # Half the slots may be out of service (reserved or installing) at once,
         # at least one: the rest keep the batch busy.
         self.max_drains = max(1, self.max_loras // 2)
@@ -469,12 +476,12 @@ class AdapterPool:
         if slot is not None:  # reserved for another or not, its rows run until its tenant's turn ends
             return self._pin_existing(w, adapter)
         if not adapter.digest or (adapter.name, adapter.digest) not in self._hosts:
-            return [*self._ensure_read(adapter), *self._reserve_drain(adapter.name)]
-        slot = self.table.acquire(adapter.name, adapter.digest, exclude=self._reserved_for_others(adapter.name))
+            return [*self._ensure_read(adapter), *self._reserve_drain(_version(w))]
+        slot = self.table.acquire(adapter.name, adapter.digest, exclude=self._reserved_for_others(_version(w)))
         if slot is None:
-            return self._reserve_drain(adapter.name)  # every slot pinned or installing: wait for an end or an ack
+            return self._reserve_drain(_version(w))  # every slot pinned or installing: wait for an end or an ack
         w.slot = slot
-        self._drains = {s: name for s, name in self._drains.items() if name != adapter.name}
+        self._drains = {s: target for s, target in self._drains.items() if target != _version(w)}
         self._hosts[adapter.name, adapter.digest].last_used = self._next_tick()
         installs = self._take_installs()
         if any(install.slot == slot and install.rows_follow for install in installs):
@@ -526,18 +533,18 @@ class AdapterPool:
         name, digest = w.adapter.name, w.digest
         slot = self._resident_slot(w.adapter, digest)
         if slot is not None:
-            if self._drains.get(slot, name) != name:
+            if self._drains.get(slot, _version(w)) != _version(w):
                 return []
             return self._pin_parked(w, self.table.acquire(name, digest))
         if (name, digest) not in self._hosts:  # dropped before the park (past the reader's tier): read again
             if w.adapter.path and w.adapter.digest == digest:
-                return [*self._ensure_read(w.adapter), *self._reserve_drain(name)]
+                return [*self._ensure_read(w.adapter), *self._reserve_drain(_version(w))]
             self._waiting.remove(w)  # unloaded or reloaded since: that version is gone
             return self._fail_parked(w, None)
-        slot = self.table.acquire(name, digest, exclude=self._reserved_for_others(name))
+        slot = self.table.acquire(name, digest, exclude=self._reserved_for_others(_version(w)))
         if slot is None:
-            return self._reserve_drain(name)
-        self._drains = {s: target for s, target in self._drains.items() if target != name}
+            return self._reserve_drain(_version(w))
+        self._drains = {s: target for s, target in self._drains.items() if target != _version(w)}
         self._hosts[name, digest].last_used = self._next_tick()
         installs = self._take_installs()  # first: whether its rows may follow at once
         return [*installs, *self._pin_parked(w, slot)]
@@ -599,22 +606,22 @@ class AdapterPool:
 
     # ------------------------------------------------------------ drains
 
-    def _reserve_drain(self, name: str) -> list:
-        """The oldest waiter of ``name`` found no slot: reserve the ready slot
+    def _reserve_drain(self, version: tuple[str, str]) -> list:
+        """The oldest waiter of ``version`` found no slot: reserve the ready slot
         whose tenant has held it longest, to be parked at its quantum's end
         (``_park_due``) and installed for the waiter. Called in arrival order,
         so older waiters reserve first. At most ``max_drains`` slots are
         reserved or installing at once, so the batch keeps running on the
         others. A waiter that found none to reserve tries again at the next
         event (an ack, an end), so it is never forgotten."""
-        if name in self._drains.values() or self.num_out_of_service >= self.max_drains:
+        if version in self._drains.values() or self.num_out_of_service >= self.max_drains:
             return []
-        if self.table.num_free(exclude=self._reserved_for_others(name)) > 0:
+        if self.table.num_free(exclude=self._reserved_for_others(version)) > 0:
             return []  # a slot is takeable already; only the host copy is missing
         kept = frozenset(s for s in range(1, self.max_loras + 1) if not self._parkable(s))
         slot = self.table.pick_drain(exclude=kept | frozenset(self._drains), key=lambda s: self._tenancy.get(s, 0))
         if slot is not None:
-            self._drains[slot] = name
+            self._drains[slot] = version
         return []
 
     def _parkable(self, slot: int) -> bool:
@@ -625,17 +632,17 @@ class AdapterPool:
         adapter = self.adapters.get(name)
         return (name, digest) in self._hosts or (adapter is not None and adapter.digest == digest)
 
-    def _reserved_for_others(self, name: str) -> frozenset[int]:
-        return frozenset(slot for slot, target in self._drains.items() if target != name)
+    def _reserved_for_others(self, version: tuple[str, str]) -> frozenset[int]:
+        return frozenset(slot for slot, target in self._drains.items() if target != version)
 
     def _forget_drains(self) -> None:
         """Drop drains whose reason is gone: no waiter of the target needs a
         slot any more (admitted, installing, aborted, failed, or unloaded),
         the slot left the ready state (reloaded, freed), or its rows could no
         longer come back once parked (``_parkable``)."""
-        needy = {w.adapter.name for w in self._waiting if w.slot is None}
-        self._drains = {slot: name for slot, name in self._drains.items()
-                        if name in needy and self.table.state(slot) is SlotState.READY and self._parkable(slot)}
+        needy = {_version(w) for w in self._waiting if w.slot is None}
+        self._drains = {slot: target for slot, target in self._drains.items()
+                        if target in needy and self.table.state(slot) is SlotState.READY and self._parkable(slot)}
 
     def _pin_existing(self, w: _Waiting, adapter: _Adapter) -> list:
         slot = self.table.acquire(adapter.name, adapter.digest)
@@ -700,7 +707,7 @@ class AdapterPool:
         of served versions while they fit the reader's tier: a swap back then
         installs at once, with no read round trip."""
         needed = set(self._installing.values())
-        needed.update((w.adapter.name, w.digest or w.adapter.digest) for w in self._waiting if w.slot is None)
+        needed.update(_version(w) for w in self._waiting if w.slot is None)
         served = {(a.name, a.digest) for a in self.adapters.values() if a.digest}
         # the versions admitted rows run on: parked, they install it again, and once the name is unloaded or
         # reloaded (which may come while they run) no file gives it back

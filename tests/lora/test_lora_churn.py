@@ -11,6 +11,7 @@ import pytest
 
 from mstar_actors.config import Config, LoraConfig, ModelConfig
 from mstar_actors.lora.adapter_pool import AdapterPool, Admit, MoveRows
+from mstar_actors.sched.scheduler import PARKED
 from mstar_actors.messages import (
     AdapterHostRef,
     AdapterInstalled,
@@ -648,3 +649,35 @@ def test_rows_of_an_unloaded_version_whose_copy_is_gone_run_on_rather_than_park(
     d.end("r1")
     d.settle()
     assert "r2" in d.admitted
+
+
+def test_a_slot_reserved_for_a_new_version_never_hands_itself_back_to_the_old_one():
+    """A slot holding a's old version, its choices running, is reserved for a request on the reloaded version
+    (whose copy is still being read): its rows parked, they found their version resident and a reservation for
+    their name, resumed, were parked again, for ever (the pool's loop never returned). Reservations are per
+    version now: the parked wait for their own turn."""
+    import threading
+
+    from mstar_actors.lora.adapter_pool import _Adapter
+
+    pool = AdapterPool("base", max_loras=1, allow_runtime_updates=True, max_cpu_loras=0, quantum_steps=1)
+    pool.adapters["a"] = _Adapter("a", "/p/a")
+    host = AdapterHostRef(segment="seg", nbytes=1)
+
+    def prepared(rid: str) -> Prepared:
+        return Prepared(request_id=rid, model="a", prompt_token_ids=[1, 2], sampling=SamplingParams(max_tokens=4))
+
+    pool.add(prepared("r1"))
+    (install,) = [o for o in pool.on_read(AdapterRead(name="a", path="/p/a", digest="d1", host=host, max_rank=8))
+                  if isinstance(o, InstallAdapter)]
+    assert [type(o) for o in pool.on_installed(AdapterInstalled(rank=0, slot=install.slot, digest="d1", ok=True))] \
+        == [Admit]
+    pool.load(LoadAdapter(request_id="l", name="a", path="/p/a2", replace=True))
+    pool.on_read(AdapterRead(name="a", path="/p/a2", digest="d2", host=host, max_rank=8))
+    assert [type(o) for o in pool.add(prepared("r2"))] == [ReadAdapter]  # its copy was dropped: read again
+    outs: list = []
+    settle = threading.Thread(target=lambda: outs.extend(pool.stalled()), daemon=True)
+    settle.start()
+    settle.join(timeout=10)
+    assert not settle.is_alive(), "the pool's settle never returned"
+    assert MoveRows(("r1-0",), PARKED) in outs or MoveRows(("r1",), PARKED) in outs, outs
