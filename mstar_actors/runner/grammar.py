@@ -937,13 +937,14 @@ def _user_regex(regex: str, what: str) -> str:
 
     def character(match: re.Match) -> str:  # (a NUL left is a class's bound: the engine reads its escape)
         code = 0 if match[2] == "0" else int(match[2][1:], 16)
-        return match[0] if code == 0 else match[1] + _escape_regex(chr(code), "-")
+        return match[0] if code == 0 else match[1] + _escape_regex(chr(code))
 
     return _CODE_ESCAPE.sub(character, regex)
 
 
-def _escape_regex(text: str, also: str = "") -> str:
-    return "".join("\\" + c if c in r"\^$.|?*+()[]{}/" or c in also else c for c in text)
+def _escape_regex(text: str) -> str:
+    """``text`` matched as written, in a class too (where "-" would make a range)."""
+    return "".join("\\" + c if c in r"\^$.|?*+()[]{}/-" else c for c in text)
 
 
 class GrammarMatchers:
