@@ -628,6 +628,8 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 # generated without free whitespace (what disable_any_whitespace asks for).
 IGNORED_STRUCTURED_KEYS = {"disable_fallback", "disable_any_whitespace"}
 REFUSED_GUIDED_FIELDS = {"guided_whitespace_pattern"}
+# vLLM's guided_decoding_backend names: one engine compiles every constraint here, so the name changes nothing
+GUIDED_BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
 
 
 def parse_structured(body: dict) -> StructuredSpec | None:
@@ -729,6 +731,9 @@ def _from_guided(body: dict) -> list[StructuredSpec]:
     for name in REFUSED_GUIDED_FIELDS:
         if body.get(name) is not None:
             raise _bad(name, "not supported: JSON is generated without free whitespace; remove it")
+    backend = body.get("guided_decoding_backend")
+    if backend is not None and backend not in GUIDED_BACKENDS:
+        raise _bad("guided_decoding_backend", f"expected one of {', '.join(GUIDED_BACKENDS)}, got {_show(backend)}")
     return [_field_spec(kind, body[name], name) for name, kind in GUIDED_FIELDS.items() if body.get(name) is not None]
 
 
@@ -1124,6 +1129,7 @@ ADAPTER_FIELDS = {"load": frozenset({"lora_name", "lora_path", "load_inplace"}),
 def check_adapter_fields(body: dict, kind: str) -> None:
     """400 for a field /v1/{kind}_lora_adapter does not read (a typo such as load_in_place was dropped)."""
     _check_known(body, ADAPTER_FIELDS[kind], f"/v1/{kind}_lora_adapter")
+    get_int(body, "lora_int_id", None, -(1 << 63), (1 << 63) - 1)  # vLLM's int, else a 400
 
 
 def _check_known(body: dict, accepted: frozenset | set, route: str) -> None:

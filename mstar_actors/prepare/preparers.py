@@ -470,8 +470,9 @@ def _media_refused(req: NewRequest) -> Failed | None:
     if (media := first_media_part(req.messages)) is None:
         return None
     param, kind = media
-    return failed(req, f"this model reads text only; {kind} parts are for the image, video and audio models "
-                       "(Qwen2.5-VL, Qwen3.5, Qwen2-Audio)", param)
+    return failed(req, f"this model reads text only; {kind} parts are for a checkpoint of a media architecture "
+                       "(Qwen2_5_VLForConditionalGeneration, Qwen3_5ForConditionalGeneration, "
+                       "Qwen2AudioForConditionalGeneration)", param)
 
 
 def media_digests(media: list[MediaDraft]) -> tuple[str, ...]:

@@ -343,6 +343,8 @@ def test_reloading_a_served_adapter_needs_load_inplace(harness, tmp_path):
             assert "accepted: load_inplace, lora_name, lora_path" in r["error"]["message"], r
             status, r = await h.post("/v1/unload_lora_adapter", {"lora_name": "tiny-lora", "lora_path": "/x"})
             assert status == 400 and r["error"]["param"] == "lora_path", r
+            status, r = await h.post("/v1/unload_lora_adapter", {"lora_name": "tiny-lora", "lora_int_id": {"a": 1}})
+            assert status == 400 and r["error"]["param"] == "lora_int_id", r  # vLLM's int
 
     run(body)
 

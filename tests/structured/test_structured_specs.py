@@ -72,6 +72,9 @@ def test_completions_take_the_same_fields():
     ({"structured_outputs": {"regex": 5}}, "structured_outputs.regex"),
     ({"structured_outputs": {"choice": ["a", 1]}}, "structured_outputs.choice"),
     ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    # vLLM's backend names change nothing here; anything else is the client's error
+    ({"guided_regex": "a", "guided_decoding_backend": [1]}, "guided_decoding_backend"),
+    ({"guided_regex": "a", "guided_decoding_backend": "no-such-backend"}, "guided_decoding_backend"),
 ])
 def test_a_bad_shape_is_a_400_naming_the_field(fields, param):
     err = refusal(**fields)
