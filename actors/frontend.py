@@ -951,7 +951,7 @@ class FrontendActor(Actor):
         choice.last_token_at = now
         if delta.num_prompt_tokens:  # the first delta: the prompt's usage, for a choice a stop string ends here
             self.metrics.prompt_tokens.inc(delta.num_prompt_tokens)  # counted once prefilled, as vLLM counts it
-            self.metrics.prefix_cache_queries.inc(delta.num_prompt_tokens)
+            self.metrics.prefix_cache_queries.inc(delta.num_queried_tokens)
             self.metrics.prefix_cache_hits.inc(delta.num_cached_tokens)
             choice.num_prompt_tokens, choice.num_cached_tokens = delta.num_prompt_tokens, delta.num_cached_tokens
         if delta.prompt_token_ids is not None:

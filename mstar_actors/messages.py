@@ -398,6 +398,9 @@ class TokenDelta(Struct, frozen=True, tag=True, omit_defaults=True):
     # On a choice's first delta where the request asked (``return_prompt_ids``): the ids the model was given, as
     # prepare made them (a chat template's rendering, media placeholders expanded, truncate_prompt_tokens' cut).
     prompt_token_ids: list[int] | None = None
+    # On a choice's first delta: the prompt tokens looked up in the prefix cache (vLLM's prefix-cache queries;
+    # 0 where the cache was not read: caching off, or prompt logprobs asked for)
+    num_queried_tokens: int = 0
 
 
 class Finished(Struct, frozen=True, tag=True, omit_defaults=True):

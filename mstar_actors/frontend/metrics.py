@@ -93,7 +93,8 @@ class Metrics:
         self.prompt_tokens = vllm_counter("vllm:prompt_tokens", "Prompt tokens, counted once prefilled")
         # vLLM's prefix-cache pair: prompt tokens looked up, and those the cache held (hits / queries: the hit rate)
         self.prefix_cache_queries = vllm_counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the "
-                                                 "prefix cache, counted once prefilled")
+                                                 "prefix cache (not with caching off or prompt logprobs asked "
+                                                 "for), counted once prefilled")
         self.prefix_cache_hits = vllm_counter("vllm:prefix_cache_hits", "Prompt tokens the prefix cache held")
         self.time_to_first_token = vllm_histogram("vllm:time_to_first_token_seconds", "From arrival to the first token",
                                                   _TTFT_BUCKETS)

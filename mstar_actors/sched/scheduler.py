@@ -588,6 +588,7 @@ class Scheduler:
         seq.num_computed = num_computed
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = num_computed
+            seq.num_queried_tokens = seq.num_tokens if self._reads_cache(seq) else 0
         self.waiting.popleft()
         self.running.append(seq)
         seq.status = SeqStatus.RUNNING
@@ -625,7 +626,7 @@ class Scheduler:
         state, the longest whose state after it is snapshotted, and that
         snapshot's slot (-1: none). A prompt whose logprobs are asked for takes
         none until they are out (a cached position's logits are never computed)."""
-        if not self.enable_prefix_caching or (seq.sampling.prompt_logprobs is not None and not seq.output_token_ids):
+        if not self._reads_cache(seq):
             return [], -1
         max_hit_blocks = (seq.num_tokens - 1) // self.block_size
         hits = self.prefix_index.lookup(seq.block_hash(i) for i in range(max_hit_blocks))
@@ -636,6 +637,10 @@ class Scheduler:
             if slot is not None:
                 return hits[:num_blocks], slot
         return [], -1
+
+    def _reads_cache(self, seq: Sequence) -> bool:
+        return self.enable_prefix_caching and not (seq.sampling.prompt_logprobs is not None
+                                                   and not seq.output_token_ids)
 
     # ---------------------------------------------------------- state snapshots
 
@@ -761,7 +766,8 @@ class Scheduler:
         outputs: list[ConductorToFrontend] = [TokenDelta(
             seq.request_id, [token], seq.num_prompt_tokens if first else 0,
             (seq.num_cached_tokens or 0) if first else 0,
-            prompt_token_ids=seq.prompt_token_ids if first and seq.returns_prompt_ids else None)]
+            prompt_token_ids=seq.prompt_token_ids if first and seq.returns_prompt_ids else None,
+            num_queried_tokens=seq.num_queried_tokens if first else 0)]
         ending = self._stop_reason(seq, token.token_id, num_outputs)
         if ending is not None:
             outputs.append(self._finish(seq, *ending))

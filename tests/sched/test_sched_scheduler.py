@@ -29,7 +29,8 @@ def test_prefill_then_decodes_until_max_tokens():
     assert [s.request_id for s in plan.started] == ["r0"]
     assert chunks_of(plan) == {"r0": (0, 6, True)}
     assert len(plan.scheduled[0].block_ids) == 2
-    assert outputs == [TokenDelta("r0", list(make_done(plan).sampled), num_prompt_tokens=6)]  # on the first delta
+    assert outputs == [TokenDelta("r0", list(make_done(plan).sampled), num_prompt_tokens=6,  # on the first delta
+                                  num_queried_tokens=6)]
     plan, outputs = run_step(sched)
     assert plan.started == [] and chunks_of(plan) == {"r0": (6, 1, True)}
     assert outputs == [TokenDelta("r0", list(make_done(plan).sampled))]  # not on later ones
@@ -528,6 +529,22 @@ def test_the_first_delta_carries_the_prompt_and_its_prefix_hit():
     _, outputs = run_step(sched)
     first = next(o for o in outputs if isinstance(o, TokenDelta))
     assert (first.num_prompt_tokens, first.num_cached_tokens) == (20, 16)  # whole blocks of the prompt
+    assert first.num_queried_tokens == 20  # vLLM's prefix-cache queries: the prompt looked up
+
+
+@pytest.mark.parametrize(("caching", "prompt_logprobs"), [(False, None), (True, 0)])
+def test_a_prompt_the_cache_is_not_read_for_is_no_query(caching, prompt_logprobs):
+    """Caching off, or prompt logprobs asked for (a cached position's logits are never computed): no
+    lookup, so none counted as one (each was a miss in the hit rate)."""
+    prompt = list(range(10, 30))
+    sched = make_scheduler(enable_prefix_caching=caching)
+    for rid in ("a", "b"):
+        sched.add(make_request(rid, prompt=prompt, max_tokens=2, prompt_logprobs=prompt_logprobs), ROOT)
+        _, outputs = run_step(sched)
+        first = next(o for o in outputs if isinstance(o, TokenDelta))
+        assert (first.num_queried_tokens, first.num_cached_tokens) == (0, 0)
+        while sched.has_work():
+            run_step(sched)
 
 
 def test_prompt_logprobs_past_one_steps_result_are_refused():
