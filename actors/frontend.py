@@ -301,6 +301,7 @@ class FrontendActor(Actor):
         post = functools.partial(app.router.add_post, expect_handler=self._expect)
         post("/v1/chat/completions", functools.partial(self._generate, kind="chat"))
         post("/v1/completions", functools.partial(self._generate, kind="completion"))
+        post("/v1/responses", self._respond)
         post("/v1/audio/speech", self._speech)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model_id:.+}", self._model)
@@ -618,10 +619,31 @@ class FrontendActor(Actor):
         # The one vocabulary check is here (the embedding's rows); the prompt's length
         # is the scheduler's to check, its 400 comes back as Failed.
         if kind == "chat":
-            parsed = api.parse_chat(raw, self.info.max_model_len, self.info.vocab_size, tool_parser=self.tool_parser,
-                                    takes_media=self.info.is_multimodal)
+            parsed = self._parse_chat(raw)
         else:
             parsed = api.parse_completion(raw, self.info.max_model_len, self.info.vocab_size)
+        return await self._serve(request, parsed)
+
+    async def _respond(self, request: web.Request) -> web.StreamResponse:
+        """``/v1/responses``: served as the chat it asks for (``responses_api``), every error named by the
+        field its body sent."""
+        from mstar_actors.frontend.responses_api import read_responses
+
+        raw = await request.read()
+        self._check_available()
+        asked = read_responses(raw)
+        try:
+            return await self._serve(request, self._parse_chat(_json.encode(asked.chat)), asked)
+        except ApiError as err:
+            raise asked.renamed(err) from None
+
+    def _parse_chat(self, raw: bytes) -> ParsedRequest:
+        return api.parse_chat(raw, self.info.max_model_len, self.info.vocab_size, tool_parser=self.tool_parser,
+                              takes_media=self.info.is_multimodal)
+
+    async def _serve(self, request: web.Request, parsed: ParsedRequest, asked: Any = None) -> web.StreamResponse:
+        """A parsed chat or completion request, answered (``asked``: a Responses request's reply)."""
+        kind = parsed.kind
         parsed.with_token_facts(self.info.eos_token_ids, self._bad_words_token_ids(parsed.bad_words))
         reasoning = self._with_reasoning_parser(parsed) if kind == "chat" and self.reasoning_parser else None
         exchange = Exchange(parsed, self._resolve_model(parsed.model), "chatcmpl" if kind == "chat" else "cmpl",
@@ -632,6 +654,8 @@ class FrontendActor(Actor):
         self._admit(exchange)
         try:
             await self._submit(exchange)
+            if asked is not None:
+                return await self._stream(request, exchange, responses.ResponsesStream(request, exchange, asked))
             if parsed.stream:
                 return await self._stream(request, exchange)
             return await self._collect(exchange)
@@ -971,10 +995,11 @@ class FrontendActor(Actor):
 
     # ---- streaming ------------------------------------------------------
 
-    async def _stream(self, request: web.Request, exchange: Exchange) -> web.StreamResponse:
-        """SSE. The response is prepared at the first engine output, so a request
-        refused before that (prepare's or the scheduler's 4xx) keeps its status."""
-        stream = responses.Stream(request, exchange)
+    async def _stream(self, request: web.Request, exchange: Exchange,
+                      stream: responses.Stream | None = None) -> web.StreamResponse:
+        """SSE (or a Responses reply, ``stream``). The response is prepared at the first engine output, so a
+        request refused before that (prepare's or the scheduler's 4xx) keeps its status."""
+        stream = stream or responses.Stream(request, exchange)
         try:
             while exchange.is_waiting():
                 msgs = await exchange.pop_all()
@@ -984,14 +1009,11 @@ class FrontendActor(Actor):
                         await stream.write_choice(stream.take(*applied))
                 else:
                     await self._write_outputs(stream, exchange, msgs)
-            if exchange.parsed.include_usage:
-                await stream.write_usage(responses.usage(exchange))
-            await stream.write_done()
+            await stream.finish(responses.usage(exchange))
         except ApiError as err:
             if not stream.is_prepared:
                 raise
-            await stream.write_error(err)  # the client sees the failure, then the stream's end (as vLLM's)
-            await stream.write_done()
+            await stream.fail(err)
         return stream.response
 
 

@@ -314,7 +314,7 @@ def http_message(err: web.HTTPException, request: web.Request) -> str:
         return (f"request body too large: {err.text.rstrip('.')} (server.max_body_bytes); send less, or raise the "
                 "limit in the config")
     if err.status == 404:
-        return f"no route {request.method} {request.path}; see /v1/chat/completions, /v1/completions, /v1/models"
+        return f"no route {request.method} {request.path}; see /v1/chat/completions, /v1/completions, /v1/responses, /v1/models"
     return f"{err.reason}: {request.method} {request.path}"
 
 

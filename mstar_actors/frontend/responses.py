@@ -274,15 +274,66 @@ class Stream:
                                             choice.num_cached_tokens)}
         return {"usage": None} if self.exchange.parsed.include_usage else {}
 
-    async def write_usage(self, usage: dict) -> None:
-        ex = self.exchange
-        await write_event(self.response, self.build(ex.response_id, ex.model, ex.created, [], usage))
-
-    async def write_done(self) -> None:
+    async def finish(self, usage: dict) -> None:
+        """Every choice ended: the usage chunk (include_usage), then the stream's end."""
+        if self.exchange.parsed.include_usage:
+            ex = self.exchange
+            await write_event(self.response, self.build(ex.response_id, ex.model, ex.created, [], usage))
         await self.response.write(b"data: [DONE]\n\n")
 
-    async def write_error(self, err: ApiError) -> None:
+    async def fail(self, err: ApiError) -> None:
+        """A failure after the stream began: the client sees it, then the stream's end (as vLLM's)."""
         await write_event(self.response, err.envelope())
+        await self.response.write(b"data: [DONE]\n\n")
+
+
+class ResponsesStream(Stream):
+    """A ``/v1/responses`` reply (``responses_api``): the chat stream's chunk choices made its events,
+    written as SSE where it streams, else run to its final Response (``response``, once finished)."""
+
+    def __init__(self, request: web.Request, exchange: Exchange, asked: Any):
+        super().__init__(request, exchange)
+        from mstar_actors.frontend.responses_api import ResponseEvents, new_id
+
+        self.asked = asked
+        self._envelope = None
+        sampling = exchange.parsed.sampling
+        self.events = ResponseEvents(new_id("resp"), exchange.model, exchange.created, asked.echo,
+                                     {"temperature": sampling.temperature, "top_p": sampling.top_p})
+        self.reasoning_tokens = 0  # of the output's ids, those of reasoning chunks
+        self._started = False
+
+    @property
+    def is_prepared(self) -> bool:  # a non-streamed reply's failure is an error response
+        return self.asked.stream and self.response.prepared
+
+    async def _prepare(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        if self.asked.stream:
+            await self.response.prepare(self.request)
+        await self._write(self.events.start())
+
+    async def _write_choice(self, choice: ChoiceOutput, out: dict, ids_end: int | None = None) -> None:
+        if ids_end is not None:
+            self.reasoning_tokens = max(self.reasoning_tokens, ids_end)
+        await self._write(self.events.chunk(out))
+
+    async def finish(self, usage: dict) -> None:
+        await self._prepare()  # (a reply of no text: its events still open)
+        await self._write(self.events.end(usage, self.reasoning_tokens))
+        if not self.asked.stream:
+            self.response = web.Response(body=_json.encode(self.events.response), content_type="application/json")
+
+    async def fail(self, err: ApiError) -> None:
+        await self._write(self.events.fail(self.asked.renamed(err)))
+
+    async def _write(self, events: list[dict]) -> None:
+        if self.asked.stream:
+            for event in events:
+                await self.response.write(b"event: " + event["type"].encode() + b"\ndata: " + _json.encode(event)
+                                          + b"\n\n")
 
 
 async def write_event(response: web.StreamResponse, payload: dict) -> None:

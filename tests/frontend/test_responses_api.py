@@ -1,0 +1,264 @@
+"""``/v1/responses``: the Responses body read as its chat, the chat stream's chunks as its events, and the
+route served by the real frontend actor (stream and not, their agreement, errors named by the body's fields)."""
+
+import asyncio
+import json
+
+import pytest
+
+from mstar_actors.frontend.openai_api import ApiError
+from mstar_actors.frontend.responses_api import ResponseEvents, read_responses
+from tests.frontend.conftest import REPLY
+from tests.frontend.test_frontend_actor import run
+
+TOOL = {"type": "function", "name": "get_weather", "description": "the weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+IMAGE = "data:image/png;base64,AA"
+
+
+def read(**body):
+    return read_responses(json.dumps({"model": "tiny", **body}).encode())
+
+
+def refusal(**body) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        read(**body)
+    return info.value
+
+
+def test_a_string_input_is_one_user_message_after_the_instructions():
+    asked = read(input="hi", instructions="Be brief.", max_output_tokens=7, temperature=0.5)
+    assert asked.chat["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert asked.chat["max_tokens"] == 7 and asked.chat["temperature"] == 0.5 and not asked.stream
+
+
+def test_items_make_the_turns_an_assistant_s_calls_in_one_message():
+    asked = read(input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "weather?"},
+                                     {"type": "input_image", "image_url": IMAGE, "detail": "low"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "look"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me see."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "rain"}]},
+        {"type": "function_call", "call_id": "c3", "name": "get_weather", "arguments": "{}"},
+    ], tools=[TOOL], tool_choice={"type": "function", "name": "get_weather"})
+    user, assistant, out1, out2, again = asked.chat["messages"]
+    assert user["content"][1] == {"type": "image_url", "image_url": {"url": IMAGE, "detail": "low"}}
+    assert assistant["reasoning"] == "look" and assistant["content"] == [{"type": "text", "text": "Let me see."}]
+    assert [c["id"] for c in assistant["tool_calls"]] == ["c1", "c2"]
+    assert (out1["role"], out1["tool_call_id"], out1["content"]) == ("tool", "c1", "sunny")
+    assert out2["content"] == [{"type": "text", "text": "rain"}]
+    assert again == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c3", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}
+    assert asked.chat["tools"] == [{"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}]
+    assert asked.chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_format_and_logprobs_map_to_the_chat_fields():
+    schema = {"type": "object"}
+    asked = read(input="x", text={"format": {"type": "json_schema", "name": "p", "schema": schema, "strict": True}},
+                 include=["message.output_text.logprobs"], top_logprobs=3, reasoning={"effort": "low"})
+    assert asked.chat["response_format"] == {"type": "json_schema",
+                                             "json_schema": {"name": "p", "schema": schema, "strict": True}}
+    assert asked.chat["logprobs"] is True and asked.chat["top_logprobs"] == 3
+    assert asked.chat["reasoning_effort"] == "low"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),  # nothing is stored
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"background": True}, "background"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"max_tool_calls": 2}, "max_tool_calls"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice"),
+    ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"stream_options": {"include_obfuscation": False}}, "stream_options"),  # without stream
+    ({"input": []}, "input"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+     "input[0].content[0].file_id"),
+    ({"input": [{"type": "reasoning", "content": [], "encrypted_content": "x"}]}, "input[0].encrypted_content"),
+    ({"input": [{"type": "reasoning", "summary": []}, {"role": "user", "content": "hi"}]}, "input[1]"),
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "reasoning", "summary": []}]}, "input[1]"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ({"input": "x", "n": 2}, "n"),  # unknown here (no choices in a Response)
+])
+def test_what_is_not_served_is_a_400_naming_the_field(body, param):
+    err = refusal(**({"input": "x"} | body))
+    assert err.status == 400 and err.param == param and err.message.startswith(param), err.message
+
+
+def test_the_chat_paths_errors_are_named_by_the_body_s_fields():
+    asked = read(input=[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+                 tools=[TOOL], instructions="s")
+    for chat, own in [("messages[2].content", "input[1].content"), ("messages[0]", "instructions"),
+                      ("max_tokens", "max_output_tokens"), ("tools[0].function.parameters", "tools[0].parameters"),
+                      ("response_format.json_schema.schema", "text.format.schema"), ("messages", "input"),
+                      ("temperature", "temperature")]:
+        err = asked.renamed(ApiError(400, f"{chat}: wrong", param=chat))
+        assert (err.param, err.message) == (own, f"{own}: wrong")
+
+
+def chunk(delta: dict, finish: str | None = None, logprobs: list | None = None) -> dict:
+    return {"index": 0, "delta": delta, "finish_reason": finish,
+            "logprobs": None if logprobs is None else {"content": logprobs}}
+
+
+def test_events_open_and_close_each_output_item_in_order():
+    events = ResponseEvents("resp_1", "tiny", 0, {"tools": []}, {"temperature": 1.0, "top_p": 1.0})
+    out = events.start()
+    entry = {"token": "Hi", "logprob": -0.5, "bytes": [72, 105], "top_logprobs": []}
+    for c in (chunk({"reasoning": "think"}), chunk({"reasoning": "ing"}), chunk({"content": "Hi"}, logprobs=[entry]),
+              chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                     "function": {"name": "f", "arguments": ""}}]}),
+              chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1}'}}]}),
+              chunk({}, "tool_calls")):
+        out += events.chunk(c)
+    out += events.end({"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14,
+                       "prompt_tokens_details": {"cached_tokens": 2}}, reasoning_tokens=3)
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
+    assert [e["type"] for e in out] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert out[0]["response"]["status"] == "in_progress" and out[0]["response"]["output"] == []
+    final = out[-1]["response"]
+    reasoning, message, call = final["output"]
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "thinking"}]
+    assert message["content"] == [{"type": "output_text", "text": "Hi", "annotations": [], "logprobs": [entry]}]
+    assert (call["call_id"], call["name"], call["arguments"], call["status"]) == ("call_1", "f", '{"a": 1}',
+                                                                                 "completed")
+    assert [e["output_index"] for e in out if e["type"] == "response.output_item.added"] == [0, 1, 2]
+    assert out[2]["item"]["content"] == [] and out[10]["item_id"] == message["id"]
+    assert final["usage"] == {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 2}, "output_tokens": 9,
+                              "output_tokens_details": {"reasoning_tokens": 3}, "total_tokens": 14}
+    assert final["status"] == "completed" and final["incomplete_details"] is None
+
+
+def test_a_reply_the_cap_cut_is_incomplete():
+    events = ResponseEvents("resp_1", "tiny", 0, {}, {})
+    events.start()
+    events.chunk(chunk({"content": "Hel"}, "length"))
+    last = events.end({"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}, 0)
+    assert last[-1]["type"] == "response.incomplete"
+    assert last[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert last[-1]["response"]["output"][0]["status"] == "incomplete"
+
+
+RESPONSES = "/v1/responses"
+
+
+def sse_events(raw: bytes) -> list[dict]:
+    """A Responses stream: each event's ``event:`` line names the type its data holds."""
+    events = []
+    for block in raw.decode().strip().split("\n\n"):
+        kind, data = block.split("\n")
+        assert kind.startswith("event: ") and data.startswith("data: ")
+        events.append(json.loads(data[len("data: "):]))
+        assert events[-1]["type"] == kind[len("event: "):]
+    return events
+
+
+async def post_stream(h, body: dict) -> tuple[int, bytes]:
+    async with h.session.post(h.url + RESPONSES, json=body | {"stream": True}) as r:
+        return r.status, await r.read()
+
+
+def test_the_route_answers_a_response_and_its_stream_agrees(harness):
+    async def body():
+        async with harness() as h:
+            req = {"model": "tiny", "input": "Hi", "instructions": "Be brief.", "max_output_tokens": 50}
+            status, r = await h.post(RESPONSES, req)
+            assert status == 200, r
+            assert r["object"] == "response" and r["id"].startswith("resp_") and r["status"] == "completed"
+            (message,) = r["output"]
+            assert message["content"][0]["text"] == REPLY and message["role"] == "assistant"
+            assert r["usage"]["output_tokens"] > 0 and r["instructions"] == "Be brief." and r["store"] is False
+            sent = h.engine.requests[next(iter(h.engine.requests))]
+            assert [m.role for m in sent.messages] == ["system", "user"] and sent.sampling.max_tokens == 50
+            status, raw = await post_stream(h, req)
+            assert status == 200
+            events = sse_events(raw)
+            assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == REPLY
+            final = events[-1]["response"]
+            assert events[-1]["type"] == "response.completed"
+            assert [o["content"] for o in final["output"]] == [message["content"]]
+            assert final["usage"] == r["usage"]
+
+    run(body)
+
+
+def test_a_named_tool_is_answered_as_a_function_call(harness):
+    async def body():
+        async with harness() as h:
+            h.engine.reply_text = '{"name": "get_weather", "parameters": {"city": "Paris"}}'  # (llama3_json)
+            req = {"model": "tiny", "input": "weather?", "tools": [TOOL],
+                   "tool_choice": {"type": "function", "name": "get_weather"}}
+            status, r = await h.post(RESPONSES, req)
+            assert status == 200, r
+            (call,) = r["output"]
+            assert call["type"] == "function_call" and call["name"] == "get_weather"
+            assert json.loads(call["arguments"]) == {"city": "Paris"} and call["call_id"]
+            status, raw = await post_stream(h, req)
+            events = sse_events(raw)
+            (done,) = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+            assert json.loads(done["arguments"]) == {"city": "Paris"}
+            assert events[-1]["response"]["output"][0]["arguments"] == done["arguments"]
+
+    run(body)
+
+
+def test_errors_name_the_responses_fields(harness):
+    async def body():
+        async with harness() as h:
+            for req, param in [({"input": "x", "max_output_tokens": 10 ** 6}, "max_output_tokens"),
+                               ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 3}]}]},
+                                "input[0].content[0].text"),
+                               ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+                               ({"input": "x", "stream": True, "text": {"format": {"type": "yaml"}}},
+                                "text.format.type")]:
+                status, r = await h.post(RESPONSES, {"model": "tiny"} | req)
+                assert status == 400 and r["error"]["param"] == param, r
+                assert r["error"]["message"].startswith(param), r
+            # the engine's refusal after the request left (the prompt's length, the scheduler's)
+            status, r = await h.post(RESPONSES, {"model": "tiny", "input": "word " * 5000})
+            assert status == 400 and r["error"]["code"] == "context_length_exceeded", r
+
+    run(body)
+
+
+def test_a_failure_mid_stream_is_an_error_event_then_response_failed(harness):
+    async def body():
+        from mstar_actors.messages import Failed, SampledToken, TokenDelta
+
+        async with harness() as h:
+            h.engine.plan = lambda req: None  # held: the test answers
+            posting = asyncio.create_task(post_stream(h, {"model": "tiny", "input": "x"}))
+            await h.engine.wait_for(lambda: h.engine.requests)
+            (req,) = h.engine.requests.values()
+            rid = h.engine.choice_ids(req)[0]
+            await h.engine.send(TokenDelta(request_id=rid, tokens=[SampledToken(rid, 28)], num_prompt_tokens=3))
+            await h.engine.send(Failed(request_id=rid, status=400, message="max_tokens: too many", param="max_tokens"))
+            status, raw = await posting
+            events = sse_events(raw)
+            assert status == 200 and events[0]["type"] == "response.created"
+            assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+            assert events[-2]["param"] == "max_output_tokens" and "max_output_tokens: too many" in events[-2]["message"]
+            assert events[-1]["response"]["status"] == "failed"
+
+    run(body)
