@@ -767,10 +767,11 @@ class FrontendActor(Actor):
             raise ApiError(400, f"input: {err}", param="input", code="context_length_exceeded") from None
         ids = self.speech.tokens.prompt_ids(text_ids)
         room = self.info.max_model_len - len(ids)
-        if 0 < room < FRAME_TOKENS:  # (none: the scheduler's refusal names the prompt's length)
-            raise ApiError(400, f"input: the voice's prompt takes {len(ids)} of the {self.info.max_model_len} tokens "
-                                f"of the context (max_model_len), leaving {room} for audio, less than one frame "
-                                f"({FRAME_TOKENS} codec tokens); shorten the input", param="input",
+        if room < FRAME_TOKENS:
+            raise ApiError(400, f"input: the voice's prompt takes {len(ids)} tokens, the context (max_model_len) "
+                                f"{self.info.max_model_len}: less than one frame of audio ({FRAME_TOKENS} codec "
+                                f"tokens) would be left; shorten the input to a prompt of at most "
+                                f"{self.info.max_model_len - FRAME_TOKENS} tokens", param="input",
                            code="context_length_exceeded")
         return ids
 
@@ -792,16 +793,20 @@ class FrontendActor(Actor):
             await out.write(await stream.finish())
             choice = next(iter(exchange.choices.values()))
             asked_cap = not exchange.parsed.sampling.cut_to_context  # the client's max_tokens, not the default
-            if not out.is_prepared and choice.finish_reason == "length" and asked_cap:  # before a whole frame
+            dropped = stream.reader.num_dropped_frames
+            if not out.is_prepared and choice.finish_reason == "length" and asked_cap and not dropped:
                 raise ApiError(400, f"max_tokens: the reply reached its cap of {choice.num_output_tokens} tokens "
                                     "before a whole frame of audio (7 codec tokens, after the tokens that open the "
                                     "speech); raise it", param="max_tokens")
             if not out.is_prepared:  # not one frame: a silent file would pass for audio
-                dropped = stream.reader.num_dropped_frames
                 raise ApiError(500, f"the model wrote no audio: {choice.num_output_tokens} tokens made no whole codec "
                                     f"frame ({dropped} frames had codes out of range); the served model or adapter "
                                     "does not write Orpheus's codec tokens for this voice and text",
                                error_type="server_error")
+            if choice.finish_reason == "length":  # the audio's bytes are out: said here, where the operator sees it
+                self.log.warning("speech %s cut at %d codec tokens (%s): the input's end was not spoken",
+                                 exchange.id, choice.num_output_tokens,
+                                 "the request's max_tokens" if asked_cap else "speech.max_tokens or the context")
             await out.finish(choice.num_prompt_tokens, choice.num_output_tokens)
         except ApiError as err:
             if not out.is_prepared:

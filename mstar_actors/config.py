@@ -227,7 +227,9 @@ class SpeechConfig(msgspec.Struct, **_STRICT):
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 0.6
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.8
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=2.0)] = 1.3
-    max_tokens: Pos = 1200  # codec tokens: 7 per frame of 2048 samples (85 ms at 24 kHz)
+    # codec tokens of a reply: 7 per frame of 2048 samples (85 ms at 24 kHz); None: up to the context (the whole
+    # input spoken, as OpenAI's speech speaks it), a number cuts every reply there (1200: about 14 s)
+    max_tokens: Pos | None = None
 
 
 class TransportConfig(msgspec.Struct, **_STRICT):

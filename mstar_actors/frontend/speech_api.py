@@ -121,8 +121,8 @@ def _sampling(body: dict, config: SpeechConfig, max_model_len: int | None) -> Sa
     hi = max_model_len or 1 << 31
     asked = get_int(body, "max_tokens", None, FRAME_TOKENS, hi)  # fewer write no frame of audio
     return SamplingParams(
-        max_tokens=min(config.max_tokens if asked is None else asked, hi),
-        cut_to_context=asked is None,  # speech.max_tokens, a default: cut to what the prompt leaves
+        max_tokens=min(asked if asked is not None else config.max_tokens or hi, hi),
+        cut_to_context=asked is None,  # speech.max_tokens or the context, a default: cut to what the prompt leaves
         temperature=get_float(body, "temperature", config.temperature, 0.0, 2.0),
         top_p=get_float(body, "top_p", config.top_p, 0.0, 1.0, lo_open=True),
         top_k=max(get_int(body, "top_k", 0, -1, 1 << 31), 0),

@@ -197,3 +197,13 @@ async def _no_frame(orpheus):
                                      num_output_tokens=8))
         status, body = await client
         assert status == 400 and body["error"]["param"] == "max_tokens" and "raise it" in body["error"]["message"]
+        # frames the model wrote with codes out of range: the model's fault, whatever the cap (no larger one helps)
+        h.engine.requests.clear()
+        client = asyncio.create_task(h.post("/v1/audio/speech", {"voice": "tara", "input": TEXT, "max_tokens": 14}))
+        await h.engine.wait_for(lambda: h.engine.requests)
+        req = next(iter(h.engine.requests.values()))
+        await deltas(h, req, ids(tok, *["<custom_token_10>"] * 7) + frame_tokens(tok, 1)[:6])
+        await h.engine.send(Finished(request_id=req.request_id, finish_reason="length", num_prompt_tokens=3,
+                                     num_output_tokens=13))
+        status, body = await client
+        assert status == 500 and "out of range" in body["error"]["message"], body

@@ -126,8 +126,9 @@ def test_adapter_voice_matches_peft_and_differs_from_base(client, served):
     ({"speed": 1.5}, "speed", "not supported"),
     ({"instructions": "Speak slowly."}, "instructions", "not supported"),
     ({"input": ""}, "input", "non-empty"),
-    ({"input": "ab " * 123}, "input", "max_model_len is 256"),  # past the context with the voice's framing
+    ({"input": "ab " * 123}, "input", "at most 249 tokens"),  # past the context with the voice's framing
     ({"input": "ab " * 121}, "input", "less than one frame"),  # room for no audio
+    ({"input": "ab " * 122}, "input", "at most 249 tokens"),  # room for none at all: the same advice
     ({"pitch": 2}, "pitch", "unknown field"),
     ({"temperature": 3}, "temperature", "[0.0, 2.0]"),
 ])

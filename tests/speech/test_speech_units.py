@@ -107,6 +107,12 @@ def test_speech_body_defaults_and_extensions():
                                                                               "Hi there.")
     assert (s.sampling.temperature, s.sampling.top_p, s.sampling.repetition_penalty, s.sampling.max_tokens) == (
         0.6, 0.8, 1.3, 256)  # max_tokens capped by the context
+    # by default a reply runs to the context (the whole input spoken, as OpenAI's); the operator's cap, if set
+    long = parse_speech(json.dumps({"input": "Hi.", "voice": "tara"}).encode(), CONFIG, 8192)
+    assert long.sampling.max_tokens == 8192 and long.sampling.cut_to_context
+    capped = parse_speech(json.dumps({"input": "Hi.", "voice": "tara"}).encode(),
+                          msgspec.structs.replace(CONFIG, max_tokens=1200), 8192)
+    assert capped.sampling.max_tokens == 1200
     s = speech(temperature=0, top_k=5, seed=3, max_tokens=70, response_format="pcm", stream_format="sse", speed=1.0,
                instructions="")
     assert (s.sampling.temperature, s.sampling.top_k, s.sampling.seed, s.sampling.max_tokens) == (0.0, 5, 3, 70)
