@@ -81,6 +81,7 @@ from mstar_actors.frontend.reasoning import (
     prompt_reasoning,
     reasoning_end,
 )
+from mstar_actors.frontend.responses_api import new_id, read_responses
 from mstar_actors.frontend.tool_calls import (
     LLAMA3_JSON,
     QWEN3_CODER,
@@ -627,8 +628,6 @@ class FrontendActor(Actor):
     async def _respond(self, request: web.Request) -> web.StreamResponse:
         """``/v1/responses``: served as the chat it asks for (``responses_api``), every error named by the
         field its body sent."""
-        from mstar_actors.frontend.responses_api import read_responses
-
         raw = await request.read()
         self._check_available()
         asked = read_responses(raw)
@@ -649,6 +648,8 @@ class FrontendActor(Actor):
         exchange = Exchange(parsed, self._resolve_model(parsed.model), "chatcmpl" if kind == "chat" else "cmpl",
                             self.index)
         exchange.reasoning = reasoning
+        if asked is not None:  # a Response's id: vLLM's request_id as sent, else resp_ and a fresh one
+            exchange.response_id = parsed.request_id or new_id("resp")
         if parsed.output.echo:
             exchange.prompt_token_ids = await self.run_blocking(self._prompt_token_ids, exchange)
         self._admit(exchange)

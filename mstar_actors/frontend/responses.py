@@ -293,12 +293,12 @@ class ResponsesStream(Stream):
 
     def __init__(self, request: web.Request, exchange: Exchange, asked: Any):
         super().__init__(request, exchange)
-        from mstar_actors.frontend.responses_api import ResponseEvents, new_id
+        from mstar_actors.frontend.responses_api import ResponseEvents
 
         self.asked = asked
         self._envelope = None
         sampling = exchange.parsed.sampling
-        self.events = ResponseEvents(new_id("resp"), exchange.model, exchange.created, asked.echo,
+        self.events = ResponseEvents(exchange.response_id, exchange.model, exchange.created, asked.echo,
                                      {"temperature": sampling.temperature, "top_p": sampling.top_p})
         self.reasoning_tokens = 0  # of the output's ids, those of reasoning chunks
         self._started = False

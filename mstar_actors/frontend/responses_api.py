@@ -27,7 +27,8 @@ from typing import Any
 
 import msgspec
 
-from mstar_actors.frontend.openai_api import ApiError, _bad, _show, decode_body, get_bool, get_str
+from mstar_actors.frontend.openai_api import (MAX_TOP_LOGPROBS, ApiError, _bad, _show, decode_body, get_bool,
+                                              get_int, get_str)
 
 # Read here, or handed to the chat path under the same name (its checks, its meaning).
 OWN_FIELDS = frozenset({
@@ -144,8 +145,18 @@ def _refuse_server_state(body: dict) -> None:
 # ---- input -----------------------------------------------------------------
 
 ROLES = ("user", "system", "developer", "assistant")
-PART_KEYS = {"input_text": {"type", "text"}, "output_text": {"type", "text", "annotations", "logprobs"},
-             "refusal": {"type", "refusal"}, "input_image": {"type", "image_url", "detail", "file_id"}}
+# Each item's and part's keys as the client's types write them (an earlier response's output sent back holds
+# them all); those that change no reply here (ids, statuses, a message's phase, a call's caller and namespace,
+# annotations, cache breakpoints) are taken and ignored.
+MESSAGE_KEYS = {"type", "role", "content", "id", "status", "phase"}
+CALL_KEYS = {"type", "call_id", "name", "arguments", "id", "status", "caller", "namespace", "async", "async_"}
+OUTPUT_KEYS = {"type", "call_id", "output", "id", "status", "caller", "name", "namespace"}
+PART_KEYS = {"input_text": {"type", "text", "prompt_cache_breakpoint"},
+             "output_text": {"type", "text", "annotations", "logprobs"}, "refusal": {"type", "refusal"},
+             "input_image": {"type", "image_url", "detail", "file_id", "prompt_cache_breakpoint"}}
+FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"},
+               "json_schema": {"type", "name", "schema", "description", "strict"}}
+TOOL_CHOICES = ("none", "auto", "required")
 
 
 def _messages(body: dict, names: list[tuple[str, str]]) -> list[dict]:
@@ -171,25 +182,26 @@ def _messages(body: dict, names: list[tuple[str, str]]) -> list[dict]:
             reasoning, joinable = _reasoning_text(item, where), False
             continue
         if kind == "message":
-            _check_keys(item, {"type", "role", "content", "id", "status"}, where)
+            _check_keys(item, MESSAGE_KEYS, where)
             role = item.get("role")
             if role not in ROLES:
                 raise _bad(f"{where}.role", f"expected one of {', '.join(ROLES)}, got {_show(role)}")
             message = {"role": role, "content": _content(item.get("content"), f"{where}.content")}
         elif kind == "function_call":
-            _check_keys(item, {"type", "call_id", "name", "arguments", "id", "status"}, where)
+            _check_keys(item, CALL_KEYS, where)
             call = {"id": _text(item, "call_id", where), "type": "function",
                     "function": {"name": _text(item, "name", where), "arguments": _text(item, "arguments", where,
                                                                                          empty=True)}}
             if joinable and reasoning is None:  # one assistant turn: its text, then its calls
                 last = out[-1]
                 last.setdefault("tool_calls", []).append(call)
-                names.append((f"messages[{len(out) - 1}].tool_calls[{len(last['tool_calls']) - 1}]", where))
+                _name_call(names, f"messages[{len(out) - 1}].tool_calls[{len(last['tool_calls']) - 1}]", where)
                 continue
             message = {"role": "assistant", "content": None, "tool_calls": [call]}
-            names.append((f"messages[{len(out)}].tool_calls[0]", where))
+            _name_call(names, f"messages[{len(out)}].tool_calls[0]", where)
         elif kind == "function_call_output":
-            _check_keys(item, {"type", "call_id", "output", "id", "status"}, where)
+            _check_keys(item, OUTPUT_KEYS, where)
+            names.append((f"messages[{len(out)}].content", f"{where}.output"))
             output = item.get("output")
             message = {"role": "tool", "tool_call_id": _text(item, "call_id", where),
                        "content": output if isinstance(output, str) else _content(output, f"{where}.output")}
@@ -208,6 +220,11 @@ def _messages(body: dict, names: list[tuple[str, str]]) -> list[dict]:
         raise _bad(f"input[{len(given) - 1}]", "a reasoning item ends the input: it goes before the assistant's "
                                                "message or function call it reasoned for")
     return out
+
+
+def _name_call(names: list[tuple[str, str]], chat: str, where: str) -> None:
+    """A call's chat path named by its item: its function's fields are the item's own."""
+    names += [(chat, where), (f"{chat}.function", where)]
 
 
 def _content(content: Any, where: str) -> Any:
@@ -262,7 +279,7 @@ def _text(obj: dict, key: str, where: str, empty: bool = False) -> str:
 def _check_keys(obj: dict, accepted: set, where: str) -> None:
     unknown = next((k for k in obj if k not in accepted), None)
     if unknown is not None:
-        raise _bad(f"{where}.{unknown}", f"unknown field; accepted: {', '.join(sorted(accepted))}")
+        raise _bad(f"{where}.{unknown}", f"unknown field; accepted: {', '.join(sorted(accepted - {'async_'}))}")
 
 
 # ---- tools, format, include ------------------------------------------------
@@ -288,7 +305,7 @@ def _read_tools(body: dict, chat: dict, names: list[tuple[str, str]]) -> None:
             raise _bad("tool_choice", 'expected {"type": "function", "name": ...}')
         chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
         names.append(("tool_choice.function", "tool_choice"))
-    elif isinstance(choice, str):
+    elif choice in TOOL_CHOICES:
         chat["tool_choice"] = choice
     else:
         raise _bad("tool_choice", f'expected "none", "auto", "required" or {{"type": "function", "name": ...}} '
@@ -308,7 +325,11 @@ def _read_text(body: dict, chat: dict) -> None:
         return
     if not isinstance(fmt, dict):
         raise _bad("text.format", f"expected an object, got {_show(fmt)}")
-    if fmt.get("type") == "json_schema":  # flattened here, nested in chat's response_format
+    kind = fmt.get("type")
+    if kind not in FORMAT_KEYS:
+        raise _bad("text.format.type", f'expected "text", "json_object" or "json_schema", got {_show(kind)}')
+    _check_keys(fmt, FORMAT_KEYS[kind], "text.format")
+    if kind == "json_schema":  # flattened here, nested in chat's response_format
         chat["response_format"] = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items()
                                                                           if k != "type"}}
     else:
@@ -324,11 +345,12 @@ def _read_include(body: dict, chat: dict) -> None:
             if value != LOGPROBS_INCLUDE:
                 raise _bad(f"include[{i}]", f'only "{LOGPROBS_INCLUDE}" is served here (nothing is stored, '
                                             f"no built-in tool runs), got {_show(value)}")
-        if include:
-            chat["logprobs"] = True
-    if body.get("top_logprobs") is not None:
+    # the alternatives' count counts only where the logprobs are included (else none are computed)
+    top = get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if include:
         chat["logprobs"] = True
-        chat["top_logprobs"] = body["top_logprobs"]
+        if top is not None:
+            chat["top_logprobs"] = top
 
 
 # ---- the response and its events -----------------------------------------

@@ -58,6 +58,29 @@ def test_items_make_the_turns_an_assistant_s_calls_in_one_message():
     assert asked.chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
 
 
+def test_an_earlier_responses_output_items_are_taken_back_whole():
+    """Items as the client's types write them (a response's output dumped with its null fields): the keys
+    that change no reply are taken."""
+    asked = read(input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "hi", "prompt_cache_breakpoint": None}]},
+        {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant", "phase": None,
+         "content": [{"type": "output_text", "text": "Hello!", "annotations": [], "logprobs": []}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "f", "arguments": "{}", "status": "completed",
+         "caller": None, "namespace": None, "async_": None},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok", "id": None, "caller": None, "name": None,
+         "status": None},
+    ])
+    assert [m["role"] for m in asked.chat["messages"]] == ["user", "assistant", "tool"]
+    assert asked.chat["messages"][1]["tool_calls"][0]["id"] == "c1"
+
+
+def test_top_logprobs_alone_computes_none():
+    """As OpenAI's: the alternatives' count counts where the logprobs are included."""
+    asked = read(input="x", top_logprobs=2)
+    assert "logprobs" not in asked.chat and "top_logprobs" not in asked.chat
+    assert refusal(input="x", top_logprobs=99).param == "top_logprobs"
+
+
 def test_format_and_logprobs_map_to_the_chat_fields():
     schema = {"type": "object"}
     asked = read(input="x", text={"format": {"type": "json_schema", "name": "p", "schema": schema, "strict": True}},
@@ -92,15 +115,30 @@ def test_format_and_logprobs_map_to_the_chat_fields():
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": "x", "n": 2}, "n"),  # unknown here (no choices in a Response)
+    # this route's shapes, not chat's, in what it accepts
+    ({"tool_choice": "any"}, "tool_choice"),
+    ({"text": {"format": {"type": "json_object", "name": "x"}}}, "text.format.name"),
+    ({"text": {"format": {"type": "json_schema", "json_schema": {}}}}, "text.format.json_schema"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
 ])
 def test_what_is_not_served_is_a_400_naming_the_field(body, param):
     err = refusal(**({"input": "x"} | body))
     assert err.status == 400 and err.param == param and err.message.startswith(param), err.message
+    assert '"function": {' not in err.message and '"json_schema": {' not in err.message  # chat's shapes
 
 
 def test_the_chat_paths_errors_are_named_by_the_body_s_fields():
     asked = read(input=[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
                  tools=[TOOL], instructions="s")
+    calls = read(input=[{"role": "user", "content": "a"},
+                        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "[1]"},
+                        {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "[2]"},
+                        {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text",
+                                                                                      "text": "x"}]}])
+    for chat, own in [("messages[1].tool_calls[0].function.arguments", "input[1].arguments"),
+                      ("messages[1].tool_calls[1].function.arguments", "input[2].arguments"),
+                      ("messages[2].content[0].text", "input[3].output[0].text")]:
+        assert calls.renamed(ApiError(400, f"{chat}: wrong", param=chat)).param == own
     for chat, own in [("messages[2].content", "input[1].content"), ("messages[0]", "instructions"),
                       ("max_tokens", "max_output_tokens"), ("tools[0].function.parameters", "tools[0].parameters"),
                       ("response_format.json_schema.schema", "text.format.schema"), ("messages", "input"),
@@ -189,6 +227,8 @@ def test_the_route_answers_a_response_and_its_stream_agrees(harness):
             (message,) = r["output"]
             assert message["content"][0]["text"] == REPLY and message["role"] == "assistant"
             assert r["usage"]["output_tokens"] > 0 and r["instructions"] == "Be brief." and r["store"] is False
+            status, named = await h.post(RESPONSES, req | {"request_id": "resp_mine"})  # vLLM's, as sent
+            assert named["id"] == "resp_mine"
             sent = h.engine.requests[next(iter(h.engine.requests))]
             assert [m.role for m in sent.messages] == ["system", "user"] and sent.sampling.max_tokens == 50
             status, raw = await post_stream(h, req)
