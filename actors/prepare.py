@@ -1,4 +1,4 @@
-"""The prepare actor: client requests in, model inputs out, in arrival order.
+"""The prepare actor: client requests in, model inputs out, each as soon as it is ready.
 
 The model-specific work (chat template, tokens, media decode, the processor)
 is a preparer from ``mstar_actors.prepare.preparers``, chosen by the architecture;
@@ -10,12 +10,13 @@ Two paths:
 - **Inline** (the preparer does not declare ``PREPROCESS_PARALLEL``: text,
   milliseconds a request): one message, one reaction, in mailbox order, as
   the default ``Actor.serve`` does. ``Abort`` is forwarded in order.
-- **Pool** (a media preparer, one worker or more): each request's
+- **Pool** (a media preparer, one worker or more): each media request's
   preparation runs on a ``ThreadPoolExecutor`` while this loop only starts
   requests and finishes them (stores tensors in the arena, sends), so a long
   video's draft holds neither the loop (its fetches, the aborts it reads)
-  nor, once its client left, the requests behind it. ``serve`` below is the
-  loop. Each pool thread is
+  nor the requests behind it. A request without media (text, milliseconds)
+  never takes a pool thread: it drafts on a thread of its own beside the
+  pool and goes when done. ``serve`` below is the loop. Each pool thread is
   pinned to CPUs of its own when the CPU plan has them
   (``CpuPlan.pool_cpus``; ``prepare.pin_pool_threads``); for a preparer
   that prepares in processes (audio clips: ``start_processes``), each
@@ -26,9 +27,10 @@ requests) is ``PendingRequests`` (``mstar_actors.prepare``), touched only by
 the loop's thread; the pool's threads see only their request and the
 read-only preparer.
 
-- **Arrival order.** ``PendingRequests`` releases only its oldest request,
-  so ``Prepared`` / ``Failed`` reach the conductor in arrival order
-  whichever finishes first.
+- **Done, then gone.** ``PendingRequests`` releases each request once it is
+  done, the oldest of those done first: a small image never waits for a
+  long video started before it (as each request of vLLM's awaits its own
+  media).
 - **Bounded pool.** A request is read from the mailbox only while fewer than
   ``2 * num_workers`` are preparing (drafting, or queued for a thread: each
   thread has its next request waiting, so a thread that finishes starts it
@@ -56,10 +58,11 @@ read-only preparer.
 loop (aiohttp), in a task of the request's own, before the request takes its
 turn: a slow or silent server holds neither a pool thread, nor the mailbox,
 nor the requests behind it. A fetching request is outside the release order
-(arrival order counts from the end of its fetch), at most ``max_fetching`` at
-once; more wait their turn to fetch (up to ``MAX_WAITING_TO_FETCH``, past which
-nothing more is read: backpressure), while requests without http(s) media go
-on. An ``Abort`` cancels its fetch (or its turn) at once and is not forwarded
+(it enters it at the end of its fetch), at most ``max_fetching`` at once; more
+wait their turn to fetch, up to ``MAX_WAITING_TO_FETCH``: past that, a request
+with http(s) media is a 503 at once (retry later), while requests without
+http(s) media go on (reading stopped there once, and held every request behind
+a burst of slow media servers without a word). An ``Abort`` cancels its fetch (or its turn) at once and is not forwarded
 (the conductor never saw the request). A fetch that fails is that request's
 ``Failed(400)``, sent when it fails.
 
@@ -85,7 +88,7 @@ from mstar_actors.prepare.media import (FetchError, MediaError, MediaLimits, Med
                                         make_fetch_session)
 from mstar_actors.messages import Abort, Failed, LoadAdapter, NewRequest, Prepared, UnloadAdapter
 from mstar_actors.prepare import PendingRequest, PendingRequests
-from mstar_actors.prepare.preparers import Draft, Preparer, failed, load_preparer, with_media
+from mstar_actors.prepare.preparers import Draft, Preparer, failed, first_media_part, load_preparer, with_media
 from transport.arena import ArenaFull, TensorTooLarge
 
 __all__ = ["PrepareActor", "Preparer", "load_preparer"]
@@ -93,7 +96,8 @@ __all__ = ["PrepareActor", "Preparer", "load_preparer"]
 # Requests fetching http(s) media at once, at least (4 a pool worker past that): each holds its
 # bytes until drafted, at most ``server.max_media_bytes`` an item.
 MIN_FETCHING = 16
-# Requests with http(s) media read while ``max_fetching`` fetch, waiting their turn (a NewRequest each: small).
+# Requests with http(s) media read while ``max_fetching`` fetch, waiting their turn (a NewRequest each: small);
+# past them, such a request is a 503.
 MAX_WAITING_TO_FETCH = 64
 # Requests read while the pool is full, waiting for room (their inline media with them): an abort behind them is read.
 MAX_READ_AHEAD = 8
@@ -255,8 +259,7 @@ class PrepareActor(Actor):
                 await self._release_ready()
                 while self._fetched and self.pending.can_start():  # waiting first: they were read first
                     self._start(*self._fetched.popitem(last=False)[1])
-                has_room = len(self._fetched) < MAX_READ_AHEAD and len(self._to_fetch) < MAX_WAITING_TO_FETCH
-                if reading is None and has_room:
+                if reading is None and len(self._fetched) < MAX_READ_AHEAD:
                     reading = asyncio.create_task(self.mailbox.get(), name="prepare:read")
                 changed = asyncio.create_task(self._changed.wait())
                 await asyncio.wait({changed} | ({reading} if reading else set()),
@@ -302,13 +305,13 @@ class PrepareActor(Actor):
     async def _prepare_fetched(self, req: NewRequest, fetched: dict[str, bytes]) -> None:
         """A request whose media bytes are at hand (``fetched``: its http(s)
         parts'): into the pool's order, or prepared inline."""
-        if self.threads is not None:
+        if self.threads is not None and first_media_part(req.messages) is not None:
             if self.pending.can_start() and not self._fetched:
                 self._start(req, fetched)
             else:  # its turn comes when the pool has room
                 self._fetched[req.request_id] = (req, fetched)
-        elif req.sampling.structured is not None:  # inline, its rules checked on a thread
-            self._check_aside(req, fetched)
+        elif self.threads is not None or req.sampling.structured is not None:
+            self._check_aside(req, fetched)  # beside the pool (text), or inline with rules to check: on a thread
         else:  # inline: never in the release order
             await self._send_result(req, await self._prepare(PendingRequest(req), fetched))
 
@@ -326,11 +329,14 @@ class PrepareActor(Actor):
     async def _start_fetch(self, req: NewRequest, refs: list[MediaRef]) -> None:
         """Fetch the request's http(s) media in a task of its own, then go on
         as ``_prepare_fetched`` (the pool: into the order at the loop's next
-        turn); with ``max_fetching`` fetching, it waits its turn. Inline, with
-        ``MAX_WAITING_TO_FETCH`` waiting too, first wait for one to end."""
-        while len(self._to_fetch) >= MAX_WAITING_TO_FETCH:
-            self._changed.clear()
-            await self._changed.wait()
+        turn); with ``max_fetching`` fetching, it waits its turn, and with
+        ``MAX_WAITING_TO_FETCH`` waiting too, it is a 503."""
+        if len(self._to_fetch) >= MAX_WAITING_TO_FETCH:
+            await self._send_result(req, Failed(
+                request_id=req.request_id, status=503, error_type="server_error", code="overloaded",
+                message=f"{len(self._fetching)} requests are fetching http(s) media and {len(self._to_fetch)} wait "
+                        "to; retry later, or send the media inline (data: URLs)"))
+            return
         self._to_fetch[req.request_id] = (req, refs)
         self._next_fetches()
 

@@ -15,19 +15,22 @@ fetches outside this order, so a slow server holds no request behind it.)
 
 Invariants:
 
-- **Arrival order.** Requests leave through ``pop_releasable`` in the order
-  they were started, each once it is done, whichever finishes first.
+- **Done, then gone.** A request leaves through ``pop_releasable`` once it is
+  done, the oldest of those done first: none waits for a slower one started
+  before it (a small image never waits for a long video, as each request of
+  vLLM's awaits its own media), and among requests done together the older
+  goes first.
 - **Two bounds.** ``can_start`` holds while fewer than ``max_preparing`` are
   preparing (abandoned ones included: they still hold a thread or its queue)
   and fewer than ``max_unreleased`` are in the order (preparing or done, not
-  yet released): a slow head keeps the rest from piling up behind it.
-- **Abandon is final.** An abandoned request leaves the order at once, so the
-  ones behind it never wait for it; it still counts as preparing until its
+  yet released: done ones wait only while the conductor's ring is full).
+- **Abandon is final.** An abandoned request leaves the order at once and is
+  never released; it still counts as preparing until its
   preparation ends (``finish`` or ``drop``), and then its result is dropped.
   ``is_abandoned`` is the one field another thread reads: a pool thread that
   has not begun the draft skips it.
 - **Failures are results.** A ``Failed`` is finished and released like any
-  result, in its turn; it affects no other request.
+  result, once done; it affects no other request.
 """
 
 from __future__ import annotations
@@ -60,14 +63,14 @@ class PendingRequest:
 
 
 class PendingRequests:
-    """The release order and the bounds on what is started and unreleased."""
+    """The requests started and not yet released, and the bounds on them."""
 
     def __init__(self, max_preparing: int, max_unreleased: int):
         if max_preparing < 1 or max_unreleased < 1:
             raise ValueError(f"max_preparing ({max_preparing}) and max_unreleased ({max_unreleased}) must be >= 1")
         self.max_preparing = max_preparing
         self.max_unreleased = max_unreleased
-        self._order: collections.OrderedDict[str, PendingRequest] = collections.OrderedDict()  # arrival order
+        self._order: collections.OrderedDict[str, PendingRequest] = collections.OrderedDict()  # by start
         self._preparing: set[PendingRequest] = set()  # abandoned ones included
 
     def __contains__(self, request_id: str) -> bool:
@@ -82,7 +85,7 @@ class PendingRequests:
         return len(self._preparing)
 
     def request_ids(self) -> list[str]:
-        """The release order, oldest first."""
+        """The requests not yet released, oldest first."""
         return list(self._order)
 
     # ---- start / finish -------------------------------------------------------
@@ -131,14 +134,11 @@ class PendingRequests:
         return pending
 
     def pop_releasable(self) -> PendingRequest | None:
-        """The oldest request if it is done (its ``result`` to send), else None."""
-        if not self._order:
-            return None
-        request_id, head = next(iter(self._order.items()))
-        if not head.is_done:
-            return None
-        del self._order[request_id]
-        return head
+        """The oldest request that is done (its ``result`` to send), else None."""
+        done = next((p for p in self._order.values() if p.is_done), None)  # (at most max_unreleased to look at)
+        if done is not None:
+            del self._order[done.request_id]
+        return done
 
     # ---- checks ---------------------------------------------------------------
 

@@ -92,7 +92,15 @@ class Harness:
         self.task = asyncio.create_task(self.actor.run())
 
     async def send(self, rid: str, prompt: str = "ok") -> None:
-        await self.inbox.send(NewRequest(request_id=rid, model="m", sampling=SamplingParams(), prompt=prompt))
+        """A request with an inline image (the pool's; the fake preparer reads only ``prompt``)."""
+        from mstar_actors.messages import ChatMessage, ContentPart
+
+        image = [ChatMessage("user", [ContentPart(type="image_url", url="data:image/png;base64,AA")])]
+        await self.inbox.send(NewRequest(request_id=rid, model="m", sampling=SamplingParams(), prompt=prompt,
+                                         messages=image))
+
+    async def send_text(self, rid: str) -> None:
+        await self.inbox.send(NewRequest(request_id=rid, model="m", sampling=SamplingParams(), prompt="ok"))
 
     async def recv_id(self) -> tuple[str, str]:
         msg = await self.out.recv()
@@ -116,20 +124,27 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-async def test_arrival_order_kept_when_later_requests_finish_first():
+async def test_each_request_goes_once_done_and_text_never_waits_for_the_pool():
+    """A request finished before one started earlier goes at once (it waited for the head: a text
+    request's first token came 2.4 s late behind three large images); a text request takes no pool
+    thread, so it goes while every thread drafts."""
     h = Harness(GatedPreparer(asyncio.get_running_loop()), num_workers=3)
-    h.preparer.expect("r1", "r2", "r3")
+    h.preparer.expect("r1", "r2", "r3", "t")
     for rid in ("r1", "r2", "r3"):
         await h.send(rid)
     for rid in ("r1", "r2", "r3"):
         await h.preparer.started[rid].wait()  # all three run at once
+    h.preparer.gates["t"].set()
+    await h.send_text("t")
+    assert await h.recv_id() == ("Prepared", "t")  # beside the pool
     h.preparer.gates["r3"].set()
+    assert await h.recv_id() == ("Prepared", "r3")  # r1 and r2 still drafting
     h.preparer.gates["r2"].set()
-    await settle()
-    assert h.out.stats().messages == 0  # r2 and r3 are done but wait for r1
+    assert await h.recv_id() == ("Prepared", "r2")
     h.preparer.gates["r1"].set()
-    assert [await h.recv_id() for _ in range(3)] == [("Prepared", "r1"), ("Prepared", "r2"), ("Prepared", "r3")]
-    assert len(h.preparer.threads) == 3 and all(t.startswith("prepare") for t in h.preparer.threads)
+    assert await h.recv_id() == ("Prepared", "r1")
+    pool = {t for t in h.preparer.threads if t.startswith("prepare")}
+    assert len(pool) == 3 and len(h.preparer.threads) == 4  # the text request's thread is not the pool's
     assert await h.close() == []
 
 
@@ -149,17 +164,18 @@ async def test_full_pool_reads_nothing_more_until_a_slot_frees():
     assert list(h.actor._fetched) == ids[4 : 4 + MAX_READ_AHEAD]
     assert not h.preparer.started["r3"].is_set()
     assert h.inbox._records, "the pool is full: the rest stays in the frontend's channel"
-    h.preparer.gates["r2"].set()  # its thread takes the queued r3 at once
+    h.preparer.gates["r2"].set()  # r2 goes at once (r1 still drafts); its thread takes the queued r3
+    assert await h.recv_id() == ("Prepared", "r2")
     await h.preparer.started["r3"].wait()
     await settle()
-    # r2 is done but waits for r1 to be released: four still wait for release.
-    assert h.actor.pending.request_ids() == ["r1", "r2", "r3", "r4"] and not h.preparer.started["r4"].is_set()
-    assert h.actor.pending.num_preparing == 3  # r1 drafting, r3 drafting, r4 queued
-    h.preparer.gates["r1"].set()  # r1 and r2 go; r4 starts, r5 and r6 are read
+    # r5 took r2's room: r1 and r3 drafting, r4 and r5 queued
+    assert h.actor.pending.request_ids() == ["r1", "r3", "r4", "r5"] and not h.preparer.started["r4"].is_set()
+    assert h.actor.pending.num_preparing == 4
+    h.preparer.gates["r1"].set()  # r1 goes; r4 starts
     await h.preparer.started["r4"].wait()
     for rid in ids:
         h.preparer.gates[rid].set()
-    assert [(await h.recv_id())[1] for _ in ids] == ids
+    assert {(await h.recv_id())[1] for _ in ids[1:]} == set(ids) - {"r2"}
     await h.close()
 
 
@@ -178,7 +194,7 @@ async def test_a_request_abandoned_while_queued_for_a_thread_is_never_drafted():
     assert "r3" not in h.actor.pending
     for rid in ("r1", "r2", "r4"):
         h.preparer.gates[rid].set()
-    assert [await h.recv_id() for _ in range(3)] == [("Prepared", "r1"), ("Prepared", "r2"), ("Prepared", "r4")]
+    assert sorted([await h.recv_id() for _ in range(3)]) == [("Prepared", rid) for rid in ("r1", "r2", "r4")]
     assert not h.preparer.started["r3"].is_set()  # its thread skipped it
     assert await h.close() == []
 
@@ -196,8 +212,8 @@ async def test_full_outbox_release_waits_and_nothing_is_lost():
         h.preparer.gates[rid].set()
     await h.out.blocked.wait()
     await settle()
-    assert h.out.stats().messages == 1 and h.out.stats().num_blocked == 1  # r1's release waits
-    assert [(await h.recv_id())[1] for _ in ids] == ids
+    assert h.out.stats().messages == 1 and h.out.stats().num_blocked == 1  # the second release waits
+    assert sorted([(await h.recv_id())[1] for _ in ids]) == ids
     await h.close()
 
 
@@ -210,7 +226,7 @@ async def test_one_failing_request_fails_alone():
     await h.send("r4")
     for rid in ("r4", "r3", "r2", "r1"):
         h.preparer.gates[rid].set()
-    msgs = [await h.out.recv() for _ in range(4)]
+    msgs = sorted([await h.out.recv() for _ in range(4)], key=lambda m: m.request_id)
     assert [type(m).__name__ for m in msgs] == ["Prepared", "Failed", "Failed", "Prepared"]
     assert (msgs[1].status, msgs[1].param) == (400, "messages")
     assert msgs[2].status == 500 and "preparer bug" in msgs[2].message
@@ -226,7 +242,7 @@ async def test_abandoned_request_is_dropped_unsent_and_the_others_continue():
     await h.inbox.send(Abort(request_id="r1"))  # r1 still prepares
     h.preparer.gates["r2"].set()
     h.preparer.gates["r3"].set()
-    assert [await h.recv_id() for _ in range(2)] == [("Prepared", "r2"), ("Prepared", "r3")]
+    assert sorted([await h.recv_id() for _ in range(2)]) == [("Prepared", "r2"), ("Prepared", "r3")]
     h.preparer.gates["r1"].set()  # its thread ends; the result goes nowhere
     await h.inbox.send(Abort(request_id="r2"))  # already released: forwarded in order
     assert await h.recv_id() == ("Abort", "r2")
@@ -324,6 +340,31 @@ async def test_requests_past_the_fetch_bound_wait_their_turn_and_hold_no_other_b
         assert await h.close() == []
 
 
+@pytest.mark.parametrize("num_workers", [1, 2], ids=["inline", "pool"])
+async def test_a_media_request_past_the_fetch_queue_is_a_503_and_reading_goes_on(num_workers, monkeypatch):
+    """With every fetch slot taken and the waiting line full, one more media request is a 503 at once (the
+    loop stopped reading there: a burst of slow media servers held every other request, text too)."""
+    monkeypatch.setattr("actors.prepare.MAX_WAITING_TO_FETCH", 1)
+    async with slow_media_server() as (base, asked, answer):
+        h = Harness(FetchingPreparer(asyncio.get_running_loop()), num_workers=num_workers)
+        h.preparer.expect("t0", "m1", "m2", "m3", "t1")
+        for rid in h.preparer.gates:
+            h.preparer.gates[rid].set()
+        await h.send_text("t0")
+        assert await h.recv_id() == ("Prepared", "t0")
+        h.actor.max_fetching = 1
+        for rid in ("m1", "m2", "m3"):
+            await h.inbox.send(media_request(rid, f"{base}/slow.png"))
+        await asked.wait()
+        refused = await h.out.recv()
+        assert (refused.request_id, refused.status, refused.code) == ("m3", 503, "overloaded"), refused
+        await h.send_text("t1")
+        assert await h.recv_id() == ("Prepared", "t1")
+        answer.set()
+        assert {await h.recv_id(), await h.recv_id()} == {("Prepared", "m1"), ("Prepared", "m2")}
+        assert await h.close() == []
+
+
 async def test_one_worker_drafts_on_a_thread_and_drops_requests_aborted_behind_a_long_draft():
     """A media preparer of one worker drafts on a thread of its own: while a long draft runs, the loop
     reads on, and requests whose clients left while they waited behind it are dropped unprepared (on the
@@ -399,10 +440,10 @@ async def test_debug_log_names_each_request_sent_once(caplog, num_workers):
     with caplog.at_level("DEBUG", logger="mstar_actors.prepare"):
         await h.send("r1")
         await h.send("r2", prompt="fail")
-        assert [await h.recv_id() for _ in range(2)] == [("Prepared", "r1"), ("Failed", "r2")]
+        assert sorted([await h.recv_id() for _ in range(2)]) == [("Failed", "r2"), ("Prepared", "r1")]
         await h.close()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("prepared ")]
-    assert lines == ["prepared r1: Prepared sent", "prepared r2: Failed sent"]
+    assert sorted(lines) == ["prepared r1: Prepared sent", "prepared r2: Failed sent"]
 
 
 @pytest.mark.parametrize("pin", [True, False], ids=["pinned", "unpinned"])
@@ -439,7 +480,7 @@ async def test_pool_threads_are_pinned_to_cpus_of_their_own(monkeypatch, pin):
     await preparer.started["b"].wait()
     for rid in ("a", "b"):
         preparer.gates[rid].set()
-    assert [await h.recv_id() for _ in range(2)] == [("Prepared", "a"), ("Prepared", "b")]
+    assert sorted([await h.recv_id() for _ in range(2)]) == [("Prepared", "a"), ("Prepared", "b")]
     await h.close()
     if pin:
         assert set(pinned) == drafted_on and sorted(map(sorted, pinned.values())) == [[5], [7]]

@@ -1,6 +1,6 @@
 """Qwen2.5-VL preparation: placeholders expanded to the processor's patch grid,
 pixel rows equal to transformers' image processor, and the actor sending media
-through the arena in arrival order."""
+through the arena, each request once ready."""
 
 from __future__ import annotations
 
@@ -233,7 +233,7 @@ async def test_actor_sends_media_through_the_arena_in_order(preparer):
         await inbox.send(chat("a", image_part(good)))
         await inbox.send(chat("b", image_part("data:image/png;base64," + base64.b64encode(b"junk").decode())))
         await inbox.send(NewRequest(request_id="c", model="vl", sampling=SamplingParams(), prompt="describe this"))
-        a, b, c = [await out.recv() for _ in range(3)]
+        a, b, c = sorted([await out.recv() for _ in range(3)], key=lambda r: r.request_id)  # each once ready
         assert isinstance(a, Prepared) and a.media[0].pixel_values.segment == "heap"
         assert tuple(arena.tensors[a.media[0].pixel_values.offset].shape) == a.media[0].pixel_values.shape
         assert isinstance(b, Failed) and b.status == 400 and b.param == "messages[0].content[1].image_url"
