@@ -88,7 +88,8 @@ from mstar_actors.prepare.media import (FetchError, MediaError, MediaLimits, Med
                                         make_fetch_session)
 from mstar_actors.messages import Abort, Failed, LoadAdapter, NewRequest, Prepared, UnloadAdapter
 from mstar_actors.prepare import PendingRequest, PendingRequests
-from mstar_actors.prepare.preparers import Draft, Preparer, failed, first_media_part, load_preparer, with_media
+from mstar_actors.prepare.preparers import (Draft, Preparer, failed, first_media_part, load_preparer, media_parts,
+                                            with_media)
 from transport.arena import ArenaFull, TensorTooLarge
 
 __all__ = ["PrepareActor", "Preparer", "load_preparer"]
@@ -432,10 +433,13 @@ class PrepareActor(Actor):
             refs = await self.arena.put_all([item.pixel_values for item in draft.media],
                                             num_readers=self.config.parallel.tp)
         except TensorTooLarge as err:  # no wait can help: the client's to shrink, or the config's to grow
+            sizes = [item.pixel_values.numel() * item.pixel_values.element_size() for item in draft.media]
+            parts = media_parts(req.messages)  # (one item a part: the largest one's named)
+            param = parts[sizes.index(max(sizes))][0] if len(parts) == len(sizes) else "messages"
             return self._unstored(req, Failed(
-                request_id=req.request_id, status=413, code="media_too_large", param="messages",
-                message=f"this request's media make more tensor bytes than the whole tensor arena holds ({err}); "
-                        "send fewer or smaller media (fewer pixels, frames or seconds)"))
+                request_id=req.request_id, status=413, code="media_too_large", param=param,
+                message=f"{param}: this request's media make more tensor bytes than the whole tensor arena holds "
+                        f"({err}); send fewer or smaller media (fewer pixels, frames or seconds)"))
         except ArenaFull as err:  # the workers hold too much media for now
             return self._unstored(req, Failed(
                 request_id=req.request_id, status=503, error_type="server_error",

@@ -455,14 +455,17 @@ class QwenVLPreparer(MediaPreparer):
                           second_per_grid_t=self.temporal_patch_size / fps)
 
 
+def media_parts(messages: list[ChatMessage] | None) -> list[tuple[str, str]]:
+    """``(param, type)`` of each content part that is not text, in order, e.g.
+    ``("messages[0].content[1].image_url", "image_url")``."""
+    return [(f"messages[{i}].content[{j}].{part.type}", part.type) for i, message in enumerate(messages or [])
+            for j, part in enumerate(message.content if isinstance(message.content, list) else [])
+            if part.type != "text"]
+
+
 def first_media_part(messages: list[ChatMessage] | None) -> tuple[str, str] | None:
-    """``(param, type)`` of the first content part that is not text, e.g.
-    ``("messages[0].content[1].image_url", "image_url")``; None for text only."""
-    for i, message in enumerate(messages or []):
-        for j, part in enumerate(message.content if isinstance(message.content, list) else []):
-            if part.type != "text":
-                return f"messages[{i}].content[{j}].{part.type}", part.type
-    return None
+    """The first of ``media_parts``; None for text only."""
+    return next(iter(media_parts(messages)), None)
 
 
 def _media_refused(req: NewRequest) -> Failed | None:

@@ -263,6 +263,7 @@ async def test_media_that_cannot_all_be_stored_are_a_413_and_give_back_what_was_
             failed = await out.recv()
             assert isinstance(failed, Failed) and failed.status == 413 and failed.code == "media_too_large", failed
             assert "transport.arena_bytes" in failed.message
+            assert failed.param == "messages[0].content[2].image_url" and failed.message.startswith(failed.param)
             assert producer.num_bytes_in_use == 0  # the small image's block was given back
             await inbox.send(chat("b", image_part(small)))
             assert isinstance(await out.recv(), Prepared)
