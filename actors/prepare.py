@@ -14,37 +14,40 @@ Two paths:
   preparation runs on a ``ThreadPoolExecutor`` while this loop only starts
   requests and finishes them (stores tensors in the arena, sends), so a long
   video's draft holds neither the loop (its fetches, the aborts it reads)
-  nor the requests behind it. A request without media (text, milliseconds)
-  never takes a pool thread: it drafts on a thread of its own beside the
-  pool and goes when done. ``serve`` below is the loop. Each pool thread is
+  nor the requests behind it. Requests without media (text, milliseconds)
+  take a lane of their own beside the pool (the loop's default executor):
+  never a pool thread, so none waits for media. ``serve`` below is the loop.
+  Each pool thread is
   pinned to CPUs of its own when the CPU plan has them
   (``CpuPlan.pool_cpus``; ``prepare.pin_pool_threads``); for a preparer
   that prepares in processes (audio clips: ``start_processes``), each
   process takes those CPUs instead, and its two threads float.
 
-Invariants of the pool path. Its state (release order, bounds, abandoned
-requests) is ``PendingRequests`` (``mstar_actors.prepare``), touched only by
-the loop's thread; the pool's threads see only their request and the
-read-only preparer.
+Invariants of the pool path. Each lane's state (what it started and has not
+released, its bounds, abandoned requests) is a ``PendingRequests``
+(``mstar_actors.prepare``), touched only by the loop's thread, which alone
+sends; the executors' threads see only their request and the read-only
+preparer.
 
 - **Done, then gone.** ``PendingRequests`` releases each request once it is
   done, the oldest of those done first: a small image never waits for a
-  long video started before it (as each request of vLLM's awaits its own
-  media).
-- **Bounded pool.** A request is read from the mailbox only while fewer than
-  ``2 * num_workers`` are preparing (drafting, or queued for a thread: each
-  thread has its next request waiting, so a thread that finishes starts it
-  at once instead of after this loop's turn, which shares the GIL with the
-  drafts) and fewer than ``2 * num_workers`` wait for release. Past that,
-  up to ``MAX_READ_AHEAD`` more are read and wait their turn (an ``Abort``
-  read meanwhile drops its request unprepared); then the loop waits for one
-  to finish and new requests wait undecoded in the mailbox and the ring
-  behind it (the frontend sees backpressure).
-- **Bounded outbox.** A release awaits ``send``: while the conductor's ring
-  is full nothing else is read, and nothing is dropped.
+  long video started before it, nor text for media (as each request of
+  vLLM's awaits its own media).
+- **Bounded lanes.** A lane starts a request only while fewer than
+  ``2 * num_workers`` are preparing in it (drafting, or queued for a
+  thread: each pool thread has its next request waiting, so a thread that
+  finishes starts it at once instead of after this loop's turn, which shares
+  the GIL with the drafts) and fewer than ``2 * num_workers`` wait for
+  release. Past that, up to ``MAX_READ_AHEAD`` more are read into the lane
+  and wait their turn (an ``Abort`` read meanwhile drops its request
+  unprepared); with either lane's so full, the loop reads nothing more and
+  new requests wait undecoded in the mailbox and the ring behind it (the
+  frontend sees backpressure).
+- **Bounded outbox.** A release awaits ``send`` on the loop: while the
+  conductor's ring is full nothing else is read, nothing is dropped, and an
+  ``Abort`` read after it never overtakes its request.
 - **Abandoned requests.** An ``Abort`` for a request not yet released takes
-  it out of the release order at once (the requests behind it don't wait for
-  it); a thread that has not begun its draft skips it, one that has
+  it out of its lane at once; a thread that has not begun its draft skips it, one that has
   stops before its next media item, and the result is dropped unsent. Its tensors never reach the
   arena, since storing happens only at release. The Abort itself is not
   forwarded: the conductor never saw the request, and the frontend expects no
@@ -74,6 +77,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import functools
 import itertools
 import os
@@ -100,8 +104,21 @@ MIN_FETCHING = 16
 # Requests with http(s) media read while ``max_fetching`` fetch, waiting their turn (a NewRequest each: small);
 # past them, such a request is a 503.
 MAX_WAITING_TO_FETCH = 64
-# Requests read while the pool is full, waiting for room (their inline media with them): an abort behind them is read.
+# Requests read while their lane is full, waiting for room (their inline media with them): an abort behind them
+# is read.
 MAX_READ_AHEAD = 8
+
+
+@dataclasses.dataclass(eq=False)
+class Lane:
+    """Requests drafting on one executor (the pool's threads; None: the loop's default executor, for text):
+    started and not yet released (``pending``), and those read while it was full (``ahead``, oldest first)."""
+
+    name: str
+    pending: PendingRequests
+    executor: Any = None
+    ahead: collections.OrderedDict[str, tuple[NewRequest, dict[str, bytes]]] = dataclasses.field(
+        default_factory=collections.OrderedDict)
 
 
 class PrepareActor(Actor):
@@ -116,7 +133,7 @@ class PrepareActor(Actor):
                  arena_spec: Any = None, run_id: str | None = None, **kw: Any):
         super().__init__(**kw)
         self.run_id = run_id  # names the clip processes' shared memory (None: an id of its own)
-        # Hold at most one message beyond the one being handled, so a full pool
+        # Hold at most one message beyond the one being handled, so a full lane
         # leaves the rest in the frontend's ring: the frontend feels backpressure.
         self.mailbox = Mailbox(self.inbox, max_pending=1)
         self.preparer = preparer
@@ -125,11 +142,11 @@ class PrepareActor(Actor):
         self.num_workers = num_workers
         self.limits = MediaLimits.from_config(self.config.server)
         self.threads: concurrent.futures.ThreadPoolExecutor | None = None
-        self.pending = PendingRequests(max_preparing=1, max_unreleased=1)  # sized with the pool in start
+        self.media = Lane("media", PendingRequests(max_preparing=1, max_unreleased=1))  # sized with the pool in start
+        self.text = Lane("text", PendingRequests(max_preparing=1, max_unreleased=1))
         self._tasks: dict[PendingRequest, asyncio.Task] = {}  # preparing, abandoned ones included
         self._aside: dict[str, asyncio.Task] = {}  # inline: constrained requests drafting on a thread, by id
         self._fetching: dict[str, asyncio.Task] = {}  # fetching http(s) media, by id: outside the release order
-        self._fetched: collections.OrderedDict[str, tuple[NewRequest, dict[str, bytes]]] = collections.OrderedDict()
         # waiting to fetch, with their http(s) parts
         self._to_fetch: collections.OrderedDict[str, tuple[NewRequest, list[MediaRef]]] = collections.OrderedDict()
         self.max_fetching = MIN_FETCHING  # sized with the pool in start
@@ -156,7 +173,8 @@ class PrepareActor(Actor):
             spec = ArenaSpec(**self.arena_spec) if isinstance(self.arena_spec, dict) else self.arena_spec  # the launcher's dict
             self.arena = TensorArena(spec, "producer")
         self.num_workers = self._size_pool()
-        self.pending = PendingRequests(max_preparing=2 * self.num_workers, max_unreleased=2 * self.num_workers)
+        for lane in (self.media, self.text):
+            lane.pending = PendingRequests(max_preparing=2 * self.num_workers, max_unreleased=2 * self.num_workers)
         self.max_fetching = max(MIN_FETCHING, 4 * self.num_workers)
         if getattr(self.preparer, "PREPROCESS_PARALLEL", False):  # a pool, of one thread at the least
             # A preparer whose heavy part holds the GIL runs it in processes of
@@ -179,6 +197,7 @@ class PrepareActor(Actor):
                                                               initializer=self._init_pool_thread,
                                                               initargs=(threads, None if in_processes else cpus,
                                                                         itertools.count()))
+            self.media.executor = self.threads
             # Each thread's draft keeps its freed buffers for the next (one heap, see there).
             keep_freed_buffers(max_kept=KEPT_BYTES_PER_DRAFT * num_threads)
             self.log.info("preparing on %d threads, %s", num_threads,
@@ -234,12 +253,10 @@ class PrepareActor(Actor):
                 await self._prepare_fetched(msg, {})
             case Abort() if msg.request_id in self._fetching:  # its fetch stops now; the conductor never saw it
                 self._fetching.pop(msg.request_id).cancel()
-            case Abort() if msg.request_id in self._fetched:  # read (and fetched), waiting for room in the pool
-                del self._fetched[msg.request_id]
+            case Abort() if lane := self._lane_holding(msg.request_id):
+                self._abandon(lane, msg.request_id)
             case Abort() if msg.request_id in self._to_fetch:  # waiting for its turn to fetch
                 del self._to_fetch[msg.request_id]
-            case Abort() if msg.request_id in self.pending:
-                self._abandon(msg.request_id)
             case Abort() if msg.request_id in self._aside:  # its check's result is dropped
                 self._aside.pop(msg.request_id).cancel()
                 await self.outbox["conductor"].send(msg)
@@ -258,9 +275,10 @@ class PrepareActor(Actor):
             while True:
                 self._changed.clear()  # before looking, so no completion is missed
                 await self._release_ready()
-                while self._fetched and self.pending.can_start():  # waiting first: they were read first
-                    self._start(*self._fetched.popitem(last=False)[1])
-                if reading is None and len(self._fetched) < MAX_READ_AHEAD:
+                for lane in (self.media, self.text):
+                    while lane.ahead and lane.pending.can_start():  # waiting first: they were read first
+                        self._start(lane, *lane.ahead.popitem(last=False)[1])
+                if reading is None and max(len(self.media.ahead), len(self.text.ahead)) < MAX_READ_AHEAD:
                     reading = asyncio.create_task(self.mailbox.get(), name="prepare:read")
                 changed = asyncio.create_task(self._changed.wait())
                 await asyncio.wait({changed} | ({reading} if reading else set()),
@@ -274,45 +292,53 @@ class PrepareActor(Actor):
             if reading is not None:
                 reading.cancel()
 
-    def _start(self, req: NewRequest, fetched: dict[str, bytes]) -> None:
-        pending = self.pending.start(req)
-        task = asyncio.create_task(self._prepare(pending, fetched), name=f"prepare:{req.request_id}")
+    def _start(self, lane: Lane, req: NewRequest, fetched: dict[str, bytes]) -> None:
+        pending = lane.pending.start(req)
+        task = asyncio.create_task(self._prepare(pending, fetched, lane), name=f"prepare:{req.request_id}")
         self._tasks[pending] = task
-        task.add_done_callback(functools.partial(self._on_done, pending))
+        task.add_done_callback(functools.partial(self._on_done, lane, pending))
 
-    def _on_done(self, pending: PendingRequest, task: asyncio.Task) -> None:
+    def _on_done(self, lane: Lane, pending: PendingRequest, task: asyncio.Task) -> None:
         del self._tasks[pending]
         if task.cancelled():
-            self.pending.drop(pending)
+            lane.pending.drop(pending)
         else:
-            self.pending.finish(pending, task.result())  # _prepare turns every error into a Failed
+            lane.pending.finish(pending, task.result())  # _prepare turns every error into a Failed
         self._changed.set()
 
-    def _abandon(self, request_id: str) -> None:
-        """Take a request out of the release order; its thread's result is dropped."""
-        pending = self.pending.abandon(request_id)
-        if pending.is_cancellable:
-            self._tasks[pending].cancel()  # not yet handed to a thread: stop now
-        self._changed.set()
+    def _lane_holding(self, request_id: str) -> Lane | None:
+        """The lane a request was read into and not yet released from."""
+        return next((lane for lane in (self.media, self.text)
+                     if request_id in lane.ahead or request_id in lane.pending), None)
+
+    def _abandon(self, lane: Lane, request_id: str) -> None:
+        """Take a request out of its lane: unstarted, it is dropped; started, its thread's result is."""
+        if lane.ahead.pop(request_id, None) is None:
+            pending = lane.pending.abandon(request_id)
+            if pending.is_cancellable:
+                self._tasks[pending].cancel()  # not yet handed to a thread: stop now
+            self._changed.set()
         self.log.debug("request %s abandoned before its release: dropped unsent", request_id)
 
     async def _release_ready(self) -> None:
-        """Send every finished request at the head of the order, oldest first."""
-        while (pending := self.pending.pop_releasable()) is not None:
-            await self._send_result(pending.req, pending.result)
+        """Send every finished request, the oldest of each lane's first."""
+        for lane in (self.text, self.media):
+            while (pending := lane.pending.pop_releasable()) is not None:
+                await self._send_result(pending.req, pending.result)
 
     # ---- both paths -----------------------------------------------------------
 
     async def _prepare_fetched(self, req: NewRequest, fetched: dict[str, bytes]) -> None:
         """A request whose media bytes are at hand (``fetched``: its http(s)
         parts'): into the pool's order, or prepared inline."""
-        if self.threads is not None and first_media_part(req.messages) is not None:
-            if self.pending.can_start() and not self._fetched:
-                self._start(req, fetched)
-            else:  # its turn comes when the pool has room
-                self._fetched[req.request_id] = (req, fetched)
-        elif self.threads is not None or req.sampling.structured is not None:
-            self._check_aside(req, fetched)  # beside the pool (text), or inline with rules to check: on a thread
+        if self.threads is not None:
+            lane = self.text if first_media_part(req.messages) is None else self.media
+            if lane.pending.can_start() and not lane.ahead:
+                self._start(lane, req, fetched)
+            else:  # its turn comes when the lane has room
+                lane.ahead[req.request_id] = (req, fetched)
+        elif req.sampling.structured is not None:  # inline, its rules checked on a thread
+            self._check_aside(req, fetched)
         else:  # inline: never in the release order
             await self._send_result(req, await self._prepare(PendingRequest(req), fetched))
 
@@ -361,7 +387,7 @@ class PrepareActor(Actor):
             if isinstance(fetched, Failed):
                 await self._send_result(req, fetched)
             elif self.threads is not None:
-                self._fetched[req.request_id] = (req, fetched)
+                self.media.ahead[req.request_id] = (req, fetched)
                 self._changed.set()
             else:
                 await self._prepare_fetched(req, fetched)
@@ -373,23 +399,23 @@ class PrepareActor(Actor):
         schema's rules take up to a second to check): the requests behind it go on."""
         async def prepare() -> None:
             result = await self._prepare(PendingRequest(req), fetched, aside=True)
-            del self._aside[req.request_id]
             await self._send_result(req, result)
+            del self._aside[req.request_id]  # (not before: an Abort read during the send goes after it)
 
         self._aside[req.request_id] = asyncio.create_task(prepare(), name=f"prepare:{req.request_id}")
 
-    async def _prepare(self, pending: PendingRequest, fetched: dict[str, bytes],
+    async def _prepare(self, pending: PendingRequest, fetched: dict[str, bytes], lane: Lane | None = None,
                        aside: bool = False) -> Draft | Failed:
-        """Draft on the pool (or inline; ``aside``: on a thread of its own)."""
+        """Draft on ``lane``'s executor (or inline; ``aside``: on a thread of its own)."""
         req = pending.req
         try:
             if aside:
                 return await self.run_blocking(self._draft, pending, fetched)
-            if self.threads is None:
+            if lane is None:
                 return self._draft(pending, fetched)
-            self.pending.hand_over(pending)
+            lane.pending.hand_over(pending)
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.threads, self._draft, pending, fetched)
+            return await loop.run_in_executor(lane.executor, self._draft, pending, fetched)
         except MediaError as err:
             return failed(req, str(err), err.param)
         except asyncio.CancelledError:

@@ -148,6 +148,50 @@ async def test_each_request_goes_once_done_and_text_never_waits_for_the_pool():
     assert await h.close() == []
 
 
+async def test_an_abort_read_while_its_request_is_sent_goes_after_it():
+    """The loop alone sends: an Abort read while its request's send waits for room follows that request
+    (a text request sending on its own task let a later Abort overtake it: the conductor dropped the unknown
+    abort, then ran the request for a client that was gone)."""
+    from mstar_actors.messages import PrepareToConductor
+    from transport.codec import Codec
+    from transport.memory import RECORD_OVERHEAD
+
+    codec = Codec(PrepareToConductor, "size")
+    one = Prepared(request_id="t1", model="m", prompt_token_ids=[1, 2, 3], sampling=SamplingParams())
+    room = len(codec.encode(one)) + len(codec.encode(Abort(request_id="t2"))) + 2 * RECORD_OVERHEAD
+    h = Harness(GatedPreparer(asyncio.get_running_loop()), num_workers=2, outbox_bytes=room)
+    h.preparer.expect("t1", "t2")
+    for rid in ("t1", "t2"):
+        h.preparer.gates[rid].set()
+        await h.send_text(rid)
+        await h.preparer.ended[rid].wait()
+    await h.out.blocked.wait()  # t2's Prepared waits for room
+    await h.inbox.send(Abort(request_id="t2"))
+    await settle()
+    assert [await h.recv_id() for _ in range(3)] == [("Prepared", "t1"), ("Prepared", "t2"), ("Abort", "t2")]
+    assert await h.close() == []
+
+
+async def test_text_requests_are_bounded_too():
+    """Past its lane's bounds and read-ahead, text stays in the frontend's ring (every text request was read
+    at once, each a task waiting on a full outbox)."""
+    from actors.prepare import MAX_READ_AHEAD
+
+    h = Harness(GatedPreparer(asyncio.get_running_loop()), num_workers=1, outbox_bytes=200)
+    ids = [f"t{i}" for i in range(40)]
+    h.preparer.expect(*ids)
+    for rid in ids:
+        h.preparer.gates[rid].set()
+        await h.send_text(rid)
+    await h.out.blocked.wait()  # the loop waits to send: it reads nothing more
+    for _ in range(20):  # (drafts started meanwhile end on their threads)
+        await asyncio.sleep(0.01)
+    assert len(h.actor.text.ahead) <= MAX_READ_AHEAD and h.actor.text.pending.num_preparing <= 2
+    assert len(h.inbox._records) >= len(ids) - MAX_READ_AHEAD - 6, "read past the bounds"
+    assert sorted([(await h.recv_id())[1] for _ in ids]) == sorted(ids)
+    await h.close()
+
+
 async def test_full_pool_reads_nothing_more_until_a_slot_frees():
     from actors.prepare import MAX_READ_AHEAD
 
@@ -160,8 +204,8 @@ async def test_full_pool_reads_nothing_more_until_a_slot_frees():
     await h.preparer.started["r2"].wait()
     await settle()
     # Two drafting and one queued behind each thread; MAX_READ_AHEAD more read, waiting; the rest undecoded.
-    assert h.actor.pending.request_ids() == ["r1", "r2", "r3", "r4"]
-    assert list(h.actor._fetched) == ids[4 : 4 + MAX_READ_AHEAD]
+    assert h.actor.media.pending.request_ids() == ["r1", "r2", "r3", "r4"]
+    assert list(h.actor.media.ahead) == ids[4 : 4 + MAX_READ_AHEAD]
     assert not h.preparer.started["r3"].is_set()
     assert h.inbox._records, "the pool is full: the rest stays in the frontend's channel"
     h.preparer.gates["r2"].set()  # r2 goes at once (r1 still drafts); its thread takes the queued r3
@@ -169,8 +213,8 @@ async def test_full_pool_reads_nothing_more_until_a_slot_frees():
     await h.preparer.started["r3"].wait()
     await settle()
     # r5 took r2's room: r1 and r3 drafting, r4 and r5 queued
-    assert h.actor.pending.request_ids() == ["r1", "r3", "r4", "r5"] and not h.preparer.started["r4"].is_set()
-    assert h.actor.pending.num_preparing == 4
+    assert h.actor.media.pending.request_ids() == ["r1", "r3", "r4", "r5"] and not h.preparer.started["r4"].is_set()
+    assert h.actor.media.pending.num_preparing == 4
     h.preparer.gates["r1"].set()  # r1 goes; r4 starts
     await h.preparer.started["r4"].wait()
     for rid in ids:
@@ -187,11 +231,11 @@ async def test_a_request_abandoned_while_queued_for_a_thread_is_never_drafted():
     await h.preparer.started["r1"].wait()
     await h.preparer.started["r2"].wait()
     await settle()
-    assert "r3" in h.actor.pending  # read, queued for a thread
+    assert "r3" in h.actor.media.pending  # read, queued for a thread
     await h.inbox.send(Abort(request_id="r3"))
     await h.send("r4")
     await settle()
-    assert "r3" not in h.actor.pending
+    assert "r3" not in h.actor.media.pending
     for rid in ("r1", "r2", "r4"):
         h.preparer.gates[rid].set()
     assert sorted([await h.recv_id() for _ in range(3)]) == [("Prepared", rid) for rid in ("r1", "r2", "r4")]
@@ -299,10 +343,10 @@ async def test_a_slow_media_server_holds_back_no_other_request(num_workers):
         await asked.wait()
         await h.send("r2")
         assert await h.recv_id() == ("Prepared", "r2")  # while r1 still waits for its server
-        assert list(h.actor._fetching) == ["r1"] and "r1" not in h.actor.pending
+        assert list(h.actor._fetching) == ["r1"] and "r1" not in h.actor.media.pending
         await h.inbox.send(Abort(request_id="r1"))
         await settle()
-        assert not h.actor._fetching and h.actor.pending.num_preparing == 0
+        assert not h.actor._fetching and h.actor.media.pending.num_preparing == 0
         assert not h.preparer.started["r1"].is_set()
         asked.clear()
         await h.inbox.send(media_request("r3", f"{base}/slow.png"))
@@ -376,13 +420,13 @@ async def test_one_worker_drafts_on_a_thread_and_drops_requests_aborted_behind_a
         await h.send(rid)
     await preparer.started["long"].wait()
     await settle()
-    assert list(h.actor._fetched) == ["ahead1", "ahead2"]  # read while the pool is full
+    assert list(h.actor.media.ahead) == ["ahead1", "ahead2"]  # read while the pool is full
     for rid in ("queued", "ahead1", "ahead2"):
         await h.inbox.send(Abort(request_id=rid))
     await h.send("next")
     preparer.gates["next"].set()
     await settle()
-    assert list(h.actor._fetched) == ["next"]  # the one thread is long's: next waits for it, alone
+    assert list(h.actor.media.ahead) == ["next"]  # the one thread is long's: next waits for it, alone
     preparer.gates["long"].set()
     assert [await h.recv_id() for _ in range(2)] == [("Prepared", "long"), ("Prepared", "next")]
     assert not any(preparer.started[rid].is_set() for rid in ("queued", "ahead1", "ahead2"))
@@ -428,6 +472,32 @@ async def test_inline_a_constrained_request_checks_aside_and_the_rest_go_on():
     assert await h.recv_id() == ("Prepared", "slow")
     await preparer.ended["gone"].wait()
     assert await h.close() == []  # "gone" was never sent
+
+
+async def test_inline_an_abort_read_while_a_checked_request_waits_to_be_sent_drops_it():
+    """The request leaves the checks' table only once sent: an Abort read while its send waits drops it
+    unsent (it left the table before its send, and the Abort overtook it into the conductor's ring)."""
+    from mstar_actors.messages import PrepareToConductor
+    from transport.codec import Codec
+    from transport.memory import RECORD_OVERHEAD
+
+    preparer = GatedPreparer(asyncio.get_running_loop())
+    preparer.PREPROCESS_PARALLEL = False
+    preparer.expect("c1", "c2")
+    codec = Codec(PrepareToConductor, "size")
+    one = Prepared(request_id="c1", model="m", prompt_token_ids=[1, 2, 3], sampling=SamplingParams())
+    room = len(codec.encode(one)) + len(codec.encode(Abort(request_id="c2"))) + 2 * RECORD_OVERHEAD
+    h = Harness(preparer, num_workers=1, outbox_bytes=room)
+    constrained = SamplingParams(structured=StructuredSpec("json", "{}"))
+    for rid in ("c1", "c2"):
+        preparer.gates[rid].set()
+        await h.inbox.send(NewRequest(request_id=rid, model="m", sampling=constrained, prompt="ok"))
+        await preparer.ended[rid].wait()
+    await h.out.blocked.wait()  # c2's Prepared waits for room
+    await h.inbox.send(Abort(request_id="c2"))
+    await settle()
+    assert [await h.recv_id() for _ in range(2)] == [("Prepared", "c1"), ("Abort", "c2")]
+    assert await h.close() == []
 
 
 @pytest.mark.parametrize("num_workers", [1, 2], ids=["inline", "pool"])
