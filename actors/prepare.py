@@ -38,9 +38,14 @@ preparer.
   thread: each pool thread has its next request waiting, so a thread that
   finishes starts it at once instead of after this loop's turn, which shares
   the GIL with the drafts) and fewer than ``2 * num_workers`` wait for
-  release. Past that, up to ``MAX_READ_AHEAD`` more are read into the lane
-  and wait their turn (an ``Abort`` read meanwhile drops its request
-  unprepared); with either lane's so full, the loop reads nothing more and
+  release. Past that, more are read into the lane and wait their turn (an
+  ``Abort`` read meanwhile drops its request unprepared): media requests up
+  to ``MAX_MEDIA_WAITING`` (and ``MAX_MEDIA_WAITING_BYTES`` of their inline
+  media), past which a media request is a 503 at once, so the loop reads on
+  and text and aborts never wait behind a media backlog (reading stopped
+  there once: a text request waited seconds behind twenty large images, and
+  the clients that left meanwhile had their requests prepared and run);
+  text up to ``MAX_READ_AHEAD``, past which the loop reads nothing more and
   new requests wait undecoded in the mailbox and the ring behind it (the
   frontend sees backpressure).
 - **Bounded outbox.** A release awaits ``send`` on the loop: while the
@@ -104,9 +109,12 @@ MIN_FETCHING = 16
 # Requests with http(s) media read while ``max_fetching`` fetch, waiting their turn (a NewRequest each: small);
 # past them, such a request is a 503.
 MAX_WAITING_TO_FETCH = 64
-# Requests read while their lane is full, waiting for room (their inline media with them): an abort behind them
-# is read.
+# Text requests read while their lane is full, waiting for room; past them nothing more is read.
 MAX_READ_AHEAD = 8
+# Media requests read while the pool is full, waiting for a thread, and their inline media's bytes (data: URLs,
+# decoded from the body): past either, such a request is a 503.
+MAX_MEDIA_WAITING = 64
+MAX_MEDIA_WAITING_BYTES = 256 * 1024 * 1024
 
 
 @dataclasses.dataclass(eq=False)
@@ -278,7 +286,7 @@ class PrepareActor(Actor):
                 for lane in (self.media, self.text):
                     while lane.ahead and lane.pending.can_start():  # waiting first: they were read first
                         self._start(lane, *lane.ahead.popitem(last=False)[1])
-                if reading is None and max(len(self.media.ahead), len(self.text.ahead)) < MAX_READ_AHEAD:
+                if reading is None and len(self.text.ahead) < MAX_READ_AHEAD:
                     reading = asyncio.create_task(self.mailbox.get(), name="prepare:read")
                 changed = asyncio.create_task(self._changed.wait())
                 await asyncio.wait({changed} | ({reading} if reading else set()),
@@ -335,12 +343,25 @@ class PrepareActor(Actor):
             lane = self.text if first_media_part(req.messages) is None else self.media
             if lane.pending.can_start() and not lane.ahead:
                 self._start(lane, req, fetched)
+            elif lane is self.media and (refusal := self._media_backlog_refusal(req)) is not None:
+                await self._send_result(req, refusal)
             else:  # its turn comes when the lane has room
                 lane.ahead[req.request_id] = (req, fetched)
         elif req.sampling.structured is not None:  # inline, its rules checked on a thread
             self._check_aside(req, fetched)
         else:  # inline: never in the release order
             await self._send_result(req, await self._prepare(PendingRequest(req), fetched))
+
+    def _media_backlog_refusal(self, req: NewRequest) -> Failed | None:
+        """A 503 for a media request past the pool's waiting line (``MAX_MEDIA_WAITING``, in requests and in
+        their inline media's bytes), else None."""
+        waiting = [r for r, _ in self.media.ahead.values()]
+        num_bytes = sum(_inline_bytes(r) for r in waiting) + _inline_bytes(req)
+        if len(waiting) < MAX_MEDIA_WAITING and num_bytes <= MAX_MEDIA_WAITING_BYTES:
+            return None
+        return Failed(request_id=req.request_id, status=503, error_type="server_error", code="overloaded",
+                      message=f"{len(waiting)} requests with media ({num_bytes >> 20} MiB of it) wait for the "
+                              f"{self.num_workers} preparing thread(s); retry later")
 
     def _remote_refs(self, req: NewRequest) -> list[MediaRef]:
         """The request's http(s) media parts, to fetch first (none where a part
@@ -476,6 +497,12 @@ class PrepareActor(Actor):
         """The request's media were not stored (``put_all`` stores all or none)."""
         self.log.info("request %s: media not stored: %s", req.request_id, failed.message)
         return failed
+
+
+def _inline_bytes(req: NewRequest) -> int:
+    """The characters of a request's media URLs (its data: URLs' base64: what it holds while it waits)."""
+    return sum(len(part.url or "") for message in req.messages or []
+               for part in (message.content if isinstance(message.content, list) else []) if part.type != "text")
 
 
 def read_cpu_cores(cpus: list[int], root: Path = Path("/sys/devices/system/cpu")) -> dict[int, tuple[int, int]]:

@@ -192,22 +192,29 @@ async def test_text_requests_are_bounded_too():
     await h.close()
 
 
-async def test_full_pool_reads_nothing_more_until_a_slot_frees():
-    from actors.prepare import MAX_READ_AHEAD
-
+async def test_a_full_pool_reads_on_media_wait_in_line_and_past_it_are_a_503(monkeypatch):
+    """With every thread busy, media requests wait in line, read (an abort drops one unprepared at once),
+    up to MAX_MEDIA_WAITING; one more is a 503 at once; text and aborts are read all along (reading stopped
+    at 8 waiting: a text request waited seconds behind twenty large images, and aborts behind them)."""
+    monkeypatch.setattr("actors.prepare.MAX_MEDIA_WAITING", 4)
     h = Harness(GatedPreparer(asyncio.get_running_loop()), num_workers=2)
-    ids = [f"r{i}" for i in range(1, 4 + MAX_READ_AHEAD + 5)]  # (the mailbox holds two more)
-    h.preparer.expect(*ids)
+    ids = [f"r{i}" for i in range(1, 10)]
+    h.preparer.expect(*ids, "t")
     for rid in ids:
         await h.send(rid)
     await h.preparer.started["r1"].wait()
     await h.preparer.started["r2"].wait()
-    await settle()
-    # Two drafting and one queued behind each thread; MAX_READ_AHEAD more read, waiting; the rest undecoded.
+    refused = await h.out.recv()
+    assert (refused.request_id, refused.status, refused.code) == ("r9", 503, "overloaded"), refused
+    # Two drafting and one queued behind each thread; four more read, waiting.
     assert h.actor.media.pending.request_ids() == ["r1", "r2", "r3", "r4"]
-    assert list(h.actor.media.ahead) == ids[4 : 4 + MAX_READ_AHEAD]
-    assert not h.preparer.started["r3"].is_set()
-    assert h.inbox._records, "the pool is full: the rest stays in the frontend's channel"
+    assert list(h.actor.media.ahead) == ["r5", "r6", "r7", "r8"] and not h.preparer.started["r3"].is_set()
+    h.preparer.gates["t"].set()
+    await h.send_text("t")
+    assert await h.recv_id() == ("Prepared", "t")  # read and sent while the pool is full
+    await h.inbox.send(Abort(request_id="r6"))
+    await settle()
+    assert list(h.actor.media.ahead) == ["r5", "r7", "r8"]
     h.preparer.gates["r2"].set()  # r2 goes at once (r1 still drafts); its thread takes the queued r3
     assert await h.recv_id() == ("Prepared", "r2")
     await h.preparer.started["r3"].wait()
@@ -215,12 +222,27 @@ async def test_full_pool_reads_nothing_more_until_a_slot_frees():
     # r5 took r2's room: r1 and r3 drafting, r4 and r5 queued
     assert h.actor.media.pending.request_ids() == ["r1", "r3", "r4", "r5"] and not h.preparer.started["r4"].is_set()
     assert h.actor.media.pending.num_preparing == 4
-    h.preparer.gates["r1"].set()  # r1 goes; r4 starts
-    await h.preparer.started["r4"].wait()
     for rid in ids:
         h.preparer.gates[rid].set()
-    assert {(await h.recv_id())[1] for _ in ids[1:]} == set(ids) - {"r2"}
-    await h.close()
+    assert {(await h.recv_id())[1] for _ in range(6)} == {"r1", "r3", "r4", "r5", "r7", "r8"}
+    assert not h.preparer.started["r6"].is_set()
+    assert await h.close() == []
+
+
+async def test_media_waiting_past_their_bytes_bound_are_a_503(monkeypatch):
+    """The line's bound counts the waiting requests' inline media too (each holds its data: URLs)."""
+    monkeypatch.setattr("actors.prepare.MAX_MEDIA_WAITING_BYTES", 30)  # one inline image of the harness's: 24
+    h = Harness(GatedPreparer(asyncio.get_running_loop()), num_workers=1)
+    h.preparer.expect("r1", "r2", "r3", "r4")
+    for rid in ("r1", "r2", "r3", "r4"):
+        await h.send(rid)
+    refused = await h.out.recv()
+    assert (refused.request_id, refused.status) == ("r4", 503) and "MiB" in refused.message, refused
+    assert list(h.actor.media.ahead) == ["r3"]
+    for rid in ("r1", "r2", "r3"):
+        h.preparer.gates[rid].set()
+    assert {(await h.recv_id())[1] for _ in range(3)} == {"r1", "r2", "r3"}
+    assert await h.close() == []
 
 
 async def test_a_request_abandoned_while_queued_for_a_thread_is_never_drafted():
