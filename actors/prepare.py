@@ -30,9 +30,9 @@ sends; the executors' threads see only their request and the read-only
 preparer.
 
 - **Done, then gone.** ``PendingRequests`` releases each request once it is
-  done, the oldest of those done first: a small image never waits for a
-  long video started before it, nor text for media (as each request of
-  vLLM's awaits its own media).
+  done, the oldest of those done first: an image a thread has taken never
+  waits for a long video started before it, nor text for media (as each
+  request of vLLM's awaits its own media).
 - **Bounded lanes.** A lane starts a request only while fewer than
   ``2 * num_workers`` are preparing in it (drafting, or queued for a
   thread: each pool thread has its next request waiting, so a thread that
@@ -122,7 +122,6 @@ class Lane:
     """Requests drafting on one executor (the pool's threads; None: the loop's default executor, for text):
     started and not yet released (``pending``), and those read while it was full (``ahead``, oldest first)."""
 
-    name: str
     pending: PendingRequests
     executor: Any = None
     ahead: collections.OrderedDict[str, tuple[NewRequest, dict[str, bytes]]] = dataclasses.field(
@@ -150,8 +149,8 @@ class PrepareActor(Actor):
         self.num_workers = num_workers
         self.limits = MediaLimits.from_config(self.config.server)
         self.threads: concurrent.futures.ThreadPoolExecutor | None = None
-        self.media = Lane("media", PendingRequests(max_preparing=1, max_unreleased=1))  # sized with the pool in start
-        self.text = Lane("text", PendingRequests(max_preparing=1, max_unreleased=1))
+        self.media = Lane(PendingRequests(max_preparing=1, max_unreleased=1))  # sized with the pool in start
+        self.text = Lane(PendingRequests(max_preparing=1, max_unreleased=1))
         self._tasks: dict[PendingRequest, asyncio.Task] = {}  # preparing, abandoned ones included
         self._aside: dict[str, asyncio.Task] = {}  # inline: constrained requests drafting on a thread, by id
         self._fetching: dict[str, asyncio.Task] = {}  # fetching http(s) media, by id: outside the release order
@@ -421,7 +420,7 @@ class PrepareActor(Actor):
         async def prepare() -> None:
             result = await self._prepare(PendingRequest(req), fetched, aside=True)
             await self._send_result(req, result)
-            del self._aside[req.request_id]  # (not before: an Abort read during the send goes after it)
+            del self._aside[req.request_id]  # (not before: an Abort read while it waits to go drops it unsent)
 
         self._aside[req.request_id] = asyncio.create_task(prepare(), name=f"prepare:{req.request_id}")
 
