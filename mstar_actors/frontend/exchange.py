@@ -109,4 +109,5 @@ def failure(exchange: Exchange, msg: Failed) -> ApiError:
     if msg.status < 500 and len(exchange.requests) > 1:  # a list of prompts: which one
         index = next((i for i, r in enumerate(exchange.requests) if r.request_id == msg.request_id), None)
         message = message if index is None else f"prompt[{index}]: {message}"
-    return ApiError(msg.status, message, param=param, code=msg.code, error_type=msg.error_type)
+    retry = 1 if msg.code == "overloaded" else None  # a line past its bound (prepare's): retry soon, as admission's
+    return ApiError(msg.status, message, param=param, code=msg.code, error_type=msg.error_type, retry_after_s=retry)

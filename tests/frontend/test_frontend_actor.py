@@ -464,6 +464,22 @@ def test_top_logprobs_zero_asks_for_nothing_and_needs_no_logprobs(harness):
     run(body)
 
 
+def test_a_preparation_line_past_its_bound_is_a_503_with_retry_after(harness):
+    """Prepare's 503 ``overloaded`` (its media lines full) tells the client when to retry, as admission's."""
+    async def body():
+        from mstar_actors.messages import Failed
+
+        async with harness() as h:
+            h.engine.plan = lambda req: [Failed(request_id=req.request_id, status=503, code="overloaded",
+                                                error_type="server_error", message="64 requests wait; retry later")]
+            async with h.session.post(h.url + CHAT, data=json.dumps(chat_body()).encode()) as resp:
+                r = await resp.json()
+                assert resp.status == 503 and r["error"]["code"] == "overloaded", r
+                assert resp.headers["Retry-After"] == "1"
+
+    run(body)
+
+
 def test_backpressure_is_503_over_max_waiting(harness):
     async def body():
         async with harness(max_waiting_requests=2) as h:
