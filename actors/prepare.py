@@ -40,13 +40,15 @@ preparer.
   the GIL with the drafts) and fewer than ``2 * num_workers`` wait for
   release. Past that, more are read into the lane and wait their turn (an
   ``Abort`` read meanwhile drops its request unprepared): media requests up
-  to ``MAX_MEDIA_WAITING`` (and ``MAX_MEDIA_WAITING_BYTES`` of their inline
-  media), past which a media request is a 503 at once, so the loop reads on
-  and text and aborts never wait behind a media backlog (reading stopped
-  there once: a text request waited seconds behind twenty large images, and
-  the clients that left meanwhile had their requests prepared and run);
-  text up to ``MAX_READ_AHEAD``, past which the loop reads nothing more and
-  new requests wait undecoded in the mailbox and the ring behind it (the
+  to ``MAX_MEDIA_WAITING``, those fetching counted (they join the line once
+  fetched), and ``MAX_MEDIA_WAITING_BYTES`` of their inline and fetched
+  media; past it a media request read is a 503 at once and fetches wait
+  their turn, so the loop reads on and text and aborts never wait behind a
+  media backlog (reading stopped there once: a text request waited seconds
+  behind twenty large images, and the clients that left meanwhile had their
+  requests prepared and run); text up to ``MAX_READ_AHEAD``, past which the
+  loop reads nothing more and new requests wait undecoded in the mailbox
+  and the ring behind it (the
   frontend sees backpressure).
 - **Bounded outbox.** A release awaits ``send`` on the loop: while the
   conductor's ring is full nothing else is read, nothing is dropped, and an
@@ -66,7 +68,8 @@ preparer.
 loop (aiohttp), in a task of the request's own, before the request takes its
 turn: a slow or silent server holds neither a pool thread, nor the mailbox,
 nor the requests behind it. A fetching request is outside the release order
-(it enters it at the end of its fetch), at most ``max_fetching`` at once; more
+(it joins the media line at the end of its fetch, and starts only while that
+line has room), at most ``max_fetching`` at once; more
 wait their turn to fetch, up to ``MAX_WAITING_TO_FETCH``: past that, a request
 with http(s) media is a 503 at once (retry later), while requests without
 http(s) media go on (reading stopped there once, and held every request behind
@@ -285,6 +288,7 @@ class PrepareActor(Actor):
                 for lane in (self.media, self.text):
                     while lane.ahead and lane.pending.can_start():  # waiting first: they were read first
                         self._start(lane, *lane.ahead.popitem(last=False)[1])
+                self._next_fetches()  # the media line's room, for what waits to fetch
                 if reading is None and len(self.text.ahead) < MAX_READ_AHEAD:
                     reading = asyncio.create_task(self.mailbox.get(), name="prepare:read")
                 changed = asyncio.create_task(self._changed.wait())
@@ -351,16 +355,22 @@ class PrepareActor(Actor):
         else:  # inline: never in the release order
             await self._send_result(req, await self._prepare(PendingRequest(req), fetched))
 
+    def _media_line_room(self, num_bytes: int) -> bool:
+        """Whether the media line (requests waiting for a pool thread, and those fetching, which join it) has
+        room for one more holding ``num_bytes``: fewer than ``MAX_MEDIA_WAITING``, their media's bytes (inline
+        and fetched) within ``MAX_MEDIA_WAITING_BYTES``."""
+        held = sum(_inline_bytes(r) + sum(map(len, fetched.values())) for r, fetched in self.media.ahead.values())
+        return (len(self.media.ahead) + len(self._fetching) < MAX_MEDIA_WAITING
+                and held + num_bytes <= MAX_MEDIA_WAITING_BYTES)
+
     def _media_backlog_refusal(self, req: NewRequest) -> Failed | None:
-        """A 503 for a media request past the pool's waiting line (``MAX_MEDIA_WAITING``, in requests and in
-        their inline media's bytes), else None."""
-        waiting = [r for r, _ in self.media.ahead.values()]
-        num_bytes = sum(_inline_bytes(r) for r in waiting) + _inline_bytes(req)
-        if len(waiting) < MAX_MEDIA_WAITING and num_bytes <= MAX_MEDIA_WAITING_BYTES:
+        """A 503 for a media request past the pool's waiting line (``_media_line_room``), else None."""
+        if self._media_line_room(_inline_bytes(req)):
             return None
         return Failed(request_id=req.request_id, status=503, error_type="server_error", code="overloaded",
-                      message=f"{len(waiting)} requests with media ({num_bytes >> 20} MiB of it) wait for the "
-                              f"{self.num_workers} preparing thread(s); retry later")
+                      message=f"{len(self.media.ahead) + len(self._fetching)} requests with media wait for the "
+                              f"{self.num_workers} preparing thread(s) (at most {MAX_MEDIA_WAITING}, "
+                              f"{MAX_MEDIA_WAITING_BYTES >> 20} MiB of media); retry later")
 
     def _remote_refs(self, req: NewRequest) -> list[MediaRef]:
         """The request's http(s) media parts, to fetch first (none where a part
@@ -388,28 +398,31 @@ class PrepareActor(Actor):
         self._next_fetches()
 
     def _next_fetches(self) -> None:
-        """Start the requests waiting to fetch, oldest first, while fewer than ``max_fetching`` fetch."""
-        while self._to_fetch and len(self._fetching) < self.max_fetching:
+        """Start the requests waiting to fetch, oldest first, while fewer than ``max_fetching`` fetch and (the
+        pool) the media line has room for what they fetch: fetched, each joins it."""
+        while (self._to_fetch and len(self._fetching) < self.max_fetching
+               and (self.threads is None or self._media_line_room(0))):
             self._fetch_now(*self._to_fetch.popitem(last=False)[1])
 
     def _fetch_now(self, req: NewRequest, refs: list[MediaRef]) -> None:
         async def fetch() -> None:
+            fetched: dict[str, bytes] | Failed = {}
             try:
-                fetched = await self._fetch(req, refs)
-            except MediaError as err:
-                fetched = failed(req, str(err), err.param)
-            except Exception as err:  # a bug fails its request alone
-                fetched = self._unexpected(req, err)
+                try:
+                    fetched = await self._fetch(req, refs)
+                except MediaError as err:
+                    fetched = failed(req, str(err), err.param)
+                except Exception as err:  # a bug fails its request alone
+                    fetched = self._unexpected(req, err)
+                if isinstance(fetched, Failed):  # sent while still fetching: an Abort read meanwhile drops it
+                    await self._send_result(req, fetched)
+                elif self.threads is not None:
+                    self.media.ahead[req.request_id] = (req, fetched)
             finally:
                 self._fetching.pop(req.request_id, None)  # an Abort took it out already
                 self._next_fetches()
                 self._changed.set()
-            if isinstance(fetched, Failed):
-                await self._send_result(req, fetched)
-            elif self.threads is not None:
-                self.media.ahead[req.request_id] = (req, fetched)
-                self._changed.set()
-            else:
+            if self.threads is None and not isinstance(fetched, Failed):
                 await self._prepare_fetched(req, fetched)
 
         self._fetching[req.request_id] = asyncio.create_task(fetch(), name=f"fetch:{req.request_id}")

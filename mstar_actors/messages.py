@@ -340,7 +340,7 @@ FrontendToPrepare = NewRequest | Abort | LoadAdapter | UnloadAdapter | Shutdown
 
 
 class Prepared(Struct, frozen=True, tag=True, omit_defaults=True):
-    """Model inputs for one request, in arrival order."""
+    """Model inputs for one request, sent once ready (text never waits for media)."""
 
     request_id: str
     model: str

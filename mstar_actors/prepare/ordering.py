@@ -1,7 +1,7 @@
 """Which prepared requests may go, and which may start: the prepare pool's state.
 
 Pure: no asyncio, no threads, no I/O, no clock. The prepare actor owns one
-``PendingRequests`` and calls it from its loop's thread only; the actor runs
+``PendingRequests`` a lane and calls them from its loop's thread only; the actor runs
 the preparations (tasks, a thread pool) and reports how each ends.
 
 A request's life::

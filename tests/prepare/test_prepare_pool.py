@@ -431,6 +431,73 @@ async def test_a_media_request_past_the_fetch_queue_is_a_503_and_reading_goes_on
         assert await h.close() == []
 
 
+async def test_fetched_requests_join_the_bounded_media_line(monkeypatch):
+    """A fetched request joins the media line, so fetches start only while it has room: the rest wait their
+    turn to fetch (each finished fetch joined the line unbounded: 150 fetched bodies held for a full pool)."""
+    from aiohttp import web
+
+    from tests.loopback import serving
+
+    monkeypatch.setattr("actors.prepare.MAX_MEDIA_WAITING", 4)
+
+    async def image(request: web.Request) -> web.Response:
+        return web.Response(body=b"x" * 1000)
+
+    app = web.Application()
+    app.router.add_get("/a.png", image)
+    async with serving(app) as base:
+        h = Harness(FetchingPreparer(asyncio.get_running_loop()), num_workers=1)
+        ids = [f"m{i}" for i in range(10)]
+        h.preparer.expect("b1", "b2", *ids)
+        for rid in ("b1", "b2"):  # the pool full: one drafting, one queued
+            await h.send(rid)
+        await h.preparer.started["b1"].wait()
+        for rid in ids:
+            await h.inbox.send(media_request(rid, f"{base}/a.png"))
+        for _ in range(200):  # until the fetches the line has room for have ended
+            if len(h.actor.media.ahead) == 4 and not h.actor._fetching:
+                break
+            await asyncio.sleep(0.01)
+        assert list(h.actor.media.ahead) == ids[:4] and list(h.actor._to_fetch) == ids[4:]
+        for gate in h.preparer.gates.values():
+            gate.set()
+        assert {(await h.recv_id())[1] for _ in range(12)} == {"b1", "b2", *ids}  # the rest fetched in turn
+        assert await h.close() == []
+
+
+async def test_a_failed_fetch_is_never_overtaken_by_its_abort():
+    """A fetch's failure is sent while the request still counts as fetching: an Abort read while the send
+    waits drops it (the Abort was forwarded first, and its Failed followed)."""
+    from aiohttp import web
+
+    from mstar_actors.messages import PrepareToConductor
+    from tests.loopback import serving
+    from transport.codec import Codec
+    from transport.memory import RECORD_OVERHEAD
+
+    async def missing(request: web.Request) -> web.Response:
+        return web.Response(status=404)
+
+    app = web.Application()
+    app.router.add_get("/gone.png", missing)
+    async with serving(app) as base:
+        codec = Codec(PrepareToConductor, "size")
+        one = Prepared(request_id="t1", model="m", prompt_token_ids=[1, 2, 3], sampling=SamplingParams())
+        room = len(codec.encode(one)) + len(codec.encode(Abort(request_id="m1"))) + 2 * RECORD_OVERHEAD
+        h = Harness(FetchingPreparer(asyncio.get_running_loop()), num_workers=2, outbox_bytes=room)
+        h.preparer.expect("t1", "m1")
+        h.preparer.gates["t1"].set()
+        await h.send_text("t1")
+        await h.preparer.ended["t1"].wait()
+        await settle()
+        await h.inbox.send(media_request("m1", f"{base}/gone.png"))
+        await h.out.blocked.wait()  # m1's Failed waits for room
+        await h.inbox.send(Abort(request_id="m1"))
+        await settle()
+        assert await h.recv_id() == ("Prepared", "t1")
+        assert await h.close() == []  # neither m1's Failed nor its Abort: the conductor never saw it
+
+
 async def test_one_worker_drafts_on_a_thread_and_drops_requests_aborted_behind_a_long_draft():
     """A media preparer of one worker drafts on a thread of its own: while a long draft runs, the loop
     reads on, and requests whose clients left while they waited behind it are dropped unprepared (on the
