@@ -62,10 +62,15 @@ class ResponsesRequest:
         if err.param is None:
             return err
         new = self._name(err.param)
+        # a media part's chat field (image_url) is this body's part itself (its input_image)
+        new = re.sub(r"((?:content|output)\[\d+\])\.image_url$", r"\1", new)
         message = err.message
         if message.startswith(err.param):
             message = new + message[len(err.param):]
+        elif new != err.param:
+            message = f"{new}: {message}"
         message = re.sub(r"\bmax_tokens\b", "max_output_tokens", message)
+        message = message.replace(" (or max_completion_tokens)", "").replace("image_url parts", "input_image parts")
         return ApiError(err.status, message, param=new, code=err.code, error_type=err.error_type,
                         retry_after_s=err.retry_after_s)
 
@@ -236,7 +241,10 @@ def _content(content: Any, where: str) -> Any:
     parts = []
     for k, part in enumerate(content):
         at = f"{where}[{k}]"
-        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(part, dict):
+            raise _bad(at, f'expected a content part object like {{"type": "input_text", "text": ...}}, '
+                           f"got {_show(part)}")
+        kind = part.get("type")
         if kind not in PART_KEYS:
             raise _bad(f"{at}.type", f"expected one of {', '.join(PART_KEYS)} (files are not read here), "
                                      f"got {_show(kind)}")

@@ -114,6 +114,7 @@ def test_format_and_logprobs_map_to_the_chat_fields():
     ({"input": [{"role": "user", "content": "hi"}, {"type": "reasoning", "summary": []}]}, "input[1]"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"role": "user", "content": ["hi"]}]}, "input[0].content[0]"),  # a part, not a string
     ({"input": "x", "n": 2}, "n"),  # unknown here (no choices in a Response)
     # this route's shapes, not chat's, in what it accepts
     ({"tool_choice": "any"}, "tool_choice"),
@@ -145,6 +146,13 @@ def test_the_chat_paths_errors_are_named_by_the_body_s_fields():
                       ("temperature", "temperature")]:
         err = asked.renamed(ApiError(400, f"{chat}: wrong", param=chat))
         assert (err.param, err.message) == (own, f"{own}: wrong")
+    # chat's words for what this body names otherwise
+    cap = asked.renamed(ApiError(400, "max_tokens (or max_completion_tokens) is 9, too many", param="max_tokens"))
+    assert cap.message == "max_output_tokens is 9, too many"
+    image = asked.renamed(ApiError(400, "this model reads text only; image_url parts are for ...",
+                                   param="messages[1].content[0].image_url"))
+    assert image.param == "input[0].content[0]"
+    assert image.message == "input[0].content[0]: this model reads text only; input_image parts are for ..."
 
 
 def chunk(delta: dict, finish: str | None = None, logprobs: list | None = None) -> dict:
