@@ -578,10 +578,14 @@ async def test_inline_an_abort_read_while_a_checked_request_waits_to_be_sent_dro
     room = len(codec.encode(one)) + len(codec.encode(Abort(request_id="c2"))) + 2 * RECORD_OVERHEAD
     h = Harness(preparer, num_workers=1, outbox_bytes=room)
     constrained = SamplingParams(structured=StructuredSpec("json", "{}"))
-    for rid in ("c1", "c2"):
+    for rid, num_sent in (("c1", 1), ("c2", 1)):
         preparer.gates[rid].set()
         await h.inbox.send(NewRequest(request_id=rid, model="m", sampling=constrained, prompt="ok"))
         await preparer.ended[rid].wait()
+        for _ in range(500):  # c1 out before c2 drafts (each drafts on a thread of its own)
+            if h.out.stats().messages == num_sent:
+                break
+            await asyncio.sleep(0.01)
     await h.out.blocked.wait()  # c2's Prepared waits for room
     await h.inbox.send(Abort(request_id="c2"))
     await settle()
