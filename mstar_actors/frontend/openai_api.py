@@ -1085,7 +1085,7 @@ TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens"
 
 def parse_tokenize(raw: bytes) -> TokenizeRequest:
     body = decode_body(raw)
-    _check_known(body, TOKENIZE_FIELDS, "/tokenize")
+    check_known(body, TOKENIZE_FIELDS, "/tokenize")
     strs = get_bool(body, "return_token_strs", False)
     model = get_str(body, "model", None)
     if ("prompt" in body) == ("messages" in body):
@@ -1114,7 +1114,7 @@ def parse_tokenize(raw: bytes) -> TokenizeRequest:
 def parse_detokenize(raw: bytes, vocab_size: int | None) -> tuple[str | None, list[int]]:
     """(model, token ids)."""
     body = decode_body(raw)
-    _check_known(body, {"model", "tokens"}, "/detokenize")
+    check_known(body, {"model", "tokens"}, "/detokenize")
     tokens = get_token_ids(body, "tokens", 1 << 20, vocab_size)
     if "tokens" not in body or body["tokens"] is None:
         raise _bad("tokens", "expected a list of token ids")
@@ -1128,14 +1128,16 @@ ADAPTER_FIELDS = {"load": frozenset({"lora_name", "lora_path", "load_inplace"}),
 
 def check_adapter_fields(body: dict, kind: str) -> None:
     """400 for a field /v1/{kind}_lora_adapter does not read (a typo such as load_in_place was dropped)."""
-    _check_known(body, ADAPTER_FIELDS[kind], f"/v1/{kind}_lora_adapter")
+    check_known(body, ADAPTER_FIELDS[kind], f"/v1/{kind}_lora_adapter")
     get_int(body, "lora_int_id", None, -(1 << 63), (1 << 63) - 1)  # vLLM's int, else a 400
 
 
-def _check_known(body: dict, accepted: frozenset | set, route: str) -> None:
-    unknown = next((k for k in body if k not in accepted), None)
+def check_known(obj: dict, accepted: frozenset | set, route: str = "", where: str = "") -> None:
+    """400 naming the first key of ``obj`` not in ``accepted`` (``where``: the path of a nested ``obj``)."""
+    unknown = next((k for k in obj if k not in accepted), None)
     if unknown is not None:
-        raise _bad(unknown, f"unknown field for {route}; accepted: {', '.join(sorted(accepted))}")
+        raise _bad(f"{where}.{unknown}" if where else unknown,
+                   f"unknown field{f' for {route}' if route else ''}; accepted: {', '.join(sorted(accepted))}")
 
 
 # --------------------------------------------------------------------------

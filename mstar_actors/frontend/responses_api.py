@@ -27,8 +27,8 @@ from typing import Any
 
 import msgspec
 
-from mstar_actors.frontend.openai_api import (MAX_TOP_LOGPROBS, ApiError, _bad, _show, decode_body, get_bool,
-                                              get_int, get_str)
+from mstar_actors.frontend.openai_api import (MAX_TOP_LOGPROBS, ApiError, _bad, _show, check_known, decode_body,
+                                              get_bool, get_int, get_str)
 
 # Read here, or handed to the chat path under the same name (its checks, its meaning).
 OWN_FIELDS = frozenset({
@@ -84,10 +84,7 @@ class ResponsesRequest:
 def read_responses(raw: bytes) -> ResponsesRequest:
     """Validate a Responses body (raises ApiError naming its field)."""
     body = decode_body(raw)
-    accepted = OWN_FIELDS | CHAT_FIELDS
-    unknown = next((k for k in body if k not in accepted), None)
-    if unknown is not None:
-        raise _bad(unknown, f"unknown field for /v1/responses; accepted: {', '.join(sorted(accepted))}")
+    check_known(body, OWN_FIELDS | CHAT_FIELDS, "/v1/responses")
     _refuse_server_state(body)
     chat: dict = {k: body[k] for k in CHAT_FIELDS if k in body}
     chat["model"] = body.get("model")
@@ -187,13 +184,13 @@ def _messages(body: dict, names: list[tuple[str, str]]) -> list[dict]:
             reasoning, joinable = _reasoning_text(item, where), False
             continue
         if kind == "message":
-            _check_keys(item, MESSAGE_KEYS, where)
+            check_known(item, MESSAGE_KEYS, where=where)
             role = item.get("role")
             if role not in ROLES:
                 raise _bad(f"{where}.role", f"expected one of {', '.join(ROLES)}, got {_show(role)}")
             message = {"role": role, "content": _content(item.get("content"), f"{where}.content")}
         elif kind == "function_call":
-            _check_keys(item, CALL_KEYS, where)
+            check_known(item, CALL_KEYS, where=where)
             call = {"id": _text(item, "call_id", where), "type": "function",
                     "function": {"name": _text(item, "name", where), "arguments": _text(item, "arguments", where,
                                                                                          empty=True)}}
@@ -205,7 +202,7 @@ def _messages(body: dict, names: list[tuple[str, str]]) -> list[dict]:
             message = {"role": "assistant", "content": None, "tool_calls": [call]}
             _name_call(names, f"messages[{len(out)}].tool_calls[0]", where)
         elif kind == "function_call_output":
-            _check_keys(item, OUTPUT_KEYS, where)
+            check_known(item, OUTPUT_KEYS, where=where)
             names.append((f"messages[{len(out)}].content", f"{where}.output"))
             output = item.get("output")
             message = {"role": "tool", "tool_call_id": _text(item, "call_id", where),
@@ -248,7 +245,7 @@ def _content(content: Any, where: str) -> Any:
         if kind not in PART_KEYS:
             raise _bad(f"{at}.type", f"expected one of {', '.join(PART_KEYS)} (files are not read here), "
                                      f"got {_show(kind)}")
-        _check_keys(part, PART_KEYS[kind], at)
+        check_known(part, PART_KEYS[kind], where=at)
         if kind == "input_image":
             if part.get("file_id") is not None:
                 raise _bad(f"{at}.file_id", "no files are stored here; send the image as image_url (a data: URL)")
@@ -263,7 +260,7 @@ def _content(content: Any, where: str) -> Any:
 
 
 def _reasoning_text(item: dict, where: str) -> str:
-    _check_keys(item, {"type", "id", "summary", "content", "encrypted_content", "status"}, where)
+    check_known(item, {"type", "id", "summary", "content", "encrypted_content", "status"}, where=where)
     if item.get("encrypted_content") is not None:
         raise _bad(f"{where}.encrypted_content", "no reasoning is encrypted here; send its text as content")
     for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
@@ -282,12 +279,6 @@ def _text(obj: dict, key: str, where: str, empty: bool = False) -> str:
     if not isinstance(value, str) or not (value or empty):
         raise _bad(f"{where}.{key}", f"expected a{'' if empty else ' non-empty'} string, got {_show(value)}")
     return value
-
-
-def _check_keys(obj: dict, accepted: set, where: str) -> None:
-    unknown = next((k for k in obj if k not in accepted), None)
-    if unknown is not None:
-        raise _bad(f"{where}.{unknown}", f"unknown field; accepted: {', '.join(sorted(accepted - {'async_'}))}")
 
 
 # ---- tools, format, include ------------------------------------------------
@@ -336,7 +327,7 @@ def _read_text(body: dict, chat: dict) -> None:
     kind = fmt.get("type")
     if kind not in FORMAT_KEYS:
         raise _bad("text.format.type", f'expected "text", "json_object" or "json_schema", got {_show(kind)}')
-    _check_keys(fmt, FORMAT_KEYS[kind], "text.format")
+    check_known(fmt, FORMAT_KEYS[kind], where="text.format")
     if kind == "json_schema":  # flattened here, nested in chat's response_format
         chat["response_format"] = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items()
                                                                           if k != "type"}}
