@@ -22,6 +22,7 @@ from aiohttp import web
 from mstar_actors.frontend import openai_api as api
 from mstar_actors.frontend.openai_api import ApiError, ChoiceOutput, ParsedRequest
 from mstar_actors.frontend.reasoning import ReasoningStream, split_reasoning
+from mstar_actors.frontend.responses_api import ResponseEvents
 from mstar_actors.frontend.tool_calls import (ForcedCallStream, HermesCallStream, finish_reason, read_calls,
                                               stream_reader)
 
@@ -293,8 +294,6 @@ class ResponsesStream(Stream):
 
     def __init__(self, request: web.Request, exchange: Exchange, asked: Any):
         super().__init__(request, exchange)
-        from mstar_actors.frontend.responses_api import ResponseEvents
-
         self.asked = asked
         self._envelope = None
         sampling = exchange.parsed.sampling
