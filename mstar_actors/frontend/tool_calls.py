@@ -852,11 +852,12 @@ class HermesCallStream:
     its JSON object) and read whole (``_read_block``): a call (head and
     arguments in two deltas), or content with its markup. A whole reply is
     read by this reader too (``read_calls``), so a response and a stream give
-    the same calls: a block cut by max_tokens inside its arguments a call as
-    far as it was written, and one that began as a call's head and object and
-    closes without valid JSON a call of the arguments as written (its pieces
-    were streamed as a call, as vLLM's hermes parser streams them). Calls
-    past ``max_calls`` are read and dropped."""
+    the same calls where their arguments are valid JSON: a block cut by
+    max_tokens inside its arguments, or one that began as a call's head and
+    object and closes without valid JSON, streams as a call of the arguments
+    as written (as vLLM's hermes parser streams it), and a whole reply with
+    such a call is content (as vLLM's reads it: ``read_calls``). Calls past
+    ``max_calls`` are read and dropped."""
 
     def __init__(self, max_calls: int | None = None):
         self.max_calls = max_calls
@@ -1169,7 +1170,11 @@ def read_calls(request: ToolRequest, text: str) -> tuple[str | None, list[Parsed
     arguments as written, and a reply cut by ``max_tokens`` still a call
     whose arguments go as far as they were written (as vLLM's named call: a
     named tool_choice's call whatever was written, a required one's once its
-    name is; the format's markup is never content)."""
+    name is; the format's markup is never content). A ``hermes`` reply of
+    ``"auto"`` whose calls' arguments are not all valid JSON (a block the
+    model closed, or ended, inside its object; NaN) is all content, markup
+    and all, as vLLM's hermes parser reads a whole reply: its stream sent
+    the calls as they were written."""
     if request.is_forced and request.parser != QWEN3_CODER:
         forced = ForcedCallStream(request)
         return None, _calls_of(forced.feed(text) + forced.flush())
@@ -1183,6 +1188,9 @@ def read_calls(request: ToolRequest, text: str) -> tuple[str | None, list[Parsed
     deltas = stream.feed(text) + stream.flush()
     content = "".join(d.get("content", "") for d in deltas)
     calls = _calls_of([entry for d in deltas for entry in d.get("tool_calls", [])])
+    if request.parser == HERMES and not request.is_forced and any(
+            _loads_or_none(call.arguments) is None for call in calls):
+        return text, []  # a block of no valid JSON: the reply is content as written, as vLLM's hermes reads one
     return (None if request.is_forced or (calls and not content.strip()) else content), calls
 
 

@@ -714,7 +714,9 @@ _XML_OBJECT_KEYWORDS = ("minProperties", "maxProperties", "patternProperties", "
 def _xml_call(name: str, parameters: Any) -> Any:
     """One ``qwen3_coder`` call of function ``name`` (``frontend.xml_calls``): ``<function=NAME>``, then
     each of its schema's properties in order as ``<parameter=KEY>\\nVALUE\\n</parameter>\\n`` (a required one
-    always, the others optional; a schema of no properties that takes any, any number of keys), then
+    always, the others optional; an object schema of no ``properties`` key, or one whose
+    ``additionalProperties`` is given and not false, any number of keys, as the JSON formats' grammar reads it:
+    ``"properties": {}`` alone, none), then
     ``</function>``. A value is what the reader types it back to (``xml_calls.read_value``): a string's
     its text (its enum, const, pattern or lengths kept), another type's its schema's JSON; a schema the
     format cannot hold to is refused, named."""
@@ -742,7 +744,7 @@ def _xml_call(name: str, parameters: Any) -> Any:
         value = _xml_value(schema if isinstance(schema, dict) else {}, defs, key)
         param = _xgr().Grammar.concat(_literal(f"{PARAM_OPEN}{key}>\n"), value, _literal(f"\n{PARAM_CLOSE}\n"))
         pieces.append(param if key in required else _xgr().Grammar.union(param, _literal("")))
-    if not properties and parameters.get("additionalProperties", True) is not False:
+    if not properties and parameters.get("additionalProperties", "properties" not in parameters) is not False:
         any_keys = f'root ::= ("{PARAM_OPEN}" [A-Za-z_] [A-Za-z0-9_.\\-]* ">\\n" text "\\n{PARAM_CLOSE}\\n")*\n'
         pieces.append(_xgr().Grammar.from_ebnf(any_keys + _XML_TEXT.replace("root ::= xt0", "text ::= xt0")))
     pieces.append(_literal(FUNCTION_CLOSE))

@@ -210,6 +210,18 @@ def test_a_forced_call_of_any_object_takes_any_keys_and_optional_types(chars):
     assert not matcher.accept_string(call("g", n="five").removeprefix("<tool_call>\n"))
 
 
+@pytest.mark.parametrize("parameters", [None, {"type": "object", "properties": {}},
+                                        {"type": "object", "additionalProperties": False}])
+def test_a_forced_call_of_a_function_of_no_parameters_writes_none(chars, parameters):
+    """As the JSON formats' grammar holds it to ``{}``: a random model
+    forced to call such a function wrote invented keys until max_tokens."""
+    tool = {"type": "function", "function": {"name": "f"} | ({"parameters": parameters} if parameters else {})}
+    request = tc.parse_tool_request([tool], "required", tc.QWEN3_CODER)
+    accepted = accepter(chars, StructuredSpec(*tc.forced_calls_spec(request)))
+    assert accepted(call("f").removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
+    assert not accepted(call("f", a="x").removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
+
+
 def _forced(chars, parameters: dict):
     """(request, matcher) of a forced call of tool ``f`` with ``parameters``."""
     import xgrammar
