@@ -104,6 +104,8 @@ def failure(exchange: Exchange, msg: Failed) -> ApiError:
     if param == "prompt_logprobs" and exchange.parsed.output.prompt_logprobs is None:  # an echo's, of logprobs
         param = "logprobs"
     message = msg.message if msg.status < 500 else f"request {exchange.response_id}: {msg.message}"
+    if msg.param == "max_tokens" and message.startswith("max_tokens "):  # the engine's name for the cap
+        message = param + message.removeprefix("max_tokens")
     if msg.param == "max_tokens" and not exchange.parsed.cap_sent:
         message += f" (no max_tokens was sent: a completion's is {exchange.parsed.sampling.max_tokens} then)"
     if msg.status < 500 and len(exchange.requests) > 1:  # a list of prompts: which one

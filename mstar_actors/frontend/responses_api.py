@@ -70,7 +70,7 @@ class ResponsesRequest:
         elif new != err.param:
             message = f"{new}: {message}"
         message = re.sub(r"\bmax_tokens\b", "max_output_tokens", message)
-        message = message.replace(" (or max_completion_tokens)", "").replace("image_url parts", "input_image parts")
+        message = message.replace("image_url parts", "input_image parts")
         return ApiError(err.status, message, param=new, code=err.code, error_type=err.error_type,
                         retry_after_s=err.retry_after_s)
 

@@ -397,10 +397,8 @@ class Scheduler:
             limit = (f"max_model_len is {self.max_model_len} tokens for prompt and output together"
                      if self.max_model_len <= self.max_kv_tokens else
                      f"the whole KV cache holds {self.max_kv_tokens} tokens (max_model_len is {self.max_model_len})")
-            name = "min_tokens" if cut else (
-                f"max_tokens{' (or max_completion_tokens)' if req.prompt_param == 'messages' else ''}")
-            message = (
-                f"{name} is {asked}, but the prompt has {num_prompt} tokens and "
+            message = (  # (the frontend names the field the client sent: max_tokens or max_completion_tokens)
+                f"{param} is {asked}, but the prompt has {num_prompt} tokens and "
                 f"{limit}: {asked} > {num_prompt + room} - {num_prompt}; ask for at most {room} tokens or "
                 f"shorten the prompt"
             )

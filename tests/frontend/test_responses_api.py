@@ -147,7 +147,7 @@ def test_the_chat_paths_errors_are_named_by_the_body_s_fields():
         err = asked.renamed(ApiError(400, f"{chat}: wrong", param=chat))
         assert (err.param, err.message) == (own, f"{own}: wrong")
     # chat's words for what this body names otherwise
-    cap = asked.renamed(ApiError(400, "max_tokens (or max_completion_tokens) is 9, too many", param="max_tokens"))
+    cap = asked.renamed(ApiError(400, "max_tokens is 9, too many", param="max_tokens"))
     assert cap.message == "max_output_tokens is 9, too many"
     image = asked.renamed(ApiError(400, "this model reads text only; image_url parts are for ...",
                                    param="messages[1].content[0].image_url"))
