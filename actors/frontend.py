@@ -622,7 +622,8 @@ class FrontendActor(Actor):
         if kind == "chat":
             parsed = self._parse_chat(raw)
         else:
-            parsed = api.parse_completion(raw, self.info.max_model_len, self.info.vocab_size)
+            parsed = api.parse_completion(raw, self.info.max_model_len, self.info.vocab_size,
+                                          defaults=self.info.sampling_defaults)
         return await self._serve(request, parsed)
 
     async def _respond(self, request: web.Request) -> web.StreamResponse:
@@ -638,7 +639,7 @@ class FrontendActor(Actor):
 
     def _parse_chat(self, raw: bytes) -> ParsedRequest:
         return api.parse_chat(raw, self.info.max_model_len, self.info.vocab_size, tool_parser=self.tool_parser,
-                              takes_media=self.info.is_multimodal)
+                              takes_media=self.info.is_multimodal, defaults=self.info.sampling_defaults)
 
     async def _serve(self, request: web.Request, parsed: ParsedRequest, asked: Any = None) -> web.StreamResponse:
         """A parsed chat or completion request, answered (``asked``: a Responses request's reply)."""

@@ -46,7 +46,12 @@ def _serve(args: argparse.Namespace) -> int:
     except (ConfigError, FetchError, CodecLoadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    logging.getLogger("mstar_actors").info("model folder: %s", info.model_dir)
+    log = logging.getLogger("mstar_actors")
+    log.info("model folder: %s", info.model_dir)
+    if info.sampling_defaults:  # as vLLM says it: a request's defaults are no longer OpenAI's
+        log.info("requests that leave them out take the model's generation_config.json defaults: %s "
+                 "(model.generation_config: none for OpenAI's)",
+                 ", ".join(f"{name} {value}" for name, value in info.sampling_defaults.items()))
     return launcher.serve(config, info)
 
 

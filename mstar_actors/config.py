@@ -63,6 +63,10 @@ class ModelConfig(msgspec.Struct, **_STRICT):
     # from the answer only (``mstar_actors.frontend.reasoning``). "qwen3": Qwen3, Qwen3.5;
     # "deepseek_r1": replies that start inside the reasoning. None: the reply is all content.
     reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
+    # vLLM's --generation-config: "auto" serves a request that leaves out temperature, top_p, top_k,
+    # min_p, repetition_penalty or max_tokens with the model's generation_config.json values (its
+    # max_new_tokens as max_tokens), as vLLM does by default; "none" with OpenAI's defaults.
+    generation_config: Literal["auto", "none"] = "auto"
 
 
 class ParallelConfig(msgspec.Struct, **_STRICT):

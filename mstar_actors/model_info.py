@@ -39,6 +39,8 @@ class ModelInfo(msgspec.Struct, frozen=True):
     lora_base: BaseShapes | None = None  # what adapters must fit; None: this model takes none
     lora_refusal: str = ""  # why ``lora_base`` is None
     tp_refusal: str = ""  # why ``parallel.tp`` ranks cannot split this model ("" when they can)
+    # A request's defaults of the sampling fields it leaves out, from generation_config.json (``models.spec``)
+    sampling_defaults: dict[str, int | float] = {}
 
     def with_kv_capacity(self, num_kv_tokens: int) -> ModelInfo:
         """The same facts with ``max_model_len`` narrowed to what the KV cache holds."""
@@ -74,7 +76,7 @@ def load_model_info(config: Config) -> ModelInfo:
     from mstar_actors.fetch import resolve_model
     from mstar_actors.models.loader import load_spec
     from mstar_actors.models.sharding import tp_refusal
-    from mstar_actors.models.spec import read_config
+    from mstar_actors.models.spec import ModelLoadError, read_config, sampling_defaults
 
     model_dir = resolve_model(config.model.path)
     cfg = read_config(model_dir)  # the launcher's one read of config.json
@@ -89,6 +91,10 @@ def load_model_info(config: Config) -> ModelInfo:
         raise ConfigError(f"scheduler.max_model_len {asked} is past the model's context ({positions} positions: "
                           f"max_position_embeddings in {Path(model_dir) / 'config.json'}); set at most {positions}, "
                           "or leave it out to serve the whole context")
+    defaults = sampling_defaults(model_dir) if config.model.generation_config == "auto" else {}
+    if (problem := _defaults_problem(defaults)) is not None:
+        raise ModelLoadError(f"{Path(model_dir) / 'generation_config.json'}: {problem}; mend it, or set "
+                             "model.generation_config: none to serve without its defaults")
     return ModelInfo(
         served_name=served_name(config.model.name, config.model.path, model_dir),
         model_dir=str(model_dir),
@@ -102,7 +108,19 @@ def load_model_info(config: Config) -> ModelInfo:
         lora_base=lora_base,
         lora_refusal=lora_refusal,
         tp_refusal=tp_refusal(spec, config.parallel.tp) or "",
+        sampling_defaults=defaults,
     )
+
+
+def _defaults_problem(defaults: dict) -> str | None:
+    """Why a request could not send one of the model's sampling defaults (its range), or None."""
+    from mstar_actors.frontend.openai_api import check_sampling_defaults
+
+    try:
+        check_sampling_defaults(defaults)
+    except ValueError as err:
+        return str(err).replace("max_tokens:", "max_new_tokens:")
+    return None
 
 
 def served_name(configured: str | None, path: str, folder: Path) -> str:

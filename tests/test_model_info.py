@@ -76,10 +76,37 @@ def test_a_folder_the_ranks_cannot_serve_is_refused_naming_the_field(tmp_path):
         info_of(model_folder(tmp_path, architectures=["LlamaForCausalLM"], hidden_size=None))
 
 
+def test_sampling_defaults_are_what_generation_config_asks_for_as_vllm_reads_it(tmp_path):
+    folder = model_folder(tmp_path)
+    assert info_of(folder).sampling_defaults == {}  # no generation_config.json
+    (folder / "generation_config.json").write_text(json.dumps({
+        "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 300,
+        "repetition_penalty": 1.0, "eos_token_id": 2}))
+    assert info_of(folder).sampling_defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 300}
+    assert info_of(folder, model={"generation_config": "none"}).sampling_defaults == {}
+    (folder / "generation_config.json").write_text(json.dumps({"top_k": 50, "temperature": 1.0, "min_p": 0.05}))
+    assert info_of(folder).sampling_defaults == {"min_p": 0.05}  # transformers' own defaults: none asked for
+    for bad, named in (({"top_p": 0}, r"top_p: expected a number in \(0.0, 1.0\], got 0"),
+                       ({"temperature": "hot"}, "temperature must be a number, got 'hot'"),
+                       ({"max_new_tokens": 0}, r"max_new_tokens: expected an integer in \[1, ")):
+        (folder / "generation_config.json").write_text(json.dumps(bad))
+        with pytest.raises(ModelLoadError, match=named + ".*model.generation_config: none"):
+            info_of(folder)
+        assert info_of(folder, model={"generation_config": "none"}).sampling_defaults == {}
+    (folder / "generation_config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="generation_config.json: not JSON"):
+        info_of(folder)
+
+
 def test_info_crosses_processes_as_the_spec_carries_it(tmp_path):
-    info = info_of(model_folder(tmp_path))
+    folder = model_folder(tmp_path)
+    (folder / "generation_config.json").write_text(json.dumps({"top_k": 20, "max_new_tokens": 64, "top_p": 0.5}))
+    info = info_of(folder)
     assert pickle.loads(pickle.dumps(info)) == info
-    assert msgspec.convert(msgspec.to_builtins(info), ModelInfo) == info  # ActorSpec.info and back
+    back = msgspec.convert(msgspec.to_builtins(info), ModelInfo)  # ActorSpec.info and back
+    assert back == info
+    # an integer stays one (a float max_tokens in a request broke the channel to prepare)
+    assert {k: type(v) for k, v in back.sampling_defaults.items()} == {"top_k": int, "max_tokens": int, "top_p": float}
 
 
 def test_unpickling_a_spec_with_info_imports_no_torch(tmp_path):

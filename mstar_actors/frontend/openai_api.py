@@ -417,6 +417,27 @@ def parse_bad_words(body: dict) -> list[str]:
     return value
 
 
+# The sampling fields a model's generation_config.json sets as its requests' defaults (``ModelInfo.sampling_defaults``,
+# as vLLM's ``--generation-config auto``), its max_new_tokens as max_tokens.
+DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
+
+
+def _defaulted(body: dict, defaults: dict | None) -> dict:
+    """``body`` with the model's default of each sampling field it leaves out (or sends null)."""
+    if not defaults:
+        return body
+    return body | {name: value for name, value in defaults.items() if name != "max_tokens" and body.get(name) is None}
+
+
+def check_sampling_defaults(defaults: dict) -> None:
+    """``ValueError`` naming a model default a request could not send (its range, as a request's is checked)."""
+    try:
+        _parse_sampling(_defaulted({}, defaults), (1, False), None, None)
+        _parse_max_tokens({"max_tokens": defaults.get("max_tokens")}, None, None)
+    except ApiError as err:
+        raise ValueError(err.message) from None
+
+
 def _parse_sampling(body: dict, cap: tuple[int, bool], logprobs: int | None,
                     vocab_size: int | None, max_model_len: int | None = None) -> SamplingParams:
     max_tokens, cut_to_context = cap  # from ``_parse_max_tokens``
@@ -513,13 +534,15 @@ def _parse_request_id(body: dict) -> str | None:
     return value
 
 
-def _parse_max_tokens(body: dict, default: int | None, max_model_len: int | None, lo: int = 1) -> tuple[int, bool]:
+def _parse_max_tokens(body: dict, default: int | None, max_model_len: int | None, lo: int = 1,
+                      model_default: int | None = None) -> tuple[int, bool]:
     """(the output's cap, whether it may be cut to what the prompt leaves):
     the client's ``max_completion_tokens`` or ``max_tokens`` (at least
     ``lo``), a prompt leaving less room being refused
     (``SamplingParams.cut_to_context``); else the endpoint's ``default``
-    (counted as sent, as OpenAI's 16 for completions), or with none the
-    whole context, cut."""
+    (counted as sent, as OpenAI's 16 for completions; the model's
+    ``model_default``, its generation config's max_new_tokens, where
+    lower), or with none the model's default or the whole context, cut."""
     hi = max_model_len or (1 << 31)
     for name in ("max_tokens", "max_completion_tokens"):  # past the whole context: no prompt leaves it room
         value = body.get(name)
@@ -530,7 +553,9 @@ def _parse_max_tokens(body: dict, default: int | None, max_model_len: int | None
     value = get_int(body, "max_tokens", None, lo, hi)
     value = get_int(body, "max_completion_tokens", value, lo, hi)
     if value is None:
-        return (default, False) if default is not None else (hi, True)
+        if default is not None:
+            return min(default, model_default or default), False
+        return min(hi, model_default or hi), True
     return value, False
 
 
@@ -587,12 +612,13 @@ def _parse_output(body: dict, continuous_usage_stats: bool) -> OutputOptions:
 
 
 def _parse_common(body: dict, kind: str, cap: tuple[int, bool], logprobs: int | None,
-                  vocab_size: int | None, max_model_len: int | None = None) -> ParsedRequest:
+                  vocab_size: int | None, max_model_len: int | None = None,
+                  defaults: dict | None = None) -> ParsedRequest:
     check_fields(body, kind)
     stream, include_usage, continuous = _parse_stream(body)
     _check_ignored(body)
     output = _parse_output(body, continuous)
-    sampling = _parse_sampling(body, cap, logprobs, vocab_size, max_model_len)
+    sampling = _parse_sampling(_defaulted(body, defaults), cap, logprobs, vocab_size, max_model_len)
     if output.prompt_logprobs is not None:
         if stream:  # as vLLM: its responses carry them, its chunks don't
             raise _bad("prompt_logprobs", "not with stream: true; send stream: false to get the prompt's logprobs")
@@ -761,18 +787,21 @@ def _field_spec(kind: str, value: Any, param: str) -> StructuredSpec:
 
 
 def parse_chat(raw: bytes, max_model_len: int | None = None, vocab_size: int | None = None, *,
-               tool_parser: str | None = None, takes_media: bool = True) -> ParsedRequest:
+               tool_parser: str | None = None, takes_media: bool = True, defaults: dict | None = None) -> ParsedRequest:
     """Validate a chat-completions body (raises ApiError). ``tool_parser``: the
     model's tool-call format (``tool_calls.choose_parser``), None for none;
     ``takes_media``: the model reads media parts (a text-only one's prepare
-    refuses them, naming the part)."""
+    refuses them, naming the part); ``defaults``: the model's sampling
+    defaults (``ModelInfo.sampling_defaults``) for the fields the body leaves out."""
     body = decode_body(raw)
-    cap = _parse_max_tokens(body, None, max_model_len)
+    defaults = defaults or {}
+    cap = _parse_max_tokens(body, None, max_model_len, model_default=defaults.get("max_tokens"))
     want_logprobs = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top and not want_logprobs:  # 0 asks for nothing: taken without logprobs, as vLLM takes it
         raise _bad("top_logprobs", "requires logprobs: true")
-    parsed = _parse_common(body, "chat", cap, (top or 0) if want_logprobs else None, vocab_size, max_model_len)
+    parsed = _parse_common(body, "chat", cap, (top or 0) if want_logprobs else None, vocab_size, max_model_len,
+                           defaults)
     parsed.messages = parse_messages(body.get("messages"))
     parsed.continue_final_message, parsed.add_generation_prompt = _parse_turn_flags(body, parsed.messages)
     parsed.chat_template_kwargs = _with_reasoning_effort(body, parse_template_kwargs(body))
@@ -1000,18 +1029,21 @@ def _parse_media_part(where: str, kind: str, value: Any) -> ContentPart:
 # --------------------------------------------------------------------------
 
 
-def parse_completion(raw: bytes, max_model_len: int | None = None, vocab_size: int | None = None) -> ParsedRequest:
-    """Validate a (legacy) completions body (raises ApiError)."""
+def parse_completion(raw: bytes, max_model_len: int | None = None, vocab_size: int | None = None, *,
+                     defaults: dict | None = None) -> ParsedRequest:
+    """Validate a (legacy) completions body (raises ApiError); ``defaults`` as ``parse_chat``'s."""
     body = decode_body(raw)
+    defaults = defaults or {}
     echo = get_bool(body, "echo", False)
     for name in ("max_tokens", "max_completion_tokens"):
         value = body.get(name)
         if value == 0 and not isinstance(value, bool) and not echo:
             raise _bad(name, "expected an integer of at least 1, got 0 (0 only with \"echo\": true, which returns "
                              "the prompt alone)")
-    cap = _parse_max_tokens(body, 16, max_model_len, lo=0 if echo else 1)  # 0: echo the prompt alone
+    cap = _parse_max_tokens(body, 16, max_model_len, lo=0 if echo else 1,  # 0: echo the prompt alone
+                            model_default=defaults.get("max_tokens"))
     logprobs = get_int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-    parsed = _parse_common(body, "completion", cap, logprobs, vocab_size, max_model_len)
+    parsed = _parse_common(body, "completion", cap, logprobs, vocab_size, max_model_len, defaults)
     if echo and logprobs is not None:  # the prompt's tokens' logprobs too, as OpenAI's (a prompt's score)
         parsed.sampling = msgspec.structs.replace(
             parsed.sampling, prompt_logprobs=max(logprobs, parsed.sampling.prompt_logprobs or 0))

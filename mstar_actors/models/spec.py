@@ -151,19 +151,55 @@ def _check_servable(cfg: dict, where: str) -> None:
         raise ModelLoadError(f"{where}: use_sliding_window=true is not supported; accepted: false")
 
 
+def _generation_config(model_dir: Path) -> dict:
+    """The folder's generation_config.json ({} where it has none)."""
+    gen = Path(model_dir) / "generation_config.json"
+    if not gen.is_file():
+        return {}
+    try:
+        values = json.loads(gen.read_text())
+    except ValueError as err:
+        raise ModelLoadError(f"{gen}: not JSON ({err}); mend it or remove it") from None
+    if not isinstance(values, dict):
+        raise ModelLoadError(f"{gen}: expected a JSON object, got {type(values).__name__}; mend it or remove it")
+    return values
+
+
 def _eos_ids(model_dir: Path, cfg: dict) -> list[int]:
     """EOS ids from config.json and generation_config.json (union, in order):
     the one EOS rule; the ranks stop on these and ``ModelInfo`` carries them."""
     found: list[int] = []
-    sources = [cfg]
-    gen = Path(model_dir) / "generation_config.json"
-    if gen.is_file():
-        sources.append(json.loads(gen.read_text()))
+    sources = [cfg, _generation_config(model_dir)]
     for src in sources:
         value = src.get("eos_token_id")
         for tok in value if isinstance(value, list) else [value]:
             if isinstance(tok, int) and tok not in found:
                 found.append(tok)
+    return found
+
+
+# transformers' defaults of the sampling fields a generation config may set: a value equal to its default is
+# none the model asked for (as vLLM reads the file: ``GenerationConfig.to_diff_dict``).
+_GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0,
+                        "max_new_tokens": None}
+
+
+def sampling_defaults(model_dir: str | Path) -> dict[str, float | int]:
+    """The sampling defaults the model's generation_config.json asks for,
+    named as a request names them (``max_new_tokens`` is ``max_tokens``):
+    vLLM's ``--generation-config auto``, which serves a request that leaves
+    out temperature, top_p, top_k, min_p, repetition_penalty or max_tokens
+    with the model's. ``do_sample`` is not read, as vLLM reads none (a
+    request's temperature 0 is greedy)."""
+    gen, found = _generation_config(Path(model_dir)), {}
+    for name, default in _GENERATION_DEFAULTS.items():
+        value = gen.get(name)
+        if value is None or value == default:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ModelLoadError(f"{Path(model_dir) / 'generation_config.json'}: {name} must be a number, got "
+                                 f"{value!r}; mend it, or set model.generation_config: none to serve without it")
+        found["max_tokens" if name == "max_new_tokens" else name] = value
     return found
 
 

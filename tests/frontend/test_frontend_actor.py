@@ -47,6 +47,32 @@ def test_chat_non_streaming_with_usage(harness):
     run(body)
 
 
+def test_a_request_takes_the_model_s_sampling_defaults_for_the_fields_it_leaves_out(harness):
+    """As vLLM's ``--generation-config auto``: the model's generation_config.json
+    values (``ModelInfo.sampling_defaults``) for what a request leaves out or
+    sends null; what it sends rules. Its max_new_tokens caps a chat's output
+    (cut to what the prompt leaves) and a completion's default of 16."""
+    async def body():
+        h = harness()
+        defaults = {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.1, "max_tokens": 5}
+        h.info = msgspec.convert(msgspec.to_builtins(msgspec.structs.replace(h.info, sampling_defaults=defaults)),
+                                 type(h.info))  # as the launcher hands it over
+        async with h:
+            for sent in (chat_body(), chat_body(temperature=0, top_k=None, max_tokens=9)):
+                status, r = await h.post(CHAT, sent)
+                assert status == 200, r
+            status, r = await h.post(COMP, {"model": "tiny", "prompt": "hi", "top_p": 1})
+            assert status == 200, r
+            first, sent, completion = (req.sampling for req in h.engine.requests.values())
+            assert (first.temperature, first.top_k, first.top_p, first.repetition_penalty) == (0.6, 20, 0.95, 1.1)
+            assert (first.max_tokens, first.cut_to_context) == (5, True)
+            assert (sent.temperature, sent.top_k, sent.max_tokens, sent.cut_to_context) == (0.0, 20, 9, False)
+            assert (completion.top_p, completion.temperature, completion.max_tokens) == (1.0, 0.6, 5)
+            assert all(type(s.max_tokens) is int and type(s.top_k) is int for s in (first, sent, completion))
+
+    run(body)
+
+
 def test_chat_streaming_with_usage(harness):
     async def body():
         async with harness() as h:
@@ -425,9 +451,12 @@ def test_a_refused_cap_is_named_by_the_field_the_client_sent(harness):
     async def body():
         async with harness() as h:
             for field in ("max_tokens", "max_completion_tokens"):
-                status, r = await h.post(CHAT, chat_body(**{field: 255}))
-                assert status == 400 and r["error"]["param"] == field, r
-                assert r["error"]["code"] == "context_length_exceeded"
+                for path, sent in ((CHAT, chat_body(**{field: 255})), (COMP, {"model": "tiny", "prompt": "a b",
+                                                                             field: 255})):
+                    status, r = await h.post(path, sent)
+                    assert status == 400 and r["error"]["param"] == field, r
+                    assert r["error"]["code"] == "context_length_exceeded"
+                    assert r["error"]["message"].startswith(f"{field} is 255, but the prompt has "), r
             # the prompt's logprobs an echo with logprobs asks for are named by logprobs, the field it sent
             h.engine.plan = lambda req: [Failed(request_id=req.request_id, status=400, param="prompt_logprobs",
                                                 message="too many entries")]
