@@ -28,7 +28,8 @@ Every refusal is a ``MediaError`` naming the content part
 (``messages[0].content[1].image_url``) and the limit it broke; the prepare
 actor turns it into ``Failed(400, param=...)`` for that request alone. A
 failed fetch (``FetchError``) tells the client only ``could not fetch
-<part>``, whatever the cause; the cause goes to the server log.
+<part>`` and the limits a fetch keeps to, whatever the cause (no answer may
+tell a closed port from a slow one); the cause goes to the server log.
 """
 
 from __future__ import annotations
@@ -286,10 +287,14 @@ class FetchError(MediaError):
 
 
 class FetchFailed(MediaError):
-    """What a client is told of any failed fetch: ``could not fetch <param>``."""
+    """What a client is told of any failed fetch: ``could not fetch <param>``,
+    and what a fetch that succeeds is (the same words whatever the cause)."""
 
     def __init__(self, param: str):
-        ValueError.__init__(self, f"could not fetch {param}")
+        ValueError.__init__(self, f"could not fetch {param}; a fetch succeeds where the address answers 200 with "
+                                  "the media within server.max_media_bytes and server.media_fetch_timeout_s, "
+                                  "after at most server.max_media_redirects redirects (the server's log names "
+                                  "the cause)")
         self.param = param
 
 

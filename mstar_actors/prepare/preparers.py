@@ -43,6 +43,7 @@ from mstar_actors.frontend.tool_calls import call_parameters
 from mstar_actors.prepare.audio_features import load_feature_extractor, prepare_clip
 from mstar_actors.prepare.media import (
     AUDIO_KINDS,
+    MEDIA_PART_TYPES,
     VISION_KINDS,
     Abandoned,
     MediaError,
@@ -266,15 +267,10 @@ def load_preparer(info: ModelInfo, limits: MediaLimits | None = None) -> Any:
 
     tokenization = Tokenization(info.model_dir)
     grammars = GrammarCompiler(tokenizer_info(tokenization.tokenizer, info.vocab_size, info.eos_token_ids))
-    if info.architecture == QWEN2_AUDIO_ARCHITECTURE:
-        return AudioPreparer(Path(info.model_dir), tokenization, info.media_token_ids, limits or MediaLimits(),
-                             prompt_limit=info.max_model_len, grammars=grammars)
-    if info.architecture == QWEN3_5_ARCHITECTURE:
-        return Qwen3_5VLPreparer(Path(info.model_dir), tokenization, info.media_token_ids, limits or MediaLimits(),
-                                 prompt_limit=info.max_model_len, grammars=grammars)
     if info.is_multimodal:
-        return QwenVLPreparer(Path(info.model_dir), tokenization, info.media_token_ids, limits or MediaLimits(),
-                              prompt_limit=info.max_model_len, grammars=grammars)
+        preparer = MEDIA_PREPARERS.get(info.architecture, QwenVLPreparer)
+        return preparer(Path(info.model_dir), tokenization, info.media_token_ids, limits or MediaLimits(),
+                        prompt_limit=info.max_model_len, grammars=grammars)
     return Preparer(tokenization, info.max_model_len, grammars)
 
 
@@ -472,10 +468,10 @@ def _media_refused(req: NewRequest) -> Failed | None:
     """A media part sent to the text path (a text-only model), named by its part."""
     if (media := first_media_part(req.messages)) is None:
         return None
-    param, kind = media
-    return failed(req, f"this model reads text only; {kind} parts are for a checkpoint of a media architecture "
-                       "(Qwen2_5_VLForConditionalGeneration, Qwen3_5ForConditionalGeneration, "
-                       "Qwen2AudioForConditionalGeneration)", param)
+    param, part = media
+    readers = [arch for arch, preparer in MEDIA_PREPARERS.items() if MEDIA_PART_TYPES.get(part) in preparer.MEDIA_KINDS]
+    return failed(req, f"this model reads text only; {part} parts are for a checkpoint of a media architecture "
+                       f"({', '.join(readers)})", param)
 
 
 def media_digests(media: list[MediaDraft]) -> tuple[str, ...]:
@@ -714,3 +710,11 @@ def torch_rows(rows: Any) -> Any:
     import torch
 
     return torch.from_numpy(rows).contiguous()
+
+
+# The media architectures' preparers (``load_preparer``), by config.json's architecture
+MEDIA_PREPARERS: dict[str, type[MediaPreparer]] = {
+    "Qwen2_5_VLForConditionalGeneration": QwenVLPreparer,
+    QWEN3_5_ARCHITECTURE: Qwen3_5VLPreparer,
+    QWEN2_AUDIO_ARCHITECTURE: AudioPreparer,
+}

@@ -94,4 +94,6 @@ def test_media_on_a_text_only_model_is_a_400_naming_the_part(counted, part):
     preparer, _ = counted
     out = preparer.prepare(request(messages=[ChatMessage("user", [ContentPart(type="text", text="look"), part])]))
     assert out.status == 400 and out.param == f"messages[0].content[1].{part.type}", out
-    assert "reads text only" in out.message and "Qwen3_5ForConditionalGeneration" in out.message
+    readers = ("Qwen2AudioForConditionalGeneration)" if part.type == "input_audio" else
+               "Qwen2_5_VLForConditionalGeneration, Qwen3_5ForConditionalGeneration)")  # the part's readers alone
+    assert "reads text only" in out.message and out.message.endswith(f"a media architecture ({readers}"), out

@@ -20,7 +20,8 @@ import pytest
 from aiohttp import web
 
 from mstar_actors.config import parse_config
-from mstar_actors.prepare.media import FetchError, FetchSession, MediaLimits, MediaRef, fetch_remote, make_fetch_session
+from mstar_actors.prepare.media import (FetchError, FetchFailed, FetchSession, MediaLimits, MediaRef, fetch_remote,
+                                        make_fetch_session)
 from mstar_actors.prepare.media_guard import FetchPolicy, GuardedResolver, address_refusal
 from mstar_actors.messages import (
     ChatMessage,
@@ -37,7 +38,7 @@ from tests.prepare.actor_kit import running_prepare_actor
 pytestmark = pytest.mark.timeout(30)
 
 PARAM = "messages[0].content[1].image_url"
-GENERIC = f"could not fetch {PARAM}"
+GENERIC = str(FetchFailed(PARAM))
 IMAGE = b"\x89PNG not really"
 OPT_IN = dict(allow_private_addresses=True)  # the canary is on loopback
 

@@ -482,9 +482,16 @@ async def test_a_failed_fetch_is_never_overtaken_by_its_abort():
     app.router.add_get("/gone.png", missing)
     async with serving(app) as base:
         codec = Codec(PrepareToConductor, "size")
+        from mstar_actors.prepare.media import FetchFailed
+        from mstar_actors.prepare.preparers import failed
+
         one = Prepared(request_id="t1", model="m", prompt_token_ids=[1, 2, 3], sampling=SamplingParams())
-        room = len(codec.encode(one)) + len(codec.encode(Abort(request_id="m1"))) + 2 * RECORD_OVERHEAD
-        h = Harness(FetchingPreparer(asyncio.get_running_loop()), num_workers=2, outbox_bytes=room)
+        param = "messages[0].content[0].image_url"
+        gone = failed(media_request("m1", ""), str(FetchFailed(param)), param)  # what m1 is answered
+        # room for t1's Prepared and m1's Abort, or for m1's Failed alone: the Failed waits behind t1's Prepared
+        room = max(len(codec.encode(one)) + len(codec.encode(Abort(request_id="m1"))), len(codec.encode(gone)))
+        h = Harness(FetchingPreparer(asyncio.get_running_loop()), num_workers=2,
+                    outbox_bytes=room + 2 * RECORD_OVERHEAD)
         h.preparer.expect("t1", "m1")
         h.preparer.gates["t1"].set()
         await h.send_text("t1")
