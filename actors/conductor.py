@@ -414,6 +414,9 @@ class ConductorActor(Actor):
         if num_held:
             stats = msgspec.structs.replace(stats, num_waiting=stats.num_waiting + num_held,
                                             num_waiting_for_adapter=for_adapter)
+        running, waiting = self.adapter_pool.adapter_names()
+        if running or waiting:
+            stats = msgspec.structs.replace(stats, running_adapters=running, waiting_adapters=waiting)
         if stats != self.last_stats:
             self.last_stats = stats
             await self.tell_frontends(stats)

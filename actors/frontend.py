@@ -114,7 +114,12 @@ class FrontendActor(Actor):
         # Of server.api_server_count frontends on one port: its request ids name it (new_request_id).
         self.index = index
         self.mailbox = Mailbox(self.inbox, max_pending=MAILBOX_SIZE)
-        self.metrics = Metrics(metrics_dir, self.info.served_name, self.info.max_model_len)
+        lora = self.config.lora  # adapters served: vllm:lora_requests_info, as vLLM's with LoRA on
+        serves_adapters = self.info.lora_base is not None and (lora.adapters or lora.allow_runtime_updates)
+        cache = {"block_size": str(self.config.kv.block_size), "cache_dtype": self.info.dtype,
+                 "enable_prefix_caching": str(self.config.kv.enable_prefix_caching)}
+        self.metrics = Metrics(metrics_dir, self.info.served_name, self.info.max_model_len,
+                               max_lora=lora.max_loras if serves_adapters else None, cache_config=cache)
         self.port: int | None = None  # the bound port, once started
         self._is_started = CONTROL not in self.inbox  # without a launcher: ready when started
         self._failure: str | None = None  # a peer's failure: unhealthy from then on
@@ -931,7 +936,8 @@ class FrontendActor(Actor):
                 end = now if choice.last_token_at is None else choice.last_token_at  # each choice's own (n > 1)
                 phases = None if choice.first_token_at is None else (*choice.phases, end - choice.first_token_at)
                 self.metrics.observe_end(choice.finish_reason, end - exchange.arrival,
-                                         (choice.num_prompt_tokens, choice.num_output_tokens), phases)
+                                         (choice.num_prompt_tokens, choice.num_output_tokens), phases,
+                                         (exchange.parsed.n, exchange.parsed.sampling.max_tokens))
         for rid in [*exchange.choice_ids, *exchange.choices]:
             self._exchanges.pop(rid, None)
             self._unacked.discard(rid)
@@ -984,6 +990,7 @@ class FrontendActor(Actor):
             self.metrics.prompt_tokens.inc(delta.num_prompt_tokens)  # counted once prefilled, as vLLM counts it
             self.metrics.prefix_cache_queries.inc(delta.num_queried_tokens)
             self.metrics.prefix_cache_hits.inc(delta.num_cached_tokens)
+            self.metrics.prompt_tokens_cached.inc(delta.num_cached_tokens)
             choice.num_prompt_tokens, choice.num_cached_tokens = delta.num_prompt_tokens, delta.num_cached_tokens
         if delta.prompt_token_ids is not None:
             choice.prompt_token_ids = delta.prompt_token_ids

@@ -435,6 +435,9 @@ class EngineStats(Struct, frozen=True, tag=True, omit_defaults=True):
     # Recurrent-state slots (models with recurrent layers; 0 and 0 otherwise).
     num_state_slots_used: int = 0
     num_state_slots_total: int = 0
+    # LoRA adapters (``AdapterPool.adapter_names``): those of admitted choices, and those choices wait for
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
 
 
 class AdapterUpdate(Struct, frozen=True, tag=True, omit_defaults=True):

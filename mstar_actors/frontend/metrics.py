@@ -44,6 +44,9 @@ _E2E_BUCKETS = (0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20
                 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+FINISH_REASONS = ("stop", "length", "abort")
+
+
 def _one_two_five(limit: int) -> tuple[int, ...]:
     """vLLM's buckets of token counts: 1, 2, 5, 10, 20, 50, ... up to ``limit``."""
     buckets, scale = [], 1
@@ -66,10 +69,13 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, multiprocess_dir: str | None = None, model_name: str = "", max_model_len: int = 1 << 20) -> None:
+    def __init__(self, multiprocess_dir: str | None = None, model_name: str = "", max_model_len: int = 1 << 20,
+                 max_lora: int | None = None, cache_config: dict[str, str] | None = None) -> None:
         """``multiprocess_dir``: the run's folder of ``PROMETHEUS_MULTIPROC_DIR``
         (several frontends), which must be set before ``prometheus_client``
-        is imported; None: this process's values alone."""
+        is imported; None: this process's values alone. ``max_lora``: the
+        adapter slots where adapters are served (None: none are);
+        ``cache_config``: ``vllm:cache_config_info``'s labels."""
         if multiprocess_dir is not None and os.environ.get("PROMETHEUS_MULTIPROC_DIR") != multiprocess_dir:
             raise RuntimeError(f"multiprocess metrics in {multiprocess_dir}, but PROMETHEUS_MULTIPROC_DIR is "
                                f"{os.environ.get('PROMETHEUS_MULTIPROC_DIR')!r}: the launcher sets it before "
@@ -77,17 +83,17 @@ class Metrics:
         self.multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry()
         reg = self.registry
-        model = {"model_name": model_name}
+        model = {"model_name": model_name, "engine": "0"}  # vLLM's labels (one engine: its "0")
         gauge = functools.partial(Gauge, registry=reg, **({"multiprocess_mode": "mostrecent"} if multiprocess_dir else {}))
 
         def vllm_gauge(name: str, documentation: str):
-            return gauge(name, documentation, ["model_name"]).labels(**model)
+            return gauge(name, documentation, list(model)).labels(**model)
 
         def vllm_histogram(name: str, documentation: str, buckets: tuple[float, ...]):
-            return Histogram(name, documentation, ["model_name"], buckets=buckets, registry=reg).labels(**model)
+            return Histogram(name, documentation, list(model), buckets=buckets, registry=reg).labels(**model)
 
         def vllm_counter(name: str, documentation: str):
-            return Counter(name, documentation, ["model_name"], registry=reg).labels(**model)
+            return Counter(name, documentation, list(model), registry=reg).labels(**model)
 
         self.requests = Counter("mstar_requests", "HTTP requests by route and status code", ["route", "status"], registry=reg)
         self.prompt_tokens = vllm_counter("vllm:prompt_tokens", "Prompt tokens, counted once prefilled")
@@ -96,12 +102,16 @@ class Metrics:
                                                  "prefix cache (not with caching off or prompt logprobs asked "
                                                  "for), counted once prefilled")
         self.prefix_cache_hits = vllm_counter("vllm:prefix_cache_hits", "Prompt tokens the prefix cache held")
+        self.prompt_tokens_cached = vllm_counter("vllm:prompt_tokens_cached", "Prompt tokens not computed: the "
+                                                 "prefix cache held them")
         self.time_to_first_token = vllm_histogram("vllm:time_to_first_token_seconds", "From arrival to the first token",
                                                   _TTFT_BUCKETS)
         self.e2e_latency = vllm_histogram("vllm:e2e_request_latency_seconds", "From arrival to a choice's end",
                                           _E2E_BUCKETS)
         self._success = Counter("vllm:request_success", "Choices ended, by finish reason (abort: not finished)",
-                                ["model_name", "finished_reason"], registry=reg)
+                                [*model, "finished_reason"], registry=reg)
+        for reason in FINISH_REASONS:  # each at 0 from the start, as vLLM's: rate() and absent() read them
+            self._success.labels(**model, finished_reason=reason)
         # a finished choice's phases, as vLLM's dashboard plots them (the engine's clock for the first two)
         self.queue_time = vllm_histogram("vllm:request_queue_time_seconds", "From the engine's receipt to the "
                                          "choice's first scheduled step", _E2E_BUCKETS)
@@ -111,7 +121,13 @@ class Metrics:
                                           _E2E_BUCKETS)
         self.inference_time = vllm_histogram("vllm:request_inference_time_seconds", "From the first scheduled step "
                                              "to the last token (prefill and decode)", _E2E_BUCKETS)
+        self.time_per_output_token = vllm_histogram("vllm:request_time_per_output_token_seconds", "A finished "
+                                                    "choice's decode time over its tokens after the first",
+                                                    _ITL_BUCKETS)
         lengths = _one_two_five(max_model_len)
+        self.params_n = vllm_histogram("vllm:request_params_n", "A finished choice's request's n", (1, 2, 5, 10, 20))
+        self.params_max_tokens = vllm_histogram("vllm:request_params_max_tokens", "A finished choice's cap on "
+                                                "its output tokens", lengths)
         self.request_prompt_tokens = vllm_histogram("vllm:request_prompt_tokens", "A finished choice's prompt "
                                                     "tokens", lengths)
         self.request_generation_tokens = vllm_histogram("vllm:request_generation_tokens", "A finished choice's "
@@ -139,24 +155,42 @@ class Metrics:
                                              "Requests held until their LoRA adapter is in a slot")
         self.num_state_slots_used = gauge("mstar_state_slots_used", "Recurrent-state slots in use")
         self.num_state_slots_total = gauge("mstar_state_slots_total", "Recurrent-state slots in all")
+        # vLLM's: the KV cache's settings as labels, the value 1 (set once the ranks' block count is known)
+        self._cache_config = cache_config
+        self._cache_info = None if cache_config is None else gauge(
+            "vllm:cache_config_info", "The KV cache's settings", [*cache_config, "num_gpu_blocks"])
+        # vLLM's, read by LoRA-affinity routers: the adapters of admitted (running) and waiting choices as labels,
+        # the value the time they last changed (the series of the latest time is the current one)
+        self.max_lora = max_lora
+        self._lora_info = None if max_lora is None else Gauge(
+            "vllm:lora_requests_info", "Running stats on LoRA requests",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=reg,
+            **({"multiprocess_mode": "max"} if multiprocess_dir else {}))
+        self._lora_labels: dict[str, str] | None = None
+        if max_lora is not None:
+            self._set_lora_info((), ())
 
     def observe_end(self, finish_reason: str | None, seconds: float, lengths: tuple[int, int] = (0, 0),
-                    phases: tuple[float, float, float] | None = None) -> None:
+                    phases: tuple[float, float, float] | None = None, params: tuple[int, int] = (1, 0)) -> None:
         """A choice ended: ``finish_reason`` None when it did not finish (its client left, it failed);
         ``lengths``: its prompt and generated tokens; ``phases``: its queue, prefill and decode seconds
-        (None: it made no token)."""
+        (None: it made no token); ``params``: its request's n and max_tokens."""
         self._success.labels(**self.model, finished_reason=finish_reason or "abort").inc()
         if finish_reason is None:
             return
         self.e2e_latency.observe(seconds)
         self.request_prompt_tokens.observe(lengths[0])
         self.request_generation_tokens.observe(lengths[1])
+        self.params_n.observe(params[0])
+        self.params_max_tokens.observe(params[1])
         if phases is not None:
             queued, prefill, decode = phases
             self.queue_time.observe(queued)
             self.prefill_time.observe(prefill)
             self.decode_time.observe(decode)
             self.inference_time.observe(prefill + decode)
+            if lengths[1] > 1:
+                self.time_per_output_token.observe(decode / (lengths[1] - 1))
 
     def observe_request(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
@@ -175,6 +209,21 @@ class Metrics:
         self.num_waiting_for_adapter.set(stats.num_waiting_for_adapter)
         self.num_state_slots_used.set(stats.num_state_slots_used)
         self.num_state_slots_total.set(stats.num_state_slots_total)
+        if self.max_lora is not None:
+            self._set_lora_info(stats.running_adapters, stats.waiting_adapters)
+        if self._cache_info is not None and total:
+            self._cache_info.labels(**self._cache_config, num_gpu_blocks=str(total)).set(1)
+            self._cache_info = None
+
+    def _set_lora_info(self, running: tuple[str, ...], waiting: tuple[str, ...]) -> None:
+        labels = {"max_lora": str(self.max_lora), "waiting_lora_adapters": ",".join(waiting),
+                  "running_lora_adapters": ",".join(running)}
+        if labels == self._lora_labels:
+            return
+        if self._lora_labels is not None and self.multiprocess_dir is None:
+            self._lora_info.remove(*self._lora_labels.values())  # (one series: the current one)
+        self._lora_labels = labels
+        self._lora_info.labels(**labels).set_to_current_time()
 
     def render(self) -> bytes:
         if self.multiprocess_dir is None:

@@ -231,6 +231,13 @@ class AdapterPool:
         too; parked ones are the scheduler's)."""
         return sum(w.prepared.n for w in self._waiting if w.prepared is not None)
 
+    def adapter_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(running, waiting), each sorted: the adapters whose choices are
+        admitted to a slot, and those whose choices wait for one (parked
+        ones too): vLLM's ``vllm:lora_requests_info`` labels."""
+        running = {self.table.name_of(slot) for slot in self._slot_of.values() if slot}
+        return tuple(sorted(running)), tuple(sorted({w.adapter.name for w in self._waiting}))
+
     @property
     def quantum(self) -> float:
         """A tenant's turn, in planned steps (see ``QUANTUM_STEPS``)."""

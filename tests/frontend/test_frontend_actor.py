@@ -425,7 +425,7 @@ def test_engine_refusal_before_output_keeps_its_status(harness):
             assert status == 400 and "max_model_len" in r["error"]["message"]
             # the client's mistake is no request's end in vLLM's request_success (it read as aborts)
             async with h.session.get(h.url + "/metrics") as resp:
-                assert 'finished_reason="abort"' not in await resp.text()
+                assert 'finished_reason="abort",model_name="tiny"} 0.0' in await resp.text()
 
     run(body)
 
@@ -780,7 +780,7 @@ def test_an_echo_with_a_cap_of_zero_generates_nothing_in_the_metrics(harness):
             assert status == 200 and r["usage"]["completion_tokens"] == 0
             async with h.session.get(h.url + "/metrics") as resp:
                 text = await resp.text()
-            assert 'vllm:generation_tokens_total{model_name="tiny"} 0.0' in text
+            assert 'vllm:generation_tokens_total{engine="0",model_name="tiny"} 0.0' in text
 
     run(body)
 
@@ -804,18 +804,28 @@ def test_metrics(harness):
             assert 'mstar_requests_total{route="/v1/chat/completions",status="405"} 1.0' in text  # its route's
             assert 'mstar_requests_total{route="/v1/models/{model_id}",status="405"} 1.0' in text
             # vLLM's names, labelled by the served model, for dashboards made for vLLM
-            model = '{model_name="tiny"}'
+            model = '{engine="0",model_name="tiny"}'
             assert f"vllm:generation_tokens_total{model} 18.0" in text
             assert f"vllm:time_to_first_token_seconds_count{model} 2.0" in text
-            assert 'vllm:time_to_first_token_seconds_bucket{le="2560.0",' in text  # vLLM's buckets, a long queue's
+            assert 'vllm:time_to_first_token_seconds_bucket{engine="0",le="2560.0",' in text  # vLLM's buckets, a long queue's
             assert f"vllm:inter_token_latency_seconds_count{model}" in text
             assert f"vllm:e2e_request_latency_seconds_count{model} 2.0" in text
             for phase in ("queue", "prefill", "decode", "inference"):  # vLLM's dashboard's phases of a request
                 assert f"vllm:request_{phase}_time_seconds_count{model} 2.0" in text
             assert f"vllm:request_generation_tokens_sum{model} 18.0" in text
-            assert 'vllm:request_prompt_tokens_bucket{le="5.0",' in text  # vLLM's 1-2-5 buckets
-            assert 'vllm:request_success_total{finished_reason="stop",model_name="tiny"} 2.0' in text
+            assert 'vllm:request_prompt_tokens_bucket{engine="0",le="5.0",' in text  # vLLM's 1-2-5 buckets
+            assert 'vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 2.0' in text
+            for reason in ("length", "abort"):  # every reason from the start, as vLLM's
+                assert f'vllm:request_success_total{{engine="0",finished_reason="{reason}",model_name="tiny"}} 0.0' \
+                    in text
             assert f"vllm:prompt_tokens_total{model} " in text
+            assert f"vllm:request_params_n_count{model} 2.0" in text and f"vllm:request_params_n_sum{model} 2.0" in text
+            assert f"vllm:request_params_max_tokens_count{model} 2.0" in text
+            assert f"vllm:request_time_per_output_token_seconds_count{model} 2.0" in text
+            assert f"vllm:prompt_tokens_cached_total{model} 0.0" in text
+            assert 'vllm:cache_config_info{block_size="16",cache_dtype="float32",enable_prefix_caching="True",' \
+                   'num_gpu_blocks="10"} 1.0' in text
+            assert "vllm:lora_requests_info" not in text  # no adapter served here
 
             def value(name: str) -> float:
                 return float(next(ln for ln in text.splitlines() if ln.startswith(f"{name}{model} ")).split()[-1])

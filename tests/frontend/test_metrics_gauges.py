@@ -20,7 +20,31 @@ def test_engine_gauges_follow_the_last_stats():
     metrics.observe_engine(EngineStats(num_running=0, num_waiting=0, num_kv_blocks_used=0, num_kv_blocks_total=10))
     seen = gauges(metrics)  # a model without recurrent state reports none
     assert seen["mstar_state_slots_used"] == 0 and seen["mstar_state_slots_total"] == 0
-    assert seen['vllm:num_requests_running{model_name=""}'] == 0 and seen['vllm:kv_cache_usage_perc{model_name=""}'] == 0
+    model = '{engine="0",model_name=""}'
+    assert seen[f"vllm:num_requests_running{model}"] == 0 and seen[f"vllm:kv_cache_usage_perc{model}"] == 0
+
+
+def test_lora_requests_info_names_the_running_and_waiting_adapters_as_vllms():
+    """What LoRA-affinity routers read: one series, its labels the adapters of admitted choices and of those
+    waiting for a slot, its value the time they last changed (the latest series is the current one)."""
+    import time
+
+    metrics = Metrics(max_lora=2)
+    idle = EngineStats(num_running=0, num_waiting=0, num_kv_blocks_used=0, num_kv_blocks_total=10)
+
+    def series() -> dict[str, float]:
+        return {name: value for name, value in gauges(metrics).items() if name.startswith("vllm:lora_requests_info")}
+
+    (name, value), = series().items()
+    assert name == 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}'
+    assert abs(value - time.time()) < 60
+    metrics.observe_engine(EngineStats(num_running=3, num_waiting=1, num_kv_blocks_used=2, num_kv_blocks_total=10,
+                                       running_adapters=("a", "b"), waiting_adapters=("c",)))
+    assert list(series()) == [
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="a,b",waiting_lora_adapters="c"}']
+    metrics.observe_engine(idle)
+    assert list(series()) == [name]
+    assert "lora_requests_info" not in Metrics().render().decode()  # without adapters served: no such metric
 
 
 def test_loop_counter_and_histogram_render_as_prometheus_client_does():

@@ -114,3 +114,18 @@ def test_churn_keeps_two_thirds_of_the_batch_with_a_bounded_wait(concurrency, in
 def test_sim_refuses_a_client_faster_than_the_conductor():
     with pytest.raises(ValueError, match="client_steps must be >= 1"):
         sim.simulate(2, max_tokens=4, num_requests=4, client_steps=0)
+
+
+def test_adapter_names_are_those_of_admitted_choices_and_of_waiters():
+    """``vllm:lora_requests_info``'s labels: admitted (running) and waiting adapters, parked choices waiting."""
+    p = resident_ab()
+    assert p.adapter_pool.adapter_names() == (("a", "b"), ())
+    p.send("c1", "c")  # no free slot: c waits
+    assert p.adapter_pool.adapter_names() == (("a", "b"), ("c",))
+    p.end("a1")
+    p.end("b1")
+    p.settle()
+    running, waiting = p.adapter_pool.adapter_names()
+    assert running == ("c",) and waiting == () and p.admitted.get("c1") is not None
+    p.end("c1")
+    assert p.adapter_pool.adapter_names() == ((), ())
