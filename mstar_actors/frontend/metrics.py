@@ -160,15 +160,12 @@ class Metrics:
         self._cache_info = None if cache_config is None else gauge(
             "vllm:cache_config_info", "The KV cache's settings", [*cache_config, "num_gpu_blocks"])
         # vLLM's, read by LoRA-affinity routers: the adapters of admitted (running) and waiting choices as labels,
-        # the value the time they last changed (the series of the latest time is the current one)
+        # the value the time they last changed. Every frontend gets the same EngineStats, so each renders the
+        # current series itself (no multiprocess file: a past series would stay in it)
         self.max_lora = max_lora
-        self._lora_info = None if max_lora is None else Gauge(
+        self._lora_info = None if max_lora is None else LatestInfo(
             "vllm:lora_requests_info", "Running stats on LoRA requests",
-            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=reg,
-            **({"multiprocess_mode": "max"} if multiprocess_dir else {}))
-        self._lora_labels: dict[str, str] | None = None
-        if max_lora is not None:
-            self._set_lora_info((), ())
+            {"max_lora": str(max_lora), "waiting_lora_adapters": "", "running_lora_adapters": ""}, reg)
 
     def observe_end(self, finish_reason: str | None, seconds: float, lengths: tuple[int, int] = (0, 0),
                     phases: tuple[float, float, float] | None = None, params: tuple[int, int] = (1, 0)) -> None:
@@ -209,21 +206,13 @@ class Metrics:
         self.num_waiting_for_adapter.set(stats.num_waiting_for_adapter)
         self.num_state_slots_used.set(stats.num_state_slots_used)
         self.num_state_slots_total.set(stats.num_state_slots_total)
-        if self.max_lora is not None:
-            self._set_lora_info(stats.running_adapters, stats.waiting_adapters)
+        if self._lora_info is not None:
+            self._lora_info.set({"max_lora": str(self.max_lora), "waiting_lora_adapters": ",".join(stats.waiting_adapters),
+                                 "running_lora_adapters": ",".join(stats.running_adapters)})
         if self._cache_info is not None and total:
             self._cache_info.labels(**self._cache_config, num_gpu_blocks=str(total)).set(1)
             self._cache_info = None
 
-    def _set_lora_info(self, running: tuple[str, ...], waiting: tuple[str, ...]) -> None:
-        labels = {"max_lora": str(self.max_lora), "waiting_lora_adapters": ",".join(waiting),
-                  "running_lora_adapters": ",".join(running)}
-        if labels == self._lora_labels:
-            return
-        if self._lora_labels is not None and self.multiprocess_dir is None:
-            self._lora_info.remove(*self._lora_labels.values())  # (one series: the current one)
-        self._lora_labels = labels
-        self._lora_info.labels(**labels).set_to_current_time()
 
     def render(self) -> bytes:
         if self.multiprocess_dir is None:
@@ -232,7 +221,32 @@ class Metrics:
 
         every_frontend = CollectorRegistry()
         MultiProcessCollector(every_frontend, path=self.multiprocess_dir)
+        if self._lora_info is not None:
+            every_frontend.register(self._lora_info)
         return generate_latest(every_frontend)
+
+
+class LatestInfo:
+    """A gauge of one series whose labels say the current state, its value
+    the time they last changed (``set_to_current_time``): this process's
+    own, rendered as it stands, a past state's series gone with it."""
+
+    def __init__(self, name: str, documentation: str, labels: dict[str, str], registry: CollectorRegistry):
+        self.name, self.documentation = name, documentation
+        self.labels, self.since = labels, time.time()
+        registry.register(self)
+
+    def set(self, labels: dict[str, str]) -> None:
+        if labels != self.labels:
+            self.labels, self.since = labels, time.time()
+
+    def describe(self) -> list[Metric]:
+        return [Metric(self.name, self.documentation, "gauge")]
+
+    def collect(self) -> Iterator[Metric]:
+        metric = Metric(self.name, self.documentation, "gauge")
+        metric.add_sample(self.name, self.labels, self.since)
+        yield metric
 
 
 class LoopCounter:
