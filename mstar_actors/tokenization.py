@@ -146,8 +146,8 @@ class Tokenization:
                 f"model {self.model_dir.name!r} has no chat template, so it cannot take "
                 "'messages'; send a plain 'prompt' to /v1/completions instead"
             )
-        as_parts = media_parts or self.content_format == "openai"
-        conversation = [_template_message(i, m, media_parts, as_parts) for i, m in enumerate(chat)]
+        loops = self.content_format == "openai"
+        conversation = [_template_message(i, m, media_parts, media_parts or loops, loops) for i, m in enumerate(chat)]
         conversation, tools = self.tool_polyfills(chat, conversation, tools, tool_format)
         try:
             text = self.tokenizer.apply_chat_template(
@@ -244,19 +244,27 @@ _MEDIA_PARTS = {"image_url": {"type": "image"}, "video_url": {"type": "video"},
 
 
 def _template_message(index: int, message: messages.ChatMessage, media_parts: bool,
-                      as_parts: bool) -> dict[str, Any]:
+                      as_parts: bool, loops: bool = False) -> dict[str, Any]:
     """A ChatMessage as the dict chat templates expect: its parts as a list
     (``as_parts``: a template that loops over them, or ``media_parts``, media
     ones as the placeholders Qwen's templates read), else its text parts
-    joined by newlines (as vLLM does for a template that reads a string)."""
+    joined by newlines (as vLLM does for a template that reads a string).
+    Where the template loops over the parts (``loops``), a string is one
+    text part (as vLLM makes it: looped over, a string's characters write
+    nothing); a tool's text is always one string, as vLLM gives it."""
     content = message.content
-    if not isinstance(content, str):
+    if isinstance(content, str):
+        if loops and message.role != "tool":
+            content = [{"type": "text", "text": content}]
+    else:
         for part_index, part in enumerate(content):
             if part.type != "text" and not (media_parts and part.type in _MEDIA_PARTS):
                 raise ValueError(f"messages[{index}].content[{part_index}] has type {part.type!r}; "
                                  "only 'text' content parts are supported for this model so far")
+        texts_only = all(p.type == "text" for p in content)
         content = ([{"type": "text", "text": p.text or ""} if p.type == "text" else dict(_MEDIA_PARTS[p.type])
-                    for p in content] if as_parts else "\n".join(p.text or "" for p in content))
+                    for p in content] if as_parts and not (message.role == "tool" and texts_only)
+                   else "\n".join(p.text or "" for p in content))
     return {"role": message.role, "content": content} | template_tool_fields(message)
 
 

@@ -181,6 +181,35 @@ def test_a_template_that_loops_over_its_parts_gets_them_as_a_list(tmp_path, byte
     assert ids == list(expected) and "Helloworld" in tokenization.decode(ids, skip_special_tokens=False)
 
 
+LOOPING_TEMPLATE = (  # SmolVLM's way: the parts looped over, no branch for a string
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}: "
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{ line['text'] }}{% endif %}{% endfor %}"
+    "{% if message.reasoning is defined %}[{{ message.reasoning }}]{% endif %}<|im_end|>\n{% endfor %}"
+)
+
+
+def test_a_string_is_one_text_part_to_a_looping_template_and_a_tool_s_text_one_string(tmp_path, byte_level_dir):
+    """As vLLM gives them: a string looped over wrote nothing (the question was dropped with a 200); a tool
+    message's text parts are one string, joined by newlines; an assistant's reasoning is ``reasoning`` too."""
+    from mstar_actors.messages import ChatMessage, ContentPart
+
+    tok = Tokenizer.from_file(str(byte_level_dir / "tokenizer.json"))
+    tokenization = Tokenization(save_model_dir(tmp_path / "looping", tok, chat_template=LOOPING_TEMPLATE))
+    assert tokenization.content_format == "openai"
+    chat = [ChatMessage("user", "What is the capital?"),
+            ChatMessage("assistant", "Paris", reasoning_content="easy"),
+            ChatMessage("tool", [ContentPart("text", text="a"), ContentPart("text", text="b")], tool_call_id="c1")]
+    text = tokenization.decode(tokenization.apply_chat_template(chat, add_generation_prompt=False), False)
+    assert "user: What is the capital?<|im_end|>" in text and "assistant: Paris[easy]<|im_end|>" in text
+    as_vllm = [{"role": "user", "content": [{"type": "text", "text": "What is the capital?"}]},
+               {"role": "assistant", "content": [{"type": "text", "text": "Paris"}], "reasoning": "easy",
+                "reasoning_content": "easy"},
+               {"role": "tool", "content": "a\nb", "tool_call_id": "c1"}]
+    expected = tokenization.tokenizer.apply_chat_template(as_vllm, tokenize=True, add_generation_prompt=False,
+                                                          return_dict=False)
+    assert tokenization.apply_chat_template(chat, add_generation_prompt=False) == list(expected)
+
+
 THINKING_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"

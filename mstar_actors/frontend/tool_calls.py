@@ -364,8 +364,9 @@ def template_tool_fields(message: ChatMessage) -> dict:
     """A message's tool fields as Hugging Face chat templates read them:
     ``tool_calls`` with ``arguments`` decoded to a dict (templates ``tojson``
     it; OpenAI sends a JSON string), ``tool_call_id``, ``name`` and an
-    assistant's ``reasoning_content`` (Qwen3's template reads it). Absent
-    fields are left out: templates test ``message.tool_calls`` for presence."""
+    assistant's reasoning as ``reasoning_content`` (Qwen3's template reads
+    it) and ``reasoning`` (others', as vLLM passes both). Absent fields are
+    left out: templates test ``message.tool_calls`` for presence."""
     fields: dict = {}
     if message.tool_calls:
         fields["tool_calls"] = [
@@ -378,7 +379,7 @@ def template_tool_fields(message: ChatMessage) -> dict:
     if message.name is not None:
         fields["name"] = message.name
     if message.reasoning_content is not None:
-        fields["reasoning_content"] = message.reasoning_content
+        fields["reasoning_content"] = fields["reasoning"] = message.reasoning_content
     return fields
 
 

@@ -211,7 +211,7 @@ def test_request_id_names_the_response_and_message_fields_reach_the_template():
     from mstar_actors.frontend.tool_calls import template_tool_fields
 
     assert template_tool_fields(user) == {"name": "ann"}
-    assert template_tool_fields(assistant) == {"reasoning_content": "think"}
+    assert template_tool_fields(assistant) == {"reasoning_content": "think", "reasoning": "think"}  # as vLLM passes it
 
 
 def test_reasoning_in_history_is_reasoning_content_under_vllm_s_new_name():
