@@ -404,3 +404,32 @@ def test_the_embedding_and_head_copies_peft_saves_must_be_the_served_ones(tmp_pa
         edit_adapter(folder, tensors={key: halved})
     read(folder)
     read_adapter(folder, base=base_shapes(cfg), max_rank=8)  # (no served weights given: shapes alone)
+
+
+def test_reading_an_adapter_again_and_again_keeps_no_memory(saved):
+    """Every runtime load reads the file again: safetensors 0.8's
+    ``safe_open(...).get_tensor`` kept ~64 bytes a tensor for good (the
+    reader grew without end under loads and unloads)."""
+    import gc
+    import tracemalloc
+
+    folder, base = saved
+
+    def read() -> None:
+        read_adapter(folder, base=base, max_rank=8)
+
+    read()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        read()
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(40):
+            read()
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    num_tensors = len(load_file(str(folder / "adapter_model.safetensors")))
+    assert grown < 40 * num_tensors * 16, (grown, num_tensors)  # a quarter of what the leak kept
