@@ -235,7 +235,7 @@ class AdapterPool:
         """(running, waiting), each sorted: the adapters whose choices are
         admitted to a slot, and those whose choices wait for one (parked
         ones too): vLLM's ``vllm:lora_requests_info`` labels."""
-        running = {self.table.name_of(slot) for slot in self._slot_of.values() if slot}
+        running = {self.table.name_of(slot) for slot in set(self._slot_of.values()) if slot}  # (a few slots)
         return tuple(sorted(running)), tuple(sorted({w.adapter.name for w in self._waiting}))
 
     @property
