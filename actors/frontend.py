@@ -81,6 +81,7 @@ from mstar_actors.frontend.reasoning import (
     prompt_reasoning,
     reasoning_end,
 )
+from mstar_actors.frontend.response_store import MAX_LISTED, ResponseStore, input_items_page
 from mstar_actors.frontend.responses_api import new_id, read_responses
 from mstar_actors.frontend.tool_calls import (
     LLAMA3_JSON,
@@ -120,6 +121,8 @@ class FrontendActor(Actor):
                  "enable_prefix_caching": str(self.config.kv.enable_prefix_caching)}
         self.metrics = Metrics(metrics_dir, self.info.served_name, self.info.max_model_len,
                                max_lora=lora.max_loras if serves_adapters else None, cache_config=cache)
+        store_mib = self.config.server.responses_store_mib  # the Responses kept (one frontend: config's rule)
+        self.responses = ResponseStore(store_mib << 20) if store_mib else None
         self.port: int | None = None  # the bound port, once started
         self._is_started = CONTROL not in self.inbox  # without a launcher: ready when started
         self._failure: str | None = None  # a peer's failure: unhealthy from then on
@@ -308,6 +311,9 @@ class FrontendActor(Actor):
         post("/v1/chat/completions", functools.partial(self._generate, kind="chat"))
         post("/v1/completions", functools.partial(self._generate, kind="completion"))
         post("/v1/responses", self._respond)
+        app.router.add_get("/v1/responses/{response_id}", self._stored_response)
+        app.router.add_delete("/v1/responses/{response_id}", self._stored_response)
+        app.router.add_get("/v1/responses/{response_id}/input_items", self._input_items)
         post("/v1/audio/speech", self._speech)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model_id:.+}", self._model)
@@ -636,11 +642,51 @@ class FrontendActor(Actor):
         field its body sent."""
         raw = await request.read()
         self._check_available()
-        asked = read_responses(raw)
+        asked = read_responses(raw, self.responses)
         try:
             return await self._serve(request, self._parse_chat(_json.encode(asked.chat)), asked)
         except ApiError as err:
             raise asked.renamed(err) from None
+
+    def _stored(self, request: web.Request) -> Any:
+        """The stored Response the route names (``server.responses_store_mib``), else a 404 saying why."""
+        response_id = request.match_info["response_id"]
+        stored = None if self.responses is None else self.responses.get(response_id)
+        if stored is None:
+            why = ("nothing is stored here: start the server with server.responses_store_mib"
+                   if self.responses is None else "a response is kept only where its request left store true, "
+                                                  "while the store has room (the least recently used dropped)")
+            raise ApiError(404, f"no response found with id {response_id!r}; {why}", param="response_id",
+                           code="not_found")
+        return stored
+
+    async def _stored_response(self, request: web.Request) -> web.Response:
+        """``GET`` / ``DELETE /v1/responses/{id}``: a stored Response, or its deletion."""
+        stored = self._stored(request)
+        if request.method == "DELETE":
+            self.responses.pop(stored.response["id"])
+            return web.json_response({"id": stored.response["id"], "object": "response", "deleted": True})
+        return web.Response(body=_json.encode(stored.response), content_type="application/json")
+
+    async def _input_items(self, request: web.Request) -> web.Response:
+        """``GET /v1/responses/{id}/input_items``: its conversation's input items, a page of them."""
+        stored = self._stored(request)
+        query = request.query
+        try:
+            limit = int(query.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= MAX_LISTED:
+            raise ApiError(400, f"limit: expected an integer in [1, {MAX_LISTED}], got {query.get('limit')!r}",
+                           param="limit")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, f"order: expected 'asc' or 'desc', got {order!r}", param="order")
+        page = input_items_page(stored.items, limit, order, query.get("after"))
+        if page is None:
+            raise ApiError(400, f"after: no input item of this response has the id {query.get('after')!r}",
+                           param="after")
+        return web.Response(body=_json.encode(page), content_type="application/json")
 
     def _parse_chat(self, raw: bytes) -> ParsedRequest:
         return api.parse_chat(raw, self.info.max_model_len, self.info.vocab_size, tool_parser=self.tool_parser,
@@ -662,7 +708,8 @@ class FrontendActor(Actor):
         try:
             await self._submit(exchange)
             if asked is not None:
-                return await self._stream(request, exchange, responses.ResponsesStream(request, exchange, asked))
+                return await self._stream(request, exchange,
+                                          responses.ResponsesStream(request, exchange, asked, self.responses))
             if parsed.stream:
                 return await self._stream(request, exchange)
             return await self._collect(exchange)

@@ -213,6 +213,11 @@ class ServerConfig(msgspec.Struct, **_STRICT):
     # own, which one Python process cannot keep up with for a GPU's hundreds of
     # streams. More than one needs a fixed port (not 0); max_connections is each one's.
     api_server_count: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    # POST /v1/responses keeps each Response whose request left ``store`` true (OpenAI's default) in this
+    # many MiB of the frontend's memory, the least recently used dropped: ``previous_response_id`` and
+    # GET/DELETE /v1/responses/{id} read it. 0 (the default, as vLLM's): nothing is kept. One frontend
+    # only: a follow-up may reach any of several.
+    responses_store_mib: NonNeg = 0
 
 
 ORPHEUS_VOICES = ["tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe"]
@@ -317,6 +322,11 @@ def parse_config(data: object, source: str = "<config>") -> Config:
         raise ConfigError(f"{source}: server.port 0 (any free port) with server.api_server_count "
                           f"{config.server.api_server_count}: each frontend would bind a port of its own; "
                           "set a fixed port, or api_server_count: 1")
+    if config.server.api_server_count > 1 and config.server.responses_store_mib:
+        raise ConfigError(f"{source}: server.responses_store_mib with server.api_server_count "
+                          f"{config.server.api_server_count}: a Response is kept in the frontend that answered it, "
+                          "and a request continuing it may reach another; set api_server_count: 1 to keep "
+                          "responses, or responses_store_mib: 0")
     config = with_device_defaults(with_expanded_paths(config))
     if config.scheduler.steps_ahead > 1 and not config.scheduler.async_scheduling:  # set so, not defaulted
         raise ConfigError(f"{source}: scheduler.steps_ahead {config.scheduler.steps_ahead} needs "

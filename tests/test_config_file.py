@@ -68,3 +68,13 @@ def test_a_model_folder_the_server_cannot_read_is_one_line_naming_model_path(tmp
     err = capsys.readouterr().err
     assert err.startswith(f"error: model.path: {tmp_path / 'empty' / 'config.json'}: missing")
     assert err.count("\n") == 1
+
+
+def test_kept_responses_need_one_frontend():
+    """A Response is kept in the frontend that answered it; with several, its follow-up may reach another."""
+    from mstar_actors.config import parse_config
+
+    assert parse_config({"server": {"responses_store_mib": 64}}).server.responses_store_mib == 64
+    with pytest.raises(ConfigError, match=r"server.responses_store_mib with server.api_server_count 2.*"
+                                          r"api_server_count: 1"):
+        parse_config({"server": {"responses_store_mib": 64, "api_server_count": 2, "port": 8000}})

@@ -292,9 +292,10 @@ class ResponsesStream(Stream):
     """A ``/v1/responses`` reply (``responses_api``): the chat stream's chunk choices made its events,
     written as SSE where it streams, else run to its final Response (``response``, once finished)."""
 
-    def __init__(self, request: web.Request, exchange: Exchange, asked: Any):
+    def __init__(self, request: web.Request, exchange: Exchange, asked: Any, store: Any = None):
         super().__init__(request, exchange)
         self.asked = asked
+        self.store = store if asked.store else None  # (``response_store.ResponseStore``) keeps the Response
         self._envelope = None
         sampling = exchange.parsed.sampling
         self.events = ResponseEvents(exchange.response_id, exchange.model, exchange.created, asked.echo,
@@ -322,6 +323,8 @@ class ResponsesStream(Stream):
     async def finish(self, usage: dict) -> None:
         await self._prepare()  # (a reply of no text: its events still open)
         await self._write(self.events.end(usage, self.reasoning_tokens))
+        if self.store is not None:
+            self.store.put(self.events.response, self.asked.items)
         if not self.asked.stream:
             self.response = web.Response(body=_json.encode(self.events.response), content_type="application/json")
 

@@ -9,9 +9,12 @@ reasoning; function tools as OpenAI flattens them; ``text.format`` the response 
 output's logprobs. Every field the chat path checks is checked there, its error named by the field this
 request sent (``ResponsesRequest.renamed``).
 
-Nothing is stored (vLLM without its store answers the same): ``store`` is taken and the response says
-false; what needs a stored response or a server-side run (``previous_response_id``, ``conversation``,
-``background``, ``prompt``, tools other than functions) is a 400 saying what to send instead.
+With ``server.responses_store_mib`` a Response whose request left ``store`` true is kept
+(``response_store``) and ``previous_response_id`` continues its conversation: its input items and its
+output, then the new input (its ``instructions`` are not carried over, as OpenAI's are not). Without it
+nothing is stored (vLLM without its store answers the same) and the response says ``store: false``. What
+needs a server-side run or state kept elsewhere (``conversation``, ``background``, ``prompt``, tools other
+than functions) is a 400 saying what to send instead.
 
 ``ResponseEvents`` turns the chat stream's chunks into the Responses stream's events (``response.created``,
 ``response.output_item.added``, ``response.output_text.delta``, ..., ``response.completed``); a
@@ -29,6 +32,7 @@ import msgspec
 
 from mstar_actors.frontend.openai_api import (MAX_TOP_LOGPROBS, ApiError, _bad, _show, check_known, decode_body,
                                               get_bool, get_int, get_str)
+from mstar_actors.frontend.response_store import ResponseStore
 
 # Read here, or handed to the chat path under the same name (its checks, its meaning).
 OWN_FIELDS = frozenset({
@@ -45,7 +49,7 @@ CHAT_FIELDS = frozenset({
 })
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 NOT_STORED = ("nothing is stored here (each response is answered and forgotten, as vLLM without its store): "
-              "send the whole conversation as input items")
+              "send the whole conversation as input items, or start the server with server.responses_store_mib")
 
 
 @dataclasses.dataclass
@@ -56,6 +60,8 @@ class ResponsesRequest:
     stream: bool
     echo: dict  # the request's fields a Response repeats (instructions, tools, text, ...)
     names: list[tuple[str, str]]  # (the chat body's field path, the Responses body's), longest first
+    items: list[dict] = dataclasses.field(default_factory=list)  # the conversation's input items, ids given
+    store: bool = False  # the Response is to be kept (``store`` left true, and a store to keep it)
 
     def renamed(self, err: ApiError) -> ApiError:
         """``err`` of the chat path, naming the field of the body the client sent."""
@@ -81,17 +87,29 @@ class ResponsesRequest:
         return param
 
 
-def read_responses(raw: bytes) -> ResponsesRequest:
-    """Validate a Responses body (raises ApiError naming its field)."""
+def read_responses(raw: bytes, store: ResponseStore | None = None) -> ResponsesRequest:
+    """Validate a Responses body (raises ApiError naming its field); ``store``: the stored Responses
+    (None: none are kept)."""
     body = decode_body(raw)
     check_known(body, OWN_FIELDS | CHAT_FIELDS, "/v1/responses")
-    _refuse_server_state(body)
+    _refuse_server_state(body, store is not None)
+    prior: list[dict] = []
+    previous = get_str(body, "previous_response_id", None)
+    if previous is not None:
+        prior = store.conversation(previous)
+        if prior is None:  # (OpenAI's answer: a 400 of its own code)
+            raise ApiError(400, f"previous_response_id: previous response with id {previous!r} not found (a "
+                                "response is kept while the store has room, the least recently used dropped, "
+                                "and only where its request left store true)",
+                           param="previous_response_id", code="previous_response_not_found")
     chat: dict = {k: body[k] for k in CHAT_FIELDS if k in body}
     chat["model"] = body.get("model")
     names: list[tuple[str, str]] = [("max_tokens", "max_output_tokens"), ("response_format", "text.format"),
                                     ("response_format.json_schema", "text.format"), ("messages", "input"),
                                     ("reasoning_effort", "reasoning.effort"), ("logprobs", "include")]
-    chat["messages"] = _messages(body, names)
+    while prior and prior[-1].get("type") == "reasoning":  # a cut reply's reasoning, for no answer: none to give
+        prior = prior[:-1]
+    chat["messages"] = _messages(body, names, _messages({"input": prior}, []) if prior else [])
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     _read_tools(body, chat, names)
@@ -112,25 +130,40 @@ def read_responses(raw: bytes) -> ResponsesRequest:
     if options is not None and not (stream and isinstance(options, dict) and set(options) <= {"include_obfuscation"}
                                     and isinstance(options.get("include_obfuscation", False), bool)):
         raise _bad("stream_options", 'expected {"include_obfuscation": true or false} with stream: true')
-    get_bool(body, "store", True)
+    keep = get_bool(body, "store", True) and store is not None
     get_str(body, "prompt_cache_retention", None)
     names.sort(key=lambda pair: -len(pair[0]))
     echo = {k: body.get(k) for k in ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls",
                                      "top_logprobs", "user", "service_tier")}
     echo |= {"tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
              "text": body.get("text") or {"format": {"type": "text"}}, "reasoning": reasoning or {},
-             "truncation": "disabled", "store": False, "previous_response_id": None}
+             "truncation": "disabled", "store": keep, "previous_response_id": previous}
     if echo["metadata"] is None:
         echo["metadata"] = {}
     if echo["parallel_tool_calls"] is None:
         echo["parallel_tool_calls"] = True
-    return ResponsesRequest(chat, stream, echo, names)
+    items = [*prior, *_with_ids(body["input"])] if keep else []
+    return ResponsesRequest(chat, stream, echo, names, items, keep)
 
 
-def _refuse_server_state(body: dict) -> None:
-    for name in ("previous_response_id", "conversation"):
-        if body.get(name) is not None:
-            raise _bad(name, NOT_STORED)
+def _with_ids(given: Any) -> list[dict]:
+    """The request's input as the items a store lists: a string one user message, each item with an id."""
+    if isinstance(given, str):
+        given = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": given}]}]
+    prefixes = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+    items = []
+    for item in given:
+        kind = item.get("type", "message")
+        items.append({"type": kind, "id": new_id(prefixes.get(kind, "item"))} | item)
+    return items
+
+
+def _refuse_server_state(body: dict, stores: bool) -> None:
+    if body.get("previous_response_id") is not None and not stores:
+        raise _bad("previous_response_id", NOT_STORED)
+    if body.get("conversation") is not None:
+        raise _bad("conversation", "conversations are not kept here: send previous_response_id (with "
+                                   "server.responses_store_mib) or the whole conversation as input items")
     if body.get("prompt") is not None:
         raise _bad("prompt", "stored prompt templates are not served here; send the prompt's text as input")
     if get_bool(body, "background", False):
@@ -161,12 +194,14 @@ FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"},
 TOOL_CHOICES = ("none", "auto", "required")
 
 
-def _messages(body: dict, names: list[tuple[str, str]]) -> list[dict]:
+def _messages(body: dict, names: list[tuple[str, str]], prior: list[dict] | None = None) -> list[dict]:
+    """The chat messages of ``instructions``, then ``prior`` (a stored conversation's), then ``input``."""
     out: list[dict] = []
     instructions = get_str(body, "instructions", None)
     if instructions is not None:
         names.append(("messages[0]", "instructions"))
         out.append({"role": "system", "content": instructions})
+    out += prior or []
     given = body.get("input")
     if isinstance(given, str):
         names.append((f"messages[{len(out)}]", "input"))

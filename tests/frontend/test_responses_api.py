@@ -310,3 +310,63 @@ def test_a_failure_mid_stream_is_an_error_event_then_response_failed(harness):
             assert events[-1]["response"]["status"] == "failed"
 
     run(body)
+
+
+def test_the_store_keeps_responses_in_its_bytes_and_lists_their_input_items():
+    from mstar_actors.frontend.response_store import ResponseStore, input_items_page
+
+    store = ResponseStore(max_bytes=1200)  # two of these conversations
+    items = [{"type": "message", "id": f"msg_{i}", "role": "user", "content": "x" * 100} for i in range(3)]
+    out = [{"type": "message", "id": "msg_out", "role": "assistant", "content": []}]
+    assert store.put({"id": "resp_a", "output": out}, items)
+    assert store.conversation("resp_a") == [*items, *out]
+    assert store.put({"id": "resp_b", "output": []}, items)
+    store.get("resp_a")  # used: resp_b is now the least recently used
+    assert store.put({"id": "resp_c", "output": []}, items)
+    assert store.get("resp_b") is None and store.get("resp_a") is not None and store.nbytes <= 1200
+    assert not store.put({"id": "resp_big", "output": []}, items * 20)  # alone past the store: not kept
+    assert store.pop("resp_a") and not store.pop("resp_a")
+    page = input_items_page(items, 2, "desc", None)
+    assert [i["id"] for i in page["data"]] == ["msg_2", "msg_1"] and page["has_more"] and page["last_id"] == "msg_1"
+    page = input_items_page(items, 2, "desc", "msg_1")
+    assert [i["id"] for i in page["data"]] == ["msg_0"] and not page["has_more"]
+    assert input_items_page(items, 5, "asc", None)["first_id"] == "msg_0"
+    assert input_items_page(items, 5, "asc", "nope") is None
+
+
+def test_previous_response_id_continues_a_stored_conversation(harness):
+    """OpenAI's store (``server.responses_store_mib``): the next request follows the stored input and output
+    (the earlier instructions not carried over); GET, input_items and DELETE read it; store false keeps none."""
+    async def body():
+        async with harness(responses_store_mib=1) as h:
+            first = {"model": "tiny", "input": "Hi", "instructions": "Be brief."}
+            status, r = await h.post(RESPONSES, first)
+            assert status == 200 and r["store"] is True, r
+            status, raw = await post_stream(h, {"model": "tiny", "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "And then?"}]}],
+                "previous_response_id": r["id"]})
+            second = sse_events(raw)[-1]["response"]
+            assert status == 200 and second["previous_response_id"] == r["id"], second
+            sent = list(h.engine.requests.values())[-1]
+            assert [(m.role, m.content if isinstance(m.content, str) else m.content[0].text)
+                    for m in sent.messages] == [("user", "Hi"), ("assistant", REPLY), ("user", "And then?")]
+            async with h.session.get(f"{h.url}/v1/responses/{second['id']}") as resp:
+                assert resp.status == 200 and await resp.json() == second
+            async with h.session.get(f"{h.url}/v1/responses/{second['id']}/input_items?order=asc") as resp:
+                listed = await resp.json()
+            assert [(i["type"], i.get("role")) for i in listed["data"]] == [
+                ("message", "user"), ("message", "assistant"), ("message", "user")]
+            assert all(i["id"] for i in listed["data"]) and listed["has_more"] is False
+            async with h.session.delete(f"{h.url}/v1/responses/{r['id']}") as resp:
+                assert resp.status == 200 and (await resp.json())["deleted"] is True
+            status, gone = await h.post(RESPONSES, {"model": "tiny", "input": "x", "previous_response_id": r["id"]})
+            assert status == 400 and gone["error"]["code"] == "previous_response_not_found", gone
+            status, r = await h.post(RESPONSES, first | {"store": False})
+            assert r["store"] is False
+            async with h.session.get(f"{h.url}/v1/responses/{r['id']}") as resp:
+                assert resp.status == 404
+        async with harness() as h:  # no store: a 404 saying how to keep them
+            async with h.session.get(f"{h.url}/v1/responses/resp_x") as resp:
+                assert resp.status == 404 and "responses_store_mib" in (await resp.json())["error"]["message"]
+
+    run(body)

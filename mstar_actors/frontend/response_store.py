@@ -1,0 +1,77 @@
+"""Stored Responses (``server.responses_store_mib``), as OpenAI's ``store`` and vLLM's store keep them:
+each answered Response beside its conversation's input items, so a later request continues it by
+``previous_response_id`` and ``GET /v1/responses/{id}`` (and its ``input_items``) read it back. In the
+memory of the frontend that answered (one frontend: ``config`` refuses the store with several), the least
+recently used dropped past the store's bytes. Pure, no I/O.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import msgspec
+
+MAX_LISTED = 100  # input items a page lists at most (OpenAI's limit)
+
+
+@dataclass
+class Stored:
+    response: dict  # the Response as answered (its ``output`` items the conversation's last turn)
+    items: list[dict]  # the input items of its whole conversation, each with its id
+    nbytes: int
+
+
+class ResponseStore:
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._entries: collections.OrderedDict[str, Stored] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, response: dict, items: list[dict]) -> bool:
+        """Keep ``response`` (a copy) and its conversation's ``items``; False where it alone is past the store."""
+        encoded = msgspec.json.encode(response)
+        nbytes = len(encoded) + len(msgspec.json.encode(items))
+        if nbytes > self.max_bytes:
+            return False
+        self.pop(response["id"])
+        while self.nbytes + nbytes > self.max_bytes:
+            _, dropped = self._entries.popitem(last=False)
+            self.nbytes -= dropped.nbytes
+        self._entries[response["id"]] = Stored(msgspec.json.decode(encoded), items, nbytes)
+        self.nbytes += nbytes
+        return True
+
+    def get(self, response_id: str) -> Stored | None:
+        stored = self._entries.get(response_id)
+        if stored is not None:
+            self._entries.move_to_end(response_id)
+        return stored
+
+    def pop(self, response_id: str) -> bool:
+        stored = self._entries.pop(response_id, None)
+        if stored is not None:
+            self.nbytes -= stored.nbytes
+        return stored is not None
+
+    def conversation(self, response_id: str) -> list[dict] | None:
+        """The items a continuation of ``response_id`` follows: its input, then its output."""
+        stored = self.get(response_id)
+        return None if stored is None else [*stored.items, *stored.response["output"]]
+
+
+def input_items_page(items: list[dict], limit: int, order: str, after: str | None) -> dict | None:
+    """``GET /v1/responses/{id}/input_items``'s list: ``limit`` items in ``order`` ("asc", "desc": the
+    newest first) past the item ``after``; None where no item has that id."""
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        start = next((i + 1 for i, item in enumerate(ordered) if item.get("id") == after), -1)
+        if start < 0:
+            return None
+    page = ordered[start:start + limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(ordered)}
