@@ -141,20 +141,23 @@ OWNED_FIELDS = {"chat": STRUCTURED_FIELDS | TOOL_FIELDS, "completion": STRUCTURE
 # tokenizers put no spaces between special tokens either way (vLLM's reading).
 IGNORED_FIELDS = frozenset({
     "user", "metadata", "store", "service_tier", "request_id", "priority", "prompt_cache_key",
-    "safety_identifier", "prediction", "spaces_between_special_tokens",
+    "prompt_cache_retention", "prompt_cache_options", "safety_identifier", "prediction",
+    "spaces_between_special_tokens",
 })
-SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority", "fast")
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE, MAX_REQUEST_ID = 16, 64, 512, 128
 
 # Would change the output and are not implemented: refused unless their value is
 # the neutral one (then they change nothing either). Name -> neutral values.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "use_beam_search": (False,), "length_penalty": (1, 1.0), "early_stopping": (False,), "suffix": ("",),
-    "audio": (), "modalities": (["text"],), "functions": (),
-    "function_call": (), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
-    "chat_template": (), "documents": (), "mm_processor_kwargs": ({},),
-    "logits_processors": (), "vllm_xargs": (),
-    "prompt_embeds": (), "kv_transfer_params": (), "echo": (False,),
+    "audio": (), "modalities": (["text"],), "functions": ([],),
+    "function_call": ("none",), "web_search_options": (), "reasoning_effort": (), "verbosity": ("medium",),
+    "chat_template": (), "documents": ([],), "mm_processor_kwargs": ({},), "media_io_kwargs": ({},),
+    "logits_processors": ([],), "vllm_xargs": ({},),
+    "prompt_embeds": (), "kv_transfer_params": ({},), "echo": (False,),
+    # vLLM's: the prompt cut on its left (truncate_prompt_tokens keeps its last tokens); a chunk per token
+    "truncation_side": ("left",), "stream_interval": (1,),
 }
 
 
@@ -505,6 +508,9 @@ def _check_ignored(body: dict) -> None:
         get_str(body, name, None)
     get_bool(body, "store", False)
     get_bool(body, "spaces_between_special_tokens", True)
+    get_str(body, "prompt_cache_retention", None)
+    if body.get("prompt_cache_options") is not None and not isinstance(body["prompt_cache_options"], dict):
+        raise _bad("prompt_cache_options", f"expected an object, got {_show(body['prompt_cache_options'])}")
     prediction = body.get("prediction")
     if prediction is not None and not (
             isinstance(prediction, dict) and prediction.get("type") == "content"
@@ -585,9 +591,12 @@ def _parse_stream(body: dict) -> tuple[bool, bool, bool]:
         raise _bad("stream_options", "only allowed when stream is true")
     if not isinstance(options, dict):
         raise _bad("stream_options", f"expected an object like {{\"include_usage\": true}}, got {_show(options)}")
-    unknown = next((k for k in options if k not in STREAM_OPTIONS), None)
+    unknown = next((k for k in options if k not in (*STREAM_OPTIONS, "include_obfuscation")), None)
     if unknown is not None:
-        raise _bad(f"stream_options.{unknown}", f"unknown option; accepted: {', '.join(STREAM_OPTIONS)}")
+        raise _bad(f"stream_options.{unknown}", f"unknown option; accepted: {', '.join(STREAM_OPTIONS)}, "
+                                                "include_obfuscation")
+    if not isinstance(options.get("include_obfuscation", False), bool):  # (its padding field: none is sent)
+        raise _bad("stream_options.include_obfuscation", "expected true or false")
     flags = []
     for name in STREAM_OPTIONS:
         try:
@@ -740,6 +749,11 @@ def _from_structured_outputs(body: dict) -> list[StructuredSpec]:
     for key, value in options.items():
         if value is None or key in IGNORED_STRUCTURED_KEYS:
             continue
+        if key == "disable_additional_properties":  # vLLM's default, false, is this engine's reading too
+            if value is not False:
+                raise _bad(f"structured_outputs.{key}", "only false is served (a schema's objects keep the "
+                                                        "additionalProperties they state); leave it out")
+            continue
         if key not in STRUCTURED_KEYS:
             accepted = ", ".join(sorted(STRUCTURED_KEYS.keys() | IGNORED_STRUCTURED_KEYS))
             raise _bad(f"structured_outputs.{key}", f"not supported; accepted keys are {accepted}")
@@ -846,7 +860,7 @@ def parse_template_kwargs(body: dict) -> dict | None:
     return value
 
 
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 def _with_reasoning_effort(body: dict, kwargs: dict | None) -> dict | None:

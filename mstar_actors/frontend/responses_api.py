@@ -46,6 +46,8 @@ CHAT_FIELDS = frozenset({
     # vLLM's extensions of its Responses request, as its chat reads them
     "seed", "stop", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
     "ignore_eos", "cache_salt", "request_id", "priority", "chat_template_kwargs", "logit_bias",
+    "skip_special_tokens", "include_stop_str_in_output", "stop_token_ids", "structured_outputs",
+    "include_reasoning", "prompt_cache_options",
 })
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 NOT_STORED = ("nothing is stored here (each response is answered and forgotten, as vLLM without its store): "

@@ -355,3 +355,32 @@ def test_chat_template_kwargs_are_taken_and_the_template_call_s_own_names_refuse
         with pytest.raises(api.ApiError) as info:
             api.parse_chat(chat(chat_template_kwargs=value))
         assert info.value.status == 400 and info.value.param == param
+
+
+@pytest.mark.parametrize("fields", [
+    {"verbosity": "medium"}, {"stream": True, "stream_options": {"include_obfuscation": False}},
+    {"reasoning_effort": "xhigh"}, {"reasoning_effort": "max"}, {"prompt_cache_retention": "24h"},
+    {"prompt_cache_options": {}}, {"service_tier": "fast"}, {"functions": []}, {"function_call": "none"},
+    {"documents": []}, {"logits_processors": []}, {"vllm_xargs": {}}, {"kv_transfer_params": {}},
+    {"media_io_kwargs": {}}, {"truncation_side": "left"}, {"stream_interval": 1},
+    {"structured_outputs": {"regex": "a+", "disable_additional_properties": False}},
+])
+def test_what_clients_send_that_changes_nothing_here_is_taken(fields):
+    """OpenAI's defaults and newest values, and vLLM's fields at their neutral value (the SDKs, LangChain
+    send them): a 400 broke such a client for nothing."""
+    assert api.parse_chat(chat(**fields)) is not None
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"verbosity": "low"}, "verbosity"), ({"truncation_side": "right"}, "truncation_side"),
+    ({"stream_interval": 4}, "stream_interval"), ({"functions": [{"name": "f"}]}, "functions"),
+    ({"stream": True, "stream_options": {"include_obfuscation": 1}}, "stream_options.include_obfuscation"),
+    ({"prompt_cache_options": "x"}, "prompt_cache_options"),
+    ({"prompt_cache_retention": 24}, "prompt_cache_retention"),
+    ({"structured_outputs": {"regex": "a", "disable_additional_properties": True}},
+     "structured_outputs.disable_additional_properties"),
+])
+def test_their_other_values_change_the_output_and_are_refused_by_name(fields, param):
+    with pytest.raises(api.ApiError) as info:
+        api.parse_chat(chat(**fields))
+    assert info.value.param == param and info.value.status == 400

@@ -370,3 +370,15 @@ def test_previous_response_id_continues_a_stored_conversation(harness):
                 assert resp.status == 404 and "responses_store_mib" in (await resp.json())["error"]["message"]
 
     run(body)
+
+
+def test_vllm_s_responses_fields_reach_the_chat_it_asks_for():
+    """vLLM's Responses request takes these of its chat's sampling: a 400 "unknown field" refused them."""
+    fields = {"skip_special_tokens": False, "stop_token_ids": [5], "include_stop_str_in_output": True,
+              "include_reasoning": False, "structured_outputs": {"regex": "a+"}, "prompt_cache_options": {}}
+    asked = read(input="x", **fields)
+    assert {k: asked.chat[k] for k in fields} == fields
+    from mstar_actors.frontend import openai_api as api
+
+    parsed = api.parse_chat(json.dumps(asked.chat).encode())
+    assert list(parsed.sampling.stop_token_ids) == [5] and parsed.sampling.structured.kind == "regex"
