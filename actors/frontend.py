@@ -365,7 +365,7 @@ class FrontendActor(Actor):
                                                             "server.allowed_origins", param="Origin",
                                                             code="disallowed_origin"))
             return web.Response(headers={
-                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
                 "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers", "*"),
                 "Access-Control-Max-Age": "600",
             })
@@ -663,10 +663,11 @@ class FrontendActor(Actor):
     async def _stored_response(self, request: web.Request) -> web.Response:
         """``GET`` / ``DELETE /v1/responses/{id}``: a stored Response, or its deletion."""
         stored = self._stored(request)
+        response_id = request.match_info["response_id"]
         if request.method == "DELETE":
-            self.responses.pop(stored.response["id"])
-            return web.json_response({"id": stored.response["id"], "object": "response", "deleted": True})
-        return web.Response(body=_json.encode(stored.response), content_type="application/json")
+            self.responses.pop(response_id)
+            return web.json_response({"id": response_id, "object": "response", "deleted": True})
+        return web.Response(body=stored.response_json, content_type="application/json")
 
     async def _input_items(self, request: web.Request) -> web.Response:
         """``GET /v1/responses/{id}/input_items``: its conversation's input items, a page of them."""
@@ -983,8 +984,9 @@ class FrontendActor(Actor):
                 end = now if choice.last_token_at is None else choice.last_token_at  # each choice's own (n > 1)
                 phases = None if choice.first_token_at is None else (*choice.phases, end - choice.first_token_at)
                 self.metrics.observe_end(choice.finish_reason, end - exchange.arrival,
-                                         (choice.num_prompt_tokens, choice.num_output_tokens), phases,
-                                         (exchange.parsed.n, exchange.parsed.sampling.max_tokens))
+                                         (choice.num_prompt_tokens, choice.num_output_tokens), phases)
+        if any(choice.finish_reason is not None for choice in exchange.choices.values()):
+            self.metrics.observe_params(exchange.parsed.n, exchange.parsed.sampling.max_tokens)
         for rid in [*exchange.choice_ids, *exchange.choices]:
             self._exchanges.pop(rid, None)
             self._unacked.discard(rid)

@@ -86,6 +86,9 @@ def test_sampling_defaults_are_what_generation_config_asks_for_as_vllm_reads_it(
     assert info_of(folder, model={"generation_config": "none"}).sampling_defaults == {}
     (folder / "generation_config.json").write_text(json.dumps({"top_k": 50, "temperature": 1.0, "min_p": 0.05}))
     assert info_of(folder).sampling_defaults == {"min_p": 0.05}  # transformers' own defaults: none asked for
+    (folder / "generation_config.json").write_text(json.dumps({"top_k": 20.0, "max_new_tokens": 300.0}))
+    counts = info_of(folder).sampling_defaults  # counts written as floats are the integers a plan carries
+    assert counts == {"top_k": 20, "max_tokens": 300} and {type(v) for v in counts.values()} == {int}
     for bad, named in (({"top_p": 0}, r"top_p: expected a number in \(0.0, 1.0\], got 0"),
                        ({"temperature": "hot"}, "temperature must be a number, got 'hot'"),
                        ({"max_new_tokens": 0}, r"max_new_tokens: expected an integer in \[1, ")):

@@ -168,18 +168,16 @@ class Metrics:
             {"max_lora": str(max_lora), "waiting_lora_adapters": "", "running_lora_adapters": ""}, reg)
 
     def observe_end(self, finish_reason: str | None, seconds: float, lengths: tuple[int, int] = (0, 0),
-                    phases: tuple[float, float, float] | None = None, params: tuple[int, int] = (1, 0)) -> None:
+                    phases: tuple[float, float, float] | None = None) -> None:
         """A choice ended: ``finish_reason`` None when it did not finish (its client left, it failed);
         ``lengths``: its prompt and generated tokens; ``phases``: its queue, prefill and decode seconds
-        (None: it made no token); ``params``: its request's n and max_tokens."""
+        (None: it made no token)."""
         self._success.labels(**self.model, finished_reason=finish_reason or "abort").inc()
         if finish_reason is None:
             return
         self.e2e_latency.observe(seconds)
         self.request_prompt_tokens.observe(lengths[0])
         self.request_generation_tokens.observe(lengths[1])
-        self.params_n.observe(params[0])
-        self.params_max_tokens.observe(params[1])
         if phases is not None:
             queued, prefill, decode = phases
             self.queue_time.observe(queued)
@@ -188,6 +186,11 @@ class Metrics:
             self.inference_time.observe(prefill + decode)
             if lengths[1] > 1:
                 self.time_per_output_token.observe(decode / (lengths[1] - 1))
+
+    def observe_params(self, n: int, max_tokens: int) -> None:
+        """A request of finished choices: its n and its cap (once a request, as vLLM's parent request)."""
+        self.params_n.observe(n)
+        self.params_max_tokens.observe(max_tokens)
 
     def observe_request(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
@@ -207,12 +210,12 @@ class Metrics:
         self.num_state_slots_used.set(stats.num_state_slots_used)
         self.num_state_slots_total.set(stats.num_state_slots_total)
         if self._lora_info is not None:
-            self._lora_info.set({"max_lora": str(self.max_lora), "waiting_lora_adapters": ",".join(stats.waiting_adapters),
+            self._lora_info.set({"max_lora": str(self.max_lora),
+                                 "waiting_lora_adapters": ",".join(stats.waiting_adapters),
                                  "running_lora_adapters": ",".join(stats.running_adapters)})
         if self._cache_info is not None and total:
             self._cache_info.labels(**self._cache_config, num_gpu_blocks=str(total)).set(1)
             self._cache_info = None
-
 
     def render(self) -> bytes:
         if self.multiprocess_dir is None:

@@ -1,8 +1,9 @@
 """Stored Responses (``server.responses_store_mib``), as OpenAI's ``store`` and vLLM's store keep them:
 each answered Response beside its conversation's input items, so a later request continues it by
 ``previous_response_id`` and ``GET /v1/responses/{id}`` (and its ``input_items``) read it back. In the
-memory of the frontend that answered (one frontend: ``config`` refuses the store with several), the least
-recently used dropped past the store's bytes. Pure, no I/O.
+memory of the frontend that answered (one frontend: ``config`` refuses the store with several), kept as
+their JSON (what the store's bytes count), the least recently used dropped past them. An id is never
+taken twice: a client's ``request_id`` names its response, and another's may not replace it. Pure, no I/O.
 """
 
 from __future__ import annotations
@@ -17,9 +18,20 @@ MAX_LISTED = 100  # input items a page lists at most (OpenAI's limit)
 
 @dataclass
 class Stored:
-    response: dict  # the Response as answered (its ``output`` items the conversation's last turn)
-    items: list[dict]  # the input items of its whole conversation, each with its id
-    nbytes: int
+    response_json: bytes  # the Response as answered (its ``output`` items the conversation's last turn)
+    items_json: bytes  # the input items of its whole conversation, each with its id
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.response_json) + len(self.items_json)
+
+    @property
+    def response(self) -> dict:
+        return msgspec.json.decode(self.response_json)
+
+    @property
+    def items(self) -> list[dict]:
+        return msgspec.json.decode(self.items_json)
 
 
 class ResponseStore:
@@ -31,18 +43,20 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, response_id: str) -> bool:
+        return response_id in self._entries
+
     def put(self, response: dict, items: list[dict]) -> bool:
-        """Keep ``response`` (a copy) and its conversation's ``items``; False where it alone is past the store."""
-        encoded = msgspec.json.encode(response)
-        nbytes = len(encoded) + len(msgspec.json.encode(items))
-        if nbytes > self.max_bytes:
+        """Keep ``response`` and its conversation's ``items``; False where it alone is past the store, or
+        its id is taken."""
+        stored = Stored(msgspec.json.encode(response), msgspec.json.encode(items))
+        if stored.nbytes > self.max_bytes or response["id"] in self._entries:
             return False
-        self.pop(response["id"])
-        while self.nbytes + nbytes > self.max_bytes:
+        while self.nbytes + stored.nbytes > self.max_bytes:
             _, dropped = self._entries.popitem(last=False)
             self.nbytes -= dropped.nbytes
-        self._entries[response["id"]] = Stored(msgspec.json.decode(encoded), items, nbytes)
-        self.nbytes += nbytes
+        self._entries[response["id"]] = stored
+        self.nbytes += stored.nbytes
         return True
 
     def get(self, response_id: str) -> Stored | None:

@@ -111,7 +111,10 @@ def read_responses(raw: bytes, store: ResponseStore | None = None) -> ResponsesR
                                     ("reasoning_effort", "reasoning.effort"), ("logprobs", "include")]
     while prior and prior[-1].get("type") == "reasoning":  # a cut reply's reasoning, for no answer: none to give
         prior = prior[:-1]
-    chat["messages"] = _messages(body, names, _messages({"input": prior}, []) if prior else [])
+    stored = _messages({"input": prior}, []) if prior else []
+    first = 1 if body.get("instructions") is not None else 0  # the stored turns follow the instructions
+    names += [(f"messages[{first + i}]", "previous_response_id") for i in range(len(stored))]
+    chat["messages"] = _messages(body, names, stored)
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     _read_tools(body, chat, names)
@@ -132,7 +135,9 @@ def read_responses(raw: bytes, store: ResponseStore | None = None) -> ResponsesR
     if options is not None and not (stream and isinstance(options, dict) and set(options) <= {"include_obfuscation"}
                                     and isinstance(options.get("include_obfuscation", False), bool)):
         raise _bad("stream_options", 'expected {"include_obfuscation": true or false} with stream: true')
-    keep = get_bool(body, "store", True) and store is not None
+    # kept unless asked not to; a client's request_id names the response, and one taken keeps the first
+    named = body.get("request_id")
+    keep = get_bool(body, "store", True) and store is not None and not (isinstance(named, str) and named in store)
     get_str(body, "prompt_cache_retention", None)
     names.sort(key=lambda pair: -len(pair[0]))
     echo = {k: body.get(k) for k in ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls",
@@ -156,7 +161,9 @@ def _with_ids(given: Any) -> list[dict]:
     items = []
     for item in given:
         kind = item.get("type", "message")
-        items.append({"type": kind, "id": new_id(prefixes.get(kind, "item"))} | item)
+        given_id = item.get("id")
+        items.append(item | {"type": kind, "id": given_id if isinstance(given_id, str) and given_id
+                             else new_id(prefixes.get(kind, "item"))})
     return items
 
 

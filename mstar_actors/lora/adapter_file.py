@@ -312,6 +312,11 @@ def _checked_header(path: Path, name: str) -> tuple[dict, int]:
                 raise ValueError(f"header length {header_len} exceeds the file's {size} bytes")
             header = json.loads(f.read(header_len))
         header.pop("__metadata__", None)
+        for key, entry in header.items():
+            offsets = entry["data_offsets"]
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                    and 0 <= offsets[0] <= offsets[1]):
+                raise ValueError(f"{key}: data_offsets {offsets!r} are not two ordered byte offsets")
         end = max((v["data_offsets"][1] for v in header.values()), default=0)
     except (struct.error, ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
         raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} has a corrupt header ({err})") from None

@@ -199,6 +199,8 @@ def sampling_defaults(model_dir: str | Path) -> dict[str, float | int]:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ModelLoadError(f"{Path(model_dir) / 'generation_config.json'}: {name} must be a number, got "
                                  f"{value!r}; mend it, or set model.generation_config: none to serve without it")
+        if name in ("top_k", "max_new_tokens") and isinstance(value, float) and value.is_integer():
+            value = int(value)  # (300.0: a count, which crosses to the ranks as an integer)
         found["max_tokens" if name == "max_new_tokens" else name] = value
     return found
 

@@ -785,6 +785,22 @@ def test_an_echo_with_a_cap_of_zero_generates_nothing_in_the_metrics(harness):
     run(body)
 
 
+def test_a_request_s_params_are_observed_once_whatever_its_n(harness):
+    """vLLM observes n and max_tokens once a parent request, not once a choice."""
+    async def body():
+        async with harness() as h:
+            status, _ = await h.post(CHAT, chat_body(n=3, max_tokens=40))
+            assert status == 200
+            async with h.session.get(h.url + "/metrics") as resp:
+                text = await resp.text()
+            model = '{engine="0",model_name="tiny"}'
+            assert f"vllm:request_params_n_count{model} 1.0" in text and f"vllm:request_params_n_sum{model} 3.0" in text
+            assert f"vllm:request_params_max_tokens_sum{model} 40.0" in text
+            assert 'vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 3.0' in text
+
+    run(body)
+
+
 def test_metrics(harness):
     async def body():
         async with harness() as h:
@@ -807,7 +823,8 @@ def test_metrics(harness):
             model = '{engine="0",model_name="tiny"}'
             assert f"vllm:generation_tokens_total{model} 18.0" in text
             assert f"vllm:time_to_first_token_seconds_count{model} 2.0" in text
-            assert 'vllm:time_to_first_token_seconds_bucket{engine="0",le="2560.0",' in text  # vLLM's buckets, a long queue's
+            # vLLM's buckets, a long queue's
+            assert 'vllm:time_to_first_token_seconds_bucket{engine="0",le="2560.0",' in text
             assert f"vllm:inter_token_latency_seconds_count{model}" in text
             assert f"vllm:e2e_request_latency_seconds_count{model} 2.0" in text
             for phase in ("queue", "prefill", "decode", "inference"):  # vLLM's dashboard's phases of a request

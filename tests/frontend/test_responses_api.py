@@ -382,3 +382,25 @@ def test_vllm_s_responses_fields_reach_the_chat_it_asks_for():
 
     parsed = api.parse_chat(json.dumps(asked.chat).encode())
     assert list(parsed.sampling.stop_token_ids) == [5] and parsed.sampling.structured.kind == "regex"
+
+
+def test_a_stored_conversation_s_errors_name_previous_response_id_and_an_id_is_never_taken_twice():
+    """A stored call whose arguments no template reads (a cut stream's) is named by previous_response_id,
+    not by an input index the client never sent; a client's request_id may not replace a kept response."""
+    from mstar_actors.frontend import openai_api as api
+    from mstar_actors.frontend.response_store import ResponseStore
+
+    store = ResponseStore(1 << 20)
+    call = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get", "arguments": '{"city": Par'}
+    assert store.put({"id": "resp_cut", "output": [call]}, [{"type": "message", "id": "msg_1", "role": "user",
+                                                             "content": "weather?"}])
+    asked = read_responses(json.dumps({"model": "tiny", "previous_response_id": "resp_cut", "input": [
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny", "id": None}]}).encode(), store)
+    with pytest.raises(ApiError) as info:
+        api.parse_chat(json.dumps(asked.chat).encode())
+    err = asked.renamed(info.value)
+    assert err.param.startswith("previous_response_id.tool_calls[0]"), err.param
+    assert all(isinstance(item["id"], str) and item["id"] for item in asked.items)  # a null id given one
+    assert read_responses(json.dumps({"model": "tiny", "input": "x", "request_id": "resp_cut"}).encode(),
+                          store).store is False  # taken: the first keeps it
+    assert not store.put({"id": "resp_cut", "output": []}, [])

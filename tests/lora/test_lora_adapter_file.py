@@ -322,6 +322,16 @@ def test_refuses_truncated_safetensors(saved):
     _refused(folder, base, r"adapter_model.safetensors is truncated: \d+ bytes, its header needs \d+")
     path.write_bytes(data[:20])
     _refused(folder, base, "has a corrupt header")
+    import json
+    import struct
+
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + size])
+    key = next(k for k in header if k != "__metadata__")
+    for offsets in ([0, 2.0], [0, 2, 3], [8, 4], "0-2"):  # what the format's reader would refuse
+        bad = json.dumps(header | {key: header[key] | {"data_offsets": offsets}}).encode()
+        path.write_bytes(struct.pack("<Q", len(bad)) + bad + data[8 + size:])
+        _refused(folder, base, "has a corrupt header.*data_offsets")
 
 
 def test_refuses_rank_that_disagrees_with_config(saved):
