@@ -91,6 +91,7 @@ def test_sampling_defaults_are_what_generation_config_asks_for_as_vllm_reads_it(
     assert counts == {"top_k": 20, "max_tokens": 300} and {type(v) for v in counts.values()} == {int}
     for bad, named in (({"top_p": 0}, r"top_p: expected a number in \(0.0, 1.0\], got 0"),
                        ({"temperature": "hot"}, "temperature must be a number, got 'hot'"),
+                       ({"top_p": True}, "top_p must be a number, got True"),
                        ({"max_new_tokens": 0}, r"max_new_tokens: expected an integer in \[1, ")):
         (folder / "generation_config.json").write_text(json.dumps(bad))
         with pytest.raises(ModelLoadError, match=named + ".*model.generation_config: none"):

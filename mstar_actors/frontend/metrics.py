@@ -158,7 +158,7 @@ class Metrics:
         # vLLM's: the KV cache's settings as labels, the value 1 (set once the ranks' block count is known)
         self._cache_config = cache_config
         self._cache_info = None if cache_config is None else gauge(
-            "vllm:cache_config_info", "The KV cache's settings", [*cache_config, "num_gpu_blocks"])
+            "vllm:cache_config_info", "The KV cache's settings", ["engine", *cache_config, "num_gpu_blocks"])
         # vLLM's, read by LoRA-affinity routers: the adapters of admitted (running) and waiting choices as labels,
         # the value the time they last changed. Every frontend gets the same EngineStats, so each renders the
         # current series itself (no multiprocess file: a past series would stay in it)
@@ -214,7 +214,7 @@ class Metrics:
                                  "waiting_lora_adapters": ",".join(stats.waiting_adapters),
                                  "running_lora_adapters": ",".join(stats.running_adapters)})
         if self._cache_info is not None and total:
-            self._cache_info.labels(**self._cache_config, num_gpu_blocks=str(total)).set(1)
+            self._cache_info.labels(engine="0", **self._cache_config, num_gpu_blocks=str(total)).set(1)
             self._cache_info = None
 
     def render(self) -> bytes:

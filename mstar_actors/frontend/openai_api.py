@@ -142,9 +142,25 @@ OWNED_FIELDS = {"chat": STRUCTURED_FIELDS | TOOL_FIELDS, "completion": STRUCTURE
 IGNORED_FIELDS = frozenset({
     "user", "metadata", "store", "service_tier", "request_id", "priority", "prompt_cache_key",
     "prompt_cache_retention", "prompt_cache_options", "safety_identifier", "prediction",
-    "spaces_between_special_tokens",
+    "spaces_between_special_tokens", "verbosity",
 })
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority", "fast")
+CACHE_RETENTIONS = ("in_memory", "in-memory", "24h")  # OpenAI's prompt_cache_retention (older SDKs: in-memory)
+VERBOSITIES = ("low", "medium", "high")  # OpenAI's; "medium", its default, alone changes nothing here
+
+
+def check_verbosity(value: Any, param: str) -> None:
+    """OpenAI's ``verbosity``: its default, or a 400 that says what it is and what is served."""
+    if value is not None and value != "medium":
+        reason = ("not supported: a reply's length is the model's; send max_tokens, or \"medium\""
+                  if value in VERBOSITIES else f"expected one of {', '.join(VERBOSITIES)}, got {_show(value)}")
+        raise _bad(param, reason)
+
+
+def check_cache_retention(body: dict) -> None:
+    value = get_str(body, "prompt_cache_retention", None)
+    if value is not None and value not in CACHE_RETENTIONS:
+        raise _bad("prompt_cache_retention", f"expected one of {', '.join(CACHE_RETENTIONS)}, got {_show(value)}")
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE, MAX_REQUEST_ID = 16, 64, 512, 128
 
 # Would change the output and are not implemented: refused unless their value is
@@ -152,7 +168,7 @@ MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE, MAX_REQUEST_ID = 16, 6
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "use_beam_search": (False,), "length_penalty": (1, 1.0), "early_stopping": (False,), "suffix": ("",),
     "audio": (), "modalities": (["text"],), "functions": ([],),
-    "function_call": ("none",), "web_search_options": (), "reasoning_effort": (), "verbosity": ("medium",),
+    "function_call": ("none",), "web_search_options": (), "reasoning_effort": (),
     "chat_template": (), "documents": ([],), "mm_processor_kwargs": ({},), "media_io_kwargs": ({},),
     "logits_processors": ([],), "vllm_xargs": ({},),
     "prompt_embeds": (), "kv_transfer_params": ({},), "echo": (False,),
@@ -508,7 +524,8 @@ def _check_ignored(body: dict) -> None:
         get_str(body, name, None)
     get_bool(body, "store", False)
     get_bool(body, "spaces_between_special_tokens", True)
-    get_str(body, "prompt_cache_retention", None)
+    check_cache_retention(body)
+    check_verbosity(body.get("verbosity"), "verbosity")
     if body.get("prompt_cache_options") is not None and not isinstance(body["prompt_cache_options"], dict):
         raise _bad("prompt_cache_options", f"expected an object, got {_show(body['prompt_cache_options'])}")
     prediction = body.get("prediction")

@@ -30,8 +30,8 @@ from typing import Any
 
 import msgspec
 
-from mstar_actors.frontend.openai_api import (MAX_TOP_LOGPROBS, ApiError, _bad, _show, check_known, decode_body,
-                                              get_bool, get_int, get_str)
+from mstar_actors.frontend.openai_api import (MAX_TOP_LOGPROBS, ApiError, _bad, _show, check_cache_retention,
+                                              check_known, check_verbosity, decode_body, get_bool, get_int, get_str)
 from mstar_actors.frontend.response_store import ResponseStore
 
 # Read here, or handed to the chat path under the same name (its checks, its meaning).
@@ -138,7 +138,7 @@ def read_responses(raw: bytes, store: ResponseStore | None = None) -> ResponsesR
     # kept unless asked not to; a client's request_id names the response, and one taken keeps the first
     named = body.get("request_id")
     keep = get_bool(body, "store", True) and store is not None and not (isinstance(named, str) and named in store)
-    get_str(body, "prompt_cache_retention", None)
+    check_cache_retention(body)
     names.sort(key=lambda pair: -len(pair[0]))
     echo = {k: body.get(k) for k in ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls",
                                      "top_logprobs", "user", "service_tier")}
@@ -361,8 +361,7 @@ def _read_text(body: dict, chat: dict) -> None:
         return
     if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
         raise _bad("text", 'expected an object like {"format": {"type": "json_schema", ...}}')
-    if text.get("verbosity") not in (None, "medium"):
-        raise _bad("text.verbosity", "not supported: a reply's length is the model's; send max_output_tokens")
+    check_verbosity(text.get("verbosity"), "text.verbosity")
     fmt = text.get("format")
     if fmt is None:
         return

@@ -194,7 +194,7 @@ def sampling_defaults(model_dir: str | Path) -> dict[str, float | int]:
     gen, found = _generation_config(Path(model_dir)), {}
     for name, default in _GENERATION_DEFAULTS.items():
         value = gen.get(name)
-        if value is None or value == default:
+        if value is None or (value == default and not isinstance(value, bool)):
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ModelLoadError(f"{Path(model_dir) / 'generation_config.json'}: {name} must be a number, got "

@@ -28,7 +28,8 @@ def refused(raw: bytes, kind: str = "chat") -> api.ApiError:
 def test_fields_that_change_nothing_are_accepted(name):
     value = {"metadata": {"k": "v"}, "store": False, "service_tier": "auto", "priority": 0,
              "prediction": {"type": "content", "content": [{"type": "text", "text": "x"}]},
-             "spaces_between_special_tokens": False, "prompt_cache_options": {}}.get(name, "x")
+             "spaces_between_special_tokens": False, "prompt_cache_options": {}, "verbosity": "medium",
+             "prompt_cache_retention": "24h"}.get(name, "x")
     api.parse_chat(chat(**{name: value}), 256, 400)
     api.parse_completion(comp(**{name: value}), 256, 400)
 
