@@ -840,7 +840,8 @@ def test_metrics(harness):
             assert f"vllm:request_params_max_tokens_count{model} 2.0" in text
             assert f"vllm:request_time_per_output_token_seconds_count{model} 2.0" in text
             assert f"vllm:prompt_tokens_cached_total{model} 0.0" in text
-            assert 'vllm:cache_config_info{block_size="16",cache_dtype="float32",enable_prefix_caching="True",engine="0",' \
+            assert 'vllm:cache_config_info{block_size="16",cache_dtype="float32",enable_prefix_caching="True",' \
+                   'engine="0",' \
                    'num_gpu_blocks="10"} 1.0' in text
             assert "vllm:lora_requests_info" not in text  # no adapter served here
 
