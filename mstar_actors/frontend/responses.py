@@ -322,9 +322,11 @@ class ResponsesStream(Stream):
 
     async def finish(self, usage: dict) -> None:
         await self._prepare()  # (a reply of no text: its events still open)
-        await self._write(self.events.end(usage, self.reasoning_tokens))
-        if self.store is not None:
-            self.store.put(self.events.response, self.asked.items)
+        events = self.events.end(usage, self.reasoning_tokens)
+        if self.store is not None and not self.store.put(self.events.response, self.asked.items):
+            for response in (self.events.response, events[-1]["response"]):  # past the whole store: not kept
+                response["store"] = False
+        await self._write(events)
         if not self.asked.stream:
             self.response = web.Response(body=_json.encode(self.events.response), content_type="application/json")
 

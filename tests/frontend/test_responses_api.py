@@ -404,3 +404,22 @@ def test_a_stored_conversation_s_errors_name_previous_response_id_and_an_id_is_n
     assert read_responses(json.dumps({"model": "tiny", "input": "x", "request_id": "resp_cut"}).encode(),
                           store).store is False  # taken: the first keeps it
     assert not store.put({"id": "resp_cut", "output": []}, [])
+
+
+def test_a_response_past_the_whole_store_says_it_was_not_kept(harness):
+    async def body():
+        from mstar_actors.frontend.response_store import ResponseStore
+
+        async with harness(responses_store_mib=1) as h:
+            h.actor.responses = ResponseStore(max_bytes=300)  # less than any one response
+            for stream in (False, True):
+                if stream:
+                    status, raw = await post_stream(h, {"model": "tiny", "input": "Hi"})
+                    r = sse_events(raw)[-1]["response"]
+                else:
+                    status, r = await h.post(RESPONSES, {"model": "tiny", "input": "Hi"})
+                assert status == 200 and r["store"] is False, r
+                async with h.session.get(f"{h.url}/v1/responses/{r['id']}") as resp:
+                    assert resp.status == 404
+
+    run(body)
