@@ -81,7 +81,7 @@ from mstar_actors.frontend.reasoning import (
     prompt_reasoning,
     reasoning_end,
 )
-from mstar_actors.frontend.response_store import MAX_LISTED, ResponseStore, input_items_page
+from mstar_actors.frontend.response_store import ResponseStore, input_items_page
 from mstar_actors.frontend.responses_api import new_id, read_responses
 from mstar_actors.frontend.tool_calls import (
     LLAMA3_JSON,
@@ -671,22 +671,7 @@ class FrontendActor(Actor):
 
     async def _input_items(self, request: web.Request) -> web.Response:
         """``GET /v1/responses/{id}/input_items``: its conversation's input items, a page of them."""
-        stored = self._stored(request)
-        query = request.query
-        try:
-            limit = int(query.get("limit", "20"))
-        except ValueError:
-            limit = 0
-        if not 1 <= limit <= MAX_LISTED:
-            raise ApiError(400, f"limit: expected an integer in [1, {MAX_LISTED}], got {query.get('limit')!r}",
-                           param="limit")
-        order = query.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise ApiError(400, f"order: expected 'asc' or 'desc', got {order!r}", param="order")
-        page = input_items_page(stored.items, limit, order, query.get("after"))
-        if page is None:
-            raise ApiError(400, f"after: no input item of this response has the id {query.get('after')!r}",
-                           param="after")
+        page = input_items_page(self._stored(request).items, request.query)
         return web.Response(body=_json.encode(page), content_type="application/json")
 
     def _parse_chat(self, raw: bytes) -> ParsedRequest:

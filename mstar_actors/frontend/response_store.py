@@ -9,9 +9,12 @@ taken twice: a client's ``request_id`` names its response, and another's may not
 from __future__ import annotations
 
 import collections
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import msgspec
+
+from mstar_actors.frontend.openai_api import ApiError
 
 MAX_LISTED = 100  # input items a page lists at most (OpenAI's limit)
 
@@ -77,15 +80,22 @@ class ResponseStore:
         return None if stored is None else [*stored.items, *stored.response["output"]]
 
 
-def input_items_page(items: list[dict], limit: int, order: str, after: str | None) -> dict | None:
-    """``GET /v1/responses/{id}/input_items``'s list: ``limit`` items in ``order`` ("asc", "desc": the
-    newest first) past the item ``after``; None where no item has that id."""
+def input_items_page(items: list[dict], query: Mapping[str, str]) -> dict:
+    """``GET /v1/responses/{id}/input_items``'s list, as its ``query`` asks: ``limit`` items (20) in
+    ``order`` ("desc", the newest first, or "asc") past the item ``after``; ApiError naming a bad one."""
+    limit = query.get("limit", "20")
+    if not (limit.isdigit() and 1 <= int(limit) <= MAX_LISTED):
+        raise ApiError(400, f"limit: expected an integer in [1, {MAX_LISTED}], got {limit!r}", param="limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"order: expected 'asc' or 'desc', got {order!r}", param="order")
     ordered = items if order == "asc" else items[::-1]
-    start = 0
+    start, after = 0, query.get("after")
     if after is not None:
         start = next((i + 1 for i, item in enumerate(ordered) if item.get("id") == after), -1)
         if start < 0:
-            return None
+            raise ApiError(400, f"after: no input item of this response has the id {after!r}", param="after")
+    limit = int(limit)
     page = ordered[start:start + limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(ordered)}

@@ -326,12 +326,16 @@ def test_the_store_keeps_responses_in_its_bytes_and_lists_their_input_items():
     assert store.get("resp_b") is None and store.get("resp_a") is not None and store.nbytes <= 1200
     assert not store.put({"id": "resp_big", "output": []}, items * 20)  # alone past the store: not kept
     assert store.pop("resp_a") and not store.pop("resp_a")
-    page = input_items_page(items, 2, "desc", None)
+    page = input_items_page(items, {"limit": "2"})
     assert [i["id"] for i in page["data"]] == ["msg_2", "msg_1"] and page["has_more"] and page["last_id"] == "msg_1"
-    page = input_items_page(items, 2, "desc", "msg_1")
+    page = input_items_page(items, {"limit": "2", "after": "msg_1"})
     assert [i["id"] for i in page["data"]] == ["msg_0"] and not page["has_more"]
-    assert input_items_page(items, 5, "asc", None)["first_id"] == "msg_0"
-    assert input_items_page(items, 5, "asc", "nope") is None
+    assert input_items_page(items, {"order": "asc"})["first_id"] == "msg_0"
+    for query, param in (({"after": "nope"}, "after"), ({"limit": "0"}, "limit"), ({"limit": "-3"}, "limit"),
+                         ({"limit": "101"}, "limit"), ({"order": "up"}, "order")):
+        with pytest.raises(ApiError) as info:
+            input_items_page(items, query)
+        assert info.value.param == param and info.value.status == 400
 
 
 def test_previous_response_id_continues_a_stored_conversation(harness):
