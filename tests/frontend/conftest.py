@@ -256,6 +256,11 @@ class Harness:
             except ValueError:
                 return r.status, text
 
+    async def metrics(self) -> str:
+        """``GET /metrics``' text."""
+        async with self.session.get(self.url + "/metrics") as r:
+            return await r.text()
+
     async def stream(self, path: str, body: dict) -> tuple[int, list]:
         """POST with stream: true; the list of SSE data payloads (decoded, or "[DONE]")."""
         async with self.session.post(self.url + path, json=body | {"stream": True}) as r:

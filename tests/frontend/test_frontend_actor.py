@@ -353,8 +353,7 @@ def test_a_write_to_a_client_gone_is_a_499_without_a_traceback(harness):
             request = make_mocked_request("POST", CHAT)
             response = await h.actor._errors_middleware(request, handler)
             assert response.status == 499
-            async with h.session.get(h.url + "/metrics") as metrics:
-                assert 'status="499"} 1.0' in await metrics.text()  # (a mocked request matches no route)
+            assert 'status="499"} 1.0' in await h.metrics()  # (a mocked request matches no route)
 
     run(body)
 
@@ -424,8 +423,7 @@ def test_engine_refusal_before_output_keeps_its_status(harness):
             status, (r,) = await h.stream(CHAT, chat_body())
             assert status == 400 and "max_model_len" in r["error"]["message"]
             # the client's mistake is no request's end in vLLM's request_success (it read as aborts)
-            async with h.session.get(h.url + "/metrics") as resp:
-                assert 'finished_reason="abort",model_name="tiny"} 0.0' in await resp.text()
+            assert 'finished_reason="abort",model_name="tiny"} 0.0' in await h.metrics()
 
     run(body)
 
@@ -778,8 +776,7 @@ def test_an_echo_with_a_cap_of_zero_generates_nothing_in_the_metrics(harness):
         async with harness() as h:
             status, r = await h.post(COMP, {"model": "tiny", "prompt": "hi there", "echo": True, "max_tokens": 0})
             assert status == 200 and r["usage"]["completion_tokens"] == 0
-            async with h.session.get(h.url + "/metrics") as resp:
-                text = await resp.text()
+            text = await h.metrics()
             assert 'vllm:generation_tokens_total{engine="0",model_name="tiny"} 0.0' in text
 
     run(body)
@@ -791,8 +788,7 @@ def test_a_request_s_params_are_observed_once_whatever_its_n(harness):
         async with harness() as h:
             status, _ = await h.post(CHAT, chat_body(n=3, max_tokens=40))
             assert status == 200
-            async with h.session.get(h.url + "/metrics") as resp:
-                text = await resp.text()
+            text = await h.metrics()
             model = '{engine="0",model_name="tiny"}'
             assert f"vllm:request_params_n_count{model} 1.0" in text and f"vllm:request_params_n_sum{model} 3.0" in text
             assert f"vllm:request_params_max_tokens_sum{model} 40.0" in text
@@ -813,8 +809,7 @@ def test_metrics(harness):
                 assert resp.status == 405
             async with h.session.delete(h.url + "/v1/models/tiny") as resp:
                 assert resp.status == 405
-            async with h.session.get(h.url + "/metrics") as resp:
-                text = await resp.text()
+            text = await h.metrics()
             assert 'mstar_requests_total{route="/v1/chat/completions",status="200"} 2.0' in text
             assert 'mstar_requests_total{route="/v1/chat/completions",status="400"} 1.0' in text
             assert 'mstar_requests_total{route="/v1/chat/completions",status="405"} 1.0' in text  # its route's
@@ -860,12 +855,10 @@ def test_metrics(harness):
             posting = asyncio.create_task(h.post(CHAT, chat_body()))
             await h.engine.wait_for(lambda: len(h.engine.requests) == 3)
             posting.cancel()
-            async with h.session.get(h.url + "/metrics") as resp:
-                text = await resp.text()
+            text = await h.metrics()
             while 'status="499"' not in text:  # the server sees the connection close a moment later
                 await asyncio.sleep(0.02)
-                async with h.session.get(h.url + "/metrics") as resp:
-                    text = await resp.text()
+                text = await h.metrics()
             assert 'mstar_requests_total{route="/v1/chat/completions",status="499"} 1.0' in text
 
     run(body)
