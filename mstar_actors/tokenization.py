@@ -147,7 +147,7 @@ class Tokenization:
                 "'messages'; send a plain 'prompt' to /v1/completions instead"
             )
         loops = self.content_format == "openai"
-        conversation = [_template_message(i, m, media_parts, media_parts or loops, loops) for i, m in enumerate(chat)]
+        conversation = [_template_message(i, m, media_parts, loops) for i, m in enumerate(chat)]
         conversation, tools = self.tool_polyfills(chat, conversation, tools, tool_format)
         try:
             text = self.tokenizer.apply_chat_template(
@@ -244,9 +244,9 @@ _MEDIA_PARTS = {"image_url": {"type": "image"}, "video_url": {"type": "video"},
 
 
 def _template_message(index: int, message: messages.ChatMessage, media_parts: bool,
-                      as_parts: bool, loops: bool = False) -> dict[str, Any]:
+                      loops: bool = False) -> dict[str, Any]:
     """A ChatMessage as the dict chat templates expect: its parts as a list
-    (``as_parts``: a template that loops over them, or ``media_parts``, media
+    (a template that loops over them, ``loops``, or ``media_parts``, media
     ones as the placeholders Qwen's templates read), else its text parts
     joined by newlines (as vLLM does for a template that reads a string).
     Where the template loops over the parts (``loops``), a string is one
@@ -263,7 +263,7 @@ def _template_message(index: int, message: messages.ChatMessage, media_parts: bo
                                  "only 'text' content parts are supported for this model so far")
         texts_only = all(p.type == "text" for p in content)
         content = ([{"type": "text", "text": p.text or ""} if p.type == "text" else dict(_MEDIA_PARTS[p.type])
-                    for p in content] if as_parts and not (message.role == "tool" and texts_only)
+                    for p in content] if (media_parts or loops) and not (message.role == "tool" and texts_only)
                    else "\n".join(p.text or "" for p in content))
     return {"role": message.role, "content": content} | template_tool_fields(message)
 
