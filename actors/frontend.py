@@ -681,7 +681,7 @@ class FrontendActor(Actor):
     async def _serve(self, request: web.Request, parsed: ParsedRequest, asked: Any = None) -> web.StreamResponse:
         """A parsed chat or completion request, answered (``asked``: a Responses request's reply)."""
         kind = parsed.kind
-        parsed.with_token_facts(self.info.eos_token_ids, self._bad_words_token_ids(parsed.bad_words))
+        parsed.with_token_facts(self.info.eos_token_ids, self._bad_words_token_ids(parsed.bad_words), self.think_ids)
         reasoning = self._with_reasoning_parser(parsed) if kind == "chat" and self.reasoning_parser else None
         exchange = Exchange(parsed, self._resolve_model(parsed.model), "chatcmpl" if kind == "chat" else "cmpl",
                             self.index)

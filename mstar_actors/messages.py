@@ -151,6 +151,11 @@ class SamplingParams(Struct, frozen=True, **_HOT):
     top alternatives: they come with the first sampled token
     (``SampledToken.prompt_logprobs``), and such a prompt takes no prefix-cache
     hit (a cached position's logits are never computed).
+    ``thinking_budget`` (vLLM's ``thinking_token_budget``; None: none) holds
+    a reasoning to that many tokens: counted from the ``<think>`` of
+    ``think_ids`` (``(<think>, </think>)``, filled by the frontend) that the
+    prompt left open or the output opened, ``</think>`` is the only token
+    allowed once they are spent.
 
     ``max_tokens`` is the client's cap on the output: a prompt that leaves
     less room in ``max_model_len`` (or the KV cache) is refused, as OpenAI and
@@ -180,6 +185,8 @@ class SamplingParams(Struct, frozen=True, **_HOT):
     min_token_stop_ids: tuple[int, ...] = ()
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
+    thinking_budget: int | None = None
+    think_ids: tuple[int, ...] = ()
 
 
 class ContentPart(Struct, frozen=True, omit_defaults=True):

@@ -193,7 +193,8 @@ def test_race_row_takes_temperature_and_seeds_only():
     assert row(temperature=0.5, seed=4) == (2.0, -math.inf, 4)
     for refused in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1), dict(logprobs=0), dict(presence_penalty=0.5),
                     dict(repetition_penalty=1.1), dict(logit_bias=((3, 1.0),)), dict(allowed_token_ids=(1, 2)),
-                    dict(bad_words_token_ids=((4,),)), dict(min_tokens=2, min_token_stop_ids=(0,))):
+                    dict(bad_words_token_ids=((4,),)), dict(min_tokens=2, min_token_stop_ids=(0,)),
+                    dict(thinking_budget=8, think_ids=(5, 6))):
         assert row(temperature=1.0, **refused) is None, refused
 
 
@@ -511,3 +512,64 @@ def test_a_seeded_draw_survives_a_batchs_last_bit_differences():
     drawn = token_ids(sample_tokens(mixed_logits, mixed, generator=gen(8)))
     assert drawn[1:] == lone[:3]
     assert drawn[:1] == token_ids(sample_tokens(logits[:1], mixed[:1], generator=gen(8)))
+
+
+OPEN, CLOSE = 5, 6  # <think>, </think>
+
+
+def thinking_row(prompt, output=(), budget=2, **params) -> SampleRow:
+    return make_row("t", prompt=prompt, output=output, thinking_budget=budget, think_ids=(OPEN, CLOSE), **params)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_spent_thinking_budget_allows_only_the_close_whatever_else_the_row_asks(temperature):
+    """vLLM's thinking_token_budget: the tokens after the prompt's open <think> count (here the "\n" after it),
+    then the output's; at the budget </think> is the one token, though allowed_token_ids leave it out, a
+    bias sinks it and min_tokens' ban holds; the raw logprobs stay the model's."""
+    logits = make_logits(1)
+    logits[0, CLOSE] = -20.0  # the model would not close
+    params = dict(temperature=temperature, allowed_token_ids=(1, 2, 3), logit_bias=((CLOSE, -100.0),),
+                  min_tokens=9, min_token_stop_ids=(CLOSE,), logprobs=1)
+    free = thinking_row([1, OPEN, 9], output=[], **params)  # 1 reasoning token of 2
+    [token] = sample_tokens(logits, [free], generator=gen())
+    assert token.token_id in (1, 2, 3)
+    spent = thinking_row([1, OPEN, 9], output=[3], **params)  # 2 of 2
+    [token] = sample_tokens(logits, [spent], generator=gen())
+    assert token.token_id == CLOSE
+    assert token.logprob == pytest.approx(torch.log_softmax(logits[0], -1)[CLOSE].item(), abs=1e-4)
+
+
+def test_a_thinking_budget_counts_only_inside_the_reasoning():
+    """Closed in the prompt (a template with thinking off) or never opened: nothing counts until the output opens
+    <think>; a </think> the model writes ends the count; a second <think> counts anew; budget 0 closes at once."""
+    logits = make_logits(1)
+    logits[0, CLOSE] = -30.0
+
+    def sampled(prompt, output, budget=2):
+        return token_ids(sample_tokens(logits, [thinking_row(prompt, output, budget, temperature=0.0)]))[0]
+
+    greedy = logits.argmax(-1).item()
+    assert greedy not in (OPEN, CLOSE)
+    assert sampled([OPEN, 9, CLOSE], [1, 2, 3, 4]) == greedy  # closed in its prompt
+    assert sampled([7, 8], [1, 2, 3, 4]) == greedy  # never opened
+    assert sampled([7, 8], [OPEN, 1]) == greedy  # opened by the output: 1 of 2
+    assert sampled([7, 8], [OPEN, 1, 2]) == CLOSE
+    assert sampled([OPEN, 1, 2, CLOSE], [1, 2, 3]) == greedy  # the prompt's own reasoning, closed
+    assert sampled([OPEN], [1, CLOSE, 2, 3]) == greedy  # the model closed it in time
+    assert sampled([OPEN], [1, CLOSE, 2, OPEN, 3]) == greedy  # reopened: 1 of 2
+    assert sampled([OPEN], [1, CLOSE, 2, OPEN, 3, 4]) == CLOSE
+    assert sampled([1, OPEN], [], budget=0) == CLOSE
+
+
+def test_a_thinking_budget_follows_outputs_as_they_grow_in_place():
+    """A runner keeps one row a sequence, its output list the sequence's own: the count reads each token once."""
+    logits = make_logits(1)
+    logits[0, CLOSE] = -30.0
+    row = thinking_row([OPEN], output=[], budget=3, temperature=0.0)
+    picks = []
+    for _ in range(6):
+        [token] = sample_tokens(logits, [row])
+        picks.append(token.token_id)
+        row.output_token_ids.append(token.token_id)
+    greedy = logits.argmax(-1).item()
+    assert picks == [greedy, greedy, greedy, CLOSE, greedy, greedy]

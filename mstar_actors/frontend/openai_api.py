@@ -120,7 +120,7 @@ COMMON_FIELDS = frozenset({
     "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "logprobs",
     "stop_token_ids", "ignore_eos", "logit_bias", "min_tokens", "bad_words", "allowed_token_ids",
     "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens", "return_token_ids",
-    "return_tokens_as_token_ids", "prompt_logprobs", "cache_salt", "add_special_tokens",
+    "return_tokens_as_token_ids", "prompt_logprobs", "cache_salt", "add_special_tokens", "thinking_token_budget",
 })
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs", "add_generation_prompt", "continue_final_message",
                                "chat_template_kwargs", "include_reasoning", "reasoning_effort"}
@@ -339,15 +339,23 @@ class ParsedRequest:
     cap_sent: bool = True  # the client sent the cap (else a completion's is vLLM's default, 16)
     tool_format: str = tool_calls.LLAMA3_JSON  # the model's tool-call format (``NewRequest.tool_format``)
 
-    def with_token_facts(self, eos_token_ids: tuple[int, ...], bad_words_token_ids: list[list[int]]) -> None:
+    def with_token_facts(self, eos_token_ids: tuple[int, ...], bad_words_token_ids: list[list[int]],
+                         think_ids: tuple[int, int] | None = None) -> None:
         """Fill the sampling fields that need the tokenizer: the ids ``min_tokens``
-        masks (EOS unless ignored, and the stop tokens) and the bad words' ids."""
+        masks (EOS unless ignored, and the stop tokens), the bad words' ids and
+        the ``<think>`` / ``</think>`` ids a thinking budget counts by (a 400
+        for a budget where the model reads no reasoning: ``think_ids`` None)."""
         sampling = self.sampling
+        if sampling.thinking_budget is not None and think_ids is None:
+            raise _bad("thinking_token_budget", "this model's replies have no reasoning to hold to a budget: it "
+                                                "needs model.reasoning_parser and <think> and </think> as tokens "
+                                                "of the model's own; remove the field")
         stop_ids = () if sampling.min_tokens == 0 else (
             (() if sampling.ignore_eos else tuple(eos_token_ids)) + sampling.stop_token_ids)
         self.sampling = msgspec.structs.replace(
             sampling, min_token_stop_ids=tuple(sorted(set(stop_ids))),
-            bad_words_token_ids=tuple(tuple(ids) for ids in bad_words_token_ids if ids))
+            bad_words_token_ids=tuple(tuple(ids) for ids in bad_words_token_ids if ids),
+            think_ids=tuple(think_ids) if sampling.thinking_budget is not None else ())
 
     @property
     def num_choices(self) -> int:
@@ -488,6 +496,7 @@ def _parse_sampling(body: dict, cap: tuple[int, bool], logprobs: int | None,
         allowed_token_ids=_parse_allowed_token_ids(body, vocab_size),
         min_tokens=min_tokens,
         truncate_prompt_tokens=_parse_truncation(body, max_model_len),
+        thinking_budget=get_int(body, "thinking_token_budget", None, 0, 1 << 31),
     )
 
 

@@ -9,7 +9,8 @@ Order of operations (vLLM v1's sampler):
 
 1. raw logprobs, if any row asked for them (before anything below);
 2. logits processors: allowed_token_ids, bad words, min_tokens (EOS and
-   stop tokens masked), then logit_bias;
+   stop tokens masked), logit_bias, then a spent thinking budget
+   (``ThinkingBudget``: ``</think>`` alone, whatever the others allow);
 3. penalties: repetition (over prompt + output tokens, HF/vLLM semantics),
    then frequency and presence (over output tokens, OpenAI semantics);
 4. greedy rows (``temperature < 1e-5``) take the argmax here;
@@ -83,9 +84,61 @@ class SampleRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     plain: bool = field(init=False)  # no penalty, logprobs or logits processor, whatever the outputs
+    thinking: ThinkingBudget | None = field(init=False)  # its thinking budget's count (None: no budget)
 
     def __post_init__(self) -> None:
         self.plain = _is_plain(self.params)
+        self.thinking = ThinkingBudget.of(self.params, self.prompt_token_ids)
+
+
+@dataclass
+class ThinkingBudget:
+    """A row's reasoning held to ``SamplingParams.thinking_budget`` tokens, as
+    vLLM's ``thinking_token_budget``: the tokens after a ``<think>`` the prompt
+    left open (a template's generation prompt that opens it) or the output
+    wrote count; once there are ``budget`` of them and no ``</think>`` came,
+    ``</think>`` is the one token the row may sample. A later ``<think>``
+    opens another reasoning, counted anew. The count reads the row's outputs
+    as they grow (each token once)."""
+
+    budget: int
+    open_id: int
+    close_id: int
+    count: int = -1  # tokens inside the open reasoning (-1: none open)
+    seen: int = 0  # outputs counted
+
+    @classmethod
+    def of(cls, params: messages.SamplingParams, prompt_token_ids: list[int]) -> ThinkingBudget | None:
+        if params.thinking_budget is None or len(params.think_ids) != 2:
+            return None
+        budget = cls(params.thinking_budget, *params.think_ids)
+        budget._read(prompt_token_ids[_last_index(prompt_token_ids, (budget.open_id, budget.close_id)):])
+        return budget
+
+    def spent(self, output_token_ids: list[int]) -> bool:
+        """Whether the next token must be ``</think>``."""
+        if len(output_token_ids) < self.seen:  # (outputs are never taken back; were they, no count would stand)
+            raise ValueError("a row's outputs shrank under its thinking budget")
+        self._read(output_token_ids[self.seen:])
+        self.seen = len(output_token_ids)
+        return self.count >= self.budget
+
+    def _read(self, tokens: list[int]) -> None:
+        for token in tokens:
+            if token == self.open_id:
+                self.count = 0
+            elif token == self.close_id:
+                self.count = -1
+            elif self.count >= 0:
+                self.count += 1
+
+
+def _last_index(tokens: list[int], of: tuple[int, ...]) -> int:
+    """The index of the last of ``tokens`` in ``of`` (0 where none is)."""
+    for i in range(len(tokens) - 1, -1, -1):
+        if tokens[i] in of:
+            return i
+    return 0
 
 
 @dataclass
@@ -231,7 +284,7 @@ def sample_pending(
 
 
 def _has_processor(row: SampleRow) -> bool:
-    return _has_fixed_processor(row.params) or _is_below_min_tokens(row)
+    return _has_fixed_processor(row.params) or _is_below_min_tokens(row) or _must_close(row)
 
 
 def _has_fixed_processor(p: messages.SamplingParams) -> bool:
@@ -242,24 +295,35 @@ def _has_fixed_processor(p: messages.SamplingParams) -> bool:
 def _is_plain(p: messages.SamplingParams) -> bool:
     """No penalty, logprobs or logits processor, whatever the outputs."""
     return not (_has_penalty(p) or p.logprobs is not None or _has_fixed_processor(p)
-                or (p.min_token_stop_ids and p.min_tokens > 0))
+                or (p.min_token_stop_ids and p.min_tokens > 0) or p.thinking_budget is not None)
 
 
 def _is_below_min_tokens(row: SampleRow) -> bool:
     return bool(row.params.min_token_stop_ids) and len(row.output_token_ids) < row.params.min_tokens
 
 
+def _must_close(row: SampleRow) -> bool:
+    return row.thinking is not None and row.thinking.spent(row.output_token_ids)
+
+
 def apply_logits_processors(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """In place on float32 ``logits``: allowed_token_ids, then the banned tokens
-    (bad words, min_tokens' stop ids), then logit_bias. Each is one indexed op
-    over the rows that ask for it; the index lists are built on the host from
-    the rows alone, so every rank applies the same ones."""
+    (bad words, min_tokens' stop ids), then logit_bias, then a spent thinking
+    budget's ``</think>`` (the row's one finite logit, 0, whatever the others
+    left). Each is one indexed op over the rows that ask for it; the index
+    lists are built on the host from the rows alone, so every rank applies
+    the same ones."""
     vocab = logits.shape[1]
     _apply_allowed(logits, rows, vocab)
     banned = [(i, t) for i, r in enumerate(rows) for t in _banned_tokens(r) if 0 <= t < vocab]
     _index_put(logits, banned, [float("-inf")] * len(banned), accumulate=False)
     bias = [((i, t), b) for i, r in enumerate(rows) for t, b in r.params.logit_bias if 0 <= t < vocab]
     _index_put(logits, [ix for ix, _ in bias], [b for _, b in bias], accumulate=True)
+    closing = [(i, r.thinking.close_id) for i, r in enumerate(rows) if _must_close(r)]
+    if closing:
+        at = _host_to(logits.device, [i for i, _ in closing], torch.int64)
+        logits.index_fill_(0, at, float("-inf"))
+        _index_put(logits, closing, [0.0] * len(closing), accumulate=False)
     return logits
 
 

@@ -121,6 +121,26 @@ def test_sampling_fields_reach_sampling_params():
         .truncate_prompt_tokens == 300
 
 
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_thinking_budget_takes_the_think_ids_or_names_why_it_cannot(kind):
+    """vLLM's thinking_token_budget: a count of at least 0; it counts by the model's <think> and </think>
+    tokens, which the frontend gives (none: a 400 saying what the model lacks)."""
+    raw = (chat if kind == "chat" else comp)(thinking_token_budget=0)
+    parsed = (api.parse_chat if kind == "chat" else api.parse_completion)(raw, 256, 400)
+    assert parsed.sampling.thinking_budget == 0
+    parsed.with_token_facts((7,), [], (20, 21))
+    assert parsed.sampling.think_ids == (20, 21)
+    with pytest.raises(api.ApiError) as info:
+        parsed.with_token_facts((7,), [], None)
+    assert info.value.param == "thinking_token_budget" and "model.reasoning_parser" in info.value.message
+    plain = api.parse_chat(chat(), 256, 400)
+    plain.with_token_facts((7,), [], (20, 21))
+    assert plain.sampling.thinking_budget is None and plain.sampling.think_ids == ()
+    for value in (-1, 1.5, True, "8"):
+        err = refused((chat if kind == "chat" else comp)(thinking_token_budget=value), kind)
+        assert err.param == "thinking_token_budget", value
+
+
 def test_min_tokens_with_ignore_eos_masks_only_the_stop_tokens():
     parsed = api.parse_chat(chat(min_tokens=2, ignore_eos=True, stop_token_ids=[9]), 256, 400)
     parsed.with_token_facts((7,), [])

@@ -287,6 +287,37 @@ def test_structured_outputs_hold_after_the_reasoning(tmp_path):
     run(body)
 
 
+def test_a_thinking_budget_goes_to_the_engine_with_the_think_ids_or_is_a_400(tmp_path):
+    """vLLM's thinking_token_budget, chat and completions: sent with the model's <think> and </think> ids (the
+    ranks count by them, ``runner.sampling.ThinkingBudget``); a model without a reasoning parser, or whose tags
+    are no tokens of its own, refuses it by name."""
+    from transformers import AutoTokenizer
+
+    from tests.frontend.conftest import Harness, make_tokenizer_dir
+
+    folder = make_tokenizer_dir(tmp_path / "think")
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok.add_tokens(["<think>", "</think>"])
+    tok.save_pretrained(str(folder))
+    think = tuple(tok.convert_tokens_to_ids(["<think>", "</think>"]))
+
+    async def body():
+        for keys, want in (({"reasoning_parser": "qwen3"}, think), ({}, None)):
+            async with Harness(folder, tok, model_keys=keys) as h:
+                h.engine.reply_text = "<think>\nplan\n</think>\n\nok"
+                for route, request in ((CHAT, {"messages": MSGS}), ("/v1/completions", {"prompt": "hi"})):
+                    h.engine.requests.clear()
+                    status, r = await h.post(route, {"model": "tiny", "thinking_token_budget": 3} | request)
+                    if want is None:
+                        assert status == 400 and r["error"]["param"] == "thinking_token_budget", r
+                        continue
+                    assert status == 200, r
+                    sampling = next(iter(h.engine.requests.values())).sampling
+                    assert (sampling.thinking_budget, sampling.think_ids) == (3, think)
+
+    run(body)
+
+
 def test_a_prompt_that_closed_or_opened_the_reasoning_decides_the_reply(tmp_path):
     """``enable_thinking: false`` (the template writes ``<think></think>``): the reply is all answer and a
     constraint holds from its first token, no <think> let through (vLLM reads reasoning as ended in the

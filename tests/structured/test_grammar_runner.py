@@ -247,6 +247,31 @@ def test_served_reasoning_runs_as_an_unconstrained_row_then_follows_its_grammar(
     assert_follows(outputs["closed"][1:], REGEX)
 
 
+def test_a_thinking_budget_closes_the_reasoning_on_time_then_the_grammar_holds(world):
+    """``SamplingParams.thinking_budget`` on a runner, greedy, beside a row without one: the prompt's open
+    <think> and its one token after count, the output's next tokens are the free row's until the budget is
+    spent, then </think>; a constrained row's grammar holds from the token after it (its own mask never
+    allowed the close: the random model would not write it). Its </think> is a word no other holds (the
+    matchers read a close spelled in pieces too)."""
+    think = (THINK[0], word_id("w99"))
+    prompt = PROMPTS["re"] + [think[0], 9]
+    budgeted = msgspec.structs.replace(FREE, thinking_budget=4, think_ids=think)
+    spec = messages.StructuredSpec("regex", REGEX, reasoning=think, opened=True)
+    outputs = {}
+    for name, sampling in (("free", FREE), ("budget", budgeted),
+                           ("grammar", msgspec.structs.replace(budgeted, structured=spec))):
+        driver = PlanDriver(make_runner(world), block_size=BLOCK_SIZE, num_new=NUM_NEW, sampling=FREE)
+        seqs = [driver.start("x", prompt, sampling=sampling), driver.start("free", PROMPTS["free"])]
+        driver.step(seqs, [driver.chunk("x"), driver.chunk("free")])
+        outputs[name] = driver.run_to_end()
+    free = outputs["free"]["x"]
+    assert think[1] not in free[:4]
+    assert outputs["budget"]["x"][:4] == free[:3] + [think[1]]
+    assert outputs["grammar"]["x"][:4] == free[:3] + [think[1]]
+    assert_follows(outputs["grammar"]["x"][4:], REGEX)
+    assert outputs["budget"]["free"] == outputs["grammar"]["free"] == outputs["free"]["free"]
+
+
 def test_a_close_spelled_in_pieces_ends_the_reasoning_too():
     """The reply's text reads the reasoning as ended at a "</think>" written in several tokens: the
     grammar holds from there as well (else that answer would go unconstrained)."""
