@@ -78,9 +78,7 @@ def error_type_of(status: int) -> str:
     """OpenAI's error type of an HTTP status (a refusal's default)."""
     if status == 401:
         return "authentication_error"
-    if status == 404:
-        return "not_found_error"
-    if status < 500:
+    if status < 500:  # a 404 too: OpenAI's model_not_found is an invalid_request_error
         return "invalid_request_error"
     return "server_error" if status != 503 else "service_unavailable_error"
 
@@ -280,7 +278,8 @@ def get_str(body: dict, name: str, default: str | None) -> str | None:
 
 
 def _show(value: Any) -> str:
-    text = repr(value) if isinstance(value, (int, float, str)) else _kind(value)
+    """A sent value as JSON writes it (``true``, ``"4"``), a container by its kind, cut to 40 characters."""
+    text = msgspec.json.encode(value).decode() if isinstance(value, (int, float, str)) else _kind(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 

@@ -275,7 +275,7 @@ class AdapterPool:
         if adapter is None:
             served = ", ".join([self.base, *sorted(self.adapters)])
             return [Failed(request_id=req.request_id, status=404, param="model", code="model_not_found",
-                           error_type="not_found_error",
+                           error_type="invalid_request_error",
                            message=f"the model {req.model!r} does not exist; served models: {served}")]
         self._waiting.append(_Waiting(req, adapter))
         return self._settle()
@@ -364,7 +364,7 @@ class AdapterPool:
                 outs.extend(self._fail_parked(w, None, f"its files could not be read again: {msg.message}"))
             elif unload:
                 outs.append(Failed(request_id=w.prepared.request_id, status=404, param="model",
-                                   code="model_not_found", error_type="not_found_error", message=gone))
+                                   code="model_not_found", error_type="invalid_request_error", message=gone))
             else:
                 outs.append(self._fail(w, 500, f"adapter {read.name!r} could not be read: {msg.message}"))
         return [*outs, *self._settle()]

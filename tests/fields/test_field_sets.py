@@ -222,3 +222,10 @@ def test_n_goes_to_openai_s_limit():
     assert api.parse_chat(chat(n=128), 256, 400).n == 128
     err = refused(chat(n=129))
     assert err.param == "n" and "[1, 128]" in err.message
+
+
+@pytest.mark.parametrize("field,value,shown", [("logprobs", True, "got true"), ("max_tokens", "4", 'got "4"'),
+                                               ("temperature", False, "got false")])
+def test_a_refusal_shows_the_value_as_the_json_sent_it(field, value, shown):
+    err = refused(comp(**{field: value}), "completion")
+    assert err.param == field and shown in err.message, err.message

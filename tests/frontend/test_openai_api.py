@@ -286,7 +286,8 @@ def test_stream_options():
 
 def test_error_types_by_status():
     assert api.ApiError(401, "x").error_type == "authentication_error"
-    assert api.ApiError(404, "x", code="model_not_found").envelope()["error"]["code"] == "model_not_found"
+    error = api.ApiError(404, "x", code="model_not_found").envelope()["error"]
+    assert (error["code"], error["type"]) == ("model_not_found", "invalid_request_error")  # OpenAI's pair
     assert api.ApiError(503, "x").error_type == "service_unavailable_error"
 
 

@@ -405,7 +405,7 @@ def test_a_served_adapter_whose_files_are_gone_is_unloaded_with_a_404_naming_the
                                                            message="adapter 'c': there is no folder /adapters/c"))
     failed = [out for out in outs if isinstance(out, Failed)]
     assert [(f.request_id, f.status, f.code, f.param, f.error_type) for f in failed] == [
-        ("c1", 404, "model_not_found", "model", "not_found_error")]
+        ("c1", 404, "model_not_found", "model", "invalid_request_error")]
     assert "was unloaded" in failed[0].message and "there is no folder /adapters/c" in failed[0].message
     changed = [out for out in outs if isinstance(out, ModelsChanged)]
     assert [[a.name for a in m.adapters] for m in changed] == [["a", "b"]]
