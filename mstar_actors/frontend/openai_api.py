@@ -684,9 +684,11 @@ def _parse_common(body: dict, kind: str, cap: tuple[int, bool], logprobs: int | 
 # top-level guided_* names map the same way.
 STRUCTURED_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar", "json_object": "json_object"}
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-# Options that change nothing here: no fallback engine exists, and JSON is always
-# generated without free whitespace (what disable_any_whitespace asks for).
-IGNORED_STRUCTURED_KEYS = {"disable_fallback", "disable_any_whitespace"}
+# Options (true or false) that change nothing here: no fallback engine exists, JSON is always generated
+# without free whitespace (what disable_any_whitespace asks for), and an object whose schema states no
+# additionalProperties takes no other key (what disable_additional_properties asks of vLLM's guidance
+# backend; its xgrammar one reads schemas so whatever the option says).
+IGNORED_STRUCTURED_KEYS = {"disable_fallback", "disable_any_whitespace", "disable_additional_properties"}
 REFUSED_GUIDED_FIELDS = {"guided_whitespace_pattern"}
 # vLLM's guided_decoding_backend names: one engine compiles every constraint here, so the name changes nothing
 GUIDED_BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
@@ -772,12 +774,11 @@ def _from_structured_outputs(body: dict) -> list[StructuredSpec]:
         raise _bad("structured_outputs", f'expected an object like {{"regex": "..."}}, got {_show(options)}')
     specs = []
     for key, value in options.items():
-        if value is None or key in IGNORED_STRUCTURED_KEYS:
+        if value is None:
             continue
-        if key == "disable_additional_properties":  # vLLM's default, false, is this engine's reading too
-            if value is not False:
-                raise _bad(f"structured_outputs.{key}", "only false is served (a schema's objects keep the "
-                                                        "additionalProperties they state); leave it out")
+        if key in IGNORED_STRUCTURED_KEYS:
+            if not isinstance(value, bool):
+                raise _bad(f"structured_outputs.{key}", f"expected true or false, got {_show(value)}")
             continue
         if key not in STRUCTURED_KEYS:
             accepted = ", ".join(sorted(STRUCTURED_KEYS.keys() | IGNORED_STRUCTURED_KEYS))

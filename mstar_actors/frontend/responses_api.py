@@ -78,6 +78,8 @@ class ResponsesRequest:
         elif new != err.param:
             message = f"{new}: {message}"
         message = re.sub(r"\bmax_tokens\b", "max_output_tokens", message)
+        # another field the chat path names in its words (a constraint a forced call can't take)
+        message = re.sub(r"\bresponse_format(?:\.\w+)*", lambda m: self._name(m[0]), message)
         message = message.replace("image_url parts", "input_image parts")
         return ApiError(err.status, message, param=new, code=err.code, error_type=err.error_type,
                         retry_after_s=err.retry_after_s)

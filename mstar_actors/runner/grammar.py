@@ -55,7 +55,8 @@ MAX_SCHEMA_TEXTS = 256  # JSON schemas whose grammar text is kept (_json_grammar
 # strings exclude them, as JSON requires.
 _LOOSE_STRING_CHAR = ebnf_text.normalized(r'[^\"\\\r\n]')
 _JSON_STRING_CHAR = ebnf_text.normalized(r'[^\0-\x1f\"\\\r\n]')
-_ENGINE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[13:34:24] /project/cpp/x.cc:94: " of the engine's errors
+# "[13:34:24] /project/cpp/x.cc:94: " of the engine's errors, first or inside (a Lark error quoting a regex's)
+_ENGINE_PREFIX = re.compile(r"\[[\d:]+\] \S+:\d+: ")
 
 
 class GrammarError(ValueError):

@@ -365,6 +365,8 @@ def test_chat_template_kwargs_are_taken_and_the_template_call_s_own_names_refuse
     {"documents": []}, {"logits_processors": []}, {"vllm_xargs": {}}, {"kv_transfer_params": {}},
     {"media_io_kwargs": {}}, {"truncation_side": "left"}, {"stream_interval": 1},
     {"structured_outputs": {"regex": "a+", "disable_additional_properties": False}},
+    {"structured_outputs": {"json": {"type": "object"}, "disable_additional_properties": True,  # xgrammar's reading
+                            "disable_any_whitespace": False, "disable_fallback": True}},
 ])
 def test_what_clients_send_that_changes_nothing_here_is_taken(fields):
     """OpenAI's defaults and newest values, and vLLM's fields at their neutral value (the SDKs, LangChain
@@ -379,8 +381,9 @@ def test_what_clients_send_that_changes_nothing_here_is_taken(fields):
     ({"prompt_cache_options": "x"}, "prompt_cache_options"), ({"verbosity": "loud"}, "verbosity"),
     ({"prompt_cache_retention": "forever"}, "prompt_cache_retention"),
     ({"prompt_cache_retention": 24}, "prompt_cache_retention"),
-    ({"structured_outputs": {"regex": "a", "disable_additional_properties": True}},
+    ({"structured_outputs": {"regex": "a", "disable_additional_properties": "yes"}},
      "structured_outputs.disable_additional_properties"),
+    ({"structured_outputs": {"regex": "a", "disable_fallback": 1}}, "structured_outputs.disable_fallback"),
 ])
 def test_their_other_values_change_the_output_and_are_refused_by_name(fields, param):
     with pytest.raises(api.ApiError) as info:

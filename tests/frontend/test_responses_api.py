@@ -149,6 +149,9 @@ def test_the_chat_paths_errors_are_named_by_the_body_s_fields():
     # chat's words for what this body names otherwise
     cap = asked.renamed(ApiError(400, "max_tokens is 9, too many", param="max_tokens"))
     assert cap.message == "max_output_tokens is 9, too many"
+    for chat, own in [("response_format", "text.format"), ("response_format.json_schema.schema", "text.format.schema")]:
+        forced = asked.renamed(ApiError(400, f"tool_choice: it cannot be combined with {chat}", param="tool_choice"))
+        assert forced.message == f"tool_choice: it cannot be combined with {own}"
     image = asked.renamed(ApiError(400, "this model reads text only; image_url parts are for ...",
                                    param="messages[1].content[0].image_url"))
     assert image.param == "input[0].content[0]"
