@@ -145,7 +145,7 @@ class SamplingParams(Struct, frozen=True, **_HOT):
     token where the output ends with the rest of it; ``min_token_stop_ids`` (EOS
     and ``stop_token_ids``, filled by the frontend) are masked until the output
     holds ``min_tokens`` tokens. ``truncate_prompt_tokens`` keeps the prompt's
-    last N tokens (prepare applies it). ``structured`` constrains the output
+    last N tokens, its first N with ``truncate_right`` (prepare applies it). ``structured`` constrains the output
     to a grammar (None: unconstrained). ``prompt_logprobs`` (None: none) asks
     for each prompt token's logprob given the tokens before it, with that many
     top alternatives: they come with the first sampled token
@@ -184,6 +184,7 @@ class SamplingParams(Struct, frozen=True, **_HOT):
     min_tokens: int = 0
     min_token_stop_ids: tuple[int, ...] = ()
     truncate_prompt_tokens: int | None = None
+    truncate_right: bool = False
     prompt_logprobs: int | None = None
     thinking_budget: int | None = None
     think_ids: tuple[int, ...] = ()

@@ -119,6 +119,7 @@ COMMON_FIELDS = frozenset({
     "stop_token_ids", "ignore_eos", "logit_bias", "min_tokens", "bad_words", "allowed_token_ids",
     "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens", "return_token_ids",
     "return_tokens_as_token_ids", "prompt_logprobs", "cache_salt", "add_special_tokens", "thinking_token_budget",
+    "truncation_side",
 })
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs", "add_generation_prompt", "continue_final_message",
                                "chat_template_kwargs", "include_reasoning", "reasoning_effort"}
@@ -170,8 +171,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "chat_template": (), "documents": ([],), "mm_processor_kwargs": ({},), "media_io_kwargs": ({},),
     "logits_processors": ([],), "vllm_xargs": ({},),
     "prompt_embeds": (), "kv_transfer_params": ({},), "echo": (False,),
-    # vLLM's: the prompt cut on its left (truncate_prompt_tokens keeps its last tokens); a chunk per token
-    "truncation_side": ("left",), "stream_interval": (1,),
+    # vLLM's: a chunk per token
+    "stream_interval": (1,),
 }
 
 
@@ -495,8 +496,19 @@ def _parse_sampling(body: dict, cap: tuple[int, bool], logprobs: int | None,
         allowed_token_ids=_parse_allowed_token_ids(body, vocab_size),
         min_tokens=min_tokens,
         truncate_prompt_tokens=_parse_truncation(body, max_model_len),
+        truncate_right=_parse_truncation_side(body),
         thinking_budget=get_int(body, "thinking_token_budget", None, 0, 1 << 31),
     )
+
+
+def _parse_truncation_side(body: dict) -> bool:
+    """vLLM's truncation_side: which end truncate_prompt_tokens cuts ("left", the default: the last N tokens
+    are kept; "right": the first N). True for "right"."""
+    side = body.get("truncation_side")
+    if side is not None and side not in ("left", "right"):
+        raise _bad("truncation_side", f'expected "left" (keep the prompt\'s last tokens) or "right" (its first), '
+                                      f"got {_show(side)}")
+    return side == "right"
 
 
 def _parse_truncation(body: dict, max_model_len: int | None) -> int | None:

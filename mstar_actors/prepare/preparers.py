@@ -225,10 +225,12 @@ def prompt_token_ids(tokenization: Any, req: NewRequest, prompt_limit: int | Non
     """A text request's prompt ids and the field they came from, as the engine
     serves them: its chat template's (tools and a forced call's opening
     included), its prompt's, or as sent; cut to the last
-    ``truncate_prompt_tokens``. Past ``prompt_limit`` tokens PromptTooLong
-    (without reading the rest), unless truncate_prompt_tokens keeps only the
-    end: then the whole text is read (server.max_body_bytes bounds it)."""
-    keep = req.sampling.truncate_prompt_tokens  # vLLM's: the prompt's last N tokens
+    ``truncate_prompt_tokens`` (the first with ``truncate_right``). Past
+    ``prompt_limit`` tokens PromptTooLong (without reading the rest), unless
+    truncate_prompt_tokens keeps only a part: then the whole text is read
+    (server.max_body_bytes bounds it)."""
+    keep = req.sampling.truncate_prompt_tokens  # vLLM's: the prompt's last N tokens (first N: right)
+    right = keep is not None and req.sampling.truncate_right
     limit = prompt_limit if keep is None else None
     if req.prompt_token_ids is not None:
         ids, param = list(req.prompt_token_ids), "prompt"
@@ -242,7 +244,7 @@ def prompt_token_ids(tokenization: Any, req: NewRequest, prompt_limit: int | Non
         ids, param = list(tokenization.encode_text(req.prompt, req.add_special_tokens is not False, limit)), "prompt"
     else:
         raise ValueError("none of prompt, prompt_token_ids or messages is set")
-    return (ids[-keep:] if keep is not None else ids), req.prompt_param or param
+    return (ids if keep is None else ids[:keep] if right else ids[-keep:]), req.prompt_param or param
 
 def too_long(num_tokens: int, limit: int, is_lower_bound: bool = False) -> str:
     """The refusal of a prompt of ``num_tokens`` (at least, when counting stopped early)."""

@@ -74,6 +74,11 @@ def test_truncate_echo_logprobs_zero_and_cached_tokens(server, tokenizer):
     prompt = "The quick brown fox jumps over the lazy dog. " * 4
     out = client.completions.create(prompt=prompt, max_tokens=2, model="tiny", extra_body={"truncate_prompt_tokens": 5})
     assert out.usage.prompt_tokens == 5
+    ids = tokenizer(prompt, add_special_tokens=False).input_ids
+    for side, kept in (("left", ids[-5:]), ("right", ids[:5])):  # vLLM's truncation_side: which end is cut
+        extra = {"truncate_prompt_tokens": 5, "truncation_side": side, "return_token_ids": True}
+        out = client.completions.create(prompt=prompt, max_tokens=2, model="tiny", extra_body=extra)
+        assert out.choices[0].model_extra["prompt_token_ids"] == kept, side
     # a text past the context, cut to its end: kept (it was refused as too long before the cut)
     for send in (client.completions.create, client.chat.completions.create):
         body = {"prompt": prompt * 200} if send == client.completions.create else {

@@ -363,7 +363,7 @@ def test_chat_template_kwargs_are_taken_and_the_template_call_s_own_names_refuse
     {"reasoning_effort": "xhigh"}, {"reasoning_effort": "max"}, {"prompt_cache_retention": "24h"},
     {"prompt_cache_options": {}}, {"service_tier": "fast"}, {"functions": []}, {"function_call": "none"},
     {"documents": []}, {"logits_processors": []}, {"vllm_xargs": {}}, {"kv_transfer_params": {}},
-    {"media_io_kwargs": {}}, {"truncation_side": "left"}, {"stream_interval": 1},
+    {"media_io_kwargs": {}}, {"truncation_side": "left"}, {"truncation_side": "right"}, {"stream_interval": 1},
     {"structured_outputs": {"regex": "a+", "disable_additional_properties": False}},
     {"structured_outputs": {"json": {"type": "object"}, "disable_additional_properties": True,  # xgrammar's reading
                             "disable_any_whitespace": False, "disable_fallback": True}},
@@ -375,7 +375,7 @@ def test_what_clients_send_that_changes_nothing_here_is_taken(fields):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"verbosity": "low"}, "verbosity"), ({"truncation_side": "right"}, "truncation_side"),
+    ({"verbosity": "low"}, "verbosity"), ({"truncation_side": "middle"}, "truncation_side"),
     ({"stream_interval": 4}, "stream_interval"), ({"functions": [{"name": "f"}]}, "functions"),
     ({"stream": True, "stream_options": {"include_obfuscation": 1}}, "stream_options.include_obfuscation"),
     ({"prompt_cache_options": "x"}, "prompt_cache_options"), ({"verbosity": "loud"}, "verbosity"),
