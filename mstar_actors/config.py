@@ -398,12 +398,29 @@ def _yaml_problem(err: yaml.YAMLError) -> str:
     return f"{at(mark)}: {problem}{where}"
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader that refuses a key written twice in one mapping: the later would replace the earlier
+    unseen (a whole section, with whatever value of it was wrong)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {seen[key].line + 1}); write it once",
+                    key_node.start_mark)
+            if isinstance(key, typing.Hashable):
+                seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | os.PathLike, **overrides: dict) -> Config:
     """Read and validate a YAML config. ``overrides`` maps section -> {key: value}
     (the CLI's --host/--port), applied before validation."""
     p = Path(path)
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
     except FileNotFoundError:
         raise ConfigError(f"{p}: no such config file; see configs/ for examples") from None
     except (OSError, UnicodeDecodeError) as err:  # a folder, unreadable, not UTF-8 text

@@ -3,6 +3,8 @@ naming the file or the flag, never a traceback."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from mstar_actors.config import ConfigError, load_config
@@ -56,6 +58,18 @@ def test_a_yaml_syntax_error_names_the_files_line_and_column(tmp_path):
     path.write_text("model:\n\tpath: x\n")
     with pytest.raises(ConfigError, match="line 2, column 1: found character '\\\\t' that cannot start any token$"):
         load_config(path)
+
+
+def test_a_key_written_twice_is_refused_by_its_line(tmp_path):
+    """YAML lets the later copy replace the earlier unseen: a whole section dropped, its wrong value unchecked."""
+    path = tmp_path / "twice.yaml"
+    for text, where in (("model:\n  path: x\n  quantization: int3\nmodel:\n  dtype: float32\n",
+                         "line 4, column 1: duplicate key 'model' (first at line 1)"),
+                        ("model:\n  path: x\nserver:\n  port: 1\n  port: 2\n",
+                         "line 5, column 3: duplicate key 'port' (first at line 4)")):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(f"{path}: not valid YAML: {where}; write it once")):
+            load_config(path)
 
 
 def test_a_model_folder_the_server_cannot_read_is_one_line_naming_model_path(tmp_path, capsys):
