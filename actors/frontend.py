@@ -200,7 +200,8 @@ class FrontendActor(Actor):
                               "port or choose another (server.port, --port)") from None
         self.port = self._runner.addresses[0][1]
         self.address = server_url(server.host, self.port)
-        self.log.info("serving %s on %s%s", self.info.served_name, self.address,
+        self.log.info("listening for %s on %s%s (a 503 until every actor is ready)", self.info.served_name,
+                      self.address,
                       f" (frontend {self.index + 1} of {server.api_server_count})" if server.api_server_count > 1 else "")
 
     async def stop(self) -> None:

@@ -47,12 +47,30 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     log = logging.getLogger("mstar_actors")
-    log.info("model folder: %s", info.model_dir)
+    _log_what_is_served(log, config, info)
     if info.sampling_defaults:  # as vLLM says it: a request's defaults are no longer OpenAI's
         log.info("requests that leave them out take the model's generation_config.json defaults: %s "
                  "(model.generation_config: none for OpenAI's)",
                  ", ".join(f"{name} {value}" for name, value in info.sampling_defaults.items()))
     return launcher.serve(config, info)
+
+
+def _log_what_is_served(log: logging.Logger, config, info) -> None:
+    """The start's account of what it serves, in two lines, as vLLM's engine-config line gives it."""
+    from mstar_actors.runner.device import resolve_device
+
+    model, sched = config.model, config.scheduler
+    device = resolve_device(model.device).type
+    log.info("serving %s from %s: %s, %s on %s (model.quantization %s), tp %d, up to %d sequences of %d tokens",
+             info.served_name, info.model_dir, info.architecture, info.dtype, device, model.quantization,
+             config.parallel.tp, sched.max_num_seqs, info.max_model_len)
+    lora = config.lora
+    if lora.adapters or lora.allow_runtime_updates:
+        log.info("LoRA: %s; %d slots of rank up to %d; runtime loads and unloads %s",
+                 ", ".join(f"{name} ({path})" for name, path in lora.adapters.items()) or "no adapter at start",
+                 lora.max_loras, lora.max_lora_rank,
+                 f"on (from {', '.join(lora.adapter_dirs)})" if lora.allow_runtime_updates and lora.adapter_dirs
+                 else "on" if lora.allow_runtime_updates else "off (lora.allow_runtime_updates)")
 
 
 def _fetch(args: argparse.Namespace) -> int:

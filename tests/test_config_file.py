@@ -92,3 +92,26 @@ def test_kept_responses_need_one_frontend():
     with pytest.raises(ConfigError, match=r"server.responses_store_mib with server.api_server_count 2.*"
                                           r"api_server_count: 1"):
         parse_config({"server": {"responses_store_mib": 64, "api_server_count": 2, "port": 8000}})
+
+
+def test_the_start_says_what_it_serves_and_its_adapters(tmp_path, caplog):
+    """One line of the model (folder, architecture, dtype, device, quantization, tp, sequences, context), one of
+    the adapters with their folders and whether runtime loads are on."""
+    import logging
+
+    from mstar_actors.__main__ import _log_what_is_served
+    from mstar_actors.config import parse_config
+    from mstar_actors.model_info import ModelInfo
+
+    config = parse_config({"model": {"path": str(tmp_path), "device": "cpu"}, "scheduler": {"max_num_seqs": 8},
+                           "lora": {"adapters": {"pirate": str(tmp_path / "p")}, "allow_runtime_updates": True,
+                                    "adapter_dirs": [str(tmp_path)]}})
+    info = ModelInfo(served_name="tiny", model_dir=str(tmp_path), architecture="LlamaForCausalLM", vocab_size=8,
+                     eos_token_ids=(0,), dtype="float32", max_model_len=256)
+    with caplog.at_level(logging.INFO):
+        _log_what_is_served(logging.getLogger("mstar_actors"), config, info)
+    served, lora = caplog.messages
+    assert served == (f"serving tiny from {tmp_path}: LlamaForCausalLM, float32 on cpu (model.quantization auto), "
+                      "tp 1, up to 8 sequences of 256 tokens")
+    assert lora == (f"LoRA: pirate ({tmp_path / 'p'}); 4 slots of rank up to 16; runtime loads and unloads on "
+                    f"(from {tmp_path})")

@@ -344,7 +344,7 @@ def test_a_stop_while_actors_start_does_not_wait_for_their_models(model_dir, run
         srv.kill()
 
 
-@pytest.mark.parametrize("when", [0.3, 1.0, "model folder:"])
+@pytest.mark.parametrize("when", [0.3, 1.0, "serving tiny from"])
 def test_a_signal_while_the_command_starts_stops_it_quietly(model_dir, runtime_dir, tmp_path, when):
     """SIGINT amid the imports, the model's checks or the spawn (a time, or
     the log line of the checks' end): exit 0, no traceback (it was a

@@ -206,8 +206,8 @@ def size_kv_cache(spec: ModelSpec, kv: KvConfig, dtype: torch.dtype, device: tor
     num_kv_heads = num_kv_heads or spec.num_kv_heads
     num_blocks = kv.num_blocks or blocks_from_memory(spec, kv.block_size, kv.memory_fraction, dtype, device,
                                                      num_kv_heads)
+    per_block = kv_bytes_per_block(len(spec.kv_layers), kv.block_size, num_kv_heads, spec.head_dim, dtype)
     if kv.num_blocks:  # set by hand: it must fit what is free, or the allocation's own error names no key
-        per_block = kv_bytes_per_block(len(spec.kv_layers), kv.block_size, num_kv_heads, spec.head_dim, dtype)
         free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
                 else psutil.virtual_memory().available)
         if (num_blocks + 1) * per_block > free:
@@ -217,6 +217,9 @@ def size_kv_cache(spec: ModelSpec, kv: KvConfig, dtype: torch.dtype, device: tor
                               "cache from kv.memory_fraction")
     caches = allocate_kv_cache(len(spec.kv_layers), num_blocks + 1, kv.block_size, num_kv_heads, spec.head_dim,
                                dtype, device)
+    log.info("kv cache: %d blocks of %d tokens (%.1f MiB, %s) on %s", num_blocks, kv.block_size,
+             num_blocks * per_block / 2**20, "kv.num_blocks" if kv.num_blocks else
+             f"kv.memory_fraction {kv.memory_fraction:g} of what was free", device)
     return KvCache(caches, kv.block_size, num_blocks, state_pools or [], snapshot_pools or [])
 
 
@@ -237,7 +240,6 @@ def blocks_from_memory(spec: ModelSpec, block_size: int, memory_fraction: float,
             f"kv: no room for two KV blocks (one is scratch) of {per_block} bytes on {device} "
             f"(budget {budget} bytes); raise kv.memory_fraction or set kv.num_blocks"
         )
-    log.info("kv cache: %d blocks of %d tokens (%.1f MiB) on %s", num_blocks, block_size, num_blocks * per_block / 2**20, device)
     return num_blocks
 
 
