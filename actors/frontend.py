@@ -1049,15 +1049,21 @@ class FrontendActor(Actor):
         """SSE (or a Responses reply, ``stream``). The response is prepared at the first engine output, so a
         request refused before that (prepare's or the scheduler's 4xx) keeps its status."""
         stream = stream or responses.Stream(request, exchange)
+        interval = exchange.parsed.output.stream_interval
+        held: dict[int, responses.Output] = {}  # stream_interval: each choice's outputs not yet written
+        sent: dict[int, int] = {}  # and its tokens at its last chunk
         try:
             while exchange.is_waiting():
                 msgs = await exchange.pop_all()
-                if len(msgs) == 1:  # a stream that keeps up: one output, one event
+                if len(msgs) == 1 and interval == 1:  # a stream that keeps up: one output, one event
                     applied = self._apply(exchange, msgs[0])
                     if applied is not None:
                         await stream.write_choice(stream.take(*applied))
                 else:
-                    await self._write_outputs(stream, exchange, msgs)
+                    await self._write_outputs(stream, exchange, msgs, held)
+                    if interval > 1:
+                        await responses.write_runs(stream, _due_runs(held, sent, interval))
+            await responses.write_runs(stream, held)
             await stream.finish(responses.usage(exchange))
         except ApiError as err:
             if not stream.is_prepared:
@@ -1066,15 +1072,17 @@ class FrontendActor(Actor):
         return stream.response
 
 
-    async def _write_outputs(self, stream: responses.Stream, exchange: Exchange, msgs: list[Any]) -> None:
+    async def _write_outputs(self, stream: responses.Stream, exchange: Exchange, msgs: list[Any],
+                             held: dict[int, responses.Output]) -> None:
         """Apply ``msgs`` in order and write them, one event per choice (in
         the order choices first appear; each choice's outputs keep theirs).
         While the stream keeps up an event carries one token; when outputs
         arrive faster than events are written (one process writes every
         stream, about 20k events/s on the H200's host), the queued ones leave
         together, so the cost per token falls as the load rises instead of
-        the backlog growing."""
-        runs: dict[int, responses.Output] = {}  # choice index -> its outputs not yet written
+        the backlog growing. With ``stream_interval`` past 1 they join the
+        choice's ``held`` run instead, for the caller to write when due."""
+        runs = held if exchange.parsed.output.stream_interval > 1 else {}  # choice index -> its outputs unwritten
         try:
             for msg in msgs:
                 applied = self._apply(exchange, msg)
@@ -1088,8 +1096,22 @@ class FrontendActor(Actor):
                     run.extend(out)
         except ApiError:  # a later output failed the exchange: what came before it still goes out first
             await responses.write_runs(stream, runs)
+            runs.clear()
             raise
-        await responses.write_runs(stream, runs)
+        if runs is not held:
+            await responses.write_runs(stream, runs)
+
+
+def _due_runs(held: dict[int, responses.Output], sent: dict[int, int], interval: int) -> dict[int, responses.Output]:
+    """vLLM's stream_interval: the held runs whose chunk is due, taken out of ``held``: a choice's first
+    tokens, its end, or ``interval`` tokens since its last chunk (``sent``, updated)."""
+    due = {}
+    for index, run in list(held.items()):
+        choice = run.choice
+        if index not in sent or choice.is_done or choice.num_output_tokens - sent[index] >= interval:
+            due[index] = held.pop(index)
+            sent[index] = choice.num_output_tokens
+    return due
 
 
 def _load_speech(config: Any, tokenizer: Any, vocab_size: int) -> Any:

@@ -119,7 +119,7 @@ COMMON_FIELDS = frozenset({
     "stop_token_ids", "ignore_eos", "logit_bias", "min_tokens", "bad_words", "allowed_token_ids",
     "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens", "return_token_ids",
     "return_tokens_as_token_ids", "prompt_logprobs", "cache_salt", "add_special_tokens", "thinking_token_budget",
-    "truncation_side",
+    "truncation_side", "stream_interval",
 })
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs", "add_generation_prompt", "continue_final_message",
                                "chat_template_kwargs", "include_reasoning", "reasoning_effort"}
@@ -171,8 +171,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "chat_template": (), "documents": ([],), "mm_processor_kwargs": ({},), "media_io_kwargs": ({},),
     "logits_processors": ([],), "vllm_xargs": ({},),
     "prompt_embeds": (), "kv_transfer_params": ({},), "echo": (False,),
-    # vLLM's: a chunk per token
-    "stream_interval": (1,),
 }
 
 
@@ -307,6 +305,9 @@ class OutputOptions:
     # per choice (completions) or once (chat); None: not asked
     prompt_logprobs: int | None = None
     continuous_usage_stats: bool = False  # usage in every streamed chunk
+    # vLLM's: a streamed choice's chunk once this many tokens came since its last (its first token and its end
+    # at once)
+    stream_interval: int = 1
 
 
 @dataclass
@@ -654,6 +655,7 @@ def _parse_output(body: dict, continuous_usage_stats: bool) -> OutputOptions:
         return_tokens_as_token_ids=get_bool(body, "return_tokens_as_token_ids", False),
         prompt_logprobs=get_int(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS),
         continuous_usage_stats=continuous_usage_stats,
+        stream_interval=get_int(body, "stream_interval", 1, 1, 1 << 20),
     )
 
 

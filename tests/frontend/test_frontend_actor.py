@@ -232,6 +232,38 @@ def test_logprobs_chat_and_legacy_formats(harness):
     run(body)
 
 
+@pytest.mark.parametrize("interval", [1, 3])
+def test_a_stream_interval_sends_a_chunk_every_n_tokens_its_first_and_its_end_at_once(harness, interval):
+    """vLLM's stream_interval: tokens that arrive one by one go out as one chunk of the first, then one each
+    ``interval`` tokens, the rest with the finish; the text and logprobs are the same."""
+    async def body():
+        async with harness() as h:
+            h.engine.plan = hold
+            streaming = asyncio.create_task(h.stream(CHAT, chat_body(logprobs=True, stream_interval=interval)))
+            await h.engine.wait_for(lambda: len(h.engine.requests) == 1)
+            (req,) = h.engine.requests.values()
+            (rid,) = h.engine.choice_ids(req)
+            ids = h.engine.tokenizer(REPLY).input_ids
+            (exchange,) = h.actor._exchanges.values()
+            for i, token_id in enumerate(ids):
+                tok = SampledToken(request_id=rid, token_id=token_id, logprob=-0.5)
+                await h.engine.send(TokenDelta(request_id=rid, tokens=[tok], num_prompt_tokens=3 if i == 0 else 0))
+                while not (exchange.choices and exchange.choices[rid].num_output_tokens == i + 1):
+                    await asyncio.sleep(0.001)  # the frontend takes each alone
+            await h.engine.send(Finished(request_id=rid, finish_reason="stop", num_prompt_tokens=3,
+                                         num_output_tokens=len(ids)))
+            status, events = await streaming
+            assert status == 200 and events[-1] == "[DONE]"
+            chunks = [e["choices"][0] for e in events[1:-1]]
+            sizes = [len((c["logprobs"] or {"content": []})["content"]) for c in chunks]
+            full, rest = divmod(len(ids) - 1, interval)  # (the finish alone where none is left)
+            assert sizes == [1] + [interval] * full + [rest], sizes
+            assert "".join(c["delta"].get("content", "") for c in chunks) == REPLY
+            assert chunks[-1]["finish_reason"] == "stop"
+
+    run(body)
+
+
 def test_outputs_queued_together_leave_in_one_event(harness):
     """Outputs that arrive faster than the stream writes go out together: one
     event with all their text and logprobs (and the finish), the same content."""

@@ -376,7 +376,7 @@ def test_what_clients_send_that_changes_nothing_here_is_taken(fields):
 
 @pytest.mark.parametrize("fields, param", [
     ({"verbosity": "low"}, "verbosity"), ({"truncation_side": "middle"}, "truncation_side"),
-    ({"stream_interval": 4}, "stream_interval"), ({"functions": [{"name": "f"}]}, "functions"),
+    ({"stream_interval": 0}, "stream_interval"), ({"functions": [{"name": "f"}]}, "functions"),
     ({"stream": True, "stream_options": {"include_obfuscation": 1}}, "stream_options.include_obfuscation"),
     ({"prompt_cache_options": "x"}, "prompt_cache_options"), ({"verbosity": "loud"}, "verbosity"),
     ({"prompt_cache_retention": "forever"}, "prompt_cache_retention"),
