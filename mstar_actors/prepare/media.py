@@ -38,6 +38,7 @@ import binascii
 import dataclasses
 import io
 import math
+import re
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -241,11 +242,36 @@ def _read_data_url(ref: MediaRef, limits: MediaLimits) -> bytes:
                                     f"{err.start - offset}") from None
     try:
         data = pybase64.b64decode(memoryview(text)[comma + 1:], validate=True)
-    except (binascii.Error, ValueError) as err:
-        raise MediaError(ref.param, f"{what} is not valid base64: {err}") from None
+    except (binascii.Error, ValueError):
+        data = _lenient_base64(text[comma + 1:], ref.param, what)
     if len(data) > limits.max_bytes:
         raise _too_big(ref, len(data), limits)
     return data
+
+
+_BASE64_SPACE = re.compile(rb"\s+")
+_NOT_BASE64 = re.compile(rb"[^A-Za-z0-9+/=]")
+
+
+def _lenient_base64(payload: bytes, param: str, what: str) -> bytes:
+    """Base64 as Python's decoder reads it for vLLM: lines broken where tools wrap them (76 columns) joined and
+    a missing "=" padding restored; else the first thing wrong in the client's words."""
+    compact = _BASE64_SPACE.sub(b"", payload)
+    if (bad := _NOT_BASE64.search(compact)) is None and len(compact) % 4 != 1:
+        compact = compact.rstrip(b"=")
+        try:
+            return pybase64.b64decode(compact + b"=" * (-len(compact) % 4), validate=True)
+        except (binascii.Error, ValueError):
+            pass  # an "=" inside
+    if bad is not None:
+        char = bad[0].decode()
+        problem = (f"{char!r} is no base64 character (URL-safe base64's - and _ are not read: send + and /)"
+                   if char in "-_" else f"{char!r} is no base64 character (A-Z, a-z, 0-9, + and /, = at the end)")
+    elif len(compact) % 4 == 1:
+        problem = f"its {len(compact)} characters are one more than a multiple of 4: the data is cut or has one too many"
+    else:
+        problem = "an \"=\" stands before the end (padding ends the data)"
+    raise MediaError(param, f"{what} is not valid base64: {problem}")
 
 
 def _read_file_url(ref: MediaRef, limits: MediaLimits) -> bytes:
@@ -459,9 +485,11 @@ def decode_image(data: bytes, ref: MediaRef, limits: MediaLimits):
         return image
     except MediaError:
         raise
-    except Image.DecompressionBombError:  # Pillow's guard at open(), past twice the limit
-        raise MediaError(ref.param, f"the image has over {2 * limits.max_image_pixels} pixels; this server accepts "
-                                    f"at most {limits.max_image_pixels} (server.max_image_pixels)") from None
+    except Image.DecompressionBombError as err:  # Pillow's guard at open(), past twice the limit: it says the size
+        size = re.search(r"\((\d+) pixels\)", str(err))
+        count = size[1] if size else f"over {2 * limits.max_image_pixels}"
+        raise MediaError(ref.param, f"the image has {count} pixels; this server accepts at most "
+                                    f"{limits.max_image_pixels} (server.max_image_pixels)") from None
     except UnidentifiedImageError:
         raise MediaError(ref.param, "could not decode the image: not a format this server reads (PNG, JPEG, WebP, "
                                     "GIF, BMP, TIFF...)") from None
@@ -494,8 +522,13 @@ def decode_video(data: bytes, ref: MediaRef, limits: MediaLimits, num_threads: i
             frames = _sample_frames(container, stream, ref, limits, abandoned)
     except MediaError:
         raise
+    except av.error.InvalidDataError:
+        raise MediaError(ref.param, "could not decode the video: " + (
+            "the file is empty" if not data else "its bytes are no container this server reads (MP4, WebM, "
+                                                 "Matroska, AVI, MOV...), or are cut or damaged")) from None
     except (av.error.FFmpegError, OSError, ValueError) as err:
-        raise MediaError(ref.param, f"could not decode the video: {type(err).__name__}: {err}") from None
+        reason = getattr(err, "strerror", None) or str(err)  # (ffmpeg's own words, without its errno and file)
+        raise MediaError(ref.param, f"could not decode the video: {type(err).__name__}: {reason}") from None
     return VideoFrames(frames, limits.video_fps)
 
 
