@@ -268,7 +268,8 @@ def _lenient_base64(payload: bytes, param: str, what: str) -> bytes:
         problem = (f"{char!r} is no base64 character (URL-safe base64's - and _ are not read: send + and /)"
                    if char in "-_" else f"{char!r} is no base64 character (A-Z, a-z, 0-9, + and /, = at the end)")
     elif len(compact) % 4 == 1:
-        problem = f"its {len(compact)} characters are one more than a multiple of 4: the data is cut or has one too many"
+        problem = (f"its {len(compact)} characters are one more than a multiple of 4: the data is cut or has one "
+                   "too many")
     else:
         problem = "an \"=\" stands before the end (padding ends the data)"
     raise MediaError(param, f"{what} is not valid base64: {problem}")

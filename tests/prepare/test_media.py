@@ -301,7 +301,8 @@ def test_data_url_decodes_as_b64decode_does_for_vllm():
                         " " + text.replace("A", "A\r\n", 3)):
             assert read_local(ref("data:video/mp4;base64," + lenient), MediaLimits()) == payload
     for bad, why in (("QUJD@EVG", "'@' is no base64 character"), ("QUJD-EVG", "'-' is no base64 character (URL-safe"),
-                     ("QUJDRA==QUJD", 'an "=" stands before the end'), ("QUJDR", "its 5 characters are one more than a multiple of 4"),
+                     ("QUJDRA==QUJD", 'an "=" stands before the end'),
+                     ("QUJDR", "its 5 characters are one more than a multiple of 4"),
                      ("QUJDREVGé", "a non-ASCII character at position 30"), ("=QUJ", 'an "=" stands before the end')):
         with pytest.raises(MediaError, match="not valid base64: " + re.escape(why)) as err:
             read_local(ref("data:video/mp4;base64," + bad), MediaLimits())
