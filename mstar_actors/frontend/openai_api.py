@@ -1098,6 +1098,11 @@ def parse_completion(raw: bytes, max_model_len: int | None = None, vocab_size: i
                             model_default=defaults.get("max_tokens"))
     logprobs = get_int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     parsed = _parse_common(body, "completion", cap, logprobs, vocab_size, max_model_len, defaults)
+    if parsed.sampling.thinking_budget is not None and parsed.sampling.structured is not None:
+        param = parsed.sampling.structured.param or "structured_outputs"
+        raise _bad("thinking_token_budget", f"not with {param} on /v1/completions, whose constraint holds from the "
+                                            "first token (a forced </think> would break it); send the chat to "
+                                            "/v1/chat/completions, where it holds after the reasoning")
     if echo and logprobs is not None:  # the prompt's tokens' logprobs too, as OpenAI's (a prompt's score)
         parsed.sampling = msgspec.structs.replace(
             parsed.sampling, prompt_logprobs=max(logprobs, parsed.sampling.prompt_logprobs or 0))
@@ -1451,7 +1456,10 @@ class ChoiceOutput:
             self.token_ids.append(token.token_id)
             if self.want_logprobs:
                 self._add_logprob(token)
-            ids = [] if token.token_id in self.hidden_stop_ids else [token.token_id]
+            # a stop token's text stays out where it ends the choice: from min_tokens on (the scheduler's rule; a
+            # thinking budget's forced </think> may come before)
+            ends = token.token_id in self.hidden_stop_ids and self.num_output_tokens >= self.min_tokens
+            ids = [] if ends else [token.token_id]
             text = self.detokenizer.add(ids)
             self.num_decoded_chars += len(text)
             # as vLLM: a stop string ends past the text of the first min_tokens tokens (it may begin in it)

@@ -139,6 +139,13 @@ def test_a_thinking_budget_takes_the_think_ids_or_names_why_it_cannot(kind):
     for value in (-1, 1.5, True, "8"):
         err = refused((chat if kind == "chat" else comp)(thinking_token_budget=value), kind)
         assert err.param == "thinking_token_budget", value
+    # a completion's constraint holds from its first token, which the forced </think> would break (chat's after it)
+    format_ = {"type": "json_object"}
+    if kind == "completion":
+        err = refused(comp(thinking_token_budget=4, response_format=format_), kind)
+        assert err.param == "thinking_token_budget" and "response_format" in err.message, err.message
+    else:
+        assert api.parse_chat(chat(thinking_token_budget=4, response_format=format_), 256, 400).sampling.structured
 
 
 def test_min_tokens_with_ignore_eos_masks_only_the_stop_tokens():

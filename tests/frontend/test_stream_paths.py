@@ -43,7 +43,7 @@ def reference_add(choice: ChoiceOutput, tokens: list) -> tuple[str, list]:
         if choice.want_logprobs:
             choice._add_logprob(group[0])
         ids = [t.token_id for t in group]
-        if ids[-1] in choice.hidden_stop_ids:
+        if ids[-1] in choice.hidden_stop_ids and choice.num_output_tokens >= choice.min_tokens:  # it ends the choice
             ids.pop()
         text = choice.detokenizer.add(ids)
         choice.num_decoded_chars += len(text)
@@ -86,6 +86,15 @@ def test_choice_add_hides_a_final_stop_token_and_keeps_its_id():
     tokens = [SampledToken(request_id="r", token_id=i) for i in (0, 3, 1, EOS)]
     assert choice.add(tokens) == ("a b", [])
     assert choice.token_ids == [0, 3, 1, EOS] and choice.num_output_tokens == 4
+
+
+def test_a_stop_token_before_min_tokens_ends_nothing_and_keeps_its_text():
+    """Only a thinking budget's forced </think> comes before min_tokens (the sampler masks stop tokens there):
+    the scheduler ends no choice on it, so its text is the reply's, as vLLM keeps it."""
+    choice = make_choice([], False, 3, False)
+    tokens = [SampledToken(request_id="r", token_id=i) for i in (EOS, 0, 1, EOS)]
+    assert choice.add(tokens) == ("<eos>ab", [])
+    assert choice.token_ids == [EOS, 0, 1, EOS]
 
 
 def test_text_offsets_count_text_held_back_for_a_stop_string():
