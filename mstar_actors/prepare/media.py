@@ -533,6 +533,44 @@ def decode_video(data: bytes, ref: MediaRef, limits: MediaLimits, num_threads: i
     return VideoFrames(frames, limits.video_fps)
 
 
+FRAME_LIST_PREFIX = "data:video/jpeg;base64,"  # vLLM's video as its frames: data:video/jpeg;base64,<jpeg>,<jpeg>...
+
+
+def is_frame_list(ref: MediaRef) -> bool:
+    """A video part sent as vLLM's list of JPEG frames (``FRAME_LIST_PREFIX``), not as a video file."""
+    return ref.kind == "video" and ref.url[:len(FRAME_LIST_PREFIX)].lower() == FRAME_LIST_PREFIX
+
+
+def decode_frame_list(ref: MediaRef, limits: MediaLimits) -> VideoFrames:
+    """vLLM's ``data:video/jpeg;base64,<frame>,<frame>,...``: each frame an image (any format Pillow reads),
+    all of one size, taken as sampled at ``limits.video_fps``; the video limits hold (frames, their pixels, the
+    bytes of the part)."""
+    import numpy as np
+
+    pieces = ref.url[len(FRAME_LIST_PREFIX):].split(",")
+    if len(pieces) > limits.max_video_frames:
+        raise MediaError(ref.param, f"the video is {len(pieces)} frames; this server accepts at most "
+                                    f"{limits.max_video_frames} (server.max_video_frames)")
+    frames, size, num_bytes = [], None, 0
+    for i, piece in enumerate(pieces):
+        where = MediaRef("image", "data:image/jpeg;base64," + piece, f"{ref.param} (frame {i})")
+        data = _read_data_url(where, limits)
+        num_bytes += len(data)
+        if num_bytes > limits.max_bytes:
+            raise _too_big(ref, f"over {num_bytes}", limits)
+        image = decode_image(data, where, limits)
+        if size is None:
+            size = image.size
+            if len(pieces) * size[0] * size[1] > limits.max_video_pixels:
+                raise MediaError(ref.param, f"the video's {len(pieces)} frames of {size[0]}x{size[1]} hold over "
+                                            f"{limits.max_video_pixels} pixels (server.max_video_pixels)")
+        elif image.size != size:
+            raise MediaError(ref.param, f"frame {i} is {image.size[0]}x{image.size[1]}, frame 0 {size[0]}x{size[1]}: "
+                                        "a video's frames are of one size")
+        frames.append(np.asarray(image, dtype=np.uint8))
+    return VideoFrames(np.stack(frames), limits.video_fps)
+
+
 def _duration_s(container: Any, stream: Any) -> float | None:
     """The stream's length as the container states it. A container's figure
     may count from 0 rather than from its first timestamp (Matroska cut from

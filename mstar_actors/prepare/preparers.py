@@ -51,7 +51,9 @@ from mstar_actors.prepare.media import (
     MediaRef,
     collect_media,
     decode_image,
+    decode_frame_list,
     decode_video,
+    is_frame_list,
     read_local,
     source_digest,
 )
@@ -431,12 +433,16 @@ class QwenVLPreparer(MediaPreparer):
     # ---- media ---------------------------------------------------------------
 
     def _process(self, ref: MediaRef, fetched: dict[str, bytes], abandoned: Callable[[], bool]) -> MediaDraft:
-        data = fetched[ref.param] if ref.param in fetched else read_local(ref, self.limits)
-        if ref.kind == "image":
-            item = self._image(decode_image(data, ref, self.limits))
-        else:
-            video = decode_video(data, ref, self.limits, abandoned=abandoned)
+        if is_frame_list(ref):  # vLLM's video as its JPEG frames
+            video, data = decode_frame_list(ref, self.limits), ref.url.encode()
             item = self._video(video.frames, video.fps)
+        else:
+            data = fetched[ref.param] if ref.param in fetched else read_local(ref, self.limits)
+            if ref.kind == "image":
+                item = self._image(decode_image(data, ref, self.limits))
+            else:
+                video = decode_video(data, ref, self.limits, abandoned=abandoned)
+                item = self._video(video.frames, video.fps)
         item.source_digest = source_digest(data) + (b"low" if ref.detail == "low" else b"")  # other pixels
         return item
 

@@ -106,6 +106,35 @@ def test_video_rows_match_the_image_layout_for_a_still_clip(preparer):
     assert draft.prepared.prompt_token_ids.count(vl_fixtures.VIDEO_TOKEN) == item.num_tokens
 
 
+def test_a_video_sent_as_vllm_s_jpeg_frames_equals_the_same_frames_as_a_clip(preparer):
+    """``data:video/jpeg;base64,<frame>,<frame>``: the frames taken as sampled at video_fps, the same rows as
+    a clip of those frames; frames of two sizes, or more than max_video_frames, are refused by the part."""
+    from PIL import Image
+
+
+    yy, xx = np.mgrid[0:56, 0:84]
+    frame = np.stack([yy * 4, xx * 3, (yy + xx) * 2], axis=-1).astype(np.uint8)
+
+    def jpeg(array: np.ndarray) -> str:
+        out = io.BytesIO()
+        Image.fromarray(array).save(out, format="JPEG", quality=95)
+        return base64.b64encode(out.getvalue()).decode()
+
+    frames = "data:video/jpeg;base64," + ",".join([jpeg(frame)] * 2)
+    draft = preparer.draft(chat("f1", ContentPart(type="video_url", url=frames)), {})
+    assert isinstance(draft, Draft), draft
+    [item] = draft.media
+    clip = preparer.draft(chat("v1", ContentPart(type="video_url", url=still_video_url(frame))), {}).media[0]
+    assert (item.kind, item.grid_thw, item.num_tokens) == ("video", clip.grid_thw, clip.num_tokens)
+    assert item.second_per_grid_t == pytest.approx(clip.second_per_grid_t)
+    assert (item.pixel_values.float() - clip.pixel_values.float()).abs().mean() < 2  # JPEG against mjpeg: levels
+    for url, why in (("data:video/jpeg;base64," + jpeg(frame) + "," + jpeg(frame[:28]), "frame 1 is 84x28"),
+                     ("data:video/jpeg;base64," + ",".join([jpeg(frame)] * 65), "at most 64 (server.max_video_frames)"),
+                     ("data:video/jpeg;base64," + jpeg(frame) + ",@@", "(frame 1): the data: URL is not valid")):
+        failed = preparer.draft(chat("bad", ContentPart(type="video_url", url=url)), {})
+        assert why in failed.message and "messages[0].content[1].video_url" in failed.message, failed
+
+
 def test_video_patch_layout_equals_the_image_processor_for_repeated_frames(preparer):
     from PIL import Image
 
