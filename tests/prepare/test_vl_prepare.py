@@ -111,7 +111,6 @@ def test_a_video_sent_as_vllm_s_jpeg_frames_equals_the_same_frames_as_a_clip(pre
     a clip of those frames; frames of two sizes, or more than max_video_frames, are refused by the part."""
     from PIL import Image
 
-
     yy, xx = np.mgrid[0:56, 0:84]
     frame = np.stack([yy * 4, xx * 3, (yy + xx) * 2], axis=-1).astype(np.uint8)
 
