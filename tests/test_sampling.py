@@ -521,22 +521,24 @@ def thinking_row(prompt, output=(), budget=2, **params) -> SampleRow:
     return make_row("t", prompt=prompt, output=output, thinking_budget=budget, think_ids=(OPEN, CLOSE), **params)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_spent_thinking_budget_allows_only_the_close_whatever_else_the_row_asks(temperature):
+def test_a_spent_thinking_budget_allows_only_the_close_whatever_else_the_row_asks(temperature, device):
     """vLLM's thinking_token_budget: the tokens after the prompt's open <think> count (here the "\n" after it),
     then the output's; at the budget </think> is the one token, though allowed_token_ids leave it out, a
     bias sinks it and min_tokens' ban holds; the raw logprobs stay the model's."""
     logits = make_logits(1)
     logits[0, CLOSE] = -20.0  # the model would not close
+    logits = logits.to(device)
     params = dict(temperature=temperature, allowed_token_ids=(1, 2, 3), logit_bias=((CLOSE, -100.0),),
                   min_tokens=9, min_token_stop_ids=(CLOSE,), logprobs=1)
     free = thinking_row([1, OPEN, 9], output=[], **params)  # 1 reasoning token of 2
-    [token] = sample_tokens(logits, [free], generator=gen())
+    [token] = sample_tokens(logits, [free], generator=gen(device=device))
     assert token.token_id in (1, 2, 3)
     spent = thinking_row([1, OPEN, 9], output=[3], **params)  # 2 of 2
-    [token] = sample_tokens(logits, [spent], generator=gen())
+    [token] = sample_tokens(logits, [spent], generator=gen(device=device))
     assert token.token_id == CLOSE
-    assert token.logprob == pytest.approx(torch.log_softmax(logits[0], -1)[CLOSE].item(), abs=1e-4)
+    assert token.logprob == pytest.approx(torch.log_softmax(logits[0].cpu(), -1)[CLOSE].item(), abs=1e-4)
 
 
 def test_a_thinking_budget_counts_only_inside_the_reasoning():
