@@ -29,10 +29,20 @@ from mstar_actors.runner.parallel import CollectiveError
 from transport.shm import attach_segment
 
 # Grammars a rank compiles at once beside its steps for requests waiting on them (the conductor sends one a
-# constrained request), and its compile threads: a compile whose request ended or ran out of time
-# (``scheduler.grammar_compile_timeout_s``) runs out on its thread, which can't be stopped, without its slot.
+# constrained request), at least, and its compile threads past those: a compile whose request ended or ran out
+# of time (``scheduler.grammar_compile_timeout_s``) runs out on its thread, which can't be stopped, without its
+# slot. A host of more cores compiles more at once (``compiles_at_once``), so a few slow schemas hold fewer others.
 MAX_COMPILES = 2
 MAX_COMPILE_THREADS = 4
+MOST_COMPILES = 8
+
+
+def compiles_at_once(num_cpus: int, num_ranks: int) -> int:
+    """A rank's grammar compiles at once: a quarter of its share of the cores (a step's threads keep the rest),
+    ``MAX_COMPILES`` at least, ``MOST_COMPILES`` at most."""
+    return max(MAX_COMPILES, min(MOST_COMPILES, num_cpus // (4 * num_ranks)))
+
+
 COMPILE_THREAD_WAIT_S = 1.0  # past this with no thread free, the request is a 503 (busy), not a wait for minutes
 TRIM_AFTER_COMPILE_S = 1.0  # a compile that long made enough garbage to hand back (``_compile_below_steps``)
 COMPILE_NICENESS = 10  # a compile's thread yields the CPU to the step's threads (a CPU rank has few cores)
@@ -188,8 +198,10 @@ class WorkerActor(Actor):
         self.num_installing = 0  # queued for the install thread or on it
         # Grammars compiling beside the steps (``CompileGrammar``), a few at a time: a thread and its memory each.
         self._compiles: dict[str, asyncio.Task] = {}  # by request id
-        self._compile_slots = asyncio.Semaphore(MAX_COMPILES)
-        self._compile_threads = asyncio.Semaphore(MAX_COMPILE_THREADS)  # released as a thread ends
+        compiles = compiles_at_once(len(os.sched_getaffinity(0)), self.config.parallel.tp)
+        self._compile_slots = asyncio.Semaphore(compiles)
+        # released as a thread ends
+        self._compile_threads = asyncio.Semaphore(compiles + MAX_COMPILE_THREADS - MAX_COMPILES)
         self.pending: _Pending | None = None  # the step sampled on the device, not yet answered
         self._next: asyncio.Future | None = None  # a mailbox read begun while a step ran (its result is the next message)
         self._device_waits: queue.SimpleQueue | None = None  # (step, future) for the waiting thread

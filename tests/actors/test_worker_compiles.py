@@ -138,3 +138,11 @@ def test_a_long_compiles_freed_memory_goes_back_to_the_system(monkeypatch):
     assert worker._compile_below_steps(compiler, None) == "compiled" and trims == []  # a short one: left as is
     monkeypatch.setattr(worker, "TRIM_AFTER_COMPILE_S", 0.01)
     assert worker._compile_below_steps(compiler, None) == "compiled" and trims == [1]
+
+
+def test_a_host_of_more_cores_compiles_more_at_once():
+    """Two a rank on a small host, a quarter of a rank's share of the cores on a larger one, eight at most."""
+    from actors.worker import compiles_at_once
+
+    assert [compiles_at_once(cpus, ranks) for cpus, ranks in ((2, 1), (8, 2), (16, 1), (64, 2), (128, 1))] == \
+        [MAX_COMPILES, MAX_COMPILES, 4, 8, 8]
