@@ -129,6 +129,7 @@ class ConductorActor(Actor):
         # Steps sent to the ranks, oldest first, with their answers so far: step id -> rank -> result.
         self.step_results: dict[int, dict[int, StepDone | StepFailed]] = {}
         self.last_stats: Any = None
+        self.step_tokens: list[int] = []  # each step's tokens since the stats last sent
         # request id -> (monotonic time its Prepared came, that of the plan that first started it): vLLM's
         # queue and prefill times, sent on its first delta (``timed``)
         self.arrived: dict[str, tuple[float, float | None]] = {}
@@ -224,6 +225,7 @@ class ConductorActor(Actor):
             for start in plan.started:  # (a restart after a preemption is not a first schedule)
                 if (arrived := self.arrived.get(start.request_id)) is not None and arrived[1] is None:
                     self.arrived[start.request_id] = (arrived[0], now)
+        self.step_tokens.append(sum(chunk.num_tokens for chunk in plan.scheduled))
         moved = self.adapter_pool.step()
         installs = [out for out in moved if isinstance(out, InstallAdapter)]
         for out in installs:
@@ -417,6 +419,9 @@ class ConductorActor(Actor):
         running, waiting = self.adapter_pool.adapter_names()
         if running or waiting:
             stats = msgspec.structs.replace(stats, running_adapters=running, waiting_adapters=waiting)
+        if self.step_tokens:
+            stats = msgspec.structs.replace(stats, step_tokens=tuple(self.step_tokens))
         if stats != self.last_stats:
             self.last_stats = stats
+            self.step_tokens.clear()
             await self.tell_frontends(stats)

@@ -446,6 +446,8 @@ class EngineStats(Struct, frozen=True, tag=True, omit_defaults=True):
     # LoRA adapters (``AdapterPool.adapter_names``): those of admitted choices, and those choices wait for
     running_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
+    # The tokens of each step planned since the stats before (``vllm:iteration_tokens_total``)
+    step_tokens: tuple[int, ...] = ()
 
 
 class AdapterUpdate(Struct, frozen=True, tag=True, omit_defaults=True):

@@ -44,6 +44,9 @@ _E2E_BUCKETS = (0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20
                 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+# vLLM's buckets of a step's tokens
+_STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -132,6 +135,8 @@ class Metrics:
                                                     "tokens", lengths)
         self.request_generation_tokens = vllm_histogram("vllm:request_generation_tokens", "A finished choice's "
                                                         "generated tokens", lengths)
+        self.iteration_tokens = vllm_histogram("vllm:iteration_tokens_total", "Tokens of an engine step (prompt "
+                                               "chunks and decodes)", _STEP_TOKEN_BUCKETS)
         self.model = model
         if multiprocess_dir is None:
             self.generation_tokens = LoopCounter("vllm:generation_tokens", "Tokens generated", reg, model)
@@ -203,6 +208,9 @@ class Metrics:
         self.num_kv_blocks_total.set(stats.num_kv_blocks_total)
         total = stats.num_kv_blocks_total
         self.kv_cache_usage.set(stats.num_kv_blocks_used / total if total else 0.0)
+        if counts_events:
+            for num_tokens in stats.step_tokens:
+                self.iteration_tokens.observe(num_tokens)
         if counts_events and stats.num_preemptions > self._preemptions_seen:
             self.num_preemptions.inc(stats.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = max(self._preemptions_seen, stats.num_preemptions)

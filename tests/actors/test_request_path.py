@@ -98,8 +98,10 @@ class Engine:
         """The conductor's gauges once nothing runs or waits (sent after the last step)."""
         while True:
             msg = await asyncio.wait_for(self.from_conductor.recv(), 10)
-            if isinstance(msg, EngineStats) and msg.num_running == 0 and msg.num_waiting == 0:
-                return msg
+            if isinstance(msg, EngineStats):
+                self.stats.append(msg)
+                if msg.num_running == 0 and msg.num_waiting == 0:
+                    return msg
 
 
 def make_config(model_dir, ahead=0, **kv) -> Config:
@@ -167,6 +169,11 @@ async def test_greedy_tokens_match_transformers_and_bad_prompt_fails_alone(tiny_
         assert isinstance(end, Finished) and end.finish_reason == "length", (rid, end)
         assert end.num_prompt_tokens == len(prompt)
         assert out[rid]["tokens"] == greedy_reference(hf_model, prompt, end.num_output_tokens), rid
+    # every step's tokens reached the frontend (vllm:iteration_tokens_total): each prompt's and each output's
+    # but the last, fed once; planning ahead, a step may carry rows it then drops
+    steps = [n for stats in engine.stats for n in stats.step_tokens]
+    fed = sum(len(prompt) + out[rid]["end"].num_output_tokens - 1 for rid, prompt in prompts.items())
+    assert all(0 < n <= 64 for n in steps) and (sum(steps) == fed if ahead == 0 else sum(steps) >= fed), steps
 
 
 @pytest.mark.parametrize("ahead", [0, 1, 2], ids=["one-step", "planned-ahead", "two-ahead"])

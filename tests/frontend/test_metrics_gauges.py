@@ -24,6 +24,25 @@ def test_engine_gauges_follow_the_last_stats():
     assert seen[f"vllm:num_requests_running{model}"] == 0 and seen[f"vllm:kv_cache_usage_perc{model}"] == 0
 
 
+def test_iteration_tokens_count_each_step_the_engine_reported_once():
+    """vLLM's vllm:iteration_tokens_total: a step's tokens each (``EngineStats.step_tokens``, the steps since the
+    stats before), observed by the frontend that counts the engine's events only (with several, the first)."""
+    metrics, other = Metrics(), Metrics()
+    for stats in (EngineStats(num_running=1, num_waiting=0, num_kv_blocks_used=1, num_kv_blocks_total=10,
+                              step_tokens=(40, 1)),
+                  EngineStats(num_running=1, num_waiting=0, num_kv_blocks_used=1, num_kv_blocks_total=10,
+                              step_tokens=(1,))):
+        metrics.observe_engine(stats)
+        other.observe_engine(stats, counts_events=False)
+    model = '{engine="0",model_name=""}'
+    seen = gauges(metrics)
+    assert seen[f"vllm:iteration_tokens_total_count{model}"] == 3
+    assert seen[f"vllm:iteration_tokens_total_sum{model}"] == 42
+    text = metrics.render().decode()
+    assert 'vllm:iteration_tokens_total_bucket{engine="0",le="1.0",model_name=""} 2.0' in text
+    assert gauges(other)[f"vllm:iteration_tokens_total_count{model}"] == 0
+
+
 def test_lora_requests_info_names_the_running_and_waiting_adapters_as_vllms():
     """What LoRA-affinity routers read: one series, its labels the adapters of admitted choices and of those
     waiting for a slot, its value the time they last changed (the latest series is the current one)."""
