@@ -70,7 +70,7 @@ def full_body(exchange: Exchange, token_text: Any) -> dict:
 
 async def write_runs(stream: Stream, runs: dict[int, Output]) -> None:
     for run in runs.values():
-        await stream.write_choice(run)
+        await stream.write_choice(run.merged())
 
 
 @dataclasses.dataclass
@@ -85,13 +85,21 @@ class Output:
     thought: str = ""
     thought_entries: list = dataclasses.field(default_factory=list)
     thought_ids_end: int = 0
+    later: list = dataclasses.field(default_factory=list)  # outputs joined after this one (``extend``)
 
     def extend(self, later: "Output") -> None:
-        self.thought += later.thought
-        self.thought_entries = [*self.thought_entries, *later.thought_entries]
-        self.thought_ids_end = max(self.thought_ids_end, later.thought_ids_end)
-        self.text += later.text
-        self.entries = [*self.entries, *later.entries]
+        """``later`` after this one, joined once when written (``merged``): a run held for many tokens
+        (``stream_interval``) is not copied at each."""
+        self.later.append(later)
+
+    def merged(self) -> "Output":
+        """One output of this one and those ``extend`` added, in order."""
+        if not self.later:
+            return self
+        parts = [self, *self.later]
+        return Output(self.choice, "".join(p.text for p in parts), [e for p in parts for e in p.entries],
+                      "".join(p.thought for p in parts), [e for p in parts for e in p.thought_entries],
+                      max(p.thought_ids_end for p in parts))
 
 
 def add_token_ids(body: dict, exchange: Exchange, choices: list[ChoiceOutput]) -> None:
