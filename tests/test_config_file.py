@@ -70,6 +70,13 @@ def test_a_key_written_twice_is_refused_by_its_line(tmp_path):
         path.write_text(text)
         with pytest.raises(ConfigError, match=re.escape(f"{path}: not valid YAML: {where}; write it once")):
             load_config(path)
+    # a merge key's keys may be written again beside it (the local one rules), as YAML means it
+    import yaml
+
+    from mstar_actors.config import _UniqueKeyLoader
+
+    text = "base: &d {host: 127.0.0.1, port: 1}\nserver:\n  <<: *d\n  port: 2\n"
+    assert yaml.load(text, Loader=_UniqueKeyLoader)["server"] == {"host": "127.0.0.1", "port": 2}
 
 
 def test_a_model_folder_the_server_cannot_read_is_one_line_naming_model_path(tmp_path, capsys):
