@@ -254,8 +254,8 @@ _NOT_BASE64 = re.compile(rb"[^A-Za-z0-9+/=]")
 
 
 def _lenient_base64(payload: bytes, param: str, what: str) -> bytes:
-    """Base64 as Python's decoder reads it for vLLM: lines broken where tools wrap them (76 columns) joined and
-    a missing "=" padding restored; else the first thing wrong in the client's words."""
+    """Lines broken where base64 tools wrap them (76 columns) joined, as Python's decoder joins them for vLLM,
+    and a missing "=" padding restored (which vLLM refuses); else the first thing wrong in the client's words."""
     compact = _BASE64_SPACE.sub(b"", payload)
     if (bad := _NOT_BASE64.search(compact)) is None and len(compact) % 4 != 1:
         compact = compact.rstrip(b"=")

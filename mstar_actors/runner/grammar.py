@@ -1011,6 +1011,13 @@ class GrammarMatchers:
         for token in output_token_ids:
             self._feed(request_id, matcher, token)
 
+    def refuses(self, request_id: str, row: int, token_id: int) -> bool:
+        """Whether the grammar that holds row ``row`` of the last ``mask`` (its reasoning over, or none to wait
+        for) refuses ``token_id`` next."""
+        if request_id not in self.matchers or request_id in self.waiting:
+            return False
+        return not (int(self.bitmask[row, token_id // 32]) >> (token_id % 32)) & 1
+
     def forget(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
         self.refused.discard(request_id)

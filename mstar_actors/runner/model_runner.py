@@ -515,6 +515,10 @@ class ModelRunner:
         else:
             # on CUDA the masks fill while the device runs the step
             dead = self.grammars.mask(step.logits, batch.sample_ids) if self.grammars is not None else []
+            for i, row in enumerate(rows):  # a grammar that holds and refuses </think> saw the reasoning end
+                if (row.thinking is not None and self.grammars is not None
+                        and self.grammars.refuses(row.request_id, i, row.thinking.close_id)):
+                    row.thinking.end()  # (a close spelled in pieces): no budget forces one on it
             draws = self.sampler(step.logits, rows, generator=self.generator)
             if dead:  # rows whose grammar allows no token: their requests fail (``SampledToken.dead``)
                 draws = with_dead_rows(draws, dead)

@@ -112,8 +112,15 @@ class ThinkingBudget:
         if params.thinking_budget is None or len(params.think_ids) != 2:
             return None
         budget = cls(params.thinking_budget, *params.think_ids)
-        budget._read(prompt_token_ids[_last_index(prompt_token_ids, (budget.open_id, budget.close_id)):])
+        last_open, last_close = (_last_index(prompt_token_ids, tag) for tag in (budget.open_id, budget.close_id))
+        if last_open > last_close:  # the prompt left it open: the tokens after it count
+            budget.count = len(prompt_token_ids) - 1 - last_open
         return budget
+
+    def end(self) -> None:
+        """The reasoning ended where the count did not see it (a grammar read a ``</think>`` written in pieces):
+        nothing more to hold."""
+        self.count = -1
 
     def spent(self, output_token_ids: list[int]) -> bool:
         """Whether the next token must be ``</think>``."""
@@ -133,12 +140,13 @@ class ThinkingBudget:
                 self.count += 1
 
 
-def _last_index(tokens: list[int], of: tuple[int, ...]) -> int:
-    """The index of the last of ``tokens`` in ``of`` (0 where none is)."""
-    for i in range(len(tokens) - 1, -1, -1):
-        if tokens[i] in of:
-            return i
-    return 0
+def _last_index(tokens: list[int], token: int) -> int:
+    """The index of ``token``'s last place in ``tokens``, -1 where it has none (a search in C: a long prompt
+    is read once, at the row's start)."""
+    try:
+        return len(tokens) - 1 - tokens[::-1].index(token)
+    except ValueError:
+        return -1
 
 
 @dataclass

@@ -272,6 +272,21 @@ def test_a_thinking_budget_closes_the_reasoning_on_time_then_the_grammar_holds(w
     assert outputs["budget"]["free"] == outputs["grammar"]["free"] == outputs["free"]["free"]
 
 
+def test_a_grammar_that_read_the_reasoning_end_in_a_word_gets_no_forced_close(world):
+    """The matchers read a </think> inside another token's text (here "w9" inside "w97", as a close spelled in
+    pieces) as the reasoning's end and hold from there; the budget, counting by the token, would force w9 where
+    the grammar refuses it (the request then ended early): a grammar that holds and refuses the close ends the
+    count instead."""
+    prompt = PROMPTS["re"] + [THINK[0], 9]
+    spec = messages.StructuredSpec("regex", REGEX, reasoning=THINK, opened=True)
+    sampling = msgspec.structs.replace(FREE, thinking_budget=4, think_ids=THINK, structured=spec)
+    driver = PlanDriver(make_runner(world), block_size=BLOCK_SIZE, num_new=NUM_NEW, sampling=FREE)
+    driver.step([driver.start("x", prompt, sampling=sampling)], [driver.chunk("x")])
+    outputs = driver.run_to_end()["x"]
+    assert token_text(outputs[:1]) == "w97"  # the greedy free token, in which the matchers read "w9"
+    assert_follows(outputs[1:], REGEX)
+
+
 def test_a_close_spelled_in_pieces_ends_the_reasoning_too():
     """The reply's text reads the reasoning as ended at a "</think>" written in several tokens: the
     grammar holds from there as well (else that answer would go unconstrained)."""
