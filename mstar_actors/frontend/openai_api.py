@@ -122,7 +122,7 @@ COMMON_FIELDS = frozenset({
     "truncation_side", "stream_interval",
 })
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs", "add_generation_prompt", "continue_final_message",
-                               "chat_template_kwargs", "include_reasoning", "reasoning_effort"}
+                               "chat_template_kwargs", "include_reasoning", "reasoning_effort", "echo"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of"}
 
 # Implemented, and parsed by the structured-output and tool-calling parts of
@@ -170,7 +170,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "function_call": ("none",), "web_search_options": (), "reasoning_effort": (),
     "chat_template": (), "documents": ([],), "mm_processor_kwargs": ({},), "media_io_kwargs": ({},),
     "logits_processors": ([],), "vllm_xargs": ({},),
-    "prompt_embeds": (), "kv_transfer_params": ({},), "echo": (False,),
+    "prompt_embeds": (), "kv_transfer_params": ({},),
 }
 
 
@@ -339,6 +339,8 @@ class ParsedRequest:
     cap_param: str = "max_tokens"  # the body field of the output's cap: a refusal of "max_tokens" names this
     cap_sent: bool = True  # the client sent the cap (else a completion's is vLLM's default, 16)
     tool_format: str = tool_calls.LLAMA3_JSON  # the model's tool-call format (``NewRequest.tool_format``)
+    # vLLM's chat echo: the last message's text, an assistant's (the reply continues it), before the reply's content
+    chat_echo: str = ""
 
     def with_token_facts(self, eos_token_ids: tuple[int, ...], bad_words_token_ids: list[list[int]],
                          think_ids: tuple[int, int] | None = None) -> None:
@@ -860,6 +862,7 @@ def parse_chat(raw: bytes, max_model_len: int | None = None, vocab_size: int | N
     parsed.continue_final_message, parsed.add_generation_prompt = _parse_turn_flags(body, parsed.messages)
     parsed.chat_template_kwargs = _with_reasoning_effort(body, parse_template_kwargs(body))
     parsed.include_reasoning = get_bool(body, "include_reasoning", True)
+    parsed.chat_echo = _chat_echo(parsed.messages) if get_bool(body, "echo", False) else ""
     if takes_media:
         _check_media_fields(parsed)
     _parse_tools(parsed, body, tool_parser)
@@ -870,6 +873,17 @@ def parse_chat(raw: bytes, max_model_len: int | None = None, vocab_size: int | N
                                 "cannot continue the final message (continue_final_message), whose text would "
                                 "come before it")
     return parsed
+
+
+def _chat_echo(messages: list[ChatMessage]) -> str:
+    """vLLM's chat ``echo``: the last message's text where it is the assistant's, the role the reply takes (its
+    text parts joined by newlines); else nothing."""
+    last = messages[-1] if messages else None
+    if last is None or last.role != "assistant" or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part.text or "" for part in last.content if part.type == "text")
 
 
 # Names the template call itself takes (Hugging Face's apply_chat_template and

@@ -48,6 +48,9 @@ def full_body(exchange: Exchange, token_text: Any) -> dict:
         out = [api.chat_choice(c.index, c.text, c.finish_reason, c.chat_logprobs()) for c in choices]
         out = [with_reasoning(exchange, choice) for choice in out]
         out = [with_tool_calls(exchange.parsed, choice, own.stop_reason) for choice, own in zip(out, choices)]
+        if exchange.parsed.chat_echo:  # vLLM's echo: the continued message's text before the reply's content
+            for choice in out:
+                choice["message"]["content"] = exchange.parsed.chat_echo + (choice["message"]["content"] or "")
         body = api.chat_response(*args, out, usage(exchange))
     else:
         out = [api.completion_choice(c.index, c.echo_text + c.text, c.finish_reason, c.legacy_logprobs())
@@ -157,6 +160,9 @@ class Stream:
                     extra["usage"] = api.usage_dict(choice.num_prompt_tokens, 0, choice.num_cached_tokens)
                 role = api.chat_chunk_choice(index, {"role": "assistant", "content": ""}, None, None)
                 await self._write_choices([role], extra, choice)
+                if ex.parsed.chat_echo:  # vLLM's echo: the continued message's text, a chunk of its own
+                    echo = api.chat_chunk_choice(index, {"content": ex.parsed.chat_echo}, None, None)
+                    await self._write_choices([echo], {}, choice)
 
     def take(self, choice: ChoiceOutput, text: str, entries: list) -> Output:
         """One applied output of ``choice``, its reasoning apart where a parser reads it

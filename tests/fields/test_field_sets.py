@@ -96,7 +96,8 @@ def test_an_unknown_field_is_refused_naming_it_and_the_accepted_ones():
     assert err.param == "temprature" and "accepted:" in err.message and "temperature" in err.message
     assert refused(comp(messages=MSG), "completion").param == "messages"  # a chat field is unknown here
     assert refused(chat(prompt="x")).param == "prompt"
-    assert refused(chat(echo=True)).param == "echo"  # chat takes no echo
+    assert refused(chat(best_of=1)).param == "best_of"  # a completion's field
+    assert refused(chat(echo="yes")).param == "echo"  # chat's echo (vLLM's) is true or false
 
 
 def test_fields_owned_by_structured_outputs_and_tools_are_one_list_each():

@@ -912,3 +912,26 @@ def test_admission_counts_what_the_engine_can_still_start():
     assert admission_refusal(5, 1, sent, max_num_seqs=8, max_waiting=4).status == 503
     too_many = admission_refusal(13, 13, idle, max_num_seqs=8, max_waiting=4)
     assert too_many.status == 400 and too_many.param == "n"
+
+
+def test_chat_echo_puts_the_continued_assistant_message_before_the_reply(harness):
+    """vLLM's chat echo: the last message's text where it is the assistant's (the reply continues it), before the
+    reply's content, whole and streamed (a chunk of its own after the role); after a user's message, nothing."""
+    async def body():
+        async with harness() as h:
+            h.engine.reply_text = " and more"
+            continued = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure,"}]
+            request = chat_body(messages=continued, echo=True, add_generation_prompt=False,
+                                continue_final_message=True)
+            status, r = await h.post(CHAT, request)
+            assert status == 200 and r["choices"][0]["message"]["content"] == "Sure, and more", r
+            status, events = await h.stream(CHAT, request | {"n": 2})
+            assert status == 200, events
+            for index in (0, 1):
+                deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"][0]["index"] == index]
+                assert deltas[:2] == [{"role": "assistant", "content": ""}, {"content": "Sure,"}], deltas
+                assert "".join(d.get("content", "") for d in deltas) == "Sure, and more"
+            status, r = await h.post(CHAT, chat_body(echo=True))  # the last message is the user's
+            assert status == 200 and r["choices"][0]["message"]["content"] == " and more", r
+
+    run(body)
