@@ -225,7 +225,8 @@ class ConductorActor(Actor):
             for start in plan.started:  # (a restart after a preemption is not a first schedule)
                 if (arrived := self.arrived.get(start.request_id)) is not None and arrived[1] is None:
                     self.arrived[start.request_id] = (arrived[0], now)
-        self.step_tokens.append(sum(chunk.num_tokens for chunk in plan.scheduled))
+        if num_tokens := sum(chunk.num_tokens for chunk in plan.scheduled):  # (a plan of orders alone runs none)
+            self.step_tokens.append(num_tokens)
         moved = self.adapter_pool.step()
         installs = [out for out in moved if isinstance(out, InstallAdapter)]
         for out in installs:

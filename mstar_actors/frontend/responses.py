@@ -160,9 +160,9 @@ class Stream:
                     extra["usage"] = api.usage_dict(choice.num_prompt_tokens, 0, choice.num_cached_tokens)
                 role = api.chat_chunk_choice(index, {"role": "assistant", "content": ""}, None, None)
                 await self._write_choices([role], extra, choice)
-                if ex.parsed.chat_echo:  # vLLM's echo: the continued message's text, a chunk of its own
+                if ex.parsed.chat_echo:  # vLLM's echo: the continued message's text, a chunk of its own (no token)
                     echo = api.chat_chunk_choice(index, {"content": ex.parsed.chat_echo}, None, None)
-                    await self._write_choices([echo], {}, choice)
+                    await self._write_choices([echo], {"usage": extra["usage"]} if "usage" in extra else {}, choice)
 
     def take(self, choice: ChoiceOutput, text: str, entries: list) -> Output:
         """One applied output of ``choice``, its reasoning apart where a parser reads it

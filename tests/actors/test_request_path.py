@@ -154,6 +154,11 @@ async def test_greedy_tokens_match_transformers_and_bad_prompt_fails_alone(tiny_
         await engine.to_prepare.send(req)
     out = await engine.collect(num_ended=len(requests))
     await engine.await_idle()
+    first_stats = engine.stats
+    await engine.to_prepare.send(make_request("again", prompt_token_ids=[5, 9, 33]))  # after the idle step
+    await engine.collect(num_ended=1)
+    later_steps = [n for stats in engine.stats for n in stats.step_tokens]
+    engine.stats = first_stats
     assert await engine.stop() == [0] * (2 + NUM_RANKS)
 
     bad = out["bad"]["end"]
@@ -174,6 +179,7 @@ async def test_greedy_tokens_match_transformers_and_bad_prompt_fails_alone(tiny_
     steps = [n for stats in engine.stats for n in stats.step_tokens]
     fed = sum(len(prompt) + out[rid]["end"].num_output_tokens - 1 for rid, prompt in prompts.items())
     assert all(0 < n <= 64 for n in steps) and (sum(steps) == fed if ahead == 0 else sum(steps) >= fed), steps
+    assert all(n > 0 for n in later_steps), later_steps  # a plan of orders alone (the last end's) runs no step
 
 
 @pytest.mark.parametrize("ahead", [0, 1, 2], ids=["one-step", "planned-ahead", "two-ahead"])

@@ -931,6 +931,11 @@ def test_chat_echo_puts_the_continued_assistant_message_before_the_reply(harness
                 deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"][0]["index"] == index]
                 assert deltas[:2] == [{"role": "assistant", "content": ""}, {"content": "Sure,"}], deltas
                 assert "".join(d.get("content", "") for d in deltas) == "Sure, and more"
+            usage = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+            status, events = await h.stream(CHAT, request | usage)
+            role, echo = events[:2]  # the echo is no token of the reply: none counted yet
+            assert echo["choices"][0]["delta"] == {"content": "Sure,"} and echo["usage"]["completion_tokens"] == 0
+            assert echo["usage"] == role["usage"], echo
             status, r = await h.post(CHAT, chat_body(echo=True))  # the last message is the user's
             assert status == 200 and r["choices"][0]["message"]["content"] == " and more", r
 
