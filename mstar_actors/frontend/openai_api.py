@@ -471,7 +471,7 @@ def check_sampling_defaults(defaults: dict) -> None:
 def _parse_sampling(body: dict, cap: tuple[int, bool], logprobs: int | None,
                     vocab_size: int | None, max_model_len: int | None = None) -> SamplingParams:
     max_tokens, cut_to_context = cap  # from ``_parse_max_tokens``
-    top_k = get_int(body, "top_k", 0, -1, 1 << 31)
+    top_k = get_int(body, "top_k", 0, -1, (1 << 31) - 1)
     stop_token_ids = get_token_ids(body, "stop_token_ids", 64, vocab_size)
     min_tokens = body.get("min_tokens")
     if _is_int(min_tokens) and min_tokens > max_tokens:

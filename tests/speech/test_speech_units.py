@@ -117,6 +117,7 @@ def test_speech_body_defaults_and_extensions():
                instructions="")
     assert (s.sampling.temperature, s.sampling.top_k, s.sampling.seed, s.sampling.max_tokens) == (0.0, 5, 3, 70)
     assert (s.response_format, s.stream_format) == ("pcm", "sse")
+    assert speech(repetition_penalty=2.5).sampling.repetition_penalty == 2.5  # any positive number, as a chat's
 
 
 @pytest.mark.parametrize("body, param", [
