@@ -416,7 +416,7 @@ class ConductorActor(Actor):
         num_held = for_adapter + self.grammar_gate.num_waiting
         if num_held:
             stats = msgspec.structs.replace(stats, num_waiting=stats.num_waiting + num_held,
-                                            num_waiting_for_adapter=for_adapter)
+                                            num_waiting_for_adapter=for_adapter, num_waiting_deferred=num_held)
         running, waiting = self.adapter_pool.adapter_names()
         if running or waiting:
             stats = msgspec.structs.replace(stats, running_adapters=running, waiting_adapters=waiting)

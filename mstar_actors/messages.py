@@ -440,6 +440,9 @@ class EngineStats(Struct, frozen=True, tag=True, omit_defaults=True):
     # Requests held until their adapter is installed on every rank (included
     # in num_waiting): a full adapter pool is backpressure, visible here.
     num_waiting_for_adapter: int = 0
+    # Requests held before the scheduler (included in num_waiting): for an adapter's slot or a grammar's compile,
+    # vLLM's "deferred" ones; the rest wait for capacity
+    num_waiting_deferred: int = 0
     # Recurrent-state slots (models with recurrent layers; 0 and 0 otherwise).
     num_state_slots_used: int = 0
     num_state_slots_total: int = 0

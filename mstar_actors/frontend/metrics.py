@@ -149,6 +149,10 @@ class Metrics:
                                                       "Between consecutive token deltas", _ITL_BUCKETS)
         self.num_running = vllm_gauge("vllm:num_requests_running", "Requests running in the engine")
         self.num_waiting = vllm_gauge("vllm:num_requests_waiting", "Requests waiting in the engine")
+        # vLLM's split of them: "deferred", held for an adapter's slot or a grammar's compile; "capacity", the rest
+        waiting_by = gauge("vllm:num_requests_waiting_by_reason", "Requests waiting, by why", [*model, "reason"])
+        self.num_waiting_by_reason = {reason: waiting_by.labels(**model, reason=reason)
+                                      for reason in ("capacity", "deferred")}
         self.kv_cache_usage = vllm_gauge("vllm:kv_cache_usage_perc", "KV-cache blocks in use, a fraction (1: all)")
         self.num_kv_blocks_used = gauge("mstar_kv_blocks_used", "KV-cache blocks in use")
         self.num_kv_blocks_total = gauge("mstar_kv_blocks_total", "KV-cache blocks in all")
@@ -204,6 +208,8 @@ class Metrics:
         """``counts_events``: this frontend adds the engine's new events to the counters."""
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
+        self.num_waiting_by_reason["capacity"].set(stats.num_waiting - stats.num_waiting_deferred)
+        self.num_waiting_by_reason["deferred"].set(stats.num_waiting_deferred)
         self.num_kv_blocks_used.set(stats.num_kv_blocks_used)
         self.num_kv_blocks_total.set(stats.num_kv_blocks_total)
         total = stats.num_kv_blocks_total

@@ -22,6 +22,12 @@ def test_engine_gauges_follow_the_last_stats():
     assert seen["mstar_state_slots_used"] == 0 and seen["mstar_state_slots_total"] == 0
     model = '{engine="0",model_name=""}'
     assert seen[f"vllm:num_requests_running{model}"] == 0 and seen[f"vllm:kv_cache_usage_perc{model}"] == 0
+    # vLLM's waiting split: held for an adapter's slot or a grammar (deferred), the rest for capacity
+    metrics.observe_engine(EngineStats(num_running=1, num_waiting=5, num_kv_blocks_used=1, num_kv_blocks_total=10,
+                                       num_waiting_for_adapter=1, num_waiting_deferred=2))
+    seen = gauges(metrics)
+    assert seen['vllm:num_requests_waiting_by_reason{engine="0",model_name="",reason="capacity"}'] == 3
+    assert seen['vllm:num_requests_waiting_by_reason{engine="0",model_name="",reason="deferred"}'] == 2
 
 
 def test_iteration_tokens_count_each_step_the_engine_reported_once():

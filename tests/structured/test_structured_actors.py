@@ -53,6 +53,8 @@ async def test_a_grammar_that_ends_finishes_with_stop_beside_free_rows(word_mode
     # held for their grammars' compiles: waiting, but not for an adapter (this server has none)
     assert max(s.num_waiting for s in engine.stats) >= 1
     assert not any(s.num_waiting_for_adapter for s in engine.stats)
+    assert max(s.num_waiting_deferred for s in engine.stats) >= 1  # vLLM's "deferred" waiting reason
+    assert all(s.num_waiting_deferred <= s.num_waiting for s in engine.stats)
 
 
 @async_test
