@@ -1050,7 +1050,7 @@ class FrontendActor(Actor):
         request refused before that (prepare's or the scheduler's 4xx) keeps its status."""
         stream = stream or responses.Stream(request, exchange)
         interval = exchange.parsed.output.stream_interval
-        held: dict[int, responses.Output] = {}  # stream_interval: each choice's outputs not yet written
+        held: dict[int, responses.Output] = {}  # each choice's outputs not yet written
         sent: dict[int, int] = {}  # and its tokens at its last chunk
         try:
             while exchange.is_waiting():
@@ -1060,9 +1060,8 @@ class FrontendActor(Actor):
                     if applied is not None:
                         await stream.write_choice(stream.take(*applied))
                 else:
-                    await self._write_outputs(stream, exchange, msgs, held)
-                    if interval > 1:
-                        await responses.write_runs(stream, _due_runs(held, sent, interval))
+                    await self._hold_outputs(stream, exchange, msgs, held)
+                    await responses.write_runs(stream, _due_runs(held, sent, interval))
             await responses.write_runs(stream, held)
             await stream.finish(responses.usage(exchange))
         except ApiError as err:
@@ -1072,39 +1071,37 @@ class FrontendActor(Actor):
         return stream.response
 
 
-    async def _write_outputs(self, stream: responses.Stream, exchange: Exchange, msgs: list[Any],
-                             held: dict[int, responses.Output]) -> None:
-        """Apply ``msgs`` in order and write them, one event per choice (in
-        the order choices first appear; each choice's outputs keep theirs).
-        While the stream keeps up an event carries one token; when outputs
-        arrive faster than events are written (one process writes every
-        stream, about 20k events/s on the H200's host), the queued ones leave
-        together, so the cost per token falls as the load rises instead of
-        the backlog growing. With ``stream_interval`` past 1 they join the
-        choice's ``held`` run instead, for the caller to write when due."""
-        runs = held if exchange.parsed.output.stream_interval > 1 else {}  # choice index -> its outputs unwritten
+    async def _hold_outputs(self, stream: responses.Stream, exchange: Exchange, msgs: list[Any],
+                            held: dict[int, responses.Output]) -> None:
+        """Apply ``msgs`` in order, each choice's joining its ``held`` run (in
+        the order choices first appear; each choice's outputs keep theirs),
+        which the caller writes when due (``_due_runs``): with no
+        ``stream_interval``, all of them at once. While the stream keeps up an
+        event carries one token; when outputs arrive faster than events are
+        written (one process writes every stream, about 20k events/s on the
+        H200's host), the queued ones leave together, so the cost per token
+        falls as the load rises instead of the backlog growing."""
         try:
             for msg in msgs:
                 applied = self._apply(exchange, msg)
                 if applied is None:
                     continue
                 out = stream.take(*applied)
-                run = runs.get(out.choice.index)
+                run = held.get(out.choice.index)
                 if run is None:
-                    runs[out.choice.index] = out
+                    held[out.choice.index] = out
                 else:
                     run.extend(out)
         except ApiError:  # a later output failed the exchange: what came before it still goes out first
-            await responses.write_runs(stream, runs)
-            runs.clear()
+            await responses.write_runs(stream, held)
+            held.clear()
             raise
-        if runs is not held:
-            await responses.write_runs(stream, runs)
 
 
 def _due_runs(held: dict[int, responses.Output], sent: dict[int, int], interval: int) -> dict[int, responses.Output]:
-    """vLLM's stream_interval: the held runs whose chunk is due, taken out of ``held``: a choice's first
-    tokens, its end, or ``interval`` tokens since its last chunk (``sent``, updated)."""
+    """The held runs whose chunk is due, taken out of ``held``: a choice's first tokens, its end, or ``interval``
+    tokens since its last chunk (vLLM's stream_interval; 1: every run, each output bringing a token or the end;
+    ``sent`` updated)."""
     due = {}
     for index, run in list(held.items()):
         choice = run.choice
