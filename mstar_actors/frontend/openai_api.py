@@ -468,10 +468,24 @@ def check_sampling_defaults(defaults: dict) -> None:
         raise ValueError(err.message) from None
 
 
+def draw_fields(body: dict, temperature: float = 1.0, top_p: float = 1.0,
+                repetition_penalty: float = 1.0) -> dict:
+    """The draw's fields every generating route reads alike (the speech route with its model's defaults):
+    ``SamplingParams`` keywords, their ranges vLLM's."""
+    return dict(
+        temperature=get_float(body, "temperature", temperature, 0.0, 2.0),
+        top_p=get_float(body, "top_p", top_p, 0.0, 1.0, lo_open=True),
+        top_k=max(get_int(body, "top_k", 0, -1, (1 << 31) - 1), 0),  # -1 and 0 both mean off
+        # vLLM's rule: any positive number (it divides positive logits and multiplies the others)
+        repetition_penalty=get_float(body, "repetition_penalty", repetition_penalty, 0.0, math.inf, lo_open=True),
+        seed=get_int(body, "seed", None, MIN_SEED, MAX_SEED),
+    )
+
+
 def _parse_sampling(body: dict, cap: tuple[int, bool], logprobs: int | None,
                     vocab_size: int | None, max_model_len: int | None = None) -> SamplingParams:
     max_tokens, cut_to_context = cap  # from ``_parse_max_tokens``
-    top_k = get_int(body, "top_k", 0, -1, (1 << 31) - 1)
+    draw = draw_fields(body)
     stop_token_ids = get_token_ids(body, "stop_token_ids", 64, vocab_size)
     min_tokens = body.get("min_tokens")
     if _is_int(min_tokens) and min_tokens > max_tokens:
@@ -482,15 +496,10 @@ def _parse_sampling(body: dict, cap: tuple[int, bool], logprobs: int | None,
     return SamplingParams(
         max_tokens=max_tokens,
         cut_to_context=cut_to_context,
-        temperature=get_float(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=get_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=max(top_k, 0),  # -1 and 0 both mean off
+        **draw,
         min_p=get_float(body, "min_p", 0.0, 0.0, 1.0),
         presence_penalty=get_float(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=get_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        # vLLM's rule: any positive number (it divides positive logits and multiplies the others)
-        repetition_penalty=get_float(body, "repetition_penalty", 1.0, 0.0, math.inf, lo_open=True),
-        seed=get_int(body, "seed", None, MIN_SEED, MAX_SEED),
         stop_token_ids=stop_token_ids,
         ignore_eos=get_bool(body, "ignore_eos", False),
         logprobs=logprobs,

@@ -18,7 +18,6 @@ the end of the file.
 from __future__ import annotations
 
 import base64
-import math
 import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -26,11 +25,9 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from mstar_actors.frontend.openai_api import (
-    MAX_SEED,
-    MIN_SEED,
     ApiError,
     decode_body,
-    get_float,
+    draw_fields,
     get_int,
     get_str,
 )
@@ -124,13 +121,7 @@ def _sampling(body: dict, config: SpeechConfig, max_model_len: int | None) -> Sa
     return SamplingParams(
         max_tokens=min(asked if asked is not None else config.max_tokens or hi, hi),
         cut_to_context=asked is None,  # speech.max_tokens or the context, a default: cut to what the prompt leaves
-        temperature=get_float(body, "temperature", config.temperature, 0.0, 2.0),
-        top_p=get_float(body, "top_p", config.top_p, 0.0, 1.0, lo_open=True),
-        top_k=max(get_int(body, "top_k", 0, -1, (1 << 31) - 1), 0),
-        # any positive number, as a chat's (vLLM's rule)
-        repetition_penalty=get_float(body, "repetition_penalty", config.repetition_penalty, 0.0, math.inf,
-                                     lo_open=True),
-        seed=get_int(body, "seed", None, MIN_SEED, MAX_SEED),
+        **draw_fields(body, config.temperature, config.top_p, config.repetition_penalty),
     )
 
 
