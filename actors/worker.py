@@ -35,17 +35,15 @@ from transport.shm import attach_segment
 MAX_COMPILES = 2
 MAX_COMPILE_THREADS = 4
 MOST_COMPILES = 8
+COMPILE_THREAD_WAIT_S = 1.0  # past this with no thread free, the request is a 503 (busy), not a wait for minutes
+TRIM_AFTER_COMPILE_S = 1.0  # a compile that long made enough garbage to hand back (``_compile_below_steps``)
+COMPILE_NICENESS = 10  # a compile's thread yields the CPU to the step's threads (a CPU rank has few cores)
 
 
 def compiles_at_once(num_cpus: int, num_ranks: int) -> int:
     """A rank's grammar compiles at once: a quarter of its share of the cores (a step's threads keep the rest),
     ``MAX_COMPILES`` at least, ``MOST_COMPILES`` at most."""
     return max(MAX_COMPILES, min(MOST_COMPILES, num_cpus // (4 * num_ranks)))
-
-
-COMPILE_THREAD_WAIT_S = 1.0  # past this with no thread free, the request is a 503 (busy), not a wait for minutes
-TRIM_AFTER_COMPILE_S = 1.0  # a compile that long made enough garbage to hand back (``_compile_below_steps``)
-COMPILE_NICENESS = 10  # a compile's thread yields the CPU to the step's threads (a CPU rank has few cores)
 
 
 def _compile_below_steps(compiler: Any, spec: Any) -> Any:

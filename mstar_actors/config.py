@@ -408,12 +408,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *anchor": its keys may be written again here
                 continue
             key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, typing.Hashable) and key in seen:
+            if not isinstance(key, typing.Hashable):  # (the base loader refuses it, in its words)
+                continue
+            if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r} (first at line {seen[key].line + 1}); write it once",
                     key_node.start_mark)
-            if isinstance(key, typing.Hashable):
-                seen[key] = key_node.start_mark
+            seen[key] = key_node.start_mark
         return super().construct_mapping(node, deep=deep)
 
 

@@ -232,7 +232,6 @@ def prompt_token_ids(tokenization: Any, req: NewRequest, prompt_limit: int | Non
     truncate_prompt_tokens keeps only a part: then the whole text is read
     (server.max_body_bytes bounds it)."""
     keep = req.sampling.truncate_prompt_tokens  # vLLM's: the prompt's last N tokens (first N: right)
-    right = keep is not None and req.sampling.truncate_right
     limit = prompt_limit if keep is None else None
     if req.prompt_token_ids is not None:
         ids, param = list(req.prompt_token_ids), "prompt"
@@ -246,7 +245,8 @@ def prompt_token_ids(tokenization: Any, req: NewRequest, prompt_limit: int | Non
         ids, param = list(tokenization.encode_text(req.prompt, req.add_special_tokens is not False, limit)), "prompt"
     else:
         raise ValueError("none of prompt, prompt_token_ids or messages is set")
-    return (ids if keep is None else ids[:keep] if right else ids[-keep:]), req.prompt_param or param
+    return (ids if keep is None else ids[:keep] if req.sampling.truncate_right else ids[-keep:]), \
+        req.prompt_param or param
 
 def too_long(num_tokens: int, limit: int, is_lower_bound: bool = False) -> str:
     """The refusal of a prompt of ``num_tokens`` (at least, when counting stopped early)."""
