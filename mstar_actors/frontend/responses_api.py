@@ -24,6 +24,7 @@ non-streamed request runs the same events and answers their final response, so t
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import uuid
 from typing import Any
@@ -87,7 +88,8 @@ class ResponsesRequest:
     def _name(self, param: str) -> str:
         for chat, own in self.names:
             if param == chat or param.startswith((chat + ".", chat + "[")):
-                return own + param[len(chat):]
+                # a stored turn's field is none of this body's: the id that brought it in
+                return own if own == "previous_response_id" else own + param[len(chat):]
         return param
 
 
@@ -113,7 +115,7 @@ def read_responses(raw: bytes, store: ResponseStore | None = None) -> ResponsesR
                                     ("reasoning_effort", "reasoning.effort"), ("logprobs", "include")]
     while prior and prior[-1].get("type") == "reasoning":  # a cut reply's reasoning, for no answer: none to give
         prior = prior[:-1]
-    stored = _messages({"input": prior}, []) if prior else []
+    stored = _messages({"input": [_replayable(item) for item in prior]}, []) if prior else []
     first = 1 if body.get("instructions") is not None else 0  # the stored turns follow the instructions
     names += [(f"messages[{first + i}]", "previous_response_id") for i in range(len(stored))]
     chat["messages"] = _messages(body, names, stored)
@@ -143,7 +145,8 @@ def read_responses(raw: bytes, store: ResponseStore | None = None) -> ResponsesR
     check_cache_retention(body)
     names.sort(key=lambda pair: -len(pair[0]))
     echo = {k: body.get(k) for k in ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls",
-                                     "top_logprobs", "user", "service_tier")}
+                                     "top_logprobs", "user")}
+    echo["service_tier"] = "default"  # the tier it ran in, whatever was asked: one here (a latency's, not a reply's)
     echo |= {"tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
              "text": body.get("text") or {"format": {"type": "text"}}, "reasoning": reasoning or {},
              "truncation": "disabled", "store": keep, "previous_response_id": previous}
@@ -156,7 +159,9 @@ def read_responses(raw: bytes, store: ResponseStore | None = None) -> ResponsesR
 
 
 def _with_ids(given: Any) -> list[dict]:
-    """The request's input as the items a store lists: a string one user message, each item with an id."""
+    """The request's input as the items a store lists, in OpenAI's item shapes: a string one user message,
+    each item with an id and a status, a message's text content as its parts (``input_text``, an
+    assistant's ``output_text``)."""
     if isinstance(given, str):
         given = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": given}]}]
     prefixes = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
@@ -164,9 +169,30 @@ def _with_ids(given: Any) -> list[dict]:
     for item in given:
         kind = item.get("type", "message")
         given_id = item.get("id")
-        items.append(item | {"type": kind, "id": given_id if isinstance(given_id, str) and given_id
-                             else new_id(prefixes.get(kind, "item"))})
+        item = item | {"type": kind, "id": given_id if isinstance(given_id, str) and given_id
+                       else new_id(prefixes.get(kind, "item"))}
+        if kind != "reasoning":
+            item.setdefault("status", "completed")
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = ({"type": "output_text", "text": item["content"], "annotations": []}
+                    if item.get("role") == "assistant" else {"type": "input_text", "text": item["content"]})
+            item["content"] = [part]
+        items.append(item)
     return items
+
+
+def _replayable(item: dict) -> dict:
+    """A stored item as the conversation's next turn reads it: a function call whose arguments are no JSON
+    object (the output cap cut it: status "incomplete") keeps its call, since an answer to it may follow,
+    with arguments ``{}`` (as vLLM reads a call's empty arguments): the chat path takes no broken call, and
+    a conversation of the server's own output is always one it continues."""
+    if item.get("type") != "function_call":
+        return item
+    try:
+        whole = isinstance(json.loads(item.get("arguments") or ""), dict)
+    except ValueError:
+        whole = False
+    return item if whole else item | {"arguments": "{}"}
 
 
 def _refuse_server_state(body: dict, stores: bool) -> None:
@@ -221,6 +247,7 @@ def _messages(body: dict, names: list[tuple[str, str]], prior: list[dict] | None
         raise _bad("input", f"expected a string or a non-empty array of input items, got {_show(given)}")
     reasoning: str | None = None  # a reasoning item's text, for the assistant message that follows it
     joinable = False  # the item before was an assistant's message or call: a call next is of its turn
+    calls = {call["id"] for message in out for call in message.get("tool_calls") or ()}  # an output answers one
     for j, item in enumerate(given):
         where = f"input[{j}]"
         if not isinstance(item, dict):
@@ -240,6 +267,7 @@ def _messages(body: dict, names: list[tuple[str, str]], prior: list[dict] | None
             call = {"id": _text(item, "call_id", where), "type": "function",
                     "function": {"name": _text(item, "name", where), "arguments": _text(item, "arguments", where,
                                                                                          empty=True)}}
+            calls.add(call["id"])
             if joinable and reasoning is None:  # one assistant turn: its text, then its calls
                 last = out[-1]
                 last.setdefault("tool_calls", []).append(call)
@@ -251,6 +279,10 @@ def _messages(body: dict, names: list[tuple[str, str]], prior: list[dict] | None
             check_known(item, OUTPUT_KEYS, where=where)
             names.append((f"messages[{len(out)}].content", f"{where}.output"))
             output = item.get("output")
+            if _text(item, "call_id", where) not in calls:  # (OpenAI's answer too)
+                raise _bad(f"{where}.call_id", f"no function call found for this output's call_id "
+                                               f"{_show(item['call_id'])}: a function_call_output answers a "
+                                               "function_call item before it (in input, or the previous response)")
             message = {"role": "tool", "tool_call_id": _text(item, "call_id", where),
                        "content": output if isinstance(output, str) else _content(output, f"{where}.output")}
         else:

@@ -74,6 +74,40 @@ def test_an_earlier_responses_output_items_are_taken_back_whole():
     assert asked.chat["messages"][1]["tool_calls"][0]["id"] == "c1"
 
 
+def test_an_output_answers_a_call_before_it():
+    """OpenAI's rule: a function_call_output whose call_id no function_call before it made is a 400 naming
+    it (one answered a call that never was, and the reply read it as a tool's result)."""
+    err = refusal(input=[{"type": "function_call_output", "call_id": "nope", "output": "x"}])
+    assert err.param == "input[0].call_id" and "'nope'" not in err.message and '"nope"' in err.message, err
+    err = refusal(input=[{"type": "function_call_output", "call_id": "c1", "output": "x"},
+                         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}])
+    assert err.param == "input[0].call_id", err
+
+
+def test_input_items_are_kept_in_openai_s_shapes():
+    """GET .../input_items lists the SDK's item types: a message's text as its parts (an assistant's
+    output_text), each item with a status; the tier a response ran in is the one served."""
+    asked = read(input=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                        {"type": "function_call_output", "call_id": "c1", "output": "ok", "status": "completed"}],
+                 store=True, service_tier="priority")
+    assert asked.items == []  # no store: nothing listed
+    from mstar_actors.frontend.response_store import ResponseStore
+
+    asked = read_responses(json.dumps({"model": "tiny", "input": [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}], "service_tier": "priority"}).encode(),
+        ResponseStore(1 << 20))
+    user, assistant, call, output = asked.items
+    assert user["content"] == [{"type": "input_text", "text": "a"}] and user["status"] == "completed"
+    assert assistant["content"] == [{"type": "output_text", "text": "b", "annotations": []}]
+    assert call["status"] == output["status"] == "completed"
+    assert asked.echo["service_tier"] == "default"
+    again = read_responses(json.dumps({"model": "tiny", "input": asked.items}).encode())  # the list taken back
+    assert [m["role"] for m in again.chat["messages"]] == ["user", "assistant", "tool"]
+
+
 def test_top_logprobs_alone_computes_none():
     """As OpenAI's: the alternatives' count counts where the logprobs are included."""
     asked = read(input="x", top_logprobs=2)
@@ -391,23 +425,29 @@ def test_vllm_s_responses_fields_reach_the_chat_it_asks_for():
     assert list(parsed.sampling.stop_token_ids) == [5] and parsed.sampling.structured.kind == "regex"
 
 
-def test_a_stored_conversation_s_errors_name_previous_response_id_and_an_id_is_never_taken_twice():
-    """A stored call whose arguments no template reads (a cut stream's) is named by previous_response_id,
-    not by an input index the client never sent; a client's request_id may not replace a kept response."""
+def test_a_stored_cut_call_continues_and_an_id_is_never_taken_twice():
+    """A stored call whose arguments are no JSON object (the output cap cut it) is continued, answered or
+    not, as a call of arguments {}: the server refused a conversation of its own output, naming a chat field
+    (previous_response_id.tool_calls[0].function.arguments) the client never sent. A client's request_id may
+    not replace a kept response."""
     from mstar_actors.frontend import openai_api as api
     from mstar_actors.frontend.response_store import ResponseStore
 
     store = ResponseStore(1 << 20)
-    call = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get", "arguments": '{"city": Par'}
-    assert store.put({"id": "resp_cut", "output": [call]}, [{"type": "message", "id": "msg_1", "role": "user",
-                                                             "content": "weather?"}])
-    asked = read_responses(json.dumps({"model": "tiny", "previous_response_id": "resp_cut", "input": [
-        {"type": "function_call_output", "call_id": "call_1", "output": "sunny", "id": None}]}).encode(), store)
-    with pytest.raises(ApiError) as info:
-        api.parse_chat(json.dumps(asked.chat).encode())
-    err = asked.renamed(info.value)
-    assert err.param.startswith("previous_response_id.tool_calls[0]"), err.param
+    call = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get", "arguments": '{"',
+            "status": "incomplete"}
+    whole = {"type": "function_call", "id": "fc_2", "call_id": "call_2", "name": "get", "arguments": '{"a": 1}'}
+    assert store.put({"id": "resp_cut", "output": [call, whole]}, [{"type": "message", "id": "msg_1",
+                                                                    "role": "user", "content": "weather?"}])
+    for given in ("Try again", [{"type": "function_call_output", "call_id": "call_1", "output": "sunny", "id": None}]):
+        asked = read_responses(json.dumps({"model": "tiny", "previous_response_id": "resp_cut",
+                                           "input": given}).encode(), store)
+        calls = api.parse_chat(json.dumps(asked.chat).encode()).messages[1].tool_calls
+        assert [(c.id, c.arguments) for c in calls] == [("call_1", "{}"), ("call_2", '{"a": 1}')]
     assert all(isinstance(item["id"], str) and item["id"] for item in asked.items)  # a null id given one
+    # a stored turn's field is named by the id that brought it in (no chat path of it)
+    assert asked.renamed(ApiError(400, "messages[1].content: bad", param="messages[1].content")).param == \
+        "previous_response_id"
     assert read_responses(json.dumps({"model": "tiny", "input": "x", "request_id": "resp_cut"}).encode(),
                           store).store is False  # taken: the first keeps it
     assert not store.put({"id": "resp_cut", "output": []}, [])
