@@ -164,6 +164,23 @@ def _parse_tools(tools: Any) -> list[dict]:
     return specs
 
 
+# A tool's parameters nested deeper are refused: every reader of them (the template's tojson, the call's
+# schema, the grammar) is bounded by the interpreter's recursion limit, a 500 past it.
+MAX_SCHEMA_NESTING = 256
+
+
+def _nested_past(schema: Any, limit: int) -> bool:
+    """Whether ``schema`` holds objects or arrays more than ``limit`` deep (a walk, not recursion)."""
+    todo = [(schema, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        todo.extend((v, depth + 1) for v in children if isinstance(v, (dict, list)))
+    return False
+
+
 def _parse_tool(where: str, tool: Any) -> dict:
     if not isinstance(tool, dict) or tool.get("type", "function") != "function":
         raise ToolError(f"{where}.type", 'expected a tool of type "function"')
@@ -178,6 +195,10 @@ def _parse_tool(where: str, tool: Any) -> dict:
     parameters = function.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
         raise ToolError(f"{where}.function.parameters", "expected a JSON schema object")
+    if parameters is not None and _nested_past(parameters, MAX_SCHEMA_NESTING):
+        raise ToolError(f"{where}.function.parameters", f"nested more than {MAX_SCHEMA_NESTING} levels deep "
+                                                        "(objects and arrays inside each other); flatten it, or "
+                                                        "name a repeated part once in $defs and $ref it")
     held = call_parameters(function) if parameters is not None else {}  # (a $ref followed; one leading nowhere is
     kind = held.get("type", "object")                                     # the grammar check's to name)
     if kind != "object":
@@ -304,20 +325,39 @@ def _forced_functions(request: ToolRequest) -> list[dict]:
 
 
 def _has_ref(schema: Any) -> bool:
-    if isinstance(schema, dict):
-        return isinstance(schema.get("$ref"), str) or any(_has_ref(v) for v in schema.values())
-    return isinstance(schema, list) and any(_has_ref(v) for v in schema)
+    """Whether a "$ref" string is anywhere in ``schema`` (a walk, not recursion: a schema as deep as a body
+    may be was a RecursionError, a 500)."""
+    todo = [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("$ref"), str):
+                return True
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return False
 
 
 def _rebase_refs(schema: Any, base: str) -> Any:
     """``schema`` with each reference inside it ("#", "#/...") made to point at
-    the same place under ``base``."""
-    if isinstance(schema, dict):
-        return {k: base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebase_refs(v, base)
-                for k, v in schema.items()}
-    if isinstance(schema, list):
-        return [_rebase_refs(v, base) for v in schema]
-    return schema
+    the same place under ``base`` (a copy, built by a walk as ``_has_ref``'s)."""
+    root: list = [schema]
+    todo = [(root, 0)]  # (container, key) of a node of the copy still to copy in place
+    while todo:
+        parent, key = todo.pop()
+        node = parent[key]
+        if isinstance(node, dict):
+            parent[key] = copy = dict(node)
+            for k, v in node.items():
+                if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+                    copy[k] = base + v[1:]
+                else:
+                    todo.append((copy, k))
+        elif isinstance(node, list):
+            parent[key] = copy = list(node)
+            todo.extend((copy, i) for i in range(len(copy)))
+    return root[0]
 
 
 # --------------------------------------------------------------------------

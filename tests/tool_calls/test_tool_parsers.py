@@ -315,6 +315,34 @@ def test_bad_tools_name_the_field(tools, choice, param):
     assert info.value.param == param
 
 
+def _nested(levels: int, ref: bool = False) -> dict:
+    """A schema of objects ``levels`` deep, each the next's property ``a`` (the last refers to the first)."""
+    schema = inner = {"type": "object", "properties": {}}
+    for _ in range(levels):
+        inner["properties"]["a"] = inner = {"type": "object", "properties": {}}
+    if ref:
+        inner["properties"]["b"] = {"$ref": "#"}
+    return schema
+
+
+def test_a_deep_schema_is_a_400_or_served_never_a_recursion():
+    """Schemas as deep as a body may be (~500 objects): the call's schema was built by recursion, a
+    RecursionError, a 500 (and a retry of the client's, three times)."""
+    for choice in ("required", "auto"):
+        tools = [{"type": "function", "function": {"name": "f", "parameters": _nested(480), "strict": True}}]
+        with pytest.raises(ToolError, match="nested more than 256") as info:
+            tc.parse_tool_request(tools, choice, "hermes")
+        assert info.value.param == "tools[0].function.parameters"
+    deep = {"type": "function", "function": {"name": "f", "parameters": _nested(126, ref=True), "strict": True}}
+    forced = json.loads(tc.forced_call_schema(tc.parse_tool_request([deep], "required", "hermes")))
+    assert forced["properties"]["arguments"] == {"$ref": "#/$defs/call0"}
+    inner = forced["$defs"]["call0"]
+    for _ in range(126):
+        inner = inner["properties"]["a"]
+    assert inner["properties"]["b"] == {"$ref": "#/$defs/call0"}  # rebased at the bottom too
+    assert tc.strict_calls_spec(tc.parse_tool_request([deep], "auto", "hermes"), None) is not None
+
+
 def test_a_template_with_no_format_serves_forced_calls_only():
     with pytest.raises(ToolError, match="tool_call_parser"):
         tc.parse_tool_request([WEATHER], "auto", None)
