@@ -414,9 +414,10 @@ class ConductorActor(Actor):
         # Held before the scheduler: for an adapter's slot, or a grammar's compile (waiting, not for an adapter).
         for_adapter = self.adapter_pool.num_waiting
         num_held = for_adapter + self.grammar_gate.num_waiting
-        if num_held:
+        if num_held:  # (parked choices, the scheduler's, counted there)
             stats = msgspec.structs.replace(stats, num_waiting=stats.num_waiting + num_held,
-                                            num_waiting_for_adapter=for_adapter, num_waiting_deferred=num_held)
+                                            num_waiting_for_adapter=stats.num_waiting_for_adapter + for_adapter,
+                                            num_waiting_deferred=stats.num_waiting_deferred + num_held)
         running, waiting = self.adapter_pool.adapter_names()
         if running or waiting:
             stats = msgspec.structs.replace(stats, running_adapters=running, waiting_adapters=waiting)

@@ -437,10 +437,10 @@ class EngineStats(Struct, frozen=True, tag=True, omit_defaults=True):
     # Running sequences with no output token yet (their prefill in flight): a
     # frontend's choices sent with no output, less these, wait or are on their way.
     num_starting: int = 0
-    # Requests held until their adapter is installed on every rank (included
-    # in num_waiting): a full adapter pool is backpressure, visible here.
+    # Requests held until their adapter is installed on every rank, parked ones
+    # too (included in num_waiting): a full adapter pool is backpressure, visible here.
     num_waiting_for_adapter: int = 0
-    # Requests held before the scheduler (included in num_waiting): for an adapter's slot or a grammar's compile,
+    # Requests held for an adapter's slot (parked too) or a grammar's compile (included in num_waiting),
     # vLLM's "deferred" ones; the rest wait for capacity
     num_waiting_deferred: int = 0
     # Recurrent-state slots (models with recurrent layers; 0 and 0 otherwise).

@@ -838,13 +838,24 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def stats(self) -> EngineStats:
+        """The gauges. A parked sequence (its adapter out of the slots) is in no step: it waits for its
+        adapter, wherever it is kept (it holds its running seat and blocks)."""
+        parked = starting = 0
+        for seq in self.running:
+            if seq.lora_slot == PARKED:
+                parked += 1
+            elif not seq.output_token_ids:
+                starting += 1
+        held = parked + sum(1 for seq in self.waiting if seq.lora_slot == PARKED)
         return EngineStats(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_running=len(self.running) - parked,
+            num_waiting=len(self.waiting) + parked,
             num_kv_blocks_used=self.allocator.num_used,
             num_kv_blocks_total=self.allocator.num_blocks,
             num_preemptions=self.num_preemptions,
-            num_starting=sum(1 for seq in self.running if not seq.output_token_ids),
+            num_starting=starting,
+            num_waiting_for_adapter=held,
+            num_waiting_deferred=held,
             num_state_slots_used=self.state_slots.num_used if self.state_slots else 0,
             num_state_slots_total=self.state_slots.num_slots if self.state_slots else 0,
         )

@@ -24,6 +24,10 @@ def test_a_parked_running_sequence_skips_steps_keeps_its_blocks_and_resumes_on_t
     for _ in range(3):
         plan, _ = run_step(sched)
         assert rows(plan) == {"b": 2}
+    # in no step, it waits for its adapter: vLLM's gauges count it so (it was "running", 0 waiting)
+    stats = sched.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_waiting_for_adapter, stats.num_waiting_deferred) == \
+        (1, 1, 1, 1)
     assert sched.requests["a"].block_ids == blocks and sched.requests["a"].lora_slot == PARKED
     done = sched.requests["a"].num_computed
     sched.set_lora_slot(["a"], 2)
@@ -39,6 +43,8 @@ def test_a_parked_head_of_the_queue_lets_the_others_in_and_keeps_its_place():
     plan, _ = run_step(sched)
     assert [s.request_id for s in plan.started] == ["q", "r"]
     assert [s.request_id for s in sched.waiting] == ["p"]
+    stats = sched.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_waiting_deferred, stats.num_starting) == (2, 1, 1, 0)
     sched.set_lora_slot(["p"], 1)
     plan, _ = run_step(sched)
     assert [s.request_id for s in plan.started] == ["p"] and plan.started[0].lora_slot == 1
