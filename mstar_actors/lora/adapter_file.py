@@ -230,6 +230,9 @@ def _read_config(folder: Path, name: str, allowed_dirs: Sequence[str] | None = N
         raise AdapterError(f"adapter {name!r}: {CONFIG_FILE} is missing from {folder}; a PEFT adapter folder needs it") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise AdapterError(f"adapter {name!r}: {CONFIG_FILE} is not valid JSON ({err})") from None
+    except NotADirectoryError:
+        raise AdapterError(f"adapter {name!r}: {folder} is a file, not a folder; give the path of a PEFT adapter "
+                           f"folder (its {CONFIG_FILE} and {WEIGHTS_FILE})") from None
     except OSError as err:  # its strerror only: the exception's own text carries the path
         raise AdapterError(f"adapter {name!r}: {CONFIG_FILE} could not be read ({err.strerror})") from None
     if not isinstance(config, dict):

@@ -306,6 +306,8 @@ def test_refuses_missing_files(saved):
     weights.unlink()
     (folder / "adapter_config.json").unlink()
     _refused(folder, base, "adapter_config.json is missing")
+    (folder / "adapter_config.json").write_text("{}")  # the file named in place of its folder
+    _refused(folder / "adapter_config.json", base, r"adapter_config.json is a file, not a folder; give the path")
 
 
 def test_refuses_corrupt_json(saved):
