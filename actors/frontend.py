@@ -970,9 +970,11 @@ class FrontendActor(Actor):
                 end = now if choice.last_token_at is None else choice.last_token_at  # each choice's own (n > 1)
                 phases = None if choice.first_token_at is None else (*choice.phases, end - choice.first_token_at)
                 self.metrics.observe_end(choice.finish_reason, end - exchange.arrival,
-                                         (choice.num_prompt_tokens, choice.num_output_tokens), phases)
-        if any(choice.finish_reason is not None for choice in exchange.choices.values()):
-            self.metrics.observe_params(exchange.parsed.n, exchange.parsed.sampling.max_tokens)
+                                         (choice.num_prompt_tokens, choice.num_output_tokens), phases,
+                                         choice.num_cached_tokens, choice.num_preemptions)
+        finished = [c.num_output_tokens for c in exchange.choices.values() if c.finish_reason is not None]
+        if finished:
+            self.metrics.observe_params(exchange.parsed.n, exchange.parsed.sampling.max_tokens, max(finished))
         for rid in [*exchange.choice_ids, *exchange.choices]:
             self._exchanges.pop(rid, None)
             self._unacked.discard(rid)
@@ -1007,7 +1009,8 @@ class FrontendActor(Actor):
                 # stop_reason: a stop_token_ids entry, not an EOS ending (one that ignore_eos passed stops as listed)
                 is_eos = msg.stop_token_id in self.info.eos_token_ids and not exchange.parsed.sampling.ignore_eos
                 text = choice.finish(msg.finish_reason, msg.num_prompt_tokens, msg.num_output_tokens,
-                                     msg.num_cached_tokens, None if is_eos else msg.stop_token_id)
+                                     msg.num_cached_tokens, None if is_eos else msg.stop_token_id,
+                                     msg.num_preemptions)
                 return choice, text, []
             case Failed():
                 raise failure(exchange, msg)

@@ -424,6 +424,7 @@ class Finished(Struct, frozen=True, tag=True, omit_defaults=True):
     num_output_tokens: int
     num_cached_tokens: int = 0
     stop_token_id: int | None = None
+    num_preemptions: int = 0  # times the choice was preempted (recomputed)
 
 
 class EngineStats(Struct, frozen=True, tag=True, omit_defaults=True):

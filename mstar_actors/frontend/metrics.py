@@ -45,6 +45,7 @@ _E2E_BUCKETS = (0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20
 
 
 # vLLM's buckets of a step's tokens
+_PREEMPTION_BUCKETS = (0, 1, 2, 3, 4, 5, 10, 20)
 _STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -135,6 +136,13 @@ class Metrics:
                                                     "tokens", lengths)
         self.request_generation_tokens = vllm_histogram("vllm:request_generation_tokens", "A finished choice's "
                                                         "generated tokens", lengths)
+        self.max_generation_tokens = vllm_histogram("vllm:request_max_num_generation_tokens", "A request's most "
+                                                    "generated tokens of its finished choices", lengths)
+        self.prefill_kv_computed = vllm_histogram("vllm:request_prefill_kv_computed_tokens", "A finished "
+                                                  "choice's prompt tokens computed (the prefix cache's not)",
+                                                  lengths)
+        self.request_preemptions = vllm_histogram("vllm:request_num_preemptions", "A finished choice's "
+                                                  "preemptions", _PREEMPTION_BUCKETS)
         self.iteration_tokens = vllm_histogram("vllm:iteration_tokens_total", "Tokens of an engine step (prompt "
                                                "chunks and decodes)", _STEP_TOKEN_BUCKETS)
         self.model = model
@@ -177,16 +185,19 @@ class Metrics:
             {"max_lora": str(max_lora), "waiting_lora_adapters": "", "running_lora_adapters": ""}, reg)
 
     def observe_end(self, finish_reason: str | None, seconds: float, lengths: tuple[int, int] = (0, 0),
-                    phases: tuple[float, float, float] | None = None) -> None:
+                    phases: tuple[float, float, float] | None = None, num_cached: int = 0,
+                    num_preemptions: int = 0) -> None:
         """A choice ended: ``finish_reason`` None when it did not finish (its client left, it failed);
         ``lengths``: its prompt and generated tokens; ``phases``: its queue, prefill and decode seconds
-        (None: it made no token)."""
+        (None: it made no token); ``num_cached``: its prompt tokens the prefix cache held."""
         self._success.labels(**self.model, finished_reason=finish_reason or "abort").inc()
         if finish_reason is None:
             return
         self.e2e_latency.observe(seconds)
         self.request_prompt_tokens.observe(lengths[0])
         self.request_generation_tokens.observe(lengths[1])
+        self.prefill_kv_computed.observe(max(0, lengths[0] - num_cached))
+        self.request_preemptions.observe(num_preemptions)
         if phases is not None:
             queued, prefill, decode = phases
             self.queue_time.observe(queued)
@@ -196,10 +207,12 @@ class Metrics:
             if lengths[1] > 1:
                 self.time_per_output_token.observe(decode / (lengths[1] - 1))
 
-    def observe_params(self, n: int, max_tokens: int) -> None:
-        """A request of finished choices: its n and its cap (once a request, as vLLM's parent request)."""
+    def observe_params(self, n: int, max_tokens: int, max_generated: int = 0) -> None:
+        """A request of finished choices: its n, its cap and the most tokens one of them generated (once a
+        request, as vLLM's parent request)."""
         self.params_n.observe(n)
         self.params_max_tokens.observe(max_tokens)
+        self.max_generation_tokens.observe(max_generated)
 
     def observe_request(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()

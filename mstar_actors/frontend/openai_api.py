@@ -1433,6 +1433,7 @@ class ChoiceOutput:
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens the prefix cache held
+        self.num_preemptions = 0  # the engine's, at the end
         self.token_ids: list[int] = []  # for return_token_ids
         self.num_streamed_ids = 0  # of token_ids, already sent in chunks
         self.is_prompt_sent = False  # streamed completions: prompt_token_ids went out
@@ -1515,10 +1516,10 @@ class ChoiceOutput:
         return self.stops.matched if self.stops.matched is not None else self.stop_token_id
 
     def finish(self, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int,
-               num_cached_tokens: int = 0, stop_token_id: int | None = None) -> str:
+               num_cached_tokens: int = 0, stop_token_id: int | None = None, num_preemptions: int = 0) -> str:
         """The engine finished this choice (not done here); return the held-back tail text.
         ``stop_token_id``: the stop token (of ``stop_token_ids``) it ended on, if any."""
-        self.num_cached_tokens = num_cached_tokens
+        self.num_cached_tokens, self.num_preemptions = num_cached_tokens, num_preemptions
         self.stop_token_id = stop_token_id
         emitted: list[str] = []
         emit, matched = self.stops.feed(self.detokenizer.flush())

@@ -545,6 +545,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        seq.num_preemptions += 1
 
     def _admit_waiting(self, step: _StepBuilder) -> None:
         parked = []  # FIFO among the others; a parked one keeps its place
@@ -800,6 +801,7 @@ class Scheduler:
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens or 0,
             stop_token_id=stop_token_id,
+            num_preemptions=seq.num_preemptions,
         )
 
     def _end_choice(self, seq: Sequence) -> None:

@@ -55,6 +55,7 @@ class Sequence:
         self.num_samples_in_flight = 0  # tokens those steps will sample for it
         self.epoch = 0  # bumped when it lets go of its KV: rows planned before are void
         self.num_cached_tokens: int | None = None  # prefix hit at first admission
+        self.num_preemptions = 0  # times its KV was taken back, to be recomputed
         self.num_queried_tokens = 0  # tokens looked up in the prefix cache then (0: the cache was not read)
         self._block_hashes: list[bytes] = []  # chain hashes of full blocks, computed lazily
         self._root_hash = root_hash(root)

@@ -818,13 +818,24 @@ def test_a_request_s_params_are_observed_once_whatever_its_n(harness):
     """vLLM observes n and max_tokens once a parent request, not once a choice."""
     async def body():
         async with harness() as h:
-            status, _ = await h.post(CHAT, chat_body(n=3, max_tokens=40))
+            status, r = await h.post(CHAT, chat_body(n=3, max_tokens=40, logprobs=True))
             assert status == 200
             text = await h.metrics()
             model = '{engine="0",model_name="tiny"}'
             assert f"vllm:request_params_n_count{model} 1.0" in text and f"vllm:request_params_n_sum{model} 3.0" in text
             assert f"vllm:request_params_max_tokens_sum{model} 40.0" in text
             assert 'vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 3.0' in text
+
+            def value(name: str) -> float:
+                return float(next(ln for ln in text.splitlines() if ln.startswith(f"{name}{model} ")).split()[-1])
+
+            # vLLM's: the most a choice generated, once a request; each choice's computed prompt and preemptions
+            assert value("vllm:request_max_num_generation_tokens_count") == 1
+            most = max(len(c["logprobs"]["content"]) for c in r["choices"])
+            assert value("vllm:request_max_num_generation_tokens_sum") == most > 0
+            assert value("vllm:request_prefill_kv_computed_tokens_count") == 3
+            assert value("vllm:request_prefill_kv_computed_tokens_sum") == 3 * r["usage"]["prompt_tokens"]
+            assert value("vllm:request_num_preemptions_count") == 3 and value("vllm:request_num_preemptions_sum") == 0
 
     run(body)
 

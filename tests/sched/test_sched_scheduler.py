@@ -120,6 +120,10 @@ def test_preemption_frees_the_latest_admitted_and_restarts_it_with_its_outputs()
     [start] = plan.started
     assert start.request_id == "r2" and start.output_token_ids == outputs_of["r2"] == [20, 21, 22, 23, 24]
     assert chunks_of(plan)["r2"] == (0, 9, True)
+    # its end tells how often it was recomputed (vLLM's vllm:request_num_preemptions)
+    sched.update(make_done(plan))
+    ends = {f.request_id: f.num_preemptions for f in sched.abort("r1") + sched.abort("r2")}
+    assert ends == {"r1": 0, "r2": 1}, ends
 
 
 def test_preemption_of_several_keeps_admission_order_at_the_head():
