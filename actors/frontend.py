@@ -156,7 +156,7 @@ class FrontendActor(Actor):
         if problem:
             self.log.warning("%s", problem)
         self.reasoning_parser = self.config.model.reasoning_parser
-        self._opening: dict[str, str] = {}  # chat_template_kwargs -> the generation prompt's text
+        self._opening: dict[str, str | None] = {}  # chat_template_kwargs -> the generation prompt's text
         self.think_ids: tuple[int, int] | None = None  # <think>, </think>: structured outputs hold after the reasoning
         if self.reasoning_parser:
             ids = tuple(self.tokenization.single_token_id(tag) for tag in (THINK_OPEN, THINK_CLOSE))
@@ -762,12 +762,16 @@ class FrontendActor(Actor):
             return None
         key = _json.encode(parsed.chat_template_kwargs or {}).decode()
         if key in self._opening:
-            return self._opening[key]
-        text = self.tokenization.generation_prompt(parsed.chat_template_kwargs)
-        if len(key) <= 256:  # (sets of flags; a kwarg holding a document is rendered each time, not kept)
-            if len(self._opening) >= 256:
-                self._opening.pop(next(iter(self._opening)))  # the oldest set
-            self._opening[key] = text
+            text = self._opening[key]
+        else:
+            text = self.tokenization.generation_prompt(parsed.chat_template_kwargs)
+            if len(key) <= 256:  # (sets of flags; a kwarg holding a document is rendered each time, not kept)
+                if len(self._opening) >= 256:
+                    self._opening.pop(next(iter(self._opening)))  # the oldest set
+                self._opening[key] = text
+        if text is None:  # the template refuses a lone user turn: the request's own messages rendered
+            text = self.tokenization.generation_prompt_of(parsed.messages, parsed.tools.tools if parsed.tools else None,
+                                                          parsed.tool_format, parsed.chat_template_kwargs)
         return text
 
     # ---- text to speech -----------------------------------------------

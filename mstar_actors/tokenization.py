@@ -141,6 +141,13 @@ class Tokenization:
         Qwen's templates read them (a multimodal model's preparer expands
         their placeholders); else a message is its text parts joined.
         """
+        text = self._render(chat, add_generation_prompt, continue_final_message, tools, tool_format, template_kwargs,
+                            media_parts)
+        return self.encode_text(text + assistant_prefix, False, max_tokens)
+
+    def _render(self, chat: list[messages.ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
+                tools: list[dict] | None, tool_format: str, template_kwargs: dict | None, media_parts: bool) -> str:
+        """``apply_chat_template``'s text (raises TemplateRefused)."""
         if not self.has_chat_template:
             raise TemplateRefused(
                 f"model {self.model_dir.name!r} has no chat template, so it cannot take "
@@ -159,7 +166,7 @@ class Tokenization:
         except Exception as exc:  # a value it can't render (the request's: the template is the model's)
             raise TemplateRefused(f"the model's chat template could not render 'messages' or chat_template_kwargs: "
                              f"{type(exc).__name__}: {exc}") from exc
-        return self.encode_text(text + assistant_prefix, False, max_tokens)
+        return text
 
     def single_token_id(self, text: str) -> int | None:
         """The id of the one token that spells ``text`` (``</think>``, say), or None where it takes more, or
@@ -169,18 +176,32 @@ class Tokenization:
             return None
         return ids[0]
 
-    def generation_prompt(self, template_kwargs: dict | None = None) -> str:
+    def generation_prompt(self, template_kwargs: dict | None = None) -> str | None:
         """The chat template's text after a user turn with the generation prompt (what a reply follows):
-        whether it opens a ``<think>`` block, say. Empty where there is no template or it fails."""
+        whether it opens a ``<think>`` block, say. Empty where there is no template; None where the
+        template refuses a lone user turn (one that wants a system message first, say): then only a
+        request's own messages tell (``generation_prompt_of``)."""
         if not self.has_chat_template:
             return ""
         probe = [{"role": "user", "content": _PROBE}]
         try:
             text = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True,
                                                       **(template_kwargs or {}))
-        except Exception:  # noqa: BLE001 - the request's own render reports its error; here: no opening
-            return ""
+        except Exception:  # noqa: BLE001 - a template's own rule on its messages
+            return None
         return text[text.rfind(_PROBE) + len(_PROBE):]
+
+    def generation_prompt_of(self, chat: list[messages.ChatMessage], tools: list[dict] | None, tool_format: str,
+                             template_kwargs: dict | None = None) -> str:
+        """``generation_prompt`` of a request's own messages: its render's text past the same render without
+        the generation prompt; empty where the template refuses them (the request's own render reports it)
+        or writes no prefix of it."""
+        try:
+            whole, turns = (self._render(chat, add, False, tools, tool_format, template_kwargs, False)
+                            for add in (True, False))
+        except TemplateRefused:
+            return ""
+        return whole[len(turns):] if whole.startswith(turns) else ""
 
     def tool_polyfills(self, chat: list[messages.ChatMessage], conversation: list[dict], tools: list[dict] | None,
                        tool_format: str) -> tuple[list[dict], list[dict] | None]:

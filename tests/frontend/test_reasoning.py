@@ -6,6 +6,7 @@ import asyncio
 import pytest
 
 from mstar_actors.frontend.reasoning import ReasoningStream, prompt_reasoning, reasoning_end, split_reasoning
+from mstar_actors.messages import ChatMessage
 
 CASES = [  # parser, reply, the prompt opened <think>, (reasoning, content)
     ("qwen3", "<think>\nI think.\n</think>\n\nThe answer is 4.", False, ("\nI think.\n", "\n\nThe answer is 4.")),
@@ -514,5 +515,38 @@ def test_a_qwen3_coder_call_opened_while_thinking_stays_reasoning_beside_a_respo
                     message = r["choices"][0]["message"]
                     content, reasoning, calls = message["content"], message["reasoning"], message.get("tool_calls")
                 assert content == '{"x": 2}' and opened in reasoning and not calls, (stream, content, reasoning)
+
+    run(body)
+
+
+def test_a_template_that_wants_a_system_turn_is_read_from_the_request_s_own_messages(tmp_path):
+    """A template that refuses a lone user turn failed the generation prompt's probe, read then as opening
+    nothing: a reply after the prompt's <think> came back all content, </think> in it, while the ranks
+    knew the reasoning was open. Such a template's generation prompt is read from the request's own render."""
+    from transformers import AutoTokenizer
+
+    from mstar_actors.tokenization import Tokenization
+    from tests.frontend.conftest import Harness, make_tokenizer_dir
+
+    folder = make_tokenizer_dir(tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok.chat_template = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system turn first') }}"
+                         "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n"
+                         "{% endif %}")
+    tok.save_pretrained(str(folder))
+    tokenization = Tokenization(folder)
+    assert tokenization.generation_prompt(None) is None
+    chat = [ChatMessage("system", "s"), ChatMessage("user", "hi")]
+    assert tokenization.generation_prompt_of(chat, None, "hermes") == "<|im_start|>assistant\n<think>\n"
+    assert tokenization.generation_prompt_of(chat[1:], None, "hermes") == ""  # refused: the request's own error
+
+    async def body():
+        async with Harness(folder, tok, model_keys={"reasoning_parser": "qwen3"}) as h:
+            h.engine.reply_text = "I think.\n</think>\n\nThe answer."
+            messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+            status, r = await h.post(CHAT, {"model": "tiny", "messages": messages})
+            message = r["choices"][0]["message"]
+            assert status == 200 and (message["reasoning"], message["content"]) == ("I think.\n", "\n\nThe answer."), r
 
     run(body)
