@@ -139,6 +139,7 @@ class Stream:
                           if exchange.reasoning is not None else {})
         self._held_entries: dict[int, list] = {}  # choice -> entries of text a reasoning stream holds back
         self._ids_seen: dict[int, int] = {}  # choice -> its token ids at its last output taken
+        self.reasoning_ids: dict[int, int] = {}  # choice -> where its reasoning's token ids end, shown or not
         self.build = api.chat_chunk if self.is_chat else api.completion_chunk
         # Every chunk's bytes around its choices, encoded once (None: the usage changes per chunk)
         self._envelope = None if self.continuous else chunk_envelope(self.build, exchange, self._usage_field())
@@ -176,11 +177,13 @@ class Stream:
         if choice.is_done:
             more_thought, more_text = stream.flush()
             thought, text = thought + more_thought, text + more_text
-        if not self.exchange.parsed.include_reasoning:  # dropped: its entries and ids go with the answer's
-            thought = ""
         entries = self._held_entries.pop(choice.index, []) + entries
         before, now = self._ids_seen.get(choice.index, 0), len(choice.token_ids)
         self._ids_seen[choice.index] = now
+        if thought:  # (its tokens: those up to the output's, or up to the answer's it starts)
+            self.reasoning_ids[choice.index] = now if not text else before
+        if not self.exchange.parsed.include_reasoning:  # dropped: its entries and ids go with the answer's
+            thought = ""
         if not (thought or text):
             if not choice.is_done:  # all held back
                 self._held_entries[choice.index] = entries
@@ -314,7 +317,6 @@ class ResponsesStream(Stream):
         sampling = exchange.parsed.sampling
         self.events = ResponseEvents(exchange.response_id, exchange.model, exchange.created, asked.echo,
                                      {"temperature": sampling.temperature, "top_p": sampling.top_p})
-        self.reasoning_tokens = 0  # of the output's ids, those of reasoning chunks
         self._started = False
 
     @property
@@ -330,13 +332,12 @@ class ResponsesStream(Stream):
         await self._write(self.events.start())
 
     async def _write_choice(self, choice: ChoiceOutput, out: dict, ids_end: int | None = None) -> None:
-        if ids_end is not None:
-            self.reasoning_tokens = max(self.reasoning_tokens, ids_end)
         await self._write(self.events.chunk(out))
 
     async def finish(self, usage: dict) -> None:
         await self._prepare()  # (a reply of no text: its events still open)
-        events = self.events.end(usage, self.reasoning_tokens)
+        # OpenAI's reasoning_tokens: those generated, shown or not (include_reasoning false)
+        events = self.events.end(usage, max(self.reasoning_ids.values(), default=0))
         if self.store is not None and not self.store.put(self.events.response, self.asked.items):
             for response in (self.events.response, events[-1]["response"]):  # past the whole store: not kept
                 response["store"] = False

@@ -550,3 +550,27 @@ def test_a_template_that_wants_a_system_turn_is_read_from_the_request_s_own_mess
             assert status == 200 and (message["reasoning"], message["content"]) == ("I think.\n", "\n\nThe answer."), r
 
     run(body)
+
+
+def test_a_response_counts_its_reasoning_tokens_shown_or_not(harness):
+    """OpenAI's output_tokens_details.reasoning_tokens counts what the reply reasoned, whether or not it is
+    shown: with include_reasoning false it was 0 (only written reasoning was counted)."""
+    async def body():
+        async with harness(model_keys={"reasoning_parser": "qwen3"}) as h:
+            h.engine.reply_text = THOUGHT
+            counts = {}
+            for shown in (True, False):
+                for stream in (False, True):
+                    request = {"model": "tiny", "input": "hi", "include_reasoning": shown, "stream": stream}
+                    if stream:
+                        status, events = await h.stream("/v1/responses", request)
+                        r = [e for e in events if isinstance(e, dict) and e.get("type") == "response.completed"]
+                        r = r[0]["response"]
+                    else:
+                        status, r = await h.post("/v1/responses", request)
+                    assert status == 200, r
+                    assert any(item["type"] == "reasoning" for item in r["output"]) == shown, r
+                    counts[shown, stream] = r["usage"]["output_tokens_details"]["reasoning_tokens"]
+            assert len(set(counts.values())) == 1 and counts[True, False] > 0, counts
+
+    run(body)
