@@ -438,7 +438,10 @@ def new_id(prefix: str) -> str:
 def usage_of(chat_usage: dict, reasoning_tokens: int) -> dict:
     """The chat path's usage as a Response's."""
     cached = chat_usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-    return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+    # cache_write_tokens (the SDK's type requires it): OpenAI's billed cache writes, none here (the prefix
+    # cache fills itself as prompts run, at no cost)
+    return {"input_tokens": chat_usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": chat_usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": chat_usage["total_tokens"]}

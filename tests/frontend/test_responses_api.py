@@ -228,8 +228,8 @@ def test_events_open_and_close_each_output_item_in_order():
                                                                                  "completed")
     assert [e["output_index"] for e in out if e["type"] == "response.output_item.added"] == [0, 1, 2]
     assert out[2]["item"]["content"] == [] and out[10]["item_id"] == message["id"]
-    assert final["usage"] == {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 2}, "output_tokens": 9,
-                              "output_tokens_details": {"reasoning_tokens": 3}, "total_tokens": 14}
+    assert final["usage"] == {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 2, "cache_write_tokens": 0},
+                              "output_tokens": 9, "output_tokens_details": {"reasoning_tokens": 3}, "total_tokens": 14}
     assert final["status"] == "completed" and final["incomplete_details"] is None
 
 
@@ -272,6 +272,9 @@ def test_the_route_answers_a_response_and_its_stream_agrees(harness):
             (message,) = r["output"]
             assert message["content"][0]["text"] == REPLY and message["role"] == "assistant"
             assert r["usage"]["output_tokens"] > 0 and r["instructions"] == "Be brief." and r["store"] is False
+            from openai.types.responses import Response
+
+            Response.model_validate(r)  # the client's own type, strictly: its usage needs cache_write_tokens
             status, named = await h.post(RESPONSES, req | {"request_id": "resp_mine"})  # vLLM's, as sent
             assert named["id"] == "resp_mine"
             sent = h.engine.requests[next(iter(h.engine.requests))]
