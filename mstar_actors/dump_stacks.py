@@ -60,7 +60,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Exit status: 0 when every actor dumped, 1 when one did not, 2 without a run."""
+    """Exit status: 0 when every actor dumped, 1 when one did not, 2 without a run; a reader that stops
+    reading (``| head``) ends the output quietly."""
+    try:
+        return _run(args)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush: no second error
+        return 0
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         run_dir = rundir.find_run(args.run)
         actors = rundir.read_actors(run_dir)["actors"]

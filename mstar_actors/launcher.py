@@ -199,6 +199,19 @@ def exit_description(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
+@contextlib.contextmanager
+def dumps_held():
+    """SIGUSR1 blocked in this thread while it starts actors: each child starts with it blocked (a mask
+    survives the exec), so a stack dump asked before its dumper thread waits for one
+    (``actors.base.run_actor_process``) waits, pending, where the signal's default action killed the
+    actor, and with it the start."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 class Launcher:
     """Supervises one run. ``run()`` returns the process exit code."""
 
@@ -303,17 +316,18 @@ class Launcher:
         ctx = multiprocessing.get_context("spawn")
         level = logging.getLogger().getEffectiveLevel()
         info = msgspec.to_builtins(self.info) if self.info is not None else None
-        for plan in self.plans:
-            spec = ActorSpec(name=plan.name, config=self.config, run_dir=str(self.run_dir),
-                             inbox=self.rings.resolve(plan.inbox), outbox=self.rings.resolve(plan.outbox),
-                             params=plan.params, log_level=level, info=info)
-            proc = ctx.Process(target=run_actor_process, args=(plan.target, spec), name=plan.name)
-            # prometheus_client reads its multiprocess folder as it is imported, and OpenMP its
-            # settings as it loads: the child's environment has them.
-            with _environment(PROMETHEUS_MULTIPROC_DIR=plan.params.get("metrics_dir"),
-                              GOMP_SPINCOUNT=openmp_spin_count(os.environ)):
-                proc.start()
-            self.procs[plan.name] = proc
+        with dumps_held():
+            for plan in self.plans:
+                spec = ActorSpec(name=plan.name, config=self.config, run_dir=str(self.run_dir),
+                                 inbox=self.rings.resolve(plan.inbox), outbox=self.rings.resolve(plan.outbox),
+                                 params=plan.params, log_level=level, info=info)
+                proc = ctx.Process(target=run_actor_process, args=(plan.target, spec), name=plan.name)
+                # prometheus_client reads its multiprocess folder as it is imported, and OpenMP its
+                # settings as it loads: the child's environment has them.
+                with _environment(PROMETHEUS_MULTIPROC_DIR=plan.params.get("metrics_dir"),
+                                  GOMP_SPINCOUNT=openmp_spin_count(os.environ)):
+                    proc.start()
+                self.procs[plan.name] = proc
         rundir.write_actors(self.run_dir, self.run_id, {n: p.pid for n, p in self.procs.items()})
 
     def watch_exits(self) -> None:

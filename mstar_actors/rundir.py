@@ -96,19 +96,21 @@ def is_alive(pid: int) -> bool:
 
 
 def live_runs(root: Path | None = None) -> list[Path]:
-    """Run directories whose launcher is alive, oldest first."""
+    """Run directories whose launcher is alive, oldest first: by when the launcher wrote its pid, once as it
+    started (the folder's own time moves as files come and go in it: a dump's ``stacks/``)."""
     root = root or runs_root()
     if not root.is_dir():
         return []
     runs = []
-    for run_dir in sorted(root.iterdir(), key=lambda p: p.stat().st_mtime):
+    for run_dir in root.iterdir():
         try:
-            pid = int((run_dir / PID_FILE).read_text())
+            pid_file = run_dir / PID_FILE
+            pid, started = int(pid_file.read_text()), pid_file.stat().st_mtime
         except (OSError, ValueError):
             continue
         if is_alive(pid) and (run_dir / ACTORS_FILE).exists():
-            runs.append(run_dir)
-    return runs
+            runs.append((started, run_dir.name, run_dir))
+    return [run_dir for *_, run_dir in sorted(runs)]
 
 
 def find_run(arg: str | None, root: Path | None = None) -> Path:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -129,3 +130,49 @@ def test_a_run_whose_launcher_is_gone_is_refused_and_no_pid_of_it_signalled(tmp_
         f'{{"run_id": "x", "launcher_pid": {int(gone.stdout)}, "actors": {{"worker0": {os.getpid()}}}}}')
     monkeypatch.setattr(os, "kill", lambda *args: pytest.fail(f"signalled {args}"))
     assert dump_stacks.main([str(run_dir)]) == 2
+
+
+def test_a_dump_asked_while_an_actor_starts_waits_for_its_dumper(tmp_path):
+    """The launcher lists its actors as soon as they are spawned; a dump asked then reached an actor before
+    its dumper thread blocked SIGUSR1, whose default action killed it, and the start with it."""
+    from mstar_actors.launcher import dumps_held
+
+    ctx = multiprocessing.get_context("spawn")
+    started = ctx.Event()
+    spec = ActorSpec(name="blocked", config=Config(), run_dir=str(tmp_path), inbox={}, outbox={},
+                     params={"started": started})
+    proc = ctx.Process(target=run_actor_process, args=(f"{__name__}:BlockedActor", spec))
+    with dumps_held():
+        proc.start()
+    try:
+        (tmp_path / "stacks").mkdir()
+        os.kill(proc.pid, signal.SIGUSR1)  # before the child has even imported anything
+        assert started.wait(60) and proc.is_alive(), proc.exitcode
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "stacks" / "blocked.txt").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "actor blocked thread MainThread" in (tmp_path / "stacks" / "blocked.txt").read_text()
+    finally:
+        proc.kill()
+        proc.join()
+
+
+def test_the_newest_run_is_the_last_started_whichever_was_dumped_last(tmp_path):
+    """Runs were ordered by their folder's time, which a dump's stacks/ moves: a dump of the older run made
+    it the "newest", the default target of the next dump."""
+    for name, started in (("old", 1000), ("new", 2000)):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        (run_dir / rundir.PID_FILE).write_text(f"{os.getpid()}\n")
+        (run_dir / rundir.ACTORS_FILE).write_text("{}")
+        os.utime(run_dir / rundir.PID_FILE, (started, started))
+    (tmp_path / "old" / "stacks").mkdir()  # the older one dumped last
+    assert rundir.live_runs(tmp_path) == [tmp_path / "old", tmp_path / "new"]
+
+
+def test_a_reader_that_stops_reading_ends_the_output_quietly(blocked_run):
+    """``dump_stacks | head -1``: a BrokenPipeError's traceback, and no actor signalled."""
+    out = subprocess.run(f"{sys.executable} -m mstar_actors dump-stacks {blocked_run} --timeout 20 | head -1",
+                         shell=True, capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.stdout.startswith("=== run ") and "Traceback" not in out.stderr, out.stderr
