@@ -45,6 +45,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -230,6 +231,7 @@ class Launcher:
                 plan.params["run_id"] = self.run_id
         self.run_dir: Path | None = None
         self.rings: Rings | None = None
+        self.reaper: subprocess.Popen | None = None  # ``transport.reaper``: the run's cleanup if this process dies
         self.procs: dict[str, multiprocessing.Process] = {}
         self.to_actor: dict[str, Any] = {}
         self.from_actor: dict[str, Any] = {}
@@ -245,7 +247,7 @@ class Launcher:
     # ---- set-up -------------------------------------------------------------
 
     def prepare_run(self) -> None:
-        from transport import cleanup_orphans, cleanup_stale, register_run
+        from transport import cleanup_orphans, cleanup_stale, reaper, register_run
 
         root = rundir.runs_root()
         root.mkdir(parents=True, exist_ok=True)
@@ -254,6 +256,7 @@ class Launcher:
         rundir.remove_dead_run_dirs(root)
         self.run_dir = rundir.create_run_dir(self.run_id, root)
         register_run(self.run_dir, self.run_id)
+        self.reaper = reaper.start(self.run_id, self.run_dir)  # cleans up after a launcher that dies
         context = self.info.max_model_len if self.info is not None else 0  # (none: it spawns nothing)
         self.rings = Rings(self.run_id, self.run_dir, self.config, context)
         self.rings.create_all(self.plans)
@@ -551,6 +554,11 @@ class Launcher:
             self.rings.cleanup()
         if self.run_dir is not None:
             rundir.remove_run_dir(self.run_dir)
+        if self.reaper is not None:
+            from transport import reaper
+
+            reaper.release(self.reaper)
+            self.reaper = None
 
 
 DEMO_ADAPTERS = "~/.cache/mstar-actors/adapters"  # where tools/make_demo_adapters.py writes pirate/ and shout/
