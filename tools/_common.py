@@ -58,6 +58,28 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite amount above 0 (a length of time, a rate)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse ``type``: a finite amount of at least 0 (a time, a rate)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}")
+    return value
+
+
 def positive_ints(text: str) -> list[int]:
     """An argparse ``type``: comma-separated counts of at least 1 (``1,8,32``)."""
     try:

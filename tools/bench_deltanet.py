@@ -46,6 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _common import non_negative_int, positive_int  # noqa: E402
 from _gpu_timing import capture_graph, cuda_median_us  # noqa: E402
 from mstar_actors.models.attention import AttentionMetadata  # noqa: E402
 from mstar_actors.models import deltanet_ops  # noqa: E402
@@ -208,18 +209,21 @@ def cpu_table(args) -> None:
             print(f"{name:<14} {op:<11} {statistics.median(rounds):>10.1f}", flush=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prefill", type=int, nargs="*", default=[2048])
-    parser.add_argument("--decode", type=int, nargs="*", default=[1, 8, 32, 64])
-    parser.add_argument("--short", type=int, nargs="*", default=[],
+    parser.add_argument("--prefill", type=positive_int, nargs="*", default=[2048],
+                        help="tokens of each prefill row (none: no prefill rows)")
+    parser.add_argument("--decode", type=positive_int, nargs="*", default=[1, 8, 32, 64],
+                        help="sequences of each decode row (none: no decode rows)")
+    parser.add_argument("--short", type=positive_int, nargs="*", default=[],
                         help="chunk lengths of graphed mixed steps to time both ways (see the module doc)")
-    parser.add_argument("--short-decodes", type=int, default=60, help="decode rows beside the --short chunks")
-    parser.add_argument("--calls", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--short-decodes", type=non_negative_int, default=60,
+                        help="decode rows beside the --short chunks")
+    parser.add_argument("--calls", type=positive_int, default=20, help="calls per timed round (default 20)")
+    parser.add_argument("--repeats", type=positive_int, default=10, help="timed rounds, their median (default 10)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu: time the torch forms alone (what CPU serving runs), float32, one thread")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.device == "cpu":
         return cpu_table(args)
     if not torch.cuda.is_available():

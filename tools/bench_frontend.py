@@ -37,6 +37,7 @@ import asyncio
 import json
 import logging
 import multiprocessing
+import os
 import statistics
 import sys
 import tempfile
@@ -48,7 +49,9 @@ import msgspec
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package
-from _common import ROOT, free_port, positive_int, positive_ints, progress, run_tool, write_output  # noqa: E402
+from _common import (  # noqa: E402
+    ROOT, free_port, non_negative_float, positive_int, positive_ints, progress, run_tool, write_output,
+)
 from actors.base import Actor, ActorSpec, run_actor_process  # noqa: E402
 from mstar_actors.messages import (  # noqa: E402
     Abort,
@@ -70,6 +73,9 @@ EXTRA_TEXT = (
     "русский текст, emoji 🙂🚀 too; quotes \"like these\" and a tab\tand a backslash \\.\n"
 )
 END_OF_CHUNKED_BODY = b"\r\n0\r\n\r\n"
+CPU_TICK_S = 1 / os.sysconf("SC_CLK_TCK")  # psutil's CPU times of a process advance in these steps
+MIN_CPU_WALL_S = 0.5  # a level shorter than this, or with fewer of the frontend's ticks, has no CPU figures
+MIN_CPU_TICKS = 20
 
 
 # --------------------------------------------------------------------------
@@ -293,6 +299,12 @@ async def run_level(port: int, level: Level, num_requests: int, first_seed: int,
         conn.transport.close()
 
 
+def too_short_for_cpu(level: Level) -> bool:
+    """Whether ``level`` ran too briefly for its CPU figures to mean anything: CPU times advance by whole ticks,
+    so over a fraction of a second (or a few ticks of the frontend's) they are mostly rounding."""
+    return level.wall_s < MIN_CPU_WALL_S or level.cpu_s.get("frontend", 0.0) < MIN_CPU_TICKS * CPU_TICK_S
+
+
 def _cpu_s(proc: psutil.Process) -> tuple[float, float]:
     """(user + system, system) CPU seconds so far, every thread included."""
     times = proc.cpu_times()
@@ -420,8 +432,10 @@ async def measure(rig: Rig, procs: dict[str, psutil.Process], args: argparse.Nam
             seed += n
             check_text(level, tokenizer, token_ids, args.max_tokens)
             results[c].append(level)
+            cpu = ("n/a (too short to time CPU)" if too_short_for_cpu(level)
+                   else f"{1000 * level.cpu_s['frontend'] / level.num_tokens:.3f} CPU s per 1k tokens")
             progress(f"round {r + 1}/{args.rounds}, concurrency {c}: {level.num_tokens / level.wall_s:,.0f} tok/s, "
-                     f"frontend {1000 * level.cpu_s['frontend'] / level.num_tokens:.3f} CPU s per 1k tokens")
+                     f"frontend {cpu}")
     return results
 
 
@@ -431,19 +445,28 @@ def table(results: dict[int, list[Level]], args: argparse.Namespace) -> str:
             "| concurrency | requests | tok/s | frontend CPU s / 1k tok | of it in the kernel | frontend CPU % "
             "| events / request | engine CPU % | clients CPU % |\n"
             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    rows = []
+    rows, short = [], []
     for c, levels in results.items():
         def med(fn):
             return statistics.median(fn(level) for level in levels)
 
+        if any(map(too_short_for_cpu, levels)):
+            short.append(c)
+            frontend = kernel = frontend_pct = engine_pct = clients_pct = "n/a"
+        else:
+            frontend = f"{med(lambda l: 1000 * l.cpu_s['frontend'] / l.num_tokens):.3f}"
+            kernel = f"{med(lambda l: 100 * l.frontend_system_s / max(l.cpu_s['frontend'], 1e-9)):.0f}%"
+            frontend_pct = f"{med(lambda l: 100 * l.cpu_s['frontend'] / l.wall_s):.0f}"
+            engine_pct = f"{med(lambda l: 100 * l.cpu_s['engine'] / l.wall_s):.0f}"
+            clients_pct = f"{med(lambda l: 100 * l.cpu_s['clients'] / l.wall_s):.0f}"
         rows.append(
             f"| {c} | {levels[0].num_requests} | {med(lambda l: l.num_tokens / l.wall_s):,.0f} "
-            f"| {med(lambda l: 1000 * l.cpu_s['frontend'] / l.num_tokens):.3f} "
-            f"| {med(lambda l: 100 * l.frontend_system_s / max(l.cpu_s['frontend'], 1e-9)):.0f}% "
-            f"| {med(lambda l: 100 * l.cpu_s['frontend'] / l.wall_s):.0f} "
-            f"| {med(lambda l: l.num_events / l.num_requests):.1f} "
-            f"| {med(lambda l: 100 * l.cpu_s['engine'] / l.wall_s):.0f} "
-            f"| {med(lambda l: 100 * l.cpu_s['clients'] / l.wall_s):.0f} |")
+            f"| {frontend} | {kernel} | {frontend_pct} | {med(lambda l: l.num_events / l.num_requests):.1f} "
+            f"| {engine_pct} | {clients_pct} |")
+    if short:
+        rows.append(f"\nn/a: concurrency {', '.join(map(str, short))} ran too short to time CPU (under "
+                    f"{MIN_CPU_WALL_S} s, or under {MIN_CPU_TICKS} of the frontend's {CPU_TICK_S * 1000:.0f} ms "
+                    "CPU-clock ticks); lengthen each level with more --waves or --min-requests")
     return "\n".join([head, *rows])
 
 
@@ -458,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--logprobs", action="store_true", help="every request asks for logprobs and the top 2")
     parser.add_argument("--unpaced", action="store_true",
                         help="the engine stand-in sends steps until the ring is full, not one per ring read")
-    parser.add_argument("--step-ms", type=float, default=0.0,
+    parser.add_argument("--step-ms", type=non_negative_float, default=0.0,
                         help="the engine stand-in's least time a step, as a GPU's (e.g. 1.2 at 64 rows)")
     parser.add_argument("--profile", default="", help="write the frontend's cProfile statistics to this file")
     parser.add_argument("--output", help="also write the table here")

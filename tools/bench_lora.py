@@ -812,9 +812,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if args.min_requests is None:
         args.min_requests = 48 if device == "cuda" else 4
     for flag, value in [("--concurrency", min(levels)), ("--waves", args.waves), ("--min-requests", args.min_requests),
-                        ("--rank", args.rank), ("--rounds", args.rounds), ("--max-tokens", args.max_tokens or 1),
-                        ("--api-servers", args.api_servers), ("--client-processes", args.client_processes or 1)]:
-        if value < 1:
+                        ("--rank", args.rank), ("--rounds", args.rounds), ("--max-tokens", args.max_tokens),
+                        ("--api-servers", args.api_servers), ("--client-processes", args.client_processes)]:
+        if value is not None and value < 1:  # None: the default, set below
             raise SystemExit(f"{flag} must be at least 1, got {value}")
     if args.steps_ahead is not None:  # the servers' own rule, checked before any server starts
         from mstar_actors.config import ConfigError, parse_config

@@ -59,7 +59,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]  # the engine, and the tools' shared modules
 
 from _common import (  # noqa: E402
-    Server, free_port, non_negative_int, positive_int, progress, run_tool, write_output,
+    Server, free_port, model_dir_of, non_negative_int, positive_float, positive_int, progress, run_tool,
+    write_output,
 )
 from _vl_common import (  # noqa: E402
     HEAVY_CLIP,
@@ -557,23 +558,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--throughput-rounds", type=positive_int, default=5,
                         help="batches per kind and pool size, sizes taking turns (the median is reported)")
     parser.add_argument("--workers", type=positive_int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads of this process")
+    parser.add_argument("--torch-threads", type=positive_int, default=1, help="intra-op threads of this process")
     parser.add_argument("--ttft-rounds", type=non_negative_int, default=5,
                         help="bursts of 4 video requests sent at once, and requests per client in the closed loop "
                              "of 4 clients (0: skip time to first token)")
     parser.add_argument("--model", type=Path, default=None,
                         help="a Qwen2.5-VL folder to serve for TTFT (default: a tiny random one)")
-    parser.add_argument("--video-seconds", type=float, default=4.0, help="length of the clip (default 4)")
+    parser.add_argument("--video-seconds", type=positive_float, default=4.0, help="length of the clip (default 4)")
     parser.add_argument("--video-size", type=parse_size, default=(320, 240), metavar="WxH",
                         help="frame size of the clip (default 320x240)")
-    parser.add_argument("--video-fps", type=float, default=2.0,
+    parser.add_argument("--video-fps", type=positive_float, default=2.0,
                         help="frames sampled per second of clip: the server's video_fps (default 2)")
     parser.add_argument("--ttft-clip", type=parse_clip_or_none, default=HEAVY_CLIP, metavar="WxHxSECONDS",
                         help="throughput rows and time to first token again with this clip (default 640x480x16: "
                              "32 frames, a draft of ~250-600 ms on one core by host; 'none' skips it)")
     parser.add_argument("--ttft-extra-clip", type=parse_clip, default=None, metavar="WxHxSECONDS",
                         help="time to first token with this clip too (e.g. 640x480x8)")
-    parser.add_argument("--audio-seconds", type=float, default=10.0, help="length of the audio clip (default 10; at most 30)")
+    parser.add_argument("--audio-seconds", type=positive_float, default=10.0,
+                        help="length of the audio clip (default 10; at most 30)")
     parser.add_argument("--audio-formats", nargs="*", choices=["wav", "mp3"], default=["wav", "mp3"],
                         help="audio rows, one per format (none: no audio rows)")
     parser.add_argument("--ttft-only", action="store_true", help="only time to first token (no throughput)")
@@ -581,7 +583,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="run the pool's threads unpinned (prepare.pin_pool_threads: false), to compare with a "
                              "default (pinned) run on the same host")
     parser.add_argument("--output", type=Path, default=None, help="append the tables to this file too")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.model is not None:  # before any server starts: its own error would not name the option
+        try:
+            args.model = model_dir_of(str(args.model))
+        except SystemExit as err:
+            parser.error(str(err.code))
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

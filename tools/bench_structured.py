@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 
 from _common import (
-    Server, check_device, check_url, free_port, model_dir_of, positive_ints, progress, run_tool, write_output,
+    Server, check_device, check_url, free_port, model_dir_of, positive_int, positive_ints, progress, run_tool,
+    write_output,
 )
 
 SCHEMA = {
@@ -191,10 +192,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", help="the server's model.dtype (default float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--concurrency", type=positive_ints, default=[1, 8, 32],
                    help="comma-separated client concurrencies (default 1,8,32)")
-    p.add_argument("--num-requests", type=int, default=8, help="requests per measurement, at least the concurrency (default 8)")
-    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request, exactly (default 64)")
-    p.add_argument("--repeats", type=int, default=1, help="rounds of both kinds per concurrency (default 1)")
-    p.add_argument("--threads", type=int, default=None, help="parallel.worker_torch_threads (default: the server's)")
+    p.add_argument("--num-requests", type=positive_int, default=8,
+                   help="requests per measurement, at least the concurrency (default 8)")
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="new tokens per request, exactly (default 64)")
+    p.add_argument("--repeats", type=positive_int, default=1, help="rounds of both kinds per concurrency (default 1)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="parallel.worker_torch_threads (default: the server's)")
     p.add_argument("--output", default=None, help="write the table to this file too")
     p.add_argument("--compile-stall", action="store_true",
                    help="measure a slow schema's compile beside a stream instead of the throughput table")

@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch.nn.functional as F  # noqa: E402
 
+from _common import non_negative_int, positive_int  # noqa: E402
 from _gpu_timing import capture_graph, cuda_median_us  # noqa: E402
 
 from mstar_actors.models.attention import AttentionMetadata, TorchPagedAttention, plan_varlen_work  # noqa: E402
@@ -266,14 +267,14 @@ def main() -> int:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sections", nargs="+", choices=("decode", "varlen"), default=["decode", "varlen"])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64] if cuda else [2])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024] if cuda else [40])
+    parser.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8, 32, 64] if cuda else [2])
+    parser.add_argument("--contexts", type=positive_int, nargs="+", default=[128, 1024] if cuda else [40])
     parser.add_argument("--mixes", nargs="+", choices=list(MIXES),
                         default=["30+7dec", "30+31dec", "4x256", "2048"] if cuda else ["tiny"])
-    parser.add_argument("--calls", type=int, default=20 if cuda else 1, help="calls per timed run")
-    parser.add_argument("--repeats", type=int, default=10 if cuda else 1, help="timed runs (median)")
+    parser.add_argument("--calls", type=positive_int, default=20 if cuda else 1, help="calls per timed run")
+    parser.add_argument("--repeats", type=positive_int, default=10 if cuda else 1, help="timed runs (median)")
     parser.add_argument("--eager", action="store_true", help="decode section: time plain launches, not graph replays")
-    parser.add_argument("--table-tokens", type=int, default=0,
+    parser.add_argument("--table-tokens", type=non_negative_int, default=0,
                         help="decode section: pad each block table to this many tokens, as a served graph's "
                              "(max_model_len wide; the split count follows the width); default: the context's own")
     parser.add_argument("--tune", action="store_true", help="varlen section: also time each (BLOCK_N, num_warps) tile")

@@ -49,6 +49,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from mstar_actors import triton_launch  # noqa: E402
 from mstar_actors.models import triton_linear  # noqa: E402
+from tools._common import non_negative_int, positive_float, positive_int  # noqa: E402
 from tools._gpu_timing import capture_graph, cuda_median_us  # noqa: E402
 
 # (name, out, in) of each linear of a layer, fused as the engine fuses them, and the head.
@@ -234,16 +235,17 @@ def chain(args, device: str, dtype) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="default 1b 8b (tiny without CUDA)")
-    p.add_argument("--rows", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--rows", nargs="+", type=positive_int, default=[1, 8])
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--repeats", type=positive_int, default=20)
     p.add_argument("--chain", action="store_true", help="time a decoder's layers instead")
     p.add_argument("--sweep", action="store_true", help="time every tile configuration instead")
     p.add_argument("--split-sweep", action="store_true", help="time pick's tiles at every split instead")
-    p.add_argument("--max-loras", type=int, default=0,
+    p.add_argument("--max-loras", type=non_negative_int, default=0,
                    help="widen each decoder linear by this many LoRA slots' A rows, as served (default 0: none)")
-    p.add_argument("--lora-rank", type=int, default=16, help="A rows a slot and shard with --max-loras (default 16)")
-    p.add_argument("--bandwidth", type=float, default=4.24, help="TB/s of the copy, for --chain's floor")
+    p.add_argument("--lora-rank", type=positive_int, default=16,
+                   help="A rows a slot and shard with --max-loras (default 16)")
+    p.add_argument("--bandwidth", type=positive_float, default=4.24, help="TB/s of the copy, for --chain's floor")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args.shapes = args.shapes or (["1b", "8b"] if device == "cuda" else ["tiny"])

@@ -82,6 +82,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _common import non_negative_int, positive_int  # noqa: E402
 from _gpu_timing import capture_graph, eager_us  # noqa: E402
 from mstar_actors.lora import LoraStack, build_segments  # noqa: E402
 from mstar_actors.lora.ops import LoraSegments, expand_ref, shrink_ref  # noqa: E402
@@ -230,20 +231,21 @@ def parse_args(argv=None):
     p.add_argument("--decode", action="store_true", help="the decode-step table: GEMM vs rows kernels, eager and graphed")
     p.add_argument("--rows-table", action="store_true", help="bgmv / shrink-expand variants per linear, in graphs")
     p.add_argument("--fold-table", action="store_true", help="the folded expands beside their ops alone, in graphs")
-    p.add_argument("--rows", nargs="+", type=int, default=None,
+    p.add_argument("--rows", nargs="+", type=positive_int, default=None,
                    help="--rows-table's row counts (default 8 16 32 64 128), --fold-table's (default 8 32 64 128 256)")
     p.add_argument("--variants", nargs="+", default=None,
                    help="--rows-table's variants to time (default all: see rows_variants and linear_variants)")
-    p.add_argument("--calls", type=int, default=None, help="calls per graph (default 66, a decode step's LoRA calls)")
+    p.add_argument("--calls", type=positive_int, default=None,
+                   help="calls per graph (default 66, a decode step's LoRA calls)")
     p.add_argument("--min-split-rows", type=int, default=None,
                    help="set triton_ops.MIN_SPLIT_ROWS for this run (the routing add_delta_rows follows in every section)")
     p.add_argument("--linears", nargs="+", choices=list(LINEARS), default=list(LINEARS))
-    p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
-    p.add_argument("--ranks", nargs="+", type=int, default=list(RANKS))
+    p.add_argument("--tokens", nargs="+", type=positive_int, default=list(TOKENS))
+    p.add_argument("--ranks", nargs="+", type=positive_int, default=list(RANKS))
     p.add_argument("--mixes", nargs="+", choices=(*MIXES, "grouped4"), default=list(MIXES))
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warmup", type=non_negative_int, default=10)
+    p.add_argument("--iters", type=positive_int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=None, help="write the rows as JSON here too")
     args = p.parse_args(argv)

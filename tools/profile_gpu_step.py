@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import bench_lora  # noqa: E402
+from _common import non_negative_int, positive_int  # noqa: E402
 from mstar_actors import messages, triton_launch  # noqa: E402
 from mstar_actors.lora import BaseShapes, read_adapter, triton_ops  # noqa: E402
 from mstar_actors.config import parse_config  # noqa: E402
@@ -400,19 +401,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="SmolLM2's tokenizer files and config.json (default: the fetched embedded model)")
     p.add_argument("--model", choices=sorted(bench_lora.RANDOM_SETUPS), default=bench_lora.LLAMA_1B,
                    help=f"the random model's shape (default {bench_lora.LLAMA_1B})")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--mixed-decodes", type=int, nargs="*", default=[7, 31],
+    p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--steps", type=positive_int, default=30)
+    p.add_argument("--mixed-decodes", type=non_negative_int, nargs="*", default=[7, 31],
                    help="decodes beside each mixed step's prefill (none: skip the mixed steps)")
-    p.add_argument("--sampled-batches", type=int, nargs="*", default=[8, 64],
+    p.add_argument("--sampled-batches", type=positive_int, nargs="*", default=[8, 64],
                    help="rows of the sampled decode steps: the draw in the graph against after it (none: skip)")
-    p.add_argument("--host-profile-batches", type=int, nargs="*", default=[],
+    p.add_argument("--host-profile-batches", type=positive_int, nargs="*", default=[],
                    help="rows of decode steps whose host side (forward, collect, sample in the worker's "
                         "overlapped order) is timed and profiled with cProfile, greedy and at temperature 1")
     p.add_argument("--no-profile", action="store_true")
-    p.add_argument("--profile-batches", type=int, nargs="+", default=[8],
+    p.add_argument("--profile-batches", type=positive_int, nargs="+", default=[8],
                    help="rows of the profiled decode steps, each profiled on the base model and on one adapter")
-    p.add_argument("--profile-mixed", type=int, nargs="*", default=[],
+    p.add_argument("--profile-mixed", type=non_negative_int, nargs="*", default=[],
                    help="decodes beside the prefill of each profiled mixed step (base rows; default none)")
     p.add_argument("--lora-paths", nargs="+", choices=["beside", "fused", "unfused"], default=["beside", "fused"],
                    help="decode table runners, side by side: the LoRA delta beside the GEMM on a side stream "
@@ -429,23 +430,23 @@ def main(argv: list[str] | None = None) -> int:
                    help="decode table with the linears of decode-sized steps on our Triton GEMM "
                         "(triton_linear, the default), on cuBLAS, or both side by side; the rest of the run takes "
                         "the first")
-    p.add_argument("--gemv-max-rows", type=int, default=None,
+    p.add_argument("--gemv-max-rows", type=positive_int, default=None,
                    help="steps of up to this many rows take our GEMM (triton_linear.MAX_ROWS, at most 64)")
     p.add_argument("--fold", choices=["on", "off", "both"], default="both",
                    help="decode table with a fused q|k|v's and gate|up's LoRA expand added by the rotary and "
                         "SiLU-and-mul kernels (lora_layers.FOLD), as launches of their own, or both side by side "
                         "(default); the rest of the run takes the first")
-    p.add_argument("--max-loras", type=int, nargs="+", default=[NUM_ADAPTERS],
+    p.add_argument("--max-loras", type=positive_int, nargs="+", default=[NUM_ADAPTERS],
                    help=f"decode table runners with these lora.max_loras, side by side (default {NUM_ADAPTERS}; "
                         "bench_lora's churn serves 2); each holds min(max_loras, "
                         f"{NUM_ADAPTERS}) adapters, and mixed rows go round robin over them; the rest of the run "
                         "takes the first")
-    p.add_argument("--split-rows", type=int, nargs="+", default=[triton_ops.MIN_SPLIT_FUSED_ROWS],
+    p.add_argument("--split-rows", type=positive_int, nargs="+", default=[triton_ops.MIN_SPLIT_FUSED_ROWS],
                    help="decode table runners whose fused linears' LoRA steps of at least this many rows take "
                         "the grouped shrink and expand (beside the GEMM), fewer the fused GEMM and its expand "
                         f"(triton_ops.MIN_SPLIT_FUSED_ROWS, default {triton_ops.MIN_SPLIT_FUSED_ROWS}), side by "
                         "side; the rest of the run takes the first")
-    p.add_argument("--fold-cols", type=int, nargs="+", default=[triton_fused.FOLD_COLS],
+    p.add_argument("--fold-cols", type=positive_int, nargs="+", default=[triton_fused.FOLD_COLS],
                    help="decode table runners whose SiLU-and-mul folded expand takes this many columns a program "
                         f"by tiles of {triton_fused.FOLD_ROWS} rows (triton_fused.FOLD_COLS, default "
                         f"{triton_fused.FOLD_COLS}), side by side; the rest of the run takes the first")

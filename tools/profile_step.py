@@ -190,10 +190,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a Hugging Face folder (default: the embedded SmolLM2)")
     p.add_argument("--num-seqs", type=positive_int, default=8, help="sequences decoding together (default 8)")
-    p.add_argument("--min-context", type=int, default=50, help="shortest prompt in tokens (default 50)")
-    p.add_argument("--max-context", type=int, default=100, help="longest prompt in tokens (default 100)")
-    p.add_argument("--steps", type=int, default=20, help="timed decode steps per side (default 20)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    p.add_argument("--min-context", type=positive_int, default=50, help="shortest prompt in tokens (default 50)")
+    p.add_argument("--max-context", type=positive_int, default=100, help="longest prompt in tokens (default 100)")
+    p.add_argument("--steps", type=positive_int, default=20, help="timed decode steps per side (default 20)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--side", choices=["ours", "hf", "both"], default="both")
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops over 5 steps of each side")
     p.add_argument("--split", action="store_true",
@@ -205,7 +205,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", choices=["stack", "python"], default="stack",
                    help="our CPU steps' layers: one C call where a step fits (default) or each through Python")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.min_context > args.max_context:
+        p.error(f"--min-context {args.min_context} is above --max-context {args.max_context}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

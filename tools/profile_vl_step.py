@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]  # the engine, and the tools' shared modules
 
-from _common import check_device, non_negative_int, positive_int, run_tool  # noqa: E402
+from _common import check_device, non_negative_int, positive_float, positive_int, run_tool  # noqa: E402
 from _vl_common import Clip, context_for, make_request, parse_clip  # noqa: E402
 
 from tests.vl_fixtures import save_tiny_vl_model  # noqa: E402
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
     parser.add_argument("--clip", type=parse_clip, default=(640, 480, 8.0), metavar="WxHxSECONDS",
                         help="the video (default 640x480x8, the bench's heavy clip; 320x240x2 is quick on a CPU)")
-    parser.add_argument("--fps", type=float, default=2.0, help="frames sampled per second of clip")
+    parser.add_argument("--fps", type=positive_float, default=2.0, help="frames sampled per second of clip")
     parser.add_argument("--requests", type=positive_int, default=4, help="videos prefilled together in one step")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed steps (after one warm-up)")
     parser.add_argument("--threads", type=non_negative_int, default=0,

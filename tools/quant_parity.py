@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="a Hugging Face folder (default: the embedded SmolLM2)")
     p.add_argument("--quantization", choices=["int8", "int4", "int4_a8"], default="int4")
     p.add_argument("--prompts", type=positive_int, default=16, help="built-in chat questions (default 16)")
-    p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per answer (default 64)")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="greedy tokens per answer (default 64)")
+    p.add_argument("--threads", type=positive_int, default=2, help="torch intra-op threads (default 2)")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="serve every prompt on a random all-linear adapter of this rank (default 0: none)")
     args = p.parse_args(argv)
