@@ -10,7 +10,7 @@ CONFIG ?= configs/smollm2.yaml
 PORT ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve fetch test bench clean
+.PHONY: install serve fetch test clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@echo "==> creating $(VENV) and installing (torch: $(TORCH_SPEC))"

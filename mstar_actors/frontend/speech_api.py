@@ -7,8 +7,8 @@ made here, so the default is ``wav``), ``stream_format`` (``audio``: the
 file's bytes as they are made; ``sse``: ``speech.audio.delta`` events of
 base64 bytes, then ``speech.audio.done`` with usage). ``speed`` and
 ``instructions`` are taken only at their neutral values. The sampling
-extensions ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``,
-``seed`` and ``max_tokens`` (codec tokens) default to ``speech.*``.
+extensions ``temperature``, ``top_p``, ``repetition_penalty`` and ``max_tokens``
+(codec tokens) default to ``speech.*``; ``top_k`` to none, ``seed`` to a fresh draw.
 
 A streamed WAV can't know its length when its header leaves, so both of its
 sizes are 0xFFFFFFFF (as streamed WAV is written): readers take the data to
