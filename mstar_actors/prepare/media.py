@@ -684,7 +684,7 @@ def decode_audio(data: bytes, ref: MediaRef, limits: MediaLimits, sampling_rate:
             stream = container.streams.audio[0]
             seconds = _duration_s(container, stream)
             if seconds is not None and seconds > max_seconds + 1e-3:
-                raise _too_long(ref, f"{seconds:.2f}", max_seconds)
+                raise _too_long(ref, _over(seconds, max_seconds), max_seconds)
             chunks = _resampled(container, stream, ref, sampling_rate, int(max_seconds * sampling_rate) + 1)
     except MediaError:
         raise
@@ -692,7 +692,11 @@ def decode_audio(data: bytes, ref: MediaRef, limits: MediaLimits, sampling_rate:
         raise MediaError(ref.param, f"could not decode the audio: {type(err).__name__}: {err}") from None
     if not chunks:
         raise MediaError(ref.param, "the audio has no samples")
-    return np.concatenate(chunks, axis=1).mean(axis=0, dtype=np.float32)
+    samples = np.concatenate(chunks, axis=1).mean(axis=0, dtype=np.float32)
+    if not np.isfinite(samples).all():  # (a float file's NaN: the features, and every reply, would be NaN too)
+        raise MediaError(ref.param, "the audio holds samples that are no finite numbers (NaN or infinity); send "
+                                    "a clip of real samples")
+    return samples
 
 
 def _resampled(container: Any, stream: Any, ref: MediaRef, sampling_rate: int, max_samples: int) -> list:
@@ -736,6 +740,14 @@ def _resampled(container: Any, stream: Any, ref: MediaRef, sampling_rate: int, m
     if sum(chunk.shape[1] for chunk in chunks) > max_samples:
         raise _too_long(ref, f"over {(max_samples - 1) / sampling_rate:g}", (max_samples - 1) / sampling_rate)
     return chunks
+
+
+def _over(seconds: float, limit: float) -> str:
+    """``seconds`` written with the decimals that show it past ``limit`` (2.005 against 2: not "2.00")."""
+    for digits in range(2, 7):
+        if round(seconds, digits) > limit:
+            return f"{seconds:.{digits}f}"
+    return f"over {limit:g}"
 
 
 def _too_long(ref: MediaRef, seconds: str, limit: float) -> MediaError:

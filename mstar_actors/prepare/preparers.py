@@ -373,19 +373,44 @@ class MediaPreparer:
         part that holds it."""
         ids = sorted(set(self.placeholders.values()))
         tokens = self.tokenization.tokenizer.convert_ids_to_tokens(ids)
+        parts = self._media_part_names()
         if req.prompt_token_ids is not None and (hit := set(ids) & set(req.prompt_token_ids)):
             raise MediaError("prompt", f"holds token id {min(hit)}, the model's media placeholder; media go in chat "
-                                       "image_url / video_url parts")
+                                       f"{parts} parts")
         if req.prompt is not None and (token := next((t for t in tokens if t in req.prompt), None)) is not None:
             raise MediaError("prompt", f"holds {token}, the model's media placeholder; media go in chat "
-                                       "image_url / video_url parts")
+                                       f"{parts} parts")
         for i, message in enumerate(req.messages or []):
-            parts = [(f"messages[{i}].content", message.content)] if isinstance(message.content, str) else [
-                (f"messages[{i}].content[{j}].text", p.text) for j, p in enumerate(message.content) if p.type == "text"]
-            for param, text in parts:
-                if text and (token := next((t for t in tokens if t in text), None)) is not None:
-                    raise MediaError(param, f"holds {token}, the model's media placeholder; send media as "
-                                            "image_url / video_url parts, not as that text")
+            if isinstance(message.content, str):
+                runs = [[(f"messages[{i}].content", message.content)]]
+            else:  # a message's text parts side by side, as the template joins them (a media part between parts)
+                runs, last = [], None
+                for j, p in enumerate(message.content):
+                    if p.type != "text":
+                        last = None
+                        continue
+                    if last is None:
+                        runs.append(last := [])
+                    last.append((f"messages[{i}].content[{j}].text", p.text or ""))
+            for run in runs:
+                text = "".join(t for _, t in run)
+                at = min(((k, t) for t in tokens if (k := text.find(t)) >= 0), default=None)
+                if at is None:
+                    continue
+                start, token = at
+                for param, piece in run:  # the part the placeholder starts in
+                    if start < len(piece):
+                        break
+                    start -= len(piece)
+                where = ("holds" if start + len(token) <= len(piece) else
+                         "and the text parts after it, which the chat template joins, spell")
+                raise MediaError(param, f"{where} {token}, the model's media placeholder; send media as "
+                                        f"{parts} parts, not as that text")
+
+    def _media_part_names(self) -> str:
+        """The chat parts that carry this model's media (for a refusal's words)."""
+        names = {"image": "image_url", "video": "video_url", "audio": "input_audio / audio_url"}
+        return " / ".join(names[kind] for kind in names if kind in self.placeholders)
 
     def _template_ids(self, req: NewRequest) -> list[int]:
         ids = self.tokenization.apply_chat_template(
@@ -478,8 +503,8 @@ def _media_refused(req: NewRequest) -> Failed | None:
         return None
     param, part = media
     readers = [arch for arch, preparer in MEDIA_PREPARERS.items() if MEDIA_PART_TYPES.get(part) in preparer.MEDIA_KINDS]
-    return failed(req, f"this model reads text only; {part} parts are for a checkpoint of a media architecture "
-                       f"({', '.join(readers)})", param)
+    return failed(req, f"{param}: this model reads text only; {part} parts are for a checkpoint of a media "
+                       f"architecture ({', '.join(readers)})", param)
 
 
 def media_digests(media: list[MediaDraft]) -> tuple[str, ...]:

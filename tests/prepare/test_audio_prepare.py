@@ -471,3 +471,56 @@ def test_closing_with_a_clip_in_flight_ends_every_process_and_leaves_no_segment(
     assert all(isinstance(r, Failed) and r.status == 400 for r in results[2:]), results  # after the close
     assert not any(p.process.is_alive() for p in pool.processes)
     assert not [name for name in os.listdir("/dev/shm") if name.startswith("mstar-clipclose-")]
+
+
+def _chat(*parts: dict) -> NewRequest:
+    body = {"model": "audio", "messages": [{"role": "user", "content": list(parts)}]}
+    return NewRequest(request_id="r", model="audio", sampling=SamplingParams(),
+                      messages=api.parse_chat(json.dumps(body).encode()).messages)
+
+
+def test_a_placeholder_spelled_across_text_parts_is_refused_by_its_first_part(preparer):
+    """The template joins a message's text parts: "<|AUD" and "IO|>" made the placeholder, a media place with
+    no item (taken with no audio part; with one, blamed on the audio part as a template's miscount)."""
+    wav = input_audio(af.encode_audio("wav", seconds=0.2))
+    for extra in ([], [wav]):
+        result = refusal(preparer, _chat({"type": "text", "text": "what <|AUD"}, {"type": "text", "text": "IO|> is"},
+                                         *extra))
+        assert result.param == "messages[0].content[0].text", result
+        assert "the text parts after it, which the chat template joins, spell <|AUDIO|>" in result.message
+        assert "send media as input_audio / audio_url parts" in result.message  # this model's parts, not images'
+    whole = refusal(preparer, _chat({"type": "text", "text": "a"}, {"type": "text", "text": "b <|AUDIO|>"}))
+    assert whole.param == "messages[0].content[1].text" and "holds <|AUDIO|>" in whole.message
+    # parts a media part stands between are no one text
+    assert isinstance(preparer.draft(_chat({"type": "text", "text": "<|AUD"}, wav, {"type": "text", "text": "IO|>"}),
+                                     {}), Draft)
+    prompt = preparer.draft(NewRequest(request_id="p", model="audio", sampling=SamplingParams(),
+                                       prompt="<|AUDIO|> hi"), {})
+    assert prompt.param == "prompt" and "media go in chat input_audio / audio_url parts" in prompt.message
+
+
+def _float_wav(samples: np.ndarray, rate: int = 16000) -> bytes:
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="wav") as container:
+        stream = container.add_stream("pcm_f32le", rate=rate)
+        stream.layout = "mono"
+        frame = av.AudioFrame.from_ndarray(samples.astype(np.float32)[None, :], format="flt", layout="mono")
+        frame.rate = rate
+        for packet in [*stream.encode(frame), *stream.encode()]:
+            container.mux(packet)
+    return out.getvalue()
+
+
+def test_a_clip_of_nan_samples_is_a_400_and_a_length_just_past_the_limit_says_so(folder, preparer):
+    """NaN samples made NaN features and a reply of <unk> whose logprobs read the clamp's floor; a clip of
+    1.004 s against a 1 s limit was "1.00 s long; ... at most 1 s"."""
+    half = np.sin(np.arange(16000, dtype=np.float32) / 10)
+    half[8000:] = np.nan
+    result = refusal(preparer, request(input_audio(_float_wav(half))))
+    assert result.param == "messages[0].content[1].input_audio"
+    assert "samples that are no finite numbers (NaN or infinity)" in result.message
+    prep = load_preparer(af.audio_prepare_info(folder), MediaLimits(max_audio_seconds=1.0))
+    long = refusal(prep, request(input_audio(af.encode_audio("wav", seconds=1.004, rate=16000, channels=1))))
+    assert "the audio is 1.004 s long; this server accepts at most 1 s per clip" in long.message, long.message
