@@ -909,7 +909,7 @@ class FrontendActor(Actor):
     def _admit(self, exchange: Exchange) -> None:
         """Raise the request's refusal where it would pass ``server.max_waiting_requests`` (``admission``)."""
         load = EngineLoad(self._num_engine_waiting, self._num_engine_running, self._num_engine_starting,
-                          len(self._unacked))
+                          len(self._unacked), self.config.server.api_server_count)
         refusal = admission_refusal(exchange.num_choices, exchange.parsed.n, load, self.config.scheduler.max_num_seqs,
                                     self.config.server.max_waiting_requests)
         if refusal is not None:
