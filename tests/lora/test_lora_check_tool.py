@@ -33,15 +33,28 @@ def test_dry_run_validates_every_mix_and_writes_json(tmp_path):
     assert "8 passed, 0 failed" in run.stdout
 
 
-def test_a_failing_config_is_reported_and_the_run_goes_on(tmp_path):
-    """A config that cannot run (no tokens) fails in its own row; the later ones still run."""
+def test_a_failing_config_is_reported_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    """A config that fails (here its check raises) fails in its own row; the later ones still run. (A count of 0
+    is no such config: the parser refuses it, naming the flag.)"""
+    monkeypatch.syspath_prepend(str(TOOL.parent))
+    import check_lora_kernels as tool
+
+    check = tool.check_one
+
+    def failing_first(row, *args):
+        if row.tokens == 2:
+            raise ZeroDivisionError("a row that cannot run")
+        return check(row, *args)
+
+    monkeypatch.setattr(tool, "check_one", failing_first)
     out = tmp_path / "r.json"
-    run = run_tool("--dry-run", "--linears", "o", "--tokens", "0", "1", "--mixes", "one", "--output", str(out))
-    assert run.returncode == 1
+    code = tool.main(["--dry-run", "--linears", "o", "--tokens", "2", "1", "--mixes", "one", "--output", str(out)])
+    assert code == 1
     rows = json.loads(out.read_text())["rows"]
-    assert [r["tokens"] for r in rows] == [0, 1]
+    assert [r["tokens"] for r in rows] == [2, 1]
     assert rows[0]["error"].startswith("ZeroDivisionError") and rows[1]["error"] is None
-    assert "1 passed, 1 failed" in run.stdout
+    assert "1 passed, 1 failed" in capsys.readouterr().out
+    assert run_tool("--dry-run", "--tokens", "0").returncode == 2
 
 
 def test_fold_table_dry_run_checks_each_rows_result_without_its_neighbours(tmp_path):
