@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 600
@@ -36,48 +37,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def positive_int(text: str) -> int:
-    """An argparse ``type``: a count of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _counted(convert: Callable[[str], float], low: float, strict: bool, what: str) -> Callable[[str], Any]:
+    """An argparse ``type`` of a finite number above ``low`` (``strict``) or at least it."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = float("nan")  # refused below
+        if not ((value > low) if strict else (value >= low)) or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    parse.__name__ = what.split(" ", 1)[1].replace(" ", "_").replace("-", "_")
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """An argparse ``type``: a count of at least 0 (0 meaning none, or a default the option names)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """An argparse ``type``: a finite amount above 0 (a length of time, a rate)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0.0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """An argparse ``type``: a finite amount of at least 0 (a time, a rate)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}")
-    return value
+positive_int = _counted(int, 0, True, "a positive integer")  # a count of at least 1
+non_negative_int = _counted(int, 0, False, "a non-negative integer")  # 0 meaning none, or a default the option names
+positive_float = _counted(float, 0.0, True, "a positive number")  # a length of time, a rate
+non_negative_float = _counted(float, 0.0, False, "a non-negative number")
 
 
 def positive_ints(text: str) -> list[int]:

@@ -163,8 +163,8 @@ def test_a_tool_call_opened_inside_the_reasoning(harness):
     run(body)
 
 
-def test_a_template_that_opens_think_in_its_generation_prompt(tmp_path):
-    """Qwen3.5-style: the generation prompt ends with ``<think>`` unless enable_thinking is false."""
+def _templated(tmp_path, template: str):
+    """(folder, tokenizer, Tokenization) of the tests' ChatML tokenizer with ``template`` as its chat template."""
     from transformers import AutoTokenizer
 
     from mstar_actors.tokenization import Tokenization
@@ -172,12 +172,18 @@ def test_a_template_that_opens_think_in_its_generation_prompt(tmp_path):
 
     folder = make_tokenizer_dir(tmp_path / "tok")
     tok = AutoTokenizer.from_pretrained(str(folder))
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-                         "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
-                         "{% else %}<think>\n{% endif %}{% endif %}")
+    tok.chat_template = template
     tok.save_pretrained(str(folder))
-    tokenization = Tokenization(folder)
+    return folder, tok, Tokenization(folder)
+
+
+def test_a_template_that_opens_think_in_its_generation_prompt(tmp_path):
+    """Qwen3.5-style: the generation prompt ends with ``<think>`` unless enable_thinking is false."""
+    _, _, tokenization = _templated(tmp_path, (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+        "{% else %}<think>\n{% endif %}{% endif %}"))
     assert prompt_reasoning(tokenization.generation_prompt(None)) == "open"
     assert prompt_reasoning(tokenization.generation_prompt({"enable_thinking": False})) == "closed"
 
@@ -523,19 +529,12 @@ def test_a_template_that_wants_a_system_turn_is_read_from_the_request_s_own_mess
     """A template that refuses a lone user turn failed the generation prompt's probe, read then as opening
     nothing: a reply after the prompt's <think> came back all content, </think> in it, while the ranks
     knew the reasoning was open. Such a template's generation prompt is read from the request's own render."""
-    from transformers import AutoTokenizer
+    from tests.frontend.conftest import Harness
 
-    from mstar_actors.tokenization import Tokenization
-    from tests.frontend.conftest import Harness, make_tokenizer_dir
-
-    folder = make_tokenizer_dir(tmp_path / "tok")
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    tok.chat_template = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system turn first') }}"
-                         "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n"
-                         "{% endif %}")
-    tok.save_pretrained(str(folder))
-    tokenization = Tokenization(folder)
+    folder, tok, tokenization = _templated(tmp_path, (
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system turn first') }}"
+        "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"))
     assert tokenization.generation_prompt(None) is None
     chat = [ChatMessage("system", "s"), ChatMessage("user", "hi")]
     assert tokenization.generation_prompt_of(chat, None, "hermes") == "<|im_start|>assistant\n<think>\n"
