@@ -4,9 +4,11 @@ Pure: the frontend passes the engine's last report (``EngineStats``) and its own
 output yet. Between two of the engine's reports (a step apart) the frontend estimates: the choices sent that have
 no output yet and are not starting (their prefill in flight), less the sequences the engine can still start (a
 burst at an idle server runs at once). Each of N frontends estimates its own and counts its share of what the
-engine reports for all of them (the free sequences, those starting): between two reports each may let its share
-and ``max_waiting`` more in, so the engine's queue stays within N times ``max_waiting`` (each taking all the free
-sequences as its own, N frontends let N times them in: 14 waiting of a limit of 2 with 3 frontends and 4 seqs).
+engine reports for all of them (the free sequences, rounded up, and those starting): between two reports each
+lets its share and ``max_waiting`` more in, so the queue stays near N times ``max_waiting`` (each taking all the
+free sequences as its own, N frontends let N times them in: 14 waiting of a limit of 2 with 3 frontends and 4
+seqs). A frontend with nothing on its way takes all of them for one request: one that fits an idle engine is
+never refused.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ def admission_refusal(num_choices: int, n: int, load: EngineLoad, max_num_seqs: 
                              f"scheduler.max_num_seqs ({max_num_seqs}) running and server.max_waiting_requests "
                              f"({max_waiting}) waiting; send fewer", param="n" if n > 1 else "prompt")
     # sequences the engine can still start: none while it has a queue (its own waiting take them first)
-    free = 0 if load.num_waiting else max(0, max_num_seqs - load.num_running) // load.num_frontends
+    free = 0 if load.num_waiting else max(0, max_num_seqs - load.num_running)
+    if load.num_unacked:  # a frontend with choices on their way takes its share; with none, all (one request)
+        free = -(-free // load.num_frontends)
     # (running with no token yet: not waiting; a frontend's share of them)
     unstarted = max(0, load.num_unacked - load.num_starting // load.num_frontends)
     num_waiting = max(load.num_waiting, unstarted - free)

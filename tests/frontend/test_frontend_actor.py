@@ -923,11 +923,15 @@ def test_admission_counts_what_the_engine_can_still_start():
     assert admission_refusal(5, 1, sent, max_num_seqs=8, max_waiting=4).status == 503
     too_many = admission_refusal(13, 13, idle, max_num_seqs=8, max_waiting=4)
     assert too_many.status == 400 and too_many.param == "n"
-    # three frontends share the engine's 4 free seqs: each takes its share (1) and 2 waiting, 9 in all before the
-    # next report, 5 waiting (at most 3 x 2); each took all 4 as its own, 18 in all, 14 waiting
-    for sent in range(4):
+    # three frontends share the engine's 4 free seqs: each takes its share (2, rounded up) and 2 waiting, 12 in all
+    # before the next report, 8 waiting; each took all 4 as its own, 18 in all, 14 waiting
+    for sent in range(6):
         load = EngineLoad(num_unacked=sent, num_frontends=3)
-        assert (admission_refusal(1, 1, load, max_num_seqs=4, max_waiting=2) is None) == (sent < 3), sent
+        assert (admission_refusal(1, 1, load, max_num_seqs=4, max_waiting=2) is None) == (sent < 4), sent
+    # one request that fits an idle engine goes in through any frontend (a 503 no retry helps, else)
+    for seqs, waiting, frontends, n in ((8, 1, 3, 4), (2, 1, 4, 2), (256, 64, 4, 300)):
+        assert admission_refusal(n, n, EngineLoad(num_frontends=frontends), max_num_seqs=seqs,
+                                 max_waiting=waiting) is None
 
 
 def test_chat_echo_puts_the_continued_assistant_message_before_the_reply(harness):
