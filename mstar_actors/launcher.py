@@ -345,8 +345,8 @@ class Launcher:
     # ---- supervision ----------------------------------------------------------
 
     async def run(self) -> int:
-        self.prepare_run()
         try:
+            self.prepare_run()  # (in the try: a start that fails half way releases what it made)
             self.open_control()
             self.spawn_all()
             self.watch_exits()

@@ -235,23 +235,31 @@ def test_kill_9_of_an_actor_stops_the_launcher_naming_it(model_dir, runtime_dir,
         assert our_segments(run_id) == []
 
 
+def _reaper_of(run_id: str):
+    import psutil
+
+    return next(p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"]
+                and "transport.reaper" in p.info["cmdline"] and run_id in p.info["cmdline"])
+
+
 def test_kill_9_of_the_launcher_is_cleaned_by_its_reaper_else_by_the_next_start(model_dir, runtime_dir, tmp_path):
-    """The run's reaper removes what a killed launcher left (some 100 MB of /dev/shm, kept until the next
-    start); killed with it (``kill -9`` of the group), the next start does."""
-    with Server(model_dir, runtime_dir, tmp_path).running() as srv:
+    """The run's reaper, in a session of its own, removes what a killed launcher left (some 100 MB of /dev/shm,
+    kept until the next start), its whole group killed too; the reaper killed as well, the next start does."""
+    with Server(model_dir, runtime_dir, tmp_path, session=True).running() as srv:
         run_dir = srv.run_dir
-        srv.proc.kill()
+        os.killpg(srv.proc.pid, signal.SIGKILL)
         srv.wait_exit()
         deadline = time.monotonic() + 30
         while (our_segments(run_dir.name) or run_dir.exists()) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert our_segments(run_dir.name) == [] and not run_dir.exists()
-    with Server(model_dir, runtime_dir, tmp_path, session=True).running() as srv:
+    with Server(model_dir, runtime_dir, tmp_path).running() as srv:
         run_dir = srv.run_dir
         pids = list(srv.actors().values())
-        os.killpg(srv.proc.pid, signal.SIGKILL)  # the reaper too
+        _reaper_of(run_dir.name).kill()
+        srv.proc.kill()
         srv.wait_exit()
-        assert our_segments(run_dir.name), "a killed group leaves its segments"
+        assert our_segments(run_dir.name), "a killed launcher with no reaper leaves its segments"
     from mstar_actors.config import Config
     from mstar_actors.launcher import Launcher
 
@@ -268,6 +276,29 @@ def test_kill_9_of_the_launcher_is_cleaned_by_its_reaper_else_by_the_next_start(
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
         assert not _alive(pid)
+
+
+def test_a_start_that_fails_half_way_releases_what_it_made(runtime_dir, monkeypatch):
+    """prepare_run ran outside run()'s try: one failing after its rings (a full /dev/shm, say) left the run folder,
+    its segments and the reaper until the process ended, and then the reaper said the launcher died."""
+    import asyncio
+
+    from mstar_actors.config import Config
+    from mstar_actors.launcher import Launcher
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime_dir))
+    launcher = Launcher(Config(), None)
+    made = {}
+
+    def fail(self):
+        made["run_dir"], made["reaper"] = self.run_dir, self.reaper
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Launcher, "plan_metrics", fail)
+    with pytest.raises(OSError):
+        asyncio.run(launcher.run())
+    assert not made["run_dir"].exists() and our_segments(made["run_dir"].name) == []
+    assert made["reaper"].poll() == 0 and launcher.reaper is None  # told, and gone
 
 
 def _alive(pid: int) -> bool:

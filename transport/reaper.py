@@ -7,9 +7,10 @@ launcher holds (actors are spawned without it). The read returns when that
 end closes: after the launcher's own release (it writes ``released`` first:
 nothing to do), or at its death, when the actors die too (their parent-death
 signal) and their segments, some 100 MB with the media arena, would otherwise
-stay in /dev/shm until the next start's ``cleanup_stale``. It ignores the
-stop signals, as the actors do: a stop signalled to the whole process group
-is the launcher's to drain.
+stay in /dev/shm until the next start's ``cleanup_stale``. It runs in a
+session of its own: a stop signalled to the launcher's process group (the
+launcher's to drain), a Ctrl-C, or a ``kill -9`` of the whole group does not
+reach it; it ignores the stop signals besides.
 
     python -m transport.reaper RUN_ID RUN_DIR
 """
@@ -30,7 +31,7 @@ RELEASED = b"released"
 def start(run_id: str, run_dir: str | Path) -> subprocess.Popen:
     """The reaper of ``run_id``, waiting on the launcher's end of its stdin."""
     return subprocess.Popen([sys.executable, "-m", "transport.reaper", run_id, str(run_dir)],
-                            stdin=subprocess.PIPE)
+                            stdin=subprocess.PIPE, start_new_session=True)
 
 
 def release(reaper: subprocess.Popen, timeout_s: float = 10.0) -> None:
