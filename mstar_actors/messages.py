@@ -444,6 +444,9 @@ class EngineStats(Struct, frozen=True, tag=True, omit_defaults=True):
     # Requests held for an adapter's slot (parked too) or a grammar's compile (included in num_waiting),
     # vLLM's "deferred" ones; the rest wait for capacity
     num_waiting_deferred: int = 0
+    # Running sequences parked for their adapter's slot (included in num_running: each keeps its seat; the
+    # gauges count them waiting)
+    num_parked: int = 0
     # Recurrent-state slots (models with recurrent layers; 0 and 0 otherwise).
     num_state_slots_used: int = 0
     num_state_slots_total: int = 0

@@ -218,10 +218,12 @@ class Metrics:
         self.requests.labels(route=route, status=str(status)).inc()
 
     def observe_engine(self, stats: EngineStats, counts_events: bool = True) -> None:
-        """``counts_events``: this frontend adds the engine's new events to the counters."""
-        self.num_running.set(stats.num_running)
-        self.num_waiting.set(stats.num_waiting)
-        self.num_waiting_by_reason["capacity"].set(stats.num_waiting - stats.num_waiting_deferred)
+        """``counts_events``: this frontend adds the engine's new events to the counters. A running
+        sequence parked for its adapter's slot is in no step: the gauges count it waiting."""
+        num_waiting = stats.num_waiting + stats.num_parked
+        self.num_running.set(stats.num_running - stats.num_parked)
+        self.num_waiting.set(num_waiting)
+        self.num_waiting_by_reason["capacity"].set(num_waiting - stats.num_waiting_deferred)
         self.num_waiting_by_reason["deferred"].set(stats.num_waiting_deferred)
         self.num_kv_blocks_used.set(stats.num_kv_blocks_used)
         self.num_kv_blocks_total.set(stats.num_kv_blocks_total)

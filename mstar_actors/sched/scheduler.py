@@ -841,7 +841,8 @@ class Scheduler:
 
     def stats(self) -> EngineStats:
         """The gauges. A parked sequence (its adapter out of the slots) is in no step: it waits for its
-        adapter, wherever it is kept (it holds its running seat and blocks)."""
+        adapter, wherever it is kept; a running one parked keeps its seat and blocks (``num_parked``: the
+        gauges count it waiting, admission a seat taken)."""
         parked = starting = 0
         for seq in self.running:
             if seq.lora_slot == PARKED:
@@ -850,8 +851,9 @@ class Scheduler:
                 starting += 1
         held = parked + sum(1 for seq in self.waiting if seq.lora_slot == PARKED)
         return EngineStats(
-            num_running=len(self.running) - parked,
-            num_waiting=len(self.waiting) + parked,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_parked=parked,
             num_kv_blocks_used=self.allocator.num_used,
             num_kv_blocks_total=self.allocator.num_blocks,
             num_preemptions=self.num_preemptions,

@@ -907,6 +907,24 @@ def test_metrics(harness):
     run(body)
 
 
+def test_a_parked_sequence_reads_waiting_in_the_gauges(harness):
+    """Its adapter out of the slots, a running sequence is in no step: vLLM's gauges count it waiting (for its
+    adapter: deferred), where they counted it running while lora_requests_info listed its adapter waiting."""
+    async def body():
+        async with harness() as h:
+            await h.engine.send(EngineStats(num_running=3, num_waiting=1, num_kv_blocks_used=1, num_kv_blocks_total=8,
+                                            num_parked=1, num_waiting_for_adapter=1, num_waiting_deferred=1))
+            await h.post(CHAT, chat_body())  # the stats are applied before this reply is
+            text = await h.metrics()
+            model = '{engine="0",model_name="tiny"}'
+            assert f"vllm:num_requests_running{model} 2.0" in text and f"vllm:num_requests_waiting{model} 2.0" in text
+            for reason, count in (("capacity", 1), ("deferred", 1)):
+                assert f'vllm:num_requests_waiting_by_reason{{engine="0",model_name="tiny",reason="{reason}"}} ' \
+                       f"{count}.0" in text, text
+
+    run(body)
+
+
 def test_admission_counts_what_the_engine_can_still_start():
     """The pure rule: an idle engine's free sequences take a burst; a queue takes none; one request too large
     for the server at all is a 400 naming n (no retry helps)."""

@@ -24,10 +24,11 @@ def test_a_parked_running_sequence_skips_steps_keeps_its_blocks_and_resumes_on_t
     for _ in range(3):
         plan, _ = run_step(sched)
         assert rows(plan) == {"b": 2}
-    # in no step, it waits for its adapter: vLLM's gauges count it so (it was "running", 0 waiting)
+    # in no step, it waits for its adapter: vLLM's gauges count it so (it was "running", 0 waiting); admission
+    # still counts its seat taken (the others go on past it)
     stats = sched.stats()
-    assert (stats.num_running, stats.num_waiting, stats.num_waiting_for_adapter, stats.num_waiting_deferred) == \
-        (1, 1, 1, 1)
+    assert (stats.num_running, stats.num_waiting, stats.num_parked, stats.num_waiting_for_adapter,
+            stats.num_waiting_deferred) == (2, 0, 1, 1, 1)
     assert sched.requests["a"].block_ids == blocks and sched.requests["a"].lora_slot == PARKED
     done = sched.requests["a"].num_computed
     sched.set_lora_slot(["a"], 2)
