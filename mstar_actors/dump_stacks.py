@@ -60,13 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Exit status: 0 when every actor dumped, 1 when one did not, 2 without a run; a reader that stops
-    reading (``| head``) ends the output quietly."""
+    """Exit status: 0 when every actor dumped, 1 when one did not (or the output's reader stopped reading,
+    ``| head``: the output ends quietly, some dumps unread), 2 without a run."""
     try:
         return _run(args)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush: no second error
-        return 0
+        return 1
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import codecs
 import functools
 import json
+import os
 import re
 from pathlib import Path
 from collections.abc import Callable
@@ -179,29 +180,35 @@ class Tokenization:
     def generation_prompt(self, template_kwargs: dict | None = None) -> str | None:
         """The chat template's text after a user turn with the generation prompt (what a reply follows):
         whether it opens a ``<think>`` block, say. Empty where there is no template; None where the
-        template refuses a lone user turn (one that wants a system message first, say): then only a
-        request's own messages tell (``generation_prompt_of``)."""
+        template refuses a lone user turn and one after a system turn (a rule of its own on the messages):
+        then only a request's own messages tell (``generation_prompt_of``)."""
         if not self.has_chat_template:
             return ""
-        probe = [{"role": "user", "content": _PROBE}]
-        try:
-            text = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True,
-                                                      **(template_kwargs or {}))
-        except Exception:  # noqa: BLE001 - a template's own rule on its messages
-            return None
-        return text[text.rfind(_PROBE) + len(_PROBE):]
+        for probe in ([{"role": "user", "content": _PROBE}],
+                      [{"role": "system", "content": "-"}, {"role": "user", "content": _PROBE}]):
+            try:
+                text = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True,
+                                                          **(template_kwargs or {}))
+            except Exception:  # noqa: BLE001 - a template's own rule on its messages: the next probe
+                continue
+            return text[text.rfind(_PROBE) + len(_PROBE):]
+        return None
 
     def generation_prompt_of(self, chat: list[messages.ChatMessage], tools: list[dict] | None, tool_format: str,
                              template_kwargs: dict | None = None) -> str:
-        """``generation_prompt`` of a request's own messages: its render's text past the same render without
-        the generation prompt; empty where the template refuses them (the request's own render reports it)
-        or writes no prefix of it."""
+        """``generation_prompt`` of a request's own messages: its render's text past what it shares with the
+        same render without the generation prompt (a template may end a conversation that asks for none with
+        a closing token of its own), from the line or tag that difference starts in (``<think>`` against
+        ``<|endoftext|>`` share a ``<``); empty where the template refuses them (the request's own render
+        reports it)."""
         try:
             whole, turns = (self._render(chat, add, False, tools, tool_format, template_kwargs, False)
                             for add in (True, False))
         except TemplateRefused:
             return ""
-        return whole[len(turns):] if whole.startswith(turns) else ""
+        shared = len(os.path.commonprefix([whole, turns]))
+        start = max(whole.rfind("\n", 0, shared), whole.rfind(">", 0, shared)) + 1 if shared < len(turns) else shared
+        return whole[start:]
 
     def tool_polyfills(self, chat: list[messages.ChatMessage], conversation: list[dict], tools: list[dict] | None,
                        tool_format: str) -> tuple[list[dict], list[dict] | None]:

@@ -44,8 +44,8 @@ _E2E_BUCKETS = (0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20
                 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+_PREEMPTION_BUCKETS = (0, 1, 2, 3, 4, 5, 10, 20)  # a choice's preemptions
 # vLLM's buckets of a step's tokens
-_PREEMPTION_BUCKETS = (0, 1, 2, 3, 4, 5, 10, 20)
 _STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -189,7 +189,8 @@ class Metrics:
                     num_preemptions: int = 0) -> None:
         """A choice ended: ``finish_reason`` None when it did not finish (its client left, it failed);
         ``lengths``: its prompt and generated tokens; ``phases``: its queue, prefill and decode seconds
-        (None: it made no token); ``num_cached``: its prompt tokens the prefix cache held."""
+        (None: it made no token); ``num_cached``: its prompt tokens the prefix cache held;
+        ``num_preemptions``: the times it was preempted (recomputed)."""
         self._success.labels(**self.model, finished_reason=finish_reason or "abort").inc()
         if finish_reason is None:
             return

@@ -182,11 +182,11 @@ def _with_ids(given: Any) -> list[dict]:
 
 
 def _replayable(item: dict) -> dict:
-    """A stored item as the conversation's next turn reads it: a function call whose arguments are no JSON
-    object (the output cap cut it: status "incomplete") keeps its call, since an answer to it may follow,
-    with arguments ``{}`` (as vLLM reads a call's empty arguments): the chat path takes no broken call, and
-    a conversation of the server's own output is always one it continues."""
-    if item.get("type") != "function_call":
+    """A stored item as the conversation's next turn reads it: a function call the output cap cut (status
+    "incomplete") whose arguments are no JSON object keeps its call, since an answer to it may follow, with
+    arguments ``{}`` (as vLLM reads a call's empty arguments): the chat path takes no broken call, and a
+    conversation of the server's own output is always one it continues."""
+    if item.get("type") != "function_call" or item.get("status") != "incomplete":
         return item
     try:
         whole = isinstance(json.loads(item.get("arguments") or ""), dict)

@@ -535,10 +535,19 @@ def test_a_template_that_wants_a_system_turn_is_read_from_the_request_s_own_mess
         "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system turn first') }}"
         "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"))
-    assert tokenization.generation_prompt(None) is None
+    assert prompt_reasoning(tokenization.generation_prompt(None)) == "open"  # the probe after a system turn
     chat = [ChatMessage("system", "s"), ChatMessage("user", "hi")]
     assert tokenization.generation_prompt_of(chat, None, "hermes") == "<|im_start|>assistant\n<think>\n"
     assert tokenization.generation_prompt_of(chat[1:], None, "hermes") == ""  # refused: the request's own error
+    # a template no probe passes (it wants a turn named "boss"), and one that closes a conversation asking for no
+    # reply with a token of its own: read from the request's render, past what both renders share
+    _, _, strict = _templated(tmp_path / "strict", (
+        "{% if messages[0]['content'] != 'boss' %}{{ raise_exception('boss first') }}{% endif %}"
+        "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+        "{% if add_generation_prompt %}<think>\n{% else %}<|endoftext|>{% endif %}"))
+    assert strict.generation_prompt(None) is None
+    read = strict.generation_prompt_of([ChatMessage("user", "boss"), ChatMessage("user", "hi")], None, "hermes")
+    assert read.endswith("<think>\n") and prompt_reasoning(read) == "open", read  # (from its line: "<" is shared)
 
     async def body():
         async with Harness(folder, tok, model_keys={"reasoning_parser": "qwen3"}) as h:
