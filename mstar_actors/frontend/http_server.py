@@ -140,6 +140,21 @@ class EnvelopeHandler(web.RequestHandler):
             deadline = self.request_started_at + self._read_timeout
             self._header_timer = asyncio.get_running_loop().call_at(deadline, self._header_overdue)
 
+    def _process_keepalive(self) -> None:
+        """aiohttp's idle timer: a connection with half a header is closed as idle (``keepalive_timeout_s``,
+        against slow-header clients) but was closed unanswered; it gets its 408 first, naming the bound."""
+        loop = asyncio.get_running_loop()
+        waiter = getattr(self, "_waiter", None)
+        if (self.request_started_at is not None and self._is_idle() and self.transport is not None
+                and getattr(self, "_keepalive", False) and not getattr(self, "_force_close", True)
+                and waiter is not None and not waiter.done()
+                and loop.time() >= getattr(self, "_next_keepalive_close_time", float("inf"))):
+            timeout = getattr(self, "_keepalive_timeout", 0)
+            message = (f"request header not complete within server.keepalive_timeout_s ({timeout:g} s) of the "
+                       "connection's start or its last answer")
+            self.transport.write(refusal_response(408, "Request Timeout", self._envelope(408, message)))
+        super()._process_keepalive()
+
     def _header_overdue(self) -> None:
         self._header_timer = None
         if self._is_idle() and self.transport is not None:

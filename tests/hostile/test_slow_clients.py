@@ -47,6 +47,11 @@ def test_idle_and_half_header_connections_are_closed(hostile):
             for reader in (idle_reader, half_reader):
                 data, took = await read_until_closed(reader, 3)
                 assert took < 2.5 and b" 5" not in data[:12], (took, data)
+                if reader is idle_reader:  # nothing asked, nothing answered
+                    assert data in (b"", RESET), data
+                else:  # a request begun is answered, not dropped, naming its bound
+                    assert data.startswith(b"HTTP/1.1 408"), data
+                    assert "keepalive_timeout_s" in envelope_of(data)["message"], data
             # a connection between requests is idle too
             reader, writer = await connect(h)
             writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
