@@ -309,24 +309,25 @@ class FrontendActor(Actor):
                                            self._auth_middleware, self._body_middleware])
         app.on_response_prepare.append(self._cors_headers)
         post = functools.partial(app.router.add_post, expect_handler=self._expect)
+        get = functools.partial(app.router.add_get, expect_handler=self._expect)
         post("/v1/chat/completions", functools.partial(self._generate, kind="chat"))
         post("/v1/completions", functools.partial(self._generate, kind="completion"))
         post("/v1/responses", self._respond)
-        app.router.add_get("/v1/responses/{response_id}", self._stored_response)
+        get("/v1/responses/{response_id}", self._stored_response)
         app.router.add_delete("/v1/responses/{response_id}", self._stored_response)
-        app.router.add_get("/v1/responses/{response_id}/input_items", self._input_items)
+        get("/v1/responses/{response_id}/input_items", self._input_items)
         post("/v1/audio/speech", self._speech)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/v1/models/{model_id:.+}", self._model)
+        get("/v1/models", self._models)
+        get("/v1/models/{model_id:.+}", self._model)
         post("/tokenize", self._tokenize)
         post("/detokenize", self._detokenize)
-        app.router.add_get("/version", self._version)
-        app.router.add_get("/ping", self._health)
+        get("/version", self._version)
+        get("/ping", self._health)
         post("/ping", self._health)
         post("/v1/load_lora_adapter", functools.partial(self._update_adapter, kind="load"))
         post("/v1/unload_lora_adapter", functools.partial(self._update_adapter, kind="unload"))
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
+        get("/health", self._health)
+        get("/metrics", self._metrics)
         # Each route with a trailing slash too, as vLLM's server takes it (it redirects): clients whose base URL
         # ends in a slash keep working. Served, not redirected: a redirect would send the body twice.
         for route in list(app.router.routes()):
@@ -437,13 +438,16 @@ class FrontendActor(Actor):
 
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
         """``Expect: 100-continue``: a body the request would be refused for (no
-        key, a declared size past the limit) is refused before the client sends it."""
+        key, a declared size past the limit) is refused before the client sends it.
+        Another expectation is ignored, as uvicorn's (aiohttp's 417 was plain text)."""
         limit = self.config.server.max_body_bytes
         refusal = self._auth_refusal(request)
         if refusal is None and (request.content_length or 0) > limit:
             refusal = ApiError(413, f"request body too large: {request.content_length} bytes declared; the limit is "
                                     f"server.max_body_bytes ({limit})", param="body", code="request_too_large")
         if refusal is None:
+            if request.headers.get("Expect", "").lower() != "100-continue":
+                return None
             return await web_urldispatcher._default_expect_handler(request)
         self.metrics.observe_request(http.route_of(request), refusal.status)
         response = self._refused(request, refusal)

@@ -118,6 +118,11 @@ class EnvelopeHandler(web.RequestHandler):
     def data_received(self, data: bytes) -> None:
         if data and self.request_started_at is None and self._is_idle():
             self.request_started_at = asyncio.get_running_loop().time()
+            if _is_http_09(data) and self.transport is not None:  # aiohttp answered it "HTTP/0.9 200", headers and all
+                message = "malformed HTTP request: the request line names no HTTP version (HTTP/1.0 and 1.1 are served)"
+                self.transport.write(refusal_response(400, "Bad Request", self._envelope(400, message)))
+                self.force_close()
+                return
         super().data_received(data)
         self._fail_pending_body()
         self._watch_header()
@@ -177,6 +182,15 @@ class EnvelopeHandler(web.RequestHandler):
         if isinstance(error, HttpProcessingError) and not payload.is_eof() and payload.exception() is None:
             payload.set_exception(RequestPayloadError(error.message or type(error).__name__))
 
+    async def finish_response(self, request: Any, resp: web.StreamResponse, start_time: float | None) -> Any:
+        """An error aiohttp raised outside the app's middlewares (an expectation on a path no route serves)
+        came as plain text: it is the JSON envelope too."""
+        if isinstance(resp, web.HTTPException) and resp.status >= 400 and resp.content_type == "text/plain":
+            message = f"{resp.reason.lower()}: {resp.text}" if resp.text else resp.reason.lower()
+            resp = web.Response(status=resp.status, body=self._envelope(resp.status, message),
+                                content_type="application/json")
+        return await super().finish_response(request, resp, start_time)
+
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         if status >= 500 or request.writer.output_size > 0:
@@ -193,6 +207,14 @@ class EnvelopeHandler(web.RequestHandler):
                                 content_type="application/json")
         response.force_close()
         return response
+
+
+def _is_http_09(data: bytes) -> bool:
+    """Whether ``data``, a request's first bytes, hold a whole request line of a method and a target alone (an
+    HTTP/0.9 line: no version)."""
+    line, found, _ = data.partition(b"\n")
+    parts = line.rstrip(b"\r").split()
+    return bool(found) and len(parts) == 2 and parts[0].isalpha()
 
 
 def _coding_sent(request: Any, reason: str) -> str:
