@@ -374,6 +374,9 @@ class FrontendActor(Actor):
         return await handler(request)
 
     async def _cors_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Every answer's headers: CORS where allowed, and the server's name with no versions (aiohttp's named
+        Python's and its own, as a scanner reads them)."""
+        response.headers["Server"] = "mstar-actors"
         origin = self._allowed_origin(request)
         if origin is not None:
             response.headers["Access-Control-Allow-Origin"] = origin

@@ -688,6 +688,7 @@ def test_auth_model_size_and_route_errors(harness):
                 answer = await raw(f"GET {path} HTTP/1.1\r\nHost: x\r\nExpect: foo\r\n"
                                    "Authorization: Bearer sekret\r\n\r\n".encode())
                 assert answer.startswith(b"HTTP/1.1 200"), answer
+                assert b"\r\nServer: mstar-actors\r\n" in answer and b"aiohttp" not in answer, answer  # no versions
             answer = await raw(b"GET /nope HTTP/1.1\r\nHost: x\r\nExpect: foo\r\n\r\n")
             assert b"application/json" in answer and b'"error"' in answer and b"text/plain" not in answer, answer
             # a request line with no version (HTTP/0.9) was answered "HTTP/0.9 200" with headers
