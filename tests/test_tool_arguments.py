@@ -164,6 +164,16 @@ def test_bench_prepare_checks_the_model_before_any_server(capsys, monkeypatch, n
     assert "--model '/nonexistent/model': no config.json there" in err
 
 
+def test_bench_prepare_refuses_a_model_that_takes_no_video(tmp_path, capsys, monkeypatch, no_server):
+    """A text model's folder (or an embedded name) was served, and every video request then refused by it."""
+    import bench_prepare
+
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    monkeypatch.setattr(bench_prepare, "Report", lambda path: pytest.fail("went past the arguments"))
+    err = refused(bench_prepare.main, ["--model", str(tmp_path)], capsys)
+    assert "its architecture (LlamaForCausalLM) takes no video" in err and "Qwen2_5_VLForConditionalGeneration" in err
+
+
 @pytest.mark.parametrize("flag, value, says", [
     ("--torch-threads", "0", "expected a positive integer"), ("--video-seconds", "0", "expected a positive number"),
     ("--video-fps", "-2", "expected a positive number"), ("--audio-seconds", "nan", "expected a positive number"),

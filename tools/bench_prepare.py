@@ -589,6 +589,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             args.model = model_dir_of(str(args.model))
         except SystemExit as err:
             parser.error(str(err.code))
+        from mstar_actors.prepare.preparers import MEDIA_PREPARERS
+
+        archs = json.loads((args.model / "config.json").read_text()).get("architectures") or []
+        if not any("video" in getattr(MEDIA_PREPARERS.get(a), "MEDIA_KINDS", ()) for a in archs):
+            readers = ", ".join(a for a, p in MEDIA_PREPARERS.items() if "video" in p.MEDIA_KINDS)
+            parser.error(f"--model {args.model}: its architecture ({', '.join(archs) or 'none named'}) takes no "
+                         f"video; give a folder of one that does ({readers})")
     return args
 
 
