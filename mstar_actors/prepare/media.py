@@ -51,6 +51,11 @@ from mstar_actors.messages import ChatMessage, NewRequest
 
 MEDIA_PART_TYPES = {"image_url": "image", "video_url": "video", "audio_url": "audio", "input_audio": "audio"}
 VISION_KINDS, AUDIO_KINDS = ("image", "video"), ("audio",)
+
+
+def part_names(kinds: Any, sep: str) -> str:
+    """The chat content parts that carry media of ``kinds``, joined by ``sep`` (a refusal's words)."""
+    return sep.join(part for part, kind in MEDIA_PART_TYPES.items() if kind in kinds)
 _CHUNK_BYTES = 64 * 1024
 
 
@@ -180,7 +185,7 @@ def collect_media(req: NewRequest, limits: MediaLimits, kinds: tuple[str, ...] |
     for ref in refs:
         if kinds is not None and ref.kind not in kinds:
             part = ref.param.rpartition(".")[2]
-            accepted = ", ".join(t for t, k in MEDIA_PART_TYPES.items() if k in kinds)
+            accepted = part_names(kinds, ", ")
             raise MediaError(ref.param, f"this model takes no {ref.kind} ({part} parts); accepted media parts: {accepted}")
     if len(refs) > limits.max_items:
         raise MediaError(

@@ -54,6 +54,7 @@ from mstar_actors.prepare.media import (
     decode_frame_list,
     decode_video,
     is_frame_list,
+    part_names,
     read_local,
     source_digest,
 )
@@ -373,7 +374,7 @@ class MediaPreparer:
         part that holds it."""
         ids = sorted(set(self.placeholders.values()))
         tokens = self.tokenization.tokenizer.convert_ids_to_tokens(ids)
-        parts = self._media_part_names()
+        parts = part_names(self.placeholders, " / ")
         if req.prompt_token_ids is not None and (hit := set(ids) & set(req.prompt_token_ids)):
             raise MediaError("prompt", f"holds token id {min(hit)}, the model's media placeholder; media go in chat "
                                        f"{parts} parts")
@@ -406,11 +407,6 @@ class MediaPreparer:
                          "and the text parts after it, which the chat template joins, spell")
                 raise MediaError(param, f"{where} {token}, the model's media placeholder; send media as "
                                         f"{parts} parts, not as that text")
-
-    def _media_part_names(self) -> str:
-        """The chat parts that carry this model's media (for a refusal's words)."""
-        names = {"image": "image_url", "video": "video_url", "audio": "input_audio / audio_url"}
-        return " / ".join(names[kind] for kind in names if kind in self.placeholders)
 
     def _template_ids(self, req: NewRequest) -> list[int]:
         ids = self.tokenization.apply_chat_template(

@@ -488,7 +488,7 @@ def test_a_placeholder_spelled_across_text_parts_is_refused_by_its_first_part(pr
                                          *extra))
         assert result.param == "messages[0].content[0].text", result
         assert "the text parts after it, which the chat template joins, spell <|AUDIO|>" in result.message
-        assert "send media as input_audio / audio_url parts" in result.message  # this model's parts, not images'
+        assert "send media as audio_url / input_audio parts" in result.message  # this model's parts, not images'
     whole = refusal(preparer, _chat({"type": "text", "text": "a"}, {"type": "text", "text": "b <|AUDIO|>"}))
     assert whole.param == "messages[0].content[1].text" and "holds <|AUDIO|>" in whole.message
     # parts a media part stands between are no one text
@@ -496,7 +496,7 @@ def test_a_placeholder_spelled_across_text_parts_is_refused_by_its_first_part(pr
                                      {}), Draft)
     prompt = preparer.draft(NewRequest(request_id="p", model="audio", sampling=SamplingParams(),
                                        prompt="<|AUDIO|> hi"), {})
-    assert prompt.param == "prompt" and "media go in chat input_audio / audio_url parts" in prompt.message
+    assert prompt.param == "prompt" and "media go in chat audio_url / input_audio parts" in prompt.message
 
 
 def _float_wav(samples: np.ndarray, rate: int = 16000) -> bytes:
