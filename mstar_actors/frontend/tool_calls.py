@@ -200,10 +200,10 @@ def _parse_tool(where: str, tool: Any) -> dict:
                                                         "(objects and arrays inside each other); flatten it, or "
                                                         "name a repeated part once in $defs and $ref it")
     held = call_parameters(function) if parameters is not None else {}  # (a $ref followed; one leading nowhere is
-    kind = held.get("type", "object")                                     # the grammar check's to name)
-    if kind != "object":
-        raise ToolError(f"{where}.function.parameters", "a call's arguments are a JSON object: expected a schema "
-                                                        f'of "type": "object", got {kind!r}')
+    for path, kind in _kinds(held):                                       # the grammar check's to name)
+        if kind != "object":
+            raise ToolError(f"{where}.function.parameters{path}", "a call's arguments are a JSON object: expected "
+                                                                  f'a schema of "type": "object", got {kind!r}')
     if function.get("strict") is not None and not isinstance(function["strict"], bool):
         raise ToolError(f"{where}.function.strict", f"expected true or false, got {function['strict']!r}")
     # The template sees the function as the client sent it (its keys and their order, strict among them), as a
@@ -213,17 +213,40 @@ def _parse_tool(where: str, tool: Any) -> dict:
             function | {"parameters": {"type": "object", "properties": {}}}}
 
 
+_BRANCHING = ("anyOf", "oneOf", "allOf")
+
+
 def call_parameters(function: dict) -> dict:
     """The schema a call of ``function`` (a parsed tool's) holds its arguments to: its parameters', an
     object (a schema without a type, {} or none, takes any JSON; the arguments are an object all the same).
     A schema that is a ``$ref`` into its own definitions (pydantic's recursive models) is that definition,
-    its definitions beside it; one that leads nowhere is left for the grammar's check to name."""
+    its definitions beside it; one that leads nowhere is left for the grammar's check to name. A union at
+    the top (``anyOf`` / ``oneOf`` / ``allOf``, no type) stays as it is: its branches are the objects
+    (``_kinds``), and a type beside it would be a keyword the grammar cannot read there."""
     parameters = function.get("parameters") or {"properties": {}}
     if "$ref" in parameters:
         parameters = resolved(parameters, parameters)
         if "$ref" in parameters:
             return parameters
+    if "type" not in parameters and any(k in parameters for k in _BRANCHING):
+        return parameters
     return {"type": "object"} | parameters
+
+
+def _kinds(held: dict) -> list[tuple[str, Any]]:
+    """``(path, type)`` of what a call's arguments must be under ``held`` (``call_parameters``'): its own
+    type, or each branch's of a union at its top (references followed; a branch of no type, or one whose
+    reference leads nowhere, left for the grammar to read); ``allOf``'s branches that name one."""
+    if "type" in held or not any(k in held for k in _BRANCHING):
+        return [("", held.get("type", "object"))]
+    kinds = []
+    for key in _BRANCHING:
+        branches = held.get(key)
+        for i, branch in enumerate(branches if isinstance(branches, list) else []):
+            branch = resolved(branch, held) if isinstance(branch, dict) else branch
+            if isinstance(branch, dict) and "type" in branch:
+                kinds.append((f".{key}[{i}]", branch["type"]))
+    return kinds
 
 
 def _parse_tool_choice(value: Any, names: set[str]) -> tuple[str, str | None]:

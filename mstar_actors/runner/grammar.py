@@ -731,6 +731,10 @@ def _xml_call(name: str, parameters: Any) -> Any:
     if _lists_closing_tag(parameters):
         raise GrammarError("json", f"an enum or const value holds {PARAM_CLOSE}, which ends a value in the "
                                    f"qwen3_coder format's calls: the value would be read back cut there")
+    if (keyword := next((k for k in ("anyOf", "oneOf", "allOf") if k in parameters), None)) is not None:
+        raise GrammarError("json", f"a call's {keyword} at the top of its parameters is not enforced in the "
+                                   "qwen3_coder format's calls (a call writes its schema's properties): name "
+                                   "the properties at the top, a union inside one")
     if (keyword := next((k for k in _XML_OBJECT_KEYWORDS if k in parameters), None)) is not None:
         raise GrammarError("json", f"{keyword} is not enforced in the qwen3_coder format's calls (a call writes "
                                    f"its schema's properties)")

@@ -384,3 +384,33 @@ def test_parameters_that_are_a_ref_to_their_own_definition_are_that_definition(c
     nowhere = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/Nowhere"}}}
     with pytest.raises(GrammarError, match="Nowhere"):
         chars.check(StructuredSpec(*tc.forced_calls_spec(tc.parse_tool_request([nowhere], "required", parser))))
+
+
+UNION = {"anyOf": [{"type": "object", "properties": {"kind": {"const": "a"}, "a": {"type": "integer"}},
+                    "required": ["kind", "a"], "additionalProperties": False},
+                   {"$ref": "#/$defs/B"}],
+         "$defs": {"B": {"type": "object", "properties": {"kind": {"const": "b"}, "b": {"type": "string"}},
+                         "required": ["kind", "b"], "additionalProperties": False}}}  # pydantic's discriminated union
+
+
+@pytest.mark.parametrize("key", ["anyOf", "oneOf"])
+def test_parameters_that_are_a_union_of_objects_hold_a_forced_call_to_one_of_them(chars, key):
+    """A tool whose parameters are a union at the top (pydantic's discriminated models) forces a call to one
+    of its branches (it was refused, naming a 'type' beside the union the client never sent); a branch that is
+    not an object is named; the qwen3_coder format, which writes a call's top properties, refuses it by name."""
+    import xgrammar
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {key: UNION["anyOf"], "$defs": UNION["$defs"]}}}
+    request = tc.parse_tool_request([tool], "required", tc.HERMES, parallel_tool_calls=False)
+    matcher = xgrammar.GrammarMatcher(chars.compile(StructuredSpec(*tc.forced_calls_spec(request))))
+    for arguments, held in (({"kind": "a", "a": 1}, True), ({"kind": "b", "b": "x"}, True),
+                            ({"kind": "a", "b": "x"}, False), ({"kind": "c"}, False)):
+        matcher.reset()
+        assert matcher.accept_string(json.dumps({"name": "f", "arguments": arguments})) is held, arguments
+    text = {"type": "function", "function": {"name": "f", "parameters": {key: [{"type": "object"},
+                                                                              {"type": "string"}]}}}
+    with pytest.raises(tc.ToolError, match=rf"parameters\.{key}\[1\]: a call's arguments are a JSON object.*'string'"):
+        tc.parse_tool_request([text], "required", tc.HERMES)
+    xml = tc.parse_tool_request([tool], "required", tc.QWEN3_CODER)
+    with pytest.raises(GrammarError, match=f"{key} at the top of its parameters is not enforced"):
+        chars.check(StructuredSpec(*tc.forced_calls_spec(xml)))
