@@ -455,6 +455,12 @@ def _pattern_problem(schema: dict, where: str) -> str | None:
             return f"{where}'s {key} {pattern!r} has a lookaround, which is not enforced here"
         if (problem := _escape_problem(pattern, f"{where}'s {key} {pattern!r}")) is not None:
             return problem
+        if _writes_raw(pattern) and not pattern.isascii():
+            return (f"{where}'s {key} {pattern!r} holds a character outside ASCII beside a class that takes a "
+                    "quote, a backslash or a control character ('.', a negated class, \\s): the engine writes "
+                    "such a pattern's classes as they are, and the output would not be valid JSON; leave those "
+                    "characters out of the class (e.g. [^,] as [^,\"\\\\\\x00-\\x1f]) or the pattern's "
+                    "character outside ASCII out")
         if _writes_raw(pattern):
             return (f"{where}'s {key} {pattern!r} matches only strings with a quote, a backslash or a control "
                     "character of a class, which is not enforced correctly here (the output would not be valid "
