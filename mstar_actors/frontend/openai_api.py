@@ -33,7 +33,7 @@ from mstar_actors.frontend.tool_calls import ToolError, ToolRequest
 from mstar_actors.messages import ChatMessage, ContentPart, NewRequest, SamplingParams, StructuredSpec
 
 MAX_N = 128  # OpenAI's limit (the server's own bounds: max_num_seqs + max_waiting_requests)
-MAX_STOP_STRINGS = 4
+MAX_STOP_STRINGS = 64  # OpenAI's 4 and more, as vLLM takes (evaluation harnesses send more than 4)
 MAX_STOP_CHARS = 512
 MAX_TOP_LOGPROBS = 20  # chat (OpenAI's), completions and prompt_logprobs too (vLLM's max_logprobs; OpenAI's legacy 5)
 MAX_PROMPTS = 64
