@@ -266,6 +266,10 @@ OBJ = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": [
     ({"type": "string", "pattern": "^a\\u0022b$"}, "matches only strings with a quote, a backslash"),
     ({"type": "string", "pattern": "^a[\\x22]b$"}, "matches only strings with a quote, a backslash"),
     ({"type": "string", "pattern": "^[\\t\\n]+$"}, "matches only strings with a quote, a backslash"),
+    # beside a character outside ASCII the engine writes the pattern's classes raw: '.', [^,], \\s take a quote
+    ({"type": "string", "pattern": "^.\u00e9$"}, "holds a character outside ASCII beside a class"),
+    ({"type": "string", "pattern": "^[^,]{1,8} caf\u00e9$"}, "holds a character outside ASCII beside a class"),
+    ({"type": "string", "pattern": "^\\d{2}\\s?\u00e9$"}, "holds a character outside ASCII beside a class"),
     ({"type": "object", "patternProperties": {"^[a\\t]\\t$": {"type": "integer"}}}, "patternProperties '^[a\\\\t]"),
     ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "required": ["xa"]},
      "'required' beside 'patternProperties'"),
@@ -318,6 +322,7 @@ def test_a_keyword_the_engine_would_drop_is_refused_naming_it(compiler, schema, 
                "Dog": {"type": "object", "properties": {"kind": {"enum": ["dog"]}}, "required": ["kind"]}},
      "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}], "discriminator": {"propertyName": "kind"}},
     {"type": "string", "pattern": "^\\d{3}-[a-z]+$"},
+    {"type": "string", "pattern": '^[^,"\\\\\\x00-\\x1f]{1,8} caf\u00e9$'},  # the class naming what it leaves out
     {"type": "string", "format": "password"},  # outside the vocabulary: an annotation (pydantic's SecretStr)
     {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "minProperties": 1,
      "maxProperties": 2, "additionalProperties": False},
