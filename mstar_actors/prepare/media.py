@@ -558,12 +558,18 @@ def decode_frame_list(ref: MediaRef, limits: MediaLimits) -> VideoFrames:
                                     f"{limits.max_video_frames} (server.max_video_frames)")
     frames, size, num_bytes = [], None, 0
     for i, piece in enumerate(pieces):
-        where = MediaRef("image", "data:image/jpeg;base64," + piece, f"{ref.param} (frame {i})")
-        data = _read_data_url(where, limits)
+        where = MediaRef("image", "data:image/jpeg;base64," + piece, ref.param)
+        try:
+            data = _read_data_url(where, limits)
+        except MediaError as err:  # the part is the field (its param); the frame is in the words
+            raise MediaError(ref.param, f"frame {i}: {err.reason}") from None
         num_bytes += len(data)
         if num_bytes > limits.max_bytes:
             raise _too_big(ref, f"over {num_bytes}", limits)
-        image = decode_image(data, where, limits)
+        try:
+            image = decode_image(data, where, limits)
+        except MediaError as err:
+            raise MediaError(ref.param, f"frame {i}: {err.reason}") from None
         if size is None:
             size = image.size
             if len(pieces) * size[0] * size[1] > limits.max_video_pixels:

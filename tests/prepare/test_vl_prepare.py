@@ -129,9 +129,13 @@ def test_a_video_sent_as_vllm_s_jpeg_frames_equals_the_same_frames_as_a_clip(pre
     assert (item.pixel_values.float() - clip.pixel_values.float()).abs().mean() < 2  # JPEG against mjpeg: levels
     for url, why in (("data:video/jpeg;base64," + jpeg(frame) + "," + jpeg(frame[:28]), "frame 1 is 84x28"),
                      ("data:video/jpeg;base64," + ",".join([jpeg(frame)] * 65), "at most 64 (server.max_video_frames)"),
-                     ("data:video/jpeg;base64," + jpeg(frame) + ",@@", "(frame 1): the data: URL is not valid")):
+                     ("data:video/jpeg;base64," + jpeg(frame) + ",@@",
+                      "video_url: frame 1: the data: URL is not valid"),
+                     ("data:video/jpeg;base64," + jpeg(frame) + "," + base64.b64encode(b"GIF8").decode(),
+                      "video_url: frame 1: ")):
         failed = preparer.draft(chat("bad", ContentPart(type="video_url", url=url)), {})
         assert why in failed.message and "messages[0].content[1].video_url" in failed.message, failed
+        assert failed.param == "messages[0].content[1].video_url", failed  # the field, as a client maps it
 
 
 def test_video_patch_layout_equals_the_image_processor_for_repeated_frames(preparer):
