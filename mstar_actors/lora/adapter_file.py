@@ -379,7 +379,7 @@ def _check_config(config: dict, name: str) -> None:
                            "PEFT's save_pretrained(..., path_initial_model_for_weight_conversion=...), which makes "
                            "it a delta on the original weights")
     for key in ("r", "lora_alpha"):
-        _check_positive(config.get(key, 8), f"{CONFIG_FILE} field {key!r}", name)
+        _check_number(config.get(key, 8), f"{CONFIG_FILE} field {key!r}", name, positive=key == "r")
     for key in ("rank_pattern", "alpha_pattern"):
         pattern = config.get(key) or {}
         if not isinstance(pattern, dict):
@@ -391,13 +391,16 @@ def _check_config(config: dict, name: str) -> None:
             except re.error as err:
                 raise AdapterError(f"adapter {name!r}: {CONFIG_FILE} field {key!r}: {module!r} is not a regular "
                                    f"expression ({err}); accepted: module names or patterns of them") from None
-            _check_positive(value, f"{CONFIG_FILE} field {key!r}[{module!r}]", name)
+            _check_number(value, f"{CONFIG_FILE} field {key!r}[{module!r}]", name, positive=key == "rank_pattern")
 
 
-def _check_positive(value, field: str, name: str) -> None:
-    """A rank or alpha: a finite positive number (true is not one)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise AdapterError(f"adapter {name!r}: {field} must be a finite positive number, got {value!r}")
+def _check_number(value, field: str, name: str, positive: bool) -> None:
+    """A rank (``positive``) or an alpha: a finite number (true is not one). An alpha of 0 or below
+    scales the delta by it, as PEFT computes it (a negative one subtracts what the adapter learned)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+            positive and value <= 0):
+        raise AdapterError(f"adapter {name!r}: {field} must be a finite {'positive ' if positive else ''}number, "
+                           f"got {value!r}")
 
 
 def pattern_key(pattern_keys, module_path: str) -> str:

@@ -70,6 +70,17 @@ def test_rank_and_alpha_patterns_follow_peft(tmp_path):
     _assert_matches_peft(weights, peft_model)
 
 
+@pytest.mark.parametrize("alpha", [0, -8])
+def test_an_alpha_of_zero_or_below_scales_the_delta_as_peft_does(tmp_path, alpha):
+    """PEFT serves lora_alpha 0 (no change) and below (the delta subtracted); it was refused."""
+    model, cfg = make_base()
+    folder, peft_model = make_adapter(tmp_path, model, r=4, lora_alpha=alpha, alpha_pattern={"v_proj": -2})
+    weights = read_adapter(folder, base=base_shapes(cfg), max_rank=8)
+    assert weights.layers[0]["self_attn.q_proj"].scale == alpha / 4
+    assert weights.layers[0]["self_attn.v_proj"].scale == -2 / 4
+    _assert_matches_peft(weights, peft_model)
+
+
 def test_pattern_key_is_a_dotted_suffix_regex():
     assert pattern_key(["q_proj"], "model.layers.0.self_attn.q_proj") == "q_proj"
     assert pattern_key(["proj"], "model.layers.0.self_attn.q_proj") == "model.layers.0.self_attn.q_proj"
@@ -259,16 +270,17 @@ def test_refuses_bias_in_config(saved, config, match):
 
 
 @pytest.mark.parametrize("config, match", [
-    ({"lora_alpha": float("nan")}, r"field 'lora_alpha' must be a finite positive number, got nan"),
-    ({"lora_alpha": float("inf")}, r"field 'lora_alpha' must be a finite positive number"),
+    ({"lora_alpha": float("nan")}, r"field 'lora_alpha' must be a finite number, got nan"),
+    ({"lora_alpha": float("inf")}, r"field 'lora_alpha' must be a finite number"),
+    ({"r": 0}, r"field 'r' must be a finite positive number, got 0"),
     ({"r": True}, r"field 'r' must be a finite positive number"),
     ({"rank_pattern": "x"}, r"field 'rank_pattern' must be an object of module name patterns to numbers"),
     ({"alpha_pattern": [1]}, r"field 'alpha_pattern' must be an object"),
     ({"rank_pattern": {"[": 8}}, r"'\[' is not a regular expression"),
     ({"rank_pattern": {"q_proj": "8"}}, r"field 'rank_pattern'\['q_proj'\] must be a finite positive number, got '8'"),
-    ({"alpha_pattern": {"q_proj": float("nan")}}, r"field 'alpha_pattern'\['q_proj'\] must be a finite positive"),
+    ({"alpha_pattern": {"q_proj": float("nan")}}, r"field 'alpha_pattern'\['q_proj'\] must be a finite number"),
 ])
-def test_refuses_ranks_and_alphas_that_are_no_finite_positive_numbers(saved, config, match):
+def test_refuses_ranks_and_alphas_that_are_no_finite_numbers(saved, config, match):
     folder, base = saved
     edit_adapter(folder, config=config)
     _refused(folder, base, match)
