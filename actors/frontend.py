@@ -463,11 +463,14 @@ class FrontendActor(Actor):
         returns it), so a body the client can't deliver is the client's error
         on every route: undecodable (a 400), or not received in time (a 408;
         the clock started at the request's first byte). A coding not taken, or
-        a body sent as a form or text (``media_type_problem``), is a 415 unread."""
+        a body a route would get as a form or text (``media_type_problem``), is a
+        415 unread."""
 
+        checks = [("Content-Encoding", http.encoding_problem, "unsupported_encoding")]
+        if request.match_info.http_exception is None:  # (no route: its 404 or 405, whatever the type)
+            checks.append(("Content-Type", http.media_type_problem, "unsupported_media_type"))
         if request.can_read_body:
-            for header, problem_of, code in (("Content-Encoding", http.encoding_problem, "unsupported_encoding"),
-                                             ("Content-Type", http.media_type_problem, "unsupported_media_type")):
+            for header, problem_of, code in checks:
                 if (problem := problem_of(request.headers.get(header))) is not None:
                     return self._unread(request, self._refused(request, ApiError(415, problem, param=header,
                                                                                  code=code)))
