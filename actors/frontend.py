@@ -105,6 +105,7 @@ GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})
 CLIENT_CLOSED = 499  # mstar_requests_total's status for a request whose client went away (nginx's code)
 DRAIN_FAILURE_WRITE_S = 2.0  # after the drain's timeout: time for handlers to send their 503
 REQUEST_STARTED = web.RequestKey("request_started", object)  # the loop time of a request's first byte (or None)
+RESPONSE_ID = web.RequestKey("response_id", str)  # a generation's id, sent back as X-Request-Id
 
 
 class FrontendActor(Actor):
@@ -377,6 +378,8 @@ class FrontendActor(Actor):
         """Every answer's headers: CORS where allowed, and the server's name with no versions (aiohttp's named
         Python's and its own, as a scanner reads them)."""
         response.headers["Server"] = "mstar-actors"
+        if (response_id := request.get(RESPONSE_ID)) is not None:  # (the openai client's ``.request_id``)
+            response.headers["X-Request-Id"] = response_id
         origin = self._allowed_origin(request)
         if origin is not None:
             response.headers["Access-Control-Allow-Origin"] = origin
@@ -692,6 +695,8 @@ class FrontendActor(Actor):
     async def _serve(self, request: web.Request, parsed: ParsedRequest, asked: Any = None) -> web.StreamResponse:
         """A parsed chat or completion request, answered (``asked``: a Responses request's reply)."""
         kind = parsed.kind
+        if (header := request.headers.get("X-Request-Id")) is not None:  # vLLM's: the header before the body's
+            parsed.request_id = api.checked_request_id(header, "X-Request-Id")
         parsed.with_token_facts(self.info.eos_token_ids, self._bad_words_token_ids(parsed.bad_words), self.think_ids)
         reasoning = self._with_reasoning_parser(parsed) if kind == "chat" and self.reasoning_parser else None
         exchange = Exchange(parsed, self._resolve_model(parsed.model), "chatcmpl" if kind == "chat" else "cmpl",
@@ -699,6 +704,7 @@ class FrontendActor(Actor):
         exchange.reasoning = reasoning
         if asked is not None:  # a Response's id: vLLM's request_id as sent, else resp_ and a fresh one
             exchange.response_id = parsed.request_id or new_id("resp")
+        request[RESPONSE_ID] = exchange.response_id
         if parsed.output.echo:
             exchange.prompt_token_ids = await self.run_blocking(self._prompt_token_ids, exchange)
         self._admit(exchange)

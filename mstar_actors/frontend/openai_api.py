@@ -583,9 +583,13 @@ def _check_ignored(body: dict) -> None:
 def _parse_request_id(body: dict) -> str | None:
     """vLLM's ``request_id``: the response's id is ``chatcmpl-{request_id}``
     (``cmpl-`` for completions); the engine keeps ids of its own."""
-    value = get_str(body, "request_id", None)
+    return checked_request_id(get_str(body, "request_id", None), "request_id")
+
+
+def checked_request_id(value: str | None, param: str) -> str | None:
+    """A client's id for the response (the body's ``request_id``, or the ``X-Request-Id`` header)."""
     if value is not None and not (0 < len(value) <= MAX_REQUEST_ID and value.isprintable()):
-        raise _bad("request_id", f"expected 1 to {MAX_REQUEST_ID} printable characters")
+        raise _bad(param, f"expected 1 to {MAX_REQUEST_ID} printable characters")
     return value
 
 

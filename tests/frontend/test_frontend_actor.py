@@ -100,6 +100,18 @@ def test_a_client_request_id_names_the_response_as_vllms(harness):
             assert status == 200 and {c["id"] for c in events[:-1]} == {"chatcmpl-my-req-2"}
             ids = [req.request_id for req in h.engine.requests.values()]
             assert len(ids) == 2 and not any("my-req" in rid for rid in ids)  # the engine's ids stay its own
+            # vLLM's X-Request-Id header comes before the body's; the id goes back in the header (the openai
+            # client's .request_id)
+            data = json.dumps(chat_body(request_id="my-req-3")).encode()
+            async with h.session.post(h.url + CHAT, data=data, headers={"X-Request-Id": "hdr-1"}) as resp:
+                assert resp.status == 200 and (await resp.json())["id"] == "chatcmpl-hdr-1"
+                assert resp.headers["X-Request-Id"] == "chatcmpl-hdr-1"
+            async with h.session.post(h.url + CHAT, json=chat_body(stream=True)) as resp:
+                first = json.loads((await resp.content.readline()).decode().removeprefix("data: "))
+                assert resp.headers["X-Request-Id"] == first["id"] and first["id"].startswith("chatcmpl-")
+                await resp.read()
+            status, r = await h.post(CHAT, chat_body(), headers={"X-Request-Id": "x" * 129})
+            assert status == 400 and r["error"]["param"] == "X-Request-Id", r
 
     run(body)
 
