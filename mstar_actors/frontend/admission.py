@@ -1,4 +1,8 @@
-"""The frontend's admission: a request past ``server.max_waiting_requests`` waiting choices is a 503.
+"""The frontend's admission: a request that finds ``server.max_waiting_requests`` choices waiting is a 503.
+
+A request goes in while fewer wait, its own choices taking the queue past the limit where they must (by at
+most what the server holds at once, the 400's bound), so a request of many choices is not held out for as long
+as smaller ones keep the queue short of room for all of them (under steady load: for ever).
 
 Pure: the frontend passes the engine's last report (``EngineStats``) and its own count of choices sent with no
 output yet. Between two of the engine's reports (a step apart) the frontend estimates: the choices sent that have
@@ -43,10 +47,8 @@ def admission_refusal(num_choices: int, n: int, load: EngineLoad, max_num_seqs: 
     # (running with no token yet: not waiting; a frontend's share of them)
     unstarted = max(0, load.num_unacked - load.num_starting // load.num_frontends)
     num_waiting = max(load.num_waiting, unstarted - free)
-    seats = max(0, free - unstarted)  # sequences still free once those sent start
-    wanted = max(0, num_choices - seats)
-    if num_waiting + wanted > max_waiting:
-        return ApiError(503, f"server overloaded: {num_waiting} sequences waiting and this request's {wanted} more "
-                             f"would pass the limit of {max_waiting} (server.max_waiting_requests; a sequence is one "
-                             "choice of one prompt); retry later", code="overloaded", retry_after_s=1)
+    if num_waiting >= max_waiting:  # (free seats mean none waits: max_waiting is at least 1)
+        return ApiError(503, f"server overloaded: {num_waiting} sequences waiting, the limit of {max_waiting} "
+                             "(server.max_waiting_requests; a sequence is one choice of one prompt); retry later",
+                        code="overloaded", retry_after_s=1)
     return None

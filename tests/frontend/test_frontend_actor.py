@@ -636,7 +636,7 @@ def test_a_burst_the_engine_reports_in_the_middle_of_is_admitted_as_one_it_does_
             await h.engine.wait_for(lambda: len(h.engine.requests) == 5)
             status, r = await h.post(CHAT, chat_body())
             assert status == 503, r
-            assert "3 sequences waiting and this request's 1 more would pass the limit of 3" in r["error"]["message"], r
+            assert "3 sequences waiting, the limit of 3" in r["error"]["message"], r
             for req in list(h.engine.requests.values()):
                 for msg in h.engine.reply(req):
                     await h.engine.send(msg)
@@ -966,12 +966,17 @@ def test_admission_counts_what_the_engine_can_still_start():
     idle = EngineLoad()
     assert admission_refusal(12, 1, idle, max_num_seqs=8, max_waiting=4) is None  # 8 start, 4 wait
     assert admission_refusal(13, 1, idle, max_num_seqs=8, max_waiting=4).param == "prompt"  # never fits: a 400
+    # a request goes in while fewer than the limit wait, however many its choices: 3 of 4 waiting takes one of 12
+    # (one whose choices must fit the room left was refused while smaller ones kept a choice or two waiting)
     queued = EngineLoad(num_waiting=3, num_running=8)
     assert admission_refusal(1, 1, queued, max_num_seqs=8, max_waiting=4) is None
-    assert admission_refusal(2, 1, queued, max_num_seqs=8, max_waiting=4).code == "overloaded"
-    sent = EngineLoad(num_running=2, num_starting=1, num_unacked=7)  # 6 sent, not started: 6 free seats take them
+    assert admission_refusal(12, 12, queued, max_num_seqs=8, max_waiting=4) is None
+    assert admission_refusal(1, 1, EngineLoad(num_waiting=4, num_running=8), max_num_seqs=8,
+                             max_waiting=4).code == "overloaded"
+    sent = EngineLoad(num_running=2, num_starting=1, num_unacked=10)  # 9 sent, not started: 6 free seats take 6
     assert admission_refusal(4, 1, sent, max_num_seqs=8, max_waiting=4) is None
-    assert admission_refusal(5, 1, sent, max_num_seqs=8, max_waiting=4).status == 503
+    sent = EngineLoad(num_running=2, num_starting=1, num_unacked=11)  # 10 sent: 4 waiting
+    assert admission_refusal(1, 1, sent, max_num_seqs=8, max_waiting=4).status == 503
     too_many = admission_refusal(13, 13, idle, max_num_seqs=8, max_waiting=4)
     assert too_many.status == 400 and too_many.param == "n"
     # three frontends share the engine's 4 free seqs: each takes its share (2, rounded up) and 2 waiting, 12 in all
