@@ -163,7 +163,7 @@ class Metrics:
                                       for reason in ("capacity", "deferred")}
         self.kv_cache_usage = vllm_gauge("vllm:kv_cache_usage_perc", "KV-cache blocks in use, a fraction (1: all)")
         self.num_kv_blocks_used = gauge("mstar_kv_blocks_used", "KV-cache blocks in use")
-        self.num_kv_blocks_total = gauge("mstar_kv_blocks_total", "KV-cache blocks in all")
+        self.num_kv_blocks_total = gauge("mstar_kv_blocks", "KV-cache blocks in all")
         # a counter (rate() and increase() read it across restarts); with several frontends
         # only the first counts, the sum over their files being the engine's
         self.num_preemptions = vllm_counter("vllm:num_preemptions", "Preemptions since start")
@@ -171,7 +171,7 @@ class Metrics:
         self.num_waiting_for_adapter = gauge("mstar_num_requests_waiting_for_adapter",
                                              "Requests held until their LoRA adapter is in a slot")
         self.num_state_slots_used = gauge("mstar_state_slots_used", "Recurrent-state slots in use")
-        self.num_state_slots_total = gauge("mstar_state_slots_total", "Recurrent-state slots in all")
+        self.num_state_slots_total = gauge("mstar_state_slots", "Recurrent-state slots in all")
         # vLLM's: the KV cache's settings as labels, the value 1 (set once the ranks' block count is known)
         self._cache_config = cache_config
         self._cache_info = None if cache_config is None else gauge(

@@ -15,11 +15,11 @@ def test_engine_gauges_follow_the_last_stats():
     metrics.observe_engine(EngineStats(num_running=3, num_waiting=2, num_kv_blocks_used=7, num_kv_blocks_total=10,
                                        num_state_slots_used=3, num_state_slots_total=4))
     seen = gauges(metrics)
-    assert seen["mstar_kv_blocks_used"] == 7 and seen["mstar_kv_blocks_total"] == 10
-    assert seen["mstar_state_slots_used"] == 3 and seen["mstar_state_slots_total"] == 4
+    assert seen["mstar_kv_blocks_used"] == 7 and seen["mstar_kv_blocks"] == 10
+    assert seen["mstar_state_slots_used"] == 3 and seen["mstar_state_slots"] == 4
     metrics.observe_engine(EngineStats(num_running=0, num_waiting=0, num_kv_blocks_used=0, num_kv_blocks_total=10))
     seen = gauges(metrics)  # a model without recurrent state reports none
-    assert seen["mstar_state_slots_used"] == 0 and seen["mstar_state_slots_total"] == 0
+    assert seen["mstar_state_slots_used"] == 0 and seen["mstar_state_slots"] == 0
     model = '{engine="0",model_name=""}'
     assert seen[f"vllm:num_requests_running{model}"] == 0 and seen[f"vllm:kv_cache_usage_perc{model}"] == 0
     # vLLM's waiting split: held for an adapter's slot or a grammar (deferred), the rest for capacity
