@@ -458,6 +458,7 @@ class ResponseEvents:
         self._seq = 0
         self._open: dict | None = None  # the output item being written
         self._reason: str | None = None
+        self._held: list = []  # logprob entries of tokens whose text is still held (a character's first bytes)
 
     def _event(self, kind: str, **fields: Any) -> dict:
         event = {"type": kind, "sequence_number": self._seq, **fields}
@@ -474,11 +475,15 @@ class ResponseEvents:
     def chunk(self, choice: dict) -> list[dict]:
         """One chunk choice of the chat stream (its delta's reasoning, content or tool calls)."""
         delta, events = choice.get("delta", {}), []
+        logprobs = (choice.get("logprobs") or {}).get("content") or []
         if delta.get("reasoning"):
+            self._held = []  # (a reasoning's tokens carry none here)
             events += self._text("reasoning", delta["reasoning"], None)
         if delta.get("content"):
-            logprobs = (choice.get("logprobs") or {}).get("content") or []
-            events += self._text("message", delta["content"], logprobs)
+            events += self._text("message", delta["content"], self._held + logprobs)
+            self._held = []
+        elif not (delta.get("reasoning") or delta.get("tool_calls")):  # with the text that completes them, if any
+            self._held += logprobs  # (an end's EOS or a stop string's tokens: none, as OpenAI's)
         for part in delta.get("tool_calls") or []:
             events += self._call(part)
         if choice.get("finish_reason") is not None:

@@ -233,6 +233,21 @@ def test_events_open_and_close_each_output_item_in_order():
     assert final["status"] == "completed" and final["incomplete_details"] is None
 
 
+def test_a_token_whose_text_is_held_gives_its_logprobs_with_the_text_that_completes_it():
+    """A character of two byte tokens comes as a chunk of no text (the first's entry), then its text: both
+    entries with it (the first was dropped: 6 entries of 16 tokens for Chinese text); an end's EOS entry none."""
+    events = ResponseEvents("resp_1", "tiny", 0, {}, {})
+    events.start()
+    first, second, eos = ({"token": t, "logprob": -0.1, "bytes": b, "top_logprobs": []}
+                          for t, b in (("\ufffd", [230]), ("\ufffd", [176, 180]), ("", [])))
+    out = events.chunk(chunk({}, logprobs=[first])) + events.chunk(chunk({"content": "水"}, logprobs=[second]))
+    out += events.chunk(chunk({}, "stop", logprobs=[eos]))
+    [delta] = [e for e in out if e["type"] == "response.output_text.delta"]
+    assert delta["logprobs"] == [first, second] and bytes(first["bytes"] + second["bytes"]).decode() == "水"
+    final = events.end({"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}, 0)[-1]["response"]
+    assert final["output"][0]["content"][0]["logprobs"] == [first, second]
+
+
 def test_a_reply_the_cap_cut_is_incomplete():
     events = ResponseEvents("resp_1", "tiny", 0, {}, {})
     events.start()
