@@ -126,8 +126,11 @@ def read_responses(raw: bytes, store: ResponseStore | None = None) -> ResponsesR
     _read_include(body, chat)
     reasoning = body.get("reasoning")
     if reasoning is not None:
-        if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary", "generate_summary"}:
+        if not isinstance(reasoning, dict):
             raise _bad("reasoning", 'expected an object like {"effort": "low"}')
+        keys = ("effort", "summary", "generate_summary")
+        if (unknown := next((k for k in reasoning if k not in keys), None)) is not None:
+            raise _bad(f"reasoning.{unknown}", f"unknown field; accepted: {', '.join(keys)}")
         for key in ("summary", "generate_summary"):
             if reasoning.get(key) is not None:
                 raise _bad(f"reasoning.{key}", "no reasoning summaries are written here; the reasoning itself "

@@ -136,6 +136,7 @@ def test_format_and_logprobs_map_to_the_chat_fields():
     ({"tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice"),
     ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
     ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
+    ({"reasoning": {"effort": "low", "bogus": 1}}, "reasoning.bogus"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"stream_options": {"include_obfuscation": False}}, "stream_options"),  # without stream
     ({"input": []}, "input"),
