@@ -206,9 +206,6 @@ class ConductorActor(Actor):
                 oldest = next(iter(self.step_results))
                 outputs = self.finish_step(oldest, await self.await_step(oldest))  # 3, 4
                 await self.plan_ahead()
-                # The gauges before the outputs, and again after (their adapters' ends): a client answered sends
-                # its next request at once, maybe to another frontend, whose admission reads them.
-                await self.send_stats()
                 await self.send_outputs(outputs)
                 await self.send_stats()
                 continue
