@@ -479,8 +479,9 @@ class ResponseEvents:
         """One chunk choice of the chat stream (its delta's reasoning, content or tool calls)."""
         delta, events = choice.get("delta", {}), []
         logprobs = (choice.get("logprobs") or {}).get("content") or []
+        if delta.get("reasoning") or delta.get("tool_calls"):
+            self._held = []  # (a reasoning's or a call's tokens, its markup's held ones too, carry none here)
         if delta.get("reasoning"):
-            self._held = []  # (a reasoning's tokens carry none here)
             events += self._text("reasoning", delta["reasoning"], None)
         if delta.get("content"):
             events += self._text("message", delta["content"], self._held + logprobs)

@@ -247,6 +247,17 @@ def test_a_token_whose_text_is_held_gives_its_logprobs_with_the_text_that_comple
     assert delta["logprobs"] == [first, second] and bytes(first["bytes"] + second["bytes"]).decode() == "水"
     final = events.end({"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}, 0)[-1]["response"]
     assert final["output"][0]["content"][0]["logprobs"] == [first, second]
+    # a call's markup tokens, held then written as the call (a chunk of no text, then its delta): not the next text's
+    events = ResponseEvents("resp_2", "tiny", 0, {}, {})
+    events.start()
+    markup, done = ({"token": t, "logprob": -0.1, "bytes": list(t.encode()), "top_logprobs": []}
+                    for t in ("<tool_call>", "Done."))
+    events.chunk(chunk({}, logprobs=[markup]))
+    events.chunk(chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                        "function": {"name": "f", "arguments": "{}"}}]}))
+    [delta] = [e for e in events.chunk(chunk({"content": "Done."}, logprobs=[done]))
+               if e["type"] == "response.output_text.delta"]
+    assert delta["logprobs"] == [done], delta
 
 
 def test_a_reply_the_cap_cut_is_incomplete():
