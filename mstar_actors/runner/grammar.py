@@ -455,13 +455,14 @@ def _pattern_problem(schema: dict, where: str) -> str | None:
             return f"{where}'s {key} {pattern!r} has a lookaround, which is not enforced here"
         if (problem := _escape_problem(pattern, f"{where}'s {key} {pattern!r}")) is not None:
             return problem
-        if _writes_raw(pattern) and not pattern.isascii():
+        raw = _writes_raw(pattern)
+        if raw == "class" and not pattern.isascii():
             return (f"{where}'s {key} {pattern!r} holds a character outside ASCII beside a class that takes a "
                     "quote, a backslash or a control character ('.', a negated class, \\s): the engine writes "
                     "such a pattern's classes as they are, and the output would not be valid JSON; leave those "
                     "characters out of the class (e.g. [^,] as [^,\"\\\\\\x00-\\x1f]) or the pattern's "
                     "character outside ASCII out")
-        if _writes_raw(pattern):
+        if raw is not None:
             return (f"{where}'s {key} {pattern!r} matches only strings with a quote, a backslash or a control "
                     "character of a class, which is not enforced correctly here (the output would not be valid "
                     "JSON); leave them out (a control character outside a class, such as \\n, is enforced)")
@@ -476,20 +477,22 @@ def _pattern_problem(schema: dict, where: str) -> str | None:
 
 
 @functools.lru_cache(maxsize=256)
-def _writes_raw(pattern: str) -> bool:
-    """Whether the engine's rules of a JSON string of ``pattern`` may write a quote, a backslash or a class's
-    control character as itself. Its automaton of a pattern leaves them out; a pattern that matches nothing
-    without one is written as rules of its own classes and literals, as they are (``_json_grammar_text``
-    writes a literal's control characters as their escapes)."""
+def _writes_raw(pattern: str) -> str | None:
+    """Where the engine's rules of a JSON string of ``pattern`` may write a quote, a backslash or a class's
+    control character as itself: ``"literal"`` (one of its literals holds one), ``"class"`` (one of its
+    classes takes one), or None. Its automaton of a pattern leaves them out; a pattern that matches nothing
+    without one, or one with a character outside ASCII, is written as rules of its own classes and literals,
+    as they are (``_json_grammar_text`` writes a literal's control characters as their escapes)."""
     string = json.dumps({"type": "string", "pattern": pattern})
     try:
         if "Regex(" in str(_xgr().Grammar.from_json_schema(string, any_whitespace=False)):
-            return False
+            return None
         text = str(_xgr().Grammar.from_regex(pattern))
     except RuntimeError:  # a pattern the engine refuses: its own error, where the schema is compiled
-        return False
-    return ebnf_text.classes_meet(text, _JSON_ESCAPED) or any(
-        '"' in literal or "\\" in literal for literal in ebnf_text.literals(text))
+        return None
+    if any('"' in literal or "\\" in literal for literal in ebnf_text.literals(text)):
+        return "literal"
+    return "class" if ebnf_text.classes_meet(text, _JSON_ESCAPED) else None
 
 
 def _exclusive(branches: list, root: dict) -> bool:

@@ -270,6 +270,7 @@ OBJ = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": [
     ({"type": "string", "pattern": "^.\u00e9$"}, "holds a character outside ASCII beside a class"),
     ({"type": "string", "pattern": "^[^,]{1,8} caf\u00e9$"}, "holds a character outside ASCII beside a class"),
     ({"type": "string", "pattern": "^\\d{2}\\s?\u00e9$"}, "holds a character outside ASCII beside a class"),
+    ({"type": "string", "pattern": '^\u00e9"$'}, "matches only strings with a quote, a backslash"),  # its literal
     ({"type": "object", "patternProperties": {"^[a\\t]\\t$": {"type": "integer"}}}, "patternProperties '^[a\\\\t]"),
     ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "required": ["xa"]},
      "'required' beside 'patternProperties'"),
