@@ -190,8 +190,9 @@ def test_chat_defaults_and_fields():
     assert req.n == 2 and choice_ids(req.request_id, req.n) == ["chatcmpl-x-0-0", "chatcmpl-x-0-1"]
     assert [choice_sampling(req.sampling, i).seed for i in range(2)] == [3, 4]  # choices differ, yet reproduce
     assert req.messages[0].role == "user" and req.messages[0].content == "hi"
-    stops = [f"s{i}" for i in range(api.MAX_STOP_STRINGS)]  # past OpenAI's 4, as vLLM takes them
-    assert api.parse_chat(chat(stop=stops), max_model_len=256).stop == stops
+    for count in (5, 64):  # past OpenAI's 4, as vLLM takes them
+        stops = [f"s{i}" for i in range(count)]
+        assert api.parse_chat(chat(stop=stops), max_model_len=256).stop == stops
 
 
 def test_chat_max_tokens_defaults_to_the_context_and_prefers_max_completion_tokens():
