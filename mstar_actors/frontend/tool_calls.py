@@ -202,8 +202,9 @@ def _parse_tool(where: str, tool: Any) -> dict:
     held = call_parameters(function) if parameters is not None else {}  # (a $ref followed; one leading nowhere is
     for path, kind in _kinds(held):                                       # the grammar check's to name)
         if kind != "object":
+            got = "one of no type (any JSON)" if kind is None else repr(kind)
             raise ToolError(f"{where}.function.parameters{path}", "a call's arguments are a JSON object: expected "
-                                                                  f'a schema of "type": "object", got {kind!r}')
+                                                                  f'a schema of "type": "object", got {got}')
     if function.get("strict") is not None and not isinstance(function["strict"], bool):
         raise ToolError(f"{where}.function.strict", f"expected true or false, got {function['strict']!r}")
     # The template sees the function as the client sent it (its keys and their order, strict among them), as a
@@ -235,17 +236,24 @@ def call_parameters(function: dict) -> dict:
 
 def _kinds(held: dict) -> list[tuple[str, Any]]:
     """``(path, type)`` of what a call's arguments must be under ``held`` (``call_parameters``'): its own
-    type, or each branch's of a union at its top (references followed; a branch of no type, or one whose
-    reference leads nowhere, left for the grammar to read); ``allOf``'s branches that name one."""
+    type, or each branch's of a union at its top (references followed; one leading nowhere left for the
+    grammar to name), a branch of ``anyOf`` / ``oneOf`` of no type none (it takes any JSON); ``allOf``'s
+    branches that name one, one at least."""
     if "type" in held or not any(k in held for k in _BRANCHING):
         return [("", held.get("type", "object"))]
     kinds = []
     for key in _BRANCHING:
         branches = held.get(key)
+        named, nowhere = [], False
         for i, branch in enumerate(branches if isinstance(branches, list) else []):
             branch = resolved(branch, held) if isinstance(branch, dict) else branch
-            if isinstance(branch, dict) and "type" in branch:
-                kinds.append((f".{key}[{i}]", branch["type"]))
+            if isinstance(branch, dict) and "$ref" in branch:
+                nowhere = True
+                continue
+            kind = branch.get("type") if isinstance(branch, dict) else None
+            if kind is not None or key != "allOf":
+                named.append((f".{key}[{i}]", kind))
+        kinds += named or ([(f".{key}", None)] if isinstance(branches, list) and branches and not nowhere else [])
     return kinds
 
 

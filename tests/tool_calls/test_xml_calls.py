@@ -411,6 +411,9 @@ def test_parameters_that_are_a_union_of_objects_hold_a_forced_call_to_one_of_the
                                                                               {"type": "string"}]}}}
     with pytest.raises(tc.ToolError, match=rf"parameters\.{key}\[1\]: a call's arguments are a JSON object.*'string'"):
         tc.parse_tool_request([text], "required", tc.HERMES)
+    untyped = {"type": "function", "function": {"name": "f", "parameters": {key: [{"type": "object"}, {}]}}}
+    with pytest.raises(tc.ToolError, match=rf"parameters\.{key}\[1\]: .*got one of no type \(any JSON\)"):
+        tc.parse_tool_request([untyped], "required", tc.HERMES)
     xml = tc.parse_tool_request([tool], "required", tc.QWEN3_CODER)
     with pytest.raises(GrammarError, match=f"{key} at the top of its parameters is not enforced"):
         chars.check(StructuredSpec(*tc.forced_calls_spec(xml)))
