@@ -105,7 +105,7 @@ GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})
 CLIENT_CLOSED = 499  # mstar_requests_total's status for a request whose client went away (nginx's code)
 DRAIN_FAILURE_WRITE_S = 2.0  # after the drain's timeout: time for handlers to send their 503
 REQUEST_STARTED = web.RequestKey("request_started", object)  # the loop time of a request's first byte (or None)
-RESPONSE_ID = web.RequestKey("response_id", str)  # a generation's id, sent back as X-Request-Id
+REQUEST_ID = web.RequestKey("request_id", str)  # a generation's X-Request-Id: the client's as sent, else its id
 
 
 class FrontendActor(Actor):
@@ -378,11 +378,12 @@ class FrontendActor(Actor):
         """Every answer's headers: CORS where allowed, and the server's name with no versions (aiohttp's named
         Python's and its own, as a scanner reads them)."""
         response.headers["Server"] = "mstar-actors"
-        if (response_id := request.get(RESPONSE_ID)) is not None:  # (the openai client's ``.request_id``)
-            response.headers["X-Request-Id"] = response_id
+        if (request_id := request.get(REQUEST_ID)) is not None:  # (the openai client's ``.request_id``)
+            response.headers["X-Request-Id"] = request_id
         origin = self._allowed_origin(request)
         if origin is not None:
             response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Access-Control-Expose-Headers"] = "X-Request-Id"
             if origin != "*":
                 response.headers["Vary"] = "Origin"
 
@@ -399,7 +400,7 @@ class FrontendActor(Actor):
             response = self._refused(request, ApiError(err.status, http.http_message(err, request),
                                                        code=http.http_code(err),
                                                        param="body" if err.status == 413 else None))
-            if err.status == 413:  # the rest of the body is never read
+            if request.can_read_body:  # the rest of the body is never read (413; no route's 404 / 405)
                 response = self._unread(request, response)
             if "Allow" in err.headers:  # a 405 names the methods the route takes
                 response.headers["Allow"] = err.headers["Allow"]
@@ -466,14 +467,14 @@ class FrontendActor(Actor):
         returns it), so a body the client can't deliver is the client's error
         on every route: undecodable (a 400), or not received in time (a 408;
         the clock started at the request's first byte). A coding not taken, or
-        a body a route would get as a form or text (``media_type_problem``), is a
-        415 unread."""
+        a body sent as a form or text (``media_type_problem``), is a 415 unread;
+        a path no route takes, its 404 or 405 unread, whatever the body."""
 
-        checks = [("Content-Encoding", http.encoding_problem, "unsupported_encoding")]
-        if request.match_info.http_exception is None:  # (no route: its 404 or 405, whatever the type)
-            checks.append(("Content-Type", http.media_type_problem, "unsupported_media_type"))
+        if request.match_info.http_exception is not None:  # no route: its 404 or 405, the body unread
+            return await handler(request)
         if request.can_read_body:
-            for header, problem_of, code in checks:
+            for header, problem_of, code in (("Content-Encoding", http.encoding_problem, "unsupported_encoding"),
+                                             ("Content-Type", http.media_type_problem, "unsupported_media_type")):
                 if (problem := problem_of(request.headers.get(header))) is not None:
                     return self._unread(request, self._refused(request, ApiError(415, problem, param=header,
                                                                                  code=code)))
@@ -695,8 +696,9 @@ class FrontendActor(Actor):
     async def _serve(self, request: web.Request, parsed: ParsedRequest, asked: Any = None) -> web.StreamResponse:
         """A parsed chat or completion request, answered (``asked``: a Responses request's reply)."""
         kind = parsed.kind
-        if (header := request.headers.get("X-Request-Id")) is not None:  # vLLM's: the header before the body's
-            parsed.request_id = api.checked_request_id(header, "X-Request-Id")
+        header = api.checked_request_id(request.headers.get("X-Request-Id") or None, "X-Request-Id")
+        if header is not None and asked is None:  # vLLM's: the header before the body's (a Response's id: its own)
+            parsed.request_id = header
         parsed.with_token_facts(self.info.eos_token_ids, self._bad_words_token_ids(parsed.bad_words), self.think_ids)
         reasoning = self._with_reasoning_parser(parsed) if kind == "chat" and self.reasoning_parser else None
         exchange = Exchange(parsed, self._resolve_model(parsed.model), "chatcmpl" if kind == "chat" else "cmpl",
@@ -704,7 +706,7 @@ class FrontendActor(Actor):
         exchange.reasoning = reasoning
         if asked is not None:  # a Response's id: vLLM's request_id as sent, else resp_ and a fresh one
             exchange.response_id = parsed.request_id or new_id("resp")
-        request[RESPONSE_ID] = exchange.response_id
+        request[REQUEST_ID] = header or exchange.response_id  # (echoed as sent, as vLLM's request id headers)
         if parsed.output.echo:
             exchange.prompt_token_ids = await self.run_blocking(self._prompt_token_ids, exchange)
         self._admit(exchange)
@@ -923,7 +925,7 @@ class FrontendActor(Actor):
                        code="model_not_found")
 
     def _admit(self, exchange: Exchange) -> None:
-        """Raise the request's refusal where it would pass ``server.max_waiting_requests`` (``admission``)."""
+        """Raise the request's refusal where it finds ``server.max_waiting_requests`` waiting (``admission``)."""
         load = EngineLoad(self._num_engine_waiting, self._num_engine_running, self._num_engine_starting,
                           len(self._unacked), self.config.server.api_server_count)
         refusal = admission_refusal(exchange.num_choices, exchange.parsed.n, load, self.config.scheduler.max_num_seqs,

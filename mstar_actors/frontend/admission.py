@@ -9,7 +9,8 @@ output yet. Between two of the engine's reports (a step apart) the frontend esti
 no output yet and are not starting (their prefill in flight), less the sequences the engine can still start (a
 burst at an idle server runs at once). Each of N frontends estimates its own and counts its share of what the
 engine reports for all of them (the free sequences, rounded up, and those starting): between two reports each
-lets its share and ``max_waiting`` more in, so the queue stays near N times ``max_waiting`` (each taking all the
+lets its share and ``max_waiting`` more in (and one request's choices past them), so the queue stays near N
+times ``max_waiting``, one request each past it at most (each taking all the
 free sequences as its own, N frontends let N times them in: 14 waiting of a limit of 2 with 3 frontends and 4
 seqs). A frontend with nothing on its way takes all of them for one request: one that fits an idle engine is
 never refused.

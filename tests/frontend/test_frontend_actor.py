@@ -105,7 +105,9 @@ def test_a_client_request_id_names_the_response_as_vllms(harness):
             data = json.dumps(chat_body(request_id="my-req-3")).encode()
             async with h.session.post(h.url + CHAT, data=data, headers={"X-Request-Id": "hdr-1"}) as resp:
                 assert resp.status == 200 and (await resp.json())["id"] == "chatcmpl-hdr-1"
-                assert resp.headers["X-Request-Id"] == "chatcmpl-hdr-1"
+                assert resp.headers["X-Request-Id"] == "hdr-1"  # echoed as sent
+            async with h.session.post(h.url + CHAT, json=chat_body(), headers={"X-Request-Id": ""}) as resp:
+                assert resp.status == 200 and resp.headers["X-Request-Id"] == (await resp.json())["id"]  # (none)
             async with h.session.post(h.url + CHAT, json=chat_body(stream=True)) as resp:
                 first = json.loads((await resp.content.readline()).decode().removeprefix("data: "))
                 assert resp.headers["X-Request-Id"] == first["id"] and first["id"].startswith("chatcmpl-")
