@@ -36,6 +36,10 @@ def _serve(args: argparse.Namespace) -> int:
     server = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     try:
         config = load_config(args.config, server=server)
+        actors = [plan.name for plan in launcher.plan_actors(config.parallel.tp, config.server.api_server_count)]
+        if unknown := [name for name in config.debug.profile_actors if name not in actors]:
+            raise ConfigError(f"debug.profile_actors: {', '.join(map(repr, unknown))} is no actor of this server; "
+                              f"its actors: {', '.join(actors)}")
         info = load_model_info(config)
         check_model_files(info.model_dir)
         if config.speech.snac_path:

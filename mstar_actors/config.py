@@ -88,13 +88,14 @@ DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
 # OpenMP threads sleep soon (``launcher.OPENMP_SPIN_COUNT``) the conductor's turn
 # beside it costs less than waiting for it (docs/benchmarks.md, against llama.cpp);
 # two plans ahead were level with one there, so one (fewer dropped rows at a stop).
+MAX_NUM_SEQS = 1 << 16  # a step's rows at most (vLLM's default is 256 on a GPU): past it, tables no host holds
 DEFAULT_ASYNC_SCHEDULING = {"cuda": True, "cpu": True}
 DEFAULT_STEPS_AHEAD = {"cuda": 2, "cpu": 1}
 
 
 class SchedulerConfig(msgspec.Struct, **_STRICT):
     # None: DEFAULT_MAX_NUM_SEQS of the device (resolved by ``parse_config``).
-    max_num_seqs: Pos | None = None
+    max_num_seqs: Annotated[int, msgspec.Meta(ge=1, le=MAX_NUM_SEQS)] | None = None
     max_num_batched_tokens: Pos = 2048
     max_model_len: Pos | None = None  # default: the model's own context length
     # Plan each step while the ranks run the one before (vLLM's name): the
@@ -314,6 +315,8 @@ def parse_config(data: object, source: str = "<config>") -> Config:
     """Validate a decoded YAML/JSON object into a Config (raises ConfigError)."""
     if data is None:
         data = {}
+    if isinstance(data, dict):  # a section of comments alone (YAML's null) takes its defaults, as an empty file does
+        data = {section: values for section, values in data.items() if values is not None}
     try:
         config = msgspec.convert(data, Config)
     except msgspec.ValidationError as err:
@@ -330,20 +333,23 @@ def parse_config(data: object, source: str = "<config>") -> Config:
     config = with_device_defaults(with_expanded_paths(config))
     if config.scheduler.steps_ahead > 1 and not config.scheduler.async_scheduling:  # set so, not defaulted
         raise ConfigError(f"{source}: scheduler.steps_ahead {config.scheduler.steps_ahead} needs "
-                          "scheduler.async_scheduling, which is off here (false, or not set on a CPU model); "
+                          "scheduler.async_scheduling, which is set false here; "
                           "set async_scheduling: true, or steps_ahead: 1")
     return config
 
 
 def with_expanded_paths(config: Config) -> Config:
     """``config`` with ``~`` expanded in the adapters' paths and folders (``lora.adapters``,
-    ``lora.adapter_dirs``), so configs may point at the user's cache folder and every actor reads one path."""
-    lora = config.lora
+    ``lora.adapter_dirs``), ``server.allowed_media_dir`` and ``debug.profile_dir``, so configs may point at the
+    user's folders and every actor reads one path."""
+    lora, server, debug = config.lora, config.server, config.debug
     adapters = {name: os.path.expanduser(path) for name, path in lora.adapters.items()}
     dirs = [os.path.expanduser(d) for d in lora.adapter_dirs]
-    if adapters == lora.adapters and dirs == lora.adapter_dirs:
-        return config
-    return msgspec.structs.replace(config, lora=msgspec.structs.replace(lora, adapters=adapters, adapter_dirs=dirs))
+    media = None if server.allowed_media_dir is None else os.path.expanduser(server.allowed_media_dir)
+    return msgspec.structs.replace(
+        config, lora=msgspec.structs.replace(lora, adapters=adapters, adapter_dirs=dirs),
+        server=msgspec.structs.replace(server, allowed_media_dir=media),
+        debug=msgspec.structs.replace(debug, profile_dir=os.path.expanduser(debug.profile_dir)))
 
 
 def with_device_defaults(config: Config) -> Config:

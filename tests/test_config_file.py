@@ -29,6 +29,32 @@ def test_a_malformed_section_is_refused_with_or_without_a_flag(tmp_path, section
             load_config(path, **overrides)
 
 
+def test_a_section_of_comments_alone_takes_its_defaults_and_home_folders_expand(tmp_path):
+    """``server:`` holding comments alone (YAML's null) was refused unless a flag filled it; ``~`` in the media
+    and profile folders reached the actors unexpanded (every file:// URL refused, the profiles lost)."""
+    import os
+
+    path = tmp_path / "c.yaml"
+    path.write_text("server:\n  # nothing yet\ndebug:\n  profile_dir: ~/prof\n")
+    config = load_config(path)
+    assert config.server.port == 8000 and config.debug.profile_dir == os.path.expanduser("~/prof")
+    path.write_text("server:\n  allowed_media_dir: ~/media\n")
+    assert load_config(path).server.allowed_media_dir == os.path.expanduser("~/media")
+    path.write_text("scheduler:\n  max_num_seqs: 10000000000000\n")  # (an 80 TB table and a traceback)
+    with pytest.raises(ConfigError, match=r"Expected `int` <= 65536 - at `\$.scheduler.max_num_seqs`"):
+        load_config(path)
+
+
+def test_an_actor_to_profile_is_one_of_the_server_s(tmp_path, capsys):
+    from mstar_actors.__main__ import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text("debug:\n  profile_actors: [conductr]\n")
+    assert main(["serve", str(path)]) == 2
+    assert "debug.profile_actors: 'conductr' is no actor of this server; its actors: frontend, prepare, conductor" \
+        in capsys.readouterr().err
+
+
 def test_a_flags_bad_value_is_blamed_on_the_flag(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("server: {port: 8000}\n")

@@ -154,6 +154,11 @@ def main() -> None:
     parser.add_argument("--steps", type=positive_int, default=60, help="training steps per adapter (batch 4)")
     parser.add_argument("--max-answer-tokens", type=positive_int, default=32)
     args = parser.parse_args()
+    out = Path(args.out).expanduser()
+    try:  # before minutes of training: a folder it cannot write is this line, not a traceback after them
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        parser.error(f"--out {args.out}: cannot make or use that folder ({err.strerror or err})")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -161,7 +166,6 @@ def main() -> None:
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     model_dir = Path(fetch_embedded("smollm2"))
-    out = Path(args.out).expanduser()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     start = time.perf_counter()
