@@ -148,3 +148,18 @@ def test_the_start_says_what_it_serves_and_its_adapters(tmp_path, caplog):
                       "tp 1, up to 8 sequences of 256 tokens")
     assert lora == (f"LoRA: pirate ({tmp_path / 'p'}); 4 slots of rank up to 16; runtime loads and unloads on "
                     f"(from {tmp_path})")
+
+
+def test_a_kv_block_too_large_for_any_cache_names_kv_block_size():
+    """The hint said to raise kv.memory_fraction, which a CPU cache at its cap cannot use; the block's size is
+    the cause."""
+    import torch
+
+    from mstar_actors.models.spec import ModelSpec, RopeSpec
+    from mstar_actors.runner.build import blocks_from_memory
+
+    spec = ModelSpec(architecture="LlamaForCausalLM", vocab_size=300, hidden_size=64, intermediate_size=128,
+                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                     max_position_embeddings=256, rope=RopeSpec(theta=10000.0), tie_word_embeddings=True)
+    with pytest.raises(ConfigError, match=r"\(kv.block_size 10000000 tokens\).*lower kv.block_size \(vLLM's is 16\)"):
+        blocks_from_memory(spec, 10_000_000, 0.5, torch.float32, torch.device("cpu"))

@@ -235,10 +235,12 @@ def blocks_from_memory(spec: ModelSpec, block_size: int, memory_fraction: float,
     else:
         budget = min(int(psutil.virtual_memory().available * memory_fraction), MAX_CPU_KV_BYTES)
     num_blocks = budget // per_block - 1  # less the scratch block
+    capped = device.type != "cuda" and budget == MAX_CPU_KV_BYTES  # (more memory would not help)
     if num_blocks < 1:
         raise ConfigError(
-            f"kv: no room for two KV blocks (one is scratch) of {per_block} bytes on {device} "
-            f"(budget {budget} bytes); raise kv.memory_fraction or set kv.num_blocks"
+            f"kv: no room for two KV blocks (one is scratch) of {per_block} bytes (kv.block_size {block_size} "
+            f"tokens) on {device} (budget {budget} bytes{', the most a CPU cache takes' if capped else ''}); "
+            f"{'' if capped else 'raise kv.memory_fraction, '}lower kv.block_size (vLLM's is 16) or set kv.num_blocks"
         )
     return num_blocks
 
