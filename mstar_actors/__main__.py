@@ -16,7 +16,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("config", help="a serving YAML, e.g. configs/smollm2.yaml")
     serve.add_argument("--host", help="overrides server.host")
     serve.add_argument("--port", type=int, help="overrides server.port")
-    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+    serve.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                        help="every actor's log level (default INFO; DEBUG adds a line a step)")
     fetch = commands.add_parser("fetch", help="fetch and convert an embedded model once")
     fetch.add_argument("name", help="an embedded model name, e.g. smollm2")

@@ -163,3 +163,16 @@ def test_a_kv_block_too_large_for_any_cache_names_kv_block_size():
                      max_position_embeddings=256, rope=RopeSpec(theta=10000.0), tie_word_embeddings=True)
     with pytest.raises(ConfigError, match=r"\(kv.block_size 10000000 tokens\).*lower kv.block_size \(vLLM's is 16\)"):
         blocks_from_memory(spec, 10_000_000, 0.5, torch.float32, torch.device("cpu"))
+
+
+def test_flags_a_person_types_are_read_as_meant(tmp_path, capsys):
+    """``--log-level debug`` was refused for its case; ``dump-stacks --timeout 0`` waited for nothing, then said
+    no actor answered in time."""
+    from mstar_actors.__main__ import main
+
+    assert main(["serve", "--log-level", "debug", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml: no such config file" in capsys.readouterr().err  # past the flags
+    for timeout in ("0", "-1", "nan"):
+        with pytest.raises(SystemExit) as stop:
+            main(["dump-stacks", "--timeout", timeout])
+        assert stop.value.code == 2 and "expected a positive number of seconds" in capsys.readouterr().err
