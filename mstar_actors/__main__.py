@@ -30,6 +30,7 @@ def _serve(args: argparse.Namespace) -> int:
     from mstar_actors.config import ConfigError, load_config
     from mstar_actors.fetch import FetchError
     from mstar_actors.model_info import check_model_files, load_model_info
+    from mstar_actors.runner.parallel import check_rank_devices
     from mstar_actors.models.spec import ModelLoadError
     from mstar_actors.speech.snac_codec import CodecLoadError, check_folder
 
@@ -40,6 +41,7 @@ def _serve(args: argparse.Namespace) -> int:
         if unknown := [name for name in config.debug.profile_actors if name not in actors]:
             raise ConfigError(f"debug.profile_actors: {', '.join(map(repr, unknown))} is no actor of this server; "
                               f"its actors: {', '.join(actors)}")
+        check_rank_devices(config.parallel.tp, config.model.device)
         info = load_model_info(config)
         check_model_files(info.model_dir)
         if config.speech.snac_path:

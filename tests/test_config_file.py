@@ -176,3 +176,17 @@ def test_flags_a_person_types_are_read_as_meant(tmp_path, capsys):
         with pytest.raises(SystemExit) as stop:
             main(["dump-stacks", "--timeout", timeout])
         assert stop.value.code == 2 and "expected a positive number of seconds" in capsys.readouterr().err
+
+
+def test_tensor_parallel_ranks_past_the_gpus_are_one_line(tmp_path, monkeypatch, capsys):
+    """Rank R serves on cuda:R: past the machine's GPUs a rank failed at its start with torch's error."""
+    import torch
+
+    from mstar_actors.__main__ import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  device: cuda\nparallel:\n  tp: 2\n")
+    assert main(["serve", str(path)]) == 2
+    assert "parallel.tp 2: each rank serves on a GPU of its own and this machine has 1" in capsys.readouterr().err

@@ -140,6 +140,17 @@ def destroy_tensor_parallel(tp: TensorParallel) -> None:
         dist.destroy_process_group()
 
 
+def check_rank_devices(tp: int, device: str) -> None:
+    """A CUDA group's rank R serves on ``cuda:R`` (``rank_device``): the machine must hold a GPU a rank (a rank
+    past them failed at its start with torch's error)."""
+    if tp > 1 and device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() < tp:
+        from mstar_actors.config import ConfigError
+
+        count = torch.cuda.device_count()
+        raise ConfigError(f"parallel.tp {tp}: each rank serves on a GPU of its own and this machine has {count}; "
+                          f"set parallel.tp to at most {count} (or model.device: cpu)")
+
+
 def rank_device(device: torch.device, rank: int, world_size: int) -> torch.device:
     """The device rank ``rank`` serves on: ``cuda:{rank}`` for a CUDA group, else ``device``."""
     if device.type == "cuda" and world_size > 1:
