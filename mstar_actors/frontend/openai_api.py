@@ -406,8 +406,10 @@ def get_token_ids(body: dict, name: str, max_len: int, vocab_size: int | None) -
     if value is None:
         return ()
     hi = vocab_size or 1 << 31
-    if not (isinstance(value, list) and len(value) <= max_len and all(_is_int(t) and 0 <= t < hi for t in value)):
+    if not (isinstance(value, list) and len(value) <= max_len):
         raise _bad(name, f"expected a list of at most {max_len} token ids in [0, {hi})")
+    if (bad := next((i for i, t in enumerate(value) if not (_is_int(t) and 0 <= t < hi)), None)) is not None:
+        raise _bad(f"{name}[{bad}]", f"{_show(value[bad])} is no token id in [0, {hi})")  # (which of a long list)
     return tuple(value)
 
 

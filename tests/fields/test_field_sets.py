@@ -161,7 +161,7 @@ def test_min_tokens_with_ignore_eos_masks_only_the_stop_tokens():
 @pytest.mark.parametrize("body,param", [
     (chat(logit_bias={"-1": 1}), "logit_bias"), (chat(logit_bias={"1.5": 1}), "logit_bias"),
     (chat(logit_bias={"1": "x"}), "logit_bias"), (chat(logit_bias={"1": -100.5}), "logit_bias"),
-    (chat(logit_bias=[1]), "logit_bias"), (chat(allowed_token_ids=[-1]), "allowed_token_ids"),
+    (chat(logit_bias=[1]), "logit_bias"), (chat(allowed_token_ids=[-1]), "allowed_token_ids[0]"),
     (chat(allowed_token_ids="1"), "allowed_token_ids"), (chat(min_tokens=30, max_tokens=20), "min_tokens"),
     (chat(bad_words="foo"), "bad_words"), (chat(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
     (chat(truncate_prompt_tokens=401), "truncate_prompt_tokens"),  # past max_model_len (vLLM's refusal)

@@ -177,7 +177,7 @@ def test_invalid_or_unsupported_fields_are_a_400_naming_them(server):
     msgs = [{"role": "user", "content": "x"}]
     for kwargs, param in [({"logit_bias": {"99999": 1}}, "logit_bias"), ({"logit_bias": {"1": 200}}, "logit_bias"),
                           ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
-                          ({"extra_body": {"allowed_token_ids": [-1]}}, "allowed_token_ids"),
+                          ({"extra_body": {"allowed_token_ids": [-1]}}, "allowed_token_ids[0]"),
                           ({"extra_body": {"no_such_field": 1}}, "no_such_field")]:
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, **kwargs)
