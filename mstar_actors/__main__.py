@@ -30,8 +30,8 @@ def _serve(args: argparse.Namespace) -> int:
     from mstar_actors.config import ConfigError, load_config
     from mstar_actors.fetch import FetchError
     from mstar_actors.model_info import check_model_files, load_model_info
-    from mstar_actors.runner.parallel import check_rank_devices
     from mstar_actors.models.spec import ModelLoadError
+    from mstar_actors.runner.parallel import check_rank_devices
     from mstar_actors.speech.snac_codec import CodecLoadError, check_folder
 
     server = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}

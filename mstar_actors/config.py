@@ -83,12 +83,12 @@ class ParallelConfig(msgspec.Struct, **_STRICT):
 # vLLM's 256 (a decode step's cost grows slowly with its rows there); on CPU
 # a step's cost grows with every row, so fewer keep each stream's pace.
 DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
+MAX_NUM_SEQS = 1 << 16  # a step's rows at most (vLLM's default is 256 on a GPU): past it, tables no host holds
 # scheduler.async_scheduling and steps_ahead when not set. A GPU step leaves the
 # host's cores free to plan the next. A CPU step wants every core, but once idle
 # OpenMP threads sleep soon (``launcher.OPENMP_SPIN_COUNT``) the conductor's turn
 # beside it costs less than waiting for it (docs/benchmarks.md, against llama.cpp);
 # two plans ahead were level with one there, so one (fewer dropped rows at a stop).
-MAX_NUM_SEQS = 1 << 16  # a step's rows at most (vLLM's default is 256 on a GPU): past it, tables no host holds
 DEFAULT_ASYNC_SCHEDULING = {"cuda": True, "cpu": True}
 DEFAULT_STEPS_AHEAD = {"cuda": 2, "cpu": 1}
 
