@@ -56,6 +56,8 @@ VISION_KINDS, AUDIO_KINDS = ("image", "video"), ("audio",)
 def part_names(kinds: Any, sep: str) -> str:
     """The chat content parts that carry media of ``kinds``, joined by ``sep`` (a refusal's words)."""
     return sep.join(part for part, kind in MEDIA_PART_TYPES.items() if kind in kinds)
+
+
 _CHUNK_BYTES = 64 * 1024
 
 
