@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from mstar_actors import rundir
+from mstar_actors.cli_types import counted
 
 POLL_S = 0.05  # this CLI waits for files another process writes; a short bounded wait is its only option
 
@@ -54,20 +55,10 @@ def collect(pending: dict[str, Path], timeout_s: float) -> list[str]:
     return sorted(pending)
 
 
-def _seconds(text: str) -> float:
-    """A positive, finite number of seconds (0 or -1 waited for nothing, then said none came in time)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", nargs="?", help="a run directory or the launcher's pid (default: newest live run)")
-    parser.add_argument("--timeout", type=_seconds, default=10.0, help="seconds to wait for every actor")
+    parser.add_argument("--timeout", type=counted(float, 0.0, True, "a positive number of seconds"), default=10.0,
+                        help="seconds to wait for every actor")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,7 +19,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+
+from mstar_actors import cli_types
+
+# the flags' bounded numbers (one reader with the server's commands)
+positive_int, non_negative_int = cli_types.positive_int, cli_types.non_negative_int
+positive_float, non_negative_float = cli_types.positive_float, cli_types.non_negative_float
 
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 600
@@ -36,26 +41,6 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
-
-def _counted(convert: Callable[[str], float], low: float, strict: bool, what: str) -> Callable[[str], Any]:
-    """An argparse ``type`` of a finite number above ``low`` (``strict``) or at least it."""
-    def parse(text: str):
-        try:
-            value = convert(text)
-        except ValueError:
-            value = float("nan")  # refused below
-        if not ((value > low) if strict else (value >= low)) or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return value
-
-    parse.__name__ = what.split(" ", 1)[1].replace(" ", "_").replace("-", "_")
-    return parse
-
-
-positive_int = _counted(int, 0, True, "a positive integer")  # a count of at least 1
-non_negative_int = _counted(int, 0, False, "a non-negative integer")  # 0 meaning none, or a default the option names
-positive_float = _counted(float, 0.0, True, "a positive number")  # a length of time, a rate
-non_negative_float = _counted(float, 0.0, False, "a non-negative number")
 
 
 def positive_ints(text: str) -> list[int]:
